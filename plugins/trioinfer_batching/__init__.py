@@ -1,0 +1,31 @@
+"""First-party batcher plugins (entry-point group ``trioinfer.batchers``)."""
+
+from __future__ import annotations
+
+from typing import final
+
+import anyio
+
+from trioinfer import Request, RequestQueue
+
+__all__ = ["NoBatcher"]
+
+
+@final
+class NoBatcher:
+    """One request per execution, dispatched as soon as an instance is free.
+
+    Takes no options. Adds no delay, so it suits models that see little
+    concurrency or cannot batch.
+    """
+
+    __slots__ = ()
+
+    async def next_batch(self, queue: RequestQueue) -> list[Request]:
+        """Wait for a live request and return it alone."""
+        while True:
+            await queue.wait_not_empty()
+            try:
+                return [queue.pop_nowait()]
+            except anyio.WouldBlock:
+                continue  # every waiting request had expired

@@ -1,0 +1,402 @@
+"""The ONNX Runtime backend plugin: one InferenceSession per instance, on CPU, CUDA or TensorRT.
+
+Entry point ``onnxruntime`` in group ``trioinfer.backends``. Before a session
+is created on a GPU execution provider, the backend checks (once per device)
+that the provider really works here, and says why in one line when it does
+not; it then falls back to the CPU only if the model's config allows it.
+
+Compute leaves the event loop in one of two ways, chosen by the
+``dispatch`` backend option: ``"thread"`` (default) runs ``session.run`` on the
+instance's own worker thread; ``"ort_async"`` uses ONNX Runtime's ``run_async``,
+whose callback wakes the event loop. Either way a cancelled execution is
+aborted with ``RunOptions.terminate``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import io
+import logging
+import os
+import threading
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Final, final
+
+import numpy as np
+
+from trioinfer import (
+    BackendError,
+    BackendUnavailable,
+    ConfigError,
+    Device,
+    ModelConfig,
+    ModelSignature,
+    Placement,
+    TensorSpec,
+    WorkerThread,
+    numpy_dtype,
+    wait_on_callback,
+)
+
+__all__ = ["OnnxRuntimeBackend", "OnnxRuntimeInstance", "probe_device"]
+
+log = logging.getLogger("trioinfer.onnxruntime")
+
+_PROVIDERS: Final = {
+    "cpu": "CPUExecutionProvider",
+    "cuda": "CUDAExecutionProvider",
+    "tensorrt": "TensorrtExecutionProvider",
+}
+_OPT_LEVELS: Final = {
+    "disable": "ORT_DISABLE_ALL",
+    "basic": "ORT_ENABLE_BASIC",
+    "extended": "ORT_ENABLE_EXTENDED",
+    "all": "ORT_ENABLE_ALL",
+}
+#: Every ``backend_options`` key this backend accepts, with what it means.
+OPTIONS: Final[Mapping[str, str]] = {
+    "dispatch": "'thread' (default): session.run on the instance's worker thread; "
+    "'ort_async': ONNX Runtime's run_async (needs threads >= 2)",
+    "inter_op_threads": "threads for running independent nodes in parallel (0: ORT default)",
+    "graph_optimization_level": "'disable', 'basic', 'extended' or 'all' (default)",
+    "execution_mode": "'sequential' (default) or 'parallel'",
+    "enable_mem_arena": "use ORT's CPU memory arena (default true)",
+    "enable_mem_pattern": "let ORT plan memory from the first run's pattern (default true)",
+    "provider_options": "a table passed to the GPU execution provider "
+    "(e.g. gpu_mem_limit, trt_fp16_enable, trt_engine_cache_path)",
+    "log_severity": "ORT log level for the session, 0 (verbose) to 4 (fatal); default 3",
+}
+
+
+def _ort() -> Any:
+    # Imported on first use so that listing plugins stays cheap.
+    import onnxruntime
+
+    return onnxruntime
+
+
+@final
+class OnnxRuntimeBackend:
+    """Loads ONNX models into ONNX Runtime sessions, one per instance."""
+
+    __slots__ = ()
+
+    async def load(self, config: ModelConfig, placement: Placement) -> OnnxRuntimeInstance:
+        """Create the instance's worker thread and its session on the placed device.
+
+        Raises:
+            ConfigError: Unknown or invalid ``backend_options``.
+            BackendUnavailable: The device is not usable and ``cpu_fallback`` is off.
+            BackendError: The model file is missing or ONNX Runtime refuses it.
+        """
+        options = _check_options(config, placement)
+        path = Path(config.path)
+        if not path.is_file():
+            raise BackendError(f"model {config.name!r}: no model file at {path}")
+        name = f"trioinfer-{config.name}-{placement.index}"
+        worker = await WorkerThread.start(name, cpu_affinity=placement.cpu_affinity)
+        try:
+            session, device = await worker.run_sync(
+                _create_session, config, placement, options, path
+            )
+        except BaseException:
+            await worker.aclose()
+            raise
+        return OnnxRuntimeInstance(session, device, worker, options["dispatch"])
+
+
+@final
+class OnnxRuntimeInstance:
+    """One ONNX Runtime session and the worker thread that runs it."""
+
+    __slots__ = ("_closed", "_device", "_dispatch", "_outputs", "_session", "_signature", "_worker")
+
+    def __init__(self, session: Any, device: str, worker: WorkerThread, dispatch: str) -> None:
+        self._session = session
+        self._device = device
+        self._worker = worker
+        self._dispatch = dispatch
+        self._signature = _signature(session)
+        self._outputs = [spec.name for spec in self._signature.outputs]
+        self._closed = False
+
+    @property
+    def signature(self) -> ModelSignature:
+        """The model's inputs and outputs as the session reports them."""
+        return self._signature
+
+    @property
+    def device(self) -> str:
+        """Where the session runs: ``"cpu"``, ``"cuda:N"`` or ``"tensorrt:N"``."""
+        return self._device
+
+    @property
+    def session(self) -> Any:
+        """The underlying ``onnxruntime.InferenceSession`` (``None`` once closed)."""
+        return self._session
+
+    async def execute(self, inputs: Mapping[str, np.ndarray[Any, Any]]) -> dict[str, Any]:
+        """Run the session once off the event loop; abort it with ``terminate`` if cancelled."""
+        session = self._session
+        if session is None:
+            raise BackendError(f"instance on {self._device} is closed")
+        run_options = _ort().RunOptions()
+
+        def abort() -> None:
+            run_options.terminate = True
+
+        try:
+            if self._dispatch == "thread":
+                values = await self._worker.run_sync(
+                    session.run, self._outputs, inputs, run_options, abort=abort
+                )
+            else:
+
+                def start(resolve: Any) -> None:
+                    def done(values: Any, _user_data: object, error: str) -> None:
+                        if error:
+                            resolve(None, RuntimeError(error))
+                        else:
+                            resolve(values, None)
+
+                    session.run_async(self._outputs, inputs, done, None, run_options)
+
+                values = await wait_on_callback(start, abort=abort)
+        except Exception as exc:
+            raise BackendError(
+                f"ONNX Runtime failed on {self._device}: {_one_line(exc)}"
+            ) from exc
+        return dict(zip(self._outputs, values, strict=True))
+
+    async def aclose(self) -> None:
+        """Drop the session and join the worker thread. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self._session = None
+        await self._worker.aclose()
+
+
+def _check_options(config: ModelConfig, placement: Placement) -> dict[str, Any]:
+    options = dict(config.backend_options)
+    unknown = sorted(set(options) - set(OPTIONS))
+    if unknown:
+        raise ConfigError(
+            f"model {config.name!r}: onnxruntime backend has no option "
+            f"{', '.join(map(repr, unknown))}; it knows {', '.join(sorted(OPTIONS))}"
+        )
+    options.setdefault("dispatch", "thread")
+    if options["dispatch"] not in ("thread", "ort_async"):
+        raise ConfigError(
+            f"model {config.name!r}: dispatch must be 'thread' or 'ort_async', "
+            f"got {options['dispatch']!r}"
+        )
+    if options["dispatch"] == "ort_async" and placement.threads == 1:
+        raise ConfigError(
+            f"model {config.name!r}: dispatch 'ort_async' runs on ONNX Runtime's intra-op "
+            "thread pool, which needs threads >= 2 (or 0 for ORT's default); got threads = 1"
+        )
+    level = options.setdefault("graph_optimization_level", "all")
+    if level not in _OPT_LEVELS:
+        raise ConfigError(
+            f"model {config.name!r}: graph_optimization_level must be one of "
+            f"{', '.join(_OPT_LEVELS)}, got {level!r}"
+        )
+    mode = options.setdefault("execution_mode", "sequential")
+    if mode not in ("sequential", "parallel"):
+        raise ConfigError(
+            f"model {config.name!r}: execution_mode must be 'sequential' or 'parallel', "
+            f"got {mode!r}"
+        )
+    for key in ("inter_op_threads", "log_severity"):
+        value = options.get(key, 0)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            raise ConfigError(f"model {config.name!r}: {key} must be an integer >= 0, got {value!r}")
+    if not 0 <= options.setdefault("log_severity", 3) <= 4:
+        raise ConfigError(f"model {config.name!r}: log_severity must be 0-4")
+    for key in ("enable_mem_arena", "enable_mem_pattern"):
+        if not isinstance(options.setdefault(key, True), bool):
+            raise ConfigError(f"model {config.name!r}: {key} must be true or false")
+    provider_options = options.setdefault("provider_options", {})
+    if not isinstance(provider_options, Mapping):
+        raise ConfigError(f"model {config.name!r}: provider_options must be a table")
+    return options
+
+
+def _create_session(
+    config: ModelConfig, placement: Placement, options: dict[str, Any], path: Path
+) -> tuple[Any, str]:
+    ort = _ort()
+    device = placement.device
+    reason = probe_device(device)
+    if reason is not None:
+        if not placement.cpu_fallback:
+            raise BackendUnavailable(
+                f"model {config.name!r} instance {placement.index}: {device} is not usable: "
+                f"{reason} (set cpu_fallback = true to run on the CPU instead)"
+            )
+        log.warning(
+            "model %r instance %d: %s is not usable (%s); running on the CPU",
+            config.name,
+            placement.index,
+            device,
+            reason,
+        )
+        device = Device("cpu")
+    so = ort.SessionOptions()
+    so.intra_op_num_threads = placement.threads
+    so.inter_op_num_threads = options.get("inter_op_threads", 0)
+    so.graph_optimization_level = getattr(
+        ort.GraphOptimizationLevel, _OPT_LEVELS[options["graph_optimization_level"]]
+    )
+    so.execution_mode = (
+        ort.ExecutionMode.ORT_PARALLEL
+        if options["execution_mode"] == "parallel"
+        else ort.ExecutionMode.ORT_SEQUENTIAL
+    )
+    so.enable_cpu_mem_arena = options["enable_mem_arena"]
+    so.enable_mem_pattern = options["enable_mem_pattern"]
+    so.log_severity_level = options["log_severity"]
+    if placement.cpu_affinity is not None and placement.threads > 1:
+        # ORT pins intra-op threads 2..N itself; the first is the worker thread, pinned already.
+        cpus = ",".join(map(str, placement.cpu_affinity))
+        so.add_session_config_entry(
+            "session.intra_op_thread_affinities", ";".join([cpus] * (placement.threads - 1))
+        )
+    try:
+        session = ort.InferenceSession(str(path), so, providers=_providers(device, options))
+    except Exception as exc:
+        raise BackendError(
+            f"model {config.name!r}: ONNX Runtime could not load {path}: {_one_line(exc)}"
+        ) from exc
+    return session, str(device)
+
+
+def _providers(device: Device, options: Mapping[str, Any]) -> list[Any]:
+    extra = dict(options.get("provider_options", {}))
+    if device.kind == "cpu":
+        return ["CPUExecutionProvider"]
+    cuda = ("CUDAExecutionProvider", {"device_id": device.index})
+    if device.kind == "cuda":
+        return [("CUDAExecutionProvider", {**cuda[1], **extra}), "CPUExecutionProvider"]
+    return [
+        ("TensorrtExecutionProvider", {"device_id": device.index, **extra}),
+        cuda,
+        "CPUExecutionProvider",
+    ]
+
+
+_probe_lock = threading.Lock()
+_probed: dict[Device, str | None] = {}
+
+
+def probe_device(device: Device) -> str | None:
+    """Say why *device* cannot run ONNX Runtime sessions here, or ``None`` if it can.
+
+    For GPU devices this creates a trial session on a one-node model (once per
+    device; the answer is cached) with ONNX Runtime's own error output held
+    back, and reports the cause in one line, e.g. a CUDA library that cannot
+    be found. Blocks; call it off the event loop.
+    """
+    if device.kind == "cpu":
+        return None
+    with _probe_lock:
+        if device not in _probed:
+            _probed[device] = _probe(device)
+        return _probed[device]
+
+
+def _probe(device: Device) -> str | None:
+    ort = _ort()
+    provider = _PROVIDERS[device.kind]
+    if provider not in ort.get_available_providers():
+        return (
+            f"this ONNX Runtime build ({ort.__version__}) has no {provider}; "
+            "install onnxruntime-gpu"
+        )
+    captured = io.StringIO()
+    ort.set_default_logger_severity(4)
+    try:
+        with contextlib.redirect_stdout(captured), contextlib.redirect_stderr(captured):
+            if hasattr(ort, "preload_dlls"):
+                with contextlib.suppress(Exception):
+                    ort.preload_dlls()
+            try:
+                session = ort.InferenceSession(
+                    _trial_model(), providers=_providers(device, {})[:1]
+                )
+            except Exception as exc:
+                return _one_line(exc)
+    finally:
+        ort.set_default_logger_severity(2)
+    if session.get_providers()[0] == provider:
+        return None
+    return _library_error(device.kind) or (
+        f"ONNX Runtime could not start {provider} on device {device.index} "
+        f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')})"
+    )
+
+
+def _library_error(kind: str) -> str | None:
+    # ORT's own message is many lines of C++ log; dlopen's is one line naming what is missing.
+    lib = Path(_ort().__file__).parent / "capi" / f"libonnxruntime_providers_{kind}.so"
+    if not lib.exists():
+        return None
+    try:
+        ctypes.CDLL(str(lib))
+    except OSError as exc:
+        return str(exc).replace(str(lib) + ": ", "")
+    return None
+
+
+def _trial_model() -> bytes:
+    # A one-node Identity model written as protobuf bytes by hand, so that the
+    # probe needs no `onnx` package: ir_version 8, opset 13, float input x -> y.
+    def field(number: int, wire: int, payload: bytes) -> bytes:
+        return _varint(number << 3 | wire) + payload
+
+    def string(number: int, value: bytes) -> bytes:
+        return field(number, 2, _varint(len(value)) + value)
+
+    def value_info(name: bytes) -> bytes:
+        tensor_type = field(1, 0, _varint(1)) + string(2, string(1, field(1, 0, _varint(1))))
+        return string(1, name) + string(2, string(1, tensor_type))
+
+    node = string(1, b"x") + string(2, b"y") + string(4, b"Identity")
+    graph = string(1, node) + string(2, b"probe") + string(11, value_info(b"x"))
+    graph += string(12, value_info(b"y"))
+    opset = string(1, b"") + field(2, 0, _varint(13))
+    return field(1, 0, _varint(8)) + string(7, graph) + string(8, opset)
+
+
+def _varint(value: int) -> bytes:
+    out = bytearray()
+    while True:
+        byte = value & 0x7F
+        value >>= 7
+        if value:
+            out.append(byte | 0x80)
+        else:
+            out.append(byte)
+            return bytes(out)
+
+
+def _signature(session: Any) -> ModelSignature:
+    def spec(arg: Any) -> TensorSpec:
+        shape = tuple(d if isinstance(d, (int, str)) else None for d in arg.shape)
+        return TensorSpec(arg.name, numpy_dtype(arg.type), shape, arg.type)
+
+    return ModelSignature(
+        tuple(spec(a) for a in session.get_inputs()),
+        tuple(spec(a) for a in session.get_outputs()),
+    )
+
+
+def _one_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    # ORT prefixes "[ONNXRuntimeError] : 1 : FAIL : "; the rest is the message.
+    if text.startswith("[ONNXRuntimeError]"):
+        text = text.split(" : ", 3)[-1]
+    return text.splitlines()[0] if text else type(exc).__name__

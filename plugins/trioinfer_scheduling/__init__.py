@@ -1,0 +1,42 @@
+"""First-party scheduler plugins (entry-point group ``trioinfer.schedulers``)."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import final
+
+from trioinfer import Request
+
+__all__ = ["FifoScheduler"]
+
+
+@final
+class FifoScheduler:
+    """First come, first served: requests run in the order they were admitted.
+
+    Push, pop and remove are O(1): an insertion-ordered dict keyed by request.
+    Takes no options.
+    """
+
+    __slots__ = ("_queue",)
+
+    def __init__(self) -> None:
+        self._queue: OrderedDict[Request, None] = OrderedDict()
+
+    def push(self, request: Request) -> None:
+        """Add *request* at the back."""
+        self._queue[request] = None
+
+    def pop(self) -> Request:
+        """Remove and return the oldest request; ``IndexError`` if empty."""
+        try:
+            return self._queue.popitem(last=False)[0]
+        except KeyError:
+            raise IndexError("pop from an empty FifoScheduler") from None
+
+    def remove(self, request: Request) -> bool:
+        """Remove *request* if held; return whether it was."""
+        return self._queue.pop(request, False) is None
+
+    def __len__(self) -> int:
+        return len(self._queue)

@@ -1,0 +1,305 @@
+"""Model configuration: one attrs class for Python, config.toml, the server and the CLI.
+
+A model repository is laid out as ``<repo>/<model>/config.toml`` and
+``<repo>/<model>/<version>/model.onnx``; :meth:`ModelConfig.from_toml` reads
+the former and finds the latter. Validators check each field's invariants when
+the object is built, so a bad configuration fails at once with a
+:class:`~trioinfer.ConfigError` that names the field.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import tomllib
+from collections.abc import Mapping
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any, Literal, Self, TypeVar
+
+import attrs
+
+from ._exceptions import ConfigError
+from ._tensors import Casting, InputLimits
+
+DeviceKind = Literal["cpu", "cuda", "tensorrt"]
+_DEVICE_RE = re.compile(r"^(cpu|cuda|tensorrt)(?::(\d+))?$")
+_T = TypeVar("_T")
+_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,127}$")
+
+
+@attrs.frozen
+class Device:
+    """Where an instance runs: ``cpu``, ``cuda``/``cuda:N`` or ``tensorrt``/``tensorrt:N``.
+
+    Attributes:
+        kind: ``"cpu"``, ``"cuda"`` or ``"tensorrt"``.
+        index: The GPU ordinal (always 0 for ``cpu``).
+    """
+
+    kind: DeviceKind
+    index: int = 0
+
+    @classmethod
+    def parse(cls, text: str) -> Device:
+        """Parse ``"cpu"``, ``"cuda"``, ``"cuda:1"``, ``"tensorrt:0"`` ...
+
+        Raises:
+            ConfigError: For anything else, saying what is accepted.
+        """
+        match = _DEVICE_RE.match(text.strip().lower()) if isinstance(text, str) else None
+        if match is None:
+            raise ConfigError(
+                f"device {text!r} is not one of 'cpu', 'cuda', 'cuda:N', 'tensorrt', 'tensorrt:N'"
+            )
+        kind: Any = match.group(1)
+        index = int(match.group(2) or 0)
+        if kind == "cpu" and index:
+            raise ConfigError(f"device {text!r}: the CPU has no index; write 'cpu'")
+        return cls(kind, index)
+
+    def __str__(self) -> str:
+        return "cpu" if self.kind == "cpu" else f"{self.kind}:{self.index}"
+
+
+def _to_device(value: Device | str) -> Device:
+    return value if isinstance(value, Device) else Device.parse(value)
+
+
+def _positive(_inst: object, attribute: attrs.Attribute[Any], value: int) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ConfigError(f"{attribute.name} must be a positive integer, got {value!r}")
+
+
+def _non_negative(_inst: object, attribute: attrs.Attribute[Any], value: int) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise ConfigError(f"{attribute.name} must be an integer >= 0, got {value!r}")
+
+
+def _to_affinity(value: object) -> tuple[int, ...] | None:
+    if value is None:
+        return None
+    if not isinstance(value, (list, tuple)) or not all(
+        isinstance(c, int) and not isinstance(c, bool) and c >= 0 for c in value
+    ):
+        raise ConfigError(f"cpu_affinity must be a list of CPU numbers >= 0, got {value!r}")
+    if not value:
+        raise ConfigError("cpu_affinity must name at least one CPU, or be left out")
+    return tuple(value)
+
+
+@attrs.frozen
+class Instance:
+    """A group of identical model instances on one device.
+
+    Attributes:
+        device: ``"cpu"``, ``"cuda"``, ``"cuda:N"``, ``"tensorrt"`` or ``"tensorrt:N"``.
+        count: How many instances (each with its own session) to run there.
+        threads: Compute threads per instance (ONNX Runtime's intra-op threads);
+            0 lets the backend choose.
+        cpu_affinity: CPUs the instance's threads may run on (Linux), or ``None``.
+    """
+
+    device: Device = attrs.field(default=Device("cpu"), converter=_to_device)
+    count: int = attrs.field(default=1, validator=_positive)
+    threads: int = attrs.field(default=0, validator=_non_negative)
+    cpu_affinity: tuple[int, ...] | None = attrs.field(default=None, converter=_to_affinity)
+
+
+@attrs.frozen
+class Placement:
+    """Where one backend instance runs; what the engine hands to :meth:`Backend.load`.
+
+    Attributes:
+        device: The device asked for.
+        index: The instance's number within its model (0, 1, ...).
+        threads: Compute threads for this instance (0: the backend chooses).
+        cpu_affinity: CPUs to pin the instance's threads to, or ``None``.
+        cpu_fallback: Whether the backend may run on the CPU when *device* is not usable.
+    """
+
+    device: Device
+    index: int
+    threads: int = 0
+    cpu_affinity: tuple[int, ...] | None = None
+    cpu_fallback: bool = True
+
+
+def _check_name(_inst: object, _attribute: attrs.Attribute[Any], value: str) -> None:
+    if not isinstance(value, str) or not _NAME_RE.match(value):
+        raise ConfigError(
+            f"model name {value!r} must be 1-128 characters of letters, digits, '_', '.', '-', "
+            "starting with a letter or digit"
+        )
+
+
+def _to_instances(value: object) -> tuple[Instance, ...]:
+    if isinstance(value, Instance):
+        return (value,)
+    if not isinstance(value, (list, tuple)) or not value:
+        raise ConfigError(f"instances must be a non-empty list of Instance, got {value!r}")
+    out = []
+    for item in value:
+        if isinstance(item, Instance):
+            out.append(item)
+        elif isinstance(item, Mapping):
+            out.append(_build(Instance, item, "instances"))
+        else:
+            raise ConfigError(f"each of instances must be an Instance or a table, got {item!r}")
+    return tuple(out)
+
+
+def _to_options(value: object) -> Mapping[str, Any]:
+    if not isinstance(value, Mapping) or not all(isinstance(k, str) for k in value):
+        raise ConfigError(f"plugin options must be a table of name = value, got {value!r}")
+    return MappingProxyType(dict(value))
+
+
+def _to_path(value: str | os.PathLike[str]) -> Path:
+    return Path(value)
+
+
+def _plugin_name(_inst: object, attribute: attrs.Attribute[Any], value: str) -> None:
+    if not isinstance(value, str) or not value:
+        raise ConfigError(f"{attribute.name} must be a plugin name, got {value!r}")
+
+
+@attrs.frozen
+class ModelConfig:
+    """Everything the engine needs to load and serve one model.
+
+    Attributes:
+        name: The name requests use. Letters, digits, ``_ . -``; at most 128.
+        path: The model file (for the ONNX Runtime backend, a ``.onnx`` file).
+        instances: Where the model runs and how many instances of it.
+        backend: The backend plugin's name (group ``trioinfer.backends``).
+        scheduler: The scheduler plugin's name (group ``trioinfer.schedulers``).
+        batcher: The batcher plugin's name (group ``trioinfer.batchers``).
+        fallback: The fallback plugin's name (group ``trioinfer.fallbacks``).
+        backend_options: Options for the backend; it refuses those it does not know.
+        scheduler_options: Keyword arguments for the scheduler.
+        batcher_options: Keyword arguments for the batcher.
+        fallback_options: Keyword arguments for the fallback.
+        max_queue_size: Requests that may wait for this model; more are refused with
+            :class:`~trioinfer.QueueFull`.
+        cpu_fallback: Whether an instance may run on the CPU when its GPU device is not usable.
+        max_elements_per_input: Cap on one input tensor's element count.
+        max_elements_per_request: Cap on a request's element count over all inputs.
+        casting: Input dtype conversions allowed (numpy casting rule); ``"no"`` means
+            inputs must have the model's dtypes exactly.
+    """
+
+    name: str = attrs.field(validator=_check_name)
+    path: Path = attrs.field(converter=_to_path)
+    instances: tuple[Instance, ...] = attrs.field(
+        default=(Instance(),), converter=_to_instances
+    )
+    backend: str = attrs.field(default="onnxruntime", validator=_plugin_name)
+    scheduler: str = attrs.field(default="fifo", validator=_plugin_name)
+    batcher: str = attrs.field(default="none", validator=_plugin_name)
+    fallback: str = attrs.field(default="none", validator=_plugin_name)
+    backend_options: Mapping[str, Any] = attrs.field(factory=dict, converter=_to_options)
+    scheduler_options: Mapping[str, Any] = attrs.field(factory=dict, converter=_to_options)
+    batcher_options: Mapping[str, Any] = attrs.field(factory=dict, converter=_to_options)
+    fallback_options: Mapping[str, Any] = attrs.field(factory=dict, converter=_to_options)
+    max_queue_size: int = attrs.field(default=1024, validator=_positive)
+    cpu_fallback: bool = True
+    max_elements_per_input: int = attrs.field(default=1 << 26, validator=_positive)
+    max_elements_per_request: int = attrs.field(default=1 << 27, validator=_positive)
+    casting: Casting = attrs.field(default="no")
+
+    @casting.validator
+    def _check_casting(self, _attribute: attrs.Attribute[Any], value: str) -> None:
+        if value not in ("no", "safe", "same_kind"):
+            raise ConfigError(f"casting must be 'no', 'safe' or 'same_kind', got {value!r}")
+
+    @property
+    def input_limits(self) -> InputLimits:
+        """The caps and casting rule the engine checks inputs against."""
+        return InputLimits(
+            self.max_elements_per_input, self.max_elements_per_request, self.casting
+        )
+
+    def placements(self) -> list[Placement]:
+        """One :class:`Placement` per instance, numbered in the order they are listed."""
+        out: list[Placement] = []
+        for group in self.instances:
+            for _ in range(group.count):
+                out.append(
+                    Placement(
+                        group.device, len(out), group.threads, group.cpu_affinity, self.cpu_fallback
+                    )
+                )
+        return out
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any], *, base: Path | None = None) -> Self:
+        """Build a config from a table such as a parsed ``config.toml``.
+
+        A relative ``path`` is taken relative to *base*. Unknown keys are refused.
+
+        Raises:
+            ConfigError: Naming the key or field that is wrong.
+        """
+        data = dict(data)
+        if "path" in data and base is not None:
+            data["path"] = base / Path(data["path"])
+        return _build(cls, data, "model config")
+
+    @classmethod
+    def from_toml(cls, path: str | os.PathLike[str], *, version: int | None = None) -> Self:
+        """Read ``<repo>/<model>/config.toml`` and find the model file beside it.
+
+        Without a ``path`` key, the model file is ``<version>/model.onnx`` next to
+        the config, for the highest numeric version directory (or *version*).
+        Without a ``name`` key, the directory's name is used.
+
+        Raises:
+            ConfigError: If the file is missing, not TOML, or describes an invalid model.
+        """
+        path = Path(path)
+        try:
+            with path.open("rb") as f:
+                data = tomllib.load(f)
+        except FileNotFoundError:
+            raise ConfigError(f"no model config at {path}") from None
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"{path} is not valid TOML: {exc}") from None
+        model_dir = path.parent
+        data.setdefault("name", model_dir.name)
+        if "path" not in data:
+            data["path"] = find_model_file(model_dir, version)
+        return cls.from_dict(data, base=model_dir)
+
+
+def find_model_file(model_dir: Path, version: int | None = None) -> Path:
+    """Return ``<model_dir>/<version>/model.onnx``, by default for the highest version.
+
+    Raises:
+        ConfigError: If there is no numeric version directory holding ``model.onnx``.
+    """
+    versions = sorted(
+        int(p.name) for p in model_dir.iterdir() if p.is_dir() and p.name.isdigit()
+    ) if model_dir.is_dir() else []
+    if version is not None:
+        versions = [v for v in versions if v == version]
+    for v in reversed(versions):
+        candidate = model_dir / str(v) / "model.onnx"
+        if candidate.is_file():
+            return candidate
+    wanted = f"version {version}" if version is not None else "a version directory"
+    raise ConfigError(f"{model_dir} has no {wanted} holding model.onnx (<model>/<N>/model.onnx)")
+
+
+def _build(cls: type[_T], data: Mapping[str, Any], where: str) -> _T:
+    fields = {f.name for f in attrs.fields(cls)}  # type: ignore[arg-type]
+    unknown = sorted(set(data) - fields)
+    if unknown:
+        raise ConfigError(
+            f"{where}: unknown key {', '.join(map(repr, unknown))}; "
+            f"known keys are {', '.join(sorted(fields))}"
+        )
+    try:
+        return cls(**data)
+    except TypeError as exc:
+        raise ConfigError(f"{where}: {exc}") from None

@@ -1,0 +1,339 @@
+"""The engine: a task group that owns every model runner, queue and backend call.
+
+``async with open_engine() as engine`` starts it; models load and unload
+while it runs; leaving the block drains in-flight work for at most
+``drain_period`` seconds, cancels the rest, and closes every backend instance.
+Nothing the engine started outlives the block.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import AsyncIterator, Mapping
+from contextlib import asynccontextmanager
+from typing import Any, final
+
+import anyio
+import anyio.abc
+import anyio.lowlevel
+import attrs
+
+from ._config import ModelConfig
+from ._exceptions import (
+    BackendError,
+    ConfigError,
+    EngineClosed,
+    ModelNotFound,
+    PluginError,
+    TrioInferError,
+)
+from ._registry import Registry
+from ._request import Outputs, Request, next_request_id
+from ._runner import ModelRunner, ModelStatistics, close_instances
+from ._tensors import ModelSignature, rows, validate_inputs
+from .abc import Backend, BackendInstance, Batcher, Fallback, Scheduler
+
+
+@attrs.frozen
+class ModelInfo:
+    """A loaded model, as :meth:`Engine.models` reports it.
+
+    Attributes:
+        name: The name requests use.
+        config: The configuration it was loaded with.
+        signature: Its inputs and outputs, read from the loaded model.
+        devices: Where each instance really runs (after any fallback to the CPU).
+    """
+
+    name: str
+    config: ModelConfig
+    signature: ModelSignature
+    devices: tuple[str, ...]
+
+
+@attrs.frozen
+class EngineStatistics:
+    """A snapshot of the engine's counters, per model.
+
+    Attributes:
+        closing: Whether the engine has stopped accepting work.
+        models: Per-model counters, by model name.
+    """
+
+    closing: bool
+    models: Mapping[str, ModelStatistics]
+
+
+@final
+@attrs.define(eq=False)
+class Engine:
+    """Loads models and runs inference on them; create one with :func:`open_engine`."""
+
+    _task_group: anyio.abc.TaskGroup = attrs.field(alias="task_group")
+    _registry: Registry = attrs.field(alias="registry")
+    drain_period: float
+    _runners: dict[str, ModelRunner] = attrs.field(factory=dict, init=False)
+    _loading: set[str] = attrs.field(factory=set, init=False)
+    _closing: bool = attrs.field(default=False, init=False)
+
+    @property
+    def registry(self) -> Registry:
+        """The plugin registry this engine resolves plugin names with."""
+        return self._registry
+
+    @property
+    def closing(self) -> bool:
+        """Whether the engine has stopped accepting work (its block is exiting)."""
+        return self._closing
+
+    async def load(self, config: ModelConfig) -> ModelInfo:
+        """Load a model: create its plugins, load every instance, start its workers.
+
+        Returns once the model is ready to serve. Loading runs under the
+        caller's cancel scope: cancelling it closes whatever was loaded.
+
+        Raises:
+            ConfigError: A model of that name is loaded already, or the config is refused.
+            PluginError: A plugin name is unknown, or a plugin fails to load.
+            BackendError: An instance could not be loaded (``BackendUnavailable`` if its
+                device cannot be used and CPU fallback is off).
+            EngineClosed: The engine is closing.
+        """
+        self._check_open()
+        name = config.name
+        if name in self._runners or name in self._loading:
+            raise ConfigError(f"a model named {name!r} is loaded already; unload it first")
+        self._loading.add(name)
+        try:
+            registry = self._registry
+            backend: Backend = registry.create("backends", config.backend)
+            scheduler: Scheduler = registry.create(
+                "schedulers", config.scheduler, config.scheduler_options
+            )
+            batcher: Batcher = registry.create("batchers", config.batcher, config.batcher_options)
+            fallback: Fallback = registry.create(
+                "fallbacks", config.fallback, config.fallback_options
+            )
+            for kind, plugin, protocol in (
+                ("backend", backend, Backend),
+                ("scheduler", scheduler, Scheduler),
+                ("batcher", batcher, Batcher),
+                ("fallback", fallback, Fallback),
+            ):
+                if not isinstance(plugin, protocol):
+                    raise PluginError(
+                        f"{kind} plugin for model {name!r} does not implement "
+                        f"trioinfer.abc.{protocol.__name__}: got {type(plugin).__name__}"
+                    )
+            instances = await _load_instances(backend, config)
+            runner = ModelRunner(
+                config,
+                scheduler=scheduler,
+                batcher=batcher,
+                fallback=fallback,
+                instances=instances,
+            )
+            self._check_open()
+            await self._task_group.start(runner.run)
+            self._runners[name] = runner
+        finally:
+            self._loading.discard(name)
+        return self._info(runner)
+
+    async def unload(self, name: str) -> None:
+        """Stop serving a model: refuse new requests, drain, then close its instances.
+
+        Requests already accepted may finish within :attr:`drain_period`; those
+        still queued or running after it fail with :class:`~trioinfer.EngineClosed`.
+
+        Raises:
+            ModelNotFound: No model of that name is loaded.
+        """
+        runner = self._runners.pop(name, None)
+        if runner is None:
+            raise ModelNotFound(f"no model named {name!r} is loaded; loaded: {self._names()}")
+        with anyio.move_on_after(self.drain_period):
+            await runner.wait_idle()
+        with anyio.CancelScope(shield=True):
+            await runner.stop()
+
+    def models(self) -> list[ModelInfo]:
+        """The loaded models, sorted by name."""
+        return [self._info(self._runners[name]) for name in sorted(self._runners)]
+
+    def model(self, name: str) -> ModelInfo:
+        """One loaded model's description.
+
+        Raises:
+            ModelNotFound: No model of that name is loaded.
+        """
+        return self._info(self._runner(name))
+
+    async def infer(
+        self,
+        model: str,
+        inputs: Mapping[str, Any],
+        *,
+        priority: int = 0,
+        tenant: str | None = None,
+        request_id: str | None = None,
+    ) -> Outputs:
+        """Run *model* on *inputs* and return its outputs by name.
+
+        There is no timeout argument: the caller's cancel scope is the timeout.
+        Its effective deadline travels with the request; a request whose
+        deadline passes (or whose caller is cancelled) while it waits is taken
+        out of the queue and never reaches a backend. A caller cancelled while
+        its request runs gets ``Cancelled`` at once, and the execution is
+        aborted if nobody else waits for it.
+
+        Args:
+            model: A loaded model's name.
+            inputs: One array per model input, by name; dtypes must match the model's
+                (see ``ModelConfig.casting``).
+            priority: Higher runs sooner under priority-aware schedulers.
+            tenant: Who the request is for, for fair-share schedulers.
+            request_id: An id for logs and tracing; generated if not given.
+
+        Raises:
+            ModelNotFound: No model of that name is loaded.
+            InvalidInput: The inputs do not fit the model's signature or limits.
+            QueueFull: The model's queue is full; ``retry_after`` says when to try again.
+            DeadlineExceeded: The deadline passed before the request could run.
+            BackendError: The backend failed while running it.
+            EngineClosed: The engine is closing, or closed before the request ended.
+        """
+        runner = self._runner(model)
+        arrays = validate_inputs(model, runner.signature, inputs, runner.config.input_limits)
+        await anyio.lowlevel.checkpoint_if_cancelled()
+        request = Request(
+            model,
+            arrays,
+            id=request_id if request_id is not None else next_request_id(),
+            priority=priority,
+            tenant=tenant,
+            deadline=anyio.current_effective_deadline(),
+            arrival=anyio.current_time(),
+            rows=rows(arrays) if runner.signature.batched else 1,
+        )
+        return await runner.call(request)
+
+    def statistics(self) -> EngineStatistics:
+        """A snapshot of every loaded model's counters."""
+        return EngineStatistics(
+            closing=self._closing,
+            models={name: runner.statistics() for name, runner in sorted(self._runners.items())},
+        )
+
+    def _runner(self, model: str) -> ModelRunner:
+        self._check_open()
+        runner = self._runners.get(model)
+        if runner is None:
+            raise ModelNotFound(f"no model named {model!r} is loaded; loaded: {self._names()}")
+        return runner
+
+    def _check_open(self) -> None:
+        if self._closing:
+            raise EngineClosed("the engine is closing and accepts no new work")
+
+    def _names(self) -> str:
+        return ", ".join(map(repr, sorted(self._runners))) or "none"
+
+    def _info(self, runner: ModelRunner) -> ModelInfo:
+        return ModelInfo(runner.config.name, runner.config, runner.signature, runner.devices)
+
+    async def _shutdown(self, drain: bool) -> None:
+        self._closing = True
+        if drain:
+            with anyio.move_on_after(self.drain_period):
+                for runner in list(self._runners.values()):
+                    await runner.wait_idle()
+        with anyio.CancelScope(shield=True):
+            for runner in list(self._runners.values()):
+                await runner.stop()
+        self._runners.clear()
+
+
+@asynccontextmanager
+async def open_engine(
+    *, registry: Registry | None = None, drain_period: float = 10.0
+) -> AsyncIterator[Engine]:
+    """Open an inference engine whose task group owns all its work.
+
+    Leaving the block normally stops new work (:class:`~trioinfer.EngineClosed`),
+    lets accepted requests finish for at most *drain_period* seconds, then
+    cancels what is left (those callers get ``EngineClosed``) and closes every
+    backend instance. Leaving it with an exception or cancellation skips the
+    drain. An internal failure in the engine's tasks surfaces from this block
+    as an exception group rather than a hang.
+
+    Args:
+        registry: Where plugin names are resolved; by default, installed entry points.
+        drain_period: Seconds in-flight work may take to finish at exit.
+    """
+    if not (isinstance(drain_period, (int, float)) and drain_period >= 0):
+        raise ConfigError(f"drain_period must be a number of seconds >= 0, got {drain_period!r}")
+    if math.isnan(drain_period):
+        raise ConfigError("drain_period must not be NaN")
+    body_error: BaseException | None = None
+    try:
+        async with anyio.create_task_group() as tg:
+            engine = Engine(
+                task_group=tg, registry=registry or Registry(), drain_period=drain_period
+            )
+            try:
+                yield engine
+            except BaseException as exc:
+                body_error = exc
+                raise
+            finally:
+                await engine._shutdown(drain=body_error is None)
+                tg.cancel_scope.cancel()
+    except BaseExceptionGroup as group:
+        # The task group wraps the block's own exception; hand it back as the caller raised it.
+        if body_error is not None and _only(group, body_error):
+            raise body_error from None
+        raise
+
+
+def _only(group: BaseExceptionGroup[BaseException], error: BaseException) -> bool:
+    return all(
+        leaf is error
+        or (isinstance(leaf, BaseExceptionGroup) and _only(leaf, error))
+        for leaf in group.exceptions
+    )
+
+
+async def _load_instances(backend: Backend, config: ModelConfig) -> list[BackendInstance]:
+    placements = config.placements()
+    loaded: list[BackendInstance | None] = [None] * len(placements)
+    errors: list[BaseException] = []
+
+    async def load_one(i: int) -> None:
+        try:
+            loaded[i] = await backend.load(config, placements[i])
+        except TrioInferError as exc:
+            errors.append(exc)
+        except Exception as exc:
+            error = BackendError(
+                f"backend {config.backend!r} could not load instance {i} of model "
+                f"{config.name!r}: {type(exc).__name__}: {exc}"
+            )
+            error.__cause__ = exc
+            errors.append(error)
+
+    try:
+        async with anyio.create_task_group() as tg:
+            for i in range(len(placements)):
+                tg.start_soon(load_one, i)
+    finally:
+        done = [instance for instance in loaded if instance is not None]
+        if errors or len(done) != len(placements):
+            await close_instances(done)
+    if errors:
+        raise errors[0]
+    signatures = {instance.signature for instance in done}
+    if len(signatures) != 1:
+        await close_instances(done)
+        raise BackendError(f"instances of model {config.name!r} report different signatures")
+    return done

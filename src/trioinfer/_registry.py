@@ -1,0 +1,193 @@
+"""The plugin registry: finds plugins through entry points and loads them on first use.
+
+Discovery reads installed distributions' metadata without importing anything;
+a plugin's module is imported the first time a model asks for it. A plugin
+that fails to import is reported (with its distribution and the error) and
+does not stop the others from loading.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any, Final, Literal
+
+import attrs
+
+from ._exceptions import PluginError, PluginLoadError
+
+Kind = Literal["backends", "schedulers", "batchers", "fallbacks"]
+
+#: The entry-point groups, by the short kind names used in configs and the CLI.
+GROUPS: Final[Mapping[Kind, str]] = {
+    "backends": "trioinfer.backends",
+    "schedulers": "trioinfer.schedulers",
+    "batchers": "trioinfer.batchers",
+    "fallbacks": "trioinfer.fallbacks",
+}
+
+
+@attrs.frozen
+class PluginInfo:
+    """What the registry knows of one plugin before importing it.
+
+    Attributes:
+        kind: ``"backends"``, ``"schedulers"``, ``"batchers"`` or ``"fallbacks"``.
+        name: The name configs use.
+        target: ``module:attribute`` the entry point names, or ``"(in-process)"``.
+        distribution: ``name version`` of the distribution that declared it, if any.
+    """
+
+    kind: Kind
+    name: str
+    target: str
+    distribution: str | None
+
+
+@attrs.define(eq=False)
+class Registry:
+    """Plugins by kind and name, from entry points and from in-process additions.
+
+    Args:
+        extra: Plugins to add without packaging, by kind then name (a test's fake
+            backend, say). They shadow entry points of the same name.
+        entry_points: Where to look; by default every installed distribution's
+            entry points. A name declared twice is an error when loaded.
+    """
+
+    _extra: Mapping[str, Mapping[str, object]] = attrs.field(factory=dict, alias="extra")
+    _entry_points: Iterable[importlib.metadata.EntryPoint] | None = attrs.field(
+        default=None, alias="entry_points"
+    )
+    _found: dict[tuple[str, str], list[importlib.metadata.EntryPoint]] | None = attrs.field(
+        default=None, init=False
+    )
+    _loaded: dict[tuple[str, str], object] = attrs.field(factory=dict, init=False)
+
+    def __attrs_post_init__(self) -> None:
+        for kind in self._extra:
+            _check_kind(kind)
+
+    def _discover(self) -> dict[tuple[str, str], list[importlib.metadata.EntryPoint]]:
+        if self._found is None:
+            eps: Iterable[importlib.metadata.EntryPoint] = (
+                self._entry_points
+                if self._entry_points is not None
+                else [
+                    ep for group in GROUPS.values()
+                    for ep in importlib.metadata.entry_points(group=group)
+                ]
+            )
+            groups = {group: kind for kind, group in GROUPS.items()}
+            found: dict[tuple[str, str], list[importlib.metadata.EntryPoint]] = {}
+            for ep in eps:
+                kind = groups.get(ep.group)
+                if kind is not None:
+                    found.setdefault((kind, ep.name), []).append(ep)
+            self._found = found
+        return self._found
+
+    def plugins(self, kind: Kind | None = None) -> list[PluginInfo]:
+        """Every plugin found, sorted by kind and name; nothing is imported."""
+        infos = [
+            PluginInfo(k, name, ep.value, _dist_of(ep))  # type: ignore[arg-type]
+            for (k, name), eps in self._discover().items()
+            for ep in eps
+        ]
+        infos += [
+            PluginInfo(k, name, "(in-process)", None)  # type: ignore[arg-type]
+            for k, table in self._extra.items()
+            for name in table
+        ]
+        return sorted(
+            (info for info in infos if kind is None or info.kind == kind),
+            key=lambda info: (info.kind, info.name, info.target),
+        )
+
+    def names(self, kind: Kind) -> list[str]:
+        """The names of the plugins of one kind, sorted."""
+        return sorted({info.name for info in self.plugins(kind)})
+
+    def load(self, kind: Kind, name: str) -> object:
+        """Import (once) and return the plugin's entry-point target.
+
+        Raises:
+            PluginError: If no plugin of that kind has that name; the message lists
+                the known names.
+            PluginLoadError: If the plugin fails to import, naming its distribution.
+        """
+        group = GROUPS[_check_kind(kind)]
+        key = (kind, name)
+        if key in self._loaded:
+            return self._loaded[key]
+        table = self._extra.get(kind, {})
+        if name in table:
+            target = table[name]
+        else:
+            eps = self._discover().get(key)
+            if not eps:
+                known = ", ".join(map(repr, self.names(kind))) or "none"
+                raise PluginError(f"no {kind[:-1]} plugin named {name!r}; known {kind}: {known}")
+            if len(eps) > 1:
+                dists = ", ".join(str(_dist_of(ep)) for ep in eps)
+                raise PluginError(
+                    f"{kind[:-1]} plugin {name!r} is declared by several distributions "
+                    f"({dists}); uninstall all but one"
+                )
+            ep = eps[0]
+            try:
+                target = ep.load()
+            except Exception as exc:
+                dist = _dist_of(ep)
+                raise PluginLoadError(
+                    f"{kind[:-1]} plugin {name!r} ({ep.value}, from {dist or 'unknown'}) "
+                    f"failed to import: {type(exc).__name__}: {exc}",
+                    group=group,
+                    name=name,
+                    distribution=dist,
+                ) from exc
+        self._loaded[key] = target
+        return target
+
+    def create(self, kind: Kind, name: str, options: Mapping[str, Any] | None = None) -> Any:
+        """Load a plugin and call its target with *options* as keyword arguments.
+
+        Raises:
+            PluginError: Unknown name (see :meth:`load`).
+            PluginLoadError: The plugin fails to import, or refuses the options.
+        """
+        target = self.load(kind, name)
+        if not callable(target):
+            raise PluginError(f"{kind[:-1]} plugin {name!r} is not callable: {target!r}")
+        factory: Callable[..., Any] = target
+        try:
+            return factory(**(options or {}))
+        except TypeError as exc:
+            raise PluginLoadError(
+                f"{kind[:-1]} plugin {name!r} does not accept options "
+                f"{sorted(options or {})}: {exc}",
+                group=GROUPS[kind],
+                name=name,
+                distribution=None,
+            ) from exc
+
+    def check(self, info: PluginInfo) -> str | None:
+        """Try to load one plugin; return ``None`` if it loads, else the error message."""
+        try:
+            self.load(info.kind, info.name)
+        except PluginError as exc:
+            return str(exc)
+        return None
+
+
+def _check_kind(kind: str) -> Kind:
+    if kind not in GROUPS:
+        raise PluginError(f"unknown plugin kind {kind!r}; kinds are {', '.join(GROUPS)}")
+    return kind  # type: ignore[return-value]
+
+
+def _dist_of(ep: importlib.metadata.EntryPoint) -> str | None:
+    dist = getattr(ep, "dist", None)
+    if dist is None:
+        return None
+    return f"{dist.metadata['Name']} {dist.version}"

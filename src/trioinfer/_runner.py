@@ -1,0 +1,391 @@
+"""One model's request path: admission, scheduler, batcher, instance workers, completion.
+
+A :class:`ModelRunner` runs inside the engine's task group. It owns its
+model's queue and one worker task per backend instance; each worker, when its
+instance is free, asks the batcher for the next batch, drops requests whose
+deadline passed, runs the batch through the fallback plugin on its instance,
+and hands each caller its share of the outputs or an error.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any, final
+
+import anyio
+import anyio.abc
+import attrs
+import numpy as np
+
+from ._config import ModelConfig
+from ._exceptions import (
+    BackendError,
+    DeadlineExceeded,
+    EngineClosed,
+    PluginError,
+    QueueFull,
+    TrioInferError,
+)
+from ._request import Outputs, Request, Status
+from ._tensors import ModelSignature
+from .abc import BackendInstance, Batcher, Fallback, Scheduler
+
+#: How long closing instances may take at shutdown before we stop waiting.
+CLEANUP_S = 10.0
+
+
+@final
+class RequestQueue:
+    """A model's waiting requests, as a batcher sees them.
+
+    It hands out requests in the scheduler's order and fails those whose
+    deadline passed instead of handing them out, so no batcher can send an
+    expired request to a backend. Only the engine creates it.
+    """
+
+    __slots__ = ("_on_expired", "_scheduler", "_wakeup")
+
+    def __init__(self, scheduler: Scheduler, on_expired: Any) -> None:
+        self._scheduler = scheduler
+        self._on_expired = on_expired
+        self._wakeup: anyio.Event | None = None
+
+    def __len__(self) -> int:
+        """Requests waiting (some may have expired and not yet been dropped)."""
+        return len(self._scheduler)
+
+    async def wait_not_empty(self) -> None:
+        """Wait until at least one request is waiting."""
+        while not len(self._scheduler):
+            if self._wakeup is None:
+                self._wakeup = anyio.Event()
+            await self._wakeup.wait()
+
+    def pop_nowait(self) -> Request:
+        """Take the next live request in the scheduler's order.
+
+        Requests whose deadline has passed are failed with
+        :class:`~trioinfer.DeadlineExceeded` on the way and never returned.
+
+        Raises:
+            anyio.WouldBlock: If no live request is waiting.
+        """
+        now = anyio.current_time()
+        while len(self._scheduler):
+            request = self._scheduler.pop()
+            if request.deadline > now:
+                return request
+            self._on_expired(request, now)
+        raise anyio.WouldBlock
+
+    def put_back(self, requests: Sequence[Request]) -> None:
+        """Return requests taken for a batch that was not dispatched (e.g. cancelled)."""
+        for request in requests:
+            if request.status is Status.QUEUED:
+                self._push(request)
+
+    def _push(self, request: Request) -> None:
+        self._scheduler.push(request)
+        if self._wakeup is not None:
+            self._wakeup.set()
+            self._wakeup = None
+
+    def _remove(self, request: Request) -> None:
+        self._scheduler.remove(request)
+
+
+@attrs.frozen
+class ModelStatistics:
+    """A snapshot of one model's counters (see :meth:`Engine.statistics`).
+
+    Attributes:
+        name: The model.
+        devices: Where each instance really runs.
+        queued: Requests waiting now.
+        in_flight: Requests accepted and not yet ended (queued or running).
+        succeeded: Requests that got outputs.
+        failed: Requests that ended with an error (backend, deadline, shutdown).
+        cancelled: Requests whose caller gave up before they ended.
+        refused: Requests refused at admission because the queue was full.
+        expired: Requests dropped because their deadline passed before they ran.
+        executions: Backend executions (batches) started.
+        mean_execution_s: Moving average of a batch's execution time.
+    """
+
+    name: str
+    devices: tuple[str, ...]
+    queued: int
+    in_flight: int
+    succeeded: int
+    failed: int
+    cancelled: int
+    refused: int
+    expired: int
+    executions: int
+    mean_execution_s: float
+
+
+@attrs.define(eq=False)
+class _Running:
+    # One executing batch: its scope, and how many of its callers still wait.
+    scope: anyio.CancelScope
+    waiting: int
+
+
+@final
+@attrs.define(eq=False)
+class ModelRunner:
+    """The tasks and state that serve one loaded model. Created by the engine only."""
+
+    config: ModelConfig
+    _scheduler: Scheduler = attrs.field(alias="scheduler")
+    _batcher: Batcher = attrs.field(alias="batcher")
+    _fallback: Fallback = attrs.field(alias="fallback")
+    _instances: list[BackendInstance] = attrs.field(alias="instances")
+    queue: RequestQueue = attrs.field(init=False)
+    signature: ModelSignature = attrs.field(init=False)
+    closed: bool = attrs.field(default=False, init=False)
+    _scope: anyio.CancelScope = attrs.field(factory=anyio.CancelScope, init=False)
+    _finished: anyio.Event = attrs.field(factory=anyio.Event, init=False)
+    _idle: anyio.Event | None = attrs.field(default=None, init=False)
+    _forming: anyio.Lock = attrs.field(factory=anyio.Lock, init=False)
+    _in_flight: set[Request] = attrs.field(factory=set, init=False)
+    _counts: dict[str, int] = attrs.field(factory=dict, init=False)
+    _mean_execution_s: float = attrs.field(default=0.0, init=False)
+
+    def __attrs_post_init__(self) -> None:
+        self.queue = RequestQueue(self._scheduler, self._expire)
+        self.signature = self._instances[0].signature
+
+    @property
+    def devices(self) -> tuple[str, ...]:
+        """Where each instance really runs."""
+        return tuple(instance.device for instance in self._instances)
+
+    # -- the tasks ---------------------------------------------------------------
+
+    async def run(self, *, task_status: anyio.abc.TaskStatus[None]) -> None:
+        """Run the instance workers until cancelled; then fail what is left and close."""
+        try:
+            with self._scope:
+                async with anyio.create_task_group() as tg:
+                    for instance in self._instances:
+                        tg.start_soon(self._worker, instance)
+                    task_status.started()
+        finally:
+            self.closed = True
+            for request in list(self._in_flight):
+                self._finish(
+                    request,
+                    error=EngineClosed(
+                        f"model {self.config.name!r} was unloaded or the engine closed "
+                        f"before request {request.id!r} ended"
+                    ),
+                )
+            await close_instances(self._instances)
+            self._finished.set()
+
+    async def _worker(self, instance: BackendInstance) -> None:
+        while True:
+            async with self._forming:
+                batch = await self._batcher.next_batch(self.queue)
+            if not batch:
+                raise PluginError(f"batcher of model {self.config.name!r} returned an empty batch")
+            await self._execute(instance, batch)
+
+    async def _execute(self, instance: BackendInstance, batch: Sequence[Request]) -> None:
+        now = anyio.current_time()
+        live: list[Request] = []
+        for request in batch:
+            if request.status is not Status.QUEUED:
+                continue
+            if request.deadline <= now:
+                self._expire(request, now)
+            else:
+                live.append(request)
+        if not live:
+            return
+        if len(live) > 1 and not self.signature.batched:
+            raise PluginError(
+                f"batcher of model {self.config.name!r} grouped {len(live)} requests, but the "
+                "model has no batch dimension"
+            )
+        running = _Running(anyio.CancelScope(), len(live))
+        for request in live:
+            request._state.status = Status.RUNNING
+            request._state.batch = running
+        inputs = live[0].inputs if len(live) == 1 else _concatenate(live)
+        self._count("executions")
+        started = anyio.current_time()
+        try:
+            with running.scope:
+                outputs = await self._fallback.execute(live, lambda: instance.execute(inputs))
+        except Exception as exc:
+            for request in live:
+                self._finish(request, error=_backend_error(self.config.name, request, exc))
+            return
+        finally:
+            elapsed = anyio.current_time() - started
+            self._mean_execution_s += 0.2 * (elapsed - self._mean_execution_s)
+        if running.scope.cancelled_caught:
+            return  # every caller left; their requests ended when they did
+        for request, share in zip(live, _split(outputs, live), strict=True):
+            self._finish(request, outputs=share)
+
+    # -- called from callers' tasks ----------------------------------------------
+
+    async def call(self, request: Request) -> Outputs:
+        """Admit *request*, wait for it to end, and return its outputs or raise its error."""
+        state = request._state
+        state.done = anyio.Event()
+        if len(self.queue) >= self.config.max_queue_size:
+            self._count("refused")
+            raise QueueFull(
+                f"model {self.config.name!r} has {len(self.queue)} requests queued, its "
+                f"max_queue_size; retry later",
+                retry_after=self.retry_after(),
+            )
+        self._in_flight.add(request)
+        self.queue._push(request)
+        try:
+            await state.done.wait()
+        except anyio.get_cancelled_exc_class():
+            self._withdraw(request)
+            raise
+        if state.error is not None:
+            raise state.error
+        assert state.outputs is not None
+        return state.outputs
+
+    def _withdraw(self, request: Request) -> None:
+        state = request._state
+        if state.status is Status.DONE:
+            return
+        state.abandoned = True
+        if state.status is Status.QUEUED:
+            self.queue._remove(request)
+        elif state.status is Status.RUNNING:
+            running: _Running = state.batch
+            running.waiting -= 1
+            if running.waiting == 0:
+                # Nobody waits for this execution any more: abort it in the backend.
+                running.scope.cancel()
+        self._count("cancelled")
+        self._end(request)
+
+    # -- ending requests -----------------------------------------------------------
+
+    def _expire(self, request: Request, now: float) -> None:
+        self._count("expired")
+        self._finish(
+            request,
+            error=DeadlineExceeded(
+                f"request {request.id!r} for model {self.config.name!r} reached its deadline "
+                f"after {now - request.arrival:.3f}s in the queue; nothing was computed"
+            ),
+        )
+
+    def _finish(
+        self, request: Request, *, outputs: Outputs | None = None, error: BaseException | None = None
+    ) -> None:
+        state = request._state
+        if state.status is Status.DONE:
+            return
+        if state.status is Status.QUEUED:
+            self.queue._remove(request)
+        state.outputs, state.error = outputs, error
+        self._count("failed" if error is not None else "succeeded")
+        self._end(request)
+
+    def _end(self, request: Request) -> None:
+        state = request._state
+        state.status = Status.DONE
+        state.batch = None
+        if state.done is not None:
+            state.done.set()
+        self._in_flight.discard(request)
+        if not self._in_flight and self._idle is not None:
+            self._idle.set()
+            self._idle = None
+
+    def _count(self, what: str) -> None:
+        self._counts[what] = self._counts.get(what, 0) + 1
+
+    # -- engine-facing -------------------------------------------------------------
+
+    async def wait_idle(self) -> None:
+        """Wait until no request is queued or running."""
+        while self._in_flight:
+            if self._idle is None:
+                self._idle = anyio.Event()
+            await self._idle.wait()
+
+    async def stop(self) -> None:
+        """Cancel the workers, fail what is left, close the instances, and wait for all that."""
+        self._scope.cancel()
+        await self._finished.wait()
+
+    def retry_after(self) -> float:
+        """A guess at when a refused request could be admitted, in seconds."""
+        per_batch = self._mean_execution_s or 0.001
+        return max(0.001, math.ceil(len(self.queue) / len(self._instances)) * per_batch)
+
+    def statistics(self) -> ModelStatistics:
+        """A snapshot of this model's counters."""
+        c = self._counts
+        return ModelStatistics(
+            name=self.config.name,
+            devices=self.devices,
+            queued=len(self.queue),
+            in_flight=len(self._in_flight),
+            succeeded=c.get("succeeded", 0),
+            failed=c.get("failed", 0),
+            cancelled=c.get("cancelled", 0),
+            refused=c.get("refused", 0),
+            expired=c.get("expired", 0),
+            executions=c.get("executions", 0),
+            mean_execution_s=self._mean_execution_s,
+        )
+
+
+async def close_instances(instances: Sequence[BackendInstance]) -> None:
+    """Close every instance, shielded from cancellation and bounded by :data:`CLEANUP_S`."""
+    with anyio.move_on_after(CLEANUP_S, shield=True):
+        for instance in instances:
+            try:
+                await instance.aclose()
+            except Exception:  # noqa: S110  # one broken instance must not keep the rest open
+                pass
+
+
+def _backend_error(model: str, request: Request, exc: Exception) -> TrioInferError:
+    # Each caller gets its own exception object: one object raised in several
+    # tasks would collect all their tracebacks.
+    if isinstance(exc, TrioInferError):
+        error = type(exc).__new__(type(exc))
+        error.__dict__.update(exc.__dict__)
+        error.args = exc.args
+    else:
+        error = BackendError(
+            f"model {model!r} failed on request {request.id!r}: {type(exc).__name__}: {exc}"
+        )
+    error.__cause__ = exc
+    return error
+
+
+def _concatenate(requests: Sequence[Request]) -> dict[str, np.ndarray[Any, Any]]:
+    names = requests[0].inputs.keys()
+    return {name: np.concatenate([r.inputs[name] for r in requests]) for name in names}
+
+
+def _split(outputs: Outputs, requests: Sequence[Request]) -> list[Outputs]:
+    if len(requests) == 1:
+        return [outputs]
+    shares: list[Outputs] = [{} for _ in requests]
+    for name, array in outputs.items():
+        start = 0
+        for share, request in zip(shares, requests, strict=True):
+            share[name] = array[start : start + request.rows]
+            start += request.rows
+    return shares

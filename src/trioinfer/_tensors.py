@@ -1,0 +1,263 @@
+"""Tensor signatures and the checks that run on inputs before they queue.
+
+A backend reports its model's signature as :class:`ModelSignature`; the engine
+checks every request against it (names, dtypes, ranks, fixed and symbolic
+dims, element caps) before the request can take a place in a queue, so a bad
+request costs neither queue space nor compute.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any, Literal
+
+import attrs
+import numpy as np
+
+from ._exceptions import InvalidInput
+
+#: A dimension: a fixed size, a symbolic name shared between tensors, or ``None`` (unknown).
+Dim = int | str | None
+
+#: How far the engine may convert an input's dtype to the model's (numpy casting rules).
+Casting = Literal["no", "safe", "same_kind"]
+
+# ONNX tensor element types, as ONNX Runtime spells them, with their numpy dtypes.
+_ONNX_TO_NUMPY: dict[str, np.dtype[Any]] = {
+    "tensor(float)": np.dtype(np.float32),
+    "tensor(double)": np.dtype(np.float64),
+    "tensor(float16)": np.dtype(np.float16),
+    "tensor(int8)": np.dtype(np.int8),
+    "tensor(int16)": np.dtype(np.int16),
+    "tensor(int32)": np.dtype(np.int32),
+    "tensor(int64)": np.dtype(np.int64),
+    "tensor(uint8)": np.dtype(np.uint8),
+    "tensor(uint16)": np.dtype(np.uint16),
+    "tensor(uint32)": np.dtype(np.uint32),
+    "tensor(uint64)": np.dtype(np.uint64),
+    "tensor(bool)": np.dtype(np.bool_),
+    "tensor(string)": np.dtype(np.object_),
+}
+
+
+def numpy_dtype(onnx_type: str) -> np.dtype[Any] | None:
+    """Return the numpy dtype for an ONNX Runtime type string such as ``"tensor(float)"``.
+
+    Returns ``None`` for element types numpy cannot hold (e.g. ``tensor(bfloat16)``).
+    """
+    return _ONNX_TO_NUMPY.get(onnx_type)
+
+
+@attrs.frozen
+class TensorSpec:
+    """One input or output of a model.
+
+    Attributes:
+        name: The tensor's name in the model.
+        dtype: The numpy dtype callers pass or receive (``object`` for strings), or
+            ``None`` when the element type has no numpy equivalent.
+        shape: One entry per dimension: an int for a fixed size, a str for a symbolic
+            size (the same name means the same size across the model's tensors), or
+            ``None`` for a size the model leaves open.
+        type_name: The element type as the backend spells it, e.g. ``"tensor(float)"``.
+    """
+
+    name: str
+    dtype: np.dtype[Any] | None
+    shape: tuple[Dim, ...]
+    type_name: str = ""
+
+    @property
+    def rank(self) -> int:
+        """The number of dimensions."""
+        return len(self.shape)
+
+    def describe(self) -> str:
+        """Say the spec in a form fit for an error message, e.g. ``float32[batch, 64]``."""
+        dims = ", ".join("?" if d is None else str(d) for d in self.shape)
+        dtype = self.dtype.name if self.dtype is not None else self.type_name
+        return f"{dtype}[{dims}]"
+
+
+@attrs.frozen
+class ModelSignature:
+    """The inputs and outputs of a loaded model, in the model's order."""
+
+    inputs: tuple[TensorSpec, ...]
+    outputs: tuple[TensorSpec, ...]
+
+    def input(self, name: str) -> TensorSpec:
+        """Return the input called *name*; raises ``KeyError`` if there is none."""
+        for spec in self.inputs:
+            if spec.name == name:
+                return spec
+        raise KeyError(name)
+
+    def output(self, name: str) -> TensorSpec:
+        """Return the output called *name*; raises ``KeyError`` if there is none."""
+        for spec in self.outputs:
+            if spec.name == name:
+                return spec
+        raise KeyError(name)
+
+    @property
+    def batched(self) -> bool:
+        """Whether every input and output has a variable first dimension (a batch dim)."""
+        tensors = self.inputs + self.outputs
+        return bool(tensors) and all(t.rank >= 1 and not isinstance(t.shape[0], int) for t in tensors)
+
+
+@attrs.frozen
+class InputLimits:
+    """Caps checked before any input is copied or queued.
+
+    Attributes:
+        max_elements_per_input: Most elements one input tensor may hold.
+        max_elements_per_request: Most elements all of a request's inputs may hold together.
+        casting: Which dtype conversions the engine may make (numpy casting rule);
+            ``"no"`` refuses any input whose dtype differs from the model's.
+    """
+
+    max_elements_per_input: int = 1 << 26
+    max_elements_per_request: int = 1 << 27
+    casting: Casting = "no"
+
+
+def validate_inputs(
+    model: str, signature: ModelSignature, inputs: object, limits: InputLimits
+) -> dict[str, np.ndarray[Any, Any]]:
+    """Check *inputs* against *signature* and return them as numpy arrays.
+
+    Checks names (missing, unknown), element caps (before converting anything
+    that is not already an array), dtypes (no conversion beyond ``limits.casting``),
+    ranks, fixed dims, and that a symbolic dim has one size across all inputs
+    (so inputs that disagree on the batch size are refused).
+
+    Raises:
+        InvalidInput: With a message naming the input, what it was and what the
+            model expects.
+    """
+    if not isinstance(inputs, Mapping):
+        raise InvalidInput(
+            f"inputs for model {model!r} must be a mapping of input name to array, "
+            f"got {type(inputs).__name__}"
+        )
+    expected = {spec.name for spec in signature.inputs}
+    given = set(inputs)
+    unknown = sorted(map(str, given - expected))
+    if unknown:
+        raise InvalidInput(
+            f"model {model!r} has no input named {', '.join(map(repr, unknown))}; "
+            f"its inputs are {_names(signature.inputs)}"
+        )
+    missing = sorted(expected - given)
+    if missing:
+        raise InvalidInput(
+            f"model {model!r} needs input {', '.join(map(repr, missing))}; "
+            f"its inputs are {_names(signature.inputs)}"
+        )
+
+    arrays: dict[str, np.ndarray[Any, Any]] = {}
+    total = 0
+    symbols: dict[str, tuple[int, str]] = {}
+    batch: tuple[int, str] | None = None
+    batched = signature.batched
+    for spec in signature.inputs:
+        value = inputs[spec.name]
+        array = _as_array(model, spec, value, limits)
+        total += array.size
+        if total > limits.max_elements_per_request:
+            raise InvalidInput(
+                f"request for model {model!r} holds more than "
+                f"{limits.max_elements_per_request} elements in all; send fewer rows per request"
+            )
+        if array.ndim != spec.rank:
+            raise InvalidInput(
+                f"input {spec.name!r} of model {model!r} has shape {list(array.shape)} "
+                f"(rank {array.ndim}); the model expects {spec.describe()} (rank {spec.rank})"
+            )
+        for axis, (size, dim) in enumerate(zip(array.shape, spec.shape, strict=True)):
+            if isinstance(dim, int) and size != dim:
+                raise InvalidInput(
+                    f"input {spec.name!r} of model {model!r} has size {size} in dimension "
+                    f"{axis}; the model expects {spec.describe()}"
+                )
+            if isinstance(dim, str):
+                seen = symbols.setdefault(dim, (size, spec.name))
+                if seen[0] != size:
+                    raise InvalidInput(
+                        f"inputs of model {model!r} disagree on dimension {dim!r}: "
+                        f"{seen[1]!r} has {seen[0]}, {spec.name!r} has {size}"
+                    )
+        if batched:
+            rows = array.shape[0]
+            if rows == 0:
+                raise InvalidInput(
+                    f"input {spec.name!r} of model {model!r} has 0 rows; send at least one"
+                )
+            batch = batch or (rows, spec.name)
+            if rows != batch[0]:
+                raise InvalidInput(
+                    f"inputs of model {model!r} disagree on the batch size: "
+                    f"{batch[1]!r} has {batch[0]} rows, {spec.name!r} has {rows}"
+                )
+        arrays[spec.name] = array
+    return arrays
+
+
+def _as_array(
+    model: str, spec: TensorSpec, value: object, limits: InputLimits
+) -> np.ndarray[Any, Any]:
+    where = f"input {spec.name!r} of model {model!r}"
+    if isinstance(value, np.ndarray):
+        array = value
+    elif isinstance(value, (list, tuple, int, float, bool, str, np.generic)):
+        # Conversion allocates; cap what a nested list could expand to afterwards.
+        try:
+            array = np.asarray(value)
+        except ValueError as exc:
+            raise InvalidInput(f"{where} is not a rectangular array: {exc}") from None
+    else:
+        raise InvalidInput(
+            f"{where} must be a numpy array (or a nested list), got {type(value).__name__}"
+        )
+    if array.size > limits.max_elements_per_input:
+        raise InvalidInput(
+            f"{where} has {array.size} elements; at most {limits.max_elements_per_input} "
+            "are allowed per input"
+        )
+    want = spec.dtype
+    if want is None:
+        raise InvalidInput(f"{where} has element type {spec.type_name}, which numpy cannot hold")
+    if array.dtype == want:
+        return array
+    if want == np.object_ and array.dtype.kind in "US":
+        # Strings arrive as numpy unicode/bytes arrays; ONNX Runtime takes them as objects.
+        return array.astype(object)
+    if limits.casting != "no" and np.can_cast(array.dtype, want, casting=limits.casting):
+        return array.astype(want)
+    hint = (
+        f"convert it with .astype(numpy.{want.name})"
+        if limits.casting == "no"
+        else f"the configured casting {limits.casting!r} does not allow that conversion"
+    )
+    raise InvalidInput(
+        f"{where} has dtype {array.dtype.name}; the model expects {spec.describe()} ({hint})"
+    )
+
+
+def _names(specs: tuple[TensorSpec, ...]) -> str:
+    return ", ".join(f"{s.name!r} {s.describe()}" for s in specs) or "(none)"
+
+
+def rows(arrays: Mapping[str, np.ndarray[Any, Any]]) -> int:
+    """The batch size of a set of validated, batched inputs (1 for inputs without rows)."""
+    for array in arrays.values():
+        return int(array.shape[0]) if array.ndim else 1
+    return 1
+
+
+def elements(shape: tuple[int, ...]) -> int:
+    """The number of elements of *shape* (1 for a scalar)."""
+    return math.prod(shape)

@@ -1,0 +1,180 @@
+"""Leaving the event loop for blocking compute, and coming back, on Trio or asyncio.
+
+Backends use these so that the event loop never waits on compute, and so that
+a cancelled caller aborts the computation (where the runtime can) instead of
+leaving it running with nobody waiting.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import queue
+import threading
+from collections.abc import Callable
+from typing import Any, Generic, TypeVar, final
+
+import anyio
+import anyio.lowlevel
+import sniffio
+
+T = TypeVar("T")
+
+#: Runs a callable on the event loop's thread, soon; callable from any thread.
+Waker = Callable[[Callable[[], object]], None]
+
+
+def current_waker() -> Waker:
+    """Return a function that schedules a callable on the running event loop from any thread.
+
+    It never blocks the calling thread: Trio's ``TrioToken.run_sync_soon`` or
+    asyncio's ``loop.call_soon_threadsafe``.
+    """
+    if sniffio.current_async_library() == "trio":
+        import trio
+
+        return trio.lowlevel.current_trio_token().run_sync_soon
+    return asyncio.get_running_loop().call_soon_threadsafe
+
+
+@final
+class _Resolver(Generic[T]):
+    # Carries one result from a foreign thread back to the waiting task.
+    __slots__ = ("_event", "_waker", "error", "ready", "value")
+
+    def __init__(self, waker: Waker) -> None:
+        self._event = anyio.Event()
+        self._waker = waker
+        self.value: T | None = None
+        self.error: BaseException | None = None
+        self.ready = False
+
+    def __call__(self, value: T | None, error: BaseException | None = None) -> None:
+        self.value, self.error, self.ready = value, error, True
+        try:
+            self._waker(self._event.set)
+        except RuntimeError:
+            # The event loop has finished: nobody is left to wake.
+            pass
+
+    async def wait(self, abort: Callable[[], object] | None) -> T:
+        try:
+            await self._event.wait()
+        except anyio.get_cancelled_exc_class():
+            if abort is not None and not self.ready:
+                abort()
+            # The operation still holds our buffers (and the instance): wait it out.
+            with anyio.CancelScope(shield=True):
+                await self._event.wait()
+            raise
+        if self.error is not None:
+            raise self.error
+        return self.value  # type: ignore[return-value]
+
+
+async def wait_on_callback(
+    start: Callable[[Callable[[T | None, BaseException | None], None]], object],
+    *,
+    abort: Callable[[], object] | None = None,
+) -> T:
+    """Start an operation that reports through a callback, and wait for the report.
+
+    ``start(resolve)`` must launch the operation and return at once; the
+    operation then calls ``resolve(value, None)`` or ``resolve(None, error)``
+    exactly once, from any thread. If the waiting task is cancelled, *abort* is
+    called (to ask the operation to stop early), the task still waits for the
+    report, and then ``Cancelled`` propagates, so nothing is left running.
+    """
+    await anyio.lowlevel.checkpoint_if_cancelled()
+    resolver: _Resolver[T] = _Resolver(current_waker())
+    start(resolver)
+    return await resolver.wait(abort)
+
+
+@final
+class WorkerThread:
+    """A dedicated OS thread that runs blocking calls, one at a time, for async code.
+
+    Cheaper per call than a thread pool (no per-call thread hand-out), and
+    lets a backend pin its compute to chosen CPUs. Create it with
+    :meth:`start`; stop it with :meth:`aclose`, which joins the thread.
+    """
+
+    __slots__ = ("_closed", "_jobs", "_thread")
+
+    def __init__(self, thread: threading.Thread, jobs: queue.SimpleQueue[Any]) -> None:
+        self._thread = thread
+        self._jobs = jobs
+        self._closed = False
+
+    @classmethod
+    async def start(cls, name: str, *, cpu_affinity: tuple[int, ...] | None = None) -> WorkerThread:
+        """Start a worker thread called *name*, pinned to *cpu_affinity* if given (Linux).
+
+        Raises:
+            OSError: If the affinity cannot be applied (no such CPU, or not Linux).
+        """
+        jobs: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        ready: _Resolver[None] = _Resolver(current_waker())
+        thread = threading.Thread(
+            target=_serve, args=(jobs, cpu_affinity, ready), name=name, daemon=True
+        )
+        thread.start()
+        await ready.wait(None)
+        return cls(thread, jobs)
+
+    @property
+    def name(self) -> str:
+        """The thread's name."""
+        return self._thread.name
+
+    async def run_sync(
+        self, fn: Callable[..., T], *args: object, abort: Callable[[], object] | None = None
+    ) -> T:
+        """Run ``fn(*args)`` in the thread and return its result (or raise its exception).
+
+        On cancellation, *abort* is called from the event loop's thread, the call
+        is waited for, then ``Cancelled`` propagates.
+
+        Raises:
+            anyio.ClosedResourceError: After :meth:`aclose`.
+        """
+        if self._closed:
+            raise anyio.ClosedResourceError(f"worker thread {self.name!r} is closed")
+        return await wait_on_callback(lambda resolve: self._jobs.put((fn, args, resolve)), abort=abort)
+
+    async def aclose(self) -> None:
+        """Let the thread finish its current call, then stop and join it. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        done: _Resolver[None] = _Resolver(current_waker())
+        self._jobs.put((None, (), done))
+        with anyio.CancelScope(shield=True):
+            await done.wait(None)
+        self._thread.join()
+
+
+def _serve(
+    jobs: queue.SimpleQueue[Any],
+    cpu_affinity: tuple[int, ...] | None,
+    ready: _Resolver[None],
+) -> None:
+    try:
+        if cpu_affinity is not None:
+            os.sched_setaffinity(0, cpu_affinity)
+    except (OSError, AttributeError) as exc:
+        ready(None, OSError(f"cannot pin a thread to CPUs {list(cpu_affinity or ())}: {exc}"))
+        return
+    ready(None)
+    while True:
+        fn, args, resolve = jobs.get()
+        if fn is None:
+            resolve(None)
+            return
+        try:
+            resolve(fn(*args))
+        except BaseException as exc:
+            resolve(None, exc)
+        # Drop references so that this frame keeps no inputs or outputs alive while idle.
+        del fn, args, resolve

@@ -1,0 +1,162 @@
+"""The plugin contracts: what a backend, scheduler, batcher or fallback must do.
+
+Each contract is a :class:`typing.Protocol`; each method's docstring is its
+spec: when the engine calls it, whether it may block, what it raises. A plugin
+is an object the registry gets by calling the entry point's target with no
+arguments (backends, fallbacks) or with the model's ``*_options`` as keyword
+arguments (schedulers, batchers, fallbacks); a class is the usual target.
+Conformance checks for each contract are in :mod:`trioinfer.testing`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+
+import numpy as np
+
+from ._config import ModelConfig, Placement
+from ._request import Request
+from ._tensors import ModelSignature
+
+if TYPE_CHECKING:
+    from ._runner import RequestQueue
+
+__all__ = [
+    "Backend",
+    "BackendInstance",
+    "Batcher",
+    "Fallback",
+    "Scheduler",
+]
+
+Arrays = Mapping[str, np.ndarray[Any, Any]]
+
+
+@runtime_checkable
+class BackendInstance(Protocol):
+    """One loaded copy of a model on one device: a session, in ONNX Runtime's terms.
+
+    The engine calls :meth:`execute` for one batch at a time per instance (it
+    never overlaps two calls on the same instance) and :meth:`aclose` once,
+    after the last call has returned.
+    """
+
+    @property
+    def signature(self) -> ModelSignature:
+        """The model's inputs and outputs, read from the loaded model."""
+        ...
+
+    @property
+    def device(self) -> str:
+        """Where the instance really runs, e.g. ``"cpu"`` after a fallback from ``"cuda:0"``."""
+        ...
+
+    async def execute(self, inputs: Arrays) -> dict[str, np.ndarray[Any, Any]]:
+        """Run the model once and return every output by name.
+
+        *inputs* are already validated against :attr:`signature`. Blocking
+        compute must run off the event loop (a worker thread, or the runtime's
+        own asynchronous call); the event loop never waits on compute.
+
+        Runs under the caller's cancel scope and sets no timeout of its own.
+        When cancelled, abort the computation where the runtime allows it, wait
+        until the instance can take the next call, then let ``Cancelled``
+        propagate.
+
+        Raises:
+            BackendError: For any failure of the runtime, with the cause chained.
+        """
+        ...
+
+    async def aclose(self) -> None:
+        """Release the instance's resources (threads, sessions, device memory).
+
+        Called once, after the last :meth:`execute` returned; must not raise for
+        a healthy instance. Later :meth:`execute` calls raise ``BackendError``.
+        """
+        ...
+
+
+@runtime_checkable
+class Backend(Protocol):
+    """A backend plugin: loads model instances onto devices."""
+
+    async def load(self, config: ModelConfig, placement: Placement) -> BackendInstance:
+        """Load one instance of *config*'s model where *placement* says.
+
+        May take long (reading files, building sessions); blocking work must run
+        off the event loop. If ``placement.device`` is not usable, fall back to
+        the CPU when ``placement.cpu_fallback`` allows it (and report the real
+        device in :attr:`BackendInstance.device`), else raise.
+
+        Raises:
+            BackendUnavailable: The device cannot be used and no fallback is allowed.
+            ConfigError: ``config.backend_options`` holds options the backend refuses.
+            BackendError: The model could not be loaded (missing or invalid file).
+        """
+        ...
+
+
+@runtime_checkable
+class Scheduler(Protocol):
+    """A queue discipline: decides which waiting request runs next.
+
+    Called only from the event loop's thread, never concurrently; no method may
+    block or await. Requests hash by identity.
+    """
+
+    def push(self, request: Request) -> None:
+        """Add a request that was just admitted."""
+        ...
+
+    def pop(self) -> Request:
+        """Remove and return the request that should run next.
+
+        Raises:
+            IndexError: If the scheduler holds no request.
+        """
+        ...
+
+    def remove(self, request: Request) -> bool:
+        """Remove *request* if it is held (its caller gave up); return whether it was.
+
+        Must not scan the whole queue: cancelling is as common as running.
+        """
+        ...
+
+    def __len__(self) -> int:
+        """The number of requests held."""
+        ...
+
+
+@runtime_checkable
+class Batcher(Protocol):
+    """Decides when to dispatch and which requests go together."""
+
+    async def next_batch(self, queue: RequestQueue) -> Sequence[Request]:
+        """Wait until a batch should be dispatched and return its requests (at least one).
+
+        Take requests only through *queue*, in the order it gives them (the
+        scheduler's order). Called by one instance worker at a time, when that
+        instance is free. May be cancelled at any await; requests already taken
+        must then be given back with :meth:`RequestQueue.put_back`.
+        """
+        ...
+
+
+@runtime_checkable
+class Fallback(Protocol):
+    """Middleware around one batch's execution: retry, fail over, short-circuit."""
+
+    async def execute(
+        self,
+        requests: Sequence[Request],
+        call: Callable[[], Awaitable[dict[str, np.ndarray[Any, Any]]]],
+    ) -> dict[str, np.ndarray[Any, Any]]:
+        """Produce the outputs for *requests*, normally by awaiting ``call()``.
+
+        *call* executes the batch on the instance the engine chose. Must not
+        swallow cancellation; may raise ``BackendError`` (or a subclass).
+        """
+        ...
