@@ -92,15 +92,10 @@ class OnnxRuntimeBackend:
             BackendError: The model file is missing or ONNX Runtime refuses it.
         """
         options = _check_options(config, placement)
-        path = Path(config.path)
-        if not path.is_file():
-            raise BackendError(f"model {config.name!r}: no model file at {path}")
         name = f"trioinfer-{config.name}-{placement.index}"
         worker = await WorkerThread.start(name, cpu_affinity=placement.cpu_affinity)
         try:
-            session, device = await worker.run_sync(
-                _create_session, config, placement, options, path
-            )
+            session, device = await worker.run_sync(_create_session, config, placement, options)
         except BaseException:
             await worker.aclose()
             raise
@@ -111,7 +106,16 @@ class OnnxRuntimeBackend:
 class OnnxRuntimeInstance:
     """One ONNX Runtime session and the worker thread that runs it."""
 
-    __slots__ = ("_closed", "_device", "_dispatch", "_outputs", "_session", "_signature", "_worker")
+    __slots__ = (
+        "_closed",
+        "_device",
+        "_dispatch",
+        "_outputs",
+        "_session",
+        "_signature",
+        "_worker",
+        "aborted",
+    )
 
     def __init__(self, session: Any, device: str, worker: WorkerThread, dispatch: str) -> None:
         self._session = session
@@ -121,6 +125,8 @@ class OnnxRuntimeInstance:
         self._signature = _signature(session)
         self._outputs = [spec.name for spec in self._signature.outputs]
         self._closed = False
+        #: Executions that ONNX Runtime cut short because their caller was cancelled.
+        self.aborted = 0
 
     @property
     def signature(self) -> ModelSignature:
@@ -150,13 +156,14 @@ class OnnxRuntimeInstance:
         try:
             if self._dispatch == "thread":
                 values = await self._worker.run_sync(
-                    session.run, self._outputs, inputs, run_options, abort=abort
+                    self._run, session, inputs, run_options, abort=abort
                 )
             else:
 
                 def start(resolve: Any) -> None:
                     def done(values: Any, _user_data: object, error: str) -> None:
                         if error:
+                            self._count_abort(run_options)
                             resolve(None, RuntimeError(error))
                         else:
                             resolve(values, None)
@@ -165,10 +172,20 @@ class OnnxRuntimeInstance:
 
                 values = await wait_on_callback(start, abort=abort)
         except Exception as exc:
-            raise BackendError(
-                f"ONNX Runtime failed on {self._device}: {_one_line(exc)}"
-            ) from exc
+            raise BackendError(f"ONNX Runtime failed on {self._device}: {_one_line(exc)}") from exc
         return dict(zip(self._outputs, values, strict=True))
+
+    def _run(self, session: Any, inputs: Any, run_options: Any) -> Any:
+        # Runs on the worker thread.
+        try:
+            return session.run(self._outputs, inputs, run_options)
+        except Exception:
+            self._count_abort(run_options)
+            raise
+
+    def _count_abort(self, run_options: Any) -> None:
+        if run_options.terminate:
+            self.aborted += 1
 
     async def aclose(self) -> None:
         """Drop the session and join the worker thread. Idempotent."""
@@ -213,7 +230,9 @@ def _check_options(config: ModelConfig, placement: Placement) -> dict[str, Any]:
     for key in ("inter_op_threads", "log_severity"):
         value = options.get(key, 0)
         if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-            raise ConfigError(f"model {config.name!r}: {key} must be an integer >= 0, got {value!r}")
+            raise ConfigError(
+                f"model {config.name!r}: {key} must be an integer >= 0, got {value!r}"
+            )
     if not 0 <= options.setdefault("log_severity", 3) <= 4:
         raise ConfigError(f"model {config.name!r}: log_severity must be 0-4")
     for key in ("enable_mem_arena", "enable_mem_pattern"):
@@ -226,9 +245,12 @@ def _check_options(config: ModelConfig, placement: Placement) -> dict[str, Any]:
 
 
 def _create_session(
-    config: ModelConfig, placement: Placement, options: dict[str, Any], path: Path
+    config: ModelConfig, placement: Placement, options: dict[str, Any]
 ) -> tuple[Any, str]:
     ort = _ort()
+    path = Path(config.path)
+    if not path.is_file():
+        raise BackendError(f"model {config.name!r}: no model file at {path}")
     device = placement.device
     reason = probe_device(device)
     if reason is not None:
@@ -324,9 +346,7 @@ def _probe(device: Device) -> str | None:
                 with contextlib.suppress(Exception):
                     ort.preload_dlls()
             try:
-                session = ort.InferenceSession(
-                    _trial_model(), providers=_providers(device, {})[:1]
-                )
+                session = ort.InferenceSession(_trial_model(), providers=_providers(device, {})[:1])
             except Exception as exc:
                 return _one_line(exc)
     finally:

@@ -191,9 +191,7 @@ class ModelConfig:
 
     name: str = attrs.field(validator=_check_name)
     path: Path = attrs.field(converter=_to_path)
-    instances: tuple[Instance, ...] = attrs.field(
-        default=(Instance(),), converter=_to_instances
-    )
+    instances: tuple[Instance, ...] = attrs.field(default=(Instance(),), converter=_to_instances)
     backend: str = attrs.field(default="onnxruntime", validator=_plugin_name)
     scheduler: str = attrs.field(default="fifo", validator=_plugin_name)
     batcher: str = attrs.field(default="none", validator=_plugin_name)
@@ -216,9 +214,7 @@ class ModelConfig:
     @property
     def input_limits(self) -> InputLimits:
         """The caps and casting rule the engine checks inputs against."""
-        return InputLimits(
-            self.max_elements_per_input, self.max_elements_per_request, self.casting
-        )
+        return InputLimits(self.max_elements_per_input, self.max_elements_per_request, self.casting)
 
     def placements(self) -> list[Placement]:
         """One :class:`Placement` per instance, numbered in the order they are listed."""
@@ -278,9 +274,11 @@ def find_model_file(model_dir: Path, version: int | None = None) -> Path:
     Raises:
         ConfigError: If there is no numeric version directory holding ``model.onnx``.
     """
-    versions = sorted(
-        int(p.name) for p in model_dir.iterdir() if p.is_dir() and p.name.isdigit()
-    ) if model_dir.is_dir() else []
+    versions = (
+        sorted(int(p.name) for p in model_dir.iterdir() if p.is_dir() and p.name.isdigit())
+        if model_dir.is_dir()
+        else []
+    )
     if version is not None:
         versions = [v for v in versions if v == version]
     for v in reversed(versions):

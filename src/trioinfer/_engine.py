@@ -298,8 +298,7 @@ async def open_engine(
 
 def _only(group: BaseExceptionGroup[BaseException], error: BaseException) -> bool:
     return all(
-        leaf is error
-        or (isinstance(leaf, BaseExceptionGroup) and _only(leaf, error))
+        leaf is error or (isinstance(leaf, BaseExceptionGroup) and _only(leaf, error))
         for leaf in group.exceptions
     )
 

@@ -80,7 +80,7 @@ class BackendError(TrioInferError):
 
 
 class BackendUnavailable(BackendError):
-    """The requested device or execution provider cannot be used here (and no fallback was allowed)."""
+    """The requested device or execution provider is not usable, and no fallback was allowed."""
 
 
 class EngineClosed(TrioInferError):

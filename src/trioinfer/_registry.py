@@ -74,7 +74,8 @@ class Registry:
                 self._entry_points
                 if self._entry_points is not None
                 else [
-                    ep for group in GROUPS.values()
+                    ep
+                    for group in GROUPS.values()
                     for ep in importlib.metadata.entry_points(group=group)
                 ]
             )

@@ -9,6 +9,7 @@ and hands each caller its share of the outputs or an error.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Sequence
 from typing import Any, final
@@ -287,7 +288,11 @@ class ModelRunner:
         )
 
     def _finish(
-        self, request: Request, *, outputs: Outputs | None = None, error: BaseException | None = None
+        self,
+        request: Request,
+        *,
+        outputs: Outputs | None = None,
+        error: BaseException | None = None,
     ) -> None:
         state = request._state
         if state.status is Status.DONE:
@@ -353,10 +358,9 @@ async def close_instances(instances: Sequence[BackendInstance]) -> None:
     """Close every instance, shielded from cancellation and bounded by :data:`CLEANUP_S`."""
     with anyio.move_on_after(CLEANUP_S, shield=True):
         for instance in instances:
-            try:
+            # One broken instance must not keep the others open.
+            with contextlib.suppress(Exception):
                 await instance.aclose()
-            except Exception:  # noqa: S110  # one broken instance must not keep the rest open
-                pass
 
 
 def _backend_error(model: str, request: Request, exc: Exception) -> TrioInferError:

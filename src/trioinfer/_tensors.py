@@ -105,7 +105,9 @@ class ModelSignature:
     def batched(self) -> bool:
         """Whether every input and output has a variable first dimension (a batch dim)."""
         tensors = self.inputs + self.outputs
-        return bool(tensors) and all(t.rank >= 1 and not isinstance(t.shape[0], int) for t in tensors)
+        return bool(tensors) and all(
+            t.rank >= 1 and not isinstance(t.shape[0], int) for t in tensors
+        )
 
 
 @attrs.frozen

@@ -8,6 +8,7 @@ leaving it running with nobody waiting.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import queue
 import threading
@@ -34,7 +35,12 @@ def current_waker() -> Waker:
         import trio
 
         return trio.lowlevel.current_trio_token().run_sync_soon
-    return asyncio.get_running_loop().call_soon_threadsafe
+    loop = asyncio.get_running_loop()
+
+    def wake(fn: Callable[[], object]) -> None:
+        loop.call_soon_threadsafe(fn)
+
+    return wake
 
 
 @final
@@ -51,11 +57,9 @@ class _Resolver(Generic[T]):
 
     def __call__(self, value: T | None, error: BaseException | None = None) -> None:
         self.value, self.error, self.ready = value, error, True
-        try:
+        # RuntimeError: the event loop has finished, so nobody is left to wake.
+        with contextlib.suppress(RuntimeError):
             self._waker(self._event.set)
-        except RuntimeError:
-            # The event loop has finished: nobody is left to wake.
-            pass
 
     async def wait(self, abort: Callable[[], object] | None) -> T:
         try:
@@ -141,7 +145,9 @@ class WorkerThread:
         """
         if self._closed:
             raise anyio.ClosedResourceError(f"worker thread {self.name!r} is closed")
-        return await wait_on_callback(lambda resolve: self._jobs.put((fn, args, resolve)), abort=abort)
+        return await wait_on_callback(
+            lambda resolve: self._jobs.put((fn, args, resolve)), abort=abort
+        )
 
     async def aclose(self) -> None:
         """Let the thread finish its current call, then stop and join it. Idempotent."""

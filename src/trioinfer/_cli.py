@@ -1,0 +1,319 @@
+"""The ``trioinfer`` command line: a demo of the engine, and the list of installed plugins.
+
+``trioinfer demo`` loads the bundled example model and drives it from many
+concurrent Trio tasks, each request under its own cancel scope, then reports
+what happened; ``trioinfer plugins`` lists what the registry finds and whether
+each plugin imports. The console script ``trioinfer`` and ``python -m
+trioinfer`` both run :func:`main`.
+"""
+
+from __future__ import annotations
+
+import collections
+import functools
+from collections.abc import Sequence
+from typing import Final
+
+import attrs
+import click
+import numpy as np
+import numpy.typing as npt
+import trio
+
+from . import __version__
+from ._config import Instance, ModelConfig
+from ._engine import Engine, open_engine
+from ._examples import digits_samples, example_repository
+from ._exceptions import TrioInferError
+from ._registry import Registry
+from ._runner import ModelStatistics
+
+#: The example model the demo runs.
+DEMO_MODEL: Final = "digits"
+#: The demo's second phase: this many requests at once, each with this deadline (seconds),
+#: which is shorter than most of them must wait in the queue.
+TIGHT_REQUESTS: Final = 64
+TIGHT_DEADLINE: Final = 0.0005
+
+_LABEL_WIDTH: Final = 16
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+@click.version_option(__version__, "--version", prog_name="trioinfer", message="%(prog)s %(version)s")
+def main() -> None:
+    """trioinfer: structured-concurrency AI inference for Trio and anyio.
+
+    An engine opened with `async with trioinfer.open_engine()` owns every queue,
+    batch loop and backend call; `await engine.infer(...)` runs under the
+    caller's own cancel scope, whose deadline travels with the request. Models
+    run on ONNX Runtime; backends, schedulers, batchers and fallbacks are
+    plugins found through entry points.
+    """
+
+
+# -- trioinfer demo ---------------------------------------------------------------------
+
+
+@main.command()
+@click.option(
+    "--requests",
+    type=click.IntRange(min=1),
+    default=2000,
+    show_default=True,
+    help="How many requests to send, one image each.",
+)
+@click.option(
+    "--concurrency",
+    type=click.IntRange(min=1),
+    default=64,
+    show_default=True,
+    help="How many Trio tasks send requests at the same time.",
+)
+@click.option(
+    "--instances",
+    type=click.IntRange(min=1),
+    default=2,
+    show_default=True,
+    help="How many model instances (ONNX Runtime sessions) to run, each on one CPU thread.",
+)
+@click.option(
+    "--deadline",
+    type=click.FloatRange(min=0, min_open=True),
+    default=0.05,
+    show_default=True,
+    metavar="SECONDS",
+    help="Each request's time limit: the caller wraps it in trio.move_on_after(SECONDS).",
+)
+def demo(requests: int, concurrency: int, instances: int, deadline: float) -> None:
+    """Drive the bundled digits model from concurrent Trio tasks and report what happened.
+
+    Loads the example model `digits` (a small MLP that classifies 8x8 images of
+    digits) on INSTANCES CPU instances, one request per execution (no
+    batching). REQUESTS requests of one held-out image each are then sent from
+    CONCURRENCY tasks; each runs under its own `trio.move_on_after(DEADLINE)`,
+    because in trioinfer the caller's cancel scope is the timeout. The report
+    gives the devices used, the accuracy of the answers against the known
+    labels, how many requests succeeded, timed out or failed (by error
+    class), wall time, throughput, latency percentiles of the successful
+    requests, and the engine's own counters.
+
+    A second phase sends 64 requests at once with a 0.5 ms deadline, shorter
+    than most of them wait in the queue, and uses the engine's counters to
+    show that requests whose callers gave up while queued were never computed.
+    """
+    try:
+        trio.run(
+            functools.partial(
+                _demo,
+                requests=requests,
+                concurrency=concurrency,
+                instances=instances,
+                deadline=deadline,
+            )
+        )
+    except TrioInferError as exc:
+        raise click.ClickException(f"{type(exc).__name__}: {exc}") from exc
+
+
+@attrs.define(eq=False)
+class _Outcomes:
+    # What the callers saw, tallied as their requests end.
+    ok: int = 0
+    correct: int = 0
+    timed_out: int = 0
+    errors: collections.Counter[str] = attrs.field(factory=collections.Counter)
+    latencies: list[float] = attrs.field(factory=list)
+
+    @property
+    def failed(self) -> int:
+        return sum(self.errors.values())
+
+
+async def _demo(*, requests: int, concurrency: int, instances: int, deadline: float) -> None:
+    config = ModelConfig.from_toml(example_repository() / DEMO_MODEL / "config.toml")
+    config = attrs.evolve(
+        config,
+        instances=(Instance("cpu", count=instances, threads=1),),
+        batcher="none",
+        batcher_options={},
+    )
+    images, labels = digits_samples()
+    async with open_engine() as engine:
+        info = await engine.load(config)
+        click.echo(f"trioinfer {__version__} demo\n")
+        _row("model", f"{info.name}, version {config.path.parent.name}  ({config.path})")
+        _row("runs on", f"{_devices(info.devices)}  ({instances} instances, 1 thread each)")
+
+        click.echo()
+        _row(
+            "phase 1",
+            f"{requests} requests from {concurrency} tasks, "
+            f"each under move_on_after({deadline:g} s)",
+        )
+        start = trio.current_time()
+        seen = await _send(
+            engine, images, labels, requests=requests, concurrency=concurrency, deadline=deadline
+        )
+        wall = trio.current_time() - start
+        _report_outcomes(seen)
+        if seen.ok:
+            _row(
+                "accuracy",
+                f"{seen.correct / seen.ok:.3f}  ({seen.correct} of {seen.ok} answers correct)",
+                indent=2,
+            )
+        else:
+            _row("accuracy", "n/a  (no request completed)", indent=2)
+        _row("wall time", f"{wall:.2f} s", indent=2)
+        _row("throughput", f"{requests / wall:.0f} requests/s", indent=2)
+        if seen.latencies:
+            p50, p90, p99 = np.percentile(np.array(seen.latencies) * 1000, [50, 90, 99])
+            _row(
+                "latency",
+                f"p50 {p50:.2f} ms   p90 {p90:.2f} ms   p99 {p99:.2f} ms  (successful requests)",
+                indent=2,
+            )
+        stats = _model_statistics(engine)
+        _row(
+            "engine",
+            f"executions {stats.executions}   expired {stats.expired}   "
+            f"cancelled {stats.cancelled}   succeeded {stats.succeeded}   "
+            f"failed {stats.failed}   refused {stats.refused}",
+            indent=2,
+        )
+
+        click.echo()
+        _row(
+            "phase 2",
+            f"{TIGHT_REQUESTS} requests at once, each under move_on_after({TIGHT_DEADLINE:g} s): "
+            "shorter than the queue wait",
+        )
+        before = _model_statistics(engine)
+        tight = await _send(
+            engine,
+            images,
+            labels,
+            requests=TIGHT_REQUESTS,
+            concurrency=TIGHT_REQUESTS,
+            deadline=TIGHT_DEADLINE,
+        )
+        after = _model_statistics(engine)
+        _report_outcomes(tight)
+        delta = {
+            name: getattr(after, name) - getattr(before, name)
+            for name in ("executions", "expired", "cancelled", "refused")
+        }
+        never = TIGHT_REQUESTS - delta["executions"]
+        _row(
+            "computed",
+            f"{delta['executions']} of {TIGHT_REQUESTS}  "
+            "(backend executions, engine.statistics() before and after)",
+            indent=2,
+        )
+        _row(
+            "never computed",
+            f"{never}  (cancelled while queued {never - delta['expired'] - delta['refused']}, "
+            f"expired in the queue {delta['expired']}, refused {delta['refused']})",
+            indent=2,
+        )
+        _row(
+            "engine",
+            f"executions +{delta['executions']}   expired +{delta['expired']}   "
+            f"cancelled +{delta['cancelled']}",
+            indent=2,
+        )
+
+
+async def _send(
+    engine: Engine,
+    images: npt.NDArray[np.float32],
+    labels: npt.NDArray[np.int64],
+    *,
+    requests: int,
+    concurrency: int,
+    deadline: float,
+) -> _Outcomes:
+    # `concurrency` tasks take request numbers from one shared iterator until it runs out.
+    seen = _Outcomes()
+    numbers = iter(range(requests))
+
+    async def client() -> None:
+        for n in numbers:
+            row = n % len(images)
+            start = trio.current_time()
+            with trio.move_on_after(deadline) as scope:
+                try:
+                    outputs = await engine.infer(DEMO_MODEL, {"input": images[row : row + 1]})
+                except TrioInferError as exc:
+                    seen.errors[type(exc).__name__] += 1
+                else:
+                    seen.latencies.append(trio.current_time() - start)
+                    seen.ok += 1
+                    seen.correct += int(outputs["label"][0] == labels[row])
+            if scope.cancelled_caught:
+                seen.timed_out += 1
+
+    async with trio.open_nursery() as nursery:
+        for _ in range(min(concurrency, requests)):
+            nursery.start_soon(client)
+    return seen
+
+
+def _model_statistics(engine: Engine) -> ModelStatistics:
+    return engine.statistics().models[DEMO_MODEL]
+
+
+def _report_outcomes(seen: _Outcomes) -> None:
+    _row("ok", f"{seen.ok:>6}", indent=2)
+    _row("timed out", f"{seen.timed_out:>6}  (the caller's scope expired)", indent=2)
+    kinds = ", ".join(f"{name} {count}" for name, count in sorted(seen.errors.items()))
+    _row("errors", f"{seen.failed:>6}" + (f"  ({kinds})" if kinds else ""), indent=2)
+
+
+def _devices(devices: Sequence[str]) -> str:
+    counts = collections.Counter(devices)
+    return ", ".join(f"{count} x {device}" for device, count in counts.items())
+
+
+def _row(label: str, text: str, *, indent: int = 0) -> None:
+    click.echo(" " * indent + label.ljust(_LABEL_WIDTH - indent) + text)
+
+
+# -- trioinfer plugins ------------------------------------------------------------------
+
+
+@main.command()
+def plugins() -> None:
+    """List the installed plugins and whether each one loads.
+
+    Shows every backend, scheduler, batcher and fallback declared through the
+    entry-point groups trioinfer.backends, trioinfer.schedulers,
+    trioinfer.batchers and trioinfer.fallbacks: its kind, the name configs
+    use, the module:attribute it points to, the distribution that declares it,
+    and `ok` if it imports or the error if it does not.
+
+    Exits with status 0 if every plugin loads, 1 if any fails.
+    """
+    registry = Registry()
+    found = registry.plugins()
+    if not found:
+        click.echo("no plugins found in the trioinfer.* entry-point groups")
+        return
+    rows: list[Sequence[str]] = [("KIND", "NAME", "TARGET", "DISTRIBUTION", "STATUS")]
+    failures = 0
+    for info in found:
+        error = registry.check(info)
+        failures += error is not None
+        status = "ok" if error is None else " ".join(error.split())
+        rows.append((info.kind, info.name, info.target, info.distribution or "-", status))
+    _table(rows)
+    if failures:
+        click.echo(f"{failures} of {len(found)} plugins failed to load", err=True)
+        click.get_current_context().exit(1)
+
+
+def _table(rows: Sequence[Sequence[str]]) -> None:
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]) - 1)]
+    for row in rows:
+        cells = [cell.ljust(width) for cell, width in zip(row, widths, strict=False)]
+        click.echo("  ".join([*cells, row[-1]]))

@@ -1,0 +1,236 @@
+"""The engine owns its work: load, unload, drain, shutdown, and nothing left behind."""
+
+from __future__ import annotations
+
+import gc
+import threading
+from pathlib import Path
+
+import numpy as np
+import onnxruntime
+import pytest
+import trio
+import trio.testing
+
+import trioinfer
+from trioinfer import Instance, ModelConfig, open_engine
+from trioinfer.testing import FakeBackend
+
+X = np.ones((1, 4), dtype=np.float32)
+
+
+def fake_config(name: str = "m", **kw: object) -> ModelConfig:
+    return ModelConfig(name=name, path="unused.onnx", backend="fake", **kw)  # type: ignore[arg-type]
+
+
+def count_tasks() -> int:
+    def walk(task: trio.lowlevel.Task) -> int:
+        return 1 + sum(walk(t) for n in task.child_nurseries for t in n.child_tasks)
+
+    return walk(trio.lowlevel.current_root_task())
+
+
+def trioinfer_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name.startswith("trioinfer-")]
+
+
+def live_sessions() -> int:
+    gc.collect()
+    return sum(isinstance(o, onnxruntime.InferenceSession) for o in gc.get_objects())
+
+
+async def test_quickstart_on_real_onnx_model(add_model: Path) -> None:
+    async with open_engine() as engine:
+        info = await engine.load(
+            ModelConfig(name="add", path=add_model, instances=[Instance("cpu", count=2)])
+        )
+        assert info.devices == ("cpu", "cpu")
+        assert [s.name for s in info.signature.inputs] == ["a", "b"]
+        a = np.arange(8, dtype=np.float32).reshape(2, 4)
+        with trio.fail_after(5):
+            out = await engine.infer("add", {"a": a, "b": a})
+        np.testing.assert_array_equal(out["sum"], a + a)
+        np.testing.assert_array_equal(out["diff"], a - a)
+        assert [m.name for m in engine.models()] == ["add"]
+
+
+async def test_nothing_outlives_the_engine(add_model: Path) -> None:
+    tasks_before = count_tasks()
+    assert live_sessions() == 0
+    async with open_engine() as engine:
+        await engine.load(ModelConfig(name="add", path=add_model, instances=[Instance(count=3)]))
+        assert len(trioinfer_threads()) == 3
+        assert live_sessions() == 3
+        assert count_tasks() > tasks_before
+        async with trio.open_nursery() as nursery:
+            for _ in range(20):
+                nursery.start_soon(engine.infer, "add", {"a": X, "b": X})
+    assert trioinfer_threads() == []
+    assert live_sessions() == 0
+    assert count_tasks() == tasks_before
+
+
+async def test_load_unload_while_running(add_model: Path) -> None:
+    async with open_engine() as engine:
+        await engine.load(ModelConfig(name="one", path=add_model))
+        await engine.load(ModelConfig(name="two", path=add_model))
+        assert [m.name for m in engine.models()] == ["one", "two"]
+        await engine.unload("one")
+        assert [m.name for m in engine.models()] == ["two"]
+        with pytest.raises(trioinfer.ModelNotFound, match="loaded: 'two'"):
+            await engine.infer("one", {"a": X, "b": X})
+        await engine.infer("two", {"a": X, "b": X})
+        with pytest.raises(trioinfer.ModelNotFound):
+            await engine.unload("one")
+        assert len(trioinfer_threads()) == 1
+
+
+async def test_loading_a_name_twice_is_refused(add_model: Path) -> None:
+    async with open_engine() as engine:
+        await engine.load(ModelConfig(name="add", path=add_model))
+        with pytest.raises(trioinfer.ConfigError, match="loaded already"):
+            await engine.load(ModelConfig(name="add", path=add_model))
+
+
+async def test_missing_model_file_is_a_backend_error(tmp_path: Path) -> None:
+    async with open_engine() as engine:
+        with pytest.raises(trioinfer.BackendError, match="no model file"):
+            await engine.load(ModelConfig(name="m", path=tmp_path / "nope.onnx"))
+        assert engine.models() == []
+    assert trioinfer_threads() == []
+
+
+async def test_failed_instance_closes_the_loaded_ones(add_model: Path, tmp_path: Path) -> None:
+    bad = tmp_path / "bad.onnx"
+    bad.write_bytes(b"not an onnx model")
+    async with open_engine() as engine:
+        with pytest.raises(trioinfer.BackendError, match="could not load"):
+            await engine.load(ModelConfig(name="m", path=bad, instances=[Instance(count=2)]))
+    assert trioinfer_threads() == []
+    assert live_sessions() == 0
+
+
+async def test_exit_drains_in_flight_work(autojump_clock: trio.testing.MockClock) -> None:
+    backend = FakeBackend(delay=1.0)
+    results: list[object] = []
+
+    async def call(engine: trioinfer.Engine) -> None:
+        results.append(await engine.infer("m", {"x": X}))
+
+    async with trio.open_nursery() as nursery:
+        async with open_engine(registry=backend.registry(), drain_period=5.0) as engine:
+            await engine.load(fake_config())
+            for _ in range(3):
+                nursery.start_soon(call, engine)
+            await trio.sleep(0.5)
+            t0 = trio.current_time()
+        # Three 1 s executions on one instance: 0.5 s was spent before the exit.
+        assert trio.current_time() - t0 == 2.5
+    assert len(results) == 3
+    assert backend.open_instances == 0
+
+
+async def test_exit_cancels_what_the_drain_period_leaves(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    backend = FakeBackend(delay=1.0)
+    outcomes: list[str] = []
+
+    async def call(engine: trioinfer.Engine) -> None:
+        try:
+            await engine.infer("m", {"x": X})
+            outcomes.append("ok")
+        except trioinfer.EngineClosed:
+            outcomes.append("closed")
+
+    async with trio.open_nursery() as nursery:
+        async with open_engine(registry=backend.registry(), drain_period=1.5) as engine:
+            await engine.load(fake_config())
+            for _ in range(4):
+                nursery.start_soon(call, engine)
+            await trio.sleep(0)
+            t0 = trio.current_time()
+        assert trio.current_time() - t0 == 1.5
+        with pytest.raises(trioinfer.EngineClosed, match="closing"):
+            await engine.infer("m", {"x": X})
+        with pytest.raises(trioinfer.EngineClosed):
+            await engine.load(fake_config("other"))
+    # One finished in the drain period; the one running and the two queued ended closed.
+    assert sorted(outcomes) == ["closed", "closed", "closed", "ok"]
+    assert backend.executions == [1, 1]
+    assert backend.open_instances == 0
+
+
+async def test_exit_with_an_exception_skips_the_drain(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    backend = FakeBackend(delay=10.0)
+    t0 = trio.current_time()
+    with pytest.raises(KeyError):
+        async with open_engine(registry=backend.registry(), drain_period=100) as engine:
+            await engine.load(fake_config())
+            engine_task = engine  # keep a reference for the assert below
+            raise KeyError("boom")
+    assert trio.current_time() == t0
+    assert engine_task.closing
+    assert backend.open_instances == 0
+
+
+async def test_backend_failure_fails_only_its_requests() -> None:
+    backend = FakeBackend()
+    async with open_engine(registry=backend.registry()) as engine:
+        await engine.load(fake_config())
+        backend.error = RuntimeError("device on fire")
+        with pytest.raises(trioinfer.BackendError, match="device on fire") as info:
+            await engine.infer("m", {"x": X})
+        assert isinstance(info.value.__cause__, RuntimeError)
+        backend.error = None
+        out = await engine.infer("m", {"x": X})
+        np.testing.assert_array_equal(out["y"], 2 * X)
+        stats = engine.statistics().models["m"]
+        assert (stats.succeeded, stats.failed, stats.executions) == (1, 1, 2)
+
+
+async def test_internal_bug_surfaces_as_exception_group() -> None:
+    class BrokenBatcher:
+        async def next_batch(self, queue: trioinfer.RequestQueue) -> list[trioinfer.Request]:
+            await queue.wait_not_empty()
+            return []  # breaks the contract: a batch has at least one request
+
+    registry = trioinfer.Registry(
+        extra={"backends": {"fake": FakeBackend}, "batchers": {"broken": BrokenBatcher}}
+    )
+    caller_error: list[BaseException] = []
+
+    async def call(engine: trioinfer.Engine) -> None:
+        try:
+            await engine.infer("m", {"x": X})
+        except trioinfer.TrioInferError as exc:
+            caller_error.append(exc)
+
+    with pytest.RaisesGroup(
+        pytest.RaisesExc(trioinfer.PluginError, match="empty batch"), flatten_subgroups=True
+    ):
+        async with trio.open_nursery() as nursery, open_engine(registry=registry) as engine:
+            await engine.load(fake_config(batcher="broken"))
+            nursery.start_soon(call, engine)
+            await trio.sleep_forever()
+    # The caller was not left hanging: its request ended with a typed error.
+    assert len(caller_error) == 1
+    assert isinstance(caller_error[0], trioinfer.EngineClosed)
+
+
+async def test_statistics_snapshot_is_frozen() -> None:
+    backend = FakeBackend()
+    async with open_engine(registry=backend.registry()) as engine:
+        await engine.load(fake_config())
+        snapshot = engine.statistics()
+        await engine.infer("m", {"x": X})
+        assert snapshot.models["m"].succeeded == 0
+        assert engine.statistics().models["m"].succeeded == 1
+
+
+async def test_drain_period_must_be_a_non_negative_number() -> None:
+    with pytest.raises(trioinfer.ConfigError, match="drain_period"):
+        async with open_engine(drain_period=-1):
+            pass  # pragma: no cover

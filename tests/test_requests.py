@@ -1,0 +1,215 @@
+"""Deadlines and cancellation come from the caller; every request ends exactly once."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+import trio
+import trio.testing
+
+import trioinfer
+from trioinfer import Instance, ModelConfig, Request, open_engine
+from trioinfer.testing import FakeBackend
+
+X = np.ones((1, 4), dtype=np.float32)
+
+
+def fake_config(**kw: object) -> ModelConfig:
+    return ModelConfig(name="m", path="unused.onnx", backend="fake", **kw)  # type: ignore[arg-type]
+
+
+class RecordingScheduler:
+    """FIFO that remembers every request pushed, to look at what the engine stored."""
+
+    def __init__(self) -> None:
+        self.pushed: list[Request] = []
+        self._queue: dict[Request, None] = {}
+
+    def push(self, request: Request) -> None:
+        self.pushed.append(request)
+        self._queue[request] = None
+
+    def pop(self) -> Request:
+        if not self._queue:
+            raise IndexError("empty")
+        request = next(iter(self._queue))
+        del self._queue[request]
+        return request
+
+    def remove(self, request: Request) -> bool:
+        return self._queue.pop(request, False) is None
+
+    def __len__(self) -> int:
+        return len(self._queue)
+
+
+async def test_request_carries_deadline_priority_tenant_and_id(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    backend = FakeBackend()
+    scheduler = RecordingScheduler()
+    registry = trioinfer.Registry(
+        extra={"backends": {"fake": lambda: backend}, "schedulers": {"rec": lambda: scheduler}}
+    )
+    async with open_engine(registry=registry) as engine:
+        await engine.load(fake_config(scheduler="rec"))
+        t0 = trio.current_time()
+        with trio.fail_after(0.75):
+            await engine.infer("m", {"x": X}, priority=3, tenant="acme", request_id="r-1")
+        await engine.infer("m", {"x": np.ones((5, 4), np.float32)})
+    first, second = scheduler.pushed
+    assert (first.deadline, first.priority, first.tenant, first.id) == (t0 + 0.75, 3, "acme", "r-1")
+    assert first.arrival == t0
+    assert first.rows == 1
+    assert (second.deadline, second.priority, second.tenant) == (math.inf, 0, None)
+    assert second.rows == 5
+    assert second.id != first.id
+
+
+async def test_expired_requests_never_reach_the_backend(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    backend = FakeBackend(delay=1.0)
+    timed_out = 0
+
+    async def call(engine: trioinfer.Engine, budget: float) -> None:
+        nonlocal timed_out
+        with trio.move_on_after(budget) as scope:
+            await engine.infer("m", {"x": X})
+        timed_out += scope.cancelled_caught
+
+    async with open_engine(registry=backend.registry()) as engine, trio.open_nursery() as nursery:
+        await engine.load(fake_config())
+        nursery.start_soon(call, engine, 10.0)  # runs first, 1 s
+        await trio.sleep(0)
+        for _ in range(50):  # all expire while the first one runs
+            nursery.start_soon(call, engine, 0.5)
+        await trio.sleep(0)
+        nursery.start_soon(call, engine, 10.0)  # runs second
+        await trio.sleep(5)
+        stats = engine.statistics().models["m"]
+    assert timed_out == 50
+    assert backend.executions == [1, 1]
+    assert stats.succeeded == 2
+    assert stats.cancelled + stats.expired == 50
+
+
+async def test_deadline_already_passed_is_refused_before_queueing(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    backend = FakeBackend()
+    async with open_engine(registry=backend.registry()) as engine:
+        await engine.load(fake_config())
+        with trio.move_on_at(trio.current_time() - 1) as scope:
+            await engine.infer("m", {"x": X})
+        assert scope.cancelled_caught
+        assert engine.statistics().models["m"].in_flight == 0
+    assert backend.executions == []
+
+
+async def test_cancelled_while_queued_is_removed_at_once(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    backend = FakeBackend(delay=1.0)
+    async with open_engine(registry=backend.registry()) as engine, trio.open_nursery() as nursery:
+        await engine.load(fake_config())
+        nursery.start_soon(engine.infer, "m", {"x": X})
+        await trio.sleep(0.1)
+        async with trio.open_nursery() as waiters:
+            for _ in range(1000):
+                waiters.start_soon(engine.infer, "m", {"x": X})
+            await trio.sleep(0.1)
+            assert engine.statistics().models["m"].queued == 1000
+            waiters.cancel_scope.cancel()
+        stats = engine.statistics().models["m"]
+        assert (stats.queued, stats.cancelled, stats.in_flight) == (0, 1000, 1)
+    assert backend.executions == [1]
+
+
+async def test_caller_cancelled_while_running_leaves_at_once_and_aborts(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    backend = FakeBackend(delay=10.0)
+    async with open_engine(registry=backend.registry()) as engine:
+        await engine.load(fake_config())
+        t0 = trio.current_time()
+        with trio.move_on_after(1.0):
+            await engine.infer("m", {"x": X})
+        assert trio.current_time() - t0 == 1.0
+        await trio.testing.wait_all_tasks_blocked()
+        # Nobody waited for the execution any more, so it was cancelled in the backend.
+        assert backend.loaded[0].running == 0
+        out = await engine.infer("m", {"x": X})
+        assert trio.current_time() - t0 == 11.0
+        np.testing.assert_array_equal(out["y"], 2 * X)
+
+
+async def test_queue_full_is_refused_at_once_with_a_retry_hint(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    backend = FakeBackend(delay=1.0)
+    async with open_engine(registry=backend.registry()) as engine, trio.open_nursery() as nursery:
+        await engine.load(fake_config(max_queue_size=3))
+        nursery.start_soon(engine.infer, "m", {"x": X})  # runs
+        await trio.sleep(0.1)
+        for _ in range(3):  # wait
+            nursery.start_soon(engine.infer, "m", {"x": X})
+        await trio.sleep(0.4)
+        t0 = trio.current_time()
+        with pytest.raises(trioinfer.QueueFull, match="max_queue_size") as info:
+            await engine.infer("m", {"x": X})
+        assert trio.current_time() == t0
+        assert info.value.retry_after > 0
+        assert engine.statistics().models["m"].refused == 1
+    assert backend.executions == [1, 1, 1, 1]
+
+
+async def test_every_request_ends_exactly_once(autojump_clock: trio.testing.MockClock) -> None:
+    backend = FakeBackend(delay=0.01)
+    outcomes: dict[str, int] = {}
+
+    async def call(engine: trioinfer.Engine, i: int) -> None:
+        kind = "ok"
+        with trio.move_on_after(0.005 * (i % 40)) as scope:
+            try:
+                await engine.infer("m", {"x": X})
+            except trioinfer.TrioInferError as exc:
+                kind = type(exc).__name__
+        if scope.cancelled_caught:
+            kind = "cancelled"
+        outcomes[kind] = outcomes.get(kind, 0) + 1
+
+    async with open_engine(registry=backend.registry()) as engine, trio.open_nursery() as nursery:
+        await engine.load(fake_config(instances=[Instance(count=2)], max_queue_size=100))
+        for i in range(400):
+            nursery.start_soon(call, engine, i)
+            if i % 10 == 0:
+                await trio.sleep(0.003)
+        await trio.sleep(5)
+        stats = engine.statistics().models["m"]
+    assert sum(outcomes.values()) == 400
+    assert stats.in_flight == stats.queued == 0
+    refused_before_queueing = 10  # move_on_after(0): cancelled before admission
+    admitted = 400 - refused_before_queueing - stats.refused
+    assert stats.succeeded + stats.failed + stats.cancelled + stats.expired == admitted
+    assert stats.refused == outcomes.get("QueueFull", 0)
+    # A result may be ready at the very moment its caller's deadline strikes; the
+    # caller then sees the cancellation, never both.
+    assert outcomes["ok"] <= stats.succeeded
+    assert outcomes["ok"] + outcomes["cancelled"] + stats.refused == 400
+    # Only requests whose caller still waited were computed.
+    assert len(backend.executions) <= stats.succeeded + stats.cancelled
+
+
+async def test_cancel_during_load_closes_what_was_loaded(
+    autojump_clock: trio.testing.MockClock, add_model: Path
+) -> None:
+    async with open_engine() as engine:
+        with trio.CancelScope() as scope:
+            scope.cancel()
+            await engine.load(ModelConfig(name="add", path=add_model, instances=[Instance(count=2)]))
+        assert scope.cancelled_caught
+        assert engine.models() == []
