@@ -5,7 +5,7 @@ queue, batch loop and backend call; ``await engine.infer(...)`` runs under the
 caller's own cancel scope, whose deadline travels with the request.
 """
 
-from importlib.metadata import PackageNotFoundError, version
+import importlib.metadata as _metadata
 
 from ._config import Device as Device
 from ._config import Instance as Instance
@@ -40,6 +40,6 @@ from ._threads import WorkerThread as WorkerThread
 from ._threads import wait_on_callback as wait_on_callback
 
 try:
-    __version__ = version("trioinfer")
-except PackageNotFoundError:  # pragma: no cover  # running from a source tree without install
+    __version__ = _metadata.version("trioinfer")
+except _metadata.PackageNotFoundError:  # pragma: no cover  # running from a source tree without install
     __version__ = "0+unknown"

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import collections
 import functools
+import math
 from collections.abc import Sequence
 from typing import Final
 
@@ -30,36 +31,51 @@ from ._runner import ModelStatistics
 
 #: The example model the demo runs.
 DEMO_MODEL: Final = "digits"
-#: The demo's second phase: this many requests at once, each with this deadline (seconds),
-#: which is shorter than most of them must wait in the queue.
+#: The demo's second phase sends this many requests at once.
 TIGHT_REQUESTS: Final = 64
-TIGHT_DEADLINE: Final = 0.0005
+#: Phase 2's deadline, as a fraction of the time phase 1 took to answer TIGHT_REQUESTS requests.
+TIGHT_FRACTION: Final = 0.25
+#: ... but never under this many seconds.
+MIN_TIGHT_DEADLINE: Final = 0.0005
 
-_LABEL_WIDTH: Final = 16
+_LABEL_WIDTH: Final = 18
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
-@click.version_option(__version__, "--version", prog_name="trioinfer", message="%(prog)s %(version)s")
+@click.version_option(
+    __version__, "--version", prog_name="trioinfer", message="%(prog)s %(version)s"
+)
 def main() -> None:
     """trioinfer: structured-concurrency AI inference for Trio and anyio.
 
-    An engine opened with `async with trioinfer.open_engine()` owns every queue,
-    batch loop and backend call; `await engine.infer(...)` runs under the
-    caller's own cancel scope, whose deadline travels with the request. Models
-    run on ONNX Runtime; backends, schedulers, batchers and fallbacks are
-    plugins found through entry points.
+    trioinfer is a Python library: an engine opened with
+    "async with trioinfer.open_engine()" owns every queue, batch loop and
+    backend call, and "await engine.infer(...)" runs under the caller's own
+    cancel scope, whose deadline travels with the request. Backends,
+    schedulers, batchers and fallbacks are plugins found through entry points.
+
+    This command shows the engine at work on a bundled example model (demo)
+    and lists the installed plugins (plugins).
     """
 
 
 # -- trioinfer demo ---------------------------------------------------------------------
 
 
-@main.command()
+def _not_nan(_ctx: click.Context, _param: click.Parameter, value: float) -> float:
+    # FloatRange lets NaN through (every comparison with it is false).
+    if math.isnan(value):
+        raise click.BadParameter("must be a number of seconds > 0, not nan")
+    return value
+
+
+@main.command(short_help="Run the bundled example model under concurrent load and report.")
 @click.option(
     "--requests",
     type=click.IntRange(min=1),
     default=2000,
     show_default=True,
+    metavar="N",
     help="How many requests to send, one image each.",
 )
 @click.option(
@@ -67,6 +83,7 @@ def main() -> None:
     type=click.IntRange(min=1),
     default=64,
     show_default=True,
+    metavar="TASKS",
     help="How many Trio tasks send requests at the same time.",
 )
 @click.option(
@@ -74,32 +91,38 @@ def main() -> None:
     type=click.IntRange(min=1),
     default=2,
     show_default=True,
-    help="How many model instances (ONNX Runtime sessions) to run, each on one CPU thread.",
+    metavar="COUNT",
+    help="How many model instances (ONNX Runtime sessions) to run, one CPU thread each.",
 )
 @click.option(
     "--deadline",
     type=click.FloatRange(min=0, min_open=True),
+    callback=_not_nan,
     default=0.05,
     show_default=True,
     metavar="SECONDS",
-    help="Each request's time limit: the caller wraps it in trio.move_on_after(SECONDS).",
+    help="Each request's time limit: its caller wraps it in trio.move_on_after(SECONDS).",
 )
 def demo(requests: int, concurrency: int, instances: int, deadline: float) -> None:
-    """Drive the bundled digits model from concurrent Trio tasks and report what happened.
+    """Run the bundled digits model under concurrent load and report what happened.
 
-    Loads the example model `digits` (a small MLP that classifies 8x8 images of
-    digits) on INSTANCES CPU instances, one request per execution (no
-    batching). REQUESTS requests of one held-out image each are then sent from
-    CONCURRENCY tasks; each runs under its own `trio.move_on_after(DEADLINE)`,
-    because in trioinfer the caller's cancel scope is the timeout. The report
-    gives the devices used, the accuracy of the answers against the known
-    labels, how many requests succeeded, timed out or failed (by error
-    class), wall time, throughput, latency percentiles of the successful
-    requests, and the engine's own counters.
+    Loads the example model "digits" (a small MLP that classifies 8x8 images
+    of handwritten digits) on COUNT CPU instances, one request per execution
+    (no batching). Then N requests of one held-out image each are sent from
+    TASKS concurrent Trio tasks, each request under its own
+    trio.move_on_after(SECONDS): in trioinfer the caller's cancel scope is the
+    timeout. The report gives where the model runs, the accuracy of the
+    answers against the known labels, how many requests were answered, timed
+    out or failed (by error class), wall time, throughput, latency percentiles
+    of the answered requests, and the engine's own counters.
 
-    A second phase sends 64 requests at once with a 0.5 ms deadline, shorter
-    than most of them wait in the queue, and uses the engine's counters to
-    show that requests whose callers gave up while queued were never computed.
+    A second phase sends 64 requests at once with a deadline of a quarter of
+    the time the first phase took to answer 64 (at least 0.5 ms, at most
+    SECONDS), shorter than most of them must wait in the queue. The engine's
+    counters, read before and after, show how many were computed and how many
+    left the queue when their callers gave up, never computed.
+
+    Exits with status 1 if the model cannot be loaded.
     """
     try:
         trio.run(
@@ -134,6 +157,7 @@ async def _demo(*, requests: int, concurrency: int, instances: int, deadline: fl
     config = attrs.evolve(
         config,
         instances=(Instance("cpu", count=instances, threads=1),),
+        # One request per execution, so that executions count requests in phase 2.
         batcher="none",
         batcher_options={},
     )
@@ -141,14 +165,15 @@ async def _demo(*, requests: int, concurrency: int, instances: int, deadline: fl
     async with open_engine() as engine:
         info = await engine.load(config)
         click.echo(f"trioinfer {__version__} demo\n")
-        _row("model", f"{info.name}, version {config.path.parent.name}  ({config.path})")
-        _row("runs on", f"{_devices(info.devices)}  ({instances} instances, 1 thread each)")
+        _row("model", f"{info.name}, version {config.path.parent.name}")
+        _row("file", str(config.path))
+        _row("runs on", f"{_devices(info.devices)}  (1 compute thread per instance)")
 
         click.echo()
         _row(
             "phase 1",
             f"{requests} requests from {concurrency} tasks, "
-            f"each under move_on_after({deadline:g} s)",
+            f"each under trio.move_on_after({deadline:g})",
         )
         start = trio.current_time()
         seen = await _send(
@@ -157,69 +182,72 @@ async def _demo(*, requests: int, concurrency: int, instances: int, deadline: fl
         wall = trio.current_time() - start
         _report_outcomes(seen)
         if seen.ok:
-            _row(
-                "accuracy",
-                f"{seen.correct / seen.ok:.3f}  ({seen.correct} of {seen.ok} answers correct)",
-                indent=2,
-            )
+            accuracy = f"{seen.correct / seen.ok:.3f}  ({seen.correct} of {seen.ok} answers right)"
         else:
-            _row("accuracy", "n/a  (no request completed)", indent=2)
+            accuracy = "n/a  (no request was answered)"
+        _row("accuracy", accuracy, indent=2)
         _row("wall time", f"{wall:.2f} s", indent=2)
         _row("throughput", f"{requests / wall:.0f} requests/s", indent=2)
         if seen.latencies:
             p50, p90, p99 = np.percentile(np.array(seen.latencies) * 1000, [50, 90, 99])
             _row(
                 "latency",
-                f"p50 {p50:.2f} ms   p90 {p90:.2f} ms   p99 {p99:.2f} ms  (successful requests)",
+                f"p50 {p50:.2f} ms   p90 {p90:.2f} ms   p99 {p99:.2f} ms"
+                "  (answered requests: queue wait + compute)",
                 indent=2,
             )
         stats = _model_statistics(engine)
         _row(
             "engine",
             f"executions {stats.executions}   expired {stats.expired}   "
-            f"cancelled {stats.cancelled}   succeeded {stats.succeeded}   "
-            f"failed {stats.failed}   refused {stats.refused}",
+            f"cancelled {stats.cancelled}   refused {stats.refused}   "
+            f"mean execution {stats.mean_execution_s * 1000:.2f} ms",
             indent=2,
         )
 
+        # Phase 2: a deadline well under the time the queue takes to drain, so that most
+        # callers give up while their request waits. Scaled by phase 1's rate so that it
+        # is "too tight" on a fast machine as on a slow one.
+        rate = seen.ok / wall
+        drain = TIGHT_REQUESTS / rate if rate else math.inf
+        tight = max(MIN_TIGHT_DEADLINE, min(TIGHT_FRACTION * drain, deadline))
         click.echo()
         _row(
             "phase 2",
-            f"{TIGHT_REQUESTS} requests at once, each under move_on_after({TIGHT_DEADLINE:g} s): "
-            "shorter than the queue wait",
+            f"{TIGHT_REQUESTS} requests at once, each under trio.move_on_after({tight:.2g}):",
         )
+        _row("", f"a quarter of the {drain * 1000:.1f} ms that phase 1 took to answer as many")
         before = _model_statistics(engine)
-        tight = await _send(
+        burst = await _send(
             engine,
             images,
             labels,
             requests=TIGHT_REQUESTS,
             concurrency=TIGHT_REQUESTS,
-            deadline=TIGHT_DEADLINE,
+            deadline=tight,
         )
         after = _model_statistics(engine)
-        _report_outcomes(tight)
-        delta = {
-            name: getattr(after, name) - getattr(before, name)
-            for name in ("executions", "expired", "cancelled", "refused")
-        }
-        never = TIGHT_REQUESTS - delta["executions"]
+        _report_outcomes(burst)
+        executions = after.executions - before.executions
+        expired = after.expired - before.expired
+        refused = after.refused - before.refused
+        cancelled = after.cancelled - before.cancelled
+        never = TIGHT_REQUESTS - executions
         _row(
             "computed",
-            f"{delta['executions']} of {TIGHT_REQUESTS}  "
-            "(backend executions, engine.statistics() before and after)",
+            f"{executions:>6}  backend executions (engine.statistics() before/after)",
             indent=2,
         )
         _row(
             "never computed",
-            f"{never}  (cancelled while queued {never - delta['expired'] - delta['refused']}, "
-            f"expired in the queue {delta['expired']}, refused {delta['refused']})",
+            f"{never:>6}  cancelled while queued {never - expired - refused}, "
+            f"expired in the queue {expired}, refused {refused}",
             indent=2,
         )
         _row(
             "engine",
-            f"executions +{delta['executions']}   expired +{delta['expired']}   "
-            f"cancelled +{delta['cancelled']}",
+            f"executions +{executions}   expired +{expired}   cancelled +{cancelled}   "
+            f"refused +{refused}",
             indent=2,
         )
 
@@ -264,7 +292,7 @@ def _model_statistics(engine: Engine) -> ModelStatistics:
 
 
 def _report_outcomes(seen: _Outcomes) -> None:
-    _row("ok", f"{seen.ok:>6}", indent=2)
+    _row("ok", f"{seen.ok:>6}  answered", indent=2)
     _row("timed out", f"{seen.timed_out:>6}  (the caller's scope expired)", indent=2)
     kinds = ", ".join(f"{name} {count}" for name, count in sorted(seen.errors.items()))
     _row("errors", f"{seen.failed:>6}" + (f"  ({kinds})" if kinds else ""), indent=2)

@@ -1,0 +1,74 @@
+"""The engine's public API on both Trio and asyncio: the core is written against anyio."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import anyio
+import numpy as np
+import pytest
+
+import trioinfer
+from trioinfer import Instance, ModelConfig, open_engine
+
+BACKENDS = ["trio", "asyncio"]
+
+
+def run(backend: str, fn: object, *args: object) -> None:
+    anyio.run(fn, *args, backend=backend)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dispatch", ["thread", "ort_async"])
+def test_infer_concurrently(backend: str, dispatch: str, add_model: Path) -> None:
+    async def main() -> None:
+        async with open_engine() as engine:
+            await engine.load(
+                ModelConfig(
+                    name="add",
+                    path=add_model,
+                    instances=[Instance(count=2, threads=2)],
+                    backend_options={"dispatch": dispatch},
+                )
+            )
+            results: dict[int, np.ndarray] = {}
+
+            async def one(i: int) -> None:
+                a = np.full((1, 4), i, np.float32)
+                with anyio.fail_after(10):
+                    results[i] = (await engine.infer("add", {"a": a, "b": a}))["sum"]
+
+            async with anyio.create_task_group() as tg:
+                for i in range(100):
+                    tg.start_soon(one, i)
+            assert all(results[i][0, 0] == 2 * i for i in range(100))
+
+    run(backend, main)
+    assert not [t for t in threading.enumerate() if t.name.startswith("trioinfer-")]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_errors_cancellation_and_shutdown(backend: str, add_model: Path, slow_model: Path) -> None:
+    async def main() -> None:
+        async with open_engine(drain_period=0) as engine:
+            await engine.load(ModelConfig(name="add", path=add_model))
+            await engine.load(ModelConfig(name="slow", path=slow_model))
+            x = np.ones((1, 4), np.float32)
+            with pytest.raises(trioinfer.InvalidInput):
+                await engine.infer("add", {"a": x})
+            with pytest.raises(trioinfer.ModelNotFound):
+                await engine.infer("nope", {"a": x, "b": x})
+            big = np.ones((256, 512), np.float32)
+            with anyio.move_on_after(0.05) as scope:
+                await engine.infer("slow", {"x": big})
+            assert scope.cancelled_caught
+            stats = engine.statistics().models["slow"]
+            assert (stats.cancelled, stats.succeeded) == (1, 0)
+            await engine.unload("slow")
+            assert [m.name for m in engine.models()] == ["add"]
+        with pytest.raises(trioinfer.EngineClosed):
+            await engine.infer("add", {"a": x, "b": x})
+
+    run(backend, main)
+    assert not [t for t in threading.enumerate() if t.name.startswith("trioinfer-")]

@@ -1,0 +1,154 @@
+"""The trioinfer command line: help, version, plugins, and the demo on the bundled model."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import re
+import subprocess
+import sys
+
+import pytest
+from click.testing import CliRunner, Result
+
+import trioinfer
+from trioinfer import _cli
+from trioinfer._cli import main
+from trioinfer._examples import digits_samples, example_repository
+
+
+def invoke(*args: str) -> Result:
+    return CliRunner().invoke(main, list(args), prog_name="trioinfer", catch_exceptions=False)
+
+
+def count(section: str, label: str) -> int:
+    match = re.search(rf"^\s+{label}\s+(\d+)", section, re.MULTILINE)
+    assert match is not None, f"no {label!r} line in:\n{section}"
+    return int(match.group(1))
+
+
+def has_line(section: str, pattern: str) -> bool:
+    return re.search(f"^{pattern}", section, re.MULTILINE) is not None
+
+
+def test_help_lists_the_commands() -> None:
+    result = invoke("--help")
+    assert result.exit_code == 0
+    assert re.search(r"^\s+demo\s", result.output, re.MULTILINE)
+    assert re.search(r"^\s+plugins\s", result.output, re.MULTILINE)
+
+
+@pytest.mark.parametrize("command", ["demo", "plugins"])
+def test_command_help(command: str) -> None:
+    result = invoke(command, "--help")
+    assert result.exit_code == 0
+    assert result.output.startswith(f"Usage: trioinfer {command} [OPTIONS]")
+
+
+def test_demo_help_shows_defaults() -> None:
+    output = invoke("demo", "--help").output
+    for option, default in [
+        ("--requests", "2000"),
+        ("--concurrency", "64"),
+        ("--instances", "2"),
+        ("--deadline", "0.05"),
+    ]:
+        assert re.search(rf"{option} .*?\[default:\s+{default};", output, re.DOTALL), option
+
+
+def test_version() -> None:
+    result = invoke("--version")
+    assert result.exit_code == 0
+    assert result.output == f"trioinfer {trioinfer.__version__}\n"
+
+
+def test_plugins_lists_first_party_plugins_that_load() -> None:
+    result = invoke("plugins")
+    assert result.exit_code == 0, result.output
+    lines = result.output.splitlines()
+    assert lines[0].split() == ["KIND", "NAME", "TARGET", "DISTRIBUTION", "STATUS"]
+    rows = {(line.split()[0], line.split()[1]): line for line in lines[1:]}
+    for kind, name, target in [
+        ("backends", "onnxruntime", "trioinfer_onnxruntime:OnnxRuntimeBackend"),
+        ("schedulers", "fifo", "trioinfer_scheduling:FifoScheduler"),
+        ("batchers", "none", "trioinfer_batching:NoBatcher"),
+        ("fallbacks", "none", "trioinfer_fallback:NoFallback"),
+    ]:
+        row = rows[kind, name]
+        assert target in row
+        assert f"trioinfer {trioinfer.__version__}" in row
+        assert row.endswith("  ok")
+    # Aligned: every row's STATUS starts in the same column.
+    column = lines[0].index("STATUS")
+    assert all(line[column - 2 : column] == "  " and line[column] != " " for line in lines[1:])
+
+
+def test_plugins_reports_one_that_fails_and_exits_1(monkeypatch: pytest.MonkeyPatch) -> None:
+    broken = importlib.metadata.EntryPoint(
+        name="broken", value="no_such_module_here:Backend", group="trioinfer.backends"
+    )
+    monkeypatch.setattr(_cli, "Registry", lambda: trioinfer.Registry(entry_points=[broken]))
+    result = invoke("plugins")
+    assert result.exit_code == 1
+    row = result.output.splitlines()[1]
+    assert row.split()[:3] == ["backends", "broken", "no_such_module_here:Backend"]
+    assert "ModuleNotFoundError" in row
+    assert "1 of 1 plugins failed to load" in result.output
+
+
+def test_demo_runs_and_reports() -> None:
+    result = invoke("demo", "--requests", "50", "--concurrency", "8")
+    assert result.exit_code == 0, result.output
+    phase1, phase2 = result.output.split("\nphase 2")
+    assert has_line(phase1, r"runs on\s+2 x cpu\b")
+    accuracy = re.search(r"^\s+accuracy\s+([0-9.]+)", phase1, re.MULTILINE)
+    assert accuracy is not None, phase1
+    assert float(accuracy.group(1)) > 0.9
+    assert count(phase1, "ok") + count(phase1, "timed out") + count(phase1, "errors") == 50
+    assert has_line(phase1, r"\s+latency\s+p50 [0-9.]+ ms\s+p90 [0-9.]+ ms\s+p99 [0-9.]+ ms")
+    assert has_line(phase1, r"\s+engine\s+executions \d+\s+expired \d+\s+cancelled \d+")
+    # Phase 2: 64 requests, each computed or not, each answered, timed out or failed.
+    assert count(phase2, "ok") + count(phase2, "timed out") + count(phase2, "errors") == 64
+    assert count(phase2, "computed") + count(phase2, "never computed") == 64
+    assert count(phase2, "ok") <= count(phase2, "computed")
+
+
+@pytest.mark.parametrize(
+    ("args", "option"),
+    [
+        (["--concurrency", "0"], "--concurrency"),
+        (["--requests", "-1"], "--requests"),
+        (["--instances", "0"], "--instances"),
+        (["--deadline", "0"], "--deadline"),
+        (["--deadline", "nan"], "--deadline"),
+    ],
+)
+def test_demo_refuses_bad_values(args: list[str], option: str) -> None:
+    result = invoke("demo", *args)
+    assert result.exit_code == 2
+    assert f"Invalid value for '{option}'" in result.output
+
+
+def test_python_m_trioinfer() -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "trioinfer", "--help"],
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=60,
+    )
+    assert result.returncode == 0, result.stderr
+    assert "demo" in result.stdout
+    assert "plugins" in result.stdout
+
+
+def test_example_repository_and_samples() -> None:
+    repository = example_repository()
+    assert (repository / "digits" / "config.toml").is_file()
+    assert (repository / "digits" / "1" / "model.onnx").is_file()
+    images, labels = digits_samples()
+    assert images.shape == (200, 64)
+    assert images.dtype == "float32"
+    assert labels.shape == (200,)
+    assert labels.dtype == "int64"
+    assert 0 <= images.min() <= images.max() <= 16
+    assert set(labels.tolist()) == set(range(10))

@@ -1,0 +1,125 @@
+"""ModelConfig from Python and from config.toml; bad configs fail at once with the field named."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from trioinfer import ConfigError, Device, Instance, ModelConfig, Placement
+
+
+def test_defaults_and_placements() -> None:
+    config = ModelConfig(
+        name="m",
+        path="m.onnx",
+        instances=[Instance("cuda:1", count=2, threads=4), Instance("cpu", cpu_affinity=[0])],
+    )
+    assert config.placements() == [
+        Placement(Device("cuda", 1), 0, 4),
+        Placement(Device("cuda", 1), 1, 4),
+        Placement(Device("cpu"), 2, 0, (0,)),
+    ]
+    assert (config.backend, config.scheduler, config.batcher, config.fallback) == (
+        "onnxruntime",
+        "fifo",
+        "none",
+        "none",
+    )
+
+
+@pytest.mark.parametrize(
+    ("text", "device"),
+    [("cpu", Device("cpu")), ("CUDA", Device("cuda", 0)), ("tensorrt:3", Device("tensorrt", 3))],
+)
+def test_devices_parse(text: str, device: Device) -> None:
+    assert Device.parse(text) == device
+
+
+@pytest.mark.parametrize("text", ["gpu", "cuda:-1", "cpu:1", "cuda:x", ""])
+def test_bad_devices_are_refused(text: str) -> None:
+    with pytest.raises(ConfigError, match="device"):
+        Device.parse(text)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"name": "../etc"}, "model name"),
+        ({"name": ""}, "model name"),
+        ({"instances": []}, "non-empty list"),
+        ({"instances": [{"count": 0}]}, "count must be a positive integer"),
+        ({"max_queue_size": 0}, "max_queue_size must be a positive integer"),
+        ({"casting": "unsafe"}, "casting must be"),
+        ({"scheduler": ""}, "scheduler must be a plugin name"),
+        ({"scheduler_options": [1]}, "plugin options must be a table"),
+    ],
+)
+def test_bad_fields_are_refused(kwargs: dict[str, object], message: str) -> None:
+    fields: dict[str, object] = {"name": "m", "path": "m.onnx", **kwargs}
+    with pytest.raises(ConfigError, match=message):
+        ModelConfig(**fields)  # type: ignore[arg-type]
+
+
+def test_bad_instance_fields_are_refused() -> None:
+    with pytest.raises(ConfigError, match="threads must be an integer >= 0"):
+        Instance(threads=-1)
+    with pytest.raises(ConfigError, match="cpu_affinity must be a list"):
+        Instance(cpu_affinity=["a"])  # type: ignore[list-item]
+
+
+def write_repo(tmp_path: Path, toml: str, versions: tuple[int, ...] = (1, 3)) -> Path:
+    model_dir = tmp_path / "digits"
+    model_dir.mkdir()
+    for v in versions:
+        (model_dir / str(v)).mkdir(parents=True)
+        (model_dir / str(v) / "model.onnx").write_bytes(b"")
+    (model_dir / "config.toml").write_text(toml)
+    return model_dir / "config.toml"
+
+
+def test_from_toml_finds_the_latest_version(tmp_path: Path) -> None:
+    path = write_repo(
+        tmp_path,
+        """
+max_queue_size = 16
+backend_options = { dispatch = "thread" }
+
+[[instances]]
+device = "cpu"
+count = 2
+threads = 1
+""",
+    )
+    config = ModelConfig.from_toml(path)
+    assert config.name == "digits"
+    assert config.path == tmp_path / "digits" / "3" / "model.onnx"
+    assert config.instances == (Instance("cpu", count=2, threads=1),)
+    assert config.max_queue_size == 16
+    assert dict(config.backend_options) == {"dispatch": "thread"}
+    assert ModelConfig.from_toml(path, version=1).path.parent.name == "1"
+
+
+def test_from_toml_refuses_unknown_keys_and_names_them(tmp_path: Path) -> None:
+    path = write_repo(tmp_path, "max_queue = 3\n")
+    with pytest.raises(ConfigError, match="unknown key 'max_queue'; known keys are"):
+        ModelConfig.from_toml(path)
+    path.write_text("[[instances]]\ndevice = 'cpu'\ncores = 2\n")
+    with pytest.raises(ConfigError, match="instances: unknown key 'cores'"):
+        ModelConfig.from_toml(path)
+
+
+def test_from_toml_errors(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="no model config at"):
+        ModelConfig.from_toml(tmp_path / "nope" / "config.toml")
+    path = write_repo(tmp_path, "name = [\n")
+    with pytest.raises(ConfigError, match="not valid TOML"):
+        ModelConfig.from_toml(path)
+    path.write_text("")
+    with pytest.raises(ConfigError, match="no version 7 holding model.onnx"):
+        ModelConfig.from_toml(path, version=7)
+
+
+def test_relative_path_is_relative_to_the_config(tmp_path: Path) -> None:
+    path = write_repo(tmp_path, 'path = "weights/model.onnx"\n', versions=())
+    assert ModelConfig.from_toml(path).path == tmp_path / "digits" / "weights" / "model.onnx"

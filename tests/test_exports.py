@@ -1,0 +1,53 @@
+"""The public API is what trioinfer, trioinfer.abc and trioinfer.testing export; pinned here."""
+
+from __future__ import annotations
+
+import inspect
+
+import trioinfer
+import trioinfer.abc
+import trioinfer.testing
+
+PUBLIC = {
+    "trioinfer": {
+        "BackendError", "BackendUnavailable", "ConfigError", "DeadlineExceeded", "Device",
+        "Engine", "EngineClosed", "EngineStatistics", "InputLimits", "Instance", "InvalidInput",
+        "ModelConfig", "ModelInfo", "ModelNotFound", "ModelSignature", "ModelStatistics",
+        "Placement", "PluginError", "PluginInfo", "PluginLoadError", "QueueFull", "Registry",
+        "Request", "RequestQueue", "Status", "TensorSpec", "TrioInferError", "WorkerThread",
+        "numpy_dtype", "open_engine", "wait_on_callback",
+    },
+    "trioinfer.abc": {"Backend", "BackendInstance", "Batcher", "Fallback", "Scheduler"},
+    "trioinfer.testing": {
+        "FakeBackend", "FakeInstance", "check_backend", "check_scheduler", "make_request",
+    },
+}  # fmt: skip
+
+
+def public_names(module: object) -> set[str]:
+    names = getattr(module, "__all__", None) or dir(module)
+    return {
+        n
+        for n in names
+        if not n.startswith("_")
+        and not inspect.ismodule(getattr(module, n))
+        and n not in {"annotations", "TYPE_CHECKING"}
+    }
+
+
+def test_public_names_are_pinned() -> None:
+    for module in (trioinfer, trioinfer.abc, trioinfer.testing):
+        assert public_names(module) == PUBLIC[module.__name__], module.__name__
+
+
+def test_every_public_name_has_a_docstring() -> None:
+    for module in (trioinfer, trioinfer.abc, trioinfer.testing):
+        for name in PUBLIC[module.__name__]:
+            assert inspect.getdoc(getattr(module, name)), f"{module.__name__}.{name}"
+
+
+def test_errors_share_one_base() -> None:
+    errors = [getattr(trioinfer, n) for n in PUBLIC["trioinfer"] if n.endswith(("Error", "Full"))]
+    errors += [trioinfer.ModelNotFound, trioinfer.InvalidInput, trioinfer.DeadlineExceeded]
+    errors += [trioinfer.EngineClosed, trioinfer.BackendUnavailable]
+    assert all(issubclass(e, trioinfer.TrioInferError) for e in errors)

@@ -1,0 +1,133 @@
+"""Inputs are checked against the model's signature before they queue."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from trioinfer import InputLimits, InvalidInput, ModelSignature, TensorSpec
+from trioinfer._tensors import validate_inputs
+
+F32 = np.dtype(np.float32)
+SIG = ModelSignature(
+    inputs=(
+        TensorSpec("ids", np.dtype(np.int64), ("batch", "seq"), "tensor(int64)"),
+        TensorSpec("mask", np.dtype(np.int64), ("batch", "seq"), "tensor(int64)"),
+        TensorSpec("scale", F32, ("batch", 1), "tensor(float)"),
+    ),
+    outputs=(TensorSpec("y", F32, ("batch", 8), "tensor(float)"),),
+)
+LIMITS = InputLimits()
+
+
+def good(rows: int = 2, seq: int = 5) -> dict[str, np.ndarray]:
+    return {
+        "ids": np.zeros((rows, seq), np.int64),
+        "mask": np.ones((rows, seq), np.int64),
+        "scale": np.ones((rows, 1), np.float32),
+    }
+
+
+def check(inputs: object, limits: InputLimits = LIMITS) -> dict[str, np.ndarray]:
+    return validate_inputs("m", SIG, inputs, limits)
+
+
+def test_valid_inputs_pass_without_copies() -> None:
+    inputs = good()
+    out = check(inputs)
+    assert all(out[k] is inputs[k] for k in inputs)
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (lambda d: d.pop("mask"), "needs input 'mask'; its inputs are 'ids' int64"),
+        (lambda d: d.update(extra=d["ids"]), "no input named 'extra'"),
+        (
+            lambda d: d.update(scale=d["scale"].astype(np.float64)),
+            r"'scale' of model 'm' has dtype float64; the model expects float32\[batch, 1\]",
+        ),
+        (lambda d: d.update(scale=d["scale"][0]), r"rank 1\); the model expects float32"),
+        (lambda d: d.update(scale=np.ones((2, 3), np.float32)), "size 3 in dimension 1"),
+        (lambda d: d.update(mask=np.ones((2, 6), np.int64)), "disagree on dimension 'seq'"),
+        (lambda d: d.update(mask=np.ones((3, 5), np.int64)), "disagree on dimension 'batch'"),
+        (lambda d: d.update(ids="text"), "has dtype str"),
+        (lambda d: d.update(ids=object()), "must be a numpy array"),
+        (lambda d: d.update(ids=[[1, 2], [3]]), "not a rectangular array"),
+    ],
+)
+def test_bad_inputs_say_what_was_wrong(change: object, message: str) -> None:
+    inputs = good()
+    change(inputs)  # type: ignore[operator]
+    with pytest.raises(InvalidInput, match=message):
+        check(inputs)
+
+
+def test_inputs_must_be_a_mapping() -> None:
+    with pytest.raises(InvalidInput, match="must be a mapping of input name to array, got list"):
+        check([1, 2])
+
+
+def test_zero_rows_are_refused() -> None:
+    with pytest.raises(InvalidInput, match="0 rows"):
+        check(good(rows=0))
+
+
+def test_inconsistent_batch_dims_are_refused_even_with_different_symbols() -> None:
+    sig = ModelSignature(
+        inputs=(
+            TensorSpec("a", F32, ("N", 2), "tensor(float)"),
+            TensorSpec("b", F32, (None, 2), "tensor(float)"),
+        ),
+        outputs=(TensorSpec("y", F32, ("N", 2), "tensor(float)"),),
+    )
+    with pytest.raises(InvalidInput, match="disagree on the batch size: 'a' has 2 rows, 'b' has 3"):
+        validate_inputs("m", sig, {"a": np.ones((2, 2), F32), "b": np.ones((3, 2), F32)}, LIMITS)
+
+
+def test_element_caps_refuse_before_any_copy() -> None:
+    huge = np.broadcast_to(np.zeros((1, 1), np.int64), (1 << 20, 64))  # no memory behind it
+    inputs = good()
+    inputs["ids"] = huge
+    with pytest.raises(InvalidInput, match="at most 1000 are allowed per input"):
+        check(inputs, InputLimits(max_elements_per_input=1000))
+    with pytest.raises(InvalidInput, match="more than 15 elements in all"):
+        check(good(), InputLimits(max_elements_per_request=15))
+
+
+def test_casting_only_when_configured() -> None:
+    inputs = good()
+    inputs["scale"] = inputs["scale"].astype(np.float16)
+    with pytest.raises(InvalidInput, match=r"convert it with .astype\(numpy.float32\)"):
+        check(inputs)
+    out = check(inputs, InputLimits(casting="safe"))
+    assert out["scale"].dtype == np.float32
+    inputs["scale"] = inputs["scale"].astype(np.float64)
+    with pytest.raises(InvalidInput, match="casting 'safe' does not allow"):
+        check(inputs, InputLimits(casting="safe"))
+    assert check(inputs, InputLimits(casting="same_kind"))["scale"].dtype == np.float32
+
+
+def test_nested_lists_are_accepted_when_dtypes_fit() -> None:
+    sig = ModelSignature(
+        inputs=(TensorSpec("x", np.dtype(np.int64), ("batch", 2), "tensor(int64)"),),
+        outputs=(),
+    )
+    out = validate_inputs("m", sig, {"x": [[1, 2], [3, 4]]}, LIMITS)
+    assert out["x"].dtype == np.int64
+
+
+def test_strings_are_passed_as_objects() -> None:
+    sig = ModelSignature(
+        inputs=(TensorSpec("s", np.dtype(object), ("batch",), "tensor(string)"),), outputs=()
+    )
+    out = validate_inputs("m", sig, {"s": np.array(["a", "bc"])}, LIMITS)
+    assert out["s"].dtype == object
+
+
+def test_unsupported_element_type_is_refused() -> None:
+    sig = ModelSignature(
+        inputs=(TensorSpec("x", None, ("batch",), "tensor(bfloat16)"),), outputs=()
+    )
+    with pytest.raises(InvalidInput, match="tensor\\(bfloat16\\), which numpy cannot hold"):
+        validate_inputs("m", sig, {"x": np.ones(2, np.float32)}, LIMITS)

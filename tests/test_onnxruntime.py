@@ -1,0 +1,193 @@
+"""The ONNX Runtime backend: conformance, dispatch modes, abort on cancel, device checks."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import numpy as np
+import pytest
+import trio
+
+import trioinfer
+from trioinfer import Device, Instance, ModelConfig, Placement, open_engine
+from trioinfer.testing import check_backend, models
+from trioinfer_onnxruntime import OnnxRuntimeBackend, probe_device
+
+CUDA_REASON = probe_device(Device("cuda", 0))
+needs_cuda = pytest.mark.skipif(
+    CUDA_REASON is not None, reason=f"CUDA is not usable here: {CUDA_REASON}"
+)
+
+
+def pair(rows: int = 2) -> dict[str, np.ndarray]:
+    a = np.arange(rows * 4, dtype=np.float32).reshape(rows, 4)
+    return {"a": a, "b": np.ones_like(a)}
+
+
+@pytest.mark.parametrize(
+    ("dispatch", "threads"), [("thread", 1), ("thread", 0), ("ort_async", 2)]
+)
+async def test_backend_passes_the_conformance_check(
+    add_model: Path, dispatch: str, threads: int
+) -> None:
+    config = ModelConfig(name="add", path=add_model, backend_options={"dispatch": dispatch})
+    await check_backend(
+        OnnxRuntimeBackend(), config, pair(), placement=Placement(Device("cpu"), 0, threads)
+    )
+
+
+async def test_signature_is_read_from_the_session(model_dir: Path) -> None:
+    path = models.write_identity(model_dir / "id_i64.onnx", dtype=np.int64, shape=("n", 3, None))
+    instance = await OnnxRuntimeBackend().load(
+        ModelConfig(name="id", path=path), Placement(Device("cpu"), 0)
+    )
+    try:
+        (spec,) = instance.signature.inputs
+        assert (spec.name, spec.dtype, spec.shape) == ("x", np.dtype(np.int64), ("n", 3, None))
+        assert spec.describe() == "int64[n, 3, ?]"
+        assert instance.signature.outputs[0].name == "y"
+    finally:
+        await instance.aclose()
+
+
+@pytest.mark.parametrize("dtype", [np.float16, np.float64, np.int8, np.uint32, np.bool_, np.str_])
+async def test_every_numpy_dtype_round_trips(model_dir: Path, dtype: type) -> None:
+    path = models.write_identity(model_dir / f"id_{np.dtype(dtype).name}.onnx", dtype=dtype)
+    async with open_engine() as engine:
+        await engine.load(ModelConfig(name="id", path=path))
+        x = np.array([["a", "b", "c"]]) if dtype is np.str_ else np.ones((1, 3), dtype=dtype)
+        out = await engine.infer("id", {"x": x})
+        np.testing.assert_array_equal(out["y"], x.astype(object) if dtype is np.str_ else x)
+
+
+@pytest.mark.parametrize("dispatch", ["thread", "ort_async"])
+async def test_cancelled_execution_is_terminated_in_ort(slow_model: Path, dispatch: str) -> None:
+    backend = OnnxRuntimeBackend()
+    config = ModelConfig(name="slow", path=slow_model, backend_options={"dispatch": dispatch})
+    instance = await backend.load(config, Placement(Device("cpu"), 0, threads=2))
+    x = np.ones((256, 512), dtype=np.float32)
+    try:
+        # A full run of this model takes about a second; the caller gives up far sooner.
+        with trio.move_on_after(0.05) as scope:
+            await instance.execute({"x": x})
+        assert scope.cancelled_caught
+        assert instance.aborted == 1
+        out = await instance.execute({"x": x[:1]})
+        assert out["y"].shape == (1, 512)
+    finally:
+        await instance.aclose()
+
+
+async def test_engine_aborts_execution_when_its_only_caller_leaves(slow_model: Path) -> None:
+    async with open_engine() as engine:
+        await engine.load(ModelConfig(name="slow", path=slow_model, instances=[Instance(threads=1)]))
+        x = np.ones((256, 512), dtype=np.float32)
+        with trio.move_on_after(0.05):
+            await engine.infer("slow", {"x": x})
+        stats = engine.statistics().models["slow"]
+        assert (stats.executions, stats.cancelled, stats.succeeded) == (1, 1, 0)
+        out = await engine.infer("slow", {"x": x[:1]})
+        assert out["y"].shape == (1, 512)
+
+
+async def test_bad_backend_options_are_refused_at_load(add_model: Path) -> None:
+    async with open_engine() as engine:
+        with pytest.raises(trioinfer.ConfigError, match="no option 'dispath'; it knows"):
+            await engine.load(
+                ModelConfig(name="a", path=add_model, backend_options={"dispath": "thread"})
+            )
+        with pytest.raises(trioinfer.ConfigError, match="needs threads >= 2"):
+            await engine.load(
+                ModelConfig(
+                    name="a",
+                    path=add_model,
+                    instances=[Instance(threads=1)],
+                    backend_options={"dispatch": "ort_async"},
+                )
+            )
+        with pytest.raises(trioinfer.ConfigError, match="graph_optimization_level"):
+            await engine.load(
+                ModelConfig(
+                    name="a", path=add_model, backend_options={"graph_optimization_level": 9}
+                )
+            )
+
+
+async def test_session_options_are_applied(add_model: Path) -> None:
+    options = {
+        "graph_optimization_level": "basic",
+        "execution_mode": "parallel",
+        "inter_op_threads": 2,
+        "enable_mem_arena": False,
+    }
+    instance = await OnnxRuntimeBackend().load(
+        ModelConfig(name="a", path=add_model, backend_options=options),
+        Placement(Device("cpu"), 0, threads=2),
+    )
+    try:
+        so = instance.session.get_session_options()
+        assert so.intra_op_num_threads == 2
+        assert so.inter_op_num_threads == 2
+        assert not so.enable_cpu_mem_arena
+        assert str(so.graph_optimization_level).endswith("ORT_ENABLE_BASIC")
+        assert str(so.execution_mode).endswith("ORT_PARALLEL")
+    finally:
+        await instance.aclose()
+
+
+@pytest.mark.skipif(CUDA_REASON is None, reason="CUDA is usable here; this checks the fallback")
+async def test_unusable_cuda_falls_back_to_cpu_with_one_line(
+    add_model: Path, caplog: pytest.LogCaptureFixture, capfd: pytest.CaptureFixture[str]
+) -> None:
+    with caplog.at_level(logging.WARNING, logger="trioinfer.onnxruntime"):
+        async with open_engine() as engine:
+            info = await engine.load(
+                ModelConfig(name="a", path=add_model, instances=[Instance("cuda:0")])
+            )
+            assert info.devices == ("cpu",)
+            out = await engine.infer("a", pair())
+            np.testing.assert_array_equal(out["sum"], pair()["a"] + 1)
+    (record,) = caplog.records
+    assert "cuda:0 is not usable" in record.getMessage()
+    assert "\n" not in record.getMessage()
+    # ONNX Runtime's own multi-line load errors never reach the user.
+    captured = capfd.readouterr()
+    assert "onnxruntime" not in captured.err.lower()
+    assert "EP Error" not in captured.out + captured.err
+
+
+@pytest.mark.skipif(CUDA_REASON is None, reason="CUDA is usable here; this checks the refusal")
+@pytest.mark.parametrize("device", ["cuda:0", "tensorrt:0"])
+async def test_unusable_gpu_without_fallback_is_refused(add_model: Path, device: str) -> None:
+    async with open_engine() as engine:
+        with pytest.raises(trioinfer.BackendUnavailable, match=f"{device} is not usable: ") as info:
+            await engine.load(
+                ModelConfig(
+                    name="a", path=add_model, instances=[Instance(device)], cpu_fallback=False
+                )
+            )
+        assert "\n" not in str(info.value)
+        assert "cpu_fallback" in str(info.value)
+
+
+@needs_cuda
+@pytest.mark.gpu
+async def test_cuda_instance_runs_on_the_gpu(add_model: Path) -> None:
+    async with open_engine() as engine:
+        info = await engine.load(
+            ModelConfig(
+                name="a", path=add_model, instances=[Instance("cuda:0")], cpu_fallback=False
+            )
+        )
+        assert info.devices == ("cuda:0",)
+        out = await engine.infer("a", pair(64))
+        np.testing.assert_array_equal(out["sum"], pair(64)["a"] + 1)
+
+
+def test_probe_says_why_in_one_line() -> None:
+    assert probe_device(Device("cpu")) is None
+    reason = probe_device(Device("cuda", 0))
+    if reason is not None:
+        assert "\n" not in reason
+        assert reason.strip()

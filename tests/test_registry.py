@@ -1,0 +1,151 @@
+"""The plugin registry: entry points found without importing, loaded on first use."""
+
+from __future__ import annotations
+
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import trioinfer
+from trioinfer import ModelConfig, PluginError, PluginLoadError, Registry, open_engine
+from trioinfer.testing import check_scheduler
+from trioinfer_batching import NoBatcher
+from trioinfer_fallback import NoFallback
+from trioinfer_onnxruntime import OnnxRuntimeBackend
+from trioinfer_scheduling import FifoScheduler
+
+
+@pytest.fixture
+def third_party(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """An installed distribution 'acme-trioinfer' that declares plugins, one of them broken."""
+    (tmp_path / "acme_plugins.py").write_text(
+        textwrap.dedent(
+            """
+            from collections import OrderedDict
+
+            IMPORTED = True
+
+            class LifoScheduler:
+                def __init__(self, *, limit=10):
+                    self.limit = limit
+                    self._items = OrderedDict()
+                def push(self, request):
+                    self._items[request] = None
+                def pop(self):
+                    if not self._items:
+                        raise IndexError("empty")
+                    return self._items.popitem(last=True)[0]
+                def remove(self, request):
+                    return self._items.pop(request, False) is None
+                def __len__(self):
+                    return len(self._items)
+            """
+        )
+    )
+    (tmp_path / "acme_broken.py").write_text("raise ImportError('needs libacme.so')\n")
+    info = tmp_path / "acme_trioinfer-1.2.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: acme-trioinfer\nVersion: 1.2\n")
+    (info / "entry_points.txt").write_text(
+        "[trioinfer.schedulers]\nlifo = acme_plugins:LifoScheduler\n\n"
+        "[trioinfer.backends]\nacme = acme_broken:Backend\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    yield tmp_path
+    sys.modules.pop("acme_plugins", None)
+
+
+def test_first_party_plugins_are_found_through_entry_points() -> None:
+    registry = Registry()
+    assert registry.load("backends", "onnxruntime") is OnnxRuntimeBackend
+    assert registry.load("schedulers", "fifo") is FifoScheduler
+    assert registry.load("batchers", "none") is NoBatcher
+    assert registry.load("fallbacks", "none") is NoFallback
+    info = next(p for p in registry.plugins("backends") if p.name == "onnxruntime")
+    assert info.target == "trioinfer_onnxruntime:OnnxRuntimeBackend"
+    assert info.distribution is not None
+    assert info.distribution.startswith("trioinfer ")
+
+
+def test_third_party_plugin_is_found_without_importing(third_party: Path) -> None:
+    registry = Registry()
+    names = {(p.kind, p.name, p.distribution) for p in registry.plugins()}
+    assert ("schedulers", "lifo", "acme-trioinfer 1.2") in names
+    assert "acme_plugins" not in sys.modules  # listed from metadata only
+    scheduler = registry.create("schedulers", "lifo", {"limit": 3})
+    assert scheduler.limit == 3
+    assert "acme_plugins" in sys.modules
+
+
+def test_broken_plugin_is_reported_and_does_not_break_others(third_party: Path) -> None:
+    registry = Registry()
+    with pytest.raises(PluginLoadError, match="from acme-trioinfer 1.2.*needs libacme.so") as info:
+        registry.load("backends", "acme")
+    assert (info.value.group, info.value.name) == ("trioinfer.backends", "acme")
+    assert info.value.distribution == "acme-trioinfer 1.2"
+    assert registry.load("backends", "onnxruntime") is OnnxRuntimeBackend
+    broken = next(p for p in registry.plugins("backends") if p.name == "acme")
+    assert "ImportError" in str(registry.check(broken))
+    ok = next(p for p in registry.plugins("backends") if p.name == "onnxruntime")
+    assert registry.check(ok) is None
+
+
+def test_unknown_name_lists_the_known_ones() -> None:
+    with pytest.raises(PluginError, match="no scheduler plugin named 'edf'; known schedulers: 'fifo'"):
+        Registry().load("schedulers", "edf")
+    with pytest.raises(PluginError, match="unknown plugin kind 'widgets'"):
+        Registry().load("widgets", "x")  # type: ignore[arg-type]
+
+
+def test_options_a_plugin_refuses_are_reported() -> None:
+    with pytest.raises(PluginLoadError, match=r"does not accept options \['depth'\]"):
+        Registry().create("schedulers", "fifo", {"depth": 3})
+
+
+async def test_engine_uses_a_third_party_scheduler(third_party: Path, add_model: Path) -> None:
+    async with open_engine() as engine:
+        await engine.load(ModelConfig(name="add", path=add_model, scheduler="lifo"))
+        x = np.ones((1, 4), np.float32)
+        out = await engine.infer("add", {"a": x, "b": x})
+        assert out["sum"][0, 0] == 2
+
+
+async def test_engine_reports_unknown_plugins_at_load(add_model: Path) -> None:
+    async with open_engine() as engine:
+        with pytest.raises(PluginError, match="no batcher plugin named 'dynamic'"):
+            await engine.load(ModelConfig(name="add", path=add_model, batcher="dynamic"))
+
+
+async def test_a_plugin_that_is_not_a_scheduler_is_refused(add_model: Path) -> None:
+    registry = Registry(extra={"schedulers": {"bad": object}})
+    async with open_engine(registry=registry) as engine:
+        with pytest.raises(PluginError, match="does not implement trioinfer.abc.Scheduler"):
+            await engine.load(ModelConfig(name="add", path=add_model, scheduler="bad"))
+
+
+def test_fifo_passes_the_scheduler_conformance_check() -> None:
+    check_scheduler(FifoScheduler)
+
+
+def test_conformance_check_catches_a_broken_scheduler() -> None:
+    class DropsRemoved:
+        def __init__(self) -> None:
+            self.inner = FifoScheduler()
+
+        def push(self, request: trioinfer.Request) -> None:
+            self.inner.push(request)
+
+        def pop(self) -> trioinfer.Request:
+            return self.inner.pop()
+
+        def remove(self, request: trioinfer.Request) -> bool:
+            return True  # claims to remove, but keeps it
+
+        def __len__(self) -> int:
+            return len(self.inner)
+
+    with pytest.raises(AssertionError, match="remove"):
+        check_scheduler(DropsRemoved)
