@@ -116,7 +116,7 @@ def test_from_toml_errors(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="not valid TOML"):
         ModelConfig.from_toml(path)
     path.write_text("")
-    with pytest.raises(ConfigError, match="no version 7 holding model.onnx"):
+    with pytest.raises(ConfigError, match=r"no version 7 holding model\.onnx"):
         ModelConfig.from_toml(path, version=7)
 
 

@@ -10,6 +10,7 @@ import numpy as np
 import onnxruntime
 import pytest
 import trio
+import trio.lowlevel
 import trio.testing
 
 import trioinfer
@@ -148,7 +149,7 @@ async def test_exit_cancels_what_the_drain_period_leaves(
             await engine.load(fake_config())
             for _ in range(4):
                 nursery.start_soon(call, engine)
-            await trio.sleep(0)
+            await trio.testing.wait_all_tasks_blocked()
             t0 = trio.current_time()
         assert trio.current_time() - t0 == 1.5
         with pytest.raises(trioinfer.EngineClosed, match="closing"):
@@ -165,14 +166,29 @@ async def test_exit_with_an_exception_skips_the_drain(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
     backend = FakeBackend(delay=10.0)
+    outcomes: list[str] = []
     t0 = trio.current_time()
-    with pytest.raises(KeyError):
+
+    async def call(engine: trioinfer.Engine) -> None:
+        try:
+            await engine.infer("m", {"x": X})
+        except trioinfer.EngineClosed:
+            outcomes.append("closed")
+
+    async def fail_inside_the_engine(nursery: trio.Nursery) -> None:
         async with open_engine(registry=backend.registry(), drain_period=100) as engine:
             await engine.load(fake_config())
-            engine_task = engine  # keep a reference for the assert below
-            raise KeyError("boom")
-    assert trio.current_time() == t0
-    assert engine_task.closing
+            nursery.start_soon(call, engine)
+            await trio.sleep(1)
+            raise KeyError(engine)
+
+    async with trio.open_nursery() as nursery:
+        with pytest.raises(KeyError) as info:
+            await fail_inside_the_engine(nursery)
+        # The 10 s execution in flight was not waited for.
+        assert trio.current_time() == t0 + 1
+    assert info.value.args[0].closing
+    assert outcomes == ["closed"]
     assert backend.open_instances == 0
 
 

@@ -82,7 +82,9 @@ def test_third_party_plugin_is_found_without_importing(third_party: Path) -> Non
 
 def test_broken_plugin_is_reported_and_does_not_break_others(third_party: Path) -> None:
     registry = Registry()
-    with pytest.raises(PluginLoadError, match="from acme-trioinfer 1.2.*needs libacme.so") as info:
+    with pytest.raises(
+        PluginLoadError, match=r"from acme-trioinfer 1\.2.*needs libacme\.so"
+    ) as info:
         registry.load("backends", "acme")
     assert (info.value.group, info.value.name) == ("trioinfer.backends", "acme")
     assert info.value.distribution == "acme-trioinfer 1.2"
@@ -94,7 +96,9 @@ def test_broken_plugin_is_reported_and_does_not_break_others(third_party: Path) 
 
 
 def test_unknown_name_lists_the_known_ones() -> None:
-    with pytest.raises(PluginError, match="no scheduler plugin named 'edf'; known schedulers: 'fifo'"):
+    with pytest.raises(
+        PluginError, match="no scheduler plugin named 'edf'; known schedulers: 'fifo'"
+    ):
         Registry().load("schedulers", "edf")
     with pytest.raises(PluginError, match="unknown plugin kind 'widgets'"):
         Registry().load("widgets", "x")  # type: ignore[arg-type]
@@ -122,7 +126,7 @@ async def test_engine_reports_unknown_plugins_at_load(add_model: Path) -> None:
 async def test_a_plugin_that_is_not_a_scheduler_is_refused(add_model: Path) -> None:
     registry = Registry(extra={"schedulers": {"bad": object}})
     async with open_engine(registry=registry) as engine:
-        with pytest.raises(PluginError, match="does not implement trioinfer.abc.Scheduler"):
+        with pytest.raises(PluginError, match=r"does not implement trioinfer\.abc\.Scheduler"):
             await engine.load(ModelConfig(name="add", path=add_model, scheduler="bad"))
 
 

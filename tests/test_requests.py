@@ -8,6 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import trio
+import trio.lowlevel
 import trio.testing
 
 import trioinfer
@@ -84,10 +85,10 @@ async def test_expired_requests_never_reach_the_backend(
     async with open_engine(registry=backend.registry()) as engine, trio.open_nursery() as nursery:
         await engine.load(fake_config())
         nursery.start_soon(call, engine, 10.0)  # runs first, 1 s
-        await trio.sleep(0)
+        await trio.testing.wait_all_tasks_blocked()
         for _ in range(50):  # all expire while the first one runs
             nursery.start_soon(call, engine, 0.5)
-        await trio.sleep(0)
+        await trio.testing.wait_all_tasks_blocked()
         nursery.start_soon(call, engine, 10.0)  # runs second
         await trio.sleep(5)
         stats = engine.statistics().models["m"]
@@ -210,6 +211,8 @@ async def test_cancel_during_load_closes_what_was_loaded(
     async with open_engine() as engine:
         with trio.CancelScope() as scope:
             scope.cancel()
-            await engine.load(ModelConfig(name="add", path=add_model, instances=[Instance(count=2)]))
+            await engine.load(
+                ModelConfig(name="add", path=add_model, instances=[Instance(count=2)])
+            )
         assert scope.cancelled_caught
         assert engine.models() == []

@@ -41,5 +41,7 @@ from ._threads import wait_on_callback as wait_on_callback
 
 try:
     __version__ = _metadata.version("trioinfer")
-except _metadata.PackageNotFoundError:  # pragma: no cover  # running from a source tree without install
+except (
+    _metadata.PackageNotFoundError
+):  # pragma: no cover  # running from a source tree without install
     __version__ = "0+unknown"

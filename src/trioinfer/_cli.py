@@ -216,7 +216,8 @@ async def _demo(*, requests: int, concurrency: int, instances: int, deadline: fl
             "phase 2",
             f"{TIGHT_REQUESTS} requests at once, each under trio.move_on_after({tight:.2g}):",
         )
-        _row("", f"a quarter of the {drain * 1000:.1f} ms that phase 1 took to answer as many")
+        if rate:
+            _row("", f"(phase 1 answered {TIGHT_REQUESTS} requests every {drain * 1000:.1f} ms)")
         before = _model_statistics(engine)
         burst = await _send(
             engine,

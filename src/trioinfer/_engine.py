@@ -133,7 +133,10 @@ class Engine:
                 fallback=fallback,
                 instances=instances,
             )
-            self._check_open()
+            if self._closing:
+                # The engine began to close while we loaded: do not leave instances behind.
+                await close_instances(instances)
+                self._check_open()
             await self._task_group.start(runner.run)
             self._runners[name] = runner
         finally:

@@ -1,11 +1,10 @@
 """The bundled example: a model repository and sample data that ship inside the package.
 
-``trioinfer demo`` (and ``trioinfer serve`` with no arguments) use them, and so
-can tutorials and tests: the repository holds one model, ``digits``, a small
-MLP trained on scikit-learn's 8x8 digit images, and :func:`digits_samples`
-returns held-out images with their labels. Both are found with
-:mod:`importlib.resources`, so they work from a source tree and from an
-installed wheel alike.
+``trioinfer demo`` uses them, and so can tutorials and tests: the repository
+holds one model, ``digits``, a small MLP trained on scikit-learn's 8x8 digit
+images, and :func:`digits_samples` returns held-out images with their labels.
+Both are found with :mod:`importlib.resources`, so they work from a source
+tree and from an installed wheel alike.
 """
 
 from __future__ import annotations

@@ -16,6 +16,7 @@ from typing import Any, final
 
 import anyio
 import anyio.abc
+import anyio.lowlevel
 import attrs
 import numpy as np
 
@@ -255,6 +256,10 @@ class ModelRunner:
             self._withdraw(request)
             raise
         if state.error is not None:
+            if isinstance(state.error, DeadlineExceeded):
+                # The request's deadline is the caller's own: let the caller's scope
+                # report it (Cancelled, TooSlowError) rather than our error.
+                await anyio.lowlevel.checkpoint_if_cancelled()
             raise state.error
         assert state.outputs is not None
         return state.outputs
