@@ -25,9 +25,7 @@ def pair(rows: int = 2) -> dict[str, np.ndarray]:
     return {"a": a, "b": np.ones_like(a)}
 
 
-@pytest.mark.parametrize(
-    ("dispatch", "threads"), [("thread", 1), ("thread", 0), ("ort_async", 2)]
-)
+@pytest.mark.parametrize(("dispatch", "threads"), [("thread", 1), ("thread", 0), ("ort_async", 2)])
 async def test_backend_passes_the_conformance_check(
     add_model: Path, dispatch: str, threads: int
 ) -> None:
@@ -81,7 +79,9 @@ async def test_cancelled_execution_is_terminated_in_ort(slow_model: Path, dispat
 
 async def test_engine_aborts_execution_when_its_only_caller_leaves(slow_model: Path) -> None:
     async with open_engine() as engine:
-        await engine.load(ModelConfig(name="slow", path=slow_model, instances=[Instance(threads=1)]))
+        await engine.load(
+            ModelConfig(name="slow", path=slow_model, instances=[Instance(threads=1)])
+        )
         x = np.ones((256, 512), dtype=np.float32)
         with trio.move_on_after(0.05):
             await engine.infer("slow", {"x": x})
