@@ -15,7 +15,7 @@ PUBLIC = {
         "ModelConfig", "ModelInfo", "ModelNotFound", "ModelSignature", "ModelStatistics",
         "Placement", "PluginError", "PluginInfo", "PluginLoadError", "QueueFull", "Registry",
         "Request", "RequestQueue", "Status", "TensorSpec", "TrioInferError", "WorkerThread",
-        "numpy_dtype", "open_engine", "wait_on_callback",
+        "numpy_dtype", "open_engine", "wait_on_callback", "example_repository", "digits_samples",
     },
     "trioinfer.abc": {"Backend", "BackendInstance", "Batcher", "Fallback", "Scheduler"},
     "trioinfer.testing": {

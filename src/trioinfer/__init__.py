@@ -15,6 +15,8 @@ from ._engine import Engine as Engine
 from ._engine import EngineStatistics as EngineStatistics
 from ._engine import ModelInfo as ModelInfo
 from ._engine import open_engine as open_engine
+from ._examples import digits_samples as digits_samples
+from ._examples import example_repository as example_repository
 from ._exceptions import BackendError as BackendError
 from ._exceptions import BackendUnavailable as BackendUnavailable
 from ._exceptions import ConfigError as ConfigError
