@@ -250,3 +250,30 @@ async def test_drain_period_must_be_a_non_negative_number() -> None:
     with pytest.raises(trioinfer.ConfigError, match="drain_period"):
         async with open_engine(drain_period=-1):
             pass  # pragma: no cover
+
+
+async def test_unload_drains_then_stops_even_if_its_caller_is_cancelled(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    backend = FakeBackend(delay=5.0)
+    async with open_engine(registry=backend.registry(), drain_period=60) as engine:
+        await engine.load(fake_config())
+        errors: list[Exception] = []
+
+        async def call() -> None:
+            try:
+                await engine.infer("m", {"x": X})
+            except trioinfer.EngineClosed as exc:
+                errors.append(exc)
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(call)
+            await trio.testing.wait_all_tasks_blocked()
+            t0 = trio.current_time()
+            with trio.move_on_after(1):
+                await engine.unload("m")
+            assert trio.current_time() - t0 == 1
+        assert backend.open_instances == 0
+        assert engine.models() == []
+        assert len(errors) == 1
+        assert "unloaded" in str(errors[0])

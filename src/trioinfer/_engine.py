@@ -155,10 +155,13 @@ class Engine:
         runner = self._runners.pop(name, None)
         if runner is None:
             raise ModelNotFound(f"no model named {name!r} is loaded; loaded: {self._names()}")
-        with anyio.move_on_after(self.drain_period):
-            await runner.wait_idle()
-        with anyio.CancelScope(shield=True):
-            await runner.stop()
+        try:
+            with anyio.move_on_after(self.drain_period):
+                await runner.wait_idle()
+        finally:
+            # Even if the caller is cancelled while draining, the model must stop.
+            with anyio.CancelScope(shield=True):
+                await runner.stop()
 
     def models(self) -> list[ModelInfo]:
         """The loaded models, sorted by name."""
