@@ -32,7 +32,7 @@ types: $(STAMP)
 	$(BIN)/mypy
 
 docs: $(STAMP)
-	$(BIN)/mkdocs build --strict --site-dir site
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --site-dir site
 
 ## bench: the in-process engine benchmark (prints figures; not a test)
 bench: $(STAMP)

@@ -152,7 +152,7 @@ async def test_exit_cancels_what_the_drain_period_leaves(
             await trio.testing.wait_all_tasks_blocked()
             t0 = trio.current_time()
         assert trio.current_time() - t0 == 1.5
-        with pytest.raises(trioinfer.EngineClosed, match="closing"):
+        with pytest.raises(trioinfer.EngineClosed, match="has closed"):
             await engine.infer("m", {"x": X})
         with pytest.raises(trioinfer.EngineClosed):
             await engine.load(fake_config("other"))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 from pathlib import Path
 
 import numpy as np
@@ -191,3 +192,27 @@ def test_probe_says_why_in_one_line() -> None:
     if reason is not None:
         assert "\n" not in reason
         assert reason.strip()
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_getaffinity"), reason="CPU affinity is Linux-only")
+async def test_cpu_affinity_pins_the_instance_thread(add_model: Path) -> None:
+    cpu = min(os.sched_getaffinity(0))
+    instance = await OnnxRuntimeBackend().load(
+        ModelConfig(name="a", path=add_model), Placement(Device("cpu"), 0, cpu_affinity=(cpu,))
+    )
+    try:
+        assert await instance._worker.run_sync(os.sched_getaffinity, 0) == {cpu}
+        # One CPU named and no thread count: one compute thread.
+        assert instance.session.get_session_options().intra_op_num_threads == 1
+        out = await instance.execute(pair())
+        assert out["sum"].shape == (2, 4)
+    finally:
+        await instance.aclose()
+
+
+async def test_unknown_cpu_is_a_clear_error(add_model: Path) -> None:
+    async with open_engine() as engine:
+        with pytest.raises(trioinfer.ConfigError, match=r"cpu_affinity \[4095\] cannot be applied"):
+            await engine.load(
+                ModelConfig(name="a", path=add_model, instances=[Instance(cpu_affinity=[4095])])
+            )

@@ -93,7 +93,13 @@ class OnnxRuntimeBackend:
         """
         options = _check_options(config, placement)
         name = f"trioinfer-{config.name}-{placement.index}"
-        worker = await WorkerThread.start(name, cpu_affinity=placement.cpu_affinity)
+        try:
+            worker = await WorkerThread.start(name, cpu_affinity=placement.cpu_affinity)
+        except OSError as exc:
+            raise ConfigError(
+                f"model {config.name!r} instance {placement.index}: cpu_affinity "
+                f"{list(placement.cpu_affinity or ())} cannot be applied here: {exc}"
+            ) from exc
         try:
             session, device = await worker.run_sync(_create_session, config, placement, options)
         except BaseException:
@@ -268,7 +274,10 @@ def _create_session(
         )
         device = Device("cpu")
     so = ort.SessionOptions()
-    so.intra_op_num_threads = placement.threads
+    affinity = placement.cpu_affinity
+    # With CPUs named but no thread count, use one compute thread per named CPU.
+    threads = placement.threads or (len(affinity) if affinity else 0)
+    so.intra_op_num_threads = threads
     so.inter_op_num_threads = options.get("inter_op_threads", 0)
     so.graph_optimization_level = getattr(
         ort.GraphOptimizationLevel, _OPT_LEVELS[options["graph_optimization_level"]]
@@ -281,11 +290,11 @@ def _create_session(
     so.enable_cpu_mem_arena = options["enable_mem_arena"]
     so.enable_mem_pattern = options["enable_mem_pattern"]
     so.log_severity_level = options["log_severity"]
-    if placement.cpu_affinity is not None and placement.threads > 1:
+    if affinity is not None and threads > 1:
         # ORT pins intra-op threads 2..N itself; the first is the worker thread, pinned already.
-        cpus = ",".join(map(str, placement.cpu_affinity))
+        cpus = ",".join(map(str, affinity))
         so.add_session_config_entry(
-            "session.intra_op_thread_affinities", ";".join([cpus] * (placement.threads - 1))
+            "session.intra_op_thread_affinities", ";".join([cpus] * (threads - 1))
         )
     try:
         session = ort.InferenceSession(str(path), so, providers=_providers(device, options))

@@ -4,7 +4,7 @@
 concurrent Trio tasks, each request under its own cancel scope, then reports
 what happened; ``trioinfer plugins`` lists what the registry finds and whether
 each plugin imports. The console script ``trioinfer`` and ``python -m
-trioinfer`` both run :func:`main`.
+trioinfer`` both run `main()`.
 """
 
 from __future__ import annotations

@@ -1,10 +1,11 @@
 """Model configuration: one attrs class for Python, config.toml, the server and the CLI.
 
 A model repository is laid out as ``<repo>/<model>/config.toml`` and
-``<repo>/<model>/<version>/model.onnx``; :meth:`ModelConfig.from_toml` reads
+``<repo>/<model>/<version>/model.onnx``;
+[`ModelConfig.from_toml()`][trioinfer.ModelConfig.from_toml] reads
 the former and finds the latter. Validators check each field's invariants when
 the object is built, so a bad configuration fails at once with a
-:class:`~trioinfer.ConfigError` that names the field.
+[`ConfigError`][trioinfer.ConfigError] that names the field.
 """
 
 from __future__ import annotations
@@ -108,7 +109,9 @@ class Instance:
 
 @attrs.frozen
 class Placement:
-    """Where one backend instance runs; what the engine hands to :meth:`Backend.load`.
+    """Where one backend instance runs.
+
+    The engine hands one to [`Backend.load()`][trioinfer.abc.Backend.load] per instance.
 
     Attributes:
         device: The device asked for.
@@ -181,7 +184,7 @@ class ModelConfig:
         batcher_options: Keyword arguments for the batcher.
         fallback_options: Keyword arguments for the fallback.
         max_queue_size: Requests that may wait for this model; more are refused with
-            :class:`~trioinfer.QueueFull`.
+            [`QueueFull`][trioinfer.QueueFull].
         cpu_fallback: Whether an instance may run on the CPU when its GPU device is not usable.
         max_elements_per_input: Cap on one input tensor's element count.
         max_elements_per_request: Cap on a request's element count over all inputs.
@@ -217,7 +220,7 @@ class ModelConfig:
         return InputLimits(self.max_elements_per_input, self.max_elements_per_request, self.casting)
 
     def placements(self) -> list[Placement]:
-        """One :class:`Placement` per instance, numbered in the order they are listed."""
+        """One [`Placement`][trioinfer.Placement] per instance, numbered in listed order."""
         out: list[Placement] = []
         for group in self.instances:
             for _ in range(group.count):

@@ -36,7 +36,7 @@ from .abc import Backend, BackendInstance, Batcher, Fallback, Scheduler
 
 @attrs.frozen
 class ModelInfo:
-    """A loaded model, as :meth:`Engine.models` reports it.
+    """A loaded model, as [`Engine.models()`][trioinfer.Engine.models] reports it.
 
     Attributes:
         name: The name requests use.
@@ -67,7 +67,7 @@ class EngineStatistics:
 @final
 @attrs.define(eq=False)
 class Engine:
-    """Loads models and runs inference on them; create one with :func:`open_engine`."""
+    """Loads models and runs inference; create one with [`open_engine()`][trioinfer.open_engine]."""
 
     _task_group: anyio.abc.TaskGroup = attrs.field(alias="task_group")
     _registry: Registry = attrs.field(alias="registry")
@@ -75,6 +75,7 @@ class Engine:
     _runners: dict[str, ModelRunner] = attrs.field(factory=dict, init=False)
     _loading: set[str] = attrs.field(factory=set, init=False)
     _closing: bool = attrs.field(default=False, init=False)
+    _closed: bool = attrs.field(default=False, init=False)
 
     @property
     def registry(self) -> Registry:
@@ -146,8 +147,8 @@ class Engine:
     async def unload(self, name: str) -> None:
         """Stop serving a model: refuse new requests, drain, then close its instances.
 
-        Requests already accepted may finish within :attr:`drain_period`; those
-        still queued or running after it fail with :class:`~trioinfer.EngineClosed`.
+        Requests already accepted may finish within `drain_period`; those
+        still queued or running after it fail with [`EngineClosed`][trioinfer.EngineClosed].
 
         Raises:
             ModelNotFound: No model of that name is loaded.
@@ -205,7 +206,9 @@ class Engine:
             ModelNotFound: No model of that name is loaded.
             InvalidInput: The inputs do not fit the model's signature or limits.
             QueueFull: The model's queue is full; ``retry_after`` says when to try again.
-            DeadlineExceeded: The deadline passed before the request could run.
+            DeadlineExceeded: The deadline passed before the request could run and
+                the caller's scope did not report it first (a caller under
+                ``fail_after`` normally sees ``TooSlowError`` instead).
             BackendError: The backend failed while running it.
             EngineClosed: The engine is closing, or closed before the request ended.
         """
@@ -240,7 +243,8 @@ class Engine:
 
     def _check_open(self) -> None:
         if self._closing:
-            raise EngineClosed("the engine is closing and accepts no new work")
+            state = "has closed" if self._closed else "is closing"
+            raise EngineClosed(f"the engine {state} and accepts no new work")
 
     def _names(self) -> str:
         return ", ".join(map(repr, sorted(self._runners))) or "none"
@@ -266,7 +270,7 @@ async def open_engine(
 ) -> AsyncIterator[Engine]:
     """Open an inference engine whose task group owns all its work.
 
-    Leaving the block normally stops new work (:class:`~trioinfer.EngineClosed`),
+    Leaving the block normally stops new work ([`EngineClosed`][trioinfer.EngineClosed]),
     lets accepted requests finish for at most *drain_period* seconds, then
     cancels what is left (those callers get ``EngineClosed``) and closes every
     backend instance. Leaving it with an exception or cancellation skips the
@@ -294,6 +298,7 @@ async def open_engine(
                 raise
             finally:
                 await engine._shutdown(drain=body_error is None)
+                engine._closed = True
                 tg.cancel_scope.cancel()
     except BaseExceptionGroup as group:
         # The task group wraps the block's own exception; hand it back as the caller raised it.

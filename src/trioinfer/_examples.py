@@ -2,8 +2,9 @@
 
 ``trioinfer demo`` uses them, and so can tutorials and tests: the repository
 holds one model, ``digits``, a small MLP trained on scikit-learn's 8x8 digit
-images, and :func:`digits_samples` returns held-out images with their labels.
-Both are found with :mod:`importlib.resources`, so they work from a source
+images, and [`digits_samples()`][trioinfer.digits_samples] returns held-out images with their
+labels.
+Both are found with `importlib.resources`, so they work from a source
 tree and from an installed wheel alike.
 """
 

@@ -154,7 +154,7 @@ class Registry:
         """Load a plugin and call its target with *options* as keyword arguments.
 
         Raises:
-            PluginError: Unknown name (see :meth:`load`).
+            PluginError: Unknown name (see `load()`).
             PluginLoadError: The plugin fails to import, or refuses the options.
         """
         target = self.load(kind, name)

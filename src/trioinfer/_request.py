@@ -43,7 +43,7 @@ class _State:
 
 @attrs.frozen(eq=False)
 class Request:
-    """One call of :meth:`Engine.infer`, as schedulers and batchers see it.
+    """One call of [`Engine.infer()`][trioinfer.Engine.infer], as schedulers and batchers see it.
 
     Requests compare and hash by identity, so a scheduler can key a dict by them.
 

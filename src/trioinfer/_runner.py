@@ -1,6 +1,6 @@
 """One model's request path: admission, scheduler, batcher, instance workers, completion.
 
-A :class:`ModelRunner` runs inside the engine's task group. It owns its
+A `ModelRunner` runs inside the engine's task group. It owns its
 model's queue and one worker task per backend instance; each worker, when its
 instance is free, asks the batcher for the next batch, drops requests whose
 deadline passed, runs the batch through the fallback plugin on its instance,
@@ -68,7 +68,7 @@ class RequestQueue:
         """Take the next live request in the scheduler's order.
 
         Requests whose deadline has passed are failed with
-        :class:`~trioinfer.DeadlineExceeded` on the way and never returned.
+        [`DeadlineExceeded`][trioinfer.DeadlineExceeded] on the way and never returned.
 
         Raises:
             anyio.WouldBlock: If no live request is waiting.
@@ -99,7 +99,7 @@ class RequestQueue:
 
 @attrs.frozen
 class ModelStatistics:
-    """A snapshot of one model's counters (see :meth:`Engine.statistics`).
+    """A snapshot of one model's counters; see [`Engine.statistics()`][trioinfer.Engine.statistics].
 
     Attributes:
         name: The model.
@@ -110,7 +110,9 @@ class ModelStatistics:
         failed: Requests that ended with an error (backend, deadline, shutdown).
         cancelled: Requests whose caller gave up before they ended.
         refused: Requests refused at admission because the queue was full.
-        expired: Requests dropped because their deadline passed before they ran.
+        expired: Requests the engine dropped because their deadline passed before
+            they ran, noticed before the caller's own scope fired (when the scope
+            fires first, the request counts as cancelled).
         executions: Backend executions (batches) started.
         mean_execution_s: Moving average of a batch's execution time.
     """
@@ -338,8 +340,9 @@ class ModelRunner:
 
     def retry_after(self) -> float:
         """A guess at when a refused request could be admitted, in seconds."""
-        per_batch = self._mean_execution_s or 0.001
-        return max(0.001, math.ceil(len(self.queue) / len(self._instances)) * per_batch)
+        # Until there is history, assume 10 ms per execution rather than invite a busy retry.
+        per_batch = self._mean_execution_s or 0.01
+        return (math.ceil(len(self.queue) / len(self._instances)) + 1) * per_batch
 
     def statistics(self) -> ModelStatistics:
         """A snapshot of this model's counters."""
@@ -360,7 +363,7 @@ class ModelRunner:
 
 
 async def close_instances(instances: Sequence[BackendInstance]) -> None:
-    """Close every instance, shielded from cancellation and bounded by :data:`CLEANUP_S`."""
+    """Close every instance, shielded from cancellation and bounded by `CLEANUP_S`."""
     with anyio.move_on_after(CLEANUP_S, shield=True):
         for instance in instances:
             # One broken instance must not keep the others open.

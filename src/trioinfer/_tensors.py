@@ -1,6 +1,6 @@
 """Tensor signatures and the checks that run on inputs before they queue.
 
-A backend reports its model's signature as :class:`ModelSignature`; the engine
+A backend reports its model's signature as [`ModelSignature`][trioinfer.ModelSignature]; the engine
 checks every request against it (names, dtypes, ranks, fixed and symbolic
 dims, element caps) before the request can take a place in a queue, so a bad
 request costs neither queue space nor compute.

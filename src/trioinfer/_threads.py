@@ -101,7 +101,7 @@ class WorkerThread:
 
     Cheaper per call than a thread pool (no per-call thread hand-out), and
     lets a backend pin its compute to chosen CPUs. Create it with
-    :meth:`start`; stop it with :meth:`aclose`, which joins the thread.
+    `start()`; stop it with `aclose()`, which joins the thread.
     """
 
     __slots__ = ("_closed", "_jobs", "_thread")
@@ -141,7 +141,7 @@ class WorkerThread:
         is waited for, then ``Cancelled`` propagates.
 
         Raises:
-            anyio.ClosedResourceError: After :meth:`aclose`.
+            anyio.ClosedResourceError: After `aclose()`.
         """
         if self._closed:
             raise anyio.ClosedResourceError(f"worker thread {self.name!r} is closed")

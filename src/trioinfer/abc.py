@@ -1,11 +1,13 @@
 """The plugin contracts: what a backend, scheduler, batcher or fallback must do.
 
-Each contract is a :class:`typing.Protocol`; each method's docstring is its
+Each contract is a `typing.Protocol`; each method's docstring is its
 spec: when the engine calls it, whether it may block, what it raises. A plugin
-is an object the registry gets by calling the entry point's target with no
-arguments (backends, fallbacks) or with the model's ``*_options`` as keyword
-arguments (schedulers, batchers, fallbacks); a class is the usual target.
-Conformance checks for each contract are in :mod:`trioinfer.testing`.
+is an object the registry gets by calling the entry point's target: backends
+with no arguments (they get the model's ``backend_options`` at load), and
+schedulers, batchers and fallbacks with the model's ``scheduler_options``,
+``batcher_options`` or ``fallback_options`` as keyword arguments. A class is
+the usual target.
+Conformance checks for each contract are in [`trioinfer.testing`][trioinfer.testing].
 """
 
 from __future__ import annotations
@@ -37,8 +39,8 @@ Arrays = Mapping[str, np.ndarray[Any, Any]]
 class BackendInstance(Protocol):
     """One loaded copy of a model on one device: a session, in ONNX Runtime's terms.
 
-    The engine calls :meth:`execute` for one batch at a time per instance (it
-    never overlaps two calls on the same instance) and :meth:`aclose` once,
+    The engine calls `execute()` for one batch at a time per instance (it
+    never overlaps two calls on the same instance) and `aclose()` once,
     after the last call has returned.
     """
 
@@ -55,7 +57,7 @@ class BackendInstance(Protocol):
     async def execute(self, inputs: Arrays) -> dict[str, np.ndarray[Any, Any]]:
         """Run the model once and return every output by name.
 
-        *inputs* are already validated against :attr:`signature`. Blocking
+        *inputs* are already validated against `signature`. Blocking
         compute must run off the event loop (a worker thread, or the runtime's
         own asynchronous call); the event loop never waits on compute.
 
@@ -72,8 +74,9 @@ class BackendInstance(Protocol):
     async def aclose(self) -> None:
         """Release the instance's resources (threads, sessions, device memory).
 
-        Called once, after the last :meth:`execute` returned; must not raise for
-        a healthy instance. Later :meth:`execute` calls raise ``BackendError``.
+        The engine calls it after the last `execute()` returned. Must be
+        idempotent and must not raise for a healthy instance; later `execute()`
+        calls raise ``BackendError``.
         """
         ...
 
@@ -88,7 +91,7 @@ class Backend(Protocol):
         May take long (reading files, building sessions); blocking work must run
         off the event loop. If ``placement.device`` is not usable, fall back to
         the CPU when ``placement.cpu_fallback`` allows it (and report the real
-        device in :attr:`BackendInstance.device`), else raise.
+        device in [`BackendInstance.device`][trioinfer.abc.BackendInstance.device]), else raise.
 
         Raises:
             BackendUnavailable: The device cannot be used and no fallback is allowed.
@@ -140,7 +143,7 @@ class Batcher(Protocol):
         Take requests only through *queue*, in the order it gives them (the
         scheduler's order). Called by one instance worker at a time, when that
         instance is free. May be cancelled at any await; requests already taken
-        must then be given back with :meth:`RequestQueue.put_back`.
+        must then be given back with [`RequestQueue.put_back()`][trioinfer.RequestQueue.put_back].
         """
         ...
 

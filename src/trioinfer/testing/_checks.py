@@ -29,7 +29,7 @@ def make_request(
     arrival: float | None = None,
     rows: int = 1,
 ) -> Request:
-    """A :class:`~trioinfer.Request` for scheduler and batcher tests.
+    """A [`Request`][trioinfer.Request] for scheduler and batcher tests.
 
     Without *arrival*, each request arrives one tick after the previous one.
     """
@@ -49,7 +49,7 @@ def _fail(what: str) -> None:
 
 
 def check_scheduler(make_scheduler: Callable[[], Scheduler]) -> None:
-    """Check that a scheduler keeps the :class:`~trioinfer.abc.Scheduler` contract.
+    """Check that a scheduler keeps the [`Scheduler`][trioinfer.abc.Scheduler] contract.
 
     Checks that an empty scheduler pops ``IndexError``; that every pushed
     request is popped exactly once; that requests alike in priority, tenant
@@ -126,13 +126,13 @@ async def check_backend(
     *,
     placement: Placement | None = None,
 ) -> None:
-    """Check that a backend keeps the :class:`~trioinfer.abc.Backend` contract.
+    """Check that a backend keeps the [`Backend`][trioinfer.abc.Backend] contract.
 
     Loads one instance and checks its signature; that ``execute`` returns every
     declared output with the declared dtype, rank and fixed dims; that a
     cancelled ``execute`` propagates the cancellation and leaves the instance
     usable; that ``aclose`` is idempotent; and that ``execute`` after
-    ``aclose`` raises :class:`~trioinfer.BackendError`.
+    ``aclose`` raises [`BackendError`][trioinfer.BackendError].
 
     Args:
         backend: The backend under test.

@@ -74,7 +74,7 @@ class FakeBackend:
 
 @final
 class FakeInstance:
-    """An instance of :class:`FakeBackend`."""
+    """An instance of [`FakeBackend`][trioinfer.testing.FakeBackend]."""
 
     def __init__(self, backend: FakeBackend, device: str) -> None:
         self._backend = backend

@@ -122,7 +122,7 @@ def write_mlp(
         output_name: The name of the model's output.
 
     Returns:
-        The path written, as a :class:`~pathlib.Path`.
+        The path written, as a `Path`.
 
     Raises:
         ValueError: If ``sizes`` has fewer than two entries or one is not positive, or the
@@ -177,7 +177,7 @@ def write_mlp(
 def write_wide_mlp(path: str | os.PathLike[str], *, seed: int = 0) -> Path:
     """Write the benchmark MLP: ``float32[batch, 1024]`` to ``float32[batch, 1000]``.
 
-    It is :func:`write_mlp` with layer sizes ``(1024, 4096, 4096, 1000)``: about 25 million
+    It is `write_mlp()` with layer sizes ``(1024, 4096, 4096, 1000)``: about 25 million
     weights, a file of roughly 100 MB, and enough arithmetic per row for batching to matter.
 
     Args:

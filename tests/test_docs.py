@@ -1,0 +1,182 @@
+"""The docs site: its tutorial programs run, and what its pages say stays true."""
+
+from __future__ import annotations
+
+import ast
+import re
+import runpy
+import tempfile
+import tomllib
+from pathlib import Path
+
+import pytest
+
+import trioinfer
+import trioinfer.testing
+from trioinfer_onnxruntime import OPTIONS
+
+ROOT = Path(__file__).resolve().parent.parent
+DOCS = ROOT / "docs"
+TUTORIALS = sorted((DOCS / "tutorials").glob("*.py"))
+PAGES = sorted(DOCS.rglob("*.md"))
+# pymdownx.snippets' base_path in mkdocs.yml: include paths are tried against each in turn.
+SNIPPET_BASES = (DOCS, ROOT)
+SNIPPET = re.compile(r'^\s*--8<-- "([^"]+)"\s*$', re.MULTILINE)
+
+# Lines each tutorial must print: the outcomes its page promises (not its timings).
+EXPECTED_OUTPUT = {
+    "quickstart.py": [
+        "loaded 'digits' (version 1) on ['cpu']",
+        "  input: float32[batch, 64]",
+        "20 of 20 correct",
+        "succeeded 20, failed 0, executions 20",
+    ],
+    "deadlines.py": [
+        "step 1: answered within the scope: y has shape (1, 256)",
+        "step 2: impatient caller 0 gave up after 0.1 s",
+        "step 2: 4 requests, 1 execution; 4 cancelled, 0 expired",
+        "step 3: gave up on BIG after",
+        "6 answered in the end",
+        "step 5: small request: answered during the drain",
+        "step 5: BIG request: EngineClosed (still running when the drain period ended)",
+        "step 5: a request after the block: EngineClosed",
+    ],
+    "plugin.py": [
+        "ShortestJobFirst passes check_scheduler",
+        "MatmulBackend passes check_backend",
+        "matmul model: [[18.0, 22.0, 26.0], [18.0, 22.0, 26.0]]",
+        "rows in execution order, fifo: [8, 2, 4]",
+        "rows in execution order, sjf:  [2, 4, 8]",
+    ],
+}
+
+
+def test_every_tutorial_has_expected_output() -> None:
+    assert sorted(EXPECTED_OUTPUT) == [path.name for path in TUTORIALS]
+
+
+@pytest.mark.parametrize("path", TUTORIALS, ids=lambda path: path.name)
+async def test_tutorial_runs(
+    path: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capfd: pytest.CaptureFixture[str],
+) -> None:
+    # The tutorials write their models with tempfile; keep them under pytest's tmp_path.
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    namespace = runpy.run_path(str(path), run_name=f"docs_tutorial_{path.stem}")
+    await namespace["main"]()
+    out, err = capfd.readouterr()
+    # Nothing on stderr: no warnings, no log lines, no ONNX Runtime errors.
+    assert err == ""
+    for line in EXPECTED_OUTPUT[path.name]:
+        assert line in out
+
+
+def test_tutorials_run_as_scripts() -> None:
+    for path in TUTORIALS:
+        tree = ast.parse(path.read_text())
+        main = [
+            node
+            for node in tree.body
+            if isinstance(node, ast.AsyncFunctionDef) and node.name == "main"
+        ]
+        assert main, f"{path.name} defines no async def main()"
+        assert ast.unparse(tree.body[-1]) == "if __name__ == '__main__':\n    trio.run(main)"
+
+
+def snippets(page: Path) -> list[str]:
+    return SNIPPET.findall(page.read_text())
+
+
+def resolve_snippet(name: str) -> tuple[Path, str | None]:
+    path, _, section = name.partition(":")
+    for base in SNIPPET_BASES:
+        if (base / path).is_file():
+            return base / path, section or None
+    raise AssertionError(f"snippet {path!r} is in none of {[str(b) for b in SNIPPET_BASES]}")
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda page: str(page.relative_to(DOCS)))
+def test_snippets_exist(page: Path) -> None:
+    text = page.read_text()
+    # ruff format reads Python fences; unguarded, it rewrites `--8<--` to `--8 < --`.
+    assert "--8 < --" not in text
+    for name in snippets(page):
+        path, section = resolve_snippet(name)
+        if section is not None:
+            source = path.read_text()
+            assert f"# --8<-- [start:{section}]" in source, name
+            assert f"# --8<-- [end:{section}]" in source, name
+
+
+def test_every_tutorial_appears_on_a_page() -> None:
+    included = {resolve_snippet(name)[0] for page in PAGES for name in snippets(page)}
+    assert set(TUTORIALS) <= included
+
+
+def test_every_onnxruntime_option_is_documented() -> None:
+    page = (DOCS / "how-to" / "models.md").read_text()
+    section = page.split("## ONNX Runtime backend options", 1)[1].split("\n#", 1)[0]
+    rows = re.findall(r"^\| `([a-z_]+)` \|", section, re.MULTILINE)
+    assert sorted(rows) == sorted(OPTIONS)
+
+
+def test_example_config_toml_loads(tmp_path: Path) -> None:
+    model_dir = tmp_path / "classifier"
+    for version in (1, 2):
+        (model_dir / str(version)).mkdir(parents=True)
+        (model_dir / str(version) / "model.onnx").write_bytes(b"")
+    (model_dir / "config.toml").write_text((DOCS / "how-to" / "config.toml").read_text())
+    config = trioinfer.ModelConfig.from_toml(model_dir / "config.toml")
+    assert config.name == "classifier"
+    assert config.path == model_dir / "2" / "model.onnx"
+    assert [str(p.device) for p in config.placements()] == ["cuda:0", "cuda:0", "cpu"]
+    assert set(config.backend_options) <= set(OPTIONS)
+
+
+def fences(page: Path, language: str) -> list[str]:
+    pattern = rf"^( *)```{language}\b[^\n]*\n(.*?)^\1```"
+    blocks = re.findall(pattern, page.read_text(), re.MULTILINE | re.DOTALL)
+    return [
+        "\n".join(line[len(indent) :] for line in body.splitlines())
+        for indent, body in blocks
+        if "--8<--" not in body
+    ]
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda page: str(page.relative_to(DOCS)))
+def test_code_blocks_parse(page: Path) -> None:
+    for block in fences(page, "python"):
+        compile(block, str(page), "exec", flags=ast.PyCF_ALLOW_TOP_LEVEL_AWAIT)
+    for block in fences(page, "toml"):
+        tomllib.loads(block)
+
+
+def reference_targets() -> set[str]:
+    text = "\n".join(path.read_text() for path in (DOCS / "reference").glob("*.md"))
+    return set(re.findall(r"^::: ([\w.]+)$", text, re.MULTILINE))
+
+
+def public_names(module: object) -> set[str]:
+    names = getattr(module, "__all__", None) or dir(module)
+    return {
+        name
+        for name in names
+        if not name.startswith("_")
+        and not isinstance(getattr(module, name), type(trioinfer))
+        and name not in {"annotations", "TYPE_CHECKING"}
+    }
+
+
+def test_every_public_name_is_in_the_reference() -> None:
+    targets = reference_targets()
+    missing = [
+        f"{module.__name__}.{name}"
+        for module in (trioinfer, trioinfer.testing)
+        for name in sorted(public_names(module))
+        if f"{module.__name__}.{name}" not in targets
+    ]
+    assert missing == []
+    # trioinfer.abc is rendered whole: its __all__ lists the contracts.
+    assert {"trioinfer.abc", "trioinfer.testing.models", "trioinfer_onnxruntime.OPTIONS"} <= targets
