@@ -213,7 +213,7 @@ class Engine:
             EngineClosed: The engine is closing, or closed before the request ended.
         """
         runner = self._runner(model)
-        arrays = validate_inputs(model, runner.signature, inputs, runner.config.input_limits)
+        arrays = validate_inputs(model, runner.signature, inputs, runner.input_limits)
         await anyio.lowlevel.checkpoint_if_cancelled()
         request = Request(
             model,
@@ -223,7 +223,7 @@ class Engine:
             tenant=tenant,
             deadline=anyio.current_effective_deadline(),
             arrival=anyio.current_time(),
-            rows=rows(arrays) if runner.signature.batched else 1,
+            rows=rows(arrays) if runner.batched else 1,
         )
         return await runner.call(request)
 

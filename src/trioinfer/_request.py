@@ -6,11 +6,13 @@ import enum
 import itertools
 import math
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import anyio
 import attrs
 import numpy as np
+
+if TYPE_CHECKING:
+    from ._threads import EventLike
 
 Outputs = dict[str, np.ndarray[Any, Any]]
 
@@ -33,7 +35,7 @@ class Status(enum.Enum):
 @attrs.define(eq=False, slots=True)
 class _State:
     # Mutable bookkeeping behind the frozen Request; only the engine touches it.
-    done: anyio.Event | None = None
+    done: EventLike | None = None
     status: Status = Status.QUEUED
     outputs: Outputs | None = None
     error: BaseException | None = None

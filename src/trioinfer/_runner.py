@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, final
 
 import anyio
@@ -30,7 +30,8 @@ from ._exceptions import (
     TrioInferError,
 )
 from ._request import Outputs, Request, Status
-from ._tensors import ModelSignature
+from ._tensors import InputLimits, ModelSignature
+from ._threads import EventLike, native_event_factory
 from .abc import BackendInstance, Batcher, Fallback, Scheduler
 
 #: How long closing instances may take at shutdown before we stop waiting.
@@ -73,9 +74,12 @@ class RequestQueue:
         Raises:
             anyio.WouldBlock: If no live request is waiting.
         """
-        now = anyio.current_time()
-        while len(self._scheduler):
-            request = self._scheduler.pop()
+        scheduler = self._scheduler
+        while len(scheduler):
+            request = scheduler.pop()
+            if request.deadline == math.inf:
+                return request
+            now = anyio.current_time()
             if request.deadline > now:
                 return request
             self._on_expired(request, now)
@@ -107,7 +111,7 @@ class ModelStatistics:
         queued: Requests waiting now.
         in_flight: Requests accepted and not yet ended (queued or running).
         succeeded: Requests that got outputs.
-        failed: Requests that ended with an error (backend, deadline, shutdown).
+        failed: Requests that ended with an error other than expiry (backend, shutdown).
         cancelled: Requests whose caller gave up before they ended.
         refused: Requests refused at admission because the queue was full.
         expired: Requests the engine dropped because their deadline passed before
@@ -130,11 +134,13 @@ class ModelStatistics:
     mean_execution_s: float
 
 
-@attrs.define(eq=False)
 class _Running:
-    # One executing batch: its scope, and how many of its callers still wait.
-    scope: anyio.CancelScope
-    waiting: int
+    # One executing batch: the scope it runs in, and how many of its callers still wait.
+    __slots__ = ("scope", "waiting")
+
+    def __init__(self, scope: anyio.CancelScope, waiting: int) -> None:
+        self.scope = scope
+        self.waiting = waiting
 
 
 @final
@@ -149,18 +155,31 @@ class ModelRunner:
     _instances: list[BackendInstance] = attrs.field(alias="instances")
     queue: RequestQueue = attrs.field(init=False)
     signature: ModelSignature = attrs.field(init=False)
+    input_limits: InputLimits = attrs.field(init=False)
+    batched: bool = attrs.field(init=False)
+    _new_event: Callable[[], EventLike] = attrs.field(init=False)
     closed: bool = attrs.field(default=False, init=False)
     _scope: anyio.CancelScope = attrs.field(factory=anyio.CancelScope, init=False)
     _finished: anyio.Event = attrs.field(factory=anyio.Event, init=False)
     _idle: anyio.Event | None = attrs.field(default=None, init=False)
-    _forming: anyio.Lock = attrs.field(factory=anyio.Lock, init=False)
+    # fast_acquire: an uncontended acquire need not yield to the scheduler, which
+    # would cost a whole scheduling pass per batch.
+    _forming: anyio.Lock = attrs.field(factory=lambda: anyio.Lock(fast_acquire=True), init=False)
     _in_flight: set[Request] = attrs.field(factory=set, init=False)
-    _counts: dict[str, int] = attrs.field(factory=dict, init=False)
+    succeeded: int = attrs.field(default=0, init=False)
+    failed: int = attrs.field(default=0, init=False)
+    cancelled: int = attrs.field(default=0, init=False)
+    refused: int = attrs.field(default=0, init=False)
+    expired: int = attrs.field(default=0, init=False)
+    executions: int = attrs.field(default=0, init=False)
     _mean_execution_s: float = attrs.field(default=0.0, init=False)
 
     def __attrs_post_init__(self) -> None:
+        self._new_event = native_event_factory()
         self.queue = RequestQueue(self._scheduler, self._expire)
         self.signature = self._instances[0].signature
+        self.batched = self.signature.batched
+        self.input_limits = self.config.input_limits
 
     @property
     def devices(self) -> tuple[str, ...]:
@@ -192,39 +211,45 @@ class ModelRunner:
 
     async def _worker(self, instance: BackendInstance) -> None:
         while True:
-            async with self._forming:
-                batch = await self._batcher.next_batch(self.queue)
-            if not batch:
-                raise PluginError(f"batcher of model {self.config.name!r} returned an empty batch")
-            await self._execute(instance, batch)
+            # One scope serves many executions; it is replaced only after an abort,
+            # which saves a scope per execution on the hot path.
+            with anyio.CancelScope() as scope:
+                while True:
+                    async with self._forming:
+                        batch = await self._batcher.next_batch(self.queue)
+                    if not batch:
+                        raise PluginError(
+                            f"batcher of model {self.config.name!r} returned an empty batch"
+                        )
+                    await self._execute(instance, batch, scope)
 
-    async def _execute(self, instance: BackendInstance, batch: Sequence[Request]) -> None:
-        now = anyio.current_time()
+    async def _execute(
+        self, instance: BackendInstance, batch: Sequence[Request], scope: anyio.CancelScope
+    ) -> None:
+        started = anyio.current_time()
         live: list[Request] = []
         for request in batch:
             if request.status is not Status.QUEUED:
                 continue
-            if request.deadline <= now:
-                self._expire(request, now)
+            if request.deadline <= started:
+                self._expire(request, started)
             else:
                 live.append(request)
         if not live:
             return
-        if len(live) > 1 and not self.signature.batched:
+        if len(live) > 1 and not self.batched:
             raise PluginError(
                 f"batcher of model {self.config.name!r} grouped {len(live)} requests, but the "
                 "model has no batch dimension"
             )
-        running = _Running(anyio.CancelScope(), len(live))
+        running = _Running(scope, len(live))
         for request in live:
             request._state.status = Status.RUNNING
             request._state.batch = running
         inputs = live[0].inputs if len(live) == 1 else _concatenate(live)
-        self._count("executions")
-        started = anyio.current_time()
+        self.executions += 1
         try:
-            with running.scope:
-                outputs = await self._fallback.execute(live, lambda: instance.execute(inputs))
+            outputs = await self._fallback.execute(live, lambda: instance.execute(inputs))
         except Exception as exc:
             for request in live:
                 self._finish(request, error=_backend_error(self.config.name, request, exc))
@@ -232,8 +257,6 @@ class ModelRunner:
         finally:
             elapsed = anyio.current_time() - started
             self._mean_execution_s += 0.2 * (elapsed - self._mean_execution_s)
-        if running.scope.cancelled_caught:
-            return  # every caller left; their requests ended when they did
         for request, share in zip(live, _split(outputs, live), strict=True):
             self._finish(request, outputs=share)
 
@@ -242,9 +265,9 @@ class ModelRunner:
     async def call(self, request: Request) -> Outputs:
         """Admit *request*, wait for it to end, and return its outputs or raise its error."""
         state = request._state
-        state.done = anyio.Event()
+        state.done = self._new_event()
         if len(self.queue) >= self.config.max_queue_size:
-            self._count("refused")
+            self.refused += 1
             raise QueueFull(
                 f"model {self.config.name!r} has {len(self.queue)} requests queued, its "
                 f"max_queue_size; retry later",
@@ -279,13 +302,12 @@ class ModelRunner:
             if running.waiting == 0:
                 # Nobody waits for this execution any more: abort it in the backend.
                 running.scope.cancel()
-        self._count("cancelled")
+        self.cancelled += 1
         self._end(request)
 
     # -- ending requests -----------------------------------------------------------
 
     def _expire(self, request: Request, now: float) -> None:
-        self._count("expired")
         self._finish(
             request,
             error=DeadlineExceeded(
@@ -307,7 +329,12 @@ class ModelRunner:
         if state.status is Status.QUEUED:
             self.queue._remove(request)
         state.outputs, state.error = outputs, error
-        self._count("failed" if error is not None else "succeeded")
+        if error is None:
+            self.succeeded += 1
+        elif isinstance(error, DeadlineExceeded):
+            self.expired += 1
+        else:
+            self.failed += 1
         self._end(request)
 
     def _end(self, request: Request) -> None:
@@ -320,9 +347,6 @@ class ModelRunner:
         if not self._in_flight and self._idle is not None:
             self._idle.set()
             self._idle = None
-
-    def _count(self, what: str) -> None:
-        self._counts[what] = self._counts.get(what, 0) + 1
 
     # -- engine-facing -------------------------------------------------------------
 
@@ -346,18 +370,17 @@ class ModelRunner:
 
     def statistics(self) -> ModelStatistics:
         """A snapshot of this model's counters."""
-        c = self._counts
         return ModelStatistics(
             name=self.config.name,
             devices=self.devices,
             queued=len(self.queue),
             in_flight=len(self._in_flight),
-            succeeded=c.get("succeeded", 0),
-            failed=c.get("failed", 0),
-            cancelled=c.get("cancelled", 0),
-            refused=c.get("refused", 0),
-            expired=c.get("expired", 0),
-            executions=c.get("executions", 0),
+            succeeded=self.succeeded,
+            failed=self.failed,
+            cancelled=self.cancelled,
+            refused=self.refused,
+            expired=self.expired,
+            executions=self.executions,
             mean_execution_s=self._mean_execution_s,
         )
 

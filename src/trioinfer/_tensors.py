@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from typing import Any, Literal
+from typing import Any, Literal, NoReturn
 
 import attrs
 import numpy as np
@@ -86,6 +86,19 @@ class ModelSignature:
 
     inputs: tuple[TensorSpec, ...]
     outputs: tuple[TensorSpec, ...]
+    _input_names: frozenset[str] = attrs.field(init=False, eq=False, repr=False)
+    _batched: bool = attrs.field(init=False, eq=False, repr=False)
+
+    @_input_names.default
+    def _names_default(self) -> frozenset[str]:
+        return frozenset(spec.name for spec in self.inputs)
+
+    @_batched.default
+    def _batched_default(self) -> bool:
+        tensors = self.inputs + self.outputs
+        return bool(tensors) and all(
+            t.rank >= 1 and not isinstance(t.shape[0], int) for t in tensors
+        )
 
     def input(self, name: str) -> TensorSpec:
         """Return the input called *name*; raises ``KeyError`` if there is none."""
@@ -104,10 +117,7 @@ class ModelSignature:
     @property
     def batched(self) -> bool:
         """Whether every input and output has a variable first dimension (a batch dim)."""
-        tensors = self.inputs + self.outputs
-        return bool(tensors) and all(
-            t.rank >= 1 and not isinstance(t.shape[0], int) for t in tensors
-        )
+        return self._batched
 
 
 @attrs.frozen
@@ -145,20 +155,8 @@ def validate_inputs(
             f"inputs for model {model!r} must be a mapping of input name to array, "
             f"got {type(inputs).__name__}"
         )
-    expected = {spec.name for spec in signature.inputs}
-    given = set(inputs)
-    unknown = sorted(map(str, given - expected))
-    if unknown:
-        raise InvalidInput(
-            f"model {model!r} has no input named {', '.join(map(repr, unknown))}; "
-            f"its inputs are {_names(signature.inputs)}"
-        )
-    missing = sorted(expected - given)
-    if missing:
-        raise InvalidInput(
-            f"model {model!r} needs input {', '.join(map(repr, missing))}; "
-            f"its inputs are {_names(signature.inputs)}"
-        )
+    if inputs.keys() != signature._input_names:
+        _refuse_names(model, signature, inputs)
 
     arrays: dict[str, np.ndarray[Any, Any]] = {}
     total = 0
@@ -167,7 +165,12 @@ def validate_inputs(
     batched = signature.batched
     for spec in signature.inputs:
         value = inputs[spec.name]
-        array = _as_array(model, spec, value, limits)
+        if type(value) is np.ndarray and value.dtype == spec.dtype:
+            array = value  # the common case: no conversion, no copy
+            if array.size > limits.max_elements_per_input:
+                _refuse_size(model, spec, array, limits)
+        else:
+            array = _as_array(model, spec, value, limits)
         total += array.size
         if total > limits.max_elements_per_request:
             raise InvalidInput(
@@ -180,12 +183,15 @@ def validate_inputs(
                 f"(rank {array.ndim}); the model expects {spec.describe()} (rank {spec.rank})"
             )
         for axis, (size, dim) in enumerate(zip(array.shape, spec.shape, strict=True)):
-            if isinstance(dim, int) and size != dim:
-                raise InvalidInput(
-                    f"input {spec.name!r} of model {model!r} has size {size} in dimension "
-                    f"{axis}; the model expects {spec.describe()}"
-                )
-            if isinstance(dim, str):
+            if dim is None:
+                continue
+            if isinstance(dim, int):
+                if size != dim:
+                    raise InvalidInput(
+                        f"input {spec.name!r} of model {model!r} has size {size} in dimension "
+                        f"{axis}; the model expects {spec.describe()}"
+                    )
+            else:
                 seen = symbols.setdefault(dim, (size, spec.name))
                 if seen[0] != size:
                     raise InvalidInput(
@@ -194,18 +200,43 @@ def validate_inputs(
                     )
         if batched:
             rows = array.shape[0]
-            if rows == 0:
-                raise InvalidInput(
-                    f"input {spec.name!r} of model {model!r} has 0 rows; send at least one"
-                )
-            batch = batch or (rows, spec.name)
-            if rows != batch[0]:
+            if batch is None:
+                if rows == 0:
+                    raise InvalidInput(
+                        f"input {spec.name!r} of model {model!r} has 0 rows; send at least one"
+                    )
+                batch = (rows, spec.name)
+            elif rows != batch[0]:
                 raise InvalidInput(
                     f"inputs of model {model!r} disagree on the batch size: "
                     f"{batch[1]!r} has {batch[0]} rows, {spec.name!r} has {rows}"
                 )
         arrays[spec.name] = array
     return arrays
+
+
+def _refuse_names(model: str, signature: ModelSignature, inputs: Mapping[Any, Any]) -> NoReturn:
+    expected = signature._input_names
+    unknown = sorted(map(str, set(inputs) - expected))
+    if unknown:
+        raise InvalidInput(
+            f"model {model!r} has no input named {', '.join(map(repr, unknown))}; "
+            f"its inputs are {_names(signature.inputs)}"
+        )
+    missing = sorted(expected - set(inputs))
+    raise InvalidInput(
+        f"model {model!r} needs input {', '.join(map(repr, missing))}; "
+        f"its inputs are {_names(signature.inputs)}"
+    )
+
+
+def _refuse_size(
+    model: str, spec: TensorSpec, array: np.ndarray[Any, Any], limits: InputLimits
+) -> NoReturn:
+    raise InvalidInput(
+        f"input {spec.name!r} of model {model!r} has {array.size} elements; at most "
+        f"{limits.max_elements_per_input} are allowed per input"
+    )
 
 
 def _as_array(
@@ -225,10 +256,7 @@ def _as_array(
             f"{where} must be a numpy array (or a nested list), got {type(value).__name__}"
         )
     if array.size > limits.max_elements_per_input:
-        raise InvalidInput(
-            f"{where} has {array.size} elements; at most {limits.max_elements_per_input} "
-            "are allowed per input"
-        )
+        _refuse_size(model, spec, array, limits)
     want = spec.dtype
     if want is None:
         raise InvalidInput(f"{where} has element type {spec.type_name}, which numpy cannot hold")

@@ -13,7 +13,7 @@ import os
 import queue
 import threading
 from collections.abc import Callable
-from typing import Any, Generic, TypeVar, final
+from typing import Any, Generic, Protocol, TypeVar, final
 
 import anyio
 import anyio.lowlevel
@@ -23,6 +23,29 @@ T = TypeVar("T")
 
 #: Runs a callable on the event loop's thread, soon; callable from any thread.
 Waker = Callable[[Callable[[], object]], None]
+
+
+class EventLike(Protocol):
+    """What trio.Event, asyncio.Event and anyio.Event have in common."""
+
+    def set(self) -> None:
+        """Wake every waiter."""
+
+    async def wait(self) -> Any:
+        """Wait until set."""
+
+
+def native_event_factory() -> Callable[[], EventLike]:
+    """Return the running event loop's own Event class.
+
+    anyio's portable Event wraps it at several times the cost; hot paths that
+    need only ``set`` and ``wait`` use the native one.
+    """
+    if sniffio.current_async_library() == "trio":
+        import trio
+
+        return trio.Event
+    return asyncio.Event
 
 
 def current_waker() -> Waker:
@@ -48,8 +71,8 @@ class _Resolver(Generic[T]):
     # Carries one result from a foreign thread back to the waiting task.
     __slots__ = ("_event", "_waker", "error", "ready", "value")
 
-    def __init__(self, waker: Waker) -> None:
-        self._event = anyio.Event()
+    def __init__(self, waker: Waker, event: EventLike) -> None:
+        self._event = event
         self._waker = waker
         self.value: T | None = None
         self.error: BaseException | None = None
@@ -90,7 +113,7 @@ async def wait_on_callback(
     report, and then ``Cancelled`` propagates, so nothing is left running.
     """
     await anyio.lowlevel.checkpoint_if_cancelled()
-    resolver: _Resolver[T] = _Resolver(current_waker())
+    resolver: _Resolver[T] = _Resolver(current_waker(), native_event_factory()())
     start(resolver)
     return await resolver.wait(abort)
 
@@ -104,12 +127,15 @@ class WorkerThread:
     `start()`; stop it with `aclose()`, which joins the thread.
     """
 
-    __slots__ = ("_closed", "_jobs", "_thread")
+    __slots__ = ("_closed", "_jobs", "_new_event", "_thread", "_waker")
 
     def __init__(self, thread: threading.Thread, jobs: queue.SimpleQueue[Any]) -> None:
         self._thread = thread
         self._jobs = jobs
         self._closed = False
+        # Looked up once: the thread serves the event loop it was started from.
+        self._waker = current_waker()
+        self._new_event = native_event_factory()
 
     @classmethod
     async def start(cls, name: str, *, cpu_affinity: tuple[int, ...] | None = None) -> WorkerThread:
@@ -119,7 +145,7 @@ class WorkerThread:
             OSError: If the affinity cannot be applied (no such CPU, or not Linux).
         """
         jobs: queue.SimpleQueue[Any] = queue.SimpleQueue()
-        ready: _Resolver[None] = _Resolver(current_waker())
+        ready: _Resolver[None] = _Resolver(current_waker(), anyio.Event())
         thread = threading.Thread(
             target=_serve, args=(jobs, cpu_affinity, ready), name=name, daemon=True
         )
@@ -145,16 +171,17 @@ class WorkerThread:
         """
         if self._closed:
             raise anyio.ClosedResourceError(f"worker thread {self.name!r} is closed")
-        return await wait_on_callback(
-            lambda resolve: self._jobs.put((fn, args, resolve)), abort=abort
-        )
+        await anyio.lowlevel.checkpoint_if_cancelled()
+        resolver: _Resolver[T] = _Resolver(self._waker, self._new_event())
+        self._jobs.put((fn, args, resolver))
+        return await resolver.wait(abort)
 
     async def aclose(self) -> None:
         """Let the thread finish its current call, then stop and join it. Idempotent."""
         if self._closed:
             return
         self._closed = True
-        done: _Resolver[None] = _Resolver(current_waker())
+        done: _Resolver[None] = _Resolver(self._waker, self._new_event())
         self._jobs.put((None, (), done))
         with anyio.CancelScope(shield=True):
             await done.wait(None)
