@@ -47,12 +47,13 @@ class RequestQueue:
     expired request to a backend. Only the engine creates it.
     """
 
-    __slots__ = ("_on_expired", "_scheduler", "_wakeup")
+    __slots__ = ("_new_event", "_on_expired", "_scheduler", "_wakeup")
 
     def __init__(self, scheduler: Scheduler, on_expired: Any) -> None:
         self._scheduler = scheduler
         self._on_expired = on_expired
-        self._wakeup: anyio.Event | None = None
+        self._new_event = native_event_factory()
+        self._wakeup: EventLike | None = None
 
     def __len__(self) -> int:
         """Requests waiting (some may have expired and not yet been dropped)."""
@@ -62,7 +63,7 @@ class RequestQueue:
         """Wait until at least one request is waiting."""
         while not len(self._scheduler):
             if self._wakeup is None:
-                self._wakeup = anyio.Event()
+                self._wakeup = self._new_event()
             await self._wakeup.wait()
 
     def pop_nowait(self) -> Request:
