@@ -121,6 +121,7 @@ async def test_session_options_are_applied(add_model: Path) -> None:
         "execution_mode": "parallel",
         "inter_op_threads": 2,
         "enable_mem_arena": False,
+        "allow_spinning": False,
     }
     instance = await OnnxRuntimeBackend().load(
         ModelConfig(name="a", path=add_model, backend_options=options),
@@ -133,6 +134,7 @@ async def test_session_options_are_applied(add_model: Path) -> None:
         assert not so.enable_cpu_mem_arena
         assert str(so.graph_optimization_level).endswith("ORT_ENABLE_BASIC")
         assert str(so.execution_mode).endswith("ORT_PARALLEL")
+        assert so.get_session_config_entry("session.intra_op.allow_spinning") == "0"
     finally:
         await instance.aclose()
 

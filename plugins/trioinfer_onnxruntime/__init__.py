@@ -67,6 +67,8 @@ OPTIONS: Final[Mapping[str, str]] = {
     "provider_options": "a table passed to the GPU execution provider "
     "(e.g. gpu_mem_limit, trt_fp16_enable, trt_engine_cache_path)",
     "log_severity": "ORT log level for the session, 0 (verbose) to 4 (fatal); default 3",
+    "allow_spinning": "let idle intra-op threads spin for new work (default true, as in ORT); "
+    "false saves CPU on a shared machine, at some latency",
 }
 
 
@@ -241,7 +243,7 @@ def _check_options(config: ModelConfig, placement: Placement) -> dict[str, Any]:
             )
     if not 0 <= options.setdefault("log_severity", 3) <= 4:
         raise ConfigError(f"model {config.name!r}: log_severity must be 0-4")
-    for key in ("enable_mem_arena", "enable_mem_pattern"):
+    for key in ("enable_mem_arena", "enable_mem_pattern", "allow_spinning"):
         if not isinstance(options.setdefault(key, True), bool):
             raise ConfigError(f"model {config.name!r}: {key} must be true or false")
     provider_options = options.setdefault("provider_options", {})
@@ -290,6 +292,8 @@ def _create_session(
     so.enable_cpu_mem_arena = options["enable_mem_arena"]
     so.enable_mem_pattern = options["enable_mem_pattern"]
     so.log_severity_level = options["log_severity"]
+    if not options["allow_spinning"]:
+        so.add_session_config_entry("session.intra_op.allow_spinning", "0")
     if affinity is not None and threads > 1:
         # ORT pins intra-op threads 2..N itself; the first is the worker thread, pinned already.
         cpus = ",".join(map(str, affinity))
