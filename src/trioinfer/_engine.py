@@ -214,15 +214,16 @@ class Engine:
         """
         runner = self._runner(model)
         arrays = validate_inputs(model, runner.signature, inputs, runner.input_limits)
-        await anyio.lowlevel.checkpoint_if_cancelled()
+        clock = runner.clock
+        await clock.checkpoint_if_cancelled()
         request = Request(
             model,
             arrays,
             id=request_id if request_id is not None else next_request_id(),
             priority=priority,
             tenant=tenant,
-            deadline=anyio.current_effective_deadline(),
-            arrival=anyio.current_time(),
+            deadline=clock.current_effective_deadline(),
+            arrival=clock.current_time(),
             rows=rows(arrays) if runner.batched else 1,
         )
         return await runner.call(request)

@@ -31,7 +31,7 @@ from ._exceptions import (
 )
 from ._request import Outputs, Request, Status
 from ._tensors import InputLimits, ModelSignature
-from ._threads import EventLike, native_event_factory
+from ._threads import EventLike, LoopClock, native_event_factory
 from .abc import BackendInstance, Batcher, Fallback, Scheduler
 
 #: How long closing instances may take at shutdown before we stop waiting.
@@ -159,6 +159,7 @@ class ModelRunner:
     input_limits: InputLimits = attrs.field(init=False)
     batched: bool = attrs.field(init=False)
     _new_event: Callable[[], EventLike] = attrs.field(init=False)
+    clock: LoopClock = attrs.field(init=False)
     closed: bool = attrs.field(default=False, init=False)
     _scope: anyio.CancelScope = attrs.field(factory=anyio.CancelScope, init=False)
     _finished: anyio.Event = attrs.field(factory=anyio.Event, init=False)
@@ -177,6 +178,7 @@ class ModelRunner:
 
     def __attrs_post_init__(self) -> None:
         self._new_event = native_event_factory()
+        self.clock = LoopClock()
         self.queue = RequestQueue(self._scheduler, self._expire)
         self.signature = self._instances[0].signature
         self.batched = self.signature.batched
@@ -216,8 +218,12 @@ class ModelRunner:
             # which saves a scope per execution on the hot path.
             with anyio.CancelScope() as scope:
                 while True:
-                    async with self._forming:
+                    if len(self._instances) == 1:
                         batch = await self._batcher.next_batch(self.queue)
+                    else:
+                        # One worker forms a batch at a time; the others line up.
+                        async with self._forming:
+                            batch = await self._batcher.next_batch(self.queue)
                     if not batch:
                         raise PluginError(
                             f"batcher of model {self.config.name!r} returned an empty batch"
@@ -227,7 +233,7 @@ class ModelRunner:
     async def _execute(
         self, instance: BackendInstance, batch: Sequence[Request], scope: anyio.CancelScope
     ) -> None:
-        started = anyio.current_time()
+        started = self.clock.current_time()
         live: list[Request] = []
         for request in batch:
             if request.status is not Status.QUEUED:
@@ -256,7 +262,7 @@ class ModelRunner:
                 self._finish(request, error=_backend_error(self.config.name, request, exc))
             return
         finally:
-            elapsed = anyio.current_time() - started
+            elapsed = self.clock.current_time() - started
             self._mean_execution_s += 0.2 * (elapsed - self._mean_execution_s)
         for request, share in zip(live, _split(outputs, live), strict=True):
             self._finish(request, outputs=share)
@@ -285,7 +291,7 @@ class ModelRunner:
             if isinstance(state.error, DeadlineExceeded):
                 # The request's deadline is the caller's own: let the caller's scope
                 # report it (Cancelled, TooSlowError) rather than our error.
-                await anyio.lowlevel.checkpoint_if_cancelled()
+                await self.clock.checkpoint_if_cancelled()
             raise state.error
         assert state.outputs is not None
         return state.outputs

@@ -12,7 +12,7 @@ import contextlib
 import os
 import queue
 import threading
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any, Generic, Protocol, TypeVar, final
 
 import anyio
@@ -46,6 +46,32 @@ def native_event_factory() -> Callable[[], EventLike]:
 
         return trio.Event
     return asyncio.Event
+
+
+@final
+class LoopClock:
+    """The running event loop's clock and cancellation checks, looked up once.
+
+    anyio's portable functions find the backend on every call; the request
+    path calls these several times per request, so it binds the backend's own.
+    """
+
+    __slots__ = ("checkpoint_if_cancelled", "current_effective_deadline", "current_time")
+
+    def __init__(self) -> None:
+        self.current_time: Callable[[], float]
+        self.current_effective_deadline: Callable[[], float]
+        self.checkpoint_if_cancelled: Callable[[], Awaitable[None]]
+        if sniffio.current_async_library() == "trio":
+            import trio
+
+            self.current_time = trio.current_time
+            self.current_effective_deadline = trio.current_effective_deadline
+            self.checkpoint_if_cancelled = trio.lowlevel.checkpoint_if_cancelled
+        else:
+            self.current_time = anyio.current_time
+            self.current_effective_deadline = anyio.current_effective_deadline
+            self.checkpoint_if_cancelled = anyio.lowlevel.checkpoint_if_cancelled
 
 
 def current_waker() -> Waker:
