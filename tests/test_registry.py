@@ -34,6 +34,10 @@ def third_party(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
                     self._items = OrderedDict()
                 def push(self, request):
                     self._items[request] = None
+                def peek(self):
+                    if not self._items:
+                        raise IndexError("empty")
+                    return next(reversed(self._items))
                 def pop(self):
                     if not self._items:
                         raise IndexError("empty")
@@ -141,6 +145,9 @@ def test_conformance_check_catches_a_broken_scheduler() -> None:
 
         def push(self, request: trioinfer.Request) -> None:
             self.inner.push(request)
+
+        def peek(self) -> trioinfer.Request:
+            return self.inner.peek()
 
         def pop(self) -> trioinfer.Request:
             return self.inner.pop()

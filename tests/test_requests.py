@@ -33,10 +33,13 @@ class RecordingScheduler:
         self.pushed.append(request)
         self._queue[request] = None
 
-    def pop(self) -> Request:
+    def peek(self) -> Request:
         if not self._queue:
             raise IndexError("empty")
-        request = next(iter(self._queue))
+        return next(iter(self._queue))
+
+    def pop(self) -> Request:
+        request = self.peek()
         del self._queue[request]
         return request
 
@@ -216,3 +219,32 @@ async def test_cancel_during_load_closes_what_was_loaded(
             )
         assert scope.cancelled_caught
         assert engine.models() == []
+
+
+async def test_queue_timeout_rejects_a_request_that_waited_too_long(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    backend = FakeBackend(delay=1.0)
+    async with open_engine(registry=backend.registry()) as engine, trio.open_nursery() as nursery:
+        await engine.load(fake_config(queue_timeouts={0: 0.5, 5: 3.0}))
+        nursery.start_soon(engine.infer, "m", {"x": X})  # runs for 1 s
+        await trio.testing.wait_all_tasks_blocked()
+        t0 = trio.current_time()
+        with pytest.raises(trioinfer.DeadlineExceeded, match="nothing was computed"):
+            await engine.infer("m", {"x": X})  # level 0: 0.5 s in the queue at most
+        assert trio.current_time() - t0 == 0.5
+        # Level 5 may wait 3 s; a caller's own deadline always wins over the policy.
+        await engine.infer("m", {"x": X}, priority=5)
+        with trio.move_on_after(10):
+            await engine.infer("m", {"x": X})
+        stats = engine.statistics().models["m"]
+    assert (stats.expired, stats.succeeded) == (1, 3)
+    assert backend.executions == [1, 1, 1]
+
+
+def test_queue_timeouts_are_validated() -> None:
+    with pytest.raises(trioinfer.ConfigError, match="not an integer priority level"):
+        fake_config(queue_timeouts={"high": 1.0})
+    with pytest.raises(trioinfer.ConfigError, match="positive number of seconds"):
+        fake_config(queue_timeouts={0: 0})
+    assert fake_config(queue_timeouts={"2": 1}).queue_timeouts == {2: 1.0}

@@ -45,13 +45,20 @@ class ShortestJobFirst:
             self._heap = [entry for entry in self._heap if self._live.get(entry[3]) == entry[2]]
             heapq.heapify(self._heap)
 
-    def pop(self) -> trioinfer.Request:
+    def peek(self) -> trioinfer.Request:
+        # Drop dead entries from the top, then look at the live one there.
         while self._heap:
-            _rows, _arrival, number, request = heapq.heappop(self._heap)
+            _rows, _arrival, number, request = self._heap[0]
             if self._live.get(request) == number:
-                del self._live[request]
                 return request
-        raise IndexError("pop from an empty ShortestJobFirst scheduler")
+            heapq.heappop(self._heap)
+        raise IndexError("peek into an empty ShortestJobFirst scheduler")
+
+    def pop(self) -> trioinfer.Request:
+        request = self.peek()
+        heapq.heappop(self._heap)
+        del self._live[request]
+        return request
 
     def remove(self, request: trioinfer.Request) -> bool:
         return self._live.pop(request, None) is not None

@@ -27,6 +27,13 @@ class FifoScheduler:
         """Add *request* at the back."""
         self._queue[request] = None
 
+    def peek(self) -> Request:
+        """Return the oldest request without removing it; ``IndexError`` if empty."""
+        try:
+            return next(iter(self._queue))
+        except StopIteration:
+            raise IndexError("peek into an empty FifoScheduler") from None
+
     def pop(self) -> Request:
         """Remove and return the oldest request; ``IndexError`` if empty."""
         try:

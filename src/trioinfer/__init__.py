@@ -34,6 +34,7 @@ from ._request import Request as Request
 from ._request import Status as Status
 from ._runner import ModelStatistics as ModelStatistics
 from ._runner import RequestQueue as RequestQueue
+from ._runner import SchedulerContext as SchedulerContext
 from ._tensors import InputLimits as InputLimits
 from ._tensors import ModelSignature as ModelSignature
 from ._tensors import TensorSpec as TensorSpec

@@ -10,6 +10,7 @@ the object is built, so a bad configuration fails at once with a
 
 from __future__ import annotations
 
+import math
 import os
 import re
 import tomllib
@@ -162,6 +163,31 @@ def _to_path(value: str | os.PathLike[str]) -> Path:
     return Path(value)
 
 
+def _to_timeouts(value: object) -> Mapping[int, float]:
+    if not isinstance(value, Mapping):
+        raise ConfigError(
+            f"queue_timeouts must be a table of priority level = seconds, got {value!r}"
+        )
+    out: dict[int, float] = {}
+    for level, seconds in value.items():
+        try:
+            key = int(level)
+        except (TypeError, ValueError):
+            raise ConfigError(
+                f"queue_timeouts: {level!r} is not an integer priority level"
+            ) from None
+        if (
+            not isinstance(seconds, (int, float))
+            or isinstance(seconds, bool)
+            or not 0 < seconds < math.inf
+        ):
+            raise ConfigError(
+                f"queue_timeouts: level {key} needs a positive number of seconds, got {seconds!r}"
+            )
+        out[key] = float(seconds)
+    return MappingProxyType(out)
+
+
 def _plugin_name(_inst: object, attribute: attrs.Attribute[Any], value: str) -> None:
     if not isinstance(value, str) or not value:
         raise ConfigError(f"{attribute.name} must be a plugin name, got {value!r}")
@@ -185,6 +211,12 @@ class ModelConfig:
         fallback_options: Keyword arguments for the fallback.
         max_queue_size: Requests that may wait for this model; more are refused with
             [`QueueFull`][trioinfer.QueueFull].
+        queue_timeouts: Seconds a request of a given priority level may wait in
+            the queue when its caller set no deadline (Triton's per-priority
+            default timeout); past it, the request is rejected with
+            [`DeadlineExceeded`][trioinfer.DeadlineExceeded], never computed.
+            A caller's own deadline always wins. In config.toml, a table keyed by
+            the level, e.g. ``queue_timeouts = { "0" = 0.5 }``.
         cpu_fallback: Whether an instance may run on the CPU when its GPU device is not usable.
         max_elements_per_input: Cap on one input tensor's element count.
         max_elements_per_request: Cap on a request's element count over all inputs.
@@ -204,6 +236,7 @@ class ModelConfig:
     batcher_options: Mapping[str, Any] = attrs.field(factory=dict, converter=_to_options)
     fallback_options: Mapping[str, Any] = attrs.field(factory=dict, converter=_to_options)
     max_queue_size: int = attrs.field(default=1024, validator=_positive)
+    queue_timeouts: Mapping[int, float] = attrs.field(factory=dict, converter=_to_timeouts)
     cpu_fallback: bool = True
     max_elements_per_input: int = attrs.field(default=1 << 26, validator=_positive)
     max_elements_per_request: int = attrs.field(default=1 << 27, validator=_positive)

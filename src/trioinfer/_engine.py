@@ -226,6 +226,10 @@ class Engine:
             arrival=clock.current_time(),
             rows=rows(arrays) if runner.batched else 1,
         )
+        if request.deadline == math.inf and runner.queue_timeouts:
+            timeout = runner.queue_timeouts.get(priority)
+            if timeout is not None:
+                return await runner.call(request, request.arrival + timeout)
         return await runner.call(request)
 
     def statistics(self) -> EngineStatistics:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, final
 
 import anyio
@@ -66,6 +66,26 @@ class RequestQueue:
                 self._wakeup = self._new_event()
             await self._wakeup.wait()
 
+    def peek_nowait(self) -> Request:
+        """Return the live request that `pop_nowait()` would take, leaving it queued.
+
+        Expired requests at the head are failed on the way, as by `pop_nowait()`.
+
+        Raises:
+            anyio.WouldBlock: If no live request is waiting.
+        """
+        scheduler = self._scheduler
+        while len(scheduler):
+            request = scheduler.peek()
+            if request.deadline == math.inf:
+                return request
+            now = anyio.current_time()
+            if request.deadline > now:
+                return request
+            scheduler.pop()
+            self._on_expired(request, now)
+        raise anyio.WouldBlock
+
     def pop_nowait(self) -> Request:
         """Take the next live request in the scheduler's order.
 
@@ -100,6 +120,39 @@ class RequestQueue:
 
     def _remove(self, request: Request) -> None:
         self._scheduler.remove(request)
+
+
+@final
+class SchedulerContext:
+    """What a scheduler may learn about the model it orders requests for.
+
+    A scheduler with an ``attach(context)`` method gets one of these once,
+    before its first ``push``; deadline-aware schedulers use it to tell whether
+    a request can still finish in time. Only the engine creates it.
+    """
+
+    __slots__ = ("_runner",)
+
+    def __init__(self, runner: ModelRunner) -> None:
+        self._runner = runner
+
+    @property
+    def model(self) -> str:
+        """The model's name."""
+        return self._runner.config.name
+
+    @property
+    def instances(self) -> int:
+        """How many instances execute this model's batches in parallel."""
+        return len(self._runner._instances)
+
+    def execution_estimate(self) -> float:
+        """A moving average of one execution's duration in seconds (0.0 before the first)."""
+        return self._runner._mean_execution_s
+
+    def current_time(self) -> float:
+        """The engine's clock (the event loop's, so a MockClock in tests)."""
+        return self._runner.clock.current_time()
 
 
 @attrs.frozen
@@ -157,6 +210,7 @@ class ModelRunner:
     queue: RequestQueue = attrs.field(init=False)
     signature: ModelSignature = attrs.field(init=False)
     input_limits: InputLimits = attrs.field(init=False)
+    queue_timeouts: Mapping[int, float] = attrs.field(init=False)
     batched: bool = attrs.field(init=False)
     _new_event: Callable[[], EventLike] = attrs.field(init=False)
     clock: LoopClock = attrs.field(init=False)
@@ -180,9 +234,13 @@ class ModelRunner:
         self._new_event = native_event_factory()
         self.clock = LoopClock()
         self.queue = RequestQueue(self._scheduler, self._expire)
+        attach = getattr(self._scheduler, "attach", None)
+        if attach is not None:
+            attach(SchedulerContext(self))
         self.signature = self._instances[0].signature
         self.batched = self.signature.batched
         self.input_limits = self.config.input_limits
+        self.queue_timeouts = self.config.queue_timeouts
 
     @property
     def devices(self) -> tuple[str, ...]:
@@ -269,8 +327,13 @@ class ModelRunner:
 
     # -- called from callers' tasks ----------------------------------------------
 
-    async def call(self, request: Request) -> Outputs:
-        """Admit *request*, wait for it to end, and return its outputs or raise its error."""
+    async def call(self, request: Request, default_deadline: float | None = None) -> Outputs:
+        """Admit *request*, wait for it to end, and return its outputs or raise its error.
+
+        *default_deadline* is a deadline the engine set from the model's queue
+        policy (the caller set none): when it passes, the request ends with
+        [`DeadlineExceeded`][trioinfer.DeadlineExceeded].
+        """
         state = request._state
         state.done = self._new_event()
         if len(self.queue) >= self.config.max_queue_size:
@@ -280,15 +343,28 @@ class ModelRunner:
                 f"max_queue_size; retry later",
                 retry_after=self.retry_after(),
             )
-        self._in_flight.add(request)
-        self.queue._push(request)
         try:
-            await state.done.wait()
+            self.queue._push(request)
+        except TrioInferError:
+            self.refused += 1  # the scheduler refused it at admission (e.g. hopeless deadline)
+            raise
+        self._in_flight.add(request)
+        try:
+            if default_deadline is None:
+                await state.done.wait()
+            else:
+                with anyio.CancelScope(deadline=default_deadline) as scope:
+                    await state.done.wait()
+                if scope.cancelled_caught:
+                    if state.status is Status.QUEUED:
+                        self._expire(request, self.clock.current_time())
+                    else:
+                        await state.done.wait()  # running: a queue timeout no longer applies
         except anyio.get_cancelled_exc_class():
             self._withdraw(request)
             raise
         if state.error is not None:
-            if isinstance(state.error, DeadlineExceeded):
+            if isinstance(state.error, DeadlineExceeded) and default_deadline is None:
                 # The request's deadline is the caller's own: let the caller's scope
                 # report it (Cancelled, TooSlowError) rather than our error.
                 await self.clock.checkpoint_if_cancelled()

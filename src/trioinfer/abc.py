@@ -107,10 +107,25 @@ class Scheduler(Protocol):
 
     Called only from the event loop's thread, never concurrently; no method may
     block or await. Requests hash by identity.
+
+    A scheduler may also define ``attach(context)``: the engine then calls it
+    once, before the first `push()`, with a
+    [`SchedulerContext`][trioinfer.SchedulerContext] (the model's execution-time
+    estimate, instance count and clock). `push()` may refuse a request by
+    raising a [`TrioInferError`][trioinfer.TrioInferError] such as
+    [`DeadlineExceeded`][trioinfer.DeadlineExceeded]; the caller gets it at once.
     """
 
     def push(self, request: Request) -> None:
         """Add a request that was just admitted."""
+        ...
+
+    def peek(self) -> Request:
+        """Return the request `pop()` would return, without removing it.
+
+        Raises:
+            IndexError: If the scheduler holds no request.
+        """
         ...
 
     def pop(self) -> Request:

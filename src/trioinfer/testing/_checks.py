@@ -51,7 +51,8 @@ def _fail(what: str) -> None:
 def check_scheduler(make_scheduler: Callable[[], Scheduler]) -> None:
     """Check that a scheduler keeps the [`Scheduler`][trioinfer.abc.Scheduler] contract.
 
-    Checks that an empty scheduler pops ``IndexError``; that every pushed
+    Checks that an empty scheduler pops and peeks ``IndexError``; that `peek()`
+    shows what `pop()` takes next; that every pushed
     request is popped exactly once; that requests alike in priority, tenant
     and deadline come out in arrival order; that ``remove`` takes a request out
     once (returning ``True``, then ``False``) and that a removed request is
@@ -72,6 +73,12 @@ def check_scheduler(make_scheduler: Callable[[], Scheduler]) -> None:
         pass
     else:
         _fail("pop() on an empty scheduler returned instead of raising IndexError")
+    try:
+        scheduler.peek()
+    except IndexError:
+        pass
+    else:
+        _fail("peek() on an empty scheduler returned instead of raising IndexError")
     if scheduler.remove(make_request()) is not False:
         _fail("remove() of a request never pushed did not return False")
 
@@ -108,7 +115,11 @@ def check_scheduler(make_scheduler: Callable[[], Scheduler]) -> None:
         _fail(f"len is {len(scheduler)}, expected {len(mixed) - len(removed)} after removals")
     out = []
     while len(scheduler):
-        out.append(scheduler.pop())
+        head = scheduler.peek()
+        taken = scheduler.pop()
+        if taken is not head:
+            _fail("pop() returned a different request from the one peek() had just returned")
+        out.append(taken)
     if len(out) != len(set(out)):
         _fail("a request was popped more than once")
     expected = set(mixed) - set(removed)
