@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 from pathlib import Path
 
@@ -248,3 +249,49 @@ def test_queue_timeouts_are_validated() -> None:
     with pytest.raises(trioinfer.ConfigError, match="positive number of seconds"):
         fake_config(queue_timeouts={0: 0})
     assert fake_config(queue_timeouts={"2": 1}).queue_timeouts == {2: 1.0}
+
+
+class Pairs:
+    """A test batcher: up to two requests per batch, in queue order."""
+
+    async def next_batch(self, queue: trioinfer.RequestQueue) -> list[Request]:
+        await queue.wait_not_empty()
+        batch = [queue.pop_nowait()]
+        with contextlib.suppress(trio.WouldBlock):
+            batch.append(queue.pop_nowait())
+        return batch
+
+
+@pytest.mark.parametrize("aliasing", [False, True])
+async def test_batches_reuse_pooled_buffers_and_split_outputs(
+    autojump_clock: trio.testing.MockClock, aliasing: bool
+) -> None:
+    # An aliasing backend returns its input itself: a pooled buffer must then not be reused.
+    backend = FakeBackend((lambda inputs: {"y": inputs["x"]}) if aliasing else None, delay=0.1)
+    registry = trioinfer.Registry(
+        extra={"backends": {"fake": lambda: backend}, "batchers": {"pairs": Pairs}}
+    )
+    results: dict[int, np.ndarray] = {}
+
+    async def call(engine: trioinfer.Engine, i: int) -> None:
+        x = np.full((1 + i % 3, 4), i, np.float32)
+        results[i] = (await engine.infer("m", {"x": x}))["y"]
+
+    async with open_engine(registry=registry) as engine:
+        await engine.load(fake_config(batcher="pairs"))
+        for _ in range(5):
+            async with trio.open_nursery() as nursery:
+                for i in range(20):
+                    nursery.start_soon(call, engine, i)
+        stats = engine.statistics().models["m"]
+    factor = 1 if aliasing else 2
+    for i, y in results.items():
+        np.testing.assert_array_equal(y, np.full((1 + i % 3, 4), factor * i, np.float32))
+    assert max(backend.executions) <= 6
+    assert stats.executions == 50
+    if aliasing:
+        assert stats.buffers_reused == 0
+    else:
+        # Steady state: a handful of buffer sizes, then only reuse.
+        assert stats.buffers_allocated <= 6
+        assert stats.buffers_reused >= 40

@@ -10,6 +10,7 @@ and hands each caller its share of the outputs or an error.
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, final
@@ -18,8 +19,8 @@ import anyio
 import anyio.abc
 import anyio.lowlevel
 import attrs
-import numpy as np
 
+from ._buffers import BufferPool
 from ._config import ModelConfig
 from ._exceptions import (
     BackendError,
@@ -173,6 +174,9 @@ class ModelStatistics:
             fires first, the request counts as cancelled).
         executions: Backend executions (batches) started.
         mean_execution_s: Moving average of a batch's execution time.
+        buffers_allocated: Batch input buffers allocated so far; flat in steady
+            state, because batches reuse pooled buffers.
+        buffers_reused: Batches' input buffers served from the pool.
     """
 
     name: str
@@ -186,6 +190,8 @@ class ModelStatistics:
     expired: int
     executions: int
     mean_execution_s: float
+    buffers_allocated: int
+    buffers_reused: int
 
 
 class _Running:
@@ -214,6 +220,8 @@ class ModelRunner:
     batched: bool = attrs.field(init=False)
     _new_event: Callable[[], EventLike] = attrs.field(init=False)
     clock: LoopClock = attrs.field(init=False)
+    _assemble: Any = attrs.field(init=False)
+    _pool: BufferPool = attrs.field(init=False)
     closed: bool = attrs.field(default=False, init=False)
     _scope: anyio.CancelScope = attrs.field(factory=anyio.CancelScope, init=False)
     _finished: anyio.Event = attrs.field(factory=anyio.Event, init=False)
@@ -234,6 +242,9 @@ class ModelRunner:
         self._new_event = native_event_factory()
         self.clock = LoopClock()
         self.queue = RequestQueue(self._scheduler, self._expire)
+        self._assemble = getattr(self._batcher, "assemble", None)
+        # Enough buffers for every instance to run a batch while the next is formed.
+        self._pool = BufferPool(per_key=len(self._instances) + 1)
         attach = getattr(self._scheduler, "attach", None)
         if attach is not None:
             attach(SchedulerContext(self))
@@ -311,7 +322,19 @@ class ModelRunner:
         for request in live:
             request._state.status = Status.RUNNING
             request._state.batch = running
-        inputs = live[0].inputs if len(live) == 1 else _concatenate(live)
+        outputs: Outputs | None = None
+        split: Callable[[Outputs], Sequence[Outputs]]
+        taken: list[Any] = []
+        if self._assemble is not None:
+            inputs, split = self._assemble(live)
+        elif len(live) == 1:
+            inputs, split = live[0].inputs, _alone
+        else:
+            names = live[0].inputs.keys()
+            inputs, taken = self._pool.concatenate(
+                {name: [r.inputs[name] for r in live] for name in names}
+            )
+            split = functools.partial(_split, live)
         self.executions += 1
         try:
             outputs = await self._fallback.execute(live, lambda: instance.execute(inputs))
@@ -322,7 +345,9 @@ class ModelRunner:
         finally:
             elapsed = self.clock.current_time() - started
             self._mean_execution_s += 0.2 * (elapsed - self._mean_execution_s)
-        for request, share in zip(live, _split(outputs, live), strict=True):
+            if taken:
+                self._pool.give_back(taken, outputs)
+        for request, share in zip(live, split(outputs), strict=True):
             self._finish(request, outputs=share)
 
     # -- called from callers' tasks ----------------------------------------------
@@ -465,6 +490,8 @@ class ModelRunner:
             expired=self.expired,
             executions=self.executions,
             mean_execution_s=self._mean_execution_s,
+            buffers_allocated=self._pool.allocated,
+            buffers_reused=self._pool.reused,
         )
 
 
@@ -492,14 +519,12 @@ def _backend_error(model: str, request: Request, exc: Exception) -> TrioInferErr
     return error
 
 
-def _concatenate(requests: Sequence[Request]) -> dict[str, np.ndarray[Any, Any]]:
-    names = requests[0].inputs.keys()
-    return {name: np.concatenate([r.inputs[name] for r in requests]) for name in names}
+def _alone(outputs: Outputs) -> list[Outputs]:
+    return [outputs]
 
 
-def _split(outputs: Outputs, requests: Sequence[Request]) -> list[Outputs]:
-    if len(requests) == 1:
-        return [outputs]
+def _split(requests: Sequence[Request], outputs: Outputs) -> list[Outputs]:
+    # Views, not copies: each caller's share is a slice of the batch's output.
     shares: list[Outputs] = [{} for _ in requests]
     for name, array in outputs.items():
         start = 0

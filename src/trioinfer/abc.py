@@ -150,7 +150,15 @@ class Scheduler(Protocol):
 
 @runtime_checkable
 class Batcher(Protocol):
-    """Decides when to dispatch and which requests go together."""
+    """Decides when to dispatch and which requests go together.
+
+    By default the engine concatenates a batch's inputs along the first axis
+    (into pooled, reused buffers) and hands each caller its rows of every
+    output, as views. A batcher that needs another layout (padding a ragged
+    dimension, say) may define ``assemble(requests)``, returning the backend's
+    inputs and a function that turns the backend's outputs into one mapping per
+    request, in order; the engine then uses it instead.
+    """
 
     async def next_batch(self, queue: RequestQueue) -> Sequence[Request]:
         """Wait until a batch should be dispatched and return its requests (at least one).

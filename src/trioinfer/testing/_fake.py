@@ -29,6 +29,7 @@ def _double(inputs: Arrays) -> dict[str, np.ndarray[Any, Any]]:
 class FakeBackend:
     """A backend for tests whose instances compute ``fn(inputs)`` after ``delay`` seconds.
 
+    *fn* maps the inputs to the outputs; by default ``y = 2 * x``.
     The delay is an ``anyio.sleep`` on the event loop's clock, so tests run it on
     virtual time (``trio.testing.MockClock``). By default the model takes
     ``x: float32[batch, 4]`` and returns ``y = 2 * x``.
@@ -43,12 +44,12 @@ class FakeBackend:
 
     def __init__(
         self,
-        fn: Callable[[Arrays], dict[str, np.ndarray[Any, Any]]] = _double,
+        fn: Callable[[Arrays], dict[str, np.ndarray[Any, Any]]] | None = None,
         *,
         signature: ModelSignature = _DEFAULT_SIGNATURE,
         delay: float = 0.0,
     ) -> None:
-        self.fn = fn
+        self.fn = fn or _double
         self.signature = signature
         self.delay = delay
         self.error: Exception | None = None
