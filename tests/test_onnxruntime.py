@@ -13,7 +13,7 @@ import trio
 import trioinfer
 from trioinfer import Device, Instance, ModelConfig, Placement, open_engine
 from trioinfer.testing import check_backend, models
-from trioinfer_onnxruntime import OnnxRuntimeBackend, probe_device
+from trioinfer_onnxruntime import AUTO_SAMPLES, OnnxRuntimeBackend, probe_device
 
 CUDA_REASON = probe_device(Device("cuda", 0))
 needs_cuda = pytest.mark.skipif(
@@ -217,4 +217,61 @@ async def test_unknown_cpu_is_a_clear_error(add_model: Path) -> None:
         with pytest.raises(trioinfer.ConfigError, match=r"cpu_affinity \[4095\] cannot be applied"):
             await engine.load(
                 ModelConfig(name="a", path=add_model, instances=[Instance(cpu_affinity=[4095])])
+            )
+
+
+async def test_inline_dispatch_passes_the_conformance_check(add_model: Path) -> None:
+    config = ModelConfig(name="add", path=add_model, backend_options={"dispatch": "inline"})
+    await check_backend(OnnxRuntimeBackend(), config, pair())
+
+
+async def test_auto_dispatch_goes_inline_for_a_cheap_model(
+    add_model: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    config = ModelConfig(
+        name="add", path=add_model, backend_options={"dispatch": "auto", "inline_budget_us": 1e6}
+    )
+    instance = await OnnxRuntimeBackend().load(config, Placement(Device("cpu"), 0, threads=1))
+    try:
+        with caplog.at_level(logging.INFO, logger="trioinfer.onnxruntime"):
+            for _ in range(AUTO_SAMPLES):
+                assert instance.dispatch == "auto"
+                await instance.execute(pair())
+        assert instance.dispatch == "inline"
+        assert "dispatch inline" in caplog.text
+        out = await instance.execute(pair())
+        np.testing.assert_array_equal(out["sum"], pair()["a"] + 1)
+    finally:
+        await instance.aclose()
+
+
+async def test_inline_execution_over_budget_moves_to_the_thread(
+    slow_model: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    config = ModelConfig(
+        name="slow", path=slow_model, backend_options={"dispatch": "inline", "inline_budget_us": 1}
+    )
+    instance = await OnnxRuntimeBackend().load(config, Placement(Device("cpu"), 0, threads=1))
+    try:
+        with caplog.at_level(logging.WARNING, logger="trioinfer.onnxruntime"):
+            await instance.execute({"x": np.ones((1, 512), np.float32)})
+        assert instance.dispatch == "thread"
+        assert "over inline_budget_us = 1" in caplog.text
+        # On the thread again, a long execution can be aborted.
+        with trio.move_on_after(0.05):
+            await instance.execute({"x": np.ones((256, 512), np.float32)})
+        assert instance.aborted == 1
+    finally:
+        await instance.aclose()
+
+
+async def test_bad_dispatch_options_are_refused(add_model: Path) -> None:
+    async with open_engine() as engine:
+        with pytest.raises(trioinfer.ConfigError, match="dispatch must be one of 'thread'"):
+            await engine.load(
+                ModelConfig(name="a", path=add_model, backend_options={"dispatch": "fast"})
+            )
+        with pytest.raises(trioinfer.ConfigError, match="inline_budget_us must be a positive"):
+            await engine.load(
+                ModelConfig(name="a", path=add_model, backend_options={"inline_budget_us": 0})
             )

@@ -20,10 +20,13 @@ import io
 import logging
 import os
 import threading
+import time
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Final, final
 
+import anyio
+import anyio.lowlevel
 import numpy as np
 
 from trioinfer import (
@@ -40,7 +43,7 @@ from trioinfer import (
     wait_on_callback,
 )
 
-__all__ = ["OnnxRuntimeBackend", "OnnxRuntimeInstance", "probe_device"]
+__all__ = ["AUTO_SAMPLES", "OPTIONS", "OnnxRuntimeBackend", "OnnxRuntimeInstance", "probe_device"]
 
 log = logging.getLogger("trioinfer.onnxruntime")
 
@@ -49,6 +52,9 @@ _PROVIDERS: Final = {
     "cuda": "CUDAExecutionProvider",
     "tensorrt": "TensorrtExecutionProvider",
 }
+_DISPATCH: Final = ("thread", "ort_async", "inline", "auto")
+#: Executions an 'auto' instance measures on its thread before it may go inline.
+AUTO_SAMPLES: Final = 32
 _OPT_LEVELS: Final = {
     "disable": "ORT_DISABLE_ALL",
     "basic": "ORT_ENABLE_BASIC",
@@ -58,7 +64,11 @@ _OPT_LEVELS: Final = {
 #: Every ``backend_options`` key this backend accepts, with what it means.
 OPTIONS: Final[Mapping[str, str]] = {
     "dispatch": "'thread' (default): session.run on the instance's worker thread; "
-    "'ort_async': ONNX Runtime's run_async (needs threads >= 2)",
+    "'ort_async': ONNX Runtime's run_async (needs threads >= 2); "
+    "'inline': on the event loop's thread, for models far cheaper than a thread hop, "
+    "within inline_budget_us; 'auto': measure on the thread, go inline if cheap enough",
+    "inline_budget_us": "longest execution, in microseconds, allowed on the event loop's "
+    "thread before an 'inline' or 'auto' instance moves to its worker thread (default 100)",
     "inter_op_threads": "threads for running independent nodes in parallel (0: ORT default)",
     "graph_optimization_level": "'disable', 'basic', 'extended' or 'all' (default)",
     "execution_mode": "'sequential' (default) or 'parallel'",
@@ -107,7 +117,14 @@ class OnnxRuntimeBackend:
         except BaseException:
             await worker.aclose()
             raise
-        return OnnxRuntimeInstance(session, device, worker, options["dispatch"])
+        return OnnxRuntimeInstance(
+            session,
+            device,
+            worker,
+            options["dispatch"],
+            options["inline_budget_us"] / 1e6,
+            f"model {config.name!r} instance {placement.index}",
+        )
 
 
 @final
@@ -115,21 +132,35 @@ class OnnxRuntimeInstance:
     """One ONNX Runtime session and the worker thread that runs it."""
 
     __slots__ = (
+        "_budget",
         "_closed",
         "_device",
         "_dispatch",
+        "_label",
         "_outputs",
+        "_samples",
         "_session",
         "_signature",
         "_worker",
         "aborted",
     )
 
-    def __init__(self, session: Any, device: str, worker: WorkerThread, dispatch: str) -> None:
+    def __init__(
+        self,
+        session: Any,
+        device: str,
+        worker: WorkerThread,
+        dispatch: str,
+        inline_budget_s: float = 100e-6,
+        label: str = "instance",
+    ) -> None:
         self._session = session
         self._device = device
         self._worker = worker
         self._dispatch = dispatch
+        self._budget = inline_budget_s
+        self._label = label
+        self._samples: list[float] = []
         self._signature = _signature(session)
         self._outputs = [spec.name for spec in self._signature.outputs]
         self._closed = False
@@ -161,11 +192,19 @@ class OnnxRuntimeInstance:
         def abort() -> None:
             run_options.terminate = True
 
+        dispatch = self._dispatch
         try:
-            if self._dispatch == "thread":
+            if dispatch == "inline":
+                values = await self._run_inline(session, inputs, run_options)
+            elif dispatch == "thread":
                 values = await self._worker.run_sync(
                     self._run, session, inputs, run_options, abort=abort
                 )
+            elif dispatch == "auto":
+                values = await self._worker.run_sync(
+                    self._run_timed, session, inputs, run_options, abort=abort
+                )
+                self._consider_inline()
             else:
 
                 def start(resolve: Any) -> None:
@@ -182,6 +221,51 @@ class OnnxRuntimeInstance:
         except Exception as exc:
             raise BackendError(f"ONNX Runtime failed on {self._device}: {_one_line(exc)}") from exc
         return dict(zip(self._outputs, values, strict=True))
+
+    async def _run_inline(self, session: Any, inputs: Any, run_options: Any) -> Any:
+        # Yield first: back-to-back inline executions must not starve the event loop.
+        await anyio.lowlevel.checkpoint()
+        started = time.perf_counter()
+        try:
+            return session.run(self._outputs, inputs, run_options)
+        finally:
+            took = time.perf_counter() - started
+            if took > self._budget:
+                self._dispatch = "thread"
+                log.warning(
+                    "%s: an inline execution took %.0f us, over inline_budget_us = %.0f; "
+                    "it runs on its worker thread from now on",
+                    self._label,
+                    took * 1e6,
+                    self._budget * 1e6,
+                )
+
+    def _run_timed(self, session: Any, inputs: Any, run_options: Any) -> Any:
+        # Runs on the worker thread; measures the compute alone, without the hop.
+        started = time.perf_counter()
+        values = self._run(session, inputs, run_options)
+        self._samples.append(time.perf_counter() - started)
+        return values
+
+    def _consider_inline(self) -> None:
+        if len(self._samples) < AUTO_SAMPLES:
+            return
+        median = sorted(self._samples)[len(self._samples) // 2]
+        self._samples.clear()
+        # Go inline only with room to spare: a slower execution would move it back.
+        self._dispatch = "inline" if median < self._budget / 2 else "thread"
+        log.info(
+            "%s: median execution %.0f us over %d runs; dispatch %s",
+            self._label,
+            median * 1e6,
+            AUTO_SAMPLES,
+            self._dispatch,
+        )
+
+    @property
+    def dispatch(self) -> str:
+        """How executions leave the event loop now (``'auto'`` settles on one of the others)."""
+        return self._dispatch
 
     def _run(self, session: Any, inputs: Any, run_options: Any) -> Any:
         # Runs on the worker thread.
@@ -213,10 +297,15 @@ def _check_options(config: ModelConfig, placement: Placement) -> dict[str, Any]:
             f"{', '.join(map(repr, unknown))}; it knows {', '.join(sorted(OPTIONS))}"
         )
     options.setdefault("dispatch", "thread")
-    if options["dispatch"] not in ("thread", "ort_async"):
+    if options["dispatch"] not in _DISPATCH:
         raise ConfigError(
-            f"model {config.name!r}: dispatch must be 'thread' or 'ort_async', "
+            f"model {config.name!r}: dispatch must be one of {', '.join(map(repr, _DISPATCH))}, "
             f"got {options['dispatch']!r}"
+        )
+    budget = options.setdefault("inline_budget_us", 100)
+    if not isinstance(budget, (int, float)) or isinstance(budget, bool) or not budget > 0:
+        raise ConfigError(
+            f"model {config.name!r}: inline_budget_us must be a positive number, got {budget!r}"
         )
     if options["dispatch"] == "ort_async" and placement.threads == 1:
         raise ConfigError(
