@@ -12,6 +12,7 @@ ONNX model (the bundled ``digits`` MLP by default):
   c      trioinfer ``engine.infer``, one CPU instance, threads=1, dispatch "thread"
   d      trioinfer, one CPU instance, threads=2, dispatch "ort_async"
   e      trioinfer, two CPU instances, threads=1 each, dispatch "thread"
+  f      trioinfer, one CPU instance, threads=1, dispatch "inline" (on the event loop's thread)
 
 at each concurrency C (C client tasks, each sending its next request as soon as the
 previous one returns). Every run warms up first, then measures for a fixed time:
@@ -61,8 +62,9 @@ CONFIGS: dict[str, str] = {
     "c": "trioinfer 1 instance, threads=1, dispatch=thread",
     "d": "trioinfer 1 instance, threads=2, dispatch=ort_async",
     "e": "trioinfer 2 instances, threads=1 each, dispatch=thread",
+    "f": "trioinfer 1 instance, threads=1, dispatch=inline",
 }
-DEFAULT_CONFIGS = "a,b,b1,b2,c,d,e"
+DEFAULT_CONFIGS = "a,b,b1,b2,c,d,e,f"
 
 
 # -- results ------------------------------------------------------------------------
@@ -261,6 +263,7 @@ ENGINE_SETUPS: dict[str, tuple[int, int, str]] = {
     "c": (1, 1, "thread"),
     "d": (1, 2, "ort_async"),
     "e": (2, 1, "thread"),
+    "f": (1, 1, "inline"),
 }
 
 
@@ -475,11 +478,13 @@ def print_ratios(results: Sequence[Result], concurrencies: Sequence[int], reps: 
         ratio("CPU/request   c / b1  (both one run at a time)", conc, cpu, "c", "b1")
         ratio("CPU/request   d / b'", conc, cpu, "d", "b2")
         ratio("CPU/request   e / b", conc, cpu, "e", "b")
+        ratio("CPU/request   f / b", conc, cpu, "f", "b")
         ratio("throughput    c / b", conc, rps, "c", "b")
         ratio("throughput    c / b1", conc, rps, "c", "b1")
         ratio("throughput    c / a", conc, rps, "c", "a")
         ratio("throughput    d / b'", conc, rps, "d", "b2")
         ratio("throughput    e / b", conc, rps, "e", "b")
+        ratio("throughput    f / b", conc, rps, "f", "b")
         if goal is not None:
             verdict = "meets" if goal <= 1.3 else "MISSES"
             print(f"  -> CPU/request c vs b: {goal:.2f}x, {verdict} the issue's <= 1.3x goal")
