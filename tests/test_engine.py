@@ -277,3 +277,43 @@ async def test_unload_drains_then_stops_even_if_its_caller_is_cancelled(
         assert engine.models() == []
         assert len(errors) == 1
         assert "unloaded" in str(errors[0])
+
+
+async def test_free_instance_with_most_capacity_takes_the_work(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    backend = FakeBackend(delay=1.0)
+    async with open_engine(registry=backend.registry()) as engine:
+        await engine.load(
+            fake_config(instances=[Instance("cpu", count=2), Instance("cuda:0", capacity=8)])
+        )
+        cpu_a, cpu_b, gpu = sorted(backend.loaded, key=lambda instance: instance.device)
+        assert (cpu_a.device, gpu.device) == ("cpu", "cuda:0")
+        for _ in range(5):  # one at a time: the GPU is always free, so it takes each
+            await engine.infer("m", {"x": X})
+        assert (cpu_a.executions, cpu_b.executions, gpu.executions) == (0, 0, 5)
+        async with trio.open_nursery() as nursery:  # three at once: everyone works
+            for _ in range(3):
+                nursery.start_soon(engine.infer, "m", {"x": X})
+        assert (cpu_a.executions, cpu_b.executions, gpu.executions) == (1, 1, 6)
+
+
+async def test_device_limits_cap_executions_across_models(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    backend = FakeBackend(delay=1.0)
+    async with open_engine(registry=backend.registry(), device_limits={"cpu": 1}) as engine:
+        await engine.load(fake_config("a", instances=[Instance(count=2)]))
+        await engine.load(fake_config("b"))
+        t0 = trio.current_time()
+        async with trio.open_nursery() as nursery:
+            for model in ("a", "a", "b"):
+                nursery.start_soon(engine.infer, model, {"x": X})
+        # Three 1 s executions, one CPU execution at a time.
+        assert trio.current_time() - t0 == 3.0
+    with pytest.raises(trioinfer.ConfigError, match="positive integer"):
+        async with open_engine(device_limits={"cpu": 0}):
+            pass  # pragma: no cover
+    with pytest.raises(trioinfer.ConfigError, match="device"):
+        async with open_engine(device_limits={"gpu": 1}):
+            pass  # pragma: no cover

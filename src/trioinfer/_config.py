@@ -78,6 +78,11 @@ def _non_negative(_inst: object, attribute: attrs.Attribute[Any], value: int) ->
         raise ConfigError(f"{attribute.name} must be an integer >= 0, got {value!r}")
 
 
+def _positive_number(_inst: object, attribute: attrs.Attribute[Any], value: float) -> None:
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 < value < math.inf:
+        raise ConfigError(f"{attribute.name} must be a positive number, got {value!r}")
+
+
 def _to_affinity(value: object) -> tuple[int, ...] | None:
     if value is None:
         return None
@@ -100,12 +105,16 @@ class Instance:
         threads: Compute threads per instance (ONNX Runtime's intra-op threads);
             0 lets the backend choose.
         cpu_affinity: CPUs the instance's threads may run on (Linux), or ``None``.
+        capacity: Relative throughput of one of these instances (say 8 for a GPU
+            beside CPU instances of 1): when several instances are free, the
+            one with the highest capacity takes the next batch.
     """
 
     device: Device = attrs.field(default=Device("cpu"), converter=_to_device)
     count: int = attrs.field(default=1, validator=_positive)
     threads: int = attrs.field(default=0, validator=_non_negative)
     cpu_affinity: tuple[int, ...] | None = attrs.field(default=None, converter=_to_affinity)
+    capacity: float = attrs.field(default=1.0, validator=_positive_number)
 
 
 @attrs.frozen
@@ -120,6 +129,7 @@ class Placement:
         threads: Compute threads for this instance (0: the backend chooses).
         cpu_affinity: CPUs to pin the instance's threads to, or ``None``.
         cpu_fallback: Whether the backend may run on the CPU when *device* is not usable.
+        capacity: The instance's relative throughput (see [`Instance`][trioinfer.Instance]).
     """
 
     device: Device
@@ -127,6 +137,7 @@ class Placement:
     threads: int = 0
     cpu_affinity: tuple[int, ...] | None = None
     cpu_fallback: bool = True
+    capacity: float = 1.0
 
 
 def _check_name(_inst: object, _attribute: attrs.Attribute[Any], value: str) -> None:
@@ -259,7 +270,12 @@ class ModelConfig:
             for _ in range(group.count):
                 out.append(
                     Placement(
-                        group.device, len(out), group.threads, group.cpu_affinity, self.cpu_fallback
+                        group.device,
+                        len(out),
+                        group.threads,
+                        group.cpu_affinity,
+                        self.cpu_fallback,
+                        group.capacity,
                     )
                 )
         return out

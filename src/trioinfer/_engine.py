@@ -18,7 +18,7 @@ import anyio.abc
 import anyio.lowlevel
 import attrs
 
-from ._config import ModelConfig
+from ._config import Device, ModelConfig
 from ._exceptions import (
     BackendError,
     ConfigError,
@@ -72,6 +72,7 @@ class Engine:
     _task_group: anyio.abc.TaskGroup = attrs.field(alias="task_group")
     _registry: Registry = attrs.field(alias="registry")
     drain_period: float
+    _device_limits: dict[str, anyio.CapacityLimiter] = attrs.field(alias="device_limits")
     _runners: dict[str, ModelRunner] = attrs.field(factory=dict, init=False)
     _loading: set[str] = attrs.field(factory=set, init=False)
     _closing: bool = attrs.field(default=False, init=False)
@@ -133,6 +134,7 @@ class Engine:
                 batcher=batcher,
                 fallback=fallback,
                 instances=instances,
+                device_limits=self._device_limits,
             )
             if self._closing:
                 # The engine began to close while we loaded: do not leave instances behind.
@@ -271,7 +273,10 @@ class Engine:
 
 @asynccontextmanager
 async def open_engine(
-    *, registry: Registry | None = None, drain_period: float = 10.0
+    *,
+    registry: Registry | None = None,
+    drain_period: float = 10.0,
+    device_limits: Mapping[str, int] | None = None,
 ) -> AsyncIterator[Engine]:
     """Open an inference engine whose task group owns all its work.
 
@@ -285,16 +290,31 @@ async def open_engine(
     Args:
         registry: Where plugin names are resolved; by default, installed entry points.
         drain_period: Seconds in-flight work may take to finish at exit.
+        device_limits: Most executions that may run at once on a device, across
+            all models, by device (``{"cpu": 1}``, ``{"cuda:0": 2}``); devices not
+            named are not limited. On a small machine, a CPU limit below the core
+            count keeps instances and the event loop from oversubscribing it.
     """
     if not (isinstance(drain_period, (int, float)) and drain_period >= 0):
         raise ConfigError(f"drain_period must be a number of seconds >= 0, got {drain_period!r}")
     if math.isnan(drain_period):
         raise ConfigError("drain_period must not be NaN")
+    limiters = {}
+    for device, limit in (device_limits or {}).items():
+        name = str(Device.parse(device))
+        if not isinstance(limit, int) or isinstance(limit, bool) or limit < 1:
+            raise ConfigError(
+                f"device_limits[{device!r}] must be a positive integer, got {limit!r}"
+            )
+        limiters[name] = anyio.CapacityLimiter(limit)
     body_error: BaseException | None = None
     try:
         async with anyio.create_task_group() as tg:
             engine = Engine(
-                task_group=tg, registry=registry or Registry(), drain_period=drain_period
+                task_group=tg,
+                registry=registry or Registry(),
+                drain_period=drain_period,
+                device_limits=limiters,
             )
             try:
                 yield engine

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import heapq
+import itertools
 import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, final
@@ -48,13 +50,15 @@ class RequestQueue:
     expired request to a backend. Only the engine creates it.
     """
 
-    __slots__ = ("_new_event", "_on_expired", "_scheduler", "_wakeup")
+    __slots__ = ("_new_event", "_on_expired", "_scheduler", "_wakeup", "taken")
 
     def __init__(self, scheduler: Scheduler, on_expired: Any) -> None:
         self._scheduler = scheduler
         self._on_expired = on_expired
         self._new_event = native_event_factory()
         self._wakeup: EventLike | None = None
+        #: Requests handed out so far (a batch former that took none holds nothing).
+        self.taken = 0
 
     def __len__(self) -> int:
         """Requests waiting (some may have expired and not yet been dropped)."""
@@ -99,6 +103,7 @@ class RequestQueue:
         scheduler = self._scheduler
         while len(scheduler):
             request = scheduler.pop()
+            self.taken += 1
             if request.deadline == math.inf:
                 return request
             now = anyio.current_time()
@@ -194,6 +199,75 @@ class ModelStatistics:
     buffers_reused: int
 
 
+@final
+class _Turns:
+    """Which free instance forms the next batch: the highest capacity, then the longest idle.
+
+    A lock whose waiters are served by capacity, so that when a GPU and a CPU
+    instance are both free, the GPU takes the work.
+    """
+
+    __slots__ = ("_busy", "_holder", "_new_event", "_numbers", "_queue", "_waiting")
+
+    def __init__(self, new_event: Callable[[], EventLike], queue: RequestQueue) -> None:
+        self._new_event = new_event
+        self._queue = queue
+        self._busy = False
+        self._waiting: list[list[Any]] = []  # heap of [-capacity, number, event, granted]
+        self._numbers = itertools.count()
+        # The instance forming a batch now: its capacity, forming scope, queue.taken then.
+        self._holder: tuple[float, anyio.CancelScope, int] | None = None
+
+    async def form(
+        self, capacity: float, batcher: Batcher, in_line: Callable[[], object] | None = None
+    ) -> Sequence[Request] | None:
+        """Wait for this instance's turn, then form a batch; None if a bigger one took over.
+
+        *in_line* is called once this instance holds the turn or waits for it.
+        """
+        await self._acquire(capacity, in_line)
+        try:
+            with anyio.CancelScope() as scope:
+                self._holder = (capacity, scope, self._queue.taken)
+                return await batcher.next_batch(self._queue)
+            return None
+        finally:
+            self._holder = None
+            self.release()
+
+    async def _acquire(self, capacity: float, in_line: Callable[[], object] | None) -> None:
+        if not self._busy:
+            self._busy = True
+            if in_line is not None:
+                in_line()
+            return
+        holder = self._holder
+        if holder is not None and holder[0] < capacity and holder[2] == self._queue.taken:
+            # A smaller instance waits for work and holds no request yet: take over.
+            holder[1].cancel()
+        entry: list[Any] = [-capacity, next(self._numbers), self._new_event(), False]
+        heapq.heappush(self._waiting, entry)
+        if in_line is not None:
+            in_line()
+        try:
+            await entry[2].wait()
+        except anyio.get_cancelled_exc_class():
+            if entry[3]:
+                self.release()  # the turn came as we were cancelled: pass it on
+            else:
+                entry[2] = None  # dropped from the heap when it reaches the top
+            raise
+
+    def release(self) -> None:
+        while self._waiting:
+            entry = heapq.heappop(self._waiting)
+            if entry[2] is not None:
+                entry[3] = True
+                entry[2].set()
+                return  # the turn passes on; still busy
+        self._busy = False
+
+
 class _Running:
     # One executing batch: the scope it runs in, and how many of its callers still wait.
     __slots__ = ("scope", "waiting")
@@ -228,7 +302,10 @@ class ModelRunner:
     _idle: anyio.Event | None = attrs.field(default=None, init=False)
     # fast_acquire: an uncontended acquire need not yield to the scheduler, which
     # would cost a whole scheduling pass per batch.
-    _forming: anyio.Lock = attrs.field(factory=lambda: anyio.Lock(fast_acquire=True), init=False)
+    _device_limits: Mapping[str, anyio.CapacityLimiter] = attrs.field(
+        factory=dict, alias="device_limits"
+    )
+    _turns: _Turns = attrs.field(init=False)
     _in_flight: set[Request] = attrs.field(factory=set, init=False)
     succeeded: int = attrs.field(default=0, init=False)
     failed: int = attrs.field(default=0, init=False)
@@ -242,6 +319,7 @@ class ModelRunner:
         self._new_event = native_event_factory()
         self.clock = LoopClock()
         self.queue = RequestQueue(self._scheduler, self._expire)
+        self._turns = _Turns(self._new_event, self.queue)
         self._assemble = getattr(self._batcher, "assemble", None)
         # Enough buffers for every instance to run a batch while the next is formed.
         self._pool = BufferPool(per_key=len(self._instances) + 1)
@@ -265,8 +343,16 @@ class ModelRunner:
         try:
             with self._scope:
                 async with anyio.create_task_group() as tg:
-                    for instance in self._instances:
-                        tg.start_soon(self._worker, instance)
+                    # Biggest first, each in line before the next starts, so that
+                    # the first requests already go to the biggest free instance.
+                    pairs = zip(self._instances, self.config.placements(), strict=True)
+                    for instance, placement in sorted(pairs, key=lambda p: -p[1].capacity):
+                        await tg.start(
+                            self._worker,
+                            instance,
+                            placement.capacity,
+                            self._device_limits.get(instance.device),
+                        )
                     task_status.started()
         finally:
             self.closed = True
@@ -281,23 +367,42 @@ class ModelRunner:
             await close_instances(self._instances)
             self._finished.set()
 
-    async def _worker(self, instance: BackendInstance) -> None:
+    async def _worker(
+        self,
+        instance: BackendInstance,
+        capacity: float,
+        limiter: anyio.CapacityLimiter | None,
+        *,
+        task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED,
+    ) -> None:
+        alone = len(self._instances) == 1
+        in_line: Callable[[], object] | None = task_status.started
+        if alone:
+            task_status.started()
+            in_line = None
         while True:
             # One scope serves many executions; it is replaced only after an abort,
             # which saves a scope per execution on the hot path.
             with anyio.CancelScope() as scope:
                 while True:
-                    if len(self._instances) == 1:
+                    if alone:
                         batch = await self._batcher.next_batch(self.queue)
                     else:
-                        # One worker forms a batch at a time; the others line up.
-                        async with self._forming:
-                            batch = await self._batcher.next_batch(self.queue)
+                        # One free instance forms a batch at a time, the biggest first.
+                        formed = await self._turns.form(capacity, self._batcher, in_line)
+                        in_line = None
+                        if formed is None:
+                            continue
+                        batch = formed
                     if not batch:
                         raise PluginError(
                             f"batcher of model {self.config.name!r} returned an empty batch"
                         )
-                    await self._execute(instance, batch, scope)
+                    if limiter is None:
+                        await self._execute(instance, batch, scope)
+                    else:
+                        async with limiter:
+                            await self._execute(instance, batch, scope)
 
     async def _execute(
         self, instance: BackendInstance, batch: Sequence[Request], scope: anyio.CancelScope

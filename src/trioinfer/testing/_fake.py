@@ -82,6 +82,8 @@ class FakeInstance:
         self._device = device
         self.closed = False
         self.running = 0
+        #: Executions this instance ran.
+        self.executions = 0
 
     @property
     def signature(self) -> ModelSignature:
@@ -100,6 +102,7 @@ class FakeInstance:
         backend = self._backend
         first = next(iter(inputs.values()), None)
         backend.executions.append(int(first.shape[0]) if first is not None and first.ndim else 1)
+        self.executions += 1
         self.running += 1
         try:
             await anyio.sleep(backend.delay)
