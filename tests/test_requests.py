@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -220,6 +221,8 @@ async def test_cancel_during_load_closes_what_was_loaded(
             )
         assert scope.cancelled_caught
         assert engine.models() == []
+        # The instances' worker threads were stopped too, even mid-start.
+        assert not [t for t in threading.enumerate() if t.name.startswith("trioinfer-")]
 
 
 async def test_queue_timeout_rejects_a_request_that_waited_too_long(

@@ -218,21 +218,25 @@ class Engine:
         arrays = validate_inputs(model, runner.signature, inputs, runner.input_limits)
         clock = runner.clock
         await clock.checkpoint_if_cancelled()
+        arrival = clock.current_time()
+        deadline = clock.current_effective_deadline()
+        own_deadline = True
+        if deadline == math.inf and runner.queue_timeouts:
+            timeout = runner.queue_timeouts.get(priority)
+            if timeout is not None:
+                # The model's queue policy gives this request the deadline its caller did not.
+                deadline, own_deadline = arrival + timeout, False
         request = Request(
             model,
             arrays,
             id=request_id if request_id is not None else next_request_id(),
             priority=priority,
             tenant=tenant,
-            deadline=clock.current_effective_deadline(),
-            arrival=clock.current_time(),
+            deadline=deadline,
+            arrival=arrival,
             rows=rows(arrays) if runner.batched else 1,
         )
-        if request.deadline == math.inf and runner.queue_timeouts:
-            timeout = runner.queue_timeouts.get(priority)
-            if timeout is not None:
-                return await runner.call(request, request.arrival + timeout)
-        return await runner.call(request)
+        return await runner.call(request, own_deadline=own_deadline)
 
     def statistics(self) -> EngineStatistics:
         """A snapshot of every loaded model's counters."""

@@ -457,12 +457,13 @@ class ModelRunner:
 
     # -- called from callers' tasks ----------------------------------------------
 
-    async def call(self, request: Request, default_deadline: float | None = None) -> Outputs:
+    async def call(self, request: Request, *, own_deadline: bool = True) -> Outputs:
         """Admit *request*, wait for it to end, and return its outputs or raise its error.
 
-        *default_deadline* is a deadline the engine set from the model's queue
-        policy (the caller set none): when it passes, the request ends with
-        [`DeadlineExceeded`][trioinfer.DeadlineExceeded].
+        ``own_deadline=False`` says the request's deadline came from the model's
+        queue policy, not the caller's scope: the engine enforces it itself, and
+        the request ends with [`DeadlineExceeded`][trioinfer.DeadlineExceeded]
+        if it is still queued then.
         """
         state = request._state
         state.done = self._new_event()
@@ -480,10 +481,10 @@ class ModelRunner:
             raise
         self._in_flight.add(request)
         try:
-            if default_deadline is None:
+            if own_deadline:
                 await state.done.wait()
             else:
-                with anyio.CancelScope(deadline=default_deadline) as scope:
+                with anyio.CancelScope(deadline=request.deadline) as scope:
                     await state.done.wait()
                 if scope.cancelled_caught:
                     if state.status is Status.QUEUED:
@@ -494,7 +495,7 @@ class ModelRunner:
             self._withdraw(request)
             raise
         if state.error is not None:
-            if isinstance(state.error, DeadlineExceeded) and default_deadline is None:
+            if isinstance(state.error, DeadlineExceeded) and own_deadline:
                 # The request's deadline is the caller's own: let the caller's scope
                 # report it (Cancelled, TooSlowError) rather than our error.
                 await self.clock.checkpoint_if_cancelled()

@@ -176,8 +176,14 @@ class WorkerThread:
             target=_serve, args=(jobs, cpu_affinity, ready), name=name, daemon=True
         )
         thread.start()
-        await ready.wait(None)
-        return cls(thread, jobs)
+        worker = cls(thread, jobs)
+        try:
+            await ready.wait(None)
+        except BaseException:
+            # Cancelled (or failed) while starting: the thread must not outlive us.
+            await worker.aclose()
+            raise
+        return worker
 
     @property
     def name(self) -> str:
@@ -223,9 +229,10 @@ def _serve(
         if cpu_affinity is not None:
             os.sched_setaffinity(0, cpu_affinity)
     except (OSError, AttributeError) as exc:
+        # start() closes us after reporting this; serve until then.
         ready(None, OSError(f"cannot pin a thread to CPUs {list(cpu_affinity or ())}: {exc}"))
-        return
-    ready(None)
+    else:
+        ready(None)
     while True:
         fn, args, resolve = jobs.get()
         if fn is None:
