@@ -25,6 +25,25 @@ SNIPPET = re.compile(r'^\s*--8<-- "([^"]+)"\s*$', re.MULTILINE)
 
 # Lines each tutorial must print: the outcomes its page promises (not its timings).
 EXPECTED_OUTPUT = {
+    "scheduling.py": [
+        "priority: ['chat-1', 'chat-2', 'search', 'default', 'report']",
+        "aging: the low-priority request ran while some high-priority work was still queued",
+        "queue_timeouts: the background request gave up after 30 ms in the queue",
+        "deadline: ['within 1 s', 'within 3 s', 'within 5 s', 'no deadline']",
+        "was refused at admission: its deadline is 0.002s away",
+        "refuse_late: 1 refused in the model's statistics",
+        "fifo: alice's request ended 31 of 31",
+        "fair: alice's request ended 2 of 31",
+        "weights: of the first 16, gold 12, free 4",
+    ],
+    "batching.py": [
+        "step 1: dynamic-max-8: 640 of 640 answers match the unbatched model",
+        "step 1: dynamic-max-32: 640 of 640 answers match the unbatched model",
+        "step 2: dynamic-0ms: no lone request came back before the delay: True",
+        "step 2: dynamic-10ms: no lone request came back before the delay: True",
+        "step 4: both answers are views of one (2, 10) array: True",
+        "step 4: a copy owns its data: True",
+    ],
     "quickstart.py": [
         "loaded 'digits' (version 1) on ['cpu']",
         "  input: float32[batch, 64]",

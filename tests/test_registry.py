@@ -101,7 +101,11 @@ def test_broken_plugin_is_reported_and_does_not_break_others(third_party: Path) 
 
 def test_unknown_name_lists_the_known_ones() -> None:
     with pytest.raises(
-        PluginError, match="no scheduler plugin named 'edf'; known schedulers: 'fifo'"
+        PluginError,
+        match=(
+            "no scheduler plugin named 'edf'; "
+            "known schedulers: 'deadline', 'fair', 'fifo', 'priority'"
+        ),
     ):
         Registry().load("schedulers", "edf")
     with pytest.raises(PluginError, match="unknown plugin kind 'widgets'"):

@@ -1,4 +1,10 @@
-"""First-party batcher plugins (entry-point group ``trioinfer.batchers``)."""
+"""First-party batcher plugins (entry-point group ``trioinfer.batchers``).
+
+- ``none`` ([`NoBatcher`][trioinfer_batching.NoBatcher]): one request per
+  execution, the default.
+- ``dynamic`` ([`DynamicBatcher`][trioinfer_batching.DynamicBatcher]): groups
+  compatible requests, dispatching on size, on delay, or at a preferred size.
+"""
 
 from __future__ import annotations
 
@@ -8,7 +14,9 @@ import anyio
 
 from trioinfer import Request, RequestQueue
 
-__all__ = ["NoBatcher"]
+from ._dynamic import DynamicBatcher as DynamicBatcher
+
+__all__ = ["DynamicBatcher", "NoBatcher"]
 
 
 @final

@@ -50,10 +50,12 @@ class RequestQueue:
     expired request to a backend. Only the engine creates it.
     """
 
-    __slots__ = ("_new_event", "_on_expired", "_scheduler", "_wakeup", "taken")
+    __slots__ = ("_new_event", "_on_expired", "_scheduler", "_wakeup", "batched", "taken")
 
-    def __init__(self, scheduler: Scheduler, on_expired: Any) -> None:
+    def __init__(self, scheduler: Scheduler, on_expired: Any, batched: bool = True) -> None:
         self._scheduler = scheduler
+        #: Whether the model has a batch dimension, so requests may share an execution.
+        self.batched = batched
         self._on_expired = on_expired
         self._new_event = native_event_factory()
         self._wakeup: EventLike | None = None
@@ -173,7 +175,8 @@ class ModelStatistics:
         succeeded: Requests that got outputs.
         failed: Requests that ended with an error other than expiry (backend, shutdown).
         cancelled: Requests whose caller gave up before they ended.
-        refused: Requests refused at admission because the queue was full.
+        refused: Requests refused at admission: the queue was full, or the scheduler
+            refused them (a deadline it could not meet).
         expired: Requests the engine dropped because their deadline passed before
             they ran, noticed before the caller's own scope fired (when the scope
             fires first, the request counts as cancelled).
@@ -318,7 +321,9 @@ class ModelRunner:
     def __attrs_post_init__(self) -> None:
         self._new_event = native_event_factory()
         self.clock = LoopClock()
-        self.queue = RequestQueue(self._scheduler, self._expire)
+        self.signature = self._instances[0].signature
+        self.batched = self.signature.batched
+        self.queue = RequestQueue(self._scheduler, self._expire, self.batched)
         self._turns = _Turns(self._new_event, self.queue)
         self._assemble = getattr(self._batcher, "assemble", None)
         # Enough buffers for every instance to run a batch while the next is formed.
@@ -326,8 +331,6 @@ class ModelRunner:
         attach = getattr(self._scheduler, "attach", None)
         if attach is not None:
             attach(SchedulerContext(self))
-        self.signature = self._instances[0].signature
-        self.batched = self.signature.batched
         self.input_limits = self.config.input_limits
         self.queue_timeouts = self.config.queue_timeouts
 
@@ -449,7 +452,9 @@ class ModelRunner:
             return
         finally:
             elapsed = self.clock.current_time() - started
-            self._mean_execution_s += 0.2 * (elapsed - self._mean_execution_s)
+            if outputs is not None:  # aborted and failed runs say little of the next one
+                mean = self._mean_execution_s
+                self._mean_execution_s = elapsed if mean == 0.0 else mean + 0.2 * (elapsed - mean)
             if taken:
                 self._pool.give_back(taken, outputs)
         for request, share in zip(live, split(outputs), strict=True):

@@ -117,7 +117,13 @@ class Scheduler(Protocol):
     """
 
     def push(self, request: Request) -> None:
-        """Add a request that was just admitted."""
+        """Add a request that was just admitted, or one a batcher gives back.
+
+        A batcher that was cancelled while forming a batch gives its requests
+        back with [`RequestQueue.put_back()`][trioinfer.RequestQueue.put_back],
+        which pushes them again: a request pushed a second time must be
+        accepted, never refused.
+        """
         ...
 
     def peek(self) -> Request:

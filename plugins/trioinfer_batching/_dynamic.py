@@ -1,0 +1,294 @@
+"""The dynamic batcher: size-or-delay dispatch with preferred sizes, as in Triton."""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections import deque
+from collections.abc import Mapping, Sequence
+from numbers import Real
+from typing import Any, final
+
+import anyio
+import numpy as np
+
+from trioinfer import ConfigError, Request, RequestQueue, Status
+
+# Why filling a batch stopped.
+_FULL = 0  # max_batch_size rows reached
+_BLOCKED = 1  # the next request is incompatible or would overflow: it starts the next batch
+_EMPTY = 2  # nothing more is waiting right now
+
+# (input name, non-batch dims, dtype) for every input of a request.
+_Key = tuple[tuple[str, tuple[int, ...], np.dtype[Any]], ...]
+
+
+@final
+class DynamicBatcher:
+    """Groups waiting requests into one execution: dispatch on size or on delay.
+
+    The entry point is ``dynamic``; its options are the model's
+    ``batcher_options``:
+
+    ```toml
+    batcher = "dynamic"
+    batcher_options = { max_batch_size = 32, max_queue_delay = 0.005 }
+    ```
+
+    When an instance is free, the batcher takes the first request in the
+    scheduler's order, then the next ones, in that order, while they are
+    *compatible* with it (every input has the same non-batch dimensions and
+    dtype) and fit (the rows stay within ``max_batch_size``). It dispatches:
+
+    - at once when the batch holds ``max_batch_size`` rows;
+    - at once when the next waiting request is incompatible or would overflow
+      the batch: that request starts the next batch. The batcher never skips
+      ahead of it, so the scheduler's order holds;
+    - when the oldest request in the batch has waited ``max_queue_delay``
+      since it arrived, counted from its admission, not from when the batcher
+      saw it. So a request waits at most ``max_queue_delay`` for company once
+      an instance is free, and one that already waited that long while every
+      instance was busy leaves at once with whatever is queued behind it;
+    - with ``preferred_batch_sizes``, at once when a preferred size can be
+      formed from what is waiting: the batch is cut at the largest preferred
+      size it reaches, and the requests after the cut head the next batch.
+      When nothing preferred can be formed, the size-or-delay rules apply.
+
+    The delay trades latency for throughput: each execution has a fixed cost
+    (a thread hop, a kernel launch), so more rows per execution serve more
+    requests per second, at the price of up to ``max_queue_delay`` extra
+    latency for a request that arrives when the queue is quiet.
+
+    Some edge cases:
+
+    - A request with more rows than ``max_batch_size`` is never split: it runs
+      alone, at once. Every other batch has at most ``max_batch_size`` rows.
+    - A model without a batch dimension (a fixed or missing first dimension,
+      as [`RequestQueue.batched`][trioinfer.RequestQueue] says) cannot
+      concatenate requests: the batcher then sends one request per execution.
+    - Requests whose caller left while they waited in a partial batch are
+      dropped before it is returned; requests whose deadline passed are dropped
+      by the queue (and, at the last moment, by the engine), never computed.
+    - Requests taken from the queue beyond a preferred-size cut stay with the
+      batcher, in order, and open that model's next batch; for that short
+      while they do not count in the model's ``queued`` statistic.
+
+    The outputs each caller receives are views into the batch's output arrays,
+    not copies: see the tutorial "Tuning dynamic batching".
+
+    Args:
+        max_batch_size: Most rows (the sum of the requests' first dimensions)
+            in one batch. A positive integer.
+        max_queue_delay: Longest a request waits for others to join its batch,
+            in seconds, counted from its arrival. A finite number >= 0; 0 sends
+            whatever is waiting whenever an instance is free.
+        preferred_batch_sizes: Row counts to dispatch at once as soon as they
+            can be formed (e.g. the batch sizes a TensorRT engine was built for).
+            Strictly increasing positive integers, none above ``max_batch_size``.
+
+    Raises:
+        ConfigError: An option has the wrong type or an impossible value.
+    """
+
+    __slots__ = ("_delay", "_held", "_max", "_preferred")
+
+    def __init__(
+        self,
+        *,
+        max_batch_size: int = 32,
+        max_queue_delay: float = 0.005,
+        preferred_batch_sizes: Sequence[int] = (),
+    ) -> None:
+        self._max = _check_size("max_batch_size", max_batch_size)
+        self._delay = _check_delay(max_queue_delay)
+        self._preferred = _check_preferred(preferred_batch_sizes, self._max)
+        # Requests taken from a queue but cut off a preferred-size batch, by queue:
+        # they open that queue's next batch, ahead of everything still in it.
+        self._held: dict[RequestQueue, deque[Request]] = {}
+
+    @property
+    def max_batch_size(self) -> int:
+        """Most rows in one batch (a single bigger request still runs, alone)."""
+        return self._max
+
+    @property
+    def max_queue_delay(self) -> float:
+        """Longest a request waits for others to join its batch, in seconds."""
+        return self._delay
+
+    @property
+    def preferred_batch_sizes(self) -> tuple[int, ...]:
+        """Row counts dispatched as soon as they can be formed, in increasing order."""
+        return tuple(sorted(self._preferred))
+
+    def __repr__(self) -> str:
+        return (
+            f"DynamicBatcher(max_batch_size={self._max}, max_queue_delay={self._delay}, "
+            f"preferred_batch_sizes={list(self.preferred_batch_sizes)})"
+        )
+
+    async def next_batch(self, queue: RequestQueue) -> list[Request]:
+        """Wait until a batch should be dispatched and return its requests, in order.
+
+        Waits for a first request, then at most until the oldest request in
+        the batch has waited ``max_queue_delay``; returns earlier when the
+        batch is full, when a preferred size is formed, or when the next
+        waiting request cannot join. If cancelled, gives every request it
+        holds back with [`RequestQueue.put_back()`][trioinfer.RequestQueue.put_back].
+        """
+        held = self._held.pop(queue, None) or deque()
+        batch: list[Request] = []
+        try:
+            while not batch:  # empty again when every caller in it left
+                batch.append(await _first(queue, held))
+                await self._grow(queue, held, batch)
+        except BaseException:
+            queue.put_back([*batch, *held])
+            raise
+        if held:
+            self._held[queue] = held
+        return batch
+
+    async def _grow(self, queue: RequestQueue, held: deque[Request], batch: list[Request]) -> None:
+        """Add to *batch* (one request so far) until it should go; it may end up empty."""
+        first = batch[0]
+        if first.rows >= self._max or not queue.batched or _unbatchable(first.inputs):
+            return
+        key = _key(first.inputs)
+        rows = first.rows
+        while True:
+            rows, stop = self._fill(queue, held, batch, key, rows)
+            if self._preferred:
+                cut = self._preferred_cut(batch)
+                if cut:
+                    held.extendleft(reversed(batch[cut:]))
+                    del batch[cut:]
+                    return
+            if stop != _EMPTY:
+                return
+            flush_at = min(request.arrival for request in batch) + self._delay
+            if anyio.current_time() >= flush_at:
+                return
+            with anyio.CancelScope(deadline=flush_at):
+                await queue.wait_not_empty()
+            # Callers may have left while we waited: their rows free up, and the
+            # delay now counts from the oldest request still in the batch.
+            batch[:] = [request for request in batch if _live(request)]
+            if not batch:
+                return
+            rows = sum(request.rows for request in batch)
+
+    def _fill(
+        self,
+        queue: RequestQueue,
+        held: deque[Request],
+        batch: list[Request],
+        key: _Key,
+        rows: int,
+    ) -> tuple[int, int]:
+        """Take what is waiting now, in order, while it is compatible and fits."""
+        limit = self._max
+        while True:
+            if held:
+                request = held[0]
+                if not _live(request):
+                    held.popleft()
+                    continue
+            else:
+                try:
+                    request = queue.peek_nowait()
+                except anyio.WouldBlock:
+                    return rows, _EMPTY
+            if rows + request.rows > limit or _key(request.inputs) != key:
+                return rows, _BLOCKED
+            if held:
+                held.popleft()
+            else:
+                queue.pop_nowait()  # the live request peek_nowait() just returned
+            batch.append(request)
+            rows += request.rows
+            if rows == limit:
+                return rows, _FULL
+
+    def _preferred_cut(self, batch: list[Request]) -> int:
+        """How many requests make the largest preferred size, or 0 if none does."""
+        preferred = self._preferred
+        cut = 0
+        rows = 0
+        for index, request in enumerate(batch, 1):
+            rows += request.rows
+            if rows in preferred:
+                cut = index
+        return cut
+
+
+async def _first(queue: RequestQueue, held: deque[Request]) -> Request:
+    while held:
+        request = held.popleft()
+        if _live(request):
+            return request
+    while True:
+        await queue.wait_not_empty()
+        try:
+            return queue.pop_nowait()
+        except anyio.WouldBlock:
+            continue  # every waiting request had expired
+
+
+def _live(request: Request) -> bool:
+    return request.status is Status.QUEUED and not request.abandoned
+
+
+def _unbatchable(inputs: Mapping[str, np.ndarray[Any, Any]]) -> bool:
+    # No axis to concatenate along: scalar inputs, or no inputs at all.
+    return not inputs or any(array.ndim == 0 for array in inputs.values())
+
+
+def _key(inputs: Mapping[str, np.ndarray[Any, Any]]) -> _Key:
+    return tuple((name, array.shape[1:], array.dtype) for name, array in inputs.items())
+
+
+def _check_size(name: str, value: object) -> int:
+    if not isinstance(value, int | np.integer) or isinstance(value, bool):
+        raise ConfigError(
+            f"batcher option {name} must be a positive integer (rows per batch), "
+            f"got {value!r} of type {type(value).__name__}"
+        )
+    size = int(value)
+    if size < 1:
+        raise ConfigError(f"batcher option {name} must be a positive integer, got {size}")
+    return size
+
+
+def _check_delay(value: object) -> float:
+    if not isinstance(value, Real) or isinstance(value, bool):
+        raise ConfigError(
+            "batcher option max_queue_delay must be a number of seconds, "
+            f"got {value!r} of type {type(value).__name__}"
+        )
+    delay = float(value)
+    if not (math.isfinite(delay) and delay >= 0):
+        raise ConfigError(
+            f"batcher option max_queue_delay must be a finite number of seconds >= 0, got {value!r}"
+        )
+    return delay
+
+
+def _check_preferred(value: object, max_batch_size: int) -> frozenset[int]:
+    if isinstance(value, str | bytes) or not isinstance(value, Sequence):
+        raise ConfigError(
+            "batcher option preferred_batch_sizes must be a list of positive integers, "
+            f"got {value!r} of type {type(value).__name__}"
+        )
+    sizes = [_check_size("preferred_batch_sizes", size) for size in value]
+    if any(a >= b for a, b in itertools.pairwise(sizes)):
+        raise ConfigError(
+            "batcher option preferred_batch_sizes must be strictly increasing, without "
+            f"duplicates, got {list(sizes)}"
+        )
+    if sizes and sizes[-1] > max_batch_size:
+        raise ConfigError(
+            f"batcher option preferred_batch_sizes holds {sizes[-1]}, more than "
+            f"max_batch_size {max_batch_size}; every preferred size must be <= max_batch_size"
+        )
+    return frozenset(sizes)

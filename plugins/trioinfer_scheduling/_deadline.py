@@ -1,0 +1,156 @@
+"""The ``deadline`` scheduler: earliest deadline first, with optional refusal at admission."""
+
+from __future__ import annotations
+
+import itertools
+import math
+import weakref
+from collections import OrderedDict
+from typing import final
+
+from trioinfer import ConfigError, DeadlineExceeded, Request, SchedulerContext
+
+from ._sorted import SortedKeys
+
+_Key = tuple[float, int, Request]
+
+
+@final
+class DeadlineScheduler:
+    """Earliest deadline first (EDF): the request whose caller gives up soonest runs next.
+
+    A request's deadline is its caller's: the effective deadline of the cancel
+    scope around ``engine.infer`` (``trio.fail_after``, ``move_on_after``...).
+    Requests without one run after every request that has one, first come
+    first served among themselves; requests with equal deadlines also run in
+    the order they came.
+
+    With *refuse_late*, a request that cannot finish in time is refused at
+    admission with [`DeadlineExceeded`][trioinfer.DeadlineExceeded] (counted as
+    ``refused`` in the model's statistics) instead of waiting only to expire,
+    or worse, being computed for nobody. The estimate is deliberately simple:
+
+        finish = now + (ahead // instances + 1) * execution_estimate
+
+    where *ahead* counts the waiting requests that would run before it (those
+    with an earlier or equal deadline), *instances* is the model's instance
+    count and *execution_estimate* the engine's moving average of one
+    execution. Until the model has run once there is no estimate, and nothing
+    is refused. A request that a batcher takes and then gives back is never
+    refused. The estimate ignores batching (a batch serves several requests in
+    one execution) and the executions already running, so it errs towards
+    admitting.
+
+    Push, pop and remove cost O(log n) (O(1) for requests without a deadline),
+    counting *ahead* included; the count is skipped when even the whole queue
+    ahead would leave time enough.
+
+    Args:
+        refuse_late: Refuse at admission requests that the estimate says cannot
+            finish before their deadline.
+    """
+
+    __slots__ = ("_context", "_given_out", "_keys", "_numbers", "_open", "_queue", "_refuse_late")
+
+    def __init__(self, *, refuse_late: bool = False) -> None:
+        if not isinstance(refuse_late, bool):
+            raise ConfigError(
+                f"deadline scheduler: refuse_late must be true or false, got {refuse_late!r}"
+            )
+        self._refuse_late = refuse_late
+        self._context: SchedulerContext | None = None
+        # (deadline, number, request) of the requests that have a deadline, ascending
+        self._queue: SortedKeys[_Key] = SortedKeys()
+        self._keys: dict[Request, _Key] = {}
+        # The requests without a deadline, in admission order.
+        self._open: OrderedDict[Request, None] = OrderedDict()
+        self._numbers = itertools.count()
+        # Requests handed out by pop(): pushed again, they were given back, not admitted.
+        self._given_out: weakref.WeakSet[Request] = weakref.WeakSet()
+
+    @property
+    def refuse_late(self) -> bool:
+        """Whether hopeless requests are refused at admission."""
+        return self._refuse_late
+
+    def attach(self, context: SchedulerContext) -> None:
+        """Learn the model's execution estimate and instance count (the engine calls this once)."""
+        self._context = context
+
+    def push(self, request: Request) -> None:
+        """Queue *request* by its deadline.
+
+        Raises:
+            DeadlineExceeded: With *refuse_late*, the request cannot finish in time.
+        """
+        deadline = request.deadline
+        if deadline == math.inf:
+            self._open[request] = None
+            return
+        key = (deadline, next(self._numbers), request)
+        if self._refuse_late and self._context is not None:
+            if request in self._given_out:
+                self._given_out.discard(request)
+            else:
+                self._check_in_time(request, key)
+        self._queue.add(key)
+        self._keys[request] = key
+
+    def peek(self) -> Request:
+        """Return the request with the earliest deadline; ``IndexError`` if empty."""
+        if self._queue:
+            return self._queue.first()[2]
+        try:
+            return next(iter(self._open))
+        except StopIteration:
+            raise IndexError("peek into an empty DeadlineScheduler") from None
+
+    def pop(self) -> Request:
+        """Remove and return the request with the earliest deadline; ``IndexError`` if empty."""
+        if self._queue:
+            request = self._queue.pop_first()[2]
+            del self._keys[request]
+        else:
+            try:
+                request = self._open.popitem(last=False)[0]
+            except KeyError:
+                raise IndexError("pop from an empty DeadlineScheduler") from None
+        if self._refuse_late and request.deadline != math.inf:
+            self._given_out.add(request)
+        return request
+
+    def remove(self, request: Request) -> bool:
+        """Remove *request* if held (its caller gave up); return whether it was."""
+        key = self._keys.pop(request, None)
+        if key is not None:
+            self._queue.remove(key)
+            return True
+        return self._open.pop(request, False) is None
+
+    def __len__(self) -> int:
+        return len(self._queue) + len(self._open)
+
+    def _check_in_time(self, request: Request, key: _Key) -> None:
+        context = self._context
+        assert context is not None
+        per_execution = context.execution_estimate()
+        if not per_execution > 0:
+            return  # no estimate yet: admit
+        now = context.current_time()
+        instances = max(context.instances, 1)
+        slack = request.deadline - now
+        # Every waiting request with a deadline is an upper bound on those ahead:
+        # when even that fits, admit without counting (the common case).
+        if (len(self._queue) // instances + 1) * per_execution <= slack:
+            return
+        ahead = self._queue.rank(key)
+        finish = (ahead // instances + 1) * per_execution
+        if finish <= slack:
+            return
+        raise DeadlineExceeded(
+            f"request {request.id!r} for model {context.model!r} was refused at admission: "
+            f"its deadline is {slack:.3f}s away, but it would finish in about {finish:.3f}s "
+            f"({ahead} waiting request(s) with an earlier or equal deadline run first on "
+            f"{instances} instance(s), then its own execution, at about {per_execution:.4f}s "
+            f"per execution); nothing was computed"
+        )

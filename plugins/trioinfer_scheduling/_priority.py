@@ -1,0 +1,145 @@
+"""The ``priority`` scheduler: integer levels, FIFO within a level, with aging."""
+
+from __future__ import annotations
+
+import math
+from collections import OrderedDict
+from collections.abc import Callable
+from typing import final
+
+from trioinfer import Request, SchedulerContext
+
+from ._options import event_loop_clock, positive_number
+from ._sorted import SortedKeys
+
+
+@final
+class PriorityScheduler:
+    """Higher priority first, first come first served within a level, and no starvation.
+
+    A request's level is its [`Request.priority`][trioinfer.Request] (any
+    integer; higher runs sooner; ``engine.infer(..., priority=...)``, 0 by default).
+    Within a level requests run in the order they were admitted, exactly as
+    under ``fifo``.
+
+    Strict priority would let a steady stream of high-priority work starve
+    everything below it forever. Aging bounds that: when the oldest request of
+    any level below the highest waiting one has waited *max_wait* seconds, it
+    goes next, ahead of the higher levels (the oldest such request first). A
+    low-priority request therefore starts within about *max_wait* plus one
+    execution of its arrival (plus the time to run older aged requests), however
+    busy the higher levels are; the higher levels keep everything the aged
+    requests do not take. Under sustained overload of the lower levels
+    themselves, aged requests take every slot: aging trades priority for
+    bounded waiting, on purpose.
+
+    Push, pop and remove cost O(log L) for L distinct levels waiting (O(1)
+    within a level); peek is O(log L). Time is read from the engine's clock
+    (a `trio.testing.MockClock` in tests).
+
+    Args:
+        max_wait: Seconds after which a waiting lower-priority request goes ahead
+            of higher levels. ``None`` (or ``inf``) turns aging off: strict
+            priority, where lower levels run only when the higher ones are empty.
+
+    Raises:
+        ConfigError: *max_wait* is not a number greater than 0 (nor ``None``).
+    """
+
+    __slots__ = ("_clock", "_count", "_heads", "_levels", "_max_wait", "_order", "_peeked")
+
+    def __init__(self, *, max_wait: float | None = 1.0) -> None:
+        limit = (
+            math.inf
+            if max_wait is None
+            else positive_number(
+                "priority", "max_wait", max_wait, "a number of seconds", finite=False
+            )
+        )
+        self._max_wait = limit
+        self._clock: Callable[[], float] = event_loop_clock()
+        # level -> its requests in admission order
+        self._levels: dict[int, OrderedDict[Request, None]] = {}
+        self._order: SortedKeys[int] = SortedKeys()  # the levels that hold requests
+        # (arrival, -level) of each level's oldest request; kept only when aging is on
+        self._heads: SortedKeys[tuple[float, int]] | None = (
+            SortedKeys() if limit != math.inf else None
+        )
+        self._count = 0
+        # What peek() chose, so that pop() takes the same even if time moved on between.
+        self._peeked: Request | None = None
+
+    @property
+    def max_wait(self) -> float | None:
+        """The aging bound in seconds; ``None`` if aging is off."""
+        return None if self._max_wait == math.inf else self._max_wait
+
+    def attach(self, context: SchedulerContext) -> None:
+        """Read time from the engine's clock from now on (the engine calls this once)."""
+        self._clock = context.current_time
+
+    def push(self, request: Request) -> None:
+        """Add *request* at the back of its priority level."""
+        level = request.priority
+        queue = self._levels.get(level)
+        if queue is None:
+            queue = self._levels[level] = OrderedDict()
+            self._order.add(level)
+            if self._heads is not None:
+                self._heads.add((request.arrival, -level))
+        queue[request] = None
+        self._count += 1
+        self._peeked = None
+
+    def peek(self) -> Request:
+        """Return the request `pop()` would take; ``IndexError`` if empty."""
+        if self._peeked is None:
+            self._peeked = self._choose()
+        return self._peeked
+
+    def pop(self) -> Request:
+        """Remove and return the next request; ``IndexError`` if empty."""
+        request = self._peeked if self._peeked is not None else self._choose()
+        self._peeked = None
+        self._take(request, head=True)
+        return request
+
+    def remove(self, request: Request) -> bool:
+        """Remove *request* if held (its caller gave up); return whether it was."""
+        queue = self._levels.get(request.priority)
+        if queue is None or request not in queue:
+            return False
+        self._peeked = None
+        self._take(request, head=next(iter(queue)) is request)
+        return True
+
+    def __len__(self) -> int:
+        return self._count
+
+    def _choose(self) -> Request:
+        order = self._order
+        if not order:
+            raise IndexError("pop from an empty PriorityScheduler")
+        level = order.last()
+        heads = self._heads
+        if heads is not None and len(order) > 1:
+            # The oldest head among the levels below the top one.
+            arrival, negated = heads.first()
+            if -negated == level:
+                arrival, negated = heads.second()
+            if self._clock() - arrival >= self._max_wait:
+                level = -negated
+        return next(iter(self._levels[level]))
+
+    def _take(self, request: Request, *, head: bool) -> None:
+        level = request.priority
+        queue = self._levels[level]
+        del queue[request]
+        self._count -= 1
+        if head and self._heads is not None:
+            self._heads.remove((request.arrival, -level))
+            if queue:
+                self._heads.add((next(iter(queue)).arrival, -level))
+        if not queue:
+            del self._levels[level]
+            self._order.remove(level)
