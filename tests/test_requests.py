@@ -7,6 +7,7 @@ import math
 import threading
 from pathlib import Path
 
+import anyio
 import numpy as np
 import pytest
 import trio
@@ -15,7 +16,7 @@ import trio.testing
 
 import trioinfer
 from trioinfer import Instance, ModelConfig, Request, open_engine
-from trioinfer.testing import FakeBackend
+from trioinfer.testing import FakeBackend, make_request
 
 X = np.ones((1, 4), dtype=np.float32)
 
@@ -260,7 +261,7 @@ class Pairs:
     async def next_batch(self, queue: trioinfer.RequestQueue) -> list[Request]:
         await queue.wait_not_empty()
         batch = [queue.pop_nowait()]
-        with contextlib.suppress(trio.WouldBlock):
+        with contextlib.suppress(anyio.WouldBlock):
             batch.append(queue.pop_nowait())
         return batch
 
@@ -298,3 +299,23 @@ async def test_batches_reuse_pooled_buffers_and_split_outputs(
         # Steady state: a handful of buffer sizes, then only reuse.
         assert stats.buffers_allocated <= 6
         assert stats.buffers_reused >= 40
+
+
+async def test_given_back_requests_keep_their_place_at_the_head() -> None:
+    from trioinfer_scheduling import FifoScheduler
+
+    expired: list[Request] = []
+    queue = trioinfer.RequestQueue(FifoScheduler(), lambda r, now: expired.append(r))
+    a, b, c, d = (make_request() for _ in range(4))
+    for request in (a, b, c):
+        queue._push(request)
+    taken = [queue.pop_nowait(), queue.pop_nowait()]
+    queue._push(d)
+    queue.put_back(taken)  # a batcher was cancelled holding a and b
+    assert len(queue) == 4
+    assert queue.peek_nowait() is a
+    queue._remove(b)  # b's caller left while it was given back
+    assert [queue.pop_nowait() for _ in range(3)] == [a, c, d]
+    with pytest.raises(anyio.WouldBlock):
+        queue.pop_nowait()
+    assert expired == []

@@ -9,6 +9,7 @@ and hands each caller its share of the outputs or an error.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import functools
 import heapq
@@ -50,10 +51,21 @@ class RequestQueue:
     expired request to a backend. Only the engine creates it.
     """
 
-    __slots__ = ("_new_event", "_on_expired", "_scheduler", "_wakeup", "batched", "taken")
+    __slots__ = (
+        "_front",
+        "_new_event",
+        "_on_expired",
+        "_scheduler",
+        "_wakeup",
+        "batched",
+        "taken",
+    )
 
     def __init__(self, scheduler: Scheduler, on_expired: Any, batched: bool = True) -> None:
         self._scheduler = scheduler
+        # Requests a batcher gave back: they were at the head, so they stay there,
+        # ahead of the scheduler's order, without being admitted a second time.
+        self._front: collections.deque[Request] = collections.deque()
         #: Whether the model has a batch dimension, so requests may share an execution.
         self.batched = batched
         self._on_expired = on_expired
@@ -64,11 +76,11 @@ class RequestQueue:
 
     def __len__(self) -> int:
         """Requests waiting (some may have expired and not yet been dropped)."""
-        return len(self._scheduler)
+        return len(self._front) + len(self._scheduler)
 
     async def wait_not_empty(self) -> None:
         """Wait until at least one request is waiting."""
-        while not len(self._scheduler):
+        while not len(self):
             if self._wakeup is None:
                 self._wakeup = self._new_event()
             await self._wakeup.wait()
@@ -81,15 +93,18 @@ class RequestQueue:
         Raises:
             anyio.WouldBlock: If no live request is waiting.
         """
-        scheduler = self._scheduler
-        while len(scheduler):
-            request = scheduler.peek()
+        front, scheduler = self._front, self._scheduler
+        while front or len(scheduler):
+            request = front[0] if front else scheduler.peek()
             if request.deadline == math.inf:
                 return request
             now = anyio.current_time()
             if request.deadline > now:
                 return request
-            scheduler.pop()
+            if front:
+                front.popleft()
+            else:
+                scheduler.pop()
             self._on_expired(request, now)
         raise anyio.WouldBlock
 
@@ -102,9 +117,9 @@ class RequestQueue:
         Raises:
             anyio.WouldBlock: If no live request is waiting.
         """
-        scheduler = self._scheduler
-        while len(scheduler):
-            request = scheduler.pop()
+        front, scheduler = self._front, self._scheduler
+        while front or len(scheduler):
+            request = front.popleft() if front else scheduler.pop()
             self.taken += 1
             if request.deadline == math.inf:
                 return request
@@ -115,10 +130,15 @@ class RequestQueue:
         raise anyio.WouldBlock
 
     def put_back(self, requests: Sequence[Request]) -> None:
-        """Return requests taken for a batch that was not dispatched (e.g. cancelled)."""
-        for request in requests:
-            if request.status is Status.QUEUED:
-                self._push(request)
+        """Return requests taken for a batch that was not dispatched (e.g. cancelled).
+
+        They go back to the head of the queue, in the order given, ahead of
+        everything the scheduler holds; the scheduler does not see them again.
+        """
+        self._front.extendleft(reversed([r for r in requests if r.status is Status.QUEUED]))
+        if self._front and self._wakeup is not None:
+            self._wakeup.set()
+            self._wakeup = None
 
     def _push(self, request: Request) -> None:
         self._scheduler.push(request)
@@ -127,7 +147,8 @@ class RequestQueue:
             self._wakeup = None
 
     def _remove(self, request: Request) -> None:
-        self._scheduler.remove(request)
+        if not self._scheduler.remove(request) and request in self._front:
+            self._front.remove(request)  # at most a batch's worth: a short scan
 
 
 @final

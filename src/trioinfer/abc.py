@@ -117,12 +117,11 @@ class Scheduler(Protocol):
     """
 
     def push(self, request: Request) -> None:
-        """Add a request that was just admitted, or one a batcher gives back.
+        """Add a request that was just admitted.
 
-        A batcher that was cancelled while forming a batch gives its requests
-        back with [`RequestQueue.put_back()`][trioinfer.RequestQueue.put_back],
-        which pushes them again: a request pushed a second time must be
-        accepted, never refused.
+        Requests a batcher gives back with
+        [`RequestQueue.put_back()`][trioinfer.RequestQueue.put_back] do not come
+        here again: the engine keeps them at the head of the queue.
         """
         ...
 
