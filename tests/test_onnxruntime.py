@@ -278,3 +278,24 @@ async def test_bad_dispatch_options_are_refused(add_model: Path) -> None:
             await engine.load(
                 ModelConfig(name="a", path=add_model, backend_options={"inline_budget_us": 0})
             )
+
+
+async def test_pipeline_depth_keeps_two_executions_in_flight(add_model: Path) -> None:
+    async with open_engine() as engine:
+        await engine.load(
+            ModelConfig(name="add", path=add_model, backend_options={"pipeline_depth": 2})
+        )
+        results: dict[int, np.ndarray] = {}
+
+        async def one(i: int) -> None:
+            a = np.full((1, 4), i, np.float32)
+            results[i] = (await engine.infer("add", {"a": a, "b": a}))["sum"]
+
+        async with trio.open_nursery() as nursery:
+            for i in range(50):
+                nursery.start_soon(one, i)
+        assert all(results[i][0, 0] == 2 * i for i in range(50))
+        with pytest.raises(trioinfer.ConfigError, match="pipeline_depth must be an integer"):
+            await engine.load(
+                ModelConfig(name="b", path=add_model, backend_options={"pipeline_depth": 0})
+            )

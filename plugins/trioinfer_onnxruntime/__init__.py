@@ -78,6 +78,9 @@ OPTIONS: Final[Mapping[str, str]] = {
     "provider_options": "a table passed to the GPU execution provider "
     "(e.g. gpu_mem_limit, trt_fp16_enable, trt_engine_cache_path)",
     "log_severity": "ORT log level for the session, 0 (verbose) to 4 (fatal); default 3",
+    "pipeline_depth": "executions the engine may hand one instance at once (default 1); with 2 "
+    "the next batch waits on the worker thread while one runs, so compute never waits for the "
+    "loop, but that batch has left the engine's queue (a caller that leaves aborts it there)",
     "allow_spinning": "let idle intra-op threads spin for new work (default true, as in ORT); "
     "false saves CPU on a shared machine, at some latency",
 }
@@ -125,6 +128,7 @@ class OnnxRuntimeBackend:
             options["dispatch"],
             options["inline_budget_us"] / 1e6,
             f"model {config.name!r} instance {placement.index}",
+            options["pipeline_depth"],
         )
 
 
@@ -145,6 +149,7 @@ class OnnxRuntimeInstance:
         "_signature",
         "_worker",
         "aborted",
+        "pipeline_depth",
     )
 
     def __init__(
@@ -155,7 +160,10 @@ class OnnxRuntimeInstance:
         dispatch: str,
         inline_budget_s: float = 100e-6,
         label: str = "instance",
+        pipeline_depth: int = 1,
     ) -> None:
+        #: Executions the engine may have in flight on this instance at once.
+        self.pipeline_depth = pipeline_depth
         self._session = session
         self._device = device
         self._worker = worker
@@ -315,6 +323,11 @@ def _check_options(config: ModelConfig, placement: Placement) -> dict[str, Any]:
         raise ConfigError(
             f"model {config.name!r}: dispatch must be one of {', '.join(map(repr, _DISPATCH))}, "
             f"got {options['dispatch']!r}"
+        )
+    depth = options.setdefault("pipeline_depth", 1)
+    if not isinstance(depth, int) or isinstance(depth, bool) or not 1 <= depth <= 8:
+        raise ConfigError(
+            f"model {config.name!r}: pipeline_depth must be an integer from 1 to 8, got {depth!r}"
         )
     budget = options.setdefault("inline_budget_us", 100)
     if not isinstance(budget, (int, float)) or isinstance(budget, bool) or not budget > 0:

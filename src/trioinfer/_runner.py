@@ -371,12 +371,13 @@ class ModelRunner:
                     # the first requests already go to the biggest free instance.
                     pairs = zip(self._instances, self.config.placements(), strict=True)
                     for instance, placement in sorted(pairs, key=lambda p: -p[1].capacity):
-                        await tg.start(
-                            self._worker,
-                            instance,
-                            placement.capacity,
-                            self._device_limits.get(instance.device),
-                        )
+                        for _ in range(_depth(instance)):
+                            await tg.start(
+                                self._worker,
+                                instance,
+                                placement.capacity,
+                                self._device_limits.get(instance.device),
+                            )
                     task_status.started()
         finally:
             self.closed = True
@@ -399,7 +400,7 @@ class ModelRunner:
         *,
         task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED,
     ) -> None:
-        alone = len(self._instances) == 1
+        alone = sum(map(_depth, self._instances)) == 1
         in_line: Callable[[], object] | None = task_status.started
         if alone:
             task_status.started()
@@ -625,6 +626,12 @@ class ModelRunner:
             buffers_allocated=self._pool.allocated,
             buffers_reused=self._pool.reused,
         )
+
+
+def _depth(instance: BackendInstance) -> int:
+    # Executions the instance accepts at once (see BackendInstance's docstring).
+    depth = getattr(instance, "pipeline_depth", 1)
+    return depth if isinstance(depth, int) and depth >= 1 else 1
 
 
 async def close_instances(instances: Sequence[BackendInstance]) -> None:

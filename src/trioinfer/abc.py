@@ -39,9 +39,12 @@ Arrays = Mapping[str, np.ndarray[Any, Any]]
 class BackendInstance(Protocol):
     """One loaded copy of a model on one device: a session, in ONNX Runtime's terms.
 
-    The engine calls `execute()` for one batch at a time per instance (it
-    never overlaps two calls on the same instance) and `aclose()` once,
-    after the last call has returned.
+    The engine calls `execute()` for one batch at a time per instance and
+    `aclose()` after the last call has returned. An instance that can take the
+    next batch while one runs (queueing it behind the first, so that its device
+    never waits for the event loop) may say so with an integer attribute
+    ``pipeline_depth``: the engine then keeps up to that many executions in
+    flight on it.
     """
 
     @property
