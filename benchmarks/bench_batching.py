@@ -86,6 +86,7 @@ ENGINE_SETUPS: dict[str, tuple[str, dict[str, Any], dict[str, Any]]] = {
     "none": ("none", {}, {"dispatch": "thread"}),
     "dyn2": ("dynamic", DYN2, {"dispatch": "thread"}),
     "dyn5": ("dynamic", DYN5, {"dispatch": "thread"}),
+    "dyn2p": ("dynamic", DYN2, {"dispatch": "thread", "pipeline_depth": 2}),
     "dyn-thread": ("dynamic", DYN2, {"dispatch": "thread"}),
     "dyn-inline": ("dynamic", DYN2, {"dispatch": "inline"}),
     "dyn-inline+": ("dynamic", DYN2, {"dispatch": "inline", "inline_budget_us": 1000}),
@@ -98,6 +99,7 @@ CONFIGS: dict[str, dict[str, str]] = {
         "none": "trioinfer, batcher none, dispatch thread",
         "dyn2": "trioinfer, dynamic max 32 / 2 ms, dispatch thread",
         "dyn5": "trioinfer, dynamic max 32 / 5 ms, dispatch thread",
+        "dyn2p": "as dyn2, with backend option pipeline_depth 2",
     },
     "digits": {
         "ort32": "raw ORT session.run loop, batch 32",
@@ -109,7 +111,7 @@ CONFIGS: dict[str, dict[str, str]] = {
         "dyn-auto": "trioinfer, dynamic max 32 / 2 ms, dispatch auto",
     },
 }
-BATCHING = ("dyn2", "dyn5")  # the wide-MLP configurations the targets apply to
+BATCHING = ("dyn2", "dyn5", "dyn2p")  # the wide-MLP configurations the targets apply to
 DIGITS_ENGINE = ("dyn-thread", "dyn-inline", "dyn-inline+", "dyn-auto")
 
 
@@ -667,6 +669,7 @@ def plot(results: Sequence[Result], args: argparse.Namespace, path: Path) -> Non
         "none": ("tab:gray", "trioinfer, no batching", (7, -3)),
         "dyn2": ("tab:blue", "trioinfer, dynamic, max 32, delay 2 ms", (6, 6)),
         "dyn5": ("tab:orange", "trioinfer, dynamic, max 32, delay 5 ms", (7, -12)),
+        "dyn2p": ("tab:green", "trioinfer, dynamic, max 32, delay 2 ms, pipeline depth 2", (6, 6)),
     }
     t32 = median([t for rep in reps if (t := compute_ms(results, "wide", rep))])
     ceiling = median([c for rep in reps if (c := ceiling_of(results, "wide", rep))])
