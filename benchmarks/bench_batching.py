@@ -618,15 +618,24 @@ def print_targets(results: Sequence[Result], args: argparse.Namespace) -> list[s
     if "digits" in args.models:
         conc = args.digits_concurrency
         print(f"\n (b) digits MLP at concurrency {conc}: trioinfer / naive to_thread; target >= 5")
-        for config in DIGITS_ENGINE:
-            values = []
-            for rep in reps:
-                r, b = (
+
+        def against_naive(config: str, ratio: Callable[[Result, Result], float]) -> list[float]:
+            # One value per repeat in which both trioinfer's and the naive run were measured.
+            pairs = [
+                (
                     find(results, "digits", config, conc, rep),
                     find(results, "digits", "naive", conc, rep),
                 )
-                if r is not None and b is not None and b.rate:
-                    values.append(r.rate / b.rate)
+                for rep in reps
+            ]
+            return [
+                ratio(r, b)
+                for r, b in pairs
+                if r is not None and b is not None and r.rows and b.rows
+            ]
+
+        for config in DIGITS_ENGINE:
+            values = against_naive(config, lambda r, b: r.rate / b.rate)
             if not values:
                 continue
             verdict = "meets" if median(values) >= 5 else "MISSES"
@@ -637,14 +646,7 @@ def print_targets(results: Sequence[Result], args: argparse.Namespace) -> list[s
             "\n  free cores; the naive bridge spreads over many threads, trioinfer's loop is one)"
         )
         for config in DIGITS_ENGINE:
-            values = []
-            for rep in reps:
-                r, b = (
-                    find(results, "digits", config, conc, rep),
-                    find(results, "digits", "naive", conc, rep),
-                )
-                if r is not None and b is not None and r.rows:
-                    values.append(b.cpu_us / r.cpu_us)
+            values = against_naive(config, lambda r, b: b.cpu_us / r.cpu_us)
             if values:
                 print(f"  {config:<11} {median(values):6.2f}x  ({each(values)})")
     print("\nverdicts:")

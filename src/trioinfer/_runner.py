@@ -320,7 +320,6 @@ class ModelRunner:
     clock: LoopClock = attrs.field(init=False)
     _assemble: Any = attrs.field(init=False)
     _pool: BufferPool = attrs.field(init=False)
-    closed: bool = attrs.field(default=False, init=False)
     _scope: anyio.CancelScope = attrs.field(factory=anyio.CancelScope, init=False)
     _finished: anyio.Event = attrs.field(factory=anyio.Event, init=False)
     _idle: anyio.Event | None = attrs.field(default=None, init=False)
@@ -380,7 +379,6 @@ class ModelRunner:
                             )
                     task_status.started()
         finally:
-            self.closed = True
             for request in list(self._in_flight):
                 self._finish(
                     request,

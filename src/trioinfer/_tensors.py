@@ -8,7 +8,6 @@ request costs neither queue space nor compute.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 from typing import Any, Literal, NoReturn
 
@@ -286,8 +285,3 @@ def rows(arrays: Mapping[str, np.ndarray[Any, Any]]) -> int:
     for array in arrays.values():
         return int(array.shape[0]) if array.ndim else 1
     return 1
-
-
-def elements(shape: tuple[int, ...]) -> int:
-    """The number of elements of *shape* (1 for a scalar)."""
-    return math.prod(shape)
