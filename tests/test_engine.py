@@ -93,6 +93,66 @@ async def test_loading_a_name_twice_is_refused(add_model: Path) -> None:
             await engine.load(ModelConfig(name="add", path=add_model))
 
 
+async def test_replace_swaps_models_without_dropping_requests(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    backend = FakeBackend(delay=1.0)
+    async with open_engine(registry=backend.registry(), drain_period=60) as engine:
+        await engine.load(fake_config())
+        old = backend.loaded[0]
+        results: list[np.ndarray] = []
+
+        async def call() -> None:
+            results.append((await engine.infer("m", {"x": X}))["y"])
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(call)  # accepted by the old model, still running
+            await trio.testing.wait_all_tasks_blocked()
+            with pytest.raises(trioinfer.ConfigError, match="replace=True"):
+                await engine.load(fake_config())
+            await engine.load(fake_config(), replace=True)
+            new = backend.loaded[1]
+            nursery.start_soon(call)  # goes to the new model
+        assert len(results) == 2
+        assert (old.executions, new.executions) == (1, 1)
+        assert old.closed and not new.closed
+        assert [m.name for m in engine.models()] == ["m"]
+
+
+async def test_failed_replace_keeps_the_old_model_serving(tmp_path: Path, add_model: Path) -> None:
+    async with open_engine() as engine:
+        await engine.load(ModelConfig(name="add", path=add_model))
+        with pytest.raises(trioinfer.BackendError):
+            await engine.load(ModelConfig(name="add", path=tmp_path / "gone.onnx"), replace=True)
+        out = await engine.infer("add", {"a": X, "b": X})
+        np.testing.assert_array_equal(out["sum"], X + X)
+
+
+async def test_statistics_histograms(autojump_clock: trio.testing.MockClock) -> None:
+    backend = FakeBackend(delay=0.002)
+    async with open_engine(registry=backend.registry()) as engine:
+        await engine.load(
+            fake_config(
+                batcher="dynamic", batcher_options={"max_batch_size": 4, "max_queue_delay": 0.001}
+            )
+        )
+        async with trio.open_nursery() as nursery:
+            for _ in range(4):
+                nursery.start_soon(engine.infer, "m", {"x": np.ones((2, 4), np.float32)})
+        stats = engine.statistics().models["m"]
+    assert stats.batch_size.count == stats.executions == 2
+    assert stats.batch_size.sum == 8
+    assert stats.batch_size.counts[stats.batch_size.bounds.index(4)] == 2
+    assert stats.queue_duration.count == stats.compute_duration.count == 4
+    assert stats.request_duration.count == 4
+    assert stats.compute_duration.sum == pytest.approx(4 * 0.002)
+    # Each request waited for its batch, then ran: its latency is its wait plus the execution.
+    assert stats.request_duration.sum == pytest.approx(
+        stats.queue_duration.sum + stats.compute_duration.sum
+    )
+    assert sum(stats.queue_duration.counts) == 4
+
+
 async def test_missing_model_file_is_a_backend_error(tmp_path: Path) -> None:
     async with open_engine() as engine:
         with pytest.raises(trioinfer.BackendError, match="no model file"):

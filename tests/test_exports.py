@@ -11,7 +11,7 @@ import trioinfer.testing
 PUBLIC = {
     "trioinfer": {
         "BackendError", "BackendUnavailable", "ConfigError", "DeadlineExceeded", "Device",
-        "Engine", "EngineClosed", "EngineStatistics", "InputLimits", "Instance", "InvalidInput",
+        "Engine", "EngineClosed", "EngineStatistics", "Histogram", "InputLimits", "Instance", "InvalidInput",
         "ModelConfig", "ModelInfo", "ModelNotFound", "ModelSignature", "ModelStatistics",
         "Placement", "PluginError", "PluginInfo", "PluginLoadError", "QueueFull", "Registry",
         "Request", "RequestQueue",

@@ -32,6 +32,7 @@ from ._registry import PluginInfo as PluginInfo
 from ._registry import Registry as Registry
 from ._request import Request as Request
 from ._request import Status as Status
+from ._runner import Histogram as Histogram
 from ._runner import ModelStatistics as ModelStatistics
 from ._runner import RequestQueue as RequestQueue
 from ._runner import SchedulerContext as SchedulerContext

@@ -88,14 +88,21 @@ class Engine:
         """Whether the engine has stopped accepting work (its block is exiting)."""
         return self._closing
 
-    async def load(self, config: ModelConfig) -> ModelInfo:
+    async def load(self, config: ModelConfig, *, replace: bool = False) -> ModelInfo:
         """Load a model: create its plugins, load every instance, start its workers.
 
         Returns once the model is ready to serve. Loading runs under the
         caller's cancel scope: cancelling it closes whatever was loaded.
 
+        With ``replace=True`` a model of the same name may be loaded already:
+        it keeps serving while the new one loads, then new requests go to the
+        new one and the old one is unloaded as by [`unload()`][trioinfer.Engine.unload]
+        (its accepted requests may finish within `drain_period`). If loading
+        fails, the old one goes on serving.
+
         Raises:
-            ConfigError: A model of that name is loaded already, or the config is refused.
+            ConfigError: A model of that name is loaded (or loading) already and
+                *replace* is false, or the config is refused.
             PluginError: A plugin name is unknown, or a plugin fails to load.
             BackendError: An instance could not be loaded (``BackendUnavailable`` if its
                 device cannot be used and CPU fallback is off).
@@ -103,8 +110,13 @@ class Engine:
         """
         self._check_open()
         name = config.name
-        if name in self._runners or name in self._loading:
-            raise ConfigError(f"a model named {name!r} is loaded already; unload it first")
+        if name in self._loading:
+            raise ConfigError(f"a model named {name!r} is being loaded already")
+        if name in self._runners and not replace:
+            raise ConfigError(
+                f"a model named {name!r} is loaded already; unload it first or load with "
+                "replace=True"
+            )
         self._loading.add(name)
         try:
             registry = self._registry
@@ -141,9 +153,12 @@ class Engine:
                 await close_instances(instances)
                 self._check_open()
             await self._task_group.start(runner.run)
+            old = self._runners.get(name)
             self._runners[name] = runner
         finally:
             self._loading.discard(name)
+        if old is not None:
+            await self._retire(old)
         return self._info(runner)
 
     async def unload(self, name: str) -> None:
@@ -158,6 +173,10 @@ class Engine:
         runner = self._runners.pop(name, None)
         if runner is None:
             raise ModelNotFound(f"no model named {name!r} is loaded; loaded: {self._names()}")
+        await self._retire(runner)
+
+    async def _retire(self, runner: ModelRunner) -> None:
+        # The runner takes no new requests already; let accepted ones finish, then stop it.
         try:
             with anyio.move_on_after(self.drain_period):
                 await runner.wait_idle()
@@ -218,6 +237,10 @@ class Engine:
         arrays = validate_inputs(model, runner.signature, inputs, runner.input_limits)
         clock = runner.clock
         await clock.checkpoint_if_cancelled()
+        if self._runners.get(model) is not runner:
+            # Replaced or unloaded while we yielded: queue on what serves the name now.
+            runner = self._runner(model)
+            arrays = validate_inputs(model, runner.signature, inputs, runner.input_limits)
         arrival = clock.current_time()
         deadline = clock.current_effective_deadline()
         own_deadline = True

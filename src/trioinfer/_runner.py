@@ -9,6 +9,7 @@ and hands each caller its share of the outputs or an error.
 
 from __future__ import annotations
 
+import bisect
 import collections
 import contextlib
 import functools
@@ -184,6 +185,53 @@ class SchedulerContext:
         return self._runner.clock.current_time()
 
 
+#: Upper bounds (seconds) of the duration histograms' buckets: 50 µs to 10 s.
+DURATION_BUCKETS: tuple[float, ...] = (
+    5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
+    2.5, 5.0, 10.0,
+)  # fmt: skip
+#: Upper bounds of the batch-size histogram's buckets (rows per execution).
+BATCH_BUCKETS: tuple[float, ...] = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
+
+
+@attrs.frozen
+class Histogram:
+    """A snapshot of a cumulative histogram, in the shape Prometheus exposes.
+
+    Attributes:
+        bounds: Each bucket's inclusive upper bound, ascending; a last bucket
+            without bound (``+Inf``) is implied.
+        counts: Observations per bucket, non-cumulative, one more than *bounds*
+            (the last counts values above every bound).
+        count: Observations in all.
+        sum: The sum of every observed value.
+    """
+
+    bounds: tuple[float, ...]
+    counts: tuple[int, ...]
+    count: int
+    sum: float
+
+
+@final
+class _Histogram:
+    __slots__ = ("bounds", "count", "counts", "sum")
+
+    def __init__(self, bounds: tuple[float, ...]) -> None:
+        self.bounds = bounds
+        self.counts = [0] * (len(bounds) + 1)
+        self.count = 0
+        self.sum = 0.0
+
+    def observe(self, value: float, n: int = 1) -> None:
+        self.counts[bisect.bisect_left(self.bounds, value)] += n
+        self.count += n
+        self.sum += value * n
+
+    def snapshot(self) -> Histogram:
+        return Histogram(self.bounds, tuple(self.counts), self.count, self.sum)
+
+
 @attrs.frozen
 class ModelStatistics:
     """A snapshot of one model's counters; see [`Engine.statistics()`][trioinfer.Engine.statistics].
@@ -206,6 +254,12 @@ class ModelStatistics:
         buffers_allocated: Batch input buffers allocated so far; flat in steady
             state, because batches reuse pooled buffers.
         buffers_reused: Batches' input buffers served from the pool.
+        queue_duration: Seconds each request that reached an instance waited in
+            the queue (arrival to the start of its execution).
+        compute_duration: Seconds of execution each request that reached an
+            instance took part in (its batch's execution time, failed runs included).
+        request_duration: Seconds from arrival to outputs, for each request that succeeded.
+        batch_size: Rows per execution.
     """
 
     name: str
@@ -221,6 +275,10 @@ class ModelStatistics:
     mean_execution_s: float
     buffers_allocated: int
     buffers_reused: int
+    queue_duration: Histogram
+    compute_duration: Histogram
+    request_duration: Histogram
+    batch_size: Histogram
 
 
 @final
@@ -337,6 +395,16 @@ class ModelRunner:
     expired: int = attrs.field(default=0, init=False)
     executions: int = attrs.field(default=0, init=False)
     _mean_execution_s: float = attrs.field(default=0.0, init=False)
+    _queue_duration: _Histogram = attrs.field(
+        factory=lambda: _Histogram(DURATION_BUCKETS), init=False
+    )
+    _compute_duration: _Histogram = attrs.field(
+        factory=lambda: _Histogram(DURATION_BUCKETS), init=False
+    )
+    _request_duration: _Histogram = attrs.field(
+        factory=lambda: _Histogram(DURATION_BUCKETS), init=False
+    )
+    _batch_size: _Histogram = attrs.field(factory=lambda: _Histogram(BATCH_BUCKETS), init=False)
 
     def __attrs_post_init__(self) -> None:
         self._new_event = native_event_factory()
@@ -447,9 +515,14 @@ class ModelRunner:
                 "model has no batch dimension"
             )
         running = _Running(scope, len(live))
+        queue_duration = self._queue_duration.observe
+        rows = 0
         for request in live:
             request._state.status = Status.RUNNING
             request._state.batch = running
+            queue_duration(started - request.arrival)
+            rows += request.rows
+        self._batch_size.observe(rows)
         outputs: Outputs | None = None
         split: Callable[[Outputs], Sequence[Outputs]]
         taken: list[Any] = []
@@ -471,13 +544,18 @@ class ModelRunner:
                 self._finish(request, error=_backend_error(self.config.name, request, exc))
             return
         finally:
-            elapsed = self.clock.current_time() - started
+            ended = self.clock.current_time()
+            elapsed = ended - started
+            self._compute_duration.observe(elapsed, len(live))
             if outputs is not None:  # aborted and failed runs say little of the next one
                 mean = self._mean_execution_s
                 self._mean_execution_s = elapsed if mean == 0.0 else mean + 0.2 * (elapsed - mean)
             if taken:
                 self._pool.give_back(taken, outputs)
+        request_duration = self._request_duration.observe
         for request, share in zip(live, split(outputs), strict=True):
+            if request._state.status is Status.RUNNING:
+                request_duration(ended - request.arrival)
             self._finish(request, outputs=share)
 
     # -- called from callers' tasks ----------------------------------------------
@@ -623,6 +701,10 @@ class ModelRunner:
             mean_execution_s=self._mean_execution_s,
             buffers_allocated=self._pool.allocated,
             buffers_reused=self._pool.reused,
+            queue_duration=self._queue_duration.snapshot(),
+            compute_duration=self._compute_duration.snapshot(),
+            request_duration=self._request_duration.snapshot(),
+            batch_size=self._batch_size.snapshot(),
         )
 
 
