@@ -1,4 +1,4 @@
-"""The public API is what trioinfer, trioinfer.abc and trioinfer.testing export; pinned here."""
+"""The public API is what trioinfer, .abc, .testing and .server export; pinned here."""
 
 from __future__ import annotations
 
@@ -6,12 +6,14 @@ import inspect
 
 import trioinfer
 import trioinfer.abc
+import trioinfer.server
 import trioinfer.testing
 
 PUBLIC = {
     "trioinfer": {
         "BackendError", "BackendUnavailable", "ConfigError", "DeadlineExceeded", "Device",
-        "Engine", "EngineClosed", "EngineStatistics", "Histogram", "InputLimits", "Instance", "InvalidInput",
+        "Engine", "EngineClosed", "EngineStatistics", "Histogram", "InputLimits", "Instance",
+        "InvalidInput",
         "ModelConfig", "ModelInfo", "ModelNotFound", "ModelSignature", "ModelStatistics",
         "Placement", "PluginError", "PluginInfo", "PluginLoadError", "QueueFull", "Registry",
         "Request", "RequestQueue",
@@ -22,7 +24,14 @@ PUBLIC = {
     "trioinfer.testing": {
         "FakeBackend", "FakeInstance", "check_backend", "check_scheduler", "make_request",
     },
+    "trioinfer.server": {
+        "Limits", "Listening", "ModelRepository", "PayloadTooLarge", "RequestError",
+        "ServerConfig", "ServerState", "UnsupportedEncoding", "VersionPolicy", "create_app",
+        "serve_http", "status_for",
+    },
 }  # fmt: skip
+
+MODULES = (trioinfer, trioinfer.abc, trioinfer.testing, trioinfer.server)
 
 
 def public_names(module: object) -> set[str]:
@@ -37,12 +46,12 @@ def public_names(module: object) -> set[str]:
 
 
 def test_public_names_are_pinned() -> None:
-    for module in (trioinfer, trioinfer.abc, trioinfer.testing):
+    for module in MODULES:
         assert public_names(module) == PUBLIC[module.__name__], module.__name__
 
 
 def test_every_public_name_has_a_docstring() -> None:
-    for module in (trioinfer, trioinfer.abc, trioinfer.testing):
+    for module in MODULES:
         for name in PUBLIC[module.__name__]:
             assert inspect.getdoc(getattr(module, name)), f"{module.__name__}.{name}"
 

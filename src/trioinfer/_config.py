@@ -141,7 +141,7 @@ class Placement:
 
 
 def _check_name(_inst: object, _attribute: attrs.Attribute[Any], value: str) -> None:
-    if not isinstance(value, str) or not _NAME_RE.match(value):
+    if not isinstance(value, str) or not _NAME_RE.fullmatch(value):
         raise ConfigError(
             f"model name {value!r} must be 1-128 characters of letters, digits, '_', '.', '-', "
             "starting with a letter or digit"

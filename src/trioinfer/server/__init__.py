@@ -1,0 +1,27 @@
+"""Serving over HTTP: the KServe V2 (Open Inference Protocol) server behind ``trioinfer serve``.
+
+```python
+import trio
+import trioinfer.server
+
+trio.run(trioinfer.server.serve_http, trioinfer.example_repository())
+```
+
+`serve_http` opens an engine, loads a model repository
+(``<repo>/<model>/[config.toml]``, ``<repo>/<model>/<version>/model.onnx``) and
+serves it with Hypercorn on Trio until SIGINT/SIGTERM. `create_app` gives the
+ASGI app alone, for embedding.
+"""
+
+from ._app import ServerConfig as ServerConfig
+from ._app import ServerState as ServerState
+from ._app import create_app as create_app
+from ._app import status_for as status_for
+from ._codec import Limits as Limits
+from ._codec import PayloadTooLarge as PayloadTooLarge
+from ._codec import RequestError as RequestError
+from ._codec import UnsupportedEncoding as UnsupportedEncoding
+from ._repository import ModelRepository as ModelRepository
+from ._repository import VersionPolicy as VersionPolicy
+from ._serve import Listening as Listening
+from ._serve import serve_http as serve_http

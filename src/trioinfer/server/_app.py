@@ -1,0 +1,767 @@
+"""The KServe V2 (Open Inference Protocol) REST app, and the one place errors become statuses.
+
+Routes follow the protocol and Triton's extensions (binary tensor data, model
+repository, statistics, schedule policy). The inference route is a raw ASGI
+endpoint: it reads the body under the size limit, watches for the client
+going away (which cancels the request in the engine), and writes the
+response without the framework's per-request objects, because it is the hot
+path. Every other route is an ordinary Starlette endpoint.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import math
+import re
+from collections.abc import Awaitable, Callable, Mapping
+from typing import Any, Final, final
+
+import anyio
+import attrs
+import numpy as np
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from .. import __version__
+from .._exceptions import (
+    BackendUnavailable,
+    ConfigError,
+    DeadlineExceeded,
+    EngineClosed,
+    InvalidInput,
+    ModelNotFound,
+    PluginError,
+    QueueFull,
+    TrioInferError,
+)
+from .._tensors import TensorSpec
+from ._codec import (
+    InferRequest,
+    Limits,
+    PayloadTooLarge,
+    RequestError,
+    UnsupportedEncoding,
+    decode_infer_request,
+    decompress,
+    dumps,
+    encode_infer_response,
+    loads_json,
+    parse_header_length,
+    v2_datatype,
+)
+from ._metrics import InFlight, Metrics
+from ._models import ServedModels, ServedVersion
+
+log = logging.getLogger("trioinfer.server")
+
+#: The protocol extensions this server implements, as ``GET /v2`` lists them.
+EXTENSIONS: Final = (
+    "binary_tensor_data",
+    "model_configuration",
+    "model_repository",
+    "parameters",
+    "schedule_policy",
+    "statistics",
+)
+
+_JSON: Final = "application/json"
+
+
+class Unauthorized(TrioInferError):
+    """A request without the bearer token an endpoint requires (HTTP 401)."""
+
+
+class NotReady(TrioInferError):
+    """The server is shutting down and takes no new inference (HTTP 503)."""
+
+
+def status_for(error: BaseException) -> int:
+    """The HTTP status for an error raised while serving a request: the only such mapping.
+
+    Client faults are 4xx; a full queue, a closing engine or an unusable
+    device are 503; a request whose deadline passed is 504; only a failing
+    backend (or a bug) is 500.
+    """
+    for kind, status in _STATUS:
+        if isinstance(error, kind):
+            return status
+    return 500
+
+
+_STATUS: Final[tuple[tuple[type[BaseException], int], ...]] = (
+    (PayloadTooLarge, 413),
+    (UnsupportedEncoding, 415),
+    (Unauthorized, 401),
+    (ModelNotFound, 404),
+    (InvalidInput, 400),  # RequestError too
+    (ConfigError, 400),
+    (PluginError, 400),
+    (QueueFull, 503),
+    (BackendUnavailable, 503),
+    (EngineClosed, 503),
+    (NotReady, 503),
+    (DeadlineExceeded, 504),
+)
+
+
+def _error_headers(error: BaseException) -> dict[str, str]:
+    headers = {}
+    if isinstance(error, QueueFull):
+        headers["retry-after"] = str(max(1, math.ceil(error.retry_after)))
+    if isinstance(error, Unauthorized):
+        headers["www-authenticate"] = "Bearer"
+    return headers
+
+
+def error_response(error: BaseException) -> Response:
+    """A ``{"error": ...}`` JSON response with the status `status_for` gives."""
+    status = status_for(error)
+    if status == 500:
+        log.error("request failed: %s: %s", type(error).__name__, error)
+    return Response(
+        dumps({"error": str(error) or type(error).__name__}),
+        status_code=status,
+        headers=_error_headers(error),
+        media_type=_JSON,
+    )
+
+
+@attrs.frozen
+class ServerConfig:
+    """How the HTTP server behaves, besides which models it serves.
+
+    Attributes:
+        limits: Size caps checked before anything is allocated.
+        admin_token: If set, repository load and unload require
+            ``Authorization: Bearer <token>``.
+        protect_inference: Require the token for inference (and metadata) too.
+        drain_period: Seconds in-flight requests may take to finish at shutdown.
+    """
+
+    limits: Limits = attrs.field(factory=Limits)
+    admin_token: str | None = None
+    protect_inference: bool = False
+    drain_period: float = attrs.field(default=10.0)
+
+    @drain_period.validator
+    def _check_drain(self, _attribute: attrs.Attribute[Any], value: float) -> None:
+        if not (isinstance(value, int | float) and 0 <= value < math.inf):
+            raise ConfigError(f"drain_period must be a finite number >= 0, got {value!r}")
+
+    def __attrs_post_init__(self) -> None:
+        if self.protect_inference and not self.admin_token:
+            raise ConfigError("protect_inference needs an admin_token to check")
+
+
+@final
+@attrs.define(eq=False)
+class ServerState:
+    """What the routes share: the served models, the config, readiness and metrics."""
+
+    models: ServedModels
+    config: ServerConfig
+    metrics: Metrics
+    in_flight: InFlight
+    ready: bool = False
+
+    def check_token(self, headers: Mapping[str, str], *, admin: bool) -> None:
+        """Raise `Unauthorized` unless the request carries the token it needs."""
+        token = self.config.admin_token
+        if token is None or not (admin or self.config.protect_inference):
+            return
+        given = headers.get("authorization", "")
+        scheme, _, value = given.partition(" ")
+        # Compare in constant time, so the token cannot be guessed byte by byte.
+        if scheme.lower() != "bearer" or not hmac.compare_digest(
+            value.strip().encode(), token.encode()
+        ):
+            raise Unauthorized(
+                "this endpoint needs 'Authorization: Bearer <token>' with the server's token"
+            )
+
+
+def create_app(state: ServerState) -> ASGIApp:
+    """The ASGI app serving *state* over KServe V2 REST (and ``/metrics``).
+
+    Inference requests go straight to their endpoint; every other request
+    goes through a Starlette app (routing, middleware, error pages).
+    """
+
+    def endpoint(
+        handler: Callable[[Request, ServerState], Awaitable[Response]],
+    ) -> Callable[[Request], Awaitable[Response]]:
+        async def run(request: Request) -> Response:
+            try:
+                return await handler(request, state)
+            except TrioInferError as exc:
+                return error_response(exc)
+
+        return run
+
+    infer = _InferEndpoint(state)
+    routes = [
+        Route("/v2/health/live", endpoint(_live), methods=["GET"]),
+        Route("/v2/health/ready", endpoint(_ready), methods=["GET"]),
+        Route("/v2", endpoint(_server_metadata), methods=["GET"]),
+        Route("/v2/models/stats", endpoint(_stats), methods=["GET"]),
+        Route("/v2/models/{model}", endpoint(_model_metadata), methods=["GET"]),
+        Route("/v2/models/{model}/versions/{version}", endpoint(_model_metadata), methods=["GET"]),
+        Route("/v2/models/{model}/ready", endpoint(_model_ready), methods=["GET"]),
+        Route(
+            "/v2/models/{model}/versions/{version}/ready",
+            endpoint(_model_ready),
+            methods=["GET"],
+        ),
+        Route("/v2/models/{model}/config", endpoint(_model_config), methods=["GET"]),
+        Route(
+            "/v2/models/{model}/versions/{version}/config",
+            endpoint(_model_config),
+            methods=["GET"],
+        ),
+        Route("/v2/models/{model}/stats", endpoint(_stats), methods=["GET"]),
+        Route("/v2/models/{model}/versions/{version}/stats", endpoint(_stats), methods=["GET"]),
+        Route("/v2/models/{model}/infer", infer, methods=["POST"]),
+        Route("/v2/models/{model}/versions/{version}/infer", infer, methods=["POST"]),
+        Route("/v2/repository/index", endpoint(_repository_index), methods=["POST"]),
+        Route("/v2/repository/models/{model}/load", endpoint(_load), methods=["POST"]),
+        Route("/v2/repository/models/{model}/unload", endpoint(_unload), methods=["POST"]),
+        Route("/metrics", endpoint(_metrics), methods=["GET"]),
+    ]
+
+    async def http_error(_request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, HTTPException)
+        return Response(
+            dumps({"error": f"{exc.detail}"}),
+            status_code=exc.status_code,
+            headers=dict(exc.headers or {}),
+            media_type=_JSON,
+        )
+
+    async def server_error(_request: Request, exc: Exception) -> Response:
+        log.exception("unexpected error", exc_info=exc)
+        return Response(
+            dumps({"error": f"internal error: {type(exc).__name__}"}),
+            status_code=500,
+            media_type=_JSON,
+        )
+
+    return _FastInfer(
+        infer,
+        Starlette(
+            routes=routes,
+            exception_handlers={HTTPException: http_error, Exception: server_error},
+        ),
+    )
+
+
+_INFER_PATH: Final = re.compile(r"/v2/models/([^/]+)(?:/versions/([^/]+))?/infer")
+
+
+@final
+class _FastInfer:
+    """Route ``POST .../infer`` without Starlette's router and middleware: the hot path."""
+
+    __slots__ = ("_infer", "_other")
+
+    def __init__(self, infer: _InferEndpoint, other: ASGIApp) -> None:
+        self._infer = infer
+        self._other = other
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["method"] == "POST":
+            match = _INFER_PATH.fullmatch(scope["path"])
+            if match is not None:
+                model, version = match.groups()
+                params = (
+                    {"model": model} if version is None else {"model": model, "version": version}
+                )
+                scope["path_params"] = params
+                await self._infer(scope, receive, send)
+                return
+        await self._other(scope, receive, send)
+
+
+# -- health and metadata --------------------------------------------------------------
+
+
+async def _live(_request: Request, _state: ServerState) -> Response:
+    return Response(status_code=200)
+
+
+async def _ready(_request: Request, state: ServerState) -> Response:
+    if not state.ready:
+        return error_response(NotReady("the server is starting or shutting down"))
+    return Response(status_code=200)
+
+
+async def _server_metadata(_request: Request, _state: ServerState) -> Response:
+    return _json({"name": "trioinfer", "version": __version__, "extensions": list(EXTENSIONS)})
+
+
+def _served(request: Request, state: ServerState) -> ServedVersion:
+    state.check_token(request.headers, admin=False)
+    params = request.path_params
+    return state.models.resolve(params["model"], params.get("version"))
+
+
+async def _model_metadata(request: Request, state: ServerState) -> Response:
+    served = _served(request, state)
+    if "version" in request.path_params:
+        versions = [str(served.version)]
+    else:
+        versions = [str(s.version) for s in state.models.versions(served.model)]
+    signature = served.info.signature
+    return _json(
+        {
+            "name": served.model,
+            "versions": versions,
+            "platform": _platform(served),
+            "inputs": [_tensor_metadata(t) for t in signature.inputs],
+            "outputs": [_tensor_metadata(t) for t in signature.outputs],
+        }
+    )
+
+
+async def _model_ready(request: Request, state: ServerState) -> Response:
+    try:
+        _served(request, state)
+    except ModelNotFound as exc:
+        # The protocol answers "not ready" with a 4xx; a model the repository
+        # holds but does not serve is not ready (400), one it lacks is unknown (404).
+        model = request.path_params["model"]
+        try:
+            state.models.repository.entry(model)
+        except TrioInferError:
+            return error_response(exc)
+        return error_response(InvalidInput(f"model {model!r} is not ready: {exc}"))
+    return Response(status_code=200)
+
+
+async def _model_config(request: Request, state: ServerState) -> Response:
+    served = _served(request, state)
+    config = served.info.config
+    signature = served.info.signature
+    batched = signature.batched and config.batcher != "none"
+    max_batch = int(config.batcher_options.get("max_batch_size", 0)) if batched else 0
+    # In Triton's terms: with max_batch_size > 0 the dims leave out the batch dimension.
+    skip = 1 if max_batch > 0 else 0
+    body: dict[str, Any] = {
+        "name": served.model,
+        "version": str(served.version),
+        "platform": _platform(served),
+        "backend": config.backend,
+        "max_batch_size": max_batch,
+        "input": [_tensor_config(t, skip) for t in signature.inputs],
+        "output": [_tensor_config(t, skip) for t in signature.outputs],
+        "instance_group": [
+            {"kind": "KIND_CPU" if d.startswith("cpu") else "KIND_GPU", "device": d}
+            for d in served.info.devices
+        ],
+        "trioinfer": {
+            "scheduler": config.scheduler,
+            "scheduler_options": dict(config.scheduler_options),
+            "batcher": config.batcher,
+            "batcher_options": dict(config.batcher_options),
+            "fallback": config.fallback,
+            "max_queue_size": config.max_queue_size,
+            "queue_timeouts": {str(k): v for k, v in config.queue_timeouts.items()},
+            "instances": [
+                {"device": str(i.device), "count": i.count, "capacity": i.capacity}
+                for i in config.instances
+            ],
+        },
+    }
+    if max_batch > 0:
+        delay = config.batcher_options.get("max_queue_delay")
+        body["dynamic_batching"] = {
+            "preferred_batch_size": list(config.batcher_options.get("preferred_batch_sizes", [])),
+            "max_queue_delay_microseconds": int(float(delay) * 1e6) if delay is not None else 0,
+        }
+    return _json(body)
+
+
+def _platform(served: ServedVersion) -> str:
+    return "onnxruntime_onnx" if served.info.config.backend == "onnxruntime" else "trioinfer"
+
+
+def _dims(spec: TensorSpec) -> list[int]:
+    return [d if isinstance(d, int) else -1 for d in spec.shape]
+
+
+def _tensor_metadata(spec: TensorSpec) -> dict[str, Any]:
+    return {
+        "name": spec.name,
+        "datatype": v2_datatype(spec.dtype, spec.type_name),
+        "shape": _dims(spec),
+    }
+
+
+def _tensor_config(spec: TensorSpec, skip: int) -> dict[str, Any]:
+    return {
+        "name": spec.name,
+        "data_type": "TYPE_" + v2_datatype(spec.dtype, spec.type_name).replace("BYTES", "STRING"),
+        "dims": _dims(spec)[skip:],
+    }
+
+
+# -- statistics and metrics -------------------------------------------------------------
+
+
+async def _stats(request: Request, state: ServerState) -> Response:
+    state.check_token(request.headers, admin=False)
+    model = request.path_params.get("model")
+    if model is None:
+        chosen = state.models.all()
+    elif "version" in request.path_params:
+        chosen = [state.models.resolve(model, request.path_params["version"])]
+    else:
+        state.models.resolve(model)
+        chosen = state.models.versions(model)
+    statistics = state.models.engine.statistics().models
+    out = []
+    for served in chosen:
+        stats = statistics.get(served.engine_name)
+        if stats is None:  # unloaded between the two lookups
+            continue
+        out.append(
+            {
+                "name": served.model,
+                "version": str(served.version),
+                "last_inference": state.models.last_inference_ms.get(
+                    (served.model, served.version), 0
+                ),
+                "inference_count": int(stats.batch_size.sum),
+                "execution_count": stats.executions,
+                "inference_stats": {
+                    "success": _duration(stats.succeeded, stats.request_duration.sum),
+                    "fail": _duration(stats.failed + stats.expired + stats.refused, 0.0),
+                    "queue": _duration(stats.queue_duration.count, stats.queue_duration.sum),
+                    "compute_input": _duration(0, 0.0),
+                    "compute_infer": _duration(
+                        stats.compute_duration.count, stats.compute_duration.sum
+                    ),
+                    "compute_output": _duration(0, 0.0),
+                    "cache_hit": _duration(0, 0.0),
+                    "cache_miss": _duration(0, 0.0),
+                },
+                "batch_stats": [],
+            }
+        )
+    return _json({"model_stats": out})
+
+
+def _duration(count: int, seconds: float) -> dict[str, int]:
+    return {"count": count, "ns": int(seconds * 1e9)}
+
+
+async def _metrics(_request: Request, state: ServerState) -> Response:
+    body, content_type = state.metrics.exposition()
+    return Response(body, media_type=content_type)
+
+
+# -- model repository -----------------------------------------------------------------------
+
+
+async def _repository_index(request: Request, state: ServerState) -> Response:
+    state.check_token(request.headers, admin=False)
+    body = await _small_json(request, state)
+    ready_only = False
+    if body is not None:
+        ready = body.get("ready", False)
+        if not isinstance(ready, bool):
+            raise RequestError(f"'ready' must be true or false, got {ready!r}")
+        ready_only = ready
+    out = []
+    for entry in state.models.repository.index():
+        served = {s.version: s for s in state.models.versions(entry.name)}
+        if entry.version is not None and entry.version in served:
+            out.append(
+                {"name": entry.name, "version": str(entry.version), "state": "READY", "reason": ""}
+            )
+        elif not ready_only:
+            item: dict[str, Any] = {
+                "name": entry.name,
+                "state": "UNAVAILABLE",
+                "reason": entry.reason or state.models.error(entry.name) or "unloaded",
+            }
+            if entry.version is not None:
+                item["version"] = str(entry.version)
+            out.append(item)
+    return _json(out)
+
+
+async def _load(request: Request, state: ServerState) -> Response:
+    state.check_token(request.headers, admin=True)
+    body = await _small_json(request, state)
+    override: dict[str, Any] | None = None
+    if body is not None:
+        parameters = body.get("parameters", {})
+        if not isinstance(parameters, dict):
+            raise RequestError("'parameters' must be an object")
+        for key in parameters:
+            if key.startswith("file:"):
+                raise RequestError(
+                    "uploading model files is not supported; put them in the repository"
+                )
+            if key != "config":
+                raise RequestError(f"unknown load parameter {key!r}; the only one is 'config'")
+        if "config" in parameters:
+            config = parameters["config"]
+            if isinstance(config, str):
+                config = loads_json(config.encode(), state.config.limits, "the config override")
+            if not isinstance(config, dict):
+                raise RequestError(
+                    "parameters.config must be a JSON object of model config keys (or a "
+                    f"string holding one), got {type(config).__name__}"
+                )
+            override = config
+    await state.models.load(request.path_params["model"], override)
+    return Response(status_code=200)
+
+
+async def _unload(request: Request, state: ServerState) -> Response:
+    state.check_token(request.headers, admin=True)
+    body = await _small_json(request, state)
+    if body is not None:
+        parameters = body.get("parameters", {})
+        if not isinstance(parameters, dict) or set(parameters) - {"unload_dependents"}:
+            raise RequestError("the only unload parameter is 'unload_dependents'")
+    await state.models.unload(request.path_params["model"])
+    return Response(status_code=200)
+
+
+async def _small_json(request: Request, state: ServerState) -> dict[str, Any] | None:
+    # Repository requests carry small JSON bodies, often none at all.
+    limits = state.config.limits
+    body = await _read_body(request.receive, request.headers, limits)
+    if not body:
+        return None
+    value = loads_json(body, limits, "the request body")
+    if not isinstance(value, dict):
+        raise RequestError(f"the request body must be a JSON object, got {type(value).__name__}")
+    return value
+
+
+def _json(value: Any, status: int = 200) -> Response:
+    return Response(dumps(value), status_code=status, media_type=_JSON)
+
+
+# -- inference --------------------------------------------------------------------------------
+
+
+async def _read_body(receive: Receive, headers: Mapping[str, str], limits: Limits) -> bytes:
+    """Read the whole request body, refusing it as soon as it passes the limit."""
+    cap = limits.max_body_bytes
+    declared = headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > cap:
+        raise PayloadTooLarge(
+            f"the request body is {declared} bytes; the limit is {cap} (max_body_bytes)"
+        )
+    chunks = []
+    size = 0
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            raise anyio.get_cancelled_exc_class()()  # pragma: no cover  # client left mid-body
+        chunk = message.get("body", b"")
+        size += len(chunk)
+        if size > cap:
+            raise PayloadTooLarge(
+                f"the request body is over {cap} bytes, the limit (max_body_bytes)"
+            )
+        chunks.append(chunk)
+        if not message.get("more_body", False):
+            break
+    body = chunks[0] if len(chunks) == 1 else b"".join(chunks)
+    return decompress(body, headers.get("content-encoding"), limits)
+
+
+def _check_outputs(request: InferRequest, served: ServedVersion) -> None:
+    # Refuse an unknown output before the model runs, not after.
+    if request.outputs is None:
+        return
+    known = [spec.name for spec in served.info.signature.outputs]
+    for output in request.outputs:
+        if output.name not in known:
+            raise RequestError(
+                f"requested output {output.name!r} is not an output of model "
+                f"{served.model!r}; its outputs are {', '.join(map(repr, known))}"
+            )
+
+
+def _schedule_parameters(request: InferRequest) -> tuple[int, float | None]:
+    """The engine priority and the timeout (seconds) a request's parameters ask for."""
+    parameters = request.parameters
+    priority = parameters.get("priority", 0)
+    if isinstance(priority, bool) or not isinstance(priority, int) or abs(priority) > 2**31:
+        raise RequestError(f"parameter 'priority' must be an integer, got {priority!r}")
+    timeout = parameters.get("timeout")
+    seconds = None
+    if timeout is not None:
+        if isinstance(timeout, bool) or not isinstance(timeout, int) or timeout < 0:
+            raise RequestError(
+                f"parameter 'timeout' must be a non-negative integer of microseconds, got "
+                f"{timeout!r}"
+            )
+        seconds = timeout / 1e6
+    return priority, seconds
+
+
+@final
+class _InferEndpoint:
+    """``POST /v2/models/{m}[/versions/{v}]/infer`` as a raw ASGI app."""
+
+    def __init__(self, state: ServerState) -> None:
+        self._state = state
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        state = self._state
+        headers = _Headers(scope["headers"])
+        params = scope["path_params"]
+        model = params["model"]
+        state.in_flight.value += 1
+        try:
+            try:
+                status, body, extra = await self._infer(
+                    headers, params, receive, model, params.get("version")
+                )
+            except TrioInferError as exc:
+                state.metrics.count(model, params.get("version"), exc)
+                status = status_for(exc)
+                body = dumps({"error": str(exc)})
+                extra = [(k.encode(), v.encode()) for k, v in _error_headers(exc).items()]
+                extra.append((b"content-type", b"application/json"))
+            if status is None:  # the client left: there is nobody to answer
+                return
+            await send(
+                {
+                    "type": "http.response.start",
+                    "status": status,
+                    "headers": [(b"content-length", str(len(body)).encode()), *extra],
+                }
+            )
+            await send({"type": "http.response.body", "body": body})
+        finally:
+            state.in_flight.value -= 1
+
+    async def _infer(
+        self,
+        headers: _Headers,
+        params: Mapping[str, str],
+        receive: Receive,
+        model: str,
+        version: str | None,
+    ) -> tuple[int | None, bytes, list[tuple[bytes, bytes]]]:
+        state = self._state
+        if not state.ready:
+            raise NotReady("the server is shutting down and takes no new requests")
+        state.check_token(headers, admin=False)
+        served = state.models.resolve(model, version)
+        limits = state.config.limits
+        body = await _read_body(receive, headers, limits)
+        header_length = parse_header_length(
+            headers.get("inference-header-content-length"), len(body)
+        )
+        request = decode_infer_request(body, header_length, limits)
+        _check_outputs(request, served)
+        priority, timeout = _schedule_parameters(request)
+        outputs = await self._run(served, request, priority, timeout, receive)
+        if outputs is None:
+            state.metrics.cancelled(served)
+            return None, b"", []
+        state.models.mark_inference(served)
+        state.metrics.succeeded(served)
+        response, json_length = encode_infer_response(
+            model_name=served.model,
+            model_version=str(served.version),
+            request=request,
+            outputs=outputs,
+            output_order=[spec.name for spec in served.info.signature.outputs],
+        )
+        if json_length is None:
+            extra = [(b"content-type", b"application/json")]
+        else:
+            extra = [
+                (b"content-type", b"application/octet-stream"),
+                (b"inference-header-content-length", str(json_length).encode()),
+            ]
+        return 200, response, extra
+
+    async def _run(
+        self,
+        served: ServedVersion,
+        request: InferRequest,
+        priority: int,
+        timeout_s: float | None,
+        receive: Receive,
+    ) -> Mapping[str, np.ndarray[Any, Any]] | None:
+        """Run the request; None if the client disconnected first (its request is withdrawn)."""
+        engine = self._state.models.engine
+        result: list[Mapping[str, np.ndarray[Any, Any]]] = []
+        left = False
+
+        async def watch(scope: anyio.CancelScope) -> None:
+            nonlocal left
+            while True:
+                message: Message = await receive()
+                if message["type"] == "http.disconnect":
+                    left = True
+                    scope.cancel()
+                    return
+
+        error: TrioInferError | None = None
+        deadline_scope = anyio.CancelScope()
+        if timeout_s is not None:
+            deadline_scope.deadline = anyio.current_time() + timeout_s
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(watch, tg.cancel_scope)
+            try:
+                with deadline_scope:
+                    result.append(
+                        await engine.infer(
+                            served.engine_name,
+                            request.inputs,
+                            priority=priority,
+                            request_id=request.id,
+                        )
+                    )
+            except TrioInferError as exc:
+                # Raised out of the task group it would arrive wrapped in an ExceptionGroup.
+                error = exc
+            finally:
+                tg.cancel_scope.cancel()
+        if left:
+            return None
+        if error is not None:
+            raise error
+        if deadline_scope.cancelled_caught:
+            raise DeadlineExceeded(
+                f"the request's timeout of {timeout_s * 1e6:.0f} µs passed before it finished"
+                if timeout_s is not None
+                else "the request's deadline passed"
+            )
+        return result[0]
+
+
+@final
+class _Headers(Mapping[str, str]):
+    """An ASGI scope's raw headers as a read-only, lower-case-keyed mapping."""
+
+    __slots__ = ("_items",)
+
+    def __init__(self, raw: list[tuple[bytes, bytes]]) -> None:
+        self._items = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in raw}
+
+    def __getitem__(self, key: str) -> str:
+        return self._items[key]
+
+    def __iter__(self) -> Any:
+        return iter(self._items)
+
+    def __len__(self) -> int:
+        return len(self._items)

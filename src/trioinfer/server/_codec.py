@@ -1,0 +1,1030 @@
+"""The KServe V2 (Open Inference Protocol) wire format: request bodies in, response bodies out.
+
+Pure functions, no HTTP framework: the app hands over bytes and headers and gets
+numpy arrays, or hands over arrays and gets bytes. An infer request is a JSON
+object, optionally followed by raw tensor bytes (Triton's binary tensor data
+extension): the ``Inference-Header-Content-Length`` header then says where the
+JSON ends, and each input with ``parameters.binary_data_size`` takes its bytes,
+in order, from what follows.
+
+Choices this module makes where the protocol leaves room:
+
+- ``data`` is either flat (row-major, as many values as the shape holds) or
+  nested exactly as deep as the shape, with every level matching it; anything
+  in between is refused.
+- JSON numbers must fit the datatype: ``300`` for ``UINT8``, ``1.5`` or
+  ``true`` for ``INT32``, ``1e6`` for ``FP16`` are refused, never wrapped or cast.
+  ``BOOL`` data is ``true``/``false`` only.
+- ``BYTES`` inputs, whether sent as JSON strings or as binary, become ``object``
+  arrays of `str`, so a model sees the same value either way. That is what
+  ONNX Runtime takes for ``tensor(string)`` (it would turn a `bytes` element
+  into its repr, ``"b'...'"``), so binary ``BYTES`` elements must be UTF-8.
+- A ``BYTES`` output with an element that is not valid UTF-8 cannot be written
+  as a JSON string without loss, so it is sent as binary data (with
+  ``binary_data_size``) even when JSON was asked for; clients of the binary
+  extension, such as ``tritonclient``, read it transparently.
+- JSON has no NaN or infinity: a float output holding them is written with
+  ``null`` in their place; ask for binary output to keep them.
+- An empty ``outputs`` list means the same as none: return every output.
+
+Every problem with a request raises [`RequestError`][trioinfer.server._codec.RequestError]
+(or a subclass), whose message names the input and says what was expected.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import struct
+import zlib
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from types import MappingProxyType
+from typing import Any, Final
+
+import attrs
+import numpy as np
+import numpy.typing as npt
+import orjson
+
+from .._exceptions import ConfigError, InvalidInput
+from .._tensors import numpy_dtype
+
+#: V2 datatype names and the numpy dtype each becomes (``BYTES`` is ``object``).
+DATATYPES: Final[Mapping[str, np.dtype[Any]]] = MappingProxyType(
+    {
+        "BOOL": np.dtype(np.bool_),
+        "UINT8": np.dtype(np.uint8),
+        "UINT16": np.dtype(np.uint16),
+        "UINT32": np.dtype(np.uint32),
+        "UINT64": np.dtype(np.uint64),
+        "INT8": np.dtype(np.int8),
+        "INT16": np.dtype(np.int16),
+        "INT32": np.dtype(np.int32),
+        "INT64": np.dtype(np.int64),
+        "FP16": np.dtype(np.float16),
+        "FP32": np.dtype(np.float32),
+        "FP64": np.dtype(np.float64),
+        "BYTES": np.dtype(np.object_),
+    }
+)
+
+# Keyed by (kind, itemsize) so that any byte order maps to the same name.
+_NAME_BY_KIND: Final = {
+    (dtype.kind, dtype.itemsize): name for name, dtype in DATATYPES.items() if name != "BYTES"
+}
+# The binary extension is little-endian whatever the host is.
+_WIRE: Final = {
+    name: dtype.newbyteorder("<") for name, dtype in DATATYPES.items() if name != "BYTES"
+}
+# V2 names ONNX types that numpy cannot hold; model metadata still needs to say them.
+_ONNX_ONLY: Final = {"tensor(bfloat16)": "BF16"}
+_NAMES: Final = ", ".join(DATATYPES)
+# numpy 1.x allows 32 dimensions (2.x allows 64); refuse more before numpy can fail.
+_MAX_RANK: Final = 32
+_U32: Final = struct.Struct("<I")
+_GZIP_WBITS: Final = 16 + zlib.MAX_WBITS
+_ENCODINGS: Final = {"gzip": "gzip", "x-gzip": "gzip", "deflate": "deflate"}
+# The infer document is an object holding `inputs`, a list of input objects, which
+# hold `data`: a data list sits this many containers deep before its own nesting.
+_DATA_DEPTH: Final = 3
+_HEADER_DIGITS: Final = 20
+# Past this many candidate first letters, one bytes.count pass is cheaper than stepping.
+_FIND_STEPS: Final = 2048
+
+
+class RequestError(InvalidInput):
+    """A request body that is malformed or refused; the HTTP layer answers 400."""
+
+
+class PayloadTooLarge(RequestError):
+    """A body over ``max_body_bytes``, as sent or once decompressed; HTTP 413."""
+
+
+class UnsupportedEncoding(RequestError):
+    """A ``Content-Encoding`` other than identity, gzip, x-gzip or deflate; HTTP 415."""
+
+
+def _positive(_inst: object, attribute: attrs.Attribute[Any], value: int) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ConfigError(f"{attribute.name} must be a positive integer, got {value!r}")
+
+
+@attrs.frozen
+class Limits:
+    """What the server accepts in one request; everything over is refused before allocating.
+
+    Attributes:
+        max_body_bytes: The largest body, in bytes, both as received and after
+            decompression (so a small gzip body cannot inflate past it).
+        max_elements_per_tensor: The most elements one input may declare in its shape.
+        max_elements_per_request: The most elements all inputs of a request may
+            declare together.
+        max_json_depth: How deeply containers (objects and lists) may nest in a
+            JSON document; the infer request object counts as 1, and nested
+            ``data`` counts in full, so at the default 32 nested ``data`` may
+            have up to 29 dimensions (flat ``data`` any rank up to 32).
+        max_inputs: The most inputs one infer request may carry.
+        max_outputs: The most outputs one infer request may name.
+    """
+
+    max_body_bytes: int = attrs.field(default=64 * 2**20, validator=_positive)
+    max_elements_per_tensor: int = attrs.field(default=1 << 26, validator=_positive)
+    max_elements_per_request: int = attrs.field(default=1 << 27, validator=_positive)
+    max_json_depth: int = attrs.field(default=32, validator=_positive)
+    max_inputs: int = attrs.field(default=256, validator=_positive)
+    max_outputs: int = attrs.field(default=256, validator=_positive)
+
+
+@attrs.frozen
+class RequestedOutput:
+    """One entry of a request's ``outputs`` list.
+
+    Attributes:
+        name: The output's name.
+        binary: The output's own ``parameters.binary_data``, or ``None`` when the
+            request did not say (the request-level ``binary_data_output`` then decides).
+    """
+
+    name: str
+    binary: bool | None = None
+
+
+# eq=False: the inputs are numpy arrays, which have no single truth value for ==.
+@attrs.frozen(eq=False)
+class InferRequest:
+    """A decoded V2 infer request.
+
+    Attributes:
+        id: The request's ``id``, echoed in the response, or ``None``.
+        inputs: Input name to array, in the order sent. Arrays from binary data
+            are read-only views of the request body; ``BYTES`` arrays hold `str`.
+        outputs: The outputs asked for, in order, or ``None`` when the request named
+            none (or sent an empty list): then every output is returned.
+        binary_output: The request-level ``parameters.binary_data_output`` (default
+            ``False``): whether outputs that say nothing themselves go as binary.
+        parameters: The request-level ``parameters`` as sent (e.g. ``priority``,
+            ``timeout``), read-only.
+    """
+
+    id: str | None
+    inputs: dict[str, npt.NDArray[Any]]
+    outputs: tuple[RequestedOutput, ...] | None
+    binary_output: bool
+    parameters: Mapping[str, Any]
+
+
+@attrs.frozen
+class _Input:
+    """One input as declared in the JSON, checked but not yet converted."""
+
+    name: str
+    datatype: str
+    shape: tuple[int, ...]
+    count: int
+    data: list[Any] | None  # None: the values come as binary data
+    binary_size: int
+    spine: tuple[int, ...]  # the lengths of `data`'s levels, following first elements
+
+    @property
+    def where(self) -> str:
+        return f"input {_quote(self.name)}"
+
+
+def v2_datatype(dtype: np.dtype[Any] | None, type_name: str = "") -> str:
+    """Return the V2 datatype name for a numpy dtype or, failing that, an ONNX type string.
+
+    ``object``, ``str`` and ``bytes`` dtypes are ``"BYTES"``; byte order does not
+    matter. With *dtype* ``None``, *type_name* (e.g. ``"tensor(float)"``) decides,
+    which lets model metadata name types numpy lacks (``tensor(bfloat16)`` is ``"BF16"``).
+
+    Raises:
+        ValueError: When neither has a V2 name, naming what was given.
+    """
+    if dtype is not None:
+        if dtype.kind in "OUS":
+            return "BYTES"
+        name = _NAME_BY_KIND.get((dtype.kind, dtype.itemsize))
+        if name is not None:
+            return name
+        raise ValueError(f"numpy dtype {dtype.str!r} has no V2 datatype; V2 has {_NAMES}")
+    if type_name in _ONNX_ONLY:
+        return _ONNX_ONLY[type_name]
+    mapped = numpy_dtype(type_name)
+    if mapped is None:
+        raise ValueError(
+            f"element type {type_name!r} has no V2 datatype; expected an ONNX tensor type such "
+            "as 'tensor(float)', or a numpy dtype"
+        )
+    return v2_datatype(mapped)
+
+
+def dumps(obj: Any) -> bytes:
+    """Serialise *obj* as JSON with orjson (numpy arrays and scalars included)."""
+    return orjson.dumps(obj, option=orjson.OPT_SERIALIZE_NUMPY)
+
+
+def loads_json(body: bytes, limits: Limits, what: str) -> Any:
+    """Parse a small JSON body (a repository load request, say), enforcing the limits.
+
+    Args:
+        body: The (decompressed) body.
+        limits: Its ``max_body_bytes`` and ``max_json_depth`` apply.
+        what: What the body is, for messages, e.g. ``"the load request"``.
+
+    Raises:
+        PayloadTooLarge: Over ``max_body_bytes``.
+        RequestError: Empty, not JSON, or nested past ``max_json_depth``.
+    """
+    _check_size(len(body), limits, what)
+    value = _parse(body, what)
+    _walk([(value, 0)], limits.max_json_depth, what)
+    return value
+
+
+def decompress(body: bytes, content_encoding: str | None, limits: Limits) -> bytes:
+    """Undo a request's ``Content-Encoding``, never producing more than ``max_body_bytes``.
+
+    Accepts identity (``None``, ``""``, ``"identity"``), ``gzip``/``x-gzip``
+    (several members are joined) and ``deflate``, which real clients send both
+    zlib-wrapped, as RFC 9110 says, and raw: both are accepted. Decompression
+    stops as soon as the output passes the limit, so a zip bomb costs at most
+    ``max_body_bytes`` of memory. An empty body is returned as is.
+
+    Raises:
+        UnsupportedEncoding: Any other coding, or more than one.
+        PayloadTooLarge: The body, or what it inflates to, is over ``max_body_bytes``.
+        RequestError: The compressed data is corrupt, truncated or followed by junk.
+    """
+    coding = _coding(content_encoding)
+    _check_size(len(body), limits, "the request body")
+    if coding is None or not body:
+        return body
+    try:
+        if coding == "gzip":
+            return _gunzip(body, limits.max_body_bytes)
+        return _inflate_deflate(body, limits.max_body_bytes)
+    except zlib.error as exc:
+        raise RequestError(
+            f"the {coding}-encoded request body is corrupt ({exc}); send valid {coding} data "
+            "or no Content-Encoding"
+        ) from None
+
+
+def parse_header_length(value: str | None, body_length: int) -> int | None:
+    """Check an ``Inference-Header-Content-Length`` header against the body it came with.
+
+    Returns:
+        The JSON header's length in bytes, or ``None`` when the header is absent
+        (the whole body is then JSON).
+
+    Raises:
+        RequestError: Not a non-negative decimal integer, or longer than the body.
+    """
+    if value is None:
+        return None
+    text = value.strip()
+    if not text or len(text) > _HEADER_DIGITS or not (text.isascii() and text.isdigit()):
+        raise RequestError(
+            f"Inference-Header-Content-Length must be a non-negative integer, got {value[:40]!r}"
+        )
+    length = int(text)
+    if length > body_length:
+        raise RequestError(
+            f"Inference-Header-Content-Length is {length} but the body holds only "
+            f"{body_length} bytes; it must be the length of the JSON part of the body"
+        )
+    return length
+
+
+def decode_infer_request(body: bytes, header_length: int | None, limits: Limits) -> InferRequest:
+    """Turn an infer request body into arrays, checking it against *limits* before allocating.
+
+    Args:
+        body: The (decompressed) request body.
+        header_length: The ``Inference-Header-Content-Length`` header's value (see
+            [`parse_header_length()`][trioinfer.server._codec.parse_header_length]), or
+            ``None`` when the request had none: the whole body is then JSON.
+        limits: What to accept.
+
+    An empty body, or one without a non-empty ``inputs`` list, is an error: an
+    infer request always needs inputs.
+
+    Raises:
+        PayloadTooLarge: The body is over ``max_body_bytes``.
+        RequestError: Anything else wrong with the body; the message names the
+            input or field and says what was expected.
+    """
+    _check_size(len(body), limits, "the request body")
+    if header_length is None:
+        header = body
+        binary = memoryview(b"")
+    else:
+        if (
+            not isinstance(header_length, int)
+            or isinstance(header_length, bool)
+            or not 0 <= header_length <= len(body)
+        ):
+            raise RequestError(
+                f"the JSON header length must be an integer from 0 to the body's "
+                f"{len(body)} bytes, got {header_length!r}"
+            )
+        header = bytes(body[:header_length])
+        binary = memoryview(body)[header_length:]
+    if not header:
+        raise RequestError(
+            "the infer request is empty; expected a JSON object with a non-empty 'inputs' list"
+        )
+    doc = _parse(header, "the infer request")
+    if not isinstance(doc, dict):
+        raise RequestError(
+            f"the infer request must be a JSON object with an 'inputs' list, got {_kind(doc)}"
+        )
+    request_id = doc.get("id")
+    if request_id is not None and not isinstance(request_id, str):
+        raise RequestError(f"the request's 'id' must be a string, got {_show(request_id)}")
+    parameters = _object(doc.get("parameters"), "the request's 'parameters'")
+    binary_output = parameters.get("binary_data_output", False)
+    if not isinstance(binary_output, bool):
+        raise RequestError(
+            "the request's parameters.binary_data_output must be true or false, "
+            f"got {_show(binary_output)}"
+        )
+
+    raw_inputs = doc.get("inputs")
+    if not isinstance(raw_inputs, list) or not raw_inputs:
+        raise RequestError(
+            "the infer request needs 'inputs': a non-empty list of "
+            f"{{name, shape, datatype, data}} objects; got {_show(raw_inputs)}"
+        )
+    if len(raw_inputs) > limits.max_inputs:
+        raise RequestError(
+            f"the request has {len(raw_inputs)} inputs; at most {limits.max_inputs} are accepted"
+        )
+    declared: dict[str, _Input] = {}
+    for index, item in enumerate(raw_inputs):
+        spec = _parse_input(index, item, limits)
+        if spec.name in declared:
+            raise RequestError(f"{spec.where} appears more than once in 'inputs'")
+        declared[spec.name] = spec
+    requested = _parse_outputs(doc.get("outputs"), limits)
+
+    # Depth is checked on everything but the `data` lists, whose nesting _parse_input
+    # measured along their first elements; numpy refuses data that nests unevenly.
+    roots: list[tuple[Any, int]] = [(v, 1) for k, v in doc.items() if k != "inputs"]
+    for item in raw_inputs:
+        roots.extend((v, _DATA_DEPTH) for k, v in item.items() if k != "data")
+    known_bools = _walk(roots, limits.max_json_depth, "the infer request", start=_DATA_DEPTH)
+
+    total = sum(spec.count for spec in declared.values())
+    if total > limits.max_elements_per_request:
+        raise RequestError(
+            f"the request's inputs hold {total} elements in all; at most "
+            f"{limits.max_elements_per_request} are accepted per request"
+        )
+
+    inputs: dict[str, npt.NDArray[Any]] = {}
+    offset = 0
+    for spec in declared.values():
+        if spec.data is not None:
+            inputs[spec.name] = _from_json(spec, spec.data)
+            continue
+        if header_length is None:
+            raise RequestError(
+                f"{spec.where} has parameters.binary_data_size but the request has no "
+                "Inference-Header-Content-Length header to say where the JSON ends"
+            )
+        end = offset + spec.binary_size
+        if end > len(binary):
+            raise RequestError(
+                f"{spec.where} has binary_data_size {spec.binary_size} but only "
+                f"{len(binary) - offset} bytes of binary data are left after the JSON header "
+                "and the inputs before it"
+            )
+        inputs[spec.name] = _from_binary(spec, binary[offset:end])
+        offset = end
+    if offset != len(binary):
+        raise RequestError(
+            f"{len(binary) - offset} bytes follow the JSON header beyond what the inputs' "
+            f"binary_data_size values account for ({offset} bytes)"
+        )
+    _refuse_hidden_bools(header, declared, inputs, known_bools)
+    return InferRequest(
+        id=request_id,
+        inputs=inputs,
+        outputs=requested,
+        binary_output=binary_output,
+        parameters=MappingProxyType(parameters),
+    )
+
+
+def encode_infer_response(
+    *,
+    model_name: str,
+    model_version: str | None,
+    request: InferRequest,
+    outputs: Mapping[str, npt.NDArray[Any]],
+    output_order: Sequence[str],
+    parameters: Mapping[str, Any] | None = None,
+) -> tuple[bytes, int | None]:
+    """Build a V2 infer response body.
+
+    Returns the outputs the request named, in its order, or every output in
+    *output_order* when it named none. An output goes as binary when its own
+    ``binary_data`` says so, else when the request's ``binary_data_output`` does
+    (and, whatever was asked, a ``BYTES`` output that is not all UTF-8). Binary
+    outputs carry ``parameters.binary_data_size`` and no ``data``; their bytes
+    follow the JSON in the same order. JSON outputs carry flat row-major ``data``.
+
+    Returns:
+        The body, and the JSON part's length for the
+        ``Inference-Header-Content-Length`` header, or ``None`` when no output is
+        binary (the body is then all JSON).
+
+    Raises:
+        RequestError: The request named an output that *outputs* lacks.
+        ValueError: An output in *output_order* is missing from *outputs*, or an
+            output's dtype has no V2 datatype (a server-side problem).
+    """
+    if request.outputs is None:
+        chosen = [(name, request.binary_output) for name in output_order]
+    else:
+        chosen = [
+            (item.name, request.binary_output if item.binary is None else item.binary)
+            for item in request.outputs
+        ]
+    entries: list[dict[str, Any]] = []
+    blobs: list[Any] = []
+    for name, binary in chosen:
+        array = outputs.get(name)
+        if array is None:
+            if request.outputs is not None:
+                raise RequestError(
+                    f"output {name!r} was requested but the model has no such output; "
+                    f"it has {', '.join(map(repr, output_order)) or 'none'}"
+                )
+            raise ValueError(f"output {name!r} is in output_order but not in outputs")
+        entry, blob = _encode_output(name, np.asarray(array), binary)
+        entries.append(entry)
+        if blob is not None:
+            blobs.append(blob)
+    doc: dict[str, Any] = {"model_name": model_name}
+    if model_version is not None:
+        doc["model_version"] = model_version
+    if request.id is not None:
+        doc["id"] = request.id
+    if parameters is not None:
+        doc["parameters"] = dict(parameters)
+    doc["outputs"] = entries
+    header = dumps(doc)
+    if not blobs:
+        return header, None
+    return b"".join([header, *blobs]), len(header)
+
+
+# -- decoding helpers ---------------------------------------------------------------------------
+
+
+def _check_size(size: int, limits: Limits, what: str) -> None:
+    if size > limits.max_body_bytes:
+        raise PayloadTooLarge(
+            f"{what} is {size} bytes; at most {limits.max_body_bytes} are accepted"
+        )
+
+
+def _parse(text: bytes, what: str) -> Any:
+    if not text:
+        raise RequestError(f"{what} is empty; expected a JSON document")
+    try:
+        return orjson.loads(text)
+    except orjson.JSONDecodeError as exc:
+        # orjson also refuses, at 1024 levels, nesting that it cannot parse safely.
+        raise RequestError(f"{what} is not valid JSON: {exc}") from None
+
+
+@attrs.frozen
+class _Counts:
+    """How many JSON ``true`` and ``false`` values were seen."""
+
+    trues: int = 0
+    falses: int = 0
+
+
+def _walk(roots: Iterable[tuple[Any, int]], limit: int, what: str, start: int = 0) -> _Counts:
+    """Check nesting depth without recursion; count the booleans met on the way.
+
+    Each root is a value and the depth of the container holding it.
+    """
+    if start > limit:
+        raise _too_deep(limit, what)
+    trues = falses = 0
+    stack = list(roots)
+    while stack:
+        value, outer = stack.pop()
+        if isinstance(value, dict):
+            items: Iterable[Any] = value.values()
+        elif isinstance(value, list):
+            items = value
+        else:
+            if value is True:
+                trues += 1
+            elif value is False:
+                falses += 1
+            continue
+        depth = outer + 1
+        if depth > limit:
+            raise _too_deep(limit, what)
+        stack.extend(zip(items, itertools.repeat(depth)))
+    return _Counts(trues, falses)
+
+
+def _too_deep(limit: int, what: str) -> RequestError:
+    return RequestError(
+        f"{what} nests objects and lists more than {limit} deep; at most {limit} levels "
+        "are accepted"
+    )
+
+
+def _object(value: Any, what: str) -> dict[str, Any]:
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise RequestError(f"{what} must be a JSON object, got {_show(value)}")
+    return value
+
+
+def _parse_input(index: int, item: Any, limits: Limits) -> _Input:
+    if not isinstance(item, dict):
+        raise RequestError(
+            f"inputs[{index}] must be an object with name, shape, datatype and data; "
+            f"got {_show(item)}"
+        )
+    name = item.get("name")
+    if not isinstance(name, str) or not name:
+        raise RequestError(f"inputs[{index}] needs a 'name' string, got {_show(name)}")
+    where = f"input {_quote(name)}"
+
+    datatype = item.get("datatype")
+    if not isinstance(datatype, str) or datatype not in DATATYPES:
+        hint = ""
+        if isinstance(datatype, str) and datatype.upper() in DATATYPES:
+            hint = " (the names are upper-case)"
+        elif datatype == "BF16":
+            hint = " (BF16 is not supported by this server)"
+        raise RequestError(
+            f"{where}: 'datatype' must be one of {_NAMES}{hint}; got {_show(datatype)}"
+        )
+
+    raw_shape = item.get("shape")
+    if (
+        not isinstance(raw_shape, list)
+        or len(raw_shape) > _MAX_RANK
+        or not all(type(dim) is int and dim >= 0 for dim in raw_shape)
+    ):
+        raise RequestError(
+            f"{where}: 'shape' must be a list of at most {_MAX_RANK} non-negative integers, "
+            f"got {_show(raw_shape)}"
+        )
+    shape = tuple(raw_shape)
+    # Zero dims are left out: numpy refuses shapes like [2**62, 2**62, 0] too.
+    extent = math.prod(dim for dim in shape if dim)
+    count = math.prod(shape)
+    if extent > limits.max_elements_per_tensor:
+        size = f"holds {count}" if count else f"spans {extent} (leaving out its zero dimensions)"
+        raise RequestError(
+            f"{where}: shape {list(shape)} {size} elements; at most "
+            f"{limits.max_elements_per_tensor} are accepted per tensor"
+        )
+
+    parameters = _object(item.get("parameters"), f"{where}: 'parameters'")
+    for key in parameters:
+        if key.startswith("shared_memory"):
+            raise RequestError(
+                f"{where}: parameters.{key}: shared memory is not supported by this server; "
+                "send the values as 'data' or as binary data"
+            )
+    binary_size = parameters.get("binary_data_size")
+    if binary_size is not None:
+        if "data" in item:
+            raise RequestError(
+                f"{where} has both 'data' and parameters.binary_data_size; send exactly one"
+            )
+        if type(binary_size) is not int or binary_size < 0:
+            raise RequestError(
+                f"{where}: parameters.binary_data_size must be a non-negative integer, "
+                f"got {_show(binary_size)}"
+            )
+        if datatype == "BYTES":
+            if binary_size < 4 * count:
+                raise RequestError(
+                    f"{where}: binary_data_size is {binary_size} bytes, too few for {count} "
+                    "BYTES elements of at least 4 bytes (the length prefix) each"
+                )
+        elif binary_size != count * DATATYPES[datatype].itemsize:
+            raise RequestError(
+                f"{where}: binary_data_size is {binary_size} bytes but shape {list(shape)} of "
+                f"{datatype} needs {count * DATATYPES[datatype].itemsize}"
+            )
+        return _Input(name, datatype, shape, count, None, binary_size, ())
+
+    if "data" not in item:
+        raise RequestError(
+            f"{where} has neither 'data' nor parameters.binary_data_size; send one of them"
+        )
+    data = item["data"]
+    if not isinstance(data, list):
+        raise RequestError(
+            f"{where}: 'data' must be a list of {datatype} values, got {_show(data)}"
+        )
+    spine: list[int] = []
+    level: Any = data
+    # Bounded by the depth limit, so a client cannot make this loop long.
+    while isinstance(level, list):
+        spine.append(len(level))
+        if len(spine) + _DATA_DEPTH > limits.max_json_depth:
+            raise _too_deep(limits.max_json_depth, "the infer request")
+        if not level:
+            break
+        level = level[0]
+    return _Input(name, datatype, shape, count, data, 0, tuple(spine))
+
+
+def _parse_outputs(raw: Any, limits: Limits) -> tuple[RequestedOutput, ...] | None:
+    if raw is None:
+        return None
+    if not isinstance(raw, list):
+        raise RequestError(
+            f"the request's 'outputs' must be a list of {{name, parameters}} objects, "
+            f"got {_show(raw)}"
+        )
+    if len(raw) > limits.max_outputs:
+        raise RequestError(
+            f"the request names {len(raw)} outputs; at most {limits.max_outputs} are accepted"
+        )
+    seen: dict[str, RequestedOutput] = {}
+    for index, item in enumerate(raw):
+        if not isinstance(item, dict):
+            raise RequestError(f"outputs[{index}] must be an object, got {_show(item)}")
+        name = item.get("name")
+        if not isinstance(name, str) or not name:
+            raise RequestError(f"outputs[{index}] needs a 'name' string, got {_show(name)}")
+        where = f"output {_quote(name)}"
+        if name in seen:
+            raise RequestError(f"{where} appears more than once in 'outputs'")
+        parameters = _object(item.get("parameters"), f"{where}: 'parameters'")
+        for key in parameters:
+            if key.startswith("shared_memory") or key == "classification":
+                raise RequestError(
+                    f"{where}: parameters.{key} is not supported by this server; ask for the "
+                    "tensor itself, as JSON or binary_data"
+                )
+        binary = parameters.get("binary_data")
+        if binary is not None and not isinstance(binary, bool):
+            raise RequestError(
+                f"{where}: parameters.binary_data must be true or false, got {_show(binary)}"
+            )
+        seen[name] = RequestedOutput(name, binary)
+    return tuple(seen.values()) or None
+
+
+def _from_json(spec: _Input, data: list[Any]) -> npt.NDArray[Any]:
+    nested = len(spec.spine) > 1
+    if nested and spec.spine != spec.shape:
+        raise RequestError(
+            f"{spec.where}: 'data' nests as {list(spec.spine)} but the shape is "
+            f"{list(spec.shape)}; send a flat list of {spec.count} values or lists nested "
+            "to match the shape"
+        )
+    if not nested and len(data) != spec.count:
+        raise RequestError(
+            f"{spec.where}: 'data' has {len(data)} values but shape {list(spec.shape)} "
+            f"holds {spec.count}"
+        )
+    # The outer lengths now fit the shape, so what numpy builds below is no bigger
+    # than the shape allows, or numpy refuses uneven nesting first.
+    expected = spec.shape if nested else (spec.count,)
+    if spec.datatype == "BYTES":
+        return _bytes_from_json(spec, data, expected)
+    try:
+        # Let numpy infer a dtype first: given the target dtype directly, it would
+        # quietly parse strings and turn None into NaN.
+        array = np.array(data)
+    except (ValueError, TypeError, OverflowError):
+        raise RequestError(_uneven(spec)) from None
+    if array.shape != expected:  # pragma: no cover - numpy refuses uneven nesting above
+        raise RequestError(_uneven(spec))
+    target = DATATYPES[spec.datatype]
+    if array.size == 0:
+        return np.zeros(spec.shape, dtype=target)
+    kind = array.dtype.kind
+    if target.kind == "b":
+        if kind != "b":
+            raise _bad_value(spec, _first(spec, lambda v: type(v) is not bool), "true or false")
+        return array.reshape(spec.shape)
+    if kind not in "iuf":
+        raise _bad_value(spec, _first(spec, _not_number), "numbers")
+    if target.kind in "iu":
+        info = np.iinfo(target)
+        span = f"integers from {info.min} to {info.max}"
+        in_range: Callable[[Any], bool] = lambda v: not info.min <= v <= info.max  # noqa: E731
+        if kind == "f":
+            # numpy also infers float64 for ints that need both int64 and uint64
+            # (say 0 and 2**63); those are checked and converted exactly here.
+            if set(map(type, _flat(spec))) != {int}:
+                raise _bad_value(spec, _first(spec, lambda v: type(v) is not int), span)
+            if min(_flat(spec)) < info.min or max(_flat(spec)) > info.max:
+                raise _bad_value(spec, _first(spec, in_range), span)
+            return np.array(data, dtype=target).reshape(spec.shape)
+        if int(array.min()) < info.min or int(array.max()) > info.max:
+            raise _bad_value(spec, _first(spec, in_range), span)
+        return array.astype(target, copy=False).reshape(spec.shape)
+    with np.errstate(over="ignore"):
+        converted = array.astype(target, copy=False)
+    overflow = np.flatnonzero(np.isinf(converted))
+    if overflow.size:
+        limit = float(np.finfo(target).max)
+        culprit = array.reshape(-1)[overflow[0]].item()
+        raise _bad_value(spec, culprit, f"numbers within +-{limit:g}")
+    return converted.reshape(spec.shape)
+
+
+def _bytes_from_json(spec: _Input, data: list[Any], expected: tuple[int, ...]) -> npt.NDArray[Any]:
+    try:
+        # dtype=object keeps strings whole; uneven nesting shows up as a wrong shape.
+        array = np.array(data, dtype=object)
+    except (ValueError, TypeError):  # pragma: no cover - a safety net: numpy gives a shape
+        raise RequestError(_uneven(spec)) from None
+    if array.shape != expected:
+        raise RequestError(_uneven(spec))
+    flat = array.ravel().tolist()
+    if set(map(type, flat)) - {str}:
+        raise _bad_value(spec, _first(spec, lambda v: type(v) is not str), "strings")
+    return array.reshape(spec.shape)
+
+
+def _from_binary(spec: _Input, chunk: memoryview) -> npt.NDArray[Any]:
+    if spec.datatype == "BYTES":
+        return _unpack_bytes(spec, chunk)
+    if spec.datatype == "BOOL" and (np.frombuffer(chunk, dtype=np.uint8) > 1).any():
+        raise RequestError(
+            f"{spec.where}: BOOL binary data must be bytes 0 or 1, one per element; "
+            "it holds other values"
+        )
+    return np.frombuffer(chunk, dtype=_WIRE[spec.datatype]).reshape(spec.shape)
+
+
+def _unpack_bytes(spec: _Input, chunk: memoryview) -> npt.NDArray[Any]:
+    items: list[str] = []
+    pos = 0
+    end = len(chunk)
+    for index in range(spec.count):
+        if pos + 4 > end:
+            raise RequestError(
+                f"{spec.where}: BYTES binary data ends inside element {index}'s 4-byte length; "
+                f"shape {list(spec.shape)} needs {spec.count} elements"
+            )
+        (length,) = _U32.unpack_from(chunk, pos)
+        pos += 4
+        if pos + length > end:
+            raise RequestError(
+                f"{spec.where}: BYTES element {index} says it is {length} bytes long but only "
+                f"{end - pos} bytes of its binary data are left"
+            )
+        try:
+            items.append(str(chunk[pos : pos + length], "utf-8"))
+        except UnicodeDecodeError:
+            raise RequestError(
+                f"{spec.where}: BYTES element {index} is not valid UTF-8; this server hands "
+                "BYTES to models as text (ONNX Runtime string tensors)"
+            ) from None
+        pos += length
+    if pos != end:
+        raise RequestError(
+            f"{spec.where}: {end - pos} bytes follow the last of its {spec.count} BYTES "
+            f"elements; binary_data_size must be exactly {pos}"
+        )
+    result = np.empty(spec.count, dtype=object)
+    result[:] = items
+    return result.reshape(spec.shape)
+
+
+def _refuse_hidden_bools(
+    header: bytes,
+    declared: Mapping[str, _Input],
+    inputs: Mapping[str, npt.NDArray[Any]],
+    known: _Counts,
+) -> None:
+    """Refuse ``true``/``false`` inside numeric ``data``, which numpy reads as 1 and 0.
+
+    Looking at each value's type costs about as much as converting it, so this
+    first counts the literals in the raw JSON: when every one is accounted for by
+    booleans seen elsewhere (parameters, ``BOOL`` data), numeric data cannot hold
+    any. Only otherwise (say, a string contains "true") are the numeric inputs'
+    values looked at one by one.
+    """
+    trues, falses = known.trues, known.falses
+    numeric = []
+    for spec in declared.values():
+        if spec.data is None or spec.datatype == "BYTES":
+            continue
+        if spec.datatype == "BOOL":
+            set_count = int(np.count_nonzero(inputs[spec.name]))
+            trues += set_count
+            falses += spec.count - set_count
+        else:
+            numeric.append(spec)
+    if not numeric or (_count(header, b"true") == trues and _count(header, b"false") == falses):
+        return
+    for spec in numeric:
+        if bool in set(map(type, _flat(spec))):
+            raise _bad_value(spec, _first(spec, lambda v: type(v) is bool), "numbers")
+
+
+def _count(text: bytes, word: bytes) -> int:
+    """Count *word* in *text*, fast when its first letter is rare (as in JSON of numbers).
+
+    ``bytes.find`` of one byte runs at memchr speed, many times faster than
+    ``bytes.count``, and no JSON number holds a ``t`` or an ``f``.
+    """
+    first = word[:1]
+    count = 0
+    at = text.find(first)
+    for _ in range(_FIND_STEPS):
+        if at < 0:
+            return count
+        count += text.startswith(word, at)
+        at = text.find(first, at + 1)
+    return count if at < 0 else text.count(word)
+
+
+def _not_number(value: Any) -> bool:
+    return type(value) not in (int, float)
+
+
+def _flat(spec: _Input) -> Iterator[Any]:
+    items: Iterator[Any] = iter(spec.data or ())
+    for _ in range(len(spec.spine) - 1):
+        items = itertools.chain.from_iterable(items)
+    return items
+
+
+def _first(spec: _Input, bad: Callable[[Any], bool]) -> Any:
+    # Only called on the error path, so a walk over the values is affordable here.
+    return next((value for value in _flat(spec) if bad(value)), None)
+
+
+def _bad_value(spec: _Input, culprit: Any, expected: str) -> RequestError:
+    return RequestError(
+        f"{spec.where}: {spec.datatype} data must be {expected}; got {_show(culprit)}"
+    )
+
+
+def _uneven(spec: _Input) -> str:
+    return (
+        f"{spec.where}: 'data' must be a flat list of {spec.count} {spec.datatype} values, or "
+        f"lists nested to match shape {list(spec.shape)} exactly; its nesting does not fit"
+    )
+
+
+def _kind(value: Any) -> str:
+    return {dict: "an object", list: "a list", str: "a string", bool: "a boolean"}.get(
+        type(value), "null" if value is None else "a number"
+    )
+
+
+def _quote(name: str, limit: int = 64) -> str:
+    return repr(name if len(name) <= limit else name[: limit - 3] + "...")
+
+
+def _show(value: Any, limit: int = 60) -> str:
+    """Render a JSON value for a message, cut short so that a huge value cannot flood it."""
+    try:
+        text = dumps(value).decode("utf-8")
+    except TypeError:  # pragma: no cover - a safety net: the values came from orjson
+        text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+# -- decompression ------------------------------------------------------------------------------
+
+
+def _coding(content_encoding: str | None) -> str | None:
+    codings = [
+        token.strip().lower()
+        for token in (content_encoding or "").split(",")
+        if token.strip().lower() not in ("", "identity")
+    ]
+    if not codings:
+        return None
+    if len(codings) > 1 or codings[0] not in _ENCODINGS:
+        raise UnsupportedEncoding(
+            f"Content-Encoding {(content_encoding or '')[:60]!r} is not supported; send one of "
+            "identity, gzip, x-gzip or deflate"
+        )
+    return _ENCODINGS[codings[0]]
+
+
+def _gunzip(data: bytes, budget: int) -> bytes:
+    parts = []
+    rest: bytes = data
+    while rest:
+        # A gzip file may hold several members back to back; each is inflated in turn.
+        out, rest = _inflate(rest, _GZIP_WBITS, budget)
+        parts.append(out)
+        budget -= len(out)
+    return b"".join(parts)
+
+
+def _inflate_deflate(data: bytes, budget: int) -> bytes:
+    try:
+        out, rest = _inflate(data, zlib.MAX_WBITS, budget)
+    except zlib.error:
+        # Not zlib-wrapped: many clients send raw deflate under this name.
+        out, rest = _inflate(data, -zlib.MAX_WBITS, budget)
+    if rest:
+        raise RequestError(
+            f"{len(rest)} bytes follow the end of the deflate-encoded body; send only the "
+            "compressed stream"
+        )
+    return out
+
+
+def _inflate(data: bytes, wbits: int, budget: int) -> tuple[bytes, bytes]:
+    """Inflate one stream, refusing output past *budget*; return it and the bytes after it."""
+    inflater = zlib.decompressobj(wbits)
+    parts = []
+    size = 0
+    pending = data
+    while not inflater.eof:
+        # Asking for one byte past the budget tells "exactly at the limit" from "over it".
+        chunk = inflater.decompress(pending, budget + 1 - size)
+        size += len(chunk)
+        if size > budget:
+            raise PayloadTooLarge(
+                f"the request body inflates to more than {budget} bytes; at most that many "
+                "are accepted after decompression"
+            )
+        parts.append(chunk)
+        pending = inflater.unconsumed_tail
+        if not chunk and not pending:
+            break
+    if not inflater.eof:
+        raise RequestError("the compressed request body is truncated; send the whole stream")
+    return b"".join(parts), inflater.unused_data
+
+
+# -- encoding helpers ---------------------------------------------------------------------------
+
+
+def _encode_output(
+    name: str, array: npt.NDArray[Any], binary: bool
+) -> tuple[dict[str, Any], Any | None]:
+    datatype = v2_datatype(array.dtype)
+    entry: dict[str, Any] = {"name": name, "datatype": datatype, "shape": list(array.shape)}
+    blob: Any
+    if datatype == "BYTES":
+        items = array.ravel().tolist()
+        if not binary:
+            texts = _texts(items)
+            if texts is not None:
+                entry["data"] = texts
+                return entry, None
+        blob = _pack_bytes(items)
+    else:
+        # orjson writes numpy arrays natively, but only C-contiguous, native-order ones.
+        wanted = _WIRE[datatype] if binary else DATATYPES[datatype]
+        flat = np.ascontiguousarray(array, dtype=wanted).reshape(-1)
+        if not binary:
+            entry["data"] = flat
+            return entry, None
+        blob = flat
+    entry["parameters"] = {"binary_data_size": len(blob) if datatype == "BYTES" else blob.nbytes}
+    return entry, blob
+
+
+def _texts(items: list[Any]) -> list[str] | None:
+    """Return the elements as strings, or ``None`` when one is bytes that are not UTF-8."""
+    texts = []
+    for item in items:
+        if isinstance(item, str):
+            texts.append(item)
+        elif isinstance(item, bytes):
+            try:
+                texts.append(item.decode("utf-8"))
+            except UnicodeDecodeError:
+                return None
+        else:
+            texts.append(str(item))
+    return texts
+
+
+def _pack_bytes(items: list[Any]) -> bytes:
+    parts = []
+    for item in items:
+        if isinstance(item, bytes):
+            raw = item
+        else:
+            # surrogatepass: a str holding lone surrogates still goes out, byte for byte.
+            raw = (item if isinstance(item, str) else str(item)).encode("utf-8", "surrogatepass")
+        parts.append(_U32.pack(len(raw)))
+        parts.append(raw)
+    return b"".join(parts)

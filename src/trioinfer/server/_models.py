@@ -1,0 +1,200 @@
+"""The served-model table: which repository model versions the engine runs, and loading them.
+
+The HTTP app asks this table which engine model serves ``(model, version)``;
+repository load and unload requests change it. One engine model serves each
+version, named ``<model>.v<version>``; a version whose files changed on disk is
+loaded anew beside the old one, which keeps serving until the new one is ready
+(`Engine.load(..., replace=True)`).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Mapping
+from typing import Any, final
+
+import anyio
+import attrs
+
+from .._engine import Engine, ModelInfo
+from .._exceptions import ConfigError, ModelNotFound, TrioInferError
+from ._repository import ModelRepository
+
+log = logging.getLogger("trioinfer.server")
+
+#: Longest model name the server accepts: the engine's 128 less room for ``.v<version>``.
+MAX_MODEL_NAME = 100
+
+
+@attrs.frozen
+class ServedVersion:
+    """One model version the engine serves.
+
+    Attributes:
+        model: The model's name in the repository and in URLs.
+        version: Its version number.
+        engine_name: The engine model that serves it.
+        fingerprint: The files' state when it was loaded, to notice changes on disk.
+        override: The config override it was loaded with, if any.
+        info: What the engine reports about it.
+    """
+
+    model: str
+    version: int
+    engine_name: str
+    fingerprint: tuple[int, ...]
+    override: Mapping[str, Any] | None
+    info: ModelInfo
+
+
+@final
+@attrs.define(eq=False)
+class ServedModels:
+    """The repository's models as the engine serves them now; one per server."""
+
+    engine: Engine
+    repository: ModelRepository
+    _served: dict[str, dict[int, ServedVersion]] = attrs.field(factory=dict, init=False)
+    _errors: dict[str, str] = attrs.field(factory=dict, init=False)
+    _locks: dict[str, anyio.Lock] = attrs.field(factory=dict, init=False)
+    #: Wall-clock time (ms since the epoch) of each version's last successful inference.
+    last_inference_ms: dict[tuple[str, int], int] = attrs.field(factory=dict, init=False)
+
+    def resolve(self, model: str, version: str | None = None) -> ServedVersion:
+        """The served version a request for *model* (and *version*, if given) goes to.
+
+        Without a version, the highest served one.
+
+        Raises:
+            ModelNotFound: The model or that version is not served.
+        """
+        versions = self._served.get(model)
+        if not versions:
+            served = ", ".join(map(repr, sorted(self._served))) or "none"
+            raise ModelNotFound(f"model {model!r} is not served; served models: {served}")
+        if version is None:
+            return versions[max(versions)]
+        number = _version_number(version)
+        found = versions.get(number) if number is not None else None
+        if found is None:
+            have = ", ".join(str(v) for v in sorted(versions))
+            raise ModelNotFound(
+                f"model {model!r} has no served version {version!r}; served versions: {have}"
+            )
+        return found
+
+    def versions(self, model: str) -> list[ServedVersion]:
+        """The served versions of *model*, ascending; empty if it is not served."""
+        versions = self._served.get(model, {})
+        return [versions[v] for v in sorted(versions)]
+
+    def all(self) -> list[ServedVersion]:
+        """Every served version, by model then version."""
+        return [s for model in sorted(self._served) for s in self.versions(model)]
+
+    def error(self, model: str) -> str:
+        """Why the last load of *model* failed, or ``""``."""
+        return self._errors.get(model, "")
+
+    def mark_inference(self, served: ServedVersion) -> None:
+        """Note that *served* just answered a request (for the statistics endpoint)."""
+        self.last_inference_ms[served.model, served.version] = time.time_ns() // 1_000_000
+
+    async def load_all(self) -> list[str]:
+        """Load every model in the repository; return the names that failed (logged)."""
+        failed = []
+        for name in self.repository.names():
+            try:
+                await self.load(name)
+            except TrioInferError as exc:
+                log.error("could not load model %r: %s", name, exc)  # noqa: TRY400  # said in full
+                failed.append(name)
+        return failed
+
+    async def load(self, model: str, override: Mapping[str, Any] | None = None) -> None:
+        """Serve the versions of *model* its version policy selects, as they are on disk now.
+
+        Versions not served yet are loaded; served ones whose files (or
+        override) changed are loaded anew while the old one keeps serving;
+        versions the policy no longer selects are unloaded. Loads of one model
+        are serialised; different models load concurrently.
+
+        Raises:
+            ConfigError: An invalid name, config or override.
+            ModelNotFound: No such model in the repository.
+            TrioInferError: Loading failed (the versions that were served stay served).
+        """
+        if len(model) > MAX_MODEL_NAME:
+            raise ConfigError(
+                f"model name {model[:20]!r}... is {len(model)} characters long; the server "
+                f"accepts at most {MAX_MODEL_NAME}"
+            )
+        async with self._lock(model):
+            try:
+                await self._load(model, override)
+            except TrioInferError as exc:
+                self._errors[model] = str(exc)
+                raise
+            self._errors.pop(model, None)
+
+    async def _load(self, model: str, override: Mapping[str, Any] | None) -> None:
+        entry = self.repository.entry(model)
+        wanted = entry.selected()
+        served = self._served.setdefault(model, {})
+        for version in wanted:
+            fingerprint = entry.fingerprint(version)
+            old = served.get(version)
+            if old is not None and old.fingerprint == fingerprint and old.override == override:
+                continue
+            engine_name = f"{model}.v{version}"
+            config = attrs.evolve(entry.config(version, override), name=engine_name)
+            info = await self.engine.load(config, replace=old is not None)
+            served[version] = ServedVersion(
+                model, version, engine_name, fingerprint, override, info
+            )
+            log.info(
+                "%s model %r version %d on %s",
+                "reloaded" if old is not None else "loaded",
+                model,
+                version,
+                ", ".join(info.devices),
+            )
+        for version in sorted(set(served) - set(wanted)):
+            await self._unload_version(served, version)
+        if not served:
+            del self._served[model]
+
+    async def unload(self, model: str) -> None:
+        """Stop serving every version of *model*; their accepted requests drain first.
+
+        Raises:
+            ModelNotFound: The model is neither served nor in the repository.
+        """
+        async with self._lock(model):
+            served = self._served.get(model)
+            if served is None:
+                self.repository.entry(model)  # raises ModelNotFound if it does not exist
+                return
+            for version in sorted(served):
+                await self._unload_version(served, version)
+            del self._served[model]
+
+    async def _unload_version(self, served: dict[int, ServedVersion], version: int) -> None:
+        gone = served.pop(version)
+        self.last_inference_ms.pop((gone.model, version), None)
+        await self.engine.unload(gone.engine_name)
+        log.info("unloaded model %r version %d", gone.model, version)
+
+    def _lock(self, model: str) -> anyio.Lock:
+        lock = self._locks.get(model)
+        if lock is None:
+            lock = self._locks[model] = anyio.Lock()
+        return lock
+
+
+def _version_number(text: str) -> int | None:
+    if not (text.isascii() and text.isdigit()) or len(text) > 18:
+        return None
+    number = int(text)
+    return number if number > 0 else None

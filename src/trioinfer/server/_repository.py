@@ -1,0 +1,740 @@
+"""The model repository the server serves: ``<root>/<model>/[config.toml]`` and ``<N>/model.onnx``.
+
+The layout follows Triton's: one directory per model, named as requests name the
+model, holding an optional ``config.toml`` and one numbered directory per
+version. A ``version_policy`` key in ``config.toml`` says which versions are
+served, as Triton's ``version_policy`` does; every other key is a
+[`ModelConfig`][trioinfer.ModelConfig] field. A model without ``config.toml``
+gets the defaults, and the engine reads its signature from the ONNX file, which
+is how Triton auto-completes ONNX configurations.
+
+Everything here is read with file listings, ``stat`` and a TOML parser: nothing
+from the repository is imported, unpickled or executed, and every path is
+resolved and refused with a [`ConfigError`][trioinfer.ConfigError] if it leads
+outside the repository (through ``..`` or a symbolic link). Reading is blocking
+file I/O, so async code calls these methods from a worker thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import tomllib
+from collections.abc import Mapping, Sequence
+from pathlib import Path, PurePosixPath
+from types import MappingProxyType
+from typing import Any, Literal
+
+import attrs
+
+from .._config import _NAME_RE, ModelConfig
+from .._exceptions import ConfigError, ModelNotFound
+
+__all__ = ["IndexEntry", "ModelEntry", "ModelRepository", "VersionPolicy"]
+
+log = logging.getLogger("trioinfer.server")
+
+_PolicyKind = Literal["latest", "all", "specific"]
+
+_CONFIG_FILE = "config.toml"
+_MODEL_FILE = "model.onnx"
+
+# Versions go over the V2 protocol as strings and into Triton clients as int64,
+# so anything larger could not be addressed.
+_MAX_VERSION = (1 << 63) - 1
+# ASCII only (str.isdigit() accepts '²' and other digits int() reads) and no
+# leading zero, so that "01" and "1" cannot both claim version 1.
+_VERSION_RE = re.compile(r"[1-9][0-9]{0,18}")
+# A config.toml is a few lines; a bound keeps a stray huge file from being read whole.
+_MAX_CONFIG_BYTES = 1 << 20
+# Server-only keys of config.toml: the server reads them, ModelConfig never sees them.
+_SERVER_KEYS = frozenset({"version_policy"})
+_POLICY_FORMS = (
+    '"latest", "all", { latest = N }, { specific = [1, 3] } or { all = {} } '
+    "(Triton's { latest = { num_versions = N } } and { specific = { versions = [...] } } "
+    "are read too)"
+)
+_NAME_RULE = (
+    "1-128 characters of letters, digits, '_', '.', '-', starting with a letter or digit, "
+    "and without '..'"
+)
+_LISTED_NAMES = 20
+
+
+def _shown(value: object) -> str:
+    """``repr`` of a value from a request or a file, cut short so messages stay readable."""
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def _check_version_number(value: object, where: str) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= _MAX_VERSION:
+        raise ConfigError(
+            f"{where}: a version is an integer from 1 to 2**63-1, got {_shown(value)}"
+        )
+    return value
+
+
+def _to_versions(value: object) -> tuple[int, ...]:
+    if not isinstance(value, (list, tuple)):
+        raise ConfigError(
+            f"version_policy: versions must be a list of integers, got {_shown(value)}"
+        )
+    return tuple(sorted({_check_version_number(v, "version_policy") for v in value}))
+
+
+def _check_kind(_inst: object, _attribute: attrs.Attribute[Any], value: object) -> None:
+    if value not in ("latest", "all", "specific"):
+        raise ConfigError(
+            f"version_policy kind must be 'latest', 'all' or 'specific', got {_shown(value)}"
+        )
+
+
+def _check_count(_inst: object, _attribute: attrs.Attribute[Any], value: object) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ConfigError(
+            f"version_policy: latest needs a positive number of versions, got {_shown(value)}"
+        )
+
+
+@attrs.frozen
+class VersionPolicy:
+    """Which of a model's versions on disk are served, as Triton's ``version_policy``.
+
+    In ``config.toml`` it is written ``version_policy = "latest"`` (the default:
+    the highest version), ``{ latest = 2 }`` (the two highest), ``"all"`` or
+    ``{ all = {} }``, or ``{ specific = [1, 3] }``; see
+    [`parse()`][trioinfer.server.VersionPolicy.parse].
+
+    Attributes:
+        kind: ``"latest"``, ``"all"`` or ``"specific"``.
+        count: For ``"latest"``, how many of the highest versions to serve
+            (all of them when fewer are on disk, as in Triton).
+        versions: For ``"specific"``, the versions to serve, ascending.
+    """
+
+    kind: _PolicyKind = attrs.field(default="latest", validator=_check_kind)
+    count: int = attrs.field(default=1, validator=_check_count)
+    versions: tuple[int, ...] = attrs.field(default=(), converter=_to_versions)
+
+    @versions.validator
+    def _check_versions(self, _attribute: attrs.Attribute[Any], value: tuple[int, ...]) -> None:
+        if self.kind == "specific" and not value:
+            raise ConfigError("version_policy: specific needs at least one version, e.g. [1, 3]")
+        if self.kind != "specific" and value:
+            raise ConfigError(
+                f"version_policy: versions are only for 'specific', not for {self.kind!r}"
+            )
+        if self.kind != "latest" and self.count != 1:
+            raise ConfigError(f"version_policy: a count is only for 'latest', not {self.kind!r}")
+
+    def select(self, available: Sequence[int]) -> tuple[int, ...]:
+        """Return the versions of *available* this policy serves, ascending.
+
+        A ``specific`` policy returns only the versions it names that are in
+        *available*; ``ModelEntry.selected()`` is what refuses a policy that
+        names a missing version.
+        """
+        ordered = sorted(set(available))
+        if self.kind == "all":
+            return tuple(ordered)
+        if self.kind == "latest":
+            return tuple(ordered[-self.count :])
+        return tuple(v for v in ordered if v in self.versions)
+
+    @classmethod
+    def parse(cls, value: object) -> VersionPolicy:
+        """Read the ``version_policy`` value of a ``config.toml``.
+
+        Accepts ``"latest"``, ``"all"``, ``{ latest = N }``, ``{ specific = [1, 3] }``
+        and ``{ all = {} }``, and, for those coming from Triton's ``config.pbtxt``,
+        ``{ latest = { num_versions = N } }`` and ``{ specific = { versions = [1, 3] } }``.
+
+        Raises:
+            ConfigError: For any other value, listing the accepted forms.
+        """
+        if value == "latest":
+            return cls("latest")
+        if value == "all":
+            return cls("all")
+        if isinstance(value, str):
+            raise ConfigError(f"version_policy must be {_POLICY_FORMS}; got {_shown(value)}")
+        if not isinstance(value, Mapping) or len(value) != 1:
+            raise ConfigError(f"version_policy must be {_POLICY_FORMS}; got {_shown(value)}")
+        ((kind, arg),) = value.items()
+        if kind == "all":
+            if isinstance(arg, Mapping) and not arg:
+                return cls("all")
+            raise ConfigError(f"version_policy: write {{ all = {{}} }}, got {_shown(value)}")
+        if kind == "latest":
+            if isinstance(arg, Mapping):
+                arg = _only_key(arg, "num_versions", "latest", default=1)
+            if not isinstance(arg, int) or isinstance(arg, bool) or arg < 1:
+                raise ConfigError(
+                    f"version_policy: latest needs a positive number of versions, as in "
+                    f"{{ latest = 2 }}; got {_shown(value)}"
+                )
+            return cls("latest", count=arg)
+        if kind == "specific":
+            if isinstance(arg, Mapping):
+                arg = _only_key(arg, "versions", "specific", default=None)
+            return cls("specific", versions=arg)
+        raise ConfigError(f"version_policy must be {_POLICY_FORMS}; got {_shown(value)}")
+
+    def __str__(self) -> str:
+        # Written as config.toml spells it, so a message shows what to edit.
+        if self.kind == "all":
+            return '"all"'
+        if self.kind == "latest":
+            return '"latest"' if self.count == 1 else f"{{ latest = {self.count} }}"
+        return f"{{ specific = [{', '.join(map(str, self.versions))}] }}"
+
+
+def _only_key(table: Mapping[str, Any], key: str, kind: str, *, default: object) -> object:
+    unknown = sorted(set(table) - {key})
+    if unknown:
+        raise ConfigError(
+            f"version_policy: {kind} takes only {key!r}, got {', '.join(map(_shown, unknown))}"
+        )
+    return table.get(key, default)
+
+
+@attrs.frozen
+class IndexEntry:
+    """One row of the repository index: a model, or one version of it.
+
+    The server adds the state (``READY``, ``UNAVAILABLE``, ...), since only it
+    knows what is loaded.
+
+    Attributes:
+        name: The model's name.
+        version: A version on disk, or ``None`` for a model that has no usable
+            version or whose configuration is broken.
+        reason: Why it cannot be served as it stands (a broken ``config.toml``,
+            a version the policy leaves out), or ``""``.
+    """
+
+    name: str
+    version: int | None
+    reason: str = ""
+
+
+def _frozen_table(value: Mapping[str, Any]) -> Mapping[str, Any]:
+    return MappingProxyType(dict(value))
+
+
+@attrs.frozen
+class ModelEntry:
+    """What one model directory holds, as ``ModelRepository.entry()`` read it.
+
+    It is a snapshot: call ``entry()`` again to see later changes on disk, and use
+    ``fingerprint()`` to tell whether a version has changed since.
+
+    Attributes:
+        name: The model's name, which is its directory's name.
+        directory: ``<root>/<name>``.
+        versions: The version directories that hold ``model.onnx``, ascending
+            (just ``(1,)`` when ``config.toml`` sets ``path``).
+        policy: Which of *versions* are served.
+        settings: The ``config.toml`` table without the server's own keys
+            (``version_policy``): [`ModelConfig`][trioinfer.ModelConfig] fields,
+            already checked. Empty without ``config.toml``.
+        notes: What was ignored, e.g. a Triton ``config.pbtxt`` or a version
+            directory without ``model.onnx``; logged, never an error.
+    """
+
+    name: str
+    directory: Path
+    versions: tuple[int, ...]
+    policy: VersionPolicy = attrs.field(factory=VersionPolicy)
+    settings: Mapping[str, Any] = attrs.field(factory=dict, converter=_frozen_table)
+    notes: tuple[str, ...] = ()
+
+    def selected(self) -> tuple[int, ...]:
+        """Return the versions the policy serves, ascending.
+
+        Raises:
+            ConfigError: If there is no version on disk, or a ``specific`` policy
+                names a version that is not on disk.
+        """
+        if not self.versions:
+            if "path" in self.settings:
+                raise ConfigError(
+                    f"model {self.name!r}: {_CONFIG_FILE} sets path = "
+                    f"{_shown(self.settings['path'])}, but there is no such file"
+                )
+            raise ConfigError(
+                f"model {self.name!r} has no version to serve: "
+                f"expected {self.name}/<N>/{_MODEL_FILE} with N a positive integer"
+            )
+        missing = [v for v in self.policy.versions if v not in self.versions]
+        if missing:
+            raise ConfigError(
+                f"model {self.name!r}: version_policy = {self.policy} names "
+                f"{_versions_text(missing)}, not on disk; versions on disk: "
+                f"{', '.join(map(str, self.versions))}"
+            )
+        return self.policy.select(self.versions)
+
+    def config(self, version: int, override: Mapping[str, Any] | None = None) -> ModelConfig:
+        """Return the [`ModelConfig`][trioinfer.ModelConfig] to load *version* with.
+
+        Args:
+            version: A version on disk (one of *versions*).
+            override: Keys that replace those of ``config.toml`` for this load
+                (each top-level key replaces the file's key whole, tables
+                included), checked as ``config.toml`` keys are. ``name``, ``path``
+                and ``version_policy`` come from the repository and cannot be
+                overridden.
+
+        Raises:
+            ConfigError: For a version not on disk, a model file that has gone
+                or now leads outside the repository, or an override that is not
+                a table of valid [`ModelConfig`][trioinfer.ModelConfig] fields.
+        """
+        data = dict(self.settings)
+        if override is not None:
+            if not isinstance(override, Mapping) or not all(isinstance(k, str) for k in override):
+                raise ConfigError(
+                    f"model {self.name!r}: a config override must be a table of "
+                    f"field = value, got {_shown(override)}"
+                )
+            fixed = sorted({"name", "path", *_SERVER_KEYS} & set(override))
+            if fixed:
+                raise ConfigError(
+                    f"model {self.name!r}: a config override may not set "
+                    f"{', '.join(map(repr, fixed))}; the repository decides the name (the "
+                    f"directory's), the file (<N>/{_MODEL_FILE}) and the versions "
+                    f"({_CONFIG_FILE})"
+                )
+            data.update(override)
+        data["name"] = self.name
+        data["path"] = self._model_file(version)
+        try:
+            return ModelConfig.from_dict(data)
+        except ConfigError as exc:
+            raise ConfigError(f"model {self.name!r} version {version}: {exc}") from None
+
+    def fingerprint(self, version: int) -> tuple[int, ...]:
+        """Return a cheap token that changes when *version* changes on disk.
+
+        It is made of ``stat`` results (modification time in nanoseconds, size and
+        inode) of the version's model file and of ``config.toml`` when there is
+        one, so it notices a file rewritten in place or replaced by a rename.
+        Compare two tokens for equality only.
+
+        Raises:
+            ConfigError: If the version is not on disk or its model file has gone.
+        """
+        parts: list[int] = []
+        for path in (self._model_file(version), self.directory / _CONFIG_FILE):
+            try:
+                st = path.stat()
+            except FileNotFoundError:
+                if path.name == _CONFIG_FILE:
+                    parts += (0, -1, 0)  # a config.toml appearing later changes the token
+                    continue
+                raise ConfigError(  # pragma: no cover - _model_file checked it a moment ago
+                    f"model {self.name!r} version {version}: {_MODEL_FILE} has gone"
+                ) from None
+            except OSError as exc:
+                raise ConfigError(
+                    f"model {self.name!r}: cannot stat {_relative(path, self._root)}: "
+                    f"{exc.strerror or exc}"
+                ) from None
+            parts += (st.st_mtime_ns, st.st_size, st.st_ino)
+        return tuple(parts)
+
+    @property
+    def _root(self) -> Path:
+        # entry() builds directory as <resolved root>/<name>, so its parent is the root.
+        return self.directory.parent
+
+    def _model_file(self, version: int) -> Path:
+        """The model file of a version on disk, checked again (files change after entry())."""
+        if (
+            not isinstance(version, int)
+            or isinstance(version, bool)
+            or version not in self.versions
+        ):
+            on_disk = ", ".join(map(str, self.versions)) or "none"
+            raise ConfigError(
+                f"model {self.name!r} has no version {_shown(version)}; versions on disk: {on_disk}"
+            )
+        if "path" in self.settings:
+            path = self.directory / str(self.settings["path"])
+        else:
+            path = self.directory / str(version) / _MODEL_FILE
+        _confine(path, self._root, f"model {self.name!r} version {version}")
+        if not _is_file(path):
+            raise ConfigError(
+                f"model {self.name!r} version {version}: {_relative(path, self._root)} "
+                "is gone or is not a file"
+            )
+        return path
+
+
+def _versions_text(versions: Sequence[int]) -> str:
+    if len(versions) == 1:
+        return f"version {versions[0]}"
+    return f"versions {', '.join(map(str, versions))}"
+
+
+def _relative(path: Path, root: Path) -> str:
+    """*path* relative to the repository: messages reach HTTP clients, who need no host paths."""
+    try:
+        return path.relative_to(root).as_posix()
+    except ValueError:  # pragma: no cover - every path named is built under root
+        return path.name
+
+
+def _confine(path: Path, root: Path, what: str) -> Path:
+    """Resolve *path* and refuse it if it leads outside *root* (which is resolved).
+
+    Raises:
+        ConfigError: If the path escapes, loops, or cannot be resolved.
+    """
+    try:
+        resolved = path.resolve()
+    except (OSError, RuntimeError) as exc:  # RuntimeError: a symlink loop (Python < 3.13)
+        # Not str(exc): it holds absolute paths, and this message may reach a client.
+        why = exc.strerror if isinstance(exc, OSError) and exc.strerror else "a symbolic link loop"
+        raise ConfigError(f"{what}: cannot resolve {_relative(path, root)}: {why}") from None
+    if not resolved.is_relative_to(root):
+        raise ConfigError(
+            f"{what}: {_relative(path, root)} leads outside the model repository (through a "
+            "symbolic link or '..'); only files inside the repository are served"
+        )
+    return resolved
+
+
+def _valid_name(name: str) -> bool:
+    # fullmatch, not match: _NAME_RE ends in '$', which also matches before a final newline.
+    return _NAME_RE.fullmatch(name) is not None and ".." not in name
+
+
+def _check_model_name(name: object) -> str:
+    if not isinstance(name, str) or not _valid_name(name):
+        raise ConfigError(f"model name {_shown(name)} is not valid: it must be {_NAME_RULE}")
+    return name
+
+
+def _to_root(value: str | os.PathLike[str]) -> Path:
+    # Checked when the repository is made, so that a mistyped --model-repository
+    # fails at startup rather than at the first request.
+    path = Path(value)
+    try:
+        root = path.resolve(strict=True)
+    except FileNotFoundError:
+        raise ConfigError(f"model repository {path} does not exist") from None
+    except (OSError, RuntimeError) as exc:
+        raise ConfigError(f"model repository {path} cannot be opened: {exc}") from None
+    if not root.is_dir():
+        raise ConfigError(
+            f"model repository {path} is not a directory; expected a directory of "
+            "<model>/<version>/model.onnx"
+        )
+    return root
+
+
+# These answer False for a path that cannot be examined (no permission, say):
+# such a path is skipped or reported as missing rather than crashing a listing.
+def _is_dir(path: Path) -> bool:
+    try:
+        return path.is_dir()
+    except OSError:
+        return False
+
+
+def _is_file(path: Path) -> bool:
+    try:
+        return path.is_file()
+    except OSError:
+        return False
+
+
+def _lexists(path: Path) -> bool:
+    """Whether *path* exists, counting a dangling symbolic link (which must not be missed)."""
+    try:
+        path.lstat()
+    except OSError:
+        return False
+    return True
+
+
+def _read_toml(path: Path, shown: str) -> dict[str, Any]:
+    if not _is_file(path):
+        raise ConfigError(f"{shown} is not a regular file")
+    try:
+        with path.open("rb") as f:
+            raw = f.read(_MAX_CONFIG_BYTES + 1)
+    except OSError as exc:
+        raise ConfigError(f"cannot read {shown}: {exc.strerror or exc}") from None
+    if len(raw) > _MAX_CONFIG_BYTES:
+        raise ConfigError(f"{shown} is larger than {_MAX_CONFIG_BYTES} bytes; is it a config?")
+    try:
+        return tomllib.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{shown} is not valid TOML: it is not UTF-8 ({exc.reason})") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{shown} is not valid TOML: {exc}") from None
+    except RecursionError:
+        raise ConfigError(f"{shown} is not valid TOML: it nests too deeply") from None
+
+
+@attrs.define(eq=False)
+class ModelRepository:
+    """A directory of models laid out as ``<root>/<model>/<version>/model.onnx``.
+
+    Each model directory may hold a ``config.toml`` with
+    [`ModelConfig`][trioinfer.ModelConfig] fields and a ``version_policy``.
+    Nothing is cached: each call reads the disk again, so models added, changed
+    or removed while the server runs are seen at the next call. The methods do
+    blocking file I/O.
+
+    Attributes:
+        root: The repository directory, resolved.
+
+    Raises:
+        ConfigError: If *root* does not exist or is not a directory.
+    """
+
+    root: Path = attrs.field(converter=_to_root)
+    # What has been logged already, so that a server polling the index does not
+    # repeat the same notes at every poll.
+    _logged: set[str] = attrs.field(factory=set, init=False, repr=False)
+
+    def names(self) -> list[str]:
+        """Return the names of the model directories, sorted.
+
+        Hidden entries (names starting with ``.``) are skipped silently; files and
+        directories whose names are not valid model names are skipped with a note
+        in the log, once.
+
+        Raises:
+            ConfigError: If the repository directory cannot be listed.
+        """
+        try:
+            children = sorted(self.root.iterdir())
+        except OSError as exc:
+            raise ConfigError(
+                f"cannot list the model repository {self.root}: {exc.strerror or exc}"
+            ) from None
+        names: list[str] = []
+        for child in children:
+            name = child.name
+            if name.startswith("."):
+                continue
+            if not _is_dir(child):
+                self._log_once(
+                    f"{self.root}: ignored {name} (not a directory; a model is a directory "
+                    f"<model>/<version>/{_MODEL_FILE})"
+                )
+            elif not _valid_name(name):
+                self._log_once(f"{self.root}: ignored {name}/ (a model name must be {_NAME_RULE})")
+            else:
+                names.append(name)
+        return names
+
+    def entry(self, name: str) -> ModelEntry:
+        """Read one model's directory: its versions, policy and settings.
+
+        Raises:
+            ConfigError: If *name* is not a valid model name, the directory or a
+                file in it leads outside the repository, or ``config.toml`` is not
+                valid TOML or not a valid configuration.
+            ModelNotFound: If there is no such model directory; the message lists
+                the models there are.
+        """
+        _check_model_name(name)
+        directory = self.root / name
+        if not _is_dir(directory):
+            raise ModelNotFound(f"no model {name!r} in the model repository; {self._listing()}")
+        _confine(directory, self.root, f"model {name!r}")
+        entry = _scan(name, directory, self.root)
+        for note in entry.notes:
+            self._log_once(f"model {name!r}: {note}")
+        return entry
+
+    def index(self) -> list[IndexEntry]:
+        """List every model, and every version of it on disk, for the repository index.
+
+        A model that cannot be served as it stands is still listed, with the
+        reason: one row with ``version=None`` when its directory or
+        ``config.toml`` is broken or it has no version, and rows with a reason
+        for versions its policy leaves out or when the policy names a version
+        that is not on disk.
+
+        Raises:
+            ConfigError: If the repository directory cannot be listed.
+        """
+        rows: list[IndexEntry] = []
+        for name in self.names():
+            try:
+                entry = self.entry(name)
+            except ModelNotFound:
+                continue  # removed between the listing and the read
+            except ConfigError as exc:
+                rows.append(IndexEntry(name, None, str(exc)))
+                continue
+            try:
+                served = entry.selected()
+                problem = ""
+            except ConfigError as exc:
+                if not entry.versions:
+                    rows.append(IndexEntry(name, None, str(exc)))
+                    continue
+                served, problem = (), str(exc)
+            for version in entry.versions:
+                reason = problem
+                if not reason and version not in served:
+                    reason = (
+                        f"not served: version_policy = {entry.policy} serves "
+                        f"{_versions_text(served)}"
+                    )
+                rows.append(IndexEntry(name, version, reason))
+        return rows
+
+    def _listing(self) -> str:
+        try:
+            names = self.names()
+        except ConfigError as exc:
+            return str(exc)
+        if not names:
+            return "the repository holds no models"
+        shown = ", ".join(names[:_LISTED_NAMES])
+        more = len(names) - _LISTED_NAMES
+        return f"models there: {shown}" + (f" and {more} more" if more > 0 else "")
+
+    def _log_once(self, message: str) -> None:
+        if message not in self._logged:
+            self._logged.add(message)
+            log.info("%s", message)
+
+
+def _scan(name: str, directory: Path, root: Path) -> ModelEntry:
+    """Read a model directory that is known to be inside *root*."""
+    where = f"model {name!r}"
+    notes: list[str] = []
+    settings: dict[str, Any] = {}
+    policy = VersionPolicy()
+    config_path = directory / _CONFIG_FILE
+    shown = _relative(config_path, root)
+    if _lexists(config_path):
+        _confine(config_path, root, where)
+        settings = _read_toml(config_path, shown)
+        policy = _policy_from(settings, shown)
+        _check_settings(name, directory, root, settings, shown)
+
+    try:
+        children = sorted(directory.iterdir())
+    except OSError as exc:
+        raise ConfigError(f"{where}: cannot list its directory: {exc.strerror or exc}") from None
+
+    fixed_file = "path" in settings
+    versions: list[int] = []
+    for child in children:
+        child_name = child.name
+        if child_name.startswith(".") or child_name == _CONFIG_FILE:
+            continue
+        if child_name == "config.pbtxt":
+            notes.append(f"ignored config.pbtxt (a Triton config; trioinfer reads {_CONFIG_FILE})")
+            continue
+        if not (child_name.isascii() and child_name.isdigit() and _is_dir(child)):
+            if not (fixed_file and child_name == PurePosixPath(str(settings["path"])).parts[0]):
+                notes.append(
+                    f"ignored {child_name} (trioinfer reads {_CONFIG_FILE} and "
+                    f"<N>/{_MODEL_FILE} in a model directory)"
+                )
+            continue
+        if not _VERSION_RE.fullmatch(child_name) or int(child_name) > _MAX_VERSION:
+            notes.append(
+                f"ignored directory {child_name} (a version is a positive integer below 2**63, "
+                "written without leading zeros)"
+            )
+            continue
+        if fixed_file:
+            if child_name == PurePosixPath(str(settings["path"])).parts[0]:
+                continue
+            notes.append(
+                f"ignored version directory {child_name} ({_CONFIG_FILE} sets path, which is "
+                "served as version 1)"
+            )
+            continue
+        _confine(child, root, where)
+        model_file = child / _MODEL_FILE
+        if not _lexists(model_file):
+            notes.append(f"ignored version directory {child_name} (it holds no {_MODEL_FILE})")
+            continue
+        _confine(model_file, root, where)
+        if not _is_file(model_file):
+            notes.append(
+                f"ignored version directory {child_name} (its {_MODEL_FILE} is not a file)"
+            )
+            continue
+        versions.append(int(child_name))
+
+    if fixed_file:
+        model_file = directory / str(settings["path"])
+        _confine(model_file, root, where)
+        if _is_file(model_file):
+            versions = [1]
+        else:
+            notes.append(
+                f"{_CONFIG_FILE} sets path = {_shown(settings['path'])}, which is not a file"
+            )
+    return ModelEntry(name, directory, tuple(sorted(versions)), policy, settings, tuple(notes))
+
+
+def _policy_from(settings: dict[str, Any], shown: str) -> VersionPolicy:
+    """Take the server's keys out of *settings* and return the version policy."""
+    if "version_policy" not in settings:
+        return VersionPolicy()
+    try:
+        return VersionPolicy.parse(settings.pop("version_policy"))
+    except ConfigError as exc:
+        raise ConfigError(f"{shown}: {exc}") from None
+
+
+def _check_settings(
+    name: str, directory: Path, root: Path, settings: Mapping[str, Any], shown: str
+) -> None:
+    """Refuse a config.toml that could not build a ModelConfig, before anyone loads it."""
+    if "name" in settings and settings["name"] != name:
+        raise ConfigError(
+            f"{shown}: name = {_shown(settings['name'])} differs from the directory's name "
+            f"{name!r}; a model in a repository is named by its directory, so leave name out "
+            "or make the two equal"
+        )
+    if "path" in settings:
+        _check_path_key(settings["path"], directory, root, shown)
+    try:
+        # The path is a stand-in: only the fields' own checks matter here.
+        ModelConfig.from_dict({**settings, "name": name, "path": directory / _MODEL_FILE})
+    except ConfigError as exc:
+        raise ConfigError(f"{shown}: {exc}") from None
+
+
+def _check_path_key(value: object, directory: Path, root: Path, shown: str) -> None:
+    expected = "a relative path to a file inside the model directory, e.g. 'weights/model.onnx'"
+    if not isinstance(value, str) or not value.strip():
+        raise ConfigError(f"{shown}: path must be {expected}; got {_shown(value)}")
+    pure = PurePosixPath(value)
+    # A backslash is refused too: it would be a separator on Windows and a
+    # strange file name anywhere else.
+    if pure.is_absolute() or "\\" in value or ".." in pure.parts or not pure.parts:
+        raise ConfigError(
+            f"{shown}: path = {_shown(value)} must be {expected}: a file, not absolute, "
+            "no '..', and '/' as the separator"
+        )
+    resolved = _confine(directory / value, root, shown)
+    try:
+        inside = resolved.is_relative_to(directory.resolve())
+    except (OSError, RuntimeError):  # pragma: no cover - _confine resolved it already
+        inside = False
+    if not inside:
+        raise ConfigError(
+            f"{shown}: path = {_shown(value)} leads outside the model directory "
+            "(through a symbolic link); it must stay inside it"
+        )

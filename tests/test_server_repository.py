@@ -1,0 +1,801 @@
+"""The server's model repository: layout, version policies, confinement and the index."""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from trioinfer import ConfigError, ModelNotFound, example_repository
+from trioinfer.server._repository import IndexEntry, ModelRepository, VersionPolicy
+from trioinfer.testing import models
+
+
+@pytest.fixture(scope="session")
+def onnx_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A real ONNX model (a + b, a - b) to copy into repositories."""
+    return models.write_add(tmp_path_factory.mktemp("onnx") / "add.onnx")
+
+
+@pytest.fixture
+def root(tmp_path: Path) -> Path:
+    out = tmp_path / "repo"
+    out.mkdir()
+    return out
+
+
+def make_model(
+    model_file: Path,
+    root: Path,
+    name: str,
+    versions: Iterable[int] = (1,),
+    config: str | None = None,
+) -> Path:
+    """Make <root>/<name>/<v>/model.onnx for each version, and config.toml if given."""
+    directory = root / name
+    directory.mkdir(parents=True, exist_ok=True)
+    for version in versions:
+        (directory / str(version)).mkdir()
+        shutil.copyfile(model_file, directory / str(version) / "model.onnx")
+    if config is not None:
+        (directory / "config.toml").write_text(config, encoding="utf-8")
+    return directory
+
+
+def symlink(target: Path, link: Path, *, is_dir: bool = False) -> None:
+    try:
+        os.symlink(target, link, target_is_directory=is_dir)
+    except (OSError, NotImplementedError) as exc:
+        pytest.skip(f"cannot make symbolic links here: {exc}")
+
+
+# The bundled example
+
+
+def test_bundled_example_repository_is_served() -> None:
+    repo = ModelRepository(example_repository())
+    assert repo.names() == ["digits"]
+    entry = repo.entry("digits")
+    assert entry.versions == (1,)
+    assert entry.selected() == (1,)
+    assert entry.notes == ()
+    config = entry.config(1)
+    assert config.name == "digits"
+    assert config.path == example_repository().resolve() / "digits" / "1" / "model.onnx"
+    assert config.path.is_file()
+    assert [str(i.device) for i in config.instances] == ["cpu"]
+    assert repo.index() == [IndexEntry("digits", 1, "")]
+
+
+# The repository root
+
+
+def test_root_is_resolved(tmp_path: Path, root: Path) -> None:
+    (tmp_path / "sub").mkdir()
+    assert ModelRepository(tmp_path / "sub" / ".." / "repo").root == root.resolve()
+
+
+def test_missing_root_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="does not exist"):
+        ModelRepository(tmp_path / "nowhere")
+
+
+def test_root_that_is_a_file_is_refused(tmp_path: Path) -> None:
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(ConfigError, match="not a directory"):
+        ModelRepository(tmp_path / "file")
+
+
+def test_names_skip_hidden_files_and_invalid_names_and_log_once(
+    onnx_file: Path, root: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    make_model(onnx_file, root, "b")
+    make_model(onnx_file, root, "a")
+    (root / ".git").mkdir()
+    (root / "README.md").write_text("models")
+    (root / "_private").mkdir()
+    caplog.set_level(logging.INFO, logger="trioinfer.server")
+    repo = ModelRepository(root)
+    assert repo.names() == ["a", "b"]
+    assert repo.names() == ["a", "b"]
+    messages = [r.getMessage() for r in caplog.records]
+    assert sum("README.md" in m for m in messages) == 1
+    assert sum("_private" in m for m in messages) == 1
+    assert not any(".git" in m for m in messages)
+
+
+def test_repository_removed_while_serving(onnx_file: Path, root: Path) -> None:
+    make_model(onnx_file, root, "m")
+    repo = ModelRepository(root)
+    shutil.rmtree(root)
+    with pytest.raises(ConfigError, match="cannot list the model repository"):
+        repo.names()
+    with pytest.raises(ConfigError, match="cannot list the model repository"):
+        repo.index()
+    with pytest.raises(ModelNotFound, match="cannot list the model repository"):
+        repo.entry("m")
+
+
+def test_root_in_a_symlink_loop_is_refused(tmp_path: Path) -> None:
+    symlink(tmp_path / "loop", tmp_path / "loop", is_dir=True)
+    with pytest.raises(ConfigError, match="cannot be opened"):
+        ModelRepository(tmp_path / "loop")
+
+
+def test_empty_repository(root: Path) -> None:
+    repo = ModelRepository(root)
+    assert repo.names() == []
+    assert repo.index() == []
+    with pytest.raises(ModelNotFound, match="holds no models"):
+        repo.entry("m")
+
+
+# Model names
+
+
+@pytest.mark.parametrize(
+    "name",
+    ["..", "a/b", "a\\b", ".hidden", "", "x" * 129, "a..b", "-dash", "abc\n", "sp ace", "é"],
+)
+def test_invalid_names_are_refused_with_the_rule(root: Path, name: str) -> None:
+    with pytest.raises(ConfigError, match="letters, digits") as info:
+        ModelRepository(root).entry(name)
+    assert not isinstance(info.value, ModelNotFound)
+
+
+def test_non_string_name_is_refused(root: Path) -> None:
+    with pytest.raises(ConfigError, match="not valid"):
+        ModelRepository(root).entry(42)  # type: ignore[arg-type]
+
+
+def test_longest_valid_name_is_accepted(onnx_file: Path, root: Path) -> None:
+    name = "m" * 128
+    make_model(onnx_file, root, name)
+    assert ModelRepository(root).entry(name).versions == (1,)
+
+
+def test_missing_model_lists_the_models_there(onnx_file: Path, root: Path) -> None:
+    make_model(onnx_file, root, "alpha")
+    make_model(onnx_file, root, "beta")
+    (root / "gamma").write_text("not a model")
+    with pytest.raises(ModelNotFound, match=r"no model 'gamma'.*alpha, beta"):
+        ModelRepository(root).entry("gamma")
+
+
+def test_long_listing_is_cut_short(root: Path) -> None:
+    for i in range(25):
+        (root / f"m{i:02d}").mkdir()
+    with pytest.raises(ModelNotFound, match=r"m19 and 5 more$"):
+        ModelRepository(root).entry("other")
+
+
+# Versions and policies
+
+
+@pytest.mark.parametrize(
+    ("value", "policy"),
+    [
+        ("latest", VersionPolicy()),
+        ("all", VersionPolicy("all")),
+        ({"latest": 2}, VersionPolicy("latest", count=2)),
+        ({"latest": {}}, VersionPolicy()),
+        ({"latest": {"num_versions": 3}}, VersionPolicy("latest", count=3)),
+        ({"all": {}}, VersionPolicy("all")),
+        ({"specific": [3, 1, 3]}, VersionPolicy("specific", versions=(1, 3))),
+        ({"specific": {"versions": [2]}}, VersionPolicy("specific", versions=(2,))),
+    ],
+)
+def test_policy_forms_parse(value: object, policy: VersionPolicy) -> None:
+    assert VersionPolicy.parse(value) == policy
+
+
+@pytest.mark.parametrize(
+    "value",
+    [
+        "newest",
+        "specific",
+        3,
+        None,
+        [],
+        {},
+        {"latest": 0},
+        {"latest": True},
+        {"latest": "2"},
+        {"latest": {"num_versions": 2, "extra": 1}},
+        {"all": 1},
+        {"all": {"x": 1}},
+        {"specific": []},
+        {"specific": [0]},
+        {"specific": ["1"]},
+        {"specific": [1 << 63]},
+        {"specific": 1},
+        {"specific": {}},
+        {"latest": 1, "all": {}},
+        {"newest": 1},
+    ],
+)
+def test_bad_policies_are_refused(value: object) -> None:
+    with pytest.raises(ConfigError, match="version_policy"):
+        VersionPolicy.parse(value)
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"kind": "newest"},
+        {"kind": "all", "count": 2},
+        {"kind": "latest", "versions": (1,)},
+        {"kind": "specific"},
+        {"kind": "latest", "count": 0},
+    ],
+)
+def test_inconsistent_policies_are_refused(kwargs: dict[str, Any]) -> None:
+    with pytest.raises(ConfigError, match="version_policy"):
+        VersionPolicy(**kwargs)
+
+
+@pytest.mark.parametrize(
+    ("policy", "selected"),
+    [
+        (VersionPolicy(), (5,)),
+        (VersionPolicy("latest", count=2), (3, 5)),
+        (VersionPolicy("latest", count=10), (1, 3, 5)),
+        (VersionPolicy("all"), (1, 3, 5)),
+        (VersionPolicy("specific", versions=(1, 5)), (1, 5)),
+        (VersionPolicy("specific", versions=(2, 3)), (3,)),
+    ],
+)
+def test_policies_select(policy: VersionPolicy, selected: tuple[int, ...]) -> None:
+    assert policy.select([5, 1, 3]) == selected
+
+
+@given(
+    available=st.lists(st.integers(1, 1000), max_size=20),
+    count=st.integers(1, 25),
+    wanted=st.lists(st.integers(1, 1000), min_size=1, max_size=5),
+)
+def test_selection_is_ascending_and_from_what_is_available(
+    available: list[int], count: int, wanted: list[int]
+) -> None:
+    ordered = sorted(set(available))
+    assert VersionPolicy("latest", count=count).select(available) == tuple(ordered[-count:])
+    assert VersionPolicy("all").select(available) == tuple(ordered)
+    specific = VersionPolicy("specific", versions=wanted).select(available)
+    assert specific == tuple(v for v in ordered if v in wanted)
+
+
+@pytest.mark.parametrize(
+    ("text", "selected"),
+    [
+        ("", (3,)),
+        ('version_policy = "latest"', (3,)),
+        ("version_policy = { latest = 2 }", (2, 3)),
+        ('version_policy = "all"', (1, 2, 3)),
+        ("version_policy = { all = {} }", (1, 2, 3)),
+        ("version_policy = { specific = [1, 3] }", (1, 3)),
+    ],
+)
+def test_config_policies_select_versions(
+    onnx_file: Path, root: Path, text: str, selected: tuple[int, ...]
+) -> None:
+    make_model(onnx_file, root, "m", (1, 2, 3), text)
+    entry = ModelRepository(root).entry("m")
+    assert entry.versions == (1, 2, 3)
+    assert entry.selected() == selected
+    assert "version_policy" not in entry.settings
+
+
+def test_specific_version_missing_on_disk_is_refused(onnx_file: Path, root: Path) -> None:
+    make_model(onnx_file, root, "m", (1, 2), "version_policy = { specific = [2, 4] }")
+    entry = ModelRepository(root).entry("m")
+    with pytest.raises(ConfigError, match=r"names version 4, not on disk; versions on disk: 1, 2"):
+        entry.selected()
+
+
+def test_bad_policy_in_config_names_the_file(onnx_file: Path, root: Path) -> None:
+    make_model(onnx_file, root, "m", (1,), 'version_policy = "newest"')
+    with pytest.raises(ConfigError, match=r"m/config\.toml: version_policy must be"):
+        ModelRepository(root).entry("m")
+
+
+def test_version_directories_are_read_strictly(
+    onnx_file: Path, root: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    directory = make_model(onnx_file, root, "m", (2, 10))
+    for odd in ("0", "01", "\u0661"):  # zero, a leading zero, an Arabic-Indic digit one
+        (directory / odd).mkdir()
+        shutil.copyfile(onnx_file, directory / odd / "model.onnx")
+    (directory / "3").mkdir()  # no model.onnx
+    (directory / "4").mkdir()
+    (directory / "4" / "model.onnx").mkdir()  # not a file
+    (directory / "5").write_text("a file, not a directory")
+    (directory / "99999999999999999999").mkdir()
+    caplog.set_level(logging.INFO, logger="trioinfer.server")
+    entry = ModelRepository(root).entry("m")
+    assert entry.versions == (2, 10)
+    assert entry.selected() == (10,)
+    notes = "\n".join(entry.notes)
+    for name in ("0", "01", "\u0661", "3", "4", "5", "99999999999999999999"):
+        assert f" {name} (" in notes
+    assert "ignored version directory 3 (it holds no model.onnx)" in notes
+    assert len(caplog.records) == len(entry.notes)
+
+
+def test_model_without_versions(root: Path) -> None:
+    (root / "m").mkdir()
+    repo = ModelRepository(root)
+    entry = repo.entry("m")
+    assert entry.versions == ()
+    with pytest.raises(ConfigError, match=r"no version to serve: expected m/<N>/model\.onnx"):
+        entry.selected()
+    with pytest.raises(ConfigError, match="has no version 1; versions on disk: none"):
+        entry.config(1)
+    [row] = repo.index()
+    assert row.name == "m"
+    assert row.version is None
+    assert "no version to serve" in row.reason
+
+
+# config.toml
+
+
+def test_without_config_a_model_gets_defaults(onnx_file: Path, root: Path) -> None:
+    directory = make_model(onnx_file, root, "m", (1, 2))
+    entry = ModelRepository(root).entry("m")
+    assert entry.settings == {}
+    assert entry.policy == VersionPolicy()
+    config = entry.config(2)
+    assert config.name == "m"
+    assert config.path == directory / "2" / "model.onnx"
+    assert config.max_queue_size == 1024
+    assert config.backend == "onnxruntime"
+
+
+def test_triton_config_is_ignored_with_a_note(
+    onnx_file: Path, root: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    directory = make_model(onnx_file, root, "m")
+    (directory / "config.pbtxt").write_text('name: "m"\nplatform: "onnxruntime_onnx"\n')
+    (directory / "labels.txt").write_text("cat\ndog\n")
+    caplog.set_level(logging.INFO, logger="trioinfer.server")
+    repo = ModelRepository(root)
+    entry = repo.entry("m")
+    assert entry.versions == (1,)
+    assert entry.settings == {}
+    assert "ignored config.pbtxt (a Triton config; trioinfer reads config.toml)" in entry.notes
+    assert any("labels.txt" in note for note in entry.notes)
+    assert any("config.pbtxt" in r.getMessage() for r in caplog.records)
+    assert all(r.levelno == logging.INFO for r in caplog.records)
+    # Asked again, the same notes are not logged again.
+    caplog.clear()
+    assert repo.entry("m").notes == entry.notes
+    assert repo.index() == [IndexEntry("m", 1, "")]
+    assert caplog.records == []
+
+
+def test_settings_feed_the_config(onnx_file: Path, root: Path) -> None:
+    make_model(
+        onnx_file,
+        root,
+        "m",
+        (1,),
+        'name = "m"\nmax_queue_size = 7\nversion_policy = "all"\n'
+        '[[instances]]\ndevice = "cpu"\ncount = 2\n',
+    )
+    entry = ModelRepository(root).entry("m")
+    assert dict(entry.settings) == {
+        "name": "m",
+        "max_queue_size": 7,
+        "instances": [{"device": "cpu", "count": 2}],
+    }
+    config = entry.config(1)
+    assert config.max_queue_size == 7
+    assert config.instances[0].count == 2
+
+
+def test_bad_toml_names_the_file_and_the_error(onnx_file: Path, root: Path) -> None:
+    make_model(onnx_file, root, "m", (1,), "max_queue_size = = 3\n")
+    with pytest.raises(ConfigError, match=r"m/config\.toml is not valid TOML: .*line 1"):
+        ModelRepository(root).entry("m")
+
+
+def test_config_that_is_not_utf8_is_refused(onnx_file: Path, root: Path) -> None:
+    directory = make_model(onnx_file, root, "m")
+    (directory / "config.toml").write_bytes(b"max_queue_size = 3 # \xff\n")
+    with pytest.raises(ConfigError, match="not UTF-8"):
+        ModelRepository(root).entry("m")
+
+
+def test_deeply_nested_config_is_refused(onnx_file: Path, root: Path) -> None:
+    make_model(onnx_file, root, "m", (1,), "x = " + "[" * 100_000 + "]" * 100_000)
+    with pytest.raises(ConfigError, match=r"m/config\.toml"):
+        ModelRepository(root).entry("m")
+
+
+def test_huge_config_is_refused(onnx_file: Path, root: Path) -> None:
+    make_model(onnx_file, root, "m", (1,), "# " + "x" * (1 << 20))
+    with pytest.raises(ConfigError, match="larger than"):
+        ModelRepository(root).entry("m")
+
+
+def test_config_that_is_a_directory_is_refused(onnx_file: Path, root: Path) -> None:
+    directory = make_model(onnx_file, root, "m")
+    (directory / "config.toml").mkdir()
+    with pytest.raises(ConfigError, match="not a regular file"):
+        ModelRepository(root).entry("m")
+
+
+def test_unknown_config_key_is_refused_with_the_known_ones(onnx_file: Path, root: Path) -> None:
+    make_model(onnx_file, root, "m", (1,), "max_queue = 3\n")
+    with pytest.raises(
+        ConfigError, match=r"unknown key 'max_queue'; known keys are .*max_queue_size"
+    ):
+        ModelRepository(root).entry("m")
+
+
+def test_invalid_config_value_is_refused(onnx_file: Path, root: Path) -> None:
+    make_model(onnx_file, root, "m", (1,), "max_queue_size = 0\n")
+    with pytest.raises(ConfigError, match="max_queue_size must be a positive integer"):
+        ModelRepository(root).entry("m")
+
+
+def test_config_name_must_match_the_directory(onnx_file: Path, root: Path) -> None:
+    make_model(onnx_file, root, "m", (1,), 'name = "other"\n')
+    with pytest.raises(ConfigError, match="differs from the directory's name 'm'"):
+        ModelRepository(root).entry("m")
+
+
+needs_permissions = pytest.mark.skipif(
+    not hasattr(os, "geteuid") or os.geteuid() == 0,
+    reason="file permissions do not stop root (or there are none to set here)",
+)
+
+
+@needs_permissions
+def test_unreadable_config_is_refused(onnx_file: Path, root: Path) -> None:
+    directory = make_model(onnx_file, root, "m", (1,), "max_queue_size = 3\n")
+    (directory / "config.toml").chmod(0)
+    try:
+        with pytest.raises(ConfigError, match=r"cannot read m/config\.toml"):
+            ModelRepository(root).entry("m")
+    finally:
+        (directory / "config.toml").chmod(0o644)
+
+
+@needs_permissions
+def test_unreadable_model_directory_is_refused(onnx_file: Path, root: Path) -> None:
+    directory = make_model(onnx_file, root, "m")
+    directory.chmod(0)
+    try:
+        with pytest.raises(ConfigError, match="cannot list its directory"):
+            ModelRepository(root).entry("m")
+    finally:
+        directory.chmod(0o755)
+
+
+# Overrides
+
+
+def test_override_is_merged_on_top(onnx_file: Path, root: Path) -> None:
+    make_model(
+        onnx_file,
+        root,
+        "m",
+        (1,),
+        'max_queue_size = 7\ncasting = "safe"\nbatcher_options = { max_batch = 4 }\n',
+    )
+    entry = ModelRepository(root).entry("m")
+    config = entry.config(1, {"max_queue_size": 9, "batcher_options": {"max_wait": 0.1}})
+    assert config.max_queue_size == 9
+    assert config.casting == "safe"
+    assert dict(config.batcher_options) == {"max_wait": 0.1}
+    # The entry itself is unchanged.
+    assert entry.config(1).max_queue_size == 7
+
+
+@pytest.mark.parametrize("key", ["name", "path", "version_policy"])
+def test_override_of_repository_keys_is_refused(onnx_file: Path, root: Path, key: str) -> None:
+    make_model(onnx_file, root, "m")
+    entry = ModelRepository(root).entry("m")
+    with pytest.raises(ConfigError, match=f"may not set '{key}'"):
+        entry.config(1, {key: "x"})
+
+
+def test_unknown_override_key_is_refused(onnx_file: Path, root: Path) -> None:
+    make_model(onnx_file, root, "m")
+    entry = ModelRepository(root).entry("m")
+    with pytest.raises(ConfigError, match=r"model 'm' version 1: .*unknown key 'bogus'"):
+        entry.config(1, {"bogus": 1})
+
+
+@pytest.mark.parametrize("override", [["max_queue_size", 3], {1: 2}, "max_queue_size=3"])
+def test_override_that_is_not_a_table_is_refused(
+    onnx_file: Path, root: Path, override: Any
+) -> None:
+    make_model(onnx_file, root, "m")
+    entry = ModelRepository(root).entry("m")
+    with pytest.raises(ConfigError, match="must be a table"):
+        entry.config(1, override)
+
+
+def test_invalid_override_value_is_refused(onnx_file: Path, root: Path) -> None:
+    make_model(onnx_file, root, "m")
+    with pytest.raises(ConfigError, match="casting must be"):
+        ModelRepository(root).entry("m").config(1, {"casting": "unsafe"})
+
+
+@pytest.mark.parametrize("version", [2, 0, True, "1"])
+def test_config_of_a_version_not_on_disk_is_refused(
+    onnx_file: Path, root: Path, version: Any
+) -> None:
+    make_model(onnx_file, root, "m")
+    with pytest.raises(ConfigError, match="versions on disk: 1"):
+        ModelRepository(root).entry("m").config(version)
+
+
+def test_config_of_a_version_removed_since_is_refused(onnx_file: Path, root: Path) -> None:
+    directory = make_model(onnx_file, root, "m")
+    entry = ModelRepository(root).entry("m")
+    (directory / "1" / "model.onnx").unlink()
+    with pytest.raises(ConfigError, match=r"m/1/model\.onnx is gone"):
+        entry.config(1)
+    with pytest.raises(ConfigError, match="is gone"):
+        entry.fingerprint(1)
+
+
+# The path key
+
+
+def test_path_key_inside_the_model_directory_is_version_1(onnx_file: Path, root: Path) -> None:
+    directory = make_model(onnx_file, root, "m", (3,), 'path = "weights/add.onnx"\n')
+    (directory / "weights").mkdir()
+    shutil.copyfile(onnx_file, directory / "weights" / "add.onnx")
+    entry = ModelRepository(root).entry("m")
+    assert entry.versions == (1,)
+    assert entry.selected() == (1,)
+    assert entry.config(1).path == directory / "weights" / "add.onnx"
+    assert any("ignored version directory 3" in note for note in entry.notes)
+    assert not any("weights" in note for note in entry.notes)
+
+
+def test_path_key_into_a_version_directory(onnx_file: Path, root: Path) -> None:
+    directory = make_model(onnx_file, root, "m", (1, 2), 'path = "2/model.onnx"\n')
+    entry = ModelRepository(root).entry("m")
+    assert entry.versions == (1,)
+    assert entry.config(1).path == directory / "2" / "model.onnx"
+    assert entry.notes == (
+        "ignored version directory 1 (config.toml sets path, which is served as version 1)",
+    )
+
+
+def test_path_key_too_long_for_the_file_system(onnx_file: Path, root: Path) -> None:
+    make_model(onnx_file, root, "m", (), f'path = "{"x" * 300}.onnx"\n')
+    entry = ModelRepository(root).entry("m")
+    assert entry.versions == ()
+    with pytest.raises(ConfigError, match="no such file"):
+        entry.selected()
+
+
+def test_path_key_to_a_missing_file(onnx_file: Path, root: Path) -> None:
+    make_model(onnx_file, root, "m", (), 'path = "nothing.onnx"\n')
+    repo = ModelRepository(root)
+    entry = repo.entry("m")
+    assert entry.versions == ()
+    with pytest.raises(
+        ConfigError, match=r"sets path = 'nothing\.onnx', but there is no such file"
+    ):
+        entry.selected()
+    [row] = repo.index()
+    assert row.version is None
+    assert "nothing.onnx" in row.reason
+
+
+@pytest.mark.parametrize(
+    "value",
+    [
+        '"../other/1/model.onnx"',
+        '"/etc/passwd"',
+        '"1/../../x.onnx"',
+        '"a\\\\b.onnx"',
+        '""',
+        '"."',
+        '"./"',
+        '" "',
+        "3",
+    ],
+)
+def test_path_key_escaping_is_refused(onnx_file: Path, root: Path, value: str) -> None:
+    make_model(onnx_file, root, "other")
+    make_model(onnx_file, root, "m", (1,), f"path = {value}\n")
+    with pytest.raises(ConfigError, match=r"m/config\.toml: path"):
+        ModelRepository(root).entry("m")
+
+
+def test_path_key_through_a_symlink_out_of_the_model_directory_is_refused(
+    onnx_file: Path, root: Path
+) -> None:
+    other = make_model(onnx_file, root, "other")
+    directory = make_model(onnx_file, root, "m", (), 'path = "link/1/model.onnx"\n')
+    symlink(other, directory / "link", is_dir=True)
+    with pytest.raises(ConfigError, match="leads outside the model directory"):
+        ModelRepository(root).entry("m")
+
+
+def test_path_key_through_a_symlink_out_of_the_repository_is_refused(
+    onnx_file: Path, tmp_path: Path, root: Path
+) -> None:
+    outside = make_model(onnx_file, tmp_path, "outside")
+    directory = make_model(onnx_file, root, "m", (), 'path = "link/1/model.onnx"\n')
+    symlink(outside, directory / "link", is_dir=True)
+    with pytest.raises(ConfigError, match="leads outside the model repository"):
+        ModelRepository(root).entry("m")
+
+
+# Symbolic links
+
+
+def test_model_directory_linked_from_outside_is_refused(
+    onnx_file: Path, tmp_path: Path, root: Path
+) -> None:
+    outside = make_model(onnx_file, tmp_path, "outside")
+    symlink(outside, root / "evil", is_dir=True)
+    repo = ModelRepository(root)
+    assert repo.names() == ["evil"]
+    with pytest.raises(ConfigError, match="leads outside the model repository") as info:
+        repo.entry("evil")
+    assert str(tmp_path) not in str(info.value)
+    [row] = repo.index()
+    assert row == IndexEntry("evil", None, str(info.value))
+
+
+def test_model_file_linked_from_outside_is_refused(
+    onnx_file: Path, tmp_path: Path, root: Path
+) -> None:
+    directory = make_model(onnx_file, root, "m", ())
+    (directory / "1").mkdir()
+    symlink(onnx_file, directory / "1" / "model.onnx")
+    with pytest.raises(ConfigError, match=r"m/1/model\.onnx leads outside"):
+        ModelRepository(root).entry("m")
+
+
+def test_version_directory_linked_from_outside_is_refused(
+    onnx_file: Path, tmp_path: Path, root: Path
+) -> None:
+    outside = make_model(onnx_file, tmp_path, "outside")
+    directory = make_model(onnx_file, root, "m", ())
+    symlink(outside / "1", directory / "1", is_dir=True)
+    with pytest.raises(ConfigError, match="leads outside"):
+        ModelRepository(root).entry("m")
+
+
+def test_config_linked_from_outside_is_refused(onnx_file: Path, tmp_path: Path, root: Path) -> None:
+    (tmp_path / "secret.toml").write_text("max_queue_size = 3\n")
+    directory = make_model(onnx_file, root, "m")
+    symlink(tmp_path / "secret.toml", directory / "config.toml")
+    with pytest.raises(ConfigError, match=r"m/config\.toml leads outside"):
+        ModelRepository(root).entry("m")
+
+
+def test_model_file_replaced_by_an_escaping_link_later_is_refused(
+    onnx_file: Path, root: Path
+) -> None:
+    directory = make_model(onnx_file, root, "m")
+    entry = ModelRepository(root).entry("m")
+    (directory / "1" / "model.onnx").unlink()
+    symlink(onnx_file, directory / "1" / "model.onnx")
+    with pytest.raises(ConfigError, match="leads outside"):
+        entry.config(1)
+
+
+def test_symlink_loop_is_refused(onnx_file: Path, root: Path) -> None:
+    directory = make_model(onnx_file, root, "m", ())
+    (directory / "1").mkdir()
+    symlink(directory / "1" / "model.onnx", directory / "1" / "model.onnx")
+    with pytest.raises(ConfigError, match=r"model 'm': cannot resolve m/1/model\.onnx") as info:
+        ModelRepository(root).entry("m")
+    assert str(root) not in str(info.value)
+
+
+def test_links_that_stay_inside_the_repository_are_followed(onnx_file: Path, root: Path) -> None:
+    shared = make_model(onnx_file, root, "shared")
+    directory = make_model(onnx_file, root, "m", ())
+    (directory / "1").mkdir()
+    symlink(shared / "1" / "model.onnx", directory / "1" / "model.onnx")
+    symlink(directory, root / "alias", is_dir=True)
+    repo = ModelRepository(root)
+    assert repo.entry("m").config(1).path == directory / "1" / "model.onnx"
+    assert repo.entry("alias").versions == (1,)
+
+
+# Fingerprints
+
+
+def test_fingerprint_changes_when_the_model_is_rewritten(onnx_file: Path, root: Path) -> None:
+    directory = make_model(onnx_file, root, "m", (1, 2))
+    entry = ModelRepository(root).entry("m")
+    before = entry.fingerprint(1)
+    other = entry.fingerprint(2)
+    assert entry.fingerprint(1) == before
+    models.write_mlp(directory / "1" / "model.onnx", (4, 3))
+    after = entry.fingerprint(1)
+    assert after != before
+    assert entry.fingerprint(2) == other
+    # The same size and bytes, but a new modification time, is a change too.
+    stat = (directory / "1" / "model.onnx").stat()
+    os.utime(directory / "1" / "model.onnx", ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))
+    assert entry.fingerprint(1) != after
+
+
+def test_fingerprint_changes_with_the_config(onnx_file: Path, root: Path) -> None:
+    directory = make_model(onnx_file, root, "m")
+    entry = ModelRepository(root).entry("m")
+    without = entry.fingerprint(1)
+    (directory / "config.toml").write_text("max_queue_size = 3\n")
+    with_config = entry.fingerprint(1)
+    assert with_config != without
+    (directory / "config.toml").write_text("max_queue_size = 30\n")
+    assert entry.fingerprint(1) != with_config
+
+
+def test_fingerprint_of_an_unreadable_config_is_refused(onnx_file: Path, root: Path) -> None:
+    directory = make_model(onnx_file, root, "m")
+    entry = ModelRepository(root).entry("m")
+    symlink(directory / "config.toml", directory / "config.toml")
+    with pytest.raises(ConfigError, match=r"cannot stat m/config\.toml"):
+        entry.fingerprint(1)
+
+
+def test_fingerprint_of_a_version_not_on_disk_is_refused(onnx_file: Path, root: Path) -> None:
+    make_model(onnx_file, root, "m")
+    with pytest.raises(ConfigError, match="has no version 7"):
+        ModelRepository(root).entry("m").fingerprint(7)
+
+
+# The index
+
+
+def test_index_lists_every_model_and_version_with_reasons(onnx_file: Path, root: Path) -> None:
+    make_model(onnx_file, root, "good", (1, 2))
+    make_model(onnx_file, root, "broken", (1,), "max_queue_size = = 1\n")
+    make_model(onnx_file, root, "unknown_key", (1,), "colour = 'red'\n")
+    make_model(onnx_file, root, "pinned", (1, 2), "version_policy = { specific = [3] }\n")
+    (root / "empty").mkdir()
+    rows = {(row.name, row.version): row.reason for row in ModelRepository(root).index()}
+    assert list(rows) == [
+        ("broken", None),
+        ("empty", None),
+        ("good", 1),
+        ("good", 2),
+        ("pinned", 1),
+        ("pinned", 2),
+        ("unknown_key", None),
+    ]
+    assert rows["broken", None].startswith("broken/config.toml is not valid TOML")
+    assert "no version to serve" in rows["empty", None]
+    assert rows["good", 1] == 'not served: version_policy = "latest" serves version 2'
+    assert rows["good", 2] == ""
+    assert "names version 3, not on disk" in rows["pinned", 1]
+    assert rows["pinned", 1] == rows["pinned", 2]
+    assert "unknown key 'colour'" in rows["unknown_key", None]
+
+
+def test_index_reason_names_the_versions_served(onnx_file: Path, root: Path) -> None:
+    make_model(onnx_file, root, "m", (1, 2, 3), "version_policy = { latest = 2 }\n")
+    assert ModelRepository(root).index() == [
+        IndexEntry("m", 1, "not served: version_policy = { latest = 2 } serves versions 2, 3"),
+        IndexEntry("m", 2, ""),
+        IndexEntry("m", 3, ""),
+    ]
+
+
+def test_policy_text_is_config_syntax() -> None:
+    assert str(VersionPolicy()) == '"latest"'
+    assert str(VersionPolicy("all")) == '"all"'
+    assert str(VersionPolicy("specific", versions=[3, 1])) == "{ specific = [1, 3] }"
