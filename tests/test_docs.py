@@ -67,6 +67,32 @@ EXPECTED_OUTPUT = {
         "rows in execution order, fifo: [8, 2, 4]",
         "rows in execution order, sjf:  [2, 4, 8]",
     ],
+    "serving.py": [
+        "serving {'digits': (2, 3), 'mlp': (1,)} at http://127.0.0.1:",
+        "health: live 200, ready 200",
+        "digits: versions ['2', '3'], inputs [('input', 'FP32', [-1, 64])]",
+        "digits config: max_batch_size 32, {'preferred_batch_size': [], "
+        "'max_queue_delay_microseconds': 5000}",
+        "mlp config: max_batch_size 0, {'scheduler': 'fifo', 'batcher': 'none',",
+        "infer: labels [2, 8, 2, 6], expected [2, 8, 2, 6]",
+        "infer: version 2 answered [2, 8, 2, 6]",
+        "binary: INT64 [4], {'binary_data_size': 32}",
+        "binary: labels [2, 8, 2, 6], expected [2, 8, 2, 6]",
+        "batching: 32 one-row requests ran in",
+        "digits   1 UNAVAILABLE  not served: version_policy = { latest = 2 } serves versions 2, 3",
+        "slow     1 UNAVAILABLE  unloaded",
+        "load slow: 200",
+        "load digits again: 200, now serving versions ['3', '4']",
+        "timeout: 504 the request's timeout of 100000 µs passed before it finished",
+        "priority: order of answers ['high', 'low']",
+        "metrics: slow v1 cancelled: 1",
+        "metrics: slow v1 deadline_exceeded: 1",
+        "metrics: slow v1 success: 2",
+        "stats: slow v1: 2 succeeded,",
+        "unload slow: 200",
+        "errors: 404 model 'slow' is not served; served models: 'digits', 'mlp'",
+        "errors: 400 input 'input' of model",
+    ],
 }
 
 

@@ -437,12 +437,22 @@ def serve(ctx: click.Context, /, **options: Any) -> None:
                 models=list(settings["models"]) or None,
             )
         )
-    except TrioInferError as exc:
-        raise click.ClickException(f"{type(exc).__name__}: {exc}") from exc
-    except OSError as exc:  # e.g. the port is taken
-        raise click.ClickException(
-            f"cannot listen on {settings['host']}:{settings['port']}: {exc.strerror or exc}"
-        ) from exc
+    except (TrioInferError, OSError, BaseExceptionGroup) as exc:
+        # Task groups wrap what fails at start-up; say the one cause plainly.
+        cause = _only_cause(exc)
+        if isinstance(cause, TrioInferError):
+            raise click.ClickException(f"{type(cause).__name__}: {cause}") from exc
+        if isinstance(cause, OSError):  # e.g. the port is taken
+            raise click.ClickException(
+                f"cannot listen on {settings['host']}:{settings['port']}: {cause.strerror or cause}"
+            ) from exc
+        raise
+
+
+def _only_cause(exc: BaseException) -> BaseException:
+    while isinstance(exc, BaseExceptionGroup) and len(exc.exceptions) == 1:
+        exc = exc.exceptions[0]
+    return exc
 
 
 def _serve_settings(ctx: click.Context, options: dict[str, Any]) -> dict[str, Any]:

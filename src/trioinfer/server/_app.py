@@ -11,6 +11,7 @@ path. Every other route is an ordinary Starlette endpoint.
 from __future__ import annotations
 
 import hmac
+import inspect
 import logging
 import math
 import re
@@ -118,13 +119,13 @@ def _error_headers(error: BaseException) -> dict[str, str]:
     return headers
 
 
-def error_response(error: BaseException) -> Response:
-    """A ``{"error": ...}`` JSON response with the status `status_for` gives."""
+def error_response(error: BaseException, message: str | None = None) -> Response:
+    """A ``{"error": message}`` JSON response with the status `status_for` gives."""
     status = status_for(error)
     if status == 500:
         log.error("request failed: %s: %s", type(error).__name__, error)
     return Response(
-        dumps({"error": str(error) or type(error).__name__}),
+        dumps({"error": message or str(error) or type(error).__name__}),
         status_code=status,
         headers=_error_headers(error),
         media_type=_JSON,
@@ -199,7 +200,7 @@ def create_app(state: ServerState) -> ASGIApp:
             try:
                 return await handler(request, state)
             except TrioInferError as exc:
-                return error_response(exc)
+                return error_response(exc, state.models.public_message(exc))
 
         return run
 
@@ -347,7 +348,8 @@ async def _model_config(request: Request, state: ServerState) -> Response:
     config = served.info.config
     signature = served.info.signature
     batched = signature.batched and config.batcher != "none"
-    max_batch = int(config.batcher_options.get("max_batch_size", 0)) if batched else 0
+    batching = _effective_options(state, config.batcher, config.batcher_options)
+    max_batch = int(batching.get("max_batch_size", 0)) if batched else 0
     # In Triton's terms: with max_batch_size > 0 the dims leave out the batch dimension.
     skip = 1 if max_batch > 0 else 0
     body: dict[str, Any] = {
@@ -377,12 +379,26 @@ async def _model_config(request: Request, state: ServerState) -> Response:
         },
     }
     if max_batch > 0:
-        delay = config.batcher_options.get("max_queue_delay")
+        delay = batching.get("max_queue_delay")
         body["dynamic_batching"] = {
-            "preferred_batch_size": list(config.batcher_options.get("preferred_batch_sizes", [])),
+            "preferred_batch_size": list(batching.get("preferred_batch_sizes", [])),
             "max_queue_delay_microseconds": int(float(delay) * 1e6) if delay is not None else 0,
         }
     return _json(body)
+
+
+def _effective_options(state: ServerState, name: str, options: Mapping[str, Any]) -> dict[str, Any]:
+    """A batcher's options as it runs with them: its defaults, then what the config sets."""
+    defaults: dict[str, Any] = {}
+    try:
+        target = state.models.engine.registry.load("batchers", name)
+        parameters = inspect.signature(target).parameters.values()  # type: ignore[arg-type]
+    except (TrioInferError, TypeError, ValueError):
+        parameters = []  # type: ignore[assignment]
+    for parameter in parameters:
+        if parameter.default is not inspect.Parameter.empty:
+            defaults[parameter.name] = parameter.default
+    return defaults | dict(options)
 
 
 def _platform(served: ServedVersion) -> str:
@@ -633,7 +649,7 @@ class _InferEndpoint:
             except TrioInferError as exc:
                 state.metrics.count(model, params.get("version"), exc)
                 status = status_for(exc)
-                body = dumps({"error": str(exc)})
+                body = dumps({"error": state.models.public_message(exc)})
                 extra = [(k.encode(), v.encode()) for k, v in _error_headers(exc).items()]
                 extra.append((b"content-type", b"application/json"))
             if status is None:  # the client left: there is nobody to answer

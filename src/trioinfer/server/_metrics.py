@@ -49,6 +49,9 @@ _OUTCOMES: Final[tuple[tuple[type[BaseException], str], ...]] = (
     (BackendError, "backend_error"),
     (EngineClosed, "unavailable"),
 )
+# The HTTP layer's own refusals (not ready, unauthorised) are matched by name to
+# avoid importing the app here.
+_HTTP_OUTCOMES: Final = {"NotReady": "unavailable", "Unauthorized": "unauthorized"}
 
 
 def outcome_of(error: BaseException) -> str:
@@ -56,7 +59,7 @@ def outcome_of(error: BaseException) -> str:
     for kind, outcome in _OUTCOMES:
         if isinstance(error, kind):
             return outcome
-    return "other"
+    return _HTTP_OUTCOMES.get(type(error).__name__, "other")
 
 
 @final

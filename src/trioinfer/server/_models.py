@@ -10,6 +10,7 @@ loaded anew beside the old one, which keeps serving until the new one is ready
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import Mapping
 from typing import Any, final
@@ -97,6 +98,21 @@ class ServedModels:
         """Why the last load of *model* failed, or ``""``."""
         return self._errors.get(model, "")
 
+    def public_message(self, error: BaseException) -> str:
+        """*error*'s message as HTTP clients should read it.
+
+        Engine model names (``digits.v1``) become the names clients use, and
+        host paths under the repository become paths relative to it.
+        """
+        message = str(error) or type(error).__name__
+        for served in self.all():
+            if served.engine_name in message:
+                message = message.replace(
+                    repr(served.engine_name), f"{served.model!r} (version {served.version})"
+                )
+        root = str(self.repository.root)
+        return message.replace(root + os.sep, "").replace(root, "<repository>")
+
     def mark_inference(self, served: ServedVersion) -> None:
         """Note that *served* just answered a request (for the statistics endpoint)."""
         self.last_inference_ms[served.model, served.version] = time.time_ns() // 1_000_000
@@ -134,8 +150,11 @@ class ServedModels:
             try:
                 await self._load(model, override)
             except TrioInferError as exc:
-                self._errors[model] = str(exc)
+                self._errors[model] = self.public_message(exc)
                 raise
+            finally:
+                if not self._served.get(model, True):
+                    del self._served[model]  # nothing of it is served after all
             self._errors.pop(model, None)
 
     async def _load(self, model: str, override: Mapping[str, Any] | None) -> None:
@@ -162,8 +181,6 @@ class ServedModels:
             )
         for version in sorted(set(served) - set(wanted)):
             await self._unload_version(served, version)
-        if not served:
-            del self._served[model]
 
     async def unload(self, model: str) -> None:
         """Stop serving every version of *model*; their accepted requests drain first.
