@@ -81,6 +81,21 @@ class NotReady(TrioInferError):
     """The server is shutting down and takes no new inference (HTTP 503)."""
 
 
+class ClientLeft(TrioInferError):
+    """The client disconnected before the request was answered: nobody to answer."""
+
+
+#: Scope key set once a request's body has been read to its end.
+_BODY_READ: Final = "trioinfer.body_read"
+
+
+def _must_close(scope: Scope) -> bool:
+    # An answer sent before the body was read leaves the rest of it on the
+    # connection, so the server closes it: say so, or keep-alive clients would
+    # send their next request down a closing connection.
+    return scope["method"] not in ("GET", "HEAD") and not scope.get(_BODY_READ, False)
+
+
 def status_for(error: BaseException) -> int:
     """The HTTP status for an error raised while serving a request: the only such mapping.
 
@@ -200,7 +215,10 @@ def create_app(state: ServerState) -> ASGIApp:
             try:
                 return await handler(request, state)
             except TrioInferError as exc:
-                return error_response(exc, state.models.public_message(exc))
+                response = error_response(exc, state.models.public_message(exc))
+                if _must_close(request.scope):
+                    response.headers["connection"] = "close"
+                return response
 
         return run
 
@@ -554,7 +572,7 @@ async def _unload(request: Request, state: ServerState) -> Response:
 async def _small_json(request: Request, state: ServerState) -> dict[str, Any] | None:
     # Repository requests carry small JSON bodies, often none at all.
     limits = state.config.limits
-    body = await _read_body(request.receive, request.headers, limits)
+    body = await _read_body(request.scope, request.receive, request.headers, limits)
     if not body:
         return None
     value = loads_json(body, limits, "the request body")
@@ -570,7 +588,9 @@ def _json(value: Any, status: int = 200) -> Response:
 # -- inference --------------------------------------------------------------------------------
 
 
-async def _read_body(receive: Receive, headers: Mapping[str, str], limits: Limits) -> bytes:
+async def _read_body(
+    scope: Scope, receive: Receive, headers: Mapping[str, str], limits: Limits
+) -> bytes:
     """Read the whole request body, refusing it as soon as it passes the limit."""
     cap = limits.max_body_bytes
     declared = headers.get("content-length")
@@ -583,7 +603,7 @@ async def _read_body(receive: Receive, headers: Mapping[str, str], limits: Limit
     while True:
         message = await receive()
         if message["type"] == "http.disconnect":
-            raise anyio.get_cancelled_exc_class()()  # pragma: no cover  # client left mid-body
+            raise ClientLeft("the client disconnected before sending the whole body")
         chunk = message.get("body", b"")
         size += len(chunk)
         if size > cap:
@@ -594,6 +614,7 @@ async def _read_body(receive: Receive, headers: Mapping[str, str], limits: Limit
         if not message.get("more_body", False):
             break
     body = chunks[0] if len(chunks) == 1 else b"".join(chunks)
+    scope[_BODY_READ] = True
     return decompress(body, headers.get("content-encoding"), limits)
 
 
@@ -644,14 +665,18 @@ class _InferEndpoint:
         try:
             try:
                 status, body, extra = await self._infer(
-                    headers, params, receive, model, params.get("version")
+                    scope, headers, params, receive, model, params.get("version")
                 )
+            except ClientLeft:
+                return  # there is nobody to answer
             except TrioInferError as exc:
                 state.metrics.count(model, params.get("version"), exc)
                 status = status_for(exc)
                 body = dumps({"error": state.models.public_message(exc)})
                 extra = [(k.encode(), v.encode()) for k, v in _error_headers(exc).items()]
                 extra.append((b"content-type", b"application/json"))
+                if _must_close(scope):
+                    extra.append((b"connection", b"close"))
             if status is None:  # the client left: there is nobody to answer
                 return
             await send(
@@ -667,6 +692,7 @@ class _InferEndpoint:
 
     async def _infer(
         self,
+        scope: Scope,
         headers: _Headers,
         params: Mapping[str, str],
         receive: Receive,
@@ -679,7 +705,7 @@ class _InferEndpoint:
         state.check_token(headers, admin=False)
         served = state.models.resolve(model, version)
         limits = state.config.limits
-        body = await _read_body(receive, headers, limits)
+        body = await _read_body(scope, receive, headers, limits)
         header_length = parse_header_length(
             headers.get("inference-header-content-length"), len(body)
         )

@@ -498,7 +498,13 @@ def _parse(text: bytes, what: str) -> Any:
         return orjson.loads(text)
     except orjson.JSONDecodeError as exc:
         # orjson also refuses, at 1024 levels, nesting that it cannot parse safely.
-        raise RequestError(f"{what} is not valid JSON: {exc}") from None
+        hint = ""
+        if "UTF-8" in str(exc):
+            hint = (
+                " (binary tensor data must follow a JSON header whose length the "
+                "Inference-Header-Content-Length header gives)"
+            )
+        raise RequestError(f"{what} is not valid JSON: {exc}{hint}") from None
 
 
 @attrs.frozen
