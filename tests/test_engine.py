@@ -115,7 +115,8 @@ async def test_replace_swaps_models_without_dropping_requests(
             nursery.start_soon(call)  # goes to the new model
         assert len(results) == 2
         assert (old.executions, new.executions) == (1, 1)
-        assert old.closed and not new.closed
+        assert old.closed
+        assert not new.closed
         assert [m.name for m in engine.models()] == ["m"]
 
 

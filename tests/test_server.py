@@ -350,6 +350,13 @@ def session(path: Path) -> ort.InferenceSession:
     return ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _close_local_sessions() -> Iterator[None]:
+    # Other test modules count the InferenceSessions alive in this process.
+    yield
+    session.cache_clear()
+
+
 def run_locally(path: Path, inputs: Mapping[str, npt.NDArray[Any]]) -> dict[str, Any]:
     sess = session(path)
     names = [o.name for o in sess.get_outputs()]
@@ -1986,6 +1993,65 @@ def test_sigterm_drains_in_flight_request_and_exits_0(tmp_path: Path) -> None:
 
 
 # == last: the servers survived everything above ===============================
+
+
+@pytest.mark.parametrize(
+    "layer", [["--http", "hypercorn"], ["--loop", "asyncio"]], ids=["hypercorn", "asyncio"]
+)
+def test_other_http_layers(
+    layer: list[str],
+    main_repository: Path,
+    images: npt.NDArray[np.float32],
+    tmp_path: Path,
+) -> None:
+    """The same server on the other HTTP layers: clients, errors, disconnects, shutdown."""
+    digits_file = main_repository / "digits" / "1" / "model.onnx"
+    batch = images[:8]
+    expected = run_locally(digits_file, {"input": batch})
+    with (
+        run_server(main_repository, *layer, log=tmp_path / "server.log") as server,
+        httpx.Client(base_url=server.url, timeout=WAIT_S) as http,
+        contextlib.closing(triton.InferenceServerClient(server.address)) as client,
+    ):
+        assert client.is_server_ready()
+        for binary in (False, True):
+            given = triton.InferInput("input", list(batch.shape), "FP32")
+            given.set_data_from_numpy(batch, binary_data=binary)
+            out = triton.InferRequestedOutput("label", binary_data=binary)
+            result = client.infer("digits", [given], outputs=[out])
+            np.testing.assert_array_equal(result.as_numpy("label"), expected["label"])
+        for case in BAD_REQUESTS:
+            path, body, headers, status, fragment = case.values
+            response = http.post(path, content=body, headers=headers)
+            assert response.status_code == status, (case.id, response.text)
+            assert fragment in error_of(response), case.id
+
+        async def concurrent() -> None:
+            aio = triton_aio.InferenceServerClient(server.address)
+            try:
+
+                async def one(i: int) -> None:
+                    given = triton_aio.InferInput("input", [1, 64], "FP32")
+                    given.set_data_from_numpy(images[i : i + 1], binary_data=i % 2 == 0)
+                    result = await aio.infer("digits", [given])
+                    assert result.as_numpy("label")[0] == expected_label(digits_file, images, i)
+
+                await asyncio.gather(*(one(i) for i in range(32)))
+            finally:
+                await aio.close()
+
+        asyncio.run(concurrent())
+        before = slow_state(http)
+        with blocker(server, http):
+            sock = raw_post(server.port, "/v2/models/slow/infer", j(slow_doc()), {})
+            wait_until(lambda: slow_state(http).queued == 1, "the request is queued")
+            sock.close()
+            wait_until(lambda: slow_state(http).pending == 1, "the abandoned request is withdrawn")
+        assert slow_state(http).executions == before.executions + 1, "only the blocker ran"
+
+
+def expected_label(model: Path, images: npt.NDArray[np.float32], i: int) -> int:
+    return int(run_locally(model, {"input": images[i : i + 1]})["label"][0])
 
 
 @pytest.mark.parametrize("which", ["main", "locked"])

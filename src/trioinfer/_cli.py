@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import collections
 import functools
+import importlib.util
 import logging
 import math
 import tomllib
@@ -18,6 +19,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Final
 
+import anyio
 import attrs
 import click
 import numpy as np
@@ -324,6 +326,8 @@ _SERVE_KEYS: Final = frozenset(
         "admin_token",
         "protect_inference",
         "log_level",
+        "loop",
+        "http",
         "limits",
     }
 )
@@ -387,6 +391,20 @@ _SERVE_KEYS: Final = frozenset(
     help="Require the admin token for inference and metadata too.",
 )
 @click.option(
+    "--loop",
+    type=click.Choice(["trio", "asyncio"]),
+    default="trio",
+    show_default=True,
+    help="The event loop: Trio, or asyncio (with uvloop where installed).",
+)
+@click.option(
+    "--http",
+    type=click.Choice(["lean", "hypercorn", "uvicorn"]),
+    default=None,
+    help="The HTTP layer. On trio: lean (default; HTTP/1.1 on the llhttp parser) or "
+    "hypercorn; on asyncio: uvicorn (default).",
+)
+@click.option(
     "--log-level",
     type=click.Choice(["debug", "info", "warning", "error"]),
     default="info",
@@ -426,8 +444,12 @@ def serve(ctx: click.Context, /, **options: Any) -> None:
     except (TypeError, TrioInferError) as exc:
         raise click.UsageError(f"invalid server settings: {exc}") from exc
     repository = settings["model_repository"] or example_repository()
+    loop = settings["loop"]
+    backend_options: dict[str, Any] = {}
+    if loop == "asyncio" and importlib.util.find_spec("uvloop") is not None:
+        backend_options["use_uvloop"] = True
     try:
-        trio.run(
+        anyio.run(
             functools.partial(
                 _serve,
                 repository,
@@ -435,7 +457,10 @@ def serve(ctx: click.Context, /, **options: Any) -> None:
                 port=settings["port"],
                 config=config,
                 models=list(settings["models"]) or None,
-            )
+                http=settings["http"],
+            ),
+            backend=loop,
+            backend_options=backend_options,
         )
     except (TrioInferError, OSError, BaseExceptionGroup) as exc:
         # Task groups wrap what fails at start-up; say the one cause plainly.
@@ -482,14 +507,26 @@ def _serve_settings(ctx: click.Context, options: dict[str, Any]) -> dict[str, An
 
 
 async def _serve(
-    repository: Path, *, host: str, port: int, config: Any, models: list[str] | None
+    repository: Path,
+    *,
+    host: str,
+    port: int,
+    config: Any,
+    models: list[str] | None,
+    http: str | None,
 ) -> None:
     from .server import serve_http
 
-    async with trio.open_nursery() as nursery:
-        listening = await nursery.start(
+    async with anyio.create_task_group() as tg:
+        listening = await tg.start(
             functools.partial(
-                serve_http, repository, host=host, port=port, config=config, models=models
+                serve_http,
+                repository,
+                host=host,
+                port=port,
+                config=config,
+                models=models,
+                http=http,
             )
         )
         served = ", ".join(
