@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """The KServe V2 server over HTTP on loopback, beside the same model in-process, in one run.
 
-Issue 3, section 9 (with section 8's settings). One ``trioinfer serve`` process
+Issue 5, section 9 (with section 8's settings). One ``trioinfer serve`` process
 (``sys.executable -m trioinfer serve --port 0 --log-level warning``, plus
 ``--server-args``) serves a temporary model repository; every model in it has
 the same config.toml, which the in-process runs read too:

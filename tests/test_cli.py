@@ -6,6 +6,7 @@ import importlib.metadata
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from click.testing import CliRunner, Result
@@ -35,9 +36,10 @@ def test_help_lists_the_commands() -> None:
     assert result.exit_code == 0
     assert re.search(r"^\s+demo\s", result.output, re.MULTILINE)
     assert re.search(r"^\s+plugins\s", result.output, re.MULTILINE)
+    assert re.search(r"^\s+serve\s", result.output, re.MULTILINE)
 
 
-@pytest.mark.parametrize("command", ["demo", "plugins"])
+@pytest.mark.parametrize("command", ["demo", "plugins", "serve"])
 def test_command_help(command: str) -> None:
     result = invoke(command, "--help")
     assert result.exit_code == 0
@@ -152,3 +154,28 @@ def test_example_repository_and_samples() -> None:
     assert labels.dtype == "int64"
     assert 0 <= images.min() <= images.max() <= 16
     assert set(labels.tolist()) == set(range(10))
+
+
+def test_serve_refuses_bad_settings_with_a_usage_error(tmp_path: Path) -> None:
+    config = tmp_path / "server.toml"
+    config.write_text('port = 8000\ncolour = "blue"\n')
+    result = invoke("serve", "--config", str(config))
+    assert result.exit_code == 2
+    assert "unknown key 'colour'" in result.output
+    config.write_text("[limits]\nmax_body_bytes = 0\n")
+    result = invoke("serve", "--config", str(config))
+    assert result.exit_code == 2
+    assert "max_body_bytes" in result.output
+    result = invoke("serve", "--protect-inference")
+    assert result.exit_code == 2
+    assert "admin_token" in result.output
+
+
+def test_serve_says_why_it_cannot_start(tmp_path: Path) -> None:
+    result = invoke("serve", "--model-repository", str(tmp_path / "missing"))
+    assert result.exit_code == 1
+    assert "ConfigError" in result.output
+    assert "does not exist" in result.output
+    result = invoke("serve", "--loop", "asyncio", "--http", "lean")
+    assert result.exit_code == 1
+    assert "does not run on asyncio" in result.output

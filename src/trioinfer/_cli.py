@@ -59,8 +59,9 @@ def main() -> None:
     cancel scope, whose deadline travels with the request. Backends,
     schedulers, batchers and fallbacks are plugins found through entry points.
 
-    This command shows the engine at work on a bundled example model (demo)
-    and lists the installed plugins (plugins).
+    This command shows the engine at work on a bundled example model (demo),
+    serves a model repository over the KServe V2 HTTP protocol (serve), and
+    lists the installed plugins (plugins).
     """
 
 
@@ -417,8 +418,8 @@ def serve(ctx: click.Context, /, **options: Any) -> None:
 
     Opens one engine, loads every model of the repository (each version its
     config.toml's version_policy selects; without config.toml, defaults
-    completed from the ONNX file), and serves the V2 REST API with
-    Hypercorn on Trio: health, server and model metadata, model config,
+    completed from the ONNX file), and serves the V2 REST API on Trio (or
+    asyncio, --loop): health, server and model metadata, model config,
     inference with JSON or binary tensors, the model repository extension
     (index, load, unload), statistics, and Prometheus metrics at /metrics.
     NVIDIA's tritonclient works against it unchanged.
