@@ -659,7 +659,7 @@ def print_targets(rows: Sequence[Row], args: argparse.Namespace) -> list[str]:
                         f"{'(' + each(x_in) + ')':<20} {median(x_ceil):6.3f}"
                     )
     print(
-        f"\ntarget (issue 3, section 9): {TARGET_MODEL} MLP, dynamic batching, C={TARGET_CONC}, "
+        f"\ntarget (issue 5, section 9): {TARGET_MODEL} MLP, dynamic batching, C={TARGET_CONC}, "
         f"{TARGET_ENCODING}: >= {TARGET_RATIO}x the in-process throughput"
     )
     values = [
