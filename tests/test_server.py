@@ -1992,6 +1992,41 @@ def test_sigterm_drains_in_flight_request_and_exits_0(tmp_path: Path) -> None:
     assert "SIGTERM" in log.read_text(errors="replace")
 
 
+def test_unload_lets_the_request_in_flight_finish(tmp_path: Path) -> None:
+    root = tmp_path / "repository"
+    write_slow_model(root)
+    with (
+        run_server(root, "--drain-period", "300", log=tmp_path / "server.log") as server,
+        httpx.Client(base_url=server.url, timeout=STOP_S) as control,
+    ):
+        outcome: list[httpx.Response | BaseException] = []
+
+        def send() -> None:
+            try:
+                outcome.append(
+                    httpx.post(
+                        f"{server.url}/v2/models/slow/infer",
+                        json=slow_doc(rows=256),
+                        timeout=STOP_S,
+                    )
+                )
+            except BaseException as exc:  # handed to the test thread
+                outcome.append(exc)
+
+        worker = threading.Thread(target=send, daemon=True)
+        worker.start()
+        wait_until(lambda: slow_state(control).executions == 1, "the request runs on the server")
+        # Unloading waits for the request in flight, which gets its answer.
+        assert control.post("/v2/repository/models/slow/unload").status_code == 200
+        worker.join(timeout=STOP_S)
+        (response,) = outcome
+        assert isinstance(response, httpx.Response), response
+        assert response.status_code == 200, response.text
+        after = control.post("/v2/models/slow/infer", json=slow_doc())
+        assert after.status_code == 404
+        assert "'slow' is not served" in error_of(after)
+
+
 # == last: the servers survived everything above ===============================
 
 
