@@ -7,6 +7,14 @@
   [`check_scheduler()`][trioinfer.testing.check_scheduler]: conformance checks a
   plugin author runs against their plugin, as trio's `check_two_way_stream`
   does for streams. trioinfer's own plugins pass them in its tests.
+- [`FaultyBackend`][trioinfer.testing.FaultyBackend]: wraps any backend and
+  injects errors, hangs, extra latency and crashes, reproducibly from a seed,
+  for testing how an application copes.
+- [`RequestLedger`][trioinfer.testing.RequestLedger],
+  [`assert_all_ended()`][trioinfer.testing.assert_all_ended] and
+  [`assert_no_tasks_left()`][trioinfer.testing.assert_no_tasks_left]: check
+  that every request ended exactly once, from the caller's side and from the
+  engine's counters, and that nothing was left running.
 - [`make_request()`][trioinfer.testing.make_request]: a
   [`Request`][trioinfer.Request] for scheduler tests.
 - [`trioinfer.testing.models`][trioinfer.testing.models]: small real ONNX models
@@ -18,3 +26,10 @@ from ._checks import check_scheduler as check_scheduler
 from ._checks import make_request as make_request
 from ._fake import FakeBackend as FakeBackend
 from ._fake import FakeInstance as FakeInstance
+from ._faulty import FaultStatistics as FaultStatistics
+from ._faulty import FaultyBackend as FaultyBackend
+from ._faulty import FaultyInstance as FaultyInstance
+from ._faulty import LedgerStatistics as LedgerStatistics
+from ._faulty import RequestLedger as RequestLedger
+from ._faulty import assert_all_ended as assert_all_ended
+from ._faulty import assert_no_tasks_left as assert_no_tasks_left
