@@ -37,9 +37,10 @@ def test_help_lists_the_commands() -> None:
     assert re.search(r"^\s+demo\s", result.output, re.MULTILINE)
     assert re.search(r"^\s+plugins\s", result.output, re.MULTILINE)
     assert re.search(r"^\s+serve\s", result.output, re.MULTILINE)
+    assert re.search(r"^\s+bench\s", result.output, re.MULTILINE)
 
 
-@pytest.mark.parametrize("command", ["demo", "plugins", "serve"])
+@pytest.mark.parametrize("command", ["demo", "plugins", "serve", "bench"])
 def test_command_help(command: str) -> None:
     result = invoke(command, "--help")
     assert result.exit_code == 0
