@@ -509,3 +509,47 @@ def test_real_onnx_model_batches_concurrent_requests(backend: str, add_model: Pa
         np.testing.assert_array_equal(sums[i], np.arange(4, dtype=np.float32)[None] + 11 * i)
     assert stats.succeeded == 65
     assert stats.executions <= 9  # one request per execution would be 65
+
+
+class _BrokenAssembly:
+    """A batcher whose assemble (or split) raises on the first batch only."""
+
+    def __init__(self, where: str) -> None:
+        self.where = where
+        self.calls = 0
+
+    async def next_batch(self, queue: trioinfer.RequestQueue) -> list[trioinfer.Request]:
+        await queue.wait_not_empty()
+        return [queue.pop_nowait()]
+
+    def assemble(self, requests: Any) -> Any:
+        self.calls += 1
+        broken = self.calls == 1
+        if broken and self.where == "assemble":
+            raise RuntimeError("no layout for this")
+
+        def split(outputs: Any) -> Any:
+            if broken and self.where == "split":
+                raise RuntimeError("cannot cut this")
+            return [outputs]
+
+        return requests[0].inputs, split
+
+
+@pytest.mark.parametrize("where", ["assemble", "split"])
+async def test_a_failing_assemble_fails_its_batch_not_the_worker(where: str) -> None:
+    backend = FakeBackend()
+    batcher = _BrokenAssembly(where)
+    registry = trioinfer.Registry(
+        extra={"backends": {"fake": lambda: backend}, "batchers": {"broken": lambda: batcher}}
+    )
+    x = np.ones((1, 4), np.float32)
+    async with open_engine(registry=registry) as engine:
+        await engine.load(ModelConfig(name="m", path="unused", backend="fake", batcher="broken"))
+        with pytest.raises(trioinfer.PluginError, match=f"failed to {where}") as caught:
+            await engine.infer("m", {"x": x})
+        assert isinstance(caught.value.__cause__, RuntimeError)
+        out = await engine.infer("m", {"x": x})  # the worker lives on
+        np.testing.assert_array_equal(out["y"], 2 * x)
+        stats = engine.statistics().models["m"]
+        assert (stats.failed, stats.succeeded) == (1, 1)

@@ -527,7 +527,12 @@ class ModelRunner:
         split: Callable[[Outputs], Sequence[Outputs]]
         taken: list[Any] = []
         if self._assemble is not None:
-            inputs, split = self._assemble(live)
+            try:
+                inputs, split = self._assemble(live)
+            except Exception as exc:
+                # A batcher's bug fails its batch, not the instance's worker.
+                self._fail_plugin(live, "assemble", exc)
+                return
         elif len(live) == 1:
             inputs, split = live[0].inputs, _alone
         else:
@@ -552,11 +557,29 @@ class ModelRunner:
                 self._mean_execution_s = elapsed if mean == 0.0 else mean + 0.2 * (elapsed - mean)
             if taken:
                 self._pool.give_back(taken, outputs)
+        try:
+            shares = split(outputs)
+        except Exception as exc:
+            self._fail_plugin(live, "split", exc)
+            return
+        if len(shares) != len(live):
+            error = PluginError(f"split gave {len(shares)} shares for {len(live)} requests")
+            self._fail_plugin(live, "split", error)
+            return
         request_duration = self._request_duration.observe
-        for request, share in zip(live, split(outputs), strict=True):
+        for request, share in zip(live, shares, strict=True):
             if request._state.status is Status.RUNNING:
                 request_duration(ended - request.arrival)
             self._finish(request, outputs=share)
+
+    def _fail_plugin(self, requests: Sequence[Request], step: str, exc: Exception) -> None:
+        for request in requests:
+            error = PluginError(
+                f"batcher of model {self.config.name!r} failed to {step} the batch of request "
+                f"{request.id!r}: {type(exc).__name__}: {exc}"
+            )
+            error.__cause__ = exc
+            self._finish(request, error=error)
 
     # -- called from callers' tasks ----------------------------------------------
 
