@@ -5,7 +5,7 @@ from __future__ import annotations
 import itertools
 import math
 from collections import deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from numbers import Real
 from typing import Any, final
 
@@ -14,13 +14,16 @@ import numpy as np
 
 from trioinfer import ConfigError, Request, RequestQueue, Status
 
+from ._padding import Arrays, Padding, Split
+
 # Why filling a batch stopped.
 _FULL = 0  # max_batch_size rows reached
 _BLOCKED = 1  # the next request is incompatible or would overflow: it starts the next batch
 _EMPTY = 2  # nothing more is waiting right now
 
-# (input name, non-batch dims, dtype) for every input of a request.
-_Key = tuple[tuple[str, tuple[int, ...], np.dtype[Any]], ...]
+# What must match for requests to share a batch: without padding, (input name,
+# non-batch dims, dtype) for every input of a request.
+_Key = object
 
 
 @final
@@ -76,6 +79,19 @@ class DynamicBatcher:
     The outputs each caller receives are views into the batch's output arrays,
     not copies: see the tutorial "Tuning dynamic batching".
 
+    With ``pad_axis`` and ``pad_buckets``, requests that differ in one ragged
+    dimension (a sequence length) share a batch too: each is padded to the
+    smallest bucket that holds its length, and only requests of the same
+    bucket (and the same other dimensions and dtypes) go together. A request
+    longer than the largest bucket is not padded: it shares a batch only with
+    requests of exactly its length. Each caller gets its own rows of every
+    output and, for the outputs named in ``ragged_outputs``, only its own
+    length on their ragged axis: the padding never reaches a caller. A request
+    whose ragged inputs disagree on the length (or one of which lacks the
+    axis) is not padded either and shares a batch only with identical shapes.
+    Without ``pad_axis`` the batcher leaves concatenating and splitting to the
+    engine, which pools its buffers.
+
     Args:
         max_batch_size: Most rows (the sum of the requests' first dimensions)
             in one batch. A positive integer.
@@ -85,12 +101,30 @@ class DynamicBatcher:
         preferred_batch_sizes: Row counts to dispatch at once as soon as they
             can be formed (e.g. the batch sizes a TensorRT engine was built for).
             Strictly increasing positive integers, none above ``max_batch_size``.
+        pad_axis: The axis of the ragged dimension, >= 1 (axis 0 is the batch),
+            the same in every padded input. Unset: no padding.
+        pad_buckets: The lengths requests are padded to, strictly increasing
+            positive integers; required with ``pad_axis``.
+        pad_value: What fills the padding, cast to each input's dtype; default 0.
+        pad_values: Per-input overrides of ``pad_value``, by input name.
+        pad_inputs: The inputs that hold the ragged dimension. Default: every
+            input with more than ``pad_axis`` dimensions.
+        mask_input: An input that masks the ragged axis (an attention mask):
+            its padding is always 0, so the model ignores padded positions.
+            Callers send it as usual, covering their real positions.
+        ragged_outputs: Output name to the axis (>= 1) that holds the ragged
+            dimension in that output; each caller's share is cut back to its
+            own length there. Other outputs are split on axis 0 only.
 
     Raises:
         ConfigError: An option has the wrong type or an impossible value.
     """
 
-    __slots__ = ("_delay", "_held", "_max", "_preferred")
+    # "assemble" is a slot set only when padding is configured, so that without
+    # it the engine finds no assemble hook and keeps its pooled fast path.
+    __slots__ = ("_delay", "_held", "_key", "_max", "_padding", "_preferred", "assemble")
+
+    assemble: Callable[[Sequence[Request]], tuple[Arrays, Split]]
 
     def __init__(
         self,
@@ -98,10 +132,30 @@ class DynamicBatcher:
         max_batch_size: int = 32,
         max_queue_delay: float = 0.005,
         preferred_batch_sizes: Sequence[int] = (),
+        pad_axis: int | None = None,
+        pad_buckets: Sequence[int] = (),
+        pad_value: float = 0,
+        pad_values: Mapping[str, float] | None = None,
+        pad_inputs: Sequence[str] | None = None,
+        mask_input: str | None = None,
+        ragged_outputs: Mapping[str, int] | None = None,
     ) -> None:
         self._max = _check_size("max_batch_size", max_batch_size)
         self._delay = _check_delay(max_queue_delay)
         self._preferred = _check_preferred(preferred_batch_sizes, self._max)
+        self._padding = Padding.from_options(
+            pad_axis=pad_axis,
+            pad_buckets=pad_buckets,
+            pad_value=pad_value,
+            pad_values={} if pad_values is None else pad_values,
+            pad_inputs=pad_inputs,
+            mask_input=mask_input,
+            ragged_outputs={} if ragged_outputs is None else ragged_outputs,
+        )
+        self._key: Callable[[Arrays], _Key] = _key
+        if self._padding is not None:
+            self._key = self._padding.key
+            self.assemble = self._padding.assemble
         # Requests taken from a queue but cut off a preferred-size batch, by queue:
         # they open that queue's next batch, ahead of everything still in it.
         self._held: dict[RequestQueue, deque[Request]] = {}
@@ -121,10 +175,16 @@ class DynamicBatcher:
         """Row counts dispatched as soon as they can be formed, in increasing order."""
         return tuple(sorted(self._preferred))
 
+    @property
+    def pad_buckets(self) -> tuple[int, ...]:
+        """The lengths the ragged axis is padded to; empty without padding."""
+        return () if self._padding is None else self._padding.buckets
+
     def __repr__(self) -> str:
+        padding = "" if self._padding is None else ", " + self._padding.describe()
         return (
             f"DynamicBatcher(max_batch_size={self._max}, max_queue_delay={self._delay}, "
-            f"preferred_batch_sizes={list(self.preferred_batch_sizes)})"
+            f"preferred_batch_sizes={list(self.preferred_batch_sizes)}{padding})"
         )
 
     async def next_batch(self, queue: RequestQueue) -> list[Request]:
@@ -154,7 +214,7 @@ class DynamicBatcher:
         first = batch[0]
         if first.rows >= self._max or not queue.batched or _unbatchable(first.inputs):
             return
-        key = _key(first.inputs)
+        key = self._key(first.inputs)
         rows = first.rows
         while True:
             rows, stop = self._fill(queue, held, batch, key, rows)
@@ -199,7 +259,7 @@ class DynamicBatcher:
                     request = queue.peek_nowait()
                 except anyio.WouldBlock:
                     return rows, _EMPTY
-            if rows + request.rows > limit or _key(request.inputs) != key:
+            if rows + request.rows > limit or self._key(request.inputs) != key:
                 return rows, _BLOCKED
             if held:
                 held.popleft()
