@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """trioinfer beside its peers over HTTP: same machine, same models, same load, one after another.
 
-Issue 6, section 2 (first peer: MLServer). Systems, each started on its own, measured, stopped:
+Issue 6, section 2 (peers: MLServer, Triton). Systems, each started on its own, measured, stopped:
 
   trioinfer   ``trioinfer serve`` with its default HTTP layer (lean, Trio)
   t-asyncio   ``trioinfer serve --loop asyncio`` (uvicorn)
@@ -9,6 +9,16 @@ Issue 6, section 2 (first peer: MLServer). Systems, each started on its own, mea
               script writes: a ``mlserver.MLModel`` whose ``load`` opens an ONNX Runtime
               session and whose ``predict`` decodes the V2 input to numpy, runs the session
               and encodes the outputs
+  triton      NVIDIA Triton through PyTriton (``nvidia-pytriton``, its bundled tritonserver
+              on the CPU): a script this file writes binds, per model, a ``@batch`` Python
+              callable around an ONNX Runtime session, with ``ModelConfig(max_batch_size=32,
+              batcher=DynamicBatcher(max_queue_delay_microseconds=5000))``; inputs and
+              outputs named like the ONNX model's, so the same V2 JSON body works on
+              ``/v2/models/{name}/infer``. Triton listens on 127.0.0.1 (HTTP and gRPC on free
+              ports; metrics off: ``allow_metrics=False``). A batching Triton model needs at
+              least one dimension per row, so a [N] output (digits' ``label``) comes back as
+              [N, 1]; the answer check allows that reshape and nothing else. Its Python stub
+              needs ``LD_LIBRARY_PATH`` at this interpreter's lib folder, which the script sets
 
 Every system serves the same ONNX files with the same settings: dynamic (adaptive) batching
 of at most 32 requests / 5 ms, one model instance, ONNX Runtime on the CPU with
@@ -27,8 +37,10 @@ MLServer lives in a virtual environment of its own under ``--peers-dir`` (defaul
 ``$TMPDIR/trioinfer-peers``), created on first use and reused: ``pip install mlserver==1.7.1
 onnxruntime==X uvloop==0.21.0``, X this interpreter's ONNX Runtime version (any version when
 pip has not that one; the footer says which ran). uvloop 0.23 makes MLServer 1.7.1's workers
-fail at start with "There is no current event loop in thread 'MainThread'"; 0.21 works. If
-the install fails (no network, no wheel), the script says why and runs trioinfer alone.
+fail at start with "There is no current event loop in thread 'MainThread'"; 0.21 works.
+Triton likewise: ``triton-venv`` under ``--peers-dir``, ``pip install nvidia-pytriton
+onnxruntime==X numpy``. If a peer's install or start fails (no network, no wheel), the
+script says why, skips that peer and runs the others.
 
 Models: ``digits`` (the bundled example, float32 [-1, 64]) and ``wide`` (the 1024 -> 4096 ->
 4096 -> 1000 MLP of ``trioinfer.testing.models.write_wide_mlp``, seed 0; needs ``onnx``).
@@ -38,12 +50,13 @@ is checked against ONNX Runtime's. Each window warms up for ``--warmup`` seconds
 of its own), waits for the server to go idle, then measures. The server's CPU time is read
 from ``/proc/<pid>/stat`` for the server and every process below it, around the window.
 ``--repeat`` repeats everything; the order of the systems rotates from one repeat to the
-next. The table gives medians and each repeat's value, then trioinfer over MLServer per
-model and concurrency (median of the per-repeat ratios).
+next. The table gives medians and each repeat's value, then trioinfer over each peer
+(MLServer, Triton) per model and concurrency (median of the per-repeat ratios).
 
 Usage:  .venv/bin/python benchmarks/compare.py
         .venv/bin/python benchmarks/compare.py --duration 3 --repeat 2
         .venv/bin/python benchmarks/compare.py --systems trioinfer,mlserver --models wide
+        .venv/bin/python benchmarks/compare.py --systems trioinfer,triton
         .venv/bin/python benchmarks/compare.py --peers-dir ~/.cache/trioinfer-peers
 See benchmarks/README.md ("compare.py") for what each column means.
 """
@@ -53,6 +66,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
+import dataclasses
 import json
 import math
 import os
@@ -63,12 +77,12 @@ import socket
 import statistics
 import subprocess
 import sys
+import sysconfig
 import tempfile
 import time
 import urllib.error
 import urllib.request
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -79,12 +93,14 @@ import onnxruntime as ort
 from bench_engine import versions
 from bench_http import CLK_TCK, MAX_BATCH, MAX_QUEUE_DELAY, Row
 
-SYSTEMS = ("trioinfer", "t-asyncio", "mlserver")
+SYSTEMS = ("trioinfer", "t-asyncio", "mlserver", "triton")
+PEERS = ("mlserver", "triton")
 TRIOINFER_ARGS = {"trioinfer": "", "t-asyncio": "--loop asyncio"}
 ENCODING = "json"
 UVLOOP = "uvloop==0.21.0"
 READY_TIMEOUT_S = 180.0
 LOOPBACK = ("127.0.0.1:", "[::ffff:127.0.0.1]:", "[::1]:")  # MLServer's gRPC shows the middle one
+PYTRITON = "nvidia-pytriton"
 
 MLSERVER_RUNTIME = '''\
 """Written by benchmarks/compare.py: an ONNX Runtime model for MLServer."""
@@ -136,6 +152,88 @@ class OnnxModel(MLModel):
         )
 '''
 
+TRITON_SERVER = '''\
+"""Written by benchmarks/compare.py: ONNX Runtime behind Triton's dynamic batcher (PyTriton)."""
+
+import json
+import signal
+import sys
+
+import numpy as np
+import onnxruntime as ort
+from pytriton.decorators import batch
+from pytriton.model_config import DynamicBatcher, ModelConfig, Tensor
+from pytriton.triton import Triton, TritonConfig
+
+SPEC = json.loads(sys.argv[1])
+DTYPES = {{"tensor(float)": np.float32, "tensor(int64)": np.int64, "tensor(double)": np.float64,
+           "tensor(int32)": np.int32}}
+
+
+def session(path):
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = {threads}
+    options.inter_op_num_threads = 1
+    options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    return ort.InferenceSession(path, options, providers=["CPUExecutionProvider"])
+
+
+def tensors(args):
+    # Triton's shapes leave out the batch dimension (max_batch_size > 0) and need at least
+    # one dimension: a [N] tensor becomes [N, 1].
+    return [
+        Tensor(
+            name=a.name,
+            dtype=DTYPES[a.type],
+            shape=tuple(d if isinstance(d, int) else -1 for d in a.shape[1:]) or (1,),
+        )
+        for a in args
+    ]
+
+
+def infer_function(sess):
+    outputs = [o.name for o in sess.get_outputs()]
+
+    @batch
+    def infer(**inputs):
+        results = sess.run(outputs, inputs)
+        return {{n: r.reshape(-1, 1) if r.ndim == 1 else r for n, r in zip(outputs, results)}}
+
+    return infer
+
+
+def stop(*_):
+    raise KeyboardInterrupt
+
+
+signal.signal(signal.SIGTERM, stop)
+config = TritonConfig(
+    http_address="127.0.0.1",
+    http_port=SPEC["http_port"],
+    grpc_address="127.0.0.1",
+    grpc_port=SPEC["grpc_port"],
+    allow_metrics=False,
+    allow_cpu_metrics=False,
+    allow_gpu_metrics=False,
+)
+with Triton(config=config) as triton:
+    for name, path in SPEC["models"].items():
+        sess = session(path)
+        triton.bind(
+            model_name=name,
+            infer_func=infer_function(sess),
+            inputs=tensors(sess.get_inputs()),
+            outputs=tensors(sess.get_outputs()),
+            config=ModelConfig(
+                max_batch_size={max_batch},
+                batcher=DynamicBatcher(max_queue_delay_microseconds={delay_us}),
+            ),
+        )
+    print("serving", flush=True)
+    triton.serve()
+'''
+
 
 # -- servers ------------------------------------------------------------------------------
 
@@ -174,7 +272,7 @@ def tree_cpu_s(root: int) -> float:
     return total / CLK_TCK
 
 
-@dataclass
+@dataclasses.dataclass
 class Server:
     """What ``bench_http.run_http`` needs of a server, for any system."""
 
@@ -286,13 +384,59 @@ def start_mlserver(mlserver: Path, repository: Path, args: argparse.Namespace, l
     return server
 
 
+def start_triton(
+    python: Path, models: dict[str, bench_http.Model], args: argparse.Namespace, log: Path
+) -> Server:
+    """Run the generated PyTriton script with the Triton venv's python; wait for the models."""
+    http_port, grpc_port = free_port(), free_port()
+    spec = {
+        "http_port": http_port,
+        "grpc_port": grpc_port,
+        "models": {n: str(m.config_path.parent / "1" / "model.onnx") for n, m in models.items()},
+    }
+    script = log.parent / "triton_server.py"
+    script.write_text(
+        TRITON_SERVER.format(
+            threads=args.threads, max_batch=MAX_BATCH, delay_us=round(MAX_QUEUE_DELAY * 1e6)
+        )
+    )
+    command = [str(python), str(script), json.dumps(spec)]
+    print(f"server: {shlex.join(command)}")
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    env.pop("VIRTUAL_ENV", None)
+    # Triton's Python backend stub links libpython: point it at this interpreter's lib folder
+    # (the venv's python is this one).
+    libdir = sysconfig.get_config_var("LIBDIR") or str(Path(sys.base_prefix) / "lib")
+    env["LD_LIBRARY_PATH"] = os.pathsep.join(
+        x for x in (libdir, env.get("LD_LIBRARY_PATH", "")) if x
+    )
+    with log.open("wb") as out:
+        process = subprocess.Popen(
+            command,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            cwd=log.parent,
+            env=env,
+        )
+    server = Server("triton", process, f"http://127.0.0.1:{http_port}", log, counted=False)
+    try:
+        problem = wait_models(server, list(models))
+    except BaseException:
+        stop(server)
+        raise
+    if problem:
+        stop(server)
+        raise RuntimeError(f"{problem}: {tail(log)}")
+    return server
+
+
 def wait_models(server: Server, names: Sequence[str]) -> str | None:
     """Wait until every model answers ready; None, or what went wrong."""
     end = time.monotonic() + READY_TIMEOUT_S
     pending = list(names)
     while pending and time.monotonic() < end:
         if server.process.poll() is not None:
-            return f"MLServer exited with status {server.process.returncode}"
+            return f"{server.system} exited with status {server.process.returncode}"
         try:
             url = f"{server.base}/v2/models/{pending[0]}/ready"
             with urllib.request.urlopen(url, timeout=5) as r:
@@ -302,7 +446,7 @@ def wait_models(server: Server, names: Sequence[str]) -> str | None:
         except (urllib.error.URLError, OSError):
             pass
         time.sleep(0.3)
-    return f"MLServer never had {pending} ready" if pending else None
+    return f"{server.system} never had {pending} ready" if pending else None
 
 
 def tail(path: Path, lines: int = 20) -> str:
@@ -365,7 +509,63 @@ def mlserver_env(args: argparse.Namespace) -> tuple[Path | None, str, str]:
     return mlserver, found[0], f"{found[1]}, uvloop {found[2]}"
 
 
+def triton_env(args: argparse.Namespace) -> tuple[Path | None, str, str]:
+    """(the Triton venv's python or None, PyTriton's version or why it is missing, ORT's)."""
+    venv = Path(args.peers_dir) / "triton-venv"
+    python = venv / "bin" / "python"
+    probe = (
+        "import importlib.metadata as m, pytriton.triton; "
+        "print(m.version('nvidia-pytriton'), m.version('onnxruntime'))"
+    )
+
+    def installed() -> list[str] | None:
+        if not python.exists():
+            return None
+        done = subprocess.run([str(python), "-c", probe], capture_output=True, text=True)
+        found = done.stdout.split()
+        return found if done.returncode == 0 and len(found) == 2 else None
+
+    ort_pin = f"onnxruntime=={ort.__version__}"
+    found = installed()
+    if found is None or found[1] != ort.__version__:
+        try:
+            if not python.exists():
+                subprocess.run(
+                    [sys.executable, "-m", "venv", str(venv)],
+                    check=True,
+                    capture_output=True,
+                    text=True,
+                )
+            for packages in ([PYTRITON, ort_pin, "numpy"], [PYTRITON, "onnxruntime", "numpy"]):
+                print(f"installing {' '.join(packages)} into {venv} ...", flush=True)
+                done = subprocess.run(
+                    [str(python), "-m", "pip", "install", "-q", *packages],
+                    capture_output=True,
+                    text=True,
+                    timeout=1200,
+                )
+                if done.returncode == 0:
+                    break
+        except (OSError, subprocess.SubprocessError) as exc:
+            return None, f"could not create {venv}: {exc}", "?"
+        if done.returncode != 0:
+            lines = [x for x in (done.stderr + done.stdout).splitlines() if x.strip()]
+            errors = [x for x in lines if "error" in x.lower()] or lines
+            reason = " | ".join(e if len(e) < 200 else e[:200] + "..." for e in errors[-2:])
+            return None, f"pip install {PYTRITON} failed: {reason}", "?"
+        found = installed()
+        if found is None:
+            return None, f"{PYTRITON} installed, but 'import pytriton' fails in {venv}", "?"
+    return python, found[0], found[1]
+
+
 # -- the run ------------------------------------------------------------------------------
+
+
+def triton_view(model: bench_http.Model) -> bench_http.Model:
+    """The model as Triton answers it: a batching model's [N] output comes back as [N, 1]."""
+    reference = {k: v.reshape(-1, 1) if v.ndim == 1 else v for k, v in model.reference.items()}
+    return dataclasses.replace(model, reference=reference)
 
 
 def verify(
@@ -380,6 +580,8 @@ def verify(
     The first system checked also writes the Lua script every system is measured with.
     """
     for name, model in models.items():
+        if server.system == "triton":
+            model = triton_view(model)
         if name not in scripts:
             script = bench_http.write_script(lua_dir, model, ENCODING, server)  # type: ignore[arg-type]
             scripts[name] = script.path
@@ -448,23 +650,25 @@ def print_table(rows: Sequence[Row], systems: Sequence[str], args: argparse.Name
                     f"{f'{errors}!' if errors else '0':>6} {cell(cpu, ',.0f'):>20}"
                 )
             print()
-    if "mlserver" not in systems or len(systems) < 2:
-        return
-    print("ratios over MLServer, req/s (median of the per-repeat ratios; each repeat's value)")
-    for system in (s for s in systems if s != "mlserver"):
-        for model in args.models:
-            for conc in args.concurrency:
-                ratios = []
-                for rep in range(1, args.repeat + 1):
-                    a = bench_http.find(rows, model, system, conc, rep)
-                    b = bench_http.find(rows, model, "mlserver", conc, rep)
-                    if a and b and b.rate:
-                        ratios.append(a.rate / b.rate)
-                if ratios:
-                    print(
-                        f"  {system:<10} / mlserver  {model:<6} C={conc:<3} "
-                        f"{med(ratios):5.2f}x  ({fmt_each(ratios, '.2f')})"
-                    )
+    for peer in (p for p in PEERS if p in systems):
+        ours = [s for s in systems if s not in PEERS]
+        if not ours:
+            continue
+        print(f"ratios over {peer}, req/s (median of the per-repeat ratios; each repeat's value)")
+        for system in ours:
+            for model in args.models:
+                for conc in args.concurrency:
+                    ratios = []
+                    for rep in range(1, args.repeat + 1):
+                        a = bench_http.find(rows, model, system, conc, rep)
+                        b = bench_http.find(rows, model, peer, conc, rep)
+                        if a and b and b.rate:
+                            ratios.append(a.rate / b.rate)
+                    if ratios:
+                        print(
+                            f"  {system:<10} / {peer:<8}  {model:<6} C={conc:<3} "
+                            f"{med(ratios):5.2f}x  ({fmt_each(ratios, '.2f')})"
+                        )
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -539,6 +743,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         if mlserver_exe is None:
             print(f"MLServer SKIPPED: {mlserver_version}", flush=True)
             systems.remove("mlserver")
+    triton_python: Path | None = None
+    triton_version = triton_ort = "not used"
+    if "triton" in systems:
+        triton_python, triton_version, triton_ort = triton_env(args)
+        if triton_python is None:
+            print(f"Triton SKIPPED: {triton_version}", flush=True)
+            systems.remove("triton")
     if not systems:
         return 1
     rows: list[Row] = []
@@ -564,6 +775,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                     if system == "mlserver":
                         assert mlserver_exe is not None
                         server = start_mlserver(mlserver_exe, ml_repository, args, log)
+                    elif system == "triton":
+                        assert triton_python is not None
+                        server = start_triton(triton_python, models, args, log)
                     else:
                         server = start_trioinfer(system, repository, args, log)
                 except (RuntimeError, SystemExit) as exc:
@@ -578,7 +792,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     try:
                         verify(server, models, lua_dir, scripts, checked)
                     except SystemExit as exc:
-                        if system != "mlserver":
+                        if system not in PEERS:
                             raise
                         skipped[system] = f"its answer is wrong: {exc}"
                         print(f"{system} SKIPPED: {skipped[system]}", flush=True)
@@ -602,10 +816,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"{system} SKIPPED: {reason}")
     if "mlserver" in args.systems and mlserver_exe is None:
         print(f"mlserver SKIPPED: {mlserver_version}")
+    if "triton" in args.systems and triton_python is None:
+        print(f"triton SKIPPED: {triton_version}")
     print()
     print(versions())
     if mlserver_exe is not None:
         print(f"mlserver {mlserver_version} (its venv: onnxruntime {mlserver_ort})")
+    if triton_python is not None:
+        print(f"nvidia-pytriton {triton_version} (its venv: onnxruntime {triton_ort})")
     print(
         f"every ONNX Runtime session: intra_op_num_threads={args.threads}, sequential, CPU; "
         f"batching max {MAX_BATCH} / {MAX_QUEUE_DELAY * 1e3:g} ms; one instance; "
