@@ -82,7 +82,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -456,107 +456,106 @@ def tail(path: Path, lines: int = 20) -> str:
 # -- MLServer's environment ----------------------------------------------------------------
 
 
-def mlserver_env(args: argparse.Namespace) -> tuple[Path | None, str, str]:
-    """(the ``mlserver`` executable or None, its version or the reason it is missing, ORT's)."""
-    venv = Path(args.peers_dir) / "mlserver-venv"
+def peer_venv(
+    venv: Path,
+    probe: str,
+    fields: int,
+    current: Callable[[list[str]], bool],
+    package_sets: Sequence[Sequence[str]],
+    what: str,
+) -> tuple[list[str] | None, str]:
+    """Make sure *venv* holds a peer: (what *probe* printed, split, or None; why not).
+
+    *probe* prints *fields* words when the peer imports; *current* says whether
+    they are the versions wanted. Otherwise each package set is tried in turn
+    until pip installs one.
+    """
     python = venv / "bin" / "python"
-    mlserver = venv / "bin" / "mlserver"
-    wanted = f"mlserver=={args.mlserver_version}"
-    probe = (
-        "import importlib.metadata as m; "
-        "print(m.version('mlserver'), m.version('onnxruntime'), m.version('uvloop'))"
-    )
-
-    def installed() -> list[str] | None:
-        if not (python.exists() and mlserver.exists()):
-            return None
-        done = subprocess.run([str(python), "-c", probe], capture_output=True, text=True)
-        found = done.stdout.split()
-        return found if done.returncode == 0 and len(found) == 3 else None
-
-    # The same ONNX Runtime as this interpreter's, when pip has it; any other if not.
-    ort_pin = f"onnxruntime=={ort.__version__}"
-    found = installed()
-    if found is None or found[0] != args.mlserver_version or found[1] != ort.__version__:
-        try:
-            if not python.exists():
-                subprocess.run(
-                    [sys.executable, "-m", "venv", str(venv)],
-                    check=True,
-                    capture_output=True,
-                    text=True,
-                )
-            for packages in ([wanted, ort_pin, UVLOOP], [wanted, "onnxruntime", UVLOOP]):
-                print(f"installing {' '.join(packages)} into {venv} ...", flush=True)
-                done = subprocess.run(
-                    [str(python), "-m", "pip", "install", "-q", *packages],
-                    capture_output=True,
-                    text=True,
-                    timeout=1200,
-                )
-                if done.returncode == 0:
-                    break
-        except (OSError, subprocess.SubprocessError) as exc:
-            return None, f"could not create {venv}: {exc}", "?"
-        if done.returncode != 0:
-            lines = [x for x in (done.stderr + done.stdout).splitlines() if x.strip()]
-            errors = [x for x in lines if "error" in x.lower()] or lines
-            reason = " | ".join(e if len(e) < 200 else e[:200] + "..." for e in errors[-2:])
-            return None, f"pip install {wanted} failed: {reason}", "?"
-        found = installed()
-        if found is None:
-            return None, f"{wanted} installed, but 'import mlserver' fails in {venv}", "?"
-    return mlserver, found[0], f"{found[1]}, uvloop {found[2]}"
-
-
-def triton_env(args: argparse.Namespace) -> tuple[Path | None, str, str]:
-    """(the Triton venv's python or None, PyTriton's version or why it is missing, ORT's)."""
-    venv = Path(args.peers_dir) / "triton-venv"
-    python = venv / "bin" / "python"
-    probe = (
-        "import importlib.metadata as m, pytriton.triton; "
-        "print(m.version('nvidia-pytriton'), m.version('onnxruntime'))"
-    )
 
     def installed() -> list[str] | None:
         if not python.exists():
             return None
         done = subprocess.run([str(python), "-c", probe], capture_output=True, text=True)
         found = done.stdout.split()
-        return found if done.returncode == 0 and len(found) == 2 else None
+        return found if done.returncode == 0 and len(found) == fields else None
 
-    ort_pin = f"onnxruntime=={ort.__version__}"
     found = installed()
-    if found is None or found[1] != ort.__version__:
-        try:
-            if not python.exists():
-                subprocess.run(
-                    [sys.executable, "-m", "venv", str(venv)],
-                    check=True,
-                    capture_output=True,
-                    text=True,
-                )
-            for packages in ([PYTRITON, ort_pin, "numpy"], [PYTRITON, "onnxruntime", "numpy"]):
-                print(f"installing {' '.join(packages)} into {venv} ...", flush=True)
-                done = subprocess.run(
-                    [str(python), "-m", "pip", "install", "-q", *packages],
-                    capture_output=True,
-                    text=True,
-                    timeout=1200,
-                )
-                if done.returncode == 0:
-                    break
-        except (OSError, subprocess.SubprocessError) as exc:
-            return None, f"could not create {venv}: {exc}", "?"
-        if done.returncode != 0:
-            lines = [x for x in (done.stderr + done.stdout).splitlines() if x.strip()]
-            errors = [x for x in lines if "error" in x.lower()] or lines
-            reason = " | ".join(e if len(e) < 200 else e[:200] + "..." for e in errors[-2:])
-            return None, f"pip install {PYTRITON} failed: {reason}", "?"
-        found = installed()
-        if found is None:
-            return None, f"{PYTRITON} installed, but 'import pytriton' fails in {venv}", "?"
-    return python, found[0], found[1]
+    if found is not None and current(found):
+        return found, ""
+    try:
+        if not python.exists():
+            subprocess.run(
+                [sys.executable, "-m", "venv", str(venv)],
+                check=True,
+                capture_output=True,
+                text=True,
+            )
+        for packages in package_sets:
+            print(f"installing {' '.join(packages)} into {venv} ...", flush=True)
+            done = subprocess.run(
+                [str(python), "-m", "pip", "install", "-q", *packages],
+                capture_output=True,
+                text=True,
+                timeout=1200,
+            )
+            if done.returncode == 0:
+                break
+    except (OSError, subprocess.SubprocessError) as exc:
+        return None, f"could not create {venv}: {exc}"
+    if done.returncode != 0:
+        lines = [x for x in (done.stderr + done.stdout).splitlines() if x.strip()]
+        errors = [x for x in lines if "error" in x.lower()] or lines
+        reason = " | ".join(e if len(e) < 200 else e[:200] + "..." for e in errors[-2:])
+        return None, f"pip install {what} failed: {reason}"
+    found = installed()
+    if found is None:
+        return None, f"{what} installed, but it does not import in {venv}"
+    return found, ""
+
+
+def mlserver_env(args: argparse.Namespace) -> tuple[Path | None, str, str]:
+    """(the ``mlserver`` executable or None, its version or the reason it is missing, ORT's)."""
+    venv = Path(args.peers_dir) / "mlserver-venv"
+    mlserver = venv / "bin" / "mlserver"
+    wanted = f"mlserver=={args.mlserver_version}"
+    probe = (
+        "import importlib.metadata as m; "
+        "print(m.version('mlserver'), m.version('onnxruntime'), m.version('uvloop'))"
+    )
+    # The same ONNX Runtime as this interpreter's, when pip has it; any other if not.
+    ort_pin = f"onnxruntime=={ort.__version__}"
+    found, why = peer_venv(
+        venv,
+        probe,
+        3,
+        lambda f: f[0] == args.mlserver_version and f[1] == ort.__version__,
+        ([wanted, ort_pin, UVLOOP], [wanted, "onnxruntime", UVLOOP]),
+        wanted,
+    )
+    if found is None or not mlserver.exists():
+        return None, why or f"no mlserver executable in {venv}", "?"
+    return mlserver, found[0], f"{found[1]}, uvloop {found[2]}"
+
+
+def triton_env(args: argparse.Namespace) -> tuple[Path | None, str, str]:
+    """(the Triton venv's python or None, PyTriton's version or why it is missing, ORT's)."""
+    venv = Path(args.peers_dir) / "triton-venv"
+    probe = (
+        "import importlib.metadata as m, pytriton.triton; "
+        "print(m.version('nvidia-pytriton'), m.version('onnxruntime'))"
+    )
+    ort_pin = f"onnxruntime=={ort.__version__}"
+    found, why = peer_venv(
+        venv,
+        probe,
+        2,
+        lambda f: f[1] == ort.__version__,
+        ([PYTRITON, ort_pin, "numpy"], [PYTRITON, "onnxruntime", "numpy"]),
+        PYTRITON,
+    )
+    if found is None:
+        return None, why, "?"
+    return venv / "bin" / "python", found[0], found[1]
 
 
 # -- the run ------------------------------------------------------------------------------
