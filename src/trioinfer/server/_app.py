@@ -57,6 +57,7 @@ from ._codec import (
     parse_header_length,
     v2_datatype,
 )
+from ._errors import ClientLeft, NotReady, Unauthorized
 from ._metrics import InFlight, Metrics
 from ._models import ServedModels, ServedVersion
 
@@ -73,18 +74,6 @@ EXTENSIONS: Final = (
 )
 
 _JSON: Final = "application/json"
-
-
-class Unauthorized(TrioInferError):
-    """A request without the bearer token an endpoint requires (HTTP 401)."""
-
-
-class NotReady(TrioInferError):
-    """The server is shutting down and takes no new inference (HTTP 503)."""
-
-
-class ClientLeft(TrioInferError):
-    """The client disconnected before the request was answered: nobody to answer."""
 
 
 #: Scope key set once a request's body has been read to its end.

@@ -33,6 +33,7 @@ from .._exceptions import (
     QueueFull,
 )
 from .._runner import Histogram
+from ._errors import NotReady, Unauthorized
 
 if TYPE_CHECKING:
     from ._models import ServedModels, ServedVersion
@@ -48,10 +49,9 @@ _OUTCOMES: Final[tuple[tuple[type[BaseException], str], ...]] = (
     (BackendUnavailable, "unavailable"),
     (BackendError, "backend_error"),
     (EngineClosed, "unavailable"),
+    (NotReady, "unavailable"),
+    (Unauthorized, "unauthorized"),
 )
-# The HTTP layer's own refusals (not ready, unauthorised) are matched by name to
-# avoid importing the app here.
-_HTTP_OUTCOMES: Final = {"NotReady": "unavailable", "Unauthorized": "unauthorized"}
 
 
 def outcome_of(error: BaseException) -> str:
@@ -59,7 +59,7 @@ def outcome_of(error: BaseException) -> str:
     for kind, outcome in _OUTCOMES:
         if isinstance(error, kind):
             return outcome
-    return _HTTP_OUTCOMES.get(type(error).__name__, "other")
+    return "other"
 
 
 @final
