@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Awaitable, Callable, Sequence
-from typing import Any
 
 import attrs
 import numpy as np
@@ -14,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import trioinfer
-from trioinfer import Instance, ModelConfig, ModelSignature, Request, TensorSpec, open_engine
+from trioinfer import Instance, ModelConfig, ModelSignature, TensorSpec, open_engine
 from trioinfer.testing import FakeBackend
 
 F32 = np.dtype(np.float32)
@@ -77,11 +75,8 @@ class RecordingFallback:
     def __init__(self) -> None:
         self.executions: list[Execution] = []
 
-    async def execute(
-        self,
-        requests: Sequence[Request],
-        call: Callable[[], Awaitable[dict[str, np.ndarray[Any, Any]]]],
-    ) -> dict[str, np.ndarray[Any, Any]]:
+    async def execute(self, execution: trioinfer.Execution) -> None:
+        requests = execution.requests
         self.executions.append(
             Execution(
                 start=trio.current_time(),
@@ -90,7 +85,7 @@ class RecordingFallback:
                 widths={r.inputs["x"].shape[1] for r in requests},
             )
         )
-        return await call()
+        await execution.run()
 
 
 @settings(max_examples=80, deadline=None)

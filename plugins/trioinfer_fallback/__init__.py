@@ -1,15 +1,23 @@
-"""First-party fallback plugins (entry-point group ``trioinfer.fallbacks``)."""
+"""First-party fallback plugins (entry-point group ``trioinfer.fallbacks``).
+
+- ``none`` ([`NoFallback`][trioinfer_fallback.NoFallback]): run each batch once
+  where the engine sent it.
+- ``resilient`` ([`Resilient`][trioinfer_fallback.Resilient]): per-instance
+  circuit breakers with background probing and re-creation of dead sessions,
+  retries with backoff, failover to other instances, devices and models, a
+  static default answer, and optional hedging.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, Sequence
-from typing import Any, final
+from typing import final
 
-import numpy as np
+from trioinfer import Execution
 
-from trioinfer import Request
+from ._breaker import Breaker, BreakerState
+from ._resilient import Resilient
 
-__all__ = ["NoFallback"]
+__all__ = ["Breaker", "BreakerState", "NoFallback", "Resilient"]
 
 
 @final
@@ -18,10 +26,6 @@ class NoFallback:
 
     __slots__ = ()
 
-    async def execute(
-        self,
-        requests: Sequence[Request],
-        call: Callable[[], Awaitable[dict[str, np.ndarray[Any, Any]]]],
-    ) -> dict[str, np.ndarray[Any, Any]]:
+    async def execute(self, execution: Execution) -> None:
         """Run the batch once, as the engine dispatched it."""
-        return await call()
+        await execution.run()

@@ -22,6 +22,7 @@ from ._config import Device, ModelConfig
 from ._exceptions import (
     BackendError,
     ConfigError,
+    DeadlineExceeded,
     EngineClosed,
     ModelNotFound,
     PluginError,
@@ -49,6 +50,30 @@ class ModelInfo:
     config: ModelConfig
     signature: ModelSignature
     devices: tuple[str, ...]
+
+
+@attrs.frozen
+class InferenceResult:
+    """Outputs, and which instance and fallback steps produced them.
+
+    Attributes:
+        outputs: The outputs by name, as [`Engine.infer()`][trioinfer.Engine.infer] returns them.
+        model: The model that computed them: the one asked for, or the one a
+            fallback failed over to.
+        instance: The index of the instance that computed them, or ``None``
+            when no instance of *model* did (a fallback's default answer).
+        device: Where that instance runs, or ``None``.
+        fallbacks: The fallback steps taken on the way, in order (empty when
+            the first execution answered): ``"retry instance 0 (cpu)"``,
+            ``"failover instance 1 (cpu)"``, ``"hedge instance 1 (cpu)"``,
+            ``"model small"``, ``"default"``.
+    """
+
+    outputs: Outputs
+    model: str
+    instance: int | None
+    device: str | None
+    fallbacks: tuple[str, ...]
 
 
 @attrs.frozen
@@ -140,14 +165,21 @@ class Engine:
                         f"trioinfer.abc.{protocol.__name__}: got {type(plugin).__name__}"
                     )
             instances = await _load_instances(backend, config)
-            runner = ModelRunner(
-                config,
-                scheduler=scheduler,
-                batcher=batcher,
-                fallback=fallback,
-                instances=instances,
-                device_limits=self._device_limits,
-            )
+            try:
+                runner = ModelRunner(
+                    config,
+                    scheduler=scheduler,
+                    batcher=batcher,
+                    fallback=fallback,
+                    instances=instances,
+                    device_limits=self._device_limits,
+                    backend=backend,
+                    infer_elsewhere=self._infer_elsewhere,
+                )
+            except BaseException:
+                # A plugin refused the model in attach(): do not leave instances behind.
+                await close_instances(instances)
+                raise
             if self._closing:
                 # The engine began to close while we loaded: do not leave instances behind.
                 await close_instances(instances)
@@ -231,8 +263,73 @@ class Engine:
                 the caller's scope did not report it first (a caller under
                 ``fail_after`` normally sees ``TooSlowError`` instead).
             BackendError: The backend failed while running it.
+            CircuitOpen: Every instance of the model is out of service (a fallback's
+                circuit breaker took them out); ``retry_after`` says when to try again.
             EngineClosed: The engine is closing, or closed before the request ended.
         """
+        request = await self._submit(model, inputs, priority, tenant, request_id)
+        assert request._state.outputs is not None
+        return request._state.outputs
+
+    async def infer_detailed(
+        self,
+        model: str,
+        inputs: Mapping[str, Any],
+        *,
+        priority: int = 0,
+        tenant: str | None = None,
+        request_id: str | None = None,
+    ) -> InferenceResult:
+        """Like [`infer()`][trioinfer.Engine.infer], and say which instance answered and how.
+
+        Use it to tell whether a fallback served the request (a retry, another
+        instance or device, another model, a default answer). Same arguments
+        and errors as `infer()`.
+        """
+        request = await self._submit(model, inputs, priority, tenant, request_id)
+        state = request._state
+        assert state.outputs is not None
+        served_by = state.served_by
+        if isinstance(served_by, str):  # answered by another model
+            return InferenceResult(state.outputs, served_by, None, None, state.fallbacks)
+        if served_by is None:  # answered by the fallback itself
+            return InferenceResult(state.outputs, model, None, None, state.fallbacks)
+        return InferenceResult(
+            state.outputs, model, served_by.index, served_by.device, state.fallbacks
+        )
+
+    async def _infer_elsewhere(self, model: str, original: Request) -> Outputs:
+        # A fallback's failover of one request to another model, on the worker's task:
+        # the request's deadline becomes this call's cancel scope.
+        runner = self._runner(model)
+        arrays = validate_inputs(model, runner.signature, original.inputs, runner.input_limits)
+        request = Request(
+            model,
+            arrays,
+            id=original.id,
+            priority=original.priority,
+            tenant=original.tenant,
+            deadline=original.deadline,
+            arrival=runner.clock.current_time(),
+            rows=rows(arrays) if runner.batched else 1,
+        )
+        request._state.failover = True
+        with anyio.CancelScope(deadline=original.deadline):
+            outputs = await runner.call(request)
+            original._state.served_by = model
+            return outputs
+        raise DeadlineExceeded(
+            f"request {original.id!r} reached its deadline while failing over to model {model!r}"
+        )
+
+    async def _submit(
+        self,
+        model: str,
+        inputs: Mapping[str, Any],
+        priority: int,
+        tenant: str | None,
+        request_id: str | None,
+    ) -> Request:
         runner = self._runner(model)
         arrays = validate_inputs(model, runner.signature, inputs, runner.input_limits)
         clock = runner.clock
@@ -259,7 +356,8 @@ class Engine:
             arrival=arrival,
             rows=rows(arrays) if runner.batched else 1,
         )
-        return await runner.call(request, own_deadline=own_deadline)
+        await runner.call(request, own_deadline=own_deadline)
+        return request
 
     def statistics(self) -> EngineStatistics:
         """A snapshot of every loaded model's counters."""

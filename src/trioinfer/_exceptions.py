@@ -76,11 +76,40 @@ class DeadlineExceeded(TrioInferError):
 
 
 class BackendError(TrioInferError):
-    """The backend failed while executing a request; the cause is chained as ``__cause__``."""
+    """The backend failed while executing a request; the cause is chained as ``__cause__``.
+
+    Attributes:
+        transient: Whether the same call may well succeed if tried again (a
+            device briefly out of memory, a timeout), as opposed to a fault that
+            will repeat (a malformed model, a dead session). Retry policies
+            retry only transient errors. Backends set it; it defaults to false.
+    """
+
+    transient: bool = False
+
+    def __init__(self, *args: object, transient: bool | None = None) -> None:
+        super().__init__(*args)
+        if transient is not None:
+            self.transient = transient
 
 
 class BackendUnavailable(BackendError):
     """The requested device or execution provider is not usable, and no fallback was allowed."""
+
+
+class CircuitOpen(TrioInferError):
+    """Every instance of the model is taken out of service, so the request was refused at once.
+
+    A fallback plugin's circuit breaker takes out an instance that keeps
+    failing and probes it in the background until it recovers.
+
+    Attributes:
+        retry_after: A hint, in seconds, of when an instance is likely to be back.
+    """
+
+    def __init__(self, message: str, *, retry_after: float) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
 
 
 class EngineClosed(TrioInferError):

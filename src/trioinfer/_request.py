@@ -41,6 +41,12 @@ class _State:
     error: BaseException | None = None
     abandoned: bool = False
     batch: Any = None
+    # Who answered (a Replica, or the name of the model failed over to) and the
+    # fallback steps taken on the way, for InferenceResult.
+    served_by: Any = None
+    fallbacks: tuple[str, ...] = ()
+    # Set on requests a fallback sent to another model, which fail over no further.
+    failover: bool = False
 
 
 @attrs.frozen(eq=False)

@@ -23,11 +23,14 @@ import anyio
 import anyio.abc
 import anyio.lowlevel
 import attrs
+import numpy as np
 
 from ._buffers import BufferPool
 from ._config import ModelConfig
+from ._dispatch import Execution, FallbackContext, Replica, ReplicaStatistics, logger
 from ._exceptions import (
     BackendError,
+    CircuitOpen,
     DeadlineExceeded,
     EngineClosed,
     PluginError,
@@ -37,7 +40,7 @@ from ._exceptions import (
 from ._request import Outputs, Request, Status
 from ._tensors import InputLimits, ModelSignature
 from ._threads import EventLike, LoopClock, native_event_factory
-from .abc import BackendInstance, Batcher, Fallback, Scheduler
+from .abc import Backend, BackendInstance, Batcher, Fallback, Scheduler
 
 #: How long closing instances may take at shutdown before we stop waiting.
 CLEANUP_S = 10.0
@@ -174,7 +177,7 @@ class SchedulerContext:
     @property
     def instances(self) -> int:
         """How many instances execute this model's batches in parallel."""
-        return len(self._runner._instances)
+        return len(self._runner.replicas)
 
     def execution_estimate(self) -> float:
         """A moving average of one execution's duration in seconds (0.0 before the first)."""
@@ -260,6 +263,10 @@ class ModelStatistics:
             instance took part in (its batch's execution time, failed runs included).
         request_duration: Seconds from arrival to outputs, for each request that succeeded.
         batch_size: Rows per execution.
+        replicas: Each loaded instance's state and counters.
+        fallbacks: Requests that took each kind of fallback step, by the step's
+            first word (``"retry"``, ``"failover"``, ``"hedge"``, ``"model"``,
+            ``"default"``; see [`Execution.note()`][trioinfer.Execution.note]).
     """
 
     name: str
@@ -279,6 +286,8 @@ class ModelStatistics:
     compute_duration: Histogram
     request_duration: Histogram
     batch_size: Histogram
+    replicas: tuple[ReplicaStatistics, ...] = ()
+    fallbacks: Mapping[str, int] = attrs.field(factory=dict)
 
 
 @final
@@ -297,20 +306,28 @@ class _Turns:
         self._busy = False
         self._waiting: list[list[Any]] = []  # heap of [-capacity, number, event, granted]
         self._numbers = itertools.count()
-        # The instance forming a batch now: its capacity, forming scope, queue.taken then.
-        self._holder: tuple[float, anyio.CancelScope, int] | None = None
+        # The instance forming a batch now: its capacity, forming scope, queue.taken
+        # then, and its replica.
+        self._holder: tuple[float, anyio.CancelScope, int, Replica | None] | None = None
 
     async def form(
-        self, capacity: float, batcher: Batcher, in_line: Callable[[], object] | None = None
+        self,
+        capacity: float,
+        batcher: Batcher,
+        in_line: Callable[[], object] | None = None,
+        replica: Replica | None = None,
     ) -> Sequence[Request] | None:
         """Wait for this instance's turn, then form a batch; None if a bigger one took over.
 
         *in_line* is called once this instance holds the turn or waits for it.
         """
         await self._acquire(capacity, in_line)
+        if replica is not None and not replica.serving:
+            self.release()  # taken out while in line: let a serving instance form
+            return None
         try:
             with anyio.CancelScope() as scope:
-                self._holder = (capacity, scope, self._queue.taken)
+                self._holder = (capacity, scope, self._queue.taken, replica)
                 return await batcher.next_batch(self._queue)
             return None
         finally:
@@ -339,6 +356,12 @@ class _Turns:
             else:
                 entry[2] = None  # dropped from the heap when it reaches the top
             raise
+
+    def cancel_forming(self, replica: Replica) -> None:
+        """Stop *replica* forming a batch if it is, giving back what it took."""
+        holder = self._holder
+        if holder is not None and holder[3] is replica:
+            holder[1].cancel()
 
     def release(self) -> None:
         while self._waiting:
@@ -369,6 +392,11 @@ class ModelRunner:
     _batcher: Batcher = attrs.field(alias="batcher")
     _fallback: Fallback = attrs.field(alias="fallback")
     _instances: list[BackendInstance] = attrs.field(alias="instances")
+    #: The backend plugin, for re-creating an instance.
+    _backend: Backend | None = attrs.field(default=None, alias="backend")
+    #: Runs a request on another model (set by the engine), for fallbacks.
+    infer_elsewhere: Callable[[str, Request], Any] | None = attrs.field(default=None)
+    replicas: list[Replica] = attrs.field(init=False)
     queue: RequestQueue = attrs.field(init=False)
     signature: ModelSignature = attrs.field(init=False)
     input_limits: InputLimits = attrs.field(init=False)
@@ -395,6 +423,9 @@ class ModelRunner:
     expired: int = attrs.field(default=0, init=False)
     executions: int = attrs.field(default=0, init=False)
     _mean_execution_s: float = attrs.field(default=0.0, init=False)
+    fallbacks: dict[str, int] = attrs.field(factory=dict, init=False)
+    _serving: int = attrs.field(default=0, init=False)
+    _task_group: anyio.abc.TaskGroup | None = attrs.field(default=None, init=False)
     _queue_duration: _Histogram = attrs.field(
         factory=lambda: _Histogram(DURATION_BUCKETS), init=False
     )
@@ -409,6 +440,11 @@ class ModelRunner:
     def __attrs_post_init__(self) -> None:
         self._new_event = native_event_factory()
         self.clock = LoopClock()
+        self.replicas = [
+            Replica(instance, placement, _depth(instance), self._new_event)
+            for instance, placement in zip(self._instances, self.config.placements(), strict=True)
+        ]
+        self._serving = len(self.replicas)
         self.signature = self._instances[0].signature
         self.batched = self.signature.batched
         self.queue = RequestQueue(self._scheduler, self._expire, self.batched)
@@ -419,13 +455,16 @@ class ModelRunner:
         attach = getattr(self._scheduler, "attach", None)
         if attach is not None:
             attach(SchedulerContext(self))
+        attach = getattr(self._fallback, "attach", None)
+        if attach is not None:
+            attach(FallbackContext(self))
         self.input_limits = self.config.input_limits
         self.queue_timeouts = self.config.queue_timeouts
 
     @property
     def devices(self) -> tuple[str, ...]:
         """Where each instance really runs."""
-        return tuple(instance.device for instance in self._instances)
+        return tuple(replica.device for replica in self.replicas)
 
     # -- the tasks ---------------------------------------------------------------
 
@@ -434,17 +473,12 @@ class ModelRunner:
         try:
             with self._scope:
                 async with anyio.create_task_group() as tg:
+                    self._task_group = tg
                     # Biggest first, each in line before the next starts, so that
                     # the first requests already go to the biggest free instance.
-                    pairs = zip(self._instances, self.config.placements(), strict=True)
-                    for instance, placement in sorted(pairs, key=lambda p: -p[1].capacity):
-                        for _ in range(_depth(instance)):
-                            await tg.start(
-                                self._worker,
-                                instance,
-                                placement.capacity,
-                                self._device_limits.get(instance.device),
-                            )
+                    for replica in sorted(self.replicas, key=lambda r: -r.capacity):
+                        for _ in range(_depth(replica._backend_instance)):
+                            await tg.start(self._worker, replica)
                     task_status.started()
         finally:
             for request in list(self._in_flight):
@@ -455,18 +489,18 @@ class ModelRunner:
                         f"before request {request.id!r} ended"
                     ),
                 )
-            await close_instances(self._instances)
+            self._task_group = None
+            await close_instances([replica._backend_instance for replica in self.replicas])
             self._finished.set()
 
     async def _worker(
         self,
-        instance: BackendInstance,
-        capacity: float,
-        limiter: anyio.CapacityLimiter | None,
+        replica: Replica,
         *,
         task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED,
     ) -> None:
         alone = sum(map(_depth, self._instances)) == 1
+        capacity = replica.capacity
         in_line: Callable[[], object] | None = task_status.started
         if alone:
             task_status.started()
@@ -476,11 +510,14 @@ class ModelRunner:
             # which saves a scope per execution on the hot path.
             with anyio.CancelScope() as scope:
                 while True:
+                    if replica._back is not None:
+                        await replica._back.wait()  # out of service: wait to be put back
+                        continue
                     if alone:
                         batch = await self._batcher.next_batch(self.queue)
                     else:
                         # One free instance forms a batch at a time, the biggest first.
-                        formed = await self._turns.form(capacity, self._batcher, in_line)
+                        formed = await self._turns.form(capacity, self._batcher, in_line, replica)
                         in_line = None
                         if formed is None:
                             continue
@@ -489,14 +526,16 @@ class ModelRunner:
                         raise PluginError(
                             f"batcher of model {self.config.name!r} returned an empty batch"
                         )
-                    if limiter is None:
-                        await self._execute(instance, batch, scope)
-                    else:
-                        async with limiter:
-                            await self._execute(instance, batch, scope)
+                    if not replica.serving:
+                        # Taken out while forming: the batch goes to a serving replica.
+                        self.queue.put_back(batch)
+                        if not self._serving:
+                            self._refuse_queued()
+                        continue
+                    await self._execute(replica, batch, scope)
 
     async def _execute(
-        self, instance: BackendInstance, batch: Sequence[Request], scope: anyio.CancelScope
+        self, replica: Replica, batch: Sequence[Request], scope: anyio.CancelScope
     ) -> None:
         started = self.clock.current_time()
         live: list[Request] = []
@@ -516,47 +555,83 @@ class ModelRunner:
             )
         running = _Running(scope, len(live))
         queue_duration = self._queue_duration.observe
-        rows = 0
         for request in live:
             request._state.status = Status.RUNNING
             request._state.batch = running
             queue_duration(started - request.arrival)
-            rows += request.rows
-        self._batch_size.observe(rows)
-        outputs: Outputs | None = None
-        split: Callable[[Outputs], Sequence[Outputs]]
-        taken: list[Any] = []
-        if self._assemble is not None:
-            try:
-                inputs, split = self._assemble(live)
-            except Exception as exc:
-                # A batcher's bug fails its batch, not the instance's worker.
-                self._fail_plugin(live, "assemble", exc)
-                return
-        elif len(live) == 1:
-            inputs, split = live[0].inputs, _alone
-        else:
-            names = live[0].inputs.keys()
-            inputs, taken = self._pool.concatenate(
-                {name: [r.inputs[name] for r in live] for name in names}
-            )
-            split = functools.partial(_split, live)
-        self.executions += 1
+        execution = Execution(self, live, replica)
         try:
-            outputs = await self._fallback.execute(live, lambda: instance.execute(inputs))
+            await self._fallback.execute(execution)
         except Exception as exc:
-            for request in live:
+            for request in execution.pending():
                 self._finish(request, error=_backend_error(self.config.name, request, exc))
             return
+        for request in execution.pending():
+            self._finish(
+                request,
+                error=PluginError(
+                    f"fallback of model {self.config.name!r} returned without answering "
+                    f"request {request.id!r}"
+                ),
+            )
+
+    async def _attempt(self, execution: Execution, replica: Replica) -> None:
+        # One execution of a batch's pending requests on one replica: the engine's
+        # side of Execution.run().
+        slot = replica._slot
+        await slot.acquire()
+        try:
+            live = execution.pending()
+            if not live:
+                return
+            rows = 0
+            for request in live:
+                rows += request.rows
+            outputs: Outputs | None = None
+            split: Callable[[Outputs], Sequence[Outputs]]
+            taken: list[Any] = []
+            if self._assemble is not None:
+                try:
+                    inputs, split = self._assemble(live)
+                except Exception as exc:
+                    # A batcher's bug fails its batch, not the instance's worker.
+                    self._fail_plugin(live, "assemble", exc)
+                    return
+            elif len(live) == 1:
+                inputs, split = live[0].inputs, _alone
+            else:
+                names = live[0].inputs.keys()
+                inputs, taken = self._pool.concatenate(
+                    {name: [r.inputs[name] for r in live] for name in names}
+                )
+                split = functools.partial(_split, live)
+            self._batch_size.observe(rows)
+            self.executions += 1
+            replica.executions += 1
+            started = self.clock.current_time()
+            limiter = self._device_limits.get(replica.device)
+            try:
+                if limiter is None:
+                    outputs = await replica._backend_instance.execute(inputs)
+                else:
+                    async with limiter:
+                        outputs = await replica._backend_instance.execute(inputs)
+            except Exception:
+                replica.failures += 1
+                raise
+            finally:
+                ended = self.clock.current_time()
+                elapsed = ended - started
+                self._compute_duration.observe(elapsed, len(live))
+                if outputs is not None:  # aborted and failed runs say little of the next one
+                    mean = self._mean_execution_s
+                    self._mean_execution_s = (
+                        elapsed if mean == 0.0 else mean + 0.2 * (elapsed - mean)
+                    )
+                if taken:
+                    self._pool.give_back(taken, outputs)
         finally:
-            ended = self.clock.current_time()
-            elapsed = ended - started
-            self._compute_duration.observe(elapsed, len(live))
-            if outputs is not None:  # aborted and failed runs say little of the next one
-                mean = self._mean_execution_s
-                self._mean_execution_s = elapsed if mean == 0.0 else mean + 0.2 * (elapsed - mean)
-            if taken:
-                self._pool.give_back(taken, outputs)
+            slot.release()
         try:
             shares = split(outputs)
         except Exception as exc:
@@ -568,8 +643,10 @@ class ModelRunner:
             return
         request_duration = self._request_duration.observe
         for request, share in zip(live, shares, strict=True):
-            if request._state.status is Status.RUNNING:
+            state = request._state
+            if state.status is Status.RUNNING:
                 request_duration(ended - request.arrival)
+                state.served_by = replica
             self._finish(request, outputs=share)
 
     def _fail_plugin(self, requests: Sequence[Request], step: str, exc: Exception) -> None:
@@ -593,6 +670,9 @@ class ModelRunner:
         """
         state = request._state
         state.done = self._new_event()
+        if not self._serving:
+            self.refused += 1
+            raise self._circuit_open()
         if len(self.queue) >= self.config.max_queue_size:
             self.refused += 1
             raise QueueFull(
@@ -688,6 +768,123 @@ class ModelRunner:
             self._idle.set()
             self._idle = None
 
+    # -- replicas in and out of service (FallbackContext) ------------------------------
+
+    def take_out(self, replica: Replica, reason: str, retry_after: float) -> None:
+        """Stop dispatching to *replica*; see `FallbackContext.take_out`."""
+        replica._retry_at = self.clock.current_time() + max(retry_after, 0.0)
+        if not replica.serving:
+            replica.reason = reason
+            return
+        replica.state, replica.reason = "out", reason
+        replica.taken_out += 1
+        replica._back = self._new_event()
+        self._serving -= 1
+        logger.warning(
+            "model %r: %s taken out of service: %s", self.config.name, replica.label, reason
+        )
+        self._turns.cancel_forming(replica)
+        if not self._serving:
+            self._refuse_queued()
+
+    def put_back(self, replica: Replica) -> None:
+        """Return *replica* to service; see `FallbackContext.put_back`."""
+        if replica.serving:
+            return
+        replica.state, replica.reason = "serving", None
+        replica._retry_at = math.inf
+        back, replica._back = replica._back, None
+        self._serving += 1
+        logger.info("model %r: %s back in service", self.config.name, replica.label)
+        if back is not None:
+            back.set()
+
+    def _circuit_open(self) -> CircuitOpen:
+        now = self.clock.current_time()
+        retry_after = max(min(r._retry_at for r in self.replicas) - now, 0.0)
+        reasons = "; ".join(f"{r.label}: {r.reason}" for r in self.replicas)
+        return CircuitOpen(
+            f"every instance of model {self.config.name!r} is out of service ({reasons}); "
+            f"retry in {retry_after:.3g}s",
+            retry_after=retry_after,
+        )
+
+    def _refuse_queued(self) -> None:
+        # No replica serves: nobody would take these, so they fail now, not at their deadline.
+        while True:
+            try:
+                request = self.queue.pop_nowait()
+            except anyio.WouldBlock:
+                return
+            self._finish(request, error=self._circuit_open())
+
+    def start_background(self, fn: Callable[..., Any], *args: object) -> None:
+        """Run ``fn(*args)`` in the model's task group; see `FallbackContext.start_soon`."""
+        if self._task_group is None:
+            raise RuntimeError(f"model {self.config.name!r} is not running")
+        self._task_group.start_soon(self._background, fn, args)
+
+    async def _background(self, fn: Callable[..., Any], args: tuple[object, ...]) -> None:
+        try:
+            await fn(*args)
+        except Exception:
+            # A fallback's helper task must not take the model (and the engine) down.
+            logger.exception("model %r: background task %r failed", self.config.name, fn)
+
+    async def probe(self, replica: Replica, inputs: Mapping[str, Any] | None) -> None:
+        """One execution that answers nobody; see `FallbackContext.probe`."""
+        arrays = _probe_inputs(self.signature) if inputs is None else inputs
+        await replica._slot.acquire()
+        try:
+            replica.executions += 1
+            limiter = self._device_limits.get(replica.device)
+            try:
+                if limiter is None:
+                    await replica._backend_instance.execute(arrays)
+                else:
+                    async with limiter:
+                        await replica._backend_instance.execute(arrays)
+            except Exception:
+                replica.failures += 1
+                raise
+        finally:
+            replica._slot.release()
+
+    async def recreate(self, replica: Replica) -> None:
+        """Load a fresh backend instance for *replica*; see `FallbackContext.recreate`."""
+        if self._backend is None:  # pragma: no cover  # every engine passes its backend
+            raise BackendError(f"model {self.config.name!r} cannot re-create instances")
+        depth = _depth(replica._backend_instance)
+        held = 0
+        try:
+            while held < depth:  # every slot: nothing may run on the old instance
+                await replica._slot.acquire()
+                held += 1
+            old = replica._backend_instance
+            try:
+                new = await self._backend.load(self.config, replica.placement)
+            except TrioInferError:
+                raise
+            except Exception as exc:
+                raise BackendError(
+                    f"could not re-create {replica.label} of model {self.config.name!r}: "
+                    f"{type(exc).__name__}: {exc}"
+                ) from exc
+            finally:
+                await close_instances([old])
+            if new.signature != self.signature:
+                await close_instances([new])
+                raise BackendError(
+                    f"re-created {replica.label} of model {self.config.name!r} reports another "
+                    "signature than the model was loaded with"
+                )
+            replica._backend_instance = new
+            replica.recreated += 1
+            logger.info("model %r: %s re-created", self.config.name, replica.label)
+        finally:
+            for _ in range(held):
+                replica._slot.release()
+
     # -- engine-facing -------------------------------------------------------------
 
     async def wait_idle(self) -> None:
@@ -706,7 +903,7 @@ class ModelRunner:
         """A guess at when a refused request could be admitted, in seconds."""
         # Until there is history, assume 10 ms per execution rather than invite a busy retry.
         per_batch = self._mean_execution_s or 0.01
-        return (math.ceil(len(self.queue) / len(self._instances)) + 1) * per_batch
+        return (math.ceil(len(self.queue) / len(self.replicas)) + 1) * per_batch
 
     def statistics(self) -> ModelStatistics:
         """A snapshot of this model's counters."""
@@ -728,6 +925,8 @@ class ModelRunner:
             compute_duration=self._compute_duration.snapshot(),
             request_duration=self._request_duration.snapshot(),
             batch_size=self._batch_size.snapshot(),
+            replicas=tuple(replica.statistics() for replica in self.replicas),
+            fallbacks=dict(self.fallbacks),
         )
 
 
@@ -744,6 +943,18 @@ async def close_instances(instances: Sequence[BackendInstance]) -> None:
             # One broken instance must not keep the others open.
             with contextlib.suppress(Exception):
                 await instance.aclose()
+
+
+def _probe_inputs(signature: ModelSignature) -> dict[str, Any]:
+    # Zeros of each input's shape: one row, and 1 for every dimension without a fixed size.
+    arrays = {}
+    for spec in signature.inputs:
+        shape = tuple(d if isinstance(d, int) and d > 0 else 1 for d in spec.shape)
+        dtype = spec.dtype if spec.dtype is not None else np.dtype(np.float32)
+        arrays[spec.name] = (
+            np.full(shape, "", dtype=object) if dtype.kind == "O" else np.zeros(shape, dtype)
+        )
+    return arrays
 
 
 def _backend_error(model: str, request: Request, exc: Exception) -> TrioInferError:

@@ -12,7 +12,7 @@ Conformance checks for each contract are in [`trioinfer.testing`][trioinfer.test
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import numpy as np
@@ -22,6 +22,7 @@ from ._request import Request
 from ._tensors import ModelSignature
 
 if TYPE_CHECKING:
+    from ._dispatch import Execution
     from ._runner import RequestQueue
 
 __all__ = [
@@ -181,16 +182,26 @@ class Batcher(Protocol):
 
 @runtime_checkable
 class Fallback(Protocol):
-    """Middleware around one batch's execution: retry, fail over, short-circuit."""
+    """Middleware around one batch's execution: retry, fail over, short-circuit.
 
-    async def execute(
-        self,
-        requests: Sequence[Request],
-        call: Callable[[], Awaitable[dict[str, np.ndarray[Any, Any]]]],
-    ) -> dict[str, np.ndarray[Any, Any]]:
-        """Produce the outputs for *requests*, normally by awaiting ``call()``.
+    The engine hands each formed batch to `execute()` as an
+    [`Execution`][trioinfer.Execution], on the replica it chose. A fallback
+    may also define ``attach(context)``: the engine then calls it once, when
+    the model loads, with a [`FallbackContext`][trioinfer.FallbackContext]
+    through which it sees every replica and may take one out of service,
+    probe it, re-create it and put it back, and start background tasks in the
+    engine's task group. Everything runs on the event loop's thread; there is
+    nothing to lock.
+    """
 
-        *call* executes the batch on the instance the engine chose. Must not
-        swallow cancellation; may raise ``BackendError`` (or a subclass).
+    async def execute(self, execution: Execution) -> None:
+        """See that every request of *execution* is answered, normally by ``await execution.run()``.
+
+        Requests still pending when it returns fail with a
+        [`PluginError`][trioinfer.PluginError]; when it raises, they fail with
+        that error (wrapped in [`BackendError`][trioinfer.BackendError] unless it
+        is a [`TrioInferError`][trioinfer.TrioInferError]). Must not swallow
+        cancellation: it means that every caller of the batch has left, or that
+        the model is being unloaded.
         """
         ...

@@ -27,7 +27,7 @@ import attrs
 import numpy as np
 import sniffio
 
-from .._config import ModelConfig, Placement
+from .._config import Device, ModelConfig, Placement
 from .._engine import Engine, EngineStatistics
 from .._exceptions import BackendError, TrioInferError
 from .._registry import Registry
@@ -149,6 +149,10 @@ class FaultyBackend:
             callable.
         transient: The ``transient`` attribute set on errors from *error_rate*
             and *fail_on*, for retry logic to read.
+        devices: Inject faults only into instances placed on these devices (as
+            configured, e.g. ``["cuda:0"]``, so a "GPU" instance can fail on a
+            machine without one); instances elsewhere forward every call.
+            ``None``: every instance.
 
     Raises:
         ValueError: An option out of range.
@@ -167,6 +171,7 @@ class FaultyBackend:
         hang_on: Iterable[int] = (),
         error: Callable[[str], Exception] = BackendError,
         transient: bool = True,
+        devices: Iterable[str] | None = None,
     ) -> None:
         self.inner: Backend = inner if inner is not None else FakeBackend()
         self.seed = seed
@@ -184,6 +189,7 @@ class FaultyBackend:
         self.hang_on = _check_calls("hang_on", hang_on)
         self.error = error
         self.transient = transient
+        self.devices = None if devices is None else frozenset(str(Device.parse(d)) for d in devices)
         #: Instances loaded so far, in load order.
         self.instances: list[FaultyInstance] = []
 
@@ -204,6 +210,8 @@ class FaultyBackend:
         inner = await self.inner.load(config, placement)
         key = f"{self.seed}/{config.name}/{placement.device}/{placement.index}"
         instance = FaultyInstance(self, inner, random.Random(key), key)
+        if self.devices is not None and str(placement.device) not in self.devices:
+            instance.healthy = True
         self.instances.append(instance)
         return instance
 
@@ -228,6 +236,8 @@ class FaultyInstance:
         self._key = key
         self.history: list[str] = []
         self._added_latency = 0.0
+        #: Set for instances outside ``devices``: they forward every call, untouched.
+        self.healthy = False
 
     @property
     def signature(self) -> ModelSignature:
@@ -253,7 +263,7 @@ class FaultyInstance:
     def dead(self) -> bool:
         """Whether the instance has crashed: it ran ``crash_after`` calls."""
         crash_after = self._backend.crash_after
-        return crash_after is not None and len(self.history) >= crash_after
+        return not self.healthy and crash_after is not None and len(self.history) >= crash_after
 
     def statistics(self) -> FaultStatistics:
         """The faults this instance injected so far."""
@@ -283,6 +293,9 @@ class FaultyInstance:
         Raises:
             BackendError: Or what ``error`` makes: an injected error, or a dead instance.
         """
+        if self.healthy:
+            self.history.append("ok")
+            return await self.inner.execute(inputs)
         backend = self._backend
         dead = self.dead
         number = len(self.history) + 1
