@@ -13,6 +13,7 @@ import pytest
 
 import trioinfer
 import trioinfer.testing
+from trioinfer_fallback import Resilient
 from trioinfer_onnxruntime import OPTIONS
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -66,6 +67,26 @@ EXPECTED_OUTPUT = {
         "matmul model: [[18.0, 22.0, 26.0], [18.0, 22.0, 26.0]]",
         "rows in execution order, fifo: [8, 2, 4]",
         "rows in execution order, sjf:  [2, 4, 8]",
+    ],
+    "failover.py": [
+        "instance 0: asked for cuda:0 (capacity 8), runs on",  # cpu here; cuda:0 with a GPU
+        "instance 1: asked for cpu (capacity 1), runs on cpu",
+        "  image 4: 6 (expected 6) from instance 0, fallbacks []",
+        "  image 5: 7 (expected 7) from instance 1, fallbacks ['failover instance 1 (cpu)']",
+        "  image 7: 9 (expected 9) from instance 1, fallbacks ['failover instance 1 (cpu)']",
+        "  instance 0: out; executions 8, failures 3, taken out 1, re-created 0",
+        "    reason: circuit breaker open after 3 consecutive failures; last: injected fault",
+        "  image 8: 8 (expected 8) from instance 1, fallbacks []",
+        "  instance 0 is still out: circuit open: a probe failed: injected fault",
+        "requests sent while it was out were answered by instance 1: True",
+        "  instance 0: serving; executions 11, failures 4, taken out 1, re-created 0",
+        "  image 199: 4 (expected 4) from instance 0, fallbacks []",
+        "  fallback steps taken: {'failover': 3}",
+        "  instance 0: serving; executions 10, failures 3, taken out 1, re-created 1",
+        "  image 8: 8 (expected 8) from instance 0, fallbacks []",
+        "  image 0: BackendError: injected fault: fail_on on call 1 of 0/digits/cpu/1",
+        "  image 1: CircuitOpen, retry after 30 s",
+        "  instance 1: out; executions 1, failures 1, taken out 1, re-created 0",
     ],
     "serving.py": [
         "serving {'digits': (2, 3), 'mlp': (1,)} at http://127.0.0.1:",
@@ -178,6 +199,23 @@ def test_example_config_toml_loads(tmp_path: Path) -> None:
     assert config.path == model_dir / "2" / "model.onnx"
     assert [str(p.device) for p in config.placements()] == ["cuda:0", "cuda:0", "cpu"]
     assert set(config.backend_options) <= set(OPTIONS)
+
+
+def test_failover_config_toml_loads(tmp_path: Path) -> None:
+    # The tutorial's config.toml is what `trioinfer serve` would read: it must load,
+    # place the instances as the program does, and give the fallback options it accepts.
+    (block,) = fences(DOCS / "tutorials" / "failover.md", "toml")
+    model_dir = tmp_path / "digits"
+    (model_dir / "1").mkdir(parents=True)
+    (model_dir / "1" / "model.onnx").write_bytes(b"")
+    (model_dir / "config.toml").write_text(block)
+    config = trioinfer.ModelConfig.from_toml(model_dir / "config.toml")
+    assert config.fallback == "resilient"
+    assert [(str(p.device), p.capacity) for p in config.placements()] == [
+        ("cuda:0", 8.0),
+        ("cpu", 1.0),
+    ]
+    Resilient(**config.fallback_options)
 
 
 def fences(page: Path, language: str) -> list[str]:
