@@ -35,7 +35,10 @@ def test_a_small_run_accounts_for_every_request(tmp_path: Path) -> None:
     assert figures["wrong_outputs"] == 0
     assert figures["ledger"] == {"calls": 500, "pending": 0}
     engine = figures["engine"]
-    assert engine["succeeded"] == outcomes.get("ok", 0)
+    # A caller whose scope fires just as its request succeeds sees Cancelled,
+    # while the engine counts a success: that is the only way the two may differ.
+    ok, cancelled = outcomes.get("ok", 0), outcomes.get("cancelled", 0)
+    assert ok <= engine["succeeded"] <= ok + cancelled
     assert len(engine["replicas"]) == 3
     # Whether the killed instance was re-created by then depends on the real
     # clock; tests/test_chaos.py checks re-creation on virtual time.

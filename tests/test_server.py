@@ -1680,7 +1680,7 @@ def test_metrics(http: httpx.Client) -> None:
     assert value(families, "trioinfer_inference_executions_total", **counted) == 3
     assert value(families, "trioinfer_inference_queue_depth", **counted) == 0
     assert value(families, "trioinfer_inference_pending", **counted) == 0
-    assert value(families, "trioinfer_instances", device="cpu", state="ready", **counted) == 1
+    assert value(families, "trioinfer_instances", device="cpu", state="serving", **counted) == 1
     histograms = (
         "trioinfer_inference_queue_duration_seconds",
         "trioinfer_inference_compute_duration_seconds",

@@ -168,7 +168,8 @@ class Breaker:
     def describe(self) -> str:
         """Why it opened, for logs and the instance's ``reason``."""
         if self._consecutive >= self.fail_max:
-            return f"{self._consecutive} consecutive failures"
+            n = self._consecutive
+            return f"{n} consecutive failure{'s' if n != 1 else ''}"
         return f"{self._failures_in_window} of the last {len(self._recent)} calls failed"
 
 

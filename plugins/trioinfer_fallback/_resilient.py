@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import math
 import random
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, final
 
 import anyio
@@ -46,13 +46,13 @@ class Resilient:
     Each batch runs on the instance the engine chose. If that raises:
 
     1. **Failover and retry.** The batch runs again, up to *attempts*
-       executions in all: on another serving instance when there is one (same
-       device first, then other devices, biggest capacity first), else on the
-       same one. Errors the backend marks ``transient`` wait a backoff first
-       (exponential from *backoff*, capped at *max_backoff*, with full
-       jitter); others fail over at once and are never retried in place. No
-       attempt starts after the batch's latest deadline, and requests whose
-       callers left are not sent again.
+       executions in all: at once on another serving instance when there is
+       one it has not tried (same device first, then other devices, biggest
+       capacity first); else, only for errors the backend marks
+       ``transient``, on the same instance after a backoff (exponential from
+       *backoff*, capped at *max_backoff*, with full jitter). No attempt
+       starts after the batch's latest deadline, and requests whose callers
+       left are not sent again.
     2. **Other models.** Each request still unanswered goes to the *models*
        named, in order (another model or version, loaded in the same engine),
        under its own deadline.
@@ -76,7 +76,8 @@ class Resilient:
 
     Args:
         attempts: Executions of a batch on this model's instances, in all (1: no retry).
-        backoff: Upper bound of the first retry's random wait, in seconds.
+        backoff: Upper bound of the first retry's random wait, in seconds; it
+            doubles with each attempt.
         max_backoff: Upper bound of any retry's wait.
         timeout: Seconds an execution may run before it counts as hung: it is
             cancelled and fails with a transient ``BackendError``. ``None``: no limit.
@@ -100,7 +101,7 @@ class Resilient:
         backoff: float = 0.05,
         max_backoff: float = 2.0,
         timeout: float | None = None,
-        models: Iterable[str] = (),
+        models: Sequence[str] = (),
         default: Mapping[str, Any] | None = None,
         hedge_after: float | None = None,
         breaker: Mapping[str, Any] | None = None,
@@ -113,7 +114,7 @@ class Resilient:
         self.max_backoff = max(_seconds("max_backoff", max_backoff), self.backoff)
         self.timeout = None if timeout is None else _positive("timeout", timeout)
         self.hedge_after = None if hedge_after is None else _seconds("hedge_after", hedge_after)
-        if isinstance(models, str) or not all(isinstance(m, str) for m in models):
+        if not isinstance(models, (list, tuple)) or not all(isinstance(m, str) for m in models):
             raise ConfigError(
                 f"fallback option models must be a list of model names, got {models!r}"
             )
@@ -126,14 +127,16 @@ class Resilient:
             )
         self._default_options = default
         self._default: dict[str, np.ndarray[Any, Any]] | None = None
-        self._breaker_options = None if breaker is None else dict(breaker)
         if breaker is not None:
             Breaker.from_options(breaker)  # refuse bad options at load, not at the first fault
+        self._breaker_options = None if breaker is None else dict(breaker)
         self._rng = random.Random(seed)
         self._context: FallbackContext | None = None
         self._batched = True
         #: Each instance's breaker, by instance index (empty without *breaker*).
         self.breakers: dict[int, Breaker] = {}
+        # Instances whose re-prober runs: one per instance, however often it reopens.
+        self._recovering: set[int] = set()
 
     def attach(self, context: FallbackContext) -> None:
         """Check *default* against the model and give every instance its breaker."""
@@ -164,7 +167,8 @@ class Resilient:
                     if not (transient and replica.serving):
                         break
                     following = replica
-                delay = self._delay(attempt) if transient else 0.0
+                # Another instance may take the batch at once; the same one gets time to recover.
+                delay = self._delay(attempt) if following is replica else 0.0
                 if self._now() + delay >= execution.deadline():
                     break
                 if delay:
@@ -316,7 +320,9 @@ class Resilient:
             f"circuit breaker open after {breaker.describe()}; last: {error}",
             retry_after=breaker.wait,
         )
-        self._context.start_soon(self._recover, replica, breaker, not _transient(error))
+        if replica.index not in self._recovering:
+            self._recovering.add(replica.index)
+            self._context.start_soon(self._recover, replica, breaker, not _transient(error))
 
     async def _recover(self, replica: Replica, breaker: Breaker, dead: bool) -> None:
         # The instance's re-prober: a task in the engine's task group, one per opening.
@@ -351,6 +357,7 @@ class Resilient:
                 )
                 continue
             if breaker.state is BreakerState.CLOSED:
+                self._recovering.discard(replica.index)
                 context.put_back(replica)
                 return
 

@@ -60,8 +60,8 @@ class InferenceResult:
         outputs: The outputs by name, as [`Engine.infer()`][trioinfer.Engine.infer] returns them.
         model: The model that computed them: the one asked for, or the one a
             fallback failed over to.
-        instance: The index of the instance that computed them, or ``None``
-            when no instance of *model* did (a fallback's default answer).
+        instance: The index of *model*'s instance that computed them, or
+            ``None`` for a fallback's default answer.
         device: Where that instance runs, or ``None``.
         fallbacks: The fallback steps taken on the way, in order (empty when
             the first execution answered): ``"retry instance 0 (cpu)"``,
@@ -290,9 +290,9 @@ class Engine:
         state = request._state
         assert state.outputs is not None
         served_by = state.served_by
-        if isinstance(served_by, str):  # answered by another model
-            return InferenceResult(state.outputs, served_by, None, None, state.fallbacks)
-        if served_by is None:  # answered by the fallback itself
+        if isinstance(served_by, tuple):  # answered by another model: (its name, its replica)
+            model, served_by = served_by
+        if served_by is None:  # answered by a fallback itself (a default answer)
             return InferenceResult(state.outputs, model, None, None, state.fallbacks)
         return InferenceResult(
             state.outputs, model, served_by.index, served_by.device, state.fallbacks
@@ -316,7 +316,7 @@ class Engine:
         request._state.failover = True
         with anyio.CancelScope(deadline=original.deadline):
             outputs = await runner.call(request)
-            original._state.served_by = model
+            original._state.served_by = (model, request._state.served_by)
             return outputs
         raise DeadlineExceeded(
             f"request {original.id!r} reached its deadline while failing over to model {model!r}"

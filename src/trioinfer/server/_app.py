@@ -20,7 +20,6 @@ from typing import Any, Final, final
 
 import anyio
 import attrs
-import numpy as np
 import sniffio
 import trio
 from starlette.applications import Starlette
@@ -31,8 +30,10 @@ from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from .. import __version__
+from .._engine import InferenceResult
 from .._exceptions import (
     BackendUnavailable,
+    CircuitOpen,
     ConfigError,
     DeadlineExceeded,
     EngineClosed,
@@ -109,6 +110,7 @@ _STATUS: Final[tuple[tuple[type[BaseException], int], ...]] = (
     (ConfigError, 400),
     (PluginError, 400),
     (QueueFull, 503),
+    (CircuitOpen, 503),
     (BackendUnavailable, 503),
     (EngineClosed, 503),
     (NotReady, 503),
@@ -118,7 +120,7 @@ _STATUS: Final[tuple[tuple[type[BaseException], int], ...]] = (
 
 def _error_headers(error: BaseException) -> dict[str, str]:
     headers = {}
-    if isinstance(error, QueueFull):
+    if isinstance(error, (QueueFull, CircuitOpen)):
         headers["retry-after"] = str(max(1, math.ceil(error.retry_after)))
     if isinstance(error, Unauthorized):
         headers["www-authenticate"] = "Bearer"
@@ -622,6 +624,24 @@ def _check_outputs(request: InferRequest, served: ServedVersion) -> None:
             )
 
 
+def _fallback_parameters(
+    state: ServerState, asked: ServedVersion, result: InferenceResult
+) -> dict[str, str]:
+    # Response parameters that tell a client a fallback answered, and which.
+    if result.instance is None:
+        where = "default answer"
+    else:
+        where = f"instance {result.instance} ({result.device})"
+    steps = "; ".join(result.fallbacks)
+    # Longest first, so that "m.v1" does not rewrite part of "m.v10".
+    for served in sorted(state.models.all(), key=lambda s: -len(s.engine_name)):
+        public = f"{served.model} version {served.version}"
+        if served.engine_name == result.model and served is not asked:
+            where = f"model {public}, {where}"
+        steps = steps.replace(served.engine_name, public)
+    return {"trioinfer_served_by": where, "trioinfer_fallbacks": steps}
+
+
 def _schedule_parameters(request: InferRequest) -> tuple[int, float | None]:
     """The engine priority and the timeout (seconds) a request's parameters ask for."""
     parameters = request.parameters
@@ -704,8 +724,8 @@ class _InferEndpoint:
         request = decode_infer_request(body, header_length, limits)
         _check_outputs(request, served)
         priority, timeout = _schedule_parameters(request)
-        outputs = await self._run(served, request, priority, timeout, receive)
-        if outputs is None:
+        result = await self._run(served, request, priority, timeout, receive)
+        if result is None:
             state.metrics.cancelled(served)
             return None, b"", []
         state.models.mark_inference(served)
@@ -714,8 +734,9 @@ class _InferEndpoint:
             model_name=served.model,
             model_version=str(served.version),
             request=request,
-            outputs=outputs,
+            outputs=result.outputs,
             output_order=[spec.name for spec in served.info.signature.outputs],
+            parameters=_fallback_parameters(state, served, result) if result.fallbacks else None,
         )
         if json_length is None:
             extra = [(b"content-type", b"application/json")]
@@ -733,7 +754,7 @@ class _InferEndpoint:
         priority: int,
         timeout_s: float | None,
         receive: Receive,
-    ) -> Mapping[str, np.ndarray[Any, Any]] | None:
+    ) -> InferenceResult | None:
         """Run the request; None if the client disconnected first (its request is withdrawn)."""
         engine = self._state.models.engine
         left = False
@@ -747,18 +768,18 @@ class _InferEndpoint:
                     scope.cancel()
                     return
 
-        outputs: Mapping[str, np.ndarray[Any, Any]] | None = None
+        outputs: InferenceResult | None = None
         error: TrioInferError | None = None
         async with self._open_group() as group:
             group.start_soon(watch, group.cancel_scope)
             try:
                 if timeout_s is None:
-                    outputs = await engine.infer(
+                    outputs = await engine.infer_detailed(
                         served.engine_name, request.inputs, priority=priority, request_id=request.id
                     )
                 else:
                     with anyio.move_on_after(timeout_s):
-                        outputs = await engine.infer(
+                        outputs = await engine.infer_detailed(
                             served.engine_name,
                             request.inputs,
                             priority=priority,

@@ -26,6 +26,7 @@ from prometheus_client.core import (
 from .._exceptions import (
     BackendError,
     BackendUnavailable,
+    CircuitOpen,
     DeadlineExceeded,
     EngineClosed,
     InvalidInput,
@@ -45,6 +46,7 @@ _OUTCOMES: Final[tuple[tuple[type[BaseException], str], ...]] = (
     (ModelNotFound, "not_found"),
     (InvalidInput, "invalid_input"),
     (QueueFull, "queue_full"),
+    (CircuitOpen, "circuit_open"),
     (DeadlineExceeded, "deadline_exceeded"),
     (BackendUnavailable, "unavailable"),
     (BackendError, "backend_error"),
@@ -129,8 +131,28 @@ class Metrics:
         )
         instances = GaugeMetricFamily(
             "trioinfer_instances",
-            "Model instances by device and state.",
+            "Model instances by device and state (serving, or out of service).",
             labels=[*_LABELS, "device", "state"],
+        )
+        taken_out = CounterMetricFamily(
+            "trioinfer_instance_taken_out",
+            "Times an instance was taken out of service (its circuit breaker opened).",
+            labels=[*_LABELS, "instance", "device"],
+        )
+        recreated = CounterMetricFamily(
+            "trioinfer_instance_recreated",
+            "Times an instance's backend session was re-created after it died.",
+            labels=[*_LABELS, "instance", "device"],
+        )
+        failures = CounterMetricFamily(
+            "trioinfer_instance_failures",
+            "Executions (batches and probes) that failed on an instance.",
+            labels=[*_LABELS, "instance", "device"],
+        )
+        fallbacks = CounterMetricFamily(
+            "trioinfer_inference_fallbacks",
+            "Requests that took a fallback step, by kind (retry, failover, hedge, model, default).",
+            labels=[*_LABELS, "kind"],
         )
         histograms = {
             "queue_duration": HistogramMetricFamily(
@@ -162,8 +184,16 @@ class Metrics:
             executions.add_metric(labels, stats.executions)
             queued.add_metric(labels, stats.queued)
             in_flight.add_metric(labels, stats.in_flight)
-            for device, n in sorted(Counter(stats.devices).items()):
-                instances.add_metric([*labels, device, "ready"], n)
+            states = Counter((r.device, r.state) for r in stats.replicas)
+            for (device, state), n in sorted(states.items()):
+                instances.add_metric([*labels, device, state], n)
+            for replica in stats.replicas:
+                where = [*labels, str(replica.index), replica.device]
+                taken_out.add_metric(where, replica.taken_out)
+                recreated.add_metric(where, replica.recreated)
+                failures.add_metric(where, replica.failures)
+            for kind, n in sorted(stats.fallbacks.items()):
+                fallbacks.add_metric([*labels, kind], n)
             for attribute, family in histograms.items():
                 histogram: Histogram = getattr(stats, attribute)
                 family.add_metric(labels, _buckets(histogram), histogram.sum)
@@ -171,6 +201,10 @@ class Metrics:
         yield queued
         yield in_flight
         yield instances
+        yield taken_out
+        yield recreated
+        yield failures
+        yield fallbacks
         yield from histograms.values()
 
 

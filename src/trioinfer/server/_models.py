@@ -18,6 +18,7 @@ from typing import Any, final
 import anyio
 import attrs
 
+from .._config import ModelConfig
 from .._engine import Engine, ModelInfo
 from .._exceptions import ConfigError, ModelNotFound, TrioInferError
 from ._repository import ModelRepository
@@ -168,6 +169,7 @@ class ServedModels:
                 continue
             engine_name = f"{model}.v{version}"
             config = attrs.evolve(entry.config(version, override), name=engine_name)
+            config = self._engine_fallback_models(model, config)
             info = await self.engine.load(config, replace=old is not None)
             served[version] = ServedVersion(
                 model, version, engine_name, fingerprint, override, info
@@ -181,6 +183,35 @@ class ServedModels:
             )
         for version in sorted(set(served) - set(wanted)):
             await self._unload_version(served, version)
+
+    def _engine_fallback_models(self, owner: str, config: ModelConfig) -> ModelConfig:
+        # A fallback's ``models`` option names repository models ("small", or
+        # "small:2" for one version) as a config author knows them; the engine
+        # knows them as "small.v2". Any fallback plugin with that option benefits.
+        names = config.fallback_options.get("models")
+        if not isinstance(names, list | tuple):
+            return config
+        engine_names = []
+        for name in names:
+            if not isinstance(name, str):
+                return config  # the plugin refuses it with its own message
+            model, _, version = name.partition(":")
+            number = _version_number(version) if version else None
+            if version and number is None:
+                raise ConfigError(
+                    f"fallback model {name!r} of model {owner!r}: the version after ':' "
+                    "must be a positive integer"
+                )
+            if number is None:
+                try:
+                    number = max(self.repository.entry(model).selected())
+                except (ModelNotFound, ConfigError) as exc:
+                    raise ConfigError(
+                        f"fallback model {model!r} of model {owner!r} is not in the repository"
+                    ) from exc
+            engine_names.append(f"{model}.v{number}")
+        options = {**config.fallback_options, "models": engine_names}
+        return attrs.evolve(config, fallback_options=options)
 
     async def unload(self, model: str) -> None:
         """Stop serving every version of *model*; their accepted requests drain first.
