@@ -23,7 +23,8 @@ PUBLIC = {
     },
     "trioinfer.abc": {"Backend", "BackendInstance", "Batcher", "Fallback", "Scheduler"},
     "trioinfer.testing": {
-        "FakeBackend", "FakeInstance", "check_backend", "check_scheduler", "make_request",
+        "FakeBackend", "FakeInstance", "check_backend", "check_fallback", "check_scheduler",
+        "make_request",
         "FaultStatistics", "FaultyBackend", "FaultyInstance", "LedgerStatistics",
         "RequestLedger", "assert_all_ended", "assert_no_tasks_left",
     },

@@ -6,6 +6,7 @@ Faults come from `trioinfer.testing.FaultyBackend` around a `FakeBackend`
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections import Counter
 from collections.abc import AsyncIterator, Mapping
@@ -27,8 +28,8 @@ from trioinfer import (
     ModelConfig,
     open_engine,
 )
-from trioinfer.testing import FakeBackend, FaultyBackend, assert_all_ended
-from trioinfer_fallback import Breaker, BreakerState, Resilient
+from trioinfer.testing import FakeBackend, FaultyBackend, assert_all_ended, check_fallback
+from trioinfer_fallback import Breaker, BreakerState, NoFallback, Resilient
 
 X = np.arange(4, dtype=np.float32).reshape(1, 4)
 
@@ -500,3 +501,48 @@ async def test_probe_inputs_follow_the_signature(autojump_clock: trio.testing.Mo
     assert probe["x"].shape == (1, 4)
     assert probe["x"].dtype == np.float32
     assert not probe["x"].any()
+
+
+# -- the conformance check ---------------------------------------------------------------
+
+
+async def test_first_party_fallbacks_pass_check_fallback(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    await check_fallback(NoFallback)
+    await check_fallback(Resilient)
+    await check_fallback(
+        lambda: Resilient(timeout=1.0, hedge_after=0.01, breaker={"fail_max": 2}, attempts=5)
+    )
+
+
+class _Lazy:
+    async def execute(self, execution: trioinfer.Execution) -> None:
+        return None
+
+
+class _Shielded:
+    async def execute(self, execution: trioinfer.Execution) -> None:
+        with trio.CancelScope(shield=True):  # so nothing can abort the execution
+            await execution.run()
+
+
+class _Silent:
+    async def execute(self, execution: trioinfer.Execution) -> None:
+        with contextlib.suppress(trioinfer.BackendError):
+            await execution.run()
+
+
+@pytest.mark.parametrize(
+    ("fallback", "message"),
+    [
+        (_Lazy, "with healthy instances request .* returned without answering"),
+        (_Silent, "returned without answering"),
+        (_Shielded, "was not aborted"),
+    ],
+)
+async def test_check_fallback_catches_broken_fallbacks(
+    autojump_clock: trio.testing.MockClock, fallback: type[Any], message: str
+) -> None:
+    with pytest.raises(AssertionError, match=message):
+        await check_fallback(fallback)

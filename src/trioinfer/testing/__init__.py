@@ -3,8 +3,9 @@
 - [`FakeBackend`][trioinfer.testing.FakeBackend]: a backend whose compute is a
   numpy function and whose latency runs on the event loop's clock (so
   `trio.testing.MockClock` drives it), with execution counts and injected failures.
-- [`check_backend()`][trioinfer.testing.check_backend] and
-  [`check_scheduler()`][trioinfer.testing.check_scheduler]: conformance checks a
+- [`check_backend()`][trioinfer.testing.check_backend],
+  [`check_scheduler()`][trioinfer.testing.check_scheduler] and
+  [`check_fallback()`][trioinfer.testing.check_fallback]: conformance checks a
   plugin author runs against their plugin, as trio's `check_two_way_stream`
   does for streams. trioinfer's own plugins pass them in its tests.
 - [`FaultyBackend`][trioinfer.testing.FaultyBackend]: wraps any backend and
@@ -22,6 +23,7 @@
 """
 
 from ._checks import check_backend as check_backend
+from ._checks import check_fallback as check_fallback
 from ._checks import check_scheduler as check_scheduler
 from ._checks import make_request as make_request
 from ._fake import FakeBackend as FakeBackend

@@ -10,11 +10,11 @@ from typing import Any
 import anyio
 import numpy as np
 
-from .._config import Device, ModelConfig, Placement
-from .._exceptions import BackendError
+from .._config import Device, Instance, ModelConfig, Placement
+from .._exceptions import BackendError, TrioInferError
 from .._request import Request
 from .._tensors import ModelSignature
-from ..abc import Backend, BackendInstance, Scheduler
+from ..abc import Backend, BackendInstance, Fallback, Scheduler
 
 _arrivals = itertools.count()
 
@@ -213,3 +213,94 @@ def _check_outputs(signature: ModelSignature, outputs: object) -> None:
         for size, dim in zip(array.shape, spec.shape, strict=True):
             if isinstance(dim, int) and size != dim:
                 _fail(f"output {spec.name!r} has shape {array.shape}, declared {spec.describe()}")
+
+
+async def check_fallback(make_fallback: Callable[[], Fallback]) -> None:
+    """Check that a fallback keeps the [`Fallback`][trioinfer.abc.Fallback] contract.
+
+    Runs the fallback in engines of two [`FakeBackend`][trioinfer.testing.FakeBackend]
+    instances (``y = 2 * x``) and checks that: with healthy instances, every
+    caller gets its own rows' outputs; when every execution fails, every
+    caller cancelled while its batch runs gets ``Cancelled`` at once and the
+    execution is aborted; when every execution fails, every caller gets a
+    [`TrioInferError`][trioinfer.TrioInferError] other than "returned without
+    answering", within a minute of the engine's clock; and the engine closes
+    without waiting on anything the fallback started. Works on a real clock or a MockClock.
+
+    Args:
+        make_fallback: Makes the fallback under test; it is called with no
+            arguments for each model loaded.
+
+    Raises:
+        AssertionError: Saying which part of the contract was broken.
+    """
+    # Imported here: the engine imports this package's siblings, not the other way.
+    from .._engine import open_engine
+    from .._registry import Registry
+    from ._fake import FakeBackend
+
+    backend = FakeBackend(delay=0.001)
+    registry = Registry(
+        extra={"backends": {"fake": lambda: backend}, "fallbacks": {"checked": make_fallback}}
+    )
+    config = ModelConfig(
+        name="checked",
+        path="-",
+        backend="fake",
+        fallback="checked",
+        instances=[Instance(count=2)],
+        batcher="dynamic",
+        batcher_options={"max_batch_size": 4, "max_queue_delay": 0.001},
+    )
+    with anyio.move_on_after(120) as overall:
+        async with open_engine(registry=registry, drain_period=1.0) as engine:
+            await engine.load(config)
+            outcomes: dict[int, object] = {}
+
+            async def call(i: int) -> None:
+                x = np.full((1 + i % 3, 4), i, np.float32)
+                try:
+                    outcomes[i] = (await engine.infer("checked", {"x": x}))["y"]
+                except TrioInferError as exc:
+                    outcomes[i] = exc
+
+            async with anyio.create_task_group() as tg:
+                for i in range(24):
+                    tg.start_soon(call, i)
+            for i, outcome in outcomes.items():
+                if isinstance(outcome, BaseException):
+                    _fail(f"with healthy instances request {i} failed: {outcome!r}")
+                expected = np.full((1 + i % 3, 4), 2 * i, np.float32)
+                if not np.array_equal(outcome, expected):  # type: ignore[arg-type]
+                    _fail(f"request {i} got {outcome!r}, expected its own rows doubled")
+
+            backend.delay = 30.0
+            running_before = sum(instance.running for instance in backend.loaded)
+            with anyio.move_on_after(0.5) as scope:
+                await engine.infer("checked", {"x": np.ones((1, 4), np.float32)})
+            if not scope.cancelled_caught:
+                _fail("a request on a 30 s execution returned within 0.5 s")
+            # Abort reaches the execution once nobody waits for it; give it a moment.
+            with anyio.move_on_after(5):
+                while sum(instance.running for instance in backend.loaded) > running_before:  # noqa: ASYNC110
+                    await anyio.sleep(0.01)
+            if sum(instance.running for instance in backend.loaded) > running_before:
+                _fail("an execution nobody waits for was not aborted (cancellation swallowed?)")
+            backend.delay = 0.001
+            backend.error = BackendError("every execution fails (check_fallback)")
+            outcomes.clear()
+            with anyio.move_on_after(60) as scope:
+                async with anyio.create_task_group() as tg:
+                    for i in range(8):
+                        tg.start_soon(call, i)
+            if scope.cancelled_caught:
+                _fail("with every execution failing, requests did not end within 60 s")
+            for i, outcome in outcomes.items():
+                if not isinstance(outcome, TrioInferError):
+                    _fail(f"with every execution failing, request {i} got outputs {outcome!r}")
+                if "returned without answering" in str(outcome):
+                    _fail(f"execute() returned without answering request {i}: {outcome}")
+            backend.error = None
+
+    if overall.cancelled_caught:
+        _fail("the engine did not close within 120 s: something the fallback started hangs")

@@ -432,7 +432,10 @@ class RequestLedger:
     """
 
     def __init__(self) -> None:
-        self._pending: dict[int, str] = {}
+        # What each pending call was, described only if it is reported: a repr of
+        # the arguments (an Engine's runs to every request in flight) per call
+        # would cost more than the calls themselves.
+        self._pending: dict[int, tuple[Callable[..., object], tuple[Any, ...]]] = {}
         self._calls = 0
         self._succeeded = 0
         self._cancelled = 0
@@ -447,7 +450,7 @@ class RequestLedger:
         async def recorded(*args: P.args, **kwargs: P.kwargs) -> T:
             self._calls += 1
             number = self._calls
-            self._pending[number] = f"call {number}: {_describe(fn, args)}"
+            self._pending[number] = (fn, args)
             cancelled = anyio.get_cancelled_exc_class()
             try:
                 result = await fn(*args, **kwargs)
@@ -499,7 +502,10 @@ class RequestLedger:
                 untyped exceptions (the first one chained as the cause).
         """
         if self._pending:
-            shown = "; ".join(list(self._pending.values())[:10])
+            shown = "; ".join(
+                f"call {number}: {_describe(fn, args)}"
+                for number, (fn, args) in list(self._pending.items())[:10]
+            )
             more = len(self._pending) - 10
             _fail(
                 f"{len(self._pending)} of {self._calls} calls never ended: {shown}"
