@@ -670,6 +670,42 @@ async def test_receive_reports_disconnect_on_reset() -> None:
     assert seen == ["http.disconnect"]
 
 
+async def test_cancel_on_disconnect_extension_cancels_the_registered_scope() -> None:
+    # Three requests on one connection share its watcher task; the third client leaves.
+    outcomes: list[str] = []
+    working = trio.Event()
+    done = trio.Event()
+
+    async def app(scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            raise RuntimeError("no lifespan")
+        watch = scope["extensions"]["trioinfer.cancel_on_disconnect"]
+        with trio.CancelScope() as left:
+            assert not watch(left)  # the body is not read yet: receive() must watch
+            await read_body(receive)
+            assert watch(left)
+            if scope["path"] == "/stay":
+                await trio.testing.wait_all_tasks_blocked()
+                await respond(send, 200, b"ok")
+                outcomes.append("answered")
+                return
+            working.set()
+            await trio.sleep_forever()
+        outcomes.append("cancelled" if left.cancelled_caught else "?")
+        done.set()
+
+    async with serving(app) as server:
+        async with connect(server) as client:
+            for _ in range(2):
+                await client.send(post("/stay", b"x"))
+                assert (await client.response()).status == 200
+            await client.send(post("/leave", b"x"))
+            await working.wait()
+        with trio.fail_after(5):
+            await done.wait()
+    assert outcomes == ["answered", "answered", "cancelled"]
+
+
 def disconnect_watching_app(release: trio.Event | None = None) -> Any:
     """An app that answers with the path, watching for a disconnect while it "works".
 

@@ -724,7 +724,14 @@ class _InferEndpoint:
         request = decode_infer_request(body, header_length, limits)
         _check_outputs(request, served)
         priority, timeout = _schedule_parameters(request)
-        result = await self._run(served, request, priority, timeout, receive)
+        # The lean HTTP layer watches for a disconnect itself, with one task per
+        # connection; other layers need a task of ours calling `receive`.
+        watch = scope.get("extensions", {}).get("trioinfer.cancel_on_disconnect")
+        left = anyio.CancelScope()
+        if watch is not None and watch(left):
+            result = await self._run_watched(served, request, priority, timeout, left)
+        else:
+            result = await self._run(served, request, priority, timeout, receive)
         if result is None:
             state.metrics.cancelled(served)
             return None, b"", []
@@ -746,6 +753,30 @@ class _InferEndpoint:
                 (b"inference-header-content-length", str(json_length).encode()),
             ]
         return 200, response, extra
+
+    async def _run_watched(
+        self,
+        served: ServedVersion,
+        request: InferRequest,
+        priority: int,
+        timeout_s: float | None,
+        left: anyio.CancelScope,
+    ) -> InferenceResult | None:
+        """`_run`, with the HTTP layer cancelling *left* if the client goes (no task of ours)."""
+        engine = self._state.models.engine
+        with left:
+            if timeout_s is None:
+                return await engine.infer_detailed(
+                    served.engine_name, request.inputs, priority=priority, request_id=request.id
+                )
+            with anyio.move_on_after(timeout_s):
+                return await engine.infer_detailed(
+                    served.engine_name, request.inputs, priority=priority, request_id=request.id
+                )
+            raise DeadlineExceeded(
+                f"the request's timeout of {timeout_s * 1e6:.0f} µs passed before it finished"
+            )
+        return None  # the client left: its request was withdrawn from the engine
 
     async def _run(
         self,

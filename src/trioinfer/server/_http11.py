@@ -322,7 +322,10 @@ class _Server:
             return
         self._connections.add(conn)
         try:
-            await conn.run()
+            async with trio.open_nursery() as nursery:
+                conn.nursery = nursery
+                await conn.run()
+                nursery.cancel_scope.cancel()  # the watcher, if one was started
         except* Exception:
             # A bug here must cost one connection, never the server.
             log.exception("unexpected error serving a connection")
@@ -390,6 +393,8 @@ class _Connection:
         "_ready",
         "_seq",
         "_server",
+        "_watch_event",
+        "_watched",
         "cancel_scope",
         "client",
         "error",
@@ -397,6 +402,7 @@ class _Connection:
         "idle",
         "idle_since",
         "linger",
+        "nursery",
         "server_addr",
         "sock",
         "stopped",
@@ -438,6 +444,11 @@ class _Connection:
         self._seq = 0
         self._ahead = 0
         self._drained = 0
+        # The connection's disconnect watcher (started on first use, in `nursery`)
+        # and the request it should watch next.
+        self.nursery: trio.Nursery | None = None
+        self._watched: _Request | None = None
+        self._watch_event: trio.Event | None = None
 
     # The parser's callbacks. They run inside `feed_data`, synchronously.
 
@@ -611,6 +622,34 @@ class _Connection:
             raise
         return True
 
+    # Disconnects while the app works.
+
+    def watch(self, request: _Request) -> None:
+        """Have the watcher task look for a disconnect until *request* is finished."""
+        self._watched = request
+        event = self._watch_event
+        if event is not None:
+            event.set()
+        elif self.nursery is not None:
+            self._watch_event = trio.Event()
+            self.nursery.start_soon(self._watch_loop)
+
+    async def _watch_loop(self) -> None:
+        # One task per connection, not per request: spawning a watcher for each
+        # request cost about a third of a small request's time in the server.
+        while True:
+            request = self._watched
+            if request is None:
+                event = self._watch_event = trio.Event()
+                await event.wait()
+                continue
+            self._watched = None
+            if request.finished:
+                continue
+            await request._wait_disconnect()
+            if self.gone and not request.finished:
+                request.disconnected()
+
     # The request loop.
 
     async def run(self) -> None:
@@ -735,6 +774,7 @@ class _Request:
         "_conn",
         "_declared_length",
         "_headers",
+        "_on_disconnect",
         "_sent_length",
         "_status",
         "_waiters",
@@ -779,6 +819,34 @@ class _Request:
         self._declared_length = -1
         self._sent_length = 0
         self._waiters: list[trio.CancelScope] | None = None
+        self._on_disconnect: list[trio.CancelScope] | None = None
+
+    def cancel_on_disconnect(self, scope: trio.CancelScope) -> bool:
+        """Cancel *scope* if the client goes away before the response is done.
+
+        The ASGI extension ``trioinfer.cancel_on_disconnect`` (in the scope's
+        ``extensions``): an app that has read the whole body registers a cancel
+        scope instead of calling ``receive`` from a task of its own, and the
+        connection's one watcher task serves every request on it. Returns
+        False (nothing registered) if the body is not all read: the app then
+        watches with ``receive``.
+        """
+        if not self.body_done or self.finished:
+            return False
+        conn = self._conn
+        if conn.gone:
+            scope.cancel()
+            return True
+        if self._on_disconnect is None:
+            self._on_disconnect = []
+        self._on_disconnect.append(scope)
+        conn.watch(self)
+        return True
+
+    def disconnected(self) -> None:
+        """The client went away while the app worked: cancel what was registered."""
+        for scope in self._on_disconnect or ():
+            scope.cancel()
 
     def scope(self) -> Scope:
         """The ASGI HTTP connection scope."""
@@ -812,6 +880,7 @@ class _Request:
             "raw_path": raw_path,
             "query_string": query,
             "headers": self.headers,
+            "extensions": {"trioinfer.cancel_on_disconnect": self.cancel_on_disconnect},
         }
         state = conn._server.lifespan_state
         if state:
