@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import csv
+import io
 import itertools
 import json
+import math
 import socket
+import socketserver
+import sys
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -54,6 +58,92 @@ def url() -> Iterator[str]:
     assert isinstance(stop, trio.Event)
     trio.from_thread.run_sync(stop.set, trio_token=found["token"])  # type: ignore[arg-type]
     thread.join(30)
+
+
+class _Handler(socketserver.StreamRequestHandler):
+    """A V2 server stand-in that misbehaves on purpose, as ``server.mode`` says.
+
+    ``close``: answers every infer request, then closes the connection
+    (``Connection: close``). ``drop``: closes every other connection after
+    reading the request, without an answer. ``silent``: never answers an infer
+    request. Metadata (any GET) is always answered.
+    """
+
+    METADATA = json.dumps(
+        {"name": "digits", "inputs": [{"name": "input", "datatype": "FP32", "shape": [-1, 64]}]}
+    ).encode()
+    ANSWER = b'{"model_name":"digits","outputs":[]}'
+
+    def handle(self) -> None:
+        server = self.server
+        assert isinstance(server, _MisbehavingServer)
+        while True:
+            head = b""
+            while not head.endswith(b"\r\n\r\n"):
+                line = self.rfile.readline()
+                if not line:
+                    return
+                head += line
+            length = 0
+            for line in head.split(b"\r\n"):
+                name, _, value = line.partition(b":")
+                if name.lower() == b"content-length":
+                    length = int(value)
+            self.rfile.read(length)
+            if head.startswith(b"GET"):
+                self._answer(self.METADATA, close=False)
+                continue
+            with server.lock:
+                server.requests += 1
+                n = server.requests
+            if server.mode == "silent":
+                self.rfile.read()  # until the client goes
+                return
+            if server.mode == "drop" and n % 2:
+                return
+            self._answer(self.ANSWER, close=server.mode == "close")
+            if server.mode == "close":
+                return
+
+    def _answer(self, body: bytes, *, close: bool) -> None:
+        self.wfile.write(
+            b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
+            + (b"Connection: close\r\n" if close else b"")
+            + f"Content-Length: {len(body)}\r\n\r\n".encode()
+            + body
+        )
+        self.wfile.flush()
+
+
+class _MisbehavingServer(socketserver.ThreadingTCPServer):
+    daemon_threads = True
+    block_on_close = False
+
+    def __init__(self, mode: str) -> None:
+        super().__init__(("127.0.0.1", 0), _Handler)
+        self.mode = mode
+        self.requests = 0
+        self.lock = threading.Lock()
+
+
+@pytest.fixture
+def misbehaving(request: pytest.FixtureRequest) -> Iterator[str]:
+    """A stand-in server on a free loopback port, in the mode the test is parametrized with."""
+    server = _MisbehavingServer(request.param)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    host, port = server.server_address[:2]
+    yield f"http://{host}:{port}"
+    server.shutdown()
+    server.server_close()
+    thread.join(30)
+
+
+class _Terminal(io.StringIO):
+    """A stream that says it is a terminal."""
+
+    def isatty(self) -> bool:
+        return True
 
 
 def bench(*args: str) -> Result:
@@ -233,3 +323,143 @@ def test_plot(url: str, tmp_path: Path) -> None:
     result = bench("--url", url, "-m", "digits", "--concurrency", "1,2", *SHORT, "--plot", str(out))
     assert result.exit_code == 0, result.output
     assert out.read_bytes().startswith(b"\x89PNG")
+
+
+def test_model_version(url: str, tmp_path: Path) -> None:
+    out = tmp_path / "out.json"
+    result = bench("--url", url, "-m", "digits", "--model-version", "1", *SHORT, "--json", str(out))
+    assert result.exit_code == 0, result.output
+    assert rows(out)[0]["errors"] == 0
+    assert json.loads(out.read_text())["model_version"] == "1"
+    missing = bench("--url", url, "-m", "digits", "--model-version", "7", *SHORT)
+    assert missing.exit_code == 1
+    assert "version 7" in missing.output
+
+
+# -- connections that close, drop and stall ---------------------------------------------------
+
+
+@pytest.mark.parametrize("misbehaving", ["close"], indirect=True)
+def test_a_server_closing_each_connection_is_no_error(misbehaving: str, tmp_path: Path) -> None:
+    out = tmp_path / "out.json"
+    result = bench(
+        "--url", misbehaving, "-m", "digits", "--concurrency", "2", *SHORT, "--json", str(out)
+    )
+    assert result.exit_code == 0, result.output
+    (row,) = rows(out)
+    assert row["completed"] > 0  # type: ignore[operator]
+    assert row["errors"] == 0
+
+
+@pytest.mark.parametrize("misbehaving", ["drop"], indirect=True)
+@pytest.mark.parametrize("load", [("--concurrency", "2"), ("--request-rate", "200")])
+def test_answers_never_sent_count_as_conn_errors(
+    misbehaving: str, tmp_path: Path, load: tuple[str, str]
+) -> None:
+    out = tmp_path / "out.json"
+    result = bench("--url", misbehaving, "-m", "digits", *load, *SHORT, "--json", str(out))
+    assert result.exit_code == 1
+    assert "first conn answer" in result.output
+    (row,) = rows(out)
+    assert row["completed"] > 0  # type: ignore[operator]
+    assert str(row["errors_by_status"]).startswith("conn:")
+
+
+@pytest.mark.parametrize("misbehaving", ["silent"], indirect=True)
+def test_open_loop_against_a_stalled_server_waits_then_drops(
+    misbehaving: str, tmp_path: Path
+) -> None:
+    out = tmp_path / "out.json"
+    result = bench(
+        "--url", misbehaving, "-m", "digits", "--request-rate", "200", "--max-connections", "2",
+        *SHORT, "--json", str(out),
+    )  # fmt: skip
+    (row,) = rows(out)
+    assert row["completed"] == 0
+    # 2 requests in flight, 16 (8 per connection) waiting, and every later one dropped.
+    assert row["dropped"] > 0  # type: ignore[operator]
+    assert "could not keep up" in result.output
+
+
+# -- progress display and table -----------------------------------------------------------------
+
+
+async def test_progress_reports_warmup_and_each_window(url: str) -> None:
+    host, port = url.removeprefix("http://").split(":")
+    target = _bench.HttpTarget(host, int(port), "digits")
+    settings = _bench.Settings(warmup_s=0.05, window_s=0.3, windows=2)
+    reports: list[_bench.Progress] = []
+    plan = _bench.Plan(concurrency=(1, 2), settings=settings)
+    run = await _bench.run_http(target, plan, progress=reports.append)
+    assert len(run.results) == 2
+    assert {(p.index, p.levels, p.level) for p in reports} == {
+        (0, 2, "concurrency 1"),
+        (1, 2, "concurrency 2"),
+    }
+    # Each phase reports as it starts and as it ends, whole.
+    for index in (0, 1):
+        phases = [(p.window, p.fraction) for p in reports if p.index == index]
+        assert [w for w, f in phases if f == 1.0] == [0, 1, 2]
+        assert all(0 <= f <= 1 for _, f in phases)
+    assert math.isnan(reports[0].p99_ms)
+    assert all(p.windows == 2 for p in reports)
+
+
+def test_no_progress_display_off_a_terminal() -> None:
+    with _bench.open_progress() as show:
+        assert show is None
+
+
+SAMPLE = _bench.Progress("concurrency 16", 0, 2, 3, 10, 0.5, 19_780.0, 1.25)
+
+
+def test_progress_bar_on_a_terminal(monkeypatch: pytest.MonkeyPatch) -> None:
+    pytest.importorskip("rich")
+    err, out = _Terminal(), io.StringIO()
+    monkeypatch.setattr(sys, "stderr", err)
+    monkeypatch.setattr(sys, "stdout", out)
+    with _bench.open_progress() as show:
+        assert show is not None
+        show(SAMPLE)
+    drawn = err.getvalue()
+    assert "[1/2] concurrency 16" in drawn
+    assert "window 3/10  19,780 req/s  last p99 1.25 ms" in drawn
+    assert out.getvalue() == ""
+
+
+def test_progress_line_without_rich(monkeypatch: pytest.MonkeyPatch) -> None:
+    err = _Terminal()
+    monkeypatch.setattr(sys, "stderr", err)
+    monkeypatch.setitem(sys.modules, "rich.progress", None)  # import fails
+    with _bench.open_progress() as show:
+        assert show is not None
+        show(SAMPLE)
+    assert err.getvalue() == (
+        "\r\x1b[K[1/2] concurrency 16: window 3/10  19,780 req/s  last p99 1.25 ms\r\x1b[K"
+    )
+
+
+def _result(value: float) -> _bench.Result:
+    latency = {"p50": 1.0, "p90": 2.0, "p95": 3.0, "p99": 4.0, "max": 5.0}
+    return _bench.Result(
+        "concurrency", value, 1234.0, latency, 100, {"503": 2}, 0, 0, 3, False, 21.5, 0.02
+    )
+
+
+def test_table_is_plain_text_off_a_terminal(capsys: pytest.CaptureFixture[str]) -> None:
+    _bench.print_table([_result(4)])
+    out = capsys.readouterr().out
+    assert out == _bench.format_table([_result(4)]) + "\n"
+    assert "errors by status: 503 x 2" in out
+    assert "* not stable" in out
+
+
+def test_table_with_rich_on_a_terminal(monkeypatch: pytest.MonkeyPatch) -> None:
+    pytest.importorskip("rich")
+    out = _Terminal()
+    monkeypatch.setattr(sys, "stdout", out)
+    monkeypatch.setenv("COLUMNS", "160")  # rich wraps to the terminal's width
+    _bench.print_table([_result(4), _result(16)])
+    text = out.getvalue()
+    for cell in ("concurrency", "CPU us/req", "1,234", "21.5", "3*", "errors by status: 503 x 4"):
+        assert cell in text

@@ -20,16 +20,19 @@ costs little CPU per request; it measures its own CPU time and reports it.
 from __future__ import annotations
 
 import csv
+import errno
+import functools
 import json
 import math
 import os
 import resource
+import select
 import socket
 import sys
 import time
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping, Sequence
-from contextlib import asynccontextmanager, suppress
+from contextlib import asynccontextmanager, contextmanager, suppress
 from pathlib import Path
 from typing import Any, Final, Literal
 from urllib.parse import urlsplit
@@ -343,30 +346,81 @@ def is_stable(windows: Sequence[tuple[float, float]], stability: float) -> bool:
     return True
 
 
+@attrs.frozen
+class Progress:
+    """A running benchmark's state, reported a few times a second to a progress display.
+
+    Attributes:
+        level: The level running, e.g. ``"concurrency 16"`` or ``"rate 5000/s"``.
+        index: Its position among the levels, from 0.
+        levels: How many levels the run has.
+        window: The window being measured, from 1; 0 while warming up.
+        windows: The most windows this level may take.
+        fraction: How much of the current warm-up or window has passed, 0 to 1.
+        throughput: Successful requests per second so far in the current warm-up or window.
+        p99_ms: The last finished window's p99 latency (NaN before the first).
+    """
+
+    level: str
+    index: int
+    levels: int
+    window: int
+    windows: int
+    fraction: float
+    throughput: float
+    p99_ms: float
+
+
+# A progress display is refreshed this often (seconds): often enough to watch, rarely
+# enough that its cost, which the CPU figures include, stays small.
+_REFRESH_S: Final = 0.25
+
+
 async def _measure(
     recorder: _Recorder,
     settings: Settings,
     load: str,
     value: float,
-    progress: Callable[[str], None],
+    progress: Callable[[Progress], None] | None,
+    position: tuple[int, int] = (0, 1),
 ) -> Result:
-    label = f"{load} {value:g}"
-    progress(f"{label}: warming up")
-    await trio.sleep(settings.warmup_s)
-    done: list[_Window] = []
+    label = f"concurrency {value:g}" if load == "concurrency" else f"{load} {value:g}/s"
     limit = settings.windows or settings.max_windows
+
+    async def wait(length: float, number: int, p99_ms: float) -> None:
+        # Sleep through a warm-up or window; with a display, wake to refresh it.
+        if progress is None:
+            await trio.sleep(length)
+            return
+        started = time.perf_counter()
+        deadline = trio.current_time() + length
+        while True:
+            elapsed = time.perf_counter() - started
+            progress(
+                Progress(
+                    label,
+                    *position,
+                    window=number,
+                    windows=limit,
+                    fraction=min(1.0, elapsed / length) if length else 1.0,
+                    throughput=len(recorder.window.latencies) / elapsed if elapsed > 0 else 0.0,
+                    p99_ms=p99_ms,
+                )
+            )
+            if trio.current_time() >= deadline:
+                return
+            await trio.sleep_until(min(deadline, trio.current_time() + _REFRESH_S))
+
+    await wait(settings.warmup_s, 0, math.nan)
+    done: list[_Window] = []
     stable = False
     while len(done) < limit:
         window = recorder.window = _Window()
         start, cpu = time.perf_counter(), _cpu_s()
-        await trio.sleep(settings.window_s)
+        await wait(settings.window_s, len(done) + 1, _p99(done[-1]) / 1e6 if done else math.nan)
         recorder.window = _Window()  # requests finishing from now on count in no window
         window.wall_s, window.cpu_s = time.perf_counter() - start, _cpu_s() - cpu
         done.append(window)
-        progress(
-            f"{label}: window {len(done)}  {_throughput(window):,.0f} req/s  "
-            f"p99 {_p99(window) / 1e6:.2f} ms"
-        )
         if not settings.windows:
             pairs = [(_throughput(w), _p99(w)) for w in done]
             stable = is_stable(pairs, settings.stability)
@@ -418,54 +472,73 @@ def _summarise(
 # -- targets: what one worker's request does ---------------------------------------------------
 
 #: One worker's way of sending request variant *n*; returns 200 on success, else the status.
+#: (In-process only: HTTP levels run in a `_LoadLoop`.)
 Send = Callable[[int], Awaitable[Status]]
 
 
 class _Connection:
-    """One keep-alive HTTP/1.1 connection sending pre-encoded requests, one at a time.
+    """One keep-alive HTTP/1.1 connection: a plain non-blocking socket and its parser.
 
-    A plain non-blocking socket waited on with ``trio.lowlevel.wait_readable``:
-    trio's socket wrappers cost several times more per call, and this client's
-    own CPU time is what it must keep small.
+    `_LoadLoop` drives many at once from a worker thread; `request` sends a one-off
+    (metadata, the probe) from Trio, waiting with ``trio.lowlevel.wait_readable``:
+    Trio's socket wrappers cost several times more per call, and this client's own
+    CPU time is what it must keep small.
     """
 
-    def __init__(self, host: str, port: int, requests: Sequence[bytes], recorder: _Recorder):
-        self._address = (host, port)
-        self._requests = requests
-        self._recorder = recorder
-        self._sock: socket.socket | None = None
-        self._parser: httptools.HttpResponseParser | None = None
-        self._done = False
-        self._keep_alive = True
-        self._status = 0
-        self._body: list[bytes] | None = None
+    __slots__ = (
+        "body",
+        "busy",
+        "connecting",
+        "done",
+        "fd",
+        "keep_alive",
+        "keep_body",
+        "parser",
+        "recorder",
+        "sock",
+        "start",
+        "status",
+        "unsent",
+    )
+
+    def __init__(self, recorder: _Recorder) -> None:
+        self.recorder = recorder
+        self.sock: socket.socket | None = None
+        self.fd = -1
+        self.parser: httptools.HttpResponseParser | None = None
+        self.busy = False  # a request is in flight
+        self.connecting = False
+        self.unsent: memoryview | None = None  # what the socket's buffer did not take yet
+        self.start = 0  # when the request in flight started (ns), for its latency
+        self.done = False
+        self.keep_alive = True
+        self.status: Status = 0
+        self.body: list[bytes] | None = None
         self.keep_body = False  # keep a successful answer's body too (metadata)
 
-    # httptools callbacks
+    # httptools callbacks: only these three, as each costs a Python call per answer.
     def on_headers_complete(self) -> None:
-        assert self._parser is not None
-        self._status = self._parser.get_status_code()
+        assert self.parser is not None
+        self.status = self.parser.get_status_code()
         # Keep a failed answer's body for the message; never a successful one's.
-        self._body = None if self._status == 200 and not self.keep_body else []
+        self.body = None if self.status == 200 and not self.keep_body else []
 
     def on_body(self, body: bytes) -> None:
-        if self._body is not None:
-            self._body.append(body)
+        if self.body is not None:
+            self.body.append(body)
 
     def on_message_complete(self) -> None:
-        assert self._parser is not None
+        assert self.parser is not None
         # Read here: once the message is complete the parser resets for the next one.
-        self._keep_alive = self._parser.should_keep_alive()
-        self._done = True
+        self.keep_alive = self.parser.should_keep_alive()
+        self.done = True
 
-    async def connect(self) -> None:
+    async def connect(self, address: tuple[str, int]) -> None:
         """Open the connection (raising `OSError` when refused)."""
-        sock = socket.socket(socket.AF_INET6 if ":" in self._address[0] else socket.AF_INET)
-        sock.setblocking(False)
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        sock = _new_socket(address)
         try:
             try:
-                sock.connect(self._address)
+                sock.connect(address)
             except BlockingIOError:
                 await trio.lowlevel.wait_writable(sock)
                 error = sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
@@ -474,42 +547,30 @@ class _Connection:
         except BaseException:
             sock.close()
             raise
-        self._sock = sock
-        self._parser = httptools.HttpResponseParser(self)
+        self.sock = sock
+        self.fd = sock.fileno()
+        self.parser = httptools.HttpResponseParser(self)
 
     def close(self) -> None:
-        """Close the socket; the next request reconnects."""
-        if self._sock is not None:
-            trio.lowlevel.notify_closing(self._sock)
-            self._sock.close()
-        self._sock = None
+        """Close the socket, if open."""
+        if self.sock is not None:
+            trio.lowlevel.notify_closing(self.sock)
+            self.sock.close()
+        self.sock = None
 
-    @staticmethod
-    async def _send_rest(sock: socket.socket, view: memoryview) -> None:
-        while view:
-            await trio.lowlevel.wait_writable(sock)
-            with suppress(BlockingIOError):
-                view = view[sock.send(view) :]
-
-    async def __call__(self, n: int) -> Status:
-        """Send request variant *n* and read its answer; return its status."""
-        data = self._requests[n % len(self._requests)]
+    async def request(self, data: bytes) -> Status:
+        """Send *data* (a whole request) and read the answer; return its status."""
+        sock, parser = self.sock, self.parser
+        assert sock is not None
+        assert parser is not None
+        self.done = False
         try:
-            if self._sock is None:
-                await self.connect()
-            sock, parser = self._sock, self._parser
-            assert sock is not None
-            assert parser is not None
-            self._done = False
-            try:
-                sent = sock.send(data)
-            except BlockingIOError:
-                sent = 0
-            if sent < len(data):
-                await self._send_rest(sock, memoryview(data)[sent:])
-            while not self._done:
-                # The answer is never there yet right after sending: wait first, which
-                # saves a failing recv call per request.
+            view = memoryview(data)
+            while view:
+                await trio.lowlevel.wait_writable(sock)
+                with suppress(BlockingIOError):
+                    view = view[sock.send(view) :]
+            while not self.done:
                 await trio.lowlevel.wait_readable(sock)
                 try:
                     chunk = sock.recv(_RECV_BYTES)
@@ -520,15 +581,301 @@ class _Connection:
                 parser.feed_data(chunk)
         except (OSError, httptools.HttpParserError) as exc:
             self.close()
-            self._recorder.first_error.setdefault(_CONN_ERROR, f"{type(exc).__name__}: {exc}")
+            self.recorder.first_error.setdefault(_CONN_ERROR, f"{type(exc).__name__}: {exc}")
             return _CONN_ERROR
-        if not self._keep_alive:
+        if not self.keep_alive:
             self.close()
-        if self._body is not None:
-            self._recorder.first_error.setdefault(
-                self._status, b"".join(self._body)[:300].decode(errors="replace")
-            )
-        return self._status
+        return self.status
+
+
+# Poll flags: select.poll's and epoll's have the same values for these four.
+_IN: Final = select.POLLIN
+_OUT: Final = select.POLLOUT
+_ERR: Final = select.POLLERR | select.POLLHUP
+# The driver re-checks whether it should stop at least this often (seconds).
+_POLL_MAX_S: Final = 0.05
+# select() cannot wait on a descriptor numbered this or higher (FD_SETSIZE).
+_SELECT_MAX_FD: Final = 1024
+# A connection that could not connect waits this long before the next attempt (seconds).
+_RETRY_S: Final = 0.01
+
+
+class _LoadLoop:
+    """All of one level's HTTP connections, driven from one worker thread by one poller.
+
+    Why not a Trio task per connection: each request then costs a task switch, an
+    ``epoll_ctl`` to re-arm the one-shot registration and, in an open loop, a
+    cancel-scope timer that expires by raising ``Cancelled``; together that was
+    most of the tool's CPU time. Here sockets stay registered (level-triggered),
+    one blocking ``poll`` returns every answer that arrived, the next request goes
+    out from the same loop without waking anything, and one timeout serves every
+    request due before it. Trio's side only starts the thread, swaps measurement
+    windows and stops it; the thread touches nothing of Trio's.
+
+    Closed loop (*schedule* ``None``): every connection sends its next request as
+    soon as the last is answered. Open loop: requests are due at ``start +``
+    *schedule*'s offsets; a due request goes out on a free connection, else waits
+    in a backlog (counted late) that a connection takes from as it frees up, and
+    past *backlog_limit* waiting, new arrivals are dropped. Latency always runs
+    from the request's start: when it went out (closed) or was due (open).
+    """
+
+    def __init__(
+        self,
+        address: tuple[str, int],
+        requests: Sequence[bytes],
+        recorder: _Recorder,
+        socks: Sequence[socket.socket],
+        *,
+        schedule: Iterator[int] | None = None,
+        backlog_limit: int = 0,
+    ) -> None:
+        self._address = address
+        self._requests = requests
+        self._recorder = recorder
+        self._schedule = schedule
+        self._backlog_limit = backlog_limit
+        self._stopping = False
+        self._n = 0
+        self._poller = _Poller()
+        self._by_fd: dict[int, _Connection] = {}
+        self._free: list[_Connection] = []
+        self._backlog: deque[int] = deque()
+        self._broken: list[_Connection] = []
+        self.connections = [_Connection(recorder) for _ in socks]
+        for conn, sock in zip(self.connections, socks, strict=True):
+            self._attach(conn, sock, _IN)
+
+    def stop(self) -> None:
+        """Ask the loop to return (from any thread); it does within ``_POLL_MAX_S``."""
+        self._stopping = True
+
+    def close(self) -> None:
+        """Close every socket (after `run` returned)."""
+        for conn in self.connections:
+            self._close(conn)
+        self._poller.close()
+
+    # -- connection states ---------------------------------------------------------------------
+
+    def _attach(self, conn: _Connection, sock: socket.socket, flags: int) -> None:
+        conn.sock = sock
+        conn.fd = sock.fileno()
+        conn.parser = httptools.HttpResponseParser(conn)
+        self._by_fd[conn.fd] = conn
+        self._poller.register(conn.fd, flags)
+
+    def _close(self, conn: _Connection) -> None:
+        if conn.sock is None:
+            return
+        self._by_fd.pop(conn.fd, None)
+        with suppress(OSError, KeyError, ValueError):
+            self._poller.unregister(conn.fd)
+        conn.sock.close()
+        conn.sock = None
+        conn.connecting = False
+        conn.unsent = None
+
+    def _fail(self, conn: _Connection, exc: BaseException) -> None:
+        # The request in flight ends as a connection error; the connection is
+        # rebuilt on the loop's next turn, not here, so a server that refuses every
+        # connection can neither recurse nor spin.
+        conn.busy = False
+        self._recorder.window.errors[_CONN_ERROR] += 1
+        self._recorder.first_error.setdefault(_CONN_ERROR, f"{type(exc).__name__}: {exc}")
+        self._close(conn)
+        self._broken.append(conn)
+
+    def _start(self, conn: _Connection, start_ns: int) -> None:
+        """Send the next request on *conn*; its latency runs from *start_ns*."""
+        conn.busy = True
+        conn.done = False
+        conn.start = start_ns
+        if conn.sock is None:
+            sock = _new_socket(self._address)
+            error = sock.connect_ex(self._address)
+            if error not in (0, errno.EINPROGRESS, errno.EWOULDBLOCK):
+                sock.close()
+                self._fail(conn, OSError(error, os.strerror(error)))
+                return
+            # Writable once connected (or failed); the request goes out then.
+            conn.connecting = True
+            self._attach(conn, sock, _OUT)
+            return
+        self._transmit(conn, memoryview(self._requests[self._n % len(self._requests)]))
+        self._n += 1
+
+    def _transmit(self, conn: _Connection, data: memoryview) -> None:
+        assert conn.sock is not None
+        try:
+            sent = conn.sock.send(data)
+        except BlockingIOError:
+            sent = 0
+        except OSError as exc:
+            self._fail(conn, exc)
+            return
+        if sent < len(data):
+            conn.unsent = data[sent:]
+            self._poller.modify(conn.fd, _IN | _OUT)
+
+    def _ready(self, conn: _Connection) -> None:
+        """*conn* has nothing in flight: give it the next request, or keep it free."""
+        if self._schedule is None:
+            self._start(conn, time.perf_counter_ns())
+        elif self._backlog:
+            self._start(conn, self._backlog.popleft())
+        else:
+            self._free.append(conn)
+
+    def _complete(self, conn: _Connection, now: int) -> None:
+        conn.busy = False
+        window = self._recorder.window
+        status = conn.status
+        if status == 200:
+            window.latencies.append(now - conn.start)
+        else:
+            window.errors[status] += 1
+            if conn.body is not None:
+                self._recorder.first_error.setdefault(
+                    status, b"".join(conn.body)[:300].decode(errors="replace")
+                )
+        if not conn.keep_alive:
+            self._close(conn)  # the next request reconnects
+        self._ready(conn)
+
+    def _event(self, conn: _Connection, flags: int, now: int) -> None:
+        sock = conn.sock
+        assert sock is not None
+        if not conn.busy:
+            # An idle keep-alive connection the server closed (or wrote to unasked):
+            # drop it quietly; the next request on it reconnects.
+            self._close(conn)
+            return
+        if conn.connecting:
+            error = sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
+            if error:
+                self._fail(conn, OSError(error, os.strerror(error)))
+                return
+            conn.connecting = False
+            self._poller.modify(conn.fd, _IN)
+            self._start(conn, conn.start)  # the request that was waiting for it
+            return
+        if conn.unsent is not None and flags & _OUT:
+            data, conn.unsent = conn.unsent, None
+            self._poller.modify(conn.fd, _IN)
+            self._transmit(conn, data)
+            if conn.sock is None:
+                return
+        if not flags & (_IN | _ERR):
+            return
+        try:
+            chunk = sock.recv(_RECV_BYTES)
+        except BlockingIOError:
+            return
+        except OSError as exc:
+            self._fail(conn, exc)
+            return
+        if not chunk:
+            self._fail(conn, ConnectionResetError("the server closed the connection"))
+            return
+        assert conn.parser is not None
+        try:
+            conn.parser.feed_data(chunk)
+        except httptools.HttpParserError as exc:
+            self._fail(conn, exc)
+            return
+        if conn.done:
+            self._complete(conn, now)
+
+    # -- the loop ----------------------------------------------------------------------------------
+
+    def run(self) -> None:
+        """Drive the connections until `stop` (runs in a worker thread)."""
+        poll = self._poller.poll
+        by_fd = self._by_fd
+        schedule = self._schedule
+        start_ns = time.perf_counter_ns()
+        due = start_ns + next(schedule) if schedule is not None else 0
+        # select() waits on the poller's own fd with microsecond timeouts, where
+        # epoll/poll round theirs up to whole milliseconds: arrivals go out on time.
+        precise = _precise_wait(self._poller)
+        for conn in list(self.connections):
+            if schedule is None:
+                self._start(conn, time.perf_counter_ns())
+            else:
+                self._free.append(conn)
+        while not self._stopping:
+            timeout = _POLL_MAX_S
+            if schedule is not None:
+                now = time.perf_counter_ns()
+                while due <= now:
+                    if self._free:
+                        self._start(self._free.pop(), due)
+                    elif len(self._backlog) < self._backlog_limit:
+                        self._backlog.append(due)
+                        self._recorder.window.late += 1
+                    else:
+                        self._recorder.window.dropped += 1
+                    due = start_ns + next(schedule)
+                timeout = min(timeout, (due - now) / 1e9)
+            if self._broken:
+                broken, self._broken = self._broken, []
+                for conn in broken:
+                    self._ready(conn)
+                if self._broken:
+                    timeout = min(timeout, _RETRY_S)
+            if precise is not None and 0 < timeout < _POLL_MAX_S:
+                # Woken by the timer (nothing readable): no poll call needed.
+                events = poll(0) if precise(timeout)[0] else ()
+            else:
+                events = poll(timeout)
+            now = time.perf_counter_ns()
+            for fd, flags in events:
+                ready = by_fd.get(fd)
+                if ready is not None and ready.sock is not None:
+                    self._event(ready, flags, now)
+
+
+class _Poller:
+    # The part of select.epoll (or select.poll without it) the load loop uses;
+    # timeouts in seconds.
+    def __init__(self) -> None:
+        self.epoll = select.epoll() if hasattr(select, "epoll") else None
+        if self.epoll is not None:
+            self._impl: select.epoll | select.poll = self.epoll
+            self.poll: Callable[[float], list[tuple[int, int]]] = self.epoll.poll
+        else:  # pragma: no cover - macOS and other Unix without epoll
+            fallback = self._impl = select.poll()
+            self.poll = lambda timeout: fallback.poll(timeout * 1000)
+
+    def register(self, fd: int, flags: int) -> None:
+        self._impl.register(fd, flags)
+
+    def modify(self, fd: int, flags: int) -> None:
+        self._impl.modify(fd, flags)
+
+    def unregister(self, fd: int) -> None:
+        self._impl.unregister(fd)
+
+    def close(self) -> None:
+        if self.epoll is not None:
+            self.epoll.close()
+
+
+def _precise_wait(poller: _Poller) -> Callable[[float], tuple[list[int], Any, Any]] | None:
+    # select() on the epoll fd itself: readable when any socket is. Without epoll,
+    # or past select's 1024-descriptor limit, timeouts stay whole milliseconds.
+    if poller.epoll is None or poller.epoll.fileno() >= _SELECT_MAX_FD:  # pragma: no cover
+        return None
+    fds = [poller.epoll.fileno()]
+    return lambda timeout: select.select(fds, (), (), timeout)
+
+
+def _new_socket(address: tuple[str, int]) -> socket.socket:
+    sock = socket.socket(socket.AF_INET6 if ":" in address[0] else socket.AF_INET)
+    sock.setblocking(False)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    return sock
 
 
 def _http_requests(
@@ -589,9 +936,9 @@ class HttpTarget:
         """
         request = f"GET {path} HTTP/1.1\r\nHost: {self.host}:{self.port}\r\n\r\n".encode()
         recorder = _Recorder()
-        connection = _Connection(self.host, self.port, [request], recorder)
+        connection = _Connection(recorder)
         try:
-            await connection.connect()
+            await connection.connect((self.host, self.port))
         except OSError as exc:
             raise BenchError(
                 f"cannot connect to http://{self.host}:{self.port}: {exc.strerror or exc}; "
@@ -599,8 +946,8 @@ class HttpTarget:
             ) from None
         connection.keep_body = True
         try:
-            status = await connection(0)
-            body = b"".join(connection._body or [])
+            status = await connection.request(request)
+            body = b"".join(connection.body or [])
         finally:
             connection.close()
         if status == _CONN_ERROR:
@@ -643,12 +990,11 @@ class HttpTarget:
 async def _closed_level(
     senders: Sequence[Send],
     recorder: _Recorder,
-    settings: Settings,
-    progress: Callable[[str], None],
+    measure: Callable[[_Recorder, str, float], Awaitable[Result]],
 ) -> Result:
+    # In-process: one task per worker, each awaiting the engine in turn.
     async def worker(send: Send, first: int) -> None:
         n = first
-        window = recorder.window
         while True:
             start = time.perf_counter_ns()
             status = await send(n)
@@ -663,7 +1009,7 @@ async def _closed_level(
     async with trio.open_nursery() as nursery:
         for i, send in enumerate(senders):
             nursery.start_soon(worker, send, i)
-        result = await _measure(recorder, settings, "concurrency", len(senders), progress)
+        result = await measure(recorder, "concurrency", len(senders))
         nursery.cancel_scope.cancel()
     return result
 
@@ -671,17 +1017,15 @@ async def _closed_level(
 async def _open_level(
     senders: Sequence[Send],
     recorder: _Recorder,
-    settings: Settings,
-    progress: Callable[[str], None],
+    measure: Callable[[_Recorder, str, float], Awaitable[Result]],
     *,
     rate: float,
     arrivals: Arrivals,
     seed: int,
 ) -> Result:
-    # One schedule shared by all workers: a worker that is free claims the next due
-    # time and sleeps until it. So a request waits for a connection only when every
-    # worker is busy ("late"), and its latency still runs from when it was due. No
-    # dispatcher task and no channel: one wake-up per request, not three.
+    # In-process: one schedule shared by all workers; a worker that is free claims
+    # the next due time and sleeps until it. (The engine's own work dwarfs a timer
+    # per request here; HTTP levels batch their timers in `_LoadLoop`.)
     schedule = iter_arrivals(rate, arrivals, seed)
     start_ns = time.perf_counter_ns()
     max_behind_ns = _BACKLOG_PER_CONNECTION * len(senders) * 1e9 / rate
@@ -710,7 +1054,7 @@ async def _open_level(
     async with trio.open_nursery() as nursery:
         for i, send in enumerate(senders):
             nursery.start_soon(worker, send, i)
-        result = await _measure(recorder, settings, "rate", rate, progress)
+        result = await measure(recorder, "rate", rate)
         nursery.cancel_scope.cancel()
     return result
 
@@ -735,51 +1079,31 @@ class Plan:
     max_connections: int = 0
     settings: Settings = Settings()
 
+    @property
+    def levels(self) -> int:
+        """How many levels the plan runs."""
+        return len(self.rates) or len(self.concurrency)
+
+
+def _pool_size(plan: Plan, rate: float, probe_s: float) -> int:
+    # Enough connections for the rate times a generous latency, as Little's law says.
+    return plan.max_connections or min(1024, max(_MIN_POOL, math.ceil(rate * probe_s * 4)))
+
 
 async def _run_levels(
     plan: Plan,
-    make_senders: Callable[[int, _Recorder], Awaitable[list[Send]]],
-    close: Callable[[], None],
-    probe_s: float,
-    progress: Callable[[str], None],
+    run_closed: Callable[[int, _Recorder], Awaitable[Result]],
+    run_open: Callable[[float, _Recorder], Awaitable[Result]],
 ) -> Run:
     results = []
     seen: dict[str, str] = {}
-    try:
+    for value in plan.rates or plan.concurrency:
+        recorder = _Recorder()
         if plan.rates:
-            for rate in plan.rates:
-                # Enough connections for the rate times a generous latency, as Little's law says.
-                pool = plan.max_connections or min(
-                    1024, max(_MIN_POOL, math.ceil(rate * probe_s * 4))
-                )
-                recorder = _Recorder()
-                senders = await make_senders(pool, recorder)
-                results.append(
-                    await _open_level(
-                        senders,
-                        recorder,
-                        plan.settings,
-                        progress,
-                        rate=rate,
-                        arrivals=plan.arrivals,
-                        seed=plan.seed,
-                    )
-                )
-                seen.update(
-                    {str(k): v for k, v in recorder.first_error.items() if str(k) not in seen}
-                )
-                close()
+            results.append(await run_open(value, recorder))
         else:
-            for c in plan.concurrency:
-                recorder = _Recorder()
-                senders = await make_senders(c, recorder)
-                results.append(await _closed_level(senders, recorder, plan.settings, progress))
-                seen.update(
-                    {str(k): v for k, v in recorder.first_error.items() if str(k) not in seen}
-                )
-                close()
-    finally:
-        close()
+            results.append(await run_closed(int(value), recorder))
+        seen.update({str(k): v for k, v in recorder.first_error.items() if str(k) not in seen})
     return Run(tuple(results), seen)
 
 
@@ -796,6 +1120,28 @@ class Run:
     first_errors: dict[str, str]
 
 
+async def _open_sockets(address: tuple[str, int], count: int) -> list[socket.socket]:
+    opened: list[socket.socket] = []
+    try:
+        for _ in range(count):
+            conn = _Connection(_Recorder())
+            await conn.connect(address)
+            assert conn.sock is not None
+            opened.append(conn.sock)
+    except OSError as exc:
+        for sock in opened:
+            sock.close()
+        raise BenchError(
+            f"cannot open {count} connections to http://{address[0]}:{address[1]}: "
+            f"{exc.strerror or exc}"
+        ) from None
+    except BaseException:
+        for sock in opened:
+            sock.close()
+        raise
+    return opened
+
+
 async def run_http(
     target: HttpTarget,
     plan: Plan,
@@ -803,7 +1149,7 @@ async def run_http(
     input_files: Sequence[Path] = (),
     shapes: Mapping[str, Sequence[int]] | None = None,
     binary: bool = False,
-    progress: Callable[[str], None] = lambda _: None,
+    progress: Callable[[Progress], None] | None = None,
 ) -> Run:
     """Benchmark a V2 server's model over HTTP; one `Result` per level.
 
@@ -816,36 +1162,57 @@ async def run_http(
     else:
         variants = [random_inputs(metadata["inputs"], shapes, seed=plan.seed)]
     requests = target.requests(variants, binary=binary)
-    connections: list[_Connection] = []
-
-    async def make_senders(count: int, recorder: _Recorder) -> list[Send]:
-        made = [_Connection(target.host, target.port, requests, recorder) for _ in range(count)]
-        connections.extend(made)
-        try:
-            for c in made:
-                await c.connect()
-        except OSError as exc:
-            raise BenchError(
-                f"cannot open {count} connections to http://{target.host}:{target.port}: "
-                f"{exc.strerror or exc}"
-            ) from None
-        return list(made)
-
-    def close() -> None:
-        for c in connections:
-            c.close()
-        connections.clear()
+    address = (target.host, target.port)
 
     probe_s = 0.0
     if plan.rates and not plan.max_connections:
-        probe = _Recorder()
-        (send,) = await make_senders(1, probe)
-        for n in range(_PROBE_REQUESTS):
-            start = time.perf_counter()
-            await send(n)
-            probe_s = max(probe_s, time.perf_counter() - start)
-        close()
-    return await _run_levels(plan, make_senders, close, probe_s, progress)
+        probe = _Connection(_Recorder())
+        try:
+            for n in range(_PROBE_REQUESTS):
+                start = time.perf_counter()
+                if probe.sock is None:
+                    await probe.connect(address)
+                await probe.request(requests[n % len(requests)])
+                probe_s = max(probe_s, time.perf_counter() - start)
+        except OSError as exc:
+            raise BenchError(
+                f"cannot connect to http://{target.host}:{target.port}: {exc.strerror or exc}"
+            ) from None
+        finally:
+            probe.close()
+
+    index = 0
+
+    async def level(
+        count: int, recorder: _Recorder, load: str, value: float, **loop_options: Any
+    ) -> Result:
+        nonlocal index
+        socks = await _open_sockets(address, count)
+        loop = _LoadLoop(address, requests, recorder, socks, **loop_options)
+        try:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(functools.partial(trio.to_thread.run_sync, loop.run))
+                try:
+                    result = await _measure(
+                        recorder, plan.settings, load, value, progress, (index, plan.levels)
+                    )
+                finally:
+                    loop.stop()  # the thread returns, and the nursery with it
+        finally:
+            loop.close()
+        index += 1
+        return result
+
+    async def run_closed(count: int, recorder: _Recorder) -> Result:
+        return await level(count, recorder, "concurrency", count)
+
+    async def run_open(rate: float, recorder: _Recorder) -> Result:
+        pool = _pool_size(plan, rate, probe_s)
+        schedule = iter_arrivals(rate, plan.arrivals, plan.seed)
+        limit = _BACKLOG_PER_CONNECTION * pool
+        return await level(pool, recorder, "rate", rate, schedule=schedule, backlog_limit=limit)
+
+    return await _run_levels(plan, run_closed, run_open)
 
 
 @asynccontextmanager
@@ -897,7 +1264,7 @@ async def run_in_process(
     *,
     input_files: Sequence[Path] = (),
     shapes: Mapping[str, Sequence[int]] | None = None,
-    progress: Callable[[str], None] = lambda _: None,
+    progress: Callable[[Progress], None] | None = None,
 ) -> Run:
     """Benchmark *model* on *engine* directly (no HTTP); one `Result` per level.
 
@@ -908,8 +1275,9 @@ async def run_in_process(
     else:
         variants = [random_inputs(specs, shapes, seed=plan.seed)]
     inputs = [{t.name: t.array for t in v} for v in variants]
+    index = 0
 
-    async def make_senders(count: int, recorder: _Recorder) -> list[Send]:
+    def senders(count: int, recorder: _Recorder) -> list[Send]:
         async def send(n: int) -> Status:
             try:
                 await engine.infer(model, inputs[n % len(inputs)])
@@ -921,7 +1289,29 @@ async def run_in_process(
 
         return [send] * count
 
-    return await _run_levels(plan, make_senders, lambda: None, 0.01, progress)
+    async def measure(recorder: _Recorder, load: str, value: float) -> Result:
+        nonlocal index
+        result = await _measure(
+            recorder, plan.settings, load, value, progress, (index, plan.levels)
+        )
+        index += 1
+        return result
+
+    async def run_closed(count: int, recorder: _Recorder) -> Result:
+        return await _closed_level(senders(count, recorder), recorder, measure)
+
+    async def run_open(rate: float, recorder: _Recorder) -> Result:
+        pool = _pool_size(plan, rate, 0.01)
+        return await _open_level(
+            senders(pool, recorder),
+            recorder,
+            measure,
+            rate=rate,
+            arrivals=plan.arrivals,
+            seed=plan.seed,
+        )
+
+    return await _run_levels(plan, run_closed, run_open)
 
 
 # -- output -------------------------------------------------------------------------------------
@@ -940,17 +1330,15 @@ _COLUMNS: Final = (
 )
 
 
-def format_table(results: Sequence[Result]) -> str:
-    """The results as an aligned text table, one row per level."""
-    if not results:
-        return ""
+def _table(results: Sequence[Result]) -> tuple[list[tuple[str, int]], list[list[str]]]:
+    # The columns (name, width) and one row of cells per level.
     open_loop = results[0].load == "rate"
     first = ("rate/s", 8) if open_loop else ("concurrency", 11)
     columns = [first, *_COLUMNS]
     if open_loop:
         columns.insert(8, ("late", 7))
         columns.insert(9, ("dropped", 7))
-    lines = ["  ".join(name.rjust(width) for name, width in columns)]
+    rows = []
     for r in results:
         lat = r.latency_ms
         cells = [
@@ -965,7 +1353,13 @@ def format_table(results: Sequence[Result]) -> str:
         if open_loop:
             cells.insert(8, str(r.late))
             cells.insert(9, str(r.dropped))
-        lines.append("  ".join(c.rjust(w) for c, (_, w) in zip(cells, columns, strict=True)))
+        rows.append(cells)
+    return columns, rows
+
+
+def _notes(results: Sequence[Result]) -> list[str]:
+    # What the table cannot say in a cell: errors by status, overload, instability.
+    lines = []
     failed = Counter[str]()
     for r in results:
         failed.update(r.errors)
@@ -982,7 +1376,106 @@ def format_table(results: Sequence[Result]) -> str:
             )
     if not all(r.stable for r in results):
         lines.append("* not stable within the bound after the last window")
-    return "\n".join(lines)
+    return lines
+
+
+def format_table(results: Sequence[Result]) -> str:
+    """The results as an aligned text table, one row per level, and notes under it."""
+    if not results:
+        return ""
+    columns, rows = _table(results)
+    lines = ["  ".join(name.rjust(width) for name, width in columns)]
+    for cells in rows:
+        lines.append("  ".join(c.rjust(w) for c, (_, w) in zip(cells, columns, strict=True)))
+    return "\n".join([*lines, *_notes(results)])
+
+
+def print_table(results: Sequence[Result]) -> None:
+    """Print the results on stdout: a rich table on a terminal when rich is installed.
+
+    Anywhere else (a pipe, a file, no rich) it prints `format_table`'s plain text,
+    which scripts can parse.
+    """
+    if not results:
+        return
+    if not sys.stdout.isatty():
+        print(format_table(results))
+        return
+    try:
+        from rich.console import Console
+        from rich.table import Table
+    except ImportError:
+        print(format_table(results))
+        return
+    columns, rows = _table(results)
+    table = Table(box=None, header_style="bold")
+    for name, _ in columns:
+        table.add_column(name, justify="right", no_wrap=True)
+    for cells in rows:
+        table.add_row(*cells)
+    console = Console()
+    console.print(table)
+    for line in _notes(results):
+        console.print(line, highlight=False, markup=False)
+
+
+def _describe(p: Progress) -> tuple[str, str]:
+    # The level, and where it is: "[2/4] concurrency 16", "window 3/10  19,780 req/s ...".
+    phase = "warm-up" if p.window == 0 else f"window {p.window}/{p.windows}"
+    status = f"{phase}  {p.throughput:,.0f} req/s"
+    if not math.isnan(p.p99_ms):
+        status += f"  last p99 {p.p99_ms:.2f} ms"
+    return f"[{p.index + 1}/{p.levels}] {p.level}", status
+
+
+@contextmanager
+def open_progress() -> Iterator[Callable[[Progress], None] | None]:
+    """Show the run's progress on stderr while the block runs, if stderr is a terminal.
+
+    With rich installed (``pip install 'trioinfer[bench]'``) it is a progress bar
+    through the current warm-up or window, with its throughput so far; without,
+    one status line. Either is redrawn only when the benchmark reports (4 times a
+    second) and erased at the end. Yields ``None`` when stderr is not a terminal:
+    then nothing is drawn and the benchmark does not wake up to report.
+    """
+    if not sys.stderr.isatty():
+        yield None
+        return
+    try:
+        import rich.progress
+        from rich.console import Console
+    except ImportError:
+
+        def show_line(p: Progress) -> None:
+            level, status = _describe(p)
+            sys.stderr.write(f"\r\x1b[K{level}: {status}")
+            sys.stderr.flush()
+
+        try:
+            yield show_line
+        finally:
+            sys.stderr.write("\r\x1b[K")
+            sys.stderr.flush()
+        return
+    bar = rich.progress.Progress(
+        rich.progress.TextColumn("{task.description}"),
+        rich.progress.BarColumn(),
+        rich.progress.TextColumn("{task.fields[status]}"),
+        console=Console(stderr=True),
+        auto_refresh=False,  # no refresh thread: redrawn when the benchmark reports
+        transient=True,
+        redirect_stdout=False,
+        redirect_stderr=False,
+    )
+    task = bar.add_task("", total=1.0, status="")
+
+    def show_bar(p: Progress) -> None:
+        level, status = _describe(p)
+        bar.update(task, description=level, completed=p.fraction, status=status)
+        bar.refresh()
+
+    with bar:
+        yield show_bar
 
 
 def write_json(path: Path, results: Sequence[Result], about: Mapping[str, Any]) -> None:
@@ -1034,15 +1527,3 @@ def write_plot(path: Path, results: Sequence[Result], title: str) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
-
-
-def progress_line() -> Callable[[str], None]:
-    """A status printer: one carriage-return line on stderr when it is a terminal, else nothing."""
-    if not sys.stderr.isatty():
-        return lambda _: None
-
-    def show(text: str) -> None:
-        sys.stderr.write("\r\x1b[K" + text)
-        sys.stderr.flush()
-
-    return show

@@ -787,14 +787,12 @@ def bench(**options: Any) -> None:
             windows=options["windows"],
         ),
     )
-    progress = _bench.progress_line()
     try:
-        run = trio.run(functools.partial(_bench_run, options, plan, progress))
+        with _bench.open_progress() as progress:
+            run = trio.run(functools.partial(_bench_run, options, plan, progress))
     except TrioInferError as exc:
         raise click.ClickException(str(exc)) from exc
-    finally:
-        progress("")
-    click.echo(_bench.format_table(run.results))
+    _bench.print_table(run.results)
     about = {
         "target": "in-process" if options["in_process"] else options["url"],
         "model": options["model"] or (options["model_file"] and str(options["model_file"])),
@@ -823,7 +821,9 @@ def bench(**options: Any) -> None:
 
 
 async def _bench_run(
-    options: dict[str, Any], plan: _bench.Plan, progress: Callable[[str], None]
+    options: dict[str, Any],
+    plan: _bench.Plan,
+    progress: Callable[[_bench.Progress], None] | None,
 ) -> _bench.Run:
     from . import _bench
 
