@@ -463,3 +463,12 @@ def test_table_with_rich_on_a_terminal(monkeypatch: pytest.MonkeyPatch) -> None:
     text = out.getvalue()
     for cell in ("concurrency", "CPU us/req", "1,234", "21.5", "3*", "errors by status: 503 x 4"):
         assert cell in text
+
+
+def test_table_on_a_narrow_terminal_keeps_every_digit(monkeypatch: pytest.MonkeyPatch) -> None:
+    pytest.importorskip("rich")
+    out = _Terminal()
+    monkeypatch.setattr(sys, "stdout", out)
+    monkeypatch.setenv("COLUMNS", "80")
+    _bench.print_table([_result(4)])
+    assert out.getvalue() == _bench.format_table([_result(4)]) + "\n"

@@ -12,9 +12,13 @@ Two load shapes, both measured the same way:
 Each level warms up (excluded), then measures windows of ``--window`` seconds
 until the last three agree on throughput and p99 within ``--stability`` percent
 (or a fixed ``--windows`` count). The HTTP client speaks only the V2 protocol
-(model metadata and infer) over raw Trio sockets, with every request's bytes
-encoded once before the run and responses parsed by httptools, so that the tool
-costs little CPU per request; it measures its own CPU time and reports it.
+(model metadata and infer) over plain non-blocking sockets. A level's connections
+are all driven by one loop in a worker thread (`_LoadLoop`): one ``epoll`` wait
+returns every answer that arrived and one timeout serves every request due before
+it, with no Trio task switch or timer per request; every request's bytes are
+encoded once before the run and answers are parsed by httptools. So the tool costs
+little CPU per request; it measures its own CPU time and reports it. Trio runs the
+rest: metadata, windows, the progress display, and in-process levels.
 """
 
 from __future__ import annotations
@@ -1393,8 +1397,8 @@ def format_table(results: Sequence[Result]) -> str:
 def print_table(results: Sequence[Result]) -> None:
     """Print the results on stdout: a rich table on a terminal when rich is installed.
 
-    Anywhere else (a pipe, a file, no rich) it prints `format_table`'s plain text,
-    which scripts can parse.
+    Anywhere else (a pipe, a file, no rich, a terminal too narrow for every
+    digit) it prints `format_table`'s plain text, which scripts can parse.
     """
     if not results:
         return
@@ -1408,15 +1412,19 @@ def print_table(results: Sequence[Result]) -> None:
         print(format_table(results))
         return
     columns, rows = _table(results)
+    console = Console()
+    if console.width < sum(width + 2 for _, width in columns):
+        # Too narrow: rich would elide digits; plain lines wrap but keep every one.
+        print(format_table(results))
+        return
     table = Table(box=None, header_style="bold")
     for name, _ in columns:
         table.add_column(name, justify="right", no_wrap=True)
     for cells in rows:
         table.add_row(*cells)
-    console = Console()
     console.print(table)
     for line in _notes(results):
-        console.print(line, highlight=False, markup=False)
+        console.print(line, highlight=False, markup=False, soft_wrap=True)
 
 
 def _describe(p: Progress) -> tuple[str, str]:

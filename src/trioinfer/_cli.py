@@ -756,10 +756,12 @@ def bench(**options: Any) -> None:
     a politely slower client.
 
     Each level warms up (not counted), then measures windows until the last
-    three agree within --stability (or --windows N). The table gives
-    throughput, latency percentiles of successful requests, errors, and the
-    tool's own CPU time per request and cores used (in-process: the whole
-    process, engine included).
+    three agree within --stability (or --windows N). The table (on stdout)
+    gives throughput, latency percentiles of successful requests, errors, and
+    the tool's own CPU time per request and cores used, progress display
+    included (in-process: the whole process, engine included). While it runs,
+    a progress bar shows on stderr when stderr is a terminal (drawn by rich
+    when installed: pip install 'trioinfer[bench]').
 
     Exits with status 1 when the server cannot be reached or does not serve
     the model, or when any request failed (errors by status are printed).
