@@ -1,10 +1,19 @@
 #!/usr/bin/env python
 """trioinfer beside its peers over HTTP: same machine, same models, same load, one after another.
 
-Issue 6, section 2 (peers: MLServer, Triton). Systems, each started on its own, measured, stopped:
+Issue 6, section 2. Systems, each started on its own, measured, stopped:
 
+  ort32       not a server: bench_http's ceiling, a tight ``session.run`` loop at batch 32
+              (the same batching knob), in rows/s; measured before and after each repeat's
+              servers, the faster counts (``bench_http.ceiling_of``)
   trioinfer   ``trioinfer serve`` with its default HTTP layer (lean, Trio)
   t-asyncio   ``trioinfer serve --loop asyncio`` (uvicorn)
+  naive       what a first attempt looks like: a Starlette app on Hypercorn's Trio worker,
+              written by this script and run with this interpreter, whose ``POST
+              /v2/models/{name}/infer`` decodes the JSON body, calls
+              ``trio.to_thread.run_sync(session.run, ...)`` and encodes the outputs; no
+              batching, one ONNX Runtime session per model shared by every request (Trio's
+              default thread limit, 40, bounds the concurrent runs); JSON bodies only
   mlserver    MLServer (``--mlserver-version``, default 1.7.1) with a custom runtime this
               script writes: a ``mlserver.MLModel`` whose ``load`` opens an ONNX Runtime
               session and whose ``predict`` decodes the V2 input to numpy, runs the session
@@ -19,9 +28,21 @@ Issue 6, section 2 (peers: MLServer, Triton). Systems, each started on its own, 
               least one dimension per row, so a [N] output (digits' ``label``) comes back as
               [N, 1]; the answer check allows that reshape and nothing else. Its Python stub
               needs ``LD_LIBRARY_PATH`` at this interpreter's lib folder, which the script sets
+  ray         Ray Serve: one application per model at ``/v2/models/{name}``, one replica
+              whose ``@serve.batch(max_batch_size=32, batch_wait_timeout_s=0.005)`` method
+              concatenates the rows and runs the session; ``max_ongoing_requests`` above the
+              client concurrency (below it Ray Serve collapses at C=256). Ray runs on one
+              local node (``ray.init(_node_ip_address="127.0.0.1")``, no dashboard, usage
+              stats off) with ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0``, without which it binds
+              the machine's other address too; Ray Serve's replicas bind their
+              inter-deployment gRPC server on ``[::]`` with no setting to change it, so a
+              ``worker_process_setup_hook`` rebinds it on 127.0.0.1. Its access log is off
+              and its log level WARNING, as for every other server here (Ray Serve logs
+              each request by default; with that, a run here served about half as much,
+              under heavier other load). JSON bodies only
 
 Every system serves the same ONNX files with the same settings: dynamic (adaptive) batching
-of at most 32 requests / 5 ms, one model instance, ONNX Runtime on the CPU with
+of at most 32 requests / 5 ms (naive: none), one model instance, ONNX Runtime on the CPU with
 ``intra_op_num_threads=1``, sequential execution, graph optimisation all. trioinfer runs its
 instance on a dispatch thread (``bench_http.py``'s config.toml). MLServer runs with
 ``parallel_workers = 0``: inference in the server's own process, like trioinfer's one
@@ -33,30 +54,40 @@ event loop itself, as MLServer's own runtimes do). MLServer listens on 127.0.0.1
 its debug mode is off; its other settings are its defaults (gzip middleware on; wrk asks
 no compression).
 
-MLServer lives in a virtual environment of its own under ``--peers-dir`` (default
-``$TMPDIR/trioinfer-peers``), created on first use and reused: ``pip install mlserver==1.7.1
-onnxruntime==X uvloop==0.21.0``, X this interpreter's ONNX Runtime version (any version when
-pip has not that one; the footer says which ran). uvloop 0.23 makes MLServer 1.7.1's workers
-fail at start with "There is no current event loop in thread 'MainThread'"; 0.21 works.
-Triton likewise: ``triton-venv`` under ``--peers-dir``, ``pip install nvidia-pytriton
-onnxruntime==X numpy``. If a peer's install or start fails (no network, no wheel), the
+Each peer lives in a virtual environment of its own under ``--peers-dir`` (default
+``$TMPDIR/trioinfer-peers``), created on first use and reused: ``mlserver-venv``: ``pip
+install mlserver==1.7.1 onnxruntime==X uvloop==0.21.0``, X this interpreter's ONNX Runtime
+version (any version when pip has not that one; the footer says which ran); uvloop 0.23
+makes MLServer 1.7.1's workers fail at start with "There is no current event loop in thread
+'MainThread'", 0.21 works. ``triton-venv``: ``pip install nvidia-pytriton onnxruntime==X
+numpy``. ``ray-venv``: ``pip install "ray[serve]" onnxruntime==X numpy``. The naive server
+needs only this venv (starlette, hypercorn). If a peer's install or start fails (no network,
+no wheel), or it listens beyond loopback (``ss -tlnp``, every process of its tree), the
 script says why, skips that peer and runs the others.
 
 Models: ``digits`` (the bundled example, float32 [-1, 64]) and ``wide`` (the 1024 -> 4096 ->
 4096 -> 1000 MLP of ``trioinfer.testing.models.write_wide_mlp``, seed 0; needs ``onnx``).
-Each request is one row as a JSON body, the same Lua script (``bench_http.py``'s) for every
-system: ``wrk -t1 -cC -dD --latency``. Before measuring, each system's answer for each model
-is checked against ONNX Runtime's. Each window warms up for ``--warmup`` seconds (a wrk run
-of its own), waits for the server to go idle, then measures. The server's CPU time is read
-from ``/proc/<pid>/stat`` for the server and every process below it, around the window.
+Each request is one row, the same Lua scripts (``bench_http.py``'s) for every system: ``wrk
+-t1 -cC -dD --latency``. JSON bodies for every model; the models of ``--binary-models``
+(default ``wide``) also with the V2 binary tensor extension (``Inference-Header-Content-
+Length``, ``parameters.binary_data_size``; outputs asked binary too), as the ``+bin`` rows.
+A system that does not take a binary body (its answer to the check says so) has no ``+bin``
+rows and the reason is printed. Before measuring, each system's answer for each model and
+body is checked against ONNX Runtime's. Each window warms up for ``--warmup`` seconds (a wrk
+run of its own), waits for the server to go idle, then measures. The server's CPU time is
+read from ``/proc/<pid>/stat`` for the server and every process below it, around the window.
 ``--repeat`` repeats everything; the order of the systems rotates from one repeat to the
-next. The table gives medians and each repeat's value, then trioinfer over each peer
-(MLServer, Triton) per model and concurrency (median of the per-repeat ratios).
+next. The table gives medians and each repeat's value, and each row over the repeat's
+ceiling; then trioinfer over each peer (naive, MLServer, Triton, Ray) per model, body and
+concurrency (median of the per-repeat ratios), and the issue's goals at C=64 (over naive
+on digits >= 5x; wide with binary bodies >= 0.8x the ceiling). ``--plot FILE`` writes a PNG
+of req/s per system and model at each concurrency, the ceilings dashed (needs matplotlib;
+skipped with the reason when it is missing).
 
 Usage:  .venv/bin/python benchmarks/compare.py
-        .venv/bin/python benchmarks/compare.py --duration 3 --repeat 2
-        .venv/bin/python benchmarks/compare.py --systems trioinfer,mlserver --models wide
-        .venv/bin/python benchmarks/compare.py --systems trioinfer,triton
+        .venv/bin/python benchmarks/compare.py --duration 3 --repeat 2 --plot /tmp/compare.png
+        .venv/bin/python benchmarks/compare.py --systems trioinfer,naive --models digits
+        .venv/bin/python benchmarks/compare.py --systems trioinfer,triton --binary-models ""
         .venv/bin/python benchmarks/compare.py --peers-dir ~/.cache/trioinfer-peers
 See benchmarks/README.md ("compare.py") for what each column means.
 """
@@ -83,24 +114,31 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Sequence
+from importlib import metadata
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 # Sibling scripts: bench_http's model repository, request check, Lua and wrk helpers.
+import bench_batching
 import bench_http
 import onnxruntime as ort
 from bench_engine import versions
 from bench_http import CLK_TCK, MAX_BATCH, MAX_QUEUE_DELAY, Row
 
-SYSTEMS = ("trioinfer", "t-asyncio", "mlserver", "triton")
-PEERS = ("mlserver", "triton")
+SYSTEMS = ("trioinfer", "t-asyncio", "naive", "mlserver", "triton", "ray")
+PEERS = ("naive", "mlserver", "triton", "ray")  # each gets a "trioinfer over it" ratio
 TRIOINFER_ARGS = {"trioinfer": "", "t-asyncio": "--loop asyncio"}
-ENCODING = "json"
 UVLOOP = "uvloop==0.21.0"
 READY_TIMEOUT_S = 180.0
 LOOPBACK = ("127.0.0.1:", "[::ffff:127.0.0.1]:", "[::1]:")  # MLServer's gRPC shows the middle one
 PYTRITON = "nvidia-pytriton"
+RAY = "ray[serve]"
+# Issue 6's goals, at C=64: (model, numerator, denominator or the ort32 ceiling, at least).
+GOALS = {
+    "trioinfer over naive, digits JSON": ("digits", "trioinfer", "naive", 5.0),
+    "trioinfer+bin over the ort32 ceiling, wide": ("wide", "trioinfer+bin", "ort32", 0.8),
+}
 
 MLSERVER_RUNTIME = '''\
 """Written by benchmarks/compare.py: an ONNX Runtime model for MLServer."""
@@ -232,6 +270,194 @@ with Triton(config=config) as triton:
         )
     print("serving", flush=True)
     triton.serve()
+'''
+
+
+NAIVE_SERVER = '''\
+"""Written by benchmarks/compare.py: the naive V2 server, Starlette on Hypercorn's Trio worker.
+
+No batching: every request decodes its JSON, runs ``session.run`` on a worker thread
+(``trio.to_thread.run_sync``) and encodes the outputs, the way a first attempt would.
+"""
+
+import json
+import sys
+
+import numpy as np
+import onnxruntime as ort
+import trio
+from hypercorn.config import Config
+from hypercorn.trio import serve
+from starlette.applications import Starlette
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+SPEC = json.loads(sys.argv[1])
+DTYPES = {{"FP32": np.float32, "FP64": np.float64, "INT64": np.int64, "INT32": np.int32}}
+NAMES = {{np.dtype(v): k for k, v in DTYPES.items()}}
+
+
+def session(path):
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = {threads}
+    options.inter_op_num_threads = 1
+    options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    return ort.InferenceSession(path, options, providers=["CPUExecutionProvider"])
+
+
+SESSIONS = {{name: session(path) for name, path in SPEC["models"].items()}}
+OUTPUTS = {{name: [o.name for o in s.get_outputs()] for name, s in SESSIONS.items()}}
+
+
+async def ready(request):
+    return Response(status_code=200)
+
+
+async def model_ready(request):
+    return Response(status_code=200 if request.path_params["name"] in SESSIONS else 404)
+
+
+async def infer(request):
+    name = request.path_params["name"]
+    if name not in SESSIONS:
+        return JSONResponse({{"error": f"no model {{name!r}}"}}, status_code=404)
+    try:
+        body = await request.json()
+        feeds = {{
+            i["name"]: np.asarray(i["data"], dtype=DTYPES[i["datatype"]]).reshape(i["shape"])
+            for i in body["inputs"]
+        }}
+    except (ValueError, KeyError, TypeError) as exc:  # binary bodies land here too
+        return JSONResponse({{"error": f"JSON V2 bodies only ({{type(exc).__name__}})"}}, 400)
+    results = await trio.to_thread.run_sync(SESSIONS[name].run, OUTPUTS[name], feeds)
+    outputs = [
+        {{"name": n, "datatype": NAMES[r.dtype], "shape": list(r.shape),
+          "data": r.ravel().tolist()}}
+        for n, r in zip(OUTPUTS[name], results)
+    ]
+    return JSONResponse({{"model_name": name, "outputs": outputs}})
+
+
+app = Starlette(
+    routes=[
+        Route("/v2/health/ready", ready),
+        Route("/v2/models/{{name}}/ready", model_ready),
+        Route("/v2/models/{{name}}/infer", infer, methods=["POST"]),
+    ]
+)
+config = Config()
+config.bind = [f"127.0.0.1:{{SPEC['http_port']}}"]
+config.loglevel = "WARNING"
+print("serving", flush=True)
+trio.run(serve, app, config)
+'''
+
+RAY_SERVER = '''\
+"""Written by benchmarks/compare.py: ONNX Runtime behind Ray Serve's ``@serve.batch``."""
+
+import json
+import signal
+import sys
+import time
+
+import numpy as np
+import onnxruntime as ort
+import ray
+from ray import serve
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+SPEC = json.loads(sys.argv[1])
+DTYPES = {{"FP32": np.float32, "FP64": np.float64, "INT64": np.int64, "INT32": np.int32}}
+NAMES = {{np.dtype(v): k for k, v in DTYPES.items()}}
+
+
+# Access logs off and warnings only, as every other server here runs (Ray Serve logs each
+# request at INFO by default).
+QUIET = {{"enable_access_log": False, "log_level": "WARNING"}}
+
+
+@serve.deployment(
+    num_replicas=1,
+    max_ongoing_requests={max_ongoing},
+    ray_actor_options={{"num_cpus": 0}},
+    logging_config=QUIET,
+)
+class OnnxModel:
+    def __init__(self, name, path):
+        options = ort.SessionOptions()
+        options.intra_op_num_threads = {threads}
+        options.inter_op_num_threads = 1
+        options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
+        options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+        self.name = name
+        self.session = ort.InferenceSession(path, options, providers=["CPUExecutionProvider"])
+        self.input = self.session.get_inputs()[0].name
+        self.outputs = [o.name for o in self.session.get_outputs()]
+
+    @serve.batch(max_batch_size={max_batch}, batch_wait_timeout_s={delay})
+    async def run(self, rows):
+        sizes = [len(r) for r in rows]
+        results = self.session.run(self.outputs, {{self.input: np.concatenate(rows)}})
+        answers, start = [], 0
+        for size in sizes:
+            answers.append([r[start : start + size] for r in results])
+            start += size
+        return answers
+
+    async def __call__(self, request: Request):
+        if request.method == "GET":  # /v2/models/{{name}}/ready
+            return Response(status_code=200)
+        try:
+            (tensor,) = (await request.json())["inputs"]
+            x = np.asarray(tensor["data"], dtype=DTYPES[tensor["datatype"]])
+            x = x.reshape(tensor["shape"])
+        except (ValueError, KeyError, TypeError) as exc:  # binary bodies land here too
+            return JSONResponse({{"error": f"JSON V2 bodies only ({{type(exc).__name__}})"}}, 400)
+        results = await self.run(x)
+        outputs = [
+            {{"name": n, "datatype": NAMES[r.dtype], "shape": list(r.shape),
+              "data": r.ravel().tolist()}}
+            for n, r in zip(self.outputs, results)
+        ]
+        return JSONResponse({{"model_name": self.name, "outputs": outputs}})
+
+
+def stop(*_):
+    raise KeyboardInterrupt
+
+
+def loopback_only():
+    # Ray Serve's replicas bind their inter-deployment gRPC server on [::] (every
+    # interface), with no setting to change it: rebind it on loopback, in each worker.
+    from ray._common import tls_utils
+    from ray.serve._private import replica
+
+    def add_port(server, address):
+        return tls_utils.add_port_to_grpc_server(server, address.replace("[::]", "127.0.0.1"))
+
+    replica.add_port_to_grpc_server = add_port
+
+
+signal.signal(signal.SIGTERM, stop)
+ray.init(
+    include_dashboard=False,
+    _node_ip_address="127.0.0.1",
+    num_cpus=2,
+    runtime_env={{"worker_process_setup_hook": loopback_only}},
+)
+serve.start(
+    http_options={{"host": "127.0.0.1", "port": SPEC["http_port"]}}, logging_config=QUIET
+)
+for name, path in SPEC["models"].items():
+    serve.run(OnnxModel.bind(name, path), name=name, route_prefix=f"/v2/models/{{name}}")
+print("serving", flush=True)
+try:
+    while True:
+        time.sleep(1)
+finally:
+    ray.shutdown()  # stops the node this script started, Serve with it
 '''
 
 
@@ -384,32 +610,31 @@ def start_mlserver(mlserver: Path, repository: Path, args: argparse.Namespace, l
     return server
 
 
-def start_triton(
-    python: Path, models: dict[str, bench_http.Model], args: argparse.Namespace, log: Path
+def start_script(
+    system: str,
+    python: Path,
+    text: str,
+    models: dict[str, bench_http.Model],
+    log: Path,
+    env_extra: dict[str, str] | None = None,
 ) -> Server:
-    """Run the generated PyTriton script with the Triton venv's python; wait for the models."""
+    """Write *text* as a server script, run it with *python*, wait for the models.
+
+    The script gets one argument, JSON: its HTTP port (and a gRPC one) and each model's
+    ONNX file.
+    """
     http_port, grpc_port = free_port(), free_port()
     spec = {
         "http_port": http_port,
         "grpc_port": grpc_port,
         "models": {n: str(m.config_path.parent / "1" / "model.onnx") for n, m in models.items()},
     }
-    script = log.parent / "triton_server.py"
-    script.write_text(
-        TRITON_SERVER.format(
-            threads=args.threads, max_batch=MAX_BATCH, delay_us=round(MAX_QUEUE_DELAY * 1e6)
-        )
-    )
+    script = log.parent / f"{system}_server.py"
+    script.write_text(text)
     command = [str(python), str(script), json.dumps(spec)]
     print(f"server: {shlex.join(command)}")
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    env = dict(os.environ, PYTHONUNBUFFERED="1", **(env_extra or {}))
     env.pop("VIRTUAL_ENV", None)
-    # Triton's Python backend stub links libpython: point it at this interpreter's lib folder
-    # (the venv's python is this one).
-    libdir = sysconfig.get_config_var("LIBDIR") or str(Path(sys.base_prefix) / "lib")
-    env["LD_LIBRARY_PATH"] = os.pathsep.join(
-        x for x in (libdir, env.get("LD_LIBRARY_PATH", "")) if x
-    )
     with log.open("wb") as out:
         process = subprocess.Popen(
             command,
@@ -418,7 +643,7 @@ def start_triton(
             cwd=log.parent,
             env=env,
         )
-    server = Server("triton", process, f"http://127.0.0.1:{http_port}", log, counted=False)
+    server = Server(system, process, f"http://127.0.0.1:{http_port}", log, counted=False)
     try:
         problem = wait_models(server, list(models))
     except BaseException:
@@ -428,6 +653,45 @@ def start_triton(
         stop(server)
         raise RuntimeError(f"{problem}: {tail(log)}")
     return server
+
+
+def start_triton(
+    python: Path, models: dict[str, bench_http.Model], args: argparse.Namespace, log: Path
+) -> Server:
+    """The generated PyTriton script with the Triton venv's python."""
+    text = TRITON_SERVER.format(
+        threads=args.threads, max_batch=MAX_BATCH, delay_us=round(MAX_QUEUE_DELAY * 1e6)
+    )
+    # Triton's Python backend stub links libpython: point it at this interpreter's lib folder
+    # (the venv's python is this one).
+    libdir = sysconfig.get_config_var("LIBDIR") or str(Path(sys.base_prefix) / "lib")
+    path = os.pathsep.join(x for x in (libdir, os.environ.get("LD_LIBRARY_PATH", "")) if x)
+    return start_script("triton", python, text, models, log, {"LD_LIBRARY_PATH": path})
+
+
+def start_naive(models: dict[str, bench_http.Model], args: argparse.Namespace, log: Path) -> Server:
+    """The naive Starlette + Hypercorn server, with this interpreter (it has both)."""
+    text = NAIVE_SERVER.format(threads=args.threads)
+    return start_script("naive", Path(sys.executable), text, models, log)
+
+
+def start_ray(
+    python: Path, models: dict[str, bench_http.Model], args: argparse.Namespace, log: Path
+) -> Server:
+    """The generated Ray Serve script with the Ray venv's python."""
+    text = RAY_SERVER.format(
+        threads=args.threads,
+        max_batch=MAX_BATCH,
+        delay=MAX_QUEUE_DELAY,
+        # Above the client concurrency, or Ray Serve sheds and retries: 13-33 req/s at C=256.
+        max_ongoing=2 * max(args.concurrency) + MAX_BATCH,
+    )
+    env = {
+        # Without it Ray's processes bind the machine's non-loopback address too.
+        "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
+        "RAY_USAGE_STATS_ENABLED": "0",  # no usage report sent anywhere
+    }
+    return start_script("ray", python, text, models, log, env)
 
 
 def wait_models(server: Server, names: Sequence[str]) -> str | None:
@@ -453,7 +717,7 @@ def tail(path: Path, lines: int = 20) -> str:
     return bench_http.tail(path, lines)
 
 
-# -- MLServer's environment ----------------------------------------------------------------
+# -- the peers' environments ----------------------------------------------------------------
 
 
 def peer_venv(
@@ -558,7 +822,37 @@ def triton_env(args: argparse.Namespace) -> tuple[Path | None, str, str]:
     return venv / "bin" / "python", found[0], found[1]
 
 
+def ray_env(args: argparse.Namespace) -> tuple[Path | None, str, str]:
+    """(the Ray venv's python or None, Ray's version or why it is missing, ORT's)."""
+    venv = Path(args.peers_dir) / "ray-venv"
+    probe = (
+        "import importlib.metadata as m, ray.serve; "
+        "print(m.version('ray'), m.version('onnxruntime'))"
+    )
+    ort_pin = f"onnxruntime=={ort.__version__}"
+    found, why = peer_venv(
+        venv,
+        probe,
+        2,
+        lambda f: f[1] == ort.__version__,
+        ([RAY, ort_pin, "numpy"], [RAY, "onnxruntime", "numpy"]),
+        RAY,
+    )
+    if found is None:
+        return None, why, "?"
+    return venv / "bin" / "python", found[0], found[1]
+
+
 # -- the run ------------------------------------------------------------------------------
+
+
+def label(system: str, encoding: str) -> str:
+    """A system and body encoding as the table names them: ``triton`` (JSON), ``triton+bin``."""
+    return system if encoding == "json" else f"{system}+bin"
+
+
+def encodings_of(model: str, args: argparse.Namespace) -> list[str]:
+    return ["json", "binary"] if model in args.binary_models else ["json"]
 
 
 def triton_view(model: bench_http.Model) -> bench_http.Model:
@@ -570,30 +864,52 @@ def triton_view(model: bench_http.Model) -> bench_http.Model:
 def verify(
     server: Server,
     models: dict[str, bench_http.Model],
+    args: argparse.Namespace,
     lua_dir: Path,
-    scripts: dict[str, Path],
-    checked: set[tuple[str, str]],
+    scripts: dict[tuple[str, str], Path],
+    checked: set[str],
+    skipped: dict[str, str],
 ) -> None:
-    """Check each model's answer against ONNX Runtime's (SystemExit if it differs).
+    """Check each model's answer, per encoding, against ONNX Runtime's.
 
-    The first system checked also writes the Lua script every system is measured with.
+    A wrong JSON answer raises SystemExit. A binary body the system does not take marks
+    that variant skipped (with the server's answer as the reason); the system's JSON rows
+    still run. The first system that answers a body right writes the Lua script every
+    system is measured with.
     """
     for name, model in models.items():
         if server.system == "triton":
             model = triton_view(model)
-        if name not in scripts:
-            script = bench_http.write_script(lua_dir, model, ENCODING, server)  # type: ignore[arg-type]
-            scripts[name] = script.path
-        else:
-            body, headers = bench_http.request_body(model, ENCODING)
-            bench_http.check_answer(server.base, model, ENCODING, body, headers)
-        if (server.system, name) not in checked:
-            print(f"  {server.system}/{name}: the answer matches ONNX Runtime's")
-            checked.add((server.system, name))
+        for encoding in encodings_of(name, args):
+            how = label(server.system, encoding)
+            if how in skipped:
+                continue
+            try:
+                if (name, encoding) not in scripts:
+                    script = bench_http.write_script(lua_dir, model, encoding, server)  # type: ignore[arg-type]
+                    scripts[name, encoding] = script.path
+                else:
+                    body, headers = bench_http.request_body(model, encoding)
+                    bench_http.check_answer(server.base, model, encoding, body, headers)
+            except SystemExit as exc:
+                if encoding == "json":
+                    raise
+                skipped[how] = f"binary tensor bodies not taken: {str(exc)[:200]}"
+                print(f"  {how} SKIPPED: {skipped[how]}", flush=True)
+                continue
+            if f"{how}/{name}" not in checked:
+                print(f"  {how}/{name}: the answer matches ONNX Runtime's")
+                checked.add(f"{how}/{name}")
 
 
 def measure(
-    server: Server, model: str, conc: int, script: Path, args: argparse.Namespace, rep: int
+    server: Server,
+    model: str,
+    how: str,
+    conc: int,
+    script: Path,
+    args: argparse.Namespace,
+    rep: int,
 ) -> Row:
     return bench_http.run_http(
         server,  # type: ignore[arg-type]
@@ -603,9 +919,20 @@ def measure(
         args,
         rep,
         model=model,
-        how=server.system,
+        how=how,
         counted=server.counted,
     )
+
+
+def measure_ceiling(model: bench_http.Model, args: argparse.Namespace, rep: int) -> Row:
+    """bench_http's ceiling: a tight ``session.run`` loop at batch 32, rows/s."""
+    row = bench_http.from_result(bench_batching.run_raw(model.work, "ort32", args, rep), "ort32")
+    print(
+        f"  rep {rep} {'ort32':<14} {model.name:<6} {row.rate:8.0f} rows/s  "
+        f"run p50 {row.p50_ms:6.1f} ms  load {os.getloadavg()[0]:.2f}",
+        flush=True,
+    )
+    return row
 
 
 def fmt_each(values: Sequence[float], spec: str) -> str:
@@ -622,52 +949,181 @@ def med(values: Sequence[float]) -> float:
     return statistics.median(values) if values else math.nan
 
 
+def ratios(
+    rows: Sequence[Row], args: argparse.Namespace, model: str, a: str, b: str, conc: int
+) -> list[float]:
+    """a's req/s over b's (``ort32``: the repeat's ceiling), one value per repeat with both."""
+    found = []
+    for rep in range(1, args.repeat + 1):
+        x = bench_http.find(rows, model, a, conc, rep)
+        y = (
+            bench_http.ceiling_of(rows, model, rep)
+            if b == "ort32"
+            else (r.rate if (r := bench_http.find(rows, model, b, conc, rep)) else None)
+        )
+        if x and y:
+            found.append(x.rate / y)
+    return found
+
+
+def variants(args: argparse.Namespace) -> list[tuple[str, str]]:
+    """(model, encoding) in table order."""
+    return [(m, e) for m in args.models for e in encodings_of(m, args)]
+
+
 def print_table(rows: Sequence[Row], systems: Sequence[str], args: argparse.Namespace) -> None:
-    print("\nmedians over repeats (each repeat's value in brackets); JSON bodies, one row each")
+    print(
+        "\nmedians over repeats (each repeat's value in brackets); one row per request; "
+        "+bin: binary tensor bodies; x ceil: req/s over the repeat's ort32 ceiling"
+    )
     header = (
-        f"{'system':<10} {'model':<6} {'C':>3} {'req/s':>22} {'p50 ms':>18} {'p99 ms':>20} "
-        f"{'errors':>6} {'CPU us/req':>20}"
+        f"{'system':<14} {'model':<6} {'C':>3} {'req/s':>22} {'x ceil':>18} {'p50 ms':>18} "
+        f"{'p99 ms':>20} {'errors':>6} {'CPU us/req':>20}"
     )
     print(header)
     for model in args.models:
-        for conc in args.concurrency:
-            for system in systems:
-                chosen = sorted(
-                    (r for r in rows if (r.how, r.model, r.concurrency) == (system, model, conc)),
-                    key=lambda r: r.rep,
-                )
-                if not chosen:
-                    continue
-                rate = [r.rate for r in chosen]
-                p50 = [r.p50_ms for r in chosen]
-                p99 = [r.p99_ms for r in chosen]
-                cpu = [r.cpu_us for r in chosen]
-                errors = sum(r.error_count for r in chosen)
-                print(
-                    f"{system:<10} {model:<6} {conc:>3} {cell(rate, ',.0f'):>22} "
-                    f"{cell(p50, '.1f'):>18} {cell(p99, '.1f'):>20} "
-                    f"{f'{errors}!' if errors else '0':>6} {cell(cpu, ',.0f'):>20}"
-                )
-            print()
+        ceilings = [r.rate for r in rows if (r.model, r.how) == (model, "ort32")]
+        ceil = [
+            c for rep in range(1, args.repeat + 1) if (c := bench_http.ceiling_of(rows, model, rep))
+        ]
+        if ceilings:
+            print(f"{'ort32 ceiling':<14} {model:<6} {'-':>3} {cell(ceil, ',.0f'):>22} rows/s")
+        for encoding in encodings_of(model, args):
+            for conc in args.concurrency:
+                for system in systems:
+                    how = label(system, encoding)
+                    chosen = sorted(
+                        (r for r in rows if (r.how, r.model, r.concurrency) == (how, model, conc)),
+                        key=lambda r: r.rep,
+                    )
+                    if not chosen:
+                        continue
+                    rate = [r.rate for r in chosen]
+                    x_ceil = ratios(rows, args, model, how, "ort32", conc)
+                    p50 = [r.p50_ms for r in chosen]
+                    p99 = [r.p99_ms for r in chosen]
+                    cpu = [r.cpu_us for r in chosen]
+                    errors = sum(r.error_count for r in chosen)
+                    print(
+                        f"{how:<14} {model:<6} {conc:>3} {cell(rate, ',.0f'):>22} "
+                        f"{cell(x_ceil, '.3f'):>18} {cell(p50, '.1f'):>18} {cell(p99, '.1f'):>20} "
+                        f"{f'{errors}!' if errors else '0':>6} {cell(cpu, ',.0f'):>20}"
+                    )
+                print()
+    ours = [s for s in systems if s not in PEERS]
     for peer in (p for p in PEERS if p in systems):
-        ours = [s for s in systems if s not in PEERS]
-        if not ours:
-            continue
-        print(f"ratios over {peer}, req/s (median of the per-repeat ratios; each repeat's value)")
+        lines = []
         for system in ours:
-            for model in args.models:
+            for model, encoding in variants(args):
                 for conc in args.concurrency:
-                    ratios = []
-                    for rep in range(1, args.repeat + 1):
-                        a = bench_http.find(rows, model, system, conc, rep)
-                        b = bench_http.find(rows, model, peer, conc, rep)
-                        if a and b and b.rate:
-                            ratios.append(a.rate / b.rate)
-                    if ratios:
-                        print(
-                            f"  {system:<10} / {peer:<8}  {model:<6} C={conc:<3} "
-                            f"{med(ratios):5.2f}x  ({fmt_each(ratios, '.2f')})"
+                    a, b = label(system, encoding), label(peer, encoding)
+                    found = ratios(rows, args, model, a, b, conc)
+                    if found:
+                        lines.append(
+                            f"  {a:<14} / {b:<12} {model:<6} C={conc:<3} "
+                            f"{med(found):5.2f}x  ({fmt_each(found, '.2f')})"
                         )
+        if lines:
+            print(
+                f"ratios over {peer}, req/s (median of the per-repeat ratios; each repeat's value)"
+            )
+            print("\n".join(lines))
+    print("\nissue 6 goals (c=64; same run, same ORT threads):")
+    for goal, (model, a, b, floor) in GOALS.items():
+        found = ratios(rows, args, model, a, b, 64)
+        if found:
+            verdict = "meets" if med(found) >= floor else "MISSES"
+            print(f"  {goal}: {med(found):.2f}x ({fmt_each(found, '.2f')}), {verdict} >= {floor}x")
+        else:
+            print(f"  {goal}: not measured in this run")
+
+
+def plot(rows: Sequence[Row], systems: Sequence[str], args: argparse.Namespace) -> None:
+    """req/s per system and model (and encoding) at each concurrency, the ceiling marked."""
+    try:
+        import matplotlib  # optional: the bench extra
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as exc:
+        print(f"--plot SKIPPED: matplotlib is not installed ({exc}); pip install matplotlib")
+        return
+    groups = variants(args)
+    fig, axes = plt.subplots(
+        1, len(args.concurrency), figsize=(4.5 * len(args.concurrency) + 2, 4.6), squeeze=False
+    )
+    width = 0.8 / max(1, len(systems))
+    colours = plt.get_cmap("tab10")
+    ceilings = {
+        model: med(
+            [
+                c
+                for rep in range(1, args.repeat + 1)
+                if (c := bench_http.ceiling_of(rows, model, rep))
+            ]
+        )
+        for model in args.models
+    }
+    # A ceiling far above every server (digits: ~500,000 rows/s against ~1,000 req/s) would
+    # squash the bars: the axis stops at 4x the fastest bar and such a ceiling is written
+    # at the top instead.
+    top = 4 * max((r.rate for r in rows if r.how != "ort32"), default=1.0)
+    for ax, conc in zip(axes[0], args.concurrency, strict=True):
+        for i, system in enumerate(systems):
+            xs, heights = [], []
+            for g, (model, encoding) in enumerate(groups):
+                how = label(system, encoding)
+                rate = med(
+                    [r.rate for r in rows if (r.how, r.model, r.concurrency) == (how, model, conc)]
+                )
+                if not math.isnan(rate):
+                    xs.append(g - 0.4 + width * (i + 0.5))
+                    heights.append(rate)
+            if xs:
+                ax.bar(xs, heights, width, label=system, color=colours(i))
+        ax.set_yscale("log")
+        ax.set_ylim(top=top)
+        for g, (model, _encoding) in enumerate(groups):
+            ceil = ceilings[model]
+            if math.isnan(ceil):
+                continue
+            if ceil < top:
+                ax.hlines(ceil, g - 0.45, g + 0.45, colors="black", linestyles="dashed")
+                ax.annotate(f"{ceil:,.0f}", (g, ceil), ha="center", va="bottom", fontsize=7)
+            else:
+                ax.annotate(
+                    f"ceiling {ceil:,.0f}\n(off scale)",
+                    (g, top),
+                    ha="center",
+                    va="top",
+                    fontsize=7,
+                    xytext=(0, -2),
+                    textcoords="offset points",
+                )
+        ax.set_xticks(range(len(groups)))
+        ax.set_xticklabels([f"{m}\n{e}" for m, e in groups])
+        ax.set_title(f"C = {conc}", fontsize=10)
+        ax.grid(True, axis="y", which="both", alpha=0.3)
+    axes[0][0].set_ylabel("requests/s (rows/s), log scale")
+    handles, names = axes[0][0].get_legend_handles_labels()
+    fig.legend(handles, names, fontsize=8, loc="center right", framealpha=0.9)
+    fig.suptitle(
+        "V2 over HTTP, one row per request: batching 32 / 5 ms (naive: none), "
+        f"{args.threads} ORT thread(s)\ndashed: raw ONNX Runtime at batch 32 (rows/s)",
+        fontsize=10,
+    )
+    fig.text(
+        0.99,
+        0.005,
+        f"medians of {args.repeat} repeat(s) of {args.duration} s windows; {os.cpu_count()} CPUs; "
+        f"onnxruntime {ort.__version__}; {time.strftime('%Y-%m-%d')}; benchmarks/compare.py",
+        ha="right",
+        va="bottom",
+        fontsize=7,
+    )
+    fig.tight_layout(rect=(0, 0.03, 0.88, 0.95))
+    fig.savefig(args.plot, dpi=110)
+    print(f"plot written to {args.plot}")
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -678,6 +1134,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "--systems", default=",".join(SYSTEMS), help="which of " + ",".join(SYSTEMS)
     )
     parser.add_argument("--models", default="digits,wide", help="which of digits,wide to run")
+    parser.add_argument(
+        "--binary-models",
+        default="wide",
+        help="models also measured with binary tensor bodies (comma-separated; '' for none)",
+    )
     parser.add_argument("--concurrency", default="16,64", help="wrk connections, comma-separated")
     parser.add_argument("--duration", type=int, default=5, help="whole seconds measured per window")
     parser.add_argument("--warmup", type=int, default=1, help="whole seconds of warm-up per window")
@@ -685,6 +1146,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--threads", type=int, default=1, help="intra-op threads of every ORT session (default 1)"
     )
+    parser.add_argument(
+        "--no-ceiling", dest="ceiling", action="store_false", help="skip the raw ORT ceiling"
+    )
+    parser.add_argument("--plot", default=None, help="write a PNG of req/s (needs matplotlib)")
     parser.add_argument(
         "--peers-dir",
         default=str(Path(tempfile.gettempdir()) / "trioinfer-peers"),
@@ -709,10 +1174,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     args.systems = [s.strip() for s in args.systems.split(",") if s.strip()]
     args.models = [m.strip() for m in args.models.split(",") if m.strip()]
+    args.binary_models = [m.strip() for m in args.binary_models.split(",") if m.strip()]
     if not args.systems or set(args.systems) - set(SYSTEMS):
         parser.error(f"--systems: choose from {', '.join(SYSTEMS)}")
     if not args.models or set(args.models) - set(bench_http.MODELS):
         parser.error(f"--models: choose from {', '.join(bench_http.MODELS)}")
+    if set(args.binary_models) - set(args.models):
+        parser.error("--binary-models: choose from --models")
     try:
         args.concurrency = [int(c) for c in args.concurrency.split(",") if c.strip()]
     except ValueError:
@@ -721,7 +1189,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         parser.error("--concurrency and --repeat must be >= 1")
     if args.duration < 1 or args.warmup < 0 or args.threads < 1:
         parser.error("--duration and --threads must be >= 1, --warmup >= 0")
-    args.encodings = [ENCODING]
+    args.encodings = ["json", "binary"] if args.binary_models else ["json"]
     args.server_args = ""
     return args
 
@@ -733,22 +1201,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"{args.wrk!r} is not installed; see bench_http.py ('sudo apt-get install wrk')")
         return 2
     args.wrk = found
+    bench_batching.THREADS = args.threads  # the ceiling's session
     started = time.perf_counter()
     systems = list(args.systems)
-    mlserver_exe: Path | None = None
-    mlserver_version = mlserver_ort = "not used"
-    if "mlserver" in systems:
-        mlserver_exe, mlserver_version, mlserver_ort = mlserver_env(args)
-        if mlserver_exe is None:
-            print(f"MLServer SKIPPED: {mlserver_version}", flush=True)
-            systems.remove("mlserver")
-    triton_python: Path | None = None
-    triton_version = triton_ort = "not used"
-    if "triton" in systems:
-        triton_python, triton_version, triton_ort = triton_env(args)
-        if triton_python is None:
-            print(f"Triton SKIPPED: {triton_version}", flush=True)
-            systems.remove("triton")
+    # Each peer's venv: (its python or executable, its version or why it is missing, its ORT).
+    envs: dict[str, tuple[Path | None, str, str]] = {}
+    for peer, make_env in (("mlserver", mlserver_env), ("triton", triton_env), ("ray", ray_env)):
+        if peer in systems:
+            envs[peer] = make_env(args)
+            if envs[peer][0] is None:
+                print(f"{peer} SKIPPED: {envs[peer][1]}", flush=True)
+                systems.remove(peer)
     if not systems:
         return 1
     rows: list[Row] = []
@@ -758,13 +1221,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         repository = root / "models"
         models = bench_http.write_repository(repository, args)
         ml_repository = root / "mlserver"
-        if mlserver_exe is not None:
+        if "mlserver" in systems:
             write_mlserver_repository(ml_repository, models, args.threads, args.mlserver_predict)
         lua_dir = root / "lua"
         lua_dir.mkdir()
-        scripts: dict[str, Path] = {}
-        checked: set[tuple[str, str]] = set()
+        scripts: dict[tuple[str, str], Path] = {}
+        checked: set[str] = set()
         for rep in range(1, args.repeat + 1):
+            # The ceiling before and after the repeat's servers; the faster counts
+            # (bench_http.ceiling_of): other load on the machine only lowers it.
+            if args.ceiling:
+                rows.extend(measure_ceiling(m, args, rep) for m in models.values())
             shift = (rep - 1) % len(systems)
             for system in systems[shift:] + systems[:shift]:
                 if system in skipped:
@@ -772,11 +1239,19 @@ def main(argv: Sequence[str] | None = None) -> int:
                 log = root / f"{system}-{rep}.log"
                 try:
                     if system == "mlserver":
-                        assert mlserver_exe is not None
-                        server = start_mlserver(mlserver_exe, ml_repository, args, log)
+                        exe = envs["mlserver"][0]
+                        assert exe is not None
+                        server = start_mlserver(exe, ml_repository, args, log)
                     elif system == "triton":
-                        assert triton_python is not None
-                        server = start_triton(triton_python, models, args, log)
+                        exe = envs["triton"][0]
+                        assert exe is not None
+                        server = start_triton(exe, models, args, log)
+                    elif system == "ray":
+                        exe = envs["ray"][0]
+                        assert exe is not None
+                        server = start_ray(exe, models, args, log)
+                    elif system == "naive":
+                        server = start_naive(models, args, log)
                     else:
                         server = start_trioinfer(system, repository, args, log)
                 except (RuntimeError, SystemExit) as exc:
@@ -787,54 +1262,88 @@ def main(argv: Sequence[str] | None = None) -> int:
                     sockets = server.listening()
                     print(f"{system} (pid {server.process.pid}) listens on {', '.join(sockets)}")
                     if any(not s.startswith(LOOPBACK) for s in sockets):
-                        raise SystemExit(f"{system} listens beyond loopback: {sockets}")
+                        if system not in PEERS:
+                            raise SystemExit(f"{system} listens beyond loopback: {sockets}")
+                        skipped[system] = f"it listens beyond loopback: {sockets}"
+                        print(f"{system} SKIPPED: {skipped[system]}", flush=True)
+                        continue  # the finally below stops it
                     try:
-                        verify(server, models, lua_dir, scripts, checked)
+                        verify(server, models, args, lua_dir, scripts, checked, skipped)
                     except SystemExit as exc:
                         if system not in PEERS:
                             raise
                         skipped[system] = f"its answer is wrong: {exc}"
                         print(f"{system} SKIPPED: {skipped[system]}", flush=True)
-                        continue  # the finally below stops it
+                        continue
                     for name in models:
-                        for conc in args.concurrency:
-                            row = measure(server, name, conc, scripts[name], args, rep)
-                            rows.append(row)
-                            print(
-                                f"  rep {rep} {system:<10} {name:<6} C={conc:<3} "
-                                f"{row.rate:8.0f} req/s  p50 {row.p50_ms:7.1f} ms  "
-                                f"p99 {row.p99_ms:7.1f} ms  errors {row.error_count}  "
-                                f"CPU {row.cpu_us:6.0f} us/req  load "
-                                f"{os.getloadavg()[0]:.2f}",
-                                flush=True,
-                            )
+                        for encoding in encodings_of(name, args):
+                            how = label(system, encoding)
+                            if how in skipped:
+                                continue
+                            for conc in args.concurrency:
+                                script = scripts[name, encoding]
+                                row = measure(server, name, how, conc, script, args, rep)
+                                rows.append(row)
+                                print(
+                                    f"  rep {rep} {how:<14} {name:<6} C={conc:<3} "
+                                    f"{row.rate:8.0f} req/s  p50 {row.p50_ms:7.1f} ms  "
+                                    f"p99 {row.p99_ms:7.1f} ms  errors {row.error_count}  "
+                                    f"CPU {row.cpu_us:6.0f} us/req  load "
+                                    f"{os.getloadavg()[0]:.2f}",
+                                    flush=True,
+                                )
                 finally:
                     stop(server)
-    print_table(rows, [s for s in systems if s not in skipped], args)
+            if args.ceiling:
+                rows.extend(measure_ceiling(m, args, rep) for m in models.values())
+    shown = [s for s in systems if s not in skipped]
+    print_table(rows, shown, args)
+    if args.plot:
+        plot(rows, shown, args)
+    for peer in envs:
+        if envs[peer][0] is None:
+            print(f"{peer} SKIPPED: {envs[peer][1]}")
     for system, reason in skipped.items():
         print(f"{system} SKIPPED: {reason}")
-    if "mlserver" in args.systems and mlserver_exe is None:
-        print(f"mlserver SKIPPED: {mlserver_version}")
-    if "triton" in args.systems and triton_python is None:
-        print(f"triton SKIPPED: {triton_version}")
     print()
     print(versions())
-    if mlserver_exe is not None:
-        print(f"mlserver {mlserver_version} (its venv: onnxruntime {mlserver_ort})")
-    if triton_python is not None:
-        print(f"nvidia-pytriton {triton_version} (its venv: onnxruntime {triton_ort})")
+    names = {"mlserver": "mlserver", "triton": "nvidia-pytriton", "ray": "ray[serve]"}
+    for peer, (exe, version, peer_ort) in envs.items():
+        if exe is not None:
+            print(f"{names[peer]} {version} (its venv: onnxruntime {peer_ort})")
+    if "naive" in systems:
+        print(
+            f"naive: starlette {metadata.version('starlette')}, hypercorn "
+            f"{metadata.version('hypercorn')} (this venv)"
+        )
     print(
         f"every ONNX Runtime session: intra_op_num_threads={args.threads}, sequential, CPU; "
-        f"batching max {MAX_BATCH} / {MAX_QUEUE_DELAY * 1e3:g} ms; one instance; "
+        f"batching max {MAX_BATCH} / {MAX_QUEUE_DELAY * 1e3:g} ms (naive: none); one instance; "
         f"MLServer parallel_workers={args.mlserver_workers}, predict {args.mlserver_predict}"
     )
     print(
         f"wrk -t1 -cC -d{args.duration}s --latency, warm-up {args.warmup}s; repeats {args.repeat}"
     )
     print(f"command: {shlex.join([sys.executable, *sys.argv])}")
+    print(f"source: {source_state()}")
     load = "/".join(f"{x:.2f}" for x in os.getloadavg())
     print(f"load average at the end: {load}; the run took {time.perf_counter() - started:.0f} s")
     return 0
+
+
+def source_state() -> str:
+    """The checkout measured: its commit, and whether src/ or plugins/ had local changes."""
+    here = Path(__file__).resolve().parent.parent
+
+    def git(*words: str) -> str:
+        done = subprocess.run(["git", *words], cwd=here, capture_output=True, text=True)
+        return done.stdout.strip() if done.returncode == 0 else ""
+
+    commit = git("rev-parse", "--short", "HEAD")
+    if not commit:
+        return "not a git checkout"
+    dirty = git("status", "--porcelain", "--", "src", "plugins")
+    return f"git {commit}" + (", with local changes in src/ or plugins/" if dirty else "")
 
 
 if __name__ == "__main__":
