@@ -13,6 +13,7 @@ from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
 from typing import Any
 
+import anyio
 import numpy as np
 import pytest
 import trio
@@ -546,3 +547,8 @@ async def test_check_fallback_catches_broken_fallbacks(
 ) -> None:
     with pytest.raises(AssertionError, match=message):
         await check_fallback(fallback)
+
+
+def test_resilient_passes_check_fallback_on_asyncio() -> None:
+    # The core runs on anyio; the fallback layer must too (real clock: a few seconds).
+    anyio.run(check_fallback, Resilient, backend="asyncio")
