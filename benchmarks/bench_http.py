@@ -7,7 +7,8 @@ Issue 5, section 9 (with section 8's settings). One ``trioinfer serve`` process
 the same config.toml, which the in-process runs read too:
 
   batcher = "dynamic", max_batch_size 32, max_queue_delay 5 ms, dispatch "thread",
-  one CPU instance with intra_op_num_threads = --threads (default 1)
+  pipeline_depth = --pipeline-depth (default 1), one CPU instance with
+  intra_op_num_threads = --threads (default 1)
 
 Every raw ONNX Runtime session has the same thread settings (sequential, graph
 optimisation all, CPU provider: ``bench_batching.make_session``).
@@ -107,7 +108,7 @@ CONFIG_TOML = """\
 # Written by benchmarks/bench_http.py; the server and the in-process runs both read it.
 batcher = "dynamic"
 batcher_options = {{ max_batch_size = {max_batch}, max_queue_delay = {delay} }}
-backend_options = {{ dispatch = "thread" }}
+backend_options = {{ dispatch = "thread", pipeline_depth = {pipeline_depth} }}
 instances = [{{ device = "cpu", count = 1, threads = {threads} }}]
 max_queue_size = {queue}
 """
@@ -223,6 +224,7 @@ def write_repository(root: Path, args: argparse.Namespace) -> dict[str, Model]:
                 max_batch=MAX_BATCH,
                 delay=MAX_QUEUE_DELAY,
                 threads=args.threads,
+                pipeline_depth=args.pipeline_depth,
                 queue=max(1024, 2 * max(args.concurrency)),
             )
         )
@@ -715,6 +717,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument(
         "--threads", type=int, default=1, help="intra-op threads of every ORT session (default 1)"
+    )
+    parser.add_argument(
+        "--pipeline-depth",
+        type=int,
+        default=1,
+        help="the ORT backend's pipeline_depth: 2 queues the next batch on the instance's "
+        "thread while one runs (default 1)",
     )
     parser.add_argument(
         "--no-baseline",
