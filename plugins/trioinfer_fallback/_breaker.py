@@ -105,8 +105,9 @@ class Breaker:
             raise ConfigError(
                 f"fallback option breaker must be a table of breaker options, got {options!r}"
             )
-        known = {"fail_max", "failure_rate", "window", "reset_timeout", "max_reset_timeout"}
-        known.add("probes")
+        known = {
+            "fail_max", "failure_rate", "window", "reset_timeout", "max_reset_timeout", "probes"
+        }  # fmt: skip
         unknown = sorted(set(options) - known)
         if unknown:
             raise ConfigError(

@@ -16,6 +16,7 @@ from trioinfer import (
     ConfigError,
     Execution,
     FallbackContext,
+    PluginError,
     Replica,
     Request,
     TrioInferError,
@@ -279,21 +280,12 @@ class Resilient:
                     "failover of request %r to model %r failed: %s", request.id, model, exc
                 )
                 continue
-            missing = [name for name in self._signature_outputs() if name not in outputs]
-            if missing:
-                logger.warning(
-                    "model %r cannot stand in for %r: it has no outputs %s",
-                    model,
-                    self._model(),
-                    missing,
-                )
+            try:
+                execution.respond(request, outputs, via=f"model {model}")
+            except PluginError as exc:  # its outputs are not this model's
+                logger.warning("model %r cannot stand in for %r: %s", model, self._model(), exc)
                 continue
-            execution.respond(request, outputs, via=f"model {model}")
             return
-
-    def _signature_outputs(self) -> list[str]:
-        assert self._context is not None
-        return [spec.name for spec in self._context.signature.outputs]
 
     def _default_for(self, request: Request) -> dict[str, np.ndarray[Any, Any]]:
         assert self._default is not None

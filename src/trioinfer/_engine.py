@@ -301,23 +301,14 @@ class Engine:
     async def _infer_elsewhere(self, model: str, original: Request) -> Outputs:
         # A fallback's failover of one request to another model, on the worker's task:
         # the request's deadline becomes this call's cancel scope.
-        runner = self._runner(model)
-        arrays = validate_inputs(model, runner.signature, original.inputs, runner.input_limits)
-        request = Request(
-            model,
-            arrays,
-            id=original.id,
-            priority=original.priority,
-            tenant=original.tenant,
-            deadline=original.deadline,
-            arrival=runner.clock.current_time(),
-            rows=rows(arrays) if runner.batched else 1,
-        )
-        request._state.failover = True
         with anyio.CancelScope(deadline=original.deadline):
-            outputs = await runner.call(request)
-            original._state.served_by = (model, request._state.served_by)
-            return outputs
+            request = await self._submit(
+                model, original.inputs, original.priority, original.tenant, original.id, True
+            )
+            state = request._state
+            assert state.outputs is not None
+            original._state.served_by = (model, state.served_by)
+            return state.outputs
         raise DeadlineExceeded(
             f"request {original.id!r} reached its deadline while failing over to model {model!r}"
         )
@@ -329,6 +320,7 @@ class Engine:
         priority: int,
         tenant: str | None,
         request_id: str | None,
+        failover: bool = False,
     ) -> Request:
         runner = self._runner(model)
         arrays = validate_inputs(model, runner.signature, inputs, runner.input_limits)
@@ -356,6 +348,8 @@ class Engine:
             arrival=arrival,
             rows=rows(arrays) if runner.batched else 1,
         )
+        # A request a fallback sent here from another model fails over no further.
+        request._state.failover = failover
         await runner.call(request, own_deadline=own_deadline)
         return request
 

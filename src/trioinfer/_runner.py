@@ -609,16 +609,8 @@ class ModelRunner:
             self.executions += 1
             replica.executions += 1
             started = self.clock.current_time()
-            limiter = self._device_limits.get(replica.device)
             try:
-                if limiter is None:
-                    outputs = await replica._backend_instance.execute(inputs)
-                else:
-                    async with limiter:
-                        outputs = await replica._backend_instance.execute(inputs)
-            except Exception:
-                replica.failures += 1
-                raise
+                outputs = await self._run_on(replica, inputs)
             finally:
                 ended = self.clock.current_time()
                 elapsed = ended - started
@@ -837,18 +829,21 @@ class ModelRunner:
         await replica._slot.acquire()
         try:
             replica.executions += 1
-            limiter = self._device_limits.get(replica.device)
-            try:
-                if limiter is None:
-                    await replica._backend_instance.execute(arrays)
-                else:
-                    async with limiter:
-                        await replica._backend_instance.execute(arrays)
-            except Exception:
-                replica.failures += 1
-                raise
+            await self._run_on(replica, arrays)
         finally:
             replica._slot.release()
+
+    async def _run_on(self, replica: Replica, inputs: Mapping[str, Any]) -> Outputs:
+        # One backend call on a replica whose slot the caller holds, within its device's limit.
+        limiter = self._device_limits.get(replica.device)
+        try:
+            if limiter is None:
+                return await replica._backend_instance.execute(inputs)
+            async with limiter:
+                return await replica._backend_instance.execute(inputs)
+        except Exception:
+            replica.failures += 1
+            raise
 
     async def recreate(self, replica: Replica) -> None:
         """Load a fresh backend instance for *replica*; see `FallbackContext.recreate`."""

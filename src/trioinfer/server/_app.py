@@ -727,8 +727,8 @@ class _InferEndpoint:
         # The lean HTTP layer watches for a disconnect itself, with one task per
         # connection; other layers need a task of ours calling `receive`.
         watch = scope.get("extensions", {}).get("trioinfer.cancel_on_disconnect")
-        left = anyio.CancelScope()
-        if watch is not None and watch(left):
+        left = None if watch is None else anyio.CancelScope()
+        if left is not None and watch(left):
             result = await self._run_watched(served, request, priority, timeout, left)
         else:
             result = await self._run(served, request, priority, timeout, receive)
@@ -754,6 +754,27 @@ class _InferEndpoint:
             ]
         return 200, response, extra
 
+    async def _infer_in_time(
+        self,
+        served: ServedVersion,
+        request: InferRequest,
+        priority: int,
+        timeout_s: float | None,
+    ) -> InferenceResult:
+        """The engine call, under the request's own ``timeout`` parameter if it has one."""
+        engine = self._state.models.engine
+        if timeout_s is None:
+            return await engine.infer_detailed(
+                served.engine_name, request.inputs, priority=priority, request_id=request.id
+            )
+        with anyio.move_on_after(timeout_s):
+            return await engine.infer_detailed(
+                served.engine_name, request.inputs, priority=priority, request_id=request.id
+            )
+        raise DeadlineExceeded(
+            f"the request's timeout of {timeout_s * 1e6:.0f} µs passed before it finished"
+        )
+
     async def _run_watched(
         self,
         served: ServedVersion,
@@ -763,19 +784,8 @@ class _InferEndpoint:
         left: anyio.CancelScope,
     ) -> InferenceResult | None:
         """`_run`, with the HTTP layer cancelling *left* if the client goes (no task of ours)."""
-        engine = self._state.models.engine
         with left:
-            if timeout_s is None:
-                return await engine.infer_detailed(
-                    served.engine_name, request.inputs, priority=priority, request_id=request.id
-                )
-            with anyio.move_on_after(timeout_s):
-                return await engine.infer_detailed(
-                    served.engine_name, request.inputs, priority=priority, request_id=request.id
-                )
-            raise DeadlineExceeded(
-                f"the request's timeout of {timeout_s * 1e6:.0f} µs passed before it finished"
-            )
+            return await self._infer_in_time(served, request, priority, timeout_s)
         return None  # the client left: its request was withdrawn from the engine
 
     async def _run(
@@ -787,7 +797,6 @@ class _InferEndpoint:
         receive: Receive,
     ) -> InferenceResult | None:
         """Run the request; None if the client disconnected first (its request is withdrawn)."""
-        engine = self._state.models.engine
         left = False
 
         async def watch(scope: anyio.CancelScope) -> None:
@@ -804,18 +813,7 @@ class _InferEndpoint:
         async with self._open_group() as group:
             group.start_soon(watch, group.cancel_scope)
             try:
-                if timeout_s is None:
-                    outputs = await engine.infer_detailed(
-                        served.engine_name, request.inputs, priority=priority, request_id=request.id
-                    )
-                else:
-                    with anyio.move_on_after(timeout_s):
-                        outputs = await engine.infer_detailed(
-                            served.engine_name,
-                            request.inputs,
-                            priority=priority,
-                            request_id=request.id,
-                        )
+                outputs = await self._infer_in_time(served, request, priority, timeout_s)
             except TrioInferError as exc:
                 # Raised out of the task group it would arrive wrapped in an ExceptionGroup.
                 error = exc
@@ -825,11 +823,7 @@ class _InferEndpoint:
             return None
         if error is not None:
             raise error
-        if outputs is None:
-            assert timeout_s is not None  # only the timeout's scope ends a call without outputs
-            raise DeadlineExceeded(
-                f"the request's timeout of {timeout_s * 1e6:.0f} µs passed before it finished"
-            )
+        assert outputs is not None  # only a disconnect ends the call without outputs or error
         return outputs
 
     def _open_group(self) -> Any:
