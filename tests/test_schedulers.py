@@ -23,7 +23,7 @@ from trioinfer_scheduling import (
     FifoScheduler,
     PriorityScheduler,
 )
-from trioinfer_scheduling._sorted import SortedKeys
+from trioinfer_scheduling._sorted import SortedKeys, TimeQueue
 
 SETTINGS = settings(max_examples=150, deadline=None)
 
@@ -252,17 +252,6 @@ def test_refuse_late_admits_everything_before_the_first_estimate() -> None:
         scheduler.push(make_request(deadline=10.1))
 
 
-def test_refuse_late_never_refuses_a_request_given_back() -> None:
-    context = FakeContext(now=10.0, estimate=0.0)
-    scheduler = attached(DeadlineScheduler(refuse_late=True), context)
-    request = make_request(deadline=10.5)
-    scheduler.push(request)
-    assert scheduler.pop() is request
-    context.estimate = 5.0
-    scheduler.push(request)  # a batcher gives it back: not an admission
-    assert scheduler.pop() is request
-
-
 def test_refuse_late_is_off_without_an_engine() -> None:
     scheduler = DeadlineScheduler(refuse_late=True)
     scheduler.push(make_request(deadline=-5.0))
@@ -366,7 +355,6 @@ class Reference:
         self.options = options
         self.held: list[Request] = []  # in push order
         self.peeked: Request | None = None
-        self.given_out: set[Request] = set()
         # fair: per-tenant (start tag, number) while waiting; finish tag once idle
         self.tags: dict[str | None, tuple[float, int]] = {}
         self.finish: dict[str | None, float] = {}
@@ -383,14 +371,16 @@ class Reference:
         return self.numbers
 
     def push(self, request: Request) -> None:
-        if self.kind == "deadline" and self.options.get("refuse_late"):
-            if request in self.given_out:
-                self.given_out.discard(request)
-            elif request.deadline != math.inf and self.context.estimate > 0:
-                ahead = sum(r.deadline <= request.deadline for r in self.held)
-                rounds = ahead // self.context.instances + 1
-                if rounds * self.context.estimate > request.deadline - self.context.now:
-                    raise DeadlineExceeded("late")
+        if (
+            self.kind == "deadline"
+            and self.options.get("refuse_late")
+            and request.deadline != math.inf
+            and self.context.estimate > 0
+        ):
+            ahead = sum(r.deadline <= request.deadline for r in self.held)
+            rounds = ahead // self.context.instances + 1
+            if rounds * self.context.estimate > request.deadline - self.context.now:
+                raise DeadlineExceeded("late")
         if self.kind == "fair" and not any(r.tenant == request.tenant for r in self.held):
             start = max(self.vtime, self.finish.pop(request.tenant, -math.inf))
             self.tags[request.tenant] = (start, self.number())
@@ -425,7 +415,6 @@ class Reference:
         request = self.peeked if self.peeked is not None else self.choose()
         self.peeked = None
         self.held.remove(request)
-        self.given_out.add(request)
         if self.kind == "fair":
             tenant = request.tenant
             start = self.tags[tenant][0]
@@ -489,7 +478,7 @@ operations = st.lists(
             st.sampled_from([0.0, 0.0, 1.0, 3.0]),  # how long ago it arrived
         ),
         st.tuples(st.just("remove"), st.integers(0, 200)),
-        st.tuples(st.just("give_back"), st.integers(0, 200)),
+        st.tuples(st.just("push_again"), st.integers(0, 200)),
         st.tuples(st.just("pop")),
         st.tuples(st.just("peek")),
         st.tuples(st.just("advance"), st.sampled_from([0.5, 1.0, 2.5])),
@@ -534,15 +523,22 @@ def run_against_reference(
     popped: list[Request] = []
     for op in ops:
         name = op[0]
-        if name == "push":
-            _, priority, tenant, deadline, rows, age = op
-            request = make_request(
-                priority=priority,
-                tenant=tenant,
-                deadline=context.now + deadline,
-                rows=rows,
-                arrival=context.now - age,
-            )
+        if name in ("push", "push_again"):
+            if name == "push":
+                _, priority, tenant, deadline, rows, age = op
+                request = make_request(
+                    priority=priority,
+                    tenant=tenant,
+                    deadline=context.now + deadline,
+                    rows=rows,
+                    arrival=context.now - age,
+                )
+            elif popped:
+                # Served and then sent again as a new admission (the engine keeps
+                # requests a batcher gives back away from the scheduler).
+                request = popped.pop(op[1] % len(popped))
+            else:
+                continue
             refused = None
             try:
                 reference.push(request)
@@ -557,10 +553,6 @@ def run_against_reference(
         elif name == "remove" and pushed:
             request = pushed[op[1] % len(pushed)]
             assert scheduler.remove(request) == reference.remove(request)
-        elif name == "give_back" and popped:
-            request = popped.pop(op[1] % len(popped))
-            reference.push(request)
-            scheduler.push(request)
         elif name in ("pop", "peek"):
             if reference.held:
                 got = getattr(scheduler, name)()
@@ -597,7 +589,7 @@ def test_churn_leaves_nothing_behind(factory: Callable[[], Scheduler]) -> None:
             assert scheduler.remove(cancelled)
             served = make_request(tenant=key, priority=-i, deadline=99.0, rows=2)
             scheduler.push(served)
-            scheduler.push(scheduler.pop())  # served, then given back by a batcher
+            scheduler.push(scheduler.pop())  # served, then sent again
             assert scheduler.remove(served) or scheduler.remove(scheduler.peek())
 
     churn(300)  # warm up: allocator pools, lazily built structures
@@ -655,6 +647,48 @@ def test_sorted_keys_match_a_sorted_list(ops: list[Any], load: int) -> None:
             assert (keys.first(), keys.last()) == (model[0], model[-1])
         if len(model) > 1:
             assert keys.second() == model[1]
+
+
+@given(
+    st.lists(
+        st.one_of(
+            st.tuples(st.just("add"), st.sampled_from([1.0, 2.0, 2.5, 3.0]) | st.floats(0, 9)),
+            st.tuples(st.just("remove"), st.integers(0, 300)),
+            st.tuples(st.just("remove_wrong_key"), st.integers(0, 300)),
+            st.tuples(st.just("pop_first")),
+            st.tuples(st.just("count_until"), st.floats(-1, 10)),
+        ),
+        max_size=300,
+    ),
+    st.sampled_from([1, 2, 3, 128]),
+)
+@SETTINGS
+def test_time_queue_matches_a_stable_sorted_list(ops: list[Any], load: int) -> None:
+    queue: TimeQueue[object] = TimeQueue(load=load)
+    model: list[tuple[float, int, object]] = []  # (key, order added, item), sorted
+    added = 0
+    for op in ops:
+        if op[0] == "add":
+            item = object()
+            queue.add(op[1], item)
+            bisect.insort(model, (op[1], added, item), key=lambda e: e[:2])
+            added += 1
+        elif op[0] == "remove" and model:
+            key, _, item = model.pop(op[1] % len(model))
+            assert queue.remove(key, item)
+            assert not queue.remove(key, item)  # no longer held
+        elif op[0] == "remove_wrong_key" and model:
+            key, _, item = model[op[1] % len(model)]
+            with pytest.raises(ValueError, match="not with key"):
+                queue.remove(key + 0.25, item)
+        elif op[0] == "pop_first" and model:
+            assert queue.first() is model[0][2]
+            assert queue.pop_first() is model.pop(0)[2]
+        elif op[0] == "count_until":
+            assert queue.count_until(op[1]) == sum(key <= op[1] for key, _, _ in model)
+        assert len(queue) == len(model)
+        assert list(queue) == [item for _, _, item in model]
+        assert all(item in queue for _, _, item in model)
 
 
 def test_fair_forgets_everything_when_the_last_request_is_cancelled() -> None:

@@ -2,17 +2,13 @@
 
 from __future__ import annotations
 
-import itertools
 import math
-import weakref
 from collections import OrderedDict
 from typing import final
 
 from trioinfer import ConfigError, DeadlineExceeded, Request, SchedulerContext
 
-from ._sorted import SortedKeys
-
-_Key = tuple[float, int, Request]
+from ._sorted import TimeQueue
 
 
 @final
@@ -36,8 +32,9 @@ class DeadlineScheduler:
     with an earlier or equal deadline), *instances* is the model's instance
     count and *execution_estimate* the engine's moving average of one
     execution. Until the model has run once there is no estimate, and nothing
-    is refused. A request that a batcher takes and then gives back is never
-    refused. The estimate ignores batching (a batch serves several requests in
+    is refused. (A request that a batcher takes and then gives back goes to
+    the head of the engine's queue, not through `push` again, so it is
+    never refused.) The estimate ignores batching (a batch serves several requests in
     one execution) and the executions already running, so it errs towards
     admitting.
 
@@ -50,7 +47,7 @@ class DeadlineScheduler:
             finish before their deadline.
     """
 
-    __slots__ = ("_context", "_given_out", "_keys", "_numbers", "_open", "_queue", "_refuse_late")
+    __slots__ = ("_context", "_open", "_queue", "_refuse_late")
 
     def __init__(self, *, refuse_late: bool = False) -> None:
         if not isinstance(refuse_late, bool):
@@ -59,14 +56,10 @@ class DeadlineScheduler:
             )
         self._refuse_late = refuse_late
         self._context: SchedulerContext | None = None
-        # (deadline, number, request) of the requests that have a deadline, ascending
-        self._queue: SortedKeys[_Key] = SortedKeys()
-        self._keys: dict[Request, _Key] = {}
+        # The requests that have a deadline, by deadline.
+        self._queue: TimeQueue[Request] = TimeQueue()
         # The requests without a deadline, in admission order.
         self._open: OrderedDict[Request, None] = OrderedDict()
-        self._numbers = itertools.count()
-        # Requests handed out by pop(): pushed again, they were given back, not admitted.
-        self._given_out: weakref.WeakSet[Request] = weakref.WeakSet()
 
     @property
     def refuse_late(self) -> bool:
@@ -87,19 +80,14 @@ class DeadlineScheduler:
         if deadline == math.inf:
             self._open[request] = None
             return
-        key = (deadline, next(self._numbers), request)
         if self._refuse_late and self._context is not None:
-            if request in self._given_out:
-                self._given_out.discard(request)
-            else:
-                self._check_in_time(request, key)
-        self._queue.add(key)
-        self._keys[request] = key
+            self._check_in_time(request)
+        self._queue.add(deadline, request)
 
     def peek(self) -> Request:
         """Return the request with the earliest deadline; ``IndexError`` if empty."""
         if self._queue:
-            return self._queue.first()[2]
+            return self._queue.first()
         try:
             return next(iter(self._open))
         except StopIteration:
@@ -108,29 +96,24 @@ class DeadlineScheduler:
     def pop(self) -> Request:
         """Remove and return the request with the earliest deadline; ``IndexError`` if empty."""
         if self._queue:
-            request = self._queue.pop_first()[2]
-            del self._keys[request]
+            request = self._queue.pop_first()
         else:
             try:
                 request = self._open.popitem(last=False)[0]
             except KeyError:
                 raise IndexError("pop from an empty DeadlineScheduler") from None
-        if self._refuse_late and request.deadline != math.inf:
-            self._given_out.add(request)
         return request
 
     def remove(self, request: Request) -> bool:
         """Remove *request* if held (its caller gave up); return whether it was."""
-        key = self._keys.pop(request, None)
-        if key is not None:
-            self._queue.remove(key)
-            return True
-        return self._open.pop(request, False) is None
+        if request.deadline == math.inf:
+            return self._open.pop(request, False) is None
+        return self._queue.remove(request.deadline, request)
 
     def __len__(self) -> int:
         return len(self._queue) + len(self._open)
 
-    def _check_in_time(self, request: Request, key: _Key) -> None:
+    def _check_in_time(self, request: Request) -> None:
         context = self._context
         assert context is not None
         per_execution = context.execution_estimate()
@@ -143,7 +126,7 @@ class DeadlineScheduler:
         # when even that fits, admit without counting (the common case).
         if (len(self._queue) // instances + 1) * per_execution <= slack:
             return
-        ahead = self._queue.rank(key)
+        ahead = self._queue.count_until(request.deadline)
         finish = (ahead // instances + 1) * per_execution
         if finish <= slack:
             return
