@@ -11,6 +11,7 @@ import socket
 import socketserver
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -66,8 +67,11 @@ class _Handler(socketserver.StreamRequestHandler):
     ``close``: answers every infer request, then closes the connection
     (``Connection: close``). ``drop``: closes every other connection after
     reading the request, without an answer. ``silent``: never answers an infer
-    request. Metadata (any GET) is always answered.
+    request. ``slow``: answers every infer request after ``SLOW_S``, each
+    connection on a thread of its own. Metadata (any GET) is always answered.
     """
+
+    SLOW_S = 0.05
 
     METADATA = json.dumps(
         {"name": "digits", "inputs": [{"name": "input", "datatype": "FP32", "shape": [-1, 64]}]}
@@ -77,6 +81,8 @@ class _Handler(socketserver.StreamRequestHandler):
     def handle(self) -> None:
         server = self.server
         assert isinstance(server, _MisbehavingServer)
+        with server.lock:
+            server.connections += 1
         while True:
             head = b""
             while not head.endswith(b"\r\n\r\n"):
@@ -101,6 +107,8 @@ class _Handler(socketserver.StreamRequestHandler):
                 return
             if server.mode == "drop" and n % 2:
                 return
+            if server.mode == "slow":
+                time.sleep(self.SLOW_S)
             self._answer(self.ANSWER, close=server.mode == "close")
             if server.mode == "close":
                 return
@@ -123,6 +131,7 @@ class _MisbehavingServer(socketserver.ThreadingTCPServer):
         super().__init__(("127.0.0.1", 0), _Handler)
         self.mode = mode
         self.requests = 0
+        self.connections = 0
         self.lock = threading.Lock()
 
 
@@ -379,6 +388,32 @@ def test_open_loop_against_a_stalled_server_waits_then_drops(
     # 2 requests in flight, 16 (8 per connection) waiting, and every later one dropped.
     assert row["dropped"] > 0  # type: ignore[operator]
     assert "could not keep up" in result.output
+
+
+def test_open_loop_opens_connections_as_requests_find_all_busy(tmp_path: Path) -> None:
+    # 1,000 requests a second that each take 50 ms need about 50 connections; the
+    # run starts with 32 (no probe with --max-connections) and must open the rest
+    # as requests fall due, not make them wait for a connection.
+    server = _MisbehavingServer("slow")
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    host, port = server.server_address[:2]
+    out = tmp_path / "out.json"
+    try:
+        result = bench(
+            "--url", f"http://{host}:{port}", "-m", "digits", "--request-rate", "1000",
+            "--max-connections", "300", *SHORT, "--json", str(out),
+        )  # fmt: skip
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(30)
+    assert result.exit_code == 0, result.output
+    (row,) = rows(out)
+    assert row["late"] == 0
+    assert row["dropped"] == 0
+    assert 32 < server.connections <= 300
+    assert row["p50_ms"] < 200  # type: ignore[operator]
 
 
 # -- progress display and table -----------------------------------------------------------------

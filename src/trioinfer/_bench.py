@@ -66,8 +66,10 @@ _ARRIVAL_CHUNK: Final = 4096
 _BACKLOG_PER_CONNECTION: Final = 8
 # Open loop: past this share of requests late or dropped, the table says so.
 _BEHIND_SHARE: Final = 0.01
-# Open loop: the smallest default pool; a 1 ms hiccup at a few thousand req/s needs this many.
+# Open loop: the smallest pool to start with; a 1 ms hiccup at a few thousand req/s needs this many.
 _MIN_POOL: Final = 32
+#: Open loop: the most connections (in-process: workers) the tool opens by default.
+DEFAULT_MAX_CONNECTIONS: Final = 1024
 # Requests sent (one at a time) before an open-loop run to size its connection pool.
 _PROBE_REQUESTS: Final = 10
 
@@ -284,7 +286,8 @@ class Result:
         latency_ms: p50, p90, p95, p99 and max of successful requests, in ms.
         completed: Successful requests in the counted windows.
         errors: Failed requests by HTTP status (or ``conn``, or the exception's class).
-        late: Open loop: requests that found every connection busy and waited.
+        late: Open loop: requests that found every connection busy, with the most
+            open, and waited.
         dropped: Open loop: requests never sent because too many were waiting.
         windows: How many windows ran; the last three (or all, with a fixed count) count.
         stable: Whether the counted windows agreed within the stability bound.
@@ -618,10 +621,12 @@ class _LoadLoop:
 
     Closed loop (*schedule* ``None``): every connection sends its next request as
     soon as the last is answered. Open loop: requests are due at ``start +``
-    *schedule*'s offsets; a due request goes out on a free connection, else waits
-    in a backlog (counted late) that a connection takes from as it frees up, and
-    past *backlog_limit* waiting, new arrivals are dropped. Latency always runs
-    from the request's start: when it went out (closed) or was due (open).
+    *schedule*'s offsets; a due request goes out on a free connection, else on a
+    new one while there are fewer than *max_connections* (like a new client
+    arriving), else waits in a backlog (counted late) that a connection takes
+    from as it frees up, and past *backlog_limit* waiting, new arrivals are
+    dropped. Latency always runs from the request's start: when it went out
+    (closed) or was due (open), so a new connection's handshake counts in it.
     """
 
     def __init__(
@@ -633,12 +638,14 @@ class _LoadLoop:
         *,
         schedule: Iterator[int] | None = None,
         backlog_limit: int = 0,
+        max_connections: int = 0,
     ) -> None:
         self._address = address
         self._requests = requests
         self._recorder = recorder
         self._schedule = schedule
         self._backlog_limit = backlog_limit
+        self._max_connections = max(len(socks), max_connections)
         self._stopping = False
         self._n = 0
         self._poller = _Poller()
@@ -815,6 +822,10 @@ class _LoadLoop:
                 while due <= now:
                     if self._free:
                         self._start(self._free.pop(), due)
+                    elif len(self.connections) < self._max_connections:
+                        conn = _Connection(self._recorder)
+                        self.connections.append(conn)
+                        self._start(conn, due)  # connects, then sends
                     elif len(self._backlog) < self._backlog_limit:
                         self._backlog.append(due)
                         self._recorder.window.late += 1
@@ -1072,7 +1083,8 @@ class Plan:
         rates: Open-loop levels (requests per second).
         arrivals: ``constant`` or ``poisson`` (open loop).
         seed: Seeds the Poisson schedule and random inputs.
-        max_connections: Open loop: the connection pool (0: sized from a probe).
+        max_connections: Open loop: the most connections (in-process: workers) to
+            open; 0 for `DEFAULT_MAX_CONNECTIONS`.
         settings: Warm-up, window and stability settings.
     """
 
@@ -1089,9 +1101,15 @@ class Plan:
         return len(self.rates) or len(self.concurrency)
 
 
+def _pool_limit(plan: Plan) -> int:
+    return plan.max_connections or DEFAULT_MAX_CONNECTIONS
+
+
 def _pool_size(plan: Plan, rate: float, probe_s: float) -> int:
-    # Enough connections for the rate times a generous latency, as Little's law says.
-    return plan.max_connections or min(1024, max(_MIN_POOL, math.ceil(rate * probe_s * 4)))
+    # The connections to open before the run: enough for the rate times a generous
+    # latency, as Little's law says. A batching server's latency under load is
+    # several times the probe's, so the loop opens more as requests find none free.
+    return min(_pool_limit(plan), max(_MIN_POOL, math.ceil(rate * probe_s * 4)))
 
 
 async def _run_levels(
@@ -1211,10 +1229,17 @@ async def run_http(
         return await level(count, recorder, "concurrency", count)
 
     async def run_open(rate: float, recorder: _Recorder) -> Result:
-        pool = _pool_size(plan, rate, probe_s)
+        pool, most = _pool_size(plan, rate, probe_s), _pool_limit(plan)
         schedule = iter_arrivals(rate, plan.arrivals, plan.seed)
-        limit = _BACKLOG_PER_CONNECTION * pool
-        return await level(pool, recorder, "rate", rate, schedule=schedule, backlog_limit=limit)
+        return await level(
+            pool,
+            recorder,
+            "rate",
+            rate,
+            schedule=schedule,
+            backlog_limit=_BACKLOG_PER_CONNECTION * most,
+            max_connections=most,
+        )
 
     return await _run_levels(plan, run_closed, run_open)
 
@@ -1305,9 +1330,9 @@ async def run_in_process(
         return await _closed_level(senders(count, recorder), recorder, measure)
 
     async def run_open(rate: float, recorder: _Recorder) -> Result:
-        pool = _pool_size(plan, rate, 0.01)
+        # Workers are only tasks: start them all; each sleeps until the time it claimed.
         return await _open_level(
-            senders(pool, recorder),
+            senders(_pool_limit(plan), recorder),
             recorder,
             measure,
             rate=rate,

@@ -625,7 +625,8 @@ def _shapes(_ctx: click.Context, _param: click.Parameter, value: Sequence[str]) 
     type=click.IntRange(min=0),
     default=0,
     metavar="N",
-    help="Open loop: the connection pool (default: 4 x the rate x the unloaded latency).",
+    help="Open loop: the most connections (in-process: workers) to open; more open as "
+    "requests find all busy, up to N (default: 1024).",
 )
 @click.option(
     "--input-data",
@@ -751,9 +752,10 @@ def bench(**options: Any) -> None:
     its next request when the last is answered. Open loop (--request-rate
     500,1000): requests are due at Poisson (or constant) times whatever the
     server does, and latency counts from when each was due; a request that
-    finds every connection busy waits (counted "late"; with too many waiting,
-    new ones are "dropped"), so an overloaded server shows as latency, not as
-    a politely slower client.
+    finds every connection busy goes out on a new one, up to --max-connections,
+    then waits (counted "late"; with too many waiting, new ones are
+    "dropped"), so an overloaded server shows as latency, not as a politely
+    slower client.
 
     Each level warms up (not counted), then measures windows until the last
     three agree within --stability (or --windows N). The table (on stdout)
