@@ -30,6 +30,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.routing import Route
 
+from trioinfer.server import _http11
 from trioinfer.server._http11 import serve_asgi
 
 Scope = MutableMapping[str, Any]
@@ -1215,3 +1216,40 @@ async def test_serve_asgi_accepts_a_partial_app() -> None:
     async with serving(partial(app, text=b"partial")) as server, connect(server) as client:
         await client.send(get())
         assert (await client.response()).body == b"partial"
+
+
+async def test_one_wake_of_the_accept_loop_takes_every_waiting_connection(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Each wait_readable is a whole turn of Trio's scheduler, which on a busy server
+    # lasts as long as every runnable task's step: accepting one connection per turn
+    # made clients that open many connections at once wait seconds for an answer.
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(64)
+    listener.setblocking(False)
+    clients = [socket.create_connection(listener.getsockname()) for _ in range(20)]
+    wakes = 0
+    real_wait = trio.lowlevel.wait_readable
+
+    async def counting_wait(sock: Any) -> None:
+        nonlocal wakes
+        wakes += 1
+        await real_wait(sock)
+
+    monkeypatch.setattr(_http11.trio.lowlevel, "wait_readable", counting_wait)
+    accepted: list[socket.socket] = []
+
+    class Recorder:
+        def start_soon(self, fn: object, sock: socket.socket) -> None:
+            accepted.append(sock)
+
+    server = _http11._Server(echo_app, {}, 5.0, 8192)
+    try:
+        with trio.move_on_after(1):
+            await server.accept_loop(listener, Recorder())  # type: ignore[arg-type]
+        assert len(accepted) == 20
+        assert wakes == 2  # one wake took all twenty; the second waits for more
+    finally:
+        for sock in [*accepted, *clients, listener]:
+            sock.close()

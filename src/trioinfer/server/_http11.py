@@ -65,6 +65,8 @@ _DRAIN_LIMIT: Final = 1024 * 1024
 _LINGER_S: Final = 1.0
 _LINGER_BYTES: Final = 1024 * 1024
 _BACKLOG: Final = 1024
+# Most connections accepted per wake-up of the accept loop.
+_ACCEPT_BURST: Final = 256
 #: Head and body go out in one write up to this body size; a bigger body is
 #: written separately rather than copied.
 _COALESCE_LIMIT: Final = 256 * 1024
@@ -297,19 +299,24 @@ class _Server:
         """Accept connections forever, each served by a task in *nursery*."""
         while True:
             await trio.lowlevel.wait_readable(listener)
-            try:
-                sock, _ = listener.accept()
-            except BlockingIOError:  # another process sharing the socket got it
-                continue
-            except OSError as exc:
-                if exc.errno in _ACCEPT_RETRY:
-                    continue
-                if exc.errno in _ACCEPT_BACKOFF:
-                    log.warning("accept() failed (%s); retrying in 100ms", exc)
-                    await trio.sleep(0.1)
-                    continue
-                raise
-            nursery.start_soon(self._serve_connection, sock)
+            # Take every waiting connection, not one: each wait_readable is a turn
+            # of the scheduler, which lasts as long as every runnable task's step,
+            # and with the loop busy one accept per turn left clients opening many
+            # connections at once waiting seconds for their first answer.
+            for _ in range(_ACCEPT_BURST):
+                try:
+                    sock, _ = listener.accept()
+                except BlockingIOError:  # none left (or another process got it)
+                    break
+                except OSError as exc:
+                    if exc.errno in _ACCEPT_RETRY:
+                        continue
+                    if exc.errno in _ACCEPT_BACKOFF:
+                        log.warning("accept() failed (%s); retrying in 100ms", exc)
+                        await trio.sleep(0.1)
+                        break
+                    raise
+                nursery.start_soon(self._serve_connection, sock)
 
     async def _serve_connection(self, sock: socket.socket) -> None:
         try:
