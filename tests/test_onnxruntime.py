@@ -11,6 +11,7 @@ import pytest
 import trio
 
 import trioinfer
+import trioinfer_onnxruntime as ort_backend
 from trioinfer import Device, Instance, ModelConfig, Placement, open_engine
 from trioinfer.testing import check_backend, models
 from trioinfer_onnxruntime import AUTO_SAMPLES, OnnxRuntimeBackend, probe_device
@@ -241,6 +242,31 @@ async def test_auto_dispatch_goes_inline_for_a_cheap_model(
         assert "dispatch inline" in caplog.text
         out = await instance.execute(pair())
         np.testing.assert_array_equal(out["sum"], pair()["a"] + 1)
+    finally:
+        await instance.aclose()
+
+
+async def test_auto_tries_inline_and_goes_back_quietly_when_it_costs_too_much(
+    slow_model: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The thread's figure only screens out models that could hold the loop for
+    # long (here nothing is, with a huge trial bound); inline, the budget decides.
+    monkeypatch.setattr(ort_backend, "AUTO_TRIAL_BUDGETS", 1e9)
+    config = ModelConfig(
+        name="slow", path=slow_model, backend_options={"dispatch": "auto", "inline_budget_us": 1}
+    )
+    instance = await OnnxRuntimeBackend().load(config, Placement(Device("cpu"), 0, threads=1))
+    x = {"x": np.ones((1, 512), np.float32)}
+    try:
+        with caplog.at_level(logging.INFO, logger="trioinfer.onnxruntime"):
+            for _ in range(AUTO_SAMPLES):
+                await instance.execute(x)
+            assert instance.dispatch == "inline"  # tried, though over one budget
+            await instance.execute(x)  # seeds the inline measurement
+            await instance.execute(x)  # decides
+        assert instance.dispatch == "thread"
+        moved = [r for r in caplog.records if "over inline_budget_us" in r.getMessage()]
+        assert [r.levelno for r in moved] == [logging.INFO]  # expected for auto: no warning
     finally:
         await instance.aclose()
 
