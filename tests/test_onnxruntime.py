@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -13,6 +15,7 @@ import trio
 import trioinfer
 import trioinfer_onnxruntime as ort_backend
 from trioinfer import Device, Instance, ModelConfig, Placement, open_engine
+from trioinfer._threads import WorkerThread
 from trioinfer.testing import check_backend, models
 from trioinfer_onnxruntime import AUTO_SAMPLES, OnnxRuntimeBackend, probe_device
 
@@ -267,6 +270,40 @@ async def test_auto_tries_inline_and_goes_back_quietly_when_it_costs_too_much(
         assert instance.dispatch == "thread"
         moved = [r for r in caplog.records if "over inline_budget_us" in r.getMessage()]
         assert [r.levelno for r in moved] == [logging.INFO]  # expected for auto: no warning
+    finally:
+        await instance.aclose()
+
+
+class _WaitingSession:
+    """A real session whose runs first sleep: wall time a GPU run spends waiting."""
+
+    def __init__(self, session: Any, wait_s: float) -> None:
+        self._session, self._wait_s = session, wait_s
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._session, name)
+
+    def run(self, *args: Any) -> Any:
+        time.sleep(self._wait_s)
+        return self._session.run(*args)
+
+
+@pytest.mark.parametrize(("device", "moves"), [("cpu", False), ("cuda:0", True)])
+async def test_inline_budget_counts_wall_time_off_the_cpu(
+    add_model: Path, device: str, moves: bool
+) -> None:
+    # On a GPU the worker can sleep while the device computes; the loop is held for
+    # the wall time, so that is what the budget must count there. On the CPU, CPU
+    # time (a preempted thread is not the model's cost).
+    import onnxruntime
+
+    session = _WaitingSession(onnxruntime.InferenceSession(str(add_model)), 0.02)
+    worker = await WorkerThread.start("test-inline-clock")
+    instance = ort_backend.OnnxRuntimeInstance(session, device, worker, "inline", 0.005)
+    try:
+        for _ in range(3):  # the first run seeds the measurement; the next ones decide
+            await instance.execute(pair())
+        assert instance.dispatch == ("thread" if moves else "inline")
     finally:
         await instance.aclose()
 

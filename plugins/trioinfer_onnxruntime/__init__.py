@@ -21,7 +21,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, Final, final
 
@@ -151,6 +151,7 @@ class OnnxRuntimeInstance:
     __slots__ = (
         "_auto",
         "_budget",
+        "_clock",
         "_closed",
         "_device",
         "_dispatch",
@@ -183,6 +184,12 @@ class OnnxRuntimeInstance:
         self._dispatch = dispatch
         self._auto = dispatch == "auto"
         self._budget = inline_budget_s
+        # What an inline execution costs the loop. On the CPU, the thread's CPU time:
+        # being preempted by another process is not the model's cost. On a GPU the
+        # thread may sleep while the device works, yet the loop is held all along.
+        self._clock: Callable[[], float] = (
+            time.thread_time if str(device) == "cpu" else time.perf_counter
+        )
         self._label = label
         self._samples: list[float] = []
         self._inline_average: float | None = None
@@ -250,13 +257,11 @@ class OnnxRuntimeInstance:
     async def _run_inline(self, session: Any, inputs: Any, run_options: Any) -> Any:
         # Yield first: back-to-back inline executions must not starve the event loop.
         await anyio.lowlevel.checkpoint()
-        # CPU time of this thread, not wall time: being preempted by another
-        # process is not the model's cost and must not move it off the loop.
-        started = time.thread_time()
+        started = self._clock()
         try:
             return session.run(self._outputs, inputs, run_options)
         finally:
-            took = time.thread_time() - started
+            took = self._clock() - started
             # A session's first run allocates and is several times slower: it
             # only seeds the average. After it, a moving average forgives one slow
             # run (a page fault); a run ten times over the budget is not forgiven.
@@ -280,9 +285,9 @@ class OnnxRuntimeInstance:
 
     def _run_timed(self, session: Any, inputs: Any, run_options: Any) -> Any:
         # Runs on the worker thread; measures the compute alone, without the hop.
-        started = time.thread_time()
+        started = self._clock()
         values = self._run(session, inputs, run_options)
-        self._samples.append(time.thread_time() - started)
+        self._samples.append(self._clock() - started)
         return values
 
     def _consider_inline(self) -> None:
