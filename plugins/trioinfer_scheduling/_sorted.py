@@ -1,14 +1,16 @@
-"""A sorted collection of unique keys, for the schedulers: a list of short sorted lists.
+"""Sorted collections for the schedulers, each a list of short sorted chunks.
 
-Keys live in chunks of at most ``2 * load`` keys, each sorted, every key of a
-chunk below every key of the next; ``_maxes`` holds each chunk's last key. An
-insertion bisects ``_maxes`` and then one chunk, a removal likewise, so both
-touch O(log n) keys and move at most one chunk's worth of pointers. Short
-chunks keep that move cheap when the queue is long: with the default load
-the cost of a push and a pop barely changes between 100 and 100,000 keys.
-The rank of a key (how many keys sort before it) sums the lengths of the
-chunks before its own through a Fenwick tree, rebuilt only after a chunk is
-split or dropped.
+`SortedKeys` holds unique comparable keys (the priority scheduler's levels and
+heads); `TimeQueue` holds items by a float key, first come first served among
+equal keys (the deadline scheduler's requests). In both, keys live in chunks
+of at most ``2 * load`` keys, each sorted, every key of a chunk below every
+key of the next, and each chunk's last key is kept apart. An insertion
+bisects those last keys and then one chunk, a removal likewise, so both touch
+O(log n) keys and move at most one chunk's worth of pointers. Short chunks
+keep that move cheap when the queue is long: with the default load the number
+of keys touched barely changes between 100 and 100,000 keys. The rank of a key
+(how many keys sort before it) sums the lengths of the chunks before its own
+through a Fenwick tree, rebuilt only after a chunk is split or dropped.
 
 The same idea as ``sortedcontainers.SortedList``, cut down to what the
 schedulers use, with short chunks, and typed.
