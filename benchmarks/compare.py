@@ -770,31 +770,26 @@ def mlserver_env(args: argparse.Namespace) -> tuple[Path | None, str, str]:
 
 def triton_env(args: argparse.Namespace) -> tuple[Path | None, str, str]:
     """(the Triton venv's python or None, PyTriton's version or why it is missing, ORT's)."""
-    venv = Path(args.peers_dir) / "triton-venv"
-    probe = (
-        "import importlib.metadata as m, pytriton.triton; "
-        "print(m.version('nvidia-pytriton'), m.version('onnxruntime'))"
-    )
-    ort_pin = f"onnxruntime=={ort.__version__}"
-    found, why = peer_venv(
-        venv,
-        probe,
-        2,
-        lambda f: f[1] == ort.__version__,
-        ([PYTRITON, ort_pin, "numpy"], [PYTRITON, "onnxruntime", "numpy"]),
-        PYTRITON,
-    )
-    if found is None:
-        return None, why, "?"
-    return venv / "bin" / "python", found[0], found[1]
+    return python_peer_env(args, "triton-venv", PYTRITON, "nvidia-pytriton", "pytriton.triton")
 
 
 def ray_env(args: argparse.Namespace) -> tuple[Path | None, str, str]:
     """(the Ray venv's python or None, Ray's version or why it is missing, ORT's)."""
-    venv = Path(args.peers_dir) / "ray-venv"
+    return python_peer_env(args, "ray-venv", RAY, "ray", "ray.serve")
+
+
+def python_peer_env(
+    args: argparse.Namespace, name: str, requirement: str, distribution: str, module: str
+) -> tuple[Path | None, str, str]:
+    """A peer that runs as a script of ours in its own venv beside ONNX Runtime and numpy.
+
+    Returns (the venv's python or None, *distribution*'s version or why it is
+    missing, ORT's version there); *module* must import for the venv to count.
+    """
+    venv = Path(args.peers_dir) / name
     probe = (
-        "import importlib.metadata as m, ray.serve; "
-        "print(m.version('ray'), m.version('onnxruntime'))"
+        f"import importlib.metadata as m, {module}; "
+        f"print(m.version({distribution!r}), m.version('onnxruntime'))"
     )
     ort_pin = f"onnxruntime=={ort.__version__}"
     found, why = peer_venv(
@@ -802,8 +797,8 @@ def ray_env(args: argparse.Namespace) -> tuple[Path | None, str, str]:
         probe,
         2,
         lambda f: f[1] == ort.__version__,
-        ([RAY, ort_pin, "numpy"], [RAY, "onnxruntime", "numpy"]),
-        RAY,
+        ([requirement, ort_pin, "numpy"], [requirement, "onnxruntime", "numpy"]),
+        requirement,
     )
     if found is None:
         return None, why, "?"

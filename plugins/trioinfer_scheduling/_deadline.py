@@ -33,10 +33,10 @@ class DeadlineScheduler:
     count and *execution_estimate* the engine's moving average of one
     execution. Until the model has run once there is no estimate, and nothing
     is refused. (A request that a batcher takes and then gives back goes to
-    the head of the engine's queue, not through `push` again, so it is
-    never refused.) The estimate ignores batching (a batch serves several requests in
-    one execution) and the executions already running, so it errs towards
-    admitting.
+    the head of the engine's queue, not through `push` again, so it is never
+    refused.) The estimate ignores batching (a batch serves several requests
+    in one execution) and the executions already running, so it errs
+    towards admitting.
 
     Push, pop and remove cost O(log n) (O(1) for requests without a deadline),
     counting *ahead* included; the count is skipped when even the whole queue

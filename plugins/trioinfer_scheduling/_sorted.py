@@ -125,12 +125,7 @@ class SortedKeys(Generic[K]):
         tree = self._tree
         if tree is None:
             tree = self._tree = _fenwick([len(chunk) for chunk in self._chunks])
-        before = 0
-        i = pos  # the sum of the first pos chunk lengths, Fenwick-style
-        while i > 0:
-            before += tree[i]
-            i -= i & -i
-        return before + bisect_left(self._chunks[pos], key)
+        return _prefix(tree, pos) + bisect_left(self._chunks[pos], key)
 
     def _delete(self, pos: int, index: int) -> None:
         chunk = self._chunks[pos]
@@ -155,6 +150,15 @@ def _fenwick(lengths: list[int]) -> list[int]:
         if parent < len(tree):
             tree[parent] += tree[i]
     return tree
+
+
+def _prefix(tree: list[int], pos: int) -> int:
+    """The sum of the first *pos* entries of the Fenwick *tree*."""
+    total = 0
+    while pos > 0:
+        total += tree[pos]
+        pos -= pos & -pos
+    return total
 
 
 def _grow(tree: list[int], pos: int, by: int) -> None:
@@ -283,12 +287,7 @@ class TimeQueue(Generic[H]):
         tree = self._tree
         if tree is None:
             tree = self._tree = _fenwick([len(keys) for keys in self._keys])
-        before = 0
-        i = pos  # the sum of the first pos chunk lengths, Fenwick-style
-        while i > 0:
-            before += tree[i]
-            i -= i & -i
-        return before + bisect_right(self._keys[pos], key)
+        return _prefix(tree, pos) + bisect_right(self._keys[pos], key)
 
     def _delete(self, pos: int, index: int) -> None:
         keys, items = self._keys[pos], self._items[pos]
