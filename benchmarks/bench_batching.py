@@ -33,7 +33,8 @@ Part ``digits`` (6b): the bundled digits MLP (64 -> 10), one-row requests from
   dyn-inline    as dyn-thread, dispatch "inline" (on the event loop's thread)
   dyn-inline+   as dyn-inline, with inline_budget_us 1000 instead of 250, so that it stays
                 inline whatever the machine does to a 32-row execution's CPU time
-  dyn-auto      as dyn-thread, dispatch "auto" (measures, then goes inline if cheap)
+  dyn-auto      as dyn-thread, dispatch "auto" (the default on the CPU: measures, then
+                goes inline if cheap)
 
 Each window warms up (``--warmup`` seconds, and until every client has had one
 answer), then measures for ``--duration`` seconds: only requests that complete
@@ -108,7 +109,7 @@ CONFIGS: dict[str, dict[str, str]] = {
         "dyn-thread": "trioinfer, dynamic max 32 / 2 ms, dispatch thread",
         "dyn-inline": "trioinfer, dynamic max 32 / 2 ms, dispatch inline",
         "dyn-inline+": "as dyn-inline, inline_budget_us 1000 (default 250)",
-        "dyn-auto": "trioinfer, dynamic max 32 / 2 ms, dispatch auto",
+        "dyn-auto": "trioinfer, dynamic max 32 / 2 ms, dispatch auto (the CPU default)",
     },
 }
 BATCHING = ("dyn2", "dyn5", "dyn2p")  # the wide-MLP configurations the targets apply to

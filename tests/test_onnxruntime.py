@@ -229,6 +229,21 @@ async def test_inline_dispatch_passes_the_conformance_check(add_model: Path) -> 
     await check_backend(OnnxRuntimeBackend(), config, pair())
 
 
+@pytest.mark.parametrize(("device", "expected"), [("cpu", "auto"), ("cuda:0", "thread")])
+async def test_dispatch_defaults_to_auto_on_the_cpu_and_thread_on_a_gpu(
+    add_model: Path, device: str, expected: str
+) -> None:
+    config = ModelConfig(name="add", path=add_model)
+    options = ort_backend._check_options(config, Placement(Device(device), 0))
+    assert options["dispatch"] == expected
+    if device == "cpu":
+        instance = await OnnxRuntimeBackend().load(config, Placement(Device("cpu"), 0))
+        try:
+            assert instance.dispatch == "auto"
+        finally:
+            await instance.aclose()
+
+
 async def test_auto_dispatch_goes_inline_for_a_cheap_model(
     add_model: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -288,18 +303,23 @@ class _WaitingSession:
         return self._session.run(*args)
 
 
-@pytest.mark.parametrize(("device", "moves"), [("cpu", False), ("cuda:0", True)])
-async def test_inline_budget_counts_wall_time_off_the_cpu(
-    add_model: Path, device: str, moves: bool
+@pytest.mark.parametrize(
+    ("device", "threads", "moves"), [("cpu", 1, False), ("cuda:0", 1, True), ("cpu", 2, True)]
+)
+async def test_inline_budget_counts_wall_time_unless_one_cpu_thread_computes(
+    add_model: Path, device: str, threads: int, moves: bool
 ) -> None:
-    # On a GPU the worker can sleep while the device computes; the loop is held for
-    # the wall time, so that is what the budget must count there. On the CPU, CPU
+    # On a GPU the worker can sleep while the device computes, and with several
+    # intra-op threads while the others compute; the loop is held for the wall
+    # time, so that is what the budget must count there. With one CPU thread, CPU
     # time (a preempted thread is not the model's cost).
     import onnxruntime
 
     session = _WaitingSession(onnxruntime.InferenceSession(str(add_model)), 0.02)
     worker = await WorkerThread.start("test-inline-clock")
-    instance = ort_backend.OnnxRuntimeInstance(session, device, worker, "inline", 0.005)
+    instance = ort_backend.OnnxRuntimeInstance(
+        session, device, worker, "inline", 0.005, threads=threads
+    )
     try:
         for _ in range(3):  # the first run seeds the measurement; the next ones decide
             await instance.execute(pair())

@@ -5,11 +5,13 @@ is created on a GPU execution provider, the backend checks (once per device)
 that the provider really works here, and says why in one line when it does
 not; it then falls back to the CPU only if the model's config allows it.
 
-Compute leaves the event loop in one of two ways, chosen by the
-``dispatch`` backend option: ``"thread"`` (default) runs ``session.run`` on the
-instance's own worker thread; ``"ort_async"`` uses ONNX Runtime's ``run_async``,
-whose callback wakes the event loop. Either way a cancelled execution is
-aborted with ``RunOptions.terminate``.
+Where compute runs is chosen by the ``dispatch`` backend option: ``"thread"``
+runs ``session.run`` on the instance's own worker thread; ``"ort_async"`` uses
+ONNX Runtime's ``run_async``, whose callback wakes the event loop; ``"inline"``
+runs it on the event loop's thread within a time budget; ``"auto"`` (the
+default on the CPU) measures on the thread and goes inline when that is
+cheaper than the hop. Off the loop, a cancelled execution is aborted with
+``RunOptions.terminate``.
 """
 
 from __future__ import annotations
@@ -75,10 +77,11 @@ _OPT_LEVELS: Final = {
 DEFAULT_INLINE_BUDGET_US: Final = 250
 #: Every ``backend_options`` key this backend accepts, with what it means.
 OPTIONS: Final[Mapping[str, str]] = {
-    "dispatch": "'thread' (default): session.run on the instance's worker thread; "
+    "dispatch": "'thread': session.run on the instance's worker thread (default on a GPU); "
     "'ort_async': ONNX Runtime's run_async (needs threads >= 2); "
     "'inline': on the event loop's thread, for models far cheaper than a thread hop, "
-    "within inline_budget_us; 'auto': measure on the thread, go inline if cheap enough",
+    "within inline_budget_us; 'auto' (default on the CPU): measure on the thread, "
+    "go inline if cheap enough",
     "inline_budget_us": "execution time, in microseconds, allowed on the event loop's thread "
     "(moving average; one run may take up to 10x) before an 'inline' or 'auto' instance "
     f"moves to its worker thread (default {DEFAULT_INLINE_BUDGET_US})",
@@ -141,6 +144,7 @@ class OnnxRuntimeBackend:
             options["inline_budget_us"] / 1e6,
             f"model {config.name!r} instance {placement.index}",
             options["pipeline_depth"],
+            _compute_threads(placement),
         )
 
 
@@ -175,6 +179,7 @@ class OnnxRuntimeInstance:
         inline_budget_s: float = DEFAULT_INLINE_BUDGET_US / 1e6,
         label: str = "instance",
         pipeline_depth: int = 1,
+        threads: int = 1,
     ) -> None:
         #: Executions the engine may have in flight on this instance at once.
         self.pipeline_depth = pipeline_depth
@@ -184,11 +189,12 @@ class OnnxRuntimeInstance:
         self._dispatch = dispatch
         self._auto = dispatch == "auto"
         self._budget = inline_budget_s
-        # What an inline execution costs the loop. On the CPU, the thread's CPU time:
-        # being preempted by another process is not the model's cost. On a GPU the
-        # thread may sleep while the device works, yet the loop is held all along.
+        # What an inline execution costs the loop. With one compute thread on the
+        # CPU, that thread's CPU time: being preempted by another process is not the
+        # model's cost. On a GPU, or with intra-op threads that the loop waits for,
+        # the thread may sleep while others work, yet the loop is held all along.
         self._clock: Callable[[], float] = (
-            time.thread_time if str(device) == "cpu" else time.perf_counter
+            time.thread_time if str(device) == "cpu" and threads == 1 else time.perf_counter
         )
         self._label = label
         self._samples: list[float] = []
@@ -341,7 +347,8 @@ def _check_options(config: ModelConfig, placement: Placement) -> dict[str, Any]:
             f"model {config.name!r}: onnxruntime backend has no option "
             f"{', '.join(map(repr, unknown))}; it knows {', '.join(sorted(OPTIONS))}"
         )
-    options.setdefault("dispatch", "thread")
+    # Inline is measured and bounded on the CPU; on a GPU it has not been tried here.
+    options.setdefault("dispatch", "auto" if placement.device.kind == "cpu" else "thread")
     if options["dispatch"] not in _DISPATCH:
         raise ConfigError(
             f"model {config.name!r}: dispatch must be one of {', '.join(map(repr, _DISPATCH))}, "
@@ -416,8 +423,7 @@ def _create_session(
         device = Device("cpu")
     so = ort.SessionOptions()
     affinity = placement.cpu_affinity
-    # With CPUs named but no thread count, use one compute thread per named CPU.
-    threads = placement.threads or (len(affinity) if affinity else 0)
+    threads = _compute_threads(placement)
     so.intra_op_num_threads = threads
     so.inter_op_num_threads = options.get("inter_op_threads", 0)
     so.graph_optimization_level = getattr(
@@ -446,6 +452,12 @@ def _create_session(
             f"model {config.name!r}: ONNX Runtime could not load {path}: {_one_line(exc)}"
         ) from exc
     return session, str(device)
+
+
+def _compute_threads(placement: Placement) -> int:
+    # With CPUs named but no thread count, one compute thread per named CPU; 0: ORT chooses.
+    affinity = placement.cpu_affinity
+    return placement.threads or (len(affinity) if affinity else 0)
 
 
 def _providers(device: Device, options: Mapping[str, Any]) -> list[Any]:
