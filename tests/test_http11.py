@@ -734,15 +734,45 @@ def disconnect_watching_app(release: trio.Event | None = None) -> Any:
     return app
 
 
-async def test_malformed_input_read_while_watching_for_disconnect() -> None:
-    async with serving(disconnect_watching_app()) as server, connect(server) as client:
+def extension_watching_app(release: trio.Event | None = None) -> Any:
+    """As `disconnect_watching_app`, watching with ``trioinfer.cancel_on_disconnect``.
+
+    The connection's own watcher task reads then, and its read outlives the
+    response: it ends with the next bytes or the client's EOF.
+    """
+
+    async def app(scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            raise RuntimeError("no lifespan")
+        read = await read_body(receive)
+        assert read is not None
+        with trio.CancelScope() as left:
+            assert scope["extensions"]["trioinfer.cancel_on_disconnect"](left)
+            if scope["path"] == "/slow" and release is not None:
+                await release.wait()
+            else:
+                await trio.testing.wait_all_tasks_blocked()
+            await respond(send, 200, scope["path"].encode())
+
+    return app
+
+
+WATCHING_APPS = pytest.mark.parametrize(
+    "watching_app", [disconnect_watching_app, extension_watching_app]
+)
+
+
+@WATCHING_APPS
+async def test_malformed_input_read_while_watching_for_disconnect(watching_app: Any) -> None:
+    async with serving(watching_app()) as server, connect(server) as client:
         await client.send(get("/good") + b"NOT HTTP\r\n\r\n" + b"more junk" * 100)
         assert (await client.response()).body == b"/good"
         assert (await client.response()).status == 400
         assert await client.closed()
 
 
-async def test_pipelined_flood_while_watching_for_disconnect() -> None:
+@WATCHING_APPS
+async def test_pipelined_flood_while_watching_for_disconnect(watching_app: Any) -> None:
     release = trio.Event()
     count = 4000
     body = b"b" * 1000
@@ -760,7 +790,7 @@ async def test_pipelined_flood_while_watching_for_disconnect() -> None:
             sent += 1
 
     async with (
-        serving(disconnect_watching_app(release)) as server,
+        serving(watching_app(release)) as server,
         connect(server) as client,
         trio.open_nursery() as nursery,
     ):
@@ -775,6 +805,62 @@ async def test_pipelined_flood_while_watching_for_disconnect() -> None:
         assert sent < count
         release.set()
     assert responses == [b"/slow"] + [f"/{i}".encode() for i in range(count)]
+
+
+async def test_after_a_watched_response_the_next_request_may_come_in_pieces() -> None:
+    # The watcher's read outlives the response and gets the next request's head;
+    # its body, sent later, is read when the app asks for it.
+    async with serving(extension_watching_app()) as server, connect(server) as client:
+        await client.send(post("/1", b"a"))
+        assert (await client.response()).body == b"/1"
+        await client.send(b"POST /2 HTTP/1.1\r\nHost: x\r\nContent-Length: 5\r\n\r\n")
+        await trio.testing.wait_all_tasks_blocked()
+        await client.send(b"ab")
+        await trio.testing.wait_all_tasks_blocked()
+        await client.send(b"cde")
+        assert (await client.response()).body == b"/2"
+        await client.send(get("/3"))
+        assert (await client.response()).body == b"/3"
+
+
+@pytest.mark.parametrize("pipelined", [False, True])
+async def test_after_a_watched_response_a_stalled_body_is_dropped(pipelined: bool) -> None:
+    # Pipelined, the second request's head came with the first request: its app
+    # asks for the rest of the body while the watcher's read still waits.
+    partial = b"POST /2 HTTP/1.1\r\nHost: x\r\nContent-Length: 10\r\n\r\nabc"
+    async with (
+        serving(extension_watching_app(), keep_alive_timeout=0.2) as server,
+        connect(server) as client,
+    ):
+        if pipelined:
+            await client.send(post("/1", b"a") + partial)
+            assert (await client.response()).body == b"/1"
+        else:
+            await client.send(post("/1", b"a"))
+            assert (await client.response()).body == b"/1"
+            await client.send(partial)
+        with trio.fail_after(5):
+            assert await client.closed()
+
+
+async def test_after_a_watched_response_an_idle_connection_times_out() -> None:
+    async with (
+        serving(extension_watching_app(), keep_alive_timeout=0.2) as server,
+        connect(server) as client,
+    ):
+        await client.send(post("/1", b"a"))
+        assert (await client.response()).body == b"/1"
+        with trio.fail_after(5):
+            assert await client.closed()
+
+
+async def test_after_a_watched_response_the_clients_eof_ends_the_connection() -> None:
+    async with serving(extension_watching_app()) as server, connect(server) as client:
+        await client.send(post("/1", b"a"))
+        assert (await client.response()).body == b"/1"
+        await client.stream.send_eof()
+        with trio.fail_after(5):
+            assert await client.closed()
 
 
 async def test_concurrent_receive_calls_share_the_body() -> None:
