@@ -330,6 +330,15 @@ def test_integers_are_fine_in_float_data_and_large_unsigned_values_fit() -> None
     assert big.tolist() == [0, 2**64 - 1]
 
 
+def test_float_values_at_the_edge_of_the_range_round_rather_than_overflow() -> None:
+    # Just past FP32's largest value, but nearer to it than to infinity: it rounds.
+    top = float(np.finfo(np.float32).max)
+    got = decode(one(data=[3.4028235e38, -top])).inputs["x"]
+    assert got.tolist() == [top, -top]
+    half = decode(one(datatype="FP16", data=[65504, -65519])).inputs["x"]
+    assert half.tolist() == [65504.0, -65504.0]
+
+
 def test_request_fields_are_decoded() -> None:
     request = decode(
         {

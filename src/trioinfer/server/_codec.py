@@ -743,11 +743,16 @@ def _from_json(spec: _Input, data: list[Any]) -> npt.NDArray[Any]:
         if int(array.min()) < info.min or int(array.max()) > info.max:
             raise _bad_value(spec, _first(spec, in_range), span)
         return array.astype(target, copy=False).reshape(spec.shape)
+    limit = float(np.finfo(target).max)
+    # JSON holds no infinities, so only values beyond the target's range can
+    # overflow; looking for them first spares most requests the errstate, which
+    # cost more than the cast.
+    if array.max() <= limit and array.min() >= -limit:
+        return array.astype(target, copy=False).reshape(spec.shape)
     with np.errstate(over="ignore"):
         converted = array.astype(target, copy=False)
     overflow = np.flatnonzero(np.isinf(converted))
     if overflow.size:
-        limit = float(np.finfo(target).max)
         culprit = array.reshape(-1)[overflow[0]].item()
         raise _bad_value(spec, culprit, f"numbers within +-{limit:g}")
     return converted.reshape(spec.shape)
