@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import importlib.metadata
 import re
 import subprocess
@@ -180,3 +181,18 @@ def test_serve_says_why_it_cannot_start(tmp_path: Path) -> None:
     result = invoke("serve", "--loop", "asyncio", "--http", "lean")
     assert result.exit_code == 1
     assert "does not run on asyncio" in result.output
+
+
+def test_settle_gc_freezes_and_raises_the_first_threshold_only() -> None:
+    before = gc.get_threshold()
+    try:
+        gc.set_threshold(700, 10, 10)
+        _cli._settle_gc()
+        assert gc.get_threshold() == (_cli.SERVE_GC_THRESHOLD, 10, 10)
+        assert gc.get_freeze_count() > 0
+        gc.set_threshold(50_000, 10, 10)
+        _cli._settle_gc()  # never lowers a threshold someone raised further
+        assert gc.get_threshold() == (50_000, 10, 10)
+    finally:
+        gc.unfreeze()
+        gc.set_threshold(*before)

@@ -529,6 +529,13 @@ def slow_doc(rows: int = 1, **extra: Any) -> dict[str, Any]:
 # == health and metadata (tritonclient) ================================================
 
 
+def test_serve_freezes_start_up_objects_for_the_garbage_collector(main: Server) -> None:
+    assert re.search(
+        r"garbage collector: [1-9]\d* objects from start-up frozen; first threshold 5000",
+        main.log.read_text(encoding="utf-8", errors="replace"),
+    ), main.log_tail()
+
+
 def test_health_and_server_metadata(client: triton.InferenceServerClient) -> None:
     assert client.is_server_live()
     assert client.is_server_ready()
