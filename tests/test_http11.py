@@ -707,6 +707,43 @@ async def test_cancel_on_disconnect_extension_cancels_the_registered_scope() -> 
     assert outcomes == ["answered", "answered", "cancelled"]
 
 
+async def test_cancel_on_disconnect_without_a_scope_cancels_the_apps_task() -> None:
+    # Two requests on one connection are answered; the client leaves during the third.
+    outcomes: list[str] = []
+    working = trio.Event()
+    done = trio.Event()
+
+    async def app(scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            raise RuntimeError("no lifespan")
+        watch = scope["extensions"]["trioinfer.cancel_on_disconnect"]
+        await read_body(receive)
+        assert watch()
+        if scope["path"] == "/stay":
+            await trio.testing.wait_all_tasks_blocked()
+            await respond(send, 200, b"ok")
+            outcomes.append("answered")
+            return
+        working.set()
+        try:
+            await trio.sleep_forever()
+        except trio.Cancelled:
+            outcomes.append("cancelled")
+            done.set()
+            raise
+
+    async with serving(app) as server:
+        async with connect(server) as client:
+            for _ in range(2):
+                await client.send(post("/stay", b"x"))
+                assert (await client.response()).status == 200
+            await client.send(post("/leave", b"x"))
+            await working.wait()
+        with trio.fail_after(5):
+            await done.wait()
+    assert outcomes == ["answered", "answered", "cancelled"]
+
+
 def disconnect_watching_app(release: trio.Event | None = None) -> Any:
     """An app that answers with the path, watching for a disconnect while it "works".
 

@@ -725,13 +725,19 @@ class _InferEndpoint:
         _check_outputs(request, served)
         priority, timeout = _schedule_parameters(request)
         # The lean HTTP layer watches for a disconnect itself, with one task per
-        # connection; other layers need a task of ours calling `receive`. That
-        # layer runs on Trio only, so its scope is Trio's own (anyio's wrapper
-        # cost a few percent of a small request's time there).
+        # connection, and cancels this task if the client goes (the connection
+        # then closes: nobody is left on it); other layers need a task of ours
+        # calling `receive`.
         watch = scope.get("extensions", {}).get("trioinfer.cancel_on_disconnect")
-        left = None if watch is None else trio.CancelScope()
-        if left is not None and watch(left):
-            result = await self._run_watched(served, request, priority, timeout, left)
+        if watch is not None and watch():
+            try:
+                result: InferenceResult | None = await self._infer_in_time(
+                    served, request, priority, timeout
+                )
+            except trio.Cancelled:
+                # The client left, or the server stops without waiting: nobody gets this answer.
+                state.metrics.cancelled(served)
+                raise
         else:
             result = await self._run(served, request, priority, timeout, receive)
         if result is None:
@@ -776,19 +782,6 @@ class _InferEndpoint:
         raise DeadlineExceeded(
             f"the request's timeout of {timeout_s * 1e6:.0f} µs passed before it finished"
         )
-
-    async def _run_watched(
-        self,
-        served: ServedVersion,
-        request: InferRequest,
-        priority: int,
-        timeout_s: float | None,
-        left: trio.CancelScope,
-    ) -> InferenceResult | None:
-        """`_run`, with the HTTP layer cancelling *left* if the client goes (no task of ours)."""
-        with left:
-            return await self._infer_in_time(served, request, priority, timeout_s)
-        return None  # the client left: its request was withdrawn from the engine
 
     async def _run(
         self,

@@ -885,7 +885,7 @@ class _Request:
         self._waiters: list[trio.CancelScope] | None = None
         self._on_disconnect: list[trio.CancelScope] | None = None
 
-    def cancel_on_disconnect(self, scope: trio.CancelScope) -> bool:
+    def cancel_on_disconnect(self, scope: trio.CancelScope | None = None) -> bool:
         """Cancel *scope* if the client goes away before the response is done.
 
         The ASGI extension ``trioinfer.cancel_on_disconnect`` (in the scope's
@@ -894,16 +894,23 @@ class _Request:
         connection's one watcher task serves every request on it. Returns
         False (nothing registered) if the body is not all read: the app then
         watches with ``receive``.
+
+        Without a *scope*, the client going away cancels the task that runs
+        the app (call it from that task): whatever the app awaits for this
+        request raises ``trio.Cancelled``, and the connection, which has
+        nobody left on it, closes. That spares the app a cancel scope of its
+        own per request (entering and leaving one costs about 9 us here).
         """
         if not self.body_done or self.finished:
             return False
         conn = self._conn
+        target = conn.cancel_scope if scope is None else scope
         if conn.gone:
-            scope.cancel()
+            target.cancel()
             return True
         if self._on_disconnect is None:
             self._on_disconnect = []
-        self._on_disconnect.append(scope)
+        self._on_disconnect.append(target)
         conn.watch(self)
         return True
 
