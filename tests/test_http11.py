@@ -671,6 +671,20 @@ async def test_receive_reports_disconnect_on_reset() -> None:
     assert seen == ["http.disconnect"]
 
 
+async def stay_twice_then_leave(app: Any, working: trio.Event, done: trio.Event) -> None:
+    """On one connection: two ``/stay`` requests answered, then the client leaves
+    during ``/leave`` once the app sets *working*; returns when it sets *done*."""
+    async with serving(app) as server:
+        async with connect(server) as client:
+            for _ in range(2):
+                await client.send(post("/stay", b"x"))
+                assert (await client.response()).status == 200
+            await client.send(post("/leave", b"x"))
+            await working.wait()
+        with trio.fail_after(5):
+            await done.wait()
+
+
 async def test_cancel_on_disconnect_extension_cancels_the_registered_scope() -> None:
     # Three requests on one connection share its watcher task; the third client leaves.
     outcomes: list[str] = []
@@ -695,15 +709,7 @@ async def test_cancel_on_disconnect_extension_cancels_the_registered_scope() -> 
         outcomes.append("cancelled" if left.cancelled_caught else "?")
         done.set()
 
-    async with serving(app) as server:
-        async with connect(server) as client:
-            for _ in range(2):
-                await client.send(post("/stay", b"x"))
-                assert (await client.response()).status == 200
-            await client.send(post("/leave", b"x"))
-            await working.wait()
-        with trio.fail_after(5):
-            await done.wait()
+    await stay_twice_then_leave(app, working, done)
     assert outcomes == ["answered", "answered", "cancelled"]
 
 
@@ -732,15 +738,7 @@ async def test_cancel_on_disconnect_without_a_scope_cancels_the_apps_task() -> N
             done.set()
             raise
 
-    async with serving(app) as server:
-        async with connect(server) as client:
-            for _ in range(2):
-                await client.send(post("/stay", b"x"))
-                assert (await client.response()).status == 200
-            await client.send(post("/leave", b"x"))
-            await working.wait()
-        with trio.fail_after(5):
-            await done.wait()
+    await stay_twice_then_leave(app, working, done)
     assert outcomes == ["answered", "answered", "cancelled"]
 
 

@@ -68,6 +68,11 @@ DATATYPES: Final[Mapping[str, np.dtype[Any]]] = MappingProxyType(
     }
 )
 
+# The largest finite value of each float datatype, for the overflow check.
+_FLOAT_MAX: Final = {
+    dtype: float(np.finfo(dtype).max) for dtype in DATATYPES.values() if dtype.kind == "f"
+}
+
 # Keyed by (kind, itemsize) so that any byte order maps to the same name.
 _NAME_BY_KIND: Final = {
     (dtype.kind, dtype.itemsize): name for name, dtype in DATATYPES.items() if name != "BYTES"
@@ -746,7 +751,7 @@ def _from_json(spec: _Input, data: list[Any]) -> npt.NDArray[Any]:
         if int(array.min()) < info.min or int(array.max()) > info.max:
             raise _bad_value(spec, _first(spec, in_range), span)
         return array.astype(target, copy=False).reshape(spec.shape)
-    limit = float(np.finfo(target).max)
+    limit = _FLOAT_MAX[target]
     # JSON holds no infinities, so only values beyond the target's range can
     # overflow; looking for them first spares most requests the errstate, which
     # cost more than the cast.

@@ -698,12 +698,13 @@ class _Connection:
 
     def wake_parked(self) -> None:
         """End a watcher's wait that holds the read lock without reading (too much ahead)."""
-        if self._parked and self._watch_scope is not None:
-            self._watch_scope.cancel()
+        if self._parked:
+            self._stop_watching()
 
     def _stop_watching(self) -> None:
-        # Before this task reads without the lock (the linger after the last response).
-        # The watcher then waits for a request to watch, which no longer comes.
+        # End the watcher's current wait. Before this task reads without the lock
+        # (the linger after the last response) the watcher then waits for a
+        # request to watch, which no longer comes.
         if self._watch_scope is not None:
             self._watch_scope.cancel()
 
