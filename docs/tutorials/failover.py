@@ -159,6 +159,9 @@ async def session_dies() -> None:
             # Statistics are the public view of an instance's state; there is no event to wait on.
             while gpu_instance(engine).state == "out":  # noqa: ASYNC110
                 await trio.sleep(0.01)
+        # Back in service, instance 0's worker still has to ask for its turn; until
+        # it has, a request sent now goes to the free CPU instance. Yield to it.
+        await trio.sleep(0.01)
         show_instances(engine, only=0)
         await classify(engine, 8)
 
