@@ -239,9 +239,11 @@ def test_closed_loop_sweep(url: str, tmp_path: Path, encoding: str) -> None:
         assert r["completed"] > 0  # type: ignore[operator]
         assert r["errors"] == 0
         assert r["windows"] == 2
+        assert r["stable"] is None  # two fixed windows: nothing to compare, no verdict
         assert r["p50_ms"] <= r["p99_ms"] <= r["max_ms"]  # type: ignore[operator]
         assert r["cpu_us_per_request"] > 0  # type: ignore[operator]
     assert json.loads(out.read_text())["encoding"] == encoding
+    assert "not stable" not in result.output
 
 
 @pytest.mark.parametrize("arrivals", ["constant", "poisson"])

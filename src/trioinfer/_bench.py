@@ -290,7 +290,9 @@ class Result:
             open, and waited.
         dropped: Open loop: requests never sent because too many were waiting.
         windows: How many windows ran; the last three (or all, with a fixed count) count.
-        stable: Whether the counted windows agreed within the stability bound.
+        stable: Whether the counted windows agreed within the stability bound;
+            ``None`` when a fixed count of fewer than three windows leaves
+            nothing to compare.
         cpu_us_per_request: This process's CPU time per request (user + system).
         cores: This process's CPU time over wall time.
     """
@@ -304,7 +306,7 @@ class Result:
     late: int
     dropped: int
     windows: int
-    stable: bool
+    stable: bool | None
     cpu_us_per_request: float
     cores: float
 
@@ -434,13 +436,16 @@ async def _measure(
             if stable:
                 break
     counted = done if settings.windows else done[-STABLE_WINDOWS:]
+    verdict: bool | None = stable
     if settings.windows:
-        stable = is_stable([(_throughput(w), _p99(w)) for w in done], settings.stability)
-    return _summarise(load, value, counted, len(done), stable)
+        # A fixed count below three windows gives nothing to compare: no verdict.
+        pairs = [(_throughput(w), _p99(w)) for w in done]
+        verdict = is_stable(pairs, settings.stability) if len(done) >= STABLE_WINDOWS else None
+    return _summarise(load, value, counted, len(done), verdict)
 
 
 def _summarise(
-    load: str, value: float, counted: list[_Window], windows: int, stable: bool
+    load: str, value: float, counted: list[_Window], windows: int, stable: bool | None
 ) -> Result:
     latencies = np.fromiter(
         (x for w in counted for x in w.latencies), dtype=np.int64, count=-1
@@ -1377,7 +1382,7 @@ def _table(results: Sequence[Result]) -> tuple[list[tuple[str, int]], list[list[
             str(sum(r.errors.values())),
             f"{r.cpu_us_per_request:.1f}",
             f"{r.cores:.2f}",
-            f"{r.windows}{'' if r.stable else '*'}",
+            f"{r.windows}{'*' if r.stable is False else ''}",
         ]
         if open_loop:
             cells.insert(8, str(r.late))
@@ -1403,7 +1408,7 @@ def _notes(results: Sequence[Result]) -> list[str]:
                 f"at {r.value:g}/s the server (or this tool) could not keep up: {r.late} requests "
                 f"waited for a free connection, {r.dropped} were dropped; their wait is latency"
             )
-    if not all(r.stable for r in results):
+    if any(r.stable is False for r in results):
         lines.append("* not stable within the bound after the last window")
     return lines
 
