@@ -7,6 +7,7 @@ import gc
 import math
 import tracemalloc
 from collections.abc import Callable
+from operator import attrgetter
 from typing import Any
 
 import pytest
@@ -649,12 +650,31 @@ def test_sorted_keys_match_a_sorted_list(ops: list[Any], load: int) -> None:
             assert keys.second() == model[1]
 
 
+class _Ticketed:
+    """A queue item with the ticket `TimeQueue` orders equal keys by."""
+
+    __slots__ = ("ticket",)
+
+    def __init__(self, ticket: int) -> None:
+        self.ticket = ticket
+
+
 @given(
     st.lists(
         st.one_of(
-            st.tuples(st.just("add"), st.sampled_from([1.0, 2.0, 2.5, 3.0]) | st.floats(0, 9)),
+            # A key (often shared) and a rank that puts the ticket out of add order.
+            st.tuples(
+                st.just("add"),
+                st.sampled_from([1.0, 2.0, 2.5, 3.0]) | st.floats(0, 9),
+                st.integers(0, 5),
+            ),
             st.tuples(st.just("remove"), st.integers(0, 300)),
             st.tuples(st.just("remove_wrong_key"), st.integers(0, 300)),
+            st.tuples(
+                st.just("remove_stranger"),
+                st.sampled_from([1.0, 2.0, 2.5, 3.0]),
+                st.sampled_from([-1, 10**9]),  # before or after every held ticket
+            ),
             st.tuples(st.just("pop_first")),
             st.tuples(st.just("count_until"), st.floats(-1, 10)),
         ),
@@ -662,25 +682,32 @@ def test_sorted_keys_match_a_sorted_list(ops: list[Any], load: int) -> None:
     ),
     st.sampled_from([1, 2, 3, 128]),
 )
+# An item whose key ends a chunk but whose ticket comes before that chunk's last.
+@example([("add", 2.0, 0), ("add", 2.0, 2), ("add", 3.0, 0), ("add", 2.0, 1)], 1)
+# Several chunks end on one key: the item may be in any of them, or in none.
+@example([("add", 2.0, 0), ("add", 2.0, 0), ("add", 2.0, 0), ("remove", 2)], 1)
+@example([("add", 2.0, 0), ("add", 2.0, 0), ("remove_stranger", 2.0, 10**9)], 1)
 @SETTINGS
-def test_time_queue_matches_a_stable_sorted_list(ops: list[Any], load: int) -> None:
-    queue: TimeQueue[object] = TimeQueue(load=load)
-    model: list[tuple[float, int, object]] = []  # (key, order added, item), sorted
+def test_time_queue_matches_a_list_sorted_by_key_then_ticket(ops: list[Any], load: int) -> None:
+    queue: TimeQueue[_Ticketed] = TimeQueue(attrgetter("ticket"), load=load)
+    model: list[tuple[float, int, _Ticketed]] = []  # (key, ticket, item), sorted
     added = 0
     for op in ops:
         if op[0] == "add":
-            item = object()
-            queue.add(op[1], item)
-            bisect.insort(model, (op[1], added, item), key=lambda e: e[:2])
+            # Unique tickets, in an order of their own: an item added later may go first.
+            item = _Ticketed(op[2] * 1000 + added)
             added += 1
+            queue.add(op[1], item)
+            bisect.insort(model, (op[1], item.ticket, item), key=lambda e: e[:2])
         elif op[0] == "remove" and model:
             key, _, item = model.pop(op[1] % len(model))
             assert queue.remove(key, item)
             assert not queue.remove(key, item)  # no longer held
         elif op[0] == "remove_wrong_key" and model:
             key, _, item = model[op[1] % len(model)]
-            with pytest.raises(ValueError, match="not with key"):
-                queue.remove(key + 0.25, item)
+            assert not queue.remove(key + 0.25, item)  # held, but not with that key: kept
+        elif op[0] == "remove_stranger":
+            assert not queue.remove(op[1], _Ticketed(op[2]))
         elif op[0] == "pop_first" and model:
             assert queue.first() is model[0][2]
             assert queue.pop_first() is model.pop(0)[2]
@@ -688,7 +715,15 @@ def test_time_queue_matches_a_stable_sorted_list(ops: list[Any], load: int) -> N
             assert queue.count_until(op[1]) == sum(key <= op[1] for key, _, _ in model)
         assert len(queue) == len(model)
         assert list(queue) == [item for _, _, item in model]
-        assert all(item in queue for _, _, item in model)
+
+
+def test_deadline_runs_equal_deadlines_in_the_order_requests_were_made() -> None:
+    scheduler = DeadlineScheduler()
+    first, second, third = (make_request(deadline=5.0) for _ in range(3))
+    assert first.sequence < second.sequence < third.sequence
+    for request in (third, first, second):  # pushed out of order
+        scheduler.push(request)
+    assert [scheduler.pop() for _ in range(3)] == [first, second, third]
 
 
 def test_fair_forgets_everything_when_the_last_request_is_cancelled() -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from collections import OrderedDict
+from operator import attrgetter
 from typing import final
 
 from trioinfer import ConfigError, DeadlineExceeded, Request, SchedulerContext
@@ -19,7 +20,7 @@ class DeadlineScheduler:
     scope around ``engine.infer`` (``trio.fail_after``, ``move_on_after``...).
     Requests without one run after every request that has one, first come
     first served among themselves; requests with equal deadlines also run in
-    the order they came.
+    the order they came (their `Request.sequence`).
 
     With *refuse_late*, a request that cannot finish in time is refused at
     admission with [`DeadlineExceeded`][trioinfer.DeadlineExceeded] (counted as
@@ -57,7 +58,7 @@ class DeadlineScheduler:
         self._refuse_late = refuse_late
         self._context: SchedulerContext | None = None
         # The requests that have a deadline, by deadline.
-        self._queue: TimeQueue[Request] = TimeQueue()
+        self._queue: TimeQueue[Request] = TimeQueue(attrgetter("sequence"))
         # The requests without a deadline, in admission order.
         self._open: OrderedDict[Request, None] = OrderedDict()
 

@@ -1,10 +1,11 @@
 """Sorted collections for the schedulers, each a list of short sorted chunks.
 
 `SortedKeys` holds unique comparable keys (the priority scheduler's levels and
-heads); `TimeQueue` holds items by a float key, first come first served among
-equal keys (the deadline scheduler's requests). In both, keys live in chunks
-of at most ``2 * load`` keys, each sorted, every key of a chunk below every
-key of the next, and each chunk's last key is kept apart. An insertion
+heads); `TimeQueue` holds items by a float key, then by a ticket number (the
+deadline scheduler's requests, by deadline, then in the order they were
+made). In both, keys live in chunks of at most ``2 * load`` keys, each
+sorted, every key of a chunk below every key of the next, and each chunk's
+last key is kept apart. An insertion
 bisects those last keys and then one chunk, a removal likewise, so both touch
 O(log n) keys and move at most one chunk's worth of pointers. Short chunks
 keep that move cheap when the queue is long: with the default load the number
@@ -20,7 +21,7 @@ from __future__ import annotations
 
 from array import array
 from bisect import bisect_left, bisect_right, insort
-from collections.abc import Hashable, Iterator
+from collections.abc import Callable, Iterator
 from typing import Any, Generic, Protocol, TypeVar, final
 
 
@@ -29,7 +30,7 @@ class _Comparable(Protocol):
 
 
 K = TypeVar("K", bound=_Comparable)
-H = TypeVar("H", bound=Hashable)
+T = TypeVar("T")
 
 #: Chunks split when they reach twice this many keys.
 LOAD = 128
@@ -170,8 +171,8 @@ def _grow(tree: list[int], pos: int, by: int) -> None:
 
 
 @final
-class TimeQueue(Generic[H]):
-    """Items ordered by a float key (a time), first come first served among equal keys.
+class TimeQueue(Generic[T]):
+    """Items ordered by a float key (a time), then by a ticket: an integer per item.
 
     The layout of `SortedKeys` (short sorted chunks, the chunks' last keys
     bisected first, a Fenwick tree for ranks), but a chunk's keys live in a
@@ -182,41 +183,43 @@ class TimeQueue(Generic[H]):
     miss; that, not the number of comparisons, made a push cost several
     times more than with 100 queued.
 
-    Each item gets a ticket that increases with every `add`; items with equal
-    keys are kept in ticket order, so that removing one of many with the same
-    key (callers that share one ``fail_after`` scope share a deadline) is a
-    bisection too, not a scan. Items must be hashable, and each one held once.
+    Items with equal keys are kept in the order of their tickets, which
+    *ticket* reads from each item (the deadline scheduler's: the request's
+    `sequence`, so first come first served). It is read only among equal
+    keys, so that removing one of many with the same key (callers that share
+    one ``fail_after`` scope share a deadline) is a bisection too, not a
+    scan; items with keys of their own are never touched after they are
+    added. Tickets must be unique and never change.
     """
 
-    __slots__ = ("_items", "_keys", "_load", "_max_keys", "_next", "_tickets", "_tree")
+    __slots__ = ("_items", "_keys", "_len", "_load", "_max_keys", "_ticket", "_tree")
 
-    def __init__(self, *, load: int = LOAD) -> None:
+    def __init__(self, ticket: Callable[[T], int], *, load: int = LOAD) -> None:
+        self._ticket = ticket
         self._load = load
         # Chunk i: keys and items in (key, ticket) order.
         self._keys: list[array[float]] = []
-        self._items: list[list[H]] = []
+        self._items: list[list[T]] = []
         self._max_keys: array[float] = array("d")  # each chunk's last key
-        self._tickets: dict[H, int] = {}
-        self._next = 0
+        self._len = 0
         # Fenwick tree over the chunks' lengths; None until a count is asked for.
         self._tree: list[int] | None = None
 
     def __len__(self) -> int:
-        return len(self._tickets)
+        return self._len
 
-    def __iter__(self) -> Iterator[H]:
+    def __iter__(self) -> Iterator[T]:
         for items in self._items:
             yield from items
 
-    def __contains__(self, item: object) -> bool:
-        return item in self._tickets
-
-    def add(self, key: float, item: H) -> None:
-        """Queue *item*, which must not be held already, after every item keyed at most *key*."""
-        self._tickets[item] = self._next
-        self._next += 1
+    def add(self, key: float, item: T) -> None:
+        """Queue *item*, which must not be held already, by *key* and then its ticket."""
+        self._len += 1
         max_keys = self._max_keys
         pos = bisect_right(max_keys, key)
+        if pos and max_keys[pos - 1] == key:
+            # Chunks end on this key: the item goes into the first whose last ticket is later.
+            pos = self._chunk_of(key, self._ticket(item), pos)
         if pos == len(max_keys):
             if not max_keys:
                 self._keys.append(array("d", (key,)))
@@ -224,6 +227,7 @@ class TimeQueue(Generic[H]):
                 max_keys.append(key)
                 self._tree = None
                 return
+            # After every held item: any that share the key have earlier tickets.
             pos -= 1
             keys, items = self._keys[pos], self._items[pos]
             keys.append(key)
@@ -232,6 +236,8 @@ class TimeQueue(Generic[H]):
         else:
             keys, items = self._keys[pos], self._items[pos]
             index = bisect_right(keys, key)
+            if index and keys[index - 1] == key:
+                index = self._index_of(keys, items, key, self._ticket(item), index)
             keys.insert(index, key)
             items.insert(index, item)
         if len(keys) >= 2 * self._load:
@@ -244,35 +250,36 @@ class TimeQueue(Generic[H]):
         elif self._tree is not None:
             _grow(self._tree, pos, 1)
 
-    def remove(self, key: float, item: H) -> bool:
-        """Remove *item*, added with *key*; return whether it was held."""
-        ticket = self._tickets.get(item)
-        if ticket is None:
-            return False
-        tickets = self._tickets.__getitem__
+    def remove(self, key: float, item: T) -> bool:
+        """Remove *item*, added with *key*; return whether it was held (with that key)."""
         max_keys = self._max_keys
         pos = bisect_left(max_keys, key)
-        if pos < len(max_keys) and max_keys[pos] == key:
-            # Several chunks may end on this key: their last items' tickets ascend.
-            end = bisect_right(max_keys, key, pos)
-            pos = bisect_left(self._items, ticket, pos, end, key=lambda items: tickets(items[-1]))
         if pos == len(max_keys):
-            raise ValueError(f"{item!r} is held, but not with key {key!r}")
+            return False
+        ticket: int | None = None
+        if max_keys[pos] == key:
+            # Several chunks may end on this key: their last items' tickets ascend.
+            ticket = self._ticket(item)
+            pos = self._chunk_of(key, ticket, bisect_right(max_keys, key, pos), pos)
+            if pos == len(max_keys):
+                return False
         keys, items = self._keys[pos], self._items[pos]
         index = bisect_left(keys, key)
         end = bisect_right(keys, key, index)
         if end - index > 1:
-            index = bisect_left(items, ticket, index, end, key=tickets)
-        if index == len(items) or items[index] is not item:
-            raise ValueError(f"{item!r} is held, but not with key {key!r}")
+            if ticket is None:
+                ticket = self._ticket(item)
+            index = bisect_left(items, ticket, index, end, key=self._ticket)
+        if index == end or items[index] is not item:
+            return False
         self._delete(pos, index)
         return True
 
-    def first(self) -> H:
-        """The item with the smallest key (the oldest among equals); ``IndexError`` if empty."""
+    def first(self) -> T:
+        """The item with the smallest key (first ticket among equals); ``IndexError`` if empty."""
         return self._items[0][0]
 
-    def pop_first(self) -> H:
+    def pop_first(self) -> T:
         """Remove and return the item `first` names; ``IndexError`` if empty."""
         item = self._items[0][0]
         self._delete(0, 0)
@@ -283,16 +290,31 @@ class TimeQueue(Generic[H]):
         max_keys = self._max_keys
         pos = bisect_right(max_keys, key)
         if pos == len(max_keys):
-            return len(self._tickets)
+            return self._len
         tree = self._tree
         if tree is None:
             tree = self._tree = _fenwick([len(keys) for keys in self._keys])
         return _prefix(tree, pos) + bisect_right(self._keys[pos], key)
 
+    def _chunk_of(self, key: float, ticket: int, end: int, start: int | None = None) -> int:
+        # Among the chunks before *end* that end on *key*, the first whose last ticket
+        # is at least *ticket* (or *end*, when none is).
+        if start is None:
+            start = bisect_left(self._max_keys, key, 0, end)
+        tickets = self._ticket
+        return bisect_left(self._items, ticket, start, end, key=lambda items: tickets(items[-1]))
+
+    def _index_of(
+        self, keys: array[float], items: list[T], key: float, ticket: int, end: int
+    ) -> int:
+        # Within a chunk, among the items keyed *key* before *end*, where *ticket* goes.
+        start = bisect_left(keys, key, 0, end)
+        return bisect_left(items, ticket, start, end, key=self._ticket)
+
     def _delete(self, pos: int, index: int) -> None:
         keys, items = self._keys[pos], self._items[pos]
-        del self._tickets[items[index]]
         del keys[index], items[index]
+        self._len -= 1
         if not keys:
             del self._keys[pos], self._items[pos], self._max_keys[pos]
             self._tree = None

@@ -17,6 +17,7 @@ if TYPE_CHECKING:
 Outputs = dict[str, np.ndarray[Any, Any]]
 
 _ids = itertools.count(1)
+_sequences = itertools.count()
 
 
 def next_request_id() -> str:
@@ -65,6 +66,10 @@ class Request:
             (``math.inf`` when the caller set none).
         arrival: When the request was accepted, on the same clock.
         rows: How many rows (batch entries) the request carries.
+        sequence: A number that grows with every request made in this process:
+            the order requests were made in. Schedulers break ties with it
+            (the ``deadline`` scheduler runs equal deadlines in this order);
+            it is unique, never changes, and is not an argument.
     """
 
     model: str
@@ -75,6 +80,7 @@ class Request:
     deadline: float = math.inf
     arrival: float = 0.0
     rows: int = 1
+    sequence: int = attrs.field(factory=_sequences.__next__, init=False)
     _state: _State = attrs.field(factory=_State, init=False, repr=False)
 
     @property
