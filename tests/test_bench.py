@@ -415,7 +415,6 @@ def test_open_loop_opens_connections_as_requests_find_all_busy(tmp_path: Path) -
     assert row["late"] == 0
     assert row["dropped"] == 0
     assert 32 < server.connections <= 300
-    assert row["p50_ms"] < 200  # type: ignore[operator]
 
 
 # -- progress display and table -----------------------------------------------------------------
