@@ -246,6 +246,19 @@ def test_closed_loop_sweep(url: str, tmp_path: Path, encoding: str) -> None:
     assert "not stable" not in result.output
 
 
+def test_max_windows_below_three_gives_no_stability_verdict(url: str, tmp_path: Path) -> None:
+    out = tmp_path / "out.json"
+    result = bench(
+        "--url", url, "-m", "digits", "--warmup", "0.05", "--window", "0.2",
+        "--max-windows", "2", "--stability", "0", "--json", str(out),
+    )  # fmt: skip
+    assert result.exit_code == 0, result.output
+    (row,) = rows(out)
+    assert row["windows"] == 2
+    assert row["stable"] is None
+    assert "not stable" not in result.output
+
+
 @pytest.mark.parametrize("arrivals", ["constant", "poisson"])
 def test_open_loop(url: str, tmp_path: Path, arrivals: str) -> None:
     out = tmp_path / "out.csv"

@@ -290,9 +290,9 @@ class Result:
             open, and waited.
         dropped: Open loop: requests never sent because too many were waiting.
         windows: How many windows ran; the last three (or all, with a fixed count) count.
-        stable: Whether the counted windows agreed within the stability bound;
-            ``None`` when a fixed count of fewer than three windows leaves
-            nothing to compare.
+        stable: Whether the last three windows agreed within the stability
+            bound; ``None`` when fewer than three were measured (``--windows``
+            or ``--max-windows`` below 3), which leaves nothing to compare.
         cpu_us_per_request: This process's CPU time per request (user + system).
         cores: This process's CPU time over wall time.
     """
@@ -437,10 +437,11 @@ async def _measure(
                 break
     counted = done if settings.windows else done[-STABLE_WINDOWS:]
     verdict: bool | None = stable
-    if settings.windows:
-        # A fixed count below three windows gives nothing to compare: no verdict.
-        pairs = [(_throughput(w), _p99(w)) for w in done]
-        verdict = is_stable(pairs, settings.stability) if len(done) >= STABLE_WINDOWS else None
+    if len(done) < STABLE_WINDOWS:
+        # Fewer than three windows (--windows or --max-windows below 3): nothing to compare.
+        verdict = None
+    elif settings.windows:
+        verdict = is_stable([(_throughput(w), _p99(w)) for w in done], settings.stability)
     return _summarise(load, value, counted, len(done), verdict)
 
 
