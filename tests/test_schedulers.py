@@ -394,7 +394,13 @@ class Reference:
         if self.kind == "fifo":
             return self.held[0]
         if self.kind == "deadline":
-            return min(self.held, key=lambda r: r.deadline)  # min() keeps the first of ties
+            # Equal deadlines in the order the requests were made (a request pushed
+            # again keeps its place by age); no deadline: first come, first served.
+            order = {id(r): i for i, r in enumerate(self.held)}
+            return min(
+                self.held,
+                key=lambda r: (r.deadline, r.sequence if r.deadline < math.inf else order[id(r)]),
+            )
         if self.kind == "fair":
             tenant = min(self.tags, key=lambda t: self.tags[t])
             return next(r for r in self.held if r.tenant == tenant)

@@ -214,7 +214,6 @@ class TimeQueue(Generic[T]):
 
     def add(self, key: float, item: T) -> None:
         """Queue *item*, which must not be held already, by *key* and then its ticket."""
-        self._len += 1
         max_keys = self._max_keys
         pos = bisect_right(max_keys, key)
         if pos and max_keys[pos - 1] == key:
@@ -225,6 +224,7 @@ class TimeQueue(Generic[T]):
                 self._keys.append(array("d", (key,)))
                 self._items.append([item])
                 max_keys.append(key)
+                self._len = 1
                 self._tree = None
                 return
             # After every held item: any that share the key have earlier tickets.
@@ -240,6 +240,7 @@ class TimeQueue(Generic[T]):
                 index = self._index_of(keys, items, key, self._ticket(item), index)
             keys.insert(index, key)
             items.insert(index, item)
+        self._len += 1  # only once held: a ticket function that raised leaves no trace
         if len(keys) >= 2 * self._load:
             load = self._load
             self._keys.insert(pos + 1, keys[load:])

@@ -69,7 +69,9 @@ class Request:
         sequence: A number that grows with every request made in this process:
             the order requests were made in. Schedulers break ties with it
             (the ``deadline`` scheduler runs equal deadlines in this order);
-            it is unique, never changes, and is not an argument.
+            it never changes and is not an argument. Each request the engine
+            makes has its own; a copy (``copy.copy``, a pickle round trip)
+            keeps the original's, so do not queue a copy beside it.
     """
 
     model: str
