@@ -218,7 +218,8 @@ class TimeQueue(Generic[T]):
         pos = bisect_right(max_keys, key)
         if pos and max_keys[pos - 1] == key:
             # Chunks end on this key: the item goes into the first whose last ticket is later.
-            pos = self._chunk_of(key, self._ticket(item), pos)
+            start = bisect_left(max_keys, key, 0, pos)
+            pos = self._chunk_of(self._ticket(item), start, pos)
         if pos == len(max_keys):
             if not max_keys:
                 self._keys.append(array("d", (key,)))
@@ -261,7 +262,7 @@ class TimeQueue(Generic[T]):
         if max_keys[pos] == key:
             # Several chunks may end on this key: their last items' tickets ascend.
             ticket = self._ticket(item)
-            pos = self._chunk_of(key, ticket, bisect_right(max_keys, key, pos), pos)
+            pos = self._chunk_of(ticket, pos, bisect_right(max_keys, key, pos))
             if pos == len(max_keys):
                 return False
         keys, items = self._keys[pos], self._items[pos]
@@ -297,11 +298,9 @@ class TimeQueue(Generic[T]):
             tree = self._tree = _fenwick([len(keys) for keys in self._keys])
         return _prefix(tree, pos) + bisect_right(self._keys[pos], key)
 
-    def _chunk_of(self, key: float, ticket: int, end: int, start: int | None = None) -> int:
-        # Among the chunks before *end* that end on *key*, the first whose last ticket
-        # is at least *ticket* (or *end*, when none is).
-        if start is None:
-            start = bisect_left(self._max_keys, key, 0, end)
+    def _chunk_of(self, ticket: int, start: int, end: int) -> int:
+        # Among chunks start..end-1, which all end on one key, the first whose last
+        # ticket is at least *ticket* (or *end*, when none is).
         tickets = self._ticket
         return bisect_left(self._items, ticket, start, end, key=lambda items: tickets(items[-1]))
 

@@ -436,12 +436,13 @@ async def _measure(
             if stable:
                 break
     counted = done if settings.windows else done[-STABLE_WINDOWS:]
-    verdict: bool | None = stable
+    verdict: bool | None
     if len(done) < STABLE_WINDOWS:
-        # Fewer than three windows (--windows or --max-windows below 3): nothing to compare.
-        verdict = None
+        verdict = None  # --windows or --max-windows below 3: nothing to compare
     elif settings.windows:
         verdict = is_stable([(_throughput(w), _p99(w)) for w in done], settings.stability)
+    else:
+        verdict = stable
     return _summarise(load, value, counted, len(done), verdict)
 
 
