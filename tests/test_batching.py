@@ -163,6 +163,51 @@ async def test_preferred_size_dispatches_without_waiting(
     }
 
 
+@pytest.mark.parametrize(
+    ("advertised", "option", "expected"),
+    [
+        ((4,), [], [4, 4, 4, 4, 1]),  # the backend's size, when the option is unset
+        ((4,), [2], [2, 2, 2, 2, 2, 2, 2, 2, 1]),  # the option wins
+        ((), [], [8, 8, 1]),  # neither: size-or-delay, as before
+        ((16,), [], [8, 8, 1]),  # above max_batch_size: never formed
+    ],
+)
+async def test_backend_advertised_preferred_size_cuts_batches(
+    autojump_clock: trio.testing.MockClock,
+    advertised: tuple[int, ...],
+    option: list[int],
+    expected: list[int],
+) -> None:
+    recorder = Recorder()
+    backend = FakeBackend(recorder, delay=1.0, preferred_batch_sizes=advertised)
+    async with open_engine(registry=backend.registry()) as engine:
+        info = await engine.load(
+            config(max_batch_size=8, max_queue_delay=0.5, preferred_batch_sizes=option)
+        )
+        assert info.preferred_batch_sizes == advertised
+        async with trio.open_nursery() as nursery:
+            calls = Calls(engine, nursery)
+            for i in range(17):  # all queued at once; the odd one out waits the delay
+                await calls.send(i)
+    assert backend.executions == expected
+    assert [i for batch in recorder.ids() for i in batch] == list(range(17))
+
+
+@pytest.mark.parametrize("advertised", [(4, 2), (2, 2), (0,), (2.0,), (True,), 4, None, "4"])
+async def test_nonsense_advertised_by_a_backend_is_ignored(
+    autojump_clock: trio.testing.MockClock, advertised: Any
+) -> None:
+    backend = FakeBackend(delay=1.0, preferred_batch_sizes=advertised)
+    async with open_engine(registry=backend.registry()) as engine:
+        info = await engine.load(config(max_batch_size=8, max_queue_delay=0.5))
+        assert info.preferred_batch_sizes == ()
+        async with trio.open_nursery() as nursery:
+            calls = Calls(engine, nursery)
+            for i in range(9):
+                await calls.send(i)
+    assert backend.executions == [8, 1]
+
+
 async def test_a_trickle_waits_for_a_preferred_size_or_the_delay(
     autojump_clock: trio.testing.MockClock,
 ) -> None:

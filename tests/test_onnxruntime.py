@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -382,3 +383,160 @@ async def test_pipeline_depth_keeps_two_executions_in_flight(add_model: Path) ->
             await engine.load(
                 ModelConfig(name="b", path=add_model, backend_options={"pipeline_depth": 0})
             )
+
+
+def tune(path: Path, sizes: object, name: str = "t") -> ModelConfig:
+    return ModelConfig(name=name, path=path, backend_options={"tune_batch_sizes": sizes})
+
+
+def instance_threads(name: str) -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name.startswith(f"trioinfer-{name}-")]
+
+
+async def test_tune_batch_sizes_times_each_size_and_advertises_the_fastest(
+    mlp_model: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    with caplog.at_level(logging.INFO, logger="trioinfer.onnxruntime"):
+        instance = await OnnxRuntimeBackend().load(
+            tune(mlp_model, [1, 4, 16]), Placement(Device("cpu"), 0, threads=1)
+        )
+    try:
+        rates = instance.batch_rates
+        assert list(rates) == [1, 4, 16]
+        assert all(rate > 0 for rate in rates.values())
+        [preferred] = instance.preferred_batch_sizes
+        assert preferred == ort_backend.preferred_batch_size(rates)
+        figures = ", ".join(f"{size}: {rate:,.1f}" for size, rate in rates.items())
+        assert caplog.messages == [
+            f"model 't' instance 0: rows/s by batch size: {figures}; "
+            f"preferred batch size {preferred}"
+        ]
+        out = await instance.execute({"input": np.ones((3, 64), np.float32)})
+        assert out["output"].shape == (3, 10)
+    finally:
+        await instance.aclose()
+
+
+async def test_the_engine_reports_what_the_first_instance_measured(mlp_model: Path) -> None:
+    async with open_engine() as engine:
+        info = await engine.load(tune(mlp_model, [2, 8]))
+        assert info.preferred_batch_sizes in ((2,), (8,))
+        assert engine.model("t") == info
+        untuned = await engine.load(ModelConfig(name="plain", path=mlp_model))
+        assert untuned.preferred_batch_sizes == ()
+
+
+async def test_an_instance_that_is_not_tuned_advertises_nothing(mlp_model: Path) -> None:
+    instance = await OnnxRuntimeBackend().load(
+        ModelConfig(name="a", path=mlp_model), Placement(Device("cpu"), 0, threads=1)
+    )
+    try:
+        assert (instance.preferred_batch_sizes, instance.batch_rates) == ((), {})
+    finally:
+        await instance.aclose()
+
+
+@pytest.mark.parametrize(
+    ("rates", "expected"),
+    [
+        ({1: 100.0, 2: 190.0, 4: 400.0, 8: 390.0, 16: 300.0}, 8),  # 390 is within 5% of 400
+        ({1: 100.0, 2: 94.0}, 1),  # 6% slower: the smaller wins
+        ({1: 100.0, 2: 95.0}, 2),  # exactly 5% slower: still the bigger
+        ({1: 10.0, 2: 20.0, 4: 40.0}, 4),
+        ({32: 5.0}, 32),
+    ],
+)
+def test_preferred_batch_size_is_the_biggest_within_the_tolerance(
+    rates: dict[int, float], expected: int
+) -> None:
+    assert ort_backend.TUNE_TOLERANCE == 0.05
+    assert ort_backend.preferred_batch_size(rates) == expected
+
+
+def test_preferred_batch_size_of_nothing_is_an_error() -> None:
+    with pytest.raises(ValueError, match="no batch sizes were timed"):
+        ort_backend.preferred_batch_size({})
+
+
+@pytest.mark.parametrize("sizes", ["8", 8, [0], [4, 2], [2, 2], [True], [2.0], [1, None]])
+async def test_bad_tune_batch_sizes_are_refused(add_model: Path, sizes: object) -> None:
+    async with open_engine() as engine:
+        with pytest.raises(
+            trioinfer.ConfigError,
+            match=r"tune_batch_sizes must be a list of strictly increasing positive integers "
+            r".*e\.g\. \[1, 2, 4, 8, 16, 32\]; got ",
+        ):
+            await engine.load(tune(add_model, sizes))
+
+
+@pytest.mark.parametrize(
+    ("dtype", "shape", "message"),
+    [
+        (np.float32, (2, 3), "needs a model with a batch dimension"),
+        (
+            np.float32,
+            ("batch", "seq"),
+            r"after the first to be fixed.*'x' is float32\[batch, seq\]",
+        ),
+        (np.float32, ("batch", None), r"after the first to be fixed.*'x' is float32\[batch, \?\]"),
+        (str, ("batch", 3), "only make sample data for numeric or boolean inputs; input 'x' is"),
+    ],
+)
+async def test_a_model_tune_batch_sizes_cannot_sample_is_refused(
+    model_dir: Path, dtype: type, shape: tuple[object, ...], message: str
+) -> None:
+    path = models.write_identity(
+        model_dir / f"untunable-{np.dtype(dtype).kind}-{len(str(shape))}.onnx",
+        dtype=dtype,
+        shape=shape,  # type: ignore[arg-type]
+    )
+    async with open_engine() as engine:
+        with pytest.raises(trioinfer.ConfigError, match=r"model 'u' instance 0: tune_batch_sizes "):
+            await engine.load(tune(path, [1, 2], "u"))
+        with pytest.raises(trioinfer.ConfigError, match=message):
+            await engine.load(tune(path, [1, 2], "u"))
+        assert engine.models() == []
+    assert instance_threads("u") == []
+
+
+@pytest.mark.parametrize("dtype", [np.int64, np.bool_, np.float16, np.uint8])
+async def test_tune_batch_sizes_samples_every_numeric_dtype(model_dir: Path, dtype: type) -> None:
+    path = models.write_identity(model_dir / f"tunable-{np.dtype(dtype).name}.onnx", dtype=dtype)
+    async with open_engine() as engine:
+        info = await engine.load(tune(path, [1, 2]))
+    assert info.preferred_batch_sizes in ((1,), (2,))
+
+
+async def test_a_failing_sample_run_fails_the_load_and_frees_the_thread(
+    add_model: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    create = ort_backend._create_session
+
+    class Failing:
+        """A session that fails on four rows."""
+
+        def __init__(self, session: Any) -> None:
+            self.session = session
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(self.session, name)
+
+        def run(self, outputs: Any, inputs: dict[str, np.ndarray], *args: Any) -> Any:
+            if len(inputs["a"]) == 4:
+                raise RuntimeError("[ONNXRuntimeError] : 6 : RUNTIME_EXCEPTION : out of memory")
+            return self.session.run(outputs, inputs, *args)
+
+    def failing_session(*args: Any) -> tuple[Any, str]:
+        session, device = create(*args)
+        return Failing(session), device
+
+    monkeypatch.setattr(ort_backend, "_create_session", failing_session)
+    async with open_engine() as engine:
+        with pytest.raises(
+            trioinfer.BackendError,
+            match=r"^model 'f' instance 0: tune_batch_sizes could not run a batch of 4 rows "
+            r"of sample data: out of memory$",
+        ):
+            await engine.load(tune(add_model, [1, 2, 4, 8], "f"))
+        await engine.load(tune(add_model, [1, 2], "f"))  # sizes it can run
+    assert instance_threads("f") == []

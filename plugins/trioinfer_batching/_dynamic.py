@@ -5,7 +5,7 @@ from __future__ import annotations
 import itertools
 import math
 from collections import deque
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from numbers import Real
 from typing import Any, final
 
@@ -56,6 +56,9 @@ class DynamicBatcher:
       formed from what is waiting: the batch is cut at the largest preferred
       size it reaches, and the requests after the cut head the next batch.
       When nothing preferred can be formed, the size-or-delay rules apply.
+      Without the option, the sizes the model's backend advertises
+      ([`RequestQueue.preferred_batch_sizes`][trioinfer.RequestQueue], e.g.
+      from the ONNX Runtime backend's ``tune_batch_sizes``) are used.
 
     The delay trades latency for throughput: each execution has a fixed cost
     (a thread hop, a kernel launch), so more rows per execution serve more
@@ -101,6 +104,7 @@ class DynamicBatcher:
         preferred_batch_sizes: Row counts to dispatch at once as soon as they
             can be formed (e.g. the batch sizes a TensorRT engine was built for).
             Strictly increasing positive integers, none above ``max_batch_size``.
+            Empty (the default): those the backend advertises, if any.
         pad_axis: The axis of the ragged dimension, >= 1 (axis 0 is the batch),
             the same in every padded input. Unset: no padding.
         pad_buckets: The lengths requests are padded to, strictly increasing
@@ -172,7 +176,10 @@ class DynamicBatcher:
 
     @property
     def preferred_batch_sizes(self) -> tuple[int, ...]:
-        """Row counts dispatched as soon as they can be formed, in increasing order."""
+        """The configured row counts dispatched as soon as they can be formed, increasing.
+
+        Empty when the option is not set; the batcher then uses the backend's.
+        """
         return tuple(sorted(self._preferred))
 
     @property
@@ -218,8 +225,9 @@ class DynamicBatcher:
         rows = first.rows
         while True:
             rows, stop = self._fill(queue, held, batch, key, rows)
-            if self._preferred:
-                cut = self._preferred_cut(batch)
+            preferred = self._preferred or queue.preferred_batch_sizes
+            if preferred:
+                cut = _preferred_cut(batch, preferred)
                 if cut:
                     held.extendleft(reversed(batch[cut:]))
                     del batch[cut:]
@@ -270,16 +278,16 @@ class DynamicBatcher:
             if rows == limit:
                 return rows, _FULL
 
-    def _preferred_cut(self, batch: list[Request]) -> int:
-        """How many requests make the largest preferred size, or 0 if none does."""
-        preferred = self._preferred
-        cut = 0
-        rows = 0
-        for index, request in enumerate(batch, 1):
-            rows += request.rows
-            if rows in preferred:
-                cut = index
-        return cut
+
+def _preferred_cut(batch: list[Request], preferred: Collection[int]) -> int:
+    """How many requests make the largest preferred size, or 0 if none does."""
+    cut = 0
+    rows = 0
+    for index, request in enumerate(batch, 1):
+        rows += request.rows
+        if rows in preferred:
+            cut = index
+    return cut
 
 
 async def _first(queue: RequestQueue, held: deque[Request]) -> Request:

@@ -12,6 +12,11 @@ runs it on the event loop's thread within a time budget; ``"auto"`` (the
 default on the CPU) measures on the thread and goes inline when that is
 cheaper than the hop. Off the loop, a cancelled execution is aborted with
 ``RunOptions.terminate``.
+
+With the ``tune_batch_sizes`` option an instance times the model at each of
+those batch sizes when it loads and advertises the one that runs the most rows
+per second (the biggest within ``TUNE_TOLERANCE`` of the best) as its
+``preferred_batch_sizes``, which the dynamic batcher then cuts batches at.
 """
 
 from __future__ import annotations
@@ -19,7 +24,9 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import io
+import itertools
 import logging
+import math
 import os
 import threading
 import time
@@ -45,7 +52,15 @@ from trioinfer import (
     wait_on_callback,
 )
 
-__all__ = ["AUTO_SAMPLES", "OPTIONS", "OnnxRuntimeBackend", "OnnxRuntimeInstance", "probe_device"]
+__all__ = [
+    "AUTO_SAMPLES",
+    "OPTIONS",
+    "TUNE_TOLERANCE",
+    "OnnxRuntimeBackend",
+    "OnnxRuntimeInstance",
+    "preferred_batch_size",
+    "probe_device",
+]
 
 log = logging.getLogger("trioinfer.onnxruntime")
 
@@ -75,6 +90,16 @@ _OPT_LEVELS: Final = {
 #: digits MLP costs about 100 us there, its caches cold from the loop's other
 #: work), and holds the loop no longer than a few hops would.
 DEFAULT_INLINE_BUDGET_US: Final = 250
+#: ``tune_batch_sizes`` prefers the biggest batch whose rows/s is within this
+#: fraction of the best: timings on a shared machine move by a few percent, and
+#: of two sizes that run alike the bigger needs fewer executions.
+TUNE_TOLERANCE: Final = 0.05
+#: Each tuned size runs once untimed (a new shape allocates), then is timed at
+#: least TUNE_RUNS times and TUNE_MIN_S in all, or once if one run takes
+#: TUNE_MAX_S; its figure is the fastest run, the one least disturbed.
+TUNE_RUNS: Final = 3
+TUNE_MIN_S: Final = 0.05
+TUNE_MAX_S: Final = 1.0
 #: Every ``backend_options`` key this backend accepts, with what it means.
 OPTIONS: Final[Mapping[str, str]] = {
     "dispatch": "'thread': session.run on the instance's worker thread (default on a GPU); "
@@ -98,6 +123,10 @@ OPTIONS: Final[Mapping[str, str]] = {
     "loop, but that batch has left the engine's queue (a caller that leaves aborts it there)",
     "allow_spinning": "let idle intra-op threads spin for new work (default true, as in ORT); "
     "false saves CPU on a shared machine, at some latency",
+    "tune_batch_sizes": "batch sizes to time when the instance loads, e.g. [1, 2, 4, 8, 16, 32] "
+    "(default []: none); the biggest whose rows/s is within 5% of the best becomes the "
+    "model's preferred batch size, which the dynamic batcher cuts batches at unless its "
+    "preferred_batch_sizes is set",
 }
 
 
@@ -131,21 +160,41 @@ class OnnxRuntimeBackend:
                 f"model {config.name!r} instance {placement.index}: cpu_affinity "
                 f"{list(placement.cpu_affinity or ())} cannot be applied here: {exc}"
             ) from exc
+        label = f"model {config.name!r} instance {placement.index}"
+        threads = _compute_threads(placement)
+        rates: dict[int, float] = {}
         try:
             session, device = await worker.run_sync(_create_session, config, placement, options)
+            if options["tune_batch_sizes"]:
+                rates = await worker.run_sync(
+                    _time_batch_sizes,
+                    session,
+                    label,
+                    options["tune_batch_sizes"],
+                    _compute_clock(device, threads),
+                )
         except BaseException:
             await worker.aclose()
             raise
-        return OnnxRuntimeInstance(
+        instance = OnnxRuntimeInstance(
             session,
             device,
             worker,
             options["dispatch"],
             options["inline_budget_us"] / 1e6,
-            f"model {config.name!r} instance {placement.index}",
+            label,
             options["pipeline_depth"],
-            _compute_threads(placement),
+            threads,
+            rates,
         )
+        if rates:
+            log.info(
+                "%s: rows/s by batch size: %s; preferred batch size %d",
+                label,
+                ", ".join(f"{size}: {rate:,.1f}" for size, rate in rates.items()),
+                instance.preferred_batch_sizes[0],
+            )
+        return instance
 
 
 @final
@@ -167,7 +216,9 @@ class OnnxRuntimeInstance:
         "_signature",
         "_worker",
         "aborted",
+        "batch_rates",
         "pipeline_depth",
+        "preferred_batch_sizes",
     )
 
     def __init__(
@@ -180,9 +231,17 @@ class OnnxRuntimeInstance:
         label: str = "instance",
         pipeline_depth: int = 1,
         threads: int = 1,
+        batch_rates: Mapping[int, float] | None = None,
     ) -> None:
         #: Executions the engine may have in flight on this instance at once.
         self.pipeline_depth = pipeline_depth
+        #: Rows per second measured at each tuned batch size (empty when not tuned).
+        self.batch_rates: Mapping[int, float] = dict(batch_rates or {})
+        #: The batch size the dynamic batcher should cut at (the engine reads it
+        #: from the model's first instance); empty when not tuned.
+        self.preferred_batch_sizes: tuple[int, ...] = (
+            (preferred_batch_size(self.batch_rates),) if self.batch_rates else ()
+        )
         self._session = session
         self._device = device
         self._worker = worker
@@ -193,9 +252,7 @@ class OnnxRuntimeInstance:
         # CPU, that thread's CPU time: being preempted by another process is not the
         # model's cost. On a GPU, or with intra-op threads that the loop waits for,
         # the thread may sleep while others work, yet the loop is held all along.
-        self._clock: Callable[[], float] = (
-            time.thread_time if str(device) == "cpu" and threads == 1 else time.perf_counter
-        )
+        self._clock = _compute_clock(device, threads)
         self._label = label
         self._samples: list[float] = []
         self._inline_average: float | None = None
@@ -339,6 +396,87 @@ class OnnxRuntimeInstance:
         await self._worker.aclose()
 
 
+def _compute_clock(device: str, threads: int) -> Callable[[], float]:
+    # The clock that measures the model's own cost. With one compute thread on the
+    # CPU, that thread's CPU time: being preempted by another process is not the
+    # model's cost. On a GPU, or with intra-op threads the caller waits for, the
+    # thread may sleep while others work, so wall time.
+    return time.thread_time if device == "cpu" and threads == 1 else time.perf_counter
+
+
+def preferred_batch_size(rates: Mapping[int, float]) -> int:
+    """The batch size to prefer, given rows/s by batch size.
+
+    The biggest size whose rate is within `TUNE_TOLERANCE` of the best rate.
+
+    Raises:
+        ValueError: If *rates* is empty.
+    """
+    if not rates:
+        raise ValueError("no batch sizes were timed")
+    floor = (1 - TUNE_TOLERANCE) * max(rates.values())
+    return max(size for size, rate in rates.items() if rate >= floor)
+
+
+def _time_batch_sizes(
+    session: Any, label: str, sizes: list[int], clock: Callable[[], float]
+) -> dict[int, float]:
+    # Runs on the worker thread, before the instance serves anything.
+    signature = _signature(session)
+    _check_tunable(label, signature)
+    outputs = [spec.name for spec in signature.outputs]
+    rng = np.random.default_rng(0)
+    rates: dict[int, float] = {}
+    for size in sizes:
+        inputs = {spec.name: _sample(spec, size, rng) for spec in signature.inputs}
+        try:
+            session.run(outputs, inputs)
+            runs, spent, fastest = 0, 0.0, math.inf
+            while (runs < TUNE_RUNS or spent < TUNE_MIN_S) and not (runs and spent >= TUNE_MAX_S):
+                started = clock()
+                session.run(outputs, inputs)
+                took = clock() - started
+                runs, spent, fastest = runs + 1, spent + took, min(fastest, took)
+        except Exception as exc:
+            raise BackendError(
+                f"{label}: tune_batch_sizes could not run a batch of {size} rows of sample "
+                f"data: {_one_line(exc)}"
+            ) from exc
+        rates[size] = size / max(fastest, 1e-9)
+    return rates
+
+
+def _sample(spec: TensorSpec, rows: int, rng: np.random.Generator) -> np.ndarray[Any, Any]:
+    # Normal noise for floating-point inputs; zeros, a valid index into any
+    # table, for integer ones (token ids, masks, categories).
+    shape = (rows, *[d for d in spec.shape[1:] if isinstance(d, int)])  # all are: checked
+    dtype = spec.dtype
+    assert dtype is not None  # _check_tunable refused the rest
+    if dtype.kind == "f":
+        return rng.standard_normal(shape).astype(dtype)
+    return np.zeros(shape, dtype)
+
+
+def _check_tunable(label: str, signature: ModelSignature) -> None:
+    # tune_batch_sizes makes its own sample batches: every dimension but the first must be known.
+    if not signature.batched:
+        raise ConfigError(
+            f"{label}: tune_batch_sizes needs a model with a batch dimension (a "
+            "variable first dimension on every input and output); this one has none"
+        )
+    for spec in signature.inputs:
+        if spec.dtype is None or spec.dtype.kind not in "fiub":
+            raise ConfigError(
+                f"{label}: tune_batch_sizes can only make sample data for numeric or "
+                f"boolean inputs; input {spec.name!r} is {spec.describe()}"
+            )
+        if not all(isinstance(d, int) and d > 0 for d in spec.shape[1:]):
+            raise ConfigError(
+                f"{label}: tune_batch_sizes needs every input dimension after the first "
+                f"to be fixed, to make sample batches; input {spec.name!r} is {spec.describe()}"
+            )
+
+
 def _check_options(config: ModelConfig, placement: Placement) -> dict[str, Any]:
     options = dict(config.backend_options)
     unknown = sorted(set(options) - set(OPTIONS))
@@ -392,6 +530,17 @@ def _check_options(config: ModelConfig, placement: Placement) -> dict[str, Any]:
     for key in ("enable_mem_arena", "enable_mem_pattern", "allow_spinning"):
         if not isinstance(options.setdefault(key, True), bool):
             raise ConfigError(f"model {config.name!r}: {key} must be true or false")
+    sizes = options.setdefault("tune_batch_sizes", [])
+    if (
+        not isinstance(sizes, list | tuple)
+        or not all(isinstance(n, int) and not isinstance(n, bool) and n > 0 for n in sizes)
+        or any(a >= b for a, b in itertools.pairwise(sizes))
+    ):
+        raise ConfigError(
+            f"model {config.name!r}: tune_batch_sizes must be a list of strictly increasing "
+            f"positive integers (batch sizes to time), e.g. [1, 2, 4, 8, 16, 32]; got {sizes!r}"
+        )
+    options["tune_batch_sizes"] = list(sizes)
     provider_options = options.setdefault("provider_options", {})
     if not isinstance(provider_options, Mapping):
         raise ConfigError(f"model {config.name!r}: provider_options must be a table")

@@ -44,12 +44,16 @@ class ModelInfo:
         config: The configuration it was loaded with.
         signature: Its inputs and outputs, read from the loaded model.
         devices: Where each instance really runs (after any fallback to the CPU).
+        preferred_batch_sizes: The batch sizes its backend says it runs fastest
+            (e.g. measured at load with the ONNX Runtime backend's
+            ``tune_batch_sizes``); empty when it does not say.
     """
 
     name: str
     config: ModelConfig
     signature: ModelSignature
     devices: tuple[str, ...]
+    preferred_batch_sizes: tuple[int, ...] = ()
 
 
 @attrs.frozen
@@ -376,7 +380,13 @@ class Engine:
         return ", ".join(map(repr, sorted(self._runners))) or "none"
 
     def _info(self, runner: ModelRunner) -> ModelInfo:
-        return ModelInfo(runner.config.name, runner.config, runner.signature, runner.devices)
+        return ModelInfo(
+            runner.config.name,
+            runner.config,
+            runner.signature,
+            runner.devices,
+            runner.queue.preferred_batch_sizes,
+        )
 
     async def _shutdown(self, drain: bool) -> None:
         self._closing = True

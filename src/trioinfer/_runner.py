@@ -62,16 +62,26 @@ class RequestQueue:
         "_scheduler",
         "_wakeup",
         "batched",
+        "preferred_batch_sizes",
         "taken",
     )
 
-    def __init__(self, scheduler: Scheduler, on_expired: Any, batched: bool = True) -> None:
+    def __init__(
+        self,
+        scheduler: Scheduler,
+        on_expired: Any,
+        batched: bool = True,
+        preferred_batch_sizes: tuple[int, ...] = (),
+    ) -> None:
         self._scheduler = scheduler
         # Requests a batcher gave back: they were at the head, so they stay there,
         # ahead of the scheduler's order, without being admitted a second time.
         self._front: collections.deque[Request] = collections.deque()
         #: Whether the model has a batch dimension, so requests may share an execution.
         self.batched = batched
+        #: Batch sizes the model's backend runs fastest, as its first instance
+        #: advertises them (see `BackendInstance`); empty when it does not say.
+        self.preferred_batch_sizes = preferred_batch_sizes
         self._on_expired = on_expired
         self._new_event = native_event_factory()
         self._wakeup: EventLike | None = None
@@ -447,7 +457,9 @@ class ModelRunner:
         self._serving = len(self.replicas)
         self.signature = self._instances[0].signature
         self.batched = self.signature.batched
-        self.queue = RequestQueue(self._scheduler, self._expire, self.batched)
+        self.queue = RequestQueue(
+            self._scheduler, self._expire, self.batched, _preferred(self._instances[0])
+        )
         self._turns = _Turns(self._new_event, self.queue)
         self._assemble = getattr(self._batcher, "assemble", None)
         # Enough buffers for every instance to run a batch while the next is formed.
@@ -929,6 +941,18 @@ def _depth(instance: BackendInstance) -> int:
     # Executions the instance accepts at once (see BackendInstance's docstring).
     depth = getattr(instance, "pipeline_depth", 1)
     return depth if isinstance(depth, int) and depth >= 1 else 1
+
+
+def _preferred(instance: BackendInstance) -> tuple[int, ...]:
+    # The batch sizes it runs fastest (see BackendInstance's docstring), if it says
+    # so sensibly: positive integers, increasing.
+    sizes = getattr(instance, "preferred_batch_sizes", ())
+    try:
+        sizes = tuple(sizes)
+    except TypeError:
+        return ()
+    valid = all(isinstance(n, int) and not isinstance(n, bool) and n > 0 for n in sizes)
+    return sizes if valid and list(sizes) == sorted(set(sizes)) else ()
 
 
 async def close_instances(instances: Sequence[BackendInstance]) -> None:

@@ -45,7 +45,13 @@ class BackendInstance(Protocol):
     next batch while one runs (queueing it behind the first, so that its device
     never waits for the event loop) may say so with an integer attribute
     ``pipeline_depth``: the engine then keeps up to that many executions in
-    flight on it.
+    flight on it. An instance that knows which batch sizes it runs fastest per
+    row (from a measurement at load, or sizes a TensorRT engine was built for)
+    may say so with a tuple attribute ``preferred_batch_sizes`` of increasing
+    positive integers: the engine reads it from the model's first instance into
+    [`RequestQueue.preferred_batch_sizes`][trioinfer.RequestQueue], where a
+    batcher may use it (the dynamic batcher cuts batches at those sizes unless
+    its own ``preferred_batch_sizes`` option is set).
     """
 
     @property

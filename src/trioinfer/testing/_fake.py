@@ -37,6 +37,8 @@ class FakeBackend:
     Attributes:
         signature: What every instance reports.
         delay: Seconds each execution takes.
+        preferred_batch_sizes: What every instance advertises as the batch sizes
+            it runs fastest (see [`BackendInstance`][trioinfer.abc.BackendInstance]).
         error: If set, every execution raises it (after the delay).
         executions: The row count of every execution, in order, across instances.
         loaded: Instances loaded so far.
@@ -48,10 +50,12 @@ class FakeBackend:
         *,
         signature: ModelSignature = _DEFAULT_SIGNATURE,
         delay: float = 0.0,
+        preferred_batch_sizes: tuple[int, ...] = (),
     ) -> None:
         self.fn = fn or _double
         self.signature = signature
         self.delay = delay
+        self.preferred_batch_sizes = preferred_batch_sizes
         self.error: Exception | None = None
         self.executions: list[int] = []
         self.loaded: list[FakeInstance] = []
@@ -94,6 +98,11 @@ class FakeInstance:
     def device(self) -> str:
         """The placement's device."""
         return self._device
+
+    @property
+    def preferred_batch_sizes(self) -> tuple[int, ...]:
+        """The backend's ``preferred_batch_sizes``."""
+        return self._backend.preferred_batch_sizes
 
     async def execute(self, inputs: Arrays) -> dict[str, np.ndarray[Any, Any]]:
         """Count the execution, sleep ``delay``, then compute (or raise ``error``)."""
