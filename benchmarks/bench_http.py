@@ -7,7 +7,8 @@ Issue 5, section 9 (with section 8's settings). One ``trioinfer serve`` process
 the same config.toml, which the in-process runs read too:
 
   batcher = "dynamic", max_batch_size 32, max_queue_delay 5 ms, dispatch "thread",
-  pipeline_depth = --pipeline-depth (default 1), one CPU instance with
+  pipeline_depth = --pipeline-depth (default 1), tune_batch_sizes =
+  --tune-batch-sizes (default none), one CPU instance with
   intra_op_num_threads = --threads (default 1)
 
 Every raw ONNX Runtime session has the same thread settings (sequential, graph
@@ -113,7 +114,7 @@ CONFIG_TOML = """\
 # Written by benchmarks/bench_http.py; the server and the in-process runs both read it.
 batcher = "dynamic"
 batcher_options = {{ max_batch_size = {max_batch}, max_queue_delay = {delay} }}
-backend_options = {{ dispatch = "thread", pipeline_depth = {pipeline_depth} }}
+backend_options = {{ dispatch = "thread", pipeline_depth = {pipeline_depth}{tune} }}
 instances = [{{ device = "cpu", count = 1, threads = {threads} }}]
 max_queue_size = {queue}
 """
@@ -250,6 +251,7 @@ def write_repository(
                 delay=MAX_QUEUE_DELAY,
                 threads=args.threads,
                 pipeline_depth=args.pipeline_depth,
+                tune=tune_option(args.tune_batch_sizes),
                 queue=max(1024, 2 * max(args.concurrency)),
             )
         )
@@ -749,13 +751,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--threads", type=int, default=1, help="intra-op threads of every ORT session (default 1)"
     )
-    parser.add_argument(
-        "--pipeline-depth",
-        type=int,
-        default=1,
-        help="the ORT backend's pipeline_depth: 2 queues the next batch on the instance's "
-        "thread while one runs (default 1)",
-    )
+    add_trioinfer_options(parser)  # --pipeline-depth, --tune-batch-sizes
     parser.add_argument(
         "--no-baseline",
         dest="baseline",
@@ -789,6 +785,44 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     if args.minilm_seq_len < 2:
         parser.error("--minilm-seq-len must be >= 2 ([CLS] and [SEP])")
     return args
+
+
+def tune_option(sizes: Sequence[int]) -> str:
+    """The config.toml text that adds ``tune_batch_sizes`` for ``--tune-batch-sizes`` (or none)."""
+    return f", tune_batch_sizes = [{', '.join(map(str, sizes))}]" if sizes else ""
+
+
+def batch_sizes(text: str) -> list[int]:
+    """``--tune-batch-sizes``: comma-separated, increasing positive integers ('' for none)."""
+    try:
+        sizes = [int(n) for n in text.split(",") if n.strip()]
+    except ValueError:
+        sizes = [0]
+    if any(n < 1 for n in sizes) or sizes != sorted(set(sizes)):
+        raise argparse.ArgumentTypeError(
+            f"batch sizes must be increasing positive integers, comma-separated; got {text!r}"
+        )
+    return sizes
+
+
+def add_trioinfer_options(parser: argparse.ArgumentParser) -> None:
+    """trioinfer's own knobs in the config.toml (bench_http and compare both take them)."""
+    parser.add_argument(
+        "--pipeline-depth",
+        type=int,
+        default=1,
+        help="trioinfer's ORT pipeline_depth (2: the next batch waits on the instance's thread "
+        "while one runs; the peers have no such knob); default 1",
+    )
+    parser.add_argument(
+        "--tune-batch-sizes",
+        type=batch_sizes,
+        default=[],
+        metavar="SIZES",
+        help="trioinfer's ORT tune_batch_sizes, comma-separated (e.g. 1,2,4,8,16,32): each "
+        "instance times these batch sizes at load and the dynamic batcher cuts batches at the "
+        "fastest per row (the peers have no such knob); default none",
+    )
 
 
 def add_minilm_options(parser: argparse.ArgumentParser) -> None:

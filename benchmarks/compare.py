@@ -45,7 +45,8 @@ Every system serves the same ONNX files with the same settings: dynamic (adaptiv
 of at most 32 requests / 5 ms (naive: none), one model instance, ONNX Runtime on the CPU with
 ``intra_op_num_threads=1``, sequential execution, graph optimisation all. trioinfer runs its
 instance on a dispatch thread (``bench_http.py``'s config.toml; ``--pipeline-depth`` sets its
-``pipeline_depth``, default 1). MLServer runs with
+``pipeline_depth``, default 1; ``--tune-batch-sizes`` its ``tune_batch_sizes``, default none).
+MLServer runs with
 ``parallel_workers = 0``: inference in the server's own process, like trioinfer's one
 process (``1`` would add a worker process and a queue hop between it and the HTTP process);
 its ``predict`` runs ``session.run`` on one dedicated thread so that, as in trioinfer, the
@@ -1113,13 +1114,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--threads", type=int, default=1, help="intra-op threads of every ORT session (default 1)"
     )
-    parser.add_argument(
-        "--pipeline-depth",
-        type=int,
-        default=1,
-        help="trioinfer's ORT pipeline_depth (2: the next batch waits on the instance's thread "
-        "while one runs; the peers have no such knob); default 1",
-    )
+    bench_http.add_trioinfer_options(parser)  # --pipeline-depth, --tune-batch-sizes
     parser.add_argument(
         "--no-ceiling", dest="ceiling", action="store_false", help="skip the raw ORT ceiling"
     )

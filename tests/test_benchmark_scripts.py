@@ -17,6 +17,8 @@ from typing import Any
 import numpy as np
 import pytest
 
+import trioinfer
+
 BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
 
 
@@ -42,6 +44,14 @@ def test_compare_options_fit_bench_http_repository(
     assert list(models) == ["digits"]
     config = (tmp_path / "digits" / "config.toml").read_text()
     assert "pipeline_depth = 2" in config
+    assert "tune_batch_sizes" not in config
+    args = compare.parse_args(["--models", "digits", "--tune-batch-sizes", "1,8,32"])
+    bench_http.write_repository(tmp_path / "tuned", args, skipped={})
+    loaded = trioinfer.ModelConfig.from_toml(tmp_path / "tuned" / "digits" / "config.toml")
+    assert loaded.backend_options["tune_batch_sizes"] == [1, 8, 32]
+    for wrong in ("8,4", "0", "a", "2,2"):
+        with pytest.raises(SystemExit):
+            compare.parse_args(["--tune-batch-sizes", wrong])
 
 
 def test_compare_options_for_minilm(scripts: tuple[Any, Any], tmp_path: Path) -> None:
