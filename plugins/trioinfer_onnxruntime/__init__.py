@@ -14,9 +14,10 @@ cheaper than the hop. Off the loop, a cancelled execution is aborted with
 ``RunOptions.terminate``.
 
 With the ``tune_batch_sizes`` option an instance times the model at each of
-those batch sizes when it loads and advertises the one that runs the most rows
-per second (the biggest within ``TUNE_TOLERANCE`` of the best) as its
-``preferred_batch_sizes``, which the dynamic batcher then cuts batches at.
+those batch sizes when it loads and advertises the smallest that serves about
+as many rows per second as the best (within ``TUNE_TOLERANCE``, counting
+``TUNE_OVERHEAD_S`` per execution) as its ``preferred_batch_sizes``, which the
+dynamic batcher then cuts batches at.
 """
 
 from __future__ import annotations
@@ -55,6 +56,7 @@ from trioinfer import (
 __all__ = [
     "AUTO_SAMPLES",
     "OPTIONS",
+    "TUNE_OVERHEAD_S",
     "TUNE_TOLERANCE",
     "OnnxRuntimeBackend",
     "OnnxRuntimeInstance",
@@ -90,10 +92,15 @@ _OPT_LEVELS: Final = {
 #: digits MLP costs about 100 us there, its caches cold from the loop's other
 #: work), and holds the loop no longer than a few hops would.
 DEFAULT_INLINE_BUDGET_US: Final = 250
-#: ``tune_batch_sizes`` prefers the biggest batch whose rows/s is within this
+#: ``tune_batch_sizes`` prefers the smallest batch whose rows/s is within this
 #: fraction of the best: timings on a shared machine move by a few percent, and
-#: of two sizes that run alike the bigger needs fewer executions.
+#: of two sizes that serve alike the smaller answers its requests sooner.
 TUNE_TOLERANCE: Final = 0.05
+#: What the engine adds to each execution beyond ``session.run`` (a hop to the
+#: worker thread and back, concatenating and splitting), counted when comparing
+#: sizes: a model whose rows cost the same at any batch size but run in
+#: microseconds still serves far more rows in big batches.
+TUNE_OVERHEAD_S: Final = 150e-6
 #: Each tuned size runs once untimed (a new shape allocates), then is timed at
 #: least TUNE_RUNS times and TUNE_MIN_S in all, or once if one run takes
 #: TUNE_MAX_S; its figure is the fastest run, the one least disturbed.
@@ -124,7 +131,8 @@ OPTIONS: Final[Mapping[str, str]] = {
     "allow_spinning": "let idle intra-op threads spin for new work (default true, as in ORT); "
     "false saves CPU on a shared machine, at some latency",
     "tune_batch_sizes": "batch sizes to time when the instance loads, e.g. [1, 2, 4, 8, 16, 32] "
-    "(default []: none); the biggest whose rows/s is within 5% of the best becomes the "
+    "(default []: none); the smallest whose rows/s (with 150 us per execution added) is "
+    "within 5% of the best becomes the "
     "model's preferred batch size, which the dynamic batcher cuts batches at unless its "
     "preferred_batch_sizes is set",
 }
@@ -166,12 +174,19 @@ class OnnxRuntimeBackend:
         try:
             session, device = await worker.run_sync(_create_session, config, placement, options)
             if options["tune_batch_sizes"]:
+                run_options = _ort().RunOptions()
+
+                def abort() -> None:
+                    run_options.terminate = True
+
                 rates = await worker.run_sync(
                     _time_batch_sizes,
                     session,
                     label,
                     options["tune_batch_sizes"],
                     _compute_clock(device, threads),
+                    run_options,
+                    abort=abort,
                 )
         except BaseException:
             await worker.aclose()
@@ -248,10 +263,7 @@ class OnnxRuntimeInstance:
         self._dispatch = dispatch
         self._auto = dispatch == "auto"
         self._budget = inline_budget_s
-        # What an inline execution costs the loop. With one compute thread on the
-        # CPU, that thread's CPU time: being preempted by another process is not the
-        # model's cost. On a GPU, or with intra-op threads that the loop waits for,
-        # the thread may sleep while others work, yet the loop is held all along.
+        # What an inline execution costs the loop (see _compute_clock).
         self._clock = _compute_clock(device, threads)
         self._label = label
         self._samples: list[float] = []
@@ -400,28 +412,33 @@ def _compute_clock(device: str, threads: int) -> Callable[[], float]:
     # The clock that measures the model's own cost. With one compute thread on the
     # CPU, that thread's CPU time: being preempted by another process is not the
     # model's cost. On a GPU, or with intra-op threads the caller waits for, the
-    # thread may sleep while others work, so wall time.
+    # thread may sleep while others work, yet the caller (an inline execution's
+    # event loop, say) is held all along: wall time.
     return time.thread_time if device == "cpu" and threads == 1 else time.perf_counter
 
 
-def preferred_batch_size(rates: Mapping[int, float]) -> int:
-    """The batch size to prefer, given rows/s by batch size.
+def preferred_batch_size(rates: Mapping[int, float], overhead_s: float = TUNE_OVERHEAD_S) -> int:
+    """The batch size to prefer, given raw rows/s by batch size.
 
-    The biggest size whose rate is within `TUNE_TOLERANCE` of the best rate.
+    Each size's rate is first charged *overhead_s* per execution (what serving
+    a batch costs beyond running the model); the answer is the smallest size
+    whose charged rate is within `TUNE_TOLERANCE` of the best charged rate.
 
     Raises:
         ValueError: If *rates* is empty.
     """
     if not rates:
         raise ValueError("no batch sizes were timed")
-    floor = (1 - TUNE_TOLERANCE) * max(rates.values())
-    return max(size for size, rate in rates.items() if rate >= floor)
+    served = {size: size / (size / rate + overhead_s) for size, rate in rates.items()}
+    floor = (1 - TUNE_TOLERANCE) * max(served.values())
+    return min(size for size, rate in served.items() if rate >= floor)
 
 
 def _time_batch_sizes(
-    session: Any, label: str, sizes: list[int], clock: Callable[[], float]
+    session: Any, label: str, sizes: list[int], clock: Callable[[], float], run_options: Any
 ) -> dict[int, float]:
-    # Runs on the worker thread, before the instance serves anything.
+    # Runs on the worker thread, before the instance serves anything; a cancelled
+    # load sets run_options.terminate, which stops the run in progress.
     signature = _signature(session)
     _check_tunable(label, signature)
     outputs = [spec.name for spec in signature.outputs]
@@ -430,11 +447,11 @@ def _time_batch_sizes(
     for size in sizes:
         inputs = {spec.name: _sample(spec, size, rng) for spec in signature.inputs}
         try:
-            session.run(outputs, inputs)
+            session.run(outputs, inputs, run_options)
             runs, spent, fastest = 0, 0.0, math.inf
             while (runs < TUNE_RUNS or spent < TUNE_MIN_S) and not (runs and spent >= TUNE_MAX_S):
                 started = clock()
-                session.run(outputs, inputs)
+                session.run(outputs, inputs, run_options)
                 took = clock() - started
                 runs, spent, fastest = runs + 1, spent + took, min(fastest, took)
         except Exception as exc:
