@@ -819,9 +819,9 @@ def add_trioinfer_options(parser: argparse.ArgumentParser) -> None:
         type=batch_sizes,
         default=[],
         metavar="SIZES",
-        help="trioinfer's ORT tune_batch_sizes, comma-separated (e.g. 1,2,4,8,16,32): each "
+        help="trioinfer's ORT tune_batch_sizes, comma-separated (e.g. 1,2,4,8,16,32): its "
         "instance times these batch sizes at load and the dynamic batcher cuts batches at the "
-        "fastest per row (the peers have no such knob); default none",
+        "smallest that serves within 5%% of the best (the peers have no such knob); default none",
     )
 
 

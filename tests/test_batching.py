@@ -195,12 +195,16 @@ async def test_backend_advertised_preferred_size_cuts_batches(
 
 @pytest.mark.parametrize("advertised", [(4, 2), (2, 2), (0,), (2.0,), (True,), 4, None, "4"])
 async def test_nonsense_advertised_by_a_backend_is_ignored(
-    autojump_clock: trio.testing.MockClock, advertised: Any
+    autojump_clock: trio.testing.MockClock, advertised: Any, caplog: pytest.LogCaptureFixture
 ) -> None:
     backend = FakeBackend(delay=1.0, preferred_batch_sizes=advertised)
     async with open_engine(registry=backend.registry()) as engine:
         info = await engine.load(config(max_batch_size=8, max_queue_delay=0.5))
         assert info.preferred_batch_sizes == ()
+        assert caplog.messages == [
+            f"model 'm': its backend instance says preferred_batch_sizes = {advertised!r}; "
+            "expected a tuple of increasing positive integers, so it is ignored"
+        ]
         async with trio.open_nursery() as nursery:
             calls = Calls(engine, nursery)
             for i in range(9):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import threading
@@ -385,15 +386,28 @@ async def test_pipeline_depth_keeps_two_executions_in_flight(add_model: Path) ->
             )
 
 
-def tune(path: Path, sizes: object, name: str = "t") -> ModelConfig:
-    return ModelConfig(name=name, path=path, backend_options={"tune_batch_sizes": sizes})
+def tune(path: Path, sizes: object, name: str = "t", **options: Any) -> ModelConfig:
+    return ModelConfig(
+        name=name,
+        path=path,
+        batcher="dynamic",
+        batcher_options=options,
+        backend_options={"tune_batch_sizes": sizes},
+        **({"instances": [Instance(count=2)]} if name == "two" else {}),
+    )
+
+
+@pytest.fixture(autouse=True)
+def fresh_tuning_cache(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each test measures for itself: no figures from an earlier test's loads."""
+    monkeypatch.setattr(ort_backend, "_tuned", {})
 
 
 def instance_threads(name: str) -> list[threading.Thread]:
     return [t for t in threading.enumerate() if t.name.startswith(f"trioinfer-{name}-")]
 
 
-async def test_tune_batch_sizes_times_each_size_and_advertises_the_fastest(
+async def test_tune_batch_sizes_times_each_size_and_advertises_its_choice(
     mlp_model: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     with caplog.at_level(logging.INFO, logger="trioinfer.onnxruntime"):
@@ -480,7 +494,7 @@ async def test_bad_tune_batch_sizes_are_refused(add_model: Path, sizes: object) 
 @pytest.mark.parametrize(
     ("dtype", "shape", "message"),
     [
-        (np.float32, (2, 3), "needs a model with a batch dimension"),
+        (np.float32, (2, 3), r"needs a batch dimension .*; input 'x' is float32\[2, 3\]"),
         (
             np.float32,
             ("batch", "seq"),
@@ -502,6 +516,11 @@ async def test_a_model_tune_batch_sizes_cannot_sample_is_refused(
         with pytest.raises(trioinfer.ConfigError, match=r"model 'u' instance 0: tune_batch_sizes "):
             await engine.load(tune(path, [1, 2], "u"))
         with pytest.raises(trioinfer.ConfigError, match=message):
+            await engine.load(tune(path, [1, 2], "u"))
+        with pytest.raises(
+            trioinfer.ConfigError,
+            match=r"; set the batcher's preferred_batch_sizes yourself instead$",
+        ):
             await engine.load(tune(path, [1, 2], "u"))
         assert engine.models() == []
     assert instance_threads("u") == []
@@ -583,7 +602,9 @@ async def test_a_cancelled_load_stops_the_sample_run_in_progress(
     monkeypatch.setattr(ort_backend, "_create_session", watched_session)
     async with open_engine() as engine:
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(engine.load, tune(slow_model, [1024, 2048], "c"))
+            nursery.start_soon(
+                engine.load, tune(slow_model, [1024, 2048], "c", max_batch_size=2048)
+            )
             # About four seconds a run at 1024 rows: cancel the load during the first.
             assert await trio.to_thread.run_sync(started.wait, 60)
             nursery.cancel_scope.cancel()
@@ -591,3 +612,106 @@ async def test_a_cancelled_load_stops_the_sample_run_in_progress(
     assert len(ended) == 1
     assert "terminate" in ended[0]
     assert instance_threads("c") == []
+
+
+async def test_the_first_instance_measures_once_per_file_device_threads_and_sizes(
+    mlp_model: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    calls: list[list[int]] = []
+    measure = ort_backend._time_batch_sizes
+
+    def counted(session: Any, label: str, sizes: list[int], *args: Any) -> dict[int, float]:
+        calls.append(sizes)
+        return measure(session, label, sizes, *args)
+
+    monkeypatch.setattr(ort_backend, "_time_batch_sizes", counted)
+    async with open_engine() as engine:
+        first = await engine.load(tune(mlp_model, [1, 8], "two"))  # two instances, one measures
+        assert calls == [[1, 8]]
+        await engine.unload("two")
+        again = await engine.load(tune(mlp_model, [1, 8], "two"))  # the same figures
+        assert calls == [[1, 8]]
+        assert again.preferred_batch_sizes == first.preferred_batch_sizes
+        await engine.load(tune(mlp_model, [2, 8], "other"))  # other sizes: measured
+        assert calls == [[1, 8], [2, 8]]
+
+
+class _FakeArg:
+    def __init__(self, name: str, shape: list[object]) -> None:
+        self.name, self.shape, self.type = name, shape, "tensor(float)"
+
+
+class _TimedSession:
+    """A session on a fake clock: a run of n rows takes ``costs[n]`` seconds (cycled)."""
+
+    def __init__(self, costs: dict[int, list[float]]) -> None:
+        self.costs = {rows: iter(itertools.cycle(c)) for rows, c in costs.items()}
+        self.now = 0.0
+        self.runs: list[int] = []
+        self.inputs: list[np.ndarray] = []
+
+    def get_inputs(self) -> list[_FakeArg]:
+        return [_FakeArg("x", ["batch", 3])]
+
+    def get_outputs(self) -> list[_FakeArg]:
+        return [_FakeArg("y", ["batch", 3])]
+
+    def clock(self) -> float:
+        return self.now
+
+    def run(self, outputs: list[str], inputs: dict[str, np.ndarray], options: Any) -> list[Any]:
+        rows = len(inputs["x"])
+        self.runs.append(rows)
+        self.inputs.append(inputs["x"])
+        self.now += next(self.costs[rows])
+        return [inputs["x"]]
+
+
+def test_each_size_is_warmed_then_timed_and_its_fastest_run_counts() -> None:
+    session = _TimedSession(
+        {
+            1: [0.001],  # cheap: timed until three runs and 50 ms, 50 runs
+            2: [5.0, 0.5, 0.6, 0.4],  # warm-up slow; 0.5 + 0.6 pass 1 s after two runs
+            4: [2.0],  # over a second a run: timed once
+        }
+    )
+    rates = ort_backend._time_batch_sizes(session, "model 'f'", [1, 2, 4], session.clock, None)
+    assert session.runs == [1] * 51 + [2] * 3 + [4] * 2
+    assert rates == pytest.approx({1: 1000.0, 2: 4.0, 4: 2.0})
+    assert ort_backend.preferred_batch_size(rates) == 1
+    # Normal noise of the input's dtype, a fresh draw per size.
+    for x in session.inputs:
+        assert x.dtype == np.float32
+        assert x.std() > 0.1
+    assert not np.array_equal(session.inputs[0], session.inputs[51][:1])
+
+
+async def test_tune_batch_sizes_must_fit_the_batcher(mlp_model: Path) -> None:
+    async with open_engine() as engine:
+        with pytest.raises(
+            trioinfer.ConfigError,
+            match=r"tune_batch_sizes holds 64, more than the batcher's max_batch_size 32; "
+            r"list only sizes up to 32",
+        ):
+            await engine.load(tune(mlp_model, [1, 64]))
+        with pytest.raises(trioinfer.ConfigError, match=r"holds 16, more than .* max_batch_size 8"):
+            await engine.load(tune(mlp_model, [1, 16], max_batch_size=8))
+        with pytest.raises(
+            trioinfer.ConfigError,
+            match=r"tune_batch_sizes needs a batcher that forms batches \(batcher = 'dynamic'\)",
+        ):
+            await engine.load(
+                ModelConfig(name="n", path=mlp_model, backend_options={"tune_batch_sizes": [1]})
+            )
+        assert engine.models() == []
+
+
+async def test_sample_data_too_big_for_memory_is_a_backend_error(mlp_model: Path) -> None:
+    async with open_engine() as engine:
+        with pytest.raises(
+            trioinfer.BackendError,
+            match=r"^model 'big' instance 0: tune_batch_sizes could not run a batch of "
+            r"1000000000000 rows of sample data: .*float32",
+        ):
+            await engine.load(tune(mlp_model, [10**12], "big", max_batch_size=10**12))
+    assert instance_threads("big") == []

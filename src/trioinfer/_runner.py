@@ -458,7 +458,10 @@ class ModelRunner:
         self.signature = self._instances[0].signature
         self.batched = self.signature.batched
         self.queue = RequestQueue(
-            self._scheduler, self._expire, self.batched, _preferred(self._instances[0])
+            self._scheduler,
+            self._expire,
+            self.batched,
+            _preferred(self._instances[0], self.config.name),
         )
         self._turns = _Turns(self._new_event, self.queue)
         self._assemble = getattr(self._batcher, "assemble", None)
@@ -943,16 +946,21 @@ def _depth(instance: BackendInstance) -> int:
     return depth if isinstance(depth, int) and depth >= 1 else 1
 
 
-def _preferred(instance: BackendInstance) -> tuple[int, ...]:
+def _preferred(instance: BackendInstance, model: str) -> tuple[int, ...]:
     # The batch sizes it runs fastest (see BackendInstance's docstring), if it says
-    # so sensibly: positive integers, increasing.
-    sizes = getattr(instance, "preferred_batch_sizes", ())
-    try:
-        sizes = tuple(sizes)
-    except TypeError:
-        return ()
+    # so sensibly: increasing positive integers. Nonsense is ignored, with a warning.
+    advertised = getattr(instance, "preferred_batch_sizes", ())
+    sizes = tuple(advertised) if isinstance(advertised, tuple | list) else (None,)
     valid = all(isinstance(n, int) and not isinstance(n, bool) and n > 0 for n in sizes)
-    return sizes if valid and list(sizes) == sorted(set(sizes)) else ()
+    if valid and list(sizes) == sorted(set(sizes)):
+        return sizes
+    logger.warning(
+        "model %r: its backend instance says preferred_batch_sizes = %r; expected a tuple of "
+        "increasing positive integers, so it is ignored",
+        model,
+        advertised,
+    )
+    return ()
 
 
 async def close_instances(instances: Sequence[BackendInstance]) -> None:
