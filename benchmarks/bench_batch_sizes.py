@@ -81,6 +81,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         parser.error("--duration must be > 0, --repeat and --threads >= 1")
     # What bench_http.write_repository reads besides the models.
     args.pipeline_depth, args.tune_batch_sizes, args.concurrency = 1, [], [1]
+    args.instances = 1
     return args
 
 

@@ -8,7 +8,7 @@ the same config.toml, which the in-process runs read too:
 
   batcher = "dynamic", max_batch_size 32, max_queue_delay 5 ms, dispatch "thread",
   pipeline_depth = --pipeline-depth (default 1), tune_batch_sizes =
-  --tune-batch-sizes (default none), one CPU instance with
+  --tune-batch-sizes (default none), --instances CPU instances (default 1) with
   intra_op_num_threads = --threads (default 1)
 
 Every raw ONNX Runtime session has the same thread settings (sequential, graph
@@ -115,7 +115,7 @@ CONFIG_TOML = """\
 batcher = "dynamic"
 batcher_options = {{ max_batch_size = {max_batch}, max_queue_delay = {delay} }}
 backend_options = {{ dispatch = "thread", pipeline_depth = {pipeline_depth}{tune} }}
-instances = [{{ device = "cpu", count = 1, threads = {threads} }}]
+instances = [{{ device = "cpu", count = {instances}, threads = {threads} }}]
 max_queue_size = {queue}
 """
 
@@ -252,6 +252,7 @@ def write_repository(
                 threads=args.threads,
                 pipeline_depth=args.pipeline_depth,
                 tune=tune_option(args.tune_batch_sizes),
+                instances=args.instances,
                 queue=max(1024, 2 * max(args.concurrency)),
             )
         )
@@ -815,6 +816,15 @@ def add_trioinfer_options(parser: argparse.ArgumentParser) -> None:
         "while one runs; the peers have no such knob); default 1",
     )
     parser.add_argument(
+        "--instances",
+        type=int,
+        default=1,
+        choices=range(1, 17),
+        metavar="N",
+        help="trioinfer's CPU instances of the model (each with --threads threads); the peers "
+        "keep one (default 1)",
+    )
+    parser.add_argument(
         "--tune-batch-sizes",
         type=batch_sizes,
         default=[],
@@ -881,7 +891,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"wrk: {found}, {wrk_version.splitlines()[0] if wrk_version else '?'}")
     print(
         f"every ONNX Runtime session, raw, in-process and in the server: intra_op_num_threads="
-        f"{args.threads}, sequential, graph optimisation all, CPU provider; one instance, "
+        f"{args.threads}, sequential, graph optimisation all, CPU provider; "
+        f"{args.instances} instance(s), "
         f"dynamic batching max {MAX_BATCH} / {MAX_QUEUE_DELAY * 1e3:g} ms, dispatch thread"
     )
     print(

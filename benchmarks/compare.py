@@ -1295,7 +1295,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
     print(
         f"every ONNX Runtime session: intra_op_num_threads={args.threads}, sequential, CPU; "
-        f"batching max {MAX_BATCH} / {MAX_QUEUE_DELAY * 1e3:g} ms (naive: none); one instance; "
+        f"batching max {MAX_BATCH} / {MAX_QUEUE_DELAY * 1e3:g} ms (naive: none); one instance"
+        f"{f' (trioinfer: {args.instances})' if args.instances > 1 else ''}; "
         f"MLServer parallel_workers={args.mlserver_workers}, predict {args.mlserver_predict}"
     )
     print(

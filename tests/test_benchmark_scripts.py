@@ -45,10 +45,13 @@ def test_compare_options_fit_bench_http_repository(
     config = (tmp_path / "digits" / "config.toml").read_text()
     assert "pipeline_depth = 2" in config
     assert "tune_batch_sizes" not in config
-    args = compare.parse_args(["--models", "digits", "--tune-batch-sizes", "1,8,32"])
+    args = compare.parse_args(
+        ["--models", "digits", "--tune-batch-sizes", "1,8,32", "--instances", "2"]
+    )
     bench_http.write_repository(tmp_path / "tuned", args, skipped={})
     loaded = trioinfer.ModelConfig.from_toml(tmp_path / "tuned" / "digits" / "config.toml")
     assert loaded.backend_options["tune_batch_sizes"] == [1, 8, 32]
+    assert [p.index for p in loaded.placements()] == [0, 1]
     for wrong in ("8,4", "0", "a", "2,2"):
         with pytest.raises(SystemExit):
             compare.parse_args(["--tune-batch-sizes", wrong])
