@@ -83,7 +83,8 @@ class Replica:
         state: ``"serving"`` or ``"out"``.
         reason: Why it is out (``None`` while serving).
         executions: Executions (of batches and probes) started on it.
-        failures: Executions that raised.
+        failures: Executions whose backend call raised an error. One cancelled
+            (its callers left, or a fallback's ``timeout`` ran out) is not counted.
         taken_out: Times it was taken out of service.
         recreated: Times its backend instance was re-created.
     """
@@ -172,7 +173,8 @@ class ReplicaStatistics:
         state: ``"serving"`` or ``"out"``.
         reason: Why it is out, or ``None``.
         executions: Executions started on it (batches and probes).
-        failures: Executions that raised.
+        failures: Executions whose backend call raised an error. One cancelled
+            (its callers left, or a fallback's ``timeout`` ran out) is not counted.
         taken_out: Times it was taken out of service.
         recreated: Times its backend instance was re-created.
     """
