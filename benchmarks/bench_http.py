@@ -752,7 +752,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--threads", type=int, default=1, help="intra-op threads of every ORT session (default 1)"
     )
-    add_trioinfer_options(parser)  # --pipeline-depth, --tune-batch-sizes
+    add_trioinfer_options(parser)  # --pipeline-depth, --instances, --tune-batch-sizes
     parser.add_argument(
         "--no-baseline",
         dest="baseline",

@@ -1114,7 +1114,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--threads", type=int, default=1, help="intra-op threads of every ORT session (default 1)"
     )
-    bench_http.add_trioinfer_options(parser)  # --pipeline-depth, --tune-batch-sizes
+    bench_http.add_trioinfer_options(parser)  # --pipeline-depth, --instances, --tune-batch-sizes
     parser.add_argument(
         "--no-ceiling", dest="ceiling", action="store_false", help="skip the raw ORT ceiling"
     )

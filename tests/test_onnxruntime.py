@@ -386,15 +386,38 @@ async def test_pipeline_depth_keeps_two_executions_in_flight(add_model: Path) ->
             )
 
 
-def tune(path: Path, sizes: object, name: str = "t", **options: Any) -> ModelConfig:
+def tune(
+    path: Path, sizes: object, name: str = "t", *, count: int = 1, **options: Any
+) -> ModelConfig:
     return ModelConfig(
         name=name,
         path=path,
         batcher="dynamic",
         batcher_options=options,
         backend_options={"tune_batch_sizes": sizes},
-        **({"instances": [Instance(count=2)]} if name == "two" else {}),
+        instances=[Instance(count=count)],
     )
+
+
+def wrap_session_run(monkeypatch: pytest.MonkeyPatch, run: Any) -> None:
+    """Have every new session's ``run`` go through ``run(session, *args)``."""
+    create = ort_backend._create_session
+
+    class Wrapped:
+        def __init__(self, session: Any) -> None:
+            self.session = session
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(self.session, name)
+
+        def run(self, *args: Any) -> Any:
+            return run(self.session, *args)
+
+    def wrapped(*args: Any) -> tuple[Any, str]:
+        session, device = create(*args)
+        return Wrapped(session), device
+
+    monkeypatch.setattr(ort_backend, "_create_session", wrapped)
 
 
 @pytest.fixture(autouse=True)
@@ -537,27 +560,12 @@ async def test_tune_batch_sizes_samples_every_numeric_dtype(model_dir: Path, dty
 async def test_a_failing_sample_run_fails_the_load_and_frees_the_thread(
     add_model: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    create = ort_backend._create_session
+    def fail_on_four_rows(session: Any, outputs: Any, inputs: dict[str, Any], *args: Any) -> Any:
+        if len(inputs["a"]) == 4:
+            raise RuntimeError("[ONNXRuntimeError] : 6 : RUNTIME_EXCEPTION : out of memory")
+        return session.run(outputs, inputs, *args)
 
-    class Failing:
-        """A session that fails on four rows."""
-
-        def __init__(self, session: Any) -> None:
-            self.session = session
-
-        def __getattr__(self, name: str) -> Any:
-            return getattr(self.session, name)
-
-        def run(self, outputs: Any, inputs: dict[str, np.ndarray], *args: Any) -> Any:
-            if len(inputs["a"]) == 4:
-                raise RuntimeError("[ONNXRuntimeError] : 6 : RUNTIME_EXCEPTION : out of memory")
-            return self.session.run(outputs, inputs, *args)
-
-    def failing_session(*args: Any) -> tuple[Any, str]:
-        session, device = create(*args)
-        return Failing(session), device
-
-    monkeypatch.setattr(ort_backend, "_create_session", failing_session)
+    wrap_session_run(monkeypatch, fail_on_four_rows)
     async with open_engine() as engine:
         with pytest.raises(
             trioinfer.BackendError,
@@ -572,34 +580,21 @@ async def test_a_failing_sample_run_fails_the_load_and_frees_the_thread(
 async def test_a_cancelled_load_stops_the_sample_run_in_progress(
     slow_model: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    create = ort_backend._create_session
     started = threading.Event()
     ended: list[str] = []
 
-    class Watched:
-        """A session that says when a sample run starts and how each ended."""
+    def watched(session: Any, *args: Any) -> Any:
+        # Says when a sample run starts and how each one ended.
+        started.set()
+        try:
+            values = session.run(*args)
+        except Exception as exc:
+            ended.append(str(exc))
+            raise
+        ended.append("done")
+        return values
 
-        def __init__(self, session: Any) -> None:
-            self.session = session
-
-        def __getattr__(self, name: str) -> Any:
-            return getattr(self.session, name)
-
-        def run(self, *args: Any) -> Any:
-            started.set()
-            try:
-                values = self.session.run(*args)
-            except Exception as exc:
-                ended.append(str(exc))
-                raise
-            ended.append("done")
-            return values
-
-    def watched_session(*args: Any) -> tuple[Any, str]:
-        session, device = create(*args)
-        return Watched(session), device
-
-    monkeypatch.setattr(ort_backend, "_create_session", watched_session)
+    wrap_session_run(monkeypatch, watched)
     async with open_engine() as engine:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(
@@ -626,10 +621,10 @@ async def test_the_first_instance_measures_once_per_file_device_threads_and_size
 
     monkeypatch.setattr(ort_backend, "_time_batch_sizes", counted)
     async with open_engine() as engine:
-        first = await engine.load(tune(mlp_model, [1, 8], "two"))  # two instances, one measures
+        first = await engine.load(tune(mlp_model, [1, 8], "two", count=2))  # one of two measures
         assert calls == [[1, 8]]
         await engine.unload("two")
-        again = await engine.load(tune(mlp_model, [1, 8], "two"))  # the same figures
+        again = await engine.load(tune(mlp_model, [1, 8], "two", count=2))  # the same figures
         assert calls == [[1, 8]]
         assert again.preferred_batch_sizes == first.preferred_batch_sizes
         await engine.load(tune(mlp_model, [2, 8], "other"))  # other sizes: measured

@@ -503,14 +503,17 @@ def _sample(spec: TensorSpec, rows: int, rng: np.random.Generator) -> np.ndarray
 def _check_tunable(label: str, signature: ModelSignature) -> None:
     # tune_batch_sizes makes its own sample batches: every dimension but the first must be known.
     instead = "; set the batcher's preferred_batch_sizes yourself instead"
-    tensors = [("input", t) for t in signature.inputs] + [("output", t) for t in signature.outputs]
-    for kind, spec in tensors:
-        if not spec.shape or isinstance(spec.shape[0], int):
-            raise ConfigError(
-                f"{label}: tune_batch_sizes needs a batch dimension (a variable first "
-                f"dimension on every input and output); {kind} {spec.name!r} is "
-                f"{spec.describe()}{instead}"
-            )
+    if not signature.batched:
+        kind, spec = next(
+            (kind, t)
+            for kind, tensors in (("input", signature.inputs), ("output", signature.outputs))
+            for t in tensors
+            if not t.shape or isinstance(t.shape[0], int)
+        )
+        raise ConfigError(
+            f"{label}: tune_batch_sizes needs a batch dimension (a variable first dimension "
+            f"on every input and output); {kind} {spec.name!r} is {spec.describe()}{instead}"
+        )
     for spec in signature.inputs:
         if spec.dtype is None or spec.dtype.kind not in "fiub":
             raise ConfigError(
