@@ -821,8 +821,9 @@ def add_trioinfer_options(parser: argparse.ArgumentParser) -> None:
         default=1,
         choices=range(1, 17),
         metavar="N",
-        help="trioinfer's CPU instances of the model (each with --threads threads); the peers "
-        "keep one (default 1)",
+        help="CPU instances of each model, an ONNX Runtime session of --threads threads each "
+        "(compare.py gives every batching peer as many: Triton's instance count, Ray Serve's "
+        "num_replicas, MLServer's parallel_workers; naive keeps one session); default 1",
     )
     parser.add_argument(
         "--tune-batch-sizes",

@@ -43,10 +43,18 @@ Issue 6, section 2. Systems, each started on its own, measured, stopped:
 
 Every system serves the same ONNX files with the same settings: dynamic (adaptive) batching
 of at most 32 requests / 5 ms (naive: none), one model instance, ONNX Runtime on the CPU with
-``intra_op_num_threads=1``, sequential execution, graph optimisation all. trioinfer runs its
-instance on a dispatch thread (``bench_http.py``'s config.toml; ``--pipeline-depth`` sets its
-``pipeline_depth``, default 1; ``--tune-batch-sizes`` its ``tune_batch_sizes``, default none).
-MLServer runs with
+``intra_op_num_threads=1``, sequential execution, graph optimisation all. ``--threads`` sets
+every session's intra-op threads. ``--instances N`` gives every batching system N instances
+of each model, each a session of its own running one batch at a time: trioinfer's
+``instances``, Triton's instance count (N callables bound to the model), Ray Serve's
+``num_replicas``, MLServer's ``parallel_workers`` (N worker processes, a model copy each, fed
+by the batcher in the HTTP process). The naive server keeps its one session, which its
+threads already run concurrently: with a compute-bound model it uses as many cores as its
+requests find, whatever ``--threads`` says, so ``--instances`` set to the core count is the
+setting in which the batching systems may use the cores it does. trioinfer runs its
+instances on dispatch threads (``bench_http.py``'s config.toml; ``--pipeline-depth`` sets
+its ``pipeline_depth``, default 1; ``--tune-batch-sizes`` its ``tune_batch_sizes``, default
+none). With one instance MLServer runs with
 ``parallel_workers = 0``: inference in the server's own process, like trioinfer's one
 process (``1`` would add a worker process and a queue hop between it and the HTTP process);
 its ``predict`` runs ``session.run`` on one dedicated thread so that, as in trioinfer, the
@@ -276,12 +284,13 @@ config = TritonConfig(
 )
 with Triton(config=config) as triton:
     for name, path in SPEC["models"].items():
-        sess = session(path)
+        # One callable per instance, each with a session of its own (Triton's instance count).
+        sessions = [session(path) for _ in range({instances})]
         triton.bind(
             model_name=name,
-            infer_func=infer_function(sess),
-            inputs=tensors(sess.get_inputs()),
-            outputs=tensors(sess.get_outputs()),
+            infer_func=[infer_function(s) for s in sessions],
+            inputs=tensors(sessions[0].get_inputs()),
+            outputs=tensors(sessions[0].get_outputs()),
             config=ModelConfig(
                 max_batch_size={max_batch},
                 batcher=DynamicBatcher(max_queue_delay_microseconds={delay_us}),
@@ -398,7 +407,7 @@ QUIET = {{"enable_access_log": False, "log_level": "WARNING"}}
 
 
 @serve.deployment(
-    num_replicas=1,
+    num_replicas={instances},
     max_ongoing_requests={max_ongoing},
     ray_actor_options={{"num_cpus": 0}},
     logging_config=QUIET,
@@ -685,7 +694,10 @@ def start_triton(
 ) -> Server:
     """The generated PyTriton script with the Triton venv's python."""
     text = TRITON_SERVER.format(
-        threads=args.threads, max_batch=MAX_BATCH, delay_us=round(MAX_QUEUE_DELAY * 1e6)
+        threads=args.threads,
+        instances=args.instances,
+        max_batch=MAX_BATCH,
+        delay_us=round(MAX_QUEUE_DELAY * 1e6),
     )
     # Triton's Python backend stub links libpython: point it at this interpreter's lib folder
     # (the venv's python is this one).
@@ -706,6 +718,7 @@ def start_ray(
     """The generated Ray Serve script with the Ray venv's python."""
     text = RAY_SERVER.format(
         threads=args.threads,
+        instances=args.instances,
         max_batch=MAX_BATCH,
         delay=MAX_QUEUE_DELAY,
         # Above the client concurrency, or Ray Serve sheds and retries: 13-33 req/s at C=256.
@@ -1124,8 +1137,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--mlserver-workers",
         type=int,
-        default=0,
-        help="MLServer's parallel_workers (0: inference in the server process, the default here)",
+        default=None,
+        help="MLServer's parallel_workers (0: inference in the server process; default: 0 with "
+        "one instance, else --instances: one worker process, one model copy, per instance)",
     )
     parser.add_argument(
         "--mlserver-predict",
@@ -1158,6 +1172,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         parser.error("--duration and --threads must be >= 1, --warmup >= 0")
     if args.minilm_seq_len < 2:
         parser.error("--minilm-seq-len must be >= 2 ([CLS] and [SEP])")
+    if args.mlserver_workers is None:
+        args.mlserver_workers = args.instances if args.instances > 1 else 0
+    if args.mlserver_workers < 0:
+        parser.error("--mlserver-workers must be >= 0")
     args.encodings = ["json", "binary"] if args.binary_models else ["json"]
     args.server_args = ""
     return args
@@ -1295,8 +1313,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
     print(
         f"every ONNX Runtime session: intra_op_num_threads={args.threads}, sequential, CPU; "
-        f"batching max {MAX_BATCH} / {MAX_QUEUE_DELAY * 1e3:g} ms (naive: none); one instance"
-        f"{f' (trioinfer: {args.instances})' if args.instances > 1 else ''}; "
+        f"batching max {MAX_BATCH} / {MAX_QUEUE_DELAY * 1e3:g} ms (naive: none); "
+        f"{args.instances} instance(s) of each model, a session each (naive: one session); "
         f"MLServer parallel_workers={args.mlserver_workers}, predict {args.mlserver_predict}"
     )
     print(
