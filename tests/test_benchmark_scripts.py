@@ -8,6 +8,7 @@ through them, on a stand-in model, and the skip when the real one cannot be made
 
 from __future__ import annotations
 
+import ast
 import json
 import sys
 from collections.abc import Iterator
@@ -55,6 +56,56 @@ def test_compare_options_fit_bench_http_repository(
     for wrong in ("8,4", "0", "a", "2,2"):
         with pytest.raises(SystemExit):
             compare.parse_args(["--tune-batch-sizes", wrong])
+
+
+def _keyword(tree: ast.AST, function: str, name: str) -> ast.expr:
+    """The value of keyword *name* in the one call of *function* (a name or attribute)."""
+    found = [
+        kw.value
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Call)
+        and getattr(node.func, "attr", getattr(node.func, "id", None)) == function
+        for kw in node.keywords
+        if kw.arg == name
+    ]
+    assert len(found) == 1, (function, name, found)
+    return found[0]
+
+
+@pytest.mark.parametrize("instances", [1, 3])
+def test_compare_gives_every_batching_peer_the_instances(
+    scripts: tuple[Any, Any], instances: int
+) -> None:
+    """--instances reaches Triton's callables, Ray's replicas and MLServer's workers."""
+    _bench_http, compare = scripts
+    args = compare.parse_args(["--instances", str(instances), "--threads", "2"])
+    triton = ast.parse(compare.triton_script(args))
+    callables = _keyword(triton, "bind", "infer_func")
+    assert isinstance(callables, ast.ListComp)  # one callable per session
+    sessions = next(
+        node.value
+        for node in ast.walk(triton)
+        if isinstance(node, ast.Assign) and getattr(node.targets[0], "id", "") == "sessions"
+    )
+    assert isinstance(sessions, ast.ListComp)
+    assert ast.literal_eval(sessions.generators[0].iter.args[0]) == instances  # type: ignore[attr-defined]
+    ray = ast.parse(compare.ray_script(args))
+    assert ast.literal_eval(_keyword(ray, "deployment", "num_replicas")) == instances
+    for tree in (triton, ray):
+        threads = [
+            ast.literal_eval(node.value)
+            for node in ast.walk(tree)
+            if isinstance(node, ast.Assign)
+            and getattr(node.targets[0], "attr", "") == "intra_op_num_threads"
+        ]
+        assert threads == [2]
+    workers = compare.mlserver_settings(args, 1, 2)["parallel_workers"]
+    # One instance: inference in MLServer's own process, as trioinfer's.
+    assert workers == (instances if instances > 1 else 0)
+    explicit = compare.parse_args(["--instances", str(instances), "--mlserver-workers", "1"])
+    assert compare.mlserver_settings(explicit, 1, 2)["parallel_workers"] == 1
+    with pytest.raises(SystemExit):
+        compare.parse_args(["--mlserver-workers", "-1"])
 
 
 def test_compare_options_for_minilm(scripts: tuple[Any, Any], tmp_path: Path) -> None:
@@ -181,3 +232,28 @@ def test_minilm_refused_when_its_embedding_differs(
     assert bench_http.write_repository(tmp_path / "repo", args, skipped=skipped) == {}
     assert "the exported model's embedding differs" in skipped["minilm"]
     assert "max abs diff 1.00e+00" in capsys.readouterr().out
+
+
+def test_goals_judge_the_ceiling_only_like_for_like(scripts: tuple[Any, Any]) -> None:
+    """The wide-binary goal is against one session: with more instances it is not judged."""
+    bench_http, compare = scripts
+
+    def rows(rate: float) -> list[Any]:
+        return [
+            bench_http.Row("wide", "ort32", 0, 1, 1000.0, 0, 0, 0, 0),
+            bench_http.Row("wide", "trioinfer+bin", 64, 1, rate, 0, 0, 0, 0),
+            bench_http.Row("digits", "trioinfer", 64, 1, 5000.0, 0, 0, 0, 0),
+            bench_http.Row("digits", "naive", 64, 1, 1000.0, 0, 0, 0, 0),
+        ]
+
+    args = compare.parse_args(["--repeat", "1"])
+    digits, wide = compare.goal_lines(rows(790.0), args)
+    assert "0.79x (0.79), MISSES >= 0.8x" in wide
+    assert "5.00x (5.00), meets >= 5.0x" in digits
+    assert "0.81x (0.81), meets" in compare.goal_lines(rows(810.0), args)[1]
+    args = compare.parse_args(["--repeat", "1", "--instances", "2"])
+    digits, wide = compare.goal_lines(rows(1900.0), args)
+    assert "not judged in this run (2 instances against a one-session ceiling" in wide
+    assert "meets" in digits  # a ratio between servers stays like for like
+    assert compare.goal_lines([], args)[0].endswith("not measured in this run")
+    assert compare.cell([], ".2f") == "-"
