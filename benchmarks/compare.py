@@ -29,8 +29,11 @@ Issue 6, section 2. Systems, each started on its own, measured, stopped:
               [N, 1]; the answer check allows that reshape and nothing else. Its Python stub
               needs ``LD_LIBRARY_PATH`` at this interpreter's lib folder, which the script sets
   ray         Ray Serve: one application per model at ``/v2/models/{name}``, one replica
-              whose ``@serve.batch(max_batch_size=32, batch_wait_timeout_s=0.005)`` method
-              concatenates each input's rows and runs the session; ``max_ongoing_requests``
+              (``--instances``) whose ``@serve.batch(max_batch_size=32,
+              batch_wait_timeout_s=0.005)`` method concatenates each input's rows and runs
+              the session on one dedicated thread, as the MLServer runtime does, so that
+              the replica's event loop keeps taking requests while a batch runs;
+              ``max_ongoing_requests``
               above the client concurrency (below it Ray Serve collapses at C=256). Ray runs on one
               local node (``ray.init(_node_ip_address="127.0.0.1")``, no dashboard, usage
               stats off) with ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0``, without which it binds
@@ -386,10 +389,12 @@ trio.run(serve, app, config)
 RAY_SERVER = '''\
 """Written by benchmarks/compare.py: ONNX Runtime behind Ray Serve's ``@serve.batch``."""
 
+import asyncio
 import json
 import signal
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import onnxruntime as ort
@@ -425,13 +430,19 @@ class OnnxModel:
         self.session = ort.InferenceSession(path, options, providers=["CPUExecutionProvider"])
         self.inputs = [i.name for i in self.session.get_inputs()]
         self.outputs = [o.name for o in self.session.get_outputs()]
+        # One thread runs every batch, like trioinfer's dispatch thread and the MLServer
+        # runtime's: the replica's event loop keeps taking requests while a batch runs.
+        self.executor = ThreadPoolExecutor(1, thread_name_prefix="onnx")
 
     @serve.batch(max_batch_size={max_batch}, batch_wait_timeout_s={delay})
     async def run(self, requests):
         # Each request's feeds: every input's rows, by name; concatenated input by input.
         sizes = [len(feeds[self.inputs[0]]) for feeds in requests]
         batch = {{n: np.concatenate([feeds[n] for feeds in requests]) for n in self.inputs}}
-        results = self.session.run(self.outputs, batch)
+        loop = asyncio.get_running_loop()
+        results = await loop.run_in_executor(
+            self.executor, self.session.run, self.outputs, batch
+        )
         answers, start = [], 0
         for size in sizes:
             answers.append([r[start : start + size] for r in results])
