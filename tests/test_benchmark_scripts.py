@@ -11,6 +11,7 @@ from __future__ import annotations
 import ast
 import json
 import sys
+import types
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -74,14 +75,18 @@ def _keyword(tree: ast.AST, function: str, name: str) -> ast.expr:
 
 @pytest.mark.parametrize("instances", [1, 3])
 def test_compare_gives_every_batching_peer_the_instances(
-    scripts: tuple[Any, Any], instances: int
+    scripts: tuple[Any, Any], instances: int, tmp_path: Path
 ) -> None:
     """--instances reaches Triton's callables, Ray's replicas and MLServer's workers."""
     _bench_http, compare = scripts
     args = compare.parse_args(["--instances", str(instances), "--threads", "2"])
     triton = ast.parse(compare.triton_script(args))
+    # One callable per session: [infer_function(s) for s in sessions].
     callables = _keyword(triton, "bind", "infer_func")
-    assert isinstance(callables, ast.ListComp)  # one callable per session
+    assert isinstance(callables, ast.ListComp)
+    loop = callables.generators[0]
+    assert ast.unparse(loop.iter) == "sessions"
+    assert ast.unparse(callables.elt) == f"infer_function({ast.unparse(loop.target)})"
     sessions = next(
         node.value
         for node in ast.walk(triton)
@@ -91,7 +96,13 @@ def test_compare_gives_every_batching_peer_the_instances(
     assert ast.literal_eval(sessions.generators[0].iter.args[0]) == instances  # type: ignore[attr-defined]
     ray = ast.parse(compare.ray_script(args))
     assert ast.literal_eval(_keyword(ray, "deployment", "num_replicas")) == instances
-    for tree in (triton, ray):
+    model = types.SimpleNamespace(config_path=tmp_path / "digits" / "config.toml")
+    compare.write_mlserver_repository(
+        tmp_path / "mlserver", {"digits": model}, args.threads, "thread"
+    )
+    runtime = ast.parse((tmp_path / "mlserver" / "digits" / "onnx_runtime.py").read_text())
+    trees = (triton, ray, runtime)
+    for tree in trees:
         threads = [
             ast.literal_eval(node.value)
             for node in ast.walk(tree)
