@@ -1043,14 +1043,13 @@ def goal_lines(rows: Sequence[Row], args: argparse.Namespace) -> list[str]:
     """Issue 6's goals at C=64 against this run: each goal's ratio, each repeat's, the verdict."""
     lines = []
     for goal, (model, a, b, floor) in GOALS.items():
-        found = ratios(rows, args, model, a, b, 64)
         if b == "ort32" and args.instances > 1:
             # The ceiling is one session: N instances against it is no like-for-like ratio.
             lines.append(
                 f"{goal}: not judged in this run ({args.instances} instances against a "
                 "one-session ceiling; run it with --instances 1)"
             )
-        elif found:
+        elif found := ratios(rows, args, model, a, b, 64):
             verdict = "meets" if med(found) >= floor else "MISSES"
             lines.append(
                 f"{goal}: {med(found):.2f}x ({fmt_each(found, '.2f')}), {verdict} >= {floor}x"
@@ -1089,12 +1088,11 @@ def plot(rows: Sequence[Row], systems: Sequence[str], args: argparse.Namespace) 
     # A ceiling far above every server (digits: ~500,000 rows/s against ~1,000 req/s) would
     # squash the bars: the axis stops at 4x the fastest bar and such a ceiling is written
     # at the top instead.
-    top = 4 * max((r.rate for r in rows if r.how != "ort32"), default=1.0)
+    served = [r.rate for r in rows if r.how != "ort32" and r.rate > 0]
+    top = 4 * max(served, default=1.0)
     # A log axis that starts just under the shortest bar makes it look like nothing: start
     # well below everything drawn, so that bar heights compare as ratios.
-    drawn = [r.rate for r in rows if r.how != "ort32" and r.rate > 0]
-    drawn += [c for c in ceilings.values() if c < top]
-    bottom = min(drawn, default=1.0) / 4
+    bottom = min([*served, *(c for c in ceilings.values() if c < top)], default=1.0) / 4
     for ax, conc in zip(axes[0], args.concurrency, strict=True):
         for i, system in enumerate(systems):
             xs, heights = [], []

@@ -101,8 +101,7 @@ def test_compare_gives_every_batching_peer_the_instances(
         tmp_path / "mlserver", {"digits": model}, args.threads, "thread"
     )
     runtime = ast.parse((tmp_path / "mlserver" / "digits" / "onnx_runtime.py").read_text())
-    trees = (triton, ray, runtime)
-    for tree in trees:
+    for tree in (triton, ray, runtime):
         threads = [
             ast.literal_eval(node.value)
             for node in ast.walk(tree)
