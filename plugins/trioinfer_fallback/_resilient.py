@@ -52,8 +52,10 @@ class Resilient:
        capacity first); else, only for errors the backend marks
        ``transient``, on the same instance after a backoff (exponential from
        *backoff*, capped at *max_backoff*, with full jitter). No attempt
-       starts after the batch's latest deadline, and requests whose callers
-       left are not sent again.
+       starts after the batch's latest deadline; and right before an attempt
+       reaches the backend (after waiting for the instance and its device),
+       the engine drops the requests whose callers left or whose deadline
+       passed, so they are never computed.
     2. **Other models.** Each request still unanswered goes to the *models*
        named, in order (another model or version, loaded in the same engine),
        under its own deadline.

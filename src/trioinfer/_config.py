@@ -174,29 +174,38 @@ def _to_path(value: str | os.PathLike[str]) -> Path:
     return Path(value)
 
 
-def _to_timeouts(value: object) -> Mapping[int, float]:
+def _per_level(name: str, what: str, value: object, valid: Any) -> dict[int, Any]:
+    # A table keyed by priority level (TOML keys are strings: "0", "-1").
     if not isinstance(value, Mapping):
-        raise ConfigError(
-            f"queue_timeouts must be a table of priority level = seconds, got {value!r}"
-        )
-    out: dict[int, float] = {}
-    for level, seconds in value.items():
+        raise ConfigError(f"{name} must be a table of priority level = {what}, got {value!r}")
+    out: dict[int, Any] = {}
+    for level, item in value.items():
         try:
             key = int(level)
         except (TypeError, ValueError):
-            raise ConfigError(
-                f"queue_timeouts: {level!r} is not an integer priority level"
-            ) from None
-        if (
-            not isinstance(seconds, (int, float))
-            or isinstance(seconds, bool)
-            or not 0 < seconds < math.inf
-        ):
-            raise ConfigError(
-                f"queue_timeouts: level {key} needs a positive number of seconds, got {seconds!r}"
-            )
-        out[key] = float(seconds)
-    return MappingProxyType(out)
+            raise ConfigError(f"{name}: {level!r} is not an integer priority level") from None
+        if isinstance(item, bool) or not valid(item):
+            raise ConfigError(f"{name}: level {key} needs {what}, got {item!r}")
+        out[key] = item
+    return out
+
+
+def _to_timeouts(value: object) -> Mapping[int, float]:
+    levels = _per_level(
+        "queue_timeouts",
+        "a positive number of seconds",
+        value,
+        lambda v: isinstance(v, (int, float)) and 0 < v < math.inf,
+    )
+    return MappingProxyType({level: float(seconds) for level, seconds in levels.items()})
+
+
+def _to_queue_sizes(value: object) -> Mapping[int, int]:
+    return MappingProxyType(
+        _per_level(
+            "queue_sizes", "a positive integer", value, lambda v: isinstance(v, int) and v > 0
+        )
+    )
 
 
 def _plugin_name(_inst: object, attribute: attrs.Attribute[Any], value: str) -> None:
@@ -228,6 +237,14 @@ class ModelConfig:
             [`DeadlineExceeded`][trioinfer.DeadlineExceeded], never computed.
             A caller's own deadline always wins. In config.toml, a table keyed by
             the level, e.g. ``queue_timeouts = { "0" = 0.5 }``.
+        queue_sizes: Most requests of a given priority level that may wait
+            (Triton's per-priority ``max_queue_size``); a level not listed is
+            bounded by *max_queue_size* alone. Bounding the low levels keeps
+            room for the high ones under overload: with ``max_queue_size =
+            1024`` and ``queue_sizes = {0: 768}``, level-0 requests never take
+            the last 256 places. Past its bound a request is refused with
+            [`QueueFull`][trioinfer.QueueFull]. In config.toml, e.g.
+            ``queue_sizes = { "0" = 768 }``.
         cpu_fallback: Whether an instance may run on the CPU when its GPU device is not usable.
         max_elements_per_input: Cap on one input tensor's element count.
         max_elements_per_request: Cap on a request's element count over all inputs.
@@ -248,6 +265,7 @@ class ModelConfig:
     fallback_options: Mapping[str, Any] = attrs.field(factory=dict, converter=_to_options)
     max_queue_size: int = attrs.field(default=1024, validator=_positive)
     queue_timeouts: Mapping[int, float] = attrs.field(factory=dict, converter=_to_timeouts)
+    queue_sizes: Mapping[int, int] = attrs.field(factory=dict, converter=_to_queue_sizes)
     cpu_fallback: bool = True
     max_elements_per_input: int = attrs.field(default=1 << 26, validator=_positive)
     max_elements_per_request: int = attrs.field(default=1 << 27, validator=_positive)

@@ -225,9 +225,12 @@ class Execution:
     async def run(self, replica: Replica | None = None) -> None:
         """Run the pending requests on *replica* (by default the chosen one) and answer them.
 
-        Waits until the replica is free to take another execution. Requests
-        whose callers left since an earlier attempt are not sent again. A
-        replica that is out may be used (a probe, say); dispatch never chooses one.
+        Waits until the replica is free to take another execution (and its
+        device, under ``device_limits``). Then, right before the backend call,
+        requests whose callers left are dropped, and those whose deadline has
+        passed end with [`DeadlineExceeded`][trioinfer.DeadlineExceeded]: no
+        row is computed for them; when none is left, nothing runs. A replica
+        that is out may be used (a probe, say); dispatch never chooses one.
 
         Raises:
             Exception: What the backend raised (usually

@@ -39,6 +39,7 @@ from ._exceptions import (
 )
 from ._request import Outputs, Request, Status
 from ._tensors import InputLimits, ModelSignature
+from ._tensors import rows as _rows
 from ._threads import EventLike, LoopClock, native_event_factory
 from .abc import Backend, BackendInstance, Batcher, Fallback, Scheduler
 
@@ -57,6 +58,7 @@ class RequestQueue:
 
     __slots__ = (
         "_front",
+        "_levels",
         "_new_event",
         "_on_expired",
         "_scheduler",
@@ -72,8 +74,13 @@ class RequestQueue:
         on_expired: Any,
         batched: bool = True,
         preferred_batch_sizes: tuple[int, ...] = (),
+        count_levels: bool = False,
     ) -> None:
         self._scheduler = scheduler
+        # Requests waiting per priority level, kept only for per-level bounds.
+        self._levels: collections.Counter[int] | None = (
+            collections.Counter() if count_levels else None
+        )
         # Requests a batcher gave back: they were at the head, so they stay there,
         # ahead of the scheduler's order, without being admitted a second time.
         self._front: collections.deque[Request] = collections.deque()
@@ -91,6 +98,10 @@ class RequestQueue:
     def __len__(self) -> int:
         """Requests waiting (some may have expired and not yet been dropped)."""
         return len(self._front) + len(self._scheduler)
+
+    def _waiting_at(self, priority: int) -> int:
+        assert self._levels is not None
+        return self._levels[priority]
 
     async def wait_not_empty(self) -> None:
         """Wait until at least one request is waiting."""
@@ -119,6 +130,8 @@ class RequestQueue:
                 front.popleft()
             else:
                 scheduler.pop()
+            if self._levels is not None:
+                self._levels[request.priority] -= 1
             self._on_expired(request, now)
         raise anyio.WouldBlock
 
@@ -135,6 +148,8 @@ class RequestQueue:
         while front or len(scheduler):
             request = front.popleft() if front else scheduler.pop()
             self.taken += 1
+            if self._levels is not None:
+                self._levels[request.priority] -= 1
             if request.deadline == math.inf:
                 return request
             now = anyio.current_time()
@@ -149,20 +164,29 @@ class RequestQueue:
         They go back to the head of the queue, in the order given, ahead of
         everything the scheduler holds; the scheduler does not see them again.
         """
-        self._front.extendleft(reversed([r for r in requests if r.status is Status.QUEUED]))
+        back = [r for r in requests if r.status is Status.QUEUED]
+        self._front.extendleft(reversed(back))
+        if self._levels is not None:
+            self._levels.update(r.priority for r in back)
         if self._front and self._wakeup is not None:
             self._wakeup.set()
             self._wakeup = None
 
     def _push(self, request: Request) -> None:
         self._scheduler.push(request)
+        if self._levels is not None:
+            self._levels[request.priority] += 1
         if self._wakeup is not None:
             self._wakeup.set()
             self._wakeup = None
 
     def _remove(self, request: Request) -> None:
-        if not self._scheduler.remove(request) and request in self._front:
+        removed = self._scheduler.remove(request)
+        if not removed and request in self._front:
             self._front.remove(request)  # at most a batch's worth: a short scan
+            removed = True
+        if removed and self._levels is not None:
+            self._levels[request.priority] -= 1
 
 
 @final
@@ -457,11 +481,19 @@ class ModelRunner:
         self._serving = len(self.replicas)
         self.signature = self._instances[0].signature
         self.batched = self.signature.batched
+        if not self.batched and self.config.batcher != "none":
+            logger.warning(
+                "model %r: the %r batcher will not group requests, each runs alone: %s",
+                self.config.name,
+                self.config.batcher,
+                self.signature.unbatched_reason,
+            )
         self.queue = RequestQueue(
             self._scheduler,
             self._expire,
             self.batched,
             _preferred(self._instances[0], self.config.name),
+            count_levels=bool(self.config.queue_sizes),
         )
         self._turns = _Turns(self._new_event, self.queue)
         self._assemble = getattr(self._batcher, "assemble", None)
@@ -595,48 +627,57 @@ class ModelRunner:
         # side of Execution.run().
         slot = replica._slot
         await slot.acquire()
+        limiter = self._device_limits.get(replica.device)
         try:
-            live = execution.pending()
-            if not live:
-                return
-            rows = 0
-            for request in live:
-                rows += request.rows
-            outputs: Outputs | None = None
-            split: Callable[[Outputs], Sequence[Outputs]]
-            taken: list[Any] = []
-            if self._assemble is not None:
-                try:
-                    inputs, split = self._assemble(live)
-                except Exception as exc:
-                    # A batcher's bug fails its batch, not the instance's worker.
-                    self._fail_plugin(live, "assemble", exc)
-                    return
-            elif len(live) == 1:
-                inputs, split = live[0].inputs, _alone
-            else:
-                names = live[0].inputs.keys()
-                inputs, taken = self._pool.concatenate(
-                    {name: [r.inputs[name] for r in live] for name in names}
-                )
-                split = functools.partial(_split, live)
-            self._batch_size.observe(rows)
-            self.executions += 1
-            replica.executions += 1
-            started = self.clock.current_time()
+            if limiter is not None:
+                await limiter.acquire()
             try:
-                outputs = await self._run_on(replica, inputs)
-            finally:
-                ended = self.clock.current_time()
-                elapsed = ended - started
-                self._compute_duration.observe(elapsed, len(live))
-                if outputs is not None:  # aborted and failed runs say little of the next one
-                    mean = self._mean_execution_s
-                    self._mean_execution_s = (
-                        elapsed if mean == 0.0 else mean + 0.2 * (elapsed - mean)
+                # After every wait (this slot, the device, a fallback's backoff):
+                # rows whose caller left or whose deadline passed go no further.
+                live = self._live(execution.requests)
+                if not live:
+                    return
+                rows = 0
+                for request in live:
+                    rows += request.rows
+                outputs: Outputs | None = None
+                split: Callable[[Outputs], Sequence[Outputs]]
+                taken: list[Any] = []
+                if self._assemble is not None:
+                    try:
+                        inputs, split = self._assemble(live)
+                    except Exception as exc:
+                        # A batcher's bug fails its batch, not the instance's worker.
+                        self._fail_plugin(live, "assemble", exc)
+                        return
+                elif len(live) == 1:
+                    inputs, split = live[0].inputs, _alone
+                else:
+                    names = live[0].inputs.keys()
+                    inputs, taken = self._pool.concatenate(
+                        {name: [r.inputs[name] for r in live] for name in names}
                     )
-                if taken:
-                    self._pool.give_back(taken, outputs)
+                    split = functools.partial(_split, live)
+                self._batch_size.observe(rows)
+                self.executions += 1
+                replica.executions += 1
+                started = self.clock.current_time()
+                try:
+                    outputs = await self._call_backend(replica, inputs, rows if self.batched else 0)
+                finally:
+                    ended = self.clock.current_time()
+                    elapsed = ended - started
+                    self._compute_duration.observe(elapsed, len(live))
+                    if outputs is not None:  # aborted and failed runs say little of the next one
+                        mean = self._mean_execution_s
+                        self._mean_execution_s = (
+                            elapsed if mean == 0.0 else mean + 0.2 * (elapsed - mean)
+                        )
+                    if taken:
+                        self._pool.give_back(taken, outputs)
+            finally:
+                if limiter is not None:
+                    limiter.release()
         finally:
             slot.release()
         try:
@@ -655,6 +696,25 @@ class ModelRunner:
                 request_duration(ended - request.arrival)
                 state.served_by = replica
             self._finish(request, outputs=share)
+
+    def _live(self, requests: Sequence[Request]) -> list[Request]:
+        # The batch's rows still worth computing: running, caller still there,
+        # deadline not passed. The others end here, exactly once, uncomputed.
+        live: list[Request] = []
+        now: float | None = None
+        for request in requests:
+            state = request._state
+            if state.status is not Status.RUNNING:
+                continue
+            if request.deadline != math.inf:
+                if now is None:
+                    now = self.clock.current_time()
+                if request.deadline <= now:
+                    state.batch.waiting -= 1
+                    self._expire(request, now)
+                    continue
+            live.append(request)
+        return live
 
     def _fail_plugin(self, requests: Sequence[Request], step: str, exc: Exception) -> None:
         for request in requests:
@@ -687,6 +747,17 @@ class ModelRunner:
                 f"max_queue_size; retry later",
                 retry_after=self.retry_after(),
             )
+        bounds = self.config.queue_sizes
+        if bounds and request.priority in bounds:
+            waiting = self.queue._waiting_at(request.priority)
+            if waiting >= bounds[request.priority]:
+                self.refused += 1
+                raise QueueFull(
+                    f"model {self.config.name!r} has {waiting} requests of priority "
+                    f"{request.priority} queued, its queue_sizes bound for that level; "
+                    "retry later",
+                    retry_after=self.retry_after(),
+                )
         try:
             self.queue._push(request)
         except TrioInferError:
@@ -739,7 +810,7 @@ class ModelRunner:
             request,
             error=DeadlineExceeded(
                 f"request {request.id!r} for model {self.config.name!r} reached its deadline "
-                f"after {now - request.arrival:.3f}s in the queue; nothing was computed"
+                f"after {now - request.arrival:.3f}s waiting to run; nothing was computed"
             ),
         )
 
@@ -844,21 +915,29 @@ class ModelRunner:
         await replica._slot.acquire()
         try:
             replica.executions += 1
-            await self._run_on(replica, arrays)
+            limiter = self._device_limits.get(replica.device)
+            if limiter is None:
+                await self._call_backend(replica, arrays, _rows(arrays) if self.batched else 0)
+            else:
+                async with limiter:
+                    await self._call_backend(replica, arrays, _rows(arrays) if self.batched else 0)
         finally:
             replica._slot.release()
 
-    async def _run_on(self, replica: Replica, inputs: Mapping[str, Any]) -> Outputs:
-        # One backend call on a replica whose slot the caller holds, within its device's limit.
-        limiter = self._device_limits.get(replica.device)
+    async def _call_backend(
+        self, replica: Replica, inputs: Mapping[str, Any], rows: int
+    ) -> Outputs:
+        # One backend call on a replica whose slot (and device) the caller holds.
+        # With *rows*, every output must hold that many rows: only then can each
+        # caller get its own. A failure here counts against the replica.
         try:
-            if limiter is None:
-                return await replica._backend_instance.execute(inputs)
-            async with limiter:
-                return await replica._backend_instance.execute(inputs)
+            outputs = await replica._backend_instance.execute(inputs)
+            if rows:
+                _check_rows(self.config.name, replica, outputs, rows)
         except Exception:
             replica.failures += 1
             raise
+        return outputs
 
     async def recreate(self, replica: Replica) -> None:
         """Load a fresh backend instance for *replica*; see `FallbackContext.recreate`."""
@@ -997,6 +1076,19 @@ def _backend_error(model: str, request: Request, exc: Exception) -> TrioInferErr
         )
     error.__cause__ = exc
     return error
+
+
+def _check_rows(model: str, replica: Replica, outputs: Outputs, rows: int) -> None:
+    for name, array in outputs.items():
+        shape = tuple(getattr(array, "shape", ()))
+        if not shape or shape[0] != rows:
+            raise BackendError(
+                f"model {model!r}: {replica.label} returned output {name!r} with shape "
+                f"{list(shape)} for a batch of {rows} rows; every output of a batched model "
+                "must have one row per input row, or no request could be given its own rows "
+                "(an output whose first dimension is not the batch must be named differently "
+                "from the inputs' in the model; then each request runs alone)"
+            )
 
 
 def _alone(outputs: Outputs) -> list[Outputs]:

@@ -86,18 +86,34 @@ class ModelSignature:
     inputs: tuple[TensorSpec, ...]
     outputs: tuple[TensorSpec, ...]
     _input_names: frozenset[str] = attrs.field(init=False, eq=False, repr=False)
-    _batched: bool = attrs.field(init=False, eq=False, repr=False)
+    _unbatched_reason: str | None = attrs.field(init=False, eq=False, repr=False)
 
     @_input_names.default
     def _names_default(self) -> frozenset[str]:
         return frozenset(spec.name for spec in self.inputs)
 
-    @_batched.default
-    def _batched_default(self) -> bool:
+    @_unbatched_reason.default
+    def _unbatched_default(self) -> str | None:
         tensors = self.inputs + self.outputs
-        return bool(tensors) and all(
-            t.rank >= 1 and not isinstance(t.shape[0], int) for t in tensors
-        )
+        if not tensors:
+            return "it has no inputs or outputs"
+        for t in tensors:
+            if t.rank == 0 or isinstance(t.shape[0], int):
+                return f"{t.name!r} is {t.describe()}, without a variable first dimension"
+        # Requests share an execution only if every output's first dimension is
+        # the batch: the engine cuts each caller's rows out of it. An output
+        # whose first dimension the model names differently (Reshape to
+        # [pairs, 2], say) could not be cut that way.
+        batch = {t.shape[0] for t in self.inputs}
+        if batch and all(isinstance(d, str) for d in batch):
+            for t in self.outputs:
+                if isinstance(t.shape[0], str) and t.shape[0] not in batch:
+                    names = ", ".join(repr(d) for d in sorted(batch, key=str))
+                    return (
+                        f"output {t.name!r} is {t.describe()}: its first dimension is not the "
+                        f"inputs' ({names}), so it cannot be cut into each request's rows"
+                    )
+        return None
 
     def input(self, name: str) -> TensorSpec:
         """Return the input called *name*; raises ``KeyError`` if there is none."""
@@ -115,8 +131,18 @@ class ModelSignature:
 
     @property
     def batched(self) -> bool:
-        """Whether every input and output has a variable first dimension (a batch dim)."""
-        return self._batched
+        """Whether requests may share an execution, each getting its own rows of every output.
+
+        True when every input and output has a variable first dimension and
+        no output names its first dimension differently from the inputs'
+        (``y[pairs, 2]`` from ``x[batch, 4]``); see `unbatched_reason`.
+        """
+        return self._unbatched_reason is None
+
+    @property
+    def unbatched_reason(self) -> str | None:
+        """Why the model is not batched (each request then runs alone), or ``None`` if it is."""
+        return self._unbatched_reason
 
 
 @attrs.frozen

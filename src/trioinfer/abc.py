@@ -71,6 +71,11 @@ class BackendInstance(Protocol):
         compute must run off the event loop (a worker thread, or the runtime's
         own asynchronous call); the event loop never waits on compute.
 
+        For a batched model (``signature.batched``), every output must have
+        one row per input row: the engine cuts each caller's rows out of it,
+        and fails the whole batch with ``BackendError`` when an output's first
+        dimension is anything else.
+
         Runs under the caller's cancel scope and sets no timeout of its own.
         When cancelled, abort the computation where the runtime allows it, wait
         until the instance can take the next call, then let ``Cancelled``

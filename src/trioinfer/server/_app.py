@@ -383,6 +383,7 @@ async def _model_config(request: Request, state: ServerState) -> Response:
             "fallback": config.fallback,
             "max_queue_size": config.max_queue_size,
             "queue_timeouts": {str(k): v for k, v in config.queue_timeouts.items()},
+            "queue_sizes": {str(k): v for k, v in config.queue_sizes.items()},
             "instances": [
                 {"device": str(i.device), "count": i.count, "capacity": i.capacity}
                 for i in config.instances

@@ -14,6 +14,7 @@ from .._config import Device, Instance, ModelConfig, Placement
 from .._exceptions import BackendError, TrioInferError
 from .._request import Request
 from .._tensors import ModelSignature
+from .._tensors import rows as _rows
 from ..abc import Backend, BackendInstance, Fallback, Scheduler
 
 _arrivals = itertools.count()
@@ -140,7 +141,10 @@ async def check_backend(
     """Check that a backend keeps the [`Backend`][trioinfer.abc.Backend] contract.
 
     Loads one instance and checks its signature; that ``execute`` returns every
-    declared output with the declared dtype, rank and fixed dims; that a
+    declared output with the declared dtype, rank and fixed dims; for a
+    batched model, that every output has one row per input row, for the
+    sample and for the sample twice over (the engine cuts each caller's rows
+    out of a batch's outputs); that a
     cancelled ``execute`` propagates the cancellation and leaves the instance
     usable; that ``aclose`` is idempotent; and that ``execute`` after
     ``aclose`` raises [`BackendError`][trioinfer.BackendError].
@@ -169,6 +173,13 @@ async def check_backend(
 
         outputs = await instance.execute(inputs)
         _check_outputs(signature, outputs)
+        if signature.batched:
+            # The engine cuts each caller's rows out of a batch's outputs: they
+            # must follow the input rows, whatever their number.
+            rows = _rows(inputs)
+            _check_rows(outputs, rows)
+            doubled = {name: np.concatenate([array, array]) for name, array in inputs.items()}
+            _check_rows(await instance.execute(doubled), 2 * rows)
 
         with anyio.CancelScope() as scope:
             scope.cancel()
@@ -193,6 +204,17 @@ async def check_backend(
         pass
     else:
         _fail("execute() after aclose() returned instead of raising BackendError")
+
+
+def _check_rows(outputs: Mapping[str, Any], rows: int) -> None:
+    for name, array in outputs.items():
+        got = array.shape[0] if array.ndim else "no"
+        if got != rows:
+            _fail(
+                f"output {name!r} has {got} rows for {rows} input rows; a batched model's "
+                "outputs must have one row per input row (or name their first dimension "
+                "differently from the inputs' batch dimension)"
+            )
 
 
 def _check_outputs(signature: ModelSignature, outputs: object) -> None:
