@@ -171,6 +171,8 @@ def _to_options(value: object) -> Mapping[str, Any]:
 
 
 def _to_path(value: str | os.PathLike[str]) -> Path:
+    if not isinstance(value, (str, os.PathLike)):
+        raise ConfigError(f"path must be a file path (a string), got {value!r}")
     return Path(value)
 
 
@@ -308,7 +310,7 @@ class ModelConfig:
             ConfigError: Naming the key or field that is wrong.
         """
         data = dict(data)
-        if "path" in data and base is not None:
+        if base is not None and isinstance(data.get("path"), (str, os.PathLike)):
             data["path"] = base / Path(data["path"])
         return _build(cls, data, "model config")
 
@@ -317,8 +319,12 @@ class ModelConfig:
         """Read ``<repo>/<model>/config.toml`` and find the model file beside it.
 
         Without a ``path`` key, the model file is ``<version>/model.onnx`` next to
-        the config, for the highest numeric version directory (or *version*).
-        Without a ``name`` key, the directory's name is used.
+        the config, for the highest numeric version directory (or *version*);
+        a relative ``path`` is taken relative to the config's directory.
+        Without a ``name`` key, the directory's name is used. A relative
+        *path* is taken relative to the working directory now, and the
+        config holds an absolute model path, so that a later ``chdir`` does
+        not change which file loads.
 
         Raises:
             ConfigError: If the file is missing, not TOML, or describes an invalid model.
@@ -331,10 +337,10 @@ class ModelConfig:
             raise ConfigError(f"no model config at {path}") from None
         except tomllib.TOMLDecodeError as exc:
             raise ConfigError(f"{path} is not valid TOML: {exc}") from None
-        model_dir = path.parent
+        model_dir = path.absolute().parent
         data.setdefault("name", model_dir.name)
         if "path" not in data:
-            data["path"] = find_model_file(model_dir, version)
+            data["path"] = find_model_file(model_dir, version)  # already under model_dir
         return cls.from_dict(data, base=model_dir)
 
 
