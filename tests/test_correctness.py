@@ -481,3 +481,71 @@ def test_unbatched_reasons() -> None:
     assert "without a variable first dimension" in str(sig([(3, 4)], [("b", 2)]).unbatched_reason)
     assert "without a variable first dimension" in str(sig([("b", 4)], [()]).unbatched_reason)
     assert sig([], []).unbatched_reason == "it has no inputs or outputs"
+
+
+# -- an honest retry_after ---------------------------------------------------------
+
+
+async def test_retry_after_counts_the_large_request_that_holds_the_instance(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """An execution takes 10 ms a row here; a 50-row request holds the only instance."""
+
+    class PerRow(Recorder):
+        async def load(
+            self, config: ModelConfig, placement: trioinfer.Placement
+        ) -> RecorderInstance:
+            instance = await super().load(config, placement)
+            original = instance.execute
+
+            async def execute(inputs: Arrays) -> dict[str, np.ndarray[Any, Any]]:
+                await anyio.sleep(0.01 * len(inputs["x"]))
+                return await original(inputs)
+
+            instance.execute = execute  # type: ignore[method-assign]
+            return instance
+
+    backend = PerRow()
+    config = ModelConfig(name="m", path="-", backend="recorder", max_queue_size=2)
+    async with open_engine(registry=backend.registry()) as engine:
+        await engine.load(config)
+        for n in (1, 4, 1, 8, 2):  # history: executions of several sizes
+            await engine.infer("m", {"x": rows_of(0, n)})
+
+        async def refused_hint(big_deadline: float) -> float:
+            async with anyio.create_task_group() as tg:
+
+                async def big() -> None:
+                    with anyio.move_on_after(big_deadline):
+                        await engine.infer("m", {"x": rows_of(1, 50)})
+
+                tg.start_soon(big)
+                await anyio.sleep(0.1)  # 0.1 s into its 0.5 s
+                for _ in range(2):
+                    tg.start_soon(engine.infer, "m", {"x": rows_of(2)})
+                await trio.testing.wait_all_tasks_blocked()
+                with pytest.raises(QueueFull) as info:
+                    await engine.infer("m", {"x": rows_of(3)})
+            return info.value.retry_after
+
+        # Its caller leaves at 0.25 s, and the execution is aborted then (so
+        # it teaches nothing of how long 50 rows take).
+        capped = await refused_hint(0.25)
+        # 0.4 s left of the big one, then two queued executions of the usual size.
+        full = await refused_hint(math.inf)
+        assert 0.4 <= full <= 0.5
+        assert capped == pytest.approx(full - 0.25, abs=0.02)
+
+
+def test_retry_after_before_any_execution_guesses_ten_milliseconds_each() -> None:
+    from trioinfer._runner import _Cost
+
+    cost = _Cost()
+    assert cost.estimate(100) == 0.01
+    for _ in range(5):
+        cost.observe(4, 2, 0.04)
+    assert cost.estimate(4) == pytest.approx(0.04)
+    assert cost.estimate(8) == pytest.approx(0.08)  # one size seen: proportional
+    for rows, seconds in [(1, 0.012), (16, 0.042), (1, 0.012), (16, 0.042)] * 5:
+        cost.observe(rows, 1, seconds)
+    assert cost.estimate(31) == pytest.approx(0.072, rel=0.05)  # 10 ms + 2 ms a row

@@ -81,12 +81,11 @@ def test_server_repository_with_a_relative_root(workdir: Path) -> None:
 def test_bench_in_process_with_a_model_repository(workdir: Path, absolute: bool) -> None:
     out = workdir / "out.json"
     repository = str(workdir / "models") if absolute else "models/"
+    command = [sys.executable, "-m", "trioinfer", "bench", "--in-process"]
+    command += ["--model-repository", repository, "-m", "digits", "--concurrency", "2"]
+    command += ["--warmup", "0.05", "--window", "0.2", "--windows", "2", "--json", str(out)]
     result = subprocess.run(
-        [
-            sys.executable, "-m", "trioinfer", "bench", "--in-process",
-            "--model-repository", repository, "-m", "digits", "--concurrency", "2",
-            "--warmup", "0.05", "--window", "0.2", "--windows", "2", "--json", str(out),
-        ],  # fmt: skip
+        command,
         cwd=workdir,
         capture_output=True,
         text=True,

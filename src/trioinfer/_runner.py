@@ -407,6 +407,55 @@ class _Turns:
         self._busy = False
 
 
+@final
+class _Cost:
+    """How long an execution of n rows takes: a + b * n, from recent executions.
+
+    An exponentially weighted least-squares fit, so that a large request
+    running now is judged by its size, not by the small ones around it.
+    Also the usual rows and requests per execution, for the queue ahead.
+    """
+
+    __slots__ = ("_n", "_x", "_xx", "_xy", "_y", "requests")
+
+    #: Weight of past executions against each new one.
+    DECAY = 0.9
+    #: What an execution is assumed to take before any was measured: a guess
+    #: that does not invite a busy retry.
+    FIRST_GUESS_S = 0.01
+
+    def __init__(self) -> None:
+        self._n = self._x = self._xx = self._xy = self._y = 0.0
+        self.requests = 1.0
+
+    def observe(self, rows: int, requests: int, seconds: float) -> None:
+        d = self.DECAY
+        self._n = self._n * d + 1.0
+        self._x = self._x * d + rows
+        self._y = self._y * d + seconds
+        self._xx = self._xx * d + rows * rows
+        self._xy = self._xy * d + rows * seconds
+        self.requests += 0.2 * (requests - self.requests)
+
+    @property
+    def rows(self) -> float:
+        """The usual rows per execution."""
+        return self._x / self._n if self._n else 1.0
+
+    def estimate(self, rows: float) -> float:
+        """Seconds an execution of *rows* rows is expected to take."""
+        n = self._n
+        if not n:
+            return self.FIRST_GUESS_S
+        mean_x, mean_y = self._x / n, self._y / n
+        spread = self._xx / n - mean_x * mean_x
+        if spread <= 1e-9 * max(mean_x * mean_x, 1.0):
+            # Every execution had the same rows: take the time as proportional.
+            return mean_y * max(rows, 1.0) / max(mean_x, 1.0)
+        slope = max((self._xy / n - mean_x * mean_y) / spread, 0.0)
+        return max(mean_y + slope * (rows - mean_x), 0.0)
+
+
 class _Running:
     # One executing batch: the scope it runs in, and how many of its callers still wait.
     __slots__ = ("scope", "waiting")
@@ -457,6 +506,10 @@ class ModelRunner:
     expired: int = attrs.field(default=0, init=False)
     executions: int = attrs.field(default=0, init=False)
     _mean_execution_s: float = attrs.field(default=0.0, init=False)
+    _cost: _Cost = attrs.field(factory=lambda: _Cost(), init=False)
+    # (replica, start, rows, its callers' latest deadline) of each execution in
+    # progress, for retry_after.
+    _executing: list[tuple[Replica, float, int, float]] = attrs.field(factory=list, init=False)
     fallbacks: dict[str, int] = attrs.field(factory=dict, init=False)
     _serving: int = attrs.field(default=0, init=False)
     _task_group: anyio.abc.TaskGroup | None = attrs.field(default=None, init=False)
@@ -637,9 +690,11 @@ class ModelRunner:
                 live = self._live(execution.requests)
                 if not live:
                     return
-                rows = 0
+                rows, deadline = 0, -math.inf
                 for request in live:
                     rows += request.rows
+                    if request.deadline > deadline:
+                        deadline = request.deadline
                 outputs: Outputs | None = None
                 split: Callable[[Outputs], Sequence[Outputs]]
                 taken: list[Any] = []
@@ -662,9 +717,12 @@ class ModelRunner:
                 self.executions += 1
                 replica.executions += 1
                 started = self.clock.current_time()
+                running = (replica, started, rows, deadline)
+                self._executing.append(running)
                 try:
                     outputs = await self._call_backend(replica, inputs, rows if self.batched else 0)
                 finally:
+                    self._executing.remove(running)
                     ended = self.clock.current_time()
                     elapsed = ended - started
                     self._compute_duration.observe(elapsed, len(live))
@@ -673,6 +731,7 @@ class ModelRunner:
                         self._mean_execution_s = (
                             elapsed if mean == 0.0 else mean + 0.2 * (elapsed - mean)
                         )
+                        self._cost.observe(rows, len(live), elapsed)
                     if taken:
                         self._pool.give_back(taken, outputs)
             finally:
@@ -989,10 +1048,22 @@ class ModelRunner:
         await self._finished.wait()
 
     def retry_after(self) -> float:
-        """A guess at when a refused request could be admitted, in seconds."""
-        # Until there is history, assume 10 ms per execution rather than invite a busy retry.
-        per_batch = self._mean_execution_s or 0.01
-        return (math.ceil(len(self.queue) / len(self.replicas)) + 1) * per_batch
+        """A guess at when an instance could take a request refused now, in seconds.
+
+        The first serving instance to come free, then the queue ahead, in
+        executions of the usual size spread over the instances. A running
+        execution ends when executions of its rows have taken so far, or when
+        its last caller's deadline passes (it is aborted then), if sooner.
+        """
+        cost, now = self._cost, self.clock.current_time()
+        free_at = {id(r): now for r in self.replicas if r.serving} or {id(self.replicas[0]): now}
+        for replica, started, rows, deadline in self._executing:
+            if id(replica) in free_at:
+                ends = min(started + cost.estimate(rows), deadline)
+                free_at[id(replica)] = max(free_at[id(replica)], ends)
+        first = max(min(free_at.values()) - now, 0.0)
+        executions = math.ceil(len(self.queue) / (cost.requests * len(free_at)))
+        return first + executions * cost.estimate(cost.rows)
 
     def statistics(self) -> ModelStatistics:
         """A snapshot of this model's counters."""
