@@ -72,3 +72,40 @@ def test_errors_cancellation_and_shutdown(backend: str, add_model: Path, slow_mo
 
     run(backend, main)
     assert not [t for t in threading.enumerate() if t.name.startswith("trioinfer-")]
+
+
+def test_on_asyncio_anyio_scopes_carry_the_deadline_and_asyncio_timeouts_only_cancel() -> None:
+    """What the docs say about asyncio: only anyio's scopes tell the engine the deadline."""
+    import asyncio
+
+    from trioinfer.testing import FakeBackend
+    from trioinfer_scheduling import FifoScheduler
+
+    seen: list[float] = []
+
+    class Recording(FifoScheduler):
+        def push(self, request: trioinfer.Request) -> None:
+            seen.append(request.deadline)
+            super().push(request)
+
+    backend = FakeBackend(delay=0.5)
+    registry = trioinfer.Registry(
+        extra={"backends": {"fake": lambda: backend}, "schedulers": {"rec": Recording}}
+    )
+    x = np.ones((1, 4), np.float32)
+
+    async def main() -> None:
+        async with open_engine(registry=registry) as engine:
+            await engine.load(ModelConfig(name="m", path="-", backend="fake", scheduler="rec"))
+            with anyio.move_on_after(0.05):
+                await engine.infer("m", {"x": x})
+            with pytest.raises(TimeoutError):
+                async with asyncio.timeout(0.05):
+                    await engine.infer("m", {"x": x})
+            # Cancelled all the same: the second request left its queue or execution.
+            stats = engine.statistics().models["m"]
+            assert (stats.cancelled, stats.in_flight) == (2, 0)
+
+    anyio.run(main, backend="asyncio")
+    assert seen[0] < float("inf")  # anyio's scope: the deadline travels with the request
+    assert seen[1] == float("inf")  # asyncio.timeout: invisible to the engine

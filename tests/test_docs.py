@@ -3,10 +3,15 @@
 from __future__ import annotations
 
 import ast
+import os
 import re
-import runpy
-import tempfile
+import socket
+import subprocess
+import sys
+import time
 import tomllib
+import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -121,22 +126,128 @@ def test_every_tutorial_has_expected_output() -> None:
     assert sorted(EXPECTED_OUTPUT) == [path.name for path in TUTORIALS]
 
 
-@pytest.mark.parametrize("path", TUTORIALS, ids=lambda path: path.name)
-async def test_tutorial_runs(
-    path: Path,
-    tmp_path: Path,
-    monkeypatch: pytest.MonkeyPatch,
-    capfd: pytest.CaptureFixture[str],
-) -> None:
-    # The tutorials write their models with tempfile; keep them under pytest's tmp_path.
-    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
-    namespace = runpy.run_path(str(path), run_name=f"docs_tutorial_{path.stem}")
-    await namespace["main"]()
-    out, err = capfd.readouterr()
-    # Nothing on stderr: no warnings, no log lines, no ONNX Runtime errors.
-    assert err == ""
-    for line in EXPECTED_OUTPUT[path.name]:
-        assert line in out
+# Pages whose code blocks, pasted in order, are a program: the tutorial file it
+# shows (for EXPECTED_OUTPUT), and how a reader runs it.
+PROGRAM_PAGES = {
+    "index.md": None,
+    "quickstart.md": "quickstart.py",
+    "tutorials/deadlines.md": "deadlines.py",
+    "tutorials/batching.md": "batching.py",
+    "tutorials/scheduling.md": "scheduling.py",
+    "tutorials/serving.md": "serving.py",
+    "tutorials/failover.md": "failover.py",
+    "how-to/plugins.md": "plugin.py",
+    "how-to/testing.md": None,  # a test module: run with pytest
+}
+# Pages whose program logs warnings on stderr, as the page says it does.
+LOGS_ON_STDERR = {"tutorials/failover.md"}
+FENCE = re.compile(r"^```(\w*)([^\n]*)\n(.*?)^```[ \t]*$", re.MULTILINE | re.DOTALL)
+SNIPPET_LINE = re.compile(r'^[ \t]*--8<-- "([^"]+)"[ \t]*$', re.MULTILINE)
+
+
+def expand(body: str) -> str:
+    """A code block as the rendered page shows it, its snippet lines replaced (pymdownx)."""
+
+    def include(match: re.Match[str]) -> str:
+        path, section = resolve_snippet(match.group(1))
+        source = path.read_text()
+        if section is None:
+            return source.rstrip("\n")
+        start = source.index(f"# --8<-- [start:{section}]\n")
+        start = source.index("\n", start) + 1
+        return source[start : source.index(f"# --8<-- [end:{section}]")].rstrip("\n")
+
+    return SNIPPET_LINE.sub(include, body)
+
+
+def page_blocks(page: str) -> list[tuple[str, str, str]]:
+    """Each fenced block of *page*, in order: (language, options, text as rendered)."""
+    text = (DOCS / page).read_text()
+    return [(lang, options, expand(body)) for lang, options, body in FENCE.findall(text)]
+
+
+def shown_output(page: str) -> list[str]:
+    """The lines of the page's ``text`` blocks that show what its program prints.
+
+    A text block after a shell block shows that command's output, and one with
+    a title (``text title="the log"``) says what else it shows.
+    """
+    lines, previous = [], ""
+    for lang, options, body in page_blocks(page):
+        if lang == "text" and "title=" not in options and previous not in {"sh", "console"}:
+            lines += [line for line in body.splitlines() if line.strip()]
+        previous = lang
+    return lines
+
+
+def shape(line: str) -> str:
+    # What may vary between runs and machines: numbers, and the spacing that aligns them.
+    line = re.sub(r"\d+(\.\d+)?", "N", line)
+    return re.sub(r"\s+", " ", line).strip()
+
+
+@pytest.fixture(scope="module")
+def tutorial_server() -> Iterator[int]:
+    """`trioinfer serve` on the bundled repository, for the serving tutorial's step 3."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = int(sock.getsockname()[1])
+    server = subprocess.Popen(
+        [sys.executable, "-m", "trioinfer", "serve", "--host", "127.0.0.1", "--port", str(port)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/v2/health/ready") as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                time.sleep(0.1)
+        else:
+            raise AssertionError("trioinfer serve did not become ready within 60 s")
+        yield port
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+
+
+@pytest.mark.parametrize("page", sorted(PROGRAM_PAGES))
+def test_page_runs_as_pasted(page: str, tmp_path: Path, request: pytest.FixtureRequest) -> None:
+    """The page's Python blocks, concatenated in page order, run in a fresh process.
+
+    Every line the page shows as output is printed, up to the numbers in it
+    (timings, counts that vary from run to run); the tutorial's outcomes
+    (EXPECTED_OUTPUT) are printed exactly.
+    """
+    code = "\n\n".join(body for lang, _, body in page_blocks(page) if lang == "python")
+    if page == "tutorials/serving.md":
+        # Step 3 talks to the server step 1 started, on 127.0.0.1:8000; here, on a free port.
+        port = request.getfixturevalue("tutorial_server")
+        code = code.replace("127.0.0.1:8000", f"127.0.0.1:{port}")
+    program = tmp_path / "test_page.py"
+    program.write_text(code)
+    if page == "how-to/testing.md":
+        (tmp_path / "pytest.ini").write_text("[pytest]\ntrio_mode = true\n")
+        command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(program)]
+    else:
+        command = [sys.executable, str(program)]
+    env = {**os.environ, "TMPDIR": str(tmp_path)}
+    result = subprocess.run(
+        command, cwd=tmp_path, capture_output=True, text=True, timeout=300, env=env, check=False
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    if page not in LOGS_ON_STDERR:
+        assert result.stderr == ""
+    printed = result.stdout + result.stderr
+    shapes = {shape(line) for line in printed.splitlines()}
+    missing = [line for line in shown_output(page) if shape(line) not in shapes]
+    assert missing == [], f"the page shows lines the program does not print:\n{printed}"
+    tutorial = PROGRAM_PAGES[page]
+    for line in EXPECTED_OUTPUT.get(tutorial or "", []):
+        assert line in result.stdout
 
 
 def test_tutorials_run_as_scripts() -> None:

@@ -5,8 +5,6 @@ It prints a table per step; the figures depend on your machine, the outcomes do 
 """
 
 # --8<-- [start:setup]
-from __future__ import annotations
-
 import tempfile
 import time
 from pathlib import Path
@@ -164,5 +162,7 @@ async def main() -> None:
 # --8<-- [end:main]
 
 
+# --8<-- [start:run]
 if __name__ == "__main__":
     trio.run(main)
+# --8<-- [end:run]

@@ -5,8 +5,6 @@ Each step prints what happened; times vary from machine to machine.
 """
 
 # --8<-- [start:setup]
-from __future__ import annotations
-
 import tempfile
 import time
 from pathlib import Path
@@ -169,5 +167,7 @@ async def main() -> None:
 # --8<-- [end:main]
 
 
+# --8<-- [start:run]
 if __name__ == "__main__":
     trio.run(main)
+# --8<-- [end:run]

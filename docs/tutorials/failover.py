@@ -7,8 +7,6 @@ step prints what happened.
 """
 
 # --8<-- [start:setup]
-from __future__ import annotations
-
 import trio
 
 import trioinfer
@@ -188,5 +186,7 @@ async def everything_out() -> None:
 # --8<-- [end:out]
 
 
+# --8<-- [start:run]
 if __name__ == "__main__":
     trio.run(main)
+# --8<-- [end:run]

@@ -5,8 +5,6 @@ A real plugin would live in its own package and declare entry points (see the ho
 """
 
 # --8<-- [start:imports]
-from __future__ import annotations
-
 import heapq
 import itertools
 import tempfile
@@ -74,7 +72,7 @@ class ShortestJobFirst:
 class MatmulBackend:
     """A backend whose model file is a ``.npy`` matrix ``w``: it computes ``y = x @ w``."""
 
-    async def load(self, config: trioinfer.ModelConfig, placement: trioinfer.Placement) -> Matmul:
+    async def load(self, config: trioinfer.ModelConfig, placement: trioinfer.Placement) -> "Matmul":
         if config.backend_options:
             raise trioinfer.ConfigError(
                 f"model {config.name!r}: the matmul backend takes no backend_options, "
@@ -209,5 +207,7 @@ async def main() -> None:
 # --8<-- [end:main]
 
 
+# --8<-- [start:run]
 if __name__ == "__main__":
     trio.run(main)
+# --8<-- [end:run]

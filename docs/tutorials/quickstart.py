@@ -3,8 +3,6 @@
 Run it with ``python docs/tutorials/quickstart.py``; the docs' test suite runs it too.
 """
 
-from __future__ import annotations
-
 import numpy as np
 import trio
 

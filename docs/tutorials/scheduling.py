@@ -6,8 +6,6 @@ whose every execution takes 10 ms, so that queues form and orders show.
 """
 
 # --8<-- [start:setup]
-from __future__ import annotations
-
 import functools
 
 import numpy as np
@@ -197,5 +195,7 @@ async def main() -> None:
 # --8<-- [end:main]
 
 
+# --8<-- [start:run]
 if __name__ == "__main__":
     trio.run(main)
+# --8<-- [end:run]

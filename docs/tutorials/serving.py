@@ -6,8 +6,6 @@ to run; each step prints what the server answered.
 """
 
 # --8<-- [start:setup]
-from __future__ import annotations
-
 import functools
 import json
 import shutil
@@ -349,5 +347,7 @@ async def main() -> None:
 # --8<-- [end:main]
 
 
+# --8<-- [start:run]
 if __name__ == "__main__":
     trio.run(main)
+# --8<-- [end:run]
