@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import AsyncIterator, Mapping
-from contextlib import asynccontextmanager
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from typing import Any, final
 
 import anyio
@@ -400,17 +400,17 @@ class Engine:
         self._runners.clear()
 
 
-@asynccontextmanager
-async def open_engine(
+def open_engine(
     *,
     registry: Registry | None = None,
     drain_period: float = 10.0,
     device_limits: Mapping[str, int] | None = None,
-) -> AsyncIterator[Engine]:
-    """Open an inference engine whose task group owns all its work.
+) -> AbstractAsyncContextManager[Engine]:
+    """An inference engine whose task group owns all its work, as an async context manager.
 
-    Leaving the block normally stops new work ([`EngineClosed`][trioinfer.EngineClosed]),
-    lets accepted requests finish for at most *drain_period* seconds, then
+    Use it as ``async with open_engine() as engine:``. Leaving the block
+    normally stops new work ([`EngineClosed`][trioinfer.EngineClosed]), lets
+    accepted requests finish for at most *drain_period* seconds, then
     cancels what is left (those callers get ``EngineClosed``) and closes every
     backend instance. Leaving it with an exception or cancellation skips the
     drain. An internal failure in the engine's tasks surfaces from this block
@@ -436,12 +436,19 @@ async def open_engine(
                 f"device_limits[{device!r}] must be a positive integer, got {limit!r}"
             )
         limiters[name] = anyio.CapacityLimiter(limit)
+    return _engine_scope(registry or Registry(), float(drain_period), limiters)
+
+
+@asynccontextmanager
+async def _engine_scope(
+    registry: Registry, drain_period: float, limiters: dict[str, anyio.CapacityLimiter]
+) -> AsyncIterator[Engine]:
     body_error: BaseException | None = None
     try:
         async with anyio.create_task_group() as tg:
             engine = Engine(
                 task_group=tg,
-                registry=registry or Registry(),
+                registry=registry,
                 drain_period=drain_period,
                 device_limits=limiters,
             )
