@@ -73,6 +73,12 @@ EXPECTED_OUTPUT = {
         "rows in execution order, fifo: [8, 2, 4]",
         "rows in execution order, sjf:  [2, 4, 8]",
     ],
+    "python_models.py": [
+        "names: ['two (1.00)', 'eight (0.95)', 'two (1.00)', 'six (1.00)', 'six (1.00)', "
+        "'seven (1.00)']",
+        "names: 6 answered in ",  # 1 execution, or a few on a busy machine
+        "async model: cancelled 1 time at the caller's deadline",
+    ],
     "failover.py": [
         "instance 0: asked for cuda:0 (capacity 8), runs on",  # cpu here; cuda:0 with a GPU
         "instance 1: asked for cpu (capacity 1), runs on cpu",
@@ -136,6 +142,7 @@ PROGRAM_PAGES = {
     "tutorials/scheduling.md": "scheduling.py",
     "tutorials/serving.md": "serving.py",
     "tutorials/failover.md": "failover.py",
+    "tutorials/python_models.md": "python_models.py",
     "how-to/plugins.md": "plugin.py",
     "how-to/testing.md": None,  # a test module: run with pytest
 }

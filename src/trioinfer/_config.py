@@ -319,7 +319,8 @@ class ModelConfig:
         """Read ``<repo>/<model>/config.toml`` and find the model file beside it.
 
         Without a ``path`` key, the model file is ``<version>/model.onnx`` next to
-        the config, for the highest numeric version directory (or *version*);
+        the config (``model.py`` with ``backend = "python"``), for the highest
+        numeric version directory (or *version*);
         a relative ``path`` is taken relative to the config's directory.
         Without a ``name`` key, the directory's name is used. A relative
         *path* is taken relative to the working directory now, and the
@@ -340,15 +341,25 @@ class ModelConfig:
         model_dir = path.absolute().parent
         data.setdefault("name", model_dir.name)
         if "path" not in data:
-            data["path"] = find_model_file(model_dir, version)  # already under model_dir
+            file = model_file_name(data.get("backend", "onnxruntime"))
+            data["path"] = find_model_file(model_dir, version, file)  # already under model_dir
         return cls.from_dict(data, base=model_dir)
 
 
-def find_model_file(model_dir: Path, version: int | None = None) -> Path:
-    """Return ``<model_dir>/<version>/model.onnx``, by default for the highest version.
+#: The model file a repository's version directory holds, by backend (others: model.onnx).
+MODEL_FILES: Mapping[str, str] = MappingProxyType({"python": "model.py"})
+
+
+def model_file_name(backend: object) -> str:
+    """The file name of a model in ``<model>/<version>/`` for *backend*: ``model.onnx`` mostly."""
+    return MODEL_FILES.get(backend, "model.onnx") if isinstance(backend, str) else "model.onnx"
+
+
+def find_model_file(model_dir: Path, version: int | None = None, file: str = "model.onnx") -> Path:
+    """Return ``<model_dir>/<version>/<file>``, by default for the highest version.
 
     Raises:
-        ConfigError: If there is no numeric version directory holding ``model.onnx``.
+        ConfigError: If there is no numeric version directory holding *file*.
     """
     versions = (
         sorted(int(p.name) for p in model_dir.iterdir() if p.is_dir() and p.name.isdigit())
@@ -358,11 +369,11 @@ def find_model_file(model_dir: Path, version: int | None = None) -> Path:
     if version is not None:
         versions = [v for v in versions if v == version]
     for v in reversed(versions):
-        candidate = model_dir / str(v) / "model.onnx"
+        candidate = model_dir / str(v) / file
         if candidate.is_file():
             return candidate
     wanted = f"version {version}" if version is not None else "a version directory"
-    raise ConfigError(f"{model_dir} has no {wanted} holding model.onnx (<model>/<N>/model.onnx)")
+    raise ConfigError(f"{model_dir} has no {wanted} holding {file} (<model>/<N>/{file})")
 
 
 def _build(cls: type[_T], data: Mapping[str, Any], where: str) -> _T:

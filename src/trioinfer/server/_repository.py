@@ -28,7 +28,7 @@ from typing import Any, Literal
 
 import attrs
 
-from .._config import _NAME_RE, ModelConfig
+from .._config import _NAME_RE, ModelConfig, model_file_name
 from .._exceptions import ConfigError, ModelNotFound
 
 __all__ = ["IndexEntry", "ModelEntry", "ModelRepository", "VersionPolicy"]
@@ -38,7 +38,6 @@ log = logging.getLogger("trioinfer.server")
 _PolicyKind = Literal["latest", "all", "specific"]
 
 _CONFIG_FILE = "config.toml"
-_MODEL_FILE = "model.onnx"
 
 # Versions go over the V2 protocol as strings and into Triton clients as int64,
 # so anything larger could not be addressed.
@@ -251,6 +250,11 @@ class ModelEntry:
     settings: Mapping[str, Any] = attrs.field(factory=dict, converter=_frozen_table)
     notes: tuple[str, ...] = ()
 
+    @property
+    def model_file(self) -> str:
+        """The file each version directory holds: ``model.onnx``, or ``model.py`` for Python."""
+        return model_file_name(self.settings.get("backend", "onnxruntime"))
+
     def selected(self) -> tuple[int, ...]:
         """Return the versions the policy serves, ascending.
 
@@ -266,7 +270,7 @@ class ModelEntry:
                 )
             raise ConfigError(
                 f"model {self.name!r} has no version to serve: "
-                f"expected {self.name}/<N>/{_MODEL_FILE} with N a positive integer"
+                f"expected {self.name}/<N>/{self.model_file} with N a positive integer"
             )
         missing = [v for v in self.policy.versions if v not in self.versions]
         if missing:
@@ -305,7 +309,7 @@ class ModelEntry:
                 raise ConfigError(
                     f"model {self.name!r}: a config override may not set "
                     f"{', '.join(map(repr, fixed))}; the repository decides the name (the "
-                    f"directory's), the file (<N>/{_MODEL_FILE}) and the versions "
+                    f"directory's), the file (<N>/{self.model_file}) and the versions "
                     f"({_CONFIG_FILE})"
                 )
             data.update(override)
@@ -336,7 +340,7 @@ class ModelEntry:
                     parts += (0, -1, 0)  # a config.toml appearing later changes the token
                     continue
                 raise ConfigError(  # pragma: no cover - _model_file checked it a moment ago
-                    f"model {self.name!r} version {version}: {_MODEL_FILE} has gone"
+                    f"model {self.name!r} version {version}: {self.model_file} has gone"
                 ) from None
             except OSError as exc:
                 raise ConfigError(
@@ -365,7 +369,7 @@ class ModelEntry:
         if "path" in self.settings:
             path = self.directory / str(self.settings["path"])
         else:
-            path = self.directory / str(version) / _MODEL_FILE
+            path = self.directory / str(version) / self.model_file
         _confine(path, self._root, f"model {self.name!r} version {version}")
         if not _is_file(path):
             raise ConfigError(
@@ -529,7 +533,7 @@ class ModelRepository:
             if not _is_dir(child):
                 self._log_once(
                     f"{self.root}: ignored {name} (not a directory; a model is a directory "
-                    f"<model>/<version>/{_MODEL_FILE})"
+                    "<model>/<version>/model.onnx)"
                 )
             elif not _valid_name(name):
                 self._log_once(f"{self.root}: ignored {name}/ (a model name must be {_NAME_RULE})")
@@ -633,6 +637,7 @@ def _scan(name: str, directory: Path, root: Path) -> ModelEntry:
         raise ConfigError(f"{where}: cannot list its directory: {exc.strerror or exc}") from None
 
     fixed_file = "path" in settings
+    file_name = model_file_name(settings.get("backend", "onnxruntime"))
     versions: list[int] = []
     for child in children:
         child_name = child.name
@@ -645,7 +650,7 @@ def _scan(name: str, directory: Path, root: Path) -> ModelEntry:
             if not (fixed_file and child_name == PurePosixPath(str(settings["path"])).parts[0]):
                 notes.append(
                     f"ignored {child_name} (trioinfer reads {_CONFIG_FILE} and "
-                    f"<N>/{_MODEL_FILE} in a model directory)"
+                    f"<N>/{file_name} in a model directory)"
                 )
             continue
         if not _VERSION_RE.fullmatch(child_name) or int(child_name) > _MAX_VERSION:
@@ -663,15 +668,13 @@ def _scan(name: str, directory: Path, root: Path) -> ModelEntry:
             )
             continue
         _confine(child, root, where)
-        model_file = child / _MODEL_FILE
+        model_file = child / file_name
         if not _lexists(model_file):
-            notes.append(f"ignored version directory {child_name} (it holds no {_MODEL_FILE})")
+            notes.append(f"ignored version directory {child_name} (it holds no {file_name})")
             continue
         _confine(model_file, root, where)
         if not _is_file(model_file):
-            notes.append(
-                f"ignored version directory {child_name} (its {_MODEL_FILE} is not a file)"
-            )
+            notes.append(f"ignored version directory {child_name} (its {file_name} is not a file)")
             continue
         versions.append(int(child_name))
 
@@ -711,7 +714,7 @@ def _check_settings(
         _check_path_key(settings["path"], directory, root, shown)
     try:
         # The path is a stand-in: only the fields' own checks matter here.
-        ModelConfig.from_dict({**settings, "name": name, "path": directory / _MODEL_FILE})
+        ModelConfig.from_dict({**settings, "name": name, "path": directory / "model"})
     except ConfigError as exc:
         raise ConfigError(f"{shown}: {exc}") from None
 

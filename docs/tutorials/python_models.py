@@ -1,0 +1,159 @@
+"""Python models: a class as a model, beside an ONNX one, with the same engine guarantees.
+
+Run it with ``python docs/tutorials/python_models.py``; the docs' test suite runs it too.
+"""
+
+# --8<-- [start:setup]
+import shutil
+import tempfile
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import trio
+from trio.testing import wait_all_tasks_blocked
+
+import trioinfer
+
+NAMES = ["zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine"]
+
+
+def make_repository(root: Path) -> None:
+    """The bundled digits model, and a Python model that names its answers."""
+    shutil.copytree(trioinfer.example_repository() / "digits", root / "digits")
+    (root / "names" / "1").mkdir(parents=True)
+    (root / "names" / "1" / "model.py").write_text(
+        textwrap.dedent(
+            '''
+            import numpy as np
+
+
+            class Model:
+                """Turns the digits model's probabilities into a name and a confidence."""
+
+                def __init__(self, names, threshold):
+                    self.names = np.array(names, dtype=object)
+                    self.threshold = threshold
+
+                def infer(self, inputs):
+                    p = inputs["probabilities"]
+                    best = p.argmax(axis=1)
+                    confidence = p.max(axis=1)
+                    name = np.where(confidence >= self.threshold, self.names[best], "unsure")
+                    return {"name": name, "confidence": confidence}
+            '''
+        )
+    )
+    (root / "names" / "config.toml").write_text(
+        textwrap.dedent(
+            f"""
+            backend = "python"
+            batcher = "dynamic"
+
+            [backend_options]
+            parameters = {{ names = {NAMES!r}, threshold = 0.9 }}
+            inputs = [{{ name = "probabilities", dtype = "float32", shape = ["batch", 10] }}]
+            outputs = [
+                {{ name = "name", dtype = "string", shape = ["batch"] }},
+                {{ name = "confidence", dtype = "float32", shape = ["batch"] }},
+            ]
+            """
+        )
+    )
+
+
+# --8<-- [end:setup]
+
+
+# --8<-- [start:chain]
+async def classify(engine: trioinfer.Engine, image: np.ndarray) -> tuple[str, float]:
+    """One image through both models, under the caller's one deadline."""
+    scores = await engine.infer("digits", {"input": image[np.newaxis]})
+    named = await engine.infer("names", {"probabilities": scores["probabilities"]})
+    return str(named["name"][0]), float(named["confidence"][0])
+
+
+async def names_for(engine: trioinfer.Engine, images: np.ndarray) -> list[str]:
+    answers: dict[int, str] = {}
+
+    async def one(i: int) -> None:
+        name, confidence = await classify(engine, images[i])
+        answers[i] = f"{name} ({confidence:.2f})"
+
+    with trio.fail_after(2):  # the deadline of every step of every image
+        async with trio.open_nursery() as nursery:
+            for i in range(len(images)):
+                nursery.start_soon(one, i)
+    return [answers[i] for i in range(len(images))]
+
+
+# --8<-- [end:chain]
+
+
+# --8<-- [start:async]
+class SlowLookup:
+    """An async model: its infer runs on the event loop and is cancelled like any task."""
+
+    cancelled = 0
+
+    async def infer(self, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        try:
+            await trio.sleep(10)  # stands in for a call to another service
+        except trio.Cancelled:
+            SlowLookup.cancelled += 1
+            raise
+        return {"y": inputs["x"]}
+
+
+async def cancelled_at_the_deadline(engine: trioinfer.Engine) -> None:
+    await engine.load(
+        trioinfer.ModelConfig(
+            name="lookup",
+            path="-",  # the class is given below: no file to read
+            backend="python",
+            backend_options={
+                "class": SlowLookup,
+                "inputs": [{"name": "x", "dtype": "int64", "shape": ["batch"]}],
+                "outputs": [{"name": "y", "dtype": "int64", "shape": ["batch"]}],
+            },
+        )
+    )
+    with trio.move_on_after(0.1):
+        await engine.infer("lookup", {"x": np.array([7])})
+    await wait_all_tasks_blocked()  # let the cancellation reach the model
+    print(f"async model: cancelled {SlowLookup.cancelled} time at the caller's deadline")
+
+
+# --8<-- [end:async]
+
+
+# --8<-- [start:main]
+async def main() -> None:
+    images, labels = trioinfer.digits_samples()
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        make_repository(root)
+        async with trioinfer.open_engine() as engine:
+            for model in ("digits", "names"):
+                info = await engine.load(
+                    trioinfer.ModelConfig.from_toml(root / model / "config.toml")
+                )
+                signature = info.signature
+                print(
+                    f"{model}: {[s.describe() for s in signature.inputs]} -> "
+                    f"{[f'{s.name} {s.describe()}' for s in signature.outputs]}"
+                )
+            print("names:", await names_for(engine, images[:6]))
+            print("expected:", [NAMES[label] for label in labels[:6]])
+            stats = engine.statistics().models["names"]
+            print(f"names: {stats.succeeded} answered in {stats.executions} executions")
+            await cancelled_at_the_deadline(engine)
+
+
+# --8<-- [end:main]
+
+
+# --8<-- [start:run]
+if __name__ == "__main__":
+    trio.run(main)
+# --8<-- [end:run]

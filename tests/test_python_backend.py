@@ -1,0 +1,380 @@
+"""The ``python`` backend: a Python class as a model, with a declared signature."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+from typing import Any, ClassVar
+
+import anyio
+import numpy as np
+import pytest
+import trio
+import trio.testing
+
+import trioinfer
+from trioinfer import BackendError, ConfigError, Instance, ModelConfig, open_engine
+from trioinfer.testing import check_backend
+from trioinfer_python import PythonBackend, parse_signature
+
+pytestmark = pytest.mark.python_model
+
+XY = {
+    "inputs": [{"name": "x", "dtype": "float32", "shape": ["batch", 4]}],
+    "outputs": [{"name": "y", "dtype": "FP32", "shape": ["batch", 4]}],
+}
+
+
+class Double:
+    """A sync model: y = 2 * x, on the instance's worker thread."""
+
+    batches: ClassVar[list[int]] = []
+
+    def infer(self, inputs: dict[str, np.ndarray[Any, Any]]) -> dict[str, Any]:
+        assert threading.current_thread().name.startswith("trioinfer-python-")
+        Double.batches.append(len(inputs["x"]))
+        return {"y": inputs["x"] * 2}
+
+
+class AsyncDouble:
+    """An async model: y = 2 * x after *delay* seconds, on the event loop."""
+
+    cancelled = 0
+
+    def __init__(self, delay: float = 0.0) -> None:
+        self.delay = delay
+
+    async def infer(self, inputs: dict[str, np.ndarray[Any, Any]]) -> dict[str, Any]:
+        try:
+            await anyio.sleep(self.delay)
+        except anyio.get_cancelled_exc_class():
+            AsyncDouble.cancelled += 1
+            raise
+        return {"y": inputs["x"] * 2}
+
+
+def config(cls: Any = Double, name: str = "m", **options: Any) -> ModelConfig:
+    return ModelConfig(
+        name=name, path="-", backend="python", backend_options={"class": cls, **XY, **options}
+    )
+
+
+X = np.arange(8, dtype=np.float32).reshape(2, 4)
+
+
+@pytest.mark.parametrize("cls", [Double, AsyncDouble])
+async def test_sync_and_async_models_keep_the_backend_contract(cls: type) -> None:
+    await check_backend(PythonBackend(), config(cls), {"x": X})
+
+
+async def test_a_model_from_a_repository_on_disk(tmp_path: Path) -> None:
+    model_dir = tmp_path / "tokens"
+    (model_dir / "1").mkdir(parents=True)
+    (model_dir / "1" / "model.py").write_text(
+        "import numpy as np\n\n"
+        "class Model:\n"
+        "    def __init__(self, width):\n"
+        "        self.width = width\n\n"
+        "    def infer(self, inputs):\n"
+        "        ids = [[len(w) for w in t.split()][: self.width] for t in inputs['text']]\n"
+        "        return {'ids': np.array([r + [0] * (self.width - len(r)) for r in ids])}\n"
+    )
+    (model_dir / "config.toml").write_text(
+        'backend = "python"\n'
+        'batcher = "dynamic"\n'
+        "[backend_options]\n"
+        "parameters = { width = 3 }\n"
+        "inputs = [{ name = 'text', dtype = 'BYTES', shape = ['batch'] }]\n"
+        "outputs = [{ name = 'ids', dtype = 'int64', shape = ['batch', 3] }]\n"
+    )
+    loaded = ModelConfig.from_toml(model_dir / "config.toml")
+    assert loaded.path == model_dir / "1" / "model.py"
+    async with open_engine() as engine:
+        info = await engine.load(loaded)
+        assert [s.describe() for s in info.signature.inputs] == ["object[batch]"]
+        text = np.array(["a bb ccc dddd", "hello"], dtype=object)
+        out = await engine.infer("tokens", {"text": text})
+    np.testing.assert_array_equal(out["ids"], [[1, 2, 3], [5, 0, 0]])
+
+
+async def test_a_model_with_a_batch_dimension_receives_batches(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    Double.batches = []
+    batched = ModelConfig(
+        name="m",
+        path="-",
+        backend="python",
+        backend_options={"class": Double, **XY},
+        batcher="dynamic",
+        batcher_options={"max_batch_size": 8, "max_queue_delay": 0.01},
+    )
+    results: dict[int, np.ndarray[Any, Any]] = {}
+    async with open_engine() as engine:
+        await engine.load(batched)
+
+        async def call(i: int) -> None:
+            results[i] = (await engine.infer("m", {"x": np.full((1, 4), i, np.float32)}))["y"]
+
+        async with anyio.create_task_group() as tg:
+            for i in range(5):
+                tg.start_soon(call, i)
+    assert Double.batches == [5]
+    for i in range(5):
+        np.testing.assert_array_equal(results[i], np.full((1, 4), 2 * i, np.float32))
+
+
+async def test_an_async_model_is_cancelled_at_the_callers_deadline(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    AsyncDouble.cancelled = 0
+    async with open_engine() as engine:
+        await engine.load(config(AsyncDouble, parameters={"delay": 60.0}))
+        t0 = trio.current_time()
+        with pytest.raises(trio.TooSlowError):
+            with trio.fail_after(0.5):
+                await engine.infer("m", {"x": X})
+        assert trio.current_time() - t0 == 0.5
+        await trio.testing.wait_all_tasks_blocked()  # the abort reaches the execution
+        assert AsyncDouble.cancelled == 1
+        stats = engine.statistics().models["m"]
+        assert (stats.cancelled, stats.in_flight) == (1, 0)
+
+
+async def test_a_sync_model_runs_to_its_end_unless_it_can_abort() -> None:
+    class Waits:
+        """Waits for a go-ahead that only abort() gives."""
+
+        aborted = threading.Event()
+
+        def infer(self, inputs: dict[str, np.ndarray[Any, Any]]) -> dict[str, Any]:
+            if not Waits.aborted.wait(timeout=30):
+                raise RuntimeError("abort() was never called")
+            return {"y": inputs["x"]}
+
+        def abort(self) -> None:
+            Waits.aborted.set()
+
+    async with open_engine() as engine:
+        await engine.load(config(Waits))
+        with trio.move_on_after(0.2) as scope:
+            await engine.infer("m", {"x": X})
+        assert scope.cancelled_caught
+        await trio.testing.wait_all_tasks_blocked()  # the abort reaches the execution
+        assert Waits.aborted.is_set()
+        # The instance takes the next call: the aborted one ended.
+        Waits.aborted.set()
+        out = await engine.infer("m", {"x": X})
+    np.testing.assert_array_equal(out["y"], X)
+
+
+async def test_hooks_run_once_each_on_the_right_thread_and_device_is_passed() -> None:
+    calls: list[tuple[str, str, str]] = []
+
+    class Hooked:
+        def __init__(self, device: str, scale: float) -> None:
+            self.device, self.scale = device, scale
+
+        def load(self) -> None:
+            calls.append(("load", self.device, threading.current_thread().name))
+
+        async def infer(self, inputs: dict[str, np.ndarray[Any, Any]]) -> dict[str, Any]:
+            return {"y": inputs["x"] * self.scale}
+
+        async def close(self) -> None:
+            calls.append(("close", self.device, threading.current_thread().name))
+
+    hooked = ModelConfig(
+        name="m",
+        path="-",
+        backend="python",
+        backend_options={"class": Hooked, "parameters": {"scale": 3.0}, **XY},
+        instances=[Instance(count=2)],
+    )
+    async with open_engine() as engine:
+        await engine.load(hooked)
+        out = await engine.infer("m", {"x": X})
+        assert [c[0] for c in calls] == ["load", "load"]
+    np.testing.assert_array_equal(out["y"], X * 3)
+    assert [c[:2] for c in calls] == [("load", "cpu")] * 2 + [("close", "cpu")] * 2
+    assert all(name.startswith("trioinfer-python-m-") for kind, _, name in calls if kind == "load")
+    assert all(name == threading.current_thread().name for k, _, name in calls if k == "close")
+    assert not [t for t in threading.enumerate() if t.name.startswith("trioinfer-python-")]
+
+
+def outputs_of(result: Any) -> type:
+    class Returns:
+        def infer(self, inputs: dict[str, np.ndarray[Any, Any]]) -> Any:
+            return result(inputs["x"])
+
+    return Returns
+
+
+@pytest.mark.parametrize(
+    ("result", "message"),
+    [
+        (lambda x: [x], "infer returned list; expected a dict of arrays by output name"),
+        (lambda x: {}, r"infer returned outputs \[\]; the config declares \['y'\] \(missing"),
+        (lambda x: {"y": x, "z": x}, r"undeclared \['z'\]"),
+        (lambda x: {"y": x.astype(np.float64)}, "output 'y' has dtype float64; the config"),
+        (lambda x: {"y": x[:, :2]}, r"output 'y' has shape \[2, 2\]; the config declares"),
+        (lambda x: {"y": x[0]}, r"output 'y' has shape \[4\]"),
+        (lambda x: {"y": "text"}, "output 'y' is str, not convertible to float32"),
+        (lambda x: 1 / 0, "infer raised ZeroDivisionError: division by zero"),
+    ],
+)
+async def test_outputs_are_checked_against_the_declared_signature(
+    result: Any, message: str
+) -> None:
+    async with open_engine() as engine:
+        await engine.load(config(outputs_of(result)))
+        with pytest.raises(BackendError, match=message):
+            await engine.infer("m", {"x": X})
+
+
+async def test_lists_are_converted_to_the_declared_dtype() -> None:
+    async with open_engine() as engine:
+        await engine.load(config(outputs_of(lambda x: {"y": x.tolist()})))
+        out = await engine.infer("m", {"x": X})
+    assert out["y"].dtype == np.float32
+
+
+@pytest.mark.parametrize(
+    ("options", "error", "message"),
+    [
+        ({"colour": 1}, ConfigError, "unknown python backend option 'colour'"),
+        ({"inputs": None}, ConfigError, "inputs of model 'm' must be a non-empty list"),
+        (
+            {"inputs": [{"name": "x", "dtype": "float32"}]},
+            ConfigError,
+            "must be a table of name, dtype, shape",
+        ),
+        (
+            {"inputs": [{"name": "x", "dtype": "complex", "shape": [1]}]},
+            ConfigError,
+            "dtype 'complex' is not one of",
+        ),
+        (
+            {"inputs": [{"name": "x", "dtype": "FP32", "shape": [-2]}]},
+            ConfigError,
+            "each dimension must be a size >= 0",
+        ),
+        (
+            {"inputs": [{"name": "x", "dtype": "FP32", "shape": [1]}] * 2},
+            ConfigError,
+            "'x' is declared twice",
+        ),
+        ({"class": "not a name"}, ConfigError, "must be a class name such as 'Model'"),
+        ({"parameters": [1]}, ConfigError, "parameters of model 'm' must be a table"),
+        ({"parameters": {"unknown": 1}}, BackendError, r"Double\(\.\.\.\) raised TypeError"),
+    ],
+)
+async def test_bad_configs_are_refused_at_load(
+    options: dict[str, Any], error: type[Exception], message: str
+) -> None:
+    async with open_engine() as engine:
+        with pytest.raises(error, match=message):
+            await engine.load(config(**options))
+
+
+@pytest.mark.parametrize(
+    ("source", "cls", "message"),
+    [
+        ("class Other:\n    pass\n", "Model", "model.py defines no class 'Model'"),
+        ("raise RuntimeError('broken')\n", "Model", "importing model.py raised RuntimeError"),
+        ("class Model:\n    pass\n", "Model", "class Model has no infer"),
+        (
+            "class Model:\n    async def infer(self, inputs):\n        yield inputs\n",
+            "Model",
+            "is a generator",
+        ),
+        (
+            "class Model:\n    def load(self):\n        1 / 0\n\n    def infer(self, x):\n"
+            "        return x\n",
+            "Model",
+            r"load\(\) raised ZeroDivisionError",
+        ),
+    ],
+)
+async def test_bad_model_files_are_refused_at_load(
+    tmp_path: Path, source: str, cls: str, message: str
+) -> None:
+    (tmp_path / "model.py").write_text(source)
+    broken = ModelConfig(
+        name="m",
+        path=tmp_path / "model.py",
+        backend="python",
+        backend_options={"class": cls, **XY},
+    )
+    async with open_engine() as engine:
+        with pytest.raises(BackendError, match=message):
+            await engine.load(broken)
+    assert not [t for t in threading.enumerate() if t.name.startswith("trioinfer-python-")]
+
+
+async def test_a_missing_model_file_is_a_backend_error(tmp_path: Path) -> None:
+    missing = ModelConfig(
+        name="m", path=tmp_path / "model.py", backend="python", backend_options=XY
+    )
+    async with open_engine() as engine:
+        with pytest.raises(BackendError, match=r"no model file model\.py"):
+            await engine.load(missing)
+
+
+def test_signature_dtypes_and_shapes() -> None:
+    signature = parse_signature(
+        "m",
+        {
+            "inputs": [
+                {"name": "a", "dtype": "TYPE_INT32", "shape": [-1, 3]},
+                {"name": "b", "dtype": "string", "shape": ["n"]},
+                {"name": "c", "dtype": "bool", "shape": []},
+            ],
+            "outputs": [{"name": "d", "dtype": "FP64", "shape": [2]}],
+        },
+    )
+    assert [s.describe() for s in signature.inputs] == ["int32[?, 3]", "object[n]", "bool[]"]
+    assert [s.type_name for s in signature.inputs] == [
+        "tensor(int32)",
+        "tensor(string)",
+        "tensor(bool)",
+    ]
+    assert not signature.batched
+
+
+async def test_a_python_model_is_served_over_http(tmp_path: Path) -> None:
+    httpx = pytest.importorskip("httpx")
+    from trioinfer.server import serve_http
+
+    model_dir = tmp_path / "repo" / "scale"
+    (model_dir / "1").mkdir(parents=True)
+    (model_dir / "1" / "model.py").write_text(
+        "class Model:\n    async def infer(self, inputs):\n        return {'y': inputs['x'] * 10}\n"
+    )
+    (model_dir / "config.toml").write_text(
+        'backend = "python"\n[backend_options]\n'
+        "inputs = [{ name = 'x', dtype = 'FP32', shape = ['batch', 2] }]\n"
+        "outputs = [{ name = 'y', dtype = 'FP32', shape = ['batch', 2] }]\n"
+    )
+    async with trio.open_nursery() as nursery:
+        listening = await nursery.start(
+            lambda task_status: serve_http(
+                tmp_path / "repo",
+                host="127.0.0.1",
+                port=0,
+                handle_signals=False,
+                task_status=task_status,
+            )
+        )
+        url = listening.urls[0]
+        async with httpx.AsyncClient(base_url=url) as client:
+            meta = (await client.get("/v2/models/scale")).json()
+            body = {"inputs": [{"name": "x", "shape": [1, 2], "datatype": "FP32", "data": [1, 2]}]}
+            answer = (await client.post("/v2/models/scale/infer", json=body)).json()
+        nursery.cancel_scope.cancel()
+    assert meta["inputs"] == [{"name": "x", "datatype": "FP32", "shape": [-1, 2]}]
+    assert answer["outputs"][0]["data"] == [10.0, 20.0]
+
+
+def test_trioinfer_lists_the_plugin() -> None:
+    assert "python" in trioinfer.Registry().names("backends")
