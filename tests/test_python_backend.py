@@ -15,7 +15,7 @@ import trio.testing
 import trioinfer
 from trioinfer import BackendError, ConfigError, Instance, ModelConfig, open_engine
 from trioinfer.testing import check_backend
-from trioinfer_python import PythonBackend, parse_signature
+from trioinfer_python import PythonBackend
 
 pytestmark = pytest.mark.python_model
 
@@ -243,7 +243,7 @@ async def test_lists_are_converted_to_the_declared_dtype() -> None:
     ("options", "error", "message"),
     [
         ({"colour": 1}, ConfigError, "unknown python backend option 'colour'"),
-        ({"inputs": None}, ConfigError, "inputs of model 'm' must be a non-empty list"),
+        ({"inputs": None}, ConfigError, "^inputs of model 'm' must be a non-empty list"),
         (
             {"inputs": [{"name": "x", "dtype": "float32"}]},
             ConfigError,
@@ -322,16 +322,14 @@ async def test_a_missing_model_file_is_a_backend_error(tmp_path: Path) -> None:
 
 
 def test_signature_dtypes_and_shapes() -> None:
-    signature = parse_signature(
-        "m",
-        {
-            "inputs": [
-                {"name": "a", "dtype": "TYPE_INT32", "shape": [-1, 3]},
-                {"name": "b", "dtype": "string", "shape": ["n"]},
-                {"name": "c", "dtype": "bool", "shape": []},
-            ],
-            "outputs": [{"name": "d", "dtype": "FP64", "shape": [2]}],
-        },
+    signature = trioinfer.ModelSignature.declared(
+        [
+            {"name": "a", "dtype": "TYPE_INT32", "shape": [-1, 3]},
+            {"name": "b", "dtype": "string", "shape": ["n"]},
+            {"name": "c", "dtype": "bool", "shape": []},
+        ],
+        [{"name": "d", "dtype": "FP64", "shape": [2]}],
+        model="m",
     )
     assert [s.describe() for s in signature.inputs] == ["int32[?, 3]", "object[n]", "bool[]"]
     assert [s.type_name for s in signature.inputs] == [

@@ -48,7 +48,7 @@ import importlib.util
 import inspect
 import itertools
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from pathlib import Path
 from types import ModuleType
 from typing import Any, final
@@ -66,108 +66,20 @@ from trioinfer import (
     WorkerThread,
 )
 
-__all__ = ["PythonBackend", "PythonInstance", "parse_signature"]
+__all__ = ["PythonBackend", "PythonInstance"]
 
 Arrays = Mapping[str, np.ndarray[Any, Any]]
+_modules = itertools.count()
 
 #: The options this backend takes, with what each means.
 OPTIONS: Mapping[str, str] = {
     "class": "the model's class: its name in the model file (default 'Model'), or in Python "
     "the class itself",
     "parameters": "keyword arguments for the class's constructor (a table)",
-    "inputs": "the model's inputs: a list of tables with name, dtype and shape",
-    "outputs": "the model's outputs: a list of tables with name, dtype and shape",
+    "inputs": "the model's inputs: a list of tables with name, dtype and shape "
+    "(see ModelSignature.declared)",
+    "outputs": "the model's outputs, as inputs",
 }
-
-# dtype spellings accepted in a declared signature: numpy names, and the V2
-# protocol's and Triton's names, so that a Triton config's types read as they are.
-_V2_TYPES = {
-    "BOOL": "bool", "UINT8": "uint8", "UINT16": "uint16", "UINT32": "uint32",
-    "UINT64": "uint64", "INT8": "int8", "INT16": "int16", "INT32": "int32",
-    "INT64": "int64", "FP16": "float16", "FP32": "float32", "FP64": "float64",
-    "BYTES": "string", "STRING": "string",
-}  # fmt: skip
-_ONNX_NAMES = {
-    "bool": "tensor(bool)", "uint8": "tensor(uint8)", "uint16": "tensor(uint16)",
-    "uint32": "tensor(uint32)", "uint64": "tensor(uint64)", "int8": "tensor(int8)",
-    "int16": "tensor(int16)", "int32": "tensor(int32)", "int64": "tensor(int64)",
-    "float16": "tensor(float16)", "float32": "tensor(float)", "float64": "tensor(double)",
-    "string": "tensor(string)",
-}  # fmt: skip
-_modules = itertools.count()
-
-
-def parse_signature(model: str, options: Mapping[str, Any]) -> ModelSignature:
-    """Read ``inputs`` and ``outputs`` from *options* into a signature.
-
-    Each tensor is a table ``{name, dtype, shape}``. ``dtype`` is a numpy name
-    (``"float32"``, ``"int64"``, ``"bool"``, ``"string"``) or a V2/Triton name
-    (``"FP32"``, ``"TYPE_INT64"``, ``"BYTES"``). ``shape`` lists each
-    dimension: an int for a fixed size, a name for a symbolic size shared
-    between tensors (``"batch"``), or -1 for a size left open.
-
-    Raises:
-        ConfigError: Naming the tensor and what is wrong with it.
-    """
-    return ModelSignature(
-        inputs=_tensors(model, "inputs", options.get("inputs")),
-        outputs=_tensors(model, "outputs", options.get("outputs")),
-    )
-
-
-def _tensors(model: str, kind: str, value: object) -> tuple[TensorSpec, ...]:
-    where = f"backend option {kind} of model {model!r}"
-    if not isinstance(value, Sequence) or isinstance(value, str) or not value:
-        raise ConfigError(
-            f"{where} must be a non-empty list of tables with name, dtype and shape "
-            f"(the python backend has no model file to read them from), got {value!r}"
-        )
-    specs: list[TensorSpec] = []
-    for item in value:
-        if not isinstance(item, Mapping) or set(item) != {"name", "dtype", "shape"}:
-            raise ConfigError(
-                f"each of {where} must be a table of name, dtype, shape; got {item!r}"
-            )
-        name, dtype, shape = item["name"], item["dtype"], item["shape"]
-        if not isinstance(name, str) or not name:
-            raise ConfigError(f"{where}: a tensor name must be a non-empty string, got {name!r}")
-        if any(spec.name == name for spec in specs):
-            raise ConfigError(f"{where}: {name!r} is declared twice")
-        numpy, onnx = _dtype(f"{where}, {name!r}", dtype)
-        specs.append(TensorSpec(name, numpy, _shape(where, name, shape), onnx))
-    return tuple(specs)
-
-
-def _dtype(where: str, value: object) -> tuple[np.dtype[Any], str]:
-    text = value.upper().removeprefix("TYPE_") if isinstance(value, str) else None
-    name = _V2_TYPES.get(text or "") or (value.lower() if isinstance(value, str) else None)
-    if name in ("object", "bytes", "str"):
-        name = "string"
-    if name not in _ONNX_NAMES:
-        raise ConfigError(
-            f"{where}: dtype {value!r} is not one of {', '.join(sorted(_ONNX_NAMES))} "
-            "(or a V2 name such as 'FP32', 'INT64', 'BYTES')"
-        )
-    return np.dtype(object) if name == "string" else np.dtype(name), _ONNX_NAMES[name]
-
-
-def _shape(where: str, name: str, value: object) -> tuple[int | str | None, ...]:
-    if not isinstance(value, Sequence) or isinstance(value, str):
-        raise ConfigError(f"{where}, {name!r}: shape must be a list of dimensions, got {value!r}")
-    dims: list[int | str | None] = []
-    for dim in value:
-        if (
-            isinstance(dim, bool)
-            or not isinstance(dim, (int, str))
-            or dim == ""
-            or (isinstance(dim, int) and dim < -1)
-        ):
-            raise ConfigError(
-                f"{where}, {name!r}: each dimension must be a size >= 0, a symbolic name or "
-                f"-1 (open); got {dim!r}"
-            )
-        dims.append(None if dim == -1 else dim)
-    return tuple(dims)
 
 
 @final
@@ -189,7 +101,9 @@ class PythonBackend:
                 f"model {config.name!r}: unknown python backend option "
                 f"{', '.join(map(repr, unknown))}; known: {', '.join(OPTIONS)}"
             )
-        signature = parse_signature(config.name, options)
+        signature = ModelSignature.declared(
+            options.get("inputs"), options.get("outputs"), model=config.name
+        )
         cls = _model_class(config)
         parameters = options.get("parameters", {})
         if not isinstance(parameters, Mapping) or not all(isinstance(k, str) for k in parameters):

@@ -8,13 +8,13 @@ request costs neither queue space nor compute.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any, Literal, NoReturn
 
 import attrs
 import numpy as np
 
-from ._exceptions import InvalidInput
+from ._exceptions import ConfigError, InvalidInput
 
 #: A dimension: a fixed size, a symbolic name shared between tensors, or ``None`` (unknown).
 Dim = int | str | None
@@ -38,6 +38,20 @@ _ONNX_TO_NUMPY: dict[str, np.dtype[Any]] = {
     "tensor(bool)": np.dtype(np.bool_),
     "tensor(string)": np.dtype(np.object_),
 }
+
+
+# A declared signature's dtype names: numpy's (and "string"), with the ONNX type each
+# stands for; and the V2 protocol's (Triton's with "TYPE_"), as the numpy name.
+_DECLARED = {
+    ("string" if dtype == np.object_ else dtype.name): onnx
+    for onnx, dtype in _ONNX_TO_NUMPY.items()
+}
+_V2_NAMES = {
+    "BOOL": "bool", "UINT8": "uint8", "UINT16": "uint16", "UINT32": "uint32",
+    "UINT64": "uint64", "INT8": "int8", "INT16": "int16", "INT32": "int32",
+    "INT64": "int64", "FP16": "float16", "FP32": "float32", "FP64": "float64",
+    "BYTES": "string", "STRING": "string",
+}  # fmt: skip
 
 
 def numpy_dtype(onnx_type: str) -> np.dtype[Any] | None:
@@ -115,6 +129,22 @@ class ModelSignature:
                     )
         return None
 
+    @classmethod
+    def declared(cls, inputs: object, outputs: object, *, model: str) -> ModelSignature:
+        """A signature written in a config, for models with no file to read it from.
+
+        *inputs* and *outputs* are lists of tables ``{name, dtype, shape}``.
+        ``dtype`` is a numpy name (``"float32"``, ``"int64"``, ``"bool"``,
+        ``"string"``) or a V2/Triton name (``"FP32"``, ``"TYPE_INT64"``,
+        ``"BYTES"``). ``shape`` lists each dimension: an int for a fixed size,
+        a name for a symbolic size shared between tensors (``"batch"``), or -1
+        for a size left open.
+
+        Raises:
+            ConfigError: Naming the model, the tensor and what is wrong with it.
+        """
+        return cls(_declared(model, "inputs", inputs), _declared(model, "outputs", outputs))
+
     def input(self, name: str) -> TensorSpec:
         """Return the input called *name*; raises ``KeyError`` if there is none."""
         for spec in self.inputs:
@@ -143,6 +173,57 @@ class ModelSignature:
     def unbatched_reason(self) -> str | None:
         """Why the model is not batched (each request then runs alone), or ``None`` if it is."""
         return self._unbatched_reason
+
+
+def _declared(model: str, kind: str, value: object) -> tuple[TensorSpec, ...]:
+    where = f"{kind} of model {model!r}"
+    if not isinstance(value, Sequence) or isinstance(value, str) or not value:
+        raise ConfigError(
+            f"{where} must be a non-empty list of tables with name, dtype and shape, got {value!r}"
+        )
+    specs: list[TensorSpec] = []
+    for item in value:
+        if not isinstance(item, Mapping) or set(item) != {"name", "dtype", "shape"}:
+            raise ConfigError(f"each of {where} must be a table of name, dtype, shape: {item!r}")
+        name = item["name"]
+        if not isinstance(name, str) or not name:
+            raise ConfigError(f"{where}: a tensor name must be a non-empty string, got {name!r}")
+        if any(spec.name == name for spec in specs):
+            raise ConfigError(f"{where}: {name!r} is declared twice")
+        here = f"{where}, {name!r}"
+        dtype = item["dtype"]
+        text = dtype.upper().removeprefix("TYPE_") if isinstance(dtype, str) else ""
+        numpy = _V2_NAMES.get(text) or (dtype.lower() if isinstance(dtype, str) else "")
+        numpy = "string" if numpy in ("object", "bytes", "str") else numpy
+        if numpy not in _DECLARED:
+            raise ConfigError(
+                f"{here}: dtype {dtype!r} is not one of {', '.join(sorted(_DECLARED))} "
+                "(or a V2 name such as 'FP32', 'INT64', 'BYTES')"
+            )
+        onnx = _DECLARED[numpy]
+        specs.append(
+            TensorSpec(name, _ONNX_TO_NUMPY[onnx], _declared_shape(here, item["shape"]), onnx)
+        )
+    return tuple(specs)
+
+
+def _declared_shape(where: str, value: object) -> tuple[Dim, ...]:
+    if not isinstance(value, Sequence) or isinstance(value, str):
+        raise ConfigError(f"{where}: shape must be a list of dimensions, got {value!r}")
+    dims: list[Dim] = []
+    for dim in value:
+        if (
+            isinstance(dim, bool)
+            or not isinstance(dim, (int, str))
+            or dim == ""
+            or (isinstance(dim, int) and dim < -1)
+        ):
+            raise ConfigError(
+                f"{where}: each dimension must be a size >= 0, a symbolic name or -1 (open); "
+                f"got {dim!r}"
+            )
+        dims.append(None if dim == -1 else dim)
+    return tuple(dims)
 
 
 @attrs.frozen
