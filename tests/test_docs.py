@@ -77,6 +77,7 @@ EXPECTED_OUTPUT = {
         "names: ['two (1.00)', 'eight (0.95)', 'two (1.00)', 'six (1.00)', 'six (1.00)', "
         "'seven (1.00)']",
         "names: 6 answered in ",  # 1 execution, or a few on a busy machine
+        "pipeline: ['two', 'eight', 'two', 'six', 'six', 'seven']",
         "async model: cancelled 1 time at the caller's deadline",
     ],
     "failover.py": [

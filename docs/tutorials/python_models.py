@@ -90,6 +90,43 @@ async def names_for(engine: trioinfer.Engine, images: np.ndarray) -> list[str]:
 # --8<-- [end:chain]
 
 
+# --8<-- [start:pipeline]
+NAMED_DIGITS = trioinfer.ModelConfig(
+    name="named_digits",
+    path="-",  # a pipeline has no file: its steps are models loaded in the engine
+    backend="pipeline",
+    backend_options={
+        "inputs": [{"name": "IMAGE", "dtype": "float32", "shape": ["batch", 64]}],
+        "outputs": [
+            {"name": "NAME", "dtype": "string", "shape": ["batch"]},
+            {"name": "CONFIDENCE", "dtype": "float32", "shape": ["batch"]},
+        ],
+        "steps": [
+            {
+                "model": "digits",
+                "input_map": {"input": "IMAGE"},  # the model's input <- a pipeline tensor
+                "output_map": {"probabilities": "SCORES"},  # the model's output -> one
+            },
+            {
+                "model": "names",
+                "input_map": {"probabilities": "SCORES"},
+                "output_map": {"name": "NAME", "confidence": "CONFIDENCE"},
+            },
+        ],
+    },
+)
+
+
+async def as_one_model(engine: trioinfer.Engine, images: np.ndarray) -> None:
+    await engine.load(NAMED_DIGITS)
+    with trio.fail_after(2):
+        out = await engine.infer("named_digits", {"IMAGE": images})
+    print("pipeline:", out["NAME"].tolist())
+
+
+# --8<-- [end:pipeline]
+
+
 # --8<-- [start:async]
 class SlowLookup:
     """An async model: its infer runs on the event loop and is cancelled like any task."""
@@ -147,6 +184,7 @@ async def main() -> None:
             print("expected:", [NAMES[label] for label in labels[:6]])
             stats = engine.statistics().models["names"]
             print(f"names: {stats.succeeded} answered in {stats.executions} executions")
+            await as_one_model(engine, images[:6])
             await cancelled_at_the_deadline(engine)
 
 

@@ -28,6 +28,7 @@ from ._exceptions import (
     PluginError,
     TrioInferError,
 )
+from ._pipeline import PIPELINE, Pipeline
 from ._registry import Registry
 from ._request import Outputs, Request, next_request_id
 from ._runner import ModelRunner, ModelStatistics, close_instances
@@ -102,7 +103,8 @@ class Engine:
     _registry: Registry = attrs.field(alias="registry")
     drain_period: float
     _device_limits: dict[str, anyio.CapacityLimiter] = attrs.field(alias="device_limits")
-    _runners: dict[str, ModelRunner] = attrs.field(factory=dict, init=False)
+    # Every loaded model: a runner with queue and instances, or a pipeline of steps.
+    _runners: dict[str, ModelRunner | Pipeline] = attrs.field(factory=dict, init=False)
     _loading: set[str] = attrs.field(factory=set, init=False)
     _closing: bool = attrs.field(default=False, init=False)
     _closed: bool = attrs.field(default=False, init=False)
@@ -148,46 +150,11 @@ class Engine:
             )
         self._loading.add(name)
         try:
-            registry = self._registry
-            backend: Backend = registry.create("backends", config.backend)
-            scheduler: Scheduler = registry.create(
-                "schedulers", config.scheduler, config.scheduler_options
-            )
-            batcher: Batcher = registry.create("batchers", config.batcher, config.batcher_options)
-            fallback: Fallback = registry.create(
-                "fallbacks", config.fallback, config.fallback_options
-            )
-            for kind, plugin, protocol in (
-                ("backend", backend, Backend),
-                ("scheduler", scheduler, Scheduler),
-                ("batcher", batcher, Batcher),
-                ("fallback", fallback, Fallback),
-            ):
-                if not isinstance(plugin, protocol):
-                    raise PluginError(
-                        f"{kind} plugin for model {name!r} does not implement "
-                        f"trioinfer.abc.{protocol.__name__}: got {type(plugin).__name__}"
-                    )
-            instances = await _load_instances(backend, config)
-            try:
-                runner = ModelRunner(
-                    config,
-                    scheduler=scheduler,
-                    batcher=batcher,
-                    fallback=fallback,
-                    instances=instances,
-                    device_limits=self._device_limits,
-                    backend=backend,
-                    infer_elsewhere=self._infer_elsewhere,
-                )
-            except BaseException:
-                # A plugin refused the model in attach(): do not leave instances behind.
-                await close_instances(instances)
-                raise
-            if self._closing:
-                # The engine began to close while we loaded: do not leave instances behind.
-                await close_instances(instances)
-                self._check_open()
+            runner: ModelRunner | Pipeline
+            if config.backend == PIPELINE:
+                runner = Pipeline(config, self.infer, lambda model: self._runner(model).signature)
+            else:
+                runner = await self._new_runner(config)
             await self._task_group.start(runner.run)
             old = self._runners.get(name)
             self._runners[name] = runner
@@ -196,6 +163,49 @@ class Engine:
         if old is not None:
             await self._retire(old)
         return self._info(runner)
+
+    async def _new_runner(self, config: ModelConfig) -> ModelRunner:
+        # A model's plugins, its loaded instances, and the runner that will serve them.
+        name = config.name
+        registry = self._registry
+        backend: Backend = registry.create("backends", config.backend)
+        scheduler: Scheduler = registry.create(
+            "schedulers", config.scheduler, config.scheduler_options
+        )
+        batcher: Batcher = registry.create("batchers", config.batcher, config.batcher_options)
+        fallback: Fallback = registry.create("fallbacks", config.fallback, config.fallback_options)
+        for kind, plugin, protocol in (
+            ("backend", backend, Backend),
+            ("scheduler", scheduler, Scheduler),
+            ("batcher", batcher, Batcher),
+            ("fallback", fallback, Fallback),
+        ):
+            if not isinstance(plugin, protocol):
+                raise PluginError(
+                    f"{kind} plugin for model {name!r} does not implement "
+                    f"trioinfer.abc.{protocol.__name__}: got {type(plugin).__name__}"
+                )
+        instances = await _load_instances(backend, config)
+        try:
+            runner = ModelRunner(
+                config,
+                scheduler=scheduler,
+                batcher=batcher,
+                fallback=fallback,
+                instances=instances,
+                device_limits=self._device_limits,
+                backend=backend,
+                infer_elsewhere=self._infer_elsewhere,
+            )
+        except BaseException:
+            # A plugin refused the model in attach(): do not leave instances behind.
+            await close_instances(instances)
+            raise
+        if self._closing:
+            # The engine began to close while we loaded: do not leave instances behind.
+            await close_instances(instances)
+            self._check_open()
+        return runner
 
     async def unload(self, name: str) -> None:
         """Stop serving a model: refuse new requests, drain, then close its instances.
@@ -211,7 +221,7 @@ class Engine:
             raise ModelNotFound(f"no model named {name!r} is loaded; loaded: {self._names()}")
         await self._retire(runner)
 
-    async def _retire(self, runner: ModelRunner) -> None:
+    async def _retire(self, runner: ModelRunner | Pipeline) -> None:
         # The runner takes no new requests already; let accepted ones finish, then stop it.
         try:
             with anyio.move_on_after(self.drain_period):
@@ -364,7 +374,7 @@ class Engine:
             models={name: runner.statistics() for name, runner in sorted(self._runners.items())},
         )
 
-    def _runner(self, model: str) -> ModelRunner:
+    def _runner(self, model: str) -> ModelRunner | Pipeline:
         self._check_open()
         runner = self._runners.get(model)
         if runner is None:
@@ -379,13 +389,13 @@ class Engine:
     def _names(self) -> str:
         return ", ".join(map(repr, sorted(self._runners))) or "none"
 
-    def _info(self, runner: ModelRunner) -> ModelInfo:
+    def _info(self, runner: ModelRunner | Pipeline) -> ModelInfo:
         return ModelInfo(
             runner.config.name,
             runner.config,
             runner.signature,
             runner.devices,
-            runner.queue.preferred_batch_sizes,
+            runner.preferred_batch_sizes,
         )
 
     async def _shutdown(self, drain: bool) -> None:

@@ -566,6 +566,11 @@ class ModelRunner:
         """Where each instance really runs."""
         return tuple(replica.device for replica in self.replicas)
 
+    @property
+    def preferred_batch_sizes(self) -> tuple[int, ...]:
+        """The batch sizes the model's backend says it runs fastest (empty if it does not)."""
+        return self.queue.preferred_batch_sizes
+
     # -- the tasks ---------------------------------------------------------------
 
     async def run(self, *, task_status: anyio.abc.TaskStatus[None]) -> None:

@@ -1,0 +1,361 @@
+"""Pipelines: a model that is a graph of steps over other loaded models (Triton's ensembles).
+
+A pipeline is loaded like a model, with ``backend = "pipeline"``::
+
+    backend = "pipeline"
+
+    [backend_options]
+    inputs = [{ name = "IMAGE", dtype = "float32", shape = ["batch", 64] }]
+    outputs = [{ name = "NAME", dtype = "string", shape = ["batch"] }]
+
+    [[backend_options.steps]]
+    model = "digits"
+    input_map = { input = "IMAGE" }              # the step model's input <- a pipeline tensor
+    output_map = { probabilities = "SCORES" }    # the step model's output -> a pipeline tensor
+
+    [[backend_options.steps]]
+    model = "names"
+    input_map = { probabilities = "SCORES" }
+    output_map = { name = "NAME" }
+
+It has no instances and no queue of its own. A request runs in its caller's
+task: each step is an ``engine.infer`` on the step's model, so it goes
+through that model's own queue, batcher and instances, under the caller's
+cancel scope (its deadline and cancellation reach every step). A step starts
+as soon as its inputs are there; steps whose inputs are there run at once,
+side by side. The first step to fail cancels the others and ends the request
+with its error, the step named in the message.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, final
+
+import anyio
+import anyio.abc
+import attrs
+import numpy as np
+
+from ._config import ModelConfig
+from ._exceptions import ConfigError, DeadlineExceeded, EngineClosed, QueueFull, TrioInferError
+from ._request import Outputs, Request, Status
+from ._runner import BATCH_BUCKETS, DURATION_BUCKETS, ModelStatistics, _Histogram
+from ._tensors import ModelSignature, TensorSpec
+from ._threads import LoopClock
+
+#: The backend name that makes a model a pipeline.
+PIPELINE = "pipeline"
+
+Infer = Callable[..., Any]
+
+
+@attrs.frozen
+class Step:
+    """One step of a pipeline: a model, and where its inputs come from and outputs go."""
+
+    model: str
+    input_map: Mapping[str, str]
+    output_map: Mapping[str, str]
+
+
+def _steps(name: str, value: object) -> tuple[Step, ...]:
+    where = f"backend option steps of pipeline {name!r}"
+    if not isinstance(value, Sequence) or isinstance(value, str) or not value:
+        raise ConfigError(
+            f"{where} must be a non-empty list of tables with model, input_map, output_map"
+        )
+    steps = []
+    for i, item in enumerate(value):
+        if not isinstance(item, Mapping) or set(item) != {"model", "input_map", "output_map"}:
+            raise ConfigError(
+                f"{where}: step {i} must be a table of model, input_map and output_map, "
+                f"got {item!r}"
+            )
+        maps = []
+        for key in ("input_map", "output_map"):
+            table = item[key]
+            if (
+                not isinstance(table, Mapping)
+                or not table
+                or not all(isinstance(k, str) and isinstance(v, str) for k, v in table.items())
+            ):
+                raise ConfigError(
+                    f"{where}: step {i}'s {key} must be a table of the model's tensor name = "
+                    f"a pipeline tensor name, got {table!r}"
+                )
+            maps.append(dict(table))
+        if not isinstance(item["model"], str) or not item["model"]:
+            raise ConfigError(f"{where}: step {i}'s model must be a model name")
+        steps.append(Step(item["model"], maps[0], maps[1]))
+    return tuple(steps)
+
+
+@final
+class Pipeline:
+    """A loaded pipeline, as the engine holds it beside its model runners.
+
+    It answers the engine as a runner does (``call``, ``statistics``,
+    ``wait_idle``, ``stop``), so that it looks like one model from outside.
+    Only the engine creates it.
+    """
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        infer: Infer,
+        signatures: Callable[[str], ModelSignature],
+    ) -> None:
+        options = config.backend_options
+        unknown = sorted(set(options) - {"inputs", "outputs", "steps"})
+        if unknown:
+            raise ConfigError(
+                f"pipeline {config.name!r}: unknown option {', '.join(map(repr, unknown))}; "
+                "known: inputs, outputs, steps"
+            )
+        self.config = config
+        self.signature = ModelSignature.declared(
+            options.get("inputs"), options.get("outputs"), model=config.name
+        )
+        self.steps = _steps(config.name, options.get("steps"))
+        self._infer = infer
+        _check_graph(config.name, self.signature, self.steps, signatures)
+        self.input_limits = config.input_limits
+        self.queue_timeouts = config.queue_timeouts
+        self.batched = False  # requests keep their rows; each step batches on its own
+        self.clock = LoopClock()
+        self.devices: tuple[str, ...] = ()
+        self._in_flight = 0
+        self._idle: anyio.Event | None = None
+        self._stopped = False
+        self._stop = anyio.Event()
+        self.succeeded = self.failed = self.cancelled = self.refused = self.expired = 0
+        self._request_duration = _Histogram(DURATION_BUCKETS)
+
+    @property
+    def preferred_batch_sizes(self) -> tuple[int, ...]:
+        """Nothing: a pipeline forms no batches of its own."""
+        return ()
+
+    async def run(self, *, task_status: anyio.abc.TaskStatus[None]) -> None:
+        """Hold the pipeline's place in the engine's task group until stopped."""
+        task_status.started()
+        await self._stop.wait()
+
+    async def call(self, request: Request, *, own_deadline: bool = True) -> Outputs:
+        """Run *request* through the steps, in the caller's task, and return its outputs."""
+        state = request._state
+        if self._stopped:
+            raise EngineClosed(f"pipeline {self.config.name!r} was unloaded")
+        if self._in_flight >= self.config.max_queue_size:
+            self.refused += 1
+            raise QueueFull(
+                f"pipeline {self.config.name!r} has {self._in_flight} requests in flight, its "
+                "max_queue_size; retry later",
+                retry_after=0.01,
+            )
+        self._in_flight += 1
+        state.status = Status.RUNNING
+        try:
+            outputs = await self._answer(request, own_deadline)
+        except anyio.get_cancelled_exc_class():
+            self.cancelled += 1
+            raise
+        except DeadlineExceeded:
+            self.expired += 1
+            raise
+        except BaseException:
+            self.failed += 1
+            raise
+        else:
+            self.succeeded += 1
+            self._request_duration.observe(self.clock.current_time() - request.arrival)
+            state.outputs = outputs
+            return outputs
+        finally:
+            state.status = Status.DONE
+            self._in_flight -= 1
+            if not self._in_flight and self._idle is not None:
+                self._idle.set()
+                self._idle = None
+
+    async def _answer(self, request: Request, own_deadline: bool) -> Outputs:
+        if own_deadline:
+            return await self._run(request)
+        # The pipeline's queue_timeouts: a deadline its caller did not set.
+        with anyio.CancelScope(deadline=request.deadline):
+            return await self._run(request)
+        raise DeadlineExceeded(
+            f"request {request.id!r} for pipeline {self.config.name!r} reached its deadline "
+            "before its steps ended"
+        )
+
+    async def _run(self, request: Request) -> Outputs:
+        tensors: dict[str, Any] = dict(request.inputs)
+        pending = list(enumerate(self.steps))
+        changed = anyio.Event()
+        running: set[int] = set()
+
+        async def run_step(index: int, step: Step) -> None:
+            nonlocal changed
+            inputs = {own: tensors[shared] for own, shared in step.input_map.items()}
+            try:
+                outputs = await self._infer(
+                    step.model,
+                    inputs,
+                    priority=request.priority,
+                    tenant=request.tenant,
+                    request_id=f"{request.id}/{index}",
+                )
+            except TrioInferError as exc:
+                raise _step_error(self.config.name, index, step.model, exc) from exc
+            for own, shared in step.output_map.items():
+                tensors[shared] = outputs[own]
+            running.discard(index)
+            changed.set()
+            changed = anyio.Event()
+
+        try:
+            async with anyio.create_task_group() as tg:
+                while pending or running:
+                    for item in [
+                        (i, s)
+                        for i, s in pending
+                        if all(t in tensors for t in s.input_map.values())
+                    ]:
+                        pending.remove(item)
+                        running.add(item[0])
+                        tg.start_soon(run_step, *item)
+                    if running:
+                        await changed.wait()
+        except BaseExceptionGroup as group:
+            # The first step to fail cancelled the others: its error is the answer.
+            failures = _failures(group)
+            if len(failures) == 1:
+                raise failures[0] from None
+            raise
+        return {spec.name: np.asarray(tensors[spec.name]) for spec in self.signature.outputs}
+
+    async def wait_idle(self) -> None:
+        """Wait until no request is in flight."""
+        while self._in_flight:
+            if self._idle is None:
+                self._idle = anyio.Event()
+            await self._idle.wait()
+
+    async def stop(self) -> None:
+        """Refuse new requests and let the engine's task group forget the pipeline."""
+        self._stopped = True
+        self._stop.set()
+
+    def statistics(self) -> ModelStatistics:
+        """The pipeline's counters (its steps' are their models' own)."""
+        empty = _Histogram(DURATION_BUCKETS).snapshot()
+        return ModelStatistics(
+            name=self.config.name,
+            devices=(),
+            queued=0,
+            in_flight=self._in_flight,
+            succeeded=self.succeeded,
+            failed=self.failed,
+            cancelled=self.cancelled,
+            refused=self.refused,
+            expired=self.expired,
+            executions=0,
+            mean_execution_s=0.0,
+            buffers_allocated=0,
+            buffers_reused=0,
+            queue_duration=empty,
+            compute_duration=empty,
+            request_duration=self._request_duration.snapshot(),
+            batch_size=_Histogram(BATCH_BUCKETS).snapshot(),
+        )
+
+
+def _failures(group: BaseExceptionGroup[BaseException]) -> list[BaseException]:
+    cancelled = anyio.get_cancelled_exc_class()
+    found: list[BaseException] = []
+    for leaf in group.exceptions:
+        if isinstance(leaf, BaseExceptionGroup):
+            found += _failures(leaf)
+        elif not isinstance(leaf, cancelled):
+            found.append(leaf)
+    return found
+
+
+def _step_error(pipeline: str, index: int, model: str, exc: TrioInferError) -> TrioInferError:
+    # The step's own error class (a client's fault stays a client's fault), its
+    # message saying which step failed.
+    error = type(exc).__new__(type(exc))
+    error.__dict__.update(exc.__dict__)
+    message = f"pipeline {pipeline!r}, step {index} (model {model!r}): {exc}"
+    error.args = (message, *exc.args[1:])
+    return error
+
+
+def _check_graph(
+    name: str,
+    signature: ModelSignature,
+    steps: Sequence[Step],
+    signatures: Callable[[str], ModelSignature],
+) -> None:
+    """Refuse a pipeline whose steps do not fit their models or each other."""
+    where = f"pipeline {name!r}"
+    producers: dict[str, TensorSpec] = {spec.name: spec for spec in signature.inputs}
+    waiting = list(enumerate(steps))
+    while waiting:
+        ready = [(i, s) for i, s in waiting if all(t in producers for t in s.input_map.values())]
+        if not ready:
+            i, step = waiting[0]
+            missing = sorted(set(step.input_map.values()) - set(producers))
+            raise ConfigError(
+                f"{where}: step {i} (model {step.model!r}) needs {missing}, which no pipeline "
+                "input or earlier step provides (or the steps form a cycle)"
+            )
+        for i, step in ready:
+            waiting.remove((i, step))
+            model = signatures(step.model)
+            for own, shared in step.input_map.items():
+                _fits(where, f"step {i}: input {own!r} of model {step.model!r}", model.inputs,
+                      own, producers[shared])  # fmt: skip
+            missing_inputs = sorted({s.name for s in model.inputs} - set(step.input_map))
+            if missing_inputs:
+                raise ConfigError(
+                    f"{where}: step {i} maps no pipeline tensor to {missing_inputs}, "
+                    f"inputs of model {step.model!r}"
+                )
+            outputs = {spec.name: spec for spec in model.outputs}
+            for own, shared in step.output_map.items():
+                if own not in outputs:
+                    raise ConfigError(
+                        f"{where}: step {i} maps output {own!r}, which model {step.model!r} "
+                        f"does not have; its outputs are {sorted(outputs)}"
+                    )
+                if shared in producers:
+                    raise ConfigError(
+                        f"{where}: step {i} writes tensor {shared!r}, which something else "
+                        "writes already; every pipeline tensor has one producer"
+                    )
+                producers[shared] = outputs[own]
+    for spec in signature.outputs:
+        if spec.name not in producers:
+            raise ConfigError(f"{where}: no step produces its output {spec.name!r}")
+        if producers[spec.name].dtype != spec.dtype:
+            raise ConfigError(
+                f"{where}: output {spec.name!r} is declared {spec.describe()}, but its step "
+                f"produces {producers[spec.name].describe()}"
+            )
+
+
+def _fits(where: str, what: str, specs: Sequence[TensorSpec], own: str, source: TensorSpec) -> None:
+    spec = next((s for s in specs if s.name == own), None)
+    if spec is None:
+        raise ConfigError(f"{where}, {what}: the model has no such input")
+    if spec.dtype != source.dtype or spec.rank != source.rank:
+        raise ConfigError(
+            f"{where}, {what} is {spec.describe()}, but its tensor {source.name!r} is "
+            f"{source.describe()}"
+        )
+
+
+__all__ = ["PIPELINE", "Pipeline", "Step"]

@@ -1,0 +1,298 @@
+"""Pipelines: a model that is a graph of steps over other models (Triton's ensembles)."""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+import anyio
+import numpy as np
+import pytest
+import trio
+import trio.testing
+
+import trioinfer
+from trioinfer import (
+    BackendError,
+    ConfigError,
+    InvalidInput,
+    ModelConfig,
+    ModelNotFound,
+    QueueFull,
+    open_engine,
+)
+
+pytestmark = pytest.mark.pipeline
+
+Arrays = dict[str, np.ndarray[Any, Any]]
+
+
+def tensor(
+    name: str, dtype: str = "float32", shape: tuple[Any, ...] = ("batch", 4)
+) -> dict[str, Any]:
+    return {"name": name, "dtype": dtype, "shape": list(shape)}
+
+
+class Step:
+    """An async Python model: y = x * factor + offset after *delay* seconds; counts its calls."""
+
+    calls: ClassVar[dict[str, int]] = {}
+    cancelled: ClassVar[dict[str, int]] = {}
+    batches: ClassVar[dict[str, list[int]]] = {}
+
+    def __init__(self, name: str, factor: float = 1.0, offset: float = 0.0, delay: float = 0.0):
+        self.name, self.factor, self.offset, self.delay = name, factor, offset, delay
+
+    async def infer(self, inputs: Arrays) -> Arrays:
+        Step.calls[self.name] = Step.calls.get(self.name, 0) + 1
+        Step.batches.setdefault(self.name, []).append(len(inputs["x"]))
+        try:
+            await anyio.sleep(self.delay)
+        except anyio.get_cancelled_exc_class():
+            Step.cancelled[self.name] = Step.cancelled.get(self.name, 0) + 1
+            raise
+        if self.factor == 0:
+            raise RuntimeError(f"{self.name} is broken")
+        return {"y": inputs["x"] * self.factor + self.offset}
+
+
+class Join:
+    async def infer(self, inputs: Arrays) -> Arrays:
+        return {"y": inputs["a"] + inputs["b"]}
+
+
+def step_model(name: str, **parameters: Any) -> ModelConfig:
+    return ModelConfig(
+        name=name,
+        path="-",
+        backend="python",
+        backend_options={
+            "class": Step,
+            "parameters": {"name": name, **parameters},
+            "inputs": [tensor("x")],
+            "outputs": [tensor("y")],
+        },
+        batcher="dynamic",
+        batcher_options={"max_batch_size": 16, "max_queue_delay": 0.01},
+    )
+
+
+def join_model() -> ModelConfig:
+    return ModelConfig(
+        name="join",
+        path="-",
+        backend="python",
+        backend_options={
+            "class": Join,
+            "inputs": [tensor("a"), tensor("b")],
+            "outputs": [tensor("y")],
+        },
+    )
+
+
+def pipeline(steps: list[dict[str, Any]], name: str = "p", **kw: Any) -> ModelConfig:
+    options = {"inputs": [tensor("IN")], "outputs": [tensor("OUT")], "steps": steps}
+    options.update(kw.pop("options", {}))
+    return ModelConfig(name=name, path="-", backend="pipeline", backend_options=options, **kw)
+
+
+def step(model: str, source: str, target: str, own_in: str = "x") -> dict[str, Any]:
+    return {"model": model, "input_map": {own_in: source}, "output_map": {"y": target}}
+
+
+# A diamond: IN -> double -> A; IN -> plus -> B; A + B -> join -> OUT
+DIAMOND = [
+    step("double", "IN", "A"),
+    step("plus", "IN", "B"),
+    {"model": "join", "input_map": {"a": "A", "b": "B"}, "output_map": {"y": "OUT"}},
+]
+X = np.ones((1, 4), np.float32)
+
+
+@pytest.fixture(autouse=True)
+def _reset() -> None:
+    Step.calls.clear()
+    Step.cancelled.clear()
+    Step.batches.clear()
+
+
+async def load_diamond(engine: trioinfer.Engine, delay: float = 0.0, **kw: Any) -> None:
+    await engine.load(step_model("double", factor=2.0, delay=delay))
+    await engine.load(step_model("plus", offset=10.0, delay=delay))
+    await engine.load(join_model())
+    await engine.load(pipeline(DIAMOND, **kw))
+
+
+async def test_a_pipeline_looks_like_one_model(autojump_clock: trio.testing.MockClock) -> None:
+    async with open_engine() as engine:
+        await load_diamond(engine)
+        info = engine.model("p")
+        assert [s.describe() for s in info.signature.inputs] == ["float32[batch, 4]"]
+        out = await engine.infer("p", {"IN": X * 3})
+        np.testing.assert_array_equal(out["OUT"], X * 3 * 2 + (X * 3 + 10))
+        with pytest.raises(InvalidInput, match="model 'p' has no input named 'x'"):
+            await engine.infer("p", {"x": X})
+        stats = engine.statistics().models["p"]
+        assert (stats.succeeded, stats.failed, stats.in_flight) == (1, 0, 0)
+        assert stats.request_duration.count == 1
+        assert "p" in [m.name for m in engine.models()]
+
+
+async def test_steps_whose_inputs_are_ready_run_side_by_side(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    async with open_engine() as engine:
+        await load_diamond(engine, delay=1.0)
+        t0 = trio.current_time()
+        await engine.infer("p", {"IN": X})
+        # double and plus at once (1 s), then join: not 2 s.
+        assert trio.current_time() - t0 == pytest.approx(1.01)
+
+
+async def test_the_callers_deadline_reaches_every_step(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    chain = [step("first", "IN", "A"), step("second", "A", "B"), step("third", "B", "OUT")]
+    async with open_engine() as engine:
+        for name in ("first", "second", "third"):
+            await engine.load(step_model(name, delay=1.0))
+        await engine.load(pipeline(chain))
+        with pytest.raises(trio.TooSlowError):
+            with trio.fail_after(1.5):  # first ends at 1.01 s, second would at 2.02 s
+                await engine.infer("p", {"IN": X})
+        await trio.testing.wait_all_tasks_blocked()
+        assert Step.calls == {"first": 1, "second": 1}  # third never started
+        assert Step.cancelled == {"second": 1}
+        stats = engine.statistics()
+        assert stats.models["p"].cancelled == 1
+        assert stats.models["second"].cancelled == 1
+
+
+async def test_a_failing_step_ends_the_request_once_with_its_error_named(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    async with open_engine() as engine:
+        await engine.load(step_model("double", factor=0.0))  # raises
+        await engine.load(step_model("plus", delay=5.0))
+        await engine.load(join_model())
+        await engine.load(pipeline(DIAMOND))
+        t0 = trio.current_time()
+        with pytest.raises(BackendError) as info:
+            await engine.infer("p", {"IN": X})
+        assert trio.current_time() - t0 < 1  # plus was cancelled, not waited for
+        assert str(info.value).startswith("pipeline 'p', step 0 (model 'double'): ")
+        assert "double is broken" in str(info.value)
+        await trio.testing.wait_all_tasks_blocked()
+        assert Step.cancelled == {"plus": 1}
+        assert engine.statistics().models["p"].failed == 1
+
+
+async def test_each_step_batches_requests_from_many_pipeline_calls(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    async with open_engine() as engine:
+        await load_diamond(engine)
+        results: dict[int, np.ndarray[Any, Any]] = {}
+
+        async def call(i: int) -> None:
+            results[i] = (await engine.infer("p", {"IN": X * i}))["OUT"]
+
+        async with anyio.create_task_group() as tg:
+            for i in range(8):
+                tg.start_soon(call, i)
+    assert Step.batches["double"] == [8]
+    for i in range(8):
+        np.testing.assert_array_equal(results[i], X * i * 3 + 10)
+
+
+async def test_in_flight_requests_are_bounded(autojump_clock: trio.testing.MockClock) -> None:
+    async with open_engine() as engine:
+        await load_diamond(engine, delay=1.0, max_queue_size=2)
+        outcomes: list[object] = []
+
+        async def call() -> None:
+            try:
+                await engine.infer("p", {"IN": X})
+                outcomes.append("ok")
+            except QueueFull as exc:
+                outcomes.append(exc)
+
+        async with anyio.create_task_group() as tg:
+            for _ in range(3):
+                tg.start_soon(call)
+        assert outcomes.count("ok") == 2
+        (refused,) = [o for o in outcomes if isinstance(o, QueueFull)]
+        assert "pipeline 'p' has 2 requests in flight" in str(refused)
+        assert engine.statistics().models["p"].refused == 1
+
+
+async def test_unloading_a_step_model_fails_the_pipeline_clearly() -> None:
+    async with open_engine() as engine:
+        await load_diamond(engine)
+        await engine.unload("plus")
+        with pytest.raises(ModelNotFound, match=r"step 1 \(model 'plus'\): no model named 'plus'"):
+            await engine.infer("p", {"IN": X})
+        await engine.unload("p")
+        with pytest.raises(ModelNotFound):
+            await engine.infer("p", {"IN": X})
+
+
+@pytest.mark.parametrize(
+    ("steps", "options", "message"),
+    [
+        ([step("missing", "IN", "OUT")], {}, "no model named 'missing' is loaded"),
+        ([step("double", "NOPE", "OUT")], {}, r"step 0 \(model 'double'\) needs \['NOPE'\]"),
+        (
+            [step("double", "A", "B"), step("plus", "B", "A"), step("join", "A", "OUT")],
+            {},
+            "or the steps form a cycle",
+        ),
+        ([step("double", "IN", "A")], {}, "no step produces its output 'OUT'"),
+        (
+            [{"model": "double", "input_map": {"x": "IN"}, "output_map": {"z": "OUT"}}],
+            {},
+            "maps output 'z', which model 'double' does not have",
+        ),
+        (
+            [{"model": "join", "input_map": {"a": "IN"}, "output_map": {"y": "OUT"}}],
+            {},
+            r"maps no pipeline tensor to \['b'\]",
+        ),
+        (
+            [step("double", "IN", "OUT"), step("plus", "IN", "OUT")],
+            {},
+            "writes tensor 'OUT', which something else writes already",
+        ),
+        (
+            [step("double", "IN", "OUT")],
+            {"inputs": [tensor("IN", "int64")]},
+            "input 'x' of model 'double' is float32",
+        ),
+        (
+            [step("double", "IN", "OUT")],
+            {"outputs": [tensor("OUT", "int64")]},
+            "output 'OUT' is declared int64",
+        ),
+        ([], {}, "must be a non-empty list of tables"),
+        ([{"model": "double"}], {}, "step 0 must be a table of model, input_map and output_map"),
+        ([step("double", "IN", "OUT")], {"colour": 1}, "unknown option 'colour'"),
+    ],
+)
+async def test_a_pipeline_that_cannot_work_is_refused_at_load(
+    steps: list[dict[str, Any]], options: dict[str, Any], message: str
+) -> None:
+    async with open_engine() as engine:
+        await load_diamond(engine)
+        with pytest.raises((ConfigError, ModelNotFound), match=message):
+            await engine.load(pipeline(steps, name="q", options=options))
+        assert "q" not in [m.name for m in engine.models()]
+
+
+def test_a_pipeline_runs_on_asyncio() -> None:
+    async def main() -> None:
+        async with open_engine() as engine:
+            await load_diamond(engine)
+            with anyio.fail_after(10):
+                out = await engine.infer("p", {"IN": X})
+            np.testing.assert_array_equal(out["OUT"], X * 3 + 10)
+
+    anyio.run(main, backend="asyncio")
