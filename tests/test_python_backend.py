@@ -376,3 +376,14 @@ async def test_a_python_model_is_served_over_http(tmp_path: Path) -> None:
 
 def test_trioinfer_lists_the_plugin() -> None:
     assert "python" in trioinfer.Registry().names("backends")
+
+
+async def test_a_trioinfer_error_the_model_raises_reaches_the_caller_as_it_is() -> None:
+    class Refuses:
+        def infer(self, inputs: dict[str, np.ndarray[Any, Any]]) -> dict[str, Any]:
+            raise trioinfer.InvalidInput("x must be positive")
+
+    async with open_engine() as engine:
+        await engine.load(config(Refuses))
+        with pytest.raises(trioinfer.InvalidInput, match=r"^x must be positive$"):
+            await engine.infer("m", {"x": X})

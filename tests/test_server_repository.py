@@ -9,10 +9,14 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+import httpx
+import numpy as np
 import pytest
+import trio
 from hypothesis import given
 from hypothesis import strategies as st
 
+import trioinfer
 from trioinfer import ConfigError, ModelNotFound, example_repository
 from trioinfer.server._repository import IndexEntry, ModelRepository, VersionPolicy
 from trioinfer.testing import models
@@ -61,7 +65,7 @@ def symlink(target: Path, link: Path, *, is_dir: bool = False) -> None:
 
 def test_bundled_example_repository_is_served() -> None:
     repo = ModelRepository(example_repository())
-    assert repo.names() == ["digits"]
+    assert repo.names() == ["digit_names", "digits", "read_digit", "scale_image"]
     entry = repo.entry("digits")
     assert entry.versions == (1,)
     assert entry.selected() == (1,)
@@ -71,7 +75,56 @@ def test_bundled_example_repository_is_served() -> None:
     assert config.path == example_repository().resolve() / "digits" / "1" / "model.onnx"
     assert config.path.is_file()
     assert [str(i.device) for i in config.instances] == ["cpu"]
-    assert repo.index() == [IndexEntry("digits", 1, "")]
+    assert [(e.name, e.version) for e in repo.index()] == [
+        ("digit_names", 1),
+        ("digits", 1),
+        ("read_digit", 1),
+        ("scale_image", 1),
+    ]
+    # The pipeline has no file and no version directory: its config is the whole of it.
+    pipeline = repo.entry("read_digit")
+    assert (pipeline.versions, pipeline.notes) == ((1,), ())
+    assert pipeline.config(1).backend == "pipeline"
+    assert repo.entry("scale_image").config(1).path.name == "model.py"
+
+
+async def test_the_bundled_pipeline_is_served_with_no_code() -> None:
+    """scale_image (Python), digits (ONNX), digit_names (Python), as one model over HTTP."""
+    from trioinfer.server import serve_http
+
+    images, labels = trioinfer.digits_samples()
+    pixels = images[:3].reshape(3, 8, 8).astype(np.uint8)
+    async with trio.open_nursery() as nursery:
+        listening = await nursery.start(
+            lambda task_status: serve_http(
+                example_repository(), port=0, handle_signals=False, task_status=task_status
+            )
+        )
+        async with httpx.AsyncClient(base_url=listening.urls[0]) as client:
+            body = {
+                "inputs": [
+                    {
+                        "name": "IMAGE",
+                        "shape": [3, 8, 8],
+                        "datatype": "UINT8",
+                        "data": pixels.ravel().tolist(),
+                    }
+                ]
+            }
+            answer = (await client.post("/v2/models/read_digit/infer", json=body)).json()
+            bad = await client.post(
+                "/v2/models/read_digit/infer",
+                json={"inputs": [{**body["inputs"][0], "data": [200] * 192}]},
+            )
+        nursery.cancel_scope.cancel()
+    names = ["zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine"]
+    assert answer["outputs"][0]["data"] == [names[label] for label in labels[:3]]
+    # A step's failure names the step, with the repository's model names.
+    assert bad.status_code == 400  # the model raised InvalidInput
+    assert bad.json()["error"].startswith(
+        "pipeline 'read_digit' (version 1), step 0 (model 'scale_image' (version 1)): image "
+        "holds an intensity of 200; they run from 0 to 16"
+    )
 
 
 # The repository root

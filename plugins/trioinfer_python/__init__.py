@@ -25,6 +25,9 @@ In code, ``backend_options={"class": Model, ...}`` names the class itself and
 - ``__init__(self, **parameters)``; a ``device`` keyword, if it takes one,
   gets where the instance was placed (``"cpu"``, ``"cuda:0"``).
 - ``infer(self, inputs) -> outputs``, dicts of numpy arrays by tensor name.
+  An exception it raises fails its batch as a ``BackendError``, unless it is
+  a ``TrioInferError`` (raise ``trioinfer.InvalidInput`` for input the
+  model refuses: a 400 over HTTP), which reaches the callers as it is.
   ``async def infer`` runs on the event loop and is cancelled when every
   caller of its batch has left (the caller's deadline, a client going away);
   a plain ``def infer`` runs on the instance's own worker thread, and Python
@@ -63,6 +66,7 @@ from trioinfer import (
     ModelSignature,
     Placement,
     TensorSpec,
+    TrioInferError,
     WorkerThread,
 )
 
@@ -256,8 +260,8 @@ class PythonInstance:
             else:
                 assert self._worker is not None
                 outputs = await self._worker.run_sync(self._infer, dict(inputs), abort=self._abort)
-        except anyio.get_cancelled_exc_class():
-            raise
+        except (anyio.get_cancelled_exc_class(), TrioInferError):
+            raise  # the model chose the error's class (InvalidInput is the client's fault)
         except Exception as exc:
             raise BackendError(f"{self._label}: infer raised {type(exc).__name__}: {exc}") from exc
         return self._checked(outputs)

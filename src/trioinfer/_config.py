@@ -340,11 +340,16 @@ class ModelConfig:
             raise ConfigError(f"{path} is not valid TOML: {exc}") from None
         model_dir = path.absolute().parent
         data.setdefault("name", model_dir.name)
-        if "path" not in data:
+        if "path" not in data and data.get("backend") == PIPELINE:
+            data["path"] = path.name  # a pipeline has no model file: it is its config
+        elif "path" not in data:
             file = model_file_name(data.get("backend", "onnxruntime"))
             data["path"] = find_model_file(model_dir, version, file)  # already under model_dir
         return cls.from_dict(data, base=model_dir)
 
+
+#: The backend name that makes a model a pipeline of other models (it has no file).
+PIPELINE = "pipeline"
 
 #: The model file a repository's version directory holds, by backend (others: model.onnx).
 MODEL_FILES: Mapping[str, str] = MappingProxyType({"python": "model.py"})

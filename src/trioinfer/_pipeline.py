@@ -37,15 +37,12 @@ import anyio.abc
 import attrs
 import numpy as np
 
-from ._config import ModelConfig
+from ._config import PIPELINE, ModelConfig
 from ._exceptions import ConfigError, DeadlineExceeded, EngineClosed, QueueFull, TrioInferError
 from ._request import Outputs, Request, Status
 from ._runner import BATCH_BUCKETS, DURATION_BUCKETS, ModelStatistics, _Histogram
 from ._tensors import ModelSignature, TensorSpec
 from ._threads import LoopClock
-
-#: The backend name that makes a model a pipeline.
-PIPELINE = "pipeline"
 
 Infer = Callable[..., Any]
 

@@ -18,7 +18,7 @@ from typing import Any, final
 import anyio
 import attrs
 
-from .._config import ModelConfig
+from .._config import PIPELINE, ModelConfig
 from .._engine import Engine, ModelInfo
 from .._exceptions import ConfigError, ModelNotFound, TrioInferError
 from ._repository import ModelRepository
@@ -121,7 +121,8 @@ class ServedModels:
     async def load_all(self) -> list[str]:
         """Load every model in the repository; return the names that failed (logged)."""
         failed = []
-        for name in self.repository.names():
+        # Pipelines last: their steps' models must be served before them.
+        for name in sorted(self.repository.names(), key=lambda n: (self._is_pipeline(n), n)):
             try:
                 await self.load(name)
             except TrioInferError as exc:
@@ -169,7 +170,7 @@ class ServedModels:
                 continue
             engine_name = f"{model}.v{version}"
             config = attrs.evolve(entry.config(version, override), name=engine_name)
-            config = self._engine_fallback_models(model, config)
+            config = self._engine_names(model, config)
             info = await self.engine.load(config, replace=old is not None)
             served[version] = ServedVersion(
                 model, version, engine_name, fingerprint, override, info
@@ -179,39 +180,57 @@ class ServedModels:
                 "reloaded" if old is not None else "loaded",
                 model,
                 version,
-                ", ".join(info.devices),
+                ", ".join(info.devices) or "its steps' models (a pipeline)",
             )
         for version in sorted(set(served) - set(wanted)):
             await self._unload_version(served, version)
 
-    def _engine_fallback_models(self, owner: str, config: ModelConfig) -> ModelConfig:
-        # A fallback's ``models`` option names repository models ("small", or
-        # "small:2" for one version) as a config author knows them; the engine
-        # knows them as "small.v2". Any fallback plugin with that option benefits.
+    def _is_pipeline(self, model: str) -> bool:
+        try:
+            return self.repository.entry(model).settings.get("backend") == PIPELINE
+        except TrioInferError:
+            return False  # its own load says what is wrong with it
+
+    def _engine_names(self, owner: str, config: ModelConfig) -> ModelConfig:
+        # Other models named in a config (a fallback's ``models``, a pipeline's
+        # steps) are repository names as a config author knows them ("small",
+        # or "small:2" for one version); the engine knows them as "small.v2".
         names = config.fallback_options.get("models")
-        if not isinstance(names, list | tuple):
-            return config
-        engine_names = []
-        for name in names:
-            if not isinstance(name, str):
-                return config  # the plugin refuses it with its own message
-            model, _, version = name.partition(":")
-            number = _version_number(version) if version else None
-            if version and number is None:
+        if isinstance(names, list | tuple) and all(isinstance(n, str) for n in names):
+            options = {
+                **config.fallback_options,
+                "models": [self._engine_name(owner, "fallback model", n) for n in names],
+            }
+            config = attrs.evolve(config, fallback_options=options)
+        steps = config.backend_options.get("steps")
+        if config.backend == PIPELINE and isinstance(steps, list | tuple):
+            steps = [
+                {**step, "model": self._engine_name(owner, "step model", step["model"])}
+                if isinstance(step, Mapping) and isinstance(step.get("model"), str)
+                else step  # the pipeline refuses it with its own message
+                for step in steps
+            ]
+            config = attrs.evolve(
+                config, backend_options={**config.backend_options, "steps": steps}
+            )
+        return config
+
+    def _engine_name(self, owner: str, what: str, name: str) -> str:
+        model, _, version = name.partition(":")
+        number = _version_number(version) if version else None
+        if version and number is None:
+            raise ConfigError(
+                f"{what} {name!r} of model {owner!r}: the version after ':' must be a positive "
+                "integer"
+            )
+        if number is None:
+            try:
+                number = max(self.repository.entry(model).selected())
+            except (ModelNotFound, ConfigError) as exc:
                 raise ConfigError(
-                    f"fallback model {name!r} of model {owner!r}: the version after ':' "
-                    "must be a positive integer"
-                )
-            if number is None:
-                try:
-                    number = max(self.repository.entry(model).selected())
-                except (ModelNotFound, ConfigError) as exc:
-                    raise ConfigError(
-                        f"fallback model {model!r} of model {owner!r} is not in the repository"
-                    ) from exc
-            engine_names.append(f"{model}.v{number}")
-        options = {**config.fallback_options, "models": engine_names}
-        return attrs.evolve(config, fallback_options=options)
+                    f"{what} {model!r} of model {owner!r} is not in the repository"
+                ) from exc
+        return f"{model}.v{number}"
 
     async def unload(self, model: str) -> None:
         """Stop serving every version of *model*; their accepted requests drain first.

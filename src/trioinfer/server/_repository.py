@@ -28,7 +28,7 @@ from typing import Any, Literal
 
 import attrs
 
-from .._config import _NAME_RE, ModelConfig, model_file_name
+from .._config import _NAME_RE, PIPELINE, ModelConfig, model_file_name
 from .._exceptions import ConfigError, ModelNotFound
 
 __all__ = ["IndexEntry", "ModelEntry", "ModelRepository", "VersionPolicy"]
@@ -628,6 +628,10 @@ def _scan(name: str, directory: Path, root: Path) -> ModelEntry:
     if _lexists(config_path):
         _confine(config_path, root, where)
         settings = _read_toml(config_path, shown)
+        if settings.get("backend") == PIPELINE:
+            # A pipeline has no model file or version directories: its config
+            # is the whole of it, served as version 1.
+            settings.setdefault("path", _CONFIG_FILE)
         policy = _policy_from(settings, shown)
         _check_settings(name, directory, root, settings, shown)
 
