@@ -139,7 +139,11 @@ PROGRAM_PAGES = {
     "how-to/plugins.md": "plugin.py",
     "how-to/testing.md": None,  # a test module: run with pytest
     "how-to/from-triton.md": None,  # a tritonclient program, against `trioinfer serve`
+    "how-to/from-ray-serve.md": None,
 }
+# A Python block titled "... for comparison" shows another system's code (Ray
+# Serve's): it must parse, but it is not part of the page's program.
+FOR_COMPARISON = "for comparison"
 # Pages whose program logs warnings on stderr, as the page says it does.
 LOGS_ON_STDERR = {"tutorials/failover.md"}
 FENCE = re.compile(r"^```(\w*)([^\n]*)\n(.*?)^```[ \t]*$", re.MULTILINE | re.DOTALL)
@@ -223,7 +227,11 @@ def test_page_runs_as_pasted(page: str, tmp_path: Path, request: pytest.FixtureR
     (timings, counts that vary from run to run); the tutorial's outcomes
     (EXPECTED_OUTPUT) are printed exactly.
     """
-    code = "\n\n".join(body for lang, _, body in page_blocks(page) if lang == "python")
+    code = "\n\n".join(
+        body
+        for lang, options, body in page_blocks(page)
+        if lang == "python" and FOR_COMPARISON not in options
+    )
     if "127.0.0.1:8000" in code:
         # A client of the `trioinfer serve` the page started on 127.0.0.1:8000; here, on a
         # free port.
