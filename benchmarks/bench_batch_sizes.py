@@ -16,7 +16,7 @@ already a matrix product (one row per token), so batching saves next to
 nothing, and a big batch can cost *more* per row: its activations outgrow the
 caches. A dynamic batcher then serves more rows/s with a smaller batch
 (``max_batch_size`` or ``preferred_batch_sizes``) than with the largest it may
-form; docs/benchmarks.md ("On a transformer") shows it for MiniLM.
+form; benchmarks/RESULTS.md ("On a transformer") shows it for MiniLM.
 
 Usage:  .venv/bin/python benchmarks/bench_batch_sizes.py --models minilm --repeat 2
         .venv/bin/python benchmarks/bench_batch_sizes.py --models digits,wide --batch-sizes 1,8,32

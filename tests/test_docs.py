@@ -146,7 +146,12 @@ PROGRAM_PAGES = {
     "tutorials/python_models.md": "python_models.py",
     "how-to/plugins.md": "plugin.py",
     "how-to/testing.md": None,  # a test module: run with pytest
+    "how-to/from-triton.md": None,  # a tritonclient program, against `trioinfer serve`
+    "how-to/from-ray-serve.md": None,
 }
+# A Python block titled "... for comparison" shows another system's code (Ray
+# Serve's): it must parse, but it is not part of the page's program.
+FOR_COMPARISON = "for comparison"
 # Pages whose program logs warnings on stderr, as the page says it does.
 LOGS_ON_STDERR = {"tutorials/failover.md"}
 FENCE = re.compile(r"^```(\w*)([^\n]*)\n(.*?)^```[ \t]*$", re.MULTILINE | re.DOTALL)
@@ -230,9 +235,14 @@ def test_page_runs_as_pasted(page: str, tmp_path: Path, request: pytest.FixtureR
     (timings, counts that vary from run to run); the tutorial's outcomes
     (EXPECTED_OUTPUT) are printed exactly.
     """
-    code = "\n\n".join(body for lang, _, body in page_blocks(page) if lang == "python")
-    if page == "tutorials/serving.md":
-        # Step 3 talks to the server step 1 started, on 127.0.0.1:8000; here, on a free port.
+    code = "\n\n".join(
+        body
+        for lang, options, body in page_blocks(page)
+        if lang == "python" and FOR_COMPARISON not in options
+    )
+    if "127.0.0.1:8000" in code:
+        # A client of the `trioinfer serve` the page started on 127.0.0.1:8000; here, on a
+        # free port.
         port = request.getfixturevalue("tutorial_server")
         code = code.replace("127.0.0.1:8000", f"127.0.0.1:{port}")
     program = tmp_path / "test_page.py"
@@ -335,6 +345,37 @@ def test_failover_config_toml_loads(tmp_path: Path) -> None:
         ("cpu", 1.0),
     ]
     Resilient(**config.fallback_options)
+
+
+def test_triton_translation_loads(tmp_path: Path) -> None:
+    # "Coming from Triton" translates a config.pbtxt; what it says each key does must hold.
+    from trioinfer.server import ModelRepository
+    from trioinfer_batching import DynamicBatcher
+    from trioinfer_scheduling import PriorityScheduler
+
+    (block,) = fences(DOCS / "how-to" / "from-triton.md", "toml")
+    model_dir = tmp_path / "classifier"
+    for version in (1, 2, 3):
+        (model_dir / str(version)).mkdir(parents=True)
+        (model_dir / str(version) / "model.onnx").write_bytes(b"")
+    (model_dir / "config.toml").write_text(block)
+    entry = ModelRepository(tmp_path).entry("classifier")
+    assert entry.selected() == (2, 3)  # version_policy = { latest = 2 }
+    config = entry.config(3)
+    assert (config.scheduler, config.batcher, config.max_queue_size) == (
+        "priority",
+        "dynamic",
+        1024,
+    )
+    assert config.queue_sizes == {0: 768, 1: 256}
+    assert config.queue_timeouts == {0: 0.5}
+    assert [(str(p.device), p.threads) for p in config.placements()] == [
+        ("cuda:0", 0),
+        ("cuda:0", 0),
+        ("cpu", 4),
+    ]
+    DynamicBatcher(**config.batcher_options)
+    assert PriorityScheduler(**config.scheduler_options).max_wait is None  # strict priority
 
 
 def fences(page: Path, language: str) -> list[str]:
