@@ -38,7 +38,7 @@ from ._runner import ModelStatistics
 if TYPE_CHECKING:
     from collections.abc import Callable
 
-    from . import _bench
+    from . import bench as tool
 
 #: The example model the demo runs.
 DEMO_MODEL: Final = "digits"
@@ -797,7 +797,10 @@ def bench(**options: Any) -> None:
     Exits with status 1 when the server cannot be reached or does not serve
     the model, or when any request failed (errors by status are printed).
     """
-    from . import _bench
+    try:
+        from . import bench as tool
+    except ImportError as exc:  # the bench extra is missing: the message says how to install it
+        raise click.ClickException(str(exc)) from None
 
     if options["request_rate"] and options["concurrency"] != (1,):
         raise click.UsageError("give --concurrency or --request-rate, not both")
@@ -806,13 +809,13 @@ def bench(**options: Any) -> None:
         raise click.UsageError("--in-process needs --model-file, or --model-repository and --model")
     if local and not options["in_process"]:
         raise click.UsageError("--model-file and --model-repository go with --in-process")
-    plan = _bench.Plan(
+    plan = tool.Plan(
         concurrency=options["concurrency"],
         rates=options["request_rate"],
         arrivals=options["arrivals"],
         seed=options["seed"],
         max_connections=options["max_connections"],
-        settings=_bench.Settings(
+        settings=tool.Settings(
             warmup_s=options["warmup"],
             window_s=options["window"],
             stability=options["stability"],
@@ -821,11 +824,11 @@ def bench(**options: Any) -> None:
         ),
     )
     try:
-        with _bench.open_progress() as progress:
+        with tool.open_progress() as progress:
             run = trio.run(functools.partial(_bench_run, options, plan, progress))
     except TrioInferError as exc:
         raise click.ClickException(str(exc)) from exc
-    _bench.print_table(run.results)
+    tool.print_table(run.results)
     about = {
         "target": "in-process" if options["in_process"] else options["url"],
         "model": options["model"] or (options["model_file"] and str(options["model_file"])),
@@ -837,11 +840,11 @@ def bench(**options: Any) -> None:
     }
     try:
         if options["json_file"]:
-            _bench.write_json(options["json_file"], run.results, about)
+            tool.write_json(options["json_file"], run.results, about)
         if options["csv_file"]:
-            _bench.write_csv(options["csv_file"], run.results)
+            tool.write_csv(options["csv_file"], run.results)
         if options["plot_file"]:
-            _bench.write_plot(
+            tool.write_plot(
                 options["plot_file"], run.results, f"{about['model']} @ {about['target']}"
             )
     except (OSError, TrioInferError) as exc:
@@ -855,20 +858,20 @@ def bench(**options: Any) -> None:
 
 async def _bench_run(
     options: dict[str, Any],
-    plan: _bench.Plan,
-    progress: Callable[[_bench.Progress], None] | None,
-) -> _bench.Run:
-    from . import _bench
+    plan: tool.Plan,
+    progress: Callable[[tool.Progress], None] | None,
+) -> tool.Run:
+    from . import bench as tool
 
     if options["in_process"]:
         version = options["model_version"]
-        async with _bench.open_local_model(
+        async with tool.open_local_model(
             model_file=options["model_file"],
             repository=options["model_repository"],
             model=options["model"],
             version=int(version) if version is not None else None,
         ) as (engine, name, specs):
-            return await _bench.run_in_process(
+            return await tool.run_in_process(
                 engine,
                 name,
                 specs,
@@ -879,8 +882,8 @@ async def _bench_run(
             )
     if not options["model"]:
         raise click.UsageError("--model is required (or --in-process with --model-file)")
-    target = _bench.HttpTarget.from_url(options["url"], options["model"], options["model_version"])
-    return await _bench.run_http(
+    target = tool.HttpTarget.from_url(options["url"], options["model"], options["model_version"])
+    return await tool.run_http(
         target,
         plan,
         input_files=options["input_files"],
