@@ -22,8 +22,8 @@ from click.testing import CliRunner, Result
 
 import trioinfer
 import trioinfer.bench as tool
-from trioinfer._cli import main
 from trioinfer._examples import digits_samples, example_repository
+from trioinfer.cli import main
 from trioinfer.server import Limits, decode_infer_request, encode_infer_request, serve_http
 
 SHORT = ("--warmup", "0.05", "--window", "0.2", "--windows", "2")
