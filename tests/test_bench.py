@@ -20,11 +20,11 @@ import pytest
 import trio
 from click.testing import CliRunner, Result
 
-from trioinfer import _bench
-from trioinfer._cli import main
+import trioinfer
+import trioinfer.bench as tool
 from trioinfer._examples import digits_samples, example_repository
-from trioinfer.server import Limits, serve_http
-from trioinfer.server._codec import decode_infer_request
+from trioinfer.cli import main
+from trioinfer.server import Limits, decode_infer_request, encode_infer_request, serve_http
 
 SHORT = ("--warmup", "0.05", "--window", "0.2", "--windows", "2")
 
@@ -169,13 +169,13 @@ def rows(path: Path) -> list[dict[str, object]]:
 
 
 def test_constant_arrivals_are_evenly_spaced() -> None:
-    times = list(itertools.islice(_bench.iter_arrivals(1000, "constant"), 5))
+    times = list(itertools.islice(tool.iter_arrivals(1000, "constant"), 5))
     assert times == [0, 1_000_000, 2_000_000, 3_000_000, 4_000_000]
 
 
 def test_poisson_arrivals_are_seeded_and_average_the_rate() -> None:
     def take(seed: int) -> list[int]:
-        return list(itertools.islice(_bench.iter_arrivals(2000, "poisson", seed), 20_000))
+        return list(itertools.islice(tool.iter_arrivals(2000, "poisson", seed), 20_000))
 
     first = take(7)
     assert first == take(7)
@@ -189,25 +189,25 @@ def test_poisson_arrivals_are_seeded_and_average_the_rate() -> None:
 
 def test_arrivals_refuse_a_bad_rate() -> None:
     with pytest.raises(ValueError, match="rate"):
-        next(_bench.iter_arrivals(0, "constant"))
+        next(tool.iter_arrivals(0, "constant"))
 
 
 def test_stability_needs_three_close_windows() -> None:
-    assert not _bench.is_stable([(100, 1.0), (100, 1.0)], 10)
-    assert _bench.is_stable([(50, 9.0), (100, 1.0), (105, 1.05), (98, 1.0)], 10)
-    assert not _bench.is_stable([(100, 1.0), (100, 1.0), (100, 2.0)], 10)
-    assert not _bench.is_stable([(0, 1.0), (0, 1.0), (0, 1.0)], 10)
+    assert not tool.is_stable([(100, 1.0), (100, 1.0)], 10)
+    assert tool.is_stable([(50, 9.0), (100, 1.0), (105, 1.05), (98, 1.0)], 10)
+    assert not tool.is_stable([(100, 1.0), (100, 1.0), (100, 2.0)], 10)
+    assert not tool.is_stable([(0, 1.0), (0, 1.0), (0, 1.0)], 10)
 
 
 @pytest.mark.parametrize("binary", [False, True])
-def test_encoded_requests_decode_with_the_servers_codec(binary: bool) -> None:
+def test_random_inputs_encode_and_decode_with_the_codec(binary: bool) -> None:
     specs = [
         {"name": "x", "datatype": "FP32", "shape": [-1, 3]},
         {"name": "n", "datatype": "INT64", "shape": [2]},
         {"name": "s", "datatype": "BYTES", "shape": [2]},
     ]
-    tensors = _bench.random_inputs(specs, {"x": [2, 3]}, seed=1)
-    body, header = _bench.encode_request(tensors, binary=binary)
+    tensors = tool.random_inputs(specs, {"x": [2, 3]}, seed=1)
+    body, header = encode_infer_request({t.name: t.array for t in tensors}, binary=binary)
     assert (header is not None) == binary
     decoded = decode_infer_request(body, header, Limits())
     for t in tensors:
@@ -218,8 +218,8 @@ def test_encoded_requests_decode_with_the_servers_codec(binary: bool) -> None:
 
 
 def test_random_inputs_refuse_an_unknown_shape_name() -> None:
-    with pytest.raises(_bench.BenchError, match="'y'"):
-        _bench.random_inputs([{"name": "x", "datatype": "FP32", "shape": [1]}], {"y": [1]})
+    with pytest.raises(tool.BenchError, match="'y'"):
+        tool.random_inputs([{"name": "x", "datatype": "FP32", "shape": [1]}], {"y": [1]})
 
 
 # -- against a server -------------------------------------------------------------------------
@@ -341,6 +341,31 @@ def test_usage_errors() -> None:
     assert bench("--in-process", "-m", "d").exit_code == 2
 
 
+@pytest.fixture
+def without_httptools(monkeypatch: pytest.MonkeyPatch) -> None:
+    """As after ``pip install trioinfer`` without the bench extra: httptools cannot be imported."""
+    monkeypatch.setitem(sys.modules, "httptools", None)  # None in sys.modules: import fails
+    for name in list(sys.modules):
+        if name == "trioinfer.bench" or name.startswith("trioinfer.bench."):
+            monkeypatch.delitem(sys.modules, name)
+    monkeypatch.delattr(trioinfer, "bench")
+
+
+@pytest.mark.usefixtures("without_httptools")
+def test_importing_without_the_extra_says_what_to_install() -> None:
+    with pytest.raises(ImportError, match=r"needs httptools.*pip install 'trioinfer\[bench\]'"):
+        import trioinfer.bench  # noqa: F401
+
+
+@pytest.mark.usefixtures("without_httptools")
+def test_the_command_without_the_extra_says_what_to_install() -> None:
+    result = bench("-m", "digits", *SHORT)
+    assert result.exit_code == 1
+    assert "needs httptools" in result.output
+    assert "pip install 'trioinfer[bench]'" in result.output
+    assert "Traceback" not in result.output
+
+
 def test_plot(url: str, tmp_path: Path) -> None:
     pytest.importorskip("matplotlib")
     out = tmp_path / "plot.png"
@@ -435,11 +460,11 @@ def test_open_loop_opens_connections_as_requests_find_all_busy(tmp_path: Path) -
 
 async def test_progress_reports_warmup_and_each_window(url: str) -> None:
     host, port = url.removeprefix("http://").split(":")
-    target = _bench.HttpTarget(host, int(port), "digits")
-    settings = _bench.Settings(warmup_s=0.05, window_s=0.3, windows=2)
-    reports: list[_bench.Progress] = []
-    plan = _bench.Plan(concurrency=(1, 2), settings=settings)
-    run = await _bench.run_http(target, plan, progress=reports.append)
+    target = tool.HttpTarget(host, int(port), "digits")
+    settings = tool.Settings(warmup_s=0.05, window_s=0.3, windows=2)
+    reports: list[tool.Progress] = []
+    plan = tool.Plan(concurrency=(1, 2), settings=settings)
+    run = await tool.run_http(target, plan, progress=reports.append)
     assert len(run.results) == 2
     assert {(p.index, p.levels, p.level) for p in reports} == {
         (0, 2, "concurrency 1"),
@@ -455,11 +480,11 @@ async def test_progress_reports_warmup_and_each_window(url: str) -> None:
 
 
 def test_no_progress_display_off_a_terminal() -> None:
-    with _bench.open_progress() as show:
+    with tool.open_progress() as show:
         assert show is None
 
 
-SAMPLE = _bench.Progress("concurrency 16", 0, 2, 3, 10, 0.5, 19_780.0, 1.25)
+SAMPLE = tool.Progress("concurrency 16", 0, 2, 3, 10, 0.5, 19_780.0, 1.25)
 
 
 def test_progress_bar_on_a_terminal(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -467,7 +492,7 @@ def test_progress_bar_on_a_terminal(monkeypatch: pytest.MonkeyPatch) -> None:
     err, out = _Terminal(), io.StringIO()
     monkeypatch.setattr(sys, "stderr", err)
     monkeypatch.setattr(sys, "stdout", out)
-    with _bench.open_progress() as show:
+    with tool.open_progress() as show:
         assert show is not None
         show(SAMPLE)
     drawn = err.getvalue()
@@ -480,7 +505,7 @@ def test_progress_line_without_rich(monkeypatch: pytest.MonkeyPatch) -> None:
     err = _Terminal()
     monkeypatch.setattr(sys, "stderr", err)
     monkeypatch.setitem(sys.modules, "rich.progress", None)  # import fails
-    with _bench.open_progress() as show:
+    with tool.open_progress() as show:
         assert show is not None
         show(SAMPLE)
     assert err.getvalue() == (
@@ -488,17 +513,17 @@ def test_progress_line_without_rich(monkeypatch: pytest.MonkeyPatch) -> None:
     )
 
 
-def _result(value: float) -> _bench.Result:
+def _result(value: float) -> tool.Result:
     latency = {"p50": 1.0, "p90": 2.0, "p95": 3.0, "p99": 4.0, "max": 5.0}
-    return _bench.Result(
+    return tool.Result(
         "concurrency", value, 1234.0, latency, 100, {"503": 2}, 0, 0, 3, False, 21.5, 0.02
     )
 
 
 def test_table_is_plain_text_off_a_terminal(capsys: pytest.CaptureFixture[str]) -> None:
-    _bench.print_table([_result(4)])
+    tool.print_table([_result(4)])
     out = capsys.readouterr().out
-    assert out == _bench.format_table([_result(4)]) + "\n"
+    assert out == tool.format_table([_result(4)]) + "\n"
     assert "errors by status: 503 x 2" in out
     assert "* not stable" in out
 
@@ -508,7 +533,7 @@ def test_table_with_rich_on_a_terminal(monkeypatch: pytest.MonkeyPatch) -> None:
     out = _Terminal()
     monkeypatch.setattr(sys, "stdout", out)
     monkeypatch.setenv("COLUMNS", "160")  # rich wraps to the terminal's width
-    _bench.print_table([_result(4), _result(16)])
+    tool.print_table([_result(4), _result(16)])
     text = out.getvalue()
     for cell in ("concurrency", "CPU us/req", "1,234", "21.5", "3*", "errors by status: 503 x 4"):
         assert cell in text
@@ -519,5 +544,5 @@ def test_table_on_a_narrow_terminal_keeps_every_digit(monkeypatch: pytest.Monkey
     out = _Terminal()
     monkeypatch.setattr(sys, "stdout", out)
     monkeypatch.setenv("COLUMNS", "80")
-    _bench.print_table([_result(4)])
-    assert out.getvalue() == _bench.format_table([_result(4)]) + "\n"
+    tool.print_table([_result(4)])
+    assert out.getvalue() == tool.format_table([_result(4)]) + "\n"

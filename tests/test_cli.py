@@ -13,9 +13,8 @@ import pytest
 from click.testing import CliRunner, Result
 
 import trioinfer
-from trioinfer import _cli
-from trioinfer._cli import main
 from trioinfer._examples import digits_samples, example_repository
+from trioinfer.cli import main, plugins, serve
 
 
 def invoke(*args: str) -> Result:
@@ -90,7 +89,7 @@ def test_plugins_reports_one_that_fails_and_exits_1(monkeypatch: pytest.MonkeyPa
     broken = importlib.metadata.EntryPoint(
         name="broken", value="no_such_module_here:Backend", group="trioinfer.backends"
     )
-    monkeypatch.setattr(_cli, "Registry", lambda: trioinfer.Registry(entry_points=[broken]))
+    monkeypatch.setattr(plugins, "Registry", lambda: trioinfer.Registry(entry_points=[broken]))
     result = invoke("plugins")
     assert result.exit_code == 1
     row = result.output.splitlines()[1]
@@ -187,11 +186,11 @@ def test_settle_gc_freezes_and_raises_the_first_threshold_only() -> None:
     before = gc.get_threshold()
     try:
         gc.set_threshold(700, 10, 10)
-        _cli._settle_gc()
-        assert gc.get_threshold() == (_cli.SERVE_GC_THRESHOLD, 10, 10)
+        serve._settle_gc()
+        assert gc.get_threshold() == (serve.SERVE_GC_THRESHOLD, 10, 10)
         assert gc.get_freeze_count() > 0
         gc.set_threshold(50_000, 10, 10)
-        _cli._settle_gc()  # never lowers a threshold someone raised further
+        serve._settle_gc()  # never lowers a threshold someone raised further
         assert gc.get_threshold() == (50_000, 10, 10)
     finally:
         gc.unfreeze()

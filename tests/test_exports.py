@@ -1,4 +1,4 @@
-"""The public API is what trioinfer, .abc, .testing and .server export; pinned here."""
+"""The public API is what trioinfer, .abc, .testing, .server and .bench export; pinned here."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ import inspect
 
 import trioinfer
 import trioinfer.abc
+import trioinfer.bench
 import trioinfer.server
 import trioinfer.testing
 
@@ -32,10 +33,19 @@ PUBLIC = {
         "Limits", "Listening", "ModelRepository", "PayloadTooLarge", "RequestError",
         "ServerConfig", "ServerState", "UnsupportedEncoding", "VersionPolicy", "create_app",
         "serve_http", "status_for",
+        # The V2 codec: what a client (trioinfer bench) needs to speak the protocol.
+        "InferRequest", "RequestedOutput", "decode_infer_request", "encode_infer_request",
+        "v2_datatype", "v2_numpy_dtype",
+    },
+    "trioinfer.bench": {
+        "BenchError", "DEFAULT_MAX_CONNECTIONS", "HttpTarget", "PERCENTILES", "Plan", "Progress",
+        "Result", "Run", "STABLE_WINDOWS", "Settings", "Tensor", "format_table", "is_stable",
+        "iter_arrivals", "load_inputs", "open_local_model", "open_progress", "print_table",
+        "random_inputs", "run_http", "run_in_process", "write_csv", "write_json", "write_plot",
     },
 }  # fmt: skip
 
-MODULES = (trioinfer, trioinfer.abc, trioinfer.testing, trioinfer.server)
+MODULES = (trioinfer, trioinfer.abc, trioinfer.testing, trioinfer.server, trioinfer.bench)
 
 
 def public_names(module: object) -> set[str]:

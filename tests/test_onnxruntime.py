@@ -19,7 +19,15 @@ import trioinfer_onnxruntime as ort_backend
 from trioinfer import Device, Instance, ModelConfig, Placement, open_engine
 from trioinfer._threads import WorkerThread
 from trioinfer.testing import check_backend, models
-from trioinfer_onnxruntime import AUTO_SAMPLES, OnnxRuntimeBackend, probe_device
+from trioinfer_onnxruntime import (
+    AUTO_SAMPLES,
+    OnnxRuntimeBackend,
+    _backend,
+    _instance,
+    _options,
+    _tuning,
+    probe_device,
+)
 
 CUDA_REASON = probe_device(Device("cuda", 0))
 needs_cuda = pytest.mark.skipif(
@@ -236,7 +244,7 @@ async def test_dispatch_defaults_to_auto_on_the_cpu_and_thread_on_a_gpu(
     add_model: Path, device: str, expected: str
 ) -> None:
     config = ModelConfig(name="add", path=add_model)
-    options = ort_backend._check_options(config, Placement(Device(device), 0))
+    options = _options._check_options(config, Placement(Device(device), 0))
     assert options["dispatch"] == expected
     if device == "cpu":
         instance = await OnnxRuntimeBackend().load(config, Placement(Device("cpu"), 0))
@@ -271,7 +279,7 @@ async def test_auto_tries_inline_and_goes_back_quietly_when_it_costs_too_much(
 ) -> None:
     # The thread's figure only screens out models that could hold the loop for
     # long (here nothing is, with a huge trial bound); inline, the budget decides.
-    monkeypatch.setattr(ort_backend, "AUTO_TRIAL_BUDGETS", 1e9)
+    monkeypatch.setattr(_instance, "AUTO_TRIAL_BUDGETS", 1e9)
     config = ModelConfig(
         name="slow", path=slow_model, backend_options={"dispatch": "auto", "inline_budget_us": 1}
     )
@@ -401,7 +409,7 @@ def tune(
 
 def wrap_session_run(monkeypatch: pytest.MonkeyPatch, run: Any) -> None:
     """Have every new session's ``run`` go through ``run(session, *args)``."""
-    create = ort_backend._create_session
+    create = _backend._create_session
 
     class Wrapped:
         def __init__(self, session: Any) -> None:
@@ -417,13 +425,13 @@ def wrap_session_run(monkeypatch: pytest.MonkeyPatch, run: Any) -> None:
         session, device = create(*args)
         return Wrapped(session), device
 
-    monkeypatch.setattr(ort_backend, "_create_session", wrapped)
+    monkeypatch.setattr(_backend, "_create_session", wrapped)
 
 
 @pytest.fixture(autouse=True)
-def fresh_tuning_cache(monkeypatch: pytest.MonkeyPatch) -> None:
+def fresh_tuning_cache() -> None:
     """Each test measures for itself: no figures from an earlier test's loads."""
-    monkeypatch.setattr(ort_backend, "_tuned", {})
+    _tuning._tuned.clear()
 
 
 def instance_threads(name: str) -> list[threading.Thread]:
@@ -613,13 +621,13 @@ async def test_the_first_instance_measures_once_per_file_device_threads_and_size
     mlp_model: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     calls: list[list[int]] = []
-    measure = ort_backend._time_batch_sizes
+    measure = _tuning._time_batch_sizes
 
     def counted(session: Any, label: str, sizes: list[int], *args: Any) -> dict[int, float]:
         calls.append(sizes)
         return measure(session, label, sizes, *args)
 
-    monkeypatch.setattr(ort_backend, "_time_batch_sizes", counted)
+    monkeypatch.setattr(_tuning, "_time_batch_sizes", counted)
     async with open_engine() as engine:
         first = await engine.load(tune(mlp_model, [1, 8], "two", count=2))  # one of two measures
         assert calls == [[1, 8]]
@@ -670,7 +678,7 @@ def test_each_size_is_warmed_then_timed_and_its_fastest_run_counts() -> None:
             4: [2.0],  # over a second a run: timed once
         }
     )
-    rates = ort_backend._time_batch_sizes(session, "model 'f'", [1, 2, 4], session.clock, None)
+    rates = _tuning._time_batch_sizes(session, "model 'f'", [1, 2, 4], session.clock, None)
     assert session.runs == [1] * 51 + [2] * 3 + [4] * 2
     assert rates == pytest.approx({1: 1000.0, 2: 4.0, 4: 2.0})
     assert ort_backend.preferred_batch_size(rates) == 1

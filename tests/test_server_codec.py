@@ -20,6 +20,7 @@ from hypothesis.extra import numpy as hnp
 from tritonclient.utils import np_to_triton_dtype
 
 from trioinfer import ConfigError, InvalidInput
+from trioinfer.server import encode_infer_request, v2_numpy_dtype
 from trioinfer.server._codec import (
     DATATYPES,
     InferRequest,
@@ -210,6 +211,14 @@ def test_v2_datatype_of_numpy_dtypes(dtype: np.dtype[Any], name: str) -> None:
 )
 def test_v2_datatype_of_onnx_types(type_name: str, name: str) -> None:
     assert v2_datatype(None, type_name) == name
+
+
+def test_v2_numpy_dtype_is_the_inverse_of_v2_datatype() -> None:
+    for name, dtype in DATATYPES.items():
+        assert v2_numpy_dtype(name) == dtype
+        assert v2_datatype(v2_numpy_dtype(name)) == name
+    assert v2_numpy_dtype("BF16") is None
+    assert v2_numpy_dtype("FLOAT") is None
 
 
 def test_v2_datatype_refuses_unknown_types_by_name() -> None:
@@ -425,6 +434,39 @@ def test_tritonclient_default_outputs_ask_for_binary() -> None:
     request = decode(body, length)
     assert request.outputs is None
     assert request.binary_output is True
+
+
+# -- encoding requests (the client's side) ------------------------------------------------------
+
+
+@pytest.mark.parametrize("binary", [False, True])
+def test_encoded_requests_decode_to_the_same_arrays_in_order(binary: bool) -> None:
+    body, length = encode_infer_request(SAMPLES, binary=binary)
+    assert (length is not None) == binary
+    request = decode(body, length)
+    assert list(request.inputs) == list(SAMPLES)
+    for name, want in SAMPLES.items():
+        assert_same(request.inputs[name], want)
+    assert request.binary_output is binary  # binary requests ask for binary outputs too
+
+
+def test_encoded_binary_data_is_what_tritonclient_sends() -> None:
+    ours, our_length = encode_infer_request(SAMPLES, binary=True)
+    theirs, their_length = triton_body(SAMPLES, binary=True)
+    assert our_length is not None
+    assert their_length is not None
+    assert ours[our_length:] == theirs[their_length:]
+
+
+def test_encoded_bytes_elements_go_as_json_strings() -> None:
+    body, length = encode_infer_request({"s": np.array([b"ab", "cd", 7], dtype=object)})
+    assert length is None
+    assert header_of(body, length)["inputs"][0]["data"] == ["ab", "cd", "7"]
+
+
+def test_encoding_refuses_a_dtype_without_a_v2_datatype() -> None:
+    with pytest.raises(ValueError, match="no V2 datatype"):
+        encode_infer_request({"z": np.zeros(2, dtype=np.complex64)})
 
 
 # -- encoding -----------------------------------------------------------------------------------

@@ -1,6 +1,6 @@
 """``python -m trioinfer``: the same command line as the ``trioinfer`` console script."""
 
-from ._cli import main
+from .cli import main
 
 if __name__ == "__main__":
     main()

@@ -18,10 +18,16 @@ from ._app import ServerConfig as ServerConfig
 from ._app import ServerState as ServerState
 from ._app import create_app as create_app
 from ._app import status_for as status_for
+from ._codec import InferRequest as InferRequest
 from ._codec import Limits as Limits
 from ._codec import PayloadTooLarge as PayloadTooLarge
+from ._codec import RequestedOutput as RequestedOutput
 from ._codec import RequestError as RequestError
 from ._codec import UnsupportedEncoding as UnsupportedEncoding
+from ._codec import decode_infer_request as decode_infer_request
+from ._codec import encode_infer_request as encode_infer_request
+from ._codec import v2_datatype as v2_datatype
+from ._codec import v2_numpy_dtype as v2_numpy_dtype
 from ._repository import ModelRepository as ModelRepository
 from ._repository import VersionPolicy as VersionPolicy
 from ._serve import Listening as Listening

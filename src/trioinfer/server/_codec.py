@@ -1,7 +1,8 @@
 """The KServe V2 (Open Inference Protocol) wire format: request bodies in, response bodies out.
 
 Pure functions, no HTTP framework: the app hands over bytes and headers and gets
-numpy arrays, or hands over arrays and gets bytes. An infer request is a JSON
+numpy arrays, or hands over arrays and gets bytes. `encode_infer_request` is the
+client's side (``trioinfer bench`` sends what it makes). An infer request is a JSON
 object, optionally followed by raw tensor bytes (Triton's binary tensor data
 extension): the ``Inference-Header-Content-Length`` header then says where the
 JSON ends, and each input with ``parameters.binary_data_size`` takes its bytes,
@@ -225,6 +226,15 @@ def v2_datatype(dtype: np.dtype[Any] | None, type_name: str = "") -> str:
     return v2_datatype(mapped)
 
 
+def v2_numpy_dtype(datatype: str) -> np.dtype[Any] | None:
+    """Return the numpy dtype a V2 datatype's values take: the inverse of `v2_datatype`.
+
+    ``"FP32"`` is float32, ``"BYTES"`` is ``object`` (elements of `str`). Returns
+    ``None`` for a name that numpy cannot hold (``"BF16"``) or V2 does not have.
+    """
+    return DATATYPES.get(datatype)
+
+
 def dumps(obj: Any) -> bytes:
     """Serialise *obj* as JSON with orjson (numpy arrays and scalars included)."""
     return orjson.dumps(obj, option=orjson.OPT_SERIALIZE_NUMPY)
@@ -308,9 +318,9 @@ def decode_infer_request(body: bytes, header_length: int | None, limits: Limits)
 
     Args:
         body: The (decompressed) request body.
-        header_length: The ``Inference-Header-Content-Length`` header's value (see
-            [`parse_header_length()`][trioinfer.server._codec.parse_header_length]), or
-            ``None`` when the request had none: the whole body is then JSON.
+        header_length: The ``Inference-Header-Content-Length`` header's value, as
+            an integer (the server's ``parse_header_length`` reads it from the
+            header), or ``None`` when the request had none: the whole body is then JSON.
         limits: What to accept.
 
     An empty body, or one without a non-empty ``inputs`` list, is an error: an
@@ -422,6 +432,53 @@ def decode_infer_request(body: bytes, header_length: int | None, limits: Limits)
         binary_output=binary_output,
         parameters=MappingProxyType(parameters),
     )
+
+
+def encode_infer_request(
+    inputs: Mapping[str, npt.NDArray[Any]], *, binary: bool = False
+) -> tuple[bytes, int | None]:
+    """Build a V2 infer request body: the client's side of `decode_infer_request`.
+
+    Each input goes with its name, shape and datatype (what `v2_datatype` names
+    its dtype), in the order of *inputs*. As JSON its values are flat row-major
+    ``data`` (``BYTES`` elements as strings). With *binary* (Triton's binary
+    tensor data extension) they are instead raw little-endian bytes after the
+    JSON, each input's size in its ``parameters.binary_data_size``, and the
+    request asks for its outputs as binary too (``binary_data_output``).
+
+    Returns:
+        The body, and the JSON part's length for the
+        ``Inference-Header-Content-Length`` header, or ``None`` without *binary*
+        (the body is then all JSON).
+
+    Raises:
+        ValueError: An input's dtype has no V2 datatype.
+    """
+    entries: list[dict[str, Any]] = []
+    blobs: list[bytes] = []
+    for name, values in inputs.items():
+        array = np.asarray(values)
+        datatype = v2_datatype(array.dtype)
+        entry: dict[str, Any] = {"name": name, "shape": list(array.shape), "datatype": datatype}
+        items = array.ravel()
+        if binary:
+            if datatype == "BYTES":
+                blob = _pack_bytes(items.tolist())
+            else:
+                blob = np.ascontiguousarray(items, dtype=_WIRE[datatype]).tobytes()
+            entry["parameters"] = {"binary_data_size": len(blob)}
+            blobs.append(blob)
+        elif datatype == "BYTES":
+            entry["data"] = [v.decode() if isinstance(v, bytes) else str(v) for v in items]
+        else:
+            entry["data"] = np.ascontiguousarray(items, dtype=DATATYPES[datatype])
+        entries.append(entry)
+    doc: dict[str, Any] = {"inputs": entries}
+    if not binary:
+        return dumps(doc), None
+    doc["parameters"] = {"binary_data_output": True}
+    header = dumps(doc)
+    return b"".join([header, *blobs]), len(header)
 
 
 def encode_infer_response(

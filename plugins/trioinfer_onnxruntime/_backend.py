@@ -1,0 +1,151 @@
+"""The backend the entry point names: loading a model into one instance.
+
+`OnnxRuntimeBackend.load` checks the options, starts the instance's worker
+thread, creates the session there (on the placed device if the probe finds it
+usable, else on the CPU where the config allows), tunes batch sizes when
+asked, and hands back an `OnnxRuntimeInstance`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, final
+
+from trioinfer import (
+    BackendError,
+    BackendUnavailable,
+    ConfigError,
+    Device,
+    ModelConfig,
+    Placement,
+    WorkerThread,
+)
+
+from ._device import _providers, probe_device
+from ._instance import OnnxRuntimeInstance, _compute_clock
+from ._options import _OPT_LEVELS, _check_options
+from ._ort import _one_line, _ort, log
+from ._tuning import _mtime, _tune, _tuned
+
+
+@final
+class OnnxRuntimeBackend:
+    """Loads ONNX models into ONNX Runtime sessions, one per instance."""
+
+    __slots__ = ()
+
+    async def load(self, config: ModelConfig, placement: Placement) -> OnnxRuntimeInstance:
+        """Create the instance's worker thread and its session on the placed device.
+
+        Raises:
+            ConfigError: Unknown or invalid ``backend_options``.
+            BackendUnavailable: The device is not usable and ``cpu_fallback`` is off.
+            BackendError: The model file is missing or ONNX Runtime refuses it.
+        """
+        options = _check_options(config, placement)
+        name = f"trioinfer-{config.name}-{placement.index}"
+        try:
+            worker = await WorkerThread.start(name, cpu_affinity=placement.cpu_affinity)
+        except OSError as exc:
+            raise ConfigError(
+                f"model {config.name!r} instance {placement.index}: cpu_affinity "
+                f"{list(placement.cpu_affinity or ())} cannot be applied here: {exc}"
+            ) from exc
+        label = f"model {config.name!r} instance {placement.index}"
+        threads = _compute_threads(placement)
+        rates: dict[int, float] = {}
+        try:
+            session, device = await worker.run_sync(_create_session, config, placement, options)
+            # The engine reads the first instance's figures; others would only
+            # disturb its measurement by running at the same time.
+            if options["tune_batch_sizes"] and placement.index == 0:
+                key = (str(config.path), _mtime(config.path), device, threads)
+                key += tuple(options["tune_batch_sizes"])
+                clock = _compute_clock(device, threads)
+                sizes = options["tune_batch_sizes"]
+                rates = _tuned.get(key) or await _tune(worker, session, label, sizes, clock)
+                _tuned[key] = rates
+        except BaseException:
+            await worker.aclose()
+            raise
+        instance = OnnxRuntimeInstance(
+            session,
+            device,
+            worker,
+            options["dispatch"],
+            options["inline_budget_us"] / 1e6,
+            label,
+            options["pipeline_depth"],
+            threads,
+            rates,
+        )
+        if rates:
+            log.info(
+                "%s: rows/s by batch size: %s; preferred batch size %d",
+                label,
+                ", ".join(f"{size}: {rate:,.1f}" for size, rate in rates.items()),
+                instance.preferred_batch_sizes[0],
+            )
+        return instance
+
+
+def _create_session(
+    config: ModelConfig, placement: Placement, options: dict[str, Any]
+) -> tuple[Any, str]:
+    ort = _ort()
+    path = Path(config.path)
+    if not path.is_file():
+        raise BackendError(f"model {config.name!r}: no model file at {path}")
+    device = placement.device
+    reason = probe_device(device)
+    if reason is not None:
+        if not placement.cpu_fallback:
+            raise BackendUnavailable(
+                f"model {config.name!r} instance {placement.index}: {device} is not usable: "
+                f"{reason} (set cpu_fallback = true to run on the CPU instead)"
+            )
+        log.warning(
+            "model %r instance %d: %s is not usable (%s); running on the CPU",
+            config.name,
+            placement.index,
+            device,
+            reason,
+        )
+        device = Device("cpu")
+    so = ort.SessionOptions()
+    affinity = placement.cpu_affinity
+    threads = _compute_threads(placement)
+    so.intra_op_num_threads = threads
+    so.inter_op_num_threads = options.get("inter_op_threads", 0)
+    so.graph_optimization_level = getattr(
+        ort.GraphOptimizationLevel, _OPT_LEVELS[options["graph_optimization_level"]]
+    )
+    so.execution_mode = (
+        ort.ExecutionMode.ORT_PARALLEL
+        if options["execution_mode"] == "parallel"
+        else ort.ExecutionMode.ORT_SEQUENTIAL
+    )
+    so.enable_cpu_mem_arena = options["enable_mem_arena"]
+    so.enable_mem_pattern = options["enable_mem_pattern"]
+    so.log_severity_level = options["log_severity"]
+    if not options["allow_spinning"]:
+        so.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    if affinity is not None and threads > 1:
+        # ORT pins intra-op threads 2..N itself; the first is the worker thread, pinned already.
+        cpus = ",".join(map(str, affinity))
+        so.add_session_config_entry(
+            "session.intra_op_thread_affinities", ";".join([cpus] * (threads - 1))
+        )
+    try:
+        session = ort.InferenceSession(str(path), so, providers=_providers(device, options))
+    except Exception as exc:
+        raise BackendError(
+            f"model {config.name!r}: ONNX Runtime could not load {path}: {_one_line(exc)}"
+        ) from exc
+    return session, str(device)
+
+
+def _compute_threads(placement: Placement) -> int:
+    # With CPUs named but no thread count, one compute thread per named CPU; 0: ORT chooses.
+    affinity = placement.cpu_affinity
+    return placement.threads or (len(affinity) if affinity else 0)

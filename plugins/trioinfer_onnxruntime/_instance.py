@@ -1,0 +1,240 @@
+"""An instance: one session, its worker thread, and where each execution runs.
+
+The ``dispatch`` option picks the way off the event loop: ``"thread"`` (the
+instance's worker thread), ``"ort_async"`` (ONNX Runtime's ``run_async``,
+its callback waking the loop), ``"inline"`` (on the loop's thread, within a
+time budget) or ``"auto"`` (measured on the thread, then inline when that is
+cheaper than the hop). A cancelled execution off the loop is aborted with
+``RunOptions.terminate``.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Mapping
+from typing import Any, Final, final
+
+import anyio
+import anyio.lowlevel
+import numpy as np
+
+from trioinfer import BackendError, ModelSignature, WorkerThread, wait_on_callback
+
+from ._options import DEFAULT_INLINE_BUDGET_US
+from ._ort import _one_line, _ort, _signature, log
+from ._tuning import preferred_batch_size
+
+#: Executions an 'auto' instance measures on its thread before it may go inline.
+AUTO_SAMPLES: Final = 32
+#: ``auto`` tries inline when the median on the thread is under this many budgets.
+#: On the thread an execution shares the cores with the busy event loop and
+#: costs up to three times the CPU it costs inline (a 32-row digits batch: about
+#: 300 us there, 100 us inline), so the thread's figure only rules out models
+#: that could hold the loop for long; the inline rule decides.
+AUTO_TRIAL_BUDGETS: Final = 4
+
+
+@final
+class OnnxRuntimeInstance:
+    """One ONNX Runtime session and the worker thread that runs it."""
+
+    __slots__ = (
+        "_auto",
+        "_budget",
+        "_clock",
+        "_closed",
+        "_device",
+        "_dispatch",
+        "_inline_average",
+        "_label",
+        "_outputs",
+        "_samples",
+        "_session",
+        "_signature",
+        "_worker",
+        "aborted",
+        "batch_rates",
+        "pipeline_depth",
+        "preferred_batch_sizes",
+    )
+
+    def __init__(
+        self,
+        session: Any,
+        device: str,
+        worker: WorkerThread,
+        dispatch: str,
+        inline_budget_s: float = DEFAULT_INLINE_BUDGET_US / 1e6,
+        label: str = "instance",
+        pipeline_depth: int = 1,
+        threads: int = 1,
+        batch_rates: Mapping[int, float] | None = None,
+    ) -> None:
+        #: Executions the engine may have in flight on this instance at once.
+        self.pipeline_depth = pipeline_depth
+        #: Rows per second measured at each tuned batch size (empty when not tuned).
+        self.batch_rates: Mapping[int, float] = dict(batch_rates or {})
+        #: The batch size the dynamic batcher should cut at (the engine reads it
+        #: from the model's first instance); empty when not tuned.
+        self.preferred_batch_sizes: tuple[int, ...] = (
+            (preferred_batch_size(self.batch_rates),) if self.batch_rates else ()
+        )
+        self._session = session
+        self._device = device
+        self._worker = worker
+        self._dispatch = dispatch
+        self._auto = dispatch == "auto"
+        self._budget = inline_budget_s
+        # What an inline execution costs the loop (see _compute_clock).
+        self._clock = _compute_clock(device, threads)
+        self._label = label
+        self._samples: list[float] = []
+        self._inline_average: float | None = None
+        self._signature = _signature(session)
+        self._outputs = [spec.name for spec in self._signature.outputs]
+        self._closed = False
+        #: Executions that ONNX Runtime cut short because their caller was cancelled.
+        self.aborted = 0
+
+    @property
+    def signature(self) -> ModelSignature:
+        """The model's inputs and outputs as the session reports them."""
+        return self._signature
+
+    @property
+    def device(self) -> str:
+        """Where the session runs: ``"cpu"``, ``"cuda:N"`` or ``"tensorrt:N"``."""
+        return self._device
+
+    @property
+    def session(self) -> Any:
+        """The underlying ``onnxruntime.InferenceSession`` (``None`` once closed)."""
+        return self._session
+
+    async def execute(self, inputs: Mapping[str, np.ndarray[Any, Any]]) -> dict[str, Any]:
+        """Run the session once off the event loop; abort it with ``terminate`` if cancelled."""
+        session = self._session
+        if session is None:
+            raise BackendError(f"instance on {self._device} is closed")
+        run_options = _ort().RunOptions()
+
+        def abort() -> None:
+            run_options.terminate = True
+
+        dispatch = self._dispatch
+        try:
+            if dispatch == "inline":
+                values = await self._run_inline(session, inputs, run_options)
+            elif dispatch == "thread":
+                values = await self._worker.run_sync(
+                    self._run, session, inputs, run_options, abort=abort
+                )
+            elif dispatch == "auto":
+                values = await self._worker.run_sync(
+                    self._run_timed, session, inputs, run_options, abort=abort
+                )
+                self._consider_inline()
+            else:
+
+                def start(resolve: Any) -> None:
+                    def done(values: Any, _user_data: object, error: str) -> None:
+                        if error:
+                            self._count_abort(run_options)
+                            resolve(None, RuntimeError(error))
+                        else:
+                            resolve(values, None)
+
+                    session.run_async(self._outputs, inputs, done, None, run_options)
+
+                values = await wait_on_callback(start, abort=abort)
+        except Exception as exc:
+            raise BackendError(f"ONNX Runtime failed on {self._device}: {_one_line(exc)}") from exc
+        return dict(zip(self._outputs, values, strict=True))
+
+    async def _run_inline(self, session: Any, inputs: Any, run_options: Any) -> Any:
+        # Yield first: back-to-back inline executions must not starve the event loop.
+        await anyio.lowlevel.checkpoint()
+        started = self._clock()
+        try:
+            return session.run(self._outputs, inputs, run_options)
+        finally:
+            took = self._clock() - started
+            # A session's first run allocates and is several times slower: it
+            # only seeds the average. After it, a moving average forgives one slow
+            # run (a page fault); a run ten times over the budget is not forgiven.
+            average = self._inline_average
+            if average is None:
+                self._inline_average = min(took, self._budget)
+            else:
+                self._inline_average = average = average + 0.1 * (took - average)
+            if average is not None and (average > self._budget or took > 10 * self._budget):
+                self._dispatch = "thread"
+                # Expected when auto tries inline; a surprise when inline was asked for.
+                log.log(
+                    logging.INFO if self._auto else logging.WARNING,
+                    "%s: inline executions take %.0f us (last %.0f us), over "
+                    "inline_budget_us = %.0f; it runs on its worker thread from now on",
+                    self._label,
+                    average * 1e6,
+                    took * 1e6,
+                    self._budget * 1e6,
+                )
+
+    def _run_timed(self, session: Any, inputs: Any, run_options: Any) -> Any:
+        # Runs on the worker thread; measures the compute alone, without the hop.
+        started = self._clock()
+        values = self._run(session, inputs, run_options)
+        self._samples.append(self._clock() - started)
+        return values
+
+    def _consider_inline(self) -> None:
+        if len(self._samples) < AUTO_SAMPLES:
+            return
+        median = sorted(self._samples)[len(self._samples) // 2]
+        self._samples.clear()
+        # Try inline unless the thread's (pessimistic) figure says an execution
+        # could hold the loop for long; the inline rule then moves it back for
+        # good if inline costs more than the budget after all.
+        self._dispatch = "inline" if median < AUTO_TRIAL_BUDGETS * self._budget else "thread"
+        log.info(
+            "%s: median execution %.0f us over %d runs; dispatch %s",
+            self._label,
+            median * 1e6,
+            AUTO_SAMPLES,
+            self._dispatch,
+        )
+
+    @property
+    def dispatch(self) -> str:
+        """How executions leave the event loop now (``'auto'`` settles on one of the others)."""
+        return self._dispatch
+
+    def _run(self, session: Any, inputs: Any, run_options: Any) -> Any:
+        # Runs on the worker thread.
+        try:
+            return session.run(self._outputs, inputs, run_options)
+        except Exception:
+            self._count_abort(run_options)
+            raise
+
+    def _count_abort(self, run_options: Any) -> None:
+        if run_options.terminate:
+            self.aborted += 1
+
+    async def aclose(self) -> None:
+        """Drop the session and join the worker thread. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self._session = None
+        await self._worker.aclose()
+
+
+def _compute_clock(device: str, threads: int) -> Callable[[], float]:
+    # The clock that measures the model's own cost. With one compute thread on the
+    # CPU, that thread's CPU time: being preempted by another process is not the
+    # model's cost. On a GPU, or with intra-op threads the caller waits for, the
+    # thread may sleep while others work, yet the caller (an inline execution's
+    # event loop, say) is held all along: wall time.
+    return time.thread_time if device == "cpu" and threads == 1 else time.perf_counter

@@ -1,0 +1,144 @@
+"""The backend's options: the `OPTIONS` table and the checks of a model's ``backend_options``."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Mapping
+from typing import Any, Final
+
+from trioinfer import ConfigError, ModelConfig, Placement
+
+from ._tuning import TUNE_OVERHEAD_S, TUNE_TOLERANCE
+
+_DISPATCH: Final = ("thread", "ort_async", "inline", "auto")
+_OPT_LEVELS: Final = {
+    "disable": "ORT_DISABLE_ALL",
+    "basic": "ORT_ENABLE_BASIC",
+    "extended": "ORT_ENABLE_EXTENDED",
+    "all": "ORT_ENABLE_ALL",
+}
+#: The default ``inline_budget_us``. A hop to a worker thread and back costs
+#: 100-150 us of CPU on a small machine; an execution of up to about two hops
+#: is cheaper on the loop's thread than handed off (a 32-row batch of the
+#: digits MLP costs about 100 us there, its caches cold from the loop's other
+#: work), and holds the loop no longer than a few hops would.
+DEFAULT_INLINE_BUDGET_US: Final = 250
+#: Every ``backend_options`` key this backend accepts, with what it means.
+OPTIONS: Final[Mapping[str, str]] = {
+    "dispatch": "'thread': session.run on the instance's worker thread (default on a GPU); "
+    "'ort_async': ONNX Runtime's run_async (needs threads >= 2); "
+    "'inline': on the event loop's thread, for models far cheaper than a thread hop, "
+    "within inline_budget_us; 'auto' (default on the CPU): measure on the thread, "
+    "go inline if cheap enough",
+    "inline_budget_us": "execution time, in microseconds, allowed on the event loop's thread "
+    "(moving average; one run may take up to 10x) before an 'inline' or 'auto' instance "
+    f"moves to its worker thread (default {DEFAULT_INLINE_BUDGET_US})",
+    "inter_op_threads": "threads for running independent nodes in parallel (0: ORT default)",
+    "graph_optimization_level": "'disable', 'basic', 'extended' or 'all' (default)",
+    "execution_mode": "'sequential' (default) or 'parallel'",
+    "enable_mem_arena": "use ORT's CPU memory arena (default true)",
+    "enable_mem_pattern": "let ORT plan memory from the first run's pattern (default true)",
+    "provider_options": "a table passed to the GPU execution provider "
+    "(e.g. gpu_mem_limit, trt_fp16_enable, trt_engine_cache_path)",
+    "log_severity": "ORT log level for the session, 0 (verbose) to 4 (fatal); default 3",
+    "pipeline_depth": "executions the engine may hand one instance at once (default 1); with 2 "
+    "the next batch waits on the worker thread while one runs, so compute never waits for the "
+    "loop, but that batch has left the engine's queue (a caller that leaves aborts it there)",
+    "allow_spinning": "let idle intra-op threads spin for new work (default true, as in ORT); "
+    "false saves CPU on a shared machine, at some latency",
+    "tune_batch_sizes": "batch sizes the model's first instance times when it loads, e.g. "
+    "[1, 2, 4, 8, 16, 32] (default []: none); the smallest whose rows/s (charged "
+    f"{TUNE_OVERHEAD_S * 1e6:.0f} us per execution) is within {TUNE_TOLERANCE:.0%} of the best "
+    "becomes the model's preferred batch size, which the dynamic batcher cuts batches at "
+    "unless its preferred_batch_sizes is set",
+}
+
+
+def _check_options(config: ModelConfig, placement: Placement) -> dict[str, Any]:
+    options = dict(config.backend_options)
+    unknown = sorted(set(options) - set(OPTIONS))
+    if unknown:
+        raise ConfigError(
+            f"model {config.name!r}: onnxruntime backend has no option "
+            f"{', '.join(map(repr, unknown))}; it knows {', '.join(sorted(OPTIONS))}"
+        )
+    # Inline is measured and bounded on the CPU; on a GPU it has not been tried here.
+    options.setdefault("dispatch", "auto" if placement.device.kind == "cpu" else "thread")
+    if options["dispatch"] not in _DISPATCH:
+        raise ConfigError(
+            f"model {config.name!r}: dispatch must be one of {', '.join(map(repr, _DISPATCH))}, "
+            f"got {options['dispatch']!r}"
+        )
+    depth = options.setdefault("pipeline_depth", 1)
+    if not isinstance(depth, int) or isinstance(depth, bool) or not 1 <= depth <= 8:
+        raise ConfigError(
+            f"model {config.name!r}: pipeline_depth must be an integer from 1 to 8, got {depth!r}"
+        )
+    budget = options.setdefault("inline_budget_us", DEFAULT_INLINE_BUDGET_US)
+    if not isinstance(budget, (int, float)) or isinstance(budget, bool) or not budget > 0:
+        raise ConfigError(
+            f"model {config.name!r}: inline_budget_us must be a positive number, got {budget!r}"
+        )
+    if options["dispatch"] == "ort_async" and placement.threads == 1:
+        raise ConfigError(
+            f"model {config.name!r}: dispatch 'ort_async' runs on ONNX Runtime's intra-op "
+            "thread pool, which needs threads >= 2 (or 0 for ORT's default); got threads = 1"
+        )
+    level = options.setdefault("graph_optimization_level", "all")
+    if level not in _OPT_LEVELS:
+        raise ConfigError(
+            f"model {config.name!r}: graph_optimization_level must be one of "
+            f"{', '.join(_OPT_LEVELS)}, got {level!r}"
+        )
+    mode = options.setdefault("execution_mode", "sequential")
+    if mode not in ("sequential", "parallel"):
+        raise ConfigError(
+            f"model {config.name!r}: execution_mode must be 'sequential' or 'parallel', "
+            f"got {mode!r}"
+        )
+    for key in ("inter_op_threads", "log_severity"):
+        value = options.get(key, 0)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            raise ConfigError(
+                f"model {config.name!r}: {key} must be an integer >= 0, got {value!r}"
+            )
+    if not 0 <= options.setdefault("log_severity", 3) <= 4:
+        raise ConfigError(f"model {config.name!r}: log_severity must be 0-4")
+    for key in ("enable_mem_arena", "enable_mem_pattern", "allow_spinning"):
+        if not isinstance(options.setdefault(key, True), bool):
+            raise ConfigError(f"model {config.name!r}: {key} must be true or false")
+    sizes = options.setdefault("tune_batch_sizes", [])
+    if (
+        not isinstance(sizes, list | tuple)
+        or not all(isinstance(n, int) and not isinstance(n, bool) and n > 0 for n in sizes)
+        or any(a >= b for a, b in itertools.pairwise(sizes))
+    ):
+        raise ConfigError(
+            f"model {config.name!r}: tune_batch_sizes must be a list of strictly increasing "
+            f"positive integers (batch sizes to time), e.g. [1, 2, 4, 8, 16, 32]; got {sizes!r}"
+        )
+    options["tune_batch_sizes"] = list(sizes)
+    _check_tune_fits_batcher(config, options["tune_batch_sizes"])
+    provider_options = options.setdefault("provider_options", {})
+    if not isinstance(provider_options, Mapping):
+        raise ConfigError(f"model {config.name!r}: provider_options must be a table")
+    return options
+
+
+def _check_tune_fits_batcher(config: ModelConfig, sizes: list[int]) -> None:
+    # What the measurement is for: sizes a batcher can form. The first-party
+    # batchers are known here; a third-party one may read the sizes as it likes.
+    if not sizes:
+        return
+    if config.batcher == "none":
+        raise ConfigError(
+            f"model {config.name!r}: tune_batch_sizes needs a batcher that forms batches "
+            "(batcher = 'dynamic'); with batcher 'none' every execution is one request"
+        )
+    if config.batcher == "dynamic":
+        largest = config.batcher_options.get("max_batch_size", 32)
+        if isinstance(largest, int) and sizes[-1] > largest:
+            raise ConfigError(
+                f"model {config.name!r}: tune_batch_sizes holds {sizes[-1]}, more than the "
+                f"batcher's max_batch_size {largest}; list only sizes up to {largest}"
+            )

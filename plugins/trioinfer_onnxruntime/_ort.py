@@ -1,0 +1,40 @@
+"""What every part of the backend shares: ONNX Runtime itself, imported on first use.
+
+Also how a session's inputs and outputs read as a `ModelSignature`, how ONNX
+Runtime's errors read in one line, and the plugin's logger.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from trioinfer import ModelSignature, TensorSpec, numpy_dtype
+
+log = logging.getLogger("trioinfer.onnxruntime")
+
+
+def _ort() -> Any:
+    # Imported on first use so that listing plugins stays cheap.
+    import onnxruntime
+
+    return onnxruntime
+
+
+def _signature(session: Any) -> ModelSignature:
+    def spec(arg: Any) -> TensorSpec:
+        shape = tuple(d if isinstance(d, (int, str)) else None for d in arg.shape)
+        return TensorSpec(arg.name, numpy_dtype(arg.type), shape, arg.type)
+
+    return ModelSignature(
+        tuple(spec(a) for a in session.get_inputs()),
+        tuple(spec(a) for a in session.get_outputs()),
+    )
+
+
+def _one_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    # ORT prefixes "[ONNXRuntimeError] : 1 : FAIL : "; the rest is the message.
+    if text.startswith("[ONNXRuntimeError]"):
+        text = text.split(" : ", 3)[-1]
+    return text.splitlines()[0] if text else type(exc).__name__

@@ -1,0 +1,255 @@
+"""The HTTP client: V2 metadata and infer requests over plain non-blocking sockets.
+
+`_Connection` is one keep-alive connection with its httptools response parser;
+`HttpTarget` is a model on a V2 server: its metadata, and each request variant
+as the whole HTTP request, encoded once before the run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+from collections.abc import Sequence
+from contextlib import suppress
+from typing import Any, Final
+from urllib.parse import urlsplit
+
+import attrs
+import httptools
+import trio
+
+from ..server import encode_infer_request
+from ._inputs import BenchError, Tensor
+from ._stats import Status, _Recorder
+
+# Status of a request that got no HTTP answer (refused, reset, closed mid-response).
+_CONN_ERROR: Final = "conn"
+_RECV_BYTES: Final = 256 * 1024
+
+
+class _Connection:
+    """One keep-alive HTTP/1.1 connection: a plain non-blocking socket and its parser.
+
+    `_LoadLoop` drives many at once from a worker thread; `request` sends a one-off
+    (metadata, the probe) from Trio, waiting with ``trio.lowlevel.wait_readable``:
+    Trio's socket wrappers cost several times more per call, and this client's own
+    CPU time is what it must keep small.
+    """
+
+    __slots__ = (
+        "body",
+        "busy",
+        "connecting",
+        "done",
+        "fd",
+        "keep_alive",
+        "keep_body",
+        "parser",
+        "recorder",
+        "sock",
+        "start",
+        "status",
+        "unsent",
+    )
+
+    def __init__(self, recorder: _Recorder) -> None:
+        self.recorder = recorder
+        self.sock: socket.socket | None = None
+        self.fd = -1
+        self.parser: httptools.HttpResponseParser | None = None
+        self.busy = False  # a request is in flight
+        self.connecting = False
+        self.unsent: memoryview | None = None  # what the socket's buffer did not take yet
+        self.start = 0  # when the request in flight started (ns), for its latency
+        self.done = False
+        self.keep_alive = True
+        self.status: Status = 0
+        self.body: list[bytes] | None = None
+        self.keep_body = False  # keep a successful answer's body too (metadata)
+
+    # httptools callbacks: only these three, as each costs a Python call per answer.
+    def on_headers_complete(self) -> None:
+        assert self.parser is not None
+        self.status = self.parser.get_status_code()
+        # Keep a failed answer's body for the message; never a successful one's.
+        self.body = None if self.status == 200 and not self.keep_body else []
+
+    def on_body(self, body: bytes) -> None:
+        if self.body is not None:
+            self.body.append(body)
+
+    def on_message_complete(self) -> None:
+        assert self.parser is not None
+        # Read here: once the message is complete the parser resets for the next one.
+        self.keep_alive = self.parser.should_keep_alive()
+        self.done = True
+
+    async def connect(self, address: tuple[str, int]) -> None:
+        """Open the connection (raising `OSError` when refused)."""
+        sock = _new_socket(address)
+        try:
+            try:
+                sock.connect(address)
+            except BlockingIOError:
+                await trio.lowlevel.wait_writable(sock)
+                error = sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
+                if error:
+                    raise OSError(error, os.strerror(error)) from None
+        except BaseException:
+            sock.close()
+            raise
+        self.sock = sock
+        self.fd = sock.fileno()
+        self.parser = httptools.HttpResponseParser(self)
+
+    def close(self) -> None:
+        """Close the socket, if open."""
+        if self.sock is not None:
+            trio.lowlevel.notify_closing(self.sock)
+            self.sock.close()
+        self.sock = None
+
+    async def request(self, data: bytes) -> Status:
+        """Send *data* (a whole request) and read the answer; return its status."""
+        sock, parser = self.sock, self.parser
+        assert sock is not None
+        assert parser is not None
+        self.done = False
+        try:
+            view = memoryview(data)
+            while view:
+                await trio.lowlevel.wait_writable(sock)
+                with suppress(BlockingIOError):
+                    view = view[sock.send(view) :]
+            while not self.done:
+                await trio.lowlevel.wait_readable(sock)
+                try:
+                    chunk = sock.recv(_RECV_BYTES)
+                except BlockingIOError:
+                    continue
+                if not chunk:
+                    raise ConnectionResetError("the server closed the connection")
+                parser.feed_data(chunk)
+        except (OSError, httptools.HttpParserError) as exc:
+            self.close()
+            self.recorder.first_error.setdefault(_CONN_ERROR, f"{type(exc).__name__}: {exc}")
+            return _CONN_ERROR
+        if not self.keep_alive:
+            self.close()
+        return self.status
+
+
+def _new_socket(address: tuple[str, int]) -> socket.socket:
+    sock = socket.socket(socket.AF_INET6 if ":" in address[0] else socket.AF_INET)
+    sock.setblocking(False)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    return sock
+
+
+def _http_requests(
+    host: str, port: int, path: str, bodies: Sequence[tuple[bytes, int | None]]
+) -> list[bytes]:
+    out = []
+    for body, header_length in bodies:
+        head = (
+            f"POST {path} HTTP/1.1\r\nHost: {host}:{port}\r\n"
+            f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n"
+        )
+        if header_length is not None:
+            head = head.replace("application/json", "application/octet-stream")
+            head += f"Inference-Header-Content-Length: {header_length}\r\n"
+        out.append((head + "\r\n").encode("latin-1") + body)
+    return out
+
+
+@attrs.frozen
+class HttpTarget:
+    """A V2 server's model, reached over HTTP/1.1 on keep-alive connections.
+
+    Attributes:
+        host: The server's address.
+        port: Its port.
+        model: The model's name.
+        version: The model version, or ``None`` for the server's choice.
+    """
+
+    host: str
+    port: int
+    model: str
+    version: str | None = None
+
+    @classmethod
+    def from_url(cls, url: str, model: str, version: str | None = None) -> HttpTarget:
+        """Parse ``http://HOST:PORT``.
+
+        Raises:
+            BenchError: Not an ``http://`` URL.
+        """
+        parts = urlsplit(url)
+        if parts.scheme != "http" or not parts.hostname:
+            raise BenchError(f"--url must look like http://HOST:PORT, got {url!r}")
+        return cls(parts.hostname, parts.port or 80, model, version)
+
+    @property
+    def model_path(self) -> str:
+        """``/v2/models/{model}[/versions/{version}]``."""
+        path = f"/v2/models/{self.model}"
+        return path if self.version is None else f"{path}/versions/{self.version}"
+
+    async def get(self, path: str) -> tuple[int, bytes]:
+        """A one-off GET (metadata) on a fresh connection; returns the status and body.
+
+        Raises:
+            BenchError: Nothing answers at the address.
+        """
+        request = f"GET {path} HTTP/1.1\r\nHost: {self.host}:{self.port}\r\n\r\n".encode()
+        recorder = _Recorder()
+        connection = _Connection(recorder)
+        try:
+            await connection.connect((self.host, self.port))
+        except OSError as exc:
+            raise BenchError(
+                f"cannot connect to http://{self.host}:{self.port}: {exc.strerror or exc}; "
+                "is the server running?"
+            ) from None
+        connection.keep_body = True
+        try:
+            status = await connection.request(request)
+            body = b"".join(connection.body or [])
+        finally:
+            connection.close()
+        if status == _CONN_ERROR:
+            raise BenchError(
+                f"http://{self.host}:{self.port}{path} gave no HTTP answer: "
+                f"{recorder.first_error.get(_CONN_ERROR)}"
+            )
+        return int(status), body
+
+    async def metadata(self) -> dict[str, Any]:
+        """The model's V2 metadata (``GET /v2/models/{m}``).
+
+        Raises:
+            BenchError: No server, or it does not serve the model (with its message).
+        """
+        status, body = await self.get(self.model_path)
+        if status != 200:
+            try:
+                message = json.loads(body).get("error", body.decode(errors="replace"))
+            except (ValueError, AttributeError):
+                message = body[:300].decode(errors="replace")
+            raise BenchError(
+                f"the server answered {status} for model {self.model!r}"
+                f"{'' if self.version is None else f' version {self.version}'}: {message}"
+            )
+        doc = json.loads(body)
+        if not isinstance(doc, dict) or not isinstance(doc.get("inputs"), list):
+            raise BenchError(f"{self.model_path} gave no V2 model metadata: {body[:200]!r}")
+        return doc
+
+    def requests(self, variants: Sequence[Sequence[Tensor]], *, binary: bool) -> list[bytes]:
+        """Each variant's whole HTTP request, bytes ready to send."""
+        bodies = [
+            encode_infer_request({t.name: t.array for t in v}, binary=binary) for v in variants
+        ]
+        return _http_requests(self.host, self.port, f"{self.model_path}/infer", bodies)

@@ -1,0 +1,112 @@
+"""What a request carries: its input tensors, random from model metadata or read from files.
+
+`BenchError` is the tool's own error: the benchmark cannot run.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import attrs
+import numpy as np
+import numpy.typing as npt
+
+from .._exceptions import TrioInferError
+from ..server import Limits, decode_infer_request, v2_datatype, v2_numpy_dtype
+
+
+class BenchError(TrioInferError):
+    """The benchmark cannot run: no server, no such model, unusable input data."""
+
+
+@attrs.frozen(eq=False)
+class Tensor:
+    """One input tensor of one request variant.
+
+    Attributes:
+        name: The model input's name.
+        datatype: Its V2 datatype (``"FP32"``, ``"BYTES"``, ...).
+        array: The values.
+    """
+
+    name: str
+    datatype: str
+    array: npt.NDArray[Any]
+
+
+def random_inputs(
+    specs: Sequence[Mapping[str, Any]],
+    shapes: Mapping[str, Sequence[int]] | None = None,
+    *,
+    seed: int = 0,
+) -> list[Tensor]:
+    """Make one request's inputs from V2 model metadata (``inputs``: name, datatype, shape).
+
+    Variable dimensions (``-1``) become 1 unless *shapes* gives the input's whole shape.
+
+    Raises:
+        BenchError: A datatype that has no numpy type, or a *shapes* entry for no input.
+    """
+    shapes = dict(shapes or {})
+    unknown = sorted(set(shapes) - {str(spec.get("name")) for spec in specs})
+    if unknown:
+        raise BenchError(
+            f"--shape names {', '.join(map(repr, unknown))}, which the model has not; its "
+            f"inputs are {', '.join(repr(spec.get('name')) for spec in specs)}"
+        )
+    rng = np.random.default_rng(seed)
+    tensors = []
+    for spec in specs:
+        name = str(spec["name"])
+        datatype = str(spec["datatype"])
+        shape = tuple(shapes.get(name, [max(int(d), 1) for d in spec.get("shape", [])]))
+        dtype = v2_numpy_dtype(datatype)
+        if dtype is None:
+            raise BenchError(
+                f"input {name!r} has datatype {datatype!r}, which the tool cannot generate; "
+                "pass --input-data with its values"
+            )
+        array: npt.NDArray[Any]
+        if datatype == "BYTES":
+            letters = rng.integers(97, 123, size=(*shape, 8), dtype=np.uint8)
+            array = np.array(
+                [row.tobytes().decode() for row in letters.reshape(-1, 8)], dtype=object
+            ).reshape(shape)
+        elif dtype.kind == "b":
+            array = rng.random(shape) < 0.5
+        elif dtype.kind in "iu":
+            array = rng.integers(0, 100, size=shape).astype(dtype)
+        else:
+            array = rng.random(shape).astype(dtype)
+        tensors.append(Tensor(name, datatype, array))
+    return tensors
+
+
+def load_inputs(path: Path) -> list[Tensor]:
+    """Read one request's inputs from a ``.npz`` (one array per input) or ``.json`` file.
+
+    A JSON file is a V2 infer request body: ``{"inputs": [{"name", "shape",
+    "datatype", "data"}, ...]}``, decoded by the server's own codec.
+
+    Raises:
+        BenchError: The file cannot be read or holds no usable inputs.
+    """
+    try:
+        if path.suffix == ".npz":
+            with np.load(path, allow_pickle=False) as npz:
+                arrays = {name: npz[name] for name in npz.files}
+        else:
+            arrays = decode_infer_request(path.read_bytes(), None, Limits()).inputs
+    except (OSError, ValueError, TrioInferError) as exc:
+        raise BenchError(
+            f"cannot read inputs from {path}: {exc}; expected an .npz file with one array per "
+            "input, or a V2 infer request as JSON"
+        ) from None
+    if not arrays:
+        raise BenchError(f"{path} holds no inputs")
+    try:
+        return [Tensor(name, v2_datatype(a.dtype), np.asarray(a)) for name, a in arrays.items()]
+    except ValueError as exc:
+        raise BenchError(f"{path}: {exc}") from None

@@ -1,0 +1,314 @@
+"""Running a plan: level after level, over HTTP or against an engine in this process.
+
+`run_http` reads the model's metadata, encodes the requests, sizes an open
+loop's connection pool with a short probe, then runs each level's `_LoadLoop`
+while `_measure` counts; `run_in_process` does the same with worker tasks
+calling ``engine.infer``.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import socket
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any, Final
+
+import attrs
+import trio
+
+from .._config import ModelConfig, find_model_file
+from .._engine import Engine, open_engine
+from .._exceptions import TrioInferError
+from ..server import v2_datatype
+from ._client import HttpTarget, _Connection
+from ._inputs import BenchError, load_inputs, random_inputs
+from ._load import (
+    _BACKLOG_PER_CONNECTION,
+    Arrivals,
+    Send,
+    _closed_level,
+    _LoadLoop,
+    _open_level,
+    iter_arrivals,
+)
+from ._stats import Progress, Result, Settings, Status, _measure, _Recorder
+
+# Open loop: the smallest pool to start with; a 1 ms hiccup at a few thousand req/s needs this many.
+_MIN_POOL: Final = 32
+#: Open loop: the most connections (in-process: workers) the tool opens by default.
+DEFAULT_MAX_CONNECTIONS: Final = 1024
+# Requests sent (one at a time) before an open-loop run to size its connection pool.
+_PROBE_REQUESTS: Final = 10
+
+
+@attrs.frozen
+class Plan:
+    """What to run: the levels and how to measure them.
+
+    Attributes:
+        concurrency: Closed-loop levels (workers); used when *rates* is empty.
+        rates: Open-loop levels (requests per second).
+        arrivals: ``constant`` or ``poisson`` (open loop).
+        seed: Seeds the Poisson schedule and random inputs.
+        max_connections: Open loop: the most connections (in-process: workers) to
+            open; 0 for `DEFAULT_MAX_CONNECTIONS`.
+        settings: Warm-up, window and stability settings.
+    """
+
+    concurrency: tuple[int, ...] = (1,)
+    rates: tuple[float, ...] = ()
+    arrivals: Arrivals = "poisson"
+    seed: int = 0
+    max_connections: int = 0
+    settings: Settings = Settings()  # noqa: RUF009 - frozen (attrs): one shared default is safe
+
+    @property
+    def levels(self) -> int:
+        """How many levels the plan runs."""
+        return len(self.rates) or len(self.concurrency)
+
+
+def _pool_limit(plan: Plan) -> int:
+    return plan.max_connections or DEFAULT_MAX_CONNECTIONS
+
+
+def _pool_size(plan: Plan, rate: float, probe_s: float) -> int:
+    # The connections to open before the run: enough for the rate times a generous
+    # latency, as Little's law says. A batching server's latency under load is
+    # several times the probe's, so the loop opens more as requests find none free.
+    return min(_pool_limit(plan), max(_MIN_POOL, math.ceil(rate * probe_s * 4)))
+
+
+async def _run_levels(
+    plan: Plan,
+    run_closed: Callable[[int, _Recorder], Awaitable[Result]],
+    run_open: Callable[[float, _Recorder], Awaitable[Result]],
+) -> Run:
+    results = []
+    seen: dict[str, str] = {}
+    for value in plan.rates or plan.concurrency:
+        recorder = _Recorder()
+        if plan.rates:
+            results.append(await run_open(value, recorder))
+        else:
+            results.append(await run_closed(int(value), recorder))
+        seen.update({str(k): v for k, v in recorder.first_error.items() if str(k) not in seen})
+    return Run(tuple(results), seen)
+
+
+@attrs.frozen
+class Run:
+    """A whole run's results.
+
+    Attributes:
+        results: One per level, in the order run.
+        first_errors: For each error status seen, the first failed answer's text.
+    """
+
+    results: tuple[Result, ...]
+    first_errors: dict[str, str]
+
+
+async def _open_sockets(address: tuple[str, int], count: int) -> list[socket.socket]:
+    opened: list[socket.socket] = []
+    try:
+        for _ in range(count):
+            conn = _Connection(_Recorder())
+            await conn.connect(address)
+            assert conn.sock is not None
+            opened.append(conn.sock)
+    except OSError as exc:
+        for sock in opened:
+            sock.close()
+        raise BenchError(
+            f"cannot open {count} connections to http://{address[0]}:{address[1]}: "
+            f"{exc.strerror or exc}"
+        ) from None
+    except BaseException:
+        for sock in opened:
+            sock.close()
+        raise
+    return opened
+
+
+async def run_http(
+    target: HttpTarget,
+    plan: Plan,
+    *,
+    input_files: Sequence[Path] = (),
+    shapes: Mapping[str, Sequence[int]] | None = None,
+    binary: bool = False,
+    progress: Callable[[Progress], None] | None = None,
+) -> Run:
+    """Benchmark a V2 server's model over HTTP; one `Result` per level.
+
+    Raises:
+        BenchError: No server, no such model, or unusable inputs.
+    """
+    metadata = await target.metadata()
+    if input_files:
+        variants = [load_inputs(p) for p in input_files]
+    else:
+        variants = [random_inputs(metadata["inputs"], shapes, seed=plan.seed)]
+    requests = target.requests(variants, binary=binary)
+    address = (target.host, target.port)
+
+    probe_s = 0.0
+    if plan.rates and not plan.max_connections:
+        probe = _Connection(_Recorder())
+        try:
+            for n in range(_PROBE_REQUESTS):
+                start = time.perf_counter()
+                if probe.sock is None:
+                    await probe.connect(address)
+                await probe.request(requests[n % len(requests)])
+                probe_s = max(probe_s, time.perf_counter() - start)
+        except OSError as exc:
+            raise BenchError(
+                f"cannot connect to http://{target.host}:{target.port}: {exc.strerror or exc}"
+            ) from None
+        finally:
+            probe.close()
+
+    index = 0
+
+    async def level(
+        count: int, recorder: _Recorder, load: str, value: float, **loop_options: Any
+    ) -> Result:
+        nonlocal index
+        socks = await _open_sockets(address, count)
+        loop = _LoadLoop(address, requests, recorder, socks, **loop_options)
+        try:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(functools.partial(trio.to_thread.run_sync, loop.run))
+                try:
+                    result = await _measure(
+                        recorder, plan.settings, load, value, progress, (index, plan.levels)
+                    )
+                finally:
+                    loop.stop()  # the thread returns, and the nursery with it
+        finally:
+            loop.close()
+        index += 1
+        return result
+
+    async def run_closed(count: int, recorder: _Recorder) -> Result:
+        return await level(count, recorder, "concurrency", count)
+
+    async def run_open(rate: float, recorder: _Recorder) -> Result:
+        pool, most = _pool_size(plan, rate, probe_s), _pool_limit(plan)
+        schedule = iter_arrivals(rate, plan.arrivals, plan.seed)
+        return await level(
+            pool,
+            recorder,
+            "rate",
+            rate,
+            schedule=schedule,
+            backlog_limit=_BACKLOG_PER_CONNECTION * most,
+            max_connections=most,
+        )
+
+    return await _run_levels(plan, run_closed, run_open)
+
+
+@asynccontextmanager
+async def open_local_model(
+    *,
+    model_file: Path | None = None,
+    repository: Path | None = None,
+    model: str | None = None,
+    version: int | None = None,
+) -> AsyncIterator[tuple[Engine, str, list[dict[str, Any]]]]:
+    """Open an engine with one model; yield it, the model's name and V2-style input specs.
+
+    Either *model_file* (defaults for everything) or *repository* and *model*
+    (its ``config.toml`` when there is one, and *version*).
+
+    Raises:
+        BenchError: Neither given, or the model cannot be found.
+    """
+    if model_file is not None:
+        config = ModelConfig(name=model or "model", path=model_file)
+    elif repository is not None and model is not None:
+        toml = repository / model / "config.toml"
+        if toml.is_file():
+            config = ModelConfig.from_toml(toml, version=version)
+        else:
+            config = ModelConfig(name=model, path=find_model_file(repository / model, version))
+    else:
+        raise BenchError("--in-process needs --model-file, or --model-repository and --model")
+    async with open_engine() as engine:
+        info = await engine.load(config)
+        specs = []
+        for spec in info.signature.inputs:
+            shape = [d if isinstance(d, int) else -1 for d in spec.shape]
+            specs.append(
+                {
+                    "name": spec.name,
+                    "datatype": v2_datatype(spec.dtype, spec.type_name),
+                    "shape": shape,
+                }
+            )
+        yield engine, info.name, specs
+
+
+async def run_in_process(
+    engine: Engine,
+    model: str,
+    specs: Sequence[Mapping[str, Any]],
+    plan: Plan,
+    *,
+    input_files: Sequence[Path] = (),
+    shapes: Mapping[str, Sequence[int]] | None = None,
+    progress: Callable[[Progress], None] | None = None,
+) -> Run:
+    """Benchmark *model* on *engine* directly (no HTTP); one `Result` per level.
+
+    CPU figures here are the whole process's: the engine's work included.
+    """
+    if input_files:
+        variants = [load_inputs(p) for p in input_files]
+    else:
+        variants = [random_inputs(specs, shapes, seed=plan.seed)]
+    inputs = [{t.name: t.array for t in v} for v in variants]
+    index = 0
+
+    def senders(count: int, recorder: _Recorder) -> list[Send]:
+        async def send(n: int) -> Status:
+            try:
+                await engine.infer(model, inputs[n % len(inputs)])
+            except TrioInferError as exc:
+                name = type(exc).__name__
+                recorder.first_error.setdefault(name, str(exc))
+                return name
+            return 200
+
+        return [send] * count
+
+    async def measure(recorder: _Recorder, load: str, value: float) -> Result:
+        nonlocal index
+        result = await _measure(
+            recorder, plan.settings, load, value, progress, (index, plan.levels)
+        )
+        index += 1
+        return result
+
+    async def run_closed(count: int, recorder: _Recorder) -> Result:
+        return await _closed_level(senders(count, recorder), recorder, measure)
+
+    async def run_open(rate: float, recorder: _Recorder) -> Result:
+        # Workers are only tasks: start them all; each sleeps until the time it claimed.
+        return await _open_level(
+            senders(_pool_limit(plan), recorder),
+            recorder,
+            measure,
+            rate=rate,
+            arrivals=plan.arrivals,
+            seed=plan.seed,
+        )
+
+    return await _run_levels(plan, run_closed, run_open)

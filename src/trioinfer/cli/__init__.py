@@ -1,0 +1,44 @@
+"""The ``trioinfer`` command line: the click group `main`, and one module per command.
+
+``trioinfer demo`` (module ``demo``) shows the engine at work on the bundled
+example model; ``trioinfer serve`` (``serve``) serves a model repository over
+the KServe V2 HTTP protocol; ``trioinfer bench`` (``bench``) measures a V2
+server or an engine under load; ``trioinfer plugins`` (``plugins``) lists the
+installed plugins. Each module defines its command, which `main` adds here.
+The console script ``trioinfer`` and ``python -m trioinfer`` both run `main()`.
+"""
+
+from __future__ import annotations
+
+import click
+
+from .. import __version__
+from . import bench, demo, plugins, serve
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+@click.version_option(
+    __version__, "--version", prog_name="trioinfer", message="%(prog)s %(version)s"
+)
+def main() -> None:
+    """trioinfer: structured-concurrency AI inference for Trio and anyio.
+
+    trioinfer is a Python library: an engine opened with
+    "async with trioinfer.open_engine()" owns every queue, batch loop and
+    backend call, and "await engine.infer(...)" runs under the caller's own
+    cancel scope, whose deadline travels with the request. Backends,
+    schedulers, batchers and fallbacks are plugins found through entry points.
+
+    This command shows the engine at work on a bundled example model (demo),
+    serves a model repository over the KServe V2 HTTP protocol (serve),
+    measures a V2 server or an engine under load (bench), and lists the
+    installed plugins (plugins).
+    """
+
+
+# Each module defines its command. (Imported as modules, not as the commands, so
+# that trioinfer.cli.bench and the others stay the modules.)
+main.add_command(bench.bench)
+main.add_command(demo.demo)
+main.add_command(plugins.plugins)
+main.add_command(serve.serve)

@@ -1,0 +1,335 @@
+"""``trioinfer bench``: the command line of the load tool `trioinfer.bench`.
+
+The tool is the ``bench`` extra's and is imported only when the command runs,
+so that ``trioinfer bench --help`` works without it and the command can say
+what to install.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import click
+import trio
+
+from .._exceptions import TrioInferError
+from ._params import _not_nan
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    from .. import bench as tool
+
+
+def _numbers(kind: type[int] | type[float]) -> Any:
+    def parse(_ctx: click.Context, _param: click.Parameter, value: str | None) -> Any:
+        if value is None:
+            return ()
+        try:
+            numbers = tuple(kind(part) for part in value.split(",") if part.strip())
+        except ValueError:
+            numbers = ()
+        if not numbers or not all(n > 0 and math.isfinite(n) for n in numbers):
+            raise click.BadParameter(
+                f"expected positive numbers separated by commas, got {value!r}"
+            )
+        return numbers
+
+    return parse
+
+
+def _shapes(_ctx: click.Context, _param: click.Parameter, value: Sequence[str]) -> dict[str, Any]:
+    shapes: dict[str, list[int]] = {}
+    for item in value:
+        name, _, dims = item.partition("=")
+        try:
+            shapes[name] = [int(d) for d in dims.split(",")]
+        except ValueError:
+            raise click.BadParameter(f"expected NAME=D1,D2,..., got {item!r}") from None
+    return shapes
+
+
+@click.command(short_help="Load-test a KServe V2 server (or an engine in-process) and report.")
+@click.option(
+    "--url",
+    default="http://127.0.0.1:8000",
+    show_default=True,
+    metavar="URL",
+    help="The V2 server (trioinfer, Triton, MLServer, KServe): http://HOST:PORT.",
+)
+@click.option("-m", "--model", default=None, metavar="NAME", help="The model to load-test.")
+@click.option(
+    "--model-version",
+    default=None,
+    metavar="VERSION",
+    help="A model version (default: the server's).",
+)
+@click.option(
+    "--concurrency",
+    callback=_numbers(int),
+    default="1",
+    show_default=True,
+    metavar="C1,C2,...",
+    help="Closed loop: this many requests in flight, one per connection; one level each.",
+)
+@click.option(
+    "--request-rate",
+    callback=_numbers(float),
+    default=None,
+    metavar="R1,R2,...",
+    help="Open loop instead: requests per second offered, one level each; latency counts "
+    "from when each request was due.",
+)
+@click.option(
+    "--arrivals",
+    type=click.Choice(["poisson", "constant"]),
+    default="poisson",
+    show_default=True,
+    help="Open loop: random (Poisson) or evenly spaced arrivals.",
+)
+@click.option(
+    "--max-connections",
+    type=click.IntRange(min=0),
+    default=0,
+    metavar="N",
+    help="Open loop: the most connections (in-process: workers) to open; more open as "
+    "requests find all busy, up to N (default: 1024).",
+)
+@click.option(
+    "--input-data",
+    "input_files",
+    multiple=True,
+    type=click.Path(dir_okay=False, exists=True, path_type=Path),
+    metavar="FILE",
+    help="Inputs from a .npz (one array per input) or .json (a V2 infer request) file, "
+    "instead of random data shaped from the model's metadata; repeat to cycle through several.",
+)
+@click.option(
+    "--shape",
+    multiple=True,
+    callback=_shapes,
+    metavar="NAME=D1,D2",
+    help="Random data: the shape of input NAME (default: its metadata, -1 taken as 1).",
+)
+@click.option(
+    "--encoding",
+    type=click.Choice(["json", "binary"]),
+    default="json",
+    show_default=True,
+    help="Tensors as JSON data, or Triton's binary tensor extension.",
+)
+@click.option(
+    "--warmup",
+    type=click.FloatRange(min=0),
+    callback=_not_nan,
+    default=1.0,
+    show_default=True,
+    metavar="SECONDS",
+    help="Load before measuring each level, not counted.",
+)
+@click.option(
+    "--window",
+    type=click.FloatRange(min=0, min_open=True),
+    callback=_not_nan,
+    default=1.0,
+    show_default=True,
+    metavar="SECONDS",
+    help="The length of one measurement window.",
+)
+@click.option(
+    "--stability",
+    type=click.FloatRange(min=0),
+    default=10.0,
+    show_default=True,
+    metavar="PERCENT",
+    help="Measure until the last 3 windows' throughput and p99 are within PERCENT of their mean.",
+)
+@click.option(
+    "--max-windows",
+    type=click.IntRange(min=1),
+    default=10,
+    show_default=True,
+    metavar="N",
+    help="Give up on stability after N windows (the last 3 count).",
+)
+@click.option(
+    "--windows",
+    type=click.IntRange(min=0),
+    default=0,
+    metavar="N",
+    help="Measure exactly N windows and count them all, instead of waiting for stability.",
+)
+@click.option(
+    "--seed", type=int, default=0, show_default=True, help="Seeds random inputs and arrivals."
+)
+@click.option(
+    "--in-process",
+    is_flag=True,
+    default=False,
+    help="Drive an engine in this process (no HTTP): needs --model-file, or "
+    "--model-repository and --model.",
+)
+@click.option(
+    "--model-file",
+    type=click.Path(dir_okay=False, exists=True, path_type=Path),
+    default=None,
+    metavar="FILE",
+    help="In-process: an ONNX model, loaded with default settings.",
+)
+@click.option(
+    "--model-repository",
+    type=click.Path(file_okay=False, exists=True, path_type=Path),
+    default=None,
+    metavar="DIR",
+    help="In-process: a model repository; --model's config.toml applies.",
+)
+@click.option(
+    "--json",
+    "json_file",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=None,
+    metavar="FILE",
+    help="Also write the results as JSON.",
+)
+@click.option(
+    "--csv",
+    "csv_file",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=None,
+    metavar="FILE",
+    help="Also write the results as CSV.",
+)
+@click.option(
+    "--plot",
+    "plot_file",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=None,
+    metavar="FILE.png",
+    help="Plot latency percentiles against throughput (pip install 'trioinfer[bench]').",
+)
+def bench(**options: Any) -> None:
+    """Load-test a model on a KServe V2 server, or on an engine in-process, and report.
+
+    Over HTTP it speaks only the V2 protocol (model metadata and infer), so it
+    works against trioinfer, Triton, MLServer or KServe. Inputs are random data
+    shaped from the model's metadata (GET /v2/models/NAME), or read from
+    files; each distinct request is encoded once, before the run.
+
+    Closed loop (--concurrency 1,16,64): C keep-alive connections, each sending
+    its next request when the last is answered. Open loop (--request-rate
+    500,1000): requests are due at Poisson (or constant) times whatever the
+    server does, and latency counts from when each was due; a request that
+    finds every connection busy goes out on a new one, up to --max-connections,
+    then waits (counted "late"; with too many waiting, new ones are
+    "dropped"), so an overloaded server shows as latency, not as a politely
+    slower client.
+
+    Each level warms up (not counted), then measures windows until the last
+    three agree within --stability (or --windows N). The table (on stdout)
+    gives throughput, latency percentiles of successful requests, errors, and
+    the tool's own CPU time per request and cores used, progress display
+    included (in-process: the whole process, engine included). While it runs,
+    a progress bar shows on stderr when stderr is a terminal (drawn by rich
+    when installed: pip install 'trioinfer[bench]').
+
+    Exits with status 1 when the server cannot be reached or does not serve
+    the model, or when any request failed (errors by status are printed).
+    """
+    try:
+        from .. import bench as tool
+    except ImportError as exc:  # the bench extra is missing: the message says how to install it
+        raise click.ClickException(str(exc)) from None
+
+    if options["request_rate"] and options["concurrency"] != (1,):
+        raise click.UsageError("give --concurrency or --request-rate, not both")
+    local = options["model_file"] is not None or options["model_repository"] is not None
+    if options["in_process"] and not local:
+        raise click.UsageError("--in-process needs --model-file, or --model-repository and --model")
+    if local and not options["in_process"]:
+        raise click.UsageError("--model-file and --model-repository go with --in-process")
+    plan = tool.Plan(
+        concurrency=options["concurrency"],
+        rates=options["request_rate"],
+        arrivals=options["arrivals"],
+        seed=options["seed"],
+        max_connections=options["max_connections"],
+        settings=tool.Settings(
+            warmup_s=options["warmup"],
+            window_s=options["window"],
+            stability=options["stability"],
+            max_windows=options["max_windows"],
+            windows=options["windows"],
+        ),
+    )
+    try:
+        with tool.open_progress() as progress:
+            run = trio.run(functools.partial(_bench_run, options, plan, progress))
+    except TrioInferError as exc:
+        raise click.ClickException(str(exc)) from exc
+    tool.print_table(run.results)
+    about = {
+        "target": "in-process" if options["in_process"] else options["url"],
+        "model": options["model"] or (options["model_file"] and str(options["model_file"])),
+        "model_version": options["model_version"],
+        "encoding": None if options["in_process"] else options["encoding"],
+        "arrivals": options["arrivals"] if plan.rates else None,
+        "window_s": options["window"],
+        "warmup_s": options["warmup"],
+    }
+    try:
+        if options["json_file"]:
+            tool.write_json(options["json_file"], run.results, about)
+        if options["csv_file"]:
+            tool.write_csv(options["csv_file"], run.results)
+        if options["plot_file"]:
+            tool.write_plot(
+                options["plot_file"], run.results, f"{about['model']} @ {about['target']}"
+            )
+    except (OSError, TrioInferError) as exc:
+        raise click.ClickException(str(exc)) from exc
+    failed = sum(sum(r.errors.values()) for r in run.results)
+    if failed:
+        for status, text in run.first_errors.items():
+            click.echo(f"first {status} answer: {' '.join(text.split())[:300]}", err=True)
+        raise click.ClickException(f"{failed} requests failed (see the errors column)")
+
+
+async def _bench_run(
+    options: dict[str, Any],
+    plan: tool.Plan,
+    progress: Callable[[tool.Progress], None] | None,
+) -> tool.Run:
+    from .. import bench as tool
+
+    if options["in_process"]:
+        version = options["model_version"]
+        async with tool.open_local_model(
+            model_file=options["model_file"],
+            repository=options["model_repository"],
+            model=options["model"],
+            version=int(version) if version is not None else None,
+        ) as (engine, name, specs):
+            return await tool.run_in_process(
+                engine,
+                name,
+                specs,
+                plan,
+                input_files=options["input_files"],
+                shapes=options["shape"],
+                progress=progress,
+            )
+    if not options["model"]:
+        raise click.UsageError("--model is required (or --in-process with --model-file)")
+    target = tool.HttpTarget.from_url(options["url"], options["model"], options["model_version"])
+    return await tool.run_http(
+        target,
+        plan,
+        input_files=options["input_files"],
+        shapes=options["shape"],
+        binary=options["encoding"] == "binary",
+        progress=progress,
+    )
