@@ -15,6 +15,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import attrs
 import numpy as np
 import pytest
 import trio
@@ -511,6 +512,31 @@ def test_progress_line_without_rich(monkeypatch: pytest.MonkeyPatch) -> None:
     assert err.getvalue() == (
         "\r\x1b[K[1/2] concurrency 16: window 3/10  19,780 req/s  last p99 1.25 ms\r\x1b[K"
     )
+
+
+def test_progress_shows_no_rate_before_it_can_tell(monkeypatch: pytest.MonkeyPatch) -> None:
+    # At the start of a window a few answers over microseconds read as absurd rates.
+    err = _Terminal()
+    monkeypatch.setattr(sys, "stderr", err)
+    monkeypatch.setitem(sys.modules, "rich.progress", None)
+    with tool.open_progress() as show:
+        assert show is not None
+        show(attrs.evolve(SAMPLE, throughput=math.nan, fraction=0.0))
+    assert "window 3/10  - req/s  last p99 1.25 ms" in err.getvalue()
+
+
+async def test_a_window_reports_no_rate_in_its_first_refresh_interval(url: str) -> None:
+    host, port = url.removeprefix("http://").split(":")
+    target = tool.HttpTarget(host, int(port), "digits")
+    settings = tool.Settings(warmup_s=0.05, window_s=0.6, windows=1)
+    shown: list[tool.Progress] = []
+    await tool.run_http(
+        target, tool.Plan(concurrency=(2,), settings=settings), progress=shown.append
+    )
+    first, *rest = [p for p in shown if p.window == 1]
+    assert math.isnan(first.throughput)
+    assert rest[-1].fraction == 1.0
+    assert not math.isnan(rest[-1].throughput)
 
 
 def _result(value: float) -> tool.Result:

@@ -132,7 +132,8 @@ def print_table(results: Sequence[Result]) -> None:
 def _describe(p: Progress) -> tuple[str, str]:
     # The level, and where it is: "[2/4] concurrency 16", "window 3/10  19,780 req/s ...".
     phase = "warm-up" if p.window == 0 else f"window {p.window}/{p.windows}"
-    status = f"{phase}  {p.throughput:,.0f} req/s"
+    rate = "-" if math.isnan(p.throughput) else f"{p.throughput:,.0f}"
+    status = f"{phase}  {rate} req/s"
     if not math.isnan(p.p99_ms):
         status += f"  last p99 {p.p99_ms:.2f} ms"
     return f"[{p.index + 1}/{p.levels}] {p.level}", status

@@ -156,7 +156,8 @@ class Progress:
         window: The window being measured, from 1; 0 while warming up.
         windows: The most windows this level may take.
         fraction: How much of the current warm-up or window has passed, 0 to 1.
-        throughput: Successful requests per second so far in the current warm-up or window.
+        throughput: Successful requests per second so far in the current warm-up or
+            window; NaN during its first refresh interval, too short to tell.
         p99_ms: The last finished window's p99 latency (NaN before the first).
     """
 
@@ -202,7 +203,13 @@ async def _measure(
                     window=number,
                     windows=limit,
                     fraction=min(1.0, elapsed / length) if length else 1.0,
-                    throughput=len(recorder.window.latencies) / elapsed if elapsed > 0 else 0.0,
+                    # Not before a refresh interval has passed: a few answers over
+                    # a few microseconds read as hundreds of thousands per second.
+                    throughput=(
+                        len(recorder.window.latencies) / elapsed
+                        if elapsed >= _REFRESH_S
+                        else math.nan
+                    ),
                     p99_ms=p99_ms,
                 )
             )
