@@ -205,6 +205,15 @@ async def _demo(*, requests: int, concurrency: int, instances: int, deadline: fl
             f"{executions:>6}  backend executions (engine.statistics() before/after)",
             indent=2,
         )
+        if executions > burst.ok:
+            # Why more were computed than answered: a caller may give up mid-run.
+            _row(
+                "",
+                f"{executions - burst.ok:>6}  of them started in time, but their caller's scope "
+                "expired while they ran: the caller was cancelled at once, and the run, "
+                "with nobody waiting, aborted where the backend can",
+                indent=2,
+            )
         _row(
             "never computed",
             f"{never:>6}  cancelled while queued {never - expired - refused}, "
