@@ -248,6 +248,12 @@ class ModelConfig:
             [`QueueFull`][trioinfer.QueueFull]. In config.toml, e.g.
             ``queue_sizes = { "0" = 768 }``.
         cpu_fallback: Whether an instance may run on the CPU when its GPU device is not usable.
+        response_cache: Whether answers are kept in the engine's response cache
+            (see [`open_engine()`][trioinfer.open_engine]'s *cache_size*): a
+            request identical to one answered before is answered from it,
+            without queueing, and identical requests in flight together are
+            computed once. Only for models whose answer depends on their
+            inputs alone.
         max_elements_per_input: Cap on one input tensor's element count.
         max_elements_per_request: Cap on a request's element count over all inputs.
         casting: Input dtype conversions allowed (numpy casting rule); ``"no"`` means
@@ -269,9 +275,15 @@ class ModelConfig:
     queue_timeouts: Mapping[int, float] = attrs.field(factory=dict, converter=_to_timeouts)
     queue_sizes: Mapping[int, int] = attrs.field(factory=dict, converter=_to_queue_sizes)
     cpu_fallback: bool = True
+    response_cache: bool = attrs.field(default=False)
     max_elements_per_input: int = attrs.field(default=1 << 26, validator=_positive)
     max_elements_per_request: int = attrs.field(default=1 << 27, validator=_positive)
     casting: Casting = attrs.field(default="no")
+
+    @response_cache.validator
+    def _check_response_cache(self, _attribute: attrs.Attribute[Any], value: object) -> None:
+        if not isinstance(value, bool):
+            raise ConfigError(f"response_cache must be true or false, got {value!r}")
 
     @casting.validator
     def _check_casting(self, _attribute: attrs.Attribute[Any], value: str) -> None:

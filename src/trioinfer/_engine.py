@@ -18,6 +18,7 @@ import anyio.abc
 import anyio.lowlevel
 import attrs
 
+from ._cache import ResponseCache
 from ._config import Device, ModelConfig
 from ._exceptions import (
     BackendError,
@@ -30,7 +31,7 @@ from ._exceptions import (
 )
 from ._pipeline import PIPELINE, Pipeline
 from ._registry import Registry
-from ._request import Outputs, Request, next_request_id
+from ._request import Outputs, Request, Status, next_request_id
 from ._runner import ModelRunner, ModelStatistics, close_instances
 from ._tensors import ModelSignature, rows, validate_inputs
 from .abc import Backend, BackendInstance, Batcher, Fallback, Scheduler
@@ -88,10 +89,14 @@ class EngineStatistics:
     Attributes:
         closing: Whether the engine has stopped accepting work.
         models: Per-model counters, by model name.
+        cache_size: The response cache's bound in bytes (0: no cache).
+        cache_bytes: What the cache holds now, in bytes, all models together.
     """
 
     closing: bool
     models: Mapping[str, ModelStatistics]
+    cache_size: int = 0
+    cache_bytes: int = 0
 
 
 @final
@@ -103,6 +108,7 @@ class Engine:
     _registry: Registry = attrs.field(alias="registry")
     drain_period: float
     _device_limits: dict[str, anyio.CapacityLimiter] = attrs.field(alias="device_limits")
+    _cache: ResponseCache | None = attrs.field(default=None, alias="cache")
     # Every loaded model: a runner with queue and instances, or a pipeline of steps.
     _runners: dict[str, ModelRunner | Pipeline] = attrs.field(factory=dict, init=False)
     _loading: set[str] = attrs.field(factory=set, init=False)
@@ -148,6 +154,11 @@ class Engine:
                 f"a model named {name!r} is loaded already; unload it first or load with "
                 "replace=True"
             )
+        if config.response_cache and self._cache is None:
+            raise ConfigError(
+                f"model {name!r} sets response_cache, but the engine has no cache: give it "
+                "one with open_engine(cache_size=...) (trioinfer serve --cache-size)"
+            )
         self._loading.add(name)
         try:
             runner: ModelRunner | Pipeline
@@ -158,6 +169,8 @@ class Engine:
             await self._task_group.start(runner.run)
             old = self._runners.get(name)
             self._runners[name] = runner
+            if self._cache is not None:
+                self._cache.forget(name)  # answers of the model it replaces may not hold
         finally:
             self._loading.discard(name)
         if old is not None:
@@ -219,6 +232,8 @@ class Engine:
         runner = self._runners.pop(name, None)
         if runner is None:
             raise ModelNotFound(f"no model named {name!r} is loaded; loaded: {self._names()}")
+        if self._cache is not None:
+            self._cache.forget(name)
         await self._retire(runner)
 
     async def _retire(self, runner: ModelRunner | Pipeline) -> None:
@@ -364,14 +379,34 @@ class Engine:
         )
         # A request a fallback sent here from another model fails over no further.
         request._state.failover = failover
-        await runner.call(request, own_deadline=own_deadline)
+        if not runner.config.response_cache:
+            await runner.call(request, own_deadline=own_deadline)
+            return request
+
+        async def compute() -> Outputs:
+            await runner.call(request, own_deadline=own_deadline)
+            assert request._state.outputs is not None
+            return request._state.outputs
+
+        assert self._cache is not None  # load() refuses response_cache without a cache
+        outputs = await self._cache.answer(model, arrays, compute)
+        request._state.outputs, request._state.status = outputs, Status.DONE
         return request
 
     def statistics(self) -> EngineStatistics:
         """A snapshot of every loaded model's counters."""
+        cache = self._cache
+        models = {}
+        for name, runner in sorted(self._runners.items()):
+            stats = runner.statistics()
+            if cache is not None and runner.config.response_cache:
+                stats = attrs.evolve(stats, cache=cache.statistics(name))
+            models[name] = stats
         return EngineStatistics(
             closing=self._closing,
-            models={name: runner.statistics() for name, runner in sorted(self._runners.items())},
+            models=models,
+            cache_size=cache.size if cache is not None else 0,
+            cache_bytes=cache.bytes if cache is not None else 0,
         )
 
     def _runner(self, model: str) -> ModelRunner | Pipeline:
@@ -415,6 +450,7 @@ def open_engine(
     registry: Registry | None = None,
     drain_period: float = 10.0,
     device_limits: Mapping[str, int] | None = None,
+    cache_size: int = 0,
 ) -> AbstractAsyncContextManager[Engine]:
     """An inference engine whose task group owns all its work, as an async context manager.
 
@@ -433,6 +469,9 @@ def open_engine(
             all models, by device (``{"cpu": 1}``, ``{"cuda:0": 2}``); devices not
             named are not limited. On a small machine, a CPU limit below the core
             count keeps instances and the event loop from oversubscribing it.
+        cache_size: Bytes the response cache may hold, for all models together,
+            least recently used answers evicted first; 0 (the default) for no
+            cache. Models take part with ``ModelConfig.response_cache``.
     """
     if not (isinstance(drain_period, (int, float)) and drain_period >= 0):
         raise ConfigError(f"drain_period must be a number of seconds >= 0, got {drain_period!r}")
@@ -446,12 +485,18 @@ def open_engine(
                 f"device_limits[{device!r}] must be a positive integer, got {limit!r}"
             )
         limiters[name] = anyio.CapacityLimiter(limit)
-    return _engine_scope(registry or Registry(), float(drain_period), limiters)
+    if not isinstance(cache_size, int) or isinstance(cache_size, bool) or cache_size < 0:
+        raise ConfigError(f"cache_size must be a number of bytes >= 0, got {cache_size!r}")
+    cache = ResponseCache(cache_size) if cache_size else None
+    return _engine_scope(registry or Registry(), float(drain_period), limiters, cache)
 
 
 @asynccontextmanager
 async def _engine_scope(
-    registry: Registry, drain_period: float, limiters: dict[str, anyio.CapacityLimiter]
+    registry: Registry,
+    drain_period: float,
+    limiters: dict[str, anyio.CapacityLimiter],
+    cache: ResponseCache | None,
 ) -> AsyncIterator[Engine]:
     body_error: BaseException | None = None
     try:
@@ -461,6 +506,7 @@ async def _engine_scope(
                 registry=registry,
                 drain_period=drain_period,
                 device_limits=limiters,
+                cache=cache,
             )
             try:
                 yield engine

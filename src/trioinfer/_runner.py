@@ -17,7 +17,7 @@ import heapq
 import itertools
 import math
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, final
+from typing import TYPE_CHECKING, Any, final
 
 import anyio
 import anyio.abc
@@ -42,6 +42,9 @@ from ._tensors import InputLimits, ModelSignature
 from ._tensors import rows as _rows
 from ._threads import EventLike, LoopClock, native_event_factory
 from .abc import Backend, BackendInstance, Batcher, Fallback, Scheduler
+
+if TYPE_CHECKING:
+    from ._cache import CacheStatistics
 
 #: How long closing instances may take at shutdown before we stop waiting.
 CLEANUP_S = 10.0
@@ -301,6 +304,9 @@ class ModelStatistics:
         fallbacks: Requests that took each kind of fallback step, by the step's
             first word (``"retry"``, ``"failover"``, ``"hedge"``, ``"model"``,
             ``"default"``; see [`Execution.note()`][trioinfer.Execution.note]).
+        cache: The model's use of the response cache, or ``None`` when it has
+            ``response_cache`` off. Hits and coalesced requests are counted
+            there only: they never reach the model's queue.
     """
 
     name: str
@@ -322,6 +328,7 @@ class ModelStatistics:
     batch_size: Histogram
     replicas: tuple[ReplicaStatistics, ...] = ()
     fallbacks: Mapping[str, int] = attrs.field(factory=dict)
+    cache: CacheStatistics | None = None
 
 
 @final

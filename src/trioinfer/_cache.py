@@ -1,0 +1,221 @@
+"""The response cache: repeated requests answered without queueing, identical ones computed once.
+
+One cache serves the whole engine, bounded in bytes and evicted least recently
+used first; a model takes part when its config says ``response_cache = true``.
+The key is the model's name (which holds its version when served from a
+repository) and a 128-bit BLAKE2b digest of every input's name, dtype, shape
+and bytes. Only successful answers are stored, as read-only copies, so that
+no caller can change what another receives.
+
+Identical requests that arrive while the first is still being computed wait
+for its answer instead of computing again (request coalescing). The first
+caller computes under its own deadline; if it gives up (cancelled, or its
+deadline passes), a waiting caller takes the computation over under its own,
+rather than failing with it.
+"""
+
+from __future__ import annotations
+
+import collections
+import hashlib
+from collections.abc import Awaitable, Callable, Mapping
+from typing import Any, final
+
+import anyio
+import attrs
+import numpy as np
+
+from ._exceptions import DeadlineExceeded, TrioInferError
+from ._request import Outputs
+from ._runner import DURATION_BUCKETS, Histogram, _Histogram
+from ._threads import LoopClock
+
+Arrays = Mapping[str, np.ndarray[Any, Any]]
+
+
+@attrs.frozen
+class CacheStatistics:
+    """One model's use of the engine's response cache, in ``ModelStatistics.cache``.
+
+    Every request of a model with the cache on counts once in exactly one of
+    *hits*, *misses* and *coalesced* (refusals at admission aside).
+
+    Attributes:
+        hits: Requests answered from the cache, without queueing.
+        misses: Requests that were computed (the first of identical ones in flight).
+        coalesced: Requests answered by an identical request computed meanwhile.
+        evictions: Answers dropped to make room (least recently used first).
+        entries: Answers the cache holds for the model now.
+        bytes: What they take, in bytes.
+        hit_duration: Seconds to answer each hit.
+        miss_duration: Seconds to compute and store each miss.
+    """
+
+    hits: int
+    misses: int
+    coalesced: int
+    evictions: int
+    entries: int
+    bytes: int
+    hit_duration: Histogram
+    miss_duration: Histogram
+
+
+@final
+class _Counters:
+    __slots__ = ("bytes", "coalesced", "entries", "evictions", "hit", "hits", "miss", "misses")
+
+    def __init__(self) -> None:
+        self.hits = self.misses = self.coalesced = self.evictions = 0
+        self.entries = self.bytes = 0
+        self.hit = _Histogram(DURATION_BUCKETS)
+        self.miss = _Histogram(DURATION_BUCKETS)
+
+
+@final
+class _Flight:
+    # One computation that identical requests wait for.
+    __slots__ = ("done", "error", "outputs")
+
+    def __init__(self) -> None:
+        self.done = anyio.Event()
+        self.outputs: Outputs | None = None
+        self.error: TrioInferError | None = None
+
+
+@final
+class ResponseCache:
+    """The engine's response cache, *size* bytes at most. Only the engine creates it."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self.bytes = 0
+        self._entries: collections.OrderedDict[tuple[str, bytes], tuple[Outputs, int]] = (
+            collections.OrderedDict()
+        )
+        self._flights: dict[tuple[str, bytes], _Flight] = {}
+        self._counters: dict[str, _Counters] = {}
+        self._clock = LoopClock()
+
+    async def answer(
+        self, model: str, inputs: Arrays, compute: Callable[[], Awaitable[Outputs]]
+    ) -> Outputs:
+        """The cached answer to *inputs*, or an identical request's, or ``compute()``'s.
+
+        Raises:
+            TrioInferError: What ``compute()`` raised, for its caller and for
+                those who waited for it (each their own copy); a caller who
+                gave up hands the computation to one who waits instead.
+        """
+        key = (model, digest(inputs))
+        counters = self._counters.setdefault(model, _Counters())
+        started = self._clock.current_time()
+        while True:
+            entry = self._entries.get(key)
+            if entry is not None:
+                self._entries.move_to_end(key)
+                counters.hits += 1
+                counters.hit.observe(self._clock.current_time() - started)
+                return dict(entry[0])
+            flight = self._flights.get(key)
+            if flight is None:
+                break
+            await flight.done.wait()
+            if flight.outputs is not None:
+                counters.coalesced += 1
+                return dict(flight.outputs)
+            if flight.error is not None:
+                raise _copy(flight.error)
+            # Its caller gave up without an answer: take the computation over.
+        flight = self._flights[key] = _Flight()
+        counters.misses += 1
+        try:
+            outputs = await compute()
+        except TrioInferError as exc:
+            if not isinstance(exc, DeadlineExceeded):  # the caller's own deadline: not theirs
+                flight.error = exc
+            raise
+        else:
+            flight.outputs = self._store(key, counters, outputs)
+            counters.miss.observe(self._clock.current_time() - started)
+            return outputs
+        finally:
+            del self._flights[key]
+            flight.done.set()
+
+    def _store(self, key: tuple[str, bytes], counters: _Counters, outputs: Outputs) -> Outputs:
+        # Copies: a caller's answer is a view of its batch's output, which would
+        # keep the whole batch alive and could be written to by its caller.
+        stored: Outputs = {}
+        size = 0
+        for name, array in outputs.items():
+            copy = np.array(array, copy=True)
+            copy.flags.writeable = False
+            stored[name] = copy
+            size += _nbytes(copy)
+        if size > self.size:
+            return stored  # answers those waiting now; too big to keep
+        while self.bytes + size > self.size:
+            (model, _), (_, evicted) = self._entries.popitem(last=False)
+            owner = self._counters[model]
+            owner.evictions += 1
+            owner.entries -= 1
+            owner.bytes -= evicted
+            self.bytes -= evicted
+        self._entries[key] = (stored, size)
+        self.bytes += size
+        counters.entries += 1
+        counters.bytes += size
+        return stored
+
+    def forget(self, model: str) -> None:
+        """Drop *model*'s answers (it was unloaded or replaced: they may no longer hold)."""
+        for key in [k for k in self._entries if k[0] == model]:
+            _, size = self._entries.pop(key)
+            self.bytes -= size
+        counters = self._counters.get(model)
+        if counters is not None:
+            counters.entries = counters.bytes = 0
+
+    def statistics(self, model: str) -> CacheStatistics:
+        """A snapshot of *model*'s counters."""
+        c = self._counters.get(model) or _Counters()
+        return CacheStatistics(
+            c.hits, c.misses, c.coalesced, c.evictions, c.entries, c.bytes,
+            c.hit.snapshot(), c.miss.snapshot(),
+        )  # fmt: skip
+
+
+def digest(inputs: Arrays) -> bytes:
+    """A 128-bit BLAKE2b digest of every input's name, dtype, shape and contents.
+
+    128 bits make a collision between two different requests practically
+    impossible (Triton's cache uses 64 and documents collisions as a risk).
+    """
+    h = hashlib.blake2b(digest_size=16)
+    for name in sorted(inputs):
+        array = inputs[name]
+        h.update(f"{name}\0{array.dtype.str}\0{array.shape}\0".encode())
+        if array.dtype == np.object_:
+            for item in array.ravel():
+                data = item if isinstance(item, bytes) else str(item).encode()
+                h.update(len(data).to_bytes(8, "little"))
+                h.update(data)
+        else:
+            h.update(np.ascontiguousarray(array).view(np.uint8).data)
+    return h.digest()
+
+
+def _nbytes(array: np.ndarray[Any, Any]) -> int:
+    if array.dtype != np.object_:
+        return int(array.nbytes)
+    return int(array.nbytes) + sum(len(item) for item in array.ravel() if hasattr(item, "__len__"))
+
+
+def _copy(error: TrioInferError) -> TrioInferError:
+    # Each waiting caller raises its own object: one raised in several tasks
+    # would collect all their tracebacks.
+    copy = type(error).__new__(type(error))
+    copy.__dict__.update(error.__dict__)
+    copy.args = error.args
+    return copy

@@ -1,0 +1,219 @@
+"""The response cache: hits without queueing, coalescing with takeover, LRU by bytes."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import anyio
+import numpy as np
+import pytest
+import trio
+import trio.testing
+
+from trioinfer import BackendError, ConfigError, ModelConfig, open_engine
+from trioinfer._cache import digest
+from trioinfer.testing import FakeBackend
+
+pytestmark = pytest.mark.cache
+
+ROW = 4 * 4  # bytes of one float32[1, 4] output
+
+
+def cached(**kw: Any) -> ModelConfig:
+    return ModelConfig(name="m", path="-", backend="fake", response_cache=True, **kw)
+
+
+def x(value: float) -> np.ndarray[Any, Any]:
+    return np.full((1, 4), value, np.float32)
+
+
+async def test_a_repeated_request_is_answered_without_queueing(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    backend = FakeBackend(delay=1.0)
+    async with open_engine(registry=backend.registry(), cache_size=1 << 20) as engine:
+        await engine.load(cached())
+        first = await engine.infer("m", {"x": x(1)})
+        t0 = trio.current_time()
+        again = await engine.infer("m", {"x": x(1)})
+        assert trio.current_time() == t0  # no queue, no execution
+        other = await engine.infer("m", {"x": x(2)})
+        stats = engine.statistics()
+    assert backend.executions == [1, 1]
+    np.testing.assert_array_equal(again["y"], first["y"])
+    np.testing.assert_array_equal(other["y"], x(4))
+    cache = stats.models["m"].cache
+    assert cache is not None
+    assert (cache.hits, cache.misses, cache.coalesced, cache.entries) == (1, 2, 0, 2)
+    assert cache.bytes == stats.cache_bytes == 2 * ROW
+    assert (cache.hit_duration.count, cache.miss_duration.count) == (1, 2)
+    assert stats.models["m"].succeeded == 2  # the hit never reached the model
+
+
+async def test_answers_from_the_cache_cannot_be_changed_by_their_callers(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    async with open_engine(registry=FakeBackend().registry(), cache_size=1 << 20) as engine:
+        await engine.load(cached())
+        first = await engine.infer("m", {"x": x(1)})
+        first["y"][...] = 99  # the computing caller's own answer: writable, not the cache's
+        hit = await engine.infer("m", {"x": x(1)})
+        with pytest.raises(ValueError, match="read-only"):
+            hit["y"][...] = 99
+        again = await engine.infer("m", {"x": x(1)})
+    np.testing.assert_array_equal(again["y"], x(2))
+
+
+async def test_identical_requests_in_flight_are_computed_once(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    backend = FakeBackend(delay=1.0)
+    answers: list[np.ndarray[Any, Any]] = []
+    async with open_engine(registry=backend.registry(), cache_size=1 << 20) as engine:
+        await engine.load(cached())
+
+        async def call() -> None:
+            answers.append((await engine.infer("m", {"x": x(3)}))["y"])
+
+        async with anyio.create_task_group() as tg:
+            for _ in range(5):
+                tg.start_soon(call)
+        cache = engine.statistics().models["m"].cache
+    assert backend.executions == [1]
+    assert len(answers) == 5
+    assert all(np.array_equal(a, x(6)) for a in answers)
+    assert cache is not None
+    assert (cache.misses, cache.coalesced, cache.hits) == (1, 4, 0)
+
+
+async def test_when_the_computing_caller_leaves_a_waiting_one_takes_over(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    backend = FakeBackend(delay=1.0)
+    async with open_engine(registry=backend.registry(), cache_size=1 << 20) as engine:
+        await engine.load(cached())
+        outcome: dict[str, object] = {}
+
+        async def leader() -> None:
+            with anyio.move_on_after(0.5):
+                await engine.infer("m", {"x": x(5)})
+                outcome["leader"] = "answered"
+            outcome.setdefault("leader", "gave up")
+
+        async def follower() -> None:
+            outcome["follower"] = (await engine.infer("m", {"x": x(5)}))["y"]
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(leader)
+            await trio.testing.wait_all_tasks_blocked()
+            tg.start_soon(follower)
+        cache = engine.statistics().models["m"].cache
+    assert outcome["leader"] == "gave up"
+    np.testing.assert_array_equal(outcome["follower"], x(10))  # type: ignore[arg-type]
+    # The leader's execution was aborted when it left; the follower ran its own.
+    assert backend.executions == [1, 1]
+    assert cache is not None
+    assert (cache.misses, cache.coalesced) == (2, 0)
+
+
+async def test_a_failure_is_not_stored_and_reaches_those_waiting(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    backend = FakeBackend(delay=1.0)
+    backend.error = BackendError("broken")
+    errors: list[BaseException] = []
+    async with open_engine(registry=backend.registry(), cache_size=1 << 20) as engine:
+        await engine.load(cached())
+
+        async def call() -> None:
+            try:
+                await engine.infer("m", {"x": x(1)})
+            except BackendError as exc:
+                errors.append(exc)
+
+        async with anyio.create_task_group() as tg:
+            for _ in range(3):
+                tg.start_soon(call)
+        backend.error = None
+        fixed = await engine.infer("m", {"x": x(1)})
+        cache = engine.statistics().models["m"].cache
+    assert len(errors) == 3
+    assert len({id(e) for e in errors}) == 3  # each caller its own exception object
+    np.testing.assert_array_equal(fixed["y"], x(2))
+    assert backend.executions == [1, 1]
+    assert cache is not None
+    assert cache.entries == 1
+
+
+async def test_the_cache_is_bounded_in_bytes_least_recently_used_first(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    backend = FakeBackend()
+    async with open_engine(registry=backend.registry(), cache_size=3 * ROW) as engine:
+        await engine.load(cached())
+        for value in (1, 2, 3):
+            await engine.infer("m", {"x": x(value)})
+        await engine.infer("m", {"x": x(1)})  # 1 is now the most recently used
+        await engine.infer("m", {"x": x(4)})  # evicts 2
+        executed = len(backend.executions)
+        await engine.infer("m", {"x": x(1)})  # still there
+        assert len(backend.executions) == executed
+        await engine.infer("m", {"x": x(2)})  # gone: computed again
+        assert len(backend.executions) == executed + 1
+        stats = engine.statistics()
+    cache = stats.models["m"].cache
+    assert cache is not None
+    assert stats.cache_bytes <= 3 * ROW
+    assert cache.evictions == 2
+    assert cache.entries == 3
+
+
+async def test_reloading_a_model_forgets_its_answers(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    backend = FakeBackend()
+    async with open_engine(registry=backend.registry(), cache_size=1 << 20) as engine:
+        await engine.load(cached())
+        await engine.infer("m", {"x": x(1)})
+        backend.fn = lambda inputs: {"y": inputs["x"] * 3}
+        await engine.load(cached(), replace=True)
+        out = await engine.infer("m", {"x": x(1)})
+        assert engine.statistics().cache_bytes == ROW
+    np.testing.assert_array_equal(out["y"], x(3))
+
+
+async def test_models_without_response_cache_are_not_cached() -> None:
+    backend = FakeBackend()
+    async with open_engine(registry=backend.registry(), cache_size=1 << 20) as engine:
+        await engine.load(ModelConfig(name="m", path="-", backend="fake"))
+        for _ in range(2):
+            await engine.infer("m", {"x": x(1)})
+        assert engine.statistics().models["m"].cache is None
+    assert len(backend.executions) == 2
+
+
+async def test_response_cache_needs_an_engine_cache() -> None:
+    async with open_engine(registry=FakeBackend().registry()) as engine:
+        with pytest.raises(ConfigError, match=r"open_engine\(cache_size=\.\.\.\)"):
+            await engine.load(cached())
+    with pytest.raises(ConfigError, match="cache_size must be a number of bytes"):
+        open_engine(cache_size=-1)
+    with pytest.raises(ConfigError, match="response_cache must be true or false"):
+        ModelConfig(name="m", path="-", response_cache="yes")  # type: ignore[arg-type]
+
+
+def test_the_key_covers_names_dtypes_shapes_and_bytes() -> None:
+    a = np.arange(4, dtype=np.float32)
+    keys = {
+        digest({"x": a}),
+        digest({"y": a}),
+        digest({"x": a.astype(np.float64)}),
+        digest({"x": a.reshape(2, 2)}),
+        digest({"x": a + 1}),
+        digest({"x": np.array(["ab", "c"], dtype=object)}),
+        digest({"x": np.array(["a", "bc"], dtype=object)}),
+    }
+    assert len(keys) == 7
+    assert digest({"x": a}) == digest({"x": a.copy()})
+    assert digest({"x": a[::2]}) == digest({"x": a[::2].copy()})  # strided: by content
+    assert len(digest({"x": a})) == 16  # 128 bits
