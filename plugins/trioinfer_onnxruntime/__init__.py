@@ -139,9 +139,16 @@ OPTIONS: Final[Mapping[str, str]] = {
 
 
 def _ort() -> Any:
-    # Imported on first use so that listing plugins stays cheap.
-    import onnxruntime
-
+    # Imported on first use so that listing plugins stays cheap. ONNX Runtime is not a
+    # dependency of the core: the cpu or gpu extra picks its build.
+    try:
+        import onnxruntime
+    except ImportError as exc:
+        raise BackendUnavailable(
+            f"the onnxruntime backend needs ONNX Runtime, which does not import here ({exc}): "
+            "install trioinfer with the 'cpu' extra (onnxruntime) or the 'gpu' extra "
+            "(onnxruntime-gpu), one of them, e.g. pip install -e '.[cpu]' in a clone"
+        ) from exc
     return onnxruntime
 
 
@@ -720,7 +727,7 @@ def _probe(device: Device) -> str | None:
     if provider not in ort.get_available_providers():
         return (
             f"this ONNX Runtime build ({ort.__version__}) has no {provider}; "
-            "install onnxruntime-gpu"
+            "install trioinfer with the 'gpu' extra (onnxruntime-gpu) instead of 'cpu'"
         )
     captured = io.StringIO()
     ort.set_default_logger_severity(4)
