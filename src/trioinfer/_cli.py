@@ -435,7 +435,10 @@ def serve(ctx: click.Context, /, **options: Any) -> None:
     http://127.0.0.1:8000. SIGINT or SIGTERM makes it not ready at once,
     lets in-flight requests finish for up to the drain period, and exits 0.
     """
-    from .server import Limits, ServerConfig
+    try:
+        from .server import Limits, ServerConfig
+    except ModuleNotFoundError as exc:
+        raise _needs_extra("serve", exc) from exc
 
     settings = _serve_settings(ctx, options)
     logging.basicConfig(
@@ -480,6 +483,18 @@ def serve(ctx: click.Context, /, **options: Any) -> None:
                 f"cannot listen on {settings['host']}:{settings['port']}: {cause.strerror or cause}"
             ) from exc
         raise
+
+
+def _needs_extra(extra: str, exc: ModuleNotFoundError) -> click.ClickException:
+    # A module of another distribution is missing: the command's extra is not installed.
+    top = (exc.name or "trioinfer").partition(".")[0]
+    if top == "trioinfer":
+        raise exc
+    return click.ClickException(
+        f"trioinfer {extra} needs the {extra!r} extra, which is not installed (no module "
+        f"named {top!r}): install trioinfer with it, e.g. pip install -e '.[cpu,{extra}]' "
+        "in a clone"
+    )
 
 
 def _only_cause(exc: BaseException) -> BaseException:
@@ -797,7 +812,10 @@ def bench(**options: Any) -> None:
     Exits with status 1 when the server cannot be reached or does not serve
     the model, or when any request failed (errors by status are printed).
     """
-    from . import _bench
+    try:
+        from . import _bench
+    except ModuleNotFoundError as exc:
+        raise _needs_extra("bench", exc) from exc
 
     if options["request_rate"] and options["concurrency"] != (1,):
         raise click.UsageError("give --concurrency or --request-rate, not both")
