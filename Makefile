@@ -15,7 +15,7 @@ DEMO_STAMP := $(VENV)/.installed-demo
 ORT_STAMP := $(VENV)/.ort
 OTHER_ORT := $(if $(filter cpu,$(ORT)),onnxruntime-gpu,onnxruntime)
 
-.PHONY: demo test check lint types docs bench serve-docs clean FORCE
+.PHONY: demo test check lint types docs bench install-check serve-docs clean FORCE
 
 # Rewritten only when ORT changes, so that a change reinstalls and nothing else does.
 $(ORT_STAMP): FORCE
@@ -65,6 +65,11 @@ types: $(STAMP)
 
 docs: $(STAMP)
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --site-dir site
+
+## install-check: build the sdist and wheel, install the wheel with only the cpu extra in a
+## clean venv, run the README's quickstart with it, and print each extra's installed size
+install-check: $(STAMP)
+	$(BIN)/python scripts/install_check.py
 
 ## bench: the in-process engine benchmark (prints figures; not a test)
 bench: $(STAMP)
