@@ -1,20 +1,52 @@
-# The two commands of the README: `make demo` and `make test`. Both create .venv
-# and install the project into it first, so they work on a fresh clone.
+# The two commands of the README: `make demo` and `make test`. Both create .venv and install
+# the project into it first, so they work on a fresh clone. `make demo` installs only the core
+# and one ONNX Runtime build; `make test` adds the test, serving, bench and docs tools to the
+# same .venv (and `make demo` after it installs nothing more).
+#
+# ORT picks the ONNX Runtime build, an extra of pyproject.toml: cpu (default), gpu, or cuda
+# (gpu plus NVIDIA's libraries from PyPI). One venv holds one build: changing ORT removes the
+# other before installing, since both install the same `onnxruntime` module.
 PYTHON ?= python3
+ORT ?= cpu
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+DEMO_STAMP := $(VENV)/.installed-demo
+ORT_STAMP := $(VENV)/.ort
+OTHER_ORT := $(if $(filter cpu,$(ORT)),onnxruntime-gpu,onnxruntime)
 
-.PHONY: demo test check lint types docs bench serve-docs clean
+.PHONY: demo test check lint types docs bench install-check serve-docs clean FORCE
 
-$(STAMP): pyproject.toml
-	$(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet -e '.[dev]'
+# Rewritten only when ORT changes, so that a change reinstalls and nothing else does.
+$(ORT_STAMP): FORCE
+	@mkdir -p $(VENV)
+	@echo '$(ORT)' | cmp -s - $@ || echo '$(ORT)' > $@
+
+# Shell: a venv with an up-to-date pip, and no ONNX Runtime build other than ORT's.
+VENV_UP = if [ ! -x $(BIN)/python ]; then \
+		$(PYTHON) -m venv $(VENV) && $(BIN)/python -m pip install --quiet --upgrade pip; \
+	fi && \
+	if $(BIN)/python -m pip show --quiet $(OTHER_ORT) 2>/dev/null; then \
+		$(BIN)/python -m pip uninstall --yes $(OTHER_ORT); \
+	fi
+
+# Everything the tests, lint, types and docs need.
+$(STAMP): pyproject.toml $(ORT_STAMP)
+	$(VENV_UP)
+	$(BIN)/python -m pip install -e '.[dev,$(ORT)]'
 	touch $@
 
+# The core and one ONNX Runtime; nothing to install where the full install is up to date.
+$(DEMO_STAMP): pyproject.toml $(ORT_STAMP)
+	@if [ -f $(STAMP) ] && [ $(STAMP) -nt pyproject.toml ] && [ $(STAMP) -nt $(ORT_STAMP) ]; then \
+		echo "$(STAMP) is up to date: the demo needs nothing more"; \
+	else \
+		set -x && $(VENV_UP) && $(BIN)/python -m pip install -e '.[$(ORT)]'; \
+	fi
+	@touch $@
+
 ## demo: load the bundled digits model and run concurrent requests under deadlines
-demo: $(STAMP)
+demo: $(DEMO_STAMP)
 	$(BIN)/trioinfer demo
 
 ## test: install everything, then run the whole test suite with branch coverage
@@ -34,9 +66,14 @@ types: $(STAMP)
 docs: $(STAMP)
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --site-dir site
 
+## install-check: build the sdist and wheel, install the wheel with only the cpu extra in a
+## clean venv, run the README's quickstart with it, and print each extra's installed size
+install-check: $(STAMP)
+	$(BIN)/python scripts/install_check.py
+
 ## bench: the in-process engine benchmark (prints figures; not a test)
 bench: $(STAMP)
 	$(BIN)/python benchmarks/bench_engine.py
 
 clean:
-	rm -rf $(VENV) site .pytest_cache .mypy_cache .ruff_cache .coverage
+	rm -rf $(VENV) site dist .pytest_cache .mypy_cache .ruff_cache .coverage

@@ -15,6 +15,7 @@ from click.testing import CliRunner, Result
 import trioinfer
 from trioinfer._examples import digits_samples, example_repository
 from trioinfer.cli import main, plugins, serve
+from trioinfer.cli._params import needs_extra
 
 
 def invoke(*args: str) -> Result:
@@ -195,3 +196,28 @@ def test_settle_gc_freezes_and_raises_the_first_threshold_only() -> None:
     finally:
         gc.unfreeze()
         gc.set_threshold(*before)
+
+
+@pytest.mark.parametrize(("command", "missing"), [("serve", "starlette"), ("bench", "httptools")])
+def test_a_command_without_its_extra_says_which_in_one_line(command: str, missing: str) -> None:
+    # A fresh interpreter in which the extra's module does not import, as on a lean install.
+    code = (
+        f"import sys; sys.modules[{missing!r}] = None\n"
+        "from trioinfer.cli import main\n"
+        f"main([{command!r}], prog_name='trioinfer')\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=False
+    )
+    assert done.returncode == 1
+    assert done.stdout == ""
+    assert done.stderr.startswith(
+        f"Error: trioinfer {command} needs the {command!r} extra, which is not installed "
+        f"(no module named {missing!r}): install trioinfer with it"
+    )
+    assert done.stderr.count("\n") == 1
+
+
+def test_a_missing_module_of_trioinfer_itself_is_not_blamed_on_an_extra() -> None:
+    with pytest.raises(ModuleNotFoundError):
+        needs_extra("serve", ModuleNotFoundError("gone", name="trioinfer.server._gone"))

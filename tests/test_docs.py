@@ -423,3 +423,37 @@ def test_every_public_name_is_in_the_reference() -> None:
     assert missing == []
     # trioinfer.abc is rendered whole: its __all__ lists the contracts.
     assert {"trioinfer.abc", "trioinfer.testing.models", "trioinfer_onnxruntime.OPTIONS"} <= targets
+
+
+# -- installing -----------------------------------------------------------------------
+
+README = ROOT / "README.md"
+# `pip install trioinfer`, `pip install 'trioinfer[cpu]'`: an install from PyPI, where no
+# release exists yet. Installs from a clone (`-e '.[cpu]'`, `path/to/trioinfer`) or a built
+# wheel do not match.
+PYPI_INSTALL = re.compile(r"pip install (?:-\S+ )*['\"]?trioinfer\b")
+# The extras an install line names: `.[dev,cpu]`, `...-any.whl[cpu]`, `trioinfer[cpu]`.
+EXTRAS = re.compile(r"(?:\.|\.whl|trioinfer)\[([a-z,]+)\]")
+ORT_EXTRAS = {"cpu", "gpu", "cuda"}
+
+
+@pytest.mark.parametrize("page", [README, *PAGES], ids=lambda page: str(page.relative_to(ROOT)))
+def test_no_page_installs_trioinfer_from_pypi(page: Path) -> None:
+    assert PYPI_INSTALL.findall(page.read_text()) == []
+
+
+@pytest.mark.parametrize("page", [README, *PAGES], ids=lambda page: str(page.relative_to(ROOT)))
+def test_install_lines_name_real_extras_and_one_onnx_runtime(page: Path) -> None:
+    declared = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"][
+        "optional-dependencies"
+    ]
+    for names in EXTRAS.findall(page.read_text()):
+        extras = set(names.split(","))
+        assert extras <= set(declared), f"{page.name}: [{names}] names no such extra"
+        assert len(extras & ORT_EXTRAS) <= 1, f"{page.name}: [{names}] names two ONNX Runtimes"
+
+
+def test_the_readme_says_which_install_line_to_use_where() -> None:
+    install = README.read_text().split("## Install\n", 1)[1].split("\n## ", 1)[0]
+    for line in ["'.[cpu]'", "'.[gpu]'", "'.[cpu,serve]'", "make test", "python -m build"]:
+        assert line in install

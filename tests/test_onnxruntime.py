@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import logging
 import os
+import sys
 import threading
 import time
 from pathlib import Path
@@ -200,6 +201,19 @@ async def test_cuda_instance_runs_on_the_gpu(add_model: Path) -> None:
         assert info.devices == ("cuda:0",)
         out = await engine.infer("a", pair(64))
         np.testing.assert_array_equal(out["sum"], pair(64)["a"] + 1)
+
+
+async def test_without_onnx_runtime_a_load_says_which_extra_to_install(
+    add_model: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # As on an install without the cpu or gpu extra: `import onnxruntime` fails.
+    monkeypatch.setitem(sys.modules, "onnxruntime", None)
+    async with open_engine() as engine:
+        with pytest.raises(trioinfer.BackendUnavailable, match="'cpu' extra") as info:
+            await engine.load(ModelConfig(name="add", path=add_model))
+    assert "'gpu' extra" in str(info.value)
+    assert "\n" not in str(info.value)
+    assert isinstance(info.value.__cause__, ImportError)
 
 
 def test_probe_says_why_in_one_line() -> None:

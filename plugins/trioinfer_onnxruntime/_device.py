@@ -67,7 +67,7 @@ def _probe(device: Device) -> str | None:
     if provider not in ort.get_available_providers():
         return (
             f"this ONNX Runtime build ({ort.__version__}) has no {provider}; "
-            "install onnxruntime-gpu"
+            "install trioinfer with the 'gpu' extra (onnxruntime-gpu) instead of 'cpu'"
         )
     captured = io.StringIO()
     ort.set_default_logger_severity(4)

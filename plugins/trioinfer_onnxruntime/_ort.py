@@ -9,15 +9,22 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from trioinfer import ModelSignature, TensorSpec, numpy_dtype
+from trioinfer import BackendUnavailable, ModelSignature, TensorSpec, numpy_dtype
 
 log = logging.getLogger("trioinfer.onnxruntime")
 
 
 def _ort() -> Any:
-    # Imported on first use so that listing plugins stays cheap.
-    import onnxruntime
-
+    # Imported on first use so that listing plugins stays cheap. ONNX Runtime is not a
+    # dependency of the core: the cpu or gpu extra picks its build.
+    try:
+        import onnxruntime
+    except ImportError as exc:
+        raise BackendUnavailable(
+            f"the onnxruntime backend needs ONNX Runtime, which does not import here ({exc}): "
+            "install trioinfer with the 'cpu' extra (onnxruntime) or the 'gpu' extra "
+            "(onnxruntime-gpu), one of them, e.g. pip install -e '.[cpu]' in a clone"
+        ) from exc
     return onnxruntime
 
 

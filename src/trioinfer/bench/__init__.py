@@ -27,8 +27,8 @@ The command line is the interface most people need; from Python, `run_http` or
 ``_stats`` (windows, stability, results), ``_run`` (levels over HTTP or
 in-process) and ``_report`` (table, progress, files).
 
-It needs what the ``bench`` extra installs (``pip install 'trioinfer[bench]'``):
-importing it without them raises `ImportError` saying so. rich (the table and
+It needs what the ``bench`` extra installs (from a clone, ``pip install -e
+'.[cpu,bench]'``): importing it without them raises `ImportError` saying so. rich (the table and
 progress bar) and matplotlib (``--plot``) are optional even then, and are
 imported only when used.
 """
@@ -42,8 +42,9 @@ try:
     from .. import server  # noqa: F401
 except ImportError as exc:
     raise ImportError(
-        f"trioinfer bench needs {exc.name or 'a module that is missing'}, which is not "
-        "installed: pip install 'trioinfer[bench]'",
+        f"trioinfer bench needs the 'bench' extra, which is not installed (no module named "
+        f"{exc.name or '?'!r}): install trioinfer with it, e.g. pip install -e '.[cpu,bench]' "
+        "in a clone",
         name=exc.name,
     ) from exc
 

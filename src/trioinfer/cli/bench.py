@@ -241,7 +241,7 @@ def bench(**options: Any) -> None:
     """
     try:
         from .. import bench as tool
-    except ImportError as exc:  # the bench extra is missing: the message says how to install it
+    except ImportError as exc:  # the bench package's own message names the extra
         raise click.ClickException(str(exc)) from None
 
     if options["request_rate"] and options["concurrency"] != (1,):

@@ -16,7 +16,7 @@ import click
 from .. import __version__
 from .._examples import example_repository
 from .._exceptions import TrioInferError
-from ._params import _not_nan
+from ._params import _not_nan, needs_extra
 
 #: Keys a ``--config`` file may hold; its [limits] table takes trioinfer.server.Limits fields.
 _SERVE_KEYS: Final = frozenset(
@@ -130,7 +130,10 @@ def serve(ctx: click.Context, /, **options: Any) -> None:
     http://127.0.0.1:8000. SIGINT or SIGTERM makes it not ready at once,
     lets in-flight requests finish for up to the drain period, and exits 0.
     """
-    from ..server import Limits, ServerConfig
+    try:
+        from ..server import Limits, ServerConfig
+    except ModuleNotFoundError as exc:
+        raise needs_extra("serve", exc) from exc
 
     settings = _serve_settings(ctx, options)
     logging.basicConfig(
