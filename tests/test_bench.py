@@ -354,7 +354,7 @@ def without_httptools(monkeypatch: pytest.MonkeyPatch) -> None:
 
 @pytest.mark.usefixtures("without_httptools")
 def test_importing_without_the_extra_says_what_to_install() -> None:
-    with pytest.raises(ImportError, match=r"needs httptools.*pip install 'trioinfer\[bench\]'"):
+    with pytest.raises(ImportError, match=r"needs the 'bench' extra.*'httptools'.*\[cpu,bench\]"):
         import trioinfer.bench  # noqa: F401
 
 
@@ -362,8 +362,9 @@ def test_importing_without_the_extra_says_what_to_install() -> None:
 def test_the_command_without_the_extra_says_what_to_install() -> None:
     result = bench("-m", "digits", *SHORT)
     assert result.exit_code == 1
-    assert "needs httptools" in result.output
-    assert "pip install 'trioinfer[bench]'" in result.output
+    assert "needs the 'bench' extra" in result.output
+    assert "no module named 'httptools'" in result.output
+    assert "pip install -e '.[cpu,bench]'" in result.output
     assert "Traceback" not in result.output
 
 

@@ -143,7 +143,7 @@ def _describe(p: Progress) -> tuple[str, str]:
 def open_progress() -> Iterator[Callable[[Progress], None] | None]:
     """Show the run's progress on stderr while the block runs, if stderr is a terminal.
 
-    With rich installed (``pip install 'trioinfer[bench]'``) it is a progress bar
+    With rich installed (the ``bench`` extra) it is a progress bar
     through the current warm-up or window, with its throughput so far; without,
     one status line. Either is redrawn only when the benchmark reports (4 times a
     second) and erased at the end. Yields ``None`` when stderr is not a terminal:
@@ -216,7 +216,7 @@ def write_plot(path: Path, results: Sequence[Result], title: str) -> None:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        raise BenchError("--plot needs matplotlib: pip install 'trioinfer[bench]'") from None
+        raise BenchError("--plot needs matplotlib, which the 'bench' extra installs") from None
     fig, ax = plt.subplots(figsize=(7, 4.5))
     x = [r.throughput for r in results]
     for key in ("p50", "p90", "p95", "p99"):

@@ -209,7 +209,7 @@ def _shapes(_ctx: click.Context, _param: click.Parameter, value: Sequence[str]) 
     type=click.Path(dir_okay=False, path_type=Path),
     default=None,
     metavar="FILE.png",
-    help="Plot latency percentiles against throughput (pip install 'trioinfer[bench]').",
+    help="Plot latency percentiles against throughput (needs the bench extra's matplotlib).",
 )
 def bench(**options: Any) -> None:
     """Load-test a model on a KServe V2 server, or on an engine in-process, and report.
@@ -234,7 +234,7 @@ def bench(**options: Any) -> None:
     the tool's own CPU time per request and cores used, progress display
     included (in-process: the whole process, engine included). While it runs,
     a progress bar shows on stderr when stderr is a terminal (drawn by rich
-    when installed: pip install 'trioinfer[bench]').
+    when installed, as the bench extra installs it).
 
     Exits with status 1 when the server cannot be reached or does not serve
     the model, or when any request failed (errors by status are printed).
