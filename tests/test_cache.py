@@ -11,12 +11,13 @@ import trio
 import trio.testing
 
 from trioinfer import BackendError, ConfigError, ModelConfig, open_engine
-from trioinfer._cache import digest
+from trioinfer._cache import ARRAY_OVERHEAD, ENTRY_OVERHEAD, digest
 from trioinfer.testing import FakeBackend
 
 pytestmark = pytest.mark.cache
 
-ROW = 4 * 4  # bytes of one float32[1, 4] output
+# What one float32[1, 4] answer is charged: its 16 bytes, and what holds them.
+ROW = ENTRY_OVERHEAD + ARRAY_OVERHEAD + 4 * 4
 
 
 def cached(**kw: Any) -> ModelConfig:
@@ -217,3 +218,104 @@ def test_the_key_covers_names_dtypes_shapes_and_bytes() -> None:
     assert digest({"x": a}) == digest({"x": a.copy()})
     assert digest({"x": a[::2]}) == digest({"x": a[::2].copy()})  # strided: by content
     assert len(digest({"x": a})) == 16  # 128 bits
+
+
+async def test_an_answer_computed_by_a_replaced_model_is_neither_kept_nor_shared(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    old, new = FakeBackend(delay=1.0), FakeBackend(lambda i: {"y": i["x"] * 3}, delay=1.0)
+    backend = {"which": old}
+
+    class Switch:
+        async def load(self, config: ModelConfig, placement: Any) -> Any:
+            return await backend["which"].load(config, placement)
+
+    from trioinfer import Registry
+
+    registry = Registry(extra={"backends": {"fake": Switch}})
+    answers: dict[str, Any] = {}
+    async with open_engine(registry=registry, cache_size=1 << 20) as engine:
+        await engine.load(cached())
+        async with anyio.create_task_group() as tg:
+
+            async def before() -> None:
+                answers["before"] = (await engine.infer("m", {"x": x(1)}))["y"]
+
+            tg.start_soon(before)
+            await anyio.sleep(0.5)  # computing on the old model
+            backend["which"] = new
+            await engine.load(cached(), replace=True)
+            answers["after"] = (await engine.infer("m", {"x": x(1)}))["y"]
+        answers["later"] = (await engine.infer("m", {"x": x(1)}))["y"]
+    np.testing.assert_array_equal(answers["before"], x(2))
+    np.testing.assert_array_equal(answers["after"], x(3))  # the new model's own
+    np.testing.assert_array_equal(answers["later"], x(3))
+
+
+async def test_a_pipelines_answers_are_forgotten_when_a_step_model_is_reloaded(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    step = FakeBackend()
+    pipeline = ModelConfig(
+        name="p",
+        path="-",
+        backend="pipeline",
+        response_cache=True,
+        backend_options={
+            "inputs": [{"name": "IN", "dtype": "float32", "shape": ["batch", 4]}],
+            "outputs": [{"name": "OUT", "dtype": "float32", "shape": ["batch", 4]}],
+            "steps": [{"model": "m", "input_map": {"x": "IN"}, "output_map": {"y": "OUT"}}],
+        },
+    )
+    async with open_engine(registry=step.registry(), cache_size=1 << 20) as engine:
+        await engine.load(ModelConfig(name="m", path="-", backend="fake"))
+        await engine.load(pipeline)
+        first = await engine.infer("p", {"IN": x(1)})
+        step.fn = lambda inputs: {"y": inputs["x"] * 5}
+        await engine.load(ModelConfig(name="m", path="-", backend="fake"), replace=True)
+        second = await engine.infer("p", {"IN": x(1)})
+    np.testing.assert_array_equal(first["OUT"], x(2))
+    np.testing.assert_array_equal(second["OUT"], x(5))
+
+
+async def test_a_fallbacks_default_answer_is_not_kept(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    backend = FakeBackend()
+    backend.error = BackendError("broken")
+    config = cached(
+        fallback="resilient", fallback_options={"attempts": 1, "default": {"y": [0, 0, 0, 0]}}
+    )
+    async with open_engine(registry=backend.registry(), cache_size=1 << 20) as engine:
+        await engine.load(config)
+        default = await engine.infer_detailed("m", {"x": x(1)})
+        backend.error = None
+        real = await engine.infer_detailed("m", {"x": x(1)})
+    assert default.fallbacks == ("default",)
+    np.testing.assert_array_equal(default.outputs["y"], np.zeros((1, 4), np.float32))
+    assert real.fallbacks == ()
+    np.testing.assert_array_equal(real.outputs["y"], x(2))
+
+
+async def test_hits_give_the_event_loop_its_turn(autojump_clock: trio.testing.MockClock) -> None:
+    ran = 0
+
+    async def sibling() -> None:
+        nonlocal ran
+        while True:
+            ran += 1
+            await trio.lowlevel.checkpoint()
+
+    async with open_engine(registry=FakeBackend().registry(), cache_size=1 << 20) as engine:
+        await engine.load(cached())
+        await engine.infer("m", {"x": x(1)})
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(sibling)
+            for _ in range(100):
+                await engine.infer("m", {"x": x(1)})
+            nursery.cancel_scope.cancel()
+        # A scope that expires during a run of hits fires.
+        with trio.move_on_after(0) as scope:
+            await engine.infer("m", {"x": x(1)})
+        assert scope.cancelled_caught
+    assert ran >= 100

@@ -4,8 +4,9 @@ One cache serves the whole engine, bounded in bytes and evicted least recently
 used first; a model takes part when its config says ``response_cache = true``.
 The key is the model's name (which holds its version when served from a
 repository) and a 128-bit BLAKE2b digest of every input's name, dtype, shape
-and bytes. Only successful answers are stored, as read-only copies, so that
-no caller can change what another receives.
+and bytes. Only the model's own successful answers are stored (not a
+fallback's default answer, nor one from another model), as read-only copies,
+so that no caller can change what another receives.
 
 Identical requests that arrive while the first is still being computed wait
 for its answer instead of computing again (request coalescing). The first
@@ -18,10 +19,12 @@ from __future__ import annotations
 
 import collections
 import hashlib
+import sys
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any, final
 
 import anyio
+import anyio.lowlevel
 import attrs
 import numpy as np
 
@@ -37,8 +40,11 @@ Arrays = Mapping[str, np.ndarray[Any, Any]]
 class CacheStatistics:
     """One model's use of the engine's response cache, in ``ModelStatistics.cache``.
 
-    Every request of a model with the cache on counts once in exactly one of
-    *hits*, *misses* and *coalesced* (refusals at admission aside).
+    A request of a model with the cache on counts in *hits* when answered
+    from the cache, in *misses* when it computes (so does one that takes a
+    computation over), and in *coalesced* when it gets the answer of an
+    identical request computed meanwhile; one that waited and got that
+    request's error, or left, counts in none.
 
     Attributes:
         hits: Requests answered from the cache, without queueing.
@@ -46,7 +52,8 @@ class CacheStatistics:
         coalesced: Requests answered by an identical request computed meanwhile.
         evictions: Answers dropped to make room (least recently used first).
         entries: Answers the cache holds for the model now.
-        bytes: What they take, in bytes.
+        bytes: What they take, in bytes: their arrays, and a fixed charge per
+            answer and per array for what holds them.
         hit_duration: Seconds to answer each hit.
         miss_duration: Seconds to compute and store each miss.
     """
@@ -83,6 +90,16 @@ class _Flight:
         self.error: TrioInferError | None = None
 
 
+#: What an answer costs beyond its arrays' bytes: its key, its place in the LRU order,
+#: its dict, and each array's header. Charged so that many small answers stay bounded too.
+ENTRY_OVERHEAD = 512
+ARRAY_OVERHEAD = 128
+
+#: A computation's answer, and whether it may be kept (a fallback's default answer,
+#: or one from another model, answers those waiting now but is not kept).
+Computed = tuple[Outputs, bool]
+
+
 @final
 class ResponseCache:
     """The engine's response cache, *size* bytes at most. Only the engine creates it."""
@@ -90,15 +107,18 @@ class ResponseCache:
     def __init__(self, size: int) -> None:
         self.size = size
         self.bytes = 0
-        self._entries: collections.OrderedDict[tuple[str, bytes], tuple[Outputs, int]] = (
+        # Keyed by (model, its generation, digest): a model loaded again, or unloaded,
+        # starts a new generation, so nothing computed by the old one is found or kept.
+        self._entries: collections.OrderedDict[tuple[str, int, bytes], tuple[Outputs, int]] = (
             collections.OrderedDict()
         )
-        self._flights: dict[tuple[str, bytes], _Flight] = {}
+        self._flights: dict[tuple[str, int, bytes], _Flight] = {}
+        self._generations: dict[str, int] = {}
         self._counters: dict[str, _Counters] = {}
         self._clock = LoopClock()
 
     async def answer(
-        self, model: str, inputs: Arrays, compute: Callable[[], Awaitable[Outputs]]
+        self, model: str, inputs: Arrays, compute: Callable[[], Awaitable[Computed]]
     ) -> Outputs:
         """The cached answer to *inputs*, or an identical request's, or ``compute()``'s.
 
@@ -107,7 +127,7 @@ class ResponseCache:
                 those who waited for it (each their own copy); a caller who
                 gave up hands the computation to one who waits instead.
         """
-        key = (model, digest(inputs))
+        key = (model, self._generations.get(model, 0), digest(inputs))
         counters = self._counters.setdefault(model, _Counters())
         started = self._clock.current_time()
         while True:
@@ -116,6 +136,9 @@ class ResponseCache:
                 self._entries.move_to_end(key)
                 counters.hits += 1
                 counters.hit.observe(self._clock.current_time() - started)
+                # A hit never waits: give the event loop its turn (and a scope
+                # that expired, its chance to fire) as a queued request would.
+                await anyio.lowlevel.checkpoint()
                 return dict(entry[0])
             flight = self._flights.get(key)
             if flight is None:
@@ -130,33 +153,35 @@ class ResponseCache:
         flight = self._flights[key] = _Flight()
         counters.misses += 1
         try:
-            outputs = await compute()
+            outputs, keep = await compute()
         except TrioInferError as exc:
             if not isinstance(exc, DeadlineExceeded):  # the caller's own deadline: not theirs
                 flight.error = exc
             raise
         else:
-            flight.outputs = self._store(key, counters, outputs)
+            flight.outputs = self._store(key, counters, outputs, keep)
             counters.miss.observe(self._clock.current_time() - started)
             return outputs
         finally:
             del self._flights[key]
             flight.done.set()
 
-    def _store(self, key: tuple[str, bytes], counters: _Counters, outputs: Outputs) -> Outputs:
+    def _store(
+        self, key: tuple[str, int, bytes], counters: _Counters, outputs: Outputs, keep: bool
+    ) -> Outputs:
         # Copies: a caller's answer is a view of its batch's output, which would
         # keep the whole batch alive and could be written to by its caller.
         stored: Outputs = {}
-        size = 0
+        size = ENTRY_OVERHEAD
         for name, array in outputs.items():
             copy = np.array(array, copy=True)
             copy.flags.writeable = False
             stored[name] = copy
-            size += _nbytes(copy)
-        if size > self.size:
-            return stored  # answers those waiting now; too big to keep
+            size += ARRAY_OVERHEAD + _nbytes(copy)
+        if not keep or size > self.size or key[1] != self._generations.get(key[0], 0):
+            return stored  # answers those waiting now; not kept
         while self.bytes + size > self.size:
-            (model, _), (_, evicted) = self._entries.popitem(last=False)
+            (model, _, _), (_, evicted) = self._entries.popitem(last=False)
             owner = self._counters[model]
             owner.evictions += 1
             owner.entries -= 1
@@ -169,7 +194,13 @@ class ResponseCache:
         return stored
 
     def forget(self, model: str) -> None:
-        """Drop *model*'s answers (it was unloaded or replaced: they may no longer hold)."""
+        """Drop *model*'s answers and start its next generation.
+
+        For a model loaded again or unloaded: its answers may no longer hold,
+        and an answer still being computed by the old one is neither kept nor
+        given to requests that arrive from now on.
+        """
+        self._generations[model] = self._generations.get(model, 0) + 1
         for key in [k for k in self._entries if k[0] == model]:
             _, size = self._entries.pop(key)
             self.bytes -= size
@@ -209,7 +240,7 @@ def digest(inputs: Arrays) -> bytes:
 def _nbytes(array: np.ndarray[Any, Any]) -> int:
     if array.dtype != np.object_:
         return int(array.nbytes)
-    return int(array.nbytes) + sum(len(item) for item in array.ravel() if hasattr(item, "__len__"))
+    return int(array.nbytes) + sum(sys.getsizeof(item) for item in array.ravel())
 
 
 def _copy(error: TrioInferError) -> TrioInferError:

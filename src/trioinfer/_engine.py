@@ -169,8 +169,7 @@ class Engine:
             await self._task_group.start(runner.run)
             old = self._runners.get(name)
             self._runners[name] = runner
-            if self._cache is not None:
-                self._cache.forget(name)  # answers of the model it replaces may not hold
+            self._forget(name)  # answers of the model it replaces may not hold
         finally:
             self._loading.discard(name)
         if old is not None:
@@ -232,9 +231,24 @@ class Engine:
         runner = self._runners.pop(name, None)
         if runner is None:
             raise ModelNotFound(f"no model named {name!r} is loaded; loaded: {self._names()}")
-        if self._cache is not None:
-            self._cache.forget(name)
+        self._forget(name)
         await self._retire(runner)
+
+    def _forget(self, name: str, seen: set[str] | None = None) -> None:
+        # The cached answers of *name* no longer hold, nor those of the pipelines
+        # it is a step of (and theirs, in turn).
+        if self._cache is None:
+            return
+        seen = seen if seen is not None else set()
+        seen.add(name)
+        self._cache.forget(name)
+        for other, runner in self._runners.items():
+            if (
+                isinstance(runner, Pipeline)
+                and other not in seen
+                and any(step.model == name for step in runner.steps)
+            ):
+                self._forget(other, seen)
 
     async def _retire(self, runner: ModelRunner | Pipeline) -> None:
         # The runner takes no new requests already; let accepted ones finish, then stop it.
@@ -383,10 +397,17 @@ class Engine:
             await runner.call(request, own_deadline=own_deadline)
             return request
 
-        async def compute() -> Outputs:
+        async def compute() -> tuple[Outputs, bool]:
             await runner.call(request, own_deadline=own_deadline)
-            assert request._state.outputs is not None
-            return request._state.outputs
+            state = request._state
+            assert state.outputs is not None
+            # Keep only the model's own answer (from one of its instances, after a
+            # retry or failover between them as well): not a fallback's default, nor
+            # another model's. A pipeline's answer is its steps' models' own.
+            own = isinstance(runner, Pipeline) or (
+                state.served_by is not None and not isinstance(state.served_by, tuple)
+            )
+            return state.outputs, own
 
         assert self._cache is not None  # load() refuses response_cache without a cache
         outputs = await self._cache.answer(model, arrays, compute)
