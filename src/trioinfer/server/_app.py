@@ -58,7 +58,7 @@ from ._codec import (
     parse_header_length,
     v2_datatype,
 )
-from ._errors import ClientLeft, NotReady, Unauthorized
+from ._errors import ClientLeft, NotReady, Unauthorized, without_host_paths
 from ._metrics import InFlight, Metrics
 from ._models import ServedModels, ServedVersion
 
@@ -133,7 +133,7 @@ def error_response(error: BaseException, message: str | None = None) -> Response
     if status == 500:
         log.error("request failed: %s: %s", type(error).__name__, error)
     return Response(
-        dumps({"error": message or str(error) or type(error).__name__}),
+        dumps({"error": without_host_paths(message or str(error) or type(error).__name__)}),
         status_code=status,
         headers=_error_headers(error),
         media_type=_JSON,
@@ -533,7 +533,9 @@ async def _repository_index(request: Request, state: ServerState) -> Response:
             item: dict[str, Any] = {
                 "name": entry.name,
                 "state": "UNAVAILABLE",
-                "reason": entry.reason or state.models.error(entry.name) or "unloaded",
+                "reason": state.models.public_message(
+                    entry.reason or state.models.error(entry.name) or "unloaded"
+                ),
             }
             if entry.version is not None:
                 item["version"] = str(entry.version)

@@ -426,7 +426,9 @@ class Connection:
             previous.discard = True
             previous.body.clear()
             framing.discarded = 0
-        if self._shared.closing:
+        if self._shared.closing or self.gone:
+            # Gone: nothing more can be answered (and a client that reads
+            # nothing gets none of its further requests served either).
             return None
         request = framing.next_request()
         if request is not None:
