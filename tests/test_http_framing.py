@@ -417,7 +417,7 @@ def head(status: int = 200, headers: list[tuple[bytes, bytes]] | None = None, **
         "date": DATE,
         **options,
     }
-    return encode_response_head(status, headers or [], **settings)  # type: ignore[arg-type]
+    return encode_response_head(status, headers or [], *settings.values())  # type: ignore[arg-type]
 
 
 def test_a_whole_response_gets_a_content_length() -> None:

@@ -39,6 +39,7 @@ from __future__ import annotations
 import logging
 import socket
 from contextlib import suppress
+from functools import partial
 from typing import Any, Final, final
 
 import anyio
@@ -142,8 +143,10 @@ class Connection:
         "idle",
         "idle_since",
         "io",
+        "lifespan_state",
         "linger",
         "server_addr",
+        "shared",
         "sock",
         "task_group",
     )
@@ -155,15 +158,17 @@ class Connection:
         client: tuple[str, int],
         server_addr: tuple[str, int],
     ) -> None:
-        self._shared = shared
+        self._shared = self.shared = shared
         self.io = shared.io
+        # The lifespan state to copy into each request's scope.
+        self.lifespan_state = shared.lifespan_state
         self.sock = sock
         self.client = client
         self.server_addr = server_addr
         self.framing = RequestFraming(
             max_head_bytes=shared.max_head_bytes,
             max_headers=shared.max_headers,
-            make_head=lambda: RequestCycle(self),
+            make_head=partial(RequestCycle, self),
         )
         self._current: RequestCycle | None = None
         # Whether a task is reading the socket, and an event for those waiting
@@ -189,16 +194,6 @@ class Connection:
         self._watch_scope: anyio.CancelScope | None = None
         # A reader holds the reading turn without reading: too much input is buffered.
         self._parked = False
-
-    @property
-    def closing(self) -> bool:
-        """The server is shutting down."""
-        return self._shared.closing
-
-    @property
-    def lifespan_state(self) -> dict[str, Any]:
-        """The lifespan state to copy into each request's scope."""
-        return self._shared.lifespan_state
 
     # Reading.
 
@@ -232,14 +227,15 @@ class Connection:
 
     async def _take_reading_turn(self) -> None:
         # Only one task reads at a time: the watcher's read may outlive its
-        # response, and an app may call `receive` from two tasks. Without a
-        # checkpoint when free: the read that follows is one.
+        # response, and an app may call `receive` from two tasks. Callers
+        # check `_reading` first and then set it themselves: when the turn is
+        # free (nearly always) that spares a coroutine, and the read that
+        # follows is the checkpoint.
         while self._reading:
             event = self._reader_free
             if event is None:
                 event = self._reader_free = anyio.Event()
             await event.wait()
-        self._reading = True
 
     def _give_reading_turn(self) -> None:
         self._reading = False
@@ -254,7 +250,9 @@ class Connection:
         A later caller finds the state already advanced and returns.
         """
         if waiting:
-            await self._take_reading_turn()
+            if self._reading:
+                await self._take_reading_turn()
+            self._reading = True
             try:
                 while not self.gone and not request.finished:
                     if self._ahead > _AHEAD_LIMIT:
@@ -273,7 +271,9 @@ class Connection:
         # client that sends nothing more stalls this wait as much as the read.
         framing = self.framing
         with anyio.move_on_after(self._shared.body_timeout) as timeout:
-            await self._take_reading_turn()
+            if self._reading:
+                await self._take_reading_turn()
+            self._reading = True
             try:
                 if not (request.body or request.complete or self.gone or framing.stopped):
                     await self._read()
@@ -440,19 +440,24 @@ class Connection:
         self.idle = True
         self._ahead = 0
         try:
-            while (request := framing.next_request()) is None:
+            while True:
                 if framing.error is not None:
                     await self._send_error(framing.error)
                     return None
                 if self.gone or framing.upgraded or framing.discarded > _DRAIN_LIMIT:
                     return None
                 # The watcher may still be in its last read: its bytes are ours.
-                await self._take_reading_turn()
+                if self._reading:
+                    await self._take_reading_turn()
+                self._reading = True
                 try:
                     if not (framing.has_request or self.gone or framing.stopped):
                         await self._read()
                 finally:
                     self._give_reading_turn()
+                request = framing.next_request()
+                if request is not None:
+                    break
         finally:
             self.idle = False
         if self.cancel_scope.cancel_called:  # closed (timeout, shutdown) as the request came
@@ -501,4 +506,5 @@ class Connection:
                     await self.send_all(_RESPONSE_500)
                     self.linger = True
         finally:
-            request.finish()
+            if not request.finished:
+                request.finish()

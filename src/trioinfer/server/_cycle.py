@@ -68,7 +68,19 @@ class RequestCycle(RequestHead):
     )
 
     def __init__(self, conn: Connection) -> None:
-        super().__init__()
+        # RequestHead's fields, set here rather than through super().__init__():
+        # one call less per request.
+        self.url = b""
+        self.headers: list[tuple[bytes, bytes]] = []
+        self.method = b""
+        self.http_version = "1.1"
+        self.keep_alive = True
+        self.expect_continue = False
+        self.body: list[bytes] = []
+        self.complete = False
+        self.discard = False
+        self.remaining = -1
+        self.chunked = False
         self._conn = conn
         self.continue_sent = False
         self.body_done = False
@@ -253,18 +265,18 @@ class RequestCycle(RequestHead):
 
     def _encode_head(self, body_length: int, more: bool) -> ResponseHead:
         conn = self._conn
-        keep_alive = self.keep_alive and not conn.closing
+        keep_alive = self.keep_alive and not conn.shared.closing
         if self.expect_continue and not self.continue_sent and not self.complete:
             keep_alive = False  # the client holds the body back; see Connection.next_request
         head = encode_response_head(
             self._status,
             self._headers,
-            method=self.method,
-            http_version=self.http_version,
-            keep_alive=keep_alive,
-            body_length=body_length,
-            more=more,
-            date=date_header(conn.io.wall_time()),
+            self.method,
+            self.http_version,
+            keep_alive,
+            body_length,
+            more,
+            date_header(conn.io.wall_time()),
         )
         if not head.keep_alive:
             self.keep_alive = False

@@ -19,13 +19,13 @@ lets through and RFC 9112 or plain safety asks for:
   HTTP/1.0, and a valid value (RFC 9112 section 3.2); otherwise 400;
 - ``Transfer-Encoding``: only exactly ``chunked`` (no ``identity, chunked``,
   no coding lists), never with ``Content-Length``, never in HTTP/1.0, where
-  RFC 9112 section 6.1 calls it faulty framing; otherwise 400: a server that
+  RFC 9112 section 6.1 calls it faulty framing; otherwise 400: the server
   and a proxy in front of it must never disagree on where a request ends;
-- ``Content-Length``: digits only, one line;
+- ``Content-Length``: digits only, one line (llhttp checks it);
 - only HTTP/1.0 and 1.1 (505 otherwise; llhttp reads ``HTTP/2.0`` and the
   one-line HTTP/0.9 form as ordinary requests);
 - bounded heads: at most ``max_head_bytes`` of request line and header
-  fields and at most ``max_headers`` fields (431), trailers included;
+  fields, and of trailers, and at most ``max_headers`` fields (431);
 - bounded chunk framing: chunk-size lines, chunk extensions and trailers may
   not grow without limit (llhttp reads an endless chunk extension without a
   callback) - past ``max_head_bytes`` plus a small allowance per body byte,
@@ -54,6 +54,7 @@ __all__ = [
     "RequestFraming",
     "RequestHead",
     "ResponseHead",
+    "date_header",
     "encode_response_head",
     "error_response",
     "frame_body",
@@ -182,11 +183,14 @@ class RequestFraming:
     __slots__ = (
         "_body_bytes",
         "_buffer",
+        "_encodings",
         "_fed_in_body",
         "_head_raw",
         "_head_size",
+        "_hosts",
         "_in_head",
         "_last",
+        "_lengths",
         "_make_head",
         "_max_head",
         "_max_headers",
@@ -194,8 +198,8 @@ class RequestFraming:
         "_parsing",
         "_pos",
         "_ready",
-        "_seen",
         "_seq",
+        "_valid_host",
         "discarded",
         "error",
         "upgraded",
@@ -228,7 +232,9 @@ class RequestFraming:
         self._head_raw = 0
         self._seq = 0
         # Host, Content-Length and Transfer-Encoding lines seen in this head.
-        self._seen = [0, 0, 0]
+        self._hosts = self._lengths = self._encodings = 0
+        # The last Host value found valid: most clients send the same one each time.
+        self._valid_host = b""
         self._fed_in_body = 0
         self._body_bytes = 0
         #: Body bytes dropped because their request was marked ``discard``.
@@ -272,6 +278,9 @@ class RequestFraming:
         Bytes after an error or a protocol switch are dropped.
         """
         if self.error is not None or self.upgraded:
+            return
+        if not self._buffer and not self._ready and len(data) <= _STEP:
+            self._feed(data)  # the usual case: one request, nothing waiting
             return
         if self._pos < len(self._buffer):
             self._buffer = self._buffer[self._pos :] + data
@@ -376,7 +385,7 @@ class RequestFraming:
         self._head_size = 0
         self._head_raw = 0
         self._seq += 1
-        self._seen = [0, 0, 0]
+        self._hosts = self._lengths = self._encodings = 0
         self._fed_in_body = 0
         self._body_bytes = 0
 
@@ -404,20 +413,23 @@ class RequestFraming:
         name = name.lower()
         headers.append((name, value))
         if name in _FRAMING_FIELDS:
-            self._framing_field(head, name, value)
+            if name == _HOST_FIELD and value == self._valid_host and not self._hosts:
+                self._hosts = 1  # the host the last request had: checked already
+            else:
+                self._framing_field(head, name, value)
 
     def _framing_field(self, head: RequestHead, name: bytes, value: bytes) -> None:
-        seen = self._seen
         if name == _HOST_FIELD:
-            seen[0] += 1
-            if seen[0] > 1:
+            self._hosts += 1
+            if self._hosts > 1:
                 raise _refuse(400, "the request has more than one Host header")
             if _HOST.fullmatch(value) is None:
                 raise _refuse(400, "the Host header is not a valid host[:port]")
+            self._valid_host = value
         elif name == _CONTENT_LENGTH_FIELD:
-            seen[1] += 1  # llhttp refuses a second line, a sign and inner spaces itself
+            self._lengths += 1  # llhttp refuses a second line, a sign and inner spaces itself
         elif name == _TRANSFER_ENCODING_FIELD:
-            seen[2] += 1
+            self._encodings += 1
             if value.strip(b" \t").lower() != b"chunked":
                 raise _refuse(400, "the only Transfer-Encoding accepted is 'chunked', alone")
         elif value.lower() == b"100-continue":  # expect
@@ -431,18 +443,17 @@ class RequestFraming:
         version = parser.get_http_version()
         if version not in _VERSIONS:
             raise _refuse(505, "only HTTP/1.1 and HTTP/1.0 are served")
-        hosts, lengths, encodings = self._seen
-        if hosts == 0 and version == "1.1":
+        if not self._hosts and version == "1.1":
             raise _refuse(400, "an HTTP/1.1 request must have a Host header")
-        if encodings:
-            if lengths:
+        if self._encodings:
+            if self._lengths:
                 raise _refuse(
                     400, "a request may not have both Content-Length and Transfer-Encoding"
                 )
             if version == "1.0":
                 raise _refuse(400, "an HTTP/1.0 request may not have a Transfer-Encoding")
             head.chunked = True
-        elif lengths:
+        elif self._lengths:
             head.remaining = _content_length(head.headers)
         head.method = parser.get_method()
         head.http_version = version
@@ -566,15 +577,17 @@ class ResponseHead:
 def encode_response_head(
     status: int,
     headers: Iterable[tuple[bytes, bytes]],
-    *,
     method: bytes,
     http_version: str,
     keep_alive: bool,
     body_length: int,
     more: bool,
     date: bytes,
+    /,
 ) -> ResponseHead:
     """The status line and headers of a response, with framing and connection headers added.
+
+    Positional arguments only: this runs once per response, and keywords cost.
 
     Args:
         status: The status code.
