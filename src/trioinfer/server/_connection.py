@@ -48,7 +48,7 @@ import httptools
 
 from ._cycle import ASGI3App, RequestCycle
 from ._framing import FramingError, RequestFraming, error_response
-from ._io import IO
+from ._io import IO, Event
 
 __all__ = ["Connection", "Shared"]
 
@@ -132,7 +132,6 @@ class Connection:
         "_parked",
         "_reader_free",
         "_reading",
-        "_shared",
         "_watch_event",
         "_watch_scope",
         "_watched",
@@ -158,7 +157,7 @@ class Connection:
         client: tuple[str, int],
         server_addr: tuple[str, int],
     ) -> None:
-        self._shared = self.shared = shared
+        self.shared = shared
         self.io = shared.io
         # The lifespan state to copy into each request's scope.
         self.lifespan_state = shared.lifespan_state
@@ -174,7 +173,7 @@ class Connection:
         # Whether a task is reading the socket, and an event for those waiting
         # to read next (made only when one does).
         self._reading = False
-        self._reader_free: anyio.Event | None = None
+        self._reader_free: Event | None = None
         self.cancel_scope = anyio.CancelScope()
         # Set while waiting for the next request (since `idle_since`): the
         # reaper and the shutdown close the connection then.
@@ -189,7 +188,7 @@ class Connection:
         # `task_group`) and the request it should watch next.
         self.task_group: anyio.abc.TaskGroup | None = None
         self._watched: RequestCycle | None = None
-        self._watch_event: anyio.Event | None = None
+        self._watch_event: Event | None = None
         # The watcher's cancel scope (see `_watch_loop`); None until it starts.
         self._watch_scope: anyio.CancelScope | None = None
         # A reader holds the reading turn without reading: too much input is buffered.
@@ -234,7 +233,7 @@ class Connection:
         while self._reading:
             event = self._reader_free
             if event is None:
-                event = self._reader_free = anyio.Event()
+                event = self._reader_free = self.io.event()
             await event.wait()
 
     def _give_reading_turn(self) -> None:
@@ -270,7 +269,7 @@ class Connection:
         # The turn may be held by the watcher's last read (see `_watch_loop`): a
         # client that sends nothing more stalls this wait as much as the read.
         framing = self.framing
-        with anyio.move_on_after(self._shared.body_timeout) as timeout:
+        with anyio.move_on_after(self.shared.body_timeout) as timeout:
             if self._reading:
                 await self._take_reading_turn()
             self._reading = True
@@ -312,7 +311,7 @@ class Connection:
         view = memoryview(data)
         sock = self.sock
         wait_writable = self.io.wait_writable
-        timeout = self._shared.send_timeout
+        timeout = self.shared.send_timeout
         while sent < len(data):
             with anyio.move_on_after(timeout) as waited:
                 await wait_writable(sock)
@@ -332,7 +331,7 @@ class Connection:
         if event is not None:
             event.set()
         elif self.task_group is not None:
-            self._watch_event = anyio.Event()
+            self._watch_event = self.io.event()
             self.task_group.start_soon(self._watch_loop)
 
     async def _watch_loop(self) -> None:
@@ -354,7 +353,7 @@ class Connection:
         while True:
             request = self._watched
             if request is None:
-                event = self._watch_event = anyio.Event()
+                event = self._watch_event = self.io.event()
                 await event.wait()
                 continue
             self._watched = None
@@ -426,7 +425,7 @@ class Connection:
             previous.discard = True
             previous.body.clear()
             framing.discarded = 0
-        if self._shared.closing or self.gone:
+        if self.shared.closing or self.gone:
             # Gone: nothing more can be answered (and a client that reads
             # nothing gets none of its further requests served either).
             return None
@@ -479,7 +478,7 @@ class Connection:
             await self._send_error(FramingError(400, "the request target is not a valid URL"))
             return
         try:
-            await self._shared.app(scope, request.receive, request.send)
+            await self.shared.app(scope, request.receive, request.send)
         except Exception:
             log.exception("exception in ASGI application (%s %s)", scope["method"], scope["path"])
             request.keep_alive = False

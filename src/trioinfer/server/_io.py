@@ -8,7 +8,7 @@ unregistering the socket with the selector on every wait (two system calls
 per read). `open_io` picks one implementation per server, once:
 
 - on Trio, Trio's own ``wait_readable``, ``wait_writable``, ``notify_closing``,
-  ``checkpoint`` and ``current_time``, called directly;
+  ``checkpoint``, ``current_time`` and ``Event``, called directly;
 - on asyncio, a socket stays registered with the selector from its first wait
   until it is closed, and a readiness callback wakes the one waiting task
   through a future. The registration is dropped while nobody waits and the
@@ -30,11 +30,32 @@ from typing import Final, Protocol, final
 
 import sniffio
 
-__all__ = ["IO", "open_io"]
+__all__ = ["IO", "Event", "open_io"]
+
+
+class Event(Protocol):
+    """An event of the loop's own kind (`trio.Event` or `asyncio.Event`)."""
+
+    def set(self) -> None:
+        """Wake every waiter, now and later."""
+        ...
+
+    def is_set(self) -> bool:
+        """Whether `set` was called."""
+        ...
+
+    async def wait(self) -> object:
+        """Return once the event is set."""
+        ...
 
 
 class IO(Protocol):
-    """Readiness waits and clocks for one event loop (see `open_io`)."""
+    """Readiness waits, clocks and events for one event loop (see `open_io`)."""
+
+    #: Makes an event of the loop's own kind. The connection makes one or two
+    #: per request (the watcher hands the reading turn back through one);
+    #: anyio's wrapper around the loop's event costs a few microseconds more.
+    event: Callable[[], Event]
 
     def wait_readable(self, sock: socket.socket) -> Awaitable[None]:
         """Wait until *sock* may be read (or accepted from) without blocking; a checkpoint."""
@@ -82,6 +103,7 @@ class _TrioIO:
     __slots__ = (
         "checkpoint",
         "current_time",
+        "event",
         "notify_closing",
         "wait_readable",
         "wait_writable",
@@ -97,6 +119,7 @@ class _TrioIO:
         self.checkpoint: Callable[[], Awaitable[None]] = trio.lowlevel.checkpoint
         self.current_time: Callable[[], float] = trio.current_time
         self.wall_time: Callable[[], float] = time.time
+        self.event: Callable[[], Event] = trio.Event
 
 
 class ClosedError(OSError):
@@ -123,12 +146,13 @@ _CLOSED: Final = "the socket was closed while a task waited on it"
 class _AsyncioIO:
     """asyncio's selector, with each socket registered once rather than once per wait."""
 
-    __slots__ = ("_loop", "_registered", "current_time")
+    __slots__ = ("_loop", "_registered", "current_time", "event")
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self._loop = loop
         self._registered: dict[int, _Registration] = {}
         self.current_time: Callable[[], float] = loop.time
+        self.event: Callable[[], Event] = asyncio.Event
 
     async def wait_readable(self, sock: socket.socket) -> None:
         """See `IO.wait_readable`."""
