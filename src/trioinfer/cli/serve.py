@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import functools
 import gc
-import importlib.util
 import logging
+import os
 import tomllib
 from pathlib import Path
 from typing import Any, Final
@@ -30,7 +30,6 @@ _SERVE_KEYS: Final = frozenset(
         "protect_inference",
         "log_level",
         "loop",
-        "http",
         "limits",
     }
 )
@@ -98,14 +97,7 @@ _SERVE_KEYS: Final = frozenset(
     type=click.Choice(["trio", "asyncio"]),
     default="trio",
     show_default=True,
-    help="The event loop: Trio, or asyncio (with uvloop where installed).",
-)
-@click.option(
-    "--http",
-    type=click.Choice(["lean", "hypercorn", "uvicorn"]),
-    default=None,
-    help="The HTTP layer. On trio: lean (default; HTTP/1.1 on the llhttp parser) or "
-    "hypercorn; on asyncio: uvicorn (default).",
+    help="The event loop: Trio, or asyncio (the same HTTP/1.1 server runs on both).",
 )
 @click.option(
     "--log-level",
@@ -136,6 +128,12 @@ def serve(ctx: click.Context, /, **options: Any) -> None:
         raise needs_extra("serve", exc) from exc
 
     settings = _serve_settings(ctx, options)
+    if settings["admin_token"] is None and os.environ.get("TRIOINFER_ADMIN_TOKEN") == "":
+        # click reads an empty variable as unset, which would serve with no token at all.
+        raise click.UsageError(
+            "invalid server settings: admin_token must be a non-empty string, but "
+            "TRIOINFER_ADMIN_TOKEN is set and empty; set a token or unset the variable"
+        )
     logging.basicConfig(
         level=settings["log_level"].upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s"
     )
@@ -150,10 +148,6 @@ def serve(ctx: click.Context, /, **options: Any) -> None:
     except (TypeError, TrioInferError) as exc:
         raise click.UsageError(f"invalid server settings: {exc}") from exc
     repository = settings["model_repository"] or example_repository()
-    loop = settings["loop"]
-    backend_options: dict[str, Any] = {}
-    if loop == "asyncio" and importlib.util.find_spec("uvloop") is not None:
-        backend_options["use_uvloop"] = True
     try:
         anyio.run(
             functools.partial(
@@ -163,10 +157,8 @@ def serve(ctx: click.Context, /, **options: Any) -> None:
                 port=settings["port"],
                 config=config,
                 models=list(settings["models"]) or None,
-                http=settings["http"],
             ),
-            backend=loop,
-            backend_options=backend_options,
+            backend=settings["loop"],
         )
     except (TrioInferError, OSError, BaseExceptionGroup) as exc:
         # Task groups wrap what fails at start-up; say the one cause plainly.
@@ -219,7 +211,6 @@ async def _serve(
     port: int,
     config: Any,
     models: list[str] | None,
-    http: str | None,
 ) -> None:
     from ..server import serve_http
 
@@ -232,7 +223,6 @@ async def _serve(
                 port=port,
                 config=config,
                 models=models,
-                http=http,
             )
         )
         served = ", ".join(

@@ -9,9 +9,9 @@ trio.run(trioinfer.server.serve_http, trioinfer.example_repository())
 
 `serve_http` opens an engine, loads a model repository
 (``<repo>/<model>/[config.toml]``, ``<repo>/<model>/<version>/model.onnx``) and
-serves it (on Trio by default, over a lean HTTP/1.1 layer; or Hypercorn, or
-uvicorn on asyncio) until SIGINT/SIGTERM. `create_app` gives the
-ASGI app alone, for embedding.
+serves it over trioinfer's own HTTP/1.1 server (on Trio, or on asyncio under
+``anyio.run(..., backend="asyncio")``) until SIGINT/SIGTERM. `create_app`
+gives the ASGI app alone, for embedding.
 """
 
 from ._app import ServerConfig as ServerConfig

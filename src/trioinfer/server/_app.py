@@ -58,7 +58,7 @@ from ._codec import (
     parse_header_length,
     v2_datatype,
 )
-from ._errors import ClientLeft, NotReady, Unauthorized
+from ._errors import ClientLeft, NotReady, Unauthorized, without_host_paths
 from ._metrics import InFlight, Metrics
 from ._models import ServedModels, ServedVersion
 
@@ -133,7 +133,7 @@ def error_response(error: BaseException, message: str | None = None) -> Response
     if status == 500:
         log.error("request failed: %s: %s", type(error).__name__, error)
     return Response(
-        dumps({"error": message or str(error) or type(error).__name__}),
+        dumps({"error": without_host_paths(message or str(error) or type(error).__name__)}),
         status_code=status,
         headers=_error_headers(error),
         media_type=_JSON,
@@ -153,7 +153,7 @@ class ServerConfig:
     """
 
     limits: Limits = attrs.field(factory=Limits)
-    admin_token: str | None = None
+    admin_token: str | None = attrs.field(default=None)
     protect_inference: bool = False
     drain_period: float = attrs.field(default=10.0)
 
@@ -161,6 +161,24 @@ class ServerConfig:
     def _check_drain(self, _attribute: attrs.Attribute[Any], value: float) -> None:
         if not (isinstance(value, int | float) and 0 <= value < math.inf):
             raise ConfigError(f"drain_period must be a finite number >= 0, got {value!r}")
+
+    @admin_token.validator
+    def _check_token(self, _attribute: attrs.Attribute[Any], value: str | None) -> None:
+        # An empty token would let "Authorization: Bearer " in; one with spaces
+        # around it could never match (header values lose them); a control
+        # character cannot be sent in a header at all.
+        if value is None:
+            return
+        if not isinstance(value, str) or not value.strip():
+            raise ConfigError(
+                "admin_token must be a non-empty string (an empty token would let "
+                "'Authorization: Bearer ' through); leave it unset for no token"
+            )
+        if value != value.strip() or not value.isprintable():
+            raise ConfigError(
+                "admin_token must not start or end with whitespace nor hold control "
+                "characters: no client could send it in an Authorization header"
+            )
 
     def __attrs_post_init__(self) -> None:
         if self.protect_inference and not self.admin_token:
@@ -515,7 +533,9 @@ async def _repository_index(request: Request, state: ServerState) -> Response:
             item: dict[str, Any] = {
                 "name": entry.name,
                 "state": "UNAVAILABLE",
-                "reason": entry.reason or state.models.error(entry.name) or "unloaded",
+                "reason": state.models.public_message(
+                    entry.reason or state.models.error(entry.name) or "unloaded"
+                ),
             }
             if entry.version is not None:
                 item["version"] = str(entry.version)
@@ -735,7 +755,7 @@ class _InferEndpoint:
                 result: InferenceResult | None = await self._infer_in_time(
                     served, request, priority, timeout
                 )
-            except trio.Cancelled:
+            except anyio.get_cancelled_exc_class():
                 # The client left, or the server stops without waiting: nobody gets this answer.
                 state.metrics.cancelled(served)
                 raise

@@ -117,11 +117,31 @@ def _positive(_inst: object, attribute: attrs.Attribute[Any], value: int) -> Non
         raise ConfigError(f"{attribute.name} must be a positive integer, got {value!r}")
 
 
+def _positive_seconds(_inst: object, attribute: attrs.Attribute[Any], value: float) -> None:
+    if not isinstance(value, int | float) or isinstance(value, bool) or not 0 < value < math.inf:
+        raise ConfigError(f"{attribute.name} must be a positive number of seconds, got {value!r}")
+
+
 @attrs.frozen
 class Limits:
     """What the server accepts in one request; everything over is refused before allocating.
 
+    The first group bounds the HTTP exchange itself (the head, and how long a
+    client may keep the server waiting); the rest bound the body and what it
+    decodes to.
+
     Attributes:
+        max_head_bytes: The most bytes of request line and header fields (and
+            of trailers); a bigger head is answered 431.
+        max_headers: The most header fields one request may carry (431 over it).
+        head_timeout: Seconds a connection may wait for a request's head to be
+            complete, from when it opened or answered its last request: idle
+            keep-alive connections, silent clients and slow-header ones are
+            closed then.
+        body_timeout: Seconds a request body may pause (no bytes arriving)
+            while the server waits for it; the request is then dropped.
+        send_timeout: Seconds a response may wait for the client to read any of
+            it; a client that reads nothing for that long is dropped.
         max_body_bytes: The largest body, in bytes, both as received and after
             decompression (so a small gzip body cannot inflate past it).
         max_elements_per_tensor: The most elements one input may declare in its shape.
@@ -135,6 +155,11 @@ class Limits:
         max_outputs: The most outputs one infer request may name.
     """
 
+    max_head_bytes: int = attrs.field(default=64 * 1024, validator=_positive)
+    max_headers: int = attrs.field(default=100, validator=_positive)
+    head_timeout: float = attrs.field(default=5.0, validator=_positive_seconds)
+    body_timeout: float = attrs.field(default=30.0, validator=_positive_seconds)
+    send_timeout: float = attrs.field(default=30.0, validator=_positive_seconds)
     max_body_bytes: int = attrs.field(default=64 * 2**20, validator=_positive)
     max_elements_per_tensor: int = attrs.field(default=1 << 26, validator=_positive)
     max_elements_per_request: int = attrs.field(default=1 << 27, validator=_positive)

@@ -10,7 +10,6 @@ loaded anew beside the old one, which keeps serving until the new one is ready
 from __future__ import annotations
 
 import logging
-import os
 import time
 from collections.abc import Mapping
 from typing import Any, final
@@ -21,6 +20,7 @@ import attrs
 from .._config import PIPELINE, ModelConfig
 from .._engine import Engine, ModelInfo
 from .._exceptions import ConfigError, ModelNotFound, TrioInferError
+from ._errors import without_host_paths
 from ._repository import ModelRepository
 
 log = logging.getLogger("trioinfer.server")
@@ -99,11 +99,12 @@ class ServedModels:
         """Why the last load of *model* failed, or ``""``."""
         return self._errors.get(model, "")
 
-    def public_message(self, error: BaseException) -> str:
+    def public_message(self, error: BaseException | str) -> str:
         """*error*'s message as HTTP clients should read it.
 
-        Engine model names (``digits.v1``) become the names clients use, and
-        host paths under the repository become paths relative to it.
+        Engine model names (``digits.v1``) become the names clients use, host
+        paths under the repository become paths relative to it, and no other
+        absolute path is left (see `without_host_paths`).
         """
         message = str(error) or type(error).__name__
         for served in self.all():
@@ -111,8 +112,7 @@ class ServedModels:
                 message = message.replace(
                     repr(served.engine_name), f"{served.model!r} (version {served.version})"
                 )
-        root = str(self.repository.root)
-        return message.replace(root + os.sep, "").replace(root, "<repository>")
+        return without_host_paths(message, str(self.repository.root))
 
     def mark_inference(self, served: ServedVersion) -> None:
         """Note that *served* just answered a request (for the statistics endpoint)."""

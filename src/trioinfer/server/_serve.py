@@ -1,4 +1,4 @@
-"""Run the V2 server: one engine, the repository's models, an HTTP layer, graceful stop.
+"""Run the V2 server: one engine, the repository's models, the HTTP/1.1 server, graceful stop.
 
 `serve_http` opens the engine, loads the repository, binds the socket and
 serves until SIGINT/SIGTERM (or until its caller cancels it). On the first
@@ -9,25 +9,21 @@ normally; a second signal stops at once.
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import math
 import os
 import signal
-import socket
-from collections.abc import Awaitable, Callable, Iterator, Sequence
-from typing import Final
+from collections.abc import Sequence
 
 import anyio
 import anyio.abc
 import attrs
-import sniffio
 from starlette.types import ASGIApp
 
 from .._engine import open_engine
 from .._exceptions import ConfigError
 from .._registry import Registry
 from ._app import ServerConfig, ServerState, create_app
+from ._http_server import serve_asgi
 from ._metrics import InFlight, Metrics
 from ._models import ServedModels
 from ._repository import ModelRepository
@@ -55,10 +51,6 @@ class Listening:
         return int(self.urls[0].rsplit(":", 1)[1])
 
 
-#: The HTTP layers `serve_http` can run, by event loop.
-HTTP_LAYERS: Final = {"trio": ("lean", "hypercorn"), "asyncio": ("uvicorn",)}
-
-
 async def serve_http(
     repository: str | os.PathLike[str],
     *,
@@ -67,17 +59,17 @@ async def serve_http(
     config: ServerConfig | None = None,
     registry: Registry | None = None,
     models: Sequence[str] | None = None,
-    http: str | None = None,
     handle_signals: bool = True,
     shutdown: anyio.Event | None = None,
     task_status: anyio.abc.TaskStatus[Listening] = anyio.TASK_STATUS_IGNORED,
 ) -> None:
     """Serve *repository* over KServe V2 REST until a signal (or *shutdown*) stops it.
 
-    Runs on Trio or asyncio (under ``anyio.run(..., backend="asyncio")``);
-    the HTTP layer depends on the loop: on Trio ``"lean"`` (the default, an
-    HTTP/1.1 server on the llhttp parser) or ``"hypercorn"``; on asyncio
-    ``"uvicorn"``. Cancelling it stops at once, without draining.
+    Runs on Trio or asyncio (under ``anyio.run(..., backend="asyncio")``),
+    over the same HTTP/1.1 server on either (``serve_asgi``, on the llhttp
+    parser), with the limits of ``config.limits`` (head size and time, body
+    and send timeouts, body size). Cancelling it stops at once, without
+    draining.
 
     Args:
         repository: The model repository directory (``<model>/<version>/model.onnx``).
@@ -86,27 +78,16 @@ async def serve_http(
         config: Limits, tokens and the drain period (defaults if None).
         registry: The plugin registry for the engine (entry points by default).
         models: Names of the models to load at start (all of the repository's by default).
-        http: The HTTP layer; None for the loop's default.
         handle_signals: Stop gracefully on SIGINT and SIGTERM (main thread only).
         shutdown: Setting this event stops gracefully, as the first signal does.
         task_status: Reports a [`Listening`][trioinfer.server.Listening] once ready,
             for ``nursery.start``.
 
     Raises:
-        ConfigError: The repository is missing, a named model does not exist, or
-            the HTTP layer does not run on this event loop.
+        ConfigError: The repository is missing, or a named model does not exist.
     """
     if not 0 <= port <= 65535:
         raise ConfigError(f"port must be 0-65535, got {port}")
-    loop = sniffio.current_async_library()
-    layers = HTTP_LAYERS.get(loop, ())
-    if http is None and layers:
-        http = layers[0]
-    if http not in layers:
-        raise ConfigError(
-            f"HTTP layer {http!r} does not run on {loop}; on trio: 'lean' or 'hypercorn', "
-            "on asyncio: 'uvicorn'"
-        )
     if config is None:
         config = ServerConfig()
     repo = ModelRepository(repository)
@@ -124,7 +105,7 @@ async def serve_http(
         stop = shutdown if shutdown is not None else anyio.Event()
 
         async def run_layer(*, task_status: anyio.abc.TaskStatus[list[str]]) -> None:
-            await _LAYERS[http](app, host, port, config, stop, task_status)
+            await _serve_lean(app, host, port, config, stop, task_status)
             tg.cancel_scope.cancel()  # drained: the signal watcher may go too
 
         async with anyio.create_task_group() as tg:
@@ -155,12 +136,6 @@ def _names(served: ServedModels) -> list[str]:
     return sorted({s.model for s in served.all()})
 
 
-_Layer = Callable[
-    [ASGIApp, str, int, ServerConfig, anyio.Event, anyio.abc.TaskStatus[list[str]]],
-    Awaitable[None],
-]
-
-
 async def _serve_lean(
     app: ASGIApp,
     host: str,
@@ -169,105 +144,20 @@ async def _serve_lean(
     stop: anyio.Event,
     task_status: anyio.abc.TaskStatus[list[str]],
 ) -> None:
-    from ._http11 import serve_asgi
-
+    limits = config.limits
     await serve_asgi(
         app,
         host,
         port,
-        shutdown=stop,  # type: ignore[arg-type]  # anyio's Event on trio waits like trio's
+        shutdown=stop,
         graceful_timeout=config.drain_period,
-        task_status=task_status,  # type: ignore[arg-type]
+        head_timeout=limits.head_timeout,
+        body_timeout=limits.body_timeout,
+        send_timeout=limits.send_timeout,
+        max_head_bytes=limits.max_head_bytes,
+        max_headers=limits.max_headers,
+        task_status=task_status,
     )
-
-
-async def _serve_hypercorn(
-    app: ASGIApp,
-    host: str,
-    port: int,
-    config: ServerConfig,
-    stop: anyio.Event,
-    task_status: anyio.abc.TaskStatus[list[str]],
-) -> None:
-    import hypercorn.config
-    import hypercorn.trio
-
-    settings = hypercorn.config.Config()
-    settings.bind = [f"[{host}]:{port}" if ":" in host else f"{host}:{port}"]
-    settings.graceful_timeout = config.drain_period
-    settings.accesslog = None
-    settings.errorlog = logging.getLogger("hypercorn.error")
-    await hypercorn.trio.serve(
-        app,  # type: ignore[arg-type]  # Starlette's ASGI types are looser than Hypercorn's
-        settings,
-        shutdown_trigger=stop.wait,
-        task_status=task_status,  # type: ignore[arg-type]
-    )
-
-
-async def _serve_uvicorn(
-    app: ASGIApp,
-    host: str,
-    port: int,
-    config: ServerConfig,
-    stop: anyio.Event,
-    task_status: anyio.abc.TaskStatus[list[str]],
-) -> None:
-    import uvicorn
-
-    class Server(uvicorn.Server):
-        @contextlib.contextmanager
-        def capture_signals(self) -> Iterator[None]:
-            yield  # serve_http handles the signals itself
-
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        sock.bind((host, port))
-    except OSError:
-        sock.close()
-        raise
-    settings = uvicorn.Config(
-        app,
-        http="httptools",
-        ws="none",
-        lifespan="off",
-        access_log=False,
-        log_config=None,
-        timeout_graceful_shutdown=max(1, math.ceil(config.drain_period)),
-    )
-    server = Server(settings)
-    ended = anyio.Event()
-
-    async def run() -> None:
-        try:
-            await server.serve([sock])
-        finally:
-            ended.set()
-
-    async with anyio.create_task_group() as tg:
-        tg.start_soon(run)
-        # uvicorn says it started by a flag only.
-        while not (server.started or ended.is_set()):  # noqa: ASYNC110
-            await anyio.sleep(0.01)
-        if not server.started:
-            raise OSError(f"uvicorn could not start serving on {host}:{port}")
-        bound = sock.getsockname()
-        task_status.started([f"http://{_url_host(host)}:{bound[1]}"])
-        await stop.wait()
-        server.should_exit = True
-
-
-def _url_host(host: str) -> str:
-    return f"[{host}]" if ":" in host else host
-
-
-_LAYERS: Final[dict[str, _Layer]] = {
-    "lean": _serve_lean,
-    "hypercorn": _serve_hypercorn,
-    "uvicorn": _serve_uvicorn,
-}
 
 
 async def _watch_signals(

@@ -30,8 +30,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.routing import Route
 
-from trioinfer.server import _http11
-from trioinfer.server._http11 import serve_asgi
+from trioinfer.server import _connection, _http_server, _io
+from trioinfer.server._http_server import serve_asgi
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -302,11 +302,18 @@ async def test_lifespan_startup_failure_raises() -> None:
 
 @pytest.mark.parametrize(
     "options",
-    [{"keep_alive_timeout": 0}, {"graceful_timeout": -1}, {"max_header_bytes": 0}],
+    [
+        {"head_timeout": 0},
+        {"body_timeout": -1},
+        {"send_timeout": 0},
+        {"graceful_timeout": -1},
+        {"max_head_bytes": 0},
+        {"max_headers": 0},
+    ],
 )
 async def test_bad_options_are_refused(options: dict[str, float]) -> None:
     kwargs: dict[str, Any] = {"graceful_timeout": 1, **options}
-    with pytest.raises(ValueError, match="expected keep_alive_timeout > 0"):
+    with pytest.raises(ValueError, match=r"expected (head_timeout|max_head_bytes)"):
         await serve_asgi(echo_app, "127.0.0.1", 0, shutdown=trio.Event(), **kwargs)
 
 
@@ -548,14 +555,17 @@ async def test_pipelined_requests_are_answered_in_order() -> None:
 
 
 async def test_idle_connection_closed_after_keep_alive_timeout() -> None:
-    async with serving(echo_app, keep_alive_timeout=0.2) as server, connect(server) as client:
+    async with (
+        serving(echo_app, head_timeout=0.2, body_timeout=0.2) as server,
+        connect(server) as client,
+    ):
         await client.send(get())
         assert (await client.response()).status == 200
         assert await client.closed()
 
 
 async def test_stalled_partial_request_is_dropped() -> None:
-    async with serving(echo_app, keep_alive_timeout=0.2) as server:
+    async with serving(echo_app, head_timeout=0.2, body_timeout=0.2) as server:
         async with connect(server) as client:  # slowloris: headers never finish
             await client.send(b"GET / HTTP/1.1\r\nHost: x\r\nX-Slow: ")
             assert await client.closed()
@@ -864,7 +874,7 @@ async def test_after_a_watched_response_a_stalled_body_is_dropped(pipelined: boo
     # asks for the rest of the body while the watcher's read still waits.
     partial = b"POST /2 HTTP/1.1\r\nHost: x\r\nContent-Length: 10\r\n\r\nabc"
     async with (
-        serving(extension_watching_app(), keep_alive_timeout=0.2) as server,
+        serving(extension_watching_app(), head_timeout=0.2, body_timeout=0.2) as server,
         connect(server) as client,
     ):
         if pipelined:
@@ -880,7 +890,7 @@ async def test_after_a_watched_response_a_stalled_body_is_dropped(pipelined: boo
 
 async def test_after_a_watched_response_an_idle_connection_times_out() -> None:
     async with (
-        serving(extension_watching_app(), keep_alive_timeout=0.2) as server,
+        serving(extension_watching_app(), head_timeout=0.2, body_timeout=0.2) as server,
         connect(server) as client,
     ):
         await client.send(post("/1", b"a"))
@@ -1017,7 +1027,7 @@ async def test_malformed_pipelined_request_after_a_good_one() -> None:
 
 
 async def test_oversized_head_gets_431() -> None:
-    async with serving(echo_app, max_header_bytes=1024) as server:
+    async with serving(echo_app, max_head_bytes=1024) as server:
         async with connect(server) as client:  # many headers
             headers = [f"X-H{i}: {'v' * 50}" for i in range(40)]
             await client.send(get("/", *headers))
@@ -1062,7 +1072,7 @@ async def test_app_error_before_response_is_500_and_logged(
                     await client.send(get(path))
                     response = await client.response()
                     assert response.status == 500
-                    assert response.body == b"Internal Server Error"
+                    assert response.body.startswith(b"Internal Server Error: ")
                     assert await client.closed()
     errors = [r for r in caplog.records if r.name == "trioinfer.server" and r.exc_info]
     assert len(errors) == 2
@@ -1314,7 +1324,7 @@ def mutated_requests(draw: st.DrawFn) -> bytes:
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(payload=st.one_of(st.binary(max_size=1024), mutated_requests()))
 async def test_fuzzed_input_never_breaks_the_server(payload: bytes) -> None:
-    async with serving(echo_app, keep_alive_timeout=0.5) as server:
+    async with serving(echo_app, head_timeout=0.5) as server:
         async with connect(server) as client:
             try:
                 await client.send(payload)
@@ -1351,21 +1361,32 @@ async def test_one_wake_of_the_accept_loop_takes_every_waiting_connection(
     listener.setblocking(False)
     clients = [socket.create_connection(listener.getsockname()) for _ in range(20)]
     wakes = 0
-    real_wait = trio.lowlevel.wait_readable
+    io = _io.open_io()
+    real_wait = io.wait_readable
 
     async def counting_wait(sock: Any) -> None:
         nonlocal wakes
         wakes += 1
         await real_wait(sock)
 
-    monkeypatch.setattr(_http11.trio.lowlevel, "wait_readable", counting_wait)
+    monkeypatch.setattr(io, "wait_readable", counting_wait)
     accepted: list[socket.socket] = []
 
     class Recorder:
         def start_soon(self, fn: object, sock: socket.socket) -> None:
             accepted.append(sock)
 
-    server = _http11._Server(echo_app, {}, 5.0, 8192)
+    shared = _connection.Shared(
+        echo_app,
+        io,
+        {},
+        head_timeout=5.0,
+        body_timeout=5.0,
+        send_timeout=5.0,
+        max_head_bytes=8192,
+        max_headers=100,
+    )
+    server = _http_server._Server(shared)
     try:
         with trio.move_on_after(1):
             await server.accept_loop(listener, Recorder())  # type: ignore[arg-type]

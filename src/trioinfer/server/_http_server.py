@@ -1,0 +1,313 @@
+"""A lean HTTP/1.1 server for any ASGI 3 app, on Trio or asyncio, parsing with llhttp.
+
+`serve_asgi` binds, runs the app's lifespan, accepts connections and shuts
+down gracefully; the rest is split by job, as uvicorn and Hypercorn split
+theirs:
+
+- ``_framing.py``: HTTP/1.1 framing without I/O (bytes in, requests out;
+  response heads and body framing out), and every rule about what a request
+  may look like;
+- ``_connection.py``: one connection, which owns its socket, reads into the
+  framing, runs the request cycles one after another, and bounds how long
+  and how much a client may hold;
+- ``_cycle.py``: one request/response cycle, speaking ASGI;
+- ``_lifespan.py``: the ASGI lifespan protocol;
+- ``_io.py``: the few socket waits on the hot path, for Trio and asyncio.
+
+Everything else is written against anyio. Hypercorn spends most of a small
+request in h11's pure-Python state machine and in a task plus cancel scopes
+per request; this server keeps one task per connection and, per small
+request, spawns no task, enters no cancel scope and moves no deadline.
+
+Only plain HTTP/1.1 (and 1.0) is served: no TLS (terminate it in a proxy),
+no HTTP/2, no WebSocket; an ``Upgrade`` request is served as an ordinary
+request and the connection is closed after it.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import socket
+from typing import Final, Protocol, final
+
+import anyio
+import anyio.abc
+
+from ._connection import Connection, Shared
+from ._cycle import ASGI3App
+from ._io import IO, open_io
+from ._lifespan import Lifespan
+
+__all__ = ["ASGI3App", "serve_asgi"]
+
+log = logging.getLogger("trioinfer.server")
+
+_BACKLOG: Final = 1024
+# Most connections accepted per wake-up of the accept loop.
+_ACCEPT_BURST: Final = 256
+
+#: Transient accept() failures: the peer gave up first, or we are out of file
+#: descriptors or memory for a moment. The listener keeps going after them.
+_ACCEPT_RETRY: Final = frozenset(
+    {errno.ECONNABORTED, errno.EPROTO, errno.EPERM, errno.EINTR, errno.EAGAIN}
+)
+_ACCEPT_BACKOFF: Final = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOBUFS})
+
+
+class _Waitable(Protocol):
+    """An event to wait for: `anyio.Event`, or `trio.Event` on Trio."""
+
+    async def wait(self) -> object:
+        """Return once the event is set."""
+        ...
+
+
+async def serve_asgi(
+    app: ASGI3App,
+    host: str,
+    port: int,
+    *,
+    shutdown: _Waitable,
+    graceful_timeout: float,
+    head_timeout: float = 5.0,
+    body_timeout: float = 30.0,
+    send_timeout: float = 30.0,
+    max_head_bytes: int = 64 * 1024,
+    max_headers: int = 100,
+    task_status: anyio.abc.TaskStatus[list[str]] = anyio.TASK_STATUS_IGNORED,
+) -> None:
+    """Serve *app* over HTTP/1.1 on *host*:*port* until *shutdown* is set, then drain.
+
+    Runs on Trio or asyncio. Binds, runs the app's ASGI lifespan startup (an
+    app that raises on the lifespan scope is served without one; connections
+    made meanwhile wait in the backlog), then reports the base URLs through
+    *task_status*. Keep-alive is the default for HTTP/1.1 and pipelined
+    requests are answered in order. Malformed or ambiguous requests (see
+    ``_framing.py``) get 400 with the reason, oversized heads 431, other
+    HTTP versions 505, and an app that fails before it responds 500 (logged
+    on ``trioinfer.server``); each closes the connection. When *shutdown* is
+    set the listeners close at once, idle connections are closed, and
+    requests in flight get up to *graceful_timeout* seconds to finish (their
+    responses say ``connection: close``) before they are cancelled; then the
+    lifespan shutdown runs and the function returns. Cancelling the caller's
+    scope stops everything at once instead.
+
+    Args:
+        app: The ASGI 3 application.
+        host: The address to bind, e.g. ``"127.0.0.1"``.
+        port: The port; 0 picks a free one (read it from the reported URL).
+        shutdown: Set it to stop gracefully.
+        graceful_timeout: How long in-flight requests may run after *shutdown*.
+        head_timeout: How long a connection may wait for a request's head to be
+            complete, counted from when it opened or answered its last request:
+            idle keep-alive connections, silent ones and slow-header ones close then.
+        body_timeout: How long a read of a body the app waits for may get nothing.
+        send_timeout: How long a response may wait for the client to read any of it.
+        max_head_bytes: The most bytes of request line plus headers (and of
+            trailers) accepted; bigger requests get 431 and the connection closes.
+        max_headers: The most header fields one request may carry (431 over it).
+        task_status: Receives the listening URLs, e.g. ``["http://127.0.0.1:8000"]``,
+            for ``start``.
+
+    Raises:
+        ValueError: A timeout is not positive, or a size limit is not.
+        RuntimeError: The app reported that its lifespan startup failed.
+        OSError: The address could not be bound.
+    """
+    timeouts = (head_timeout, body_timeout, send_timeout)
+    if not all(t > 0 for t in timeouts) or not graceful_timeout >= 0:
+        raise ValueError(
+            "expected head_timeout, body_timeout and send_timeout > 0 and graceful_timeout "
+            f">= 0; got {head_timeout}, {body_timeout}, {send_timeout} and {graceful_timeout}"
+        )
+    if max_head_bytes <= 0 or max_headers <= 0:
+        raise ValueError(
+            f"expected max_head_bytes > 0 and max_headers > 0, got {max_head_bytes} and "
+            f"{max_headers}"
+        )
+    io = open_io()
+    # Bound before the lifespan startup: connections made meanwhile wait in the
+    # backlog, and a bind error is raised as itself, not inside an ExceptionGroup.
+    listeners = await _open_listeners(host, port)
+    lifespan = Lifespan(app)
+    try:
+        async with anyio.create_task_group() as root:
+            root.start_soon(lifespan.run)
+            if await lifespan.wait_started():
+                shared = Shared(
+                    app,
+                    io,
+                    lifespan.state,
+                    head_timeout=head_timeout,
+                    body_timeout=body_timeout,
+                    send_timeout=send_timeout,
+                    max_head_bytes=max_head_bytes,
+                    max_headers=max_headers,
+                )
+                server = _Server(shared)
+                await _serve(server, listeners, shutdown, graceful_timeout, task_status)
+            await lifespan.shutdown()
+    finally:
+        _close_all(io, listeners)
+    if lifespan.failure is not None:
+        raise RuntimeError(f"ASGI lifespan startup failed: {lifespan.failure}")
+
+
+async def _serve(
+    server: _Server,
+    listeners: list[socket.socket],
+    shutdown: _Waitable,
+    graceful_timeout: float,
+    task_status: anyio.abc.TaskStatus[list[str]],
+) -> None:
+    io = server.shared.io
+    async with anyio.create_task_group() as connections:
+        async with anyio.create_task_group() as acceptors:
+            for listener in listeners:
+                acceptors.start_soon(server.accept_loop, listener, connections)
+            acceptors.start_soon(server.reap_idle)
+            task_status.started([_url(listener) for listener in listeners])
+            await shutdown.wait()
+            acceptors.cancel_scope.cancel()
+        _close_all(io, listeners)
+        server.begin_shutdown()
+        with anyio.move_on_after(graceful_timeout):
+            await server.wait_closed()
+        connections.cancel_scope.cancel()
+
+
+async def _open_listeners(host: str, port: int) -> list[socket.socket]:
+    """Plain non-blocking listening sockets on every address *host* resolves to.
+
+    The server calls them directly (``accept``) and waits through ``_io.py``.
+    """
+    infos = await anyio.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    listeners: list[socket.socket] = []
+    seen = set()
+    try:
+        for family, kind, proto, _name, address in infos:
+            if (family, address) in seen:
+                continue
+            seen.add((family, address))
+            sock = socket.socket(family, kind, proto)
+            listeners.append(sock)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if family == socket.AF_INET6:
+                # One socket per family, as Trio does: no IPv4-mapped addresses here.
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            sock.bind(address)
+            sock.listen(_BACKLOG)
+            sock.setblocking(False)
+    except BaseException:
+        for sock in listeners:
+            sock.close()
+        raise
+    return listeners
+
+
+def _close_all(io: IO, socks: list[socket.socket]) -> None:
+    for sock in socks:
+        if sock.fileno() != -1:
+            io.notify_closing(sock)
+            sock.close()
+
+
+def _url(sock: socket.socket) -> str:
+    host, port = sock.getsockname()[:2]
+    if ":" in host:
+        host = f"[{host}]"
+    return f"http://{host}:{port}"
+
+
+@final
+class _Server:
+    """The set of open connections, and what runs across them: accepting, reaping, shutdown."""
+
+    __slots__ = ("_all_closed", "_connections", "shared")
+
+    def __init__(self, shared: Shared) -> None:
+        self.shared = shared
+        self._connections: set[Connection] = set()
+        self._all_closed = anyio.Event()
+
+    async def accept_loop(self, listener: socket.socket, task_group: anyio.abc.TaskGroup) -> None:
+        """Accept connections forever, each served by a task in *task_group*."""
+        wait_readable = self.shared.io.wait_readable
+        while True:
+            await wait_readable(listener)
+            # Take every waiting connection, not one: each wait is a turn of the
+            # scheduler, which lasts as long as every runnable task's step, and
+            # with the loop busy one accept per turn left clients opening many
+            # connections at once waiting seconds for their first answer.
+            for _ in range(_ACCEPT_BURST):
+                try:
+                    sock, _ = listener.accept()
+                except BlockingIOError:  # none left (or another process got it)
+                    break
+                except OSError as exc:
+                    if exc.errno in _ACCEPT_RETRY:
+                        continue
+                    if exc.errno in _ACCEPT_BACKOFF:
+                        log.warning("accept() failed (%s); retrying in 100ms", exc)
+                        await anyio.sleep(0.1)
+                        break
+                    raise
+                task_group.start_soon(self._serve_connection, sock)
+
+    async def _serve_connection(self, sock: socket.socket) -> None:
+        shared = self.shared
+        try:
+            sock.setblocking(False)
+            # Responses go out in one write each; waiting for an ACK (Nagle) only adds latency.
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            conn = Connection(shared, sock, sock.getpeername()[:2], sock.getsockname()[:2])
+        except OSError:  # the client is already gone
+            sock.close()
+            return
+        self._connections.add(conn)
+        try:
+            async with anyio.create_task_group() as task_group:
+                conn.task_group = task_group
+                await conn.run()
+                task_group.cancel_scope.cancel()  # the watcher, if one was started
+        except* Exception:
+            # A bug here must cost one connection, never the server.
+            log.exception("unexpected error serving a connection")
+        finally:
+            shared.io.notify_closing(sock)
+            sock.close()
+            self._connections.discard(conn)
+            if shared.closing and not self._connections:
+                self._all_closed.set()
+
+    async def reap_idle(self) -> None:
+        """Close connections that waited for a request head longer than ``head_timeout``, forever.
+
+        One task checking every connection a few times per timeout, rather than
+        a deadline per connection: moving a cancel scope's deadline twice per
+        request (arm while idle, disarm while the app runs) costs as much as a
+        scheduler round trip, and the request loop needs neither. A connection
+        is closed between one and 1.25 timeouts after it fell idle.
+        """
+        timeout = self.shared.head_timeout
+        current_time = self.shared.io.current_time
+        while True:
+            await anyio.sleep(timeout / 4)
+            expired = current_time() - timeout
+            for conn in self._connections:
+                if conn.idle and conn.idle_since <= expired:
+                    conn.cancel_scope.cancel()
+
+    def begin_shutdown(self) -> None:
+        """Close idle connections now; busy ones close after their current response."""
+        self.shared.closing = True
+        for conn in list(self._connections):
+            if conn.idle:
+                conn.cancel_scope.cancel()
+        if not self._connections:
+            self._all_closed.set()
+
+    async def wait_closed(self) -> None:
+        """Wait until every connection has closed (after `begin_shutdown`)."""
+        await self._all_closed.wait()
