@@ -296,3 +296,54 @@ def test_a_pipeline_runs_on_asyncio() -> None:
             np.testing.assert_array_equal(out["OUT"], X * 3 + 10)
 
     anyio.run(main, backend="asyncio")
+
+
+async def test_steps_that_fail_together_end_the_request_with_one_typed_error(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    async with open_engine() as engine:
+        await load_diamond(engine)
+        # Both parallel steps refuse the input at once; the caller gets one InvalidInput.
+        loose = pipeline(
+            DIAMOND, name="loose", options={"inputs": [tensor("IN", shape=("batch", -1))]}
+        )
+        await engine.load(loose)
+        with pytest.raises(
+            InvalidInput, match=r"^pipeline 'loose', step \d \(model '(double|plus)'\)"
+        ):
+            await engine.infer("loose", {"IN": np.ones((1, 5), np.float32)})
+        assert engine.statistics().models["loose"].failed == 1
+
+
+async def test_a_step_model_replaced_by_one_without_the_output_fails_the_step_clearly(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    async with open_engine() as engine:
+        await load_diamond(engine)
+        class Renamed:
+            async def infer(self, inputs: Arrays) -> Arrays:
+                return {"z": inputs["x"]}
+
+        other = ModelConfig(
+            name="plus",
+            path="-",
+            backend="python",
+            backend_options={"class": Renamed, "inputs": [tensor("x")], "outputs": [tensor("z")]},
+        )
+        await engine.load(other, replace=True)
+        with pytest.raises(
+            BackendError, match=r"step 1 \(model 'plus'\): .*without outputs \['y'\]"
+        ):
+            await engine.infer("p", {"IN": X})
+
+
+async def test_a_pipeline_that_would_call_itself_is_refused() -> None:
+    async with open_engine() as engine:
+        await load_diamond(engine)
+        with pytest.raises(ConfigError, match="leads back to the pipeline itself"):
+            await engine.load(pipeline([step("p", "IN", "OUT")]), replace=True)
+        nested = [{"model": "p", "input_map": {"IN": "IN"}, "output_map": {"OUT": "OUT"}}]
+        await engine.load(pipeline(nested, name="outer"))
+        cycle = [{"model": "outer", "input_map": {"IN": "IN"}, "output_map": {"OUT": "OUT"}}]
+        with pytest.raises(ConfigError, match=r"step 0 \(model 'outer'\) leads back"):
+            await engine.load(pipeline(cycle), replace=True)

@@ -163,7 +163,12 @@ class Engine:
         try:
             runner: ModelRunner | Pipeline
             if config.backend == PIPELINE:
-                runner = Pipeline(config, self.infer, lambda model: self._runner(model).signature)
+                runner = Pipeline(
+                    config,
+                    self.infer,
+                    lambda model: self._runner(model).signature,
+                    self._steps_of,
+                )
             else:
                 runner = await self._new_runner(config)
             await self._task_group.start(runner.run)
@@ -233,6 +238,11 @@ class Engine:
             raise ModelNotFound(f"no model named {name!r} is loaded; loaded: {self._names()}")
         self._forget(name)
         await self._retire(runner)
+
+    def _steps_of(self, model: str) -> tuple[str, ...]:
+        # The models a pipeline's steps call (none for a model that is not one).
+        runner = self._runners.get(model)
+        return tuple(s.model for s in runner.steps) if isinstance(runner, Pipeline) else ()
 
     def _forget(self, name: str, seen: set[str] | None = None) -> None:
         # The cached answers of *name* no longer hold, nor those of the pipelines

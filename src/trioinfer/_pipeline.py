@@ -38,7 +38,14 @@ import attrs
 import numpy as np
 
 from ._config import PIPELINE, ModelConfig
-from ._exceptions import ConfigError, DeadlineExceeded, EngineClosed, QueueFull, TrioInferError
+from ._exceptions import (
+    BackendError,
+    ConfigError,
+    DeadlineExceeded,
+    EngineClosed,
+    QueueFull,
+    TrioInferError,
+)
 from ._request import Outputs, Request, Status
 from ._runner import BATCH_BUCKETS, DURATION_BUCKETS, ModelStatistics, _Histogram
 from ._tensors import ModelSignature, TensorSpec
@@ -102,6 +109,7 @@ class Pipeline:
         config: ModelConfig,
         infer: Infer,
         signatures: Callable[[str], ModelSignature],
+        steps_of: Callable[[str], Sequence[str]] = lambda model: (),
     ) -> None:
         options = config.backend_options
         unknown = sorted(set(options) - {"inputs", "outputs", "steps"})
@@ -116,7 +124,7 @@ class Pipeline:
         )
         self.steps = _steps(config.name, options.get("steps"))
         self._infer = infer
-        _check_graph(config.name, self.signature, self.steps, signatures)
+        _check_graph(config.name, self.signature, self.steps, signatures, steps_of)
         self.input_limits = config.input_limits
         self.queue_timeouts = config.queue_timeouts
         self.batched = False  # requests keep their rows; each step batches on its own
@@ -192,9 +200,10 @@ class Pipeline:
         pending = list(enumerate(self.steps))
         changed = anyio.Event()
         running: set[int] = set()
+        failure: TrioInferError | None = None
 
-        async def run_step(index: int, step: Step) -> None:
-            nonlocal changed
+        async def run_step(index: int, step: Step, cancel: anyio.CancelScope) -> None:
+            nonlocal changed, failure
             inputs = {own: tensors[shared] for own, shared in step.input_map.items()}
             try:
                 outputs = await self._infer(
@@ -204,33 +213,35 @@ class Pipeline:
                     tenant=request.tenant,
                     request_id=f"{request.id}/{index}",
                 )
+                missing = sorted(set(step.output_map) - set(outputs))
+                if missing:
+                    # The step's model was replaced by one with other outputs.
+                    raise BackendError(f"its model answered without outputs {missing}")
             except TrioInferError as exc:
-                raise _step_error(self.config.name, index, step.model, exc) from exc
+                # The first failure is the answer; the steps still running are cancelled.
+                if failure is None:
+                    failure = _step_error(self.config.name, index, step.model, exc)
+                    failure.__cause__ = exc
+                cancel.cancel()
+                return
             for own, shared in step.output_map.items():
                 tensors[shared] = outputs[own]
             running.discard(index)
             changed.set()
             changed = anyio.Event()
 
-        try:
-            async with anyio.create_task_group() as tg:
-                while pending or running:
-                    for item in [
-                        (i, s)
-                        for i, s in pending
-                        if all(t in tensors for t in s.input_map.values())
-                    ]:
-                        pending.remove(item)
-                        running.add(item[0])
-                        tg.start_soon(run_step, *item)
-                    if running:
-                        await changed.wait()
-        except BaseExceptionGroup as group:
-            # The first step to fail cancelled the others: its error is the answer.
-            failures = _failures(group)
-            if len(failures) == 1:
-                raise failures[0] from None
-            raise
+        async with anyio.create_task_group() as tg:
+            while (pending or running) and failure is None:
+                for index, step in [
+                    (i, s) for i, s in pending if all(t in tensors for t in s.input_map.values())
+                ]:
+                    pending.remove((index, step))
+                    running.add(index)
+                    tg.start_soon(run_step, index, step, tg.cancel_scope)
+                if running:
+                    await changed.wait()
+        if failure is not None:
+            raise failure
         return {spec.name: np.asarray(tensors[spec.name]) for spec in self.signature.outputs}
 
     async def wait_idle(self) -> None:
@@ -269,17 +280,6 @@ class Pipeline:
         )
 
 
-def _failures(group: BaseExceptionGroup[BaseException]) -> list[BaseException]:
-    cancelled = anyio.get_cancelled_exc_class()
-    found: list[BaseException] = []
-    for leaf in group.exceptions:
-        if isinstance(leaf, BaseExceptionGroup):
-            found += _failures(leaf)
-        elif not isinstance(leaf, cancelled):
-            found.append(leaf)
-    return found
-
-
 def _step_error(pipeline: str, index: int, model: str, exc: TrioInferError) -> TrioInferError:
     # The step's own error class (a client's fault stays a client's fault), its
     # message saying which step failed.
@@ -295,6 +295,7 @@ def _check_graph(
     signature: ModelSignature,
     steps: Sequence[Step],
     signatures: Callable[[str], ModelSignature],
+    steps_of: Callable[[str], Sequence[str]],
 ) -> None:
     """Refuse a pipeline whose steps do not fit their models or each other."""
     where = f"pipeline {name!r}"
@@ -311,6 +312,11 @@ def _check_graph(
             )
         for i, step in ready:
             waiting.remove((i, step))
+            if step.model == name or name in _reachable(step.model, steps_of):
+                raise ConfigError(
+                    f"{where}: step {i} (model {step.model!r}) leads back to the pipeline "
+                    "itself; a pipeline's steps must not call it"
+                )
             model = signatures(step.model)
             for own, shared in step.input_map.items():
                 _fits(where, f"step {i}: input {own!r} of model {step.model!r}", model.inputs,
@@ -342,6 +348,18 @@ def _check_graph(
                 f"{where}: output {spec.name!r} is declared {spec.describe()}, but its step "
                 f"produces {producers[spec.name].describe()}"
             )
+
+
+def _reachable(model: str, steps_of: Callable[[str], Sequence[str]]) -> set[str]:
+    # Every model a request to *model* may reach through pipelines' steps.
+    seen: set[str] = set()
+    todo = [model]
+    while todo:
+        for step in steps_of(todo.pop()):
+            if step not in seen:
+                seen.add(step)
+                todo.append(step)
+    return seen
 
 
 def _fits(where: str, what: str, specs: Sequence[TensorSpec], own: str, source: TensorSpec) -> None:
