@@ -320,6 +320,7 @@ async def test_a_step_model_replaced_by_one_without_the_output_fails_the_step_cl
 ) -> None:
     async with open_engine() as engine:
         await load_diamond(engine)
+
         class Renamed:
             async def infer(self, inputs: Arrays) -> Arrays:
                 return {"z": inputs["x"]}
