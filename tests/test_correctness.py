@@ -15,7 +15,7 @@ import logging
 import math
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import anyio
 import numpy as np
@@ -246,42 +246,78 @@ async def test_a_failover_onto_a_busy_instance_never_starts_after_the_queue_time
     assert stats.expired == 1
 
 
-async def test_a_retry_backoff_past_the_callers_deadline_sends_nothing_again(
+class CarelessRetry:
+    """A fallback that retries after a backoff without looking at any deadline."""
+
+    ran: ClassVar[list[bool]] = []
+
+    async def execute(self, execution: trioinfer.Execution) -> None:
+        try:
+            await execution.run()
+        except BackendError:
+            await anyio.sleep(10)  # the request's 0.5 s queue timeout passes meanwhile
+            CarelessRetry.ran.append(await execution.run())
+
+
+async def test_a_retry_started_past_the_deadline_computes_nothing(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
-    """A transient failure, then a backoff; the caller's deadline passes during it."""
+    """The engine's own check, right before the backend call, whatever the fallback does."""
+    backend = Recorder()
+    backend.failing.add(0)
+    registry = trioinfer.Registry(
+        extra={"backends": {"recorder": lambda: backend}, "fallbacks": {"careless": CarelessRetry}}
+    )
+    config = ModelConfig(
+        name="m", path="-", backend="recorder", fallback="careless", queue_timeouts={0: 0.5}
+    )
+    CarelessRetry.ran = []
+    async with open_engine(registry=registry) as engine:
+        await engine.load(config)
+        with pytest.raises(DeadlineExceeded, match="nothing was computed"):
+            await engine.infer("m", {"x": rows_of(5)})
+    assert backend.rows_on(0) == [5]  # the first attempt only
+    assert CarelessRetry.ran == [False]  # the retry ran nothing, and says so
 
-    class Flaky(Recorder):
-        async def load(
-            self, config: ModelConfig, placement: trioinfer.Placement
-        ) -> RecorderInstance:
-            instance = await super().load(config, placement)
-            original = instance.execute
 
-            async def execute(inputs: Arrays) -> dict[str, np.ndarray[Any, Any]]:
-                await original(inputs)
-                raise BackendError("flaky", transient=True)
-
-            instance.execute = execute  # type: ignore[method-assign]
-            return instance
-
-    backend = Flaky()
+async def test_a_batch_whose_callers_all_expired_does_not_count_as_a_success(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """Its breaker sees nothing: an execution that never ran says nothing of the instance."""
+    backend = Recorder(delays={0: 1.0})
     config = ModelConfig(
         name="m",
         path="-",
         backend="recorder",
+        instances=[Instance(capacity=2.0), Instance(capacity=1.0)],
         fallback="resilient",
-        # A backoff of up to 10 s: the retry is due after the 0.5 s queue timeout.
-        fallback_options={"attempts": 5, "backoff": 10.0, "max_backoff": 10.0, "seed": 3},
-        queue_timeouts={0: 0.5},
+        fallback_options={"attempts": 1, "breaker": {"fail_max": 2}},
+        queue_timeouts={1: 0.5},
     )
-    async with open_engine(registry=backend.registry()) as engine:
+    async with open_engine(registry=backend.registry(), device_limits={"cpu": 1}) as engine:
         await engine.load(config)
-        with pytest.raises((DeadlineExceeded, BackendError)):
-            await engine.infer("m", {"x": rows_of(5)})
-    # One attempt, never a second: the fallback starts no retry past the batch's
-    # deadline, and the engine checks again right before the backend call.
-    assert backend.rows_on(0) == [5]
+
+        async def on_instance_1(value: float, priority: int = 0) -> object:
+            # Instance 0 (preferred) holds the device for 1 s; instance 1 takes the request.
+            outcome: object = None
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(engine.infer, "m", {"x": rows_of(100)})
+                await anyio.sleep(0.05)
+                try:
+                    await engine.infer("m", {"x": rows_of(value)}, priority=priority)
+                except trioinfer.TrioInferError as exc:
+                    outcome = exc
+            return outcome
+
+        backend.failing.add(1)
+        assert isinstance(await on_instance_1(9), BackendError)  # instance 1's first failure
+        backend.failing.discard(1)
+        # Expires while instance 1 waits for the device: nothing ran.
+        assert isinstance(await on_instance_1(1, priority=1), DeadlineExceeded)
+        # Had that empty batch counted as a success, one more failure would not open it.
+        backend.failing.add(1)
+        assert isinstance(await on_instance_1(2), BackendError)
+        assert engine.statistics().models["m"].replicas[1].state == "out"
 
 
 async def test_a_batch_waiting_for_its_device_drops_the_members_that_left_or_expired(
@@ -549,3 +585,16 @@ def test_retry_after_before_any_execution_guesses_ten_milliseconds_each() -> Non
     for rows, seconds in [(1, 0.012), (16, 0.042), (1, 0.012), (16, 0.042)] * 5:
         cost.observe(rows, 1, seconds)
     assert cost.estimate(31) == pytest.approx(0.072, rel=0.05)  # 10 ms + 2 ms a row
+
+
+async def test_queue_sizes_count_only_the_bounded_levels(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """A client may send any priority: only the levels with a bound are counted."""
+    config = ModelConfig(name="m", path="-", backend="fake", queue_sizes={0: 4})
+    async with open_engine(registry=FakeBackend().registry()) as engine:
+        await engine.load(config)
+        for priority in range(1, 200):
+            await engine.infer("m", {"x": rows_of(1)}, priority=priority)
+        levels = engine._runner("m").queue._levels  # what it keeps, not what it answers
+    assert levels == {0: 0}

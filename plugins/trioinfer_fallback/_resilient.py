@@ -252,26 +252,27 @@ class Resilient:
 
     async def _timed(self, execution: Execution, replica: Replica) -> None:
         try:
-            await self._run_once(execution, replica)
+            ran = await self._run_once(execution, replica)
         except Exception as exc:
             if _backend_fault(exc):
                 self._failed(replica, exc)
             raise
         breaker = self.breakers.get(replica.index)
-        if breaker is not None:
+        if breaker is not None and ran:  # a batch whose callers all left says nothing
             breaker.success()
 
-    async def _run_once(self, execution: Execution, replica: Replica) -> None:
+    async def _run_once(self, execution: Execution, replica: Replica) -> bool:
         if self.timeout is None:
-            await execution.run(replica)
-            return
+            return await execution.run(replica)
+        ran = False
         with anyio.move_on_after(self.timeout) as scope:
-            await execution.run(replica)
+            ran = await execution.run(replica)
         if scope.cancelled_caught:
             raise BackendError(
                 f"{replica.label} of model {self._model()!r} did not answer within {self.timeout}s",
                 transient=True,
             )
+        return ran
 
     async def _elsewhere(self, execution: Execution, request: Request) -> None:
         for model in self.models:

@@ -222,7 +222,7 @@ class Execution:
         """
         return max((r.deadline for r in self.pending()), default=-math.inf)
 
-    async def run(self, replica: Replica | None = None) -> None:
+    async def run(self, replica: Replica | None = None) -> bool:
         """Run the pending requests on *replica* (by default the chosen one) and answer them.
 
         Waits until the replica is free to take another execution (and its
@@ -232,11 +232,15 @@ class Execution:
         row is computed for them; when none is left, nothing runs. A replica
         that is out may be used (a probe, say); dispatch never chooses one.
 
+        Returns:
+            Whether it ran anything: ``False`` when no request was left to
+            run (say nothing of the replica's health then).
+
         Raises:
             Exception: What the backend raised (usually
                 [`BackendError`][trioinfer.BackendError]); nobody was answered.
         """
-        await self._runner._attempt(self, self.replica if replica is None else replica)
+        return await self._runner._attempt(self, self.replica if replica is None else replica)
 
     def respond(self, request: Request, outputs: Mapping[str, Any], *, via: str) -> None:
         """Answer *request* with *outputs* that did not come from a replica of this model.

@@ -77,12 +77,13 @@ class RequestQueue:
         on_expired: Any,
         batched: bool = True,
         preferred_batch_sizes: tuple[int, ...] = (),
-        count_levels: bool = False,
+        bounded_levels: tuple[int, ...] = (),
     ) -> None:
         self._scheduler = scheduler
-        # Requests waiting per priority level, kept only for per-level bounds.
-        self._levels: collections.Counter[int] | None = (
-            collections.Counter() if count_levels else None
+        # Requests waiting per priority level, kept only for the levels with a bound
+        # (a client may send any priority: counting every one would grow without end).
+        self._levels: dict[int, int] | None = (
+            dict.fromkeys(bounded_levels, 0) if bounded_levels else None
         )
         # Requests a batcher gave back: they were at the head, so they stay there,
         # ahead of the scheduler's order, without being admitted a second time.
@@ -133,7 +134,7 @@ class RequestQueue:
                 front.popleft()
             else:
                 scheduler.pop()
-            if self._levels is not None:
+            if self._levels is not None and request.priority in self._levels:
                 self._levels[request.priority] -= 1
             self._on_expired(request, now)
         raise anyio.WouldBlock
@@ -151,7 +152,7 @@ class RequestQueue:
         while front or len(scheduler):
             request = front.popleft() if front else scheduler.pop()
             self.taken += 1
-            if self._levels is not None:
+            if self._levels is not None and request.priority in self._levels:
                 self._levels[request.priority] -= 1
             if request.deadline == math.inf:
                 return request
@@ -170,14 +171,16 @@ class RequestQueue:
         back = [r for r in requests if r.status is Status.QUEUED]
         self._front.extendleft(reversed(back))
         if self._levels is not None:
-            self._levels.update(r.priority for r in back)
+            for r in back:
+                if r.priority in self._levels:
+                    self._levels[r.priority] += 1
         if self._front and self._wakeup is not None:
             self._wakeup.set()
             self._wakeup = None
 
     def _push(self, request: Request) -> None:
         self._scheduler.push(request)
-        if self._levels is not None:
+        if self._levels is not None and request.priority in self._levels:
             self._levels[request.priority] += 1
         if self._wakeup is not None:
             self._wakeup.set()
@@ -188,7 +191,7 @@ class RequestQueue:
         if not removed and request in self._front:
             self._front.remove(request)  # at most a batch's worth: a short scan
             removed = True
-        if removed and self._levels is not None:
+        if removed and self._levels is not None and request.priority in self._levels:
             self._levels[request.priority] -= 1
 
 
@@ -553,7 +556,7 @@ class ModelRunner:
             self._expire,
             self.batched,
             _preferred(self._instances[0], self.config.name),
-            count_levels=bool(self.config.queue_sizes),
+            bounded_levels=tuple(self.config.queue_sizes),
         )
         self._turns = _Turns(self._new_event, self.queue)
         self._assemble = getattr(self._batcher, "assemble", None)
@@ -687,9 +690,9 @@ class ModelRunner:
                 ),
             )
 
-    async def _attempt(self, execution: Execution, replica: Replica) -> None:
+    async def _attempt(self, execution: Execution, replica: Replica) -> bool:
         # One execution of a batch's pending requests on one replica: the engine's
-        # side of Execution.run().
+        # side of Execution.run(). False when nothing was left to run.
         slot = replica._slot
         await slot.acquire()
         limiter = self._device_limits.get(replica.device)
@@ -701,7 +704,7 @@ class ModelRunner:
                 # rows whose caller left or whose deadline passed go no further.
                 live = self._live(execution.requests)
                 if not live:
-                    return
+                    return False
                 rows, deadline = 0, -math.inf
                 for request in live:
                     rows += request.rows
@@ -716,7 +719,7 @@ class ModelRunner:
                     except Exception as exc:
                         # A batcher's bug fails its batch, not the instance's worker.
                         self._fail_plugin(live, "assemble", exc)
-                        return
+                        return True
                 elif len(live) == 1:
                     inputs, split = live[0].inputs, _alone
                 else:
@@ -731,6 +734,8 @@ class ModelRunner:
                 started = self.clock.current_time()
                 running = (replica, started, rows, deadline)
                 self._executing.append(running)
+                if self._assemble is not None:
+                    rows = _rows(inputs)  # the batcher's own layout: check what it built
                 try:
                     outputs = await self._call_backend(replica, inputs, rows if self.batched else 0)
                 finally:
@@ -755,11 +760,11 @@ class ModelRunner:
             shares = split(outputs)
         except Exception as exc:
             self._fail_plugin(live, "split", exc)
-            return
+            return True
         if len(shares) != len(live):
             error = PluginError(f"split gave {len(shares)} shares for {len(live)} requests")
             self._fail_plugin(live, "split", error)
-            return
+            return True
         request_duration = self._request_duration.observe
         for request, share in zip(live, shares, strict=True):
             state = request._state
@@ -767,6 +772,7 @@ class ModelRunner:
                 request_duration(ended - request.arrival)
                 state.served_by = replica
             self._finish(request, outputs=share)
+        return True
 
     def _live(self, requests: Sequence[Request]) -> list[Request]:
         # The batch's rows still worth computing: running, caller still there,
@@ -781,7 +787,12 @@ class ModelRunner:
                 if now is None:
                     now = self.clock.current_time()
                 if request.deadline <= now:
-                    state.batch.waiting -= 1
+                    running: _Running = state.batch
+                    running.waiting -= 1
+                    if running.waiting == 0:
+                        # Nobody waits for this batch any more (another attempt, a
+                        # hedge, may be running): abort it, as when its callers leave.
+                        running.scope.cancel()
                     self._expire(request, now)
                     continue
             live.append(request)
