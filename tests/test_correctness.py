@@ -510,6 +510,9 @@ def test_unbatched_reasons() -> None:
     assert sig([("b", 4)], [(None, 2)]).batched  # unknown: checked at run time
     assert sig([(None, 4)], [("p", 2)]).batched  # the inputs name no batch dimension
     assert sig([("a", 4), ("b", 4)], [("b", 2)]).batched
+    # A converter's placeholder names (tf2onnx, ONNX Runtime) say nothing: checked at run time.
+    assert sig([("batch", 4)], [("unk__0", 2)]).batched
+    assert sig([("unk__3", 4)], [("unk__7", 2)]).batched
     assert sig([("b", 4)], [("p", 2)]).unbatched_reason == (
         "output 'o0' is float32[p, 2]: its first dimension is not the inputs' ('b'), "
         "so it cannot be cut into each request's rows"

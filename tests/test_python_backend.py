@@ -387,3 +387,22 @@ async def test_a_trioinfer_error_the_model_raises_reaches_the_caller_as_it_is() 
         await engine.load(config(Refuses))
         with pytest.raises(trioinfer.InvalidInput, match=r"^x must be positive$"):
             await engine.infer("m", {"x": X})
+
+
+async def test_unloading_drops_the_modules_its_instances_imported(tmp_path: Path) -> None:
+    import sys
+
+    (tmp_path / "model.py").write_text(
+        "class Model:\n    def infer(self, inputs):\n        return {'y': inputs['x']}\n"
+    )
+    on_disk = ModelConfig(
+        name="m", path=tmp_path / "model.py", backend="python", backend_options=dict(XY),
+        instances=[Instance(count=2)],
+    )  # fmt: skip
+    before = {name for name in sys.modules if name.startswith("trioinfer_python_model_")}
+    async with open_engine() as engine:
+        for _ in range(3):
+            await engine.load(on_disk, replace=True)
+        await engine.unload("m")
+    after = {name for name in sys.modules if name.startswith("trioinfer_python_model_")}
+    assert after == before

@@ -74,6 +74,8 @@ __all__ = ["PythonBackend", "PythonInstance"]
 
 Arrays = Mapping[str, np.ndarray[Any, Any]]
 _modules = itertools.count()
+#: The names model files are imported under, each load its own.
+_MODULE_PREFIX = "trioinfer_python_model_"
 
 #: The options this backend takes, with what each means.
 OPTIONS: Mapping[str, str] = {
@@ -196,7 +198,7 @@ def _import(model: str, path: Path) -> ModuleType:
     # never share (or replace) each other's module.
     if not path.is_file():
         raise BackendError(f"model {model!r}: no model file {path.name} at the configured path")
-    name = f"trioinfer_python_model_{next(_modules)}"
+    name = f"{_MODULE_PREFIX}{next(_modules)}"
     spec = importlib.util.spec_from_file_location(name, path)
     if spec is None or spec.loader is None:  # pragma: no cover  # a .py file always has one
         raise BackendError(f"model {model!r}: {path.name} cannot be imported")
@@ -342,3 +344,7 @@ class PythonInstance:
         finally:
             if self._worker is not None:
                 await self._worker.aclose()
+            # The module this instance's import of model.py made: nothing else uses it.
+            module = type(self._model).__module__
+            if module.startswith(_MODULE_PREFIX):
+                sys.modules.pop(module, None)

@@ -856,7 +856,9 @@ class ModelRunner:
                     if state.status is Status.QUEUED:
                         self._expire(request, self.clock.current_time())
                     else:
-                        await state.done.wait()  # running: a queue timeout no longer applies
+                        # Running: the engine ends it if the timeout passes before an
+                        # attempt starts (a failover's wait, say), never mid-run.
+                        await state.done.wait()
         except anyio.get_cancelled_exc_class():
             self._withdraw(request)
             raise
@@ -1076,7 +1078,8 @@ class ModelRunner:
         The first serving instance to come free, then the queue ahead, in
         executions of the usual size spread over the instances. A running
         execution ends when executions of its rows have taken so far, or when
-        its last caller's deadline passes (it is aborted then), if sooner.
+        its last caller's deadline passes, if sooner (a caller's own deadline
+        aborts it then; a queue timeout does not, so this may be early).
         """
         cost, now = self._cost, self.clock.current_time()
         free_at = {id(r): now for r in self.replicas if r.serving} or {id(self.replicas[0]): now}

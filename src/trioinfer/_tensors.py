@@ -93,6 +93,12 @@ class TensorSpec:
         return f"{dtype}[{dims}]"
 
 
+def _named(dim: Dim) -> bool:
+    # A symbol the model's author chose. Converters name dimensions they could
+    # not infer "unk__0", "unk__1", ...: those say nothing, like an unnamed one.
+    return isinstance(dim, str) and not dim.startswith("unk__")
+
+
 @attrs.frozen
 class ModelSignature:
     """The inputs and outputs of a loaded model, in the model's order."""
@@ -119,9 +125,9 @@ class ModelSignature:
         # whose first dimension the model names differently (Reshape to
         # [pairs, 2], say) could not be cut that way.
         batch = {t.shape[0] for t in self.inputs}
-        if batch and all(isinstance(d, str) for d in batch):
+        if batch and all(_named(d) for d in batch):
             for t in self.outputs:
-                if isinstance(t.shape[0], str) and t.shape[0] not in batch:
+                if _named(t.shape[0]) and t.shape[0] not in batch:
                     names = ", ".join(repr(d) for d in sorted(batch, key=str))
                     return (
                         f"output {t.name!r} is {t.describe()}: its first dimension is not the "
