@@ -852,3 +852,47 @@ def test_policy_text_is_config_syntax() -> None:
     assert str(VersionPolicy()) == '"latest"'
     assert str(VersionPolicy("all")) == '"all"'
     assert str(VersionPolicy("specific", versions=[3, 1])) == "{ specific = [1, 3] }"
+
+
+async def test_pipelines_follow_their_step_models_versions_and_load_in_order(
+    tmp_path: Path,
+) -> None:
+    """A new version of a step's model reloads the pipeline; a pipeline of a pipeline loads."""
+    from trioinfer.server import serve_http
+
+    repo = tmp_path / "repo"
+    shutil.copytree(example_repository(), repo)
+    # A pipeline over the bundled pipeline, named to sort before everything it needs.
+    (repo / "a_outer").mkdir()
+    (repo / "a_outer" / "config.toml").write_text(
+        'backend = "pipeline"\n[backend_options]\n'
+        'inputs = [{ name = "I", dtype = "uint8", shape = ["batch", 8, 8] }]\n'
+        'outputs = [{ name = "N", dtype = "string", shape = ["batch"] }]\n'
+        "[[backend_options.steps]]\n"
+        'model = "read_digit"\ninput_map = { IMAGE = "I" }\noutput_map = { NAME = "N" }\n'
+    )
+    images, labels = trioinfer.digits_samples()
+    pixels = images[:2].reshape(2, 8, 8).astype(np.uint8).ravel().tolist()
+    body = {"inputs": [{"name": "I", "shape": [2, 8, 8], "datatype": "UINT8", "data": pixels}]}
+    names = ["zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine"]
+    async with trio.open_nursery() as nursery:
+        listening = await nursery.start(
+            lambda task_status: serve_http(
+                repo, port=0, handle_signals=False, task_status=task_status
+            )
+        )
+        assert listening.failed == ()
+        async with httpx.AsyncClient(base_url=listening.urls[0]) as client:
+            first = (await client.post("/v2/models/a_outer/infer", json=body)).json()
+            # digits version 2 appears; loading digits serves it and drops version 1.
+            shutil.copytree(repo / "digits" / "1", repo / "digits" / "2")
+            loaded = await client.post("/v2/repository/models/digits/load")
+            second = await client.post("/v2/models/a_outer/infer", json=body)
+            index = (await client.post("/v2/repository/index")).json()
+        nursery.cancel_scope.cancel()
+    expected = [names[label] for label in labels[:2]]
+    assert first["outputs"][0]["data"] == expected
+    assert loaded.status_code == 200
+    assert second.status_code == 200, second.text
+    assert second.json()["outputs"][0]["data"] == expected
+    assert [e["version"] for e in index if e["name"] == "digits" and e["state"] == "READY"] == ["2"]

@@ -121,8 +121,7 @@ class ServedModels:
     async def load_all(self) -> list[str]:
         """Load every model in the repository; return the names that failed (logged)."""
         failed = []
-        # Pipelines last: their steps' models must be served before them.
-        for name in sorted(self.repository.names(), key=lambda n: (self._is_pipeline(n), n)):
+        for name in self._in_dependency_order(self.repository.names()):
             try:
                 await self.load(name)
             except TrioInferError as exc:
@@ -158,6 +157,12 @@ class ServedModels:
                 if not self._served.get(model, True):
                     del self._served[model]  # nothing of it is served after all
             self._errors.pop(model, None)
+        # Pipelines over this model name its versions as they were: load them again.
+        for dependent in self._dependents(model):
+            try:
+                await self.load(dependent)
+            except TrioInferError as exc:
+                log.error("could not reload pipeline %r: %s", dependent, exc)  # noqa: TRY400
 
     async def _load(self, model: str, override: Mapping[str, Any] | None) -> None:
         entry = self.repository.entry(model)
@@ -166,11 +171,16 @@ class ServedModels:
         for version in wanted:
             fingerprint = entry.fingerprint(version)
             old = served.get(version)
-            if old is not None and old.fingerprint == fingerprint and old.override == override:
-                continue
             engine_name = f"{model}.v{version}"
             config = attrs.evolve(entry.config(version, override), name=engine_name)
             config = self._engine_names(model, config)
+            if (
+                old is not None
+                and old.fingerprint == fingerprint
+                and old.override == override
+                and old.info.config == config  # a pipeline's steps may name other versions now
+            ):
+                continue
             info = await self.engine.load(config, replace=old is not None)
             served[version] = ServedVersion(
                 model, version, engine_name, fingerprint, override, info
@@ -185,11 +195,43 @@ class ServedModels:
         for version in sorted(set(served) - set(wanted)):
             await self._unload_version(served, version)
 
-    def _is_pipeline(self, model: str) -> bool:
+    def _steps(self, model: str) -> list[str]:
+        # The repository models a pipeline's steps name (none for other models).
         try:
-            return self.repository.entry(model).settings.get("backend") == PIPELINE
+            settings = self.repository.entry(model).settings
         except TrioInferError:
-            return False  # its own load says what is wrong with it
+            return []  # its own load says what is wrong with it
+        steps = settings.get("backend_options", {}).get("steps", [])
+        if settings.get("backend") != PIPELINE or not isinstance(steps, list):
+            return []
+        return [
+            step["model"].partition(":")[0]
+            for step in steps
+            if isinstance(step, Mapping) and isinstance(step.get("model"), str)
+        ]
+
+    def _in_dependency_order(self, names: list[str]) -> list[str]:
+        # Every model after the models its steps name (pipelines of pipelines too).
+        order: list[str] = []
+        visiting: set[str] = set()
+
+        def visit(name: str) -> None:
+            if name in order or name in visiting:
+                return  # done, or a cycle, which the pipeline's load refuses
+            visiting.add(name)
+            for step in self._steps(name):
+                if step in names:
+                    visit(step)
+            visiting.discard(name)
+            order.append(name)
+
+        for name in names:
+            visit(name)
+        return order
+
+    def _dependents(self, model: str) -> list[str]:
+        # Served pipelines with a step over *model*.
+        return [name for name in sorted(self._served) if model in self._steps(name)]
 
     def _engine_names(self, owner: str, config: ModelConfig) -> ModelConfig:
         # Other models named in a config (a fallback's ``models``, a pipeline's
