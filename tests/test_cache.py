@@ -318,4 +318,49 @@ async def test_hits_give_the_event_loop_its_turn(autojump_clock: trio.testing.Mo
         with trio.move_on_after(0) as scope:
             await engine.infer("m", {"x": x(1)})
         assert scope.cancelled_caught
-    assert ran >= 100
+    assert ran >= 90  # about once per hit (0 before hits yielded)
+
+
+async def test_the_server_reports_hits_in_triton_statistics_and_metrics(tmp_path: Any) -> None:
+    import shutil
+
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from trioinfer import example_repository
+    from trioinfer.server import ServerConfig, serve_http
+
+    repo = tmp_path / "repo"
+    shutil.copytree(example_repository() / "digits", repo / "digits")
+    toml = repo / "digits" / "config.toml"
+    toml.write_text("response_cache = true\n" + toml.read_text())
+    body = {"inputs": [{"name": "input", "shape": [1, 64], "datatype": "FP32", "data": [1] * 64}]}
+    async with trio.open_nursery() as nursery:
+        listening = await nursery.start(
+            lambda task_status: serve_http(
+                repo,
+                port=0,
+                handle_signals=False,
+                config=ServerConfig(cache_size=1 << 20),
+                task_status=task_status,
+            )
+        )
+        async with httpx.AsyncClient(base_url=listening.urls[0]) as client:
+            answers = [
+                (await client.post("/v2/models/digits/infer", json=body)).json() for _ in range(3)
+            ]
+            stats = (await client.get("/v2/models/digits/stats")).json()
+            metrics = (await client.get("/metrics")).text
+        nursery.cancel_scope.cancel()
+    assert answers[0]["outputs"] == answers[2]["outputs"]
+    inference = stats["model_stats"][0]["inference_stats"]
+    assert (inference["cache_hit"]["count"], inference["cache_miss"]["count"]) == (2, 1)
+    samples = {
+        s.name: s.value
+        for family in text_string_to_metric_families(metrics)
+        for s in family.samples
+        if s.name.startswith("trioinfer_cache_")
+    }
+    assert samples["trioinfer_cache_hits_total"] == 2
+    assert samples["trioinfer_cache_misses_total"] == 1
+    assert samples["trioinfer_cache_bytes"] > 0

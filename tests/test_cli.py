@@ -251,3 +251,19 @@ def test_a_command_without_its_extra_says_which_in_one_line(command: str, missin
 def test_a_missing_module_of_trioinfer_itself_is_not_blamed_on_an_extra() -> None:
     with pytest.raises(ModuleNotFoundError):
         needs_extra("serve", ModuleNotFoundError("gone", name="trioinfer.server._gone"))
+
+
+@pytest.mark.parametrize(
+    ("text", "size"),
+    [("0", 0), ("1048576", 1 << 20), ("512KiB", 512 << 10), ("256MiB", 256 << 20), ("1GB", 10**9)],
+)
+def test_cache_size_takes_bytes_and_units(text: str, size: int) -> None:
+    from trioinfer.cli._params import ByteSize
+
+    assert ByteSize().convert(text, None, None) == size
+
+
+def test_a_cache_size_that_is_not_one_is_a_usage_error() -> None:
+    result = invoke("serve", "--cache-size", "lots")
+    assert result.exit_code == 2
+    assert "'lots' is not a size" in result.output

@@ -3,8 +3,13 @@
 from __future__ import annotations
 
 import math
+import re
+from typing import Any
 
 import click
+
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20,
+          "gib": 2**30}  # fmt: skip
 
 
 def _not_nan(_ctx: click.Context, _param: click.Parameter, value: float) -> float:
@@ -28,3 +33,24 @@ def needs_extra(extra: str, exc: ModuleNotFoundError) -> click.ClickException:
         f"named {top!r}): install trioinfer with it, e.g. pip install -e '.[cpu,{extra}]' "
         "in a clone"
     )
+
+
+class ByteSize(click.ParamType):  # type: ignore[type-arg]  # generic only in stubs
+    """A size in bytes: ``1048576``, ``512KiB``, ``256MiB``, ``1GB``."""
+
+    name = "bytes"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> int:
+        """The size as an int of bytes; a usage error saying the forms accepted otherwise."""
+        if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+            return value
+        match = re.fullmatch(r"\s*(\d+)\s*([a-zA-Z]*)\s*", str(value))
+        unit = match.group(2).lower() if match else ""
+        if match is None or unit not in _UNITS:
+            self.fail(
+                f"{value!r} is not a size: write bytes, or a number with KB, MB, GB, KiB, MiB "
+                "or GiB (e.g. 256MiB)",
+                param,
+                ctx,
+            )
+        return int(match.group(1)) * _UNITS[unit]

@@ -16,7 +16,7 @@ import click
 from .. import __version__
 from .._examples import example_repository
 from .._exceptions import TrioInferError
-from ._params import _not_nan, needs_extra
+from ._params import ByteSize, _not_nan, needs_extra
 
 #: Keys a ``--config`` file may hold; its [limits] table takes trioinfer.server.Limits fields.
 _SERVE_KEYS: Final = frozenset(
@@ -26,6 +26,7 @@ _SERVE_KEYS: Final = frozenset(
         "port",
         "models",
         "drain_period",
+        "cache_size",
         "admin_token",
         "protect_inference",
         "log_level",
@@ -59,7 +60,7 @@ _SERVE_KEYS: Final = frozenset(
     default=None,
     metavar="FILE",
     help="A TOML file with any of these options (model_repository, host, port, models, "
-    "drain_period, admin_token, protect_inference, log_level) and a [limits] table; "
+    "drain_period, cache_size, admin_token, protect_inference, log_level) and a [limits] table; "
     "options given on the command line win.",
 )
 @click.option(
@@ -77,6 +78,15 @@ _SERVE_KEYS: Final = frozenset(
     show_default=True,
     metavar="SECONDS",
     help="On SIGINT/SIGTERM, how long in-flight requests may take to finish.",
+)
+@click.option(
+    "--cache-size",
+    type=ByteSize(),
+    default="0",
+    show_default=True,
+    metavar="BYTES",
+    help="The response cache's size (e.g. 256MiB, 1GB) for the models whose config.toml "
+    "sets response_cache = true; 0: no cache.",
 )
 @click.option(
     "--admin-token",
@@ -144,6 +154,7 @@ def serve(ctx: click.Context, /, **options: Any) -> None:
             admin_token=settings["admin_token"],
             protect_inference=settings["protect_inference"],
             drain_period=settings["drain_period"],
+            cache_size=ByteSize().convert(settings["cache_size"], None, ctx),
         )
     except (TypeError, TrioInferError) as exc:
         raise click.UsageError(f"invalid server settings: {exc}") from exc

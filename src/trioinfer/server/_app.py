@@ -150,12 +150,20 @@ class ServerConfig:
             ``Authorization: Bearer <token>``.
         protect_inference: Require the token for inference (and metadata) too.
         drain_period: Seconds in-flight requests may take to finish at shutdown.
+        cache_size: Bytes of the engine's response cache, for the models whose
+            config sets ``response_cache``; 0 for no cache.
     """
 
     limits: Limits = attrs.field(factory=Limits)
     admin_token: str | None = attrs.field(default=None)
     protect_inference: bool = False
     drain_period: float = attrs.field(default=10.0)
+    cache_size: int = attrs.field(default=0)
+
+    @cache_size.validator
+    def _check_cache_size(self, _attribute: attrs.Attribute[Any], value: int) -> None:
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            raise ConfigError(f"cache_size must be a number of bytes >= 0, got {value!r}")
 
     @drain_period.validator
     def _check_drain(self, _attribute: attrs.Attribute[Any], value: float) -> None:
@@ -492,8 +500,15 @@ async def _stats(request: Request, state: ServerState) -> Response:
                         stats.compute_duration.count, stats.compute_duration.sum
                     ),
                     "compute_output": _duration(0, 0.0),
-                    "cache_hit": _duration(0, 0.0),
-                    "cache_miss": _duration(0, 0.0),
+                    # Triton's fields: hits, and the misses' time to compute and store.
+                    "cache_hit": _duration(
+                        stats.cache.hits if stats.cache else 0,
+                        stats.cache.hit_duration.sum if stats.cache else 0.0,
+                    ),
+                    "cache_miss": _duration(
+                        stats.cache.misses if stats.cache else 0,
+                        stats.cache.miss_duration.sum if stats.cache else 0.0,
+                    ),
                 },
                 "batch_stats": [],
             }

@@ -154,6 +154,30 @@ class Metrics:
             "Requests that took a fallback step, by kind (retry, failover, hedge, model, default).",
             labels=[*_LABELS, "kind"],
         )
+        cache: dict[str, CounterMetricFamily | GaugeMetricFamily] = {
+            "hits": CounterMetricFamily(
+                "trioinfer_cache_hits", "Requests answered from the response cache.", labels=_LABELS
+            ),
+            "misses": CounterMetricFamily(
+                "trioinfer_cache_misses",
+                "Requests of a model with the response cache on that were computed.",
+                labels=_LABELS,
+            ),
+            "coalesced": CounterMetricFamily(
+                "trioinfer_cache_coalesced",
+                "Requests answered by an identical request computed meanwhile.",
+                labels=_LABELS,
+            ),
+            "evictions": CounterMetricFamily(
+                "trioinfer_cache_evictions",
+                "Answers dropped from the response cache to make room.",
+                labels=_LABELS,
+            ),
+            "bytes": GaugeMetricFamily(
+                "trioinfer_cache_bytes", "Bytes the model's answers take in the cache.",
+                labels=_LABELS,
+            ),
+        }  # fmt: skip
         histograms = {
             "queue_duration": HistogramMetricFamily(
                 "trioinfer_inference_queue_duration_seconds",
@@ -197,6 +221,9 @@ class Metrics:
             for attribute, family in histograms.items():
                 histogram: Histogram = getattr(stats, attribute)
                 family.add_metric(labels, _buckets(histogram), histogram.sum)
+            if stats.cache is not None:
+                for attribute, cache_family in cache.items():
+                    cache_family.add_metric(labels, getattr(stats.cache, attribute))
         yield executions
         yield queued
         yield in_flight
@@ -206,6 +233,7 @@ class Metrics:
         yield failures
         yield fallbacks
         yield from histograms.values()
+        yield from cache.values()
 
 
 @final

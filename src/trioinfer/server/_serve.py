@@ -91,7 +91,9 @@ async def serve_http(
     if config is None:
         config = ServerConfig()
     repo = ModelRepository(repository)
-    async with open_engine(registry=registry, drain_period=config.drain_period) as engine:
+    async with open_engine(
+        registry=registry, drain_period=config.drain_period, cache_size=config.cache_size
+    ) as engine:
         served = ServedModels(engine, repo)
         if models is None:
             failed = await served.load_all()
