@@ -16,8 +16,8 @@ import trio
 
 import trioinfer
 import trioinfer_onnxruntime as ort_backend
-from trioinfer import Device, Instance, ModelConfig, Placement, open_engine
-from trioinfer._threads import WorkerThread
+from trioinfer import Device, Instance, ModelConfig, open_engine
+from trioinfer.lowlevel import Placement, WorkerThread
 from trioinfer.testing import check_backend, models
 from trioinfer_onnxruntime import AUTO_SAMPLES, OnnxRuntimeBackend, probe_device
 

@@ -46,12 +46,9 @@ from trioinfer import (
     Device,
     ModelConfig,
     ModelSignature,
-    Placement,
     TensorSpec,
-    WorkerThread,
-    numpy_dtype,
-    wait_on_callback,
 )
+from trioinfer.lowlevel import Placement, WorkerThread, numpy_dtype, wait_on_callback
 
 __all__ = [
     "AUTO_SAMPLES",
