@@ -11,7 +11,7 @@ import trio
 
 import trioinfer
 from trioinfer import ModelConfig, open_engine
-from trioinfer.lowlevel import Placement, Request, RequestQueue
+from trioinfer.lowlevel import Execution, Placement, Request, RequestQueue
 from trioinfer.server import status_for
 from trioinfer.testing import FakeBackend
 
@@ -77,6 +77,25 @@ async def test_a_broken_batcher_is_logged_with_its_name_and_fails_as_a_contract_
     [record] = [r for r in caplog.records if r.levelno == logging.ERROR]
     assert "batcher 'zero' of model 'm' broke its contract" in record.getMessage()
     assert "ZeroDivisionError" in record.getMessage()
+
+
+async def test_a_fallback_that_answers_without_every_output_is_logged_with_its_name(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    class Careless:
+        async def execute(self, execution: Execution) -> None:
+            for request in execution.pending():
+                execution.respond(request, {}, via="default")
+
+    registry = trioinfer.Registry(
+        extra={"backends": {"fake": FakeBackend}, "fallbacks": {"careless": Careless}}
+    )
+    async with open_engine(registry=registry) as engine:
+        await engine.load(config(fallback="careless"))
+        with pytest.raises(trioinfer.PluginContractError, match=r"without outputs \['y'\]"):
+            await engine.infer("m", {"x": X})
+    [record] = [r for r in caplog.records if r.levelno == logging.ERROR]
+    assert "fallback 'careless' of model 'm'" in record.getMessage()
 
 
 async def test_a_scheduler_whose_push_fails_is_a_contract_error() -> None:

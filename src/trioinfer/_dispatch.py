@@ -263,45 +263,24 @@ class Execution(metaclass=NoPublicConstructor):
         self.requests = requests
         self.replica = replica
 
+    # What each method promises is written once, in trioinfer.abc.Execution.
+
     def pending(self) -> list[Request]:
-        """The requests still waiting for an answer (not answered, caller still there)."""
+        """The requests still waiting for an answer."""
         return [r for r in self.requests if r._state.status is Status.RUNNING]
 
     def deadline(self) -> float:
-        """The latest deadline among pending requests (``math.inf`` if one has none).
-
-        Past it nobody waits for this batch, so a retry must not start later.
-        """
+        """The latest deadline among pending requests."""
         return max((r.deadline for r in self.pending()), default=-math.inf)
 
     async def run(self, replica: ReplicaView | None = None) -> None:
-        """Run the pending requests on *replica* (by default the chosen one) and answer them.
-
-        Waits until the replica is free to take another execution (and its
-        device, under ``device_limits``). Then, right before the backend call,
-        requests whose callers left are dropped, and those whose deadline has
-        passed end with [`DeadlineExceeded`][trioinfer.DeadlineExceeded]: no
-        row is computed for them; when none is left, nothing runs. A replica
-        that is out may be used (a probe, say); dispatch never chooses one.
-
-        Raises:
-            Exception: What the backend raised (usually
-                [`BackendError`][trioinfer.BackendError]); nobody was answered.
-        """
+        """Run the pending requests on *replica* (by default the chosen one) and answer them."""
         # Only the engine makes replicas, so any a fallback passes is one of ours.
         chosen = self.replica if replica is None else cast(Replica, replica)
         await self._port.attempt(self, chosen)
 
     def respond(self, request: RequestView, outputs: Mapping[str, Any], *, via: str) -> None:
-        """Answer *request* with *outputs* that did not come from a replica of this model.
-
-        *via* names where they came from (``"default"``, ``"model small"``) and
-        is recorded as a fallback step. Arrays are converted with
-        ``numpy.asarray`` and must cover every model output.
-
-        Raises:
-            PluginContractError: *request* is not in this execution, or outputs are missing.
-        """
+        """Answer *request* with *outputs* that did not come from a replica of this model."""
         port = self._port
         if request not in self.requests:
             raise self._broken(f"answered request {request.id!r}, which is not part of this batch")
@@ -318,6 +297,8 @@ class Execution(metaclass=NoPublicConstructor):
         port.finish(ours, outputs={name: np.asarray(value) for name, value in outputs.items()})
 
     def _broken(self, what: str) -> PluginContractError:
+        # Not logged here: a fallback may catch it (resilient tries whether another
+        # model's outputs fit); the runner logs one that escapes the fallback.
         fallback = self._port.config.fallback
         return PluginContractError(
             f"fallback {fallback!r} of model {self._port.config.name!r} {what}",
@@ -326,13 +307,7 @@ class Execution(metaclass=NoPublicConstructor):
         )
 
     def note(self, step: str, requests: Sequence[RequestView] | None = None) -> None:
-        """Record a fallback step, such as ``"failover instance 1 (cpu)"``, on pending requests.
-
-        The steps reach the caller in
-        [`InferenceResult.fallbacks`][trioinfer.InferenceResult] (and HTTP
-        response parameters) and are counted in the model's statistics by
-        their first word.
-        """
+        """Record a fallback step on pending requests, and count it by its first word."""
         counts = self._port.fallbacks
         kind = step.split(" ", 1)[0]
         # Only the engine makes requests, so any a fallback passes is one of ours.
@@ -342,16 +317,7 @@ class Execution(metaclass=NoPublicConstructor):
             counts[kind] = counts.get(kind, 0) + 1
 
     async def infer_elsewhere(self, model: str, request: RequestView) -> Outputs:
-        """Run one pending request on another loaded *model* and return its outputs.
-
-        The request keeps its deadline, priority, tenant and id. A request
-        that is itself a failover from another model is not sent on again,
-        so that two models failing over to each other cannot loop.
-
-        Raises:
-            BackendError: *request* came from a failover already.
-            TrioInferError: What the other model's ``infer`` raised.
-        """
+        """Run one pending request on another loaded *model*, unless it failed over already."""
         ours = cast(Request, request)  # only the engine makes requests
         if ours._state.failover:
             raise BackendError(

@@ -128,6 +128,8 @@ class RequestQueue(metaclass=NoPublicConstructor):
         #: Requests handed out so far (a batch former that took none holds nothing).
         self.taken = 0
 
+    # What each public method promises is written once, in trioinfer.abc.RequestQueue.
+
     def __len__(self) -> int:
         """Requests waiting (some may have expired and not yet been dropped)."""
         return len(self._front) + len(self._scheduler)
@@ -144,13 +146,7 @@ class RequestQueue(metaclass=NoPublicConstructor):
             await self._wakeup.wait()
 
     def peek_nowait(self) -> Request:
-        """Return the live request that `pop_nowait()` would take, leaving it queued.
-
-        Expired requests at the head are failed on the way, as by `pop_nowait()`.
-
-        Raises:
-            anyio.WouldBlock: If no live request is waiting.
-        """
+        """Return the live request that `pop_nowait()` would take, failing expired ones."""
         front, scheduler = self._front, self._scheduler
         while front or len(scheduler):
             request = front[0] if front else scheduler.peek()
@@ -169,14 +165,7 @@ class RequestQueue(metaclass=NoPublicConstructor):
         raise anyio.WouldBlock
 
     def pop_nowait(self) -> Request:
-        """Take the next live request in the scheduler's order.
-
-        Requests whose deadline has passed are failed with
-        [`DeadlineExceeded`][trioinfer.DeadlineExceeded] on the way and never returned.
-
-        Raises:
-            anyio.WouldBlock: If no live request is waiting.
-        """
+        """Take the next live request in the scheduler's order, failing expired ones."""
         front, scheduler = self._front, self._scheduler
         while front or len(scheduler):
             request = front.popleft() if front else scheduler.pop()
@@ -192,11 +181,7 @@ class RequestQueue(metaclass=NoPublicConstructor):
         raise anyio.WouldBlock
 
     def put_back(self, requests: Sequence[RequestView]) -> None:
-        """Give back requests taken for a batch that is not dispatched (e.g. cancelled).
-
-        They go back to the head of the queue, in the order given, ahead of
-        everything the scheduler holds; the scheduler does not see them again.
-        """
+        """Give back requests taken and not dispatched, to the head of the queue, in order."""
         # Only the engine makes requests, so any a batcher gives back is one of ours.
         back = [r for r in cast(Sequence[Request], requests) if r._state.status is Status.QUEUED]
         self._front.extendleft(reversed(back))
@@ -665,6 +650,8 @@ class ModelRunner(metaclass=NoPublicConstructor):
         try:
             await self._fallback.execute(execution)
         except Exception as exc:
+            if isinstance(exc, PluginContractError):  # e.g. from Execution.respond()
+                logger.error("%s", exc)
             for request in execution.pending():
                 self.finish(request, error=_backend_error(self.config.name, request, exc))
             return

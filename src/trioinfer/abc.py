@@ -119,7 +119,9 @@ class Request(Protocol):
         """A number that grows with every request made in this process: the order they were made in.
 
         Schedulers may break ties with it (the ``deadline`` scheduler runs
-        equal deadlines in this order). It never changes.
+        equal deadlines in this order). It never changes; a copy of a request
+        (``copy.copy``, a pickle round trip) keeps it, so do not queue a copy
+        beside the original.
         """
         ...
 
