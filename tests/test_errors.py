@@ -8,6 +8,7 @@ from typing import Any
 import numpy as np
 import pytest
 import trio
+import trio.lowlevel
 
 import trioinfer
 from trioinfer import ModelConfig, open_engine
@@ -197,3 +198,39 @@ async def test_a_failing_aclose_is_logged_with_the_instance(
     assert isinstance(record.exc_info[1], RuntimeError)
     # The other instance was closed anyway.
     assert backend.loaded[1].closed
+
+
+async def test_a_batcher_that_groups_for_an_unbatched_model_fails_that_batch_only() -> None:
+    f32 = np.dtype(np.float32)
+    fixed = trioinfer.ModelSignature(
+        inputs=(trioinfer.TensorSpec("x", f32, (1, 4), "tensor(float)"),),
+        outputs=(trioinfer.TensorSpec("y", f32, (1, 4), "tensor(float)"),),
+    )
+
+    class Pairs:
+        async def next_batch(self, queue: RequestQueue) -> list[Request]:
+            while len(queue) < 2:
+                await queue.wait_not_empty()
+                await trio.lowlevel.checkpoint()
+            return [queue.pop_nowait(), queue.pop_nowait()]
+
+    registry = trioinfer.Registry(
+        extra={"backends": {"fake": lambda: FakeBackend(signature=fixed)}, "batchers": {"p": Pairs}}
+    )
+    outcomes: list[BaseException] = []
+
+    async def call(engine: trioinfer.Engine) -> None:
+        try:
+            await engine.infer("m", {"x": X})
+        except trioinfer.TrioInferError as exc:
+            outcomes.append(exc)
+
+    async with open_engine(registry=registry) as engine:
+        await engine.load(config(batcher="p"))
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(call, engine)
+            nursery.start_soon(call, engine)
+        assert [type(e) for e in outcomes] == [trioinfer.PluginContractError] * 2
+        assert "grouped 2 requests, but the model has no batch dimension" in str(outcomes[0])
+        assert outcomes[0] is not outcomes[1]  # each caller its own
+        assert engine.statistics().models["m"].failed == 2

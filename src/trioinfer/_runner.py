@@ -520,9 +520,7 @@ class ModelRunner(metaclass=NoPublicConstructor):
         self._turns = _Turns(self._new_event, self.queue)
         # The optional hooks (see trioinfer.abc), looked for once, at load.
         batcher = self._batcher
-        self._assemble = (
-            cast(Any, batcher).assemble if isinstance(batcher, AssemblingBatcher) else None
-        )
+        self._assemble = batcher.assemble if isinstance(batcher, AssemblingBatcher) else None
         # Enough buffers for every instance to run a batch while the next is formed.
         self._pool = BufferPool(per_key=len(self._instances) + 1)
         if isinstance(self._scheduler, AttachableScheduler):
