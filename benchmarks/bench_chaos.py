@@ -67,8 +67,9 @@ import numpy as np
 import trio
 
 import trioinfer
-from trioinfer import Instance, ModelConfig, Placement, Registry
+from trioinfer import Instance, ModelConfig, Registry
 from trioinfer.abc import Backend, BackendInstance
+from trioinfer.lowlevel import Placement
 from trioinfer.testing import FaultyBackend, RequestLedger, assert_all_ended, assert_no_tasks_left
 
 MODEL = "digits"

@@ -39,7 +39,8 @@ import trio.testing
 
 import trioinfer
 from trioinfer.abc import Scheduler
-from trioinfer.testing import FakeBackend
+from trioinfer.lowlevel import Request
+from trioinfer.testing import FakeBackend, make_request
 from trioinfer_scheduling import DeadlineScheduler, FairScheduler, FifoScheduler, PriorityScheduler
 
 SMALL, LARGE = 100, 100_000
@@ -92,7 +93,7 @@ BUDGETS = (0.1, 0.5, 2.0, 10.0)
 URGENT = 1000.0
 
 
-def make_requests(n: int, seed: int, deadlines: str, start: float) -> list[trioinfer.Request]:
+def make_requests(n: int, seed: int, deadlines: str, start: float) -> list[Request]:
     """Requests like the engine's: 4 priority levels, 16 tenants, 7 in 8 with a deadline.
 
     They arrive 10 us apart from *start*. With ``deadlines="budgets"`` a deadline
@@ -114,9 +115,9 @@ def make_requests(n: int, seed: int, deadlines: str, start: float) -> list[trioi
         else:
             deadline = arrival + 1e6 + rng.random() * 1e3
         out.append(
-            trioinfer.Request(
-                "bench",
-                {"input": x.copy()},
+            make_request(
+                model="bench",
+                inputs={"input": x.copy()},
                 priority=rng.randrange(4),
                 tenant=f"t{rng.randrange(16)}",
                 deadline=deadline,

@@ -16,6 +16,7 @@ import trio.testing
 
 import trioinfer
 from trioinfer import Instance, ModelConfig, ModelSignature, TensorSpec, open_engine
+from trioinfer.lowlevel import Request, RequestQueue
 from trioinfer.testing import FakeBackend
 from trioinfer_batching import DynamicBatcher
 
@@ -309,24 +310,24 @@ class SlowScheduler:
     def __init__(self, clock: trio.testing.MockClock, lag: float) -> None:
         self.clock = clock
         self.lag = lag
-        self.queue: dict[trioinfer.Request, None] = {}
+        self.queue: dict[Request, None] = {}
 
-    def push(self, request: trioinfer.Request) -> None:
+    def push(self, request: Request) -> None:
         self.queue[request] = None
 
-    def peek(self) -> trioinfer.Request:
+    def peek(self) -> Request:
         if not self.queue:
             raise IndexError("empty")
         return next(iter(self.queue))
 
-    def pop(self) -> trioinfer.Request:
+    def pop(self) -> Request:
         request = self.peek()
         del self.queue[request]
         self.clock.jump(self.lag)
         self.lag = 0.0
         return request
 
-    def remove(self, request: trioinfer.Request) -> bool:
+    def remove(self, request: Request) -> bool:
         return self.queue.pop(request, False) is None
 
     def __len__(self) -> int:
@@ -567,7 +568,7 @@ class _BrokenAssembly:
         self.where = where
         self.calls = 0
 
-    async def next_batch(self, queue: trioinfer.RequestQueue) -> list[trioinfer.Request]:
+    async def next_batch(self, queue: RequestQueue) -> list[Request]:
         await queue.wait_not_empty()
         return [queue.pop_nowait()]
 
@@ -595,7 +596,7 @@ async def test_a_failing_assemble_fails_its_batch_not_the_worker(where: str) -> 
     x = np.ones((1, 4), np.float32)
     async with open_engine(registry=registry) as engine:
         await engine.load(ModelConfig(name="m", path="unused", backend="fake", batcher="broken"))
-        with pytest.raises(trioinfer.PluginError, match=f"failed to {where}") as caught:
+        with pytest.raises(trioinfer.PluginContractError, match=f"failed to {where}") as caught:
             await engine.infer("m", {"x": x})
         assert isinstance(caught.value.__cause__, RuntimeError)
         out = await engine.infer("m", {"x": x})  # the worker lives on

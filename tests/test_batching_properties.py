@@ -12,6 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import trioinfer
+import trioinfer.lowlevel
 from trioinfer import Instance, ModelConfig, ModelSignature, TensorSpec, open_engine
 from trioinfer.testing import FakeBackend
 
@@ -75,7 +76,7 @@ class RecordingFallback:
     def __init__(self) -> None:
         self.executions: list[Execution] = []
 
-    async def execute(self, execution: trioinfer.Execution) -> None:
+    async def execute(self, execution: trioinfer.lowlevel.Execution) -> None:
         requests = execution.requests
         self.executions.append(
             Execution(

@@ -29,8 +29,9 @@ import trio
 import trio.testing
 
 import trioinfer
-from trioinfer import Instance, ModelConfig, Placement, Registry, open_engine
+from trioinfer import Instance, ModelConfig, Registry, open_engine
 from trioinfer.abc import BackendInstance
+from trioinfer.lowlevel import Placement
 from trioinfer.testing import (
     FakeBackend,
     FaultyBackend,

@@ -6,7 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from trioinfer import ConfigError, Device, Instance, ModelConfig, Placement
+from trioinfer import ConfigError, Device, Instance, ModelConfig
+from trioinfer.lowlevel import Placement
 
 
 def test_defaults_and_placements() -> None:

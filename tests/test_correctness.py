@@ -36,6 +36,7 @@ from trioinfer import (
     TensorSpec,
     open_engine,
 )
+from trioinfer.lowlevel import Placement
 from trioinfer.testing import FakeBackend, check_backend
 
 F32 = np.dtype(np.float32)
@@ -64,7 +65,7 @@ class Recorder:
     def registry(self) -> trioinfer.Registry:
         return trioinfer.Registry(extra={"backends": {"recorder": lambda: self}})
 
-    async def load(self, config: ModelConfig, placement: trioinfer.Placement) -> RecorderInstance:
+    async def load(self, config: ModelConfig, placement: Placement) -> RecorderInstance:
         await anyio.lowlevel.checkpoint()
         return RecorderInstance(self, placement.index)
 

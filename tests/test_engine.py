@@ -15,6 +15,7 @@ import trio.testing
 
 import trioinfer
 from trioinfer import Instance, ModelConfig, open_engine
+from trioinfer.lowlevel import Request, RequestQueue
 from trioinfer.testing import FakeBackend
 
 X = np.ones((1, 4), dtype=np.float32)
@@ -270,7 +271,7 @@ async def test_backend_failure_fails_only_its_requests() -> None:
 
 async def test_internal_bug_surfaces_as_exception_group() -> None:
     class BrokenBatcher:
-        async def next_batch(self, queue: trioinfer.RequestQueue) -> list[trioinfer.Request]:
+        async def next_batch(self, queue: RequestQueue) -> list[Request]:
             await queue.wait_not_empty()
             return []  # breaks the contract: a batch has at least one request
 
@@ -286,7 +287,8 @@ async def test_internal_bug_surfaces_as_exception_group() -> None:
             caller_error.append(exc)
 
     with pytest.RaisesGroup(
-        pytest.RaisesExc(trioinfer.PluginError, match="empty batch"), flatten_subgroups=True
+        pytest.RaisesExc(trioinfer.PluginContractError, match=r"batcher .broken.*empty batch"),
+        flatten_subgroups=True,
     ):
         async with trio.open_nursery() as nursery, open_engine(registry=registry) as engine:
             await engine.load(fake_config(batcher="broken"))

@@ -1,4 +1,4 @@
-"""The public API is what trioinfer, .abc, .testing, .server and .bench export; pinned here."""
+"""The public API: what trioinfer, .abc, .lowlevel, .testing, .server and .bench export."""
 
 from __future__ import annotations
 
@@ -7,25 +7,30 @@ import inspect
 import trioinfer
 import trioinfer.abc
 import trioinfer.bench
+import trioinfer.lowlevel
 import trioinfer.server
 import trioinfer.testing
 
 PUBLIC = {
     "trioinfer": {
-        "BackendError", "BackendUnavailable", "ConfigError", "DeadlineExceeded", "Device",
-        "Engine", "EngineClosed", "EngineStatistics", "Histogram", "InputLimits", "Instance",
-        "InvalidInput",
-        "ModelConfig", "ModelInfo", "ModelNotFound", "ModelSignature", "ModelStatistics",
-        "Placement", "PluginError", "PluginInfo", "PluginLoadError", "QueueFull", "Registry",
-        "Request", "RequestQueue", "CircuitOpen", "Execution", "FallbackContext",
-        "InferenceResult", "Replica", "ReplicaStatistics",
-        "SchedulerContext", "Status", "TensorSpec", "TrioInferError", "WorkerThread",
-        "numpy_dtype", "open_engine", "wait_on_callback", "example_repository", "digits_samples",
+        "BackendError", "BackendUnavailable", "CircuitOpen", "ConfigError", "DeadlineExceeded",
+        "Device", "Engine", "EngineClosed", "EngineStatistics", "Histogram", "InferenceResult",
+        "InputLimits", "Instance", "InvalidInput", "ModelConfig", "ModelInfo", "ModelNotFound",
+        "ModelSignature", "ModelStatistics", "PluginContractError", "PluginError", "PluginInfo",
+        "PluginLoadError", "QueueFull", "Registry", "ReplicaStatistics", "TensorSpec",
+        "TrioInferError", "digits_samples", "example_repository", "open_engine",
     },
-    "trioinfer.abc": {"Backend", "BackendInstance", "Batcher", "Fallback", "Scheduler"},
+    "trioinfer.abc": {
+        "AssemblingBatcher", "AttachableFallback", "AttachableScheduler", "Backend",
+        "BackendInstance", "Batcher", "Fallback", "PipelinedInstance", "Scheduler", "TunedInstance",
+    },
+    "trioinfer.lowlevel": {
+        "Execution", "FallbackContext", "Placement", "Replica", "Request", "RequestQueue",
+        "SchedulerContext", "Status", "WorkerThread", "numpy_dtype", "wait_on_callback",
+    },
     "trioinfer.testing": {
-        "FakeBackend", "FakeInstance", "check_backend", "check_fallback", "check_scheduler",
-        "make_request",
+        "FakeBackend", "FakeInstance", "check_backend", "check_batcher", "check_fallback",
+        "check_scheduler", "make_request",
         "FaultStatistics", "FaultyBackend", "FaultyInstance", "LedgerStatistics",
         "RequestLedger", "assert_all_ended", "assert_no_tasks_left",
     },
@@ -45,7 +50,14 @@ PUBLIC = {
     },
 }  # fmt: skip
 
-MODULES = (trioinfer, trioinfer.abc, trioinfer.testing, trioinfer.server, trioinfer.bench)
+MODULES = (
+    trioinfer,
+    trioinfer.abc,
+    trioinfer.lowlevel,
+    trioinfer.testing,
+    trioinfer.server,
+    trioinfer.bench,
+)
 
 
 def public_names(module: object) -> set[str]:

@@ -29,6 +29,7 @@ from trioinfer import (
     ModelConfig,
     open_engine,
 )
+from trioinfer.lowlevel import Execution
 from trioinfer.testing import FakeBackend, FaultyBackend, assert_all_ended, check_fallback
 from trioinfer_fallback import Breaker, BreakerState, NoFallback, Resilient
 
@@ -469,11 +470,11 @@ async def test_none_fallback_runs_each_batch_once(autojump_clock: trio.testing.M
         assert backend.statistics().calls == 1
 
 
-async def test_a_fallback_that_answers_nobody_fails_its_requests_with_plugin_error(
+async def test_a_fallback_that_answers_nobody_fails_its_requests_with_a_contract_error(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
     class Lazy:
-        async def execute(self, execution: trioinfer.Execution) -> None:
+        async def execute(self, execution: Execution) -> None:
             return None
 
     registry = trioinfer.Registry(
@@ -481,7 +482,9 @@ async def test_a_fallback_that_answers_nobody_fails_its_requests_with_plugin_err
     )
     async with open_engine(registry=registry) as engine:
         await engine.load(config(fallback="lazy"))
-        with pytest.raises(trioinfer.PluginError, match="returned without answering"):
+        with pytest.raises(
+            trioinfer.PluginContractError, match=r"fallback .lazy.*returned without answering"
+        ):
             await engine.infer("m", {"x": X})
 
 
@@ -518,18 +521,18 @@ async def test_first_party_fallbacks_pass_check_fallback(
 
 
 class _Lazy:
-    async def execute(self, execution: trioinfer.Execution) -> None:
+    async def execute(self, execution: Execution) -> None:
         return None
 
 
 class _Shielded:
-    async def execute(self, execution: trioinfer.Execution) -> None:
+    async def execute(self, execution: Execution) -> None:
         with trio.CancelScope(shield=True):  # so nothing can abort the execution
             await execution.run()
 
 
 class _Silent:
-    async def execute(self, execution: trioinfer.Execution) -> None:
+    async def execute(self, execution: Execution) -> None:
         with contextlib.suppress(trioinfer.BackendError):
             await execution.run()
 

@@ -19,7 +19,8 @@ import trio
 import trio.testing
 
 import trioinfer
-from trioinfer import BackendError, Device, Instance, ModelConfig, Placement, open_engine
+from trioinfer import BackendError, Device, Instance, ModelConfig, open_engine
+from trioinfer.lowlevel import Placement
 from trioinfer.testing import (
     FakeBackend,
     FaultStatistics,

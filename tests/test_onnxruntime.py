@@ -17,13 +17,14 @@ import trio
 
 import trioinfer
 import trioinfer_onnxruntime as ort_backend
-from trioinfer import Device, Instance, ModelConfig, Placement, open_engine
-from trioinfer._threads import WorkerThread
+from trioinfer import Device, Instance, ModelConfig, open_engine
+from trioinfer.lowlevel import Placement, WorkerThread
 from trioinfer.testing import check_backend, models
 from trioinfer_onnxruntime import (
     AUTO_SAMPLES,
     OnnxRuntimeBackend,
     _backend,
+    _device,
     _instance,
     _options,
     _tuning,
@@ -222,6 +223,37 @@ def test_probe_says_why_in_one_line() -> None:
     if reason is not None:
         assert "\n" not in reason
         assert reason.strip()
+
+
+def test_probe_holds_back_onnxruntimes_output_without_touching_this_process(
+    capfd: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A device not probed yet: ONNX Runtime's loaders print why CUDA libraries
+    # fail to load, and its C++ log writes to fd 2. The trial session is made in
+    # a child process, so none of that reaches this process's streams, and
+    # nothing here swaps sys.stdout or sys.stderr under other threads' feet.
+    import onnxruntime
+
+    made_here: list[object] = []
+
+    def session_here(*args: object, **kwargs: object) -> None:
+        made_here.append(args)
+        raise RuntimeError("the probe made its trial session in this process")
+
+    monkeypatch.setattr(onnxruntime, "InferenceSession", session_here)
+    streams = (sys.stdout, sys.stderr)
+    reason = probe_device(Device("cuda", 5))
+    assert made_here == []
+    assert (sys.stdout, sys.stderr) == streams
+    assert capfd.readouterr() == ("", "")
+    assert reason is None or "\n" not in reason
+
+
+def test_a_probe_that_cannot_run_says_so(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(_device.sys, "executable", "/bin/false")
+    reason = probe_device(Device("cuda", 6))
+    if "has no CUDAExecutionProvider" not in str(reason):  # a CPU-only ONNX Runtime build
+        assert reason == "probing cuda:6 failed (exit status 1)"
 
 
 @pytest.mark.skipif(not hasattr(os, "sched_getaffinity"), reason="CPU affinity is Linux-only")

@@ -9,8 +9,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-import trioinfer
-from trioinfer import ModelConfig, PluginError, PluginLoadError, Registry, open_engine
+from trioinfer import (
+    ModelConfig,
+    PluginContractError,
+    PluginError,
+    PluginLoadError,
+    Registry,
+    open_engine,
+)
+from trioinfer.lowlevel import Request
 from trioinfer.testing import check_scheduler
 from trioinfer_batching import NoBatcher
 from trioinfer_fallback import NoFallback
@@ -134,7 +141,9 @@ async def test_engine_reports_unknown_plugins_at_load(add_model: Path) -> None:
 async def test_a_plugin_that_is_not_a_scheduler_is_refused(add_model: Path) -> None:
     registry = Registry(extra={"schedulers": {"bad": object}})
     async with open_engine(registry=registry) as engine:
-        with pytest.raises(PluginError, match=r"does not implement trioinfer\.abc\.Scheduler"):
+        with pytest.raises(
+            PluginContractError, match=r"does not implement trioinfer\.abc\.Scheduler"
+        ):
             await engine.load(ModelConfig(name="add", path=add_model, scheduler="bad"))
 
 
@@ -147,16 +156,16 @@ def test_conformance_check_catches_a_broken_scheduler() -> None:
         def __init__(self) -> None:
             self.inner = FifoScheduler()
 
-        def push(self, request: trioinfer.Request) -> None:
+        def push(self, request: Request) -> None:
             self.inner.push(request)
 
-        def peek(self) -> trioinfer.Request:
+        def peek(self) -> Request:
             return self.inner.peek()
 
-        def pop(self) -> trioinfer.Request:
+        def pop(self) -> Request:
             return self.inner.pop()
 
-        def remove(self, request: trioinfer.Request) -> bool:
+        def remove(self, request: Request) -> bool:
             return True  # claims to remove, but keeps it
 
         def __len__(self) -> int:

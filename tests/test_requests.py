@@ -15,7 +15,9 @@ import trio.lowlevel
 import trio.testing
 
 import trioinfer
-from trioinfer import Instance, ModelConfig, Request, open_engine
+from trioinfer import Instance, ModelConfig, open_engine
+from trioinfer._runner import RequestQueue
+from trioinfer.lowlevel import Request
 from trioinfer.testing import FakeBackend, make_request
 
 X = np.ones((1, 4), dtype=np.float32)
@@ -258,7 +260,7 @@ def test_queue_timeouts_are_validated() -> None:
 class Pairs:
     """A test batcher: up to two requests per batch, in queue order."""
 
-    async def next_batch(self, queue: trioinfer.RequestQueue) -> list[Request]:
+    async def next_batch(self, queue: RequestQueue) -> list[Request]:
         await queue.wait_not_empty()
         batch = [queue.pop_nowait()]
         with contextlib.suppress(anyio.WouldBlock):
@@ -305,7 +307,10 @@ async def test_given_back_requests_keep_their_place_at_the_head() -> None:
     from trioinfer_scheduling import FifoScheduler
 
     expired: list[Request] = []
-    queue = trioinfer.RequestQueue(FifoScheduler(), lambda r, now: expired.append(r))
+    # The engine's own queue: only the engine may make one (a unit test of it may).
+    with pytest.raises(TypeError, match="no public constructor"):
+        RequestQueue(FifoScheduler(), lambda r, now: expired.append(r))
+    queue = RequestQueue._create(FifoScheduler(), lambda r, now: expired.append(r))
     a, b, c, d = (make_request() for _ in range(4))
     for request in (a, b, c):
         queue._push(request)

@@ -15,8 +15,9 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 import trioinfer
-from trioinfer import ConfigError, DeadlineExceeded, Request
+from trioinfer import ConfigError, DeadlineExceeded
 from trioinfer.abc import Scheduler
+from trioinfer.lowlevel import Request
 from trioinfer.testing import check_scheduler, make_request
 from trioinfer_scheduling import (
     DeadlineScheduler,
@@ -30,7 +31,7 @@ SETTINGS = settings(max_examples=150, deadline=None)
 
 
 class FakeContext:
-    """Stands in for trioinfer.SchedulerContext: a settable clock and execution estimate."""
+    """Stands in for trioinfer.lowlevel.SchedulerContext: a settable clock and estimate."""
 
     def __init__(self, *, now: float = 0.0, estimate: float = 0.0, instances: int = 1) -> None:
         self.model = "m"

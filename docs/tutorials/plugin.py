@@ -16,6 +16,7 @@ import trio
 from trio.testing import wait_all_tasks_blocked
 
 import trioinfer
+from trioinfer.lowlevel import Placement, Request, WorkerThread
 from trioinfer.testing import FakeBackend, check_backend, check_scheduler
 
 # --8<-- [end:imports]
@@ -30,36 +31,38 @@ class ShortestJobFirst:
     """
 
     def __init__(self) -> None:
-        self._heap: list[tuple[int, float, int, trioinfer.Request]] = []
-        self._live: dict[trioinfer.Request, int] = {}  # request -> its live entry's number
-        self._numbers = itertools.count()
+        self._heap: list[tuple[int, float, int, Request]] = []
+        self._live: set[Request] = set()
+        self._numbers = itertools.count()  # breaks ties, so requests are never compared
 
-    def push(self, request: trioinfer.Request) -> None:
-        number = next(self._numbers)
-        self._live[request] = number
-        heapq.heappush(self._heap, (request.rows, request.arrival, number, request))
+    def push(self, request: Request) -> None:
+        self._live.add(request)
+        heapq.heappush(self._heap, (request.rows, request.arrival, next(self._numbers), request))
         if len(self._heap) > 64 + 2 * len(self._live):
             # Mostly dead entries (cancelled callers): rebuild from the live ones.
-            self._heap = [entry for entry in self._heap if self._live.get(entry[3]) == entry[2]]
+            self._heap = [entry for entry in self._heap if entry[3] in self._live]
             heapq.heapify(self._heap)
 
-    def peek(self) -> trioinfer.Request:
+    def peek(self) -> Request:
         # Drop dead entries from the top, then look at the live one there.
         while self._heap:
-            _rows, _arrival, number, request = self._heap[0]
-            if self._live.get(request) == number:
+            request = self._heap[0][3]
+            if request in self._live:
                 return request
             heapq.heappop(self._heap)
         raise IndexError("peek into an empty ShortestJobFirst scheduler")
 
-    def pop(self) -> trioinfer.Request:
+    def pop(self) -> Request:
         request = self.peek()
         heapq.heappop(self._heap)
-        del self._live[request]
+        self._live.remove(request)
         return request
 
-    def remove(self, request: trioinfer.Request) -> bool:
-        return self._live.pop(request, None) is not None
+    def remove(self, request: Request) -> bool:
+        if request not in self._live:
+            return False
+        self._live.remove(request)
+        return True
 
     def __len__(self) -> int:
         return len(self._live)
@@ -72,7 +75,7 @@ class ShortestJobFirst:
 class MatmulBackend:
     """A backend whose model file is a ``.npy`` matrix ``w``: it computes ``y = x @ w``."""
 
-    async def load(self, config: trioinfer.ModelConfig, placement: trioinfer.Placement) -> "Matmul":
+    async def load(self, config: trioinfer.ModelConfig, placement: Placement) -> "Matmul":
         if config.backend_options:
             raise trioinfer.ConfigError(
                 f"model {config.name!r}: the matmul backend takes no backend_options, "
@@ -86,7 +89,7 @@ class MatmulBackend:
                 )
             device = "cpu"
         # One thread per instance; reading the file is blocking work too, so it runs there.
-        worker = await trioinfer.WorkerThread.start(
+        worker = await WorkerThread.start(
             f"matmul-{config.name}-{placement.index}", cpu_affinity=placement.cpu_affinity
         )
         try:
@@ -110,7 +113,7 @@ def read_weight(model: str, path: Path) -> np.ndarray:
 class Matmul:
     """One loaded matrix and the worker thread that multiplies by it."""
 
-    def __init__(self, weight: np.ndarray, device: str, worker: trioinfer.WorkerThread) -> None:
+    def __init__(self, weight: np.ndarray, device: str, worker: WorkerThread) -> None:
         self._weight = weight
         self._device = device
         self._worker = worker

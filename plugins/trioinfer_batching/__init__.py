@@ -12,7 +12,7 @@ from typing import final
 
 import anyio
 
-from trioinfer import Request, RequestQueue
+from trioinfer.lowlevel import Request, RequestQueue
 
 from ._dynamic import DynamicBatcher as DynamicBatcher
 

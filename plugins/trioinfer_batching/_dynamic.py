@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections import deque
 from collections.abc import Callable, Collection, Mapping, Sequence
 from numbers import Real
 from typing import Any, final
@@ -12,7 +11,8 @@ from typing import Any, final
 import anyio
 import numpy as np
 
-from trioinfer import ConfigError, Request, RequestQueue, Status
+from trioinfer import ConfigError
+from trioinfer.lowlevel import Request, RequestQueue, Status
 
 from ._padding import Arrays, Padding, Split
 
@@ -26,7 +26,6 @@ _EMPTY = 2  # nothing more is waiting right now
 _Key = object
 
 
-@final
 class DynamicBatcher:
     """Groups waiting requests into one execution: dispatch on size or on delay.
 
@@ -57,7 +56,7 @@ class DynamicBatcher:
       size it reaches, and the requests after the cut head the next batch.
       When nothing preferred can be formed, the size-or-delay rules apply.
       Without the option, the sizes the model's backend advertises
-      ([`RequestQueue.preferred_batch_sizes`][trioinfer.RequestQueue], e.g.
+      ([`RequestQueue.preferred_batch_sizes`][trioinfer.lowlevel.RequestQueue], e.g.
       from the ONNX Runtime backend's ``tune_batch_sizes``) are used.
 
     The delay trades latency for throughput: each execution has a fixed cost
@@ -70,14 +69,13 @@ class DynamicBatcher:
     - A request with more rows than ``max_batch_size`` is never split: it runs
       alone, at once. Every other batch has at most ``max_batch_size`` rows.
     - A model without a batch dimension (a fixed or missing first dimension,
-      as [`RequestQueue.batched`][trioinfer.RequestQueue] says) cannot
+      as [`RequestQueue.batched`][trioinfer.lowlevel.RequestQueue] says) cannot
       concatenate requests: the batcher then sends one request per execution.
     - Requests whose caller left while they waited in a partial batch are
       dropped before it is returned; requests whose deadline passed are dropped
       by the queue (and, at the last moment, by the engine), never computed.
-    - Requests taken from the queue beyond a preferred-size cut stay with the
-      batcher, in order, and open that model's next batch; for that short
-      while they do not count in the model's ``queued`` statistic.
+    - Requests taken from the queue beyond a preferred-size cut go back to
+      the head of the queue, in order, and open the model's next batch.
 
     The outputs each caller receives are views into the batch's output arrays,
     not copies: see the tutorial "Tuning dynamic batching".
@@ -124,11 +122,15 @@ class DynamicBatcher:
         ConfigError: An option has the wrong type or an impossible value.
     """
 
-    # "assemble" is a slot set only when padding is configured, so that without
-    # it the engine finds no assemble hook and keeps its pooled fast path.
-    __slots__ = ("_delay", "_held", "_key", "_max", "_padding", "_preferred", "assemble")
+    __slots__ = ("_delay", "_key", "_max", "_padding", "_preferred")
 
-    assemble: Callable[[Sequence[Request]], tuple[Arrays, Split]]
+    def __new__(cls, *, pad_axis: int | None = None, **_options: object) -> DynamicBatcher:
+        # As pathlib.Path picks PosixPath: with padding, the batcher is one with an
+        # assemble() hook (a trioinfer.abc.AssemblingBatcher); without, the engine
+        # finds no hook and keeps its own pooled concatenation, the fast path.
+        if cls is DynamicBatcher and pad_axis is not None:
+            cls = _PaddingBatcher
+        return super().__new__(cls)
 
     def __init__(
         self,
@@ -159,10 +161,6 @@ class DynamicBatcher:
         self._key: Callable[[Arrays], _Key] = _key
         if self._padding is not None:
             self._key = self._padding.key
-            self.assemble = self._padding.assemble
-        # Requests taken from a queue but cut off a preferred-size batch, by queue:
-        # they open that queue's next batch, ahead of everything still in it.
-        self._held: dict[RequestQueue, deque[Request]] = {}
 
     @property
     def max_batch_size(self) -> int:
@@ -201,22 +199,19 @@ class DynamicBatcher:
         the batch has waited ``max_queue_delay``; returns earlier when the
         batch is full, when a preferred size is formed, or when the next
         waiting request cannot join. If cancelled, gives every request it
-        holds back with [`RequestQueue.put_back()`][trioinfer.RequestQueue.put_back].
+        holds back with [`RequestQueue.put_back()`][trioinfer.lowlevel.RequestQueue.put_back].
         """
-        held = self._held.pop(queue, None) or deque()
         batch: list[Request] = []
         try:
             while not batch:  # empty again when every caller in it left
-                batch.append(await _first(queue, held))
-                await self._grow(queue, held, batch)
+                batch.append(await _first(queue))
+                await self._grow(queue, batch)
         except BaseException:
-            queue.put_back([*batch, *held])
+            queue.put_back(batch)
             raise
-        if held:
-            self._held[queue] = held
         return batch
 
-    async def _grow(self, queue: RequestQueue, held: deque[Request], batch: list[Request]) -> None:
+    async def _grow(self, queue: RequestQueue, batch: list[Request]) -> None:
         """Add to *batch* (one request so far) until it should go; it may end up empty."""
         first = batch[0]
         if first.rows >= self._max or not queue.batched or _unbatchable(first.inputs):
@@ -224,12 +219,14 @@ class DynamicBatcher:
         key = self._key(first.inputs)
         rows = first.rows
         while True:
-            rows, stop = self._fill(queue, held, batch, key, rows)
+            rows, stop = self._fill(queue, batch, key, rows)
             preferred = self._preferred or queue.preferred_batch_sizes
             if preferred:
                 cut = _preferred_cut(batch, preferred)
                 if cut:
-                    held.extendleft(reversed(batch[cut:]))
+                    # What is past the cut opens the next batch, from the head of the
+                    # queue: the batcher keeps nothing from one batch to the next.
+                    queue.put_back(batch[cut:])
                     del batch[cut:]
                     return
             if stop != _EMPTY:
@@ -247,36 +244,34 @@ class DynamicBatcher:
             rows = sum(request.rows for request in batch)
 
     def _fill(
-        self,
-        queue: RequestQueue,
-        held: deque[Request],
-        batch: list[Request],
-        key: _Key,
-        rows: int,
+        self, queue: RequestQueue, batch: list[Request], key: _Key, rows: int
     ) -> tuple[int, int]:
         """Take what is waiting now, in order, while it is compatible and fits."""
         limit = self._max
         while True:
-            if held:
-                request = held[0]
-                if not _live(request):
-                    held.popleft()
-                    continue
-            else:
-                try:
-                    request = queue.peek_nowait()
-                except anyio.WouldBlock:
-                    return rows, _EMPTY
+            try:
+                request = queue.peek_nowait()
+            except anyio.WouldBlock:
+                return rows, _EMPTY
             if rows + request.rows > limit or self._key(request.inputs) != key:
                 return rows, _BLOCKED
-            if held:
-                held.popleft()
-            else:
-                queue.pop_nowait()  # the live request peek_nowait() just returned
+            queue.pop_nowait()  # the live request peek_nowait() just returned
             batch.append(request)
             rows += request.rows
             if rows == limit:
                 return rows, _FULL
+
+
+@final
+class _PaddingBatcher(DynamicBatcher):
+    """A dynamic batcher with ``pad_axis``: it lays out its batches' inputs itself."""
+
+    __slots__ = ()
+
+    def assemble(self, requests: Sequence[Request]) -> tuple[Arrays, Split]:
+        """Pad each request to its bucket in reused buffers; the split cuts the padding off."""
+        assert self._padding is not None  # DynamicBatcher.__new__ chose this class for it
+        return self._padding.assemble(requests)
 
 
 def _preferred_cut(batch: list[Request], preferred: Collection[int]) -> int:
@@ -290,11 +285,7 @@ def _preferred_cut(batch: list[Request], preferred: Collection[int]) -> int:
     return cut
 
 
-async def _first(queue: RequestQueue, held: deque[Request]) -> Request:
-    while held:
-        request = held.popleft()
-        if _live(request):
-            return request
+async def _first(queue: RequestQueue) -> Request:
     while True:
         await queue.wait_not_empty()
         try:

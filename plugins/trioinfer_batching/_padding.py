@@ -19,7 +19,8 @@ from typing import Any, final
 
 import numpy as np
 
-from trioinfer import ConfigError, Request
+from trioinfer import ConfigError
+from trioinfer.lowlevel import Request
 
 Array = np.ndarray[Any, Any]
 Arrays = Mapping[str, Array]

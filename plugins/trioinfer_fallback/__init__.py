@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import final
 
-from trioinfer import Execution
+from trioinfer.lowlevel import Execution
 
 from ._breaker import Breaker, BreakerState
 from ._resilient import Resilient

@@ -11,16 +11,8 @@ from typing import Any, final
 import anyio
 import numpy as np
 
-from trioinfer import (
-    BackendError,
-    ConfigError,
-    Execution,
-    FallbackContext,
-    PluginError,
-    Replica,
-    Request,
-    TrioInferError,
-)
+from trioinfer import BackendError, ConfigError, PluginContractError, TrioInferError
+from trioinfer.lowlevel import Execution, FallbackContext, Replica, Request
 
 from ._breaker import Breaker, BreakerState
 
@@ -285,7 +277,7 @@ class Resilient:
                 continue
             try:
                 execution.respond(request, outputs, via=f"model {model}")
-            except PluginError as exc:  # its outputs are not this model's
+            except PluginContractError as exc:  # its outputs are not this model's
                 logger.warning("model %r cannot stand in for %r: %s", model, self._model(), exc)
                 continue
             return

@@ -11,15 +11,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, final
 
-from trioinfer import (
-    BackendError,
-    BackendUnavailable,
-    ConfigError,
-    Device,
-    ModelConfig,
-    Placement,
-    WorkerThread,
-)
+from trioinfer import BackendError, BackendUnavailable, ConfigError, Device, ModelConfig
+from trioinfer.lowlevel import Placement, WorkerThread
 
 from ._device import _providers, probe_device
 from ._instance import OnnxRuntimeInstance, _compute_clock

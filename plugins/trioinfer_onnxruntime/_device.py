@@ -1,7 +1,8 @@
 """The device probe: whether CUDA or TensorRT really works here, and why not.
 
-`probe_device` creates a trial session once per device and reports the cause
-of a failure in one line; `_providers` lists the execution providers a
+`probe_device` creates a trial session once per device, in a child process
+(where ONNX Runtime's own output stays), and reports the cause of a failure
+in one line; `_providers` lists the execution providers a
 session on a device asks for, the CPU's last.
 """
 
@@ -9,8 +10,10 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import io
+import json
 import os
+import subprocess
+import sys
 import threading
 from collections.abc import Mapping
 from pathlib import Path
@@ -61,6 +64,12 @@ def probe_device(device: Device) -> str | None:
         return _probed[device]
 
 
+#: Longest a device probe may take (a first CUDA start can be slow), in seconds.
+_PROBE_TIMEOUT_S = 120.0
+#: What starts the probing child's answer, the last line of its stdout.
+_ANSWER = "trioinfer probe: "
+
+
 def _probe(device: Device) -> str | None:
     ort = _ort()
     provider = _PROVIDERS[device.kind]
@@ -69,25 +78,62 @@ def _probe(device: Device) -> str | None:
             f"this ONNX Runtime build ({ort.__version__}) has no {provider}; "
             "install trioinfer with the 'gpu' extra (onnxruntime-gpu) instead of 'cpu'"
         )
-    captured = io.StringIO()
-    ort.set_default_logger_severity(4)
+    # The trial runs in a process of its own: ONNX Runtime and its CUDA loaders
+    # write to the process's stdout and stderr (C++ log lines, preload_dlls'
+    # prints), which only a child can hold back without swapping this process's
+    # streams under every other thread. A driver that crashes takes only the child.
+    code = f"from {__name__} import _probe_here; _probe_here({device.kind!r}, {device.index})"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
     try:
-        with contextlib.redirect_stdout(captured), contextlib.redirect_stderr(captured):
-            if hasattr(ort, "preload_dlls"):
-                with contextlib.suppress(Exception):
-                    ort.preload_dlls()
-            try:
-                session = ort.InferenceSession(_trial_model(), providers=_providers(device, {})[:1])
-            except Exception as exc:
-                return _one_line(exc)
-    finally:
-        ort.set_default_logger_severity(2)
-    if session.get_providers()[0] == provider:
-        return None
-    return _library_error(device.kind) or (
-        f"ONNX Runtime could not start {provider} on device {device.index} "
-        f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')})"
-    )
+        child = subprocess.run(
+            [sys.executable, "-c", code],
+            capture_output=True,
+            env=env,
+            timeout=_PROBE_TIMEOUT_S,
+            check=False,
+        )
+    except (OSError, subprocess.SubprocessError) as exc:
+        return f"could not probe {device}: {_one_line(exc)}"
+    answer = child.stdout.decode(errors="replace").rstrip().rpartition("\n")[2]
+    if child.returncode != 0 or not answer.startswith(_ANSWER):
+        said = child.stderr.decode(errors="replace").strip().splitlines()
+        return f"probing {device} failed (exit status {child.returncode})" + (
+            f": {said[-1]}" if said else ""
+        )
+    reason: str | None = json.loads(answer.removeprefix(_ANSWER))
+    if reason is None and hasattr(ort, "preload_dlls"):
+        # Load here too what the child loaded, for this process's own sessions:
+        # quietly, since it loads.
+        with contextlib.suppress(Exception):
+            ort.preload_dlls()
+    return reason
+
+
+def _probe_here(kind: str, index: int) -> None:
+    # The child's side of _probe: the answer is the last line it prints.
+    ort = _ort()
+    ort.set_default_logger_severity(4)
+    device = Device(kind, index)  # type: ignore[arg-type]  # the parent's Device.kind
+    if hasattr(ort, "preload_dlls"):
+        with contextlib.suppress(Exception):
+            ort.preload_dlls()
+    reason: str | None
+    try:
+        session = ort.InferenceSession(_trial_model(), providers=_providers(device, {})[:1])
+    except Exception as exc:
+        reason = _one_line(exc)
+    else:
+        provider = _PROVIDERS[device.kind]
+        reason = (
+            None
+            if session.get_providers()[0] == provider
+            else _library_error(device.kind)
+            or (
+                f"ONNX Runtime could not start {provider} on device {device.index} "
+                f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')})"
+            )
+        )
+    print(_ANSWER + json.dumps(reason), flush=True)
 
 
 def _library_error(kind: str) -> str | None:

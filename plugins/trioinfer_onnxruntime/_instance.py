@@ -19,7 +19,8 @@ import anyio
 import anyio.lowlevel
 import numpy as np
 
-from trioinfer import BackendError, ModelSignature, WorkerThread, wait_on_callback
+from trioinfer import BackendError, ModelSignature
+from trioinfer.lowlevel import WorkerThread, wait_on_callback
 
 from ._options import DEFAULT_INLINE_BUDGET_US
 from ._ort import _one_line, _ort, _signature, log

@@ -6,7 +6,8 @@ import itertools
 from collections.abc import Mapping
 from typing import Any, Final
 
-from trioinfer import ConfigError, ModelConfig, Placement
+from trioinfer import ConfigError, ModelConfig
+from trioinfer.lowlevel import Placement
 
 from ._tuning import TUNE_OVERHEAD_S, TUNE_TOLERANCE
 

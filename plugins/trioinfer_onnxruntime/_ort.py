@@ -9,7 +9,8 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from trioinfer import BackendUnavailable, ModelSignature, TensorSpec, numpy_dtype
+from trioinfer import BackendUnavailable, ModelSignature, TensorSpec
+from trioinfer.lowlevel import numpy_dtype
 
 log = logging.getLogger("trioinfer.onnxruntime")
 

@@ -16,7 +16,8 @@ from typing import Any, Final
 
 import numpy as np
 
-from trioinfer import BackendError, ConfigError, ModelSignature, TensorSpec, WorkerThread
+from trioinfer import BackendError, ConfigError, ModelSignature, TensorSpec
+from trioinfer.lowlevel import WorkerThread
 
 from ._ort import _one_line, _ort, _signature
 

@@ -64,11 +64,10 @@ from trioinfer import (
     ConfigError,
     ModelConfig,
     ModelSignature,
-    Placement,
     TensorSpec,
     TrioInferError,
-    WorkerThread,
 )
+from trioinfer.lowlevel import Placement, WorkerThread
 
 __all__ = ["PythonBackend", "PythonInstance"]
 

@@ -7,7 +7,8 @@ from collections import OrderedDict
 from operator import attrgetter
 from typing import final
 
-from trioinfer import ConfigError, DeadlineExceeded, Request, SchedulerContext
+from trioinfer import ConfigError, DeadlineExceeded
+from trioinfer.lowlevel import Request, SchedulerContext
 
 from ._sorted import TimeQueue
 

@@ -8,7 +8,8 @@ from collections import OrderedDict
 from collections.abc import Mapping
 from typing import final
 
-from trioinfer import ConfigError, Request
+from trioinfer import ConfigError
+from trioinfer.lowlevel import Request
 
 from ._options import positive_number
 
@@ -20,7 +21,7 @@ _Tag = tuple[float, int, str | None]
 class FairScheduler:
     """Weighted fair sharing across tenants, so one tenant's flood cannot starve another.
 
-    Each tenant (the request's [`Request.tenant`][trioinfer.Request]; requests
+    Each tenant (the request's [`Request.tenant`][trioinfer.lowlevel.Request]; requests
     without one form the tenant ``None``) has its own first-come-first-served
     queue. Which tenant goes next is decided by weighted fair queuing on a
     virtual clock, counting rows, not requests (start-time fair queuing):

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from typing import final
 
-from trioinfer import Request
+from trioinfer.lowlevel import Request
 
 
 @final

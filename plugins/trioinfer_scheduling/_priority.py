@@ -7,7 +7,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from typing import final
 
-from trioinfer import Request, SchedulerContext
+from trioinfer.lowlevel import Request, SchedulerContext
 
 from ._options import event_loop_clock, positive_number
 from ._sorted import SortedKeys
@@ -17,7 +17,7 @@ from ._sorted import SortedKeys
 class PriorityScheduler:
     """Higher priority first, first come first served within a level, and no starvation.
 
-    A request's level is its [`Request.priority`][trioinfer.Request] (any
+    A request's level is its [`Request.priority`][trioinfer.lowlevel.Request] (any
     integer; higher runs sooner; ``engine.infer(..., priority=...)``, 0 by default).
     Within a level requests run in the order they were admitted, exactly as
     under ``fifo``.

@@ -3,6 +3,12 @@
 ``async with open_engine() as engine`` opens a task group that owns every
 queue, batch loop and backend call; ``await engine.infer(...)`` runs under the
 caller's own cancel scope, whose deadline travels with the request.
+
+This namespace is for applications: the engine, configuration, signatures,
+statistics and errors. Plugin authors also use [`trioinfer.abc`][trioinfer.abc]
+(the contracts) and [`trioinfer.lowlevel`][trioinfer.lowlevel] (what the engine
+hands a plugin, and tools for backends); test writers use
+[`trioinfer.testing`][trioinfer.testing].
 """
 
 import importlib.metadata as _metadata
@@ -10,10 +16,6 @@ import importlib.metadata as _metadata
 from ._config import Device as Device
 from ._config import Instance as Instance
 from ._config import ModelConfig as ModelConfig
-from ._config import Placement as Placement
-from ._dispatch import Execution as Execution
-from ._dispatch import FallbackContext as FallbackContext
-from ._dispatch import Replica as Replica
 from ._dispatch import ReplicaStatistics as ReplicaStatistics
 from ._engine import Engine as Engine
 from ._engine import EngineStatistics as EngineStatistics
@@ -30,24 +32,18 @@ from ._exceptions import DeadlineExceeded as DeadlineExceeded
 from ._exceptions import EngineClosed as EngineClosed
 from ._exceptions import InvalidInput as InvalidInput
 from ._exceptions import ModelNotFound as ModelNotFound
+from ._exceptions import PluginContractError as PluginContractError
 from ._exceptions import PluginError as PluginError
 from ._exceptions import PluginLoadError as PluginLoadError
 from ._exceptions import QueueFull as QueueFull
 from ._exceptions import TrioInferError as TrioInferError
 from ._registry import PluginInfo as PluginInfo
 from ._registry import Registry as Registry
-from ._request import Request as Request
-from ._request import Status as Status
 from ._runner import Histogram as Histogram
 from ._runner import ModelStatistics as ModelStatistics
-from ._runner import RequestQueue as RequestQueue
-from ._runner import SchedulerContext as SchedulerContext
 from ._tensors import InputLimits as InputLimits
 from ._tensors import ModelSignature as ModelSignature
 from ._tensors import TensorSpec as TensorSpec
-from ._tensors import numpy_dtype as numpy_dtype
-from ._threads import WorkerThread as WorkerThread
-from ._threads import wait_on_callback as wait_on_callback
 
 try:
     __version__ = _metadata.version("trioinfer")

@@ -296,7 +296,7 @@ class ModelConfig:
         return InputLimits(self.max_elements_per_input, self.max_elements_per_request, self.casting)
 
     def placements(self) -> list[Placement]:
-        """One [`Placement`][trioinfer.Placement] per instance, numbered in listed order."""
+        """One [`Placement`][trioinfer.lowlevel.Placement] per instance, in listed order."""
         out: list[Placement] = []
         for group in self.instances:
             for _ in range(group.count):

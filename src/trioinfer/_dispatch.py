@@ -1,13 +1,14 @@
 """What a fallback plugin works with: replicas, one batch's execution, and its context.
 
-The engine keeps one [`Replica`][trioinfer.Replica] per loaded backend
-instance. A fallback plugin sees each batch as an
-[`Execution`][trioinfer.Execution] that it can run on the replica the engine
+The engine keeps one `Replica` per loaded backend instance. A fallback plugin
+sees each batch as an `Execution` that it can run on the replica the engine
 chose or on another one, answer per request, or fail; through its
-[`FallbackContext`][trioinfer.FallbackContext] it may take a failing replica
-out of service, probe it, re-create it, and put it back. Policy (when to
-retry, when a breaker opens) lives in the plugin; the mechanism (slots,
-dispatch, exactly-once answers) lives here, in the engine.
+`FallbackContext` it may take a failing replica out of service, probe it,
+re-create it, and put it back. Plugins see these through the Protocols of the
+same names in `trioinfer.abc`. Policy (when to retry, when a breaker opens)
+lives in the plugin; the mechanism (slots, dispatch, exactly-once answers)
+lives in the engine, behind `RunnerPort`: the one door from these objects to
+their model's runner.
 """
 
 from __future__ import annotations
@@ -16,24 +17,94 @@ import collections
 import logging
 import math
 from collections.abc import Awaitable, Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, Literal, final
+from typing import Any, Protocol, cast, final
 
 import attrs
 import numpy as np
 
-from ._config import Placement
-from ._exceptions import BackendError, PluginError
-from ._request import Outputs, Request, Status
+from ._config import ModelConfig, Placement
+from ._exceptions import BackendError, PluginContractError
+from ._request import Outputs, Request
 from ._tensors import ModelSignature
-from ._threads import EventLike
-from .abc import BackendInstance
-
-if TYPE_CHECKING:
-    from ._runner import ModelRunner
+from ._threads import EventLike, LoopClock
+from ._util import NoPublicConstructor
+from .abc import BackendInstance, ReplicaState, Status
+from .abc import Replica as ReplicaView
+from .abc import Request as RequestView
 
 logger = logging.getLogger("trioinfer")
 
-ReplicaState = Literal["serving", "out"]
+
+class RunnerPort(Protocol):
+    """What an execution or a fallback's context may ask of its model's runner.
+
+    `trioinfer._runner.ModelRunner` implements it. The objects in this module
+    reach the runner through these names only, so that the runner's
+    internals can change without them.
+    """
+
+    @property
+    def config(self) -> ModelConfig:
+        """The model's configuration."""
+        ...
+
+    @property
+    def signature(self) -> ModelSignature:
+        """The model's inputs and outputs."""
+        ...
+
+    @property
+    def replicas(self) -> Sequence[Replica]:
+        """Every replica, by index."""
+        ...
+
+    @property
+    def clock(self) -> LoopClock:
+        """The event loop's clock."""
+        ...
+
+    @property
+    def fallbacks(self) -> dict[str, int]:
+        """Fallback steps taken, by their first word (mutable: executions count into it)."""
+        ...
+
+    async def attempt(self, execution: Execution, replica: Replica) -> bool:
+        """Run *execution*'s pending requests once on *replica* and answer them; whether any ran."""
+        ...
+
+    def finish(
+        self,
+        request: Request,
+        *,
+        outputs: Outputs | None = None,
+        error: BaseException | None = None,
+    ) -> None:
+        """End *request* with *outputs* or *error*, unless it ended already."""
+        ...
+
+    async def infer_elsewhere(self, model: str, request: Request) -> Outputs:
+        """Run *request* on another loaded model."""
+        ...
+
+    def start_background(self, fn: Callable[..., Awaitable[object]], *args: object) -> None:
+        """Run ``fn(*args)`` in the model's task group."""
+        ...
+
+    def take_out(self, replica: Replica, reason: str, retry_after: float) -> None:
+        """Stop dispatching to *replica*."""
+        ...
+
+    def put_back(self, replica: Replica) -> None:
+        """Return *replica* to service."""
+        ...
+
+    async def probe(self, replica: Replica, inputs: Mapping[str, Any] | None) -> None:
+        """One execution on *replica* that answers nobody."""
+        ...
+
+    async def recreate(self, replica: Replica) -> None:
+        """Load a fresh backend instance for *replica*."""
+        ...
 
 
 @final
@@ -70,23 +141,11 @@ class _Slot:
 
 
 @final
-class Replica:
-    """One loaded backend instance of a model, as dispatch and fallback plugins see it.
+class Replica(metaclass=NoPublicConstructor):
+    """One loaded backend instance of a model: the engine's `trioinfer.abc.Replica`.
 
-    Only the engine creates replicas. A replica is *serving* (it takes
-    batches) or *out* (a fallback took it out of service, e.g. its circuit
-    breaker opened; it takes no new batch until put back).
-
-    Attributes:
-        index: The instance's number within its model (0, 1, ...).
-        placement: Where it was asked to run.
-        state: ``"serving"`` or ``"out"``.
-        reason: Why it is out (``None`` while serving).
-        executions: Executions (of batches and probes) started on it.
-        failures: Executions whose backend call raised an error. One cancelled
-            (its callers left, or a fallback's ``timeout`` ran out) is not counted.
-        taken_out: Times it was taken out of service.
-        recreated: Times its backend instance was re-created.
+    The underscored fields are the runner's: its slot, its backend instance,
+    and when it comes back into service.
     """
 
     __slots__ = (
@@ -165,7 +224,7 @@ class Replica:
 
 @attrs.frozen
 class ReplicaStatistics:
-    """A snapshot of one [`Replica`][trioinfer.Replica], as in ``ModelStatistics.replicas``.
+    """A snapshot of one model instance's state and counters, as in ``ModelStatistics.replicas``.
 
     Attributes:
         index: The instance's number within its model.
@@ -190,200 +249,135 @@ class ReplicaStatistics:
 
 
 @final
-class Execution:
-    """One batch on its way through the model's fallback plugin.
+class Execution(metaclass=NoPublicConstructor):
+    """One batch on its way through the model's fallback: the engine's `trioinfer.abc.Execution`.
 
-    The engine formed the batch and chose `replica`; the fallback's
-    ``execute(execution)`` must see that every request in it gets an answer:
-    by `run()` (outputs from a replica), by `respond()` (outputs from
-    elsewhere), or by raising, which fails every request still pending with
-    that error. Only the engine creates executions.
-
-    Attributes:
-        requests: The batch's requests, in the batch's order.
-        replica: The replica the engine chose for it.
+    Created per batch, so it stays small: three slots, and a constructor that
+    costs what an ordinary one does (see `NoPublicConstructor`).
     """
 
-    __slots__ = ("_runner", "replica", "requests")
+    __slots__ = ("_port", "replica", "requests")
 
-    def __init__(self, runner: ModelRunner, requests: Sequence[Request], replica: Replica) -> None:
-        self._runner = runner
+    def __init__(self, port: RunnerPort, requests: Sequence[Request], replica: Replica) -> None:
+        self._port = port
         self.requests = requests
         self.replica = replica
 
+    # What each method promises is written once, in trioinfer.abc.Execution.
+
     def pending(self) -> list[Request]:
-        """The requests still waiting for an answer (not answered, caller still there)."""
+        """The requests still waiting for an answer."""
         return [r for r in self.requests if r._state.status is Status.RUNNING]
 
     def deadline(self) -> float:
-        """The latest deadline among pending requests (``math.inf`` if one has none).
-
-        Past it nobody waits for this batch, so a retry must not start later.
-        """
+        """The latest deadline among pending requests."""
         return max((r.deadline for r in self.pending()), default=-math.inf)
 
-    async def run(self, replica: Replica | None = None) -> bool:
-        """Run the pending requests on *replica* (by default the chosen one) and answer them.
+    async def run(self, replica: ReplicaView | None = None) -> bool:
+        """Run the pending requests on *replica* (by default the chosen one) and answer them."""
+        # Only the engine makes replicas, so any a fallback passes is one of ours.
+        chosen = self.replica if replica is None else cast(Replica, replica)
+        return await self._port.attempt(self, chosen)
 
-        Waits until the replica is free to take another execution (and its
-        device, under ``device_limits``). Then, right before the backend call,
-        requests whose callers left are dropped, and those whose deadline has
-        passed end with [`DeadlineExceeded`][trioinfer.DeadlineExceeded]: no
-        row is computed for them; when none is left, nothing runs. A replica
-        that is out may be used (a probe, say); dispatch never chooses one.
-
-        Returns:
-            Whether it ran anything: ``False`` when no request was left to
-            run (say nothing of the replica's health then).
-
-        Raises:
-            Exception: What the backend raised (usually
-                [`BackendError`][trioinfer.BackendError]); nobody was answered.
-        """
-        return await self._runner._attempt(self, self.replica if replica is None else replica)
-
-    def respond(self, request: Request, outputs: Mapping[str, Any], *, via: str) -> None:
-        """Answer *request* with *outputs* that did not come from a replica of this model.
-
-        *via* names where they came from (``"default"``, ``"model small"``) and
-        is recorded as a fallback step. Arrays are converted with
-        ``numpy.asarray`` and must cover every model output.
-
-        Raises:
-            PluginError: *request* is not in this execution, or outputs are missing.
-        """
+    def respond(self, request: RequestView, outputs: Mapping[str, Any], *, via: str) -> None:
+        """Answer *request* with *outputs* that did not come from a replica of this model."""
+        port = self._port
         if request not in self.requests:
-            raise PluginError(f"request {request.id!r} is not part of this execution")
-        missing = [s.name for s in self._runner.signature.outputs if s.name not in outputs]
+            raise self._broken(f"answered request {request.id!r}, which is not part of this batch")
+        missing = [s.name for s in port.signature.outputs if s.name not in outputs]
         if missing:
-            raise PluginError(
-                f"fallback answered request {request.id!r} of model "
-                f"{self._runner.config.name!r} without outputs {missing}"
+            raise self._broken(
+                f"answered request {request.id!r} of model {port.config.name!r} without "
+                f"outputs {missing}"
             )
-        if request._state.status is not Status.RUNNING:
+        ours = cast(Request, request)  # one of self.requests, checked above
+        if ours._state.status is not Status.RUNNING:
             return
-        self.note(via, [request])
-        self._runner._finish(
-            request, outputs={name: np.asarray(value) for name, value in outputs.items()}
+        self.note(via, [ours])
+        port.finish(ours, outputs={name: np.asarray(value) for name, value in outputs.items()})
+
+    def _broken(self, what: str) -> PluginContractError:
+        # Not logged here: a fallback may catch it (resilient tries whether another
+        # model's outputs fit); the runner logs one that escapes the fallback.
+        fallback = self._port.config.fallback
+        return PluginContractError(
+            f"fallback {fallback!r} of model {self._port.config.name!r} {what}",
+            kind="fallbacks",
+            plugin=fallback,
         )
 
-    def note(self, step: str, requests: Sequence[Request] | None = None) -> None:
-        """Record a fallback step, such as ``"failover instance 1 (cpu)"``, on pending requests.
-
-        The steps reach the caller in
-        [`InferenceResult.fallbacks`][trioinfer.InferenceResult] (and HTTP
-        response parameters) and are counted in the model's statistics by
-        their first word.
-        """
-        counts = self._runner.fallbacks
+    def note(self, step: str, requests: Sequence[RequestView] | None = None) -> None:
+        """Record a fallback step on pending requests, and count it by its first word."""
+        counts = self._port.fallbacks
         kind = step.split(" ", 1)[0]
-        for request in self.pending() if requests is None else requests:
+        # Only the engine makes requests, so any a fallback passes is one of ours.
+        for request in self.pending() if requests is None else cast(Sequence[Request], requests):
             state = request._state
             state.fallbacks = (*state.fallbacks, step)
             counts[kind] = counts.get(kind, 0) + 1
 
-    async def infer_elsewhere(self, model: str, request: Request) -> Outputs:
-        """Run one pending request on another loaded *model* and return its outputs.
-
-        The request keeps its deadline, priority, tenant and id. A request
-        that is itself a failover from another model is not sent on again,
-        so that two models failing over to each other cannot loop.
-
-        Raises:
-            BackendError: *request* came from a failover already.
-            TrioInferError: What the other model's ``infer`` raised.
-        """
-        if request._state.failover:
+    async def infer_elsewhere(self, model: str, request: RequestView) -> Outputs:
+        """Run one pending request on another loaded *model*, unless it failed over already."""
+        ours = cast(Request, request)  # only the engine makes requests
+        if ours._state.failover:
             raise BackendError(
                 f"request {request.id!r} was failed over to model "
-                f"{self._runner.config.name!r} already; it is not sent on again"
+                f"{self._port.config.name!r} already; it is not sent on again"
             )
-        infer = self._runner.infer_elsewhere
-        if infer is None:  # pragma: no cover  # every engine sets it
-            raise BackendError("this runner is not part of an engine")
-        outputs: Outputs = await infer(model, request)
-        return outputs
+        return await self._port.infer_elsewhere(model, ours)
 
 
 @final
-class FallbackContext:
-    """What a fallback plugin may know and do about its model's replicas.
+class FallbackContext(metaclass=NoPublicConstructor):
+    """What a fallback may know and do about its model's replicas.
 
-    A fallback with an ``attach(context)`` method gets one when its model
-    loads, before the first execution. Only the engine creates it.
+    The engine's `trioinfer.abc.FallbackContext`; its methods are documented there.
     """
 
-    __slots__ = ("_runner",)
+    __slots__ = ("_port",)
 
-    def __init__(self, runner: ModelRunner) -> None:
-        self._runner = runner
+    def __init__(self, port: RunnerPort) -> None:
+        self._port = port
 
     @property
     def model(self) -> str:
         """The model's name."""
-        return self._runner.config.name
+        return self._port.config.name
 
     @property
     def signature(self) -> ModelSignature:
         """The model's inputs and outputs."""
-        return self._runner.signature
+        return self._port.signature
 
     @property
     def replicas(self) -> Sequence[Replica]:
         """Every replica, by index."""
-        return self._runner.replicas
+        return self._port.replicas
 
     def current_time(self) -> float:
         """The engine's clock (the event loop's, so a MockClock in tests)."""
-        return self._runner.clock.current_time()
+        return self._port.clock.current_time()
 
     def start_soon(self, fn: Callable[..., Awaitable[object]], *args: object) -> None:
-        """Run ``fn(*args)`` as a background task of the model, in the engine's task group.
+        """Run ``fn(*args)`` as a background task of the model."""
+        self._port.start_background(fn, *args)
 
-        It is cancelled when the model is unloaded or the engine closes; an
-        exception it raises is logged and does not stop the model.
+    # Only the engine makes replicas, so any a fallback passes is one of ours.
 
-        Raises:
-            RuntimeError: The model is not running (not yet started, or stopped).
-        """
-        self._runner.start_background(fn, *args)
+    def take_out(self, replica: ReplicaView, reason: str, *, retry_after: float = 1.0) -> None:
+        """Take *replica* out of service."""
+        self._port.take_out(cast(Replica, replica), reason, retry_after)
 
-    def take_out(self, replica: Replica, reason: str, *, retry_after: float = 1.0) -> None:
-        """Take *replica* out of service: dispatch sends it no new batch.
-
-        A batch running on it goes on. When no serving replica is left, the
-        model's queued requests fail with [`CircuitOpen`][trioinfer.CircuitOpen]
-        at once and new ones are refused with it, carrying *retry_after*
-        (seconds until the replica may be back) as their hint. Logged once per
-        change, at warning level.
-        """
-        self._runner.take_out(replica, reason, retry_after)
-
-    def put_back(self, replica: Replica) -> None:
-        """Return *replica* to service; logged once, at info level."""
-        self._runner.put_back(replica)
+    def put_back(self, replica: ReplicaView) -> None:
+        """Return *replica* to service."""
+        self._port.put_back(cast(Replica, replica))
 
     async def probe(
-        self, replica: Replica, inputs: Mapping[str, np.ndarray[Any, Any]] | None = None
+        self, replica: ReplicaView, inputs: Mapping[str, np.ndarray[Any, Any]] | None = None
     ) -> None:
-        """Run one execution on *replica* that answers nobody, to test whether it works.
+        """Run one execution on *replica* that answers nobody."""
+        await self._port.probe(cast(Replica, replica), inputs)
 
-        *inputs* default to zeros of the model's input shapes (one row, and 1
-        for every dimension without a fixed size). Waits until the replica is free.
-
-        Raises:
-            Exception: What the backend raised.
-        """
-        await self._runner.probe(replica, inputs)
-
-    async def recreate(self, replica: Replica) -> None:
-        """Close *replica*'s backend instance and load a new one at the same placement.
-
-        For a session that died. Waits until nothing runs on the replica; its
-        state does not change (put it back after a successful probe).
-
-        Raises:
-            BackendError: The new instance could not be loaded, or reports
-                another signature; the old one is closed anyway.
-        """
-        await self._runner.recreate(replica)
+    async def recreate(self, replica: ReplicaView) -> None:
+        """Load a new backend instance for *replica*."""
+        await self._port.recreate(cast(Replica, replica))

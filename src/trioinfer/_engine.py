@@ -19,22 +19,22 @@ import anyio.lowlevel
 import attrs
 
 from ._cache import ResponseCache
-from ._config import Device, ModelConfig
+from ._config import Device, ModelConfig, Placement
 from ._exceptions import (
     BackendError,
     ConfigError,
     DeadlineExceeded,
     EngineClosed,
     ModelNotFound,
-    PluginError,
+    PluginContractError,
     TrioInferError,
 )
 from ._pipeline import PIPELINE, Pipeline
-from ._registry import Registry
-from ._request import Outputs, Request, Status, next_request_id
+from ._registry import Kind, Registry
+from ._request import Outputs, Request, next_request_id
 from ._runner import ModelRunner, ModelStatistics, close_instances
 from ._tensors import ModelSignature, rows, validate_inputs
-from .abc import Backend, BackendInstance, Batcher, Fallback, Scheduler
+from .abc import Backend, BackendInstance, Batcher, Fallback, Scheduler, Status
 
 
 @attrs.frozen
@@ -140,9 +140,13 @@ class Engine:
         Raises:
             ConfigError: A model of that name is loaded (or loading) already and
                 *replace* is false, or the config is refused.
-            PluginError: A plugin name is unknown, or a plugin fails to load.
+            PluginError: A plugin name is unknown, or a plugin fails to load (a
+                ``ConfigError``: the configuration names it).
+            PluginContractError: A plugin does not implement its contract.
             BackendError: An instance could not be loaded (``BackendUnavailable`` if its
-                device cannot be used and CPU fallback is off).
+                device cannot be used and CPU fallback is off). When several fail,
+                one error names each failure, and its ``__cause__`` is an
+                ``ExceptionGroup`` of them all.
             EngineClosed: The engine is closing.
         """
         self._check_open()
@@ -191,20 +195,23 @@ class Engine:
         )
         batcher: Batcher = registry.create("batchers", config.batcher, config.batcher_options)
         fallback: Fallback = registry.create("fallbacks", config.fallback, config.fallback_options)
-        for kind, plugin, protocol in (
-            ("backend", backend, Backend),
-            ("scheduler", scheduler, Scheduler),
-            ("batcher", batcher, Batcher),
-            ("fallback", fallback, Fallback),
-        ):
+        checks: tuple[tuple[Kind, str, object, type], ...] = (
+            ("backends", config.backend, backend, Backend),
+            ("schedulers", config.scheduler, scheduler, Scheduler),
+            ("batchers", config.batcher, batcher, Batcher),
+            ("fallbacks", config.fallback, fallback, Fallback),
+        )
+        for kind, plugin_name, plugin, protocol in checks:
             if not isinstance(plugin, protocol):
-                raise PluginError(
-                    f"{kind} plugin for model {name!r} does not implement "
-                    f"trioinfer.abc.{protocol.__name__}: got {type(plugin).__name__}"
+                raise PluginContractError(
+                    f"{kind[:-1]} {plugin_name!r} of model {name!r} does not implement "
+                    f"trioinfer.abc.{protocol.__name__}: got {type(plugin).__name__}",
+                    kind=kind,
+                    plugin=plugin_name,
                 )
         instances = await _load_instances(backend, config)
         try:
-            runner = ModelRunner(
+            runner = ModelRunner._create(
                 config,
                 scheduler=scheduler,
                 batcher=batcher,
@@ -216,11 +223,11 @@ class Engine:
             )
         except BaseException:
             # A plugin refused the model in attach(): do not leave instances behind.
-            await close_instances(instances)
+            await close_instances(name, instances)
             raise
         if self._closing:
             # The engine began to close while we loaded: do not leave instances behind.
-            await close_instances(instances)
+            await close_instances(name, instances)
             self._check_open()
         return runner
 
@@ -565,20 +572,20 @@ def _only(group: BaseExceptionGroup[BaseException], error: BaseException) -> boo
 async def _load_instances(backend: Backend, config: ModelConfig) -> list[BackendInstance]:
     placements = config.placements()
     loaded: list[BackendInstance | None] = [None] * len(placements)
-    errors: list[BaseException] = []
+    errors: dict[int, TrioInferError] = {}
 
     async def load_one(i: int) -> None:
         try:
             loaded[i] = await backend.load(config, placements[i])
         except TrioInferError as exc:
-            errors.append(exc)
+            errors[i] = exc
         except Exception as exc:
             error = BackendError(
                 f"backend {config.backend!r} could not load instance {i} of model "
                 f"{config.name!r}: {type(exc).__name__}: {exc}"
             )
             error.__cause__ = exc
-            errors.append(error)
+            errors[i] = error
 
     try:
         async with anyio.create_task_group() as tg:
@@ -587,11 +594,39 @@ async def _load_instances(backend: Backend, config: ModelConfig) -> list[Backend
     finally:
         done = [instance for instance in loaded if instance is not None]
         if errors or len(done) != len(placements):
-            await close_instances(done)
+            await close_instances(config.name, done)
     if errors:
-        raise errors[0]
+        raise _load_error(config, placements, errors)
     signatures = {instance.signature for instance in done}
     if len(signatures) != 1:
-        await close_instances(done)
+        await close_instances(config.name, done)
         raise BackendError(f"instances of model {config.name!r} report different signatures")
     return done
+
+
+def _load_error(
+    config: ModelConfig, placements: list[Placement], errors: dict[int, TrioInferError]
+) -> TrioInferError:
+    # One error for the caller, naming every instance that failed: the class they
+    # all share (BackendUnavailable for two GPUs that are missing, say), with the
+    # errors themselves in an ExceptionGroup as its cause.
+    if len(errors) == 1:
+        return next(iter(errors.values()))
+    failed = sorted(errors)
+    kinds = {type(errors[i]) for i in failed}
+    cls: type[TrioInferError] = next(
+        c
+        for c in type(errors[failed[0]]).__mro__
+        if issubclass(c, TrioInferError) and all(issubclass(k, c) for k in kinds)
+    )
+    message = (
+        f"{len(failed)} of {len(placements)} instances of model {config.name!r} failed to load: "
+        + "; ".join(f"instance {i} ({placements[i].device}): {errors[i]}" for i in failed)
+    )
+    error = cls.__new__(cls)
+    error.__dict__.update(errors[failed[0]].__dict__)
+    error.args = (message,)
+    error.__cause__ = ExceptionGroup(
+        f"instances of model {config.name!r} that failed to load", [errors[i] for i in failed]
+    )
+    return error

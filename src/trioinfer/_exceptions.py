@@ -7,17 +7,24 @@ status codes) can tell what to change.
 
 ```
 TrioInferError
-├── ConfigError            a ModelConfig or config.toml that cannot work
-├── PluginError            an unknown plugin name, or a plugin that misbehaves
-│   └── PluginLoadError    a plugin that fails to import or to construct
+├── ConfigError            a ModelConfig, config.toml or plugin choice that cannot work (ValueError)
+│   └── PluginError        no plugin of that name, or one that cannot be used as configured
+│       └── PluginLoadError  a registered plugin that fails to import or refuses its options
+├── PluginContractError    a plugin broke its contract: a fault of the server, not the caller
 ├── ModelNotFound          no model of that name is loaded   (also LookupError)
 ├── InvalidInput           inputs that do not fit the model  (also ValueError)
 ├── QueueFull              the model's queue is at its bound; retry later
+├── CircuitOpen            every instance of the model is out of service; retry later
 ├── DeadlineExceeded       the request's deadline passed before it could run
 ├── BackendError           the backend failed while executing
 │   └── BackendUnavailable the requested device or provider cannot be used
 └── EngineClosed           the engine is shutting down or has shut down
 ```
+
+The class says whose fault it is: the caller's (``InvalidInput``,
+``ModelNotFound``), the operator's (``ConfigError`` and its plugin errors), a
+plugin's (``PluginContractError``) or the backend's (``BackendError``). The
+HTTP layer maps classes, never messages, to status codes.
 """
 
 from __future__ import annotations
@@ -31,12 +38,18 @@ class ConfigError(TrioInferError, ValueError):
     """A model or engine configuration that cannot work as written."""
 
 
-class PluginError(TrioInferError):
-    """A plugin name that is not registered, or a plugin that breaks its contract."""
+class PluginError(ConfigError):
+    """A plugin that cannot be used as configured: its name is not registered (or twice).
+
+    The operator's fault, like any [`ConfigError`][trioinfer.ConfigError]: the
+    message names the plugins that are known. A plugin that loads but then
+    breaks its contract raises [`PluginContractError`][trioinfer.PluginContractError]
+    instead.
+    """
 
 
 class PluginLoadError(PluginError):
-    """A registered plugin that could not be imported or constructed.
+    """A registered plugin that could not be imported or constructed with its options.
 
     Attributes:
         group: The entry-point group, e.g. ``"trioinfer.backends"``.
@@ -49,6 +62,28 @@ class PluginLoadError(PluginError):
         self.group = group
         self.name = name
         self.distribution = distribution
+
+
+class PluginContractError(TrioInferError):
+    """A plugin broke its contract: a fault of the server, not of the caller or the operator.
+
+    A batcher that raised or returned an empty batch, a fallback that returned
+    without answering, a scheduler whose ``push`` raised something other than
+    a [`TrioInferError`][trioinfer.TrioInferError], a plugin that does not
+    implement its Protocol. The engine logs each one (at error level, on the
+    ``trioinfer`` logger) with the plugin's kind and name; the HTTP server
+    answers 500. The plugin's own exception, if any, is the ``__cause__``.
+
+    Attributes:
+        kind: The plugin's kind: ``"backends"``, ``"schedulers"``,
+            ``"batchers"`` or ``"fallbacks"``.
+        plugin: Its name, as the model's configuration gives it.
+    """
+
+    def __init__(self, message: str, *, kind: str, plugin: str) -> None:
+        super().__init__(message)
+        self.kind = kind
+        self.plugin = plugin
 
 
 class ModelNotFound(TrioInferError, LookupError):

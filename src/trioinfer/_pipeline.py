@@ -46,10 +46,11 @@ from ._exceptions import (
     QueueFull,
     TrioInferError,
 )
-from ._request import Outputs, Request, Status
+from ._request import Outputs, Request
 from ._runner import BATCH_BUCKETS, DURATION_BUCKETS, ModelStatistics, _Histogram
 from ._tensors import ModelSignature, TensorSpec
 from ._threads import LoopClock
+from .abc import Status
 
 Infer = Callable[..., Any]
 

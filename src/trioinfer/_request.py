@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import enum
 import itertools
 import math
 from collections.abc import Mapping
@@ -10,6 +9,8 @@ from typing import TYPE_CHECKING, Any
 
 import attrs
 import numpy as np
+
+from .abc import Status
 
 if TYPE_CHECKING:
     from ._threads import EventLike
@@ -23,14 +24,6 @@ _sequences = itertools.count()
 def next_request_id() -> str:
     """A process-unique request id, for requests whose caller gave none."""
     return str(next(_ids))
-
-
-class Status(enum.Enum):
-    """Where a request is on its path through the engine."""
-
-    QUEUED = "queued"
-    RUNNING = "running"
-    DONE = "done"
 
 
 @attrs.define(eq=False, slots=True)
@@ -52,26 +45,12 @@ class _State:
 
 @attrs.frozen(eq=False)
 class Request:
-    """One call of [`Engine.infer()`][trioinfer.Engine.infer], as schedulers and batchers see it.
+    """One call of `Engine.infer()`: the engine's own implementation of `trioinfer.abc.Request`.
 
-    Requests compare and hash by identity, so a scheduler can key a dict by them.
-
-    Attributes:
-        model: The model's name.
-        inputs: The validated inputs, by input name.
-        id: The caller's request id, or a generated one.
-        priority: Higher runs sooner under schedulers that order by priority; default 0.
-        tenant: Who the request is for, for fair-share scheduling; ``None`` if not given.
-        deadline: The caller's effective deadline on the engine's clock
-            (``math.inf`` when the caller set none).
-        arrival: When the request was accepted, on the same clock.
-        rows: How many rows (batch entries) the request carries.
-        sequence: A number that grows with every request made in this process:
-            the order requests were made in. Schedulers break ties with it
-            (the ``deadline`` scheduler runs equal deadlines in this order);
-            it never changes and is not an argument. Each request the engine
-            makes has its own; a copy (``copy.copy``, a pickle round trip)
-            keeps the original's, so do not queue a copy beside it.
+    Plugins see it through that Protocol; its attributes are documented there.
+    The mutable bookkeeping that makes it end exactly once is in ``_state``,
+    which only the engine touches. A copy (``copy.copy``, a pickle round
+    trip) keeps the original's ``sequence``, so do not queue a copy beside it.
     """
 
     model: str

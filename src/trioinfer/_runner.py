@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import bisect
 import collections
-import contextlib
 import functools
 import heapq
 import itertools
 import math
-from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, final
+import sys
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Protocol, cast, final
 
 import anyio
 import anyio.abc
@@ -33,15 +33,31 @@ from ._exceptions import (
     CircuitOpen,
     DeadlineExceeded,
     EngineClosed,
-    PluginError,
+    PluginContractError,
     QueueFull,
     TrioInferError,
 )
-from ._request import Outputs, Request, Status
+from ._registry import Kind
+from ._request import Outputs, Request
 from ._tensors import InputLimits, ModelSignature
 from ._tensors import rows as _rows
 from ._threads import EventLike, LoopClock, native_event_factory
-from .abc import Backend, BackendInstance, Batcher, Fallback, Scheduler
+from ._util import NoPublicConstructor
+from .abc import (
+    AssemblingBatcher,
+    AttachableFallback,
+    AttachableScheduler,
+    Backend,
+    BackendInstance,
+    Batcher,
+    Fallback,
+    PipelinedInstance,
+    Scheduler,
+    Split,
+    Status,
+    TunedInstance,
+)
+from .abc import Request as RequestView
 
 if TYPE_CHECKING:
     from ._cache import CacheStatistics
@@ -50,13 +66,30 @@ if TYPE_CHECKING:
 CLEANUP_S = 10.0
 
 
+class _OwnScheduler(Protocol):
+    # A scheduler as the engine holds it. By its contract a scheduler returns the
+    # requests it was given, and only the engine gives it any: its own Request
+    # class. Typed so, the request path needs no cast per request.
+    def push(self, request: Request) -> None: ...
+    def peek(self) -> Request: ...
+    def pop(self) -> Request: ...
+    def remove(self, request: Request) -> bool: ...
+    def __len__(self) -> int: ...
+
+
+class _OwnBatcher(Protocol):
+    # A batcher as the engine holds it, for the same reason: it hands out what
+    # it took from the engine's queue.
+    async def next_batch(self, queue: RequestQueue) -> Sequence[Request]: ...
+
+
 @final
-class RequestQueue:
-    """A model's waiting requests, as a batcher sees them.
+class RequestQueue(metaclass=NoPublicConstructor):
+    """A model's waiting requests: the engine's `trioinfer.abc.RequestQueue`.
 
     It hands out requests in the scheduler's order and fails those whose
     deadline passed instead of handing them out, so no batcher can send an
-    expired request to a backend. Only the engine creates it.
+    expired request to a backend.
     """
 
     __slots__ = (
@@ -74,12 +107,12 @@ class RequestQueue:
     def __init__(
         self,
         scheduler: Scheduler,
-        on_expired: Any,
+        on_expired: Callable[[Request, float], object],
         batched: bool = True,
         preferred_batch_sizes: tuple[int, ...] = (),
         bounded_levels: tuple[int, ...] = (),
     ) -> None:
-        self._scheduler = scheduler
+        self._scheduler = cast(_OwnScheduler, scheduler)
         # Requests waiting per priority level, kept only for the levels with a bound
         # (a client may send any priority: counting every one would grow without end).
         self._levels: dict[int, int] | None = (
@@ -99,6 +132,8 @@ class RequestQueue:
         #: Requests handed out so far (a batch former that took none holds nothing).
         self.taken = 0
 
+    # What each public method promises is written once, in trioinfer.abc.RequestQueue.
+
     def __len__(self) -> int:
         """Requests waiting (some may have expired and not yet been dropped)."""
         return len(self._front) + len(self._scheduler)
@@ -115,13 +150,7 @@ class RequestQueue:
             await self._wakeup.wait()
 
     def peek_nowait(self) -> Request:
-        """Return the live request that `pop_nowait()` would take, leaving it queued.
-
-        Expired requests at the head are failed on the way, as by `pop_nowait()`.
-
-        Raises:
-            anyio.WouldBlock: If no live request is waiting.
-        """
+        """Return the live request that `pop_nowait()` would take, failing expired ones."""
         front, scheduler = self._front, self._scheduler
         while front or len(scheduler):
             request = front[0] if front else scheduler.peek()
@@ -140,14 +169,7 @@ class RequestQueue:
         raise anyio.WouldBlock
 
     def pop_nowait(self) -> Request:
-        """Take the next live request in the scheduler's order.
-
-        Requests whose deadline has passed are failed with
-        [`DeadlineExceeded`][trioinfer.DeadlineExceeded] on the way and never returned.
-
-        Raises:
-            anyio.WouldBlock: If no live request is waiting.
-        """
+        """Take the next live request in the scheduler's order, failing expired ones."""
         front, scheduler = self._front, self._scheduler
         while front or len(scheduler):
             request = front.popleft() if front else scheduler.pop()
@@ -162,13 +184,10 @@ class RequestQueue:
             self._on_expired(request, now)
         raise anyio.WouldBlock
 
-    def put_back(self, requests: Sequence[Request]) -> None:
-        """Return requests taken for a batch that was not dispatched (e.g. cancelled).
-
-        They go back to the head of the queue, in the order given, ahead of
-        everything the scheduler holds; the scheduler does not see them again.
-        """
-        back = [r for r in requests if r.status is Status.QUEUED]
+    def put_back(self, requests: Sequence[RequestView]) -> None:
+        """Give back requests taken and not dispatched, to the head of the queue, in order."""
+        # Only the engine makes requests, so any a batcher gives back is one of ours.
+        back = [r for r in cast(Sequence[Request], requests) if r._state.status is Status.QUEUED]
         self._front.extendleft(reversed(back))
         if self._levels is not None:
             for r in back:
@@ -179,7 +198,7 @@ class RequestQueue:
             self._wakeup = None
 
     def _push(self, request: Request) -> None:
-        self._scheduler.push(request)
+        self._scheduler.push(request)  # may raise: the caller (ModelRunner.call) sorts it out
         if self._levels is not None and request.priority in self._levels:
             self._levels[request.priority] += 1
         if self._wakeup is not None:
@@ -196,13 +215,8 @@ class RequestQueue:
 
 
 @final
-class SchedulerContext:
-    """What a scheduler may learn about the model it orders requests for.
-
-    A scheduler with an ``attach(context)`` method gets one of these once,
-    before its first ``push``; deadline-aware schedulers use it to tell whether
-    a request can still finish in time. Only the engine creates it.
-    """
+class SchedulerContext(metaclass=NoPublicConstructor):
+    """What a scheduler may learn about its model: the engine's `trioinfer.abc.SchedulerContext`."""
 
     __slots__ = ("_runner",)
 
@@ -221,7 +235,7 @@ class SchedulerContext:
 
     def execution_estimate(self) -> float:
         """A moving average of one execution's duration in seconds (0.0 before the first)."""
-        return self._runner._mean_execution_s
+        return self._runner.mean_execution_s
 
     def current_time(self) -> float:
         """The engine's clock (the event loop's, so a MockClock in tests)."""
@@ -306,7 +320,7 @@ class ModelStatistics:
         replicas: Each loaded instance's state and counters.
         fallbacks: Requests that took each kind of fallback step, by the step's
             first word (``"retry"``, ``"failover"``, ``"hedge"``, ``"model"``,
-            ``"default"``; see [`Execution.note()`][trioinfer.Execution.note]).
+            ``"default"``; see [`Execution.note()`][trioinfer.lowlevel.Execution.note]).
         cache: The model's use of the response cache, or ``None`` when it has
             ``response_cache`` off. Hits and coalesced requests are counted
             there only: they never reach the model's queue.
@@ -357,7 +371,7 @@ class _Turns:
     async def form(
         self,
         capacity: float,
-        batcher: Batcher,
+        batcher: _OwnBatcher,
         in_line: Callable[[], object] | None = None,
         replica: Replica | None = None,
     ) -> Sequence[Request] | None:
@@ -477,8 +491,12 @@ class _Running:
 
 @final
 @attrs.define(eq=False)
-class ModelRunner:
-    """The tasks and state that serve one loaded model. Created by the engine only."""
+class ModelRunner(metaclass=NoPublicConstructor):
+    """The tasks and state that serve one loaded model. Created by the engine only.
+
+    It is the `trioinfer._dispatch.RunnerPort` of its executions and fallback
+    context: they reach it through that Protocol's names alone.
+    """
 
     config: ModelConfig
     _scheduler: Scheduler = attrs.field(alias="scheduler")
@@ -488,7 +506,9 @@ class ModelRunner:
     #: The backend plugin, for re-creating an instance.
     _backend: Backend | None = attrs.field(default=None, alias="backend")
     #: Runs a request on another model (set by the engine), for fallbacks.
-    infer_elsewhere: Callable[[str, Request], Any] | None = attrs.field(default=None)
+    _elsewhere: Callable[[str, Request], Awaitable[Outputs]] | None = attrs.field(
+        default=None, alias="infer_elsewhere"
+    )
     replicas: list[Replica] = attrs.field(init=False)
     queue: RequestQueue = attrs.field(init=False)
     signature: ModelSignature = attrs.field(init=False)
@@ -497,7 +517,9 @@ class ModelRunner:
     batched: bool = attrs.field(init=False)
     _new_event: Callable[[], EventLike] = attrs.field(init=False)
     clock: LoopClock = attrs.field(init=False)
-    _assemble: Any = attrs.field(init=False)
+    _assemble: Callable[[Sequence[Request]], tuple[Mapping[str, Any], Split]] | None = attrs.field(
+        init=False
+    )
     _pool: BufferPool = attrs.field(init=False)
     _scope: anyio.CancelScope = attrs.field(factory=anyio.CancelScope, init=False)
     _finished: anyio.Event = attrs.field(factory=anyio.Event, init=False)
@@ -538,7 +560,7 @@ class ModelRunner:
         self._new_event = native_event_factory()
         self.clock = LoopClock()
         self.replicas = [
-            Replica(instance, placement, _depth(instance), self._new_event)
+            Replica._create(instance, placement, _depth(instance), self._new_event)
             for instance, placement in zip(self._instances, self.config.placements(), strict=True)
         ]
         self._serving = len(self.replicas)
@@ -551,7 +573,7 @@ class ModelRunner:
                 self.config.batcher,
                 self.signature.unbatched_reason,
             )
-        self.queue = RequestQueue(
+        self.queue = RequestQueue._create(
             self._scheduler,
             self._expire,
             self.batched,
@@ -559,15 +581,15 @@ class ModelRunner:
             bounded_levels=tuple(self.config.queue_sizes),
         )
         self._turns = _Turns(self._new_event, self.queue)
-        self._assemble = getattr(self._batcher, "assemble", None)
+        # The optional hooks (see trioinfer.abc), looked for once, at load.
+        batcher = self._batcher
+        self._assemble = batcher.assemble if isinstance(batcher, AssemblingBatcher) else None
         # Enough buffers for every instance to run a batch while the next is formed.
         self._pool = BufferPool(per_key=len(self._instances) + 1)
-        attach = getattr(self._scheduler, "attach", None)
-        if attach is not None:
-            attach(SchedulerContext(self))
-        attach = getattr(self._fallback, "attach", None)
-        if attach is not None:
-            attach(FallbackContext(self))
+        if isinstance(self._scheduler, AttachableScheduler):
+            self._scheduler.attach(SchedulerContext._create(self))
+        if isinstance(self._fallback, AttachableFallback):
+            self._fallback.attach(FallbackContext._create(self))
         self.input_limits = self.config.input_limits
         self.queue_timeouts = self.config.queue_timeouts
 
@@ -580,6 +602,11 @@ class ModelRunner:
     def preferred_batch_sizes(self) -> tuple[int, ...]:
         """The batch sizes the model's backend says it runs fastest (empty if it does not)."""
         return self.queue.preferred_batch_sizes
+
+    @property
+    def mean_execution_s(self) -> float:
+        """A moving average of one execution's duration in seconds (0.0 before the first)."""
+        return self._mean_execution_s
 
     # -- the tasks ---------------------------------------------------------------
 
@@ -597,7 +624,7 @@ class ModelRunner:
                     task_status.started()
         finally:
             for request in list(self._in_flight):
-                self._finish(
+                self.finish(
                     request,
                     error=EngineClosed(
                         f"model {self.config.name!r} was unloaded or the engine closed "
@@ -605,7 +632,9 @@ class ModelRunner:
                     ),
                 )
             self._task_group = None
-            await close_instances([replica._backend_instance for replica in self.replicas])
+            await close_instances(
+                self.config.name, [replica._backend_instance for replica in self.replicas]
+            )
             self._finished.set()
 
     async def _worker(
@@ -615,6 +644,7 @@ class ModelRunner:
         task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED,
     ) -> None:
         alone = sum(map(_depth, self._instances)) == 1
+        batcher = cast(_OwnBatcher, self._batcher)
         capacity = replica.capacity
         in_line: Callable[[], object] | None = task_status.started
         if alone:
@@ -628,19 +658,24 @@ class ModelRunner:
                     if replica._back is not None:
                         await replica._back.wait()  # out of service: wait to be put back
                         continue
-                    if alone:
-                        batch = await self._batcher.next_batch(self.queue)
-                    else:
-                        # One free instance forms a batch at a time, the biggest first.
-                        formed = await self._turns.form(capacity, self._batcher, in_line, replica)
-                        in_line = None
-                        if formed is None:
-                            continue
-                        batch = formed
+                    try:
+                        if alone:
+                            batch = await batcher.next_batch(self.queue)
+                        else:
+                            # One free instance forms a batch at a time, the biggest first.
+                            formed = await self._turns.form(capacity, batcher, in_line, replica)
+                            in_line = None
+                            if formed is None:
+                                continue
+                            batch = formed
+                    except Exception as exc:
+                        # What it had taken is lost with it, so the model cannot go on:
+                        # the engine fails, naming the plugin, rather than hang callers.
+                        raise self._broken(
+                            "batchers", f"raised {type(exc).__name__} in next_batch(): {exc}"
+                        ) from exc
                     if not batch:
-                        raise PluginError(
-                            f"batcher of model {self.config.name!r} returned an empty batch"
-                        )
+                        raise self._broken("batchers", "returned an empty batch")
                     if not replica.serving:
                         # Taken out while forming: the batch goes to a serving replica.
                         self.queue.put_back(batch)
@@ -664,33 +699,59 @@ class ModelRunner:
         if not live:
             return
         if len(live) > 1 and not self.batched:
-            raise PluginError(
-                f"batcher of model {self.config.name!r} grouped {len(live)} requests, but the "
-                "model has no batch dimension"
+            error = self._broken(
+                "batchers",
+                f"grouped {len(live)} requests, but the model has no batch dimension",
             )
+            for request in live:
+                self.finish(request, error=_copy_error(error, cause=error.__cause__))
+            return
         running = _Running(scope, len(live))
         queue_duration = self._queue_duration.observe
         for request in live:
             request._state.status = Status.RUNNING
             request._state.batch = running
             queue_duration(started - request.arrival)
-        execution = Execution(self, live, replica)
+        execution = Execution._create(self, live, replica)
         try:
             await self._fallback.execute(execution)
         except Exception as exc:
+            if isinstance(exc, PluginContractError):  # e.g. from Execution.respond()
+                logger.error("%s", exc)
             for request in execution.pending():
-                self._finish(request, error=_backend_error(self.config.name, request, exc))
+                self.finish(request, error=_backend_error(self.config.name, request, exc))
             return
-        for request in execution.pending():
-            self._finish(
-                request,
-                error=PluginError(
-                    f"fallback of model {self.config.name!r} returned without answering "
-                    f"request {request.id!r}"
-                ),
+        unanswered = execution.pending()
+        if unanswered:
+            error = self._broken(
+                "fallbacks",
+                f"returned without answering {len(unanswered)} of the batch's requests "
+                f"({', '.join(repr(r.id) for r in unanswered)})",
             )
+            for request in unanswered:
+                self.finish(request, error=_copy_error(error, cause=error.__cause__))
 
-    async def _attempt(self, execution: Execution, replica: Replica) -> bool:
+    def _broken(self, kind: Kind, what: str) -> PluginContractError:
+        """A plugin of this model broke its contract: the error, logged with the plugin's name."""
+        plugin = {
+            "schedulers": self.config.scheduler,
+            "batchers": self.config.batcher,
+            "fallbacks": self.config.fallback,
+            "backends": self.config.backend,
+        }[kind]
+        error = PluginContractError(
+            f"{kind[:-1]} {plugin!r} of model {self.config.name!r} broke its contract: {what}",
+            kind=kind,
+            plugin=plugin,
+        )
+        logger.error("%s", error, exc_info=sys.exc_info()[1])
+        return error
+
+    async def attempt(self, execution: Execution, replica: Replica) -> bool:
+        """Run *execution*'s pending requests once on *replica*, and answer them.
+
+        Returns whether anything ran: ``False`` when no request was left.
+        """
         # One execution of a batch's pending requests on one replica: the engine's
         # side of Execution.run(). False when nothing was left to run.
         slot = replica._slot
@@ -718,7 +779,7 @@ class ModelRunner:
                         inputs, split = self._assemble(live)
                     except Exception as exc:
                         # A batcher's bug fails its batch, not the instance's worker.
-                        self._fail_plugin(live, "assemble", exc)
+                        self._fail_batch(live, "assemble", exc)
                         return True
                 elif len(live) == 1:
                     inputs, split = live[0].inputs, _alone
@@ -759,11 +820,11 @@ class ModelRunner:
         try:
             shares = split(outputs)
         except Exception as exc:
-            self._fail_plugin(live, "split", exc)
+            self._fail_batch(live, "split", exc)
             return True
         if len(shares) != len(live):
-            error = PluginError(f"split gave {len(shares)} shares for {len(live)} requests")
-            self._fail_plugin(live, "split", error)
+            error = ValueError(f"it gave {len(shares)} shares for {len(live)} requests")
+            self._fail_batch(live, "split", error)
             return True
         request_duration = self._request_duration.observe
         for request, share in zip(live, shares, strict=True):
@@ -771,7 +832,7 @@ class ModelRunner:
             if state.status is Status.RUNNING:
                 request_duration(ended - request.arrival)
                 state.served_by = replica
-            self._finish(request, outputs=share)
+            self.finish(request, outputs=share)
         return True
 
     def _live(self, requests: Sequence[Request]) -> list[Request]:
@@ -798,14 +859,14 @@ class ModelRunner:
             live.append(request)
         return live
 
-    def _fail_plugin(self, requests: Sequence[Request], step: str, exc: Exception) -> None:
+    def _fail_batch(self, requests: Sequence[Request], step: str, exc: Exception) -> None:
+        error = self._broken(
+            "batchers",
+            f"failed to {step} a batch of {len(requests)} requests: {type(exc).__name__}: {exc}",
+        )
+        error.__cause__ = exc
         for request in requests:
-            error = PluginError(
-                f"batcher of model {self.config.name!r} failed to {step} the batch of request "
-                f"{request.id!r}: {type(exc).__name__}: {exc}"
-            )
-            error.__cause__ = exc
-            self._finish(request, error=error)
+            self.finish(request, error=_copy_error(error, cause=error.__cause__))
 
     # -- called from callers' tasks ----------------------------------------------
 
@@ -845,6 +906,11 @@ class ModelRunner:
         except TrioInferError:
             self.refused += 1  # the scheduler refused it at admission (e.g. hopeless deadline)
             raise
+        except Exception as exc:
+            self.refused += 1
+            raise self._broken(
+                "schedulers", f"raised {type(exc).__name__} in push(): {exc}"
+            ) from exc
         self._in_flight.add(request)
         try:
             if own_deadline:
@@ -890,7 +956,7 @@ class ModelRunner:
     # -- ending requests -----------------------------------------------------------
 
     def _expire(self, request: Request, now: float) -> None:
-        self._finish(
+        self.finish(
             request,
             error=DeadlineExceeded(
                 f"request {request.id!r} for model {self.config.name!r} reached its deadline "
@@ -898,7 +964,7 @@ class ModelRunner:
             ),
         )
 
-    def _finish(
+    def finish(
         self,
         request: Request,
         *,
@@ -978,15 +1044,23 @@ class ModelRunner:
                 request = self.queue.pop_nowait()
             except anyio.WouldBlock:
                 return
-            self._finish(request, error=self._circuit_open())
+            self.finish(request, error=self._circuit_open())
 
-    def start_background(self, fn: Callable[..., Any], *args: object) -> None:
+    async def infer_elsewhere(self, model: str, request: Request) -> Outputs:
+        """Run *request* on another loaded *model*; see `Execution.infer_elsewhere`."""
+        if self._elsewhere is None:  # pragma: no cover  # every engine sets it
+            raise BackendError(f"model {self.config.name!r} is not part of an engine")
+        return await self._elsewhere(model, request)
+
+    def start_background(self, fn: Callable[..., Awaitable[object]], *args: object) -> None:
         """Run ``fn(*args)`` in the model's task group; see `FallbackContext.start_soon`."""
         if self._task_group is None:
             raise RuntimeError(f"model {self.config.name!r} is not running")
         self._task_group.start_soon(self._background, fn, args)
 
-    async def _background(self, fn: Callable[..., Any], args: tuple[object, ...]) -> None:
+    async def _background(
+        self, fn: Callable[..., Awaitable[object]], args: tuple[object, ...]
+    ) -> None:
         try:
             await fn(*args)
         except Exception:
@@ -1044,9 +1118,9 @@ class ModelRunner:
                     f"{type(exc).__name__}: {exc}"
                 ) from exc
             finally:
-                await close_instances([old])
+                await close_instances(self.config.name, [old])
             if new.signature != self.signature:
-                await close_instances([new])
+                await close_instances(self.config.name, [new])
                 raise BackendError(
                     f"re-created {replica.label} of model {self.config.name!r} reports another "
                     "signature than the model was loaded with"
@@ -1117,19 +1191,21 @@ class ModelRunner:
 
 
 def _depth(instance: BackendInstance) -> int:
-    # Executions the instance accepts at once (see BackendInstance's docstring).
-    depth = getattr(instance, "pipeline_depth", 1)
+    # Executions the instance accepts at once (see PipelinedInstance); 1 unless it says more.
+    depth = instance.pipeline_depth if isinstance(instance, PipelinedInstance) else 1
     return depth if isinstance(depth, int) and depth >= 1 else 1
 
 
 def _preferred(instance: BackendInstance, model: str) -> tuple[int, ...]:
-    # The batch sizes it runs fastest (see BackendInstance's docstring), if it says
-    # so sensibly: increasing positive integers. Nonsense is ignored, with a warning.
-    advertised = getattr(instance, "preferred_batch_sizes", ())
+    # The batch sizes it runs fastest (see TunedInstance), if it says so sensibly:
+    # increasing positive integers. Nonsense is ignored, with a warning.
+    if not isinstance(instance, TunedInstance):
+        return ()
+    advertised: object = instance.preferred_batch_sizes
     sizes = tuple(advertised) if isinstance(advertised, tuple | list) else (None,)
     valid = all(isinstance(n, int) and not isinstance(n, bool) and n > 0 for n in sizes)
     if valid and list(sizes) == sorted(set(sizes)):
-        return sizes
+        return cast(tuple[int, ...], sizes)
     logger.warning(
         "model %r: its backend instance says preferred_batch_sizes = %r; expected a tuple of "
         "increasing positive integers, so it is ignored",
@@ -1139,13 +1215,33 @@ def _preferred(instance: BackendInstance, model: str) -> tuple[int, ...]:
     return ()
 
 
-async def close_instances(instances: Sequence[BackendInstance]) -> None:
-    """Close every instance, shielded from cancellation and bounded by `CLEANUP_S`."""
+async def close_instances(model: str, instances: Sequence[BackendInstance]) -> None:
+    """Close every instance, shielded from cancellation and bounded by `CLEANUP_S`.
+
+    An instance whose ``aclose()`` raises (a broken contract: it must not) is
+    logged with the model and the instance, and the others are closed anyway.
+    """
+    left = list(instances)
     with anyio.move_on_after(CLEANUP_S, shield=True):
-        for instance in instances:
-            # One broken instance must not keep the others open.
-            with contextlib.suppress(Exception):
+        while left:
+            instance = left[0]
+            try:
                 await instance.aclose()
+            except Exception:
+                logger.exception(
+                    "model %r: closing backend instance %r failed; it may still hold its "
+                    "threads or device memory",
+                    model,
+                    instance,
+                )
+            del left[0]
+    if left:
+        logger.error(
+            "model %r: closing backend instances took longer than %ss; gave up on %s",
+            model,
+            CLEANUP_S,
+            ", ".join(map(repr, left)),
+        )
 
 
 def _probe_inputs(signature: ModelSignature) -> dict[str, Any]:
@@ -1161,17 +1257,23 @@ def _probe_inputs(signature: ModelSignature) -> dict[str, Any]:
 
 
 def _backend_error(model: str, request: Request, exc: Exception) -> TrioInferError:
+    # What a failed execution's callers get: its error, or a BackendError for any other.
+    if isinstance(exc, TrioInferError):
+        return _copy_error(exc, cause=exc)
+    error = BackendError(
+        f"model {model!r} failed on request {request.id!r}: {type(exc).__name__}: {exc}"
+    )
+    error.__cause__ = exc
+    return error
+
+
+def _copy_error(exc: TrioInferError, *, cause: BaseException | None) -> TrioInferError:
     # Each caller gets its own exception object: one object raised in several
     # tasks would collect all their tracebacks.
-    if isinstance(exc, TrioInferError):
-        error = type(exc).__new__(type(exc))
-        error.__dict__.update(exc.__dict__)
-        error.args = exc.args
-    else:
-        error = BackendError(
-            f"model {model!r} failed on request {request.id!r}: {type(exc).__name__}: {exc}"
-        )
-    error.__cause__ = exc
+    error = type(exc).__new__(type(exc))
+    error.__dict__.update(exc.__dict__)
+    error.args = exc.args
+    error.__cause__ = cause
     return error
 
 
@@ -1201,3 +1303,27 @@ def _split(requests: Sequence[Request], outputs: Outputs) -> list[Outputs]:
             share[name] = array[start : start + request.rows]
             start += request.rows
     return shares
+
+
+if TYPE_CHECKING:
+    # Where mypy checks that the engine's own classes are what trioinfer.abc
+    # promises plugins: a change to either that breaks the promise fails here.
+    from . import abc
+
+    def _conforms(
+        request: Request,
+        queue: RequestQueue,
+        scheduler_context: SchedulerContext,
+        replica: Replica,
+        execution: Execution,
+        fallback_context: FallbackContext,
+    ) -> None:
+        views: tuple[
+            abc.Request,
+            abc.RequestQueue,
+            abc.SchedulerContext,
+            abc.Replica,
+            abc.Execution,
+            abc.FallbackContext,
+        ] = (request, queue, scheduler_context, replica, execution, fallback_context)
+        del views

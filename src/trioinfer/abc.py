@@ -7,51 +7,470 @@ with no arguments (they get the model's ``backend_options`` at load), and
 schedulers, batchers and fallbacks with the model's ``scheduler_options``,
 ``batcher_options`` or ``fallback_options`` as keyword arguments. A class is
 the usual target.
+
+A plugin may do more than its contract asks through an optional hook, such as
+a scheduler's ``attach(context)``. Each hook is a Protocol here too
+([`AttachableScheduler`][trioinfer.abc.AttachableScheduler], ...): the engine
+looks for exactly these, and mypy checks a plugin that declares one.
+
+What a plugin is handed by the engine (a request, the queue, a context, an
+execution, a replica) is declared here as a Protocol as well, so that this
+module depends on no part of the engine; plugin authors import those from
+[`trioinfer.lowlevel`][trioinfer.lowlevel], with the tools a backend needs.
 Conformance checks for each contract are in [`trioinfer.testing`][trioinfer.testing].
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+import enum
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from typing import Any, Literal, Protocol, runtime_checkable
 
 import numpy as np
 
+# Values only: configuration and signatures. This module imports no engine module,
+# so that a contract can never come to depend on how the engine implements it.
 from ._config import ModelConfig, Placement
-from ._request import Request
 from ._tensors import ModelSignature
 
-if TYPE_CHECKING:
-    from ._dispatch import Execution
-    from ._runner import RequestQueue
-
 __all__ = [
+    "AssemblingBatcher",
+    "AttachableFallback",
+    "AttachableScheduler",
     "Backend",
     "BackendInstance",
     "Batcher",
     "Fallback",
+    "PipelinedInstance",
     "Scheduler",
+    "TunedInstance",
 ]
 
 Arrays = Mapping[str, np.ndarray[Any, Any]]
+Outputs = dict[str, np.ndarray[Any, Any]]
+#: What a batcher's ``assemble`` returns to cut a batch's outputs into one mapping per request.
+Split = Callable[[Arrays], Sequence[Outputs]]
+ReplicaState = Literal["serving", "out"]
+
+
+# -- what the engine hands a plugin ----------------------------------------------------
+# Exported by trioinfer.lowlevel; defined here so that the contracts below can name them.
+
+
+class Status(enum.Enum):
+    """Where a request is on its path through the engine."""
+
+    QUEUED = "queued"
+    RUNNING = "running"
+    DONE = "done"
+
+
+class Request(Protocol):
+    """One call of [`Engine.infer()`][trioinfer.Engine.infer], as plugins see it.
+
+    Read-only. Requests compare and hash by identity, so a scheduler can key a
+    dict by them. Only the engine makes them
+    ([`trioinfer.testing.make_request()`][trioinfer.testing.make_request] makes
+    them for a plugin's tests).
+    """
+
+    @property
+    def model(self) -> str:
+        """The model's name."""
+        ...
+
+    @property
+    def inputs(self) -> Arrays:
+        """The validated inputs, by input name."""
+        ...
+
+    @property
+    def id(self) -> str:
+        """The caller's request id, or a generated one."""
+        ...
+
+    @property
+    def priority(self) -> int:
+        """Higher runs sooner under schedulers that order by priority; default 0."""
+        ...
+
+    @property
+    def tenant(self) -> str | None:
+        """Who the request is for, for fair-share scheduling; ``None`` if not given."""
+        ...
+
+    @property
+    def deadline(self) -> float:
+        """The caller's effective deadline on the engine's clock (``math.inf`` when none)."""
+        ...
+
+    @property
+    def arrival(self) -> float:
+        """When the request was accepted, on the same clock."""
+        ...
+
+    @property
+    def rows(self) -> int:
+        """How many rows (batch entries) the request carries."""
+        ...
+
+    @property
+    def sequence(self) -> int:
+        """A number that grows with every request made in this process: the order they were made in.
+
+        Schedulers may break ties with it (the ``deadline`` scheduler runs
+        equal deadlines in this order). It never changes; a copy of a request
+        (``copy.copy``, a pickle round trip) keeps it, so do not queue a copy
+        beside the original.
+        """
+        ...
+
+    @property
+    def status(self) -> Status:
+        """Queued, running or done."""
+        ...
+
+    @property
+    def abandoned(self) -> bool:
+        """Whether the caller has stopped waiting (it was cancelled)."""
+        ...
+
+
+class RequestQueue(Protocol):
+    """A model's waiting requests, as a batcher takes them.
+
+    It hands out requests in the scheduler's order and fails those whose
+    deadline passed instead of handing them out (with
+    [`DeadlineExceeded`][trioinfer.DeadlineExceeded]), so no batcher can send
+    an expired request to a backend. Only the engine creates it.
+    """
+
+    @property
+    def batched(self) -> bool:
+        """Whether the model has a batch dimension, so requests may share an execution."""
+        ...
+
+    @property
+    def preferred_batch_sizes(self) -> tuple[int, ...]:
+        """Batch sizes the model's backend runs fastest, as its first instance says.
+
+        See [`TunedInstance`][trioinfer.abc.TunedInstance]; empty when it does not say.
+        """
+        ...
+
+    def __len__(self) -> int:
+        """Requests waiting (some may have expired and not yet been dropped)."""
+        ...
+
+    async def wait_not_empty(self) -> None:
+        """Wait until at least one request is waiting."""
+        ...
+
+    def peek_nowait(self) -> Request:
+        """Return the live request that `pop_nowait()` would take, leaving it queued.
+
+        Expired requests at the head are failed on the way, as by `pop_nowait()`.
+
+        Raises:
+            anyio.WouldBlock: If no live request is waiting.
+        """
+        ...
+
+    def pop_nowait(self) -> Request:
+        """Take the next live request in the scheduler's order.
+
+        Requests whose deadline has passed are failed with
+        [`DeadlineExceeded`][trioinfer.DeadlineExceeded] on the way and never returned.
+
+        Raises:
+            anyio.WouldBlock: If no live request is waiting.
+        """
+        ...
+
+    def put_back(self, requests: Sequence[Request]) -> None:
+        """Give back requests taken for a batch that is not dispatched (e.g. cancelled).
+
+        They go back to the head of the queue, in the order given, ahead of
+        everything the scheduler holds; the scheduler does not see them again
+        (see [`Scheduler.push()`][trioinfer.abc.Scheduler.push]). Requests that
+        ended meanwhile (their caller left) are dropped.
+        """
+        ...
+
+
+class SchedulerContext(Protocol):
+    """What a scheduler may learn about the model it orders requests for.
+
+    An [`AttachableScheduler`][trioinfer.abc.AttachableScheduler] gets one
+    once, before its first ``push``; deadline-aware schedulers use it to tell
+    whether a request can still finish in time. Only the engine creates it.
+    """
+
+    @property
+    def model(self) -> str:
+        """The model's name."""
+        ...
+
+    @property
+    def instances(self) -> int:
+        """How many instances execute this model's batches in parallel."""
+        ...
+
+    def execution_estimate(self) -> float:
+        """A moving average of one execution's duration in seconds (0.0 before the first)."""
+        ...
+
+    def current_time(self) -> float:
+        """The engine's clock (the event loop's, so a MockClock in tests)."""
+        ...
+
+
+class Replica(Protocol):
+    """One loaded backend instance of a model, as fallback plugins see it.
+
+    A replica is *serving* (it takes batches) or *out* (a fallback took it out
+    of service, e.g. its circuit breaker opened; it takes no new batch until
+    put back). Only the engine creates replicas.
+    """
+
+    @property
+    def index(self) -> int:
+        """The instance's number within its model (0, 1, ...)."""
+        ...
+
+    @property
+    def placement(self) -> Placement:
+        """Where it was asked to run."""
+        ...
+
+    @property
+    def device(self) -> str:
+        """Where the instance really runs (``"cpu"`` after a fallback from ``"cuda:0"``)."""
+        ...
+
+    @property
+    def capacity(self) -> float:
+        """Its relative throughput, from the model's instance config."""
+        ...
+
+    @property
+    def state(self) -> ReplicaState:
+        """``"serving"`` or ``"out"``."""
+        ...
+
+    @property
+    def serving(self) -> bool:
+        """Whether it takes batches."""
+        ...
+
+    @property
+    def reason(self) -> str | None:
+        """Why it is out (``None`` while serving)."""
+        ...
+
+    @property
+    def label(self) -> str:
+        """A short name for logs and response metadata: ``"instance 1 (cpu)"``."""
+        ...
+
+    @property
+    def executions(self) -> int:
+        """Executions (of batches and probes) started on it."""
+        ...
+
+    @property
+    def failures(self) -> int:
+        """Executions whose backend call raised an error.
+
+        One cancelled (its callers left, or a fallback's ``timeout`` ran out) is not counted.
+        """
+        ...
+
+    @property
+    def taken_out(self) -> int:
+        """Times it was taken out of service."""
+        ...
+
+    @property
+    def recreated(self) -> int:
+        """Times its backend instance was re-created."""
+        ...
+
+
+class Execution(Protocol):
+    """One batch on its way through the model's fallback plugin.
+
+    The engine formed the batch and chose `replica`; the fallback's
+    ``execute(execution)`` must see that every request in it gets an answer:
+    by `run()` (outputs from a replica), by `respond()` (outputs from
+    elsewhere), or by raising, which fails every request still pending with
+    that error. Only the engine creates executions.
+    """
+
+    @property
+    def requests(self) -> Sequence[Request]:
+        """The batch's requests, in the batch's order."""
+        ...
+
+    @property
+    def replica(self) -> Replica:
+        """The replica the engine chose for it."""
+        ...
+
+    def pending(self) -> Sequence[Request]:
+        """The requests still waiting for an answer (not answered, caller still there)."""
+        ...
+
+    def deadline(self) -> float:
+        """The latest deadline among pending requests (``math.inf`` if one has none).
+
+        Past it nobody waits for this batch, so a retry must not start later.
+        """
+        ...
+
+    async def run(self, replica: Replica | None = None) -> bool:
+        """Run the pending requests on *replica* (by default the chosen one) and answer them.
+
+        Waits until the replica is free to take another execution (and its
+        device, under ``device_limits``). Then, right before the backend call,
+        requests whose callers left are dropped, and those whose deadline has
+        passed end with [`DeadlineExceeded`][trioinfer.DeadlineExceeded]: no
+        row is computed for them; when none is left, nothing runs. A replica
+        that is out may be used (a probe, say); dispatch never chooses one.
+
+        Returns:
+            Whether it ran anything: ``False`` when no request was left to
+            run (say nothing of the replica's health then).
+
+        Raises:
+            Exception: What the backend raised (usually
+                [`BackendError`][trioinfer.BackendError]); nobody was answered.
+        """
+        ...
+
+    def respond(self, request: Request, outputs: Mapping[str, Any], *, via: str) -> None:
+        """Answer *request* with *outputs* that did not come from a replica of this model.
+
+        *via* names where they came from (``"default"``, ``"model small"``) and
+        is recorded as a fallback step. Arrays are converted with
+        ``numpy.asarray`` and must cover every model output.
+
+        Raises:
+            PluginContractError: *request* is not in this execution, or outputs are missing.
+        """
+        ...
+
+    def note(self, step: str, requests: Sequence[Request] | None = None) -> None:
+        """Record a fallback step, such as ``"failover instance 1 (cpu)"``, on pending requests.
+
+        The steps reach the caller in
+        [`InferenceResult.fallbacks`][trioinfer.InferenceResult] (and HTTP
+        response parameters) and are counted in the model's statistics by
+        their first word.
+        """
+        ...
+
+    async def infer_elsewhere(self, model: str, request: Request) -> Outputs:
+        """Run one pending request on another loaded *model* and return its outputs.
+
+        The request keeps its deadline, priority, tenant and id. A request
+        that is itself a failover from another model is not sent on again,
+        so that two models failing over to each other cannot loop.
+
+        Raises:
+            BackendError: *request* came from a failover already.
+            TrioInferError: What the other model's ``infer`` raised.
+        """
+        ...
+
+
+class FallbackContext(Protocol):
+    """What a fallback plugin may know and do about its model's replicas.
+
+    An [`AttachableFallback`][trioinfer.abc.AttachableFallback] gets one when
+    its model loads, before the first execution. Everything runs on the event
+    loop's thread; there is nothing to lock. Only the engine creates it.
+    """
+
+    @property
+    def model(self) -> str:
+        """The model's name."""
+        ...
+
+    @property
+    def signature(self) -> ModelSignature:
+        """The model's inputs and outputs."""
+        ...
+
+    @property
+    def replicas(self) -> Sequence[Replica]:
+        """Every replica, by index."""
+        ...
+
+    def current_time(self) -> float:
+        """The engine's clock (the event loop's, so a MockClock in tests)."""
+        ...
+
+    def start_soon(self, fn: Callable[..., Awaitable[object]], *args: object) -> None:
+        """Run ``fn(*args)`` as a background task of the model, in the engine's task group.
+
+        It is cancelled when the model is unloaded or the engine closes; an
+        exception it raises is logged and does not stop the model.
+
+        Raises:
+            RuntimeError: The model is not running (not yet started, or stopped).
+        """
+        ...
+
+    def take_out(self, replica: Replica, reason: str, *, retry_after: float = 1.0) -> None:
+        """Take *replica* out of service: dispatch sends it no new batch.
+
+        A batch running on it goes on. When no serving replica is left, the
+        model's queued requests fail with [`CircuitOpen`][trioinfer.CircuitOpen]
+        at once and new ones are refused with it, carrying *retry_after*
+        (seconds until the replica may be back) as their hint. Logged once per
+        change, at warning level.
+        """
+        ...
+
+    def put_back(self, replica: Replica) -> None:
+        """Return *replica* to service; logged once, at info level."""
+        ...
+
+    async def probe(self, replica: Replica, inputs: Arrays | None = None) -> None:
+        """Run one execution on *replica* that answers nobody, to test whether it works.
+
+        *inputs* default to zeros of the model's input shapes (one row, and 1
+        for every dimension without a fixed size). Waits until the replica is free.
+
+        Raises:
+            Exception: What the backend raised.
+        """
+        ...
+
+    async def recreate(self, replica: Replica) -> None:
+        """Close *replica*'s backend instance and load a new one at the same placement.
+
+        For a session that died. Waits until nothing runs on the replica; its
+        state does not change (put it back after a successful probe).
+
+        Raises:
+            BackendError: The new instance could not be loaded, or reports
+                another signature; the old one is closed anyway.
+        """
+        ...
+
+
+# -- the contracts a plugin implements ---------------------------------------------------
 
 
 @runtime_checkable
 class BackendInstance(Protocol):
     """One loaded copy of a model on one device: a session, in ONNX Runtime's terms.
 
-    The engine calls `execute()` for one batch at a time per instance and
-    `aclose()` after the last call has returned. An instance that can take the
-    next batch while one runs (queueing it behind the first, so that its device
-    never waits for the event loop) may say so with an integer attribute
-    ``pipeline_depth``: the engine then keeps up to that many executions in
-    flight on it. An instance that knows which batch sizes it runs fastest per
-    row (from a measurement at load, or sizes a TensorRT engine was built for)
-    may say so with a tuple attribute ``preferred_batch_sizes`` of increasing
-    positive integers: the engine reads it from the model's first instance into
-    [`RequestQueue.preferred_batch_sizes`][trioinfer.RequestQueue], where a
-    batcher may use it (the dynamic batcher cuts batches at those sizes unless
-    its own ``preferred_batch_sizes`` option is set).
+    The engine calls `execute()` for one batch at a time per instance (unless
+    it is a [`PipelinedInstance`][trioinfer.abc.PipelinedInstance]) and
+    `aclose()` after the last call has returned.
     """
 
     @property
@@ -64,7 +483,7 @@ class BackendInstance(Protocol):
         """Where the instance really runs, e.g. ``"cpu"`` after a fallback from ``"cuda:0"``."""
         ...
 
-    async def execute(self, inputs: Arrays) -> dict[str, np.ndarray[Any, Any]]:
+    async def execute(self, inputs: Arrays) -> Outputs:
         """Run the model once and return every output by name.
 
         *inputs* are already validated against `signature`. Blocking
@@ -90,9 +509,42 @@ class BackendInstance(Protocol):
         """Release the instance's resources (threads, sessions, device memory).
 
         The engine calls it after the last `execute()` returned. Must be
-        idempotent and must not raise for a healthy instance; later `execute()`
-        calls raise ``BackendError``.
+        idempotent and must not raise for a healthy instance (a failure is
+        logged with the instance); later `execute()` calls raise ``BackendError``.
         """
+        ...
+
+
+@runtime_checkable
+class PipelinedInstance(BackendInstance, Protocol):
+    """An instance that takes the next batch while one runs (an optional hook).
+
+    It queues the next execution behind the running one itself, so that its
+    device never waits for the event loop; the engine keeps up to
+    `pipeline_depth` executions in flight on it.
+    """
+
+    @property
+    def pipeline_depth(self) -> int:
+        """Executions the instance accepts at once; a positive integer (else ignored: 1)."""
+        ...
+
+
+@runtime_checkable
+class TunedInstance(BackendInstance, Protocol):
+    """An instance that knows which batch sizes it runs fastest per row (an optional hook).
+
+    From a measurement at load (the ONNX Runtime backend's
+    ``tune_batch_sizes``), or the sizes a TensorRT engine was built for. The
+    engine reads them from the model's first instance into
+    [`RequestQueue.preferred_batch_sizes`][trioinfer.lowlevel.RequestQueue.preferred_batch_sizes]
+    and [`ModelInfo`][trioinfer.ModelInfo], where a batcher may use them (the
+    dynamic batcher cuts batches at those sizes unless its own option is set).
+    """
+
+    @property
+    def preferred_batch_sizes(self) -> tuple[int, ...]:
+        """Increasing positive integers; anything else is ignored, with a warning."""
         ...
 
 
@@ -120,23 +572,28 @@ class Backend(Protocol):
 class Scheduler(Protocol):
     """A queue discipline: decides which waiting request runs next.
 
-    Called only from the event loop's thread, never concurrently; no method may
-    block or await. Requests hash by identity.
+    Which request that is, is the scheduler's whole policy: the contract
+    fixes no order (first in first out, last in first out, by priority, by
+    deadline, ...). It fixes what every discipline must keep: each request
+    pushed comes out of `pop()` once, unless `remove()` took it first; `peek()`
+    shows what `pop()` would return; ``len()`` counts what is held.
 
-    A scheduler may also define ``attach(context)``: the engine then calls it
-    once, before the first `push()`, with a
-    [`SchedulerContext`][trioinfer.SchedulerContext] (the model's execution-time
-    estimate, instance count and clock). `push()` may refuse a request by
-    raising a [`TrioInferError`][trioinfer.TrioInferError] such as
-    [`DeadlineExceeded`][trioinfer.DeadlineExceeded]; the caller gets it at once.
+    Called only from the event loop's thread, never concurrently; no method may
+    block or await. Requests hash by identity. `push()` may refuse a request
+    by raising a [`TrioInferError`][trioinfer.TrioInferError] such as
+    [`DeadlineExceeded`][trioinfer.DeadlineExceeded]; the caller gets it at
+    once. Any other exception is a broken contract: the caller gets a
+    [`PluginContractError`][trioinfer.PluginContractError].
     """
 
     def push(self, request: Request) -> None:
         """Add a request that was just admitted.
 
-        Requests a batcher gives back with
-        [`RequestQueue.put_back()`][trioinfer.RequestQueue.put_back] do not come
-        here again: the engine keeps them at the head of the queue.
+        Each request is pushed once, when it is admitted. Requests a batcher
+        gives back with
+        [`RequestQueue.put_back()`][trioinfer.lowlevel.RequestQueue.put_back]
+        are not pushed again: the engine keeps them at the head of the queue,
+        ahead of the scheduler's order.
         """
         ...
 
@@ -169,24 +626,73 @@ class Scheduler(Protocol):
 
 
 @runtime_checkable
+class AttachableScheduler(Scheduler, Protocol):
+    """A scheduler that wants to know about its model (an optional hook)."""
+
+    def attach(self, context: SchedulerContext) -> None:
+        """Called once, before the first `push()`, with the model's execution estimate and clock.
+
+        May raise [`ConfigError`][trioinfer.ConfigError] to refuse the model.
+        """
+        ...
+
+
+@runtime_checkable
 class Batcher(Protocol):
     """Decides when to dispatch and which requests go together.
 
     By default the engine concatenates a batch's inputs along the first axis
     (into pooled, reused buffers) and hands each caller its rows of every
-    output, as views. A batcher that needs another layout (padding a ragged
-    dimension, say) may define ``assemble(requests)``, returning the backend's
-    inputs and a function that turns the backend's outputs into one mapping per
-    request, in order; the engine then uses it instead.
+    output, as views. An [`AssemblingBatcher`][trioinfer.abc.AssemblingBatcher]
+    lays out the backend's inputs itself (padding a ragged dimension, say).
     """
 
     async def next_batch(self, queue: RequestQueue) -> Sequence[Request]:
-        """Wait until a batch should be dispatched and return its requests (at least one).
+        """Wait until a batch should be dispatched and return its requests.
 
-        Take requests only through *queue*, in the order it gives them (the
-        scheduler's order). Called by one instance worker at a time, when that
-        instance is free. May be cancelled at any await; requests already taken
-        must then be given back with [`RequestQueue.put_back()`][trioinfer.RequestQueue.put_back].
+        Called by one instance worker at a time, when that instance is free.
+        A batch must keep these rules, which
+        [`check_batcher()`][trioinfer.testing.check_batcher] checks:
+
+        - It holds at least one request, each taken through *queue* during
+          this call (in the order the queue gives them: the scheduler's), and
+          no request twice. A request taken and not in the batch goes back
+          with [`RequestQueue.put_back()`][trioinfer.lowlevel.RequestQueue.put_back],
+          in the order taken, before the call returns: a batcher holds no
+          request from one call to the next, so every request is always
+          queued, in a batch, or ended. (Given back, a request whose deadline
+          passes meanwhile is failed by the queue, never handed out.)
+        - When the model has no batch dimension (``queue.batched`` is false),
+          one request.
+        - Unless the batcher assembles its own inputs, every request has the
+          same inputs with the same dtypes and non-batch dimensions (the
+          engine concatenates them along the first axis).
+
+        A request's deadline may pass while the batcher waits for company:
+        the engine drops that row right before the backend call.
+
+        May be cancelled at any await; requests already taken must then be
+        given back with ``queue.put_back()``, in the order they were taken,
+        so that the scheduler's order holds. Any exception other than
+        cancellation is a broken contract: the model's worker stops and the
+        engine fails with a [`PluginContractError`][trioinfer.PluginContractError]
+        naming the batcher.
+        """
+        ...
+
+
+@runtime_checkable
+class AssemblingBatcher(Batcher, Protocol):
+    """A batcher that lays out the backend's inputs itself (an optional hook)."""
+
+    def assemble(self, requests: Sequence[Request]) -> tuple[Arrays, Split]:
+        """Return the backend's inputs for *requests*, and how to split its outputs.
+
+        The engine calls it right before the backend call, with the batch's
+        requests still worth computing, in order; the function returned gets
+        the backend's outputs and must return one mapping per request, in the
+        same order. An exception from either fails that batch's requests with
+        a [`PluginContractError`][trioinfer.PluginContractError]; the worker goes on.
         """
         ...
 
@@ -196,23 +702,33 @@ class Fallback(Protocol):
     """Middleware around one batch's execution: retry, fail over, short-circuit.
 
     The engine hands each formed batch to `execute()` as an
-    [`Execution`][trioinfer.Execution], on the replica it chose. A fallback
-    may also define ``attach(context)``: the engine then calls it once, when
-    the model loads, with a [`FallbackContext`][trioinfer.FallbackContext]
-    through which it sees every replica and may take one out of service,
-    probe it, re-create it and put it back, and start background tasks in the
-    engine's task group. Everything runs on the event loop's thread; there is
-    nothing to lock.
+    [`Execution`][trioinfer.lowlevel.Execution], on the replica it chose.
     """
 
     async def execute(self, execution: Execution) -> None:
         """See that every request of *execution* is answered, normally by ``await execution.run()``.
 
         Requests still pending when it returns fail with a
-        [`PluginError`][trioinfer.PluginError]; when it raises, they fail with
-        that error (wrapped in [`BackendError`][trioinfer.BackendError] unless it
-        is a [`TrioInferError`][trioinfer.TrioInferError]). Must not swallow
-        cancellation: it means that every caller of the batch has left, or that
-        the model is being unloaded.
+        [`PluginContractError`][trioinfer.PluginContractError] (a fallback
+        that answers nobody breaks its contract); when it raises, they fail
+        with that error (wrapped in [`BackendError`][trioinfer.BackendError]
+        unless it is a [`TrioInferError`][trioinfer.TrioInferError]). Must not
+        swallow cancellation: it means that every caller of the batch has
+        left, or that the model is being unloaded.
+        """
+        ...
+
+
+@runtime_checkable
+class AttachableFallback(Fallback, Protocol):
+    """A fallback that watches and manages its model's replicas (an optional hook)."""
+
+    def attach(self, context: FallbackContext) -> None:
+        """Called once, when the model loads and before its first execution.
+
+        Through *context* the fallback sees every replica and may take one out
+        of service, probe it, re-create it and put it back, and start
+        background tasks in the engine's task group. May raise
+        [`ConfigError`][trioinfer.ConfigError] to refuse the model.
         """
         ...

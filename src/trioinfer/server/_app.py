@@ -39,7 +39,7 @@ from .._exceptions import (
     EngineClosed,
     InvalidInput,
     ModelNotFound,
-    PluginError,
+    PluginContractError,
     QueueFull,
     TrioInferError,
 )
@@ -91,9 +91,11 @@ def _must_close(scope: Scope) -> bool:
 def status_for(error: BaseException) -> int:
     """The HTTP status for an error raised while serving a request: the only such mapping.
 
-    Client faults are 4xx; a full queue, a closing engine or an unusable
-    device are 503; a request whose deadline passed is 504; only a failing
-    backend (or a bug) is 500.
+    Client faults are 4xx, and so is a configuration the operator must change
+    (``ConfigError``: a model config, a misnamed or uninstalled plugin); a full
+    queue, a closing engine or an unusable device are 503; a request whose
+    deadline passed is 504; a failing backend, a plugin that broke its
+    contract (``PluginContractError``) or a bug is 500.
     """
     for kind, status in _STATUS:
         if isinstance(error, kind):
@@ -107,8 +109,8 @@ _STATUS: Final[tuple[tuple[type[BaseException], int], ...]] = (
     (Unauthorized, 401),
     (ModelNotFound, 404),
     (InvalidInput, 400),  # RequestError too
-    (ConfigError, 400),
-    (PluginError, 400),
+    (ConfigError, 400),  # PluginError and PluginLoadError too
+    (PluginContractError, 500),  # a plugin's fault, logged with its name where it broke
     (QueueFull, 503),
     (CircuitOpen, 503),
     (BackendUnavailable, 503),

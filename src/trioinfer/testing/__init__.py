@@ -4,7 +4,8 @@
   numpy function and whose latency runs on the event loop's clock (so
   `trio.testing.MockClock` drives it), with execution counts and injected failures.
 - [`check_backend()`][trioinfer.testing.check_backend],
-  [`check_scheduler()`][trioinfer.testing.check_scheduler] and
+  [`check_scheduler()`][trioinfer.testing.check_scheduler],
+  [`check_batcher()`][trioinfer.testing.check_batcher] and
   [`check_fallback()`][trioinfer.testing.check_fallback]: conformance checks a
   plugin author runs against their plugin, as trio's `check_two_way_stream`
   does for streams. trioinfer's own plugins pass them in its tests.
@@ -17,12 +18,13 @@
   that every request ended exactly once, from the caller's side and from the
   engine's counters, and that nothing was left running.
 - [`make_request()`][trioinfer.testing.make_request]: a
-  [`Request`][trioinfer.Request] for scheduler tests.
+  [`Request`][trioinfer.lowlevel.Request] for scheduler and batcher tests.
 - [`trioinfer.testing.models`][trioinfer.testing.models]: small real ONNX models
   (needs `onnx`).
 """
 
 from ._checks import check_backend as check_backend
+from ._checks import check_batcher as check_batcher
 from ._checks import check_fallback as check_fallback
 from ._checks import check_scheduler as check_scheduler
 from ._checks import make_request as make_request

@@ -2,20 +2,31 @@
 
 from __future__ import annotations
 
+import collections
 import itertools
 import math
-from collections.abc import Callable, Mapping
-from typing import Any
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, NoReturn
 
 import anyio
+import anyio.lowlevel
 import numpy as np
 
 from .._config import Device, Instance, ModelConfig, Placement
 from .._exceptions import BackendError, TrioInferError
-from .._request import Request
+from .._request import Request as _Request
 from .._tensors import ModelSignature
 from .._tensors import rows as _rows
-from ..abc import Backend, BackendInstance, Fallback, Scheduler
+from ..abc import (
+    AssemblingBatcher,
+    Backend,
+    BackendInstance,
+    Batcher,
+    Fallback,
+    Request,
+    Scheduler,
+    Status,
+)
 
 _arrivals = itertools.count()
 
@@ -30,11 +41,12 @@ def make_request(
     arrival: float | None = None,
     rows: int = 1,
 ) -> Request:
-    """A [`Request`][trioinfer.Request] for scheduler and batcher tests.
+    """A [`Request`][trioinfer.lowlevel.Request] for scheduler and batcher tests.
 
+    Only the engine makes requests; this is the way in for a plugin's tests.
     Without *arrival*, each request arrives one tick after the previous one.
     """
-    return Request(
+    return _Request(
         model,
         inputs if inputs is not None else {},
         priority=priority,
@@ -45,7 +57,7 @@ def make_request(
     )
 
 
-def _fail(what: str) -> None:
+def _fail(what: str) -> NoReturn:
     raise AssertionError(what)
 
 
@@ -53,11 +65,12 @@ def check_scheduler(make_scheduler: Callable[[], Scheduler]) -> None:
     """Check that a scheduler keeps the [`Scheduler`][trioinfer.abc.Scheduler] contract.
 
     Checks that an empty scheduler pops and peeks ``IndexError``; that `peek()`
-    shows what `pop()` takes next; that every pushed
-    request is popped exactly once; that requests alike in priority, tenant
-    and deadline come out in arrival order; that ``remove`` takes a request out
+    shows what `pop()` takes next; that every pushed request is popped
+    exactly once, whether alike or not; that ``remove`` takes a request out
     once (returning ``True``, then ``False``) and that a removed request is
-    never popped; and that ``len`` follows along.
+    never popped; and that ``len`` follows along. Which request comes next is
+    the scheduler's own policy, so no order is checked: a last-in-first-out
+    scheduler passes as a first-in-first-out one does.
 
     Args:
         make_scheduler: Returns a new, empty scheduler on each call.
@@ -83,15 +96,18 @@ def check_scheduler(make_scheduler: Callable[[], Scheduler]) -> None:
     if scheduler.remove(make_request()) is not False:
         _fail("remove() of a request never pushed did not return False")
 
-    # Alike requests come out first in, first out.
+    # Alike requests: nothing tells them apart but identity (and arrival).
     alike = [make_request(priority=1, tenant="t", deadline=100.0) for _ in range(50)]
     for i, request in enumerate(alike):
         scheduler.push(request)
         if len(scheduler) != i + 1:
             _fail(f"len is {len(scheduler)} after {i + 1} pushes")
     popped = [scheduler.pop() for _ in alike]
-    if popped != alike:
-        _fail("requests alike in priority, tenant and deadline did not come out in arrival order")
+    if len(set(popped)) != len(alike) or set(popped) != set(alike):
+        _fail(
+            f"popping {len(alike)} alike requests gave {len(set(popped) & set(alike))} of them "
+            "(some twice, or others)"
+        )
     if len(scheduler) != 0:
         _fail(f"len is {len(scheduler)} after popping everything")
 
@@ -326,3 +342,328 @@ async def check_fallback(make_fallback: Callable[[], Fallback]) -> None:
 
     if overall.cancelled_caught:
         _fail("the engine did not close within 120 s: something the fallback started hangs")
+
+
+#: How long `check_batcher` waits for one ``next_batch()`` call, on the event loop's clock.
+_BATCH_WAIT_S = 10.0
+
+
+class _Fifo:
+    # The scheduler under the queue check_batcher drives: first in, first out.
+    def __init__(self) -> None:
+        self._held: collections.OrderedDict[_Request, None] = collections.OrderedDict()
+
+    def push(self, request: _Request) -> None:
+        self._held[request] = None
+
+    def peek(self) -> _Request:
+        if not self._held:
+            raise IndexError("peek into an empty queue")
+        return next(iter(self._held))
+
+    def pop(self) -> _Request:
+        if not self._held:
+            raise IndexError("pop from an empty queue")
+        return self._held.popitem(last=False)[0]
+
+    def remove(self, request: _Request) -> bool:
+        return self._held.pop(request, False) is None
+
+    def __len__(self) -> int:
+        return len(self._held)
+
+
+class _BatcherHarness:
+    """The engine's side of one queue for `check_batcher`: it queues requests, checks batches."""
+
+    def __init__(
+        self,
+        batcher: Batcher,
+        what: str,
+        *,
+        batched: bool = True,
+        preferred_batch_sizes: tuple[int, ...] = (),
+        max_batch_size: int | None = None,
+    ) -> None:
+        # The engine's own queue, so that the batcher meets exactly what it will in
+        # an engine. Imported here: the queue belongs to the engine, which this
+        # package's siblings (the fakes) must not need.
+        from .._runner import RequestQueue
+
+        self.batcher = batcher
+        self.what = what
+        self.max_batch_size = max_batch_size
+        self.queue = RequestQueue._create(_Fifo(), self._expire, batched, preferred_batch_sizes)
+        self.pushed: list[_Request] = []
+        self.handed: set[_Request] = set()
+        self.expired: set[_Request] = set()
+
+    def _expire(self, request: _Request, now: float) -> None:
+        # What the engine does to a request the queue found expired: it ends.
+        request._state.status = Status.DONE
+        self.expired.add(request)
+
+    def push(
+        self, rows: int, width: int, dtype: type = np.float32, deadline: float = math.inf
+    ) -> None:
+        # Every row of a request holds its number, so that rows that reach the
+        # wrong request show.
+        number = len(self.pushed)
+        request = make_request(
+            inputs={"x": np.full((rows, width), number, dtype)},
+            rows=rows,
+            deadline=deadline,
+            arrival=anyio.current_time(),
+        )
+        assert isinstance(request, _Request)
+        self.pushed.append(request)
+        self.queue._push(request)
+
+    async def next_batch(self) -> Sequence[Request]:
+        called = anyio.current_time()
+        waiting = len(self.queue)
+        batch: Sequence[Request] | None = None
+        with anyio.move_on_after(_BATCH_WAIT_S):
+            batch = await self.batcher.next_batch(self.queue)
+        if batch is None:
+            _fail(
+                f"{self.what}: next_batch() did not return within {_BATCH_WAIT_S:g}s with "
+                f"{waiting} requests waiting"
+            )
+        assert batch is not None
+        self.check(batch, called)
+        return batch
+
+    def check(self, batch: object, called: float) -> None:
+        """Check one batch the batcher returned from a call begun at *called*."""
+        what = self.what
+        if not isinstance(batch, Sequence) or isinstance(batch, str | bytes):
+            _fail(f"{what}: next_batch() returned {type(batch).__name__}, not a sequence")
+        assert isinstance(batch, Sequence)
+        if not batch:
+            _fail(f"{what}: next_batch() returned an empty batch; a batch holds a request or more")
+        pushed = set(self.pushed)
+        for request in batch:
+            if request not in pushed:
+                _fail(f"{what}: next_batch() returned {request!r}, which was never queued")
+            if request in self.expired:
+                _fail(
+                    f"{what}: next_batch() returned request {request.id!r}, which the queue had "
+                    "failed as expired (a batcher must hold no request from one call to the next)"
+                )
+            if request.deadline <= called:
+                _fail(
+                    f"{what}: next_batch() returned request {request.id!r}, whose deadline had "
+                    "passed before the call began"
+                )
+            if request in self.handed:
+                _fail(f"{what}: request {request.id!r} was handed out in two batches")
+        if len(set(batch)) != len(batch):
+            _fail(f"{what}: a batch holds one request more than once")
+        if not self.queue.batched and len(batch) > 1:
+            _fail(
+                f"{what}: a batch holds {len(batch)} requests, but the model has no batch "
+                "dimension (queue.batched is false): each request must run alone"
+            )
+        rows = sum(request.rows for request in batch)
+        if self.max_batch_size is not None and len(batch) > 1 and rows > self.max_batch_size:
+            _fail(
+                f"{what}: a batch of {len(batch)} requests holds {rows} rows, more than "
+                f"max_batch_size {self.max_batch_size}"
+            )
+        if isinstance(self.batcher, AssemblingBatcher):
+            self._check_assembly(batch)
+        else:
+            layouts = {_layout(request) for request in batch}
+            if len(layouts) > 1:
+                _fail(
+                    f"{what}: a batch mixes inputs of different shapes or dtypes "
+                    f"({sorted(map(str, layouts))}), which cannot be concatenated; only a batcher "
+                    "with an assemble() hook may group those"
+                )
+        self.handed.update(batch)
+        for request in batch:
+            # Answered, as far as the queue can tell: a give-back no longer takes it.
+            assert isinstance(request, _Request)
+            request._state.status = Status.DONE
+        self.check_accounts()
+
+    def _check_assembly(self, batch: Sequence[Request]) -> None:
+        assert isinstance(self.batcher, AssemblingBatcher)
+        inputs, split = self.batcher.assemble(batch)
+        # An identity model: each output is its input, so every caller must get its own rows.
+        shares = split({name: np.asarray(array) for name, array in inputs.items()})
+        if len(shares) != len(batch):
+            _fail(
+                f"{self.what}: assemble()'s split gave {len(shares)} shares for a batch of "
+                f"{len(batch)} requests"
+            )
+        for request, share in zip(batch, shares, strict=False):
+            for name, array in share.items():
+                if array.shape[0] != request.rows:
+                    _fail(
+                        f"{self.what}: assemble()'s split gave request {request.id!r} "
+                        f"{array.shape[0]} rows of {name!r}; it has {request.rows}"
+                    )
+                mine = request.inputs.get(name)
+                if (
+                    mine is not None
+                    and mine.shape == array.shape
+                    and not np.array_equal(mine, array)
+                ):
+                    _fail(
+                        f"{self.what}: assemble()'s split gave request {request.id!r} rows "
+                        f"of {name!r} that are not its own"
+                    )
+
+    def check_accounts(self) -> None:
+        """Every request is queued, handed out or ended: none is kept or lost.
+
+        And what was given back is in the order it was taken: the queue is
+        first in, first out, so in the order the requests were made.
+        """
+        missing = len(self.pushed) - len(self.handed) - len(self.expired) - len(self.queue)
+        if missing:
+            _fail(
+                f"{self.what}: {missing} requests taken from the queue were neither handed out "
+                "nor given back with queue.put_back()"
+            )
+        given_back = [request.sequence for request in self.queue._front]
+        if given_back != sorted(given_back):
+            _fail(
+                f"{self.what}: the requests given back are not in the order they were taken "
+                f"(queue.put_back() keeps the order it is given)"
+            )
+
+    def drain(self) -> list[_Request]:
+        """Take every live request left in the queue, in its order."""
+        left: list[_Request] = []
+        while True:
+            try:
+                request = self.queue.pop_nowait()
+            except anyio.WouldBlock:
+                return left
+            assert isinstance(request, _Request)
+            left.append(request)
+
+
+def _layout(request: Request) -> tuple[tuple[str, tuple[int, ...], str], ...]:
+    return tuple(
+        (name, tuple(array.shape[1:]), str(array.dtype))
+        for name, array in sorted(request.inputs.items())
+    )
+
+
+async def check_batcher(
+    make_batcher: Callable[[], Batcher], *, max_batch_size: int | None = None
+) -> None:
+    """Check that a batcher keeps the [`Batcher`][trioinfer.abc.Batcher] contract.
+
+    Drives ``next_batch()`` against the engine's own request queue (first in,
+    first out underneath), with requests of mixed row counts, widths and
+    dtypes, and checks every batch it returns: at least one request; only
+    requests that were queued, each handed out once; none whose deadline had
+    passed when the call began (the queue never hands those out, so a batcher
+    that keeps requests from one call to the next is caught here); one
+    request per batch when ``queue.batched`` is false; one input layout per
+    batch unless the batcher is an
+    [`AssemblingBatcher`][trioinfer.abc.AssemblingBatcher], whose split must
+    then give each request its own rows of an identity model's outputs; at
+    most *max_batch_size* rows when a batch holds more than one request. It
+    runs with and without the queue's ``preferred_batch_sizes``. After every
+    call each request is queued, handed out or ended, never kept or lost; a
+    call on an empty queue waits for a request; and a call cancelled at any
+    of its awaits gives back what it took, in the order taken. Works on a
+    real clock or a MockClock.
+
+    Args:
+        make_batcher: Returns a new batcher on each call (one per model, as the
+            engine makes them).
+        max_batch_size: The most rows the batcher promises a batch of two
+            requests or more holds, if it promises a bound.
+
+    Raises:
+        AssertionError: Saying which part of the contract was broken.
+    """
+    widths = (4, 4, 6, 4)  # two layouts in most batches, and a dtype of its own below
+    layouts = [
+        (1 + i % 3, widths[i % 4], np.float64 if i % 7 == 6 else np.float32) for i in range(36)
+    ]
+
+    for batched, preferred in ((True, ()), (True, (2, 4)), (False, ())):
+        what = f"batched={batched}, preferred_batch_sizes={list(preferred)}"
+        harness = _BatcherHarness(
+            make_batcher(),
+            what,
+            batched=batched,
+            preferred_batch_sizes=preferred,
+            max_batch_size=max_batch_size,
+        )
+        for rows, width, dtype in layouts:
+            harness.push(rows, width, dtype)
+        while len(harness.queue):
+            await harness.next_batch()
+        if harness.handed != set(harness.pushed):
+            _fail(f"{what}: {len(harness.pushed) - len(harness.handed)} requests never came out")
+
+    # Expired requests: those already expired are failed by the queue, and those
+    # that expire between two calls must not come out of the second.
+    harness = _BatcherHarness(make_batcher(), "with deadlines", max_batch_size=max_batch_size)
+    now = anyio.current_time()
+    for i, (rows, width, dtype) in enumerate(layouts):
+        deadline = now - 1.0 if i % 3 == 0 else now + 0.05 if i % 3 == 1 else math.inf
+        harness.push(rows, width, dtype, deadline)
+    await harness.next_batch()
+    await anyio.sleep(0.1)
+    while len(harness.queue):
+        try:
+            harness.queue.peek_nowait()  # fails what expired at the head, as a batcher would
+        except anyio.WouldBlock:
+            break
+        await harness.next_batch()
+    harness.check_accounts()
+
+    # An empty queue: the call waits, and returns once a request comes.
+    harness = _BatcherHarness(make_batcher(), "on an empty queue", max_batch_size=max_batch_size)
+    async with anyio.create_task_group() as tg:
+        returned: list[Sequence[Request]] = []
+
+        async def first_batch() -> None:
+            returned.append(await harness.next_batch())
+
+        tg.start_soon(first_batch)
+        for _ in range(10):
+            await anyio.lowlevel.checkpoint()
+        if returned:
+            _fail("on an empty queue: next_batch() returned instead of waiting for a request")
+        harness.push(1, 4)
+    if not returned or list(returned[0]) != harness.pushed:
+        _fail("on an empty queue: the batch after one request came did not hold just that request")
+
+    # Cancelled at each await in turn: what it took goes back, in the order taken.
+    for steps in range(40):
+        what = f"cancelled after {steps} checkpoints"
+        harness = _BatcherHarness(make_batcher(), what, max_batch_size=max_batch_size)
+        for _ in range(3):  # alike: most batchers wait for company, holding them
+            harness.push(1, 4)
+        done: list[Sequence[Request]] = []
+
+        async def form(harness: _BatcherHarness, done: list[Sequence[Request]]) -> None:
+            called = anyio.current_time()
+            batch = await harness.batcher.next_batch(harness.queue)
+            harness.check(batch, called)
+            done.append(batch)
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(form, harness, done)
+            for _ in range(steps):
+                await anyio.lowlevel.checkpoint()
+            tg.cancel_scope.cancel()
+        harness.check_accounts()
+        left = harness.drain()
+        expected = [request for request in harness.pushed if request not in harness.handed]
+        if left != expected:
+            _fail(
+                f"{what}: the requests given back are not in the order they were taken "
+                f"(queue order {[r.id for r in left]}, expected {[r.id for r in expected]})"
+            )

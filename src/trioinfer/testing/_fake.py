@@ -38,7 +38,7 @@ class FakeBackend:
         signature: What every instance reports.
         delay: Seconds each execution takes.
         preferred_batch_sizes: What every instance advertises as the batch sizes
-            it runs fastest (see [`BackendInstance`][trioinfer.abc.BackendInstance]).
+            it runs fastest (see [`TunedInstance`][trioinfer.abc.TunedInstance]).
         error: If set, every execution raises it (after the delay).
         executions: The row count of every execution, in order, across instances.
         loaded: Instances loaded so far.

@@ -33,7 +33,7 @@ from .._exceptions import BackendError, TrioInferError
 from .._registry import Registry
 from .._runner import ModelStatistics
 from .._tensors import ModelSignature
-from ..abc import Backend, BackendInstance
+from ..abc import Backend, BackendInstance, PipelinedInstance
 from ._fake import FakeBackend
 
 P = ParamSpec("P")
@@ -256,7 +256,7 @@ class FaultyInstance:
         Passed through so that the engine keeps as many executions in flight
         as it would on the wrapped instance.
         """
-        depth = getattr(self.inner, "pipeline_depth", 1)
+        depth = self.inner.pipeline_depth if isinstance(self.inner, PipelinedInstance) else 1
         return depth if isinstance(depth, int) and depth >= 1 else 1
 
     @property

@@ -1,0 +1,46 @@
+"""What plugin authors work with: the engine's objects as plugins see them, and tools for backends.
+
+Application code needs none of this; it uses [`trioinfer`][trioinfer]. A
+plugin implements a contract from [`trioinfer.abc`][trioinfer.abc] and
+annotates what the engine hands it with the names here:
+
+```python
+from trioinfer.abc import Batcher
+from trioinfer.lowlevel import Request, RequestQueue
+
+
+class OneAtATime:
+    async def next_batch(self, queue: RequestQueue) -> list[Request]:
+        ...
+```
+
+- What the engine hands a plugin, as Protocols (it makes every one of them;
+  its own classes refuse construction): [`Request`][trioinfer.lowlevel.Request]
+  and its [`Status`][trioinfer.lowlevel.Status], the
+  [`RequestQueue`][trioinfer.lowlevel.RequestQueue] a batcher takes from, the
+  [`SchedulerContext`][trioinfer.lowlevel.SchedulerContext] and
+  [`FallbackContext`][trioinfer.lowlevel.FallbackContext] that attachable
+  schedulers and fallbacks get, and the
+  [`Execution`][trioinfer.lowlevel.Execution] and
+  [`Replica`][trioinfer.lowlevel.Replica] a fallback works with.
+- For backends: the [`Placement`][trioinfer.lowlevel.Placement] that ``load``
+  gets, a [`WorkerThread`][trioinfer.lowlevel.WorkerThread] to run blocking
+  calls on, [`wait_on_callback()`][trioinfer.lowlevel.wait_on_callback] for
+  runtimes that report through callbacks, and
+  [`numpy_dtype()`][trioinfer.lowlevel.numpy_dtype] for ONNX type names.
+
+To make requests for a plugin's own tests, use
+[`trioinfer.testing.make_request()`][trioinfer.testing.make_request].
+"""
+
+from ._config import Placement as Placement
+from ._tensors import numpy_dtype as numpy_dtype
+from ._threads import WorkerThread as WorkerThread
+from ._threads import wait_on_callback as wait_on_callback
+from .abc import Execution as Execution
+from .abc import FallbackContext as FallbackContext
+from .abc import Replica as Replica
+from .abc import Request as Request
+from .abc import RequestQueue as RequestQueue
+from .abc import SchedulerContext as SchedulerContext
+from .abc import Status as Status

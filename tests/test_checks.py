@@ -1,0 +1,256 @@
+"""The conformance kits themselves: first-party plugins pass, broken ones fail saying why."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import anyio
+import numpy as np
+import pytest
+import trio
+import trio.testing
+
+from trioinfer.abc import Batcher, Split
+from trioinfer.lowlevel import Request, RequestQueue
+from trioinfer.testing import check_batcher, check_scheduler, make_request
+from trioinfer_batching import DynamicBatcher, NoBatcher
+
+FIRST_PARTY: dict[str, Callable[[], Batcher]] = {
+    "none": NoBatcher,
+    "dynamic": DynamicBatcher,
+    "dynamic, small": functools.partial(DynamicBatcher, max_batch_size=3, max_queue_delay=0),
+    "dynamic, preferred sizes": functools.partial(
+        DynamicBatcher, max_batch_size=8, preferred_batch_sizes=[2, 4]
+    ),
+    "dynamic, padded": functools.partial(DynamicBatcher, pad_axis=1, pad_buckets=[4, 8]),
+    "dynamic, padded, ragged outputs": functools.partial(
+        DynamicBatcher, pad_axis=1, pad_buckets=[8], ragged_outputs={"x": 1}
+    ),
+}
+
+
+@pytest.mark.parametrize("name", FIRST_PARTY)
+async def test_first_party_batchers_pass_check_batcher(name: str) -> None:
+    await check_batcher(FIRST_PARTY[name])
+
+
+async def test_check_batcher_runs_on_virtual_time(autojump_clock: trio.testing.MockClock) -> None:
+    await check_batcher(functools.partial(DynamicBatcher, max_queue_delay=1.0))
+
+
+def test_check_batcher_runs_on_asyncio() -> None:
+    anyio.run(check_batcher, DynamicBatcher, backend="asyncio")
+
+
+async def test_check_batcher_holds_a_batcher_to_the_bound_it_declares() -> None:
+    await check_batcher(functools.partial(DynamicBatcher, max_batch_size=4), max_batch_size=4)
+    with pytest.raises(AssertionError, match="more than max_batch_size 2"):
+        await check_batcher(functools.partial(DynamicBatcher, max_batch_size=4), max_batch_size=2)
+
+
+# -- broken batchers: each breaks one rule, and the check says which ----------------
+
+
+async def _first(queue: RequestQueue) -> Request:
+    while True:
+        await queue.wait_not_empty()
+        try:
+            return queue.pop_nowait()
+        except anyio.WouldBlock:
+            continue
+
+
+def _layout(request: Request) -> tuple[Any, ...]:
+    x = request.inputs["x"]
+    return x.shape[1:], x.dtype
+
+
+class EmptyHanded:
+    async def next_batch(self, queue: RequestQueue) -> list[Request]:
+        await queue.wait_not_empty()
+        return []
+
+
+class Twice:
+    async def next_batch(self, queue: RequestQueue) -> list[Request]:
+        request = await _first(queue)
+        return [request, request]
+
+
+class Keeper:
+    """Takes two and hands out one, keeping the other for its next call (the old dynamic way)."""
+
+    def __init__(self) -> None:
+        self.kept: list[Request] = []
+
+    async def next_batch(self, queue: RequestQueue) -> list[Request]:
+        if self.kept:
+            return [self.kept.pop()]
+        first = await _first(queue)
+        with contextlib.suppress(anyio.WouldBlock):
+            self.kept.append(queue.pop_nowait())
+        return [first]
+
+
+class WaitsForCompany:
+    """Takes what is waiting, then waits a while for more: a cancellation may catch it holding."""
+
+    def __init__(self, give_back: Callable[[RequestQueue, list[Request]], None]) -> None:
+        self.give_back = give_back
+
+    async def next_batch(self, queue: RequestQueue) -> list[Request]:
+        batch = [await _first(queue)]
+        try:
+            while len(batch) < (3 if queue.batched else 1):
+                try:
+                    if _layout(queue.peek_nowait()) != _layout(batch[0]):
+                        break
+                    batch.append(queue.pop_nowait())
+                except anyio.WouldBlock:
+                    break
+            await anyio.sleep(0.01)
+        except BaseException:
+            self.give_back(queue, batch)
+            raise
+        return batch
+
+
+class Everything:
+    """Takes every waiting request, whatever its shape and whether the model can batch."""
+
+    async def next_batch(self, queue: RequestQueue) -> list[Request]:
+        batch = [await _first(queue)]
+        while True:
+            try:
+                batch.append(queue.pop_nowait())
+            except anyio.WouldBlock:
+                return batch
+
+
+class FirstOfEachWidth:
+    """Groups by layout, but unbatched models still get groups."""
+
+    async def next_batch(self, queue: RequestQueue) -> list[Request]:
+        first = await _first(queue)
+        batch = [first]
+        while True:
+            try:
+                request = queue.peek_nowait()
+            except anyio.WouldBlock:
+                return batch
+            if _layout(request) != _layout(first):
+                return batch
+            batch.append(queue.pop_nowait())
+
+
+class NotTheirRows:
+    """Assembles each batch itself, but its split hands a request rows of the right size only."""
+
+    async def next_batch(self, queue: RequestQueue) -> list[Request]:
+        return [await _first(queue)]
+
+    def assemble(self, requests: Sequence[Request]) -> tuple[dict[str, Any], Split]:
+        def split(outputs: Any) -> list[dict[str, Any]]:
+            return [{"x": np.full_like(r.inputs["x"], -1)} for r in requests]
+
+        return {"x": np.concatenate([r.inputs["x"] for r in requests])}, split
+
+
+BROKEN: dict[str, tuple[Callable[[], Any], str]] = {
+    "empty batch": (EmptyHanded, "returned an empty batch"),
+    "twice in a batch": (Twice, "holds one request more than once"),
+    "keeps requests": (Keeper, "neither handed out nor given back with queue.put_back"),
+    "gives back nothing": (
+        functools.partial(WaitsForCompany, lambda queue, batch: None),
+        "neither handed out nor given back",
+    ),
+    "gives back reversed": (
+        functools.partial(WaitsForCompany, lambda queue, batch: queue.put_back(batch[::-1])),
+        "not in the order they were taken",
+    ),
+    "mixes layouts": (Everything, "mixes inputs of different shapes or dtypes"),
+    "groups an unbatched model": (FirstOfEachWidth, "the model has no batch dimension"),
+    "hands out others' rows": (NotTheirRows, "rows of 'x' that are not its own"),
+}
+
+
+@pytest.mark.parametrize("name", BROKEN)
+async def test_check_batcher_fails_a_broken_batcher_saying_why(name: str) -> None:
+    make, message = BROKEN[name]
+    with pytest.raises(AssertionError, match=message):
+        await check_batcher(make)
+
+
+async def test_check_batcher_fails_a_batcher_that_hands_out_what_expired() -> None:
+    class Hoarder:
+        """Keeps every request it ever took and hands them out again later."""
+
+        def __init__(self) -> None:
+            self.seen: list[Request] = []
+
+        async def next_batch(self, queue: RequestQueue) -> list[Request]:
+            request = await _first(queue)
+            self.seen.append(request)
+            return [self.seen.pop(0)] if len(self.seen) > 1 else [request]
+
+    with pytest.raises(AssertionError, match=r"never queued|two batches|deadline had passed"):
+        await check_batcher(Hoarder)
+
+
+async def test_check_batcher_fails_a_batcher_that_does_not_wait() -> None:
+    class Hasty:
+        async def next_batch(self, queue: RequestQueue) -> list[Request]:
+            return [make_request()]  # not from the queue at all
+
+    with pytest.raises(AssertionError, match="never queued"):
+        await check_batcher(Hasty)
+
+
+# -- check_scheduler asks for no order the contract does not state ----------------
+
+
+class LastInFirstOut:
+    def __init__(self) -> None:
+        self._held: OrderedDict[Request, None] = OrderedDict()
+
+    def push(self, request: Request) -> None:
+        self._held[request] = None
+
+    def peek(self) -> Request:
+        if not self._held:
+            raise IndexError("empty")
+        return next(reversed(self._held))
+
+    def pop(self) -> Request:
+        if not self._held:
+            raise IndexError("empty")
+        return self._held.popitem(last=True)[0]
+
+    def remove(self, request: Request) -> bool:
+        return self._held.pop(request, False) is None
+
+    def __len__(self) -> int:
+        return len(self._held)
+
+
+def test_a_last_in_first_out_scheduler_passes_check_scheduler() -> None:
+    check_scheduler(LastInFirstOut)
+
+
+def test_check_scheduler_fails_a_scheduler_that_pops_one_request_twice() -> None:
+    class Stutters(LastInFirstOut):
+        def pop(self) -> Request:
+            request = self.peek()
+            if len(self._held) % 2:
+                self._held.popitem(last=True)
+            return request
+
+        def __len__(self) -> int:
+            return len(self._held)
+
+    with pytest.raises(AssertionError, match=r"popped more than once|some twice|len is"):
+        check_scheduler(Stutters)
