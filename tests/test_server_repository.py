@@ -896,3 +896,38 @@ async def test_pipelines_follow_their_step_models_versions_and_load_in_order(
     assert second.status_code == 200, second.text
     assert second.json()["outputs"][0]["data"] == expected
     assert [e["version"] for e in index if e["name"] == "digits" and e["state"] == "READY"] == ["2"]
+
+
+def test_public_names() -> None:
+    from trioinfer.server._models import public_names
+
+    assert public_names("model 'digits.v12': x") == "model 'digits' (version 12): x"
+    assert public_names("'a.b.v2' and 'c'") == "'a.b' (version 2) and 'c'"
+    assert public_names("digits.v1 unquoted") == "digits.v1 unquoted"
+
+
+async def test_server_log_lines_name_versions_as_answers_do(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    from trioinfer.server import serve_http
+
+    model = tmp_path / "repo" / "pairs"
+    (model / "1").mkdir(parents=True)
+    (model / "1" / "model.py").write_text(
+        "class Model:\n    def infer(self, inputs):\n        return {'y': inputs['x']}\n"
+    )
+    (model / "config.toml").write_text(
+        'backend = "python"\nbatcher = "dynamic"\n[backend_options]\n'
+        'inputs = [{ name = "x", dtype = "float32", shape = ["batch", 4] }]\n'
+        'outputs = [{ name = "y", dtype = "float32", shape = ["pairs", 2] }]\n'
+    )
+    caplog.set_level(logging.INFO, logger="trioinfer")
+    async with trio.open_nursery() as nursery:
+        await nursery.start(
+            lambda task_status: serve_http(
+                tmp_path / "repo", port=0, handle_signals=False, task_status=task_status
+            )
+        )
+        nursery.cancel_scope.cancel()
+    assert "model 'pairs' (version 1): the 'dynamic' batcher will not group" in caplog.text
+    assert "pairs.v1" not in caplog.text

@@ -10,6 +10,7 @@ loaded anew beside the old one, which keeps serving until the new one is ready
 from __future__ import annotations
 
 import logging
+import re
 import time
 from collections.abc import Mapping
 from typing import Any, final
@@ -106,12 +107,7 @@ class ServedModels:
         paths under the repository become paths relative to it, and no other
         absolute path is left (see `without_host_paths`).
         """
-        message = str(error) or type(error).__name__
-        for served in self.all():
-            if served.engine_name in message:
-                message = message.replace(
-                    repr(served.engine_name), f"{served.model!r} (version {served.version})"
-                )
+        message = public_names(str(error) or type(error).__name__)
         return without_host_paths(message, str(self.repository.root))
 
     def mark_inference(self, served: ServedVersion) -> None:
@@ -300,6 +296,19 @@ class ServedModels:
         if lock is None:
             lock = self._locks[model] = anyio.Lock()
         return lock
+
+
+# An engine model name as the server makes them, quoted: 'digits.v1'.
+_ENGINE_NAME = re.compile(r"'([A-Za-z0-9][A-Za-z0-9_.\-]*)\.v([0-9]+)'")
+
+
+def public_names(text: str) -> str:
+    """*text* with every engine model name (``'digits.v1'``) as people name it.
+
+    ``'digits' (version 1)``: how errors, answers and log lines name a
+    version, whether it is served now or not.
+    """
+    return _ENGINE_NAME.sub(lambda m: f"'{m.group(1)}' (version {m.group(2)})", text)
 
 
 def _version_number(text: str) -> int | None:

@@ -9,10 +9,11 @@ normally; a second signal stops at once.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 
 import anyio
 import anyio.abc
@@ -25,10 +26,36 @@ from .._registry import Registry
 from ._app import ServerConfig, ServerState, create_app
 from ._http_server import serve_asgi
 from ._metrics import InFlight, Metrics
-from ._models import ServedModels
+from ._models import ServedModels, public_names
 from ._repository import ModelRepository
 
 log = logging.getLogger("trioinfer.server")
+
+
+class _PublicNames(logging.Filter):
+    # The engine names a served version 'digits.v1'; errors and answers say
+    # 'digits' (version 1). trioinfer's log lines say it that way too.
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.name.startswith("trioinfer"):
+            message = record.getMessage()
+            public = public_names(message)
+            if public != message:
+                record.msg, record.args = public, ()
+        return True
+
+
+@contextlib.asynccontextmanager
+async def _public_names_in_logs() -> AsyncIterator[None]:
+    """While serving, trioinfer's log lines name model versions as answers do."""
+    names = _PublicNames()
+    handlers = [*logging.getLogger().handlers, *logging.getLogger("trioinfer").handlers]
+    for handler in handlers:
+        handler.addFilter(names)
+    try:
+        yield
+    finally:
+        for handler in handlers:
+            handler.removeFilter(names)
 
 
 @attrs.frozen
@@ -91,9 +118,12 @@ async def serve_http(
     if config is None:
         config = ServerConfig()
     repo = ModelRepository(repository)
-    async with open_engine(
-        registry=registry, drain_period=config.drain_period, cache_size=config.cache_size
-    ) as engine:
+    async with (
+        _public_names_in_logs(),
+        open_engine(
+            registry=registry, drain_period=config.drain_period, cache_size=config.cache_size
+        ) as engine,
+    ):
         served = ServedModels(engine, repo)
         if models is None:
             failed = await served.load_all()
