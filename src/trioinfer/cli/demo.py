@@ -210,8 +210,8 @@ async def _demo(*, requests: int, concurrency: int, instances: int, deadline: fl
             _row(
                 "",
                 f"{executions - burst.ok:>6}  of them started in time, but their caller's scope "
-                "expired while they ran: the caller was cancelled at once, and the run, "
-                "with nobody waiting, aborted where the backend can",
+                "expired before the answer reached it: while the request ran (the run is "
+                "then aborted where the backend can), or as it ended",
                 indent=2,
             )
         _row(
