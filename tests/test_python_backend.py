@@ -406,3 +406,24 @@ async def test_unloading_drops_the_modules_its_instances_imported(tmp_path: Path
         await engine.unload("m")
     after = {name for name in sys.modules if name.startswith("trioinfer_python_model_")}
     assert after == before
+
+
+async def test_dispatch_inline_runs_a_plain_infer_on_the_event_loop() -> None:
+    seen: list[str] = []
+
+    class Cheap:
+        def load(self) -> None:
+            seen.append(threading.current_thread().name)
+
+        def infer(self, inputs: dict[str, np.ndarray[Any, Any]]) -> dict[str, Any]:
+            seen.append(threading.current_thread().name)
+            return {"y": inputs["x"] * 2}
+
+    async with open_engine() as engine:
+        await engine.load(config(Cheap, dispatch="inline"))
+        out = await engine.infer("m", {"x": X})
+        with pytest.raises(ConfigError, match="dispatch of model 'n' must be 'thread' or 'inline'"):
+            await engine.load(config(Cheap, name="n", dispatch="process"))
+    np.testing.assert_array_equal(out["y"], X * 2)
+    assert seen == [threading.current_thread().name] * 2
+    assert not [t for t in threading.enumerate() if t.name.startswith("trioinfer-python-")]
