@@ -142,6 +142,10 @@ def error_response(error: BaseException, message: str | None = None) -> Response
     )
 
 
+#: The request header whose value picks a version by hash under a traffic split.
+ROUTING_KEY_HEADER = "trioinfer-routing-key"
+
+
 @attrs.frozen
 class ServerConfig:
     """How the HTTP server behaves, besides which models it serves.
@@ -753,7 +757,9 @@ class _InferEndpoint:
         if not state.ready:
             raise NotReady("the server is shutting down and takes no new requests")
         state.check_token(headers, admin=False)
-        served = state.models.resolve(model, version)
+        # A request that names no version follows the model's traffic split; one with a
+        # routing key (a user or tenant id) stays on one version while the split does.
+        served = state.models.resolve(model, version, key=headers.get(ROUTING_KEY_HEADER))
         limits = state.config.limits
         body = await _read_body(scope, receive, headers, limits)
         header_length = parse_header_length(

@@ -9,7 +9,11 @@ loaded anew beside the old one, which keeps serving until the new one is ready
 
 from __future__ import annotations
 
+import bisect
+import hashlib
+import itertools
 import logging
+import random
 import re
 import time
 from collections.abc import Mapping
@@ -22,7 +26,7 @@ from .._config import PIPELINE, ModelConfig
 from .._engine import Engine, ModelInfo
 from .._exceptions import ConfigError, ModelNotFound, TrioInferError
 from ._errors import without_host_paths
-from ._repository import ModelRepository
+from ._repository import ModelRepository, parse_traffic
 
 log = logging.getLogger("trioinfer.server")
 
@@ -63,11 +67,22 @@ class ServedModels:
     _locks: dict[str, anyio.Lock] = attrs.field(factory=dict, init=False)
     #: Wall-clock time (ms since the epoch) of each version's last successful inference.
     last_inference_ms: dict[tuple[str, int], int] = attrs.field(factory=dict, init=False)
+    #: Each model's traffic split: its versions and their cumulative shares, up to 1.
+    _traffic: dict[str, tuple[tuple[int, ...], tuple[float, ...]]] = attrs.field(
+        factory=dict, init=False
+    )
+    #: Picks a version by weight for requests without a routing key (seed it in tests).
+    rng: random.Random = attrs.field(factory=random.Random)
 
-    def resolve(self, model: str, version: str | None = None) -> ServedVersion:
+    def resolve(
+        self, model: str, version: str | None = None, *, key: str | None = None
+    ) -> ServedVersion:
         """The served version a request for *model* (and *version*, if given) goes to.
 
-        Without a version, the highest served one.
+        Without a version, the model's ``traffic`` split picks one by weight:
+        by a hash of *key* when given (the same key, the same version, while
+        the weights stay), at random otherwise. Without a split, the highest
+        served version.
 
         Raises:
             ModelNotFound: The model or that version is not served.
@@ -77,7 +92,12 @@ class ServedModels:
             served = ", ".join(map(repr, sorted(self._served))) or "none"
             raise ModelNotFound(f"model {model!r} is not served; served models: {served}")
         if version is None:
-            return versions[max(versions)]
+            split = self._traffic.get(model)
+            if split is None:
+                return versions[max(versions)]
+            numbers, bounds = split
+            point = self.rng.random() if key is None else _unit(key)
+            return versions[numbers[bisect.bisect_right(bounds, point * bounds[-1])]]
         number = _version_number(version)
         found = versions.get(number) if number is not None else None
         if found is None:
@@ -86,6 +106,25 @@ class ServedModels:
                 f"model {model!r} has no served version {version!r}; served versions: {have}"
             )
         return found
+
+    def traffic(self, model: str) -> dict[int, float]:
+        """*model*'s traffic split: each version's share of requests, adding up to 1."""
+        numbers, bounds = self._traffic.get(model, ((), ()))
+        shares, below = {}, 0.0
+        for number, bound in zip(numbers, bounds, strict=True):
+            shares[number] = (bound - below) / bounds[-1]
+            below = bound
+        return shares
+
+    def _set_traffic(self, model: str, weights: Mapping[int, float]) -> None:
+        # Versions with weight 0 get none; bisect over the cumulative weights.
+        chosen = sorted((v, w) for v, w in weights.items() if w > 0)
+        if not chosen:
+            self._traffic.pop(model, None)
+            return
+        numbers = tuple(v for v, _ in chosen)
+        bounds = tuple(itertools.accumulate(w for _, w in chosen))
+        self._traffic[model] = (numbers, bounds)
 
     def versions(self, model: str) -> list[ServedVersion]:
         """The served versions of *model*, ascending; empty if it is not served."""
@@ -163,6 +202,18 @@ class ServedModels:
     async def _load(self, model: str, override: Mapping[str, Any] | None) -> None:
         entry = self.repository.entry(model)
         wanted = entry.selected()
+        traffic = dict(entry.traffic)
+        if isinstance(override, Mapping) and "traffic" in override:
+            # A load override may change the split alone: promote, roll back, ramp up.
+            override = dict(override)
+            traffic = parse_traffic(override.pop("traffic"))
+            override = override or None
+        strays = sorted(set(traffic) - set(wanted))
+        if strays:
+            raise ConfigError(
+                f"model {model!r}: traffic names version {', '.join(map(str, strays))}, which "
+                f"is not served; served versions: {', '.join(map(str, wanted))}"
+            )
         served = self._served.setdefault(model, {})
         for version in wanted:
             fingerprint = entry.fingerprint(version)
@@ -188,6 +239,9 @@ class ServedModels:
                 version,
                 ", ".join(info.devices) or "its steps' models (a pipeline)",
             )
+        # The new split takes effect once every version it names serves, and before
+        # any version it no longer names is unloaded (after its requests drain).
+        self._set_traffic(model, traffic)
         for version in sorted(set(served) - set(wanted)):
             await self._unload_version(served, version)
 
@@ -300,6 +354,12 @@ class ServedModels:
 
 # An engine model name as the server makes them, quoted: 'digits.v1'.
 _ENGINE_NAME = re.compile(r"'([A-Za-z0-9][A-Za-z0-9_.\-]*)\.v([0-9]+)'")
+
+
+def _unit(key: str) -> float:
+    # A routing key's place in [0, 1): the same key, the same place, on every server.
+    digest = hashlib.blake2b(key.encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big") / 2**64
 
 
 def public_names(text: str) -> str:

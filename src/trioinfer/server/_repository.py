@@ -48,7 +48,7 @@ _VERSION_RE = re.compile(r"[1-9][0-9]{0,18}")
 # A config.toml is a few lines; a bound keeps a stray huge file from being read whole.
 _MAX_CONFIG_BYTES = 1 << 20
 # Server-only keys of config.toml: the server reads them, ModelConfig never sees them.
-_SERVER_KEYS = frozenset({"version_policy"})
+_SERVER_KEYS = frozenset({"version_policy", "traffic"})
 _POLICY_FORMS = (
     '"latest", "all", { latest = N }, { specific = [1, 3] } or { all = {} } '
     "(Triton's { latest = { num_versions = N } } and { specific = { versions = [...] } } "
@@ -249,6 +249,7 @@ class ModelEntry:
     policy: VersionPolicy = attrs.field(factory=VersionPolicy)
     settings: Mapping[str, Any] = attrs.field(factory=dict, converter=_frozen_table)
     notes: tuple[str, ...] = ()
+    traffic: Mapping[int, float] = attrs.field(factory=dict)
 
     @property
     def model_file(self) -> str:
@@ -623,6 +624,7 @@ def _scan(name: str, directory: Path, root: Path) -> ModelEntry:
     notes: list[str] = []
     settings: dict[str, Any] = {}
     policy = VersionPolicy()
+    traffic: dict[int, float] = {}
     config_path = directory / _CONFIG_FILE
     shown = _relative(config_path, root)
     if _lexists(config_path):
@@ -633,6 +635,10 @@ def _scan(name: str, directory: Path, root: Path) -> ModelEntry:
             # is the whole of it, served as version 1.
             settings.setdefault("path", _CONFIG_FILE)
         policy = _policy_from(settings, shown)
+        try:
+            traffic = parse_traffic(settings.pop("traffic", {}))
+        except ConfigError as exc:
+            raise ConfigError(f"{shown}: {exc}") from None
         _check_settings(name, directory, root, settings, shown)
 
     try:
@@ -691,7 +697,42 @@ def _scan(name: str, directory: Path, root: Path) -> ModelEntry:
             notes.append(
                 f"{_CONFIG_FILE} sets path = {_shown(settings['path'])}, which is not a file"
             )
-    return ModelEntry(name, directory, tuple(sorted(versions)), policy, settings, tuple(notes))
+    return ModelEntry(
+        name, directory, tuple(sorted(versions)), policy, settings, tuple(notes), traffic
+    )
+
+
+def parse_traffic(value: object) -> dict[int, float]:
+    """Read ``traffic = { "1" = 90, "2" = 10 }``: each served version's share of requests.
+
+    Empty (the default) sends every request that names no version to the
+    highest served one. Weights are relative: they need not add up to 100.
+
+    Raises:
+        ConfigError: Not a table of version = weight >= 0, or every weight 0.
+    """
+    if not isinstance(value, Mapping):
+        raise ConfigError(
+            f'traffic must be a table of version = weight, e.g. {{ "1" = 90, "2" = 10 }}, '
+            f"got {_shown(value)}"
+        )
+    weights: dict[int, float] = {}
+    for version, weight in value.items():
+        number = int(version) if isinstance(version, str) and version.isdigit() else version
+        if not isinstance(number, int) or isinstance(number, bool) or number < 1:
+            raise ConfigError(f"traffic: {_shown(version)} is not a version number")
+        if (
+            isinstance(weight, bool)
+            or not isinstance(weight, int | float)
+            or not 0 <= weight < float("inf")
+        ):
+            raise ConfigError(
+                f"traffic: version {number} needs a weight >= 0, got {_shown(weight)}"
+            )
+        weights[number] = float(weight)
+    if weights and not any(weights.values()):
+        raise ConfigError("traffic: every weight is 0; give at least one version some traffic")
+    return weights
 
 
 def _policy_from(settings: dict[str, Any], shown: str) -> VersionPolicy:

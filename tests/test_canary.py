@@ -1,0 +1,159 @@
+"""Weighted traffic between a model's versions: a canary, sticky keys, promote, roll back."""
+
+from __future__ import annotations
+
+import random
+import shutil
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import anyio
+import httpx
+import pytest
+import trio
+
+import trioinfer
+from trioinfer import ConfigError, example_repository
+from trioinfer.server import serve_http
+from trioinfer.server._repository import parse_traffic
+
+pytestmark = pytest.mark.canary
+
+ROW = trioinfer.digits_samples()[0][:1]
+BODY = {
+    "inputs": [
+        {"name": "input", "shape": [1, 64], "datatype": "FP32", "data": ROW.ravel().tolist()}
+    ]
+}
+
+
+def repository(tmp_path: Path, traffic: str = '{ "1" = 90, "2" = 10 }') -> Path:
+    """digits in versions 1 and 2, both served, split by *traffic*."""
+    repo = tmp_path / "repo"
+    shutil.copytree(example_repository() / "digits", repo / "digits")
+    shutil.copytree(repo / "digits" / "1", repo / "digits" / "2")
+    toml = repo / "digits" / "config.toml"
+    toml.write_text(f'version_policy = "all"\ntraffic = {traffic}\n' + toml.read_text())
+    return repo
+
+
+async def serving(repo: Path, nursery: trio.Nursery) -> tuple[str, Any]:
+    listening = await nursery.start(
+        lambda task_status: serve_http(repo, port=0, handle_signals=False, task_status=task_status)
+    )
+    return listening.urls[0], listening
+
+
+async def versions_of(client: httpx.AsyncClient, n: int, **headers: str) -> Counter[str]:
+    counts: Counter[str] = Counter()
+    for _ in range(n):
+        answer = await client.post("/v2/models/digits/infer", json=BODY, headers=headers)
+        assert answer.status_code == 200, answer.text
+        counts[answer.json()["model_version"]] += 1
+    return counts
+
+
+def test_the_split_follows_the_weights_within_a_tolerance() -> None:
+    from trioinfer.server._models import ServedModels
+
+    served = ServedModels.__new__(ServedModels)  # only the routing table, no engine
+    served._traffic = {}
+    served.rng = random.Random(1)
+    served._served = {"m": {1: "v1", 2: "v2", 3: "v3"}}  # type: ignore[dict-item]
+    served._set_traffic("m", {1: 90, 2: 10, 3: 0})
+    counts = Counter(served.resolve("m") for _ in range(10_000))
+    assert set(counts) == {"v1", "v2"}  # weight 0: none
+    assert counts["v2"] == pytest.approx(1_000, abs=100)  # 10% of 10,000, seeded
+    assert served.traffic("m") == {1: 0.9, 2: 0.1}
+    # A key picks one version, the same every time, and keys spread by the weights.
+    assert len({served.resolve("m", key="alice") for _ in range(100)}) == 1
+    keyed = Counter(served.resolve("m", key=f"user-{i}") for i in range(10_000))
+    assert keyed["v2"] == pytest.approx(1_000, abs=150)
+    # A version named in the request is that version, whatever the split.
+    assert served.resolve("m", "3") == "v3"
+
+
+async def test_a_canary_over_http_and_its_promotion(tmp_path: Path) -> None:
+    repo = repository(tmp_path)
+    async with trio.open_nursery() as nursery:
+        url, _ = await serving(repo, nursery)
+        async with httpx.AsyncClient(base_url=url) as client:
+            split = await versions_of(client, 400)
+            sticky = await versions_of(client, 50, **{"trioinfer-routing-key": "tenant-42"})
+            # Promote: one load override sends everything to version 2.
+            promoted = await client.post(
+                "/v2/repository/models/digits/load",
+                json={"parameters": {"config": '{"traffic": {"2": 100}}'}},
+            )
+            after = await versions_of(client, 50)
+            named = (await client.post("/v2/models/digits/versions/1/infer", json=BODY)).json()[
+                "model_version"
+            ]
+            refused = await client.post(
+                "/v2/repository/models/digits/load",
+                json={"parameters": {"config": '{"traffic": {"7": 100}}'}},
+            )
+            stats = (await client.get("/metrics")).text
+        nursery.cancel_scope.cancel()
+    assert 300 <= split["1"] <= 390  # 90% of 400, at random
+    assert len(sticky) == 1
+    assert promoted.status_code == 200, promoted.text
+    assert after == {"2": 50}
+    assert named == "1"  # a request that names its version gets it
+    assert refused.status_code == 400
+    assert "traffic names version 7, which is not served" in refused.json()["error"]
+    assert 'version="2"' in stats  # per-version metrics to judge the rollout by
+
+
+async def test_changing_the_weights_under_load_loses_no_request(tmp_path: Path) -> None:
+    repo = repository(tmp_path, '{ "1" = 100 }')
+    outcomes: Counter[int] = Counter()
+    async with trio.open_nursery() as nursery:
+        url, _ = await serving(repo, nursery)
+        async with httpx.AsyncClient(base_url=url, timeout=30) as client:
+
+            async def load() -> None:
+                for _ in range(40):
+                    answer = await client.post("/v2/models/digits/infer", json=BODY)
+                    outcomes[answer.status_code] += 1
+
+            async with anyio.create_task_group() as tg:
+                for _ in range(8):
+                    tg.start_soon(load)
+                for weights in ('{"1": 50, "2": 50}', '{"2": 100}', '{"1": 100}'):
+                    await trio.sleep(0.05)
+                    answer = await client.post(
+                        "/v2/repository/models/digits/load",
+                        json={"parameters": {"config": f'{{"traffic": {weights}}}'}},
+                    )
+                    assert answer.status_code == 200, answer.text
+        nursery.cancel_scope.cancel()
+    assert outcomes == {200: 320}
+
+
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [
+        ([1], "traffic must be a table of version = weight"),
+        ({"x": 1}, "'x' is not a version number"),
+        ({"1": -1}, "version 1 needs a weight >= 0"),
+        ({"1": True}, "version 1 needs a weight >= 0"),
+        ({"1": 0, "2": 0}, "every weight is 0"),
+    ],
+)
+def test_traffic_is_validated(value: object, message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        parse_traffic(value)
+
+
+def test_an_unserved_version_in_the_file_is_refused_at_load(tmp_path: Path) -> None:
+    repo = repository(tmp_path, '{ "1" = 50, "3" = 50 }')
+
+    async def main() -> tuple[str, ...]:
+        async with trio.open_nursery() as nursery:
+            _, listening = await serving(repo, nursery)
+            nursery.cancel_scope.cancel()
+        return tuple(listening.failed)
+
+    assert trio.run(main) == ("digits",)
