@@ -931,3 +931,63 @@ async def test_server_log_lines_name_versions_as_answers_do(
         nursery.cancel_scope.cancel()
     assert "model 'pairs' (version 1): the 'dynamic' batcher will not group" in caplog.text
     assert "pairs.v1" not in caplog.text
+
+
+async def test_a_client_that_leaves_is_seen_on_a_reused_connection_after_a_large_body(
+    tmp_path: Path,
+) -> None:
+    """A client that leaves mid-request is seen on a keep-alive connection used before.
+
+    The serving tutorial's sequence; before the read-ahead was counted per
+    watched request it failed about half the time (the watcher parked).
+    """
+    import json
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from trioinfer.server import serve_http
+
+    models.write_slow(tmp_path / "repo" / "slow" / "1" / "model.onnx", width=256, depth=400)
+    big = np.ones((4096, 256), np.float32)  # 4 MiB: seconds of work on this model
+    header = json.dumps(
+        {"inputs": [{"name": "x", "shape": list(big.shape), "datatype": "FP32",
+                     "parameters": {"binary_data_size": big.nbytes}}]}
+    ).encode()  # fmt: skip
+    body = header + big.tobytes()
+    headers = {"Inference-Header-Content-Length": str(len(header))}
+
+    async def pending(client: httpx.AsyncClient) -> float:
+        text = (await client.get("/metrics")).text
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                if sample.name == "trioinfer_inference_pending":
+                    return sample.value
+        return 0.0
+
+    async with trio.open_nursery() as nursery:
+        listening = await nursery.start(
+            lambda task_status: serve_http(
+                tmp_path / "repo", port=0, handle_signals=False, task_status=task_status
+            )
+        )
+        one = httpx.Limits(max_connections=1)  # every request on the same connection
+        async with httpx.AsyncClient(base_url=listening.urls[0], limits=one) as client:
+            # As the serving tutorial does: a large request that times out, a few small
+            # ones, then a large one whose client leaves, all on one connection.
+            timeout = json.dumps({"parameters": {"timeout": 100_000}, **json.loads(header)})
+            timed = timeout.encode() + big.tobytes()
+            timed_out = await client.post(
+                "/v2/models/slow/infer",
+                content=timed,
+                headers={"Inference-Header-Content-Length": str(len(timeout))},
+            )
+            for _ in range(3):
+                await pending(client)
+            with trio.move_on_after(0.5):  # the client gives up, and closes the connection
+                await client.post("/v2/models/slow/infer", content=body, headers=headers)
+        async with httpx.AsyncClient(base_url=listening.urls[0]) as watcher:
+            with trio.fail_after(10):  # the engine sees it at once; BIG alone takes longer
+                while await pending(watcher):  # noqa: ASYNC110  # polling the server over HTTP
+                    await trio.sleep(0.05)
+        nursery.cancel_scope.cancel()
+    assert timed_out.status_code == 504

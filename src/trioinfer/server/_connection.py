@@ -127,7 +127,6 @@ class Connection:
     """One client connection: the read loop, the request loop, writes and the watcher."""
 
     __slots__ = (
-        "_ahead",
         "_current",
         "_parked",
         "_reader_free",
@@ -183,7 +182,6 @@ class Connection:
         self.gone = False
         # Read and discard the client's leftovers before closing.
         self.linger = False
-        self._ahead = 0
         # The connection's disconnect watcher (started on first use, in
         # `task_group`) and the request it should watch next.
         self.task_group: anyio.abc.TaskGroup | None = None
@@ -252,9 +250,13 @@ class Connection:
             if self._reading:
                 await self._take_reading_turn()
             self._reading = True
+            # Counted per watched request: a count kept on the connection took in
+            # what the last request's watcher read of this one (a large body) and
+            # parked this watcher for good, so that a client that left went unseen.
+            ahead = 0
             try:
                 while not self.gone and not request.finished:
-                    if self._ahead > _AHEAD_LIMIT:
+                    if ahead > _AHEAD_LIMIT:
                         # Enough pipelined input kept: leave the rest in the socket
                         # until the response is done (which wakes us).
                         self._parked = True
@@ -262,7 +264,7 @@ class Connection:
                             await anyio.sleep_forever()
                         finally:
                             self._parked = False
-                    self._ahead += await self._read()
+                    ahead += await self._read()
             finally:
                 self._give_reading_turn()
             return
@@ -437,7 +439,6 @@ class Connection:
             return request  # type: ignore[return-value]  # made by make_head
         self.idle_since = self.io.current_time()
         self.idle = True
-        self._ahead = 0
         try:
             while True:
                 if framing.error is not None:
