@@ -602,3 +602,40 @@ async def test_queue_sizes_count_only_the_bounded_levels(
             await engine.infer("m", {"x": rows_of(1)}, priority=priority)
         levels = engine._runner("m").queue._levels  # what it keeps, not what it answers
     assert levels == {0: 0}
+
+
+class PadToFour:
+    """A batcher that pads the batch axis to 4 rows with its own assemble and split."""
+
+    async def next_batch(self, queue: trioinfer.lowlevel.RequestQueue) -> list[Any]:
+        while True:
+            await queue.wait_not_empty()
+            try:
+                return [queue.pop_nowait()]
+            except anyio.WouldBlock:
+                continue
+
+    def assemble(self, requests: Any) -> tuple[dict[str, Any], Any]:
+        x = np.concatenate([r.inputs["x"] for r in requests])
+        padded = np.concatenate([x, np.zeros((4 - len(x), 4), np.float32)])
+        rows = [r.rows for r in requests]
+
+        def split(outputs: Arrays) -> list[dict[str, Any]]:
+            return [{"y": outputs["y"][: rows[0]]}]
+
+        return {"x": padded}, split
+
+
+async def test_a_batcher_that_pads_the_batch_axis_is_checked_against_what_it_built(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    backend = FakeBackend()
+    registry = trioinfer.Registry(
+        extra={"backends": {"fake": lambda: backend}, "batchers": {"pad4": PadToFour}}
+    )
+    config = ModelConfig(name="m", path="-", backend="fake", batcher="pad4")
+    async with open_engine(registry=registry) as engine:
+        await engine.load(config)
+        out = await engine.infer("m", {"x": rows_of(3)})
+    assert backend.executions == [4]  # the padded batch ran
+    np.testing.assert_array_equal(out["y"], rows_of(6))
