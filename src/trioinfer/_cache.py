@@ -30,7 +30,7 @@ import numpy as np
 
 from ._exceptions import DeadlineExceeded, TrioInferError
 from ._request import Outputs
-from ._runner import DURATION_BUCKETS, Histogram, _Histogram
+from ._runner import DURATION_BUCKETS, Histogram, _copy_error, _Histogram
 from ._threads import LoopClock
 
 Arrays = Mapping[str, np.ndarray[Any, Any]]
@@ -148,7 +148,7 @@ class ResponseCache:
                 counters.coalesced += 1
                 return dict(flight.outputs)
             if flight.error is not None:
-                raise _copy(flight.error)
+                raise _copy_error(flight.error, cause=flight.error.__cause__)
             # Its caller gave up without an answer: take the computation over.
         flight = self._flights[key] = _Flight()
         counters.misses += 1
@@ -241,12 +241,3 @@ def _nbytes(array: np.ndarray[Any, Any]) -> int:
     if array.dtype != np.object_:
         return int(array.nbytes)
     return int(array.nbytes) + sum(sys.getsizeof(item) for item in array.ravel())
-
-
-def _copy(error: TrioInferError) -> TrioInferError:
-    # Each waiting caller raises its own object: one raised in several tasks
-    # would collect all their tracebacks.
-    copy = type(error).__new__(type(error))
-    copy.__dict__.update(error.__dict__)
-    copy.args = error.args
-    return copy

@@ -47,7 +47,7 @@ from ._exceptions import (
     TrioInferError,
 )
 from ._request import Outputs, Request
-from ._runner import BATCH_BUCKETS, DURATION_BUCKETS, ModelStatistics, _Histogram
+from ._runner import BATCH_BUCKETS, DURATION_BUCKETS, ModelStatistics, _copy_error, _Histogram
 from ._tensors import ModelSignature, TensorSpec
 from ._threads import LoopClock
 from .abc import Status
@@ -221,8 +221,10 @@ class Pipeline:
             except TrioInferError as exc:
                 # The first failure is the answer; the steps still running are cancelled.
                 if failure is None:
-                    failure = _step_error(self.config.name, index, step.model, exc)
-                    failure.__cause__ = exc
+                    # The step's own error class (a client's fault stays a client's
+                    # fault), its message saying which step failed.
+                    where = f"pipeline {self.config.name!r}, step {index} (model {step.model!r})"
+                    failure = _copy_error(exc, cause=exc, message=f"{where}: {exc}")
                 cancel.cancel()
                 return
             for own, shared in step.output_map.items():
@@ -279,16 +281,6 @@ class Pipeline:
             request_duration=self._request_duration.snapshot(),
             batch_size=_Histogram(BATCH_BUCKETS).snapshot(),
         )
-
-
-def _step_error(pipeline: str, index: int, model: str, exc: TrioInferError) -> TrioInferError:
-    # The step's own error class (a client's fault stays a client's fault), its
-    # message saying which step failed.
-    error = type(exc).__new__(type(exc))
-    error.__dict__.update(exc.__dict__)
-    message = f"pipeline {pipeline!r}, step {index} (model {model!r}): {exc}"
-    error.args = (message, *exc.args[1:])
-    return error
 
 
 def _check_graph(

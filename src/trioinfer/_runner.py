@@ -1267,12 +1267,14 @@ def _backend_error(model: str, request: Request, exc: Exception) -> TrioInferErr
     return error
 
 
-def _copy_error(exc: TrioInferError, *, cause: BaseException | None) -> TrioInferError:
+def _copy_error(
+    exc: TrioInferError, *, cause: BaseException | None, message: str | None = None
+) -> TrioInferError:
     # Each caller gets its own exception object: one object raised in several
-    # tasks would collect all their tracebacks.
+    # tasks would collect all their tracebacks. *message*, if given, replaces its text.
     error = type(exc).__new__(type(exc))
     error.__dict__.update(exc.__dict__)
-    error.args = exc.args
+    error.args = exc.args if message is None else (message, *exc.args[1:])
     error.__cause__ = cause
     return error
 
