@@ -380,3 +380,29 @@ async def test_device_limits_cap_executions_across_models(
     with pytest.raises(trioinfer.ConfigError, match="device"):
         async with open_engine(device_limits={"gpu": 1}):
             pass  # pragma: no cover
+
+
+async def test_one_waiter_event_behaves_like_trio_event() -> None:
+    """The per-request wake-up: set wakes the waiter; a cancelled wait leaves it unset."""
+    from trioinfer._threads import native_waiter_factory
+
+    new = native_waiter_factory()
+    event = new()
+    with trio.move_on_after(0.01) as scope:
+        await event.wait()
+    assert scope.cancelled_caught  # not set: the wait was cancelled, nothing changed
+    woke: list[float] = []
+
+    async def waiter() -> None:
+        await event.wait()
+        woke.append(trio.current_time())
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(waiter)
+        await trio.testing.wait_all_tasks_blocked()
+        assert woke == []
+        event.set()
+        event.set()  # a second set is harmless
+    assert len(woke) == 1
+    with trio.testing.assert_checkpoints():
+        await event.wait()  # already set: returns at once, at a checkpoint

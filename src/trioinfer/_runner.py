@@ -41,7 +41,7 @@ from ._registry import Kind
 from ._request import Outputs, Request
 from ._tensors import InputLimits, ModelSignature
 from ._tensors import rows as _rows
-from ._threads import EventLike, LoopClock, native_event_factory
+from ._threads import EventLike, LoopClock, native_event_factory, native_waiter_factory
 from ._util import NoPublicConstructor
 from .abc import (
     AssemblingBatcher,
@@ -516,6 +516,7 @@ class ModelRunner(metaclass=NoPublicConstructor):
     queue_timeouts: Mapping[int, float] = attrs.field(init=False)
     batched: bool = attrs.field(init=False)
     _new_event: Callable[[], EventLike] = attrs.field(init=False)
+    _new_waiter: Callable[[], EventLike] = attrs.field(init=False)
     clock: LoopClock = attrs.field(init=False)
     _assemble: Callable[[Sequence[Request]], tuple[Mapping[str, Any], Split]] | None = attrs.field(
         init=False
@@ -558,6 +559,7 @@ class ModelRunner(metaclass=NoPublicConstructor):
 
     def __attrs_post_init__(self) -> None:
         self._new_event = native_event_factory()
+        self._new_waiter = native_waiter_factory()
         self.clock = LoopClock()
         self.replicas = [
             Replica._create(instance, placement, _depth(instance), self._new_event)
@@ -879,7 +881,7 @@ class ModelRunner(metaclass=NoPublicConstructor):
         if it is still queued then.
         """
         state = request._state
-        state.done = self._new_event()
+        state.done = self._new_waiter()  # only this caller waits on it
         if not self._serving:
             self.refused += 1
             raise self._circuit_open()
