@@ -62,6 +62,11 @@ from .abc import Request as RequestView
 if TYPE_CHECKING:
     from ._cache import CacheStatistics
 
+# Enum members read once: Status.X costs a metaclass lookup on every use (Python 3.11).
+_DONE = Status.DONE
+_QUEUED = Status.QUEUED
+_RUNNING = Status.RUNNING
+
 #: How long closing instances may take at shutdown before we stop waiting.
 CLEANUP_S = 10.0
 
@@ -187,7 +192,7 @@ class RequestQueue(metaclass=NoPublicConstructor):
     def put_back(self, requests: Sequence[RequestView]) -> None:
         """Give back requests taken and not dispatched, to the head of the queue, in order."""
         # Only the engine makes requests, so any a batcher gives back is one of ours.
-        back = [r for r in cast(Sequence[Request], requests) if r._state.status is Status.QUEUED]
+        back = [r for r in cast(Sequence[Request], requests) if r._state.status is _QUEUED]
         self._front.extendleft(reversed(back))
         if self._levels is not None:
             for r in back:
@@ -284,6 +289,14 @@ class _Histogram:
         self.counts[bisect.bisect_left(self.bounds, value)] += n
         self.count += n
         self.sum += value * n
+
+    def observe_each(self, values: Sequence[float]) -> None:
+        # A batch's worth in one call: one per request would cost a call each.
+        counts, bounds, bisect_left = self.counts, self.bounds, bisect.bisect_left
+        for value in values:
+            counts[bisect_left(bounds, value)] += 1
+        self.count += len(values)
+        self.sum += sum(values)
 
     def snapshot(self) -> Histogram:
         return Histogram(self.bounds, tuple(self.counts), self.count, self.sum)
@@ -692,7 +705,7 @@ class ModelRunner(metaclass=NoPublicConstructor):
         started = self.clock.current_time()
         live: list[Request] = []
         for request in batch:
-            if request.status is not Status.QUEUED:
+            if request._state.status is not _QUEUED:
                 continue
             if request.deadline <= started:
                 self._expire(request, started)
@@ -709,11 +722,11 @@ class ModelRunner(metaclass=NoPublicConstructor):
                 self.finish(request, error=_copy_error(error, cause=error.__cause__))
             return
         running = _Running(scope, len(live))
-        queue_duration = self._queue_duration.observe
         for request in live:
-            request._state.status = Status.RUNNING
-            request._state.batch = running
-            queue_duration(started - request.arrival)
+            state = request._state
+            state.status = _RUNNING
+            state.batch = running
+        self._queue_duration.observe_each([started - request.arrival for request in live])
         execution = Execution._create(self, live, replica)
         try:
             await self._fallback.execute(execution)
@@ -828,13 +841,15 @@ class ModelRunner(metaclass=NoPublicConstructor):
             error = ValueError(f"it gave {len(shares)} shares for {len(live)} requests")
             self._fail_batch(live, "split", error)
             return True
-        request_duration = self._request_duration.observe
+        durations: list[float] = []
+        finish = self.finish
         for request, share in zip(live, shares, strict=True):
             state = request._state
-            if state.status is Status.RUNNING:
-                request_duration(ended - request.arrival)
+            if state.status is _RUNNING:
+                durations.append(ended - request.arrival)
                 state.served_by = replica
-            self.finish(request, outputs=share)
+            finish(request, outputs=share)
+        self._request_duration.observe_each(durations)
         return True
 
     def _live(self, requests: Sequence[Request]) -> list[Request]:
@@ -844,7 +859,7 @@ class ModelRunner(metaclass=NoPublicConstructor):
         now: float | None = None
         for request in requests:
             state = request._state
-            if state.status is not Status.RUNNING:
+            if state.status is not _RUNNING:
                 continue
             if request.deadline != math.inf:
                 if now is None:
@@ -921,7 +936,7 @@ class ModelRunner(metaclass=NoPublicConstructor):
                 with anyio.CancelScope(deadline=request.deadline) as scope:
                     await state.done.wait()
                 if scope.cancelled_caught:
-                    if state.status is Status.QUEUED:
+                    if state.status is _QUEUED:
                         self._expire(request, self.clock.current_time())
                     else:
                         # Running: the engine ends it if the timeout passes before an
@@ -941,12 +956,12 @@ class ModelRunner(metaclass=NoPublicConstructor):
 
     def _withdraw(self, request: Request) -> None:
         state = request._state
-        if state.status is Status.DONE:
+        if state.status is _DONE:
             return
         state.abandoned = True
-        if state.status is Status.QUEUED:
+        if state.status is _QUEUED:
             self.queue._remove(request)
-        elif state.status is Status.RUNNING:
+        elif state.status is _RUNNING:
             running: _Running = state.batch
             running.waiting -= 1
             if running.waiting == 0:
@@ -974,9 +989,9 @@ class ModelRunner(metaclass=NoPublicConstructor):
         error: BaseException | None = None,
     ) -> None:
         state = request._state
-        if state.status is Status.DONE:
+        if state.status is _DONE:
             return
-        if state.status is Status.QUEUED:
+        if state.status is _QUEUED:
             self.queue._remove(request)
         state.outputs, state.error = outputs, error
         if error is None:
@@ -989,7 +1004,7 @@ class ModelRunner(metaclass=NoPublicConstructor):
 
     def _end(self, request: Request) -> None:
         state = request._state
-        state.status = Status.DONE
+        state.status = _DONE
         state.batch = None
         if state.done is not None:
             state.done.set()
@@ -1300,13 +1315,15 @@ def _alone(outputs: Outputs) -> list[Outputs]:
 
 def _split(requests: Sequence[Request], outputs: Outputs) -> list[Outputs]:
     # Views, not copies: each caller's share is a slice of the batch's output.
-    shares: list[Outputs] = [{} for _ in requests]
-    for name, array in outputs.items():
-        start = 0
-        for share, request in zip(shares, requests, strict=True):
-            share[name] = array[start : start + request.rows]
-            start += request.rows
-    return shares
+    # The cut points are worked out once for every output.
+    cuts = list(itertools.accumulate([r.rows for r in requests], initial=0))
+    pairs = list(itertools.pairwise(cuts))
+    if len(outputs) == 1:
+        for name, array in outputs.items():
+            return [{name: array[a:b]} for a, b in pairs]
+    names = list(outputs)
+    columns = [[array[a:b] for a, b in pairs] for array in outputs.values()]
+    return [dict(zip(names, row, strict=True)) for row in zip(*columns, strict=True)]
 
 
 if TYPE_CHECKING:
