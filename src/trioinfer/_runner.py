@@ -900,7 +900,10 @@ class ModelRunner(metaclass=NoPublicConstructor):
         if not self._serving:
             self.refused += 1
             raise self._circuit_open()
-        if len(self.queue) >= self.config.max_queue_size:
+        limit = self.config.max_queue_size
+        # In flight counts the queued requests and the running ones: below the
+        # bound, the queue is too, and its length (a call into the scheduler) can wait.
+        if len(self._in_flight) >= limit and len(self.queue) >= limit:
             self.refused += 1
             raise QueueFull(
                 f"model {self.config.name!r} has {len(self.queue)} requests queued, its "
