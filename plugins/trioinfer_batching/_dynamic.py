@@ -307,6 +307,9 @@ def _unbatchable(inputs: Mapping[str, np.ndarray[Any, Any]]) -> bool:
 
 
 def _key(inputs: Mapping[str, np.ndarray[Any, Any]]) -> _Key:
+    if len(inputs) == 1:  # the usual case, without a generator per request
+        for name, array in inputs.items():
+            return ((name, array.shape[1:], array.dtype),)
     return tuple((name, array.shape[1:], array.dtype) for name, array in inputs.items())
 
 

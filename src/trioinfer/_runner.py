@@ -67,6 +67,8 @@ _DONE = Status.DONE
 _QUEUED = Status.QUEUED
 _RUNNING = Status.RUNNING
 
+_INF = math.inf
+
 #: How long closing instances may take at shutdown before we stop waiting.
 CLEANUP_S = 10.0
 
@@ -98,6 +100,7 @@ class RequestQueue(metaclass=NoPublicConstructor):
     """
 
     __slots__ = (
+        "_current_time",
         "_front",
         "_levels",
         "_new_event",
@@ -132,6 +135,7 @@ class RequestQueue(metaclass=NoPublicConstructor):
         #: advertises them (see `BackendInstance`); empty when it does not say.
         self.preferred_batch_sizes = preferred_batch_sizes
         self._on_expired = on_expired
+        self._current_time = LoopClock().current_time
         self._new_event = native_event_factory()
         self._wakeup: EventLike | None = None
         #: Requests handed out so far (a batch former that took none holds nothing).
@@ -157,12 +161,19 @@ class RequestQueue(metaclass=NoPublicConstructor):
     def peek_nowait(self) -> Request:
         """Return the live request that `pop_nowait()` would take, failing expired ones."""
         front, scheduler = self._front, self._scheduler
-        while front or len(scheduler):
-            request = front[0] if front else scheduler.peek()
-            if request.deadline == math.inf:
+        while True:
+            if front:
+                request = front[0]
+            else:
+                try:  # an empty scheduler raises IndexError (its contract): no len() first
+                    request = scheduler.peek()
+                except IndexError:
+                    raise anyio.WouldBlock from None
+            deadline = request.deadline
+            if deadline == _INF:
                 return request
-            now = anyio.current_time()
-            if request.deadline > now:
+            now = self._current_time()
+            if deadline > now:
                 return request
             if front:
                 front.popleft()
@@ -171,23 +182,29 @@ class RequestQueue(metaclass=NoPublicConstructor):
             if self._levels is not None and request.priority in self._levels:
                 self._levels[request.priority] -= 1
             self._on_expired(request, now)
-        raise anyio.WouldBlock
 
     def pop_nowait(self) -> Request:
         """Take the next live request in the scheduler's order, failing expired ones."""
         front, scheduler = self._front, self._scheduler
-        while front or len(scheduler):
-            request = front.popleft() if front else scheduler.pop()
+        while True:
+            if front:
+                request = front.popleft()
+            else:
+                try:
+                    request = scheduler.pop()
+                except IndexError:
+                    raise anyio.WouldBlock from None
             self.taken += 1
-            if self._levels is not None and request.priority in self._levels:
-                self._levels[request.priority] -= 1
-            if request.deadline == math.inf:
+            levels = self._levels
+            if levels is not None and request.priority in levels:
+                levels[request.priority] -= 1
+            deadline = request.deadline
+            if deadline == _INF:
                 return request
-            now = anyio.current_time()
-            if request.deadline > now:
+            now = self._current_time()
+            if deadline > now:
                 return request
             self._on_expired(request, now)
-        raise anyio.WouldBlock
 
     def put_back(self, requests: Sequence[RequestView]) -> None:
         """Give back requests taken and not dispatched, to the head of the queue, in order."""
