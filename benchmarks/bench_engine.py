@@ -326,11 +326,14 @@ async def run_engine(
     rep: int,
     profiler: Profiler | None = None,
     batching: Mapping[str, Any] | None = None,
+    depth: int = 1,
 ) -> Result:
     count, threads, dispatch = ENGINE_SETUPS[config]
     options: dict[str, Any] = {"dispatch": dispatch}
     if work.device != "cpu" and dispatch != "thread":
         options = {}  # the GPU's own default dispatch
+    if depth > 1:
+        options["pipeline_depth"] = depth
     model_config = trioinfer.ModelConfig(
         name="bench",
         path=work.model,
@@ -367,7 +370,7 @@ def run_one(
     if config.startswith("b"):
         fn: Any = partial(run_naive, sessions=sessions)
     else:
-        fn = partial(run_engine, batching=batching(args))
+        fn = partial(run_engine, batching=batching(args), depth=args.depth)
     return trio.run(
         partial(fn, work, config, concurrency, args.warmup, args.duration, rep, profiler=profiler)
     )
@@ -617,6 +620,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--rows", type=int, default=1, help="rows per request")
     parser.add_argument(
+        "--depth", type=int, default=1, help="trioinfer: the backend's pipeline_depth"
+    )
+    parser.add_argument(
         "--device", default="cpu", help="cpu, or cuda:N for every session (onnxruntime-gpu)"
     )
     parser.add_argument(
@@ -667,6 +673,7 @@ def run_all(args: argparse.Namespace) -> None:
             if args.batcher == "dynamic"
             else ""
         )
+        + (f", pipeline_depth {args.depth}" if args.depth > 1 else "")
         + f", warm-up {args.warmup}s, measure {args.duration}s per run, repeat {args.repeat}"
     )
     sessions: dict[int, Any] = {}

@@ -81,8 +81,16 @@ class Request:
 # no validators or converters (Request has none).
 _GIVEN = ("model", "inputs", "id", "priority", "tenant", "deadline", "arrival", "rows")
 _SET = {field.name: getattr(Request, field.name).__set__ for field in attrs.fields(Request)}
-_REST = tuple(
-    (_SET[field.name], field.default) for field in attrs.fields(Request) if field.name not in _GIVEN
+# (setter, default, factory, whether the factory takes the instance) of each other field.
+_REST: tuple[tuple[Any, Any, Any, bool], ...] = tuple(
+    (
+        _SET[field.name],
+        field.default,
+        getattr(field.default, "factory", None),
+        bool(getattr(field.default, "takes_self", False)),
+    )
+    for field in attrs.fields(Request)
+    if field.name not in _GIVEN
 )
 _new = object.__new__
 
@@ -107,11 +115,11 @@ def make_request(
     _set_deadline(request, deadline)
     _set_arrival(request, arrival)
     _set_rows(request, rows)
-    for set_, default in _REST:
-        if isinstance(default, attrs.Factory):
-            set_(request, default.factory(request) if default.takes_self else default.factory())
-        else:
+    for set_, default, factory, takes_self in _REST:
+        if factory is None:
             set_(request, default)
+        else:
+            set_(request, factory(request) if takes_self else factory())
     return request
 
 

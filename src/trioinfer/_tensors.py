@@ -287,9 +287,9 @@ def validate_inputs(
         # dtypes whose every dimension but the batch is fixed by the signature.
         # Anything else (or anything wrong) takes the full checks below, which
         # say what is wrong.
-        arrays = _fixed_arrays(fixed, inputs, limits)
-        if arrays is not None:
-            return arrays
+        checked = _fixed_arrays(fixed, inputs, limits)
+        if checked is not None:
+            return checked
     if not isinstance(inputs, Mapping):
         raise InvalidInput(
             f"inputs for model {model!r} must be a mapping of input name to array, "
