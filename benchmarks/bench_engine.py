@@ -504,7 +504,11 @@ def row(r: Result) -> str:
 
 
 def print_ratios(
-    results: Sequence[Result], concurrencies: Sequence[int], reps: int, batched: bool
+    results: Sequence[Result],
+    concurrencies: Sequence[int],
+    reps: int,
+    batched: bool,
+    digits_rows_1: bool = False,
 ) -> None:
     def get(config: str, conc: int, rep: int) -> Result | None:
         if config in DIRECT:
@@ -573,7 +577,7 @@ def print_ratios(
             if ceiling is not None and config == "c":
                 verdict = "meets" if ceiling >= 0.85 else "MISSES"
                 print(f"  -> rows/s c vs A: {ceiling:.2f}x, {verdict} the >= 0.85x goal")
-        if batched:
+        if batched and digits_rows_1:
             for config in "cf":
                 us = ratio(
                     f"loop us/req   {config}  (goal <= 8, digits)", conc, loop_us, config, config
@@ -715,7 +719,13 @@ def run_all(args: argparse.Namespace) -> None:
                 if r.config == config and (r.concurrency == conc or config in DIRECT):
                     print(row(r))
         print()
-    print_ratios(results, args.concurrency, args.repeat, args.batcher == "dynamic")
+    print_ratios(
+        results,
+        args.concurrency,
+        args.repeat,
+        args.batcher == "dynamic",
+        args.model == DEFAULT_MODEL and args.rows == 1,
+    )
     print(f"\nload average at the end: {'/'.join(f'{x:.2f}' for x in os.getloadavg())}")
 
 
