@@ -80,6 +80,8 @@ class Request:
 # other than the ones it is given take their defaults, as in __init__; it runs
 # no validators or converters (Request has none).
 _GIVEN = ("model", "inputs", "id", "priority", "tenant", "deadline", "arrival", "rows")
+# Set by make_request itself, as their factories do (a test compares the two).
+_OWN = ("sequence", "_state")
 _SET = {field.name: getattr(Request, field.name).__set__ for field in attrs.fields(Request)}
 # (setter, default, factory, whether the factory takes the instance) of each other field.
 _REST: tuple[tuple[Any, Any, Any, bool], ...] = tuple(
@@ -90,7 +92,7 @@ _REST: tuple[tuple[Any, Any, Any, bool], ...] = tuple(
         bool(getattr(field.default, "takes_self", False)),
     )
     for field in attrs.fields(Request)
-    if field.name not in _GIVEN
+    if field.name not in _GIVEN and field.name not in _OWN
 )
 _new = object.__new__
 
@@ -115,6 +117,8 @@ def make_request(
     _set_deadline(request, deadline)
     _set_arrival(request, arrival)
     _set_rows(request, rows)
+    _set_sequence(request, _next_sequence())
+    _set_state(request, _State())
     for set_, default, factory, takes_self in _REST:
         if factory is None:
             set_(request, default)
@@ -132,4 +136,7 @@ def make_request(
     _set_deadline,
     _set_arrival,
     _set_rows,
-) = (_SET[name] for name in _GIVEN)
+    _set_sequence,
+    _set_state,
+) = (_SET[name] for name in (*_GIVEN, *_OWN))
+_next_sequence = _sequences.__next__
