@@ -53,7 +53,7 @@ import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import partial
-from importlib.metadata import PackageNotFoundError, version
+from importlib.metadata import PackageNotFoundError, entry_points, version
 from pathlib import Path
 from typing import Any
 
@@ -344,7 +344,7 @@ async def run_engine(
         batcher_options=dict(batching or {}),
     )
     name = work.input_name
-    async with trioinfer.open_engine() as engine:
+    async with trioinfer.open_engine(registry=registry()) as engine:
         await engine.load(model_config)
 
         async def call(x: np.ndarray[Any, Any]) -> object:
@@ -373,6 +373,34 @@ def run_one(
         fn = partial(run_engine, batching=batching(args), depth=args.depth)
     return trio.run(
         partial(fn, work, config, concurrency, args.warmup, args.duration, rep, profiler=profiler)
+    )
+
+
+def registry() -> trioinfer.Registry | None:
+    """The installed plugins; or, in a bare checkout (``PYTHONPATH=src:plugins``), ours.
+
+    Without an installed trioinfer there are no entry points, so the first-party
+    plugins this script needs are named here (a GPU box with only numpy, trio,
+    attrs, onnx and onnxruntime-gpu runs it that way).
+    """
+    if any(ep.name == "onnxruntime" for ep in entry_points(group="trioinfer.backends")):
+        return None
+    sys.path.insert(0, str(ROOT / "plugins"))
+    import trioinfer_batching
+    import trioinfer_fallback
+    import trioinfer_onnxruntime
+    import trioinfer_scheduling
+
+    return trioinfer.Registry(
+        extra={
+            "backends": {"onnxruntime": trioinfer_onnxruntime.OnnxRuntimeBackend},
+            "schedulers": {"fifo": trioinfer_scheduling.FifoScheduler},
+            "batchers": {
+                "none": trioinfer_batching.NoBatcher,
+                "dynamic": trioinfer_batching.DynamicBatcher,
+            },
+            "fallbacks": {"none": trioinfer_fallback.NoFallback},
+        }
     )
 
 
