@@ -1341,6 +1341,8 @@ def _split(requests: Sequence[Request], outputs: Outputs) -> list[Outputs]:
     if len(outputs) == 1:
         for name, array in outputs.items():
             return [{name: array[a:b]} for a, b in pairs]
+    if not outputs:
+        return [{} for _ in requests]
     names = list(outputs)
     columns = [[array[a:b] for a, b in pairs] for array in outputs.values()]
     return [dict(zip(names, row, strict=True)) for row in zip(*columns, strict=True)]
