@@ -13,14 +13,27 @@ ONNX model (the bundled ``digits`` MLP by default):
   d      trioinfer, one CPU instance, threads=2, dispatch "ort_async"
   e      trioinfer, two CPU instances, threads=1 each, dispatch "thread"
   f      trioinfer, one CPU instance, threads=1, dispatch "inline" (on the event loop's thread)
+  A      direct ``session.run`` tight loop at the batch size the engine forms (C requests'
+         rows, at most ``--max-batch``, with ``--batcher dynamic``): the ceiling for
+         batched and multi-row runs, which the ``rows/s X / A`` ratios compare against
 
 at each concurrency C (C client tasks, each sending its next request as soon as the
 previous one returns). Every run warms up first, then measures for a fixed time:
 requests completed in the window, their latencies, and the process's CPU time
 (all threads) and the event-loop thread's CPU time over the window.
 
+With ``--batcher dynamic`` every trioinfer configuration batches (``--max-batch``,
+``--delay``); ``--rows N`` sends N-row requests; ``--device cuda:0`` puts every
+session, raw and trioinfer, on that GPU (CUDA execution provider, onnxruntime-gpu);
+``--model wide`` writes the wide MLP of ``trioinfer.testing.models.write_wide_mlp``
+to a temporary directory and runs it.
+
 Usage:  .venv/bin/python benchmarks/bench_engine.py [--duration 3] [--repeat 2]
         .venv/bin/python benchmarks/bench_engine.py --profile c:64
+        .venv/bin/python benchmarks/bench_engine.py --batcher dynamic --configs c,f \
+            --concurrency 256
+        .venv/bin/python benchmarks/bench_engine.py --model wide --rows 32 --batcher dynamic \
+            --max-batch 128 --configs A,c --concurrency 16 [--device cuda:0]
 See benchmarks/README.md for what each column means.
 """
 
@@ -35,11 +48,12 @@ import platform
 import pstats
 import statistics
 import sys
+import tempfile
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import partial
-from importlib.metadata import PackageNotFoundError, version
+from importlib.metadata import PackageNotFoundError, entry_points, version
 from pathlib import Path
 from typing import Any
 
@@ -63,8 +77,11 @@ CONFIGS: dict[str, str] = {
     "d": "trioinfer 1 instance, threads=2, dispatch=ort_async",
     "e": "trioinfer 2 instances, threads=1 each, dispatch=thread",
     "f": "trioinfer 1 instance, threads=1, dispatch=inline",
+    "A": "direct session.run loop at the engine's batch size",
 }
 DEFAULT_CONFIGS = "a,b,b1,b2,c,d,e,f"
+#: Configurations measured once per repeat, at concurrency 1.
+DIRECT = ("a", "A")
 
 
 # -- results ------------------------------------------------------------------------
@@ -79,6 +96,7 @@ class Result:
     cpu_s: float
     loop_cpu_s: float
     latencies_ns: list[int] = field(repr=False)
+    rows: int = 1  # rows per request (per session.run for a and A)
 
     @property
     def requests(self) -> int:
@@ -92,6 +110,10 @@ class Result:
         if not self.latencies_ns:
             return math.nan
         return float(np.percentile(np.asarray(self.latencies_ns), q)) / 1e3
+
+    @property
+    def rows_per_s(self) -> float:
+        return self.requests * self.rows / self.seconds
 
     @property
     def cpu_us(self) -> float:
@@ -113,11 +135,21 @@ class Result:
 class Workload:
     model: Path
     input_name: str
-    inputs: list[np.ndarray[Any, Any]]  # batch-1 arrays, cycled through
+    inputs: list[np.ndarray[Any, Any]]  # one request's arrays, cycled through
+    rows: int  # rows per request
+    device: str
+    images: np.ndarray[Any, Any]  # every sample row
+
+    def batch(self, rows: int) -> list[np.ndarray[Any, Any]]:
+        """Arrays of *rows* rows each, cut from the samples."""
+        images = self.images
+        if len(images) < rows:
+            images = np.concatenate([images] * (rows // len(images) + 1))
+        return [images[i : i + rows] for i in range(0, len(images) - rows + 1, rows)]
 
 
-def load_workload(model: Path, samples: Path | None) -> Workload:
-    session = make_session(model, 1)
+def load_workload(model: Path, samples: Path | None, rows: int, device: str) -> Workload:
+    session = make_session(model, 1, device)
     spec = session.get_inputs()[0]
     if len(session.get_inputs()) != 1:
         sys.exit(
@@ -135,10 +167,12 @@ def load_workload(model: Path, samples: Path | None) -> Workload:
     if images is None:
         rng = np.random.default_rng(0)
         images = rng.random((256, *shape[1:]), dtype=np.float32)
-    return Workload(model, spec.name, [images[i : i + 1] for i in range(len(images))])
+    work = Workload(model, spec.name, [], rows, device, images)
+    work.inputs = work.batch(rows)
+    return work
 
 
-def make_session(model: Path, threads: int) -> Any:
+def make_session(model: Path, threads: int, device: str = "cpu") -> Any:
     # The same session options the trioinfer ONNX Runtime backend uses by default.
     so = ort.SessionOptions()
     so.intra_op_num_threads = threads
@@ -146,7 +180,11 @@ def make_session(model: Path, threads: int) -> Any:
     so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
     so.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
     so.log_severity_level = 3
-    return ort.InferenceSession(str(model), so, providers=["CPUExecutionProvider"])
+    providers: list[Any] = ["CPUExecutionProvider"]
+    if device.startswith("cuda"):
+        index = int(device.partition(":")[2] or 0)
+        providers.insert(0, ("CUDAExecutionProvider", {"device_id": index}))
+    return ort.InferenceSession(str(model), so, providers=providers)
 
 
 class Window:
@@ -158,9 +196,12 @@ class Window:
         self.latencies: list[int] = []
 
 
-def run_direct(work: Workload, warmup: float, duration: float, rep: int) -> Result:
-    session = make_session(work.model, 1)
-    run, name, inputs = session.run, work.input_name, work.inputs
+def run_direct(
+    work: Workload, warmup: float, duration: float, rep: int, config: str = "a", batch: int = 0
+) -> Result:
+    session = make_session(work.model, 1, work.device)
+    batch = batch or work.rows
+    run, name, inputs = session.run, work.input_name, work.batch(batch)
     n = len(inputs)
     perf = time.perf_counter_ns
     i = 0
@@ -182,7 +223,7 @@ def run_direct(work: Workload, warmup: float, duration: float, rep: int) -> Resu
             break
     cpu1, t1 = time.process_time(), time.perf_counter()
     # Single-threaded: the loop thread is the process.
-    return Result("a", 1, rep, t1 - t0, cpu1 - cpu0, cpu1 - cpu0, latencies)
+    return Result(config, 1, rep, t1 - t0, cpu1 - cpu0, cpu1 - cpu0, latencies, batch)
 
 
 Call = Callable[[np.ndarray[Any, Any]], Awaitable[object]]
@@ -230,7 +271,16 @@ async def drive(
         if profiler is not None:
             profiler.stop()
         window.stop = True
-    return Result(config, concurrency, rep, t1 - t0, cpu1 - cpu0, loop1 - loop0, window.latencies)
+    return Result(
+        config,
+        concurrency,
+        rep,
+        t1 - t0,
+        cpu1 - cpu0,
+        loop1 - loop0,
+        window.latencies,
+        work.rows,
+    )
 
 
 async def run_naive(
@@ -245,7 +295,7 @@ async def run_naive(
 ) -> Result:
     threads = 2 if config == "b2" else 1
     if threads not in sessions:
-        sessions[threads] = make_session(work.model, threads)
+        sessions[threads] = make_session(work.model, threads, work.device)
     session = sessions[threads]
     run, name = session.run, work.input_name
     limiter = trio.CapacityLimiter(1) if config == "b1" else None
@@ -275,17 +325,26 @@ async def run_engine(
     duration: float,
     rep: int,
     profiler: Profiler | None = None,
+    batching: Mapping[str, Any] | None = None,
+    depth: int = 1,
 ) -> Result:
     count, threads, dispatch = ENGINE_SETUPS[config]
+    options: dict[str, Any] = {"dispatch": dispatch}
+    if work.device != "cpu" and dispatch != "thread":
+        options = {}  # the GPU's own default dispatch
+    if depth > 1:
+        options["pipeline_depth"] = depth
     model_config = trioinfer.ModelConfig(
         name="bench",
         path=work.model,
-        instances=[trioinfer.Instance(device="cpu", count=count, threads=threads)],
-        backend_options={"dispatch": dispatch},
+        instances=[trioinfer.Instance(device=work.device, count=count, threads=threads)],
+        backend_options=options,
         max_queue_size=max(1024, 2 * concurrency),
+        batcher="dynamic" if batching else "none",
+        batcher_options=dict(batching or {}),
     )
     name = work.input_name
-    async with trioinfer.open_engine() as engine:
+    async with trioinfer.open_engine(registry=registry()) as engine:
         await engine.load(model_config)
 
         async def call(x: np.ndarray[Any, Any]) -> object:
@@ -306,13 +365,56 @@ def run_one(
     gc.collect()
     if config == "a":
         return run_direct(work, args.warmup, args.duration, rep)
+    if config == "A":
+        return run_direct(work, args.warmup, args.duration, rep, "A", engine_batch(args, work))
     if config.startswith("b"):
         fn: Any = partial(run_naive, sessions=sessions)
     else:
-        fn = run_engine
+        fn = partial(run_engine, batching=batching(args), depth=args.depth)
     return trio.run(
         partial(fn, work, config, concurrency, args.warmup, args.duration, rep, profiler=profiler)
     )
+
+
+def registry() -> trioinfer.Registry | None:
+    """The installed plugins; or, in a bare checkout (``PYTHONPATH=src:plugins``), ours.
+
+    Without an installed trioinfer there are no entry points, so the first-party
+    plugins this script needs are named here (a GPU box with only numpy, trio,
+    attrs, onnx and onnxruntime-gpu runs it that way).
+    """
+    if any(ep.name == "onnxruntime" for ep in entry_points(group="trioinfer.backends")):
+        return None
+    sys.path.insert(0, str(ROOT / "plugins"))
+    import trioinfer_batching
+    import trioinfer_fallback
+    import trioinfer_onnxruntime
+    import trioinfer_scheduling
+
+    return trioinfer.Registry(
+        extra={
+            "backends": {"onnxruntime": trioinfer_onnxruntime.OnnxRuntimeBackend},
+            "schedulers": {"fifo": trioinfer_scheduling.FifoScheduler},
+            "batchers": {
+                "none": trioinfer_batching.NoBatcher,
+                "dynamic": trioinfer_batching.DynamicBatcher,
+            },
+            "fallbacks": {"none": trioinfer_fallback.NoFallback},
+        }
+    )
+
+
+def batching(args: argparse.Namespace) -> dict[str, Any] | None:
+    if args.batcher != "dynamic":
+        return None
+    return {"max_batch_size": args.max_batch, "max_queue_delay": args.delay}
+
+
+def engine_batch(args: argparse.Namespace, work: Workload) -> int:
+    """The rows of the batches the engine forms at full load: the ceiling's batch size."""
+    if args.batcher != "dynamic":
+        return work.rows
+    return max(args.max_batch // work.rows, 1) * work.rows
 
 
 # -- profiling -----------------------------------------------------------------------
@@ -415,22 +517,29 @@ def versions() -> str:
 
 
 HEADER = (
-    f"{'cfg':<3} {'conc':>4} {'rep':>3} {'req/s':>9} {'p50 us':>9} {'p99 us':>9} "
+    f"{'cfg':<3} {'conc':>4} {'rep':>3} {'req/s':>9} {'rows/s':>9} {'p50 us':>9} {'p99 us':>9} "
     f"{'CPU us/req':>10} {'loop us/req':>11} {'cores':>5}  description"
 )
 
 
 def row(r: Result) -> str:
     return (
-        f"{r.config:<3} {r.concurrency:>4} {r.rep:>3} {r.rps:9.0f} {r.percentile_us(50):9.1f} "
+        f"{r.config:<3} {r.concurrency:>4} {r.rep:>3} {r.rps:9.0f} {r.rows_per_s:9.0f} "
+        f"{r.percentile_us(50):9.1f} "
         f"{r.percentile_us(99):9.1f} {r.cpu_us:10.1f} {r.loop_cpu_us:11.1f} {r.cores:5.2f}"
         f"  {CONFIGS[r.config]}"
     )
 
 
-def print_ratios(results: Sequence[Result], concurrencies: Sequence[int], reps: int) -> None:
+def print_ratios(
+    results: Sequence[Result],
+    concurrencies: Sequence[int],
+    reps: int,
+    batched: bool,
+    digits_rows_1: bool = False,
+) -> None:
     def get(config: str, conc: int, rep: int) -> Result | None:
-        if config == "a":
+        if config in DIRECT:
             conc = 1
         for r in results:
             if (r.config, r.concurrency, r.rep) == (config, conc, rep):
@@ -469,6 +578,12 @@ def print_ratios(results: Sequence[Result], concurrencies: Sequence[int], reps: 
     def rps(x: Result, y: Result, _a: Result | None) -> float:
         return x.rps / y.rps
 
+    def rows(x: Result, y: Result, _a: Result | None) -> float:
+        return x.rows_per_s / y.rows_per_s
+
+    def loop_us(x: Result, _y: Result, _a: Result | None) -> float:
+        return x.loop_cpu_us
+
     print("\nratios (median over repeats; a is measured once per repeat, at concurrency 1)")
     for conc in concurrencies:
         print(f" concurrency {conc}:")
@@ -485,6 +600,19 @@ def print_ratios(results: Sequence[Result], concurrencies: Sequence[int], reps: 
         ratio("throughput    d / b'", conc, rps, "d", "b2")
         ratio("throughput    e / b", conc, rps, "e", "b")
         ratio("throughput    f / b", conc, rps, "f", "b")
+        for config in "cdef":
+            ceiling = ratio(f"rows/s        {config} / A  (goal >= 0.85)", conc, rows, config, "A")
+            if ceiling is not None and config == "c":
+                verdict = "meets" if ceiling >= 0.85 else "MISSES"
+                print(f"  -> rows/s c vs A: {ceiling:.2f}x, {verdict} the >= 0.85x goal")
+        if batched and digits_rows_1:
+            for config in "cf":
+                us = ratio(
+                    f"loop us/req   {config}  (goal <= 8, digits)", conc, loop_us, config, config
+                )
+                if us is not None:
+                    verdict = "meets" if us <= 8 else "MISSES"
+                    print(f"  -> loop us/req {config}: {us:.1f}, {verdict} the <= 8 us goal")
         if goal is not None:
             verdict = "meets" if goal <= 1.3 else "MISSES"
             print(f"  -> CPU/request c vs b: {goal:.2f}x, {verdict} the issue's <= 1.3x goal")
@@ -506,7 +634,29 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--configs", default=DEFAULT_CONFIGS, help=f"which of {','.join(CONFIGS)} to run"
     )
-    parser.add_argument("--model", type=Path, default=DEFAULT_MODEL, help="an ONNX model file")
+    parser.add_argument(
+        "--model",
+        type=Path,
+        default=DEFAULT_MODEL,
+        help="an ONNX model file, or 'wide' for the wide MLP (written to a temporary directory)",
+    )
+    parser.add_argument(
+        "--batcher",
+        choices=("none", "dynamic"),
+        default="none",
+        help="the trioinfer configurations' batcher",
+    )
+    parser.add_argument("--max-batch", type=int, default=32, help="dynamic: max_batch_size (rows)")
+    parser.add_argument(
+        "--delay", type=float, default=0.002, help="dynamic: max_queue_delay (seconds)"
+    )
+    parser.add_argument("--rows", type=int, default=1, help="rows per request")
+    parser.add_argument(
+        "--depth", type=int, default=1, help="trioinfer: the backend's pipeline_depth"
+    )
+    parser.add_argument(
+        "--device", default="cpu", help="cpu, or cuda:N for every session (onnxruntime-gpu)"
+    )
     parser.add_argument(
         "--samples",
         type=Path,
@@ -528,24 +678,42 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         parser.error(f"unknown configs {unknown}; known: {', '.join(CONFIGS)}")
     if any(c < 1 for c in args.concurrency) or args.repeat < 1:
         parser.error("concurrency and repeat must be >= 1")
+    if args.rows < 1 or args.max_batch < 1:
+        parser.error("--rows and --max-batch must be >= 1")
     return args
 
 
 def main(argv: Sequence[str] | None = None) -> None:
     args = parse_args(argv)
     print(versions())
-    work = load_workload(args.model, args.samples)
+    with tempfile.TemporaryDirectory() as tmp:
+        if str(args.model) == "wide":
+            from trioinfer.testing.models import write_wide_mlp
+
+            args.model = write_wide_mlp(Path(tmp) / "wide.onnx")
+        run_all(args)
+
+
+def run_all(args: argparse.Namespace) -> None:
+    work = load_workload(args.model, args.samples, args.rows, args.device)
     print(
-        f"model {args.model} (input {work.input_name!r}, batch-1 requests of shape "
-        f"{list(work.inputs[0].shape)}), warm-up {args.warmup}s, measure {args.duration}s "
-        f"per run, repeat {args.repeat}"
+        f"model {args.model} (input {work.input_name!r}, requests of shape "
+        f"{list(work.inputs[0].shape)}) on {args.device}, batcher {args.batcher}"
+        + (
+            f" (max_batch_size {args.max_batch}, max_queue_delay {args.delay}s; "
+            f"A runs batches of {engine_batch(args, work)} rows)"
+            if args.batcher == "dynamic"
+            else ""
+        )
+        + (f", pipeline_depth {args.depth}" if args.depth > 1 else "")
+        + f", warm-up {args.warmup}s, measure {args.duration}s per run, repeat {args.repeat}"
     )
     sessions: dict[int, Any] = {}
 
     if args.profile:
         config, _, conc = args.profile.partition(":")
-        if config not in CONFIGS or config == "a":
-            sys.exit(f"--profile needs one of {', '.join(c for c in CONFIGS if c != 'a')}")
+        if config not in CONFIGS or config in DIRECT:
+            sys.exit(f"--profile needs one of {', '.join(c for c in CONFIGS if c not in DIRECT)}")
         profiler = Profiler(args.profiler)
         result = run_one(work, config, int(conc or 64), args, 1, sessions, profiler)
         print(HEADER)
@@ -560,12 +728,13 @@ def main(argv: Sequence[str] | None = None) -> None:
     print(HEADER)
     results: list[Result] = []
     for rep in range(1, args.repeat + 1):
-        if "a" in args.configs:
-            results.append(run_one(work, "a", 1, args, rep, sessions))
-            print(row(results[-1]), flush=True)
+        for config in DIRECT:
+            if config in args.configs:
+                results.append(run_one(work, config, 1, args, rep, sessions))
+                print(row(results[-1]), flush=True)
         for conc in args.concurrency:
             for config in args.configs:
-                if config == "a":
+                if config in DIRECT:
                     continue
                 results.append(run_one(work, config, conc, args, rep, sessions))
                 print(row(results[-1]), flush=True)
@@ -575,10 +744,16 @@ def main(argv: Sequence[str] | None = None) -> None:
     for conc in args.concurrency:
         for config in args.configs:
             for r in results:
-                if r.config == config and (r.concurrency == conc or config == "a"):
+                if r.config == config and (r.concurrency == conc or config in DIRECT):
                     print(row(r))
         print()
-    print_ratios(results, args.concurrency, args.repeat)
+    print_ratios(
+        results,
+        args.concurrency,
+        args.repeat,
+        args.batcher == "dynamic",
+        args.model == DEFAULT_MODEL and args.rows == 1,
+    )
     print(f"\nload average at the end: {'/'.join(f'{x:.2f}' for x in os.getloadavg())}")
 
 

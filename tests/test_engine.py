@@ -380,3 +380,48 @@ async def test_device_limits_cap_executions_across_models(
     with pytest.raises(trioinfer.ConfigError, match="device"):
         async with open_engine(device_limits={"gpu": 1}):
             pass  # pragma: no cover
+
+
+async def test_one_waiter_event_behaves_like_trio_event() -> None:
+    """The per-request wake-up: set wakes the waiter; a cancelled wait leaves it unset."""
+    from trioinfer._threads import native_waiter_factory
+
+    new = native_waiter_factory()
+    event = new()
+    with trio.move_on_after(0.01) as scope:
+        await event.wait()
+    assert scope.cancelled_caught  # not set: the wait was cancelled, nothing changed
+    woke: list[float] = []
+
+    async def waiter() -> None:
+        await event.wait()
+        woke.append(trio.current_time())
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(waiter)
+        await trio.testing.wait_all_tasks_blocked()
+        assert woke == []
+        event.set()
+        event.set()  # a second set is harmless
+    assert len(woke) == 1
+    with trio.testing.assert_checkpoints():
+        await event.wait()  # already set: returns at once, at a checkpoint
+
+
+def test_split_gives_each_request_views_of_its_own_rows() -> None:
+    """The batch's outputs cut by rows: every output, one output, or none at all."""
+    from trioinfer._request import make_request
+    from trioinfer._runner import _split
+
+    requests = [
+        make_request("m", {}, str(i), 0, None, 1.0, 0.0, n) for i, n in enumerate((1, 3, 2))
+    ]
+    outputs = {"a": np.arange(6), "b": np.arange(12).reshape(6, 2)}
+    shares = _split(requests, outputs)
+    assert [s["a"].tolist() for s in shares] == [[0], [1, 2, 3], [4, 5]]
+    assert [s["b"].shape for s in shares] == [(1, 2), (3, 2), (2, 2)]
+    assert all(np.shares_memory(s["b"], outputs["b"]) for s in shares)  # views, not copies
+    assert [s["a"].tolist() for s in _split(requests, {"a": outputs["a"]})] == [
+        [0], [1, 2, 3], [4, 5]
+    ]  # fmt: skip
+    assert _split(requests, {}) == [{}, {}, {}]

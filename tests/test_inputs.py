@@ -131,3 +131,58 @@ def test_unsupported_element_type_is_refused() -> None:
     )
     with pytest.raises(InvalidInput, match="tensor\\(bfloat16\\), which numpy cannot hold"):
         validate_inputs("m", sig, {"x": np.ones(2, np.float32)}, LIMITS)
+
+
+# A signature that fixes every dimension but the batch: validate_inputs checks
+# such inputs on a short path first, and must refuse exactly what the full checks do.
+FIXED = ModelSignature(
+    inputs=(
+        TensorSpec("x", F32, ("batch", 4), "tensor(float)"),
+        TensorSpec("ids", np.dtype(np.int64), ("batch", 2, 3), "tensor(int64)"),
+    ),
+    outputs=(TensorSpec("y", F32, ("batch", 8), "tensor(float)"),),
+)
+
+
+def fixed_good(rows: int = 2) -> dict[str, np.ndarray]:
+    return {"x": np.ones((rows, 4), np.float32), "ids": np.zeros((rows, 2, 3), np.int64)}
+
+
+def test_fixed_signature_inputs_pass_in_a_new_dict_without_copies() -> None:
+    inputs = fixed_good()
+    out = validate_inputs("m", FIXED, inputs, LIMITS)
+    assert out is not inputs  # the caller may reuse its dict for its next request
+    assert list(out) == ["x", "ids"]
+    assert all(out[k] is inputs[k] for k in inputs)
+
+
+@pytest.mark.parametrize(
+    ("change", "message", "limits"),
+    [
+        (lambda d: d.pop("ids"), "needs input 'ids'", LIMITS),
+        (lambda d: d.update(z=d.pop("ids")), "no input named 'z'", LIMITS),
+        (lambda d: d.update(x=d["x"].astype(np.float64)), "has dtype float64", LIMITS),
+        (lambda d: d.update(x=d["x"].astype(">f4")), "has dtype", LIMITS),
+        (lambda d: d.update(x=np.ones((2, 5), np.float32)), "size 5 in dimension 1", LIMITS),
+        (lambda d: d.update(x=np.ones(4, np.float32)), r"rank 1\)", LIMITS),
+        (lambda d: d.update(x=np.float32(1.0)), "rank 0", LIMITS),
+        (lambda d: d.update(ids=np.zeros((2, 3, 2), np.int64)), "size 3 in dimension 1", LIMITS),
+        (lambda d: d.update(x=np.ones((3, 4), np.float32)), "disagree on dimension 'b", LIMITS),
+        (lambda d: d.update(fixed_good(0)), "0 rows", LIMITS),
+        (lambda d: d.update(x=[[1.0] * 4] * 2), "", InputLimits(casting="same_kind")),
+        (lambda d: None, "at most 7 are allowed per input", InputLimits(max_elements_per_input=7)),
+        (lambda d: None, "more than 19 elements in all", InputLimits(max_elements_per_request=19)),
+    ],
+)
+def test_fixed_signature_refuses_what_the_full_checks_refuse(
+    change: object, message: str, limits: InputLimits
+) -> None:
+    inputs = fixed_good()
+    change(inputs)  # type: ignore[operator]
+    if not message:  # accepted by the full checks (a list, converted): the same answer
+        out = validate_inputs("m", FIXED, inputs, limits)
+        assert out["x"].dtype == np.float32
+        assert out["x"].shape == (2, 4)
+        return
+    with pytest.raises(InvalidInput, match=message):
+        validate_inputs("m", FIXED, inputs, limits)

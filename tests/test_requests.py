@@ -324,3 +324,27 @@ async def test_given_back_requests_keep_their_place_at_the_head() -> None:
     with pytest.raises(anyio.WouldBlock):
         queue.pop_nowait()
     assert expired == []
+
+
+def test_the_engines_fast_request_constructor_matches_the_attrs_one() -> None:
+    """make_request (the request path's) builds what Request(...) builds, defaults included."""
+    import attrs
+
+    from trioinfer._request import Request as EngineRequest
+    from trioinfer._request import make_request as fast
+
+    inputs = {"x": np.ones((2, 3), np.float32)}
+    args = ("m", inputs, "id-1", 2, "tenant", 9.5, 1.5, 2)
+    made = fast(*args)
+    slow = EngineRequest(
+        "m", inputs, id="id-1", priority=2, tenant="tenant", deadline=9.5, arrival=1.5, rows=2
+    )
+    skip = {"sequence", "_state"}
+    for field in attrs.fields(EngineRequest):
+        if field.name not in skip:
+            assert getattr(made, field.name) == getattr(slow, field.name), field.name
+    assert made.sequence < slow.sequence  # each made in turn: its own number
+    assert attrs.asdict(made._state) == attrs.asdict(slow._state)
+    assert made._state is not slow._state
+    with pytest.raises(attrs.exceptions.FrozenInstanceError):
+        made.priority = 3  # type: ignore[misc]

@@ -16,6 +16,9 @@ from trioinfer.lowlevel import Request, RequestQueue, Status
 
 from ._padding import Arrays, Padding, Split
 
+# Enum members read once: Status.X costs a metaclass lookup on every use (Python 3.11).
+_QUEUED = Status.QUEUED
+
 # Why filling a batch stopped.
 _FULL = 0  # max_batch_size rows reached
 _BLOCKED = 1  # the next request is incompatible or would overflow: it starts the next batch
@@ -295,7 +298,7 @@ async def _first(queue: RequestQueue) -> Request:
 
 
 def _live(request: Request) -> bool:
-    return request.status is Status.QUEUED and not request.abandoned
+    return request.status is _QUEUED and not request.abandoned
 
 
 def _unbatchable(inputs: Mapping[str, np.ndarray[Any, Any]]) -> bool:
@@ -304,6 +307,9 @@ def _unbatchable(inputs: Mapping[str, np.ndarray[Any, Any]]) -> bool:
 
 
 def _key(inputs: Mapping[str, np.ndarray[Any, Any]]) -> _Key:
+    if len(inputs) == 1:  # the usual case, without a generator per request
+        for name, array in inputs.items():
+            return ((name, array.shape[1:], array.dtype),)
     return tuple((name, array.shape[1:], array.dtype) for name, array in inputs.items())
 
 

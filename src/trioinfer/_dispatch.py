@@ -32,6 +32,9 @@ from .abc import BackendInstance, ReplicaState, Status
 from .abc import Replica as ReplicaView
 from .abc import Request as RequestView
 
+# Enum members read once: Status.X costs a metaclass lookup on every use (Python 3.11).
+_RUNNING = Status.RUNNING
+
 logger = logging.getLogger("trioinfer")
 
 
@@ -267,7 +270,7 @@ class Execution(metaclass=NoPublicConstructor):
 
     def pending(self) -> list[Request]:
         """The requests still waiting for an answer."""
-        return [r for r in self.requests if r._state.status is Status.RUNNING]
+        return [r for r in self.requests if r._state.status is _RUNNING]
 
     def deadline(self) -> float:
         """The latest deadline among pending requests."""
@@ -291,7 +294,7 @@ class Execution(metaclass=NoPublicConstructor):
                 f"outputs {missing}"
             )
         ours = cast(Request, request)  # one of self.requests, checked above
-        if ours._state.status is not Status.RUNNING:
+        if ours._state.status is not _RUNNING:
             return
         self.note(via, [ours])
         port.finish(ours, outputs={name: np.asarray(value) for name, value in outputs.items()})

@@ -31,7 +31,7 @@ from ._exceptions import (
 )
 from ._pipeline import PIPELINE, Pipeline
 from ._registry import Kind, Registry
-from ._request import Outputs, Request, next_request_id
+from ._request import Outputs, Request, make_request, next_request_id
 from ._runner import ModelRunner, ModelStatistics, close_instances
 from ._tensors import ModelSignature, rows, validate_inputs
 from .abc import Backend, BackendInstance, Batcher, Fallback, Scheduler, Status
@@ -382,31 +382,39 @@ class Engine:
         request_id: str | None,
         failover: bool = False,
     ) -> Request:
-        runner = self._runner(model)
+        runner = self._runners.get(model)
+        if runner is None or self._closing:
+            runner = self._runner(model)  # raises what is wrong
         arrays = validate_inputs(model, runner.signature, inputs, runner.input_limits)
         clock = runner.clock
-        await clock.checkpoint_if_cancelled()
-        if self._runners.get(model) is not runner:
-            # Replaced or unloaded while we yielded: queue on what serves the name now.
-            runner = self._runner(model)
-            arrays = validate_inputs(model, runner.signature, inputs, runner.input_limits)
-        arrival = clock.current_time()
         deadline = clock.current_effective_deadline()
+        if deadline == -math.inf:
+            # A cancelled caller's effective deadline is -inf: only then is there a
+            # cancellation to raise, at a checkpoint, before anything is queued.
+            # (Reading the deadline first spares every other request that await.)
+            await clock.checkpoint_if_cancelled()
+            if self._runners.get(model) is not runner:
+                # Replaced or unloaded while we yielded: queue on what serves the name now.
+                runner = self._runner(model)
+                arrays = validate_inputs(model, runner.signature, inputs, runner.input_limits)
+                clock = runner.clock
+            deadline = clock.current_effective_deadline()
+        arrival = clock.current_time()
         own_deadline = True
         if deadline == math.inf and runner.queue_timeouts:
             timeout = runner.queue_timeouts.get(priority)
             if timeout is not None:
                 # The model's queue policy gives this request the deadline its caller did not.
                 deadline, own_deadline = arrival + timeout, False
-        request = Request(
+        request = make_request(
             model,
             arrays,
-            id=request_id if request_id is not None else next_request_id(),
-            priority=priority,
-            tenant=tenant,
-            deadline=deadline,
-            arrival=arrival,
-            rows=rows(arrays) if runner.batched else 1,
+            request_id if request_id is not None else next_request_id(),
+            priority,
+            tenant,
+            deadline,
+            arrival,
+            rows(arrays) if runner.batched else 1,
         )
         # A request a fallback sent here from another model fails over no further.
         request._state.failover = failover

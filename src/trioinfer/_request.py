@@ -73,3 +73,70 @@ class Request:
     def abandoned(self) -> bool:
         """Whether the caller has stopped waiting (it was cancelled)."""
         return self._state.abandoned
+
+
+# make_request: what Request's attrs __init__ does, setting each slot through its
+# own descriptor (half the cost: the request path builds one per call). Fields
+# other than the ones it is given take their defaults, as in __init__; it runs
+# no validators or converters (Request has none).
+_GIVEN = ("model", "inputs", "id", "priority", "tenant", "deadline", "arrival", "rows")
+# Set by make_request itself, as their factories do (a test compares the two).
+_OWN = ("sequence", "_state")
+_SET = {field.name: getattr(Request, field.name).__set__ for field in attrs.fields(Request)}
+# (setter, default, factory, whether the factory takes the instance) of each other field.
+_REST: tuple[tuple[Any, Any, Any, bool], ...] = tuple(
+    (
+        _SET[field.name],
+        field.default,
+        getattr(field.default, "factory", None),
+        bool(getattr(field.default, "takes_self", False)),
+    )
+    for field in attrs.fields(Request)
+    if field.name not in _GIVEN and field.name not in _OWN
+)
+_new = object.__new__
+
+
+def make_request(
+    model: str,
+    inputs: Mapping[str, np.ndarray[Any, Any]],
+    id: str,
+    priority: int,
+    tenant: str | None,
+    deadline: float,
+    arrival: float,
+    rows: int,
+) -> Request:
+    """``Request(model, inputs, id=id, ...)``, at about half the cost."""
+    request = _new(Request)
+    _set_model(request, model)
+    _set_inputs(request, inputs)
+    _set_id(request, id)
+    _set_priority(request, priority)
+    _set_tenant(request, tenant)
+    _set_deadline(request, deadline)
+    _set_arrival(request, arrival)
+    _set_rows(request, rows)
+    _set_sequence(request, _next_sequence())
+    _set_state(request, _State())
+    for set_, default, factory, takes_self in _REST:
+        if factory is None:
+            set_(request, default)
+        else:
+            set_(request, factory(request) if takes_self else factory())
+    return request
+
+
+(
+    _set_model,
+    _set_inputs,
+    _set_id,
+    _set_priority,
+    _set_tenant,
+    _set_deadline,
+    _set_arrival,
+    _set_rows,
+    _set_sequence,
+    _set_state,
+) = (_SET[name] for name in (*_GIVEN, *_OWN))
+_next_sequence = _sequences.__next__

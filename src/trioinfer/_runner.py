@@ -41,7 +41,7 @@ from ._registry import Kind
 from ._request import Outputs, Request
 from ._tensors import InputLimits, ModelSignature
 from ._tensors import rows as _rows
-from ._threads import EventLike, LoopClock, native_event_factory
+from ._threads import EventLike, LoopClock, native_event_factory, native_waiter_factory
 from ._util import NoPublicConstructor
 from .abc import (
     AssemblingBatcher,
@@ -61,6 +61,13 @@ from .abc import Request as RequestView
 
 if TYPE_CHECKING:
     from ._cache import CacheStatistics
+
+# Enum members read once: Status.X costs a metaclass lookup on every use (Python 3.11).
+_DONE = Status.DONE
+_QUEUED = Status.QUEUED
+_RUNNING = Status.RUNNING
+
+_INF = math.inf
 
 #: How long closing instances may take at shutdown before we stop waiting.
 CLEANUP_S = 10.0
@@ -93,6 +100,7 @@ class RequestQueue(metaclass=NoPublicConstructor):
     """
 
     __slots__ = (
+        "_current_time",
         "_front",
         "_levels",
         "_new_event",
@@ -127,6 +135,7 @@ class RequestQueue(metaclass=NoPublicConstructor):
         #: advertises them (see `BackendInstance`); empty when it does not say.
         self.preferred_batch_sizes = preferred_batch_sizes
         self._on_expired = on_expired
+        self._current_time = LoopClock().current_time
         self._new_event = native_event_factory()
         self._wakeup: EventLike | None = None
         #: Requests handed out so far (a batch former that took none holds nothing).
@@ -152,12 +161,19 @@ class RequestQueue(metaclass=NoPublicConstructor):
     def peek_nowait(self) -> Request:
         """Return the live request that `pop_nowait()` would take, failing expired ones."""
         front, scheduler = self._front, self._scheduler
-        while front or len(scheduler):
-            request = front[0] if front else scheduler.peek()
-            if request.deadline == math.inf:
+        while True:
+            if front:
+                request = front[0]
+            else:
+                try:  # an empty scheduler raises IndexError (its contract): no len() first
+                    request = scheduler.peek()
+                except IndexError:
+                    raise anyio.WouldBlock from None
+            deadline = request.deadline
+            if deadline == _INF:
                 return request
-            now = anyio.current_time()
-            if request.deadline > now:
+            now = self._current_time()
+            if deadline > now:
                 return request
             if front:
                 front.popleft()
@@ -166,28 +182,34 @@ class RequestQueue(metaclass=NoPublicConstructor):
             if self._levels is not None and request.priority in self._levels:
                 self._levels[request.priority] -= 1
             self._on_expired(request, now)
-        raise anyio.WouldBlock
 
     def pop_nowait(self) -> Request:
         """Take the next live request in the scheduler's order, failing expired ones."""
         front, scheduler = self._front, self._scheduler
-        while front or len(scheduler):
-            request = front.popleft() if front else scheduler.pop()
+        while True:
+            if front:
+                request = front.popleft()
+            else:
+                try:
+                    request = scheduler.pop()
+                except IndexError:
+                    raise anyio.WouldBlock from None
             self.taken += 1
-            if self._levels is not None and request.priority in self._levels:
-                self._levels[request.priority] -= 1
-            if request.deadline == math.inf:
+            levels = self._levels
+            if levels is not None and request.priority in levels:
+                levels[request.priority] -= 1
+            deadline = request.deadline
+            if deadline == _INF:
                 return request
-            now = anyio.current_time()
-            if request.deadline > now:
+            now = self._current_time()
+            if deadline > now:
                 return request
             self._on_expired(request, now)
-        raise anyio.WouldBlock
 
     def put_back(self, requests: Sequence[RequestView]) -> None:
         """Give back requests taken and not dispatched, to the head of the queue, in order."""
         # Only the engine makes requests, so any a batcher gives back is one of ours.
-        back = [r for r in cast(Sequence[Request], requests) if r._state.status is Status.QUEUED]
+        back = [r for r in cast(Sequence[Request], requests) if r._state.status is _QUEUED]
         self._front.extendleft(reversed(back))
         if self._levels is not None:
             for r in back:
@@ -284,6 +306,14 @@ class _Histogram:
         self.counts[bisect.bisect_left(self.bounds, value)] += n
         self.count += n
         self.sum += value * n
+
+    def observe_each(self, values: Sequence[float]) -> None:
+        # A batch's worth in one call: one per request would cost a call each.
+        counts, bounds, bisect_left = self.counts, self.bounds, bisect.bisect_left
+        for value in values:
+            counts[bisect_left(bounds, value)] += 1
+        self.count += len(values)
+        self.sum += sum(values)
 
     def snapshot(self) -> Histogram:
         return Histogram(self.bounds, tuple(self.counts), self.count, self.sum)
@@ -516,6 +546,7 @@ class ModelRunner(metaclass=NoPublicConstructor):
     queue_timeouts: Mapping[int, float] = attrs.field(init=False)
     batched: bool = attrs.field(init=False)
     _new_event: Callable[[], EventLike] = attrs.field(init=False)
+    _new_waiter: Callable[[], EventLike] = attrs.field(init=False)
     clock: LoopClock = attrs.field(init=False)
     _assemble: Callable[[Sequence[Request]], tuple[Mapping[str, Any], Split]] | None = attrs.field(
         init=False
@@ -558,6 +589,7 @@ class ModelRunner(metaclass=NoPublicConstructor):
 
     def __attrs_post_init__(self) -> None:
         self._new_event = native_event_factory()
+        self._new_waiter = native_waiter_factory()
         self.clock = LoopClock()
         self.replicas = [
             Replica._create(instance, placement, _depth(instance), self._new_event)
@@ -690,7 +722,7 @@ class ModelRunner(metaclass=NoPublicConstructor):
         started = self.clock.current_time()
         live: list[Request] = []
         for request in batch:
-            if request.status is not Status.QUEUED:
+            if request._state.status is not _QUEUED:
                 continue
             if request.deadline <= started:
                 self._expire(request, started)
@@ -707,11 +739,11 @@ class ModelRunner(metaclass=NoPublicConstructor):
                 self.finish(request, error=_copy_error(error, cause=error.__cause__))
             return
         running = _Running(scope, len(live))
-        queue_duration = self._queue_duration.observe
         for request in live:
-            request._state.status = Status.RUNNING
-            request._state.batch = running
-            queue_duration(started - request.arrival)
+            state = request._state
+            state.status = _RUNNING
+            state.batch = running
+        self._queue_duration.observe_each([started - request.arrival for request in live])
         execution = Execution._create(self, live, replica)
         try:
             await self._fallback.execute(execution)
@@ -826,13 +858,15 @@ class ModelRunner(metaclass=NoPublicConstructor):
             error = ValueError(f"it gave {len(shares)} shares for {len(live)} requests")
             self._fail_batch(live, "split", error)
             return True
-        request_duration = self._request_duration.observe
+        durations: list[float] = []
+        finish = self.finish
         for request, share in zip(live, shares, strict=True):
             state = request._state
-            if state.status is Status.RUNNING:
-                request_duration(ended - request.arrival)
+            if state.status is _RUNNING:
+                durations.append(ended - request.arrival)
                 state.served_by = replica
-            self.finish(request, outputs=share)
+            finish(request, outputs=share)
+        self._request_duration.observe_each(durations)
         return True
 
     def _live(self, requests: Sequence[Request]) -> list[Request]:
@@ -842,7 +876,7 @@ class ModelRunner(metaclass=NoPublicConstructor):
         now: float | None = None
         for request in requests:
             state = request._state
-            if state.status is not Status.RUNNING:
+            if state.status is not _RUNNING:
                 continue
             if request.deadline != math.inf:
                 if now is None:
@@ -879,11 +913,14 @@ class ModelRunner(metaclass=NoPublicConstructor):
         if it is still queued then.
         """
         state = request._state
-        state.done = self._new_event()
+        state.done = self._new_waiter()  # only this caller waits on it
         if not self._serving:
             self.refused += 1
             raise self._circuit_open()
-        if len(self.queue) >= self.config.max_queue_size:
+        limit = self.config.max_queue_size
+        # In flight counts the queued requests and the running ones: below the
+        # bound, the queue is too, and its length (a call into the scheduler) can wait.
+        if len(self._in_flight) >= limit and len(self.queue) >= limit:
             self.refused += 1
             raise QueueFull(
                 f"model {self.config.name!r} has {len(self.queue)} requests queued, its "
@@ -919,7 +956,7 @@ class ModelRunner(metaclass=NoPublicConstructor):
                 with anyio.CancelScope(deadline=request.deadline) as scope:
                     await state.done.wait()
                 if scope.cancelled_caught:
-                    if state.status is Status.QUEUED:
+                    if state.status is _QUEUED:
                         self._expire(request, self.clock.current_time())
                     else:
                         # Running: the engine ends it if the timeout passes before an
@@ -939,12 +976,12 @@ class ModelRunner(metaclass=NoPublicConstructor):
 
     def _withdraw(self, request: Request) -> None:
         state = request._state
-        if state.status is Status.DONE:
+        if state.status is _DONE:
             return
         state.abandoned = True
-        if state.status is Status.QUEUED:
+        if state.status is _QUEUED:
             self.queue._remove(request)
-        elif state.status is Status.RUNNING:
+        elif state.status is _RUNNING:
             running: _Running = state.batch
             running.waiting -= 1
             if running.waiting == 0:
@@ -972,9 +1009,9 @@ class ModelRunner(metaclass=NoPublicConstructor):
         error: BaseException | None = None,
     ) -> None:
         state = request._state
-        if state.status is Status.DONE:
+        if state.status is _DONE:
             return
-        if state.status is Status.QUEUED:
+        if state.status is _QUEUED:
             self.queue._remove(request)
         state.outputs, state.error = outputs, error
         if error is None:
@@ -987,7 +1024,7 @@ class ModelRunner(metaclass=NoPublicConstructor):
 
     def _end(self, request: Request) -> None:
         state = request._state
-        state.status = Status.DONE
+        state.status = _DONE
         state.batch = None
         if state.done is not None:
             state.done.set()
@@ -1298,13 +1335,17 @@ def _alone(outputs: Outputs) -> list[Outputs]:
 
 def _split(requests: Sequence[Request], outputs: Outputs) -> list[Outputs]:
     # Views, not copies: each caller's share is a slice of the batch's output.
-    shares: list[Outputs] = [{} for _ in requests]
-    for name, array in outputs.items():
-        start = 0
-        for share, request in zip(shares, requests, strict=True):
-            share[name] = array[start : start + request.rows]
-            start += request.rows
-    return shares
+    # The cut points are worked out once for every output.
+    cuts = list(itertools.accumulate([r.rows for r in requests], initial=0))
+    pairs = list(itertools.pairwise(cuts))
+    if len(outputs) == 1:
+        for name, array in outputs.items():
+            return [{name: array[a:b]} for a, b in pairs]
+    if not outputs:
+        return [{} for _ in requests]
+    names = list(outputs)
+    columns = [[array[a:b] for a, b in pairs] for array in outputs.values()]
+    return [dict(zip(names, row, strict=True)) for row in zip(*columns, strict=True)]
 
 
 if TYPE_CHECKING:

@@ -12,12 +12,13 @@ import contextlib
 import os
 import queue
 import threading
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any, Generic, Protocol, TypeVar, final
 
 import anyio
 import anyio.lowlevel
 import sniffio
+import trio.lowlevel as _trio  # a core dependency; used only when Trio runs
 
 T = TypeVar("T")
 
@@ -46,6 +47,51 @@ def native_event_factory() -> Callable[[], EventLike]:
 
         return trio.Event
     return asyncio.Event
+
+
+def native_waiter_factory() -> Callable[[], EventLike]:
+    """Return an event class for exactly one waiter at a time, the cheapest the loop allows.
+
+    On Trio, `set()` reschedules the one waiting task directly, without the
+    parking lot behind ``trio.Event``: one wake-up per request is the request
+    path's biggest fixed cost. Elsewhere, the loop's own Event.
+    """
+    if sniffio.current_async_library() == "trio":
+        return _TrioWaiter
+    return asyncio.Event
+
+
+@final
+class _TrioWaiter:
+    # trio.Event for one waiter: the same semantics (wait() on a set event is a
+    # checkpoint; a cancelled wait leaves the event as it was), less machinery.
+    __slots__ = ("_flag", "_task")
+
+    def __init__(self) -> None:
+        self._flag = False
+        self._task: Any = None
+
+    def set(self) -> None:
+        if self._flag:
+            return
+        self._flag = True
+        task = self._task
+        if task is not None:
+            self._task = None
+            _trio.reschedule(task)
+
+    def wait(self) -> Coroutine[Any, Any, Any]:
+        # Not a coroutine itself: it hands back Trio's, so that a caller's await
+        # runs one frame fewer each time its task is suspended and resumed.
+        if self._flag:
+            return _trio.checkpoint()  # noqa: ASYNC105  # the caller awaits it
+        assert self._task is None, "a waiter event has one waiter at a time"
+        self._task = _trio.current_task()
+        return _trio.wait_task_rescheduled(self._abort)  # noqa: ASYNC105  # the caller awaits it
+
+    def _abort(self, _raise_cancel: object) -> _trio.Abort:
+        self._task = None
+        return _trio.Abort.SUCCEEDED
 
 
 @final

@@ -885,6 +885,14 @@ class _Headers(Mapping[str, str]):
     def __getitem__(self, key: str) -> str:
         return self._items[key]
 
+    # Mapping's own get() and `in` go through __getitem__ and catch its KeyError:
+    # a raised exception for every header a request lacks, several per request.
+    def get(self, key: str, default: Any = None) -> Any:
+        return self._items.get(key, default)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._items
+
     def __iter__(self) -> Any:
         return iter(self._items)
 
