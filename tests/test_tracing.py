@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import json
+import os
+import re
 import shutil
+import signal
 import subprocess
 import sys
 from collections.abc import AsyncIterator, Iterator
@@ -135,9 +138,7 @@ async def test_a_cancelled_request_ends_its_spans_as_cancelled(
     linked = {link.context.span_id for b in named(spans, "batch m") for link in b.links}
     assert queued.context.span_id not in linked
     # The running one's batch was aborted: nobody waited for it any more.
-    (aborted,) = [
-        b for b in named(spans, "batch m") if parent_of(b) == running.context.span_id
-    ]
+    (aborted,) = [b for b in named(spans, "batch m") if parent_of(b) == running.context.span_id]
     assert aborted.attributes["trioinfer.outcome"] == "cancelled"
 
 
@@ -296,8 +297,12 @@ def test_tracing_off_imports_no_opentelemetry() -> None:
 def test_settings_from_options_and_environment() -> None:
     assert provider_from_settings(None, None, environ={}) is None  # off unless configured
     assert provider_from_settings("none", 1.0, environ={"OTEL_TRACES_EXPORTER": "otlp"}) is None
-    assert provider_from_settings(None, None, environ={"OTEL_SDK_DISABLED": "true",
-                                                      "OTEL_TRACES_EXPORTER": "console"}) is None
+    assert (
+        provider_from_settings(
+            None, None, environ={"OTEL_SDK_DISABLED": "true", "OTEL_TRACES_EXPORTER": "console"}
+        )
+        is None
+    )
     env = {
         "OTEL_TRACES_EXPORTER": "console",
         "OTEL_TRACES_SAMPLER": "parentbased_traceidratio",
@@ -402,6 +407,7 @@ async def test_traceparent_over_http_parents_the_server_span(
     assert ok.context.trace_state.get("vendor") == "1"
     assert ok.attributes["http.route"] == "/v2/models/{model}/infer"
     assert ok.attributes["trioinfer.model.name"] == "digits"
+    assert ok.attributes["trioinfer.model.version"] == "1"  # the version that answered
     (engine_span,) = [s for s in spans if s.name.startswith("infer ")]
     assert parent_of(engine_span) == ok.context.span_id
     assert {s.context.trace_id for s in spans} == {ok.context.trace_id}
@@ -486,3 +492,38 @@ def test_tritonclient_reads_and_changes_trace_settings(tmp_path: Path) -> None:
     assert updated["trace_rate"] == "1000"
     assert model["trace_rate"] == "1000"
     json.dumps(updated)
+
+
+def test_serve_exports_spans_with_the_console_exporter(tmp_path: Path) -> None:
+    env = {**os.environ, "OTEL_TRACES_EXPORTER": "console", "OTEL_SERVICE_NAME": "svc"}
+    env.pop("TRIOINFER_ADMIN_TOKEN", None)
+    command = [sys.executable, "-m", "trioinfer", "serve", "--port", "0", "--trace-rate", "1"]
+    log = (tmp_path / "log").open("wb")
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=log, env=env, text=True)
+    try:
+        assert process.stdout is not None
+        for line in process.stdout:
+            match = re.search(r"listening on (http://\S+)", line)
+            if match:
+                break
+        else:
+            pytest.fail((tmp_path / "log").read_text())
+        answer = httpx.post(
+            f"{match.group(1)}/v2/models/digits/infer",
+            json=BODY,
+            headers={"traceparent": TRACEPARENT},
+        )
+        assert answer.status_code == 200
+        process.send_signal(signal.SIGTERM)
+        out, _ = process.communicate(timeout=30)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+        log.close()
+    assert process.returncode == 0
+    # Flushed at exit: the server span and the engine's, in the caller's trace.
+    assert '"name": "POST /v2/models/{model}/infer"' in out
+    assert '"name": "infer digits.v1"' in out
+    assert f'"trace_id": "0x{TRACE_ID}"' in out
+    assert '"service.name": "svc"' in out

@@ -307,6 +307,12 @@ class Tracing:
                     span.set_status(StatusCode.ERROR)
             span.end()
 
+    def served_version(self, version: int) -> None:
+        """Note on the current server span which version answers (a traffic split picks it)."""
+        span = trace.get_current_span()
+        if span.is_recording():
+            span.set_attribute(VERSION, str(version))
+
     def shutdown(self) -> None:
         """Flush and stop the provider, if it is one that can (the SDK's)."""
         shutdown = getattr(self.provider, "shutdown", None)

@@ -797,6 +797,8 @@ class _InferEndpoint:
         # A request that names no version follows the model's traffic split; one with a
         # routing key (a user or tenant id) stays on one version while the split does.
         served = state.models.resolve(model, version, key=headers.get(ROUTING_KEY_HEADER))
+        if self._tracing is not None:
+            self._tracing.served_version(served.version)
         limits = state.config.limits
         body = await _read_body(scope, receive, headers, limits)
         header_length = parse_header_length(
