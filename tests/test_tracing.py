@@ -9,7 +9,7 @@ import shutil
 import signal
 import subprocess
 import sys
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
@@ -40,8 +40,8 @@ X = np.ones((1, 4), np.float32)
 
 
 @pytest.fixture
-def exporter() -> Iterator[InMemorySpanExporter]:
-    yield InMemorySpanExporter()
+def exporter() -> InMemorySpanExporter:
+    return InMemorySpanExporter()
 
 
 def provider_for(exporter: InMemorySpanExporter) -> TracerProvider:
@@ -85,10 +85,9 @@ async def test_a_batch_span_is_linked_to_each_request_it_carries(
     exporter: InMemorySpanExporter, autojump_clock: trio.testing.MockClock
 ) -> None:
     backend = FakeBackend(delay=0.1)
-    async with traced_engine(exporter, backend, batched()) as engine:
-        async with trio.open_nursery() as nursery:
-            for i in range(4):
-                nursery.start_soon(lambda i=i: engine.infer("m", {"x": X}, request_id=f"r{i}"))
+    async with traced_engine(exporter, backend, batched()) as engine, trio.open_nursery() as n:
+        for i in range(4):
+            n.start_soon(lambda i=i: engine.infer("m", {"x": X}, request_id=f"r{i}"))
     assert backend.executions == [4]  # one batch of four
     spans = exporter.get_finished_spans()
     requests = named(spans, "infer m")
@@ -117,15 +116,15 @@ async def test_a_cancelled_request_ends_its_spans_as_cancelled(
     exporter: InMemorySpanExporter, autojump_clock: trio.testing.MockClock
 ) -> None:
     backend = FakeBackend(delay=1.0)
-    async with traced_engine(exporter, backend, batched(delay=0.0)) as engine:
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(engine.infer, "m", {"x": X})  # runs for 1s
-            await trio.sleep(0.1)
-            with trio.move_on_after(0.5):  # queued behind it, cancelled there
-                await engine.infer("m", {"x": X}, request_id="queued")
-            await trio.sleep(0.5)  # the first has finished
-            with trio.move_on_after(0.3):  # running, cancelled mid-run
-                await engine.infer("m", {"x": X}, request_id="running")
+    engine_scope = traced_engine(exporter, backend, batched(delay=0.0))
+    async with engine_scope as engine, trio.open_nursery() as nursery:
+        nursery.start_soon(engine.infer, "m", {"x": X})  # runs for 1s
+        await trio.sleep(0.1)
+        with trio.move_on_after(0.5):  # queued behind it, cancelled there
+            await engine.infer("m", {"x": X}, request_id="queued")
+        await trio.sleep(0.5)  # the first has finished
+        with trio.move_on_after(0.3):  # running, cancelled mid-run
+            await engine.infer("m", {"x": X}, request_id="running")
     spans = exporter.get_finished_spans()
     by_request = {s.attributes["trioinfer.request.id"]: s for s in named(spans, "infer m")}
     queued, running = by_request["queued"], by_request["running"]
@@ -314,7 +313,8 @@ def test_settings_from_options_and_environment() -> None:
     assert rate == 0.25
     provider.shutdown()
     made = provider_from_settings("otlp", 0.001, environ=env)  # the option wins
-    assert made is not None and made[1] == 0.001
+    assert made is not None
+    assert made[1] == 0.001
     made[0].shutdown()
     with pytest.raises(ConfigError, match="one of otlp, console, none"):
         provider_from_settings("jaeger", None, environ={})
@@ -403,7 +403,8 @@ async def test_traceparent_over_http_parents_the_server_span(
     ok, refused = sorted(servers, key=lambda s: s.attributes["http.response.status_code"])
     # The caller's trace continues here: same trace id, the caller's span as parent.
     assert format(ok.context.trace_id, "032x") == TRACE_ID
-    assert ok.parent is not None and format(ok.parent.span_id, "016x") == "00f067aa0ba902b7"
+    assert ok.parent is not None
+    assert format(ok.parent.span_id, "016x") == "00f067aa0ba902b7"
     assert ok.context.trace_state.get("vendor") == "1"
     assert ok.attributes["http.route"] == "/v2/models/{model}/infer"
     assert ok.attributes["trioinfer.model.name"] == "digits"

@@ -121,8 +121,9 @@ _SERVE_KEYS: Final = frozenset(
     default=None,
     metavar="RATIO",
     help="The share of requests that start a trace which are traced (0.001 = 1 in 1000); "
-    "a request with a sampled traceparent header is always traced. Default: from OTEL_TRACES_SAMPLER "
-    "and OTEL_TRACES_SAMPLER_ARG, else 1. Changed at run time by POST /v2/trace/setting.",
+    "a request with a sampled traceparent header is always traced. Default: from "
+    "OTEL_TRACES_SAMPLER and OTEL_TRACES_SAMPLER_ARG, else 1. Changed at run time by "
+    "POST /v2/trace/setting.",
 )
 @click.option(
     "--loop",
