@@ -1,0 +1,111 @@
+"""The cost of OpenTelemetry tracing: off, 1 in 1000, and every request, in one run.
+
+In-process, the bundled digits MLP (``float32[batch, 64] -> 10 classes``), dynamic
+batching, C client tasks calling ``engine.infer``. Traced runs use the SDK's
+``TracerProvider`` with a ``BatchSpanProcessor`` in front of an exporter that
+drops what it is given, so the figure is trioinfer's spans and the SDK's work,
+not a network. The settings rotate within each round, so that the machine's
+drift hits all alike; the ratios are to tracing off.
+
+Usage:  .venv/bin/python benchmarks/bench_tracing.py [--duration 5] [--rounds 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import trio
+from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
+from opentelemetry.sdk.trace.export import (
+    BatchSpanProcessor,
+    SpanExporter,
+    SpanExportResult,
+)
+
+import trioinfer
+
+SETTINGS = {"off": None, "1/1000": 0.001, "100%": 1.0}
+
+
+class Discard(SpanExporter):
+    """Counts the spans it is given and keeps none."""
+
+    def __init__(self) -> None:
+        self.spans = 0
+
+    def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
+        self.spans += len(spans)
+        return SpanExportResult.SUCCESS
+
+
+async def run(rate: float | None, args: argparse.Namespace) -> tuple[float, int]:
+    config = trioinfer.ModelConfig(
+        name="digits",
+        path=trioinfer.example_repository() / "digits" / "1" / "model.onnx",
+        instances=[trioinfer.Instance("cpu", threads=args.threads)],
+        batcher="dynamic",
+        batcher_options={"max_batch_size": 64, "max_queue_delay": 0.001},
+    )
+    provider: Any = None
+    exporter = Discard()
+    if rate is not None:
+        provider = TracerProvider()
+        provider.add_span_processor(BatchSpanProcessor(exporter, max_queue_size=65536))
+    x = trioinfer.digits_samples()[0][:1]
+    done = 0
+    async with trioinfer.open_engine(tracer_provider=provider, trace_rate=rate or 1.0) as engine:
+        await engine.load(config)
+
+        async def client() -> None:
+            nonlocal done
+            while True:
+                await engine.infer("digits", {"input": x})
+                done += 1
+
+        async with trio.open_nursery() as nursery:
+            for _ in range(args.concurrency):
+                nursery.start_soon(client)
+            await trio.sleep(args.warmup)
+            start_done, start = done, time.perf_counter()
+            await trio.sleep(args.duration)
+            throughput = (done - start_done) / (time.perf_counter() - start)
+            nursery.cancel_scope.cancel()
+    if provider is not None:
+        provider.shutdown()
+    return throughput, exporter.spans
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--duration", type=float, default=5.0, help="seconds measured per run")
+    parser.add_argument("--warmup", type=float, default=1.0)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--concurrency", type=int, default=64)
+    parser.add_argument("--threads", type=int, default=1)
+    args = parser.parse_args()
+    names = list(SETTINGS)
+    rates: dict[str, list[float]] = {name: [] for name in names}
+    for round_ in range(args.rounds):
+        order = names[round_ % len(names) :] + names[: round_ % len(names)]
+        for name in order:
+            throughput, spans = trio.run(run, SETTINGS[name], args)
+            rates[name].append(throughput)
+            print(f"round {round_ + 1}: tracing {name:>6} {throughput:8.0f} req/s  {spans} spans")
+    off = rates["off"]
+    summary = [f"off {statistics.median(off):.0f} req/s"]
+    for name in names[1:]:
+        ratios = [b / a for a, b in zip(off, rates[name], strict=True)]
+        summary.append(
+            f"{name} {statistics.median(rates[name]):.0f} req/s, "
+            f"{statistics.median(ratios):.3f}x of off "
+            f"(per round: {', '.join(f'{r:.3f}' for r in ratios)})"
+        )
+    print(f"median: {'; '.join(summary)}; C={args.concurrency}")
+
+
+if __name__ == "__main__":
+    main()
