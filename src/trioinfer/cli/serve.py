@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import gc
 import logging
+import math
 import os
 import tomllib
 from pathlib import Path
@@ -36,6 +37,15 @@ _SERVE_KEYS: Final = frozenset(
         "trace_rate",
     }
 )
+
+
+def _rate_not_nan(
+    _ctx: click.Context, _param: click.Parameter, value: float | None
+) -> float | None:
+    # FloatRange lets NaN through (every comparison with it is false).
+    if value is not None and math.isnan(value):
+        raise click.BadParameter("must be a ratio between 0 and 1, not nan")
+    return value
 
 
 @click.command(short_help="Serve a model repository over KServe V2 HTTP (Triton-compatible).")
@@ -117,7 +127,7 @@ _SERVE_KEYS: Final = frozenset(
 @click.option(
     "--trace-rate",
     type=click.FloatRange(0, 1),
-    callback=_not_nan,
+    callback=_rate_not_nan,
     default=None,
     metavar="RATIO",
     help="The share of requests that start a trace which are traced (0.001 = 1 in 1000); "
