@@ -276,6 +276,7 @@ def create_app(state: ServerState) -> ASGIApp:
             methods=["GET"],
         ),
         Route("/v2/models/{model}/stats", endpoint(_stats), methods=["GET"]),
+        Route("/v2/models/{model}/traffic", endpoint(_traffic), methods=["GET"]),
         Route("/v2/models/{model}/versions/{version}/stats", endpoint(_stats), methods=["GET"]),
         Route("/v2/models/{model}/infer", infer, methods=["POST"]),
         Route("/v2/models/{model}/versions/{version}/infer", infer, methods=["POST"]),
@@ -605,6 +606,25 @@ async def _load(request: Request, state: ServerState) -> Response:
             override = config
     await state.models.load(request.path_params["model"], override)
     return Response(status_code=200)
+
+
+async def _traffic(request: Request, state: ServerState) -> Response:
+    # The split in force: each served version's share of the requests that name none
+    # (trioinfer's own; `trioinfer traffic` reads it, and changes it with a load override).
+    state.check_token(request.headers, admin=False)
+    model = request.path_params["model"]
+    versions = state.models.versions(model)
+    if not versions:
+        state.models.resolve(model)  # raises ModelNotFound, naming the served models
+    # Without a split, every such request goes to the highest version.
+    shares = state.models.traffic(model) or {versions[-1].version: 1.0}
+    return _json(
+        {
+            "name": model,
+            "versions": [str(v.version) for v in versions],
+            "traffic": {str(v): share for v, share in sorted(shares.items())},
+        }
+    )
 
 
 async def _unload(request: Request, state: ServerState) -> Response:
