@@ -52,8 +52,9 @@ def _weight(text: str) -> tuple[int, float]:
     type=click.IntRange(min=1),
     default=None,
     metavar="VERSION",
-    help="Take VERSION out of the split (weight 0); the other versions keep their "
-    "weights relative to each other.",
+    help="Take VERSION out of the split (weight 0): the other versions keep their "
+    "weights relative to each other, or, if VERSION had all the traffic, the highest "
+    "served version below it gets it all.",
 )
 @click.option(
     "--url",
@@ -116,18 +117,23 @@ def traffic(
     elif promote is not None:
         split = {promote: 100.0}
     elif rollback is not None:
-        now = server.split(model)
-        if rollback not in now:
+        now, served = server.split(model), server.versions(model)
+        if rollback not in served:
             raise click.ClickException(
-                f"version {rollback} of model {model!r} gets no traffic now; the split is "
-                f"{_shown(now)}"
+                f"model {model!r} has no served version {rollback}; served versions: "
+                f"{', '.join(map(str, served))}"
             )
         split = {v: share for v, share in now.items() if v != rollback}
         if not split:
-            raise click.ClickException(
-                f"version {rollback} of model {model!r} gets all the traffic: there is no "
-                "other version to roll back to; --promote another version instead"
-            )
+            # It had everything (promoted): back to the version before it.
+            others = [v for v in served if v != rollback]
+            if not others:
+                raise click.ClickException(
+                    f"version {rollback} is the only served version of model {model!r}: "
+                    "there is no version to roll back to"
+                )
+            below = [v for v in others if v < rollback]
+            split = {max(below or others): 100.0}
     if split is not None:
         server.set_split(model, split)
     click.echo(f"{model}: {_shown(server.split(model))}")
@@ -152,6 +158,10 @@ class _Server:
     def split(self, model: str) -> dict[int, float]:
         answer = self._request("GET", f"/v2/models/{_quoted(model)}/traffic")
         return {int(v): float(share) for v, share in answer["traffic"].items()}
+
+    def versions(self, model: str) -> list[int]:
+        answer = self._request("GET", f"/v2/models/{_quoted(model)}/traffic")
+        return sorted(int(v) for v in answer["versions"])
 
     def set_split(self, model: str, split: dict[int, float]) -> None:
         override = json.dumps({"traffic": {str(v): w for v, w in sorted(split.items())}})
