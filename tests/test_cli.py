@@ -41,9 +41,10 @@ def test_help_lists_the_commands() -> None:
     assert re.search(r"^\s+plugins\s", result.output, re.MULTILINE)
     assert re.search(r"^\s+serve\s", result.output, re.MULTILINE)
     assert re.search(r"^\s+bench\s", result.output, re.MULTILINE)
+    assert re.search(r"^\s+traffic\s", result.output, re.MULTILINE)
 
 
-@pytest.mark.parametrize("command", ["demo", "plugins", "serve", "bench"])
+@pytest.mark.parametrize("command", ["demo", "plugins", "serve", "bench", "traffic"])
 def test_command_help(command: str) -> None:
     result = invoke(command, "--help")
     assert result.exit_code == 0
