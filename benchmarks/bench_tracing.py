@@ -5,7 +5,10 @@ batching, C client tasks calling ``engine.infer``. Traced runs use the SDK's
 ``TracerProvider`` with a ``BatchSpanProcessor`` in front of an exporter that
 drops what it is given, so the figure is trioinfer's spans and the SDK's work,
 not a network. The settings rotate within each round, so that the machine's
-drift hits all alike; the ratios are to tracing off.
+drift hits all alike; the ratios are to tracing off. Beside throughput it
+reports the process's CPU time per request (every thread's, ONNX Runtime's
+included), which other work on a shared machine disturbs far less than
+throughput: on a busy machine, read the CPU figures.
 
 Usage:  .venv/bin/python benchmarks/bench_tracing.py [--duration 5] [--rounds 3]
 """
@@ -42,7 +45,7 @@ class Discard(SpanExporter):
         return SpanExportResult.SUCCESS
 
 
-async def run(rate: float | None, args: argparse.Namespace) -> tuple[float, int]:
+async def run(rate: float | None, args: argparse.Namespace) -> tuple[float, float, int]:
     config = trioinfer.ModelConfig(
         name="digits",
         path=trioinfer.example_repository() / "digits" / "1" / "model.onnx",
@@ -70,13 +73,14 @@ async def run(rate: float | None, args: argparse.Namespace) -> tuple[float, int]
             for _ in range(args.concurrency):
                 nursery.start_soon(client)
             await trio.sleep(args.warmup)
-            start_done, start = done, time.perf_counter()
+            start_done, start, cpu = done, time.perf_counter(), time.process_time()
             await trio.sleep(args.duration)
             throughput = (done - start_done) / (time.perf_counter() - start)
+            cpu_us = (time.process_time() - cpu) / (done - start_done) * 1e6
             nursery.cancel_scope.cancel()
     if provider is not None:
         provider.shutdown()
-    return throughput, exporter.spans
+    return throughput, cpu_us, exporter.spans
 
 
 def main() -> None:
@@ -89,22 +93,31 @@ def main() -> None:
     args = parser.parse_args()
     names = list(SETTINGS)
     rates: dict[str, list[float]] = {name: [] for name in names}
+    cpus: dict[str, list[float]] = {name: [] for name in names}
     for round_ in range(args.rounds):
         order = names[round_ % len(names) :] + names[: round_ % len(names)]
         for name in order:
-            throughput, spans = trio.run(run, SETTINGS[name], args)
+            throughput, cpu_us, spans = trio.run(run, SETTINGS[name], args)
             rates[name].append(throughput)
-            print(f"round {round_ + 1}: tracing {name:>6} {throughput:8.0f} req/s  {spans} spans")
-    off = rates["off"]
-    summary = [f"off {statistics.median(off):.0f} req/s"]
+            cpus[name].append(cpu_us)
+            print(
+                f"round {round_ + 1}: tracing {name:>6} {throughput:8.0f} req/s "
+                f"{cpu_us:7.1f} us CPU/request  {spans} spans"
+            )
+    off, off_cpu = rates["off"], cpus["off"]
+    print(
+        f"off: {statistics.median(off):.0f} req/s, {statistics.median(off_cpu):.1f} us CPU "
+        f"per request (medians); C={args.concurrency}"
+    )
     for name in names[1:]:
         ratios = [b / a for a, b in zip(off, rates[name], strict=True)]
-        summary.append(
-            f"{name} {statistics.median(rates[name]):.0f} req/s, "
-            f"{statistics.median(ratios):.3f}x of off "
-            f"(per round: {', '.join(f'{r:.3f}' for r in ratios)})"
+        cpu_ratios = [b / a for a, b in zip(off_cpu, cpus[name], strict=True)]
+        print(
+            f"{name}: throughput {statistics.median(ratios):.3f}x of off "
+            f"(per round: {', '.join(f'{r:.3f}' for r in ratios)}); CPU per request "
+            f"{statistics.median(cpu_ratios):.3f}x of off "
+            f"(per round: {', '.join(f'{r:.3f}' for r in cpu_ratios)})"
         )
-    print(f"median: {'; '.join(summary)}; C={args.concurrency}")
 
 
 if __name__ == "__main__":

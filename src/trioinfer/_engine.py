@@ -416,12 +416,18 @@ class Engine:
         )
         # A request a fallback sent here from another model fails over no further.
         request._state.failover = failover
-        if self._tracing is not None:
-            return await self._tracing.submit(
-                request,
-                not isinstance(runner, Pipeline),
-                lambda: self._answer(runner, request, own_deadline),
-            )
+        tracing = self._tracing
+        if tracing is not None:
+            # Decided here, at once, so that a request not traced costs no more.
+            parent = tracing.sampled_parent(model, failover)
+            pipeline = isinstance(runner, Pipeline)
+            if parent is not None or pipeline:
+                return await tracing.submit(
+                    request,
+                    parent,
+                    not pipeline,
+                    lambda: self._answer(runner, request, own_deadline),
+                )
         if not runner.config.response_cache:
             await runner.call(request, own_deadline=own_deadline)
             return request

@@ -717,7 +717,7 @@ class ModelRunner(metaclass=NoPublicConstructor):
             queue_duration(started - request.arrival)
         execution = Execution._create(self, live, replica)
         try:
-            if self.tracing is None:
+            if self.tracing is None or not self.tracing.traced(live):
                 await self._fallback.execute(execution)
             else:
                 await self.tracing.execute(
@@ -806,7 +806,7 @@ class ModelRunner(metaclass=NoPublicConstructor):
                 if self._assemble is not None:
                     rows = _rows(inputs)  # the batcher's own layout: check what it built
                 try:
-                    if self.tracing is None:
+                    if self.tracing is None or not self.tracing.in_batch():
                         outputs = await self._call_backend(
                             replica, inputs, rows if self.batched else 0
                         )

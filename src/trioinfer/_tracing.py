@@ -50,6 +50,10 @@ T = TypeVar("T")
 _UNSAMPLED: contextvars.ContextVar[bool] = contextvars.ContextVar(
     "trioinfer_unsampled", default=False
 )
+#: Set while a worker runs a traced batch, for `Tracing.in_batch`.
+_IN_BATCH: contextvars.ContextVar[bool] = contextvars.ContextVar(
+    "trioinfer_in_batch", default=False
+)
 _PROPAGATOR = TraceContextTextMapPropagator()
 
 # Attribute names: OpenTelemetry's where a convention exists (error.type, the
@@ -94,6 +98,10 @@ class Tracing:
         self.model_rates: dict[str, float] = {}
         self.enabled = True
         self._random = random.random
+        self._get_current = otel_context.get_current
+        # Traced requests not yet ended: while there are none (most of the time at a
+        # low rate), no batch can carry one, and `traced` needs no look at the batch.
+        self._open = 0
 
     # -- sampling --------------------------------------------------------------------
 
@@ -102,21 +110,41 @@ class Tracing:
             return parent.trace_flags.sampled
         if not self.enabled or _UNSAMPLED.get():
             return False
-        rate = self.model_rates.get(model, self.rate)
+        rate = self.model_rates.get(model, self.rate) if self.model_rates else self.rate
         return rate >= 1.0 or self._random() < rate
+
+    def sampled_parent(self, model: str, failover: bool) -> otel_context.Context | None:
+        """The context a request's span goes under if it is traced; None if it is not.
+
+        Synchronous and cheap, for the engine to skip every span of a request
+        not traced (999 in 1000 at 1-in-1000). A *failover* request (sent here by
+        a fallback) is traced only under its batch's span, never on its own.
+        """
+        current = self._get_current()
+        if current:  # something is set in the context: maybe the caller's span
+            parent = trace.get_current_span(current).get_span_context()
+            if parent.is_valid:
+                return current if parent.trace_flags.sampled else None
+        if failover or not self.enabled or _UNSAMPLED.get():
+            return None
+        rate = self.model_rates.get(model, self.rate) if self.model_rates else self.rate
+        return current if rate >= 1.0 or self._random() < rate else None
 
     # -- a request (engine) ----------------------------------------------------------
 
     async def submit(
         self,
         request: Request,
+        parent: otel_context.Context | None,
         queued: bool,
         call: Callable[[], Awaitable[T]],
     ) -> T:
-        """Run *call* (the request's way through the engine) inside the request's spans."""
-        current = otel_context.get_current()
-        parent = trace.get_current_span(current).get_span_context()
-        if not self._sampled(request.model, parent):
+        """Run *call* (the request's way through the engine) inside the request's spans.
+
+        With *parent* None (not traced: a pipeline's request), no span is made,
+        and the steps it calls are not traced either.
+        """
+        if parent is None:
             skip = _UNSAMPLED.set(True)
             try:
                 return await call()
@@ -124,17 +152,18 @@ class Tracing:
                 _UNSAMPLED.reset(skip)
         span = self._tracer.start_span(
             f"infer {request.model}",
-            context=current,
+            context=parent,
             attributes={MODEL: request.model, REQUEST_ID: request.id},
         )
         traced = request._state.trace = _Trace(span)
+        self._open += 1
         if queued:
             traced.queue = self._tracer.start_span(
                 f"queue {request.model}",
-                context=trace.set_span_in_context(span, current),
+                context=trace.set_span_in_context(span, parent),
                 attributes={MODEL: request.model},
             )
-        token = otel_context.attach(trace.set_span_in_context(span, current))
+        token = otel_context.attach(trace.set_span_in_context(span, parent))
         outcome, error = "success", None
         try:
             return await call()
@@ -142,6 +171,7 @@ class Tracing:
             outcome, error = _outcome(exc), exc
             raise
         finally:
+            self._open -= 1
             otel_context.detach(token)
             if traced.queue is not None:  # left while queued: withdrawn, expired, refused
                 traced.queue.set_attribute(OUTCOME, outcome)
@@ -151,13 +181,19 @@ class Tracing:
 
     # -- a batch and its compute (runner) ----------------------------------------------
 
-    def running(self, requests: Sequence[Request]) -> None:
-        """End the queue spans of *requests*, which start running now."""
-        for request in requests:
-            traced = request._state.trace
-            if traced is not None and traced.queue is not None:
-                traced.queue.end()
-                traced.queue = None
+    def traced(self, requests: Sequence[Request]) -> bool:
+        """Whether any of a batch's *requests* is traced (then `execute` makes its span)."""
+        if not self._open:
+            return False
+        for request in requests:  # noqa: SIM110  # a loop is cheaper than any() on a generator
+            if request._state.trace is not None:
+                return True
+        return False
+
+    @staticmethod
+    def in_batch() -> bool:
+        """Whether this task runs a traced batch (then `compute` makes a span)."""
+        return _IN_BATCH.get()
 
     async def execute(
         self,
@@ -166,21 +202,18 @@ class Tracing:
         replica: Replica,
         run: Callable[[], Awaitable[None]],
     ) -> None:
-        """Run one execution of a batch (*run*) inside its batch span."""
-        self.running(requests)
-        links = [
-            Link(r._state.trace.span.get_span_context())
-            for r in requests
-            if r._state.trace is not None
-        ]
-        if not links:
-            # Nothing here is traced: neither is what it calls (a failover to another model).
-            skip = _UNSAMPLED.set(True)
-            try:
-                await run()
-            finally:
-                _UNSAMPLED.reset(skip)
-            return
+        """Run one execution of a batch (*run*) inside its batch span.
+
+        Called for a batch that carries a traced request (see `traced`).
+        """
+        links = []
+        for request in requests:
+            traced = request._state.trace
+            if traced is not None:
+                links.append(Link(traced.span.get_span_context()))
+                if traced.queue is not None:  # it runs now
+                    traced.queue.end()
+                    traced.queue = None
         first = next(r for r in requests if r._state.trace is not None)
         span = self._tracer.start_span(
             f"batch {model}",
@@ -197,6 +230,7 @@ class Tracing:
         # Current in the worker's task while the fallback runs: compute spans and
         # a failover's request span become its children.
         token = otel_context.attach(trace.set_span_in_context(span))
+        in_batch = _IN_BATCH.set(True)
         outcome, error = "success", None
         try:
             await run()
@@ -204,6 +238,7 @@ class Tracing:
             outcome, error = _outcome(exc), exc
             raise
         finally:
+            _IN_BATCH.reset(in_batch)
             otel_context.detach(token)
             _end(span, outcome, error)
 
@@ -214,10 +249,7 @@ class Tracing:
         rows: int,
         call: Callable[[], Awaitable[T]],
     ) -> T:
-        """Run one backend call (*call*) inside a compute span, if its batch is traced."""
-        parent = trace.get_current_span()
-        if not parent.is_recording():
-            return await call()
+        """Run one backend call (*call*) inside a compute span (its batch is traced)."""
         span = self._tracer.start_span(
             f"compute {model}",
             attributes={
