@@ -280,6 +280,25 @@ async def test_sampling_follows_the_parent_or_the_rate(
         assert 60 < traced < 140
 
 
+def test_spans_on_asyncio() -> None:
+    exporter = InMemorySpanExporter()
+
+    async def main() -> None:
+        backend = FakeBackend(delay=0.01)
+        engine_scope = traced_engine(exporter, backend, batched())
+        async with engine_scope as engine, anyio.create_task_group() as tg:
+            for _ in range(3):
+                tg.start_soon(engine.infer, "m", {"x": X})
+
+    anyio.run(main, backend="asyncio")
+    spans = exporter.get_finished_spans()
+    requests = {s.context.span_id for s in named(spans, "infer m")}
+    assert len(requests) == 3
+    linked = {link.context.span_id for b in named(spans, "batch m") for link in b.links}
+    assert linked == requests
+    assert len(named(spans, "queue m")) == 3
+
+
 def test_tracing_off_imports_no_opentelemetry() -> None:
     code = (
         "import sys, trio, numpy as np, trioinfer\n"
