@@ -280,6 +280,28 @@ async def test_sampling_follows_the_parent_or_the_rate(
         assert 60 < traced < 140
 
 
+async def test_a_cache_hit_is_never_queued(
+    exporter: InMemorySpanExporter, autojump_clock: trio.testing.MockClock
+) -> None:
+    backend = FakeBackend(delay=0.1)
+    config = ModelConfig(name="m", path="-", backend="fake", response_cache=True)
+    async with open_engine(
+        registry=backend.registry(), cache_size=1 << 20, tracer_provider=provider_for(exporter)
+    ) as engine:
+        await engine.load(config)
+        await engine.infer("m", {"x": X}, request_id="first")
+        await engine.infer("m", {"x": X}, request_id="again")
+    spans = exporter.get_finished_spans()
+    by_request = {s.attributes["trioinfer.request.id"]: s for s in named(spans, "infer m")}
+    first, again = by_request["first"], by_request["again"]
+    assert first.attributes["trioinfer.cache.hit"] is False
+    assert again.attributes["trioinfer.cache.hit"] is True
+    (queue,) = named(spans, "queue m")
+    assert parent_of(queue) == first.context.span_id
+    (batch,) = named(spans, "batch m")
+    assert [link.context.span_id for link in batch.links] == [first.context.span_id]
+
+
 def test_spans_on_asyncio() -> None:
     exporter = InMemorySpanExporter()
 

@@ -425,7 +425,8 @@ class Engine:
                 return await tracing.submit(
                     request,
                     parent,
-                    not pipeline,
+                    # With a cache, a request is queued only if it computes (below).
+                    not (pipeline or runner.config.response_cache),
                     lambda: self._answer(runner, request, own_deadline),
                 )
         if not runner.config.response_cache:
@@ -441,7 +442,14 @@ class Engine:
             await runner.call(request, own_deadline=own_deadline)
             return request
 
+        computed = False
+
         async def compute() -> tuple[Outputs, bool]:
+            nonlocal computed
+            computed = True
+            if request._state.trace is not None:
+                assert self._tracing is not None
+                self._tracing.queued(request)
             await runner.call(request, own_deadline=own_deadline)
             state = request._state
             assert state.outputs is not None
@@ -456,6 +464,9 @@ class Engine:
         assert self._cache is not None  # load() refuses response_cache without a cache
         outputs = await self._cache.answer(request.model, request.inputs, compute)
         request._state.outputs, request._state.status = outputs, Status.DONE
+        if request._state.trace is not None:
+            assert self._tracing is not None
+            self._tracing.cache_answered(request, hit=not computed)
         return request
 
     def statistics(self) -> EngineStatistics:

@@ -67,6 +67,7 @@ BATCH_ROWS = "trioinfer.batch.size"
 INSTANCE = "trioinfer.instance"
 DEVICE = "trioinfer.device"
 ERROR_TYPE = "error.type"
+CACHE_HIT = "trioinfer.cache.hit"
 
 
 class _Trace:
@@ -158,11 +159,7 @@ class Tracing:
         traced = request._state.trace = _Trace(span)
         self._open += 1
         if queued:
-            traced.queue = self._tracer.start_span(
-                f"queue {request.model}",
-                context=trace.set_span_in_context(span, parent),
-                attributes={MODEL: request.model},
-            )
+            self.queued(request)
         token = otel_context.attach(trace.set_span_in_context(span, parent))
         outcome, error = "success", None
         try:
@@ -178,6 +175,24 @@ class Tracing:
                 traced.queue.end()
                 traced.queue = None
             _end(span, outcome, error)
+
+    def queued(self, request: Request) -> None:
+        """Start the queue span of traced *request*, which enters its model's queue now."""
+        traced = request._state.trace
+        traced.queue = self._tracer.start_span(
+            f"queue {request.model}",
+            context=trace.set_span_in_context(traced.span),
+            attributes={MODEL: request.model},
+        )
+
+    @staticmethod
+    def cache_answered(request: Request, *, hit: bool) -> None:
+        """Note on traced *request*'s span whether the response cache answered it.
+
+        A hit is an answer stored earlier or computed for an identical request
+        in flight: this request was never queued.
+        """
+        request._state.trace.span.set_attribute(CACHE_HIT, hit)
 
     # -- a batch and its compute (runner) ----------------------------------------------
 
