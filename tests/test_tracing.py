@@ -371,6 +371,8 @@ def test_settings_from_options_and_environment() -> None:
         provider_from_settings(None, None, environ={**env, "OTEL_TRACES_SAMPLER": "xray"})
     with pytest.raises(ConfigError, match="OTEL_TRACES_SAMPLER_ARG"):
         provider_from_settings(None, None, environ={**env, "OTEL_TRACES_SAMPLER_ARG": "half"})
+    with pytest.raises(ConfigError, match="asks for 'grpc'; set it to http/protobuf"):
+        provider_from_settings("otlp", None, environ={"OTEL_EXPORTER_OTLP_PROTOCOL": "grpc"})
     with pytest.raises(ConfigError, match="ratio between 0 and 1"):
         open_engine(tracer_provider=TracerProvider(), trace_rate=-1)
 

@@ -73,6 +73,16 @@ def provider_from_settings(
 
         span_exporter = ConsoleSpanExporter()
     else:
+        protocol = environ.get(
+            "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", environ.get("OTEL_EXPORTER_OTLP_PROTOCOL", "")
+        )
+        if protocol.strip().lower() not in ("", "http/protobuf"):
+            raise ConfigError(
+                f"the otlp trace exporter here sends http/protobuf (port 4318), but "
+                f"OTEL_EXPORTER_OTLP_PROTOCOL asks for {protocol!r}; set it to http/protobuf "
+                "or leave it unset, and point OTEL_EXPORTER_OTLP_ENDPOINT at the collector's "
+                "HTTP port"
+            )
         try:
             from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
         except ImportError as exc:  # pragma: no cover - the otel extra is installed in tests

@@ -32,6 +32,7 @@ import random
 from collections.abc import Awaitable, Callable, MutableMapping, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
+import anyio
 from opentelemetry import context as otel_context
 from opentelemetry import trace
 from opentelemetry.trace import Link, SpanKind, StatusCode
@@ -360,16 +361,8 @@ class Tracing:
         if span.is_recording():
             span.set_attribute(VERSION, str(version))
 
-    def shutdown(self) -> None:
-        """Flush and stop the provider, if it is one that can (the SDK's)."""
-        shutdown = getattr(self.provider, "shutdown", None)
-        if shutdown is not None:
-            shutdown()
-
 
 def _outcome(exc: BaseException) -> str:
-    import anyio
-
     if isinstance(exc, anyio.get_cancelled_exc_class()):
         return "cancelled"
     return "error"
