@@ -299,9 +299,9 @@ class Tracing:
         """
         carrier = {}
         for key, value in scope["headers"]:
-            name = key.decode("latin-1").lower()
-            if name in ("traceparent", "tracestate"):
-                carrier[name] = value.decode("latin-1")
+            name = key.lower()
+            if name == b"traceparent" or name == b"tracestate":  # bytes: no decoding per header
+                carrier[name.decode()] = value.decode("latin-1")
         parent_context = _PROPAGATOR.extract(carrier) if carrier else None
         parent = trace.get_current_span(parent_context).get_span_context()
         params = scope["path_params"]
