@@ -490,6 +490,9 @@ async def test_the_trace_setting_endpoint_changes_the_rate(
         assert await traced_after(5) == 0
         await client.post("/v2/models/digits/trace/setting", json={"trace_rate": None})
         assert await traced_after(3) == 3
+        await client.post("/v2/models/digits/trace/setting", json={"trace_rate": "0"})
+        await client.post("/v2/models/digits/trace/setting")  # no settings: the model's go
+        assert await traced_after(3) == 3
         # OFF stops tracing, whatever the rate.
         off = await client.post("/v2/trace/setting", json={"trace_level": ["OFF"]})
         assert await traced_after(3) == 0

@@ -151,14 +151,18 @@ def update_trace_settings(
 ) -> None:
     """Apply a Triton trace settings request; `ConfigError` for what cannot be done.
 
-    Only what changes something real is accepted: ``trace_rate`` (1 in N; for a
-    model, ``null`` returns it to the global rate) and ``trace_level`` (``OFF``
-    or ``TIMESTAMPS``, server-wide). The other Triton settings keep the values
-    `trace_settings` reports, since spans go to an OpenTelemetry exporter, not
-    to a file.
+    Only what changes something real is accepted: ``trace_rate`` (1 in N; for
+    a model, ``null``, or a request with no settings, returns it to the global
+    rate) and ``trace_level`` (``OFF`` or ``TIMESTAMPS``, server-wide). The
+    other Triton settings keep the values `trace_settings` reports, since spans
+    go to an OpenTelemetry exporter, not to a file.
     """
     if not isinstance(settings, Mapping):
         raise ConfigError("a trace settings request must be a JSON object")
+    if model is not None and not settings and tracing is not None:
+        # Triton: a model's request with no settings removes the model's own.
+        tracing.model_rates.pop(model, None)
+        return
     known = {"trace_rate", "trace_level", "trace_mode", *_FIXED}
     unknown = sorted(set(settings) - known)
     if unknown:
