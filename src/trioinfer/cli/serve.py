@@ -231,7 +231,11 @@ def _tracing(settings: dict[str, Any]) -> tuple[Any, float] | None:
         try:
             import opentelemetry.sdk  # noqa: F401  # only to say which extra is missing
         except ModuleNotFoundError as exc:
-            raise needs_extra("otel", exc) from exc
+            raise click.ClickException(
+                f"--trace-exporter {exporter} needs the 'otel' extra, which is not installed "
+                f"(no module named {exc.name!r}): install trioinfer with it, e.g. "
+                "pip install -e '.[cpu,serve,otel]' in a clone"
+            ) from exc
     return provider_from_settings(exporter, rate, environ=os.environ)
 
 
