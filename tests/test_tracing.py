@@ -580,3 +580,14 @@ def test_serve_exports_spans_with_the_console_exporter(tmp_path: Path) -> None:
     assert '"name": "infer digits.v1"' in out
     assert f'"trace_id": "0x{TRACE_ID}"' in out
     assert '"service.name": "svc"' in out
+
+
+def test_serve_says_tracing_needs_the_otel_extra(monkeypatch: pytest.MonkeyPatch) -> None:
+    from click.testing import CliRunner
+
+    from trioinfer.cli import main
+
+    monkeypatch.setitem(sys.modules, "opentelemetry.sdk", None)  # as if not installed
+    result = CliRunner().invoke(main, ["serve", "--port", "0", "--trace-exporter", "console"])
+    assert result.exit_code == 1
+    assert "--trace-exporter console needs the 'otel' extra" in result.output
