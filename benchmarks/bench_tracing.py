@@ -10,15 +10,26 @@ reports the process's CPU time per request (every thread's, ONNX Runtime's
 included), which other work on a shared machine disturbs far less than
 throughput: on a busy machine, read the CPU figures.
 
-Usage:  .venv/bin/python benchmarks/bench_tracing.py [--duration 5] [--rounds 3]
+With ``--http`` it measures ``trioinfer serve`` instead, through
+``bench_http.py``'s helpers: one server process per run (``--trace-exporter
+otlp --trace-rate R`` for the traced settings, its collector a closed port, so
+that spans are made and dropped as when a collector is down), wrk at 64
+connections sending the binary digits request, and the server's CPU time per
+request from ``/proc`` (all its threads).
+
+Usage:  .venv/bin/python benchmarks/bench_tracing.py [--duration 5] [--rounds 3] [--http]
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
+import sys
+import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 import trio
@@ -83,6 +94,57 @@ async def run(rate: float | None, args: argparse.Namespace) -> tuple[float, floa
     return throughput, cpu_us, exporter.spans
 
 
+def http_runner(args: argparse.Namespace, tmp: Path) -> Callable[[float | None], Any]:
+    """A function that serves digits with one tracing setting and measures it with wrk."""
+    sys.path.insert(0, str(Path(__file__).parent))
+    import bench_http
+
+    http_args = bench_http.parse_args(
+        [
+            "--models",
+            "digits",
+            "--encodings",
+            "binary",
+            "--concurrency",
+            str(args.concurrency),
+            "--duration",
+            str(max(1, round(args.duration))),
+            "--warmup",
+            str(max(1, round(args.warmup))),
+        ]
+    )
+    models = bench_http.write_repository(tmp / "repo", http_args, skipped={})
+    # Spans go to a port nothing listens on: made, exported in vain, dropped.
+    os.environ["OTEL_EXPORTER_OTLP_ENDPOINT"] = "http://127.0.0.1:9"
+    os.environ.pop("OTEL_TRACES_EXPORTER", None)
+    runs = 0
+
+    def run_http(rate: float | None) -> tuple[float, float, int]:
+        nonlocal runs
+        runs += 1
+        http_args.server_args = "" if rate is None else f"--trace-exporter otlp --trace-rate {rate}"
+        server = bench_http.start_server(tmp / "repo", http_args, tmp / f"server-{runs}.log")
+        try:
+            script = bench_http.write_script(tmp, models["digits"], "binary", server)
+            row = bench_http.run_http(
+                server,
+                "/v2/models/digits/infer",
+                script.path,
+                args.concurrency,
+                http_args,
+                runs,
+                model="digits",
+                how="binary",
+            )
+        finally:
+            bench_http.stop_server(server.process)
+        if row.errors:
+            raise SystemExit(f"wrk saw errors: {row.errors}")
+        return row.rate, row.cpu_us, 0
+
+    return run_http
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--duration", type=float, default=5.0, help="seconds measured per run")
@@ -90,19 +152,32 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--concurrency", type=int, default=64)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--http", action="store_true", help="measure trioinfer serve with wrk")
     args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        if args.http:
+            measure = http_runner(args, Path(tmp))
+        else:
+
+            def measure(rate: float | None) -> tuple[float, float, int]:
+                return trio.run(run, rate, args)
+
+        report(measure, args)
+
+
+def report(measure: Callable[[float | None], Any], args: argparse.Namespace) -> None:
     names = list(SETTINGS)
     rates: dict[str, list[float]] = {name: [] for name in names}
     cpus: dict[str, list[float]] = {name: [] for name in names}
     for round_ in range(args.rounds):
         order = names[round_ % len(names) :] + names[: round_ % len(names)]
         for name in order:
-            throughput, cpu_us, spans = trio.run(run, SETTINGS[name], args)
+            throughput, cpu_us, spans = measure(SETTINGS[name])
             rates[name].append(throughput)
             cpus[name].append(cpu_us)
             print(
                 f"round {round_ + 1}: tracing {name:>6} {throughput:8.0f} req/s "
-                f"{cpu_us:7.1f} us CPU/request  {spans} spans"
+                f"{cpu_us:7.1f} us CPU/request" + (f"  {spans} spans" if not args.http else "")
             )
     off, off_cpu = rates["off"], cpus["off"]
     print(
