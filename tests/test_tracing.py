@@ -496,6 +496,12 @@ async def test_the_trace_setting_endpoint_changes_the_rate(
         # OFF stops tracing, whatever the rate.
         off = await client.post("/v2/trace/setting", json={"trace_level": ["OFF"]})
         assert await traced_after(3) == 0
+        exporter.clear()
+        parented = await client.post(
+            "/v2/models/digits/infer", json=BODY, headers={"traceparent": TRACEPARENT}
+        )
+        assert parented.status_code == 200
+        assert exporter.get_finished_spans() == ()  # OFF is off, a sampled caller too
         refused = await client.post("/v2/trace/setting", json={"trace_level": ["TENSORS"]})
         unknown = await client.get("/v2/models/nope/trace/setting")
     assert before == {

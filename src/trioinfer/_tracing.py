@@ -86,8 +86,8 @@ class Tracing:
     Attributes:
         rate: The global sampling ratio for requests that start a trace.
         model_rates: Ratios that override *rate* for some models.
-        enabled: False stops every new trace (Triton's ``trace_level`` ``OFF``)
-            while remembering the rates.
+        enabled: False stops all tracing, a sampled ``traceparent`` included
+            (Triton's ``trace_level`` ``OFF``), while remembering the rates.
     """
 
     def __init__(self, tracer_provider: Any, rate: float = 1.0) -> None:
@@ -108,9 +108,11 @@ class Tracing:
     # -- sampling --------------------------------------------------------------------
 
     def _sampled(self, model: str, parent: trace.SpanContext) -> bool:
+        if not self.enabled:  # trace_level OFF: nothing, whatever a traceparent says
+            return False
         if parent.is_valid:
             return parent.trace_flags.sampled
-        if not self.enabled or _UNSAMPLED.get():
+        if _UNSAMPLED.get():
             return False
         rate = self.model_rates.get(model, self.rate) if self.model_rates else self.rate
         return rate >= 1.0 or self._random() < rate
@@ -122,12 +124,14 @@ class Tracing:
         not traced (999 in 1000 at 1-in-1000). A *failover* request (sent here by
         a fallback) is traced only under its batch's span, never on its own.
         """
+        if not self.enabled:  # trace_level OFF
+            return None
         current = self._get_current()
         if current:  # something is set in the context: maybe the caller's span
             parent = trace.get_current_span(current).get_span_context()
             if parent.is_valid:
                 return current if parent.trace_flags.sampled else None
-        if failover or not self.enabled or _UNSAMPLED.get():
+        if failover or _UNSAMPLED.get():
             return None
         rate = self.model_rates.get(model, self.rate) if self.model_rates else self.rate
         return current if rate >= 1.0 or self._random() < rate else None
