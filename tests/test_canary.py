@@ -157,3 +157,127 @@ def test_an_unserved_version_in_the_file_is_refused_at_load(tmp_path: Path) -> N
         return tuple(listening.failed)
 
     assert trio.run(main) == ("digits",)
+
+
+# -- trioinfer traffic: the split from the command line ----------------------------------------
+
+
+def traffic_cli(*args: str, env: dict[str, str] | None = None) -> Any:
+    from click.testing import CliRunner
+
+    from trioinfer.cli import main
+
+    return CliRunner().invoke(main, ["traffic", *args], env=env or {"TRIOINFER_ADMIN_TOKEN": ""})
+
+
+async def test_the_traffic_command_shows_sets_promotes_and_rolls_back(tmp_path: Path) -> None:
+    repo = repository(tmp_path, '{ "1" = 90, "2" = 10 }')
+    async with trio.open_nursery() as nursery:
+        url, _ = await serving(repo, nursery)
+
+        async def run(*args: str) -> Any:
+            return await trio.to_thread.run_sync(lambda: traffic_cli(*args, "--url", url))
+
+        shown = await run("digits")
+        half = await run("digits", "1=1", "2=1")
+        async with httpx.AsyncClient(base_url=url) as client:
+            split = await versions_of(client, 200)
+            promoted = await run("digits", "--promote", "2")
+            after_promote = await versions_of(client, 20)
+            rolled_back = await run("digits", "--rollback", "2")
+            after_rollback = await versions_of(client, 20)
+            named = await client.post("/v2/models/digits/versions/2/infer", json=BODY)
+        canary = await run("digits", "1=80", "2=20")
+        canary_out = await run("digits", "--rollback", "2")
+        not_served = await run("digits", "--rollback", "5")
+        unserved = await run("digits", "1=50", "7=50")
+        unknown = await run("nope")
+        bad = await run("digits", "1=lots")
+        both = await run("digits", "1=1", "--promote", "2")
+        nursery.cancel_scope.cancel()
+    assert shown.exit_code == 0, shown.output
+    assert shown.output == "digits: version 1 90.0%, version 2 10.0%\n"
+    assert half.output == "digits: version 1 50.0%, version 2 50.0%\n"
+    assert 60 <= split["1"] <= 140  # half of 200, at random
+    assert promoted.output == "digits: version 2 100.0%\n"
+    assert after_promote == {"2": 20}
+    assert rolled_back.exit_code == 0, rolled_back.output
+    assert rolled_back.output == "digits: version 1 100.0%\n"
+    assert after_rollback == {"1": 20}
+    assert named.json()["model_version"] == "2"  # a named version is still served
+    assert canary.exit_code == 0, canary.output
+    assert canary_out.output == "digits: version 1 100.0%\n"
+    assert not_served.exit_code == 1
+    assert "model 'digits' has no served version 5; served versions: 1, 2" in not_served.output
+    assert unserved.exit_code == 1
+    assert "400 model 'digits': traffic names version 7, which is not served" in unserved.output
+    assert unknown.exit_code == 1
+    assert "404 model 'nope' is not served" in unknown.output
+    assert bad.exit_code == 2
+    assert "'1=lots' is not VERSION=WEIGHT" in bad.output
+    assert both.exit_code == 2
+    assert "give one of weights, --promote, --rollback" in both.output
+
+
+async def test_the_traffic_command_needs_the_admin_token(tmp_path: Path) -> None:
+    from trioinfer.server import ServerConfig
+
+    repo = repository(tmp_path)
+    async with trio.open_nursery() as nursery:
+        listening = await nursery.start(
+            lambda task_status: serve_http(
+                repo,
+                port=0,
+                config=ServerConfig(admin_token="s3cret"),
+                handle_signals=False,
+                task_status=task_status,
+            )
+        )
+        url = listening.urls[0]
+
+        async def run(*args: str, env: dict[str, str] | None = None) -> Any:
+            return await trio.to_thread.run_sync(
+                lambda: traffic_cli("digits", *args, "--url", url, env=env)
+            )
+
+        refused = await run("--promote", "2")
+        by_option = await run("--promote", "2", "--token", "s3cret")
+        by_variable = await run("--rollback", "2", env={"TRIOINFER_ADMIN_TOKEN": "s3cret"})
+        nursery.cancel_scope.cancel()
+    assert refused.exit_code == 1
+    assert "401" in refused.output
+    assert by_option.output == "digits: version 2 100.0%\n"
+    assert by_variable.output == "digits: version 1 100.0%\n"  # back to the one before
+
+
+async def test_the_traffic_command_under_load_loses_no_request(tmp_path: Path) -> None:
+    repo = repository(tmp_path, '{ "1" = 100 }')
+    outcomes: Counter[int] = Counter()
+    async with trio.open_nursery() as nursery:
+        url, _ = await serving(repo, nursery)
+        async with httpx.AsyncClient(base_url=url, timeout=30) as client:
+
+            async def load() -> None:
+                for _ in range(30):
+                    answer = await client.post("/v2/models/digits/infer", json=BODY)
+                    outcomes[answer.status_code] += 1
+
+            async with anyio.create_task_group() as tg:
+                for _ in range(8):
+                    tg.start_soon(load)
+                for args in (("1=50", "2=50"), ("--promote", "2"), ("--rollback", "2")):
+                    await trio.sleep(0.05)
+                    done = await trio.to_thread.run_sync(
+                        lambda args=args: traffic_cli("digits", *args, "--url", url)
+                    )
+                    assert done.exit_code == 0, done.output
+        nursery.cancel_scope.cancel()
+    assert outcomes == {200: 240}
+
+
+def test_the_traffic_command_cannot_reach_a_server() -> None:
+    result = traffic_cli("digits", "--url", "http://127.0.0.1:9")
+    assert result.exit_code == 1
+    assert "cannot reach http://127.0.0.1:9" in result.output
+    result = traffic_cli("digits", "--url", "ftp://x")
+    assert result.exit_code == 2

@@ -41,9 +41,10 @@ def test_help_lists_the_commands() -> None:
     assert re.search(r"^\s+plugins\s", result.output, re.MULTILINE)
     assert re.search(r"^\s+serve\s", result.output, re.MULTILINE)
     assert re.search(r"^\s+bench\s", result.output, re.MULTILINE)
+    assert re.search(r"^\s+traffic\s", result.output, re.MULTILINE)
 
 
-@pytest.mark.parametrize("command", ["demo", "plugins", "serve", "bench"])
+@pytest.mark.parametrize("command", ["demo", "plugins", "serve", "bench", "traffic"])
 def test_command_help(command: str) -> None:
     result = invoke(command, "--help")
     assert result.exit_code == 0
@@ -177,6 +178,13 @@ def test_serve_refuses_bad_settings_with_a_usage_error(tmp_path: Path) -> None:
     result = invoke("serve", "--config", str(config))
     assert result.exit_code == 2
     assert "head_timeout must be a positive number of seconds" in result.output
+    result = invoke("serve", "--trace-rate", "nan")
+    assert result.exit_code == 2
+    assert "not nan" in result.output
+    config.write_text("trace_exporter = 'console'\ntrace_rate = 3\n")
+    result = invoke("serve", "--config", str(config))
+    assert result.exit_code == 2
+    assert "--trace-rate must be a ratio between 0 and 1" in result.output
 
 
 @pytest.mark.parametrize("token", ["", "   ", " padded", "tab\there"])

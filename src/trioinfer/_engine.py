@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 from collections.abc import AsyncIterator, Mapping
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
-from typing import Any, final
+from typing import TYPE_CHECKING, Any, final
 
 import anyio
 import anyio.abc
@@ -35,6 +35,9 @@ from ._request import Outputs, Request, make_request, next_request_id
 from ._runner import ModelRunner, ModelStatistics, close_instances
 from ._tensors import ModelSignature, rows, validate_inputs
 from .abc import Backend, BackendInstance, Batcher, Fallback, Scheduler, Status
+
+if TYPE_CHECKING:
+    from ._tracing import Tracing
 
 
 @attrs.frozen
@@ -109,6 +112,8 @@ class Engine:
     drain_period: float
     _device_limits: dict[str, anyio.CapacityLimiter] = attrs.field(alias="device_limits")
     _cache: ResponseCache | None = attrs.field(default=None, alias="cache")
+    # OpenTelemetry spans (trioinfer._tracing), None when tracing is off.
+    _tracing: Tracing | None = attrs.field(default=None, alias="tracing")
     # Every loaded model: a runner with queue and instances, or a pipeline of steps.
     _runners: dict[str, ModelRunner | Pipeline] = attrs.field(factory=dict, init=False)
     _loading: set[str] = attrs.field(factory=set, init=False)
@@ -220,6 +225,7 @@ class Engine:
                 device_limits=self._device_limits,
                 backend=backend,
                 infer_elsewhere=self._infer_elsewhere,
+                tracing=self._tracing,
             )
         except BaseException:
             # A plugin refused the model in attach(): do not leave instances behind.
@@ -418,11 +424,40 @@ class Engine:
         )
         # A request a fallback sent here from another model fails over no further.
         request._state.failover = failover
+        tracing = self._tracing
+        if tracing is not None:
+            # Decided here, at once, so that a request not traced costs no more.
+            parent = tracing.sampled_parent(model, failover)
+            pipeline = isinstance(runner, Pipeline)
+            if parent is not None or pipeline:
+                return await tracing.submit(
+                    request,
+                    parent,
+                    # With a cache, a request is queued only if it computes (below).
+                    not (pipeline or runner.config.response_cache),
+                    lambda: self._answer(runner, request, own_deadline),
+                )
+        if not runner.config.response_cache:
+            await runner.call(request, own_deadline=own_deadline)
+            return request
+        return await self._answer(runner, request, own_deadline)
+
+    async def _answer(
+        self, runner: ModelRunner | Pipeline, request: Request, own_deadline: bool
+    ) -> Request:
+        # The request's way through the cache (if its model uses one) and the runner.
         if not runner.config.response_cache:
             await runner.call(request, own_deadline=own_deadline)
             return request
 
+        computed = False
+
         async def compute() -> tuple[Outputs, bool]:
+            nonlocal computed
+            computed = True
+            if request._state.trace is not None:
+                assert self._tracing is not None
+                self._tracing.queued(request)
             await runner.call(request, own_deadline=own_deadline)
             state = request._state
             assert state.outputs is not None
@@ -435,8 +470,11 @@ class Engine:
             return state.outputs, own
 
         assert self._cache is not None  # load() refuses response_cache without a cache
-        outputs = await self._cache.answer(model, arrays, compute)
+        outputs = await self._cache.answer(request.model, request.inputs, compute)
         request._state.outputs, request._state.status = outputs, Status.DONE
+        if request._state.trace is not None:
+            assert self._tracing is not None
+            self._tracing.cache_answered(request, hit=not computed)
         return request
 
     def statistics(self) -> EngineStatistics:
@@ -497,6 +535,8 @@ def open_engine(
     drain_period: float = 10.0,
     device_limits: Mapping[str, int] | None = None,
     cache_size: int = 0,
+    tracer_provider: Any = None,
+    trace_rate: float = 1.0,
 ) -> AbstractAsyncContextManager[Engine]:
     """An inference engine whose task group owns all its work, as an async context manager.
 
@@ -518,6 +558,14 @@ def open_engine(
         cache_size: Bytes the response cache may hold, for all models together,
             least recently used answers evicted first; 0 (the default) for no
             cache. Models take part with ``ModelConfig.response_cache``.
+        tracer_provider: An OpenTelemetry ``TracerProvider`` to trace requests with
+            (needs the ``otel`` extra), for instance
+            ``opentelemetry.trace.get_tracer_provider()`` for the global one; None
+            (the default) for no tracing, at the cost of one check per request.
+            See the tracing how-to for the spans.
+        trace_rate: The share of requests that start a trace which are traced
+            (0.001 = 1 in 1000); a request whose caller's span is valid follows
+            that span's sampled flag instead. The provider's own sampler applies too.
     """
     if not (isinstance(drain_period, (int, float)) and drain_period >= 0):
         raise ConfigError(f"drain_period must be a number of seconds >= 0, got {drain_period!r}")
@@ -534,7 +582,12 @@ def open_engine(
     if not isinstance(cache_size, int) or isinstance(cache_size, bool) or cache_size < 0:
         raise ConfigError(f"cache_size must be a number of bytes >= 0, got {cache_size!r}")
     cache = ResponseCache(cache_size) if cache_size else None
-    return _engine_scope(registry or Registry(), float(drain_period), limiters, cache)
+    tracing: Tracing | None = None
+    if tracer_provider is not None:
+        from ._tracing import Tracing  # imports opentelemetry: only when tracing is on
+
+        tracing = Tracing(tracer_provider, trace_rate)
+    return _engine_scope(registry or Registry(), float(drain_period), limiters, cache, tracing)
 
 
 @asynccontextmanager
@@ -543,6 +596,7 @@ async def _engine_scope(
     drain_period: float,
     limiters: dict[str, anyio.CapacityLimiter],
     cache: ResponseCache | None,
+    tracing: Tracing | None = None,
 ) -> AsyncIterator[Engine]:
     body_error: BaseException | None = None
     try:
@@ -553,6 +607,7 @@ async def _engine_scope(
                 drain_period=drain_period,
                 device_limits=limiters,
                 cache=cache,
+                tracing=tracing,
             )
             try:
                 yield engine

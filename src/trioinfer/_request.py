@@ -41,6 +41,8 @@ class _State:
     fallbacks: tuple[str, ...] = ()
     # Set on requests a fallback sent to another model, which fail over no further.
     failover: bool = False
+    # The request's spans when it is traced (trioinfer._tracing), None otherwise.
+    trace: Any = None
 
 
 @attrs.frozen(eq=False)

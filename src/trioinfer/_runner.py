@@ -61,6 +61,7 @@ from .abc import Request as RequestView
 
 if TYPE_CHECKING:
     from ._cache import CacheStatistics
+    from ._tracing import Tracing
 
 # Enum members read once: Status.X costs a metaclass lookup on every use (Python 3.11).
 _DONE = Status.DONE
@@ -539,6 +540,8 @@ class ModelRunner(metaclass=NoPublicConstructor):
     _elsewhere: Callable[[str, Request], Awaitable[Outputs]] | None = attrs.field(
         default=None, alias="infer_elsewhere"
     )
+    #: OpenTelemetry spans (trioinfer._tracing), None when tracing is off.
+    tracing: Tracing | None = attrs.field(default=None)
     replicas: list[Replica] = attrs.field(init=False)
     queue: RequestQueue = attrs.field(init=False)
     signature: ModelSignature = attrs.field(init=False)
@@ -746,7 +749,12 @@ class ModelRunner(metaclass=NoPublicConstructor):
         self._queue_duration.observe_each([started - request.arrival for request in live])
         execution = Execution._create(self, live, replica)
         try:
-            await self._fallback.execute(execution)
+            if self.tracing is None or not self.tracing.traced(live):
+                await self._fallback.execute(execution)
+            else:
+                await self.tracing.execute(
+                    self.config.name, live, replica, lambda: self._fallback.execute(execution)
+                )
         except Exception as exc:
             if isinstance(exc, PluginContractError):  # e.g. from Execution.respond()
                 logger.error("%s", exc)
@@ -830,7 +838,19 @@ class ModelRunner(metaclass=NoPublicConstructor):
                 if self._assemble is not None:
                     rows = _rows(inputs)  # the batcher's own layout: check what it built
                 try:
-                    outputs = await self._call_backend(replica, inputs, rows if self.batched else 0)
+                    if self.tracing is None or not self.tracing.in_batch():
+                        outputs = await self._call_backend(
+                            replica, inputs, rows if self.batched else 0
+                        )
+                    else:
+                        outputs = await self.tracing.compute(
+                            self.config.name,
+                            replica,
+                            rows,
+                            lambda: self._call_backend(
+                                replica, inputs, rows if self.batched else 0
+                            ),
+                        )
                 finally:
                     self._executing.remove(running)
                     ended = self.clock.current_time()

@@ -4,7 +4,9 @@
 example model; ``trioinfer serve`` (``serve``) serves a model repository over
 the KServe V2 HTTP protocol; ``trioinfer bench`` (``bench``) measures a V2
 server or an engine under load; ``trioinfer plugins`` (``plugins``) lists the
-installed plugins. Each module defines its command, which `main` adds here.
+installed plugins; ``trioinfer traffic`` (``traffic``) reads or changes a running
+server's split of traffic between a model's versions. Each module defines its
+command, which `main` adds here.
 The console script ``trioinfer`` and ``python -m trioinfer`` both run `main()`.
 """
 
@@ -13,7 +15,7 @@ from __future__ import annotations
 import click
 
 from .. import __version__
-from . import bench, demo, plugins, serve
+from . import bench, demo, plugins, serve, traffic
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
@@ -31,8 +33,9 @@ def main() -> None:
 
     This command shows the engine at work on a bundled example model (demo),
     serves a model repository over the KServe V2 HTTP protocol (serve),
-    measures a V2 server or an engine under load (bench), and lists the
-    installed plugins (plugins).
+    measures a V2 server or an engine under load (bench), changes a running
+    server's traffic split between a model's versions (traffic), and lists
+    the installed plugins (plugins).
     """
 
 
@@ -42,3 +45,4 @@ main.add_command(bench.bench)
 main.add_command(demo.demo)
 main.add_command(plugins.plugins)
 main.add_command(serve.serve)
+main.add_command(traffic.traffic)

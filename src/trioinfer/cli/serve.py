@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import gc
 import logging
+import math
 import os
 import tomllib
 from pathlib import Path
@@ -32,8 +33,19 @@ _SERVE_KEYS: Final = frozenset(
         "log_level",
         "loop",
         "limits",
+        "trace_exporter",
+        "trace_rate",
     }
 )
+
+
+def _rate_not_nan(
+    _ctx: click.Context, _param: click.Parameter, value: float | None
+) -> float | None:
+    # FloatRange lets NaN through (every comparison with it is false).
+    if value is not None and math.isnan(value):
+        raise click.BadParameter("must be a ratio between 0 and 1, not nan")
+    return value
 
 
 @click.command(short_help="Serve a model repository over KServe V2 HTTP (Triton-compatible).")
@@ -60,7 +72,8 @@ _SERVE_KEYS: Final = frozenset(
     default=None,
     metavar="FILE",
     help="A TOML file with any of these options (model_repository, host, port, models, "
-    "drain_period, cache_size, admin_token, protect_inference, log_level) and a [limits] table; "
+    "drain_period, cache_size, admin_token, protect_inference, log_level, trace_exporter, "
+    "trace_rate) and a [limits] table; "
     "options given on the command line win.",
 )
 @click.option(
@@ -103,6 +116,26 @@ _SERVE_KEYS: Final = frozenset(
     help="Require the admin token for inference and metadata too.",
 )
 @click.option(
+    "--trace-exporter",
+    type=click.Choice(["otlp", "console", "none"]),
+    default=None,
+    help="Send OpenTelemetry spans of each request (queue, batch, compute) to an OTLP "
+    "collector over HTTP (endpoint from OTEL_EXPORTER_OTLP_ENDPOINT, default "
+    "http://localhost:4318), print them (console), or not at all. Default: "
+    "$OTEL_TRACES_EXPORTER, else none. Needs the otel extra.",
+)
+@click.option(
+    "--trace-rate",
+    type=click.FloatRange(0, 1),
+    callback=_rate_not_nan,
+    default=None,
+    metavar="RATIO",
+    help="The share of requests that start a trace which are traced (0.001 = 1 in 1000); "
+    "a request with a sampled traceparent header is always traced. Default: from "
+    "OTEL_TRACES_SAMPLER and OTEL_TRACES_SAMPLER_ARG, else 1. Changed at run time by "
+    "POST /v2/trace/setting.",
+)
+@click.option(
     "--loop",
     type=click.Choice(["trio", "asyncio"]),
     default="trio",
@@ -125,7 +158,8 @@ def serve(ctx: click.Context, /, **options: Any) -> None:
     completed from the ONNX file), and serves the V2 REST API on Trio (or
     asyncio, --loop): health, server and model metadata, model config,
     inference with JSON or binary tensors, the model repository extension
-    (index, load, unload), statistics, and Prometheus metrics at /metrics.
+    (index, load, unload), statistics, Prometheus metrics at /metrics, and
+    trace settings at /v2/trace/setting (OpenTelemetry, with --trace-exporter).
     NVIDIA's tritonclient works against it unchanged.
 
     With no options it serves the bundled example model "digits" on
@@ -149,12 +183,15 @@ def serve(ctx: click.Context, /, **options: Any) -> None:
     )
     try:
         limits = Limits(**settings.get("limits", {}))
+        tracing = _tracing(settings)
         config = ServerConfig(
             limits=limits,
             admin_token=settings["admin_token"],
             protect_inference=settings["protect_inference"],
             drain_period=settings["drain_period"],
             cache_size=ByteSize().convert(settings["cache_size"], None, ctx),
+            tracer_provider=tracing[0] if tracing else None,
+            trace_rate=tracing[1] if tracing else 1.0,
         )
     except (TypeError, TrioInferError) as exc:
         raise click.UsageError(f"invalid server settings: {exc}") from exc
@@ -181,6 +218,25 @@ def serve(ctx: click.Context, /, **options: Any) -> None:
                 f"cannot listen on {settings['host']}:{settings['port']}: {cause.strerror or cause}"
             ) from exc
         raise
+    finally:
+        if tracing:
+            tracing[0].shutdown()  # sends the spans still buffered
+
+
+def _tracing(settings: dict[str, Any]) -> tuple[Any, float] | None:
+    from .._trace_settings import provider_from_settings
+
+    exporter, rate = settings.get("trace_exporter"), settings.get("trace_rate")
+    if exporter is not None and exporter != "none":
+        try:
+            import opentelemetry.sdk  # noqa: F401  # only to say which extra is missing
+        except ModuleNotFoundError as exc:
+            raise click.ClickException(
+                f"--trace-exporter {exporter} needs the 'otel' extra, which is not installed "
+                f"(no module named {exc.name!r}): install trioinfer with it, e.g. "
+                "pip install -e '.[cpu,serve,otel]' in a clone"
+            ) from exc
+    return provider_from_settings(exporter, rate, environ=os.environ)
 
 
 def _only_cause(exc: BaseException) -> BaseException:

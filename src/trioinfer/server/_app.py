@@ -44,6 +44,7 @@ from .._exceptions import (
     TrioInferError,
 )
 from .._tensors import TensorSpec
+from .._trace_settings import trace_settings, update_trace_settings
 from ._codec import (
     InferRequest,
     Limits,
@@ -72,6 +73,7 @@ EXTENSIONS: Final = (
     "parameters",
     "schedule_policy",
     "statistics",
+    "trace",
 )
 
 _JSON: Final = "application/json"
@@ -158,6 +160,10 @@ class ServerConfig:
         drain_period: Seconds in-flight requests may take to finish at shutdown.
         cache_size: Bytes of the engine's response cache, for the models whose
             config sets ``response_cache``; 0 for no cache.
+        tracer_provider: An OpenTelemetry ``TracerProvider`` to trace requests
+            with (see `open_engine`); None for no tracing.
+        trace_rate: The share of requests that start a trace which are traced;
+            ``/v2/trace/setting`` changes it at run time.
     """
 
     limits: Limits = attrs.field(factory=Limits)
@@ -165,6 +171,8 @@ class ServerConfig:
     protect_inference: bool = False
     drain_period: float = attrs.field(default=10.0)
     cache_size: int = attrs.field(default=0)
+    tracer_provider: Any = None
+    trace_rate: float = 1.0
 
     @cache_size.validator
     def _check_cache_size(self, _attribute: attrs.Attribute[Any], value: int) -> None:
@@ -268,6 +276,7 @@ def create_app(state: ServerState) -> ASGIApp:
             methods=["GET"],
         ),
         Route("/v2/models/{model}/stats", endpoint(_stats), methods=["GET"]),
+        Route("/v2/models/{model}/traffic", endpoint(_traffic), methods=["GET"]),
         Route("/v2/models/{model}/versions/{version}/stats", endpoint(_stats), methods=["GET"]),
         Route("/v2/models/{model}/infer", infer, methods=["POST"]),
         Route("/v2/models/{model}/versions/{version}/infer", infer, methods=["POST"]),
@@ -275,6 +284,12 @@ def create_app(state: ServerState) -> ASGIApp:
         Route("/v2/repository/models/{model}/load", endpoint(_load), methods=["POST"]),
         Route("/v2/repository/models/{model}/unload", endpoint(_unload), methods=["POST"]),
         Route("/metrics", endpoint(_metrics), methods=["GET"]),
+        Route("/v2/trace/setting", endpoint(_trace_setting), methods=["GET", "POST"]),
+        Route(
+            "/v2/models/{model}/trace/setting",
+            endpoint(_trace_setting),
+            methods=["GET", "POST"],
+        ),
     ]
 
     async def http_error(_request: Request, exc: Exception) -> Response:
@@ -593,6 +608,25 @@ async def _load(request: Request, state: ServerState) -> Response:
     return Response(status_code=200)
 
 
+async def _traffic(request: Request, state: ServerState) -> Response:
+    # The split in force: each served version's share of the requests that name none
+    # (trioinfer's own; `trioinfer traffic` reads it, and changes it with a load override).
+    state.check_token(request.headers, admin=False)
+    model = request.path_params["model"]
+    versions = state.models.versions(model)
+    if not versions:
+        state.models.resolve(model)  # raises ModelNotFound, naming the served models
+    # Without a split, every such request goes to the highest version.
+    shares = state.models.traffic(model) or {versions[-1].version: 1.0}
+    return _json(
+        {
+            "name": model,
+            "versions": [str(v.version) for v in versions],
+            "traffic": {str(v): share for v, share in sorted(shares.items())},
+        }
+    )
+
+
 async def _unload(request: Request, state: ServerState) -> Response:
     state.check_token(request.headers, admin=True)
     body = await _small_json(request, state)
@@ -602,6 +636,20 @@ async def _unload(request: Request, state: ServerState) -> Response:
             raise RequestError("the only unload parameter is 'unload_dependents'")
     await state.models.unload(request.path_params["model"])
     return Response(status_code=200)
+
+
+async def _trace_setting(request: Request, state: ServerState) -> Response:
+    # Triton's trace extension: read, and change, the sampling rate at run time.
+    model = request.path_params.get("model")
+    posted = request.method == "POST"
+    state.check_token(request.headers, admin=posted)
+    if model is not None:
+        state.models.resolve(model)  # ModelNotFound for a model not served
+    tracing = state.models.engine._tracing
+    if posted:
+        body = await _small_json(request, state)
+        update_trace_settings(tracing, model, body or {})  # ConfigError: 400
+    return _json(trace_settings(tracing, model))
 
 
 async def _small_json(request: Request, state: ServerState) -> dict[str, Any] | None:
@@ -709,8 +757,17 @@ class _InferEndpoint:
     def __init__(self, state: ServerState) -> None:
         self._state = state
         self._trio: bool | None = None
+        self._tracing = state.models.engine._tracing
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if self._tracing is None:
+            await self._serve(scope, receive, send)
+        else:
+            await self._tracing.serve_http(
+                scope, send, lambda send: self._serve(scope, receive, send)
+            )
+
+    async def _serve(self, scope: Scope, receive: Receive, send: Send) -> None:
         state = self._state
         headers = _Headers(scope["headers"])
         params = scope["path_params"]
@@ -760,6 +817,8 @@ class _InferEndpoint:
         # A request that names no version follows the model's traffic split; one with a
         # routing key (a user or tenant id) stays on one version while the split does.
         served = state.models.resolve(model, version, key=headers.get(ROUTING_KEY_HEADER))
+        if self._tracing is not None:
+            self._tracing.served_version(served.version)
         limits = state.config.limits
         body = await _read_body(scope, receive, headers, limits)
         header_length = parse_header_length(

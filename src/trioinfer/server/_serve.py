@@ -121,7 +121,11 @@ async def serve_http(
     async with (
         _public_names_in_logs(),
         open_engine(
-            registry=registry, drain_period=config.drain_period, cache_size=config.cache_size
+            registry=registry,
+            drain_period=config.drain_period,
+            cache_size=config.cache_size,
+            tracer_provider=config.tracer_provider,
+            trace_rate=config.trace_rate,
         ) as engine,
     ):
         served = ServedModels(engine, repo)
