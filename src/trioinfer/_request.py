@@ -13,6 +13,7 @@ import numpy as np
 from .abc import Status
 
 if TYPE_CHECKING:
+    from ._sequence import SequenceFlags
     from ._threads import EventLike
 
 Outputs = dict[str, np.ndarray[Any, Any]]
@@ -61,6 +62,7 @@ class Request:
     deadline: float = math.inf
     arrival: float = 0.0
     rows: int = 1
+    sequence_flags: SequenceFlags | None = None
     sequence: int = attrs.field(factory=_sequences.__next__, init=False)
     _state: _State = attrs.field(factory=_State, init=False, repr=False)
 

@@ -43,6 +43,7 @@ from .._exceptions import (
     QueueFull,
     TrioInferError,
 )
+from .._sequence import SequenceFlags
 from .._tensors import TensorSpec
 from ._codec import (
     InferRequest,
@@ -815,13 +816,23 @@ class _InferEndpoint:
     ) -> InferenceResult:
         """The engine call, under the request's own ``timeout`` parameter if it has one."""
         engine = self._state.models.engine
+        # Triton's sequence_id / sequence_start / sequence_end, for stateful models.
+        sequence = SequenceFlags.from_parameters(request.parameters)
         if timeout_s is None:
             return await engine.infer_detailed(
-                served.engine_name, request.inputs, priority=priority, request_id=request.id
+                served.engine_name,
+                request.inputs,
+                priority=priority,
+                request_id=request.id,
+                sequence=sequence,
             )
         with anyio.move_on_after(timeout_s):
             return await engine.infer_detailed(
-                served.engine_name, request.inputs, priority=priority, request_id=request.id
+                served.engine_name,
+                request.inputs,
+                priority=priority,
+                request_id=request.id,
+                sequence=sequence,
             )
         raise DeadlineExceeded(
             f"the request's timeout of {timeout_s * 1e6:.0f} µs passed before it finished"
