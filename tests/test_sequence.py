@@ -781,3 +781,52 @@ async def test_tritons_sequence_client_calls_over_http(tmp_path: Path) -> None:
     assert "ended with its last request" in messages[0]
     assert "no sequence 4242 in progress" in messages[1]
     assert "needs a sequence_id" in messages[2]
+
+
+async def test_a_slot_freed_while_forming_goes_at_once_to_a_waiting_sequence(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    config = state_config(SlowAccumulator, strategy="direct", max_batch_size=1)
+    config = ModelConfig(
+        **{**_fields(config), "sequence": {**_sequence_table(config), "max_sequence_idle": 100.0}}
+    )
+    async with open_engine() as engine:
+        await engine.load(config)
+        await engine.infer("acc", value(1), sequence=SequenceFlags(1, start=True))
+        t0 = trio.current_time()
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(lambda: engine.infer("acc", value(1), sequence=SequenceFlags(1)))
+            await trio.testing.wait_all_tasks_blocked()
+            with trio.move_on_after(0.5):  # queued behind the running one: cancelled
+                await engine.infer("acc", value(1), sequence=SequenceFlags(1))
+            second = await engine.infer("acc", value(5), sequence=SequenceFlags(2, start=True))
+        # Sequence 1 ended when its cancelled request came up: its slot went to sequence 2
+        # as its running request finished (at 1 s), not when sequence 1 would go idle.
+        assert second["OUTPUT"][0, 0] == 5
+        assert trio.current_time() - t0 == pytest.approx(2.0)
+
+
+def _sequence_table(config: ModelConfig) -> dict[str, Any]:
+    import attrs
+
+    assert config.sequence is not None
+    return attrs.asdict(config.sequence, recurse=False)
+
+
+@pytest.mark.parametrize("backend", ["trio", "asyncio"])
+def test_sequences_on_both_event_loops(backend: str) -> None:
+    import anyio
+
+    async def main() -> list[int]:
+        async with open_engine() as engine:
+            await engine.load(simple_sequence_config(strategy="oldest", instances=2))
+            return [
+                int(
+                    (await engine.infer("simple_sequence", value(v), sequence=flags(5, i, 3)))[
+                        "OUTPUT"
+                    ][0, 0]
+                )
+                for i, v in enumerate([3, 4, 5])
+            ]
+
+    assert anyio.run(main, backend=backend) == [3, 7, 12]

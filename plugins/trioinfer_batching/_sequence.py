@@ -78,6 +78,7 @@ class SequenceBatcher:
         self._computed: set[Request] = set()
         self._slots: dict[int, list[_Sequence | None]] = {}
         self._changed: anyio.Event | None = None
+        self._changes = 0  # counts _wake() calls, so a worker sees its own changes too
         self._controls: list[tuple[str, TensorSpec, tuple[int, ...]]] = []
         self._states: list[tuple[str, str, np.dtype[Any], tuple[int, ...], float]] = []
         self._hidden_outputs: frozenset[str] = frozenset()
@@ -232,12 +233,16 @@ class SequenceBatcher:
         context = self._ctx()
         self._over(previous, context.current_time())
         while True:
+            changes = self._changes
             self._drain(queue)
             now = context.current_time()
             self._sweep(now)
             batch = self._form(replica.index)
             if batch:
                 return batch
+            if self._changes != changes:
+                # A sequence ended while forming (a slot came free, say): look again.
+                continue
             changed = self._changed
             assert changed is not None
             # Wake for new work, or when the least recently active sequence goes idle.
@@ -383,6 +388,7 @@ class SequenceBatcher:
         if changed is not None:
             changed.set()
         self._changed = anyio.Event()
+        self._changes += 1
 
     def _ctx(self) -> SequenceContext:
         if self._context is None:
