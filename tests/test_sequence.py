@@ -830,3 +830,44 @@ def test_sequences_on_both_event_loops(backend: str) -> None:
             ]
 
     assert anyio.run(main, backend=backend) == [3, 7, 12]
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+async def test_an_onnx_accumulator_keeps_its_sum_as_implicit_state(
+    tmp_path: Path, strategy: str
+) -> None:
+    from trioinfer.testing import models
+
+    config = ModelConfig(
+        name="onnx_acc",
+        path=models.write_accumulator(tmp_path / "acc.onnx"),
+        batcher="sequence",
+        instances=[Instance(count=2)],
+        sequence={
+            "strategy": strategy,
+            "max_batch_size": 4,
+            "control": {"start": "START"},
+            "state": [{"input": "STATE_IN", "output": "STATE_OUT"}],
+        },
+    )
+    values = {1: [3, 1, 4, 1, 5], 2: [9, 2, 6, 5, 3], 3: [5, 8, 9, 7, 9]}
+    got: dict[int, list[int]] = {}
+
+    async def run(sequence_id: int) -> None:
+        sent = values[sequence_id]
+        got[sequence_id] = [
+            int(
+                (await engine.infer("onnx_acc", value(v), sequence=flags(sequence_id, i, 5)))[
+                    "OUTPUT"
+                ][0, 0]
+            )
+            for i, v in enumerate(sent)
+        ]
+
+    async with open_engine() as engine:
+        info = await engine.load(config)
+        assert [s.name for s in info.signature.inputs] == ["INPUT"]
+        async with trio.open_nursery() as nursery:
+            for sequence_id in values:
+                nursery.start_soon(run, sequence_id)
+    assert got == {k: list(np.cumsum(v)) for k, v in values.items()}
