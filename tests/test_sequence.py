@@ -871,3 +871,25 @@ async def test_an_onnx_accumulator_keeps_its_sum_as_implicit_state(
             for sequence_id in values:
                 nursery.start_soon(run, sequence_id)
     assert got == {k: list(np.cumsum(v)) for k, v in values.items()}
+
+
+async def test_requests_held_for_their_sequences_are_bounded_by_max_queue_size(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    config = state_config(SlowAccumulator)
+    config = ModelConfig(**{**_fields(config), "max_queue_size": 3})
+    async with open_engine() as engine:
+        await engine.load(config)
+        async with trio.open_nursery() as nursery:
+            for i in range(3):  # one runs, two wait behind it in their sequence
+                nursery.start_soon(
+                    lambda i=i: engine.infer("acc", value(1), sequence=flags(1, i, 5))
+                )
+                await trio.testing.wait_all_tasks_blocked()
+            with pytest.raises(trioinfer.QueueFull, match="max_queue_size") as info:
+                await engine.infer("acc", value(1), sequence=SequenceFlags(1))
+            assert info.value.retry_after > 0
+        # The refused request never entered its sequence: the next one goes on.
+        out = await engine.infer("acc", value(1), sequence=SequenceFlags(1))
+        assert out["OUTPUT"][0, 0] == 4
+        assert_all_ended(engine, accepted=4)

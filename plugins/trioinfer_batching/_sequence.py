@@ -25,7 +25,7 @@ from typing import Any, final
 import anyio
 import numpy as np
 
-from trioinfer import ConfigError, SequenceConfig, SequenceError, TensorSpec
+from trioinfer import ConfigError, QueueFull, SequenceConfig, SequenceError, TensorSpec
 from trioinfer.abc import Arrays, Outputs, Split
 from trioinfer.lowlevel import Replica, Request, RequestQueue, SequenceContext, Status
 
@@ -151,6 +151,8 @@ class SequenceBatcher:
         """Check *request* against its sequence and queue it behind the sequence's others.
 
         Raises:
+            QueueFull: The model's ``max_queue_size`` requests wait or run already
+                (the queue no longer counts those the batcher took from it).
             SequenceError: No sequence id; no sequence of that id in progress and
                 no ``sequence_start``; the sequence ended, was released or broke;
                 a new start while the sequence still has requests; more than one row.
@@ -179,6 +181,13 @@ class SequenceBatcher:
                         f"sequence_id {flags.id} does not fit model {self._model!r}'s CORRID "
                         f"input {spec.name!r} ({spec.describe()})"
                     )
+        bound = context.config.max_queue_size
+        if len(self._of) >= bound:
+            raise QueueFull(
+                f"model {self._model!r} has {len(self._of)} requests of sequences waiting or "
+                f"running, its max_queue_size; retry later",
+                retry_after=context.retry_after(),
+            )
         now = context.current_time()
         self._sweep(now)
         sequence = self._sequences.get(flags.id)

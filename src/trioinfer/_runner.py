@@ -272,6 +272,10 @@ class SequenceContext(metaclass=NoPublicConstructor):
         """The engine's clock (the event loop's, so a MockClock in tests)."""
         return self._runner.clock.current_time()
 
+    def retry_after(self) -> float:
+        """A guess at when the model could take a request refused now, in seconds."""
+        return self._runner.retry_after()
+
     def fail(self, request: RequestView, error: Exception) -> None:
         """End *request*, held by the batcher, with *error* (nothing if it has ended)."""
         # Only the engine makes requests, so any a batcher holds is one of ours.

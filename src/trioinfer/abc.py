@@ -261,6 +261,13 @@ class SequenceContext(Protocol):
         """The engine's clock (the event loop's, so a MockClock in tests)."""
         ...
 
+    def retry_after(self) -> float:
+        """A guess, in seconds, at when the model could take a request refused now.
+
+        For the ``retry_after`` of a [`QueueFull`][trioinfer.QueueFull] raised in ``admit``.
+        """
+        ...
+
     def fail(self, request: Request, error: Exception) -> None:
         """End *request*, which the batcher holds and will not dispatch, with *error*.
 
