@@ -755,6 +755,7 @@ async def test_tritons_sequence_client_calls_over_http(tmp_path: Path) -> None:
         out["errors"] = errors
         meta = client.get_model_metadata("simple_sequence")
         out["inputs"] = [i["name"] for i in meta["inputs"]]
+        out["config"] = client.get_model_config("simple_sequence")
         client.close()
         return out
 
@@ -775,6 +776,14 @@ async def test_tritons_sequence_client_calls_over_http(tmp_path: Path) -> None:
     assert out["int1"] == list(np.cumsum([100, *[-v for v in values]]))
     assert out["string0"] == list(np.cumsum([20, *[-v for v in values]]))
     assert out["inputs"] == ["INPUT"]
+    assert out["config"]["max_batch_size"] == 4
+    assert out["config"]["sequence_batching"] == {
+        "max_sequence_idle_microseconds": 60_000_000,
+        "oldest": {},
+        "control_input": [{"name": "START", "control": [{"kind": "CONTROL_SEQUENCE_START"}]}],
+        "state": [{"input_name": "STATE_IN", "output_name": "STATE_OUT", "initial_value": 0}],
+    }
+    assert "dynamic_batching" not in out["config"]
     statuses = [status for status, _ in out["errors"]]
     assert statuses == ["400", "400", "400"]
     messages = [message for _, message in out["errors"]]

@@ -758,7 +758,8 @@ class SequenceBatcher(AssemblingBatcher, Protocol):
     to `admit()` as it is accepted. Unlike a plain batcher, a sequence
     batcher holds requests from one call to the next (a sequence's later
     requests wait for its earlier ones); it must empty *queue* as requests
-    arrive, and each request it holds must end: in a batch, or by
+    arrive, bound what it holds (in ``admit``; the first-party one refuses
+    past ``max_queue_size``), and each request it holds must end: in a batch, or by
     [`SequenceContext.fail()`][trioinfer.lowlevel.SequenceContext.fail].
     A held request whose caller leaves, or whose deadline passes, is ended by
     the engine (its ``status`` becomes ``DONE``); the batcher then must not

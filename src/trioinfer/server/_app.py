@@ -43,7 +43,7 @@ from .._exceptions import (
     QueueFull,
     TrioInferError,
 )
-from .._sequence import SequenceFlags
+from .._sequence import SequenceConfig, SequenceFlags
 from .._tensors import TensorSpec
 from ._codec import (
     InferRequest,
@@ -394,6 +394,8 @@ async def _model_config(request: Request, state: ServerState) -> Response:
     batched = signature.batched and config.batcher != "none"
     batching = _effective_options(state, config.batcher, config.batcher_options)
     max_batch = int(batching.get("max_batch_size", 0)) if batched else 0
+    if config.sequence is not None:
+        max_batch = config.sequence.max_batch_size if signature.batched else 0
     # In Triton's terms: with max_batch_size > 0 the dims leave out the batch dimension.
     skip = 1 if max_batch > 0 else 0
     body: dict[str, Any] = {
@@ -423,13 +425,31 @@ async def _model_config(request: Request, state: ServerState) -> Response:
             ],
         },
     }
-    if max_batch > 0:
+    if config.sequence is not None:
+        body["sequence_batching"] = _sequence_batching(config.sequence)
+    elif max_batch > 0:
         delay = batching.get("max_queue_delay")
         body["dynamic_batching"] = {
             "preferred_batch_size": list(batching.get("preferred_batch_sizes", [])),
             "max_queue_delay_microseconds": int(float(delay) * 1e6) if delay is not None else 0,
         }
     return _json(body)
+
+
+def _sequence_batching(sequence: SequenceConfig) -> dict[str, Any]:
+    """A ``[sequence]`` table in the terms of Triton's ``sequence_batching``."""
+    return {
+        "max_sequence_idle_microseconds": int(sequence.max_sequence_idle * 1e6),
+        sequence.strategy: {},
+        "control_input": [
+            {"name": name, "control": [{"kind": f"CONTROL_SEQUENCE_{kind.upper()}"}]}
+            for kind, name in sequence.control.items()
+        ],
+        "state": [
+            {"input_name": s.input, "output_name": s.output, "initial_value": s.initial}
+            for s in sequence.state
+        ],
+    }
 
 
 def _effective_options(state: ServerState, name: str, options: Mapping[str, Any]) -> dict[str, Any]:
