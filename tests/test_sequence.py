@@ -902,3 +902,22 @@ async def test_requests_held_for_their_sequences_are_bounded_by_max_queue_size(
         out = await engine.infer("acc", value(1), sequence=SequenceFlags(1))
         assert out["OUTPUT"][0, 0] == 4
         assert_all_ended(engine, accepted=4)
+
+
+async def test_a_sequence_batcher_whose_admit_raises_breaks_its_contract() -> None:
+    from trioinfer_batching import SequenceBatcher
+
+    def broken_admit(request: object) -> None:
+        raise KeyError("oops")
+
+    batcher = SequenceBatcher()
+    batcher.admit = broken_admit  # type: ignore[method-assign]
+    registry = trioinfer.Registry(extra={"batchers": {"broken": lambda: batcher}})
+    config = ModelConfig(**{**_fields(simple_sequence_config()), "batcher": "broken"})
+    async with open_engine(registry=registry) as engine:
+        await engine.load(config)
+        with pytest.raises(trioinfer.PluginContractError, match="raised KeyError in admit"):
+            await engine.infer("simple_sequence", value(1), sequence=SequenceFlags(1, start=True))
+        stats = engine.statistics().models["simple_sequence"]
+        assert (stats.refused, stats.queued) == (1, 0)
+        assert_all_ended(engine)
