@@ -80,6 +80,13 @@ EXPECTED_OUTPUT = {
         "pipeline: ['two', 'eight', 'two', 'six', 'six', 'seven']",
         "async model: cancelled 1 time at the caller's deadline",
     ],
+    "sequences.py": [
+        "sequence 1000: [0, 11, 18, 23, 26, 28, 28, 29]",
+        "sequence 'speaker-b': [100, 89, 82, 77, 74, 72, 72, 71]",
+        "instances: 1000 on 1 instance, 'speaker-b' on 1 instance",
+        "unknown: model 'accumulator' has no sequence 42 in progress",
+        "idle: sequence 7 of model 'accumulator' was released after 0.2s without a request",
+    ],
     "failover.py": [
         "instance 0: asked for cuda:0 (capacity 8), runs on",  # cpu here; cuda:0 with a GPU
         "instance 1: asked for cpu (capacity 1), runs on cpu",
@@ -144,6 +151,7 @@ PROGRAM_PAGES = {
     "tutorials/serving.md": "serving.py",
     "tutorials/failover.md": "failover.py",
     "tutorials/python_models.md": "python_models.py",
+    "tutorials/sequences.md": "sequences.py",
     "how-to/plugins.md": "plugin.py",
     "how-to/testing.md": None,  # a test module: run with pytest
     "how-to/from-triton.md": None,  # a tritonclient program, against `trioinfer serve`

@@ -18,21 +18,25 @@ PUBLIC = {
         "InputLimits", "Instance", "InvalidInput", "ModelConfig", "ModelInfo", "ModelNotFound",
         "ModelSignature", "ModelStatistics", "PluginContractError", "PluginError", "PluginInfo",
         "PluginLoadError", "QueueFull", "Registry", "ReplicaStatistics", "TensorSpec",
+        "SequenceConfig", "SequenceError", "SequenceFlags", "SequenceState",
         "TrioInferError", "digits_samples", "example_repository", "open_engine",
     },
     "trioinfer.abc": {
         "AssemblingBatcher", "AttachableFallback", "AttachableScheduler", "Backend",
         "BackendInstance", "Batcher", "Fallback", "PipelinedInstance", "Scheduler", "TunedInstance",
+        "SequenceBatcher",
     },
     "trioinfer.lowlevel": {
         "Execution", "FallbackContext", "Placement", "Replica", "Request", "RequestQueue",
-        "SchedulerContext", "Status", "WorkerThread", "numpy_dtype", "wait_on_callback",
+        "SchedulerContext", "SequenceContext", "Status", "WorkerThread", "numpy_dtype",
+        "wait_on_callback",
     },
     "trioinfer.testing": {
         "FakeBackend", "FakeInstance", "check_backend", "check_batcher", "check_fallback",
         "check_scheduler", "make_request",
         "FaultStatistics", "FaultyBackend", "FaultyInstance", "LedgerStatistics",
         "RequestLedger", "assert_all_ended", "assert_no_tasks_left",
+        "SequenceAccumulator", "SimpleSequence", "simple_sequence_config",
     },
     "trioinfer.server": {
         "Limits", "Listening", "ModelRepository", "PayloadTooLarge", "RequestError",

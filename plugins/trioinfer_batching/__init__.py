@@ -4,6 +4,9 @@
   execution, the default.
 - ``dynamic`` ([`DynamicBatcher`][trioinfer_batching.DynamicBatcher]): groups
   compatible requests, dispatching on size, on delay, or at a preferred size.
+- ``sequence`` ([`SequenceBatcher`][trioinfer_batching.SequenceBatcher]): for
+  stateful models (a ``[sequence]`` config): each sequence on one instance,
+  its requests in order, with control inputs and implicit state.
 """
 
 from __future__ import annotations
@@ -15,8 +18,9 @@ import anyio
 from trioinfer.lowlevel import Request, RequestQueue
 
 from ._dynamic import DynamicBatcher as DynamicBatcher
+from ._sequence import SequenceBatcher as SequenceBatcher
 
-__all__ = ["DynamicBatcher", "NoBatcher"]
+__all__ = ["DynamicBatcher", "NoBatcher", "SequenceBatcher"]
 
 
 @final

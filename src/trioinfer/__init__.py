@@ -36,11 +36,15 @@ from ._exceptions import PluginContractError as PluginContractError
 from ._exceptions import PluginError as PluginError
 from ._exceptions import PluginLoadError as PluginLoadError
 from ._exceptions import QueueFull as QueueFull
+from ._exceptions import SequenceError as SequenceError
 from ._exceptions import TrioInferError as TrioInferError
 from ._registry import PluginInfo as PluginInfo
 from ._registry import Registry as Registry
 from ._runner import Histogram as Histogram
 from ._runner import ModelStatistics as ModelStatistics
+from ._sequence import SequenceConfig as SequenceConfig
+from ._sequence import SequenceFlags as SequenceFlags
+from ._sequence import SequenceState as SequenceState
 from ._tensors import InputLimits as InputLimits
 from ._tensors import ModelSignature as ModelSignature
 from ._tensors import TensorSpec as TensorSpec

@@ -22,6 +22,7 @@ from typing import Any, Literal, Self, TypeVar
 import attrs
 
 from ._exceptions import ConfigError
+from ._sequence import SequenceConfig, to_sequence_config
 from ._tensors import Casting, InputLimits
 
 DeviceKind = Literal["cpu", "cuda", "tensorrt"]
@@ -258,6 +259,9 @@ class ModelConfig:
         max_elements_per_request: Cap on a request's element count over all inputs.
         casting: Input dtype conversions allowed (numpy casting rule); ``"no"`` means
             inputs must have the model's dtypes exactly.
+        sequence: Makes the model stateful: its requests come in sequences
+            (see [`SequenceConfig`][trioinfer.SequenceConfig]); needs a sequence
+            batcher (``batcher = "sequence"``). In config.toml, a ``[sequence]`` table.
     """
 
     name: str = attrs.field(validator=_check_name)
@@ -279,6 +283,28 @@ class ModelConfig:
     max_elements_per_input: int = attrs.field(default=1 << 26, validator=_positive)
     max_elements_per_request: int = attrs.field(default=1 << 27, validator=_positive)
     casting: Casting = attrs.field(default="no")
+    sequence: SequenceConfig | None = attrs.field(default=None, converter=to_sequence_config)
+
+    @sequence.validator
+    def _check_sequence(self, _attribute: attrs.Attribute[Any], value: object) -> None:
+        if value is None:
+            return
+        if self.backend == "pipeline":
+            raise ConfigError(
+                f"model {self.name!r}: a pipeline cannot be stateful ([sequence]); make the "
+                "step model that keeps state stateful instead"
+            )
+        if self.response_cache:
+            raise ConfigError(
+                f"model {self.name!r}: a stateful model ([sequence]) cannot use response_cache: "
+                "its answers depend on the sequence's state, not on the inputs alone"
+            )
+        if self.fallback != "none":
+            raise ConfigError(
+                f"model {self.name!r}: a stateful model ([sequence]) needs fallback = 'none', "
+                f"got {self.fallback!r}: a sequence stays on its instance, and a retry or "
+                "failover would run a request twice or elsewhere"
+            )
 
     @response_cache.validator
     def _check_response_cache(self, _attribute: attrs.Attribute[Any], value: object) -> None:

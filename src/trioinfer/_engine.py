@@ -25,6 +25,7 @@ from ._exceptions import (
     ConfigError,
     DeadlineExceeded,
     EngineClosed,
+    InvalidInput,
     ModelNotFound,
     PluginContractError,
     TrioInferError,
@@ -33,6 +34,7 @@ from ._pipeline import PIPELINE, Pipeline
 from ._registry import Kind, Registry
 from ._request import Outputs, Request, make_request, next_request_id
 from ._runner import ModelRunner, ModelStatistics, close_instances
+from ._sequence import SequenceFlags
 from ._tensors import ModelSignature, rows, validate_inputs
 from .abc import Backend, BackendInstance, Batcher, Fallback, Scheduler, Status
 
@@ -303,6 +305,7 @@ class Engine:
         priority: int = 0,
         tenant: str | None = None,
         request_id: str | None = None,
+        sequence: SequenceFlags | None = None,
     ) -> Outputs:
         """Run *model* on *inputs* and return its outputs by name.
 
@@ -320,10 +323,16 @@ class Engine:
             priority: Higher runs sooner under priority-aware schedulers.
             tenant: Who the request is for, for fair-share schedulers.
             request_id: An id for logs and tracing; generated if not given.
+            sequence: For a stateful model (one with a ``sequence`` config), the
+                sequence this request belongs to and whether it starts or ends
+                it; required there, refused elsewhere.
 
         Raises:
             ModelNotFound: No model of that name is loaded.
             InvalidInput: The inputs do not fit the model's signature or limits.
+            SequenceError: The request does not fit its sequence (none in
+                progress, released after being idle, ended, or broken by an
+                earlier request that was not computed).
             QueueFull: The model's queue is full; ``retry_after`` says when to try again.
             DeadlineExceeded: The deadline passed before the request could run and
                 the caller's scope did not report it first (a caller under
@@ -333,7 +342,7 @@ class Engine:
                 circuit breaker took them out); ``retry_after`` says when to try again.
             EngineClosed: The engine is closing, or closed before the request ended.
         """
-        request = await self._submit(model, inputs, priority, tenant, request_id)
+        request = await self._submit(model, inputs, priority, tenant, request_id, sequence=sequence)
         assert request._state.outputs is not None
         return request._state.outputs
 
@@ -345,6 +354,7 @@ class Engine:
         priority: int = 0,
         tenant: str | None = None,
         request_id: str | None = None,
+        sequence: SequenceFlags | None = None,
     ) -> InferenceResult:
         """Like [`infer()`][trioinfer.Engine.infer], and say which instance answered and how.
 
@@ -352,7 +362,7 @@ class Engine:
         instance or device, another model, a default answer). Same arguments
         and errors as `infer()`.
         """
-        request = await self._submit(model, inputs, priority, tenant, request_id)
+        request = await self._submit(model, inputs, priority, tenant, request_id, sequence=sequence)
         state = request._state
         assert state.outputs is not None
         served_by = state.served_by
@@ -387,10 +397,17 @@ class Engine:
         tenant: str | None,
         request_id: str | None,
         failover: bool = False,
+        *,
+        sequence: SequenceFlags | None = None,
     ) -> Request:
         runner = self._runners.get(model)
         if runner is None or self._closing:
             runner = self._runner(model)  # raises what is wrong
+        if sequence is not None and runner.config.sequence is None:
+            raise InvalidInput(
+                f"model {model!r} is not stateful (it has no [sequence] config), so its "
+                f"requests take no sequence; got sequence_id {sequence.id!r}"
+            )
         arrays = validate_inputs(model, runner.signature, inputs, runner.input_limits)
         clock = runner.clock
         deadline = clock.current_effective_deadline()
@@ -421,6 +438,7 @@ class Engine:
             deadline,
             arrival,
             rows(arrays) if runner.batched else 1,
+            sequence,
         )
         # A request a fallback sent here from another model fails over no further.
         request._state.failover = failover

@@ -13,6 +13,7 @@ TrioInferError
 ├── PluginContractError    a plugin broke its contract: a fault of the server, not the caller
 ├── ModelNotFound          no model of that name is loaded   (also LookupError)
 ├── InvalidInput           inputs that do not fit the model  (also ValueError)
+│   └── SequenceError      a request that does not fit its sequence (unknown, ended, released)
 ├── QueueFull              the model's queue is at its bound; retry later
 ├── CircuitOpen            every instance of the model is out of service; retry later
 ├── DeadlineExceeded       the request's deadline passed before it could run
@@ -92,6 +93,19 @@ class ModelNotFound(TrioInferError, LookupError):
 
 class InvalidInput(TrioInferError, ValueError):
     """Inputs that do not match the model's signature or the configured limits."""
+
+
+class SequenceError(InvalidInput):
+    """A request of a stateful model that does not fit its sequence; nothing was computed.
+
+    No sequence of that id is in progress (its first request must set
+    ``sequence_start``), the sequence was released after ``max_sequence_idle``
+    without a request, it ended (``sequence_end``), or an earlier request of
+    it ended without being computed (its instance failed, it was cancelled or
+    expired), so the model's state no longer follows the requests. The message
+    says which. Start a new sequence; a sequence is never restarted silently.
+    A 400 over HTTP, like any [`InvalidInput`][trioinfer.InvalidInput].
+    """
 
 
 class QueueFull(TrioInferError):

@@ -13,6 +13,7 @@ import numpy as np
 from .abc import Status
 
 if TYPE_CHECKING:
+    from ._sequence import SequenceFlags
     from ._threads import EventLike
 
 Outputs = dict[str, np.ndarray[Any, Any]]
@@ -63,6 +64,7 @@ class Request:
     deadline: float = math.inf
     arrival: float = 0.0
     rows: int = 1
+    sequence_flags: SequenceFlags | None = None
     sequence: int = attrs.field(factory=_sequences.__next__, init=False)
     _state: _State = attrs.field(factory=_State, init=False, repr=False)
 
@@ -81,7 +83,17 @@ class Request:
 # own descriptor (half the cost: the request path builds one per call). Fields
 # other than the ones it is given take their defaults, as in __init__; it runs
 # no validators or converters (Request has none).
-_GIVEN = ("model", "inputs", "id", "priority", "tenant", "deadline", "arrival", "rows")
+_GIVEN = (
+    "model",
+    "inputs",
+    "id",
+    "priority",
+    "tenant",
+    "deadline",
+    "arrival",
+    "rows",
+    "sequence_flags",
+)
 # Set by make_request itself, as their factories do (a test compares the two).
 _OWN = ("sequence", "_state")
 _SET = {field.name: getattr(Request, field.name).__set__ for field in attrs.fields(Request)}
@@ -108,6 +120,7 @@ def make_request(
     deadline: float,
     arrival: float,
     rows: int,
+    sequence_flags: SequenceFlags | None = None,
 ) -> Request:
     """``Request(model, inputs, id=id, ...)``, at about half the cost."""
     request = _new(Request)
@@ -119,6 +132,7 @@ def make_request(
     _set_deadline(request, deadline)
     _set_arrival(request, arrival)
     _set_rows(request, rows)
+    _set_sequence_flags(request, sequence_flags)
     _set_sequence(request, _next_sequence())
     _set_state(request, _State())
     for set_, default, factory, takes_self in _REST:
@@ -138,6 +152,7 @@ def make_request(
     _set_deadline,
     _set_arrival,
     _set_rows,
+    _set_sequence_flags,
     _set_sequence,
     _set_state,
 ) = (_SET[name] for name in (*_GIVEN, *_OWN))

@@ -31,6 +31,7 @@ from ._dispatch import Execution, FallbackContext, Replica, ReplicaStatistics, l
 from ._exceptions import (
     BackendError,
     CircuitOpen,
+    ConfigError,
     DeadlineExceeded,
     EngineClosed,
     PluginContractError,
@@ -53,6 +54,7 @@ from .abc import (
     Fallback,
     PipelinedInstance,
     Scheduler,
+    SequenceBatcher,
     Split,
     Status,
     TunedInstance,
@@ -263,6 +265,62 @@ class SchedulerContext(metaclass=NoPublicConstructor):
     def current_time(self) -> float:
         """The engine's clock (the event loop's, so a MockClock in tests)."""
         return self._runner.clock.current_time()
+
+
+@final
+class SequenceContext(metaclass=NoPublicConstructor):
+    """What a sequence batcher learns of its model: the engine's `trioinfer.abc.SequenceContext`."""
+
+    __slots__ = ("_runner",)
+
+    def __init__(self, runner: ModelRunner) -> None:
+        self._runner = runner
+
+    @property
+    def model(self) -> str:
+        """The model's name."""
+        return self._runner.config.name
+
+    @property
+    def config(self) -> ModelConfig:
+        """The model's configuration."""
+        return self._runner.config
+
+    @property
+    def signature(self) -> ModelSignature:
+        """The model's full signature, control and state inputs included."""
+        return self._runner.backend_signature
+
+    def current_time(self) -> float:
+        """The engine's clock (the event loop's, so a MockClock in tests)."""
+        return self._runner.clock.current_time()
+
+    def retry_after(self) -> float:
+        """A guess at when the model could take a request refused now, in seconds."""
+        return self._runner.retry_after()
+
+    def fail(self, request: RequestView, error: Exception) -> None:
+        """End *request*, held by the batcher, with *error* (nothing if it has ended)."""
+        # Only the engine makes requests, so any a batcher holds is one of ours.
+        self._runner.finish(cast(Request, request), error=error)
+
+
+class _Pinned:
+    # One worker's view of a sequence batcher: the plain batcher call its loop makes,
+    # turned into next_batch_for(its replica, the batch it ran last). Only stateful
+    # models have one, so the loop of every other model is unchanged.
+    __slots__ = ("_batcher", "_previous", "_replica")
+
+    def __init__(self, batcher: SequenceBatcher, replica: Replica) -> None:
+        self._batcher = batcher
+        self._replica = replica
+        self._previous: Sequence[Request] = ()
+
+    async def next_batch(self, queue: RequestQueue) -> Sequence[Request]:
+        previous, self._previous = self._previous, ()
+        batch = await self._batcher.next_batch_for(queue, self._replica, previous)
+        self._previous = cast(Sequence[Request], batch)
+        return self._previous
 
 
 #: Upper bounds (seconds) of the duration histograms' buckets: 50 µs to 10 s.
@@ -545,6 +603,10 @@ class ModelRunner(metaclass=NoPublicConstructor):
     replicas: list[Replica] = attrs.field(init=False)
     queue: RequestQueue = attrs.field(init=False)
     signature: ModelSignature = attrs.field(init=False)
+    #: The signature the backend reports: ``signature`` plus a stateful model's
+    #: control and state tensors, which its sequence batcher fills.
+    backend_signature: ModelSignature = attrs.field(init=False)
+    _sequencer: SequenceBatcher | None = attrs.field(default=None, init=False)
     input_limits: InputLimits = attrs.field(init=False)
     queue_timeouts: Mapping[int, float] = attrs.field(init=False)
     batched: bool = attrs.field(init=False)
@@ -599,7 +661,7 @@ class ModelRunner(metaclass=NoPublicConstructor):
             for instance, placement in zip(self._instances, self.config.placements(), strict=True)
         ]
         self._serving = len(self.replicas)
-        self.signature = self._instances[0].signature
+        self.signature = self.backend_signature = self._instances[0].signature
         self.batched = self.signature.batched
         if not self.batched and self.config.batcher != "none":
             logger.warning(
@@ -625,8 +687,29 @@ class ModelRunner(metaclass=NoPublicConstructor):
             self._scheduler.attach(SchedulerContext._create(self))
         if isinstance(self._fallback, AttachableFallback):
             self._fallback.attach(FallbackContext._create(self))
+        if self.config.sequence is not None:
+            self._attach_sequencer(
+                self.config.sequence.hidden_inputs, self.config.sequence.hidden_outputs
+            )
         self.input_limits = self.config.input_limits
         self.queue_timeouts = self.config.queue_timeouts
+
+    def _attach_sequencer(self, inputs: frozenset[str], outputs: frozenset[str]) -> None:
+        # A stateful model: its batcher must keep sequences, and callers neither send
+        # the inputs it fills nor receive the state it feeds back.
+        batcher = self._batcher
+        if not isinstance(batcher, SequenceBatcher):
+            raise ConfigError(
+                f"model {self.config.name!r} has a [sequence] table, but its batcher "
+                f"{self.config.batcher!r} is not a sequence batcher; set batcher = 'sequence'"
+            )
+        self._sequencer = batcher
+        full = self.backend_signature
+        self.signature = ModelSignature(
+            tuple(spec for spec in full.inputs if spec.name not in inputs),
+            tuple(spec for spec in full.outputs if spec.name not in outputs),
+        )
+        batcher.attach(SequenceContext._create(self))
 
     @property
     def devices(self) -> tuple[str, ...]:
@@ -680,6 +763,9 @@ class ModelRunner(metaclass=NoPublicConstructor):
     ) -> None:
         alone = sum(map(_depth, self._instances)) == 1
         batcher = cast(_OwnBatcher, self._batcher)
+        if self._sequencer is not None:
+            # Each instance forms its own batches: its sequences' requests are its alone.
+            alone, batcher = True, _Pinned(self._sequencer, replica)
         capacity = replica.capacity
         in_line: Callable[[], object] | None = task_status.started
         if alone:
@@ -968,6 +1054,8 @@ class ModelRunner(metaclass=NoPublicConstructor):
             raise self._broken(
                 "schedulers", f"raised {type(exc).__name__} in push(): {exc}"
             ) from exc
+        if self._sequencer is not None:
+            self._admit(request)
         self._in_flight.add(request)
         try:
             if own_deadline:
@@ -993,6 +1081,23 @@ class ModelRunner(metaclass=NoPublicConstructor):
             raise state.error
         assert state.outputs is not None
         return state.outputs
+
+    def _admit(self, request: Request) -> None:
+        # A stateful model's batcher sees each accepted request, and may refuse it
+        # (a sequence it does not know, say): then it leaves the queue again.
+        assert self._sequencer is not None
+        try:
+            self._sequencer.admit(request)
+        except TrioInferError:
+            self.queue._remove(request)
+            self.refused += 1
+            raise
+        except Exception as exc:
+            self.queue._remove(request)
+            self.refused += 1
+            raise self._broken(
+                "batchers", f"raised {type(exc).__name__} in admit(): {exc}"
+            ) from exc
 
     def _withdraw(self, request: Request) -> None:
         state = request._state
@@ -1126,7 +1231,7 @@ class ModelRunner(metaclass=NoPublicConstructor):
 
     async def probe(self, replica: Replica, inputs: Mapping[str, Any] | None) -> None:
         """One execution that answers nobody; see `FallbackContext.probe`."""
-        arrays = _probe_inputs(self.signature) if inputs is None else inputs
+        arrays = _probe_inputs(self.backend_signature) if inputs is None else inputs
         await replica._slot.acquire()
         try:
             replica.executions += 1
@@ -1176,7 +1281,7 @@ class ModelRunner(metaclass=NoPublicConstructor):
                 ) from exc
             finally:
                 await close_instances(self.config.name, [old])
-            if new.signature != self.signature:
+            if new.signature != self.backend_signature:
                 await close_instances(self.config.name, [new])
                 raise BackendError(
                     f"re-created {replica.label} of model {self.config.name!r} reports another "
@@ -1377,6 +1482,7 @@ if TYPE_CHECKING:
         request: Request,
         queue: RequestQueue,
         scheduler_context: SchedulerContext,
+        sequence_context: SequenceContext,
         replica: Replica,
         execution: Execution,
         fallback_context: FallbackContext,
@@ -1385,8 +1491,17 @@ if TYPE_CHECKING:
             abc.Request,
             abc.RequestQueue,
             abc.SchedulerContext,
+            abc.SequenceContext,
             abc.Replica,
             abc.Execution,
             abc.FallbackContext,
-        ] = (request, queue, scheduler_context, replica, execution, fallback_context)
+        ] = (
+            request,
+            queue,
+            scheduler_context,
+            sequence_context,
+            replica,
+            execution,
+            fallback_context,
+        )
         del views

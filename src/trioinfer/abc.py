@@ -31,6 +31,7 @@ import numpy as np
 # Values only: configuration and signatures. This module imports no engine module,
 # so that a contract can never come to depend on how the engine implements it.
 from ._config import ModelConfig, Placement
+from ._sequence import SequenceFlags
 from ._tensors import ModelSignature
 
 __all__ = [
@@ -43,6 +44,7 @@ __all__ = [
     "Fallback",
     "PipelinedInstance",
     "Scheduler",
+    "SequenceBatcher",
     "TunedInstance",
 ]
 
@@ -123,6 +125,11 @@ class Request(Protocol):
         (``copy.copy``, a pickle round trip) keeps it, so do not queue a copy
         beside the original.
         """
+        ...
+
+    @property
+    def sequence_flags(self) -> SequenceFlags | None:
+        """The sequence the request belongs to (a stateful model's), or ``None``."""
         ...
 
     @property
@@ -222,6 +229,50 @@ class SchedulerContext(Protocol):
 
     def current_time(self) -> float:
         """The engine's clock (the event loop's, so a MockClock in tests)."""
+        ...
+
+
+class SequenceContext(Protocol):
+    """What a [`SequenceBatcher`][trioinfer.abc.SequenceBatcher] learns about its model.
+
+    It gets one once, when the model loads. Only the engine creates it.
+    """
+
+    @property
+    def model(self) -> str:
+        """The model's name."""
+        ...
+
+    @property
+    def config(self) -> ModelConfig:
+        """The model's configuration; its ``sequence`` is set."""
+        ...
+
+    @property
+    def signature(self) -> ModelSignature:
+        """The model's full signature, as the backend reports it, control and state inputs included.
+
+        Callers see and send it without the inputs in
+        ``config.sequence.hidden_inputs`` and receive no ``hidden_outputs``.
+        """
+        ...
+
+    def current_time(self) -> float:
+        """The engine's clock (the event loop's, so a MockClock in tests)."""
+        ...
+
+    def retry_after(self) -> float:
+        """A guess, in seconds, at when the model could take a request refused now.
+
+        For the ``retry_after`` of a [`QueueFull`][trioinfer.QueueFull] raised in ``admit``.
+        """
+        ...
+
+    def fail(self, request: Request, error: Exception) -> None:
+        """End *request*, which the batcher holds and will not dispatch, with *error*.
+
+        Does nothing if it has ended already (its caller left, say).
+        """
         ...
 
 
@@ -693,6 +744,56 @@ class AssemblingBatcher(Batcher, Protocol):
         the backend's outputs and must return one mapping per request, in the
         same order. An exception from either fails that batch's requests with
         a [`PluginContractError`][trioinfer.PluginContractError]; the worker goes on.
+        """
+        ...
+
+
+@runtime_checkable
+class SequenceBatcher(AssemblingBatcher, Protocol):
+    """A batcher for stateful models: each sequence on one instance, its requests in order.
+
+    A model with a ``sequence`` config needs one (its load fails otherwise).
+    The engine then does not call ``next_batch``: each instance's worker calls
+    `next_batch_for()` on its own, concurrently, and every request is handed
+    to `admit()` as it is accepted. Unlike a plain batcher, a sequence
+    batcher holds requests from one call to the next (a sequence's later
+    requests wait for its earlier ones); it must empty *queue* as requests
+    arrive, bound what it holds (in ``admit``; the first-party one refuses
+    past ``max_queue_size``), and each request it holds must end: in a batch, or by
+    [`SequenceContext.fail()`][trioinfer.lowlevel.SequenceContext.fail].
+    A held request whose caller leaves, or whose deadline passes, is ended by
+    the engine (its ``status`` becomes ``DONE``); the batcher then must not
+    dispatch it. ``assemble`` adds the control and state inputs.
+    """
+
+    def attach(self, context: SequenceContext) -> None:
+        """Called once, when the model loads, before any other method.
+
+        May raise [`ConfigError`][trioinfer.ConfigError] to refuse the model
+        (a control input the model lacks, say).
+        """
+        ...
+
+    def admit(self, request: Request) -> None:
+        """Take a request that was just accepted (it is in the queue too); must not block.
+
+        Raises:
+            TrioInferError: To refuse it (usually [`SequenceError`][trioinfer.SequenceError]):
+                the caller gets this error at once and the request is not queued.
+        """
+        ...
+
+    async def next_batch_for(
+        self, queue: RequestQueue, replica: Replica, previous: Sequence[Request]
+    ) -> Sequence[Request]:
+        """Wait for, and return, the next batch to run on *replica*.
+
+        *previous* is the batch this worker returned last time (empty the first
+        time), whose execution is over: each of its requests was computed (the
+        batch's ``split`` got its outputs) or ended without being computed.
+        Each request returned must be one admitted and not yet returned, at
+        most one per sequence, and only after that sequence's previous request
+        is over. Called concurrently by every worker of the model.
         """
         ...
 

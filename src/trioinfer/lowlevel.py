@@ -20,7 +20,8 @@ class OneAtATime:
   [`RequestQueue`][trioinfer.lowlevel.RequestQueue] a batcher takes from, the
   [`SchedulerContext`][trioinfer.lowlevel.SchedulerContext] and
   [`FallbackContext`][trioinfer.lowlevel.FallbackContext] that attachable
-  schedulers and fallbacks get, and the
+  schedulers and fallbacks get, the
+  [`SequenceContext`][trioinfer.lowlevel.SequenceContext] a sequence batcher gets, and the
   [`Execution`][trioinfer.lowlevel.Execution] and
   [`Replica`][trioinfer.lowlevel.Replica] a fallback works with.
 - For backends: the [`Placement`][trioinfer.lowlevel.Placement] that ``load``
@@ -43,4 +44,5 @@ from .abc import Replica as Replica
 from .abc import Request as Request
 from .abc import RequestQueue as RequestQueue
 from .abc import SchedulerContext as SchedulerContext
+from .abc import SequenceContext as SequenceContext
 from .abc import Status as Status

@@ -43,6 +43,7 @@ from .._exceptions import (
     QueueFull,
     TrioInferError,
 )
+from .._sequence import SequenceConfig, SequenceFlags
 from .._tensors import TensorSpec
 from .._trace_settings import trace_settings, update_trace_settings
 from ._codec import (
@@ -408,6 +409,8 @@ async def _model_config(request: Request, state: ServerState) -> Response:
     batched = signature.batched and config.batcher != "none"
     batching = _effective_options(state, config.batcher, config.batcher_options)
     max_batch = int(batching.get("max_batch_size", 0)) if batched else 0
+    if config.sequence is not None:
+        max_batch = config.sequence.max_batch_size if signature.batched else 0
     # In Triton's terms: with max_batch_size > 0 the dims leave out the batch dimension.
     skip = 1 if max_batch > 0 else 0
     body: dict[str, Any] = {
@@ -437,13 +440,31 @@ async def _model_config(request: Request, state: ServerState) -> Response:
             ],
         },
     }
-    if max_batch > 0:
+    if config.sequence is not None:
+        body["sequence_batching"] = _sequence_batching(config.sequence)
+    elif max_batch > 0:
         delay = batching.get("max_queue_delay")
         body["dynamic_batching"] = {
             "preferred_batch_size": list(batching.get("preferred_batch_sizes", [])),
             "max_queue_delay_microseconds": int(float(delay) * 1e6) if delay is not None else 0,
         }
     return _json(body)
+
+
+def _sequence_batching(sequence: SequenceConfig) -> dict[str, Any]:
+    """A ``[sequence]`` table in the terms of Triton's ``sequence_batching``."""
+    return {
+        "max_sequence_idle_microseconds": int(sequence.max_sequence_idle * 1e6),
+        sequence.strategy: {},
+        "control_input": [
+            {"name": name, "control": [{"kind": f"CONTROL_SEQUENCE_{kind.upper()}"}]}
+            for kind, name in sequence.control.items()
+        ],
+        "state": [
+            {"input_name": s.input, "output_name": s.output, "initial_value": s.initial}
+            for s in sequence.state
+        ],
+    }
 
 
 def _effective_options(state: ServerState, name: str, options: Mapping[str, Any]) -> dict[str, Any]:
@@ -874,13 +895,23 @@ class _InferEndpoint:
     ) -> InferenceResult:
         """The engine call, under the request's own ``timeout`` parameter if it has one."""
         engine = self._state.models.engine
+        # Triton's sequence_id / sequence_start / sequence_end, for stateful models.
+        sequence = SequenceFlags.from_parameters(request.parameters)
         if timeout_s is None:
             return await engine.infer_detailed(
-                served.engine_name, request.inputs, priority=priority, request_id=request.id
+                served.engine_name,
+                request.inputs,
+                priority=priority,
+                request_id=request.id,
+                sequence=sequence,
             )
         with anyio.move_on_after(timeout_s):
             return await engine.infer_detailed(
-                served.engine_name, request.inputs, priority=priority, request_id=request.id
+                served.engine_name,
+                request.inputs,
+                priority=priority,
+                request_id=request.id,
+                sequence=sequence,
             )
         raise DeadlineExceeded(
             f"the request's timeout of {timeout_s * 1e6:.0f} µs passed before it finished"

@@ -19,6 +19,10 @@
   engine's counters, and that nothing was left running.
 - [`make_request()`][trioinfer.testing.make_request]: a
   [`Request`][trioinfer.lowlevel.Request] for scheduler and batcher tests.
+- [`simple_sequence_config()`][trioinfer.testing.simple_sequence_config],
+  [`SimpleSequence`][trioinfer.testing.SimpleSequence] and
+  [`SequenceAccumulator`][trioinfer.testing.SequenceAccumulator]: a stateful
+  accumulator model (Triton's ``simple_sequence``) as a Python model.
 - [`trioinfer.testing.models`][trioinfer.testing.models]: small real ONNX models
   (needs `onnx`).
 """
@@ -37,3 +41,6 @@ from ._faulty import LedgerStatistics as LedgerStatistics
 from ._faulty import RequestLedger as RequestLedger
 from ._faulty import assert_all_ended as assert_all_ended
 from ._faulty import assert_no_tasks_left as assert_no_tasks_left
+from ._sequence import SequenceAccumulator as SequenceAccumulator
+from ._sequence import SimpleSequence as SimpleSequence
+from ._sequence import simple_sequence_config as simple_sequence_config

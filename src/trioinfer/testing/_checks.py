@@ -15,6 +15,7 @@ import numpy as np
 from .._config import Device, Instance, ModelConfig, Placement
 from .._exceptions import BackendError, TrioInferError
 from .._request import Request as _Request
+from .._sequence import SequenceFlags
 from .._tensors import ModelSignature
 from .._tensors import rows as _rows
 from ..abc import (
@@ -40,11 +41,13 @@ def make_request(
     deadline: float = math.inf,
     arrival: float | None = None,
     rows: int = 1,
+    sequence_flags: SequenceFlags | None = None,
 ) -> Request:
     """A [`Request`][trioinfer.lowlevel.Request] for scheduler and batcher tests.
 
     Only the engine makes requests; this is the way in for a plugin's tests.
     Without *arrival*, each request arrives one tick after the previous one.
+    *sequence_flags* make it part of a sequence, for a sequence batcher's tests.
     """
     return _Request(
         model,
@@ -54,6 +57,7 @@ def make_request(
         deadline=deadline,
         arrival=float(next(_arrivals)) if arrival is None else arrival,
         rows=rows,
+        sequence_flags=sequence_flags,
     )
 
 

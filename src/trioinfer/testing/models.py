@@ -23,6 +23,7 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 __all__ = [
+    "write_accumulator",
     "write_add",
     "write_identity",
     "write_mlp",
@@ -323,4 +324,42 @@ def write_slow(
         f"Deliberately slow: y = x @ W^{depth} as {depth} chained MatMuls by one shared "
         f"{width}x{width} orthogonal float32 matrix (seed {seed})."
     )
+    return _save(graph, path, doc)
+
+
+def write_accumulator(path: str | os.PathLike[str]) -> Path:
+    """Write a stateful accumulator: the running sum of a sequence's INPUTs, as implicit state.
+
+    Inputs (each int32 ``[batch, 1]``): ``INPUT``, ``START`` (1 on a
+    sequence's first request) and ``STATE_IN``; outputs ``OUTPUT`` and
+    ``STATE_OUT``, both ``STATE_IN * (1 - START) + INPUT``. Served with
+    ``batcher = "sequence"`` and a ``[sequence]`` table naming ``START`` as
+    the ``start`` control and ``STATE_IN``/``STATE_OUT`` as the state, it
+    answers each request with the sum of its sequence so far (Triton's
+    ``simple_sequence``, as an ONNX model).
+
+    Returns:
+        The path written.
+    """
+    shape: list[str | int] = ["batch", 1]
+    one = numpy_helper.from_array(np.array(1, dtype=np.int32), "one")
+    graph = helper.make_graph(
+        [
+            helper.make_node("Sub", ["one", "START"], ["keep"], name="keep"),
+            helper.make_node("Mul", ["STATE_IN", "keep"], ["carried"], name="carry"),
+            helper.make_node("Add", ["carried", "INPUT"], ["OUTPUT"], name="add"),
+            helper.make_node("Identity", ["OUTPUT"], ["STATE_OUT"], name="state"),
+        ],
+        "accumulator",
+        inputs=[
+            helper.make_tensor_value_info(name, TensorProto.INT32, shape)
+            for name in ("INPUT", "START", "STATE_IN")
+        ],
+        outputs=[
+            helper.make_tensor_value_info(name, TensorProto.INT32, shape)
+            for name in ("OUTPUT", "STATE_OUT")
+        ],
+        initializer=[one],
+    )
+    doc = "OUTPUT = STATE_OUT = STATE_IN * (1 - START) + INPUT, int32[batch, 1]."
     return _save(graph, path, doc)
