@@ -41,6 +41,7 @@ from ._registry import PluginInfo as PluginInfo
 from ._registry import Registry as Registry
 from ._runner import Histogram as Histogram
 from ._runner import ModelStatistics as ModelStatistics
+from ._stream import ResponseStream as ResponseStream
 from ._tensors import InputLimits as InputLimits
 from ._tensors import ModelSignature as ModelSignature
 from ._tensors import TensorSpec as TensorSpec

@@ -25,6 +25,7 @@ from ._exceptions import (
     ConfigError,
     DeadlineExceeded,
     EngineClosed,
+    InvalidInput,
     ModelNotFound,
     PluginContractError,
     TrioInferError,
@@ -33,6 +34,7 @@ from ._pipeline import PIPELINE, Pipeline
 from ._registry import Kind, Registry
 from ._request import Outputs, Request, next_request_id
 from ._runner import ModelRunner, ModelStatistics, close_instances
+from ._stream import ResponseStream, StreamGate, open_stream
 from ._tensors import ModelSignature, rows, validate_inputs
 from .abc import Backend, BackendInstance, Batcher, Fallback, Scheduler, Status
 
@@ -111,6 +113,8 @@ class Engine:
     _cache: ResponseCache | None = attrs.field(default=None, alias="cache")
     # Every loaded model: a runner with queue and instances, or a pipeline of steps.
     _runners: dict[str, ModelRunner | Pipeline] = attrs.field(factory=dict, init=False)
+    # The decoupled models (answered by streams), by name: their admission and instances.
+    _gates: dict[str, StreamGate] = attrs.field(factory=dict, init=False)
     _loading: set[str] = attrs.field(factory=set, init=False)
     _closing: bool = attrs.field(default=False, init=False)
     _closed: bool = attrs.field(default=False, init=False)
@@ -178,6 +182,7 @@ class Engine:
             await self._task_group.start(runner.run)
             old = self._runners.get(name)
             self._runners[name] = runner
+            self._set_gate(name, runner)
             self._forget(name)  # answers of the model it replaces may not hold
         finally:
             self._loading.discard(name)
@@ -244,7 +249,15 @@ class Engine:
         if runner is None:
             raise ModelNotFound(f"no model named {name!r} is loaded; loaded: {self._names()}")
         self._forget(name)
+        self._gates.pop(name, None)
         await self._retire(runner)
+
+    def _set_gate(self, name: str, runner: ModelRunner | Pipeline) -> None:
+        gate = StreamGate.of(runner)
+        if gate is None:
+            self._gates.pop(name, None)
+        else:
+            self._gates[name] = gate
 
     def _steps_of(self, model: str) -> tuple[str, ...]:
         # The models a pipeline's steps call (none for a model that is not one).
@@ -331,6 +344,56 @@ class Engine:
         assert request._state.outputs is not None
         return request._state.outputs
 
+    def infer_stream(
+        self,
+        model: str,
+        inputs: Mapping[str, Any],
+        *,
+        priority: int = 0,
+        tenant: str | None = None,
+        request_id: str | None = None,
+    ) -> AbstractAsyncContextManager[ResponseStream]:
+        """Run a decoupled *model* on *inputs*: its responses, as they come.
+
+        Use it as::
+
+            async with engine.infer_stream("repeat", inputs) as responses:
+                async for outputs in responses:
+                    ...
+
+        Entering the block admits the request; the model's generator then runs
+        in a task of the block's own, at most one response ahead of the reader
+        (a slow reader slows it, nothing piles up). Leaving the block early,
+        being cancelled or reaching the deadline of the caller's cancel scope
+        stops the generator at the ``yield`` it waits at. Every admitted stream
+        ends once: with its last response, or with an error raised by the
+        iteration after the responses before it.
+
+        Streams do not queue and are not batched: each is admitted at once or
+        refused, and runs alone on the model's instance with the fewest open
+        streams; ``max_queue_size`` bounds the streams open at once. A model
+        that is not decoupled answers with its one response, as
+        [`infer()`][trioinfer.Engine.infer] would (queue, batching and all).
+
+        Args:
+            model: A loaded model's name.
+            inputs: One array per model input, by name, as for `infer()`.
+            priority: As for `infer()` (used by a model that is not decoupled).
+            tenant: As for `infer()`.
+            request_id: An id for logs and tracing; generated if not given.
+
+        Raises:
+            ModelNotFound: (Entering) no model of that name is loaded.
+            InvalidInput: (Entering) the inputs do not fit the model's signature.
+            QueueFull: (Entering) the model has ``max_queue_size`` streams open.
+            CircuitOpen: (Entering) every instance is out of service.
+            BackendError: (Iterating) the model raised; the responses before it
+                were delivered.
+            EngineClosed: The engine is closing, or the model was unloaded
+                before the stream ended.
+        """
+        return open_stream(self, model, inputs, priority, tenant, request_id)
+
     async def infer_detailed(
         self,
         model: str,
@@ -383,6 +446,11 @@ class Engine:
         failover: bool = False,
     ) -> Request:
         runner = self._runner(model)
+        if self._gates and model in self._gates:
+            raise InvalidInput(
+                f"model {model!r} is decoupled: it answers with a stream of responses; call "
+                "engine.infer_stream() (over HTTP: POST .../generate_stream)"
+            )
         arrays = validate_inputs(model, runner.signature, inputs, runner.input_limits)
         clock = runner.clock
         await clock.checkpoint_if_cancelled()
@@ -481,6 +549,7 @@ class Engine:
             for runner in list(self._runners.values()):
                 await runner.stop()
         self._runners.clear()
+        self._gates.clear()
 
 
 def open_engine(
