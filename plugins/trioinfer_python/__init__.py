@@ -282,7 +282,7 @@ class PythonInstance:
 
     @property
     def decoupled(self) -> bool:
-        """Whether ``infer`` is an async generator (``decoupled = true``): one stream per request."""
+        """Whether ``infer`` is an async generator (``decoupled = true``): a stream per request."""
         return self._decoupled
 
     async def stream(self, inputs: Arrays) -> AsyncGenerator[dict[str, np.ndarray[Any, Any]], None]:

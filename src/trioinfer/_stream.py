@@ -173,7 +173,9 @@ async def open_stream(
     try:
         async with anyio.create_task_group() as tg:
             if request is None:
-                tg.start_soon(_one, engine, model, inputs, priority, tenant, request_id, send, stream)
+                tg.start_soon(
+                    _one, engine, model, inputs, priority, tenant, request_id, send, stream
+                )
             else:
                 assert gate is not None
                 producer = anyio.CancelScope()
@@ -185,13 +187,16 @@ async def open_stream(
                 body_error = exc
                 raise
             finally:
-                if gate is not None and request is not None:
-                    if request._state.status is not Status.DONE:
-                        # The caller left before the model's last response: the stream
-                        # ends here, once, as cancelled; its generator is closed below.
-                        request._state.abandoned = True
-                        gate.runner.cancelled += 1
-                        gate.runner._end(request)
+                if (
+                    gate is not None
+                    and request is not None
+                    and request._state.status is not Status.DONE
+                ):
+                    # The caller left before the model's last response: the stream
+                    # ends here, once, as cancelled; its generator is closed below.
+                    request._state.abandoned = True
+                    gate.runner.cancelled += 1
+                    gate.runner._end(request)
                 receive.close()
                 tg.cancel_scope.cancel()
     except BaseExceptionGroup as group:
