@@ -148,8 +148,6 @@ async def open_stream(
     runner = engine._runner(model)
     gate = engine._gates.get(model)
     request_id = request_id if request_id is not None else next_request_id()
-    send, receive = anyio.create_memory_object_stream[Outputs](0)
-    stream = ResponseStream._create(request_id, receive)
     request: Request | None = None
     if gate is not None:
         arrays = validate_inputs(model, runner.signature, inputs, runner.input_limits)
@@ -169,6 +167,9 @@ async def open_stream(
             arrival=clock.current_time(),
         )
         replica, instance = gate.admit(request)
+    # No buffer: the model is at most the one response it is handing over ahead.
+    send, receive = anyio.create_memory_object_stream[Outputs](0)
+    stream = ResponseStream._create(request_id, receive)
     body_error: BaseException | None = None
     try:
         async with anyio.create_task_group() as tg:
