@@ -37,6 +37,20 @@ In code, ``backend_options={"class": Model, ...}`` names the class itself and
 - optional ``load(self)`` and ``close(self)``, sync (on the worker thread) or
   async, called once per instance after construction and at unload.
 
+A streaming (decoupled) model's ``infer`` is an async generator: ``async def
+infer(self, inputs)`` that yields one dict of outputs per response, any
+number of them, with ``decoupled = true`` in ``backend_options`` (the two
+must agree: either without the other is a ``ConfigError`` at load; a plain
+``def`` generator is refused). It is served only by ``engine.infer_stream``
+and HTTP ``generate``/``generate_stream`` (``engine.infer`` on it is an
+``InvalidInput``); each request is one call, unbatched, with its inputs as
+sent. Each response is checked against the declared outputs like an answer
+above. The generator runs on the event loop, at most one response ahead of
+the reader; when the caller stops reading, leaves or is cancelled, it is
+closed at the ``yield`` it waits at (``GeneratorExit`` there), or cancelled
+in the ``await`` it is in: put clean-up in ``finally``. An exception it
+raises ends the stream after the responses before it, as for ``infer``.
+
 ``dispatch = "inline"`` runs a plain ``infer`` (and ``load``, ``close``) on the
 event loop instead: for numpy code of a few hundred microseconds at most,
 cheaper there than a hop to a thread and back; the loop waits while it runs.

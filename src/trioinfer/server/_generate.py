@@ -113,6 +113,8 @@ def _tensor(spec: TensorSpec, value: object) -> np.ndarray[Any, Any]:
         array = raw.astype(dtype)
         if dtype.kind in "iu" and raw.size and not np.array_equal(array, raw):
             raise RequestError(f"{where} has a value out of its range")
+        if dtype.kind == "f" and np.isinf(array).any() and not np.isinf(raw).any():
+            raise RequestError(f"{where} has a value out of its range")
     if array.ndim < spec.rank:
         array = array.reshape((1,) * (spec.rank - array.ndim) + array.shape)
     return array
