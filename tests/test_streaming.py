@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import math
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 import anyio
+import attrs
 import numpy as np
 import pytest
 import trio
@@ -360,6 +362,22 @@ async def test_decoupled_must_match_the_model_class() -> None:
             await engine.load(config(SyncGenerator))
         with pytest.raises(ConfigError, match=r"decoupled of model 'm' must be true or false"):
             await engine.load(_bad_flag())
+
+
+async def test_a_generator_in_a_model_file_needs_decoupled(tmp_path: Path) -> None:
+    (tmp_path / "model.py").write_text(
+        "class Model:\n    async def infer(self, inputs):\n        yield {'i': inputs['n']}\n"
+    )
+    options = {"class": "Model", **SIGNATURE}
+    on_disk = ModelConfig(
+        name="m", path=tmp_path / "model.py", backend="python", backend_options=options
+    )
+    async with open_engine() as engine:
+        with pytest.raises(ConfigError, match=r"Model.infer is an async generator"):
+            await engine.load(on_disk)
+        await engine.load(attrs.evolve(on_disk, backend_options={**options, "decoupled": True}))
+        async with engine.infer_stream("m", n(5)) as responses:
+            assert [int(r["i"][0]) async for r in responses] == [5]
 
 
 def _bad_flag() -> ModelConfig:
