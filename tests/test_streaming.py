@@ -313,6 +313,28 @@ async def test_unloading_ends_an_open_stream_with_engine_closed() -> None:
         assert ended == ["Cancelled"]
 
 
+async def test_nothing_a_stream_started_outlives_the_engine() -> None:
+    """A stream read from outside the engine's block ends when the engine does."""
+    probe = Probe()
+    outcome = []
+
+    async def read(engine: trioinfer.Engine) -> None:
+        try:
+            await collect(engine, "m", n(3))
+        except EngineClosed:
+            outcome.append("EngineClosed")
+
+    async with trio.open_nursery() as nursery:
+        async with open_engine(drain_period=0) as engine:
+            await engine.load(config(counting(probe, pause=math.inf)))
+            assert engine.model("m").decoupled
+            nursery.start_soon(read, engine)
+            await trio.testing.wait_all_tasks_blocked()
+        # The engine's block has returned: the model's generator is closed already.
+        assert probe.ended == "Cancelled"
+    assert outcome == ["EngineClosed"]
+
+
 async def test_infer_and_infer_stream_on_the_other_kind_of_model() -> None:
     class Plain:
         async def infer(self, inputs: Arrays) -> Arrays:
@@ -328,6 +350,7 @@ async def test_infer_and_infer_stream_on_the_other_kind_of_model() -> None:
                 backend_options={"class": Plain, **SIGNATURE},
             )
         )
+        assert not engine.model("plain").decoupled
         with pytest.raises(InvalidInput, match=r"model 'stream' is decoupled.*infer_stream"):
             await engine.infer("stream", n(3))
         async with engine.infer_stream("plain", n(21)) as responses:

@@ -114,6 +114,8 @@ async def test_generate_stream_sends_one_event_per_response(repository: Path) ->
             json={"IN": [], "DELAY": [], "WAIT": 0},
         )
         metadata = (await client.get("/v2")).json()
+        config = (await client.get("/v2/models/repeat_int32/config")).json()
+        plain = (await client.get("/v2/models/plain/config")).json()
     assert answer.status_code == 200
     assert answer.headers["content-type"] == "text/event-stream; charset=utf-8"
     assert answer.headers["transfer-encoding"] == "chunked"
@@ -123,6 +125,8 @@ async def test_generate_stream_sends_one_event_per_response(repository: Path) ->
     ]
     assert (versioned.status_code, versioned.text) == (200, "")  # no response at all
     assert "generate" in metadata["extensions"]
+    assert config["model_transaction_policy"] == {"decoupled": True}  # as Triton says it
+    assert "model_transaction_policy" not in plain
 
 
 async def test_generate_answers_exactly_one_response(repository: Path) -> None:

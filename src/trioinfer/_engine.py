@@ -51,6 +51,8 @@ class ModelInfo:
         preferred_batch_sizes: The batch sizes its backend says it runs fastest
             (e.g. measured at load with the ONNX Runtime backend's
             ``tune_batch_sizes``); empty when it does not say.
+        decoupled: Whether it answers with a stream of responses, through
+            [`Engine.infer_stream()`][trioinfer.Engine.infer_stream] only.
     """
 
     name: str
@@ -58,6 +60,7 @@ class ModelInfo:
     signature: ModelSignature
     devices: tuple[str, ...]
     preferred_batch_sizes: tuple[int, ...] = ()
+    decoupled: bool = False
 
 
 @attrs.frozen
@@ -181,13 +184,14 @@ class Engine:
                 runner = await self._new_runner(config)
             await self._task_group.start(runner.run)
             old = self._runners.get(name)
+            old_gate = self._gates.get(name)
             self._runners[name] = runner
             self._set_gate(name, runner)
             self._forget(name)  # answers of the model it replaces may not hold
         finally:
             self._loading.discard(name)
         if old is not None:
-            await self._retire(old)
+            await self._retire(old, old_gate)
         return self._info(runner)
 
     async def _new_runner(self, config: ModelConfig) -> ModelRunner:
@@ -249,8 +253,8 @@ class Engine:
         if runner is None:
             raise ModelNotFound(f"no model named {name!r} is loaded; loaded: {self._names()}")
         self._forget(name)
-        self._gates.pop(name, None)
-        await self._retire(runner)
+        gate = self._gates.pop(name, None)
+        await self._retire(runner, gate)
 
     def _set_gate(self, name: str, runner: ModelRunner | Pipeline) -> None:
         gate = StreamGate.of(runner)
@@ -280,7 +284,7 @@ class Engine:
             ):
                 self._forget(other, seen)
 
-    async def _retire(self, runner: ModelRunner | Pipeline) -> None:
+    async def _retire(self, runner: ModelRunner | Pipeline, gate: StreamGate | None = None) -> None:
         # The runner takes no new requests already; let accepted ones finish, then stop it.
         try:
             with anyio.move_on_after(self.drain_period):
@@ -289,6 +293,8 @@ class Engine:
             # Even if the caller is cancelled while draining, the model must stop.
             with anyio.CancelScope(shield=True):
                 await runner.stop()
+                if gate is not None:
+                    await gate.wait_closed()  # its streams' generators, closing now
 
     def models(self) -> list[ModelInfo]:
         """The loaded models, sorted by name."""
@@ -537,6 +543,7 @@ class Engine:
             runner.signature,
             runner.devices,
             runner.preferred_batch_sizes,
+            StreamGate.of(runner) is not None,
         )
 
     async def _shutdown(self, drain: bool) -> None:
@@ -548,6 +555,8 @@ class Engine:
         with anyio.CancelScope(shield=True):
             for runner in list(self._runners.values()):
                 await runner.stop()
+            for gate in list(self._gates.values()):
+                await gate.wait_closed()  # nothing a stream started outlives the engine
         self._runners.clear()
         self._gates.clear()
 

@@ -46,6 +46,7 @@ class StreamGate:
     def __init__(self, runner: ModelRunner) -> None:
         self.runner = runner
         self.open = 0
+        self._closed: anyio.Event | None = None
         # Open streams per replica, by replica index: a new stream goes to the least busy.
         self._load = [0] * len(runner.replicas)
 
@@ -86,9 +87,19 @@ class StreamGate:
         return replica, instance
 
     def release(self, replica: Replica) -> None:
-        """One stream on *replica* has ended."""
+        """One stream on *replica* has ended (its generator is closed)."""
         self._load[replica.index] -= 1
         self.open -= 1
+        if not self.open and self._closed is not None:
+            self._closed.set()
+            self._closed = None
+
+    async def wait_closed(self) -> None:
+        """Wait until every stream's generator has closed (after the runner ended them)."""
+        while self.open:
+            if self._closed is None:
+                self._closed = anyio.Event()
+            await self._closed.wait()
 
 
 @final

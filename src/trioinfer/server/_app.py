@@ -436,6 +436,8 @@ async def _model_config(request: Request, state: ServerState) -> Response:
             ],
         },
     }
+    if served.info.decoupled:
+        body["model_transaction_policy"] = {"decoupled": True}
     if max_batch > 0:
         delay = batching.get("max_queue_delay")
         body["dynamic_batching"] = {
