@@ -251,3 +251,50 @@ async def test_a_client_that_disconnects_stops_the_model(repository: Path) -> No
     ]
     assert (watched.made, watched.ended) == (3, "Cancelled")
     assert still.status_code == 200
+
+
+def test_generate_stream_and_a_disconnect_on_asyncio(repository: Path) -> None:
+    """The same HTTP stack on asyncio: events as they come, and a hang-up stops the model."""
+    seen: dict[str, Any] = {}
+
+    async def main() -> None:
+        sys.modules[PROBE] = watched = probe()
+        try:
+            async with anyio.create_task_group() as tg:
+                listening = await tg.start(
+                    lambda task_status: serve_http(
+                        repository,
+                        host="127.0.0.1",
+                        port=0,
+                        handle_signals=False,
+                        task_status=task_status,
+                    )
+                )
+                url = listening.urls[0]
+                async with httpx.AsyncClient(base_url=url) as client:
+                    answer = await client.post(
+                        "/v2/models/repeat_int32/generate_stream", json=REPEAT
+                    )
+                    seen["events"] = [e["OUT"] for e in events(answer.text)]
+                host, port = url.removeprefix("http://").rsplit(":", 1)
+                body = b'{"n": 10}'
+                async with await anyio.connect_tcp(host, int(port)) as sock:
+                    await sock.send(
+                        b"POST /v2/models/watched/generate_stream HTTP/1.1\r\nhost: x\r\n"
+                        b"content-length: %d\r\n\r\n%b" % (len(body), body)
+                    )
+                    got = b""
+                    while got.count(b"data: ") < 3 or not got.endswith(b"\r\n"):
+                        got += await sock.receive()
+                with anyio.fail_after(10):
+                    await watched.closed.wait()
+                watched.go_on.set()
+                await anyio.sleep(0.01)
+                seen["model"] = (watched.made, watched.ended)
+                tg.cancel_scope.cancel()
+        finally:
+            del sys.modules[PROBE]
+
+    anyio.run(main, backend="asyncio")
+    assert seen["events"] == [4, 2, 0, 1]
+    assert seen["model"] == (3, "CancelledError")
