@@ -397,6 +397,10 @@ class Engine:
                 were delivered.
             EngineClosed: The engine is closing, or the model was unloaded
                 before the stream ended.
+
+        For a model that is not decoupled, entering raises only
+        ``ModelNotFound`` and ``EngineClosed``; its other errors, those of
+        `infer()`, come from the iteration.
         """
         return open_stream(self, model, inputs, priority, tenant, request_id)
 
