@@ -158,7 +158,7 @@ def _parameters(parameters: Mapping[str, Any]) -> tuple[int, float | None]:
     return priority, timeout / 1e6
 
 
-def parameters_timeout(timeout: float | None) -> str:
+def _timeout_text(timeout: float | None) -> str:
     """*timeout* (seconds) as the request gave it, for messages."""
     return f"{(timeout or 0.0) * 1e6:.0f} µs"
 
@@ -285,7 +285,7 @@ class GenerateEndpoint:
                     )
         if scope.cancelled_caught:
             raise DeadlineExceeded(
-                f"the request's timeout of {parameters_timeout(timeout_s)} passed before its "
+                f"the request's timeout of {_timeout_text(timeout_s)} passed before its "
                 "last response"
             )
         state.models.mark_inference(served)
