@@ -87,6 +87,16 @@ EXPECTED_OUTPUT = {
         "unknown: model 'accumulator' has no sequence 42 in progress",
         "idle: sequence 7 of model 'accumulator' was released after 0.2s without a request",
     ],
+    "streaming.py": [
+        "stream: ended at its end; succeeded 1, in flight 0",
+        "early stop: read 2, the model made 3 and stopped at its yield",
+        "was stopped by Cancelled while it waited",
+        "slow reader: read 6; the model was never more than 1 ahead",
+        "generate_stream: 200 text/event-stream; charset=utf-8",
+        "  event: {'model_name': 'repeat_int32', 'model_version': '1', 'OUT': 1, 'IDX': 3}",
+        "generate: 200 {'model_name': 'repeat_int32', 'model_version': '1', 'OUT': 7, 'IDX': 0}",
+        "generate: 400 model 'repeat_int32' sent more than one response",
+    ],
     "failover.py": [
         "instance 0: asked for cuda:0 (capacity 8), runs on",  # cpu here; cuda:0 with a GPU
         "instance 1: asked for cpu (capacity 1), runs on cpu",
@@ -152,6 +162,7 @@ PROGRAM_PAGES = {
     "tutorials/failover.md": "failover.py",
     "tutorials/python_models.md": "python_models.py",
     "tutorials/sequences.md": "sequences.py",
+    "tutorials/streaming.md": "streaming.py",
     "how-to/plugins.md": "plugin.py",
     "how-to/testing.md": None,  # a test module: run with pytest
     "how-to/from-triton.md": None,  # a tritonclient program, against `trioinfer serve`

@@ -17,14 +17,14 @@ PUBLIC = {
         "Device", "Engine", "EngineClosed", "EngineStatistics", "Histogram", "InferenceResult",
         "InputLimits", "Instance", "InvalidInput", "ModelConfig", "ModelInfo", "ModelNotFound",
         "ModelSignature", "ModelStatistics", "PluginContractError", "PluginError", "PluginInfo",
-        "PluginLoadError", "QueueFull", "Registry", "ReplicaStatistics", "TensorSpec",
-        "SequenceConfig", "SequenceError", "SequenceFlags", "SequenceState",
+        "PluginLoadError", "QueueFull", "Registry", "ReplicaStatistics", "ResponseStream",
+        "TensorSpec", "SequenceConfig", "SequenceError", "SequenceFlags", "SequenceState",
         "TrioInferError", "digits_samples", "example_repository", "open_engine",
     },
     "trioinfer.abc": {
         "AssemblingBatcher", "AttachableFallback", "AttachableScheduler", "Backend",
-        "BackendInstance", "Batcher", "Fallback", "PipelinedInstance", "Scheduler", "TunedInstance",
-        "SequenceBatcher",
+        "BackendInstance", "Batcher", "Fallback", "PipelinedInstance", "Scheduler",
+        "StreamingInstance", "TunedInstance", "SequenceBatcher",
     },
     "trioinfer.lowlevel": {
         "Execution", "FallbackContext", "Placement", "Replica", "Request", "RequestQueue",

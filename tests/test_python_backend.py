@@ -284,11 +284,6 @@ async def test_bad_configs_are_refused_at_load(
         ("raise RuntimeError('broken')\n", "Model", "importing model.py raised RuntimeError"),
         ("class Model:\n    pass\n", "Model", "class Model has no infer"),
         (
-            "class Model:\n    async def infer(self, inputs):\n        yield inputs\n",
-            "Model",
-            "is a generator",
-        ),
-        (
             "class Model:\n    def load(self):\n        1 / 0\n\n    def infer(self, x):\n"
             "        return x\n",
             "Model",

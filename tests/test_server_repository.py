@@ -65,7 +65,7 @@ def symlink(target: Path, link: Path, *, is_dir: bool = False) -> None:
 
 def test_bundled_example_repository_is_served() -> None:
     repo = ModelRepository(example_repository())
-    assert repo.names() == ["digit_names", "digits", "read_digit", "scale_image"]
+    assert repo.names() == ["digit_names", "digits", "read_digit", "repeat_int32", "scale_image"]
     entry = repo.entry("digits")
     assert entry.versions == (1,)
     assert entry.selected() == (1,)
@@ -79,6 +79,7 @@ def test_bundled_example_repository_is_served() -> None:
         ("digit_names", 1),
         ("digits", 1),
         ("read_digit", 1),
+        ("repeat_int32", 1),
         ("scale_image", 1),
     ]
     # The pipeline has no file and no version directory: its config is the whole of it.

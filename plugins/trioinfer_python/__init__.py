@@ -37,6 +37,20 @@ In code, ``backend_options={"class": Model, ...}`` names the class itself and
 - optional ``load(self)`` and ``close(self)``, sync (on the worker thread) or
   async, called once per instance after construction and at unload.
 
+A streaming (decoupled) model's ``infer`` is an async generator: ``async def
+infer(self, inputs)`` that yields one dict of outputs per response, any
+number of them, with ``decoupled = true`` in ``backend_options`` (the two
+must agree: either without the other is a ``ConfigError`` at load; a plain
+``def`` generator is refused). It is served only by ``engine.infer_stream``
+and HTTP ``generate``/``generate_stream`` (``engine.infer`` on it is an
+``InvalidInput``); each request is one call, unbatched, with its inputs as
+sent. Each response is checked against the declared outputs like an answer
+above. The generator runs on the event loop, at most one response ahead of
+the reader; when the caller stops reading, leaves or is cancelled, it is
+closed at the ``yield`` it waits at (``GeneratorExit`` there), or cancelled
+in the ``await`` it is in: put clean-up in ``finally``. An exception it
+raises ends the stream after the responses before it, as for ``infer``.
+
 ``dispatch = "inline"`` runs a plain ``infer`` (and ``load``, ``close``) on the
 event loop instead: for numpy code of a few hundred microseconds at most,
 cheaper there than a hop to a thread and back; the loop waits while it runs.
@@ -55,7 +69,7 @@ import importlib.util
 import inspect
 import itertools
 import sys
-from collections.abc import Mapping
+from collections.abc import AsyncGenerator, Mapping
 from pathlib import Path
 from types import ModuleType
 from typing import Any, final
@@ -88,6 +102,9 @@ OPTIONS: Mapping[str, str] = {
     "dispatch": "where a plain def infer (and load, close) runs: 'thread' (the default, the "
     "instance's own worker thread) or 'inline' (on the event loop: for code cheaper than a "
     "thread hop, a few hundred microseconds at most, since the loop waits for it)",
+    "decoupled": "true for a model whose infer is an async generator (async def with yield): "
+    "it answers each request with a stream of responses, any number of them, served by "
+    "engine.infer_stream and HTTP generate_stream (default false)",
     "inputs": "the model's inputs: a list of tables with name, dtype and shape "
     "(see ModelSignature.declared)",
     "outputs": "the model's outputs, as inputs",
@@ -117,6 +134,12 @@ class PythonBackend:
             options.get("inputs"), options.get("outputs"), model=config.name
         )
         cls = _model_class(config)
+        decoupled = options.get("decoupled", False)
+        if not isinstance(decoupled, bool):
+            raise ConfigError(
+                f"backend option decoupled of model {config.name!r} must be true or false, "
+                f"got {decoupled!r}"
+            )
         parameters = options.get("parameters", {})
         if not isinstance(parameters, Mapping) or not all(isinstance(k, str) for k in parameters):
             raise ConfigError(
@@ -149,7 +172,7 @@ class PythonBackend:
         )
         try:
             instance = PythonInstance(
-                _construct(cls, kwargs, label), signature, device, label, worker
+                _construct(cls, kwargs, label, decoupled), signature, device, label, worker
             )
             await instance._call_hook("load")
         except BaseException:
@@ -159,7 +182,7 @@ class PythonBackend:
         return instance
 
 
-def _construct(cls: type, kwargs: dict[str, Any], label: str) -> Any:
+def _construct(cls: type, kwargs: dict[str, Any], label: str, decoupled: bool) -> Any:
     try:
         model = cls(**kwargs)
     except Exception as exc:
@@ -169,10 +192,21 @@ def _construct(cls: type, kwargs: dict[str, Any], label: str) -> Any:
     infer = getattr(model, "infer", None)
     if not callable(infer):
         raise BackendError(f"{label}: class {cls.__name__} has no infer(self, inputs)")
-    if inspect.isasyncgenfunction(infer) or inspect.isgeneratorfunction(infer):
-        raise BackendError(
-            f"{label}: {cls.__name__}.infer is a generator; a model answers each request "
-            "with one dict of outputs (streaming models are not supported yet)"
+    if inspect.isgeneratorfunction(infer):
+        raise ConfigError(
+            f"{label}: {cls.__name__}.infer is a plain generator; a streaming model's infer "
+            "must be an async generator (async def with yield), with decoupled = true"
+        )
+    if inspect.isasyncgenfunction(infer) and not decoupled:
+        raise ConfigError(
+            f"{label}: {cls.__name__}.infer is an async generator, which answers with a stream "
+            "of responses: set backend option decoupled = true (and call it with "
+            "engine.infer_stream)"
+        )
+    if decoupled and not inspect.isasyncgenfunction(infer):
+        raise ConfigError(
+            f"{label}: backend option decoupled = true needs {cls.__name__}.infer to be an "
+            "async generator (async def with yield), one dict of outputs per response"
         )
     return model
 
@@ -245,6 +279,7 @@ class PythonInstance:
         self._worker = worker
         self._infer = model.infer
         self._async = inspect.iscoroutinefunction(self._infer)
+        self._decoupled = inspect.isasyncgenfunction(self._infer)
         abort = getattr(model, "abort", None)
         self._abort = abort if callable(abort) else None
         self._closed = False
@@ -258,6 +293,41 @@ class PythonInstance:
     def device(self) -> str:
         """Where the instance was placed (Python code runs where it likes)."""
         return self._device
+
+    @property
+    def decoupled(self) -> bool:
+        """Whether ``infer`` is an async generator (``decoupled = true``): a stream per request."""
+        return self._decoupled
+
+    async def stream(self, inputs: Arrays) -> AsyncGenerator[dict[str, np.ndarray[Any, Any]], None]:
+        """Run a decoupled model's ``infer`` generator on *inputs*, checking each response.
+
+        Closing this generator closes the model's at the ``yield`` it waits at.
+
+        Raises:
+            BackendError: ``infer`` raised (chained), or a response does not fit
+                the declared signature; the responses before it were yielded.
+        """
+        if self._closed:
+            raise BackendError(f"{self._label} is closed")
+        if not self._decoupled:
+            raise BackendError(f"{self._label} is not decoupled: it answers with execute()")
+        generator = self._infer(dict(inputs))
+        try:
+            while True:
+                try:
+                    outputs = await generator.__anext__()
+                except StopAsyncIteration:
+                    return
+                except (anyio.get_cancelled_exc_class(), TrioInferError):
+                    raise
+                except Exception as exc:
+                    raise BackendError(
+                        f"{self._label}: infer raised {type(exc).__name__}: {exc}"
+                    ) from exc
+                yield self._checked(outputs)
+        finally:
+            await generator.aclose()
 
     async def execute(self, inputs: Arrays) -> dict[str, np.ndarray[Any, Any]]:
         """Run the object's ``infer`` on *inputs* and check what it returns.

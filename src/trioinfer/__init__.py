@@ -45,6 +45,7 @@ from ._runner import ModelStatistics as ModelStatistics
 from ._sequence import SequenceConfig as SequenceConfig
 from ._sequence import SequenceFlags as SequenceFlags
 from ._sequence import SequenceState as SequenceState
+from ._stream import ResponseStream as ResponseStream
 from ._tensors import InputLimits as InputLimits
 from ._tensors import ModelSignature as ModelSignature
 from ._tensors import TensorSpec as TensorSpec

@@ -35,6 +35,7 @@ from ._registry import Kind, Registry
 from ._request import Outputs, Request, make_request, next_request_id
 from ._runner import ModelRunner, ModelStatistics, close_instances
 from ._sequence import SequenceFlags
+from ._stream import ResponseStream, StreamGate, open_stream
 from ._tensors import ModelSignature, rows, validate_inputs
 from .abc import Backend, BackendInstance, Batcher, Fallback, Scheduler, Status
 
@@ -54,6 +55,8 @@ class ModelInfo:
         preferred_batch_sizes: The batch sizes its backend says it runs fastest
             (e.g. measured at load with the ONNX Runtime backend's
             ``tune_batch_sizes``); empty when it does not say.
+        decoupled: Whether it answers with a stream of responses, through
+            [`Engine.infer_stream()`][trioinfer.Engine.infer_stream] only.
     """
 
     name: str
@@ -61,6 +64,7 @@ class ModelInfo:
     signature: ModelSignature
     devices: tuple[str, ...]
     preferred_batch_sizes: tuple[int, ...] = ()
+    decoupled: bool = False
 
 
 @attrs.frozen
@@ -118,6 +122,8 @@ class Engine:
     _tracing: Tracing | None = attrs.field(default=None, alias="tracing")
     # Every loaded model: a runner with queue and instances, or a pipeline of steps.
     _runners: dict[str, ModelRunner | Pipeline] = attrs.field(factory=dict, init=False)
+    # The decoupled models (answered by streams), by name: their admission and instances.
+    _gates: dict[str, StreamGate] = attrs.field(factory=dict, init=False)
     _loading: set[str] = attrs.field(factory=set, init=False)
     _closing: bool = attrs.field(default=False, init=False)
     _closed: bool = attrs.field(default=False, init=False)
@@ -184,12 +190,14 @@ class Engine:
                 runner = await self._new_runner(config)
             await self._task_group.start(runner.run)
             old = self._runners.get(name)
+            old_gate = self._gates.get(name)
             self._runners[name] = runner
+            self._set_gate(name, runner)
             self._forget(name)  # answers of the model it replaces may not hold
         finally:
             self._loading.discard(name)
         if old is not None:
-            await self._retire(old)
+            await self._retire(old, old_gate)
         return self._info(runner)
 
     async def _new_runner(self, config: ModelConfig) -> ModelRunner:
@@ -252,7 +260,15 @@ class Engine:
         if runner is None:
             raise ModelNotFound(f"no model named {name!r} is loaded; loaded: {self._names()}")
         self._forget(name)
-        await self._retire(runner)
+        gate = self._gates.pop(name, None)
+        await self._retire(runner, gate)
+
+    def _set_gate(self, name: str, runner: ModelRunner | Pipeline) -> None:
+        gate = StreamGate.of(runner)
+        if gate is None:
+            self._gates.pop(name, None)
+        else:
+            self._gates[name] = gate
 
     def _steps_of(self, model: str) -> tuple[str, ...]:
         # The models a pipeline's steps call (none for a model that is not one).
@@ -275,7 +291,7 @@ class Engine:
             ):
                 self._forget(other, seen)
 
-    async def _retire(self, runner: ModelRunner | Pipeline) -> None:
+    async def _retire(self, runner: ModelRunner | Pipeline, gate: StreamGate | None = None) -> None:
         # The runner takes no new requests already; let accepted ones finish, then stop it.
         try:
             with anyio.move_on_after(self.drain_period):
@@ -284,6 +300,8 @@ class Engine:
             # Even if the caller is cancelled while draining, the model must stop.
             with anyio.CancelScope(shield=True):
                 await runner.stop()
+                if gate is not None:
+                    await gate.wait_closed()  # its streams' generators, closing now
 
     def models(self) -> list[ModelInfo]:
         """The loaded models, sorted by name."""
@@ -346,6 +364,60 @@ class Engine:
         assert request._state.outputs is not None
         return request._state.outputs
 
+    def infer_stream(
+        self,
+        model: str,
+        inputs: Mapping[str, Any],
+        *,
+        priority: int = 0,
+        tenant: str | None = None,
+        request_id: str | None = None,
+    ) -> AbstractAsyncContextManager[ResponseStream]:
+        """Run a decoupled *model* on *inputs*: its responses, as they come.
+
+        Use it as::
+
+            async with engine.infer_stream("repeat", inputs) as responses:
+                async for outputs in responses:
+                    ...
+
+        Entering the block admits the request; the model's generator then runs
+        in a task of the block's own, at most one response ahead of the reader
+        (a slow reader slows it, nothing piles up). Leaving the block early,
+        being cancelled or reaching the deadline of the caller's cancel scope
+        stops the generator at the ``yield`` it waits at. Every admitted stream
+        ends once: with its last response, or with an error raised by the
+        iteration after the responses before it.
+
+        Streams do not queue and are not batched: each is admitted at once or
+        refused, and runs alone on the model's instance with the fewest open
+        streams; ``max_queue_size`` bounds the streams open at once. A model
+        that is not decoupled answers with its one response, as
+        [`infer()`][trioinfer.Engine.infer] would (queue, batching and all).
+
+        Args:
+            model: A loaded model's name.
+            inputs: One array per model input, by name, as for `infer()`.
+            priority: As for `infer()` (used by a model that is not decoupled).
+            tenant: As for `infer()`.
+            request_id: An id for logs and tracing; generated if not given.
+
+        Raises:
+            ModelNotFound: (Entering) no model of that name is loaded.
+            InvalidInput: (Entering) the inputs do not fit the model's signature.
+            QueueFull: (Entering) the model has ``max_queue_size`` streams open.
+            CircuitOpen: (Entering) every instance is out of service.
+            BackendError: (Iterating) the model raised; the responses before it
+                were delivered.
+            EngineClosed: The engine is closing, or the model was unloaded
+                before the stream ended.
+
+        For a model that is not decoupled, entering raises only
+        ``ModelNotFound`` and ``EngineClosed``; its other errors, those of
+        `infer()`, come from the iteration.
+        """
+        return open_stream(self, model, inputs, priority, tenant, request_id)
+
     async def infer_detailed(
         self,
         model: str,
@@ -403,6 +475,11 @@ class Engine:
         runner = self._runners.get(model)
         if runner is None or self._closing:
             runner = self._runner(model)  # raises what is wrong
+        if self._gates and model in self._gates:
+            raise InvalidInput(
+                f"model {model!r} is decoupled: it answers with a stream of responses; call "
+                "engine.infer_stream() (over HTTP: POST .../generate_stream)"
+            )
         if sequence is not None and runner.config.sequence is None:
             raise InvalidInput(
                 f"model {model!r} is not stateful (it has no [sequence] config), so its "
@@ -533,6 +610,7 @@ class Engine:
             runner.signature,
             runner.devices,
             runner.preferred_batch_sizes,
+            StreamGate.of(runner) is not None,
         )
 
     async def _shutdown(self, drain: bool) -> None:
@@ -544,7 +622,10 @@ class Engine:
         with anyio.CancelScope(shield=True):
             for runner in list(self._runners.values()):
                 await runner.stop()
+            for gate in list(self._gates.values()):
+                await gate.wait_closed()  # nothing a stream started outlives the engine
         self._runners.clear()
+        self._gates.clear()
 
 
 def open_engine(

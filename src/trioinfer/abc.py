@@ -23,7 +23,7 @@ Conformance checks for each contract are in [`trioinfer.testing`][trioinfer.test
 from __future__ import annotations
 
 import enum
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import AsyncGenerator, Awaitable, Callable, Mapping, Sequence
 from typing import Any, Literal, Protocol, runtime_checkable
 
 import numpy as np
@@ -45,6 +45,7 @@ __all__ = [
     "PipelinedInstance",
     "Scheduler",
     "SequenceBatcher",
+    "StreamingInstance",
     "TunedInstance",
 ]
 
@@ -596,6 +597,34 @@ class TunedInstance(BackendInstance, Protocol):
     @property
     def preferred_batch_sizes(self) -> tuple[int, ...]:
         """Increasing positive integers; anything else is ignored, with a warning."""
+        ...
+
+
+@runtime_checkable
+class StreamingInstance(BackendInstance, Protocol):
+    """An instance of a decoupled model: any number of responses per request (an optional hook).
+
+    When `decoupled` is true, the engine serves the model only through
+    [`Engine.infer_stream()`][trioinfer.Engine.infer_stream]: each request is
+    one call of `stream()`, unbatched, outside the scheduler, batcher and
+    fallback (see the streaming tutorial). `execute()` is not called.
+    """
+
+    @property
+    def decoupled(self) -> bool:
+        """Whether the model answers with a stream (read once, at load)."""
+        ...
+
+    def stream(self, inputs: Arrays) -> AsyncGenerator[Outputs, None]:
+        """Return an async generator of one request's responses, each outputs by name.
+
+        The engine iterates it in a task of the caller's, one response ahead
+        of the caller at most, under the caller's cancel scope; when the
+        caller stops early the engine calls its ``aclose()``, so the model
+        stops at the ``yield`` it waits at. Errors as in `execute()`: a
+        ``TrioInferError`` (``BackendError`` for a failure of the model) ends
+        the stream with that error after the responses already yielded.
+        """
         ...
 
 

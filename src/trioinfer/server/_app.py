@@ -69,6 +69,7 @@ log = logging.getLogger("trioinfer.server")
 #: The protocol extensions this server implements, as ``GET /v2`` lists them.
 EXTENSIONS: Final = (
     "binary_tensor_data",
+    "generate",
     "model_configuration",
     "model_repository",
     "parameters",
@@ -257,6 +258,11 @@ def create_app(state: ServerState) -> ASGIApp:
         return run
 
     infer = _InferEndpoint(state)
+    # Imported here: the generate endpoints use this module's helpers.
+    from ._generate import GenerateEndpoint
+
+    generate = GenerateEndpoint(state, stream=False)
+    generate_stream = GenerateEndpoint(state, stream=True)
     routes = [
         Route("/v2/health/live", endpoint(_live), methods=["GET"]),
         Route("/v2/health/ready", endpoint(_ready), methods=["GET"]),
@@ -281,6 +287,14 @@ def create_app(state: ServerState) -> ASGIApp:
         Route("/v2/models/{model}/versions/{version}/stats", endpoint(_stats), methods=["GET"]),
         Route("/v2/models/{model}/infer", infer, methods=["POST"]),
         Route("/v2/models/{model}/versions/{version}/infer", infer, methods=["POST"]),
+        Route("/v2/models/{model}/generate", generate, methods=["POST"]),
+        Route("/v2/models/{model}/versions/{version}/generate", generate, methods=["POST"]),
+        Route("/v2/models/{model}/generate_stream", generate_stream, methods=["POST"]),
+        Route(
+            "/v2/models/{model}/versions/{version}/generate_stream",
+            generate_stream,
+            methods=["POST"],
+        ),
         Route("/v2/repository/index", endpoint(_repository_index), methods=["POST"]),
         Route("/v2/repository/models/{model}/load", endpoint(_load), methods=["POST"]),
         Route("/v2/repository/models/{model}/unload", endpoint(_unload), methods=["POST"]),
@@ -440,6 +454,8 @@ async def _model_config(request: Request, state: ServerState) -> Response:
             ],
         },
     }
+    if served.info.decoupled:
+        body["model_transaction_policy"] = {"decoupled": True}
     if config.sequence is not None:
         body["sequence_batching"] = _sequence_batching(config.sequence)
     elif max_batch > 0:

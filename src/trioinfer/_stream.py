@@ -1,0 +1,327 @@
+"""Streams: one request, any number of responses (Triton's decoupled models).
+
+``async with engine.infer_stream(model, inputs) as responses`` admits the
+request and starts a task, in a task group of the caller's own, that runs the
+model's generator and hands each response over a channel without a buffer:
+the generator computes at most one response ahead of the reader (a slow
+reader slows it), and leaving the block (or being cancelled, or passing the
+deadline) cancels that task and closes the generator at the ``yield`` it waits
+at. The engine closing or the model unloading ends the stream with
+[`EngineClosed`][trioinfer.EngineClosed]. Streams never queue: each is
+admitted at once, or refused with ``QueueFull`` when the model has
+``max_queue_size`` streams open, and runs unbatched on the instance with the
+fewest open streams; the scheduler, batcher, fallback and response cache do
+not apply. A model that is not decoupled answers a stream with its one
+response, through [`Engine.infer()`][trioinfer.Engine.infer].
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Mapping
+from contextlib import asynccontextmanager
+from typing import TYPE_CHECKING, Any, Protocol, final
+
+import anyio
+import anyio.abc
+import sniffio
+import trio
+
+from ._dispatch import Replica
+from ._exceptions import BackendError, QueueFull, TrioInferError
+from ._request import Outputs, Request, next_request_id
+from ._runner import ModelRunner
+from ._tensors import validate_inputs
+from ._util import NoPublicConstructor
+from .abc import Status, StreamingInstance
+
+if TYPE_CHECKING:
+    from ._engine import Engine
+
+__all__ = ["ResponseStream", "StreamGate", "open_stream"]
+
+# The hand-over between the model's task and the reader's, on either loop's own channel
+# (on Trio, its native channel takes half the time of anyio's per response).
+_END = (anyio.EndOfStream, trio.EndOfChannel)
+_CLOSED = (anyio.ClosedResourceError, trio.ClosedResourceError)
+_BROKEN = (anyio.BrokenResourceError, trio.BrokenResourceError)
+
+
+class _Send(Protocol):
+    async def send(self, item: Outputs, /) -> None: ...
+    def close(self) -> None: ...
+
+
+class _Receive(Protocol):
+    async def receive(self) -> Outputs: ...
+    def close(self) -> None: ...
+
+
+def _channel() -> tuple[_Send, _Receive]:
+    # No buffer: the model is at most the one response it is handing over ahead.
+    if sniffio.current_async_library() == "trio":
+        return trio.open_memory_channel[Outputs](0)
+    return anyio.create_memory_object_stream[Outputs](0)
+
+
+@final
+class StreamGate:
+    """Admission and instance choice for one decoupled model's streams. The engine's own."""
+
+    def __init__(self, runner: ModelRunner) -> None:
+        self.runner = runner
+        self.open = 0
+        self._closed: anyio.Event | None = None
+        # Open streams per replica, by replica index: a new stream goes to the least busy.
+        self._load = [0] * len(runner.replicas)
+
+    @staticmethod
+    def of(runner: object) -> StreamGate | None:
+        """The gate of *runner* if its model is decoupled, else None."""
+        if not isinstance(runner, ModelRunner):
+            return None
+        instance = runner.replicas[0]._backend_instance
+        if isinstance(instance, StreamingInstance) and instance.decoupled:
+            return StreamGate(runner)
+        return None
+
+    def admit(self, request: Request) -> tuple[Replica, StreamingInstance]:
+        """Take *request* in (or refuse it) and choose its replica."""
+        runner = self.runner
+        serving = [r for r in runner.replicas if r.serving]
+        if not serving:
+            runner.refused += 1
+            raise runner._circuit_open()
+        if self.open >= runner.config.max_queue_size:
+            runner.refused += 1
+            raise QueueFull(
+                f"model {runner.config.name!r} has {self.open} streams open, its "
+                "max_queue_size; retry later",
+                retry_after=0.01,
+            )
+        replica = min(serving, key=lambda r: self._load[r.index])
+        self._load[replica.index] += 1
+        self.open += 1
+        state = request._state
+        state.done = anyio.Event()
+        state.status = Status.RUNNING
+        state.served_by = replica
+        runner._in_flight.add(request)  # drained at unload and ended at stop like any request
+        instance = replica._backend_instance
+        assert isinstance(instance, StreamingInstance)
+        return replica, instance
+
+    def release(self, replica: Replica) -> None:
+        """One stream on *replica* has ended (its generator is closed)."""
+        self._load[replica.index] -= 1
+        self.open -= 1
+        if not self.open and self._closed is not None:
+            self._closed.set()
+            self._closed = None
+
+    async def wait_closed(self) -> None:
+        """Wait until every stream's generator has closed (after the runner ended them)."""
+        while self.open:
+            if self._closed is None:
+                self._closed = anyio.Event()
+            await self._closed.wait()
+
+
+@final
+class ResponseStream(metaclass=NoPublicConstructor):
+    """One request's responses, as an async iterator of outputs by name.
+
+    [`Engine.infer_stream()`][trioinfer.Engine.infer_stream] makes it; iterate it
+    inside that ``async with`` block. The iteration ends when the model has
+    sent its last response, or raises the error that ended the stream (a
+    ``BackendError`` the model raised mid-stream, ``EngineClosed``...) after
+    the responses sent before it.
+    """
+
+    def __init__(
+        self,
+        request_id: str,
+        receive: _Receive,
+    ) -> None:
+        self._id = request_id
+        self._receive = receive
+        # The error that ended the stream, raised once the responses before it are read.
+        self._error: BaseException | None = None
+
+    @property
+    def id(self) -> str:
+        """The request's id (given to ``infer_stream``, or generated)."""
+        return self._id
+
+    def __aiter__(self) -> ResponseStream:
+        return self
+
+    async def __anext__(self) -> Outputs:
+        """The next response; ``StopAsyncIteration`` after the last one."""
+        try:
+            return await self._receive.receive()
+        except _END:
+            if self._error is not None:
+                raise self._error from None
+            raise StopAsyncIteration from None
+        except _CLOSED:
+            raise anyio.ClosedResourceError(
+                f"the response stream of request {self._id!r} is closed: iterate it inside "
+                "its `async with engine.infer_stream(...)` block"
+            ) from None
+
+
+@asynccontextmanager
+async def open_stream(
+    engine: Engine,
+    model: str,
+    inputs: Mapping[str, Any],
+    priority: int,
+    tenant: str | None,
+    request_id: str | None,
+) -> AsyncIterator[ResponseStream]:
+    """What `Engine.infer_stream` returns: see its docstring."""
+    runner = engine._runner(model)
+    gate = engine._gates.get(model)
+    request_id = request_id if request_id is not None else next_request_id()
+    request: Request | None = None
+    if gate is not None:
+        arrays = validate_inputs(model, runner.signature, inputs, runner.input_limits)
+        clock = runner.clock
+        await clock.checkpoint_if_cancelled()
+        if engine._gates.get(model) is not gate:  # replaced or unloaded while we yielded
+            runner, gate = engine._runner(model), engine._gates.get(model)
+            arrays = validate_inputs(model, runner.signature, inputs, runner.input_limits)
+    if gate is not None:
+        request = Request(
+            model,
+            arrays,
+            id=request_id,
+            priority=priority,
+            tenant=tenant,
+            deadline=clock.current_effective_deadline(),
+            arrival=clock.current_time(),
+        )
+        replica, instance = gate.admit(request)
+    send, receive = _channel()
+    stream = ResponseStream._create(request_id, receive)
+    body_error: BaseException | None = None
+    try:
+        async with anyio.create_task_group() as tg:
+            if request is None:
+                tg.start_soon(
+                    _one, engine, model, inputs, priority, tenant, request_id, send, stream
+                )
+            else:
+                assert gate is not None
+                producer = anyio.CancelScope()
+                tg.start_soon(_generate, gate, replica, instance, request, send, stream, producer)
+                tg.start_soon(_watch, request, producer)
+            try:
+                yield stream
+            except BaseException as exc:
+                body_error = exc
+                raise
+            finally:
+                if (
+                    gate is not None
+                    and request is not None
+                    and request._state.status is not Status.DONE
+                ):
+                    # The caller left before the model's last response: the stream
+                    # ends here, once, as cancelled; its generator is closed below.
+                    request._state.abandoned = True
+                    gate.runner.cancelled += 1
+                    gate.runner._end(request)
+                receive.close()
+                tg.cancel_scope.cancel()
+    except BaseExceptionGroup as group:
+        # The task group wraps the block's own exception; hand it back as the caller raised it.
+        if body_error is not None and _only(group, body_error):
+            raise body_error from None
+        raise
+
+
+async def _generate(
+    gate: StreamGate,
+    replica: Replica,
+    instance: StreamingInstance,
+    request: Request,
+    send: _Send,
+    stream: ResponseStream,
+    scope: anyio.CancelScope,
+) -> None:
+    runner = gate.runner
+    try:
+        with scope:
+            generator = instance.stream(request.inputs)
+            try:
+                async for outputs in generator:
+                    await send.send(outputs)
+            finally:
+                # The caller left, was cancelled, or the engine closes: the model stops at
+                # the yield it waits at (GeneratorExit there), never later.
+                await generator.aclose()
+    except _BROKEN:
+        pass  # the caller left; it has ended the request already
+    except TrioInferError as exc:
+        stream._error = exc
+        runner.finish(request, error=exc)
+    except Exception as exc:  # a backend's bug, not the model's (those are BackendError)
+        error = BackendError(
+            f"model {runner.config.name!r}: the stream of request {request.id!r} failed: "
+            f"{type(exc).__name__}: {exc}"
+        )
+        error.__cause__ = exc
+        stream._error = error
+        runner.finish(request, error=error)
+    else:
+        if request._state.status is Status.DONE:
+            # Ended from outside while the model ran: the caller left (no error), or
+            # the model unloaded and the engine closed (EngineClosed), which it must see.
+            stream._error = request._state.error
+        else:
+            runner._request_duration.observe(runner.clock.current_time() - request.arrival)
+            runner.finish(request, outputs={})
+    finally:
+        send.close()
+        gate.release(replica)
+
+
+async def _watch(request: Request, producer: anyio.CancelScope) -> None:
+    # The runner ends every in-flight request when the model unloads or the engine
+    # closes (EngineClosed): then the generator must stop too.
+    done = request._state.done
+    assert done is not None
+    await done.wait()
+    producer.cancel()
+
+
+async def _one(
+    engine: Engine,
+    model: str,
+    inputs: Mapping[str, Any],
+    priority: int,
+    tenant: str | None,
+    request_id: str,
+    send: _Send,
+    stream: ResponseStream,
+) -> None:
+    # A model that is not decoupled: its one answer, by the ordinary request path.
+    try:
+        outputs = await engine.infer(
+            model, inputs, priority=priority, tenant=tenant, request_id=request_id
+        )
+        await send.send(outputs)
+    except _BROKEN:
+        pass
+    except TrioInferError as exc:
+        stream._error = exc
+    finally:
+        send.close()
+
+
+def _only(group: BaseExceptionGroup[BaseException], error: BaseException) -> bool:
+    return all(
+        leaf is error or (isinstance(leaf, BaseExceptionGroup) and _only(leaf, error))
+        for leaf in group.exceptions
+    )

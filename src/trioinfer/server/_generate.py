@@ -1,0 +1,314 @@
+"""Triton's generate extension: ``POST .../generate`` and ``.../generate_stream`` (SSE).
+
+The request is one JSON object: each top-level key names a model input and
+holds its value (a JSON scalar, or a nested list, for a tensor of that
+shape; a value with fewer dimensions than the input gets leading dimensions
+of 1: ``"WAIT": 5`` is ``[5]``), plus an optional ``parameters`` object
+(``priority``, and ``timeout`` in microseconds, as for ``infer``; others are
+accepted and not used). A response is one JSON object: ``model_name``,
+``model_version``, and each output by name: a scalar when it holds one
+element, else a nested list.
+
+``/generate`` answers with exactly one response (``application/json``): a
+decoupled model that sends none or more than one is an error (400). A model
+that is not decoupled answers both routes with its one response.
+``/generate_stream`` answers ``text/event-stream``, one ``data: {...}`` event
+per response as the model yields it. An error before the first response is an
+ordinary JSON error with its status; an error after it is a last event
+``data: {"error": "..."}`` (the status, 200, was sent already). A client
+that disconnects cancels the request: the model's generator stops at the
+``yield`` it waits at.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Mapping
+from typing import Any, Final, final
+
+import anyio
+import numpy as np
+from starlette.types import Message, Receive, Scope, Send
+
+from .._exceptions import DeadlineExceeded, InvalidInput, TrioInferError
+from .._request import Outputs
+from .._tensors import ModelSignature, TensorSpec
+from ._app import (
+    ROUTING_KEY_HEADER,
+    ServerState,
+    _error_headers,
+    _Headers,
+    _must_close,
+    _read_body,
+    status_for,
+)
+from ._codec import RequestError, dumps, loads_json
+from ._errors import ClientLeft, NotReady
+from ._models import ServedVersion
+
+__all__ = ["GenerateEndpoint", "decode_generate_request", "encode_generate_response"]
+
+_SSE_HEADERS: Final = [
+    (b"content-type", b"text/event-stream; charset=utf-8"),
+    (b"cache-control", b"no-cache"),
+]
+#: What a numeric input accepts from JSON, by the kind of its dtype.
+_KINDS: Final = {"i": "iu", "u": "iu", "f": "iuf", "b": "b", "O": "U"}
+
+
+def decode_generate_request(
+    body: object, signature: ModelSignature, model: str
+) -> tuple[dict[str, np.ndarray[Any, Any]], dict[str, Any]]:
+    """The inputs and parameters of a generate request's JSON object.
+
+    Raises:
+        RequestError: Not an object, a key that is not an input, a value
+            that does not fit its input's dtype.
+    """
+    if not isinstance(body, dict):
+        raise RequestError(
+            f"the generate request must be a JSON object of inputs by name, got "
+            f"{type(body).__name__}"
+        )
+    parameters = body.get("parameters", {})
+    if not isinstance(parameters, dict) or not all(
+        isinstance(v, (str, int, float, bool)) for v in parameters.values()
+    ):
+        raise RequestError(
+            "'parameters' must be an object of names to strings, numbers or booleans"
+        )
+    specs = {spec.name: spec for spec in signature.inputs}
+    inputs = {}
+    for key, value in body.items():
+        if key == "parameters":
+            continue
+        spec = specs.get(key)
+        if spec is None:
+            raise RequestError(
+                f"{key!r} is not an input of model {model!r}; its inputs are "
+                f"{', '.join(map(repr, specs))} (anything else goes in 'parameters')"
+            )
+        inputs[key] = _tensor(spec, value)
+    return inputs, parameters
+
+
+def _tensor(spec: TensorSpec, value: object) -> np.ndarray[Any, Any]:
+    where = f"input {spec.name!r} ({spec.describe()})"
+    try:
+        raw = np.asarray(value)
+    except ValueError:  # a ragged list
+        raise RequestError(f"{where} must be a scalar or a rectangular nested list") from None
+    dtype = spec.dtype
+    if dtype is None:  # a type numpy has no dtype for: the engine's check says so
+        return raw
+    allowed = _KINDS.get(dtype.kind, "")
+    if raw.dtype.kind not in allowed or (raw.size == 0 and raw.dtype.kind == "f" and allowed):
+        if raw.size:
+            raise RequestError(f"{where} cannot hold JSON values like {raw.reshape(-1)[0]!r}")
+        raw = raw.astype(dtype)  # [] parses as float64: an empty tensor of any dtype
+    if dtype.kind == "O":
+        array = raw.astype(object)
+    else:
+        array = raw.astype(dtype)
+        if dtype.kind in "iu" and raw.size and not np.array_equal(array, raw):
+            raise RequestError(f"{where} has a value out of its range")
+        if dtype.kind == "f" and np.isinf(array).any() and not np.isinf(raw).any():
+            raise RequestError(f"{where} has a value out of its range")
+    if array.ndim < spec.rank:
+        array = array.reshape((1,) * (spec.rank - array.ndim) + array.shape)
+    return array
+
+
+def encode_generate_response(
+    served: ServedVersion, outputs: Outputs, signature: ModelSignature
+) -> dict[str, Any]:
+    """One response's JSON object: the model, its version, each output by name."""
+    response: dict[str, Any] = {"model_name": served.model, "model_version": str(served.version)}
+    for spec in signature.outputs:
+        array = outputs[spec.name]
+        if array.size == 1:
+            value = array.reshape(-1)[0]
+            value = value.item() if isinstance(value, np.generic) else value
+        else:
+            value = array.tolist()
+        response[spec.name] = _text(value)
+    return response
+
+
+def _text(value: Any) -> Any:
+    if isinstance(value, bytes):
+        return value.decode("utf-8", "replace")
+    if isinstance(value, list):
+        return [_text(v) for v in value]
+    return value
+
+
+def _parameters(parameters: Mapping[str, Any]) -> tuple[int, float | None]:
+    priority = parameters.get("priority", 0)
+    if isinstance(priority, bool) or not isinstance(priority, int) or abs(priority) > 2**31:
+        raise RequestError(f"parameter 'priority' must be an integer, got {priority!r}")
+    timeout = parameters.get("timeout")
+    if timeout is None:
+        return priority, None
+    if isinstance(timeout, bool) or not isinstance(timeout, int) or timeout < 0:
+        raise RequestError(
+            f"parameter 'timeout' must be a non-negative integer of microseconds, got {timeout!r}"
+        )
+    return priority, timeout / 1e6
+
+
+def _timeout_text(timeout: float | None) -> str:
+    """*timeout* (seconds) as the request gave it, for messages."""
+    return f"{(timeout or 0.0) * 1e6:.0f} µs"
+
+
+def _event(value: object) -> bytes:
+    return b"data: " + dumps(value) + b"\n\n"
+
+
+@final
+class GenerateEndpoint:
+    """``POST /v2/models/{m}[/versions/{v}]/generate[_stream]`` as a raw ASGI app."""
+
+    def __init__(self, state: ServerState, *, stream: bool) -> None:
+        self._state = state
+        self._stream = stream
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        state = self._state
+        params = scope["path_params"]
+        model, version = params["model"], params.get("version")
+        started = False
+
+        async def start(status: int, headers: list[tuple[bytes, bytes]]) -> None:
+            nonlocal started
+            started = True
+            await send({"type": "http.response.start", "status": status, "headers": headers})
+
+        state.in_flight.value += 1
+        try:
+            try:
+                await self._serve(scope, receive, send, start, model, version)
+            except ClientLeft:
+                return  # there is nobody to answer
+            except TrioInferError as exc:
+                state.metrics.count(model, version, exc)
+                message = state.models.public_message(exc)
+                if started:  # the status went out with the first event: say it in one more
+                    await send({"type": "http.response.body", "body": _event({"error": message})})
+                    return
+                body = dumps({"error": message})
+                extra = [(k.encode(), v.encode()) for k, v in _error_headers(exc).items()]
+                extra.append((b"content-type", b"application/json"))
+                if _must_close(scope):
+                    extra.append((b"connection", b"close"))
+                await start(status_for(exc), [(b"content-length", str(len(body)).encode()), *extra])
+                await send({"type": "http.response.body", "body": body})
+        finally:
+            state.in_flight.value -= 1
+
+    async def _serve(
+        self,
+        scope: Scope,
+        receive: Receive,
+        send: Send,
+        start: Any,
+        model: str,
+        version: str | None,
+    ) -> None:
+        state = self._state
+        if not state.ready:
+            raise NotReady("the server is shutting down and takes no new requests")
+        headers = _Headers(scope["headers"])
+        state.check_token(headers, admin=False)
+        served = state.models.resolve(model, version, key=headers.get(ROUTING_KEY_HEADER))
+        limits = state.config.limits
+        body = await _read_body(scope, receive, headers, limits)
+        signature = served.info.signature
+        inputs, parameters = decode_generate_request(
+            loads_json(body, limits, "the generate request"), signature, served.model
+        )
+        priority, timeout = _parameters(parameters)
+        watch = scope.get("extensions", {}).get("trioinfer.cancel_on_disconnect")
+        error: TrioInferError | None = None
+        async with contextlib.AsyncExitStack() as stack:
+            if watch is None or not watch():
+                # Another HTTP layer: a task of ours watches for the client leaving.
+                group = await stack.enter_async_context(anyio.create_task_group())
+                group.start_soon(_watch_disconnect, receive, group.cancel_scope)
+                stack.callback(group.cancel_scope.cancel)
+            try:
+                await self._respond(served, signature, inputs, priority, timeout, send, start)
+            except TrioInferError as exc:
+                error = exc  # raised out of a task group it would arrive in an ExceptionGroup
+            except anyio.get_cancelled_exc_class():
+                # The client left, or the server stops without waiting: nobody reads on.
+                state.metrics.cancelled(served)
+                raise
+        if error is not None:
+            raise error
+
+    async def _respond(
+        self,
+        served: ServedVersion,
+        signature: ModelSignature,
+        inputs: dict[str, np.ndarray[Any, Any]],
+        priority: int,
+        timeout_s: float | None,
+        send: Send,
+        start: Any,
+    ) -> None:
+        state = self._state
+        engine = state.models.engine
+        streaming = self._stream
+        answered = 0
+        with anyio.move_on_after(timeout_s if timeout_s is not None else math.inf) as scope:
+            async with engine.infer_stream(
+                served.engine_name, inputs, priority=priority
+            ) as responses:
+                async for outputs in responses:
+                    answered += 1
+                    response = encode_generate_response(served, outputs, signature)
+                    if not streaming:
+                        if answered > 1:
+                            raise InvalidInput(
+                                f"model {served.model!r} sent more than one response; "
+                                "POST .../generate_stream for all of them"
+                            )
+                        first = dumps(response)
+                        continue
+                    if answered == 1:
+                        await start(200, list(_SSE_HEADERS))
+                    await send(
+                        {"type": "http.response.body", "body": _event(response), "more_body": True}
+                    )
+        if scope.cancelled_caught:
+            raise DeadlineExceeded(
+                f"the request's timeout of {_timeout_text(timeout_s)} passed before its "
+                "last response"
+            )
+        state.models.mark_inference(served)
+        state.metrics.succeeded(served)
+        if streaming:
+            if not answered:
+                await start(200, list(_SSE_HEADERS))
+            await send({"type": "http.response.body", "body": b""})
+            return
+        if not answered:
+            raise InvalidInput(
+                f"model {served.model!r} sent no response; /generate needs exactly one"
+            )
+        await start(
+            200,
+            [(b"content-length", str(len(first)).encode()), (b"content-type", b"application/json")],
+        )
+        await send({"type": "http.response.body", "body": first})
+
+
+async def _watch_disconnect(receive: Receive, scope: anyio.CancelScope) -> None:
+    while True:
+        message: Message = await receive()
+        if message["type"] == "http.disconnect":
+            scope.cancel()
+            return

@@ -1,0 +1,427 @@
+"""Streaming responses: decoupled Python models through ``engine.infer_stream``."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import anyio
+import attrs
+import numpy as np
+import pytest
+import trio
+import trio.testing
+
+import trioinfer
+from trioinfer import (
+    BackendError,
+    ConfigError,
+    EngineClosed,
+    InvalidInput,
+    ModelConfig,
+    QueueFull,
+    open_engine,
+)
+from trioinfer.testing import assert_all_ended
+
+pytestmark = pytest.mark.streaming
+
+Arrays = dict[str, np.ndarray[Any, Any]]
+SIGNATURE = {
+    "inputs": [{"name": "n", "dtype": "int32", "shape": [1]}],
+    "outputs": [{"name": "i", "dtype": "int32", "shape": [1]}],
+}
+REPEAT = trioinfer.example_repository() / "repeat_int32" / "config.toml"
+
+
+def repeat_inputs(values: list[int], delay_ms: int = 0, wait_ms: int = 0) -> Arrays:
+    return {
+        "IN": np.array(values, np.int32),
+        "DELAY": np.full(len(values), delay_ms, np.uint32),
+        "WAIT": np.array([wait_ms], np.uint32),
+    }
+
+
+class Probe:
+    """What a counting model did: responses made, and how its generator ended."""
+
+    def __init__(self) -> None:
+        self.made = 0
+        self.ended: str | None = None
+        self.deadline: float | None = None
+        self.closed = anyio.Event()
+
+
+def counting(probe: Probe, *, pause: float = 0.0, fail_after: int | None = None) -> type:
+    """A decoupled model yielding 0, 1, ... up to n - 1, recording what it did in *probe*."""
+
+    class Counting:
+        async def infer(self, inputs: Arrays) -> AsyncIterator[Arrays]:
+            probe.deadline = anyio.current_effective_deadline()
+            try:
+                for i in range(int(inputs["n"][0])):
+                    if pause:
+                        await anyio.sleep(pause)
+                    if fail_after is not None and i == fail_after:
+                        refuse(i)
+                    probe.made += 1
+                    yield {"i": np.array([i], np.int32)}
+            except GeneratorExit:
+                probe.ended = "closed at its yield"
+                raise
+            except BaseException as exc:
+                probe.ended = type(exc).__name__
+                raise
+            else:
+                probe.ended = "returned"
+            finally:
+                probe.closed.set()
+
+    return Counting
+
+
+async def collect(
+    engine: trioinfer.Engine, model: str, inputs: Arrays, into: list[Arrays] | None = None
+) -> list[Arrays]:
+    """Every response of one stream (into *into* as they come, if given)."""
+    got = into if into is not None else []
+    async with engine.infer_stream(model, inputs) as responses:
+        async for outputs in responses:
+            got.append(outputs)
+    return got
+
+
+def refuse(i: int) -> None:
+    raise ValueError(f"no response {i}")
+
+
+def config(cls: type, name: str = "m", **fields: Any) -> ModelConfig:
+    options = {"class": cls, "decoupled": True, **SIGNATURE}
+    return ModelConfig(name=name, path="-", backend="python", backend_options=options, **fields)
+
+
+def n(count: int) -> Arrays:
+    return {"n": np.array([count], np.int32)}
+
+
+async def test_repeat_int32_streams_one_response_per_element() -> None:
+    async with open_engine() as engine:
+        await engine.load(ModelConfig.from_toml(REPEAT))
+        async with engine.infer_stream("repeat_int32", repeat_inputs([4, 2, 0, 1])) as responses:
+            got = [(int(r["OUT"][0]), int(r["IDX"][0])) async for r in responses]
+        assert got == [(4, 0), (2, 1), (0, 2), (1, 3)]
+        async with engine.infer_stream("repeat_int32", repeat_inputs([])) as responses:
+            assert [r async for r in responses] == []
+        stats = engine.statistics().models["repeat_int32"]
+        assert (stats.succeeded, stats.failed, stats.cancelled, stats.in_flight) == (2, 0, 0, 0)
+
+
+@pytest.mark.parametrize("backend", ["trio", "asyncio"])
+def test_streams_on_trio_and_asyncio(backend: str) -> None:
+    """The whole contract on both event loops: order, early stop, error, deadline."""
+    seen: dict[str, Any] = {}
+
+    async def main() -> None:
+        full, early, failing, slow = Probe(), Probe(), Probe(), Probe()
+        async with open_engine() as engine:
+            await engine.load(config(counting(full), "full"))
+            await engine.load(config(counting(early), "early"))
+            await engine.load(config(counting(failing, fail_after=2), "failing"))
+            await engine.load(config(counting(slow, pause=0.02), "slow"))
+            async with engine.infer_stream("full", n(5)) as responses:
+                seen["full"] = [int(r["i"][0]) async for r in responses]
+            async with engine.infer_stream("early", n(1000)) as responses:
+                async for r in responses:
+                    if r["i"][0] == 2:
+                        break
+            with anyio.fail_after(5):  # a generator left open would never get here
+                await early.closed.wait()
+            seen["early"] = (early.made, early.ended)
+            got: list[Arrays] = []
+            with pytest.raises(BackendError, match=r"infer raised ValueError: no response 2"):
+                await collect(engine, "failing", n(5), got)
+            seen["failing"] = ([int(r["i"][0]) for r in got], failing.ended)
+            with anyio.move_on_after(0.1) as scope:
+                async with engine.infer_stream("slow", n(1000)) as responses:
+                    async for _ in responses:
+                        pass
+            with anyio.fail_after(5):
+                await slow.closed.wait()
+            seen["slow"] = (scope.cancelled_caught, slow.ended, slow.deadline == scope.deadline)
+            assert_all_ended(engine, accepted=4)
+            seen["stats"] = {
+                name: (s.succeeded, s.failed, s.cancelled)
+                for name, s in engine.statistics().models.items()
+            }
+
+    anyio.run(main, backend=backend)
+    assert seen["full"] == [0, 1, 2, 3, 4]
+    # Read 0, 1, 2; the model had made at most one more, and stopped at its yield.
+    assert seen["early"] in [(3, "closed at its yield"), (4, "closed at its yield")]
+    assert seen["failing"] == ([0, 1], "ValueError")
+    cancelled = "CancelledError" if backend == "asyncio" else "Cancelled"
+    assert seen["slow"] == (True, cancelled, True)  # the caller's deadline reached the model
+    assert seen["stats"] == {
+        "early": (0, 0, 1),
+        "failing": (0, 1, 0),
+        "full": (1, 0, 0),
+        "slow": (0, 0, 1),
+    }
+
+
+async def test_a_slow_reader_slows_the_model(autojump_clock: trio.testing.MockClock) -> None:
+    """Backpressure: the model is never more than one response ahead of the reader."""
+    probe = Probe()
+    ahead = []
+    async with open_engine() as engine:
+        await engine.load(config(counting(probe)))
+        read = 0
+        async with engine.infer_stream("m", n(50)) as responses:
+            async for _ in responses:
+                read += 1
+                await trio.sleep(1)  # a slow reader; the model could run on meanwhile
+                ahead.append(probe.made - read)
+    assert read == 50
+    assert max(ahead) == 1  # one made while the reader held the last: no more
+    assert probe.ended == "returned"
+
+
+async def test_cancelling_the_caller_cancels_the_model_where_it_waits() -> None:
+    probe = Probe()
+    async with open_engine() as engine:
+        await engine.load(config(counting(probe, pause=math.inf)))
+        with trio.CancelScope() as scope:
+            async with engine.infer_stream("m", n(5)) as responses:
+                scope.cancel()
+                async for _ in responses:
+                    pass  # pragma: no cover  # the model never answers
+        assert probe.ended == "Cancelled"
+        assert_all_ended(engine, accepted=1)
+        assert engine.statistics().models["m"].cancelled == 1
+
+
+async def test_a_model_s_own_error_reaches_the_caller_as_it_is() -> None:
+    class Refuses:
+        async def infer(self, inputs: Arrays) -> AsyncIterator[Arrays]:
+            yield {"i": np.array([0], np.int32)}
+            raise InvalidInput("n must be small")
+
+    class Misshapen:
+        async def infer(self, inputs: Arrays) -> AsyncIterator[Arrays]:
+            yield {"i": np.array([0, 1], np.int32)}
+
+    async with open_engine() as engine:
+        await engine.load(config(Refuses, "refuses"))
+        await engine.load(config(Misshapen, "misshapen"))
+        got: list[Arrays] = []
+        with pytest.raises(InvalidInput, match=r"^n must be small$"):
+            await collect(engine, "refuses", n(1), got)
+        assert len(got) == 1
+        with pytest.raises(BackendError, match=r"output 'i' has shape \[2\]; the config"):
+            await collect(engine, "misshapen", n(1))
+        assert_all_ended(engine, accepted=2)
+
+
+async def test_every_stream_ends_exactly_once() -> None:
+    """Many streams at once, ending every way there is; the counters add up."""
+    probe = Probe()
+    async with open_engine() as engine:
+        await engine.load(config(counting(probe, fail_after=7), "m", max_queue_size=100))
+        outcomes: list[str] = []
+
+        async def one(k: int) -> None:
+            try:
+                with trio.move_on_after(0 if k % 4 == 3 else math.inf):
+                    async with engine.infer_stream("m", n(k % 10)) as responses:
+                        async for r in responses:
+                            if k % 4 == 1 and r["i"][0] == 1:
+                                outcomes.append("left")
+                                return
+                    outcomes.append("done")
+                    return
+                outcomes.append("cancelled")
+            except BackendError:
+                outcomes.append("failed")
+
+        async with trio.open_nursery() as nursery:
+            for k in range(40):
+                nursery.start_soon(one, k)
+        assert len(outcomes) == 40
+        stats = engine.statistics().models["m"]
+        assert_all_ended(engine, accepted=40 - outcomes.count("cancelled"))
+        assert stats.failed == outcomes.count("failed") > 0
+        assert stats.cancelled == outcomes.count("left") > 0
+
+
+async def test_admission_bounds_open_streams() -> None:
+    probe = Probe()
+    async with open_engine() as engine:
+        await engine.load(config(counting(probe, pause=math.inf), max_queue_size=2))
+        async with (
+            engine.infer_stream("m", n(1)),
+            engine.infer_stream("m", n(1)),
+        ):
+            with pytest.raises(QueueFull, match=r"has 2 streams open, its max_queue_size"):
+                async with engine.infer_stream("m", n(1)):
+                    pass  # pragma: no cover
+        # Both left: their places are free again.
+        async with engine.infer_stream("m", n(1)), engine.infer_stream("m", n(1)):
+            pass
+        stats = engine.statistics().models["m"]
+        assert (stats.refused, stats.cancelled, stats.in_flight) == (1, 4, 0)
+
+
+async def test_streams_go_to_the_least_busy_instance() -> None:
+    devices: list[int] = []
+
+    class Where:
+        def __init__(self, device: str) -> None:
+            self.me = id(self)
+
+        async def infer(self, inputs: Arrays) -> AsyncIterator[Arrays]:
+            devices.append(self.me)
+            await anyio.sleep(math.inf)
+            yield {}  # pragma: no cover
+
+    async with open_engine() as engine:
+        await engine.load(config(Where, instances=[trioinfer.Instance(count=2)]))
+        async with engine.infer_stream("m", n(1)) as a, engine.infer_stream("m", n(1)) as b:
+            for stream in (a, b):
+                with trio.move_on_after(0.01):
+                    await stream.__anext__()
+    assert len(devices) == 2
+    assert len(set(devices)) == 2
+
+
+async def test_unloading_ends_an_open_stream_with_engine_closed() -> None:
+    probe = Probe()
+    async with open_engine(drain_period=0) as engine:
+        await engine.load(config(counting(probe, pause=math.inf)))
+        ended = []
+
+        async def read() -> None:
+            with pytest.raises(EngineClosed, match=r"model 'm' was unloaded or the engine closed"):
+                await collect(engine, "m", n(3))
+            ended.append(probe.ended)
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(read)
+            await trio.testing.wait_all_tasks_blocked()
+            await engine.unload("m")
+        assert ended == ["Cancelled"]
+
+
+async def test_nothing_a_stream_started_outlives_the_engine() -> None:
+    """A stream read from outside the engine's block ends when the engine does."""
+    probe = Probe()
+    outcome = []
+
+    class SlowToClose:
+        async def infer(self, inputs: Arrays) -> AsyncIterator[Arrays]:
+            try:
+                await anyio.sleep(math.inf)
+                yield {}  # pragma: no cover
+            finally:
+                with anyio.CancelScope(shield=True):
+                    await anyio.sleep(0.05)  # clean-up that takes a while
+                probe.ended = "cleaned up"
+
+    async def read(engine: trioinfer.Engine) -> None:
+        try:
+            await collect(engine, "m", n(3))
+        except EngineClosed:
+            outcome.append("EngineClosed")
+
+    async with trio.open_nursery() as nursery:
+        async with open_engine(drain_period=0) as engine:
+            await engine.load(config(SlowToClose))
+            assert engine.model("m").decoupled
+            nursery.start_soon(read, engine)
+            await trio.testing.wait_all_tasks_blocked()
+        # The engine's block has returned: the model's generator has closed already.
+        assert probe.ended == "cleaned up"
+    assert outcome == ["EngineClosed"]
+
+
+async def test_infer_and_infer_stream_on_the_other_kind_of_model() -> None:
+    class Plain:
+        async def infer(self, inputs: Arrays) -> Arrays:
+            return {"i": inputs["n"] * 2}
+
+    async with open_engine() as engine:
+        await engine.load(config(counting(Probe()), "stream"))
+        await engine.load(
+            ModelConfig(
+                name="plain",
+                path="-",
+                backend="python",
+                backend_options={"class": Plain, **SIGNATURE},
+            )
+        )
+        assert not engine.model("plain").decoupled
+        with pytest.raises(InvalidInput, match=r"model 'stream' is decoupled.*infer_stream"):
+            await engine.infer("stream", n(3))
+        async with engine.infer_stream("plain", n(21)) as responses:
+            assert [int(r["i"][0]) async for r in responses] == [42]
+        with pytest.raises(InvalidInput, match=r"expected|dtype|int32"):
+            async with engine.infer_stream("stream", {"n": np.array([1.5])}):
+                pass  # pragma: no cover
+
+
+async def test_decoupled_must_match_the_model_class() -> None:
+    class Plain:
+        async def infer(self, inputs: Arrays) -> Arrays:
+            return {}  # pragma: no cover
+
+    class SyncGenerator:
+        def infer(self, inputs: Arrays) -> Any:
+            yield {}  # pragma: no cover
+
+    async with open_engine() as engine:
+        with pytest.raises(ConfigError, match=r"decoupled = true needs Plain.infer to be an async"):
+            await engine.load(config(Plain))
+        with pytest.raises(ConfigError, match=r"is an async generator.*set backend option decoup"):
+            await engine.load(
+                ModelConfig(
+                    name="m",
+                    path="-",
+                    backend="python",
+                    backend_options={"class": counting(Probe()), **SIGNATURE},
+                )
+            )
+        with pytest.raises(ConfigError, match=r"plain generator"):
+            await engine.load(config(SyncGenerator))
+        with pytest.raises(ConfigError, match=r"decoupled of model 'm' must be true or false"):
+            await engine.load(_bad_flag())
+
+
+async def test_a_generator_in_a_model_file_needs_decoupled(tmp_path: Path) -> None:
+    (tmp_path / "model.py").write_text(
+        "class Model:\n    async def infer(self, inputs):\n        yield {'i': inputs['n']}\n"
+    )
+    options = {"class": "Model", **SIGNATURE}
+    on_disk = ModelConfig(
+        name="m", path=tmp_path / "model.py", backend="python", backend_options=options
+    )
+    async with open_engine() as engine:
+        with pytest.raises(ConfigError, match=r"Model.infer is an async generator"):
+            await engine.load(on_disk)
+        await engine.load(attrs.evolve(on_disk, backend_options={**options, "decoupled": True}))
+        async with engine.infer_stream("m", n(5)) as responses:
+            assert [int(r["i"][0]) async for r in responses] == [5]
+
+
+def _bad_flag() -> ModelConfig:
+    options = {"class": counting(Probe()), "decoupled": "yes", **SIGNATURE}
+    return ModelConfig(name="m", path="-", backend="python", backend_options=options)
+
+
+async def test_the_stream_refuses_use_outside_its_block() -> None:
+    async with open_engine() as engine:
+        await engine.load(config(counting(Probe())))
+        async with engine.infer_stream("m", n(3)) as responses:
+            pass
+        with pytest.raises(anyio.ClosedResourceError, match=r"inside its `async with"):
+            await responses.__anext__()

@@ -1,0 +1,300 @@
+"""Triton's generate extension over HTTP: ``/generate`` and ``/generate_stream`` (SSE)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+import types
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import anyio
+import httpx
+import pytest
+import trio
+
+import trioinfer
+from trioinfer.server import serve_http
+
+pytestmark = pytest.mark.streaming
+
+PROBE = "trioinfer_test_streaming_probe"
+
+SIGNATURE = """
+inputs = [{ name = "n", dtype = "int32", shape = [1] }]
+outputs = [{ name = "i", dtype = "int32", shape = [1] }]
+"""
+
+# A model that yields *n* responses, or fails after two, and then holds on (never
+# answering more) until the test lets it go: the test can tell whether it went on.
+WATCHED = """
+import sys
+
+import anyio
+import numpy as np
+
+probe = sys.modules["PROBE"]
+
+
+class Model:
+    async def infer(self, inputs):
+        try:
+            for i in range(int(inputs["n"][0])):
+                if i == 2 and probe.fail:
+                    raise ValueError("the model broke after two")
+                if i == 3:
+                    await probe.go_on.wait()
+                probe.made += 1
+                yield {"i": np.array([i], np.int32)}
+        except BaseException as exc:
+            probe.ended = type(exc).__name__
+            raise
+        finally:
+            probe.closed.set()
+""".replace("PROBE", PROBE)
+
+PLAIN = """
+class Model:
+    async def infer(self, inputs):
+        return {"i": inputs["n"] * 2}
+"""
+
+
+def probe() -> types.SimpleNamespace:
+    return types.SimpleNamespace(
+        made=0, ended=None, fail=False, go_on=anyio.Event(), closed=anyio.Event()
+    )
+
+
+@pytest.fixture
+def repository(tmp_path: Path) -> Path:
+    root = tmp_path / "models"
+    shutil.copytree(trioinfer.example_repository() / "repeat_int32", root / "repeat_int32")
+    for name, code, decoupled in [("watched", WATCHED, "true"), ("plain", PLAIN, "false")]:
+        (root / name / "1").mkdir(parents=True)
+        (root / name / "1" / "model.py").write_text(code)
+        (root / name / "config.toml").write_text(
+            f'backend = "python"\n[backend_options]\ndecoupled = {decoupled}\n{SIGNATURE}'
+        )
+    return root
+
+
+@asynccontextmanager
+async def serving(root: Path) -> AsyncIterator[httpx.AsyncClient]:
+    async with trio.open_nursery() as nursery:
+        listening = await nursery.start(
+            lambda task_status: serve_http(
+                root, host="127.0.0.1", port=0, handle_signals=False, task_status=task_status
+            )
+        )
+        async with httpx.AsyncClient(base_url=listening.urls[0]) as client:
+            yield client
+        nursery.cancel_scope.cancel()
+
+
+def events(text: str) -> list[Any]:
+    """The JSON of each server-sent event in *text*, checking the framing."""
+    assert text.endswith("\n\n")
+    chunks = text[:-2].split("\n\n")
+    assert all(chunk.startswith("data: ") and "\n" not in chunk for chunk in chunks)
+    return [json.loads(chunk[len("data: ") :]) for chunk in chunks]
+
+
+REPEAT = {"IN": [4, 2, 0, 1], "DELAY": [1, 2, 3, 4], "WAIT": 5}
+
+
+async def test_generate_stream_sends_one_event_per_response(repository: Path) -> None:
+    async with serving(repository) as client:
+        answer = await client.post("/v2/models/repeat_int32/generate_stream", json=REPEAT)
+        versioned = await client.post(
+            "/v2/models/repeat_int32/versions/1/generate_stream",
+            json={"IN": [], "DELAY": [], "WAIT": 0},
+        )
+        metadata = (await client.get("/v2")).json()
+        config = (await client.get("/v2/models/repeat_int32/config")).json()
+        plain = (await client.get("/v2/models/plain/config")).json()
+    assert answer.status_code == 200
+    assert answer.headers["content-type"] == "text/event-stream; charset=utf-8"
+    assert answer.headers["transfer-encoding"] == "chunked"
+    assert events(answer.text) == [
+        {"model_name": "repeat_int32", "model_version": "1", "OUT": out, "IDX": idx}
+        for idx, out in enumerate([4, 2, 0, 1])
+    ]
+    assert (versioned.status_code, versioned.text) == (200, "")  # no response at all
+    assert "generate" in metadata["extensions"]
+    assert config["model_transaction_policy"] == {"decoupled": True}  # as Triton says it
+    assert "model_transaction_policy" not in plain
+
+
+async def test_generate_answers_exactly_one_response(repository: Path) -> None:
+    async with serving(repository) as client:
+        one = await client.post(
+            "/v2/models/repeat_int32/generate", json={"IN": [7], "DELAY": [0], "WAIT": [0]}
+        )
+        many = await client.post("/v2/models/repeat_int32/generate", json=REPEAT)
+        none = await client.post(
+            "/v2/models/repeat_int32/generate", json={"IN": [], "DELAY": [], "WAIT": 0}
+        )
+        plain = await client.post("/v2/models/plain/generate", json={"n": 21})
+        plain_stream = await client.post("/v2/models/plain/generate_stream", json={"n": 4})
+    assert (one.status_code, one.headers["content-type"]) == (200, "application/json")
+    assert one.json() == {"model_name": "repeat_int32", "model_version": "1", "OUT": 7, "IDX": 0}
+    assert many.status_code == 400
+    assert "sent more than one response" in many.json()["error"]
+    assert none.status_code == 400
+    assert "sent no response" in none.json()["error"]
+    assert plain.json() == {"model_name": "plain", "model_version": "1", "i": 42}
+    assert events(plain_stream.text) == [{"model_name": "plain", "model_version": "1", "i": 8}]
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "status", "message"),
+    [
+        ("nope/generate_stream", {}, 404, "model 'nope' is not served"),
+        ("repeat_int32/generate_stream", [1], 400, "must be a JSON object of inputs"),
+        ("repeat_int32/generate_stream", {"IN": [1], "X": 1}, 400, "'X' is not an input"),
+        ("repeat_int32/generate_stream", {"IN": [1.5]}, 400, "cannot hold JSON values like"),
+        ("repeat_int32/generate_stream", {"IN": [[1], [2, 3]]}, 400, "rectangular"),
+        ("repeat_int32/generate_stream", {"IN": [2**40]}, 400, "out of its range"),
+        ("repeat_int32/generate", {"IN": [1], "DELAY": [0]}, 400, "WAIT"),
+        ("repeat_int32/generate", {"parameters": {"priority": "high"}}, 400, "priority"),
+        ("repeat_int32/infer", None, 400, "is decoupled"),
+    ],
+)
+async def test_errors_before_the_first_response_are_json_with_a_status(
+    repository: Path, path: str, body: Any, status: int, message: str
+) -> None:
+    if body is None:
+        body = {"inputs": [{"name": "IN", "shape": [1], "datatype": "INT32", "data": [1]}]}
+        body["inputs"] += [
+            {"name": "DELAY", "shape": [1], "datatype": "UINT32", "data": [0]},
+            {"name": "WAIT", "shape": [1], "datatype": "UINT32", "data": [0]},
+        ]
+    async with serving(repository) as client:
+        answer = await client.post(f"/v2/models/{path}", json=body)
+    assert answer.status_code == status
+    assert answer.headers["content-type"] == "application/json"
+    assert message in answer.json()["error"]
+
+
+async def test_an_error_mid_stream_is_a_last_error_event(repository: Path) -> None:
+    sys.modules[PROBE] = watched = probe()
+    watched.fail = True
+    try:
+        async with serving(repository) as client:
+            answer = await client.post("/v2/models/watched/generate_stream", json={"n": 5})
+    finally:
+        del sys.modules[PROBE]
+    assert answer.status_code == 200
+    *responses, error = events(answer.text)
+    assert [r["i"] for r in responses] == [0, 1]
+    assert list(error) == ["error"]
+    assert "watched" in error["error"]
+    assert "infer raised ValueError: the model broke after two" in error["error"]
+
+
+async def test_the_timeout_parameter_ends_the_stream(repository: Path) -> None:
+    # Ten responses 30 ms apart under a timeout of 100 ms: a few, then the timeout.
+    body = {
+        "IN": list(range(10)),
+        "DELAY": [30] * 10,
+        "WAIT": 0,
+        "parameters": {"timeout": 100_000},
+    }
+    async with serving(repository) as client:
+        answer = await client.post("/v2/models/repeat_int32/generate_stream", json=body)
+        before = await client.post(
+            "/v2/models/repeat_int32/generate",
+            json={**body, "WAIT": 1000},
+        )
+    *responses, error = events(answer.text)
+    assert 1 <= len(responses) < 10
+    assert "timeout of 100000 µs passed" in error["error"]
+    assert before.status_code == 504
+
+
+async def test_a_client_that_disconnects_stops_the_model(repository: Path) -> None:
+    """No work after the disconnect: the model, holding its 4th response, never makes it."""
+    sys.modules[PROBE] = watched = probe()
+    try:
+        async with serving(repository) as client:
+            # A bare socket: read three events, then hang up.
+            host, port = client.base_url.host, client.base_url.port
+            assert port is not None
+            body = b'{"n": 10}'
+            request = (
+                b"POST /v2/models/watched/generate_stream HTTP/1.1\r\nhost: x\r\n"
+                b"content-type: application/json\r\ncontent-length: %d\r\n\r\n%b"
+            ) % (len(body), body)
+            got = b""
+            async with await trio.open_tcp_stream(host, port) as sock:
+                await sock.send_all(request)
+                while got.count(b"data: ") < 3 or not got.endswith(b"\r\n"):
+                    got += await sock.receive_some()
+            # The client has gone; the server notices and cancels the stream.
+            with trio.fail_after(10):
+                await watched.closed.wait()
+            watched.go_on.set()  # were the model still running, it would go on now
+            await trio.testing.wait_all_tasks_blocked()
+            still = await client.post("/v2/models/repeat_int32/generate", json=REPEAT | {
+                "IN": [1], "DELAY": [0]})  # fmt: skip
+    finally:
+        del sys.modules[PROBE]
+    assert got.startswith(b"HTTP/1.1 200 OK\r\n")
+    assert [json.loads(line[6:])["i"] for line in got.split(b"\r\n") if line[:6] == b"data: "] == [
+        0,
+        1,
+        2,
+    ]
+    assert (watched.made, watched.ended) == (3, "Cancelled")
+    assert still.status_code == 200
+
+
+def test_generate_stream_and_a_disconnect_on_asyncio(repository: Path) -> None:
+    """The same HTTP stack on asyncio: events as they come, and a hang-up stops the model."""
+    seen: dict[str, Any] = {}
+
+    async def main() -> None:
+        sys.modules[PROBE] = watched = probe()
+        try:
+            async with anyio.create_task_group() as tg:
+                listening = await tg.start(
+                    lambda task_status: serve_http(
+                        repository,
+                        host="127.0.0.1",
+                        port=0,
+                        handle_signals=False,
+                        task_status=task_status,
+                    )
+                )
+                url = listening.urls[0]
+                async with httpx.AsyncClient(base_url=url) as client:
+                    answer = await client.post(
+                        "/v2/models/repeat_int32/generate_stream", json=REPEAT
+                    )
+                    seen["events"] = [e["OUT"] for e in events(answer.text)]
+                host, port = url.removeprefix("http://").rsplit(":", 1)
+                body = b'{"n": 10}'
+                async with await anyio.connect_tcp(host, int(port)) as sock:
+                    await sock.send(
+                        b"POST /v2/models/watched/generate_stream HTTP/1.1\r\nhost: x\r\n"
+                        b"content-length: %d\r\n\r\n%b" % (len(body), body)
+                    )
+                    got = b""
+                    while got.count(b"data: ") < 3 or not got.endswith(b"\r\n"):
+                        got += await sock.receive()
+                with anyio.fail_after(10):
+                    await watched.closed.wait()
+                watched.go_on.set()
+                await anyio.sleep(0.01)
+                seen["model"] = (watched.made, watched.ended)
+                tg.cancel_scope.cancel()
+        finally:
+            del sys.modules[PROBE]
+
+    anyio.run(main, backend="asyncio")
+    assert seen["events"] == [4, 2, 0, 1]
+    assert seen["model"] == (3, "CancelledError")
