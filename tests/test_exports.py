@@ -26,7 +26,8 @@ PUBLIC = {
     },
     "trioinfer.lowlevel": {
         "Execution", "FallbackContext", "Placement", "Replica", "Request", "RequestQueue",
-        "SchedulerContext", "Status", "WorkerThread", "numpy_dtype", "wait_on_callback",
+        "SchedulerContext", "Status", "WorkerThread", "current_batch_deadline", "numpy_dtype",
+        "wait_on_callback",
     },
     "trioinfer.testing": {
         "FakeBackend", "FakeInstance", "check_backend", "check_batcher", "check_fallback",

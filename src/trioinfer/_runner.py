@@ -41,7 +41,7 @@ from ._registry import Kind
 from ._request import Outputs, Request
 from ._tensors import InputLimits, ModelSignature
 from ._tensors import rows as _rows
-from ._threads import EventLike, LoopClock, native_event_factory
+from ._threads import EventLike, LoopClock, _batch_deadline, native_event_factory
 from ._util import NoPublicConstructor
 from .abc import (
     AssemblingBatcher,
@@ -797,9 +797,11 @@ class ModelRunner(metaclass=NoPublicConstructor):
                 self._executing.append(running)
                 if self._assemble is not None:
                     rows = _rows(inputs)  # the batcher's own layout: check what it built
+                deadline_token = _batch_deadline.set(deadline)
                 try:
                     outputs = await self._call_backend(replica, inputs, rows if self.batched else 0)
                 finally:
+                    _batch_deadline.reset(deadline_token)
                     self._executing.remove(running)
                     ended = self.clock.current_time()
                     elapsed = ended - started
