@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import importlib
 import math
-import os
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -52,8 +52,7 @@ class Recording:
 
 def start_local_ray(temp: Path, **kwargs: Any) -> None:
     """A Ray of this test module's own, on 127.0.0.1 only, in its own temporary directory."""
-    os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
-    os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
+    # RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 and no usage stats: set by conftest.py.
     ray.init(
         address="local",
         include_dashboard=False,
@@ -74,11 +73,18 @@ def local_ray(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
 
 
 def actor_gone(handle: Any) -> bool:
-    """Whether the actor is dead: a call on it fails with RayActorError (Ray's own answer)."""
-    try:
-        ray.get(handle.statistics.remote(), timeout=60)
-    except ray.exceptions.RayActorError:
-        return True
+    """Whether the actor dies: calls on it fail with RayActorError (Ray's own answer).
+
+    ``ray.kill`` takes effect a moment after it returns, so a call may still be answered
+    just after it: ask again for a while.
+    """
+    give_up = time.monotonic() + 30
+    while time.monotonic() < give_up:
+        try:
+            ray.get(handle.statistics.remote(), timeout=30)
+        except ray.exceptions.RayActorError:
+            return True
+        time.sleep(0.05)
     return False
 
 
@@ -86,7 +92,7 @@ async def wait_for_counter(
     instance: trioinfer_ray.RayInstance, name: str, value: int
 ) -> dict[str, int]:
     with trio.fail_after(60):
-        while (stats := await instance.remote_statistics())[name] < value:
+        while (stats := await instance.remote_statistics())[name] < value:  # noqa: ASYNC110
             await trio.sleep(0.01)
     return stats
 
