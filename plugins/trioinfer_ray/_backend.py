@@ -13,6 +13,7 @@ import importlib
 import logging
 import math
 import os
+import sys
 import threading
 from collections.abc import Callable, Mapping
 from typing import Any, Final, final
@@ -158,6 +159,10 @@ class RayBackend:
             BackendError: The model could not be loaded on the node.
         """
         options = check_options(config, placement)
+        if options.address is None and "ray" not in sys.modules:
+            # A Ray we may start ourselves: Ray reads this when imported, and then
+            # runs every process of it on 127.0.0.1 alone.
+            os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
         _ray()  # say which extra is missing before anything else
         await anyio.to_thread.run_sync(connect, options.address)
         label = f"model {config.name!r} instance {placement.index} (ray)"
