@@ -310,7 +310,7 @@ async def test_missing_ray_names_the_extra(
 
     monkeypatch.setattr(importlib, "import_module", no_ray)
     config = ModelConfig(name="m", path=mlp_model, backend="ray")
-    with pytest.raises(BackendUnavailable, match=r"'ray' extra.*trioinfer\[ray"):
+    with pytest.raises(BackendUnavailable, match=r"'ray' extra.*\[ray,cpu\]"):
         await trioinfer_ray.RayBackend().load(config, config.placements()[0])
 
 

@@ -1,7 +1,7 @@
 """The Ray backend plugin: each model instance an async Ray actor on a cluster node.
 
 Entry point ``ray`` in group ``trioinfer.backends``; needs the ``ray`` extra
-(``pip install 'trioinfer[ray,cpu]'``). The engine keeps its queue, scheduler,
+(``pip install -e '.[ray,cpu]'`` in a clone). The engine keeps its queue, scheduler,
 batcher and fallbacks in this process (the driver); each instance of a model
 with ``backend = "ray"`` is an actor holding an ONNX Runtime session (the
 ``onnxruntime`` backend's instance, run as it runs locally) on whichever node

@@ -51,8 +51,7 @@ def _ray() -> Any:
     except ImportError as exc:
         raise BackendUnavailable(
             f"the ray backend needs Ray, which does not import here ({exc}): install trioinfer "
-            "with the 'ray' extra, e.g. pip install 'trioinfer[ray,cpu]' (or -e '.[ray,cpu]' "
-            "in a clone)"
+            "with the 'ray' extra (and cpu or gpu), e.g. pip install -e '.[ray,cpu]' in a clone"
         ) from exc
 
 
