@@ -28,6 +28,7 @@ from trioinfer import (
     open_engine,
 )
 from trioinfer.lowlevel import Placement
+from trioinfer.testing import check_backend, models
 
 pytestmark = pytest.mark.ray
 
@@ -131,6 +132,29 @@ async def test_outputs_match_a_local_instance(local_ray: None, mlp_model: Path) 
         assert stats.executions < len(xs)  # batched in the driver, computed remotely
 
 
+async def test_ray_backend_keeps_the_backend_contract(local_ray: None, add_model: Path) -> None:
+    config = ModelConfig(name="add", path=add_model, backend="ray")
+    x = np.ones((2, 4), np.float32)
+    await check_backend(trioinfer_ray.RayBackend(), config, {"a": x, "b": x})
+
+
+async def test_a_repository_config_toml_serves_on_ray(local_ray: None, tmp_path: Path) -> None:
+    (tmp_path / "digits" / "1").mkdir(parents=True)
+    models.write_mlp(tmp_path / "digits" / "1" / "model.onnx")
+    (tmp_path / "digits" / "config.toml").write_text(
+        'backend = "ray"\n\n[backend_options]\ncodec = "uint8"\nonnxruntime = { dispatch = '
+        '"thread" }\n\n[[instances]]\ncount = 2\nthreads = 1\n'
+    )
+    config = ModelConfig.from_toml(tmp_path / "digits" / "config.toml")
+    async with open_engine() as engine:
+        await engine.load(config)
+        out = await engine.infer("digits", {"input": np.zeros((3, 64), np.float32)})
+        assert out["output"].shape == (3, 10)
+        devices = engine.statistics().models["digits"].devices
+        assert len(devices) == 2
+        assert all(d.startswith("cpu@") for d in devices)
+
+
 async def test_actor_refuses_a_batch_whose_time_ran_out(local_ray: None, mlp_model: Path) -> None:
     config = ModelConfig(name="m", path=mlp_model, backend="ray")
     instance = await trioinfer_ray.RayBackend().load(config, config.placements()[0])
@@ -147,6 +171,32 @@ async def test_actor_refuses_a_batch_whose_time_ran_out(local_ray: None, mlp_mod
         handle = instance.actor
         await instance.aclose()
     assert actor_gone(handle)
+
+
+async def test_the_remaining_time_crosses_the_wire(local_ray: None, mlp_model: Path) -> None:
+    recording = Recording()
+    x = np.zeros((1, 64), np.float32)
+    async with open_engine(registry=recording.registry()) as engine:
+        await engine.load(ModelConfig(name="m", path=mlp_model, backend="ray"))
+        (instance,) = recording.instances
+        await engine.infer("m", {"input": x})
+        assert (await instance.remote_statistics())["last_remaining"] == math.inf
+        with trio.fail_after(30):
+            await engine.infer("m", {"input": x})
+        assert 0 < (await instance.remote_statistics())["last_remaining"] <= 30
+
+
+async def test_a_dead_actor_is_backend_unavailable(local_ray: None, mlp_model: Path) -> None:
+    config = ModelConfig(name="m", path=mlp_model, backend="ray")
+    instance = await trioinfer_ray.RayBackend().load(config, config.placements()[0])
+    try:
+        ray.kill(instance.actor)
+        with pytest.raises(BackendUnavailable, match="is gone"):  # noqa: PT012
+            with trio.fail_after(60):
+                while True:  # the kill lands a moment after it returns
+                    await instance.execute({"input": np.zeros((1, 64), np.float32)})
+    finally:
+        await instance.aclose()
 
 
 async def test_no_remote_compute_for_requests_that_expired_or_left_while_queued(

@@ -34,7 +34,8 @@ class ModelActor:
     The counters say what the actor did with the calls it got: ``computed``
     (runs started), ``expired`` (refused: the batch's deadline had passed when
     the actor got to it), ``cancelled`` (calls cancelled while they waited or
-    ran) and ``aborted`` (runs ONNX Runtime cut short).
+    ran) and ``aborted`` (runs ONNX Runtime cut short); ``last_remaining`` is
+    the time left that the last call came with (``inf`` without a deadline).
     """
 
     def __init__(self) -> None:
@@ -44,6 +45,7 @@ class ModelActor:
         self.computed = 0
         self.expired = 0
         self.cancelled = 0
+        self.last_remaining = math.nan
 
     async def load(
         self,
@@ -101,6 +103,7 @@ class ModelActor:
             BackendError: ONNX Runtime failed.
         """
         received = time.monotonic()
+        self.last_remaining = remaining
         deadline = received + remaining if math.isfinite(remaining) else math.inf
         if deadline <= time.monotonic():
             self.expired += 1
@@ -124,6 +127,7 @@ class ModelActor:
             "expired": self.expired,
             "cancelled": self.cancelled,
             "aborted": getattr(self._instance, "aborted", 0),
+            "last_remaining": self.last_remaining,
         }
 
     async def close(self) -> None:

@@ -329,8 +329,11 @@ class RayInstance:
             raise error from exc
         return _codec.decode(outputs) if self._codec else outputs
 
-    async def remote_statistics(self) -> dict[str, int]:
-        """The actor's counters: ``computed``, ``expired``, ``cancelled``, ``aborted``.
+    async def remote_statistics(self) -> dict[str, Any]:
+        """The actor's counters (see `ModelActor`), for tests and diagnostics.
+
+        ``computed``, ``expired``, ``cancelled``, ``aborted``, and
+        ``last_remaining`` (seconds the last batch had left when it was sent).
 
         Raises:
             BackendUnavailable: The actor or its node is gone.
@@ -338,7 +341,7 @@ class RayInstance:
         if self._actor is None:
             raise BackendError(f"{self._label} is closed")
         try:
-            stats: dict[str, int] = await wait_ref(self._actor.statistics.remote())
+            stats: dict[str, Any] = await wait_ref(self._actor.statistics.remote())
         except Exception as exc:
             raise remote_error(exc, self._label) from exc
         return stats
