@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import shutil
 import tempfile
 import time
 from pathlib import Path
@@ -127,6 +128,7 @@ def main() -> None:
         trio.run(bridges, digits, args.batches)
     finally:
         ray.shutdown()
+        shutil.rmtree(temp, ignore_errors=True)
 
 
 if __name__ == "__main__":
