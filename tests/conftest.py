@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
 
 from trioinfer.testing import models
+
+# Ray (the ray tests) reads these when it is imported, so they are set before any test
+# module imports it: every Ray of the tests on 127.0.0.1 alone, and no usage reports.
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 
 
 @pytest.fixture(scope="session")

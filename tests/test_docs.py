@@ -20,6 +20,7 @@ import trioinfer
 import trioinfer.testing
 from trioinfer_fallback import Resilient
 from trioinfer_onnxruntime import OPTIONS
+from trioinfer_ray import OPTIONS as RAY_OPTIONS
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"
@@ -49,6 +50,11 @@ EXPECTED_OUTPUT = {
         "step 2: dynamic-10ms: no lone request came back before the delay: True",
         "step 4: both answers are views of one (2, 10) array: True",
         "step 4: a copy owns its data: True",
+    ],
+    "ray_cluster.py": [
+        "step 1: two instances, one per node",
+        "; some via a failover: True",
+        "step 3: a new node joins; the instance is re-created there",
     ],
     "quickstart.py": [
         "loaded 'digits' (version 1) on ['cpu']",
@@ -163,6 +169,7 @@ PROGRAM_PAGES = {
     "tutorials/python_models.md": "python_models.py",
     "tutorials/sequences.md": "sequences.py",
     "tutorials/streaming.md": "streaming.py",
+    "tutorials/ray_cluster.md": "ray_cluster.py",
     "how-to/plugins.md": "plugin.py",
     "how-to/testing.md": None,  # a test module: run with pytest
     "how-to/from-triton.md": None,  # a tritonclient program, against `trioinfer serve`
@@ -172,7 +179,7 @@ PROGRAM_PAGES = {
 # Serve's): it must parse, but it is not part of the page's program.
 FOR_COMPARISON = "for comparison"
 # Pages whose program logs warnings on stderr, as the page says it does.
-LOGS_ON_STDERR = {"tutorials/failover.md"}
+LOGS_ON_STDERR = {"tutorials/failover.md", "tutorials/ray_cluster.md"}
 FENCE = re.compile(r"^```(\w*)([^\n]*)\n(.*?)^```[ \t]*$", re.MULTILINE | re.DOTALL)
 SNIPPET_LINE = re.compile(r'^[ \t]*--8<-- "([^"]+)"[ \t]*$', re.MULTILINE)
 
@@ -334,6 +341,13 @@ def test_every_onnxruntime_option_is_documented() -> None:
     section = page.split("## ONNX Runtime backend options", 1)[1].split("\n#", 1)[0]
     rows = re.findall(r"^\| `([a-z_]+)` \|", section, re.MULTILINE)
     assert sorted(rows) == sorted(OPTIONS)
+
+
+def test_every_ray_option_is_documented() -> None:
+    page = (DOCS / "how-to" / "ray.md").read_text()
+    section = page.split("## Options", 1)[1]
+    rows = re.findall(r"^\| `([a-z_]+)` \|", section, re.MULTILINE)
+    assert sorted(rows) == sorted(RAY_OPTIONS)
 
 
 def test_example_config_toml_loads(tmp_path: Path) -> None:

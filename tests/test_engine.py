@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import gc
+import math
 import threading
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import onnxruntime
@@ -425,3 +427,53 @@ def test_split_gives_each_request_views_of_its_own_rows() -> None:
         [0], [1, 2, 3], [4, 5]
     ]  # fmt: skip
     assert _split(requests, {}) == [{}, {}, {}]
+
+
+async def test_a_backend_sees_its_batch_deadline(autojump_clock: trio.testing.MockClock) -> None:
+    """lowlevel.current_batch_deadline(): the latest deadline among the rows being computed."""
+    from trioinfer.lowlevel import current_batch_deadline
+
+    seen: list[float] = []
+
+    class Recorder:
+        signature = trioinfer.ModelSignature(
+            (trioinfer.TensorSpec("x", np.dtype(np.float32), ("batch", 1), "tensor(float)"),),
+            (trioinfer.TensorSpec("y", np.dtype(np.float32), ("batch", 1), "tensor(float)"),),
+        )
+        device = "cpu"
+
+        async def execute(self, inputs: Any) -> dict[str, Any]:
+            seen.append(current_batch_deadline())
+            await trio.sleep(0.1)
+            return {"y": inputs["x"]}
+
+        async def aclose(self) -> None:
+            pass
+
+    class Backend:
+        async def load(self, config: Any, placement: Any) -> Recorder:
+            return Recorder()
+
+    registry = trioinfer.Registry(extra={"backends": {"b": Backend}})
+    config = trioinfer.ModelConfig(
+        name="m",
+        path="none",
+        backend="b",
+        batcher="dynamic",
+        batcher_options={"max_batch_size": 4, "max_queue_delay": 0.01},
+    )
+    x = np.zeros((1, 1), np.float32)
+    assert current_batch_deadline() == math.inf  # outside an execution
+    async with trioinfer.open_engine(registry=registry) as engine:
+        await engine.load(config)
+        start = trio.current_time()
+
+        async def call(budget: float) -> None:
+            with trio.fail_after(budget):
+                await engine.infer("m", {"x": x})
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(call, 5.0)
+            nursery.start_soon(call, 7.0)
+        await engine.infer("m", {"x": x})  # no deadline
+    assert seen == [start + 7.0, math.inf]

@@ -28,7 +28,8 @@ PUBLIC = {
     },
     "trioinfer.lowlevel": {
         "Execution", "FallbackContext", "Placement", "Replica", "Request", "RequestQueue",
-        "SchedulerContext", "SequenceContext", "Status", "WorkerThread", "numpy_dtype",
+        "SchedulerContext", "SequenceContext", "Status", "WorkerThread", "current_batch_deadline",
+        "numpy_dtype",
         "wait_on_callback",
     },
     "trioinfer.testing": {

@@ -42,7 +42,13 @@ from ._registry import Kind
 from ._request import Outputs, Request
 from ._tensors import InputLimits, ModelSignature
 from ._tensors import rows as _rows
-from ._threads import EventLike, LoopClock, native_event_factory, native_waiter_factory
+from ._threads import (
+    EventLike,
+    LoopClock,
+    _batch_deadline,
+    native_event_factory,
+    native_waiter_factory,
+)
 from ._util import NoPublicConstructor
 from .abc import (
     AssemblingBatcher,
@@ -923,6 +929,7 @@ class ModelRunner(metaclass=NoPublicConstructor):
                 self._executing.append(running)
                 if self._assemble is not None:
                     rows = _rows(inputs)  # the batcher's own layout: check what it built
+                deadline_token = _batch_deadline.set(deadline)
                 try:
                     if self.tracing is None or not self.tracing.in_batch():
                         outputs = await self._call_backend(
@@ -938,6 +945,7 @@ class ModelRunner(metaclass=NoPublicConstructor):
                             ),
                         )
                 finally:
+                    _batch_deadline.reset(deadline_token)
                     self._executing.remove(running)
                     ended = self.clock.current_time()
                     elapsed = ended - started

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
+import math
 import os
 import queue
 import threading
@@ -21,6 +23,11 @@ import sniffio
 import trio.lowlevel as _trio  # a core dependency; used only when Trio runs
 
 T = TypeVar("T")
+
+# The latest deadline among the rows of the batch a backend instance is executing.
+_batch_deadline: contextvars.ContextVar[float] = contextvars.ContextVar(
+    "trioinfer_batch_deadline", default=math.inf
+)
 
 #: Runs a callable on the event loop's thread, soon; callable from any thread.
 Waker = Callable[[Callable[[], object]], None]
@@ -169,6 +176,19 @@ class _Resolver(Generic[T]):
         if self.error is not None:
             raise self.error
         return self.value  # type: ignore[return-value]
+
+
+def current_batch_deadline() -> float:
+    """The latest deadline among the rows a backend instance's ``execute`` is computing.
+
+    On the engine's clock (``math.inf`` when a row has none, or outside an
+    execution). Past it nobody waits for the batch, so a backend that sends
+    work elsewhere (another process, another machine) can send the time left
+    with it and refuse the work there once it has passed. The engine does not
+    cancel the execution at this deadline itself: it cancels it when the last
+    caller leaves.
+    """
+    return _batch_deadline.get()
 
 
 async def wait_on_callback(

@@ -28,7 +28,9 @@ class OneAtATime:
   gets, a [`WorkerThread`][trioinfer.lowlevel.WorkerThread] to run blocking
   calls on, [`wait_on_callback()`][trioinfer.lowlevel.wait_on_callback] for
   runtimes that report through callbacks, and
-  [`numpy_dtype()`][trioinfer.lowlevel.numpy_dtype] for ONNX type names.
+  [`numpy_dtype()`][trioinfer.lowlevel.numpy_dtype] for ONNX type names, and
+  [`current_batch_deadline()`][trioinfer.lowlevel.current_batch_deadline]
+  for backends that send a batch's remaining time along with it.
 
 To make requests for a plugin's own tests, use
 [`trioinfer.testing.make_request()`][trioinfer.testing.make_request].
@@ -37,6 +39,7 @@ To make requests for a plugin's own tests, use
 from ._config import Placement as Placement
 from ._tensors import numpy_dtype as numpy_dtype
 from ._threads import WorkerThread as WorkerThread
+from ._threads import current_batch_deadline as current_batch_deadline
 from ._threads import wait_on_callback as wait_on_callback
 from .abc import Execution as Execution
 from .abc import FallbackContext as FallbackContext

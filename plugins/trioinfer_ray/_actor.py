@@ -1,0 +1,146 @@
+"""The actor: one ONNX Runtime instance in a Ray worker process on a cluster node.
+
+`ModelActor` is a plain class; the backend makes it an async Ray actor with
+``ray.remote`` when it creates one, so that this module imports without Ray.
+Its methods run on the actor's asyncio event loop, where the ONNX Runtime
+backend's instance runs as it would in an engine (its own worker thread;
+``RunOptions.terminate`` when cancelled). ``ray.cancel`` on a call raises
+``CancelledError`` in it, which aborts the run.
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+import os
+import tempfile
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import anyio
+
+from trioinfer import DeadlineExceeded, ModelConfig
+from trioinfer.lowlevel import Placement
+from trioinfer_onnxruntime import OnnxRuntimeBackend
+
+from . import _codec
+
+
+class ModelActor:
+    """Holds one ONNX Runtime instance of a model; made a Ray actor by the backend.
+
+    The counters say what the actor did with the calls it got: ``computed``
+    (runs started), ``expired`` (refused: the batch's deadline had passed when
+    the actor got to it), ``cancelled`` (calls cancelled while they waited or
+    ran) and ``aborted`` (runs ONNX Runtime cut short); ``last_remaining`` is
+    the time left that the last call came with (``inf`` without a deadline).
+    """
+
+    def __init__(self) -> None:
+        self._instance: Any = None
+        self._codec = False
+        self._model_file: str | None = None
+        self.computed = 0
+        self.expired = 0
+        self.cancelled = 0
+        self.last_remaining = math.nan
+
+    async def load(
+        self,
+        name: str,
+        path: str,
+        model_bytes: bytes | None,
+        ort_options: Mapping[str, Any],
+        batcher: str,
+        batcher_options: Mapping[str, Any],
+        placement: Placement,
+        codec: bool,
+    ) -> dict[str, Any]:
+        """Create the session (from *model_bytes* when given, else from *path* on this node).
+
+        Returns what the driver needs: the signature, the device, the node,
+        preferred batch sizes.
+        """
+        ray: Any = importlib.import_module("ray")  # only actors import it, in Ray's workers
+
+        if model_bytes is not None:
+            fd, tmp = tempfile.mkstemp(prefix=f"trioinfer-{name}-", suffix=".onnx")
+            with os.fdopen(fd, "wb") as f:
+                f.write(model_bytes)
+            path = self._model_file = tmp
+        config = ModelConfig(
+            name=name,
+            path=Path(path),
+            backend="onnxruntime",
+            backend_options=dict(ort_options),
+            batcher=batcher,
+            batcher_options=dict(batcher_options),
+            cpu_fallback=placement.cpu_fallback,
+        )
+        self._instance = await OnnxRuntimeBackend().load(config, placement)
+        self._codec = codec
+        context = ray.get_runtime_context()
+        return {
+            "signature": self._instance.signature,
+            "device": self._instance.device,
+            "node_id": context.get_node_id(),
+            "node_ip": ray.util.get_node_ip_address(),
+            "pid": os.getpid(),
+            "preferred_batch_sizes": tuple(self._instance.preferred_batch_sizes),
+        }
+
+    async def execute(self, inputs: Mapping[str, Any], remaining: float) -> dict[str, Any]:
+        """Run one batch, unless its deadline passed on the way (*remaining* seconds from sending).
+
+        The time the call spent in transit is not known here (the nodes'
+        clocks are not compared); it is counted from when the actor took the
+        call, which errs on the side of computing.
+
+        Raises:
+            DeadlineExceeded: *remaining* was not positive: nobody waits for this batch.
+            BackendError: ONNX Runtime failed.
+        """
+        received = time.monotonic()
+        self.last_remaining = remaining
+        deadline = received + remaining if math.isfinite(remaining) else math.inf
+        if deadline <= time.monotonic():
+            self.expired += 1
+            raise DeadlineExceeded(
+                f"the batch's deadline passed {-remaining:.6f}s before it reached the actor"
+            )
+        arrays = _codec.decode(inputs) if self._codec else inputs
+        self.computed += 1
+        try:
+            outputs = await self._instance.execute(arrays)
+        except BaseException as exc:
+            if _is_cancelled(exc):
+                self.cancelled += 1
+            raise
+        return _codec.encode(outputs) if self._codec else outputs
+
+    def statistics(self) -> dict[str, Any]:
+        """The actor's counters, and what its ONNX Runtime instance aborted."""
+        return {
+            "computed": self.computed,
+            "expired": self.expired,
+            "cancelled": self.cancelled,
+            "aborted": getattr(self._instance, "aborted", 0),
+            "last_remaining": self.last_remaining,
+        }
+
+    async def close(self) -> None:
+        """Close the instance and remove a model file written for it. Idempotent."""
+        instance, self._instance = self._instance, None
+        if instance is not None:
+            await instance.aclose()
+        if self._model_file is not None:
+            await anyio.Path(self._model_file).unlink(missing_ok=True)
+            self._model_file = None
+
+
+def _is_cancelled(exc: BaseException) -> bool:
+    import asyncio
+
+    return isinstance(exc, asyncio.CancelledError)

@@ -1,0 +1,365 @@
+"""The backend the entry point names, and the driver's side of one remote instance.
+
+`RayBackend.load` connects to Ray (or starts a local one), creates an async
+actor with the instance's resources and placement, has it build its ONNX
+Runtime session, and hands back a `RayInstance`, which sends each batch to
+the actor with the batch's remaining time and waits for the answer without
+blocking the event loop.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import math
+import os
+import sys
+import threading
+from collections.abc import Callable, Mapping
+from typing import Any, Final, final
+
+import anyio
+import numpy as np
+
+from trioinfer import (
+    BackendError,
+    BackendUnavailable,
+    DeadlineExceeded,
+    ModelConfig,
+    ModelSignature,
+    TrioInferError,
+)
+from trioinfer.lowlevel import Placement, current_batch_deadline, wait_on_callback
+
+from . import _codec
+from ._actor import ModelActor
+from ._options import RayOptions, check_options
+
+log = logging.getLogger("trioinfer.ray")
+
+#: Seconds ``aclose`` gives an actor to close its session before it is killed anyway.
+CLOSE_TIMEOUT_S: Final = 2.0
+
+_connect_lock = threading.Lock()
+_actor_class: Any = None
+
+
+def _ray() -> Any:
+    # Imported on first use: Ray is an extra, and importing it takes a second.
+    try:
+        return importlib.import_module("ray")
+    except ImportError as exc:
+        raise BackendUnavailable(
+            f"the ray backend needs Ray, which does not import here ({exc}): install trioinfer "
+            "with the 'ray' extra (and cpu or gpu), e.g. pip install -e '.[ray,cpu]' in a clone"
+        ) from exc
+
+
+def connect(address: str | None) -> None:
+    """Connect this process to Ray once: to *address*, or to a local Ray on 127.0.0.1.
+
+    Blocking (starting a local Ray takes seconds): call it off the event loop.
+    A process already connected keeps its connection, whatever *address* says.
+    """
+    ray = _ray()
+    with _connect_lock:
+        if ray.is_initialized():
+            return
+        if address is None:
+            # A cluster of our own making: this machine only, and no reports home.
+            os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+            log.info("starting a local Ray on 127.0.0.1 for the ray backend")
+            ray.init(
+                address="local",
+                include_dashboard=False,
+                _node_ip_address="127.0.0.1",
+                log_to_driver=False,
+                configure_logging=False,
+            )
+        else:
+            ray.init(address=address, log_to_driver=False, configure_logging=False)
+
+
+def _actor() -> Any:
+    global _actor_class
+    if _actor_class is None:
+        _actor_class = _ray().remote(ModelActor)
+    return _actor_class
+
+
+async def wait_ref(ref: Any, *, abort: Callable[[], object] | None = None) -> Any:
+    """Wait for a Ray ObjectRef without blocking the event loop, and return its value.
+
+    Ray completes the ref's future on one of its own threads, and the
+    callback wakes the event loop (Trio's token or asyncio's
+    ``call_soon_threadsafe``). When the waiting task is cancelled, *abort* is
+    called (``ray.cancel(ref)`` by default), the ref's outcome is still waited
+    for, and then the cancellation propagates: nothing is left running.
+
+    Raises:
+        Exception: What ``ray.get`` would raise.
+    """
+    ray = _ray()
+
+    def start(resolve: Callable[[Any, BaseException | None], None]) -> None:
+        def done(future: Any) -> None:
+            try:
+                resolve(future.result(), None)
+            except BaseException as exc:
+                resolve(None, exc)
+
+        ref.future().add_done_callback(done)
+
+    return await wait_on_callback(start, abort=abort or (lambda: ray.cancel(ref)))
+
+
+def remote_error(exc: BaseException, label: str) -> BaseException:
+    """Turn what a call on an actor raised into the engine's error for it.
+
+    The actor's own errors come back as they are (a ``DeadlineExceeded`` it
+    refused with, a ``BackendError`` from ONNX Runtime); an actor, worker or
+    node that is gone becomes ``BackendUnavailable``, which the circuit
+    breaker treats as a dead instance; other Ray errors, ``BackendError``.
+    """
+    ray = _ray()
+    errors = ray.exceptions
+    if isinstance(exc, errors.RayTaskError):
+        cause = exc.cause
+        if isinstance(cause, TrioInferError):
+            return cause
+        return BackendError(f"{label} failed: {type(cause).__name__}: {cause}")
+    gone = (
+        errors.RayActorError,
+        errors.NodeDiedError,
+        errors.WorkerCrashedError,
+        errors.ObjectLostError,
+        errors.OwnerDiedError,
+        errors.LocalRayletDiedError,
+    )
+    if isinstance(exc, gone):
+        text = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        return BackendUnavailable(f"{label} is gone ({type(exc).__name__}): {text}")
+    return BackendError(f"{label} failed: {type(exc).__name__}: {exc}")
+
+
+@final
+class RayBackend:
+    """Loads each instance of a model into an async Ray actor on a cluster node."""
+
+    __slots__ = ()
+
+    async def load(self, config: ModelConfig, placement: Placement) -> RayInstance:
+        """Create the instance's actor where its options place it, and its session there.
+
+        Raises:
+            ConfigError: Unknown or invalid ``backend_options``.
+            BackendUnavailable: Ray is not installed, or no node took the
+                actor (or loaded the model) within ``start_timeout``.
+            BackendError: The model could not be loaded on the node.
+        """
+        options = check_options(config, placement)
+        if options.address is None and "ray" not in sys.modules:
+            # A Ray we may start ourselves: Ray reads this when imported, and then
+            # runs every process of it on 127.0.0.1 alone.
+            os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+        _ray()  # say which extra is missing before anything else
+        await anyio.to_thread.run_sync(connect, options.address)
+        label = f"model {config.name!r} instance {placement.index} (ray)"
+        model_bytes = None
+        if options.ship_model:
+            try:
+                model_bytes = await anyio.Path(config.path).read_bytes()
+            except OSError as exc:
+                raise BackendError(f"{label}: cannot read {config.path}: {exc}") from exc
+        actor = _create_actor(options)
+        # No CPU pinning on a node this process does not know; everything else as asked.
+        remote_placement = Placement(
+            placement.device,
+            placement.index,
+            placement.threads,
+            None,
+            placement.cpu_fallback,
+            placement.capacity,
+        )
+        ref = actor.load.remote(
+            config.name,
+            str(config.path),
+            model_bytes,
+            options.ort_options,
+            config.batcher,
+            dict(config.batcher_options),
+            remote_placement,
+            options.codec,
+        )
+        ray = _ray()
+        try:
+            with anyio.fail_after(options.start_timeout):
+                # Killing the actor ends a load that cannot be placed (no node has the
+                # resources), which a cancel of its pending call would not.
+                info = await wait_ref(ref, abort=lambda: ray.kill(actor))
+        except TimeoutError:
+            raise BackendUnavailable(
+                f"{label}: no Ray node took the actor and loaded the model within "
+                f"{options.start_timeout:g}s (it asks for {_asks(options)})"
+            ) from None
+        except BaseException as exc:
+            ray.kill(actor)
+            if isinstance(exc, Exception):
+                raise remote_error(exc, label) from exc
+            raise
+        log.info(
+            "%s: actor on node %s (%s), device %s",
+            label,
+            info["node_id"],
+            info["node_ip"],
+            info["device"],
+        )
+        return RayInstance(actor, info, options, label)
+
+
+def _create_actor(options: RayOptions) -> Any:
+    strategy: Any = "DEFAULT"
+    if options.node_id is not None:
+        scheduling = importlib.import_module("ray.util.scheduling_strategies")
+        strategy = scheduling.NodeAffinitySchedulingStrategy(options.node_id, soft=False)
+    return (
+        _actor()
+        .options(
+            num_cpus=options.num_cpus,
+            num_gpus=options.num_gpus,
+            resources=options.resources,
+            scheduling_strategy=strategy,
+            # A dead actor is replaced by the engine (the circuit breaker re-creates
+            # its instance), never behind its back by Ray with a fresh session.
+            max_restarts=0,
+            max_task_retries=0,
+        )
+        .remote()
+    )
+
+
+def _asks(options: RayOptions) -> str:
+    parts = [f"num_cpus={options.num_cpus:g}", f"num_gpus={options.num_gpus:g}"]
+    parts += [f"{name}={amount:g}" for name, amount in options.resources.items()]
+    if options.node_id is not None:
+        parts.append(f"node {options.node_id}")
+    return ", ".join(parts)
+
+
+@final
+class RayInstance:
+    """One model instance held by a Ray actor on a cluster node.
+
+    Its ``device`` names the node: ``"cpu@<node id>"`` (the first 12 hex digits),
+    so that statistics and metrics show which node serves each instance.
+    """
+
+    __slots__ = (
+        "_actor",
+        "_codec",
+        "_device",
+        "_label",
+        "_signature",
+        "node_id",
+        "node_ip",
+        "pid",
+        "pipeline_depth",
+        "preferred_batch_sizes",
+    )
+
+    def __init__(
+        self, actor: Any, info: Mapping[str, Any], options: RayOptions, label: str
+    ) -> None:
+        self._actor: Any = actor
+        self._codec = options.codec
+        self._signature: ModelSignature = info["signature"]
+        self._device = f"{info['device']}@{info['node_id'][:12]}"
+        self._label = label
+        #: The Ray node id (hex) of the node the actor runs on.
+        self.node_id: str = info["node_id"]
+        #: That node's IP address.
+        self.node_ip: str = info["node_ip"]
+        #: The actor's process id on that node.
+        self.pid: int = info["pid"]
+        #: Batches the engine may have in flight on this actor at once
+        #: (the ``onnxruntime`` option ``pipeline_depth``).
+        self.pipeline_depth: int = options.pipeline_depth
+        #: The remote instance's preferred batch sizes (when tuned).
+        self.preferred_batch_sizes: tuple[int, ...] = tuple(info["preferred_batch_sizes"])
+
+    @property
+    def signature(self) -> ModelSignature:
+        """The model's inputs and outputs, as the remote session reports them."""
+        return self._signature
+
+    @property
+    def device(self) -> str:
+        """The remote device and node, e.g. ``"cpu@3f1c0a9be2d4"``."""
+        return self._device
+
+    @property
+    def actor(self) -> Any:
+        """The Ray actor handle (``None`` once closed)."""
+        return self._actor
+
+    async def execute(self, inputs: Mapping[str, np.ndarray[Any, Any]]) -> dict[str, Any]:
+        """Send one batch to the actor with its remaining time, and wait for its outputs.
+
+        A caller that leaves cancels the remote call (``ray.cancel``), which
+        aborts the ONNX Runtime run there; the call's end is waited for.
+
+        Raises:
+            BackendUnavailable: The actor or its node is gone.
+            DeadlineExceeded: The batch's deadline passed before the actor got to it.
+            BackendError: The remote run failed.
+        """
+        actor = self._actor
+        if actor is None:
+            raise BackendError(f"{self._label} is closed")
+        deadline = current_batch_deadline()
+        remaining = deadline - anyio.current_time() if deadline != math.inf else math.inf
+        payload = _codec.encode(inputs) if self._codec else inputs
+        try:
+            ref = actor.execute.remote(payload, remaining)
+            outputs = await wait_ref(ref)
+        except Exception as exc:
+            error = remote_error(exc, f"{self._label} on node {self.node_id[:12]}")
+            if isinstance(error, DeadlineExceeded):
+                raise error from None
+            raise error from exc
+        return _codec.decode(outputs) if self._codec else outputs
+
+    async def remote_statistics(self) -> dict[str, Any]:
+        """The actor's counters (see `ModelActor`), for tests and diagnostics.
+
+        ``computed``, ``expired``, ``cancelled``, ``aborted``, and
+        ``last_remaining`` (seconds the last batch had left when it was sent).
+
+        Raises:
+            BackendUnavailable: The actor or its node is gone.
+        """
+        if self._actor is None:
+            raise BackendError(f"{self._label} is closed")
+        try:
+            stats: dict[str, Any] = await wait_ref(self._actor.statistics.remote())
+        except Exception as exc:
+            raise remote_error(exc, self._label) from exc
+        return stats
+
+    async def aclose(self) -> None:
+        """Close the session in the actor (briefly), then kill the actor. Idempotent.
+
+        The kill comes whatever happened before it, also when the caller is
+        cancelled: no actor outlives its instance.
+        """
+        actor, self._actor = self._actor, None
+        if actor is None:
+            return
+        ray = _ray()
+        try:
+            with anyio.move_on_after(CLOSE_TIMEOUT_S, shield=True):
+                await wait_ref(actor.close.remote(), abort=lambda: ray.kill(actor))
+        except Exception as exc:  # a dead actor has nothing left to close
+            log.debug("%s: closing the actor's session failed: %s", self._label, exc)
+        finally:
+            ray.kill(actor, no_restart=True)

@@ -1,0 +1,386 @@
+"""The ray backend on a real one-node Ray on loopback: outputs, deadlines, cancellation, exit."""
+
+from __future__ import annotations
+
+import importlib
+import math
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import ray
+import trio
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from hypothesis.extra import numpy as hnp
+
+import trioinfer_ray
+from trioinfer import (
+    BackendUnavailable,
+    ConfigError,
+    DeadlineExceeded,
+    Instance,
+    ModelConfig,
+    Registry,
+    open_engine,
+)
+from trioinfer.lowlevel import Placement
+from trioinfer.testing import check_backend, models
+
+pytestmark = pytest.mark.ray
+
+
+class Recording:
+    """The ray backend, keeping every instance it loads so that tests can ask the actors."""
+
+    def __init__(self) -> None:
+        self.backend = trioinfer_ray.RayBackend()
+        self.instances: list[trioinfer_ray.RayInstance] = []
+        self.handles: list[Any] = []  # the actors, kept after their instances close
+
+    async def load(self, config: ModelConfig, placement: Placement) -> trioinfer_ray.RayInstance:
+        instance = await self.backend.load(config, placement)
+        self.instances.append(instance)
+        self.handles.append(instance.actor)
+        return instance
+
+    def registry(self) -> Registry:
+        return Registry(extra={"backends": {"ray": lambda: self}})
+
+
+def start_local_ray(temp: Path, **kwargs: Any) -> None:
+    """A Ray of this test module's own, on 127.0.0.1 only, in its own temporary directory."""
+    # RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 and no usage stats: set by conftest.py.
+    ray.init(
+        address="local",
+        include_dashboard=False,
+        num_cpus=2,
+        _temp_dir=str(temp),
+        _node_ip_address="127.0.0.1",
+        log_to_driver=False,
+        configure_logging=False,
+        **kwargs,
+    )
+
+
+@pytest.fixture(scope="module")
+def local_ray(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    start_local_ray(tmp_path_factory.mktemp("ray"))
+    yield
+    ray.shutdown()
+
+
+def actor_gone(handle: Any) -> bool:
+    """Whether the actor dies: calls on it fail with RayActorError (Ray's own answer).
+
+    ``ray.kill`` takes effect a moment after it returns, so a call may still be answered
+    just after it: ask again for a while.
+    """
+    give_up = time.monotonic() + 30
+    while time.monotonic() < give_up:
+        try:
+            ray.get(handle.statistics.remote(), timeout=30)
+        except ray.exceptions.RayActorError:
+            return True
+        time.sleep(0.05)
+    return False
+
+
+async def wait_for_counter(
+    instance: trioinfer_ray.RayInstance, name: str, value: int
+) -> dict[str, int]:
+    with trio.fail_after(60):
+        while (stats := await instance.remote_statistics())[name] < value:  # noqa: ASYNC110
+            await trio.sleep(0.01)
+    return stats
+
+
+async def test_outputs_match_a_local_instance(local_ray: None, mlp_model: Path) -> None:
+    rng = np.random.default_rng(0)
+    async with open_engine() as engine:
+        await engine.load(ModelConfig(name="local", path=mlp_model))
+        await engine.load(
+            ModelConfig(
+                name="remote",
+                path=mlp_model,
+                backend="ray",
+                batcher="dynamic",
+                batcher_options={"max_batch_size": 8, "max_queue_delay": 0.005},
+            )
+        )
+        xs = [rng.standard_normal((1 + i % 3, 64), dtype=np.float32) for i in range(24)]
+        got: dict[int, Any] = {}
+
+        async def one(i: int) -> None:
+            got[i] = (
+                await engine.infer("remote", {"input": xs[i]}),
+                await engine.infer("local", {"input": xs[i]}),
+            )
+
+        async with trio.open_nursery() as nursery:
+            for i in range(len(xs)):
+                nursery.start_soon(one, i)
+        for remote, local in got.values():
+            np.testing.assert_array_equal(remote["output"], local["output"])
+        stats = engine.statistics().models["remote"]
+        (device,) = stats.devices
+        node = ray.get_runtime_context().get_node_id()
+        assert device == f"cpu@{node[:12]}"  # the node serving it, in statistics and metrics
+        assert stats.executions < len(xs)  # batched in the driver, computed remotely
+
+
+async def test_ray_backend_keeps_the_backend_contract(local_ray: None, add_model: Path) -> None:
+    config = ModelConfig(name="add", path=add_model, backend="ray")
+    x = np.ones((2, 4), np.float32)
+    await check_backend(trioinfer_ray.RayBackend(), config, {"a": x, "b": x})
+
+
+async def test_a_repository_config_toml_serves_on_ray(local_ray: None, tmp_path: Path) -> None:
+    (tmp_path / "digits" / "1").mkdir(parents=True)
+    models.write_mlp(tmp_path / "digits" / "1" / "model.onnx")
+    (tmp_path / "digits" / "config.toml").write_text(
+        'backend = "ray"\n\n[backend_options]\ncodec = "uint8"\nonnxruntime = { dispatch = '
+        '"thread" }\n\n[[instances]]\ncount = 2\nthreads = 1\n'
+    )
+    config = ModelConfig.from_toml(tmp_path / "digits" / "config.toml")
+    async with open_engine() as engine:
+        await engine.load(config)
+        out = await engine.infer("digits", {"input": np.zeros((3, 64), np.float32)})
+        assert out["output"].shape == (3, 10)
+        devices = engine.statistics().models["digits"].devices
+        assert len(devices) == 2
+        assert all(d.startswith("cpu@") for d in devices)
+
+
+async def test_actor_refuses_a_batch_whose_time_ran_out(local_ray: None, mlp_model: Path) -> None:
+    config = ModelConfig(name="m", path=mlp_model, backend="ray")
+    instance = await trioinfer_ray.RayBackend().load(config, config.placements()[0])
+    try:
+        x = np.zeros((2, 64), np.float32)
+        with pytest.raises(DeadlineExceeded):
+            await trioinfer_ray.wait_ref(instance.actor.execute.remote({"input": x}, -0.001))
+        out = await trioinfer_ray.wait_ref(instance.actor.execute.remote({"input": x}, math.inf))
+        assert out["output"].shape == (2, 10)
+        stats = await instance.remote_statistics()
+        assert stats["expired"] == 1
+        assert stats["computed"] == 1
+    finally:
+        handle = instance.actor
+        await instance.aclose()
+    assert actor_gone(handle)
+
+
+async def test_the_remaining_time_crosses_the_wire(local_ray: None, mlp_model: Path) -> None:
+    recording = Recording()
+    x = np.zeros((1, 64), np.float32)
+    async with open_engine(registry=recording.registry()) as engine:
+        await engine.load(ModelConfig(name="m", path=mlp_model, backend="ray"))
+        (instance,) = recording.instances
+        await engine.infer("m", {"input": x})
+        assert (await instance.remote_statistics())["last_remaining"] == math.inf
+        with trio.fail_after(30):
+            await engine.infer("m", {"input": x})
+        assert 0 < (await instance.remote_statistics())["last_remaining"] <= 30
+
+
+async def test_a_dead_actor_is_backend_unavailable(local_ray: None, mlp_model: Path) -> None:
+    config = ModelConfig(name="m", path=mlp_model, backend="ray")
+    instance = await trioinfer_ray.RayBackend().load(config, config.placements()[0])
+    try:
+        ray.kill(instance.actor)
+        with pytest.raises(BackendUnavailable, match="is gone"):  # noqa: PT012
+            with trio.fail_after(60):
+                while True:  # the kill lands a moment after it returns
+                    await instance.execute({"input": np.zeros((1, 64), np.float32)})
+    finally:
+        await instance.aclose()
+
+
+async def test_no_remote_compute_for_requests_that_expired_or_left_while_queued(
+    local_ray: None, slow_model: Path
+) -> None:
+    recording = Recording()
+    xs = np.ones((256, 512), np.float32)
+    async with open_engine(registry=recording.registry()) as engine:
+        await engine.load(
+            ModelConfig(
+                name="slow", path=slow_model, backend="ray", instances=[Instance(threads=1)]
+            )
+        )
+        (instance,) = recording.instances
+        outcomes: list[str] = []
+        running = trio.Event()
+
+        async def long_batch() -> None:
+            running.set()
+            await engine.infer("slow", {"x": xs})  # a second or so: the others arrive meanwhile
+            outcomes.append("long")
+
+        async def expires() -> None:
+            with pytest.raises(trio.TooSlowError), trio.fail_after(0.05):
+                await engine.infer("slow", {"x": xs[:1]})
+            outcomes.append("expired")
+
+        async def leaves() -> None:
+            with trio.CancelScope() as scope:
+                nursery.start_soon(cancel_soon, scope)
+                await engine.infer("slow", {"x": xs[:1]})
+            outcomes.append("left")
+
+        async def cancel_soon(scope: trio.CancelScope) -> None:
+            await trio.sleep(0.05)
+            scope.cancel()
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(long_batch)
+            await running.wait()
+            await trio.sleep(0.01)
+            nursery.start_soon(expires)
+            nursery.start_soon(leaves)
+        stats = await instance.remote_statistics()
+    assert sorted(outcomes) == ["expired", "left", "long"]
+    assert stats["computed"] == 1  # the long batch alone: nothing for those that did not wait
+    assert stats["expired"] == 0  # refused in the driver, never sent
+
+
+async def test_fail_after_cancels_the_remote_run_and_the_actor_takes_the_next_call(
+    local_ray: None, slow_model: Path
+) -> None:
+    recording = Recording()
+    xs = np.ones((256, 512), np.float32)
+    async with open_engine(registry=recording.registry()) as engine:
+        await engine.load(
+            ModelConfig(
+                name="slow", path=slow_model, backend="ray", instances=[Instance(threads=1)]
+            )
+        )
+        (instance,) = recording.instances
+        with pytest.raises(trio.TooSlowError):
+            with trio.fail_after(0.3):
+                await engine.infer("slow", {"x": xs})
+        # Ray answers the cancelled call at once; the actor's coroutine ends a moment later.
+        stats = await wait_for_counter(instance, "cancelled", 1)
+        assert stats["cancelled"] == 1  # ray.cancel reached the actor's call ...
+        assert stats["aborted"] == 1  # ... which stopped ONNX Runtime (RunOptions.terminate)
+        out = await engine.infer("slow", {"x": xs[:1]})
+        assert out["y"].shape == (1, 512)
+        assert (await instance.remote_statistics())["computed"] == 2
+
+
+@pytest.mark.parametrize("how", ["exit", "cancelled"])
+async def test_engine_exit_leaves_no_actor(local_ray: None, mlp_model: Path, how: str) -> None:
+    recording = Recording()
+    with trio.CancelScope() as scope:
+        async with open_engine(registry=recording.registry()) as engine:
+            await engine.load(
+                ModelConfig(name="m", path=mlp_model, backend="ray", instances=[Instance(count=2)])
+            )
+            await engine.infer("m", {"input": np.zeros((1, 64), np.float32)})
+            if how == "cancelled":
+                scope.cancel()
+                await trio.sleep_forever()
+    assert len(recording.handles) == 2
+    assert all(instance.actor is None for instance in recording.instances)
+    assert all(actor_gone(handle) for handle in recording.handles)
+
+
+async def test_codec_keeps_outputs_within_the_bound(local_ray: None, mlp_model: Path) -> None:
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((16, 64), dtype=np.float32)
+    async with open_engine() as engine:
+        await engine.load(ModelConfig(name="local", path=mlp_model))
+        await engine.load(
+            ModelConfig(
+                name="u8", path=mlp_model, backend="ray", backend_options={"codec": "uint8"}
+            )
+        )
+        exact = (await engine.infer("local", {"input": x}))["output"]
+        coded = (await engine.infer("u8", {"input": x}))["output"]
+    # The input's error travels through the model, so compare with the exact model on
+    # the decoded input, plus the output's own bound.
+    x_wire = trioinfer_ray.decode(trioinfer_ray.encode({"input": x}))["input"]
+    assert np.max(np.abs(x_wire - x)) <= trioinfer_ray.error_bound(x)
+    assert not np.array_equal(coded, exact)  # it did go through the codec
+    async with open_engine() as engine:
+        await engine.load(ModelConfig(name="local", path=mlp_model))
+        on_wire = (await engine.infer("local", {"input": x_wire}))["output"]
+    assert np.max(np.abs(coded - on_wire)) <= trioinfer_ray.error_bound(on_wire)
+    encoded = trioinfer_ray.encode({"input": x})
+    assert trioinfer_ray.wire_bytes(encoded) * 4 <= trioinfer_ray.wire_bytes({"input": x}) + 64
+
+
+# -- no Ray needed -------------------------------------------------------------------------
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    hnp.arrays(
+        st.sampled_from([np.float16, np.float32, np.float64]),
+        hnp.array_shapes(min_dims=1, max_dims=3, max_side=16),
+        elements=st.floats(-1e4, 1e4, width=16),
+    )
+)
+def test_codec_error_is_within_its_bound(x: np.ndarray[Any, Any]) -> None:
+    decoded = trioinfer_ray.decode(trioinfer_ray.encode({"x": x}))["x"]
+    assert decoded.dtype == x.dtype
+    assert decoded.shape == x.shape
+    error = np.max(np.abs(decoded.astype(np.float64) - x.astype(np.float64)), initial=0.0)
+    assert error <= trioinfer_ray.error_bound(x)
+
+
+def test_codec_bound_is_tight() -> None:
+    # Half a step is reached: a bound half as large would be wrong.
+    x = np.linspace(0.0, 1.0, 1021, dtype=np.float64)
+    decoded = trioinfer_ray.decode(trioinfer_ray.encode({"x": x}))["x"]
+    error = np.max(np.abs(decoded - x))
+    assert error > trioinfer_ray.error_bound(x) / 2
+
+
+def test_codec_leaves_ints_and_non_finite_floats_alone() -> None:
+    ints = np.arange(10, dtype=np.int64)
+    odd = np.array([1.0, np.nan, 2.0], np.float32)
+    encoded = trioinfer_ray.encode({"i": ints, "f": odd})
+    assert encoded["i"] is ints
+    assert encoded["f"] is odd
+    assert trioinfer_ray.error_bound(odd) == 0.0
+
+
+async def test_missing_ray_names_the_extra(
+    monkeypatch: pytest.MonkeyPatch, mlp_model: Path
+) -> None:
+    real = importlib.import_module
+
+    def no_ray(name: str, package: str | None = None) -> Any:
+        if name == "ray" or name.startswith("ray."):
+            raise ImportError("No module named 'ray'")
+        return real(name, package)
+
+    monkeypatch.setattr(importlib, "import_module", no_ray)
+    config = ModelConfig(name="m", path=mlp_model, backend="ray")
+    with pytest.raises(BackendUnavailable, match=r"'ray' extra.*\[ray,cpu\]"):
+        await trioinfer_ray.RayBackend().load(config, config.placements()[0])
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"adress": "auto"}, "no option 'adress'; it knows address"),
+        ({"codec": "int4"}, "codec must be 'none' or 'uint8'"),
+        ({"num_gpus": -1}, "num_gpus must be a number >= 0"),
+        ({"resources": {"ssd": "lots"}}, r"resources\['ssd'\] must be a number"),
+        ({"node_id": "not hex"}, "node_id must be a Ray node id"),
+        ({"model_resource": "yes"}, "model_resource must be true or false"),
+        ({"start_timeout": 0}, "start_timeout must be a positive number"),
+        ({"onnxruntime": {"dispatsh": "thread"}}, "onnxruntime has no option 'dispatsh'"),
+        ({"onnxruntime": {"pipeline_depth": 0}}, "pipeline_depth must be an integer from 1"),
+    ],
+)
+async def test_bad_options_are_refused_before_ray_starts(
+    mlp_model: Path, options: dict[str, Any], message: str
+) -> None:
+    config = ModelConfig(name="m", path=mlp_model, backend="ray", backend_options=options)
+    with pytest.raises(ConfigError, match=message):
+        await trioinfer_ray.RayBackend().load(config, config.placements()[0])
