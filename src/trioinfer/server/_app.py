@@ -297,7 +297,25 @@ def create_app(state: ServerState) -> ASGIApp:
             methods=["POST"],
         ),
         Route("/v2/systemsharedmemory/unregister", endpoint(_shm_unregister), methods=["POST"]),
-        Route("/v2/cudasharedmemory/{rest:path}", endpoint(_cuda_shm), methods=["GET", "POST"]),
+        # No CUDA region can be registered here; the rest answers as for an empty registry,
+        # so that clients which clear both registries first (Triton's examples) carry on.
+        Route("/v2/cudasharedmemory/status", endpoint(_cuda_status), methods=["GET"]),
+        Route(
+            "/v2/cudasharedmemory/region/{region}/status",
+            endpoint(_cuda_status),
+            methods=["GET"],
+        ),
+        Route(
+            "/v2/cudasharedmemory/region/{region}/register",
+            endpoint(_cuda_register),
+            methods=["POST"],
+        ),
+        Route(
+            "/v2/cudasharedmemory/region/{region}/unregister",
+            endpoint(_cuda_unregister),
+            methods=["POST"],
+        ),
+        Route("/v2/cudasharedmemory/unregister", endpoint(_cuda_unregister), methods=["POST"]),
         Route("/metrics", endpoint(_metrics), methods=["GET"]),
     ]
 
@@ -529,12 +547,29 @@ async def _shm_unregister(request: Request, state: ServerState) -> Response:
     return Response(status_code=200)
 
 
-async def _cuda_shm(request: Request, state: ServerState) -> Response:
-    state.check_token(request.headers, admin=False)
+async def _cuda_register(request: Request, state: ServerState) -> Response:
+    state.check_token(request.headers, admin=True)
     raise SharedMemoryError(
         "CUDA shared memory is not supported on this server; use system shared memory "
         "(/v2/systemsharedmemory), or send tensors in the request body"
     )
+
+
+async def _cuda_status(request: Request, state: ServerState) -> Response:
+    state.check_token(request.headers, admin=False)
+    region = request.path_params.get("region")
+    if region is not None:
+        raise SharedMemoryError(
+            f"unable to find cuda shared memory region {region!r}: CUDA shared memory is not "
+            "supported on this server"
+        )
+    return _json([])
+
+
+async def _cuda_unregister(request: Request, state: ServerState) -> Response:
+    state.check_token(request.headers, admin=True)
+    await _small_json(request, state)
+    return Response(status_code=200)  # nothing can be registered, so nothing is left
 
 
 # -- statistics and metrics -------------------------------------------------------------
@@ -634,6 +669,19 @@ async def _repository_index(request: Request, state: ServerState) -> Response:
 
 async def _load(request: Request, state: ServerState) -> Response:
     state.check_token(request.headers, admin=True)
+    model = request.path_params["model"]
+    try:
+        override = await _load_override(request, state)
+    except RequestError as exc:
+        # Triton's wording, which its clients look for in any load error; the class
+        # (and so the status: 400, 413, 415) stays.
+        exc.args = (f"failed to load {model!r}: {exc}",)
+        raise
+    await state.models.load(model, override)
+    return Response(status_code=200)
+
+
+async def _load_override(request: Request, state: ServerState) -> dict[str, Any] | None:
     body = await _small_json(request, state)
     override: dict[str, Any] | None = None
     if body is not None:
@@ -657,8 +705,7 @@ async def _load(request: Request, state: ServerState) -> Response:
                     f"string holding one), got {type(config).__name__}"
                 )
             override = config
-    await state.models.load(request.path_params["model"], override)
-    return Response(status_code=200)
+    return override
 
 
 async def _unload(request: Request, state: ServerState) -> Response:
