@@ -309,19 +309,22 @@ def test_reuse_infer_objects_between_body_and_shared_memory(
         httpclient.InferRequestedOutput("OUTPUT0", binary_data=True),
         httpclient.InferRequestedOutput("OUTPUT1", binary_data=False),
     ]
-    for round_ in range(3):
-        if round_ == 1:
+    # As the example: shared memory, the body, shared memory; then the body again.
+    for round_ in range(4):
+        use_shm = round_ % 2 == 0
+        if use_shm:
+            shm.set_shared_memory_region(out_handle, [np.zeros(32, np.int32)])  # stale answers
             inputs[0].set_shared_memory("input_data", size)
             inputs[1].set_shared_memory("input_data", size, offset=size)
             outputs[0].set_shared_memory("output_data", size)
             outputs[1].set_shared_memory("output_data", size, offset=size)
         else:
-            inputs[0].set_data_from_numpy(input0, binary_data=round_ == 0)
+            inputs[0].set_data_from_numpy(input0, binary_data=round_ == 1)
             inputs[1].set_data_from_numpy(input1, binary_data=True)
             outputs[0].unset_shared_memory()
             outputs[1].unset_shared_memory()
         result = client.infer("simple", inputs, outputs=outputs)
-        if round_ == 1:
+        if use_shm:
             sums = shm.get_contents_as_numpy(out_handle, np.int32, [1, 16])
             diffs = shm.get_contents_as_numpy(out_handle, np.int32, [1, 16], offset=size)
         else:
