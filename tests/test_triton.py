@@ -95,6 +95,21 @@ ensemble_scheduling {
   ]
 }
 """
+# As ensemble_image_client's model: an ensemble whose output has the labels.
+CLASSIFY_ENSEMBLE_PBTXT = """\
+platform: "ensemble"
+max_batch_size: 4
+input [ { name: "RAW" data_type: TYPE_FP32 dims: [ 5 ] } ]
+output [ { name: "CLASSES" data_type: TYPE_FP32 dims: [ 5 ] label_filename: "labels.txt" } ]
+ensemble_scheduling {
+  step [ {
+    model_name: "classifier"
+    model_version: 1
+    input_map { key: "IMAGE" value: "RAW" }
+    output_map { key: "SCORES" value: "CLASSES" }
+  } ]
+}
+"""
 LABELS = ["cat", "dog", "bird", "fish", "frog"]
 
 
@@ -151,6 +166,9 @@ def repository(tmp_path_factory: pytest.TempPathFactory) -> Path:
     (root / "classifier" / "labels.txt").write_text("\n".join(LABELS) + "\n")
     (root / "ensemble" / "1").mkdir(parents=True)  # Triton wants the directory; it is empty
     (root / "ensemble" / "config.pbtxt").write_text(ENSEMBLE_PBTXT)
+    (root / "classify_ensemble" / "1").mkdir(parents=True)
+    (root / "classify_ensemble" / "config.pbtxt").write_text(CLASSIFY_ENSEMBLE_PBTXT)
+    (root / "classify_ensemble" / "labels.txt").write_text("\n".join(LABELS[::-1]) + "\n")
     # Broken on purpose: a field trioinfer does not read, and dims that do not fit the model.
     write_simple(root / "unsupported" / "1" / "model.onnx")
     (root / "unsupported" / "config.pbtxt").write_text(
@@ -551,7 +569,18 @@ def test_simple_http_infer_client_on_a_triton_repository(
         httpclient.InferRequestedOutput("OUTPUT0", binary_data=True),
         httpclient.InferRequestedOutput("OUTPUT1", binary_data=False),
     ]
-    result = client.infer("simple", inputs, outputs=outputs, query_params={"test_1": 1})
+    result = client.infer(
+        "simple",
+        inputs,
+        outputs=outputs,
+        query_params={"test_1": 1, "test_2": 2},
+        request_compression_algorithm="gzip",
+        response_compression_algorithm="deflate",
+    )
+    np.testing.assert_array_equal(result.as_numpy("OUTPUT0"), input0 + input1)
+    np.testing.assert_array_equal(result.as_numpy("OUTPUT1"), input0 - input1)
+    assert len(client.get_inference_statistics("simple")["model_stats"]) == 1
+    result = client.infer("simple", inputs, outputs=None, request_compression_algorithm="deflate")
     np.testing.assert_array_equal(result.as_numpy("OUTPUT0"), input0 + input1)
     np.testing.assert_array_equal(result.as_numpy("OUTPUT1"), input0 - input1)
 
@@ -715,6 +744,26 @@ def test_classification_with_labels(client: httpclient.InferenceServerClient) ->
     outputs = [httpclient.InferRequestedOutput("SCORES", binary_data=False, class_count=9)]
     result = client.infer("classifier", inputs, outputs=outputs)
     assert result.as_numpy("SCORES").shape == (2, 5)
+
+
+def test_classification_through_an_ensemble(client: httpclient.InferenceServerClient) -> None:
+    # ensemble_image_client: one input in the config, max_batch_size as the batch, and
+    # "score:index:label" per class, parsed from bytes.
+    config = client.get_model_config("classify_ensemble")
+    assert len(config["input"]) == 1
+    assert config["max_batch_size"] == 4
+    scores = np.array([[1, 2, 3, 4, 5], [5, 4, 3, 2, 1]], dtype=np.float32)
+    inputs = [httpclient.InferInput("RAW", list(scores.shape), "FP32")]
+    inputs[0].set_data_from_numpy(scores)
+    outputs = [httpclient.InferRequestedOutput("CLASSES", binary_data=True, class_count=2)]
+    result = client.infer("classify_ensemble", inputs, outputs=outputs)
+    classes = result.as_numpy("CLASSES")
+    assert len(classes) == 2
+    parsed = [["".join(chr(x) for x in item).split(":") for item in row] for row in classes]
+    assert parsed == [
+        [["5.000000", "4", "cat"], ["4.000000", "3", "dog"]],
+        [["5.000000", "0", "frog"], ["4.000000", "1", "fish"]],
+    ]
 
 
 def test_triton_priority_levels(client: httpclient.InferenceServerClient) -> None:

@@ -806,7 +806,11 @@ def _classified(
     if request.outputs is None or not any(o.classification for o in request.outputs):
         return outputs
     config = served.info.config
-    batched = served.info.signature.batched and config.batcher != "none"
+    if served.triton is not None:
+        # As Triton: per batch entry when max_batch_size > 0 (an ensemble's too).
+        batched = int(served.triton.doc.get("max_batch_size", 0)) > 0
+    else:
+        batched = served.info.signature.batched and config.batcher != "none"
     out = dict(outputs)
     for item in request.outputs:
         if item.classification and item.name in out:
