@@ -34,8 +34,7 @@ import os
 import re
 import stat
 import threading
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 from typing import Any, Final, final
 
 import attrs
@@ -196,14 +195,12 @@ class SystemSharedMemory:
                 raise _unknown(name)
             return [region.status]
 
-    @contextmanager
-    def lease(self) -> Iterator[ShmLease]:
-        """Hold the regions one request uses until the block ends (see `ShmLease`)."""
-        lease = ShmLease._create(self)
-        try:
-            yield lease
-        finally:
-            lease._release()
+    def lease(self) -> ShmLease:
+        """A lease for one request: ``with registry.lease() as lease:`` (see `ShmLease`).
+
+        The regions it reads or writes stay mapped until the block ends.
+        """
+        return ShmLease._create(self)
 
     def _acquire(self, name: str) -> _Region:
         with self._lock:
@@ -311,7 +308,12 @@ class ShmLease:
                 start += len(view)
         return total
 
-    def _release(self) -> None:
-        held, self._held = self._held, {}
-        for region in held.values():
-            self._registry._release(region)
+    def __enter__(self) -> ShmLease:
+        return self
+
+    def __exit__(self, *_exc: object) -> None:
+        # A plain context manager, not @contextmanager: every request takes a lease.
+        if self._held:
+            held, self._held = self._held, {}
+            for region in held.values():
+                self._registry._release(region)
