@@ -723,6 +723,40 @@ def test_binary_data_missing_or_left_over() -> None:
             one(data=..., parameters={"shared_memory_region": "r", "shared_memory_byte_size": 8}),
             ["input 'x'", "shared memory is not available"],
         ),
+        (
+            one(data=..., parameters={"shared_memory_region": 5, "shared_memory_byte_size": 8}),
+            ["input 'x'", "must name a registered region"],
+        ),
+        (
+            one(
+                data=...,
+                parameters={
+                    "shared_memory_region": "r",
+                    "shared_memory_byte_size": 8,
+                    "shared_memory_offset": -1,
+                },
+            ),
+            ["input 'x'", "shared_memory_offset must be a non-negative integer"],
+        ),
+        (
+            one(
+                data=...,
+                parameters={
+                    "shared_memory_region": "r",
+                    "shared_memory_byte_size": 8,
+                    "shared_memory_key": "/k",
+                },
+            ),
+            ["input 'x'", "unknown parameter 'shared_memory_key'"],
+        ),
+        (
+            one(parameters={"shared_memory_region": "r", "shared_memory_byte_size": 8}),
+            ["input 'x'", "send the values one way"],
+        ),
+        (
+            one(data=..., parameters={"shared_memory_region": "r", "shared_memory_byte_size": 7}),
+            ["input 'x'", "shared_memory_byte_size is 7 bytes", "needs 8"],
+        ),
         (one(data=..., parameters={"binary_data_size": -8}), ["input 'x'", "non-negative"]),
         (one(data=..., parameters={"binary_data_size": "8"}), ["input 'x'", "binary_data_size"]),
         (one(data=..., parameters={"binary_data_size": 8.0}), ["input 'x'", "binary_data_size"]),
