@@ -622,7 +622,8 @@ def test_bad_triton_configs_are_named(client: httpclient.InferenceServerClient) 
             "dynamic_batching { default_queue_policy { timeout_action: DELAY } }",
             "DELAY is not supported",
         ),
-        ("instance_group [ { kind: KIND_GPU gpus: [0, 1] } ]", "one instance_group per GPU"),
+        ("instance_group [ { kind: KIND_GPU gpus: [0, 0] } ]", "distinct GPU numbers"),
+        ("instance_group [ { kind: KIND_MODEL } ]", "KIND_MODEL is not supported"),
         ('instance_group [ { kind: KIND_CPU profile: "p" } ]', "sets profile"),
         ('output [ { name: "y" reshape { shape: [1] } } ]', "output 'y' sets reshape"),
         ("max_batch_size: 2\ndynamic_batching { priority_levels: 2 }", "default_priority_level"),
@@ -649,7 +650,7 @@ def test_triton_config_mapping() -> None:
           default_queue_policy { max_queue_size: 10 default_timeout_microseconds: 5000 }
           priority_queue_policy { key: 1 value { max_queue_size: 3 } }
         }
-        instance_group [ { kind: KIND_GPU count: 2 gpus: [ 1 ] }, { kind: KIND_CPU } ]
+        instance_group [ { kind: KIND_GPU count: 2 gpus: [ 1, 2 ] }, { kind: KIND_CPU } ]
         parameters { key: "threads" value { string_value: "2" } }
         version_policy { specific { versions: [ 1, 3 ] } }
         response_cache { enable: true }
@@ -668,7 +669,11 @@ def test_triton_config_mapping() -> None:
         # Level 1 (Triton's highest) is the engine's higher priority.
         "queue_timeouts": {"0": 0.005},
         "queue_sizes": {"1": 3, "0": 10},
-        "instances": [{"device": "cuda:1", "count": 2}, {"device": "cpu", "count": 1}],
+        "instances": [
+            {"device": "cuda:1", "count": 2},
+            {"device": "cuda:2", "count": 2},
+            {"device": "cpu", "count": 1},
+        ],
         "backend_options": {"threads": 2},
         "response_cache": True,
     }

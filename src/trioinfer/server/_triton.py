@@ -458,7 +458,9 @@ def _translate(message: Any, doc: dict[str, Any], name: str, where: str) -> Trit
     if message.instance_group:
         if ensemble:
             raise ConfigError(f"{where}: an ensemble has no instance_group; its steps' models do")
-        settings["instances"] = [_instance(group, where) for group in message.instance_group]
+        settings["instances"] = [
+            instance for group in message.instance_group for instance in _instances(group, where)
+        ]
     if message.parameters:
         if ensemble:
             raise ConfigError(f"{where}: an ensemble takes no parameters")
@@ -491,7 +493,7 @@ def _translate(message: Any, doc: dict[str, Any], name: str, where: str) -> Trit
     return TritonModel(doc, settings, versions, labels, levels, default_level, tuple(notes))
 
 
-def _instance(group: Any, where: str) -> dict[str, Any]:
+def _instances(group: Any, where: str) -> list[dict[str, Any]]:
     _refuse(group, {"name", "count", "gpus", "kind"}, where, f"instance_group {group.name!r}")
     count = group.count or 1
     if count < 0:
@@ -502,18 +504,12 @@ def _instance(group: Any, where: str) -> dict[str, Any]:
     if kind == 2:
         if group.gpus:
             raise ConfigError(f"{where}: a KIND_CPU instance_group takes no gpus")
-        return {"device": "cpu", "count": count}
+        return [{"device": "cpu", "count": count}]
     gpus = list(group.gpus) or [0]
     if len(gpus) != len(set(gpus)) or min(gpus) < 0:
         raise ConfigError(f"{where}: instance_group gpus must be distinct GPU numbers >= 0")
-    if len(gpus) == 1:
-        return {"device": f"cuda:{gpus[0]}", "count": count}
-    # Triton puts `count` instances on each listed GPU; trioinfer's groups are per device,
-    # so a group over several GPUs is refused rather than half-served.
-    raise ConfigError(
-        f"{where}: an instance_group over several gpus ({gpus}) is not supported; write one "
-        "instance_group per GPU"
-    )
+    # Triton puts `count` instances on each listed GPU; trioinfer's groups are per device.
+    return [{"device": f"cuda:{gpu}", "count": count} for gpu in gpus]
 
 
 def _parameter(text: str) -> Any:
