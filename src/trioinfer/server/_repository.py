@@ -773,6 +773,8 @@ def _scan(name: str, directory: Path, root: Path) -> ModelEntry:
         if fixed_file:
             if child_name == PurePosixPath(str(settings["path"])).parts[0]:
                 continue
+            if triton is not None:
+                continue  # Triton wants a version directory beside an ensemble's config
             notes.append(
                 f"ignored version directory {child_name} ({_CONFIG_FILE} sets path, which is "
                 "served as version 1)"
