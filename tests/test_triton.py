@@ -11,6 +11,7 @@ a real ``trioinfer serve`` on 127.0.0.1, over a Triton-layout repository
 
 from __future__ import annotations
 
+import base64
 import importlib.util
 import json
 import os
@@ -32,6 +33,7 @@ from tritonclient.utils import InferenceServerException
 
 from test_server import Server, run_server
 from trioinfer import ConfigError
+from trioinfer.server._cuda_ipc import probe
 from trioinfer.server._shm import SharedMemoryError, SystemSharedMemory
 from trioinfer.server._triton import TritonModel, _model_config_class
 
@@ -408,13 +410,27 @@ def test_shared_memory_refusals(
     assert result is None
 
 
+@pytest.mark.skipif(probe() is None, reason="CUDA is usable here: CUDA shared memory works")
 def test_cuda_shared_memory_is_refused_clearly(client: httpclient.InferenceServerClient) -> None:
     # simple_http_cudashm_client clears both registries first: that works; registering does not.
     client.unregister_cuda_shared_memory()
     assert client.get_cuda_shared_memory_status() == []
+    handle = base64.b64encode(bytes(64))  # as cuda_shared_memory.get_raw_handle gives it
     with pytest.raises(InferenceServerException, match="not supported on this server") as info:
-        client.register_cuda_shared_memory("output_data", b"handle", 0, 64)
+        client.register_cuda_shared_memory("output_data", handle, 0, 64)
     assert info.value.status() == "400"
+    with pytest.raises(InferenceServerException, match="unable to find CUDA shared memory"):
+        client.get_cuda_shared_memory_status("output_data")
+
+
+def test_cuda_registration_is_checked(client: httpclient.InferenceServerClient) -> None:
+    with pytest.raises(InferenceServerException, match="not valid base64"):
+        client.register_cuda_shared_memory("r", b"not base64!", 0, 64)
+    with pytest.raises(InferenceServerException, match="of 64 bytes"):
+        client.register_cuda_shared_memory("r", base64.b64encode(bytes(8)), 0, 64)
+    registry = SystemSharedMemory()
+    with pytest.raises(SharedMemoryError, match="device_id must be an integer"):
+        registry.register_cuda("r", bytes(64), -1, 64)
 
 
 def test_registering_needs_the_admin_token(

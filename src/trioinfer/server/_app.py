@@ -10,6 +10,8 @@ path. Every other route is an ordinary Starlette endpoint.
 
 from __future__ import annotations
 
+import base64
+import binascii
 import hmac
 import inspect
 import logging
@@ -62,7 +64,7 @@ from ._codec import (
 from ._errors import ClientLeft, NotReady, Unauthorized, without_host_paths
 from ._metrics import InFlight, Metrics
 from ._models import ServedModels, ServedVersion
-from ._shm import SharedMemoryError, ShmLease, SystemSharedMemory
+from ._shm import ShmLease, SystemSharedMemory
 
 log = logging.getLogger("trioinfer.server")
 
@@ -297,8 +299,9 @@ def create_app(state: ServerState) -> ASGIApp:
             methods=["POST"],
         ),
         Route("/v2/systemsharedmemory/unregister", endpoint(_shm_unregister), methods=["POST"]),
-        # No CUDA region can be registered here; the rest answers as for an empty registry,
-        # so that clients which clear both registries first (Triton's examples) carry on.
+        # Where CUDA is not usable, registering says so and the rest answers as for an empty
+        # registry, so that clients which clear both registries first (Triton's examples)
+        # carry on.
         Route("/v2/cudasharedmemory/status", endpoint(_cuda_status), methods=["GET"]),
         Route(
             "/v2/cudasharedmemory/region/{region}/status",
@@ -549,27 +552,36 @@ async def _shm_unregister(request: Request, state: ServerState) -> Response:
 
 async def _cuda_register(request: Request, state: ServerState) -> Response:
     state.check_token(request.headers, admin=True)
-    raise SharedMemoryError(
-        "CUDA shared memory is not supported on this server; use system shared memory "
-        "(/v2/systemsharedmemory), or send tensors in the request body"
+    body = await _small_json(request, state) or {}
+    handle = body.get("raw_handle")
+    encoded = handle.get("b64") if isinstance(handle, dict) else None
+    if set(body) - {"raw_handle", "device_id", "byte_size"} or not isinstance(encoded, str):
+        raise RequestError(
+            'registering a CUDA region takes {"raw_handle": {"b64": "<base64 '
+            'cudaIpcMemHandle_t>"}, "device_id": N, "byte_size": N}; '
+            f"got keys {sorted(body)}"
+        )
+    try:
+        raw = base64.b64decode(encoded, validate=True)
+    except binascii.Error:
+        raise RequestError("raw_handle.b64 is not valid base64") from None
+    state.shm.register_cuda(
+        request.path_params["region"], raw, body.get("device_id", 0), body.get("byte_size", 0)
     )
+    return Response(status_code=200)
 
 
 async def _cuda_status(request: Request, state: ServerState) -> Response:
     state.check_token(request.headers, admin=False)
-    region = request.path_params.get("region")
-    if region is not None:
-        raise SharedMemoryError(
-            f"unable to find cuda shared memory region {region!r}: CUDA shared memory is not "
-            "supported on this server"
-        )
-    return _json([])
+    regions = state.shm.cuda_status(request.path_params.get("region"))
+    return _json([attrs.asdict(region) for region in regions])
 
 
 async def _cuda_unregister(request: Request, state: ServerState) -> Response:
     state.check_token(request.headers, admin=True)
     await _small_json(request, state)
-    return Response(status_code=200)  # nothing can be registered, so nothing is left
+    state.shm.unregister_cuda(request.path_params.get("region"))
+    return Response(status_code=200)
 
 
 # -- statistics and metrics -------------------------------------------------------------

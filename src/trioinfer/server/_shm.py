@@ -40,8 +40,15 @@ from typing import Any, Final, final
 import attrs
 
 from .._exceptions import InvalidInput
+from ._cuda_ipc import IPC_HANDLE_SIZE, CudaError, IpcMemory, probe
 
-__all__ = ["RegionStatus", "SharedMemoryError", "ShmLease", "SystemSharedMemory"]
+__all__ = [
+    "CudaRegionStatus",
+    "RegionStatus",
+    "SharedMemoryError",
+    "ShmLease",
+    "SystemSharedMemory",
+]
 
 log = logging.getLogger("trioinfer.server")
 
@@ -78,15 +85,37 @@ class RegionStatus:
     byte_size: int
 
 
+@attrs.frozen
+class CudaRegionStatus:
+    """A registered CUDA shared-memory region, as the CUDA status endpoints report it.
+
+    Attributes:
+        name: The name clients use in requests.
+        device_id: The GPU the memory is on.
+        byte_size: The region's size in bytes.
+    """
+
+    name: str
+    device_id: int
+    byte_size: int
+
+
 @final
 @attrs.define(eq=False)
 class _Region:
-    status: RegionStatus
-    mapping: mmap.mmap
+    status: RegionStatus | CudaRegionStatus
+    offset: int
+    byte_size: int
+    mapping: mmap.mmap | None = None
+    device: IpcMemory | None = None
     users: int = 0
     retired: bool = False
 
     def close(self) -> None:
+        if self.device is not None:
+            self.device.close()
+            return
+        assert self.mapping is not None
         try:
             self.mapping.close()
         except BufferError:
@@ -103,11 +132,16 @@ def _integer(value: object, what: str, *, minimum: int) -> int:
 
 @final
 class SystemSharedMemory:
-    """The server's registered system shared-memory regions; one per server."""
+    """The server's registered shared-memory regions, system and CUDA; one per server.
+
+    Requests name either kind the same way (``shared_memory_region``), so a
+    name is registered once across both.
+    """
 
     def __init__(self, directory: str = SHM_DIR) -> None:
         self._directory = directory
         self._regions: dict[str, _Region] = {}
+        self._cuda: dict[str, _Region] = {}
         self._lock = threading.Lock()
 
     def register(self, name: str, key: str, offset: int, byte_size: int) -> None:
@@ -132,13 +166,69 @@ class SystemSharedMemory:
         offset = _integer(offset, "shared memory offset", minimum=0)
         byte_size = _integer(byte_size, "shared memory byte_size", minimum=1)
         with self._lock:
-            if name in self._regions:
-                raise SharedMemoryError(
-                    f"shared memory region {name!r} is already registered; unregister it first"
-                )
+            self._check_free(name)
             mapping = self._map(name, match.group(1), key, offset, byte_size)
-            self._regions[name] = _Region(RegionStatus(name, key, offset, byte_size), mapping)
+            status = RegionStatus(name, key, offset, byte_size)
+            self._regions[name] = _Region(status, offset, byte_size, mapping=mapping)
         log.info("registered shared memory region %r (%s, %d bytes)", name, key, byte_size)
+
+    def _check_free(self, name: str) -> None:
+        if name in self._regions or name in self._cuda:
+            raise SharedMemoryError(
+                f"shared memory region {name!r} is already registered; unregister it first"
+            )
+
+    def register_cuda(self, name: str, raw_handle: bytes, device_id: int, byte_size: int) -> None:
+        """Open another process's CUDA memory (a ``cudaIpcMemHandle_t``) as region *name*.
+
+        Raises:
+            SharedMemoryError: CUDA is not usable here (the message says why),
+                *name* is taken, or the handle cannot be opened.
+        """
+        if not isinstance(name, str) or not _NAME_RE.fullmatch(name):
+            raise SharedMemoryError(f"invalid CUDA shared memory region name {name!r}")
+        if not isinstance(raw_handle, bytes) or len(raw_handle) != IPC_HANDLE_SIZE:
+            raise SharedMemoryError(
+                f"raw_handle must be a base64 cudaIpcMemHandle_t of {IPC_HANDLE_SIZE} bytes"
+            )
+        device_id = _integer(device_id, "device_id", minimum=0)
+        byte_size = _integer(byte_size, "CUDA shared memory byte_size", minimum=1)
+        reason = probe()
+        if reason is not None:
+            raise SharedMemoryError(
+                f"CUDA shared memory is not supported on this server: {reason}; use system "
+                "shared memory (/v2/systemsharedmemory), or send tensors in the request body"
+            )
+        with self._lock:
+            self._check_free(name)
+            try:
+                device = IpcMemory(raw_handle, device_id)
+            except CudaError as exc:
+                raise SharedMemoryError(
+                    f"unable to open CUDA shared memory region {name!r} on device "
+                    f"{device_id}: {exc}"
+                ) from None
+            status = CudaRegionStatus(name, device_id, byte_size)
+            self._cuda[name] = _Region(status, 0, byte_size, device=device)
+        log.info("registered CUDA shared memory region %r (device %d)", name, device_id)
+
+    def unregister_cuda(self, name: str | None = None) -> None:
+        """Forget CUDA region *name*, or every one; as `unregister` does for system regions."""
+        self._unregister(self._cuda, name)
+
+    def cuda_status(self, name: str | None = None) -> list[CudaRegionStatus]:
+        """The registered CUDA regions (or just *name*), by name.
+
+        Raises:
+            SharedMemoryError: *name* is given and not registered.
+        """
+        with self._lock:
+            if name is None:
+                return [_cuda_status(self._cuda[n]) for n in sorted(self._cuda)]
+            region = self._cuda.get(name)
+            if region is None:
+                raise SharedMemoryError(f"unable to find CUDA shared memory region {name!r}")
+            return [_cuda_status(region)]
 
     def _map(self, name: str, file: str, key: str, offset: int, byte_size: int) -> mmap.mmap:
         path = os.path.join(self._directory, file)
@@ -170,10 +260,13 @@ class SystemSharedMemory:
         closed when the last of them ends. Unregistering a name that is not
         registered is not an error (as in Triton).
         """
+        self._unregister(self._regions, name)
+
+    def _unregister(self, regions: dict[str, _Region], name: str | None) -> None:
         with self._lock:
-            names = list(self._regions) if name is None else [name]
+            names = list(regions) if name is None else [name]
             for each in names:
-                region = self._regions.pop(each, None)
+                region = regions.pop(each, None)
                 if region is None:
                     continue
                 region.retired = True
@@ -189,11 +282,11 @@ class SystemSharedMemory:
         """
         with self._lock:
             if name is None:
-                return [self._regions[n].status for n in sorted(self._regions)]
+                return [_system_status(self._regions[n]) for n in sorted(self._regions)]
             region = self._regions.get(name)
             if region is None:
                 raise _unknown(name)
-            return [region.status]
+            return [_system_status(region)]
 
     def lease(self) -> ShmLease:
         """A lease for one request: ``with registry.lease() as lease:`` (see `ShmLease`).
@@ -204,7 +297,9 @@ class SystemSharedMemory:
 
     def _acquire(self, name: str) -> _Region:
         with self._lock:
-            region = self._regions.get(name) if isinstance(name, str) else None
+            region = None
+            if isinstance(name, str):
+                region = self._regions.get(name) or self._cuda.get(name)
             if region is None:
                 raise _unknown(name)
             region.users += 1
@@ -215,6 +310,23 @@ class SystemSharedMemory:
             region.users -= 1
             if region.retired and region.users == 0:
                 region.close()
+
+
+def _system_status(region: _Region) -> RegionStatus:
+    assert isinstance(region.status, RegionStatus)  # only system regions are asked
+    return region.status
+
+
+def _cuda_status(region: _Region) -> CudaRegionStatus:
+    assert isinstance(region.status, CudaRegionStatus)  # only CUDA regions are asked
+    return region.status
+
+
+def _device(call: Any, *args: Any) -> Any:
+    try:
+        return call(*args)
+    except CudaError as exc:
+        raise SharedMemoryError(f"CUDA shared memory: {exc}") from None
 
 
 def _unknown(name: object) -> SharedMemoryError:
@@ -254,13 +366,13 @@ class ShmLease:
         if region is None:
             region = self._registry._acquire(name)
             self._held[name] = region
-        size = region.status.byte_size
+        size = region.byte_size
         if offset + byte_size > size:
             raise SharedMemoryError(
                 f"{what}: shared memory offset {offset} + byte_size {byte_size} is past the "
                 f"end of region {name!r}, which holds {size} bytes"
             )
-        return region, region.status.offset + offset, byte_size
+        return region, region.offset + offset, byte_size
 
     def read(self, name: str, offset: int, byte_size: int, *, what: str = "input") -> memoryview:
         """A read-only view of *byte_size* bytes at *offset* of region *name* (no copy).
@@ -269,6 +381,10 @@ class ShmLease:
             SharedMemoryError: Unknown region, or a range outside it.
         """
         region, start, size = self._region(name, offset, byte_size, what)
+        if region.device is not None:
+            # A CUDA region is copied to the host: inputs go to the backend from there.
+            return memoryview(_device(region.device.read, start, size)).toreadonly()
+        assert region.mapping is not None
         return memoryview(region.mapping)[start : start + size].toreadonly()
 
     def check(self, name: str, offset: int, byte_size: int, *, what: str = "output") -> None:
@@ -302,6 +418,10 @@ class ShmLease:
                 f"{what}: shared memory byte_size {size} is too small for the {total} bytes "
                 f"of the result; ask for at least {total}"
             )
+        if region.device is not None:
+            _device(region.device.write, start, b"".join(views))
+            return total
+        assert region.mapping is not None
         with memoryview(region.mapping) as target:
             for view in views:
                 target[start : start + len(view)] = view
