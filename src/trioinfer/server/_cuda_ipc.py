@@ -99,7 +99,7 @@ class IpcMemory:
         self._ctx = _context(lib, device_id)
         self._pointer = ctypes.c_uint64()
         handle = _Handle()
-        handle.reserved = raw_handle
+        ctypes.memmove(ctypes.addressof(handle), raw_handle, IPC_HANDLE_SIZE)
         open_handle = _function(lib, "cuIpcOpenMemHandle_v2", "cuIpcOpenMemHandle")
         with self._current():
             _check(
