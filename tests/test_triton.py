@@ -19,8 +19,9 @@ import sys
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
+import attrs
 import httpx
 import numpy as np
 import onnx
@@ -491,6 +492,57 @@ def test_views_of_a_region_are_read_only(regions: list[Any]) -> None:
         with pytest.raises(SharedMemoryError, match="past the end"):
             lease.read("r", 40, 32)
     registry.unregister()
+
+
+class FakeDeviceMemory:
+    """Stands in for `IpcMemory` (another process's GPU memory) where there is no GPU."""
+
+    opened: ClassVar[list[FakeDeviceMemory]] = []
+
+    def __init__(self, raw_handle: bytes, device_id: int) -> None:
+        self.memory = bytearray(raw_handle * 4)  # 256 bytes, filled from the handle
+        self.device_id = device_id
+        self.closed = False
+        FakeDeviceMemory.opened.append(self)
+
+    def read(self, offset: int, size: int) -> bytearray:
+        assert not self.closed
+        return self.memory[offset : offset + size]
+
+    def write(self, offset: int, data: bytes) -> None:
+        assert not self.closed
+        self.memory[offset : offset + len(data)] = data
+
+    def close(self) -> None:
+        self.closed = True
+
+
+def test_cuda_regions_in_the_registry(monkeypatch: pytest.MonkeyPatch, regions: list[Any]) -> None:
+    monkeypatch.setattr("trioinfer.server._shm.probe", lambda: None)
+    monkeypatch.setattr("trioinfer.server._shm.IpcMemory", FakeDeviceMemory)
+    registry = SystemSharedMemory()
+    handle = bytes(range(64))
+    registry.register_cuda("gpu", handle, 1, 256)
+    (device,) = FakeDeviceMemory.opened[-1:]
+    assert [attrs.asdict(s) for s in registry.cuda_status()] == [
+        {"name": "gpu", "device_id": 1, "byte_size": 256}
+    ]
+    assert registry.status() == []  # the system registry's status lists system regions only
+    _, key = create_region(regions, "sys", 64)
+    with pytest.raises(SharedMemoryError, match="already registered"):
+        registry.register("gpu", key, 0, 64)  # one name across both kinds
+    with registry.lease() as lease:
+        assert bytes(lease.read("gpu", 8, 8)) == bytes(range(8, 16))
+        assert lease.write("gpu", 0, 4, [b"\xff" * 4]) == 4
+        with pytest.raises(SharedMemoryError, match="past the end of region 'gpu'"):
+            lease.read("gpu", 250, 8)
+        registry.unregister_cuda("gpu")
+        assert not device.closed  # held by the request
+        lease.write("gpu", 4, 4, [b"\xee" * 4])
+    assert device.closed
+    assert bytes(device.memory[:8]) == b"\xff" * 4 + b"\xee" * 4
+    with pytest.raises(SharedMemoryError, match="unable to find CUDA shared memory region"):
+        registry.cuda_status("gpu")
 
 
 # == Triton's wording ===================================================================
