@@ -665,6 +665,7 @@ def test_ensemble_runs_as_a_pipeline(client: httpclient.InferenceServerClient) -
     np.testing.assert_array_equal(result.as_numpy("SUM"), a + a)
     config = client.get_model_config("ensemble")
     assert config["platform"] == "ensemble"
+    assert client.get_model_metadata("ensemble")["platform"] == "ensemble"
     assert config["ensemble_scheduling"]["step"][0]["model_name"] == "simple"
 
 

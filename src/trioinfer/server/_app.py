@@ -496,6 +496,8 @@ def _effective_options(state: ServerState, name: str, options: Mapping[str, Any]
 
 
 def _platform(served: ServedVersion) -> str:
+    if served.triton is not None and served.triton.doc.get("platform") == "ensemble":
+        return "ensemble"
     return "onnxruntime_onnx" if served.info.config.backend == "onnxruntime" else "trioinfer"
 
 
