@@ -481,6 +481,16 @@ def test_a_region_unregistered_while_in_use_stays_mapped_until_released(
     assert region.mapping.closed
 
 
+def test_a_region_whose_object_shrank_is_refused(regions: list[Any]) -> None:
+    _, key = create_region(regions, "r", 64)
+    registry = SystemSharedMemory()
+    registry.register("r", key, 0, 64)
+    os.truncate(f"/dev/shm{key}", 16)  # reading the mapping past 16 bytes would kill us
+    with registry.lease() as lease, pytest.raises(SharedMemoryError, match="now holds 16 bytes"):
+        lease.read("r", 0, 8)
+    registry.unregister()
+
+
 def test_views_of_a_region_are_read_only(regions: list[Any]) -> None:
     _, key = create_region(regions, "r", 64)
     registry = SystemSharedMemory()

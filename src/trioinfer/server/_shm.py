@@ -312,6 +312,25 @@ class SystemSharedMemory:
                 region.close()
 
 
+def _check_not_truncated(region: _Region) -> None:
+    # Reading mapped pages past the end of a file kills the process (SIGBUS): a client that
+    # shrinks its object after registering it is refused here instead. (One that shrinks it
+    # while a request reads it is not caught; Triton has the same limit.)
+    assert region.mapping is not None
+    try:
+        size = region.mapping.size()  # fstat of the object, through mmap's own descriptor
+    except OSError as exc:
+        raise SharedMemoryError(
+            f"shared memory region {region.status.name!r} cannot be checked: {exc.strerror}"
+        ) from None
+    needed = region.offset + region.byte_size
+    if size < needed:
+        raise SharedMemoryError(
+            f"shared memory region {region.status.name!r}: its object now holds {size} bytes, "
+            f"fewer than the {needed} it was registered with; register it again"
+        )
+
+
 def _system_status(region: _Region) -> RegionStatus:
     assert isinstance(region.status, RegionStatus)  # only system regions are asked
     return region.status
@@ -366,6 +385,8 @@ class ShmLease:
         if region is None:
             region = self._registry._acquire(name)
             self._held[name] = region
+        if region.mapping is not None:
+            _check_not_truncated(region)
         size = region.byte_size
         if offset + byte_size > size:
             raise SharedMemoryError(
