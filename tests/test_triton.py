@@ -596,7 +596,10 @@ def test_config_toml_model_takes_triton_keys_in_an_override(
 ) -> None:
     root = tmp_path / "repo"
     write_simple(root / "plain" / "1" / "model.onnx")
-    (root / "plain" / "config.toml").write_text("max_queue_size = 10\n")
+    (root / "plain" / "config.toml").write_text(
+        'max_queue_size = 10\nlabels = { OUTPUT0 = "sums.txt" }\n'
+    )
+    (root / "plain" / "sums.txt").write_text("".join(f"sum{i}\n" for i in range(16)))
     with (
         run_server(root, log=tmp_path / "plain.log") as running,
         httpclient.InferenceServerClient(running.address) as triton,
@@ -606,6 +609,26 @@ def test_config_toml_model_takes_triton_keys_in_an_override(
         assert config["max_batch_size"] == 4
         assert config["trioinfer"]["batcher"] == "dynamic"
         assert config["trioinfer"]["max_queue_size"] == 10
+        # Classification with labels from config.toml's `labels`.
+        inputs = [httpclient.InferInput(f"INPUT{i}", [1, 16], "INT32") for i in (0, 1)]
+        inputs[0].set_data_from_numpy(np.arange(16, dtype=np.int32).reshape(1, 16))
+        inputs[1].set_data_from_numpy(np.ones((1, 16), np.int32))
+        top = [httpclient.InferRequestedOutput("OUTPUT0", class_count=2)]
+        result = triton.infer("plain", inputs, outputs=top)
+        assert result.as_numpy("OUTPUT0").tolist() == [[b"16:15:sum15", b"15:14:sum14"]]
+
+
+def test_labels_in_config_toml_are_checked(tmp_path: Path) -> None:
+    from trioinfer.server import ModelRepository
+
+    write_simple(tmp_path / "m" / "1" / "model.onnx")
+    (tmp_path / "m" / "config.toml").write_text('labels = "labels.txt"\n')
+    with pytest.raises(ConfigError, match="labels must be a table of output"):
+        ModelRepository(tmp_path).entry("m")
+    (tmp_path / "m" / "config.toml").write_text('labels = { OUTPUT0 = "../x.txt" }\n')
+    entry = ModelRepository(tmp_path).entry("m")
+    with pytest.raises(ConfigError, match="OUTPUT0"):
+        entry.labels(None)
 
 
 # == config.pbtxt ===========================================================================

@@ -55,7 +55,7 @@ _VERSION_RE = re.compile(r"[1-9][0-9]{0,18}")
 # A config.toml is a few lines; a bound keeps a stray huge file from being read whole.
 _MAX_CONFIG_BYTES = 1 << 20
 # Server-only keys of config.toml: the server reads them, ModelConfig never sees them.
-_SERVER_KEYS = frozenset({"version_policy", "traffic"})
+_SERVER_KEYS = frozenset({"version_policy", "traffic", "labels"})
 _POLICY_FORMS = (
     '"latest", "all", { latest = N }, { specific = [1, 3] } or { all = {} } '
     "(Triton's { latest = { num_versions = N } } and { specific = { versions = [...] } } "
@@ -251,6 +251,9 @@ class ModelEntry:
         traffic: Each served version's share of requests (``traffic`` in ``config.toml``).
         triton: The Triton configuration, for a model configured by
             ``config.pbtxt`` (then *settings* are what it maps to), else ``None``.
+        label_files: Output name to its labels file, for the classification
+            extension: ``labels`` in ``config.toml``, or the outputs'
+            ``label_filename`` in ``config.pbtxt``.
     """
 
     name: str
@@ -261,6 +264,7 @@ class ModelEntry:
     notes: tuple[str, ...] = ()
     traffic: Mapping[int, float] = attrs.field(factory=dict)
     triton: TritonModel | None = None
+    label_files: Mapping[str, str] = attrs.field(factory=dict)
 
     @property
     def model_file(self) -> str:
@@ -381,8 +385,9 @@ class ModelEntry:
                 outside the model's directory.
         """
         out: dict[str, tuple[str, ...]] = {}
-        for output, file in (triton.labels if triton is not None else {}).items():
-            where = f"model {self.name!r}: output {output!r} label_filename {_shown(file)}"
+        files = {**self.label_files, **(triton.labels if triton is not None else {})}
+        for output, file in files.items():
+            where = f"model {self.name!r}: output {output!r} labels file {_shown(file)}"
             path = self.directory / file
             _check_path_key(file, self.directory, self._root, where)
             try:
@@ -707,6 +712,7 @@ def _scan(name: str, directory: Path, root: Path) -> ModelEntry:
     policy = VersionPolicy()
     traffic: dict[int, float] = {}
     triton: TritonModel | None = None
+    label_files: dict[str, str] = {}
     config_path = directory / _CONFIG_FILE
     triton_path = directory / _TRITON_FILE
     shown = _relative(config_path, root)
@@ -722,12 +728,14 @@ def _scan(name: str, directory: Path, root: Path) -> ModelEntry:
             traffic = parse_traffic(settings.pop("traffic", {}))
         except ConfigError as exc:
             raise ConfigError(f"{shown}: {exc}") from None
+        label_files = _label_files(settings.pop("labels", {}), shown)
         _check_settings(name, directory, root, settings, shown)
     elif _lexists(triton_path):
         _confine(triton_path, root, where)
         shown = _relative(triton_path, root)
         text = _read_text(triton_path, shown)
         triton = TritonModel.parse(text, name=name, where=shown)
+        label_files = dict(triton.labels)
         notes.extend(triton.notes)
         settings = dict(triton.settings)
         if settings.get("backend") == PIPELINE:
@@ -751,7 +759,7 @@ def _scan(name: str, directory: Path, root: Path) -> ModelEntry:
         child_name = child.name
         if child_name.startswith(".") or child_name == _CONFIG_FILE:
             continue
-        if triton is not None and child_name in triton.labels.values():
+        if child_name in label_files.values():
             continue
         if child_name == _TRITON_FILE:
             if triton is None:
@@ -801,8 +809,28 @@ def _scan(name: str, directory: Path, root: Path) -> ModelEntry:
                 f"{_CONFIG_FILE} sets path = {_shown(settings['path'])}, which is not a file"
             )
     return ModelEntry(
-        name, directory, tuple(sorted(versions)), policy, settings, tuple(notes), traffic, triton
+        name,
+        directory,
+        tuple(sorted(versions)),
+        policy,
+        settings,
+        tuple(notes),
+        traffic,
+        triton,
+        label_files,
     )
+
+
+def _label_files(value: object, shown: str) -> dict[str, str]:
+    """Read ``labels = { output = "labels.txt" }``: each output's labels file."""
+    if not isinstance(value, Mapping) or not all(
+        isinstance(k, str) and isinstance(v, str) and v for k, v in value.items()
+    ):
+        raise ConfigError(
+            f'{shown}: labels must be a table of output = "file", e.g. '
+            f'{{ probabilities = "labels.txt" }}, got {_shown(value)}'
+        )
+    return dict(value)
 
 
 def parse_traffic(value: object) -> dict[int, float]:
