@@ -511,6 +511,7 @@ class FakeDeviceMemory:
 
     def __init__(self, raw_handle: bytes, device_id: int) -> None:
         self.memory = bytearray(raw_handle * 4)  # 256 bytes, filled from the handle
+        self.size = len(self.memory)
         self.device_id = device_id
         self.closed = False
         FakeDeviceMemory.opened.append(self)
@@ -532,6 +533,9 @@ def test_cuda_regions_in_the_registry(monkeypatch: pytest.MonkeyPatch, regions: 
     monkeypatch.setattr("trioinfer.server._shm.IpcMemory", FakeDeviceMemory)
     registry = SystemSharedMemory()
     handle = bytes(range(64))
+    with pytest.raises(SharedMemoryError, match="past the end of the allocation"):
+        registry.register_cuda("gpu", handle, 1, 257)
+    assert FakeDeviceMemory.opened[-1].closed
     registry.register_cuda("gpu", handle, 1, 256)
     (device,) = FakeDeviceMemory.opened[-1:]
     assert [attrs.asdict(s) for s in registry.cuda_status()] == [

@@ -101,12 +101,21 @@ class IpcMemory:
         handle = _Handle()
         ctypes.memmove(ctypes.addressof(handle), raw_handle, IPC_HANDLE_SIZE)
         open_handle = _function(lib, "cuIpcOpenMemHandle_v2", "cuIpcOpenMemHandle")
+        base, size = ctypes.c_uint64(), ctypes.c_size_t()
+        address_range = _function(lib, "cuMemGetAddressRange_v2", "cuMemGetAddressRange")
         with self._current():
             _check(
                 lib,
                 open_handle(ctypes.byref(self._pointer), handle, _LAZY_ENABLE_PEER_ACCESS),
                 "cuIpcOpenMemHandle",
             )
+            _check(
+                lib,
+                address_range(ctypes.byref(base), ctypes.byref(size), self._pointer),
+                "cuMemGetAddressRange",
+            )
+        #: Bytes from the handle's address to the end of its allocation.
+        self.size = size.value - (self._pointer.value - base.value)
 
     def _current(self) -> _Current:
         return _Current(self._lib, self._ctx)

@@ -208,6 +208,12 @@ class SystemSharedMemory:
                     f"unable to open CUDA shared memory region {name!r} on device "
                     f"{device_id}: {exc}"
                 ) from None
+            if byte_size > device.size:
+                device.close()
+                raise SharedMemoryError(
+                    f"CUDA shared memory region {name!r}: byte_size {byte_size} is past the end "
+                    f"of the allocation, which holds {device.size} bytes"
+                )
             status = CudaRegionStatus(name, device_id, byte_size)
             self._cuda[name] = _Region(status, 0, byte_size, device=device)
         log.info("registered CUDA shared memory region %r (device %d)", name, device_id)
