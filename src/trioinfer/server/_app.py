@@ -215,7 +215,7 @@ class ServerState:
     metrics: Metrics
     in_flight: InFlight
     ready: bool = False
-    #: The registered system shared-memory regions (HTTP and gRPC share them).
+    #: The registered shared-memory regions, system and CUDA (HTTP and gRPC share them).
     shm: SystemSharedMemory = attrs.field(factory=SystemSharedMemory)
 
     def check_token(self, headers: Mapping[str, str], *, admin: bool) -> None:
