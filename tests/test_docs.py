@@ -146,7 +146,8 @@ EXPECTED_OUTPUT = {
         "metrics: slow v1 success: 2",
         "stats: slow v1: 2 succeeded,",
         "unload slow: 200",
-        "errors: 404 model 'slow' is not served; served models: 'digits', 'mlp'",
+        "errors: 404 Request for unknown model: 'slow' is not served; served models: 'digits', "
+        "'mlp'",
         "errors: 400 input 'input' of model",
     ],
 }

@@ -284,9 +284,8 @@ def main_repository(tmp_path_factory: pytest.TempPathFactory) -> Path:
     models.write_add(root / "add" / "1" / "model.onnx")
     (root / "add" / "config.toml").write_text(ADD_CONFIG, encoding="utf-8")
     (root / "add" / "config.pbtxt").write_text(TRITON_PBTXT, encoding="utf-8")
-    # No config.toml at all (and a config.pbtxt that is not even valid).
+    # No config at all (a model with only config.pbtxt is tested in test_triton_config.py).
     models.write_mlp(root / "mlp" / "1" / "model.onnx", (8, 16, 3))
-    (root / "mlp" / "config.pbtxt").write_text("this is { not pbtxt", encoding="utf-8")
     # Two versions, both served; they compute different things.
     models.write_mlp(root / "versioned" / "1" / "model.onnx", (4, 3), seed=1)
     models.write_mlp(root / "versioned" / "2" / "model.onnx", (4, 3), seed=2)

@@ -718,7 +718,45 @@ def test_binary_data_missing_or_left_over() -> None:
         (one(data=...), ["input 'x'", "neither 'data' nor parameters.binary_data_size"]),
         (one(parameters={"binary_data_size": 8}), ["input 'x'", "both 'data'"]),
         (one(parameters=[1]), ["input 'x'", "'parameters'", "JSON object"]),
-        (one(parameters={"shared_memory_region": "r"}), ["input 'x'", "shared memory"]),
+        (one(parameters={"shared_memory_region": "r"}), ["input 'x'", "shared_memory_byte_size"]),
+        (
+            one(data=..., parameters={"shared_memory_region": "r", "shared_memory_byte_size": 8}),
+            ["input 'x'", "shared memory is not available"],
+        ),
+        (
+            one(data=..., parameters={"shared_memory_region": 5, "shared_memory_byte_size": 8}),
+            ["input 'x'", "must name a registered region"],
+        ),
+        (
+            one(
+                data=...,
+                parameters={
+                    "shared_memory_region": "r",
+                    "shared_memory_byte_size": 8,
+                    "shared_memory_offset": -1,
+                },
+            ),
+            ["input 'x'", "shared_memory_offset must be a non-negative integer"],
+        ),
+        (
+            one(
+                data=...,
+                parameters={
+                    "shared_memory_region": "r",
+                    "shared_memory_byte_size": 8,
+                    "shared_memory_key": "/k",
+                },
+            ),
+            ["input 'x'", "unknown parameter 'shared_memory_key'"],
+        ),
+        (
+            one(parameters={"shared_memory_region": "r", "shared_memory_byte_size": 8}),
+            ["input 'x'", "send the values one way"],
+        ),
+        (
+            one(data=..., parameters={"shared_memory_region": "r", "shared_memory_byte_size": 7}),
+            ["input 'x'", "shared_memory_byte_size is 7 bytes", "needs 8"],
+        ),
         (one(data=..., parameters={"binary_data_size": -8}), ["input 'x'", "non-negative"]),
         (one(data=..., parameters={"binary_data_size": "8"}), ["input 'x'", "binary_data_size"]),
         (one(data=..., parameters={"binary_data_size": 8.0}), ["input 'x'", "binary_data_size"]),
@@ -781,12 +819,24 @@ def test_binary_data_missing_or_left_over() -> None:
             ["output 'y'", "binary_data must be true or false"],
         ),
         (
-            {**one(), "outputs": [{"name": "y", "parameters": {"classification": 3}}]},
-            ["output 'y'", "classification is not supported"],
+            {**one(), "outputs": [{"name": "y", "parameters": {"classification": -1}}]},
+            ["output 'y'", "classification must be a number of classes"],
         ),
         (
             {**one(), "outputs": [{"name": "y", "parameters": {"shared_memory_region": "r"}}]},
-            ["output 'y'", "shared_memory_region is not supported"],
+            ["output 'y'", "shared_memory_byte_size must be"],
+        ),
+        (
+            {
+                **one(),
+                "outputs": [
+                    {
+                        "name": "y",
+                        "parameters": {"shared_memory_region": "r", "shared_memory_byte_size": 8},
+                    }
+                ],
+            },
+            ["output 'y'", "shared memory is not available"],
         ),
         ({**one(), "outputs": [{"name": "y", "parameters": 3}]}, ["output 'y'", "'parameters'"]),
         ({"inputs": one()["inputs"] * 2}, ["input 'x'", "more than once"]),

@@ -412,10 +412,11 @@ def test_without_config_a_model_gets_defaults(onnx_file: Path, root: Path) -> No
     assert config.backend == "onnxruntime"
 
 
-def test_triton_config_is_ignored_with_a_note(
+def test_triton_config_beside_config_toml_is_ignored_with_a_note(
     onnx_file: Path, root: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     directory = make_model(onnx_file, root, "m")
+    (directory / "config.toml").write_text("")
     (directory / "config.pbtxt").write_text('name: "m"\nplatform: "onnxruntime_onnx"\n')
     (directory / "labels.txt").write_text("cat\ndog\n")
     caplog.set_level(logging.INFO, logger="trioinfer.server")
@@ -423,7 +424,7 @@ def test_triton_config_is_ignored_with_a_note(
     entry = repo.entry("m")
     assert entry.versions == (1,)
     assert entry.settings == {}
-    assert "ignored config.pbtxt (a Triton config; trioinfer reads config.toml)" in entry.notes
+    assert "ignored config.pbtxt (config.toml is read; it wins)" in entry.notes
     assert any("labels.txt" in note for note in entry.notes)
     assert any("config.pbtxt" in r.getMessage() for r in caplog.records)
     assert all(r.levelno == logging.INFO for r in caplog.records)

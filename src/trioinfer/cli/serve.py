@@ -54,8 +54,8 @@ def _rate_not_nan(
     type=click.Path(file_okay=False, path_type=Path),
     default=None,
     metavar="DIR",
-    help="<DIR>/<model>/<version>/model.onnx, with an optional <DIR>/<model>/config.toml. "
-    "Default: the bundled example repository.",
+    help="<DIR>/<model>/<version>/model.onnx, with an optional <DIR>/<model>/config.toml "
+    "(or Triton's config.pbtxt). Default: the bundled example repository.",
 )
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on.")
 @click.option(
@@ -154,12 +154,13 @@ def serve(ctx: click.Context, /, **options: Any) -> None:
     """Serve a model repository over the KServe V2 protocol (Open Inference Protocol).
 
     Opens one engine, loads every model of the repository (each version its
-    config.toml's version_policy selects; without config.toml, defaults
-    completed from the ONNX file), and serves the V2 REST API on Trio (or
-    asyncio, --loop): health, server and model metadata, model config,
-    inference with JSON or binary tensors, the model repository extension
-    (index, load, unload), statistics, Prometheus metrics at /metrics, and
-    trace settings at /v2/trace/setting (OpenTelemetry, with --trace-exporter).
+    config.toml's version_policy selects, or Triton's config.pbtxt read as it
+    is; without either, defaults completed from the ONNX file), and serves the
+    V2 REST API on Trio (or asyncio, --loop): health, server and model
+    metadata, model config, inference with JSON or binary tensors, system
+    shared memory, classification, the model repository extension (index,
+    load, unload), statistics, Prometheus metrics at /metrics, and trace
+    settings at /v2/trace/setting (OpenTelemetry, with --trace-exporter).
     NVIDIA's tritonclient works against it unchanged.
 
     With no options it serves the bundled example model "digits" on

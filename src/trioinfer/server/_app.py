@@ -10,6 +10,8 @@ path. Every other route is an ordinary Starlette endpoint.
 
 from __future__ import annotations
 
+import base64
+import binascii
 import hmac
 import inspect
 import logging
@@ -52,6 +54,7 @@ from ._codec import (
     PayloadTooLarge,
     RequestError,
     UnsupportedEncoding,
+    classify,
     decode_infer_request,
     decompress,
     dumps,
@@ -63,18 +66,21 @@ from ._codec import (
 from ._errors import ClientLeft, NotReady, Unauthorized, without_host_paths
 from ._metrics import InFlight, Metrics
 from ._models import ServedModels, ServedVersion
+from ._shm import ShmLease, SystemSharedMemory
 
 log = logging.getLogger("trioinfer.server")
 
 #: The protocol extensions this server implements, as ``GET /v2`` lists them.
 EXTENSIONS: Final = (
     "binary_tensor_data",
+    "classification",
     "generate",
     "model_configuration",
     "model_repository",
     "parameters",
     "schedule_policy",
     "statistics",
+    "system_shared_memory",
     "trace",
 )
 
@@ -212,13 +218,15 @@ class ServerConfig:
 @final
 @attrs.define(eq=False)
 class ServerState:
-    """What the routes share: the served models, the config, readiness and metrics."""
+    """What the routes share: the served models, the config, readiness, metrics, shared memory."""
 
     models: ServedModels
     config: ServerConfig
     metrics: Metrics
     in_flight: InFlight
     ready: bool = False
+    #: The registered shared-memory regions, system and CUDA (HTTP and gRPC share them).
+    shm: SystemSharedMemory = attrs.field(factory=SystemSharedMemory)
 
     def check_token(self, headers: Mapping[str, str], *, admin: bool) -> None:
         """Raise `Unauthorized` unless the request carries the token it needs."""
@@ -298,6 +306,43 @@ def create_app(state: ServerState) -> ASGIApp:
         Route("/v2/repository/index", endpoint(_repository_index), methods=["POST"]),
         Route("/v2/repository/models/{model}/load", endpoint(_load), methods=["POST"]),
         Route("/v2/repository/models/{model}/unload", endpoint(_unload), methods=["POST"]),
+        Route("/v2/systemsharedmemory/status", endpoint(_shm_status), methods=["GET"]),
+        Route(
+            "/v2/systemsharedmemory/region/{region}/status",
+            endpoint(_shm_status),
+            methods=["GET"],
+        ),
+        Route(
+            "/v2/systemsharedmemory/region/{region}/register",
+            endpoint(_shm_register),
+            methods=["POST"],
+        ),
+        Route(
+            "/v2/systemsharedmemory/region/{region}/unregister",
+            endpoint(_shm_unregister),
+            methods=["POST"],
+        ),
+        Route("/v2/systemsharedmemory/unregister", endpoint(_shm_unregister), methods=["POST"]),
+        # Where CUDA is not usable, registering says so and the rest answers as for an empty
+        # registry, so that clients which clear both registries first (Triton's examples)
+        # carry on.
+        Route("/v2/cudasharedmemory/status", endpoint(_cuda_status), methods=["GET"]),
+        Route(
+            "/v2/cudasharedmemory/region/{region}/status",
+            endpoint(_cuda_status),
+            methods=["GET"],
+        ),
+        Route(
+            "/v2/cudasharedmemory/region/{region}/register",
+            endpoint(_cuda_register),
+            methods=["POST"],
+        ),
+        Route(
+            "/v2/cudasharedmemory/region/{region}/unregister",
+            endpoint(_cuda_unregister),
+            methods=["POST"],
+        ),
+        Route("/v2/cudasharedmemory/unregister", endpoint(_cuda_unregister), methods=["POST"]),
         Route("/metrics", endpoint(_metrics), methods=["GET"]),
         Route("/v2/trace/setting", endpoint(_trace_setting), methods=["GET", "POST"]),
         Route(
@@ -464,6 +509,11 @@ async def _model_config(request: Request, state: ServerState) -> Response:
             "preferred_batch_size": list(batching.get("preferred_batch_sizes", [])),
             "max_queue_delay_microseconds": int(float(delay) * 1e6) if delay is not None else 0,
         }
+    if served.triton is not None:
+        # What config.pbtxt (or the override) says, as Triton answers it, over what
+        # trioinfer worked out; what it leaves out (inputs, say) stays worked out.
+        body.update(served.triton.json())
+        body["name"] = served.model
     return _json(body)
 
 
@@ -498,6 +548,8 @@ def _effective_options(state: ServerState, name: str, options: Mapping[str, Any]
 
 
 def _platform(served: ServedVersion) -> str:
+    if served.triton is not None and served.triton.doc.get("platform") == "ensemble":
+        return "ensemble"
     return "onnxruntime_onnx" if served.info.config.backend == "onnxruntime" else "trioinfer"
 
 
@@ -519,6 +571,71 @@ def _tensor_config(spec: TensorSpec, skip: int) -> dict[str, Any]:
         "data_type": "TYPE_" + v2_datatype(spec.dtype, spec.type_name).replace("BYTES", "STRING"),
         "dims": _dims(spec)[skip:],
     }
+
+
+# -- system shared memory ------------------------------------------------------------------
+
+
+async def _shm_status(request: Request, state: ServerState) -> Response:
+    state.check_token(request.headers, admin=False)
+    regions = state.shm.status(request.path_params.get("region"))
+    return _json([attrs.asdict(region) for region in regions])
+
+
+async def _shm_register(request: Request, state: ServerState) -> Response:
+    state.check_token(request.headers, admin=True)
+    body = await _small_json(request, state) or {}
+    unknown = sorted(set(body) - {"key", "offset", "byte_size"})
+    if unknown or "key" not in body or "byte_size" not in body:
+        raise RequestError(
+            'registering a region takes {"key": "/shm_key", "offset": N, "byte_size": N} '
+            f"(offset optional); got keys {sorted(body)}"
+        )
+    state.shm.register(
+        request.path_params["region"], body["key"], body.get("offset", 0), body["byte_size"]
+    )
+    return Response(status_code=200)
+
+
+async def _shm_unregister(request: Request, state: ServerState) -> Response:
+    state.check_token(request.headers, admin=True)
+    await _small_json(request, state)  # read (and bound) any body, though none is needed
+    state.shm.unregister(request.path_params.get("region"))
+    return Response(status_code=200)
+
+
+async def _cuda_register(request: Request, state: ServerState) -> Response:
+    state.check_token(request.headers, admin=True)
+    body = await _small_json(request, state) or {}
+    handle = body.get("raw_handle")
+    encoded = handle.get("b64") if isinstance(handle, dict) else None
+    if set(body) - {"raw_handle", "device_id", "byte_size"} or not isinstance(encoded, str):
+        raise RequestError(
+            'registering a CUDA region takes {"raw_handle": {"b64": "<base64 '
+            'cudaIpcMemHandle_t>"}, "device_id": N, "byte_size": N}; '
+            f"got keys {sorted(body)}"
+        )
+    try:
+        raw = base64.b64decode(encoded, validate=True)
+    except binascii.Error:
+        raise RequestError("raw_handle.b64 is not valid base64") from None
+    state.shm.register_cuda(
+        request.path_params["region"], raw, body.get("device_id", 0), body.get("byte_size", 0)
+    )
+    return Response(status_code=200)
+
+
+async def _cuda_status(request: Request, state: ServerState) -> Response:
+    state.check_token(request.headers, admin=False)
+    regions = state.shm.cuda_status(request.path_params.get("region"))
+    return _json([attrs.asdict(region) for region in regions])
+
+
+async def _cuda_unregister(request: Request, state: ServerState) -> Response:
+    state.check_token(request.headers, admin=True)
+    await _small_json(request, state)
+    state.shm.unregister_cuda(request.path_params.get("region"))
+    return Response(status_code=200)
 
 
 # -- statistics and metrics -------------------------------------------------------------
@@ -618,6 +735,19 @@ async def _repository_index(request: Request, state: ServerState) -> Response:
 
 async def _load(request: Request, state: ServerState) -> Response:
     state.check_token(request.headers, admin=True)
+    model = request.path_params["model"]
+    try:
+        override = await _load_override(request, state)
+    except RequestError as exc:
+        # Triton's wording, which its clients look for in any load error; the class
+        # (and so the status: 400, 413, 415) stays.
+        exc.args = (f"failed to load {model!r}: {exc}",)
+        raise
+    await state.models.load(model, override)
+    return Response(status_code=200)
+
+
+async def _load_override(request: Request, state: ServerState) -> dict[str, Any] | None:
     body = await _small_json(request, state)
     override: dict[str, Any] | None = None
     if body is not None:
@@ -641,8 +771,7 @@ async def _load(request: Request, state: ServerState) -> Response:
                     f"string holding one), got {type(config).__name__}"
                 )
             override = config
-    await state.models.load(request.path_params["model"], override)
-    return Response(status_code=200)
+    return override
 
 
 async def _traffic(request: Request, state: ServerState) -> Response:
@@ -769,12 +898,53 @@ def _fallback_parameters(
     return {"trioinfer_served_by": where, "trioinfer_fallbacks": steps}
 
 
-def _schedule_parameters(request: InferRequest) -> tuple[int, float | None]:
-    """The engine priority and the timeout (seconds) a request's parameters ask for."""
+def _classified(
+    request: InferRequest, served: ServedVersion, outputs: Mapping[str, Any]
+) -> Mapping[str, Any]:
+    """*outputs* with those asked for with ``parameters.classification`` as their top classes."""
+    if request.outputs is None or not any(o.classification for o in request.outputs):
+        return outputs
+    config = served.info.config
+    if served.triton is not None:
+        # As Triton: per batch entry when max_batch_size > 0 (an ensemble's too).
+        batched = int(served.triton.doc.get("max_batch_size", 0)) > 0
+    else:
+        batched = served.info.signature.batched and config.batcher != "none"
+    out = dict(outputs)
+    for item in request.outputs:
+        if item.classification and item.name in out:
+            out[item.name] = classify(
+                out[item.name],
+                item.classification,
+                served.labels.get(item.name, ()),
+                batched=batched,
+                what=f"output {item.name!r} of model {served.model!r}",
+            )
+    return out
+
+
+def _schedule_parameters(
+    request: InferRequest, served: ServedVersion | None = None
+) -> tuple[int, float | None]:
+    """The engine priority and the timeout (seconds) a request's parameters ask for.
+
+    For a model with Triton's ``priority_levels``, ``priority`` is a Triton
+    level (1 the highest, 0 the model's default level).
+    """
     parameters = request.parameters
     priority = parameters.get("priority", 0)
     if isinstance(priority, bool) or not isinstance(priority, int) or abs(priority) > 2**31:
         raise RequestError(f"parameter 'priority' must be an integer, got {priority!r}")
+    triton = served.triton if served is not None else None
+    if served is not None and triton is not None and triton.priority_levels:
+        try:
+            priority = triton.engine_priority(priority)
+        except ValueError:
+            raise RequestError(
+                f"parameter 'priority' must be a priority level of model {served.model!r}: "
+                f"1 (the highest) to {triton.priority_levels}, or 0 for its default level "
+                f"({triton.default_priority_level}); got {priority}"
+            ) from None
     timeout = parameters.get("timeout")
     seconds = None
     if timeout is not None:
@@ -861,9 +1031,22 @@ class _InferEndpoint:
         header_length = parse_header_length(
             headers.get("inference-header-content-length"), len(body)
         )
-        request = decode_infer_request(body, header_length, limits)
+        # Regions the request reads or writes stay mapped until its answer is built.
+        with state.shm.lease() as lease:
+            request = decode_infer_request(body, header_length, limits, lease)
+            return await self._infer_decoded(scope, receive, served, request, lease)
+
+    async def _infer_decoded(
+        self,
+        scope: Scope,
+        receive: Receive,
+        served: ServedVersion,
+        request: InferRequest,
+        lease: ShmLease,
+    ) -> tuple[int | None, bytes, list[tuple[bytes, bytes]]]:
+        state = self._state
         _check_outputs(request, served)
-        priority, timeout = _schedule_parameters(request)
+        priority, timeout = _schedule_parameters(request, served)
         # The lean HTTP layer watches for a disconnect itself, with one task per
         # connection, and cancels this task if the client goes (the connection
         # then closes: nobody is left on it); other layers need a task of ours
@@ -889,9 +1072,10 @@ class _InferEndpoint:
             model_name=served.model,
             model_version=str(served.version),
             request=request,
-            outputs=result.outputs,
+            outputs=_classified(request, served, result.outputs),
             output_order=[spec.name for spec in served.info.signature.outputs],
             parameters=_fallback_parameters(state, served, result) if result.fallbacks else None,
+            shm=lease,
         )
         if json_length is None:
             extra = [(b"content-type", b"application/json")]

@@ -40,7 +40,7 @@ import struct
 import zlib
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from types import MappingProxyType
-from typing import Any, Final
+from typing import TYPE_CHECKING, Any, Final
 
 import attrs
 import numpy as np
@@ -49,6 +49,9 @@ import orjson
 
 from .._exceptions import ConfigError, InvalidInput
 from .._tensors import numpy_dtype
+
+if TYPE_CHECKING:
+    from ._shm import ShmLease
 
 #: V2 datatype names and the numpy dtype each becomes (``BYTES`` is ``object``).
 DATATYPES: Final[Mapping[str, np.dtype[Any]]] = MappingProxyType(
@@ -176,10 +179,16 @@ class RequestedOutput:
         name: The output's name.
         binary: The output's own ``parameters.binary_data``, or ``None`` when the
             request did not say (the request-level ``binary_data_output`` then decides).
+        shm: ``(region, offset, byte_size)`` when the output is to be written into
+            a registered shared-memory region instead of the response body.
+        classification: ``k`` of Triton's classification extension (the top *k*
+            classes as ``"score:index:label"`` strings), or 0 for the tensor itself.
     """
 
     name: str
     binary: bool | None = None
+    shm: tuple[str, int, int] | None = None
+    classification: int = 0
 
 
 # eq=False: the inputs are numpy arrays, which have no single truth value for ==.
@@ -217,6 +226,7 @@ class _Input:
     data: list[Any] | None  # None: the values come as binary data
     binary_size: int
     spine: tuple[int, ...]  # the lengths of `data`'s levels, following first elements
+    shm: tuple[str, int, int] | None = None  # (region, offset, byte_size)
 
     @property
     def where(self) -> str:
@@ -338,7 +348,9 @@ def parse_header_length(value: str | None, body_length: int) -> int | None:
     return length
 
 
-def decode_infer_request(body: bytes, header_length: int | None, limits: Limits) -> InferRequest:
+def decode_infer_request(
+    body: bytes, header_length: int | None, limits: Limits, shm: ShmLease | None = None
+) -> InferRequest:
     """Turn an infer request body into arrays, checking it against *limits* before allocating.
 
     Args:
@@ -347,6 +359,10 @@ def decode_infer_request(body: bytes, header_length: int | None, limits: Limits)
             an integer (the server's ``parse_header_length`` reads it from the
             header), or ``None`` when the request had none: the whole body is then JSON.
         limits: What to accept.
+        shm: The request's lease on the server's shared-memory regions, which
+            inputs and outputs with ``parameters.shared_memory_region`` use;
+            ``None`` refuses such requests. Inputs read from a region are
+            read-only views of it (no copy), valid while the lease is held.
 
     An empty body, or one without a non-empty ``inputs`` list, is an error: an
     infer request always needs inputs.
@@ -430,6 +446,12 @@ def decode_infer_request(body: bytes, header_length: int | None, limits: Limits)
         if spec.data is not None:
             inputs[spec.name] = _from_json(spec, spec.data)
             continue
+        if spec.shm is not None:
+            if shm is None:
+                raise RequestError(_NO_SHM.format(where=spec.where))
+            region, start, size = spec.shm
+            inputs[spec.name] = _from_binary(spec, shm.read(region, start, size, what=spec.where))
+            continue
         if header_length is None:
             raise RequestError(
                 f"{spec.where} has parameters.binary_data_size but the request has no "
@@ -450,6 +472,11 @@ def decode_infer_request(body: bytes, header_length: int | None, limits: Limits)
             f"binary_data_size values account for ({offset} bytes)"
         )
     _refuse_hidden_bools(header, declared, inputs, known_bools)
+    for output in requested or ():
+        if output.shm is not None:
+            if shm is None:
+                raise RequestError(_NO_SHM.format(where=f"output {_quote(output.name)}"))
+            shm.check(*output.shm, what=f"output {_quote(output.name)}")
     return InferRequest(
         id=request_id,
         inputs=inputs,
@@ -514,6 +541,7 @@ def encode_infer_response(
     outputs: Mapping[str, npt.NDArray[Any]],
     output_order: Sequence[str],
     parameters: Mapping[str, Any] | None = None,
+    shm: ShmLease | None = None,
 ) -> tuple[bytes, int | None]:
     """Build a V2 infer response body.
 
@@ -523,6 +551,9 @@ def encode_infer_response(
     (and, whatever was asked, a ``BYTES`` output that is not all UTF-8). Binary
     outputs carry ``parameters.binary_data_size`` and no ``data``; their bytes
     follow the JSON in the same order. JSON outputs carry flat row-major ``data``.
+    Outputs requested in shared memory are written into their region (through
+    *shm*, the lease `decode_infer_request` checked them with) and carry only
+    their name, datatype, shape and ``parameters.shared_memory_*``.
 
     Returns:
         The body, and the JSON part's length for the
@@ -534,6 +565,7 @@ def encode_infer_response(
         ValueError: An output in *output_order* is missing from *outputs*, or an
             output's dtype has no V2 datatype (a server-side problem).
     """
+    places: dict[str, tuple[str, int, int]] = {}
     if request.outputs is None:
         chosen = [(name, request.binary_output) for name in output_order]
     else:
@@ -541,6 +573,7 @@ def encode_infer_response(
             (item.name, request.binary_output if item.binary is None else item.binary)
             for item in request.outputs
         ]
+        places = {item.name: item.shm for item in request.outputs if item.shm is not None}
     entries: list[dict[str, Any]] = []
     blobs: list[Any] = []
     for name, binary in chosen:
@@ -552,6 +585,10 @@ def encode_infer_response(
                     f"it has {', '.join(map(repr, output_order)) or 'none'}"
                 )
             raise ValueError(f"output {name!r} is in output_order but not in outputs")
+        place = places.get(name)
+        if place is not None and shm is not None:
+            entries.append(_output_to_shm(name, np.asarray(array), place, shm))
+            continue
         entry, blob = _encode_output(name, np.asarray(array), binary)
         entries.append(entry)
         if blob is not None:
@@ -692,12 +729,26 @@ def _parse_input(index: int, item: Any, limits: Limits) -> _Input:
         )
 
     parameters = _object(item.get("parameters"), f"{where}: 'parameters'")
-    for key in parameters:
-        if key.startswith("shared_memory"):
+    shm = _shm_parameters(parameters, where)
+    if shm is not None:
+        if "data" in item or "binary_data_size" in parameters:
             raise RequestError(
-                f"{where}: parameters.{key}: shared memory is not supported by this server; "
-                "send the values as 'data' or as binary data"
+                f"{where} has parameters.shared_memory_region and also 'data' or "
+                "binary_data_size; send the values one way"
             )
+        _, _, byte_size = shm
+        if datatype == "BYTES":
+            if byte_size < 4 * count:
+                raise RequestError(
+                    f"{where}: shared_memory_byte_size is {byte_size} bytes, too few for "
+                    f"{count} BYTES elements of at least 4 bytes (the length prefix) each"
+                )
+        elif byte_size != count * DATATYPES[datatype].itemsize:
+            raise RequestError(
+                f"{where}: shared_memory_byte_size is {byte_size} bytes but shape "
+                f"{list(shape)} of {datatype} needs {count * DATATYPES[datatype].itemsize}"
+            )
+        return _Input(name, datatype, shape, count, None, byte_size, (), shm)
     binary_size = parameters.get("binary_data_size")
     if binary_size is not None:
         if "data" in item:
@@ -767,19 +818,63 @@ def _parse_outputs(raw: Any, limits: Limits) -> tuple[RequestedOutput, ...] | No
         if name in seen:
             raise RequestError(f"{where} appears more than once in 'outputs'")
         parameters = _object(item.get("parameters"), f"{where}: 'parameters'")
-        for key in parameters:
-            if key.startswith("shared_memory") or key == "classification":
-                raise RequestError(
-                    f"{where}: parameters.{key} is not supported by this server; ask for the "
-                    "tensor itself, as JSON or binary_data"
-                )
         binary = parameters.get("binary_data")
         if binary is not None and not isinstance(binary, bool):
             raise RequestError(
                 f"{where}: parameters.binary_data must be true or false, got {_show(binary)}"
             )
-        seen[name] = RequestedOutput(name, binary)
+        classes = parameters.get("classification", 0)
+        if isinstance(classes, bool) or not isinstance(classes, int) or classes < 0:
+            raise RequestError(
+                f"{where}: parameters.classification must be a number of classes >= 0, "
+                f"got {_show(classes)}"
+            )
+        shm = _shm_parameters(parameters, where)
+        if shm is not None and classes:
+            raise RequestError(
+                f"{where}: a classification output cannot go to shared memory; ask for one "
+                "or the other"
+            )
+        seen[name] = RequestedOutput(name, binary, shm, classes)
     return tuple(seen.values()) or None
+
+
+_NO_SHM: Final = (
+    "{where}: shared memory is not available on this endpoint; send the values as 'data' "
+    "or as binary data"
+)
+
+
+def _shm_parameters(parameters: dict[str, Any], where: str) -> tuple[str, int, int] | None:
+    """``(region, offset, byte_size)`` from ``parameters.shared_memory_*``, or ``None``."""
+    keys = {k for k in parameters if k.startswith("shared_memory")}
+    if not keys:
+        return None
+    unknown = sorted(keys - _SHM_KEYS)
+    if unknown:
+        raise RequestError(
+            f"{where}: unknown parameter {unknown[0]!r}; shared memory takes "
+            "shared_memory_region, shared_memory_offset and shared_memory_byte_size"
+        )
+    region = parameters.get("shared_memory_region")
+    if not isinstance(region, str) or not region:
+        raise RequestError(
+            f"{where}: parameters.shared_memory_region must name a registered region, "
+            f"got {_show(region)}"
+        )
+    offset = parameters.get("shared_memory_offset", 0)
+    size = parameters.get("shared_memory_byte_size")
+    for key, value in (("shared_memory_offset", offset), ("shared_memory_byte_size", size)):
+        if type(value) is not int or value < 0:
+            raise RequestError(
+                f"{where}: parameters.{key} must be a non-negative integer, got {_show(value)}"
+            )
+    return region, offset, size  # type: ignore[return-value]  # both checked as int above
+
+
+_SHM_KEYS: Final = frozenset(
+    {"shared_memory_region", "shared_memory_offset", "shared_memory_byte_size"}
+)
 
 
 def _from_json(spec: _Input, data: list[Any]) -> npt.NDArray[Any]:
@@ -1104,6 +1199,68 @@ def _encode_output(
         blob = flat
     entry["parameters"] = {"binary_data_size": len(blob) if datatype == "BYTES" else blob.nbytes}
     return entry, blob
+
+
+def classify(
+    array: npt.NDArray[Any],
+    k: int,
+    labels: Sequence[str] = (),
+    *,
+    batched: bool,
+    what: str = "the output",
+) -> npt.NDArray[Any]:
+    """Triton's classification extension: the top *k* classes of a numeric output.
+
+    Each row (each batch entry when *batched*, else the whole tensor) is read
+    as one score per class, flattened; the answer holds, per row, the *k*
+    highest as ``"score:index"`` strings, or ``"score:index:label"`` when
+    *labels* has a line for that index, highest first (ties: lower index
+    first). *k* larger than the number of classes gives every class. The
+    shape is ``[batch, k]`` when batched, else ``[k]``.
+
+    Raises:
+        RequestError: The output is not numeric.
+    """
+    values = np.asarray(array)
+    if values.dtype.kind not in "iufb":
+        raise RequestError(
+            f"{what}: classification needs a numeric output, got {v2_datatype(values.dtype)}"
+        )
+    rows = values.reshape(values.shape[0] if batched and values.ndim else 1, -1)
+    count = min(k, rows.shape[1])
+    # A stable sort of the negated scores: highest first, ties in index order.
+    order = np.argsort(-rows.astype(np.float64), axis=1, kind="stable")[:, :count]
+    integer = values.dtype.kind in "iub"
+    out = np.empty(order.shape, dtype=object)
+    for r, row in enumerate(order):
+        for c, index in enumerate(row.tolist()):
+            score = rows[r, index].item()
+            text = f"{int(score)}" if integer else f"{score:f}"
+            label = labels[index] if index < len(labels) else None
+            out[r, c] = f"{text}:{index}:{label}" if label is not None else f"{text}:{index}"
+    return out if batched and values.ndim else out.reshape(count)
+
+
+def _output_to_shm(
+    name: str, array: npt.NDArray[Any], place: tuple[str, int, int], shm: ShmLease
+) -> dict[str, Any]:
+    datatype = v2_datatype(array.dtype)
+    if datatype == "BYTES":
+        blob: Any = _pack_bytes(array.ravel().tolist())
+    else:
+        blob = np.ascontiguousarray(array, dtype=_WIRE[datatype]).reshape(-1)
+    region, offset, byte_size = place
+    written = shm.write(region, offset, byte_size, [blob], what=f"output {_quote(name)}")
+    return {
+        "name": name,
+        "datatype": datatype,
+        "shape": list(array.shape),
+        "parameters": {
+            "shared_memory_region": region,
+            "shared_memory_offset": offset,
+            "shared_memory_byte_size": written,
+        },
+    }
 
 
 def _texts(items: list[Any]) -> list[str] | None:

@@ -25,8 +25,10 @@ import attrs
 from .._config import PIPELINE, ModelConfig
 from .._engine import Engine, ModelInfo
 from .._exceptions import ConfigError, ModelNotFound, TrioInferError
+from ._codec import v2_datatype
 from ._errors import without_host_paths
 from ._repository import ModelRepository, parse_traffic
+from ._triton import TritonModel
 
 log = logging.getLogger("trioinfer.server")
 
@@ -45,6 +47,10 @@ class ServedVersion:
         fingerprint: The files' state when it was loaded, to notice changes on disk.
         override: The config override it was loaded with, if any.
         info: What the engine reports about it.
+        triton: Its Triton configuration (``config.pbtxt``, or Triton keys of
+            the override), or ``None``.
+        labels: Each output's class labels (Triton's ``label_filename``), for
+            the classification extension.
     """
 
     model: str
@@ -53,6 +59,8 @@ class ServedVersion:
     fingerprint: tuple[int, ...]
     override: Mapping[str, Any] | None
     info: ModelInfo
+    triton: TritonModel | None = None
+    labels: Mapping[str, tuple[str, ...]] = attrs.field(factory=dict)
 
 
 @final
@@ -90,7 +98,10 @@ class ServedModels:
         versions = self._served.get(model)
         if not versions:
             served = ", ".join(map(repr, sorted(self._served))) or "none"
-            raise ModelNotFound(f"model {model!r} is not served; served models: {served}")
+            # Triton's wording, which its clients check for.
+            raise ModelNotFound(
+                f"Request for unknown model: {model!r} is not served; served models: {served}"
+            )
         if version is None:
             split = self._traffic.get(model)
             if split is None:
@@ -103,7 +114,8 @@ class ServedModels:
         if found is None:
             have = ", ".join(str(v) for v in sorted(versions))
             raise ModelNotFound(
-                f"model {model!r} has no served version {version!r}; served versions: {have}"
+                f"Request for unknown model: {model!r} has no served version {version!r}; "
+                f"served versions: {have}"
             )
         return found
 
@@ -160,7 +172,7 @@ class ServedModels:
             try:
                 await self.load(name)
             except TrioInferError as exc:
-                log.error("could not load model %r: %s", name, exc)  # noqa: TRY400  # said in full
+                log.error("%s", exc)  # noqa: TRY400  # it says "failed to load" and why, in full
                 failed.append(name)
         return failed
 
@@ -186,6 +198,10 @@ class ServedModels:
             try:
                 await self._load(model, override)
             except TrioInferError as exc:
+                # Triton's wording, which its clients check for; the class (and so the
+                # status) stays the cause's.
+                if not str(exc).startswith("failed to load"):
+                    exc.args = (f"failed to load {model!r}: {exc}", *exc.args[1:])
                 self._errors[model] = self.public_message(exc)
                 raise
             finally:
@@ -221,6 +237,8 @@ class ServedModels:
             engine_name = f"{model}.v{version}"
             config = attrs.evolve(entry.config(version, override), name=engine_name)
             config = self._engine_names(model, config)
+            triton = entry.triton_config(override)
+            labels = entry.labels(triton)
             if (
                 old is not None
                 and old.fingerprint == fingerprint
@@ -229,8 +247,14 @@ class ServedModels:
             ):
                 continue
             info = await self.engine.load(config, replace=old is not None)
+            try:
+                _check_tensors(triton, info, model)
+            except ConfigError:
+                served.pop(version, None)
+                await self.engine.unload(engine_name)
+                raise
             served[version] = ServedVersion(
-                model, version, engine_name, fingerprint, override, info
+                model, version, engine_name, fingerprint, override, info, triton, labels
             )
             log.info(
                 "%s model %r version %d on %s",
@@ -354,6 +378,46 @@ class ServedModels:
 
 # An engine model name as the server makes them, quoted: 'digits.v1'.
 _ENGINE_NAME = re.compile(r"'([A-Za-z0-9][A-Za-z0-9_.\-]*)\.v([0-9]+)'")
+
+
+def _check_tensors(triton: TritonModel | None, info: ModelInfo, model: str) -> None:
+    """Refuse a config.pbtxt whose input or output does not match the model's own."""
+    if triton is None:
+        return
+    batched = int(triton.doc.get("max_batch_size", 0)) > 0
+    signature = info.signature
+    for kind, declared, specs in (
+        ("input", triton.doc.get("input", []), signature.inputs),
+        ("output", triton.doc.get("output", []), signature.outputs),
+    ):
+        by_name = {spec.name: spec for spec in specs}
+        for tensor in declared:
+            spec = by_name.get(tensor.get("name", ""))
+            if spec is None:
+                raise ConfigError(
+                    f"model {model!r}: config.pbtxt declares {kind} {tensor.get('name')!r}, "
+                    f"which the model does not have; its {kind}s are "
+                    f"{', '.join(map(repr, by_name))}"
+                )
+            want = tensor.get("data_type", "TYPE_INVALID").removeprefix("TYPE_")
+            have = v2_datatype(spec.dtype, spec.type_name).replace("BYTES", "STRING")
+            if want != have:
+                raise ConfigError(
+                    f"model {model!r}: config.pbtxt declares {kind} {spec.name!r} as TYPE_{want}; "
+                    f"the model's is TYPE_{have}"
+                )
+            dims = [int(d) for d in tensor.get("dims", [])]
+            shape = [d if isinstance(d, int) else -1 for d in spec.shape]
+            if batched:
+                shape = shape[1:]
+            if len(dims) != len(shape) or any(
+                a != b and -1 not in (a, b) for a, b in zip(dims, shape, strict=False)
+            ):
+                batch = " after the batch dimension" if batched else ""
+                raise ConfigError(
+                    f"model {model!r}: config.pbtxt declares {kind} {spec.name!r} with dims "
+                    f"{dims}; the model's are {shape}{batch}"
+                )
 
 
 def _unit(key: str) -> float:

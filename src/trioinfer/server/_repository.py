@@ -30,6 +30,7 @@ import attrs
 
 from .._config import _NAME_RE, PIPELINE, ModelConfig, model_file_name
 from .._exceptions import ConfigError, ModelNotFound
+from ._triton import TRITON_FIELDS, TritonModel
 
 __all__ = ["IndexEntry", "ModelEntry", "ModelRepository", "VersionPolicy"]
 
@@ -38,6 +39,12 @@ log = logging.getLogger("trioinfer.server")
 _PolicyKind = Literal["latest", "all", "specific"]
 
 _CONFIG_FILE = "config.toml"
+_TRITON_FILE = "config.pbtxt"
+# Triton's keys a config.toml model's load override may use too (max_batch_size, ...):
+# those that are not also ModelConfig fields.
+_TRITON_ONLY = TRITON_FIELDS - {f.name for f in attrs.fields(ModelConfig)}
+# A label file holds one label per line; a bound keeps a stray huge file from being read.
+_MAX_LABELS_BYTES = 16 << 20
 
 # Versions go over the V2 protocol as strings and into Triton clients as int64,
 # so anything larger could not be addressed.
@@ -48,7 +55,7 @@ _VERSION_RE = re.compile(r"[1-9][0-9]{0,18}")
 # A config.toml is a few lines; a bound keeps a stray huge file from being read whole.
 _MAX_CONFIG_BYTES = 1 << 20
 # Server-only keys of config.toml: the server reads them, ModelConfig never sees them.
-_SERVER_KEYS = frozenset({"version_policy", "traffic"})
+_SERVER_KEYS = frozenset({"version_policy", "traffic", "labels"})
 _POLICY_FORMS = (
     '"latest", "all", { latest = N }, { specific = [1, 3] } or { all = {} } '
     "(Triton's { latest = { num_versions = N } } and { specific = { versions = [...] } } "
@@ -239,8 +246,14 @@ class ModelEntry:
         settings: The ``config.toml`` table without the server's own keys
             (``version_policy``): [`ModelConfig`][trioinfer.ModelConfig] fields,
             already checked. Empty without ``config.toml``.
-        notes: What was ignored, e.g. a Triton ``config.pbtxt`` or a version
-            directory without ``model.onnx``; logged, never an error.
+        notes: What was ignored, e.g. a ``config.pbtxt`` beside a ``config.toml``
+            or a version directory without ``model.onnx``; logged, never an error.
+        traffic: Each served version's share of requests (``traffic`` in ``config.toml``).
+        triton: The Triton configuration, for a model configured by
+            ``config.pbtxt`` (then *settings* are what it maps to), else ``None``.
+        label_files: Output name to its labels file, for the classification
+            extension: ``labels`` in ``config.toml``, or the outputs'
+            ``label_filename`` in ``config.pbtxt``.
     """
 
     name: str
@@ -250,6 +263,8 @@ class ModelEntry:
     settings: Mapping[str, Any] = attrs.field(factory=dict, converter=_frozen_table)
     notes: tuple[str, ...] = ()
     traffic: Mapping[int, float] = attrs.field(factory=dict)
+    triton: TritonModel | None = None
+    label_files: Mapping[str, str] = attrs.field(factory=dict)
 
     @property
     def model_file(self) -> str:
@@ -313,13 +328,77 @@ class ModelEntry:
                     f"directory's), the file (<N>/{self.model_file}) and the versions "
                     f"({_CONFIG_FILE})"
                 )
-            data.update(override)
+            data = self._overridden(data, override)
         data["name"] = self.name
         data["path"] = self._model_file(version)
         try:
             return ModelConfig.from_dict(data)
         except ConfigError as exc:
             raise ConfigError(f"model {self.name!r} version {version}: {exc}") from None
+
+    def triton_config(self, override: Mapping[str, Any] | None = None) -> TritonModel | None:
+        """The Triton configuration *version* is loaded with, after *override*; ``None`` if none.
+
+        A ``config.toml`` model has one only when the override uses Triton's
+        keys (``{"max_batch_size": 16}``): then it holds just those.
+
+        Raises:
+            ConfigError: The override is not a valid Triton configuration.
+        """
+        if override is None or not isinstance(override, Mapping):
+            return self.triton
+        where = f"model {self.name!r}: the config override"
+        if self.triton is not None:
+            return self.triton.merged(override, name=self.name, where=where)
+        chosen = {k: v for k, v in override.items() if k in _TRITON_ONLY}
+        return TritonModel.parse(chosen, name=self.name, where=where) if chosen else None
+
+    def _overridden(self, data: dict[str, Any], override: Mapping[str, Any]) -> dict[str, Any]:
+        # A config.pbtxt model's override holds config.pbtxt fields as JSON, which replace
+        # the file's fields whole; a config.toml model's holds ModelConfig keys, and may
+        # hold Triton's keys too (what Triton's clients send), read as Triton reads them.
+        if self.triton is not None:
+            unknown = sorted(set(override) - TRITON_FIELDS)
+            if unknown:
+                raise ConfigError(
+                    f"model {self.name!r} is configured by {_TRITON_FILE}: a config override "
+                    f'holds its fields as JSON, e.g. {{"max_batch_size": 16}}; unknown key '
+                    f"{', '.join(map(repr, unknown))}; known keys are "
+                    f"{', '.join(sorted(TRITON_FIELDS))}"
+                )
+        triton = self.triton_config(override)
+        if triton is None:
+            return {**data, **override}
+        if self.triton is not None:
+            data = dict(triton.settings)
+            if data.get("backend") == PIPELINE:
+                data["path"] = _TRITON_FILE
+            return data
+        rest = {k: v for k, v in override.items() if k not in _TRITON_ONLY}
+        return {**data, **triton.settings, **rest}
+
+    def labels(self, triton: TritonModel | None) -> dict[str, tuple[str, ...]]:
+        """Each output's class labels, read from its ``label_filename`` (one label a line).
+
+        Raises:
+            ConfigError: A label file that is missing, unreadable, too large, or
+                outside the model's directory.
+        """
+        out: dict[str, tuple[str, ...]] = {}
+        files = {**self.label_files, **(triton.labels if triton is not None else {})}
+        for output, file in files.items():
+            where = f"model {self.name!r}: output {output!r} labels file {_shown(file)}"
+            path = self.directory / file
+            _check_path_key(file, self.directory, self._root, where)
+            try:
+                with path.open("rb") as f:
+                    raw = f.read(_MAX_LABELS_BYTES + 1)
+            except OSError as exc:
+                raise ConfigError(f"{where}: cannot read it: {exc.strerror or exc}") from None
+            if len(raw) > _MAX_LABELS_BYTES:
+                raise ConfigError(f"{where}: it is larger than {_MAX_LABELS_BYTES} bytes")
+            out[output] = tuple(raw.decode("utf-8", "replace").splitlines())
+        return out
 
     def fingerprint(self, version: int) -> tuple[int, ...]:
         """Return a cheap token that changes when *version* changes on disk.
@@ -333,11 +412,12 @@ class ModelEntry:
             ConfigError: If the version is not on disk or its model file has gone.
         """
         parts: list[int] = []
-        for path in (self._model_file(version), self.directory / _CONFIG_FILE):
+        configs = (self.directory / _CONFIG_FILE, self.directory / _TRITON_FILE)
+        for path in (self._model_file(version), *configs):
             try:
                 st = path.stat()
             except FileNotFoundError:
-                if path.name == _CONFIG_FILE:
+                if path in configs:
                     parts += (0, -1, 0)  # a config.toml appearing later changes the token
                     continue
                 raise ConfigError(  # pragma: no cover - _model_file checked it a moment ago
@@ -468,7 +548,7 @@ def _lexists(path: Path) -> bool:
     return True
 
 
-def _read_toml(path: Path, shown: str) -> dict[str, Any]:
+def _read_text(path: Path, shown: str, kind: str = "protobuf text") -> str:
     if not _is_file(path):
         raise ConfigError(f"{shown} is not a regular file")
     try:
@@ -479,9 +559,15 @@ def _read_toml(path: Path, shown: str) -> dict[str, Any]:
     if len(raw) > _MAX_CONFIG_BYTES:
         raise ConfigError(f"{shown} is larger than {_MAX_CONFIG_BYTES} bytes; is it a config?")
     try:
-        return tomllib.loads(raw.decode("utf-8"))
+        return raw.decode("utf-8")
     except UnicodeDecodeError as exc:
-        raise ConfigError(f"{shown} is not valid TOML: it is not UTF-8 ({exc.reason})") from None
+        raise ConfigError(f"{shown} is not valid {kind}: it is not UTF-8 ({exc.reason})") from None
+
+
+def _read_toml(path: Path, shown: str) -> dict[str, Any]:
+    text = _read_text(path, shown, "TOML")
+    try:
+        return tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"{shown} is not valid TOML: {exc}") from None
     except RecursionError:
@@ -625,7 +711,10 @@ def _scan(name: str, directory: Path, root: Path) -> ModelEntry:
     settings: dict[str, Any] = {}
     policy = VersionPolicy()
     traffic: dict[int, float] = {}
+    triton: TritonModel | None = None
+    label_files: dict[str, str] = {}
     config_path = directory / _CONFIG_FILE
+    triton_path = directory / _TRITON_FILE
     shown = _relative(config_path, root)
     if _lexists(config_path):
         _confine(config_path, root, where)
@@ -639,6 +728,23 @@ def _scan(name: str, directory: Path, root: Path) -> ModelEntry:
             traffic = parse_traffic(settings.pop("traffic", {}))
         except ConfigError as exc:
             raise ConfigError(f"{shown}: {exc}") from None
+        label_files = _label_files(settings.pop("labels", {}), shown)
+        _check_settings(name, directory, root, settings, shown)
+    elif _lexists(triton_path):
+        _confine(triton_path, root, where)
+        shown = _relative(triton_path, root)
+        text = _read_text(triton_path, shown)
+        triton = TritonModel.parse(text, name=name, where=shown)
+        label_files = dict(triton.labels)
+        notes.extend(triton.notes)
+        settings = dict(triton.settings)
+        if settings.get("backend") == PIPELINE:
+            settings["path"] = _TRITON_FILE  # an ensemble is its config, served as version 1
+        if triton.version_policy is not None:
+            try:
+                policy = VersionPolicy.parse(triton.version_policy)
+            except ConfigError as exc:
+                raise ConfigError(f"{shown}: {exc}") from None
         _check_settings(name, directory, root, settings, shown)
 
     try:
@@ -653,8 +759,11 @@ def _scan(name: str, directory: Path, root: Path) -> ModelEntry:
         child_name = child.name
         if child_name.startswith(".") or child_name == _CONFIG_FILE:
             continue
-        if child_name == "config.pbtxt":
-            notes.append(f"ignored config.pbtxt (a Triton config; trioinfer reads {_CONFIG_FILE})")
+        if child_name in label_files.values():
+            continue
+        if child_name == _TRITON_FILE:
+            if triton is None:
+                notes.append(f"ignored {_TRITON_FILE} ({_CONFIG_FILE} is read; it wins)")
             continue
         if not (child_name.isascii() and child_name.isdigit() and _is_dir(child)):
             if not (fixed_file and child_name == PurePosixPath(str(settings["path"])).parts[0]):
@@ -672,6 +781,8 @@ def _scan(name: str, directory: Path, root: Path) -> ModelEntry:
         if fixed_file:
             if child_name == PurePosixPath(str(settings["path"])).parts[0]:
                 continue
+            if triton is not None:
+                continue  # Triton wants a version directory beside an ensemble's config
             notes.append(
                 f"ignored version directory {child_name} ({_CONFIG_FILE} sets path, which is "
                 "served as version 1)"
@@ -698,8 +809,28 @@ def _scan(name: str, directory: Path, root: Path) -> ModelEntry:
                 f"{_CONFIG_FILE} sets path = {_shown(settings['path'])}, which is not a file"
             )
     return ModelEntry(
-        name, directory, tuple(sorted(versions)), policy, settings, tuple(notes), traffic
+        name,
+        directory,
+        tuple(sorted(versions)),
+        policy,
+        settings,
+        tuple(notes),
+        traffic,
+        triton,
+        label_files,
     )
+
+
+def _label_files(value: object, shown: str) -> dict[str, str]:
+    """Read ``labels = { output = "labels.txt" }``: each output's labels file."""
+    if not isinstance(value, Mapping) or not all(
+        isinstance(k, str) and isinstance(v, str) and v for k, v in value.items()
+    ):
+        raise ConfigError(
+            f'{shown}: labels must be a table of output = "file", e.g. '
+            f'{{ probabilities = "labels.txt" }}, got {_shown(value)}'
+        )
+    return dict(value)
 
 
 def parse_traffic(value: object) -> dict[int, float]:

@@ -1,0 +1,559 @@
+"""Triton model configurations: ``config.pbtxt`` read with protobuf, mapped onto trioinfer's config.
+
+A Triton model repository is served as it is: a model directory holding
+``config.pbtxt`` (and no ``config.toml``) is read here. The message
+definitions are the project's own subset of Triton's ``model_config.proto``,
+with Triton's field numbers, built once with protobuf's descriptor API (the
+table below is the one place they are written); a field outside the subset
+is refused by the parser with its name and line, and a field inside it that
+trioinfer cannot honour is refused by `TritonModel.parse` with its name.
+Nothing is ignored silently: what is accepted but has no effect is logged as
+a note (``preserve_ordering``, ``allow_timeout_override``).
+
+The same keys arrive as JSON in repository load overrides
+(``{"max_batch_size": 16}``): `TritonModel.parse` reads either form.
+Protobuf is the ``triton`` extra; without it, meeting a ``config.pbtxt``
+is a `ConfigError` that names the extra.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Mapping
+from typing import Any, Final
+
+import attrs
+
+from .._exceptions import ConfigError
+
+__all__ = ["TRITON_FIELDS", "TritonModel"]
+
+_EXTRA: Final = (
+    "reading a Triton config.pbtxt needs protobuf: install the 'triton' extra "
+    "(pip install 'trioinfer[triton]')"
+)
+
+# -- the message definitions: a subset of Triton's model_config.proto -------------------------
+# (name, number, type, label, type name). Types are descriptor_pb2.FieldDescriptorProto's:
+# 9 string, 5 int32, 3 int64, 13 uint32, 4 uint64, 8 bool, 11 message, 14 enum;
+# label 1 optional, 3 repeated. A map is a repeated nested *Entry message (key 1, value 2).
+_S, _I32, _I64, _U32, _U64, _B, _M, _E = 9, 5, 3, 13, 4, 8, 11, 14
+_ONE, _MANY = 1, 3
+
+_ENUMS: Final[dict[str, list[tuple[str, int]]]] = {
+    "DataType": [
+        (name, number)
+        for number, name in enumerate(
+            [
+                *("TYPE_INVALID", "TYPE_BOOL", "TYPE_UINT8", "TYPE_UINT16", "TYPE_UINT32"),
+                *("TYPE_UINT64", "TYPE_INT8", "TYPE_INT16", "TYPE_INT32", "TYPE_INT64"),
+                *("TYPE_FP16", "TYPE_FP32", "TYPE_FP64", "TYPE_STRING", "TYPE_BF16"),
+            ]
+        )
+    ],
+}
+_NESTED_ENUMS: Final[dict[str, dict[str, list[tuple[str, int]]]]] = {
+    "ModelInstanceGroup": {
+        "Kind": [("KIND_AUTO", 0), ("KIND_GPU", 1), ("KIND_CPU", 2), ("KIND_MODEL", 3)]
+    },
+    "ModelInput": {"Format": [("FORMAT_NONE", 0), ("FORMAT_NHWC", 1), ("FORMAT_NCHW", 2)]},
+    "ModelQueuePolicy": {"TimeoutAction": [("REJECT", 0), ("DELAY", 1)]},
+}
+#: message -> fields; a field is (name, number, type, label, type name or "", oneof or "").
+_MESSAGES: Final[dict[str, list[tuple[str, int, int, int, str, str]]]] = {
+    "ModelTensorReshape": [("shape", 1, _I64, _MANY, "", "")],
+    "ModelInput": [
+        ("name", 1, _S, _ONE, "", ""),
+        ("data_type", 2, _E, _ONE, "DataType", ""),
+        ("format", 3, _E, _ONE, "ModelInput.Format", ""),
+        ("dims", 4, _I64, _MANY, "", ""),
+        ("reshape", 5, _M, _ONE, "ModelTensorReshape", ""),
+        ("is_shape_tensor", 6, _B, _ONE, "", ""),
+        ("allow_ragged_batch", 7, _B, _ONE, "", ""),
+        ("optional", 8, _B, _ONE, "", ""),
+    ],
+    "ModelOutput": [
+        ("name", 1, _S, _ONE, "", ""),
+        ("data_type", 2, _E, _ONE, "DataType", ""),
+        ("dims", 3, _I64, _MANY, "", ""),
+        ("label_filename", 4, _S, _ONE, "", ""),
+        ("reshape", 5, _M, _ONE, "ModelTensorReshape", ""),
+        ("is_shape_tensor", 6, _B, _ONE, "", ""),
+    ],
+    "ModelVersionPolicy.Latest": [("num_versions", 1, _U32, _ONE, "", "")],
+    "ModelVersionPolicy.All": [],
+    "ModelVersionPolicy.Specific": [("versions", 1, _I64, _MANY, "", "")],
+    "ModelVersionPolicy": [
+        ("latest", 1, _M, _ONE, "ModelVersionPolicy.Latest", "policy_choice"),
+        ("all", 2, _M, _ONE, "ModelVersionPolicy.All", "policy_choice"),
+        ("specific", 3, _M, _ONE, "ModelVersionPolicy.Specific", "policy_choice"),
+    ],
+    "ModelInstanceGroup": [
+        ("name", 1, _S, _ONE, "", ""),
+        ("count", 2, _I32, _ONE, "", ""),
+        ("gpus", 3, _I32, _MANY, "", ""),
+        ("kind", 4, _E, _ONE, "ModelInstanceGroup.Kind", ""),
+        ("profile", 5, _S, _MANY, "", ""),
+        ("passive", 7, _B, _ONE, "", ""),
+        ("host_policy", 9, _S, _ONE, "", ""),
+    ],
+    "ModelQueuePolicy": [
+        ("timeout_action", 1, _E, _ONE, "ModelQueuePolicy.TimeoutAction", ""),
+        ("default_timeout_microseconds", 2, _U64, _ONE, "", ""),
+        ("allow_timeout_override", 3, _B, _ONE, "", ""),
+        ("max_queue_size", 4, _U32, _ONE, "", ""),
+    ],
+    "ModelDynamicBatching.PriorityQueuePolicyEntry": [
+        ("key", 1, _U64, _ONE, "", ""),
+        ("value", 2, _M, _ONE, "ModelQueuePolicy", ""),
+    ],
+    "ModelDynamicBatching": [
+        ("preferred_batch_size", 1, _I32, _MANY, "", ""),
+        ("max_queue_delay_microseconds", 2, _U64, _ONE, "", ""),
+        ("preserve_ordering", 3, _B, _ONE, "", ""),
+        ("priority_levels", 4, _U64, _ONE, "", ""),
+        ("default_priority_level", 5, _U64, _ONE, "", ""),
+        ("default_queue_policy", 6, _M, _ONE, "ModelQueuePolicy", ""),
+        (
+            "priority_queue_policy",
+            7,
+            _M,
+            _MANY,
+            "ModelDynamicBatching.PriorityQueuePolicyEntry",
+            "",
+        ),
+    ],
+    "ModelEnsembling.Step.InputMapEntry": [
+        ("key", 1, _S, _ONE, "", ""),
+        ("value", 2, _S, _ONE, "", ""),
+    ],
+    "ModelEnsembling.Step.OutputMapEntry": [
+        ("key", 1, _S, _ONE, "", ""),
+        ("value", 2, _S, _ONE, "", ""),
+    ],
+    "ModelEnsembling.Step": [
+        ("model_name", 1, _S, _ONE, "", ""),
+        ("model_version", 2, _I64, _ONE, "", ""),
+        ("input_map", 3, _M, _MANY, "ModelEnsembling.Step.InputMapEntry", ""),
+        ("output_map", 4, _M, _MANY, "ModelEnsembling.Step.OutputMapEntry", ""),
+    ],
+    "ModelEnsembling": [("step", 1, _M, _MANY, "ModelEnsembling.Step", "")],
+    "ModelParameter": [("string_value", 1, _S, _ONE, "", "")],
+    "ModelResponseCache": [("enable", 1, _B, _ONE, "", "")],
+    "ModelConfig.ParametersEntry": [
+        ("key", 1, _S, _ONE, "", ""),
+        ("value", 2, _M, _ONE, "ModelParameter", ""),
+    ],
+    "ModelConfig": [
+        ("name", 1, _S, _ONE, "", ""),
+        ("platform", 2, _S, _ONE, "", ""),
+        ("version_policy", 3, _M, _ONE, "ModelVersionPolicy", ""),
+        ("max_batch_size", 4, _I32, _ONE, "", ""),
+        ("input", 5, _M, _MANY, "ModelInput", ""),
+        ("output", 6, _M, _MANY, "ModelOutput", ""),
+        ("instance_group", 7, _M, _MANY, "ModelInstanceGroup", ""),
+        ("default_model_filename", 8, _S, _ONE, "", ""),
+        ("dynamic_batching", 11, _M, _ONE, "ModelDynamicBatching", "scheduling_choice"),
+        ("parameters", 14, _M, _MANY, "ModelConfig.ParametersEntry", ""),
+        ("ensemble_scheduling", 15, _M, _ONE, "ModelEnsembling", "scheduling_choice"),
+        ("backend", 17, _S, _ONE, "", ""),
+        ("response_cache", 24, _M, _ONE, "ModelResponseCache", ""),
+    ],
+}
+
+#: The top-level ``config.pbtxt`` fields trioinfer reads (also the JSON keys of load overrides).
+TRITON_FIELDS: Final = frozenset(f[0] for f in _MESSAGES["ModelConfig"])
+
+
+@functools.cache
+def _model_config_class() -> Any:
+    """Build the ``inference.ModelConfig`` message class from the table above (once)."""
+    try:
+        from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
+    except ImportError:
+        raise ConfigError(_EXTRA) from None
+    file = descriptor_pb2.FileDescriptorProto(
+        name="trioinfer/model_config.proto", package="inference", syntax="proto3"
+    )
+    for enum_name, values in _ENUMS.items():
+        enum = file.enum_type.add(name=enum_name)
+        for value_name, number in values:
+            enum.value.add(name=value_name, number=number)
+    made: dict[str, Any] = {}
+    # Parents before children: "A" before "A.B" before "A.B.C".
+    for path in sorted(_MESSAGES, key=lambda p: p.count(".")):
+        parent, _, leaf = path.rpartition(".")
+        container = made[parent].nested_type if parent else file.message_type
+        message = container.add(name=leaf)
+        if leaf.endswith("Entry"):
+            message.options.map_entry = True
+        for enum_name, values in _NESTED_ENUMS.get(path, {}).items():
+            enum = message.enum_type.add(name=enum_name)
+            for value_name, number in values:
+                enum.value.add(name=value_name, number=number)
+        oneofs: list[str] = []
+        for name, number, kind, label, type_name, oneof in _MESSAGES[path]:
+            field = message.field.add(name=name, number=number, type=kind, label=label)
+            if type_name:
+                field.type_name = f".inference.{type_name}"
+            if oneof:
+                if oneof not in oneofs:
+                    oneofs.append(oneof)
+                    message.oneof_decl.add(name=oneof)
+                field.oneof_index = oneofs.index(oneof)
+        made[path] = message
+    pool = descriptor_pool.DescriptorPool()
+    pool.Add(file)
+    return message_factory.GetMessageClass(pool.FindMessageTypeByName("inference.ModelConfig"))
+
+
+def _protobuf() -> tuple[Any, Any]:
+    try:
+        from google.protobuf import json_format, text_format
+    except ImportError:
+        raise ConfigError(_EXTRA) from None
+    return text_format, json_format
+
+
+# Triton's data types as trioinfer's dtype names (V2 names; STRING is BYTES there).
+def _dtype(data_type: str) -> str:
+    return data_type.removeprefix("TYPE_").replace("STRING", "BYTES")
+
+
+@attrs.frozen
+class TritonModel:
+    """A Triton model configuration and what it means for trioinfer.
+
+    Attributes:
+        doc: The configuration as Triton's JSON form (protobuf's JSON mapping
+            with Triton's field names): what ``GET .../config`` starts from and
+            what load overrides replace keys of.
+        settings: The [`ModelConfig`][trioinfer.ModelConfig] keys it maps to.
+        version_policy: Its ``version_policy`` in ``config.toml``'s form, or ``None``.
+        labels: Output name to its ``label_filename`` (relative to the model's directory).
+        priority_levels: ``dynamic_batching.priority_levels`` (0: none).
+        default_priority_level: The level of requests that name none (1 is the highest).
+        notes: Fields accepted without effect, said once in the log.
+    """
+
+    doc: Mapping[str, Any]
+    settings: Mapping[str, Any]
+    version_policy: Any = None
+    labels: Mapping[str, str] = attrs.field(factory=dict)
+    priority_levels: int = 0
+    default_priority_level: int = 0
+    notes: tuple[str, ...] = ()
+
+    @classmethod
+    def parse(cls, source: str | Mapping[str, Any], *, name: str, where: str) -> TritonModel:
+        """Read ``config.pbtxt`` text, or the same configuration as a JSON object.
+
+        Args:
+            source: The text of a ``config.pbtxt``, or a mapping of its fields
+                (as a load override sends them: ``{"max_batch_size": 16}``).
+            name: The model's name (its directory's).
+            where: How messages name the source (``"digits/config.pbtxt"``).
+
+        Raises:
+            ConfigError: Not valid protobuf text or JSON for a model config, a
+                field trioinfer does not read (named), or values it cannot serve.
+        """
+        text_format, json_format = _protobuf()
+        message = _model_config_class()()
+        try:
+            if isinstance(source, str):
+                text_format.Parse(source, message)
+            else:
+                json_format.ParseDict(dict(source), message)
+        except (text_format.ParseError, json_format.ParseError) as exc:
+            raise ConfigError(
+                f"{where}: {exc} (trioinfer reads these Triton fields: "
+                f"{', '.join(sorted(TRITON_FIELDS))})"
+            ) from None
+        doc = json_format.MessageToDict(message, preserving_proto_field_name=True)
+        return _translate(message, doc, name, where)
+
+    def merged(self, override: Mapping[str, Any], *, name: str, where: str) -> TritonModel:
+        """This configuration with the top-level fields of *override* replaced, whole."""
+        return TritonModel.parse({**self.doc, **override}, name=name, where=where)
+
+    def json(self) -> dict[str, Any]:
+        """*doc* as Triton's ``GET .../config`` answers it: 64-bit integers as numbers."""
+        out: dict[str, Any] = _numbers(self.doc)
+        return out
+
+    def engine_priority(self, level: int) -> int:
+        """The engine priority of a Triton priority level (1 is the highest; 0 the default)."""
+        if not self.priority_levels:
+            return level
+        if level == 0:
+            level = self.default_priority_level
+        if not 1 <= level <= self.priority_levels:
+            raise ValueError(level)
+        # The engine runs higher numbers sooner; Triton runs lower levels sooner.
+        return self.priority_levels - level
+
+
+# Triton's 64-bit integer fields, which protobuf's JSON mapping writes as strings.
+_INT64_KEYS: Final = frozenset(
+    {
+        "dims",
+        "shape",
+        "versions",
+        "model_version",
+        "max_queue_delay_microseconds",
+        "priority_levels",
+        "default_priority_level",
+        "default_timeout_microseconds",
+    }
+)
+
+
+def _numbers(value: Any, key: str = "") -> Any:
+    if isinstance(value, dict):
+        return {k: _numbers(v, k) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_numbers(v, key) for v in value]
+    if key in _INT64_KEYS and isinstance(value, str):
+        return int(value)
+    return value
+
+
+def _refuse(message: Any, allowed: set[str], where: str, what: str) -> None:
+    unsupported = sorted(f.name for f, _ in message.ListFields() if f.name not in allowed)
+    if unsupported:
+        raise ConfigError(
+            f"{where}: {what} sets {', '.join(unsupported)}, which trioinfer does not support; "
+            "remove it (see 'Coming from Triton' in the docs for what maps)"
+        )
+
+
+def _translate(message: Any, doc: dict[str, Any], name: str, where: str) -> TritonModel:
+    present = {f.name for f, _ in message.ListFields()}
+    settings: dict[str, Any] = {}
+    notes: list[str] = []
+    if message.name and message.name != name:
+        raise ConfigError(
+            f"{where}: name {message.name!r} differs from the directory's name {name!r}; "
+            "leave name out or make the two equal"
+        )
+    ensemble = message.platform == "ensemble"
+    if ensemble:
+        if message.backend:
+            raise ConfigError(f"{where}: an ensemble has no backend; remove backend")
+        settings["backend"] = "pipeline"
+    elif message.platform not in ("", "onnxruntime_onnx") or message.backend not in (
+        "",
+        "onnxruntime",
+    ):
+        raise ConfigError(
+            f"{where}: platform {message.platform!r} / backend {message.backend!r} is not "
+            "served by trioinfer; it serves ONNX models (platform 'onnxruntime_onnx' or "
+            "backend 'onnxruntime') and ensembles (platform 'ensemble')"
+        )
+    elif present & {"platform", "backend"}:
+        settings["backend"] = "onnxruntime"
+    if message.default_model_filename not in ("", "model.onnx"):
+        raise ConfigError(
+            f"{where}: default_model_filename {message.default_model_filename!r} is not "
+            "supported; trioinfer reads <version>/model.onnx"
+        )
+    max_batch = message.max_batch_size
+    if max_batch < 0:
+        raise ConfigError(f"{where}: max_batch_size must be >= 0, got {max_batch}")
+    batching = message.dynamic_batching
+    has_dynamic = message.HasField("dynamic_batching")
+    if has_dynamic and max_batch == 0:
+        raise ConfigError(f"{where}: dynamic_batching needs max_batch_size > 0")
+    levels = default_level = 0
+    if has_dynamic:
+        _refuse(
+            batching,
+            {
+                "preferred_batch_size",
+                "max_queue_delay_microseconds",
+                "preserve_ordering",
+                "priority_levels",
+                "default_priority_level",
+                "default_queue_policy",
+                "priority_queue_policy",
+            },
+            where,
+            "dynamic_batching",
+        )
+        if batching.preserve_ordering:
+            notes.append(
+                "dynamic_batching.preserve_ordering has no effect: each request gets its own "
+                "answer as soon as it is ready"
+            )
+        levels = batching.priority_levels
+        default_level = batching.default_priority_level
+        if levels and not 1 <= default_level <= levels:
+            raise ConfigError(
+                f"{where}: dynamic_batching.default_priority_level must be from 1 to "
+                f"priority_levels ({levels}), got {default_level}"
+            )
+        if not levels and (default_level or batching.priority_queue_policy):
+            raise ConfigError(
+                f"{where}: default_priority_level and priority_queue_policy need priority_levels"
+            )
+        if levels:
+            settings["scheduler"] = "priority"
+    if max_batch > 0 and not ensemble:
+        options: dict[str, Any] = {"max_batch_size": max_batch, "max_queue_delay": 0.0}
+        if has_dynamic:
+            options["max_queue_delay"] = batching.max_queue_delay_microseconds / 1e6
+            if batching.preferred_batch_size:
+                options["preferred_batch_sizes"] = list(batching.preferred_batch_size)
+        settings["batcher"] = "dynamic"
+        settings["batcher_options"] = options
+    elif "max_batch_size" in present or ensemble:
+        settings["batcher"] = "none"
+
+    def engine_level(level: int) -> int:
+        return levels - level if levels else 0
+
+    if has_dynamic:
+        timeouts: dict[str, float] = {}
+        sizes: dict[str, int] = {}
+        given = dict(batching.priority_queue_policy.items())
+        strays = sorted(level for level in given if not 1 <= level <= levels)
+        if strays:
+            raise ConfigError(
+                f"{where}: priority_queue_policy names level {strays[0]}; levels are 1 to {levels}"
+            )
+        # The default policy holds for every level the per-level policies leave out.
+        default = (
+            batching.default_queue_policy if batching.HasField("default_queue_policy") else None
+        )
+        policies = []
+        for level in range(1, levels + 1) if levels else [0]:
+            policy = given.get(level, default)
+            if policy is not None:
+                policies.append((level, policy))
+        for level, policy in policies:
+            what = f"priority_queue_policy[{level}]" if level in given else "default_queue_policy"
+            if policy.timeout_action != 0:
+                raise ConfigError(
+                    f"{where}: {what}.timeout_action DELAY is not supported; a request past its "
+                    "queue timeout is rejected (REJECT)"
+                )
+            if policy.allow_timeout_override:
+                notes.append(
+                    f"{what}.allow_timeout_override: a request's own deadline always wins here"
+                )
+            key = str(engine_level(level))
+            if policy.default_timeout_microseconds:
+                timeouts[key] = policy.default_timeout_microseconds / 1e6
+            if policy.max_queue_size:
+                if level == 0 and not levels:
+                    settings["max_queue_size"] = policy.max_queue_size
+                else:
+                    sizes[key] = policy.max_queue_size
+        if timeouts:
+            settings["queue_timeouts"] = timeouts
+        if sizes:
+            settings["queue_sizes"] = sizes
+
+    if message.instance_group:
+        if ensemble:
+            raise ConfigError(f"{where}: an ensemble has no instance_group; its steps' models do")
+        settings["instances"] = [
+            instance for group in message.instance_group for instance in _instances(group, where)
+        ]
+    if message.parameters:
+        if ensemble:
+            raise ConfigError(f"{where}: an ensemble takes no parameters")
+        settings["backend_options"] = {
+            key: _parameter(value.string_value) for key, value in message.parameters.items()
+        }
+    if message.HasField("response_cache"):
+        settings["response_cache"] = message.response_cache.enable
+
+    labels: dict[str, str] = {}
+    for tensor in message.input:
+        _refuse(tensor, {"name", "data_type", "dims"}, where, f"input {tensor.name!r}")
+    for tensor in message.output:
+        allowed = {"name", "data_type", "dims", "label_filename"}
+        _refuse(tensor, allowed, where, f"output {tensor.name!r}")
+        if tensor.label_filename:
+            labels[tensor.name] = tensor.label_filename
+    if ensemble:
+        settings["backend_options"] = _ensemble(message, where)
+
+    versions: Any = None
+    if message.HasField("version_policy"):
+        choice = message.version_policy.WhichOneof("policy_choice")
+        if choice == "latest":
+            versions = {"latest": message.version_policy.latest.num_versions or 1}
+        elif choice == "specific":
+            versions = {"specific": list(message.version_policy.specific.versions)}
+        else:
+            versions = "all"
+    return TritonModel(doc, settings, versions, labels, levels, default_level, tuple(notes))
+
+
+def _instances(group: Any, where: str) -> list[dict[str, Any]]:
+    _refuse(group, {"name", "count", "gpus", "kind"}, where, f"instance_group {group.name!r}")
+    count = group.count or 1
+    if count < 0:
+        raise ConfigError(f"{where}: instance_group count must be >= 1, got {group.count}")
+    kind = group.kind  # 0 AUTO, 1 GPU, 2 CPU, 3 MODEL
+    if kind == 3:
+        raise ConfigError(f"{where}: instance_group kind KIND_MODEL is not supported")
+    if kind == 2:
+        if group.gpus:
+            raise ConfigError(f"{where}: a KIND_CPU instance_group takes no gpus")
+        return [{"device": "cpu", "count": count}]
+    gpus = list(group.gpus) or [0]
+    if len(gpus) != len(set(gpus)) or min(gpus) < 0:
+        raise ConfigError(f"{where}: instance_group gpus must be distinct GPU numbers >= 0")
+    # Triton puts `count` instances on each listed GPU; trioinfer's groups are per device.
+    return [{"device": f"cuda:{gpu}", "count": count} for gpu in gpus]
+
+
+def _parameter(text: str) -> Any:
+    # Triton's parameters are strings; trioinfer's backend options are typed.
+    if text in ("true", "false"):
+        return text == "true"
+    try:
+        return int(text)
+    except ValueError:
+        pass
+    try:
+        return float(text)
+    except ValueError:
+        return text
+
+
+def _ensemble(message: Any, where: str) -> dict[str, Any]:
+    if not message.HasField("ensemble_scheduling") or not message.ensemble_scheduling.step:
+        raise ConfigError(f"{where}: platform 'ensemble' needs ensemble_scheduling with steps")
+    if not message.input or not message.output:
+        raise ConfigError(f"{where}: an ensemble must declare its input and output tensors")
+    batch = ["batch"] if message.max_batch_size > 0 else []
+
+    def tensor(item: Any) -> dict[str, Any]:
+        data_type = (
+            item.DESCRIPTOR.fields_by_name["data_type"]
+            .enum_type.values_by_number[item.data_type]
+            .name
+        )
+        if data_type == "TYPE_INVALID":
+            raise ConfigError(f"{where}: tensor {item.name!r} needs a data_type")
+        return {"name": item.name, "dtype": _dtype(data_type), "shape": [*batch, *item.dims]}
+
+    steps = []
+    for index, step in enumerate(message.ensemble_scheduling.step):
+        if not step.model_name:
+            raise ConfigError(f"{where}: ensemble step {index} needs a model_name")
+        version = step.model_version
+        model = step.model_name if version in (-1, 0) else f"{step.model_name}:{version}"
+        steps.append(
+            {"model": model, "input_map": dict(step.input_map), "output_map": dict(step.output_map)}
+        )
+    return {
+        "inputs": [tensor(t) for t in message.input],
+        "outputs": [tensor(t) for t in message.output],
+        "steps": steps,
+    }
