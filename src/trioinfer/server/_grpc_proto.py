@@ -22,7 +22,7 @@ _PROTO: Final = Path(__file__).with_name("grpc_service.proto")
 
 
 def _compile() -> descriptor_pool.DescriptorPool:
-    from grpc_tools import protoc  # type: ignore[import-untyped]
+    from grpc_tools import protoc
 
     with tempfile.TemporaryDirectory(prefix="trioinfer-proto-") as tmp:
         out = Path(tmp) / "grpc_service.pb"
