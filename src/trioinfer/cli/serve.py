@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import gc
+import importlib.util
 import logging
 import os
 import tomllib
@@ -18,12 +19,17 @@ from .._examples import example_repository
 from .._exceptions import TrioInferError
 from ._params import ByteSize, _not_nan, needs_extra
 
+#: Triton's gRPC port.
+DEFAULT_GRPC_PORT: Final = 8001
+
 #: Keys a ``--config`` file may hold; its [limits] table takes trioinfer.server.Limits fields.
 _SERVE_KEYS: Final = frozenset(
     {
         "model_repository",
         "host",
         "port",
+        "grpc",
+        "grpc_port",
         "models",
         "drain_period",
         "cache_size",
@@ -54,14 +60,28 @@ _SERVE_KEYS: Final = frozenset(
     help="Port to listen on; 0 picks a free one.",
 )
 @click.option(
+    "--grpc/--no-grpc",
+    default=True,
+    show_default=True,
+    help="Also serve V2 gRPC (Triton's inference.GRPCInferenceService, for tritonclient.grpc) "
+    "from the same engine. Needs the 'grpc' extra; without it, serve says so and serves HTTP.",
+)
+@click.option(
+    "--grpc-port",
+    type=click.IntRange(0, 65535),
+    default=DEFAULT_GRPC_PORT,
+    show_default=True,
+    help="Port for gRPC, on the same --host; 0 picks a free one (the default with --port 0).",
+)
+@click.option(
     "--config",
     "config_file",
     type=click.Path(dir_okay=False, exists=True, path_type=Path),
     default=None,
     metavar="FILE",
-    help="A TOML file with any of these options (model_repository, host, port, models, "
-    "drain_period, cache_size, admin_token, protect_inference, log_level) and a [limits] table; "
-    "options given on the command line win.",
+    help="A TOML file with any of these options (model_repository, host, port, grpc, grpc_port, "
+    "models, drain_period, cache_size, admin_token, protect_inference, log_level) and a [limits] "
+    "table; options given on the command line win.",
 )
 @click.option(
     "--model",
@@ -126,11 +146,15 @@ def serve(ctx: click.Context, /, **options: Any) -> None:
     asyncio, --loop): health, server and model metadata, model config,
     inference with JSON or binary tensors, the model repository extension
     (index, load, unload), statistics, and Prometheus metrics at /metrics.
-    NVIDIA's tritonclient works against it unchanged.
+    With the 'grpc' extra it serves the same over V2 gRPC too (Triton's
+    inference.GRPCInferenceService, streaming included), from the same engine
+    with the same limits and token (sent as 'authorization' metadata).
+    NVIDIA's tritonclient (http and grpc) works against it unchanged.
 
     With no options it serves the bundled example model "digits" on
-    http://127.0.0.1:8000. SIGINT or SIGTERM makes it not ready at once,
-    lets in-flight requests finish for up to the drain period, and exits 0.
+    http://127.0.0.1:8000 and gRPC on 127.0.0.1:8001. SIGINT or SIGTERM makes
+    it not ready at once, lets in-flight requests finish for up to the drain
+    period, and exits 0.
     """
     try:
         from ..server import Limits, ServerConfig
@@ -159,6 +183,7 @@ def serve(ctx: click.Context, /, **options: Any) -> None:
     except (TypeError, TrioInferError) as exc:
         raise click.UsageError(f"invalid server settings: {exc}") from exc
     repository = settings["model_repository"] or example_repository()
+    grpc_port = _grpc_port(ctx, settings)
     try:
         anyio.run(
             functools.partial(
@@ -168,6 +193,7 @@ def serve(ctx: click.Context, /, **options: Any) -> None:
                 port=settings["port"],
                 config=config,
                 models=list(settings["models"]) or None,
+                grpc_port=grpc_port,
             ),
             backend=settings["loop"],
         )
@@ -181,6 +207,44 @@ def serve(ctx: click.Context, /, **options: Any) -> None:
                 f"cannot listen on {settings['host']}:{settings['port']}: {cause.strerror or cause}"
             ) from exc
         raise
+
+
+def _grpc_port(ctx: click.Context, settings: dict[str, Any]) -> int | None:
+    """The port to serve gRPC on, or None for HTTP only.
+
+    Asked for explicitly (--grpc-port, or --grpc) without the extra, it is an
+    error; by default, serve says why there is no gRPC and serves HTTP.
+    With --port 0 and no --grpc-port, gRPC takes a free port too, so that
+    servers started on free ports never clash on 8001.
+    """
+    if not settings["grpc"]:
+        return None
+    source = click.core.ParameterSource
+    port_given = (
+        ctx.get_parameter_source("grpc_port") not in (None, source.DEFAULT)
+        or settings["grpc_port"] != DEFAULT_GRPC_PORT
+    )
+    asked = port_given or ctx.get_parameter_source("grpc") not in (None, source.DEFAULT)
+    missing = [m for m in ("grpc", "grpc_tools", "google.protobuf") if not _importable(m)]
+    if missing:
+        why = (
+            f"gRPC needs the 'grpc' extra, which is not installed (no module named "
+            f"{missing[0]!r}): pip install 'trioinfer[grpc]'"
+        )
+        if asked:
+            raise click.UsageError(why)
+        logging.getLogger("trioinfer.server").warning("not serving gRPC: %s", why)
+        return None
+    if not port_given and settings["port"] == 0:
+        return 0
+    return int(settings["grpc_port"])
+
+
+def _importable(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ModuleNotFoundError, ValueError):  # a parent package is missing, or blocked
+        return False
 
 
 def _only_cause(exc: BaseException) -> BaseException:
@@ -222,6 +286,7 @@ async def _serve(
     port: int,
     config: Any,
     models: list[str] | None,
+    grpc_port: int | None,
 ) -> None:
     from ..server import serve_http
 
@@ -234,6 +299,7 @@ async def _serve(
                 port=port,
                 config=config,
                 models=models,
+                grpc_port=grpc_port,
             )
         )
         served = ", ".join(
@@ -245,6 +311,8 @@ async def _serve(
         click.echo(f"trioinfer {__version__} serving {served or 'no models'} from {repository}")
         if listening.failed:
             click.echo(f"could not load: {', '.join(listening.failed)} (see the log above)")
+        if listening.grpc is not None:
+            click.echo(f"gRPC on {listening.grpc} (inference.GRPCInferenceService)")
         click.echo(f"listening on {url} (Ctrl+C to stop)")
         if listening.models:
             first = next(iter(listening.models))

@@ -540,6 +540,11 @@ def _infer_parts(message: Any) -> dict[str, Any]:
             item["parameters"] = {k: _parameter(v) for k, v in tensor.parameters.items()}
         if not raw:
             item["data"] = _contents(tensor)
+        elif tensor.contents.ListFields():
+            raise RequestError(
+                f"input {tensor.name[:64]!r} has contents, but the request sends "
+                "raw_input_contents: send every input one way or the other"
+            )
         inputs.append(item)
     outputs = [
         {"name": o.name, "parameters": {k: _parameter(v) for k, v in o.parameters.items()}}
