@@ -508,9 +508,7 @@ def test_deadline_and_cancel_withdraw_requests(
     call = client.async_infer(
         "slow", slow_input(BLOCKER_ROWS), lambda result, error: blocker.put((result, error))
     )
-    wait_until(
-        lambda: slow_state(server)[0] == 1 or not blocker.empty(), "the blocker is accepted"
-    )
+    wait_until(lambda: slow_state(server)[0] == 1 or not blocker.empty(), "the blocker is accepted")
     assert blocker.empty(), str(blocker.get()[1])
     # A request queued behind it whose client's deadline passes: DEADLINE_EXCEEDED, and
     # the engine withdraws it (it never runs).
