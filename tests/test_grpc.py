@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import queue
 import re
@@ -679,3 +680,33 @@ def test_asking_for_grpc_without_the_extra_names_it(monkeypatch: pytest.MonkeyPa
     result = CliRunner().invoke(cli_main, ["serve", "--grpc-port", "9001"])
     assert result.exit_code == 2
     assert "'grpc' extra" in result.output
+
+
+def test_bench_over_grpc(server: Server, tmp_path: Path) -> None:
+    out = tmp_path / "run.json"
+    options = ["--concurrency", "1,4", "--warmup", "0", "--window", "0.3", "--windows", "1"]
+    result = CliRunner().invoke(
+        cli_main,
+        [
+            "bench",
+            "--protocol",
+            "grpc",
+            "--url",
+            f"grpc://{server.grpc}",
+            "-m",
+            "simple",
+            *options,
+            "--json",
+            str(out),
+        ],
+    )
+    assert result.exit_code == 0, result.output
+    doc = json.loads(out.read_text())
+    assert doc["protocol"] == "grpc"
+    assert [r["value"] for r in doc["results"]] == [1, 4]
+    assert all(r["completed"] > 0 and r["errors"] == 0 for r in doc["results"])
+    unknown = CliRunner().invoke(
+        cli_main, ["bench", "--protocol", "grpc", "--url", f"grpc://{server.grpc}", "-m", "nope"]
+    )
+    assert unknown.exit_code == 1
+    assert "NOT_FOUND" in unknown.output
