@@ -503,6 +503,10 @@ def slow_state(server: Server) -> tuple[int, int, int]:
 def test_deadline_and_cancel_withdraw_requests(
     client: triton.InferenceServerClient, server: Server
 ) -> None:
+    check_deadline_and_cancel(client, server)
+
+
+def check_deadline_and_cancel(client: triton.InferenceServerClient, server: Server) -> None:
     pending0, executions0, cancelled0 = slow_state(server)
     assert pending0 == 0
     blocker: queue.Queue[tuple[Any, Any]] = queue.Queue()
@@ -643,13 +647,20 @@ def test_server_survived_the_fuzzing(client: triton.InferenceServerClient) -> No
 
 
 def test_asyncio_loop_and_no_extra(repository: Path, tmp_path: Path) -> None:
-    # The same endpoint on asyncio: infer, stream, a client deadline.
+    # The same endpoint on asyncio (grpc.aio on serve's own loop): infer, stream, a client
+    # deadline and a cancelled call.
+    config = tmp_path / "serve.toml"
+    config.write_text(SERVE_CONFIG)
     with (
         run_server(
-            repository, "--loop", "asyncio", "--model", "simple", log=tmp_path / "a.log"
+            repository,
+            *("--loop", "asyncio", "--model", "simple", "--model", "slow"),
+            *("--config", str(config)),
+            log=tmp_path / "a.log",
         ) as server,
         triton.InferenceServerClient(server.grpc) as c,
     ):
+        check_deadline_and_cancel(c, server)
         inputs, a, b = simple_inputs()
         np.testing.assert_array_equal(c.infer("simple", inputs).as_numpy("sum"), a + b)
         answers: queue.Queue[tuple[Any, Any]] = queue.Queue()

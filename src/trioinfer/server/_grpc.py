@@ -1,32 +1,36 @@
 """The KServe V2 gRPC endpoint, as Triton serves it: ``inference.GRPCInferenceService``.
 
-`serve_grpc` runs grpcio's server beside the HTTP one, in the same process,
-on the same engine and `ServerState`: every answer comes from the functions
-the HTTP routes use (``_app``, ``_codec``), so the two protocols cannot drift.
+`serve_grpc` runs a ``grpc.aio`` server beside the HTTP one, in the same
+process, on the same engine and `ServerState`: every answer comes from the
+functions the HTTP routes use (``_app``, ``_codec``), so the two protocols
+cannot drift.
 
-How grpcio meets the event loop: grpcio's own threaded server receives each
-call on one of its worker threads; the thread turns the protobuf message into
-plain values, hands the work to the event loop (`_Portal`, one
-``run_sync_soon`` / ``call_soon_threadsafe``), and waits for the answer on a
-`concurrent.futures.Future`. On the loop the work runs as a task of
-`serve_grpc`'s own task group, under a cancel scope whose deadline is the
-client's (``grpc-timeout``); a client that cancels or goes away makes grpcio
-call the RPC's termination callback, which cancels that scope, and with it the
-request in the engine. This works on Trio and on asyncio alike (``serve
---loop``); ``grpc.aio`` would need asyncio, and the bridge costs about as
-much as one HTTP request's parsing (see docs/benchmarks.md).
+How grpcio meets the event loop. Under ``--loop asyncio`` grpc.aio runs on
+serve's own loop; under Trio it runs on an asyncio loop of its own, in a
+thread `serve_grpc` owns. Either way a handler turns the protobuf message into
+plain values and hands the work to the serving loop (`_Portal`: one
+``run_sync_soon`` / ``call_soon_threadsafe`` into a channel that a task of
+`serve_grpc` reads), which runs it as a task of its own task group, under a
+cancel scope whose deadline is the client's (``grpc-timeout``); the handler
+awaits the answer. A client that cancels or goes away makes grpc.aio cancel
+the handler (and call its done callback), which posts "cancel this call": the
+scope is cancelled, and with it the request in the engine. grpcio's threaded
+server, bridged the same way, was measured too and cost as much or more per
+request, with a thread held per call and per open stream
+(docs/reference/server.md, benchmarks/RESULTS.md).
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import inspect
 import logging
 import math
+import threading
 import time
-from collections.abc import Callable, Iterator, Mapping
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from typing import Any, Final, NoReturn, final
 
 import anyio
@@ -71,9 +75,6 @@ from ._codec import PayloadTooLarge, RequestError, decode_infer_parts, encode_ra
 from ._errors import NotReady, Unauthorized
 
 log = logging.getLogger("trioinfer.server")
-
-#: grpcio worker threads: each call in progress holds one (a stream, for its whole life).
-WORKERS: Final = 256
 
 #: A ``time_remaining()`` above this means the client set no deadline.
 _NO_DEADLINE: Final = 10 * 365 * 86400.0
@@ -165,14 +166,30 @@ class _Call:
     gone: bool = False
 
     def fail(self, error: BaseException) -> None:
-        if self.future is not None and not self.future.done():
-            self.future.set_exception(error)
+        if self.future is not None:
+            _settle(self.future, error=error)
 
     def cancel(self) -> None:
         """On the event loop: the client left; withdraw its request."""
         self.gone = True
         if self.scope is not None:
             self.scope.cancel()
+
+
+def _settle(
+    future: concurrent.futures.Future[Any],
+    *,
+    result: Any = None,
+    error: BaseException | None = None,
+) -> None:
+    """Answer *future* unless it is answered or cancelled (its handler was, from its thread)."""
+    try:
+        if error is None:
+            future.set_result(result)
+        else:
+            future.set_exception(error)
+    except concurrent.futures.InvalidStateError:
+        pass
 
 
 # -- the service ------------------------------------------------------------------------
@@ -188,7 +205,7 @@ class _Service:
 
     # -- plumbing --
 
-    def _open(self, context: grpc.ServicerContext) -> _Call:
+    def _open(self, context: Any) -> _Call:
         """Watch *context* for its client leaving; note its deadline."""
         remaining = context.time_remaining()
         expires = None
@@ -196,22 +213,28 @@ class _Service:
             expires = time.monotonic() + remaining
         call = _Call(expires)
 
-        def on_termination() -> None:
-            # grpcio calls this when the RPC ends for any reason; only a call
+        def on_done(_context: Any) -> None:
+            # grpc.aio calls this when the RPC ends for any reason; only a call
             # still waiting for its answer needs cancelling.
             if call.future is not None and not call.future.done():
                 self._portal.submit(call, None)
 
-        context.add_callback(on_termination)
+        context.add_done_callback(on_done)
         return call
 
-    def _run(self, call: _Call, fn: Callable[..., Any], *args: Any) -> Any:
-        """Run ``fn(*args)`` (sync or async) on the event loop for *call*; return its result."""
+    async def _run(self, call: _Call, fn: Callable[..., Any], *args: Any) -> Any:
+        """Run ``fn(*args)`` (sync or async) on the serving loop for *call*; return its result."""
         future: concurrent.futures.Future[Any] = concurrent.futures.Future()
         call.future = future
         if not self._portal.submit(call, fn, *args):
             raise NotReady("the server is stopping and takes no new requests")
-        return future.result()
+        try:
+            return await asyncio.wrap_future(future)
+        except asyncio.CancelledError:
+            # grpc.aio cancels the handler when the client cancels, leaves or runs
+            # out of time: withdraw the request in the engine too.
+            self._portal.submit(call, None)
+            raise
 
     async def run_calls(
         self,
@@ -230,16 +253,16 @@ class _Service:
         future = call.future
         assert future is not None
         try:
-            future.set_result(await self._in_scope(call, fn, *args))
+            _settle(future, result=await self._in_scope(call, fn, *args))
         except TrioInferError as exc:
-            future.set_exception(exc)
+            _settle(future, error=exc)
         except Exception as exc:
             log.exception("gRPC call failed", exc_info=exc)
-            future.set_exception(exc)
+            _settle(future, error=exc)
         finally:
             call.scope = None
             if not future.done():  # cancelled from outside: the server stops now
-                future.set_exception(NotReady("the server stopped before the request finished"))
+                _settle(future, error=NotReady("the server stopped before the request finished"))
 
     async def _in_scope(self, call: _Call, fn: Callable[..., Any], *args: Any) -> Any:
         # Under the client's deadline, cancelled if the client leaves.
@@ -257,7 +280,7 @@ class _Service:
             raise _ClientGone("the client cancelled the call")
         raise DeadlineExceeded("the client's deadline passed before the request finished")
 
-    def _abort(self, context: grpc.ServicerContext, error: BaseException) -> NoReturn:
+    async def _abort(self, context: Any, error: BaseException) -> NoReturn:
         status = grpc_status_for(error)
         if isinstance(error, _ClientGone):
             status = grpc.StatusCode.CANCELLED
@@ -269,21 +292,21 @@ class _Service:
             message = f"internal error: {type(error).__name__}"
         if status == grpc.StatusCode.INTERNAL:
             log.error("gRPC call failed: %s: %s", type(error).__name__, error)
-        context.abort(status, message)
+        await context.abort(status, message)
         raise AssertionError("unreachable: context.abort raises")  # pragma: no cover
 
     def unary(
-        self, request_type: Any, method: Callable[[Any, grpc.ServicerContext, _Call], Any]
-    ) -> Callable[[bytes, grpc.ServicerContext], bytes]:
-        """A grpcio unary handler over raw bytes: parse, call *method*, map errors to statuses."""
+        self, request_type: Any, method: Callable[[Any, Any, _Call], Awaitable[Any]]
+    ) -> Callable[[bytes, Any], Awaitable[bytes]]:
+        """A grpc.aio unary handler over raw bytes: parse, call *method*, map errors to statuses."""
 
-        def handle(raw: bytes, context: grpc.ServicerContext) -> bytes:
+        async def handle(raw: bytes, context: Any) -> bytes:
             try:
                 request = _parse(request_type, raw)
                 call = self._open(context)
-                response = method(request, context, call)
+                response = await method(request, context, call)
             except Exception as exc:  # every failure becomes a status, never a crash
-                self._abort(context, exc)
+                await self._abort(context, exc)
             data: bytes = response.SerializeToString()
             return data
 
@@ -291,13 +314,13 @@ class _Service:
 
     # -- health and metadata --
 
-    def ServerLive(self, _request: Any, _context: Any, _call: _Call) -> Any:
+    async def ServerLive(self, _request: Any, _context: Any, _call: _Call) -> Any:
         return pb.ServerLiveResponse(live=True)
 
-    def ServerReady(self, _request: Any, _context: Any, _call: _Call) -> Any:
+    async def ServerReady(self, _request: Any, _context: Any, _call: _Call) -> Any:
         return pb.ServerReadyResponse(ready=self._state.ready)
 
-    def ModelReady(self, request: Any, context: Any, call: _Call) -> Any:
+    async def ModelReady(self, request: Any, context: Any, call: _Call) -> Any:
         metadata = _metadata(context)
 
         def ready() -> bool:
@@ -308,14 +331,14 @@ class _Service:
                 return False
             return True
 
-        return pb.ModelReadyResponse(ready=self._run(call, ready))
+        return pb.ModelReadyResponse(ready=await self._run(call, ready))
 
-    def ServerMetadata(self, _request: Any, _context: Any, _call: _Call) -> Any:
+    async def ServerMetadata(self, _request: Any, _context: Any, _call: _Call) -> Any:
         return pb.ServerMetadataResponse(
             name="trioinfer", version=__version__, extensions=list(EXTENSIONS)
         )
 
-    def ModelMetadata(self, request: Any, context: Any, call: _Call) -> Any:
+    async def ModelMetadata(self, request: Any, context: Any, call: _Call) -> Any:
         metadata = _metadata(context)
 
         def document() -> dict[str, Any]:
@@ -323,9 +346,9 @@ class _Service:
             served = self._state.models.resolve(request.name, request.version or None)
             return model_metadata_document(self._state, served, one_version=bool(request.version))
 
-        return json_format.ParseDict(self._run(call, document), pb.ModelMetadataResponse())
+        return json_format.ParseDict(await self._run(call, document), pb.ModelMetadataResponse())
 
-    def ModelConfig(self, request: Any, context: Any, call: _Call) -> Any:
+    async def ModelConfig(self, request: Any, context: Any, call: _Call) -> Any:
         metadata = _metadata(context)
 
         def document() -> dict[str, Any]:
@@ -335,22 +358,22 @@ class _Service:
 
         response = pb.ModelConfigResponse()
         # Keys Triton's ModelConfig lacks (trioinfer's own settings, devices) stay HTTP-only.
-        document_ = self._run(call, document)
+        document_ = await self._run(call, document)
         json_format.ParseDict(document_, response.config, ignore_unknown_fields=True)
         return response
 
-    def ModelStatistics(self, request: Any, context: Any, call: _Call) -> Any:
+    async def ModelStatistics(self, request: Any, context: Any, call: _Call) -> Any:
         metadata = _metadata(context)
 
         def document() -> dict[str, Any]:
             self._state.check_token(metadata, admin=False)
             return statistics_document(self._state, request.name or None, request.version or None)
 
-        return json_format.ParseDict(self._run(call, document), pb.ModelStatisticsResponse())
+        return json_format.ParseDict(await self._run(call, document), pb.ModelStatisticsResponse())
 
     # -- model repository --
 
-    def RepositoryIndex(self, request: Any, context: Any, call: _Call) -> Any:
+    async def RepositoryIndex(self, request: Any, context: Any, call: _Call) -> Any:
         metadata = _metadata(context)
 
         def document() -> list[dict[str, Any]]:
@@ -358,10 +381,10 @@ class _Service:
             return repository_index_document(self._state, ready_only=request.ready)
 
         return json_format.ParseDict(
-            {"models": self._run(call, document)}, pb.RepositoryIndexResponse()
+            {"models": await self._run(call, document)}, pb.RepositoryIndexResponse()
         )
 
-    def RepositoryModelLoad(self, request: Any, context: Any, call: _Call) -> Any:
+    async def RepositoryModelLoad(self, request: Any, context: Any, call: _Call) -> Any:
         metadata = _metadata(context)
         parameters = _repository_parameters(request.parameters)
 
@@ -370,10 +393,10 @@ class _Service:
             override = load_override(parameters, self._state.config.limits)
             await self._state.models.load(request.model_name, override)
 
-        self._run(call, load)
+        await self._run(call, load)
         return pb.message("RepositoryModelLoadResponse")()
 
-    def RepositoryModelUnload(self, request: Any, context: Any, call: _Call) -> Any:
+    async def RepositoryModelUnload(self, request: Any, context: Any, call: _Call) -> Any:
         metadata = _metadata(context)
         parameters = _repository_parameters(request.parameters)
 
@@ -383,12 +406,12 @@ class _Service:
                 raise RequestError("the only unload parameter is 'unload_dependents'")
             await self._state.models.unload(request.model_name)
 
-        self._run(call, unload)
+        await self._run(call, unload)
         return pb.message("RepositoryModelUnloadResponse")()
 
     # -- shared memory --
 
-    def _no_shared_memory(self, _request: Any, _context: Any, _call: _Call) -> Any:
+    async def _no_shared_memory(self, _request: Any, _context: Any, _call: _Call) -> Any:
         raise _Unimplemented(
             "shared memory is not supported by this server yet; send tensors in the request "
             "(raw_input_contents)"
@@ -398,7 +421,7 @@ class _Service:
     SystemSharedMemoryRegister = _no_shared_memory
     SystemSharedMemoryUnregister = _no_shared_memory
 
-    def _no_cuda_memory(self, _request: Any, _context: Any, _call: _Call) -> Any:
+    async def _no_cuda_memory(self, _request: Any, _context: Any, _call: _Call) -> Any:
         raise _Unimplemented(
             "CUDA shared memory is not supported on this server; send tensors in the request "
             "(raw_input_contents)"
@@ -410,12 +433,12 @@ class _Service:
 
     # -- inference --
 
-    def ModelInfer(self, request: Any, context: Any, call: _Call) -> Any:
-        return self._infer(request, _metadata(context), call)
+    async def ModelInfer(self, request: Any, context: Any, call: _Call) -> Any:
+        return await self._infer(request, _metadata(context), call)
 
-    def _infer(self, request: Any, metadata: Mapping[str, str], call: _Call) -> Any:
+    async def _infer(self, request: Any, metadata: Mapping[str, str], call: _Call) -> Any:
         parts = _infer_parts(request)
-        answer = self._run(call, self._infer_in_loop, request, parts, metadata)
+        answer = await self._run(call, self._infer_in_loop, request, parts, metadata)
         return _infer_response(*answer)
 
     async def _infer_in_loop(
@@ -450,16 +473,14 @@ class _Service:
         parameters = _fallback_parameters(state, served, result) if result.fallbacks else None
         return served.model, str(served.version), request.id, outputs, parameters
 
-    def ModelStreamInfer(
-        self, requests: Iterator[bytes], context: grpc.ServicerContext
-    ) -> Iterator[bytes]:
+    async def ModelStreamInfer(self, requests: AsyncIterator[bytes], context: Any) -> Any:
         """One response per request, in order; a failed request answers with its error_message."""
         metadata = _metadata(context)
         call = self._open(context)
-        for raw in requests:
+        async for raw in requests:
             try:
                 request = _parse(pb.ModelInferRequest, raw)
-                response = self._infer(request, metadata, call)
+                response = await self._infer(request, metadata, call)
             except _ClientGone:
                 return
             except Exception as exc:  # the stream goes on; this request's error goes back
@@ -487,7 +508,7 @@ def _parse(request_type: Any, raw: bytes) -> Any:
         ) from None
 
 
-def _metadata(context: grpc.ServicerContext) -> dict[str, str]:
+def _metadata(context: Any) -> dict[str, str]:
     # gRPC metadata keys are lower-case; binary ("-bin") values are no token or key.
     return {key: value for key, value in context.invocation_metadata() if isinstance(value, str)}
 
@@ -636,7 +657,8 @@ async def serve_grpc(
 
     Reports ``host:port`` (the bound port, for port 0) once listening. On
     *shutdown* new calls are refused and calls in progress get the drain
-    period to finish; then they are cancelled, in the engine too.
+    period to finish; then they are cancelled, in the engine too. The gRPC
+    server's thread has ended when this returns.
 
     Raises:
         OSError: The address cannot be bound.
@@ -653,35 +675,100 @@ async def serve_grpc(
         ("grpc.keepalive_permit_without_calls", 1),
         ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
     ]
-    executor = ThreadPoolExecutor(max_workers=WORKERS, thread_name_prefix="trioinfer-grpc")
     send, receive = anyio.create_memory_object_stream[tuple[_Call, Any, tuple[Any, ...]]](math.inf)
     async with anyio.create_task_group() as group:
         service = _Service(state, _Portal(send))
         group.start_soon(service.run_calls, receive, group)
-        server = grpc.server(executor, options=options)
-        server.add_generic_rpc_handlers((_handlers(service),))
+        thread = _GrpcThread(_handlers(service), options, f"{_bracket(host)}:{port}")
+        ended = anyio.Event()
+        # On asyncio, grpc.aio runs on this very loop; on Trio, on a loop in a thread.
+        native = sniffio.current_async_library() == "asyncio"
+
+        async def run_thread() -> None:
+            try:
+                if native:
+                    await thread.serve()
+                else:
+                    # Not abandoned on cancel: the thread always ends before this task does.
+                    await anyio.to_thread.run_sync(thread.run, abandon_on_cancel=False)
+            finally:
+                ended.set()
+
+        group.start_soon(run_thread)
         try:
-            bound = server.add_insecure_port(f"{_bracket(host)}:{port}")
-        except RuntimeError as exc:
-            executor.shutdown(wait=False)
-            raise OSError(f"cannot listen for gRPC on {host}:{port}: {exc}") from None
-        server.start()
-        address = f"{_bracket(host)}:{bound}"
-        log.info("serving gRPC on %s", address)
-        try:
+            bound = await anyio.to_thread.run_sync(thread.bound.result, abandon_on_cancel=True)
+            address = f"{_bracket(host)}:{bound}"
+            log.info("serving gRPC on %s", address)
             task_status.started(address)
             await shutdown.wait()
-            drained = server.stop(state.config.drain_period)
-            await anyio.to_thread.run_sync(drained.wait)
+            thread.stop(state.config.drain_period)
+            await ended.wait()
         finally:
-            # Whatever still runs is cancelled (its thread then answers UNAVAILABLE),
-            # and every grpcio thread has finished before the event loop may stop.
+            # Whatever still runs is cancelled (its client gets UNAVAILABLE), and the
+            # gRPC thread has ended before the event loop may stop.
+            thread.stop(0)
             send.close()
             group.cancel_scope.cancel()
-            with anyio.CancelScope(shield=True):
-                server.stop(0)
-                await anyio.to_thread.run_sync(executor.shutdown)
     log.info("stopped serving gRPC")
+
+
+@final
+class _GrpcThread:
+    """A grpc.aio server, on a loop of its own in a thread `serve_grpc` owns, or on asyncio's.
+
+    `run` blocks a thread on a new asyncio loop (under Trio); `serve` runs on
+    the running asyncio loop (under ``--loop asyncio``).
+    """
+
+    def __init__(self, handler: Any, options: list[tuple[str, Any]], address: str) -> None:
+        self._handler = handler
+        self._options = options
+        self._address = address
+        #: The bound port, or the reason binding failed.
+        self.bound: concurrent.futures.Future[int] = concurrent.futures.Future()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._stop: asyncio.Event | None = None
+        self._grace: float | None = None
+        self._lock = threading.Lock()
+
+    def run(self) -> None:
+        """Serve until `stop` (blocks the calling thread)."""
+        try:
+            asyncio.run(self.serve())
+        finally:
+            if not self.bound.done():  # pragma: no cover - serve reports before anything else
+                self.bound.set_exception(OSError("the gRPC server did not start"))
+
+    def stop(self, grace: float) -> None:
+        """From any thread: refuse new calls, give calls in progress *grace* seconds, stop."""
+        with self._lock:
+            if self._grace is None or grace < self._grace:
+                self._grace = grace
+            if self._loop is not None and self._stop is not None:
+                with contextlib.suppress(RuntimeError):  # its loop has closed: stopped already
+                    self._loop.call_soon_threadsafe(self._stop.set)
+
+    async def serve(self) -> None:
+        """Serve until `stop`, on the running asyncio loop."""
+        server = grpc.aio.server(options=self._options)
+        server.add_generic_rpc_handlers((self._handler,))
+        try:
+            port = server.add_insecure_port(self._address)
+        except RuntimeError as exc:
+            self.bound.set_exception(OSError(f"cannot listen for gRPC on {self._address}: {exc}"))
+            return
+        stop = asyncio.Event()
+        with self._lock:
+            self._loop, self._stop = asyncio.get_running_loop(), stop
+            stopped_early = self._grace is not None
+        await server.start()
+        self.bound.set_result(port)
+        try:
+            if not stopped_early:
+                await stop.wait()
+        finally:
+            with anyio.CancelScope(shield=True):
+                await server.stop(self._grace or 0)
 
 
 def _bracket(host: str) -> str:
