@@ -7,9 +7,11 @@ Issue 21. Two parts:
    sync grpcio client sends ``ModelReady`` one call at a time (``--calls``),
    and the p50/p99 of each is printed, for
 
-     trioinfer     trioinfer's endpoint (grpcio's threaded server; the call is handed
-                   to the Trio loop, which looks the model up, and answered from
-                   there): what serve runs
+     trioinfer     trioinfer's endpoint on Trio (grpc.aio on a loop in a thread; the
+                   call is handed to the Trio loop, which looks the model up, and
+                   answered from there): what serve runs by default
+     trioinfer-aio the same under asyncio (serve --loop asyncio): grpc.aio on
+                   serve's own loop, no thread
      aio-native    a grpc.aio server on asyncio answering in its handler: the
                    other option (grpc.aio natively, asyncio only), no bridge at all
      threads-only  grpcio's threaded server answering on its worker thread: the
@@ -92,9 +94,10 @@ def _live_p50(address: str, calls: int) -> tuple[float, float]:
     return times[len(times) // 2] / 1e6, times[int(len(times) * 0.99)] / 1e6
 
 
-def bridge_trioinfer(calls: int) -> tuple[float, float]:
+def bridge_trioinfer(calls: int, backend: str = "trio") -> tuple[float, float]:
+    import functools
+
     import anyio
-    import trio
 
     from trioinfer.server import serve_http
 
@@ -103,22 +106,21 @@ def bridge_trioinfer(calls: int) -> tuple[float, float]:
     async def main() -> None:
         stop = anyio.Event()
         with tempfile.TemporaryDirectory() as repo:
-            async with trio.open_nursery() as nursery:
-                listening = await nursery.start(
-                    lambda task_status: serve_http(
-                        repo,
-                        port=0,
-                        grpc_port=0,
-                        handle_signals=False,
-                        shutdown=stop,
-                        task_status=task_status,
+            async with anyio.create_task_group() as group:
+                listening = await group.start(
+                    functools.partial(
+                        serve_http, repo, port=0, grpc_port=0, handle_signals=False, shutdown=stop
                     )
                 )
-                result.append(await trio.to_thread.run_sync(_live_p50, listening.grpc, calls))
+                result.append(await anyio.to_thread.run_sync(_live_p50, listening.grpc, calls))
                 stop.set()
 
-    trio.run(main)
+    anyio.run(main, backend=backend)
     return result[0]
+
+
+def bridge_trioinfer_asyncio(calls: int) -> tuple[float, float]:
+    return bridge_trioinfer(calls, "asyncio")
 
 
 def _live_handler(grpc: Any) -> Any:
@@ -239,14 +241,15 @@ def bench(target: list[str], model: str, args: argparse.Namespace, pid: int) -> 
 def main() -> None:
     args = parse_args()
     print("part 1: ModelReady, one call at a time on loopback (ms)", flush=True)
-    print(f"{'bridge':<14}{'p50':>8}{'p99':>8}")
+    print(f"{'bridge':<15}{'p50':>8}{'p99':>8}")
     for name, fn in (
         ("trioinfer", bridge_trioinfer),
+        ("trioinfer-aio", bridge_trioinfer_asyncio),
         ("aio-native", bridge_aio_native),
         ("threads-only", bridge_threads_only),
     ):
         p50, p99 = fn(args.calls)
-        print(f"{name:<14}{p50:>8.3f}{p99:>8.3f}", flush=True)
+        print(f"{name:<15}{p50:>8.3f}{p99:>8.3f}", flush=True)
 
     http_args = bench_http.parse_args(["--models", ",".join(args.models)])
     rows: dict[tuple[str, str], list[dict[str, Any]]] = {}

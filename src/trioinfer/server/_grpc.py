@@ -199,9 +199,11 @@ def _settle(
 class _Service:
     """The RPCs, each run on a grpcio worker thread."""
 
-    def __init__(self, state: ServerState, portal: _Portal) -> None:
+    def __init__(self, state: ServerState, portal: _Portal, *, native: bool) -> None:
         self._state = state
         self._portal = portal
+        # grpc.aio runs on the serving loop itself (asyncio): no hop to make.
+        self._native = native
 
     # -- plumbing --
 
@@ -224,6 +226,9 @@ class _Service:
 
     async def _run(self, call: _Call, fn: Callable[..., Any], *args: Any) -> Any:
         """Run ``fn(*args)`` (sync or async) on the serving loop for *call*; return its result."""
+        if self._native:
+            # In the handler's own task: a client that leaves cancels it, and the request.
+            return await self._in_scope(call, fn, *args)
         future: concurrent.futures.Future[Any] = concurrent.futures.Future()
         call.future = future
         if not self._portal.submit(call, fn, *args):
@@ -677,12 +682,12 @@ async def serve_grpc(
     ]
     send, receive = anyio.create_memory_object_stream[tuple[_Call, Any, tuple[Any, ...]]](math.inf)
     async with anyio.create_task_group() as group:
-        service = _Service(state, _Portal(send))
+        # On asyncio, grpc.aio runs on this very loop; on Trio, on a loop in a thread.
+        native = sniffio.current_async_library() == "asyncio"
+        service = _Service(state, _Portal(send), native=native)
         group.start_soon(service.run_calls, receive, group)
         thread = _GrpcThread(_handlers(service), options, f"{_bracket(host)}:{port}")
         ended = anyio.Event()
-        # On asyncio, grpc.aio runs on this very loop; on Trio, on a loop in a thread.
-        native = sniffio.current_async_library() == "asyncio"
 
         async def run_thread() -> None:
             try:
