@@ -681,7 +681,7 @@ def test_asyncio_loop_and_no_extra(repository: Path, tmp_path: Path) -> None:
     ) as server:
         assert httpx.get(f"{server.url}/v2/health/ready", timeout=WAIT_S).status_code == 200
         assert "not serving gRPC" in server.log_text()
-        assert "trioinfer[grpc]" in server.log_text()
+        assert "'grpc' extra" in server.log_text()
 
 
 def test_asking_for_grpc_without_the_extra_names_it(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -721,3 +721,53 @@ def test_bench_over_grpc(server: Server, tmp_path: Path) -> None:
     )
     assert unknown.exit_code == 1
     assert "NOT_FOUND" in unknown.output
+
+
+def test_grpc_port_in_use_is_a_clear_error(repository: Path) -> None:
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        result = CliRunner().invoke(
+            cli_main,
+            [
+                *("serve", "--port", "0", "--grpc-port", str(port)),
+                *("--model-repository", str(repository), "--model", "simple"),
+            ],
+        )
+    assert result.exit_code == 1
+    assert f"cannot listen for gRPC on 127.0.0.1:{port}" in result.output
+
+
+def test_no_grpc_serves_http_only(repository: Path, tmp_path: Path) -> None:
+    with run_server(
+        repository, "--no-grpc", "--model", "simple", log=tmp_path / "s.log", want_grpc=False
+    ) as server:
+        assert httpx.get(f"{server.url}/v2/health/live", timeout=WAIT_S).status_code == 200
+    assert "gRPC" not in server.log_text()
+
+
+def test_errors_map_to_tritons_status_codes() -> None:
+    from trioinfer import (
+        BackendError,
+        CircuitOpen,
+        DeadlineExceeded,
+        InvalidInput,
+        ModelNotFound,
+        QueueFull,
+    )
+    from trioinfer.server import PayloadTooLarge, RequestError
+    from trioinfer.server._grpc import grpc_status_for
+
+    code = grpc.StatusCode
+    assert grpc_status_for(ModelNotFound("m")) == code.NOT_FOUND
+    assert grpc_status_for(RequestError("r")) == code.INVALID_ARGUMENT
+    assert grpc_status_for(InvalidInput("i")) == code.INVALID_ARGUMENT
+    assert grpc_status_for(PayloadTooLarge("p")) == code.RESOURCE_EXHAUSTED
+    assert grpc_status_for(QueueFull("q", retry_after=1.0)) == code.UNAVAILABLE
+    assert grpc_status_for(CircuitOpen("c", retry_after=1.0)) == code.UNAVAILABLE
+    assert grpc_status_for(DeadlineExceeded("d")) == code.DEADLINE_EXCEEDED
+    assert grpc_status_for(BackendError("b")) == code.INTERNAL
+    assert grpc_status_for(ValueError("bug")) == code.INTERNAL

@@ -40,7 +40,8 @@ def _proto() -> Any:
     except ImportError as exc:
         raise BenchError(
             f"--protocol grpc needs the 'grpc' extra, which is not installed (no module named "
-            f"{exc.name or '?'!r}): pip install 'trioinfer[grpc]'"
+            f"{exc.name or '?'!r}): install trioinfer with it, e.g. pip install -e "
+            "'.[cpu,grpc]' in a clone"
         ) from None
     return _grpc_proto
 

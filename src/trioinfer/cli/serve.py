@@ -203,6 +203,8 @@ def serve(ctx: click.Context, /, **options: Any) -> None:
         if isinstance(cause, TrioInferError):
             raise click.ClickException(f"{type(cause).__name__}: {cause}") from exc
         if isinstance(cause, OSError):  # e.g. the port is taken
+            if str(cause).startswith("cannot listen"):  # the gRPC layer names its address
+                raise click.ClickException(str(cause)) from exc
             raise click.ClickException(
                 f"cannot listen on {settings['host']}:{settings['port']}: {cause.strerror or cause}"
             ) from exc
@@ -229,7 +231,8 @@ def _grpc_port(ctx: click.Context, settings: dict[str, Any]) -> int | None:
     if missing:
         why = (
             f"gRPC needs the 'grpc' extra, which is not installed (no module named "
-            f"{missing[0]!r}): pip install 'trioinfer[grpc]'"
+            f"{missing[0]!r}): install trioinfer with it, e.g. pip install -e '.[cpu,grpc]' "
+            "in a clone"
         )
         if asked:
             raise click.UsageError(why)

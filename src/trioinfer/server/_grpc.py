@@ -759,8 +759,14 @@ class _GrpcThread:
         server.add_generic_rpc_handlers((self._handler,))
         try:
             port = server.add_insecure_port(self._address)
-        except RuntimeError as exc:
-            self.bound.set_exception(OSError(f"cannot listen for gRPC on {self._address}: {exc}"))
+        except RuntimeError:
+            # grpcio's message only says to turn its debug log on; it logs the cause itself.
+            self.bound.set_exception(
+                OSError(
+                    f"cannot listen for gRPC on {self._address}: the port is in use, or the "
+                    "address is not one of this host's (--grpc-port, --host)"
+                )
+            )
             return
         stop = asyncio.Event()
         with self._lock:

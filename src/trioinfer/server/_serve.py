@@ -192,7 +192,8 @@ def _grpc_layer() -> Any:
         from ._grpc import serve_grpc
     except ModuleNotFoundError as exc:
         raise ModuleNotFoundError(
-            f"serving gRPC needs the 'grpc' extra (pip install 'trioinfer[grpc]'); {exc}",
+            "serving gRPC needs the 'grpc' extra (install trioinfer with it, e.g. pip "
+            f"install -e '.[cpu,grpc]' in a clone); {exc}",
             name=exc.name,
         ) from exc
     return serve_grpc
