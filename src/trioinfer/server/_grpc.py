@@ -117,14 +117,14 @@ class _Unimplemented(TrioInferError):
     """A call this server does not implement (``UNIMPLEMENTED``)."""
 
 
-# -- from grpcio's threads to the event loop -----------------------------------------
+# -- from grpc.aio's thread to the event loop -----------------------------------------
 
 
 @final
 class _Portal:
-    """Hands work from grpcio's threads to the event loop, without waiting for it to start.
+    """Hands work from grpc.aio's thread to the serving loop, without waiting for it to start.
 
-    The thread posts to a memory channel with one non-blocking hop onto the
+    A handler posts to a memory channel with one non-blocking hop onto the
     loop (Trio's ``run_sync_soon``, asyncio's ``call_soon_threadsafe``); a task
     of `serve_grpc` reads the channel and starts each call as a task of its
     own task group, or cancels one whose client left.
@@ -182,7 +182,7 @@ def _settle(
     result: Any = None,
     error: BaseException | None = None,
 ) -> None:
-    """Answer *future* unless it is answered or cancelled (its handler was, from its thread)."""
+    """Answer *future* unless it is answered, or cancelled (with its handler)."""
     try:
         if error is None:
             future.set_result(result)
@@ -197,7 +197,7 @@ def _settle(
 
 @final
 class _Service:
-    """The RPCs, each run on a grpcio worker thread."""
+    """The RPCs: coroutines on grpc.aio's loop, each handing its call to the serving loop."""
 
     def __init__(self, state: ServerState, portal: _Portal, *, native: bool) -> None:
         self._state = state
@@ -246,7 +246,7 @@ class _Service:
         receive: MemoryObjectReceiveStream[tuple[_Call, Any, tuple[Any, ...]]],
         group: anyio.abc.TaskGroup,
     ) -> None:
-        """Start each call the threads hand over as a task of *group*; cancel a left one's."""
+        """Start each call the handlers hand over as a task of *group*; cancel a left one's."""
         async with receive:
             async for call, fn, args in receive:
                 if fn is None:
