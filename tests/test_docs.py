@@ -226,14 +226,21 @@ def shape(line: str) -> str:
     return re.sub(r"\s+", " ", line).strip()
 
 
-@pytest.fixture(scope="module")
-def tutorial_server() -> Iterator[int]:
-    """`trioinfer serve` on the bundled repository, for the serving tutorial's step 3."""
+def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
-        port = int(sock.getsockname()[1])
+        return int(sock.getsockname()[1])
+
+
+@pytest.fixture(scope="module")
+def tutorial_server() -> Iterator[tuple[int, int]]:
+    """`trioinfer serve` on the bundled repository: its HTTP and gRPC ports (free ones)."""
+    port, grpc_port = _free_port(), _free_port()
     server = subprocess.Popen(
-        [sys.executable, "-m", "trioinfer", "serve", "--host", "127.0.0.1", "--port", str(port)],
+        [
+            *(sys.executable, "-m", "trioinfer", "serve", "--host", "127.0.0.1"),
+            *("--port", str(port), "--grpc-port", str(grpc_port)),
+        ],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
@@ -248,7 +255,7 @@ def tutorial_server() -> Iterator[int]:
                 time.sleep(0.1)
         else:
             raise AssertionError("trioinfer serve did not become ready within 60 s")
-        yield port
+        yield port, grpc_port
     finally:
         server.terminate()
         server.wait(timeout=30)
@@ -267,11 +274,12 @@ def test_page_runs_as_pasted(page: str, tmp_path: Path, request: pytest.FixtureR
         for lang, options, body in page_blocks(page)
         if lang == "python" and FOR_COMPARISON not in options
     )
-    if "127.0.0.1:8000" in code:
-        # A client of the `trioinfer serve` the page started on 127.0.0.1:8000; here, on a
-        # free port.
-        port = request.getfixturevalue("tutorial_server")
+    if "127.0.0.1:8000" in code or "127.0.0.1:8001" in code:
+        # A client of the `trioinfer serve` the page started on 127.0.0.1:8000 (HTTP) and
+        # 8001 (gRPC); here, on free ports.
+        port, grpc_port = request.getfixturevalue("tutorial_server")
         code = code.replace("127.0.0.1:8000", f"127.0.0.1:{port}")
+        code = code.replace("127.0.0.1:8001", f"127.0.0.1:{grpc_port}")
     program = tmp_path / "test_page.py"
     program.write_text(code)
     if page == "how-to/testing.md":

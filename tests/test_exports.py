@@ -48,10 +48,12 @@ PUBLIC = {
         "v2_datatype", "v2_numpy_dtype",
     },
     "trioinfer.bench": {
-        "BenchError", "DEFAULT_MAX_CONNECTIONS", "HttpTarget", "PERCENTILES", "Plan", "Progress",
+        "BenchError", "DEFAULT_MAX_CONNECTIONS", "GrpcTarget", "HttpTarget", "PERCENTILES",
+        "Plan", "Progress",
         "Result", "Run", "STABLE_WINDOWS", "Settings", "Tensor", "format_table", "is_stable",
         "iter_arrivals", "load_inputs", "open_local_model", "open_progress", "print_table",
-        "random_inputs", "run_http", "run_in_process", "write_csv", "write_json", "write_plot",
+        "random_inputs", "run_grpc", "run_http", "run_in_process", "write_csv", "write_json",
+        "write_plot",
     },
 }  # fmt: skip
 

@@ -12,7 +12,8 @@ Two load shapes, both measured the same way:
 Each level warms up (excluded), then measures windows of ``--window`` seconds
 until the last three agree on throughput and p99 within ``--stability`` percent
 (or a fixed ``--windows`` count). The HTTP client speaks only the V2 protocol
-(model metadata and infer) over plain non-blocking sockets. A level's connections
+(model metadata and infer) over plain non-blocking sockets; ``--protocol grpc``
+speaks V2 gRPC instead (``_grpc``, closed loop). A level's connections
 are all driven by one loop in a worker thread (`_LoadLoop`): one ``epoll`` wait
 returns every answer that arrived and one timeout serves every request due before
 it, with no Trio task switch or timer per request; every request's bytes are
@@ -49,6 +50,7 @@ except ImportError as exc:
     ) from exc
 
 from ._client import HttpTarget as HttpTarget
+from ._grpc import GrpcTarget as GrpcTarget
 from ._inputs import BenchError as BenchError
 from ._inputs import Tensor as Tensor
 from ._inputs import load_inputs as load_inputs
@@ -64,6 +66,7 @@ from ._run import DEFAULT_MAX_CONNECTIONS as DEFAULT_MAX_CONNECTIONS
 from ._run import Plan as Plan
 from ._run import Run as Run
 from ._run import open_local_model as open_local_model
+from ._run import run_grpc as run_grpc
 from ._run import run_http as run_http
 from ._run import run_in_process as run_in_process
 from ._stats import PERCENTILES as PERCENTILES
@@ -78,6 +81,7 @@ __all__ = [
     "PERCENTILES",
     "STABLE_WINDOWS",
     "BenchError",
+    "GrpcTarget",
     "HttpTarget",
     "Plan",
     "Progress",
@@ -93,6 +97,7 @@ __all__ = [
     "open_progress",
     "print_table",
     "random_inputs",
+    "run_grpc",
     "run_http",
     "run_in_process",
     "write_csv",

@@ -25,6 +25,7 @@ from .._engine import Engine, open_engine
 from .._exceptions import TrioInferError
 from ..server import v2_datatype
 from ._client import HttpTarget, _Connection
+from ._grpc import GrpcTarget, run_grpc_level
 from ._inputs import BenchError, load_inputs, random_inputs
 from ._load import (
     _BACKLOG_PER_CONNECTION,
@@ -211,6 +212,48 @@ async def run_http(
             backlog_limit=_BACKLOG_PER_CONNECTION * most,
             max_connections=most,
         )
+
+    return await _run_levels(plan, run_closed, run_open)
+
+
+async def run_grpc(
+    target: GrpcTarget,
+    plan: Plan,
+    *,
+    input_files: Sequence[Path] = (),
+    shapes: Mapping[str, Sequence[int]] | None = None,
+    progress: Callable[[Progress], None] | None = None,
+) -> Run:
+    """Benchmark a V2 gRPC server's model (closed loop); one `Result` per level.
+
+    Raises:
+        BenchError: Open-loop levels (not implemented over gRPC), no server, no
+            such model, or unusable inputs.
+    """
+    if plan.rates:
+        raise BenchError("--protocol grpc runs closed-loop levels (--concurrency) only")
+    metadata = await target.metadata()
+    if input_files:
+        variants = [load_inputs(p) for p in input_files]
+    else:
+        variants = [random_inputs(metadata["inputs"], shapes, seed=plan.seed)]
+    requests = target.requests(variants)
+    index = 0
+
+    async def run_closed(count: int, recorder: _Recorder) -> Result:
+        nonlocal index
+
+        async def measure(recorder: _Recorder) -> Result:
+            return await _measure(
+                recorder, plan.settings, "concurrency", count, progress, (index, plan.levels)
+            )
+
+        result = await run_grpc_level(target, requests, count, recorder, measure)
+        index += 1
+        return result
+
+    async def run_open(rate: float, recorder: _Recorder) -> Result:  # pragma: no cover
+        raise AssertionError("refused above")
 
     return await _run_levels(plan, run_closed, run_open)
 

@@ -59,7 +59,16 @@ def _shapes(_ctx: click.Context, _param: click.Parameter, value: Sequence[str]) 
     default="http://127.0.0.1:8000",
     show_default=True,
     metavar="URL",
-    help="The V2 server (trioinfer, Triton, MLServer, KServe): http://HOST:PORT.",
+    help="The V2 server (trioinfer, Triton, MLServer, KServe): http://HOST:PORT, or with "
+    "--protocol grpc, grpc://HOST:PORT (default 127.0.0.1:8001).",
+)
+@click.option(
+    "--protocol",
+    type=click.Choice(["http", "grpc"]),
+    default="http",
+    show_default=True,
+    help="V2 over HTTP/1.1, or V2 gRPC (Triton's inference.GRPCInferenceService; raw tensor "
+    "contents; closed loop only; needs the 'grpc' extra).",
 )
 @click.option("-m", "--model", default=None, metavar="NAME", help="The model to load-test.")
 @click.option(
@@ -276,6 +285,7 @@ def bench(**options: Any) -> None:
         "model": options["model"] or (options["model_file"] and str(options["model_file"])),
         "model_version": options["model_version"],
         "encoding": None if options["in_process"] else options["encoding"],
+        "protocol": None if options["in_process"] else options["protocol"],
         "arrivals": options["arrivals"] if plan.rates else None,
         "window_s": options["window"],
         "warmup_s": options["warmup"],
@@ -324,6 +334,18 @@ async def _bench_run(
             )
     if not options["model"]:
         raise click.UsageError("--model is required (or --in-process with --model-file)")
+    if options["protocol"] == "grpc":
+        url = options["url"]
+        if url == "http://127.0.0.1:8000":  # the HTTP default: take gRPC's
+            url = "127.0.0.1:8001"
+        grpc_target = tool.GrpcTarget.from_url(url, options["model"], options["model_version"])
+        return await tool.run_grpc(
+            grpc_target,
+            plan,
+            input_files=options["input_files"],
+            shapes=options["shape"],
+            progress=progress,
+        )
     target = tool.HttpTarget.from_url(options["url"], options["model"], options["model_version"])
     return await tool.run_http(
         target,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import gc
+import importlib.util
 import logging
 import math
 import os
@@ -19,12 +20,17 @@ from .._examples import example_repository
 from .._exceptions import TrioInferError
 from ._params import ByteSize, _not_nan, needs_extra
 
+#: Triton's gRPC port.
+DEFAULT_GRPC_PORT: Final = 8001
+
 #: Keys a ``--config`` file may hold; its [limits] table takes trioinfer.server.Limits fields.
 _SERVE_KEYS: Final = frozenset(
     {
         "model_repository",
         "host",
         "port",
+        "grpc",
+        "grpc_port",
         "models",
         "drain_period",
         "cache_size",
@@ -66,15 +72,28 @@ def _rate_not_nan(
     help="Port to listen on; 0 picks a free one.",
 )
 @click.option(
+    "--grpc/--no-grpc",
+    default=True,
+    show_default=True,
+    help="Also serve V2 gRPC (Triton's inference.GRPCInferenceService, for tritonclient.grpc) "
+    "from the same engine. Needs the 'grpc' extra; without it, serve says so and serves HTTP.",
+)
+@click.option(
+    "--grpc-port",
+    type=click.IntRange(0, 65535),
+    default=DEFAULT_GRPC_PORT,
+    show_default=True,
+    help="Port for gRPC, on the same --host; 0 picks a free one (the default with --port 0).",
+)
+@click.option(
     "--config",
     "config_file",
     type=click.Path(dir_okay=False, exists=True, path_type=Path),
     default=None,
     metavar="FILE",
-    help="A TOML file with any of these options (model_repository, host, port, models, "
-    "drain_period, cache_size, admin_token, protect_inference, log_level, trace_exporter, "
-    "trace_rate) and a [limits] table; "
-    "options given on the command line win.",
+    help="A TOML file with any of these options (model_repository, host, port, grpc, grpc_port, "
+    "models, drain_period, cache_size, admin_token, protect_inference, log_level, trace_exporter, "
+    "trace_rate) and a [limits] table; options given on the command line win.",
 )
 @click.option(
     "--model",
@@ -161,11 +180,15 @@ def serve(ctx: click.Context, /, **options: Any) -> None:
     shared memory, classification, the model repository extension (index,
     load, unload), statistics, Prometheus metrics at /metrics, and trace
     settings at /v2/trace/setting (OpenTelemetry, with --trace-exporter).
-    NVIDIA's tritonclient works against it unchanged.
+    With the 'grpc' extra it serves the same over V2 gRPC too (Triton's
+    inference.GRPCInferenceService, streaming included), from the same engine
+    with the same limits and token (sent as 'authorization' metadata).
+    NVIDIA's tritonclient (http and grpc) works against it unchanged.
 
     With no options it serves the bundled example model "digits" on
-    http://127.0.0.1:8000. SIGINT or SIGTERM makes it not ready at once,
-    lets in-flight requests finish for up to the drain period, and exits 0.
+    http://127.0.0.1:8000 and gRPC on 127.0.0.1:8001. SIGINT or SIGTERM makes
+    it not ready at once, lets in-flight requests finish for up to the drain
+    period, and exits 0.
     """
     try:
         from ..server import Limits, ServerConfig
@@ -197,6 +220,7 @@ def serve(ctx: click.Context, /, **options: Any) -> None:
     except (TypeError, TrioInferError) as exc:
         raise click.UsageError(f"invalid server settings: {exc}") from exc
     repository = settings["model_repository"] or example_repository()
+    grpc_port = _grpc_port(ctx, settings)
     try:
         anyio.run(
             functools.partial(
@@ -206,6 +230,7 @@ def serve(ctx: click.Context, /, **options: Any) -> None:
                 port=settings["port"],
                 config=config,
                 models=list(settings["models"]) or None,
+                grpc_port=grpc_port,
             ),
             backend=settings["loop"],
         )
@@ -215,6 +240,8 @@ def serve(ctx: click.Context, /, **options: Any) -> None:
         if isinstance(cause, TrioInferError):
             raise click.ClickException(f"{type(cause).__name__}: {cause}") from exc
         if isinstance(cause, OSError):  # e.g. the port is taken
+            if str(cause).startswith("cannot listen"):  # the gRPC layer names its address
+                raise click.ClickException(str(cause)) from exc
             raise click.ClickException(
                 f"cannot listen on {settings['host']}:{settings['port']}: {cause.strerror or cause}"
             ) from exc
@@ -238,6 +265,45 @@ def _tracing(settings: dict[str, Any]) -> tuple[Any, float] | None:
                 "pip install -e '.[cpu,serve,otel]' in a clone"
             ) from exc
     return provider_from_settings(exporter, rate, environ=os.environ)
+
+
+def _grpc_port(ctx: click.Context, settings: dict[str, Any]) -> int | None:
+    """The port to serve gRPC on, or None for HTTP only.
+
+    Asked for explicitly (--grpc-port, or --grpc) without the extra, it is an
+    error; by default, serve says why there is no gRPC and serves HTTP.
+    With --port 0 and no --grpc-port, gRPC takes a free port too, so that
+    servers started on free ports never clash on 8001.
+    """
+    if not settings["grpc"]:
+        return None
+    source = click.core.ParameterSource
+    port_given = (
+        ctx.get_parameter_source("grpc_port") not in (None, source.DEFAULT)
+        or settings["grpc_port"] != DEFAULT_GRPC_PORT
+    )
+    asked = port_given or ctx.get_parameter_source("grpc") not in (None, source.DEFAULT)
+    missing = [m for m in ("grpc", "grpc_tools", "google.protobuf") if not _importable(m)]
+    if missing:
+        why = (
+            f"gRPC needs the 'grpc' extra, which is not installed (no module named "
+            f"{missing[0]!r}): install trioinfer with it, e.g. pip install -e '.[cpu,grpc]' "
+            "in a clone"
+        )
+        if asked:
+            raise click.UsageError(why)
+        logging.getLogger("trioinfer.server").warning("not serving gRPC: %s", why)
+        return None
+    if not port_given and settings["port"] == 0:
+        return 0
+    return int(settings["grpc_port"])
+
+
+def _importable(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ModuleNotFoundError, ValueError):  # a parent package is missing, or blocked
+        return False
 
 
 def _only_cause(exc: BaseException) -> BaseException:
@@ -279,6 +345,7 @@ async def _serve(
     port: int,
     config: Any,
     models: list[str] | None,
+    grpc_port: int | None,
 ) -> None:
     from ..server import serve_http
 
@@ -291,6 +358,7 @@ async def _serve(
                 port=port,
                 config=config,
                 models=models,
+                grpc_port=grpc_port,
             )
         )
         served = ", ".join(
@@ -302,6 +370,8 @@ async def _serve(
         click.echo(f"trioinfer {__version__} serving {served or 'no models'} from {repository}")
         if listening.failed:
             click.echo(f"could not load: {', '.join(listening.failed)} (see the log above)")
+        if listening.grpc is not None:
+            click.echo(f"gRPC on {listening.grpc} (inference.GRPCInferenceService)")
         click.echo(f"listening on {url} (Ctrl+C to stop)")
         if listening.models:
             first = next(iter(listening.models))

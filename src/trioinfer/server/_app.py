@@ -430,20 +430,27 @@ def _served(request: Request, state: ServerState) -> ServedVersion:
 
 async def _model_metadata(request: Request, state: ServerState) -> Response:
     served = _served(request, state)
-    if "version" in request.path_params:
+    return _json(
+        model_metadata_document(state, served, one_version="version" in request.path_params)
+    )
+
+
+def model_metadata_document(
+    state: ServerState, served: ServedVersion, *, one_version: bool
+) -> dict[str, Any]:
+    """A model's V2 metadata (HTTP and gRPC answer the same): its versions, platform and tensors."""
+    if one_version:
         versions = [str(served.version)]
     else:
         versions = [str(s.version) for s in state.models.versions(served.model)]
     signature = served.info.signature
-    return _json(
-        {
-            "name": served.model,
-            "versions": versions,
-            "platform": _platform(served),
-            "inputs": [_tensor_metadata(t) for t in signature.inputs],
-            "outputs": [_tensor_metadata(t) for t in signature.outputs],
-        }
-    )
+    return {
+        "name": served.model,
+        "versions": versions,
+        "platform": _platform(served),
+        "inputs": [_tensor_metadata(t) for t in signature.inputs],
+        "outputs": [_tensor_metadata(t) for t in signature.outputs],
+    }
 
 
 async def _model_ready(request: Request, state: ServerState) -> Response:
@@ -462,7 +469,11 @@ async def _model_ready(request: Request, state: ServerState) -> Response:
 
 
 async def _model_config(request: Request, state: ServerState) -> Response:
-    served = _served(request, state)
+    return _json(model_config_document(state, _served(request, state)))
+
+
+def model_config_document(state: ServerState, served: ServedVersion) -> dict[str, Any]:
+    """A served version's configuration in Triton's terms (HTTP and gRPC answer the same)."""
     config = served.info.config
     signature = served.info.signature
     batched = signature.batched and config.batcher != "none"
@@ -514,7 +525,7 @@ async def _model_config(request: Request, state: ServerState) -> Response:
         # trioinfer worked out; what it leaves out (inputs, say) stays worked out.
         body.update(served.triton.json())
         body["name"] = served.model
-    return _json(body)
+    return body
 
 
 def _sequence_batching(sequence: SequenceConfig) -> dict[str, Any]:
@@ -643,11 +654,22 @@ async def _cuda_unregister(request: Request, state: ServerState) -> Response:
 
 async def _stats(request: Request, state: ServerState) -> Response:
     state.check_token(request.headers, admin=False)
-    model = request.path_params.get("model")
+    params = request.path_params
+    return _json(statistics_document(state, params.get("model"), params.get("version")))
+
+
+def statistics_document(
+    state: ServerState, model: str | None, version: str | None
+) -> dict[str, Any]:
+    """Triton's statistics of every served version, or of *model* (and *version*) only.
+
+    Raises:
+        ModelNotFound: *model* (or that version of it) is not served.
+    """
     if model is None:
         chosen = state.models.all()
-    elif "version" in request.path_params:
-        chosen = [state.models.resolve(model, request.path_params["version"])]
+    elif version is not None:
+        chosen = [state.models.resolve(model, version)]
     else:
         state.models.resolve(model)
         chosen = state.models.versions(model)
@@ -688,7 +710,7 @@ async def _stats(request: Request, state: ServerState) -> Response:
                 "batch_stats": [],
             }
         )
-    return _json({"model_stats": out})
+    return {"model_stats": out}
 
 
 def _duration(count: int, seconds: float) -> dict[str, int]:
@@ -712,6 +734,11 @@ async def _repository_index(request: Request, state: ServerState) -> Response:
         if not isinstance(ready, bool):
             raise RequestError(f"'ready' must be true or false, got {ready!r}")
         ready_only = ready
+    return _json(repository_index_document(state, ready_only=ready_only))
+
+
+def repository_index_document(state: ServerState, *, ready_only: bool) -> list[dict[str, Any]]:
+    """The repository's models and their states (HTTP and gRPC answer the same)."""
     out = []
     for entry in state.models.repository.index():
         served = {s.version: s for s in state.models.versions(entry.name)}
@@ -730,7 +757,7 @@ async def _repository_index(request: Request, state: ServerState) -> Response:
             if entry.version is not None:
                 item["version"] = str(entry.version)
             out.append(item)
-    return _json(out)
+    return out
 
 
 async def _load(request: Request, state: ServerState) -> Response:
@@ -754,23 +781,7 @@ async def _load_override(request: Request, state: ServerState) -> dict[str, Any]
         parameters = body.get("parameters", {})
         if not isinstance(parameters, dict):
             raise RequestError("'parameters' must be an object")
-        for key in parameters:
-            if key.startswith("file:"):
-                raise RequestError(
-                    "uploading model files is not supported; put them in the repository"
-                )
-            if key != "config":
-                raise RequestError(f"unknown load parameter {key!r}; the only one is 'config'")
-        if "config" in parameters:
-            config = parameters["config"]
-            if isinstance(config, str):
-                config = loads_json(config.encode(), state.config.limits, "the config override")
-            if not isinstance(config, dict):
-                raise RequestError(
-                    "parameters.config must be a JSON object of model config keys (or a "
-                    f"string holding one), got {type(config).__name__}"
-                )
-            override = config
+        override = load_override(parameters, state.config.limits)
     return override
 
 
@@ -791,6 +802,32 @@ async def _traffic(request: Request, state: ServerState) -> Response:
             "traffic": {str(v): share for v, share in sorted(shares.items())},
         }
     )
+
+
+def load_override(parameters: Mapping[str, Any], limits: Limits) -> dict[str, Any] | None:
+    """The config override a repository load request's *parameters* carry, checked.
+
+    Raises:
+        RequestError: An unknown parameter, a file upload, or a config that is
+            not a JSON object.
+    """
+    override: dict[str, Any] | None = None
+    for key in parameters:
+        if key.startswith("file:"):
+            raise RequestError("uploading model files is not supported; put them in the repository")
+        if key != "config":
+            raise RequestError(f"unknown load parameter {key!r}; the only one is 'config'")
+    if "config" in parameters:
+        config = parameters["config"]
+        if isinstance(config, str):
+            config = loads_json(config.encode(), limits, "the config override")
+        if not isinstance(config, dict):
+            raise RequestError(
+                "parameters.config must be a JSON object of model config keys (or a "
+                f"string holding one), got {type(config).__name__}"
+            )
+        override = config
+    return override
 
 
 async def _unload(request: Request, state: ServerState) -> Response:
@@ -957,6 +994,42 @@ def _schedule_parameters(
     return priority, seconds
 
 
+async def infer_in_time(
+    state: ServerState,
+    served: ServedVersion,
+    request: InferRequest,
+    priority: int,
+    timeout_s: float | None,
+) -> InferenceResult:
+    """The engine call, under the request's own ``timeout`` parameter if it has one.
+
+    HTTP and gRPC both run a decoded request through here; the caller's
+    cancel scope (a client's deadline, its disconnecting) bounds it too.
+    """
+    engine = state.models.engine
+    # Triton's sequence_id / sequence_start / sequence_end, for stateful models.
+    sequence = SequenceFlags.from_parameters(request.parameters)
+    if timeout_s is None:
+        return await engine.infer_detailed(
+            served.engine_name,
+            request.inputs,
+            priority=priority,
+            request_id=request.id,
+            sequence=sequence,
+        )
+    with anyio.move_on_after(timeout_s):
+        return await engine.infer_detailed(
+            served.engine_name,
+            request.inputs,
+            priority=priority,
+            request_id=request.id,
+            sequence=sequence,
+        )
+    raise DeadlineExceeded(
+        f"the request's timeout of {timeout_s * 1e6:.0f} µs passed before it finished"
+    )
+
+
 @final
 class _InferEndpoint:
     """``POST /v2/models/{m}[/versions/{v}]/infer`` as a raw ASGI app."""
@@ -1093,29 +1166,7 @@ class _InferEndpoint:
         priority: int,
         timeout_s: float | None,
     ) -> InferenceResult:
-        """The engine call, under the request's own ``timeout`` parameter if it has one."""
-        engine = self._state.models.engine
-        # Triton's sequence_id / sequence_start / sequence_end, for stateful models.
-        sequence = SequenceFlags.from_parameters(request.parameters)
-        if timeout_s is None:
-            return await engine.infer_detailed(
-                served.engine_name,
-                request.inputs,
-                priority=priority,
-                request_id=request.id,
-                sequence=sequence,
-            )
-        with anyio.move_on_after(timeout_s):
-            return await engine.infer_detailed(
-                served.engine_name,
-                request.inputs,
-                priority=priority,
-                request_id=request.id,
-                sequence=sequence,
-            )
-        raise DeadlineExceeded(
-            f"the request's timeout of {timeout_s * 1e6:.0f} µs passed before it finished"
-        )
+        return await infer_in_time(self._state, served, request, priority, timeout_s)
 
     async def _run(
         self,

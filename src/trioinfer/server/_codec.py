@@ -566,30 +566,16 @@ def encode_infer_response(
             output's dtype has no V2 datatype (a server-side problem).
     """
     places: dict[str, tuple[str, int, int]] = {}
-    if request.outputs is None:
-        chosen = [(name, request.binary_output) for name in output_order]
-    else:
-        chosen = [
-            (item.name, request.binary_output if item.binary is None else item.binary)
-            for item in request.outputs
-        ]
+    if request.outputs is not None:
         places = {item.name: item.shm for item in request.outputs if item.shm is not None}
     entries: list[dict[str, Any]] = []
     blobs: list[Any] = []
-    for name, binary in chosen:
-        array = outputs.get(name)
-        if array is None:
-            if request.outputs is not None:
-                raise RequestError(
-                    f"output {name!r} was requested but the model has no such output; "
-                    f"it has {', '.join(map(repr, output_order)) or 'none'}"
-                )
-            raise ValueError(f"output {name!r} is in output_order but not in outputs")
+    for name, binary, array in _chosen_outputs(request, outputs, output_order):
         place = places.get(name)
         if place is not None and shm is not None:
-            entries.append(_output_to_shm(name, np.asarray(array), place, shm))
+            entries.append(_output_to_shm(name, array, place, shm))
             continue
-        entry, blob = _encode_output(name, np.asarray(array), binary)
+        entry, blob = _encode_output(name, array, binary)
         entries.append(entry)
         if blob is not None:
             blobs.append(blob)
@@ -605,6 +591,123 @@ def encode_infer_response(
     if not blobs:
         return header, None
     return b"".join([header, *blobs]), len(header)
+
+
+def decode_infer_parts(
+    *,
+    request_id: str | None,
+    parameters: Mapping[str, Any],
+    inputs: Sequence[Mapping[str, Any]],
+    raw: Sequence[bytes],
+    outputs: Sequence[Mapping[str, Any]] | None,
+    limits: Limits,
+) -> InferRequest:
+    """An infer request whose parts arrived parsed (gRPC), checked as `decode_infer_request` checks.
+
+    *inputs* are ``{name, datatype, shape, data}`` objects as in the JSON
+    form (``data`` flat; absent for an input whose values are in *raw*),
+    *outputs* ``{name, parameters}`` objects. *raw* holds each input's values
+    as little-endian bytes, in order (Triton's ``raw_input_contents``): either
+    one entry per input, or none at all.
+
+    Raises:
+        RequestError: What is wrong, naming the input and what was expected.
+    """
+    if not inputs:
+        raise RequestError("the infer request has no inputs; it needs at least one")
+    if len(inputs) > limits.max_inputs:
+        raise RequestError(
+            f"the request has {len(inputs)} inputs; at most {limits.max_inputs} are accepted"
+        )
+    if raw and len(raw) != len(inputs):
+        raise RequestError(
+            f"the request has {len(inputs)} inputs but {len(raw)} raw_input_contents; send "
+            "one raw_input_contents per input, in the order of the inputs, or none"
+        )
+    declared: dict[str, _Input] = {}
+    for index, item in enumerate(inputs):
+        if raw:
+            if "data" in item:
+                raise RequestError(
+                    f"input {_quote(str(item.get('name')))} has contents, but the request "
+                    "sends raw_input_contents: send every input one way or the other"
+                )
+            item = {**item, "parameters": {"binary_data_size": len(raw[index])}}
+            spec = _parse_input(index, item, limits, f"raw_input_contents[{index}]")
+        else:
+            spec = _parse_input(index, item, limits)
+        if spec.name in declared:
+            raise RequestError(f"{spec.where} appears more than once in the inputs")
+        declared[spec.name] = spec
+    total = sum(spec.count for spec in declared.values())
+    if total > limits.max_elements_per_request:
+        raise RequestError(
+            f"the request's inputs hold {total} elements in all; at most "
+            f"{limits.max_elements_per_request} are accepted per request"
+        )
+    arrays: dict[str, npt.NDArray[Any]] = {}
+    for index, spec in enumerate(declared.values()):
+        if spec.data is None:
+            arrays[spec.name] = _from_binary(spec, memoryview(raw[index]))
+        else:
+            arrays[spec.name] = _from_json(spec, spec.data)
+    return InferRequest(
+        id=request_id,
+        inputs=arrays,
+        outputs=_parse_outputs(None if outputs is None else list(outputs), limits),
+        binary_output=True,
+        parameters=MappingProxyType(dict(parameters)),
+    )
+
+
+def encode_raw_outputs(
+    request: InferRequest,
+    outputs: Mapping[str, npt.NDArray[Any]],
+    output_order: Sequence[str],
+) -> list[tuple[str, str, tuple[int, ...], bytes]]:
+    """The outputs a request asked for (all, in *output_order*, if it named none) as raw bytes.
+
+    Each is ``(name, datatype, shape, data)``, the data little-endian
+    (``BYTES``: each element's 4-byte length, then its bytes), as Triton's
+    ``raw_output_contents`` carries them.
+
+    Raises:
+        RequestError: The request named an output that *outputs* lacks.
+    """
+    encoded = []
+    for name, _binary, array in _chosen_outputs(request, outputs, output_order):
+        datatype = v2_datatype(array.dtype)
+        if datatype == "BYTES":
+            data = _pack_bytes(array.ravel().tolist())
+        else:
+            data = np.ascontiguousarray(array, dtype=_WIRE[datatype]).tobytes()
+        encoded.append((name, datatype, array.shape, data))
+    return encoded
+
+
+def _chosen_outputs(
+    request: InferRequest,
+    outputs: Mapping[str, npt.NDArray[Any]],
+    output_order: Sequence[str],
+) -> Iterator[tuple[str, bool, npt.NDArray[Any]]]:
+    # The outputs to answer with, each with whether it goes as binary.
+    if request.outputs is None:
+        chosen = [(name, request.binary_output) for name in output_order]
+    else:
+        chosen = [
+            (item.name, request.binary_output if item.binary is None else item.binary)
+            for item in request.outputs
+        ]
+    for name, binary in chosen:
+        array = outputs.get(name)
+        if array is None:
+            if request.outputs is not None:
+                raise RequestError(
+                    f"output {name!r} was requested but the model has no such output; "
+                    f"it has {', '.join(map(repr, output_order)) or 'none'}"
+                )
+            raise ValueError(f"output {name!r} is in output_order but not in outputs")
+        yield name, binary, np.asarray(array)
 
 
 # -- decoding helpers ---------------------------------------------------------------------------
@@ -685,7 +788,9 @@ def _object(value: Any, what: str) -> dict[str, Any]:
     return value
 
 
-def _parse_input(index: int, item: Any, limits: Limits) -> _Input:
+def _parse_input(
+    index: int, item: Any, limits: Limits, size_name: str = "binary_data_size"
+) -> _Input:
     if not isinstance(item, dict):
         raise RequestError(
             f"inputs[{index}] must be an object with name, shape, datatype and data; "
@@ -763,12 +868,12 @@ def _parse_input(index: int, item: Any, limits: Limits) -> _Input:
         if datatype == "BYTES":
             if binary_size < 4 * count:
                 raise RequestError(
-                    f"{where}: binary_data_size is {binary_size} bytes, too few for {count} "
+                    f"{where}: {size_name} is {binary_size} bytes, too few for {count} "
                     "BYTES elements of at least 4 bytes (the length prefix) each"
                 )
         elif binary_size != count * DATATYPES[datatype].itemsize:
             raise RequestError(
-                f"{where}: binary_data_size is {binary_size} bytes but shape {list(shape)} of "
+                f"{where}: {size_name} is {binary_size} bytes but shape {list(shape)} of "
                 f"{datatype} needs {count * DATATYPES[datatype].itemsize}"
             )
         return _Input(name, datatype, shape, count, None, binary_size, ())

@@ -10,10 +10,12 @@ normally; a second signal stops at once.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 import signal
 from collections.abc import AsyncIterator, Sequence
+from typing import Any
 
 import anyio
 import anyio.abc
@@ -66,11 +68,13 @@ class Listening:
         urls: The base URLs, e.g. ``("http://127.0.0.1:8000",)``.
         models: The served models and versions, e.g. ``{"digits": (1,)}``.
         failed: Models of the repository that could not be loaded (see the log).
+        grpc: Where the V2 gRPC endpoint listens (``host:port``), or None when not served.
     """
 
     urls: tuple[str, ...]
     models: dict[str, tuple[int, ...]]
     failed: tuple[str, ...]
+    grpc: str | None = None
 
     @property
     def port(self) -> int:
@@ -88,9 +92,10 @@ async def serve_http(
     models: Sequence[str] | None = None,
     handle_signals: bool = True,
     shutdown: anyio.Event | None = None,
+    grpc_port: int | None = None,
     task_status: anyio.abc.TaskStatus[Listening] = anyio.TASK_STATUS_IGNORED,
 ) -> None:
-    """Serve *repository* over KServe V2 REST until a signal (or *shutdown*) stops it.
+    """Serve *repository* over KServe V2 REST (and gRPC) until a signal (or *shutdown*) stops it.
 
     Runs on Trio or asyncio (under ``anyio.run(..., backend="asyncio")``),
     over the same HTTP/1.1 server on either (``serve_asgi``, on the llhttp
@@ -107,14 +112,20 @@ async def serve_http(
         models: Names of the models to load at start (all of the repository's by default).
         handle_signals: Stop gracefully on SIGINT and SIGTERM (main thread only).
         shutdown: Setting this event stops gracefully, as the first signal does.
+        grpc_port: Also serve V2 gRPC (Triton's ``inference.GRPCInferenceService``)
+            on this port of *host*, from the same engine; 0 picks a free one. Needs
+            the ``grpc`` extra. None: HTTP only.
         task_status: Reports a [`Listening`][trioinfer.server.Listening] once ready,
             for ``nursery.start``.
 
     Raises:
         ConfigError: The repository is missing, or a named model does not exist.
+        ModuleNotFoundError: *grpc_port* is given but the ``grpc`` extra is not installed.
     """
-    if not 0 <= port <= 65535:
-        raise ConfigError(f"port must be 0-65535, got {port}")
+    for what, number in (("port", port), ("grpc_port", grpc_port)):
+        if number is not None and not 0 <= number <= 65535:
+            raise ConfigError(f"{what} must be 0-65535, got {number}")
+    serve_grpc = _grpc_layer() if grpc_port is not None else None
     if config is None:
         config = ServerConfig()
     repo = ModelRepository(repository)
@@ -140,20 +151,31 @@ async def serve_http(
         app = create_app(state)
         stop = shutdown if shutdown is not None else anyio.Event()
 
-        async def run_layer(*, task_status: anyio.abc.TaskStatus[list[str]]) -> None:
-            await _serve_lean(app, host, port, config, stop, task_status)
+        async def run_layers(
+            *, task_status: anyio.abc.TaskStatus[tuple[list[str], str | None]]
+        ) -> None:
+            # HTTP and gRPC drain side by side; when both are done, so is serving.
+            async with anyio.create_task_group() as layers:
+                urls = await layers.start(_serve_lean, app, host, port, config, stop)
+                address = None
+                if serve_grpc is not None:
+                    address = await layers.start(
+                        functools.partial(serve_grpc, state, host, grpc_port, shutdown=stop)
+                    )
+                task_status.started((urls, address))
             tg.cancel_scope.cancel()  # drained: the signal watcher may go too
 
         async with anyio.create_task_group() as tg:
             if handle_signals:
                 await tg.start(_watch_signals, state, stop, tg.cancel_scope)
-            urls = await tg.start(run_layer)
+            urls, address = await tg.start(run_layers)
             state.ready = True
             task_status.started(
                 Listening(
                     tuple(urls),
                     {m: tuple(s.version for s in served.versions(m)) for m in _names(served)},
                     tuple(failed),
+                    address,
                 )
             )
             try:
@@ -168,6 +190,19 @@ async def serve_http(
         log.info("stopped serving; closing the engine")
 
 
+def _grpc_layer() -> Any:
+    # Imported only when asked for: grpcio (and its threads) stay out of HTTP-only servers.
+    try:
+        from ._grpc import serve_grpc
+    except ModuleNotFoundError as exc:
+        raise ModuleNotFoundError(
+            "serving gRPC needs the 'grpc' extra (install trioinfer with it, e.g. pip "
+            f"install -e '.[cpu,grpc]' in a clone); {exc}",
+            name=exc.name,
+        ) from exc
+    return serve_grpc
+
+
 def _names(served: ServedModels) -> list[str]:
     return sorted({s.model for s in served.all()})
 
@@ -178,6 +213,7 @@ async def _serve_lean(
     port: int,
     config: ServerConfig,
     stop: anyio.Event,
+    *,
     task_status: anyio.abc.TaskStatus[list[str]],
 ) -> None:
     limits = config.limits

@@ -1,0 +1,287 @@
+#!/usr/bin/env python
+"""V2 gRPC beside V2 HTTP with binary tensors, from one ``trioinfer serve``, in one run.
+
+Issue 21. Two parts:
+
+1. The bridge (how grpcio meets the event loop), per call on loopback: a
+   sync grpcio client sends ``ModelReady`` one call at a time (``--calls``),
+   and the p50/p99 of each is printed, for
+
+     trioinfer     trioinfer's endpoint on Trio (grpc.aio on a loop in a thread; the
+                   call is handed to the Trio loop, which looks the model up, and
+                   answered from there): what serve runs by default
+     trioinfer-aio the same under asyncio (serve --loop asyncio): grpc.aio on
+                   serve's own loop, no thread
+     aio-native    a grpc.aio server on asyncio answering in its handler: the
+                   other option (grpc.aio natively, asyncio only), no bridge at all
+     threads-only  grpcio's threaded server answering on its worker thread: the
+                   floor of the threaded server, no event loop involved
+
+2. Inference at ``--concurrency`` (default 64) on the models of
+   ``bench_http.py`` (digits, wide; the same config.toml: dynamic batching,
+   max 32, 5 ms), one server process serving both protocols: ``trioinfer bench``
+   closed loop, once with ``--encoding binary`` over HTTP and once with
+   ``--protocol grpc`` (raw tensor contents), interleaved ``--repeat`` times.
+   Both clients are trioinfer bench (the HTTP one an epoll loop over raw
+   sockets, the gRPC one grpc.aio tasks in a thread); each reports its own CPU
+   per request, printed beside the server's (from ``/proc/<pid>/stat`` around
+   the whole bench call, warm-up included, over the requests the measured
+   window completed scaled by (warm-up + window) / window), since on a small
+   machine the client shares the cores with the server.
+
+Usage:  .venv/bin/python benchmarks/bench_grpc.py [--duration 5] [--repeat 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shlex
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+import bench_http  # the same repository and model configs as the HTTP benchmark
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--models", default="digits,wide")
+    parser.add_argument("--concurrency", type=int, default=64)
+    parser.add_argument("--duration", type=float, default=5.0, help="seconds per window")
+    parser.add_argument("--warmup", type=float, default=1.0)
+    parser.add_argument("--repeat", type=int, default=2)
+    parser.add_argument("--calls", type=int, default=2000, help="calls per bridge variant")
+    parser.add_argument("--server-args", default="")
+    args = parser.parse_args(argv)
+    args.models = args.models.split(",")
+    return args
+
+
+# -- part 1: the bridge ---------------------------------------------------------------
+
+
+def _live_p50(address: str, calls: int) -> tuple[float, float]:
+    import grpc
+    from tritonclient.grpc import service_pb2, service_pb2_grpc
+
+    with grpc.insecure_channel(address) as channel:
+        stub = service_pb2_grpc.GRPCInferenceServiceStub(channel)
+        request = service_pb2.ModelReadyRequest(name="none")
+        for _ in range(200):
+            stub.ModelReady(request)
+        times = []
+        for _ in range(calls):
+            start = time.perf_counter_ns()
+            stub.ModelReady(request)
+            times.append(time.perf_counter_ns() - start)
+    times.sort()
+    return times[len(times) // 2] / 1e6, times[int(len(times) * 0.99)] / 1e6
+
+
+def bridge_trioinfer(calls: int, backend: str = "trio") -> tuple[float, float]:
+    import functools
+
+    import anyio
+
+    from trioinfer.server import serve_http
+
+    result: list[tuple[float, float]] = []
+
+    async def main() -> None:
+        stop = anyio.Event()
+        with tempfile.TemporaryDirectory() as repo:
+            async with anyio.create_task_group() as group:
+                listening = await group.start(
+                    functools.partial(
+                        serve_http, repo, port=0, grpc_port=0, handle_signals=False, shutdown=stop
+                    )
+                )
+                result.append(await anyio.to_thread.run_sync(_live_p50, listening.grpc, calls))
+                stop.set()
+
+    anyio.run(main, backend=backend)
+    return result[0]
+
+
+def bridge_trioinfer_asyncio(calls: int) -> tuple[float, float]:
+    return bridge_trioinfer(calls, "asyncio")
+
+
+def _live_handler(grpc: Any) -> Any:
+    from tritonclient.grpc import service_pb2
+
+    answer = service_pb2.ModelReadyResponse(ready=False).SerializeToString()
+    return grpc.method_handlers_generic_handler(
+        "inference.GRPCInferenceService",
+        {"ModelReady": grpc.unary_unary_rpc_method_handler(lambda _req, _ctx: answer)},
+    )
+
+
+def bridge_aio_native(calls: int) -> tuple[float, float]:
+    import asyncio
+
+    import grpc
+    from tritonclient.grpc import service_pb2
+
+    answer = service_pb2.ModelReadyResponse(ready=False).SerializeToString()
+
+    async def live(_request: bytes, _context: Any) -> bytes:
+        return answer
+
+    handler = grpc.method_handlers_generic_handler(
+        "inference.GRPCInferenceService",
+        {"ModelReady": grpc.unary_unary_rpc_method_handler(live)},
+    )
+
+    async def main() -> tuple[float, float]:
+        server = grpc.aio.server()
+        server.add_generic_rpc_handlers((handler,))
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        try:
+            return await asyncio.to_thread(_live_p50, f"127.0.0.1:{port}", calls)
+        finally:
+            await server.stop(0)
+
+    return asyncio.run(main())
+
+
+def bridge_threads_only(calls: int) -> tuple[float, float]:
+    import grpc
+
+    server = grpc.server(ThreadPoolExecutor(max_workers=8))
+    server.add_generic_rpc_handlers((_live_handler(grpc),))
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        return _live_p50(f"127.0.0.1:{port}", calls)
+    finally:
+        server.stop(0)
+
+
+# -- part 2: inference -----------------------------------------------------------------
+
+
+@contextmanager
+def serve(repository: Path, extra: str) -> Iterator[tuple[str, str, int]]:
+    command = [sys.executable, "-m", "trioinfer", "serve", "--port", "0", "--log-level"]
+    command += ["warning", "--model-repository", str(repository), *shlex.split(extra)]
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, text=True)
+    assert process.stdout is not None
+    grpc_address = url = ""
+    try:
+        for line in process.stdout:
+            if match := re.search(r"gRPC on (\S+)", line):
+                grpc_address = match.group(1)
+            if match := re.search(r"listening on (\S+)", line):
+                url = match.group(1)
+                break
+        if not (url and grpc_address):
+            raise SystemExit("the server did not start (or serves no gRPC)")
+        threading.Thread(target=process.stdout.read, daemon=True).start()
+        yield url, grpc_address, process.pid
+    finally:
+        process.send_signal(signal.SIGTERM)
+        process.wait(timeout=120)
+
+
+def cpu_s(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def bench(target: list[str], model: str, args: argparse.Namespace, pid: int) -> dict[str, Any]:
+    before = cpu_s(pid)
+    with tempfile.NamedTemporaryFile(suffix=".json") as out:
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "trioinfer",
+                "bench",
+                *target,
+                "-m",
+                model,
+                "--concurrency",
+                str(args.concurrency),
+                "--warmup",
+                str(args.warmup),
+                "--window",
+                str(args.duration),
+                "--windows",
+                "1",
+                "--json",
+                out.name,
+            ],
+            check=True,
+            stdout=subprocess.DEVNULL,
+        )
+        result: dict[str, Any] = json.loads(Path(out.name).read_text())["results"][0]
+    requests = result["completed"] * (args.warmup + args.duration) / args.duration
+    result["server_us_per_request"] = (cpu_s(pid) - before) / max(requests, 1) * 1e6
+    return result
+
+
+def main() -> None:
+    args = parse_args()
+    print("part 1: ModelReady, one call at a time on loopback (ms)", flush=True)
+    print(f"{'bridge':<15}{'p50':>8}{'p99':>8}")
+    for name, fn in (
+        ("trioinfer", bridge_trioinfer),
+        ("trioinfer-aio", bridge_trioinfer_asyncio),
+        ("aio-native", bridge_aio_native),
+        ("threads-only", bridge_threads_only),
+    ):
+        p50, p99 = fn(args.calls)
+        print(f"{name:<15}{p50:>8.3f}{p99:>8.3f}", flush=True)
+
+    http_args = bench_http.parse_args(["--models", ",".join(args.models)])
+    rows: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        bench_http.write_repository(Path(tmp), http_args, skipped={})
+        with serve(Path(tmp), args.server_args) as (url, address, pid):
+            for _ in range(args.repeat):
+                for model in args.models:
+                    for protocol, target in (
+                        ("http-binary", ["--url", url, "--encoding", "binary"]),
+                        ("grpc", ["--protocol", "grpc", "--url", f"grpc://{address}"]),
+                    ):
+                        rows.setdefault((model, protocol), []).append(
+                            bench(target, model, args, pid)
+                        )
+    print(f"\npart 2: inference at C={args.concurrency}, median of {args.repeat} windows")
+    print(
+        f"{'model':<8}{'protocol':<13}{'req/s':>9}{'p50 ms':>9}{'p99 ms':>9}"
+        f"{'errors':>8}{'server us/req':>15}{'client us/req':>15}"
+    )
+    for (model, protocol), results in rows.items():
+        med = {
+            k: statistics.median(r[k] for r in results)
+            for k in results[0]
+            if k != "load" and isinstance(results[0][k], int | float)
+        }
+        print(
+            f"{model:<8}{protocol:<13}{med['throughput']:>9.0f}{med['p50_ms']:>9.2f}"
+            f"{med['p99_ms']:>9.2f}{med['errors']:>8.0f}{med['server_us_per_request']:>15.0f}"
+            f"{med['cpu_us_per_request']:>15.0f}"
+        )
+
+
+if __name__ == "__main__":
+    main()

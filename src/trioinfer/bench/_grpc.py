@@ -1,0 +1,202 @@
+"""The gRPC client: V2 gRPC (Triton's ``inference.GRPCInferenceService``) load, closed loop.
+
+`GrpcTarget` is a model on a V2 gRPC server (trioinfer or Triton). Each
+request variant is serialized once, before the run, as a ``ModelInferRequest``
+with its values in ``raw_input_contents`` (what tritonclient and perf_analyzer
+send). A level runs all its workers as tasks of one ``grpc.aio`` event loop in
+a worker thread, over a few HTTP/2 channels, and records each answer in the
+same windows the HTTP levels use; Trio's side only starts the thread, swaps
+measurement windows and stops it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import struct
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any, Final
+
+import attrs
+import numpy as np
+import trio
+
+from ._inputs import BenchError, Tensor
+from ._stats import Result, _Recorder
+
+#: Workers sharing one HTTP/2 channel (connection).
+WORKERS_PER_CHANNEL: Final = 16
+_INFER: Final = "/inference.GRPCInferenceService/ModelInfer"
+_METADATA: Final = "/inference.GRPCInferenceService/ModelMetadata"
+_U32: Final = struct.Struct("<I")
+
+
+def _proto() -> Any:
+    try:
+        import grpc  # noqa: F401
+
+        from ..server import _grpc_proto
+    except ImportError as exc:
+        raise BenchError(
+            f"--protocol grpc needs the 'grpc' extra, which is not installed (no module named "
+            f"{exc.name or '?'!r}): install trioinfer with it, e.g. pip install -e "
+            "'.[cpu,grpc]' in a clone"
+        ) from None
+    return _grpc_proto
+
+
+@attrs.frozen
+class GrpcTarget:
+    """A V2 gRPC server's model.
+
+    Attributes:
+        address: ``host:port``.
+        model: The model's name.
+        version: The model version, or ``None`` for the server's choice.
+    """
+
+    address: str
+    model: str
+    version: str | None = None
+
+    @classmethod
+    def from_url(cls, url: str, model: str, version: str | None = None) -> GrpcTarget:
+        """Parse ``grpc://HOST:PORT`` or ``HOST:PORT``.
+
+        Raises:
+            BenchError: Not such an address.
+        """
+        address = url.removeprefix("grpc://")
+        host, _, port = address.rpartition(":")
+        if not host or not port.isdigit() or "/" in address:
+            raise BenchError(f"with --protocol grpc, --url must be grpc://HOST:PORT, got {url!r}")
+        return cls(address, model, version)
+
+    async def metadata(self) -> dict[str, Any]:
+        """The model's V2 metadata, from ``ModelMetadata``.
+
+        Raises:
+            BenchError: No server, or it does not serve the model (with its message).
+        """
+        import grpc
+        from google.protobuf import json_format
+
+        pb = _proto()
+        request = pb.message("ModelMetadataRequest")(name=self.model, version=self.version or "")
+
+        def call() -> Any:
+            with grpc.insecure_channel(self.address) as channel:
+                method = channel.unary_unary(
+                    _METADATA,
+                    request_serializer=lambda m: m.SerializeToString(),
+                    response_deserializer=pb.ModelMetadataResponse.FromString,
+                )
+                return method(request, timeout=30)
+
+        try:
+            response = await trio.to_thread.run_sync(call)
+        except grpc.RpcError as exc:
+            raise BenchError(
+                f"grpc://{self.address} answered {exc.code().name} for model {self.model!r}: "
+                f"{exc.details()}"
+            ) from None
+        doc: dict[str, Any] = json_format.MessageToDict(response, preserving_proto_field_name=True)
+        for tensor in doc.get("inputs", []):
+            tensor["shape"] = [int(d) for d in tensor.get("shape", [])]
+        return doc
+
+    def requests(self, variants: Sequence[Sequence[Tensor]]) -> list[bytes]:
+        """Each variant as a serialized ``ModelInferRequest`` (raw contents)."""
+        pb = _proto()
+        out = []
+        for variant in variants:
+            request = pb.ModelInferRequest(model_name=self.model, model_version=self.version or "")
+            for tensor in variant:
+                request.inputs.add(
+                    name=tensor.name, datatype=tensor.datatype, shape=list(tensor.array.shape)
+                )
+                request.raw_input_contents.append(_raw(tensor))
+            out.append(request.SerializeToString())
+        return out
+
+
+def _raw(tensor: Tensor) -> bytes:
+    if tensor.datatype == "BYTES":
+        parts = []
+        for item in tensor.array.ravel().tolist():
+            data = item if isinstance(item, bytes) else str(item).encode()
+            parts += [_U32.pack(len(data)), data]
+        return b"".join(parts)
+    return np.ascontiguousarray(tensor.array).astype(tensor.array.dtype.newbyteorder("<")).tobytes()
+
+
+@attrs.define(eq=False)
+class _GrpcLoop:
+    """One level's workers: tasks of a ``grpc.aio`` loop, run in a worker thread."""
+
+    address: str
+    requests: Sequence[bytes]
+    recorder: _Recorder
+    count: int
+    _stopping: bool = False
+
+    def stop(self) -> None:
+        """Ask the workers to stop (from any thread); each does after its answer."""
+        self._stopping = True
+
+    def run(self) -> None:
+        """Run the level until `stop` (blocks the calling thread)."""
+        asyncio.run(self._main())
+
+    async def _main(self) -> None:
+        import grpc
+
+        channels = [
+            grpc.aio.insecure_channel(self.address)
+            for _ in range(math.ceil(self.count / WORKERS_PER_CHANNEL))
+        ]
+        try:
+            calls = [channel.unary_unary(_INFER) for channel in channels]
+            await asyncio.gather(
+                *(self._worker(calls[i // WORKERS_PER_CHANNEL], i) for i in range(self.count))
+            )
+        finally:
+            for channel in channels:
+                await channel.close()
+
+    async def _worker(self, call: Any, first: int) -> None:
+        import grpc
+
+        n = first
+        requests = self.requests
+        recorder = self.recorder
+        while not self._stopping:
+            start = time.perf_counter_ns()
+            try:
+                await call(requests[n % len(requests)])
+            except grpc.RpcError as exc:
+                status = exc.code().name
+                recorder.window.errors[status] += 1
+                recorder.first_error.setdefault(status, exc.details() or "")
+            else:
+                recorder.window.latencies.append(time.perf_counter_ns() - start)
+            n += 1
+
+
+async def run_grpc_level(
+    target: GrpcTarget,
+    requests: Sequence[bytes],
+    concurrency: int,
+    recorder: _Recorder,
+    measure: Callable[[_Recorder], Awaitable[Result]],
+) -> Result:
+    """One closed-loop level over gRPC: *concurrency* workers; *measure* counts the windows."""
+    loop = _GrpcLoop(target.address, requests, recorder, concurrency)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(trio.to_thread.run_sync, loop.run)
+        try:
+            result = await measure(recorder)
+        finally:
+            loop.stop()
+    return result

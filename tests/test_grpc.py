@@ -1,0 +1,773 @@
+"""The V2 gRPC endpoint of ``trioinfer serve``, through tritonclient.grpc (sync, aio, streaming).
+
+The tests make the calls Triton's Python gRPC client examples make
+(triton-inference-server/client, ``src/python/examples``: simple_grpc_infer_client,
+its async and aio twins, simple_grpc_stream_infer_client, simple_grpc_health_metadata,
+simple_grpc_model_control, simple_grpc_string_infer_client, simple_grpc_keepalive_client,
+grpc_explicit_*_content_client, grpc_client) against a real ``trioinfer serve`` on
+loopback, on models written here. Then deadlines, cancellation, limits, the
+token, and fuzzed messages, which must get a gRPC error and never a crash.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import queue
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import attrs
+import grpc
+import httpx
+import numpy as np
+import pytest
+import tritonclient.grpc as triton
+import tritonclient.grpc.aio as triton_aio
+from click.testing import CliRunner
+from google.protobuf import descriptor as descriptor_module
+from google.protobuf import descriptor_pool
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from prometheus_client.parser import text_string_to_metric_families
+from tritonclient.grpc import service_pb2, service_pb2_grpc
+from tritonclient.utils import InferenceServerException, deserialize_bytes_tensor
+
+from trioinfer.cli import main as cli_main
+from trioinfer.testing import models
+
+pytestmark = pytest.mark.grpc
+
+#: Bounds against hangs only; nothing asserts how long anything took.
+START_S = 120.0
+STOP_S = 120.0
+WAIT_S = 60.0
+POLL_S = 0.01
+
+TOKEN = "grpc-test-token"  # a test fixture, not a credential
+MAX_BODY = 1 << 20
+SLOW_WIDTH = 512
+#: Rows of a blocker request: a second or more of work on one thread (and under MAX_BODY).
+BLOCKER_ROWS = 256
+
+SLOW_CONFIG = """\
+max_queue_size = 2
+
+[[instances]]
+device = "cpu"
+count = 1
+threads = 1
+"""
+SERVE_CONFIG = f"""\
+[limits]
+max_body_bytes = {MAX_BODY}
+max_elements_per_tensor = 262144
+"""
+
+
+# -- running a server ------------------------------------------------------------------
+
+
+@attrs.frozen
+class Server:
+    """A ``trioinfer serve`` process: its HTTP URL and its gRPC address."""
+
+    url: str
+    grpc: str
+    process: subprocess.Popen[str]
+    log: Path
+
+    def log_text(self) -> str:
+        return self.log.read_text(encoding="utf-8", errors="replace")
+
+
+@contextlib.contextmanager
+def run_server(
+    repository: Path, *args: str, log: Path, prelude: str = "", want_grpc: bool = True
+) -> Iterator[Server]:
+    """Start ``trioinfer serve --port 0``; on exit SIGTERM it and require exit code 0."""
+    code = f"{prelude}\nfrom trioinfer.cli import main\nmain()"
+    command = [sys.executable, "-c", code, "serve", "--port", "0"]
+    command += ["--model-repository", str(repository), *args]
+    environment = {k: v for k, v in os.environ.items() if k != "TRIOINFER_ADMIN_TOKEN"}
+    with log.open("wb") as log_file:
+        process = subprocess.Popen(
+            command,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=log_file,
+            env=environment,
+            text=True,
+        )
+    lines: queue.Queue[str | None] = queue.Queue()
+
+    def pump() -> None:
+        assert process.stdout is not None
+        for line in process.stdout:
+            lines.put(line)
+        lines.put(None)
+
+    reader = threading.Thread(target=pump, daemon=True)
+    reader.start()
+    try:
+        address = ""
+        deadline = time.monotonic() + START_S
+        while True:
+            try:
+                line = lines.get(timeout=max(deadline - time.monotonic(), 0.0))
+            except queue.Empty:
+                line = None
+            if line is None:
+                process.kill()
+                process.wait()
+                pytest.fail(f"the server did not start; log:\n{log.read_text()[-4000:]}")
+            if match := re.search(r"gRPC on (\S+)", line):
+                address = match.group(1)
+            if match := re.search(r"listening on (http://\S+)", line):
+                url = match.group(1)
+                break
+        assert bool(address) == want_grpc, log.read_text()[-4000:]
+        yield Server(url, address, process, log)
+        process.send_signal(signal.SIGTERM)
+        try:
+            exit_code = process.wait(timeout=STOP_S)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"the server did not stop on SIGTERM; log:\n{log.read_text()[-4000:]}")
+        assert exit_code == 0, log.read_text()[-4000:]
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+        reader.join(timeout=STOP_S)
+        assert process.stdout is not None
+        process.stdout.close()
+
+
+def wait_until(predicate: Any, what: str) -> None:
+    deadline = time.monotonic() + WAIT_S
+    while not predicate():
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out waiting until {what}")
+        time.sleep(POLL_S)
+
+
+@pytest.fixture(scope="module")
+def repository(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("grpc") / "repository"
+    # "simple" as in Triton's examples: two INT32[batch, 16] inputs, their sum and difference.
+    models.write_add(root / "simple" / "1" / "model.onnx", dtype=np.int32, width=16)
+    models.write_add(root / "add" / "1" / "model.onnx")
+    models.write_identity(root / "strings" / "1" / "model.onnx", dtype=object, shape=("b", 16))
+    models.write_slow(root / "slow" / "1" / "model.onnx", width=SLOW_WIDTH)
+    (root / "slow" / "config.toml").write_text(SLOW_CONFIG)
+    return root
+
+
+@pytest.fixture(scope="module")
+def server(repository: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    config = tmp_path_factory.mktemp("config") / "serve.toml"
+    config.write_text(SERVE_CONFIG)
+    log = tmp_path_factory.mktemp("log") / "server.log"
+    with run_server(
+        repository, "--admin-token", TOKEN, "--config", str(config), log=log
+    ) as running:
+        yield running
+    assert "Traceback" not in running.log_text(), running.log_text()[-4000:]
+
+
+@pytest.fixture
+def client(server: Server) -> Iterator[triton.InferenceServerClient]:
+    with triton.InferenceServerClient(server.grpc) as c:
+        yield c
+
+
+def simple_inputs(rows: int = 1) -> tuple[list[triton.InferInput], np.ndarray, np.ndarray]:
+    a = np.arange(16 * rows, dtype=np.int32).reshape(rows, 16)
+    b = np.ones((rows, 16), dtype=np.int32)
+    inputs = [
+        triton.InferInput("a", [rows, 16], "INT32"),
+        triton.InferInput("b", [rows, 16], "INT32"),
+    ]
+    inputs[0].set_data_from_numpy(a)
+    inputs[1].set_data_from_numpy(b)
+    return inputs, a, b
+
+
+def slow_input(rows: int) -> list[triton.InferInput]:
+    x = triton.InferInput("x", [rows, SLOW_WIDTH], "FP32")
+    x.set_data_from_numpy(np.ones((rows, SLOW_WIDTH), dtype=np.float32))
+    return [x]
+
+
+def metric(server: Server, name: str, **labels: str) -> float:
+    text = httpx.get(f"{server.url}/metrics", timeout=WAIT_S).text
+    total = 0.0
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
+                total += sample.value
+    return total
+
+
+# -- the protocol file ------------------------------------------------------------------
+
+
+def _messages(descriptor: Any) -> Iterator[Any]:
+    yield descriptor
+    for nested in descriptor.nested_types:
+        yield from _messages(nested)
+
+
+def _field_facts(field: Any) -> tuple[Any, ...]:
+    kind = field.message_type or field.enum_type
+    return (
+        field.number,
+        field.type,
+        field.is_repeated,
+        kind.full_name if kind else None,
+        field.containing_oneof.name if field.containing_oneof else None,
+    )
+
+
+def test_messages_match_tritonclients_field_by_field() -> None:
+    from trioinfer.server import _grpc_proto
+
+    theirs = descriptor_pool.Default()
+    assert service_pb2.DESCRIPTOR.package == _grpc_proto.FILE.package == "inference"
+    compared = 0
+    for top in _grpc_proto.FILE.message_types_by_name.values():
+        for ours in _messages(top):
+            reference = theirs.FindMessageTypeByName(ours.full_name)
+            for field in ours.fields:
+                assert field.name in reference.fields_by_name, f"{ours.full_name}.{field.name}"
+                expected = reference.fields_by_name[field.name]
+                assert _field_facts(field) == _field_facts(expected), (
+                    f"{ours.full_name}.{field.name}"
+                )
+                compared += 1
+    for enum in _grpc_proto.FILE.enum_types_by_name.values():
+        reference_enum = theirs.FindEnumTypeByName(enum.full_name)
+        for value in enum.values:
+            assert reference_enum.values_by_name[value.name].number == value.number
+    ours_service = _grpc_proto.FILE.services_by_name["GRPCInferenceService"]
+    reference_service = service_pb2.DESCRIPTOR.services_by_name["GRPCInferenceService"]
+    for method in ours_service.methods:
+        expected_method = reference_service.methods_by_name[method.name]
+        assert method.input_type.full_name == expected_method.input_type.full_name
+        assert method.output_type.full_name == expected_method.output_type.full_name
+        assert method.client_streaming == expected_method.client_streaming
+        assert method.server_streaming == expected_method.server_streaming
+    assert compared > 100
+    assert descriptor_module.FieldDescriptor.TYPE_UINT64  # the facts compared include types
+
+
+# -- what Triton's examples do ----------------------------------------------------------
+
+
+def test_health_and_metadata(client: triton.InferenceServerClient) -> None:
+    # simple_grpc_health_metadata.py
+    assert client.is_server_live(headers={"test": "1"})
+    assert client.is_server_ready()
+    assert client.is_model_ready("simple")
+    assert not client.is_model_ready("no_such_model")
+    assert not client.is_model_ready("simple", "7")
+    metadata = client.get_server_metadata()
+    assert metadata.name == "trioinfer"
+    assert "model_repository" in metadata.extensions
+    model = client.get_model_metadata("simple", "1")
+    assert model.name == "simple"
+    assert list(model.versions) == ["1"]
+    assert [(t.name, t.datatype, list(t.shape)) for t in model.inputs] == [
+        ("a", "INT32", [-1, 16]),
+        ("b", "INT32", [-1, 16]),
+    ]
+    as_json = client.get_model_metadata("simple", as_json=True)
+    assert as_json["platform"] == "onnxruntime_onnx"
+    config = client.get_model_config("simple").config
+    assert config.name == "simple"
+    assert [i.name for i in config.input] == ["a", "b"]
+    assert config.input[0].data_type == 8  # TYPE_INT32
+    assert list(config.output[0].dims)[-1] == 16
+    with pytest.raises(InferenceServerException) as failed:
+        client.get_model_metadata("no_such_model")
+    assert failed.value.status() == "StatusCode.NOT_FOUND"
+    assert "no_such_model" in failed.value.message()
+
+
+def test_simple_infer(client: triton.InferenceServerClient, server: Server) -> None:
+    # simple_grpc_infer_client.py, with its compression and custom header.
+    before = metric(server, "trioinfer_inference_requests_total", model="simple", outcome="success")
+    inputs, a, b = simple_inputs()
+    outputs = [triton.InferRequestedOutput("sum"), triton.InferRequestedOutput("diff")]
+    for compression in (None, "gzip", "deflate"):
+        result = client.infer(
+            "simple",
+            inputs,
+            outputs=outputs,
+            request_id="7",
+            headers={"test": "1"},
+            compression_algorithm=compression,
+            client_timeout=WAIT_S,
+        )
+        np.testing.assert_array_equal(result.as_numpy("sum"), a + b)
+        np.testing.assert_array_equal(result.as_numpy("diff"), a - b)
+        response = result.get_response()
+        assert response.model_name == "simple"
+        assert response.model_version == "1"
+        assert response.id == "7"
+        assert result.get_output("sum").datatype == "INT32"
+    # Only one output asked for: only that one comes back.
+    result = client.infer("simple", inputs, outputs=[triton.InferRequestedOutput("diff")])
+    assert [o.name for o in result.get_response().outputs] == ["diff"]
+    statistics = client.get_inference_statistics("simple")
+    assert len(statistics.model_stats) == 1
+    assert statistics.model_stats[0].inference_stats.success.count >= 4
+    after = metric(server, "trioinfer_inference_requests_total", model="simple", outcome="success")
+    assert after - before == 4  # gRPC requests count in the same metrics as HTTP's
+
+
+def test_async_infer_with_callbacks(client: triton.InferenceServerClient) -> None:
+    # simple_grpc_async_infer_client.py
+    done: queue.Queue[tuple[Any, Any]] = queue.Queue()
+    inputs, a, b = simple_inputs()
+    for _ in range(8):
+        client.async_infer("simple", inputs, lambda result, error: done.put((result, error)))
+    for _ in range(8):
+        result, error = done.get(timeout=WAIT_S)
+        assert error is None
+        np.testing.assert_array_equal(result.as_numpy("sum"), a + b)
+
+
+def test_aio_client(server: Server) -> None:
+    # simple_grpc_aio_infer_client.py and simple_grpc_aio_health_metadata.py
+    async def main() -> None:
+        async with triton_aio.InferenceServerClient(server.grpc) as c:
+            assert await c.is_server_live()
+            assert await c.is_model_ready("simple")
+            assert (await c.get_model_metadata("simple")).name == "simple"
+            assert (await c.get_model_config("simple")).config.name == "simple"
+            inputs, a, b = simple_inputs(3)
+            results = await asyncio.gather(*(c.infer("simple", inputs) for _ in range(16)))
+            for result in results:
+                np.testing.assert_array_equal(result.as_numpy("diff"), a - b)
+            stats = await c.get_inference_statistics("simple")
+            assert stats.model_stats[0].name == "simple"
+
+    asyncio.run(main())
+
+
+def test_stream_infer(client: triton.InferenceServerClient) -> None:
+    # simple_grpc_stream_infer_client.py: one response per request, in order; an error
+    # answers its request and the stream goes on.
+    answers: queue.Queue[tuple[Any, Any]] = queue.Queue()
+    client.start_stream(callback=lambda result, error: answers.put((result, error)))
+    try:
+        inputs, a, b = simple_inputs()
+        wrong = [triton.InferInput("a", [1, 16], "FP32")]
+        wrong[0].set_data_from_numpy(np.zeros((1, 16), dtype=np.float32))
+        for i in range(6):
+            client.async_stream_infer("simple", wrong if i == 3 else inputs, request_id=str(i))
+        client.async_stream_infer("no_such_model", inputs, request_id="6")
+        got = [answers.get(timeout=WAIT_S) for _ in range(7)]
+    finally:
+        client.stop_stream()
+    for i, (result, error) in enumerate(got):
+        if i in (3, 6):
+            assert result is None
+            assert isinstance(error, InferenceServerException)
+        else:
+            assert error is None, error
+            assert result.get_response().id == str(i)
+            np.testing.assert_array_equal(result.as_numpy("sum"), a + b)
+    assert "no_such_model" in got[6][1].message()
+    assert "'a'" in got[3][1].message() or "input" in got[3][1].message()
+
+
+def test_strings_raw_and_typed(client: triton.InferenceServerClient, server: Server) -> None:
+    # simple_grpc_string_infer_client.py (BYTES as raw contents) and
+    # grpc_explicit_byte_content_client.py (BYTES as typed bytes_contents, through the stub).
+    values = np.array([[f"{i}é" for i in range(16)]], dtype=object)
+    x = triton.InferInput("x", [1, 16], "BYTES")
+    x.set_data_from_numpy(values)
+    result = client.infer("strings", [x])
+    assert result.as_numpy("y").tolist() == [[v.encode() for v in values[0]]]
+
+    with grpc.insecure_channel(server.grpc) as channel:
+        stub = service_pb2_grpc.GRPCInferenceServiceStub(channel)
+        request = service_pb2.ModelInferRequest(model_name="strings")
+        tensor = request.inputs.add(name="x", datatype="BYTES", shape=[1, 16])
+        tensor.contents.bytes_contents.extend(str(i).encode() for i in range(16))
+        request.outputs.add(name="y")
+        response = stub.ModelInfer(request)
+        (output,) = response.outputs
+        assert list(output.shape) == [1, 16]
+        decoded = deserialize_bytes_tensor(response.raw_output_contents[0])
+        assert decoded.tolist() == [str(i).encode() for i in range(16)]
+
+
+def explicit_request(datatype: str) -> service_pb2.ModelInferRequest:
+    request = service_pb2.ModelInferRequest(model_name="simple")
+    for name in "ab":
+        tensor = request.inputs.add(name=name, datatype=datatype, shape=[1, 16])
+        tensor.contents.int_contents.extend(range(16))
+    return request
+
+
+def test_explicit_int_contents(server: Server) -> None:
+    # grpc_explicit_int_content_client.py: typed contents through the generated stub,
+    # outputs read from raw_output_contents.
+    with grpc.insecure_channel(server.grpc) as channel:
+        stub = service_pb2_grpc.GRPCInferenceServiceStub(channel)
+        response = stub.ModelInfer(explicit_request("INT32"))
+        total = np.frombuffer(response.raw_output_contents[0], dtype=np.int32)
+        np.testing.assert_array_equal(total, 2 * np.arange(16))
+        # grpc_explicit_int8_content_client.py sends INT8 (in int_contents) to an INT8
+        # model; this one takes INT32, and says so.
+        with pytest.raises(grpc.RpcError) as failed:
+            stub.ModelInfer(explicit_request("INT8"))
+        assert failed.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "INT32" in failed.value.details() or "int32" in failed.value.details()
+
+
+def test_model_control_and_token(client: triton.InferenceServerClient) -> None:
+    # simple_grpc_model_control.py, with the admin token as metadata.
+    auth = {"authorization": f"Bearer {TOKEN}"}
+    index = client.get_model_repository_index()
+    assert sorted(m.name for m in index.models) == ["add", "simple", "slow", "strings"]
+    with pytest.raises(InferenceServerException) as refused:
+        client.unload_model("add")
+    assert refused.value.status() == "StatusCode.UNAUTHENTICATED"
+    client.unload_model("add", headers=auth)
+    assert not client.is_model_ready("add")
+    ready_only = client.get_model_repository_index(as_json=True)
+    assert any(m.get("state") == "UNAVAILABLE" for m in ready_only["models"])
+    client.load_model("add", headers=auth)
+    assert client.is_model_ready("add")
+    with pytest.raises(InferenceServerException) as bad_config:
+        client.load_model("add", headers=auth, config='"parameters": {"config": {{')
+    assert bad_config.value.status() == "StatusCode.INVALID_ARGUMENT"
+    with pytest.raises(InferenceServerException) as upload:
+        client.load_model("add", headers=auth, config="{}", files={"file:" + "A" * 256: b"a"})
+    assert upload.value.status() == "StatusCode.INVALID_ARGUMENT"
+    with pytest.raises(InferenceServerException) as unknown:
+        client.load_model("wrong_model_name", headers=auth)
+    assert unknown.value.status() == "StatusCode.NOT_FOUND"
+    assert client.is_server_live()
+    assert client.is_model_ready("add")
+
+
+def test_keepalive_client(server: Server) -> None:
+    # simple_grpc_keepalive_client.py
+    options = triton.KeepAliveOptions(
+        keepalive_time_ms=2**31 - 1,
+        keepalive_timeout_ms=20000,
+        keepalive_permit_without_calls=False,
+        http2_max_pings_without_data=2,
+    )
+    with triton.InferenceServerClient(server.grpc, keepalive_options=options) as c:
+        inputs, a, b = simple_inputs()
+        np.testing.assert_array_equal(c.infer("simple", inputs).as_numpy("sum"), a + b)
+
+
+def test_shared_memory_is_refused_clearly(client: triton.InferenceServerClient) -> None:
+    with pytest.raises(InferenceServerException) as failed:
+        client.register_system_shared_memory("region", "/key", 64)
+    assert failed.value.status() == "StatusCode.UNIMPLEMENTED"
+    assert "shared memory" in failed.value.message()
+    with pytest.raises(InferenceServerException) as cuda:
+        client.get_cuda_shared_memory_status()
+    assert cuda.value.status() == "StatusCode.UNIMPLEMENTED"
+
+
+# -- deadlines and cancellation --------------------------------------------------------
+
+
+def slow_state(server: Server) -> tuple[int, int, int]:
+    labels = {"model": "slow", "version": "1"}
+    return (
+        int(metric(server, "trioinfer_inference_pending", **labels)),
+        int(metric(server, "trioinfer_inference_executions_total", **labels)),
+        int(metric(server, "trioinfer_inference_requests_total", outcome="cancelled", **labels)),
+    )
+
+
+def test_deadline_and_cancel_withdraw_requests(
+    client: triton.InferenceServerClient, server: Server
+) -> None:
+    check_deadline_and_cancel(client, server)
+
+
+def check_deadline_and_cancel(client: triton.InferenceServerClient, server: Server) -> None:
+    pending0, executions0, cancelled0 = slow_state(server)
+    assert pending0 == 0
+    blocker: queue.Queue[tuple[Any, Any]] = queue.Queue()
+    call = client.async_infer(
+        "slow", slow_input(BLOCKER_ROWS), lambda result, error: blocker.put((result, error))
+    )
+    wait_until(lambda: slow_state(server)[0] == 1 or not blocker.empty(), "the blocker is accepted")
+    assert blocker.empty(), str(blocker.get()[1])
+    # A request queued behind it whose client's deadline passes: DEADLINE_EXCEEDED, and
+    # the engine withdraws it (it never runs).
+    with pytest.raises(InferenceServerException) as late:
+        client.infer("slow", slow_input(1), client_timeout=0.3)
+    assert late.value.status() == "StatusCode.DEADLINE_EXCEEDED"
+    wait_until(lambda: slow_state(server)[0] == 1, "only the blocker is left")
+    # The blocker's client cancels: its execution is aborted, nothing else ever ran.
+    call.cancel()
+    _result, error = blocker.get(timeout=WAIT_S)
+    assert error is not None
+    wait_until(lambda: slow_state(server)[0] == 0, "the cancelled blocker is withdrawn")
+    _pending, executions, cancelled = slow_state(server)
+    assert executions == executions0 + 1
+    assert cancelled - cancelled0 == 2
+
+
+def test_timeout_parameter_is_the_triton_timeout(client: triton.InferenceServerClient) -> None:
+    # tritonclient's `timeout` (microseconds, a request parameter) bounds the request too.
+    blocker: queue.Queue[tuple[Any, Any]] = queue.Queue()
+    call = client.async_infer(
+        "slow", slow_input(BLOCKER_ROWS), lambda result, error: blocker.put((result, error))
+    )
+    try:
+        with pytest.raises(InferenceServerException) as late:
+            client.infer("slow", slow_input(1), timeout=1000)
+        assert late.value.status() == "StatusCode.DEADLINE_EXCEEDED"
+    finally:
+        call.cancel()
+        blocker.get(timeout=WAIT_S)
+
+
+# -- bad messages ------------------------------------------------------------------------
+
+
+def raw_infer(server: Server, body: bytes) -> grpc.RpcError | None:
+    with grpc.insecure_channel(server.grpc) as channel:
+        method = channel.unary_unary("/inference.GRPCInferenceService/ModelInfer")
+        try:
+            method(body, timeout=WAIT_S)
+        except grpc.RpcError as exc:
+            return exc
+    return None
+
+
+def valid_request() -> service_pb2.ModelInferRequest:
+    request = service_pb2.ModelInferRequest(model_name="add")
+    for name in "ab":
+        request.inputs.add(name=name, datatype="FP32", shape=[2, 4])
+        request.raw_input_contents.append(np.ones((2, 4), dtype=np.float32).tobytes())
+    return request
+
+
+def test_bad_messages_get_invalid_argument(server: Server) -> None:
+    assert raw_infer(server, valid_request().SerializeToString()) is None
+    cases: dict[str, bytes] = {}
+    body = valid_request().SerializeToString()
+    cases["truncated"] = body[: len(body) // 2]
+    cases["garbage"] = b"\xff\xff\xff\xff\x0f"
+    wrong_type = bytearray(body)
+    wrong_type[0] = (1 << 3) | 0  # model_name (a string) sent as a varint
+    cases["wrong wire type"] = bytes(wrong_type)
+    huge = valid_request()
+    huge.inputs[0].ClearField("shape")
+    huge.inputs[0].shape.extend([2**40, 2**40])
+    cases["huge declared shape"] = huge.SerializeToString()
+    negative = valid_request()
+    negative.inputs[0].shape[0] = -2
+    cases["negative dimension"] = negative.SerializeToString()
+    short = valid_request()
+    short.raw_input_contents[1] = b"\x00" * 31
+    cases["raw contents of the wrong length"] = short.SerializeToString()
+    missing = valid_request()
+    del missing.raw_input_contents[1]
+    cases["fewer raw contents than inputs"] = missing.SerializeToString()
+    mixed = valid_request()
+    mixed.inputs[0].contents.fp32_contents.extend([1.0] * 8)
+    cases["contents and raw contents"] = mixed.SerializeToString()
+    typed = service_pb2.ModelInferRequest(model_name="add")
+    for name in "ab":
+        typed.inputs.add(name=name, datatype="FP32", shape=[2, 4]).contents.int_contents.extend(
+            range(8)
+        )
+    cases["contents of the wrong type"] = typed.SerializeToString()
+    no_values = service_pb2.ModelInferRequest(model_name="add")
+    no_values.inputs.add(name="a", datatype="FP32", shape=[2, 4])
+    cases["no values"] = no_values.SerializeToString()
+    cases["no inputs"] = service_pb2.ModelInferRequest(model_name="add").SerializeToString()
+    bad_datatype = valid_request()
+    bad_datatype.inputs[0].datatype = "FLOAT"
+    cases["unknown datatype"] = bad_datatype.SerializeToString()
+    for what, message in cases.items():
+        error = raw_infer(server, message)
+        assert error is not None, what
+        assert error.code() == grpc.StatusCode.INVALID_ARGUMENT, (what, error.details())
+        assert error.details(), what
+    too_big = valid_request()
+    too_big.raw_input_contents[0] = b"\x00" * (MAX_BODY + 1)
+    error = raw_infer(server, too_big.SerializeToString())
+    assert error is not None
+    assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+@settings(
+    max_examples=60,
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture],
+)
+@given(data=st.data())
+def test_fuzzed_messages_never_crash(server: Server, data: st.DataObject) -> None:
+    body = bytearray(valid_request().SerializeToString())
+    for _ in range(data.draw(st.integers(1, 4))):
+        at = data.draw(st.integers(0, len(body) - 1))
+        body[at] = data.draw(st.integers(0, 255))
+    cut = data.draw(st.integers(1, len(body)))
+    error = raw_infer(server, bytes(body[:cut]))
+    if error is not None:
+        assert error.code() in (
+            grpc.StatusCode.INVALID_ARGUMENT,
+            grpc.StatusCode.NOT_FOUND,
+            grpc.StatusCode.RESOURCE_EXHAUSTED,
+        ), error.details()
+
+
+def test_server_survived_the_fuzzing(client: triton.InferenceServerClient) -> None:
+    inputs, a, b = simple_inputs()
+    np.testing.assert_array_equal(client.infer("simple", inputs).as_numpy("sum"), a + b)
+
+
+# -- serve's options -----------------------------------------------------------------------
+
+
+def test_asyncio_loop_and_no_extra(repository: Path, tmp_path: Path) -> None:
+    # The same endpoint on asyncio (grpc.aio on serve's own loop): infer, stream, a client
+    # deadline and a cancelled call.
+    config = tmp_path / "serve.toml"
+    config.write_text(SERVE_CONFIG)
+    with (
+        run_server(
+            repository,
+            *("--loop", "asyncio", "--model", "simple", "--model", "slow"),
+            *("--config", str(config)),
+            log=tmp_path / "a.log",
+        ) as server,
+        triton.InferenceServerClient(server.grpc) as c,
+    ):
+        check_deadline_and_cancel(c, server)
+        inputs, a, b = simple_inputs()
+        np.testing.assert_array_equal(c.infer("simple", inputs).as_numpy("sum"), a + b)
+        answers: queue.Queue[tuple[Any, Any]] = queue.Queue()
+        c.start_stream(callback=lambda result, error: answers.put((result, error)))
+        c.async_stream_infer("simple", inputs)
+        result, error = answers.get(timeout=WAIT_S)
+        c.stop_stream()
+        assert error is None
+        np.testing.assert_array_equal(result.as_numpy("diff"), a - b)
+    # Without the extra, serve says why it serves no gRPC, and serves HTTP.
+    with run_server(
+        repository,
+        "--model",
+        "simple",
+        log=tmp_path / "b.log",
+        prelude="import sys; sys.modules['grpc'] = None",
+        want_grpc=False,
+    ) as server:
+        assert httpx.get(f"{server.url}/v2/health/ready", timeout=WAIT_S).status_code == 200
+        assert "not serving gRPC" in server.log_text()
+        assert "'grpc' extra" in server.log_text()
+
+
+def test_asking_for_grpc_without_the_extra_names_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    from trioinfer.cli import serve as serve_module
+
+    monkeypatch.setattr(serve_module, "_importable", lambda module: module != "grpc")
+    result = CliRunner().invoke(cli_main, ["serve", "--grpc-port", "9001"])
+    assert result.exit_code == 2
+    assert "'grpc' extra" in result.output
+
+
+def test_bench_over_grpc(server: Server, tmp_path: Path) -> None:
+    out = tmp_path / "run.json"
+    options = ["--concurrency", "1,4", "--warmup", "0", "--window", "0.3", "--windows", "1"]
+    result = CliRunner().invoke(
+        cli_main,
+        [
+            "bench",
+            "--protocol",
+            "grpc",
+            "--url",
+            f"grpc://{server.grpc}",
+            "-m",
+            "simple",
+            *options,
+            "--json",
+            str(out),
+        ],
+    )
+    assert result.exit_code == 0, result.output
+    doc = json.loads(out.read_text())
+    assert doc["protocol"] == "grpc"
+    assert [r["value"] for r in doc["results"]] == [1, 4]
+    assert all(r["completed"] > 0 and r["errors"] == 0 for r in doc["results"])
+    unknown = CliRunner().invoke(
+        cli_main, ["bench", "--protocol", "grpc", "--url", f"grpc://{server.grpc}", "-m", "nope"]
+    )
+    assert unknown.exit_code == 1
+    assert "NOT_FOUND" in unknown.output
+
+
+def test_grpc_port_in_use_is_a_clear_error(repository: Path) -> None:
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        result = CliRunner().invoke(
+            cli_main,
+            [
+                *("serve", "--port", "0", "--grpc-port", str(port)),
+                *("--model-repository", str(repository), "--model", "simple"),
+            ],
+        )
+    assert result.exit_code == 1
+    assert f"cannot listen for gRPC on 127.0.0.1:{port}" in result.output
+
+
+def test_no_grpc_serves_http_only(repository: Path, tmp_path: Path) -> None:
+    with run_server(
+        repository, "--no-grpc", "--model", "simple", log=tmp_path / "s.log", want_grpc=False
+    ) as server:
+        assert httpx.get(f"{server.url}/v2/health/live", timeout=WAIT_S).status_code == 200
+    assert "gRPC" not in server.log_text()
+
+
+def test_errors_map_to_tritons_status_codes() -> None:
+    from trioinfer import (
+        BackendError,
+        CircuitOpen,
+        DeadlineExceeded,
+        InvalidInput,
+        ModelNotFound,
+        QueueFull,
+    )
+    from trioinfer.server import PayloadTooLarge, RequestError
+    from trioinfer.server._grpc import grpc_status_for
+
+    code = grpc.StatusCode
+    assert grpc_status_for(ModelNotFound("m")) == code.NOT_FOUND
+    assert grpc_status_for(RequestError("r")) == code.INVALID_ARGUMENT
+    assert grpc_status_for(InvalidInput("i")) == code.INVALID_ARGUMENT
+    assert grpc_status_for(PayloadTooLarge("p")) == code.RESOURCE_EXHAUSTED
+    assert grpc_status_for(QueueFull("q", retry_after=1.0)) == code.UNAVAILABLE
+    assert grpc_status_for(CircuitOpen("c", retry_after=1.0)) == code.UNAVAILABLE
+    assert grpc_status_for(DeadlineExceeded("d")) == code.DEADLINE_EXCEEDED
+    assert grpc_status_for(BackendError("b")) == code.INTERNAL
+    assert grpc_status_for(ValueError("bug")) == code.INTERNAL
