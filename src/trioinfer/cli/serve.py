@@ -32,6 +32,7 @@ _SERVE_KEYS: Final = frozenset(
         "log_level",
         "loop",
         "limits",
+        "workers",
     }
 )
 
@@ -60,7 +61,8 @@ _SERVE_KEYS: Final = frozenset(
     default=None,
     metavar="FILE",
     help="A TOML file with any of these options (model_repository, host, port, models, "
-    "drain_period, cache_size, admin_token, protect_inference, log_level) and a [limits] table; "
+    "drain_period, cache_size, admin_token, protect_inference, log_level, workers) and a "
+    "[limits] table; "
     "options given on the command line win.",
 )
 @click.option(
@@ -110,6 +112,16 @@ _SERVE_KEYS: Final = frozenset(
     help="The event loop: Trio, or asyncio (the same HTTP/1.1 server runs on both).",
 )
 @click.option(
+    "--workers",
+    type=click.IntRange(min=1),
+    default=1,
+    show_default=True,
+    metavar="N",
+    help="Serve from N processes on one port (SO_REUSEPORT), each with its own engine; "
+    "this process supervises them (restarts one that dies). For when one event loop is "
+    "the limit; 1 serves from this process alone.",
+)
+@click.option(
     "--log-level",
     type=click.Choice(["debug", "info", "warning", "error"]),
     default="info",
@@ -131,6 +143,14 @@ def serve(ctx: click.Context, /, **options: Any) -> None:
     With no options it serves the bundled example model "digits" on
     http://127.0.0.1:8000. SIGINT or SIGTERM makes it not ready at once,
     lets in-flight requests finish for up to the drain period, and exits 0.
+
+    With --workers N, N processes serve the same port, each with its own
+    engine and sessions on the same devices, and this process supervises
+    them: it restarts one that dies (its in-flight requests fail with their
+    connections), applies repository load/unload on every worker before
+    answering, adds up statistics and /metrics across them, and on SIGINT or
+    SIGTERM drains them all. A worker that cannot start stops serve with its
+    error.
     """
     try:
         from ..server import Limits, ServerConfig
@@ -159,18 +179,38 @@ def serve(ctx: click.Context, /, **options: Any) -> None:
     except (TypeError, TrioInferError) as exc:
         raise click.UsageError(f"invalid server settings: {exc}") from exc
     repository = settings["model_repository"] or example_repository()
+    workers = settings["workers"]
+    if not isinstance(workers, int) or isinstance(workers, bool) or workers < 1:
+        raise click.UsageError(f"invalid server settings: workers must be >= 1, got {workers!r}")
     try:
-        anyio.run(
-            functools.partial(
-                _serve,
-                repository,
-                host=settings["host"],
-                port=settings["port"],
-                config=config,
-                models=list(settings["models"]) or None,
-            ),
-            backend=settings["loop"],
-        )
+        if workers == 1:
+            anyio.run(
+                functools.partial(
+                    _serve,
+                    repository,
+                    host=settings["host"],
+                    port=settings["port"],
+                    config=config,
+                    models=list(settings["models"]) or None,
+                ),
+                backend=settings["loop"],
+            )
+        else:
+            # The supervisor runs on Trio whatever --loop says; the workers run on --loop.
+            anyio.run(
+                functools.partial(
+                    _serve_workers,
+                    repository,
+                    workers=workers,
+                    host=settings["host"],
+                    port=settings["port"],
+                    config=config,
+                    models=list(settings["models"]) or None,
+                    loop=settings["loop"],
+                    log_level=settings["log_level"],
+                ),
+                backend="trio",
+            )
     except (TrioInferError, OSError, BaseExceptionGroup) as exc:
         # Task groups wrap what fails at start-up; say the one cause plainly.
         cause = _only_cause(exc)
@@ -246,6 +286,29 @@ async def _serve(
         if listening.failed:
             click.echo(f"could not load: {', '.join(listening.failed)} (see the log above)")
         click.echo(f"listening on {url} (Ctrl+C to stop)")
+        if listening.models:
+            first = next(iter(listening.models))
+            click.echo(f"try: curl -s {url}/v2/models/{first}")
+        click.echo("", nl=True)
+
+
+async def _serve_workers(repository: Path, *, workers: int, **options: Any) -> None:
+    from ..server._workers import serve_workers
+
+    async with anyio.create_task_group() as tg:
+        listening = await tg.start(
+            functools.partial(serve_workers, repository, workers=workers, **options)
+        )
+        served = ", ".join(
+            f"{name} (v{', v'.join(map(str, versions))})"
+            for name, versions in listening.models.items()
+        )
+        url = listening.urls[0]
+        click.echo(f"trioinfer {__version__} serving {served or 'no models'} from {repository}")
+        if listening.failed:
+            click.echo(f"could not load: {', '.join(listening.failed)} (see the log above)")
+        pids = ", ".join(map(str, listening.pids))
+        click.echo(f"{workers} workers (pids {pids}) listening on {url} (Ctrl+C to stop)")
         if listening.models:
             first = next(iter(listening.models))
             click.echo(f"try: curl -s {url}/v2/models/{first}")

@@ -16,7 +16,7 @@ import logging
 import math
 import re
 from collections.abc import Awaitable, Callable, Mapping
-from typing import Any, Final, final
+from typing import TYPE_CHECKING, Any, Final, final
 
 import anyio
 import attrs
@@ -61,6 +61,9 @@ from ._codec import (
 from ._errors import ClientLeft, NotReady, Unauthorized, without_host_paths
 from ._metrics import InFlight, Metrics
 from ._models import ServedModels, ServedVersion
+
+if TYPE_CHECKING:
+    from ._workers import WorkerLink
 
 log = logging.getLogger("trioinfer.server")
 
@@ -202,13 +205,19 @@ class ServerConfig:
 @final
 @attrs.define(eq=False)
 class ServerState:
-    """What the routes share: the served models, the config, readiness and metrics."""
+    """What the routes share: the served models, the config, readiness and metrics.
+
+    Under ``trioinfer serve --workers N``, *cluster* links this worker to the
+    others: repository changes go to all of them, statistics and metrics come
+    from all of them.
+    """
 
     models: ServedModels
     config: ServerConfig
     metrics: Metrics
     in_flight: InFlight
     ready: bool = False
+    cluster: WorkerLink | None = None
 
     def check_token(self, headers: Mapping[str, str], *, admin: bool) -> None:
         """Raise `Unauthorized` unless the request carries the token it needs."""
@@ -475,10 +484,19 @@ def _tensor_config(spec: TensorSpec, skip: int) -> dict[str, Any]:
 async def _stats(request: Request, state: ServerState) -> Response:
     state.check_token(request.headers, admin=False)
     model = request.path_params.get("model")
+    version = request.path_params.get("version")
+    out = model_stats(state, model, version)
+    if state.cluster is not None:
+        out = await state.cluster.merged_stats(out, model, version)
+    return _json({"model_stats": out})
+
+
+def model_stats(state: ServerState, model: str | None, version: str | None) -> list[dict[str, Any]]:
+    """This process's statistics of *model* (every model if None), Triton's ``model_stats``."""
     if model is None:
         chosen = state.models.all()
-    elif "version" in request.path_params:
-        chosen = [state.models.resolve(model, request.path_params["version"])]
+    elif version is not None:
+        chosen = [state.models.resolve(model, version)]
     else:
         state.models.resolve(model)
         chosen = state.models.versions(model)
@@ -519,7 +537,7 @@ async def _stats(request: Request, state: ServerState) -> Response:
                 "batch_stats": [],
             }
         )
-    return _json({"model_stats": out})
+    return out
 
 
 def _duration(count: int, seconds: float) -> dict[str, int]:
@@ -528,6 +546,8 @@ def _duration(count: int, seconds: float) -> dict[str, int]:
 
 async def _metrics(_request: Request, state: ServerState) -> Response:
     body, content_type = state.metrics.exposition()
+    if state.cluster is not None:
+        body = await state.cluster.merged_metrics(body)
     return Response(body, media_type=content_type)
 
 
@@ -589,7 +609,10 @@ async def _load(request: Request, state: ServerState) -> Response:
                     f"string holding one), got {type(config).__name__}"
                 )
             override = config
-    await state.models.load(request.path_params["model"], override)
+    if state.cluster is not None:
+        await state.cluster.load(request.path_params["model"], override)
+    else:
+        await state.models.load(request.path_params["model"], override)
     return Response(status_code=200)
 
 
@@ -600,7 +623,10 @@ async def _unload(request: Request, state: ServerState) -> Response:
         parameters = body.get("parameters", {})
         if not isinstance(parameters, dict) or set(parameters) - {"unload_dependents"}:
             raise RequestError("the only unload parameter is 'unload_dependents'")
-    await state.models.unload(request.path_params["model"])
+    if state.cluster is not None:
+        await state.cluster.unload(request.path_params["model"])
+    else:
+        await state.models.unload(request.path_params["model"])
     return Response(status_code=200)
 
 

@@ -14,6 +14,7 @@ import logging
 import os
 import signal
 from collections.abc import AsyncIterator, Sequence
+from typing import TYPE_CHECKING
 
 import anyio
 import anyio.abc
@@ -28,6 +29,9 @@ from ._http_server import serve_asgi
 from ._metrics import InFlight, Metrics
 from ._models import ServedModels, public_names
 from ._repository import ModelRepository
+
+if TYPE_CHECKING:
+    from ._workers import WorkerLink
 
 log = logging.getLogger("trioinfer.server")
 
@@ -88,6 +92,8 @@ async def serve_http(
     models: Sequence[str] | None = None,
     handle_signals: bool = True,
     shutdown: anyio.Event | None = None,
+    reuse_port: bool = False,
+    worker: WorkerLink | None = None,
     task_status: anyio.abc.TaskStatus[Listening] = anyio.TASK_STATUS_IGNORED,
 ) -> None:
     """Serve *repository* over KServe V2 REST until a signal (or *shutdown*) stops it.
@@ -107,6 +113,9 @@ async def serve_http(
         models: Names of the models to load at start (all of the repository's by default).
         handle_signals: Stop gracefully on SIGINT and SIGTERM (main thread only).
         shutdown: Setting this event stops gracefully, as the first signal does.
+        reuse_port: Bind with ``SO_REUSEPORT``, so that several processes
+            serve one port (the kernel spreads connections among them).
+        worker: Internal: this process is one of ``trioinfer serve --workers N``'s.
         task_status: Reports a [`Listening`][trioinfer.server.Listening] once ready,
             for ``nursery.start``.
 
@@ -132,26 +141,31 @@ async def serve_http(
             for name in models:
                 await served.load(name)
         in_flight = InFlight()
-        state = ServerState(served, config, Metrics(served, in_flight), in_flight)
+        state = ServerState(served, config, Metrics(served, in_flight), in_flight, cluster=worker)
         app = create_app(state)
         stop = shutdown if shutdown is not None else anyio.Event()
 
         async def run_layer(*, task_status: anyio.abc.TaskStatus[list[str]]) -> None:
-            await _serve_lean(app, host, port, config, stop, task_status)
+            await _serve_lean(app, host, port, config, stop, reuse_port, task_status)
             tg.cancel_scope.cancel()  # drained: the signal watcher may go too
 
         async with anyio.create_task_group() as tg:
             if handle_signals:
                 await tg.start(_watch_signals, state, stop, tg.cancel_scope)
+            if worker is not None:
+                # Joins the other workers: takes the repository changes made
+                # before it started, then receives each one as they do.
+                await tg.start(worker.serve_control, state)
             urls = await tg.start(run_layer)
             state.ready = True
-            task_status.started(
-                Listening(
-                    tuple(urls),
-                    {m: tuple(s.version for s in served.versions(m)) for m in _names(served)},
-                    tuple(failed),
-                )
+            listening = Listening(
+                tuple(urls),
+                {m: tuple(s.version for s in served.versions(m)) for m in _names(served)},
+                tuple(failed),
             )
+            if worker is not None:
+                await worker.report_ready(listening)
+            task_status.started(listening)
             try:
                 await stop.wait()
             finally:
@@ -174,6 +188,7 @@ async def _serve_lean(
     port: int,
     config: ServerConfig,
     stop: anyio.Event,
+    reuse_port: bool,
     task_status: anyio.abc.TaskStatus[list[str]],
 ) -> None:
     limits = config.limits
@@ -188,6 +203,7 @@ async def _serve_lean(
         send_timeout=limits.send_timeout,
         max_head_bytes=limits.max_head_bytes,
         max_headers=limits.max_headers,
+        reuse_port=reuse_port,
         task_status=task_status,
     )
 
