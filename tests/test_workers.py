@@ -130,16 +130,27 @@ def served(repository: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
                 break
         yield Served(process, found.group(3), [int(found.group(1)), int(found.group(2))], log)
     finally:
-        if process.poll() is None:
+        if process.poll() is None:  # a test failed before stopping it
+            workers = _children_of(process.pid)
             process.kill()
             process.wait()
-            for pid in _children_of(process.pid):
+            for pid in workers:
                 os.kill(pid, signal.SIGKILL)
 
 
 def _children_of(pid: int) -> list[int]:
-    children = Path(f"/proc/{pid}/task/{pid}/children")
-    return [int(p) for p in children.read_text().split()] if children.exists() else []
+    # Every process whose parent is *pid* (the supervisor starts workers from a
+    # thread, so /proc/PID/task/PID/children does not list them).
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue  # gone meanwhile
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                found.append(int(entry.name))
+    return found
 
 
 def fresh(
@@ -308,7 +319,9 @@ def test_a_worker_that_cannot_start_stops_serve_with_its_error(
     error = log.read_text().splitlines()[-1]
     assert error.startswith("Error: WorkerFailed: worker ")
     assert "before it was ready: ModelNotFound: no model 'nosuch' in the model repository" in error
-    assert not _children_of(process.pid)
+    started = [int(pid) for pid in re.findall(r"started worker \d \(pid (\d+)\)", log.read_text())]
+    assert len(started) == 2
+    assert not [pid for pid in started if alive(pid)]
 
 
 def _outcome(
