@@ -38,6 +38,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import shlex
 import shutil
 import statistics
 import sys
@@ -92,6 +93,13 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, add_help=False
     )
     parser.add_argument("--workers", default="1,2", help="worker counts, one server each")
+    parser.add_argument(
+        "--wrk-threads",
+        type=int,
+        default=1,
+        help="wrk's threads (-t; bench_http uses 1): more when one wrk thread cannot keep "
+        "many workers busy",
+    )
     parser.add_argument("-h", "--help", action="store_true")
     own, rest = parser.parse_known_args(argv)
     if own.help:
@@ -99,6 +107,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         raise SystemExit(0)
     defaults = ["--models", "digits", "--concurrency", "64", "--duration", "3"]
     args = bench_http.parse_args([*defaults, *rest])
+    args.wrk_threads = own.wrk_threads
+    if args.wrk_threads < 1:
+        parser.error("--wrk-threads must be >= 1")
     try:
         args.workers = [int(n) for n in own.workers.split(",") if n.strip()]
     except ValueError:
@@ -115,9 +126,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"{args.wrk!r} is not installed (see bench_http.py)", file=sys.stderr)
         return 2
     args.wrk = found
+    if args.wrk_threads > 1:
+        wrapper = Path(tempfile.mkdtemp(prefix="trioinfer-wrk-")) / "wrk"
+        # bench_http runs "wrk -t1 ..."; this wrapper gives wrk more threads.
+        wrapper.write_text(
+            f'#!/bin/sh\nshift\nexec {shlex.quote(found)} -t{args.wrk_threads} "$@"\n'
+        )
+        wrapper.chmod(0o755)
+        args.wrk = str(wrapper)
     started = time.perf_counter()
     print(versions())
-    print(f"cores: {os.cpu_count()}; workers {args.workers}; models {args.models}")
+    print(
+        f"cores: {os.cpu_count()}; workers {args.workers}; models {args.models}; "
+        f"wrk threads {args.wrk_threads}"
+    )
     print(
         f"each worker: {args.instances} instance(s) x {args.threads} ORT thread(s), dynamic "
         f"batching max {bench_http.MAX_BATCH} / {bench_http.MAX_QUEUE_DELAY * 1e3:g} ms; "

@@ -25,9 +25,11 @@ from typing import Any
 import attrs
 import httpx
 import pytest
+from click.testing import CliRunner
 from prometheus_client.parser import text_string_to_metric_families
 
 from trioinfer import example_repository
+from trioinfer.cli import main
 from trioinfer.server._workers import merge_expositions, merge_stats
 
 pytestmark = pytest.mark.workers
@@ -377,3 +379,18 @@ def test_merge_stats_sums_counts_and_takes_the_last_inference() -> None:
             "batch_stats": [],
         }
     ]
+
+
+def test_serve_help_and_bad_worker_counts(tmp_path: Path) -> None:
+    runner = CliRunner()
+    help_text = runner.invoke(main, ["serve", "--help"]).output
+    assert "--workers N" in help_text
+    assert "SO_REUSEPORT" in help_text
+    refused = runner.invoke(main, ["serve", "--workers", "0"])
+    assert refused.exit_code == 2
+    assert "Invalid value for '--workers'" in refused.output
+    config = tmp_path / "server.toml"
+    config.write_text("workers = 0\n")
+    refused = runner.invoke(main, ["serve", "--config", str(config)])
+    assert refused.exit_code == 2
+    assert "workers must be >= 1, got 0" in refused.output
