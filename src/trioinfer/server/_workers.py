@@ -622,19 +622,31 @@ def _reserve_port(host: str, port: int) -> tuple[list[socket.socket], int]:
             if (family, address[0]) in seen:
                 continue
             seen.add((family, address[0]))
+            where = (address[0], port, *address[2:])
+            # First without SO_REUSEPORT, and let go at once: a port another
+            # server listens on (another `serve --workers` too) is refused here
+            # rather than shared with it.
+            with socket.socket(family, kind, proto) as probe:
+                _bind(probe, family, where, reuse_port=False)
+                port = probe.getsockname()[1]
+                where = (address[0], port, *address[2:])
             sock = socket.socket(family, kind, proto)
             sockets.append(sock)
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-            if family == socket.AF_INET6:
-                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
-            sock.bind((address[0], port, *address[2:]))
-            port = sock.getsockname()[1]
+            _bind(sock, family, where, reuse_port=True)
     except BaseException:
         for sock in sockets:
             sock.close()
         raise
     return sockets, port
+
+
+def _bind(sock: socket.socket, family: int, where: tuple[Any, ...], *, reuse_port: bool) -> None:
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    if reuse_port:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    if family == socket.AF_INET6:
+        sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+    sock.bind(where)
 
 
 async def serve_workers(
