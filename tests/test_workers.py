@@ -22,15 +22,25 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+import anyio
 import attrs
 import httpx
 import pytest
 from click.testing import CliRunner
 from prometheus_client.parser import text_string_to_metric_families
 
-from trioinfer import example_repository
+from trioinfer import ConfigError, ModelNotFound, TrioInferError, example_repository
 from trioinfer.cli import main
-from trioinfer.server._workers import merge_expositions, merge_stats
+from trioinfer.server import status_for
+from trioinfer.server._workers import (
+    WorkersDisagree,
+    _raise_error,
+    _serve_calls,
+    _Supervisor,
+    merge_expositions,
+    merge_stats,
+    worker_socket,
+)
 
 pytestmark = pytest.mark.workers
 
@@ -394,3 +404,65 @@ def test_serve_help_and_bad_worker_counts(tmp_path: Path) -> None:
     refused = runner.invoke(main, ["serve", "--config", str(config)])
     assert refused.exit_code == 2
     assert "workers must be >= 1, got 0" in refused.output
+
+
+async def test_a_change_some_workers_refuse_is_an_error_that_names_them(tmp_path: Path) -> None:
+    """The supervisor's fan-out, against three stand-in workers (one of them gone)."""
+    supervisor = _Supervisor(3, tmp_path, {})
+    said: dict[int, list[dict[str, Any]]] = {0: [], 1: []}
+    refuse: dict[int, str] = {0: "", 1: "no (worker 1)"}
+
+    def worker(index: int) -> Any:
+        async def handle(message: dict[str, Any]) -> dict[str, Any]:
+            said[index].append(message)
+            if refuse[index]:
+                return {"error": {"type": "ConfigError", "message": refuse[index]}}
+            return {"ok": True}
+
+        return handle
+
+    async with anyio.create_task_group() as tg:
+        for index in (0, 1):
+            await tg.start(_serve_calls, worker_socket(tmp_path, index), worker(index))
+        for member in supervisor.workers:
+            member.member = True  # worker 2 has no socket: it died meanwhile
+        load = {"op": "load", "model": "m", "override": {"max_queue_size": 7}}
+        reply = await supervisor.handle(load)
+        assert said[0] == [load]
+        assert said[1] == [load]
+        error = reply["error"]
+        assert error["type"] == "WorkersDisagree"
+        assert "applied on worker(s) 0 and failed on worker(s) 1" in error["message"]
+        assert "worker 1: no (worker 1)" in error["message"]
+        assert supervisor.journal == {"m": load}  # worker 2 takes it when it restarts
+        with pytest.raises(WorkersDisagree) as raised:
+            _raise_error(error)
+        assert status_for(raised.value) == 500
+
+        # Refused alike by every worker that answered: the error as one server gives it,
+        # and the journal keeps the last change that applied.
+        refuse[0] = refuse[1] = "no"
+        reply = await supervisor.handle({"op": "unload", "model": "m"})
+        assert reply == {"error": {"type": "ConfigError", "message": "no"}}
+        assert supervisor.journal == {"m": load}
+        with pytest.raises(ConfigError, match=r"^no$"):
+            _raise_error(reply["error"])
+
+        # Statistics and metrics come from every member but the one asking.
+        refuse[0] = refuse[1] = ""
+        replies = await supervisor.handle({"op": "gather", "call": {"op": "x"}, "exclude": 1})
+        assert replies == {"replies": [{"ok": True}]}
+        tg.cancel_scope.cancel()
+
+
+@pytest.mark.parametrize(
+    ("kind", "expected"),
+    [("ModelNotFound", ModelNotFound), ("RequestError", TrioInferError), ("Nonsense", None)],
+)
+def test_a_workers_error_comes_back_as_its_class(kind: str, expected: type | None) -> None:
+    with pytest.raises(TrioInferError, match=r"^said$") as raised:
+        _raise_error({"type": kind, "message": "said"})
+    if expected is None:
+        assert type(raised.value) is TrioInferError  # unknown: a plain 500
+    else:
+        assert isinstance(raised.value, expected)
