@@ -531,7 +531,8 @@ class _Supervisor:
                 try:
                     reply = await _call(worker.socket, change)
                 except _Gone:
-                    return {"error": {"type": "TrioInferError", "message": "gone"}}
+                    message = "its control socket stopped answering while it joined"
+                    return {"error": {"type": "TrioInferError", "message": message}}
                 if "error" in reply:
                     log.warning(
                         "worker %d could not repeat the %s of model %r made before it started: %s",
