@@ -272,7 +272,8 @@ def test_load_and_unload_reach_every_worker(served: Served) -> None:
 def test_a_killed_worker_is_restarted_and_its_requests_fail_cleanly(served: Served) -> None:
     url = served.url
     victim = worker_pids(url)["1"]
-    seconds = [1.5 + i / 1000 for i in range(16)]
+    # Long enough for all of them to be seen in flight at once on a busy machine.
+    seconds = [3.0 + i / 1000 for i in range(16)]
     with ThreadPoolExecutor(len(seconds)) as pool:
         futures = [pool.submit(_outcome, infer_slow, url, s) for s in seconds]
         wait_until(
@@ -306,7 +307,7 @@ def test_sigterm_drains_every_worker_and_leaves_nothing(served: Served) -> None:
     directory = served.directory()
     assert directory.is_dir()
     with ThreadPoolExecutor(1) as pool:
-        slow = pool.submit(infer_slow, served.url, 1.0)
+        slow = pool.submit(infer_slow, served.url, 2.0)
         wait_until(
             lambda: samples(served.url, "trioinfer_http_inference_in_flight")[0][1] == 1,
             "the slow request is in flight",
