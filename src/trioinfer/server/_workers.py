@@ -765,6 +765,7 @@ def _worker_main(argv: list[str]) -> int:
     """Run worker ``argv[0]`` with the settings in ``$TRIOINFER_WORKER_SPEC``; the exit status."""
     from ._app import ServerConfig
     from ._codec import Limits
+    from ._models import public_names
     from ._serve import serve_http
 
     index = int(argv[0])
@@ -810,7 +811,7 @@ def _worker_main(argv: list[str]) -> int:
             cause = cause.exceptions[0]
         if not isinstance(cause, TrioInferError | OSError):
             raise
-        message = f"{type(cause).__name__}: {cause}"
+        message = public_names(f"{type(cause).__name__}: {cause}")
         log.error("could not serve: %s", message)  # noqa: TRY400  # the message says it all
         with contextlib.suppress(_Gone):
             anyio.run(
