@@ -41,6 +41,7 @@ _SERVE_KEYS: Final = frozenset(
         "limits",
         "trace_exporter",
         "trace_rate",
+        "workers",
     }
 )
 
@@ -93,7 +94,7 @@ def _rate_not_nan(
     metavar="FILE",
     help="A TOML file with any of these options (model_repository, host, port, grpc, grpc_port, "
     "models, drain_period, cache_size, admin_token, protect_inference, log_level, trace_exporter, "
-    "trace_rate) and a [limits] table; options given on the command line win.",
+    "trace_rate, workers) and a [limits] table; options given on the command line win.",
 )
 @click.option(
     "--model",
@@ -162,6 +163,16 @@ def _rate_not_nan(
     help="The event loop: Trio, or asyncio (the same HTTP/1.1 server runs on both).",
 )
 @click.option(
+    "--workers",
+    type=click.IntRange(min=1),
+    default=1,
+    show_default=True,
+    metavar="N",
+    help="Serve from N processes on one port (SO_REUSEPORT), each with its own engine; "
+    "this process supervises them (restarts one that dies). For when one event loop is "
+    "the limit; 1 serves from this process alone.",
+)
+@click.option(
     "--log-level",
     type=click.Choice(["debug", "info", "warning", "error"]),
     default="info",
@@ -189,6 +200,14 @@ def serve(ctx: click.Context, /, **options: Any) -> None:
     http://127.0.0.1:8000 and gRPC on 127.0.0.1:8001. SIGINT or SIGTERM makes
     it not ready at once, lets in-flight requests finish for up to the drain
     period, and exits 0.
+
+    With --workers N, N processes serve the same port, each with its own
+    engine and sessions on the same devices, and this process supervises
+    them: it restarts one that dies (its in-flight requests fail with their
+    connections), applies repository load/unload on every worker before
+    answering, adds up statistics and /metrics across them, and on SIGINT or
+    SIGTERM drains them all. A worker that cannot start stops serve with its
+    error. gRPC is served by a single process only (--workers 1).
     """
     try:
         from ..server import Limits, ServerConfig
@@ -220,20 +239,40 @@ def serve(ctx: click.Context, /, **options: Any) -> None:
     except (TypeError, TrioInferError) as exc:
         raise click.UsageError(f"invalid server settings: {exc}") from exc
     repository = settings["model_repository"] or example_repository()
-    grpc_port = _grpc_port(ctx, settings)
+    workers = settings["workers"]
+    if not isinstance(workers, int) or isinstance(workers, bool) or workers < 1:
+        raise click.UsageError(f"invalid server settings: workers must be >= 1, got {workers!r}")
+    grpc_port = _grpc_port(ctx, settings) if workers == 1 else _no_grpc_with_workers(ctx, settings)
     try:
-        anyio.run(
-            functools.partial(
-                _serve,
-                repository,
-                host=settings["host"],
-                port=settings["port"],
-                config=config,
-                models=list(settings["models"]) or None,
-                grpc_port=grpc_port,
-            ),
-            backend=settings["loop"],
-        )
+        if workers == 1:
+            anyio.run(
+                functools.partial(
+                    _serve,
+                    repository,
+                    host=settings["host"],
+                    port=settings["port"],
+                    config=config,
+                    models=list(settings["models"]) or None,
+                    grpc_port=grpc_port,
+                ),
+                backend=settings["loop"],
+            )
+        else:
+            # The supervisor runs on Trio whatever --loop says; the workers run on --loop.
+            anyio.run(
+                functools.partial(
+                    _serve_workers,
+                    repository,
+                    workers=workers,
+                    host=settings["host"],
+                    port=settings["port"],
+                    config=config,
+                    models=list(settings["models"]) or None,
+                    loop=settings["loop"],
+                    log_level=settings["log_level"],
+                ),
+                backend="trio",
+            )
     except (TrioInferError, OSError, BaseExceptionGroup) as exc:
         # Task groups wrap what fails at start-up; say the one cause plainly.
         cause = _only_cause(exc)
@@ -297,6 +336,24 @@ def _grpc_port(ctx: click.Context, settings: dict[str, Any]) -> int | None:
     if not port_given and settings["port"] == 0:
         return 0
     return int(settings["grpc_port"])
+
+
+def _no_grpc_with_workers(ctx: click.Context, settings: dict[str, Any]) -> None:
+    """--workers N serves HTTP only: say so, and refuse an explicit ask for gRPC."""
+    source = click.core.ParameterSource
+    asked = any(
+        ctx.get_parameter_source(name) not in (None, source.DEFAULT) for name in ("grpc", "grpc_port")
+    )
+    if settings["grpc"] and asked:
+        raise click.UsageError(
+            "gRPC is served by one process only, not with --workers N (N > 1); "
+            "drop --workers or pass --no-grpc"
+        )
+    if settings["grpc"]:
+        logging.getLogger("trioinfer.server").warning(
+            "not serving gRPC: --workers %d serves HTTP only", settings["workers"]
+        )
+    return None
 
 
 def _importable(module: str) -> bool:
@@ -373,6 +430,29 @@ async def _serve(
         if listening.grpc is not None:
             click.echo(f"gRPC on {listening.grpc} (inference.GRPCInferenceService)")
         click.echo(f"listening on {url} (Ctrl+C to stop)")
+        if listening.models:
+            first = next(iter(listening.models))
+            click.echo(f"try: curl -s {url}/v2/models/{first}")
+        click.echo("", nl=True)
+
+
+async def _serve_workers(repository: Path, *, workers: int, **options: Any) -> None:
+    from ..server._workers import serve_workers
+
+    async with anyio.create_task_group() as tg:
+        listening = await tg.start(
+            functools.partial(serve_workers, repository, workers=workers, **options)
+        )
+        served = ", ".join(
+            f"{name} (v{', v'.join(map(str, versions))})"
+            for name, versions in listening.models.items()
+        )
+        url = listening.urls[0]
+        click.echo(f"trioinfer {__version__} serving {served or 'no models'} from {repository}")
+        if listening.failed:
+            click.echo(f"could not load: {', '.join(listening.failed)} (see the log above)")
+        pids = ", ".join(map(str, listening.pids))
+        click.echo(f"{workers} workers (pids {pids}) listening on {url} (Ctrl+C to stop)")
         if listening.models:
             first = next(iter(listening.models))
             click.echo(f"try: curl -s {url}/v2/models/{first}")

@@ -18,7 +18,7 @@ import logging
 import math
 import re
 from collections.abc import Awaitable, Callable, Mapping
-from typing import Any, Final, final
+from typing import TYPE_CHECKING, Any, Final, final
 
 import anyio
 import attrs
@@ -67,6 +67,9 @@ from ._errors import ClientLeft, NotReady, Unauthorized, without_host_paths
 from ._metrics import InFlight, Metrics
 from ._models import ServedModels, ServedVersion
 from ._shm import ShmLease, SystemSharedMemory
+
+if TYPE_CHECKING:
+    from ._workers import WorkerLink
 
 log = logging.getLogger("trioinfer.server")
 
@@ -218,7 +221,12 @@ class ServerConfig:
 @final
 @attrs.define(eq=False)
 class ServerState:
-    """What the routes share: the served models, the config, readiness, metrics, shared memory."""
+    """What the routes share: the served models, the config, readiness, metrics, shared memory.
+
+    Under ``trioinfer serve --workers N``, *cluster* links this worker to the
+    others: repository changes go to all of them, statistics and metrics come
+    from all of them.
+    """
 
     models: ServedModels
     config: ServerConfig
@@ -227,6 +235,7 @@ class ServerState:
     ready: bool = False
     #: The registered shared-memory regions, system and CUDA (HTTP and gRPC share them).
     shm: SystemSharedMemory = attrs.field(factory=SystemSharedMemory)
+    cluster: WorkerLink | None = None
 
     def check_token(self, headers: Mapping[str, str], *, admin: bool) -> None:
         """Raise `Unauthorized` unless the request carries the token it needs."""
@@ -654,18 +663,27 @@ async def _cuda_unregister(request: Request, state: ServerState) -> Response:
 
 async def _stats(request: Request, state: ServerState) -> Response:
     state.check_token(request.headers, admin=False)
-    params = request.path_params
-    return _json(statistics_document(state, params.get("model"), params.get("version")))
+    model = request.path_params.get("model")
+    version = request.path_params.get("version")
+    out = model_stats(state, model, version)
+    if state.cluster is not None:
+        out = await state.cluster.merged_stats(out, model, version)
+    return _json({"model_stats": out})
 
 
 def statistics_document(
     state: ServerState, model: str | None, version: str | None
 ) -> dict[str, Any]:
-    """Triton's statistics of every served version, or of *model* (and *version*) only.
+    """This process's statistics in Triton's shape, of *model* (and *version*) or of all.
 
     Raises:
         ModelNotFound: *model* (or that version of it) is not served.
     """
+    return {"model_stats": model_stats(state, model, version)}
+
+
+def model_stats(state: ServerState, model: str | None, version: str | None) -> list[dict[str, Any]]:
+    """This process's statistics of *model* (every model if None), Triton's ``model_stats``."""
     if model is None:
         chosen = state.models.all()
     elif version is not None:
@@ -710,7 +728,7 @@ def statistics_document(
                 "batch_stats": [],
             }
         )
-    return {"model_stats": out}
+    return out
 
 
 def _duration(count: int, seconds: float) -> dict[str, int]:
@@ -719,6 +737,8 @@ def _duration(count: int, seconds: float) -> dict[str, int]:
 
 async def _metrics(_request: Request, state: ServerState) -> Response:
     body, content_type = state.metrics.exposition()
+    if state.cluster is not None:
+        body = await state.cluster.merged_metrics(body)
     return Response(body, media_type=content_type)
 
 
@@ -770,7 +790,10 @@ async def _load(request: Request, state: ServerState) -> Response:
         # (and so the status: 400, 413, 415) stays.
         exc.args = (f"failed to load {model!r}: {exc}",)
         raise
-    await state.models.load(model, override)
+    if state.cluster is not None:
+        await state.cluster.load(model, override)
+    else:
+        await state.models.load(model, override)
     return Response(status_code=200)
 
 
@@ -837,7 +860,10 @@ async def _unload(request: Request, state: ServerState) -> Response:
         parameters = body.get("parameters", {})
         if not isinstance(parameters, dict) or set(parameters) - {"unload_dependents"}:
             raise RequestError("the only unload parameter is 'unload_dependents'")
-    await state.models.unload(request.path_params["model"])
+    if state.cluster is not None:
+        await state.cluster.unload(request.path_params["model"])
+    else:
+        await state.models.unload(request.path_params["model"])
     return Response(status_code=200)
 
 

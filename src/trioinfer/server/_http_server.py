@@ -75,6 +75,7 @@ async def serve_asgi(
     send_timeout: float = 30.0,
     max_head_bytes: int = 64 * 1024,
     max_headers: int = 100,
+    reuse_port: bool = False,
     task_status: anyio.abc.TaskStatus[list[str]] = anyio.TASK_STATUS_IGNORED,
 ) -> None:
     """Serve *app* over HTTP/1.1 on *host*:*port* until *shutdown* is set, then drain.
@@ -107,6 +108,9 @@ async def serve_asgi(
         max_head_bytes: The most bytes of request line plus headers (and of
             trailers) accepted; bigger requests get 431 and the connection closes.
         max_headers: The most header fields one request may carry (431 over it).
+        reuse_port: Bind with ``SO_REUSEPORT``, so that other processes serving
+            the same app on the same port share its connections (the kernel
+            spreads them), as ``trioinfer serve --workers`` does.
         task_status: Receives the listening URLs, e.g. ``["http://127.0.0.1:8000"]``,
             for ``start``.
 
@@ -129,7 +133,7 @@ async def serve_asgi(
     io = open_io()
     # Bound before the lifespan startup: connections made meanwhile wait in the
     # backlog, and a bind error is raised as itself, not inside an ExceptionGroup.
-    listeners = await _open_listeners(host, port)
+    listeners = await _open_listeners(host, port, reuse_port=reuse_port)
     lifespan = Lifespan(app)
     try:
         async with anyio.create_task_group() as root:
@@ -177,7 +181,7 @@ async def _serve(
         connections.cancel_scope.cancel()
 
 
-async def _open_listeners(host: str, port: int) -> list[socket.socket]:
+async def _open_listeners(host: str, port: int, *, reuse_port: bool = False) -> list[socket.socket]:
     """Plain non-blocking listening sockets on every address *host* resolves to.
 
     The server calls them directly (``accept``) and waits through ``_io.py``.
@@ -193,6 +197,8 @@ async def _open_listeners(host: str, port: int) -> list[socket.socket]:
             sock = socket.socket(family, kind, proto)
             listeners.append(sock)
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if reuse_port:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
             if family == socket.AF_INET6:
                 # One socket per family, as Trio does: no IPv4-mapped addresses here.
                 sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)

@@ -97,6 +97,10 @@ class Metrics:
             key = (served.model, str(served.version), outcome_of(error))
         self._outcomes[key] += 1
 
+    def requests(self) -> int:
+        """Inference requests counted so far, whatever their outcome."""
+        return sum(self._outcomes.values())
+
     def exposition(self) -> tuple[bytes, str]:
         """The metrics in Prometheus text format, and its content type."""
         return generate_latest(self.registry), CONTENT_TYPE_LATEST

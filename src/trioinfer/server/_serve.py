@@ -15,7 +15,7 @@ import logging
 import os
 import signal
 from collections.abc import AsyncIterator, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio
 import anyio.abc
@@ -30,6 +30,9 @@ from ._http_server import serve_asgi
 from ._metrics import InFlight, Metrics
 from ._models import ServedModels, public_names
 from ._repository import ModelRepository
+
+if TYPE_CHECKING:
+    from ._workers import WorkerLink
 
 log = logging.getLogger("trioinfer.server")
 
@@ -93,6 +96,8 @@ async def serve_http(
     handle_signals: bool = True,
     shutdown: anyio.Event | None = None,
     grpc_port: int | None = None,
+    reuse_port: bool = False,
+    worker: WorkerLink | None = None,
     task_status: anyio.abc.TaskStatus[Listening] = anyio.TASK_STATUS_IGNORED,
 ) -> None:
     """Serve *repository* over KServe V2 REST (and gRPC) until a signal (or *shutdown*) stops it.
@@ -115,6 +120,9 @@ async def serve_http(
         grpc_port: Also serve V2 gRPC (Triton's ``inference.GRPCInferenceService``)
             on this port of *host*, from the same engine; 0 picks a free one. Needs
             the ``grpc`` extra. None: HTTP only.
+        reuse_port: Bind with ``SO_REUSEPORT``, so that several processes
+            serve one port (the kernel spreads connections among them).
+        worker: Internal: this process is one of ``trioinfer serve --workers N``'s.
         task_status: Reports a [`Listening`][trioinfer.server.Listening] once ready,
             for ``nursery.start``.
 
@@ -147,7 +155,7 @@ async def serve_http(
             for name in models:
                 await served.load(name)
         in_flight = InFlight()
-        state = ServerState(served, config, Metrics(served, in_flight), in_flight)
+        state = ServerState(served, config, Metrics(served, in_flight), in_flight, cluster=worker)
         app = create_app(state)
         stop = shutdown if shutdown is not None else anyio.Event()
 
@@ -156,7 +164,11 @@ async def serve_http(
         ) -> None:
             # HTTP and gRPC drain side by side; when both are done, so is serving.
             async with anyio.create_task_group() as layers:
-                urls = await layers.start(_serve_lean, app, host, port, config, stop)
+                urls = await layers.start(
+                    functools.partial(
+                        _serve_lean, app, host, port, config, stop, reuse_port=reuse_port
+                    )
+                )
                 address = None
                 if serve_grpc is not None:
                     address = await layers.start(
@@ -168,16 +180,21 @@ async def serve_http(
         async with anyio.create_task_group() as tg:
             if handle_signals:
                 await tg.start(_watch_signals, state, stop, tg.cancel_scope)
+            if worker is not None:
+                # Joins the other workers: takes the repository changes made
+                # before it started, then receives each one as they do.
+                await tg.start(worker.serve_control, state)
             urls, address = await tg.start(run_layers)
             state.ready = True
-            task_status.started(
-                Listening(
-                    tuple(urls),
-                    {m: tuple(s.version for s in served.versions(m)) for m in _names(served)},
-                    tuple(failed),
-                    address,
-                )
+            listening = Listening(
+                tuple(urls),
+                {m: tuple(s.version for s in served.versions(m)) for m in _names(served)},
+                tuple(failed),
+                address,
             )
+            if worker is not None:
+                await worker.report_ready(listening)
+            task_status.started(listening)
             try:
                 await stop.wait()
             finally:
@@ -214,6 +231,7 @@ async def _serve_lean(
     config: ServerConfig,
     stop: anyio.Event,
     *,
+    reuse_port: bool = False,
     task_status: anyio.abc.TaskStatus[list[str]],
 ) -> None:
     limits = config.limits
@@ -228,6 +246,7 @@ async def _serve_lean(
         send_timeout=limits.send_timeout,
         max_head_bytes=limits.max_head_bytes,
         max_headers=limits.max_headers,
+        reuse_port=reuse_port,
         task_status=task_status,
     )
 

@@ -1,0 +1,827 @@
+"""``trioinfer serve --workers N``: N server processes on one port, and the supervisor over them.
+
+When one event loop is the limit (one core's worth of HTTP parsing, coding
+and scheduling), more processes serve the same port: each worker is a whole
+``serve_http`` (its own engine, sessions and event loop) bound with
+``SO_REUSEPORT``, and the kernel spreads new connections among them. The
+supervisor (the ``trioinfer serve`` process) starts them, restarts one that
+dies (with backoff), and stops them all on SIGINT/SIGTERM, each draining as a
+single server does. It binds the port too, without listening, so that the
+port stays reserved while a worker restarts and port 0 means one port.
+
+They talk over Unix sockets in a private temporary directory the supervisor
+creates and removes (one JSON line each way per call):
+
+- repository load and unload (config overrides and traffic splits included):
+  the worker that received the request asks the supervisor, which applies it
+  on every worker, one change at a time, and answers once all have; a change
+  that fails on some workers only is an error that names them. The supervisor
+  keeps the last change of each model and replays them to a worker that
+  restarts, before it listens, so a restarted worker serves what the others do.
+- statistics and ``/metrics``: the answering worker gathers the others'
+  through the supervisor at request time and adds them up, sample by sample
+  (every metric trioinfer exports is a count, a sum or a histogram, so the sum
+  across workers is the server's figure). prometheus_client's multiprocess
+  mode was not used: it supports only its own metric objects, updated on the
+  hot path through memory-mapped files, while trioinfer's metrics are read from
+  the engine's statistics at scrape time (its custom collectors cannot run in
+  that mode). What a worker counted is lost when it dies.
+
+A worker's in-flight requests die with it: their connections close, and no
+client is answered by anyone else. Connections the kernel had queued for it
+(accepted but not yet taken) are reset.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import functools
+import json
+import logging
+import math
+import os
+import shutil
+import signal
+import socket
+import sys
+import tempfile
+from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Final, final
+
+import anyio
+import anyio.abc
+import attrs
+from anyio.streams.buffered import BufferedByteReceiveStream
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, Metric
+from prometheus_client.parser import text_string_to_metric_families
+
+from .. import _exceptions
+from .._exceptions import ConfigError, TrioInferError
+from . import _codec
+
+if TYPE_CHECKING:
+    from ._app import ServerConfig, ServerState
+    from ._serve import Listening
+
+__all__ = ["WorkerFailed", "WorkerLink", "WorkersDisagree", "serve_workers"]
+
+log = logging.getLogger("trioinfer.server")
+
+#: The environment variable that hands a worker its settings (JSON).
+SPEC_ENV: Final = "TRIOINFER_WORKER_SPEC"
+#: The largest control message (a worker's metrics text is the largest).
+_MAX_MESSAGE: Final = 64 << 20
+#: How long a worker may take to send its statistics or metrics before it is left out.
+GATHER_TIMEOUT_S: Final = 10.0
+#: Restart delays: the first, and the most (doubling in between).
+RESTART_DELAY_S: Final = 0.5
+MAX_RESTART_DELAY_S: Final = 30.0
+#: A worker that ran this long before dying is restarted after the first delay again.
+STABLE_AFTER_S: Final = 30.0
+#: Consecutive restarts of one worker that die before it is ready, before serve gives up.
+MAX_FAILED_STARTS: Final = 5
+#: At shutdown, how long past the drain period a worker may take to exit before it is killed.
+STOP_MARGIN_S: Final = 10.0
+#: How often a worker checks that its supervisor is still there.
+PARENT_POLL_S: Final = 1.0
+
+
+class WorkerFailed(TrioInferError):
+    """A worker could not start (or kept dying before it was ready): serving stops."""
+
+
+class WorkersDisagree(TrioInferError):
+    """A repository change applied on some workers and failed on others (HTTP 500)."""
+
+
+class _Gone(Exception):
+    """The other end of a control call is not there (any more)."""
+
+
+# -- the wire: one JSON line each way per connection --------------------------------------
+
+
+async def _call(path: Path, message: Mapping[str, Any]) -> dict[str, Any]:
+    try:
+        async with await anyio.connect_unix(path) as stream:
+            await stream.send(json.dumps(message).encode() + b"\n")
+            line = await BufferedByteReceiveStream(stream).receive_until(b"\n", _MAX_MESSAGE)
+    except (OSError, anyio.EndOfStream, anyio.IncompleteRead, anyio.BrokenResourceError) as exc:
+        raise _Gone(f"{path.name}: {exc!r}") from exc
+    reply: dict[str, Any] = json.loads(line)
+    return reply
+
+
+_Handler = Callable[[dict[str, Any]], Awaitable[dict[str, Any]]]
+
+
+async def _serve_calls(
+    path: Path,
+    handle: _Handler,
+    *,
+    task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED,
+) -> None:
+    """Answer control calls on the Unix socket *path*, each in its own task, forever."""
+    await anyio.Path(path).unlink(missing_ok=True)  # a worker's earlier life left it
+    listener = await anyio.create_unix_listener(path)
+
+    async def answer(stream: anyio.abc.SocketStream) -> None:
+        async with stream:
+            try:
+                line = await BufferedByteReceiveStream(stream).receive_until(b"\n", _MAX_MESSAGE)
+                reply = await handle(json.loads(line))
+                await stream.send(json.dumps(reply).encode() + b"\n")
+            except (anyio.EndOfStream, anyio.IncompleteRead, anyio.BrokenResourceError):
+                pass  # the caller went away (a worker that died, a client that left)
+            except Exception:
+                # A bug here must cost one call, never the server.
+                log.exception("unexpected error answering a control call on %s", path.name)
+
+    async with listener:
+        task_status.started()
+        await listener.serve(answer)
+
+
+def _error_reply(error: TrioInferError, message: str) -> dict[str, Any]:
+    return {"error": {"type": type(error).__name__, "message": message}}
+
+
+def _raise_error(error: Mapping[str, str]) -> None:
+    """Raise the error a worker or the supervisor reported, as its own class where it can."""
+    name, message = error["type"], error["message"]
+    if name == "WorkersDisagree":
+        raise WorkersDisagree(message)
+    kind = getattr(_exceptions, name, None) or getattr(_codec, name, None)
+    if isinstance(kind, type) and issubclass(kind, TrioInferError):
+        try:
+            found = kind(message)
+        except TypeError:  # a class that needs more than a message (none a load raises)
+            found = TrioInferError(message)
+        raise found
+    raise TrioInferError(message)
+
+
+# -- adding up statistics and metrics --------------------------------------------------------
+
+
+def merge_stats(parts: Iterable[Sequence[Mapping[str, Any]]]) -> list[dict[str, Any]]:
+    """Add up Triton-style ``model_stats`` lists from several workers, per model version.
+
+    Counts and durations are summed; ``last_inference`` is the latest.
+    """
+    merged: dict[tuple[str, str], dict[str, Any]] = {}
+    for part in parts:
+        for entry in part:
+            key = (entry["name"], entry["version"])
+            have = merged.get(key)
+            if have is None:
+                merged[key] = copy.deepcopy(dict(entry))
+                continue
+            have["last_inference"] = max(have["last_inference"], entry["last_inference"])
+            have["inference_count"] += entry["inference_count"]
+            have["execution_count"] += entry["execution_count"]
+            for name, duration in entry["inference_stats"].items():
+                total = have["inference_stats"].setdefault(name, {"count": 0, "ns": 0})
+                total["count"] += duration["count"]
+                total["ns"] += duration["ns"]
+    return list(merged.values())
+
+
+def merge_expositions(texts: Iterable[bytes]) -> bytes:
+    """Add up Prometheus text expositions from several workers, sample by sample.
+
+    Samples with the same name and labels are summed (histogram buckets
+    included); samples only some workers have (a worker's own series) are
+    kept as they are. Families keep the first worker's order.
+    """
+    families: dict[str, Metric] = {}
+    sums: dict[str, dict[tuple[str, tuple[tuple[str, str], ...]], float]] = {}
+    for text in texts:
+        for family in text_string_to_metric_families(text.decode()):
+            if family.name not in families:
+                families[family.name] = Metric(family.name, family.documentation, family.type)
+                sums[family.name] = {}
+            values = sums[family.name]
+            for sample in family.samples:
+                key = (sample.name, tuple(sample.labels.items()))
+                values[key] = values.get(key, 0.0) + sample.value
+    for name, family in families.items():
+        for (sample_name, labels), value in sums[name].items():
+            family.add_sample(sample_name, dict(labels), value)
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(_Fixed(list(families.values())))
+    return generate_latest(registry)
+
+
+@final
+class _Fixed:
+    def __init__(self, families: list[Metric]) -> None:
+        self._families = families
+
+    def collect(self) -> Iterator[Metric]:
+        return iter(self._families)
+
+
+# -- the worker's side ----------------------------------------------------------------------
+
+
+@final
+class WorkerLink:
+    """One worker's line to its supervisor and, through it, to the other workers.
+
+    `serve_http` calls `serve_control` once its models are loaded (the worker
+    joins, takes the changes made before it started, and answers the
+    supervisor's calls from then on) and `report_ready` once it listens. The
+    HTTP routes call the rest (see ``ServerState.cluster``).
+    """
+
+    def __init__(self, index: int, directory: Path, supervisor_pid: int) -> None:
+        self.index = index
+        self._directory = directory
+        self._supervisor_pid = supervisor_pid
+        self._state: ServerState | None = None
+
+    @property
+    def _supervisor(self) -> Path:
+        return self._directory / "supervisor.sock"
+
+    async def serve_control(
+        self, state: ServerState, *, task_status: anyio.abc.TaskStatus[None]
+    ) -> None:
+        """Join the other workers, then answer the supervisor's calls until cancelled."""
+        self._state = state
+        async with anyio.create_task_group() as tg:
+            await tg.start(_serve_calls, worker_socket(self._directory, self.index), self._handle)
+            tg.start_soon(self._watch_supervisor)
+            # The supervisor replays the changes made before this worker started
+            # through our socket before it answers.
+            reply = await self._ask({"op": "hello", "worker": self.index, "pid": os.getpid()})
+            if "error" in reply:
+                _raise_error(reply["error"])
+            task_status.started()
+
+    async def report_ready(self, listening: Listening) -> None:
+        """Tell the supervisor this worker listens and what it serves."""
+        await self._ask(
+            {
+                "op": "ready",
+                "worker": self.index,
+                "pid": os.getpid(),
+                "urls": list(listening.urls),
+                "models": {name: list(v) for name, v in listening.models.items()},
+                "failed": list(listening.failed),
+            }
+        )
+
+    async def load(self, model: str, override: Mapping[str, Any] | None) -> None:
+        """Load *model* (with *override*) on every worker; see `ServedModels.load`.
+
+        Raises:
+            TrioInferError: What loading raised, as its class, when every worker
+                failed alike; `WorkersDisagree` when some applied it and others not.
+        """
+        await self._change({"op": "load", "model": model, "override": override})
+
+    async def unload(self, model: str) -> None:
+        """Unload *model* on every worker; see `ServedModels.unload`."""
+        await self._change({"op": "unload", "model": model})
+
+    async def merged_stats(
+        self, local: list[dict[str, Any]], model: str | None, version: str | None
+    ) -> list[dict[str, Any]]:
+        """*local* statistics added to the other workers' for the same request."""
+        replies = await self._gather({"op": "stats", "model": model, "version": version})
+        return merge_stats([local, *(r["stats"] for r in replies if "stats" in r)])
+
+    async def merged_metrics(self, local: bytes) -> bytes:
+        """This worker's metrics text (*local*) added to the other workers'."""
+        replies = await self._gather({"op": "metrics"})
+        mine = local + self._own_metrics()
+        return merge_expositions([mine, *(r["metrics"].encode() for r in replies)])
+
+    async def _change(self, message: dict[str, Any]) -> None:
+        reply = await self._ask(message)
+        if "error" in reply:
+            _raise_error(reply["error"])
+
+    async def _gather(self, message: dict[str, Any]) -> list[dict[str, Any]]:
+        reply = await self._ask({"op": "gather", "call": message, "exclude": self.index})
+        replies: list[dict[str, Any]] = reply.get("replies", [])
+        return replies
+
+    async def _ask(self, message: dict[str, Any]) -> dict[str, Any]:
+        try:
+            return await _call(self._supervisor, message)
+        except _Gone as exc:
+            raise TrioInferError(
+                "this worker lost its supervisor (the trioinfer serve process); it is stopping"
+            ) from exc
+
+    def _own_metrics(self) -> bytes:
+        assert self._state is not None
+        family = CounterMetricFamily(
+            "trioinfer_worker_inference_requests",
+            "Inference requests over HTTP each worker process handled, any outcome.",
+            labels=["worker", "pid"],
+        )
+        family.add_metric([str(self.index), str(os.getpid())], self._state.metrics.requests())
+        registry = CollectorRegistry(auto_describe=False)
+        registry.register(_Fixed([family]))
+        return generate_latest(registry)
+
+    async def _handle(self, message: dict[str, Any]) -> dict[str, Any]:
+        from ._app import model_stats
+
+        state = self._state
+        assert state is not None
+        op = message["op"]
+        try:
+            if op == "load":
+                await state.models.load(message["model"], message["override"])
+                return {"ok": True}
+            if op == "unload":
+                await state.models.unload(message["model"])
+                return {"ok": True}
+            if op == "stats":
+                return {"stats": model_stats(state, message["model"], message["version"])}
+            if op == "metrics":
+                local, _ = state.metrics.exposition()
+                return {"metrics": (local + self._own_metrics()).decode()}
+        except TrioInferError as exc:
+            return _error_reply(exc, state.models.public_message(exc))
+        return {"error": {"type": "TrioInferError", "message": f"unknown control call {op!r}"}}
+
+    async def _watch_supervisor(self) -> None:
+        # Started in a thread, a worker cannot use PR_SET_PDEATHSIG (it fires when
+        # that thread ends): it looks for its parent instead, and drains if gone.
+        while os.getppid() == self._supervisor_pid:  # noqa: ASYNC110  # no event to wait for
+            await anyio.sleep(PARENT_POLL_S)
+        log.warning("the supervisor (pid %d) has gone; stopping", self._supervisor_pid)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
+def worker_socket(directory: Path, index: int) -> Path:
+    """The control socket of worker *index*."""
+    return directory / f"worker-{index}.sock"
+
+
+# -- the supervisor ---------------------------------------------------------------------------
+
+
+@attrs.define(eq=False)
+class _Worker:
+    index: int
+    socket: Path
+    process: anyio.abc.Process | None = None
+    pid: int = 0
+    #: Receives repository changes (it has taken those made before it started).
+    member: bool = False
+    ready: bool = False
+    #: Why it could not start, as it said.
+    failure: str = ""
+    listening: dict[str, Any] = attrs.field(factory=dict)
+
+
+@attrs.frozen
+class WorkersListening:
+    """Where the workers listen and what they serve; `serve_workers` reports it when all are ready.
+
+    Attributes:
+        urls: The base URLs, e.g. ``("http://127.0.0.1:8000",)``.
+        models: The served models and versions, e.g. ``{"digits": (1,)}``.
+        failed: Models of the repository that could not be loaded.
+        pids: The workers' process ids, by worker index.
+    """
+
+    urls: tuple[str, ...]
+    models: dict[str, tuple[int, ...]]
+    failed: tuple[str, ...]
+    pids: tuple[int, ...]
+
+
+@final
+class _Supervisor:
+    def __init__(self, count: int, directory: Path, spec: dict[str, Any]) -> None:
+        self.directory = directory
+        self.spec = spec
+        self.workers = [_Worker(i, worker_socket(directory, i)) for i in range(count)]
+        #: The last change of each model, replayed to a worker that (re)starts.
+        self.journal: dict[str, dict[str, Any]] = {}
+        self.changing = anyio.Lock()
+        self.stopping = False
+        self.stop = anyio.Event()
+        self.all_ready = anyio.Event()
+        self.failure: str | None = None
+
+    # -- workers' lives --
+
+    async def run_worker(self, worker: _Worker) -> None:
+        backoff = 0
+        failed_starts = 0
+        while not self.stopping:
+            started_at = anyio.current_time()
+            process = await anyio.open_process(
+                [sys.executable, "-m", "trioinfer.server._workers", str(worker.index)],
+                stdin=None,
+                stdout=None,
+                stderr=None,
+                env={**os.environ, SPEC_ENV: json.dumps(self.spec)},
+                # Its own session: a terminal's Ctrl+C reaches the supervisor
+                # alone, which then stops the workers once, in order.
+                start_new_session=True,
+            )
+            worker.process, worker.pid, worker.failure = process, process.pid, ""
+            log.info("started worker %d (pid %d)", worker.index, process.pid)
+            if self.stopping:
+                process.send_signal(signal.SIGTERM)
+            was_ready = False
+            try:
+                await process.wait()
+            finally:
+                was_ready = worker.ready
+                worker.process = None
+                worker.member = worker.ready = False
+            if self.stopping:
+                return
+            how = _exit_text(process.returncode)
+            why = f": {worker.failure}" if worker.failure else " (see its log above)"
+            if not self.all_ready.is_set():
+                self._fail(
+                    f"worker {worker.index} (pid {worker.pid}) {how} before it was ready{why}"
+                )
+                return
+            uptime = anyio.current_time() - started_at
+            if not was_ready:
+                failed_starts += 1
+                if failed_starts >= MAX_FAILED_STARTS:
+                    self._fail(
+                        f"worker {worker.index} {how} before it was ready {failed_starts} times "
+                        f"in a row{why}"
+                    )
+                    return
+            else:
+                failed_starts = 0
+            backoff = 0 if was_ready and uptime >= STABLE_AFTER_S else backoff + 1
+            delay = min(RESTART_DELAY_S * 2 ** (backoff - 1 if backoff else 0), MAX_RESTART_DELAY_S)
+            log.warning(
+                "worker %d (pid %d) %s%s; its in-flight requests failed (connections closed); "
+                "restarting it in %.1fs",
+                worker.index,
+                worker.pid,
+                how,
+                "" if was_ready else " before it was ready",
+                delay,
+            )
+            with anyio.move_on_after(delay):
+                await self.stop.wait()
+
+    def _fail(self, message: str) -> None:
+        if self.failure is None:
+            self.failure = message
+        self.stop.set()
+
+    def stop_all(self) -> None:
+        """SIGTERM every worker: each drains, as a single server does, and exits."""
+        self.stopping = True
+        self.signal_all(signal.SIGTERM)
+
+    async def kill_after(self, seconds: float) -> None:
+        """SIGKILL the workers still running *seconds* from now."""
+        await anyio.sleep(seconds)
+        log.warning("workers still running %.0fs after SIGTERM; killing them", seconds)
+        self.signal_all(signal.SIGKILL)
+
+    def signal_all(self, signum: signal.Signals) -> None:
+        """Send *signum* to every running worker."""
+        for worker in self.workers:
+            if worker.process is not None:
+                with contextlib.suppress(ProcessLookupError):
+                    worker.process.send_signal(signum)
+
+    # -- control calls from the workers --
+
+    async def handle(self, message: dict[str, Any]) -> dict[str, Any]:
+        op = message["op"]
+        if op in ("load", "unload"):
+            return await self._change(message)
+        if op == "gather":
+            return {"replies": await self._gather(message["call"], exclude=message["exclude"])}
+        worker = self.workers[message["worker"]]
+        if op == "hello":
+            return await self._hello(worker)
+        if op == "ready":
+            worker.ready = True
+            worker.listening = message
+            log.info("worker %d (pid %d) is ready", worker.index, worker.pid)
+            if all(w.ready for w in self.workers):
+                self.all_ready.set()
+            return {"ok": True}
+        if op == "failed":
+            worker.failure = message["message"]
+            return {"ok": True}
+        return {"error": {"type": "TrioInferError", "message": f"unknown control call {op!r}"}}
+
+    async def _hello(self, worker: _Worker) -> dict[str, Any]:
+        # Under the lock: no change may pass between the replay and membership.
+        async with self.changing:
+            for change in self.journal.values():
+                try:
+                    reply = await _call(worker.socket, change)
+                except _Gone:
+                    message = "its control socket stopped answering while it joined"
+                    return {"error": {"type": "TrioInferError", "message": message}}
+                if "error" in reply:
+                    log.warning(
+                        "worker %d could not repeat the %s of model %r made before it started: %s",
+                        worker.index,
+                        change["op"],
+                        change["model"],
+                        reply["error"]["message"],
+                    )
+            worker.member = True
+        return {"ok": True}
+
+    async def _change(self, message: dict[str, Any]) -> dict[str, Any]:
+        async with self.changing:
+            targets = [w for w in self.workers if w.member]
+            replies = await _each(targets, message)
+            applied = [w.index for w, r in replies if r is not None and "error" not in r]
+            failed = [(w.index, r["error"]) for w, r in replies if r is not None and "error" in r]
+            if not failed or applied:
+                # Workers that died meanwhile take it when they restart.
+                self.journal.pop(message["model"], None)
+                self.journal[message["model"]] = message
+            if not failed:
+                return {"ok": True}
+            errors = {(e["type"], e["message"]) for _, e in failed}
+            if not applied and len(errors) == 1:
+                return {"error": failed[0][1]}  # as a single server would have failed
+            what = f"the {message['op']} of model {message['model']!r}"
+            said = "; ".join(f"worker {i}: {e['message']}" for i, e in failed)
+            return {
+                "error": {
+                    "type": "WorkersDisagree",
+                    "message": (
+                        f"{what} applied on worker(s) {', '.join(map(str, applied)) or 'none'} "
+                        f"and failed on worker(s) {', '.join(str(i) for i, _ in failed)} "
+                        f"({said}); the workers may now serve different things: repeat "
+                        "the request, or restart the server"
+                    ),
+                }
+            }
+
+    async def _gather(self, call: dict[str, Any], *, exclude: int) -> list[dict[str, Any]]:
+        targets = [w for w in self.workers if w.member and w.index != exclude]
+        replies = await _each(targets, call, limit_s=GATHER_TIMEOUT_S)
+        return [r for _, r in replies if r is not None]
+
+
+async def _each(
+    workers: list[_Worker], message: dict[str, Any], *, limit_s: float = math.inf
+) -> list[tuple[_Worker, dict[str, Any] | None]]:
+    """Send *message* to every worker at once; None for those that died or did not answer."""
+    replies: dict[int, dict[str, Any] | None] = {}
+
+    async def one(worker: _Worker) -> None:
+        replies[worker.index] = None
+        with anyio.move_on_after(limit_s):
+            try:
+                replies[worker.index] = await _call(worker.socket, message)
+            except _Gone:
+                log.info("worker %d did not answer a %s call", worker.index, message["op"])
+
+    async with anyio.create_task_group() as tg:
+        for worker in workers:
+            tg.start_soon(one, worker)
+    return [(w, replies[w.index]) for w in workers]
+
+
+def _exit_text(code: int | None) -> str:
+    if code is not None and code < 0:
+        try:
+            return f"was killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"was killed by signal {-code}"
+    return f"exited with status {code}"
+
+
+def _reserve_port(host: str, port: int) -> tuple[list[socket.socket], int]:
+    """Bind (without listening) every address of *host* with SO_REUSEPORT; return the port.
+
+    Held for the whole run: port 0 becomes one port that every worker binds,
+    and no other program can take the port while a worker restarts. A socket
+    that does not listen gets no connections.
+    """
+    infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    sockets: list[socket.socket] = []
+    seen = set()
+    try:
+        for family, kind, proto, _name, address in infos:
+            if (family, address[0]) in seen:
+                continue
+            seen.add((family, address[0]))
+            where = (address[0], port, *address[2:])
+            # First without SO_REUSEPORT, and let go at once: a port another
+            # server listens on (another `serve --workers` too) is refused here
+            # rather than shared with it.
+            with socket.socket(family, kind, proto) as probe:
+                _bind(probe, family, where, reuse_port=False)
+                port = probe.getsockname()[1]
+                where = (address[0], port, *address[2:])
+            sock = socket.socket(family, kind, proto)
+            sockets.append(sock)
+            _bind(sock, family, where, reuse_port=True)
+    except BaseException:
+        for sock in sockets:
+            sock.close()
+        raise
+    return sockets, port
+
+
+def _bind(sock: socket.socket, family: int, where: tuple[Any, ...], *, reuse_port: bool) -> None:
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    if reuse_port:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    if family == socket.AF_INET6:
+        sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+    sock.bind(where)
+
+
+async def serve_workers(
+    repository: str | os.PathLike[str],
+    *,
+    workers: int,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    config: ServerConfig,
+    models: Sequence[str] | None = None,
+    loop: str = "trio",
+    log_level: str = "info",
+    task_status: anyio.abc.TaskStatus[WorkersListening] = anyio.TASK_STATUS_IGNORED,
+) -> None:
+    """Serve *repository* from *workers* processes on one port until SIGINT/SIGTERM.
+
+    Reports a `WorkersListening` once every worker is ready. On the first
+    signal every worker drains (as `serve_http` does) and this returns once
+    all have exited; a second signal stops them at once.
+
+    Raises:
+        ConfigError: The repository does not exist, or *workers* is below 1.
+        WorkerFailed: A worker could not start (the message says why), or one
+            kept dying before it was ready.
+        OSError: The address could not be bound.
+    """
+    from ._repository import ModelRepository
+
+    if workers < 1:
+        raise ConfigError(f"workers must be at least 1, got {workers}")
+    root = ModelRepository(repository).root  # a missing repository fails here, once
+    reserved, port = _reserve_port(host, port)
+    directory = Path(tempfile.mkdtemp(prefix="trioinfer-workers-"))
+    log.info("supervising %d workers; control sockets in %s", workers, directory)
+    spec = {
+        "repository": str(root),
+        "host": host,
+        "port": port,
+        "models": None if models is None else list(models),
+        "loop": loop,
+        "log_level": log_level,
+        "directory": str(directory),
+        "supervisor_pid": os.getpid(),
+        "config": {
+            "limits": attrs.asdict(config.limits),
+            "admin_token": config.admin_token,
+            "protect_inference": config.protect_inference,
+            "drain_period": config.drain_period,
+            "cache_size": config.cache_size,
+        },
+    }
+    supervisor = _Supervisor(workers, directory, spec)
+    try:
+        async with anyio.create_task_group() as tg:
+            await tg.start(_serve_calls, directory / "supervisor.sock", supervisor.handle)
+            await tg.start(_watch_signals, supervisor)
+            async with anyio.create_task_group() as lives:
+                for worker in supervisor.workers:
+                    lives.start_soon(supervisor.run_worker, worker)
+                async with anyio.create_task_group() as waiting:
+                    waiting.start_soon(_first, supervisor.all_ready, waiting.cancel_scope)
+                    waiting.start_soon(_first, supervisor.stop, waiting.cancel_scope)
+                if supervisor.failure is None and not supervisor.all_ready.is_set():
+                    supervisor.failure = "stopped by a signal before every worker was ready"
+                if supervisor.failure is None:
+                    first = supervisor.workers[0].listening
+                    task_status.started(
+                        WorkersListening(
+                            tuple(first["urls"]),
+                            {name: tuple(v) for name, v in first["models"].items()},
+                            tuple(first["failed"]),
+                            tuple(w.pid for w in supervisor.workers),
+                        )
+                    )
+                await supervisor.stop.wait()
+                log.info(
+                    "stopping %d workers; each drains for up to %.1fs", workers, config.drain_period
+                )
+                supervisor.stop_all()
+                tg.start_soon(supervisor.kill_after, config.drain_period + STOP_MARGIN_S)
+            # Every worker has exited.
+            tg.cancel_scope.cancel()
+    finally:
+        for sock in reserved:
+            sock.close()
+        shutil.rmtree(directory, ignore_errors=True)
+    if supervisor.failure is not None:
+        raise WorkerFailed(supervisor.failure)
+    log.info("all workers stopped")
+
+
+async def _first(event: anyio.Event, scope: anyio.CancelScope) -> None:
+    await event.wait()
+    scope.cancel()
+
+
+async def _watch_signals(
+    supervisor: _Supervisor, *, task_status: anyio.abc.TaskStatus[None]
+) -> None:
+    with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+        task_status.started()
+        async for signum in signals:
+            if not supervisor.stop.is_set():
+                log.info("%s: stopping the workers", signal.Signals(signum).name)
+                supervisor.stop.set()
+            else:
+                log.info("second signal: stopping the workers now")
+                supervisor.signal_all(signal.SIGTERM)  # their second signal: stop at once
+
+
+# -- a worker process ------------------------------------------------------------------------
+
+
+def _worker_main(argv: list[str]) -> int:
+    """Run worker ``argv[0]`` with the settings in ``$TRIOINFER_WORKER_SPEC``; the exit status."""
+    from ._app import ServerConfig
+    from ._codec import Limits
+    from ._models import public_names
+    from ._serve import serve_http
+
+    index = int(argv[0])
+    spec = json.loads(os.environ.pop(SPEC_ENV))
+    logging.basicConfig(
+        level=spec["log_level"].upper(),
+        format=f"%(asctime)s worker {index} %(name)s %(levelname)s %(message)s",
+    )
+    settings = spec["config"]
+    config = ServerConfig(
+        limits=Limits(**settings["limits"]),
+        admin_token=settings["admin_token"],
+        protect_inference=settings["protect_inference"],
+        drain_period=settings["drain_period"],
+        cache_size=settings["cache_size"],
+    )
+    directory = Path(spec["directory"])
+    link = WorkerLink(index, directory, spec["supervisor_pid"])
+
+    async def serve() -> None:
+        async with anyio.create_task_group() as tg:
+            await tg.start(
+                functools.partial(
+                    serve_http,
+                    spec["repository"],
+                    host=spec["host"],
+                    port=spec["port"],
+                    config=config,
+                    models=spec["models"],
+                    reuse_port=True,
+                    worker=link,
+                )
+            )
+            from ..cli.serve import _settle_gc
+
+            _settle_gc()
+
+    try:
+        anyio.run(serve, backend=spec["loop"])
+    except (TrioInferError, OSError, BaseExceptionGroup) as exc:
+        cause = exc
+        while isinstance(cause, BaseExceptionGroup) and len(cause.exceptions) == 1:
+            cause = cause.exceptions[0]
+        if not isinstance(cause, TrioInferError | OSError):
+            raise
+        message = public_names(f"{type(cause).__name__}: {cause}")
+        log.error("could not serve: %s", message)  # noqa: TRY400  # the message says it all
+        with contextlib.suppress(_Gone):
+            anyio.run(
+                _call,
+                directory / "supervisor.sock",
+                {"op": "failed", "worker": index, "message": message},
+            )
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_worker_main(sys.argv[1:]))

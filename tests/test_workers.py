@@ -1,0 +1,469 @@
+"""``trioinfer serve --workers 2``: one port, two processes, one supervisor, as a user runs it.
+
+The server runs as a real subprocess on 127.0.0.1 (port 0: the supervisor
+picks one port and every worker binds it); the tests learn the port and the
+workers' pids from the banner on stdout. Requests go over fresh connections
+(``connection: close``), so that the kernel spreads them over both workers.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import anyio
+import attrs
+import httpx
+import pytest
+from click.testing import CliRunner
+from prometheus_client.parser import text_string_to_metric_families
+
+from trioinfer import ConfigError, ModelNotFound, TrioInferError, example_repository
+from trioinfer.cli import main
+from trioinfer.server import status_for
+from trioinfer.server._workers import (
+    WorkersDisagree,
+    _raise_error,
+    _serve_calls,
+    _Supervisor,
+    merge_expositions,
+    merge_stats,
+    worker_socket,
+)
+
+pytestmark = pytest.mark.workers
+
+#: The longest any step here may take (start-up, a restart, a drain).
+WAIT_S = 30.0
+POLL_S = 0.05
+
+SLOW_CONFIG = """\
+# An async Python model that sleeps x seconds and answers y = x.
+backend = "python"
+batcher = "none"
+instances = [{ device = "cpu", count = 16 }]
+
+[backend_options]
+inputs = [{ name = "x", dtype = "float32", shape = ["batch", 1] }]
+outputs = [{ name = "y", dtype = "float32", shape = ["batch", 1] }]
+"""
+
+SLOW_MODEL = """\
+import anyio
+
+
+class Model:
+    async def infer(self, inputs):
+        await anyio.sleep(float(inputs["x"].max()))
+        return {"y": inputs["x"]}
+"""
+
+DIGIT = [0, 0, 5, 13, 9, 1, 0, 0, 0, 0, 13, 15, 10, 15, 5, 0, 0, 3, 15, 2, 0, 11, 8, 0, 0, 4]
+DIGIT += [12, 0, 0, 8, 8, 0, 0, 5, 8, 0, 0, 9, 8, 0, 0, 4, 11, 0, 1, 12, 7, 0, 0, 2, 14, 5]
+DIGIT += [10, 12, 0, 0, 0, 0, 6, 13, 10, 0, 0, 0]
+
+
+@pytest.fixture(scope="module")
+def repository(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("repository")
+    shutil.copytree(example_repository() / "digits", root / "digits")
+    (root / "slow" / "1").mkdir(parents=True)
+    (root / "slow" / "config.toml").write_text(SLOW_CONFIG)
+    (root / "slow" / "1" / "model.py").write_text(SLOW_MODEL)
+    return root
+
+
+@attrs.define
+class Served:
+    process: subprocess.Popen[str]
+    url: str
+    pids: list[int]
+    log: Path
+
+    def directory(self) -> Path:
+        """The supervisor's control directory, as its log names it."""
+        found = re.search(r"control sockets in (\S+)", self.log.read_text())
+        assert found is not None
+        return Path(found.group(1))
+
+
+def start(
+    repository: Path, log: Path, *args: str
+) -> tuple[subprocess.Popen[str], Callable[[], str | None]]:
+    """Run ``trioinfer serve`` with *args*; return it and a reader of its stdout lines."""
+    with log.open("w") as stderr:  # the child keeps its own copy
+        process = subprocess.Popen(
+            [
+                *(sys.executable, "-m", "trioinfer", "serve", "--model-repository", repository),
+                *("--host", "127.0.0.1", "--port", "0", "--drain-period", "5", *args),
+            ],
+            stdout=subprocess.PIPE,
+            stderr=stderr,
+            text=True,
+        )
+    lines: queue.Queue[str | None] = queue.Queue()
+
+    def read() -> None:
+        assert process.stdout is not None
+        with process.stdout:
+            for line in process.stdout:
+                lines.put(line)
+        lines.put(None)
+
+    threading.Thread(target=read, daemon=True).start()
+
+    def next_line() -> str | None:
+        return lines.get(timeout=WAIT_S)
+
+    return process, next_line
+
+
+@pytest.fixture(scope="module")
+def served(repository: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
+    log = tmp_path_factory.mktemp("log") / "serve.log"
+    process, next_line = start(repository, log, "--workers", "2")
+    try:
+        while True:
+            line = next_line()
+            assert line is not None, log.read_text()
+            found = re.search(r"2 workers \(pids (\d+), (\d+)\) listening on (\S+)", line)
+            if found:
+                break
+        yield Served(process, found.group(3), [int(found.group(1)), int(found.group(2))], log)
+    finally:
+        if process.poll() is None:  # a test failed before stopping it
+            workers = _children_of(process.pid)
+            process.kill()
+            process.wait()
+            for pid in workers:
+                os.kill(pid, signal.SIGKILL)
+
+
+def _children_of(pid: int) -> list[int]:
+    # Every process whose parent is *pid* (the supervisor starts workers from a
+    # thread, so /proc/PID/task/PID/children does not list them).
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue  # gone meanwhile
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                found.append(int(entry.name))
+    return found
+
+
+def fresh(
+    method: str, url: str, **kwargs: Any
+) -> httpx.Response:  # one request on its own connection
+    with httpx.Client(timeout=WAIT_S, headers={"connection": "close"}) as client:
+        return client.request(method, url, **kwargs)
+
+
+def infer_digit(url: str) -> httpx.Response:
+    body = {"inputs": [{"name": "input", "shape": [1, 64], "datatype": "FP32", "data": DIGIT}]}
+    return fresh("POST", f"{url}/v2/models/digits/infer", json=body)
+
+
+def infer_slow(url: str, seconds: float) -> httpx.Response:
+    body = {"inputs": [{"name": "x", "shape": [1, 1], "datatype": "FP32", "data": [seconds]}]}
+    return fresh("POST", f"{url}/v2/models/slow/infer", json=body)
+
+
+def samples(url: str, name: str) -> list[tuple[dict[str, str], float]]:
+    text = fresh("GET", f"{url}/metrics").text
+    return [
+        (sample.labels, sample.value)
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name == name
+    ]
+
+
+def worker_pids(url: str) -> dict[str, int]:
+    return {
+        labels["worker"]: int(labels["pid"])
+        for labels, _ in samples(url, "trioinfer_worker_inference_requests_total")
+    }
+
+
+def wait_until(condition: Callable[[], bool], what: str) -> None:
+    deadline = time.monotonic() + WAIT_S
+    while not condition():
+        assert time.monotonic() < deadline, f"gave up waiting until {what}"
+        time.sleep(POLL_S)
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def test_requests_spread_over_both_workers_and_metrics_add_up(served: Served) -> None:
+    before = samples(served.url, "trioinfer_inference_requests_total")
+    assert not any(labels["model"] == "digits" for labels, _ in before)
+    for _ in range(40):
+        response = infer_digit(served.url)
+        assert response.status_code == 200, response.text
+    per_worker = {
+        labels["worker"]: (int(labels["pid"]), value)
+        for labels, value in samples(served.url, "trioinfer_worker_inference_requests_total")
+    }
+    assert {w: pid for w, (pid, _) in per_worker.items()} == {
+        "0": served.pids[0],
+        "1": served.pids[1],
+    }
+    assert all(n > 0 for _, n in per_worker.values()), per_worker  # both took some
+    assert sum(n for _, n in per_worker.values()) == 40
+    # The server's own families add up across workers, histograms included.
+    requests = dict(
+        (labels["outcome"], value)
+        for labels, value in samples(served.url, "trioinfer_inference_requests_total")
+        if labels["model"] == "digits"
+    )
+    assert requests == {"success": 40}
+    rows = samples(served.url, "trioinfer_inference_batch_rows_sum")
+    assert [v for labels, v in rows if labels["model"] == "digits"] == [40]
+    instances = samples(served.url, "trioinfer_instances")
+    assert [v for labels, v in instances if labels["model"] == "digits"] == [2]  # one each
+    stats = fresh("GET", f"{served.url}/v2/models/digits/stats").json()["model_stats"]
+    assert len(stats) == 1
+    assert stats[0]["inference_count"] == 40
+    assert stats[0]["inference_stats"]["success"]["count"] == 40
+
+
+def test_load_and_unload_reach_every_worker(served: Served) -> None:
+    url = served.url
+    assert fresh("POST", f"{url}/v2/repository/models/digits/unload").status_code == 200
+    for _ in range(12):
+        assert infer_digit(url).status_code == 404
+    override = {"parameters": {"config": {"max_queue_size": 7}}}
+    response = fresh("POST", f"{url}/v2/repository/models/digits/load", json=override)
+    assert response.status_code == 200, response.text
+    for _ in range(12):
+        config = fresh("GET", f"{url}/v2/models/digits/config").json()
+        assert config["trioinfer"]["max_queue_size"] == 7
+    # A change every worker refuses fails as it would on one server, and changes nothing.
+    bad = {"parameters": {"config": {"max_queue_size": -1}}}
+    response = fresh("POST", f"{url}/v2/repository/models/digits/load", json=bad)
+    assert response.status_code == 400
+    assert "max_queue_size must be a positive integer, got -1" in response.json()["error"]
+    response = fresh("POST", f"{url}/v2/repository/models/nosuch/load")
+    assert response.status_code == 404
+    for _ in range(12):
+        assert infer_digit(url).status_code == 200
+
+
+def test_a_killed_worker_is_restarted_and_its_requests_fail_cleanly(served: Served) -> None:
+    url = served.url
+    victim = worker_pids(url)["1"]
+    # Long enough for all of them to be seen in flight at once on a busy machine.
+    seconds = [3.0 + i / 1000 for i in range(16)]
+    with ThreadPoolExecutor(len(seconds)) as pool:
+        futures = [pool.submit(_outcome, infer_slow, url, s) for s in seconds]
+        wait_until(
+            lambda: samples(url, "trioinfer_http_inference_in_flight")[0][1] == len(seconds),
+            "every slow request is in flight",
+        )
+        os.kill(victim, signal.SIGKILL)
+        outcomes = [f.result() for f in futures]
+    answered = [o for o in outcomes if isinstance(o, httpx.Response)]
+    # The survivor's requests are answered, each with its own value; the victim's
+    # connections close: none is answered by anyone else, nor wrongly.
+    for response, s in zip(outcomes, seconds, strict=True):
+        if isinstance(response, httpx.Response):
+            assert response.status_code == 200, response.text
+            assert response.json()["outputs"][0]["data"] == [pytest.approx(s)]
+    assert 0 < len(answered) < len(seconds)
+    assert all(isinstance(o, httpx.TransportError) for o in outcomes if o not in answered)
+
+    wait_until(lambda: worker_pids(url).get("1", victim) != victim, "worker 1 is back")
+    assert not alive(victim)
+    assert f"worker 1 (pid {victim}) was killed by SIGKILL" in served.log.read_text()
+    for _ in range(12):
+        assert infer_digit(url).status_code == 200
+        # The restarted worker took the changes made before it started.
+        config = fresh("GET", f"{url}/v2/models/digits/config").json()
+        assert config["trioinfer"]["max_queue_size"] == 7
+
+
+def test_sigterm_drains_every_worker_and_leaves_nothing(served: Served) -> None:
+    pids = list(worker_pids(served.url).values())
+    directory = served.directory()
+    assert directory.is_dir()
+    with ThreadPoolExecutor(1) as pool:
+        slow = pool.submit(infer_slow, served.url, 2.0)
+        wait_until(
+            lambda: samples(served.url, "trioinfer_http_inference_in_flight")[0][1] == 1,
+            "the slow request is in flight",
+        )
+        served.process.send_signal(signal.SIGTERM)
+        assert slow.result().status_code == 200  # drained, not cut
+    assert served.process.wait(timeout=WAIT_S) == 0
+    assert not [pid for pid in pids if alive(pid)]
+    assert not directory.exists()
+    log = served.log.read_text()
+    assert "all workers stopped" in log
+    assert "Traceback" not in log
+
+
+def test_a_worker_that_cannot_start_stops_serve_with_its_error(
+    repository: Path, tmp_path: Path
+) -> None:
+    log = tmp_path / "serve.log"
+    process, next_line = start(repository, log, "--workers", "2", "--model", "nosuch")
+    assert process.wait(timeout=WAIT_S) == 1
+    assert next_line() is None  # nothing on stdout
+    error = log.read_text().splitlines()[-1]
+    assert error.startswith("Error: WorkerFailed: worker ")
+    assert "before it was ready: ModelNotFound: no model 'nosuch' in the model repository" in error
+    started = [int(pid) for pid in re.findall(r"started worker \d \(pid (\d+)\)", log.read_text())]
+    assert len(started) == 2
+    assert not [pid for pid in started if alive(pid)]
+
+
+def _outcome(
+    fn: Callable[..., httpx.Response], *args: Any
+) -> httpx.Response | httpx.TransportError:
+    try:
+        return fn(*args)
+    except httpx.TransportError as exc:
+        return exc
+
+
+def test_merge_adds_up_samples_and_keeps_each_workers_own() -> None:
+    one = (
+        b"# HELP t_requests_total R.\n# TYPE t_requests_total counter\n"
+        b't_requests_total{model="m"} 3.0\n'
+        b"# HELP t_seconds S.\n# TYPE t_seconds histogram\n"
+        b't_seconds_bucket{le="0.1"} 1.0\nt_seconds_bucket{le="+Inf"} 2.0\n'
+        b"t_seconds_count 2.0\nt_seconds_sum 0.5\n"
+        b"# HELP t_worker_total W.\n# TYPE t_worker_total counter\n"
+        b't_worker_total{worker="0"} 3.0\n'
+    )
+    two = one.replace(b"3.0", b"4.0").replace(b'worker="0"', b'worker="1"')
+    merged = merge_expositions([one, two]).decode()
+    assert 't_requests_total{model="m"} 7.0' in merged
+    assert 't_seconds_bucket{le="0.1"} 2.0' in merged
+    assert 't_seconds_bucket{le="+Inf"} 4.0' in merged
+    assert "t_seconds_sum 1.0" in merged
+    assert 't_worker_total{worker="0"} 3.0' in merged
+    assert 't_worker_total{worker="1"} 4.0' in merged
+
+
+def test_merge_stats_sums_counts_and_takes_the_last_inference() -> None:
+    def entry(count: int, last: int) -> dict[str, Any]:
+        return {
+            "name": "m",
+            "version": "1",
+            "last_inference": last,
+            "inference_count": count,
+            "execution_count": count,
+            "inference_stats": {"success": {"count": count, "ns": 10 * count}},
+            "batch_stats": [],
+        }
+
+    merged = merge_stats([[entry(2, 5)], [entry(3, 9)], []])
+    assert merged == [
+        {
+            "name": "m",
+            "version": "1",
+            "last_inference": 9,
+            "inference_count": 5,
+            "execution_count": 5,
+            "inference_stats": {"success": {"count": 5, "ns": 50}},
+            "batch_stats": [],
+        }
+    ]
+
+
+def test_serve_help_and_bad_worker_counts(tmp_path: Path) -> None:
+    runner = CliRunner()
+    help_text = runner.invoke(main, ["serve", "--help"]).output
+    assert "--workers N" in help_text
+    assert "SO_REUSEPORT" in help_text
+    refused = runner.invoke(main, ["serve", "--workers", "0"])
+    assert refused.exit_code == 2
+    assert "Invalid value for '--workers'" in refused.output
+    config = tmp_path / "server.toml"
+    config.write_text("workers = 0\n")
+    refused = runner.invoke(main, ["serve", "--config", str(config)])
+    assert refused.exit_code == 2
+    assert "workers must be >= 1, got 0" in refused.output
+
+
+async def test_a_change_some_workers_refuse_is_an_error_that_names_them(tmp_path: Path) -> None:
+    """The supervisor's fan-out, against three stand-in workers (one of them gone)."""
+    supervisor = _Supervisor(3, tmp_path, {})
+    said: dict[int, list[dict[str, Any]]] = {0: [], 1: []}
+    refuse: dict[int, str] = {0: "", 1: "no (worker 1)"}
+
+    def worker(index: int) -> Any:
+        async def handle(message: dict[str, Any]) -> dict[str, Any]:
+            said[index].append(message)
+            if refuse[index]:
+                return {"error": {"type": "ConfigError", "message": refuse[index]}}
+            return {"ok": True}
+
+        return handle
+
+    async with anyio.create_task_group() as tg:
+        for index in (0, 1):
+            await tg.start(_serve_calls, worker_socket(tmp_path, index), worker(index))
+        for member in supervisor.workers:
+            member.member = True  # worker 2 has no socket: it died meanwhile
+        load = {"op": "load", "model": "m", "override": {"max_queue_size": 7}}
+        reply = await supervisor.handle(load)
+        assert said[0] == [load]
+        assert said[1] == [load]
+        error = reply["error"]
+        assert error["type"] == "WorkersDisagree"
+        assert "applied on worker(s) 0 and failed on worker(s) 1" in error["message"]
+        assert "worker 1: no (worker 1)" in error["message"]
+        assert supervisor.journal == {"m": load}  # worker 2 takes it when it restarts
+        with pytest.raises(WorkersDisagree) as raised:
+            _raise_error(error)
+        assert status_for(raised.value) == 500
+
+        # Refused alike by every worker that answered: the error as one server gives it,
+        # and the journal keeps the last change that applied.
+        refuse[0] = refuse[1] = "no"
+        reply = await supervisor.handle({"op": "unload", "model": "m"})
+        assert reply == {"error": {"type": "ConfigError", "message": "no"}}
+        assert supervisor.journal == {"m": load}
+        with pytest.raises(ConfigError, match=r"^no$"):
+            _raise_error(reply["error"])
+
+        # Statistics and metrics come from every member but the one asking.
+        refuse[0] = refuse[1] = ""
+        replies = await supervisor.handle({"op": "gather", "call": {"op": "x"}, "exclude": 1})
+        assert replies == {"replies": [{"ok": True}]}
+        tg.cancel_scope.cancel()
+
+
+@pytest.mark.parametrize(
+    ("kind", "expected"),
+    [("ModelNotFound", ModelNotFound), ("RequestError", TrioInferError), ("Nonsense", None)],
+)
+def test_a_workers_error_comes_back_as_its_class(kind: str, expected: type | None) -> None:
+    with pytest.raises(TrioInferError, match=r"^said$") as raised:
+        _raise_error({"type": kind, "message": "said"})
+    if expected is None:
+        assert type(raised.value) is TrioInferError  # unknown: a plain 500
+    else:
+        assert isinstance(raised.value, expected)
