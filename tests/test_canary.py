@@ -210,9 +210,12 @@ async def test_the_traffic_command_shows_sets_promotes_and_rolls_back(tmp_path: 
     assert not_served.exit_code == 1
     assert "model 'digits' has no served version 5; served versions: 1, 2" in not_served.output
     assert unserved.exit_code == 1
-    assert "400 model 'digits': traffic names version 7, which is not served" in unserved.output
+    assert (
+        "400 failed to load 'digits': model 'digits': traffic names version 7, which is not served"
+        in unserved.output
+    )
     assert unknown.exit_code == 1
-    assert "404 model 'nope' is not served" in unknown.output
+    assert "404 Request for unknown model: 'nope' is not served" in unknown.output
     assert bad.exit_code == 2
     assert "'1=lots' is not VERSION=WEIGHT" in bad.output
     assert both.exit_code == 2

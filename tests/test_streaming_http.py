@@ -153,7 +153,7 @@ async def test_generate_answers_exactly_one_response(repository: Path) -> None:
 @pytest.mark.parametrize(
     ("path", "body", "status", "message"),
     [
-        ("nope/generate_stream", {}, 404, "model 'nope' is not served"),
+        ("nope/generate_stream", {}, 404, "Request for unknown model: 'nope' is not served"),
         ("repeat_int32/generate_stream", [1], 400, "must be a JSON object of inputs"),
         ("repeat_int32/generate_stream", {"IN": [1], "X": 1}, 400, "'X' is not an input"),
         ("repeat_int32/generate_stream", {"IN": [1.5]}, 400, "cannot hold JSON values like"),

@@ -331,7 +331,10 @@ def test_a_worker_that_cannot_start_stops_serve_with_its_error(
     assert next_line() is None  # nothing on stdout
     error = log.read_text().splitlines()[-1]
     assert error.startswith("Error: WorkerFailed: worker ")
-    assert "before it was ready: ModelNotFound: no model 'nosuch' in the model repository" in error
+    assert (
+        "before it was ready: ModelNotFound: failed to load 'nosuch': no model 'nosuch' in the "
+        "model repository" in error
+    )
     started = [int(pid) for pid in re.findall(r"started worker \d \(pid (\d+)\)", log.read_text())]
     assert len(started) == 2
     assert not [pid for pid in started if alive(pid)]

@@ -242,7 +242,11 @@ def serve(ctx: click.Context, /, **options: Any) -> None:
     workers = settings["workers"]
     if not isinstance(workers, int) or isinstance(workers, bool) or workers < 1:
         raise click.UsageError(f"invalid server settings: workers must be >= 1, got {workers!r}")
-    grpc_port = _grpc_port(ctx, settings) if workers == 1 else _no_grpc_with_workers(ctx, settings)
+    grpc_port = None
+    if workers == 1:
+        grpc_port = _grpc_port(ctx, settings)
+    else:
+        _no_grpc_with_workers(ctx, settings)
     try:
         if workers == 1:
             anyio.run(
@@ -342,7 +346,8 @@ def _no_grpc_with_workers(ctx: click.Context, settings: dict[str, Any]) -> None:
     """--workers N serves HTTP only: say so, and refuse an explicit ask for gRPC."""
     source = click.core.ParameterSource
     asked = any(
-        ctx.get_parameter_source(name) not in (None, source.DEFAULT) for name in ("grpc", "grpc_port")
+        ctx.get_parameter_source(name) not in (None, source.DEFAULT)
+        for name in ("grpc", "grpc_port")
     )
     if settings["grpc"] and asked:
         raise click.UsageError(
@@ -353,7 +358,6 @@ def _no_grpc_with_workers(ctx: click.Context, settings: dict[str, Any]) -> None:
         logging.getLogger("trioinfer.server").warning(
             "not serving gRPC: --workers %d serves HTTP only", settings["workers"]
         )
-    return None
 
 
 def _importable(module: str) -> bool:
