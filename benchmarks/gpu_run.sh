@@ -13,7 +13,12 @@
 #     (`pip wheel --no-deps --no-build-isolation . -w .gpu/rest`);
 #   - `.gpu/rest/cuda.sha`: the sha256 of the whole compressed library.
 # Then: `bash benchmarks/gpu_run.sh 'BENCH COMMAND' ...` with `.gpu/rest` carried: each
-# argument is a benchmark command run after the tests. Everything it prints is also
+# argument is a benchmark command run after the tests, for instance issue 20's goal 2 on the GPU:
+#   bash benchmarks/gpu_run.sh \
+#     'python3 benchmarks/bench_engine.py --model wide --device cuda:0 --rows 32 --batcher dynamic
+#        --max-batch 128 --configs A,c --concurrency 16 --depth 2' \
+#     'python3 benchmarks/bench_engine.py --model wide --device cuda:0 --batcher dynamic
+#        --configs c,f --concurrency 256' Everything it prints is also
 # written under $OUT.
 set -uo pipefail
 OUT=${OUT:-/tmp/gpu-out}
