@@ -470,3 +470,36 @@ def test_a_workers_error_comes_back_as_its_class(kind: str, expected: type | Non
         assert type(raised.value) is TrioInferError  # unknown: a plain 500
     else:
         assert isinstance(raised.value, expected)
+
+
+@pytest.mark.tracing
+def test_workers_trace_with_the_servers_trace_settings(repository: Path, tmp_path: Path) -> None:
+    # Each worker makes its own tracer provider from --trace-exporter/--trace-rate.
+    log = tmp_path / "serve.log"
+    process, next_line = start(
+        repository, log, "--workers", "2", "--trace-exporter", "console", "--trace-rate", "1"
+    )
+    try:
+        while True:
+            line = next_line()
+            assert line is not None, log.read_text()
+            found = re.search(r"2 workers \(pids \d+, \d+\) listening on (\S+)", line)
+            if found:
+                break
+        for _ in range(4):
+            assert infer_digit(found.group(1)).status_code == 200
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=WAIT_S) == 0, log.read_text()
+    finally:
+        if process.poll() is None:
+            workers = _children_of(process.pid)
+            process.kill()
+            process.wait()
+            for pid in workers:
+                os.kill(pid, signal.SIGKILL)
+    printed = []
+    while (line := next_line()) is not None:
+        printed.append(line)
+    # The console exporter prints each span as JSON on the workers' stdout at exit.
+    names = re.findall(r'"name": "([^"]+)"', "".join(printed))
+    assert names.count("infer digits.v1") == 4, names

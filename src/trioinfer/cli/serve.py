@@ -274,6 +274,7 @@ def serve(ctx: click.Context, /, **options: Any) -> None:
                     models=list(settings["models"]) or None,
                     loop=settings["loop"],
                     log_level=settings["log_level"],
+                    trace=(settings.get("trace_exporter"), settings.get("trace_rate")),
                 ),
                 backend="trio",
             )
@@ -345,7 +346,8 @@ def _grpc_port(ctx: click.Context, settings: dict[str, Any]) -> int | None:
 def _no_grpc_with_workers(ctx: click.Context, settings: dict[str, Any]) -> None:
     """--workers N serves HTTP only: say so, and refuse an explicit ask for gRPC."""
     source = click.core.ParameterSource
-    asked = any(
+    # Asked for on the command line, or a gRPC port in the --config file.
+    asked = settings["grpc_port"] != DEFAULT_GRPC_PORT or any(
         ctx.get_parameter_source(name) not in (None, source.DEFAULT)
         for name in ("grpc", "grpc_port")
     )

@@ -660,13 +660,17 @@ async def serve_workers(
     models: Sequence[str] | None = None,
     loop: str = "trio",
     log_level: str = "info",
+    trace: tuple[str | None, float | None] = (None, None),
     task_status: anyio.abc.TaskStatus[WorkersListening] = anyio.TASK_STATUS_IGNORED,
 ) -> None:
     """Serve *repository* from *workers* processes on one port until SIGINT/SIGTERM.
 
     Reports a `WorkersListening` once every worker is ready. On the first
     signal every worker drains (as `serve_http` does) and this returns once
-    all have exited; a second signal stops them at once.
+    all have exited; a second signal stops them at once. *trace* is the
+    ``--trace-exporter`` and ``--trace-rate`` settings: each worker makes its
+    own tracer provider from them and the ``OTEL_*`` variables (a provider
+    cannot cross a process boundary; *config*'s is not used).
 
     Raises:
         ConfigError: The repository does not exist, or *workers* is below 1.
@@ -697,6 +701,7 @@ async def serve_workers(
             "protect_inference": config.protect_inference,
             "drain_period": config.drain_period,
             "cache_size": config.cache_size,
+            "trace": list(trace),
         },
     }
     supervisor = _Supervisor(workers, directory, spec)
@@ -763,6 +768,7 @@ async def _watch_signals(
 
 def _worker_main(argv: list[str]) -> int:
     """Run worker ``argv[0]`` with the settings in ``$TRIOINFER_WORKER_SPEC``; the exit status."""
+    from .._trace_settings import provider_from_settings
     from ._app import ServerConfig
     from ._codec import Limits
     from ._models import public_names
@@ -775,12 +781,15 @@ def _worker_main(argv: list[str]) -> int:
         format=f"%(asctime)s worker {index} %(name)s %(levelname)s %(message)s",
     )
     settings = spec["config"]
+    tracing = provider_from_settings(*settings["trace"], environ=os.environ)
     config = ServerConfig(
         limits=Limits(**settings["limits"]),
         admin_token=settings["admin_token"],
         protect_inference=settings["protect_inference"],
         drain_period=settings["drain_period"],
         cache_size=settings["cache_size"],
+        tracer_provider=tracing[0] if tracing else None,
+        trace_rate=tracing[1] if tracing else 1.0,
     )
     directory = Path(spec["directory"])
     link = WorkerLink(index, directory, spec["supervisor_pid"])
@@ -820,6 +829,9 @@ def _worker_main(argv: list[str]) -> int:
                 {"op": "failed", "worker": index, "message": message},
             )
         return 1
+    finally:
+        if tracing:
+            tracing[0].shutdown()  # sends the spans still buffered
     return 0
 
 
