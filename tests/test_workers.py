@@ -302,6 +302,17 @@ def test_a_killed_worker_is_restarted_and_its_requests_fail_cleanly(served: Serv
         assert config["trioinfer"]["max_queue_size"] == 7
 
 
+def test_shared_memory_is_refused_with_several_workers(served: Served) -> None:
+    for kind in ("systemsharedmemory", "cudasharedmemory"):
+        answer = fresh(
+            "POST",
+            f"{served.url}/v2/{kind}/region/r/register",
+            json={"key": "/nope", "offset": 0, "byte_size": 8},
+        )
+        assert answer.status_code == 400
+        assert "not supported with trioinfer serve --workers N" in answer.json()["error"]
+
+
 def test_sigterm_drains_every_worker_and_leaves_nothing(served: Served) -> None:
     pids = list(worker_pids(served.url).values())
     directory = served.directory()

@@ -602,8 +602,20 @@ async def _shm_status(request: Request, state: ServerState) -> Response:
     return _json([attrs.asdict(region) for region in regions])
 
 
+def _one_process_only(state: ServerState) -> None:
+    # Regions are mapped per process, and SO_REUSEPORT spreads connections over the
+    # workers: a region registered through one would be unknown to the others.
+    if state.cluster is not None:
+        raise RequestError(
+            "shared-memory regions are not supported with trioinfer serve --workers N "
+            "(N > 1): each worker process maps its own, so a region registered through one "
+            "would be unknown to the others; serve with --workers 1 to use shared memory"
+        )
+
+
 async def _shm_register(request: Request, state: ServerState) -> Response:
     state.check_token(request.headers, admin=True)
+    _one_process_only(state)
     body = await _small_json(request, state) or {}
     unknown = sorted(set(body) - {"key", "offset", "byte_size"})
     if unknown or "key" not in body or "byte_size" not in body:
@@ -626,6 +638,7 @@ async def _shm_unregister(request: Request, state: ServerState) -> Response:
 
 async def _cuda_register(request: Request, state: ServerState) -> Response:
     state.check_token(request.headers, admin=True)
+    _one_process_only(state)
     body = await _small_json(request, state) or {}
     handle = body.get("raw_handle")
     encoded = handle.get("b64") if isinstance(handle, dict) else None
