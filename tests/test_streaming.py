@@ -425,3 +425,19 @@ async def test_the_stream_refuses_use_outside_its_block() -> None:
             pass
         with pytest.raises(anyio.ClosedResourceError, match=r"inside its `async with"):
             await responses.__anext__()
+
+
+async def test_a_decoupled_model_cannot_be_stateful() -> None:
+    # Streams bypass the sequence batcher, so its controls and state would never come.
+    closed: list[str] = []
+
+    class Closing(counting(Probe())):  # type: ignore[misc]
+        def close(self) -> None:
+            closed.append("closed")
+
+    async with open_engine() as engine:
+        with pytest.raises(ConfigError, match=r"is decoupled .* and stateful"):
+            await engine.load(config(Closing, batcher="sequence", sequence={"strategy": "oldest"}))
+        assert closed == ["closed"]  # its instance was closed, not left behind
+        with pytest.raises(trioinfer.ModelNotFound):
+            engine.model("m")

@@ -37,7 +37,7 @@ from ._runner import ModelRunner, ModelStatistics, close_instances
 from ._sequence import SequenceFlags
 from ._stream import ResponseStream, StreamGate, open_stream
 from ._tensors import ModelSignature, rows, validate_inputs
-from .abc import Backend, BackendInstance, Batcher, Fallback, Scheduler, Status
+from .abc import Backend, BackendInstance, Batcher, Fallback, Scheduler, Status, StreamingInstance
 
 if TYPE_CHECKING:
     from ._tracing import Tracing
@@ -763,6 +763,15 @@ async def _load_instances(backend: Backend, config: ModelConfig) -> list[Backend
     if len(signatures) != 1:
         await close_instances(config.name, done)
         raise BackendError(f"instances of model {config.name!r} report different signatures")
+    if config.sequence is not None and any(
+        isinstance(instance, StreamingInstance) and instance.decoupled for instance in done
+    ):
+        # Streams bypass the sequence batcher: its control and state inputs would never come.
+        await close_instances(config.name, done)
+        raise ConfigError(
+            f"model {config.name!r} is decoupled (it streams responses) and stateful (it has a "
+            "[sequence] config); a model can be one or the other, not both"
+        )
     return done
 
 
