@@ -877,7 +877,7 @@ def test_classification_through_an_ensemble(client: httpclient.InferenceServerCl
     ]
 
 
-def test_triton_priority_levels(client: httpclient.InferenceServerClient) -> None:
+def test_triton_priority_levels(server: Server, client: httpclient.InferenceServerClient) -> None:
     inputs = [httpclient.InferInput("IMAGE", [1, 5], "FP32")]
     inputs[0].set_data_from_numpy(np.zeros((1, 5), np.float32))
     for level in (0, 1, 3):

@@ -1002,12 +1002,19 @@ def _classified(
 def _schedule_parameters(
     request: InferRequest, served: ServedVersion | None = None
 ) -> tuple[int, float | None]:
+    """`schedule_parameters` of a decoded infer request's parameters."""
+    return schedule_parameters(request.parameters, served)
+
+
+def schedule_parameters(
+    parameters: Mapping[str, Any], served: ServedVersion | None = None
+) -> tuple[int, float | None]:
     """The engine priority and the timeout (seconds) a request's parameters ask for.
 
     For a model with Triton's ``priority_levels``, ``priority`` is a Triton
-    level (1 the highest, 0 the model's default level).
+    level (1 the highest, 0 the model's default level). HTTP infer and
+    generate and gRPC all read them here.
     """
-    parameters = request.parameters
     priority = parameters.get("priority", 0)
     if isinstance(priority, bool) or not isinstance(priority, int) or abs(priority) > 2**31:
         raise RequestError(f"parameter 'priority' must be an integer, got {priority!r}")

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Mapping
 from typing import Any, Final, final
 
 import anyio
@@ -41,6 +40,7 @@ from ._app import (
     _Headers,
     _must_close,
     _read_body,
+    schedule_parameters,
     status_for,
 )
 from ._codec import RequestError, dumps, loads_json
@@ -144,20 +144,6 @@ def _text(value: Any) -> Any:
     return value
 
 
-def _parameters(parameters: Mapping[str, Any]) -> tuple[int, float | None]:
-    priority = parameters.get("priority", 0)
-    if isinstance(priority, bool) or not isinstance(priority, int) or abs(priority) > 2**31:
-        raise RequestError(f"parameter 'priority' must be an integer, got {priority!r}")
-    timeout = parameters.get("timeout")
-    if timeout is None:
-        return priority, None
-    if isinstance(timeout, bool) or not isinstance(timeout, int) or timeout < 0:
-        raise RequestError(
-            f"parameter 'timeout' must be a non-negative integer of microseconds, got {timeout!r}"
-        )
-    return priority, timeout / 1e6
-
-
 def _timeout_text(timeout: float | None) -> str:
     """*timeout* (seconds) as the request gave it, for messages."""
     return f"{(timeout or 0.0) * 1e6:.0f} µs"
@@ -229,7 +215,7 @@ class GenerateEndpoint:
         inputs, parameters = decode_generate_request(
             loads_json(body, limits, "the generate request"), signature, served.model
         )
-        priority, timeout = _parameters(parameters)
+        priority, timeout = schedule_parameters(parameters, served)
         watch = scope.get("extensions", {}).get("trioinfer.cancel_on_disconnect")
         error: TrioInferError | None = None
         async with contextlib.AsyncExitStack() as stack:
