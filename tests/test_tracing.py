@@ -597,3 +597,55 @@ def test_serve_says_tracing_needs_the_otel_extra(monkeypatch: pytest.MonkeyPatch
     result = CliRunner().invoke(main, ["serve", "--port", "0", "--trace-exporter", "console"])
     assert result.exit_code == 1
     assert "--trace-exporter console needs the 'otel' extra" in result.output
+
+
+@pytest.mark.grpc
+async def test_traceparent_over_grpc_parents_the_server_span(
+    exporter: InMemorySpanExporter, tmp_path: Path
+) -> None:
+    import tritonclient.grpc as grpcclient
+
+    repo = tmp_path / "repo"
+    shutil.copytree(example_repository() / "digits", repo / "digits")
+    config = ServerConfig(tracer_provider=provider_for(exporter), trace_rate=0.0)
+    images = trioinfer.digits_samples()[0][:1]
+
+    def call(address: str) -> None:
+        client = grpcclient.InferenceServerClient(address)
+        try:
+            x = grpcclient.InferInput("input", [1, 64], "FP32")
+            x.set_data_from_numpy(images)
+            client.infer("digits", [x], headers={"traceparent": TRACEPARENT})
+            client.infer("digits", [x])  # rate 0 and no parent: not traced
+            with pytest.raises(grpcclient.InferenceServerException):
+                client.infer("nope", [x], headers={"traceparent": TRACEPARENT})
+        finally:
+            client.close()
+
+    async with trio.open_nursery() as nursery:
+        listening = await nursery.start(
+            lambda task_status: serve_http(
+                repo,
+                port=0,
+                grpc_port=0,
+                config=config,
+                handle_signals=False,
+                task_status=task_status,
+            )
+        )
+        await trio.to_thread.run_sync(call, listening.grpc)
+        nursery.cancel_scope.cancel()
+    spans = exporter.get_finished_spans()
+    servers = [s for s in spans if s.kind is trace.SpanKind.SERVER]
+    assert len(servers) == 2
+    ok, refused = sorted(servers, key=lambda s: s.attributes["trioinfer.model.name"])
+    assert ok.name == "inference.GRPCInferenceService/ModelInfer"
+    assert ok.attributes["rpc.system"] == "grpc"
+    assert format(ok.context.trace_id, "032x") == TRACE_ID
+    assert ok.parent is not None
+    assert format(ok.parent.span_id, "016x") == "00f067aa0ba902b7"
+    (engine_span,) = [s for s in spans if s.name.startswith("infer ")]
+    assert parent_of(engine_span) == ok.context.span_id
+    assert refused.attributes["trioinfer.model.name"] == "nope"
+    assert refused.attributes["trioinfer.outcome"] == "error"
+    assert refused.status.status_code is StatusCode.ERROR

@@ -359,6 +359,54 @@ class Tracing:
                     span.set_status(StatusCode.ERROR)
             span.end()
 
+    async def serve_grpc(
+        self,
+        method: str,
+        metadata: MutableMapping[str, str] | dict[str, str],
+        model: str,
+        version: str | None,
+        serve: Callable[[], Awaitable[T]],
+    ) -> T:
+        """Serve one gRPC call (*serve*) inside its server span.
+
+        As over HTTP, the span's parent comes from the W3C ``traceparent`` and
+        ``tracestate`` metadata (gRPC metadata keys are lower case), and the
+        sampling decision follows it, or the model's rate.
+        """
+        carrier = {key: metadata[key] for key in ("traceparent", "tracestate") if key in metadata}
+        parent_context = _PROPAGATOR.extract(carrier) if carrier else None
+        parent = trace.get_current_span(parent_context).get_span_context()
+        if not self._sampled(model, parent):
+            skip = _UNSAMPLED.set(True)
+            try:
+                return await serve()
+            finally:
+                _UNSAMPLED.reset(skip)
+        attributes: dict[str, Any] = {
+            "rpc.system": "grpc",
+            "rpc.service": "inference.GRPCInferenceService",
+            "rpc.method": method,
+            MODEL: model,
+        }
+        if version is not None:
+            attributes[VERSION] = version
+        span = self._tracer.start_span(
+            f"inference.GRPCInferenceService/{method}",
+            context=parent_context,
+            kind=SpanKind.SERVER,
+            attributes=attributes,
+        )
+        token = otel_context.attach(trace.set_span_in_context(span))
+        try:
+            result = await serve()
+        except BaseException as exc:
+            otel_context.detach(token)
+            _end(span, _outcome(exc), exc)
+            raise
+        otel_context.detach(token)
+        _end(span, "success", None)
+        return result
+
     def served_version(self, version: int) -> None:
         """Note on the current server span which version answers (a traffic split picks it)."""
         span = trace.get_current_span()
