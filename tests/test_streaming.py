@@ -313,6 +313,37 @@ async def test_unloading_ends_an_open_stream_with_engine_closed() -> None:
         assert ended == ["Cancelled"]
 
 
+async def test_a_models_instances_close_after_its_streams() -> None:
+    """Unloading ends the streams first: no generator runs on a model already closed."""
+    events: list[str] = []
+
+    class Model:
+        async def infer(self, inputs: Arrays) -> AsyncIterator[Arrays]:
+            try:
+                await anyio.sleep(math.inf)
+                yield {}  # pragma: no cover
+            finally:
+                with anyio.CancelScope(shield=True):
+                    await anyio.sleep(0.05)  # clean-up that takes a while
+                events.append("generator closed")
+
+        def close(self) -> None:
+            events.append("instance closed")
+
+    async with open_engine(drain_period=0) as engine:
+        await engine.load(config(Model))
+
+        async def read() -> None:
+            with pytest.raises(EngineClosed):
+                await collect(engine, "m", n(1))
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(read)
+            await trio.testing.wait_all_tasks_blocked()
+            await engine.unload("m")
+    assert events == ["generator closed", "instance closed"]
+
+
 async def test_nothing_a_stream_started_outlives_the_engine() -> None:
     """A stream read from outside the engine's block ends when the engine does."""
     probe = Probe()

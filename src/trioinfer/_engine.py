@@ -269,6 +269,8 @@ class Engine:
             self._gates.pop(name, None)
         else:
             self._gates[name] = gate
+            assert isinstance(runner, ModelRunner)
+            runner.streams_closed = gate.wait_closed  # before its instances close
 
     def _steps_of(self, model: str) -> tuple[str, ...]:
         # The models a pipeline's steps call (none for a model that is not one).

@@ -626,6 +626,9 @@ class ModelRunner(metaclass=NoPublicConstructor):
     _scope: anyio.CancelScope = attrs.field(factory=anyio.CancelScope, init=False)
     _finished: anyio.Event = attrs.field(factory=anyio.Event, init=False)
     _idle: anyio.Event | None = attrs.field(default=None, init=False)
+    # A decoupled model's open streams, ended at close: waited for before its
+    # instances close, so that no generator runs on a closed model (the StreamGate's).
+    streams_closed: Callable[[], Awaitable[None]] | None = attrs.field(default=None, init=False)
     # fast_acquire: an uncontended acquire need not yield to the scheduler, which
     # would cost a whole scheduling pass per batch.
     _device_limits: Mapping[str, anyio.CapacityLimiter] = attrs.field(
@@ -756,6 +759,9 @@ class ModelRunner(metaclass=NoPublicConstructor):
                     ),
                 )
             self._task_group = None
+            if self.streams_closed is not None:
+                with anyio.move_on_after(CLEANUP_S, shield=True):
+                    await self.streams_closed()
             await close_instances(
                 self.config.name, [replica._backend_instance for replica in self.replicas]
             )
