@@ -32,10 +32,10 @@ def main() -> None:
     schedulers, batchers and fallbacks are plugins found through entry points.
 
     This command shows the engine at work on a bundled example model (demo),
-    serves a model repository over the KServe V2 HTTP protocol (serve),
-    measures a V2 server or an engine under load (bench), changes a running
-    server's traffic split between a model's versions (traffic), and lists
-    the installed plugins (plugins).
+    serves a model repository over the KServe V2 HTTP and gRPC protocols
+    (serve), measures a V2 server or an engine under load (bench), changes a
+    running server's traffic split between a model's versions (traffic), and
+    lists the installed plugins (plugins).
     """
 
 

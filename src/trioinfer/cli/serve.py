@@ -55,7 +55,9 @@ def _rate_not_nan(
     return value
 
 
-@click.command(short_help="Serve a model repository over KServe V2 HTTP (Triton-compatible).")
+@click.command(
+    short_help="Serve a model repository over KServe V2 HTTP and gRPC (Triton-compatible)."
+)
 @click.option(
     "--model-repository",
     type=click.Path(file_okay=False, path_type=Path),
