@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import contextvars
 import random
-from collections.abc import Awaitable, Callable, MutableMapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, MutableMapping, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import anyio
@@ -362,7 +362,7 @@ class Tracing:
     async def serve_grpc(
         self,
         method: str,
-        metadata: MutableMapping[str, str] | dict[str, str],
+        metadata: Mapping[str, str],
         model: str,
         version: str | None,
         serve: Callable[[], Awaitable[T]],

@@ -443,8 +443,23 @@ class _Service:
 
     async def _infer(self, request: Any, metadata: Mapping[str, str], call: _Call) -> Any:
         parts = _infer_parts(request)
-        answer = await self._run(call, self._infer_in_loop, request, parts, metadata)
+        answer = await self._run(call, self._traced_infer, request, parts, metadata)
         return _infer_response(*answer)
+
+    async def _traced_infer(
+        self, message: Any, parts: dict[str, Any], metadata: Mapping[str, str]
+    ) -> tuple[Any, ...]:
+        # In a server span parented by the call's traceparent metadata, when tracing is on.
+        tracing = self._state.models.engine._tracing
+        if tracing is None:
+            return await self._infer_in_loop(message, parts, metadata)
+        return await tracing.serve_grpc(
+            "ModelInfer",
+            metadata,
+            message.model_name,
+            message.model_version or None,
+            lambda: self._infer_in_loop(message, parts, metadata),
+        )
 
     async def _infer_in_loop(
         self, message: Any, parts: dict[str, Any], metadata: Mapping[str, str]
