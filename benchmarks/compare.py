@@ -29,6 +29,17 @@ Issue 6, section 2. Systems, each started on its own, measured, stopped:
               least one dimension per row, so a [N] output (digits' ``label``) comes back as
               [N, 1]; the answer check allows that reshape and nothing else. Its Python stub
               needs ``LD_LIBRARY_PATH`` at this interpreter's lib folder, which the script sets
+  trioinfer-ray
+              ``trioinfer serve`` over a copy of the repository whose models say
+              ``backend = "ray"``: each instance an async Ray actor (``num_cpus`` = its
+              threads) running the same ONNX Runtime session options, the batcher, queue
+              and HTTP in the server process. The backend starts a local one-node Ray
+              inside the server on 127.0.0.1 (no dashboard; ``RAY_TMPDIR`` a temporary folder
+              of its own, removed at the end, ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0``,
+              ``RAY_USAGE_STATS_ENABLED=0``); Ray's processes are the server's children,
+              so they stop with it by pid. Its CPU column is not reliable: Ray ends
+              idle worker processes during a window and their CPU leaves the tree's sum
+              (it can come out negative)
   ray         Ray Serve: one application per model at ``/v2/models/{name}``, one replica
               (``--instances``) whose ``@serve.batch(max_batch_size=32,
               batch_wait_timeout_s=0.005)`` method concatenates each input's rows and runs
@@ -110,7 +121,8 @@ read from ``/proc/<pid>/stat`` for the server and every process below it, around
 next. The table gives medians and each repeat's value, and each row over the repeat's
 ceiling; then trioinfer over each peer (naive, MLServer, Triton, Ray) per model, body and
 concurrency (median of the per-repeat ratios), and the issue's goals at C=64 (over naive
-on digits >= 5x; wide with binary bodies >= 0.8x the ceiling). ``--plot FILE`` writes a PNG
+on digits >= 5x; wide with binary bodies >= 0.8x the ceiling; issue 19's: trioinfer-ray
+over Ray Serve >= 5x on digits and > 1x on wide, both JSON). ``--plot FILE`` writes a PNG
 of req/s per system and model at each concurrency, the ceilings dashed (needs matplotlib;
 skipped with the reason when it is missing).
 
@@ -119,6 +131,8 @@ Usage:  .venv/bin/python benchmarks/compare.py
         .venv/bin/python benchmarks/compare.py --systems trioinfer,naive --models digits
         .venv/bin/python benchmarks/compare.py --systems trioinfer,triton --binary-models ""
         .venv/bin/python benchmarks/compare.py --peers-dir ~/.cache/trioinfer-peers
+        .venv/bin/python benchmarks/compare.py --systems trioinfer-ray,ray,trioinfer \
+            --binary-models "" --concurrency 64 --duration 4 --repeat 2 --no-ceiling
         .venv/bin/python benchmarks/compare.py --models minilm --concurrency 1,16,64 --duration 20
         .venv/bin/python benchmarks/compare.py --models minilm --concurrency 64 --instances 2
 See benchmarks/README.md ("compare.py") for what each column means.
@@ -159,9 +173,9 @@ from bench_engine import versions
 from bench_http import CLK_TCK, MAX_BATCH, MAX_QUEUE_DELAY, Row
 from venvs import peer_venv
 
-SYSTEMS = ("trioinfer", "t-asyncio", "naive", "mlserver", "triton", "ray")
+SYSTEMS = ("trioinfer", "t-asyncio", "trioinfer-ray", "naive", "mlserver", "triton", "ray")
 PEERS = ("naive", "mlserver", "triton", "ray")  # each gets a "trioinfer over it" ratio
-TRIOINFER_ARGS = {"trioinfer": "", "t-asyncio": "--loop asyncio"}
+TRIOINFER_ARGS = {"trioinfer": "", "t-asyncio": "--loop asyncio", "trioinfer-ray": ""}
 UVLOOP = "uvloop==0.21.0"
 READY_TIMEOUT_S = 180.0
 LOOPBACK = ("127.0.0.1:", "[::ffff:127.0.0.1]:", "[::1]:")  # MLServer's gRPC shows the middle one
@@ -172,6 +186,9 @@ NAIVE = ("hypercorn==0.18.0", "starlette==1.10.0", "trio")
 GOALS = {
     "trioinfer over naive, digits JSON": ("digits", "trioinfer", "naive", 5.0),
     "trioinfer+bin over the ort32 ceiling, wide": ("wide", "trioinfer+bin", "ort32", 0.8),
+    # Issue 19's: the ray backend against Ray Serve on the same local Ray, JSON bodies.
+    "trioinfer-ray over ray, digits JSON": ("digits", "trioinfer-ray", "ray", 5.0),
+    "trioinfer-ray over ray, wide JSON": ("wide", "trioinfer-ray", "ray", 1.0),
 }
 
 MLSERVER_RUNTIME = '''\
@@ -598,6 +615,50 @@ def start_trioinfer(system: str, repository: Path, args: argparse.Namespace, log
     opts.server_args = TRIOINFER_ARGS[system]
     inner = bench_http.start_server(repository, opts, log)
     return Server(system, inner.process, inner.base, log, counted=True)
+
+
+def write_ray_repository(source: Path, target: Path, models: Sequence[str]) -> None:
+    """*source*'s models copied to *target*, each config saying ``backend = "ray"``.
+
+    The onnxruntime backend's options move under ``backend_options.onnxruntime``,
+    which the ray backend applies in each actor; no ``address``, so the server
+    starts a local Ray of its own on 127.0.0.1.
+    """
+    for name in models:
+        shutil.copytree(source / name, target / name)
+        config = target / name / "config.toml"
+        lines = []
+        for line in config.read_text().splitlines():
+            if line.startswith("backend_options = "):
+                inner = line.removeprefix("backend_options = ")
+                line = f'backend = "ray"\nbackend_options = {{ onnxruntime = {inner} }}'
+            lines.append(line)
+        config.write_text("\n".join(lines) + "\n")
+
+
+def start_trioinfer_ray(
+    repository: Path, ray_tmp: str, args: argparse.Namespace, log: Path
+) -> Server:
+    """``trioinfer serve`` over the ray repository, its Ray's files under *ray_tmp*.
+
+    *ray_tmp* is a folder of its own directly under the temporary directory:
+    Ray's socket paths under the run's deeper folder pass the 107-byte limit.
+    """
+    env = {
+        "RAY_TMPDIR": ray_tmp,
+        "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
+        "RAY_USAGE_STATS_ENABLED": "0",
+    }
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)  # bench_http.start_server's child inherits this process's environment
+    try:
+        return start_trioinfer("trioinfer-ray", repository, args, log)
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                del os.environ[k]
+            else:
+                os.environ[k] = v
 
 
 def free_port() -> int:
@@ -1053,7 +1114,7 @@ def print_table(rows: Sequence[Row], systems: Sequence[str], args: argparse.Name
                 f"ratios over {peer}, req/s (median of the per-repeat ratios; each repeat's value)"
             )
             print("\n".join(lines))
-    print("\nissue 6 goals (c=64; same run, same ORT threads):")
+    print("\ngoals of issues 6 and 19 (c=64; same run, same ORT threads):")
     for line in goal_lines(rows, args):
         print(f"  {line}")
 
@@ -1278,7 +1339,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     rows: list[Row] = []
     skipped: dict[str, str] = {}
     missing: dict[str, str] = {}  # models that could not be made, and why
-    with tempfile.TemporaryDirectory(prefix="trioinfer-compare-") as tmp:
+    with (
+        tempfile.TemporaryDirectory(prefix="trioinfer-compare-") as tmp,
+        tempfile.TemporaryDirectory(prefix="trioinfer-ray-") as ray_tmp,
+    ):
         root = Path(tmp)
         repository = root / "models"
         models = bench_http.write_repository(repository, args, skipped=missing)
@@ -1289,6 +1353,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         for model in models.values():
             if model.source:
                 print(f"{model.name}: {model.source}", flush=True)
+        ray_repository = root / "ray-models"
+        if "trioinfer-ray" in systems:
+            write_ray_repository(repository, ray_repository, list(models))
         ml_repository = root / "mlserver"
         if "mlserver" in systems:
             write_mlserver_repository(ml_repository, models, args.threads, args.mlserver_predict)
@@ -1323,6 +1390,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                         exe = envs["naive"][0]
                         assert exe is not None
                         server = start_naive(exe, models, args, log)
+                    elif system == "trioinfer-ray":
+                        server = start_trioinfer_ray(ray_repository, ray_tmp, args, log)
                     else:
                         server = start_trioinfer(system, repository, args, log)
                 except (RuntimeError, SystemExit) as exc:

@@ -59,6 +59,26 @@ def test_compare_options_fit_bench_http_repository(
             compare.parse_args(["--tune-batch-sizes", wrong])
 
 
+def test_compare_ray_repository_moves_ort_options_under_the_ray_backend(
+    scripts: tuple[Any, Any], tmp_path: Path
+) -> None:
+    bench_http, compare = scripts
+    args = compare.parse_args(
+        ["--models", "digits", "--tune-batch-sizes", "1,8,32", "--instances", "2"]
+    )
+    bench_http.write_repository(tmp_path / "plain", args, skipped={})
+    compare.write_ray_repository(tmp_path / "plain", tmp_path / "ray", ["digits"])
+    plain = trioinfer.ModelConfig.from_toml(tmp_path / "plain" / "digits" / "config.toml")
+    loaded = trioinfer.ModelConfig.from_toml(tmp_path / "ray" / "digits" / "config.toml")
+    assert loaded.backend == "ray"
+    assert loaded.backend_options == {"onnxruntime": plain.backend_options}
+    assert loaded.backend_options["onnxruntime"]["tune_batch_sizes"] == [1, 8, 32]
+    assert "address" not in loaded.backend_options  # the server starts a local Ray
+    assert [p.index for p in loaded.placements()] == [0, 1]
+    assert loaded.batcher == plain.batcher
+    assert (tmp_path / "ray" / "digits" / "1" / "model.onnx").is_file()
+
+
 def _keyword(tree: ast.AST, function: str, name: str) -> ast.expr:
     """The value of keyword *name* in the one call of *function* (a name or attribute)."""
     found = [
@@ -257,13 +277,28 @@ def test_goals_judge_the_ceiling_only_like_for_like(scripts: tuple[Any, Any]) ->
         ]
 
     args = compare.parse_args(["--repeat", "1"])
-    digits, wide = compare.goal_lines(rows(790.0), args)
+    digits, wide, *_ray = compare.goal_lines(rows(790.0), args)
     assert "0.79x (0.79), MISSES >= 0.8x" in wide
     assert "5.00x (5.00), meets >= 5.0x" in digits
     assert "0.81x (0.81), meets" in compare.goal_lines(rows(810.0), args)[1]
     args = compare.parse_args(["--repeat", "1", "--instances", "2"])
-    digits, wide = compare.goal_lines(rows(1900.0), args)
+    digits, wide, *_ray = compare.goal_lines(rows(1900.0), args)
     assert "not judged in this run (2 instances against a one-session ceiling" in wide
     assert "meets" in digits  # a ratio between servers stays like for like
     assert compare.goal_lines([], args)[0].endswith("not measured in this run")
     assert compare.cell([], ".2f") == "-"
+
+
+def test_goals_of_the_ray_backend_over_ray_serve(scripts: tuple[Any, Any]) -> None:
+    """Issue 19's goals: trioinfer-ray over Ray Serve, >= 5x on digits, > 1x on wide."""
+    bench_http, compare = scripts
+    args = compare.parse_args(["--repeat", "1"])
+    rows = [
+        bench_http.Row("digits", "trioinfer-ray", 64, 1, 4990.0, 0, 0, 0, 0),
+        bench_http.Row("digits", "ray", 64, 1, 1000.0, 0, 0, 0, 0),
+        bench_http.Row("wide", "trioinfer-ray", 64, 1, 300.0, 0, 0, 0, 0),
+        bench_http.Row("wide", "ray", 64, 1, 200.0, 0, 0, 0, 0),
+    ]
+    *_issue6, digits, wide = compare.goal_lines(rows, args)
+    assert digits.startswith("trioinfer-ray over ray, digits JSON: 4.99x (4.99), MISSES >= 5.0x")
+    assert wide.startswith("trioinfer-ray over ray, wide JSON: 1.50x (1.50), meets >= 1.0x")
