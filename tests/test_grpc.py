@@ -22,6 +22,7 @@ import subprocess
 import sys
 import threading
 import time
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -33,6 +34,8 @@ import numpy as np
 import pytest
 import tritonclient.grpc as triton
 import tritonclient.grpc.aio as triton_aio
+import tritonclient.utils as utils
+import tritonclient.utils.shared_memory as shm
 from click.testing import CliRunner
 from google.protobuf import descriptor as descriptor_module
 from google.protobuf import descriptor_pool
@@ -478,14 +481,149 @@ def test_keepalive_client(server: Server) -> None:
         np.testing.assert_array_equal(c.infer("simple", inputs).as_numpy("sum"), a + b)
 
 
-def test_shared_memory_is_refused_clearly(client: triton.InferenceServerClient) -> None:
-    with pytest.raises(InferenceServerException) as failed:
-        client.register_system_shared_memory("region", "/key", 64)
-    assert failed.value.status() == "StatusCode.UNIMPLEMENTED"
-    assert "shared memory" in failed.value.message()
+@pytest.fixture
+def regions() -> Iterator[list[Any]]:
+    """Shared-memory regions a test creates, destroyed (and unregistered) whatever happens."""
+    handles: list[Any] = []
+    yield handles
+    for handle in handles:
+        shm.destroy_shared_memory_region(handle)
+
+
+def create_region(handles: list[Any], name: str, size: int) -> tuple[Any, str]:
+    key = f"/trioinfer_grpc_test_{uuid.uuid4().hex[:12]}"
+    handle = shm.create_shared_memory_region(name, key, size)
+    handles.append(handle)
+    return handle, key
+
+
+@pytest.mark.shm
+def test_simple_grpc_shm_client(
+    client: triton.InferenceServerClient, server: Server, regions: list[Any]
+) -> None:
+    # simple_grpc_shm_client.py: inputs and outputs in system shared memory.
+    metadata = {"authorization": f"Bearer {TOKEN}"}
+    client.unregister_system_shared_memory(headers=metadata)
+    client.unregister_cuda_shared_memory(headers=metadata)  # nothing to unregister, no error
+    a = np.arange(16, dtype=np.int32).reshape(1, 16)
+    b = np.ones((1, 16), dtype=np.int32)
+    size = a.nbytes
+    out_handle, out_key = create_region(regions, "output_data", size * 2)
+    client.register_system_shared_memory("output_data", out_key, size * 2, headers=metadata)
+    in_handle, in_key = create_region(regions, "input_data", size * 2)
+    shm.set_shared_memory_region(in_handle, [a])
+    shm.set_shared_memory_region(in_handle, [b], offset=size)
+    client.register_system_shared_memory("input_data", in_key, size * 2, headers=metadata)
+
+    inputs = [
+        triton.InferInput("a", [1, 16], "INT32"),
+        triton.InferInput("b", [1, 16], "INT32"),
+    ]
+    inputs[0].set_shared_memory("input_data", size)
+    inputs[1].set_shared_memory("input_data", size, offset=size)
+    outputs = [triton.InferRequestedOutput("sum"), triton.InferRequestedOutput("diff")]
+    outputs[0].set_shared_memory("output_data", size)
+    outputs[1].set_shared_memory("output_data", size, offset=size)
+    result = client.infer("simple", inputs, outputs=outputs)
+
+    sum_ = result.get_output("sum")
+    diff = result.get_output("diff")
+    assert list(sum_.shape) == [1, 16]
+    assert sum_.parameters["shared_memory_region"].string_param == "output_data"
+    assert diff.parameters["shared_memory_offset"].int64_param == size
+    sums = shm.get_contents_as_numpy(out_handle, np.int32, [1, 16])
+    diffs = shm.get_contents_as_numpy(out_handle, np.int32, [1, 16], offset=size)
+    np.testing.assert_array_equal(sums, a + b)
+    np.testing.assert_array_equal(diffs, a - b)
+
+    # Mixed: one input in the request, one in shared memory; the output in the response.
+    mixed = [triton.InferInput("a", [1, 16], "INT32"), triton.InferInput("b", [1, 16], "INT32")]
+    mixed[0].set_data_from_numpy(a)
+    mixed[1].set_shared_memory("input_data", size, offset=size)
+    answer = client.infer("simple", mixed, outputs=[triton.InferRequestedOutput("sum")])
+    np.testing.assert_array_equal(answer.as_numpy("sum"), a + b)
+
+    status = client.get_system_shared_memory_status()
+    assert sorted(status.regions) == ["input_data", "output_data"]
+    region = status.regions["input_data"]
+    assert (region.key, region.offset, region.byte_size) == (in_key, 0, size * 2)
+    assert list(client.get_system_shared_memory_status("output_data").regions) == ["output_data"]
+    # The same registry as HTTP's: what gRPC registered, HTTP reports.
+    http_status = httpx.get(f"{server.url}/v2/systemsharedmemory/status").json()
+    assert {r["name"] for r in http_status} == {"input_data", "output_data"}
+    client.unregister_system_shared_memory("input_data", headers=metadata)
+    assert list(client.get_system_shared_memory_status().regions) == ["output_data"]
+    client.unregister_system_shared_memory(headers=metadata)
+    assert not client.get_system_shared_memory_status().regions
+
+
+@pytest.mark.shm
+def test_simple_grpc_shm_string_client(
+    client: triton.InferenceServerClient, regions: list[Any]
+) -> None:
+    # simple_grpc_shm_string_client.py: BYTES tensors in and out of shared memory.
+    metadata = {"authorization": f"Bearer {TOKEN}"}
+    data = np.array([[str(x).encode() for x in range(16)]], dtype=object)
+    serialized = utils.serialize_byte_tensor(data)
+    size = utils.serialized_byte_size(serialized)
+    in_handle, in_key = create_region(regions, "input_data", size)
+    shm.set_shared_memory_region(in_handle, [serialized])
+    client.register_system_shared_memory("input_data", in_key, size, headers=metadata)
+    out_handle, out_key = create_region(regions, "output_data", size)
+    client.register_system_shared_memory("output_data", out_key, size, headers=metadata)
+    try:
+        inputs = [triton.InferInput("x", [1, 16], "BYTES")]
+        inputs[0].set_shared_memory("input_data", size)
+        outputs = [triton.InferRequestedOutput("y")]
+        outputs[0].set_shared_memory("output_data", size)
+        result = client.infer("strings", inputs, outputs=outputs)
+        output = result.get_output("y")
+        assert output.datatype == "BYTES"
+        got = shm.get_contents_as_numpy(out_handle, np.object_, list(output.shape))
+        np.testing.assert_array_equal(got, data)
+    finally:
+        client.unregister_system_shared_memory(headers=metadata)
+
+
+@pytest.mark.shm
+def test_shared_memory_errors(client: triton.InferenceServerClient, regions: list[Any]) -> None:
+    metadata = {"authorization": f"Bearer {TOKEN}"}
+    _, key = create_region(regions, "small", 64)
+    # Registering and unregistering are admin calls, as over HTTP.
+    with pytest.raises(InferenceServerException) as unauthorized:
+        client.register_system_shared_memory("small", key, 64)
+    assert unauthorized.value.status() == "StatusCode.UNAUTHENTICATED"
+    with pytest.raises(InferenceServerException) as missing:
+        client.register_system_shared_memory(
+            "nowhere", "/trioinfer_no_such_key", 64, headers=metadata
+        )
+    assert missing.value.status() == "StatusCode.INVALID_ARGUMENT"
+    client.register_system_shared_memory("small", key, 64, headers=metadata)
+    try:
+        with pytest.raises(InferenceServerException) as twice:
+            client.register_system_shared_memory("small", key, 64, headers=metadata)
+        assert twice.value.status() == "StatusCode.INVALID_ARGUMENT"
+        inputs = [
+            triton.InferInput("a", [1, 16], "INT32"),
+            triton.InferInput("b", [1, 16], "INT32"),
+        ]
+        inputs[0].set_shared_memory("small", 64)
+        inputs[1].set_shared_memory("small", 64, offset=32)  # past the region's end
+        with pytest.raises(InferenceServerException) as beyond:
+            client.infer("simple", inputs)
+        assert beyond.value.status() == "StatusCode.INVALID_ARGUMENT"
+        assert "small" in beyond.value.message()
+        inputs[1].set_shared_memory("unknown_region", 64)
+        with pytest.raises(InferenceServerException) as unknown:
+            client.infer("simple", inputs)
+        assert unknown.value.status() == "StatusCode.INVALID_ARGUMENT"
+        assert "unknown_region" in unknown.value.message()
+    finally:
+        client.unregister_system_shared_memory(headers=metadata)
     with pytest.raises(InferenceServerException) as cuda:
-        client.get_cuda_shared_memory_status()
-    assert cuda.value.status() == "StatusCode.UNIMPLEMENTED"
+        client.register_cuda_shared_memory("gpu", b"\0" * 64, 0, 64, headers=metadata)
+    assert cuda.value.status() in {"StatusCode.INVALID_ARGUMENT", "StatusCode.UNAVAILABLE"}
+    assert not client.get_cuda_shared_memory_status().regions
 
 
 # -- deadlines and cancellation --------------------------------------------------------

@@ -63,6 +63,7 @@ from ._app import (
     ServerState,
     _check_outputs,
     _fallback_parameters,
+    _one_process_only,
     _schedule_parameters,
     infer_in_time,
     load_override,
@@ -416,25 +417,73 @@ class _Service:
 
     # -- shared memory --
 
-    async def _no_shared_memory(self, _request: Any, _context: Any, _call: _Call) -> Any:
-        raise _Unimplemented(
-            "shared memory is not supported by this server yet; send tensors in the request "
-            "(raw_input_contents)"
-        )
+    async def SystemSharedMemoryStatus(self, request: Any, context: Any, call: _Call) -> Any:
+        metadata = _metadata(context)
 
-    SystemSharedMemoryStatus = _no_shared_memory
-    SystemSharedMemoryRegister = _no_shared_memory
-    SystemSharedMemoryUnregister = _no_shared_memory
+        def regions() -> list[Any]:
+            self._state.check_token(metadata, admin=False)
+            return self._state.shm.status(request.name or None)
 
-    async def _no_cuda_memory(self, _request: Any, _context: Any, _call: _Call) -> Any:
-        raise _Unimplemented(
-            "CUDA shared memory is not supported on this server; send tensors in the request "
-            "(raw_input_contents)"
-        )
+        response = pb.message("SystemSharedMemoryStatusResponse")()
+        for region in await self._run(call, regions):
+            json_format.ParseDict(attrs.asdict(region), response.regions[region.name])
+        return response
 
-    CudaSharedMemoryStatus = _no_cuda_memory
-    CudaSharedMemoryRegister = _no_cuda_memory
-    CudaSharedMemoryUnregister = _no_cuda_memory
+    async def SystemSharedMemoryRegister(self, request: Any, context: Any, call: _Call) -> Any:
+        metadata = _metadata(context)
+
+        def register() -> None:
+            self._state.check_token(metadata, admin=True)
+            _one_process_only(self._state)
+            self._state.shm.register(request.name, request.key, request.offset, request.byte_size)
+
+        await self._run(call, register)
+        return pb.message("SystemSharedMemoryRegisterResponse")()
+
+    async def SystemSharedMemoryUnregister(self, request: Any, context: Any, call: _Call) -> Any:
+        metadata = _metadata(context)
+
+        def unregister() -> None:
+            self._state.check_token(metadata, admin=True)
+            self._state.shm.unregister(request.name or None)
+
+        await self._run(call, unregister)
+        return pb.message("SystemSharedMemoryUnregisterResponse")()
+
+    async def CudaSharedMemoryStatus(self, request: Any, context: Any, call: _Call) -> Any:
+        metadata = _metadata(context)
+
+        def regions() -> list[Any]:
+            self._state.check_token(metadata, admin=False)
+            return self._state.shm.cuda_status(request.name or None)
+
+        response = pb.message("CudaSharedMemoryStatusResponse")()
+        for region in await self._run(call, regions):
+            json_format.ParseDict(attrs.asdict(region), response.regions[region.name])
+        return response
+
+    async def CudaSharedMemoryRegister(self, request: Any, context: Any, call: _Call) -> Any:
+        metadata = _metadata(context)
+
+        def register() -> None:
+            self._state.check_token(metadata, admin=True)
+            _one_process_only(self._state)
+            self._state.shm.register_cuda(
+                request.name, request.raw_handle, request.device_id, request.byte_size
+            )
+
+        await self._run(call, register)
+        return pb.message("CudaSharedMemoryRegisterResponse")()
+
+    async def CudaSharedMemoryUnregister(self, request: Any, context: Any, call: _Call) -> Any:
+        metadata = _metadata(context)
+
+        def unregister() -> None:
+            self._state.check_token(metadata, admin=True)
+            self._state.shm.unregister_cuda(request.name or None)
+
+        await self._run(call, unregister)
+        return pb.message("CudaSharedMemoryUnregisterResponse")()
 
     # -- inference --
 
@@ -472,14 +521,22 @@ class _Service:
                 raise NotReady("the server is shutting down and takes no new requests")
             state.check_token(metadata, admin=False)
             served = state.models.resolve(model, version, key=metadata.get(ROUTING_KEY_HEADER))
-            request = decode_infer_parts(limits=state.config.limits, **parts)
-            _check_outputs(request, served)
-            priority, timeout = _schedule_parameters(request)
-            try:
-                result = await infer_in_time(state, served, request, priority, timeout)
-            except anyio.get_cancelled_exc_class():
-                state.metrics.cancelled(served)
-                raise
+            # The lease holds the regions the request names until its outputs are written.
+            with state.shm.lease() as lease:
+                request = decode_infer_parts(limits=state.config.limits, shm=lease, **parts)
+                _check_outputs(request, served)
+                priority, timeout = _schedule_parameters(request)
+                try:
+                    result = await infer_in_time(state, served, request, priority, timeout)
+                except anyio.get_cancelled_exc_class():
+                    state.metrics.cancelled(served)
+                    raise
+                outputs = encode_raw_outputs(
+                    request,
+                    result.outputs,
+                    [spec.name for spec in served.info.signature.outputs],
+                    shm=lease,
+                )
         except TrioInferError as exc:
             state.metrics.count(model, version, exc)
             raise
@@ -487,9 +544,6 @@ class _Service:
             state.in_flight.value -= 1
         state.models.mark_inference(served)
         state.metrics.succeeded(served)
-        outputs = encode_raw_outputs(
-            request, result.outputs, [spec.name for spec in served.info.signature.outputs]
-        )
         parameters = _fallback_parameters(state, served, result) if result.fallbacks else None
         return served.model, str(served.version), request.id, outputs, parameters
 
@@ -579,7 +633,13 @@ def _infer_parts(message: Any) -> dict[str, Any]:
         }
         if tensor.parameters:
             item["parameters"] = {k: _parameter(v) for k, v in tensor.parameters.items()}
-        if not raw:
+        if "shared_memory_region" in item.get("parameters", {}):
+            if tensor.contents.ListFields():
+                raise RequestError(
+                    f"input {tensor.name[:64]!r} is in shared memory and also has contents; "
+                    "send its values one way"
+                )
+        elif not raw:
             item["data"] = _contents(tensor)
         elif tensor.contents.ListFields():
             raise RequestError(
@@ -632,15 +692,21 @@ def _infer_response(
     model: str,
     version: str,
     request_id: str | None,
-    outputs: list[tuple[str, str, tuple[int, ...], bytes]],
+    outputs: list[tuple[str, str, tuple[int, ...], bytes, dict[str, Any] | None]],
     parameters: Mapping[str, str] | None,
 ) -> Any:
     response = pb.ModelInferResponse(model_name=model, model_version=version, id=request_id or "")
-    for name, datatype, shape, data in outputs:
+    for name, datatype, shape, data, where in outputs:
         tensor = response.outputs.add()
         tensor.name = name
         tensor.datatype = datatype
         tensor.shape.extend(shape)
+        for key, value in (where or {}).items():
+            # An output written to shared memory says where; its raw entry stays empty.
+            if isinstance(value, str):
+                tensor.parameters[key].string_param = value
+            else:
+                tensor.parameters[key].int64_param = value
         response.raw_output_contents.append(data)
     for key, value in (parameters or {}).items():
         response.parameters[key].string_param = value
