@@ -45,6 +45,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 from tritonclient.utils import InferenceServerException, deserialize_bytes_tensor
 
+import test_sequence
 from trioinfer.cli import main as cli_main
 from trioinfer.testing import models
 
@@ -172,6 +173,10 @@ def repository(tmp_path_factory: pytest.TempPathFactory) -> Path:
     models.write_identity(root / "strings" / "1" / "model.onnx", dtype=object, shape=("b", 16))
     models.write_slow(root / "slow" / "1" / "model.onnx", width=SLOW_WIDTH)
     (root / "slow" / "config.toml").write_text(SLOW_CONFIG)
+    # The stateful accumulator of test_sequence.py (Triton's simple_sequence).
+    (root / "simple_sequence" / "1").mkdir(parents=True)
+    (root / "simple_sequence" / "1" / "model.py").write_text(test_sequence.MODEL_PY)
+    (root / "simple_sequence" / "config.toml").write_text(test_sequence.CONFIG_TOML)
     return root
 
 
@@ -624,6 +629,78 @@ def test_shared_memory_errors(client: triton.InferenceServerClient, regions: lis
         client.register_cuda_shared_memory("gpu", b"\0" * 64, 0, 64, headers=metadata)
     assert cuda.value.status() in {"StatusCode.INVALID_ARGUMENT", "StatusCode.UNAVAILABLE"}
     assert not client.get_cuda_shared_memory_status().regions
+
+
+SEQUENCE_VALUES = [11, 7, 5, 3, 2, 0, 1]
+
+
+def sequence_input(value: int) -> list[triton.InferInput]:
+    infer_input = triton.InferInput("INPUT", [1, 1], "INT32")
+    infer_input.set_data_from_numpy(np.full((1, 1), value, dtype=np.int32))
+    return [infer_input]
+
+
+@pytest.mark.sequence
+def test_simple_grpc_sequence_sync_infer_client(client: triton.InferenceServerClient) -> None:
+    # simple_grpc_sequence_sync_infer_client.py: integer and string ids, interleaved.
+    sequences: dict[int | str, list[int]] = {
+        1000: [0, *SEQUENCE_VALUES],
+        1001: [100, *[-v for v in SEQUENCE_VALUES]],
+        "3f2a-uuid-like": [20, *[-v for v in SEQUENCE_VALUES]],
+        2**63 - 1: [5, *SEQUENCE_VALUES],  # the largest id tritonclient sends (int64_param)
+    }
+    got: dict[int | str, list[int]] = {key: [] for key in sequences}
+    for step in range(len(SEQUENCE_VALUES) + 1):
+        for sequence_id, values in sequences.items():
+            result = client.infer(
+                "simple_sequence",
+                sequence_input(values[step]),
+                outputs=[triton.InferRequestedOutput("OUTPUT")],
+                sequence_id=sequence_id,
+                sequence_start=step == 0,
+                sequence_end=step == len(values) - 1,
+            )
+            got[sequence_id].append(int(result.as_numpy("OUTPUT")[0][0]))
+    for sequence_id, values in sequences.items():
+        assert got[sequence_id] == list(np.cumsum(values)), sequence_id
+    errors = []
+    for kwargs in ({"sequence_id": 1000}, {"sequence_id": 4242}, {}):
+        with pytest.raises(InferenceServerException) as failed:
+            client.infer("simple_sequence", sequence_input(1), **kwargs)
+        errors.append((failed.value.status(), failed.value.message()))
+    assert [status for status, _ in errors] == ["StatusCode.INVALID_ARGUMENT"] * 3
+    assert "ended with its last request" in errors[0][1]
+    assert "no sequence 4242 in progress" in errors[1][1]
+    assert "needs a sequence_id" in errors[2][1]
+
+
+@pytest.mark.sequence
+def test_simple_grpc_sequence_stream_infer_client(server: Server) -> None:
+    # simple_grpc_sequence_stream_infer_client.py: two sequences over one stream.
+    answers: queue.Queue[tuple[Any, Any]] = queue.Queue()
+    values = {2001: [0, *SEQUENCE_VALUES], 2002: [100, *[-v for v in SEQUENCE_VALUES]]}
+    with triton.InferenceServerClient(server.grpc) as c:
+        c.start_stream(callback=lambda result, error: answers.put((result, error)))
+        for step in range(len(SEQUENCE_VALUES) + 1):
+            for sequence_id, sent in values.items():
+                c.async_stream_infer(
+                    "simple_sequence",
+                    sequence_input(sent[step]),
+                    request_id=f"{sequence_id}_{step}",
+                    outputs=[triton.InferRequestedOutput("OUTPUT")],
+                    sequence_id=sequence_id,
+                    sequence_start=step == 0,
+                    sequence_end=step == len(sent) - 1,
+                )
+        got: dict[int, list[int]] = {2001: [], 2002: []}
+        for _ in range(2 * (len(SEQUENCE_VALUES) + 1)):
+            result, error = answers.get(timeout=WAIT_S)
+            assert error is None, error
+            sequence_id = int(result.get_response().id.split("_")[0])
+            got[sequence_id].append(int(result.as_numpy("OUTPUT")[0][0]))
+        c.stop_stream()
+    for sequence_id, sent in values.items():
+        assert got[sequence_id] == list(np.cumsum(sent))
 
 
 # -- deadlines and cancellation --------------------------------------------------------
