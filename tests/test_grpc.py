@@ -17,6 +17,7 @@ import json
 import os
 import queue
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -46,6 +47,7 @@ from tritonclient.grpc import service_pb2, service_pb2_grpc
 from tritonclient.utils import InferenceServerException, deserialize_bytes_tensor
 
 import test_sequence
+import trioinfer
 from trioinfer.cli import main as cli_main
 from trioinfer.testing import models
 
@@ -177,6 +179,10 @@ def repository(tmp_path_factory: pytest.TempPathFactory) -> Path:
     (root / "simple_sequence" / "1").mkdir(parents=True)
     (root / "simple_sequence" / "1" / "model.py").write_text(test_sequence.MODEL_PY)
     (root / "simple_sequence" / "config.toml").write_text(test_sequence.CONFIG_TOML)
+    # The bundled decoupled model, as Triton's repeat_int32.
+    shutil.copytree(
+        Path(trioinfer.__file__).parent / "examples/repository/repeat_int32", root / "repeat_int32"
+    )
     return root
 
 
@@ -400,6 +406,88 @@ def test_stream_infer(client: triton.InferenceServerClient) -> None:
     assert "'a'" in got[3][1].message() or "input" in got[3][1].message()
 
 
+def repeat_inputs(values: list[int], delay_ms: int = 0) -> list[triton.InferInput]:
+    arrays = [
+        ("IN", np.array(values, dtype=np.int32), "INT32"),
+        ("DELAY", np.full(len(values), delay_ms, dtype=np.uint32), "UINT32"),
+        ("WAIT", np.array([0], dtype=np.uint32), "UINT32"),
+    ]
+    inputs = []
+    for name, array, datatype in arrays:
+        inputs.append(triton.InferInput(name, list(array.shape), datatype))
+        inputs[-1].set_data_from_numpy(array)
+    return inputs
+
+
+@pytest.mark.streaming
+def test_simple_grpc_custom_repeat(server: Server) -> None:
+    # simple_grpc_custom_repeat.py: a decoupled model answers one request with many responses.
+    answers: queue.Queue[tuple[Any, Any]] = queue.Queue()
+    values = [4, 2, 0, 1]
+    with triton.InferenceServerClient(server.grpc) as c:
+        c.start_stream(callback=lambda result, error: answers.put((result, error)))
+        c.async_stream_infer("repeat_int32", repeat_inputs(values), request_id="r1")
+        got = []
+        for _ in values:
+            result, error = answers.get(timeout=WAIT_S)
+            assert error is None, error
+            assert result.get_response().id == "r1"
+            assert "triton_final_response" not in result.get_response().parameters
+            got.append((int(result.as_numpy("OUT")[0]), int(result.as_numpy("IDX")[0])))
+        assert got == [(v, i) for i, v in enumerate(values)]
+        # With the empty final response asked for, as Triton sends it.
+        c.async_stream_infer(
+            "repeat_int32", repeat_inputs([7, 8]), request_id="r2", enable_empty_final_response=True
+        )
+        flags = []
+        for _ in range(3):
+            result, error = answers.get(timeout=WAIT_S)
+            assert error is None, error
+            response = result.get_response()
+            flags.append(
+                (len(response.outputs), response.parameters["triton_final_response"].bool_param)
+            )
+        assert flags == [(2, False), (2, False), (0, True)]
+        # An ordinary model on the same stream: still one response per request.
+        inputs, a, b = simple_inputs()
+        c.async_stream_infer("simple", inputs, request_id="s")
+        result, error = answers.get(timeout=WAIT_S)
+        assert error is None, error
+        np.testing.assert_array_equal(result.as_numpy("sum"), a + b)
+        # An empty IN: no response at all (an error would come back as one).
+        c.async_stream_infer("repeat_int32", repeat_inputs([]), request_id="e")
+        c.async_stream_infer("simple", inputs, request_id="after")
+        result, error = answers.get(timeout=WAIT_S)
+        assert error is None, error
+        assert result.get_response().id == "after"
+        c.stop_stream()
+    assert answers.empty()
+
+
+@pytest.mark.streaming
+def test_cancelling_a_stream_stops_the_generator(server: Server) -> None:
+    # A long stream (one response a second); the client cancels after the first.
+    answers: queue.Queue[tuple[Any, Any]] = queue.Queue()
+    labels = {"model": "repeat_int32", "version": "1"}
+    before = metric(server, "trioinfer_inference_requests_total", outcome="cancelled", **labels)
+    c = triton.InferenceServerClient(server.grpc)
+    try:
+        c.start_stream(callback=lambda result, error: answers.put((result, error)))
+        c.async_stream_infer("repeat_int32", repeat_inputs(list(range(60)), delay_ms=1000))
+        _first, error = answers.get(timeout=WAIT_S)
+        assert error is None, error
+        c.stop_stream(cancel_requests=True)
+    finally:
+        c.close()
+    wait_until(
+        lambda: (
+            metric(server, "trioinfer_inference_requests_total", outcome="cancelled", **labels)
+            > before
+        ),
+        "the cancelled stream's generator stopped",
+    )
+
+
 def test_strings_raw_and_typed(client: triton.InferenceServerClient, server: Server) -> None:
     # simple_grpc_string_infer_client.py (BYTES as raw contents) and
     # grpc_explicit_byte_content_client.py (BYTES as typed bytes_contents, through the stub).
@@ -450,7 +538,14 @@ def test_model_control_and_token(client: triton.InferenceServerClient) -> None:
     # simple_grpc_model_control.py, with the admin token as metadata.
     auth = {"authorization": f"Bearer {TOKEN}"}
     index = client.get_model_repository_index()
-    assert sorted(m.name for m in index.models) == ["add", "simple", "slow", "strings"]
+    assert sorted(m.name for m in index.models) == [
+        "add",
+        "repeat_int32",
+        "simple",
+        "simple_sequence",
+        "slow",
+        "strings",
+    ]
     with pytest.raises(InferenceServerException) as refused:
         client.unload_model("add")
     assert refused.value.status() == "StatusCode.UNAUTHENTICATED"

@@ -114,10 +114,6 @@ class _ClientGone(TrioInferError):
     """The client cancelled the call or went away: nobody is left to answer."""
 
 
-class _Unimplemented(TrioInferError):
-    """A call this server does not implement (``UNIMPLEMENTED``)."""
-
-
 # -- from grpc.aio's thread to the event loop -----------------------------------------
 
 
@@ -290,8 +286,6 @@ class _Service:
         status = grpc_status_for(error)
         if isinstance(error, _ClientGone):
             status = grpc.StatusCode.CANCELLED
-        elif isinstance(error, _Unimplemented):
-            status = grpc.StatusCode.UNIMPLEMENTED
         if isinstance(error, TrioInferError):
             message = self._state.models.public_message(error)
         else:
@@ -493,26 +487,36 @@ class _Service:
     async def _infer(self, request: Any, metadata: Mapping[str, str], call: _Call) -> Any:
         parts = _infer_parts(request)
         answer = await self._run(call, self._traced_infer, request, parts, metadata)
+        assert answer is not None  # without an emit nothing is streamed
         return _infer_response(*answer)
 
     async def _traced_infer(
-        self, message: Any, parts: dict[str, Any], metadata: Mapping[str, str]
-    ) -> tuple[Any, ...]:
+        self,
+        message: Any,
+        parts: dict[str, Any],
+        metadata: Mapping[str, str],
+        emit: Callable[[Any], None] | None = None,
+    ) -> tuple[Any, ...] | None:
         # In a server span parented by the call's traceparent metadata, when tracing is on.
         tracing = self._state.models.engine._tracing
         if tracing is None:
-            return await self._infer_in_loop(message, parts, metadata)
+            return await self._infer_in_loop(message, parts, metadata, emit)
         return await tracing.serve_grpc(
             "ModelInfer",
             metadata,
             message.model_name,
             message.model_version or None,
-            lambda: self._infer_in_loop(message, parts, metadata),
+            lambda: self._infer_in_loop(message, parts, metadata, emit),
         )
 
     async def _infer_in_loop(
-        self, message: Any, parts: dict[str, Any], metadata: Mapping[str, str]
-    ) -> tuple[Any, ...]:
+        self,
+        message: Any,
+        parts: dict[str, Any],
+        metadata: Mapping[str, str],
+        emit: Callable[[Any], None] | None = None,
+    ) -> tuple[Any, ...] | None:
+        """Answer one request; a decoupled model's responses go to *emit* (a stream), then None."""
         state = self._state
         model, version = message.model_name, message.model_version or None
         state.in_flight.value += 1
@@ -526,17 +530,18 @@ class _Service:
                 request = decode_infer_parts(limits=state.config.limits, shm=lease, **parts)
                 _check_outputs(request, served)
                 priority, timeout = _schedule_parameters(request)
+                order = [spec.name for spec in served.info.signature.outputs]
                 try:
-                    result = await infer_in_time(state, served, request, priority, timeout)
+                    if emit is not None and served.info.decoupled:
+                        await _stream(state, served, request, priority, timeout, order, emit, lease)
+                        result = None
+                    else:
+                        result = await infer_in_time(state, served, request, priority, timeout)
                 except anyio.get_cancelled_exc_class():
                     state.metrics.cancelled(served)
                     raise
-                outputs = encode_raw_outputs(
-                    request,
-                    result.outputs,
-                    [spec.name for spec in served.info.signature.outputs],
-                    shm=lease,
-                )
+                if result is not None:
+                    outputs = encode_raw_outputs(request, result.outputs, order, shm=lease)
         except TrioInferError as exc:
             state.metrics.count(model, version, exc)
             raise
@@ -544,17 +549,23 @@ class _Service:
             state.in_flight.value -= 1
         state.models.mark_inference(served)
         state.metrics.succeeded(served)
+        if result is None:
+            return None
         parameters = _fallback_parameters(state, served, result) if result.fallbacks else None
         return served.model, str(served.version), request.id, outputs, parameters
 
     async def ModelStreamInfer(self, requests: AsyncIterator[bytes], context: Any) -> Any:
-        """One response per request, in order; a failed request answers with its error_message."""
+        """Each request's responses, in order: one, or a decoupled model's stream of them.
+
+        A failed request answers with its error_message and the stream goes on.
+        """
         metadata = _metadata(context)
         call = self._open(context)
         async for raw in requests:
             try:
                 request = _parse(pb.ModelInferRequest, raw)
-                response = await self._infer(request, metadata, call)
+                async for response in self._stream_request(request, metadata, call):
+                    yield pb.ModelStreamInferResponse(infer_response=response).SerializeToString()
             except _ClientGone:
                 return
             except Exception as exc:  # the stream goes on; this request's error goes back
@@ -566,8 +577,84 @@ class _Service:
                 yield pb.ModelStreamInferResponse(error_message=text).SerializeToString()
                 if isinstance(exc, DeadlineExceeded) and call.expires is not None:
                     return  # the stream's own deadline passed: nothing more can run
+
+    async def _stream_request(
+        self, request: Any, metadata: Mapping[str, str], call: _Call
+    ) -> AsyncIterator[Any]:
+        # The serving loop emits each response onto grpc.aio's loop as it comes; the
+        # call's answer (None for a decoupled model) comes after the last of them.
+        loop = asyncio.get_running_loop()
+        responses: asyncio.Queue[Any] = asyncio.Queue()
+
+        def emit(response: Any) -> None:
+            if self._native:
+                responses.put_nowait(response)
             else:
-                yield pb.ModelStreamInferResponse(infer_response=response).SerializeToString()
+                loop.call_soon_threadsafe(responses.put_nowait, response)
+
+        parts = _infer_parts(request)
+        answer = asyncio.ensure_future(
+            self._run(call, self._traced_infer, request, parts, metadata, emit)
+        )
+        try:
+            while not answer.done():
+                getter = asyncio.ensure_future(responses.get())
+                await asyncio.wait({getter, answer}, return_when=asyncio.FIRST_COMPLETED)
+                if getter.done():
+                    yield getter.result()
+                else:
+                    getter.cancel()
+            while not responses.empty():
+                yield responses.get_nowait()
+            result = answer.result()
+            if result is not None:
+                yield _infer_response(*result)
+        finally:
+            if not answer.done():  # the client left: the request (and generator) stops
+                answer.cancel()
+                with contextlib.suppress(BaseException):
+                    await answer
+
+
+async def _stream(
+    state: ServerState,
+    served: Any,
+    request: Any,
+    priority: int,
+    timeout_s: float | None,
+    order: list[str],
+    emit: Callable[[Any], None],
+    lease: Any,
+) -> None:
+    """Emit a decoupled model's responses, as Triton's gRPC stream sends them.
+
+    With ``triton_enable_empty_final_response`` (tritonclient's
+    ``enable_empty_final_response=True``) each response carries
+    ``triton_final_response: false`` and an empty one with ``true`` ends the
+    request's responses, as in Triton; without it the responses just stop.
+    """
+    final = request.parameters.get("triton_enable_empty_final_response") is True
+    version = str(served.version)
+    with anyio.move_on_after(timeout_s if timeout_s is not None else math.inf) as scope:
+        async with state.models.engine.infer_stream(
+            served.engine_name, request.inputs, priority=priority, request_id=request.id
+        ) as responses:
+            async for outputs in responses:
+                encoded = encode_raw_outputs(request, outputs, order, shm=lease)
+                response = _infer_response(served.model, version, request.id, encoded, None)
+                if final:
+                    response.parameters["triton_final_response"].bool_param = False
+                emit(response)
+    if scope.cancelled_caught:
+        raise DeadlineExceeded(
+            f"the request's timeout of {timeout_s} s passed before its last response"
+        )
+    if final:
+        last = pb.ModelInferResponse(
+            model_name=served.model, model_version=version, id=request.id or ""
+        )
+        last.parameters["triton_final_response"].bool_param = True
+        emit(last)
 
 
 # -- messages to plain values and back ----------------------------------------------------
