@@ -965,6 +965,7 @@ def test_asyncio_loop_and_no_extra(repository: Path, tmp_path: Path) -> None:
         run_server(
             repository,
             *("--loop", "asyncio", "--model", "simple", "--model", "slow"),
+            *("--model", "repeat_int32"),
             *("--config", str(config)),
             log=tmp_path / "a.log",
         ) as server,
@@ -977,9 +978,14 @@ def test_asyncio_loop_and_no_extra(repository: Path, tmp_path: Path) -> None:
         c.start_stream(callback=lambda result, error: answers.put((result, error)))
         c.async_stream_infer("simple", inputs)
         result, error = answers.get(timeout=WAIT_S)
-        c.stop_stream()
         assert error is None
         np.testing.assert_array_equal(result.as_numpy("diff"), a - b)
+        # A decoupled model's stream, on grpc.aio's own loop.
+        c.async_stream_infer("repeat_int32", repeat_inputs([3, 5]))
+        streamed = [answers.get(timeout=WAIT_S) for _ in range(2)]
+        c.stop_stream()
+        assert [error for _, error in streamed] == [None, None]
+        assert [int(result.as_numpy("OUT")[0]) for result, _ in streamed] == [3, 5]
     # Without the extra, serve says why it serves no gRPC, and serves HTTP.
     with run_server(
         repository,
