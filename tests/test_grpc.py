@@ -17,11 +17,13 @@ import json
 import os
 import queue
 import re
+import shutil
 import signal
 import subprocess
 import sys
 import threading
 import time
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -33,6 +35,8 @@ import numpy as np
 import pytest
 import tritonclient.grpc as triton
 import tritonclient.grpc.aio as triton_aio
+import tritonclient.utils as utils
+import tritonclient.utils.shared_memory as shm
 from click.testing import CliRunner
 from google.protobuf import descriptor as descriptor_module
 from google.protobuf import descriptor_pool
@@ -42,6 +46,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 from tritonclient.utils import InferenceServerException, deserialize_bytes_tensor
 
+import test_sequence
+import trioinfer
 from trioinfer.cli import main as cli_main
 from trioinfer.testing import models
 
@@ -169,6 +175,14 @@ def repository(tmp_path_factory: pytest.TempPathFactory) -> Path:
     models.write_identity(root / "strings" / "1" / "model.onnx", dtype=object, shape=("b", 16))
     models.write_slow(root / "slow" / "1" / "model.onnx", width=SLOW_WIDTH)
     (root / "slow" / "config.toml").write_text(SLOW_CONFIG)
+    # The stateful accumulator of test_sequence.py (Triton's simple_sequence).
+    (root / "simple_sequence" / "1").mkdir(parents=True)
+    (root / "simple_sequence" / "1" / "model.py").write_text(test_sequence.MODEL_PY)
+    (root / "simple_sequence" / "config.toml").write_text(test_sequence.CONFIG_TOML)
+    # The bundled decoupled model, as Triton's repeat_int32.
+    shutil.copytree(
+        Path(trioinfer.__file__).parent / "examples/repository/repeat_int32", root / "repeat_int32"
+    )
     return root
 
 
@@ -392,6 +406,88 @@ def test_stream_infer(client: triton.InferenceServerClient) -> None:
     assert "'a'" in got[3][1].message() or "input" in got[3][1].message()
 
 
+def repeat_inputs(values: list[int], delay_ms: int = 0) -> list[triton.InferInput]:
+    arrays = [
+        ("IN", np.array(values, dtype=np.int32), "INT32"),
+        ("DELAY", np.full(len(values), delay_ms, dtype=np.uint32), "UINT32"),
+        ("WAIT", np.array([0], dtype=np.uint32), "UINT32"),
+    ]
+    inputs = []
+    for name, array, datatype in arrays:
+        inputs.append(triton.InferInput(name, list(array.shape), datatype))
+        inputs[-1].set_data_from_numpy(array)
+    return inputs
+
+
+@pytest.mark.streaming
+def test_simple_grpc_custom_repeat(server: Server) -> None:
+    # simple_grpc_custom_repeat.py: a decoupled model answers one request with many responses.
+    answers: queue.Queue[tuple[Any, Any]] = queue.Queue()
+    values = [4, 2, 0, 1]
+    with triton.InferenceServerClient(server.grpc) as c:
+        c.start_stream(callback=lambda result, error: answers.put((result, error)))
+        c.async_stream_infer("repeat_int32", repeat_inputs(values), request_id="r1")
+        got = []
+        for _ in values:
+            result, error = answers.get(timeout=WAIT_S)
+            assert error is None, error
+            assert result.get_response().id == "r1"
+            assert "triton_final_response" not in result.get_response().parameters
+            got.append((int(result.as_numpy("OUT")[0]), int(result.as_numpy("IDX")[0])))
+        assert got == [(v, i) for i, v in enumerate(values)]
+        # With the empty final response asked for, as Triton sends it.
+        c.async_stream_infer(
+            "repeat_int32", repeat_inputs([7, 8]), request_id="r2", enable_empty_final_response=True
+        )
+        flags = []
+        for _ in range(3):
+            result, error = answers.get(timeout=WAIT_S)
+            assert error is None, error
+            response = result.get_response()
+            flags.append(
+                (len(response.outputs), response.parameters["triton_final_response"].bool_param)
+            )
+        assert flags == [(2, False), (2, False), (0, True)]
+        # An ordinary model on the same stream: still one response per request.
+        inputs, a, b = simple_inputs()
+        c.async_stream_infer("simple", inputs, request_id="s")
+        result, error = answers.get(timeout=WAIT_S)
+        assert error is None, error
+        np.testing.assert_array_equal(result.as_numpy("sum"), a + b)
+        # An empty IN: no response at all (an error would come back as one).
+        c.async_stream_infer("repeat_int32", repeat_inputs([]), request_id="e")
+        c.async_stream_infer("simple", inputs, request_id="after")
+        result, error = answers.get(timeout=WAIT_S)
+        assert error is None, error
+        assert result.get_response().id == "after"
+        c.stop_stream()
+    assert answers.empty()
+
+
+@pytest.mark.streaming
+def test_cancelling_a_stream_stops_the_generator(server: Server) -> None:
+    # A long stream (one response a second); the client cancels after the first.
+    answers: queue.Queue[tuple[Any, Any]] = queue.Queue()
+    labels = {"model": "repeat_int32", "version": "1"}
+    before = metric(server, "trioinfer_inference_requests_total", outcome="cancelled", **labels)
+    c = triton.InferenceServerClient(server.grpc)
+    try:
+        c.start_stream(callback=lambda result, error: answers.put((result, error)))
+        c.async_stream_infer("repeat_int32", repeat_inputs(list(range(60)), delay_ms=1000))
+        _first, error = answers.get(timeout=WAIT_S)
+        assert error is None, error
+        c.stop_stream(cancel_requests=True)
+    finally:
+        c.close()
+    wait_until(
+        lambda: (
+            metric(server, "trioinfer_inference_requests_total", outcome="cancelled", **labels)
+            > before
+        ),
+        "the cancelled stream's generator stopped",
+    )
+
+
 def test_strings_raw_and_typed(client: triton.InferenceServerClient, server: Server) -> None:
     # simple_grpc_string_infer_client.py (BYTES as raw contents) and
     # grpc_explicit_byte_content_client.py (BYTES as typed bytes_contents, through the stub).
@@ -442,7 +538,14 @@ def test_model_control_and_token(client: triton.InferenceServerClient) -> None:
     # simple_grpc_model_control.py, with the admin token as metadata.
     auth = {"authorization": f"Bearer {TOKEN}"}
     index = client.get_model_repository_index()
-    assert sorted(m.name for m in index.models) == ["add", "simple", "slow", "strings"]
+    assert sorted(m.name for m in index.models) == [
+        "add",
+        "repeat_int32",
+        "simple",
+        "simple_sequence",
+        "slow",
+        "strings",
+    ]
     with pytest.raises(InferenceServerException) as refused:
         client.unload_model("add")
     assert refused.value.status() == "StatusCode.UNAUTHENTICATED"
@@ -478,14 +581,221 @@ def test_keepalive_client(server: Server) -> None:
         np.testing.assert_array_equal(c.infer("simple", inputs).as_numpy("sum"), a + b)
 
 
-def test_shared_memory_is_refused_clearly(client: triton.InferenceServerClient) -> None:
-    with pytest.raises(InferenceServerException) as failed:
-        client.register_system_shared_memory("region", "/key", 64)
-    assert failed.value.status() == "StatusCode.UNIMPLEMENTED"
-    assert "shared memory" in failed.value.message()
+@pytest.fixture
+def regions() -> Iterator[list[Any]]:
+    """Shared-memory regions a test creates, destroyed (and unregistered) whatever happens."""
+    handles: list[Any] = []
+    yield handles
+    for handle in handles:
+        shm.destroy_shared_memory_region(handle)
+
+
+def create_region(handles: list[Any], name: str, size: int) -> tuple[Any, str]:
+    key = f"/trioinfer_grpc_test_{uuid.uuid4().hex[:12]}"
+    handle = shm.create_shared_memory_region(name, key, size)
+    handles.append(handle)
+    return handle, key
+
+
+@pytest.mark.shm
+def test_simple_grpc_shm_client(
+    client: triton.InferenceServerClient, server: Server, regions: list[Any]
+) -> None:
+    # simple_grpc_shm_client.py: inputs and outputs in system shared memory.
+    metadata = {"authorization": f"Bearer {TOKEN}"}
+    client.unregister_system_shared_memory(headers=metadata)
+    client.unregister_cuda_shared_memory(headers=metadata)  # nothing to unregister, no error
+    a = np.arange(16, dtype=np.int32).reshape(1, 16)
+    b = np.ones((1, 16), dtype=np.int32)
+    size = a.nbytes
+    out_handle, out_key = create_region(regions, "output_data", size * 2)
+    client.register_system_shared_memory("output_data", out_key, size * 2, headers=metadata)
+    in_handle, in_key = create_region(regions, "input_data", size * 2)
+    shm.set_shared_memory_region(in_handle, [a])
+    shm.set_shared_memory_region(in_handle, [b], offset=size)
+    client.register_system_shared_memory("input_data", in_key, size * 2, headers=metadata)
+
+    inputs = [
+        triton.InferInput("a", [1, 16], "INT32"),
+        triton.InferInput("b", [1, 16], "INT32"),
+    ]
+    inputs[0].set_shared_memory("input_data", size)
+    inputs[1].set_shared_memory("input_data", size, offset=size)
+    outputs = [triton.InferRequestedOutput("sum"), triton.InferRequestedOutput("diff")]
+    outputs[0].set_shared_memory("output_data", size)
+    outputs[1].set_shared_memory("output_data", size, offset=size)
+    result = client.infer("simple", inputs, outputs=outputs)
+
+    sum_ = result.get_output("sum")
+    diff = result.get_output("diff")
+    assert list(sum_.shape) == [1, 16]
+    assert sum_.parameters["shared_memory_region"].string_param == "output_data"
+    assert diff.parameters["shared_memory_offset"].int64_param == size
+    sums = shm.get_contents_as_numpy(out_handle, np.int32, [1, 16])
+    diffs = shm.get_contents_as_numpy(out_handle, np.int32, [1, 16], offset=size)
+    np.testing.assert_array_equal(sums, a + b)
+    np.testing.assert_array_equal(diffs, a - b)
+
+    # Mixed: one input in the request, one in shared memory; the output in the response.
+    mixed = [triton.InferInput("a", [1, 16], "INT32"), triton.InferInput("b", [1, 16], "INT32")]
+    mixed[0].set_data_from_numpy(a)
+    mixed[1].set_shared_memory("input_data", size, offset=size)
+    answer = client.infer("simple", mixed, outputs=[triton.InferRequestedOutput("sum")])
+    np.testing.assert_array_equal(answer.as_numpy("sum"), a + b)
+
+    status = client.get_system_shared_memory_status()
+    assert sorted(status.regions) == ["input_data", "output_data"]
+    region = status.regions["input_data"]
+    assert (region.key, region.offset, region.byte_size) == (in_key, 0, size * 2)
+    assert list(client.get_system_shared_memory_status("output_data").regions) == ["output_data"]
+    # The same registry as HTTP's: what gRPC registered, HTTP reports.
+    http_status = httpx.get(f"{server.url}/v2/systemsharedmemory/status").json()
+    assert {r["name"] for r in http_status} == {"input_data", "output_data"}
+    client.unregister_system_shared_memory("input_data", headers=metadata)
+    assert list(client.get_system_shared_memory_status().regions) == ["output_data"]
+    client.unregister_system_shared_memory(headers=metadata)
+    assert not client.get_system_shared_memory_status().regions
+
+
+@pytest.mark.shm
+def test_simple_grpc_shm_string_client(
+    client: triton.InferenceServerClient, regions: list[Any]
+) -> None:
+    # simple_grpc_shm_string_client.py: BYTES tensors in and out of shared memory.
+    metadata = {"authorization": f"Bearer {TOKEN}"}
+    data = np.array([[str(x).encode() for x in range(16)]], dtype=object)
+    serialized = utils.serialize_byte_tensor(data)
+    size = utils.serialized_byte_size(serialized)
+    in_handle, in_key = create_region(regions, "input_data", size)
+    shm.set_shared_memory_region(in_handle, [serialized])
+    client.register_system_shared_memory("input_data", in_key, size, headers=metadata)
+    out_handle, out_key = create_region(regions, "output_data", size)
+    client.register_system_shared_memory("output_data", out_key, size, headers=metadata)
+    try:
+        inputs = [triton.InferInput("x", [1, 16], "BYTES")]
+        inputs[0].set_shared_memory("input_data", size)
+        outputs = [triton.InferRequestedOutput("y")]
+        outputs[0].set_shared_memory("output_data", size)
+        result = client.infer("strings", inputs, outputs=outputs)
+        output = result.get_output("y")
+        assert output.datatype == "BYTES"
+        got = shm.get_contents_as_numpy(out_handle, np.object_, list(output.shape))
+        np.testing.assert_array_equal(got, data)
+    finally:
+        client.unregister_system_shared_memory(headers=metadata)
+
+
+@pytest.mark.shm
+def test_shared_memory_errors(client: triton.InferenceServerClient, regions: list[Any]) -> None:
+    metadata = {"authorization": f"Bearer {TOKEN}"}
+    _, key = create_region(regions, "small", 64)
+    # Registering and unregistering are admin calls, as over HTTP.
+    with pytest.raises(InferenceServerException) as unauthorized:
+        client.register_system_shared_memory("small", key, 64)
+    assert unauthorized.value.status() == "StatusCode.UNAUTHENTICATED"
+    with pytest.raises(InferenceServerException) as missing:
+        client.register_system_shared_memory(
+            "nowhere", "/trioinfer_no_such_key", 64, headers=metadata
+        )
+    assert missing.value.status() == "StatusCode.INVALID_ARGUMENT"
+    client.register_system_shared_memory("small", key, 64, headers=metadata)
+    try:
+        with pytest.raises(InferenceServerException) as twice:
+            client.register_system_shared_memory("small", key, 64, headers=metadata)
+        assert twice.value.status() == "StatusCode.INVALID_ARGUMENT"
+        inputs = [
+            triton.InferInput("a", [1, 16], "INT32"),
+            triton.InferInput("b", [1, 16], "INT32"),
+        ]
+        inputs[0].set_shared_memory("small", 64)
+        inputs[1].set_shared_memory("small", 64, offset=32)  # past the region's end
+        with pytest.raises(InferenceServerException) as beyond:
+            client.infer("simple", inputs)
+        assert beyond.value.status() == "StatusCode.INVALID_ARGUMENT"
+        assert "small" in beyond.value.message()
+        inputs[1].set_shared_memory("unknown_region", 64)
+        with pytest.raises(InferenceServerException) as unknown:
+            client.infer("simple", inputs)
+        assert unknown.value.status() == "StatusCode.INVALID_ARGUMENT"
+        assert "unknown_region" in unknown.value.message()
+    finally:
+        client.unregister_system_shared_memory(headers=metadata)
     with pytest.raises(InferenceServerException) as cuda:
-        client.get_cuda_shared_memory_status()
-    assert cuda.value.status() == "StatusCode.UNIMPLEMENTED"
+        client.register_cuda_shared_memory("gpu", b"\0" * 64, 0, 64, headers=metadata)
+    assert cuda.value.status() in {"StatusCode.INVALID_ARGUMENT", "StatusCode.UNAVAILABLE"}
+    assert not client.get_cuda_shared_memory_status().regions
+
+
+SEQUENCE_VALUES = [11, 7, 5, 3, 2, 0, 1]
+
+
+def sequence_input(value: int) -> list[triton.InferInput]:
+    infer_input = triton.InferInput("INPUT", [1, 1], "INT32")
+    infer_input.set_data_from_numpy(np.full((1, 1), value, dtype=np.int32))
+    return [infer_input]
+
+
+@pytest.mark.sequence
+def test_simple_grpc_sequence_sync_infer_client(client: triton.InferenceServerClient) -> None:
+    # simple_grpc_sequence_sync_infer_client.py: integer and string ids, interleaved.
+    sequences: dict[int | str, list[int]] = {
+        1000: [0, *SEQUENCE_VALUES],
+        1001: [100, *[-v for v in SEQUENCE_VALUES]],
+        "3f2a-uuid-like": [20, *[-v for v in SEQUENCE_VALUES]],
+        2**63 - 1: [5, *SEQUENCE_VALUES],  # the largest id tritonclient sends (int64_param)
+    }
+    got: dict[int | str, list[int]] = {key: [] for key in sequences}
+    for step in range(len(SEQUENCE_VALUES) + 1):
+        for sequence_id, values in sequences.items():
+            result = client.infer(
+                "simple_sequence",
+                sequence_input(values[step]),
+                outputs=[triton.InferRequestedOutput("OUTPUT")],
+                sequence_id=sequence_id,
+                sequence_start=step == 0,
+                sequence_end=step == len(values) - 1,
+            )
+            got[sequence_id].append(int(result.as_numpy("OUTPUT")[0][0]))
+    for sequence_id, values in sequences.items():
+        assert got[sequence_id] == list(np.cumsum(values)), sequence_id
+    errors = []
+    for kwargs in ({"sequence_id": 1000}, {"sequence_id": 4242}, {}):
+        with pytest.raises(InferenceServerException) as failed:
+            client.infer("simple_sequence", sequence_input(1), **kwargs)
+        errors.append((failed.value.status(), failed.value.message()))
+    assert [status for status, _ in errors] == ["StatusCode.INVALID_ARGUMENT"] * 3
+    assert "ended with its last request" in errors[0][1]
+    assert "no sequence 4242 in progress" in errors[1][1]
+    assert "needs a sequence_id" in errors[2][1]
+
+
+@pytest.mark.sequence
+def test_simple_grpc_sequence_stream_infer_client(server: Server) -> None:
+    # simple_grpc_sequence_stream_infer_client.py: two sequences over one stream.
+    answers: queue.Queue[tuple[Any, Any]] = queue.Queue()
+    values = {2001: [0, *SEQUENCE_VALUES], 2002: [100, *[-v for v in SEQUENCE_VALUES]]}
+    with triton.InferenceServerClient(server.grpc) as c:
+        c.start_stream(callback=lambda result, error: answers.put((result, error)))
+        for step in range(len(SEQUENCE_VALUES) + 1):
+            for sequence_id, sent in values.items():
+                c.async_stream_infer(
+                    "simple_sequence",
+                    sequence_input(sent[step]),
+                    request_id=f"{sequence_id}_{step}",
+                    outputs=[triton.InferRequestedOutput("OUTPUT")],
+                    sequence_id=sequence_id,
+                    sequence_start=step == 0,
+                    sequence_end=step == len(sent) - 1,
+                )
+        got: dict[int, list[int]] = {2001: [], 2002: []}
+        for _ in range(2 * (len(SEQUENCE_VALUES) + 1)):
+            result, error = answers.get(timeout=WAIT_S)
+            assert error is None, error
+            sequence_id = int(result.get_response().id.split("_")[0])
+            got[sequence_id].append(int(result.as_numpy("OUTPUT")[0][0]))
+        c.stop_stream()
+    for sequence_id, sent in values.items():
+        assert got[sequence_id] == list(np.cumsum(sent))
 
 
 # -- deadlines and cancellation --------------------------------------------------------
@@ -655,6 +965,7 @@ def test_asyncio_loop_and_no_extra(repository: Path, tmp_path: Path) -> None:
         run_server(
             repository,
             *("--loop", "asyncio", "--model", "simple", "--model", "slow"),
+            *("--model", "repeat_int32"),
             *("--config", str(config)),
             log=tmp_path / "a.log",
         ) as server,
@@ -667,9 +978,14 @@ def test_asyncio_loop_and_no_extra(repository: Path, tmp_path: Path) -> None:
         c.start_stream(callback=lambda result, error: answers.put((result, error)))
         c.async_stream_infer("simple", inputs)
         result, error = answers.get(timeout=WAIT_S)
-        c.stop_stream()
         assert error is None
         np.testing.assert_array_equal(result.as_numpy("diff"), a - b)
+        # A decoupled model's stream, on grpc.aio's own loop.
+        c.async_stream_infer("repeat_int32", repeat_inputs([3, 5]))
+        streamed = [answers.get(timeout=WAIT_S) for _ in range(2)]
+        c.stop_stream()
+        assert [error for _, error in streamed] == [None, None]
+        assert [int(result.as_numpy("OUT")[0]) for result, _ in streamed] == [3, 5]
     # Without the extra, serve says why it serves no gRPC, and serves HTTP.
     with run_server(
         repository,

@@ -601,6 +601,7 @@ def decode_infer_parts(
     raw: Sequence[bytes],
     outputs: Sequence[Mapping[str, Any]] | None,
     limits: Limits,
+    shm: ShmLease | None = None,
 ) -> InferRequest:
     """An infer request whose parts arrived parsed (gRPC), checked as `decode_infer_request` checks.
 
@@ -608,7 +609,9 @@ def decode_infer_parts(
     form (``data`` flat; absent for an input whose values are in *raw*),
     *outputs* ``{name, parameters}`` objects. *raw* holds each input's values
     as little-endian bytes, in order (Triton's ``raw_input_contents``): either
-    one entry per input, or none at all.
+    one entry per input not in shared memory, or none at all. An input whose
+    parameters name a ``shared_memory_region`` is read through *shm*, the
+    request's lease, as `decode_infer_request` reads it.
 
     Raises:
         RequestError: What is wrong, naming the input and what was expected.
@@ -619,21 +622,25 @@ def decode_infer_parts(
         raise RequestError(
             f"the request has {len(inputs)} inputs; at most {limits.max_inputs} are accepted"
         )
-    if raw and len(raw) != len(inputs):
+    in_shm = [_in_shared_memory(item) for item in inputs]
+    if raw and len(raw) != in_shm.count(False):
         raise RequestError(
-            f"the request has {len(inputs)} inputs but {len(raw)} raw_input_contents; send "
-            "one raw_input_contents per input, in the order of the inputs, or none"
+            f"the request has {in_shm.count(False)} inputs outside shared memory but "
+            f"{len(raw)} raw_input_contents; send one raw_input_contents per such input, in "
+            "the order of the inputs, or none"
         )
     declared: dict[str, _Input] = {}
+    raw_index = 0
     for index, item in enumerate(inputs):
-        if raw:
+        if raw and not in_shm[index]:
             if "data" in item:
                 raise RequestError(
                     f"input {_quote(str(item.get('name')))} has contents, but the request "
                     "sends raw_input_contents: send every input one way or the other"
                 )
-            item = {**item, "parameters": {"binary_data_size": len(raw[index])}}
-            spec = _parse_input(index, item, limits, f"raw_input_contents[{index}]")
+            item = {**item, "parameters": {"binary_data_size": len(raw[raw_index])}}
+            spec = _parse_input(index, item, limits, f"raw_input_contents[{raw_index}]")
+            raw_index += 1
         else:
             spec = _parse_input(index, item, limits)
         if spec.name in declared:
@@ -646,9 +653,16 @@ def decode_infer_parts(
             f"{limits.max_elements_per_request} are accepted per request"
         )
     arrays: dict[str, npt.NDArray[Any]] = {}
-    for index, spec in enumerate(declared.values()):
-        if spec.data is None:
-            arrays[spec.name] = _from_binary(spec, memoryview(raw[index]))
+    raw_index = 0
+    for spec in declared.values():
+        if spec.shm is not None:
+            if shm is None:
+                raise RequestError(_NO_SHM.format(where=spec.where))
+            region, start, size = spec.shm
+            arrays[spec.name] = _from_binary(spec, shm.read(region, start, size, what=spec.where))
+        elif spec.data is None:
+            arrays[spec.name] = _from_binary(spec, memoryview(raw[raw_index]))
+            raw_index += 1
         else:
             arrays[spec.name] = _from_json(spec, spec.data)
     return InferRequest(
@@ -660,28 +674,47 @@ def decode_infer_parts(
     )
 
 
+def _in_shared_memory(item: Mapping[str, Any]) -> bool:
+    parameters = item.get("parameters")
+    return isinstance(parameters, Mapping) and any(
+        str(key).startswith("shared_memory") for key in parameters
+    )
+
+
 def encode_raw_outputs(
     request: InferRequest,
     outputs: Mapping[str, npt.NDArray[Any]],
     output_order: Sequence[str],
-) -> list[tuple[str, str, tuple[int, ...], bytes]]:
+    shm: ShmLease | None = None,
+) -> list[tuple[str, str, tuple[int, ...], bytes, dict[str, Any] | None]]:
     """The outputs a request asked for (all, in *output_order*, if it named none) as raw bytes.
 
-    Each is ``(name, datatype, shape, data)``, the data little-endian
-    (``BYTES``: each element's 4-byte length, then its bytes), as Triton's
-    ``raw_output_contents`` carries them.
+    Each is ``(name, datatype, shape, data, parameters)``, the data
+    little-endian (``BYTES``: each element's 4-byte length, then its bytes),
+    as Triton's ``raw_output_contents`` carries them. An output the request
+    placed in shared memory is written there through *shm* (the lease
+    `decode_infer_parts` read with); its data is empty and its parameters
+    name the region, offset and bytes written, as Triton answers.
 
     Raises:
         RequestError: The request named an output that *outputs* lacks.
     """
-    encoded = []
+    encoded: list[tuple[str, str, tuple[int, ...], bytes, dict[str, Any] | None]] = []
+    places = {item.name: item.shm for item in request.outputs or () if item.shm is not None}
     for name, _binary, array in _chosen_outputs(request, outputs, output_order):
+        place = places.get(name)
+        if place is not None:
+            if shm is None:
+                raise RequestError(_NO_SHM.format(where=f"output {_quote(name)}"))
+            entry = _output_to_shm(name, array, place, shm)
+            encoded.append((name, entry["datatype"], array.shape, b"", entry["parameters"]))
+            continue
         datatype = v2_datatype(array.dtype)
         if datatype == "BYTES":
             data = _pack_bytes(array.ravel().tolist())
         else:
             data = np.ascontiguousarray(array, dtype=_WIRE[datatype]).tobytes()
-        encoded.append((name, datatype, array.shape, data))
+        encoded.append((name, datatype, array.shape, data, None))
     return encoded
 
 

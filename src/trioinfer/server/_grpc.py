@@ -63,6 +63,7 @@ from ._app import (
     ServerState,
     _check_outputs,
     _fallback_parameters,
+    _one_process_only,
     _schedule_parameters,
     infer_in_time,
     load_override,
@@ -111,10 +112,6 @@ def grpc_status_for(error: BaseException) -> grpc.StatusCode:
 
 class _ClientGone(TrioInferError):
     """The client cancelled the call or went away: nobody is left to answer."""
-
-
-class _Unimplemented(TrioInferError):
-    """A call this server does not implement (``UNIMPLEMENTED``)."""
 
 
 # -- from grpc.aio's thread to the event loop -----------------------------------------
@@ -289,8 +286,6 @@ class _Service:
         status = grpc_status_for(error)
         if isinstance(error, _ClientGone):
             status = grpc.StatusCode.CANCELLED
-        elif isinstance(error, _Unimplemented):
-            status = grpc.StatusCode.UNIMPLEMENTED
         if isinstance(error, TrioInferError):
             message = self._state.models.public_message(error)
         else:
@@ -416,25 +411,73 @@ class _Service:
 
     # -- shared memory --
 
-    async def _no_shared_memory(self, _request: Any, _context: Any, _call: _Call) -> Any:
-        raise _Unimplemented(
-            "shared memory is not supported by this server yet; send tensors in the request "
-            "(raw_input_contents)"
-        )
+    async def SystemSharedMemoryStatus(self, request: Any, context: Any, call: _Call) -> Any:
+        metadata = _metadata(context)
 
-    SystemSharedMemoryStatus = _no_shared_memory
-    SystemSharedMemoryRegister = _no_shared_memory
-    SystemSharedMemoryUnregister = _no_shared_memory
+        def regions() -> list[Any]:
+            self._state.check_token(metadata, admin=False)
+            return self._state.shm.status(request.name or None)
 
-    async def _no_cuda_memory(self, _request: Any, _context: Any, _call: _Call) -> Any:
-        raise _Unimplemented(
-            "CUDA shared memory is not supported on this server; send tensors in the request "
-            "(raw_input_contents)"
-        )
+        response = pb.message("SystemSharedMemoryStatusResponse")()
+        for region in await self._run(call, regions):
+            json_format.ParseDict(attrs.asdict(region), response.regions[region.name])
+        return response
 
-    CudaSharedMemoryStatus = _no_cuda_memory
-    CudaSharedMemoryRegister = _no_cuda_memory
-    CudaSharedMemoryUnregister = _no_cuda_memory
+    async def SystemSharedMemoryRegister(self, request: Any, context: Any, call: _Call) -> Any:
+        metadata = _metadata(context)
+
+        def register() -> None:
+            self._state.check_token(metadata, admin=True)
+            _one_process_only(self._state)
+            self._state.shm.register(request.name, request.key, request.offset, request.byte_size)
+
+        await self._run(call, register)
+        return pb.message("SystemSharedMemoryRegisterResponse")()
+
+    async def SystemSharedMemoryUnregister(self, request: Any, context: Any, call: _Call) -> Any:
+        metadata = _metadata(context)
+
+        def unregister() -> None:
+            self._state.check_token(metadata, admin=True)
+            self._state.shm.unregister(request.name or None)
+
+        await self._run(call, unregister)
+        return pb.message("SystemSharedMemoryUnregisterResponse")()
+
+    async def CudaSharedMemoryStatus(self, request: Any, context: Any, call: _Call) -> Any:
+        metadata = _metadata(context)
+
+        def regions() -> list[Any]:
+            self._state.check_token(metadata, admin=False)
+            return self._state.shm.cuda_status(request.name or None)
+
+        response = pb.message("CudaSharedMemoryStatusResponse")()
+        for region in await self._run(call, regions):
+            json_format.ParseDict(attrs.asdict(region), response.regions[region.name])
+        return response
+
+    async def CudaSharedMemoryRegister(self, request: Any, context: Any, call: _Call) -> Any:
+        metadata = _metadata(context)
+
+        def register() -> None:
+            self._state.check_token(metadata, admin=True)
+            _one_process_only(self._state)
+            self._state.shm.register_cuda(
+                request.name, request.raw_handle, request.device_id, request.byte_size
+            )
+
+        await self._run(call, register)
+        return pb.message("CudaSharedMemoryRegisterResponse")()
+
+    async def CudaSharedMemoryUnregister(self, request: Any, context: Any, call: _Call) -> Any:
+        metadata = _metadata(context)
+
+        def unregister() -> None:
+            self._state.check_token(metadata, admin=True)
+            self._state.shm.unregister_cuda(request.name or None)
+
+        await self._run(call, unregister)
+        return pb.message("CudaSharedMemoryUnregisterResponse")()
 
     # -- inference --
 
@@ -444,26 +487,36 @@ class _Service:
     async def _infer(self, request: Any, metadata: Mapping[str, str], call: _Call) -> Any:
         parts = _infer_parts(request)
         answer = await self._run(call, self._traced_infer, request, parts, metadata)
+        assert answer is not None  # without an emit nothing is streamed
         return _infer_response(*answer)
 
     async def _traced_infer(
-        self, message: Any, parts: dict[str, Any], metadata: Mapping[str, str]
-    ) -> tuple[Any, ...]:
+        self,
+        message: Any,
+        parts: dict[str, Any],
+        metadata: Mapping[str, str],
+        emit: Callable[[Any], None] | None = None,
+    ) -> tuple[Any, ...] | None:
         # In a server span parented by the call's traceparent metadata, when tracing is on.
         tracing = self._state.models.engine._tracing
         if tracing is None:
-            return await self._infer_in_loop(message, parts, metadata)
+            return await self._infer_in_loop(message, parts, metadata, emit)
         return await tracing.serve_grpc(
             "ModelInfer",
             metadata,
             message.model_name,
             message.model_version or None,
-            lambda: self._infer_in_loop(message, parts, metadata),
+            lambda: self._infer_in_loop(message, parts, metadata, emit),
         )
 
     async def _infer_in_loop(
-        self, message: Any, parts: dict[str, Any], metadata: Mapping[str, str]
-    ) -> tuple[Any, ...]:
+        self,
+        message: Any,
+        parts: dict[str, Any],
+        metadata: Mapping[str, str],
+        emit: Callable[[Any], None] | None = None,
+    ) -> tuple[Any, ...] | None:
+        """Answer one request; a decoupled model's responses go to *emit* (a stream), then None."""
         state = self._state
         model, version = message.model_name, message.model_version or None
         state.in_flight.value += 1
@@ -472,14 +525,23 @@ class _Service:
                 raise NotReady("the server is shutting down and takes no new requests")
             state.check_token(metadata, admin=False)
             served = state.models.resolve(model, version, key=metadata.get(ROUTING_KEY_HEADER))
-            request = decode_infer_parts(limits=state.config.limits, **parts)
-            _check_outputs(request, served)
-            priority, timeout = _schedule_parameters(request)
-            try:
-                result = await infer_in_time(state, served, request, priority, timeout)
-            except anyio.get_cancelled_exc_class():
-                state.metrics.cancelled(served)
-                raise
+            # The lease holds the regions the request names until its outputs are written.
+            with state.shm.lease() as lease:
+                request = decode_infer_parts(limits=state.config.limits, shm=lease, **parts)
+                _check_outputs(request, served)
+                priority, timeout = _schedule_parameters(request)
+                order = [spec.name for spec in served.info.signature.outputs]
+                try:
+                    if emit is not None and served.info.decoupled:
+                        await _stream(state, served, request, priority, timeout, order, emit, lease)
+                        result = None
+                    else:
+                        result = await infer_in_time(state, served, request, priority, timeout)
+                except anyio.get_cancelled_exc_class():
+                    state.metrics.cancelled(served)
+                    raise
+                if result is not None:
+                    outputs = encode_raw_outputs(request, result.outputs, order, shm=lease)
         except TrioInferError as exc:
             state.metrics.count(model, version, exc)
             raise
@@ -487,20 +549,23 @@ class _Service:
             state.in_flight.value -= 1
         state.models.mark_inference(served)
         state.metrics.succeeded(served)
-        outputs = encode_raw_outputs(
-            request, result.outputs, [spec.name for spec in served.info.signature.outputs]
-        )
+        if result is None:
+            return None
         parameters = _fallback_parameters(state, served, result) if result.fallbacks else None
         return served.model, str(served.version), request.id, outputs, parameters
 
     async def ModelStreamInfer(self, requests: AsyncIterator[bytes], context: Any) -> Any:
-        """One response per request, in order; a failed request answers with its error_message."""
+        """Each request's responses, in order: one, or a decoupled model's stream of them.
+
+        A failed request answers with its error_message and the stream goes on.
+        """
         metadata = _metadata(context)
         call = self._open(context)
         async for raw in requests:
             try:
                 request = _parse(pb.ModelInferRequest, raw)
-                response = await self._infer(request, metadata, call)
+                async for response in self._stream_request(request, metadata, call):
+                    yield pb.ModelStreamInferResponse(infer_response=response).SerializeToString()
             except _ClientGone:
                 return
             except Exception as exc:  # the stream goes on; this request's error goes back
@@ -512,8 +577,84 @@ class _Service:
                 yield pb.ModelStreamInferResponse(error_message=text).SerializeToString()
                 if isinstance(exc, DeadlineExceeded) and call.expires is not None:
                     return  # the stream's own deadline passed: nothing more can run
+
+    async def _stream_request(
+        self, request: Any, metadata: Mapping[str, str], call: _Call
+    ) -> AsyncIterator[Any]:
+        # The serving loop emits each response onto grpc.aio's loop as it comes; the
+        # call's answer (None for a decoupled model) comes after the last of them.
+        loop = asyncio.get_running_loop()
+        responses: asyncio.Queue[Any] = asyncio.Queue()
+
+        def emit(response: Any) -> None:
+            if self._native:
+                responses.put_nowait(response)
             else:
-                yield pb.ModelStreamInferResponse(infer_response=response).SerializeToString()
+                loop.call_soon_threadsafe(responses.put_nowait, response)
+
+        parts = _infer_parts(request)
+        answer = asyncio.ensure_future(
+            self._run(call, self._traced_infer, request, parts, metadata, emit)
+        )
+        try:
+            while not answer.done():
+                getter = asyncio.ensure_future(responses.get())
+                await asyncio.wait({getter, answer}, return_when=asyncio.FIRST_COMPLETED)
+                if getter.done():
+                    yield getter.result()
+                else:
+                    getter.cancel()
+            while not responses.empty():
+                yield responses.get_nowait()
+            result = answer.result()
+            if result is not None:
+                yield _infer_response(*result)
+        finally:
+            if not answer.done():  # the client left: the request (and generator) stops
+                answer.cancel()
+                with contextlib.suppress(BaseException):
+                    await answer
+
+
+async def _stream(
+    state: ServerState,
+    served: Any,
+    request: Any,
+    priority: int,
+    timeout_s: float | None,
+    order: list[str],
+    emit: Callable[[Any], None],
+    lease: Any,
+) -> None:
+    """Emit a decoupled model's responses, as Triton's gRPC stream sends them.
+
+    With ``triton_enable_empty_final_response`` (tritonclient's
+    ``enable_empty_final_response=True``) each response carries
+    ``triton_final_response: false`` and an empty one with ``true`` ends the
+    request's responses, as in Triton; without it the responses just stop.
+    """
+    final = request.parameters.get("triton_enable_empty_final_response") is True
+    version = str(served.version)
+    with anyio.move_on_after(timeout_s if timeout_s is not None else math.inf) as scope:
+        async with state.models.engine.infer_stream(
+            served.engine_name, request.inputs, priority=priority, request_id=request.id
+        ) as responses:
+            async for outputs in responses:
+                encoded = encode_raw_outputs(request, outputs, order, shm=lease)
+                response = _infer_response(served.model, version, request.id, encoded, None)
+                if final:
+                    response.parameters["triton_final_response"].bool_param = False
+                emit(response)
+    if scope.cancelled_caught:
+        raise DeadlineExceeded(
+            f"the request's timeout of {timeout_s} s passed before its last response"
+        )
+    if final:
+        last = pb.ModelInferResponse(
+            model_name=served.model, model_version=version, id=request.id or ""
+        )
+        last.parameters["triton_final_response"].bool_param = True
+        emit(last)
 
 
 # -- messages to plain values and back ----------------------------------------------------
@@ -579,7 +720,13 @@ def _infer_parts(message: Any) -> dict[str, Any]:
         }
         if tensor.parameters:
             item["parameters"] = {k: _parameter(v) for k, v in tensor.parameters.items()}
-        if not raw:
+        if "shared_memory_region" in item.get("parameters", {}):
+            if tensor.contents.ListFields():
+                raise RequestError(
+                    f"input {tensor.name[:64]!r} is in shared memory and also has contents; "
+                    "send its values one way"
+                )
+        elif not raw:
             item["data"] = _contents(tensor)
         elif tensor.contents.ListFields():
             raise RequestError(
@@ -632,15 +779,21 @@ def _infer_response(
     model: str,
     version: str,
     request_id: str | None,
-    outputs: list[tuple[str, str, tuple[int, ...], bytes]],
+    outputs: list[tuple[str, str, tuple[int, ...], bytes, dict[str, Any] | None]],
     parameters: Mapping[str, str] | None,
 ) -> Any:
     response = pb.ModelInferResponse(model_name=model, model_version=version, id=request_id or "")
-    for name, datatype, shape, data in outputs:
+    for name, datatype, shape, data, where in outputs:
         tensor = response.outputs.add()
         tensor.name = name
         tensor.datatype = datatype
         tensor.shape.extend(shape)
+        for key, value in (where or {}).items():
+            # An output written to shared memory says where; its raw entry stays empty.
+            if isinstance(value, str):
+                tensor.parameters[key].string_param = value
+            else:
+                tensor.parameters[key].int64_param = value
         response.raw_output_contents.append(data)
     for key, value in (parameters or {}).items():
         response.parameters[key].string_param = value
