@@ -47,6 +47,7 @@ from tritonclient.grpc import service_pb2, service_pb2_grpc
 from tritonclient.utils import InferenceServerException, deserialize_bytes_tensor
 
 import test_sequence
+import test_triton
 import trioinfer
 from trioinfer.cli import main as cli_main
 from trioinfer.testing import models
@@ -1087,3 +1088,32 @@ def test_errors_map_to_tritons_status_codes() -> None:
     assert grpc_status_for(DeadlineExceeded("d")) == code.DEADLINE_EXCEEDED
     assert grpc_status_for(BackendError("b")) == code.INTERNAL
     assert grpc_status_for(ValueError("bug")) == code.INTERNAL
+
+
+@pytest.mark.triton_config
+def test_triton_priority_levels_and_classification(tmp_path: Path) -> None:
+    # A config.pbtxt model over gRPC: Triton's priority levels are mapped and checked,
+    # and class_count answers the top classes with labels, as over HTTP.
+    root = tmp_path / "repository"
+    test_triton.write_scores(root / "classifier" / "1" / "model.onnx")
+    (root / "classifier" / "config.pbtxt").write_text(test_triton.CLASSIFIER_PBTXT)
+    (root / "classifier" / "labels.txt").write_text("\n".join(test_triton.LABELS) + "\n")
+    with run_server(root, log=tmp_path / "server.log") as running:
+        client = triton.InferenceServerClient(running.grpc)
+        try:
+            scores = np.array([[0.1, 0.7, 0.05, 0.9, 0.7]], dtype=np.float32)
+            inputs = [triton.InferInput("IMAGE", [1, 5], "FP32")]
+            inputs[0].set_data_from_numpy(scores)
+            for level in (0, 1, 3):
+                client.infer("classifier", inputs, priority=level)
+            with pytest.raises(triton.InferenceServerException, match=r"1 \(the highest\) to 3"):
+                client.infer("classifier", inputs, priority=4)
+            outputs = [triton.InferRequestedOutput("SCORES", class_count=3)]
+            top = client.infer("classifier", inputs, outputs=outputs).as_numpy("SCORES")
+            assert [t.decode() for t in top[0]] == [
+                "0.900000:3:fish",
+                "0.700000:1:dog",
+                "0.700000:4:frog",
+            ]
+        finally:
+            client.close()

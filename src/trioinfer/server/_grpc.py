@@ -62,6 +62,7 @@ from ._app import (
     ROUTING_KEY_HEADER,
     ServerState,
     _check_outputs,
+    _classified,
     _fallback_parameters,
     _one_process_only,
     _schedule_parameters,
@@ -529,7 +530,7 @@ class _Service:
             with state.shm.lease() as lease:
                 request = decode_infer_parts(limits=state.config.limits, shm=lease, **parts)
                 _check_outputs(request, served)
-                priority, timeout = _schedule_parameters(request)
+                priority, timeout = _schedule_parameters(request, served)
                 order = [spec.name for spec in served.info.signature.outputs]
                 try:
                     if emit is not None and served.info.decoupled:
@@ -541,7 +542,9 @@ class _Service:
                     state.metrics.cancelled(served)
                     raise
                 if result is not None:
-                    outputs = encode_raw_outputs(request, result.outputs, order, shm=lease)
+                    outputs = encode_raw_outputs(
+                        request, _classified(request, served, result.outputs), order, shm=lease
+                    )
         except TrioInferError as exc:
             state.metrics.count(model, version, exc)
             raise
