@@ -35,7 +35,7 @@ from ._registry import Kind, Registry
 from ._request import Outputs, Request, make_request, next_request_id
 from ._runner import ModelRunner, ModelStatistics, close_instances
 from ._sequence import SequenceFlags
-from ._stream import ResponseStream, StreamGate, open_stream
+from ._stream import ResponseStream, StreamGate, decoupled, open_stream
 from ._tensors import ModelSignature, rows, validate_inputs
 from .abc import Backend, BackendInstance, Batcher, Fallback, Scheduler, Status, StreamingInstance
 
@@ -612,7 +612,7 @@ class Engine:
             runner.signature,
             runner.devices,
             runner.preferred_batch_sizes,
-            StreamGate.of(runner) is not None,
+            decoupled(runner),
         )
 
     async def _shutdown(self, drain: bool) -> None:

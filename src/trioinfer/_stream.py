@@ -63,6 +63,14 @@ def _channel() -> tuple[_Send, _Receive]:
     return anyio.create_memory_object_stream[Outputs](0)
 
 
+def decoupled(runner: object) -> bool:
+    """Whether *runner* serves a decoupled (streaming) model."""
+    if not isinstance(runner, ModelRunner):
+        return False
+    instance = runner.replicas[0]._backend_instance
+    return isinstance(instance, StreamingInstance) and instance.decoupled
+
+
 @final
 class StreamGate:
     """Admission and instance choice for one decoupled model's streams. The engine's own."""
@@ -77,10 +85,7 @@ class StreamGate:
     @staticmethod
     def of(runner: object) -> StreamGate | None:
         """The gate of *runner* if its model is decoupled, else None."""
-        if not isinstance(runner, ModelRunner):
-            return None
-        instance = runner.replicas[0]._backend_instance
-        if isinstance(instance, StreamingInstance) and instance.decoupled:
+        if isinstance(runner, ModelRunner) and decoupled(runner):
             return StreamGate(runner)
         return None
 

@@ -151,11 +151,7 @@ class Tracing:
         and the steps it calls are not traced either.
         """
         if parent is None:
-            skip = _UNSAMPLED.set(True)
-            try:
-                return await call()
-            finally:
-                _UNSAMPLED.reset(skip)
+            return await _untraced(call)
         span = self._tracer.start_span(
             f"infer {request.model}",
             context=parent,
@@ -306,17 +302,11 @@ class Tracing:
             name = key.lower()
             if name == b"traceparent" or name == b"tracestate":  # bytes: no decoding per header
                 carrier[name.decode()] = value.decode("latin-1")
-        parent_context = _PROPAGATOR.extract(carrier) if carrier else None
-        parent = trace.get_current_span(parent_context).get_span_context()
         params = scope["path_params"]
         model, version = params["model"], params.get("version")
-        if not self._sampled(model, parent):
-            skip = _UNSAMPLED.set(True)
-            try:
-                await serve(send)
-            finally:
-                _UNSAMPLED.reset(skip)
-            return
+        parent_context, sampled = self._parent(carrier, model)
+        if not sampled:
+            return await _untraced(lambda: serve(send))
         route = "/v2/models/{model}/infer"
         if version is not None:
             route = "/v2/models/{model}/versions/{version}/infer"
@@ -374,14 +364,9 @@ class Tracing:
         sampling decision follows it, or the model's rate.
         """
         carrier = {key: metadata[key] for key in ("traceparent", "tracestate") if key in metadata}
-        parent_context = _PROPAGATOR.extract(carrier) if carrier else None
-        parent = trace.get_current_span(parent_context).get_span_context()
-        if not self._sampled(model, parent):
-            skip = _UNSAMPLED.set(True)
-            try:
-                return await serve()
-            finally:
-                _UNSAMPLED.reset(skip)
+        parent_context, sampled = self._parent(carrier, model)
+        if not sampled:
+            return await _untraced(serve)
         attributes: dict[str, Any] = {
             "rpc.system": "grpc",
             "rpc.service": "inference.GRPCInferenceService",
@@ -407,11 +392,28 @@ class Tracing:
         _end(span, "success", None)
         return result
 
+    def _parent(
+        self, carrier: Mapping[str, str], model: str
+    ) -> tuple[otel_context.Context | None, bool]:
+        # A server span's parent context from W3C trace context, and whether to trace.
+        parent_context = _PROPAGATOR.extract(carrier) if carrier else None
+        parent = trace.get_current_span(parent_context).get_span_context()
+        return parent_context, self._sampled(model, parent)
+
     def served_version(self, version: int) -> None:
         """Note on the current server span which version answers (a traffic split picks it)."""
         span = trace.get_current_span()
         if span.is_recording():
             span.set_attribute(VERSION, str(version))
+
+
+async def _untraced(call: Callable[[], Awaitable[T]]) -> T:
+    # Not traced: neither is anything *call* starts (pipeline steps, failovers).
+    skip = _UNSAMPLED.set(True)
+    try:
+        return await call()
+    finally:
+        _UNSAMPLED.reset(skip)
 
 
 def _outcome(exc: BaseException) -> str:

@@ -244,11 +244,7 @@ def serve(ctx: click.Context, /, **options: Any) -> None:
     workers = settings["workers"]
     if not isinstance(workers, int) or isinstance(workers, bool) or workers < 1:
         raise click.UsageError(f"invalid server settings: workers must be >= 1, got {workers!r}")
-    grpc_port = None
-    if workers == 1:
-        grpc_port = _grpc_port(ctx, settings)
-    else:
-        _no_grpc_with_workers(ctx, settings)
+    grpc_port = _grpc_port(ctx, settings)
     try:
         if workers == 1:
             anyio.run(
@@ -316,8 +312,9 @@ def _tracing(settings: dict[str, Any]) -> tuple[Any, float] | None:
 def _grpc_port(ctx: click.Context, settings: dict[str, Any]) -> int | None:
     """The port to serve gRPC on, or None for HTTP only.
 
-    Asked for explicitly (--grpc-port, or --grpc) without the extra, it is an
-    error; by default, serve says why there is no gRPC and serves HTTP.
+    Asked for explicitly (--grpc, --grpc-port, or grpc_port in --config) without
+    the extra, or with --workers N (N > 1: gRPC is served by one process only),
+    it is an error; by default, serve says why there is no gRPC and serves HTTP.
     With --port 0 and no --grpc-port, gRPC takes a free port too, so that
     servers started on free ports never clash on 8001.
     """
@@ -329,6 +326,16 @@ def _grpc_port(ctx: click.Context, settings: dict[str, Any]) -> int | None:
         or settings["grpc_port"] != DEFAULT_GRPC_PORT
     )
     asked = port_given or ctx.get_parameter_source("grpc") not in (None, source.DEFAULT)
+    if settings["workers"] > 1:
+        if asked:
+            raise click.UsageError(
+                "gRPC is served by one process only, not with --workers N (N > 1); "
+                "drop --workers or pass --no-grpc"
+            )
+        logging.getLogger("trioinfer.server").warning(
+            "not serving gRPC: --workers %d serves HTTP only", settings["workers"]
+        )
+        return None
     missing = [m for m in ("grpc", "grpc_tools", "google.protobuf") if not _importable(m)]
     if missing:
         why = (
@@ -343,25 +350,6 @@ def _grpc_port(ctx: click.Context, settings: dict[str, Any]) -> int | None:
     if not port_given and settings["port"] == 0:
         return 0
     return int(settings["grpc_port"])
-
-
-def _no_grpc_with_workers(ctx: click.Context, settings: dict[str, Any]) -> None:
-    """--workers N serves HTTP only: say so, and refuse an explicit ask for gRPC."""
-    source = click.core.ParameterSource
-    # Asked for on the command line, or a gRPC port in the --config file.
-    asked = settings["grpc_port"] != DEFAULT_GRPC_PORT or any(
-        ctx.get_parameter_source(name) not in (None, source.DEFAULT)
-        for name in ("grpc", "grpc_port")
-    )
-    if settings["grpc"] and asked:
-        raise click.UsageError(
-            "gRPC is served by one process only, not with --workers N (N > 1); "
-            "drop --workers or pass --no-grpc"
-        )
-    if settings["grpc"]:
-        logging.getLogger("trioinfer.server").warning(
-            "not serving gRPC: --workers %d serves HTTP only", settings["workers"]
-        )
 
 
 def _importable(module: str) -> bool:

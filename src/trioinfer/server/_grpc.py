@@ -413,13 +413,21 @@ class _Service:
     # -- shared memory --
 
     async def SystemSharedMemoryStatus(self, request: Any, context: Any, call: _Call) -> Any:
+        return await self._regions(
+            context, call, lambda: self._state.shm.status(request.name or None), "System"
+        )
+
+    async def _regions(
+        self, context: Any, call: _Call, status: Callable[[], list[Any]], kind: str
+    ) -> Any:
+        # A shared-memory status call (System or Cuda): the token, then the registry's answer.
         metadata = _metadata(context)
 
         def regions() -> list[Any]:
             self._state.check_token(metadata, admin=False)
-            return self._state.shm.status(request.name or None)
+            return status()
 
-        response = pb.message("SystemSharedMemoryStatusResponse")()
+        response = pb.message(f"{kind}SharedMemoryStatusResponse")()
         for region in await self._run(call, regions):
             json_format.ParseDict(attrs.asdict(region), response.regions[region.name])
         return response
@@ -446,16 +454,9 @@ class _Service:
         return pb.message("SystemSharedMemoryUnregisterResponse")()
 
     async def CudaSharedMemoryStatus(self, request: Any, context: Any, call: _Call) -> Any:
-        metadata = _metadata(context)
-
-        def regions() -> list[Any]:
-            self._state.check_token(metadata, admin=False)
-            return self._state.shm.cuda_status(request.name or None)
-
-        response = pb.message("CudaSharedMemoryStatusResponse")()
-        for region in await self._run(call, regions):
-            json_format.ParseDict(attrs.asdict(region), response.regions[region.name])
-        return response
+        return await self._regions(
+            context, call, lambda: self._state.shm.cuda_status(request.name or None), "Cuda"
+        )
 
     async def CudaSharedMemoryRegister(self, request: Any, context: Any, call: _Call) -> Any:
         metadata = _metadata(context)
