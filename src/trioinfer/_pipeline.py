@@ -126,6 +126,9 @@ class Pipeline:
         self.steps = _steps(config.name, options.get("steps"))
         self._infer = infer
         _check_graph(config.name, self.signature, self.steps, signatures, steps_of)
+        #: The steps in order when they can only run one at a time (each needs
+        #: the one before it): then they run in turn, in the caller's task.
+        self._chain = _chain(self.signature, self.steps)
         self.input_limits = config.input_limits
         self.queue_timeouts = config.queue_timeouts
         self.batched = False  # requests keep their rows; each step batches on its own
@@ -198,6 +201,41 @@ class Pipeline:
 
     async def _run(self, request: Request) -> Outputs:
         tensors: dict[str, Any] = dict(request.inputs)
+        if self._chain is not None:
+            # One step ready at a time: each runs in the caller's task, in turn,
+            # with no task group or wake-up between them.
+            for index, step in self._chain:
+                await self._step(request, index, step, tensors)
+        else:
+            await self._run_concurrently(request, tensors)
+        return {spec.name: np.asarray(tensors[spec.name]) for spec in self.signature.outputs}
+
+    async def _step(
+        self, request: Request, index: int, step: Step, tensors: dict[str, Any]
+    ) -> None:
+        # One step's request to its model; its outputs join *tensors*. Its error
+        # keeps its class (a client's fault stays a client's fault), its message
+        # naming the step.
+        inputs = {own: tensors[shared] for own, shared in step.input_map.items()}
+        try:
+            outputs = await self._infer(
+                step.model,
+                inputs,
+                priority=request.priority,
+                tenant=request.tenant,
+                request_id=f"{request.id}/{index}",
+            )
+            missing = sorted(set(step.output_map) - set(outputs))
+            if missing:
+                # The step's model was replaced by one with other outputs.
+                raise BackendError(f"its model answered without outputs {missing}")
+        except TrioInferError as exc:
+            where = f"pipeline {self.config.name!r}, step {index} (model {step.model!r})"
+            raise _copy_error(exc, cause=exc, message=f"{where}: {exc}") from exc
+        for own, shared in step.output_map.items():
+            tensors[shared] = outputs[own]
+
+    async def _run_concurrently(self, request: Request, tensors: dict[str, Any]) -> None:
         pending = list(enumerate(self.steps))
         changed = anyio.Event()
         running: set[int] = set()
@@ -205,30 +243,14 @@ class Pipeline:
 
         async def run_step(index: int, step: Step, cancel: anyio.CancelScope) -> None:
             nonlocal changed, failure
-            inputs = {own: tensors[shared] for own, shared in step.input_map.items()}
             try:
-                outputs = await self._infer(
-                    step.model,
-                    inputs,
-                    priority=request.priority,
-                    tenant=request.tenant,
-                    request_id=f"{request.id}/{index}",
-                )
-                missing = sorted(set(step.output_map) - set(outputs))
-                if missing:
-                    # The step's model was replaced by one with other outputs.
-                    raise BackendError(f"its model answered without outputs {missing}")
+                await self._step(request, index, step, tensors)
             except TrioInferError as exc:
                 # The first failure is the answer; the steps still running are cancelled.
                 if failure is None:
-                    # The step's own error class (a client's fault stays a client's
-                    # fault), its message saying which step failed.
-                    where = f"pipeline {self.config.name!r}, step {index} (model {step.model!r})"
-                    failure = _copy_error(exc, cause=exc, message=f"{where}: {exc}")
+                    failure = exc
                 cancel.cancel()
                 return
-            for own, shared in step.output_map.items():
-                tensors[shared] = outputs[own]
             running.discard(index)
             changed.set()
             changed = anyio.Event()
@@ -245,7 +267,6 @@ class Pipeline:
                     await changed.wait()
         if failure is not None:
             raise failure
-        return {spec.name: np.asarray(tensors[spec.name]) for spec in self.signature.outputs}
 
     async def wait_idle(self) -> None:
         """Wait until no request is in flight."""
@@ -341,6 +362,23 @@ def _check_graph(
                 f"{where}: output {spec.name!r} is declared {spec.describe()}, but its step "
                 f"produces {producers[spec.name].describe()}"
             )
+
+
+def _chain(signature: ModelSignature, steps: Sequence[Step]) -> tuple[tuple[int, Step], ...] | None:
+    """The steps in the order they become ready, if only ever one is; else None."""
+    ready_tensors = {spec.name for spec in signature.inputs}
+    waiting = list(enumerate(steps))
+    order = []
+    while waiting:
+        ready = [
+            (i, s) for i, s in waiting if all(t in ready_tensors for t in s.input_map.values())
+        ]
+        if len(ready) != 1:
+            return None  # steps that may run side by side (or none: _check_graph refused it)
+        waiting.remove(ready[0])
+        order.append(ready[0])
+        ready_tensors.update(ready[0][1].output_map.values())
+    return tuple(order)
 
 
 def _reachable(model: str, steps_of: Callable[[str], Sequence[str]]) -> set[str]:
