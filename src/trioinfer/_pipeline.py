@@ -126,9 +126,10 @@ class Pipeline:
         self.steps = _steps(config.name, options.get("steps"))
         self._infer = infer
         _check_graph(config.name, self.signature, self.steps, signatures, steps_of)
-        #: The steps in order when they can only run one at a time (each needs
-        #: the one before it): then they run in turn, in the caller's task.
-        self._chain = _chain(self.signature, self.steps)
+        # The leading steps that can only run one at a time (each the only one
+        # whose inputs are there), in order: they run in turn in the caller's
+        # task; the rest (none, for a chain) side by side, each in a task.
+        self._in_turn, self._side_by_side = _in_turn(self.signature, self.steps)
         self.input_limits = config.input_limits
         self.queue_timeouts = config.queue_timeouts
         self.batched = False  # requests keep their rows; each step batches on its own
@@ -201,13 +202,11 @@ class Pipeline:
 
     async def _run(self, request: Request) -> Outputs:
         tensors: dict[str, Any] = dict(request.inputs)
-        if self._chain is not None:
-            # One step ready at a time: each runs in the caller's task, in turn,
-            # with no task group or wake-up between them.
-            for index, step in self._chain:
-                await self._step(request, index, step, tensors)
-        else:
-            await self._run_concurrently(request, tensors)
+        for index, step in self._in_turn:
+            # No task group, task or wake-up for a step that has nothing beside it.
+            await self._step(request, index, step, tensors)
+        if self._side_by_side:
+            await self._run_side_by_side(request, tensors)
         return {spec.name: np.asarray(tensors[spec.name]) for spec in self.signature.outputs}
 
     async def _step(
@@ -235,8 +234,8 @@ class Pipeline:
         for own, shared in step.output_map.items():
             tensors[shared] = outputs[own]
 
-    async def _run_concurrently(self, request: Request, tensors: dict[str, Any]) -> None:
-        pending = list(enumerate(self.steps))
+    async def _run_side_by_side(self, request: Request, tensors: dict[str, Any]) -> None:
+        pending = list(self._side_by_side)
         changed = anyio.Event()
         running: set[int] = set()
         failure: TrioInferError | None = None
@@ -364,21 +363,21 @@ def _check_graph(
             )
 
 
-def _chain(signature: ModelSignature, steps: Sequence[Step]) -> tuple[tuple[int, Step], ...] | None:
-    """The steps in the order they become ready, if only ever one is; else None."""
-    ready_tensors = {spec.name for spec in signature.inputs}
+def _in_turn(
+    signature: ModelSignature, steps: Sequence[Step]
+) -> tuple[tuple[tuple[int, Step], ...], tuple[tuple[int, Step], ...]]:
+    """The leading steps that become ready one at a time, in order; and the others."""
+    there = {spec.name for spec in signature.inputs}
     waiting = list(enumerate(steps))
-    order = []
+    in_turn = []
     while waiting:
-        ready = [
-            (i, s) for i, s in waiting if all(t in ready_tensors for t in s.input_map.values())
-        ]
+        ready = [(i, s) for i, s in waiting if all(t in there for t in s.input_map.values())]
         if len(ready) != 1:
-            return None  # steps that may run side by side (or none: _check_graph refused it)
+            break  # from here steps may run side by side
         waiting.remove(ready[0])
-        order.append(ready[0])
-        ready_tensors.update(ready[0][1].output_map.values())
-    return tuple(order)
+        in_turn.append(ready[0])
+        there.update(ready[0][1].output_map.values())
+    return tuple(in_turn), tuple(waiting)
 
 
 def _reachable(model: str, steps_of: Callable[[str], Sequence[str]]) -> set[str]:
