@@ -23,8 +23,10 @@ task: each step is an ``engine.infer`` on the step's model, so it goes
 through that model's own queue, batcher and instances, under the caller's
 cancel scope (its deadline and cancellation reach every step). A step starts
 as soon as its inputs are there; steps whose inputs are there run at once,
-side by side. The first step to fail cancels the others and ends the request
-with its error, the step named in the message.
+side by side, each in a task of its own. Leading steps that have nothing
+beside them (all of a chain's) run in turn in the caller's task, with no task
+or wake-up of their own. The first step to fail cancels the others and ends
+the request with its error, the step named in the message.
 """
 
 from __future__ import annotations
