@@ -291,9 +291,12 @@ def test_a_pipeline_runs_on_asyncio() -> None:
     async def main() -> None:
         async with open_engine() as engine:
             await load_diamond(engine)
+            await engine.load(pipeline([step("double", "IN", "A"), step("plus", "A", "OUT")], "c"))
             with anyio.fail_after(10):
                 out = await engine.infer("p", {"IN": X})
+                chained = await engine.infer("c", {"IN": X})
             np.testing.assert_array_equal(out["OUT"], X * 3 + 10)
+            np.testing.assert_array_equal(chained["OUT"], X * 2 + 10)
 
     anyio.run(main, backend="asyncio")
 
