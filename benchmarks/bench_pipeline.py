@@ -2,16 +2,25 @@
 
 The steps are the bundled repository's: ``scale_image`` (Python: an 8x8 image to a
 float row), ``digits`` (ONNX Runtime) and ``digit_names`` (Python: probabilities to a
-name). Three ways, side by side in one run, C client tasks each sending one image
-at a time:
+name). Three arms, C client tasks each sending one image at a time:
 
-  hand        one async function per request: the Python steps inline, the ONNX
-              session on a worker thread (``trio.to_thread.run_sync``), as one would
-              write it without trioinfer
+  hand        one async function per request: the request's input checked (dtype and
+              shape, as the pipeline checks its input), the two Python steps called
+              inline (as their ``dispatch = "inline"`` runs them), the ONNX session run
+              the way the pipeline's ``digits`` instance runs it (``--dispatch``): on a
+              worker thread of its own (one run at a time), or on the event loop
+              after a checkpoint
   pipeline    the ``read_digit`` pipeline, every step unbatched (batcher "none")
   batched     the same pipeline, every step with the dynamic batcher (32 rows, 2 ms)
 
+Both arms do the same work: one session, one compute thread, one ``RunOptions`` per
+run; only the engine (queues, step requests, output checks) is extra. Each arm runs
+in its own event loop after a warm-up, the arms alternate (the order reverses every
+round), and beside req/s each prints the process's CPU time per request (all threads),
+which machine load moves far less than req/s.
+
 Usage:  .venv/bin/python benchmarks/bench_pipeline.py [--duration 5] [--rounds 3]
+            [--dispatch thread|inline]
 """
 
 from __future__ import annotations
@@ -29,8 +38,12 @@ import onnxruntime as ort
 import trio
 
 import trioinfer
+from trioinfer.lowlevel import WorkerThread
 
 REPO = trioinfer.example_repository()
+
+#: (requests per second, CPU seconds per request) of one arm's run.
+Figures = tuple[float, float]
 
 
 def _model_class(name: str) -> Any:
@@ -42,7 +55,7 @@ def _model_class(name: str) -> Any:
     return module.Model
 
 
-async def closed_loop(call: Callable[[np.ndarray], Awaitable[object]], args: Any) -> float:
+async def closed_loop(call: Callable[[np.ndarray], Awaitable[object]], args: Any) -> Figures:
     images = trioinfer.digits_samples()[0].reshape(-1, 8, 8).astype(np.uint8)
     done = 0
 
@@ -56,31 +69,46 @@ async def closed_loop(call: Callable[[np.ndarray], Awaitable[object]], args: Any
         for i in range(args.concurrency):
             nursery.start_soon(client, i)
         await trio.sleep(args.warmup)
-        start_done, start = done, time.perf_counter()
+        start_done, start, start_cpu = done, time.perf_counter(), time.process_time()
         await trio.sleep(args.duration)
-        rate = (done - start_done) / (time.perf_counter() - start)
+        requests = done - start_done
+        rate = requests / (time.perf_counter() - start)
+        cpu = (time.process_time() - start_cpu) / max(requests, 1)
         nursery.cancel_scope.cancel()
-    return rate
+    return rate, cpu
 
 
-async def by_hand(args: argparse.Namespace) -> float:
+async def by_hand(args: argparse.Namespace) -> Figures:
     options = ort.SessionOptions()
     options.intra_op_num_threads = 1
     session = ort.InferenceSession(str(REPO / "digits" / "1" / "model.onnx"), options)
     scale, names = _model_class("scale_image")(), _model_class("digit_names")(threshold=0.5)
-    limiter = trio.CapacityLimiter(1)  # one session, as one instance
+    worker = await WorkerThread.start("hand-digits") if args.dispatch == "thread" else None
+    one_run = trio.Lock()  # one session, one run at a time: as one instance of depth 1
 
     async def call(image: np.ndarray) -> object:
+        if image.dtype != np.uint8 or image.ndim != 3 or image.shape[1:] != (8, 8):
+            raise trioinfer.InvalidInput(f"IMAGE must be uint8 [batch, 8, 8], got {image.shape}")
         row = scale.infer({"image": image})["input"]
-        probabilities = await trio.to_thread.run_sync(
-            lambda: session.run(["probabilities"], {"input": row})[0], limiter=limiter
-        )
-        return names.infer({"probabilities": probabilities})["name"]
+        run_options = ort.RunOptions()
+        if worker is not None:
+            async with one_run:
+                values = await worker.run_sync(
+                    session.run, ["probabilities"], {"input": row}, run_options
+                )
+        else:
+            await trio.lowlevel.checkpoint()  # as an inline execution yields first
+            values = session.run(["probabilities"], {"input": row}, run_options)
+        return names.infer({"probabilities": values[0]})["name"]
 
-    return await closed_loop(call, args)
+    try:
+        return await closed_loop(call, args)
+    finally:
+        if worker is not None:
+            await worker.aclose()
 
 
-async def as_pipeline(args: argparse.Namespace, *, batched: bool) -> float:
+async def as_pipeline(args: argparse.Namespace, *, batched: bool) -> Figures:
     batching = (
         {"batcher": "dynamic", "batcher_options": {"max_batch_size": 32, "max_queue_delay": 0.002}}
         if batched
@@ -90,6 +118,8 @@ async def as_pipeline(args: argparse.Namespace, *, batched: bool) -> float:
         for name in ("scale_image", "digits", "digit_names"):
             config = trioinfer.ModelConfig.from_toml(REPO / name / "config.toml")
             data = {**config.backend_options}
+            if config.backend == "onnxruntime":
+                data["dispatch"] = args.dispatch  # as the hand arm runs it
             await engine.load(
                 trioinfer.ModelConfig.from_dict(
                     {
@@ -116,27 +146,40 @@ def main() -> None:
     parser.add_argument("--warmup", type=float, default=1.0)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--concurrency", type=int, default=64)
+    parser.add_argument(
+        "--dispatch",
+        choices=("thread", "inline"),
+        default="thread",
+        help="where both arms run the ONNX session: a worker thread, or the event loop",
+    )
     args = parser.parse_args()
-    runs: dict[str, Callable[[], Awaitable[float]]] = {
+    runs: dict[str, Callable[[], Awaitable[Figures]]] = {
         "hand": lambda: by_hand(args),
         "pipeline": lambda: as_pipeline(args, batched=False),
         "batched": lambda: as_pipeline(args, batched=True),
     }
-    rates: dict[str, list[float]] = {name: [] for name in runs}
+    figures: dict[str, list[Figures]] = {name: [] for name in runs}
     for round_ in range(args.rounds):
         order = list(runs) if round_ % 2 == 0 else list(reversed(runs))
         for name in order:
-            rate = trio.run(runs[name])
-            rates[name].append(rate)
-            print(f"round {round_ + 1}: {name:<9} {rate:8.0f} req/s")
-    hand = statistics.median(rates["hand"])
+            rate, cpu = trio.run(runs[name])
+            figures[name].append((rate, cpu))
+            print(f"round {round_ + 1}: {name:<9} {rate:8.0f} req/s {cpu * 1e6:6.0f} us CPU/req")
+    hand = figures["hand"]
     for name in ("pipeline", "batched"):
-        ratios = [b / a for a, b in zip(rates["hand"], rates[name], strict=True)]
+        ratios = [b[0] / a[0] for a, b in zip(hand, figures[name], strict=True)]
+        cpu_ratios = [a[1] / b[1] for a, b in zip(hand, figures[name], strict=True)]
         print(
-            f"{name}: median {statistics.median(rates[name]):.0f} req/s, "
-            f"{statistics.median(ratios):.2f}x hand ({', '.join(f'{r:.2f}' for r in ratios)})"
+            f"{name}: median {statistics.median(f[0] for f in figures[name]):.0f} req/s, "
+            f"{statistics.median(ratios):.2f}x hand ({', '.join(f'{r:.2f}' for r in ratios)}); "
+            f"CPU/req {statistics.median(f[1] for f in figures[name]) * 1e6:.0f} us, "
+            f"hand's over its {statistics.median(cpu_ratios):.2f}x"
         )
-    print(f"hand: median {hand:.0f} req/s; C={args.concurrency}, {Path(REPO).name}")
+    print(
+        f"hand: median {statistics.median(f[0] for f in hand):.0f} req/s, CPU/req "
+        f"{statistics.median(f[1] for f in hand) * 1e6:.0f} us; C={args.concurrency}, "
+        f"dispatch {args.dispatch}, {Path(REPO).name}"
+    )
 
 
 if __name__ == "__main__":

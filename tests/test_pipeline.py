@@ -291,9 +291,12 @@ def test_a_pipeline_runs_on_asyncio() -> None:
     async def main() -> None:
         async with open_engine() as engine:
             await load_diamond(engine)
+            await engine.load(pipeline([step("double", "IN", "A"), step("plus", "A", "OUT")], "c"))
             with anyio.fail_after(10):
                 out = await engine.infer("p", {"IN": X})
+                chained = await engine.infer("c", {"IN": X})
             np.testing.assert_array_equal(out["OUT"], X * 3 + 10)
+            np.testing.assert_array_equal(chained["OUT"], X * 2 + 10)
 
     anyio.run(main, backend="asyncio")
 
@@ -348,3 +351,50 @@ async def test_a_pipeline_that_would_call_itself_is_refused() -> None:
         cycle = [{"model": "outer", "input_map": {"IN": "IN"}, "output_map": {"OUT": "OUT"}}]
         with pytest.raises(ConfigError, match=r"step 0 \(model 'outer'\) leads back"):
             await engine.load(pipeline(cycle), replace=True)
+
+
+async def test_a_failing_step_of_a_chain_ends_the_request_before_the_steps_after_it(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    chain = [step("first", "IN", "A"), step("second", "A", "B"), step("third", "B", "OUT")]
+    async with open_engine() as engine:
+        await engine.load(step_model("first"))
+        await engine.load(step_model("second", factor=0.0))  # raises
+        await engine.load(step_model("third"))
+        await engine.load(pipeline(chain))
+        with pytest.raises(BackendError, match=r"^pipeline 'p', step 1 \(model 'second'\): "):
+            await engine.infer("p", {"IN": X})
+        assert Step.calls == {"first": 1, "second": 1}
+        stats = engine.statistics().models
+        assert (stats["p"].failed, stats["p"].in_flight, stats["second"].failed) == (1, 0, 1)
+
+
+async def test_steps_with_nothing_beside_them_run_in_the_callers_task(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # first, then double and plus side by side, then join: only double and plus
+    # need tasks of their own (and join, started as they end, runs in one too).
+    graph = [step("first", "IN", "S"), step("double", "S", "A"), step("plus", "S", "B")]
+    graph.append({"model": "join", "input_map": {"a": "A", "b": "B"}, "output_map": {"y": "OUT"}})
+    chain = [step("first", "IN", "A"), step("double", "A", "OUT")]
+    tasks: dict[str, object] = {}
+    infer = trioinfer.Engine.infer
+
+    async def recording(self: trioinfer.Engine, model: str, *args: Any, **kw: Any) -> Any:
+        tasks[model] = trio.lowlevel.current_task()
+        return await infer(self, model, *args, **kw)
+
+    monkeypatch.setattr(trioinfer.Engine, "infer", recording)
+    async with open_engine() as engine:
+        await engine.load(step_model("first"))
+        await load_diamond(engine)
+        await engine.load(pipeline(graph, name="graph"))
+        await engine.load(pipeline(chain, name="chain"))
+        caller = trio.lowlevel.current_task()
+        out = await engine.infer("graph", {"IN": X})
+        np.testing.assert_array_equal(out["OUT"], X * 2 + (X + 10))
+        assert tasks["first"] is caller
+        assert len({id(tasks[m]) for m in ("double", "plus", "join")} | {id(caller)}) == 4
+        tasks.clear()
+        await engine.infer("chain", {"IN": X})
+        assert tasks == {"chain": caller, "first": caller, "double": caller}

@@ -23,8 +23,10 @@ task: each step is an ``engine.infer`` on the step's model, so it goes
 through that model's own queue, batcher and instances, under the caller's
 cancel scope (its deadline and cancellation reach every step). A step starts
 as soon as its inputs are there; steps whose inputs are there run at once,
-side by side. The first step to fail cancels the others and ends the request
-with its error, the step named in the message.
+side by side, each in a task of its own. Leading steps that have nothing
+beside them (all of a chain's) run in turn in the caller's task, with no task
+or wake-up of their own. The first step to fail cancels the others and ends
+the request with its error, the step named in the message.
 """
 
 from __future__ import annotations
@@ -126,6 +128,10 @@ class Pipeline:
         self.steps = _steps(config.name, options.get("steps"))
         self._infer = infer
         _check_graph(config.name, self.signature, self.steps, signatures, steps_of)
+        # The leading steps that can only run one at a time (each the only one
+        # whose inputs are there), in order: they run in turn in the caller's
+        # task; the rest (none, for a chain) side by side, each in a task.
+        self._in_turn, self._side_by_side = _in_turn(self.signature, self.steps)
         self.input_limits = config.input_limits
         self.queue_timeouts = config.queue_timeouts
         self.batched = False  # requests keep their rows; each step batches on its own
@@ -198,37 +204,54 @@ class Pipeline:
 
     async def _run(self, request: Request) -> Outputs:
         tensors: dict[str, Any] = dict(request.inputs)
-        pending = list(enumerate(self.steps))
+        for index, step in self._in_turn:
+            # No task group, task or wake-up for a step that has nothing beside it.
+            await self._step(request, index, step, tensors)
+        if self._side_by_side:
+            await self._run_side_by_side(request, tensors)
+        return {spec.name: np.asarray(tensors[spec.name]) for spec in self.signature.outputs}
+
+    async def _step(
+        self, request: Request, index: int, step: Step, tensors: dict[str, Any]
+    ) -> None:
+        # One step's request to its model; its outputs join *tensors*. Its error
+        # keeps its class (a client's fault stays a client's fault), its message
+        # naming the step.
+        inputs = {own: tensors[shared] for own, shared in step.input_map.items()}
+        try:
+            outputs = await self._infer(
+                step.model,
+                inputs,
+                priority=request.priority,
+                tenant=request.tenant,
+                request_id=f"{request.id}/{index}",
+            )
+            if not step.output_map.keys() <= outputs.keys():
+                # The step's model was replaced by one with other outputs.
+                missing = sorted(set(step.output_map) - set(outputs))
+                raise BackendError(f"its model answered without outputs {missing}")
+        except TrioInferError as exc:
+            where = f"pipeline {self.config.name!r}, step {index} (model {step.model!r})"
+            raise _copy_error(exc, cause=exc, message=f"{where}: {exc}") from exc
+        for own, shared in step.output_map.items():
+            tensors[shared] = outputs[own]
+
+    async def _run_side_by_side(self, request: Request, tensors: dict[str, Any]) -> None:
+        pending = list(self._side_by_side)
         changed = anyio.Event()
         running: set[int] = set()
         failure: TrioInferError | None = None
 
         async def run_step(index: int, step: Step, cancel: anyio.CancelScope) -> None:
             nonlocal changed, failure
-            inputs = {own: tensors[shared] for own, shared in step.input_map.items()}
             try:
-                outputs = await self._infer(
-                    step.model,
-                    inputs,
-                    priority=request.priority,
-                    tenant=request.tenant,
-                    request_id=f"{request.id}/{index}",
-                )
-                missing = sorted(set(step.output_map) - set(outputs))
-                if missing:
-                    # The step's model was replaced by one with other outputs.
-                    raise BackendError(f"its model answered without outputs {missing}")
+                await self._step(request, index, step, tensors)
             except TrioInferError as exc:
                 # The first failure is the answer; the steps still running are cancelled.
                 if failure is None:
-                    # The step's own error class (a client's fault stays a client's
-                    # fault), its message saying which step failed.
-                    where = f"pipeline {self.config.name!r}, step {index} (model {step.model!r})"
-                    failure = _copy_error(exc, cause=exc, message=f"{where}: {exc}")
+                    failure = exc
                 cancel.cancel()
                 return
-            for own, shared in step.output_map.items():
-                tensors[shared] = outputs[own]
             running.discard(index)
             changed.set()
             changed = anyio.Event()
@@ -245,7 +268,6 @@ class Pipeline:
                     await changed.wait()
         if failure is not None:
             raise failure
-        return {spec.name: np.asarray(tensors[spec.name]) for spec in self.signature.outputs}
 
     async def wait_idle(self) -> None:
         """Wait until no request is in flight."""
@@ -341,6 +363,23 @@ def _check_graph(
                 f"{where}: output {spec.name!r} is declared {spec.describe()}, but its step "
                 f"produces {producers[spec.name].describe()}"
             )
+
+
+def _in_turn(
+    signature: ModelSignature, steps: Sequence[Step]
+) -> tuple[tuple[tuple[int, Step], ...], tuple[tuple[int, Step], ...]]:
+    """The leading steps that become ready one at a time, in order; and the others."""
+    there = {spec.name for spec in signature.inputs}
+    waiting = list(enumerate(steps))
+    in_turn = []
+    while waiting:
+        ready = [(i, s) for i, s in waiting if all(t in there for t in s.input_map.values())]
+        if len(ready) != 1:
+            break  # from here steps may run side by side
+        waiting.remove(ready[0])
+        in_turn.append(ready[0])
+        there.update(ready[0][1].output_map.values())
+    return tuple(in_turn), tuple(waiting)
 
 
 def _reachable(model: str, steps_of: Callable[[str], Sequence[str]]) -> set[str]:
