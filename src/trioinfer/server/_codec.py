@@ -1121,11 +1121,11 @@ def _plain_floats(data: list[Any], target: np.dtype[Any]) -> npt.NDArray[Any] | 
 
     The common JSON request, converted in one step: Python's ``min`` and
     ``max`` of the list (about half the cost of numpy inferring a dtype and
-    reducing it twice) both bound the values and refuse what is not a number,
-    since a string, ``null`` or list beside a number cannot be compared with
-    it; the two ends' types catch a list of only those. A boolean compares as
-    a number: `_refuse_hidden_bools` finds those. None sends the caller the
-    long way, which says what was wrong.
+    reducing it twice) bound the values, and refuse what is not a number: a
+    string, ``null``, object or list beside a number cannot be compared with
+    it, so values that all compare are of one kind, which the least one's type
+    tells. A boolean compares as a number: `_refuse_hidden_bools` finds those.
+    None sends the caller the long way, which says what was wrong.
     """
     try:
         low = min(data)
@@ -1133,12 +1133,7 @@ def _plain_floats(data: list[Any], target: np.dtype[Any]) -> npt.NDArray[Any] | 
     except TypeError:
         return None
     limit = _FLOAT_MAX[target]
-    if (
-        type(low) not in _NUMBER_TYPES
-        or type(high) not in _NUMBER_TYPES
-        or low < -limit
-        or high > limit
-    ):
+    if type(low) not in _NUMBER_TYPES or low < -limit or high > limit:
         return None
     try:
         return np.array(data, dtype=target)
