@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 
 from trioinfer.server._framing import (
+    _HEAD_CACHE,
     FramingError,
     RequestFraming,
     RequestHead,
@@ -477,3 +478,37 @@ def test_the_date_header_is_formatted_once_a_second() -> None:
     assert date_header(0.2) == DATE
     assert date_header(0.9) is date_header(0.2)
     assert date_header(86400.0) == b"date: Fri, 02 Jan 1970 00:00:00 GMT\r\n"
+
+
+def test_a_head_made_of_the_same_parts_is_reused_and_only_then() -> None:
+    parts = [(b"content-type", b"application/json")]
+    first = head(200, parts)
+    assert head(200, list(parts)) is first
+    # Every part counts: a head differing in any one of them is a head of its own.
+    for other in (
+        head(201, parts),
+        head(200, [*parts, (b"x", b"y")]),
+        head(200, parts, method=b"HEAD"),
+        head(200, parts, http_version="1.0"),
+        head(200, parts, keep_alive=False),
+        head(200, parts, body_length=3),
+        head(200, parts, more=True),
+        head(200, parts, date=b"date: Fri, 02 Jan 1970 00:00:00 GMT\r\n"),
+    ):
+        assert other is not first
+        assert other.data != first.data or other.no_body != first.no_body
+    assert not head(200, parts, keep_alive=False).keep_alive
+    assert head(200, parts).keep_alive
+
+
+def test_unhashable_headers_and_many_heads_still_encode() -> None:
+    # Headers as lists (some apps send them) cannot be a cache key; they still encode.
+    listed = head(200, [[b"content-type", b"text/plain"]])  # type: ignore[list-item]
+    assert b"content-type: text/plain\r\n" in listed.data
+    # Refused heads are never kept: the same bad parts are refused again.
+    for _ in range(2):
+        with pytest.raises(ValueError, match="CR or LF"):
+            head(200, [(b"x", b"a\r\nb")])
+    for length in range(1000):
+        assert b"content-length: %d\r\n" % length in head(200, body_length=length).data
+    assert len(_HEAD_CACHE) <= 256

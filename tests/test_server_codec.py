@@ -1201,3 +1201,49 @@ def test_property_random_bytes_only_raise_request_errors(
     for encoding in (None, "gzip", "deflate"):
         with contextlib.suppress(RequestError):
             decode(decompress(body, encoding, LIMITS), length)
+
+
+@pytest.mark.parametrize(
+    ("doc", "fragments"),
+    [
+        # A flat list of numbers takes a short way (its min and max bound it): these
+        # are what that way must still send the long way, and refuse there.
+        (one(data=["1", "2"]), ["input 'x'", "FP32 data must be numbers", '"1"']),
+        (one(shape=[1], data=["1.5"]), ["input 'x'", "must be numbers", '"1.5"']),
+        (one(shape=[1], data=[None]), ["input 'x'", "must be numbers", "null"]),
+        (one(shape=[1], data=[{}]), ["input 'x'", "must be numbers", "{}"]),
+        (one(data=[None, None]), ["input 'x'", "must be numbers", "null"]),
+        (one(data=[1e39, 1.0]), ["input 'x'", "FP32", "1e+39"]),
+        (one(datatype="FP16", data=[65520.0, 1]), ["input 'x'", "FP16", "65520"]),
+        (one(data=[2.0, True]), ["input 'x'", "must be numbers", "true"]),
+    ],
+)
+def test_flat_numbers_short_way_sends_anything_else_the_long_way(
+    doc: Any, fragments: list[str]
+) -> None:
+    refused(doc, *fragments)
+
+
+@pytest.mark.parametrize("datatype", ["FP16", "FP32", "FP64"])
+def test_flat_numbers_convert_as_numpy_does(datatype: str) -> None:
+    target = DATATYPES[datatype]
+    top = float(np.finfo(target).max)
+    data: list[Any] = [0, -3, 1.5, 2**40 if datatype != "FP16" else 7, top, -top, 1e-30]
+    got = decode(one(shape=[len(data)], datatype=datatype, data=data)).inputs["x"]
+    assert got.dtype == target
+    assert got.tobytes() == np.array(data, dtype=np.float64).astype(target).tobytes()
+
+
+def test_brackets_in_strings_and_long_headers_are_walked_for_depth() -> None:
+    # A header with more brackets than the depth limit is walked, not refused.
+    doc = one()
+    doc["parameters"] = {"note": "[" * 100 + "{" * 100}
+    assert decode(doc).inputs["x"].tolist() == [1.0, 2.0]
+    # A long header (past the bracket scan) is walked too, and nesting in it counts.
+    deep: Any = []
+    for _ in range(40):
+        deep = [deep]
+    refused({**one(), "parameters": {"p": deep, "note": "x" * 20_000}}, "more than 32 deep")
+    doc = one(data=[1, True])
+    doc["parameters"] = {"note": "x" * 20_000}
+    refused(doc, "input 'x'", "must be numbers", "got true")

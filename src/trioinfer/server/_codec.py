@@ -428,10 +428,12 @@ def decode_infer_request(
 
     # Depth is checked on everything but the `data` lists, whose nesting _parse_input
     # measured along their first elements; numpy refuses data that nests unevenly.
-    roots: list[tuple[Any, int]] = [(v, 1) for k, v in doc.items() if k != "inputs"]
-    for item in raw_inputs:
-        roots.extend((v, _DATA_DEPTH) for k, v in item.items() if k != "data")
-    known_bools = _walk(roots, limits.max_json_depth, "the infer request", start=_DATA_DEPTH)
+    # A header with no more brackets and braces than the limit cannot nest past it
+    # (a container's depth takes one opening bracket per level): walking it would
+    # only count its booleans, which only _refuse_hidden_bools may need.
+    known_bools: _Counts | None = None
+    if not _shallow(header, limits.max_json_depth):
+        known_bools = _walk_request(doc, raw_inputs, limits)
 
     total = sum(spec.count for spec in declared.values())
     if total > limits.max_elements_per_request:
@@ -471,7 +473,7 @@ def decode_infer_request(
             f"{len(binary) - offset} bytes follow the JSON header beyond what the inputs' "
             f"binary_data_size values account for ({offset} bytes)"
         )
-    _refuse_hidden_bools(header, declared, inputs, known_bools)
+    _refuse_hidden_bools(header, declared, inputs, known_bools, doc, raw_inputs, limits)
     for output in requested or ():
         if output.shm is not None:
             if shm is None:
@@ -806,6 +808,28 @@ def _walk(roots: Iterable[tuple[Any, int]], limit: int, what: str, start: int = 
     return _Counts(trues, falses)
 
 
+#: Headers up to this size are scanned for brackets (`_shallow`) rather than walked.
+_SCAN_AT_MOST: Final = 16 * 1024
+
+
+def _shallow(header: bytes, limit: int) -> bool:
+    """Whether *header* holds too few brackets and braces to nest past *limit*.
+
+    Two ``count`` scans of a small header cost a fraction of walking its
+    parsed objects; a long one (big JSON ``data``) is walked instead, since
+    the walk leaves ``data`` out.
+    """
+    return len(header) <= _SCAN_AT_MOST and header.count(b"[") + header.count(b"{") <= limit
+
+
+def _walk_request(doc: dict[str, Any], raw_inputs: list[Any], limits: Limits) -> _Counts:
+    """`_walk` an infer request's header, leaving out the ``data`` lists."""
+    roots: list[tuple[Any, int]] = [(v, 1) for k, v in doc.items() if k != "inputs"]
+    for item in raw_inputs:
+        roots.extend((v, _DATA_DEPTH) for k, v in item.items() if k != "data")
+    return _walk(roots, limits.max_json_depth, "the infer request", start=_DATA_DEPTH)
+
+
 def _too_deep(limit: int, what: str) -> RequestError:
     return RequestError(
         f"{what} nests objects and lists more than {limit} deep; at most {limit} levels "
@@ -985,9 +1009,13 @@ _NO_SHM: Final = (
 
 def _shm_parameters(parameters: dict[str, Any], where: str) -> tuple[str, int, int] | None:
     """``(region, offset, byte_size)`` from ``parameters.shared_memory_*``, or ``None``."""
-    keys = {k for k in parameters if k.startswith("shared_memory")}
-    if not keys:
+    # A loop rather than a set first: most parameters have no shared memory at all.
+    for key in parameters:
+        if key.startswith("shared_memory"):
+            break
+    else:
         return None
+    keys = {k for k in parameters if k.startswith("shared_memory")}
     unknown = sorted(keys - _SHM_KEYS)
     if unknown:
         raise RequestError(
@@ -1033,6 +1061,11 @@ def _from_json(spec: _Input, data: list[Any]) -> npt.NDArray[Any]:
     expected = spec.shape if nested else (spec.count,)
     if spec.datatype == "BYTES":
         return _bytes_from_json(spec, data, expected)
+    target = DATATYPES[spec.datatype]
+    if not nested and target.kind == "f" and data:
+        floats = _plain_floats(data, target)
+        if floats is not None:
+            return floats.reshape(spec.shape)
     try:
         # Let numpy infer a dtype first: given the target dtype directly, it would
         # quietly parse strings and turn None into NaN.
@@ -1041,7 +1074,6 @@ def _from_json(spec: _Input, data: list[Any]) -> npt.NDArray[Any]:
         raise RequestError(_uneven(spec)) from None
     if array.shape != expected:  # pragma: no cover - numpy refuses uneven nesting above
         raise RequestError(_uneven(spec))
-    target = DATATYPES[spec.datatype]
     if array.size == 0:
         return np.zeros(spec.shape, dtype=target)
     kind = array.dtype.kind
@@ -1079,6 +1111,34 @@ def _from_json(spec: _Input, data: list[Any]) -> npt.NDArray[Any]:
         culprit = array.reshape(-1)[overflow[0]].item()
         raise _bad_value(spec, culprit, f"numbers within +-{limit:g}")
     return converted.reshape(spec.shape)
+
+
+_NUMBER_TYPES: Final = (int, float)
+
+
+def _plain_floats(data: list[Any], target: np.dtype[Any]) -> npt.NDArray[Any] | None:
+    """A flat list of numbers within *target*'s range as an array; None for anything else.
+
+    The common JSON request, converted in one step: Python's ``min`` and
+    ``max`` of the list (about half the cost of numpy inferring a dtype and
+    reducing it twice) bound the values, and refuse what is not a number: a
+    string, ``null``, object or list beside a number cannot be compared with
+    it, so values that all compare are of one kind, which the least one's type
+    tells. A boolean compares as a number: `_refuse_hidden_bools` finds those.
+    None sends the caller the long way, which says what was wrong.
+    """
+    try:
+        low = min(data)
+        high = max(data)
+    except TypeError:
+        return None
+    limit = _FLOAT_MAX[target]
+    if type(low) not in _NUMBER_TYPES or low < -limit or high > limit:
+        return None
+    try:
+        return np.array(data, dtype=target)
+    except (OverflowError, TypeError, ValueError):  # pragma: no cover - a safety net
+        return None
 
 
 def _bytes_from_json(spec: _Input, data: list[Any], expected: tuple[int, ...]) -> npt.NDArray[Any]:
@@ -1145,7 +1205,10 @@ def _refuse_hidden_bools(
     header: bytes,
     declared: Mapping[str, _Input],
     inputs: Mapping[str, npt.NDArray[Any]],
-    known: _Counts,
+    known: _Counts | None,
+    doc: dict[str, Any],
+    raw_inputs: list[Any],
+    limits: Limits,
 ) -> None:
     """Refuse ``true``/``false`` inside numeric ``data``, which numpy reads as 1 and 0.
 
@@ -1153,20 +1216,32 @@ def _refuse_hidden_bools(
     first counts the literals in the raw JSON: when every one is accounted for by
     booleans seen elsewhere (parameters, ``BOOL`` data), numeric data cannot hold
     any. Only otherwise (say, a string contains "true") are the numeric inputs'
-    values looked at one by one.
+    values looked at one by one. *known* is None when the header was not walked
+    (`_shallow`): it is walked here only if JSON data could hide a boolean.
     """
-    trues, falses = known.trues, known.falses
     numeric = []
+    bool_data = []
     for spec in declared.values():
         if spec.data is None or spec.datatype == "BYTES":
             continue
         if spec.datatype == "BOOL":
-            set_count = int(np.count_nonzero(inputs[spec.name]))
-            trues += set_count
-            falses += spec.count - set_count
+            bool_data.append(spec)
         else:
             numeric.append(spec)
-    if not numeric or (_count(header, b"true") == trues and _count(header, b"false") == falses):
+    if not numeric:
+        return
+    text_trues = _count(header, b"true")
+    text_falses = _count(header, b"false")
+    if not (text_trues or text_falses):
+        return
+    if known is None:
+        known = _walk_request(doc, raw_inputs, limits)
+    trues, falses = known.trues, known.falses
+    for spec in bool_data:
+        set_count = int(np.count_nonzero(inputs[spec.name]))
+        trues += set_count
+        falses += spec.count - set_count
+    if text_trues == trues and text_falses == falses:
         return
     for spec in numeric:
         if bool in set(map(type, _flat(spec))):

@@ -45,7 +45,7 @@ from collections import deque
 from collections.abc import Callable, Iterable
 from email.utils import formatdate
 from http import HTTPStatus
-from typing import Final, final
+from typing import Any, Final, final
 
 import httptools
 
@@ -574,6 +574,14 @@ class ResponseHead:
         self.declared_length = declared_length
 
 
+#: Recent response heads by everything they are made of: an inference server
+#: answers the same few heads (a status, a content type, a handful of body
+#: lengths, the second's date) over and over. Emptied when full.
+_HEAD_CACHE: Final[dict[tuple[Any, ...], ResponseHead]] = {}
+_HEAD_CACHE_SIZE: Final = 256
+_HEAD_CACHE_BYTES: Final = 1024
+
+
 def encode_response_head(
     status: int,
     headers: Iterable[tuple[bytes, bytes]],
@@ -588,6 +596,8 @@ def encode_response_head(
     """The status line and headers of a response, with framing and connection headers added.
 
     Positional arguments only: this runs once per response, and keywords cost.
+    A head made of the same parts as a recent one is that one (a `ResponseHead`
+    is never changed): looking it up costs a fraction of making it.
 
     Args:
         status: The status code.
@@ -604,6 +614,36 @@ def encode_response_head(
             the app's data inject headers or responses), or the app's
             ``content-length`` is not a number.
     """
+    headers = tuple(headers)
+    key = (status, headers, method, http_version, keep_alive, body_length, more, date)
+    try:
+        head = _HEAD_CACHE.get(key)
+    except TypeError:  # headers as lists, say: unhashable, so not cached
+        return _encode_response_head(
+            status, headers, method, http_version, keep_alive, body_length, more, date
+        )
+    if head is None:
+        head = _encode_response_head(
+            status, headers, method, http_version, keep_alive, body_length, more, date
+        )
+        if len(head.data) <= _HEAD_CACHE_BYTES:  # a few small heads, not an app's big ones
+            if len(_HEAD_CACHE) >= _HEAD_CACHE_SIZE:
+                _HEAD_CACHE.clear()
+            _HEAD_CACHE[key] = head
+    return head
+
+
+def _encode_response_head(
+    status: int,
+    headers: Iterable[tuple[bytes, bytes]],
+    method: bytes,
+    http_version: str,
+    keep_alive: bool,
+    body_length: int,
+    more: bool,
+    date: bytes,
+    /,
+) -> ResponseHead:
     found = 0  # bit set of the _SPECIAL_HEADERS seen
     parts = [_STATUS_LINES.get(status) or _status_line(status)]
     special = _SPECIAL_HEADERS
