@@ -417,38 +417,40 @@ async def test_fast_effective_deadline_agrees_with_trio() -> None:
     assert LoopClock().current_effective_deadline is _trio_effective_deadline
     now = trio.current_time()
 
-    def same() -> None:
+    async def same() -> None:
         assert _trio_effective_deadline() == trio.current_effective_deadline()
+        # A checkpoint that raises nothing, so that each scope below is awaited in.
+        await trio.lowlevel.cancel_shielded_checkpoint()
 
-    same()  # no deadline anywhere: inf
+    await same()  # no deadline anywhere: inf
     with trio.CancelScope(deadline=now + 5):
-        same()
+        await same()
         with trio.CancelScope(deadline=now + 9):
-            same()  # the outer, earlier deadline wins
+            await same()  # the outer, earlier deadline wins
             with trio.CancelScope(deadline=now + 2) as inner:
-                same()  # the inner, earlier one wins
+                await same()  # the inner, earlier one wins
                 inner.deadline = now + 20
-                same()  # moved later: the outer's again
+                await same()  # moved later: the outer's again
         with trio.CancelScope(shield=True, deadline=now + 7):
-            same()  # a shield hides the outer deadline
+            await same()  # a shield hides the outer deadline
             with trio.CancelScope(deadline=now + 8):
-                same()
+                await same()
         with trio.fail_after(3):  # a relative deadline, made absolute on entry
-            same()
+            await same()
         with trio.CancelScope() as cancelled:
             cancelled.cancel()
-            same()  # a cancellation in effect: -inf
+            await same()  # a cancellation in effect: -inf
             with trio.CancelScope(deadline=now + 1):
-                same()  # inside it, too
+                await same()  # inside it, too
             with trio.CancelScope(shield=True, deadline=now + 4):
-                same()  # but not behind a shield
+                await same()  # but not behind a shield
     async with trio.open_nursery() as nursery:
         nursery.cancel_scope.deadline = now + 6
 
         async def child() -> None:
-            same()  # a task inherits its nursery's scopes
+            await same()  # a task inherits its nursery's scopes
             with trio.CancelScope(deadline=now + 1):
-                same()
+                await same()
 
         nursery.start_soon(child)
 
