@@ -410,6 +410,51 @@ async def test_one_waiter_event_behaves_like_trio_event() -> None:
         await event.wait()  # already set: returns at once, at a checkpoint
 
 
+async def test_fast_effective_deadline_agrees_with_trio() -> None:
+    """The request path's deadline read says what Trio's own function says, scope by scope."""
+    from trioinfer._threads import LoopClock, _trio_effective_deadline
+
+    assert LoopClock().current_effective_deadline is _trio_effective_deadline
+    now = trio.current_time()
+
+    async def same() -> None:
+        assert _trio_effective_deadline() == trio.current_effective_deadline()
+        # A checkpoint that raises nothing, so that each scope below is awaited in.
+        await trio.lowlevel.cancel_shielded_checkpoint()
+
+    await same()  # no deadline anywhere: inf
+    with trio.CancelScope(deadline=now + 5):
+        await same()
+        with trio.CancelScope(deadline=now + 9):
+            await same()  # the outer, earlier deadline wins
+            with trio.CancelScope(deadline=now + 2) as inner:
+                await same()  # the inner, earlier one wins
+                inner.deadline = now + 20
+                await same()  # moved later: the outer's again
+        with trio.CancelScope(shield=True, deadline=now + 7):
+            await same()  # a shield hides the outer deadline
+            with trio.CancelScope(deadline=now + 8):
+                await same()
+        with trio.fail_after(3):  # a relative deadline, made absolute on entry
+            await same()
+        with trio.CancelScope() as cancelled:
+            cancelled.cancel()
+            await same()  # a cancellation in effect: -inf
+            with trio.CancelScope(deadline=now + 1):
+                await same()  # inside it, too
+            with trio.CancelScope(shield=True, deadline=now + 4):
+                await same()  # but not behind a shield
+    async with trio.open_nursery() as nursery:
+        nursery.cancel_scope.deadline = now + 6
+
+        async def child() -> None:
+            await same()  # a task inherits its nursery's scopes
+            with trio.CancelScope(deadline=now + 1):
+                await same()
+
+        nursery.start_soon(child)
+
+
 def test_split_gives_each_request_views_of_its_own_rows() -> None:
     """The batch's outputs cut by rows: every output, one output, or none at all."""
     from trioinfer._request import make_request

@@ -362,6 +362,44 @@ class Engine:
                 circuit breaker took them out); ``retry_after`` says when to try again.
             EngineClosed: The engine is closing, or closed before the request ended.
         """
+        runner = self._runners.get(model)
+        if (
+            type(runner) is ModelRunner
+            and runner.plain
+            and sequence is None
+            and self._tracing is None
+            and not self._closing
+            and not (self._gates and model in self._gates)
+        ):
+            # The common case, in this one frame: what _submit and ModelRunner.call
+            # do, step for step, without the two coroutine frames that every
+            # suspension and resumption of the caller's task would pass through.
+            arrays = validate_inputs(model, runner.signature, inputs, runner.input_limits)
+            clock = runner.clock
+            deadline = clock.current_effective_deadline()
+            if deadline != -math.inf:  # else a cancellation to raise: _submit does
+                request = make_request(
+                    model,
+                    arrays,
+                    request_id if request_id is not None else next_request_id(),
+                    priority,
+                    tenant,
+                    deadline,
+                    clock.current_time(),
+                    rows(arrays) if runner.batched else 1,
+                )
+                runner.enter(request)
+                state = request._state
+                assert state.done is not None
+                try:
+                    await state.done.wait()
+                except anyio.get_cancelled_exc_class():
+                    runner.withdraw(request)
+                    raise
+                if state.error is not None:
+                    await runner.raise_error(state.error, own_deadline=True)
+                assert state.outputs is not None
+                return state.outputs
         request = await self._submit(model, inputs, priority, tenant, request_id, sequence=sequence)
         assert request._state.outputs is not None
         return request._state.outputs

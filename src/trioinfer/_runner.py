@@ -17,7 +17,7 @@ import itertools
 import math
 import sys
 from collections.abc import Awaitable, Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, Protocol, cast, final
+from typing import TYPE_CHECKING, Any, NoReturn, Protocol, cast, final
 
 import anyio
 import anyio.abc
@@ -615,6 +615,9 @@ class ModelRunner(metaclass=NoPublicConstructor):
     _sequencer: SequenceBatcher | None = attrs.field(default=None, init=False)
     input_limits: InputLimits = attrs.field(init=False)
     queue_timeouts: Mapping[int, float] = attrs.field(init=False)
+    #: Whether a request's way here is the plain one, which `Engine.infer` takes
+    #: in one frame: no response cache, no sequences, no queue policy deadlines.
+    plain: bool = attrs.field(init=False)
     batched: bool = attrs.field(init=False)
     _new_event: Callable[[], EventLike] = attrs.field(init=False)
     _new_waiter: Callable[[], EventLike] = attrs.field(init=False)
@@ -702,6 +705,9 @@ class ModelRunner(metaclass=NoPublicConstructor):
             )
         self.input_limits = self.config.input_limits
         self.queue_timeouts = self.config.queue_timeouts
+        self.plain = not (
+            self.config.response_cache or self.config.sequence is not None or self.queue_timeouts
+        )
 
     def _attach_sequencer(self, inputs: frozenset[str], outputs: frozenset[str]) -> None:
         # A stateful model: its batcher must keep sequences, and callers neither send
@@ -978,14 +984,26 @@ class ModelRunner(metaclass=NoPublicConstructor):
             error = ValueError(f"it gave {len(shares)} shares for {len(live)} requests")
             self._fail_batch(live, "split", error)
             return True
+        # What finish() and _end() do for each request, in one pass over the batch
+        # (two calls fewer per request). After the backend call a request is still
+        # running, or done: its caller left, or another attempt (a hedge) answered.
         durations: list[float] = []
-        finish = self.finish
+        in_flight = self._in_flight
         for request, share in zip(live, shares, strict=True):
             state = request._state
             if state.status is _RUNNING:
                 durations.append(ended - request.arrival)
                 state.served_by = replica
-            finish(request, outputs=share)
+                state.outputs = share
+                state.status = _DONE
+                state.batch = None
+                if state.done is not None:
+                    state.done.set()
+                in_flight.discard(request)
+        self.succeeded += len(durations)
+        if not in_flight and self._idle is not None:
+            self._idle.set()
+            self._idle = None
         self._request_duration.observe_each(durations)
         return True
 
@@ -1032,6 +1050,37 @@ class ModelRunner(metaclass=NoPublicConstructor):
         the request ends with [`DeadlineExceeded`][trioinfer.DeadlineExceeded]
         if it is still queued then.
         """
+        self.enter(request)
+        state = request._state
+        assert state.done is not None
+        try:
+            if own_deadline:
+                await state.done.wait()
+            else:
+                with anyio.CancelScope(deadline=request.deadline) as scope:
+                    await state.done.wait()
+                if scope.cancelled_caught:
+                    if state.status is _QUEUED:
+                        self._expire(request, self.clock.current_time())
+                    else:
+                        # Running: the engine ends it if the timeout passes before an
+                        # attempt starts (a failover's wait, say), never mid-run.
+                        await state.done.wait()
+        except anyio.get_cancelled_exc_class():
+            self.withdraw(request)
+            raise
+        if state.error is not None:
+            await self.raise_error(state.error, own_deadline)
+        assert state.outputs is not None
+        return state.outputs
+
+    def enter(self, request: Request) -> None:
+        """Admit *request* to the queue, with a waiter for its one caller, or raise why not.
+
+        The caller then waits on ``request._state.done``, withdraws the request
+        (`withdraw`) if cancelled meanwhile, and raises its error (`raise_error`)
+        if it has one: `call` does all of this; the engine's fast path inlines it.
+        """
         state = request._state
         state.done = self._new_waiter()  # only this caller waits on it
         if not self._serving:
@@ -1071,30 +1120,14 @@ class ModelRunner(metaclass=NoPublicConstructor):
         if self._sequencer is not None:
             self._admit(request)
         self._in_flight.add(request)
-        try:
-            if own_deadline:
-                await state.done.wait()
-            else:
-                with anyio.CancelScope(deadline=request.deadline) as scope:
-                    await state.done.wait()
-                if scope.cancelled_caught:
-                    if state.status is _QUEUED:
-                        self._expire(request, self.clock.current_time())
-                    else:
-                        # Running: the engine ends it if the timeout passes before an
-                        # attempt starts (a failover's wait, say), never mid-run.
-                        await state.done.wait()
-        except anyio.get_cancelled_exc_class():
-            self._withdraw(request)
-            raise
-        if state.error is not None:
-            if isinstance(state.error, DeadlineExceeded) and own_deadline:
-                # The request's deadline is the caller's own: let the caller's scope
-                # report it (Cancelled, TooSlowError) rather than our error.
-                await self.clock.checkpoint_if_cancelled()
-            raise state.error
-        assert state.outputs is not None
-        return state.outputs
+
+    async def raise_error(self, error: BaseException, own_deadline: bool) -> NoReturn:
+        """Raise the error a request ended with, or the caller's own cancellation first."""
+        if isinstance(error, DeadlineExceeded) and own_deadline:
+            # The request's deadline is the caller's own: let the caller's scope
+            # report it (Cancelled, TooSlowError) rather than our error.
+            await self.clock.checkpoint_if_cancelled()
+        raise error
 
     def _admit(self, request: Request) -> None:
         # A stateful model's batcher sees each accepted request, and may refuse it
@@ -1113,7 +1146,8 @@ class ModelRunner(metaclass=NoPublicConstructor):
                 "batchers", f"raised {type(exc).__name__} in admit(): {exc}"
             ) from exc
 
-    def _withdraw(self, request: Request) -> None:
+    def withdraw(self, request: Request) -> None:
+        """Take back the request of a caller cancelled while it waited, wherever it is."""
         state = request._state
         if state.status is _DONE:
             return

@@ -21,6 +21,7 @@ import anyio
 import anyio.lowlevel
 import sniffio
 import trio.lowlevel as _trio  # a core dependency; used only when Trio runs
+from trio._core import _run as _trio_run  # for _trio_effective_deadline, checked at use
 
 T = TypeVar("T")
 
@@ -119,12 +120,49 @@ class LoopClock:
             import trio
 
             self.current_time = trio.current_time
-            self.current_effective_deadline = trio.current_effective_deadline
+            self.current_effective_deadline = _trio_deadline_reader()
             self.checkpoint_if_cancelled = trio.lowlevel.checkpoint_if_cancelled
         else:
             self.current_time = anyio.current_time
             self.current_effective_deadline = anyio.current_effective_deadline
             self.checkpoint_if_cancelled = anyio.lowlevel.checkpoint_if_cancelled
+
+
+def _trio_effective_deadline() -> float:
+    # trio.current_effective_deadline() without its cost: Trio recurses through
+    # every enclosing cancel status, reading each scope's deadline through a
+    # property and taking a min() per level (1.9 us two levels deep, and a
+    # server nests about ten); this is one loop over the same private fields.
+    # Its result is Trio's exactly: -inf when a cancellation is in effect (an
+    # effectively cancelled status has only effectively cancelled statuses
+    # above it up to the nearest shield), else the least deadline up to and
+    # including the nearest shielded scope. An entered scope's relative
+    # deadline is already absolute in ``_deadline``.
+    status: Any = _trio_run.GLOBAL_RUN_CONTEXT.task._cancel_status
+    if status.effectively_cancelled:
+        return -math.inf
+    deadline = math.inf
+    while status is not None:
+        scope = status._scope
+        if scope._deadline < deadline:
+            deadline = scope._deadline
+        if scope._shield:
+            break
+        status = status._parent
+    return deadline
+
+
+def _trio_deadline_reader() -> Callable[[], float]:
+    # The fast reader if this Trio has the fields it reads and it agrees with
+    # Trio here and now; Trio's own function otherwise (a Trio that changed them).
+    import trio
+
+    try:
+        if _trio_effective_deadline() == trio.current_effective_deadline():
+            return _trio_effective_deadline
+    except AttributeError:
+        pass
+    return trio.current_effective_deadline
 
 
 def current_waker() -> Waker:
