@@ -504,7 +504,7 @@ class _Service:
         if tracing is None:
             return await self._infer_in_loop(message, parts, metadata, emit)
         return await tracing.serve_grpc(
-            "ModelInfer",
+            "ModelInfer" if emit is None else "ModelStreamInfer",
             metadata,
             message.model_name,
             message.model_version or None,
