@@ -137,3 +137,112 @@ async def test_a_refused_stream_ends_its_span_as_an_error() -> None:
     assert refused.attributes["trioinfer.outcome"] == "error"
     assert refused.attributes["error.type"] == "QueueFull"
     assert refused.attributes["trioinfer.stream.responses"] == 0
+
+
+@pytest.fixture
+def repository(tmp_path: Path) -> Path:
+    root = tmp_path / "models"
+    shutil.copytree(trioinfer.example_repository() / "repeat_int32", root / "repeat_int32")
+    return root
+
+
+REPEAT = {"IN": [4, 2, 0, 1], "DELAY": [0, 0, 0, 0], "WAIT": 0}
+
+
+async def test_generate_stream_over_http_is_traced_under_its_server_span(
+    repository: Path,
+) -> None:
+    exporter = InMemorySpanExporter()
+    config = ServerConfig(tracer_provider=provider_for(exporter), trace_rate=0.0)
+    async with trio.open_nursery() as nursery:
+        listening = await nursery.start(
+            lambda task_status: serve_http(
+                repository, port=0, config=config, handle_signals=False, task_status=task_status
+            )
+        )
+        async with httpx.AsyncClient(base_url=listening.urls[0]) as client:
+            streamed = await client.post(
+                "/v2/models/repeat_int32/generate_stream",
+                json=REPEAT,
+                headers={"traceparent": TRACEPARENT},
+            )
+            one = await client.post(
+                "/v2/models/repeat_int32/generate",
+                json={"IN": [7], "DELAY": [0], "WAIT": 0},
+                headers={"traceparent": TRACEPARENT},
+            )
+            untraced = await client.post("/v2/models/repeat_int32/generate_stream", json=REPEAT)
+        nursery.cancel_scope.cancel()
+    assert streamed.status_code == one.status_code == untraced.status_code == 200
+    spans = exporter.get_finished_spans()
+    servers = {s.name: s for s in spans if s.kind is trace.SpanKind.SERVER}
+    assert set(servers) == {
+        "POST /v2/models/{model}/generate_stream",
+        "POST /v2/models/{model}/generate",
+    }
+    server = servers["POST /v2/models/{model}/generate_stream"]
+    assert format(server.context.trace_id, "032x") == TRACE_ID
+    assert server.attributes["http.response.status_code"] == 200
+    assert server.attributes["trioinfer.model.version"] == "1"
+    by_parent = {parent_of(s): s for s in named(spans, "stream repeat_int32")}
+    stream = by_parent[server.context.span_id]
+    assert stream.attributes["trioinfer.stream.responses"] == 4
+    assert stream.attributes["trioinfer.outcome"] == "success"
+    assert by_parent[servers["POST /v2/models/{model}/generate"].context.span_id].attributes[
+        "trioinfer.stream.responses"
+    ] == 1
+    (work,) = [s for s in named(spans, "generate ") if parent_of(s) == stream.context.span_id]
+    assert work.attributes["trioinfer.stream.responses"] == 4
+
+
+@pytest.mark.grpc
+async def test_model_stream_infer_is_traced_under_its_server_span(repository: Path) -> None:
+    import queue
+
+    import tritonclient.grpc as grpcclient
+
+    exporter = InMemorySpanExporter()
+    config = ServerConfig(tracer_provider=provider_for(exporter), trace_rate=0.0)
+
+    def call(address: str) -> list[Any]:
+        answers: queue.Queue[Any] = queue.Queue()
+        inputs = []
+        for name, array, datatype in [
+            ("IN", np.array([4, 2, 0], np.int32), "INT32"),
+            ("DELAY", np.zeros(3, np.uint32), "UINT32"),
+            ("WAIT", np.zeros(1, np.uint32), "UINT32"),
+        ]:
+            inputs.append(grpcclient.InferInput(name, list(array.shape), datatype))
+            inputs[-1].set_data_from_numpy(array)
+        with grpcclient.InferenceServerClient(address) as client:
+            client.start_stream(
+                callback=lambda result, error: answers.put(error),
+                headers={"traceparent": TRACEPARENT},
+            )
+            client.async_stream_infer("repeat_int32", inputs, request_id="r1")
+            got = [answers.get(timeout=30) for _ in range(3)]
+            client.stop_stream()
+        return got
+
+    async with trio.open_nursery() as nursery:
+        listening = await nursery.start(
+            lambda task_status: serve_http(
+                repository,
+                port=0,
+                grpc_port=0,
+                config=config,
+                handle_signals=False,
+                task_status=task_status,
+            )
+        )
+        assert await trio.to_thread.run_sync(call, listening.grpc) == [None] * 3
+        nursery.cancel_scope.cancel()
+    spans = exporter.get_finished_spans()
+    (server,) = [s for s in spans if s.kind is trace.SpanKind.SERVER]
+    assert server.name == "inference.GRPCInferenceService/ModelStreamInfer"
+    assert format(server.context.trace_id, "032x") == TRACE_ID
+    (stream,) = named(spans, "stream repeat_int32")
+    assert parent_of(stream) == server.context.span_id
+    assert stream.attributes["trioinfer.request.id"] == "r1"
+    assert stream.attributes["trioinfer.stream.responses"] == 3
+    assert stream.attributes["trioinfer.outcome"] == "success"
