@@ -54,8 +54,10 @@ async def test_tritonclient_grpc_reads_and_changes_trace_settings(tmp_path: Path
                 model_name="digits", settings={"trace_rate": None}, as_json=True
             )
             for name, call in [
-                ("tensors", lambda: client.update_trace_settings(
-                    settings={"trace_level": ["TENSORS"]})),
+                (
+                    "tensors",
+                    lambda: client.update_trace_settings(settings={"trace_level": ["TENSORS"]}),
+                ),
                 ("unknown", lambda: client.get_trace_settings(model_name="nope")),
             ]:
                 with pytest.raises(grpcclient.InferenceServerException) as raised:
@@ -66,7 +68,11 @@ async def test_tritonclient_grpc_reads_and_changes_trace_settings(tmp_path: Path
     async with trio.open_nursery() as nursery:
         listening = await nursery.start(
             lambda task_status: serve_http(
-                repo, port=0, grpc_port=0, config=config, handle_signals=False,
+                repo,
+                port=0,
+                grpc_port=0,
+                config=config,
+                handle_signals=False,
                 task_status=task_status,
             )
         )

@@ -11,6 +11,7 @@ import httpx
 import numpy as np
 import pytest
 import trio
+import trio.lowlevel
 from opentelemetry import trace
 from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
@@ -40,7 +41,6 @@ class Counting:
             if i == 2 and inputs["n"][0] == 99:
                 raise ValueError("no third response")
             yield {"i": np.array([i], np.int32)}
-            await trio.sleep(0)
 
 
 def config(name: str = "m", **fields: Any) -> ModelConfig:
@@ -86,7 +86,7 @@ async def test_a_stream_has_a_span_and_its_generator_a_child_span() -> None:
                 async with engine.infer_stream("m", n(10), request_id="cancelled") as responses:
                     async for _ in responses:
                         scope.cancel()
-                        await trio.sleep(0)
+                        await trio.lowlevel.checkpoint()
         # Rate 0 and no caller's span: not traced.
         async with engine.infer_stream("m", n(2), request_id="untraced") as responses:
             assert len([r async for r in responses]) == 2
@@ -131,7 +131,8 @@ async def test_a_refused_stream_ends_its_span_as_an_error() -> None:
                     pass  # pragma: no cover - refused on entry
             assert len([r async for r in responses]) == 2
     (refused,) = [
-        s for s in named(exporter.get_finished_spans(), "stream m")
+        s
+        for s in named(exporter.get_finished_spans(), "stream m")
         if s.attributes["trioinfer.request.id"] == "refused"
     ]
     assert refused.attributes["trioinfer.outcome"] == "error"
@@ -188,9 +189,12 @@ async def test_generate_stream_over_http_is_traced_under_its_server_span(
     stream = by_parent[server.context.span_id]
     assert stream.attributes["trioinfer.stream.responses"] == 4
     assert stream.attributes["trioinfer.outcome"] == "success"
-    assert by_parent[servers["POST /v2/models/{model}/generate"].context.span_id].attributes[
-        "trioinfer.stream.responses"
-    ] == 1
+    assert (
+        by_parent[servers["POST /v2/models/{model}/generate"].context.span_id].attributes[
+            "trioinfer.stream.responses"
+        ]
+        == 1
+    )
     (work,) = [s for s in named(spans, "generate ") if parent_of(s) == stream.context.span_id]
     assert work.attributes["trioinfer.stream.responses"] == 4
 

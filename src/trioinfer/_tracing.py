@@ -64,6 +64,11 @@ _UNSAMPLED: contextvars.ContextVar[bool] = contextvars.ContextVar(
 _IN_BATCH: contextvars.ContextVar[bool] = contextvars.ContextVar(
     "trioinfer_in_batch", default=False
 )
+#: The engine's tracer while a traced backend call runs in this task (`Tracing.compute`),
+#: for a backend that records the spans of work done elsewhere (`record_span`).
+_COMPUTING: contextvars.ContextVar[trace.Tracer | None] = contextvars.ContextVar(
+    "trioinfer_computing", default=None
+)
 _PROPAGATOR = TraceContextTextMapPropagator()
 
 # Attribute names: OpenTelemetry's where a convention exists (error.type, the
@@ -91,7 +96,7 @@ class _Trace:
 
 
 class StreamTrace:
-    """The spans of one sampled stream; `Tracing.stream` makes it, the engine's stream code ends it."""
+    """The spans of one sampled stream: `Tracing.stream` makes it, the stream's code ends it."""
 
     __slots__ = ("_tracer", "model", "responses", "span")
 
@@ -107,7 +112,9 @@ class StreamTrace:
         self.span.set_attribute(INSTANCE, replica.index)
         self.span.set_attribute(DEVICE, replica.device)
 
-    async def generate(self, generator: AsyncIterator[T], send: Callable[[T], Awaitable[None]]) -> None:
+    async def generate(
+        self, generator: AsyncIterator[T], send: Callable[[T], Awaitable[None]]
+    ) -> None:
         """Hand each response of *generator* to *send* inside the ``generate`` span.
 
         The span is current while the generator runs, so that what the model
@@ -351,6 +358,10 @@ class Tracing:
                 DEVICE: replica.device,
             },
         )
+        # Current while the backend runs: a remote backend sends it along (see
+        # `current_trace_context`) and records what ran there as its children.
+        token = otel_context.attach(trace.set_span_in_context(span))
+        computing = _COMPUTING.set(self._tracer)
         outcome, error = "success", None
         try:
             return await call()
@@ -358,6 +369,8 @@ class Tracing:
             outcome, error = _outcome(exc), exc
             raise
         finally:
+            _COMPUTING.reset(computing)
+            otel_context.detach(token)
             _end(span, outcome, error)
 
     # -- HTTP (server) -------------------------------------------------------------------
@@ -487,6 +500,38 @@ class Tracing:
         span = trace.get_current_span()
         if span.is_recording():
             span.set_attribute(VERSION, str(version))
+
+
+def current_trace_context() -> dict[str, str]:
+    """See `trioinfer.lowlevel.current_trace_context`."""
+    if _COMPUTING.get() is None:
+        return {}
+    carrier: dict[str, str] = {}
+    _PROPAGATOR.inject(carrier)
+    return carrier
+
+
+def record_span(
+    name: str,
+    start_ns: int,
+    end_ns: int,
+    parent: Mapping[str, str],
+    attributes: Mapping[str, Any] | None = None,
+) -> dict[str, str]:
+    """See `trioinfer.lowlevel.record_span`."""
+    tracer = _COMPUTING.get()
+    if tracer is None or not parent:
+        return {}
+    span = tracer.start_span(
+        name,
+        context=_PROPAGATOR.extract(parent),
+        start_time=start_ns,
+        attributes=dict(attributes) if attributes else None,
+    )
+    span.end(end_time=end_ns)
+    carrier: dict[str, str] = {}
+    _PROPAGATOR.inject(carrier, context=trace.set_span_in_context(span))
+    return carrier
 
 
 async def _untraced(call: Callable[[], Awaitable[T]]) -> T:
