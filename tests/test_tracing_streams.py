@@ -108,6 +108,10 @@ async def test_a_stream_has_a_span_and_its_generator_a_child_span() -> None:
     assert work.attributes["trioinfer.stream.responses"] == 3
     assert [e.name for e in work.events] == ["first response"]
     assert streams["left"].attributes["trioinfer.outcome"] == "abandoned"
+    # Its one response was the first: time to first response is there too.
+    assert [e.name for e in generators[streams["left"].context.span_id].events] == [
+        "first response"
+    ]
     assert streams["left"].attributes["trioinfer.stream.responses"] == 1
     assert streams["left"].status.status_code is not StatusCode.ERROR
     broke = streams["broke"]
