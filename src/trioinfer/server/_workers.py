@@ -18,6 +18,8 @@ creates and removes (one JSON line each way per call):
   that fails on some workers only is an error that names them. The supervisor
   keeps the last change of each model and replays them to a worker that
   restarts, before it listens, so a restarted worker serves what the others do.
+- trace settings (``POST /v2[/models/{m}]/trace/setting``): the same way, kept
+  per setting (each changes alone, so the last value of each is the state).
 - statistics and ``/metrics``: the answering worker gathers the others'
   through the supervisor at request time and adds them up, sample by sample
   (every metric trioinfer exports is a count, a sum or a histogram, so the sum
