@@ -13,6 +13,10 @@ admitted at once, or refused with ``QueueFull`` when the model has
 fewest open streams; the scheduler, batcher, fallback and response cache do
 not apply. A model that is not decoupled answers a stream with its one
 response, through [`Engine.infer()`][trioinfer.Engine.infer].
+
+With tracing on, a sampled stream's spans (`trioinfer._tracing.StreamTrace`)
+are passed along; a stream not sampled takes the same path with None, and
+its per-response loop is the untraced one.
 """
 
 from __future__ import annotations
