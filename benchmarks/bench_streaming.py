@@ -14,8 +14,12 @@ Ways, each a stream of N responses read to its end, repeated for --duration s:
                 socket client that counts the ``data:`` events (JSON encoding,
                 chunked framing and a socket write per response included)
 
+With --tracing, two more ways: ``engine/trio`` and ``sse`` with OpenTelemetry
+tracing on at 1 in 1000 (an SDK tracer provider with no exporter: the spans of
+a sampled stream are made and dropped), beside the same ways with tracing off.
+
 Usage:  .venv/bin/python benchmarks/bench_streaming.py [--responses 1000] [--duration 3]
-                [--rounds 3]
+                [--rounds 3] [--tracing]
 """
 
 from __future__ import annotations
@@ -35,7 +39,7 @@ import numpy as np
 import trio
 
 import trioinfer
-from trioinfer.server import serve_http
+from trioinfer.server import ServerConfig, serve_http
 
 REPO = trioinfer.example_repository()
 
@@ -74,10 +78,19 @@ async def generator(args: argparse.Namespace) -> float:
     return await rate(run_one, args.duration)
 
 
-async def engine(args: argparse.Namespace) -> float:
+def tracing(on: bool) -> dict[str, Any]:
+    """``open_engine``'s tracing arguments: off, or on at 1 in 1000."""
+    if not on:
+        return {}
+    from opentelemetry.sdk.trace import TracerProvider
+
+    return {"tracer_provider": TracerProvider(), "trace_rate": 0.001}
+
+
+async def engine(args: argparse.Namespace, traced: bool = False) -> float:
     config = trioinfer.ModelConfig.from_toml(REPO / "repeat_int32" / "config.toml")
     request = inputs(args.responses)
-    async with trioinfer.open_engine() as engine:
+    async with trioinfer.open_engine(**tracing(traced)) as engine:
         await engine.load(config)
 
         async def run_one() -> int:
@@ -90,7 +103,7 @@ async def engine(args: argparse.Namespace) -> float:
         return await rate(run_one, args.duration)
 
 
-async def sse(args: argparse.Namespace) -> float:
+async def sse(args: argparse.Namespace, traced: bool = False) -> float:
     n = args.responses
     body = json.dumps({"IN": list(range(n)), "DELAY": [0] * n, "WAIT": 0}).encode()
     request = (
@@ -100,7 +113,12 @@ async def sse(args: argparse.Namespace) -> float:
     async with trio.open_nursery() as nursery:
         listening = await nursery.start(
             lambda task_status: serve_http(
-                REPO, host="127.0.0.1", port=0, handle_signals=False, task_status=task_status
+                REPO,
+                host="127.0.0.1",
+                port=0,
+                config=ServerConfig(**tracing(traced)),
+                handle_signals=False,
+                task_status=task_status,
             )
         )
         host, port = listening.urls[0].removeprefix("http://").rsplit(":", 1)
@@ -125,6 +143,9 @@ def main() -> None:
     parser.add_argument("--responses", type=int, default=1000, help="responses per stream")
     parser.add_argument("--duration", type=float, default=3.0, help="seconds per measurement")
     parser.add_argument("--rounds", type=int, default=3, help="rounds of every way")
+    parser.add_argument(
+        "--tracing", action="store_true", help="also engine/trio and sse traced at 1 in 1000"
+    )
     args = parser.parse_args()
     ways: dict[str, Callable[[], float]] = {
         "generator": lambda: trio.run(generator, args),
@@ -132,6 +153,9 @@ def main() -> None:
         "engine/asyncio": lambda: anyio.run(engine, args, backend="asyncio"),
         "sse": lambda: trio.run(sse, args),
     }
+    if args.tracing:
+        ways["engine/trio 1e-3"] = lambda: trio.run(engine, args, True)
+        ways["sse 1e-3"] = lambda: trio.run(sse, args, True)
     print(
         f"python {platform.python_version()}, trio {trio.__version__}, anyio "
         f"{importlib.metadata.version('anyio')}, trioinfer {trioinfer.__version__}; "

@@ -29,7 +29,7 @@ PUBLIC = {
     "trioinfer.lowlevel": {
         "Execution", "FallbackContext", "Placement", "Replica", "Request", "RequestQueue",
         "SchedulerContext", "SequenceContext", "Status", "WorkerThread", "current_batch_deadline",
-        "numpy_dtype",
+        "current_trace_context", "numpy_dtype", "record_span",
         "wait_on_callback",
     },
     "trioinfer.testing": {

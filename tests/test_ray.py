@@ -186,6 +186,52 @@ async def test_the_remaining_time_crosses_the_wire(local_ray: None, mlp_model: P
         assert 0 < (await instance.remote_statistics())["last_remaining"] <= 30
 
 
+@pytest.mark.tracing
+async def test_a_traced_batch_carries_its_trace_into_the_actor(
+    local_ray: None, mlp_model: Path
+) -> None:
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    recording = Recording()
+    x = np.zeros((1, 64), np.float32)
+    async with open_engine(
+        registry=recording.registry(), tracer_provider=provider, trace_rate=1.0
+    ) as engine:
+        await engine.load(ModelConfig(name="m", path=mlp_model, backend="ray"))
+        (instance,) = recording.instances
+        await engine.infer("m", {"input": x})
+        await engine.infer("m", {"input": x})
+    spans = exporter.get_finished_spans()
+    computes = [s for s in spans if s.name == "compute m"]
+    actors = [s for s in spans if s.name == "ray actor m"]
+    assert len(computes) == len(actors) == 2
+    by_id = {s.context.span_id: s for s in spans}
+    for actor in actors:
+        # The actor's work, on the actor's clock (this host's here), under the compute span.
+        assert actor.parent is not None
+        compute = by_id[actor.parent.span_id]
+        assert compute.name == "compute m"
+        assert compute.start_time <= actor.start_time <= actor.end_time <= compute.end_time  # type: ignore[operator]
+        assert actor.attributes["trioinfer.ray.node_id"] == instance.node_id
+        assert actor.attributes["trioinfer.ray.pid"] == instance.pid
+        assert actor.attributes["trioinfer.ray.in_flight"] == 1
+        children = {
+            s.name: s
+            for s in spans
+            if s.parent is not None and s.parent.span_id == actor.context.span_id
+        }
+        assert set(children) == {"actor queue m", "onnxruntime m"}
+        queue, run = children["actor queue m"], children["onnxruntime m"]
+        assert actor.start_time == queue.start_time <= queue.end_time == run.start_time
+        assert run.end_time <= actor.end_time  # type: ignore[operator]
+        assert run.attributes["trioinfer.device"] == instance.device
+
+
 async def test_a_dead_actor_is_backend_unavailable(local_ray: None, mlp_model: Path) -> None:
     config = ModelConfig(name="m", path=mlp_model, backend="ray")
     instance = await trioinfer_ray.RayBackend().load(config, config.placements()[0])

@@ -485,7 +485,8 @@ def test_a_workers_error_comes_back_as_its_class(kind: str, expected: type | Non
 
 @pytest.mark.tracing
 def test_workers_trace_with_the_servers_trace_settings(repository: Path, tmp_path: Path) -> None:
-    # Each worker makes its own tracer provider from --trace-exporter/--trace-rate.
+    # Each worker makes its own tracer provider from --trace-exporter/--trace-rate, and
+    # /v2/trace/setting changes reach them all (a restarted one too).
     log = tmp_path / "serve.log"
     process, next_line = start(
         repository, log, "--workers", "2", "--trace-exporter", "console", "--trace-rate", "1"
@@ -497,8 +498,30 @@ def test_workers_trace_with_the_servers_trace_settings(repository: Path, tmp_pat
             found = re.search(r"2 workers \(pids \d+, \d+\) listening on (\S+)", line)
             if found:
                 break
+        url = found.group(1)
+        victim = int(re.findall(r"pids \d+, (\d+)\)", line)[0])
+        # A trace settings change reaches every worker, as a repository change does.
+        changed = fresh("POST", f"{url}/v2/trace/setting", json={"trace_rate": "0"})
+        assert changed.status_code == 200, changed.text
+        for _ in range(12):
+            assert fresh("GET", f"{url}/v2/trace/setting").json()["trace_rate"] == "0"
+        # ... and to a worker that restarts after it.
+        os.kill(victim, signal.SIGKILL)
+        wait_until(lambda: worker_pids(url).get("1", victim) != victim, "worker 1 is back")
+        for _ in range(12):
+            assert fresh("GET", f"{url}/v2/trace/setting").json()["trace_rate"] == "0"
+            assert infer_digit(url).status_code == 200  # rate 0: not traced
+        model = fresh("POST", f"{url}/v2/models/digits/trace/setting", json={"trace_rate": "1"})
+        assert model.status_code == 200, model.text
+        for _ in range(12):
+            got = fresh("GET", f"{url}/v2/models/digits/trace/setting").json()
+            assert got["trace_rate"] == "1"
+        # A change every worker refuses fails as on one server.
+        refused = fresh("POST", f"{url}/v2/trace/setting", json={"trace_level": ["TENSORS"]})
+        assert refused.status_code == 400
+        assert "TENSORS is not supported" in refused.json()["error"]
         for _ in range(4):
-            assert infer_digit(found.group(1)).status_code == 200
+            assert infer_digit(url).status_code == 200  # the model's own rate: traced
         process.send_signal(signal.SIGTERM)
         assert process.wait(timeout=WAIT_S) == 0, log.read_text()
     finally:

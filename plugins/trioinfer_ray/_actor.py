@@ -6,6 +6,12 @@ Its methods run on the actor's asyncio event loop, where the ONNX Runtime
 backend's instance runs as it would in an engine (its own worker thread;
 ``RunOptions.terminate`` when cancelled). ``ray.cancel`` on a call raises
 ``CancelledError`` in it, which aborts the run.
+
+A traced call (`ModelActor.execute_traced`) comes with the W3C trace context
+of the engine's ``compute`` span and goes back with the times it spent here,
+measured on this node's clock: the driver records them as child spans
+(``trioinfer.lowlevel.record_span``), because an actor usually has no
+exporter of its own and spans made here would be lost.
 """
 
 from __future__ import annotations
@@ -46,6 +52,11 @@ class ModelActor:
         self.expired = 0
         self.cancelled = 0
         self.last_remaining = math.nan
+        # Calls in this actor now, and when its last run ended (time.time_ns()):
+        # what a traced call's timings are derived from.
+        self._in_flight = 0
+        self._last_end = 0
+        self._serial = True
 
     async def load(
         self,
@@ -81,6 +92,8 @@ class ModelActor:
         )
         self._instance = await OnnxRuntimeBackend().load(config, placement)
         self._codec = codec
+        # Every dispatch but ort_async runs the session one call at a time, in order.
+        self._serial = ort_options.get("dispatch") != "ort_async"
         context = ray.get_runtime_context()
         return {
             "signature": self._instance.signature,
@@ -102,6 +115,33 @@ class ModelActor:
             DeadlineExceeded: *remaining* was not positive: nobody waits for this batch.
             BackendError: ONNX Runtime failed.
         """
+        return await self._execute(inputs, remaining, None)
+
+    async def execute_traced(
+        self, inputs: Mapping[str, Any], remaining: float, trace_context: Mapping[str, str]
+    ) -> tuple[dict[str, Any], dict[str, Any]]:
+        """`execute`, for a traced batch: its outputs, and the times it spent here.
+
+        *trace_context* is the W3C context of the engine's compute span: the
+        parent of this call's work. The actor makes no spans (it has no
+        exporter); the driver records them from the times returned, which
+        are ``time.time_ns()`` on this node:
+        ``received``, ``run_start``, ``run_end``, ``replied``, with
+        ``in_flight`` (calls in the actor when this one came, itself
+        included) and ``queued`` (whether ``run_start`` is known: with every
+        dispatch but ``ort_async`` the session runs one call at a time, in
+        order, so a call's run starts when it came or when the run before it
+        ended, whichever is later; with ``ort_async`` runs overlap, and
+        ``run_start`` is when the call reached the session).
+        """
+        timings: dict[str, Any] = {"received": time.time_ns()}
+        outputs = await self._execute(inputs, remaining, timings)
+        timings["replied"] = time.time_ns()
+        return outputs, timings
+
+    async def _execute(
+        self, inputs: Mapping[str, Any], remaining: float, timings: dict[str, Any] | None
+    ) -> dict[str, Any]:
         received = time.monotonic()
         self.last_remaining = remaining
         deadline = received + remaining if math.isfinite(remaining) else math.inf
@@ -112,12 +152,25 @@ class ModelActor:
             )
         arrays = _codec.decode(inputs) if self._codec else inputs
         self.computed += 1
+        self._in_flight += 1
+        if timings is not None:
+            timings["in_flight"] = self._in_flight
+            timings["run_start"] = time.time_ns()
         try:
             outputs = await self._instance.execute(arrays)
         except BaseException as exc:
             if _is_cancelled(exc):
                 self.cancelled += 1
             raise
+        finally:
+            self._in_flight -= 1
+            ended, last = time.time_ns(), self._last_end
+            self._last_end = ended
+            if timings is not None:
+                timings["run_end"] = ended
+                timings["queued"] = self._serial
+                if self._serial:  # it ran once the run before it (the last to end) had
+                    timings["run_start"] = max(timings["run_start"], last)
         return _codec.encode(outputs) if self._codec else outputs
 
     def statistics(self) -> dict[str, Any]:

@@ -29,7 +29,13 @@ from trioinfer import (
     ModelSignature,
     TrioInferError,
 )
-from trioinfer.lowlevel import Placement, current_batch_deadline, wait_on_callback
+from trioinfer.lowlevel import (
+    Placement,
+    current_batch_deadline,
+    current_trace_context,
+    record_span,
+    wait_on_callback,
+)
 
 from . import _codec
 from ._actor import ModelActor
@@ -214,7 +220,7 @@ class RayBackend:
             info["node_ip"],
             info["device"],
         )
-        return RayInstance(actor, info, options, label)
+        return RayInstance(actor, info, options, label, config.name)
 
 
 def _create_actor(options: RayOptions) -> Any:
@@ -259,6 +265,7 @@ class RayInstance:
         "_codec",
         "_device",
         "_label",
+        "_model",
         "_signature",
         "node_id",
         "node_ip",
@@ -268,9 +275,10 @@ class RayInstance:
     )
 
     def __init__(
-        self, actor: Any, info: Mapping[str, Any], options: RayOptions, label: str
+        self, actor: Any, info: Mapping[str, Any], options: RayOptions, label: str, model: str
     ) -> None:
         self._actor: Any = actor
+        self._model = model
         self._codec = options.codec
         self._signature: ModelSignature = info["signature"]
         self._device = f"{info['device']}@{info['node_id'][:12]}"
@@ -319,15 +327,48 @@ class RayInstance:
         deadline = current_batch_deadline()
         remaining = deadline - anyio.current_time() if deadline != math.inf else math.inf
         payload = _codec.encode(inputs) if self._codec else inputs
+        # A traced batch carries its trace context to the actor, which sends its times back.
+        trace_context = current_trace_context()
         try:
-            ref = actor.execute.remote(payload, remaining)
-            outputs = await wait_ref(ref)
+            if not trace_context:
+                outputs = await wait_ref(actor.execute.remote(payload, remaining))
+            else:
+                ref = actor.execute_traced.remote(payload, remaining, trace_context)
+                outputs, timings = await wait_ref(ref)
+                self._record(trace_context, timings)
         except Exception as exc:
             error = remote_error(exc, f"{self._label} on node {self.node_id[:12]}")
             if isinstance(error, DeadlineExceeded):
                 raise error from None
             raise error from exc
         return _codec.decode(outputs) if self._codec else outputs
+
+    def _record(self, parent: Mapping[str, str], timings: Mapping[str, Any]) -> None:
+        # The actor's times (its node's clock) as children of the compute span:
+        # the call in the actor, its wait for the session, and the ONNX Runtime run.
+        node = {
+            "trioinfer.ray.node_id": self.node_id,
+            "trioinfer.ray.node_ip": self.node_ip,
+            "trioinfer.ray.pid": self.pid,
+        }
+        remote = record_span(
+            f"ray actor {self._model}",
+            timings["received"],
+            timings["replied"],
+            parent,
+            {**node, "trioinfer.ray.in_flight": timings["in_flight"]},
+        )
+        if timings["queued"]:
+            record_span(
+                f"actor queue {self._model}", timings["received"], timings["run_start"], remote
+            )
+        record_span(
+            f"onnxruntime {self._model}",
+            timings["run_start"],
+            timings["run_end"],
+            remote,
+            {"trioinfer.device": self._device},
+        )
 
     async def remote_statistics(self) -> dict[str, Any]:
         """The actor's counters (see `ModelActor`), for tests and diagnostics.

@@ -435,6 +435,10 @@ class Engine:
         that is not decoupled answers with its one response, as
         [`infer()`][trioinfer.Engine.infer] would (queue, batching and all).
 
+        With tracing on, a stream is sampled as a request is, and a sampled
+        one has a ``stream`` span (a child of the caller's current span) with
+        the model's generator as its ``generate`` child (see the tracing how-to).
+
         Args:
             model: A loaded model's name.
             inputs: One array per model input, by name, as for `infer()`.

@@ -13,6 +13,10 @@ admitted at once, or refused with ``QueueFull`` when the model has
 fewest open streams; the scheduler, batcher, fallback and response cache do
 not apply. A model that is not decoupled answers a stream with its one
 response, through [`Engine.infer()`][trioinfer.Engine.infer].
+
+With tracing on, a sampled stream's spans (`trioinfer._tracing.StreamTrace`)
+are passed along; a stream not sampled takes the same path with None, and
+its per-response loop is the untraced one.
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ from .abc import Status, StreamingInstance
 
 if TYPE_CHECKING:
     from ._engine import Engine
+    from ._tracing import StreamTrace
 
 __all__ = ["ResponseStream", "StreamGate", "open_stream"]
 
@@ -189,6 +194,7 @@ async def open_stream(
     gate = engine._gates.get(model)
     request_id = request_id if request_id is not None else next_request_id()
     request: Request | None = None
+    traced: StreamTrace | None = None
     if gate is not None:
         arrays = validate_inputs(model, runner.signature, inputs, runner.input_limits)
         clock = runner.clock
@@ -206,10 +212,20 @@ async def open_stream(
             deadline=clock.current_effective_deadline(),
             arrival=clock.current_time(),
         )
-        replica, instance = gate.admit(request)
+        # A sampled stream's spans (trioinfer._tracing); with tracing off, None costs a check.
+        traced = engine._tracing.stream(request) if engine._tracing is not None else None
+        try:
+            replica, instance = gate.admit(request)
+        except TrioInferError as exc:
+            if traced is not None:
+                traced.end("error", exc)
+            raise
+        if traced is not None:
+            traced.admitted(replica)
     send, receive = _channel()
     stream = ResponseStream._create(request_id, receive)
     body_error: BaseException | None = None
+    abandoned = False
     try:
         async with anyio.create_task_group() as tg:
             if request is None:
@@ -219,7 +235,9 @@ async def open_stream(
             else:
                 assert gate is not None
                 producer = anyio.CancelScope()
-                tg.start_soon(_generate, gate, replica, instance, request, send, stream, producer)
+                tg.start_soon(
+                    _generate, gate, replica, instance, request, send, stream, producer, traced
+                )
                 tg.start_soon(_watch, request, producer)
             try:
                 yield stream
@@ -234,6 +252,7 @@ async def open_stream(
                 ):
                     # The caller left before the model's last response: the stream
                     # ends here, once, as cancelled; its generator is closed below.
+                    abandoned = True
                     request._state.abandoned = True
                     gate.runner.cancelled += 1
                     gate.runner._end(request)
@@ -244,6 +263,9 @@ async def open_stream(
         if body_error is not None and _only(group, body_error):
             raise body_error from None
         raise
+    finally:
+        if traced is not None:
+            _end_trace(traced, body_error, abandoned, stream._error)
 
 
 async def _generate(
@@ -254,14 +276,18 @@ async def _generate(
     send: _Send,
     stream: ResponseStream,
     scope: anyio.CancelScope,
+    traced: StreamTrace | None,
 ) -> None:
     runner = gate.runner
     try:
         with scope:
             generator = instance.stream(request.inputs)
             try:
-                async for outputs in generator:
-                    await send.send(outputs)
+                if traced is None:
+                    async for outputs in generator:
+                        await send.send(outputs)
+                else:
+                    await traced.generate(generator, send.send)
             finally:
                 # The caller left, was cancelled, or the engine closes: the model stops at
                 # the yield it waits at (GeneratorExit there), never later.
@@ -290,6 +316,24 @@ async def _generate(
     finally:
         send.close()
         gate.release(replica)
+
+
+def _end_trace(
+    traced: StreamTrace,
+    body_error: BaseException | None,
+    abandoned: bool,
+    stream_error: BaseException | None,
+) -> None:
+    # How the stream ended, as the reader saw it: its own error or cancellation first.
+    if body_error is not None:
+        cancelled = isinstance(body_error, anyio.get_cancelled_exc_class())
+        traced.end("cancelled" if cancelled else "error", body_error)
+    elif abandoned:
+        traced.end("abandoned", None)
+    elif stream_error is not None:
+        traced.end("error", stream_error)
+    else:
+        traced.end("success", None)
 
 
 async def _watch(request: Request, producer: anyio.CancelScope) -> None:

@@ -31,23 +31,25 @@ def check_rate(rate: object, what: str = "trace rate") -> float:
     return float(rate)
 
 
-def provider_from_settings(
+def check_trace_settings(
     exporter: str | None,
     rate: float | None,
     *,
     environ: Mapping[str, str],
-) -> tuple[Any, float] | None:
-    """A tracer provider and rate from ``--trace-*`` options and ``OTEL_*`` variables.
+) -> tuple[str, float] | None:
+    """The exporter and rate that ``--trace-*`` options and ``OTEL_*`` variables ask for.
 
-    None when tracing is off; the provider is OpenTelemetry SDK's, exporting
-    in batches (call its ``shutdown()`` at exit to flush).
+    None when tracing is off. Checks everything `provider_from_settings`
+    would, and builds nothing: the supervisor of ``serve --workers`` checks
+    the settings once, before each worker builds its own provider.
 
     *exporter* (``otlp``, ``console`` or ``none``) and *rate* win over
     ``OTEL_TRACES_EXPORTER``, ``OTEL_TRACES_SAMPLER`` and
     ``OTEL_TRACES_SAMPLER_ARG``; ``OTEL_SDK_DISABLED=true`` turns tracing off.
-    Tracing is off unless an exporter is named one way or the other. The OTLP
-    exporter reads its endpoint, headers and protocol settings from the
-    standard ``OTEL_EXPORTER_OTLP_*`` variables itself.
+    Tracing is off unless an exporter is named one way or the other.
+
+    Raises:
+        ConfigError: A setting that cannot be followed, said plainly.
     """
     if environ.get("OTEL_SDK_DISABLED", "").strip().lower() == "true":
         return None
@@ -60,6 +62,38 @@ def provider_from_settings(
     if rate is None:
         rate = _env_rate(environ)
     rate = check_rate(rate, "--trace-rate")
+    if exporter == "otlp":
+        protocol = environ.get(
+            "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", environ.get("OTEL_EXPORTER_OTLP_PROTOCOL", "")
+        )
+        if protocol.strip().lower() not in ("", "http/protobuf"):
+            raise ConfigError(
+                f"the otlp trace exporter here sends http/protobuf (port 4318), but "
+                f"OTEL_EXPORTER_OTLP_PROTOCOL asks for {protocol!r}; set it to http/protobuf "
+                "or leave it unset, and point OTEL_EXPORTER_OTLP_ENDPOINT at the collector's "
+                "HTTP port"
+            )
+    return exporter, rate
+
+
+def provider_from_settings(
+    exporter: str | None,
+    rate: float | None,
+    *,
+    environ: Mapping[str, str],
+) -> tuple[Any, float] | None:
+    """A tracer provider and rate from ``--trace-*`` options and ``OTEL_*`` variables.
+
+    None when tracing is off; the provider is OpenTelemetry SDK's, exporting
+    in batches (call its ``shutdown()`` at exit to flush). The settings are
+    read as `check_trace_settings` reads them. The OTLP exporter reads its
+    endpoint, headers and protocol settings from the standard
+    ``OTEL_EXPORTER_OTLP_*`` variables itself.
+    """
+    checked = check_trace_settings(exporter, rate, environ=environ)
+    if checked is None:
+        return None
+    exporter, rate = checked
     try:
         from opentelemetry.sdk.resources import Resource
         from opentelemetry.sdk.trace import TracerProvider
@@ -73,16 +107,6 @@ def provider_from_settings(
 
         span_exporter = ConsoleSpanExporter()
     else:
-        protocol = environ.get(
-            "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", environ.get("OTEL_EXPORTER_OTLP_PROTOCOL", "")
-        )
-        if protocol.strip().lower() not in ("", "http/protobuf"):
-            raise ConfigError(
-                f"the otlp trace exporter here sends http/protobuf (port 4318), but "
-                f"OTEL_EXPORTER_OTLP_PROTOCOL asks for {protocol!r}; set it to http/protobuf "
-                "or leave it unset, and point OTEL_EXPORTER_OTLP_ENDPOINT at the collector's "
-                "HTTP port"
-            )
         try:
             from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
         except ImportError as exc:  # pragma: no cover - the otel extra is installed in tests

@@ -18,6 +18,14 @@ not share the caller's context. The spans:
 - ``compute {model}``: one backend call of that batch (a retry or failover
   makes another), a child of the batch span; a request failed over to another
   model is a child of it too.
+- ``stream {model}``: a decoupled model's stream (``engine.infer_stream``), a
+  child of the caller's current span, with the number of responses handed to
+  the reader and how it ended (``success``, ``error``, ``cancelled``, or
+  ``abandoned``: the reader left before the last response).
+- ``generate {model}``: the model's generator at work, a child of the stream
+  span, with an event at its first response (time to first response). No
+  span or event per response: a stream of thousands of tokens would cost a
+  span each and overflow the SDK's 128 events per span.
 
 Sampling is decided once, where a trace starts: a request whose parent span
 is valid follows the parent's sampled flag (W3C ``traceparent``); a request
@@ -29,10 +37,11 @@ from __future__ import annotations
 
 import contextvars
 import random
-from collections.abc import Awaitable, Callable, Mapping, MutableMapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, MutableMapping, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import anyio
+import trio
 from opentelemetry import context as otel_context
 from opentelemetry import trace
 from opentelemetry.trace import Link, SpanKind, StatusCode
@@ -55,6 +64,11 @@ _UNSAMPLED: contextvars.ContextVar[bool] = contextvars.ContextVar(
 _IN_BATCH: contextvars.ContextVar[bool] = contextvars.ContextVar(
     "trioinfer_in_batch", default=False
 )
+#: The engine's tracer while a traced backend call runs in this task (`Tracing.compute`),
+#: for a backend that records the spans of work done elsewhere (`record_span`).
+_COMPUTING: contextvars.ContextVar[trace.Tracer | None] = contextvars.ContextVar(
+    "trioinfer_computing", default=None
+)
 _PROPAGATOR = TraceContextTextMapPropagator()
 
 # Attribute names: OpenTelemetry's where a convention exists (error.type, the
@@ -69,6 +83,7 @@ INSTANCE = "trioinfer.instance"
 DEVICE = "trioinfer.device"
 ERROR_TYPE = "error.type"
 CACHE_HIT = "trioinfer.cache.hit"
+RESPONSES = "trioinfer.stream.responses"
 
 
 class _Trace:
@@ -78,6 +93,58 @@ class _Trace:
     def __init__(self, span: trace.Span) -> None:
         self.span = span
         self.queue: trace.Span | None = None
+
+
+class StreamTrace:
+    """The spans of one sampled stream: `Tracing.stream` makes it, the stream's code ends it."""
+
+    __slots__ = ("_tracer", "model", "responses", "span")
+
+    def __init__(self, tracer: trace.Tracer, model: str, span: trace.Span) -> None:
+        self._tracer = tracer
+        self.model = model
+        self.span = span
+        #: Responses handed over to the reader so far.
+        self.responses = 0
+
+    def admitted(self, replica: Replica) -> None:
+        """Note the instance the stream runs on."""
+        self.span.set_attribute(INSTANCE, replica.index)
+        self.span.set_attribute(DEVICE, replica.device)
+
+    async def generate(
+        self, generator: AsyncIterator[T], send: Callable[[T], Awaitable[None]]
+    ) -> None:
+        """Hand each response of *generator* to *send* inside the ``generate`` span.
+
+        The span is current while the generator runs, so that what the model
+        calls (another model, a traced library) is its child.
+        """
+        span = self._tracer.start_span(
+            f"generate {self.model}",
+            context=trace.set_span_in_context(self.span),
+            attributes={MODEL: self.model},
+        )
+        token = otel_context.attach(trace.set_span_in_context(span))
+        outcome, error = "success", None
+        try:
+            async for outputs in generator:
+                await send(outputs)
+                self.responses += 1
+                if self.responses == 1:
+                    span.add_event("first response")
+        except BaseException as exc:
+            outcome, error = _stream_outcome(exc), exc
+            raise
+        finally:
+            otel_context.detach(token)
+            span.set_attribute(RESPONSES, self.responses)
+            _end(span, outcome, error)
+
+    def end(self, outcome: str, error: BaseException | None) -> None:
+        """End the stream span: the reader is done with it (*outcome* says how)."""
+        self.span.set_attribute(RESPONSES, self.responses)
+        _end(self.span, outcome, error)
 
 
 class Tracing:
@@ -195,6 +262,22 @@ class Tracing:
         """
         request._state.trace.span.set_attribute(CACHE_HIT, hit)
 
+    def stream(self, request: Request) -> StreamTrace | None:
+        """Start the span of a decoupled model's stream if it is traced; None if not.
+
+        Sampled as any request is: the caller's span decides, else the model's
+        rate.
+        """
+        parent = self.sampled_parent(request.model, False)
+        if parent is None:
+            return None
+        span = self._tracer.start_span(
+            f"stream {request.model}",
+            context=parent,
+            attributes={MODEL: request.model, REQUEST_ID: request.id},
+        )
+        return StreamTrace(self._tracer, request.model, span)
+
     # -- a batch and its compute (runner) ----------------------------------------------
 
     def traced(self, requests: Sequence[Request]) -> bool:
@@ -275,6 +358,10 @@ class Tracing:
                 DEVICE: replica.device,
             },
         )
+        # Current while the backend runs: a remote backend sends it along (see
+        # `current_trace_context`) and records what ran there as its children.
+        token = otel_context.attach(trace.set_span_in_context(span))
+        computing = _COMPUTING.set(self._tracer)
         outcome, error = "success", None
         try:
             return await call()
@@ -282,6 +369,8 @@ class Tracing:
             outcome, error = _outcome(exc), exc
             raise
         finally:
+            _COMPUTING.reset(computing)
+            otel_context.detach(token)
             _end(span, outcome, error)
 
     # -- HTTP (server) -------------------------------------------------------------------
@@ -291,11 +380,14 @@ class Tracing:
         scope: MutableMapping[str, Any],
         send: Callable[[MutableMapping[str, Any]], Awaitable[None]],
         serve: Callable[[Callable[[MutableMapping[str, Any]], Awaitable[None]]], Awaitable[None]],
+        action: str = "infer",
     ) -> None:
         """Serve one HTTP inference request (*serve*) inside its server span.
 
-        The span's parent comes from the W3C ``traceparent`` and ``tracestate``
-        headers; the sampling decision follows it, or the model's rate.
+        *action* is the route's last part: ``infer``, ``generate`` or
+        ``generate_stream``. The span's parent comes from the W3C
+        ``traceparent`` and ``tracestate`` headers; the sampling decision
+        follows it, or the model's rate.
         """
         carrier = {}
         for key, value in scope["headers"]:
@@ -307,9 +399,9 @@ class Tracing:
         parent_context, sampled = self._parent(carrier, model)
         if not sampled:
             return await _untraced(lambda: serve(send))
-        route = "/v2/models/{model}/infer"
+        route = f"/v2/models/{{model}}/{action}"
         if version is not None:
-            route = "/v2/models/{model}/versions/{version}/infer"
+            route = f"/v2/models/{{model}}/versions/{{version}}/{action}"
         attributes: dict[str, Any] = {
             "http.request.method": "POST",
             "http.route": route,
@@ -342,7 +434,10 @@ class Tracing:
                 span.set_attribute(OUTCOME, "cancelled" if error is None else _outcome(error))
             else:
                 span.set_attribute("http.response.status_code", status)
-                span.set_attribute(OUTCOME, "success" if status < 400 else "error")
+                if error is not None:  # after the status: a stream's client left mid-stream
+                    span.set_attribute(OUTCOME, _outcome(error))
+                else:
+                    span.set_attribute(OUTCOME, "success" if status < 400 else "error")
                 if status >= 400:
                     span.set_attribute(ERROR_TYPE, str(status))
                 if status >= 500:
@@ -407,6 +502,38 @@ class Tracing:
             span.set_attribute(VERSION, str(version))
 
 
+def current_trace_context() -> dict[str, str]:
+    """See `trioinfer.lowlevel.current_trace_context`."""
+    if _COMPUTING.get() is None:
+        return {}
+    carrier: dict[str, str] = {}
+    _PROPAGATOR.inject(carrier)
+    return carrier
+
+
+def record_span(
+    name: str,
+    start_ns: int,
+    end_ns: int,
+    parent: Mapping[str, str],
+    attributes: Mapping[str, Any] | None = None,
+) -> dict[str, str]:
+    """See `trioinfer.lowlevel.record_span`."""
+    tracer = _COMPUTING.get()
+    if tracer is None or not parent:
+        return {}
+    span = tracer.start_span(
+        name,
+        context=_PROPAGATOR.extract(parent),
+        start_time=start_ns,
+        attributes=dict(attributes) if attributes else None,
+    )
+    span.end(end_time=end_ns)
+    carrier: dict[str, str] = {}
+    _PROPAGATOR.inject(carrier, context=trace.set_span_in_context(span))
+    return carrier
+
+
 async def _untraced(call: Callable[[], Awaitable[T]]) -> T:
     # Not traced: neither is anything *call* starts (pipeline steps, failovers).
     skip = _UNSAMPLED.set(True)
@@ -420,6 +547,13 @@ def _outcome(exc: BaseException) -> str:
     if isinstance(exc, anyio.get_cancelled_exc_class()):
         return "cancelled"
     return "error"
+
+
+def _stream_outcome(exc: BaseException) -> str:
+    # The reader closed its end while the model handed a response over: it left early.
+    if isinstance(exc, anyio.BrokenResourceError | trio.BrokenResourceError):
+        return "abandoned"
+    return _outcome(exc)
 
 
 def _end(span: trace.Span, outcome: str, error: BaseException | None) -> None:

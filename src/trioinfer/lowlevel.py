@@ -31,12 +31,19 @@ class OneAtATime:
   [`numpy_dtype()`][trioinfer.lowlevel.numpy_dtype] for ONNX type names, and
   [`current_batch_deadline()`][trioinfer.lowlevel.current_batch_deadline]
   for backends that send a batch's remaining time along with it.
+- For backends whose work runs elsewhere, tracing:
+  [`current_trace_context()`][trioinfer.lowlevel.current_trace_context]
+  (the W3C context to send with a traced call) and
+  [`record_span()`][trioinfer.lowlevel.record_span] (the remote side's
+  timings, recorded as child spans by the engine's tracer).
 
 To make requests for a plugin's own tests, use
 [`trioinfer.testing.make_request()`][trioinfer.testing.make_request].
 """
 
 from ._config import Placement as Placement
+from ._remote_trace import current_trace_context as current_trace_context
+from ._remote_trace import record_span as record_span
 from ._tensors import numpy_dtype as numpy_dtype
 from ._threads import WorkerThread as WorkerThread
 from ._threads import current_batch_deadline as current_batch_deadline

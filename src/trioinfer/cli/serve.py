@@ -226,9 +226,13 @@ def serve(ctx: click.Context, /, **options: Any) -> None:
     logging.basicConfig(
         level=settings["log_level"].upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s"
     )
+    workers = settings["workers"]
+    if not isinstance(workers, int) or isinstance(workers, bool) or workers < 1:
+        raise click.UsageError(f"invalid server settings: workers must be >= 1, got {workers!r}")
     try:
         limits = Limits(**settings.get("limits", {}))
-        tracing = _tracing(settings)
+        # Under --workers each worker builds its own provider: here they are only checked.
+        tracing = _tracing(settings, build=workers == 1)
         config = ServerConfig(
             limits=limits,
             admin_token=settings["admin_token"],
@@ -241,9 +245,6 @@ def serve(ctx: click.Context, /, **options: Any) -> None:
     except (TypeError, TrioInferError) as exc:
         raise click.UsageError(f"invalid server settings: {exc}") from exc
     repository = settings["model_repository"] or example_repository()
-    workers = settings["workers"]
-    if not isinstance(workers, int) or isinstance(workers, bool) or workers < 1:
-        raise click.UsageError(f"invalid server settings: workers must be >= 1, got {workers!r}")
     grpc_port = _grpc_port(ctx, settings)
     try:
         if workers == 1:
@@ -289,12 +290,13 @@ def serve(ctx: click.Context, /, **options: Any) -> None:
             ) from exc
         raise
     finally:
-        if tracing:
+        if tracing and tracing[0] is not None:
             tracing[0].shutdown()  # sends the spans still buffered
 
 
-def _tracing(settings: dict[str, Any]) -> tuple[Any, float] | None:
-    from .._trace_settings import provider_from_settings
+def _tracing(settings: dict[str, Any], *, build: bool) -> tuple[Any, float] | None:
+    # The tracer provider and rate (None: off); with *build* False, checked only (provider None).
+    from .._trace_settings import check_trace_settings, provider_from_settings
 
     exporter, rate = settings.get("trace_exporter"), settings.get("trace_rate")
     if exporter is not None and exporter != "none":
@@ -306,6 +308,9 @@ def _tracing(settings: dict[str, Any]) -> tuple[Any, float] | None:
                 f"(no module named {exc.name!r}): install trioinfer with it, e.g. "
                 "pip install -e '.[cpu,serve,otel]' in a clone"
             ) from exc
+    if not build:
+        checked = check_trace_settings(exporter, rate, environ=os.environ)
+        return None if checked is None else (None, checked[1])
     return provider_from_settings(exporter, rate, environ=os.environ)
 
 

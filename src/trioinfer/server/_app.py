@@ -885,13 +885,34 @@ async def _trace_setting(request: Request, state: ServerState) -> Response:
     model = request.path_params.get("model")
     posted = request.method == "POST"
     state.check_token(request.headers, admin=posted)
+    body = (await _small_json(request, state) or {}) if posted else None
+    return _json(await trace_setting_document(state, model, body))
+
+
+async def trace_setting_document(
+    state: ServerState, model: str | None, settings: Mapping[str, Any] | None
+) -> dict[str, Any]:
+    """Triton's trace settings for the server or *model*, after applying *settings* if given.
+
+    The one place for HTTP's ``/v2/trace/setting`` and gRPC's ``TraceSetting``
+    (the caller checks the token). Under ``serve --workers N`` a change goes to
+    every worker through the supervisor, as a repository change does.
+
+    Raises:
+        ModelNotFound: *model* is not served.
+        ConfigError: A setting that cannot be applied (nothing is changed).
+    """
     if model is not None:
         state.models.resolve(model)  # ModelNotFound for a model not served
     tracing = state.models.engine._tracing
-    if posted:
-        body = await _small_json(request, state)
-        update_trace_settings(tracing, model, body or {})  # ConfigError: 400
-    return _json(trace_settings(tracing, model))
+    if settings is not None:
+        if not isinstance(settings, Mapping):
+            raise ConfigError("a trace settings request must be a JSON object")
+        if state.cluster is not None:
+            await state.cluster.trace_setting(model, settings)
+        else:
+            update_trace_settings(tracing, model, settings)
+    return trace_settings(tracing, model)
 
 
 async def _small_json(request: Request, state: ServerState) -> dict[str, Any] | None:

@@ -160,8 +160,21 @@ class GenerateEndpoint:
     def __init__(self, state: ServerState, *, stream: bool) -> None:
         self._state = state
         self._stream = stream
+        self._tracing = state.models.engine._tracing
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if self._tracing is None:
+            await self._answer(scope, receive, send)
+        else:
+            # In a server span parented by the traceparent header, as infer is.
+            await self._tracing.serve_http(
+                scope,
+                send,
+                lambda send: self._answer(scope, receive, send),
+                "generate_stream" if self._stream else "generate",
+            )
+
+    async def _answer(self, scope: Scope, receive: Receive, send: Send) -> None:
         state = self._state
         params = scope["path_params"]
         model, version = params["model"], params.get("version")
@@ -209,6 +222,8 @@ class GenerateEndpoint:
         headers = _Headers(scope["headers"])
         state.check_token(headers, admin=False)
         served = state.models.resolve(model, version, key=headers.get(ROUTING_KEY_HEADER))
+        if self._tracing is not None:
+            self._tracing.served_version(served.version)
         limits = state.config.limits
         body = await _read_body(scope, receive, headers, limits)
         signature = served.info.signature

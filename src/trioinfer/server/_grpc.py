@@ -72,6 +72,7 @@ from ._app import (
     model_metadata_document,
     repository_index_document,
     statistics_document,
+    trace_setting_document,
 )
 from ._codec import PayloadTooLarge, RequestError, decode_infer_parts, encode_raw_outputs
 from ._errors import NotReady, Unauthorized
@@ -481,6 +482,29 @@ class _Service:
         await self._run(call, unregister)
         return pb.message("CudaSharedMemoryUnregisterResponse")()
 
+    # -- trace settings --
+
+    async def TraceSetting(self, request: Any, context: Any, call: _Call) -> Any:
+        """Triton's trace settings: read them (no settings), or change them, as HTTP does."""
+        metadata = _metadata(context)
+        model = request.model_name or None
+        settings: dict[str, Any] | None = None
+        if request.settings:
+            # Each value is a list of strings (Triton's gRPC form); none clears the setting.
+            settings = {
+                name: list(value.value) if value.value else None
+                for name, value in request.settings.items()
+            }
+
+        async def apply() -> dict[str, Any]:
+            self._state.check_token(metadata, admin=settings is not None)
+            return await trace_setting_document(self._state, model, settings)
+
+        response = pb.message("TraceSettingResponse")()
+        for name, value in (await self._run(call, apply)).items():
+            response.settings[name].value.extend(value if isinstance(value, list) else [value])
+        return response
+
     # -- inference --
 
     async def ModelInfer(self, request: Any, context: Any, call: _Call) -> Any:
@@ -504,7 +528,7 @@ class _Service:
         if tracing is None:
             return await self._infer_in_loop(message, parts, metadata, emit)
         return await tracing.serve_grpc(
-            "ModelInfer",
+            "ModelInfer" if emit is None else "ModelStreamInfer",
             metadata,
             message.model_name,
             message.model_version or None,

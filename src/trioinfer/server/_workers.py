@@ -18,6 +18,8 @@ creates and removes (one JSON line each way per call):
   that fails on some workers only is an error that names them. The supervisor
   keeps the last change of each model and replays them to a worker that
   restarts, before it listens, so a restarted worker serves what the others do.
+- trace settings (``POST /v2[/models/{m}]/trace/setting``): the same way, kept
+  per setting (each changes alone, so the last value of each is the state).
 - statistics and ``/metrics``: the answering worker gathers the others'
   through the supervisor at request time and adds them up, sample by sample
   (every metric trioinfer exports is a count, a sum or a histogram, so the sum
@@ -289,6 +291,14 @@ class WorkerLink:
         """Unload *model* on every worker; see `ServedModels.unload`."""
         await self._change({"op": "unload", "model": model})
 
+    async def trace_setting(self, model: str | None, settings: Mapping[str, Any]) -> None:
+        """Apply trace *settings* (Triton's, for the server or *model*) on every worker.
+
+        Raises:
+            ConfigError: The settings cannot be applied (as on one server).
+        """
+        await self._change({"op": "trace", "model": model, "settings": dict(settings)})
+
     async def merged_stats(
         self, local: list[dict[str, Any]], model: str | None, version: str | None
     ) -> list[dict[str, Any]]:
@@ -333,6 +343,7 @@ class WorkerLink:
         return generate_latest(registry)
 
     async def _handle(self, message: dict[str, Any]) -> dict[str, Any]:
+        from .._trace_settings import update_trace_settings
         from ._app import model_stats
 
         state = self._state
@@ -344,6 +355,10 @@ class WorkerLink:
                 return {"ok": True}
             if op == "unload":
                 await state.models.unload(message["model"])
+                return {"ok": True}
+            if op == "trace":
+                tracing = state.models.engine._tracing
+                update_trace_settings(tracing, message["model"], message["settings"])
                 return {"ok": True}
             if op == "stats":
                 return {"stats": model_stats(state, message["model"], message["version"])}
@@ -408,8 +423,9 @@ class _Supervisor:
         self.directory = directory
         self.spec = spec
         self.workers = [_Worker(i, worker_socket(directory, i)) for i in range(count)]
-        #: The last change of each model, replayed to a worker that (re)starts.
-        self.journal: dict[str, dict[str, Any]] = {}
+        #: The last change of each model (and of each trace setting), replayed to a
+        #: worker that (re)starts.
+        self.journal: dict[str | tuple[str, ...], dict[str, Any]] = {}
         self.changing = anyio.Lock()
         self.stopping = False
         self.stop = anyio.Event()
@@ -505,7 +521,7 @@ class _Supervisor:
 
     async def handle(self, message: dict[str, Any]) -> dict[str, Any]:
         op = message["op"]
-        if op in ("load", "unload"):
+        if op in ("load", "unload", "trace"):
             return await self._change(message)
         if op == "gather":
             return {"replies": await self._gather(message["call"], exclude=message["exclude"])}
@@ -552,14 +568,18 @@ class _Supervisor:
             failed = [(w.index, r["error"]) for w, r in replies if r is not None and "error" in r]
             if not failed or applied:
                 # Workers that died meanwhile take it when they restart.
-                self.journal.pop(message["model"], None)
-                self.journal[message["model"]] = message
+                for key, change in _journal_entries(message):
+                    self.journal.pop(key, None)
+                    self.journal[key] = change
             if not failed:
                 return {"ok": True}
             errors = {(e["type"], e["message"]) for _, e in failed}
             if not applied and len(errors) == 1:
                 return {"error": failed[0][1]}  # as a single server would have failed
-            what = f"the {message['op']} of model {message['model']!r}"
+            if message["op"] == "trace":
+                what = "the trace settings change"
+            else:
+                what = f"the {message['op']} of model {message['model']!r}"
             said = "; ".join(f"worker {i}: {e['message']}" for i, e in failed)
             return {
                 "error": {
@@ -577,6 +597,27 @@ class _Supervisor:
         targets = [w for w in self.workers if w.member and w.index != exclude]
         replies = await _each(targets, call, limit_s=GATHER_TIMEOUT_S)
         return [r for _, r in replies if r is not None]
+
+
+def _journal_entries(
+    message: dict[str, Any],
+) -> list[tuple[str | tuple[str, ...], dict[str, Any]]]:
+    """What the journal keeps of a change that applied: its key(s), and what to replay.
+
+    A model's load or unload replaces its last one. Trace settings are kept one
+    per setting (server-wide, or a model's): each setting changes alone, so the
+    last value of each, replayed in any order, gives a restarted worker the
+    settings the others have.
+    """
+    if message["op"] != "trace":
+        return [(message["model"], message)]
+    model, settings = message["model"], message["settings"]
+    if model is not None and not settings:  # Triton: a model's empty request clears its own
+        settings = {"trace_rate": None}
+    return [
+        (("trace", model or "", name), {"op": "trace", "model": model, "settings": {name: value}})
+        for name, value in settings.items()
+    ]
 
 
 async def _each(
