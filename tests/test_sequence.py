@@ -543,6 +543,41 @@ async def test_cancelling_one_request_ends_its_sequence(
         assert_all_ended(engine)
 
 
+@pytest.mark.parametrize("how", ["cancelled", "expired"])
+async def test_a_request_that_leaves_while_held_ends_its_sequence_at_once(
+    autojump_clock: trio.testing.MockClock, how: str
+) -> None:
+    """No worker looks at a sequence waiting for a direct slot; its leaving request still ends it.
+
+    Sequence 1 holds the only slot for 100 s (max_sequence_idle); sequence 2's
+    first request waits for the slot and leaves after 1 s. Its next request is
+    refused then and there, not when the slot frees a hundred seconds later.
+    """
+    config = state_config(
+        SequenceAccumulator, strategy="direct", max_batch_size=1, max_sequence_idle=100.0
+    )
+    if how == "expired":
+        config = ModelConfig(**{**_fields(config), "queue_timeouts": {"0": 1.0}})
+    async with open_engine() as engine:
+        await engine.load(config)
+        await engine.infer("acc", value(1), sequence=SequenceFlags(1, start=True))
+        t0 = trio.current_time()
+        if how == "cancelled":
+            with trio.move_on_after(1.0):
+                await engine.infer("acc", value(2), sequence=SequenceFlags(2, start=True))
+        else:
+            with pytest.raises(trioinfer.DeadlineExceeded):
+                await engine.infer("acc", value(2), sequence=SequenceFlags(2, start=True))
+        assert trio.current_time() - t0 == 1.0
+        with pytest.raises(SequenceError, match="was cancelled or expired before it ran"):
+            await engine.infer("acc", value(3), sequence=SequenceFlags(2))
+        assert trio.current_time() - t0 == 1.0
+        # Sequence 1 still holds its slot and its sum.
+        out = await engine.infer("acc", value(4), sequence=SequenceFlags(1, end=True))
+        assert out["OUTPUT"][0, 0] == 5
+        assert_all_ended(engine)
+
+
 async def test_a_request_expired_in_its_sequence_ends_it(
     autojump_clock: trio.testing.MockClock,
 ) -> None:

@@ -33,6 +33,7 @@ from trioinfer.lowlevel import Replica, Request, RequestQueue, SequenceContext, 
 REMEMBERED = 4096
 
 SequenceId = int | str
+_NOT_RUN = "was cancelled or expired before it ran"
 
 
 @final
@@ -226,6 +227,13 @@ class SequenceBatcher:
         self._sequences.move_to_end(flags.id)
         self._wake()
 
+    def withdrawn(self, request: Request) -> None:
+        """End the sequence of *request*, which ended while it waited here (see the module)."""
+        sequence = self._of.get(request)
+        if sequence is None or sequence.running is request or request not in sequence.pending:
+            return  # not ours, or dispatched already: _over() sees it when its batch is over
+        self._break(sequence, request, _NOT_RUN)
+
     # -- forming batches -----------------------------------------------------------
 
     async def next_batch(self, queue: RequestQueue) -> list[Request]:
@@ -282,7 +290,7 @@ class SequenceBatcher:
             if head.status is not Status.QUEUED:
                 # Its caller left or its deadline passed while it waited: the state would
                 # skip a step, so the sequence ends here.
-                self._break(sequence, head, "was cancelled or expired before it ran")
+                self._break(sequence, head, _NOT_RUN)
             else:
                 ready.append(sequence)
         if self._config.strategy == "oldest":
