@@ -578,6 +578,40 @@ async def test_a_request_that_leaves_while_held_ends_its_sequence_at_once(
         assert_all_ended(engine)
 
 
+async def test_oldest_keeps_at_most_max_candidate_sequences_in_progress(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """A sequence started past max_candidate_sequences waits until one in progress ends."""
+    config = state_config(SlowAccumulator, max_batch_size=4)
+    config = ModelConfig(
+        **{**_fields(config), "sequence": {**_sequence_table(config), "max_candidate_sequences": 1}}
+    )
+    done: dict[int, float] = {}
+
+    async def run(sequence_id: int) -> None:
+        for i in range(2):
+            await engine.infer("acc", value(1), sequence=flags(sequence_id, i, 2))
+        done[sequence_id] = trio.current_time()
+
+    async with open_engine() as engine:
+        await engine.load(config)
+        t0 = trio.current_time()
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(run, 1)
+            await trio.testing.wait_all_tasks_blocked()
+            nursery.start_soon(run, 2)
+        assert_all_ended(engine)
+    # Each request takes a second; sequence 2 starts only once sequence 1 ended.
+    assert (done[1] - t0, done[2] - t0) == (2.0, 4.0)
+
+
+def test_max_candidate_sequences_is_for_oldest_only() -> None:
+    with pytest.raises(ConfigError, match="applies to the 'oldest' strategy only"):
+        trioinfer.SequenceConfig(strategy="direct", max_candidate_sequences=2)
+    with pytest.raises(ConfigError, match="positive integer"):
+        trioinfer.SequenceConfig(max_candidate_sequences=0)
+
+
 async def test_a_request_expired_in_its_sequence_ends_it(
     autojump_clock: trio.testing.MockClock,
 ) -> None:

@@ -279,11 +279,7 @@ class SequenceBatcher:
         if self._config.strategy == "direct":
             candidates = self._bound_slots(replica)
         else:
-            candidates = [
-                s
-                for s in self._sequences.values()
-                if s.running is None and s.pending and s.replica in (None, replica)
-            ]
+            candidates = self._oldest_candidates(replica)
         ready: list[_Sequence] = []
         for sequence in candidates:
             head = sequence.pending[0]
@@ -302,6 +298,25 @@ class SequenceBatcher:
             request = sequence.running = sequence.pending.popleft()
             batch.append(request)
         return batch
+
+    def _oldest_candidates(self, replica: int) -> list[_Sequence]:
+        # Sequences on this instance with a request to run, and new ones up to
+        # max_candidate_sequences in progress here, the longest waiting first.
+        bound: list[_Sequence] = []
+        new: list[_Sequence] = []
+        in_progress = 0
+        for s in self._sequences.values():
+            if s.replica == replica:
+                in_progress += 1
+                if s.running is None and s.pending:
+                    bound.append(s)
+            elif s.replica is None and s.pending:
+                new.append(s)
+        limit = self._config.max_candidate_sequences
+        if limit is not None:
+            new.sort(key=lambda s: s.pending[0].arrival)
+            new = new[: max(limit - in_progress, 0)]
+        return bound + new
 
     def _bound_slots(self, replica: int) -> list[_Sequence]:
         # Sequences in this instance's slots with a request to run, after giving each
