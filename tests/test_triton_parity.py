@@ -1,0 +1,215 @@
+"""Triton parity over a served repository: config.pbtxt sequences, one model config, log settings.
+
+A Triton-style repository written here (``config.pbtxt`` beside ONNX models
+built with ``onnx.helper``) is served by a real ``trioinfer serve``, and
+tritonclient (HTTP and gRPC) makes the calls of Triton's
+``simple_http_sequence_sync_infer_client.py`` and
+``simple_grpc_sequence_stream_infer_client.py`` against it; then the model
+configuration both protocols answer, and Triton's log settings.
+"""
+
+from __future__ import annotations
+
+import queue
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnx
+import pytest
+import tritonclient.grpc as grpcclient
+import tritonclient.http as httpclient
+from google.protobuf import json_format
+from onnx import TensorProto, helper
+from tritonclient.utils import InferenceServerException
+
+import test_sequence
+from test_grpc import TOKEN, WAIT_S, Server, run_server
+
+pytestmark = [pytest.mark.grpc, pytest.mark.triton_config]
+
+SEQUENCE_PBTXT = """
+backend: "onnxruntime"
+max_batch_size: 4
+input [ { name: "INPUT" data_type: TYPE_INT32 dims: [ 1 ] } ]
+output [
+  { name: "OUTPUT" data_type: TYPE_INT32 dims: [ 1 ] },
+  { name: "ENDED" data_type: TYPE_INT32 dims: [ 1 ] },
+  { name: "ID" data_type: TYPE_UINT64 dims: [ 1 ] }
+]
+sequence_batching {
+  max_sequence_idle_microseconds: 60000000
+  STRATEGY
+  control_input [
+    { name: "START" control [ { kind: CONTROL_SEQUENCE_START int32_false_true: [ 0, 1 ] } ] },
+    { name: "END" control [ { kind: CONTROL_SEQUENCE_END bool_false_true: [ false, true ] } ] },
+    { name: "READY" control [ { kind: CONTROL_SEQUENCE_READY fp32_false_true: [ 0, 1 ] } ] },
+    { name: "CORRID" control [ { kind: CONTROL_SEQUENCE_CORRID data_type: TYPE_UINT64 } ] }
+  ]
+  state [ {
+    input_name: "STATE_IN" output_name: "STATE_OUT" data_type: TYPE_INT32 dims: [ 1 ]
+    initial_state { data_type: TYPE_INT32 dims: [ 1 ] zero_data: true name: "zeros" }
+  } ]
+}
+instance_group [ { kind: KIND_CPU count: 2 } ]
+"""
+STRATEGIES = {
+    "seq_oldest": "oldest { max_candidate_sequences: 4 }",
+    "seq_direct": "direct { }",
+}
+VALUES = [11, 7, 5, 3, 2, 0, 1]
+
+
+def write_sequence_model(path: Path) -> None:
+    """Triton's simple_sequence with every control: OUTPUT is the running sum while READY.
+
+    OUTPUT = STATE_OUT = (STATE_IN * (1 - START) + INPUT) * READY; ENDED = END;
+    ID = CORRID. START is int32, END bool, READY fp32, CORRID uint64: each
+    control in its own type, as Triton feeds them.
+    """
+    shape: list[str | int] = ["batch", 1]
+
+    def tensor(name: str, kind: int) -> onnx.ValueInfoProto:
+        return helper.make_tensor_value_info(name, kind, shape)
+
+    graph = helper.make_graph(
+        [
+            helper.make_node("Sub", ["one", "START"], ["keep"]),
+            helper.make_node("Mul", ["STATE_IN", "keep"], ["carried"]),
+            helper.make_node("Add", ["carried", "INPUT"], ["sum"]),
+            helper.make_node("Cast", ["READY"], ["ready"], to=TensorProto.INT32),
+            helper.make_node("Mul", ["sum", "ready"], ["OUTPUT"]),
+            helper.make_node("Identity", ["OUTPUT"], ["STATE_OUT"]),
+            helper.make_node("Cast", ["END"], ["ENDED"], to=TensorProto.INT32),
+            helper.make_node("Identity", ["CORRID"], ["ID"]),
+        ],
+        "simple_sequence",
+        inputs=[
+            tensor("INPUT", TensorProto.INT32),
+            tensor("START", TensorProto.INT32),
+            tensor("END", TensorProto.BOOL),
+            tensor("READY", TensorProto.FLOAT),
+            tensor("CORRID", TensorProto.UINT64),
+            tensor("STATE_IN", TensorProto.INT32),
+        ],
+        outputs=[
+            tensor("OUTPUT", TensorProto.INT32),
+            tensor("STATE_OUT", TensorProto.INT32),
+            tensor("ENDED", TensorProto.INT32),
+            tensor("ID", TensorProto.UINT64),
+        ],
+        initializer=[helper.make_tensor("one", TensorProto.INT32, [], [1])],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+    onnx.checker.check_model(model, full_check=True)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    onnx.save_model(model, path)
+
+
+@pytest.fixture(scope="module")
+def repository(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("parity") / "repository"
+    for name, strategy in STRATEGIES.items():
+        write_sequence_model(root / name / "1" / "model.onnx")
+        (root / name / "config.pbtxt").write_text(SEQUENCE_PBTXT.replace("STRATEGY", strategy))
+    # A config.toml model that is stateful, and the bundled decoupled model.
+    (root / "toml_sequence" / "1").mkdir(parents=True)
+    (root / "toml_sequence" / "1" / "model.py").write_text(test_sequence.MODEL_PY)
+    (root / "toml_sequence" / "config.toml").write_text(test_sequence.CONFIG_TOML)
+    return root
+
+
+@pytest.fixture(scope="module")
+def server(repository: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    log = tmp_path_factory.mktemp("log") / "server.log"
+    with run_server(repository, "--admin-token", TOKEN, log=log) as running:
+        yield running
+    assert "Traceback" not in running.log_text(), running.log_text()[-4000:]
+
+
+def _http(server: Server) -> httpclient.InferenceServerClient:
+    return httpclient.InferenceServerClient(server.url.removeprefix("http://"))
+
+
+# -- sequences from config.pbtxt -----------------------------------------------------------
+
+
+@pytest.mark.sequence
+@pytest.mark.parametrize("model", sorted(STRATEGIES))
+def test_simple_http_sequence_sync_infer_client(server: Server, model: str) -> None:
+    """The calls of simple_http_sequence_sync_infer_client.py: two sequences, interleaved."""
+    client = _http(server)
+    sequences = {1000: [0, *VALUES], 1001: [100, *[-v for v in VALUES]]}
+    got: dict[int, list[tuple[int, int, int]]] = {key: [] for key in sequences}
+    for step in range(len(VALUES) + 1):
+        for sequence_id, values in sequences.items():
+            data = np.full((1, 1), values[step], dtype=np.int32)
+            infer_input = httpclient.InferInput("INPUT", [1, 1], "INT32")
+            infer_input.set_data_from_numpy(data)
+            result = client.infer(
+                model,
+                [infer_input],
+                outputs=[httpclient.InferRequestedOutput(n) for n in ("OUTPUT", "ENDED", "ID")],
+                sequence_id=sequence_id,
+                sequence_start=step == 0,
+                sequence_end=step == len(values) - 1,
+            )
+            got[sequence_id].append(
+                (
+                    int(result.as_numpy("OUTPUT")[0][0]),
+                    int(result.as_numpy("ENDED")[0][0]),
+                    int(result.as_numpy("ID")[0][0]),
+                )
+            )
+    for sequence_id, values in sequences.items():
+        last = len(values) - 1
+        expected = [
+            (int(total), int(i == last), sequence_id) for i, total in enumerate(np.cumsum(values))
+        ]
+        assert got[sequence_id] == expected
+    with pytest.raises(InferenceServerException, match="ended with its last request"):
+        client.infer(model, [infer_input], sequence_id=1000)
+    with pytest.raises(InferenceServerException, match="integer sequence ids"):
+        client.infer(model, [infer_input], sequence_id="a-string", sequence_start=True)
+    client.close()
+
+
+@pytest.mark.sequence
+@pytest.mark.parametrize("model", sorted(STRATEGIES))
+def test_simple_grpc_sequence_stream_infer_client(server: Server, model: str) -> None:
+    """The calls of simple_grpc_sequence_stream_infer_client.py: two sequences on one stream."""
+    answers: queue.Queue[tuple[Any, Any]] = queue.Queue()
+    values = {2001: [0, *VALUES], 2002: [100, *[-v for v in VALUES]]}
+    with grpcclient.InferenceServerClient(server.grpc) as client:
+        client.start_stream(callback=lambda result, error: answers.put((result, error)))
+        for step in range(len(VALUES) + 1):
+            for sequence_id, sent in values.items():
+                infer_input = grpcclient.InferInput("INPUT", [1, 1], "INT32")
+                infer_input.set_data_from_numpy(np.full((1, 1), sent[step], dtype=np.int32))
+                client.async_stream_infer(
+                    model,
+                    [infer_input],
+                    request_id=f"{sequence_id}_{step}",
+                    outputs=[grpcclient.InferRequestedOutput("OUTPUT")],
+                    sequence_id=sequence_id,
+                    sequence_start=step == 0,
+                    sequence_end=step == len(sent) - 1,
+                )
+        got: dict[int, list[int]] = {2001: [], 2002: []}
+        for _ in range(2 * (len(VALUES) + 1)):
+            result, error = answers.get(timeout=WAIT_S)
+            assert error is None, error
+            sequence_id = int(result.get_response().id.split("_")[0])
+            got[sequence_id].append(int(result.as_numpy("OUTPUT")[0][0]))
+        client.stop_stream()
+    for sequence_id, sent in values.items():
+        assert got[sequence_id] == list(np.cumsum(sent))
+
+
+def test_controls_and_state_are_not_the_callers_tensors(server: Server) -> None:
+    client = _http(server)
+    metadata = client.get_model_metadata("seq_oldest")
+    assert [t["name"] for t in metadata["inputs"]] == ["INPUT"]
+    assert [t["name"] for t in metadata["outputs"]] == ["OUTPUT", "ENDED", "ID"]
+    client.close()
