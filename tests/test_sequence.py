@@ -850,8 +850,17 @@ async def test_tritons_sequence_client_calls_over_http(tmp_path: Path) -> None:
         "max_sequence_idle_microseconds": 60_000_000,
         "oldest": {},
         "control_input": [{"name": "START", "control": [{"kind": "CONTROL_SEQUENCE_START"}]}],
-        "state": [{"input_name": "STATE_IN", "output_name": "STATE_OUT", "initial_value": 0}],
+        "state": [
+            {
+                "input_name": "STATE_IN",
+                "output_name": "STATE_OUT",
+                "initial_state": [{"name": "initial", "zero_data": True}],
+            }
+        ],
     }
+    assert out["config"]["trioinfer"]["sequence"]["state"] == [
+        {"input": "STATE_IN", "output": "STATE_OUT", "initial": 0}
+    ]
     assert "dynamic_batching" not in out["config"]
     statuses = [status for status, _ in out["errors"]]
     assert statuses == ["400", "400", "400"]

@@ -32,8 +32,8 @@ from onnx import TensorProto, helper
 from tritonclient import utils
 from tritonclient.utils import InferenceServerException
 
-from test_server import Server, run_server
 import trioinfer
+from test_server import Server, run_server
 from trioinfer import ConfigError
 from trioinfer.server._cuda_ipc import probe
 from trioinfer.server._shm import SharedMemoryError, SystemSharedMemory
@@ -799,7 +799,8 @@ def test_sequence_batching_maps_onto_the_sequence_table() -> None:
           oldest { max_candidate_sequences: 3 preferred_batch_size: [ 2 ] preserve_ordering: true }
           control_input [
             { name: "S" control [ { kind: CONTROL_SEQUENCE_START int32_false_true: [ 0, 1 ] } ] },
-            { name: "E" control [ { kind: CONTROL_SEQUENCE_END bool_false_true: [ false, true ] } ] },
+            { name: "E" control [
+              { kind: CONTROL_SEQUENCE_END bool_false_true: [ false, true ] } ] },
             { name: "R" control [ { kind: CONTROL_SEQUENCE_READY fp32_false_true: [ 0, 1 ] } ] },
             { name: "C" control [ { kind: CONTROL_SEQUENCE_CORRID data_type: TYPE_UINT64 } ] }
           ]
@@ -825,7 +826,8 @@ def test_sequence_batching_maps_onto_the_sequence_table() -> None:
     }
     assert len(model.notes) == 2  # preferred_batch_size and preserve_ordering: no effect
     config = trioinfer.ModelConfig(name="m", path="m.onnx", **model.settings)
-    assert config.sequence is not None and config.sequence.max_candidate_sequences == 3
+    assert config.sequence is not None
+    assert config.sequence.max_candidate_sequences == 3
     assert model.json()["sequence_batching"]["max_sequence_idle_microseconds"] == 2500000
     # Triton's default strategy is direct; a model without a batch dimension has one row.
     plain = TritonModel.parse("sequence_batching { }", name="m", where="m/config.pbtxt")

@@ -11,6 +11,7 @@ configuration both protocols answer, and Triton's log settings.
 from __future__ import annotations
 
 import queue
+import shutil
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -22,9 +23,12 @@ import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 from google.protobuf import json_format
 from onnx import TensorProto, helper
+from tritonclient.grpc import model_config_pb2
 from tritonclient.utils import InferenceServerException
 
 import test_sequence
+import test_triton
+import trioinfer
 from test_grpc import TOKEN, WAIT_S, Server, run_server
 
 pytestmark = [pytest.mark.grpc, pytest.mark.triton_config]
@@ -113,17 +117,45 @@ def repository(tmp_path_factory: pytest.TempPathFactory) -> Path:
     for name, strategy in STRATEGIES.items():
         write_sequence_model(root / name / "1" / "model.onnx")
         (root / name / "config.pbtxt").write_text(SEQUENCE_PBTXT.replace("STRATEGY", strategy))
-    # A config.toml model that is stateful, and the bundled decoupled model.
+    # A config.toml model that is stateful, the bundled decoupled model, and one cached.
     (root / "toml_sequence" / "1").mkdir(parents=True)
     (root / "toml_sequence" / "1" / "model.py").write_text(test_sequence.MODEL_PY)
     (root / "toml_sequence" / "config.toml").write_text(test_sequence.CONFIG_TOML)
+    shutil.copytree(
+        Path(trioinfer.__file__).parent / "examples/repository/repeat_int32", root / "repeat_int32"
+    )
+    test_triton.write_simple(root / "cached" / "1" / "model.onnx")
+    (root / "cached" / "config.toml").write_text(
+        "response_cache = true\nversion_policy = { specific = [1] }\n"
+    )
+    # config.pbtxt with queue policies, a version policy and parameters; an ensemble over it.
+    test_triton.write_simple(root / "simple" / "1" / "model.onnx")
+    (root / "simple" / "config.pbtxt").write_text(SIMPLE_PBTXT)
+    (root / "ensemble" / "1").mkdir(parents=True)
+    (root / "ensemble" / "config.pbtxt").write_text(test_triton.ENSEMBLE_PBTXT)
     return root
+
+
+SIMPLE_PBTXT = """
+platform: "onnxruntime_onnx"
+max_batch_size: 8
+version_policy { latest { num_versions: 2 } }
+dynamic_batching {
+  preferred_batch_size: [ 4 ]
+  priority_levels: 2
+  default_priority_level: 1
+  default_queue_policy { max_queue_size: 64 default_timeout_microseconds: 5000000 }
+  priority_queue_policy { key: 2 value { max_queue_size: 8 } }
+}
+parameters { key: "inter_op_threads" value { string_value: "1" } }
+response_cache { enable: false }
+"""
 
 
 @pytest.fixture(scope="module")
 def server(repository: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     log = tmp_path_factory.mktemp("log") / "server.log"
-    with run_server(repository, "--admin-token", TOKEN, log=log) as running:
+    with run_server(repository, "--admin-token", TOKEN, "--cache-size", "1MB", log=log) as running:
         yield running
     assert "Traceback" not in running.log_text(), running.log_text()[-4000:]
 
@@ -213,3 +245,65 @@ def test_controls_and_state_are_not_the_callers_tensors(server: Server) -> None:
     assert [t["name"] for t in metadata["inputs"]] == ["INPUT"]
     assert [t["name"] for t in metadata["outputs"]] == ["OUTPUT", "ENDED", "ID"]
     client.close()
+
+
+# -- one model config, two protocols -------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("model", "field"),
+    [
+        ("seq_oldest", "sequence_batching"),
+        ("seq_direct", "sequence_batching"),
+        ("toml_sequence", "sequence_batching"),
+        ("repeat_int32", "model_transaction_policy"),
+        ("cached", "response_cache"),
+        ("simple", "dynamic_batching"),
+        ("ensemble", "ensemble_scheduling"),
+    ],
+)
+def test_http_and_grpc_answer_the_same_model_config(server: Server, model: str, field: str) -> None:
+    """GET /v2/models/{m}/config and gRPC ModelConfig: one Triton-shaped config, every field."""
+    client = _http(server)
+    http = client.get_model_config(model)
+    client.close()
+    with grpcclient.InferenceServerClient(server.grpc) as grpc_client:
+        answer = grpc_client.get_model_config(model).config
+    # What HTTP answers, read as Triton's ModelConfig (trioinfer's own keys left out) ...
+    expected = json_format.ParseDict(
+        http, model_config_pb2.ModelConfig(), ignore_unknown_fields=True
+    )
+    # ... is what gRPC answers, field for field.
+    assert answer == expected
+    assert answer.HasField(field)
+    assert set(http) - {"trioinfer", "version"} <= {
+        f.name for f in model_config_pb2.ModelConfig.DESCRIPTOR.fields
+    }
+
+
+def test_the_grpc_model_config_holds_what_triton_configures(server: Server) -> None:
+    with grpcclient.InferenceServerClient(server.grpc) as client:
+        simple = client.get_model_config("simple").config
+        sequence = client.get_model_config("seq_oldest").config
+        cached = client.get_model_config("cached").config
+        decoupled = client.get_model_config("repeat_int32").config
+        toml = client.get_model_config("toml_sequence").config
+    batching = simple.dynamic_batching
+    assert batching.default_queue_policy.max_queue_size == 64
+    assert batching.default_queue_policy.default_timeout_microseconds == 5_000_000
+    assert batching.priority_queue_policy[2].max_queue_size == 8
+    assert simple.version_policy.latest.num_versions == 2
+    assert simple.parameters["inter_op_threads"].string_value == "1"
+    assert simple.HasField("response_cache")
+    assert not simple.response_cache.enable
+    kinds = {c.name: c.control[0] for c in sequence.sequence_batching.control_input}
+    assert list(kinds["READY"].fp32_false_true) == [0.0, 1.0]
+    assert list(kinds["END"].bool_false_true) == [False, True]
+    assert kinds["CORRID"].data_type == model_config_pb2.TYPE_UINT64
+    assert sequence.sequence_batching.oldest.max_candidate_sequences == 4
+    assert sequence.sequence_batching.state[0].initial_state[0].zero_data
+    assert cached.response_cache.enable
+    assert list(cached.version_policy.specific.versions) == [1]
+    assert decoupled.model_transaction_policy.decoupled
+    assert toml.sequence_batching.max_sequence_idle_microseconds == 60_000_000
+    assert toml.sequence_batching.state[0].initial_state[0].zero_data

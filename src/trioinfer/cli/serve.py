@@ -213,6 +213,7 @@ def serve(ctx: click.Context, /, **options: Any) -> None:
     """
     try:
         from ..server import Limits, ServerConfig
+        from ..server._logging import install_handler
     except ModuleNotFoundError as exc:
         raise needs_extra("serve", exc) from exc
 
@@ -223,9 +224,7 @@ def serve(ctx: click.Context, /, **options: Any) -> None:
             "invalid server settings: admin_token must be a non-empty string, but "
             "TRIOINFER_ADMIN_TOKEN is set and empty; set a token or unset the variable"
         )
-    logging.basicConfig(
-        level=settings["log_level"].upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s"
-    )
+    install_handler(settings["log_level"])
     workers = settings["workers"]
     if not isinstance(workers, int) or isinstance(workers, bool) or workers < 1:
         raise click.UsageError(f"invalid server settings: workers must be >= 1, got {workers!r}")

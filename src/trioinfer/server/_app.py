@@ -64,6 +64,7 @@ from ._codec import (
     v2_datatype,
 )
 from ._errors import ClientLeft, NotReady, Unauthorized, without_host_paths
+from ._logging import check_log_settings, log_settings, update_log_settings
 from ._metrics import InFlight, Metrics
 from ._models import ServedModels, ServedVersion
 from ._shm import ShmLease, SystemSharedMemory
@@ -354,6 +355,7 @@ def create_app(state: ServerState) -> ASGIApp:
         Route("/v2/cudasharedmemory/unregister", endpoint(_cuda_unregister), methods=["POST"]),
         Route("/metrics", endpoint(_metrics), methods=["GET"]),
         Route("/v2/trace/setting", endpoint(_trace_setting), methods=["GET", "POST"]),
+        Route("/v2/logging", endpoint(_logging), methods=["GET", "POST"]),
         Route(
             "/v2/models/{model}/trace/setting",
             endpoint(_trace_setting),
@@ -519,10 +521,16 @@ def model_config_document(state: ServerState, served: ServedVersion) -> dict[str
             ],
         },
     }
+    policy = _version_policy(state, served.model)
+    if policy is not None:
+        body["version_policy"] = policy
     if served.info.decoupled:
         body["model_transaction_policy"] = {"decoupled": True}
+    if config.response_cache:
+        body["response_cache"] = {"enable": True}
     if config.sequence is not None:
         body["sequence_batching"] = _sequence_batching(config.sequence)
+        body["trioinfer"]["sequence"] = _sequence_table(config.sequence)
     elif max_batch > 0:
         delay = batching.get("max_queue_delay")
         body["dynamic_batching"] = {
@@ -538,19 +546,55 @@ def model_config_document(state: ServerState, served: ServedVersion) -> dict[str
 
 
 def _sequence_batching(sequence: SequenceConfig) -> dict[str, Any]:
-    """A ``[sequence]`` table in the terms of Triton's ``sequence_batching``."""
+    """A ``[sequence]`` table in the terms of Triton's ``sequence_batching``.
+
+    What Triton cannot say (a state's non-zero initial value) is in the
+    answer's ``trioinfer.sequence`` (HTTP) only.
+    """
+    strategy: dict[str, Any] = {}
+    if sequence.max_candidate_sequences is not None:
+        strategy["max_candidate_sequences"] = sequence.max_candidate_sequences
+    states = []
+    for s in sequence.state:
+        state: dict[str, Any] = {"input_name": s.input, "output_name": s.output}
+        if s.shape is not None:
+            state["dims"] = list(s.shape)
+        if s.initial == 0:
+            state["initial_state"] = [{"name": "initial", "zero_data": True}]
+        states.append(state)
     return {
         "max_sequence_idle_microseconds": int(sequence.max_sequence_idle * 1e6),
-        sequence.strategy: {},
+        sequence.strategy: strategy,
         "control_input": [
             {"name": name, "control": [{"kind": f"CONTROL_SEQUENCE_{kind.upper()}"}]}
             for kind, name in sequence.control.items()
         ],
-        "state": [
-            {"input_name": s.input, "output_name": s.output, "initial_value": s.initial}
-            for s in sequence.state
-        ],
+        "state": states,
     }
+
+
+def _sequence_table(sequence: SequenceConfig) -> dict[str, Any]:
+    """A ``[sequence]`` table as ``config.toml`` writes it."""
+    table = attrs.asdict(sequence)
+    table["control"] = dict(sequence.control)
+    table["state"] = [
+        {k: list(v) if isinstance(v, tuple) else v for k, v in state.items() if v is not None}
+        for state in table["state"]
+    ]
+    return {k: v for k, v in table.items() if v is not None}
+
+
+def _version_policy(state: ServerState, model: str) -> dict[str, Any] | None:
+    """The repository's version policy of *model* in Triton's terms (``None``: not in one)."""
+    try:
+        policy = state.models.repository.entry(model).policy
+    except TrioInferError:
+        return None
+    if policy.kind == "latest":
+        return {"latest": {"num_versions": policy.count}}
+    if policy.kind == "specific":
+        return {"specific": {"versions": list(policy.versions)}}
+    return {"all": {}}
 
 
 def _effective_options(state: ServerState, name: str, options: Mapping[str, Any]) -> dict[str, Any]:
@@ -913,6 +957,29 @@ async def trace_setting_document(
         else:
             update_trace_settings(tracing, model, settings)
     return trace_settings(tracing, model)
+
+
+async def _logging(request: Request, state: ServerState) -> Response:
+    # Triton's logging extension, on trioinfer's Python loggers (see _logging).
+    posted = request.method == "POST"
+    state.check_token(request.headers, admin=posted)
+    body = await _small_json(request, state) if posted else None
+    return _json(await apply_log_settings(state, body or {}))
+
+
+async def apply_log_settings(state: ServerState, settings: Mapping[str, Any]) -> dict[str, Any]:
+    """Apply Triton's log *settings* (HTTP and gRPC alike; none: just read); return them all.
+
+    Under ``serve --workers N`` the change goes to every worker through the
+    supervisor. Refused settings (`ConfigError`) change nothing anywhere.
+    """
+    if settings:
+        check_log_settings(settings)
+        if state.cluster is not None:
+            await state.cluster.log_settings(settings)
+        else:
+            update_log_settings(settings)
+    return log_settings()
 
 
 async def _small_json(request: Request, state: ServerState) -> dict[str, Any] | None:

@@ -470,7 +470,9 @@ def _translate(message: Any, doc: dict[str, Any], name: str, where: str) -> Trit
             settings["scheduler"] = "priority"
     if message.HasField("sequence_batching"):
         if ensemble:
-            raise ConfigError(f"{where}: an ensemble has no sequence_batching; its steps' models do")
+            raise ConfigError(
+                f"{where}: an ensemble has no sequence_batching; its steps' models do"
+            )
         settings["batcher"] = "sequence"
         settings["sequence"] = _sequence(message.sequence_batching, max_batch, where, notes)
     elif max_batch > 0 and not ensemble:
