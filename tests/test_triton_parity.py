@@ -11,6 +11,7 @@ configuration both protocols answer, and Triton's log settings.
 from __future__ import annotations
 
 import queue
+import re
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
@@ -307,3 +308,95 @@ def test_the_grpc_model_config_holds_what_triton_configures(server: Server) -> N
     assert decoupled.model_transaction_policy.decoupled
     assert toml.sequence_batching.max_sequence_idle_microseconds == 60_000_000
     assert toml.sequence_batching.state[0].initial_state[0].zero_data
+
+
+# -- log settings ----------------------------------------------------------------------------
+
+AUTH = {"authorization": f"Bearer {TOKEN}"}
+
+
+def _grpc_settings(message: Any) -> dict[str, Any]:
+    return {
+        key: getattr(value, value.WhichOneof("parameter_choice"))
+        for key, value in message.settings.items()
+    }
+
+
+def _log_lines(server: Server, fragment: str) -> list[str]:
+    return [line for line in server.log_text().splitlines() if fragment in line]
+
+
+def test_log_settings_over_http_and_grpc_set_trioinfers_loggers(server: Server) -> None:
+    """Triton's logging extension: the calls tritonclient makes, and what they change."""
+    client = _http(server)
+    assert client.get_log_settings() == {
+        "log_file": "",
+        "log_info": True,
+        "log_warning": True,
+        "log_error": True,
+        "log_verbose_level": 0,
+        "log_format": "default",
+    }
+    # Info off: loading a model says nothing any more.
+    after = client.update_log_settings({"log_info": False}, headers=AUTH)
+    assert (after["log_info"], after["log_warning"]) == (False, True)
+    client.unload_model("repeat_int32", headers=AUTH)
+    assert not _log_lines(server, "unloaded model 'repeat_int32'")
+    with grpcclient.InferenceServerClient(server.grpc) as grpc_client:
+        assert not _grpc_settings(grpc_client.get_log_settings())["log_info"]
+        # Info back on, with ISO 8601 times (UTC), over gRPC; HTTP sees the same.
+        answer = grpc_client.update_log_settings(
+            {"log_info": True, "log_format": "ISO8601"}, headers=AUTH
+        )
+        assert _grpc_settings(answer)["log_format"] == "ISO8601"
+        assert client.get_log_settings()["log_format"] == "ISO8601"
+        grpc_client.load_model("repeat_int32", headers=AUTH)
+        [line] = _log_lines(server, "loaded model 'repeat_int32'")[-1:]
+        assert re.match(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ trioinfer\.server INFO ", line), line
+        # Verbose: debug records pass too.
+        answer = grpc_client.update_log_settings({"log_verbose_level": 1}, headers=AUTH)
+        assert _grpc_settings(answer)["log_verbose_level"] == 1
+    assert (
+        client.update_log_settings({"log_verbose_level": 0, "log_format": "default"}, headers=AUTH)
+        == client.get_log_settings()
+    )
+    client.close()
+
+
+@pytest.mark.parametrize(
+    ("settings", "fragment"),
+    [
+        ({"log_file": "/tmp/server.log"}, "log_file is not supported"),
+        ({"log_warning": False}, "log_info needs log_warning"),
+        ({"log_verbose_level": 1, "log_info": False}, "log_verbose_level needs log_info"),
+        ({"log_format": "syslog"}, "log_format must be 'default' or 'ISO8601'"),
+        ({"log_rotation": True}, "unknown log setting 'log_rotation'"),
+    ],
+)
+def test_log_settings_the_server_cannot_honour_are_refused(
+    server: Server, settings: dict[str, Any], fragment: str
+) -> None:
+    client = _http(server)
+    before = client.get_log_settings()
+    with pytest.raises(InferenceServerException, match=fragment) as failed:
+        client.update_log_settings(settings, headers=AUTH)
+    assert failed.value.status() == "400"
+    with grpcclient.InferenceServerClient(server.grpc) as grpc_client:
+        with pytest.raises(InferenceServerException, match=fragment) as refused:
+            grpc_client.update_log_settings(settings, headers=AUTH)
+        assert refused.value.status() == "StatusCode.INVALID_ARGUMENT"
+    assert client.get_log_settings() == before
+    client.close()
+
+
+def test_changing_log_settings_needs_the_admin_token(server: Server) -> None:
+    client = _http(server)
+    with pytest.raises(InferenceServerException) as failed:
+        client.update_log_settings({"log_info": False})
+    assert failed.value.status() == "401"
+    client.close()
+    with grpcclient.InferenceServerClient(server.grpc) as grpc_client:
+        with pytest.raises(InferenceServerException) as refused:
+            grpc_client.update_log_settings({"log_info": False})
+        assert refused.value.status() == "StatusCode.UNAUTHENTICATED"
+        assert _grpc_settings(grpc_client.get_log_settings())["log_info"]
