@@ -179,7 +179,7 @@ def _rate_not_nan(
     type=click.Choice(["debug", "info", "warning", "error"]),
     default="info",
     show_default=True,
-    help="Log verbosity (logs go to stderr).",
+    help="Log verbosity (logs go to stderr); /v2/logging changes it while serving.",
 )
 @click.pass_context
 def serve(ctx: click.Context, /, **options: Any) -> None:
@@ -191,8 +191,9 @@ def serve(ctx: click.Context, /, **options: Any) -> None:
     V2 REST API on Trio (or asyncio, --loop): health, server and model
     metadata, model config, inference with JSON or binary tensors, system
     shared memory, classification, the model repository extension (index,
-    load, unload), statistics, Prometheus metrics at /metrics, and trace
-    settings at /v2/trace/setting (OpenTelemetry, with --trace-exporter).
+    load, unload), statistics, Prometheus metrics at /metrics, trace
+    settings at /v2/trace/setting (OpenTelemetry, with --trace-exporter), and
+    log settings at /v2/logging (the level and time format of the logs).
     With the 'grpc' extra it serves the same over V2 gRPC too (Triton's
     inference.GRPCInferenceService, streaming included), from the same engine
     with the same limits and token (sent as 'authorization' metadata).
