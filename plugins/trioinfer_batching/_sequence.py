@@ -230,8 +230,11 @@ class SequenceBatcher:
     def withdrawn(self, request: Request) -> None:
         """End the sequence of *request*, which ended while it waited here (see the module)."""
         sequence = self._of.get(request)
-        if sequence is None or sequence.running is request or request not in sequence.pending:
-            return  # not ours, or dispatched already: _over() sees it when its batch is over
+        if sequence is None or not sequence.pending or sequence.pending[0] is not request:
+            # Not ours; dispatched already (_over() sees it when its batch is over); or
+            # behind earlier requests of its sequence, which still run for their callers:
+            # the sequence ends when it reaches this one (_form()).
+            return
         self._break(sequence, request, _NOT_RUN)
 
     # -- forming batches -----------------------------------------------------------
