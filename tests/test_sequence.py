@@ -849,12 +849,21 @@ async def test_tritons_sequence_client_calls_over_http(tmp_path: Path) -> None:
     assert out["config"]["sequence_batching"] == {
         "max_sequence_idle_microseconds": 60_000_000,
         "oldest": {},
-        "control_input": [{"name": "START", "control": [{"kind": "CONTROL_SEQUENCE_START"}]}],
+        "control_input": [
+            {
+                "name": "START",
+                "control": [{"kind": "CONTROL_SEQUENCE_START", "int32_false_true": [0, 1]}],
+            }
+        ],
         "state": [
             {
                 "input_name": "STATE_IN",
                 "output_name": "STATE_OUT",
-                "initial_state": [{"name": "initial", "zero_data": True}],
+                "data_type": "TYPE_INT32",
+                "dims": [1],
+                "initial_state": [
+                    {"data_type": "TYPE_INT32", "dims": [1], "name": "initial", "zero_data": True}
+                ],
             }
         ],
     }

@@ -308,6 +308,30 @@ def test_the_grpc_model_config_holds_what_triton_configures(server: Server) -> N
     assert decoupled.model_transaction_policy.decoupled
     assert toml.sequence_batching.max_sequence_idle_microseconds == 60_000_000
     assert toml.sequence_batching.state[0].initial_state[0].zero_data
+    # A config.toml model's controls and state, in Triton's terms, from the model's types.
+    toml_sequence = json_format.MessageToDict(
+        toml.sequence_batching, preserving_proto_field_name=True
+    )
+    toml_sequence["state"][0].pop("initial_state")
+    assert toml_sequence == {
+        "max_sequence_idle_microseconds": "60000000",
+        "oldest": {},
+        "control_input": [
+            {
+                "name": "START",
+                # kind START is the enum's zero, which proto3 leaves unsaid
+                "control": [{"int32_false_true": [0, 1]}],
+            }
+        ],
+        "state": [
+            {
+                "input_name": "STATE_IN",
+                "output_name": "STATE_OUT",
+                "data_type": "TYPE_INT32",
+                "dims": ["1"],
+            }
+        ],
+    }
 
 
 # -- log settings ----------------------------------------------------------------------------

@@ -46,7 +46,7 @@ from .._exceptions import (
     TrioInferError,
 )
 from .._sequence import SequenceConfig, SequenceFlags
-from .._tensors import TensorSpec
+from .._tensors import ModelSignature, TensorSpec
 from .._trace_settings import trace_settings, update_trace_settings
 from ._codec import (
     InferRequest,
@@ -529,7 +529,9 @@ def model_config_document(state: ServerState, served: ServedVersion) -> dict[str
     if config.response_cache:
         body["response_cache"] = {"enable": True}
     if config.sequence is not None:
-        body["sequence_batching"] = _sequence_batching(config.sequence)
+        runner = state.models.engine._runners.get(served.engine_name)
+        full = getattr(runner, "backend_signature", None)  # with the control and state inputs
+        body["sequence_batching"] = _sequence_batching(config.sequence, full, skip)
         body["trioinfer"]["sequence"] = _sequence_table(config.sequence)
     elif max_batch > 0:
         delay = batching.get("max_queue_delay")
@@ -545,32 +547,60 @@ def model_config_document(state: ServerState, served: ServedVersion) -> dict[str
     return body
 
 
-def _sequence_batching(sequence: SequenceConfig) -> dict[str, Any]:
+def _sequence_batching(
+    sequence: SequenceConfig, signature: ModelSignature | None, skip: int
+) -> dict[str, Any]:
     """A ``[sequence]`` table in the terms of Triton's ``sequence_batching``.
 
-    What Triton cannot say (a state's non-zero initial value) is in the
-    answer's ``trioinfer.sequence`` (HTTP) only.
+    *signature* (the model's, with the inputs the batcher fills) gives each
+    control its false/true pair and each state its type. What Triton cannot
+    say (a state's non-zero initial value) is in the answer's
+    ``trioinfer.sequence`` (HTTP) only.
     """
+    specs = {t.name: t for t in signature.inputs} if signature is not None else {}
     strategy: dict[str, Any] = {}
     if sequence.max_candidate_sequences is not None:
         strategy["max_candidate_sequences"] = sequence.max_candidate_sequences
     states = []
     for s in sequence.state:
         state: dict[str, Any] = {"input_name": s.input, "output_name": s.output}
+        if s.input in specs:
+            state["data_type"] = _tensor_config(specs[s.input], skip)["data_type"]
         if s.shape is not None:
             state["dims"] = list(s.shape)
+        elif s.input in specs:
+            state["dims"] = _dims(specs[s.input])[skip:]
         if s.initial == 0:
-            state["initial_state"] = [{"name": "initial", "zero_data": True}]
+            initial = {k: state[k] for k in ("data_type", "dims") if k in state}
+            state["initial_state"] = [{**initial, "name": "initial", "zero_data": True}]
         states.append(state)
     return {
         "max_sequence_idle_microseconds": int(sequence.max_sequence_idle * 1e6),
         sequence.strategy: strategy,
         "control_input": [
-            {"name": name, "control": [{"kind": f"CONTROL_SEQUENCE_{kind.upper()}"}]}
+            {"name": name, "control": [_control(kind, specs.get(name), skip)]}
             for kind, name in sequence.control.items()
         ],
         "state": states,
     }
+
+
+def _control(kind: str, spec: TensorSpec | None, skip: int) -> dict[str, Any]:
+    """One control in Triton's terms: its kind, and its false/true pair or data type."""
+    control: dict[str, Any] = {"kind": f"CONTROL_SEQUENCE_{kind.upper()}"}
+    if spec is None:
+        return control
+    data_type = _tensor_config(spec, skip)["data_type"]
+    if kind == "corrid":
+        control["data_type"] = data_type
+    elif data_type == "TYPE_INT32":
+        control["int32_false_true"] = [0, 1]
+    elif data_type == "TYPE_FP32":
+        control["fp32_false_true"] = [0, 1]
+    elif data_type == "TYPE_BOOL":
+        control["bool_false_true"] = [False, True]
+    # Other types (int64, say) have no false/true field in Triton's message: kind only.
+    return control
 
 
 def _sequence_table(sequence: SequenceConfig) -> dict[str, Any]:
