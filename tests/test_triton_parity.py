@@ -10,6 +10,7 @@ configuration both protocols answer, and Triton's log settings.
 
 from __future__ import annotations
 
+import logging
 import queue
 import re
 import shutil
@@ -424,3 +425,28 @@ def test_changing_log_settings_needs_the_admin_token(server: Server) -> None:
             grpc_client.update_log_settings({"log_info": False})
         assert refused.value.status() == "StatusCode.UNAUTHENTICATED"
         assert _grpc_settings(grpc_client.get_log_settings())["log_info"]
+
+
+def test_log_settings_map_onto_one_level_and_leave_a_foreign_handler_alone() -> None:
+    """In process (pytest owns logging here): the level mapping, and log_format refused."""
+    from trioinfer.server._logging import log_settings, update_log_settings
+
+    logger = logging.getLogger("trioinfer")
+    before = logger.level
+    off = {"log_info": False, "log_warning": False, "log_error": False, "log_verbose_level": 0}
+    try:
+        for settings, level in [
+            ({**off, "log_error": True}, logging.ERROR),
+            ({"log_warning": True}, logging.WARNING),
+            ({"log_info": True}, logging.INFO),
+            ({"log_verbose_level": 2}, logging.DEBUG),
+            (off, logging.CRITICAL),
+        ]:
+            update_log_settings(settings)
+            assert logger.level == level, settings
+        assert log_settings() == {**off, "log_file": "", "log_format": "default"}
+        with pytest.raises(trioinfer.ConfigError, match="does not own the log handler"):
+            update_log_settings({"log_format": "ISO8601"})
+        update_log_settings({"log_format": "default", "log_file": ""})  # what it is: fine
+    finally:
+        logger.setLevel(before)
