@@ -119,6 +119,20 @@ def repository(tmp_path_factory: pytest.TempPathFactory) -> Path:
     for name, strategy in STRATEGIES.items():
         write_sequence_model(root / name / "1" / "model.onnx")
         (root / name / "config.pbtxt").write_text(SEQUENCE_PBTXT.replace("STRATEGY", strategy))
+    # Two whose sequence_batching does not match the model: refused at load, saying why.
+    write_sequence_model(root / "seq_badtype" / "1" / "model.onnx")
+    (root / "seq_badtype" / "config.pbtxt").write_text(
+        SEQUENCE_PBTXT.replace("STRATEGY", "").replace(
+            "CONTROL_SEQUENCE_READY fp32_false_true", "CONTROL_SEQUENCE_READY int32_false_true"
+        )
+    )
+    write_sequence_model(root / "seq_baddims" / "1" / "model.onnx")
+    (root / "seq_baddims" / "config.pbtxt").write_text(
+        SEQUENCE_PBTXT.replace("STRATEGY", "").replace(
+            "dims: [ 1 ]\n    initial_state { data_type: TYPE_INT32 dims: [ 1 ]",
+            "dims: [ 3 ]\n    initial_state { data_type: TYPE_INT32 dims: [ 3 ]",
+        )
+    )
     # A config.toml model that is stateful, the bundled decoupled model, and one cached.
     (root / "toml_sequence" / "1").mkdir(parents=True)
     (root / "toml_sequence" / "1" / "model.py").write_text(test_sequence.MODEL_PY)
@@ -450,3 +464,21 @@ def test_log_settings_map_onto_one_level_and_leave_a_foreign_handler_alone() -> 
         update_log_settings({"log_format": "default", "log_file": ""})  # what it is: fine
     finally:
         logger.setLevel(before)
+
+
+def test_sequence_batching_that_does_not_fit_the_model_is_refused_at_load(server: Server) -> None:
+    client = _http(server)
+    reasons = {
+        entry["name"]: entry.get("reason", "")
+        for entry in client.get_model_repository_index()
+        if entry.get("state") == "UNAVAILABLE"
+    }
+    client.close()
+    assert (
+        "sequence_batching control (int32_false_true) 'READY' is TYPE_INT32; the model's input "
+        "is TYPE_FP32" in reasons["seq_badtype"]
+    )
+    assert (
+        "sequence_batching state 'STATE_IN' has dims [3]; the model's input has [1]"
+        in reasons["seq_baddims"]
+    )
