@@ -67,6 +67,7 @@ from ._errors import ClientLeft, NotReady, Unauthorized, without_host_paths
 from ._logging import check_log_settings, log_settings, update_log_settings
 from ._metrics import InFlight, Metrics
 from ._models import ServedModels, ServedVersion
+from ._repository import VersionPolicy
 from ._shm import ShmLease, SystemSharedMemory
 
 if TYPE_CHECKING:
@@ -521,9 +522,8 @@ def model_config_document(state: ServerState, served: ServedVersion) -> dict[str
             ],
         },
     }
-    policy = _version_policy(state, served.model)
-    if policy is not None:
-        body["version_policy"] = policy
+    if served.policy is not None:
+        body["version_policy"] = _version_policy(served.policy)
     if served.info.decoupled:
         body["model_transaction_policy"] = {"decoupled": True}
     if config.response_cache:
@@ -614,12 +614,8 @@ def _sequence_table(sequence: SequenceConfig) -> dict[str, Any]:
     return {k: v for k, v in table.items() if v is not None}
 
 
-def _version_policy(state: ServerState, model: str) -> dict[str, Any] | None:
-    """The repository's version policy of *model* in Triton's terms (``None``: not in one)."""
-    try:
-        policy = state.models.repository.entry(model).policy
-    except TrioInferError:
-        return None
+def _version_policy(policy: VersionPolicy) -> dict[str, Any]:
+    """A repository's version policy in Triton's terms."""
     if policy.kind == "latest":
         return {"latest": {"num_versions": policy.count}}
     if policy.kind == "specific":

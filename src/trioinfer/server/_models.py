@@ -28,7 +28,7 @@ from .._exceptions import ConfigError, ModelNotFound, TrioInferError
 from .._tensors import ModelSignature
 from ._codec import v2_datatype
 from ._errors import without_host_paths
-from ._repository import ModelRepository, parse_traffic
+from ._repository import ModelRepository, VersionPolicy, parse_traffic
 from ._triton import TritonModel
 
 log = logging.getLogger("trioinfer.server")
@@ -52,6 +52,7 @@ class ServedVersion:
             the override), or ``None``.
         labels: Each output's class labels (Triton's ``label_filename``), for
             the classification extension.
+        policy: The repository's version policy of the model when it was loaded.
     """
 
     model: str
@@ -62,6 +63,7 @@ class ServedVersion:
     info: ModelInfo
     triton: TritonModel | None = None
     labels: Mapping[str, tuple[str, ...]] = attrs.field(factory=dict)
+    policy: VersionPolicy | None = None
 
 
 @final
@@ -258,7 +260,15 @@ class ServedModels:
                 await self.engine.unload(engine_name)
                 raise
             served[version] = ServedVersion(
-                model, version, engine_name, fingerprint, override, info, triton, labels
+                model,
+                version,
+                engine_name,
+                fingerprint,
+                override,
+                info,
+                triton,
+                labels,
+                entry.policy,
             )
             log.info(
                 "%s model %r version %d on %s",
