@@ -8,7 +8,10 @@ table below is the one place they are written); a field outside the subset
 is refused by the parser with its name and line, and a field inside it that
 trioinfer cannot honour is refused by `TritonModel.parse` with its name.
 Nothing is ignored silently: what is accepted but has no effect is logged as
-a note (``preserve_ordering``, ``allow_timeout_override``).
+a note (``preserve_ordering``, ``allow_timeout_override``, ``oldest``'s
+``preferred_batch_size``). ``sequence_batching`` becomes the ``[sequence]``
+table of the sequence batcher (`_sequence`); the types and dims it names are
+checked against the model's inputs once it loads (``server/_models.py``).
 
 The same keys arrive as JSON in repository load overrides
 (``{"max_batch_size": 16}``): `TritonModel.parse` reads either form.
