@@ -36,7 +36,7 @@ EXPECTED_OUTPUT = {
         "priority: ['chat-1', 'chat-2', 'search', 'default', 'report']",
         "aging: the low-priority request ran while some high-priority work was still queued",
         "queue_timeouts: the background request gave up after 30 ms in the queue",
-        "deadline: ['within 1 s', 'within 3 s', 'within 5 s', 'no deadline']",
+        "deadline: ['within 10 s', 'within 30 s', 'within 50 s', 'no deadline']",
         "was refused at admission: its deadline is 0.00",  # 0.002s away, less on a busy machine
         "refuse_late: 1 refused in the model's statistics",
         "fifo: alice's request ended 31 of 31",

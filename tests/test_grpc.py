@@ -269,10 +269,14 @@ def test_messages_match_tritonclients_field_by_field() -> None:
                     f"{ours.full_name}.{field.name}"
                 )
                 compared += 1
-    for enum in _grpc_proto.FILE.enum_types_by_name.values():
+    enums = [*_grpc_proto.FILE.enum_types_by_name.values()]
+    for top in _grpc_proto.FILE.message_types_by_name.values():
+        enums += [e for m in _messages(top) for e in m.enum_types]
+    for enum in enums:
         reference_enum = theirs.FindEnumTypeByName(enum.full_name)
         for value in enum.values:
-            assert reference_enum.values_by_name[value.name].number == value.number
+            assert reference_enum.values_by_name[value.name].number == value.number, value
+    assert "inference.ModelSequenceBatching.Control.Kind" in {e.full_name for e in enums}
     ours_service = _grpc_proto.FILE.services_by_name["GRPCInferenceService"]
     reference_service = service_pb2.DESCRIPTOR.services_by_name["GRPCInferenceService"]
     for method in ours_service.methods:
@@ -281,8 +285,43 @@ def test_messages_match_tritonclients_field_by_field() -> None:
         assert method.output_type.full_name == expected_method.output_type.full_name
         assert method.client_streaming == expected_method.client_streaming
         assert method.server_streaming == expected_method.server_streaming
-    assert compared > 100
+    assert compared > 180
     assert descriptor_module.FieldDescriptor.TYPE_UINT64  # the facts compared include types
+    # Every field of Triton's ModelConfig that trioinfer answers or reads is in the proto.
+    config = _grpc_proto.FILE.message_types_by_name["ModelConfig"]
+    for name in (
+        "version_policy",
+        "dynamic_batching",
+        "sequence_batching",
+        "ensemble_scheduling",
+        "parameters",
+        "model_transaction_policy",
+        "response_cache",
+    ):
+        assert name in config.fields_by_name, name
+
+
+@pytest.mark.triton_config
+def test_config_pbtxt_messages_match_tritonclients_field_by_field() -> None:
+    """The messages config.pbtxt is read with (server/_triton.py's table) are Triton's too."""
+    from trioinfer.server._triton import _model_config_class
+
+    theirs = descriptor_pool.Default()
+    compared = 0
+    file = _model_config_class().DESCRIPTOR.file
+    for ours in (m for top in file.message_types_by_name.values() for m in _messages(top)):
+        reference = theirs.FindMessageTypeByName(ours.full_name)
+        for field in ours.fields:
+            assert field.name in reference.fields_by_name, f"{ours.full_name}.{field.name}"
+            assert _field_facts(field) == _field_facts(reference.fields_by_name[field.name]), (
+                f"{ours.full_name}.{field.name}"
+            )
+            compared += 1
+        for enum in ours.enum_types:
+            reference_enum = theirs.FindEnumTypeByName(enum.full_name)
+            for value in enum.values:
+                assert reference_enum.values_by_name[value.name].number == value.number
+    assert compared > 90
 
 
 # -- what Triton's examples do ----------------------------------------------------------

@@ -543,6 +543,75 @@ async def test_cancelling_one_request_ends_its_sequence(
         assert_all_ended(engine)
 
 
+@pytest.mark.parametrize("how", ["cancelled", "expired"])
+async def test_a_request_that_leaves_while_held_ends_its_sequence_at_once(
+    autojump_clock: trio.testing.MockClock, how: str
+) -> None:
+    """No worker looks at a sequence waiting for a direct slot; its leaving request still ends it.
+
+    Sequence 1 holds the only slot for 100 s (max_sequence_idle); sequence 2's
+    first request waits for the slot and leaves after 1 s. Its next request is
+    refused then and there, not when the slot frees a hundred seconds later.
+    """
+    config = state_config(
+        SequenceAccumulator, strategy="direct", max_batch_size=1, max_sequence_idle=100.0
+    )
+    if how == "expired":
+        config = ModelConfig(**{**_fields(config), "queue_timeouts": {"0": 1.0}})
+    async with open_engine() as engine:
+        await engine.load(config)
+        await engine.infer("acc", value(1), sequence=SequenceFlags(1, start=True))
+        t0 = trio.current_time()
+        if how == "cancelled":
+            with trio.move_on_after(1.0):
+                await engine.infer("acc", value(2), sequence=SequenceFlags(2, start=True))
+        else:
+            with pytest.raises(trioinfer.DeadlineExceeded):
+                await engine.infer("acc", value(2), sequence=SequenceFlags(2, start=True))
+        assert trio.current_time() - t0 == 1.0
+        with pytest.raises(SequenceError, match="was cancelled or expired before it ran"):
+            await engine.infer("acc", value(3), sequence=SequenceFlags(2))
+        assert trio.current_time() - t0 == 1.0
+        # Sequence 1 still holds its slot and its sum.
+        out = await engine.infer("acc", value(4), sequence=SequenceFlags(1, end=True))
+        assert out["OUTPUT"][0, 0] == 5
+        assert_all_ended(engine)
+
+
+async def test_oldest_keeps_at_most_max_candidate_sequences_in_progress(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """A sequence started past max_candidate_sequences waits until one in progress ends."""
+    config = state_config(SlowAccumulator, max_batch_size=4)
+    config = ModelConfig(
+        **{**_fields(config), "sequence": {**_sequence_table(config), "max_candidate_sequences": 1}}
+    )
+    done: dict[int, float] = {}
+
+    async def run(sequence_id: int) -> None:
+        for i in range(2):
+            await engine.infer("acc", value(1), sequence=flags(sequence_id, i, 2))
+        done[sequence_id] = trio.current_time()
+
+    async with open_engine() as engine:
+        await engine.load(config)
+        t0 = trio.current_time()
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(run, 1)
+            await trio.testing.wait_all_tasks_blocked()
+            nursery.start_soon(run, 2)
+        assert_all_ended(engine)
+    # Each request takes a second; sequence 2 starts only once sequence 1 ended.
+    assert (done[1] - t0, done[2] - t0) == (2.0, 4.0)
+
+
+def test_max_candidate_sequences_is_for_oldest_only() -> None:
+    with pytest.raises(ConfigError, match="applies to the 'oldest' strategy only"):
+        trioinfer.SequenceConfig(strategy="direct", max_candidate_sequences=2)
+    with pytest.raises(ConfigError, match="positive integer"):
+        trioinfer.SequenceConfig(max_candidate_sequences=0)
+
+
 async def test_a_request_expired_in_its_sequence_ends_it(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
@@ -780,9 +849,27 @@ async def test_tritons_sequence_client_calls_over_http(tmp_path: Path) -> None:
     assert out["config"]["sequence_batching"] == {
         "max_sequence_idle_microseconds": 60_000_000,
         "oldest": {},
-        "control_input": [{"name": "START", "control": [{"kind": "CONTROL_SEQUENCE_START"}]}],
-        "state": [{"input_name": "STATE_IN", "output_name": "STATE_OUT", "initial_value": 0}],
+        "control_input": [
+            {
+                "name": "START",
+                "control": [{"kind": "CONTROL_SEQUENCE_START", "int32_false_true": [0, 1]}],
+            }
+        ],
+        "state": [
+            {
+                "input_name": "STATE_IN",
+                "output_name": "STATE_OUT",
+                "data_type": "TYPE_INT32",
+                "dims": [1],
+                "initial_state": [
+                    {"data_type": "TYPE_INT32", "dims": [1], "name": "initial", "zero_data": True}
+                ],
+            }
+        ],
     }
+    assert out["config"]["trioinfer"]["sequence"]["state"] == [
+        {"input": "STATE_IN", "output": "STATE_OUT", "initial": 0}
+    ]
     assert "dynamic_batching" not in out["config"]
     statuses = [status for status, _ in out["errors"]]
     assert statuses == ["400", "400", "400"]

@@ -32,6 +32,7 @@ from onnx import TensorProto, helper
 from tritonclient import utils
 from tritonclient.utils import InferenceServerException
 
+import trioinfer
 from test_server import Server, run_server
 from trioinfer import ConfigError
 from trioinfer.server._cuda_ipc import probe
@@ -735,13 +736,107 @@ def test_bad_triton_configs_are_named(client: httpclient.InferenceServerClient) 
         ("max_batch_size: 2\ndynamic_batching { priority_levels: 2 }", "default_priority_level"),
         ('name: "other"', "differs from the directory's name"),
         ('platform: "ensemble"', "needs ensemble_scheduling"),
-        ("sequence_batching { }", 'no field named "sequence_batching"'),
+        ("sequence_batching { iterative_sequence: true }", "sets iterative_sequence"),
+        (
+            "sequence_batching { oldest { max_queue_delay_microseconds: 100 } }",
+            "oldest.max_queue_delay_microseconds is not supported",
+        ),
+        (
+            "sequence_batching { direct { minimum_slot_utilization: 0.5 } }",
+            "direct sets minimum_slot_utilization",
+        ),
+        (
+            'sequence_batching { control_input [ { name: "S" control [ { kind: '
+            "CONTROL_SEQUENCE_START int32_false_true: [ 1, 0 ] } ] } ] }",
+            "int32_false_true must be [0, 1], got [1, 0]",
+        ),
+        (
+            'sequence_batching { control_input [ { name: "S" control [ { kind: '
+            "CONTROL_SEQUENCE_READY fp32_false_true: [ 0, 2 ] } ] } ] }",
+            "fp32_false_true must be [0, 1]",
+        ),
+        (
+            'sequence_batching { control_input [ { name: "S" control [ { kind: '
+            "CONTROL_SEQUENCE_END } ] } ] }",
+            "needs one of int32_false_true",
+        ),
+        (
+            'sequence_batching { control_input [ { name: "S" control [ { kind: '
+            "CONTROL_SEQUENCE_START int32_false_true: [0, 1] }, { kind: CONTROL_SEQUENCE_END "
+            "int32_false_true: [0, 1] } ] } ] }",
+            "exactly one control",
+        ),
+        (
+            'sequence_batching { state [ { input_name: "a" output_name: "b" dims: [ -1 ] } ] }',
+            "growable state is not supported",
+        ),
+        (
+            'sequence_batching { state [ { input_name: "a" output_name: "b" dims: [ 1 ] '
+            'initial_state { data_file: "init.bin" } } ] }',
+            "data_file is not supported",
+        ),
+        (
+            'sequence_batching { state [ { input_name: "a" output_name: "b" '
+            "use_growable_memory: true } ] }",
+            "sets use_growable_memory",
+        ),
+        ("sequence_batching { direct { } oldest { } }", "config.pbtxt"),
         ("max_batch_size: [", "config.pbtxt"),
     ],
 )
 def test_triton_config_refusals(text: str, fragment: str) -> None:
     with pytest.raises(ConfigError, match=fragment.replace("[", r"\[")):
         TritonModel.parse(text, name="m", where="m/config.pbtxt")
+
+
+@pytest.mark.sequence
+def test_sequence_batching_maps_onto_the_sequence_table() -> None:
+    model = TritonModel.parse(
+        """
+        max_batch_size: 4
+        sequence_batching {
+          max_sequence_idle_microseconds: 2500000
+          oldest { max_candidate_sequences: 3 preferred_batch_size: [ 2 ] preserve_ordering: true }
+          control_input [
+            { name: "S" control [ { kind: CONTROL_SEQUENCE_START int32_false_true: [ 0, 1 ] } ] },
+            { name: "E" control [
+              { kind: CONTROL_SEQUENCE_END bool_false_true: [ false, true ] } ] },
+            { name: "R" control [ { kind: CONTROL_SEQUENCE_READY fp32_false_true: [ 0, 1 ] } ] },
+            { name: "C" control [ { kind: CONTROL_SEQUENCE_CORRID data_type: TYPE_UINT64 } ] }
+          ]
+          state [ {
+            input_name: "SI" output_name: "SO" data_type: TYPE_INT32 dims: [ 2 ]
+            initial_state { data_type: TYPE_INT32 dims: [ 2 ] zero_data: true name: "z" }
+          } ]
+        }
+        """,
+        name="m",
+        where="m/config.pbtxt",
+    )
+    assert model.settings == {
+        "batcher": "sequence",
+        "sequence": {
+            "max_batch_size": 4,
+            "max_sequence_idle": 2.5,
+            "strategy": "oldest",
+            "max_candidate_sequences": 3,
+            "control": {"start": "S", "end": "E", "ready": "R", "corrid": "C"},
+            "state": [{"input": "SI", "output": "SO", "shape": [2]}],
+        },
+    }
+    assert len(model.notes) == 2  # preferred_batch_size and preserve_ordering: no effect
+    config = trioinfer.ModelConfig(name="m", path="m.onnx", **model.settings)
+    assert config.sequence is not None
+    assert config.sequence.max_candidate_sequences == 3
+    assert model.json()["sequence_batching"]["max_sequence_idle_microseconds"] == 2500000
+    # Triton's default strategy is direct; a model without a batch dimension has one row.
+    plain = TritonModel.parse("sequence_batching { }", name="m", where="m/config.pbtxt")
+    assert plain.settings["sequence"] == {
+        "max_batch_size": 1,
+        "strategy": "direct",
+        "control": {},
+        "state": [],
+    }
 
 
 def test_triton_config_mapping() -> None:

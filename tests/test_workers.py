@@ -269,6 +269,24 @@ def test_load_and_unload_reach_every_worker(served: Served) -> None:
         assert infer_digit(url).status_code == 200
 
 
+def test_log_settings_reach_every_worker(served: Served) -> None:
+    url = served.url
+    response = fresh("POST", f"{url}/v2/logging", json={"log_info": False})
+    assert response.status_code == 200, response.text
+    for _ in range(12):
+        assert fresh("GET", f"{url}/v2/logging").json()["log_info"] is False
+    # Refused by the worker that got it, before any other changes.
+    response = fresh("POST", f"{url}/v2/logging", json={"log_file": "x.log"})
+    assert response.status_code == 400
+    assert "log_file is not supported" in response.json()["error"]
+    # A second, partial change: a worker that restarts later takes both (see below).
+    response = fresh("POST", f"{url}/v2/logging", json={"log_format": "ISO8601"})
+    assert response.status_code == 200, response.text
+    for _ in range(12):
+        settings = fresh("GET", f"{url}/v2/logging").json()
+        assert (settings["log_info"], settings["log_format"]) == (False, "ISO8601")
+
+
 def test_a_killed_worker_is_restarted_and_its_requests_fail_cleanly(served: Served) -> None:
     url = served.url
     victim = worker_pids(url)["1"]
@@ -300,6 +318,8 @@ def test_a_killed_worker_is_restarted_and_its_requests_fail_cleanly(served: Serv
         # The restarted worker took the changes made before it started.
         config = fresh("GET", f"{url}/v2/models/digits/config").json()
         assert config["trioinfer"]["max_queue_size"] == 7
+        settings = fresh("GET", f"{url}/v2/logging").json()
+        assert (settings["log_info"], settings["log_format"]) == (False, "ISO8601")
 
 
 def test_shared_memory_is_refused_with_several_workers(served: Served) -> None:

@@ -61,7 +61,9 @@ async def in_order(engine: trioinfer.Engine, model: str, calls: dict[str, dict])
 
 # --8<-- [start:priority]
 async def priorities(engine: trioinfer.Engine) -> None:
-    await load(engine, "ranked", scheduler="priority", scheduler_options={"max_wait": 0.1})
+    # Strict priority (no aging), so that the order shows priority alone, however long
+    # the queueing takes on a busy machine; the next section turns aging on.
+    await load(engine, "ranked", scheduler="priority", scheduler_options={"max_wait": None})
     order = await in_order(
         engine,
         "ranked",
@@ -81,11 +83,12 @@ async def priorities(engine: trioinfer.Engine) -> None:
 
 # --8<-- [start:aging]
 async def aging(engine: trioinfer.Engine) -> None:
+    await load(engine, "aged", scheduler="priority", scheduler_options={"max_wait": 0.1})
     flood_done = 0
 
     async def urgent() -> None:
         nonlocal flood_done
-        await engine.infer("ranked", {"x": X}, priority=10)
+        await engine.infer("aged", {"x": X}, priority=10)
         flood_done += 1
 
     async with trio.open_nursery() as nursery:
@@ -93,7 +96,7 @@ async def aging(engine: trioinfer.Engine) -> None:
             nursery.start_soon(urgent)
         await wait_all_tasks_blocked()
         start = trio.current_time()
-        await engine.infer("ranked", {"x": X}, priority=-1)
+        await engine.infer("aged", {"x": X}, priority=-1)
         waited = trio.current_time() - start
         left = 40 - flood_done
     print(
@@ -135,9 +138,9 @@ async def deadlines(engine: trioinfer.Engine) -> None:
         "edf",
         {
             "no deadline": {},
-            "within 5 s": {"budget": 5.0},
-            "within 1 s": {"budget": 1.0},
-            "within 3 s": {"budget": 3.0},
+            "within 50 s": {"budget": 50.0},
+            "within 10 s": {"budget": 10.0},
+            "within 30 s": {"budget": 30.0},
         },
     )
     print(f"deadline: {order}")

@@ -33,6 +33,7 @@ from trioinfer.lowlevel import Replica, Request, RequestQueue, SequenceContext, 
 REMEMBERED = 4096
 
 SequenceId = int | str
+_NOT_RUN = "was cancelled or expired before it ran"
 
 
 @final
@@ -226,6 +227,16 @@ class SequenceBatcher:
         self._sequences.move_to_end(flags.id)
         self._wake()
 
+    def withdrawn(self, request: Request) -> None:
+        """End the sequence of *request*, which ended while it waited here (see the module)."""
+        sequence = self._of.get(request)
+        if sequence is None or not sequence.pending or sequence.pending[0] is not request:
+            # Not ours; dispatched already (_over() sees it when its batch is over); or
+            # behind earlier requests of its sequence, which still run for their callers:
+            # the sequence ends when it reaches this one (_form()).
+            return
+        self._break(sequence, request, _NOT_RUN)
+
     # -- forming batches -----------------------------------------------------------
 
     async def next_batch(self, queue: RequestQueue) -> list[Request]:
@@ -271,18 +282,14 @@ class SequenceBatcher:
         if self._config.strategy == "direct":
             candidates = self._bound_slots(replica)
         else:
-            candidates = [
-                s
-                for s in self._sequences.values()
-                if s.running is None and s.pending and s.replica in (None, replica)
-            ]
+            candidates = self._oldest_candidates(replica)
         ready: list[_Sequence] = []
         for sequence in candidates:
             head = sequence.pending[0]
             if head.status is not Status.QUEUED:
                 # Its caller left or its deadline passed while it waited: the state would
                 # skip a step, so the sequence ends here.
-                self._break(sequence, head, "was cancelled or expired before it ran")
+                self._break(sequence, head, _NOT_RUN)
             else:
                 ready.append(sequence)
         if self._config.strategy == "oldest":
@@ -294,6 +301,25 @@ class SequenceBatcher:
             request = sequence.running = sequence.pending.popleft()
             batch.append(request)
         return batch
+
+    def _oldest_candidates(self, replica: int) -> list[_Sequence]:
+        # Sequences on this instance with a request to run, and new ones up to
+        # max_candidate_sequences in progress here, the longest waiting first.
+        bound: list[_Sequence] = []
+        new: list[_Sequence] = []
+        in_progress = 0
+        for s in self._sequences.values():
+            if s.replica == replica:
+                in_progress += 1
+                if s.running is None and s.pending:
+                    bound.append(s)
+            elif s.replica is None and s.pending:
+                new.append(s)
+        limit = self._config.max_candidate_sequences
+        if limit is not None:
+            new.sort(key=lambda s: s.pending[0].arrival)
+            new = new[: max(limit - in_progress, 0)]
+        return bound + new
 
     def _bound_slots(self, replica: int) -> list[_Sequence]:
         # Sequences in this instance's slots with a request to run, after giving each

@@ -1062,6 +1062,7 @@ class ModelRunner(metaclass=NoPublicConstructor):
                 if scope.cancelled_caught:
                     if state.status is _QUEUED:
                         self._expire(request, self.clock.current_time())
+                        self._tell_sequencer(request)
                     else:
                         # Running: the engine ends it if the timeout passes before an
                         # attempt starts (a failover's wait, say), never mid-run.
@@ -1152,7 +1153,8 @@ class ModelRunner(metaclass=NoPublicConstructor):
         if state.status is _DONE:
             return
         state.abandoned = True
-        if state.status is _QUEUED:
+        held = state.status is _QUEUED
+        if held:
             self.queue._remove(request)
         elif state.status is _RUNNING:
             running: _Running = state.batch
@@ -1162,6 +1164,20 @@ class ModelRunner(metaclass=NoPublicConstructor):
                 running.scope.cancel()
         self.cancelled += 1
         self._end(request)
+        if held:
+            self._tell_sequencer(request)
+
+    def _tell_sequencer(self, request: Request) -> None:
+        # A request a sequence batcher may hold ended before it ran (its caller left, its
+        # deadline passed): tell the batcher now, so its sequence ends now and not at the
+        # batcher's next wake-up (which may be a whole max_sequence_idle away).
+        if self._sequencer is None:
+            return
+        try:
+            self._sequencer.withdrawn(request)
+        except Exception as exc:
+            # Raising here would replace the caller's Cancelled: log the broken contract.
+            self._broken("batchers", f"raised {type(exc).__name__} in withdrawn(): {exc}")
 
     # -- ending requests -----------------------------------------------------------
 

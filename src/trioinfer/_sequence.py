@@ -209,6 +209,20 @@ def _check_size(_inst: object, _attribute: attrs.Attribute[Any], value: object) 
         raise ConfigError(f"sequence.max_batch_size must be a positive integer, got {value!r}")
 
 
+def _check_candidates(_inst: object, _attribute: attrs.Attribute[Any], value: object) -> None:
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigError(
+            f"sequence.max_candidate_sequences must be a positive integer, got {value!r}"
+        )
+    if getattr(_inst, "strategy", "oldest") != "oldest":
+        raise ConfigError(
+            "sequence.max_candidate_sequences applies to the 'oldest' strategy only (under "
+            "'direct', max_batch_size slots bound the sequences of an instance)"
+        )
+
+
 @attrs.frozen
 class SequenceConfig:
     """A stateful model's ``[sequence]`` table: how its sequences are batched and fed.
@@ -233,6 +247,11 @@ class SequenceConfig:
             row) and ``corrid`` (the sequence id). Each in the input's own
             dtype (int, float or bool; ``corrid`` an integer or string type).
         state: Implicit state tensors (see [`SequenceState`][trioinfer.SequenceState]).
+        max_candidate_sequences: ``oldest`` only: at most this many sequences
+            in progress on each instance (Triton's ``max_candidate_sequences``);
+            a sequence started past it waits, in order of arrival, until one
+            of them ends or is released. ``None`` (the default): no bound but
+            ``max_queue_size``.
     """
 
     strategy: SequenceStrategy = attrs.field(default="oldest", validator=_check_strategy)
@@ -240,6 +259,7 @@ class SequenceConfig:
     max_batch_size: int = attrs.field(default=1, validator=_check_size)
     control: Mapping[str, str] = attrs.field(factory=dict, converter=_to_control)
     state: tuple[SequenceState, ...] = attrs.field(default=(), converter=_to_states)
+    max_candidate_sequences: int | None = attrs.field(default=None, validator=_check_candidates)
 
     @property
     def hidden_inputs(self) -> frozenset[str]:

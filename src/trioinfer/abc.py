@@ -812,6 +812,17 @@ class SequenceBatcher(AssemblingBatcher, Protocol):
         """
         ...
 
+    def withdrawn(self, request: Request) -> None:
+        """Told that *request*, admitted and not yet returned in a batch, has ended.
+
+        Its caller left or its deadline passed while the batcher held it (its
+        ``status`` is ``DONE`` already). Called at once, from the caller's
+        task; must not block. The first-party batcher ends the request's
+        sequence here, so that the sequence's other requests are refused now
+        rather than when a worker next looks.
+        """
+        ...
+
     async def next_batch_for(
         self, queue: RequestQueue, replica: Replica, previous: Sequence[Request]
     ) -> Sequence[Request]:

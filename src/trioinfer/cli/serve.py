@@ -179,7 +179,7 @@ def _rate_not_nan(
     type=click.Choice(["debug", "info", "warning", "error"]),
     default="info",
     show_default=True,
-    help="Log verbosity (logs go to stderr).",
+    help="Log verbosity (logs go to stderr); /v2/logging changes it while serving.",
 )
 @click.pass_context
 def serve(ctx: click.Context, /, **options: Any) -> None:
@@ -191,8 +191,9 @@ def serve(ctx: click.Context, /, **options: Any) -> None:
     V2 REST API on Trio (or asyncio, --loop): health, server and model
     metadata, model config, inference with JSON or binary tensors, system
     shared memory, classification, the model repository extension (index,
-    load, unload), statistics, Prometheus metrics at /metrics, and trace
-    settings at /v2/trace/setting (OpenTelemetry, with --trace-exporter).
+    load, unload), statistics, Prometheus metrics at /metrics, trace
+    settings at /v2/trace/setting (OpenTelemetry, with --trace-exporter), and
+    log settings at /v2/logging (the level and time format of the logs).
     With the 'grpc' extra it serves the same over V2 gRPC too (Triton's
     inference.GRPCInferenceService, streaming included), from the same engine
     with the same limits and token (sent as 'authorization' metadata).
@@ -213,6 +214,7 @@ def serve(ctx: click.Context, /, **options: Any) -> None:
     """
     try:
         from ..server import Limits, ServerConfig
+        from ..server._logging import install_handler
     except ModuleNotFoundError as exc:
         raise needs_extra("serve", exc) from exc
 
@@ -223,9 +225,7 @@ def serve(ctx: click.Context, /, **options: Any) -> None:
             "invalid server settings: admin_token must be a non-empty string, but "
             "TRIOINFER_ADMIN_TOKEN is set and empty; set a token or unset the variable"
         )
-    logging.basicConfig(
-        level=settings["log_level"].upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s"
-    )
+    install_handler(settings["log_level"])
     workers = settings["workers"]
     if not isinstance(workers, int) or isinstance(workers, bool) or workers < 1:
         raise click.UsageError(f"invalid server settings: workers must be >= 1, got {workers!r}")

@@ -46,7 +46,7 @@ from .._exceptions import (
     TrioInferError,
 )
 from .._sequence import SequenceConfig, SequenceFlags
-from .._tensors import TensorSpec
+from .._tensors import ModelSignature, TensorSpec
 from .._trace_settings import trace_settings, update_trace_settings
 from ._codec import (
     InferRequest,
@@ -64,8 +64,10 @@ from ._codec import (
     v2_datatype,
 )
 from ._errors import ClientLeft, NotReady, Unauthorized, without_host_paths
+from ._logging import check_log_settings, log_settings, update_log_settings
 from ._metrics import InFlight, Metrics
 from ._models import ServedModels, ServedVersion
+from ._repository import VersionPolicy
 from ._shm import ShmLease, SystemSharedMemory
 
 if TYPE_CHECKING:
@@ -354,6 +356,7 @@ def create_app(state: ServerState) -> ASGIApp:
         Route("/v2/cudasharedmemory/unregister", endpoint(_cuda_unregister), methods=["POST"]),
         Route("/metrics", endpoint(_metrics), methods=["GET"]),
         Route("/v2/trace/setting", endpoint(_trace_setting), methods=["GET", "POST"]),
+        Route("/v2/logging", endpoint(_logging), methods=["GET", "POST"]),
         Route(
             "/v2/models/{model}/trace/setting",
             endpoint(_trace_setting),
@@ -519,10 +522,17 @@ def model_config_document(state: ServerState, served: ServedVersion) -> dict[str
             ],
         },
     }
+    if served.policy is not None:
+        body["version_policy"] = _version_policy(served.policy)
     if served.info.decoupled:
         body["model_transaction_policy"] = {"decoupled": True}
+    if config.response_cache:
+        body["response_cache"] = {"enable": True}
     if config.sequence is not None:
-        body["sequence_batching"] = _sequence_batching(config.sequence)
+        runner = state.models.engine._runners.get(served.engine_name)
+        full = getattr(runner, "backend_signature", None)  # with the control and state inputs
+        body["sequence_batching"] = _sequence_batching(config.sequence, full, skip)
+        body["trioinfer"]["sequence"] = _sequence_table(config.sequence)
     elif max_batch > 0:
         delay = batching.get("max_queue_delay")
         body["dynamic_batching"] = {
@@ -537,20 +547,80 @@ def model_config_document(state: ServerState, served: ServedVersion) -> dict[str
     return body
 
 
-def _sequence_batching(sequence: SequenceConfig) -> dict[str, Any]:
-    """A ``[sequence]`` table in the terms of Triton's ``sequence_batching``."""
+def _sequence_batching(
+    sequence: SequenceConfig, signature: ModelSignature | None, skip: int
+) -> dict[str, Any]:
+    """A ``[sequence]`` table in the terms of Triton's ``sequence_batching``.
+
+    *signature* (the model's, with the inputs the batcher fills) gives each
+    control its false/true pair and each state its type. What Triton cannot
+    say (a state's non-zero initial value) is in the answer's
+    ``trioinfer.sequence`` (HTTP) only.
+    """
+    specs = {t.name: t for t in signature.inputs} if signature is not None else {}
+    strategy: dict[str, Any] = {}
+    if sequence.max_candidate_sequences is not None:
+        strategy["max_candidate_sequences"] = sequence.max_candidate_sequences
+    states = []
+    for s in sequence.state:
+        state: dict[str, Any] = {"input_name": s.input, "output_name": s.output}
+        if s.input in specs:
+            state["data_type"] = _tensor_config(specs[s.input], skip)["data_type"]
+        if s.shape is not None:
+            state["dims"] = list(s.shape)
+        elif s.input in specs:
+            state["dims"] = _dims(specs[s.input])[skip:]
+        if s.initial == 0:
+            initial = {k: state[k] for k in ("data_type", "dims") if k in state}
+            state["initial_state"] = [{**initial, "name": "initial", "zero_data": True}]
+        states.append(state)
     return {
         "max_sequence_idle_microseconds": int(sequence.max_sequence_idle * 1e6),
-        sequence.strategy: {},
+        sequence.strategy: strategy,
         "control_input": [
-            {"name": name, "control": [{"kind": f"CONTROL_SEQUENCE_{kind.upper()}"}]}
+            {"name": name, "control": [_control(kind, specs.get(name), skip)]}
             for kind, name in sequence.control.items()
         ],
-        "state": [
-            {"input_name": s.input, "output_name": s.output, "initial_value": s.initial}
-            for s in sequence.state
-        ],
+        "state": states,
     }
+
+
+def _control(kind: str, spec: TensorSpec | None, skip: int) -> dict[str, Any]:
+    """One control in Triton's terms: its kind, and its false/true pair or data type."""
+    control: dict[str, Any] = {"kind": f"CONTROL_SEQUENCE_{kind.upper()}"}
+    if spec is None:
+        return control
+    data_type = _tensor_config(spec, skip)["data_type"]
+    if kind == "corrid":
+        control["data_type"] = data_type
+    elif data_type == "TYPE_INT32":
+        control["int32_false_true"] = [0, 1]
+    elif data_type == "TYPE_FP32":
+        control["fp32_false_true"] = [0, 1]
+    elif data_type == "TYPE_BOOL":
+        control["bool_false_true"] = [False, True]
+    # Other types (int64, say) have no false/true field in Triton's message: kind only.
+    return control
+
+
+def _sequence_table(sequence: SequenceConfig) -> dict[str, Any]:
+    """A ``[sequence]`` table as ``config.toml`` writes it."""
+    table = attrs.asdict(sequence)
+    table["control"] = dict(sequence.control)
+    table["state"] = [
+        {k: list(v) if isinstance(v, tuple) else v for k, v in state.items() if v is not None}
+        for state in table["state"]
+    ]
+    return {k: v for k, v in table.items() if v is not None}
+
+
+def _version_policy(policy: VersionPolicy) -> dict[str, Any]:
+    """A repository's version policy in Triton's terms."""
+    if policy.kind == "latest":
+        return {"latest": {"num_versions": policy.count}}
+    if policy.kind == "specific":
+        return {"specific": {"versions": list(policy.versions)}}
+    return {"all": {}}
 
 
 def _effective_options(state: ServerState, name: str, options: Mapping[str, Any]) -> dict[str, Any]:
@@ -913,6 +983,29 @@ async def trace_setting_document(
         else:
             update_trace_settings(tracing, model, settings)
     return trace_settings(tracing, model)
+
+
+async def _logging(request: Request, state: ServerState) -> Response:
+    # Triton's logging extension, on trioinfer's Python loggers (see _logging).
+    posted = request.method == "POST"
+    state.check_token(request.headers, admin=posted)
+    body = await _small_json(request, state) if posted else None
+    return _json(await apply_log_settings(state, body or {}))
+
+
+async def apply_log_settings(state: ServerState, settings: Mapping[str, Any]) -> dict[str, Any]:
+    """Apply Triton's log *settings* (HTTP and gRPC alike; none: just read); return them all.
+
+    Under ``serve --workers N`` the change goes to every worker through the
+    supervisor. Refused settings (`ConfigError`) change nothing anywhere.
+    """
+    if settings:
+        check_log_settings(settings)
+        if state.cluster is not None:
+            await state.cluster.log_settings(settings)
+        else:
+            update_log_settings(settings)
+    return log_settings()
 
 
 async def _small_json(request: Request, state: ServerState) -> dict[str, Any] | None:

@@ -66,6 +66,7 @@ from ._app import (
     _fallback_parameters,
     _one_process_only,
     _schedule_parameters,
+    apply_log_settings,
     infer_in_time,
     load_override,
     model_config_document,
@@ -362,6 +363,31 @@ class _Service:
         # Keys Triton's ModelConfig lacks (trioinfer's own settings, devices) stay HTTP-only.
         document_ = await self._run(call, document)
         json_format.ParseDict(document_, response.config, ignore_unknown_fields=True)
+        return response
+
+    async def LogSettings(self, request: Any, context: Any, call: _Call) -> Any:
+        metadata = _metadata(context)
+        settings: dict[str, Any] = {}
+        for key, value in request.settings.items():
+            choice = value.WhichOneof("parameter_choice")
+            if choice is None:
+                raise RequestError(f"log setting {key!r} has no value")
+            settings[key] = getattr(value, choice)
+
+        async def apply() -> dict[str, Any]:
+            self._state.check_token(metadata, admin=bool(settings))
+            return await apply_log_settings(self._state, settings)
+
+        response = pb.message("LogSettingsResponse")()
+        for key, value in (await self._run(call, apply)).items():
+            kind = (
+                "bool_param"
+                if isinstance(value, bool)
+                else "uint32_param"
+                if isinstance(value, int)
+                else "string_param"
+            )
+            setattr(response.settings[key], kind, value)
         return response
 
     async def ModelStatistics(self, request: Any, context: Any, call: _Call) -> Any:

@@ -17,7 +17,7 @@ import random
 import re
 import time
 from collections.abc import Mapping
-from typing import Any, final
+from typing import Any, Final, final
 
 import anyio
 import attrs
@@ -25,9 +25,10 @@ import attrs
 from .._config import PIPELINE, ModelConfig
 from .._engine import Engine, ModelInfo
 from .._exceptions import ConfigError, ModelNotFound, TrioInferError
+from .._tensors import ModelSignature
 from ._codec import v2_datatype
 from ._errors import without_host_paths
-from ._repository import ModelRepository, parse_traffic
+from ._repository import ModelRepository, VersionPolicy, parse_traffic
 from ._triton import TritonModel
 
 log = logging.getLogger("trioinfer.server")
@@ -51,6 +52,7 @@ class ServedVersion:
             the override), or ``None``.
         labels: Each output's class labels (Triton's ``label_filename``), for
             the classification extension.
+        policy: The repository's version policy of the model when it was loaded.
     """
 
     model: str
@@ -61,6 +63,7 @@ class ServedVersion:
     info: ModelInfo
     triton: TritonModel | None = None
     labels: Mapping[str, tuple[str, ...]] = attrs.field(factory=dict)
+    policy: VersionPolicy | None = None
 
 
 @final
@@ -249,12 +252,23 @@ class ServedModels:
             info = await self.engine.load(config, replace=old is not None)
             try:
                 _check_tensors(triton, info, model)
+                # A stateful model's control and state inputs, which its signature hides.
+                full = getattr(self.engine._runners.get(engine_name), "backend_signature", None)
+                _check_sequence(triton, full, model)
             except ConfigError:
                 served.pop(version, None)
                 await self.engine.unload(engine_name)
                 raise
             served[version] = ServedVersion(
-                model, version, engine_name, fingerprint, override, info, triton, labels
+                model,
+                version,
+                engine_name,
+                fingerprint,
+                override,
+                info,
+                triton,
+                labels,
+                entry.policy,
             )
             log.info(
                 "%s model %r version %d on %s",
@@ -417,6 +431,60 @@ def _check_tensors(triton: TritonModel | None, info: ModelInfo, model: str) -> N
                 raise ConfigError(
                     f"model {model!r}: config.pbtxt declares {kind} {spec.name!r} with dims "
                     f"{dims}; the model's are {shape}{batch}"
+                )
+
+
+#: A control's false/true field, and the one input type Triton feeds it in.
+_FALSE_TRUE: Final = {
+    "int32_false_true": "INT32",
+    "fp32_false_true": "FP32",
+    "bool_false_true": "BOOL",
+}
+
+
+def _check_sequence(
+    triton: TritonModel | None, signature: ModelSignature | None, model: str
+) -> None:
+    """Refuse a config.pbtxt whose sequence_batching types or dims are not the model's."""
+    if triton is None or signature is None or "sequence_batching" not in triton.doc:
+        return
+    batching = triton.doc["sequence_batching"]
+    specs = {spec.name: spec for spec in signature.inputs}
+    skip = 1 if signature.batched else 0
+
+    def check(name: str, want: str, what: str) -> None:
+        spec = specs.get(name)
+        if spec is None:
+            return  # the sequence batcher names a missing input at load
+        have = v2_datatype(spec.dtype, spec.type_name).replace("BYTES", "STRING")
+        if want != have:
+            raise ConfigError(
+                f"model {model!r}: config.pbtxt's sequence_batching {what} {name!r} is "
+                f"TYPE_{want}; the model's input is TYPE_{have}"
+            )
+
+    for item in batching.get("control_input", []):
+        for control in item.get("control", []):
+            for field, want in _FALSE_TRUE.items():
+                if field in control:
+                    check(item["name"], want, f"control ({field})")
+            if "data_type" in control:
+                check(item["name"], control["data_type"].removeprefix("TYPE_"), "control")
+    for state in batching.get("state", []):
+        name = state.get("input_name", "")
+        if "data_type" in state:
+            check(name, state["data_type"].removeprefix("TYPE_"), "state")
+        spec = specs.get(name)
+        dims = [int(d) for d in state.get("dims", [])]
+        if spec is not None and dims:
+            shape = [d if isinstance(d, int) else -1 for d in spec.shape][skip:]
+            if len(dims) != len(shape) or any(
+                a != b and b != -1 for a, b in zip(dims, shape, strict=False)
+            ):
+                raise ConfigError(
+                    f"model {model!r}: config.pbtxt's sequence_batching state {name!r} has dims "
+                    f"{dims}; the model's input has {shape}"
+                    + (" after the batch dimension" if skip else "")
                 )
 
 

@@ -8,7 +8,10 @@ table below is the one place they are written); a field outside the subset
 is refused by the parser with its name and line, and a field inside it that
 trioinfer cannot honour is refused by `TritonModel.parse` with its name.
 Nothing is ignored silently: what is accepted but has no effect is logged as
-a note (``preserve_ordering``, ``allow_timeout_override``).
+a note (``preserve_ordering``, ``allow_timeout_override``, ``oldest``'s
+``preferred_batch_size``). ``sequence_batching`` becomes the ``[sequence]``
+table of the sequence batcher (`_sequence`); the types and dims it names are
+checked against the model's inputs once it loads (``server/_models.py``).
 
 The same keys arrive as JSON in repository load overrides
 (``{"max_batch_size": 16}``): `TritonModel.parse` reads either form.
@@ -35,9 +38,9 @@ _EXTRA: Final = (
 
 # -- the message definitions: a subset of Triton's model_config.proto -------------------------
 # (name, number, type, label, type name). Types are descriptor_pb2.FieldDescriptorProto's:
-# 9 string, 5 int32, 3 int64, 13 uint32, 4 uint64, 8 bool, 11 message, 14 enum;
+# 9 string, 5 int32, 3 int64, 13 uint32, 4 uint64, 2 float, 8 bool, 11 message, 14 enum;
 # label 1 optional, 3 repeated. A map is a repeated nested *Entry message (key 1, value 2).
-_S, _I32, _I64, _U32, _U64, _B, _M, _E = 9, 5, 3, 13, 4, 8, 11, 14
+_S, _I32, _I64, _U32, _U64, _F, _B, _M, _E = 9, 5, 3, 13, 4, 2, 8, 11, 14
 _ONE, _MANY = 1, 3
 
 _ENUMS: Final[dict[str, list[tuple[str, int]]]] = {
@@ -58,6 +61,14 @@ _NESTED_ENUMS: Final[dict[str, dict[str, list[tuple[str, int]]]]] = {
     },
     "ModelInput": {"Format": [("FORMAT_NONE", 0), ("FORMAT_NHWC", 1), ("FORMAT_NCHW", 2)]},
     "ModelQueuePolicy": {"TimeoutAction": [("REJECT", 0), ("DELAY", 1)]},
+    "ModelSequenceBatching.Control": {
+        "Kind": [
+            ("CONTROL_SEQUENCE_START", 0),
+            ("CONTROL_SEQUENCE_READY", 1),
+            ("CONTROL_SEQUENCE_END", 2),
+            ("CONTROL_SEQUENCE_CORRID", 3),
+        ]
+    },
 }
 #: message -> fields; a field is (name, number, type, label, type name or "", oneof or "").
 _MESSAGES: Final[dict[str, list[tuple[str, int, int, int, str, str]]]] = {
@@ -138,6 +149,65 @@ _MESSAGES: Final[dict[str, list[tuple[str, int, int, int, str, str]]]] = {
         ("output_map", 4, _M, _MANY, "ModelEnsembling.Step.OutputMapEntry", ""),
     ],
     "ModelEnsembling": [("step", 1, _M, _MANY, "ModelEnsembling.Step", "")],
+    "ModelSequenceBatching.Control": [
+        ("kind", 1, _E, _ONE, "ModelSequenceBatching.Control.Kind", ""),
+        ("int32_false_true", 2, _I32, _MANY, "", ""),
+        ("fp32_false_true", 3, _F, _MANY, "", ""),
+        ("data_type", 4, _E, _ONE, "DataType", ""),
+        ("bool_false_true", 5, _B, _MANY, "", ""),
+    ],
+    "ModelSequenceBatching.ControlInput": [
+        ("name", 1, _S, _ONE, "", ""),
+        ("control", 2, _M, _MANY, "ModelSequenceBatching.Control", ""),
+    ],
+    "ModelSequenceBatching.InitialState": [
+        ("data_type", 1, _E, _ONE, "DataType", ""),
+        ("dims", 2, _I64, _MANY, "", ""),
+        ("zero_data", 3, _B, _ONE, "", "state_data"),
+        ("data_file", 4, _S, _ONE, "", "state_data"),
+        ("name", 5, _S, _ONE, "", ""),
+    ],
+    "ModelSequenceBatching.State": [
+        ("input_name", 1, _S, _ONE, "", ""),
+        ("output_name", 2, _S, _ONE, "", ""),
+        ("data_type", 3, _E, _ONE, "DataType", ""),
+        ("dims", 4, _I64, _MANY, "", ""),
+        ("initial_state", 5, _M, _MANY, "ModelSequenceBatching.InitialState", ""),
+        ("use_same_buffer_for_input_output", 6, _B, _ONE, "", ""),
+        ("use_growable_memory", 7, _B, _ONE, "", ""),
+    ],
+    "ModelSequenceBatching.StrategyDirect": [
+        ("max_queue_delay_microseconds", 1, _U64, _ONE, "", ""),
+        ("minimum_slot_utilization", 2, _F, _ONE, "", ""),
+    ],
+    "ModelSequenceBatching.StrategyOldest": [
+        ("max_candidate_sequences", 1, _I32, _ONE, "", ""),
+        ("preferred_batch_size", 2, _I32, _MANY, "", ""),
+        ("max_queue_delay_microseconds", 3, _U64, _ONE, "", ""),
+        ("preserve_ordering", 4, _B, _ONE, "", ""),
+    ],
+    "ModelSequenceBatching": [
+        ("max_sequence_idle_microseconds", 1, _U64, _ONE, "", ""),
+        ("control_input", 2, _M, _MANY, "ModelSequenceBatching.ControlInput", ""),
+        (
+            "direct",
+            3,
+            _M,
+            _ONE,
+            "ModelSequenceBatching.StrategyDirect",
+            "strategy_choice",
+        ),
+        (
+            "oldest",
+            4,
+            _M,
+            _ONE,
+            "ModelSequenceBatching.StrategyOldest",
+            "strategy_choice",
+        ),
+        ("state", 5, _M, _MANY, "ModelSequenceBatching.State", ""),
+        ("iterative_sequence", 6, _B, _ONE, "", ""),
+    ],
     "ModelParameter": [("string_value", 1, _S, _ONE, "", "")],
     "ModelResponseCache": [("enable", 1, _B, _ONE, "", "")],
     "ModelConfig.ParametersEntry": [
@@ -154,6 +224,7 @@ _MESSAGES: Final[dict[str, list[tuple[str, int, int, int, str, str]]]] = {
         ("instance_group", 7, _M, _MANY, "ModelInstanceGroup", ""),
         ("default_model_filename", 8, _S, _ONE, "", ""),
         ("dynamic_batching", 11, _M, _ONE, "ModelDynamicBatching", "scheduling_choice"),
+        ("sequence_batching", 13, _M, _ONE, "ModelSequenceBatching", "scheduling_choice"),
         ("parameters", 14, _M, _MANY, "ModelConfig.ParametersEntry", ""),
         ("ensemble_scheduling", 15, _M, _ONE, "ModelEnsembling", "scheduling_choice"),
         ("backend", 17, _S, _ONE, "", ""),
@@ -305,6 +376,7 @@ _INT64_KEYS: Final = frozenset(
         "priority_levels",
         "default_priority_level",
         "default_timeout_microseconds",
+        "max_sequence_idle_microseconds",
     }
 )
 
@@ -399,7 +471,14 @@ def _translate(message: Any, doc: dict[str, Any], name: str, where: str) -> Trit
             )
         if levels:
             settings["scheduler"] = "priority"
-    if max_batch > 0 and not ensemble:
+    if message.HasField("sequence_batching"):
+        if ensemble:
+            raise ConfigError(
+                f"{where}: an ensemble has no sequence_batching; its steps' models do"
+            )
+        settings["batcher"] = "sequence"
+        settings["sequence"] = _sequence(message.sequence_batching, max_batch, where, notes)
+    elif max_batch > 0 and not ensemble:
         options: dict[str, Any] = {"max_batch_size": max_batch, "max_queue_delay": 0.0}
         if has_dynamic:
             options["max_queue_delay"] = batching.max_queue_delay_microseconds / 1e6
@@ -491,6 +570,135 @@ def _translate(message: Any, doc: dict[str, Any], name: str, where: str) -> Trit
         else:
             versions = "all"
     return TritonModel(doc, settings, versions, labels, levels, default_level, tuple(notes))
+
+
+#: Triton's control kinds as the ``[sequence]`` table's ``control`` keys.
+_CONTROL_KINDS: Final = {0: "start", 1: "ready", 2: "end", 3: "corrid"}
+
+
+def _sequence(batching: Any, max_batch: int, where: str, notes: list[str]) -> dict[str, Any]:
+    """``sequence_batching`` as a ``[sequence]`` table (see `SequenceConfig`)."""
+    what = "sequence_batching"
+    _refuse(
+        batching,
+        {"max_sequence_idle_microseconds", "control_input", "direct", "oldest", "state"},
+        where,
+        what,
+    )
+    table: dict[str, Any] = {"max_batch_size": max(max_batch, 1)}
+    if batching.max_sequence_idle_microseconds:
+        table["max_sequence_idle"] = batching.max_sequence_idle_microseconds / 1e6
+    # Triton's default strategy is direct (trioinfer's own default is oldest).
+    strategy = batching.WhichOneof("strategy_choice") or "direct"
+    table["strategy"] = strategy
+    chosen = batching.direct if strategy == "direct" else batching.oldest
+    if chosen.max_queue_delay_microseconds:
+        raise ConfigError(
+            f"{where}: {what}.{strategy}.max_queue_delay_microseconds is not supported: a "
+            "sequence batch leaves as soon as an instance is free; remove it"
+        )
+    if strategy == "direct":
+        _refuse(batching.direct, {"max_queue_delay_microseconds"}, where, f"{what}.direct")
+    else:
+        oldest = batching.oldest
+        _refuse(
+            oldest,
+            {
+                "max_candidate_sequences",
+                "preferred_batch_size",
+                "max_queue_delay_microseconds",
+                "preserve_ordering",
+            },
+            where,
+            f"{what}.oldest",
+        )
+        if oldest.max_candidate_sequences < 0:
+            raise ConfigError(
+                f"{where}: {what}.oldest.max_candidate_sequences must be >= 0, "
+                f"got {oldest.max_candidate_sequences}"
+            )
+        if oldest.max_candidate_sequences:
+            table["max_candidate_sequences"] = oldest.max_candidate_sequences
+        if oldest.preferred_batch_size:
+            notes.append(
+                f"{what}.oldest.preferred_batch_size has no effect: without a queue delay a "
+                "batch takes the requests ready when an instance is free"
+            )
+        if oldest.preserve_ordering:
+            notes.append(
+                f"{what}.oldest.preserve_ordering has no effect: each request gets its own "
+                "answer as soon as it is ready, and a sequence's requests run in order anyway"
+            )
+    control: dict[str, str] = {}
+    for item in batching.control_input:
+        _refuse(item, {"name", "control"}, where, f"{what}.control_input {item.name!r}")
+        if len(item.control) != 1:
+            raise ConfigError(
+                f"{where}: {what}.control_input {item.name!r} must hold exactly one control, "
+                f"got {len(item.control)}"
+            )
+        (one,) = item.control
+        kind = _CONTROL_KINDS[one.kind]
+        given = [
+            (field, list(getattr(one, field)))
+            for field in ("int32_false_true", "fp32_false_true", "bool_false_true")
+            if getattr(one, field)
+        ]
+        label = f"{what}.control_input {item.name!r} ({kind.upper()})"
+        if kind == "corrid":
+            if given:
+                raise ConfigError(f"{where}: {label} takes a data_type, not {given[0][0]}")
+        else:
+            if len(given) != 1:
+                raise ConfigError(
+                    f"{where}: {label} needs one of int32_false_true, fp32_false_true or "
+                    "bool_false_true"
+                )
+            field, values = given[0]
+            if values != [0, 1]:  # [False, True] compares equal too
+                raise ConfigError(
+                    f"{where}: {label}: {field} must be "
+                    + ("[false, true]" if field == "bool_false_true" else "[0, 1]")
+                    + f", got {values}; trioinfer feeds 0 and 1 (false and true) in the "
+                    "input's own type"
+                )
+        if kind in control:
+            raise ConfigError(f"{where}: {what} has two {kind.upper()} control inputs")
+        control[kind] = item.name
+    table["control"] = control
+    states = []
+    for state in batching.state:
+        label = f"{what}.state {state.input_name!r}"
+        _refuse(
+            state,
+            {"input_name", "output_name", "data_type", "dims", "initial_state"},
+            where,
+            label,
+        )
+        entry: dict[str, Any] = {"input": state.input_name, "output": state.output_name}
+        if state.dims:
+            if min(state.dims) < 0:
+                raise ConfigError(
+                    f"{where}: {label} dims must be fixed sizes >= 0 (growable state is not "
+                    f"supported), got {list(state.dims)}"
+                )
+            entry["shape"] = list(state.dims)
+        if len(state.initial_state) > 1:
+            raise ConfigError(f"{where}: {label} takes at most one initial_state")
+        for initial in state.initial_state:
+            if initial.WhichOneof("state_data") != "zero_data" or not initial.zero_data:
+                raise ConfigError(
+                    f"{where}: {label}: initial_state must be zero_data: true (data_file is "
+                    "not supported)"
+                )
+            if initial.dims and list(initial.dims) != list(state.dims):
+                raise ConfigError(
+                    f"{where}: {label}: initial_state dims {list(initial.dims)} differ from "
+                    f"the state's {list(state.dims)}"
+                )
+        states.append(entry)
+    table["state"] = states
+    return table
 
 
 def _instances(group: Any, where: str) -> list[dict[str, Any]]:

@@ -299,6 +299,10 @@ class WorkerLink:
         """
         await self._change({"op": "trace", "model": model, "settings": dict(settings)})
 
+    async def log_settings(self, settings: Mapping[str, Any]) -> None:
+        """Apply Triton's log *settings* on every worker (and on any that restarts later)."""
+        await self._change({"op": "logging", "settings": dict(settings)})
+
     async def merged_stats(
         self, local: list[dict[str, Any]], model: str | None, version: str | None
     ) -> list[dict[str, Any]]:
@@ -345,6 +349,7 @@ class WorkerLink:
     async def _handle(self, message: dict[str, Any]) -> dict[str, Any]:
         from .._trace_settings import update_trace_settings
         from ._app import model_stats
+        from ._logging import update_log_settings
 
         state = self._state
         assert state is not None
@@ -359,6 +364,9 @@ class WorkerLink:
             if op == "trace":
                 tracing = state.models.engine._tracing
                 update_trace_settings(tracing, message["model"], message["settings"])
+                return {"ok": True}
+            if op == "logging":
+                update_log_settings(message["settings"])
                 return {"ok": True}
             if op == "stats":
                 return {"stats": model_stats(state, message["model"], message["version"])}
@@ -521,7 +529,7 @@ class _Supervisor:
 
     async def handle(self, message: dict[str, Any]) -> dict[str, Any]:
         op = message["op"]
-        if op in ("load", "unload", "trace"):
+        if op in ("load", "unload", "trace", "logging"):
             return await self._change(message)
         if op == "gather":
             return {"replies": await self._gather(message["call"], exclude=message["exclude"])}
@@ -551,10 +559,9 @@ class _Supervisor:
                     return {"error": {"type": "TrioInferError", "message": message}}
                 if "error" in reply:
                     log.warning(
-                        "worker %d could not repeat the %s of model %r made before it started: %s",
+                        "worker %d could not repeat %s made before it started: %s",
                         worker.index,
-                        change["op"],
-                        change["model"],
+                        _what(change),
                         reply["error"]["message"],
                     )
             worker.member = True
@@ -568,7 +575,7 @@ class _Supervisor:
             failed = [(w.index, r["error"]) for w, r in replies if r is not None and "error" in r]
             if not failed or applied:
                 # Workers that died meanwhile take it when they restart.
-                for key, change in _journal_entries(message):
+                for key, change in _journal_entries(message, self.journal):
                     self.journal.pop(key, None)
                     self.journal[key] = change
             if not failed:
@@ -576,10 +583,7 @@ class _Supervisor:
             errors = {(e["type"], e["message"]) for _, e in failed}
             if not applied and len(errors) == 1:
                 return {"error": failed[0][1]}  # as a single server would have failed
-            if message["op"] == "trace":
-                what = "the trace settings change"
-            else:
-                what = f"the {message['op']} of model {message['model']!r}"
+            what = _what(message)
             said = "; ".join(f"worker {i}: {e['message']}" for i, e in failed)
             return {
                 "error": {
@@ -600,15 +604,19 @@ class _Supervisor:
 
 
 def _journal_entries(
-    message: dict[str, Any],
+    message: dict[str, Any], journal: Mapping[str | tuple[str, ...], dict[str, Any]]
 ) -> list[tuple[str | tuple[str, ...], dict[str, Any]]]:
     """What the journal keeps of a change that applied: its key(s), and what to replay.
 
     A model's load or unload replaces its last one. Trace settings are kept one
     per setting (server-wide, or a model's): each setting changes alone, so the
     last value of each, replayed in any order, gives a restarted worker the
-    settings the others have.
+    settings the others have. Log settings are checked together (info needs
+    warning, say), so they are kept as one change, merged with the last.
     """
+    if message["op"] == "logging":
+        before = journal.get(("logging",), {}).get("settings", {})
+        return [(("logging",), {**message, "settings": {**before, **message["settings"]}})]
     if message["op"] != "trace":
         return [(message["model"], message)]
     model, settings = message["model"], message["settings"]
@@ -618,6 +626,13 @@ def _journal_entries(
         (("trace", model or "", name), {"op": "trace", "model": model, "settings": {name: value}})
         for name, value in settings.items()
     ]
+
+
+def _what(change: Mapping[str, Any]) -> str:
+    """A change the supervisor fans out, as messages name it."""
+    if change["op"] in ("trace", "logging"):
+        return f"the {change['op']} settings change"
+    return f"the {change['op']} of model {change['model']!r}"
 
 
 async def _each(
@@ -812,15 +827,13 @@ def _worker_main(argv: list[str]) -> int:
     from .._trace_settings import provider_from_settings
     from ._app import ServerConfig
     from ._codec import Limits
+    from ._logging import install_handler
     from ._models import public_names
     from ._serve import serve_http
 
     index = int(argv[0])
     spec = json.loads(os.environ.pop(SPEC_ENV))
-    logging.basicConfig(
-        level=spec["log_level"].upper(),
-        format=f"%(asctime)s worker {index} %(name)s %(levelname)s %(message)s",
-    )
+    install_handler(spec["log_level"], prefix=f"worker {index} ")
     settings = spec["config"]
     tracing = provider_from_settings(*settings["trace"], environ=os.environ)
     config = ServerConfig(
