@@ -512,3 +512,31 @@ def test_unhashable_headers_and_many_heads_still_encode() -> None:
     for length in range(1000):
         assert b"content-length: %d\r\n" % length in head(200, body_length=length).data
     assert len(_HEAD_CACHE) <= 256
+
+
+def test_a_cached_head_takes_each_bodys_own_length() -> None:
+    # JSON answers vary in length: one cache entry serves them all, each head
+    # byte for byte what encoding it afresh gives.
+    from trioinfer.server._framing import _encode_response_head
+
+    _HEAD_CACHE.clear()
+    parts = [(b"content-type", b"application/json")]
+    settings = (b"POST", "1.1", True)
+    for length in (7, 123, 7, 4096, 1, 123):
+        got = encode_response_head(200, parts, *settings, length, False, DATE)
+        fresh = _encode_response_head(200, parts, *settings, length, False, DATE)[0]
+        assert got.data == fresh.data
+        assert (got.keep_alive, got.chunked, got.no_body) == (True, False, False)
+    assert len(_HEAD_CACHE) == 1
+    # HEAD: an empty body says no length at all, a non-empty one says its own.
+    assert b"content-length" not in head(200, parts, method=b"HEAD", body_length=0).data
+    assert b"content-length: 9\r\n" in head(200, parts, method=b"HEAD", body_length=9).data
+    # An app's own content-length is kept as the app set it.
+    own = [(b"content-length", b"5")]
+    assert head(200, own, body_length=5).data.count(b"content-length") == 1
+    assert head(200, own, body_length=3).declared_length == 5
+
+
+def test_a_writable_memoryview_header_value_is_encoded_not_cached() -> None:
+    value = memoryview(bytearray(b"v"))
+    assert b"x-a: v\r\n" in head(200, [(b"x-a", value)]).data  # type: ignore[list-item]

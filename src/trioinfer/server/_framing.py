@@ -574,10 +574,13 @@ class ResponseHead:
         self.declared_length = declared_length
 
 
-#: Recent response heads by everything they are made of: an inference server
-#: answers the same few heads (a status, a content type, a handful of body
-#: lengths, the second's date) over and over. Emptied when full.
-_HEAD_CACHE: Final[dict[tuple[Any, ...], ResponseHead]] = {}
+#: Recent response heads by everything they are made of but the body's length:
+#: an inference server answers the same few heads (a status, a content type,
+#: the second's date) over and over, with bodies whose length varies (JSON's
+#: numbers). Each entry is the head, where its ``content-length`` line
+#: starts and ends (-1 when it has none), and the length it says. Emptied
+#: when full.
+_HEAD_CACHE: Final[dict[tuple[Any, ...], tuple[ResponseHead, int, int, int]]] = {}
 _HEAD_CACHE_SIZE: Final = 256
 _HEAD_CACHE_BYTES: Final = 1024
 
@@ -596,8 +599,9 @@ def encode_response_head(
     """The status line and headers of a response, with framing and connection headers added.
 
     Positional arguments only: this runs once per response, and keywords cost.
-    A head made of the same parts as a recent one is that one (a `ResponseHead`
-    is never changed): looking it up costs a fraction of making it.
+    A head made of the same parts as a recent one is that one, with this
+    body's length put in (a `ResponseHead` is never changed): looking it up
+    costs a fraction of making it.
 
     Args:
         status: The status code.
@@ -615,22 +619,35 @@ def encode_response_head(
             ``content-length`` is not a number.
     """
     headers = tuple(headers)
-    key = (status, headers, method, http_version, keep_alive, body_length, more, date)
+    # The length changes the head only through its content-length line, and
+    # for HEAD whether there is one at all.
+    key = (status, headers, method, http_version, keep_alive, more, date, body_length > 0)
     try:
-        head = _HEAD_CACHE.get(key)
-    except TypeError:  # headers as lists, say: unhashable, so not cached
+        cached = _HEAD_CACHE.get(key)
+    except (TypeError, ValueError):  # unhashable headers (lists, writable memoryviews): not cached
         return _encode_response_head(
             status, headers, method, http_version, keep_alive, body_length, more, date
-        )
-    if head is None:
-        head = _encode_response_head(
+        )[0]
+    if cached is None:
+        head, start, end = _encode_response_head(
             status, headers, method, http_version, keep_alive, body_length, more, date
         )
         if len(head.data) <= _HEAD_CACHE_BYTES:  # a few small heads, not an app's big ones
             if len(_HEAD_CACHE) >= _HEAD_CACHE_SIZE:
                 _HEAD_CACHE.clear()
-            _HEAD_CACHE[key] = head
-    return head
+            _HEAD_CACHE[key] = (head, start, end, body_length)
+        return head
+    head, start, end, length = cached
+    if start < 0 or length == body_length:
+        return head
+    data = head.data
+    return ResponseHead(
+        b"%bcontent-length: %d\r\n%b" % (data[:start], body_length, data[end:]),
+        head.keep_alive,
+        head.chunked,
+        head.no_body,
+        head.declared_length,
+    )
 
 
 def _encode_response_head(
@@ -643,8 +660,11 @@ def _encode_response_head(
     more: bool,
     date: bytes,
     /,
-) -> ResponseHead:
+) -> tuple[ResponseHead, int, int]:
+    # The head, and where the content-length line made here starts and ends in
+    # its bytes (-1, -1 when there is none).
     found = 0  # bit set of the _SPECIAL_HEADERS seen
+    length_at = -1  # the index in parts of the content-length line made here
     parts = [_STATUS_LINES.get(status) or _status_line(status)]
     special = _SPECIAL_HEADERS
     chunked = False
@@ -672,6 +692,7 @@ def _encode_response_head(
         if not more:
             # For HEAD, the body an app sends anyway is the one GET would get.
             if body_length or not head_request:
+                length_at = len(parts)
                 parts.append(b"content-length: %d\r\n" % body_length)
                 lines += 1
         elif head_request:
@@ -701,7 +722,11 @@ def _encode_response_head(
     # or value would let the app's data inject headers or responses.
     if data.count(b"\n") != lines + 2 or data.count(b"\r") != lines + 2:
         raise ValueError("response header names and values must not contain CR or LF")
-    return ResponseHead(data, keep_alive, chunked, no_body, declared)
+    head = ResponseHead(data, keep_alive, chunked, no_body, declared)
+    if length_at < 0:
+        return head, -1, -1
+    start = sum(map(len, parts[:length_at]))
+    return head, start, start + len(parts[length_at])
 
 
 def frame_body(head: ResponseHead, body: bytes, more: bool) -> bytes:
