@@ -455,6 +455,27 @@ async def test_fast_effective_deadline_agrees_with_trio() -> None:
         nursery.start_soon(child)
 
 
+async def test_a_deadline_reader_that_disagrees_with_trio_is_not_used(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A Trio whose cancel scopes changed meaning gets Trio's own reader, not a wrong fast one."""
+    from trioinfer import _threads
+
+    def ignores_shields() -> float:
+        # What the fast reader would read if Trio's ``_shield`` stopped meaning a shield.
+        status = _threads._trio_run.GLOBAL_RUN_CONTEXT.task._cancel_status
+        deadline = math.inf
+        while status is not None:
+            deadline = min(deadline, status._scope._deadline)
+            status = status._parent
+        return -math.inf if trio.current_effective_deadline() == -math.inf else deadline
+
+    monkeypatch.setattr(_threads, "_trio_effective_deadline", ignores_shields)
+    assert _threads.LoopClock().current_effective_deadline is trio.current_effective_deadline
+    monkeypatch.setattr(_threads, "_trio_run", None)  # a Trio that moved the module
+    assert _threads.LoopClock().current_effective_deadline is trio.current_effective_deadline
+
+
 def test_split_gives_each_request_views_of_its_own_rows() -> None:
     """The batch's outputs cut by rows: every output, one output, or none at all."""
     from trioinfer._request import make_request

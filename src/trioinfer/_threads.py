@@ -21,7 +21,12 @@ import anyio
 import anyio.lowlevel
 import sniffio
 import trio.lowlevel as _trio  # a core dependency; used only when Trio runs
-from trio._core import _run as _trio_run  # for _trio_effective_deadline, checked at use
+
+_trio_run: Any
+try:  # for _trio_effective_deadline, checked at use; a Trio that moved it gets Trio's own
+    from trio._core import _run as _trio_run
+except ImportError:  # pragma: no cover - depends on the installed Trio
+    _trio_run = None
 
 T = TypeVar("T")
 
@@ -154,14 +159,35 @@ def _trio_effective_deadline() -> float:
 
 def _trio_deadline_reader() -> Callable[[], float]:
     # The fast reader if this Trio has the fields it reads and it agrees with
-    # Trio here and now; Trio's own function otherwise (a Trio that changed them).
+    # Trio's own function in scopes built here for the purpose (deadlines,
+    # relative and absolute, a shield, a cancellation not yet delivered);
+    # Trio's own function otherwise (a Trio that changed them).
     import trio
 
-    try:
-        if _trio_effective_deadline() == trio.current_effective_deadline():
-            return _trio_effective_deadline
-    except AttributeError:
-        pass
+    def agrees() -> bool:
+        now = trio.current_time()
+        cancelled = trio.CancelScope()
+        scopes = [
+            trio.CancelScope(deadline=now + 30.0),
+            trio.CancelScope(relative_deadline=20.0),
+            trio.CancelScope(shield=True, deadline=now + 40.0),
+            cancelled,  # cancelled, never delivered: nothing checkpoints in here
+        ]
+        with contextlib.ExitStack() as stack:
+            for scope in scopes:
+                stack.enter_context(scope)
+                if scope is cancelled:
+                    scope.cancel()
+                if _trio_effective_deadline() != trio.current_effective_deadline():
+                    return False
+        return _trio_effective_deadline() == trio.current_effective_deadline()
+
+    if _trio_run is not None:
+        try:
+            if agrees():
+                return _trio_effective_deadline
+        except AttributeError:
+            pass
     return trio.current_effective_deadline
 
 
