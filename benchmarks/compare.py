@@ -126,6 +126,21 @@ over Ray Serve >= 5x on digits and > 1x on wide, both JSON). ``--plot FILE`` wri
 of req/s per system and model at each concurrency, the ceilings dashed (needs matplotlib;
 skipped with the reason when it is missing).
 
+Over V2 gRPC (``--protocols grpc``, or ``http,grpc``; issue 21): the systems that serve it
+(``GRPC_SYSTEMS``: trioinfer's, each ``serve``'s gRPC endpoint on the free port it prints, and
+Triton, its gRPC on 127.0.0.1 at the port the script gives) are driven with this checkout's
+``trioinfer bench --protocol grpc`` for every system (closed loop, C grpc.aio tasks over
+ceil(C/16) channels, raw tensor contents, random inputs from the model's metadata): a
+warm-up window, idle, then one measured window, the server tree's CPU read around the
+measured call and divided by the requests the window completed; ``client us/req`` is the
+bench's own CPU. Each system's gRPC answer (tritonclient.grpc, the sample row the HTTP check
+sends) is checked against ONNX Runtime's first. Same models, batching, instances and threads
+as over HTTP: the same server process serves both protocols in a repeat. The naive server,
+MLServer and Ray Serve have no ``+grpc`` rows. ``--tree DIR`` adds the system
+``trioinfer-tree``: ``trioinfer serve`` with ``DIR/src`` and ``DIR/plugins`` first on its
+``PYTHONPATH`` (a branch exported with ``git archive``), beside this checkout's, with the
+same load generators.
+
 Usage:  .venv/bin/python benchmarks/compare.py
         .venv/bin/python benchmarks/compare.py --duration 3 --repeat 2 --plot /tmp/compare.png
         .venv/bin/python benchmarks/compare.py --systems trioinfer,naive --models digits
@@ -135,6 +150,10 @@ Usage:  .venv/bin/python benchmarks/compare.py
             --binary-models "" --concurrency 64 --duration 4 --repeat 2 --no-ceiling
         .venv/bin/python benchmarks/compare.py --models minilm --concurrency 1,16,64 --duration 20
         .venv/bin/python benchmarks/compare.py --models minilm --concurrency 64 --instances 2
+        .venv/bin/python benchmarks/compare.py --systems trioinfer,triton --protocols grpc \
+            --concurrency 64 --duration 4 --repeat 2 --no-ceiling
+        .venv/bin/python benchmarks/compare.py --systems trioinfer,trioinfer-tree,triton \
+            --tree /tmp/g3 --protocols http,grpc --binary-models digits,wide --concurrency 64
 See benchmarks/README.md ("compare.py") for what each column means.
 """
 
