@@ -1112,8 +1112,8 @@ def measure(
 
 def check_grpc_answer(server: Server, model: bench_http.Model) -> None:
     """One V2 gRPC ``ModelInfer`` with tritonclient: raise SystemExit unless it matches ORT's."""
-    import tritonclient.grpc as grpcclient
-    from tritonclient.utils import InferenceServerException, np_to_triton_dtype
+    import tritonclient.grpc as grpcclient  # type: ignore[import-untyped]
+    from tritonclient.utils import InferenceServerException, np_to_triton_dtype  # type: ignore[import-untyped]
 
     inputs = []
     for name, array in model.sample.items():
