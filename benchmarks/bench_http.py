@@ -359,6 +359,7 @@ class Server:
     process: subprocess.Popen[bytes]
     base: str  # http://127.0.0.1:PORT
     log: Path  # its stderr
+    grpc: str | None = None  # 127.0.0.1:PORT of its V2 gRPC endpoint, if it serves one
 
     def cpu_s(self) -> float:
         """User + system CPU time of the server process, all threads (``/proc/<pid>/stat``)."""
@@ -404,16 +405,19 @@ def start_server(repository: Path, args: argparse.Namespace, log: Path) -> Serve
     with log.open("wb") as err:
         process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=err)
     try:
-        base = read_url(process, log)
+        base, grpc = read_url(process, log)
         wait_ready(base, process, log)
     except BaseException:
         stop_server(process)
         raise
-    return Server(process, base, log)
+    return Server(process, base, log, grpc)
 
 
-def read_url(process: subprocess.Popen[bytes], log: Path) -> str:
-    """Read the server's stdout until it says where it listens."""
+def read_url(process: subprocess.Popen[bytes], log: Path) -> tuple[str, str | None]:
+    """Read the server's stdout until it says where it listens: (its URL, its gRPC address).
+
+    The gRPC address (``127.0.0.1:PORT``) is None when the server serves no gRPC.
+    """
     assert process.stdout is not None
     fd = process.stdout.fileno()  # read unbuffered: select() cannot see a Python buffer
     end = time.monotonic() + READY_TIMEOUT_S
@@ -424,7 +428,8 @@ def read_url(process: subprocess.Popen[bytes], log: Path) -> str:
         seen += chunk
         match = re.search(rb"listening on (http://127\.0\.0\.1:\d+)\s", seen)
         if match:
-            return match.group(1).decode()
+            grpc = re.search(rb"gRPC on (\S+)", seen)  # printed before the HTTP line
+            return match.group(1).decode(), grpc.group(1).decode() if grpc else None
         if (ready and not chunk) or process.poll() is not None:
             break  # the server closed its stdout or exited
     raise SystemExit(

@@ -126,6 +126,21 @@ over Ray Serve >= 5x on digits and > 1x on wide, both JSON). ``--plot FILE`` wri
 of req/s per system and model at each concurrency, the ceilings dashed (needs matplotlib;
 skipped with the reason when it is missing).
 
+Over V2 gRPC (``--protocols grpc``, or ``http,grpc``; issue 21): the systems that serve it
+(``GRPC_SYSTEMS``: trioinfer's, each ``serve``'s gRPC endpoint on the free port it prints, and
+Triton, its gRPC on 127.0.0.1 at the port the script gives) are driven with this checkout's
+``trioinfer bench --protocol grpc`` for every system (closed loop, C grpc.aio tasks over
+ceil(C/16) channels, raw tensor contents, random inputs from the model's metadata): a
+warm-up window, idle, then one measured window, the server tree's CPU read around the
+measured call and divided by the requests the window completed; ``client us/req`` is the
+bench's own CPU. Each system's gRPC answer (tritonclient.grpc, the sample row the HTTP check
+sends) is checked against ONNX Runtime's first. Same models, batching, instances and threads
+as over HTTP: the same server process serves both protocols in a repeat. The naive server,
+MLServer and Ray Serve have no ``+grpc`` rows. ``--tree DIR`` adds the system
+``trioinfer-tree``: ``trioinfer serve`` with ``DIR/src`` and ``DIR/plugins`` first on its
+``PYTHONPATH`` (a branch exported with ``git archive``), beside this checkout's, with the
+same load generators.
+
 Usage:  .venv/bin/python benchmarks/compare.py
         .venv/bin/python benchmarks/compare.py --duration 3 --repeat 2 --plot /tmp/compare.png
         .venv/bin/python benchmarks/compare.py --systems trioinfer,naive --models digits
@@ -135,6 +150,10 @@ Usage:  .venv/bin/python benchmarks/compare.py
             --binary-models "" --concurrency 64 --duration 4 --repeat 2 --no-ceiling
         .venv/bin/python benchmarks/compare.py --models minilm --concurrency 1,16,64 --duration 20
         .venv/bin/python benchmarks/compare.py --models minilm --concurrency 64 --instances 2
+        .venv/bin/python benchmarks/compare.py --systems trioinfer,triton --protocols grpc \
+            --concurrency 64 --duration 4 --repeat 2 --no-ceiling
+        .venv/bin/python benchmarks/compare.py --systems trioinfer,trioinfer-tree,triton \
+            --tree /tmp/g3 --protocols http,grpc --binary-models digits,wide --concurrency 64
 See benchmarks/README.md ("compare.py") for what each column means.
 """
 
@@ -144,6 +163,7 @@ import argparse
 import contextlib
 import copy
 import dataclasses
+import gc
 import json
 import math
 import os
@@ -159,9 +179,11 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -173,11 +195,32 @@ from bench_engine import versions
 from bench_http import CLK_TCK, MAX_BATCH, MAX_QUEUE_DELAY, Row
 from venvs import peer_venv
 
-SYSTEMS = ("trioinfer", "t-asyncio", "trioinfer-ray", "naive", "mlserver", "triton", "ray")
+SYSTEMS = (
+    "trioinfer",
+    "t-asyncio",
+    "trioinfer-ray",
+    "trioinfer-tree",
+    "naive",
+    "mlserver",
+    "triton",
+    "ray",
+)
 PEERS = ("naive", "mlserver", "triton", "ray")  # each gets a "trioinfer over it" ratio
-TRIOINFER_ARGS = {"trioinfer": "", "t-asyncio": "--loop asyncio", "trioinfer-ray": ""}
+TRIOINFER_ARGS = {
+    "trioinfer": "",
+    "t-asyncio": "--loop asyncio",
+    "trioinfer-ray": "",
+    "trioinfer-tree": "",
+}
+PROTOCOLS = ("http", "grpc")
+# The systems measured over V2 gRPC (--protocols grpc): the others serve no V2 gRPC here
+# (the naive and Ray Serve scripts serve HTTP only; MLServer's gRPC is not wired up).
+GRPC_SYSTEMS = ("trioinfer", "t-asyncio", "trioinfer-ray", "trioinfer-tree", "triton")
 UVLOOP = "uvloop==0.21.0"
 READY_TIMEOUT_S = 180.0
+# The gRPC load generator: this checkout's trioinfer bench (its grpc.aio client), for every
+# system alike, whatever tree the server runs from.
+BENCH = (sys.executable, "-m", "trioinfer", "bench")
 LOOPBACK = ("127.0.0.1:", "[::ffff:127.0.0.1]:", "[::1]:")  # MLServer's gRPC shows the middle one
 PYTRITON = "nvidia-pytriton"
 RAY = "ray[serve]"
@@ -189,6 +232,9 @@ GOALS = {
     # Issue 19's: the ray backend against Ray Serve on the same local Ray, JSON bodies.
     "trioinfer-ray over ray, digits JSON": ("digits", "trioinfer-ray", "ray", 5.0),
     "trioinfer-ray over ray, wide JSON": ("wide", "trioinfer-ray", "ray", 1.0),
+    # Issue 21's: trioinfer's V2 gRPC ahead of Triton's, same client (trioinfer bench).
+    "trioinfer+grpc over triton+grpc, digits": ("digits", "trioinfer+grpc", "triton+grpc", 1.0),
+    "trioinfer+grpc over triton+grpc, wide": ("wide", "trioinfer+grpc", "triton+grpc", 1.0),
 }
 
 MLSERVER_RUNTIME = '''\
@@ -573,6 +619,7 @@ class Server:
     base: str
     log: Path
     counted: bool  # whether it has trioinfer's /v2/models/{m}/stats
+    grpc: str | None = None  # 127.0.0.1:PORT of its V2 gRPC endpoint, if it serves one
 
     def cpu_s(self) -> float:
         return tree_cpu_s(self.process.pid)
@@ -611,10 +658,47 @@ def stop(server: Server) -> None:
 
 
 def start_trioinfer(system: str, repository: Path, args: argparse.Namespace, log: Path) -> Server:
+    """``trioinfer serve`` (HTTP, and gRPC on a free port); ``trioinfer-tree`` from ``--tree``."""
     opts = copy.copy(args)
     opts.server_args = TRIOINFER_ARGS[system]
-    inner = bench_http.start_server(repository, opts, log)
-    return Server(system, inner.process, inner.base, log, counted=True)
+    env = {}
+    if system == "trioinfer-tree":
+        env["PYTHONPATH"] = tree_path(args.tree)
+    with environ(env):
+        inner = bench_http.start_server(repository, opts, log)
+    return Server(system, inner.process, inner.base, log, counted=True, grpc=inner.grpc)
+
+
+def tree_path(tree: str) -> str:
+    """``PYTHONPATH`` that runs trioinfer (and its plugins) from the source tree *tree*."""
+    parts = [str(Path(tree, "src")), str(Path(tree, "plugins"))]
+    return os.pathsep.join([*parts, *filter(None, [os.environ.get("PYTHONPATH")])])
+
+
+def tree_origin(tree: str) -> str:
+    """Where ``import trioinfer`` finds it with *tree*'s path first: it must be inside *tree*."""
+    done = subprocess.run(
+        [sys.executable, "-c", "import trioinfer; print(trioinfer.__file__)"],
+        capture_output=True,
+        text=True,
+        env=dict(os.environ, PYTHONPATH=tree_path(tree)),
+    )
+    return done.stdout.strip() if done.returncode == 0 else f"(fails: {done.stderr[-300:]})"
+
+
+@contextlib.contextmanager
+def environ(env: dict[str, str]) -> Iterator[None]:
+    """This process's environment with *env* set, restored after (servers inherit it)."""
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                del os.environ[k]
+            else:
+                os.environ[k] = v
 
 
 def write_ray_repository(source: Path, target: Path, models: Sequence[str]) -> None:
@@ -649,16 +733,8 @@ def start_trioinfer_ray(
         "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
         "RAY_USAGE_STATS_ENABLED": "0",
     }
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)  # bench_http.start_server's child inherits this process's environment
-    try:
+    with environ(env):  # bench_http.start_server's child inherits this process's environment
         return start_trioinfer("trioinfer-ray", repository, args, log)
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                del os.environ[k]
-            else:
-                os.environ[k] = v
 
 
 def free_port() -> int:
@@ -758,7 +834,14 @@ def start_script(
             cwd=log.parent,
             env=env,
         )
-    server = Server(system, process, f"http://127.0.0.1:{http_port}", log, counted=False)
+    server = Server(
+        system,
+        process,
+        f"http://127.0.0.1:{http_port}",
+        log,
+        counted=False,
+        grpc=f"127.0.0.1:{grpc_port}",
+    )
     try:
         problem = wait_models(server, list(models))
     except BaseException:
@@ -931,12 +1014,26 @@ def python_peer_env(
 
 
 def label(system: str, encoding: str) -> str:
-    """A system and body encoding as the table names them: ``triton`` (JSON), ``triton+bin``."""
-    return system if encoding == "json" else f"{system}+bin"
+    """A system and body encoding as the table names them.
+
+    ``triton`` (HTTP, JSON), ``triton+bin`` (HTTP, binary tensors), ``triton+grpc``.
+    """
+    return {"json": system, "binary": f"{system}+bin", "grpc": f"{system}+grpc"}[encoding]
 
 
 def encodings_of(model: str, args: argparse.Namespace) -> list[str]:
-    return ["json", "binary"] if model in args.binary_models else ["json"]
+    """How *model* is measured: over HTTP JSON (and binary), over gRPC, per ``--protocols``."""
+    found = []
+    if "http" in args.protocols:
+        found += ["json", "binary"] if model in args.binary_models else ["json"]
+    if "grpc" in args.protocols:
+        found.append("grpc")
+    return found
+
+
+def measured(system: str, encoding: str) -> bool:
+    """Whether *system* is measured with *encoding* at all (gRPC: only those serving it)."""
+    return encoding != "grpc" or system in GRPC_SYSTEMS
 
 
 def triton_view(model: bench_http.Model) -> bench_http.Model:
@@ -966,10 +1063,12 @@ def verify(
             model = triton_view(model)
         for encoding in encodings_of(name, args):
             how = label(server.system, encoding)
-            if how in skipped:
+            if how in skipped or not measured(server.system, encoding):
                 continue
             try:
-                if (name, encoding) not in scripts:
+                if encoding == "grpc":
+                    check_grpc_answer(server, model)
+                elif (name, encoding) not in scripts:
                     script = bench_http.write_script(lua_dir, model, encoding, server)  # type: ignore[arg-type]
                     scripts[name, encoding] = script.path
                 else:
@@ -978,7 +1077,10 @@ def verify(
             except SystemExit as exc:
                 if encoding == "json":
                     raise
-                skipped[how] = f"binary tensor bodies not taken: {str(exc)[:200]}"
+                what = "V2 gRPC infer fails"
+                if encoding == "binary":
+                    what = "binary tensor bodies not taken"
+                skipped[how] = f"{what}: {str(exc)[:200]}"
                 print(f"  {how} SKIPPED: {skipped[how]}", flush=True)
                 continue
             if f"{how}/{name}" not in checked:
@@ -1005,6 +1107,110 @@ def measure(
         model=model,
         how=how,
         counted=server.counted,
+    )
+
+
+def check_grpc_answer(server: Server, model: bench_http.Model) -> None:
+    """One V2 gRPC ``ModelInfer`` with tritonclient: raise SystemExit unless it matches ORT's."""
+    import tritonclient.grpc as grpcclient  # type: ignore[import-untyped]
+    from tritonclient.utils import InferenceServerException, np_to_triton_dtype  # type: ignore[import-untyped]
+
+    inputs = []
+    for name, array in model.sample.items():
+        tensor = grpcclient.InferInput(name, list(array.shape), np_to_triton_dtype(array.dtype))
+        tensor.set_data_from_numpy(array)
+        inputs.append(tensor)
+    wanted = [grpcclient.InferRequestedOutput(n) for n in model.outputs]
+    try:
+        with grpcclient.InferenceServerClient(server.grpc or "") as client:
+            result = client.infer(model.name, inputs, outputs=wanted, client_timeout=60)
+    except InferenceServerException as exc:
+        raise SystemExit(f"{model.name}/grpc: the server answered {exc}") from None
+    for name, expected in model.reference.items():
+        got = result.as_numpy(name)
+        if got is None or got.shape != expected.shape or not np.allclose(got, expected, 1e-4, 1e-5):
+            raise SystemExit(
+                f"{model.name}/grpc: output {name!r} differs from ONNX Runtime's: "
+                f"expected {expected.ravel()[:5]}..., "
+                f"got {None if got is None else got.ravel()[:5]}"
+            )
+
+
+def run_bench(server: Server, model: str, conc: int, seconds: int) -> dict[str, Any]:
+    """One closed-loop window of ``trioinfer bench --protocol grpc`` (no warm-up of its own).
+
+    Returns its ``--json`` result row, with ``server_cpu_s``: the server tree's CPU time
+    around the whole call.
+    """
+    with tempfile.NamedTemporaryFile(suffix=".json") as out:
+        command = [
+            *BENCH,
+            "--protocol",
+            "grpc",
+            "--url",
+            f"grpc://{server.grpc}",
+            "-m",
+            model,
+            "--concurrency",
+            str(conc),
+            "--warmup",
+            "0",
+            "--window",
+            str(seconds),
+            "--windows",
+            "1",
+            "--json",
+            out.name,
+        ]
+        cpu0 = server.cpu_s()
+        done = subprocess.run(command, capture_output=True, text=True)
+        cpu1 = server.cpu_s()
+        if done.returncode != 0:
+            raise RuntimeError(
+                f"{shlex.join(command)} failed ({done.returncode}): "
+                f"{(done.stderr or done.stdout)[-400:]}"
+            )
+        row: dict[str, Any] = json.loads(Path(out.name).read_text())["results"][0]
+    row["server_cpu_s"] = cpu1 - cpu0
+    return row
+
+
+def measure_grpc(
+    server: Server, model: str, how: str, conc: int, args: argparse.Namespace, rep: int
+) -> Row:
+    """A warm-up window, idle, then one measured window of trioinfer bench over gRPC.
+
+    The server's CPU counts over the whole measured call: the client's start-up
+    (no server work but one ``ModelMetadata`` and its channels' handshakes) and
+    the answers still in flight when the window closes are in it, per request
+    a few per mille at these rates, and the same for every system.
+    """
+    if args.warmup:
+        run_bench(server, model, conc, args.warmup)
+        server.wait_idle()
+    gc.collect()
+    counts0 = server.counts(model) if server.counted else (0, 0)
+    result = run_bench(server, model, conc, args.duration)
+    counts1 = server.counts(model) if server.counted else (0, 0)
+    requests = result["completed"]
+    inferences, executions = counts1[0] - counts0[0], counts1[1] - counts0[1]
+    errors = {}
+    for item in (result.get("errors_by_status") or "").split():
+        status, _, count = item.rpartition(":")
+        errors[status] = int(count)
+    return Row(
+        model,
+        how,
+        conc,
+        rep,
+        result["throughput"],
+        result["p50_ms"],
+        result["p99_ms"],
+        result["server_cpu_s"] / requests * 1e6 if requests else math.nan,
+        result["server_cpu_s"] / args.duration,
+        result["cpu_us_per_request"],
+        inferences / executions if executions else math.nan,
+        errors,
     )
 
 
@@ -1063,8 +1269,9 @@ def print_table(rows: Sequence[Row], systems: Sequence[str], args: argparse.Name
         "+bin: binary tensor bodies; x ceil: req/s over the repeat's ort32 ceiling"
     )
     header = (
-        f"{'system':<14} {'model':<6} {'C':>3} {'req/s':>22} {'x ceil':>18} {'p50 ms':>18} "
+        f"{'system':<19} {'model':<6} {'C':>3} {'req/s':>22} {'x ceil':>18} {'p50 ms':>18} "
         f"{'p99 ms':>20} {'errors':>6} {'CPU us/req':>20}"
+        + (f" {'client us/req':>20}" if "grpc" in args.protocols else "")
     )
     print(header)
     for model in args.models:
@@ -1073,7 +1280,7 @@ def print_table(rows: Sequence[Row], systems: Sequence[str], args: argparse.Name
             c for rep in range(1, args.repeat + 1) if (c := bench_http.ceiling_of(rows, model, rep))
         ]
         if ceilings:
-            print(f"{'ort32 ceiling':<14} {model:<6} {'-':>3} {cell(ceil, ',.0f'):>22} rows/s")
+            print(f"{'ort32 ceiling':<19} {model:<6} {'-':>3} {cell(ceil, ',.0f'):>22} rows/s")
         for encoding in encodings_of(model, args):
             for conc in args.concurrency:
                 for system in systems:
@@ -1090,10 +1297,12 @@ def print_table(rows: Sequence[Row], systems: Sequence[str], args: argparse.Name
                     p99 = [r.p99_ms for r in chosen]
                     cpu = [r.cpu_us for r in chosen]
                     errors = sum(r.error_count for r in chosen)
+                    client = [r.gen_us for r in chosen] if encoding == "grpc" else []
                     print(
-                        f"{how:<14} {model:<6} {conc:>3} {cell(rate, ',.0f'):>22} "
+                        f"{how:<19} {model:<6} {conc:>3} {cell(rate, ',.0f'):>22} "
                         f"{cell(x_ceil, '.3f'):>18} {cell(p50, '.1f'):>18} {cell(p99, '.1f'):>20} "
                         f"{f'{errors}!' if errors else '0':>6} {cell(cpu, ',.0f'):>20}"
+                        + (f" {cell(client, ',.0f'):>20}" if client else "")
                     )
                 print()
     ours = [s for s in systems if s not in PEERS]
@@ -1106,7 +1315,7 @@ def print_table(rows: Sequence[Row], systems: Sequence[str], args: argparse.Name
                     found = ratios(rows, args, model, a, b, conc)
                     if found:
                         lines.append(
-                            f"  {a:<14} / {b:<12} {model:<6} C={conc:<3} "
+                            f"  {a:<19} / {b:<14} {model:<6} C={conc:<3} "
                             f"{med(found):5.2f}x  ({fmt_each(found, '.2f')})"
                         )
         if lines:
@@ -1114,7 +1323,7 @@ def print_table(rows: Sequence[Row], systems: Sequence[str], args: argparse.Name
                 f"ratios over {peer}, req/s (median of the per-repeat ratios; each repeat's value)"
             )
             print("\n".join(lines))
-    print("\ngoals of issues 6 and 19 (c=64; same run, same ORT threads):")
+    print("\ngoals of issues 6, 19 and 21 (c=64; same run, same ORT threads):")
     for line in goal_lines(rows, args):
         print(f"  {line}")
 
@@ -1237,7 +1446,25 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument(
-        "--systems", default=",".join(SYSTEMS), help="which of " + ",".join(SYSTEMS)
+        "--systems",
+        default=None,
+        help="which of " + ",".join(SYSTEMS) + " (default: all; trioinfer-tree only with --tree)",
+    )
+    parser.add_argument(
+        "--protocols",
+        "--protocol",
+        default="http",
+        help="http (wrk: JSON, and binary for --binary-models), grpc (trioinfer bench "
+        "--protocol grpc: raw tensor contents; trioinfer's systems and Triton only), or "
+        "http,grpc; default http",
+    )
+    parser.add_argument(
+        "--tree",
+        default=None,
+        metavar="DIR",
+        help="a source tree (e.g. from git archive BRANCH) whose src/ and plugins/ the "
+        "trioinfer-tree system's server runs from (first on its PYTHONPATH); the load "
+        "generators stay this checkout's",
     )
     parser.add_argument(
         "--models",
@@ -1281,7 +1508,16 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--wrk", default="wrk", help="the wrk executable")
     parser.add_argument("--timeout", type=int, default=10, help="wrk's request timeout, seconds")
     args = parser.parse_args(argv)
+    if args.systems is None:
+        args.systems = ",".join(s for s in SYSTEMS if s != "trioinfer-tree" or args.tree)
     args.systems = [s.strip() for s in args.systems.split(",") if s.strip()]
+    args.protocols = [p.strip() for p in args.protocols.split(",") if p.strip()]
+    if not args.protocols or set(args.protocols) - set(PROTOCOLS):
+        parser.error(f"--protocols: choose from {', '.join(PROTOCOLS)}")
+    if "trioinfer-tree" in args.systems and not args.tree:
+        parser.error("--systems trioinfer-tree needs --tree DIR")
+    if args.tree and not (Path(args.tree) / "src" / "trioinfer").is_dir():
+        parser.error(f"--tree: {args.tree} has no src/trioinfer")
     args.models = [m.strip() for m in args.models.split(",") if m.strip()]
     if args.binary_models is None:
         args.binary_models = "wide" if "wide" in args.models else ""
@@ -1336,6 +1572,14 @@ def main(argv: Sequence[str] | None = None) -> int:
                 systems.remove(peer)
     if not systems:
         return 1
+    if args.tree:
+        origin = tree_origin(args.tree)
+        print(f"trioinfer-tree: the server imports trioinfer from {origin}", flush=True)
+        if not origin.startswith(str(Path(args.tree).resolve())) and not origin.startswith(
+            args.tree
+        ):
+            print(f"--tree {args.tree} is not what the server would run: {origin}")
+            return 2
     rows: list[Row] = []
     skipped: dict[str, str] = {}
     missing: dict[str, str] = {}  # models that could not be made, and why
@@ -1418,17 +1662,30 @@ def main(argv: Sequence[str] | None = None) -> int:
                     for name in models:
                         for encoding in encodings_of(name, args):
                             how = label(system, encoding)
-                            if how in skipped:
+                            if how in skipped or not measured(system, encoding):
                                 continue
                             for conc in args.concurrency:
-                                script = scripts[name, encoding]
-                                row = measure(server, name, how, conc, script, args, rep)
+                                if encoding == "grpc":
+                                    try:
+                                        row = measure_grpc(server, name, how, conc, args, rep)
+                                    except RuntimeError as exc:
+                                        skipped[how] = str(exc)
+                                        print(f"  {how} SKIPPED: {exc}", flush=True)
+                                        break
+                                else:
+                                    script = scripts[name, encoding]
+                                    row = measure(server, name, how, conc, script, args, rep)
                                 rows.append(row)
+                                client = (
+                                    f"  client {row.gen_us:5.0f} us/req"
+                                    if encoding == "grpc"
+                                    else ""
+                                )
                                 print(
-                                    f"  rep {rep} {how:<14} {name:<6} C={conc:<3} "
+                                    f"  rep {rep} {how:<19} {name:<6} C={conc:<3} "
                                     f"{row.rate:8.0f} req/s  p50 {row.p50_ms:7.1f} ms  "
                                     f"p99 {row.p99_ms:7.1f} ms  errors {row.error_count}  "
-                                    f"CPU {row.cpu_us:6.0f} us/req  load "
+                                    f"CPU {row.cpu_us:6.0f} us/req{client}  load "
                                     f"{os.getloadavg()[0]:.2f}",
                                     flush=True,
                                 )
@@ -1462,9 +1719,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"{args.instances} instance(s) of each model, a session each (naive: one session); "
         f"MLServer parallel_workers={args.mlserver_workers}, predict {args.mlserver_predict}"
     )
-    print(
-        f"wrk -t1 -cC -d{args.duration}s --latency, warm-up {args.warmup}s; repeats {args.repeat}"
-    )
+    if "http" in args.protocols:
+        print(
+            f"HTTP: wrk -t1 -cC -d{args.duration}s --latency, warm-up {args.warmup}s; "
+            f"repeats {args.repeat}"
+        )
+    if "grpc" in args.protocols:
+        print(
+            f"gRPC: python {' '.join(BENCH[1:])} --protocol grpc --url grpc://ADDRESS -m MODEL "
+            f"--concurrency C --warmup 0 --window {args.duration} --windows 1 (closed loop, "
+            f"C grpc.aio tasks over ceil(C/16) channels, raw tensor contents, random inputs), "
+            f"after a {args.warmup}s window of the same; server CPU around the measured call; "
+            f"client us/req: the bench process's own CPU"
+        )
+    if args.tree:
+        print(f"trioinfer-tree: the server from {args.tree} ({tree_origin(args.tree)})")
     for model in models.values():
         if model.source:
             print(f"{model.name}: {model.source}")

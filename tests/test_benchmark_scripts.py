@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ast
 import json
+import subprocess
 import sys
 import types
 from collections.abc import Iterator
@@ -299,6 +300,125 @@ def test_goals_of_the_ray_backend_over_ray_serve(scripts: tuple[Any, Any]) -> No
         bench_http.Row("wide", "trioinfer-ray", 64, 1, 300.0, 0, 0, 0, 0),
         bench_http.Row("wide", "ray", 64, 1, 200.0, 0, 0, 0, 0),
     ]
-    *_issue6, digits, wide = compare.goal_lines(rows, args)
+    *_issue6, digits, wide, _grpc_digits, _grpc_wide = compare.goal_lines(rows, args)
     assert digits.startswith("trioinfer-ray over ray, digits JSON: 4.99x (4.99), MISSES >= 5.0x")
     assert wide.startswith("trioinfer-ray over ray, wide JSON: 1.50x (1.50), meets >= 1.0x")
+
+
+def test_compare_protocols_pick_encodings_and_grpc_systems(scripts: tuple[Any, Any]) -> None:
+    """--protocols http,grpc: the +grpc rows beside HTTP's, only for systems serving V2 gRPC."""
+    _bench_http, compare = scripts
+    args = compare.parse_args([])
+    assert args.protocols == ["http"]
+    assert "trioinfer-tree" not in args.systems  # it needs --tree
+    assert compare.encodings_of("wide", args) == ["json", "binary"]
+    assert compare.encodings_of("digits", args) == ["json"]
+    args = compare.parse_args(["--protocol", "grpc"])
+    assert compare.encodings_of("wide", args) == ["grpc"]
+    args = compare.parse_args(["--protocols", "http,grpc", "--binary-models", "digits"])
+    assert compare.encodings_of("digits", args) == ["json", "binary", "grpc"]
+    assert compare.encodings_of("wide", args) == ["json", "grpc"]
+    assert [compare.label("triton", e) for e in ("json", "binary", "grpc")] == [
+        "triton",
+        "triton+bin",
+        "triton+grpc",
+    ]
+    assert compare.measured("triton", "grpc")
+    assert compare.measured("trioinfer-tree", "grpc")
+    assert not compare.measured("naive", "grpc")
+    assert not compare.measured("ray", "grpc")
+    assert compare.measured("naive", "json")
+    for wrong in (["--protocols", "grpc,websocket"], ["--protocols", ","]):
+        with pytest.raises(SystemExit):
+            compare.parse_args(wrong)
+
+
+def test_compare_tree_runs_the_server_from_another_source(
+    scripts: tuple[Any, Any], tmp_path: Path
+) -> None:
+    """--tree DIR: the trioinfer-tree server imports trioinfer from DIR/src, first on its path."""
+    _bench_http, compare = scripts
+    with pytest.raises(SystemExit):
+        compare.parse_args(["--systems", "trioinfer,trioinfer-tree"])
+    with pytest.raises(SystemExit):
+        compare.parse_args(["--tree", str(tmp_path)])  # no src/trioinfer there
+    (tmp_path / "src" / "trioinfer").mkdir(parents=True)
+    (tmp_path / "src" / "trioinfer" / "__init__.py").write_text("")
+    args = compare.parse_args(["--tree", str(tmp_path)])
+    assert "trioinfer-tree" in args.systems
+    path = compare.tree_path(str(tmp_path)).split(":")
+    assert path[:2] == [str(tmp_path / "src"), str(tmp_path / "plugins")]
+    assert compare.tree_origin(str(tmp_path)) == str(tmp_path / "src" / "trioinfer" / "__init__.py")
+
+
+def test_read_url_finds_the_grpc_address(scripts: tuple[Any, Any], tmp_path: Path) -> None:
+    """trioinfer serve's 'gRPC on ...' line, printed before the HTTP one, is kept; or None."""
+    bench_http, _compare = scripts
+    log = tmp_path / "log"
+    log.write_text("")
+    for lines, grpc in (
+        (["gRPC on 127.0.0.1:5001 (inference.GRPCInferenceService)"], "127.0.0.1:5001"),
+        ([], None),
+    ):
+        said = [*lines, "listening on http://127.0.0.1:5000 (Ctrl+C to stop)"]
+        code = f"import sys, time; print({chr(10).join(said)!r}, flush=True); time.sleep(30)"
+        process = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE)
+        try:
+            assert bench_http.read_url(process, log) == ("http://127.0.0.1:5000", grpc)
+        finally:
+            process.kill()
+            process.wait()
+            assert process.stdout is not None
+            process.stdout.close()
+
+
+def test_measure_grpc_counts_server_cpu_per_request(
+    scripts: tuple[Any, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A +grpc row: bench's rate and latencies, the server's CPU over completed requests."""
+    _bench_http, compare = scripts
+    calls: list[int] = []
+
+    def run_bench(server: Any, model: str, conc: int, seconds: int) -> dict[str, Any]:
+        calls.append(seconds)
+        return {
+            "throughput": 500.0,
+            "p50_ms": 2.0,
+            "p99_ms": 9.0,
+            "completed": 2000,
+            "errors_by_status": "UNAVAILABLE:3 DEADLINE_EXCEEDED:1",
+            "cpu_us_per_request": 120.0,
+            "server_cpu_s": 0.5,
+        }
+
+    class Stub:
+        counted = False
+
+        def wait_idle(self) -> None:
+            calls.append(0)
+
+    monkeypatch.setattr(compare, "run_bench", run_bench)
+    args = compare.parse_args(["--protocols", "grpc", "--duration", "4", "--warmup", "2"])
+    row = compare.measure_grpc(Stub(), "digits", "triton+grpc", 64, args, 1)
+    assert calls == [2, 0, 4]  # warm-up window, idle, the measured window
+    assert (row.rate, row.p50_ms, row.p99_ms) == (500.0, 2.0, 9.0)
+    assert row.cpu_us == 250.0  # 0.5 s over 2000 requests
+    assert row.gen_us == 120.0
+    assert row.errors == {"UNAVAILABLE": 3, "DEADLINE_EXCEEDED": 1}
+    assert row.how == "triton+grpc"
+    assert row.concurrency == 64
+
+
+def test_goals_of_grpc_over_triton(scripts: tuple[Any, Any]) -> None:
+    """Issue 21's goal: trioinfer's gRPC ahead of Triton's on digits and wide."""
+    bench_http, compare = scripts
+    args = compare.parse_args(["--repeat", "1", "--protocols", "grpc"])
+    rows = [
+        bench_http.Row("digits", "trioinfer+grpc", 64, 1, 900.0, 0, 0, 0, 0),
+        bench_http.Row("digits", "triton+grpc", 64, 1, 1000.0, 0, 0, 0, 0),
+        bench_http.Row("wide", "trioinfer+grpc", 64, 1, 300.0, 0, 0, 0, 0),
+        bench_http.Row("wide", "triton+grpc", 64, 1, 200.0, 0, 0, 0, 0),
+    ]
+    lines = [g for g in compare.goal_lines(rows, args) if "grpc" in g]
+    assert "0.90x (0.90), MISSES >= 1.0x" in lines[0]
+    assert "1.50x (1.50), meets >= 1.0x" in lines[1]
