@@ -5,6 +5,7 @@ from __future__ import annotations
 import gc
 import math
 import threading
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -543,3 +544,65 @@ async def test_a_backend_sees_its_batch_deadline(autojump_clock: trio.testing.Mo
             nursery.start_soon(call, 7.0)
         await engine.infer("m", {"x": x})  # no deadline
     assert seen == [start + 7.0, math.inf]
+
+
+@pytest.mark.parametrize("scenario", ["queue full", "deadlines", "cancelled", "unload", "replace"])
+async def test_infer_and_infer_detailed_end_requests_alike(
+    scenario: str, autojump_clock: trio.testing.MockClock
+) -> None:
+    """``infer`` takes a plain model's request in its own frame, ``infer_detailed`` through
+    ``_submit`` and ``ModelRunner.call``: the two ways must end requests and count them alike."""
+
+    async def run(fast: bool) -> tuple[list[tuple[str, str]], dict[str, int] | None]:
+        backend = FakeBackend(delay=1.0)
+        ended: list[tuple[str, str]] = []
+        async with open_engine(registry=backend.registry()) as engine:
+            # Trio may start a nursery's tasks in either order: only "queue full" fills it.
+            size = 2 if scenario == "queue full" else 8
+            await engine.load(fake_config(max_queue_size=size))
+            call = engine.infer if fast else engine.infer_detailed
+
+            async def one(tag: str, budget: float = math.inf, cancelled: bool = False) -> None:
+                with trio.move_on_after(budget) as scope:
+                    if cancelled:
+                        scope.cancel()
+                    try:
+                        await call("m", {"x": X})
+                    except trioinfer.TrioInferError as exc:
+                        ended.append((tag, type(exc).__name__))
+                        return
+                ended.append((tag, "cancelled" if scope.cancelled_caught else "ok"))
+
+            async with trio.open_nursery() as nursery:
+                if scenario == "queue full":
+                    for _ in range(5):
+                        nursery.start_soon(one, "q")
+                elif scenario == "deadlines":
+                    nursery.start_soon(one, "a")
+                    nursery.start_soon(one, "b", 0.5)
+                    nursery.start_soon(one, "c", 1.5)
+                elif scenario == "cancelled":
+                    nursery.start_soon(one, "a")
+                    await trio.testing.wait_all_tasks_blocked()
+                    nursery.start_soon(partial(one, "before", cancelled=True))
+                    nursery.start_soon(one, "queued", 0.25)
+                else:
+                    nursery.start_soon(one, "a")
+                    nursery.start_soon(one, "b")
+                    await trio.testing.wait_all_tasks_blocked()
+                    if scenario == "unload":
+                        await engine.unload("m")
+                    else:
+                        await engine.load(fake_config(max_queue_size=size), replace=True)
+                    nursery.start_soon(one, "after")
+            stats = engine.statistics().models.get("m")
+            counted = None
+            if stats is not None:
+                counted = {
+                    name: getattr(stats, name)
+                    for name in ("in_flight", "succeeded", "failed", "cancelled", "refused")
+                }
+                counted |= {"expired": stats.expired, "executions": stats.executions}
+        return sorted(ended), counted
+
+    assert await run(fast=True) == await run(fast=False)

@@ -374,6 +374,8 @@ class Engine:
             # The common case, in this one frame: what _submit and ModelRunner.call
             # do, step for step, without the two coroutine frames that every
             # suspension and resumption of the caller's task would pass through.
+            # A change to either must be made here too: the test
+            # test_infer_and_infer_detailed_end_requests_alike holds the two ways alike.
             arrays = validate_inputs(model, runner.signature, inputs, runner.input_limits)
             clock = runner.clock
             deadline = clock.current_effective_deadline()
