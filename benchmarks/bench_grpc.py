@@ -68,6 +68,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--repeat", type=int, default=2)
     parser.add_argument("--calls", type=int, default=2000, help="calls per bridge variant")
     parser.add_argument("--server-args", default="")
+    parser.add_argument("--no-bridge", action="store_true", help="skip part 1 (one call at a time)")
     args = parser.parse_args(argv)
     args.models = args.models.split(",")
     return args
@@ -240,16 +241,17 @@ def bench(target: list[str], model: str, args: argparse.Namespace, pid: int) -> 
 
 def main() -> None:
     args = parse_args()
-    print("part 1: ModelReady, one call at a time on loopback (ms)", flush=True)
-    print(f"{'bridge':<15}{'p50':>8}{'p99':>8}")
-    for name, fn in (
-        ("trioinfer", bridge_trioinfer),
-        ("trioinfer-aio", bridge_trioinfer_asyncio),
-        ("aio-native", bridge_aio_native),
-        ("threads-only", bridge_threads_only),
-    ):
-        p50, p99 = fn(args.calls)
-        print(f"{name:<15}{p50:>8.3f}{p99:>8.3f}", flush=True)
+    if not args.no_bridge:
+        print("part 1: ModelReady, one call at a time on loopback (ms)", flush=True)
+        print(f"{'bridge':<15}{'p50':>8}{'p99':>8}")
+        for name, fn in (
+            ("trioinfer", bridge_trioinfer),
+            ("trioinfer-aio", bridge_trioinfer_asyncio),
+            ("aio-native", bridge_aio_native),
+            ("threads-only", bridge_threads_only),
+        ):
+            p50, p99 = fn(args.calls)
+            print(f"{name:<15}{p50:>8.3f}{p99:>8.3f}", flush=True)
 
     http_args = bench_http.parse_args(["--models", ",".join(args.models)])
     rows: dict[tuple[str, str], list[dict[str, Any]]] = {}
