@@ -3,17 +3,14 @@
 
 Issue 21. Two parts:
 
-1. The bridge (how grpcio meets the event loop), per call on loopback: a
-   sync grpcio client sends ``ModelReady`` one call at a time (``--calls``),
-   and the p50/p99 of each is printed, for
+1. One call at a time, per call on loopback: a sync grpcio client sends
+   ``ModelReady`` (``--calls`` times) and the p50/p99 of each is printed, for
 
-     trioinfer     trioinfer's endpoint on Trio (grpc.aio on a loop in a thread; the
-                   call is handed to the Trio loop, which looks the model up, and
-                   answered from there): what serve runs by default
-     trioinfer-aio the same under asyncio (serve --loop asyncio): grpc.aio on
-                   serve's own loop, no thread
-     aio-native    a grpc.aio server on asyncio answering in its handler: the
-                   other option (grpc.aio natively, asyncio only), no bridge at all
+     trioinfer     trioinfer's endpoint on Trio (gRPC over h2 on serve's own loop, the
+                   call a task that looks the model up): what serve runs by default
+     trioinfer-aio the same under asyncio (serve --loop asyncio)
+     aio-native    a bare grpc.aio server on asyncio answering in its handler (grpcio's
+                   own floor; serve used grpc.aio before h2)
      threads-only  grpcio's threaded server answering on its worker thread: the
                    floor of the threaded server, no event loop involved
 
@@ -29,7 +26,10 @@ Issue 21. Two parts:
    window completed scaled by (warm-up + window) / window), since on a small
    machine the client shares the cores with the server.
 
-Usage:  .venv/bin/python benchmarks/bench_grpc.py [--duration 5] [--repeat 2]
+Usage:  .venv/bin/python benchmarks/bench_grpc.py [--duration 5] [--repeat 2] [--no-bridge]
+
+To compare with another tree, run the same script with that tree's ``src``
+first on ``PYTHONPATH`` (serve and bench are started as ``python -m trioinfer``).
 """
 
 from __future__ import annotations
