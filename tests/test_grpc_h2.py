@@ -398,3 +398,37 @@ async def test_drain_lets_a_call_in_flight_finish(serve: Any) -> None:
     assert answers == [b"in flight"]
     assert drained.is_set()
     assert not server.connections
+
+
+PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n\x00\x00\x00\x04\x00\x00\x00\x00\x00"
+
+
+@pytest.mark.parametrize(
+    "garbage",
+    [
+        b"GET / HTTP/1.1\r\nHost: x\r\n\r\n",
+        PREFACE + b"\x00\x00\x01\x00\x00\x00\x00\x00\x00x",
+        PREFACE + b"\x00\x00\x04\x01\x05\x00\x00\x00\x01\xff\xff\xff\xff",
+        PREFACE + b"\x00\x00\x01\x01\x05\x00\x00\x00\x02\x82",
+    ],
+    ids=["http1", "data-on-stream-0", "bad-hpack", "even-stream-id"],
+)
+async def test_garbage_closes_only_its_connection(
+    serve: Any, garbage: bytes, caplog: pytest.LogCaptureFixture
+) -> None:
+    server, connect = await serve(Handlers())
+    answer = b""
+    async with await trio.open_tcp_stream("127.0.0.1", server.port) as bad:
+        await bad.send_all(garbage)
+        with trio.fail_after(WAIT_S):
+            while data := await bad.receive_some(65536):
+                answer += data
+    # The server says why (GOAWAY, PROTOCOL_ERROR) and closes the connection.
+    assert b"\x00\x00\x08\x07\x00\x00\x00\x00\x00" in answer
+    assert answer.endswith(b"\x00\x00\x00\x01")
+    # The server is unharmed: another connection is served.
+    client = await connect()
+    sid = await client.call("/t.S/Echo", frame(b"still here"))
+    assert await client.status(sid) == ("0", "")
+    # Refused as HTTP/2 errors, not met as bugs.
+    assert not [r for r in caplog.records if r.levelname == "ERROR"]

@@ -583,7 +583,11 @@ class GrpcServer:
         """Serve one accepted connection until it closes."""
         conn = _Connection(socket, self._methods, self._max, self)
         self.connections.add(conn)
-        await conn.run()
+        try:
+            await conn.run()
+        except Exception as exc:
+            # A bug met by one connection closes that connection, never the server.
+            log.exception("gRPC connection failed", exc_info=exc)
 
     async def drain(self, period: float) -> None:
         """Send every connection a GOAWAY and wait up to *period* seconds for its calls to end."""
