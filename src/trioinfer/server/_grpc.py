@@ -392,7 +392,7 @@ class _Service:
         message: Any,
         parts: dict[str, Any],
         metadata: Mapping[str, str],
-        emit: Callable[[Any], None] | None = None,
+        emit: Callable[[Any], Awaitable[None]] | None = None,
     ) -> tuple[Any, ...] | None:
         # In a server span parented by the call's traceparent metadata, when tracing is on.
         tracing = self._state.models.engine._tracing
@@ -411,7 +411,7 @@ class _Service:
         message: Any,
         parts: dict[str, Any],
         metadata: Mapping[str, str],
-        emit: Callable[[Any], None] | None = None,
+        emit: Callable[[Any], Awaitable[None]] | None = None,
     ) -> tuple[Any, ...] | None:
         """Answer one request; a decoupled model's responses go to *emit* (a stream), then None."""
         state = self._state
@@ -487,34 +487,18 @@ class _Service:
         call: GrpcCall,
         send: Callable[[bytes], Awaitable[None]],
     ) -> None:
-        # The request runs in a task of its own and emits each response as it comes;
-        # this task sends them, then the call's answer (None for a decoupled model).
-        out, responses = anyio.create_memory_object_stream[Any](math.inf)
-        outcome: list[Any] = []
-
-        async def run() -> None:
-            with out:
-                try:
-                    outcome.append(
-                        await self._run(
-                            call, self._traced_infer, request, parts, metadata, out.send_nowait
-                        )
-                    )
-                except Exception as exc:  # raised below, in the stream's own task
-                    outcome.append(exc)
+        # Each response is sent as it comes, in the request's own task: a client that
+        # reads slower than the model answers holds the model's generator back
+        # (HTTP/2 flow control) instead of its responses piling up here.
+        async def emit(response: Any) -> None:
+            await send(wrap(response))
 
         def wrap(response: Any) -> bytes:
             data: bytes = pb.ModelStreamInferResponse(infer_response=response).SerializeToString()
             return data
 
         parts = _infer_parts(request)
-        async with anyio.create_task_group() as group, responses:
-            group.start_soon(run)
-            async for response in responses:
-                await send(wrap(response))
-        result = outcome[0]
-        if isinstance(result, Exception):
-            raise result
+        result = await self._run(call, self._traced_infer, request, parts, metadata, emit)
         if result is not None:
             await send(wrap(_infer_response(*result)))
 
@@ -526,7 +510,7 @@ async def _stream(
     priority: int,
     timeout_s: float | None,
     order: list[str],
-    emit: Callable[[Any], None],
+    emit: Callable[[Any], Awaitable[None]],
     lease: Any,
 ) -> None:
     """Emit a decoupled model's responses, as Triton's gRPC stream sends them.
@@ -547,7 +531,7 @@ async def _stream(
                 response = _infer_response(served.model, version, request.id, encoded, None)
                 if final:
                     response.parameters["triton_final_response"].bool_param = False
-                emit(response)
+                await emit(response)
     if scope.cancelled_caught:
         raise DeadlineExceeded(
             f"the request's timeout of {timeout_s} s passed before its last response"
@@ -557,7 +541,7 @@ async def _stream(
             model_name=served.model, model_version=version, id=request.id or ""
         )
         last.parameters["triton_final_response"].bool_param = True
-        emit(last)
+        await emit(last)
 
 
 # -- messages to plain values and back ----------------------------------------------------
