@@ -123,9 +123,11 @@ class _Service:
         """Run ``fn(*args)`` (sync or async) for *call*, under the client's deadline."""
         if call.gone:
             raise _ClientGone("the client left before its request started")
+        if call.expires is None:  # no deadline: no scope of its own to pay for
+            result = fn(*args)
+            return await result if inspect.isawaitable(result) else result
         with anyio.CancelScope() as scope:
-            if call.expires is not None:
-                scope.deadline = anyio.current_time() + (call.expires - time.monotonic())
+            scope.deadline = anyio.current_time() + (call.expires - time.monotonic())
             result = fn(*args)
             if inspect.isawaitable(result):
                 result = await result
