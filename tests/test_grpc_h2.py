@@ -66,6 +66,8 @@ class Handlers:
         self.calls.append(call)
         if raw == b"fail":
             raise GrpcError(5, "not found: caf\u00e9 100%")
+        if raw == b"bug":
+            raise ValueError("a handler's bug")
         return raw * 1
 
     async def slow(self, raw: bytes, call: GrpcCall) -> bytes:
@@ -229,6 +231,11 @@ async def test_unary_answer_and_error_trailers(serve: Any) -> None:
     assert await client.status(sid) == ("5", "not found: caf%C3%A9 100%25")
     sid = await client.call("/t.S/Nope", frame(b""))
     assert (await client.status(sid))[0] == "12"  # UNIMPLEMENTED
+    # A handler's bug fails its call (INTERNAL), not the connection.
+    sid = await client.call("/t.S/Echo", frame(b"bug"))
+    assert await client.status(sid) == ("13", "internal error: ValueError")
+    sid = await client.call("/t.S/Echo", frame(b"after"))
+    assert await client.status(sid) == ("0", "")
 
 
 async def test_compression_gzip_taken_others_refused(serve: Any) -> None:

@@ -462,6 +462,14 @@ class _Connection:
                     await send(await handler(stream.messages[0], stream.call))
             except GrpcError as exc:
                 code, message = exc.code, exc.message
+            except h2.exceptions.ProtocolError:
+                # The stream or connection closed under the answer (a reset, the
+                # client's GOAWAY): nobody is left to tell.
+                self._streams.pop(stream.stream_id, None)
+                return
+            except Exception as exc:  # a bug: this call fails, never its connection
+                log.exception("gRPC call failed", exc_info=exc)
+                code, message = INTERNAL, f"internal error: {type(exc).__name__}"
         if scope.cancelled_caught or stream.closed:
             self._streams.pop(stream.stream_id, None)
             if not stream.closed:
