@@ -11,9 +11,12 @@ each test sees exactly what the transport did.
 from __future__ import annotations
 
 import gzip
+import queue
+import signal
 import struct
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
 from typing import Any
 
 import anyio
@@ -439,3 +442,36 @@ async def test_garbage_closes_only_its_connection(
     assert await client.status(sid) == ("0", "")
     # Refused as HTTP/2 errors, not met as bugs.
     assert not [r for r in caplog.records if r.levelname == "ERROR"]
+
+
+def test_sigterm_lets_a_call_in_flight_finish(tmp_path: Path) -> None:
+    # Through trioinfer serve: SIGTERM sends GOAWAY, and a call already running
+    # gets its answer within the drain period before the server exits (with 0).
+    import tritonclient.grpc as triton
+
+    import test_grpc
+    from trioinfer.testing import models
+
+    root = tmp_path / "repository"
+    models.write_slow(root / "slow" / "1" / "model.onnx", width=test_grpc.SLOW_WIDTH)
+    (root / "slow" / "config.toml").write_text(test_grpc.SLOW_CONFIG)
+    log = tmp_path / "server.log"
+    with (
+        test_grpc.run_server(root, "--drain-period", "60", log=log) as server,
+        triton.InferenceServerClient(server.grpc) as client,
+    ):
+        answers: queue.Queue[tuple[Any, Any]] = queue.Queue()
+        rows = test_grpc.BLOCKER_ROWS
+        client.async_infer(
+            "slow", test_grpc.slow_input(rows), lambda result, error: answers.put((result, error))
+        )
+        test_grpc.wait_until(
+            lambda: test_grpc.slow_state(server)[0] == 1 or not answers.empty(),
+            "the call is running",
+        )
+        server.process.send_signal(signal.SIGTERM)
+        result, error = answers.get(timeout=WAIT_S)
+        assert error is None, str(error)
+        assert result.as_numpy("y").shape == (rows, test_grpc.SLOW_WIDTH)
+        assert server.process.wait(timeout=WAIT_S) == 0
+    assert "Traceback" not in server.log_text()
