@@ -3,17 +3,14 @@
 
 Issue 21. Two parts:
 
-1. The bridge (how grpcio meets the event loop), per call on loopback: a
-   sync grpcio client sends ``ModelReady`` one call at a time (``--calls``),
-   and the p50/p99 of each is printed, for
+1. One call at a time, per call on loopback: a sync grpcio client sends
+   ``ModelReady`` (``--calls`` times) and the p50/p99 of each is printed, for
 
-     trioinfer     trioinfer's endpoint on Trio (grpc.aio on a loop in a thread; the
-                   call is handed to the Trio loop, which looks the model up, and
-                   answered from there): what serve runs by default
-     trioinfer-aio the same under asyncio (serve --loop asyncio): grpc.aio on
-                   serve's own loop, no thread
-     aio-native    a grpc.aio server on asyncio answering in its handler: the
-                   other option (grpc.aio natively, asyncio only), no bridge at all
+     trioinfer     trioinfer's endpoint on Trio (gRPC over h2 on serve's own loop, the
+                   call a task that looks the model up): what serve runs by default
+     trioinfer-aio the same under asyncio (serve --loop asyncio)
+     aio-native    a bare grpc.aio server on asyncio answering in its handler (grpcio's
+                   own floor; serve used grpc.aio before h2)
      threads-only  grpcio's threaded server answering on its worker thread: the
                    floor of the threaded server, no event loop involved
 
@@ -29,7 +26,10 @@ Issue 21. Two parts:
    window completed scaled by (warm-up + window) / window), since on a small
    machine the client shares the cores with the server.
 
-Usage:  .venv/bin/python benchmarks/bench_grpc.py [--duration 5] [--repeat 2]
+Usage:  .venv/bin/python benchmarks/bench_grpc.py [--duration 5] [--repeat 2] [--no-bridge]
+
+To compare with another tree, run the same script with that tree's ``src``
+first on ``PYTHONPATH`` (serve and bench are started as ``python -m trioinfer``).
 """
 
 from __future__ import annotations
@@ -68,6 +68,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--repeat", type=int, default=2)
     parser.add_argument("--calls", type=int, default=2000, help="calls per bridge variant")
     parser.add_argument("--server-args", default="")
+    parser.add_argument("--no-bridge", action="store_true", help="skip part 1 (one call at a time)")
     args = parser.parse_args(argv)
     args.models = args.models.split(",")
     return args
@@ -240,16 +241,17 @@ def bench(target: list[str], model: str, args: argparse.Namespace, pid: int) -> 
 
 def main() -> None:
     args = parse_args()
-    print("part 1: ModelReady, one call at a time on loopback (ms)", flush=True)
-    print(f"{'bridge':<15}{'p50':>8}{'p99':>8}")
-    for name, fn in (
-        ("trioinfer", bridge_trioinfer),
-        ("trioinfer-aio", bridge_trioinfer_asyncio),
-        ("aio-native", bridge_aio_native),
-        ("threads-only", bridge_threads_only),
-    ):
-        p50, p99 = fn(args.calls)
-        print(f"{name:<15}{p50:>8.3f}{p99:>8.3f}", flush=True)
+    if not args.no_bridge:
+        print("part 1: ModelReady, one call at a time on loopback (ms)", flush=True)
+        print(f"{'bridge':<15}{'p50':>8}{'p99':>8}")
+        for name, fn in (
+            ("trioinfer", bridge_trioinfer),
+            ("trioinfer-aio", bridge_trioinfer_asyncio),
+            ("aio-native", bridge_aio_native),
+            ("threads-only", bridge_threads_only),
+        ):
+            p50, p99 = fn(args.calls)
+            print(f"{name:<15}{p50:>8.3f}{p99:>8.3f}", flush=True)
 
     http_args = bench_http.parse_args(["--models", ",".join(args.models)])
     rows: dict[tuple[str, str], list[dict[str, Any]]] = {}

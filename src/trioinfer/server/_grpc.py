@@ -1,45 +1,34 @@
 """The KServe V2 gRPC endpoint, as Triton serves it: ``inference.GRPCInferenceService``.
 
-`serve_grpc` runs a ``grpc.aio`` server beside the HTTP one, in the same
+`serve_grpc` serves gRPC beside the HTTP server, in the same
 process, on the same engine and `ServerState`: every answer comes from the
 functions the HTTP routes use (``_app``, ``_codec``), so the two protocols
 cannot drift.
 
-How grpcio meets the event loop. Under ``--loop asyncio`` grpc.aio runs on
-serve's own loop; under Trio it runs on an asyncio loop of its own, in a
-thread `serve_grpc` owns. Either way a handler turns the protobuf message into
-plain values and hands the work to the serving loop (`_Portal`: one
-``run_sync_soon`` / ``call_soon_threadsafe`` into a channel that a task of
-`serve_grpc` reads), which runs it as a task of its own task group, under a
-cancel scope whose deadline is the client's (``grpc-timeout``); the handler
-awaits the answer. A client that cancels or goes away makes grpc.aio cancel
-the handler (and call its done callback), which posts "cancel this call": the
-scope is cancelled, and with it the request in the engine. grpcio's threaded
-server, bridged the same way, was measured too and cost as much or more per
-request, with a thread held per call and per open stream
+How gRPC is served. There is no grpcio server: `_grpc_h2` speaks gRPC over
+HTTP/2 (python-hyper's ``h2``) on the serving loop itself, Trio or asyncio,
+one task per connection and one per call, so a call's handler runs the
+request directly, under a cancel scope whose deadline is the client's
+(``grpc-timeout``); a client that cancels (RST_STREAM) or goes away cancels
+the call's task, and with it the request in the engine. grpc.aio (on a loop
+in a thread, bridged to Trio) and grpcio's threaded server were served
+before and cost two to three times as much server CPU per call
 (docs/reference/server.md, benchmarks/RESULTS.md).
 """
 
 from __future__ import annotations
 
-import asyncio
-import concurrent.futures
-import contextlib
 import inspect
 import logging
 import math
-import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
-from typing import Any, Final, NoReturn, final
+from typing import Any, Final, final
 
 import anyio
 import anyio.abc
 import attrs
 import grpc
-import sniffio
-import trio
-from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 from google.protobuf import json_format, message_factory
 from google.protobuf.message import DecodeError
 
@@ -77,6 +66,7 @@ from ._app import (
 )
 from ._codec import PayloadTooLarge, RequestError, decode_infer_parts, encode_raw_outputs
 from ._errors import NotReady, Unauthorized
+from ._grpc_h2 import GrpcCall, GrpcError, GrpcServer, Method
 
 log = logging.getLogger("trioinfer.server")
 
@@ -117,175 +107,34 @@ class _ClientGone(TrioInferError):
     """The client cancelled the call or went away: nobody is left to answer."""
 
 
-# -- from grpc.aio's thread to the event loop -----------------------------------------
-
-
-@final
-class _Portal:
-    """Hands work from grpc.aio's thread to the serving loop, without waiting for it to start.
-
-    A handler posts to a memory channel with one non-blocking hop onto the
-    loop (Trio's ``run_sync_soon``, asyncio's ``call_soon_threadsafe``); a task
-    of `serve_grpc` reads the channel and starts each call as a task of its
-    own task group, or cancels one whose client left.
-    """
-
-    def __init__(self, send: MemoryObjectSendStream[tuple[_Call, Any, tuple[Any, ...]]]) -> None:
-        self._send = send
-        self._soon: Callable[..., Any]
-        if sniffio.current_async_library() == "trio":
-            self._soon = trio.lowlevel.current_trio_token().run_sync_soon
-        else:
-            self._soon = asyncio.get_running_loop().call_soon_threadsafe
-
-    def submit(self, call: _Call, fn: Any, *args: Any) -> bool:
-        """From a thread: run ``fn(*args)`` for *call* (``fn`` None: cancel it); False if closed."""
-        try:
-            self._soon(self._deliver, call, fn, args)
-        except (trio.RunFinishedError, RuntimeError):
-            return False
-        return True
-
-    def _deliver(self, call: _Call, fn: Any, args: tuple[Any, ...]) -> None:
-        # On the loop, outside any task: this must not raise (Trio would crash).
-        try:
-            self._send.send_nowait((call, fn, args))
-        except (anyio.ClosedResourceError, anyio.BrokenResourceError, anyio.WouldBlock):
-            call.fail(NotReady("the server is stopping and takes no new requests"))
-
-
-@final
-@attrs.define(eq=False)
-class _Call:
-    """One RPC as the event loop sees it: its deadline, whether its client left, its scope."""
-
-    #: ``time.monotonic()`` when the client's deadline passes, or None.
-    expires: float | None
-    future: concurrent.futures.Future[Any] | None = None
-    scope: anyio.CancelScope | None = None
-    gone: bool = False
-
-    def fail(self, error: BaseException) -> None:
-        if self.future is not None:
-            _settle(self.future, error=error)
-
-    def cancel(self) -> None:
-        """On the event loop: the client left; withdraw its request."""
-        self.gone = True
-        if self.scope is not None:
-            self.scope.cancel()
-
-
-def _settle(
-    future: concurrent.futures.Future[Any],
-    *,
-    result: Any = None,
-    error: BaseException | None = None,
-) -> None:
-    """Answer *future* unless it is answered, or cancelled (with its handler)."""
-    try:
-        if error is None:
-            future.set_result(result)
-        else:
-            future.set_exception(error)
-    except concurrent.futures.InvalidStateError:
-        pass
-
-
 # -- the service ------------------------------------------------------------------------
 
 
 @final
 class _Service:
-    """The RPCs: coroutines on grpc.aio's loop, each handing its call to the serving loop."""
+    """The RPCs: each runs in its call's own task on the serving loop."""
 
-    def __init__(self, state: ServerState, portal: _Portal, *, native: bool) -> None:
+    def __init__(self, state: ServerState) -> None:
         self._state = state
-        self._portal = portal
-        # grpc.aio runs on the serving loop itself (asyncio): no hop to make.
-        self._native = native
 
     # -- plumbing --
 
-    def _open(self, context: Any) -> _Call:
-        """Watch *context* for its client leaving; note its deadline."""
-        remaining = context.time_remaining()
-        expires = None
-        if remaining is not None and remaining < _NO_DEADLINE:
-            expires = time.monotonic() + remaining
-        call = _Call(expires)
-
-        def on_done(_context: Any) -> None:
-            # grpc.aio calls this when the RPC ends for any reason; only a call
-            # still waiting for its answer needs cancelling.
-            if call.future is not None and not call.future.done():
-                self._portal.submit(call, None)
-
-        context.add_done_callback(on_done)
-        return call
-
-    async def _run(self, call: _Call, fn: Callable[..., Any], *args: Any) -> Any:
-        """Run ``fn(*args)`` (sync or async) on the serving loop for *call*; return its result."""
-        if self._native:
-            # In the handler's own task: a client that leaves cancels it, and the request.
-            return await self._in_scope(call, fn, *args)
-        future: concurrent.futures.Future[Any] = concurrent.futures.Future()
-        call.future = future
-        if not self._portal.submit(call, fn, *args):
-            raise NotReady("the server is stopping and takes no new requests")
-        try:
-            return await asyncio.wrap_future(future)
-        except asyncio.CancelledError:
-            # grpc.aio cancels the handler when the client cancels, leaves or runs
-            # out of time: withdraw the request in the engine too.
-            self._portal.submit(call, None)
-            raise
-
-    async def run_calls(
-        self,
-        receive: MemoryObjectReceiveStream[tuple[_Call, Any, tuple[Any, ...]]],
-        group: anyio.abc.TaskGroup,
-    ) -> None:
-        """Start each call the handlers hand over as a task of *group*; cancel a left one's."""
-        async with receive:
-            async for call, fn, args in receive:
-                if fn is None:
-                    call.cancel()
-                else:
-                    group.start_soon(self._task, call, fn, *args)
-
-    async def _task(self, call: _Call, fn: Callable[..., Any], *args: Any) -> None:
-        future = call.future
-        assert future is not None
-        try:
-            _settle(future, result=await self._in_scope(call, fn, *args))
-        except TrioInferError as exc:
-            _settle(future, error=exc)
-        except Exception as exc:
-            log.exception("gRPC call failed", exc_info=exc)
-            _settle(future, error=exc)
-        finally:
-            call.scope = None
-            if not future.done():  # cancelled from outside: the server stops now
-                _settle(future, error=NotReady("the server stopped before the request finished"))
-
-    async def _in_scope(self, call: _Call, fn: Callable[..., Any], *args: Any) -> Any:
-        # Under the client's deadline, cancelled if the client leaves.
+    async def _run(self, call: GrpcCall, fn: Callable[..., Any], *args: Any) -> Any:
+        """Run ``fn(*args)`` (sync or async) for *call*, under the client's deadline."""
         if call.gone:
             raise _ClientGone("the client left before its request started")
+        if call.expires is None:  # no deadline: no scope of its own to pay for
+            result = fn(*args)
+            return await result if inspect.isawaitable(result) else result
         with anyio.CancelScope() as scope:
-            if call.expires is not None:
-                scope.deadline = anyio.current_time() + (call.expires - time.monotonic())
-            call.scope = scope
+            scope.deadline = anyio.current_time() + (call.expires - time.monotonic())
             result = fn(*args)
             if inspect.isawaitable(result):
                 result = await result
             return result
-        if call.gone:
-            raise _ClientGone("the client cancelled the call")
         raise DeadlineExceeded("the client's deadline passed before the request finished")
 
-    async def _abort(self, context: Any, error: BaseException) -> NoReturn:
+    def _error(self, error: BaseException) -> GrpcError:
         status = grpc_status_for(error)
         if isinstance(error, _ClientGone):
             status = grpc.StatusCode.CANCELLED
@@ -295,21 +144,19 @@ class _Service:
             message = f"internal error: {type(error).__name__}"
         if status == grpc.StatusCode.INTERNAL:
             log.error("gRPC call failed: %s: %s", type(error).__name__, error)
-        await context.abort(status, message)
-        raise AssertionError("unreachable: context.abort raises")  # pragma: no cover
+        return GrpcError(status.value[0], message)
 
     def unary(
-        self, request_type: Any, method: Callable[[Any, Any, _Call], Awaitable[Any]]
-    ) -> Callable[[bytes, Any], Awaitable[bytes]]:
-        """A grpc.aio unary handler over raw bytes: parse, call *method*, map errors to statuses."""
+        self, request_type: Any, method: Callable[[Any, Any, GrpcCall], Awaitable[Any]]
+    ) -> Callable[[bytes, GrpcCall], Awaitable[bytes]]:
+        """A unary handler over raw bytes: parse, call *method*, map errors to statuses."""
 
-        async def handle(raw: bytes, context: Any) -> bytes:
+        async def handle(raw: bytes, call: GrpcCall) -> bytes:
             try:
                 request = _parse(request_type, raw)
-                call = self._open(context)
-                response = await method(request, context, call)
+                response = await method(request, call, call)
             except Exception as exc:  # every failure becomes a status, never a crash
-                await self._abort(context, exc)
+                raise self._error(exc) from None
             data: bytes = response.SerializeToString()
             return data
 
@@ -317,13 +164,13 @@ class _Service:
 
     # -- health and metadata --
 
-    async def ServerLive(self, _request: Any, _context: Any, _call: _Call) -> Any:
+    async def ServerLive(self, _request: Any, _context: Any, _call: GrpcCall) -> Any:
         return pb.ServerLiveResponse(live=True)
 
-    async def ServerReady(self, _request: Any, _context: Any, _call: _Call) -> Any:
+    async def ServerReady(self, _request: Any, _context: Any, _call: GrpcCall) -> Any:
         return pb.ServerReadyResponse(ready=self._state.ready)
 
-    async def ModelReady(self, request: Any, context: Any, call: _Call) -> Any:
+    async def ModelReady(self, request: Any, context: Any, call: GrpcCall) -> Any:
         metadata = _metadata(context)
 
         def ready() -> bool:
@@ -336,12 +183,12 @@ class _Service:
 
         return pb.ModelReadyResponse(ready=await self._run(call, ready))
 
-    async def ServerMetadata(self, _request: Any, _context: Any, _call: _Call) -> Any:
+    async def ServerMetadata(self, _request: Any, _context: Any, _call: GrpcCall) -> Any:
         return pb.ServerMetadataResponse(
             name="trioinfer", version=__version__, extensions=list(EXTENSIONS)
         )
 
-    async def ModelMetadata(self, request: Any, context: Any, call: _Call) -> Any:
+    async def ModelMetadata(self, request: Any, context: Any, call: GrpcCall) -> Any:
         metadata = _metadata(context)
 
         def document() -> dict[str, Any]:
@@ -351,7 +198,7 @@ class _Service:
 
         return json_format.ParseDict(await self._run(call, document), pb.ModelMetadataResponse())
 
-    async def ModelConfig(self, request: Any, context: Any, call: _Call) -> Any:
+    async def ModelConfig(self, request: Any, context: Any, call: GrpcCall) -> Any:
         metadata = _metadata(context)
 
         def document() -> dict[str, Any]:
@@ -365,7 +212,7 @@ class _Service:
         json_format.ParseDict(document_, response.config, ignore_unknown_fields=True)
         return response
 
-    async def LogSettings(self, request: Any, context: Any, call: _Call) -> Any:
+    async def LogSettings(self, request: Any, context: Any, call: GrpcCall) -> Any:
         metadata = _metadata(context)
         settings: dict[str, Any] = {}
         for key, value in request.settings.items():
@@ -390,7 +237,7 @@ class _Service:
             setattr(response.settings[key], kind, value)
         return response
 
-    async def ModelStatistics(self, request: Any, context: Any, call: _Call) -> Any:
+    async def ModelStatistics(self, request: Any, context: Any, call: GrpcCall) -> Any:
         metadata = _metadata(context)
 
         def document() -> dict[str, Any]:
@@ -401,7 +248,7 @@ class _Service:
 
     # -- model repository --
 
-    async def RepositoryIndex(self, request: Any, context: Any, call: _Call) -> Any:
+    async def RepositoryIndex(self, request: Any, context: Any, call: GrpcCall) -> Any:
         metadata = _metadata(context)
 
         def document() -> list[dict[str, Any]]:
@@ -412,7 +259,7 @@ class _Service:
             {"models": await self._run(call, document)}, pb.RepositoryIndexResponse()
         )
 
-    async def RepositoryModelLoad(self, request: Any, context: Any, call: _Call) -> Any:
+    async def RepositoryModelLoad(self, request: Any, context: Any, call: GrpcCall) -> Any:
         metadata = _metadata(context)
         parameters = _repository_parameters(request.parameters)
 
@@ -424,7 +271,7 @@ class _Service:
         await self._run(call, load)
         return pb.message("RepositoryModelLoadResponse")()
 
-    async def RepositoryModelUnload(self, request: Any, context: Any, call: _Call) -> Any:
+    async def RepositoryModelUnload(self, request: Any, context: Any, call: GrpcCall) -> Any:
         metadata = _metadata(context)
         parameters = _repository_parameters(request.parameters)
 
@@ -439,13 +286,13 @@ class _Service:
 
     # -- shared memory --
 
-    async def SystemSharedMemoryStatus(self, request: Any, context: Any, call: _Call) -> Any:
+    async def SystemSharedMemoryStatus(self, request: Any, context: Any, call: GrpcCall) -> Any:
         return await self._regions(
             context, call, lambda: self._state.shm.status(request.name or None), "System"
         )
 
     async def _regions(
-        self, context: Any, call: _Call, status: Callable[[], list[Any]], kind: str
+        self, context: Any, call: GrpcCall, status: Callable[[], list[Any]], kind: str
     ) -> Any:
         # A shared-memory status call (System or Cuda): the token, then the registry's answer.
         metadata = _metadata(context)
@@ -459,7 +306,7 @@ class _Service:
             json_format.ParseDict(attrs.asdict(region), response.regions[region.name])
         return response
 
-    async def SystemSharedMemoryRegister(self, request: Any, context: Any, call: _Call) -> Any:
+    async def SystemSharedMemoryRegister(self, request: Any, context: Any, call: GrpcCall) -> Any:
         metadata = _metadata(context)
 
         def register() -> None:
@@ -470,7 +317,7 @@ class _Service:
         await self._run(call, register)
         return pb.message("SystemSharedMemoryRegisterResponse")()
 
-    async def SystemSharedMemoryUnregister(self, request: Any, context: Any, call: _Call) -> Any:
+    async def SystemSharedMemoryUnregister(self, request: Any, context: Any, call: GrpcCall) -> Any:
         metadata = _metadata(context)
 
         def unregister() -> None:
@@ -480,12 +327,12 @@ class _Service:
         await self._run(call, unregister)
         return pb.message("SystemSharedMemoryUnregisterResponse")()
 
-    async def CudaSharedMemoryStatus(self, request: Any, context: Any, call: _Call) -> Any:
+    async def CudaSharedMemoryStatus(self, request: Any, context: Any, call: GrpcCall) -> Any:
         return await self._regions(
             context, call, lambda: self._state.shm.cuda_status(request.name or None), "Cuda"
         )
 
-    async def CudaSharedMemoryRegister(self, request: Any, context: Any, call: _Call) -> Any:
+    async def CudaSharedMemoryRegister(self, request: Any, context: Any, call: GrpcCall) -> Any:
         metadata = _metadata(context)
 
         def register() -> None:
@@ -498,7 +345,7 @@ class _Service:
         await self._run(call, register)
         return pb.message("CudaSharedMemoryRegisterResponse")()
 
-    async def CudaSharedMemoryUnregister(self, request: Any, context: Any, call: _Call) -> Any:
+    async def CudaSharedMemoryUnregister(self, request: Any, context: Any, call: GrpcCall) -> Any:
         metadata = _metadata(context)
 
         def unregister() -> None:
@@ -510,7 +357,7 @@ class _Service:
 
     # -- trace settings --
 
-    async def TraceSetting(self, request: Any, context: Any, call: _Call) -> Any:
+    async def TraceSetting(self, request: Any, context: Any, call: GrpcCall) -> Any:
         """Triton's trace settings: read them (no settings), or change them, as HTTP does."""
         metadata = _metadata(context)
         model = request.model_name or None
@@ -533,10 +380,10 @@ class _Service:
 
     # -- inference --
 
-    async def ModelInfer(self, request: Any, context: Any, call: _Call) -> Any:
+    async def ModelInfer(self, request: Any, context: Any, call: GrpcCall) -> Any:
         return await self._infer(request, _metadata(context), call)
 
-    async def _infer(self, request: Any, metadata: Mapping[str, str], call: _Call) -> Any:
+    async def _infer(self, request: Any, metadata: Mapping[str, str], call: GrpcCall) -> Any:
         parts = _infer_parts(request)
         answer = await self._run(call, self._traced_infer, request, parts, metadata)
         assert answer is not None  # without an emit nothing is streamed
@@ -547,7 +394,7 @@ class _Service:
         message: Any,
         parts: dict[str, Any],
         metadata: Mapping[str, str],
-        emit: Callable[[Any], None] | None = None,
+        emit: Callable[[Any], Awaitable[None]] | None = None,
     ) -> tuple[Any, ...] | None:
         # In a server span parented by the call's traceparent metadata, when tracing is on.
         tracing = self._state.models.engine._tracing
@@ -566,7 +413,7 @@ class _Service:
         message: Any,
         parts: dict[str, Any],
         metadata: Mapping[str, str],
-        emit: Callable[[Any], None] | None = None,
+        emit: Callable[[Any], Awaitable[None]] | None = None,
     ) -> tuple[Any, ...] | None:
         """Answer one request; a decoupled model's responses go to *emit* (a stream), then None."""
         state = self._state
@@ -608,18 +455,21 @@ class _Service:
         parameters = _fallback_parameters(state, served, result) if result.fallbacks else None
         return served.model, str(served.version), request.id, outputs, parameters
 
-    async def ModelStreamInfer(self, requests: AsyncIterator[bytes], context: Any) -> Any:
+    async def ModelStreamInfer(
+        self,
+        requests: AsyncIterator[bytes],
+        call: GrpcCall,
+        send: Callable[[bytes], Awaitable[None]],
+    ) -> None:
         """Each request's responses, in order: one, or a decoupled model's stream of them.
 
         A failed request answers with its error_message and the stream goes on.
         """
-        metadata = _metadata(context)
-        call = self._open(context)
+        metadata = _metadata(call)
         async for raw in requests:
             try:
                 request = _parse(pb.ModelInferRequest, raw)
-                async for response in self._stream_request(request, metadata, call):
-                    yield pb.ModelStreamInferResponse(infer_response=response).SerializeToString()
+                await self._stream_request(request, metadata, call, send)
             except _ClientGone:
                 return
             except Exception as exc:  # the stream goes on; this request's error goes back
@@ -628,46 +478,31 @@ class _Service:
                 else:
                     log.exception("gRPC stream request failed", exc_info=exc)
                     text = f"internal error: {type(exc).__name__}"
-                yield pb.ModelStreamInferResponse(error_message=text).SerializeToString()
+                await send(pb.ModelStreamInferResponse(error_message=text).SerializeToString())
                 if isinstance(exc, DeadlineExceeded) and call.expires is not None:
                     return  # the stream's own deadline passed: nothing more can run
 
     async def _stream_request(
-        self, request: Any, metadata: Mapping[str, str], call: _Call
-    ) -> AsyncIterator[Any]:
-        # The serving loop emits each response onto grpc.aio's loop as it comes; the
-        # call's answer (None for a decoupled model) comes after the last of them.
-        loop = asyncio.get_running_loop()
-        responses: asyncio.Queue[Any] = asyncio.Queue()
+        self,
+        request: Any,
+        metadata: Mapping[str, str],
+        call: GrpcCall,
+        send: Callable[[bytes], Awaitable[None]],
+    ) -> None:
+        # Each response is sent as it comes, in the request's own task: a client that
+        # reads slower than the model answers holds the model's generator back
+        # (HTTP/2 flow control) instead of its responses piling up here.
+        async def emit(response: Any) -> None:
+            await send(wrap(response))
 
-        def emit(response: Any) -> None:
-            if self._native:
-                responses.put_nowait(response)
-            else:
-                loop.call_soon_threadsafe(responses.put_nowait, response)
+        def wrap(response: Any) -> bytes:
+            data: bytes = pb.ModelStreamInferResponse(infer_response=response).SerializeToString()
+            return data
 
         parts = _infer_parts(request)
-        answer = asyncio.ensure_future(
-            self._run(call, self._traced_infer, request, parts, metadata, emit)
-        )
-        try:
-            while not answer.done():
-                getter = asyncio.ensure_future(responses.get())
-                await asyncio.wait({getter, answer}, return_when=asyncio.FIRST_COMPLETED)
-                if getter.done():
-                    yield getter.result()
-                else:
-                    getter.cancel()
-            while not responses.empty():
-                yield responses.get_nowait()
-            result = answer.result()
-            if result is not None:
-                yield _infer_response(*result)
-        finally:
-            if not answer.done():  # the client left: the request (and generator) stops
-                answer.cancel()
-                with contextlib.suppress(BaseException):
-                    await answer
+        result = await self._run(call, self._traced_infer, request, parts, metadata, emit)
+        if result is not None:
+            await send(wrap(_infer_response(*result)))
 
 
 async def _stream(
@@ -677,7 +512,7 @@ async def _stream(
     priority: int,
     timeout_s: float | None,
     order: list[str],
-    emit: Callable[[Any], None],
+    emit: Callable[[Any], Awaitable[None]],
     lease: Any,
 ) -> None:
     """Emit a decoupled model's responses, as Triton's gRPC stream sends them.
@@ -698,7 +533,7 @@ async def _stream(
                 response = _infer_response(served.model, version, request.id, encoded, None)
                 if final:
                     response.parameters["triton_final_response"].bool_param = False
-                emit(response)
+                await emit(response)
     if scope.cancelled_caught:
         raise DeadlineExceeded(
             f"the request's timeout of {timeout_s} s passed before its last response"
@@ -708,7 +543,7 @@ async def _stream(
             model_name=served.model, model_version=version, id=request.id or ""
         )
         last.parameters["triton_final_response"].bool_param = True
-        emit(last)
+        await emit(last)
 
 
 # -- messages to plain values and back ----------------------------------------------------
@@ -723,9 +558,9 @@ def _parse(request_type: Any, raw: bytes) -> Any:
         ) from None
 
 
-def _metadata(context: Any) -> dict[str, str]:
+def _metadata(call: GrpcCall) -> dict[str, str]:
     # gRPC metadata keys are lower-case; binary ("-bin") values are no token or key.
-    return {key: value for key, value in context.invocation_metadata() if isinstance(value, str)}
+    return call.metadata
 
 
 def _parameter(value: Any) -> Any:
@@ -857,19 +692,18 @@ def _infer_response(
 # -- the server ------------------------------------------------------------------------------
 
 
-def _handlers(service: _Service) -> grpc.GenericRpcHandler:
-    methods: dict[str, grpc.RpcMethodHandler] = {}
+def _methods(service: _Service) -> dict[str, Method]:
+    methods: dict[str, Method] = {}
     for method in pb.FILE.services_by_name["GRPCInferenceService"].methods:
-        request_type = message_factory.GetMessageClass(method.input_type)
+        path = f"/{pb.SERVICE}/{method.name}"
         if method.client_streaming:
-            methods[method.name] = grpc.stream_stream_rpc_method_handler(
-                getattr(service, method.name)
-            )
+            methods[path] = Method(getattr(service, method.name), streaming=True)
         else:
-            methods[method.name] = grpc.unary_unary_rpc_method_handler(
-                service.unary(request_type, getattr(service, method.name))
+            request_type = message_factory.GetMessageClass(method.input_type)
+            methods[path] = Method(
+                service.unary(request_type, getattr(service, method.name)), streaming=False
             )
-    return grpc.method_handlers_generic_handler(pb.SERVICE, methods)
+    return methods
 
 
 async def serve_grpc(
@@ -883,125 +717,43 @@ async def serve_grpc(
     """Serve *state* over V2 gRPC on *host*:*port* until *shutdown* is set, then drain.
 
     Reports ``host:port`` (the bound port, for port 0) once listening. On
-    *shutdown* new calls are refused and calls in progress get the drain
-    period to finish; then they are cancelled, in the engine too. The gRPC
-    server's thread has ended when this returns.
+    *shutdown* each connection gets a GOAWAY (new calls are refused) and calls
+    in progress get the drain period to finish; then they are cancelled, in
+    the engine too. Requests are capped at ``max_body_bytes``, as over HTTP.
 
     Raises:
         OSError: The address cannot be bound.
     """
-    limits = state.config.limits
-    options = [
-        # The same cap on a request as HTTP's max_body_bytes; answers are not capped.
-        ("grpc.max_receive_message_length", limits.max_body_bytes),
-        ("grpc.max_send_message_length", -1),
-        # One server per port: never share it with another process.
-        ("grpc.so_reuseport", 0),
-        # Clients that keep idle connections alive with pings (tritonclient's
-        # KeepAliveOptions) are not cut off for it.
-        ("grpc.keepalive_permit_without_calls", 1),
-        ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
-    ]
-    send, receive = anyio.create_memory_object_stream[tuple[_Call, Any, tuple[Any, ...]]](math.inf)
-    async with anyio.create_task_group() as group:
-        # On asyncio, grpc.aio runs on this very loop; on Trio, on a loop in a thread.
-        native = sniffio.current_async_library() == "asyncio"
-        service = _Service(state, _Portal(send), native=native)
-        group.start_soon(service.run_calls, receive, group)
-        thread = _GrpcThread(_handlers(service), options, f"{_bracket(host)}:{port}")
-        ended = anyio.Event()
+    server = GrpcServer(_methods(_Service(state)), state.config.limits.max_body_bytes)
+    try:
+        listener = await anyio.create_tcp_listener(local_host=host, local_port=port)
+    except OSError as exc:
+        raise OSError(
+            exc.errno,
+            f"cannot listen for gRPC on {_bracket(host)}:{port}: {exc.strerror or exc} (the "
+            "port is in use, or the address is not one of this host's: --grpc-port, --host)",
+        ) from None
+    bound = listener.extra(anyio.abc.SocketAttribute.local_port)
+    address = f"{_bracket(host)}:{bound}"
+    async with anyio.create_task_group() as connections:
+        accepting = anyio.CancelScope()
 
-        async def run_thread() -> None:
-            try:
-                if native:
-                    await thread.serve()
-                else:
-                    # Not abandoned on cancel: the thread always ends before this task does.
-                    await anyio.to_thread.run_sync(thread.run, abandon_on_cancel=False)
-            finally:
-                ended.set()
+        async def accept() -> None:
+            with accepting:
+                async with listener:
+                    await listener.serve(server.connection, task_group=connections)
 
-        group.start_soon(run_thread)
+        connections.start_soon(accept)
+        log.info("serving gRPC on %s", address)
+        task_status.started(address)
         try:
-            bound = await anyio.to_thread.run_sync(thread.bound.result, abandon_on_cancel=True)
-            address = f"{_bracket(host)}:{bound}"
-            log.info("serving gRPC on %s", address)
-            task_status.started(address)
             await shutdown.wait()
-            thread.stop(state.config.drain_period)
-            await ended.wait()
+            accepting.cancel()
+            await server.drain(state.config.drain_period)
         finally:
-            # Whatever still runs is cancelled (its client gets UNAVAILABLE), and the
-            # gRPC thread has ended before the event loop may stop.
-            thread.stop(0)
-            send.close()
-            group.cancel_scope.cancel()
+            # Whatever still runs is cancelled (its client gets UNAVAILABLE).
+            connections.cancel_scope.cancel()
     log.info("stopped serving gRPC")
-
-
-@final
-class _GrpcThread:
-    """A grpc.aio server, on a loop of its own in a thread `serve_grpc` owns, or on asyncio's.
-
-    `run` blocks a thread on a new asyncio loop (under Trio); `serve` runs on
-    the running asyncio loop (under ``--loop asyncio``).
-    """
-
-    def __init__(self, handler: Any, options: list[tuple[str, Any]], address: str) -> None:
-        self._handler = handler
-        self._options = options
-        self._address = address
-        #: The bound port, or the reason binding failed.
-        self.bound: concurrent.futures.Future[int] = concurrent.futures.Future()
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._stop: asyncio.Event | None = None
-        self._grace: float | None = None
-        self._lock = threading.Lock()
-
-    def run(self) -> None:
-        """Serve until `stop` (blocks the calling thread)."""
-        try:
-            asyncio.run(self.serve())
-        finally:
-            if not self.bound.done():  # pragma: no cover - serve reports before anything else
-                self.bound.set_exception(OSError("the gRPC server did not start"))
-
-    def stop(self, grace: float) -> None:
-        """From any thread: refuse new calls, give calls in progress *grace* seconds, stop."""
-        with self._lock:
-            if self._grace is None or grace < self._grace:
-                self._grace = grace
-            if self._loop is not None and self._stop is not None:
-                with contextlib.suppress(RuntimeError):  # its loop has closed: stopped already
-                    self._loop.call_soon_threadsafe(self._stop.set)
-
-    async def serve(self) -> None:
-        """Serve until `stop`, on the running asyncio loop."""
-        server = grpc.aio.server(options=self._options)
-        server.add_generic_rpc_handlers((self._handler,))
-        try:
-            port = server.add_insecure_port(self._address)
-        except RuntimeError:
-            # grpcio's message only says to turn its debug log on; it logs the cause itself.
-            self.bound.set_exception(
-                OSError(
-                    f"cannot listen for gRPC on {self._address}: the port is in use, or the "
-                    "address is not one of this host's (--grpc-port, --host)"
-                )
-            )
-            return
-        stop = asyncio.Event()
-        with self._lock:
-            self._loop, self._stop = asyncio.get_running_loop(), stop
-            stopped_early = self._grace is not None
-        await server.start()
-        self.bound.set_result(port)
-        try:
-            if not stopped_early:
-                await stop.wait()
-        finally:
-            with anyio.CancelScope(shield=True):
-                await server.stop(self._grace or 0)
 
 
 def _bracket(host: str) -> str:

@@ -1,0 +1,477 @@
+"""gRPC over HTTP/2 on the serving loop (``_grpc_h2``), through a raw h2 client.
+
+tests/test_grpc.py shows tritonclient's calls working end to end; these poke
+the transport where a well-behaved client never goes: unsupported and bad
+compression, oversized and malformed messages, a client that resets its
+stream or sends faster than its handler takes messages, deadlines, PING and
+GOAWAY at shutdown. The server runs in-process with handlers of its own, so
+each test sees exactly what the transport did.
+"""
+
+from __future__ import annotations
+
+import gzip
+import queue
+import signal
+import struct
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import anyio
+import anyio.abc
+import grpc
+import h2.config
+import h2.connection
+import h2.events
+import pytest
+import trio
+
+from trioinfer.server._grpc_h2 import (
+    _STREAM_BACKLOG,
+    _WINDOW,
+    GrpcCall,
+    GrpcError,
+    GrpcServer,
+    Method,
+)
+
+pytestmark = pytest.mark.grpc
+
+MAX = 1 << 20
+#: Bounds against hangs only; nothing asserts how long anything took.
+WAIT_S = 30.0
+
+
+async def poll(predicate: Callable[[], Any]) -> None:
+    """Wait until *predicate* holds (what it watches has no event to wait on)."""
+    with trio.fail_after(WAIT_S):
+        while not predicate():  # noqa: ASYNC110 - state of another task, no event for it
+            await trio.sleep(0.01)
+
+
+def frame(message: bytes, compressed: bool = False) -> bytes:
+    return struct.pack(">BI", int(compressed), len(message)) + message
+
+
+class Handlers:
+    """The test server's methods, and what they saw."""
+
+    def __init__(self) -> None:
+        self.calls: list[GrpcCall] = []
+        self.cancelled = trio.Event()
+        self.release = trio.Event()
+        self.taken: list[bytes] = []
+        self.reading = trio.Event()
+
+    async def echo(self, raw: bytes, call: GrpcCall) -> bytes:
+        self.calls.append(call)
+        if raw == b"fail":
+            raise GrpcError(5, "not found: caf\u00e9 100%")
+        if raw == b"bug":
+            raise ValueError("a handler's bug")
+        return raw * 1
+
+    async def slow(self, raw: bytes, call: GrpcCall) -> bytes:
+        self.calls.append(call)
+        try:
+            await self.release.wait()
+        except trio.Cancelled:
+            self.cancelled.set()
+            raise
+        return raw
+
+    async def stream(
+        self,
+        messages: AsyncIterator[bytes],
+        call: GrpcCall,
+        send: Callable[[bytes], Awaitable[None]],
+    ) -> None:
+        # Takes one message, then nothing until released: a slow engine.
+        async for message in messages:
+            self.taken.append(message)
+            await send(b"got " + message[:8])
+            if len(self.taken) == 1:
+                self.reading.set()
+                await self.release.wait()
+
+    def methods(self) -> dict[str, Method]:
+        return {
+            "/t.S/Echo": Method(self.echo, streaming=False),
+            "/t.S/Slow": Method(self.slow, streaming=False),
+            "/t.S/Stream": Method(self.stream, streaming=True),
+        }
+
+
+class Client:
+    """A bare HTTP/2 client: sends what a test says, collects every event."""
+
+    def __init__(self, socket: trio.SocketStream, *, ack: bool = True) -> None:
+        self.socket = socket
+        self.h2 = h2.connection.H2Connection(
+            h2.config.H2Configuration(client_side=True, header_encoding="latin-1")
+        )
+        self.ack = ack
+        self.events: list[Any] = []
+        self.data: dict[int, bytes] = {}
+
+    async def start(self) -> None:
+        self.h2.initiate_connection()
+        await self.flush()
+
+    async def flush(self) -> None:
+        if out := self.h2.data_to_send():
+            await self.socket.send_all(out)
+
+    async def call(
+        self,
+        path: str,
+        body: bytes = b"",
+        *,
+        headers: tuple[tuple[str, str], ...] = (),
+        end: bool = True,
+        content_type: str = "application/grpc",
+    ) -> int:
+        sid = self.h2.get_next_available_stream_id()
+        self.h2.send_headers(
+            sid,
+            [
+                (":method", "POST"),
+                (":scheme", "http"),
+                (":path", path),
+                (":authority", "x"),
+                ("content-type", content_type),
+                ("te", "trailers"),
+                *headers,
+            ],
+            end_stream=end and not body,
+        )
+        await self.flush()
+        while body:
+            room = min(self.h2.local_flow_control_window(sid), self.h2.max_outbound_frame_size)
+            if room == 0:
+                await self.pump()
+                continue
+            chunk, body = body[:room], body[room:]
+            self.h2.send_data(sid, chunk, end_stream=end and not body)
+            await self.flush()
+        return sid
+
+    async def pump(self) -> None:
+        data = await self.socket.receive_some(65536)
+        assert data, "the server closed the connection"
+        for event in self.h2.receive_data(data):
+            self.events.append(event)
+            if isinstance(event, h2.events.DataReceived):
+                self.data[event.stream_id] = self.data.get(event.stream_id, b"") + event.data
+                if self.ack:
+                    self.h2.acknowledge_received_data(event.flow_controlled_length, event.stream_id)
+        await self.flush()
+
+    async def until(self, predicate: Callable[[], Any]) -> Any:
+        with trio.fail_after(WAIT_S):
+            while not (found := predicate()):
+                await self.pump()
+        return found
+
+    def headers(self, sid: int) -> list[dict[str, str]]:
+        """Each HEADERS block of stream *sid* (the answer's, then its trailers)."""
+        return [
+            dict(e.headers)
+            for e in self.events
+            if isinstance(e, h2.events.ResponseReceived | h2.events.TrailersReceived)
+            and e.stream_id == sid
+        ]
+
+    async def status(self, sid: int) -> tuple[str, str]:
+        """The call's grpc-status and grpc-message, once it ends."""
+        last = await self.until(lambda: [h for h in self.headers(sid) if "grpc-status" in h])
+        return last[-1]["grpc-status"], last[-1].get("grpc-message", "")
+
+
+@pytest.fixture
+async def serve(nursery: trio.Nursery) -> AsyncIterator[Callable[..., Any]]:
+    """Start a server of *handlers*' methods: (server, connect); clients are closed after."""
+    clients: list[Client] = []
+
+    async def start(handlers: Handlers) -> tuple[GrpcServer, Callable[[], Awaitable[Client]]]:
+        server = GrpcServer(handlers.methods(), MAX)
+        listener = await anyio.create_tcp_listener(local_host="127.0.0.1", local_port=0)
+        port = listener.extra(anyio.abc.SocketAttribute.local_port)
+
+        async def accept() -> None:
+            async with listener:
+                await listener.serve(server.connection)
+
+        nursery.start_soon(accept)
+        server.port = port  # type: ignore[attr-defined]
+
+        async def connect(**kw: Any) -> Client:
+            client = Client(await trio.open_tcp_stream("127.0.0.1", port), **kw)
+            clients.append(client)
+            await client.start()
+            return client
+
+        return server, connect
+
+    yield start
+    for client in clients:
+        await client.socket.aclose()
+
+
+async def test_unary_answer_and_error_trailers(serve: Any) -> None:
+    handlers = Handlers()
+    _, connect = await serve(handlers)
+    client = await connect()
+    sid = await client.call("/t.S/Echo", frame(b"hello"), headers=(("x-token", "abc"),))
+    assert await client.status(sid) == ("0", "")
+    assert client.data[sid] == frame(b"hello")
+    assert handlers.calls[0].metadata == {"x-token": "abc"}
+    assert handlers.calls[0].expires is None
+    # A handler's GrpcError: trailers-only, message percent-encoded (UTF-8, and '%').
+    sid = await client.call("/t.S/Echo", frame(b"fail"))
+    assert await client.status(sid) == ("5", "not found: caf%C3%A9 100%25")
+    sid = await client.call("/t.S/Nope", frame(b""))
+    assert (await client.status(sid))[0] == "12"  # UNIMPLEMENTED
+    # A handler's bug fails its call (INTERNAL), not the connection.
+    sid = await client.call("/t.S/Echo", frame(b"bug"))
+    assert await client.status(sid) == ("13", "internal error: ValueError")
+    sid = await client.call("/t.S/Echo", frame(b"after"))
+    assert await client.status(sid) == ("0", "")
+
+
+async def test_compression_gzip_taken_others_refused(serve: Any) -> None:
+    _, connect = await serve(Handlers())
+    client = await connect()
+    gz = (("grpc-encoding", "gzip"),)
+    sid = await client.call("/t.S/Echo", frame(gzip.compress(b"zipped"), True), headers=gz)
+    assert await client.status(sid) == ("0", "")
+    assert client.data[sid] == frame(b"zipped")  # answered uncompressed
+    assert "gzip" in client.headers(sid)[0]["grpc-accept-encoding"]
+    sid = await client.call("/t.S/Echo", frame(b"x", True), headers=(("grpc-encoding", "snappy"),))
+    code, message = await client.status(sid)
+    assert code == "12"
+    assert "snappy" in message
+    assert "identity" in message
+    # Compressed flag without an encoding, or bytes that do not inflate.
+    sid = await client.call("/t.S/Echo", frame(b"x", True))
+    assert (await client.status(sid))[0] == "13"
+    sid = await client.call("/t.S/Echo", frame(b"not gzip", True), headers=gz)
+    assert (await client.status(sid))[0] == "13"
+    # A small message that inflates past the size cap is refused, not inflated.
+    bomb = gzip.compress(b"\0" * (MAX + 1))
+    sid = await client.call("/t.S/Echo", frame(bomb, True), headers=gz)
+    assert (await client.status(sid))[0] == "8"
+
+
+async def test_size_cap_and_malformed_calls(serve: Any) -> None:
+    handlers = Handlers()
+    _, connect = await serve(handlers)
+    client = await connect()
+    # Only the prefix is sent: the declared length alone is refused.
+    sid = await client.call("/t.S/Echo", struct.pack(">BI", 0, MAX + 1), end=False)
+    code, message = await client.status(sid)
+    assert code == "8"
+    assert str(MAX) in message
+    sid = await client.call("/t.S/Echo", frame(b"abc")[:6])  # ends inside a message
+    assert (await client.status(sid))[0] == "13"
+    sid = await client.call("/t.S/Echo", frame(b"a") + frame(b"b"))  # two for a unary call
+    assert (await client.status(sid))[0] == "12"
+    sid = await client.call("/t.S/Echo", frame(b"a"), headers=(("grpc-timeout", "soon"),))
+    assert (await client.status(sid))[0] == "3"
+    sid = await client.call("/t.S/Echo", frame(b"a"), content_type="text/plain")
+    await client.until(lambda: client.headers(sid))
+    assert client.headers(sid)[0][":status"] == "415"
+    assert handlers.calls == []  # none of them reached a handler
+
+
+async def test_deadline_reset_and_connection_loss_cancel(serve: Any) -> None:
+    handlers = Handlers()
+    _, connect = await serve(handlers)
+    client = await connect()
+    before = time.monotonic()
+    sid = await client.call("/t.S/Slow", frame(b"a"), headers=(("grpc-timeout", "1500m"),))
+    await poll(lambda: handlers.calls)
+    call = handlers.calls[0]
+    assert call.expires is not None
+    assert before + 1.4 < call.expires < time.monotonic() + 1.6
+    # The client resets its stream: the handler is cancelled.
+    client.h2.reset_stream(sid, 8)
+    await client.flush()
+    with trio.fail_after(WAIT_S):
+        await handlers.cancelled.wait()
+    assert call.gone
+    # The connection is lost: its calls are cancelled too.
+    handlers.cancelled = trio.Event()
+    other = await connect()
+    await other.call("/t.S/Slow", frame(b"b"))
+    await poll(lambda: len(handlers.calls) == 2)
+    await other.socket.aclose()
+    with trio.fail_after(WAIT_S):
+        await handlers.cancelled.wait()
+    assert handlers.calls[1].gone
+
+
+async def test_stream_backpressure_holds_the_client(serve: Any) -> None:
+    # A client streams faster than its handler takes messages: the server stops
+    # acknowledging its data, so the client's window closes; nothing piles up.
+    handlers = Handlers()
+    _, connect = await serve(handlers)
+    client = await connect()
+    sid = await client.call("/t.S/Stream", end=False)
+    message = frame(b"m" * 60_000)
+    sent = 0
+    with trio.fail_after(WAIT_S):
+        while True:
+            room = min(client.h2.local_flow_control_window(sid), client.h2.max_outbound_frame_size)
+            if room == 0:
+                # Give the server every chance to acknowledge more; it must not.
+                for _ in range(5):
+                    with trio.move_on_after(0.1):
+                        await client.pump()
+                if client.h2.local_flow_control_window(sid) == 0:
+                    break
+                continue
+            chunk = message[sent % len(message) : sent % len(message) + room]
+            client.h2.send_data(sid, chunk)
+            sent += len(chunk)
+            await client.flush()
+    await handlers.reading.wait()
+    assert len(handlers.taken) == 1
+    # What the server holds is bounded: the backlog, plus one window of bytes.
+    assert sent <= (_STREAM_BACKLOG + 2) * len(message) + _WINDOW
+    handlers.release.set()
+    # Released, the handler catches up and the window opens again.
+    await client.until(lambda: client.h2.local_flow_control_window(sid) > 0)
+
+
+async def test_large_answer_waits_for_the_clients_window(serve: Any) -> None:
+    _, connect = await serve(Handlers())
+    client = await connect()
+    big = bytes(range(256)) * 4096  # 1 MiB, past the client's 64 KiB window
+    sid = await client.call("/t.S/Echo", frame(big[: MAX - 5]))
+    # Sent in pieces, as the client acknowledges what it read (pump).
+    assert await client.status(sid) == ("0", "")
+    assert client.data[sid] == frame(big[: MAX - 5])
+
+
+async def test_ping_and_goaway_drain(serve: Any) -> None:
+    handlers = Handlers()
+    server, connect = await serve(handlers)
+    client = await connect()
+    client.h2.ping(b"12345678")
+    await client.flush()
+    await client.until(lambda: any(isinstance(e, h2.events.PingAckReceived) for e in client.events))
+    sid = await client.call("/t.S/Slow", frame(b"in flight"))
+    await poll(lambda: handlers.calls)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(server.drain, WAIT_S)
+        goaway = await client.until(
+            lambda: [e for e in client.events if isinstance(e, h2.events.ConnectionTerminated)]
+        )
+        assert goaway[0].error_code == 0
+        assert goaway[0].last_stream_id == sid
+        nursery.cancel_scope.cancel()
+    # (h2's client takes nothing after a GOAWAY: grpcio's below sees the answer.)
+
+
+async def test_drain_lets_a_call_in_flight_finish(serve: Any) -> None:
+    handlers = Handlers()
+    server, _ = await serve(handlers)
+    address = f"127.0.0.1:{server.port}"
+
+    def call() -> bytes:
+        with grpc.insecure_channel(address) as channel:
+            answer: bytes = channel.unary_unary("/t.S/Slow")(b"in flight", timeout=WAIT_S)
+            return answer
+
+    async with trio.open_nursery() as nursery:
+        answers: list[bytes] = []
+
+        async def client() -> None:
+            answers.append(await trio.to_thread.run_sync(call))
+
+        nursery.start_soon(client)
+        await poll(lambda: handlers.calls)
+        drained = trio.Event()
+
+        async def drain() -> None:
+            await server.drain(WAIT_S)
+            drained.set()
+
+        nursery.start_soon(drain)
+        await poll(lambda: all(c._going_away for c in server.connections))
+        assert not drained.is_set()
+        assert not handlers.cancelled.is_set()
+        handlers.release.set()
+    assert answers == [b"in flight"]
+    assert drained.is_set()
+    assert not server.connections
+
+
+PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n\x00\x00\x00\x04\x00\x00\x00\x00\x00"
+
+
+@pytest.mark.parametrize(
+    "garbage",
+    [
+        b"GET / HTTP/1.1\r\nHost: x\r\n\r\n",
+        PREFACE + b"\x00\x00\x01\x00\x00\x00\x00\x00\x00x",
+        PREFACE + b"\x00\x00\x04\x01\x05\x00\x00\x00\x01\xff\xff\xff\xff",
+        PREFACE + b"\x00\x00\x01\x01\x05\x00\x00\x00\x02\x82",
+    ],
+    ids=["http1", "data-on-stream-0", "bad-hpack", "even-stream-id"],
+)
+async def test_garbage_closes_only_its_connection(
+    serve: Any, garbage: bytes, caplog: pytest.LogCaptureFixture
+) -> None:
+    server, connect = await serve(Handlers())
+    answer = b""
+    async with await trio.open_tcp_stream("127.0.0.1", server.port) as bad:
+        await bad.send_all(garbage)
+        with trio.fail_after(WAIT_S):
+            while data := await bad.receive_some(65536):
+                answer += data
+    # The server says why (GOAWAY, PROTOCOL_ERROR) and closes the connection.
+    assert b"\x00\x00\x08\x07\x00\x00\x00\x00\x00" in answer
+    assert answer.endswith(b"\x00\x00\x00\x01")
+    # The server is unharmed: another connection is served.
+    client = await connect()
+    sid = await client.call("/t.S/Echo", frame(b"still here"))
+    assert await client.status(sid) == ("0", "")
+    # Refused as HTTP/2 errors, not met as bugs.
+    assert not [r for r in caplog.records if r.levelname == "ERROR"]
+
+
+def test_sigterm_lets_a_call_in_flight_finish(tmp_path: Path) -> None:
+    # Through trioinfer serve: SIGTERM sends GOAWAY, and a call already running
+    # gets its answer within the drain period before the server exits (with 0).
+    import tritonclient.grpc as triton
+
+    import test_grpc
+    from trioinfer.testing import models
+
+    root = tmp_path / "repository"
+    models.write_slow(root / "slow" / "1" / "model.onnx", width=test_grpc.SLOW_WIDTH)
+    (root / "slow" / "config.toml").write_text(test_grpc.SLOW_CONFIG)
+    log = tmp_path / "server.log"
+    with (
+        test_grpc.run_server(root, "--drain-period", "60", log=log) as server,
+        triton.InferenceServerClient(server.grpc) as client,
+    ):
+        answers: queue.Queue[tuple[Any, Any]] = queue.Queue()
+        rows = test_grpc.BLOCKER_ROWS
+        client.async_infer(
+            "slow", test_grpc.slow_input(rows), lambda result, error: answers.put((result, error))
+        )
+        test_grpc.wait_until(
+            lambda: test_grpc.slow_state(server)[0] == 1 or not answers.empty(),
+            "the call is running",
+        )
+        server.process.send_signal(signal.SIGTERM)
+        result, error = answers.get(timeout=WAIT_S)
+        assert error is None, str(error)
+        assert result.as_numpy("y").shape == (rows, test_grpc.SLOW_WIDTH)
+        assert server.process.wait(timeout=WAIT_S) == 0
+    assert "Traceback" not in server.log_text()
