@@ -764,3 +764,43 @@ async def test_sample_data_too_big_for_memory_is_a_backend_error(mlp_model: Path
         ):
             await engine.load(tune(mlp_model, [10**12], "big", max_batch_size=10**12))
     assert instance_threads("big") == []
+
+
+async def test_back_to_back_inline_executions_yield_once_per_budget(add_model: Path) -> None:
+    # Inline runs must not starve the loop, but a yield before every run made
+    # each loop pass carry one request through each model: they yield once the
+    # loop has been held for a budget's worth of wall time since the last yield.
+    import onnxruntime
+
+    worker = await WorkerThread.start("test-inline-slice")
+    instance = ort_backend.OnnxRuntimeInstance(
+        onnxruntime.InferenceSession(str(add_model)), "cpu", worker, "inline", 0.001
+    )
+    now = 10.0
+    instance._wall = lambda: now  # type: ignore[method-assign]
+    steps = 0
+
+    async def other_task() -> None:
+        nonlocal steps
+        while True:
+            await trio.lowlevel.checkpoint()
+            steps += 1
+
+    try:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(other_task)
+            for _ in range(3):
+                await trio.lowlevel.checkpoint()  # the other task under way
+            before = steps
+            await instance.execute(pair())  # the first: held since "ever", so it yields
+            assert steps > before
+            before = steps
+            for _ in range(5):  # within the budget: the other task never runs
+                await instance.execute(pair())
+            assert steps == before
+            now += 0.002  # a budget's worth later: the next run lets it run
+            await instance.execute(pair())
+            assert steps > before
+            nursery.cancel_scope.cancel()
+    finally:
+        await instance.aclose()
