@@ -778,29 +778,27 @@ async def test_back_to_back_inline_executions_yield_once_per_budget(add_model: P
     )
     now = 10.0
     instance._wall = lambda: now  # type: ignore[method-assign]
-    steps = 0
+    me = trio.lowlevel.current_task()
 
-    async def other_task() -> None:
-        nonlocal steps
-        while True:
-            await trio.lowlevel.checkpoint()
-            steps += 1
+    class Yields(trio.abc.Instrument):
+        # This task starts a new step each time it has yielded to the loop.
+        count = 0
 
+        def before_task_step(self, task: trio.lowlevel.Task) -> None:
+            if task is me:
+                self.count += 1
+
+    yields = Yields()
+    trio.lowlevel.add_instrument(yields)
     try:
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(other_task)
-            for _ in range(3):
-                await trio.lowlevel.checkpoint()  # the other task under way
-            before = steps
-            await instance.execute(pair())  # the first: held since "ever", so it yields
-            assert steps > before
-            before = steps
-            for _ in range(5):  # within the budget: the other task never runs
-                await instance.execute(pair())
-            assert steps == before
-            now += 0.002  # a budget's worth later: the next run lets it run
+        await instance.execute(pair())  # the first: held since "ever", so it yields
+        assert yields.count == 1
+        for _ in range(5):  # within the budget: no yield
             await instance.execute(pair())
-            assert steps > before
-            nursery.cancel_scope.cancel()
+        assert yields.count == 1
+        now += 0.002  # a budget's worth later: the next run yields
+        await instance.execute(pair())
+        assert yields.count == 2
     finally:
+        trio.lowlevel.remove_instrument(yields)
         await instance.aclose()
