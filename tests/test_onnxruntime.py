@@ -764,3 +764,41 @@ async def test_sample_data_too_big_for_memory_is_a_backend_error(mlp_model: Path
         ):
             await engine.load(tune(mlp_model, [10**12], "big", max_batch_size=10**12))
     assert instance_threads("big") == []
+
+
+async def test_back_to_back_inline_executions_yield_once_per_budget(add_model: Path) -> None:
+    # Inline runs must not starve the loop, but a yield before every run made
+    # each loop pass carry one request through each model: they yield once the
+    # loop has been held for a budget's worth of wall time since the last yield.
+    import onnxruntime
+
+    worker = await WorkerThread.start("test-inline-slice")
+    instance = ort_backend.OnnxRuntimeInstance(
+        onnxruntime.InferenceSession(str(add_model)), "cpu", worker, "inline", 0.001
+    )
+    now = 10.0
+    instance._wall = lambda: now  # type: ignore[method-assign]
+    me = trio.lowlevel.current_task()
+
+    class Yields(trio.abc.Instrument):
+        # This task starts a new step each time it has yielded to the loop.
+        count = 0
+
+        def before_task_step(self, task: trio.lowlevel.Task) -> None:
+            if task is me:
+                self.count += 1
+
+    yields = Yields()
+    trio.lowlevel.add_instrument(yields)
+    try:
+        await instance.execute(pair())  # the first: held since "ever", so it yields
+        assert yields.count == 1
+        for _ in range(5):  # within the budget: no yield
+            await instance.execute(pair())
+        assert yields.count == 1
+        now += 0.002  # a budget's worth later: the next run yields
+        await instance.execute(pair())
+        assert yields.count == 2
+    finally:
+        trio.lowlevel.remove_instrument(yields)
+        await instance.aclose()
