@@ -127,11 +127,15 @@ class Pipeline:
         )
         self.steps = _steps(config.name, options.get("steps"))
         self._infer = infer
-        _check_graph(config.name, self.signature, self.steps, signatures, steps_of)
+        rounds = _check_graph(config.name, self.signature, self.steps, signatures, steps_of)
         # The leading steps that can only run one at a time (each the only one
         # whose inputs are there), in order: they run in turn in the caller's
         # task; the rest (none, for a chain) side by side, each in a task.
-        self._in_turn, self._side_by_side = _in_turn(self.signature, self.steps)
+        alone = 0
+        while alone < len(rounds) and len(rounds[alone]) == 1:
+            alone += 1
+        self._in_turn = tuple(step for ready in rounds[:alone] for step in ready)
+        self._side_by_side = tuple(sorted(step for ready in rounds[alone:] for step in ready))
         self.input_limits = config.input_limits
         self.queue_timeouts = config.queue_timeouts
         self.batched = False  # requests keep their rows; each step batches on its own
@@ -311,13 +315,19 @@ def _check_graph(
     steps: Sequence[Step],
     signatures: Callable[[str], ModelSignature],
     steps_of: Callable[[str], Sequence[str]],
-) -> None:
-    """Refuse a pipeline whose steps do not fit their models or each other."""
+) -> list[list[tuple[int, Step]]]:
+    """Refuse a pipeline whose steps do not fit their models or each other.
+
+    Returns the steps in rounds: the first round's steps need only the
+    pipeline's inputs, each later round's only what the rounds before it make.
+    """
     where = f"pipeline {name!r}"
     producers: dict[str, TensorSpec] = {spec.name: spec for spec in signature.inputs}
     waiting = list(enumerate(steps))
+    rounds: list[list[tuple[int, Step]]] = []
     while waiting:
         ready = [(i, s) for i, s in waiting if all(t in producers for t in s.input_map.values())]
+        rounds.append(ready)
         if not ready:
             i, step = waiting[0]
             missing = sorted(set(step.input_map.values()) - set(producers))
@@ -363,23 +373,7 @@ def _check_graph(
                 f"{where}: output {spec.name!r} is declared {spec.describe()}, but its step "
                 f"produces {producers[spec.name].describe()}"
             )
-
-
-def _in_turn(
-    signature: ModelSignature, steps: Sequence[Step]
-) -> tuple[tuple[tuple[int, Step], ...], tuple[tuple[int, Step], ...]]:
-    """The leading steps that become ready one at a time, in order; and the others."""
-    there = {spec.name for spec in signature.inputs}
-    waiting = list(enumerate(steps))
-    in_turn = []
-    while waiting:
-        ready = [(i, s) for i, s in waiting if all(t in there for t in s.input_map.values())]
-        if len(ready) != 1:
-            break  # from here steps may run side by side
-        waiting.remove(ready[0])
-        in_turn.append(ready[0])
-        there.update(ready[0][1].output_map.values())
-    return tuple(in_turn), tuple(waiting)
+    return rounds
 
 
 def _reachable(model: str, steps_of: Callable[[str], Sequence[str]]) -> set[str]:

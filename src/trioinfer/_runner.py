@@ -984,27 +984,7 @@ class ModelRunner(metaclass=NoPublicConstructor):
             error = ValueError(f"it gave {len(shares)} shares for {len(live)} requests")
             self._fail_batch(live, "split", error)
             return True
-        # What finish() and _end() do for each request, in one pass over the batch
-        # (two calls fewer per request). After the backend call a request is still
-        # running, or done: its caller left, or another attempt (a hedge) answered.
-        durations: list[float] = []
-        in_flight = self._in_flight
-        for request, share in zip(live, shares, strict=True):
-            state = request._state
-            if state.status is _RUNNING:
-                durations.append(ended - request.arrival)
-                state.served_by = replica
-                state.outputs = share
-                state.status = _DONE
-                state.batch = None
-                if state.done is not None:
-                    state.done.set()
-                in_flight.discard(request)
-        self.succeeded += len(durations)
-        if not in_flight and self._idle is not None:
-            self._idle.set()
-            self._idle = None
-        self._request_duration.observe_each(durations)
+        self._succeed(live, shares, replica, ended)
         return True
 
     def _live(self, requests: Sequence[Request]) -> list[Request]:
@@ -1212,6 +1192,7 @@ class ModelRunner(metaclass=NoPublicConstructor):
         self._end(request)
 
     def _end(self, request: Request) -> None:
+        # _succeed() does this for a computed batch's requests, in one pass.
         state = request._state
         state.status = _DONE
         state.batch = None
@@ -1221,6 +1202,32 @@ class ModelRunner(metaclass=NoPublicConstructor):
         if not self._in_flight and self._idle is not None:
             self._idle.set()
             self._idle = None
+
+    def _succeed(
+        self, requests: Sequence[Request], shares: Sequence[Outputs], replica: Replica, ended: float
+    ) -> None:
+        # finish(outputs=...) and _end() for a computed batch's requests, in one
+        # pass (two calls fewer per request): a change to either belongs here too.
+        # After the backend call a request is still running, or done: its caller
+        # left, or another attempt (a hedge) answered.
+        durations: list[float] = []
+        in_flight = self._in_flight
+        for request, share in zip(requests, shares, strict=True):
+            state = request._state
+            if state.status is _RUNNING:
+                durations.append(ended - request.arrival)
+                state.served_by = replica
+                state.outputs = share
+                state.status = _DONE
+                state.batch = None
+                if state.done is not None:
+                    state.done.set()
+                in_flight.discard(request)
+        self.succeeded += len(durations)
+        if not in_flight and self._idle is not None:
+            self._idle.set()
+            self._idle = None
+        self._request_duration.observe_each(durations)
 
     # -- replicas in and out of service (FallbackContext) ------------------------------
 
