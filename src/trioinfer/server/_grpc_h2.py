@@ -24,6 +24,10 @@ request's. What gRPC adds to HTTP/2 is handled here:
   bound;
 - PING is answered by h2; at shutdown each connection gets a GOAWAY, calls in
   progress may finish, new streams are refused.
+
+h2 does the HTTP/2; around it, only what repeats is remembered: header
+blocks made of table indexes only (`_Decoder`, `_Encoder`), which hpack
+would decode and encode the same way call after call.
 """
 
 from __future__ import annotations
