@@ -19,6 +19,8 @@ import queue
 import re
 import shutil
 import signal
+import socket
+import struct
 import subprocess
 import sys
 import threading
@@ -30,6 +32,9 @@ from typing import Any
 
 import attrs
 import grpc
+import h2.config
+import h2.connection
+import h2.events
 import httpx
 import numpy as np
 import pytest
@@ -879,6 +884,64 @@ def check_deadline_and_cancel(client: triton.InferenceServerClient, server: Serv
     _pending, executions, cancelled = slow_state(server)
     assert executions == executions0 + 1
     assert cancelled - cancelled0 == 2
+
+
+def raw_h2_call(
+    address: str, path: bytes, body: bytes, *extra: tuple[bytes, bytes]
+) -> dict[bytes, bytes]:
+    """One gRPC call over a bare h2 client that never resets its stream: the answer's headers."""
+    host, port = address.rsplit(":", 1)
+    conn = h2.connection.H2Connection(
+        h2.config.H2Configuration(client_side=True, header_encoding=None)
+    )
+    answer: dict[bytes, bytes] = {}
+    with socket.create_connection((host, int(port)), timeout=WAIT_S) as sock:
+        conn.initiate_connection()
+        headers = [(b":method", b"POST"), (b":scheme", b"http"), (b":path", path)]
+        headers += [(b":authority", address.encode()), (b"content-type", b"application/grpc")]
+        conn.send_headers(1, [*headers, (b"te", b"trailers"), *extra])
+        conn.send_data(1, struct.pack(">BI", 0, len(body)) + body, end_stream=True)
+        sock.sendall(conn.data_to_send())
+        while data := sock.recv(65536):
+            for event in conn.receive_data(data):
+                if isinstance(event, h2.events.ResponseReceived | h2.events.TrailersReceived):
+                    answer.update(dict(event.headers))
+                elif isinstance(event, h2.events.DataReceived):
+                    conn.acknowledge_received_data(event.flow_controlled_length, 1)
+                elif isinstance(event, h2.events.StreamEnded | h2.events.StreamReset):
+                    return answer
+            sock.sendall(conn.data_to_send())
+    return answer
+
+
+def test_the_server_keeps_the_clients_deadline(
+    client: triton.InferenceServerClient, server: Server
+) -> None:
+    # grpcio resets its own stream when its deadline passes, which cancels the request
+    # either way; a client that does not must still get DEADLINE_EXCEEDED from the
+    # server once its grpc-timeout passes, the request withdrawn from the engine.
+    blocker: queue.Queue[tuple[Any, Any]] = queue.Queue()
+    call = client.async_infer(
+        "slow", slow_input(BLOCKER_ROWS), lambda result, error: blocker.put((result, error))
+    )
+    try:
+        wait_until(lambda: slow_state(server)[0] == 1 or not blocker.empty(), "blocker accepted")
+        assert blocker.empty(), str(blocker.get()[1])
+        request = service_pb2.ModelInferRequest(model_name="slow")
+        request.inputs.add(name="x", datatype="FP32", shape=[1, SLOW_WIDTH])
+        request.raw_input_contents.append(np.ones((1, SLOW_WIDTH), dtype=np.float32).tobytes())
+        answer = raw_h2_call(
+            server.grpc,
+            b"/inference.GRPCInferenceService/ModelInfer",
+            request.SerializeToString(),
+            (b"grpc-timeout", b"300m"),
+        )
+        assert answer.get(b"grpc-status") == b"%d" % grpc.StatusCode.DEADLINE_EXCEEDED.value[0]
+        assert blocker.empty(), "the answer came only once the blocker was done"
+    finally:
+        call.cancel()
+        blocker.get(timeout=WAIT_S)
+    wait_until(lambda: slow_state(server)[0] == 0, "nothing is left pending")
 
 
 def test_timeout_parameter_is_the_triton_timeout(client: triton.InferenceServerClient) -> None:

@@ -25,6 +25,7 @@ import grpc
 import h2.config
 import h2.connection
 import h2.events
+import hpack
 import pytest
 import trio
 
@@ -35,6 +36,8 @@ from trioinfer.server._grpc_h2 import (
     GrpcError,
     GrpcServer,
     Method,
+    _Decoder,
+    _Encoder,
 )
 
 pytestmark = pytest.mark.grpc
@@ -475,3 +478,72 @@ def test_sigterm_lets_a_call_in_flight_finish(tmp_path: Path) -> None:
         assert result.as_numpy("y").shape == (rows, test_grpc.SLOW_WIDTH)
         assert server.process.wait(timeout=WAIT_S) == 0
     assert "Traceback" not in server.log_text()
+
+
+# -- the hpack memo: the same headers as hpack's own coder, whatever the table did --------
+
+#: Header lists as a client sends them call after call: repeats (which the memo answers),
+#: new values that push entries through a small dynamic table (shifting every index),
+#: and metadata that changes per call.
+_BLOCKS: list[list[tuple[bytes, bytes]]] = [
+    [(b":method", b"POST"), (b":path", b"/a"), (b"x-key", b"one")],
+    [(b":method", b"POST"), (b":path", b"/a"), (b"x-key", b"one")],
+    [(b":method", b"POST"), (b":path", b"/a"), (b"x-key", b"one")],
+    [(b":method", b"POST"), (b":path", b"/b"), (b"x-key", b"two" * 20)],
+    [(b":method", b"POST"), (b":path", b"/a"), (b"x-key", b"one")],
+    [(b":method", b"POST"), (b":path", b"/b"), (b"x-key", b"two" * 20)],
+    [(b":method", b"POST"), (b":path", b"/c"), (b"x-other", b"three" * 10)],
+    [(b":method", b"POST"), (b":path", b"/a"), (b"x-key", b"one")],
+    [(b":method", b"POST"), (b":path", b"/a"), (b"x-key", b"one")],
+]
+
+
+def test_decoder_memo_follows_the_dynamic_table() -> None:
+    # A small table evicts entries as new ones come, so the same index bytes name
+    # other headers later: a memo that outlived a table change would answer wrongly.
+    client = hpack.Encoder()
+    client.header_table_size = 160
+    decoder = _Decoder()
+    decoder.header_table_size = 160
+    sent = [client.encode(headers) for headers in _BLOCKS * 3]
+    # The repeats do come as index bytes only, and the same bytes mean different headers.
+    assert sent[1] == sent[2]
+    got = [[tuple(h) for h in decoder.decode(block, raw=True)] for block in sent]
+    assert got == [list(h) for h in _BLOCKS * 3]
+    assert decoder._memo, "the repeated blocks were not remembered"
+
+
+def test_decoder_memo_sees_a_table_size_update() -> None:
+    client = hpack.Encoder()
+    decoder = _Decoder()
+    first = client.encode(_BLOCKS[0])
+    again = client.encode(_BLOCKS[0])
+    assert [tuple(h) for h in decoder.decode(first, raw=True)] == _BLOCKS[0]
+    assert [tuple(h) for h in decoder.decode(again, raw=True)] == _BLOCKS[0]
+    client.header_table_size = 0  # empties the table: the next block says so first
+    shrunk = client.encode(_BLOCKS[0])
+    assert [tuple(h) for h in decoder.decode(shrunk, raw=True)] == _BLOCKS[0]
+    assert not decoder._memo
+
+
+def test_encoder_memo_round_trips_through_table_changes() -> None:
+    # What the memo sends must decode, on a plain hpack decoder, to what was asked,
+    # through evictions and a table size change the peer asked for.
+    encoder = _Encoder()
+    peer = hpack.Decoder()
+    answers = [
+        [(b":status", b"200"), (b"content-type", b"application/grpc")],
+        [(b"grpc-status", b"0")],
+        [(b"grpc-status", b"3"), (b"grpc-message", b"bad input " * 8)],
+    ]
+    remembered = 0
+    for round_ in range(3):
+        if round_ == 1:
+            # The peer's SETTINGS_HEADER_TABLE_SIZE: the next block must say so first.
+            encoder.header_table_size = 96
+            peer.max_allowed_table_size = 96  # what h2 does once its setting is acknowledged
+        for headers in answers * 4:
+            block = encoder.encode(list(headers))
+            assert [tuple(h) for h in peer.decode(block, raw=True)] == headers
+            remembered = max(remembered, len(encoder._memo))
+    assert remembered, "the repeated answers were not remembered"
