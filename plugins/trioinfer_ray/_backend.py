@@ -329,18 +329,25 @@ class RayInstance:
         payload = _codec.encode(inputs) if self._codec else inputs
         # A traced batch carries its trace context to the actor, which sends its times back.
         trace_context = current_trace_context()
+        timings: Mapping[str, Any] | None = None
         try:
             if not trace_context:
                 outputs = await wait_ref(actor.execute.remote(payload, remaining))
             else:
                 ref = actor.execute_traced.remote(payload, remaining, trace_context)
                 outputs, timings = await wait_ref(ref)
-                self._record(trace_context, timings)
         except Exception as exc:
             error = remote_error(exc, f"{self._label} on node {self.node_id[:12]}")
             if isinstance(error, DeadlineExceeded):
                 raise error from None
             raise error from exc
+        if timings is not None:
+            try:
+                self._record(trace_context, timings)
+            except Exception:
+                # A batch computed is answered: a tracing fault must not fail it (nor
+                # count against the instance); it is logged.
+                log.exception("%s: could not record the remote spans", self._label)
         return _codec.decode(outputs) if self._codec else outputs
 
     def _record(self, parent: Mapping[str, str], timings: Mapping[str, Any]) -> None:
