@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import math
 import os
 import sys
 import threading
@@ -766,7 +767,9 @@ async def test_sample_data_too_big_for_memory_is_a_backend_error(mlp_model: Path
     assert instance_threads("big") == []
 
 
-async def test_back_to_back_inline_executions_yield_once_per_budget(add_model: Path) -> None:
+async def test_back_to_back_inline_executions_yield_once_per_budget(
+    add_model: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     # Inline runs must not starve the loop, but a yield before every run made
     # each loop pass carry one request through each model: they yield once the
     # loop has been held for a budget's worth of wall time since the last yield.
@@ -776,8 +779,12 @@ async def test_back_to_back_inline_executions_yield_once_per_budget(add_model: P
     instance = ort_backend.OnnxRuntimeInstance(
         onnxruntime.InferenceSession(str(add_model)), "cpu", worker, "inline", 0.001
     )
+    other = ort_backend.OnnxRuntimeInstance(
+        onnxruntime.InferenceSession(str(add_model)), "cpu", worker, "inline", 0.001
+    )
     now = 10.0
-    instance._wall = lambda: now  # type: ignore[method-assign]
+    instance._wall = other._wall = lambda: now  # type: ignore[method-assign]
+    monkeypatch.setattr(ort_backend._instance._slice, "start", -math.inf, raising=False)
     me = trio.lowlevel.current_task()
 
     class Yields(trio.abc.Instrument):
@@ -793,8 +800,9 @@ async def test_back_to_back_inline_executions_yield_once_per_budget(add_model: P
     try:
         await instance.execute(pair())  # the first: held since "ever", so it yields
         assert yields.count == 1
-        for _ in range(5):  # within the budget: no yield
+        for _ in range(5):  # within the budget: no yield, whichever instance runs
             await instance.execute(pair())
+            await other.execute(pair())
         assert yields.count == 1
         now += 0.002  # a budget's worth later: the next run yields
         await instance.execute(pair())
@@ -802,3 +810,4 @@ async def test_back_to_back_inline_executions_yield_once_per_budget(add_model: P
     finally:
         trio.lowlevel.remove_instrument(yields)
         await instance.aclose()
+        await other.aclose()

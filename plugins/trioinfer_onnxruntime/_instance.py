@@ -11,6 +11,8 @@ cheaper than the hop). A cancelled execution off the loop is aborted with
 from __future__ import annotations
 
 import logging
+import math
+import threading
 import time
 from collections.abc import Callable, Mapping
 from typing import Any, Final, final
@@ -25,6 +27,11 @@ from trioinfer.lowlevel import WorkerThread, wait_on_callback
 from ._options import DEFAULT_INLINE_BUDGET_US
 from ._ort import _one_line, _ort, _signature, log
 from ._tuning import preferred_batch_size
+
+#: When back-to-back inline runs on this thread's event loop last yielded:
+#: one slice for every instance (several models' runs in one loop pass hold
+#: the loop for a budget in all, not a budget each).
+_slice = threading.local()
 
 #: Executions an 'auto' instance measures on its thread before it may go inline.
 AUTO_SAMPLES: Final = 32
@@ -53,7 +60,6 @@ class OnnxRuntimeInstance:
         "_samples",
         "_session",
         "_signature",
-        "_slice_start",
         "_wall",
         "_worker",
         "aborted",
@@ -97,8 +103,6 @@ class OnnxRuntimeInstance:
         self._signature = _signature(session)
         self._outputs = [spec.name for spec in self._signature.outputs]
         self._closed = False
-        # When the current run of back-to-back inline executions last yielded.
-        self._slice_start = 0.0
         self._wall = time.perf_counter  # the loop is held for wall time
         #: Executions that ONNX Runtime cut short because their caller was cancelled.
         self.aborted = 0
@@ -163,9 +167,9 @@ class OnnxRuntimeInstance:
         # once they have held it for a budget's worth of time since the last
         # yield. Not before every run: that let each loop pass carry one request
         # through each model and woke every model's worker for a single request.
-        if self._wall() - self._slice_start > self._budget:
+        if self._wall() - getattr(_slice, "start", -math.inf) > self._budget:
             await anyio.lowlevel.checkpoint()
-            self._slice_start = self._wall()
+            _slice.start = self._wall()
         else:
             await anyio.lowlevel.checkpoint_if_cancelled()
         started = self._clock()
