@@ -850,7 +850,10 @@ class ModelRunner(metaclass=NoPublicConstructor):
             state = request._state
             state.status = _RUNNING
             state.batch = running
-        self._queue_duration.observe_each([started - request.arrival for request in live])
+        if len(live) == 1:  # an unbatched model's every execution: no list to build
+            self._queue_duration.observe(started - live[0].arrival)
+        else:
+            self._queue_duration.observe_each([started - request.arrival for request in live])
         execution = Execution._create(self, live, replica)
         try:
             if self.tracing is None or not self.tracing.traced(live):
@@ -899,8 +902,9 @@ class ModelRunner(metaclass=NoPublicConstructor):
         # One execution of a batch's pending requests on one replica: the engine's
         # side of Execution.run(). False when nothing was left to run.
         slot = replica._slot
-        await slot.acquire()
-        limiter = self._device_limits.get(replica.device)
+        if not slot.try_acquire():  # a free slot costs no coroutine
+            await slot.acquire()
+        limiter = self._device_limits.get(replica.device) if self._device_limits else None
         try:
             if limiter is not None:
                 await limiter.acquire()
@@ -910,11 +914,14 @@ class ModelRunner(metaclass=NoPublicConstructor):
                 live = self._live(execution.requests)
                 if not live:
                     return False
-                rows, deadline = 0, -math.inf
-                for request in live:
-                    rows += request.rows
-                    if request.deadline > deadline:
-                        deadline = request.deadline
+                if len(live) == 1:
+                    rows, deadline = live[0].rows, live[0].deadline
+                else:
+                    rows, deadline = 0, -math.inf
+                    for request in live:
+                        rows += request.rows
+                        if request.deadline > deadline:
+                            deadline = request.deadline
                 outputs: Outputs | None = None
                 split: Callable[[Outputs], Sequence[Outputs]]
                 taken: list[Any] = []
@@ -1210,8 +1217,27 @@ class ModelRunner(metaclass=NoPublicConstructor):
         # pass (two calls fewer per request): a change to either belongs here too.
         # After the backend call a request is still running, or done: its caller
         # left, or another attempt (a hedge) answered.
-        durations: list[float] = []
         in_flight = self._in_flight
+        if len(requests) == 1:
+            # One request (every execution of an unbatched model): the loop
+            # below without its list, zip and sum.
+            request = requests[0]
+            state = request._state
+            if state.status is _RUNNING:
+                state.served_by = replica
+                state.outputs = shares[0]
+                state.status = _DONE
+                state.batch = None
+                if state.done is not None:
+                    state.done.set()
+                in_flight.discard(request)
+                self.succeeded += 1
+                if not in_flight and self._idle is not None:
+                    self._idle.set()
+                    self._idle = None
+                self._request_duration.observe(ended - request.arrival)
+            return
+        durations: list[float] = []
         for request, share in zip(requests, shares, strict=True):
             state = request._state
             if state.status is _RUNNING:
