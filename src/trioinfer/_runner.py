@@ -951,9 +951,14 @@ class ModelRunner(metaclass=NoPublicConstructor):
                 deadline_token = _batch_deadline.set(deadline)
                 try:
                     if self.tracing is None or not self.tracing.in_batch():
-                        outputs = await self._call_backend(
-                            replica, inputs, rows if self.batched else 0
-                        )
+                        # _call_backend() in line: one coroutine frame fewer per execution.
+                        try:
+                            outputs = await replica._backend_instance.execute(inputs)
+                            if self.batched:
+                                _check_rows(self.config.name, replica, outputs, rows)
+                        except Exception:
+                            replica.failures += 1
+                            raise
                     else:
                         outputs = await self.tracing.compute(
                             self.config.name,
@@ -1345,6 +1350,7 @@ class ModelRunner(metaclass=NoPublicConstructor):
         self, replica: Replica, inputs: Mapping[str, Any], rows: int
     ) -> Outputs:
         # One backend call on a replica whose slot (and device) the caller holds.
+        # attempt() has this in line on its untraced path: a change belongs there too.
         # With *rows*, every output must hold that many rows: only then can each
         # caller get its own. A failure here counts against the replica.
         try:
