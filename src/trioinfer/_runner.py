@@ -923,8 +923,8 @@ class ModelRunner(metaclass=NoPublicConstructor):
                         if request.deadline > deadline:
                             deadline = request.deadline
                 outputs: Outputs | None = None
-                split: Callable[[Outputs], Sequence[Outputs]]
-                taken: list[Any] = []
+                split: Callable[[Outputs], Sequence[Outputs]] | None = None  # None: alone
+                taken: list[Any] | None = None
                 if self._assemble is not None:
                     try:
                         inputs, split = self._assemble(live)
@@ -933,7 +933,7 @@ class ModelRunner(metaclass=NoPublicConstructor):
                         self._fail_batch(live, "assemble", exc)
                         return True
                 elif len(live) == 1:
-                    inputs, split = live[0].inputs, _alone
+                    inputs = live[0].inputs  # its outputs are its own: no split
                 else:
                     names = live[0].inputs.keys()
                     inputs, taken = self._pool.concatenate(
@@ -980,13 +980,17 @@ class ModelRunner(metaclass=NoPublicConstructor):
                             elapsed if mean == 0.0 else mean + 0.2 * (elapsed - mean)
                         )
                         self._cost.observe(rows, len(live), elapsed)
-                    if taken:
+                    if taken is not None:
                         self._pool.give_back(taken, outputs)
             finally:
                 if limiter is not None:
                     limiter.release()
         finally:
             slot.release()
+        if split is None:
+            assert outputs is not None
+            self._succeed(live, (outputs,), replica, ended)
+            return True
         try:
             shares = split(outputs)
         except Exception as exc:
@@ -1555,10 +1559,6 @@ def _check_rows(model: str, replica: Replica, outputs: Outputs, rows: int) -> No
                 "(an output whose first dimension is not the batch must be named differently "
                 "from the inputs' in the model; then each request runs alone)"
             )
-
-
-def _alone(outputs: Outputs) -> list[Outputs]:
-    return [outputs]
 
 
 def _split(requests: Sequence[Request], outputs: Outputs) -> list[Outputs]:
