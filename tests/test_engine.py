@@ -607,3 +607,57 @@ async def test_infer_and_infer_detailed_end_requests_alike(
         return sorted(ended), counted
 
     assert await run(fast=True) == await run(fast=False)
+
+
+class _StubbornInstance:
+    # Computes y = 2x after *delay* seconds, shielded: like a run on a thread
+    # that nothing can stop, it ends even after its callers have left.
+    def __init__(self, delay: float) -> None:
+        self.delay = delay
+        self.signature = FakeBackend().signature
+        self.device = "cpu"
+
+    async def execute(self, inputs: Any) -> dict[str, np.ndarray[Any, Any]]:
+        with trio.CancelScope(shield=True):
+            await trio.sleep(self.delay)
+        return {"y": 2 * inputs["x"]}
+
+    async def aclose(self) -> None:
+        pass
+
+
+@pytest.mark.parametrize("batched", [False, True], ids=["one request", "a batch of two"])
+async def test_a_caller_gone_before_its_run_ends_is_not_answered(
+    autojump_clock: trio.testing.MockClock, batched: bool
+) -> None:
+    """A run that outlives its caller answers only those still waiting, and counts them once."""
+
+    class Stubborn:
+        async def load(self, config: ModelConfig, placement: object) -> _StubbornInstance:
+            return _StubbornInstance(0.01)
+
+    registry = trioinfer.Registry(extra={"backends": {"stubborn": Stubborn}})
+    batching: dict[str, Any] = (
+        {"batcher": "dynamic", "batcher_options": {"max_batch_size": 2, "max_queue_delay": 0.001}}
+        if batched
+        else {}
+    )
+    async with open_engine(registry=registry) as engine:
+        await engine.load(ModelConfig(name="m", path="unused", backend="stubborn", **batching))
+        answered: list[np.ndarray[Any, Any]] = []
+
+        async def stays() -> None:
+            answered.append((await engine.infer("m", {"x": X}))["y"])
+
+        async with trio.open_nursery() as nursery:
+            if batched:
+                nursery.start_soon(stays)
+            with trio.move_on_after(0.005):  # leaves while the run is under way
+                await engine.infer("m", {"x": X})
+        await trio.sleep(0.02)  # the run has ended
+        await stays()  # one more, answered alone
+        stats = engine.statistics().models["m"]
+    assert stats.executions == 2
+    assert stats.cancelled == 1
+    assert stats.succeeded == stats.request_duration.count == (2 if batched else 1)
+    assert len(answered) == stats.succeeded

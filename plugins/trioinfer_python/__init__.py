@@ -370,12 +370,16 @@ class PythonInstance:
             fits: dict[str, np.ndarray[Any, Any]] = {}
             for name, dtype, rank, fixed in expected:
                 value = outputs.get(name)
-                if (
-                    type(value) is not np.ndarray
-                    or value.dtype != dtype
-                    or value.ndim != rank
-                    or any(value.shape[axis] != size for axis, size in fixed)
-                ):
+                if type(value) is not np.ndarray or value.dtype != dtype or value.ndim != rank:
+                    break
+                shape = value.shape
+                # A loop, not any() over a generator: a third of the cost per output.
+                misfit = False
+                for axis, size in fixed:
+                    if shape[axis] != size:
+                        misfit = True
+                        break
+                if misfit:
                     break
                 fits[name] = value
             else:

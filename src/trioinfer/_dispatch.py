@@ -121,6 +121,13 @@ class _Slot:
         self._new_event = new_event
         self._waiters: collections.deque[EventLike] = collections.deque()
 
+    def try_acquire(self) -> bool:
+        # acquire()'s uncontended path without a coroutine: True if it took a slot.
+        if self.free > 0 and not self._waiters:
+            self.free -= 1
+            return True
+        return False
+
     async def acquire(self) -> None:
         if self.free > 0 and not self._waiters:
             self.free -= 1

@@ -850,7 +850,10 @@ class ModelRunner(metaclass=NoPublicConstructor):
             state = request._state
             state.status = _RUNNING
             state.batch = running
-        self._queue_duration.observe_each([started - request.arrival for request in live])
+        if len(live) == 1:  # an unbatched model's every execution: no list to build
+            self._queue_duration.observe(started - live[0].arrival)
+        else:
+            self._queue_duration.observe_each([started - request.arrival for request in live])
         execution = Execution._create(self, live, replica)
         try:
             if self.tracing is None or not self.tracing.traced(live):
@@ -899,8 +902,9 @@ class ModelRunner(metaclass=NoPublicConstructor):
         # One execution of a batch's pending requests on one replica: the engine's
         # side of Execution.run(). False when nothing was left to run.
         slot = replica._slot
-        await slot.acquire()
-        limiter = self._device_limits.get(replica.device)
+        if not slot.try_acquire():  # a free slot costs no coroutine
+            await slot.acquire()
+        limiter = self._device_limits.get(replica.device) if self._device_limits else None
         try:
             if limiter is not None:
                 await limiter.acquire()
@@ -910,14 +914,17 @@ class ModelRunner(metaclass=NoPublicConstructor):
                 live = self._live(execution.requests)
                 if not live:
                     return False
-                rows, deadline = 0, -math.inf
-                for request in live:
-                    rows += request.rows
-                    if request.deadline > deadline:
-                        deadline = request.deadline
+                if len(live) == 1:
+                    rows, deadline = live[0].rows, live[0].deadline
+                else:
+                    rows, deadline = 0, -math.inf
+                    for request in live:
+                        rows += request.rows
+                        if request.deadline > deadline:
+                            deadline = request.deadline
                 outputs: Outputs | None = None
-                split: Callable[[Outputs], Sequence[Outputs]]
-                taken: list[Any] = []
+                split: Callable[[Outputs], Sequence[Outputs]] | None = None  # None: alone
+                taken: list[Any] | None = None
                 if self._assemble is not None:
                     try:
                         inputs, split = self._assemble(live)
@@ -926,7 +933,7 @@ class ModelRunner(metaclass=NoPublicConstructor):
                         self._fail_batch(live, "assemble", exc)
                         return True
                 elif len(live) == 1:
-                    inputs, split = live[0].inputs, _alone
+                    inputs = live[0].inputs  # its outputs are its own: no split
                 else:
                     names = live[0].inputs.keys()
                     inputs, taken = self._pool.concatenate(
@@ -944,9 +951,14 @@ class ModelRunner(metaclass=NoPublicConstructor):
                 deadline_token = _batch_deadline.set(deadline)
                 try:
                     if self.tracing is None or not self.tracing.in_batch():
-                        outputs = await self._call_backend(
-                            replica, inputs, rows if self.batched else 0
-                        )
+                        # _call_backend() in line: one coroutine frame fewer per execution.
+                        try:
+                            outputs = await replica._backend_instance.execute(inputs)
+                            if self.batched:
+                                _check_rows(self.config.name, replica, outputs, rows)
+                        except Exception:
+                            replica.failures += 1
+                            raise
                     else:
                         outputs = await self.tracing.compute(
                             self.config.name,
@@ -968,13 +980,17 @@ class ModelRunner(metaclass=NoPublicConstructor):
                             elapsed if mean == 0.0 else mean + 0.2 * (elapsed - mean)
                         )
                         self._cost.observe(rows, len(live), elapsed)
-                    if taken:
+                    if taken is not None:
                         self._pool.give_back(taken, outputs)
             finally:
                 if limiter is not None:
                     limiter.release()
         finally:
             slot.release()
+        if split is None:
+            assert outputs is not None
+            self._succeed(live, (outputs,), replica, ended)
+            return True
         try:
             shares = split(outputs)
         except Exception as exc:
@@ -1210,8 +1226,27 @@ class ModelRunner(metaclass=NoPublicConstructor):
         # pass (two calls fewer per request): a change to either belongs here too.
         # After the backend call a request is still running, or done: its caller
         # left, or another attempt (a hedge) answered.
-        durations: list[float] = []
         in_flight = self._in_flight
+        if len(requests) == 1:
+            # One request (every execution of an unbatched model): the loop
+            # below without its list, zip and sum.
+            request = requests[0]
+            state = request._state
+            if state.status is _RUNNING:
+                state.served_by = replica
+                state.outputs = shares[0]
+                state.status = _DONE
+                state.batch = None
+                if state.done is not None:
+                    state.done.set()
+                in_flight.discard(request)
+                self.succeeded += 1
+                if not in_flight and self._idle is not None:
+                    self._idle.set()
+                    self._idle = None
+                self._request_duration.observe(ended - request.arrival)
+            return
+        durations: list[float] = []
         for request, share in zip(requests, shares, strict=True):
             state = request._state
             if state.status is _RUNNING:
@@ -1319,6 +1354,7 @@ class ModelRunner(metaclass=NoPublicConstructor):
         self, replica: Replica, inputs: Mapping[str, Any], rows: int
     ) -> Outputs:
         # One backend call on a replica whose slot (and device) the caller holds.
+        # attempt() has this in line on its untraced path: a change belongs there too.
         # With *rows*, every output must hold that many rows: only then can each
         # caller get its own. A failure here counts against the replica.
         try:
@@ -1523,10 +1559,6 @@ def _check_rows(model: str, replica: Replica, outputs: Outputs, rows: int) -> No
                 "(an output whose first dimension is not the batch must be named differently "
                 "from the inputs' in the model; then each request runs alone)"
             )
-
-
-def _alone(outputs: Outputs) -> list[Outputs]:
-    return [outputs]
 
 
 def _split(requests: Sequence[Request], outputs: Outputs) -> list[Outputs]:
