@@ -727,7 +727,14 @@ async def serve_grpc(
     Raises:
         OSError: The address cannot be bound.
     """
-    server = GrpcServer(_methods(_Service(state)), state.config.limits.max_body_bytes)
+    limits = state.config.limits
+    server = GrpcServer(
+        _methods(_Service(state)),
+        limits.max_body_bytes,
+        head_timeout=limits.head_timeout,
+        body_timeout=limits.body_timeout,
+        send_timeout=limits.send_timeout,
+    )
     try:
         listener = await anyio.create_tcp_listener(local_host=host, local_port=port)
     except OSError as exc:
