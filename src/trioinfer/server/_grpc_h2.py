@@ -297,6 +297,8 @@ class _Stream:
     #: A failure found while reading its messages (status, message), answered instead.
     error: tuple[int, str] | None = None
     started: bool = False
+    #: True once its answer's headers are sent (trailers then end it).
+    answering: bool = False
     #: Bytes of its messages (and part of one) held for its handler: the connection's budget.
     held: int = 0
     #: ``time.monotonic()`` when its request bytes last arrived (for ``body_timeout``).
@@ -450,6 +452,8 @@ class _Connection:
                 await self._flush()
                 return
             for event in events:
+                if self._h2.state_machine.state == h2.connection.ConnectionState.CLOSED:
+                    break  # closed by a GOAWAY of ours (ENHANCE_YOUR_CALM): the rest is moot
                 try:
                     self._event(event)
                 except Exception as exc:  # a bug: its stream fails, never the connection
@@ -479,9 +483,10 @@ class _Connection:
     def _stop(self, stream_id: int) -> None:
         # Answered before the client finished sending: it may stop (RFC 9113 8.1).
         with contextlib.suppress(h2.exceptions.ProtocolError):
-            if self._h2.streams.get(stream_id) is not None and not self._h2.streams[
-                stream_id
-            ].closed:
+            if (
+                self._h2.streams.get(stream_id) is not None
+                and not self._h2.streams[stream_id].closed
+            ):
                 self._h2.reset_stream(stream_id, h2.errors.ErrorCodes.NO_ERROR)
 
     def _event(self, event: Any) -> None:
@@ -708,6 +713,23 @@ class _Connection:
         self._group.start_soon(self._call, stream, name="grpc call")
 
     async def _call(self, stream: _Stream) -> None:
+        try:
+            await self._handle(stream)
+        except BaseException:
+            # Cancelled from outside (the server stops at the end of its drain, the
+            # connection is lost): what can still be told is told, if anyone is left.
+            self._streams.pop(stream.stream_id, None)
+            self._forget(stream)
+            if not stream.closed:
+                self._finish(
+                    stream,
+                    UNAVAILABLE,
+                    "the server stopped before the call finished",
+                    stream.answering,
+                )
+            raise
+
+    async def _handle(self, stream: _Stream) -> None:
         code, message = OK, ""
         sent_headers = False
         with self._cancel_scope() as scope:
@@ -725,7 +747,7 @@ class _Connection:
                         nonlocal sent_headers
                         if not sent_headers:
                             self._headers(stream)
-                            sent_headers = True
+                            sent_headers = stream.answering = True
                         await self._send_message(stream, data)
 
                     await handler(self._messages(stream), stream.call, send)
@@ -740,7 +762,7 @@ class _Connection:
                     )
                     answer = await handler(stream.messages[0], stream.call)
                     self._headers(stream)
-                    sent_headers = True
+                    sent_headers = stream.answering = True
                     await self._send_message(stream, answer)
             except GrpcError as exc:
                 code, message = exc.code, exc.message
