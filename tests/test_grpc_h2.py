@@ -693,11 +693,11 @@ async def test_client_deadline_holds_over_the_whole_call(serve: Any) -> None:
     assert sid not in client.data
 
 
-@pytest.mark.parametrize("timeout", ["1\u00b2S", "+1S", "123456789S", "1s", ""])
-async def test_a_bad_grpc_timeout_fails_its_call_only(serve: Any, timeout: str) -> None:
+@pytest.mark.parametrize("value", ["1\u00b2S", "+1S", "123456789S", "1s", ""])
+async def test_a_bad_grpc_timeout_fails_its_call_only(serve: Any, value: str) -> None:
     server, connect = await serve(Handlers())
     client = await connect()
-    sid = await client.call("/t.S/Echo", frame(b"x"), headers=(("grpc-timeout", timeout),))
+    sid = await client.call("/t.S/Echo", frame(b"x"), headers=(("grpc-timeout", value),))
     code, message = await client.status(sid)
     assert code == "3"
     assert "grpc-timeout" in message
