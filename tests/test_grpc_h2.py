@@ -618,9 +618,13 @@ async def _flood(client: Client) -> None:
             await client.socket.send_all(ping.serialize() * 4000)
 
 
-async def _not_reading(connect: Callable[..., Awaitable[Client]]) -> Client:
-    client = await connect()
-    client.socket.socket.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+async def _not_reading(server: GrpcServer) -> Client:
+    # A small receive buffer, set before connecting (it sizes the TCP window).
+    sock = trio.socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    await sock.connect(("127.0.0.1", server.port))  # type: ignore[attr-defined]
+    client = Client(trio.SocketStream(sock))
+    await client.start()
     return client
 
 
@@ -629,8 +633,9 @@ async def test_a_client_that_does_not_read_is_held_then_dropped(
 ) -> None:
     # PINGs sent without reading their acks: the server stops reading once its
     # output passes the limit, so nothing piles up; send_timeout then drops it.
-    server, connect = await serve(Handlers(), send_timeout=0.5)
-    client = await _not_reading(connect)
+    server, _ = await serve(Handlers(), send_timeout=0.5)
+    client = await _not_reading(server)
+    await poll(lambda: server.connections)
     (conn,) = server.connections
     nursery.start_soon(_flood, client)
     peak = 0
@@ -638,16 +643,18 @@ async def test_a_client_that_does_not_read_is_held_then_dropped(
         peak = max(peak, len(conn._extra) + len(conn._h2.data_to_send(0)))
         await trio.sleep(0.01)
     assert peak <= _OUTPUT_LIMIT + 65536
+    await client.socket.aclose()
     assert not [r for r in caplog.records if r.levelname == "ERROR"]
 
 
 async def test_a_client_reset_mid_send_is_no_error(
     serve: Any, nursery: trio.Nursery, caplog: pytest.LogCaptureFixture
 ) -> None:
-    server, connect = await serve(Handlers())
-    client = await _not_reading(connect)
+    server, _ = await serve(Handlers())
+    client = await _not_reading(server)
     nursery.start_soon(_flood, client)
-    await poll(lambda: any(c._sending for c in server.connections))
+    # The server's reading waits for its writing, which waits for the client.
+    await poll(lambda: any(len(c._extra) > _OUTPUT_LIMIT for c in server.connections))
     # The client's TCP reset while the server is sending to it: an ordinary end.
     client.socket.socket.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
     client.socket.socket.close()
@@ -697,7 +704,9 @@ async def test_client_deadline_holds_over_the_whole_call(serve: Any) -> None:
 async def test_a_bad_grpc_timeout_fails_its_call_only(serve: Any, value: str) -> None:
     server, connect = await serve(Handlers())
     client = await connect()
-    sid = await client.call("/t.S/Echo", frame(b"x"), headers=(("grpc-timeout", value),))
+    # As raw bytes: h2 would send a str as UTF-8.
+    raw = ((b"grpc-timeout", value.encode("latin-1", "replace")),)
+    sid = await client.call("/t.S/Echo", frame(b"x"), headers=raw)  # type: ignore[arg-type]
     code, message = await client.status(sid)
     assert code == "3"
     assert "grpc-timeout" in message
