@@ -700,6 +700,18 @@ async def test_client_deadline_holds_over_the_whole_call(serve: Any) -> None:
     assert sid not in client.data
 
 
+async def test_client_deadline_holds_while_a_stream_is_idle(serve: Any) -> None:
+    handlers = Handlers()
+    _, connect = await serve(handlers)
+    client = await connect()
+    sid = await client.call(
+        "/t.S/Stream", frame(b"one"), headers=(("grpc-timeout", "100m"),), end=False
+    )
+    # The handler answers, then waits (for its release, or for the next message).
+    assert (await client.status(sid))[0] == "4"
+    assert client.data[sid] == frame(b"got one")
+
+
 @pytest.mark.parametrize("value", ["1\u00b2S", "+1S", "123456789S", "1s", ""])
 async def test_a_bad_grpc_timeout_fails_its_call_only(serve: Any, value: str) -> None:
     server, connect = await serve(Handlers())

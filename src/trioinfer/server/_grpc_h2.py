@@ -713,6 +713,10 @@ class _Connection:
         self._group.start_soon(self._call, stream, name="grpc call")
 
     async def _call(self, stream: _Stream) -> None:
+        if stream.closed:
+            # Reset before its task ran (a rapid reset): its request is not even parsed.
+            self._forget(stream)
+            return
         try:
             await self._handle(stream)
         except BaseException:
@@ -750,7 +754,9 @@ class _Connection:
                             sent_headers = stream.answering = True
                         await self._send_message(stream, data)
 
-                    await handler(self._messages(stream), stream.call, send)
+                    # Closed here, even when the handler is cancelled while it waits in it.
+                    async with contextlib.aclosing(self._messages(stream)) as messages:
+                        await handler(messages, stream.call, send)
                 else:
                     _check(
                         len(stream.messages) == 1,
