@@ -39,7 +39,7 @@ import re
 import struct
 import time
 import zlib
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Mapping
 from typing import Any, Final, Protocol, final
 
 import anyio
@@ -824,7 +824,7 @@ class _Connection:
             return
         self._wake.set()
 
-    async def _messages(self, stream: _Stream) -> AsyncIterator[bytes]:
+    async def _messages(self, stream: _Stream) -> AsyncGenerator[bytes, None]:
         while True:
             if stream.messages:
                 message = stream.messages.popleft()
