@@ -877,8 +877,11 @@ class _Connection:
         if out:
             self._sending = True
             # A client that reads nothing for send_timeout is dropped (TimeoutError).
-            with anyio.fail_after(self._server.send_timeout):
+            with self._cancel_scope() as scope:
+                scope.deadline = anyio.current_time() + self._server.send_timeout
                 await self._socket.send(out)
+            if scope.cancelled_caught:
+                raise TimeoutError
             self._sending = False
         self._drained.set()
         self._drained = anyio.Event()
