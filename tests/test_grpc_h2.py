@@ -639,9 +639,10 @@ async def test_a_client_that_does_not_read_is_held_then_dropped(
     (conn,) = server.connections
     nursery.start_soon(_flood, client)
     peak = 0
-    while server.connections:
-        peak = max(peak, len(conn._extra) + len(conn._h2.data_to_send(0)))
-        await trio.sleep(0.01)
+    with trio.fail_after(WAIT_S):
+        while server.connections:
+            peak = max(peak, len(conn._extra) + len(conn._h2.data_to_send(0)))
+            await trio.sleep(0.01)
     assert peak <= _OUTPUT_LIMIT + 65536
     await client.socket.aclose()
     assert not [r for r in caplog.records if r.levelname == "ERROR"]
