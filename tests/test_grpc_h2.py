@@ -677,6 +677,18 @@ async def test_a_connection_without_calls_is_closed(serve: Any) -> None:
     await poll(lambda: not server.connections)
 
 
+async def test_a_connection_with_short_calls_is_kept(serve: Any) -> None:
+    # Calls come more often than head_timeout, each over before anyone looks.
+    server, connect = await serve(Handlers(), head_timeout=0.2)
+    client = await connect()
+    for _ in range(12):
+        sid = await client.call("/t.S/Echo", frame(b"again"))
+        assert await client.status(sid) == ("0", "")
+        await trio.sleep(0.05)
+    assert not [e for e in client.events if isinstance(e, h2.events.ConnectionTerminated)]
+    assert len(server.connections) == 1
+
+
 async def test_a_request_that_stops_arriving_fails(serve: Any) -> None:
     _, connect = await serve(Handlers(), body_timeout=0.2)
     client = await connect()

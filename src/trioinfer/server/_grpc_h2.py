@@ -572,7 +572,7 @@ class _Connection:
         }
         assert method is not None
         stream = _Stream(stream_id, method, GrpcCall(metadata, expires), _WBITS[encoding])
-        stream.active = time.monotonic()
+        stream.active = self._idle_since = time.monotonic()
         self._streams[stream_id] = stream
         if method.streaming:
             self._start(stream)
