@@ -23,7 +23,18 @@ request's. What gRPC adds to HTTP/2 is handled here:
   engine answers is held by its HTTP/2 window instead of buffered without
   bound;
 - PING is answered by h2; at shutdown each connection gets a GOAWAY, calls in
-  progress may finish, new streams are refused.
+  progress may finish, new streams are refused, and those cut off at the end
+  are told UNAVAILABLE.
+
+Bounds, so that no client can hold memory or a connection for long (HTTP's
+limits, in HTTP/2's terms): a unary call takes one message (a second fails it
+at once); a connection holds at most `GrpcServer.max_buffered` request bytes
+for its calls, beyond which its data is left unacknowledged; output waiting
+for a client that does not read stops the reading past `_OUTPUT_LIMIT`, and
+``send_timeout`` drops it; a connection without calls for ``head_timeout`` is
+closed, a request that stops arriving for ``body_timeout`` fails; the
+client's deadline holds over its whole call; a client that resets streams
+faster than `_RESET_RATE` a second gets GOAWAY (ENHANCE_YOUR_CALM).
 
 h2 does the HTTP/2; around it, only what repeats is remembered: header
 blocks made of table indexes only (`_Decoder`, `_Encoder`), which hpack
