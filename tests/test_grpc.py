@@ -25,6 +25,7 @@ import subprocess
 import sys
 import threading
 import time
+import types
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -1180,7 +1181,8 @@ def test_errors_map_to_tritons_status_codes() -> None:
     from trioinfer.server import PayloadTooLarge, RequestError
     from trioinfer.server._grpc import grpc_status_for
 
-    code = grpc.StatusCode
+    # The integers sent, by grpc.StatusCode's names.
+    code = types.SimpleNamespace(**{c.name: c.value[0] for c in grpc.StatusCode})
     assert grpc_status_for(ModelNotFound("m")) == code.NOT_FOUND
     assert grpc_status_for(RequestError("r")) == code.INVALID_ARGUMENT
     assert grpc_status_for(InvalidInput("i")) == code.INVALID_ARGUMENT

@@ -10,9 +10,11 @@ each test sees exactly what the transport did.
 
 from __future__ import annotations
 
+import contextlib
 import gzip
 import queue
 import signal
+import socket
 import struct
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -24,12 +26,17 @@ import anyio.abc
 import grpc
 import h2.config
 import h2.connection
+import h2.errors
 import h2.events
+import h2.settings
 import hpack
 import pytest
 import trio
+from hyperframe.frame import PingFrame
 
+from trioinfer.server import _grpc_h2
 from trioinfer.server._grpc_h2 import (
+    _OUTPUT_LIMIT,
     _STREAM_BACKLOG,
     _WINDOW,
     GrpcCall,
@@ -198,17 +205,23 @@ async def serve(nursery: trio.Nursery) -> AsyncIterator[Callable[..., Any]]:
     """Start a server of *handlers*' methods: (server, connect); clients are closed after."""
     clients: list[Client] = []
 
-    async def start(handlers: Handlers) -> tuple[GrpcServer, Callable[[], Awaitable[Client]]]:
-        server = GrpcServer(handlers.methods(), MAX)
+    async def start(
+        handlers: Handlers, **limits: Any
+    ) -> tuple[GrpcServer, Callable[[], Awaitable[Client]]]:
+        server = GrpcServer(handlers.methods(), MAX, **limits)
         listener = await anyio.create_tcp_listener(local_host="127.0.0.1", local_port=0)
         port = listener.extra(anyio.abc.SocketAttribute.local_port)
+        scope = trio.CancelScope()
 
         async def accept() -> None:
-            async with listener:
-                await listener.serve(server.connection)
+            with scope:
+                async with listener:
+                    await listener.serve(server.connection)
 
         nursery.start_soon(accept)
         server.port = port  # type: ignore[attr-defined]
+        # Cancels every connection, as serve_grpc does when the drain period ends.
+        server.stop = scope.cancel  # type: ignore[attr-defined]
 
         async def connect(**kw: Any) -> Client:
             client = Client(await trio.open_tcp_stream("127.0.0.1", port), **kw)
@@ -547,3 +560,236 @@ def test_encoder_memo_round_trips_through_table_changes() -> None:
             assert [tuple(h) for h in peer.decode(block, raw=True)] == headers
             remembered = max(remembered, len(encoder._memo))
     assert remembered, "the repeated answers were not remembered"
+
+
+# -- what a hostile or broken client can make the server hold or wait for --------------
+
+
+async def test_unary_call_with_a_second_message_fails_at_once(serve: Any) -> None:
+    server, connect = await serve(Handlers())
+    client = await connect()
+    # Messages without END_STREAM: the second one ends the call (a cardinality
+    # violation), instead of the server buffering all that come.
+    sid = await client.call("/t.S/Echo", frame(b"x" * 1000) * 50, end=False)
+    code, message = await client.status(sid)
+    assert code == "12"
+    assert "one request message" in message
+    await client.until(lambda: [e for e in client.events if isinstance(e, h2.events.StreamReset)])
+    (conn,) = server.connections
+    assert conn._held == 0
+    assert not conn._streams
+    sid = await client.call("/t.S/Echo", frame(b"after"))
+    assert await client.status(sid) == ("0", "")
+
+
+async def test_buffered_request_bytes_have_a_budget(serve: Any) -> None:
+    # Two calls each inside a large message: the budget is spent, so only the
+    # older one's bytes are acknowledged; the other waits for its window.
+    # (Over half the window each: h2 sends WINDOW_UPDATE only past that.)
+    server, connect = await serve(Handlers(), max_buffered=100_000)
+    client = await connect()
+    head = frame(b"x" * (MAX - 5))[:600_000]
+    await client.until(
+        lambda: [e for e in client.events if isinstance(e, h2.events.RemoteSettingsChanged)]
+    )
+    first = await client.call("/t.S/Echo", head, end=False)
+    second = await client.call("/t.S/Echo", head, end=False)
+    shut = client.h2.local_flow_control_window(second)
+    assert shut == client.h2.local_flow_control_window(first)
+    await client.until(lambda: client.h2.local_flow_control_window(first) > shut)
+    for _ in range(3):
+        with trio.move_on_after(0.05):
+            await client.pump()
+    assert client.h2.local_flow_control_window(second) == shut
+    (conn,) = server.connections
+    assert conn._held == 2 * len(head)
+    # The older call goes away: the other's bytes are let in.
+    client.h2.reset_stream(first, 8)
+    await client.flush()
+    await client.until(lambda: client.h2.local_flow_control_window(second) > shut)
+    await poll(lambda: conn._held == len(head))
+
+
+async def _flood(client: Client) -> None:
+    ping = PingFrame(0)
+    ping.opaque_data = b"12345678"
+    with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError, OSError):
+        while True:
+            await client.socket.send_all(ping.serialize() * 4000)
+
+
+async def _not_reading(server: GrpcServer) -> Client:
+    # A small receive buffer, set before connecting (it sizes the TCP window).
+    sock = trio.socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    await sock.connect(("127.0.0.1", server.port))  # type: ignore[attr-defined]
+    client = Client(trio.SocketStream(sock))
+    await client.start()
+    return client
+
+
+async def test_a_client_that_does_not_read_is_held_then_dropped(
+    serve: Any, nursery: trio.Nursery, caplog: pytest.LogCaptureFixture
+) -> None:
+    # PINGs sent without reading their acks: the server stops reading once its
+    # output passes the limit, so nothing piles up; send_timeout then drops it.
+    server, _ = await serve(Handlers(), send_timeout=0.5)
+    client = await _not_reading(server)
+    await poll(lambda: server.connections)
+    (conn,) = server.connections
+    nursery.start_soon(_flood, client)
+    peak = 0
+    with trio.fail_after(WAIT_S):
+        while server.connections:
+            peak = max(peak, len(conn._extra) + len(conn._h2.data_to_send(0)))
+            await trio.sleep(0.01)
+    assert peak <= _OUTPUT_LIMIT + 65536
+    await client.socket.aclose()
+    assert not [r for r in caplog.records if r.levelname == "ERROR"]
+
+
+async def test_a_client_reset_mid_send_is_no_error(
+    serve: Any, nursery: trio.Nursery, caplog: pytest.LogCaptureFixture
+) -> None:
+    server, _ = await serve(Handlers())
+    client = await _not_reading(server)
+    nursery.start_soon(_flood, client)
+    # The server's reading waits for its writing, which waits for the client.
+    await poll(lambda: any(len(c._extra) > _OUTPUT_LIMIT for c in server.connections))
+    # The client's TCP reset while the server is sending to it: an ordinary end.
+    client.socket.socket.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    client.socket.socket.close()
+    await poll(lambda: not server.connections)
+    assert not [r for r in caplog.records if r.levelname == "ERROR"]
+
+
+async def test_a_connection_without_calls_is_closed(serve: Any) -> None:
+    server, connect = await serve(Handlers(), head_timeout=0.2)
+    client = await connect()
+    sid = await client.call("/t.S/Echo", frame(b"one"))
+    assert await client.status(sid) == ("0", "")
+    # Idle since: GOAWAY, then the connection is closed.
+    answer = b""
+    with trio.fail_after(WAIT_S):
+        while data := await client.socket.receive_some(65536):
+            answer += data
+    assert b"\x07\x00\x00\x00\x00\x00" in answer  # a GOAWAY frame
+    await poll(lambda: not server.connections)
+
+
+async def test_a_connection_with_short_calls_is_kept(serve: Any) -> None:
+    # Calls come more often than head_timeout, each over before anyone looks.
+    server, connect = await serve(Handlers(), head_timeout=0.2)
+    client = await connect()
+    for _ in range(12):
+        sid = await client.call("/t.S/Echo", frame(b"again"))
+        assert await client.status(sid) == ("0", "")
+        await trio.sleep(0.05)
+    assert not [e for e in client.events if isinstance(e, h2.events.ConnectionTerminated)]
+    assert len(server.connections) == 1
+
+
+async def test_a_request_that_stops_arriving_fails(serve: Any) -> None:
+    _, connect = await serve(Handlers(), body_timeout=0.2)
+    client = await connect()
+    sid = await client.call("/t.S/Echo", frame(b"x" * 100)[:50], end=False)
+    code, message = await client.status(sid)
+    assert code == "1"
+    assert "body_timeout" in message
+
+
+async def test_client_deadline_holds_over_the_whole_call(serve: Any) -> None:
+    _, connect = await serve(Handlers())
+    client = await connect()
+    deadline = (("grpc-timeout", "100m"),)
+    # While the request still arrives.
+    sid = await client.call("/t.S/Echo", frame(b"x" * 100)[:50], headers=deadline, end=False)
+    assert (await client.status(sid))[0] == "4"
+    # While the answer waits for the client's window (here shut).
+    client.h2.update_settings({h2.settings.SettingCodes.INITIAL_WINDOW_SIZE: 0})
+    await client.flush()
+    sid = await client.call("/t.S/Echo", frame(b"abc"), headers=deadline)
+    assert (await client.status(sid))[0] == "4"
+    assert sid not in client.data
+
+
+async def test_client_deadline_holds_while_a_stream_is_idle(serve: Any) -> None:
+    handlers = Handlers()
+    _, connect = await serve(handlers)
+    client = await connect()
+    sid = await client.call(
+        "/t.S/Stream", frame(b"one"), headers=(("grpc-timeout", "100m"),), end=False
+    )
+    # The handler answers, then waits (for its release, or for the next message).
+    assert (await client.status(sid))[0] == "4"
+    assert client.data[sid] == frame(b"got one")
+
+
+@pytest.mark.parametrize("value", ["1\u00b2S", "+1S", "123456789S", "1s", ""])
+async def test_a_bad_grpc_timeout_fails_its_call_only(serve: Any, value: str) -> None:
+    server, connect = await serve(Handlers())
+    client = await connect()
+    # As raw bytes: h2 would send a str as UTF-8.
+    raw = ((b"grpc-timeout", value.encode("latin-1", "replace")),)
+    sid = await client.call("/t.S/Echo", frame(b"x"), headers=raw)  # type: ignore[arg-type]
+    code, message = await client.status(sid)
+    assert code == "3"
+    assert "grpc-timeout" in message
+    sid = await client.call("/t.S/Echo", frame(b"after"))
+    assert await client.status(sid) == ("0", "")
+    assert len(server.connections) == 1
+
+
+async def test_a_call_cut_off_by_the_drain_is_told_unavailable(serve: Any) -> None:
+    handlers = Handlers()
+    server, _ = await serve(handlers)
+    address = f"127.0.0.1:{server.port}"
+
+    def call() -> grpc.RpcError | None:
+        with grpc.insecure_channel(address) as channel:
+            try:
+                channel.unary_unary("/t.S/Slow")(b"in flight", timeout=WAIT_S)
+            except grpc.RpcError as exc:
+                return exc
+            return None
+
+    async with trio.open_nursery() as nursery:
+        errors: list[Any] = []
+
+        async def client() -> None:
+            errors.append(await trio.to_thread.run_sync(call))
+
+        nursery.start_soon(client)
+        await poll(lambda: handlers.calls)
+        await server.drain(0.05)
+        server.stop()
+    (error,) = errors
+    assert error.code() == grpc.StatusCode.UNAVAILABLE
+    assert "server stopped" in error.details()
+
+
+async def test_rapid_resets_get_goaway(serve: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(_grpc_h2, "_RESET_RATE", 1)
+    handlers = Handlers()
+    server, connect = await serve(handlers)
+    client = await connect()
+    # All in one write: the server reads it all before it closes (no TCP reset).
+    for _ in range(int(_grpc_h2._RESET_WINDOW_S) + 5):
+        sid = client.h2.get_next_available_stream_id()
+        client.h2.send_headers(
+            sid,
+            [
+                (":method", "POST"),
+                (":scheme", "http"),
+                (":path", "/t.S/Slow"),
+                (":authority", "x"),
+                ("content-type", "application/grpc"),
+            ],
+        )
+        client.h2.reset_stream(sid, 8)
+    await client.flush()
+    goaway = await client.until(
+        lambda: [e for e in client.events if isinstance(e, h2.events.ConnectionTerminated)]
+    )
+    assert goaway[0].error_code == h2.errors.ErrorCodes.ENHANCE_YOUR_CALM
+    await poll(lambda: not server.connections)

@@ -28,7 +28,6 @@ from typing import Any, Final, final
 import anyio
 import anyio.abc
 import attrs
-import grpc
 from google.protobuf import json_format, message_factory
 from google.protobuf.message import DecodeError
 
@@ -45,6 +44,7 @@ from .._exceptions import (
     QueueFull,
     TrioInferError,
 )
+from . import _grpc_h2 as status
 from . import _grpc_proto as pb
 from ._app import (
     EXTENSIONS,
@@ -70,37 +70,36 @@ from ._grpc_h2 import GrpcCall, GrpcError, GrpcServer, Method
 
 log = logging.getLogger("trioinfer.server")
 
-#: A ``time_remaining()`` above this means the client set no deadline.
-_NO_DEADLINE: Final = 10 * 365 * 86400.0
-
-_STATUS: Final[tuple[tuple[type[BaseException], grpc.StatusCode], ...]] = (
-    (PayloadTooLarge, grpc.StatusCode.RESOURCE_EXHAUSTED),
-    (Unauthorized, grpc.StatusCode.UNAUTHENTICATED),
-    (ModelNotFound, grpc.StatusCode.NOT_FOUND),
-    (InvalidInput, grpc.StatusCode.INVALID_ARGUMENT),  # RequestError too
-    (ConfigError, grpc.StatusCode.INVALID_ARGUMENT),
-    (PluginContractError, grpc.StatusCode.INTERNAL),
-    (QueueFull, grpc.StatusCode.UNAVAILABLE),
-    (CircuitOpen, grpc.StatusCode.UNAVAILABLE),
-    (BackendUnavailable, grpc.StatusCode.UNAVAILABLE),
-    (EngineClosed, grpc.StatusCode.UNAVAILABLE),
-    (NotReady, grpc.StatusCode.UNAVAILABLE),
-    (DeadlineExceeded, grpc.StatusCode.DEADLINE_EXCEEDED),
+_STATUS: Final[tuple[tuple[type[BaseException], int], ...]] = (
+    (PayloadTooLarge, status.RESOURCE_EXHAUSTED),
+    (Unauthorized, status.UNAUTHENTICATED),
+    (ModelNotFound, status.NOT_FOUND),
+    (InvalidInput, status.INVALID_ARGUMENT),  # RequestError too
+    (ConfigError, status.INVALID_ARGUMENT),
+    (PluginContractError, status.INTERNAL),
+    (QueueFull, status.UNAVAILABLE),
+    (CircuitOpen, status.UNAVAILABLE),
+    (BackendUnavailable, status.UNAVAILABLE),
+    (EngineClosed, status.UNAVAILABLE),
+    (NotReady, status.UNAVAILABLE),
+    (DeadlineExceeded, status.DEADLINE_EXCEEDED),
 )
 
 
-def grpc_status_for(error: BaseException) -> grpc.StatusCode:
-    """The gRPC status for an error raised while serving a call: the only such mapping.
+def grpc_status_for(error: BaseException) -> int:
+    """The gRPC status code (an integer) for an error raised while serving a call.
+
+    The only such mapping, onto `_grpc_h2`'s table of codes.
 
     The same classes as `status_for` gives HTTP statuses, in Triton's gRPC
     terms: a client's fault is ``INVALID_ARGUMENT``, an unknown model
     ``NOT_FOUND``, a full queue or a stopping server ``UNAVAILABLE``, a
     passed deadline ``DEADLINE_EXCEEDED``, anything else ``INTERNAL``.
     """
-    for kind, status in _STATUS:
+    for kind, code in _STATUS:
         if isinstance(error, kind):
-            return status
-    return grpc.StatusCode.INTERNAL
+            return code
+    return status.INTERNAL
 
 
 class _ClientGone(TrioInferError):
@@ -135,16 +134,16 @@ class _Service:
         raise DeadlineExceeded("the client's deadline passed before the request finished")
 
     def _error(self, error: BaseException) -> GrpcError:
-        status = grpc_status_for(error)
+        code = grpc_status_for(error)
         if isinstance(error, _ClientGone):
-            status = grpc.StatusCode.CANCELLED
+            code = status.CANCELLED
         if isinstance(error, TrioInferError):
             message = self._state.models.public_message(error)
         else:
             message = f"internal error: {type(error).__name__}"
-        if status == grpc.StatusCode.INTERNAL:
+        if code == status.INTERNAL:
             log.error("gRPC call failed: %s: %s", type(error).__name__, error)
-        return GrpcError(status.value[0], message)
+        return GrpcError(code, message)
 
     def unary(
         self, request_type: Any, method: Callable[[Any, Any, GrpcCall], Awaitable[Any]]
@@ -727,7 +726,14 @@ async def serve_grpc(
     Raises:
         OSError: The address cannot be bound.
     """
-    server = GrpcServer(_methods(_Service(state)), state.config.limits.max_body_bytes)
+    limits = state.config.limits
+    server = GrpcServer(
+        _methods(_Service(state)),
+        limits.max_body_bytes,
+        head_timeout=limits.head_timeout,
+        body_timeout=limits.body_timeout,
+        send_timeout=limits.send_timeout,
+    )
     try:
         listener = await anyio.create_tcp_listener(local_host=host, local_port=port)
     except OSError as exc:

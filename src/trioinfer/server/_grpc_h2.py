@@ -23,7 +23,18 @@ request's. What gRPC adds to HTTP/2 is handled here:
   engine answers is held by its HTTP/2 window instead of buffered without
   bound;
 - PING is answered by h2; at shutdown each connection gets a GOAWAY, calls in
-  progress may finish, new streams are refused.
+  progress may finish, new streams are refused, and those cut off at the end
+  are told UNAVAILABLE.
+
+Bounds, so that no client can hold memory or a connection for long (HTTP's
+limits, in HTTP/2's terms): a unary call takes one message (a second fails it
+at once); a connection holds at most `GrpcServer.max_buffered` request bytes
+for its calls, beyond which its data is left unacknowledged; output waiting
+for a client that does not read stops the reading past `_OUTPUT_LIMIT`, and
+``send_timeout`` drops it; a connection without calls for ``head_timeout`` is
+closed, a request that stops arriving for ``body_timeout`` fails; the
+client's deadline holds over its whole call; a client that resets streams
+faster than `_RESET_RATE` a second gets GOAWAY (ENHANCE_YOUR_CALM).
 
 h2 does the HTTP/2; around it, only what repeats is remembered: header
 blocks made of table indexes only (`_Decoder`, `_Encoder`), which hpack
@@ -35,10 +46,11 @@ from __future__ import annotations
 import collections
 import contextlib
 import logging
+import re
 import struct
 import time
 import zlib
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Mapping
 from typing import Any, Final, Protocol, final
 
 import anyio
@@ -58,14 +70,17 @@ from hyperframe.frame import GoAwayFrame
 
 log = logging.getLogger("trioinfer.server")
 
-#: gRPC status codes used by the transport itself (the service maps its own).
+#: gRPC status codes (grpc/doc/statuscodes.md): the transport's and the service's.
 OK: Final = 0
 CANCELLED: Final = 1
 INVALID_ARGUMENT: Final = 3
+DEADLINE_EXCEEDED: Final = 4
+NOT_FOUND: Final = 5
 RESOURCE_EXHAUSTED: Final = 8
 UNIMPLEMENTED: Final = 12
 INTERNAL: Final = 13
 UNAVAILABLE: Final = 14
+UNAUTHENTICATED: Final = 16
 
 #: Complete messages a stream may hold for its handler before its data is left unacknowledged.
 _STREAM_BACKLOG: Final = 4
@@ -80,7 +95,30 @@ _WBITS: Final[dict[str, int | None]] = {
     "deflate": zlib.MAX_WBITS,
 }
 _ACCEPT: Final = ",".join(_WBITS).encode()
-_TIMEOUT_UNITS: Final = {"H": 3600.0, "M": 60.0, "S": 1.0, "m": 1e-3, "u": 1e-6, "n": 1e-9}
+_TIMEOUT_UNITS: Final = {
+    ord("H"): 3600.0,
+    ord("M"): 60.0,
+    ord("S"): 1.0,
+    ord("m"): 1e-3,
+    ord("u"): 1e-6,
+    ord("n"): 1e-9,
+}
+#: gRPC's TimeoutValue and TimeoutUnit, ASCII only (str.isdigit would take '\u00b2').
+_TIMEOUT: Final = re.compile(rb"[0-9]{1,8}[HMSmun]")
+#: Output waiting for a client that does not read, beyond which the connection reads no
+#: more of its frames (each of which may add output: PING, SETTINGS acks) until it drains.
+_OUTPUT_LIMIT: Final = 256 * 1024
+#: How long the last words (a call's UNAVAILABLE, the final GOAWAY) may take to leave.
+_LAST_WORDS_S: Final = 0.5
+#: RST_STREAMs a client may send per second, on average over 10 s, before a GOAWAY
+#: (ENHANCE_YOUR_CALM): each starts a call's work for nothing (CVE-2023-44487).
+_RESET_RATE: Final = 100
+_RESET_WINDOW_S: Final = 10.0
+_ANSWER_HEADERS: Final = (
+    (b":status", b"200"),
+    (b"content-type", b"application/grpc"),
+    (b"grpc-accept-encoding", _ACCEPT),
+)
 #: Request headers that are HTTP/2's or gRPC's own, not the call's metadata.
 _RESERVED: Final = frozenset(
     {
@@ -270,6 +308,12 @@ class _Stream:
     #: A failure found while reading its messages (status, message), answered instead.
     error: tuple[int, str] | None = None
     started: bool = False
+    #: True once its answer's headers are sent (trailers then end it).
+    answering: bool = False
+    #: Bytes of its messages (and part of one) held for its handler: the connection's budget.
+    held: int = 0
+    #: ``time.monotonic()`` when its request bytes last arrived (for ``body_timeout``).
+    active: float = 0.0
 
 
 def _wake(event: anyio.Event | None) -> None:
@@ -296,11 +340,14 @@ def _unsupported(encoding: str) -> str:
     )
 
 
-def _deadline(value: str) -> float:
+def _deadline(value: bytes) -> float:
     _check(
-        2 <= len(value) <= 9 and value[:-1].isdigit() and value[-1] in _TIMEOUT_UNITS,
+        _TIMEOUT.fullmatch(value) is not None,
         INVALID_ARGUMENT,
-        lambda: f"grpc-timeout {value[:32]!r} is not 1-8 digits and a unit (H, M, S, m, u, n)",
+        lambda: (
+            f"grpc-timeout {value[:32].decode('latin-1')!r} is not 1-8 ASCII digits and a "
+            "unit (H, M, S, m, u, n)"
+        ),
     )
     return time.monotonic() + int(value[:-1]) * _TIMEOUT_UNITS[value[-1]]
 
@@ -320,6 +367,15 @@ class _Connection:
         self._methods = methods
         self._max = max_message
         self._server = server
+        #: Request bytes held for handlers, over all streams (`_Stream.held`).
+        self._held = 0
+        #: Streams whose received bytes are left unacknowledged (over the budget or backlog).
+        self._held_back: set[_Stream] = set()
+        self._idle_since = time.monotonic()
+        self._resets: collections.deque[float] = collections.deque()
+        #: Set each time the writer has sent what was pending.
+        self._drained = anyio.Event()
+        self._sending = False
         self._h2 = h2.connection.H2Connection(config=_CONFIG)
         # hpack's coder, with a memo of the header blocks that repeat (h2 reads and
         # writes through these attributes only); the decoder keeps h2's header list cap.
@@ -353,21 +409,35 @@ class _Connection:
             async with self._open_group() as group:
                 self._group = group
                 group.start_soon(self._writer)
+                group.start_soon(self._watchdog)
                 try:
                     await self._reader()
                 finally:
                     # The client went away (or the server stops): every call still
                     # running is cancelled, in the engine too.
-                    for stream in self._streams.values():
+                    for stream in list(self._streams.values()):
                         stream.call.cancel()
                     group.cancel_scope.cancel()
-        except (anyio.BrokenResourceError, anyio.ClosedResourceError, OSError):
+        except* (anyio.BrokenResourceError, anyio.ClosedResourceError, anyio.EndOfStream, OSError):
+            # The client went away (TimeoutError, an OSError: it read nothing for
+            # send_timeout): an ordinary end, not the server's failure.
             pass
         finally:
             self._server.connections.discard(self)
             self._server.closed.set()
             with anyio.CancelScope(shield=True):
+                await self._last_words()
                 await self._socket.aclose()
+
+    async def _last_words(self) -> None:
+        # What the cancelled calls answered (UNAVAILABLE at the end of a drain) and a
+        # final GOAWAY, sent briefly: never after a send cut short (its frame is partial).
+        if self._sending:
+            return
+        with contextlib.suppress(Exception), anyio.move_on_after(_LAST_WORDS_S):
+            if self._h2.state_machine.state != h2.connection.ConnectionState.CLOSED:
+                self._h2.close_connection(last_stream_id=self._last_stream)
+            await self._flush()
 
     def goaway(self) -> None:
         """At shutdown: tell the client to open no more streams; those open may finish."""
@@ -376,7 +446,7 @@ class _Connection:
             frame = GoAwayFrame(0)
             frame.last_stream_id = self._last_stream
             frame.error_code = h2.errors.ErrorCodes.NO_ERROR
-            self._extra += frame.serialize()
+            self._extra += self._h2.data_to_send() + frame.serialize()
             self._wake.set()
 
     async def _reader(self) -> None:
@@ -393,8 +463,42 @@ class _Connection:
                 await self._flush()
                 return
             for event in events:
-                self._event(event)
+                if self._h2.state_machine.state == h2.connection.ConnectionState.CLOSED:
+                    break  # closed by a GOAWAY of ours (ENHANCE_YOUR_CALM): the rest is moot
+                try:
+                    self._event(event)
+                except Exception as exc:  # a bug: its stream fails, never the connection
+                    self._failed(event, exc)
+            # What those frames answered (PING and SETTINGS acks, resets) is taken out of
+            # h2 and counted: past the limit the client's frames are left unread until it
+            # reads, so TCP holds a client that sends without reading.
+            self._extra += self._h2.data_to_send()
             self._wake.set()
+            while len(self._extra) > _OUTPUT_LIMIT:
+                drained = self._drained
+                await drained.wait()
+
+    def _failed(self, event: Any, exc: Exception) -> None:
+        log.exception("gRPC stream failed", exc_info=exc)
+        stream_id = getattr(event, "stream_id", None)
+        if stream_id is None:
+            raise exc
+        stream = self._streams.pop(stream_id, None)
+        if stream is not None:
+            stream.closed = True
+            stream.call.cancel()
+            self._forget(stream)
+        self._trailers_only(stream_id, INTERNAL, f"internal error: {type(exc).__name__}")
+        self._stop(stream_id)
+
+    def _stop(self, stream_id: int) -> None:
+        # Answered before the client finished sending: it may stop (RFC 9113 8.1).
+        with contextlib.suppress(h2.exceptions.ProtocolError):
+            if (
+                self._h2.streams.get(stream_id) is not None
+                and not self._h2.streams[stream_id].closed
+            ):
+                self._h2.reset_stream(stream_id, h2.errors.ErrorCodes.NO_ERROR)
 
     def _event(self, event: Any) -> None:
         if isinstance(event, h2.events.DataReceived):
@@ -417,8 +521,11 @@ class _Connection:
             if stream is not None:
                 stream.closed = True
                 stream.call.cancel()
+                self._forget(stream)
                 _wake(stream.window)
                 _wake(stream.arrived)
+            if event.remote_reset:
+                self._reset_counted()
         elif isinstance(event, h2.events.WindowUpdated | h2.events.RemoteSettingsChanged):
             # Maybe more room to send: the calls waiting for it look again.
             for stream in self._blocked:
@@ -426,6 +533,24 @@ class _Connection:
             self._blocked.clear()
         elif isinstance(event, h2.events.ConnectionTerminated):
             self._going_away = True
+
+    def _reset_counted(self) -> None:
+        now = time.monotonic()
+        resets = self._resets
+        resets.append(now)
+        while resets[0] < now - _RESET_WINDOW_S:
+            resets.popleft()
+        if len(resets) > _RESET_RATE * _RESET_WINDOW_S and not self._going_away:
+            log.info("gRPC connection closed: the client reset too many streams")
+            self._going_away = True
+            for stream in list(self._streams.values()):
+                stream.call.cancel()
+            self._h2.close_connection(
+                h2.errors.ErrorCodes.ENHANCE_YOUR_CALM,
+                additional_data=b"too many RST_STREAM",
+                last_stream_id=self._last_stream,
+            )
+            self._streams.clear()
 
     def _request(self, stream_id: int, raw_headers: list[tuple[bytes, bytes]]) -> None:
         self._last_stream = max(self._last_stream, stream_id)
@@ -447,7 +572,7 @@ class _Connection:
             _check(encoding in _WBITS, UNIMPLEMENTED, lambda: _unsupported(encoding))
             _check(method is not None, UNIMPLEMENTED, lambda: f"unknown method {path[:128]!r}")
             timeout = headers.get(b"grpc-timeout")
-            expires = _deadline(timeout.decode("latin-1")) if timeout is not None else None
+            expires = _deadline(timeout) if timeout is not None else None
         except GrpcError as exc:
             self._trailers_only(stream_id, exc.code, exc.message)
             return
@@ -458,12 +583,14 @@ class _Connection:
         }
         assert method is not None
         stream = _Stream(stream_id, method, GrpcCall(metadata, expires), _WBITS[encoding])
+        stream.active = self._idle_since = time.monotonic()
         self._streams[stream_id] = stream
         if method.streaming:
             self._start(stream)
 
     def _data(self, stream: _Stream, data: bytes, flow: int) -> None:
         stream.unacked += flow
+        stream.active = time.monotonic()
         if stream.error is None:
             stream.buffer += data
             self._split(stream)
@@ -472,13 +599,49 @@ class _Connection:
             self._ack(stream)
             self._ready(stream)
             return
-        if not stream.method.streaming or len(stream.messages) <= _STREAM_BACKLOG:
-            # A unary call's bytes are bounded by the size cap; a stream's are let in
-            # until its handler falls behind by more than the backlog, then held by
-            # the client's window until it catches up.
+        self._account(stream)
+        if self._may_ack(stream):
             self._ack(stream)
+        else:
+            self._held_back.add(stream)
         if stream.method.streaming:
             _wake(stream.arrived)
+
+    def _may_ack(self, stream: _Stream) -> bool:
+        # A stream's bytes are let in until its handler falls behind by more than the
+        # backlog (a unary call has one message), and while the connection holds
+        # under its budget of request bytes; past either, the client's window holds
+        # it. The oldest stream still inside a message may always go on, so that
+        # calls sent side by side each get their whole request.
+        if stream.method.streaming and len(stream.messages) > _STREAM_BACKLOG:
+            return False
+        if self._held <= self._server.max_buffered:
+            return True
+        receiving = [s.stream_id for s in self._streams.values() if s.buffer]
+        return bool(stream.buffer) and stream.stream_id == min(receiving)
+
+    def _account(self, stream: _Stream) -> None:
+        held = len(stream.buffer) + sum(map(len, stream.messages))
+        self._held += held - stream.held
+        stream.held = held
+
+    def _forget(self, stream: _Stream) -> None:
+        # The stream is done with: its bytes leave the budget, others may come in.
+        stream.messages.clear()
+        stream.buffer.clear()
+        self._held -= stream.held
+        stream.held = 0
+        self._held_back.discard(stream)
+        self._release()
+
+    def _release(self) -> None:
+        for stream in sorted(self._held_back, key=lambda s: s.stream_id):
+            if stream.closed or stream.stream_id not in self._streams:
+                self._held_back.discard(stream)
+            elif self._may_ack(stream):
+                self._held_back.discard(stream)
+                self._ack(stream)
+                self._wake.set()
 
     def _split(self, stream: _Stream) -> None:
         buffer = stream.buffer
@@ -509,6 +672,14 @@ class _Connection:
                     stream.error = (exc.code, exc.message)
                     buffer.clear()
                     return
+            if stream.messages and not stream.method.streaming:
+                # As gRPC specifies for a cardinality violation (statuscodes.md).
+                stream.error = (
+                    UNIMPLEMENTED,
+                    "a unary call takes one request message; this one sent a second",
+                )
+                buffer.clear()
+                return
             stream.messages.append(message)
 
     def _inflate(self, data: bytes, wbits: int | None) -> bytes:
@@ -537,7 +708,10 @@ class _Connection:
     def _ready(self, stream: _Stream) -> None:
         if stream.error is not None and not stream.started:
             self._streams.pop(stream.stream_id, None)
+            self._forget(stream)
             self._trailers_only(stream.stream_id, *stream.error)
+            if not stream.ended:
+                self._stop(stream.stream_id)
             return
         if stream.method.streaming:
             _wake(stream.arrived)
@@ -550,10 +724,36 @@ class _Connection:
         self._group.start_soon(self._call, stream, name="grpc call")
 
     async def _call(self, stream: _Stream) -> None:
+        if stream.closed:
+            # Reset before its task ran (a rapid reset): its request is not even parsed.
+            self._forget(stream)
+            return
+        try:
+            await self._handle(stream)
+        except BaseException:
+            # Cancelled from outside (the server stops at the end of its drain, the
+            # connection is lost): what can still be told is told, if anyone is left.
+            self._streams.pop(stream.stream_id, None)
+            self._forget(stream)
+            if not stream.closed:
+                self._finish(
+                    stream,
+                    UNAVAILABLE,
+                    "the server stopped before the call finished",
+                    stream.answering,
+                )
+            raise
+
+    async def _handle(self, stream: _Stream) -> None:
         code, message = OK, ""
         sent_headers = False
         with self._cancel_scope() as scope:
             stream.call._scope = scope
+            expires = stream.call.expires
+            if expires is not None:
+                # The client's deadline holds over the whole call: its handler, and
+                # waiting for the client's window or its next message.
+                scope.deadline = anyio.current_time() + (expires - time.monotonic())
             try:
                 handler: Any = stream.method.handler
                 if stream.method.streaming:
@@ -562,10 +762,12 @@ class _Connection:
                         nonlocal sent_headers
                         if not sent_headers:
                             self._headers(stream)
-                            sent_headers = True
+                            sent_headers = stream.answering = True
                         await self._send_message(stream, data)
 
-                    await handler(self._messages(stream), stream.call, send)
+                    # Closed here, even when the handler is cancelled while it waits in it.
+                    async with contextlib.aclosing(self._messages(stream)) as messages:
+                        await handler(messages, stream.call, send)
                 else:
                     _check(
                         len(stream.messages) == 1,
@@ -577,7 +779,7 @@ class _Connection:
                     )
                     answer = await handler(stream.messages[0], stream.call)
                     self._headers(stream)
-                    sent_headers = True
+                    sent_headers = stream.answering = True
                     await self._send_message(stream, answer)
             except GrpcError as exc:
                 code, message = exc.code, exc.message
@@ -589,16 +791,22 @@ class _Connection:
             except Exception as exc:  # a bug: this call fails, never its connection
                 log.exception("gRPC call failed", exc_info=exc)
                 code, message = INTERNAL, f"internal error: {type(exc).__name__}"
-        if scope.cancelled_caught or stream.closed:
-            self._streams.pop(stream.stream_id, None)
-            if not stream.closed:
-                # Cancelled from outside while its stream is open: the server stops.
-                self._finish(
-                    stream, UNAVAILABLE, "the server stopped before the call finished", sent_headers
-                )
-            return
         self._streams.pop(stream.stream_id, None)
+        self._forget(stream)
+        if scope.cancelled_caught or stream.closed:
+            if stream.closed:
+                return
+            if stream.call.expires is not None and time.monotonic() >= stream.call.expires:
+                code, message = (
+                    DEADLINE_EXCEEDED,
+                    "the client's deadline passed before the call finished",
+                )
+            else:
+                # Cancelled from outside while its stream is open: the server stops.
+                code, message = UNAVAILABLE, "the server stopped before the call finished"
         self._finish(stream, code, message, sent_headers)
+        if not stream.ended:
+            self._stop(stream.stream_id)
 
     def _finish(self, stream: _Stream, code: int, message: str, sent_headers: bool) -> None:
         trailers = [(b"grpc-status", b"%d" % code)]
@@ -615,22 +823,10 @@ class _Connection:
         self._wake.set()
 
     def _headers(self, stream: _Stream) -> None:
-        self._h2.send_headers(
-            stream.stream_id,
-            [
-                (b":status", b"200"),
-                (b"content-type", b"application/grpc"),
-                (b"grpc-accept-encoding", _ACCEPT),
-            ],
-        )
+        self._h2.send_headers(stream.stream_id, list(_ANSWER_HEADERS))
 
     def _trailers_only(self, stream_id: int, code: int, message: str) -> None:
-        headers = [
-            (b":status", b"200"),
-            (b"content-type", b"application/grpc"),
-            (b"grpc-accept-encoding", _ACCEPT),
-            (b"grpc-status", b"%d" % code),
-        ]
+        headers = [*_ANSWER_HEADERS, (b"grpc-status", b"%d" % code)]
         if message:
             headers.append((b"grpc-message", _percent(message)))
         try:
@@ -639,14 +835,14 @@ class _Connection:
             return
         self._wake.set()
 
-    async def _messages(self, stream: _Stream) -> AsyncIterator[bytes]:
+    async def _messages(self, stream: _Stream) -> AsyncGenerator[bytes, None]:
         while True:
             if stream.messages:
                 message = stream.messages.popleft()
-                if stream.unacked and len(stream.messages) <= _STREAM_BACKLOG:
-                    # Caught up: the bytes held back may come.
-                    self._ack(stream)
-                    self._wake.set()
+                self._account(stream)
+                if self._held_back:
+                    # Caught up, or under budget again: the bytes held back may come.
+                    self._release()
                 yield message
                 continue
             if stream.error is not None:
@@ -688,28 +884,103 @@ class _Connection:
     async def _flush(self) -> None:
         out = self._h2.data_to_send()
         if self._extra:
-            out, self._extra = out + self._extra, b""
+            out, self._extra = self._extra + out, b""
         if out:
-            await self._socket.send(out)
+            self._sending = True
+            # A client that reads nothing for send_timeout is dropped (TimeoutError).
+            with self._cancel_scope() as scope:
+                scope.deadline = anyio.current_time() + self._server.send_timeout
+                await self._socket.send(out)
+            if scope.cancelled_caught:
+                raise TimeoutError
+            self._sending = False
+        self._drained.set()
+        self._drained = anyio.Event()
 
     async def _writer(self) -> None:
+        try:
+            while True:
+                await self._wake.wait()
+                self._wake = anyio.Event()
+                await self._flush()
+                if self._going_away and not self._streams:
+                    assert self._group is not None
+                    self._group.cancel_scope.cancel()
+                    return
+        except TimeoutError:
+            log.info(
+                "gRPC connection closed: the client read nothing for %ss (send_timeout)",
+                self._server.send_timeout,
+            )
+            raise
+
+    async def _watchdog(self) -> None:
+        # Time limits no frame brings: a connection with no calls (head_timeout), a
+        # request body that stopped arriving (body_timeout), a client's deadline passing
+        # while its request still arrives (the call's own scope covers it after).
+        server = self._server
+        tick = min(server.head_timeout, server.body_timeout) / 4
         while True:
-            await self._wake.wait()
-            self._wake = anyio.Event()
-            await self._flush()
-            if self._going_away and not self._streams:
-                assert self._group is not None
-                self._group.cancel_scope.cancel()
-                return
+            await anyio.sleep(tick)
+            now = time.monotonic()
+            if self._streams:
+                self._idle_since = now
+            elif now - self._idle_since > server.head_timeout:
+                log.info(
+                    "gRPC connection closed: no call for %ss (head_timeout)", server.head_timeout
+                )
+                self.goaway()
+                continue
+            for stream in list(self._streams.values()):
+                if stream.started:
+                    continue
+                expires = stream.call.expires
+                if expires is not None and now >= expires:
+                    error = (DEADLINE_EXCEEDED, "the client's deadline passed before its request")
+                elif now - stream.active > server.body_timeout:
+                    error = (
+                        CANCELLED,
+                        f"the request stopped arriving for {server.body_timeout}s (body_timeout)",
+                    )
+                else:
+                    continue
+                stream.error = error
+                self._ready(stream)
+                self._wake.set()
 
 
 @final
 class GrpcServer:
-    """Serves gRPC methods over HTTP/2 on one listener; `shutdown` sends GOAWAY and drains."""
+    """Serves gRPC methods over HTTP/2 on one listener; `drain` sends GOAWAY and waits.
 
-    def __init__(self, methods: Mapping[str, Method], max_message: int) -> None:
+    Args:
+        methods: The served methods, by path (``/package.Service/Method``).
+        max_message: The largest request message, in bytes (as received and inflated).
+        head_timeout: Seconds a connection may stay without a call before it is closed.
+        body_timeout: Seconds a call's request may stop arriving before it is failed.
+        send_timeout: Seconds the client may read nothing of what is sent before its
+            connection is closed.
+        max_buffered: Request bytes a connection may hold for its handlers before its
+            data is left unacknowledged (HTTP/2 flow control then holds the client);
+            by default twice *max_message*.
+    """
+
+    def __init__(
+        self,
+        methods: Mapping[str, Method],
+        max_message: int,
+        *,
+        head_timeout: float = 5.0,
+        body_timeout: float = 30.0,
+        send_timeout: float = 30.0,
+        max_buffered: int | None = None,
+    ) -> None:
         self._methods = methods
         self._max = max_message
+        self.head_timeout = head_timeout
+        self.body_timeout = body_timeout
+        self.send_timeout = send_timeout
+        self.max_buffered = 2 * max_message if max_buffered is None else max_buffered
         self.connections: set[_Connection] = set()
         #: Set when a connection ends (replaced by whoever waits for it).
         self.closed = anyio.Event()
