@@ -5,13 +5,16 @@ the transport where a well-behaved client never goes: unsupported and bad
 compression, oversized and malformed messages, a client that resets its
 stream or sends faster than its handler takes messages, deadlines, PING and
 GOAWAY at shutdown. The server runs in-process with handlers of its own, so
-each test sees exactly what the transport did.
+each test sees exactly what the transport did. Each transport test runs twice,
+on Trio and on asyncio (`both_loops`): the transport has Trio-only fast paths,
+and the client's deadline, reset and disconnect must cancel a call on both.
 """
 
 from __future__ import annotations
 
 import contextlib
 import gzip
+import inspect
 import queue
 import signal
 import socket
@@ -31,7 +34,6 @@ import h2.events
 import h2.settings
 import hpack
 import pytest
-import trio
 from hyperframe.frame import PingFrame
 
 from trioinfer.server import _grpc_h2
@@ -52,13 +54,14 @@ pytestmark = pytest.mark.grpc
 MAX = 1 << 20
 #: Bounds against hangs only; nothing asserts how long anything took.
 WAIT_S = 30.0
+BACKENDS = ["trio", "asyncio"]
 
 
 async def poll(predicate: Callable[[], Any]) -> None:
     """Wait until *predicate* holds (what it watches has no event to wait on)."""
-    with trio.fail_after(WAIT_S):
+    with anyio.fail_after(WAIT_S):
         while not predicate():  # noqa: ASYNC110 - state of another task, no event for it
-            await trio.sleep(0.01)
+            await anyio.sleep(0.01)
 
 
 def frame(message: bytes, compressed: bool = False) -> bytes:
@@ -70,10 +73,10 @@ class Handlers:
 
     def __init__(self) -> None:
         self.calls: list[GrpcCall] = []
-        self.cancelled = trio.Event()
-        self.release = trio.Event()
+        self.cancelled = anyio.Event()
+        self.release = anyio.Event()
         self.taken: list[bytes] = []
-        self.reading = trio.Event()
+        self.reading = anyio.Event()
 
     async def echo(self, raw: bytes, call: GrpcCall) -> bytes:
         self.calls.append(call)
@@ -87,7 +90,7 @@ class Handlers:
         self.calls.append(call)
         try:
             await self.release.wait()
-        except trio.Cancelled:
+        except anyio.get_cancelled_exc_class():
             self.cancelled.set()
             raise
         return raw
@@ -117,7 +120,7 @@ class Handlers:
 class Client:
     """A bare HTTP/2 client: sends what a test says, collects every event."""
 
-    def __init__(self, socket: trio.SocketStream, *, ack: bool = True) -> None:
+    def __init__(self, socket: anyio.abc.SocketStream, *, ack: bool = True) -> None:
         self.socket = socket
         self.h2 = h2.connection.H2Connection(
             h2.config.H2Configuration(client_side=True, header_encoding="latin-1")
@@ -130,9 +133,16 @@ class Client:
         self.h2.initiate_connection()
         await self.flush()
 
+    async def receive(self) -> bytes:
+        """The next bytes from the server; b"" once it closed."""
+        try:
+            return await self.socket.receive(65536)
+        except anyio.EndOfStream:
+            return b""
+
     async def flush(self) -> None:
         if out := self.h2.data_to_send():
-            await self.socket.send_all(out)
+            await self.socket.send(out)
 
     async def call(
         self,
@@ -169,7 +179,7 @@ class Client:
         return sid
 
     async def pump(self) -> None:
-        data = await self.socket.receive_some(65536)
+        data = await self.receive()
         assert data, "the server closed the connection"
         for event in self.h2.receive_data(data):
             self.events.append(event)
@@ -180,7 +190,7 @@ class Client:
         await self.flush()
 
     async def until(self, predicate: Callable[[], Any]) -> Any:
-        with trio.fail_after(WAIT_S):
+        with anyio.fail_after(WAIT_S):
             while not (found := predicate()):
                 await self.pump()
         return found
@@ -200,43 +210,81 @@ class Client:
         return last[-1]["grpc-status"], last[-1].get("grpc-message", "")
 
 
-@pytest.fixture
-async def serve(nursery: trio.Nursery) -> AsyncIterator[Callable[..., Any]]:
+Serve = Callable[..., Awaitable[tuple[GrpcServer, Callable[..., Awaitable[Client]]]]]
+
+
+@contextlib.asynccontextmanager
+async def serving(task_group: anyio.abc.TaskGroup) -> AsyncIterator[Serve]:
     """Start a server of *handlers*' methods: (server, connect); clients are closed after."""
     clients: list[Client] = []
 
     async def start(
         handlers: Handlers, **limits: Any
-    ) -> tuple[GrpcServer, Callable[[], Awaitable[Client]]]:
+    ) -> tuple[GrpcServer, Callable[..., Awaitable[Client]]]:
         server = GrpcServer(handlers.methods(), MAX, **limits)
         listener = await anyio.create_tcp_listener(local_host="127.0.0.1", local_port=0)
         port = listener.extra(anyio.abc.SocketAttribute.local_port)
-        scope = trio.CancelScope()
+        scope = anyio.CancelScope()
 
         async def accept() -> None:
             with scope:
                 async with listener:
                     await listener.serve(server.connection)
 
-        nursery.start_soon(accept)
+        task_group.start_soon(accept)
         server.port = port  # type: ignore[attr-defined]
         # Cancels every connection, as serve_grpc does when the drain period ends.
         server.stop = scope.cancel  # type: ignore[attr-defined]
 
         async def connect(**kw: Any) -> Client:
-            client = Client(await trio.open_tcp_stream("127.0.0.1", port), **kw)
+            client = Client(await anyio.connect_tcp("127.0.0.1", port), **kw)
             clients.append(client)
             await client.start()
             return client
 
         return server, connect
 
-    yield start
-    for client in clients:
-        await client.socket.aclose()
+    try:
+        yield start
+    finally:
+        for client in clients:
+            await client.socket.aclose()
 
 
-async def test_unary_answer_and_error_trailers(serve: Any) -> None:
+def both_loops(test: Callable[..., Awaitable[None]]) -> Callable[..., None]:
+    """Run the async *test* once on Trio and once on asyncio (``backend``).
+
+    The test may ask for ``serve`` (see `serving`) and ``task_group`` (cancelled
+    when the test ends) besides pytest's own fixtures and parameters.
+    """
+    signature = inspect.signature(test)
+    ours = {"serve", "task_group"}
+
+    def run(backend: str, **kwargs: Any) -> None:
+        async def main() -> None:
+            async with anyio.create_task_group() as task_group, serving(task_group) as serve:
+                given = {"serve": serve, "task_group": task_group}
+                await test(
+                    **{k: v for k, v in given.items() if k in signature.parameters}, **kwargs
+                )
+                task_group.cancel_scope.cancel()
+
+        anyio.run(main, backend=backend)
+
+    run.__name__ = test.__name__
+    run.__qualname__ = test.__qualname__
+    run.__doc__ = test.__doc__
+    run.__signature__ = signature.replace(  # type: ignore[attr-defined]
+        parameters=[
+            inspect.Parameter("backend", inspect.Parameter.POSITIONAL_OR_KEYWORD),
+            *(p for name, p in signature.parameters.items() if name not in ours),
+        ]
+    )
+    return pytest.mark.parametrize("backend", BACKENDS)(run)
+
+
+@both_loops
+async def test_unary_answer_and_error_trailers(serve: Serve) -> None:
     handlers = Handlers()
     _, connect = await serve(handlers)
     client = await connect()
@@ -257,7 +305,8 @@ async def test_unary_answer_and_error_trailers(serve: Any) -> None:
     assert await client.status(sid) == ("0", "")
 
 
-async def test_compression_gzip_taken_others_refused(serve: Any) -> None:
+@both_loops
+async def test_compression_gzip_taken_others_refused(serve: Serve) -> None:
     _, connect = await serve(Handlers())
     client = await connect()
     gz = (("grpc-encoding", "gzip"),)
@@ -281,7 +330,8 @@ async def test_compression_gzip_taken_others_refused(serve: Any) -> None:
     assert (await client.status(sid))[0] == "8"
 
 
-async def test_size_cap_and_malformed_calls(serve: Any) -> None:
+@both_loops
+async def test_size_cap_and_malformed_calls(serve: Serve) -> None:
     handlers = Handlers()
     _, connect = await serve(handlers)
     client = await connect()
@@ -302,34 +352,39 @@ async def test_size_cap_and_malformed_calls(serve: Any) -> None:
     assert handlers.calls == []  # none of them reached a handler
 
 
-async def test_deadline_reset_and_connection_loss_cancel(serve: Any) -> None:
+@both_loops
+async def test_deadline_reset_and_connection_loss_cancel(serve: Serve) -> None:
     handlers = Handlers()
-    _, connect = await serve(handlers)
+    # Nothing else may cancel the call first: not its deadline, nor head_timeout
+    # closing the connection once the reset leaves it without calls.
+    _, connect = await serve(handlers, head_timeout=10 * WAIT_S)
     client = await connect()
     before = time.monotonic()
-    sid = await client.call("/t.S/Slow", frame(b"a"), headers=(("grpc-timeout", "1500m"),))
+    sid = await client.call("/t.S/Slow", frame(b"a"), headers=(("grpc-timeout", "100S"),))
     await poll(lambda: handlers.calls)
     call = handlers.calls[0]
     assert call.expires is not None
-    assert before + 1.4 < call.expires < time.monotonic() + 1.6
-    # The client resets its stream: the handler is cancelled.
+    assert before + 99.9 < call.expires < time.monotonic() + 100.1
+    # The client resets its stream: the handler is cancelled (long before the
+    # deadline, which would cancel it too, were the wait for it not shorter).
     client.h2.reset_stream(sid, 8)
     await client.flush()
-    with trio.fail_after(WAIT_S):
+    with anyio.fail_after(WAIT_S):
         await handlers.cancelled.wait()
     assert call.gone
     # The connection is lost: its calls are cancelled too.
-    handlers.cancelled = trio.Event()
+    handlers.cancelled = anyio.Event()
     other = await connect()
     await other.call("/t.S/Slow", frame(b"b"))
     await poll(lambda: len(handlers.calls) == 2)
     await other.socket.aclose()
-    with trio.fail_after(WAIT_S):
+    with anyio.fail_after(WAIT_S):
         await handlers.cancelled.wait()
     assert handlers.calls[1].gone
 
 
-async def test_stream_backpressure_holds_the_client(serve: Any) -> None:
+@both_loops
+async def test_stream_backpressure_holds_the_client(serve: Serve) -> None:
     # A client streams faster than its handler takes messages: the server stops
     # acknowledging its data, so the client's window closes; nothing piles up.
     handlers = Handlers()
@@ -338,13 +393,13 @@ async def test_stream_backpressure_holds_the_client(serve: Any) -> None:
     sid = await client.call("/t.S/Stream", end=False)
     message = frame(b"m" * 60_000)
     sent = 0
-    with trio.fail_after(WAIT_S):
+    with anyio.fail_after(WAIT_S):
         while True:
             room = min(client.h2.local_flow_control_window(sid), client.h2.max_outbound_frame_size)
             if room == 0:
                 # Give the server every chance to acknowledge more; it must not.
                 for _ in range(5):
-                    with trio.move_on_after(0.1):
+                    with anyio.move_on_after(0.1):
                         await client.pump()
                 if client.h2.local_flow_control_window(sid) == 0:
                     break
@@ -362,7 +417,8 @@ async def test_stream_backpressure_holds_the_client(serve: Any) -> None:
     await client.until(lambda: client.h2.local_flow_control_window(sid) > 0)
 
 
-async def test_large_answer_waits_for_the_clients_window(serve: Any) -> None:
+@both_loops
+async def test_large_answer_waits_for_the_clients_window(serve: Serve) -> None:
     _, connect = await serve(Handlers())
     client = await connect()
     big = bytes(range(256)) * 4096  # 1 MiB, past the client's 64 KiB window
@@ -372,7 +428,8 @@ async def test_large_answer_waits_for_the_clients_window(serve: Any) -> None:
     assert client.data[sid] == frame(big[: MAX - 5])
 
 
-async def test_ping_and_goaway_drain(serve: Any) -> None:
+@both_loops
+async def test_ping_and_goaway_drain(serve: Serve) -> None:
     handlers = Handlers()
     server, connect = await serve(handlers)
     client = await connect()
@@ -381,7 +438,7 @@ async def test_ping_and_goaway_drain(serve: Any) -> None:
     await client.until(lambda: any(isinstance(e, h2.events.PingAckReceived) for e in client.events))
     sid = await client.call("/t.S/Slow", frame(b"in flight"))
     await poll(lambda: handlers.calls)
-    async with trio.open_nursery() as nursery:
+    async with anyio.create_task_group() as nursery:
         nursery.start_soon(server.drain, WAIT_S)
         goaway = await client.until(
             lambda: [e for e in client.events if isinstance(e, h2.events.ConnectionTerminated)]
@@ -392,7 +449,8 @@ async def test_ping_and_goaway_drain(serve: Any) -> None:
     # (h2's client takes nothing after a GOAWAY: grpcio's below sees the answer.)
 
 
-async def test_drain_lets_a_call_in_flight_finish(serve: Any) -> None:
+@both_loops
+async def test_drain_lets_a_call_in_flight_finish(serve: Serve) -> None:
     handlers = Handlers()
     server, _ = await serve(handlers)
     address = f"127.0.0.1:{server.port}"
@@ -402,15 +460,15 @@ async def test_drain_lets_a_call_in_flight_finish(serve: Any) -> None:
             answer: bytes = channel.unary_unary("/t.S/Slow")(b"in flight", timeout=WAIT_S)
             return answer
 
-    async with trio.open_nursery() as nursery:
+    async with anyio.create_task_group() as nursery:
         answers: list[bytes] = []
 
         async def client() -> None:
-            answers.append(await trio.to_thread.run_sync(call))
+            answers.append(await anyio.to_thread.run_sync(call))
 
         nursery.start_soon(client)
         await poll(lambda: handlers.calls)
-        drained = trio.Event()
+        drained = anyio.Event()
 
         async def drain() -> None:
             await server.drain(WAIT_S)
@@ -439,15 +497,17 @@ PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n\x00\x00\x00\x04\x00\x00\x00\x00\x00
     ],
     ids=["http1", "data-on-stream-0", "bad-hpack", "even-stream-id"],
 )
+@both_loops
 async def test_garbage_closes_only_its_connection(
-    serve: Any, garbage: bytes, caplog: pytest.LogCaptureFixture
+    serve: Serve, garbage: bytes, caplog: pytest.LogCaptureFixture
 ) -> None:
     server, connect = await serve(Handlers())
     answer = b""
-    async with await trio.open_tcp_stream("127.0.0.1", server.port) as bad:
-        await bad.send_all(garbage)
-        with trio.fail_after(WAIT_S):
-            while data := await bad.receive_some(65536):
+    async with await anyio.connect_tcp("127.0.0.1", server.port) as socket_:
+        bad = Client(socket_)
+        await socket_.send(garbage)
+        with anyio.fail_after(WAIT_S):
+            while data := await bad.receive():
                 answer += data
     # The server says why (GOAWAY, PROTOCOL_ERROR) and closes the connection.
     assert b"\x00\x00\x08\x07\x00\x00\x00\x00\x00" in answer
@@ -565,7 +625,8 @@ def test_encoder_memo_round_trips_through_table_changes() -> None:
 # -- what a hostile or broken client can make the server hold or wait for --------------
 
 
-async def test_unary_call_with_a_second_message_fails_at_once(serve: Any) -> None:
+@both_loops
+async def test_unary_call_with_a_second_message_fails_at_once(serve: Serve) -> None:
     server, connect = await serve(Handlers())
     client = await connect()
     # Messages without END_STREAM: the second one ends the call (a cardinality
@@ -582,7 +643,8 @@ async def test_unary_call_with_a_second_message_fails_at_once(serve: Any) -> Non
     assert await client.status(sid) == ("0", "")
 
 
-async def test_buffered_request_bytes_have_a_budget(serve: Any) -> None:
+@both_loops
+async def test_buffered_request_bytes_have_a_budget(serve: Serve) -> None:
     # Two calls each inside a large message: the budget is spent, so only the
     # older one's bytes are acknowledged; the other waits for its window.
     # (Over half the window each: h2 sends WINDOW_UPDATE only past that.)
@@ -598,7 +660,7 @@ async def test_buffered_request_bytes_have_a_budget(serve: Any) -> None:
     assert shut == client.h2.local_flow_control_window(first)
     await client.until(lambda: client.h2.local_flow_control_window(first) > shut)
     for _ in range(3):
-        with trio.move_on_after(0.05):
+        with anyio.move_on_after(0.05):
             await client.pump()
     assert client.h2.local_flow_control_window(second) == shut
     (conn,) = server.connections
@@ -613,23 +675,24 @@ async def test_buffered_request_bytes_have_a_budget(serve: Any) -> None:
 async def _flood(client: Client) -> None:
     ping = PingFrame(0)
     ping.opaque_data = b"12345678"
-    with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError, OSError):
+    with contextlib.suppress(anyio.BrokenResourceError, anyio.ClosedResourceError, OSError):
         while True:
-            await client.socket.send_all(ping.serialize() * 4000)
+            await client.socket.send(ping.serialize() * 4000)
 
 
 async def _not_reading(server: GrpcServer) -> Client:
     # A small receive buffer, set before connecting (it sizes the TCP window).
-    sock = trio.socket.socket()
+    sock = socket.socket()
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-    await sock.connect(("127.0.0.1", server.port))  # type: ignore[attr-defined]
-    client = Client(trio.SocketStream(sock))
+    sock.connect(("127.0.0.1", server.port))  # type: ignore[attr-defined]  # loopback: at once
+    client = Client(await anyio.abc.SocketStream.from_socket(sock))
     await client.start()
     return client
 
 
+@both_loops
 async def test_a_client_that_does_not_read_is_held_then_dropped(
-    serve: Any, nursery: trio.Nursery, caplog: pytest.LogCaptureFixture
+    serve: Serve, task_group: anyio.abc.TaskGroup, caplog: pytest.LogCaptureFixture
 ) -> None:
     # PINGs sent without reading their acks: the server stops reading once its
     # output passes the limit, so nothing piles up; send_timeout then drops it.
@@ -637,59 +700,66 @@ async def test_a_client_that_does_not_read_is_held_then_dropped(
     client = await _not_reading(server)
     await poll(lambda: server.connections)
     (conn,) = server.connections
-    nursery.start_soon(_flood, client)
+    task_group.start_soon(_flood, client)
     peak = 0
-    with trio.fail_after(WAIT_S):
+    with anyio.fail_after(WAIT_S):
         while server.connections:
             peak = max(peak, len(conn._extra) + len(conn._h2.data_to_send(0)))
-            await trio.sleep(0.01)
-    assert peak <= _OUTPUT_LIMIT + 65536
+            await anyio.sleep(0.01)
+    # One read past the limit (65536 bytes of PINGs: as many bytes of acks), plus the
+    # odd control frame the same write carried (a WINDOW_UPDATE, 13 bytes, was seen).
+    assert peak <= _OUTPUT_LIMIT + 65536 + 64
     await client.socket.aclose()
     assert not [r for r in caplog.records if r.levelname == "ERROR"]
 
 
+@both_loops
 async def test_a_client_reset_mid_send_is_no_error(
-    serve: Any, nursery: trio.Nursery, caplog: pytest.LogCaptureFixture
+    serve: Serve, task_group: anyio.abc.TaskGroup, caplog: pytest.LogCaptureFixture
 ) -> None:
     server, _ = await serve(Handlers())
     client = await _not_reading(server)
-    nursery.start_soon(_flood, client)
+    task_group.start_soon(_flood, client)
     # The server's reading waits for its writing, which waits for the client.
     await poll(lambda: any(len(c._extra) > _OUTPUT_LIMIT for c in server.connections))
     # The client's TCP reset while the server is sending to it: an ordinary end.
-    client.socket.socket.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
-    client.socket.socket.close()
+    raw = client.socket.extra(anyio.abc.SocketAttribute.raw_socket)
+    raw.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    await client.socket.aclose()
     await poll(lambda: not server.connections)
     assert not [r for r in caplog.records if r.levelname == "ERROR"]
 
 
-async def test_a_connection_without_calls_is_closed(serve: Any) -> None:
+@both_loops
+async def test_a_connection_without_calls_is_closed(serve: Serve) -> None:
     server, connect = await serve(Handlers(), head_timeout=0.2)
     client = await connect()
     sid = await client.call("/t.S/Echo", frame(b"one"))
     assert await client.status(sid) == ("0", "")
     # Idle since: GOAWAY, then the connection is closed.
     answer = b""
-    with trio.fail_after(WAIT_S):
-        while data := await client.socket.receive_some(65536):
+    with anyio.fail_after(WAIT_S):
+        while data := await client.receive():
             answer += data
     assert b"\x07\x00\x00\x00\x00\x00" in answer  # a GOAWAY frame
     await poll(lambda: not server.connections)
 
 
-async def test_a_connection_with_short_calls_is_kept(serve: Any) -> None:
+@both_loops
+async def test_a_connection_with_short_calls_is_kept(serve: Serve) -> None:
     # Calls come more often than head_timeout, each over before anyone looks.
     server, connect = await serve(Handlers(), head_timeout=0.2)
     client = await connect()
     for _ in range(12):
         sid = await client.call("/t.S/Echo", frame(b"again"))
         assert await client.status(sid) == ("0", "")
-        await trio.sleep(0.05)
+        await anyio.sleep(0.05)
     assert not [e for e in client.events if isinstance(e, h2.events.ConnectionTerminated)]
     assert len(server.connections) == 1
 
 
-async def test_a_request_that_stops_arriving_fails(serve: Any) -> None:
+@both_loops
+async def test_a_request_that_stops_arriving_fails(serve: Serve) -> None:
     _, connect = await serve(Handlers(), body_timeout=0.2)
     client = await connect()
     sid = await client.call("/t.S/Echo", frame(b"x" * 100)[:50], end=False)
@@ -698,7 +768,8 @@ async def test_a_request_that_stops_arriving_fails(serve: Any) -> None:
     assert "body_timeout" in message
 
 
-async def test_client_deadline_holds_over_the_whole_call(serve: Any) -> None:
+@both_loops
+async def test_client_deadline_holds_over_the_whole_call(serve: Serve) -> None:
     _, connect = await serve(Handlers())
     client = await connect()
     deadline = (("grpc-timeout", "100m"),)
@@ -713,7 +784,8 @@ async def test_client_deadline_holds_over_the_whole_call(serve: Any) -> None:
     assert sid not in client.data
 
 
-async def test_client_deadline_holds_while_a_stream_is_idle(serve: Any) -> None:
+@both_loops
+async def test_client_deadline_holds_while_a_stream_is_idle(serve: Serve) -> None:
     handlers = Handlers()
     _, connect = await serve(handlers)
     client = await connect()
@@ -726,7 +798,8 @@ async def test_client_deadline_holds_while_a_stream_is_idle(serve: Any) -> None:
 
 
 @pytest.mark.parametrize("value", ["1\u00b2S", "+1S", "123456789S", "1s", ""])
-async def test_a_bad_grpc_timeout_fails_its_call_only(serve: Any, value: str) -> None:
+@both_loops
+async def test_a_bad_grpc_timeout_fails_its_call_only(serve: Serve, value: str) -> None:
     server, connect = await serve(Handlers())
     client = await connect()
     # As raw bytes: h2 would send a str as UTF-8.
@@ -740,7 +813,8 @@ async def test_a_bad_grpc_timeout_fails_its_call_only(serve: Any, value: str) ->
     assert len(server.connections) == 1
 
 
-async def test_a_call_cut_off_by_the_drain_is_told_unavailable(serve: Any) -> None:
+@both_loops
+async def test_a_call_cut_off_by_the_drain_is_told_unavailable(serve: Serve) -> None:
     handlers = Handlers()
     server, _ = await serve(handlers)
     address = f"127.0.0.1:{server.port}"
@@ -753,11 +827,11 @@ async def test_a_call_cut_off_by_the_drain_is_told_unavailable(serve: Any) -> No
                 return exc
             return None
 
-    async with trio.open_nursery() as nursery:
+    async with anyio.create_task_group() as nursery:
         errors: list[Any] = []
 
         async def client() -> None:
-            errors.append(await trio.to_thread.run_sync(call))
+            errors.append(await anyio.to_thread.run_sync(call))
 
         nursery.start_soon(client)
         await poll(lambda: handlers.calls)
@@ -768,7 +842,8 @@ async def test_a_call_cut_off_by_the_drain_is_told_unavailable(serve: Any) -> No
     assert "server stopped" in error.details()
 
 
-async def test_rapid_resets_get_goaway(serve: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+@both_loops
+async def test_rapid_resets_get_goaway(serve: Serve, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(_grpc_h2, "_RESET_RATE", 1)
     handlers = Handlers()
     server, connect = await serve(handlers)
