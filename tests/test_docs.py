@@ -499,3 +499,35 @@ def test_the_readme_says_which_install_line_to_use_where() -> None:
     install = README.read_text().split("## Install\n", 1)[1].split("\n## ", 1)[0]
     for line in ["'.[cpu]'", "'.[gpu]'", "'.[cpu,serve]'", "make test", "python -m build"]:
         assert line in install
+
+
+# -- the command line as the pages show it ---------------------------------------------
+
+
+def _plugins_output() -> list[str]:
+    from click.testing import CliRunner
+
+    from trioinfer.cli import main
+
+    result = CliRunner().invoke(main, ["plugins"], prog_name="trioinfer")
+    assert result.exit_code == 0, result.output
+    return result.output.splitlines()
+
+
+def test_quickstart_shows_what_trioinfer_plugins_prints() -> None:
+    # The first command a reader runs after installing: its table must be today's, every
+    # first-party plugin in it (a stale copy once left out python, ray and sequence).
+    text = (DOCS / "quickstart.md").read_text()
+    shown = text.split("```sh\ntrioinfer plugins\n```\n\n```text\n", 1)[1].split("```", 1)[0]
+    assert shown.splitlines() == _plugins_output()
+
+
+def test_plugin_howto_shows_trioinfer_plugins_with_the_new_plugins() -> None:
+    # "Package it": after installing trioinfer-sjf, the same table plus its two plugins.
+    text = (DOCS / "how-to" / "plugins.md").read_text()
+    shown = text.split('```text title="trioinfer plugins"\n', 1)[1].split("```", 1)[0]
+    rows = shown.splitlines()
+    added = [row for row in rows if "trioinfer-sjf" in row]
+    assert [row.split()[:2] for row in added] == [["backends", "matmul"], ["schedulers", "sjf"]]
+    real = _plugins_output()
+    assert [row.split() for row in rows if row not in added] == [row.split() for row in real]
