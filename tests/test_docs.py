@@ -531,3 +531,26 @@ def test_plugin_howto_shows_trioinfer_plugins_with_the_new_plugins() -> None:
     assert [row.split()[:2] for row in added] == [["backends", "matmul"], ["schedulers", "sjf"]]
     real = _plugins_output()
     assert [row.split() for row in rows if row not in added] == [row.split() for row in real]
+
+
+# `trioinfer serve --model-repository DIR ...` in a page, up to a comment, the code span's end
+# or the line's end: the command and its arguments.
+COMMAND_LINE = re.compile(r"\btrioinfer (serve|bench|demo|traffic|plugins)\b([^\n`#|]*)")
+
+
+@pytest.mark.parametrize("page", [README, *PAGES], ids=lambda page: str(page.relative_to(ROOT)))
+def test_command_lines_use_real_options(page: Path) -> None:
+    # A reader pastes these: an option the command does not have fails at once (ray.md
+    # once said `trioinfer serve --repository`).
+    from trioinfer.cli import main
+
+    wrong = []
+    for command, arguments in COMMAND_LINE.findall(page.read_text()):
+        params = main.commands[command].params  # type: ignore[attr-defined]
+        known = {opt for p in params for opt in (*p.opts, *p.secondary_opts)} | {"--help"}
+        wrong += [
+            f"trioinfer {command} {option}"
+            for option in re.findall(r"(?<![\w-])--[a-z][a-z-]*", arguments)
+            if option not in known
+        ]
+    assert wrong == []
