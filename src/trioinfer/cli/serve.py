@@ -94,9 +94,8 @@ def _rate_not_nan(
     type=click.Path(dir_okay=False, exists=True, path_type=Path),
     default=None,
     metavar="FILE",
-    help="A TOML file with any of these options (model_repository, host, port, grpc, grpc_port, "
-    "models, drain_period, cache_size, admin_token, protect_inference, log_level, trace_exporter, "
-    "trace_rate, workers) and a [limits] table; options given on the command line win.",
+    help=f"A TOML file with any of these options ({', '.join(sorted(_SERVE_KEYS - {'limits'}))}) "
+    "and a [limits] table; options given on the command line win.",
 )
 @click.option(
     "--model",
@@ -199,8 +198,9 @@ def serve(ctx: click.Context, /, **options: Any) -> None:
     with the same limits and token (sent as 'authorization' metadata).
     NVIDIA's tritonclient (http and grpc) works against it unchanged.
 
-    With no options it serves the bundled example model "digits" on
-    http://127.0.0.1:8000 and gRPC on 127.0.0.1:8001. SIGINT or SIGTERM makes
+    With no options it serves the bundled example repository (the "digits"
+    model, and the Python models, pipeline and streaming model built around
+    it) on http://127.0.0.1:8000 and gRPC on 127.0.0.1:8001. SIGINT or SIGTERM makes
     it not ready at once, lets in-flight requests finish for up to the drain
     period, and exits 0.
 
@@ -283,8 +283,9 @@ def serve(ctx: click.Context, /, **options: Any) -> None:
         if isinstance(cause, TrioInferError):
             raise click.ClickException(f"{type(cause).__name__}: {cause}") from exc
         if isinstance(cause, OSError):  # e.g. the port is taken
-            if str(cause).startswith("cannot listen"):  # the gRPC layer names its address
-                raise click.ClickException(str(cause)) from exc
+            said = cause.strerror or str(cause)
+            if said.startswith("cannot listen"):  # the gRPC layer names its own address
+                raise click.ClickException(said) from exc
             raise click.ClickException(
                 f"cannot listen on {settings['host']}:{settings['port']}: {cause.strerror or cause}"
             ) from exc
@@ -354,7 +355,14 @@ def _grpc_port(ctx: click.Context, settings: dict[str, Any]) -> int | None:
         return None
     if not port_given and settings["port"] == 0:
         return 0
-    return int(settings["grpc_port"])
+    grpc_port = int(settings["grpc_port"])
+    if grpc_port != 0 and grpc_port == settings["port"]:
+        # Both would bind it, and the second would fail as "address in use".
+        raise click.UsageError(
+            f"--grpc-port {grpc_port} is also the HTTP --port: HTTP and gRPC need a port "
+            "each; pick another --grpc-port (Triton's is 8001), or pass --no-grpc"
+        )
+    return grpc_port
 
 
 def _importable(module: str) -> bool:
