@@ -495,6 +495,17 @@ def test_unknown_config_key_is_refused_with_the_known_ones(onnx_file: Path, root
         ModelRepository(root).entry("m")
 
 
+def test_unknown_config_key_lists_the_servers_keys_too(onnx_file: Path, root: Path) -> None:
+    # version_policy, traffic and labels are keys of a repository's config.toml as well.
+    make_model(onnx_file, root, "m", (1,), "version_polcy = 'latest'\n")
+    with pytest.raises(ConfigError) as caught:
+        ModelRepository(root).entry("m")
+    message = str(caught.value)
+    assert message.startswith("m/config.toml: unknown key 'version_polcy'; known keys are ")
+    assert all(key in message.split("; ")[1] for key in ("version_policy", "traffic", "labels"))
+    assert message.endswith("; did you mean 'version_policy' for 'version_polcy'?")
+
+
 def test_invalid_config_value_is_refused(onnx_file: Path, root: Path) -> None:
     make_model(onnx_file, root, "m", (1,), "max_queue_size = 0\n")
     with pytest.raises(ConfigError, match="max_queue_size must be a positive integer"):

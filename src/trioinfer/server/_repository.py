@@ -28,7 +28,7 @@ from typing import Any, Literal
 
 import attrs
 
-from .._config import _NAME_RE, PIPELINE, ModelConfig, model_file_name
+from .._config import _NAME_RE, PIPELINE, ModelConfig, model_file_name, unknown_keys_error
 from .._exceptions import ConfigError, ModelNotFound
 from ._triton import TRITON_FIELDS, TritonModel
 
@@ -888,6 +888,10 @@ def _check_settings(
         )
     if "path" in settings:
         _check_path_key(settings["path"], directory, root, shown)
+    # The server's own keys were taken out already; a misspelt one is listed with them.
+    fields = {f.name for f in attrs.fields(ModelConfig)}
+    if set(settings) - fields:
+        raise unknown_keys_error(shown, set(settings) - fields, fields | _SERVER_KEYS)
     try:
         # The path is a stand-in: only the fields' own checks matter here.
         ModelConfig.from_dict({**settings, "name": name, "path": directory / "model"})
