@@ -352,6 +352,20 @@ def test_every_onnxruntime_option_is_documented() -> None:
     assert sorted(rows) == sorted(OPTIONS)
 
 
+def test_every_model_config_field_is_documented() -> None:
+    # The configuration reference: one row per ModelConfig field (it once lacked sequence).
+    import attrs
+
+    page = (DOCS / "how-to" / "models.md").read_text()
+    section = page.split("## Describe a model in Python", 1)[1].split("\n## ", 1)[0]
+    rows = {
+        name
+        for cell in re.findall(r"^\| (`[a-z_]+`(?:, `[a-z_]+`)*) \|", section, re.MULTILINE)
+        for name in re.findall(r"`([a-z_]+)`", cell)
+    }
+    assert rows == {field.name for field in attrs.fields(trioinfer.ModelConfig)}
+
+
 def test_every_ray_option_is_documented() -> None:
     page = (DOCS / "how-to" / "ray.md").read_text()
     section = page.split("## Options", 1)[1]
