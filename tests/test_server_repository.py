@@ -1004,3 +1004,28 @@ async def test_a_client_that_leaves_is_seen_on_a_reused_connection_after_a_large
                     await trio.sleep(0.05)
         nursery.cancel_scope.cancel()
     assert timed_out.status_code == 504
+
+
+def test_layout_hint_names_a_model_directory_given_as_the_repository(
+    onnx_file: Path, root: Path
+) -> None:
+    # `--model-repository models/digits` instead of `models`: say so, and name the parent.
+    directory = make_model(onnx_file, root, "digits", (1, 2), "max_queue_size = 8\n")
+    hint = ModelRepository(directory).layout_hint()
+    assert hint is not None
+    assert "looks like one model's directory (it holds config.toml, 1/, 2/)" in hint
+    assert hint.endswith(f"; try {root.resolve()}")
+    assert ModelRepository(root).layout_hint() is None
+    # Version directories alone (no config.toml) are a model directory too.
+    (directory / "config.toml").unlink()
+    assert "(it holds 1/, 2/)" in (ModelRepository(directory).layout_hint() or "")
+    # And so is a directory holding a model file itself.
+    shutil.copyfile(onnx_file, root / "model.onnx")
+    assert "(it holds model.onnx)" in (ModelRepository(root).layout_hint() or "")
+
+
+def test_layout_hint_says_an_empty_repository_holds_no_model(root: Path) -> None:
+    hint = ModelRepository(root).layout_hint()
+    assert hint is not None
+    assert hint.startswith(f"{root.resolve()} holds no model directory: ")
+    assert "<repository>/<model>/<version>/model.onnx" in hint
