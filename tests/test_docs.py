@@ -568,3 +568,18 @@ def test_command_lines_use_real_options(page: Path) -> None:
             if option not in known
         ]
     assert wrong == []
+
+
+def test_the_server_reference_lists_every_serve_option_and_config_key() -> None:
+    # The reference once lacked --cache-size, and its --config keys lacked grpc, grpc_port,
+    # cache_size and loop.
+    from trioinfer.cli import serve
+
+    page = (DOCS / "reference" / "server.md").read_text()
+    table = page.split("## Command line: `trioinfer serve`", 1)[1].split("\n#", 1)[0]
+    rows = set(re.findall(r"^\| `(--[a-z-]+)", table, re.MULTILINE))
+    options = {p.opts[0] for p in serve.serve.params if p.opts[0].startswith("--")}
+    assert rows == options
+    keys_text = page.split("### The `--config` file", 1)[1].split("```", 1)[0]
+    listed = set(re.findall(r"`([a-z_]+)`", keys_text.split("and a `[limits]` table", 1)[0]))
+    assert listed == serve._SERVE_KEYS - {"limits"}
