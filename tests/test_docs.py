@@ -583,3 +583,49 @@ def test_the_server_reference_lists_every_serve_option_and_config_key() -> None:
     keys_text = page.split("### The `--config` file", 1)[1].split("```", 1)[0]
     listed = set(re.findall(r"`([a-z_]+)`", keys_text.split("and a `[limits]` table", 1)[0]))
     assert listed == serve._SERVE_KEYS - {"limits"}
+
+
+# What a tutorial program needs beyond `pip install -e '.[cpu]'`, by what it imports: the
+# extra (or package) its page must name in a `pip install` line.
+NEEDS = {
+    "httpx": "httpx",
+    "tritonclient": "tritonclient",
+    "prometheus_client": "serve",
+    "trioinfer.server": "serve",
+    "trioinfer.testing.models": "onnx",
+    "ray": "ray",
+}
+
+
+def _needs(program: Path) -> set[str]:
+    needed = set()
+    for node in ast.walk(ast.parse(program.read_text())):
+        if isinstance(node, ast.Import):
+            modules = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            modules = [node.module, *(f"{node.module}.{alias.name}" for alias in node.names)]
+        else:
+            continue
+        for module in modules:
+            needed |= {
+                need
+                for name, need in NEEDS.items()
+                if module == name or module.startswith(f"{name}.")
+            }
+    return needed
+
+
+@pytest.mark.parametrize(
+    "page", [page for page, program in PROGRAM_PAGES.items() if program is not None]
+)
+def test_a_tutorial_says_what_to_install_for_its_program(page: str) -> None:
+    # A reader with only the cpu extra once met "No module named 'onnx'" (deadlines,
+    # batching, serving) and "No module named 'httpx'" (serving, streaming) unwarned.
+    program = DOCS / "tutorials" / str(PROGRAM_PAGES[page])
+    installs = " ".join(re.findall(r"pip install [^`\n]*", (DOCS / page).read_text()))
+    missing = [
+        need
+        for need in sorted(_needs(program))
+        if not re.search(rf"[\[,]{need}[\],]|\b{need}\b", installs)
+    ]
+    assert missing == [], f"{page} never says to install {missing}"
