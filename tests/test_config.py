@@ -122,6 +122,7 @@ def test_from_toml_refuses_unknown_keys_and_names_them(tmp_path: Path) -> None:
         ("[[instance_group]]\ncount = 2\n", "write [[instances]] tables"),
         ("device = 'cpu'\n", "device goes in an [[instances]] table"),
         ("version_policy = 'latest'\n", "pass version=N to ModelConfig.from_toml"),
+        ("backend = 'python'\ninputs = []\n", "inputs is a backend option: put it in [backend"),
     ],
 )
 def test_an_unknown_key_says_what_to_write_instead(tmp_path: Path, text: str, hint: str) -> None:

@@ -451,6 +451,10 @@ _KEY_HINTS: Mapping[str, str] = MappingProxyType(
         "ModelConfig: leave it out here, and pass version=N to ModelConfig.from_toml",
         "traffic": "traffic is read by trioinfer serve's model repository, not by ModelConfig",
         "labels": "labels is read by trioinfer serve's model repository, not by ModelConfig",
+        **{
+            key: f"{key} is a backend option: put it in [backend_options]"
+            for key in ("inputs", "outputs", "parameters", "decoupled", "steps", "dispatch")
+        },
     }
 )
 
