@@ -255,6 +255,29 @@ def test_serve_on_a_port_in_use_says_which_address(tmp_path: Path) -> None:
     assert "in use" in result.output
 
 
+@pytest.mark.parametrize("host", ["localhost:8000", "127.0.0.1:8000", "[::1]:8000"])
+def test_serve_refuses_a_host_with_a_port(host: str) -> None:
+    result = invoke("serve", "--host", host)
+    assert result.exit_code == 2
+    assert f"--host {host!r} is not an address: give the address alone" in result.output
+
+
+@pytest.mark.parametrize("host", ["::1", "fe80::1", "localhost", "0.0.0.0"])
+def test_an_ipv6_address_or_a_name_is_a_host(host: str) -> None:
+    serve._check_host(host)  # no error
+
+
+def test_serve_on_an_address_not_of_this_host_says_so(tmp_path: Path) -> None:
+    (tmp_path / "empty").mkdir()
+    # 192.0.2.1 is TEST-NET-1 (RFC 5737): no host has it, so the bind fails.
+    result = invoke(
+        *("serve", "--no-grpc", "--host", "192.0.2.1", "--port", "0"),
+        *("--model-repository", str(tmp_path / "empty")),
+    )
+    assert result.exit_code == 1
+    assert "(it is not an address of this host; 0.0.0.0 listens on all of them)" in result.output
+
+
 def test_settle_gc_freezes_and_raises_the_first_threshold_only() -> None:
     before = gc.get_threshold()
     try:

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import errno
 import functools
 import gc
 import importlib.util
+import ipaddress
 import logging
 import math
 import os
@@ -229,6 +231,7 @@ def serve(ctx: click.Context, /, **options: Any) -> None:
     workers = settings["workers"]
     if not isinstance(workers, int) or isinstance(workers, bool) or workers < 1:
         raise click.UsageError(f"invalid server settings: workers must be >= 1, got {workers!r}")
+    _check_host(settings["host"])
     try:
         limits = Limits(**settings.get("limits", {}))
         # Under --workers each worker builds its own provider: here they are only checked.
@@ -286,13 +289,30 @@ def serve(ctx: click.Context, /, **options: Any) -> None:
             said = cause.strerror or str(cause)
             if said.startswith("cannot listen"):  # the gRPC layer names its own address
                 raise click.ClickException(said) from exc
+            why = cause.strerror or str(cause)
+            if cause.errno == errno.EADDRNOTAVAIL:
+                why += " (it is not an address of this host; 0.0.0.0 listens on all of them)"
             raise click.ClickException(
-                f"cannot listen on {settings['host']}:{settings['port']}: {cause.strerror or cause}"
+                f"cannot listen on {settings['host']}:{settings['port']}: {why}"
             ) from exc
         raise
     finally:
         if tracing and tracing[0] is not None:
             tracing[0].shutdown()  # sends the spans still buffered
+
+
+def _check_host(host: object) -> None:
+    # "localhost:8000" would fail later as an unknown name; say what --host takes now.
+    if not isinstance(host, str) or not host.strip():
+        raise click.UsageError(f"invalid server settings: host must be an address, got {host!r}")
+    if ":" in host:
+        try:
+            ipaddress.IPv6Address(host)
+        except ValueError:
+            raise click.UsageError(
+                f"--host {host!r} is not an address: give the address alone (127.0.0.1, "
+                "0.0.0.0, ::1, or a host name) and the port with --port"
+            ) from None
 
 
 def _tracing(settings: dict[str, Any], *, build: bool) -> tuple[Any, float] | None:
