@@ -233,17 +233,22 @@ def _free_port() -> int:
 
 
 @pytest.fixture(scope="module")
-def tutorial_server() -> Iterator[tuple[int, int]]:
-    """`trioinfer serve` on the bundled repository: its HTTP and gRPC ports (free ones)."""
+def served_tutorial_server(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[tuple[int, int, Path]]:
+    """`trioinfer serve` on the bundled repository: its HTTP and gRPC ports (free ones),
+    and the file its stdout goes to."""
     port, grpc_port = _free_port(), _free_port()
-    server = subprocess.Popen(
-        [
-            *(sys.executable, "-m", "trioinfer", "serve", "--host", "127.0.0.1"),
-            *("--port", str(port), "--grpc-port", str(grpc_port)),
-        ],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
+    stdout = tmp_path_factory.mktemp("serve") / "stdout"
+    with stdout.open("wb") as out:
+        server = subprocess.Popen(
+            [
+                *(sys.executable, "-m", "trioinfer", "serve", "--host", "127.0.0.1"),
+                *("--port", str(port), "--grpc-port", str(grpc_port)),
+            ],
+            stdout=out,
+            stderr=subprocess.DEVNULL,
+        )
     try:
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
@@ -255,10 +260,40 @@ def tutorial_server() -> Iterator[tuple[int, int]]:
                 time.sleep(0.1)
         else:
             raise AssertionError("trioinfer serve did not become ready within 60 s")
-        yield port, grpc_port
+        yield port, grpc_port, stdout
     finally:
         server.terminate()
         server.wait(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def tutorial_server(served_tutorial_server: tuple[int, int, Path]) -> tuple[int, int]:
+    """`trioinfer serve` on the bundled repository: its HTTP and gRPC ports (free ones)."""
+    return served_tutorial_server[:2]
+
+
+def test_serving_tutorial_shows_what_trioinfer_serve_prints(
+    served_tutorial_server: tuple[int, int, Path],
+) -> None:
+    # Step 1's console, up to numbers (ports, times) and the install's path: the page once
+    # showed one model and no gRPC line, for a server that serves five and gRPC.
+    block = (DOCS / "tutorials" / "serving.md").read_text().split("$ trioinfer serve\n", 1)[1]
+    shown = [
+        line
+        for line in block.split("```", 1)[0].splitlines()
+        if not re.match(r"\d{4}-\d\d-\d\d ", line)  # the log, on stderr
+    ]
+    stdout = served_tutorial_server[2]
+    deadline = time.monotonic() + 30  # printed just after the server is ready
+    while "try: curl" not in stdout.read_text() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    printed = stdout.read_text().splitlines()
+    printed = [
+        line.replace(str(trioinfer.example_repository()), "/.../trioinfer/examples/repository")
+        for line in printed
+        if line
+    ]
+    assert [shape(line) for line in shown] == [shape(line) for line in printed]
 
 
 @pytest.mark.parametrize("page", sorted(PROGRAM_PAGES))
