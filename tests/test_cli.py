@@ -201,6 +201,23 @@ def test_serve_refuses_an_empty_admin_token_from_the_environment() -> None:
     assert "admin_token must be a non-empty string" in result.output
 
 
+def test_serve_config_help_names_every_key_a_config_file_takes() -> None:
+    # The help once left out "loop", which --config accepts.
+    text = " ".join(invoke("serve", "--help").output.split())
+    listed = text.split("--config FILE A TOML file with any of these options (", 1)[1]
+    keys = listed.split(")", 1)[0].split(", ")
+    assert sorted(keys) == sorted(serve._SERVE_KEYS - {"limits"})
+
+
+def test_serve_help_says_the_default_repository_serves_more_than_digits() -> None:
+    text = " ".join(invoke("serve", "--help").output.split())
+    from trioinfer.server import ModelRepository
+
+    served = {row.name for row in ModelRepository(example_repository()).index()}
+    assert len(served) > 1
+    assert 'With no options it serves the bundled example repository (the "digits" model' in text
+
+
 def test_serve_has_no_http_layer_option() -> None:
     # One HTTP stack: Hypercorn and uvicorn are gone, and so is the option that chose them.
     result = invoke("serve", "--help")
@@ -219,6 +236,46 @@ def test_serve_says_why_it_cannot_start(tmp_path: Path) -> None:
     result = invoke("serve", "--loop", "asyncio", "--model-repository", str(tmp_path / "missing"))
     assert result.exit_code == 1
     assert "does not exist" in result.output
+
+
+def test_serve_on_a_port_in_use_says_which_address(tmp_path: Path) -> None:
+    import socket
+
+    (tmp_path / "empty").mkdir()
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        result = invoke(
+            *("serve", "--no-grpc", "--port", str(port)),
+            *("--model-repository", str(tmp_path / "empty")),
+        )
+    assert result.exit_code == 1
+    assert result.output.startswith(f"Error: cannot listen on 127.0.0.1:{port}: ")
+    assert "in use" in result.output
+
+
+@pytest.mark.parametrize("host", ["localhost:8000", "127.0.0.1:8000", "[::1]:8000"])
+def test_serve_refuses_a_host_with_a_port(host: str) -> None:
+    result = invoke("serve", "--host", host)
+    assert result.exit_code == 2
+    assert f"--host {host!r} is not an address: give the address alone" in result.output
+
+
+@pytest.mark.parametrize("host", ["::1", "fe80::1", "localhost", "0.0.0.0"])
+def test_an_ipv6_address_or_a_name_is_a_host(host: str) -> None:
+    serve._check_host(host)  # no error
+
+
+def test_serve_on_an_address_not_of_this_host_says_so(tmp_path: Path) -> None:
+    (tmp_path / "empty").mkdir()
+    # 192.0.2.1 is TEST-NET-1 (RFC 5737): no host has it, so the bind fails.
+    result = invoke(
+        *("serve", "--no-grpc", "--host", "192.0.2.1", "--port", "0"),
+        *("--model-repository", str(tmp_path / "empty")),
+    )
+    assert result.exit_code == 1
+    assert "(it is not an address of this host; 0.0.0.0 listens on all of them)" in result.output
 
 
 def test_settle_gc_freezes_and_raises_the_first_threshold_only() -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import pytest
@@ -110,6 +111,41 @@ def test_from_toml_refuses_unknown_keys_and_names_them(tmp_path: Path) -> None:
         ModelConfig.from_toml(path)
 
 
+@pytest.mark.parametrize(
+    ("text", "hint"),
+    [
+        ("max_queue = 3\n", "did you mean 'max_queue_size' for 'max_queue'?"),
+        (
+            "max_batch_size = 8\n",
+            "write batcher = 'dynamic' and max_batch_size in [batcher_options]",
+        ),
+        ("[[instance_group]]\ncount = 2\n", "write [[instances]] tables"),
+        ("device = 'cpu'\n", "device goes in an [[instances]] table"),
+        ("version_policy = 'latest'\n", "pass version=N to ModelConfig.from_toml"),
+        ("backend = 'python'\ninputs = []\n", "inputs is a backend option: put it in [backend"),
+    ],
+)
+def test_an_unknown_key_says_what_to_write_instead(tmp_path: Path, text: str, hint: str) -> None:
+    # The first mistakes: a typo, Triton's config.pbtxt fields, a server-only key.
+    path = write_repo(tmp_path, text)
+    with pytest.raises(ConfigError, match="known keys are ") as caught:
+        ModelConfig.from_toml(path)
+    assert hint in str(caught.value).split("known keys are ", 1)[1]
+
+
+def test_from_toml_names_an_unknown_key_before_a_missing_model_file(tmp_path: Path) -> None:
+    # With no version directory either, the typo is what the reader must hear about.
+    path = write_repo(tmp_path, "max_queue = 3\n", versions=())
+    with pytest.raises(ConfigError, match="unknown key 'max_queue'"):
+        ModelConfig.from_toml(path)
+
+
+def test_from_toml_on_a_directory_is_a_config_error(tmp_path: Path) -> None:
+    path = write_repo(tmp_path, "")
+    with pytest.raises(ConfigError, match=r"is a directory; .* e\.g\. .*config\.toml"):
+        ModelConfig.from_toml(path.parent)
+
+
 def test_from_toml_errors(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="no model config at"):
         ModelConfig.from_toml(tmp_path / "nope" / "config.toml")
@@ -119,6 +155,13 @@ def test_from_toml_errors(tmp_path: Path) -> None:
     path.write_text("")
     with pytest.raises(ConfigError, match=r"no version 7 holding model\.onnx"):
         ModelConfig.from_toml(path, version=7)
+    for version in path.parent.iterdir():
+        if version.is_dir():
+            shutil.rmtree(version)
+    with pytest.raises(
+        ConfigError, match=r"has no version directory holding model\.onnx: expected"
+    ):
+        ModelConfig.from_toml(path)
 
 
 def test_relative_path_is_relative_to_the_config(tmp_path: Path) -> None:

@@ -233,17 +233,22 @@ def _free_port() -> int:
 
 
 @pytest.fixture(scope="module")
-def tutorial_server() -> Iterator[tuple[int, int]]:
-    """`trioinfer serve` on the bundled repository: its HTTP and gRPC ports (free ones)."""
+def served_tutorial_server(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[tuple[int, int, Path]]:
+    """`trioinfer serve` on the bundled repository: its HTTP and gRPC ports (free ones),
+    and the file its stdout goes to."""
     port, grpc_port = _free_port(), _free_port()
-    server = subprocess.Popen(
-        [
-            *(sys.executable, "-m", "trioinfer", "serve", "--host", "127.0.0.1"),
-            *("--port", str(port), "--grpc-port", str(grpc_port)),
-        ],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
+    stdout = tmp_path_factory.mktemp("serve") / "stdout"
+    with stdout.open("wb") as out:
+        server = subprocess.Popen(
+            [
+                *(sys.executable, "-m", "trioinfer", "serve", "--host", "127.0.0.1"),
+                *("--port", str(port), "--grpc-port", str(grpc_port)),
+            ],
+            stdout=out,
+            stderr=subprocess.DEVNULL,
+        )
     try:
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
@@ -255,10 +260,40 @@ def tutorial_server() -> Iterator[tuple[int, int]]:
                 time.sleep(0.1)
         else:
             raise AssertionError("trioinfer serve did not become ready within 60 s")
-        yield port, grpc_port
+        yield port, grpc_port, stdout
     finally:
         server.terminate()
         server.wait(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def tutorial_server(served_tutorial_server: tuple[int, int, Path]) -> tuple[int, int]:
+    """`trioinfer serve` on the bundled repository: its HTTP and gRPC ports (free ones)."""
+    return served_tutorial_server[:2]
+
+
+def test_serving_tutorial_shows_what_trioinfer_serve_prints(
+    served_tutorial_server: tuple[int, int, Path],
+) -> None:
+    # Step 1's console, up to numbers (ports, times) and the install's path: the page once
+    # showed one model and no gRPC line, for a server that serves five and gRPC.
+    block = (DOCS / "tutorials" / "serving.md").read_text().split("$ trioinfer serve\n", 1)[1]
+    shown = [
+        line
+        for line in block.split("```", 1)[0].splitlines()
+        if not re.match(r"\d{4}-\d\d-\d\d ", line)  # the log, on stderr
+    ]
+    stdout = served_tutorial_server[2]
+    deadline = time.monotonic() + 30  # printed just after the server is ready
+    while "try: curl" not in stdout.read_text() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    printed = stdout.read_text().splitlines()
+    printed = [
+        line.replace(str(trioinfer.example_repository()), "/.../trioinfer/examples/repository")
+        for line in printed
+        if line
+    ]
+    assert [shape(line) for line in shown] == [shape(line) for line in printed]
 
 
 @pytest.mark.parametrize("page", sorted(PROGRAM_PAGES))
@@ -350,6 +385,20 @@ def test_every_onnxruntime_option_is_documented() -> None:
     section = page.split("## ONNX Runtime backend options", 1)[1].split("\n#", 1)[0]
     rows = re.findall(r"^\| `([a-z_]+)` \|", section, re.MULTILINE)
     assert sorted(rows) == sorted(OPTIONS)
+
+
+def test_every_model_config_field_is_documented() -> None:
+    # The configuration reference: one row per ModelConfig field (it once lacked sequence).
+    import attrs
+
+    page = (DOCS / "how-to" / "models.md").read_text()
+    section = page.split("## Describe a model in Python", 1)[1].split("\n## ", 1)[0]
+    rows = {
+        name
+        for cell in re.findall(r"^\| (`[a-z_]+`(?:, `[a-z_]+`)*) \|", section, re.MULTILINE)
+        for name in re.findall(r"`([a-z_]+)`", cell)
+    }
+    assert rows == {field.name for field in attrs.fields(trioinfer.ModelConfig)}
 
 
 def test_every_ray_option_is_documented() -> None:
@@ -499,3 +548,119 @@ def test_the_readme_says_which_install_line_to_use_where() -> None:
     install = README.read_text().split("## Install\n", 1)[1].split("\n## ", 1)[0]
     for line in ["'.[cpu]'", "'.[gpu]'", "'.[cpu,serve]'", "make test", "python -m build"]:
         assert line in install
+
+
+# -- the command line as the pages show it ---------------------------------------------
+
+
+def _plugins_output() -> list[str]:
+    from click.testing import CliRunner
+
+    from trioinfer.cli import main
+
+    result = CliRunner().invoke(main, ["plugins"], prog_name="trioinfer")
+    assert result.exit_code == 0, result.output
+    return result.output.splitlines()
+
+
+def test_quickstart_shows_what_trioinfer_plugins_prints() -> None:
+    # The first command a reader runs after installing: its table must be today's, every
+    # first-party plugin in it (a stale copy once left out python, ray and sequence).
+    text = (DOCS / "quickstart.md").read_text()
+    shown = text.split("```sh\ntrioinfer plugins\n```\n\n```text\n", 1)[1].split("```", 1)[0]
+    assert shown.splitlines() == _plugins_output()
+
+
+def test_plugin_howto_shows_trioinfer_plugins_with_the_new_plugins() -> None:
+    # "Package it": after installing trioinfer-sjf, the same table plus its two plugins.
+    text = (DOCS / "how-to" / "plugins.md").read_text()
+    shown = text.split('```text title="trioinfer plugins"\n', 1)[1].split("```", 1)[0]
+    rows = shown.splitlines()
+    added = [row for row in rows if "trioinfer-sjf" in row]
+    assert [row.split()[:2] for row in added] == [["backends", "matmul"], ["schedulers", "sjf"]]
+    real = _plugins_output()
+    assert [row.split() for row in rows if row not in added] == [row.split() for row in real]
+
+
+# `trioinfer serve --model-repository DIR ...` in a page, up to a comment, the code span's end
+# or the line's end: the command and its arguments.
+COMMAND_LINE = re.compile(r"\btrioinfer (serve|bench|demo|traffic|plugins)\b([^\n`#|]*)")
+
+
+@pytest.mark.parametrize("page", [README, *PAGES], ids=lambda page: str(page.relative_to(ROOT)))
+def test_command_lines_use_real_options(page: Path) -> None:
+    # A reader pastes these: an option the command does not have fails at once (ray.md
+    # once said `trioinfer serve --repository`).
+    from trioinfer.cli import main
+
+    wrong = []
+    for command, arguments in COMMAND_LINE.findall(page.read_text()):
+        params = main.commands[command].params  # type: ignore[attr-defined]
+        known = {opt for p in params for opt in (*p.opts, *p.secondary_opts)} | {"--help"}
+        wrong += [
+            f"trioinfer {command} {option}"
+            for option in re.findall(r"(?<![\w-])--[a-z][a-z-]*", arguments)
+            if option not in known
+        ]
+    assert wrong == []
+
+
+def test_the_server_reference_lists_every_serve_option_and_config_key() -> None:
+    # The reference once lacked --cache-size, and its --config keys lacked grpc, grpc_port,
+    # cache_size and loop.
+    from trioinfer.cli import serve
+
+    page = (DOCS / "reference" / "server.md").read_text()
+    table = page.split("## Command line: `trioinfer serve`", 1)[1].split("\n#", 1)[0]
+    rows = set(re.findall(r"^\| `(--[a-z-]+)", table, re.MULTILINE))
+    options = {p.opts[0] for p in serve.serve.params if p.opts[0].startswith("--")}
+    assert rows == options
+    keys_text = page.split("### The `--config` file", 1)[1].split("```", 1)[0]
+    listed = set(re.findall(r"`([a-z_]+)`", keys_text.split("and a `[limits]` table", 1)[0]))
+    assert listed == serve._SERVE_KEYS - {"limits"}
+
+
+# What a tutorial program needs beyond `pip install -e '.[cpu]'`, by what it imports: the
+# extra (or package) its page must name in a `pip install` line.
+NEEDS = {
+    "httpx": "httpx",
+    "tritonclient": "tritonclient",
+    "prometheus_client": "serve",
+    "trioinfer.server": "serve",
+    "trioinfer.testing.models": "onnx",
+    "ray": "ray",
+}
+
+
+def _needs(program: Path) -> set[str]:
+    needed = set()
+    for node in ast.walk(ast.parse(program.read_text())):
+        if isinstance(node, ast.Import):
+            modules = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            modules = [node.module, *(f"{node.module}.{alias.name}" for alias in node.names)]
+        else:
+            continue
+        for module in modules:
+            needed |= {
+                need
+                for name, need in NEEDS.items()
+                if module == name or module.startswith(f"{name}.")
+            }
+    return needed
+
+
+@pytest.mark.parametrize(
+    "page", [page for page, program in PROGRAM_PAGES.items() if program is not None]
+)
+def test_a_tutorial_says_what_to_install_for_its_program(page: str) -> None:
+    # A reader with only the cpu extra once met "No module named 'onnx'" (deadlines,
+    # batching, serving) and "No module named 'httpx'" (serving, streaming) unwarned.
+    program = DOCS / "tutorials" / str(PROGRAM_PAGES[page])
+    installs = " ".join(re.findall(r"pip install [^`\n]*", (DOCS / page).read_text()))
+    missing = [
+        need
+        for need in sorted(_needs(program))
+        if not re.search(rf"[\[,]{need}[\],]|\b{need}\b", installs)
+    ]
+    assert missing == [], f"{page} never says to install {missing}"

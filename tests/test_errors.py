@@ -178,6 +178,24 @@ async def test_every_instance_load_failure_is_reported() -> None:
     assert backend.open_instances == 0
 
 
+class FailsAlike(FakeBackend):
+    async def load(self, config: ModelConfig, placement: Placement) -> Any:
+        raise trioinfer.BackendUnavailable("no ONNX Runtime here: install the cpu extra")
+
+
+async def test_instances_that_fail_alike_are_reported_once() -> None:
+    # Without ONNX Runtime every instance fails the same way: one entry, not one per instance.
+    backend = FailsAlike()
+    async with open_engine(registry=backend.registry()) as engine:
+        with pytest.raises(trioinfer.BackendUnavailable) as caught:
+            await engine.load(config(instances=[trioinfer.Instance(count=2)]))
+    assert str(caught.value) == (
+        "2 of 2 instances of model 'm' failed to load: "
+        "instances 0, 1 (cpu): no ONNX Runtime here: install the cpu extra"
+    )
+    assert len(caught.value.__cause__.exceptions) == 2  # type: ignore[union-attr]
+
+
 async def test_a_failing_aclose_is_logged_with_the_instance(
     caplog: pytest.LogCaptureFixture,
 ) -> None:

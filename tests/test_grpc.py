@@ -1158,7 +1158,20 @@ def test_grpc_port_in_use_is_a_clear_error(repository: Path) -> None:
             ],
         )
     assert result.exit_code == 1
-    assert f"cannot listen for gRPC on 127.0.0.1:{port}" in result.output
+    # The gRPC address alone: not under the HTTP one ("cannot listen on 127.0.0.1:0: ...").
+    assert result.output.startswith(f"Error: cannot listen for gRPC on 127.0.0.1:{port}: ")
+
+
+def test_one_port_for_http_and_grpc_is_a_usage_error(repository: Path) -> None:
+    result = CliRunner().invoke(
+        cli_main,
+        [
+            *("serve", "--port", "18123", "--grpc-port", "18123"),
+            *("--model-repository", str(repository)),
+        ],
+    )
+    assert result.exit_code == 2
+    assert "--grpc-port 18123 is also the HTTP --port" in result.output
 
 
 def test_no_grpc_serves_http_only(repository: Path, tmp_path: Path) -> None:

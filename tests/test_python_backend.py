@@ -245,6 +245,12 @@ async def test_lists_are_converted_to_the_declared_dtype() -> None:
         ({"colour": 1}, ConfigError, "unknown python backend option 'colour'"),
         ({"inputs": None}, ConfigError, "^inputs of model 'm' must be a non-empty list"),
         (
+            {"inputs": None},
+            ConfigError,
+            r"\(none declared\): in config.toml, inputs = \[\{ name = \.\.\., dtype = \.\.\., "
+            r"shape = \[\.\.\.\] \}\] in \[backend_options\]$",
+        ),
+        (
             {"inputs": [{"name": "x", "dtype": "float32"}]},
             ConfigError,
             "must be a table of name, dtype, shape",

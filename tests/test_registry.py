@@ -124,6 +124,37 @@ def test_options_a_plugin_refuses_are_reported() -> None:
         Registry().create("schedulers", "fifo", {"depth": 3})
 
 
+def test_a_refused_option_is_named_with_the_ones_the_plugin_takes() -> None:
+    # DynamicBatcher's __new__ takes **options; its __init__ says what it takes.
+    with pytest.raises(PluginLoadError) as caught:
+        Registry().create("batchers", "dynamic", {"max_batch": 8, "max_queue_delay": 0.001})
+    assert str(caught.value) == (
+        "batcher plugin 'dynamic' does not accept options ['max_batch']; it takes: mask_input, "
+        "max_batch_size, max_queue_delay, pad_axis, pad_buckets, pad_inputs, pad_value, "
+        "pad_values, preferred_batch_sizes, ragged_outputs; "
+        "did you mean 'max_batch_size' for 'max_batch'?"
+    )
+    with pytest.raises(PluginLoadError, match=r"\['depth'\]; it takes: none$"):
+        Registry().create("schedulers", "fifo", {"depth": 3})
+
+
+def test_a_plugin_without_named_options_is_reported_by_its_own_error() -> None:
+    def takes_anything(**options: object) -> object:
+        raise TypeError(f"no use for {sorted(options)}")
+
+    def strict(*, size: int) -> object:
+        raise TypeError(f"size must be an int, got {size!r}")
+
+    registry = Registry(entry_points=[])
+    registry._loaded["schedulers", "loose"] = takes_anything
+    registry._loaded["schedulers", "strict"] = strict
+    with pytest.raises(PluginLoadError, match=r"options \['x'\]: no use for \['x'\]$"):
+        registry.create("schedulers", "loose", {"x": 1})
+    # Every name is known: the value was refused, and the plugin's own words say why.
+    with pytest.raises(PluginLoadError, match=r"refused its options \['size'\]: size must be"):
+        registry.create("schedulers", "strict", {"size": "8"})
+
+
 async def test_engine_uses_a_third_party_scheduler(third_party: Path, add_model: Path) -> None:
     async with open_engine() as engine:
         await engine.load(ModelConfig(name="add", path=add_model, scheduler="lifo"))

@@ -495,6 +495,17 @@ def test_unknown_config_key_is_refused_with_the_known_ones(onnx_file: Path, root
         ModelRepository(root).entry("m")
 
 
+def test_unknown_config_key_lists_the_servers_keys_too(onnx_file: Path, root: Path) -> None:
+    # version_policy, traffic and labels are keys of a repository's config.toml as well.
+    make_model(onnx_file, root, "m", (1,), "version_polcy = 'latest'\n")
+    with pytest.raises(ConfigError) as caught:
+        ModelRepository(root).entry("m")
+    message = str(caught.value)
+    assert message.startswith("m/config.toml: unknown key 'version_polcy'; known keys are ")
+    assert all(key in message.split("; ")[1] for key in ("version_policy", "traffic", "labels"))
+    assert message.endswith("; did you mean 'version_policy' for 'version_polcy'?")
+
+
 def test_invalid_config_value_is_refused(onnx_file: Path, root: Path) -> None:
     make_model(onnx_file, root, "m", (1,), "max_queue_size = 0\n")
     with pytest.raises(ConfigError, match="max_queue_size must be a positive integer"):
@@ -993,3 +1004,28 @@ async def test_a_client_that_leaves_is_seen_on_a_reused_connection_after_a_large
                     await trio.sleep(0.05)
         nursery.cancel_scope.cancel()
     assert timed_out.status_code == 504
+
+
+def test_layout_hint_names_a_model_directory_given_as_the_repository(
+    onnx_file: Path, root: Path
+) -> None:
+    # `--model-repository models/digits` instead of `models`: say so, and name the parent.
+    directory = make_model(onnx_file, root, "digits", (1, 2), "max_queue_size = 8\n")
+    hint = ModelRepository(directory).layout_hint()
+    assert hint is not None
+    assert "looks like one model's directory (it holds config.toml, 1/, 2/)" in hint
+    assert hint.endswith(f"; try {root.resolve()}")
+    assert ModelRepository(root).layout_hint() is None
+    # Version directories alone (no config.toml) are a model directory too.
+    (directory / "config.toml").unlink()
+    assert "(it holds 1/, 2/)" in (ModelRepository(directory).layout_hint() or "")
+    # And so is a directory holding a model file itself.
+    shutil.copyfile(onnx_file, root / "model.onnx")
+    assert "(it holds model.onnx)" in (ModelRepository(root).layout_hint() or "")
+
+
+def test_layout_hint_says_an_empty_repository_holds_no_model(root: Path) -> None:
+    hint = ModelRepository(root).layout_hint()
+    assert hint is not None
+    assert hint.startswith(f"{root.resolve()} holds no model directory: ")
+    assert "<repository>/<model>/<version>/model.onnx" in hint

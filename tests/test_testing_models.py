@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -182,3 +184,18 @@ def test_slow_default_keeps_one_weight(tmp_path: Path) -> None:
     assert len(model.graph.initializer) == 1
     assert list(model.graph.initializer[0].dims) == [512, 512]
     assert len(model.graph.node) == 3
+
+
+def test_without_onnx_the_error_names_the_extra() -> None:
+    # The deadlines and batching tutorials use these builders: on an install with only the
+    # cpu extra, the reader must learn which extra to add, not just "No module named 'onnx'".
+    code = "import sys; sys.modules['onnx'] = None\nfrom trioinfer.testing import models\n"
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=False
+    )
+    assert done.returncode == 1
+    assert done.stderr.splitlines()[-1] == (
+        "ModuleNotFoundError: trioinfer.testing.models writes its models with onnx.helper, and "
+        "the onnx package is not installed: install trioinfer with the 'onnx' extra, e.g. "
+        "pip install -e '.[cpu,onnx]' in a clone"
+    )

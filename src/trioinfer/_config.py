@@ -10,11 +10,12 @@ the object is built, so a bad configuration fails at once with a
 
 from __future__ import annotations
 
+import difflib
 import math
 import os
 import re
 import tomllib
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any, Literal, Self, TypeVar
@@ -374,8 +375,19 @@ class ModelConfig:
                 data = tomllib.load(f)
         except FileNotFoundError:
             raise ConfigError(f"no model config at {path}") from None
+        except IsADirectoryError:
+            raise ConfigError(
+                f"{path} is a directory; ModelConfig.from_toml reads a model's config file, "
+                f"e.g. {path / 'config.toml'}"
+            ) from None
+        except OSError as exc:
+            raise ConfigError(f"cannot read model config {path}: {exc.strerror or exc}") from None
         except tomllib.TOMLDecodeError as exc:
             raise ConfigError(f"{path} is not valid TOML: {exc}") from None
+        # A misspelt key says so before a model file is looked for (its absence would hide it).
+        fields = {f.name for f in attrs.fields(cls)}
+        if set(data) - fields:
+            raise unknown_keys_error(f"{path}: model config", set(data) - fields, fields)
         model_dir = path.absolute().parent
         data.setdefault("name", model_dir.name)
         if "path" not in data and data.get("backend") == PIPELINE:
@@ -415,18 +427,62 @@ def find_model_file(model_dir: Path, version: int | None = None, file: str = "mo
         candidate = model_dir / str(v) / file
         if candidate.is_file():
             return candidate
-    wanted = f"version {version}" if version is not None else "a version directory"
-    raise ConfigError(f"{model_dir} has no {wanted} holding {file} (<model>/<N>/{file})")
+    wanted = f"version {version}" if version is not None else "version directory"
+    raise ConfigError(
+        f"{model_dir} has no {wanted} holding {file}: expected {model_dir}/<N>/{file}, "
+        "N a version number"
+    )
+
+
+#: Keys people bring from Triton's config.pbtxt or a server's config.toml, and where they go.
+_KEY_HINTS: Mapping[str, str] = MappingProxyType(
+    {
+        "max_batch_size": "max_batch_size is a batcher option: write batcher = 'dynamic' and "
+        "max_batch_size in [batcher_options]",
+        "dynamic_batching": "write batcher = 'dynamic', with its options in [batcher_options]",
+        "preferred_batch_size": "preferred_batch_sizes is a batcher option, in [batcher_options]",
+        "max_queue_delay": "max_queue_delay is a batcher option, in [batcher_options]",
+        "instance_group": "write [[instances]] tables, each with device and count",
+        "platform": "write backend = 'onnxruntime' (the default) instead of platform",
+        "device": "device goes in an [[instances]] table",
+        "count": "count goes in an [[instances]] table",
+        "threads": "threads goes in an [[instances]] table",
+        "version_policy": "version_policy is read by trioinfer serve's model repository, not by "
+        "ModelConfig: leave it out here, and pass version=N to ModelConfig.from_toml",
+        "traffic": "traffic is read by trioinfer serve's model repository, not by ModelConfig",
+        "labels": "labels is read by trioinfer serve's model repository, not by ModelConfig",
+        **{
+            key: f"{key} is a backend option: put it in [backend_options]"
+            for key in ("inputs", "outputs", "parameters", "decoupled", "steps", "dispatch")
+        },
+    }
+)
+
+
+def unknown_keys_error(where: str, unknown: Iterable[str], known: Iterable[str]) -> ConfigError:
+    """The error for keys of a table that nothing reads: each named, with what to write instead.
+
+    Lists every known key, then, per unknown key, where it belongs (a Triton
+    field, a batcher option) or the known key it is closest to (a typo).
+    """
+    unknown, known = sorted(unknown), sorted(known)
+    hints = []
+    for key in unknown:
+        if key in _KEY_HINTS:
+            hints.append(_KEY_HINTS[key])
+        elif close := difflib.get_close_matches(key, known, n=1):
+            hints.append(f"did you mean {close[0]!r} for {key!r}?")
+    return ConfigError(
+        f"{where}: unknown key {', '.join(map(repr, unknown))}; "
+        f"known keys are {', '.join(known)}" + "".join(f"; {hint}" for hint in hints)
+    )
 
 
 def _build(cls: type[_T], data: Mapping[str, Any], where: str) -> _T:
     fields = {f.name for f in attrs.fields(cls)}  # type: ignore[arg-type]
-    unknown = sorted(set(data) - fields)
+    unknown = set(data) - fields
     if unknown:
-        raise ConfigError(
-            f"{where}: unknown key {', '.join(map(repr, unknown))}; "
-            f"known keys are {', '.join(sorted(fields))}"
-        )
+        raise unknown_keys_error(where, unknown, fields)
     try:
         return cls(**data)
     except TypeError as exc:

@@ -836,9 +836,16 @@ def _load_error(
         for c in type(errors[failed[0]]).__mro__
         if issubclass(c, TrioInferError) and all(issubclass(k, c) for k in kinds)
     )
+    # Instances that failed for the same reason (a missing ONNX Runtime, say) share one entry.
+    same: dict[tuple[str, str], list[int]] = {}
+    for i in failed:
+        same.setdefault((str(placements[i].device), str(errors[i])), []).append(i)
     message = (
         f"{len(failed)} of {len(placements)} instances of model {config.name!r} failed to load: "
-        + "; ".join(f"instance {i} ({placements[i].device}): {errors[i]}" for i in failed)
+        + "; ".join(
+            f"instance{'s' if len(ids) > 1 else ''} {', '.join(map(str, ids))} ({device}): {why}"
+            for (device, why), ids in same.items()
+        )
     )
     error = cls.__new__(cls)
     error.__dict__.update(errors[failed[0]].__dict__)

@@ -8,7 +8,9 @@ does not stop the others from loading.
 
 from __future__ import annotations
 
+import difflib
 import importlib.metadata
+import inspect
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any, Final, Literal
 
@@ -165,8 +167,7 @@ class Registry:
             return factory(**(options or {}))
         except TypeError as exc:
             raise PluginLoadError(
-                f"{kind[:-1]} plugin {name!r} does not accept options "
-                f"{sorted(options or {})}: {exc}",
+                _refused_options(kind, name, factory, options or {}, exc),
                 group=GROUPS[kind],
                 name=name,
                 distribution=None,
@@ -179,6 +180,39 @@ class Registry:
         except PluginError as exc:
             return str(exc)
         return None
+
+
+def _refused_options(
+    kind: str, name: str, factory: Callable[..., Any], options: Mapping[str, Any], exc: TypeError
+) -> str:
+    """Say which options a plugin's constructor refused, and which it takes.
+
+    Read from its signature where it has one; a constructor that takes
+    ``**kwargs`` (or has no signature) is reported by its own ``TypeError``.
+    """
+    what = f"{kind[:-1]} plugin {name!r}"
+    params: list[inspect.Parameter] | None
+    try:
+        init = getattr(factory, "__init__", None) if isinstance(factory, type) else None
+        if init is not None and init is not object.__init__:
+            # __init__ takes the options (a __new__ may take **kwargs and pass them on).
+            params = list(inspect.signature(init).parameters.values())[1:]
+        else:
+            params = list(inspect.signature(factory).parameters.values())
+    except (TypeError, ValueError):  # a builtin or C type without a signature
+        params = None
+    if params is None or any(p.kind is p.VAR_KEYWORD for p in params):
+        return f"{what} does not accept options {sorted(options)}: {exc}"
+    accepted = sorted(p.name for p in params if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD))
+    unknown = sorted(set(options) - set(accepted))
+    if not unknown:  # every name is known: a value it refused, or a required one missing
+        return f"{what} refused its options {sorted(options)}: {exc}"
+    takes = ", ".join(accepted) if accepted else "none"
+    message = f"{what} does not accept options {unknown}; it takes: {takes}"
+    for key in unknown:
+        if close := difflib.get_close_matches(key, accepted, n=1):
+            message += f"; did you mean {close[0]!r} for {key!r}?"
+    return message
 
 
 def _check_kind(kind: str) -> Kind:

@@ -203,8 +203,11 @@ class ModelSignature:
 def _declared(model: str, kind: str, value: object) -> tuple[TensorSpec, ...]:
     where = f"{kind} of model {model!r}"
     if not isinstance(value, Sequence) or isinstance(value, str) or not value:
+        missing = " (none declared)" if value is None else f", got {value!r}"
         raise ConfigError(
-            f"{where} must be a non-empty list of tables with name, dtype and shape, got {value!r}"
+            f"{where} must be a non-empty list of tables with name, dtype and shape{missing}: "
+            f"in config.toml, {kind} = [{{ name = ..., dtype = ..., shape = [...] }}] in "
+            "[backend_options]"
         )
     specs: list[TensorSpec] = []
     for item in value:

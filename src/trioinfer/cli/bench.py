@@ -106,7 +106,7 @@ def _shapes(_ctx: click.Context, _param: click.Parameter, value: Sequence[str]) 
     default=0,
     metavar="N",
     help="Open loop: the most connections (in-process: workers) to open; more open as "
-    "requests find all busy, up to N (default: 1024).",
+    "requests find all busy, up to N (0, the default: 1024).",
 )
 @click.option(
     "--input-data",

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import errno
 import functools
 import gc
 import importlib.util
+import ipaddress
 import logging
 import math
 import os
@@ -94,9 +96,8 @@ def _rate_not_nan(
     type=click.Path(dir_okay=False, exists=True, path_type=Path),
     default=None,
     metavar="FILE",
-    help="A TOML file with any of these options (model_repository, host, port, grpc, grpc_port, "
-    "models, drain_period, cache_size, admin_token, protect_inference, log_level, trace_exporter, "
-    "trace_rate, workers) and a [limits] table; options given on the command line win.",
+    help=f"A TOML file with any of these options ({', '.join(sorted(_SERVE_KEYS - {'limits'}))}) "
+    "and a [limits] table; options given on the command line win.",
 )
 @click.option(
     "--model",
@@ -199,8 +200,9 @@ def serve(ctx: click.Context, /, **options: Any) -> None:
     with the same limits and token (sent as 'authorization' metadata).
     NVIDIA's tritonclient (http and grpc) works against it unchanged.
 
-    With no options it serves the bundled example model "digits" on
-    http://127.0.0.1:8000 and gRPC on 127.0.0.1:8001. SIGINT or SIGTERM makes
+    With no options it serves the bundled example repository (the "digits"
+    model, and the Python models, pipeline and streaming model built around
+    it) on http://127.0.0.1:8000 and gRPC on 127.0.0.1:8001. SIGINT or SIGTERM makes
     it not ready at once, lets in-flight requests finish for up to the drain
     period, and exits 0.
 
@@ -229,6 +231,7 @@ def serve(ctx: click.Context, /, **options: Any) -> None:
     workers = settings["workers"]
     if not isinstance(workers, int) or isinstance(workers, bool) or workers < 1:
         raise click.UsageError(f"invalid server settings: workers must be >= 1, got {workers!r}")
+    _check_host(settings["host"])
     try:
         limits = Limits(**settings.get("limits", {}))
         # Under --workers each worker builds its own provider: here they are only checked.
@@ -283,15 +286,33 @@ def serve(ctx: click.Context, /, **options: Any) -> None:
         if isinstance(cause, TrioInferError):
             raise click.ClickException(f"{type(cause).__name__}: {cause}") from exc
         if isinstance(cause, OSError):  # e.g. the port is taken
-            if str(cause).startswith("cannot listen"):  # the gRPC layer names its address
-                raise click.ClickException(str(cause)) from exc
+            said = cause.strerror or str(cause)
+            if said.startswith("cannot listen"):  # the gRPC layer names its own address
+                raise click.ClickException(said) from exc
+            why = cause.strerror or str(cause)
+            if cause.errno == errno.EADDRNOTAVAIL:
+                why += " (it is not an address of this host; 0.0.0.0 listens on all of them)"
             raise click.ClickException(
-                f"cannot listen on {settings['host']}:{settings['port']}: {cause.strerror or cause}"
+                f"cannot listen on {settings['host']}:{settings['port']}: {why}"
             ) from exc
         raise
     finally:
         if tracing and tracing[0] is not None:
             tracing[0].shutdown()  # sends the spans still buffered
+
+
+def _check_host(host: object) -> None:
+    # "localhost:8000" would fail later as an unknown name; say what --host takes now.
+    if not isinstance(host, str) or not host.strip():
+        raise click.UsageError(f"invalid server settings: host must be an address, got {host!r}")
+    if ":" in host:
+        try:
+            ipaddress.IPv6Address(host)
+        except ValueError:
+            raise click.UsageError(
+                f"--host {host!r} is not an address: give the address alone (127.0.0.1, "
+                "0.0.0.0, ::1, or a host name) and the port with --port"
+            ) from None
 
 
 def _tracing(settings: dict[str, Any], *, build: bool) -> tuple[Any, float] | None:
@@ -354,7 +375,14 @@ def _grpc_port(ctx: click.Context, settings: dict[str, Any]) -> int | None:
         return None
     if not port_given and settings["port"] == 0:
         return 0
-    return int(settings["grpc_port"])
+    grpc_port = int(settings["grpc_port"])
+    if grpc_port != 0 and grpc_port == settings["port"]:
+        # Both would bind it, and the second would fail as "address in use".
+        raise click.UsageError(
+            f"--grpc-port {grpc_port} is also the HTTP --port: HTTP and gRPC need a port "
+            "each; pick another --grpc-port (Triton's is 8001), or pass --no-grpc"
+        )
+    return grpc_port
 
 
 def _importable(module: str) -> bool:

@@ -171,6 +171,8 @@ class ServedModels:
     async def load_all(self) -> list[str]:
         """Load every model in the repository; return the names that failed (logged)."""
         failed = []
+        if (hint := self.repository.layout_hint()) is not None:
+            log.warning("%s", hint)
         for name in self._in_dependency_order(self.repository.names()):
             try:
                 await self.load(name)

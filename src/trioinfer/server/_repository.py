@@ -28,7 +28,7 @@ from typing import Any, Literal
 
 import attrs
 
-from .._config import _NAME_RE, PIPELINE, ModelConfig, model_file_name
+from .._config import _NAME_RE, PIPELINE, ModelConfig, model_file_name, unknown_keys_error
 from .._exceptions import ConfigError, ModelNotFound
 from ._triton import TRITON_FIELDS, TritonModel
 
@@ -628,6 +628,38 @@ class ModelRepository:
                 names.append(name)
         return names
 
+    def layout_hint(self) -> str | None:
+        """Why the root may not be the model repository meant, or None when it looks like one.
+
+        The first mistake with ``--model-repository``: naming one model's
+        directory (it holds ``config.toml`` and version directories) rather
+        than the directory of models above it; or a directory with no model.
+
+        Raises:
+            ConfigError: If the repository directory cannot be listed.
+        """
+        names = self.names()
+        model_files = {_CONFIG_FILE, _TRITON_FILE, "model.onnx", "model.py"}
+        here = sorted(
+            child.name
+            for child in self.root.iterdir()
+            if child.name in model_files and _is_file(child)
+        )
+        if here or (names and all(name.isdigit() for name in names)):
+            shown = ", ".join([*here, *(f"{name}/" for name in names if name.isdigit())])
+            return (
+                f"{self.root} looks like one model's directory (it holds {shown}), not a "
+                "model repository: a repository holds one directory per model, "
+                f"<repository>/<model>/<version>/model.onnx; try {self.root.parent}"
+            )
+        if not names:
+            return (
+                f"{self.root} holds no model directory: a model repository is laid out "
+                "<repository>/<model>/<version>/model.onnx, with an optional "
+                "<repository>/<model>/config.toml"
+            )
+        return None
+
     def entry(self, name: str) -> ModelEntry:
         """Read one model's directory: its versions, policy and settings.
 
@@ -888,6 +920,10 @@ def _check_settings(
         )
     if "path" in settings:
         _check_path_key(settings["path"], directory, root, shown)
+    # The server's own keys were taken out already; a misspelt one is listed with them.
+    fields = {f.name for f in attrs.fields(ModelConfig)}
+    if set(settings) - fields:
+        raise unknown_keys_error(shown, set(settings) - fields, fields | _SERVER_KEYS)
     try:
         # The path is a stand-in: only the fields' own checks matter here.
         ModelConfig.from_dict({**settings, "name": name, "path": directory / "model"})

@@ -19,8 +19,19 @@ from typing import Any
 
 import numpy as np
 import numpy.typing as npt
-import onnx
-from onnx import TensorProto, helper, numpy_helper
+
+try:
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+except ModuleNotFoundError as exc:  # pragma: no cover - the tests install the extra
+    if exc.name != "onnx":
+        raise
+    raise ModuleNotFoundError(
+        "trioinfer.testing.models writes its models with onnx.helper, and the onnx package "
+        "is not installed: install trioinfer with the 'onnx' extra, e.g. "
+        "pip install -e '.[cpu,onnx]' in a clone",
+        name="onnx",
+    ) from exc
 
 __all__ = [
     "write_accumulator",
