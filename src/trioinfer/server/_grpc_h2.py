@@ -57,16 +57,12 @@ import anyio
 import anyio.abc
 import anyio.lowlevel
 import attrs
-import h2.config
-import h2.connection
-import h2.errors
-import h2.events
-import h2.exceptions
-import h2.settings
 import hpack
 import sniffio
 import trio
-from hyperframe.frame import GoAwayFrame
+
+from . import _http2
+from ._http2 import ProtocolError, StreamClosedError
 
 log = logging.getLogger("trioinfer.server")
 
@@ -130,18 +126,6 @@ _RESERVED: Final = frozenset(
         b"user-agent",
     }
 )
-# h2's header validation costs about a fifth of its time per call; requests' headers
-# only pick a method, a deadline and metadata compared as strings, never forwarded.
-_CONFIG: Final = h2.config.H2Configuration(
-    client_side=False,
-    header_encoding=None,
-    validate_outbound_headers=False,
-    normalize_outbound_headers=False,
-    validate_inbound_headers=False,
-    normalize_inbound_headers=False,
-)
-
-
 #: Header-block bytes that are each a complete one-byte indexed field (RFC 7541 6.1:
 #: indexes 1-126); a block made only of them neither reads nor changes the dynamic table
 #: beyond looking entries up.
@@ -376,12 +360,13 @@ class _Connection:
         #: Set each time the writer has sent what was pending.
         self._drained = anyio.Event()
         self._sending = False
-        self._h2 = h2.connection.H2Connection(config=_CONFIG)
-        # hpack's coder, with a memo of the header blocks that repeat (h2 reads and
-        # writes through these attributes only); the decoder keeps h2's header list cap.
-        decoder = _Decoder()
-        decoder.max_header_list_size = self._h2.decoder.max_header_list_size
-        self._h2.decoder, self._h2.encoder = decoder, _Encoder()
+        # hpack's coder, with a memo of the header blocks that repeat.
+        self._h2 = _http2.Connection(
+            initial_window=_WINDOW,
+            max_streams=_MAX_STREAMS,
+            decoder=_Decoder(),
+            encoder=_Encoder(),
+        )
         self._streams: dict[int, _Stream] = {}
         #: Calls waiting for the client's flow-control window to open.
         self._blocked: set[_Stream] = set()
@@ -396,13 +381,6 @@ class _Connection:
     async def run(self) -> None:
         """Serve the connection until the client closes it, or `goaway` lets it end."""
         conn = self._h2
-        conn.local_settings = h2.settings.Settings(
-            client=False,
-            initial_values={
-                h2.settings.SettingCodes.INITIAL_WINDOW_SIZE: _WINDOW,
-                h2.settings.SettingCodes.MAX_CONCURRENT_STREAMS: _MAX_STREAMS,
-            },
-        )
         conn.initiate_connection()
         conn.increment_flow_control_window(_WINDOW * 16)
         try:
@@ -435,7 +413,7 @@ class _Connection:
         if self._sending:
             return
         with contextlib.suppress(Exception), anyio.move_on_after(_LAST_WORDS_S):
-            if self._h2.state_machine.state != h2.connection.ConnectionState.CLOSED:
+            if not self._h2.closed:
                 self._h2.close_connection(last_stream_id=self._last_stream)
             await self._flush()
 
@@ -443,10 +421,8 @@ class _Connection:
         """At shutdown: tell the client to open no more streams; those open may finish."""
         if not self._going_away:
             self._going_away = True
-            frame = GoAwayFrame(0)
-            frame.last_stream_id = self._last_stream
-            frame.error_code = h2.errors.ErrorCodes.NO_ERROR
-            self._extra += self._h2.data_to_send() + frame.serialize()
+            self._h2.goaway(self._last_stream)
+            self._extra += self._h2.data_to_send()
             self._wake.set()
 
     async def _reader(self) -> None:
@@ -457,13 +433,13 @@ class _Connection:
                 return
             try:
                 events = self._h2.receive_data(data)
-            except h2.exceptions.ProtocolError as exc:
+            except ProtocolError as exc:
                 log.info("gRPC connection closed: HTTP/2 protocol error: %s", exc)
-                self._h2.close_connection(h2.errors.ErrorCodes.PROTOCOL_ERROR)
+                self._h2.close_connection(exc.error_code)
                 await self._flush()
                 return
             for event in events:
-                if self._h2.state_machine.state == h2.connection.ConnectionState.CLOSED:
+                if self._h2.closed:
                     break  # closed by a GOAWAY of ours (ENHANCE_YOUR_CALM): the rest is moot
                 try:
                     self._event(event)
@@ -493,30 +469,27 @@ class _Connection:
 
     def _stop(self, stream_id: int) -> None:
         # Answered before the client finished sending: it may stop (RFC 9113 8.1).
-        with contextlib.suppress(h2.exceptions.ProtocolError):
-            if (
-                self._h2.streams.get(stream_id) is not None
-                and not self._h2.streams[stream_id].closed
-            ):
-                self._h2.reset_stream(stream_id, h2.errors.ErrorCodes.NO_ERROR)
+        with contextlib.suppress(ProtocolError):
+            if self._h2.is_open(stream_id):
+                self._h2.reset_stream(stream_id, _http2.NO_ERROR)
 
     def _event(self, event: Any) -> None:
-        if isinstance(event, h2.events.DataReceived):
+        if isinstance(event, _http2.DataReceived):
             stream = self._streams.get(event.stream_id)
             if stream is None:
                 self._h2.acknowledge_received_data(event.flow_controlled_length, event.stream_id)
                 return
             self._data(stream, event.data, event.flow_controlled_length)
-        elif isinstance(event, h2.events.RequestReceived):
+        elif isinstance(event, _http2.RequestReceived):
             self._request(event.stream_id, event.headers)
-        elif isinstance(event, h2.events.StreamEnded):
+        elif isinstance(event, _http2.StreamEnded):
             stream = self._streams.get(event.stream_id)
             if stream is not None:
                 stream.ended = True
                 if stream.buffer and stream.error is None:
                     stream.error = (INTERNAL, "the request ended inside a message")
                 self._ready(stream)
-        elif isinstance(event, h2.events.StreamReset):
+        elif isinstance(event, _http2.StreamReset):
             stream = self._streams.pop(event.stream_id, None)
             if stream is not None:
                 stream.closed = True
@@ -526,12 +499,12 @@ class _Connection:
                 _wake(stream.arrived)
             if event.remote_reset:
                 self._reset_counted()
-        elif isinstance(event, h2.events.WindowUpdated | h2.events.RemoteSettingsChanged):
+        elif isinstance(event, _http2.WindowUpdated | _http2.RemoteSettingsChanged):
             # Maybe more room to send: the calls waiting for it look again.
             for stream in self._blocked:
                 _wake(stream.window)
             self._blocked.clear()
-        elif isinstance(event, h2.events.ConnectionTerminated):
+        elif isinstance(event, _http2.ConnectionTerminated):
             self._going_away = True
 
     def _reset_counted(self) -> None:
@@ -546,7 +519,7 @@ class _Connection:
             for stream in list(self._streams.values()):
                 stream.call.cancel()
             self._h2.close_connection(
-                h2.errors.ErrorCodes.ENHANCE_YOUR_CALM,
+                _http2.ENHANCE_YOUR_CALM,
                 additional_data=b"too many RST_STREAM",
                 last_stream_id=self._last_stream,
             )
@@ -555,7 +528,7 @@ class _Connection:
     def _request(self, stream_id: int, raw_headers: list[tuple[bytes, bytes]]) -> None:
         self._last_stream = max(self._last_stream, stream_id)
         if self._going_away:
-            self._h2.reset_stream(stream_id, h2.errors.ErrorCodes.REFUSED_STREAM)
+            self._h2.reset_stream(stream_id, _http2.REFUSED_STREAM)
             return
         # Compared as bytes (h2 hands them so); only what is kept is decoded.
         headers: dict[bytes, bytes] = dict(raw_headers)
@@ -702,8 +675,7 @@ class _Connection:
     def _ack(self, stream: _Stream) -> None:
         count, stream.unacked = stream.unacked, 0
         if count and not stream.closed:
-            with contextlib.suppress(h2.exceptions.StreamClosedError):
-                self._h2.acknowledge_received_data(count, stream.stream_id)
+            self._h2.acknowledge_received_data(count, stream.stream_id)
 
     def _ready(self, stream: _Stream) -> None:
         if stream.error is not None and not stream.started:
@@ -783,7 +755,7 @@ class _Connection:
                     await self._send_message(stream, answer)
             except GrpcError as exc:
                 code, message = exc.code, exc.message
-            except h2.exceptions.ProtocolError:
+            except ProtocolError:
                 # The stream or connection closed under the answer (a reset, the
                 # client's GOAWAY): nobody is left to tell.
                 self._streams.pop(stream.stream_id, None)
@@ -818,7 +790,7 @@ class _Connection:
             else:
                 self._trailers_only(stream.stream_id, code, message)
                 return
-        except (h2.exceptions.StreamClosedError, h2.exceptions.ProtocolError):
+        except (StreamClosedError, ProtocolError):
             return
         self._wake.set()
 
@@ -831,7 +803,7 @@ class _Connection:
             headers.append((b"grpc-message", _percent(message)))
         try:
             self._h2.send_headers(stream_id, headers, end_stream=True)
-        except (h2.exceptions.StreamClosedError, h2.exceptions.ProtocolError):
+        except (StreamClosedError, ProtocolError):
             return
         self._wake.set()
 
