@@ -474,22 +474,31 @@ class _Connection:
                 self._h2.reset_stream(stream_id, _http2.NO_ERROR)
 
     def _event(self, event: Any) -> None:
-        if isinstance(event, _http2.DataReceived):
+        # By the event's exact class (the frame layer's events are final), the most
+        # frequent first: a call brings DATA, its headers, its end and two WINDOW_UPDATEs.
+        kind = type(event)
+        if kind is _http2.DataReceived:
             stream = self._streams.get(event.stream_id)
             if stream is None:
                 self._h2.acknowledge_received_data(event.flow_controlled_length, event.stream_id)
                 return
             self._data(stream, event.data, event.flow_controlled_length)
-        elif isinstance(event, _http2.RequestReceived):
+        elif kind is _http2.WindowUpdated or kind is _http2.RemoteSettingsChanged:
+            # Maybe more room to send: the calls waiting for it look again.
+            if self._blocked:
+                for stream in self._blocked:
+                    _wake(stream.window)
+                self._blocked.clear()
+        elif kind is _http2.RequestReceived:
             self._request(event.stream_id, event.headers)
-        elif isinstance(event, _http2.StreamEnded):
+        elif kind is _http2.StreamEnded:
             stream = self._streams.get(event.stream_id)
             if stream is not None:
                 stream.ended = True
                 if stream.buffer and stream.error is None:
                     stream.error = (INTERNAL, "the request ended inside a message")
                 self._ready(stream)
-        elif isinstance(event, _http2.StreamReset):
+        elif kind is _http2.StreamReset:
             stream = self._streams.pop(event.stream_id, None)
             if stream is not None:
                 stream.closed = True
@@ -499,12 +508,7 @@ class _Connection:
                 _wake(stream.arrived)
             if event.remote_reset:
                 self._reset_counted()
-        elif isinstance(event, _http2.WindowUpdated | _http2.RemoteSettingsChanged):
-            # Maybe more room to send: the calls waiting for it look again.
-            for stream in self._blocked:
-                _wake(stream.window)
-            self._blocked.clear()
-        elif isinstance(event, _http2.ConnectionTerminated):
+        elif kind is _http2.ConnectionTerminated:
             self._going_away = True
 
     def _reset_counted(self) -> None:
