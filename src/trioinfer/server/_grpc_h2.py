@@ -1,8 +1,8 @@
-"""gRPC over HTTP/2 on the serving loop: python-hyper's ``h2`` state machine on an anyio socket.
+"""gRPC over HTTP/2 on the serving loop: the `_http2` frame layer on an anyio socket.
 
 No grpcio server, no second thread, no bridge: each connection is a task of
 the serving loop (Trio or asyncio) that feeds the bytes it reads to an
-``h2.connection.H2Connection`` and writes what that answers; each RPC is a
+`_http2.Connection` and writes what that answers; each RPC is a
 task of the connection's task group, so a call's cancel scope is the
 request's. What gRPC adds to HTTP/2 is handled here:
 
@@ -22,7 +22,7 @@ request's. What gRPC adds to HTTP/2 is handled here:
   `_STREAM_BACKLOG` waiting ones), so a client that sends faster than the
   engine answers is held by its HTTP/2 window instead of buffered without
   bound;
-- PING is answered by h2; at shutdown each connection gets a GOAWAY, calls in
+- PING is answered by the frame layer; at shutdown each connection gets a GOAWAY, calls in
   progress may finish, new streams are refused, and those cut off at the end
   are told UNAVAILABLE.
 
@@ -36,9 +36,11 @@ closed, a request that stops arriving for ``body_timeout`` fails; the
 client's deadline holds over its whole call; a client that resets streams
 faster than `_RESET_RATE` a second gets GOAWAY (ENHANCE_YOUR_CALM).
 
-h2 does the HTTP/2; around it, only what repeats is remembered: header
-blocks made of table indexes only (`_Decoder`, `_Encoder`), which hpack
-would decode and encode the same way call after call.
+`_http2` does the HTTP/2 (it replaced python-hyper's ``h2``, whose state
+machines cost as much per call as the rest of the call); around hpack, only
+what repeats is remembered: header blocks made of table indexes only
+(`_Decoder`, `_Encoder`), which hpack would decode and encode the same way
+call after call.
 """
 
 from __future__ import annotations
@@ -338,7 +340,7 @@ def _deadline(value: bytes) -> float:
 
 @final
 class _Connection:
-    """One client connection: reads frames, starts a task per call, writes what h2 answers."""
+    """One client connection: reads frames, starts a task per call, writes the answers."""
 
     def __init__(
         self,
@@ -445,9 +447,9 @@ class _Connection:
                     self._event(event)
                 except Exception as exc:  # a bug: its stream fails, never the connection
                     self._failed(event, exc)
-            # What those frames answered (PING and SETTINGS acks, resets) is taken out of
-            # h2 and counted: past the limit the client's frames are left unread until it
-            # reads, so TCP holds a client that sends without reading.
+            # What those frames answered (PING and SETTINGS acks, resets) is taken out
+            # of the frame layer and counted: past the limit the client's frames are left
+            # unread until it reads, so TCP holds a client that sends without reading.
             self._extra += self._h2.data_to_send()
             self._wake.set()
             while len(self._extra) > _OUTPUT_LIMIT:
@@ -534,7 +536,7 @@ class _Connection:
         if self._going_away:
             self._h2.reset_stream(stream_id, _http2.REFUSED_STREAM)
             return
-        # Compared as bytes (h2 hands them so); only what is kept is decoded.
+        # Compared as bytes (hpack hands them so); only what is kept is decoded.
         headers: dict[bytes, bytes] = dict(raw_headers)
         if headers.get(b":method") != b"POST" or not headers.get(b"content-type", b"").startswith(
             b"application/grpc"
