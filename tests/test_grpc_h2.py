@@ -306,6 +306,37 @@ async def test_unary_answer_and_error_trailers(serve: Serve) -> None:
 
 
 @both_loops
+async def test_repeated_headers_are_read_afresh_for_each_call(serve: Serve) -> None:
+    # The same headers call after call are read once (a memo): each call still gets
+    # its own metadata, and a deadline is never taken from memory.
+    handlers = Handlers()
+    _, connect = await serve(handlers)
+    client = await connect()
+    token = (("x-token", "abc"),)
+    for _ in range(2):
+        sid = await client.call("/t.S/Echo", frame(b"x"), headers=token)
+        assert await client.status(sid) == ("0", "")
+    first, second = handlers.calls
+    assert first.metadata == second.metadata == {"x-token": "abc"}
+    for call in handlers.calls:
+        call.metadata["x-token"] = "changed by a handler"
+    sid = await client.call("/t.S/Echo", frame(b"x"), headers=token)
+    assert await client.status(sid) == ("0", "")
+    assert handlers.calls[2].metadata == {"x-token": "abc"}
+    sid = await client.call("/t.S/Echo", frame(b"x"), headers=(("x-token", "other"),))
+    assert await client.status(sid) == ("0", "")
+    assert handlers.calls[3].metadata == {"x-token": "other"}
+    for _ in range(2):
+        sid = await client.call("/t.S/Echo", frame(b"x"), headers=(("grpc-timeout", "20S"),))
+        assert await client.status(sid) == ("0", "")
+    assert all(call.expires is not None for call in handlers.calls[4:])
+    # Unknown methods are refused every time, never remembered as known.
+    for _ in range(2):
+        sid = await client.call("/t.S/Nope", frame(b""))
+        assert (await client.status(sid))[0] == "12"
+
+
+@both_loops
 async def test_compression_gzip_taken_others_refused(serve: Serve) -> None:
     _, connect = await serve(Handlers())
     client = await connect()

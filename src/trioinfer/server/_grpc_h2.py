@@ -375,6 +375,9 @@ class _Connection:
         self._wake = anyio.Event()
         self._going_away = False
         self._last_stream = 0
+        #: What repeated request headers (a client's, call after call) were read as:
+        #: the method, the encoding's wbits, the metadata; only calls without a deadline.
+        self._parsed: dict[tuple[Any, ...], tuple[Method, int | None, dict[str, str]]] = {}
         self._extra = b""
         #: The connection's task group: Trio's nursery on Trio, anyio's on asyncio.
         self._group: Any = None
@@ -536,6 +539,11 @@ class _Connection:
         if self._going_away:
             self._h2.reset_stream(stream_id, _http2.REFUSED_STREAM)
             return
+        key = tuple(raw_headers)
+        parsed = self._parsed.get(key)
+        if parsed is not None:
+            self._open(stream_id, parsed[0], GrpcCall(dict(parsed[2]), None), parsed[1])
+            return
         # Compared as bytes (hpack hands them so); only what is kept is decoded.
         headers: dict[bytes, bytes] = dict(raw_headers)
         if headers.get(b":method") != b"POST" or not headers.get(b"content-type", b"").startswith(
@@ -561,7 +569,15 @@ class _Connection:
             if not key.startswith(b":") and key not in _RESERVED and not key.endswith(b"-bin")
         }
         assert method is not None
-        stream = _Stream(stream_id, method, GrpcCall(metadata, expires), _WBITS[encoding])
+        if timeout is None:
+            if len(self._parsed) >= _MEMO_SIZE:
+                self._parsed.clear()
+            self._parsed[key] = (method, _WBITS[encoding], metadata)
+            metadata = dict(metadata)
+        self._open(stream_id, method, GrpcCall(metadata, expires), _WBITS[encoding])
+
+    def _open(self, stream_id: int, method: Method, call: GrpcCall, wbits: int | None) -> None:
+        stream = _Stream(stream_id, method, call, wbits)
         stream.active = self._idle_since = time.monotonic()
         self._streams[stream_id] = stream
         if method.streaming:
