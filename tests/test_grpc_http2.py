@@ -238,3 +238,19 @@ def test_the_clients_header_table_size_is_followed() -> None:
     got = to_client(conn, client)
     response = next(e for e in got if isinstance(e, h2.events.ResponseReceived))
     assert dict(response.headers)["x-a"] == "b"
+
+
+def test_nothing_is_kept_after_goaway() -> None:
+    # Bytes that follow a GOAWAY (the client's, or one of ours) are dropped, not
+    # buffered: a client may not fill the server's memory after it.
+    client, conn = pair()
+    client.close_connection()
+    to_server(client, conn)
+    partial = frame(0x0, 0, 1, b"x" * 100)[:50]
+    for _ in range(100):
+        assert conn.receive_data(partial) == []
+    assert len(conn._buffer) == 0
+    _, conn = pair()
+    conn.close_connection()
+    assert conn.receive_data(frame(0x6, 0, 0, b"12345678") + partial) == []
+    assert len(conn._buffer) == 0

@@ -415,6 +415,10 @@ class Connection:
             ProtocolError: A connection error (its ``error_code`` says which).
         """
         buffer = self._buffer
+        if self.closed:
+            # After GOAWAY either way nothing more is taken, nor kept.
+            buffer.clear()
+            return []
         buffer += data
         if not self._preface:
             if len(buffer) < len(PREFACE):
@@ -471,7 +475,10 @@ class Connection:
                 # Other types are extensions: ignored (RFC 9113 4.1).
         finally:
             view.release()
-            del buffer[:pos]
+            if self.closed:
+                buffer.clear()
+            else:
+                del buffer[:pos]
         return events
 
     def _stream_error(self, events: list[Any], stream_id: int, error_code: int) -> None:
