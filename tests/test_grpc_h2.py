@@ -532,8 +532,7 @@ PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n\x00\x00\x00\x04\x00\x00\x00\x00\x00
         (PREFACE + b"\x00\x00\x01\x01\x01\x00\x00\x00\x01\x82" + PREFACE[24:], 1),
         # PING of the wrong length.
         (PREFACE + b"\x00\x00\x04\x06\x00\x00\x00\x00\x00abcd", 6),
-        # Sending past the connection's window (the first DATA on a stream never opened
-        # is a PROTOCOL_ERROR first).
+        # DATA on a stream never opened.
         (PREFACE + b"\x00\x00\x01\x00\x00\x00\x00\x00\x03x", 1),
     ],
     ids=[
