@@ -27,6 +27,7 @@ Issue 21. Two parts:
    machine the client shares the cores with the server.
 
 Usage:  .venv/bin/python benchmarks/bench_grpc.py [--duration 5] [--repeat 2] [--no-bridge]
+        [--pin 0:1]
 
 To compare with another tree, run the same script with that tree's ``src``
 first on ``PYTHONPATH`` (serve and bench are started as ``python -m trioinfer``).
@@ -69,8 +70,18 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--calls", type=int, default=2000, help="calls per bridge variant")
     parser.add_argument("--server-args", default="")
     parser.add_argument("--no-bridge", action="store_true", help="skip part 1 (one call at a time)")
+    parser.add_argument(
+        "--pin",
+        default="",
+        metavar="SERVER:CLIENT",
+        help="pin part 2's server and clients to these CPUs with taskset (e.g. 0:1), so that "
+        "a client's own cost per request does not take the server's core",
+    )
     args = parser.parse_args(argv)
     args.models = args.models.split(",")
+    server, _, client = args.pin.partition(":")
+    args.server_prefix = ["taskset", "-c", server] if server else []
+    args.client_prefix = ["taskset", "-c", client] if client else []
     return args
 
 
@@ -180,8 +191,10 @@ def bridge_threads_only(calls: int) -> tuple[float, float]:
 
 
 @contextmanager
-def serve(repository: Path, extra: str) -> Iterator[tuple[str, str, int]]:
-    command = [sys.executable, "-m", "trioinfer", "serve", "--port", "0", "--log-level"]
+def serve(
+    repository: Path, extra: str, prefix: Sequence[str] = ()
+) -> Iterator[tuple[str, str, int]]:
+    command = [*prefix, sys.executable, "-m", "trioinfer", "serve", "--port", "0", "--log-level"]
     command += ["warning", "--model-repository", str(repository), *shlex.split(extra)]
     process = subprocess.Popen(command, stdout=subprocess.PIPE, text=True)
     assert process.stdout is not None
@@ -212,6 +225,7 @@ def bench(target: list[str], model: str, args: argparse.Namespace, pid: int) -> 
     with tempfile.NamedTemporaryFile(suffix=".json") as out:
         subprocess.run(
             [
+                *args.client_prefix,
                 sys.executable,
                 "-m",
                 "trioinfer",
@@ -257,7 +271,7 @@ def main() -> None:
     rows: dict[tuple[str, str], list[dict[str, Any]]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         bench_http.write_repository(Path(tmp), http_args, skipped={})
-        with serve(Path(tmp), args.server_args) as (url, address, pid):
+        with serve(Path(tmp), args.server_args, args.server_prefix) as (url, address, pid):
             for _ in range(args.repeat):
                 for model in args.models:
                     for protocol, target in (

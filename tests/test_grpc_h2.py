@@ -306,6 +306,37 @@ async def test_unary_answer_and_error_trailers(serve: Serve) -> None:
 
 
 @both_loops
+async def test_repeated_headers_are_read_afresh_for_each_call(serve: Serve) -> None:
+    # The same headers call after call are read once (a memo): each call still gets
+    # its own metadata, and a deadline is never taken from memory.
+    handlers = Handlers()
+    _, connect = await serve(handlers)
+    client = await connect()
+    token = (("x-token", "abc"),)
+    for _ in range(2):
+        sid = await client.call("/t.S/Echo", frame(b"x"), headers=token)
+        assert await client.status(sid) == ("0", "")
+    first, second = handlers.calls
+    assert first.metadata == second.metadata == {"x-token": "abc"}
+    for call in handlers.calls:
+        call.metadata["x-token"] = "changed by a handler"
+    sid = await client.call("/t.S/Echo", frame(b"x"), headers=token)
+    assert await client.status(sid) == ("0", "")
+    assert handlers.calls[2].metadata == {"x-token": "abc"}
+    sid = await client.call("/t.S/Echo", frame(b"x"), headers=(("x-token", "other"),))
+    assert await client.status(sid) == ("0", "")
+    assert handlers.calls[3].metadata == {"x-token": "other"}
+    for _ in range(2):
+        sid = await client.call("/t.S/Echo", frame(b"x"), headers=(("grpc-timeout", "20S"),))
+        assert await client.status(sid) == ("0", "")
+    assert all(call.expires is not None for call in handlers.calls[4:])
+    # Unknown methods are refused every time, never remembered as known.
+    for _ in range(2):
+        sid = await client.call("/t.S/Nope", frame(b""))
+        assert (await client.status(sid))[0] == "12"
+
+
+@both_loops
 async def test_compression_gzip_taken_others_refused(serve: Serve) -> None:
     _, connect = await serve(Handlers())
     client = await connect()
@@ -488,18 +519,36 @@ PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n\x00\x00\x00\x04\x00\x00\x00\x00\x00
 
 
 @pytest.mark.parametrize(
-    "garbage",
+    ("garbage", "code"),
     [
-        b"GET / HTTP/1.1\r\nHost: x\r\n\r\n",
-        PREFACE + b"\x00\x00\x01\x00\x00\x00\x00\x00\x00x",
-        PREFACE + b"\x00\x00\x04\x01\x05\x00\x00\x00\x01\xff\xff\xff\xff",
-        PREFACE + b"\x00\x00\x01\x01\x05\x00\x00\x00\x02\x82",
+        (b"GET / HTTP/1.1\r\nHost: x\r\n\r\n", 1),
+        (PREFACE + b"\x00\x00\x01\x00\x00\x00\x00\x00\x00x", 1),
+        # A header block that cannot be decoded is COMPRESSION_ERROR (RFC 9113 4.3).
+        (PREFACE + b"\x00\x00\x04\x01\x05\x00\x00\x00\x01\xff\xff\xff\xff", 9),
+        (PREFACE + b"\x00\x00\x01\x01\x05\x00\x00\x00\x02\x82", 1),
+        # A frame over the 16 KiB this server takes: FRAME_SIZE_ERROR.
+        (PREFACE + b"\x00\x40\x01\x00\x00\x00\x00\x00\x01", 6),
+        # A header block interrupted by another frame.
+        (PREFACE + b"\x00\x00\x01\x01\x01\x00\x00\x00\x01\x82" + PREFACE[24:], 1),
+        # PING of the wrong length.
+        (PREFACE + b"\x00\x00\x04\x06\x00\x00\x00\x00\x00abcd", 6),
+        # DATA on a stream never opened.
+        (PREFACE + b"\x00\x00\x01\x00\x00\x00\x00\x00\x03x", 1),
     ],
-    ids=["http1", "data-on-stream-0", "bad-hpack", "even-stream-id"],
+    ids=[
+        "http1",
+        "data-on-stream-0",
+        "bad-hpack",
+        "even-stream-id",
+        "frame-too-large",
+        "interrupted-headers",
+        "bad-ping",
+        "data-on-idle-stream",
+    ],
 )
 @both_loops
 async def test_garbage_closes_only_its_connection(
-    serve: Serve, garbage: bytes, caplog: pytest.LogCaptureFixture
+    serve: Serve, garbage: bytes, code: int, caplog: pytest.LogCaptureFixture
 ) -> None:
     server, connect = await serve(Handlers())
     answer = b""
@@ -509,9 +558,9 @@ async def test_garbage_closes_only_its_connection(
         with anyio.fail_after(WAIT_S):
             while data := await bad.receive():
                 answer += data
-    # The server says why (GOAWAY, PROTOCOL_ERROR) and closes the connection.
+    # The server says why (GOAWAY and its error code) and closes the connection.
     assert b"\x00\x00\x08\x07\x00\x00\x00\x00\x00" in answer
-    assert answer.endswith(b"\x00\x00\x00\x01")
+    assert answer.endswith(struct.pack(">I", code))
     # The server is unharmed: another connection is served.
     client = await connect()
     sid = await client.call("/t.S/Echo", frame(b"still here"))
@@ -704,7 +753,7 @@ async def test_a_client_that_does_not_read_is_held_then_dropped(
     peak = 0
     with anyio.fail_after(WAIT_S):
         while server.connections:
-            peak = max(peak, len(conn._extra) + len(conn._h2.data_to_send(0)))
+            peak = max(peak, len(conn._extra) + sum(map(len, conn._h2._out)))
             await anyio.sleep(0.01)
     # One read past the limit (65536 bytes of PINGs: as many bytes of acks), plus the
     # odd control frame the same write carried (a WINDOW_UPDATE, 13 bytes, was seen).

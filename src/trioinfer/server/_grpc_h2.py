@@ -1,8 +1,8 @@
-"""gRPC over HTTP/2 on the serving loop: python-hyper's ``h2`` state machine on an anyio socket.
+"""gRPC over HTTP/2 on the serving loop: the `_http2` frame layer on an anyio socket.
 
 No grpcio server, no second thread, no bridge: each connection is a task of
 the serving loop (Trio or asyncio) that feeds the bytes it reads to an
-``h2.connection.H2Connection`` and writes what that answers; each RPC is a
+`_http2.Connection` and writes what that answers; each RPC is a
 task of the connection's task group, so a call's cancel scope is the
 request's. What gRPC adds to HTTP/2 is handled here:
 
@@ -22,7 +22,7 @@ request's. What gRPC adds to HTTP/2 is handled here:
   `_STREAM_BACKLOG` waiting ones), so a client that sends faster than the
   engine answers is held by its HTTP/2 window instead of buffered without
   bound;
-- PING is answered by h2; at shutdown each connection gets a GOAWAY, calls in
+- PING is answered by the frame layer; at shutdown each connection gets a GOAWAY, calls in
   progress may finish, new streams are refused, and those cut off at the end
   are told UNAVAILABLE.
 
@@ -36,9 +36,11 @@ closed, a request that stops arriving for ``body_timeout`` fails; the
 client's deadline holds over its whole call; a client that resets streams
 faster than `_RESET_RATE` a second gets GOAWAY (ENHANCE_YOUR_CALM).
 
-h2 does the HTTP/2; around it, only what repeats is remembered: header
-blocks made of table indexes only (`_Decoder`, `_Encoder`), which hpack
-would decode and encode the same way call after call.
+`_http2` does the HTTP/2 (it replaced python-hyper's ``h2``, whose state
+machines cost as much per call as the rest of the call); around hpack, only
+what repeats is remembered: header blocks made of table indexes only
+(`_Decoder`, `_Encoder`), which hpack would decode and encode the same way
+call after call.
 """
 
 from __future__ import annotations
@@ -57,16 +59,12 @@ import anyio
 import anyio.abc
 import anyio.lowlevel
 import attrs
-import h2.config
-import h2.connection
-import h2.errors
-import h2.events
-import h2.exceptions
-import h2.settings
 import hpack
 import sniffio
 import trio
-from hyperframe.frame import GoAwayFrame
+
+from . import _http2
+from ._http2 import ProtocolError, StreamClosedError
 
 log = logging.getLogger("trioinfer.server")
 
@@ -130,18 +128,6 @@ _RESERVED: Final = frozenset(
         b"user-agent",
     }
 )
-# h2's header validation costs about a fifth of its time per call; requests' headers
-# only pick a method, a deadline and metadata compared as strings, never forwarded.
-_CONFIG: Final = h2.config.H2Configuration(
-    client_side=False,
-    header_encoding=None,
-    validate_outbound_headers=False,
-    normalize_outbound_headers=False,
-    validate_inbound_headers=False,
-    normalize_inbound_headers=False,
-)
-
-
 #: Header-block bytes that are each a complete one-byte indexed field (RFC 7541 6.1:
 #: indexes 1-126); a block made only of them neither reads nor changes the dynamic table
 #: beyond looking entries up.
@@ -354,7 +340,7 @@ def _deadline(value: bytes) -> float:
 
 @final
 class _Connection:
-    """One client connection: reads frames, starts a task per call, writes what h2 answers."""
+    """One client connection: reads frames, starts a task per call, writes the answers."""
 
     def __init__(
         self,
@@ -376,18 +362,22 @@ class _Connection:
         #: Set each time the writer has sent what was pending.
         self._drained = anyio.Event()
         self._sending = False
-        self._h2 = h2.connection.H2Connection(config=_CONFIG)
-        # hpack's coder, with a memo of the header blocks that repeat (h2 reads and
-        # writes through these attributes only); the decoder keeps h2's header list cap.
-        decoder = _Decoder()
-        decoder.max_header_list_size = self._h2.decoder.max_header_list_size
-        self._h2.decoder, self._h2.encoder = decoder, _Encoder()
+        # hpack's coder, with a memo of the header blocks that repeat.
+        self._h2 = _http2.Connection(
+            initial_window=_WINDOW,
+            max_streams=_MAX_STREAMS,
+            decoder=_Decoder(),
+            encoder=_Encoder(),
+        )
         self._streams: dict[int, _Stream] = {}
         #: Calls waiting for the client's flow-control window to open.
         self._blocked: set[_Stream] = set()
         self._wake = anyio.Event()
         self._going_away = False
         self._last_stream = 0
+        #: What repeated request headers (a client's, call after call) were read as:
+        #: the method, the encoding's wbits, the metadata; only calls without a deadline.
+        self._parsed: dict[tuple[Any, ...], tuple[Method, int | None, dict[str, str]]] = {}
         self._extra = b""
         #: The connection's task group: Trio's nursery on Trio, anyio's on asyncio.
         self._group: Any = None
@@ -396,13 +386,6 @@ class _Connection:
     async def run(self) -> None:
         """Serve the connection until the client closes it, or `goaway` lets it end."""
         conn = self._h2
-        conn.local_settings = h2.settings.Settings(
-            client=False,
-            initial_values={
-                h2.settings.SettingCodes.INITIAL_WINDOW_SIZE: _WINDOW,
-                h2.settings.SettingCodes.MAX_CONCURRENT_STREAMS: _MAX_STREAMS,
-            },
-        )
         conn.initiate_connection()
         conn.increment_flow_control_window(_WINDOW * 16)
         try:
@@ -435,7 +418,7 @@ class _Connection:
         if self._sending:
             return
         with contextlib.suppress(Exception), anyio.move_on_after(_LAST_WORDS_S):
-            if self._h2.state_machine.state != h2.connection.ConnectionState.CLOSED:
+            if not self._h2.closed:
                 self._h2.close_connection(last_stream_id=self._last_stream)
             await self._flush()
 
@@ -443,10 +426,8 @@ class _Connection:
         """At shutdown: tell the client to open no more streams; those open may finish."""
         if not self._going_away:
             self._going_away = True
-            frame = GoAwayFrame(0)
-            frame.last_stream_id = self._last_stream
-            frame.error_code = h2.errors.ErrorCodes.NO_ERROR
-            self._extra += self._h2.data_to_send() + frame.serialize()
+            self._h2.goaway(self._last_stream)
+            self._extra += self._h2.data_to_send()
             self._wake.set()
 
     async def _reader(self) -> None:
@@ -457,21 +438,21 @@ class _Connection:
                 return
             try:
                 events = self._h2.receive_data(data)
-            except h2.exceptions.ProtocolError as exc:
+            except ProtocolError as exc:
                 log.info("gRPC connection closed: HTTP/2 protocol error: %s", exc)
-                self._h2.close_connection(h2.errors.ErrorCodes.PROTOCOL_ERROR)
+                self._h2.close_connection(exc.error_code)
                 await self._flush()
                 return
             for event in events:
-                if self._h2.state_machine.state == h2.connection.ConnectionState.CLOSED:
+                if self._h2.closed:
                     break  # closed by a GOAWAY of ours (ENHANCE_YOUR_CALM): the rest is moot
                 try:
                     self._event(event)
                 except Exception as exc:  # a bug: its stream fails, never the connection
                     self._failed(event, exc)
-            # What those frames answered (PING and SETTINGS acks, resets) is taken out of
-            # h2 and counted: past the limit the client's frames are left unread until it
-            # reads, so TCP holds a client that sends without reading.
+            # What those frames answered (PING and SETTINGS acks, resets) is taken out
+            # of the frame layer and counted: past the limit the client's frames are left
+            # unread until it reads, so TCP holds a client that sends without reading.
             self._extra += self._h2.data_to_send()
             self._wake.set()
             while len(self._extra) > _OUTPUT_LIMIT:
@@ -493,30 +474,36 @@ class _Connection:
 
     def _stop(self, stream_id: int) -> None:
         # Answered before the client finished sending: it may stop (RFC 9113 8.1).
-        with contextlib.suppress(h2.exceptions.ProtocolError):
-            if (
-                self._h2.streams.get(stream_id) is not None
-                and not self._h2.streams[stream_id].closed
-            ):
-                self._h2.reset_stream(stream_id, h2.errors.ErrorCodes.NO_ERROR)
+        with contextlib.suppress(ProtocolError):
+            if self._h2.is_open(stream_id):
+                self._h2.reset_stream(stream_id, _http2.NO_ERROR)
 
     def _event(self, event: Any) -> None:
-        if isinstance(event, h2.events.DataReceived):
+        # By the event's exact class (the frame layer's events are final), the most
+        # frequent first: a call brings DATA, its headers, its end and two WINDOW_UPDATEs.
+        kind = type(event)
+        if kind is _http2.DataReceived:
             stream = self._streams.get(event.stream_id)
             if stream is None:
                 self._h2.acknowledge_received_data(event.flow_controlled_length, event.stream_id)
                 return
             self._data(stream, event.data, event.flow_controlled_length)
-        elif isinstance(event, h2.events.RequestReceived):
+        elif kind is _http2.WindowUpdated or kind is _http2.RemoteSettingsChanged:
+            # Maybe more room to send: the calls waiting for it look again.
+            if self._blocked:
+                for stream in self._blocked:
+                    _wake(stream.window)
+                self._blocked.clear()
+        elif kind is _http2.RequestReceived:
             self._request(event.stream_id, event.headers)
-        elif isinstance(event, h2.events.StreamEnded):
+        elif kind is _http2.StreamEnded:
             stream = self._streams.get(event.stream_id)
             if stream is not None:
                 stream.ended = True
                 if stream.buffer and stream.error is None:
                     stream.error = (INTERNAL, "the request ended inside a message")
                 self._ready(stream)
-        elif isinstance(event, h2.events.StreamReset):
+        elif kind is _http2.StreamReset:
             stream = self._streams.pop(event.stream_id, None)
             if stream is not None:
                 stream.closed = True
@@ -526,12 +513,7 @@ class _Connection:
                 _wake(stream.arrived)
             if event.remote_reset:
                 self._reset_counted()
-        elif isinstance(event, h2.events.WindowUpdated | h2.events.RemoteSettingsChanged):
-            # Maybe more room to send: the calls waiting for it look again.
-            for stream in self._blocked:
-                _wake(stream.window)
-            self._blocked.clear()
-        elif isinstance(event, h2.events.ConnectionTerminated):
+        elif kind is _http2.ConnectionTerminated:
             self._going_away = True
 
     def _reset_counted(self) -> None:
@@ -546,7 +528,7 @@ class _Connection:
             for stream in list(self._streams.values()):
                 stream.call.cancel()
             self._h2.close_connection(
-                h2.errors.ErrorCodes.ENHANCE_YOUR_CALM,
+                _http2.ENHANCE_YOUR_CALM,
                 additional_data=b"too many RST_STREAM",
                 last_stream_id=self._last_stream,
             )
@@ -555,9 +537,14 @@ class _Connection:
     def _request(self, stream_id: int, raw_headers: list[tuple[bytes, bytes]]) -> None:
         self._last_stream = max(self._last_stream, stream_id)
         if self._going_away:
-            self._h2.reset_stream(stream_id, h2.errors.ErrorCodes.REFUSED_STREAM)
+            self._h2.reset_stream(stream_id, _http2.REFUSED_STREAM)
             return
-        # Compared as bytes (h2 hands them so); only what is kept is decoded.
+        key = tuple(raw_headers)
+        parsed = self._parsed.get(key)
+        if parsed is not None:
+            self._open(stream_id, parsed[0], GrpcCall(dict(parsed[2]), None), parsed[1])
+            return
+        # Compared as bytes (hpack hands them so); only what is kept is decoded.
         headers: dict[bytes, bytes] = dict(raw_headers)
         if headers.get(b":method") != b"POST" or not headers.get(b"content-type", b"").startswith(
             b"application/grpc"
@@ -582,7 +569,15 @@ class _Connection:
             if not key.startswith(b":") and key not in _RESERVED and not key.endswith(b"-bin")
         }
         assert method is not None
-        stream = _Stream(stream_id, method, GrpcCall(metadata, expires), _WBITS[encoding])
+        if timeout is None:
+            if len(self._parsed) >= _MEMO_SIZE:
+                self._parsed.clear()
+            self._parsed[key] = (method, _WBITS[encoding], metadata)
+            metadata = dict(metadata)
+        self._open(stream_id, method, GrpcCall(metadata, expires), _WBITS[encoding])
+
+    def _open(self, stream_id: int, method: Method, call: GrpcCall, wbits: int | None) -> None:
+        stream = _Stream(stream_id, method, call, wbits)
         stream.active = self._idle_since = time.monotonic()
         self._streams[stream_id] = stream
         if method.streaming:
@@ -702,8 +697,7 @@ class _Connection:
     def _ack(self, stream: _Stream) -> None:
         count, stream.unacked = stream.unacked, 0
         if count and not stream.closed:
-            with contextlib.suppress(h2.exceptions.StreamClosedError):
-                self._h2.acknowledge_received_data(count, stream.stream_id)
+            self._h2.acknowledge_received_data(count, stream.stream_id)
 
     def _ready(self, stream: _Stream) -> None:
         if stream.error is not None and not stream.started:
@@ -783,7 +777,7 @@ class _Connection:
                     await self._send_message(stream, answer)
             except GrpcError as exc:
                 code, message = exc.code, exc.message
-            except h2.exceptions.ProtocolError:
+            except ProtocolError:
                 # The stream or connection closed under the answer (a reset, the
                 # client's GOAWAY): nobody is left to tell.
                 self._streams.pop(stream.stream_id, None)
@@ -818,7 +812,7 @@ class _Connection:
             else:
                 self._trailers_only(stream.stream_id, code, message)
                 return
-        except (h2.exceptions.StreamClosedError, h2.exceptions.ProtocolError):
+        except (StreamClosedError, ProtocolError):
             return
         self._wake.set()
 
@@ -831,7 +825,7 @@ class _Connection:
             headers.append((b"grpc-message", _percent(message)))
         try:
             self._h2.send_headers(stream_id, headers, end_stream=True)
-        except (h2.exceptions.StreamClosedError, h2.exceptions.ProtocolError):
+        except (StreamClosedError, ProtocolError):
             return
         self._wake.set()
 

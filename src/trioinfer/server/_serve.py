@@ -208,7 +208,7 @@ async def serve_http(
 
 
 def _grpc_layer() -> Any:
-    # Imported only when asked for: h2 and protobuf stay out of HTTP-only servers.
+    # Imported only when asked for: hpack and protobuf stay out of HTTP-only servers.
     try:
         from ._grpc import serve_grpc
     except ModuleNotFoundError as exc:

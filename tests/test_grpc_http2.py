@@ -1,0 +1,256 @@
+"""The gRPC transport's own HTTP/2 frame layer (``_http2``), against h2's client, in memory.
+
+tests/test_grpc_h2.py drives it through the transport over sockets; these
+check the frame layer's HTTP/2 where the transport's tests do not reach:
+padding, CONTINUATION both ways, the stream limit, flow control both ways
+(windows handed back as h2 did, SETTINGS changing open streams' windows),
+and malformed frames that must fail the stream or the connection.
+"""
+
+from __future__ import annotations
+
+import struct
+from typing import Any
+
+import h2.config
+import h2.connection
+import h2.events
+import h2.settings
+import pytest
+
+from trioinfer.server import _http2
+
+pytestmark = pytest.mark.grpc
+
+REQUEST = [
+    (":method", "POST"),
+    (":scheme", "http"),
+    (":path", "/t.S/M"),
+    (":authority", "x"),
+    ("content-type", "application/grpc"),
+]
+
+
+def pair(**server: Any) -> tuple[h2.connection.H2Connection, _http2.Connection]:
+    client = h2.connection.H2Connection(
+        h2.config.H2Configuration(client_side=True, header_encoding="latin-1")
+    )
+    conn = _http2.Connection(**server)
+    conn.initiate_connection()
+    client.initiate_connection()
+    to_server(client, conn)
+    to_client(conn, client)
+    return client, conn
+
+
+def to_server(client: h2.connection.H2Connection, conn: _http2.Connection) -> list[Any]:
+    return conn.receive_data(client.data_to_send())
+
+
+def to_client(conn: _http2.Connection, client: h2.connection.H2Connection) -> list[Any]:
+    return client.receive_data(conn.data_to_send())
+
+
+def frame(kind: int, flags: int, stream_id: int, payload: bytes) -> bytes:
+    return (
+        struct.pack(">I", len(payload))[1:]
+        + bytes((kind, flags))
+        + struct.pack(">I", stream_id)
+        + payload
+    )
+
+
+def test_a_call_round_trips_with_padding_and_continuation() -> None:
+    client, conn = pair()
+    # A header block over the server's 16 KiB frame size: HEADERS and CONTINUATION.
+    big = "v" * 20000
+    client.send_headers(1, [*REQUEST, ("x-big", big)])
+    client.send_data(1, b"hello", end_stream=True, pad_length=10)
+    events = to_server(client, conn)
+    kinds = [type(e) for e in events]
+    assert kinds == [_http2.RequestReceived, _http2.DataReceived, _http2.StreamEnded]
+    assert dict(events[0].headers)[b"x-big"] == big.encode()
+    assert events[1].data == b"hello"
+    assert events[1].flow_controlled_length == 5 + 10 + 1
+    # The answer's headers, over the client's frame size too, then data and trailers.
+    conn.send_headers(1, [(b":status", b"200"), (b"x-big", big.encode())])
+    conn.send_data(1, b"world")
+    conn.send_headers(1, [(b"grpc-status", b"0")], end_stream=True)
+    got = to_client(conn, client)
+    response = next(e for e in got if isinstance(e, h2.events.ResponseReceived))
+    assert dict(response.headers)["x-big"] == big
+    assert [e.data for e in got if isinstance(e, h2.events.DataReceived)] == [b"world"]
+    assert any(isinstance(e, h2.events.StreamEnded) for e in got)
+    # Closed both ways: forgotten, and no more sends.
+    assert not conn.is_open(1)
+    with pytest.raises(_http2.StreamClosedError):
+        conn.send_data(1, b"late")
+
+
+def test_streams_over_the_limit_are_refused() -> None:
+    client, conn = pair(max_streams=2)
+    for sid in (1, 3):
+        client.send_headers(sid, REQUEST)
+    events = to_server(client, conn)
+    # h2's client keeps to the limit; a client that does not: ":method: GET" etc., indexed.
+    events += conn.receive_data(frame(0x1, 0x4, 5, b"\x82\x86\x84"))
+    assert [e.stream_id for e in events if isinstance(e, _http2.RequestReceived)] == [1, 3]
+    assert conn.data_to_send() == frame(0x3, 0, 5, struct.pack(">I", _http2.REFUSED_STREAM))
+    assert not conn.is_open(5)
+
+
+def test_windows_are_handed_back_as_data_is_acknowledged() -> None:
+    client, conn = pair(initial_window=1000)
+    client.send_headers(1, REQUEST)
+    client.send_data(1, b"x" * 400)
+    to_server(client, conn)
+    # Under half the stream's window: nothing handed back yet.
+    conn.acknowledge_received_data(400, 1)
+    assert conn.data_to_send() == b""
+    client.send_data(1, b"x" * 200)
+    to_server(client, conn)
+    conn.acknowledge_received_data(200, 1)
+    got = to_client(conn, client)
+    (update,) = [e for e in got if isinstance(e, h2.events.WindowUpdated)]
+    assert (update.stream_id, update.delta) == (1, 600)
+
+
+def test_a_client_past_its_stream_window_fails_that_stream_only() -> None:
+    client, conn = pair(initial_window=10)
+    client.send_headers(1, REQUEST)
+    to_server(client, conn)
+    events = conn.receive_data(frame(0x0, 0, 1, b"x" * 11))
+    (reset,) = events
+    assert isinstance(reset, _http2.StreamReset)
+    assert (reset.error_code, reset.remote_reset) == (_http2.FLOW_CONTROL_ERROR, False)
+    assert not conn.is_open(1)
+    # The connection goes on: another stream is served.
+    client.send_headers(3, REQUEST, end_stream=True)
+    assert [type(e) for e in to_server(client, conn)] == [
+        _http2.RequestReceived,
+        _http2.StreamEnded,
+    ]
+
+
+def test_sends_respect_the_clients_windows_and_settings() -> None:
+    client, conn = pair()
+    client.send_headers(1, REQUEST, end_stream=True)
+    to_server(client, conn)
+    conn.send_headers(1, [(b":status", b"200")])
+    assert conn.local_flow_control_window(1) == 65535
+    # The client shrinks its initial window: open streams' windows follow.
+    client.update_settings({h2.settings.SettingCodes.INITIAL_WINDOW_SIZE: 100})
+    events = to_server(client, conn)
+    assert any(isinstance(e, _http2.RemoteSettingsChanged) for e in events)
+    assert conn.local_flow_control_window(1) == 100
+    with pytest.raises(_http2.FlowControlError):
+        conn.send_data(1, b"x" * 101)
+    conn.send_data(1, b"x" * 100)
+    assert conn.local_flow_control_window(1) == 0
+    to_client(conn, client)
+    client.increment_flow_control_window(50, stream_id=1)
+    events = to_server(client, conn)
+    assert [(e.stream_id, e.delta) for e in events if isinstance(e, _http2.WindowUpdated)] == [
+        (1, 50)
+    ]
+    assert conn.local_flow_control_window(1) == 50
+
+
+def test_ping_is_answered_and_goaway_closes() -> None:
+    client, conn = pair()
+    client.ping(b"12345678")
+    assert to_server(client, conn) == []
+    got = to_client(conn, client)
+    assert [e.ping_data for e in got if isinstance(e, h2.events.PingAckReceived)] == [b"12345678"]
+    client.close_connection()
+    (terminated,) = to_server(client, conn)
+    assert isinstance(terminated, _http2.ConnectionTerminated)
+    assert conn.closed
+    with pytest.raises(_http2.ProtocolError):
+        conn.send_headers(1, [(b":status", b"200")])
+
+
+@pytest.mark.parametrize(
+    ("raw", "code"),
+    [
+        (frame(0x9, 0x4, 1, b"\x82"), _http2.PROTOCOL_ERROR),  # CONTINUATION alone
+        (frame(0x8, 0, 0, b"\x00\x00\x00\x00"), _http2.PROTOCOL_ERROR),  # WINDOW_UPDATE 0
+        (frame(0x8, 0, 0, b"\x7f\xff\xff\xff"), _http2.FLOW_CONTROL_ERROR),  # overflow
+        (frame(0x4, 0, 0, b"\x00\x04\x80\x00\x00\x00"), _http2.FLOW_CONTROL_ERROR),
+        (frame(0x4, 0, 0, b"\x00\x05\x00\x00\x00\x01"), _http2.PROTOCOL_ERROR),  # frame size
+        (frame(0x4, 0, 0, b"\x00\x01\x00"), _http2.FRAME_SIZE_ERROR),
+        (frame(0x3, 0, 7, b"\x00\x00\x00\x08"), _http2.PROTOCOL_ERROR),  # reset of idle
+        (frame(0x5, 0x4, 1, b"\x00\x00\x00\x02\x82"), _http2.PROTOCOL_ERROR),  # PUSH_PROMISE
+        (frame(0x1, 0x5 | 0x8, 1, b"\x05\x82"), _http2.PROTOCOL_ERROR),  # padding too long
+    ],
+    ids=[
+        "lone-continuation",
+        "window-update-0",
+        "window-overflow",
+        "initial-window-too-large",
+        "max-frame-size-too-small",
+        "settings-length",
+        "reset-idle-stream",
+        "push-promise",
+        "headers-padding",
+    ],
+)
+def test_malformed_frames_are_connection_errors(raw: bytes, code: int) -> None:
+    _, conn = pair()
+    with pytest.raises(_http2.ProtocolError) as caught:
+        conn.receive_data(raw)
+    assert caught.value.error_code == code
+
+
+def test_a_header_block_cannot_grow_without_bound() -> None:
+    _, conn = pair()
+    conn.receive_data(frame(0x1, 0, 1, b"\x82"))
+    chunk = frame(0x9, 0, 1, b"\x00" * 16384)
+    with pytest.raises(_http2.ProtocolError) as caught:
+        conn.receive_data(chunk * 20)
+    assert caught.value.error_code == _http2.ENHANCE_YOUR_CALM
+
+
+def test_data_after_the_stream_closed_keeps_the_connection_window() -> None:
+    client, conn = pair()
+    client.send_headers(1, REQUEST)
+    to_server(client, conn)
+    conn.send_headers(1, [(b":status", b"200")], end_stream=True)
+    conn.reset_stream(1)
+    conn.data_to_send()
+    # The client's DATA crossed the reset: refused, and its bytes handed back to the
+    # connection's window once half of it was used, so later streams are not starved.
+    for _ in range(5):
+        assert conn.receive_data(frame(0x0, 0, 1, b"x" * 16384)) == []
+    out = conn.data_to_send()
+    assert frame(0x3, 0, 1, struct.pack(">I", _http2.STREAM_CLOSED)) in out
+    assert frame(0x8, 0, 0, struct.pack(">I", 32768)) in out
+
+
+def test_the_clients_header_table_size_is_followed() -> None:
+    client, conn = pair()
+    client.send_headers(1, REQUEST, end_stream=True)
+    to_server(client, conn)
+    # The client shrinks its HPACK table to nothing: the answer must say so first.
+    client.update_settings({h2.settings.SettingCodes.HEADER_TABLE_SIZE: 0})
+    to_server(client, conn)
+    conn.send_headers(1, [(b":status", b"200"), (b"x-a", b"b")], end_stream=True)
+    got = to_client(conn, client)
+    response = next(e for e in got if isinstance(e, h2.events.ResponseReceived))
+    assert dict(response.headers)["x-a"] == "b"
+
+
+def test_nothing_is_kept_after_goaway() -> None:
+    # Bytes that follow a GOAWAY (the client's, or one of ours) are dropped, not
+    # buffered: a client may not fill the server's memory after it.
+    client, conn = pair()
+    client.close_connection()
+    to_server(client, conn)
+    partial = frame(0x0, 0, 1, b"x" * 100)[:50]
+    for _ in range(100):
+        assert conn.receive_data(partial) == []
+    assert len(conn._buffer) == 0
+    _, conn = pair()
+    conn.close_connection()
+    assert conn.receive_data(frame(0x6, 0, 0, b"12345678") + partial) == []
+    assert len(conn._buffer) == 0
