@@ -141,9 +141,10 @@ async def test_a_busy_step_model_queues_the_step_as_before(
             await engine.infer("p", {"IN": X})
 
         t0 = trio.current_time()
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(call)
-            tg.start_soon(call)
+        with trio.fail_after(10):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(call)
+                tg.start_soon(call)
         assert trio.current_time() - t0 == pytest.approx(2.0)  # one instance: in turn
         first, second = Probe.tasks["slow"]
         assert first in callers  # idle: in its caller's task
@@ -164,14 +165,19 @@ async def test_a_busy_step_model_queues_the_step_as_before(
         ({"response_cache": True}, {"cache_size": 1 << 20}),
         ({"queue_timeouts": {0: 5.0}}, {}),
         ({}, {"device_limits": {"cpu": 1}}),
+        pytest.param({}, {"tracer_provider": "sdk"}, marks=pytest.mark.tracing),
     ],
-    ids=["batcher", "scheduler", "fallback", "cache", "queue_timeouts", "device_limit"],
+    ids=["batcher", "scheduler", "fallback", "cache", "queue_timeouts", "device_limit", "tracing"],
 )
 async def test_a_step_model_that_does_more_than_pass_a_request_through_queues_it(
     autojump_clock: trio.testing.MockClock,
     options: dict[str, Any],
     engine_options: dict[str, Any],
 ) -> None:
+    if engine_options.get("tracer_provider") == "sdk":
+        from opentelemetry.sdk.trace import TracerProvider  # the otel extra, as test_tracing
+
+        engine_options = {"tracer_provider": TracerProvider()}
     async with open_engine(**engine_options) as engine:
         await load(engine, model("m", **options), chain("m"))
         out = await engine.infer("p", {"IN": X})
@@ -200,7 +206,8 @@ async def test_a_caller_cancelled_mid_step_stops_the_step_and_the_rest(
         assert stats["p"].cancelled == 1
         # The instance was given back: the next step runs here again, and ends.
         Probe.events.clear()
-        await engine.infer("p", {"IN": X})
+        with trio.fail_after(10):
+            await engine.infer("p", {"IN": X})
         assert Probe.tasks["b"] == [caller, caller]
         assert Probe.events[-1] == "c end"
 
