@@ -27,8 +27,9 @@ side by side, each in a task of its own. Leading steps that have nothing
 beside them (all of a chain's) run in turn in the caller's task, with no task
 or wake-up of their own. A step on a model that would pass a lone request
 straight through, with an idle instance and nothing queued, skips even the
-queue: it runs on that instance in this task (``ModelRunner.run_alone``). The first step to fail cancels the others and ends
-the request with its error, the step named in the message.
+queue: it runs on that instance in this task (``ModelRunner.run_alone``).
+The first step to fail cancels the others and ends the request with its
+error, the step named in the message.
 """
 
 from __future__ import annotations
