@@ -185,6 +185,7 @@ class Engine:
                     self.infer,
                     lambda model: self._runner(model).signature,
                     self._steps_of,
+                    self._step_alone,
                 )
             else:
                 runner = await self._new_runner(config)
@@ -271,6 +272,21 @@ class Engine:
             self._gates[name] = gate
             assert isinstance(runner, ModelRunner)
             runner.streams_closed = gate.wait_closed  # before its instances close
+
+    def _step_alone(self, model: str) -> ModelRunner | None:
+        # The runner of a pipeline step's model if its request may skip engine.infer
+        # and run in the pipeline's task (ModelRunner.idle_replica says when): only a
+        # runner engine.infer's fast path would take, and only with tracing off.
+        runner = self._runners.get(model)
+        if (
+            type(runner) is ModelRunner
+            and runner.alone_ok
+            and self._tracing is None
+            and not self._closing
+            and not (self._gates and model in self._gates)
+        ):
+            return runner
+        return None
 
     def _steps_of(self, model: str) -> tuple[str, ...]:
         # The models a pipeline's steps call (none for a model that is not one).

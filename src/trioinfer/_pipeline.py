@@ -25,12 +25,16 @@ cancel scope (its deadline and cancellation reach every step). A step starts
 as soon as its inputs are there; steps whose inputs are there run at once,
 side by side, each in a task of its own. Leading steps that have nothing
 beside them (all of a chain's) run in turn in the caller's task, with no task
-or wake-up of their own. The first step to fail cancels the others and ends
-the request with its error, the step named in the message.
+or wake-up of their own. A step on a model that would pass a lone request
+straight through, with an idle instance and nothing queued, skips even the
+queue: it runs on that instance in this task (``ModelRunner.run_alone``).
+The first step to fail cancels the others and ends the request with its
+error, the step named in the message.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, final
 
@@ -48,9 +52,16 @@ from ._exceptions import (
     QueueFull,
     TrioInferError,
 )
-from ._request import Outputs, Request
-from ._runner import BATCH_BUCKETS, DURATION_BUCKETS, ModelStatistics, _copy_error, _Histogram
-from ._tensors import ModelSignature, TensorSpec
+from ._request import Outputs, Request, make_request
+from ._runner import (
+    BATCH_BUCKETS,
+    DURATION_BUCKETS,
+    ModelRunner,
+    ModelStatistics,
+    _copy_error,
+    _Histogram,
+)
+from ._tensors import ModelSignature, TensorSpec, rows, validate_inputs
 from ._threads import LoopClock
 from .abc import Status
 
@@ -113,6 +124,7 @@ class Pipeline:
         infer: Infer,
         signatures: Callable[[str], ModelSignature],
         steps_of: Callable[[str], Sequence[str]] = lambda model: (),
+        step_runner: Callable[[str], ModelRunner | None] = lambda model: None,
     ) -> None:
         options = config.backend_options
         unknown = sorted(set(options) - {"inputs", "outputs", "steps"})
@@ -127,6 +139,9 @@ class Pipeline:
         )
         self.steps = _steps(config.name, options.get("steps"))
         self._infer = infer
+        # The runner of a step's model when its requests may run in the pipeline's
+        # task (the engine's say; the runner's idle_replica has the rest), else None.
+        self._step_runner = step_runner
         rounds = _check_graph(config.name, self.signature, self.steps, signatures, steps_of)
         # The leading steps that can only run one at a time (each the only one
         # whose inputs are there), in order: they run in turn in the caller's
@@ -222,14 +237,43 @@ class Pipeline:
         # keeps its class (a client's fault stays a client's fault), its message
         # naming the step.
         inputs = {own: tensors[shared] for own, shared in step.input_map.items()}
+        model = step.model
         try:
-            outputs = await self._infer(
-                step.model,
-                inputs,
-                priority=request.priority,
-                tenant=request.tenant,
-                request_id=f"{request.id}/{index}",
-            )
+            runner = self._step_runner(model)
+            replica = None if runner is None else runner.idle_replica()
+            deadline = -math.inf
+            if replica is not None:
+                # The model is idle: run the step here, in this task, under the caller's
+                # scope, with no queue, worker or wake-up (what engine.infer does up to
+                # the queue, then run_alone). The check and the run have no await between.
+                assert runner is not None
+                arrays = validate_inputs(model, runner.signature, inputs, runner.input_limits)
+                clock = runner.clock
+                deadline = clock.current_effective_deadline()
+            if deadline != -math.inf:  # else busy, or a cancellation for engine.infer to raise
+                assert runner is not None
+                assert replica is not None
+                outputs = await runner.run_alone(
+                    replica,
+                    make_request(
+                        model,
+                        arrays,
+                        f"{request.id}/{index}",
+                        request.priority,
+                        request.tenant,
+                        deadline,
+                        clock.current_time(),
+                        rows(arrays) if runner.batched else 1,
+                    ),
+                )
+            else:
+                outputs = await self._infer(
+                    model,
+                    inputs,
+                    priority=request.priority,
+                    tenant=request.tenant,
+                    request_id=f"{request.id}/{index}",
+                )
             if not step.output_map.keys() <= outputs.keys():
                 # The step's model was replaced by one with other outputs.
                 missing = sorted(set(step.output_map) - set(outputs))

@@ -663,6 +663,13 @@ class ModelRunner(metaclass=NoPublicConstructor):
         factory=lambda: _Histogram(DURATION_BUCKETS), init=False
     )
     _batch_size: _Histogram = attrs.field(factory=lambda: _Histogram(BATCH_BUCKETS), init=False)
+    #: Whether a request may run in its caller's task when an instance is idle
+    #: (`idle_replica`, `run_alone`): its scheduler, batcher and fallback would
+    #: pass a lone request straight through.
+    alone_ok: bool = attrs.field(default=False, init=False)
+    # Executions running in their callers' tasks now, and who waits for them to end.
+    _alone: int = attrs.field(default=0, init=False)
+    _alone_ended: EventLike | None = attrs.field(default=None, init=False)
 
     def __attrs_post_init__(self) -> None:
         self._new_event = native_event_factory()
@@ -708,6 +715,7 @@ class ModelRunner(metaclass=NoPublicConstructor):
         self.plain = not (
             self.config.response_cache or self.config.sequence is not None or self.queue_timeouts
         )
+        self.alone_ok = self.plain and _passes_alone(self._scheduler, self._batcher, self._fallback)
 
     def _attach_sequencer(self, inputs: frozenset[str], outputs: frozenset[str]) -> None:
         # A stateful model: its batcher must keep sequences, and callers neither send
@@ -768,6 +776,7 @@ class ModelRunner(metaclass=NoPublicConstructor):
             if self.streams_closed is not None:
                 with anyio.move_on_after(CLEANUP_S, shield=True):
                     await self.streams_closed()
+            await self._wait_alone()
             await close_instances(
                 self.config.name, [replica._backend_instance for replica in self.replicas]
             )
@@ -1143,6 +1152,123 @@ class ModelRunner(metaclass=NoPublicConstructor):
                 "batchers", f"raised {type(exc).__name__} in admit(): {exc}"
             ) from exc
 
+    # -- a request run in its caller's task (a pipeline's step) -----------------------
+
+    def idle_replica(self) -> Replica | None:
+        """An idle replica on which a request may run at once in its caller's task, or None.
+
+        Only for a model that passes a lone request straight through (`alone_ok`:
+        FIFO scheduler, no batcher, no fallback, nothing cached, no sequences, no
+        queue timeouts) and only while nothing is queued: a serving replica with
+        a free slot nobody waits for and no device limit. Then `run_alone` on it
+        does what the queue, the worker and the execution would, without them.
+        When every replica is busy the request must queue: waiting for a slot
+        in the caller's task instead measured slower (each hand-over costs a
+        pass of the event loop for one task, where the worker runs the queue).
+        """
+        if not self.alone_ok or len(self.queue):
+            return None
+        limits = self._device_limits
+        for replica in self.replicas:
+            slot = replica._slot
+            if (
+                slot.free
+                and not slot._waiters
+                and replica._back is None
+                and not (limits and replica.device in limits)
+            ):
+                return replica
+        return None
+
+    async def run_alone(self, replica: Replica, request: Request) -> Outputs:
+        """Run *request* on *replica*, from `idle_replica` with no await since, in this task.
+
+        Its caller's cancel scope is the execution's: a cancelled caller cancels
+        it, as a queued request's caller leaving aborts its execution. It is
+        counted as a queued request is (succeeded, failed, cancelled, expired,
+        executions, the histograms, the replica's executions and failures), ends
+        exactly once, and holds the replica's slot, so that the worker waits for
+        it and the model's instances close only after it (`_wait_alone`).
+
+        Raises:
+            What the request ended with, as `call` does.
+        """
+        state = request._state
+        state.status = _RUNNING
+        started = self.clock.current_time()
+        deadline = request.deadline
+        if deadline <= started:
+            # Past its deadline with no checkpoint since (the step before it ran
+            # without yielding): never computed. A checkpoint lets the caller's scope
+            # report it, as it would have for a request waiting in the queue.
+            self._expire(request, started)
+            await anyio.lowlevel.checkpoint()
+            assert state.error is not None
+            await self.raise_error(state.error, own_deadline=True)
+        slot = replica._slot
+        taken = slot.try_acquire()
+        assert taken, "run_alone() on a replica that is not idle"
+        self._in_flight.add(request)
+        self._alone += 1
+        rows = request.rows
+        self._queue_duration.observe(started - request.arrival)
+        self._batch_size.observe(rows)
+        self.executions += 1
+        replica.executions += 1
+        running = (replica, started, rows, deadline)
+        self._executing.append(running)
+        outputs: Outputs | None = None
+        deadline_token = _batch_deadline.set(deadline)
+        try:
+            try:
+                outputs = await replica._backend_instance.execute(request.inputs)
+                if self.batched:
+                    _check_rows(self.config.name, replica, outputs, rows)
+            except Exception as exc:
+                replica.failures += 1
+                outputs = None
+                self.finish(request, error=_backend_error(self.config.name, request, exc))
+        except BaseException:
+            # The caller was cancelled (its deadline, or it left): so is the execution.
+            if state.status is not _DONE:
+                state.abandoned = True
+                self.cancelled += 1
+                self._end(request)
+            raise
+        finally:
+            _batch_deadline.reset(deadline_token)
+            self._executing.remove(running)
+            ended = self.clock.current_time()
+            elapsed = ended - started
+            self._compute_duration.observe(elapsed)
+            if outputs is not None:
+                mean = self._mean_execution_s
+                self._mean_execution_s = elapsed if mean == 0.0 else mean + 0.2 * (elapsed - mean)
+                self._cost.observe(rows, 1, elapsed)
+            slot.release()  # to the next in line, if any
+            self._alone_left()
+        if state.status is _RUNNING:
+            assert outputs is not None
+            self._succeed((request,), (outputs,), replica, ended)
+            return outputs
+        # It failed, or the model stopped under it (EngineClosed): its error, once.
+        assert state.error is not None
+        await self.raise_error(state.error, own_deadline=True)
+
+    def _alone_left(self) -> None:
+        self._alone -= 1
+        if not self._alone and self._alone_ended is not None:
+            self._alone_ended.set()
+            self._alone_ended = None
+
+    async def _wait_alone(self) -> None:
+        # Executions in their callers' tasks are not the workers': stopping those
+        # does not end them. The instances must not close under them.
+        with anyio.move_on_after(CLEANUP_S, shield=True):
+            while self._alone:
+                self._alone_ended = self._new_event()
+                await self._alone_ended.wait()
+
     def withdraw(self, request: Request) -> None:
         """Take back the request of a caller cancelled while it waited, wherever it is."""
         state = request._state
@@ -1457,6 +1583,26 @@ class ModelRunner(metaclass=NoPublicConstructor):
             replicas=tuple(replica.statistics() for replica in self.replicas),
             fallbacks=dict(self.fallbacks),
         )
+
+
+#: The first-party plugins that pass a lone request on an idle instance straight
+#: through: FIFO hands it out as pushed, NoBatcher at once and alone, NoFallback
+#: runs it once. Named, not imported: the core imports no plugin.
+_PASS_ALONE = frozenset(
+    {
+        "trioinfer_scheduling._fifo.FifoScheduler",
+        "trioinfer_batching.NoBatcher",
+        "trioinfer_fallback.NoFallback",
+    }
+)
+
+
+def _passes_alone(*plugins: object) -> bool:
+    # Whether every one of *plugins* is one of _PASS_ALONE (a subclass is not).
+    return all(
+        f"{type(plugin).__module__}.{type(plugin).__qualname__}" in _PASS_ALONE
+        for plugin in plugins
+    )
 
 
 def _depth(instance: BackendInstance) -> int:

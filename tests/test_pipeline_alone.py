@@ -1,0 +1,293 @@
+"""A pipeline step on an idle plain model runs in the pipeline's own task, counted as any request.
+
+No queue, worker or wake-up: the step's model runs in the caller's task when its
+scheduler, batcher and fallback would pass a lone request straight through and
+an instance is idle. Each test tells where a step ran by the task its model's
+``infer`` saw, and checks the model's statistics as for a queued request.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+import anyio
+import numpy as np
+import pytest
+import trio
+import trio.testing
+
+import trioinfer
+from trioinfer import BackendError, EngineClosed, ModelConfig, open_engine
+
+pytestmark = pytest.mark.pipeline
+
+Arrays = dict[str, np.ndarray[Any, Any]]
+X = np.ones((1, 4), np.float32)
+SPEC = [{"name": "x", "dtype": "float32", "shape": ["batch", 4]}]
+OUT = [{"name": "y", "dtype": "float32", "shape": ["batch", 4]}]
+
+
+def _current_task() -> object:
+    # The task the model runs in, on Trio or asyncio.
+    return anyio.get_current_task().id
+
+
+class Probe:
+    """y = x + 1 after *delay* seconds; records the task it ran in and what happened."""
+
+    tasks: ClassVar[dict[str, list[object]]] = {}
+    events: ClassVar[list[str]] = []
+
+    def __init__(self, name: str, delay: float = 0.0, fail: bool = False) -> None:
+        self.name, self.delay, self.fail = name, delay, fail
+
+    async def infer(self, inputs: Arrays) -> Arrays:
+        Probe.tasks.setdefault(self.name, []).append(_current_task())
+        Probe.events.append(f"{self.name} start")
+        try:
+            await anyio.sleep(self.delay)
+        except anyio.get_cancelled_exc_class():
+            Probe.events.append(f"{self.name} cancelled")
+            raise
+        if self.fail:
+            raise RuntimeError(f"{self.name} is broken")
+        Probe.events.append(f"{self.name} end")
+        return {"y": inputs["x"] + 1}
+
+    async def close(self) -> None:
+        Probe.events.append(f"{self.name} close")
+
+
+class Jump:
+    """A sync model run inline (no checkpoint): moves the mock clock on by *by* seconds."""
+
+    clock: ClassVar[trio.testing.MockClock | None] = None
+
+    def __init__(self, by: float) -> None:
+        self.by = by
+
+    def infer(self, inputs: Arrays) -> Arrays:
+        assert Jump.clock is not None
+        Jump.clock.jump(self.by)
+        return {"y": inputs["x"] + 1}
+
+
+@pytest.fixture(autouse=True)
+def _reset() -> None:
+    Probe.tasks.clear()
+    Probe.events.clear()
+
+
+def model(name: str, cls: type = Probe, **kw: Any) -> ModelConfig:
+    options: dict[str, Any] = {"class": cls, "inputs": SPEC, "outputs": OUT}
+    parameters = kw.pop("parameters", {"name": name})
+    options["parameters"] = parameters
+    options.update(kw.pop("backend_options", {}))
+    return ModelConfig(name=name, path="-", backend="python", backend_options=options, **kw)
+
+
+def chain(*models: str, name: str = "p") -> ModelConfig:
+    names = ["IN", *(f"T{i}" for i in range(len(models) - 1)), "OUT"]
+    steps = [
+        {"model": m, "input_map": {"x": a}, "output_map": {"y": b}}
+        for m, a, b in zip(models, names, names[1:], strict=False)
+    ]
+    tensor = {"dtype": "float32", "shape": ["batch", 4]}
+    options = {
+        "inputs": [{"name": "IN", **tensor}],
+        "outputs": [{"name": "OUT", **tensor}],
+        "steps": steps,
+    }
+    return ModelConfig(name=name, path="-", backend="pipeline", backend_options=options)
+
+
+async def load(engine: trioinfer.Engine, *configs: ModelConfig) -> None:
+    for config in configs:
+        await engine.load(config)
+
+
+async def test_idle_plain_steps_run_in_the_callers_task_and_are_counted(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    async with open_engine() as engine:
+        await load(engine, model("a"), model("b"), model("c"), model("q"), chain("a", "b", "c"))
+        caller = _current_task()
+        out = await engine.infer("p", {"IN": X})
+        np.testing.assert_array_equal(out["OUT"], X + 3)
+        assert Probe.tasks == {"a": [caller], "b": [caller], "c": [caller]}
+        # A queued request to a model of the same kind, for the counters to compare.
+        await engine.infer("q", {"x": X})
+        assert Probe.tasks["q"] != [caller]
+        stats = engine.statistics().models
+        for name in ("a", "b", "c", "q"):
+            s = stats[name]
+            assert (s.succeeded, s.failed, s.cancelled, s.expired, s.in_flight) == (1, 0, 0, 0, 0)
+            assert (s.executions, s.replicas[0].executions, s.replicas[0].failures) == (1, 1, 0)
+            counts = [h.count for h in (s.queue_duration, s.compute_duration, s.request_duration)]
+            assert [*counts, s.batch_size.count, s.batch_size.sum] == [1, 1, 1, 1, 1]
+        assert stats["p"].succeeded == 1
+
+
+async def test_a_busy_step_model_queues_the_step_as_before(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    async with open_engine() as engine:
+        await load(engine, model("slow", parameters={"name": "slow", "delay": 1.0}))
+        await engine.load(chain("slow"))
+        callers: list[object] = []
+
+        async def call() -> None:
+            callers.append(_current_task())
+            await engine.infer("p", {"IN": X})
+
+        t0 = trio.current_time()
+        with trio.fail_after(10):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(call)
+                tg.start_soon(call)
+        assert trio.current_time() - t0 == pytest.approx(2.0)  # one instance: in turn
+        first, second = Probe.tasks["slow"]
+        assert first in callers  # idle: in its caller's task
+        assert second not in callers  # busy: queued, run by the model's worker
+        s = engine.statistics().models["slow"]
+        assert (s.succeeded, s.executions, s.in_flight, s.queue_duration.count) == (2, 2, 0, 2)
+        # Idle again: the next one runs in its caller's task.
+        await engine.infer("p", {"IN": X})
+        assert Probe.tasks["slow"][-1] == _current_task()
+
+
+@pytest.mark.parametrize(
+    ("options", "engine_options"),
+    [
+        ({"batcher": "dynamic", "batcher_options": {"max_queue_delay": 0.001}}, {}),
+        ({"scheduler": "priority"}, {}),
+        ({"fallback": "resilient"}, {}),
+        ({"response_cache": True}, {"cache_size": 1 << 20}),
+        ({"queue_timeouts": {0: 5.0}}, {}),
+        ({}, {"device_limits": {"cpu": 1}}),
+        pytest.param({}, {"tracer_provider": "sdk"}, marks=pytest.mark.tracing),
+    ],
+    ids=["batcher", "scheduler", "fallback", "cache", "queue_timeouts", "device_limit", "tracing"],
+)
+async def test_a_step_model_that_does_more_than_pass_a_request_through_queues_it(
+    autojump_clock: trio.testing.MockClock,
+    options: dict[str, Any],
+    engine_options: dict[str, Any],
+) -> None:
+    if engine_options.get("tracer_provider") == "sdk":
+        from opentelemetry.sdk.trace import TracerProvider  # the otel extra, as test_tracing
+
+        engine_options = {"tracer_provider": TracerProvider()}
+    async with open_engine(**engine_options) as engine:
+        await load(engine, model("m", **options), chain("m"))
+        out = await engine.infer("p", {"IN": X})
+        np.testing.assert_array_equal(out["OUT"], X + 1)
+        assert Probe.tasks["m"] != [_current_task()]
+        assert engine.statistics().models["m"].executions == 1
+
+
+async def test_a_caller_cancelled_mid_step_stops_the_step_and_the_rest(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    slow = model("b", parameters={"name": "b", "delay": 1.0})
+    async with open_engine() as engine:
+        await load(engine, model("a"), slow, model("c"), chain("a", "b", "c"))
+        with pytest.raises(trio.TooSlowError):
+            with trio.fail_after(0.5):
+                await engine.infer("p", {"IN": X})
+        assert Probe.events == ["a start", "a end", "b start", "b cancelled"]
+        caller = _current_task()
+        assert Probe.tasks["b"] == [caller]
+        stats = engine.statistics().models
+        b = stats["b"]
+        assert (b.cancelled, b.succeeded, b.failed, b.in_flight, b.executions) == (1, 0, 0, 0, 1)
+        assert b.replicas[0].failures == 0  # a cancelled run is no failure
+        assert "c" not in Probe.tasks
+        assert stats["p"].cancelled == 1
+        # The instance was given back: the next step runs here again, and ends.
+        Probe.events.clear()
+        with trio.fail_after(10):
+            await engine.infer("p", {"IN": X})
+        assert Probe.tasks["b"] == [caller, caller]
+        assert Probe.events[-1] == "c end"
+
+
+async def test_a_failing_step_ends_the_request_once_naming_it(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    broken = model("b", parameters={"name": "b", "fail": True})
+    async with open_engine() as engine:
+        await load(engine, model("a"), broken, model("c"), chain("a", "b", "c"))
+        with pytest.raises(BackendError) as info:
+            await engine.infer("p", {"IN": X})
+        message = str(info.value)
+        assert message.startswith("pipeline 'p', step 1 (model 'b'): ")
+        assert message.count("b is broken") == 1
+        assert Probe.tasks["b"] == [_current_task()]
+        assert "c" not in Probe.tasks
+        stats = engine.statistics().models
+        b = stats["b"]
+        assert (b.failed, b.succeeded, b.cancelled, b.in_flight) == (1, 0, 0, 0)
+        assert (b.executions, b.replicas[0].failures, b.compute_duration.count) == (1, 1, 1)
+        assert (stats["p"].failed, stats["p"].in_flight) == (1, 0)
+
+
+async def test_a_step_past_its_deadline_is_never_computed(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    # The first step runs inline and moves the clock past the caller's deadline
+    # without a checkpoint: the second must not run, and the caller's scope reports it.
+    Jump.clock = autojump_clock
+    jump = model("jump", Jump, parameters={"by": 2.0}, backend_options={"dispatch": "inline"})
+    async with open_engine() as engine:
+        await load(engine, jump, model("b"), chain("jump", "b"))
+        with pytest.raises(trio.TooSlowError):
+            with trio.fail_after(1.0):
+                await engine.infer("p", {"IN": X})
+        assert "b" not in Probe.tasks
+        stats = engine.statistics().models
+        assert stats["jump"].succeeded == 1
+        b = stats["b"]
+        assert (b.expired, b.executions, b.in_flight, b.succeeded) == (1, 0, 0, 0)
+
+
+async def test_unloading_a_step_model_waits_for_a_step_running_in_a_callers_task(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    # Its instance must not close under the execution, which is not the model's
+    # worker's (stopping the workers does not end it); the request ends once, EngineClosed.
+    async with open_engine(drain_period=0.5) as engine:
+        await load(engine, model("slow", parameters={"name": "slow", "delay": 2.0}))
+        await engine.load(chain("slow"))
+        outcome: list[BaseException] = []
+
+        async def call() -> None:
+            try:
+                await engine.infer("p", {"IN": X})
+            except EngineClosed as exc:
+                outcome.append(exc)
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(call)
+            await trio.testing.wait_all_tasks_blocked()
+            assert Probe.events == ["slow start"]
+            await engine.unload("slow")
+            assert Probe.events == ["slow start", "slow end", "slow close"]
+        (error,) = outcome
+        assert str(error).startswith("pipeline 'p', step 0 (model 'slow'): ")
+        assert engine.statistics().models["p"].failed == 1
+
+
+def test_idle_plain_steps_run_in_the_callers_task_on_asyncio() -> None:
+    async def main() -> None:
+        async with open_engine() as engine:
+            await load(engine, model("a"), model("b"), chain("a", "b"))
+            with anyio.fail_after(10):
+                out = await engine.infer("p", {"IN": X})
+            np.testing.assert_array_equal(out["OUT"], X + 2)
+            assert Probe.tasks == {"a": [_current_task()], "b": [_current_task()]}
+            stats = engine.statistics().models
+            assert [stats[m].succeeded for m in "ab"] == [1, 1]
+            assert [stats[m].in_flight for m in "ab"] == [0, 0]
+
+    anyio.run(main, backend="asyncio")
