@@ -11,6 +11,7 @@ import logging
 import math
 import os
 import tomllib
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Final
 
@@ -447,22 +448,21 @@ async def _serve(
                 grpc_port=grpc_port,
             )
         )
-        served = ", ".join(
-            f"{name} (v{', v'.join(map(str, versions))})"
-            for name, versions in listening.models.items()
-        )
         _settle_gc()
         url = listening.urls[0]
-        click.echo(f"trioinfer {__version__} serving {served or 'no models'} from {repository}")
-        if listening.failed:
-            click.echo(f"could not load: {', '.join(listening.failed)} (see the log above)")
-        if listening.grpc is not None:
-            click.echo(f"gRPC on {listening.grpc} (inference.GRPCInferenceService)")
-        click.echo(f"listening on {url} (Ctrl+C to stop)")
-        if listening.models:
-            first = next(iter(listening.models))
-            click.echo(f"try: curl -s {url}/v2/models/{first}")
-        click.echo("", nl=True)
+        grpc_line = (
+            None
+            if listening.grpc is None
+            else f"gRPC on {listening.grpc} (inference.GRPCInferenceService)"
+        )
+        _banner(
+            listening.models,
+            listening.failed,
+            repository,
+            url,
+            grpc_line,
+            f"listening on {url} (Ctrl+C to stop)",
+        )
 
 
 async def _serve_workers(repository: Path, *, workers: int, **options: Any) -> None:
@@ -472,20 +472,39 @@ async def _serve_workers(repository: Path, *, workers: int, **options: Any) -> N
         listening = await tg.start(
             functools.partial(serve_workers, repository, workers=workers, **options)
         )
-        served = ", ".join(
-            f"{name} (v{', v'.join(map(str, versions))})"
-            for name, versions in listening.models.items()
-        )
         url = listening.urls[0]
-        click.echo(f"trioinfer {__version__} serving {served or 'no models'} from {repository}")
-        if listening.failed:
-            click.echo(f"could not load: {', '.join(listening.failed)} (see the log above)")
         pids = ", ".join(map(str, listening.pids))
-        click.echo(f"{workers} workers (pids {pids}) listening on {url} (Ctrl+C to stop)")
-        if listening.models:
-            first = next(iter(listening.models))
-            click.echo(f"try: curl -s {url}/v2/models/{first}")
-        click.echo("", nl=True)
+        _banner(
+            listening.models,
+            listening.failed,
+            repository,
+            url,
+            None,
+            f"{workers} workers (pids {pids}) listening on {url} (Ctrl+C to stop)",
+        )
+
+
+def _banner(
+    models: Mapping[str, Sequence[int]],
+    failed: Sequence[str],
+    repository: Path,
+    url: str,
+    grpc_line: str | None,
+    listening_line: str,
+) -> None:
+    """Print what is served and where, and a first request to try, on stdout."""
+    served = ", ".join(f"{name} (v{', v'.join(map(str, v))})" for name, v in models.items())
+    click.echo(f"trioinfer {__version__} serving {served or 'no models'} from {repository}")
+    if failed:
+        click.echo(f"could not load: {', '.join(failed)} (see the log above)")
+    if grpc_line is not None:
+        click.echo(grpc_line)
+    click.echo(listening_line)
+    if models:
+        # The repository index names every model and its state: a better first
+        # request than whichever model sorts first (often a pipeline's step).
+        click.echo(f"try: curl -s -X POST {url}/v2/repository/index")
+    click.echo("", nl=True)
 
 
 #: The garbage collector's first threshold while serving (Python's default is 700).
