@@ -318,6 +318,14 @@ async def test_drain_period_must_be_a_non_negative_number() -> None:
             pass  # pragma: no cover
 
 
+def test_open_engine_used_without_async_with_says_what_to_write() -> None:
+    manager: Any = open_engine()
+    with pytest.raises(TypeError, match="async with open_engine"), manager:
+        pass  # pragma: no cover
+    with pytest.raises(AttributeError, match=r"no 'infer'.*async with open_engine"):
+        manager.infer("m", {"x": X})
+
+
 async def test_unload_drains_then_stops_even_if_its_caller_is_cancelled(
     autojump_clock: trio.testing.MockClock,
 ) -> None:

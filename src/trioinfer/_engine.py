@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 from collections.abc import AsyncIterator, Mapping
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
-from typing import TYPE_CHECKING, Any, final
+from typing import TYPE_CHECKING, Any, NoReturn, final
 
 import anyio
 import anyio.abc
@@ -748,7 +748,44 @@ def open_engine(
         from ._tracing import Tracing  # imports opentelemetry: only when tracing is on
 
         tracing = Tracing(tracer_provider, trace_rate)
-    return _engine_scope(registry or Registry(), float(drain_period), limiters, cache, tracing)
+    return _EngineManager(
+        _engine_scope(registry or Registry(), float(drain_period), limiters, cache, tracing)
+    )
+
+
+class _EngineManager(AbstractAsyncContextManager["Engine"]):
+    """What `open_engine` returns: the engine's scope, with a hint for its misuses.
+
+    ``with open_engine()`` and ``engine = open_engine()`` are the first mistakes
+    of a new user; without this they end in Python's own words about context
+    managers or a missing ``infer`` attribute, which do not say what to write.
+    """
+
+    __slots__ = ("_scope",)
+
+    def __init__(self, scope: AbstractAsyncContextManager[Engine]) -> None:
+        self._scope = scope
+
+    async def __aenter__(self) -> Engine:
+        return await self._scope.__aenter__()
+
+    async def __aexit__(self, *exc_info: Any) -> bool | None:
+        return await self._scope.__aexit__(*exc_info)
+
+    def __enter__(self) -> NoReturn:
+        raise TypeError(
+            "open_engine() is an async context manager: write "
+            "'async with open_engine(...) as engine:', not 'with open_engine(...)'"
+        )
+
+    def __exit__(self, *exc_info: object) -> None:  # pragma: no cover - never called
+        """Never reached: `__enter__` refuses."""
+
+    def __getattr__(self, name: str) -> NoReturn:
+        raise AttributeError(
+            f"open_engine() returns a context manager, not the engine, so it has no {name!r}: "
+            "write 'async with open_engine(...) as engine:' and use engine there"
+        )
 
 
 @asynccontextmanager
