@@ -98,7 +98,11 @@ def test_element_caps_refuse_before_any_copy() -> None:
 def test_casting_only_when_configured() -> None:
     inputs = good()
     inputs["scale"] = inputs["scale"].astype(np.float16)
-    with pytest.raises(InvalidInput, match=r"convert it with .astype\(numpy.float32\)"):
+    with pytest.raises(
+        InvalidInput,
+        match=r"convert it with .astype\(numpy.float32\), or over HTTP or gRPC send it as "
+        "datatype FP32",
+    ):
         check(inputs)
     out = check(inputs, InputLimits(casting="safe"))
     assert out["scale"].dtype == np.float32

@@ -52,6 +52,8 @@ _V2_NAMES = {
     "INT64": "int64", "FP16": "float16", "FP32": "float32", "FP64": "float64",
     "BYTES": "string", "STRING": "string",
 }  # fmt: skip
+# The V2 protocol's name for each numpy dtype name, for error messages.
+_V2_OF_NUMPY = {numpy: v2 for v2, numpy in _V2_NAMES.items() if v2 != "STRING"}
 
 
 def numpy_dtype(onnx_type: str) -> np.dtype[Any] | None:
@@ -443,7 +445,8 @@ def _as_array(
     if limits.casting != "no" and np.can_cast(array.dtype, want, casting=limits.casting):
         return array.astype(want)
     hint = (
-        f"convert it with .astype(numpy.{want.name})"
+        f"convert it with .astype(numpy.{want.name}), or over HTTP or gRPC send it as "
+        f"datatype {_V2_OF_NUMPY.get(want.name, want.name)}"
         if limits.casting == "no"
         else f"the configured casting {limits.casting!r} does not allow that conversion"
     )
