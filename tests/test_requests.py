@@ -348,3 +348,26 @@ def test_the_engines_fast_request_constructor_matches_the_attrs_one() -> None:
     assert made._state is not slow._state
     with pytest.raises(attrs.exceptions.FrozenInstanceError):
         made.priority = 3  # type: ignore[misc]
+
+
+async def test_take_nowait_takes_what_fits_in_order_and_fails_the_expired() -> None:
+    from trioinfer_scheduling import FifoScheduler
+
+    expired: list[Request] = []
+    queue = RequestQueue._create(FifoScheduler(), lambda r, now: expired.append(r))
+    now = trio.current_time()
+    a = make_request(rows=2)
+    late = make_request(rows=1, deadline=now - 1.0)
+    b = make_request(rows=3, deadline=now + 60.0)
+    c, d = make_request(rows=2), make_request(rows=1)
+    for request in (a, late, b, c, d):
+        queue._push(request)
+    queue.put_back([queue.pop_nowait()])  # a, given back, heads the queue from the front
+    assert queue.take_nowait(0) == []
+    assert queue.take_nowait(6) == [a, b]  # c (2 rows) would make 7: it stays at the head
+    assert expired == [late]
+    assert queue.taken == 3  # the pop above, then a and b
+    assert queue.peek_nowait() is c
+    assert queue.take_nowait(10) == [c, d]
+    assert queue.take_nowait(10) == []
+    assert len(queue) == 0

@@ -119,6 +119,7 @@ class RequestQueue(metaclass=NoPublicConstructor):
         "batched",
         "preferred_batch_sizes",
         "taken",
+        "uniform",
     )
 
     def __init__(
@@ -128,6 +129,7 @@ class RequestQueue(metaclass=NoPublicConstructor):
         batched: bool = True,
         preferred_batch_sizes: tuple[int, ...] = (),
         bounded_levels: tuple[int, ...] = (),
+        uniform: bool = False,
     ) -> None:
         self._scheduler = cast(_OwnScheduler, scheduler)
         # Requests waiting per priority level, kept only for the levels with a bound
@@ -143,6 +145,9 @@ class RequestQueue(metaclass=NoPublicConstructor):
         #: Batch sizes the model's backend runs fastest, as its first instance
         #: advertises them (see `BackendInstance`); empty when it does not say.
         self.preferred_batch_sizes = preferred_batch_sizes
+        #: Whether any two requests may share a batch as they are (the signature
+        #: fixes every dtype and every dimension but the batch).
+        self.uniform = uniform
         self._on_expired = on_expired
         self._current_time = LoopClock().current_time
         self._new_event = native_event_factory()
@@ -214,6 +219,44 @@ class RequestQueue(metaclass=NoPublicConstructor):
             if deadline > now:
                 return request
             self._on_expired(request, now)
+
+    def take_nowait(self, max_rows: int) -> list[Request]:
+        """Take live requests in order while their rows fit in *max_rows*, failing expired ones."""
+        # peek_nowait() and pop_nowait() in one loop: a batch's worth of requests
+        # in one call, the clock read once.
+        taken: list[Request] = []
+        front, scheduler, levels = self._front, self._scheduler, self._levels
+        now: float | None = None
+        while True:
+            if front:
+                request = front[0]
+            else:
+                try:
+                    request = scheduler.peek()
+                except IndexError:
+                    break
+            expired = False
+            if request.deadline != _INF:
+                if now is None:
+                    now = self._current_time()
+                expired = request.deadline <= now
+            if not expired:
+                rows = request.rows
+                if rows > max_rows:
+                    break  # it heads the next batch
+                max_rows -= rows
+                taken.append(request)
+            if front:
+                front.popleft()
+            else:
+                scheduler.pop()
+            if levels is not None and request.priority in levels:
+                levels[request.priority] -= 1
+            if expired:
+                assert now is not None
+                self._on_expired(request, now)
+        self.taken += len(taken)
+        return taken
 
     def put_back(self, requests: Sequence[RequestView]) -> None:
         """Give back requests taken and not dispatched, to the head of the queue, in order."""
@@ -710,6 +753,9 @@ class ModelRunner(metaclass=NoPublicConstructor):
             self._attach_sequencer(
                 self.config.sequence.hidden_inputs, self.config.sequence.hidden_outputs
             )
+        # Every request admitted passes validate_inputs against this signature, so
+        # when it fixes every dtype and non-batch dimension, they all agree on them.
+        self.queue.uniform = self.signature._fixed is not None
         self.input_limits = self.config.input_limits
         self.queue_timeouts = self.config.queue_timeouts
         self.plain = not (
