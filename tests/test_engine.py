@@ -494,14 +494,26 @@ def test_split_gives_each_request_views_of_its_own_rows() -> None:
         make_request("m", {}, str(i), 0, None, 1.0, 0.0, n) for i, n in enumerate((1, 3, 2))
     ]
     outputs = {"a": np.arange(6), "b": np.arange(12).reshape(6, 2)}
-    shares = _split(requests, outputs)
+    shares = _split(requests, 6, outputs)
     assert [s["a"].tolist() for s in shares] == [[0], [1, 2, 3], [4, 5]]
     assert [s["b"].shape for s in shares] == [(1, 2), (3, 2), (2, 2)]
     assert all(np.shares_memory(s["b"], outputs["b"]) for s in shares)  # views, not copies
-    assert [s["a"].tolist() for s in _split(requests, {"a": outputs["a"]})] == [
+    assert [s["a"].tolist() for s in _split(requests, 6, {"a": outputs["a"]})] == [
         [0], [1, 2, 3], [4, 5]
     ]  # fmt: skip
-    assert _split(requests, {}) == [{}, {}, {}]
+    assert _split(requests, 6, {}) == [{}, {}, {}]
+    # One row each: the rows as numpy iterates them, the same views.
+    ones = [make_request("m", {}, str(i), 0, None, 1.0, 0.0, 1) for i in range(6)]
+    for outputs in ({"a": outputs["a"]}, outputs):
+        shares = _split(ones, 6, outputs)
+        assert len(shares) == 6
+        for i, share in enumerate(shares):
+            assert share.keys() == outputs.keys()
+            for name, array in outputs.items():
+                assert share[name].shape == (1, *array.shape[1:])
+                assert share[name].tolist() == array[i : i + 1].tolist()
+                assert np.shares_memory(share[name], array)
+    assert _split(ones, 6, {}) == [{}] * 6
 
 
 async def test_a_backend_sees_its_batch_deadline(autojump_clock: trio.testing.MockClock) -> None:

@@ -882,14 +882,19 @@ class ModelRunner(metaclass=NoPublicConstructor):
         self, replica: Replica, batch: Sequence[Request], scope: anyio.CancelScope
     ) -> None:
         started = self.clock.current_time()
+        running = _Running(scope, 0)
         live: list[Request] = []
+        # One pass: drop what ended or expired while the batch formed, mark the rest running.
         for request in batch:
-            if request._state.status is not _QUEUED:
+            state = request._state
+            if state.status is not _QUEUED:
                 continue
             if request.deadline <= started:
                 self._expire(request, started)
-            else:
-                live.append(request)
+                continue
+            state.status = _RUNNING
+            state.batch = running
+            live.append(request)
         if not live:
             return
         if len(live) > 1 and not self.batched:
@@ -900,11 +905,7 @@ class ModelRunner(metaclass=NoPublicConstructor):
             for request in live:
                 self.finish(request, error=_copy_error(error, cause=error.__cause__))
             return
-        running = _Running(scope, len(live))
-        for request in live:
-            state = request._state
-            state.status = _RUNNING
-            state.batch = running
+        running.waiting = len(live)
         if len(live) == 1:  # an unbatched model's every execution: no list to build
             self._queue_duration.observe(started - live[0].arrival)
         else:
@@ -966,17 +967,9 @@ class ModelRunner(metaclass=NoPublicConstructor):
             try:
                 # After every wait (this slot, the device, a fallback's backoff):
                 # rows whose caller left or whose deadline passed go no further.
-                live = self._live(execution.requests)
+                live, rows, deadline = self._live(execution.requests)
                 if not live:
                     return False
-                if len(live) == 1:
-                    rows, deadline = live[0].rows, live[0].deadline
-                else:
-                    rows, deadline = 0, -math.inf
-                    for request in live:
-                        rows += request.rows
-                        if request.deadline > deadline:
-                            deadline = request.deadline
                 outputs: Outputs | None = None
                 split: Callable[[Outputs], Sequence[Outputs]] | None = None  # None: alone
                 taken: list[Any] | None = None
@@ -994,7 +987,7 @@ class ModelRunner(metaclass=NoPublicConstructor):
                     inputs, taken = self._pool.concatenate(
                         {name: [r.inputs[name] for r in live] for name in names}
                     )
-                    split = functools.partial(_split, live)
+                    split = functools.partial(_split, live, rows)
                 self._batch_size.observe(rows)
                 self.executions += 1
                 replica.executions += 1
@@ -1058,19 +1051,22 @@ class ModelRunner(metaclass=NoPublicConstructor):
         self._succeed(live, shares, replica, ended)
         return True
 
-    def _live(self, requests: Sequence[Request]) -> list[Request]:
+    def _live(self, requests: Sequence[Request]) -> tuple[list[Request], int, float]:
         # The batch's rows still worth computing: running, caller still there,
         # deadline not passed. The others end here, exactly once, uncomputed.
+        # With them, their rows and their latest deadline.
         live: list[Request] = []
         now: float | None = None
+        rows, latest = 0, -math.inf
         for request in requests:
             state = request._state
             if state.status is not _RUNNING:
                 continue
-            if request.deadline != math.inf:
+            deadline = request.deadline
+            if deadline != math.inf:
                 if now is None:
                     now = self.clock.current_time()
-                if request.deadline <= now:
+                if deadline <= now:
                     running: _Running = state.batch
                     running.waiting -= 1
                     if running.waiting == 0:
@@ -1080,7 +1076,10 @@ class ModelRunner(metaclass=NoPublicConstructor):
                     self._expire(request, now)
                     continue
             live.append(request)
-        return live
+            rows += request.rows
+            if deadline > latest:
+                latest = deadline
+        return live, rows, latest
 
     def _fail_batch(self, requests: Sequence[Request], step: str, exc: Exception) -> None:
         error = self._broken(
@@ -1753,16 +1752,25 @@ def _check_rows(model: str, replica: Replica, outputs: Outputs, rows: int) -> No
             )
 
 
-def _split(requests: Sequence[Request], outputs: Outputs) -> list[Outputs]:
+def _split(requests: Sequence[Request], rows: int, outputs: Outputs) -> list[Outputs]:
     # Views, not copies: each caller's share is a slice of the batch's output.
     # The cut points are worked out once for every output.
+    if not outputs:
+        return [{} for _ in requests]
+    if rows == len(requests) and all(type(a) is np.ndarray for a in outputs.values()):
+        # One row each (each has at least one): the output's rows as numpy iterates
+        # them, each a view of shape (1, ...), at about half the cost of a slice each.
+        if len(outputs) == 1:
+            for name, array in outputs.items():
+                return [{name: row} for row in array[:, None]]
+        names = list(outputs)
+        columns = [array[:, None] for array in outputs.values()]
+        return [dict(zip(names, row, strict=True)) for row in zip(*columns, strict=True)]
     cuts = list(itertools.accumulate([r.rows for r in requests], initial=0))
     pairs = list(itertools.pairwise(cuts))
     if len(outputs) == 1:
         for name, array in outputs.items():
             return [{name: array[a:b]} for a, b in pairs]
-    if not outputs:
-        return [{} for _ in requests]
     names = list(outputs)
     columns = [[array[a:b] for a, b in pairs] for array in outputs.values()]
     return [dict(zip(names, row, strict=True)) for row in zip(*columns, strict=True)]
