@@ -504,12 +504,12 @@ def test_split_gives_each_request_views_of_its_own_rows() -> None:
     assert _split(requests, 6, {}) == [{}, {}, {}]
     # One row each: the rows as numpy iterates them, the same views.
     ones = [make_request("m", {}, str(i), 0, None, 1.0, 0.0, 1) for i in range(6)]
-    for outputs in ({"a": outputs["a"]}, outputs):
-        shares = _split(ones, 6, outputs)
+    for batch in ({"a": outputs["a"]}, outputs):
+        shares = _split(ones, 6, batch)
         assert len(shares) == 6
         for i, share in enumerate(shares):
-            assert share.keys() == outputs.keys()
-            for name, array in outputs.items():
+            assert share.keys() == batch.keys()
+            for name, array in batch.items():
                 assert share[name].shape == (1, *array.shape[1:])
                 assert share[name].tolist() == array[i : i + 1].tolist()
                 assert np.shares_memory(share[name], array)
