@@ -1764,8 +1764,8 @@ def _split(requests: Sequence[Request], rows: int, outputs: Outputs) -> list[Out
             for name, array in outputs.items():
                 return [{name: row} for row in array[:, None]]
         names = list(outputs)
-        columns = [array[:, None] for array in outputs.values()]
-        return [dict(zip(names, row, strict=True)) for row in zip(*columns, strict=True)]
+        each = [array[:, None] for array in outputs.values()]
+        return [dict(zip(names, row, strict=True)) for row in zip(*each, strict=True)]
     cuts = list(itertools.accumulate([r.rows for r in requests], initial=0))
     pairs = list(itertools.pairwise(cuts))
     if len(outputs) == 1:
