@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 import attrs
 import numpy as np
+from trio.lowlevel import Abort
 
 from .abc import Status
 
@@ -18,6 +19,7 @@ if TYPE_CHECKING:
 
 Outputs = dict[str, np.ndarray[Any, Any]]
 
+_SUCCEEDED = Abort.SUCCEEDED
 _ids = itertools.count(1)
 _sequences = itertools.count()
 
@@ -30,7 +32,10 @@ def next_request_id() -> str:
 @attrs.define(eq=False, slots=True)
 class _State:
     # Mutable bookkeeping behind the frozen Request; only the engine touches it.
+    # Its one caller waits on *done*, or, on Trio's fast path, parks its *task*
+    # here, to be rescheduled when the request ends (see abort()).
     done: EventLike | None = None
+    task: Any = None
     status: Status = Status.QUEUED
     outputs: Outputs | None = None
     error: BaseException | None = None
@@ -44,6 +49,12 @@ class _State:
     failover: bool = False
     # The request's spans when it is traced (trioinfer._tracing), None otherwise.
     trace: Any = None
+
+    def abort(self, _raise_cancel: object) -> Any:
+        # Trio's abort callback for the parked task: cancelled, it is no longer
+        # there to reschedule (it withdraws the request itself).
+        self.task = None
+        return _SUCCEEDED
 
 
 @attrs.frozen(eq=False)

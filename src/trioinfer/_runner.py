@@ -24,6 +24,8 @@ import anyio.abc
 import anyio.lowlevel
 import attrs
 import numpy as np
+import sniffio
+import trio.lowlevel
 
 from ._buffers import BufferPool
 from ._config import ModelConfig
@@ -77,6 +79,8 @@ _QUEUED = Status.QUEUED
 _RUNNING = Status.RUNNING
 
 _INF = math.inf
+# Only ever called for a task parked on Trio (Engine.infer's fast path).
+_reschedule = trio.lowlevel.reschedule
 
 #: How long closing instances may take at shutdown before we stop waiting.
 CLEANUP_S = 10.0
@@ -664,6 +668,9 @@ class ModelRunner(metaclass=NoPublicConstructor):
     batched: bool = attrs.field(init=False)
     _new_event: Callable[[], EventLike] = attrs.field(init=False)
     _new_waiter: Callable[[], EventLike] = attrs.field(init=False)
+    #: Whether it runs on Trio, where Engine.infer's fast path parks the caller's
+    #: task in its request (``_State.task``) rather than on a waiter.
+    on_trio: bool = attrs.field(init=False)
     clock: LoopClock = attrs.field(init=False)
     _assemble: Callable[[Sequence[Request]], tuple[Mapping[str, Any], Split]] | None = attrs.field(
         init=False
@@ -717,6 +724,7 @@ class ModelRunner(metaclass=NoPublicConstructor):
     def __attrs_post_init__(self) -> None:
         self._new_event = native_event_factory()
         self._new_waiter = native_waiter_factory()
+        self.on_trio = sniffio.current_async_library() == "trio"
         self.clock = LoopClock()
         self.replicas = [
             Replica._create(instance, placement, _depth(instance), self._new_event)
@@ -1130,10 +1138,14 @@ class ModelRunner(metaclass=NoPublicConstructor):
 
         The caller then waits on ``request._state.done``, withdraws the request
         (`withdraw`) if cancelled meanwhile, and raises its error (`raise_error`)
-        if it has one: `call` does all of this; the engine's fast path inlines it.
+        if it has one: `call` does all of this; the engine's fast path inlines it,
+        and on Trio parks its task in ``request._state.task`` instead of a waiter.
         """
-        state = request._state
-        state.done = self._new_waiter()  # only this caller waits on it
+        request._state.done = self._new_waiter()  # only this caller waits on it
+        self.admit(request)
+
+    def admit(self, request: Request) -> None:
+        """Admit *request* to the queue, or raise why not: `enter` without the waiter."""
         if not self._serving:
             self.refused += 1
             raise self._circuit_open()
@@ -1383,7 +1395,11 @@ class ModelRunner(metaclass=NoPublicConstructor):
         state = request._state
         state.status = _DONE
         state.batch = None
-        if state.done is not None:
+        task = state.task
+        if task is not None:
+            state.task = None
+            _reschedule(task)
+        elif state.done is not None:
             state.done.set()
         self._in_flight.discard(request)
         if not self._in_flight and self._idle is not None:
@@ -1408,7 +1424,11 @@ class ModelRunner(metaclass=NoPublicConstructor):
                 state.outputs = shares[0]
                 state.status = _DONE
                 state.batch = None
-                if state.done is not None:
+                task = state.task
+                if task is not None:
+                    state.task = None
+                    _reschedule(task)
+                elif state.done is not None:
                     state.done.set()
                 in_flight.discard(request)
                 self.succeeded += 1
@@ -1426,7 +1446,11 @@ class ModelRunner(metaclass=NoPublicConstructor):
                 state.outputs = share
                 state.status = _DONE
                 state.batch = None
-                if state.done is not None:
+                task = state.task
+                if task is not None:  # a caller parked on Trio's fast path
+                    state.task = None
+                    _reschedule(task)
+                elif state.done is not None:
                     state.done.set()
                 in_flight.discard(request)
         self.succeeded += len(durations)

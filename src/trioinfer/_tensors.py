@@ -294,7 +294,27 @@ def validate_inputs(
         # say what is wrong.
         checked = _fixed_arrays(fixed, inputs, limits)
         if checked is not None:
+            return checked[0]
+    return _validate(model, signature, inputs, limits)
+
+
+def validate_rows(
+    model: str, signature: ModelSignature, inputs: object, limits: InputLimits, batched: bool
+) -> tuple[dict[str, np.ndarray[Any, Any]], int]:
+    """`validate_inputs()`, and the request's rows: its batch size if *batched*, else 1."""
+    fixed = signature._fixed
+    if batched and fixed is not None and type(inputs) is dict and len(inputs) == len(fixed):
+        checked = _fixed_arrays(fixed, inputs, limits)
+        if checked is not None:
             return checked
+    arrays = _validate(model, signature, inputs, limits)
+    return arrays, rows(arrays) if batched else 1
+
+
+def _validate(
+    model: str, signature: ModelSignature, inputs: object, limits: InputLimits
+) -> dict[str, np.ndarray[Any, Any]]:
+    # validate_inputs' full checks, which say what is wrong.
     if not isinstance(inputs, Mapping):
         raise InvalidInput(
             f"inputs for model {model!r} must be a mapping of input name to array, "
@@ -364,9 +384,10 @@ def _fixed_arrays(
     fixed: tuple[tuple[str, np.dtype[Any], tuple[int, ...]], ...],
     inputs: dict[Any, Any],
     limits: InputLimits,
-) -> dict[str, np.ndarray[Any, Any]] | None:
-    # validate_inputs' fast path: the inputs as they are if they pass every check
-    # the full path makes, else None (and the full path finds what is wrong).
+) -> tuple[dict[str, np.ndarray[Any, Any]], int] | None:
+    # validate_inputs' fast path: the inputs as they are, and their rows, if they
+    # pass every check the full path makes, else None (and the full path finds
+    # what is wrong).
     arrays: dict[str, np.ndarray[Any, Any]] = {}
     batch = 0
     total = 0
@@ -389,7 +410,7 @@ def _fixed_arrays(
         arrays[name] = array
     if not batch or total > limits.max_elements_per_request:
         return None
-    return arrays
+    return arrays, batch
 
 
 def _refuse_names(model: str, signature: ModelSignature, inputs: Mapping[Any, Any]) -> NoReturn:
