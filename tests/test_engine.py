@@ -681,3 +681,18 @@ async def test_a_caller_gone_before_its_run_ends_is_not_answered(
     assert stats.cancelled == 1
     assert stats.succeeded == stats.request_duration.count == (2 if batched else 1)
     assert len(answered) == stats.succeeded
+
+
+@pytest.mark.parametrize(
+    "values",
+    [[], [0.003], [0.003, 0.0031, 0.0049], [1e-5, 0.003, 0.02, 99.0], [0.005, 0.005, 0.0050001]],
+)
+def test_a_batch_of_observations_counts_as_one_at_a_time(values: list[float]) -> None:
+    """_Histogram.observe_each (a batch's latencies at once) counts as observe() each would."""
+    from trioinfer._runner import DURATION_BUCKETS, _Histogram
+
+    batch, each = _Histogram(DURATION_BUCKETS), _Histogram(DURATION_BUCKETS)
+    batch.observe_each(values)
+    for value in values:
+        each.observe(value)
+    assert batch.snapshot() == each.snapshot()

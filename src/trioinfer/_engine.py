@@ -417,7 +417,7 @@ class Engine:
                 request = make_request(
                     model,
                     arrays,
-                    request_id if request_id is not None else next_request_id(),
+                    request_id,
                     priority,
                     tenant,
                     deadline,

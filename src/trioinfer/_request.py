@@ -20,6 +20,7 @@ if TYPE_CHECKING:
 Outputs = dict[str, np.ndarray[Any, Any]]
 
 _SUCCEEDED = Abort.SUCCEEDED
+_QUEUED = Status.QUEUED
 _ids = itertools.count(1)
 _sequences = itertools.count()
 
@@ -29,7 +30,7 @@ def next_request_id() -> str:
     return str(next(_ids))
 
 
-@attrs.define(eq=False, slots=True)
+@attrs.define(eq=False, slots=True, init=False)
 class _State:
     # Mutable bookkeeping behind the frozen Request; only the engine touches it.
     # Its one caller waits on *done*, or, on Trio's fast path, parks its *task*
@@ -49,6 +50,21 @@ class _State:
     failover: bool = False
     # The request's spans when it is traced (trioinfer._tracing), None otherwise.
     trace: Any = None
+
+    def __init__(self) -> None:
+        # Every field at its default, written out: attrs' __init__ takes each as an
+        # argument, and one is made per request.
+        self.done = None
+        self.task = None
+        self.status = _QUEUED
+        self.outputs = None
+        self.error = None
+        self.abandoned = False
+        self.batch = None
+        self.served_by = None
+        self.fallbacks = ()
+        self.failover = False
+        self.trace = None
 
     def abort(self, _raise_cancel: object) -> Any:
         # Trio's abort callback for the parked task: cancelled, it is no longer
@@ -125,7 +141,7 @@ _new = object.__new__
 def make_request(
     model: str,
     inputs: Mapping[str, np.ndarray[Any, Any]],
-    id: str,
+    id: str | None,
     priority: int,
     tenant: str | None,
     deadline: float,
@@ -133,11 +149,11 @@ def make_request(
     rows: int,
     sequence_flags: SequenceFlags | None = None,
 ) -> Request:
-    """``Request(model, inputs, id=id, ...)``, at about half the cost."""
+    """``Request(model, inputs, id=id, ...)``, at about half the cost; *id* None: a new one."""
     request = _new(Request)
     _set_model(request, model)
     _set_inputs(request, inputs)
-    _set_id(request, id)
+    _set_id(request, id if id is not None else str(_next_id()))
     _set_priority(request, priority)
     _set_tenant(request, tenant)
     _set_deadline(request, deadline)
@@ -168,3 +184,4 @@ def make_request(
     _set_state,
 ) = (_SET[name] for name in (*_GIVEN, *_OWN))
 _next_sequence = _sequences.__next__
+_next_id = _ids.__next__

@@ -421,9 +421,16 @@ class _Histogram:
 
     def observe_each(self, values: Sequence[float]) -> None:
         # A batch's worth in one call: one per request would cost a call each.
+        if not values:
+            return
         counts, bounds, bisect_left = self.counts, self.bounds, bisect.bisect_left
-        for value in values:
-            counts[bisect_left(bounds, value)] += 1
+        low = bisect_left(bounds, min(values))
+        if low == bisect_left(bounds, max(values)):
+            # A batch's requests waited alike: most often all in one bucket.
+            counts[low] += len(values)
+        else:
+            for value in values:
+                counts[bisect_left(bounds, value)] += 1
         self.count += len(values)
         self.sum += sum(values)
 

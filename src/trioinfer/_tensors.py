@@ -304,9 +304,23 @@ def validate_rows(
     """`validate_inputs()`, and the request's rows: its batch size if *batched*, else 1."""
     fixed = signature._fixed
     if batched and fixed is not None and type(inputs) is dict and len(inputs) == len(fixed):
-        checked = _fixed_arrays(fixed, inputs, limits)
-        if checked is not None:
-            return checked
+        if len(fixed) == 1:
+            # One input, as most models have: _fixed_arrays' checks in line.
+            name, dtype, tail = fixed[0]
+            array = inputs.get(name)
+            if type(array) is np.ndarray and (array.dtype is dtype or array.dtype == dtype):
+                shape = array.shape
+                if shape and shape[0] and shape[1:] == tail:
+                    size = array.size
+                    if (
+                        size <= limits.max_elements_per_input
+                        and size <= limits.max_elements_per_request
+                    ):
+                        return {name: array}, shape[0]
+        else:
+            checked = _fixed_arrays(fixed, inputs, limits)
+            if checked is not None:
+                return checked
     arrays = _validate(model, signature, inputs, limits)
     return arrays, rows(arrays) if batched else 1
 
