@@ -1000,7 +1000,9 @@ class ModelRunner(metaclass=NoPublicConstructor):
                 else:
                     names = live[0].inputs.keys()
                     inputs, taken = self._pool.concatenate(
-                        {name: [r.inputs[name] for r in live] for name in names}
+                        # Every input of a request holds its rows (validate_inputs).
+                        {name: [r.inputs[name] for r in live] for name in names},
+                        rows,
                     )
                     split = functools.partial(_split, live, rows)
                 self._batch_size.observe(rows)
