@@ -504,7 +504,8 @@ def test_split_gives_each_request_views_of_its_own_rows() -> None:
     assert _split(requests, 6, {}) == [{}, {}, {}]
     # One row each: the rows as numpy iterates them, the same views.
     ones = [make_request("m", {}, str(i), 0, None, 1.0, 0.0, 1) for i in range(6)]
-    for batch in ({"a": outputs["a"]}, outputs):
+    three = {**outputs, "c": np.arange(18).reshape(6, 3, 1)}
+    for batch in ({"a": outputs["a"]}, outputs, three):
         shares = _split(ones, 6, batch)
         assert len(shares) == 6
         for i, share in enumerate(shares):

@@ -1796,6 +1796,12 @@ def _split(requests: Sequence[Request], rows: int, outputs: Outputs) -> list[Out
         if len(outputs) == 1:
             for name, array in outputs.items():
                 return [{name: row} for row in array[:, None]]
+        if len(outputs) == 2:  # (a label and its scores, say) without a zip per request
+            (name, array), (other, second) = outputs.items()
+            return [
+                {name: row, other: row2}
+                for row, row2 in zip(array[:, None], second[:, None], strict=True)
+            ]
         names = list(outputs)
         each = [array[:, None] for array in outputs.values()]
         return [dict(zip(names, row, strict=True)) for row in zip(*each, strict=True)]
