@@ -215,17 +215,23 @@ ONE = ModelSignature(
         (np.ones((3, 4), np.float32), "", LIMITS),
     ],
 )
+@pytest.mark.parametrize("way", ["validate_rows", "rows_validator"])
 def test_one_input_is_refused_as_the_full_checks_refuse_it(
-    x: object, message: str, limits: InputLimits
+    x: object, message: str, limits: InputLimits, way: str
 ) -> None:
-    from trioinfer._tensors import validate_rows
+    from trioinfer._tensors import rows_validator, validate_rows
+
+    def check(inputs: object, batched: bool = True) -> tuple[dict[str, np.ndarray], int]:
+        if way == "validate_rows":
+            return validate_rows("m", ONE, inputs, limits, batched)
+        return rows_validator("m", ONE, limits, batched)(inputs)
 
     if message:
         with pytest.raises(InvalidInput, match=message):
-            validate_rows("m", ONE, {"x": x}, limits, True)
+            check({"x": x})
         return
     inputs = {"x": x}
-    arrays, rows = validate_rows("m", ONE, inputs, limits, True)
+    arrays, rows = check(inputs)
     assert rows == 3
     assert arrays is not inputs
     assert list(arrays) == ["x"]
@@ -233,4 +239,4 @@ def test_one_input_is_refused_as_the_full_checks_refuse_it(
     assert arrays["x"].shape == (3, 4)
     if isinstance(x, np.ndarray):
         assert arrays["x"] is x  # no copy
-    assert validate_rows("m", ONE, inputs, limits, False)[1] == 1  # no batch dimension: 1
+    assert check(inputs, batched=False)[1] == 1  # no batch dimension: 1

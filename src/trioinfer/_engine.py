@@ -408,9 +408,7 @@ class Engine:
             # suspension and resumption of the caller's task would pass through.
             # A change to either must be made here too: the test
             # test_infer_and_infer_detailed_end_requests_alike holds the two ways alike.
-            arrays, n = validate_rows(
-                model, runner.signature, inputs, runner.input_limits, runner.batched
-            )
+            arrays, n = runner.validate(inputs)
             clock = runner.clock
             deadline = clock.current_effective_deadline()
             if deadline != -math.inf:  # else a cancellation to raise: _submit does

@@ -42,7 +42,7 @@ from ._exceptions import (
 )
 from ._registry import Kind
 from ._request import Outputs, Request
-from ._tensors import InputLimits, ModelSignature
+from ._tensors import InputLimits, ModelSignature, rows_validator
 from ._tensors import rows as _rows
 from ._threads import (
     EventLike,
@@ -668,6 +668,7 @@ class ModelRunner(metaclass=NoPublicConstructor):
     backend_signature: ModelSignature = attrs.field(init=False)
     _sequencer: SequenceBatcher | None = attrs.field(default=None, init=False)
     input_limits: InputLimits = attrs.field(init=False)
+    validate: Callable[[object], tuple[dict[str, Any], int]] = attrs.field(init=False)
     queue_timeouts: Mapping[int, float] = attrs.field(init=False)
     #: Whether a request's way here is the plain one, which `Engine.infer` takes
     #: in one frame: no response cache, no sequences, no queue policy deadlines.
@@ -772,6 +773,10 @@ class ModelRunner(metaclass=NoPublicConstructor):
         # when it fixes every dtype and non-batch dimension, they all agree on them.
         self.queue.uniform = self.signature._fixed is not None
         self.input_limits = self.config.input_limits
+        #: validate_rows() for this model's requests, bound once.
+        self.validate = rows_validator(
+            self.config.name, self.signature, self.input_limits, self.batched
+        )
         self.queue_timeouts = self.config.queue_timeouts
         self.plain = not (
             self.config.response_cache or self.config.sequence is not None or self.queue_timeouts

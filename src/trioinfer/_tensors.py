@@ -8,7 +8,8 @@ request costs neither queue space nor compute.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import functools
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal, NoReturn, cast
 
 import attrs
@@ -323,6 +324,41 @@ def validate_rows(
                 return checked
     arrays = _validate(model, signature, inputs, limits)
     return arrays, rows(arrays) if batched else 1
+
+
+def rows_validator(
+    model: str, signature: ModelSignature, limits: InputLimits, batched: bool
+) -> Callable[[object], tuple[dict[str, np.ndarray[Any, Any]], int]]:
+    """``validate_rows(model, signature, inputs, limits, batched)`` as a function of *inputs*.
+
+    For a batched model with one input whose signature fixes all but the
+    batch, the common case is checked with everything it compares bound
+    once (the request path validates every request); anything else, or
+    anything wrong, goes to `validate_rows`, which says what is wrong.
+    """
+    fixed = signature._fixed
+    if not (batched and fixed is not None and len(fixed) == 1):
+        return functools.partial(_validate_rows_of, model, signature, limits, batched)
+    name, dtype, tail = fixed[0]
+    cap = min(limits.max_elements_per_input, limits.max_elements_per_request)
+    ndarray = np.ndarray
+
+    def validate(inputs: object) -> tuple[dict[str, np.ndarray[Any, Any]], int]:
+        if type(inputs) is dict and len(inputs) == 1:
+            array = inputs.get(name)
+            if type(array) is ndarray and (array.dtype is dtype or array.dtype == dtype):
+                shape = array.shape
+                if shape and shape[0] and shape[1:] == tail and array.size <= cap:
+                    return {name: array}, shape[0]
+        return validate_rows(model, signature, inputs, limits, batched)
+
+    return validate
+
+
+def _validate_rows_of(
+    model: str, signature: ModelSignature, limits: InputLimits, batched: bool, inputs: object
+) -> tuple[dict[str, np.ndarray[Any, Any]], int]:
+    return validate_rows(model, signature, inputs, limits, batched)
 
 
 def _validate(
