@@ -202,6 +202,6 @@ def _make_request_slowly(
 _next_sequence = _sequences.__next__
 _next_id = _ids.__next__
 try:
-    assert type(make_request("", {}, "", 0, None, math.inf, 0.0, 1)) is Request
+    make_request("", {}, "", 0, None, math.inf, 0.0, 1)  # the class change, tried once
 except TypeError:  # pragma: no cover - CPython and PyPy allow it
     make_request = _make_request_slowly
