@@ -21,6 +21,12 @@ SIGNATURE = ModelSignature(
     inputs=(TensorSpec("x", F32, ("batch", "n"), "tensor(float)"),),
     outputs=(TensorSpec("y", F32, ("batch", "n"), "tensor(float)"),),
 )
+# Every dimension but the batch fixed: the queue is uniform, and the batcher
+# fills batches with take_nowait() instead of comparing shapes request by request.
+FIXED = ModelSignature(
+    inputs=(TensorSpec("x", F32, ("batch", 4), "tensor(float)"),),
+    outputs=(TensorSpec("y", F32, ("batch", 4), "tensor(float)"),),
+)
 
 
 @attrs.frozen
@@ -39,17 +45,19 @@ class Scenario:
     instances: int
     execution_s: float
     calls: tuple[Call, ...]
+    uniform: bool = False  # the FIXED signature, every request 4 wide
 
 
 @st.composite
 def scenarios(draw: st.DrawFn) -> Scenario:
     max_batch_size = draw(st.integers(1, 8))
     preferred = draw(st.lists(st.integers(1, max_batch_size), unique=True, max_size=3))
+    uniform = draw(st.booleans())
     calls = st.builds(
         Call,
         gap=st.sampled_from([0.0, 0.0, 0.0625, 0.25, 1.0]),
         rows=st.integers(1, 10),
-        width=st.sampled_from([4, 4, 4, 8]),
+        width=st.sampled_from([4] if uniform else [4, 4, 4, 8]),
         budget=st.sampled_from([math.inf, math.inf, 0.125, 0.5, 2.0]),
     )
     return Scenario(
@@ -59,6 +67,7 @@ def scenarios(draw: st.DrawFn) -> Scenario:
         instances=draw(st.integers(1, 2)),
         execution_s=draw(st.sampled_from([0.0, 0.25, 1.0])),
         calls=tuple(draw(st.lists(calls, max_size=25))),
+        uniform=uniform,
     )
 
 
@@ -92,7 +101,8 @@ class RecordingFallback:
 @settings(max_examples=80, deadline=None)
 @given(scenarios())
 def test_dynamic_batcher_invariants(scenario: Scenario) -> None:
-    backend = FakeBackend(signature=SIGNATURE, delay=scenario.execution_s)
+    signature = FIXED if scenario.uniform else SIGNATURE
+    backend = FakeBackend(signature=signature, delay=scenario.execution_s)
     fallback = RecordingFallback()
     registry = trioinfer.Registry(
         extra={"backends": {"fake": lambda: backend}, "fallbacks": {"rec": lambda: fallback}}
@@ -127,6 +137,7 @@ def test_dynamic_batcher_invariants(scenario: Scenario) -> None:
                     instances=[Instance(count=scenario.instances)],
                 )
             )
+            assert engine._runners["m"].queue.uniform == scenario.uniform  # type: ignore[union-attr]
             async with trio.open_nursery() as nursery:
                 for i, call in enumerate(scenario.calls):
                     await trio.sleep(call.gap)

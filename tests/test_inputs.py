@@ -190,3 +190,53 @@ def test_fixed_signature_refuses_what_the_full_checks_refuse(
         return
     with pytest.raises(InvalidInput, match=message):
         validate_inputs("m", FIXED, inputs, limits)
+
+
+# One input: validate_rows() checks it in line, and must refuse what the full checks do.
+ONE = ModelSignature(
+    inputs=(TensorSpec("x", F32, ("batch", 4), "tensor(float)"),),
+    outputs=(TensorSpec("y", F32, ("batch", 8), "tensor(float)"),),
+)
+
+
+@pytest.mark.parametrize(
+    ("x", "message", "limits"),
+    [
+        (np.ones((3, 4), np.float64), "has dtype float64", LIMITS),
+        (np.ones((3, 4), ">f4"), "has dtype", LIMITS),
+        (np.ones((3, 5), np.float32), "size 5 in dimension 1", LIMITS),
+        (np.ones(4, np.float32), r"rank 1\)", LIMITS),
+        (np.ones((3, 4, 1), np.float32), r"rank 3\)", LIMITS),
+        (np.array(1.0, np.float32), "rank 0", LIMITS),
+        (np.ones((0, 4), np.float32), "0 rows", LIMITS),
+        (np.ones((3, 4), np.float32), "at most 11 are allowed per input", InputLimits(11)),
+        (np.ones((3, 4), np.float32), "more than 11 elements in all", InputLimits(12, 11)),
+        ([[1.0] * 4] * 3, "", InputLimits(casting="same_kind")),
+        (np.ones((3, 4), np.float32), "", LIMITS),
+    ],
+)
+@pytest.mark.parametrize("way", ["validate_rows", "rows_validator"])
+def test_one_input_is_refused_as_the_full_checks_refuse_it(
+    x: object, message: str, limits: InputLimits, way: str
+) -> None:
+    from trioinfer._tensors import rows_validator, validate_rows
+
+    def check(inputs: object, batched: bool = True) -> tuple[dict[str, np.ndarray], int]:
+        if way == "validate_rows":
+            return validate_rows("m", ONE, inputs, limits, batched)
+        return rows_validator("m", ONE, limits, batched)(inputs)
+
+    if message:
+        with pytest.raises(InvalidInput, match=message):
+            check({"x": x})
+        return
+    inputs = {"x": x}
+    arrays, rows = check(inputs)
+    assert rows == 3
+    assert arrays is not inputs
+    assert list(arrays) == ["x"]
+    assert arrays["x"].dtype == np.float32
+    assert arrays["x"].shape == (3, 4)
+    if isinstance(x, np.ndarray):
+        assert arrays["x"] is x  # no copy
+    assert check(inputs, batched=False)[1] == 1  # no batch dimension: 1

@@ -326,16 +326,24 @@ async def test_given_back_requests_keep_their_place_at_the_head() -> None:
     assert expired == []
 
 
-def test_the_engines_fast_request_constructor_matches_the_attrs_one() -> None:
+@pytest.mark.parametrize("way", ["make_request", "_make_request_slowly"])
+def test_the_engines_fast_request_constructor_matches_the_attrs_one(way: str) -> None:
     """make_request (the request path's) builds what Request(...) builds, defaults included."""
+    import copy
+    import pickle
+
     import attrs
 
+    from trioinfer import _request
     from trioinfer._request import Request as EngineRequest
-    from trioinfer._request import make_request as fast
 
+    # The fast way (a _Draft that becomes a Request) is the one in use here.
+    assert _request.make_request.__name__ == "make_request"
+    fast = getattr(_request, way)
     inputs = {"x": np.ones((2, 3), np.float32)}
     args = ("m", inputs, "id-1", 2, "tenant", 9.5, 1.5, 2)
     made = fast(*args)
+    assert type(made) is EngineRequest
     slow = EngineRequest(
         "m", inputs, id="id-1", priority=2, tenant="tenant", deadline=9.5, arrival=1.5, rows=2
     )
@@ -348,3 +356,32 @@ def test_the_engines_fast_request_constructor_matches_the_attrs_one() -> None:
     assert made._state is not slow._state
     with pytest.raises(attrs.exceptions.FrozenInstanceError):
         made.priority = 3  # type: ignore[misc]
+    for twin in (copy.copy(made), pickle.loads(pickle.dumps(made))):
+        assert type(twin) is EngineRequest
+        assert (twin.id, twin.sequence, twin.rows) == (made.id, made.sequence, made.rows)
+    generated = fast("m", inputs, None, 0, None, 9.5, 1.5, 2)
+    assert int(generated.id) > 0  # no id given: a process-unique one
+    assert fast("m", inputs, None, 0, None, 9.5, 1.5, 2).id != generated.id
+
+
+async def test_take_nowait_takes_what_fits_in_order_and_fails_the_expired() -> None:
+    from trioinfer_scheduling import FifoScheduler
+
+    expired: list[Request] = []
+    queue = RequestQueue._create(FifoScheduler(), lambda r, now: expired.append(r))
+    now = trio.current_time()
+    a = make_request(rows=2)
+    late = make_request(rows=1, deadline=now - 1.0)
+    b = make_request(rows=3, deadline=now + 60.0)
+    c, d = make_request(rows=2), make_request(rows=1)
+    for request in (a, late, b, c, d):
+        queue._push(request)
+    queue.put_back([queue.pop_nowait()])  # a, given back, heads the queue from the front
+    assert queue.take_nowait(0) == []
+    assert queue.take_nowait(6) == [a, b]  # c (2 rows) would make 7: it stays at the head
+    assert expired == [late]
+    assert queue.taken == 3  # the pop above, then a and b
+    assert queue.peek_nowait() is c
+    assert queue.take_nowait(10) == [c, d]
+    assert queue.take_nowait(10) == []
+    assert len(queue) == 0

@@ -219,7 +219,9 @@ class DynamicBatcher:
         first = batch[0]
         if first.rows >= self._max or not queue.batched or _unbatchable(first.inputs):
             return
-        key = self._key(first.inputs)
+        # A uniform queue's requests all fit together (and padding has nothing to
+        # tell apart): no key to compare, and the queue hands them over in bulk.
+        key = None if queue.uniform and self._padding is None else self._key(first.inputs)
         rows = first.rows
         while True:
             rows, stop = self._fill(queue, batch, key, rows)
@@ -247,10 +249,20 @@ class DynamicBatcher:
             rows = sum(request.rows for request in batch)
 
     def _fill(
-        self, queue: RequestQueue, batch: list[Request], key: _Key, rows: int
+        self, queue: RequestQueue, batch: list[Request], key: _Key | None, rows: int
     ) -> tuple[int, int]:
         """Take what is waiting now, in order, while it is compatible and fits."""
         limit = self._max
+        if key is None:  # a uniform queue: every request is compatible
+            taken = queue.take_nowait(limit - rows)
+            if taken:
+                batch += taken
+                for request in taken:
+                    rows += request.rows
+            if rows == limit:
+                return rows, _FULL
+            # take_nowait() stops at an empty queue, or at a live request that does not fit.
+            return rows, _BLOCKED if len(queue) else _EMPTY
         while True:
             try:
                 request = queue.peek_nowait()

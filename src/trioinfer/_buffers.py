@@ -38,19 +38,21 @@ class BufferPool:
         self.reused = 0
 
     def concatenate(
-        self, parts: Mapping[str, Sequence[Array]]
+        self, parts: Mapping[str, Sequence[Array]], rows: int | None = None
     ) -> tuple[dict[str, Array], list[tuple[_Key, Array]]]:
         """Concatenate each input's parts along axis 0 into pooled buffers.
 
         Returns the batch inputs (views of the buffers, exactly as many rows as
         the parts have) and the buffers to hand back with `give_back()` once
-        the backend is done with them.
+        the backend is done with them. *rows*, when the caller knows it: the
+        rows every input's parts hold together (else they are counted).
         """
         inputs: dict[str, Array] = {}
         taken: list[tuple[_Key, Array]] = []
         for name, arrays in parts.items():
             first = arrays[0]
-            rows = sum(int(a.shape[0]) for a in arrays)
+            if rows is None:
+                rows = sum(int(a.shape[0]) for a in arrays)
             key = (name, first.dtype, first.shape[1:], 1 << max(rows - 1, 0).bit_length())
             free = self._free.get(key)
             if free:

@@ -17,6 +17,7 @@ import anyio
 import anyio.abc
 import anyio.lowlevel
 import attrs
+import trio.lowlevel
 
 from ._cache import ResponseCache
 from ._config import Device, ModelConfig, Placement
@@ -36,11 +37,15 @@ from ._request import Outputs, Request, make_request, next_request_id
 from ._runner import ModelRunner, ModelStatistics, close_instances
 from ._sequence import SequenceFlags
 from ._stream import ResponseStream, StreamGate, decoupled, open_stream
-from ._tensors import ModelSignature, rows, validate_inputs
+from ._tensors import ModelSignature, validate_rows
 from .abc import Backend, BackendInstance, Batcher, Fallback, Scheduler, Status, StreamingInstance
 
 if TYPE_CHECKING:
     from ._tracing import Tracing
+
+# Used only by the fast path of a runner on Trio (ModelRunner.on_trio).
+_current_task = trio.lowlevel.current_task
+_wait_task_rescheduled = trio.lowlevel.wait_task_rescheduled
 
 
 @attrs.frozen
@@ -124,6 +129,10 @@ class Engine:
     _runners: dict[str, ModelRunner | Pipeline] = attrs.field(factory=dict, init=False)
     # The decoupled models (answered by streams), by name: their admission and instances.
     _gates: dict[str, StreamGate] = attrs.field(factory=dict, init=False)
+    # The runners Engine.infer takes in its own frame, by name: plain models (see
+    # ModelRunner.plain) that are not decoupled, while the engine is open and
+    # does not trace. Kept beside _runners and _gates, so that infer asks once.
+    _plain: dict[str, ModelRunner] = attrs.field(factory=dict, init=False)
     _loading: set[str] = attrs.field(factory=set, init=False)
     _closing: bool = attrs.field(default=False, init=False)
     _closed: bool = attrs.field(default=False, init=False)
@@ -194,6 +203,7 @@ class Engine:
             old_gate = self._gates.get(name)
             self._runners[name] = runner
             self._set_gate(name, runner)
+            self._set_plain(name, runner)
             self._forget(name)  # answers of the model it replaces may not hold
         finally:
             self._loading.discard(name)
@@ -258,6 +268,7 @@ class Engine:
             ModelNotFound: No model of that name is loaded.
         """
         runner = self._runners.pop(name, None)
+        self._plain.pop(name, None)
         if runner is None:
             raise ModelNotFound(f"no model named {name!r} is loaded; loaded: {self._names()}")
         self._forget(name)
@@ -287,6 +298,18 @@ class Engine:
         ):
             return runner
         return None
+
+    def _set_plain(self, name: str, runner: ModelRunner | Pipeline) -> None:
+        if (
+            type(runner) is ModelRunner
+            and runner.plain
+            and self._tracing is None
+            and not self._closing
+            and name not in self._gates
+        ):
+            self._plain[name] = runner
+        else:
+            self._plain.pop(name, None)
 
     def _steps_of(self, model: str) -> tuple[str, ...]:
         # The models a pipeline's steps call (none for a model that is not one).
@@ -378,42 +401,46 @@ class Engine:
                 circuit breaker took them out); ``retry_after`` says when to try again.
             EngineClosed: The engine is closing, or closed before the request ended.
         """
-        runner = self._runners.get(model)
-        if (
-            type(runner) is ModelRunner
-            and runner.plain
-            and sequence is None
-            and self._tracing is None
-            and not self._closing
-            and not (self._gates and model in self._gates)
-        ):
+        runner = self._plain.get(model)
+        if runner is not None and sequence is None:
             # The common case, in this one frame: what _submit and ModelRunner.call
             # do, step for step, without the two coroutine frames that every
             # suspension and resumption of the caller's task would pass through.
             # A change to either must be made here too: the test
             # test_infer_and_infer_detailed_end_requests_alike holds the two ways alike.
-            arrays = validate_inputs(model, runner.signature, inputs, runner.input_limits)
+            arrays, n = runner.validate(inputs)
             clock = runner.clock
             deadline = clock.current_effective_deadline()
             if deadline != -math.inf:  # else a cancellation to raise: _submit does
                 request = make_request(
                     model,
                     arrays,
-                    request_id if request_id is not None else next_request_id(),
+                    request_id,
                     priority,
                     tenant,
                     deadline,
                     clock.current_time(),
-                    rows(arrays) if runner.batched else 1,
+                    n,
                 )
-                runner.enter(request)
                 state = request._state
-                assert state.done is not None
-                try:
-                    await state.done.wait()
-                except anyio.get_cancelled_exc_class():
-                    runner.withdraw(request)
-                    raise
+                if runner.on_trio:
+                    # The task itself waits in the request, rescheduled when it ends:
+                    # no event, and one wake-up the cheapest way Trio has.
+                    runner.admit(request)
+                    state.task = _current_task()
+                    try:
+                        await _wait_task_rescheduled(state.abort)
+                    except anyio.get_cancelled_exc_class():
+                        runner.withdraw(request)
+                        raise
+                else:
+                    runner.enter(request)
+                    assert state.done is not None
+                    try:
+                        await state.done.wait()
+                    except anyio.get_cancelled_exc_class():
+                        runner.withdraw(request)
+                        raise
                 if state.error is not None:
                     await runner.raise_error(state.error, own_deadline=True)
                 assert state.outputs is not None
@@ -547,7 +574,9 @@ class Engine:
                 f"model {model!r} is not stateful (it has no [sequence] config), so its "
                 f"requests take no sequence; got sequence_id {sequence.id!r}"
             )
-        arrays = validate_inputs(model, runner.signature, inputs, runner.input_limits)
+        arrays, n = validate_rows(
+            model, runner.signature, inputs, runner.input_limits, runner.batched
+        )
         clock = runner.clock
         deadline = clock.current_effective_deadline()
         if deadline == -math.inf:
@@ -558,7 +587,9 @@ class Engine:
             if self._runners.get(model) is not runner:
                 # Replaced or unloaded while we yielded: queue on what serves the name now.
                 runner = self._runner(model)
-                arrays = validate_inputs(model, runner.signature, inputs, runner.input_limits)
+                arrays, n = validate_rows(
+                    model, runner.signature, inputs, runner.input_limits, runner.batched
+                )
                 clock = runner.clock
             deadline = clock.current_effective_deadline()
         arrival = clock.current_time()
@@ -576,7 +607,7 @@ class Engine:
             tenant,
             deadline,
             arrival,
-            rows(arrays) if runner.batched else 1,
+            n,
             sequence,
         )
         # A request a fallback sent here from another model fails over no further.
@@ -677,6 +708,7 @@ class Engine:
 
     async def _shutdown(self, drain: bool) -> None:
         self._closing = True
+        self._plain.clear()
         if drain:
             with anyio.move_on_after(self.drain_period):
                 for runner in list(self._runners.values()):

@@ -5,10 +5,11 @@ from __future__ import annotations
 import itertools
 import math
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import attrs
 import numpy as np
+from trio.lowlevel import Abort
 
 from .abc import Status
 
@@ -18,6 +19,8 @@ if TYPE_CHECKING:
 
 Outputs = dict[str, np.ndarray[Any, Any]]
 
+_SUCCEEDED = Abort.SUCCEEDED
+_QUEUED = Status.QUEUED
 _ids = itertools.count(1)
 _sequences = itertools.count()
 
@@ -27,10 +30,13 @@ def next_request_id() -> str:
     return str(next(_ids))
 
 
-@attrs.define(eq=False, slots=True)
+@attrs.define(eq=False, slots=True, init=False)
 class _State:
     # Mutable bookkeeping behind the frozen Request; only the engine touches it.
+    # Its one caller waits on *done*, or, on Trio's fast path, parks its *task*
+    # here, to be rescheduled when the request ends (see abort()).
     done: EventLike | None = None
+    task: Any = None
     status: Status = Status.QUEUED
     outputs: Outputs | None = None
     error: BaseException | None = None
@@ -45,8 +51,31 @@ class _State:
     # The request's spans when it is traced (trioinfer._tracing), None otherwise.
     trace: Any = None
 
+    def __init__(self) -> None:
+        # Every field at its default, written out: attrs' __init__ takes each as an
+        # argument, and one is made per request.
+        self.done = None
+        self.task = None
+        self.status = _QUEUED
+        self.outputs = None
+        self.error = None
+        self.abandoned = False
+        self.batch = None
+        self.served_by = None
+        self.fallbacks = ()
+        self.failover = False
+        self.trace = None
 
-@attrs.frozen(eq=False)
+    def abort(self, _raise_cancel: object) -> Any:
+        # Trio's abort callback for the parked task: cancelled, it is no longer
+        # there to reschedule (it withdraws the request itself).
+        self.task = None
+        return _SUCCEEDED
+
+
+# No __weakref__ slot: with one, Python cannot change a _Draft's class to Request
+# (make_request, below); nothing takes weak references to requests.
+@attrs.frozen(eq=False, weakref_slot=False)
 class Request:
     """One call of `Engine.infer()`: the engine's own implementation of `trioinfer.abc.Request`.
 
@@ -79,10 +108,15 @@ class Request:
         return self._state.abandoned
 
 
-# make_request: what Request's attrs __init__ does, setting each slot through its
-# own descriptor (half the cost: the request path builds one per call). Fields
-# other than the ones it is given take their defaults, as in __init__; it runs
-# no validators or converters (Request has none).
+# make_request: what Request's attrs __init__ does, at a third of its cost: the
+# request path builds one per call. A frozen Request refuses plain attribute
+# stores, and its attrs __init__ (or each slot's own descriptor) costs a call per
+# field; so make_request fills a _Draft, a class with exactly Request's slots and
+# no frozen __setattr__, with plain stores, then makes it a Request by assigning
+# its __class__ (Python allows that between classes of the same layout). The
+# fields it is given and the ones it sets itself, as their factories do, are all
+# of Request's (checked below; a test compares it with Request(...)). It runs no
+# validators or converters (Request has none).
 _GIVEN = (
     "model",
     "inputs",
@@ -94,27 +128,22 @@ _GIVEN = (
     "rows",
     "sequence_flags",
 )
-# Set by make_request itself, as their factories do (a test compares the two).
 _OWN = ("sequence", "_state")
-_SET = {field.name: getattr(Request, field.name).__set__ for field in attrs.fields(Request)}
-# (setter, default, factory, whether the factory takes the instance) of each other field.
-_REST: tuple[tuple[Any, Any, Any, bool], ...] = tuple(
-    (
-        _SET[field.name],
-        field.default,
-        getattr(field.default, "factory", None),
-        bool(getattr(field.default, "takes_self", False)),
-    )
-    for field in attrs.fields(Request)
-    if field.name not in _GIVEN and field.name not in _OWN
+assert {field.name for field in attrs.fields(Request)} == {*_GIVEN, *_OWN}, (
+    "make_request must set every field of Request"
 )
 _new = object.__new__
+
+
+class _Draft:
+    # A Request being filled in: Request's layout, mutable.
+    __slots__ = _GIVEN + _OWN
 
 
 def make_request(
     model: str,
     inputs: Mapping[str, np.ndarray[Any, Any]],
-    id: str,
+    id: str | None,
     priority: int,
     tenant: str | None,
     deadline: float,
@@ -122,38 +151,57 @@ def make_request(
     rows: int,
     sequence_flags: SequenceFlags | None = None,
 ) -> Request:
-    """``Request(model, inputs, id=id, ...)``, at about half the cost."""
+    """``Request(model, inputs, id=id, ...)``, at a third of the cost; *id* None: a new one."""
+    draft: Any = _new(_Draft)
+    draft.model = model
+    draft.inputs = inputs
+    draft.id = id if id is not None else str(_next_id())
+    draft.priority = priority
+    draft.tenant = tenant
+    draft.deadline = deadline
+    draft.arrival = arrival
+    draft.rows = rows
+    draft.sequence_flags = sequence_flags
+    draft.sequence = _next_sequence()
+    draft._state = _State()
+    draft.__class__ = Request
+    return cast(Request, draft)
+
+
+def _make_request_slowly(
+    model: str,
+    inputs: Mapping[str, np.ndarray[Any, Any]],
+    id: str | None,
+    priority: int,
+    tenant: str | None,
+    deadline: float,
+    arrival: float,
+    rows: int,
+    sequence_flags: SequenceFlags | None = None,
+) -> Request:
+    # make_request through each slot's own descriptor, for a Python whose objects
+    # cannot change class (none known; checked once, below).
     request = _new(Request)
-    _set_model(request, model)
-    _set_inputs(request, inputs)
-    _set_id(request, id)
-    _set_priority(request, priority)
-    _set_tenant(request, tenant)
-    _set_deadline(request, deadline)
-    _set_arrival(request, arrival)
-    _set_rows(request, rows)
-    _set_sequence_flags(request, sequence_flags)
-    _set_sequence(request, _next_sequence())
-    _set_state(request, _State())
-    for set_, default, factory, takes_self in _REST:
-        if factory is None:
-            set_(request, default)
-        else:
-            set_(request, factory(request) if takes_self else factory())
+    for name, value in (
+        ("model", model),
+        ("inputs", inputs),
+        ("id", id if id is not None else str(_next_id())),
+        ("priority", priority),
+        ("tenant", tenant),
+        ("deadline", deadline),
+        ("arrival", arrival),
+        ("rows", rows),
+        ("sequence_flags", sequence_flags),
+        ("sequence", _next_sequence()),
+        ("_state", _State()),
+    ):
+        getattr(Request, name).__set__(request, value)
     return request
 
 
-(
-    _set_model,
-    _set_inputs,
-    _set_id,
-    _set_priority,
-    _set_tenant,
-    _set_deadline,
-    _set_arrival,
-    _set_rows,
-    _set_sequence_flags,
-    _set_sequence,
-    _set_state,
-) = (_SET[name] for name in (*_GIVEN, *_OWN))
 _next_sequence = _sequences.__next__
+_next_id = _ids.__next__
+try:
+    make_request("", {}, "", 0, None, math.inf, 0.0, 1)  # the class change, tried once
+except TypeError:  # pragma: no cover - CPython and PyPy allow it
+    make_request = _make_request_slowly

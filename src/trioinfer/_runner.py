@@ -24,6 +24,8 @@ import anyio.abc
 import anyio.lowlevel
 import attrs
 import numpy as np
+import sniffio
+import trio.lowlevel
 
 from ._buffers import BufferPool
 from ._config import ModelConfig
@@ -40,7 +42,7 @@ from ._exceptions import (
 )
 from ._registry import Kind
 from ._request import Outputs, Request
-from ._tensors import InputLimits, ModelSignature
+from ._tensors import InputLimits, ModelSignature, rows_validator
 from ._tensors import rows as _rows
 from ._threads import (
     EventLike,
@@ -77,6 +79,8 @@ _QUEUED = Status.QUEUED
 _RUNNING = Status.RUNNING
 
 _INF = math.inf
+# Only ever called for a task parked on Trio (Engine.infer's fast path).
+_reschedule = trio.lowlevel.reschedule
 
 #: How long closing instances may take at shutdown before we stop waiting.
 CLEANUP_S = 10.0
@@ -119,6 +123,7 @@ class RequestQueue(metaclass=NoPublicConstructor):
         "batched",
         "preferred_batch_sizes",
         "taken",
+        "uniform",
     )
 
     def __init__(
@@ -128,6 +133,7 @@ class RequestQueue(metaclass=NoPublicConstructor):
         batched: bool = True,
         preferred_batch_sizes: tuple[int, ...] = (),
         bounded_levels: tuple[int, ...] = (),
+        uniform: bool = False,
     ) -> None:
         self._scheduler = cast(_OwnScheduler, scheduler)
         # Requests waiting per priority level, kept only for the levels with a bound
@@ -143,6 +149,9 @@ class RequestQueue(metaclass=NoPublicConstructor):
         #: Batch sizes the model's backend runs fastest, as its first instance
         #: advertises them (see `BackendInstance`); empty when it does not say.
         self.preferred_batch_sizes = preferred_batch_sizes
+        #: Whether any two requests may share a batch as they are (the signature
+        #: fixes every dtype and every dimension but the batch).
+        self.uniform = uniform
         self._on_expired = on_expired
         self._current_time = LoopClock().current_time
         self._new_event = native_event_factory()
@@ -214,6 +223,44 @@ class RequestQueue(metaclass=NoPublicConstructor):
             if deadline > now:
                 return request
             self._on_expired(request, now)
+
+    def take_nowait(self, max_rows: int) -> list[Request]:
+        """Take live requests in order while their rows fit in *max_rows*, failing expired ones."""
+        # peek_nowait() and pop_nowait() in one loop: a batch's worth of requests
+        # in one call, the clock read once.
+        taken: list[Request] = []
+        front, scheduler, levels = self._front, self._scheduler, self._levels
+        now: float | None = None
+        while True:
+            if front:
+                request = front[0]
+            else:
+                try:
+                    request = scheduler.peek()
+                except IndexError:
+                    break
+            expired = False
+            if request.deadline != _INF:
+                if now is None:
+                    now = self._current_time()
+                expired = request.deadline <= now
+            if not expired:
+                rows = request.rows
+                if rows > max_rows:
+                    break  # it heads the next batch
+                max_rows -= rows
+                taken.append(request)
+            if front:
+                front.popleft()
+            else:
+                scheduler.pop()
+            if levels is not None and request.priority in levels:
+                levels[request.priority] -= 1
+            if expired:
+                assert now is not None
+                self._on_expired(request, now)
+        self.taken += len(taken)
+        return taken
 
     def put_back(self, requests: Sequence[RequestView]) -> None:
         """Give back requests taken and not dispatched, to the head of the queue, in order."""
@@ -374,9 +421,16 @@ class _Histogram:
 
     def observe_each(self, values: Sequence[float]) -> None:
         # A batch's worth in one call: one per request would cost a call each.
+        if not values:
+            return
         counts, bounds, bisect_left = self.counts, self.bounds, bisect.bisect_left
-        for value in values:
-            counts[bisect_left(bounds, value)] += 1
+        low = bisect_left(bounds, min(values))
+        if low == bisect_left(bounds, max(values)):
+            # A batch's requests waited alike: most often all in one bucket.
+            counts[low] += len(values)
+        else:
+            for value in values:
+                counts[bisect_left(bounds, value)] += 1
         self.count += len(values)
         self.sum += sum(values)
 
@@ -614,6 +668,7 @@ class ModelRunner(metaclass=NoPublicConstructor):
     backend_signature: ModelSignature = attrs.field(init=False)
     _sequencer: SequenceBatcher | None = attrs.field(default=None, init=False)
     input_limits: InputLimits = attrs.field(init=False)
+    validate: Callable[[object], tuple[dict[str, Any], int]] = attrs.field(init=False)
     queue_timeouts: Mapping[int, float] = attrs.field(init=False)
     #: Whether a request's way here is the plain one, which `Engine.infer` takes
     #: in one frame: no response cache, no sequences, no queue policy deadlines.
@@ -621,6 +676,9 @@ class ModelRunner(metaclass=NoPublicConstructor):
     batched: bool = attrs.field(init=False)
     _new_event: Callable[[], EventLike] = attrs.field(init=False)
     _new_waiter: Callable[[], EventLike] = attrs.field(init=False)
+    #: Whether it runs on Trio, where Engine.infer's fast path parks the caller's
+    #: task in its request (``_State.task``) rather than on a waiter.
+    on_trio: bool = attrs.field(init=False)
     clock: LoopClock = attrs.field(init=False)
     _assemble: Callable[[Sequence[Request]], tuple[Mapping[str, Any], Split]] | None = attrs.field(
         init=False
@@ -674,6 +732,7 @@ class ModelRunner(metaclass=NoPublicConstructor):
     def __attrs_post_init__(self) -> None:
         self._new_event = native_event_factory()
         self._new_waiter = native_waiter_factory()
+        self.on_trio = sniffio.current_async_library() == "trio"
         self.clock = LoopClock()
         self.replicas = [
             Replica._create(instance, placement, _depth(instance), self._new_event)
@@ -710,7 +769,14 @@ class ModelRunner(metaclass=NoPublicConstructor):
             self._attach_sequencer(
                 self.config.sequence.hidden_inputs, self.config.sequence.hidden_outputs
             )
+        # Every request admitted passes validate_inputs against this signature, so
+        # when it fixes every dtype and non-batch dimension, they all agree on them.
+        self.queue.uniform = self.signature._fixed is not None
         self.input_limits = self.config.input_limits
+        #: validate_rows() for this model's requests, bound once.
+        self.validate = rows_validator(
+            self.config.name, self.signature, self.input_limits, self.batched
+        )
         self.queue_timeouts = self.config.queue_timeouts
         self.plain = not (
             self.config.response_cache or self.config.sequence is not None or self.queue_timeouts
@@ -836,14 +902,19 @@ class ModelRunner(metaclass=NoPublicConstructor):
         self, replica: Replica, batch: Sequence[Request], scope: anyio.CancelScope
     ) -> None:
         started = self.clock.current_time()
+        running = _Running(scope, 0)
         live: list[Request] = []
+        # One pass: drop what ended or expired while the batch formed, mark the rest running.
         for request in batch:
-            if request._state.status is not _QUEUED:
+            state = request._state
+            if state.status is not _QUEUED:
                 continue
             if request.deadline <= started:
                 self._expire(request, started)
-            else:
-                live.append(request)
+                continue
+            state.status = _RUNNING
+            state.batch = running
+            live.append(request)
         if not live:
             return
         if len(live) > 1 and not self.batched:
@@ -854,11 +925,7 @@ class ModelRunner(metaclass=NoPublicConstructor):
             for request in live:
                 self.finish(request, error=_copy_error(error, cause=error.__cause__))
             return
-        running = _Running(scope, len(live))
-        for request in live:
-            state = request._state
-            state.status = _RUNNING
-            state.batch = running
+        running.waiting = len(live)
         if len(live) == 1:  # an unbatched model's every execution: no list to build
             self._queue_duration.observe(started - live[0].arrival)
         else:
@@ -920,17 +987,9 @@ class ModelRunner(metaclass=NoPublicConstructor):
             try:
                 # After every wait (this slot, the device, a fallback's backoff):
                 # rows whose caller left or whose deadline passed go no further.
-                live = self._live(execution.requests)
+                live, rows, deadline = self._live(execution.requests)
                 if not live:
                     return False
-                if len(live) == 1:
-                    rows, deadline = live[0].rows, live[0].deadline
-                else:
-                    rows, deadline = 0, -math.inf
-                    for request in live:
-                        rows += request.rows
-                        if request.deadline > deadline:
-                            deadline = request.deadline
                 outputs: Outputs | None = None
                 split: Callable[[Outputs], Sequence[Outputs]] | None = None  # None: alone
                 taken: list[Any] | None = None
@@ -946,9 +1005,11 @@ class ModelRunner(metaclass=NoPublicConstructor):
                 else:
                     names = live[0].inputs.keys()
                     inputs, taken = self._pool.concatenate(
-                        {name: [r.inputs[name] for r in live] for name in names}
+                        # Every input of a request holds its rows (validate_inputs).
+                        {name: [r.inputs[name] for r in live] for name in names},
+                        rows,
                     )
-                    split = functools.partial(_split, live)
+                    split = functools.partial(_split, live, rows)
                 self._batch_size.observe(rows)
                 self.executions += 1
                 replica.executions += 1
@@ -1012,19 +1073,22 @@ class ModelRunner(metaclass=NoPublicConstructor):
         self._succeed(live, shares, replica, ended)
         return True
 
-    def _live(self, requests: Sequence[Request]) -> list[Request]:
+    def _live(self, requests: Sequence[Request]) -> tuple[list[Request], int, float]:
         # The batch's rows still worth computing: running, caller still there,
         # deadline not passed. The others end here, exactly once, uncomputed.
+        # With them, their rows and their latest deadline.
         live: list[Request] = []
         now: float | None = None
+        rows, latest = 0, -math.inf
         for request in requests:
             state = request._state
             if state.status is not _RUNNING:
                 continue
-            if request.deadline != math.inf:
+            deadline = request.deadline
+            if deadline != math.inf:
                 if now is None:
                     now = self.clock.current_time()
-                if request.deadline <= now:
+                if deadline <= now:
                     running: _Running = state.batch
                     running.waiting -= 1
                     if running.waiting == 0:
@@ -1034,7 +1098,10 @@ class ModelRunner(metaclass=NoPublicConstructor):
                     self._expire(request, now)
                     continue
             live.append(request)
-        return live
+            rows += request.rows
+            if deadline > latest:
+                latest = deadline
+        return live, rows, latest
 
     def _fail_batch(self, requests: Sequence[Request], step: str, exc: Exception) -> None:
         error = self._broken(
@@ -1085,10 +1152,14 @@ class ModelRunner(metaclass=NoPublicConstructor):
 
         The caller then waits on ``request._state.done``, withdraws the request
         (`withdraw`) if cancelled meanwhile, and raises its error (`raise_error`)
-        if it has one: `call` does all of this; the engine's fast path inlines it.
+        if it has one: `call` does all of this; the engine's fast path inlines it,
+        and on Trio parks its task in ``request._state.task`` instead of a waiter.
         """
-        state = request._state
-        state.done = self._new_waiter()  # only this caller waits on it
+        request._state.done = self._new_waiter()  # only this caller waits on it
+        self.admit(request)
+
+    def admit(self, request: Request) -> None:
+        """Admit *request* to the queue, or raise why not: `enter` without the waiter."""
         if not self._serving:
             self.refused += 1
             raise self._circuit_open()
@@ -1338,7 +1409,11 @@ class ModelRunner(metaclass=NoPublicConstructor):
         state = request._state
         state.status = _DONE
         state.batch = None
-        if state.done is not None:
+        task = state.task
+        if task is not None:
+            state.task = None
+            _reschedule(task)
+        elif state.done is not None:
             state.done.set()
         self._in_flight.discard(request)
         if not self._in_flight and self._idle is not None:
@@ -1363,7 +1438,11 @@ class ModelRunner(metaclass=NoPublicConstructor):
                 state.outputs = shares[0]
                 state.status = _DONE
                 state.batch = None
-                if state.done is not None:
+                task = state.task
+                if task is not None:
+                    state.task = None
+                    _reschedule(task)
+                elif state.done is not None:
                     state.done.set()
                 in_flight.discard(request)
                 self.succeeded += 1
@@ -1381,7 +1460,11 @@ class ModelRunner(metaclass=NoPublicConstructor):
                 state.outputs = share
                 state.status = _DONE
                 state.batch = None
-                if state.done is not None:
+                task = state.task
+                if task is not None:  # a caller parked on Trio's fast path
+                    state.task = None
+                    _reschedule(task)
+                elif state.done is not None:
                     state.done.set()
                 in_flight.discard(request)
         self.succeeded += len(durations)
@@ -1707,16 +1790,31 @@ def _check_rows(model: str, replica: Replica, outputs: Outputs, rows: int) -> No
             )
 
 
-def _split(requests: Sequence[Request], outputs: Outputs) -> list[Outputs]:
+def _split(requests: Sequence[Request], rows: int, outputs: Outputs) -> list[Outputs]:
     # Views, not copies: each caller's share is a slice of the batch's output.
     # The cut points are worked out once for every output.
+    if not outputs:
+        return [{} for _ in requests]
+    if rows == len(requests) and all(type(a) is np.ndarray for a in outputs.values()):
+        # One row each (each has at least one): the output's rows as numpy iterates
+        # them, each a view of shape (1, ...), at about half the cost of a slice each.
+        if len(outputs) == 1:
+            for name, array in outputs.items():
+                return [{name: row} for row in array[:, None]]
+        if len(outputs) == 2:  # (a label and its scores, say) without a zip per request
+            (name, array), (other, second) = outputs.items()
+            return [
+                {name: row, other: row2}
+                for row, row2 in zip(array[:, None], second[:, None], strict=True)
+            ]
+        names = list(outputs)
+        each = [array[:, None] for array in outputs.values()]
+        return [dict(zip(names, row, strict=True)) for row in zip(*each, strict=True)]
     cuts = list(itertools.accumulate([r.rows for r in requests], initial=0))
     pairs = list(itertools.pairwise(cuts))
     if len(outputs) == 1:
         for name, array in outputs.items():
             return [{name: array[a:b]} for a, b in pairs]
-    if not outputs:
-        return [{} for _ in requests]
     names = list(outputs)
     columns = [[array[a:b] for a, b in pairs] for array in outputs.values()]
     return [dict(zip(names, row, strict=True)) for row in zip(*columns, strict=True)]

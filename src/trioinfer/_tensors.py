@@ -8,7 +8,8 @@ request costs neither queue space nor compute.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import functools
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal, NoReturn, cast
 
 import attrs
@@ -294,7 +295,76 @@ def validate_inputs(
         # say what is wrong.
         checked = _fixed_arrays(fixed, inputs, limits)
         if checked is not None:
-            return checked
+            return checked[0]
+    return _validate(model, signature, inputs, limits)
+
+
+def validate_rows(
+    model: str, signature: ModelSignature, inputs: object, limits: InputLimits, batched: bool
+) -> tuple[dict[str, np.ndarray[Any, Any]], int]:
+    """`validate_inputs()`, and the request's rows: its batch size if *batched*, else 1."""
+    fixed = signature._fixed
+    if batched and fixed is not None and type(inputs) is dict and len(inputs) == len(fixed):
+        if len(fixed) == 1:
+            # One input, as most models have: _fixed_arrays' checks in line.
+            name, dtype, tail = fixed[0]
+            array = inputs.get(name)
+            if type(array) is np.ndarray and (array.dtype is dtype or array.dtype == dtype):
+                shape = array.shape
+                if shape and shape[0] and shape[1:] == tail:
+                    size = array.size
+                    if (
+                        size <= limits.max_elements_per_input
+                        and size <= limits.max_elements_per_request
+                    ):
+                        return {name: array}, shape[0]
+        else:
+            checked = _fixed_arrays(fixed, inputs, limits)
+            if checked is not None:
+                return checked
+    arrays = _validate(model, signature, inputs, limits)
+    return arrays, rows(arrays) if batched else 1
+
+
+def rows_validator(
+    model: str, signature: ModelSignature, limits: InputLimits, batched: bool
+) -> Callable[[object], tuple[dict[str, np.ndarray[Any, Any]], int]]:
+    """``validate_rows(model, signature, inputs, limits, batched)`` as a function of *inputs*.
+
+    For a batched model with one input whose signature fixes all but the
+    batch, the common case is checked with everything it compares bound
+    once (the request path validates every request); anything else, or
+    anything wrong, goes to `validate_rows`, which says what is wrong.
+    """
+    fixed = signature._fixed
+    if not (batched and fixed is not None and len(fixed) == 1):
+        return functools.partial(_validate_rows_of, model, signature, limits, batched)
+    name, dtype, tail = fixed[0]
+    cap = min(limits.max_elements_per_input, limits.max_elements_per_request)
+    ndarray = np.ndarray
+
+    def validate(inputs: object) -> tuple[dict[str, np.ndarray[Any, Any]], int]:
+        if type(inputs) is dict and len(inputs) == 1:
+            array = inputs.get(name)
+            if type(array) is ndarray and (array.dtype is dtype or array.dtype == dtype):
+                shape = array.shape
+                if shape and shape[0] and shape[1:] == tail and array.size <= cap:
+                    return {name: array}, shape[0]
+        return validate_rows(model, signature, inputs, limits, batched)
+
+    return validate
+
+
+def _validate_rows_of(
+    model: str, signature: ModelSignature, limits: InputLimits, batched: bool, inputs: object
+) -> tuple[dict[str, np.ndarray[Any, Any]], int]:
+    return validate_rows(model, signature, inputs, limits, batched)
+
+
+def _validate(
+    model: str, signature: ModelSignature, inputs: object, limits: InputLimits
+) -> dict[str, np.ndarray[Any, Any]]:
+    # validate_inputs' full checks, which say what is wrong.
     if not isinstance(inputs, Mapping):
         raise InvalidInput(
             f"inputs for model {model!r} must be a mapping of input name to array, "
@@ -364,9 +434,10 @@ def _fixed_arrays(
     fixed: tuple[tuple[str, np.dtype[Any], tuple[int, ...]], ...],
     inputs: dict[Any, Any],
     limits: InputLimits,
-) -> dict[str, np.ndarray[Any, Any]] | None:
-    # validate_inputs' fast path: the inputs as they are if they pass every check
-    # the full path makes, else None (and the full path finds what is wrong).
+) -> tuple[dict[str, np.ndarray[Any, Any]], int] | None:
+    # validate_inputs' fast path: the inputs as they are, and their rows, if they
+    # pass every check the full path makes, else None (and the full path finds
+    # what is wrong).
     arrays: dict[str, np.ndarray[Any, Any]] = {}
     batch = 0
     total = 0
@@ -389,7 +460,7 @@ def _fixed_arrays(
         arrays[name] = array
     if not batch or total > limits.max_elements_per_request:
         return None
-    return arrays
+    return arrays, batch
 
 
 def _refuse_names(model: str, signature: ModelSignature, inputs: Mapping[Any, Any]) -> NoReturn:

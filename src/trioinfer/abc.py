@@ -166,6 +166,16 @@ class RequestQueue(Protocol):
         """
         ...
 
+    @property
+    def uniform(self) -> bool:
+        """Whether any waiting requests may share a batch as they are.
+
+        True when the model's signature fixes every input's dtype and every
+        dimension but the first, so that every request the engine admits
+        agrees on them: a batcher need not compare requests' shapes and dtypes.
+        """
+        ...
+
     def __len__(self) -> int:
         """Requests waiting (some may have expired and not yet been dropped)."""
         ...
@@ -192,6 +202,17 @@ class RequestQueue(Protocol):
 
         Raises:
             anyio.WouldBlock: If no live request is waiting.
+        """
+        ...
+
+    def take_nowait(self, max_rows: int) -> Sequence[Request]:
+        """Take live requests in the scheduler's order while their rows fit in *max_rows*.
+
+        What `pop_nowait()` called until the queue is empty or the next live
+        request would bring the rows past *max_rows* (that one stays at the
+        head), in one call: the cheap way to fill a batch from a `uniform`
+        queue. Expired requests are failed on the way. Returns an empty
+        sequence when nothing fits.
         """
         ...
 
