@@ -180,7 +180,7 @@ class Client:
 
     async def pump(self) -> None:
         data = await self.receive()
-        assert data, "the server closed the connection"
+        assert data, f"the server closed the connection: {self.events[-3:]}"
         for event in self.h2.receive_data(data):
             self.events.append(event)
             if isinstance(event, h2.events.DataReceived):
@@ -917,3 +917,106 @@ async def test_rapid_resets_get_goaway(serve: Serve, monkeypatch: pytest.MonkeyP
     )
     assert goaway[0].error_code == h2.errors.ErrorCodes.ENHANCE_YOUR_CALM
     await poll(lambda: not server.connections)
+
+
+def raw_frame(kind: int, flags: int, sid: int, payload: bytes) -> bytes:
+    """One HTTP/2 frame as bytes, for what h2's client refuses to send."""
+    return (
+        struct.pack(">I", len(payload))[1:]
+        + bytes((kind, flags))
+        + struct.pack(">I", sid)
+        + payload
+    )
+
+
+@pytest.mark.parametrize(
+    "offence",
+    [
+        raw_frame(0x8, 0, 0, b"\0\0\0\0"),  # WINDOW_UPDATE of 0 on the stream
+        raw_frame(0x0, 0, 0, b"x"),  # DATA after the stream's END_STREAM
+    ],
+    ids=["window-update-0", "data-after-end"],
+)
+@both_loops
+async def test_resets_a_client_forces_count_as_rapid_resets(
+    serve: Serve, monkeypatch: pytest.MonkeyPatch, offence: bytes
+) -> None:
+    # A stream error the client provokes frees the stream and cancels its call as its
+    # own RST_STREAM would: counting only RST_STREAM let calls start and be thrown
+    # away without limit (MadeYouReset, CVE-2025-8671).
+    monkeypatch.setattr(_grpc_h2, "_RESET_RATE", 1)
+    _server, connect = await serve(Handlers())
+    client = await connect()
+    # All in one write: the server reads it all before it closes (no TCP reset).
+    wire = b""
+    for _ in range(int(_grpc_h2._RESET_WINDOW_S) + 5):
+        sid = client.h2.get_next_available_stream_id()
+        client.h2.send_headers(
+            sid,
+            [
+                (":method", "POST"),
+                (":scheme", "http"),
+                (":path", "/t.S/Slow"),
+                (":authority", "x"),
+                ("content-type", "application/grpc"),
+            ],
+        )
+        client.h2.send_data(sid, frame(b"x"), end_stream=True)
+        # The offence, addressed to this stream (its id in the frame head's last 4 bytes).
+        wire += client.h2.data_to_send() + offence[:5] + struct.pack(">I", sid) + offence[9:]
+    await client.socket.send(wire)
+    goaway = await client.until(
+        lambda: [e for e in client.events if isinstance(e, h2.events.ConnectionTerminated)]
+    )
+    assert goaway[0].error_code == h2.errors.ErrorCodes.ENHANCE_YOUR_CALM
+
+
+class Stuck(Handlers):
+    """A streaming method that takes one message, then never reads again."""
+
+    async def stuck(
+        self,
+        messages: AsyncIterator[bytes],
+        call: GrpcCall,
+        send: Callable[[bytes], Awaitable[None]],
+    ) -> None:
+        async for _ in messages:
+            await anyio.sleep_forever()
+
+    def methods(self) -> dict[str, Method]:
+        return {**super().methods(), "/t.S/Stuck": Method(self.stuck, streaming=True)}
+
+
+@both_loops
+async def test_a_reset_stream_gives_back_the_connection_window_it_held(serve: Serve) -> None:
+    # Bytes held back for a handler that fell behind were never acknowledged once
+    # the client reset the stream: each cancelled streaming call shrank the
+    # connection's window until no call on it could send again.
+    _server, connect = await serve(Stuck())
+    client = await connect()
+    await client.until(lambda: client.h2.outbound_flow_control_window > 65_535)
+    window = client.h2.outbound_flow_control_window
+    body = frame(b"z" * 60_000) * 40
+    for _ in range(2 * window // len(body) + 4):
+        sid = await client.call("/t.S/Stuck", end=False)
+        sent = 0
+        while room := min(
+            client.h2.local_flow_control_window(sid),
+            client.h2.max_outbound_frame_size,
+            len(body) - sent,
+        ):
+            client.h2.send_data(sid, body[sent : sent + room])
+            sent += room
+        client.h2.reset_stream(sid, 8)
+        # Once the PING is answered the server has taken in all that came before it.
+        client.h2.ping(b"resetdon")
+        await client.flush()
+        await client.until(
+            lambda: [e for e in client.events if isinstance(e, h2.events.PingAckReceived)]
+        )
+        client.events.clear()
+        # Handed back in steps of half the window at most: never lower than that.
+        assert client.h2.outbound_flow_control_window >= window // 2
+    with anyio.fail_after(WAIT_S):
+        sid = await client.call("/t.S/Echo", frame(b"x"))
+    assert await client.status(sid) == ("0", "")

@@ -240,6 +240,32 @@ def test_the_clients_header_table_size_is_followed() -> None:
     assert dict(response.headers)["x-a"] == "b"
 
 
+def test_a_flood_of_header_table_sizes_keeps_the_encoder_small() -> None:
+    # Each SETTINGS_HEADER_TABLE_SIZE change is a pending update in the next header
+    # block; a client alternating sizes once grew that list (and the block) without
+    # bound and stalled the loop encoding it. The encoder now uses at most 4 KiB,
+    # whatever the client allows (RFC 7541 4.2), and keeps two pending updates.
+    client, conn = pair()
+    client.send_headers(1, REQUEST, end_stream=True)
+    to_server(client, conn)
+    sizes = b"".join(struct.pack(">HL", 0x1, 100_000 + i % 2) for i in range(2730))
+    for _ in range(10):
+        conn.receive_data(frame(0x4, 0, 0, sizes))
+    conn.receive_data(frame(0x4, 0, 0, struct.pack(">HL", 0x1, 0)))
+    assert conn.encoder.header_table_size == 0
+    assert len(conn.encoder.table_size_changes) <= 2
+    conn.data_to_send()
+    conn.send_headers(1, [(b":status", b"200"), (b"x-a", b"b")], end_stream=True)
+    block = conn.data_to_send()
+    assert len(block) < 100
+    got = client.receive_data(block)
+    response = next(e for e in got if isinstance(e, h2.events.ResponseReceived))
+    assert dict(response.headers)["x-a"] == "b"
+    client.update_settings({h2.settings.SettingCodes.HEADER_TABLE_SIZE: 1 << 30})
+    to_server(client, conn)
+    assert conn.encoder.header_table_size == 4096
+
+
 def test_nothing_is_kept_after_goaway() -> None:
     # Bytes that follow a GOAWAY (the client's, or one of ours) are dropped, not
     # buffered: a client may not fill the server's memory after it.

@@ -251,13 +251,14 @@ async def test_a_step_past_its_deadline_is_never_computed(
         assert (b.expired, b.executions, b.in_flight, b.succeeded) == (1, 0, 0, 0)
 
 
-async def test_unloading_a_step_model_waits_for_a_step_running_in_a_callers_task(
+async def test_unloading_a_step_model_cancels_a_step_running_in_a_callers_task(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
-    # Its instance must not close under the execution, which is not the model's
-    # worker's (stopping the workers does not end it); the request ends once, EngineClosed.
+    # The execution is not the model's worker's, but the model owns it all the same:
+    # past the drain period it is cancelled before its instance closes, as a queued
+    # request's would be, and the request ends once, EngineClosed.
     async with open_engine(drain_period=0.5) as engine:
-        await load(engine, model("slow", parameters={"name": "slow", "delay": 2.0}))
+        await load(engine, model("slow", parameters={"name": "slow", "delay": 30.0}))
         await engine.load(chain("slow"))
         outcome: list[BaseException] = []
 
@@ -271,11 +272,37 @@ async def test_unloading_a_step_model_waits_for_a_step_running_in_a_callers_task
             tg.start_soon(call)
             await trio.testing.wait_all_tasks_blocked()
             assert Probe.events == ["slow start"]
+            start = trio.current_time()
             await engine.unload("slow")
-            assert Probe.events == ["slow start", "slow end", "slow close"]
+            assert Probe.events == ["slow start", "slow cancelled", "slow close"]
+            assert trio.current_time() - start == pytest.approx(0.5)
         (error,) = outcome
         assert str(error).startswith("pipeline 'p', step 0 (model 'slow'): ")
         assert engine.statistics().models["p"].failed == 1
+
+
+async def test_leaving_the_engine_cancels_a_step_running_in_an_outer_task(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    # Nothing outlives the engine, not even work running in a task it does not own.
+    outcome: list[BaseException] = []
+    async with trio.open_nursery() as outer:
+        async with open_engine(drain_period=0.5) as engine:
+            await load(engine, model("slow", parameters={"name": "slow", "delay": 30.0}))
+            await engine.load(chain("slow"))
+
+            async def call() -> None:
+                try:
+                    await engine.infer("p", {"IN": X})
+                except EngineClosed as exc:
+                    outcome.append(exc)
+
+            outer.start_soon(call)
+            await trio.testing.wait_all_tasks_blocked()
+            start = trio.current_time()
+        assert Probe.events == ["slow start", "slow cancelled", "slow close"]
+        assert trio.current_time() - start == pytest.approx(0.5)
+    assert len(outcome) == 1
 
 
 def test_idle_plain_steps_run_in_the_callers_task_on_asyncio() -> None:

@@ -728,6 +728,8 @@ class ModelRunner(metaclass=NoPublicConstructor):
     # Executions running in their callers' tasks now, and who waits for them to end.
     _alone: int = attrs.field(default=0, init=False)
     _alone_ended: EventLike | None = attrs.field(default=None, init=False)
+    #: Their cancel scopes: stopping the model aborts them as it aborts the workers'.
+    _alone_scopes: set[anyio.CancelScope] = attrs.field(factory=set, init=False)
 
     def __attrs_post_init__(self) -> None:
         self._new_event = native_event_factory()
@@ -839,6 +841,8 @@ class ModelRunner(metaclass=NoPublicConstructor):
                     ),
                 )
             self._task_group = None
+            for scope in self._alone_scopes:
+                scope.cancel()  # their requests ended above (EngineClosed)
             if self.streams_closed is not None:
                 with anyio.move_on_after(CLEANUP_S, shield=True):
                     await self.streams_closed()
@@ -1237,8 +1241,8 @@ class ModelRunner(metaclass=NoPublicConstructor):
         in the caller's task instead measured slower (each hand-over costs a
         pass of the event loop for one task, where the worker runs the queue).
         """
-        if not self.alone_ok or len(self.queue):
-            return None
+        if not self.alone_ok or len(self.queue) or self._task_group is None:
+            return None  # (no task group: the model is not running, its instances closed)
         limits = self._device_limits
         for replica in self.replicas:
             slot = replica._slot
@@ -1281,6 +1285,8 @@ class ModelRunner(metaclass=NoPublicConstructor):
         assert taken, "run_alone() on a replica that is not idle"
         self._in_flight.add(request)
         self._alone += 1
+        scope = anyio.CancelScope()
+        self._alone_scopes.add(scope)
         rows = request.rows
         self._queue_duration.observe(started - request.arrival)
         self._batch_size.observe(rows)
@@ -1292,9 +1298,10 @@ class ModelRunner(metaclass=NoPublicConstructor):
         deadline_token = _batch_deadline.set(deadline)
         try:
             try:
-                outputs = await replica._backend_instance.execute(request.inputs)
-                if self.batched:
-                    _check_rows(self.config.name, replica, outputs, rows)
+                with scope:
+                    outputs = await replica._backend_instance.execute(request.inputs)
+                    if self.batched:
+                        _check_rows(self.config.name, replica, outputs, rows)
             except Exception as exc:
                 replica.failures += 1
                 outputs = None
@@ -1308,6 +1315,7 @@ class ModelRunner(metaclass=NoPublicConstructor):
             raise
         finally:
             _batch_deadline.reset(deadline_token)
+            self._alone_scopes.discard(scope)
             self._executing.remove(running)
             ended = self.clock.current_time()
             elapsed = ended - started

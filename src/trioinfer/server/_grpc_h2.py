@@ -511,8 +511,9 @@ class _Connection:
                 self._forget(stream)
                 _wake(stream.window)
                 _wake(stream.arrived)
-            if event.remote_reset:
-                self._reset_counted()
+            # The client's RST_STREAM, or a reset its frames forced (a stream error):
+            # either way a call's work started for nothing (CVE-2023-44487, CVE-2025-8671).
+            self._reset_counted()
         elif kind is _http2.ConnectionTerminated:
             self._going_away = True
 
@@ -627,6 +628,8 @@ class _Connection:
         self._held -= stream.held
         stream.held = 0
         self._held_back.discard(stream)
+        self._ack(stream)  # bytes never handed to a handler still free the connection's window
+        self._wake.set()
         self._release()
 
     def _release(self) -> None:
@@ -696,7 +699,8 @@ class _Connection:
 
     def _ack(self, stream: _Stream) -> None:
         count, stream.unacked = stream.unacked, 0
-        if count and not stream.closed:
+        if count and not self._h2.closed:
+            # The connection's window always; the stream's only while it is open.
             self._h2.acknowledge_received_data(count, stream.stream_id)
 
     def _ready(self, stream: _Stream) -> None:

@@ -84,6 +84,9 @@ MAX_HEADER_LIST_SIZE: Final = 65536
 #: The largest header block (HEADERS and its CONTINUATIONs) buffered before it is decoded.
 _MAX_HEADER_BLOCK: Final = 2 * MAX_HEADER_LIST_SIZE
 
+#: The most the encoder's dynamic table holds, whatever the client allows.
+_ENCODER_TABLE_SIZE: Final = 4096
+
 _HEAD: Final = struct.Struct(">BHBBL")
 _U32: Final = struct.Struct(">L")
 _SETTING: Final = struct.Struct(">HL")
@@ -638,7 +641,16 @@ class Connection:
         for offset in range(0, len(payload), 6):
             key, value = _SETTING.unpack_from(payload, offset)
             if key == _HEADER_TABLE_SIZE:
-                self.encoder.header_table_size = value
+                # The encoder may use less than the client allows (RFC 7541 4.2): never
+                # more than the default, and at most two size updates pending (the
+                # smallest and the last), however many SETTINGS the client sends.
+                size = min(value, _ENCODER_TABLE_SIZE)
+                encoder = self.encoder
+                if size != encoder.header_table_size:
+                    encoder.header_table_size = size
+                    changes = encoder.table_size_changes
+                    if len(changes) > 2:
+                        encoder.table_size_changes = [min(changes), changes[-1]]
             elif key == _ENABLE_PUSH:
                 if value > 1:
                     raise ProtocolError("SETTINGS_ENABLE_PUSH is 0 or 1")
