@@ -30,7 +30,15 @@ from typing import Final, Protocol, final
 
 import sniffio
 
-__all__ = ["IO", "Event", "open_io"]
+__all__ = ["IO", "Event", "HasFileno", "open_io"]
+
+
+class HasFileno(Protocol):
+    """A socket, or anything else the loop can wait on (an epoll object)."""
+
+    def fileno(self) -> int:
+        """The file descriptor."""
+        ...
 
 
 class Event(Protocol):
@@ -52,12 +60,12 @@ class Event(Protocol):
 class IO(Protocol):
     """Readiness waits, clocks and events for one event loop (see `open_io`)."""
 
-    #: Makes an event of the loop's own kind. The connection makes one or two
-    #: per request (the watcher hands the reading turn back through one);
-    #: anyio's wrapper around the loop's event costs a few microseconds more.
+    #: Makes an event of the loop's own kind (the connection makes one when two
+    #: of an app's ``receive`` calls wait to read at once); anyio's wrapper
+    #: around the loop's event costs a few microseconds more.
     event: Callable[[], Event]
 
-    def wait_readable(self, sock: socket.socket) -> Awaitable[None]:
+    def wait_readable(self, sock: HasFileno) -> Awaitable[None]:
         """Wait until *sock* may be read (or accepted from) without blocking; a checkpoint."""
         ...
 
@@ -65,7 +73,7 @@ class IO(Protocol):
         """Wait until *sock* may be written without blocking; a checkpoint."""
         ...
 
-    def notify_closing(self, sock: socket.socket) -> None:
+    def notify_closing(self, sock: HasFileno) -> None:
         """Forget *sock* before it is closed; a task still waiting on it is woken with an error."""
         ...
 
@@ -113,9 +121,9 @@ class _TrioIO:
     def __init__(self) -> None:
         import trio
 
-        self.wait_readable: Callable[[socket.socket], Awaitable[None]] = trio.lowlevel.wait_readable
+        self.wait_readable: Callable[[HasFileno], Awaitable[None]] = trio.lowlevel.wait_readable
         self.wait_writable: Callable[[socket.socket], Awaitable[None]] = trio.lowlevel.wait_writable
-        self.notify_closing: Callable[[socket.socket], None] = trio.lowlevel.notify_closing
+        self.notify_closing: Callable[[HasFileno], None] = trio.lowlevel.notify_closing
         self.checkpoint: Callable[[], Awaitable[None]] = trio.lowlevel.checkpoint
         self.current_time: Callable[[], float] = trio.current_time
         self.wall_time: Callable[[], float] = time.time
@@ -154,7 +162,7 @@ class _AsyncioIO:
         self.current_time: Callable[[], float] = loop.time
         self.event: Callable[[], Event] = asyncio.Event
 
-    async def wait_readable(self, sock: socket.socket) -> None:
+    async def wait_readable(self, sock: HasFileno) -> None:
         """See `IO.wait_readable`."""
         fd = sock.fileno()
         entry = self._registered.get(fd)
@@ -197,7 +205,7 @@ class _AsyncioIO:
             if self._registered.get(fd) is entry:
                 self._loop.remove_writer(fd)
 
-    def notify_closing(self, sock: socket.socket) -> None:
+    def notify_closing(self, sock: HasFileno) -> None:
         """See `IO.notify_closing`."""
         entry = self._registered.pop(sock.fileno(), None)
         if entry is None:
