@@ -22,6 +22,7 @@ from tritonclient.utils import np_to_triton_dtype
 from trioinfer import ConfigError, InvalidInput
 from trioinfer.server import encode_infer_request, v2_numpy_dtype
 from trioinfer.server._codec import (
+    _PLANS,
     DATATYPES,
     InferRequest,
     Limits,
@@ -405,6 +406,94 @@ def test_bool_inputs_and_flags_elsewhere_are_counted() -> None:
     assert decode(doc).inputs["x"].tolist() == [1, 0]
     doc["inputs"][1]["data"] = [1, False]
     refused(doc, "input 'x'", "got false")
+
+
+# -- decoding: a binary header seen before ------------------------------------------------------
+
+
+def test_a_repeated_binary_header_decodes_each_requests_own_data() -> None:
+    first = np.arange(6, dtype=np.float32).reshape(2, 3)
+    second = -first
+    body, length = binary_body({"x": first}, id="r", parameters={"priority": 2})
+    again, again_length = binary_body({"x": second}, id="r", parameters={"priority": 2})
+    assert body[:length] == again[:again_length]
+    decode(body, length)
+    assert body[:length] in _PLANS  # kept: the next request with this header uses it
+    request = decode(again, again_length)
+    assert_same(request.inputs["x"], second)
+    assert np.shares_memory(request.inputs["x"], np.frombuffer(again, dtype=np.uint8))
+    assert (request.id, dict(request.parameters)) == ("r", {"priority": 2})
+    assert request.outputs is None
+    assert not request.binary_output
+
+
+def test_a_repeated_binary_header_still_checks_the_data() -> None:
+    flags = np.array([True, False])
+    body, length = binary_body({"b": flags})
+    decode(body, length)
+    header = body[:length]
+    refused(header + b"\x02\x00", "BOOL binary data must be bytes 0 or 1", header_length=length)
+    refused(header + b"\x01", "binary_data_size 2 but only 1 bytes", header_length=length)
+    refused(header + b"\x01\x00\x00", "1 bytes follow the JSON header", header_length=length)
+
+
+def test_a_repeated_binary_header_is_checked_again_under_other_limits() -> None:
+    body, length = binary_body({"x": np.zeros((1, 4), dtype=np.float32)})
+    decode(body, length)
+    refused(
+        body,
+        "at most 2 are accepted",
+        header_length=length,
+        limits=Limits(max_elements_per_tensor=2),
+    )
+
+
+def test_only_all_binary_headers_without_shared_memory_are_kept() -> None:
+    _PLANS.clear()
+    mixed = orjson.dumps(
+        {
+            "inputs": [
+                {
+                    "name": "a",
+                    "shape": [1],
+                    "datatype": "INT8",
+                    "parameters": {"binary_data_size": 1},
+                },
+                {"name": "b", "shape": [1], "datatype": "INT8", "data": [5]},
+            ]
+        }
+    )
+    decode(mixed + b"\x07", len(mixed))
+    assert not _PLANS  # JSON data varies from request to request
+
+    class Region:  # a lease on one shared-memory region whose content changes
+        content = b""
+
+        def read(self, name: str, offset: int, byte_size: int, *, what: str = "") -> memoryview:
+            return memoryview(self.content)[offset : offset + byte_size]
+
+    region = Region()
+    header = orjson.dumps(
+        {
+            "inputs": [
+                {
+                    "name": "s",
+                    "shape": [2],
+                    "datatype": "INT8",
+                    "parameters": {"shared_memory_region": "r", "shared_memory_byte_size": 2},
+                }
+            ]
+        }
+    )
+    for content in (b"\x01\x02", b"\x03\x04"):
+        region.content = content
+        request = decode_infer_request(header, len(header), LIMITS, region)  # type: ignore[arg-type]
+        assert request.inputs["s"].tolist() == list(content)
+    assert not _PLANS  # a region's content (and the region) may change
+    for i in range(300):
+        body, length = binary_body({f"x{i}": np.zeros(2, dtype=np.int8)})
+        decode(body, length)
+    assert 0 < len(_PLANS) <= 256
 
 
 # -- decoding: the real client ------------------------------------------------------------------
