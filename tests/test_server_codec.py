@@ -22,6 +22,7 @@ from tritonclient.utils import np_to_triton_dtype
 from trioinfer import ConfigError, InvalidInput
 from trioinfer.server import encode_infer_request, v2_numpy_dtype
 from trioinfer.server._codec import (
+    _JSON_PLANS,
     _PLANS,
     DATATYPES,
     InferRequest,
@@ -494,6 +495,74 @@ def test_only_all_binary_headers_without_shared_memory_are_kept() -> None:
         body, length = binary_body({f"x{i}": np.zeros(2, dtype=np.int8)})
         decode(body, length)
     assert 0 < len(_PLANS) <= 256
+
+
+# -- decoding: an all-JSON request like one seen before -------------------------------------------
+
+
+def like(data: Any, **fields: Any) -> dict[str, Any]:
+    """A request with one FP32 [2, 2] input holding *data*, its outputs and parameters fixed."""
+    return {
+        "id": "r",
+        "inputs": [{"name": "x", "shape": [2, 2], "datatype": "FP32", "data": data, **fields}],
+        "outputs": [{"name": "y"}],
+        "parameters": {"priority": 1},
+    }
+
+
+def test_a_json_request_like_one_seen_before_decodes_its_own_data() -> None:
+    _JSON_PLANS.clear()
+    decode(like([1, 2, 3, 4]))
+    assert len(_JSON_PLANS) == 1  # kept: the next request with this shape of document uses it
+    for data in ([5.5, 6, 7, 8], [[1, 2], [3, 4.25]]):
+        request = decode(like(data))
+        assert_same(request.inputs["x"], np.array(data, dtype=np.float32).reshape(2, 2))
+        assert request.id == "r"
+        assert request.outputs == (RequestedOutput("y"),)
+        assert dict(request.parameters) == {"priority": 1}
+    assert len(_JSON_PLANS) == 1
+
+
+@pytest.mark.parametrize(
+    ("data", "fragment"),
+    [
+        ([1, 2, 3], "'data' has 3 values but shape [2, 2] holds 4"),
+        ([1, "2", 3, 4], "FP32 data must be numbers"),
+        ([1, None, 3, 4], "FP32 data must be numbers"),
+        ([1, True, 3, 4], "FP32 data must be numbers; got true"),
+        ([[1, 2, 3], [4, 5, 6]], "'data' nests as [2, 3] but the shape is [2, 2]"),
+        ([[1, 2], [3]], "its nesting does not fit"),
+        ([1, 2, 3, 1e39], "numbers within +-3.40282e+38"),
+        ({"a": 1}, "'data' must be a list of FP32 values"),
+        ([[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[1]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]], "more than 32 deep"),
+    ],
+)
+def test_a_json_request_like_one_seen_before_has_its_data_checked(data: Any, fragment: str) -> None:
+    decode(like([1, 2, 3, 4]))
+    refused(like(data), fragment)
+
+
+def test_a_json_request_like_one_seen_before_is_checked_again_under_other_limits() -> None:
+    decode(like([1, 2, 3, 4]))
+    refused(like([1, 2, 3, 4]), "at most 3 are accepted", limits=Limits(max_elements_per_tensor=3))
+
+
+def test_json_requests_with_binary_or_shared_memory_parts_are_not_kept() -> None:
+    _JSON_PLANS.clear()
+    header = orjson.dumps(like([1, 2, 3, 4]))
+    decode(header + b"", len(header))  # a header length: the binary extension
+    assert not _JSON_PLANS
+
+    class Lease:
+        def check(self, name: str, offset: int, byte_size: int, *, what: str = "") -> None:
+            pass
+
+    doc = like([1, 2, 3, 4])
+    doc["outputs"] = [
+        {"name": "y", "parameters": {"shared_memory_region": "r", "shared_memory_byte_size": 8}}
+    ]
+    decode_infer_request(orjson.dumps(doc), None, LIMITS, Lease())  # type: ignore[arg-type]
+    assert not _JSON_PLANS
 
 
 # -- decoding: the real client ------------------------------------------------------------------

@@ -402,6 +402,15 @@ def decode_infer_request(
         raise RequestError(
             f"the infer request must be a JSON object with an 'inputs' list, got {_kind(doc)}"
         )
+    json_key = None
+    if header_length is None:
+        json_key = _json_plan_key(doc)
+        if json_key is not None:
+            json_plan = _JSON_PLANS.get(json_key)
+            if json_plan is not None and json_plan.limits is limits:
+                request = json_plan.apply(header, doc)
+                if request is not None:
+                    return request
     request_id = doc.get("id")
     if request_id is not None and not isinstance(request_id, str):
         raise RequestError(f"the request's 'id' must be a string, got {_show(request_id)}")
@@ -502,6 +511,12 @@ def decode_infer_request(
         if len(_PLANS) >= _PLAN_COUNT:
             _PLANS.clear()
         _PLANS[header] = _BinaryPlan(limits, request, tuple(declared.values()), offset)
+    elif plain and json_key is not None and all(spec.shm is None for spec in declared.values()):
+        # Every input is JSON data here (no header length: a binary one was refused above).
+        if len(_JSON_PLANS) >= _PLAN_COUNT:
+            _JSON_PLANS.clear()
+        known = known_bools or _walk_request(doc, raw_inputs, limits)
+        _JSON_PLANS[json_key] = _JsonPlan(limits, request, tuple(declared.values()), known)
     return request
 
 
@@ -541,9 +556,83 @@ class _BinaryPlan:
         return InferRequest(r.id, inputs, r.outputs, r.binary_output, r.parameters)
 
 
+def _json_plan_key(doc: dict[str, Any]) -> bytes | None:
+    """An all-JSON request's document without its inputs' ``data``, as JSON; None if unfit.
+
+    Everything `decode_infer_request` checks but the ``data`` lists is in it:
+    two requests with the same key differ only in their data.
+    """
+    items = doc.get("inputs")
+    if type(items) is not list or not items:
+        return None
+    stripped = []
+    for item in items:
+        if type(item) is not dict or "data" not in item:
+            return None
+        stripped.append({k: v for k, v in item.items() if k != "data"})
+    try:
+        key = orjson.dumps({**doc, "inputs": stripped})
+    except TypeError:  # pragma: no cover - a safety net: the values came from orjson
+        return None
+    return key if len(key) <= _PLAN_BYTES else None
+
+
+class _JsonPlan:
+    """What an all-JSON request decoded to, but for its data, for the next one like it.
+
+    A client sends the same inputs, shapes and outputs again and again with
+    other values: everything but the ``data`` lists (names, datatypes,
+    shapes, limits, outputs, parameters, depth, the booleans outside data)
+    was checked once, under the same limits. Each request's data is still
+    checked and converted as the long way does (`_from_json`,
+    `_refuse_hidden_bools`); where it fails, the long way decodes the request
+    again to say why.
+    """
+
+    __slots__ = ("known", "limits", "request", "specs")
+
+    def __init__(
+        self, limits: Limits, request: InferRequest, specs: tuple[_Input, ...], known: _Counts
+    ) -> None:
+        self.limits = limits
+        self.request = request  # its inputs are replaced; the rest is immutable
+        self.specs = specs
+        self.known = known
+
+    def apply(self, header: bytes, doc: dict[str, Any]) -> InferRequest | None:
+        """The request with *doc*'s data; None if the data are not right (the long way says why)."""
+        limits = self.limits
+        raw_inputs = doc["inputs"]
+        declared: dict[str, _Input] = {}
+        inputs: dict[str, npt.NDArray[Any]] = {}
+        try:
+            for spec, item in zip(self.specs, raw_inputs, strict=True):
+                data = item["data"]
+                if type(data) is not list:
+                    return None
+                declared[spec.name] = _Input(
+                    spec.name,
+                    spec.datatype,
+                    spec.shape,
+                    spec.count,
+                    data,
+                    0,
+                    _spine(data, limits),
+                )
+            for spec in declared.values():
+                inputs[spec.name] = _from_json(spec, spec.data)  # type: ignore[arg-type]
+            _refuse_hidden_bools(header, declared, inputs, self.known, doc, raw_inputs, limits)
+        except RequestError:
+            return None
+        r = self.request
+        return InferRequest(r.id, inputs, r.outputs, r.binary_output, r.parameters)
+
+
 #: Recent binary requests' JSON headers (at most `_PLAN_BYTES` each) and their
 #: plans; emptied when `_PLAN_COUNT` are kept.
 _PLANS: Final[dict[bytes, _BinaryPlan]] = {}
+#: The same for all-JSON requests, by `_json_plan_key`.
+_JSON_PLANS: Final[dict[bytes, _JsonPlan]] = {}
 _PLAN_BYTES: Final = 4096
 _PLAN_COUNT: Final = 256
 
@@ -1004,6 +1093,11 @@ def _parse_input(
         raise RequestError(
             f"{where}: 'data' must be a list of {datatype} values, got {_show(data)}"
         )
+    return _Input(name, datatype, shape, count, data, 0, _spine(data, limits))
+
+
+def _spine(data: list[Any], limits: Limits) -> tuple[int, ...]:
+    """The lengths of *data*'s levels, following first elements; refused past the depth limit."""
     spine: list[int] = []
     level: Any = data
     # Bounded by the depth limit, so a client cannot make this loop long.
@@ -1014,7 +1108,7 @@ def _parse_input(
         if not level:
             break
         level = level[0]
-    return _Input(name, datatype, shape, count, data, 0, tuple(spine))
+    return tuple(spine)
 
 
 def _parse_outputs(raw: Any, limits: Limits) -> tuple[RequestedOutput, ...] | None:
