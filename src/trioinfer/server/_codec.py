@@ -1559,7 +1559,10 @@ def _encode_output(
     else:
         # orjson writes numpy arrays natively, but only C-contiguous, native-order ones.
         wanted = _WIRE[datatype] if binary else DATATYPES[datatype]
-        flat = np.ascontiguousarray(array, dtype=wanted).reshape(-1)
+        if array.dtype == wanted and array.flags.c_contiguous:
+            flat = array.reshape(-1)  # a view, as ascontiguousarray would give, for less
+        else:
+            flat = np.ascontiguousarray(array, dtype=wanted).reshape(-1)
         if not binary:
             entry["data"] = flat
             return entry, None
