@@ -420,6 +420,7 @@ def test_a_repeated_binary_header_decodes_each_requests_own_data() -> None:
     assert body[:length] == again[:again_length]
     decode(body, length)
     assert body[:length] in _PLANS  # kept: the next request with this header uses it
+    assert _PLANS[body[:length]].request.inputs == {}  # a plan keeps no request's body alive
     request = decode(again, again_length)
     assert_same(request.inputs["x"], second)
     assert np.shares_memory(request.inputs["x"], np.frombuffer(again, dtype=np.uint8))
@@ -521,6 +522,24 @@ def test_a_json_request_like_one_seen_before_decodes_its_own_data() -> None:
         assert request.outputs == (RequestedOutput("y"),)
         assert dict(request.parameters) == {"priority": 1}
     assert len(_JSON_PLANS) == 1
+    (plan,) = _JSON_PLANS.values()
+    assert plan.request.inputs == {}  # a plan keeps no request's data alive
+    assert all(spec.data is None for spec in plan.specs)
+
+
+def test_a_json_request_like_one_seen_before_has_its_own_id() -> None:
+    _JSON_PLANS.clear()
+    for request_id in ("a", "b", None):
+        doc = like([1, 2, 3, 4])
+        if request_id is None:
+            del doc["id"]
+        else:
+            doc["id"] = request_id
+        assert decode(doc).id == request_id
+    assert len(_JSON_PLANS) == 1
+    doc = like([1, 2, 3, 4])
+    doc["id"] = 5
+    refused(doc, "the request's 'id' must be a string, got 5")
 
 
 @pytest.mark.parametrize(

@@ -510,14 +510,27 @@ def decode_infer_request(
     ):
         if len(_PLANS) >= _PLAN_COUNT:
             _PLANS.clear()
-        _PLANS[header] = _BinaryPlan(limits, request, tuple(declared.values()), offset)
+        _PLANS[header] = _BinaryPlan(
+            limits, _without_inputs(request), tuple(declared.values()), offset
+        )
     elif plain and json_key is not None and all(spec.shm is None for spec in declared.values()):
         # Every input is JSON data here (no header length: a binary one was refused above).
         if len(_JSON_PLANS) >= _PLAN_COUNT:
             _JSON_PLANS.clear()
         known = known_bools or _walk_request(doc, raw_inputs, limits)
-        _JSON_PLANS[json_key] = _JsonPlan(limits, request, tuple(declared.values()), known)
+        # The plan keeps no data: it may outlive this request by far.
+        specs = tuple(
+            _Input(spec.name, spec.datatype, spec.shape, spec.count, None, 0, ())
+            for spec in declared.values()
+        )
+        _JSON_PLANS[json_key] = _JsonPlan(limits, _without_inputs(request), specs, known)
     return request
+
+
+def _without_inputs(request: InferRequest) -> InferRequest:
+    # What a plan keeps of a request: binary inputs are views of its body, which
+    # a plan would otherwise keep alive.
+    return InferRequest(request.id, {}, request.outputs, request.binary_output, request.parameters)
 
 
 class _BinaryPlan:
@@ -538,7 +551,7 @@ class _BinaryPlan:
         self, limits: Limits, request: InferRequest, specs: tuple[_Input, ...], binary_size: int
     ) -> None:
         self.limits = limits
-        self.request = request  # its inputs are replaced; the rest is immutable
+        self.request = request  # without inputs (each request has its own)
         self.specs = specs
         self.binary_size = binary_size
 
@@ -557,10 +570,10 @@ class _BinaryPlan:
 
 
 def _json_plan_key(doc: dict[str, Any]) -> bytes | None:
-    """An all-JSON request's document without its inputs' ``data``, as JSON; None if unfit.
+    """An all-JSON request's document without its ``id`` and inputs' ``data``, as JSON.
 
-    Everything `decode_infer_request` checks but the ``data`` lists is in it:
-    two requests with the same key differ only in their data.
+    Everything `decode_infer_request` checks but those is in it: two requests
+    with the same key differ only in their id and data. None if unfit.
     """
     items = doc.get("inputs")
     if type(items) is not list or not items:
@@ -570,8 +583,10 @@ def _json_plan_key(doc: dict[str, Any]) -> bytes | None:
         if type(item) is not dict or "data" not in item:
             return None
         stripped.append({k: v for k, v in item.items() if k != "data"})
+    rest = {k: v for k, v in doc.items() if k != "id"}  # an id per request is common
+    rest["inputs"] = stripped
     try:
-        key = orjson.dumps({**doc, "inputs": stripped})
+        key = orjson.dumps(rest)
     except TypeError:  # pragma: no cover - a safety net: the values came from orjson
         return None
     return key if len(key) <= _PLAN_BYTES else None
@@ -581,9 +596,10 @@ class _JsonPlan:
     """What an all-JSON request decoded to, but for its data, for the next one like it.
 
     A client sends the same inputs, shapes and outputs again and again with
-    other values: everything but the ``data`` lists (names, datatypes,
-    shapes, limits, outputs, parameters, depth, the booleans outside data)
-    was checked once, under the same limits. Each request's data is still
+    other values (and often another ``id``): everything but the ``data``
+    lists and the id (names, datatypes, shapes, limits, outputs, parameters,
+    depth, the booleans outside data) was checked once, under the same
+    limits. Each request's id and data are still
     checked and converted as the long way does (`_from_json`,
     `_refuse_hidden_bools`); where it fails, the long way decodes the request
     again to say why.
@@ -595,13 +611,16 @@ class _JsonPlan:
         self, limits: Limits, request: InferRequest, specs: tuple[_Input, ...], known: _Counts
     ) -> None:
         self.limits = limits
-        self.request = request  # its inputs are replaced; the rest is immutable
-        self.specs = specs
+        self.request = request  # without inputs or id (each request has its own)
+        self.specs = specs  # without data
         self.known = known
 
     def apply(self, header: bytes, doc: dict[str, Any]) -> InferRequest | None:
         """The request with *doc*'s data; None if the data are not right (the long way says why)."""
         limits = self.limits
+        request_id = doc.get("id")
+        if request_id is not None and type(request_id) is not str:
+            return None
         raw_inputs = doc["inputs"]
         declared: dict[str, _Input] = {}
         inputs: dict[str, npt.NDArray[Any]] = {}
@@ -625,7 +644,7 @@ class _JsonPlan:
         except RequestError:
             return None
         r = self.request
-        return InferRequest(r.id, inputs, r.outputs, r.binary_output, r.parameters)
+        return InferRequest(request_id, inputs, r.outputs, r.binary_output, r.parameters)
 
 
 #: Recent binary requests' JSON headers (at most `_PLAN_BYTES` each) and their
