@@ -508,22 +508,29 @@ def decode_infer_request(
         and len(header) <= _PLAN_BYTES
         and all(spec.data is None and spec.shm is None for spec in declared.values())
     ):
-        if len(_PLANS) >= _PLAN_COUNT:
-            _PLANS.clear()
-        _PLANS[header] = _BinaryPlan(
-            limits, _without_inputs(request), tuple(declared.values()), offset
-        )
+        # A plan is made the second time a header is seen: a client that sends
+        # a new id each time would otherwise make one per request for nothing.
+        if header not in _PLANS:
+            if len(_PLANS) >= _PLAN_COUNT:
+                _PLANS.clear()
+            _PLANS[header] = None
+        else:
+            specs = tuple(declared.values())
+            _PLANS[header] = _BinaryPlan(limits, _without_inputs(request), specs, offset)
     elif plain and json_key is not None and all(spec.shm is None for spec in declared.values()):
         # Every input is JSON data here (no header length: a binary one was refused above).
-        if len(_JSON_PLANS) >= _PLAN_COUNT:
-            _JSON_PLANS.clear()
-        known = known_bools or _walk_request(doc, raw_inputs, limits)
-        # The plan keeps no data: it may outlive this request by far.
-        specs = tuple(
-            _Input(spec.name, spec.datatype, spec.shape, spec.count, None, 0, ())
-            for spec in declared.values()
-        )
-        _JSON_PLANS[json_key] = _JsonPlan(limits, _without_inputs(request), specs, known)
+        if json_key not in _JSON_PLANS:  # the second time, as for binary plans
+            if len(_JSON_PLANS) >= _PLAN_COUNT:
+                _JSON_PLANS.clear()
+            _JSON_PLANS[json_key] = None
+        else:
+            known = known_bools or _walk_request(doc, raw_inputs, limits)
+            # The plan keeps no data: it may outlive this request by far.
+            specs = tuple(
+                _Input(spec.name, spec.datatype, spec.shape, spec.count, None, 0, ())
+                for spec in declared.values()
+            )
+            _JSON_PLANS[json_key] = _JsonPlan(limits, _without_inputs(request), specs, known)
     return request
 
 
@@ -648,10 +655,10 @@ class _JsonPlan:
 
 
 #: Recent binary requests' JSON headers (at most `_PLAN_BYTES` each) and their
-#: plans; emptied when `_PLAN_COUNT` are kept.
-_PLANS: Final[dict[bytes, _BinaryPlan]] = {}
+#: plans (None: seen once); emptied when `_PLAN_COUNT` are kept.
+_PLANS: Final[dict[bytes, _BinaryPlan | None]] = {}
 #: The same for all-JSON requests, by `_json_plan_key`.
-_JSON_PLANS: Final[dict[bytes, _JsonPlan]] = {}
+_JSON_PLANS: Final[dict[bytes, _JsonPlan | None]] = {}
 _PLAN_BYTES: Final = 4096
 _PLAN_COUNT: Final = 256
 
