@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import gzip
+import math
 import struct
 import tracemalloc
 import zlib
@@ -1349,6 +1350,91 @@ def test_property_fuzzed_documents_only_raise_request_errors(
     length = data.draw(st.none() | st.integers(-2, len(header) + len(tail) + 2), label="length")
     with contextlib.suppress(RequestError):
         decode(header + tail, length, Limits(max_elements_per_tensor=64, max_json_depth=6))
+
+
+_FUZZ_LIMITS = Limits(max_elements_per_tensor=64, max_json_depth=6)
+
+
+def _outcome(body: bytes, length: int | None) -> tuple[Any, ...]:
+    try:
+        r = decode_infer_request(body, length, _FUZZ_LIMITS)
+    except RequestError as exc:
+        return type(exc), str(exc)
+    arrays = {k: (v.dtype.str, v.shape, v.tolist()) for k, v in r.inputs.items()}
+    return arrays, r.id, r.outputs, r.binary_output, dict(r.parameters)
+
+
+_scalars = (
+    st.none()
+    | st.booleans()
+    | st.integers(-(2**63), 2**64 - 1)
+    | st.floats(allow_nan=False)
+    | st.integers(-3, 300)
+    | st.floats(-1e3, 1e3)
+    | st.text(max_size=2)
+)
+
+
+@st.composite
+def _like_docs(
+    draw: st.DrawFn, shape: list[int], datatype: str, binary: bool
+) -> tuple[bytes, int | None]:
+    """A request for one input of *shape* and *datatype*, its data (or binary part) drawn,
+    and its header length."""
+    count = math.prod(shape)
+    item: dict[str, Any] = {"name": "x", "shape": shape, "datatype": datatype}
+    tail = b""
+    if binary:
+        size = count * (DATATYPES[datatype].itemsize if datatype != "BYTES" else 4)
+        tail = draw(st.binary(min_size=size, max_size=size) | st.binary(max_size=size + 2))
+        item["parameters"] = {"binary_data_size": size}
+    else:
+        flat = st.lists(_scalars, min_size=count, max_size=count)
+        item["data"] = draw(flat | st.lists(_json_values, max_size=4))
+    doc: dict[str, Any] = {"inputs": [item]}
+    if draw(st.booleans()):
+        doc["id"] = draw(st.text(max_size=3) | _scalars)
+    header = orjson.dumps(doc)
+    return header + tail, len(header) if binary else None
+
+
+def _outcome(body: bytes, length: int | None) -> tuple[Any, ...]:
+    try:
+        r = decode_infer_request(body, length, _FUZZ_LIMITS)
+    except RequestError as exc:
+        return type(exc), str(exc)
+    arrays = {k: (v.dtype.str, v.shape, v.tolist()) for k, v in r.inputs.items()}
+    return arrays, r.id, r.outputs, r.binary_output, dict(r.parameters)
+
+
+_FUZZ_LIMITS = Limits(max_elements_per_tensor=64, max_json_depth=6)
+
+
+@FUZZ
+@given(
+    st.lists(st.integers(0, 3), max_size=3),
+    st.sampled_from(sorted(DATATYPES)),
+    st.booleans(),
+    st.data(),
+)
+def test_property_a_plan_decodes_as_the_long_way(
+    shape: list[int], datatype: str, binary: bool, data: st.DataObject
+) -> None:
+    # Requests alike but for their data (or binary part) and id: once a plan was
+    # made from one (decoded twice), the others decode exactly as with no plan.
+    drawn = [data.draw(_like_docs(shape, datatype, binary), label="body") for _ in range(3)]
+    bodies = [body for body, _ in drawn]
+    lengths = [length for _, length in drawn]
+    _PLANS.clear()
+    _JSON_PLANS.clear()
+    want = [_outcome(body, length) for body, length in zip(bodies, lengths, strict=True)]
+    _PLANS.clear()
+    _JSON_PLANS.clear()
+    got = [_outcome(body, length) for body, length in zip(bodies, lengths, strict=True)]
+    _outcome(bodies[0], lengths[0])
+    _outcome(bodies[0], lengths[0])
+    got += [_outcome(body, length) for body, length in zip(bodies, lengths, strict=True)]
+    assert got == want + want
 
 
 @FUZZ
