@@ -12,7 +12,7 @@ per read). `open_io` picks one implementation per server, once:
 - on asyncio, a socket stays registered with the selector from its first wait
   until it is closed, and a readiness callback wakes the one waiting task
   through a future. The registration is dropped while nobody waits and the
-  socket turns readable (the selector is level-triggered: it would call back
+  socket stays readable (the selector is level-triggered: it would call back
   on every turn of the loop), and made again at the next wait.
 
 A socket here is a plain non-blocking `socket.socket`; the server calls
@@ -138,11 +138,13 @@ class ClosedError(OSError):
 class _Registration:
     """One socket's place in the asyncio selector, and the task waiting on each side."""
 
-    __slots__ = ("fd", "reader", "reading", "writer")
+    __slots__ = ("fd", "reader", "reading", "unwaited", "writer")
 
     def __init__(self, fd: int) -> None:
         self.fd = fd
         self.reading = False  # registered with add_reader
+        # Readiness callbacks in a row that found nobody waiting (see _readable).
+        self.unwaited = 0
         self.reader: asyncio.Future[None] | None = None
         self.writer: asyncio.Future[None] | None = None
 
@@ -183,10 +185,19 @@ class _AsyncioIO:
         future = entry.reader
         if future is None:
             # Nobody waits: stop watching, or the selector calls back every turn.
-            self._loop.remove_reader(entry.fd)
-            entry.reading = False
-        elif not future.done():
-            future.set_result(None)
+            # Not at the first such call: the selector reports a socket again in
+            # the turn in which its waiter wakes and reads it, a call that comes
+            # after that read; dropping the registration then cost two system
+            # calls per request (it is made again at the next wait).
+            entry.unwaited += 1
+            if entry.unwaited > 1:
+                self._loop.remove_reader(entry.fd)
+                entry.reading = False
+                entry.unwaited = 0
+        else:
+            entry.unwaited = 0
+            if not future.done():
+                future.set_result(None)
 
     async def wait_writable(self, sock: socket.socket) -> None:
         """See `IO.wait_writable` (the rare case: a send that would block)."""
