@@ -767,7 +767,7 @@ async def test_without_a_hang_up_watcher_the_extension_leaves_watching_to_receiv
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     # Where epoll is missing the extension registers nothing: the app watches with receive().
-    monkeypatch.setattr(_http_server, "open_hangups", lambda io: None)
+    monkeypatch.setattr(_http_server, "hangup_watcher", lambda io: None)
     seen: list[object] = []
     done = trio.Event()
 

@@ -58,7 +58,7 @@ from ._cycle import ASGI3App, RequestCycle
 from ._framing import FramingError, RequestFraming, error_response
 from ._io import IO, Event
 
-__all__ = ["Connection", "Hangups", "Shared", "open_hangups"]
+__all__ = ["Connection", "Hangups", "Shared", "hangup_watcher"]
 
 log = logging.getLogger("trioinfer.server")
 
@@ -93,7 +93,7 @@ class Hangups:
     One task (`run`) waits on a private epoll set holding the sockets of
     connections whose app asked to be told (``trioinfer.cancel_on_disconnect``),
     edge-triggered on the peer's hang-up only; a connection is added on its
-    first such request and stays until it closes. Made by `open_hangups`.
+    first such request and stays until it closes. Made by `hangup_watcher`.
     """
 
     __slots__ = ("_connections", "_epoll", "_io")
@@ -141,7 +141,7 @@ class Hangups:
         self._connections.clear()
 
 
-def open_hangups(io: IO) -> Hangups | None:
+def hangup_watcher(io: IO) -> Hangups | None:
     """A `Hangups` for *io*'s loop, or None where epoll (Linux) is missing."""
     if not hasattr(select, "epoll") or not hasattr(select, "EPOLLRDHUP"):
         return None  # pragma: no cover - Linux has both

@@ -35,7 +35,7 @@ from typing import Final, Protocol, final
 import anyio
 import anyio.abc
 
-from ._connection import Connection, Hangups, Shared, open_hangups
+from ._connection import Connection, Hangups, Shared, hangup_watcher
 from ._cycle import ASGI3App
 from ._io import IO, open_io
 from ._lifespan import Lifespan
@@ -136,7 +136,7 @@ async def serve_asgi(
     # backlog, and a bind error is raised as itself, not inside an ExceptionGroup.
     listeners = await _open_listeners(host, port, reuse_port=reuse_port)
     lifespan = Lifespan(app)
-    hangups = open_hangups(io)
+    hangups = hangup_watcher(io)
     try:
         async with anyio.create_task_group() as root:
             root.start_soon(lifespan.run)
