@@ -681,9 +681,12 @@ async def test_receive_reports_disconnect_on_reset() -> None:
     assert seen == ["http.disconnect"]
 
 
-async def stay_twice_then_leave(app: Any, working: trio.Event, done: trio.Event) -> None:
+async def stay_twice_then_leave(
+    app: Any, working: trio.Event, done: trio.Event, *, reset: bool = False
+) -> None:
     """On one connection: two ``/stay`` requests answered, then the client leaves
-    during ``/leave`` once the app sets *working*; returns when it sets *done*."""
+    during ``/leave`` once the app sets *working* (with a reset if *reset*, else
+    a FIN); returns when it sets *done*."""
     async with serving(app) as server:
         async with connect(server) as client:
             for _ in range(2):
@@ -691,12 +694,17 @@ async def stay_twice_then_leave(app: Any, working: trio.Event, done: trio.Event)
                 assert (await client.response()).status == 200
             await client.send(post("/leave", b"x"))
             await working.wait()
+            if reset:
+                client.stream.socket.setsockopt(
+                    socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0)
+                )
         with trio.fail_after(5):
             await done.wait()
 
 
-async def test_cancel_on_disconnect_extension_cancels_the_registered_scope() -> None:
-    # Three requests on one connection share its watcher task; the third client leaves.
+@pytest.mark.parametrize("reset", [False, True])
+async def test_cancel_on_disconnect_extension_cancels_the_registered_scope(reset: bool) -> None:
+    # Three requests on one connection share the server's hang-up watcher; the third client leaves.
     outcomes: list[str] = []
     working = trio.Event()
     done = trio.Event()
@@ -719,8 +727,69 @@ async def test_cancel_on_disconnect_extension_cancels_the_registered_scope() -> 
         outcomes.append("cancelled" if left.cancelled_caught else "?")
         done.set()
 
-    await stay_twice_then_leave(app, working, done)
+    await stay_twice_then_leave(app, working, done, reset=reset)
     assert outcomes == ["answered", "answered", "cancelled"]
+
+
+async def test_cancel_on_disconnect_after_the_hang_up_was_seen_cancels_at_once() -> None:
+    # The request and the client's FIN arrive together on a watched connection; the
+    # hang-up is seen (and reported once) before the app registers: it is cancelled anyway.
+    outcomes: list[str] = []
+    done = trio.Event()
+
+    async def app(scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            raise RuntimeError("no lifespan")
+        await read_body(receive)
+        await trio.testing.wait_all_tasks_blocked()  # the watcher has seen the hang-up
+        with trio.CancelScope() as left:
+            assert scope["extensions"]["trioinfer.cancel_on_disconnect"](left)
+            if scope["path"] == "/stay":
+                await respond(send, 200, b"ok")
+                outcomes.append("answered")
+                return
+            await trio.sleep_forever()
+        outcomes.append("cancelled" if left.cancelled_caught else "?")
+        done.set()
+
+    async with serving(app) as server, connect(server) as client:
+        await client.send(post("/stay", b"x"))
+        assert (await client.response()).status == 200
+        await client.send(post("/leave", b"x"))
+        await client.stream.send_eof()
+        with trio.fail_after(5):
+            await done.wait()
+            assert await client.closed()
+    assert outcomes == ["answered", "cancelled"]
+
+
+async def test_without_a_hang_up_watcher_the_extension_leaves_watching_to_receive(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Where epoll is missing the extension registers nothing: the app watches with receive().
+    monkeypatch.setattr(_http_server, "hangup_watcher", lambda io: None)
+    seen: list[object] = []
+    done = trio.Event()
+
+    async def app(scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            raise RuntimeError("no lifespan")
+        await read_body(receive)
+        seen.append(scope["extensions"]["trioinfer.cancel_on_disconnect"]())
+        if scope["path"] == "/stay":
+            await respond(send, 200, b"ok")
+            return
+        seen.append((await receive())["type"])
+        done.set()
+
+    async with serving(app) as server:
+        async with connect(server) as client:
+            await client.send(post("/stay", b"x"))
+            assert (await client.response()).status == 200
+            await client.send(post("/leave", b"x"))
+        with trio.fail_after(5):
+            await done.wait()
+    assert seen == [False, False, "http.disconnect"]
 
 
 async def test_cancel_on_disconnect_without_a_scope_cancels_the_apps_task() -> None:
@@ -782,8 +851,8 @@ def disconnect_watching_app(release: trio.Event | None = None) -> Any:
 def extension_watching_app(release: trio.Event | None = None) -> Any:
     """As `disconnect_watching_app`, watching with ``trioinfer.cancel_on_disconnect``.
 
-    The connection's own watcher task reads then, and its read outlives the
-    response: it ends with the next bytes or the client's EOF.
+    The server's hang-up watcher watches then; the connection reads nothing
+    while the app works, and the next request when the response is done.
     """
 
     async def app(scope: Scope, receive: Receive, send: Send) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import gzip
+import math
 import struct
 import tracemalloc
 import zlib
@@ -22,6 +23,8 @@ from tritonclient.utils import np_to_triton_dtype
 from trioinfer import ConfigError, InvalidInput
 from trioinfer.server import encode_infer_request, v2_numpy_dtype
 from trioinfer.server._codec import (
+    _JSON_PLANS,
+    _PLANS,
     DATATYPES,
     InferRequest,
     Limits,
@@ -405,6 +408,190 @@ def test_bool_inputs_and_flags_elsewhere_are_counted() -> None:
     assert decode(doc).inputs["x"].tolist() == [1, 0]
     doc["inputs"][1]["data"] = [1, False]
     refused(doc, "input 'x'", "got false")
+
+
+# -- decoding: a binary header seen before ------------------------------------------------------
+
+
+def test_a_repeated_binary_header_decodes_each_requests_own_data() -> None:
+    first = np.arange(6, dtype=np.float32).reshape(2, 3)
+    second = -first
+    body, length = binary_body({"x": first}, id="r", parameters={"priority": 2})
+    again, again_length = binary_body({"x": second}, id="r", parameters={"priority": 2})
+    assert body[:length] == again[:again_length]
+    decode(body, length)
+    assert _PLANS[body[:length]] is None  # seen once: no plan yet
+    decode(body, length)
+    plan = _PLANS[body[:length]]  # seen twice: the next request with this header uses it
+    assert plan is not None
+    assert plan.request.inputs == {}  # a plan keeps no request's body alive
+    request = decode(again, again_length)
+    assert_same(request.inputs["x"], second)
+    assert np.shares_memory(request.inputs["x"], np.frombuffer(again, dtype=np.uint8))
+    assert (request.id, dict(request.parameters)) == ("r", {"priority": 2})
+    assert request.outputs is None
+    assert not request.binary_output
+
+
+def test_a_repeated_binary_header_still_checks_the_data() -> None:
+    flags = np.array([True, False])
+    body, length = binary_body({"b": flags})
+    decode(body, length)
+    decode(body, length)
+    header = body[:length]
+    refused(header + b"\x02\x00", "BOOL binary data must be bytes 0 or 1", header_length=length)
+    refused(header + b"\x01", "binary_data_size 2 but only 1 bytes", header_length=length)
+    refused(header + b"\x01\x00\x00", "1 bytes follow the JSON header", header_length=length)
+
+
+def test_a_repeated_binary_header_is_checked_again_under_other_limits() -> None:
+    body, length = binary_body({"x": np.zeros((1, 4), dtype=np.float32)})
+    decode(body, length)
+    decode(body, length)
+    refused(
+        body,
+        "at most 2 are accepted",
+        header_length=length,
+        limits=Limits(max_elements_per_tensor=2),
+    )
+
+
+def test_only_all_binary_headers_without_shared_memory_are_kept() -> None:
+    _PLANS.clear()
+    mixed = orjson.dumps(
+        {
+            "inputs": [
+                {
+                    "name": "a",
+                    "shape": [1],
+                    "datatype": "INT8",
+                    "parameters": {"binary_data_size": 1},
+                },
+                {"name": "b", "shape": [1], "datatype": "INT8", "data": [5]},
+            ]
+        }
+    )
+    decode(mixed + b"\x07", len(mixed))
+    assert not _PLANS  # JSON data varies from request to request
+
+    class Region:  # a lease on one shared-memory region whose content changes
+        content = b""
+
+        def read(self, name: str, offset: int, byte_size: int, *, what: str = "") -> memoryview:
+            return memoryview(self.content)[offset : offset + byte_size]
+
+    region = Region()
+    header = orjson.dumps(
+        {
+            "inputs": [
+                {
+                    "name": "s",
+                    "shape": [2],
+                    "datatype": "INT8",
+                    "parameters": {"shared_memory_region": "r", "shared_memory_byte_size": 2},
+                }
+            ]
+        }
+    )
+    for content in (b"\x01\x02", b"\x03\x04"):
+        region.content = content
+        request = decode_infer_request(header, len(header), LIMITS, region)  # type: ignore[arg-type]
+        assert request.inputs["s"].tolist() == list(content)
+    assert not _PLANS  # a region's content (and the region) may change
+    for i in range(300):
+        body, length = binary_body({f"x{i}": np.zeros(2, dtype=np.int8)})
+        decode(body, length)
+    assert 0 < len(_PLANS) <= 256
+
+
+# -- decoding: an all-JSON request like one seen before -------------------------------------------
+
+
+def like(data: Any, **fields: Any) -> dict[str, Any]:
+    """A request with one FP32 [2, 2] input holding *data*, its outputs and parameters fixed."""
+    return {
+        "id": "r",
+        "inputs": [{"name": "x", "shape": [2, 2], "datatype": "FP32", "data": data, **fields}],
+        "outputs": [{"name": "y"}],
+        "parameters": {"priority": 1},
+    }
+
+
+def test_a_json_request_like_one_seen_before_decodes_its_own_data() -> None:
+    _JSON_PLANS.clear()
+    decode(like([1, 2, 3, 4]))
+    decode(like([1, 2, 3, 4]))
+    assert len(_JSON_PLANS) == 1  # kept: the next request with this shape of document uses it
+    for data in ([5.5, 6, 7, 8], [[1, 2], [3, 4.25]]):
+        request = decode(like(data))
+        assert_same(request.inputs["x"], np.array(data, dtype=np.float32).reshape(2, 2))
+        assert request.id == "r"
+        assert request.outputs == (RequestedOutput("y"),)
+        assert dict(request.parameters) == {"priority": 1}
+    assert len(_JSON_PLANS) == 1
+    (plan,) = _JSON_PLANS.values()
+    assert plan is not None
+    assert plan.request.inputs == {}  # a plan keeps no request's data alive
+    assert all(spec.data is None for spec in plan.specs)
+
+
+def test_a_json_request_like_one_seen_before_has_its_own_id() -> None:
+    _JSON_PLANS.clear()
+    for request_id in ("a", "b", None):
+        doc = like([1, 2, 3, 4])
+        if request_id is None:
+            del doc["id"]
+        else:
+            doc["id"] = request_id
+        assert decode(doc).id == request_id
+    assert len(_JSON_PLANS) == 1
+    doc = like([1, 2, 3, 4])
+    doc["id"] = 5
+    refused(doc, "the request's 'id' must be a string, got 5")
+
+
+@pytest.mark.parametrize(
+    ("data", "fragment"),
+    [
+        ([1, 2, 3], "'data' has 3 values but shape [2, 2] holds 4"),
+        ([1, "2", 3, 4], "FP32 data must be numbers"),
+        ([1, None, 3, 4], "FP32 data must be numbers"),
+        ([1, True, 3, 4], "FP32 data must be numbers; got true"),
+        ([[1, 2, 3], [4, 5, 6]], "'data' nests as [2, 3] but the shape is [2, 2]"),
+        ([[1, 2], [3]], "its nesting does not fit"),
+        ([1, 2, 3, 1e39], "numbers within +-3.40282e+38"),
+        ({"a": 1}, "'data' must be a list of FP32 values"),
+        ([[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[1]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]], "more than 32 deep"),
+    ],
+)
+def test_a_json_request_like_one_seen_before_has_its_data_checked(data: Any, fragment: str) -> None:
+    decode(like([1, 2, 3, 4]))
+    decode(like([1, 2, 3, 4]))
+    refused(like(data), fragment)
+
+
+def test_a_json_request_like_one_seen_before_is_checked_again_under_other_limits() -> None:
+    decode(like([1, 2, 3, 4]))
+    decode(like([1, 2, 3, 4]))
+    refused(like([1, 2, 3, 4]), "at most 3 are accepted", limits=Limits(max_elements_per_tensor=3))
+
+
+def test_json_requests_with_binary_or_shared_memory_parts_are_not_kept() -> None:
+    _JSON_PLANS.clear()
+    header = orjson.dumps(like([1, 2, 3, 4]))
+    decode(header + b"", len(header))  # a header length: the binary extension
+    assert not _JSON_PLANS
+
+    class Lease:
+        def check(self, name: str, offset: int, byte_size: int, *, what: str = "") -> None:
+            pass
+
+    doc = like([1, 2, 3, 4])
+    doc["outputs"] = [
+        {"name": "y", "parameters": {"shared_memory_region": "r", "shared_memory_byte_size": 8}}
+    ]
+    decode_infer_request(orjson.dumps(doc), None, LIMITS, Lease())  # type: ignore[arg-type]
+    assert not _JSON_PLANS
 
 
 # -- decoding: the real client ------------------------------------------------------------------
@@ -1163,6 +1350,91 @@ def test_property_fuzzed_documents_only_raise_request_errors(
     length = data.draw(st.none() | st.integers(-2, len(header) + len(tail) + 2), label="length")
     with contextlib.suppress(RequestError):
         decode(header + tail, length, Limits(max_elements_per_tensor=64, max_json_depth=6))
+
+
+_FUZZ_LIMITS = Limits(max_elements_per_tensor=64, max_json_depth=6)
+
+
+def _outcome(body: bytes, length: int | None) -> tuple[Any, ...]:
+    try:
+        r = decode_infer_request(body, length, _FUZZ_LIMITS)
+    except RequestError as exc:
+        return type(exc), str(exc)
+    arrays = {k: (v.dtype.str, v.shape, v.tolist()) for k, v in r.inputs.items()}
+    return arrays, r.id, r.outputs, r.binary_output, dict(r.parameters)
+
+
+_scalars = (
+    st.none()
+    | st.booleans()
+    | st.integers(-(2**63), 2**64 - 1)
+    | st.floats(allow_nan=False)
+    | st.integers(-3, 300)
+    | st.floats(-1e3, 1e3)
+    | st.text(max_size=2)
+)
+
+
+@st.composite
+def _like_docs(
+    draw: st.DrawFn, shape: list[int], datatype: str, binary: bool
+) -> tuple[bytes, int | None]:
+    """A request for one input of *shape* and *datatype*, its data (or binary part) drawn,
+    and its header length."""
+    count = math.prod(shape)
+    item: dict[str, Any] = {"name": "x", "shape": shape, "datatype": datatype}
+    tail = b""
+    if binary:
+        size = count * (DATATYPES[datatype].itemsize if datatype != "BYTES" else 4)
+        tail = draw(st.binary(min_size=size, max_size=size) | st.binary(max_size=size + 2))
+        item["parameters"] = {"binary_data_size": size}
+    else:
+        flat = st.lists(_scalars, min_size=count, max_size=count)
+        item["data"] = draw(flat | st.lists(_json_values, max_size=4))
+    doc: dict[str, Any] = {"inputs": [item]}
+    if draw(st.booleans()):
+        doc["id"] = draw(st.text(max_size=3) | _scalars)
+    header = orjson.dumps(doc)
+    return header + tail, len(header) if binary else None
+
+
+def _outcome(body: bytes, length: int | None) -> tuple[Any, ...]:
+    try:
+        r = decode_infer_request(body, length, _FUZZ_LIMITS)
+    except RequestError as exc:
+        return type(exc), str(exc)
+    arrays = {k: (v.dtype.str, v.shape, v.tolist()) for k, v in r.inputs.items()}
+    return arrays, r.id, r.outputs, r.binary_output, dict(r.parameters)
+
+
+_FUZZ_LIMITS = Limits(max_elements_per_tensor=64, max_json_depth=6)
+
+
+@FUZZ
+@given(
+    st.lists(st.integers(0, 3), max_size=3),
+    st.sampled_from(sorted(DATATYPES)),
+    st.booleans(),
+    st.data(),
+)
+def test_property_a_plan_decodes_as_the_long_way(
+    shape: list[int], datatype: str, binary: bool, data: st.DataObject
+) -> None:
+    # Requests alike but for their data (or binary part) and id: once a plan was
+    # made from one (decoded twice), the others decode exactly as with no plan.
+    drawn = [data.draw(_like_docs(shape, datatype, binary), label="body") for _ in range(3)]
+    bodies = [body for body, _ in drawn]
+    lengths = [length for _, length in drawn]
+    _PLANS.clear()
+    _JSON_PLANS.clear()
+    want = [_outcome(body, length) for body, length in zip(bodies, lengths, strict=True)]
+    _PLANS.clear()
+    _JSON_PLANS.clear()
+    got = [_outcome(body, length) for body, length in zip(bodies, lengths, strict=True)]
+    _outcome(bodies[0], lengths[0])
+    _outcome(bodies[0], lengths[0])
+    got += [_outcome(body, length) for body, length in zip(bodies, lengths, strict=True)]
+    assert got == want + want
 
 
 @FUZZ

@@ -1289,8 +1289,8 @@ class _InferEndpoint:
         watch = scope.get("extensions", {}).get("trioinfer.cancel_on_disconnect")
         if watch is not None and watch():
             try:
-                result: InferenceResult | None = await self._infer_in_time(
-                    served, request, priority, timeout
+                result: InferenceResult | None = await infer_in_time(
+                    state, served, request, priority, timeout
                 )
             except anyio.get_cancelled_exc_class():
                 # The client left, or the server stops without waiting: nobody gets this answer.
@@ -1321,15 +1321,6 @@ class _InferEndpoint:
             ]
         return 200, response, extra
 
-    async def _infer_in_time(
-        self,
-        served: ServedVersion,
-        request: InferRequest,
-        priority: int,
-        timeout_s: float | None,
-    ) -> InferenceResult:
-        return await infer_in_time(self._state, served, request, priority, timeout_s)
-
     async def _run(
         self,
         served: ServedVersion,
@@ -1355,7 +1346,7 @@ class _InferEndpoint:
         async with self._open_group() as group:
             group.start_soon(watch, group.cancel_scope)
             try:
-                outputs = await self._infer_in_time(served, request, priority, timeout_s)
+                outputs = await infer_in_time(self._state, served, request, priority, timeout_s)
             except TrioInferError as exc:
                 # Raised out of the task group it would arrive wrapped in an ExceptionGroup.
                 error = exc

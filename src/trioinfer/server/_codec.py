@@ -388,6 +388,11 @@ def decode_infer_request(
             )
         header = bytes(body[:header_length])
         binary = memoryview(body)[header_length:]
+        plan = _PLANS.get(header)
+        if plan is not None and plan.limits is limits:
+            request = plan.apply(binary)
+            if request is not None:
+                return request
     if not header:
         raise RequestError(
             "the infer request is empty; expected a JSON object with a non-empty 'inputs' list"
@@ -397,6 +402,15 @@ def decode_infer_request(
         raise RequestError(
             f"the infer request must be a JSON object with an 'inputs' list, got {_kind(doc)}"
         )
+    json_key = None
+    if header_length is None:
+        json_key = _json_plan_key(doc)
+        if json_key is not None:
+            json_plan = _JSON_PLANS.get(json_key)
+            if json_plan is not None and json_plan.limits is limits:
+                request = json_plan.apply(header, doc)
+                if request is not None:
+                    return request
     request_id = doc.get("id")
     if request_id is not None and not isinstance(request_id, str):
         raise RequestError(f"the request's 'id' must be a string, got {_show(request_id)}")
@@ -474,18 +488,179 @@ def decode_infer_request(
             f"binary_data_size values account for ({offset} bytes)"
         )
     _refuse_hidden_bools(header, declared, inputs, known_bools, doc, raw_inputs, limits)
+    plain = True  # every input binary, nothing in shared memory: a plan may be kept
     for output in requested or ():
         if output.shm is not None:
+            plain = False
             if shm is None:
                 raise RequestError(_NO_SHM.format(where=f"output {_quote(output.name)}"))
             shm.check(*output.shm, what=f"output {_quote(output.name)}")
-    return InferRequest(
+    request = InferRequest(
         id=request_id,
         inputs=inputs,
         outputs=requested,
         binary_output=binary_output,
         parameters=MappingProxyType(parameters),
     )
+    if (
+        plain
+        and header_length is not None
+        and len(header) <= _PLAN_BYTES
+        and all(spec.data is None and spec.shm is None for spec in declared.values())
+    ):
+        # A plan is made the second time a header is seen: a client that sends
+        # a new id each time would otherwise make one per request for nothing.
+        if header not in _PLANS:
+            if len(_PLANS) >= _PLAN_COUNT:
+                _PLANS.clear()
+            _PLANS[header] = None
+        else:
+            specs = tuple(declared.values())
+            _PLANS[header] = _BinaryPlan(limits, _without_inputs(request), specs, offset)
+    elif plain and json_key is not None and all(spec.shm is None for spec in declared.values()):
+        # Every input is JSON data here (no header length: a binary one was refused above).
+        if json_key not in _JSON_PLANS:  # the second time, as for binary plans
+            if len(_JSON_PLANS) >= _PLAN_COUNT:
+                _JSON_PLANS.clear()
+            _JSON_PLANS[json_key] = None
+        else:
+            known = known_bools or _walk_request(doc, raw_inputs, limits)
+            # The plan keeps no data: it may outlive this request by far.
+            specs = tuple(
+                _Input(spec.name, spec.datatype, spec.shape, spec.count, None, 0, ())
+                for spec in declared.values()
+            )
+            _JSON_PLANS[json_key] = _JsonPlan(limits, _without_inputs(request), specs, known)
+    return request
+
+
+def _without_inputs(request: InferRequest) -> InferRequest:
+    # What a plan keeps of a request: binary inputs are views of its body, which
+    # a plan would otherwise keep alive.
+    return InferRequest(request.id, {}, request.outputs, request.binary_output, request.parameters)
+
+
+class _BinaryPlan:
+    """What a binary request's JSON header decoded to, for the next request with that header.
+
+    A client sends the same header again and again (the same inputs, shapes
+    and outputs; only the binary data differ), and checking it cost most of
+    a small request's decoding. A header already decoded under the same
+    limits is not checked again: its inputs' bytes are cut from the binary
+    part as before (`_from_binary` checks BOOL and BYTES data each time).
+    Only headers whose inputs are all binary data, with nothing in shared
+    memory (a region may go away), are kept.
+    """
+
+    __slots__ = ("binary_size", "limits", "request", "specs")
+
+    def __init__(
+        self, limits: Limits, request: InferRequest, specs: tuple[_Input, ...], binary_size: int
+    ) -> None:
+        self.limits = limits
+        self.request = request  # without inputs (each request has its own)
+        self.specs = specs
+        self.binary_size = binary_size
+
+    def apply(self, binary: memoryview) -> InferRequest | None:
+        """The request with *binary* as its data; None if the sizes do not add up."""
+        if len(binary) != self.binary_size:
+            return None  # the long way says what is wrong
+        inputs: dict[str, npt.NDArray[Any]] = {}
+        offset = 0
+        for spec in self.specs:
+            end = offset + spec.binary_size
+            inputs[spec.name] = _from_binary(spec, binary[offset:end])
+            offset = end
+        r = self.request
+        return InferRequest(r.id, inputs, r.outputs, r.binary_output, r.parameters)
+
+
+def _json_plan_key(doc: dict[str, Any]) -> bytes | None:
+    """An all-JSON request's document without its ``id`` and inputs' ``data``, as JSON.
+
+    Everything `decode_infer_request` checks but those is in it: two requests
+    with the same key differ only in their id and data. None if unfit.
+    """
+    items = doc.get("inputs")
+    if type(items) is not list or not items:
+        return None
+    stripped = []
+    for item in items:
+        if type(item) is not dict or "data" not in item:
+            return None
+        stripped.append({k: v for k, v in item.items() if k != "data"})
+    rest = {k: v for k, v in doc.items() if k != "id"}  # an id per request is common
+    rest["inputs"] = stripped
+    try:
+        key = orjson.dumps(rest)
+    except TypeError:  # pragma: no cover - a safety net: the values came from orjson
+        return None
+    return key if len(key) <= _PLAN_BYTES else None
+
+
+class _JsonPlan:
+    """What an all-JSON request decoded to, but for its data, for the next one like it.
+
+    A client sends the same inputs, shapes and outputs again and again with
+    other values (and often another ``id``): everything but the ``data``
+    lists and the id (names, datatypes, shapes, limits, outputs, parameters,
+    depth, the booleans outside data) was checked once, under the same
+    limits. Each request's id and data are still
+    checked and converted as the long way does (`_from_json`,
+    `_refuse_hidden_bools`); where it fails, the long way decodes the request
+    again to say why.
+    """
+
+    __slots__ = ("known", "limits", "request", "specs")
+
+    def __init__(
+        self, limits: Limits, request: InferRequest, specs: tuple[_Input, ...], known: _Counts
+    ) -> None:
+        self.limits = limits
+        self.request = request  # without inputs or id (each request has its own)
+        self.specs = specs  # without data
+        self.known = known
+
+    def apply(self, header: bytes, doc: dict[str, Any]) -> InferRequest | None:
+        """The request with *doc*'s data; None if the data are not right (the long way says why)."""
+        limits = self.limits
+        request_id = doc.get("id")
+        if request_id is not None and type(request_id) is not str:
+            return None
+        raw_inputs = doc["inputs"]
+        declared: dict[str, _Input] = {}
+        inputs: dict[str, npt.NDArray[Any]] = {}
+        try:
+            for spec, item in zip(self.specs, raw_inputs, strict=True):
+                data = item["data"]
+                if type(data) is not list:
+                    return None
+                declared[spec.name] = _Input(
+                    spec.name,
+                    spec.datatype,
+                    spec.shape,
+                    spec.count,
+                    data,
+                    0,
+                    _spine(data, limits),
+                )
+            for spec in declared.values():
+                inputs[spec.name] = _from_json(spec, spec.data)  # type: ignore[arg-type]
+            _refuse_hidden_bools(header, declared, inputs, self.known, doc, raw_inputs, limits)
+        except RequestError:
+            return None
+        r = self.request
+        return InferRequest(request_id, inputs, r.outputs, r.binary_output, r.parameters)
+
+
+#: Recent binary requests' JSON headers (at most `_PLAN_BYTES` each) and their
+#: plans (None: seen once); emptied when `_PLAN_COUNT` are kept.
+_PLANS: Final[dict[bytes, _BinaryPlan | None]] = {}
+#: The same for all-JSON requests, by `_json_plan_key`.
+_JSON_PLANS: Final[dict[bytes, _JsonPlan | None]] = {}
+_PLAN_BYTES: Final = 4096
+_PLAN_COUNT: Final = 256
 
 
 def encode_infer_request(
@@ -944,6 +1119,11 @@ def _parse_input(
         raise RequestError(
             f"{where}: 'data' must be a list of {datatype} values, got {_show(data)}"
         )
+    return _Input(name, datatype, shape, count, data, 0, _spine(data, limits))
+
+
+def _spine(data: list[Any], limits: Limits) -> tuple[int, ...]:
+    """The lengths of *data*'s levels, following first elements; refused past the depth limit."""
     spine: list[int] = []
     level: Any = data
     # Bounded by the depth limit, so a client cannot make this loop long.
@@ -954,7 +1134,7 @@ def _parse_input(
         if not level:
             break
         level = level[0]
-    return _Input(name, datatype, shape, count, data, 0, tuple(spine))
+    return tuple(spine)
 
 
 def _parse_outputs(raw: Any, limits: Limits) -> tuple[RequestedOutput, ...] | None:
@@ -1405,7 +1585,10 @@ def _encode_output(
     else:
         # orjson writes numpy arrays natively, but only C-contiguous, native-order ones.
         wanted = _WIRE[datatype] if binary else DATATYPES[datatype]
-        flat = np.ascontiguousarray(array, dtype=wanted).reshape(-1)
+        if array.dtype == wanted and array.flags.c_contiguous:
+            flat = array.reshape(-1)  # a view, as ascontiguousarray would give, for less
+        else:
+            flat = np.ascontiguousarray(array, dtype=wanted).reshape(-1)
         if not binary:
             entry["data"] = flat
             return entry, None

@@ -13,17 +13,25 @@ body is read only as fast as the app consumes it (backpressure for free).
 After the whole body was delivered, ``receive`` keeps reading to notice the
 client going away (EOF or reset gives ``http.disconnect``). An app that
 registers a cancel scope with the ``trioinfer.cancel_on_disconnect``
-extension instead has the connection's one watcher task do that reading; its
-read is left waiting when the response is done, and the request loop takes
-the next request from it rather than cancelling it (a cancellation per
-request cost about a tenth of a small inference request's time).
+extension instead has the server's one `Hangups` watcher notice it: the
+connection's socket is in a private epoll set, edge-triggered on the peer's
+hang-up only (``EPOLLRDHUP``, a reset's ``EPOLLHUP`` / ``EPOLLERR``), which
+one task waits on for every connection. So a request spawns no task, wakes
+no other task and makes no system call to be watched, and bytes that arrive
+meanwhile (the next request) wake nobody: the request loop reads them when
+the response is done. (A watcher task per connection that read the socket
+for each request cost two task wake-ups, two events and a reading turn
+handed back and forth per request.) Where epoll is missing the extension
+registers nothing and the app watches with ``receive``.
 
 Bounds, so that no client can hold memory or a connection for long:
 
-- bytes read ahead while the app works (pipelined requests) are bounded by
-  ``_AHEAD_LIMIT``; then the socket is left unread until the response is done,
-  and the client's own sends block. The framing parses no further than the
-  next request, so those bytes stay bytes, not a Python object per request;
+- bytes read ahead while the app waits in ``receive`` for a disconnect
+  (pipelined requests) are bounded by ``_AHEAD_LIMIT``; then the socket is
+  left unread until the response is done, and the client's own sends block
+  (with the extension nothing is read while the app works). The framing
+  parses no further than the next request, so those bytes stay bytes, not a
+  Python object per request;
 - the next request's head must be complete within ``head_timeout`` of the
   connection falling idle (a silent client, a slow-header one): the server's
   reaper closes it then;
@@ -37,20 +45,20 @@ Bounds, so that no client can hold memory or a connection for long:
 from __future__ import annotations
 
 import logging
+import select
 import socket
 from contextlib import suppress
 from functools import partial
 from typing import Any, Final, final
 
 import anyio
-import anyio.abc
 import httptools
 
 from ._cycle import ASGI3App, RequestCycle
 from ._framing import FramingError, RequestFraming, error_response
 from ._io import IO, Event
 
-__all__ = ["Connection", "Shared"]
+__all__ = ["Connection", "Hangups", "Shared", "hangup_watcher"]
 
 log = logging.getLogger("trioinfer.server")
 
@@ -70,6 +78,75 @@ _LINGER_BYTES: Final = 1024 * 1024
 
 _RESPONSE_500: Final = error_response(500, "the server failed to answer this request")
 
+#: What the hang-up watcher asks epoll for: the peer's FIN (EPOLLHUP and
+#: EPOLLERR, a reset, come anyway), edge-triggered, so that data arriving
+#: wakes nobody and a hang-up is reported once.
+_HANGUP_EVENTS: Final = getattr(select, "EPOLLRDHUP", 0) | getattr(select, "EPOLLET", 0)
+#: Most hang-ups taken per wake-up of the watcher.
+_HANGUP_BURST: Final = 256
+
+
+@final
+class Hangups:
+    """Notices clients that hang up while their request is in flight, for every connection.
+
+    One task (`run`) waits on a private epoll set holding the sockets of
+    connections whose app asked to be told (``trioinfer.cancel_on_disconnect``),
+    edge-triggered on the peer's hang-up only; a connection is added on its
+    first such request and stays until it closes. Made by `hangup_watcher`.
+    """
+
+    __slots__ = ("_connections", "_epoll", "_io")
+
+    def __init__(self, io: IO, epoll: select.epoll) -> None:
+        self._io = io
+        self._epoll = epoll
+        self._connections: dict[int, Connection] = {}
+
+    def add(self, conn: Connection) -> bool:
+        """Watch *conn*'s socket until `discard`; False if it cannot be (it is closed)."""
+        fd = conn.sock.fileno()
+        try:
+            # A peer that hung up already is reported at once (epoll polls on insertion).
+            self._epoll.register(fd, _HANGUP_EVENTS)
+        except OSError:
+            return False
+        self._connections[fd] = conn
+        return True
+
+    def discard(self, conn: Connection) -> None:
+        """Stop watching *conn* (before its socket is closed)."""
+        fd = conn.sock.fileno()
+        if self._connections.get(fd) is conn:
+            del self._connections[fd]
+            with suppress(OSError):
+                self._epoll.unregister(fd)
+
+    async def run(self) -> None:
+        """Tell each watched connection its client hung up, forever."""
+        epoll = self._epoll
+        wait_readable = self._io.wait_readable
+        connections = self._connections
+        while True:
+            await wait_readable(epoll)
+            for fd, _events in epoll.poll(0, _HANGUP_BURST):
+                conn = connections.get(fd)
+                if conn is not None:
+                    conn.hung_up()
+
+    def close(self) -> None:
+        """Close the epoll set (after `run` has ended)."""
+        self._io.notify_closing(self._epoll)
+        self._epoll.close()
+        self._connections.clear()
+
+
+def hangup_watcher(io: IO) -> Hangups | None:
+    """A `Hangups` for *io*'s loop, or None where epoll (Linux) is missing."""
+    if not hasattr(select, "epoll") or not hasattr(select, "EPOLLRDHUP"):
+        return None  # pragma: no cover - Linux has both
+    return Hangups(io, select.epoll())
+
 
 @final
 class Shared:
@@ -85,12 +162,14 @@ class Shared:
         max_head_bytes: The most bytes of request line and headers.
         max_headers: The most header fields in one request.
         closing: The server is shutting down: no request starts any more.
+        hangups: The server's hang-up watcher, or None where there is none.
     """
 
     __slots__ = (
         "app",
         "body_timeout",
         "closing",
+        "hangups",
         "head_timeout",
         "io",
         "lifespan_state",
@@ -110,6 +189,7 @@ class Shared:
         send_timeout: float,
         max_head_bytes: int,
         max_headers: int,
+        hangups: Hangups | None = None,
     ) -> None:
         self.app = app
         self.io = io
@@ -120,19 +200,18 @@ class Shared:
         self.max_head_bytes = max_head_bytes
         self.max_headers = max_headers
         self.closing = False
+        self.hangups = hangups
 
 
 @final
 class Connection:
-    """One client connection: the read loop, the request loop, writes and the watcher."""
+    """One client connection: the read loop, the request loop, writes, hang-ups."""
 
     __slots__ = (
         "_current",
-        "_parked",
+        "_hung_up",
         "_reader_free",
         "_reading",
-        "_watch_event",
-        "_watch_scope",
         "_watched",
         "cancel_scope",
         "client",
@@ -146,7 +225,7 @@ class Connection:
         "server_addr",
         "shared",
         "sock",
-        "task_group",
+        "watched",
     )
 
     def __init__(
@@ -182,15 +261,12 @@ class Connection:
         self.gone = False
         # Read and discard the client's leftovers before closing.
         self.linger = False
-        # The connection's disconnect watcher (started on first use, in
-        # `task_group`) and the request it should watch next.
-        self.task_group: anyio.abc.TaskGroup | None = None
+        # In the server's `Hangups` (from the first watched request on).
+        self.watched = False
+        # The request whose app asked to hear of a hang-up (finished or not).
         self._watched: RequestCycle | None = None
-        self._watch_event: Event | None = None
-        # The watcher's cancel scope (see `_watch_loop`); None until it starts.
-        self._watch_scope: anyio.CancelScope | None = None
-        # A reader holds the reading turn without reading: too much input is buffered.
-        self._parked = False
+        # The hang-up watcher saw the client hang up (reported once: edge-triggered).
+        self._hung_up = False
 
     # Reading.
 
@@ -223,8 +299,8 @@ class Connection:
         return len(data)
 
     async def _take_reading_turn(self) -> None:
-        # Only one task reads at a time: the watcher's read may outlive its
-        # response, and an app may call `receive` from two tasks. Callers
+        # Only one task reads at a time: an app may call `receive` from two
+        # tasks, or leave one reading after its response. Callers
         # check `_reading` first and then set it themselves: when the turn is
         # free (nearly always) that spares a coroutine, and the read that
         # follows is the checkpoint.
@@ -250,26 +326,22 @@ class Connection:
             if self._reading:
                 await self._take_reading_turn()
             self._reading = True
-            # Counted per watched request: a count kept on the connection took in
-            # what the last request's watcher read of this one (a large body) and
-            # parked this watcher for good, so that a client that left went unseen.
+            # Counted per waiting call: a count kept on the connection would take
+            # in what an earlier request's wait read of this one (a large body)
+            # and park this wait for good, so that a client that left went unseen.
             ahead = 0
             try:
                 while not self.gone and not request.finished:
                     if ahead > _AHEAD_LIMIT:
                         # Enough pipelined input kept: leave the rest in the socket
-                        # until the response is done (which wakes us).
-                        self._parked = True
-                        try:
-                            await anyio.sleep_forever()
-                        finally:
-                            self._parked = False
+                        # until the response is done (which cancels this wait).
+                        await anyio.sleep_forever()
                     ahead += await self._read()
             finally:
                 self._give_reading_turn()
             return
-        # The turn may be held by the watcher's last read (see `_watch_loop`): a
-        # client that sends nothing more stalls this wait as much as the read.
+        # The turn may be held by another `receive` of the app's: a client that
+        # sends nothing more stalls this wait as much as the read.
         framing = self.framing
         with anyio.move_on_after(self.shared.body_timeout) as timeout:
             if self._reading:
@@ -324,58 +396,36 @@ class Connection:
             with suppress(BlockingIOError):  # a spurious wakeup
                 sent += sock.send(view[sent:])
 
-    # Disconnects while the app works.
+    # Hang-ups while the app works.
 
-    def watch(self, request: RequestCycle) -> None:
-        """Have the watcher task look for a disconnect until *request* is finished."""
+    def watch(self, request: RequestCycle) -> bool:
+        """Have the server's `Hangups` tell *request* if the client hangs up; False if none can."""
+        if not self.watched:
+            hangups = self.shared.hangups
+            if hangups is None or not hangups.add(self):
+                return False
+            self.watched = True
         self._watched = request
-        event = self._watch_event
-        if event is not None:
-            event.set()
-        elif self.task_group is not None:
-            self._watch_event = self.io.event()
-            self.task_group.start_soon(self._watch_loop)
+        return True
 
-    async def _watch_loop(self) -> None:
-        # One task per connection, not per request: spawning a watcher for each
-        # request cost about a third of a small request's time in the server.
-        # Its read is not cancelled when the response is done: it lingers until
-        # the next bytes (the next request, kept by the framing) or the EOF,
-        # and the request loop waits for its reading turn. Waking a task out of
-        # a socket wait takes a cancellation, which cost about a tenth of a
-        # small request's time in the server. One cancel scope serves many
-        # requests: entering and leaving one costs about 9 us on Trio (2-3%
-        # of a small inference request's server time).
-        while True:
-            with anyio.CancelScope() as self._watch_scope:
-                await self._watch_until_cancelled()
-            # Cancelled: a parked wait whose response is done, or the connection closes.
+    @property
+    def hung_up_seen(self) -> bool:
+        """The hang-up watcher saw the client hang up (and will not say so again)."""
+        return self._hung_up
 
-    async def _watch_until_cancelled(self) -> None:
-        while True:
-            request = self._watched
-            if request is None:
-                event = self._watch_event = self.io.event()
-                await event.wait()
-                continue
-            self._watched = None
-            if request.finished:
-                continue
-            await self.read_for_app(request, waiting=True)
-            if self.gone and not request.finished:
-                request.disconnected()
+    def hung_up(self) -> None:
+        """The client hung up (the `Hangups` watcher saw a FIN or a reset).
 
-    def wake_parked(self) -> None:
-        """End a watcher's wait that holds the reading turn without reading (too much ahead)."""
-        if self._parked:
-            self._stop_watching()
-
-    def _stop_watching(self) -> None:
-        # End the watcher's current wait. Before this task reads without its
-        # turn (the linger after the last response) the watcher then waits
-        # for a request to watch, which no longer comes.
-        if self._watch_scope is not None:
-            self._watch_scope.cancel()
+        A request in flight that asked to be told is: the connection reads
+        nothing more, and the request's cancel scopes are cancelled. Otherwise
+        the request loop's next read finds the EOF itself, and a request
+        that asks later hears of it at once (the edge is not reported again).
+        """
+        self._hung_up = True
+        request = self._watched
+        if request is not None and not request.finished:
+            self.gone = True
+            request.disconnected()
 
     # The request loop.
 
@@ -389,7 +439,6 @@ class Connection:
                 await self._handle(request)
                 if not request.keep_alive:
                     break
-        self._stop_watching()
         if self.gone:
             return
         try:
@@ -446,7 +495,7 @@ class Connection:
                     return None
                 if self.gone or framing.upgraded or framing.discarded > _DRAIN_LIMIT:
                     return None
-                # The watcher may still be in its last read: its bytes are ours.
+                # An app's `receive` left reading after its response: its bytes are ours.
                 if self._reading:
                     await self._take_reading_turn()
                 self._reading = True

@@ -100,9 +100,10 @@ class RequestCycle(RequestHead):
         The ASGI extension ``trioinfer.cancel_on_disconnect`` (in the scope's
         ``extensions``): an app that has read the whole body registers a cancel
         scope instead of calling ``receive`` from a task of its own, and the
-        connection's one watcher task serves every request on it. Returns
-        False (nothing registered) if the body is not all read: the app then
-        watches with ``receive``.
+        server's one hang-up watcher serves every request of every connection
+        (see ``_connection.py``). Returns False (nothing registered) if the
+        body is not all read, or where the server has no hang-up watcher (no
+        epoll): the app then watches with ``receive``.
 
         Without a *scope*, the client going away cancels the task that runs
         the app (call it from that task): whatever the app awaits for this
@@ -113,14 +114,16 @@ class RequestCycle(RequestHead):
         if not self.body_done or self.finished:
             return False
         conn = self._conn
+        if not conn.watch(self):
+            return False
         target = conn.cancel_scope if scope is None else scope
-        if conn.gone:
+        if conn.gone or conn.hung_up_seen:
+            conn.gone = True
             target.cancel()
             return True
         if self._on_disconnect is None:
             self._on_disconnect = []
         self._on_disconnect.append(target)
-        conn.watch(self)
         return True
 
     def disconnected(self) -> None:
@@ -177,7 +180,6 @@ class RequestCycle(RequestHead):
         if self._waiters:
             for waiter in self._waiters:
                 waiter.cancel()
-        self._conn.wake_parked()
 
     async def receive(self) -> Message:
         """ASGI ``receive``: the body in ``http.request`` messages, then ``http.disconnect``."""

@@ -16,8 +16,9 @@ theirs:
 
 Everything else is written against anyio. Hypercorn spends most of a small
 request in h11's pure-Python state machine and in a task plus cancel scopes
-per request; this server keeps one task per connection and, per small
-request, spawns no task, enters no cancel scope and moves no deadline.
+per request; this server keeps one task per connection (and one for the
+whole server that notices clients hanging up) and, per small request, spawns
+no task, wakes no other task, enters no cancel scope and moves no deadline.
 
 Only plain HTTP/1.1 (and 1.0) is served: no TLS (terminate it in a proxy),
 no HTTP/2, no WebSocket; an ``Upgrade`` request is served as an ordinary
@@ -34,7 +35,7 @@ from typing import Final, Protocol, final
 import anyio
 import anyio.abc
 
-from ._connection import Connection, Shared
+from ._connection import Connection, Hangups, Shared, hangup_watcher
 from ._cycle import ASGI3App
 from ._io import IO, open_io
 from ._lifespan import Lifespan
@@ -135,6 +136,7 @@ async def serve_asgi(
     # backlog, and a bind error is raised as itself, not inside an ExceptionGroup.
     listeners = await _open_listeners(host, port, reuse_port=reuse_port)
     lifespan = Lifespan(app)
+    hangups = hangup_watcher(io)
     try:
         async with anyio.create_task_group() as root:
             root.start_soon(lifespan.run)
@@ -148,12 +150,15 @@ async def serve_asgi(
                     send_timeout=send_timeout,
                     max_head_bytes=max_head_bytes,
                     max_headers=max_headers,
+                    hangups=hangups,
                 )
                 server = _Server(shared)
                 await _serve(server, listeners, shutdown, graceful_timeout, task_status)
             await lifespan.shutdown()
     finally:
         _close_all(io, listeners)
+        if hangups is not None:
+            hangups.close()
     if lifespan.failure is not None:
         raise RuntimeError(f"ASGI lifespan startup failed: {lifespan.failure}")
 
@@ -166,7 +171,11 @@ async def _serve(
     task_status: anyio.abc.TaskStatus[list[str]],
 ) -> None:
     io = server.shared.io
+    hangups = server.shared.hangups
     async with anyio.create_task_group() as connections:
+        if hangups is not None:
+            # In the connections' group: a client hanging up during the drain is still seen.
+            connections.start_soon(hangups.run)
         async with anyio.create_task_group() as acceptors:
             for listener in listeners:
                 acceptors.start_soon(server.accept_loop, listener, connections)
@@ -273,14 +282,15 @@ class _Server:
             return
         self._connections.add(conn)
         try:
-            async with anyio.create_task_group() as task_group:
-                conn.task_group = task_group
-                await conn.run()
-                task_group.cancel_scope.cancel()  # the watcher, if one was started
-        except* Exception:
+            await conn.run()
+        except Exception:
             # A bug here must cost one connection, never the server.
             log.exception("unexpected error serving a connection")
         finally:
+            if conn.watched:
+                hangups: Hangups | None = shared.hangups
+                assert hangups is not None
+                hangups.discard(conn)
             shared.io.notify_closing(sock)
             sock.close()
             self._connections.discard(conn)

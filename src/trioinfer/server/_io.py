@@ -12,7 +12,7 @@ per read). `open_io` picks one implementation per server, once:
 - on asyncio, a socket stays registered with the selector from its first wait
   until it is closed, and a readiness callback wakes the one waiting task
   through a future. The registration is dropped while nobody waits and the
-  socket turns readable (the selector is level-triggered: it would call back
+  socket stays readable (the selector is level-triggered: it would call back
   on every turn of the loop), and made again at the next wait.
 
 A socket here is a plain non-blocking `socket.socket`; the server calls
@@ -30,7 +30,15 @@ from typing import Final, Protocol, final
 
 import sniffio
 
-__all__ = ["IO", "Event", "open_io"]
+__all__ = ["IO", "Event", "HasFileno", "open_io"]
+
+
+class HasFileno(Protocol):
+    """A socket, or anything else the loop can wait on (an epoll object)."""
+
+    def fileno(self) -> int:
+        """The file descriptor."""
+        ...
 
 
 class Event(Protocol):
@@ -52,12 +60,12 @@ class Event(Protocol):
 class IO(Protocol):
     """Readiness waits, clocks and events for one event loop (see `open_io`)."""
 
-    #: Makes an event of the loop's own kind. The connection makes one or two
-    #: per request (the watcher hands the reading turn back through one);
-    #: anyio's wrapper around the loop's event costs a few microseconds more.
+    #: Makes an event of the loop's own kind (the connection makes one when two
+    #: of an app's ``receive`` calls wait to read at once); anyio's wrapper
+    #: around the loop's event costs a few microseconds more.
     event: Callable[[], Event]
 
-    def wait_readable(self, sock: socket.socket) -> Awaitable[None]:
+    def wait_readable(self, sock: HasFileno) -> Awaitable[None]:
         """Wait until *sock* may be read (or accepted from) without blocking; a checkpoint."""
         ...
 
@@ -65,7 +73,7 @@ class IO(Protocol):
         """Wait until *sock* may be written without blocking; a checkpoint."""
         ...
 
-    def notify_closing(self, sock: socket.socket) -> None:
+    def notify_closing(self, sock: HasFileno) -> None:
         """Forget *sock* before it is closed; a task still waiting on it is woken with an error."""
         ...
 
@@ -113,9 +121,9 @@ class _TrioIO:
     def __init__(self) -> None:
         import trio
 
-        self.wait_readable: Callable[[socket.socket], Awaitable[None]] = trio.lowlevel.wait_readable
+        self.wait_readable: Callable[[HasFileno], Awaitable[None]] = trio.lowlevel.wait_readable
         self.wait_writable: Callable[[socket.socket], Awaitable[None]] = trio.lowlevel.wait_writable
-        self.notify_closing: Callable[[socket.socket], None] = trio.lowlevel.notify_closing
+        self.notify_closing: Callable[[HasFileno], None] = trio.lowlevel.notify_closing
         self.checkpoint: Callable[[], Awaitable[None]] = trio.lowlevel.checkpoint
         self.current_time: Callable[[], float] = trio.current_time
         self.wall_time: Callable[[], float] = time.time
@@ -130,11 +138,13 @@ class ClosedError(OSError):
 class _Registration:
     """One socket's place in the asyncio selector, and the task waiting on each side."""
 
-    __slots__ = ("fd", "reader", "reading", "writer")
+    __slots__ = ("fd", "reader", "reading", "unwaited", "writer")
 
     def __init__(self, fd: int) -> None:
         self.fd = fd
         self.reading = False  # registered with add_reader
+        # Readiness callbacks in a row that found nobody waiting (see _readable).
+        self.unwaited = 0
         self.reader: asyncio.Future[None] | None = None
         self.writer: asyncio.Future[None] | None = None
 
@@ -154,7 +164,7 @@ class _AsyncioIO:
         self.current_time: Callable[[], float] = loop.time
         self.event: Callable[[], Event] = asyncio.Event
 
-    async def wait_readable(self, sock: socket.socket) -> None:
+    async def wait_readable(self, sock: HasFileno) -> None:
         """See `IO.wait_readable`."""
         fd = sock.fileno()
         entry = self._registered.get(fd)
@@ -175,10 +185,19 @@ class _AsyncioIO:
         future = entry.reader
         if future is None:
             # Nobody waits: stop watching, or the selector calls back every turn.
-            self._loop.remove_reader(entry.fd)
-            entry.reading = False
-        elif not future.done():
-            future.set_result(None)
+            # Not at the first such call: the selector reports a socket again in
+            # the turn in which its waiter wakes and reads it, a call that comes
+            # after that read; dropping the registration then cost two system
+            # calls per request (it is made again at the next wait).
+            entry.unwaited += 1
+            if entry.unwaited > 1:
+                self._loop.remove_reader(entry.fd)
+                entry.reading = False
+                entry.unwaited = 0
+        else:
+            entry.unwaited = 0
+            if not future.done():
+                future.set_result(None)
 
     async def wait_writable(self, sock: socket.socket) -> None:
         """See `IO.wait_writable` (the rare case: a send that would block)."""
@@ -197,7 +216,7 @@ class _AsyncioIO:
             if self._registered.get(fd) is entry:
                 self._loop.remove_writer(fd)
 
-    def notify_closing(self, sock: socket.socket) -> None:
+    def notify_closing(self, sock: HasFileno) -> None:
         """See `IO.notify_closing`."""
         entry = self._registered.pop(sock.fileno(), None)
         if entry is None:
