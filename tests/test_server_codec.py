@@ -1360,7 +1360,11 @@ def _outcome(body: bytes, length: int | None) -> tuple[Any, ...]:
         r = decode_infer_request(body, length, _FUZZ_LIMITS)
     except RequestError as exc:
         return type(exc), str(exc)
-    arrays = {k: (v.dtype.str, v.shape, v.tolist()) for k, v in r.inputs.items()}
+    # Bytes, not values: a NaN is not equal to itself (BYTES, as objects, by value).
+    arrays = {
+        k: (v.dtype.str, v.shape, v.tolist() if v.dtype == object else v.tobytes())
+        for k, v in r.inputs.items()
+    }
     return arrays, r.id, r.outputs, r.binary_output, dict(r.parameters)
 
 
@@ -1403,7 +1407,11 @@ def _outcome(body: bytes, length: int | None) -> tuple[Any, ...]:
         r = decode_infer_request(body, length, _FUZZ_LIMITS)
     except RequestError as exc:
         return type(exc), str(exc)
-    arrays = {k: (v.dtype.str, v.shape, v.tolist()) for k, v in r.inputs.items()}
+    # Bytes, not values: a NaN is not equal to itself (BYTES, as objects, by value).
+    arrays = {
+        k: (v.dtype.str, v.shape, v.tolist() if v.dtype == object else v.tobytes())
+        for k, v in r.inputs.items()
+    }
     return arrays, r.id, r.outputs, r.binary_output, dict(r.parameters)
 
 
