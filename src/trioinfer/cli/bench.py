@@ -70,6 +70,15 @@ def _shapes(_ctx: click.Context, _param: click.Parameter, value: Sequence[str]) 
     help="V2 over HTTP/1.1, or V2 gRPC (Triton's inference.GRPCInferenceService; raw tensor "
     "contents; closed loop only; needs the 'grpc' extra).",
 )
+@click.option(
+    "--grpc-client",
+    type=click.Choice(["raw", "aio"]),
+    default="raw",
+    show_default=True,
+    help="With --protocol grpc: the lean client (HTTP/2 over plain sockets, 16 calls in flight "
+    "per connection) or grpcio's grpc.aio client (several times its CPU per request), to "
+    "compare.",
+)
 @click.option("-m", "--model", default=None, metavar="NAME", help="The model to load-test.")
 @click.option(
     "--model-version",
@@ -286,6 +295,9 @@ def bench(**options: Any) -> None:
         "model_version": options["model_version"],
         "encoding": None if options["in_process"] else options["encoding"],
         "protocol": None if options["in_process"] else options["protocol"],
+        "grpc_client": options["grpc_client"]
+        if options["protocol"] == "grpc" and not options["in_process"]
+        else None,
         "arrivals": options["arrivals"] if plan.rates else None,
         "window_s": options["window"],
         "warmup_s": options["warmup"],
@@ -345,6 +357,7 @@ async def _bench_run(
             input_files=options["input_files"],
             shapes=options["shape"],
             progress=progress,
+            client=options["grpc_client"],
         )
     target = tool.HttpTarget.from_url(options["url"], options["model"], options["model_version"])
     return await tool.run_http(
