@@ -42,6 +42,8 @@ pytestmark = pytest.mark.grpc
 RUN_S = 0.4
 #: Bounds against hangs only.
 WAIT_S = 30.0
+#: How long the scripted server waits for the client to close after GOAWAY.
+GOAWAY_WAIT_S = 5.0
 INFER = "/inference.GRPCInferenceService/ModelInfer"
 
 
@@ -152,9 +154,7 @@ def aio_server() -> Iterator[tuple[str, list[bytes]]]:
         response = pb.ModelInferResponse(model_name=request.model_name, id=request.id)
         response.outputs.add(name="out", datatype="INT32", shape=[1])
         payload = request.raw_input_contents[0]
-        response.raw_output_contents.append(
-            payload * 4 if request.model_name == "big" else payload
-        )
+        response.raw_output_contents.append(payload * 4 if request.model_name == "big" else payload)
         return bytes(response.SerializeToString())
 
     async def main() -> None:
@@ -225,8 +225,8 @@ class ScriptedServer:
     """An h2 server answering every call OK, then misbehaving as *mode* says.
 
     ``close``: after *after* answers on a connection, close it abruptly.
-    ``goaway``: after *after* answers, send GOAWAY (last stream: the last answered),
-    stop writing, and close once the client has. ``ping``: send a PING first.
+    ``goaway``: after *after* answers, send GOAWAY (last stream: the last answered)
+    and wait for the client to close the connection. ``ping``: send a PING first.
     """
 
     def __init__(self, mode: str, after: int, settings: dict[int, int]) -> None:
@@ -307,9 +307,13 @@ class ScriptedServer:
                             if answered == self.after and self.mode == "goaway":
                                 conn.close_connection(last_stream_id=sid, additional_data=b"bye")
                                 sock.sendall(conn.data_to_send())
-                                sock.shutdown(socket.SHUT_WR)
-                                while sock.recv(65536):  # until the client closes
-                                    pass
+                                # Left open: the client must close it, having nothing in flight.
+                                sock.settimeout(GOAWAY_WAIT_S)
+                                try:
+                                    while sock.recv(65536):
+                                        pass
+                                except TimeoutError:
+                                    self.errors.append(TimeoutError("open after GOAWAY"))
                                 return
                             if answered == self.after and self.mode == "close":
                                 sock.sendall(conn.data_to_send())
