@@ -235,7 +235,11 @@ def bench(**options: Any) -> None:
     Over HTTP it speaks only the V2 protocol (model metadata and infer), so it
     works against trioinfer, Triton, MLServer or KServe. Inputs are random data
     shaped from the model's metadata (GET /v2/models/NAME), or read from
-    files; each distinct request is encoded once, before the run.
+    files; each distinct request is encoded once, before the run. With
+    --protocol grpc it speaks V2 gRPC (Triton's inference.GRPCInferenceService)
+    from a lean HTTP/2 client over plain sockets, closed loop, 16 calls in
+    flight per connection; a call counts as done when it ends with grpc-status
+    0 and one whole answer message, else as an error named by its gRPC status.
 
     Closed loop (--concurrency 1,16,64): C keep-alive connections, each sending
     its next request when the last is answered. Open loop (--request-rate
