@@ -61,6 +61,7 @@ def drive(
     per_connection: int = 4,
     seconds: float = RUN_S,
     until: Callable[[_Recorder], bool] | None = None,
+    timeout_s: float | None = None,
 ) -> _Recorder:
     """Run the raw client's closed loop for *seconds* (or until *until*); return its record."""
     recorder = _Recorder()
@@ -72,6 +73,7 @@ def drive(
         recorder,
         count,
         streams_per_connection=per_connection,
+        timeout_s=timeout_s,
     )
     thread = threading.Thread(target=loop.run, daemon=True)
     thread.start()
@@ -236,6 +238,7 @@ class ScriptedServer:
         self.listener = socket.create_server(("127.0.0.1", 0))
         self.address = f"127.0.0.1:{self.listener.getsockname()[1]}"
         self.bodies: list[bytes] = []
+        self.timeouts: set[str | None] = set()
         self.connections = 0
         self.ping_acks = 0
         self.errors: list[BaseException] = []
@@ -288,6 +291,7 @@ class ScriptedServer:
                             assert headers[":path"] == INFER
                             assert headers["content-type"] == "application/grpc"
                             assert headers["te"] == "trailers"
+                            self.timeouts.add(headers.get("grpc-timeout"))
                             bodies[event.stream_id] = b""
                         elif isinstance(event, h2.events.DataReceived):
                             bodies[event.stream_id] += event.data
@@ -363,6 +367,16 @@ def test_ping_is_answered() -> None:
         recorder = drive(server.address, [b"x"], 2, until=lambda r: len(r.window.latencies) > 5)
     assert server.ping_acks >= 1
     assert not recorder.window.errors, recorder.first_error
+    assert server.timeouts == {None}
+
+
+def test_grpc_timeout_is_sent_when_asked() -> None:
+    with scripted("ok") as server:
+        recorder = drive(
+            server.address, [b"x"], 2, timeout_s=2.5, until=lambda r: len(r.window.latencies) > 5
+        )
+    assert not recorder.window.errors, recorder.first_error
+    assert server.timeouts == {"2500m"}
 
 
 def test_server_settings_are_obeyed() -> None:
