@@ -362,6 +362,27 @@ def test_goaway_fails_the_calls_above_its_last_stream_and_reconnects() -> None:
     assert server.connections > 3
 
 
+def test_no_server_counts_connection_errors_without_spinning() -> None:
+    with socket.create_server(("127.0.0.1", 0)) as placeholder:
+        address = f"127.0.0.1:{placeholder.getsockname()[1]}"
+    recorder = drive(address, [b"x"], 3, seconds=0.2)
+    assert not recorder.window.latencies
+    assert set(recorder.window.errors) == {"conn"}
+    assert "refused" in recorder.first_error["conn"].lower()
+    # One attempt per 10 ms retry at most (each failing its 3 workers), not a busy loop.
+    assert recorder.window.errors["conn"] <= 3 * (0.2 / 0.01 + 10)
+
+
+def test_stream_ids_running_out_reconnect(monkeypatch: pytest.MonkeyPatch) -> None:
+    import trioinfer.bench._grpc_raw as raw
+
+    monkeypatch.setattr(raw, "_LAST_STREAM_ID", 21)  # 10 calls per connection
+    with scripted("ok") as server:
+        recorder = drive(server.address, [b"x"], 2, until=lambda r: len(r.window.latencies) > 30)
+    assert not recorder.window.errors, recorder.first_error
+    assert server.connections > 3
+
+
 def test_ping_is_answered() -> None:
     with scripted("ping") as server:
         recorder = drive(server.address, [b"x"], 2, until=lambda r: len(r.window.latencies) > 5)

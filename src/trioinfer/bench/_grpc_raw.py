@@ -46,6 +46,8 @@ _DEFAULT_WINDOW: Final = 65_535
 # answer never waits on a WINDOW_UPDATE; the connection's is topped up at half.
 _RECV_WINDOW: Final = 1 << 24
 _FRAME_HEADER: Final = 9
+# Stream ids are 31 bits: a connection that used them all is replaced.
+_LAST_STREAM_ID: Final = (1 << 31) - 1
 
 #: gRPC status codes by number, named as ``grpc.StatusCode`` names them.
 GRPC_CODES: Final = [
@@ -119,6 +121,7 @@ class _H2Connection:
         "peer_window",
         "rbuf",
         "recv_unacked",
+        "retry_at",
         "send_window",
         "slots",
         "sock",
@@ -133,6 +136,7 @@ class _H2Connection:
         self.headers = headers
         self.sock: socket.socket | None = None
         self.fd = -1
+        self.retry_at = 0  # when a failed connection may be opened again (ns)
         self.reset()
 
     def reset(self) -> None:
@@ -263,6 +267,7 @@ class _RawGrpcLoop:
             self._recorder.first_error.setdefault(_CONN_ERROR, f"{type(exc).__name__}: {exc}")
         self._close(conn)
         conn.streams = {}
+        conn.retry_at = time.perf_counter_ns() + int(_RETRY_S * 1e9)
         self._broken.append(conn)
 
     def _go_away(self, conn: _H2Connection, message: str) -> None:
@@ -289,6 +294,8 @@ class _RawGrpcLoop:
         self._n += 1
         sid = conn.next_id
         conn.next_id += 2
+        if conn.next_id > _LAST_STREAM_ID:
+            conn.going_away = True  # finish what is in flight, then reconnect
         stream = conn.streams[sid] = _Stream(sid, start)
         block = conn.block
         if conn.first_block is not None:
@@ -569,8 +576,12 @@ class _RawGrpcLoop:
             timeout = _POLL_MAX_S
             if self._broken:
                 broken, self._broken = self._broken, []
+                now = time.perf_counter_ns()
                 for conn in broken:
-                    self._open(conn)
+                    if conn.retry_at <= now:
+                        self._open(conn)
+                    else:
+                        self._broken.append(conn)
                 if self._broken:
                     timeout = _RETRY_S
             events = poll(timeout)
