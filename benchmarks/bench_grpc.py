@@ -19,15 +19,16 @@ Issue 21. Two parts:
    max 32, 5 ms), one server process serving both protocols: ``trioinfer bench``
    closed loop, once with ``--encoding binary`` over HTTP and once with
    ``--protocol grpc`` (raw tensor contents), interleaved ``--repeat`` times.
-   Both clients are trioinfer bench (the HTTP one an epoll loop over raw
-   sockets, the gRPC one grpc.aio tasks in a thread); each reports its own CPU
+   Both clients are trioinfer bench (epoll loops over raw sockets in a thread:
+   HTTP/1.1, and a minimal HTTP/2 for gRPC; ``--grpc-clients raw,aio`` adds
+   grpcio's grpc.aio client as row ``grpc-aio``); each reports its own CPU
    per request, printed beside the server's (from ``/proc/<pid>/stat`` around
    the whole bench call, warm-up included, over the requests the measured
    window completed scaled by (warm-up + window) / window), since on a small
    machine the client shares the cores with the server.
 
 Usage:  .venv/bin/python benchmarks/bench_grpc.py [--duration 5] [--repeat 2] [--no-bridge]
-        [--pin 0:1]
+        [--pin 0:1] [--grpc-clients raw,aio]
 
 To compare with another tree, run the same script with that tree's ``src``
 first on ``PYTHONPATH`` (serve and bench are started as ``python -m trioinfer``).
@@ -71,6 +72,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--server-args", default="")
     parser.add_argument("--no-bridge", action="store_true", help="skip part 1 (one call at a time)")
     parser.add_argument(
+        "--grpc-clients",
+        default="raw",
+        metavar="raw,aio",
+        help="part 2's gRPC load clients (trioinfer bench --grpc-client), one row each: raw "
+        "(the lean one, row 'grpc') and/or aio (grpcio's grpc.aio, row 'grpc-aio')",
+    )
+    parser.add_argument(
         "--pin",
         default="",
         metavar="SERVER:CLIENT",
@@ -79,6 +87,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     )
     args = parser.parse_args(argv)
     args.models = args.models.split(",")
+    args.grpc_clients = args.grpc_clients.split(",")
+    if not set(args.grpc_clients) <= {"raw", "aio"}:
+        parser.error(f"--grpc-clients takes raw and/or aio, got {','.join(args.grpc_clients)}")
     server, _, client = args.pin.partition(":")
     args.server_prefix = ["taskset", "-c", server] if server else []
     args.client_prefix = ["taskset", "-c", client] if client else []
@@ -274,9 +285,16 @@ def main() -> None:
         with serve(Path(tmp), args.server_args, args.server_prefix) as (url, address, pid):
             for _ in range(args.repeat):
                 for model in args.models:
+                    grpc_target = ["--protocol", "grpc", "--url", f"grpc://{address}"]
                     for protocol, target in (
                         ("http-binary", ["--url", url, "--encoding", "binary"]),
-                        ("grpc", ["--protocol", "grpc", "--url", f"grpc://{address}"]),
+                        *(
+                            (
+                                "grpc" if client == "raw" else f"grpc-{client}",
+                                [*grpc_target, "--grpc-client", client],
+                            )
+                            for client in args.grpc_clients
+                        ),
                     ):
                         rows.setdefault((model, protocol), []).append(
                             bench(target, model, args, pid)

@@ -13,7 +13,8 @@ Each level warms up (excluded), then measures windows of ``--window`` seconds
 until the last three agree on throughput and p99 within ``--stability`` percent
 (or a fixed ``--windows`` count). The HTTP client speaks only the V2 protocol
 (model metadata and infer) over plain non-blocking sockets; ``--protocol grpc``
-speaks V2 gRPC instead (``_grpc``, closed loop). A level's connections
+speaks V2 gRPC instead (``_grpc``, closed loop; its lean HTTP/2 client is
+``_grpc_raw``, grpcio's ``grpc.aio`` the other choice). A level's connections
 are all driven by one loop in a worker thread (`_LoadLoop`): one ``epoll`` wait
 returns every answer that arrived and one timeout serves every request due before
 it, with no Trio task switch or timer per request; every request's bytes are

@@ -3,10 +3,11 @@
 `GrpcTarget` is a model on a V2 gRPC server (trioinfer or Triton). Each
 request variant is serialized once, before the run, as a ``ModelInferRequest``
 with its values in ``raw_input_contents`` (what tritonclient and perf_analyzer
-send). A level runs all its workers as tasks of one ``grpc.aio`` event loop in
-a worker thread, over a few HTTP/2 channels, and records each answer in the
-same windows the HTTP levels use; Trio's side only starts the thread, swaps
-measurement windows and stops it.
+send). A level's workers share a few HTTP/2 connections (`WORKERS_PER_CHANNEL`
+calls in flight on each), driven from a worker thread by the lean client of
+`_grpc_raw` (the default) or by ``grpc.aio`` (``client="aio"``, to compare
+with), and each answer is recorded in the same windows the HTTP levels use;
+Trio's side only starts the thread, swaps measurement windows and stops it.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import math
 import struct
 import time
 from collections.abc import Awaitable, Callable, Sequence
-from typing import Any, Final
+from typing import TYPE_CHECKING, Any, Final, Literal
 
 import attrs
 import numpy as np
@@ -25,8 +26,13 @@ import trio
 from ._inputs import BenchError, Tensor
 from ._stats import Result, _Recorder
 
+if TYPE_CHECKING:
+    from ._grpc_raw import _RawGrpcLoop
+
 #: Workers sharing one HTTP/2 channel (connection).
 WORKERS_PER_CHANNEL: Final = 16
+#: The gRPC load clients: the lean one over plain sockets, or grpcio's asyncio one.
+GrpcClient = Literal["raw", "aio"]
 _INFER: Final = "/inference.GRPCInferenceService/ModelInfer"
 _METADATA: Final = "/inference.GRPCInferenceService/ModelMetadata"
 _U32: Final = struct.Struct("<I")
@@ -72,6 +78,12 @@ class GrpcTarget:
         if not host or not port.isdigit() or "/" in address:
             raise BenchError(f"with --protocol grpc, --url must be grpc://HOST:PORT, got {url!r}")
         return cls(address, model, version)
+
+    @property
+    def host_port(self) -> tuple[str, int]:
+        """The address as a socket address (IPv6 brackets dropped)."""
+        host, _, port = self.address.rpartition(":")
+        return host.strip("[]"), int(port)
 
     async def metadata(self) -> dict[str, Any]:
         """The model's V2 metadata, from ``ModelMetadata``.
@@ -190,13 +202,34 @@ async def run_grpc_level(
     concurrency: int,
     recorder: _Recorder,
     measure: Callable[[_Recorder], Awaitable[Result]],
+    *,
+    client: GrpcClient = "raw",
 ) -> Result:
-    """One closed-loop level over gRPC: *concurrency* workers; *measure* counts the windows."""
-    loop = _GrpcLoop(target.address, requests, recorder, concurrency)
-    async with trio.open_nursery() as nursery:
-        nursery.start_soon(trio.to_thread.run_sync, loop.run)
-        try:
-            result = await measure(recorder)
-        finally:
-            loop.stop()
+    """One closed-loop level over gRPC: *concurrency* workers; *measure* counts the windows.
+
+    *client* ``"raw"`` is the lean client (`_grpc_raw`); ``"aio"`` is grpcio's.
+    """
+    from ._grpc_raw import _RawGrpcLoop  # hpack: the grpc extra's
+
+    if client == "aio":
+        loop: _GrpcLoop | _RawGrpcLoop = _GrpcLoop(target.address, requests, recorder, concurrency)
+    else:
+        loop = _RawGrpcLoop(
+            target.host_port,
+            target.address,
+            requests,
+            recorder,
+            concurrency,
+            streams_per_connection=WORKERS_PER_CHANNEL,
+        )
+    try:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(trio.to_thread.run_sync, loop.run)
+            try:
+                result = await measure(recorder)
+            finally:
+                loop.stop()
+    finally:
+        if isinstance(loop, _RawGrpcLoop):
+            loop.close()
     return result

@@ -25,7 +25,7 @@ from .._engine import Engine, open_engine
 from .._exceptions import TrioInferError
 from ..server import v2_datatype
 from ._client import HttpTarget, _Connection
-from ._grpc import GrpcTarget, run_grpc_level
+from ._grpc import GrpcClient, GrpcTarget, run_grpc_level
 from ._inputs import BenchError, load_inputs, random_inputs
 from ._load import (
     _BACKLOG_PER_CONNECTION,
@@ -223,8 +223,11 @@ async def run_grpc(
     input_files: Sequence[Path] = (),
     shapes: Mapping[str, Sequence[int]] | None = None,
     progress: Callable[[Progress], None] | None = None,
+    client: GrpcClient = "raw",
 ) -> Run:
     """Benchmark a V2 gRPC server's model (closed loop); one `Result` per level.
+
+    *client*: the lean load client (``"raw"``) or grpcio's ``grpc.aio`` (``"aio"``).
 
     Raises:
         BenchError: Open-loop levels (not implemented over gRPC), no server, no
@@ -248,7 +251,7 @@ async def run_grpc(
                 recorder, plan.settings, "concurrency", count, progress, (index, plan.levels)
             )
 
-        result = await run_grpc_level(target, requests, count, recorder, measure)
+        result = await run_grpc_level(target, requests, count, recorder, measure, client=client)
         index += 1
         return result
 

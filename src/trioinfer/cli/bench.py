@@ -70,6 +70,15 @@ def _shapes(_ctx: click.Context, _param: click.Parameter, value: Sequence[str]) 
     help="V2 over HTTP/1.1, or V2 gRPC (Triton's inference.GRPCInferenceService; raw tensor "
     "contents; closed loop only; needs the 'grpc' extra).",
 )
+@click.option(
+    "--grpc-client",
+    type=click.Choice(["raw", "aio"]),
+    default="raw",
+    show_default=True,
+    help="With --protocol grpc: the lean client (HTTP/2 over plain sockets, 16 calls in flight "
+    "per connection) or grpcio's grpc.aio client (several times its CPU per request), to "
+    "compare.",
+)
 @click.option("-m", "--model", default=None, metavar="NAME", help="The model to load-test.")
 @click.option(
     "--model-version",
@@ -226,7 +235,11 @@ def bench(**options: Any) -> None:
     Over HTTP it speaks only the V2 protocol (model metadata and infer), so it
     works against trioinfer, Triton, MLServer or KServe. Inputs are random data
     shaped from the model's metadata (GET /v2/models/NAME), or read from
-    files; each distinct request is encoded once, before the run.
+    files; each distinct request is encoded once, before the run. With
+    --protocol grpc it speaks V2 gRPC (Triton's inference.GRPCInferenceService)
+    from a lean HTTP/2 client over plain sockets, closed loop, 16 calls in
+    flight per connection; a call counts as done when it ends with grpc-status
+    0 and one whole answer message, else as an error named by its gRPC status.
 
     Closed loop (--concurrency 1,16,64): C keep-alive connections, each sending
     its next request when the last is answered. Open loop (--request-rate
@@ -286,6 +299,9 @@ def bench(**options: Any) -> None:
         "model_version": options["model_version"],
         "encoding": None if options["in_process"] else options["encoding"],
         "protocol": None if options["in_process"] else options["protocol"],
+        "grpc_client": options["grpc_client"]
+        if options["protocol"] == "grpc" and not options["in_process"]
+        else None,
         "arrivals": options["arrivals"] if plan.rates else None,
         "window_s": options["window"],
         "warmup_s": options["warmup"],
@@ -345,6 +361,7 @@ async def _bench_run(
             input_files=options["input_files"],
             shapes=options["shape"],
             progress=progress,
+            client=options["grpc_client"],
         )
     target = tool.HttpTarget.from_url(options["url"], options["model"], options["model_version"])
     return await tool.run_http(

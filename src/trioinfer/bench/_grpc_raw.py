@@ -1,0 +1,596 @@
+"""The lean gRPC load client: V2 ``ModelInfer`` over plain non-blocking sockets.
+
+A minimal client side of HTTP/2 (RFC 9113), just enough for unary gRPC calls:
+the connection preface and SETTINGS (ACKed both ways), request HEADERS encoded
+by hpack once per connection, DATA with the 5-byte gRPC message prefix around
+a request serialized before the run, response HEADERS, DATA and trailers read
+with hpack's decoder, flow control both ways, PING answered, GOAWAY and
+RST_STREAM counted as errors. `_RawGrpcLoop` drives all of one closed-loop
+level's connections from one worker thread with one poller, as `_LoadLoop`
+does for HTTP: ``grpc.aio``'s client cost three times the HTTP client's CPU
+per request, which on a small machine took CPU from the server it measured.
+"""
+
+from __future__ import annotations
+
+import errno
+import math
+import os
+import socket
+import struct
+import time
+from collections.abc import Sequence
+from contextlib import suppress
+from typing import Final, cast
+from urllib.parse import unquote
+
+import hpack
+
+from ._client import _CONN_ERROR, _RECV_BYTES, _new_socket
+from ._load import _ERR, _IN, _OUT, _POLL_MAX_S, _RETRY_S, _Poller
+from ._stats import Status, _Recorder
+
+_PREFACE: Final = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
+# Frame types and flags (RFC 9113 section 6).
+_DATA, _HEADERS, _RST_STREAM, _SETTINGS, _PUSH_PROMISE = 0x0, 0x1, 0x3, 0x4, 0x5
+_PING, _GOAWAY, _WINDOW_UPDATE, _CONTINUATION = 0x6, 0x7, 0x8, 0x9
+_END_STREAM, _ACK, _END_HEADERS, _PADDED, _PRIORITY = 0x1, 0x1, 0x4, 0x8, 0x20
+# SETTINGS identifiers.
+_HEADER_TABLE_SIZE, _ENABLE_PUSH, _MAX_CONCURRENT_STREAMS = 0x1, 0x2, 0x3
+_INITIAL_WINDOW_SIZE, _MAX_FRAME_SIZE = 0x4, 0x5
+_FRAME: Final = struct.Struct(">IBI")  # length << 8 | type, flags, stream id
+_U32: Final = struct.Struct(">I")
+_SETTING: Final = struct.Struct(">HI")
+_DEFAULT_WINDOW: Final = 65_535
+# Our receive window, per stream and for the connection: big enough that one
+# answer never waits on a WINDOW_UPDATE; the connection's is topped up at half.
+_RECV_WINDOW: Final = 1 << 24
+_FRAME_HEADER: Final = 9
+# Stream ids are 31 bits: a connection that used them all is replaced.
+_LAST_STREAM_ID: Final = (1 << 31) - 1
+
+#: gRPC status codes by number, named as ``grpc.StatusCode`` names them.
+GRPC_CODES: Final = [
+    "OK",
+    "CANCELLED",
+    "UNKNOWN",
+    "INVALID_ARGUMENT",
+    "DEADLINE_EXCEEDED",
+    "NOT_FOUND",
+    "ALREADY_EXISTS",
+    "PERMISSION_DENIED",
+    "RESOURCE_EXHAUSTED",
+    "FAILED_PRECONDITION",
+    "ABORTED",
+    "OUT_OF_RANGE",
+    "UNIMPLEMENTED",
+    "INTERNAL",
+    "UNAVAILABLE",
+    "DATA_LOSS",
+    "UNAUTHENTICATED",
+]
+#: The status of a call the server refused or cut off at the HTTP/2 level.
+GOAWAY_ERROR: Final = "goaway"
+RESET_ERROR: Final = "reset"
+
+
+def _frame(kind: int, flags: int, stream: int, payload: bytes = b"") -> bytes:
+    return _FRAME.pack(len(payload) << 8 | kind, flags, stream) + payload
+
+
+def _grpc_timeout(seconds: float) -> str:
+    # At most 8 digits (gRPC's wire format): milliseconds, else whole seconds.
+    millis = math.ceil(seconds * 1000)
+    return f"{millis}m" if millis < 10**8 else f"{min(math.ceil(seconds), 10**8 - 1)}S"
+
+
+class _Stream:
+    """One call in flight."""
+
+    __slots__ = ("data", "grpc_message", "grpc_status", "http_status", "id", "start", "unsent")
+
+    def __init__(self, stream_id: int, start: int) -> None:
+        self.id = stream_id
+        self.start = start
+        self.http_status = ""
+        self.grpc_status: str | None = None
+        self.grpc_message = ""
+        self.data = bytearray()
+        self.unsent: memoryview | None = None  # DATA still held back by flow control
+
+
+class _H2Connection:
+    """One HTTP/2 connection and its calls in flight; *slots* of the level's workers use it."""
+
+    __slots__ = (
+        "block",
+        "connecting",
+        "decoded",
+        "decoder",
+        "encoder",
+        "fd",
+        "first_block",
+        "going_away",
+        "headers",
+        "headers_block",
+        "headers_end_stream",
+        "headers_stream",
+        "max_frame",
+        "max_streams",
+        "next_id",
+        "peer_window",
+        "rbuf",
+        "recv_unacked",
+        "retry_at",
+        "send_window",
+        "slots",
+        "sock",
+        "streams",
+        "wbuf",
+        "windows",
+        "writing",
+    )
+
+    def __init__(self, slots: int, headers: list[tuple[str, str]]) -> None:
+        self.slots = slots
+        self.headers = headers
+        self.sock: socket.socket | None = None
+        self.fd = -1
+        self.retry_at = 0  # when a failed connection may be opened again (ns)
+        self.reset()
+
+    def reset(self) -> None:
+        """Forget the last connection's state (before a new one)."""
+        self.connecting = False
+        self.going_away = False
+        self.streams: dict[int, _Stream] = {}
+        self.next_id = 1
+        self.rbuf = bytearray()
+        self.wbuf = bytearray()
+        self.send_window = _DEFAULT_WINDOW
+        self.peer_window = _DEFAULT_WINDOW  # the server's initial window per stream
+        self.windows: dict[int, int] = {}  # per stream send windows, only while DATA waits
+        self.max_frame = 16_384
+        self.max_streams = 1 << 31
+        self.recv_unacked = 0
+        self.encoder = hpack.Encoder()
+        self.decoder = hpack.Decoder()
+        # The first HEADERS adds the request headers to the server's table; every
+        # later one refers to them by index, the same bytes each time.
+        self.first_block: bytes | None = self.encoder.encode(self.headers)
+        self.block: bytes = self.encoder.encode(self.headers)
+        # Decoded header blocks that only refer to the table (cannot change it).
+        self.decoded: dict[bytes, list[tuple[str, str]]] = {}
+        self.headers_stream = 0  # a header block continued in CONTINUATION frames
+        self.headers_block = bytearray()
+        self.headers_end_stream = False
+        self.writing = False  # polled for writable: the socket's buffer was full
+
+
+class _RawGrpcLoop:
+    """One closed-loop level's gRPC calls, driven from one worker thread by one poller.
+
+    *count* workers share ``ceil(count / streams_per_connection)`` connections,
+    each keeping its share of calls in flight: a call answered, the next goes out
+    on the same connection. A connection that fails or is told to go away
+    fails its calls in flight (counted as errors with the first message) and is
+    replaced on the loop's next turn.
+    """
+
+    def __init__(
+        self,
+        address: tuple[str, int],
+        authority: str,
+        requests: Sequence[bytes],
+        recorder: _Recorder,
+        count: int,
+        *,
+        streams_per_connection: int,
+        timeout_s: float | None = None,
+    ) -> None:
+        self._address = address
+        # Each message with its gRPC prefix: not compressed, then its length.
+        self._messages = [b"\0" + _U32.pack(len(r)) + r for r in requests]
+        self._recorder = recorder
+        self._stopping = False
+        self._n = 0
+        self._poller = _Poller()
+        self._by_fd: dict[int, _H2Connection] = {}
+        self._broken: list[_H2Connection] = []
+        headers = [
+            (":method", "POST"),
+            (":scheme", "http"),
+            (":path", "/inference.GRPCInferenceService/ModelInfer"),
+            (":authority", authority),
+            ("content-type", "application/grpc"),
+            ("te", "trailers"),
+        ]
+        if timeout_s is not None:
+            headers.append(("grpc-timeout", _grpc_timeout(timeout_s)))
+        per = max(1, streams_per_connection)
+        self.connections = [
+            _H2Connection(min(per, count - first), headers) for first in range(0, count, per)
+        ]
+
+    def stop(self) -> None:
+        """Ask the loop to return (from any thread); it does within ``_POLL_MAX_S``."""
+        self._stopping = True
+
+    def close(self) -> None:
+        """Close every socket (after `run` returned)."""
+        for conn in self.connections:
+            self._close(conn)
+        self._poller.close()
+
+    # -- connections ---------------------------------------------------------------------------
+
+    def _open(self, conn: _H2Connection) -> None:
+        conn.reset()
+        sock = _new_socket(self._address)
+        error = sock.connect_ex(self._address)
+        if error not in (0, errno.EINPROGRESS, errno.EWOULDBLOCK):
+            sock.close()
+            self._fail(conn, OSError(error, os.strerror(error)), conn.slots)
+            return
+        conn.sock = sock
+        conn.fd = sock.fileno()
+        conn.connecting = True
+        self._by_fd[conn.fd] = conn
+        self._poller.register(conn.fd, _OUT)  # writable once connected (or failed)
+
+    def _connected(self, conn: _H2Connection) -> None:
+        conn.connecting = False
+        settings = _SETTING.pack(_ENABLE_PUSH, 0) + _SETTING.pack(
+            _INITIAL_WINDOW_SIZE, _RECV_WINDOW
+        )
+        conn.wbuf += _PREFACE
+        conn.wbuf += _frame(_SETTINGS, 0, 0, settings)
+        conn.wbuf += _frame(_WINDOW_UPDATE, 0, 0, _U32.pack(_RECV_WINDOW - _DEFAULT_WINDOW))
+        self._poller.modify(conn.fd, _IN)
+        self._fill(conn)
+
+    def _close(self, conn: _H2Connection) -> None:
+        if conn.sock is None:
+            return
+        self._by_fd.pop(conn.fd, None)
+        with suppress(OSError, KeyError, ValueError):
+            self._poller.unregister(conn.fd)
+        conn.sock.close()
+        conn.sock = None
+
+    def _fail(self, conn: _H2Connection, exc: BaseException, calls: int) -> None:
+        # Every call in flight (or, unconnected, every worker waiting) ends as a
+        # connection error; the connection is rebuilt on the loop's next turn, not
+        # here, so a server that refuses every connection can neither recurse nor spin.
+        if calls:
+            self._recorder.window.errors[_CONN_ERROR] += calls
+            self._recorder.first_error.setdefault(_CONN_ERROR, f"{type(exc).__name__}: {exc}")
+        self._close(conn)
+        conn.streams = {}
+        conn.retry_at = time.perf_counter_ns() + int(_RETRY_S * 1e9)
+        self._broken.append(conn)
+
+    def _go_away(self, conn: _H2Connection, message: str) -> None:
+        # The server takes no more calls here: the ones above its last stream are
+        # counted now, the rest finish; then the connection is replaced.
+        self._recorder.first_error.setdefault(GOAWAY_ERROR, message)
+        conn.going_away = True
+
+    # -- sending -------------------------------------------------------------------------------
+
+    def _fill(self, conn: _H2Connection) -> None:
+        """Start calls on *conn* until its workers (or the server's limit) are all in flight."""
+        if conn.going_away or conn.sock is None:
+            return  # its workers wait for the next connection
+        want = min(conn.slots, conn.max_streams)
+        if len(conn.streams) < want:
+            start = time.perf_counter_ns()
+            while len(conn.streams) < want:
+                self._send(conn, start)
+
+    def _send(self, conn: _H2Connection, start: int) -> None:
+        """Start the next call on *conn* (its latency runs from *start*)."""
+        message = self._messages[self._n % len(self._messages)]
+        self._n += 1
+        sid = conn.next_id
+        conn.next_id += 2
+        if conn.next_id > _LAST_STREAM_ID:
+            conn.going_away = True  # finish what is in flight, then reconnect
+        stream = conn.streams[sid] = _Stream(sid, start)
+        block = conn.block
+        if conn.first_block is not None:
+            block, conn.first_block = conn.first_block, None
+        wbuf = conn.wbuf
+        wbuf += _FRAME.pack(len(block) << 8 | _HEADERS, _END_HEADERS, sid)
+        wbuf += block
+        size = len(message)
+        if size <= conn.send_window and size <= conn.peer_window and size <= conn.max_frame:
+            conn.send_window -= size
+            wbuf += _FRAME.pack(size << 8 | _DATA, _END_STREAM, sid)
+            wbuf += message
+        else:
+            conn.windows[sid] = conn.peer_window
+            stream.unsent = memoryview(message)
+            self._pump(conn, stream)
+
+    def _pump(self, conn: _H2Connection, stream: _Stream) -> None:
+        # DATA as far as both windows allow, in frames no larger than the server takes.
+        data = stream.unsent
+        assert data is not None
+        sid = stream.id
+        while data:
+            size = min(len(data), conn.send_window, conn.windows[sid], conn.max_frame)
+            if size <= 0:
+                break
+            conn.send_window -= size
+            conn.windows[sid] -= size
+            flags = _END_STREAM if size == len(data) else 0
+            conn.wbuf += _FRAME.pack(size << 8 | _DATA, flags, sid)
+            conn.wbuf += data[:size]
+            data = data[size:]
+        if data:
+            stream.unsent = data
+        else:
+            stream.unsent = None
+            del conn.windows[sid]
+
+    def _flush(self, conn: _H2Connection) -> None:
+        sock = conn.sock
+        if sock is None or not conn.wbuf or conn.connecting:
+            return
+        try:
+            sent = sock.send(conn.wbuf)
+        except BlockingIOError:
+            sent = 0
+        except OSError as exc:
+            self._fail(conn, exc, len(conn.streams))
+            return
+        del conn.wbuf[:sent]
+        writing = bool(conn.wbuf)
+        if writing != conn.writing:
+            conn.writing = writing
+            self._poller.modify(conn.fd, _IN | _OUT if writing else _IN)
+
+    # -- receiving -----------------------------------------------------------------------------
+
+    def _event(self, conn: _H2Connection, flags: int, now: int) -> None:
+        sock = conn.sock
+        assert sock is not None
+        if conn.connecting:
+            error = sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
+            if error:
+                self._fail(conn, OSError(error, os.strerror(error)), conn.slots)
+                return
+            self._connected(conn)
+        elif flags & (_IN | _ERR):
+            try:
+                chunk = sock.recv(_RECV_BYTES)
+            except BlockingIOError:
+                chunk = None
+            except OSError as exc:
+                self._fail(conn, exc, len(conn.streams))
+                return
+            if chunk is not None:
+                if not chunk:
+                    self._fail(
+                        conn,
+                        ConnectionResetError("the server closed the connection"),
+                        len(conn.streams),
+                    )
+                    return
+                try:
+                    self._receive(conn, chunk, now)
+                except (ValueError, KeyError, IndexError, struct.error, hpack.HPACKError) as exc:
+                    self._fail(
+                        conn,
+                        _ProtocolError(f"bad HTTP/2 from the server: {exc}"),
+                        len(conn.streams),
+                    )
+                    return
+                if conn.sock is None:
+                    return
+        if conn.going_away and not conn.streams:
+            self._close(conn)
+            self._broken.append(conn)
+            return
+        self._flush(conn)
+
+    def _receive(self, conn: _H2Connection, chunk: bytes, now: int) -> None:
+        rbuf = conn.rbuf
+        rbuf += chunk
+        offset = 0
+        end = len(rbuf)
+        while end - offset >= _FRAME_HEADER:
+            head, flags, sid = _FRAME.unpack_from(rbuf, offset)
+            length = head >> 8
+            stop = offset + _FRAME_HEADER + length
+            if stop > end:
+                break
+            payload = bytes(rbuf[offset + _FRAME_HEADER : stop])
+            offset = stop
+            self._frame(conn, head & 0xFF, flags, sid & 0x7FFF_FFFF, payload, now)
+            if conn.sock is None:
+                return
+        del rbuf[:offset]
+
+    def _frame(
+        self, conn: _H2Connection, kind: int, flags: int, sid: int, payload: bytes, now: int
+    ) -> None:
+        if conn.headers_stream and kind != _CONTINUATION:
+            raise ValueError("a header block was interrupted by another frame")
+        if kind == _DATA:
+            if flags & _PADDED:
+                payload = payload[1 : len(payload) - payload[0]]
+            conn.recv_unacked += len(payload)
+            if conn.recv_unacked >= _RECV_WINDOW // 2:
+                conn.wbuf += _frame(_WINDOW_UPDATE, 0, 0, _U32.pack(conn.recv_unacked))
+                conn.recv_unacked = 0
+            stream = conn.streams.get(sid)
+            if stream is not None:
+                stream.data += payload
+                if flags & _END_STREAM:
+                    self._complete(conn, stream, now)
+                elif len(stream.data) >= _RECV_WINDOW // 2 and payload:
+                    # An answer past half the stream's window: give back what arrives.
+                    conn.wbuf += _frame(_WINDOW_UPDATE, 0, sid, _U32.pack(len(payload)))
+        elif kind in (_HEADERS, _CONTINUATION):
+            if kind == _HEADERS:
+                if flags & _PADDED:
+                    payload = payload[1 : len(payload) - payload[0]]
+                if flags & _PRIORITY:
+                    payload = payload[5:]
+                conn.headers_block = bytearray(payload)
+                conn.headers_stream = sid
+                # Where the block ends, the stream's END_STREAM flag (on HEADERS only) counts.
+                conn.headers_end_stream = bool(flags & _END_STREAM)
+            else:
+                if sid != conn.headers_stream:
+                    raise ValueError("CONTINUATION of no header block")
+                conn.headers_block += payload
+            if flags & _END_HEADERS:
+                conn.headers_stream = 0
+                self._headers(conn, sid, bytes(conn.headers_block), now)
+        elif kind == _WINDOW_UPDATE:
+            increment = _U32.unpack(payload)[0] & 0x7FFF_FFFF
+            if sid == 0:
+                conn.send_window += increment
+                for waiting in list(conn.streams.values()):
+                    if waiting.unsent is not None:
+                        self._pump(conn, waiting)
+            elif sid in conn.windows:
+                conn.windows[sid] += increment
+                self._pump(conn, conn.streams[sid])
+        elif kind == _PING:
+            if not flags & _ACK:
+                conn.wbuf += _frame(_PING, _ACK, 0, payload)
+        elif kind == _SETTINGS:
+            if not flags & _ACK:
+                self._settings(conn, payload)
+                conn.wbuf += _frame(_SETTINGS, _ACK, 0)
+        elif kind == _RST_STREAM:
+            stream = conn.streams.pop(sid, None)
+            if stream is not None:
+                code = _U32.unpack(payload)[0]
+                self._error(RESET_ERROR, f"the server reset the stream (HTTP/2 error code {code})")
+                conn.windows.pop(sid, None)
+                self._fill(conn)
+        elif kind == _GOAWAY:
+            last, code = struct.unpack_from(">II", payload)
+            last &= 0x7FFF_FFFF
+            debug = payload[8:].decode(errors="replace")
+            self._go_away(
+                conn,
+                f"the server sent GOAWAY (HTTP/2 error code {code}, last stream {last})"
+                + (f": {debug}" if debug else ""),
+            )
+            for sid_above in [s for s in conn.streams if s > last]:
+                del conn.streams[sid_above]
+                self._recorder.window.errors[GOAWAY_ERROR] += 1
+        elif kind == _PUSH_PROMISE:
+            raise ValueError("PUSH_PROMISE, though the client disabled push")
+        # PRIORITY, unknown and extension frames: ignored, as RFC 9113 asks.
+
+    def _settings(self, conn: _H2Connection, payload: bytes) -> None:
+        for i in range(0, len(payload) - 5, 6):
+            key, value = _SETTING.unpack_from(payload, i)
+            if key == _INITIAL_WINDOW_SIZE:
+                delta = value - conn.peer_window
+                conn.peer_window = value
+                for sid in conn.windows:
+                    conn.windows[sid] += delta
+                for waiting in list(conn.streams.values()):
+                    if waiting.unsent is not None:
+                        self._pump(conn, waiting)
+            elif key == _MAX_FRAME_SIZE:
+                conn.max_frame = value
+            elif key == _MAX_CONCURRENT_STREAMS:
+                conn.max_streams = value
+            elif key == _HEADER_TABLE_SIZE and value < conn.encoder.header_table_size:
+                # The server's table is smaller than hpack's default: encode again,
+                # the first block announcing the new size.
+                conn.encoder.header_table_size = value
+                conn.first_block = conn.encoder.encode(conn.headers)
+                conn.block = conn.encoder.encode(conn.headers)
+
+    def _headers(self, conn: _H2Connection, sid: int, block: bytes, now: int) -> None:
+        headers = conn.decoded.get(block)
+        if headers is None:
+            headers = cast("list[tuple[str, str]]", conn.decoder.decode(block))
+            # A block of one-byte indexed fields only reads the table: its result
+            # stays right until a block that changes the table, which clears these.
+            if all(b >= 0x80 and b != 0xFF for b in block):
+                conn.decoded[block] = headers
+            else:
+                conn.decoded.clear()
+        stream = conn.streams.get(sid)
+        if stream is None:
+            return
+        for name, value in headers:
+            if name == ":status":
+                stream.http_status = value
+            elif name == "grpc-status":
+                stream.grpc_status = value
+            elif name == "grpc-message":
+                stream.grpc_message = unquote(value)
+        if conn.headers_end_stream:
+            self._complete(conn, stream, now)
+
+    def _complete(self, conn: _H2Connection, stream: _Stream, now: int) -> None:
+        del conn.streams[stream.id]
+        if stream.unsent is not None:
+            conn.windows.pop(stream.id, None)
+        data = stream.data
+        if stream.grpc_status == "0" and stream.http_status == "200":
+            if len(data) >= 5 and data[0] == 0 and _U32.unpack_from(data, 1)[0] == len(data) - 5:
+                self._recorder.window.latencies.append(now - stream.start)
+            else:
+                self._error("bad-answer", f"an OK answer without one whole message: {data[:40]!r}")
+        elif stream.http_status != "200":
+            self._error(
+                f"http-{stream.http_status or '?'}",
+                f"the server answered HTTP status {stream.http_status or '(none)'}",
+            )
+        else:
+            code = stream.grpc_status
+            name = (
+                GRPC_CODES[int(code)]
+                if code is not None and code.isdigit() and int(code) < len(GRPC_CODES)
+                else f"grpc-status {code}"
+            )
+            self._error(name, stream.grpc_message)
+        self._fill(conn)
+
+    def _error(self, status: Status, message: str) -> None:
+        self._recorder.window.errors[status] += 1
+        self._recorder.first_error.setdefault(status, message)
+
+    # -- the loop ----------------------------------------------------------------------------------
+
+    def run(self) -> None:
+        """Drive the connections until `stop` (runs in a worker thread)."""
+        poll = self._poller.poll
+        by_fd = self._by_fd
+        for conn in self.connections:
+            self._open(conn)
+        while not self._stopping:
+            timeout = _POLL_MAX_S
+            if self._broken:
+                broken, self._broken = self._broken, []
+                now = time.perf_counter_ns()
+                for conn in broken:
+                    if conn.retry_at <= now:
+                        self._open(conn)
+                    else:
+                        self._broken.append(conn)
+                if self._broken:
+                    timeout = _RETRY_S
+            events = poll(timeout)
+            now = time.perf_counter_ns()
+            for fd, flags in events:
+                ready = by_fd.get(fd)
+                if ready is not None and ready.sock is not None:
+                    self._event(ready, flags, now)
+
+
+class _ProtocolError(Exception):
+    """The server broke HTTP/2 or gRPC framing."""
