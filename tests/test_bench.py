@@ -336,6 +336,30 @@ def test_refused_connection_is_a_clear_error() -> None:
     assert "cannot connect" in result.output
 
 
+def test_a_server_gone_mid_run_is_retried_without_spinning() -> None:
+    from trioinfer.bench._load import _LoadLoop
+    from trioinfer.bench._stats import _Recorder
+
+    # The server accepts one connection, closes it and goes away: every reconnect is
+    # refused, which a non-blocking connect reports as a poll event, not at once.
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        address = server.getsockname()
+        client = socket.create_connection(address)
+        client.setblocking(False)
+        server.accept()[0].close()
+    recorder = _Recorder()
+    load = _LoadLoop(address, [b"GET / HTTP/1.1\r\n\r\n"], recorder, [client])
+    worker = threading.Thread(target=load.run)
+    worker.start()
+    time.sleep(0.2)
+    load.stop()
+    worker.join()
+    load.close()
+    assert set(recorder.window.errors) == {"conn"}
+    # One attempt per 10 ms retry at most, not a busy loop (thousands before).
+    assert 1 <= recorder.window.errors["conn"] <= 0.2 / 0.01 + 10
+
+
 def test_usage_errors() -> None:
     assert bench("-m", "d", "--concurrency", "2", "--request-rate", "5").exit_code == 2
     assert bench("-m", "d", "--concurrency", "0").exit_code == 2

@@ -120,6 +120,8 @@ class _LoadLoop:
         self._free: list[_Connection] = []
         self._backlog: deque[int] = deque()
         self._broken: list[_Connection] = []
+        # When the broken connections may try again (perf_counter_ns).
+        self._retry_ns = 0
         self.connections = [_Connection(recorder) for _ in socks]
         for conn, sock in zip(self.connections, socks, strict=True):
             self._attach(conn, sock, _IN)
@@ -163,6 +165,7 @@ class _LoadLoop:
         self._recorder.first_error.setdefault(_CONN_ERROR, f"{type(exc).__name__}: {exc}")
         self._close(conn)
         self._broken.append(conn)
+        self._retry_ns = time.perf_counter_ns() + int(_RETRY_S * 1e9)
 
     def _start(self, conn: _Connection, start_ns: int) -> None:
         """Send the next request on *conn*; its latency runs from *start_ns*."""
@@ -301,11 +304,16 @@ class _LoadLoop:
                     due = start_ns + next(schedule)
                 timeout = min(timeout, (due - now) / 1e9)
             if self._broken:
-                broken, self._broken = self._broken, []
-                for conn in broken:
-                    self._ready(conn)
+                # Not at once: a refusal that arrives as a poll event (a non-blocking
+                # connect's usual way) would otherwise be retried in a tight loop.
+                wait_ns = self._retry_ns - time.perf_counter_ns()
+                if wait_ns <= 0:
+                    broken, self._broken = self._broken, []
+                    for conn in broken:
+                        self._ready(conn)
+                    wait_ns = int(_RETRY_S * 1e9)
                 if self._broken:
-                    timeout = min(timeout, _RETRY_S)
+                    timeout = min(timeout, wait_ns / 1e9)
             if precise is not None and 0 < timeout < _POLL_MAX_S:
                 # Woken by the timer (nothing readable): no poll call needed.
                 events = poll(0) if precise(timeout)[0] else ()
