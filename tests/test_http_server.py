@@ -1464,3 +1464,100 @@ async def test_one_wake_of_the_accept_loop_takes_every_waiting_connection(
     finally:
         for sock in [*accepted, *clients, listener]:
             sock.close()
+
+
+def _capture(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
+    made: list[Any] = []
+    real = _http_server.hangup_watcher
+
+    def spy(io: Any) -> Any:
+        h = real(io)
+        made.append(h)
+        return h
+
+    monkeypatch.setattr(_http_server, "hangup_watcher", spy)
+    return made
+
+
+async def test_hangups_follow_reused_descriptors_and_forget_closed_ones(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    made = _capture(monkeypatch)
+    outcomes: list[str] = []
+    working = trio.Event()
+    done = trio.Event()
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            raise RuntimeError("no lifespan")
+        await read_body(receive)
+        with trio.CancelScope() as left:
+            assert scope["extensions"]["trioinfer.cancel_on_disconnect"](left)
+            if scope["path"] == "/stay":
+                await respond(send, 200, b"ok")
+                outcomes.append("answered")
+                return
+            working.set()
+            await trio.sleep_forever()
+        outcomes.append("cancelled" if left.cancelled_caught else "?")
+        done.set()
+
+    async with serving(app) as server:
+        for _ in range(20):  # each closes: fds are reused by the next
+            async with connect(server) as client:
+                await client.send(post("/stay", b"x"))
+                assert (await client.response()).status == 200
+            await trio.testing.wait_all_tasks_blocked()
+        hangups = made[0]
+        assert hangups._connections == {}, hangups._connections
+        async with connect(server) as client:
+            await client.send(post("/leave", b"x"))
+            await working.wait()
+        with trio.fail_after(5):
+            await done.wait()
+        await trio.testing.wait_all_tasks_blocked()
+        assert hangups._connections == {}
+    assert outcomes == ["answered"] * 20 + ["cancelled"]
+
+
+async def test_an_error_in_the_watcher_costs_no_more_than_its_connection(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A fault while telling one connection of its hang-up (here: a registered scope whose
+    # cancel() raises) must not end the server: before, each connection's watcher ran in
+    # that connection's task group, whose errors were logged and cost only it.
+    class Bad:
+        def cancel(self) -> None:
+            raise RuntimeError("boom")
+
+    registered = trio.Event()
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            raise RuntimeError("no lifespan")
+        await read_body(receive)
+        if scope["path"] == "/bad":
+            assert scope["extensions"]["trioinfer.cancel_on_disconnect"](Bad())
+            registered.set()
+            await trio.sleep(0.5)
+        await respond(send, 200, b"ok")
+
+    async with serving(app) as server:
+        async with connect(server) as client:
+            await client.send(post("/bad", b"x"))
+            await registered.wait()
+        await trio.sleep(0.1)
+        async with connect(server) as client:
+            await client.send(post("/ok", b"x"))
+            assert (await client.response()).status == 200
+
+
+async def test_no_epoll_set_left_means_the_slower_watch_not_a_failure(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    def out_of_descriptors() -> Any:
+        raise OSError(24, "Too many open files")
+
+    monkeypatch.setattr(_connection.select, "epoll", out_of_descriptors)
+    assert _connection.hangup_watcher(_io.open_io()) is None
+    assert "Too many open files" in caplog.text

@@ -240,3 +240,28 @@ def test_one_input_is_refused_as_the_full_checks_refuse_it(
     if isinstance(x, np.ndarray):
         assert arrays["x"] is x  # no copy
     assert check(inputs, batched=False)[1] == 1  # no batch dimension: 1
+
+
+def test_fixed_signature_fast_path_refuses_a_first_input_of_zero_rows() -> None:
+    # {a: 0 rows, b: 3 rows} passed _fixed_arrays (batch stayed 0 at the first input,
+    # then took b's 3) and, batched with other callers' requests, failed their batch.
+    import numpy as np
+
+    import trioinfer
+    from trioinfer._tensors import InputLimits, ModelSignature, validate_inputs, validate_rows
+
+    sig = ModelSignature.declared(
+        [
+            {"name": "a", "dtype": "float32", "shape": ["batch", 4]},
+            {"name": "b", "dtype": "float32", "shape": ["batch", 4]},
+        ],
+        [{"name": "y", "dtype": "float32", "shape": ["batch", 4]}],
+        model="m",
+    )
+    bad = {"a": np.ones((0, 4), np.float32), "b": np.ones((3, 4), np.float32)}
+    with pytest.raises(trioinfer.InvalidInput):
+        validate_rows("m", sig, bad, InputLimits(), True)
+    with pytest.raises(trioinfer.InvalidInput):
+        validate_inputs("m", sig, bad, InputLimits())
+    good = {"a": np.ones((2, 4), np.float32), "b": np.ones((2, 4), np.float32)}
+    assert validate_rows("m", sig, good, InputLimits(), True)[1] == 2

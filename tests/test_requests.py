@@ -385,3 +385,20 @@ async def test_take_nowait_takes_what_fits_in_order_and_fails_the_expired() -> N
     assert queue.take_nowait(10) == [c, d]
     assert queue.take_nowait(10) == []
     assert len(queue) == 0
+
+
+def test_requests_are_weakly_referenceable_again() -> None:
+    # Before the fourth loop round a Request took weak references (a plugin may key a
+    # WeakKeyDictionary by request); make_request's class change dropped that.
+    import copy
+    import math
+    import pickle
+    import weakref
+
+    from trioinfer._request import Request, make_request
+
+    for r in (make_request("m", {}, None, 0, None, math.inf, 0.0, 1), Request("m", {})):
+        assert type(r) is Request
+        assert weakref.ref(r)() is r
+        assert pickle.loads(pickle.dumps(r)).id == r.id
+        assert copy.copy(r).sequence == r.sequence

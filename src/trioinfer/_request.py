@@ -73,10 +73,29 @@ class _State:
         return _SUCCEEDED
 
 
-# No __weakref__ slot: with one, Python cannot change a _Draft's class to Request
-# (make_request, below); nothing takes weak references to requests.
+class _Slots:
+    # Request's slots, __weakref__ among them, defined once for Request and _Draft
+    # (make_request, below): two classes that each define a __weakref__ slot of
+    # their own do not share a layout, and Python refuses to change one into the
+    # other; two that add nothing to one base do. attrs reuses these slots.
+    __slots__ = (
+        "__weakref__",
+        "_state",
+        "arrival",
+        "deadline",
+        "id",
+        "inputs",
+        "model",
+        "priority",
+        "rows",
+        "sequence",
+        "sequence_flags",
+        "tenant",
+    )
+
+
 @attrs.frozen(eq=False, weakref_slot=False)
-class Request:
+class Request(_Slots):
     """One call of `Engine.infer()`: the engine's own implementation of `trioinfer.abc.Request`.
 
     Plugins see it through that Protocol; its attributes are documented there.
@@ -135,9 +154,13 @@ assert {field.name for field in attrs.fields(Request)} == {*_GIVEN, *_OWN}, (
 _new = object.__new__
 
 
-class _Draft:
+assert set(_Slots.__slots__) == {*_GIVEN, *_OWN, "__weakref__"}
+assert not vars(Request).get("__slots__")  # attrs added none: the layout is _Slots'
+
+
+class _Draft(_Slots):
     # A Request being filled in: Request's layout, mutable.
-    __slots__ = _GIVEN + _OWN
+    __slots__ = ()
 
 
 def make_request(

@@ -450,7 +450,9 @@ def _fixed_arrays(
         if shape[1:] != tail or not shape:
             return None
         if batch != shape[0]:
-            if batch:
+            # A first input of 0 rows left batch at 0: a later one must not set it
+            # (the full checks refuse 0 rows, and inputs that disagree on them).
+            if batch or not shape[0] or arrays:
                 return None
             batch = shape[0]
         size = array.size

@@ -388,7 +388,8 @@ def decode_infer_request(
             )
         header = bytes(body[:header_length])
         binary = memoryview(body)[header_length:]
-        plan = _PLANS.get(header)
+        # Longer headers are never kept: spare hashing them.
+        plan = _PLANS.get(header) if len(header) <= _PLAN_BYTES else None
         if plan is not None and plan.limits is limits:
             request = plan.apply(binary)
             if request is not None:

@@ -131,8 +131,16 @@ class Hangups:
             await wait_readable(epoll)
             for fd, _events in epoll.poll(0, _HANGUP_BURST):
                 conn = connections.get(fd)
-                if conn is not None:
+                if conn is None:
+                    continue
+                try:
                     conn.hung_up()
+                except Exception:
+                    # A bug here must cost one connection, never the server (the
+                    # watcher serves them all): close this one.
+                    log.exception("unexpected error telling a connection its client hung up")
+                    conn.gone = True
+                    conn.cancel_scope.cancel()
 
     def close(self) -> None:
         """Close the epoll set (after `run` has ended)."""
@@ -145,7 +153,12 @@ def hangup_watcher(io: IO) -> Hangups | None:
     """A `Hangups` for *io*'s loop, or None where epoll (Linux) is missing."""
     if not hasattr(select, "epoll") or not hasattr(select, "EPOLLRDHUP"):
         return None  # pragma: no cover - Linux has both
-    return Hangups(io, select.epoll())
+    try:
+        epoll = select.epoll()
+    except OSError as exc:  # out of file descriptors: serve, watching the slower way
+        log.warning("no epoll set for hang-ups (%s): each request watches its own socket", exc)
+        return None
+    return Hangups(io, epoll)
 
 
 @final
