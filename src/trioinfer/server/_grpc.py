@@ -412,13 +412,20 @@ class _Service:
                         and plan.fits(contents)
                     ):
                         planned = _Planned(plan, contents, request_id)
+                message: Any
+                parts: dict[str, Any] | _Planned
                 if planned is not None:
-                    answer = await self._infer(planned, planned, call)
+                    message = parts = planned
                 else:
                     message = _parse(pb.ModelInferRequest, raw)
                     parts = _infer_parts(message)
                     if split is not None:
                         parts["plan_key"] = split[0]
+                if call.expires is None and state.models.engine._tracing is None and not call.gone:
+                    # As `_infer`, one coroutine frame fewer on every resume.
+                    answer = await self._infer_in_loop(message, parts, _metadata(call))
+                    assert answer is not None
+                else:
                     answer = await self._infer(message, parts, call)
             except Exception as exc:  # every failure becomes a status, never a crash
                 raise self._error(exc) from None
