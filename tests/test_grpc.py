@@ -1031,6 +1031,77 @@ def test_bad_messages_get_invalid_argument(server: Server) -> None:
     assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
 
 
+def test_wire_split_reads_what_protobuf_reads() -> None:
+    from trioinfer.server._grpc import _wire_split
+
+    request = valid_request()
+    request.id = "r-\u00e9"
+    request.parameters["priority"].int64_param = 1
+    split = _wire_split(request.SerializeToString())
+    assert split is not None
+    rest, request_id, contents = split
+    assert request_id == "r-\u00e9"
+    assert [bytes(c) for c in contents] == list(request.raw_input_contents)
+    bare = service_pb2.ModelInferRequest()
+    bare.CopyFrom(request)
+    bare.ClearField("id")
+    bare.ClearField("raw_input_contents")
+    assert rest == bare.SerializeToString()
+    # Anything unusual is left to protobuf: a varint field, a cut length, two ids.
+    body = request.SerializeToString()
+    assert _wire_split(b"\x08\x01" + body) is None
+    assert _wire_split(body[:-3]) is None
+    assert _wire_split(body + b"\x1a\x01x") is None
+    assert _wire_split(b"\x1a\x01\xff") is None  # an id that is not UTF-8
+
+
+def infer_raw_answer(server: Server, message: service_pb2.ModelInferRequest) -> Any:
+    with grpc.insecure_channel(server.grpc) as channel:
+        method = channel.unary_unary("/inference.GRPCInferenceService/ModelInfer")
+        return service_pb2.ModelInferResponse.FromString(
+            method(message.SerializeToString(), timeout=WAIT_S)
+        )
+
+
+def test_a_layout_seen_before_answers_as_the_long_way(server: Server) -> None:
+    # The same layout again and again (a plan is made the second time, used after),
+    # with each request's own id and data; then contents that do not fit the plan.
+    layout = service_pb2.ModelInferRequest(model_name="add")
+    layout.inputs.add(name="a", datatype="FP32", shape=[1, 4])
+    layout.inputs.add(name="b", datatype="FP32", shape=[1, 4])
+    layout.outputs.add(name="sum")
+    for turn in range(5):
+        message = service_pb2.ModelInferRequest()
+        message.CopyFrom(layout)
+        if turn % 2:
+            message.id = f"call-{turn}"
+        a = np.arange(4, dtype=np.float32).reshape(1, 4) * turn
+        b = np.full((1, 4), 0.5, dtype=np.float32)
+        message.raw_input_contents.extend([a.tobytes(), b.tobytes()])
+        answer = infer_raw_answer(server, message)
+        assert answer.id == message.id
+        assert answer.model_name == "add"
+        assert [o.name for o in answer.outputs] == ["sum"]
+        assert list(answer.outputs[0].shape) == [1, 4]
+        assert answer.outputs[0].datatype == "FP32"
+        got = np.frombuffer(answer.raw_output_contents[0], dtype=np.float32).reshape(1, 4)
+        np.testing.assert_array_equal(got, a + b)
+    short = service_pb2.ModelInferRequest()
+    short.CopyFrom(layout)
+    short.raw_input_contents.extend([b"\x00" * 16, b"\x00" * 15])
+    missing = service_pb2.ModelInferRequest()
+    missing.CopyFrom(layout)
+    missing.raw_input_contents.append(b"\x00" * 16)
+    extra = service_pb2.ModelInferRequest()
+    extra.CopyFrom(layout)
+    extra.raw_input_contents.extend([b"\x00" * 16] * 3)
+    for what, message in {"short": short, "missing": missing, "extra": extra}.items():
+        error = raw_infer(server, message.SerializeToString())
+        assert error is not None, what
+        assert error.code() == grpc.StatusCode.INVALID_ARGUMENT, (what, error.details())
+        assert "raw_input_contents" in error.details(), (what, error.details())
+
+
 @settings(
     max_examples=60,
     deadline=None,

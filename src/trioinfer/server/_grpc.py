@@ -65,7 +65,16 @@ from ._app import (
     statistics_document,
     trace_setting_document,
 )
-from ._codec import PayloadTooLarge, RequestError, decode_infer_parts, encode_raw_outputs
+from ._codec import (
+    InferRequest,
+    Limits,
+    PayloadTooLarge,
+    RequestError,
+    _from_binary,
+    _Input,
+    decode_infer_parts,
+    encode_raw_outputs,
+)
 from ._errors import NotReady, Unauthorized
 from ._grpc_h2 import GrpcCall, GrpcError, GrpcServer, Method
 
@@ -380,22 +389,71 @@ class _Service:
 
     # -- inference --
 
-    async def ModelInfer(self, request: Any, context: Any, call: GrpcCall) -> Any:
-        metadata = _metadata(context)
-        parts = _infer_parts(request)
+    def infer_handler(self) -> Callable[[bytes, GrpcCall], Awaitable[bytes]]:
+        """ModelInfer over raw bytes: a request laid out as one seen before skips its checks.
+
+        The request's bytes but for its id and raw_input_contents are the key of
+        a plan (`_Plan`) that holds what they decoded to; each request's own raw
+        contents are still cut by the plan's sizes, and BOOL data checked. Any
+        other request, or one whose contents do not fit, goes the long way.
+        """
+        state = self._state
+
+        async def handle(raw: bytes, call: GrpcCall) -> bytes:
+            try:
+                split = _wire_split(raw)
+                planned = None
+                if split is not None:
+                    key, request_id, contents = split
+                    plan = _PLANS.get(key)
+                    if (
+                        plan is not None
+                        and plan.limits is state.config.limits
+                        and plan.fits(contents)
+                    ):
+                        planned = _Planned(plan, contents, request_id)
+                message: Any
+                parts: dict[str, Any] | _Planned
+                if planned is not None:
+                    message = parts = planned
+                else:
+                    message = _parse(pb.ModelInferRequest, raw)
+                    parts = _infer_parts(message)
+                    if split is not None:
+                        parts["plan_key"] = split[0]
+                if call.expires is None and state.models.engine._tracing is None and not call.gone:
+                    # As `_infer`, one coroutine frame fewer on every resume.
+                    answer = await self._infer_in_loop(message, parts, _metadata(call))
+                    assert answer is not None
+                else:
+                    answer = await self._infer(message, parts, call)
+            except Exception as exc:  # every failure becomes a status, never a crash
+                raise self._error(exc) from None
+            return _response_bytes(*answer)
+
+        return handle
+
+    async def _infer(
+        self, message: Any, parts: dict[str, Any] | _Planned, call: GrpcCall
+    ) -> tuple[Any, ...]:
+        metadata = _metadata(call)
         if call.expires is None and self._state.models.engine._tracing is None and not call.gone:
             # The usual call (no deadline, tracing off): what `_run` and `_traced_infer`
             # would do, without their two coroutine frames on every resume.
-            answer = await self._infer_in_loop(request, parts, metadata)
+            answer = await self._infer_in_loop(message, parts, metadata)
         else:
-            answer = await self._run(call, self._traced_infer, request, parts, metadata)
+            answer = await self._run(call, self._traced_infer, message, parts, metadata)
         assert answer is not None  # without an emit nothing is streamed
-        return _infer_response(*answer)
+        return answer
+
+    async def ModelInfer(self, request: Any, context: Any, call: GrpcCall) -> Any:
+        # Served by `infer_handler`; kept for the service's full set of methods.
+        return _infer_response(*await self._infer(request, _infer_parts(request), context))
 
     async def _traced_infer(
         self,
         message: Any,
-        parts: dict[str, Any],
+        parts: dict[str, Any] | _Planned,
         metadata: Mapping[str, str],
         emit: Callable[[Any], Awaitable[None]] | None = None,
     ) -> tuple[Any, ...] | None:
@@ -414,7 +472,7 @@ class _Service:
     async def _infer_in_loop(
         self,
         message: Any,
-        parts: dict[str, Any],
+        parts: dict[str, Any] | _Planned,
         metadata: Mapping[str, str],
         emit: Callable[[Any], Awaitable[None]] | None = None,
     ) -> tuple[Any, ...] | None:
@@ -429,7 +487,13 @@ class _Service:
             served = state.models.resolve(model, version, key=metadata.get(ROUTING_KEY_HEADER))
             # The lease holds the regions the request names until its outputs are written.
             with state.shm.lease() as lease:
-                request = decode_infer_parts(limits=state.config.limits, shm=lease, **parts)
+                if isinstance(parts, _Planned):
+                    request = parts.decode()
+                else:
+                    key = parts.pop("plan_key", None)
+                    request = decode_infer_parts(limits=state.config.limits, shm=lease, **parts)
+                    if key is not None:
+                        _remember(key, parts, request, state.config.limits, message)
                 _check_outputs(request, served)
                 priority, timeout = _schedule_parameters(request, served)
                 order = [spec.name for spec in served.info.signature.outputs]
@@ -692,6 +756,201 @@ def _infer_response(
     return response
 
 
+# -- plans: a ModelInfer request laid out as one seen before ---------------------------------
+
+
+def _wire_split(data: bytes) -> tuple[bytes, str, list[memoryview]] | None:
+    """A ModelInferRequest's bytes as (the rest, its id, its raw_input_contents).
+
+    "The rest" is every top-level field but the id (3) and the raw contents
+    (7), as sent: two requests with the same rest parse alike but for those.
+    None for anything unusual (a field that is not length-delimited, a tag of
+    more than one byte, a repeated or non-UTF-8 id, bytes cut short): the long
+    way parses it and says what is wrong.
+    """
+    rest: list[bytes] = []
+    contents: list[memoryview] = []
+    request_id = b""
+    seen_id = False
+    view = memoryview(data)
+    pos, end = 0, len(data)
+    while pos < end:
+        start = pos
+        tag = data[pos]
+        if tag & 0x87 != 2:  # wire type 2 (length-delimited), a one-byte tag
+            return None
+        pos += 1
+        length = shift = 0
+        while True:
+            if pos >= end or shift > 28:
+                return None
+            byte = data[pos]
+            pos += 1
+            length |= (byte & 0x7F) << shift
+            if byte < 0x80:
+                break
+            shift += 7
+        stop = pos + length
+        if stop > end:
+            return None
+        field = tag >> 3
+        if field == 7:
+            contents.append(view[pos:stop])
+        elif field == 3:
+            if seen_id:
+                return None
+            seen_id = True
+            request_id = data[pos:stop]
+        else:
+            rest.append(data[start:stop])
+        pos = stop
+    try:
+        return b"".join(rest), request_id.decode("utf-8"), contents
+    except UnicodeDecodeError:
+        return None
+
+
+@final
+class _Plan:
+    """What a ModelInferRequest's rest (`_wire_split`) decoded to: the inputs' specs and the rest.
+
+    Only requests whose inputs are all raw contents of fixed-size datatypes,
+    without parameters, and whose outputs are not in shared memory are
+    planned: nothing a plan skips can differ between two such requests.
+    """
+
+    __slots__ = ("limits", "model_name", "model_version", "request", "sizes", "specs")
+
+    def __init__(
+        self, limits: Limits, message: Any, request: InferRequest, specs: tuple[_Input, ...]
+    ) -> None:
+        self.limits = limits
+        self.model_name: str = message.model_name
+        self.model_version: str = message.model_version
+        self.request = request  # without inputs or id (each request has its own)
+        self.specs = specs
+        self.sizes = [spec.binary_size for spec in specs]
+
+    def fits(self, contents: list[memoryview]) -> bool:
+        """Whether *contents* are one entry per input of the planned sizes (else: the long way)."""
+        return [len(c) for c in contents] == self.sizes
+
+
+@final
+class _Planned:
+    """One request on a plan: its own raw contents and id; decoded in its call."""
+
+    __slots__ = ("contents", "id", "model_name", "model_version", "plan")
+
+    def __init__(self, plan: _Plan, contents: list[memoryview], request_id: str) -> None:
+        self.plan = plan
+        self.contents = contents
+        self.id = request_id
+        self.model_name = plan.model_name
+        self.model_version = plan.model_version
+
+    def decode(self) -> InferRequest:
+        """The request, its inputs cut from its raw contents (BOOL data checked)."""
+        r = self.plan.request
+        inputs = {
+            spec.name: _from_binary(spec, chunk)
+            for spec, chunk in zip(self.plan.specs, self.contents, strict=True)
+        }
+        return InferRequest(self.id or None, inputs, r.outputs, r.binary_output, r.parameters)
+
+
+def _remember(
+    key: bytes, parts: dict[str, Any], request: InferRequest, limits: Limits, message: Any
+) -> None:
+    """After the long way: a plan for *key*, the second time it is seen, if it may have one."""
+    inputs = parts["inputs"]
+    if (
+        len(key) > _PLAN_BYTES
+        or len(parts["raw"]) != len(inputs)
+        or any("parameters" in item or item["datatype"] == "BYTES" for item in inputs)
+        or any(output.shm is not None for output in request.outputs or ())
+    ):
+        return
+    if key not in _PLANS:
+        # Seen once: a client that changes its requests' layout each time makes no plans.
+        if len(_PLANS) >= _PLAN_COUNT:
+            _PLANS.clear()
+        _PLANS[key] = None
+        return
+    specs = []
+    for item, chunk in zip(inputs, parts["raw"], strict=True):
+        array = request.inputs[item["name"]]
+        shape = tuple(array.shape)
+        specs.append(
+            _Input(item["name"], item["datatype"], shape, math.prod(shape), None, len(chunk), ())
+        )
+    r = request
+    _PLANS[key] = _Plan(
+        limits,
+        message,
+        InferRequest(None, {}, r.outputs, r.binary_output, r.parameters),
+        tuple(specs),
+    )
+
+
+#: Recent requests' rests (`_wire_split`, at most `_PLAN_BYTES`) and their plans
+#: (None: seen once); emptied when `_PLAN_COUNT` are kept.
+_PLANS: Final[dict[bytes, _Plan | None]] = {}
+_PLAN_BYTES: Final = 4096
+_PLAN_COUNT: Final = 256
+
+
+def _varint(value: int) -> bytes:
+    out = bytearray()
+    while value >= 0x80:
+        out.append(value & 0x7F | 0x80)
+        value >>= 7
+    out.append(value)
+    return bytes(out)
+
+
+def _response_bytes(
+    model: str,
+    version: str,
+    request_id: str | None,
+    outputs: list[tuple[str, str, tuple[int, ...], bytes, dict[str, Any] | None]],
+    parameters: Mapping[str, str] | None,
+) -> bytes:
+    """`_infer_response` serialised; its usual form from a memo of the fields but id and data.
+
+    Protobuf reads fields in any order: the memo's fields (model, version, the
+    outputs' names, datatypes and shapes) come first, then the id and each
+    output's raw contents, each a tag and a length before the bytes as they are.
+    """
+    if parameters or any(where for *_, where in outputs):
+        data: bytes = _infer_response(
+            model, version, request_id, outputs, parameters
+        ).SerializeToString()
+        return data
+    key = (model, version, *[(name, datatype, shape) for name, datatype, shape, _, _ in outputs])
+    head = _HEADS.get(key)
+    if head is None:
+        message = _infer_response(
+            model, version, None, [(n, t, s, b"", None) for n, t, s, _, _ in outputs], None
+        )
+        message.ClearField("raw_output_contents")
+        head = message.SerializeToString()
+        if len(_HEADS) >= _PLAN_COUNT:
+            _HEADS.clear()
+        _HEADS[key] = head
+    pieces = [head]
+    if request_id:
+        encoded = request_id.encode("utf-8")
+        pieces += (b"\x1a", _varint(len(encoded)), encoded)
+    for _, _, _, blob, _ in outputs:
+        pieces += (b"\x32", _varint(len(blob)), blob)
+    return b"".join(pieces)
+
+
+#: Serialised ModelInferResponses without id or raw contents, by model, version and outputs.
+_HEADS: Final[dict[tuple[Any, ...], bytes]] = {}
+
+
 # -- the server ------------------------------------------------------------------------------
 
 
@@ -703,9 +962,12 @@ def _methods(service: _Service) -> dict[str, Method]:
             methods[path] = Method(getattr(service, method.name), streaming=True)
         else:
             request_type = message_factory.GetMessageClass(method.input_type)
-            methods[path] = Method(
-                service.unary(request_type, getattr(service, method.name)), streaming=False
+            handler = (
+                service.infer_handler()
+                if method.name == "ModelInfer"
+                else service.unary(request_type, getattr(service, method.name))
             )
+            methods[path] = Method(handler, streaming=False)
     return methods
 
 
