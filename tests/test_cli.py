@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 import importlib.metadata
+import logging
 import re
 import subprocess
 import sys
@@ -253,6 +254,24 @@ def test_serve_on_a_port_in_use_says_which_address(tmp_path: Path) -> None:
     assert result.exit_code == 1
     assert result.output.startswith(f"Error: cannot listen on 127.0.0.1:{port}: ")
     assert "in use" in result.output
+
+
+def test_serve_says_a_port_is_in_use_before_loading_models(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    import socket
+
+    caplog.set_level(logging.INFO)
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        # The bundled repository: without the check its models load, and say so, first.
+        result = invoke("serve", "--no-grpc", "--port", str(port), "--log-level", "info")
+    assert result.exit_code == 1
+    assert f"cannot listen on 127.0.0.1:{port}: " in result.output
+    assert not [r for r in caplog.records if r.getMessage().startswith("loaded model")]
 
 
 @pytest.mark.parametrize("host", ["localhost:8000", "127.0.0.1:8000", "[::1]:8000"])

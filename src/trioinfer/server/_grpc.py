@@ -1000,11 +1000,7 @@ async def serve_grpc(
     try:
         listener = await anyio.create_tcp_listener(local_host=host, local_port=port)
     except OSError as exc:
-        raise OSError(
-            exc.errno,
-            f"cannot listen for gRPC on {_bracket(host)}:{port}: {exc.strerror or exc} (the "
-            "port is in use, or the address is not one of this host's: --grpc-port, --host)",
-        ) from None
+        raise listen_error(host, port, exc) from None
     bound = listener.extra(anyio.abc.SocketAttribute.local_port)
     address = f"{_bracket(host)}:{bound}"
     async with anyio.create_task_group() as connections:
@@ -1026,6 +1022,15 @@ async def serve_grpc(
             # Whatever still runs is cancelled (its client gets UNAVAILABLE).
             connections.cancel_scope.cancel()
     log.info("stopped serving gRPC")
+
+
+def listen_error(host: str, port: int, exc: OSError) -> OSError:
+    """*exc*, from binding the gRPC port, as an error that names the gRPC address."""
+    return OSError(
+        exc.errno,
+        f"cannot listen for gRPC on {_bracket(host)}:{port}: {exc.strerror or exc} (the "
+        "port is in use, or the address is not one of this host's: --grpc-port, --host)",
+    )
 
 
 def _bracket(host: str) -> str:

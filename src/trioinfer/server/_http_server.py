@@ -190,7 +190,9 @@ async def _serve(
         connections.cancel_scope.cancel()
 
 
-async def _open_listeners(host: str, port: int, *, reuse_port: bool = False) -> list[socket.socket]:
+async def _open_listeners(
+    host: str, port: int, *, reuse_port: bool = False, listen: bool = True
+) -> list[socket.socket]:
     """Plain non-blocking listening sockets on every address *host* resolves to.
 
     The server calls them directly (``accept``) and waits through ``_io.py``.
@@ -212,13 +214,26 @@ async def _open_listeners(host: str, port: int, *, reuse_port: bool = False) -> 
                 # One socket per family, as Trio does: no IPv4-mapped addresses here.
                 sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
             sock.bind(address)
-            sock.listen(_BACKLOG)
+            if listen:
+                sock.listen(_BACKLOG)
             sock.setblocking(False)
     except BaseException:
         for sock in listeners:
             sock.close()
         raise
     return listeners
+
+
+async def check_bindable(host: str, port: int) -> None:
+    """Bind every address of *host* at *port* as the server would, and let go at once.
+
+    Raises the OSError the server's own bind would raise (the port in use,
+    an address not of this host), so that it is said before the models load
+    rather than after. Something may still take the port in between: the
+    server's bind reports that too.
+    """
+    for sock in await _open_listeners(host, port, listen=False):
+        sock.close()
 
 
 def _close_all(io: IO, socks: list[socket.socket]) -> None:

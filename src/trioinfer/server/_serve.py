@@ -26,7 +26,7 @@ from .._engine import open_engine
 from .._exceptions import ConfigError
 from .._registry import Registry
 from ._app import ServerConfig, ServerState, create_app
-from ._http_server import serve_asgi
+from ._http_server import check_bindable, serve_asgi
 from ._metrics import InFlight, Metrics
 from ._models import ServedModels, public_names
 from ._repository import ModelRepository
@@ -129,6 +129,7 @@ async def serve_http(
     Raises:
         ConfigError: The repository is missing, or a named model does not exist.
         ModuleNotFoundError: *grpc_port* is given but the ``grpc`` extra is not installed.
+        OSError: A port cannot be bound (checked before the models load).
     """
     for what, number in (("port", port), ("grpc_port", grpc_port)):
         if number is not None and not 0 <= number <= 65535:
@@ -137,6 +138,8 @@ async def serve_http(
     if config is None:
         config = ServerConfig()
     repo = ModelRepository(repository)
+    if not reuse_port:
+        await _check_ports(host, port, grpc_port)
     async with (
         _public_names_in_logs(),
         open_engine(
@@ -218,6 +221,20 @@ def _grpc_layer() -> Any:
             name=exc.name,
         ) from exc
     return serve_grpc
+
+
+async def _check_ports(host: str, port: int, grpc_port: int | None) -> None:
+    # Loading a repository can take minutes; a port that is taken is said before it.
+    # (Workers share their port: the supervisor checks it for them.)
+    if port:
+        await check_bindable(host, port)
+    if grpc_port:
+        try:
+            await check_bindable(host, grpc_port)
+        except OSError as exc:
+            from ._grpc import listen_error
+
+            raise listen_error(host, grpc_port, exc) from None
 
 
 def _names(served: ServedModels) -> list[str]:
