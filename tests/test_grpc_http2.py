@@ -280,3 +280,62 @@ def test_nothing_is_kept_after_goaway() -> None:
     conn.close_connection()
     assert conn.receive_data(frame(0x6, 0, 0, b"12345678") + partial) == []
     assert len(conn._buffer) == 0
+
+
+def test_the_clients_first_frame_must_be_settings() -> None:
+    conn = _http2.Connection()
+    conn.initiate_connection()
+    with pytest.raises(_http2.ProtocolError, match="first frame must be its SETTINGS"):
+        conn.receive_data(_http2.PREFACE + frame(0x6, 0, 0, b"12345678"))
+    conn = _http2.Connection()
+    with pytest.raises(_http2.ProtocolError):  # a SETTINGS ack is no greeting either
+        conn.receive_data(_http2.PREFACE + frame(0x4, 0x1, 0, b""))
+
+
+def test_malformed_stream_frames_fail_their_stream_only() -> None:
+    client, conn = pair()
+    client.send_headers(1, REQUEST)
+    client.send_headers(3, REQUEST)
+    to_server(client, conn)
+    conn.data_to_send()
+    # Trailers without END_STREAM (RFC 9113 8.1) on 1, a PRIORITY of 4 bytes on 3 (6.3).
+    trailers = client.encoder.encode([("x-t", "1")])
+    events = conn.receive_data(frame(0x1, 0x4, 1, trailers) + frame(0x2, 0, 3, b"\x00" * 4))
+    assert [(type(e), e.stream_id, e.error_code) for e in events] == [
+        (_http2.StreamReset, 1, _http2.PROTOCOL_ERROR),
+        (_http2.StreamReset, 3, _http2.FRAME_SIZE_ERROR),
+    ]
+    out = conn.data_to_send()
+    assert frame(0x3, 0, 1, struct.pack(">I", _http2.PROTOCOL_ERROR)) in out
+    assert frame(0x3, 0, 3, struct.pack(">I", _http2.FRAME_SIZE_ERROR)) in out
+    # The connection goes on.
+    client.send_headers(5, REQUEST, end_stream=True)
+    received, _ = to_server(client, conn)
+    assert isinstance(received, _http2.RequestReceived)
+    assert received.stream_id == 5
+    assert not conn.closed
+
+
+def test_a_graceful_goaway_lets_open_streams_finish() -> None:
+    client, conn = pair()
+    client.send_headers(1, REQUEST, end_stream=True)
+    to_server(client, conn)
+    conn.data_to_send()
+    # GOAWAY(NO_ERROR) with stream 1 open: its answer may still go out.
+    (terminated,) = conn.receive_data(frame(0x7, 0, 0, struct.pack(">LL", 0, 0)))
+    assert isinstance(terminated, _http2.ConnectionTerminated)
+    assert not conn.closed
+    # A stream opened after it is refused; stream 1 is answered.
+    assert conn.receive_data(frame(0x1, 0x5, 3, client.encoder.encode(REQUEST))) == []
+    assert frame(0x3, 0, 3, struct.pack(">I", _http2.REFUSED_STREAM)) in conn.data_to_send()
+    conn.send_headers(1, [(b":status", b"200")])
+    conn.send_data(1, b"answer")
+    conn.send_headers(1, [(b"grpc-status", b"0")], end_stream=True)
+    got = to_client(conn, client)
+    assert [e.data for e in got if isinstance(e, h2.events.DataReceived)] == [b"answer"]
+    # With an error code, the client has given up: nothing more either way.
+    client, conn = pair()
+    client.send_headers(1, REQUEST, end_stream=True)
+    to_server(client, conn)
+    conn.receive_data(frame(0x7, 0, 0, struct.pack(">LL", 0, _http2.PROTOCOL_ERROR)))
+    assert conn.closed

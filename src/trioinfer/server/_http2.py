@@ -16,7 +16,8 @@ past its window is a FLOW_CONTROL_ERROR, and windows are handed back only as
 the application acknowledges data, with h2's `WindowManager` algorithm);
 outbound flow control (a send past the client's window raises); SETTINGS
 (table size, window size changes applied to open streams, frame size, ACK);
-PING answered; RST_STREAM both ways; GOAWAY both ways; the concurrent stream
+PING answered; RST_STREAM both ways; GOAWAY both ways (the client's graceful
+one lets its open streams finish); the concurrent stream
 limit (a stream over it is refused). Header validation is not done (h2's was
 off too): headers only pick a method, a deadline and metadata compared as
 strings. Server push, priorities (parsed and ignored) and HTTP/1.1 upgrade are
@@ -181,7 +182,12 @@ class RemoteSettingsChanged:
 
 @final
 class ConnectionTerminated:
-    """The client sent GOAWAY: the connection takes no more frames either way."""
+    """The client sent GOAWAY.
+
+    With NO_ERROR while streams are open, those streams may still finish (the
+    client opens no more; one it opens anyway is refused); otherwise, or with
+    none open, the connection takes no more frames either way.
+    """
 
     __slots__ = ("additional_data", "error_code", "last_stream_id")
 
@@ -285,6 +291,10 @@ class Connection:
         self._inbound = _Window(_DEFAULT_WINDOW)
         self._buffer = bytearray()
         self._preface = False
+        #: The client's SETTINGS, which must be its first frame, arrived.
+        self._greeted = False
+        #: The client sent a graceful GOAWAY while streams were open: it opens no more.
+        self._remote_goaway = False
         #: A header block waiting for its CONTINUATIONs: (stream id, flags, bytes so far).
         self._block: tuple[int, int, bytearray] | None = None
         self._out: list[bytes] = []
@@ -450,6 +460,10 @@ class Connection:
                 payload = bytes(view[pos + 9 : pos + 9 + length])
                 pos += 9 + length
                 stream_id &= 0x7FFFFFFF
+                if not self._greeted:
+                    if kind != _SETTINGS or flags & _ACK:
+                        raise ProtocolError("the client's first frame must be its SETTINGS")
+                    self._greeted = True
                 if self._block is not None and kind != _CONTINUATION:
                     raise ProtocolError("a header block was interrupted by another frame")
                 if kind == _DATA:
@@ -472,7 +486,8 @@ class Connection:
                     if stream_id == 0:
                         raise ProtocolError("PRIORITY on stream 0")
                     if length != 5:
-                        raise ProtocolError("a PRIORITY frame is 5 bytes", FRAME_SIZE_ERROR)
+                        # A stream error (RFC 9113 6.3): the other streams go on.
+                        self._stream_error(events, stream_id, FRAME_SIZE_ERROR)
                 elif kind == _PUSH_PROMISE:
                     raise ProtocolError("a client may not send PUSH_PROMISE")
                 # Other types are extensions: ignored (RFC 9113 4.1).
@@ -575,7 +590,8 @@ class Connection:
             if not stream.remote_open:
                 self._stream_error(events, stream_id, STREAM_CLOSED)
             elif not flags & _END_STREAM:
-                raise ProtocolError("trailers without END_STREAM")
+                # A malformed request (RFC 9113 8.1): that stream alone fails.
+                self._stream_error(events, stream_id, PROTOCOL_ERROR)
             else:
                 self._end_remote(events, stream_id, stream)
             return
@@ -584,7 +600,7 @@ class Connection:
             self._stream_error(events, stream_id, STREAM_CLOSED)
             return
         self.highest_inbound_stream_id = stream_id
-        if len(self.streams) >= self._max_streams:
+        if len(self.streams) >= self._max_streams or self._remote_goaway:
             self._out.append(_frame(_RST_STREAM, 0, stream_id, _U32.pack(REFUSED_STREAM)))
             return
         stream = self.streams[stream_id] = _Stream(
@@ -686,5 +702,9 @@ class Connection:
         if len(payload) < 8:
             raise ProtocolError("a GOAWAY frame is at least 8 bytes", FRAME_SIZE_ERROR)
         last, code = _GOAWAY_HEAD.unpack_from(payload)
-        self.closed = True
+        if code == NO_ERROR and self.streams:
+            # A graceful goodbye: the answers to the streams it opened may still come.
+            self._remote_goaway = True
+        else:
+            self.closed = True
         events.append(ConnectionTerminated(code, last & 0x7FFFFFFF, payload[8:]))
