@@ -1020,3 +1020,41 @@ async def test_a_reset_stream_gives_back_the_connection_window_it_held(serve: Se
     with anyio.fail_after(WAIT_S):
         sid = await client.call("/t.S/Echo", frame(b"x"))
     assert await client.status(sid) == ("0", "")
+
+
+@both_loops
+async def test_no_call_outlives_its_connection() -> None:
+    # As a task group's children: the connection ends when its calls have, their
+    # clean-up included (on asyncio the calls are plain tasks, waited for by hand).
+    started = anyio.Event()
+    finished: list[bool] = []
+
+    async def slow(message: bytes, call: GrpcCall) -> bytes:
+        started.set()
+        try:
+            await anyio.sleep_forever()
+        finally:
+            with anyio.CancelScope(shield=True):
+                await anyio.sleep(0.05)  # a handler's clean-up that takes a while
+            finished.append(True)
+        return b""
+
+    server = GrpcServer({"/t.S/Slow": Method(slow, streaming=False)}, MAX)
+    seen_at_end: list[list[bool]] = []
+    async with await anyio.create_tcp_listener(local_host="127.0.0.1", local_port=0) as listener:
+        port = listener.extra(anyio.abc.SocketAttribute.local_port)
+
+        async def one_connection(socket: anyio.abc.SocketStream) -> None:
+            await server.connection(socket)
+            seen_at_end.append(list(finished))
+            group.cancel_scope.cancel()  # one connection only
+
+        async with anyio.create_task_group() as group:
+            group.start_soon(listener.serve, one_connection)
+            client = Client(await anyio.connect_tcp("127.0.0.1", port))
+            await client.start()
+            await client.call("/t.S/Slow", frame(b"a"))
+            with anyio.fail_after(WAIT_S):
+                await started.wait()
+            await client.socket.aclose()
+    assert seen_at_end == [[True]]
