@@ -227,16 +227,18 @@ class RequestQueue(metaclass=NoPublicConstructor):
     def take_nowait(self, max_rows: int) -> list[Request]:
         """Take live requests in order while their rows fit in *max_rows*, failing expired ones."""
         # peek_nowait() and pop_nowait() in one loop: a batch's worth of requests
-        # in one call, the clock read once.
+        # in one call, the clock read once. The scheduler's requests are popped
+        # without a peek first (one call each, not two): the one that does not
+        # fit goes to the front, where a batcher's given-back requests wait.
         taken: list[Request] = []
         front, scheduler, levels = self._front, self._scheduler, self._levels
         now: float | None = None
         while True:
             if front:
-                request = front[0]
+                request = front.popleft()
             else:
                 try:
-                    request = scheduler.peek()
+                    request = scheduler.pop()
                 except IndexError:
                     break
             expired = False
@@ -247,13 +249,10 @@ class RequestQueue(metaclass=NoPublicConstructor):
             if not expired:
                 rows = request.rows
                 if rows > max_rows:
-                    break  # it heads the next batch
+                    front.appendleft(request)  # it heads the next batch
+                    break
                 max_rows -= rows
                 taken.append(request)
-            if front:
-                front.popleft()
-            else:
-                scheduler.pop()
             if levels is not None and request.priority in levels:
                 levels[request.priority] -= 1
             if expired:
@@ -276,6 +275,7 @@ class RequestQueue(metaclass=NoPublicConstructor):
             self._wakeup = None
 
     def _push(self, request: Request) -> None:
+        # ModelRunner.admit does this in line: a change here belongs there too.
         self._scheduler.push(request)  # may raise: the caller (ModelRunner.call) sorts it out
         if self._levels is not None and request.priority in self._levels:
             self._levels[request.priority] += 1
@@ -1188,8 +1188,10 @@ class ModelRunner(metaclass=NoPublicConstructor):
                     "retry later",
                     retry_after=self.retry_after(),
                 )
+        queue = self.queue
         try:
-            self.queue._push(request)
+            # RequestQueue._push in line: one call fewer per admitted request.
+            queue._scheduler.push(request)
         except TrioInferError:
             self.refused += 1  # the scheduler refused it at admission (e.g. hopeless deadline)
             raise
@@ -1198,6 +1200,13 @@ class ModelRunner(metaclass=NoPublicConstructor):
             raise self._broken(
                 "schedulers", f"raised {type(exc).__name__} in push(): {exc}"
             ) from exc
+        levels = queue._levels
+        if levels is not None and request.priority in levels:
+            levels[request.priority] += 1
+        wakeup = queue._wakeup
+        if wakeup is not None:
+            queue._wakeup = None
+            wakeup.set()
         if self._sequencer is not None:
             self._admit(request)
         self._in_flight.add(request)
