@@ -50,6 +50,7 @@ from ._threads import (
     _batch_deadline,
     native_event_factory,
     native_waiter_factory,
+    trio_rescheduler,
 )
 from ._util import NoPublicConstructor
 from .abc import (
@@ -79,8 +80,10 @@ _QUEUED = Status.QUEUED
 _RUNNING = Status.RUNNING
 
 _INF = math.inf
-# Only ever called for a task parked on Trio (Engine.infer's fast path).
-_reschedule = trio.lowlevel.reschedule
+# The frames that reschedule a task parked on Trio (Engine.infer's fast path)
+# call the runner's own method (trio_rescheduler), which Trio does not protect
+# from KeyboardInterrupt as it does its public function: they are protected.
+_ki_protected = trio.lowlevel.enable_ki_protection
 
 #: How long closing instances may take at shutdown before we stop waiting.
 CLEANUP_S = 10.0
@@ -1421,6 +1424,7 @@ class ModelRunner(metaclass=NoPublicConstructor):
             self.failed += 1
         self._end(request)
 
+    @_ki_protected
     def _end(self, request: Request) -> None:
         # _succeed() does this for a computed batch's requests, in one pass.
         state = request._state
@@ -1429,7 +1433,7 @@ class ModelRunner(metaclass=NoPublicConstructor):
         task = state.task
         if task is not None:
             state.task = None
-            _reschedule(task)
+            trio_rescheduler()(task)
         elif state.done is not None:
             state.done.set()
         self._in_flight.discard(request)
@@ -1437,6 +1441,7 @@ class ModelRunner(metaclass=NoPublicConstructor):
             self._idle.set()
             self._idle = None
 
+    @_ki_protected
     def _succeed(
         self, requests: Sequence[Request], shares: Sequence[Outputs], replica: Replica, ended: float
     ) -> None:
@@ -1458,7 +1463,7 @@ class ModelRunner(metaclass=NoPublicConstructor):
                 task = state.task
                 if task is not None:
                     state.task = None
-                    _reschedule(task)
+                    trio_rescheduler()(task)
                 elif state.done is not None:
                     state.done.set()
                 in_flight.discard(request)
@@ -1469,6 +1474,7 @@ class ModelRunner(metaclass=NoPublicConstructor):
                 self._request_duration.observe(ended - request.arrival)
             return
         durations: list[float] = []
+        reschedule: Callable[[Any], object] | None = None  # fetched for the first parked task
         for request, share in zip(requests, shares, strict=True):
             state = request._state
             if state.status is _RUNNING:
@@ -1480,7 +1486,9 @@ class ModelRunner(metaclass=NoPublicConstructor):
                 task = state.task
                 if task is not None:  # a caller parked on Trio's fast path
                     state.task = None
-                    _reschedule(task)
+                    if reschedule is None:
+                        reschedule = trio_rescheduler()
+                    reschedule(task)
                 elif state.done is not None:
                     state.done.set()
                 in_flight.discard(request)

@@ -195,6 +195,27 @@ def _trio_deadline_reader() -> Callable[[], float]:
     return trio.current_effective_deadline
 
 
+def trio_rescheduler() -> Callable[[Any], object]:
+    """Trio's ``reschedule`` for the running Trio loop, the cheapest way this Trio allows.
+
+    The running runner's own method: the public function reaches it through
+    a frame of its own and a run-context lookup on every call (0.75 against
+    0.9 us), and the engine reschedules one parked caller per request. Call
+    it from a frame marked with ``trio.lowlevel.enable_ki_protection`` (the
+    public function is; the method is not), and fetch it per batch, on the
+    loop's thread, inside ``trio.run``. A Trio without that method gets its
+    public function.
+    """
+    if _trio_run is not None:
+        try:
+            method: Callable[[Any], object] = _trio_run.GLOBAL_RUN_CONTEXT.runner.reschedule
+        except AttributeError:
+            pass
+        else:
+            return method
+    return _trio.reschedule
+
+
 def current_waker() -> Waker:
     """Return a function that schedules a callable on the running event loop from any thread.
 
