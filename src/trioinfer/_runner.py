@@ -45,6 +45,7 @@ from ._request import Outputs, Request
 from ._tensors import InputLimits, ModelSignature, rows_validator
 from ._tensors import rows as _rows
 from ._threads import (
+    WOKEN,
     EventLike,
     LoopClock,
     _batch_deadline,
@@ -1433,7 +1434,7 @@ class ModelRunner(metaclass=NoPublicConstructor):
         task = state.task
         if task is not None:
             state.task = None
-            trio_rescheduler()(task)
+            trio_rescheduler()(task, WOKEN)
         elif state.done is not None:
             state.done.set()
         self._in_flight.discard(request)
@@ -1463,7 +1464,7 @@ class ModelRunner(metaclass=NoPublicConstructor):
                 task = state.task
                 if task is not None:
                     state.task = None
-                    trio_rescheduler()(task)
+                    trio_rescheduler()(task, WOKEN)
                 elif state.done is not None:
                     state.done.set()
                 in_flight.discard(request)
@@ -1474,7 +1475,7 @@ class ModelRunner(metaclass=NoPublicConstructor):
                 self._request_duration.observe(ended - request.arrival)
             return
         durations: list[float] = []
-        reschedule: Callable[[Any], object] | None = None  # fetched for the first parked task
+        reschedule: Callable[[Any, Any], object] | None = None  # fetched for the first parked task
         for request, share in zip(requests, shares, strict=True):
             state = request._state
             if state.status is _RUNNING:
@@ -1488,7 +1489,7 @@ class ModelRunner(metaclass=NoPublicConstructor):
                     state.task = None
                     if reschedule is None:
                         reschedule = trio_rescheduler()
-                    reschedule(task)
+                    reschedule(task, WOKEN)
                 elif state.done is not None:
                     state.done.set()
                 in_flight.discard(request)
