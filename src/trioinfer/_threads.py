@@ -486,6 +486,13 @@ async def _wait_on_socket(
                 await _trio.wait_readable(sock)
                 _drain(sock)
         raise
+    # Resume one scheduling pass later, as a wake-up through TrioToken.run_sync_soon
+    # does (its entry-queue task runs first). Else this task can resume in the same
+    # pass as tasks made runnable while it waited, in Trio's random order: an
+    # instance back from its execution could find a smaller one that was handed the
+    # turn to form a batch but has not run yet, and the smaller one then takes the
+    # next request (which tutorials/failover.md shows going to the bigger one).
+    await _trio.cancel_shielded_checkpoint()
     if signal.error is not None:
         raise signal.error
     return signal.value  # type: ignore[return-value]
