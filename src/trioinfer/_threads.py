@@ -381,7 +381,8 @@ class WorkerThread:
         # own, which the task waits on itself: TrioToken.run_sync_soon goes through
         # Trio's wake-up socket too, and then through its entry queue's task, a
         # lock and an event (a round trip cost the loop 26-41 us of CPU, against
-        # 16-27 this way). One call at a time waits there; others take that way.
+        # 16-27 this way). One call at a time waits there; a second call in flight
+        # at once (pipeline depth 2) comes back through run_sync_soon.
         self._wake: tuple[socket.socket, socket.socket] | None = None  # (receiver, sender)
         self._socket_busy = False
         if sniffio.current_async_library() == "trio":
