@@ -387,6 +387,30 @@ async def test_take_nowait_takes_what_fits_in_order_and_fails_the_expired() -> N
     assert len(queue) == 0
 
 
+async def test_take_nowait_leaves_what_does_not_fit_at_the_head_and_counted() -> None:
+    # take_nowait pops from the scheduler without a peek: the request that does not
+    # fit goes to the front. It must stay first (ahead of a later, more urgent one),
+    # waiting, counted in its priority level once, and withdrawable.
+    from trioinfer_scheduling import PriorityScheduler
+
+    queue = RequestQueue._create(PriorityScheduler(), lambda r, now: None, bounded_levels=(0, 5))
+    a, big = make_request(rows=2), make_request(rows=3)
+    for request in (a, big):
+        queue._push(request)
+    assert queue.take_nowait(4) == [a]
+    assert len(queue) == 1
+    assert queue._waiting_at(0) == 1
+    urgent = make_request(rows=1, priority=5)
+    queue._push(urgent)
+    assert queue._waiting_at(5) == 1
+    assert queue.take_nowait(2) == []  # big still heads the queue and does not fit
+    assert (len(queue), queue._waiting_at(0), queue._waiting_at(5)) == (2, 1, 1)
+    queue._remove(big)  # its caller left while it waited at the front
+    assert len(queue) == 1
+    assert queue.take_nowait(2) == [urgent]
+    assert (len(queue), queue._waiting_at(0), queue._waiting_at(5)) == (0, 0, 0)
+
+
 def test_requests_are_weakly_referenceable_again() -> None:
     # Before the fourth loop round a Request took weak references (a plugin may key a
     # WeakKeyDictionary by request); make_request's class change dropped that.

@@ -45,11 +45,13 @@ from ._request import Outputs, Request
 from ._tensors import InputLimits, ModelSignature, rows_validator
 from ._tensors import rows as _rows
 from ._threads import (
+    WOKEN,
     EventLike,
     LoopClock,
     _batch_deadline,
     native_event_factory,
     native_waiter_factory,
+    trio_rescheduler,
 )
 from ._util import NoPublicConstructor
 from .abc import (
@@ -79,8 +81,10 @@ _QUEUED = Status.QUEUED
 _RUNNING = Status.RUNNING
 
 _INF = math.inf
-# Only ever called for a task parked on Trio (Engine.infer's fast path).
-_reschedule = trio.lowlevel.reschedule
+# The frames that reschedule a task parked on Trio (Engine.infer's fast path)
+# call the runner's own method (trio_rescheduler), which Trio does not protect
+# from KeyboardInterrupt as it does its public function: they are protected.
+_ki_protected = trio.lowlevel.enable_ki_protection
 
 #: How long closing instances may take at shutdown before we stop waiting.
 CLEANUP_S = 10.0
@@ -227,16 +231,18 @@ class RequestQueue(metaclass=NoPublicConstructor):
     def take_nowait(self, max_rows: int) -> list[Request]:
         """Take live requests in order while their rows fit in *max_rows*, failing expired ones."""
         # peek_nowait() and pop_nowait() in one loop: a batch's worth of requests
-        # in one call, the clock read once.
+        # in one call, the clock read once. The scheduler's requests are popped
+        # without a peek first (one call each, not two): the one that does not
+        # fit goes to the front, where a batcher's given-back requests wait.
         taken: list[Request] = []
         front, scheduler, levels = self._front, self._scheduler, self._levels
         now: float | None = None
         while True:
             if front:
-                request = front[0]
+                request = front.popleft()
             else:
                 try:
-                    request = scheduler.peek()
+                    request = scheduler.pop()
                 except IndexError:
                     break
             expired = False
@@ -247,13 +253,10 @@ class RequestQueue(metaclass=NoPublicConstructor):
             if not expired:
                 rows = request.rows
                 if rows > max_rows:
-                    break  # it heads the next batch
+                    front.appendleft(request)  # it heads the next batch
+                    break
                 max_rows -= rows
                 taken.append(request)
-            if front:
-                front.popleft()
-            else:
-                scheduler.pop()
             if levels is not None and request.priority in levels:
                 levels[request.priority] -= 1
             if expired:
@@ -276,6 +279,7 @@ class RequestQueue(metaclass=NoPublicConstructor):
             self._wakeup = None
 
     def _push(self, request: Request) -> None:
+        # ModelRunner.admit does this in line: a change here belongs there too.
         self._scheduler.push(request)  # may raise: the caller (ModelRunner.call) sorts it out
         if self._levels is not None and request.priority in self._levels:
             self._levels[request.priority] += 1
@@ -1188,8 +1192,10 @@ class ModelRunner(metaclass=NoPublicConstructor):
                     "retry later",
                     retry_after=self.retry_after(),
                 )
+        queue = self.queue
         try:
-            self.queue._push(request)
+            # RequestQueue._push in line: one call fewer per admitted request.
+            queue._scheduler.push(request)
         except TrioInferError:
             self.refused += 1  # the scheduler refused it at admission (e.g. hopeless deadline)
             raise
@@ -1198,6 +1204,13 @@ class ModelRunner(metaclass=NoPublicConstructor):
             raise self._broken(
                 "schedulers", f"raised {type(exc).__name__} in push(): {exc}"
             ) from exc
+        levels = queue._levels
+        if levels is not None and request.priority in levels:
+            levels[request.priority] += 1
+        wakeup = queue._wakeup
+        if wakeup is not None:
+            queue._wakeup = None
+            wakeup.set()
         if self._sequencer is not None:
             self._admit(request)
         self._in_flight.add(request)
@@ -1412,6 +1425,7 @@ class ModelRunner(metaclass=NoPublicConstructor):
             self.failed += 1
         self._end(request)
 
+    @_ki_protected
     def _end(self, request: Request) -> None:
         # _succeed() does this for a computed batch's requests, in one pass.
         state = request._state
@@ -1420,7 +1434,7 @@ class ModelRunner(metaclass=NoPublicConstructor):
         task = state.task
         if task is not None:
             state.task = None
-            _reschedule(task)
+            trio_rescheduler()(task, WOKEN)
         elif state.done is not None:
             state.done.set()
         self._in_flight.discard(request)
@@ -1428,6 +1442,7 @@ class ModelRunner(metaclass=NoPublicConstructor):
             self._idle.set()
             self._idle = None
 
+    @_ki_protected
     def _succeed(
         self, requests: Sequence[Request], shares: Sequence[Outputs], replica: Replica, ended: float
     ) -> None:
@@ -1449,7 +1464,7 @@ class ModelRunner(metaclass=NoPublicConstructor):
                 task = state.task
                 if task is not None:
                     state.task = None
-                    _reschedule(task)
+                    trio_rescheduler()(task, WOKEN)
                 elif state.done is not None:
                     state.done.set()
                 in_flight.discard(request)
@@ -1460,6 +1475,7 @@ class ModelRunner(metaclass=NoPublicConstructor):
                 self._request_duration.observe(ended - request.arrival)
             return
         durations: list[float] = []
+        reschedule: Callable[[Any, Any], object] | None = None  # fetched for the first parked task
         for request, share in zip(requests, shares, strict=True):
             state = request._state
             if state.status is _RUNNING:
@@ -1471,7 +1487,9 @@ class ModelRunner(metaclass=NoPublicConstructor):
                 task = state.task
                 if task is not None:  # a caller parked on Trio's fast path
                     state.task = None
-                    _reschedule(task)
+                    if reschedule is None:
+                        reschedule = trio_rescheduler()
+                    reschedule(task, WOKEN)
                 elif state.done is not None:
                     state.done.set()
                 in_flight.discard(request)
