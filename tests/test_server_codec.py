@@ -627,6 +627,7 @@ def test_a_json_request_like_one_seen_before_has_its_data_checked(data: Any, fra
         ("FP32", [1.5, 2], [1.5], "'data' has 1 values but shape [2] holds 2"),
         ("FP32", [1.5, 2], [1.5, 2, 3], "'data' has 3 values but shape [2] holds 2"),
         ("FP32", [1.5, 2], [1.5, 1e39], "numbers within +-3.40282e+38"),
+        ("FP32", [1.5, 2], [1.5, 10**39], "numbers within +-3.40282e+38"),  # no exponent
         ("FP16", [1.5, 2], [1.5, 70000], "numbers within +-65504"),
         ("INT8", [1, 2], [1, 300], "INT8 data must be integers from -128 to 127; got 300"),
         ("INT8", [1, 2], [1, 2.5], "INT8 data must be integers from -128 to 127; got 2.5"),
@@ -640,17 +641,17 @@ def test_a_planned_flat_json_request_gets_the_long_ways_error(
     datatype: str, good: list[Any], bad: list[Any], fragment: str
 ) -> None:
     _JSON_PLANS.clear()
-    doc = {"id": "r", "inputs": [{"name": "x", "shape": [2], "datatype": datatype}]}
+    doc: dict[str, Any] = {"inputs": [{"name": "x", "shape": [2], "datatype": datatype}]}
     for request_id in ("a", "b"):
         doc["id"] = request_id
-        doc["inputs"][0]["data"] = good  # type: ignore[index]
-        decode(doc)
+        doc["inputs"][0]["data"] = good
+        decode(json.dumps(doc).encode())  # Python's json writes 10**39 as it is
     assert [plan for plan in _JSON_PLANS.values() if plan is not None]
-    doc["inputs"][0]["data"] = bad  # type: ignore[index]
+    doc["inputs"][0]["data"] = bad
     doc["id"] = "c"
-    refused(doc, "input 'x'", fragment)
-    doc["inputs"][0]["data"] = good  # type: ignore[index]
-    assert decode(doc).id == "c"  # the plan still serves good requests
+    refused(json.dumps(doc).encode(), "input 'x'", fragment)
+    doc["inputs"][0]["data"] = good
+    assert decode(json.dumps(doc).encode()).id == "c"  # the plan still serves good requests
 
 
 def test_a_planned_json_request_skips_the_checks_of_all_but_its_data(

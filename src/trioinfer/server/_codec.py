@@ -751,6 +751,10 @@ def _cut(header: bytes, *, data: bool) -> _Cut | None:
 
 #: What the text of a list of JSON numbers is made of (and nothing else is).
 _NUMBER_TEXT: Final = b"0123456789.eE+-," + _JSON_SPACE
+# Digits and points as 0, exponents as e: a run of `_LONG_NUMBER` is a number of
+# 38 digits or more, which alone (with no exponent) could pass FP32's range.
+_DIGITS: Final = bytes.maketrans(b"0123456789.E", b"00000000000e")
+_LONG_NUMBER: Final = b"0" * 38
 # Floats within this magnitude convert to any float datatype as the long way
 # converts them (integers included: up to 2**53 they are exact as float64).
 _EXACT: Final = float(2**53)
@@ -857,6 +861,13 @@ class _JsonPlan:
             data = item["data"]
             if span.translate(None, _NUMBER_TEXT) or len(data) != spec.count:
                 return None
+            if dtype.itemsize >= 4:
+                # Without an exponent, a number of under 38 digits is within
+                # FP32's (and FP64's) range: numpy converts it as the long way does.
+                digits = span.translate(_DIGITS)
+                if b"e" not in digits and _LONG_NUMBER not in digits:
+                    inputs[spec.name] = np.array(data, dtype=dtype).reshape(spec.shape)
+                    continue
             values = np.array(data, dtype=np.float64)
             if values.size and not np.abs(values).max() <= bound:
                 return None
