@@ -95,6 +95,19 @@ def binary_body(arrays: Mapping[str, np.ndarray[Any, Any]], **extra: Any) -> tup
     return header + b"".join(blobs), len(header)
 
 
+def forget_plans() -> None:
+    """Empty every plan cache: the next request goes the long way."""
+    _PLANS.clear()
+    _CUT_PLANS.clear()
+    _JSON_PLANS.clear()
+    _codec._LAST_JSON[0] = None
+
+
+@pytest.fixture(autouse=True)
+def _no_plans_from_other_tests() -> None:
+    forget_plans()
+
+
 def decode(doc: Any, header_length: int | None = None, limits: Limits = LIMITS) -> InferRequest:
     body = doc if isinstance(doc, bytes) else orjson.dumps(doc)
     return decode_infer_request(body, header_length, limits)
@@ -566,7 +579,7 @@ def like(data: Any, **fields: Any) -> dict[str, Any]:
 
 
 def test_a_json_request_like_one_seen_before_decodes_its_own_data() -> None:
-    _JSON_PLANS.clear()
+    forget_plans()
     decode(like([1, 2, 3, 4]))
     decode(like([1, 2, 3, 4]))
     assert len(_JSON_PLANS) == 1  # kept: the next request with this shape of document uses it
@@ -583,7 +596,7 @@ def test_a_json_request_like_one_seen_before_decodes_its_own_data() -> None:
 
 
 def test_a_json_request_like_one_seen_before_has_its_own_id() -> None:
-    _JSON_PLANS.clear()
+    forget_plans()
     for request_id in ("a", "b", "c", None):
         doc = like([1, 2, 3, 4])
         if request_id is None:
@@ -640,7 +653,7 @@ def test_a_json_request_like_one_seen_before_has_its_data_checked(data: Any, fra
 def test_a_planned_flat_json_request_gets_the_long_ways_error(
     datatype: str, good: list[Any], bad: list[Any], fragment: str
 ) -> None:
-    _JSON_PLANS.clear()
+    forget_plans()
     doc: dict[str, Any] = {"inputs": [{"name": "x", "shape": [2], "datatype": datatype}]}
     for request_id in ("a", "b"):
         doc["id"] = request_id
@@ -657,7 +670,7 @@ def test_a_planned_flat_json_request_gets_the_long_ways_error(
 def test_a_planned_json_request_skips_the_checks_of_all_but_its_data(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    _JSON_PLANS.clear()
+    forget_plans()
     for data in ([1, 2, 3, 4], [1, 2, 3, 4]):
         decode(like(data))
 
@@ -671,6 +684,23 @@ def test_a_planned_json_request_skips_the_checks_of_all_but_its_data(
         request = decode(doc)
         assert request.id == request_id
         assert_same(request.inputs["x"], np.array(data, dtype=np.float32).reshape(2, 2))
+
+
+def test_json_requests_of_layouts_alike_in_length_each_decode_as_their_own() -> None:
+    # The last plan used is tried first: it must not serve a layout that is not its own.
+    layouts = [
+        b'{"id":"r","inputs":[{"name":"%s","shape":[2],"datatype":"%s","data":[1,2]}]}'
+        % (name, datatype)
+        for name in (b"x", b"y")
+        for datatype in (b"FP32", b"FP64")
+    ]
+    want = []
+    for body in layouts:
+        forget_plans()
+        want.append(_outcome(body, None))
+    forget_plans()
+    got = [_outcome(body, None) for body in layouts + layouts + layouts[::-1] + layouts[::-1]]
+    assert got == want + want + want[::-1] + want[::-1]
 
 
 @pytest.mark.parametrize(
@@ -696,9 +726,9 @@ def test_a_json_request_with_data_or_id_elsewhere_decodes_as_the_long_way(text: 
     bodies = [text.replace(b"%s", values) for values in (b"1,2", b"3,4", b"5,6.5", b"7,true")]
     want = []
     for body in bodies:
-        _JSON_PLANS.clear()
+        forget_plans()
         want.append(_outcome(body, None))
-    _JSON_PLANS.clear()
+    forget_plans()
     got = [_outcome(body, None) for body in bodies + bodies]
     assert got == want + want
 
@@ -710,7 +740,7 @@ def test_a_json_request_like_one_seen_before_is_checked_again_under_other_limits
 
 
 def test_json_requests_with_binary_or_shared_memory_parts_are_not_kept() -> None:
-    _JSON_PLANS.clear()
+    forget_plans()
     header = orjson.dumps(like([1, 2, 3, 4]))
     decode(header + b"", len(header))  # a header length: the binary extension
     assert not _JSON_PLANS
@@ -1639,13 +1669,9 @@ def test_property_a_plan_decodes_as_the_long_way(
     lengths = [length for _, length in drawn]
     want = []
     for body, length in zip(bodies, lengths, strict=True):
-        _PLANS.clear()  # the long way each time: no plan made by the one before
-        _CUT_PLANS.clear()
-        _JSON_PLANS.clear()
+        forget_plans()  # the long way each time: no plan made by the one before
         want.append(_outcome(body, length))
-    _PLANS.clear()
-    _CUT_PLANS.clear()
-    _JSON_PLANS.clear()
+    forget_plans()
     got = [_outcome(body, length) for body, length in zip(bodies, lengths, strict=True)]
     _outcome(bodies[0], lengths[0])
     _outcome(bodies[0], lengths[0])
@@ -1677,9 +1703,9 @@ def test_property_a_planned_flat_json_request_decodes_as_the_long_way(
     bodies += [body(data.draw(anything, label="next"), str(i)) for i in range(3)]
     want = []
     for one_body in bodies:
-        _JSON_PLANS.clear()
+        forget_plans()
         want.append(_outcome(one_body, None))
-    _JSON_PLANS.clear()
+    forget_plans()
     _outcome(bodies[0], None)
     _outcome(bodies[0], None)
     assert [plan for plan in _JSON_PLANS.values() if plan is not None]

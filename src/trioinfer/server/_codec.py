@@ -414,10 +414,20 @@ def decode_infer_request(
         )
     json_key = None
     if header_length is None:
+        # The plan the last such request used, if this one is laid out alike
+        # (no search for its id and data: just a check that they are where they were).
+        json_plan = _LAST_JSON[0]
+        if json_plan is not None and json_plan.limits is limits:
+            spans = json_plan.match(header)
+            if spans is not None:
+                request = json_plan.apply(header, doc, spans)
+                if request is not None:
+                    return request
         cut = _cut(header, data=True)
         if cut is not None:
             json_plan = _JSON_PLANS.get(cut[0])
             if json_plan is not None and json_plan.limits is limits:
+                _LAST_JSON[0] = json_plan
                 request = json_plan.apply(header, doc, cut[2])
                 if request is not None:
                     return request
@@ -559,7 +569,10 @@ def decode_infer_request(
                     _Input(spec.name, spec.datatype, spec.shape, spec.count, None, 0, ())
                     for spec in declared.values()
                 )
-                return _JsonPlan(limits, _without_inputs(request), specs, known, fast=fast)
+                plan = _JsonPlan(limits, _without_inputs(request), specs, known)
+                if fast:
+                    plan.cut_from(header, cut[3])  # type: ignore[index]
+                return plan
 
             _keep(_JSON_PLANS, json_key, make)
     return request
@@ -667,9 +680,10 @@ def _json_plan_key(doc: dict[str, Any]) -> bytes | None:
 
 #: `_cut`'s answer: what is left of a header after a NUL (no JSON document
 #: starts with one), where the id's characters are (between its quotes), and
-#: each data list's contents (without the brackets), in order. A plain tuple:
+#: each data list's contents (without the brackets), in order, and where each
+#: cut (id or data) starts and ends, in order. A plain tuple:
 #: a NamedTuple's constructor costs more than the rest of a small request's cut.
-_Cut = tuple[bytes, "tuple[int, int] | None", list[bytes]]
+_Cut = tuple[bytes, "tuple[int, int] | None", list[bytes], list[tuple[int, int]]]
 
 
 _JSON_SPACE: Final = b" \t\n\r"
@@ -737,7 +751,7 @@ def _cut(header: bytes, *, data: bool) -> _Cut | None:
             spans.append(span)
             at = find(b'"data"', end)
     if not holes:
-        return b"\0" + header, id_span, spans
+        return b"\0" + header, id_span, spans, holes
     if id_span is not None and len(holes) > 1:
         holes.sort()
     pieces = [b"\0"]
@@ -746,7 +760,7 @@ def _cut(header: bytes, *, data: bool) -> _Cut | None:
         pieces.append(header[pos:start])
         pos = end
     pieces.append(header[pos:])
-    return b"".join(pieces), id_span, spans
+    return b"".join(pieces), id_span, spans, holes
 
 
 #: What the text of a list of JSON numbers is made of (and nothing else is).
@@ -776,27 +790,64 @@ class _JsonPlan:
     (nested data, escapes), `_json_plan_key`.
     """
 
-    __slots__ = ("floats", "known", "limits", "request", "specs")
+    __slots__ = ("floats", "known", "limits", "pieces", "request", "specs")
 
     def __init__(
-        self,
-        limits: Limits,
-        request: InferRequest,
-        specs: tuple[_Input, ...],
-        known: _Counts,
-        *,
-        fast: bool = False,
+        self, limits: Limits, request: InferRequest, specs: tuple[_Input, ...], known: _Counts
     ) -> None:
         self.limits = limits
         self.request = request  # without inputs or id (each request has its own)
         self.specs = specs  # without data
         self.known = known
-        # With *fast* (a plan of `_cut` keys), each input's float dtype and the
+        # For a plan of `_cut` keys (`cut_from`): each input's float dtype and the
         # bound on its values' magnitude, if every input is a float one.
         self.floats: tuple[tuple[np.dtype[Any], float], ...] | None = None
-        dtypes = [DATATYPES[spec.datatype] for spec in specs]
-        if fast and all(dtype.kind == "f" for dtype in dtypes):
+        # And the text between the cuts, each with the byte that ends the cut after it.
+        self.pieces: list[tuple[bytes, int]] = []
+
+    def cut_from(self, header: bytes, holes: list[tuple[int, int]]) -> None:
+        """Make this a plan of `_cut` keys, from the header that made it and its cuts."""
+        dtypes = [DATATYPES[spec.datatype] for spec in self.specs]
+        if all(dtype.kind == "f" for dtype in dtypes):
             self.floats = tuple((d, min(_FLOAT_MAX[d], _EXACT)) for d in dtypes)
+        pos = 0
+        for start, end in holes:
+            self.pieces.append((header[pos:start], header[end]))
+            pos = end
+        self.pieces.append((header[pos:], -1))
+
+    def match(self, header: bytes) -> list[bytes] | None:
+        """*header*'s data lists' text if its `_cut` key is this plan's, else None.
+
+        Its text must be this plan's between the cuts, and each cut what
+        `_cut` would cut: up to the first quote (the id: no backslash) or the
+        first ``]`` (data: no ``[``, ``{`` or quote; a backslash outside a
+        string is not JSON, and the header parsed). Then `_cut` would find
+        the same keys at the same places: none of the cut text holds a quote.
+        """
+        if not self.pieces:
+            return None
+        spans: list[bytes] = []
+        pos = 0
+        for piece, stop in self.pieces:
+            if not header.startswith(piece, pos):
+                return None
+            pos += len(piece)
+            if stop < 0:
+                return spans if pos == len(header) else None
+            end = header.find(_STOPS[stop], pos)
+            if end < 0:
+                return None
+            text = header[pos:end]
+            if stop == _QUOTE:
+                if b"\\" in text:
+                    return None
+            elif b"[" in text or b"{" in text or b'"' in text:
+                return None
+            else:
+                spans.append(text)
+            pos = end
+        return None  # pragma: no cover - the last piece has no cut after it
 
     def apply(
         self, header: bytes, doc: dict[str, Any], spans: list[bytes] | None
@@ -881,8 +932,11 @@ class _JsonPlan:
 _PLANS: Final[dict[bytes, _BinaryPlan | None]] = {}
 #: The same by `_cut` key (the header but the id), for clients with an id per request.
 _CUT_PLANS: Final[dict[bytes, _BinaryPlan | None]] = {}
-#: The same for all-JSON requests, by `_json_plan_key`.
+#: The same for all-JSON requests, by `_cut` key or `_json_plan_key`.
 _JSON_PLANS: Final[dict[bytes, _JsonPlan | None]] = {}
+#: The `_cut` plan the last all-JSON request used.
+_LAST_JSON: Final[list[_JsonPlan | None]] = [None]
+_STOPS: Final = {ord('"'): b'"', ord("]"): b"]"}
 _PLAN_BYTES: Final = 4096
 _PLAN_COUNT: Final = 256
 
