@@ -394,7 +394,7 @@ def decode_infer_request(
             # The same header (and id) as before; else the same but for the id.
             plan = _PLANS.get(header)
             if plan is not None and plan.limits is limits:
-                request = plan.apply(binary, plan.request.id)
+                request = plan.apply(binary, plan.id)
                 if request is not None:
                     return request
             cut = _cut(header, data=False)
@@ -543,13 +543,11 @@ def decode_infer_request(
         and all(spec.data is None and spec.shm is None for spec in declared.values())
     ):
         specs = tuple(declared.values())
-        plan_request = _without_inputs(request)
-        _keep(_PLANS, header, lambda: _BinaryPlan(limits, plan_request, specs, offset))
-        if fits:
-            _keep(
-                _CUT_PLANS,
-                cut[0],  # type: ignore[index]
-                lambda: _BinaryPlan(limits, plan_request, specs, offset),
+        if _seen_again(_PLANS, header):
+            _PLANS[header] = _BinaryPlan(limits, _without_inputs(request), specs, offset)
+        if fits and _seen_again(_CUT_PLANS, cut[0]):  # type: ignore[index]
+            _CUT_PLANS[cut[0]] = _BinaryPlan(  # type: ignore[index]
+                limits, _without_inputs(request), specs, offset
             )
     elif plain and header_length is None and all(spec.shm is None for spec in declared.values()):
         # Every input is JSON data here (no header length: a binary one was refused above).
@@ -560,32 +558,32 @@ def decode_infer_request(
         )
         if fast:
             json_key = cut[0]  # type: ignore[index]
-        if json_key is not None:
-
-            def make() -> _JsonPlan:
-                known = known_bools or _walk_request(doc, raw_inputs, limits)
-                # The plan keeps no data: it may outlive this request by far.
-                specs = tuple(
-                    _Input(spec.name, spec.datatype, spec.shape, spec.count, None, 0, ())
-                    for spec in declared.values()
-                )
-                plan = _JsonPlan(limits, _without_inputs(request), specs, known)
-                if fast:
-                    plan.cut_from(header, cut[3])  # type: ignore[index]
-                return plan
-
-            _keep(_JSON_PLANS, json_key, make)
+        if json_key is not None and _seen_again(_JSON_PLANS, json_key):
+            known = known_bools or _walk_request(doc, raw_inputs, limits)
+            # The plan keeps no data: it may outlive this request by far.
+            specs = tuple(
+                _Input(spec.name, spec.datatype, spec.shape, spec.count, None, 0, ())
+                for spec in declared.values()
+            )
+            json_plan = _JsonPlan(limits, _without_inputs(request), specs, known)
+            if fast:
+                json_plan.cut_from(header, cut[3])  # type: ignore[index]
+            _JSON_PLANS[json_key] = json_plan
     return request
 
 
-def _keep(plans: dict[bytes, Any], key: bytes, make: Callable[[], Any]) -> None:
-    """Mark *key* seen in *plans*, or, seen before, keep its plan; emptied when full."""
+def _seen_again(plans: dict[bytes, Any], key: bytes) -> bool:
+    """Whether *key* was seen before without a plan made (a plan is due); else mark it seen.
+
+    *plans* is emptied when full. No closure in `decode_infer_request` makes
+    the plans: a function with one pays for its cells on every call.
+    """
     if key not in plans:
         if len(plans) >= _PLAN_COUNT:
             plans.clear()
         plans[key] = None
-    elif plans[key] is None:
-        plans[key] = make()
+        return False
+    return plans[key] is None
 
 
 def _without_inputs(request: InferRequest) -> InferRequest:
@@ -608,13 +606,14 @@ class _BinaryPlan:
     with each request; each request's id is then read from its own header.
     """
 
-    __slots__ = ("binary_size", "limits", "request", "specs")
+    __slots__ = ("binary_size", "id", "limits", "request", "specs")
 
     def __init__(
         self, limits: Limits, request: InferRequest, specs: tuple[_Input, ...], binary_size: int
     ) -> None:
         self.limits = limits
         self.request = request  # without inputs (each request has its own)
+        self.id = request.id  # the id of the header it was made from
         self.specs = specs
         self.binary_size = binary_size
 
@@ -954,7 +953,9 @@ def _json_response(
     the document's head and each output's ``{name, datatype, shape, "data":``;
     each request adds its id and each output's flat values. None for
     anything else (binary or shared-memory outputs, an output missing, BYTES,
-    a dtype or layout to convert): the long way answers.
+    a dtype or layout to convert): the long way answers. `encode_infer_response`
+    asks it only for requests that name no outputs, the usual JSON request:
+    others would pay for the question more often than the memo saves.
     """
     if request.outputs is None:
         if request.binary_output:
@@ -1088,7 +1089,7 @@ def encode_infer_response(
         ValueError: An output in *output_order* is missing from *outputs*, or an
             output's dtype has no V2 datatype (a server-side problem).
     """
-    if parameters is None:
+    if parameters is None and request.outputs is None and not request.binary_output:
         body = _json_response(model_name, model_version, request, outputs, output_order)
         if body is not None:
             return body, None
