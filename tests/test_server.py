@@ -2104,3 +2104,45 @@ def test_servers_survived(request: pytest.FixtureRequest, which: str) -> None:
     log = server.log.read_text(errors="replace")
     assert "Traceback" not in log, log[-4000:]
     assert "unexpected error" not in log, log[-4000:]
+
+
+def test_requests_like_ones_before_with_new_ids_are_answered_with_their_own(
+    http: httpx.Client,
+) -> None:
+    # From the third on, each is decoded by the plan its layout made (its id cut out).
+    a = np.arange(4, dtype=np.float32).reshape(1, 4)
+    for n in range(4):
+        doc = {"id": f"json-{n}", "inputs": [v2_input("a", a + n), v2_input("b", a)]}
+        response = http.post("/v2/models/add/infer", content=j(doc))
+        assert response.status_code == 200, response.text
+        body = response.json()
+        assert body["id"] == f"json-{n}"
+        assert body["outputs"][0]["data"] == (2 * a + n).ravel().tolist()
+        content, headers = binary_body([("a", a + n, "FP32"), ("b", a, "FP32")], id=f"binary-{n}")
+        response = http.post("/v2/models/add/infer", content=content, headers=headers)
+        assert response.status_code == 200, response.text
+        assert response.json()["id"] == f"binary-{n}"
+        assert response.json()["outputs"][0]["data"] == (2 * a + n).ravel().tolist()
+
+
+@pytest.mark.parametrize(
+    ("data", "fragment"),
+    [
+        ([1, "2", 3, 4], "FP32 data must be numbers"),
+        ([1, 2, 3], "'data' has 3 values but shape [1, 4] holds 4"),
+        ([1, 2, 3, True], "FP32 data must be numbers; got true"),
+        ([1, 2, 3, 1e39], "numbers within +-3.40282e+38"),
+    ],
+)
+def test_a_request_like_ones_before_with_bad_data_is_400(
+    http: httpx.Client, data: list[Any], fragment: str
+) -> None:
+    a = [1.0, 2.0, 3.0, 4.0]
+    for n in range(3):  # a plan is made for this layout
+        doc = {"id": str(n), "inputs": [v2_input("a", [a]), v2_input("b", [a])]}
+        assert http.post("/v2/models/add/infer", content=j(doc)).status_code == 200
+    doc["inputs"][1]["data"] = data
+    response = http.post("/v2/models/add/infer", content=j(doc))
+    assert response.status_code == 400
+    assert "input 'b'" in error_of(response)
+    assert fragment in error_of(response)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import gzip
+import json
 import math
 import struct
 import tracemalloc
@@ -21,8 +22,9 @@ from hypothesis.extra import numpy as hnp
 from tritonclient.utils import np_to_triton_dtype
 
 from trioinfer import ConfigError, InvalidInput
-from trioinfer.server import encode_infer_request, v2_numpy_dtype
+from trioinfer.server import _codec, encode_infer_request, v2_numpy_dtype
 from trioinfer.server._codec import (
+    _CUT_PLANS,
     _JSON_PLANS,
     _PLANS,
     DATATYPES,
@@ -91,6 +93,19 @@ def binary_body(arrays: Mapping[str, np.ndarray[Any, Any]], **extra: Any) -> tup
     ]
     header = orjson.dumps({"inputs": inputs, **extra})
     return header + b"".join(blobs), len(header)
+
+
+def forget_plans() -> None:
+    """Empty every plan cache: the next request goes the long way."""
+    _PLANS.clear()
+    _CUT_PLANS.clear()
+    _JSON_PLANS.clear()
+    _codec._LAST_JSON[0] = None
+
+
+@pytest.fixture(autouse=True)
+def _no_plans_from_other_tests() -> None:
+    forget_plans()
 
 
 def decode(doc: Any, header_length: int | None = None, limits: Limits = LIMITS) -> InferRequest:
@@ -504,6 +519,52 @@ def test_only_all_binary_headers_without_shared_memory_are_kept() -> None:
     assert 0 < len(_PLANS) <= 256
 
 
+def test_a_binary_request_with_a_new_id_each_time_uses_a_plan_and_keeps_its_id(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    _PLANS.clear()
+    _CUT_PLANS.clear()
+    row = np.arange(4, dtype=np.float32)
+    for request_id in ("1", "2"):
+        body, length = binary_body({"x": row}, id=request_id, parameters={"priority": 2})
+        decode(body, length)
+    assert len([plan for plan in _CUT_PLANS.values() if plan is not None]) == 1
+
+    def long_way(*args: Any) -> Any:
+        raise AssertionError("the long way parsed a request that a plan should have decoded")
+
+    monkeypatch.setattr(_codec, "_parse", long_way)
+    for request_id in ("3", "héllo", "a b", ""):
+        body, length = binary_body({"x": -row}, id=request_id, parameters={"priority": 2})
+        request = decode(body, length)
+        assert request.id == request_id
+        assert_same(request.inputs["x"], -row)
+        assert dict(request.parameters) == {"priority": 2}
+    monkeypatch.undo()
+    # Anything but a plain JSON string where the id goes is the long way's to judge.
+    body, length = binary_body({"x": row}, id=5, parameters={"priority": 2})
+    refused(body, "the request's 'id' must be a string, got 5", header_length=length)
+    body, length = binary_body({"x": row}, id="\x01", parameters={"priority": 2})
+    bad = body.replace(b"\\u0001", b"\x01")  # a raw control character in the string
+    refused(bad, "not valid JSON", header_length=length - 5)
+
+
+def test_a_binary_header_cut_only_where_it_is_the_top_level_id() -> None:
+    # An "id" elsewhere (a parameter, an output's name) is part of the key.
+    _CUT_PLANS.clear()
+    row = np.arange(2, dtype=np.int8)
+    for value in ("a", "b", "a", "b"):
+        body, length = binary_body({"x": row}, parameters={"id": value})
+        assert decode(body, length).parameters["id"] == value
+    assert _codec._cut(body[:length], data=False)[1] is not None  # cut, but not a plan key
+    assert not [plan for plan in _CUT_PLANS.values() if plan is not None]
+    for name in ("id", "id"):
+        body, length = binary_body({"x": row}, id="r", outputs=[{"name": name}])
+        request = decode(body, length)
+    assert request.id == "r"
+    assert request.outputs == (RequestedOutput("id"),)
+
+
 # -- decoding: an all-JSON request like one seen before -------------------------------------------
 
 
@@ -518,7 +579,7 @@ def like(data: Any, **fields: Any) -> dict[str, Any]:
 
 
 def test_a_json_request_like_one_seen_before_decodes_its_own_data() -> None:
-    _JSON_PLANS.clear()
+    forget_plans()
     decode(like([1, 2, 3, 4]))
     decode(like([1, 2, 3, 4]))
     assert len(_JSON_PLANS) == 1  # kept: the next request with this shape of document uses it
@@ -528,23 +589,23 @@ def test_a_json_request_like_one_seen_before_decodes_its_own_data() -> None:
         assert request.id == "r"
         assert request.outputs == (RequestedOutput("y"),)
         assert dict(request.parameters) == {"priority": 1}
-    assert len(_JSON_PLANS) == 1
-    (plan,) = _JSON_PLANS.values()
-    assert plan is not None
+    # Nested data is not cut from the raw text: that request has the long key, seen once.
+    (plan,) = [plan for plan in _JSON_PLANS.values() if plan is not None]
     assert plan.request.inputs == {}  # a plan keeps no request's data alive
     assert all(spec.data is None for spec in plan.specs)
 
 
 def test_a_json_request_like_one_seen_before_has_its_own_id() -> None:
-    _JSON_PLANS.clear()
-    for request_id in ("a", "b", None):
+    forget_plans()
+    for request_id in ("a", "b", "c", None):
         doc = like([1, 2, 3, 4])
         if request_id is None:
             del doc["id"]
         else:
             doc["id"] = request_id
         assert decode(doc).id == request_id
-    assert len(_JSON_PLANS) == 1
+    # One plan for the requests with an id ("c" used it); none yet for the one without.
+    assert len([plan for plan in _JSON_PLANS.values() if plan is not None]) == 1
     doc = like([1, 2, 3, 4])
     doc["id"] = 5
     refused(doc, "the request's 'id' must be a string, got 5")
@@ -570,6 +631,108 @@ def test_a_json_request_like_one_seen_before_has_its_data_checked(data: Any, fra
     refused(like(data), fragment)
 
 
+@pytest.mark.parametrize(
+    ("datatype", "good", "bad", "fragment"),
+    [
+        ("FP32", [1.5, 2], [1.5, "2"], 'FP32 data must be numbers; got "2"'),
+        ("FP32", [1.5, 2], [1.5, None], "FP32 data must be numbers; got null"),
+        ("FP32", [1.5, 2], [1.5, True], "FP32 data must be numbers; got true"),
+        ("FP32", [1.5, 2], [1.5], "'data' has 1 values but shape [2] holds 2"),
+        ("FP32", [1.5, 2], [1.5, 2, 3], "'data' has 3 values but shape [2] holds 2"),
+        ("FP32", [1.5, 2], [1.5, 1e39], "numbers within +-3.40282e+38"),
+        ("FP32", [1.5, 2], [1.5, 10**39], "numbers within +-3.40282e+38"),  # no exponent
+        ("FP16", [1.5, 2], [1.5, 70000], "numbers within +-65504"),
+        ("INT8", [1, 2], [1, 300], "INT8 data must be integers from -128 to 127; got 300"),
+        ("INT8", [1, 2], [1, 2.5], "INT8 data must be integers from -128 to 127; got 2.5"),
+        ("INT8", [1, 2], [1, False], "INT8 data must be numbers; got false"),
+        ("UINT8", [1, 2], [1, -1], "UINT8 data must be integers from 0 to 255; got -1"),
+        ("BOOL", [True, False], [True, 1], "BOOL data must be true or false; got 1"),
+        ("BYTES", ["a", "b"], ["a", 1], "BYTES data must be strings; got 1"),
+    ],
+)
+def test_a_planned_flat_json_request_gets_the_long_ways_error(
+    datatype: str, good: list[Any], bad: list[Any], fragment: str
+) -> None:
+    forget_plans()
+    doc: dict[str, Any] = {"inputs": [{"name": "x", "shape": [2], "datatype": datatype}]}
+    for request_id in ("a", "b"):
+        doc["id"] = request_id
+        doc["inputs"][0]["data"] = good
+        decode(json.dumps(doc).encode())  # Python's json writes 10**39 as it is
+    assert [plan for plan in _JSON_PLANS.values() if plan is not None]
+    doc["inputs"][0]["data"] = bad
+    doc["id"] = "c"
+    refused(json.dumps(doc).encode(), "input 'x'", fragment)
+    doc["inputs"][0]["data"] = good
+    assert decode(json.dumps(doc).encode()).id == "c"  # the plan still serves good requests
+
+
+def test_a_planned_json_request_skips_the_checks_of_all_but_its_data(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    forget_plans()
+    for data in ([1, 2, 3, 4], [1, 2, 3, 4]):
+        decode(like(data))
+
+    def long_way(*args: Any) -> Any:
+        raise AssertionError("the long way checked a request that a plan should have decoded")
+
+    monkeypatch.setattr(_codec, "_parse_input", long_way)
+    for data, request_id in (([0.5, -2, 1e-7, 3e30], "s"), ([9, 8, 7, 6], "t")):
+        doc = like(data)
+        doc["id"] = request_id
+        request = decode(doc)
+        assert request.id == request_id
+        assert_same(request.inputs["x"], np.array(data, dtype=np.float32).reshape(2, 2))
+
+
+def test_json_requests_of_layouts_alike_in_length_each_decode_as_their_own() -> None:
+    # The last plan used is tried first: it must not serve a layout that is not its own.
+    layouts = [
+        b'{"id":"r","inputs":[{"name":"%s","shape":[2],"datatype":"%s","data":[1,2]}]}'
+        % (name, datatype)
+        for name in (b"x", b"y")
+        for datatype in (b"FP32", b"FP64")
+    ]
+    want = []
+    for body in layouts:
+        forget_plans()
+        want.append(_outcome(body, None))
+    forget_plans()
+    got = [_outcome(body, None) for body in layouts + layouts + layouts[::-1] + layouts[::-1]]
+    assert got == want + want + want[::-1] + want[::-1]
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        # "data" and "id" elsewhere than where the cut looks for them
+        b'{"id":"r","inputs":[{"name":"x","shape":[2],"datatype":"FP32","data":[%s]}],'
+        b'"parameters":{"data":[1]}}',
+        b'{"inputs":[{"name":"x","shape":[2],"datatype":"FP32","data":[%s]}],'
+        b'"parameters":{"id":"p"}}',
+        b'{"inputs":[{"name":"x","shape":[2],"datatype":"FP32","data":[%s],'
+        b'"parameters":{"id":"q"}}],"outputs":[{"name":"data"}]}',
+        # escapes, spaces and nesting: the long key or none
+        b'{"id":"r\\"","inputs":[{"name":"x","shape":[2],"datatype":"FP32","data":[%s]}]}',
+        b'{"inputs":[{"name":"x","shape":[2],"datatype":"FP32","d\\u0061ta":[%s]}],'
+        b'"parameters":{"data":[1]}}',
+        b'{ "id" : "r", "inputs" : [ { "name" : "x", "shape" : [2], "datatype" : "FP32",'
+        b' "data" : [ %s ] } ] }',
+        b'{"inputs":[{"name":"x","shape":[1,2],"datatype":"FP32","data":[[%s]]}]}',
+    ],
+)
+def test_a_json_request_with_data_or_id_elsewhere_decodes_as_the_long_way(text: bytes) -> None:
+    bodies = [text.replace(b"%s", values) for values in (b"1,2", b"3,4", b"5,6.5", b"7,true")]
+    want = []
+    for body in bodies:
+        forget_plans()
+        want.append(_outcome(body, None))
+    forget_plans()
+    got = [_outcome(body, None) for body in bodies + bodies]
+    assert got == want + want
+
+
 def test_a_json_request_like_one_seen_before_is_checked_again_under_other_limits() -> None:
     decode(like([1, 2, 3, 4]))
     decode(like([1, 2, 3, 4]))
@@ -577,7 +740,7 @@ def test_a_json_request_like_one_seen_before_is_checked_again_under_other_limits
 
 
 def test_json_requests_with_binary_or_shared_memory_parts_are_not_kept() -> None:
-    _JSON_PLANS.clear()
+    forget_plans()
     header = orjson.dumps(like([1, 2, 3, 4]))
     decode(header + b"", len(header))  # a header length: the binary extension
     assert not _JSON_PLANS
@@ -1305,6 +1468,69 @@ def test_property_responses_round_trip(data: st.DataObject) -> None:
         _assert_equal(result.as_numpy(name), want)
 
 
+@FUZZ
+@given(st.data())
+def test_property_a_memo_response_is_the_long_ways_bytes(data: st.DataObject) -> None:
+    # Its head memoised, an all-JSON response is byte for byte what the long way writes.
+    datatypes = data.draw(st.lists(st.sampled_from(sorted(DATATYPES)), min_size=1, max_size=3))
+    arrays = {
+        f"out{n}": data.draw(_arrays(datatype, finite=False), label=f"out{n}")
+        for n, datatype in enumerate(datatypes)
+    }
+    if data.draw(st.booleans(), label="non-contiguous"):
+        arrays = {name: array.T for name, array in arrays.items()}
+    named = data.draw(st.booleans(), label="named")
+    request = InferRequest(
+        id=data.draw(st.none() | st.text(max_size=4), label="id"),
+        inputs={},
+        outputs=tuple(RequestedOutput(name) for name in arrays) if named else None,
+        binary_output=False,
+        parameters={},
+    )
+    version = data.draw(st.none() | st.just("1"), label="version")
+
+    def encode() -> tuple[bytes, int | None]:
+        return encode_infer_response(
+            model_name="m",
+            model_version=version,
+            request=request,
+            outputs=arrays,
+            output_order=list(arrays),
+        )
+
+    got = [encode(), encode()]  # the second from the memo
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(_codec, "_json_response", lambda *args: None)
+        want = encode()
+    assert got == [want, want]
+
+
+def test_a_memo_response_is_used_and_keeps_no_data() -> None:
+    _codec._RESPONSE_HEADS.clear()
+    request = InferRequest("r", {}, None, False, {})
+    for value in (1.5, 2.5):
+        outputs = {"y": np.full((1, 2), value, dtype=np.float32), "n": np.array([7])}
+        body, length = encode_infer_response(
+            model_name="m",
+            model_version="1",
+            request=request,
+            outputs=outputs,
+            output_order=["y", "n"],
+        )
+        assert length is None
+        assert orjson.loads(body) == {
+            "model_name": "m",
+            "model_version": "1",
+            "id": "r",
+            "outputs": [
+                {"name": "y", "datatype": "FP32", "shape": [1, 2], "data": [value, value]},
+                {"name": "n", "datatype": "INT64", "shape": [1], "data": [7]},
+            ],
+        }
+    ((head, entries),) = _codec._RESPONSE_HEADS.values()
+    assert b"1.5" not in head + b"".join(entries)
+
+
 _json_values = st.recursive(
     st.none()
     | st.booleans()
@@ -1379,9 +1605,24 @@ _scalars = (
 )
 
 
+def _fitting(datatype: str) -> st.SearchStrategy[Any]:
+    """JSON values that a *datatype* input takes."""
+    dtype = DATATYPES[datatype]
+    if dtype.kind == "b":
+        return st.booleans()
+    if dtype.kind == "O":
+        return st.text(max_size=2)
+    if dtype.kind == "f":
+        width = 8 * dtype.itemsize
+        anywhere = st.floats(allow_nan=False, allow_infinity=False, width=width)
+        return st.floats(-1e3, 1e3, width=width) | st.integers(-9, 9) | anywhere
+    info = np.iinfo(dtype)
+    return st.integers(int(info.min), int(info.max)) | st.integers(0, 9)
+
+
 @st.composite
 def _like_docs(
-    draw: st.DrawFn, shape: list[int], datatype: str, binary: bool
+    draw: st.DrawFn, shape: list[int], datatype: str, binary: bool, how: str, with_id: bool
 ) -> tuple[bytes, int | None]:
     """A request for one input of *shape* and *datatype*, its data (or binary part) drawn,
     and its header length."""
@@ -1393,12 +1634,18 @@ def _like_docs(
         tail = draw(st.binary(min_size=size, max_size=size) | st.binary(max_size=size + 2))
         item["parameters"] = {"binary_data_size": size}
     else:
-        flat = st.lists(_scalars, min_size=count, max_size=count)
+        # Mostly values of the datatype, so that a plan is made and used; now and then not.
+        values = _fitting(datatype) | _fitting(datatype) | st.booleans() | _scalars
+        flat = st.lists(values, min_size=count, max_size=count)
         item["data"] = draw(flat | st.lists(_json_values, max_size=4))
     doc: dict[str, Any] = {"inputs": [item]}
-    if draw(st.booleans()):
-        doc["id"] = draw(st.text(max_size=3) | _scalars)
-    header = orjson.dumps(doc)
+    if with_id:
+        doc["id"] = draw(st.text("ab1", max_size=3) | st.text(max_size=3) | _scalars)
+    # As orjson writes it, or Python's json (spaces; escapes, or none, for non-ASCII).
+    if how == "orjson":
+        header = orjson.dumps(doc)
+    else:
+        header = json.dumps(doc, ensure_ascii=how == "json").encode("utf-8", "surrogatepass")
     return header + tail, len(header) if binary else None
 
 
@@ -1407,28 +1654,62 @@ def _like_docs(
     st.lists(st.integers(0, 3), max_size=3),
     st.sampled_from(sorted(DATATYPES)),
     st.booleans(),
+    st.sampled_from(["orjson", "json", "json-utf8"]),
+    st.booleans(),
     st.data(),
 )
 def test_property_a_plan_decodes_as_the_long_way(
-    shape: list[int], datatype: str, binary: bool, data: st.DataObject
+    shape: list[int], datatype: str, binary: bool, how: str, with_id: bool, data: st.DataObject
 ) -> None:
     # Requests alike but for their data (or binary part) and id: once a plan was
     # made from one (decoded twice), the others decode exactly as with no plan.
-    drawn = [data.draw(_like_docs(shape, datatype, binary), label="body") for _ in range(3)]
+    like_docs = _like_docs(shape, datatype, binary, how, with_id)
+    drawn = [data.draw(like_docs, label="body") for _ in range(3)]
     bodies = [body for body, _ in drawn]
     lengths = [length for _, length in drawn]
     want = []
     for body, length in zip(bodies, lengths, strict=True):
-        _PLANS.clear()  # the long way each time: no plan made by the one before
-        _JSON_PLANS.clear()
+        forget_plans()  # the long way each time: no plan made by the one before
         want.append(_outcome(body, length))
-    _PLANS.clear()
-    _JSON_PLANS.clear()
+    forget_plans()
     got = [_outcome(body, length) for body, length in zip(bodies, lengths, strict=True)]
     _outcome(bodies[0], lengths[0])
     _outcome(bodies[0], lengths[0])
     got += [_outcome(body, length) for body, length in zip(bodies, lengths, strict=True)]
     assert got == want + want
+
+
+@FUZZ
+@given(
+    st.sampled_from(["FP16", "FP32", "FP64", "INT8", "INT64", "UINT64", "BOOL"]),
+    st.integers(1, 4),
+    st.sampled_from(["orjson", "json"]),
+    st.data(),
+)
+def test_property_a_planned_flat_json_request_decodes_as_the_long_way(
+    datatype: str, count: int, how: str, data: st.DataObject
+) -> None:
+    # The layout of a common client: a flat list, an id per request. The first
+    # request fits (a plan is made from it); the others' values are anything.
+    def body(values: list[Any], request_id: str) -> bytes:
+        doc = {"id": request_id, "inputs": [{"name": "x", "shape": [count], "datatype": datatype}]}
+        doc["inputs"][0]["data"] = values  # type: ignore[index]
+        return orjson.dumps(doc) if how == "orjson" else json.dumps(doc).encode()
+
+    good = st.lists(_fitting(datatype), min_size=count, max_size=count)
+    mixed = _fitting(datatype) | st.booleans() | _scalars
+    anything = st.lists(mixed, min_size=count - 1, max_size=count + 1)
+    bodies = [body(data.draw(good, label="first"), "a")]
+    bodies += [body(data.draw(anything, label="next"), str(i)) for i in range(3)]
+    want = []
+    for one_body in bodies:
+        forget_plans()
+        want.append(_outcome(one_body, None))
+    forget_plans()
+    _outcome(bodies[0], None)
+    _outcome(bodies[0], None)
+    assert [plan for plan in _JSON_PLANS.values() if plan is not None]
+    assert [_outcome(one_body, None) for one_body in bodies] == want
 
 
 @FUZZ

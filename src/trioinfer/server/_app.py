@@ -1119,6 +1119,8 @@ def _schedule_parameters(
     request: InferRequest, served: ServedVersion | None = None
 ) -> tuple[int, float | None]:
     """`schedule_parameters` of a decoded infer request's parameters."""
+    if not request.parameters and (served is None or served.triton is None):
+        return 0, None  # what schedule_parameters answers for none, for less
     return schedule_parameters(request.parameters, served)
 
 
@@ -1170,7 +1172,7 @@ async def infer_in_time(
     """
     engine = state.models.engine
     # Triton's sequence_id / sequence_start / sequence_end, for stateful models.
-    sequence = SequenceFlags.from_parameters(request.parameters)
+    sequence = SequenceFlags.from_parameters(request.parameters) if request.parameters else None
     if timeout_s is None:
         return await engine.infer_detailed(
             served.engine_name,

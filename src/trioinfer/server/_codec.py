@@ -373,6 +373,7 @@ def decode_infer_request(
             input or field and says what was expected.
     """
     _check_size(len(body), limits, "the request body")
+    cut: _Cut | None = None
     if header_length is None:
         header = body
         binary = memoryview(b"")
@@ -388,12 +389,20 @@ def decode_infer_request(
             )
         header = bytes(body[:header_length])
         binary = memoryview(body)[header_length:]
-        # Longer headers are never kept: spare hashing them.
-        plan = _PLANS.get(header) if len(header) <= _PLAN_BYTES else None
-        if plan is not None and plan.limits is limits:
-            request = plan.apply(binary)
-            if request is not None:
-                return request
+        # Longer headers are never kept: spare hashing and scanning them.
+        if len(header) <= _PLAN_BYTES:
+            # The same header (and id) as before; else the same but for the id.
+            plan = _PLANS.get(header)
+            if plan is not None and plan.limits is limits:
+                request = plan.apply(binary, plan.id)
+                if request is not None:
+                    return request
+            cut = _cut(header, data=False)
+            plan = None if cut is None else _CUT_PLANS.get(cut[0])
+            if plan is not None and plan.limits is limits:
+                request = plan.apply(binary, _cut_id(header, cut))  # type: ignore[arg-type]
+                if request is not None:
+                    return request
     if not header:
         raise RequestError(
             "the infer request is empty; expected a JSON object with a non-empty 'inputs' list"
@@ -405,11 +414,29 @@ def decode_infer_request(
         )
     json_key = None
     if header_length is None:
+        # The plan the last such request used, if this one is laid out alike
+        # (no search for its id and data: just a check that they are where they were).
+        json_plan = _LAST_JSON[0]
+        if json_plan is not None and json_plan.limits is limits:
+            spans = json_plan.match(header)
+            if spans is not None:
+                request = json_plan.apply(header, doc, spans)
+                if request is not None:
+                    return request
+        cut = _cut(header, data=True)
+        if cut is not None:
+            json_plan = _JSON_PLANS.get(cut[0])
+            if json_plan is not None and json_plan.limits is limits:
+                _LAST_JSON[0] = json_plan
+                request = json_plan.apply(header, doc, cut[2])
+                if request is not None:
+                    return request
+        # Requests the raw cut does not fit (nested data, escapes) have the long key.
         json_key = _json_plan_key(doc)
         if json_key is not None:
             json_plan = _JSON_PLANS.get(json_key)
             if json_plan is not None and json_plan.limits is limits:
-                request = json_plan.apply(header, doc)
+                request = json_plan.apply(header, doc, None)
                 if request is not None:
                     return request
     request_id = doc.get("id")
@@ -503,36 +530,60 @@ def decode_infer_request(
         binary_output=binary_output,
         parameters=MappingProxyType(parameters),
     )
+    # A plan is made the second time a key is seen: a client that sends a new
+    # one each time would otherwise make one per request for nothing. A `_cut`
+    # key is used only where the cut took out exactly the top-level id (when it
+    # is a string) and, for JSON, every input's data: then two requests with
+    # the same key differ in nothing else.
+    fits = cut is not None and (cut[1] is not None) == (type(request_id) is str)
     if (
         plain
         and header_length is not None
         and len(header) <= _PLAN_BYTES
         and all(spec.data is None and spec.shm is None for spec in declared.values())
     ):
-        # A plan is made the second time a header is seen: a client that sends
-        # a new id each time would otherwise make one per request for nothing.
-        if header not in _PLANS:
-            if len(_PLANS) >= _PLAN_COUNT:
-                _PLANS.clear()
-            _PLANS[header] = None
-        else:
-            specs = tuple(declared.values())
+        specs = tuple(declared.values())
+        if _seen_again(_PLANS, header):
             _PLANS[header] = _BinaryPlan(limits, _without_inputs(request), specs, offset)
-    elif plain and json_key is not None and all(spec.shm is None for spec in declared.values()):
+        if fits and _seen_again(_CUT_PLANS, cut[0]):  # type: ignore[index]
+            _CUT_PLANS[cut[0]] = _BinaryPlan(  # type: ignore[index]
+                limits, _without_inputs(request), specs, offset
+            )
+    elif plain and header_length is None and all(spec.shm is None for spec in declared.values()):
         # Every input is JSON data here (no header length: a binary one was refused above).
-        if json_key not in _JSON_PLANS:  # the second time, as for binary plans
-            if len(_JSON_PLANS) >= _PLAN_COUNT:
-                _JSON_PLANS.clear()
-            _JSON_PLANS[json_key] = None
-        else:
+        fast = (
+            fits
+            and len(cut[2]) == len(declared)  # type: ignore[index]
+            and len(cut[0]) <= _PLAN_BYTES  # type: ignore[index]
+        )
+        if fast:
+            json_key = cut[0]  # type: ignore[index]
+        if json_key is not None and _seen_again(_JSON_PLANS, json_key):
             known = known_bools or _walk_request(doc, raw_inputs, limits)
             # The plan keeps no data: it may outlive this request by far.
             specs = tuple(
                 _Input(spec.name, spec.datatype, spec.shape, spec.count, None, 0, ())
                 for spec in declared.values()
             )
-            _JSON_PLANS[json_key] = _JsonPlan(limits, _without_inputs(request), specs, known)
+            json_plan = _JsonPlan(limits, _without_inputs(request), specs, known)
+            if fast:
+                json_plan.cut_from(header, cut[3])  # type: ignore[index]
+            _JSON_PLANS[json_key] = json_plan
     return request
+
+
+def _seen_again(plans: dict[bytes, Any], key: bytes) -> bool:
+    """Whether *key* was seen before without a plan made (a plan is due); else mark it seen.
+
+    *plans* is emptied when full. No closure in `decode_infer_request` makes
+    the plans: a function with one pays for its cells on every call.
+    """
+    if key not in plans:
+        if len(plans) >= _PLAN_COUNT:
+            plans.clear()
+        plans[key] = None
+        return False
+    return plans[key] is None
 
 
 def _without_inputs(request: InferRequest) -> InferRequest:
@@ -550,23 +601,30 @@ class _BinaryPlan:
     limits is not checked again: its inputs' bytes are cut from the binary
     part as before (`_from_binary` checks BOOL and BYTES data each time).
     Only headers whose inputs are all binary data, with nothing in shared
-    memory (a region may go away), are kept.
+    memory (a region may go away), are kept: by the whole header, and by
+    its `_cut` (all but the id's characters), for clients that send a new id
+    with each request; each request's id is then read from its own header.
     """
 
-    __slots__ = ("binary_size", "limits", "request", "specs")
+    __slots__ = ("binary_size", "id", "limits", "request", "specs")
 
     def __init__(
         self, limits: Limits, request: InferRequest, specs: tuple[_Input, ...], binary_size: int
     ) -> None:
         self.limits = limits
         self.request = request  # without inputs (each request has its own)
+        self.id = request.id  # the id of the header it was made from
         self.specs = specs
         self.binary_size = binary_size
 
-    def apply(self, binary: memoryview) -> InferRequest | None:
-        """The request with *binary* as its data; None if the sizes do not add up."""
-        if len(binary) != self.binary_size:
-            return None  # the long way says what is wrong
+    def apply(self, binary: memoryview, request_id: str | bool | None) -> InferRequest | None:
+        """The request with *binary* as its data and that id; None if anything is off.
+
+        *request_id* False (`_cut_id`: not a JSON string) or sizes that do
+        not add up send the request the long way, which says what is wrong.
+        """
+        if len(binary) != self.binary_size or request_id is False:
+            return None
         inputs: dict[str, npt.NDArray[Any]] = {}
         offset = 0
         for spec in self.specs:
@@ -574,7 +632,26 @@ class _BinaryPlan:
             inputs[spec.name] = _from_binary(spec, binary[offset:end])
             offset = end
         r = self.request
-        return InferRequest(r.id, inputs, r.outputs, r.binary_output, r.parameters)
+        return InferRequest(
+            request_id,  # type: ignore[arg-type]
+            inputs,
+            r.outputs,
+            r.binary_output,
+            r.parameters,
+        )
+
+
+def _cut_id(header: bytes, cut: _Cut) -> str | bool | None:
+    """The id `_cut` cut from *header* (None: it had none); False if not a valid JSON string."""
+    if cut[1] is None:
+        return None
+    start, end = cut[1]
+    try:
+        # The quoted id, parsed as the long way parses the whole header.
+        request_id: str = orjson.loads(header[start - 1 : end + 1])
+    except orjson.JSONDecodeError:
+        return False
+    return request_id
 
 
 def _json_plan_key(doc: dict[str, Any]) -> bytes | None:
@@ -600,6 +677,102 @@ def _json_plan_key(doc: dict[str, Any]) -> bytes | None:
     return key if len(key) <= _PLAN_BYTES else None
 
 
+#: `_cut`'s answer: what is left of a header after a NUL (no JSON document
+#: starts with one), where the id's characters are (between its quotes), and
+#: each data list's contents (without the brackets), in order, and where each
+#: cut (id or data) starts and ends, in order. A plain tuple:
+#: a NamedTuple's constructor costs more than the rest of a small request's cut.
+_Cut = tuple[bytes, "tuple[int, int] | None", list[bytes], list[tuple[int, int]]]
+
+
+_JSON_SPACE: Final = b" \t\n\r"
+_QUOTE: Final = ord('"')
+_OPEN: Final = ord("[")
+_COLON: Final = ord(":")
+
+
+def _value_at(header: bytes, pos: int) -> int:
+    """Where the value after the key that ends at *pos* starts; -1 if no colon follows."""
+    end = len(header)
+    while pos < end and header[pos] in _JSON_SPACE:
+        pos += 1
+    if pos >= end or header[pos] != _COLON:
+        return -1
+    pos += 1
+    while pos < end and header[pos] in _JSON_SPACE:
+        pos += 1
+    return pos if pos < end else -1
+
+
+def _cut(header: bytes, *, data: bool) -> _Cut | None:
+    """*header* without its id's characters and (with *data*) its data lists' contents.
+
+    The gRPC plans' `_wire_split`, for JSON text, and as exact: the key of a
+    request is every byte of its header but the cut ones, so two requests with
+    the same key decode alike but for those. With no backslash in the header
+    no string holds an escape, so each key ``"data"`` and ``"id"`` appears
+    literally, and a quote is always a string's end or start: the one
+    ``"id"`` followed by a colon and a string, and every ``"data"`` followed
+    by a colon and a flat list without strings (no ``[``, ``{`` or ``"``
+    before its ``]``) are cut. The caller checks, once, on the request that
+    makes a plan, that these were its top-level id and its inputs' data.
+    None for anything else (an escape anywhere, ``"id"`` twice, a ``"data"``
+    that is not a flat list): the long way decides.
+    """
+    if b"\\" in header:
+        return None
+    holes: list[tuple[int, int]] = []
+    id_span = None
+    find = header.find
+    at = find(b'"id"')
+    if at >= 0:
+        if find(b'"id"', at + 4) >= 0:
+            return None
+        start = at + 6 if header.startswith(b':"', at + 4) else _value_at(header, at + 4) + 1
+        if start > 0 and header[start - 1] == _QUOTE:
+            end = find(b'"', start)
+            if end < 0:
+                return None
+            id_span = (start, end)
+            holes.append(id_span)
+    spans: list[bytes] = []
+    if data:
+        at = find(b'"data"')
+        while at >= 0:
+            start = at + 8 if header.startswith(b":[", at + 6) else _value_at(header, at + 6) + 1
+            end = find(b"]", start)
+            if start <= 0 or header[start - 1] != _OPEN or end < 0:
+                return None
+            span = header[start:end]
+            if b"[" in span or b"{" in span or b'"' in span:
+                return None
+            holes.append((start, end))
+            spans.append(span)
+            at = find(b'"data"', end)
+    if not holes:
+        return b"\0" + header, id_span, spans, holes
+    if id_span is not None and len(holes) > 1:
+        holes.sort()
+    pieces = [b"\0"]
+    pos = 0
+    for start, end in holes:
+        pieces.append(header[pos:start])
+        pos = end
+    pieces.append(header[pos:])
+    return b"".join(pieces), id_span, spans, holes
+
+
+#: What the text of a list of JSON numbers is made of (and nothing else is).
+_NUMBER_TEXT: Final = b"0123456789.eE+-," + _JSON_SPACE
+# Digits and points as 0, exponents as e: a run of `_LONG_NUMBER` is a number of
+# 38 digits or more, which alone (with no exponent) could pass FP32's range.
+_DIGITS: Final = bytes.maketrans(b"0123456789.E", b"00000000000e")
+_LONG_NUMBER: Final = b"0" * 38
+# Floats within this magnitude convert to any float datatype as the long way
+# converts them (integers included: up to 2**53 they are exact as float64).
+_EXACT: Final = float(2**53)
+
+
 class _JsonPlan:
     """What an all-JSON request decoded to, but for its data, for the next one like it.
 
@@ -609,11 +782,14 @@ class _JsonPlan:
     depth, the booleans outside data) was checked once, under the same
     limits. Each request's id and data are still
     checked and converted as the long way does (`_from_json`,
-    `_refuse_hidden_bools`); where it fails, the long way decodes the request
-    again to say why.
+    `_refuse_hidden_bools`), or, for float inputs sent as flat lists of
+    numbers, on the whole list at once (`_floats`); where it fails, the long
+    way decodes the request again to say why. Its key is the request's
+    `_cut` (the raw text but the id and data), or, where that does not fit
+    (nested data, escapes), `_json_plan_key`.
     """
 
-    __slots__ = ("known", "limits", "request", "specs")
+    __slots__ = ("floats", "known", "limits", "pieces", "request", "specs")
 
     def __init__(
         self, limits: Limits, request: InferRequest, specs: tuple[_Input, ...], known: _Counts
@@ -622,14 +798,72 @@ class _JsonPlan:
         self.request = request  # without inputs or id (each request has its own)
         self.specs = specs  # without data
         self.known = known
+        # For a plan of `_cut` keys (`cut_from`): each input's float dtype and the
+        # bound on its values' magnitude, if every input is a float one.
+        self.floats: tuple[tuple[np.dtype[Any], float], ...] | None = None
+        # And the text between the cuts, each with the byte that ends the cut after it.
+        self.pieces: list[tuple[bytes, int]] = []
 
-    def apply(self, header: bytes, doc: dict[str, Any]) -> InferRequest | None:
-        """The request with *doc*'s data; None if the data are not right (the long way says why)."""
+    def cut_from(self, header: bytes, holes: list[tuple[int, int]]) -> None:
+        """Make this a plan of `_cut` keys, from the header that made it and its cuts."""
+        dtypes = [DATATYPES[spec.datatype] for spec in self.specs]
+        if all(dtype.kind == "f" for dtype in dtypes):
+            self.floats = tuple((d, min(_FLOAT_MAX[d], _EXACT)) for d in dtypes)
+        pos = 0
+        for start, end in holes:
+            self.pieces.append((header[pos:start], header[end]))
+            pos = end
+        self.pieces.append((header[pos:], -1))
+
+    def match(self, header: bytes) -> list[bytes] | None:
+        """*header*'s data lists' text if its `_cut` key is this plan's, else None.
+
+        Its text must be this plan's between the cuts, and each cut what
+        `_cut` would cut: up to the first quote (the id: no backslash) or the
+        first ``]`` (data: no ``[``, ``{`` or quote; a backslash outside a
+        string is not JSON, and the header parsed). Then `_cut` would find
+        the same keys at the same places: none of the cut text holds a quote.
+        """
+        if not self.pieces:
+            return None
+        spans: list[bytes] = []
+        pos = 0
+        for piece, stop in self.pieces:
+            if not header.startswith(piece, pos):
+                return None
+            pos += len(piece)
+            if stop < 0:
+                return spans if pos == len(header) else None
+            end = header.find(_STOPS[stop], pos)
+            if end < 0:
+                return None
+            text = header[pos:end]
+            if stop == _QUOTE:
+                if b"\\" in text:
+                    return None
+            elif b"[" in text or b"{" in text or b'"' in text:
+                return None
+            else:
+                spans.append(text)
+            pos = end
+        return None  # pragma: no cover - the last piece has no cut after it
+
+    def apply(
+        self, header: bytes, doc: dict[str, Any], spans: list[bytes] | None
+    ) -> InferRequest | None:
+        """The request with *doc*'s data; None if the data are not right (the long way says why).
+
+        *spans* are the data lists' text (`_cut`), for plans of `_cut` keys.
+        """
         limits = self.limits
         request_id = doc.get("id")
         if request_id is not None and type(request_id) is not str:
             return None
         raw_inputs = doc["inputs"]
+        if self.floats is not None and spans is not None:
+            request = self._floats(request_id, raw_inputs, spans)
+            if request is not None:
+                return request
         declared: dict[str, _Input] = {}
         inputs: dict[str, npt.NDArray[Any]] = {}
         try:
@@ -654,14 +888,126 @@ class _JsonPlan:
         r = self.request
         return InferRequest(request_id, inputs, r.outputs, r.binary_output, r.parameters)
 
+    def _floats(
+        self, request_id: str | None, raw_inputs: list[Any], spans: list[bytes]
+    ) -> InferRequest | None:
+        """Every input float data whose text holds numbers only: converted in one step each.
+
+        What the long way checks of each value, done on the whole list: a text
+        of digits, signs, points, exponents and commas alone (the document
+        parsed) is a list of numbers, so no value is a boolean, null, string
+        or list; the largest magnitude must be within the datatype's range and
+        where float64 holds integers exactly (2**53). None
+        for anything else: the values are then looked at one by one.
+        """
+        inputs: dict[str, npt.NDArray[Any]] = {}
+        for spec, (dtype, bound), item, span in zip(
+            self.specs,
+            self.floats,  # type: ignore[arg-type]
+            raw_inputs,
+            spans,
+            strict=True,
+        ):
+            data = item["data"]
+            if span.translate(None, _NUMBER_TEXT) or len(data) != spec.count:
+                return None
+            if dtype.itemsize >= 4:
+                # Without an exponent, a number of under 38 digits is within
+                # FP32's (and FP64's) range: numpy converts it as the long way does.
+                digits = span.translate(_DIGITS)
+                if b"e" not in digits and _LONG_NUMBER not in digits:
+                    inputs[spec.name] = np.array(data, dtype=dtype).reshape(spec.shape)
+                    continue
+            values = np.array(data, dtype=np.float64)
+            if values.size and not np.abs(values).max() <= bound:
+                return None
+            inputs[spec.name] = values.astype(dtype, copy=False).reshape(spec.shape)
+        r = self.request
+        return InferRequest(request_id, inputs, r.outputs, r.binary_output, r.parameters)
+
 
 #: Recent binary requests' JSON headers (at most `_PLAN_BYTES` each) and their
 #: plans (None: seen once); emptied when `_PLAN_COUNT` are kept.
 _PLANS: Final[dict[bytes, _BinaryPlan | None]] = {}
-#: The same for all-JSON requests, by `_json_plan_key`.
+#: The same by `_cut` key (the header but the id), for clients with an id per request.
+_CUT_PLANS: Final[dict[bytes, _BinaryPlan | None]] = {}
+#: The same for all-JSON requests, by `_cut` key or `_json_plan_key`.
 _JSON_PLANS: Final[dict[bytes, _JsonPlan | None]] = {}
+#: The `_cut` plan the last all-JSON request used.
+_LAST_JSON: Final[list[_JsonPlan | None]] = [None]
+_STOPS: Final = {ord('"'): b'"', ord("]"): b"]"}
 _PLAN_BYTES: Final = 4096
 _PLAN_COUNT: Final = 256
+
+
+def _json_response(
+    model_name: str,
+    model_version: str | None,
+    request: InferRequest,
+    outputs: Mapping[str, npt.NDArray[Any]],
+    output_order: Sequence[str],
+) -> bytes | None:
+    """`encode_infer_response`'s usual all-JSON body, from a memo of all but the id and data.
+
+    The same bytes as the long way's (a test compares them): the memo holds
+    the document's head and each output's ``{name, datatype, shape, "data":``;
+    each request adds its id and each output's flat values. None for
+    anything else (binary or shared-memory outputs, an output missing, BYTES,
+    a dtype or layout to convert): the long way answers. `encode_infer_response`
+    asks it only for requests that name no outputs, the usual JSON request:
+    others would pay for the question more often than the memo saves.
+    """
+    if request.outputs is None:
+        if request.binary_output:
+            return None
+        names: Sequence[str] = output_order
+    else:
+        if any(item.shm is not None or item.binary for item in request.outputs):
+            return None
+        if request.binary_output and any(item.binary is None for item in request.outputs):
+            return None
+        names = [item.name for item in request.outputs]
+    arrays = []
+    for name in names:
+        array = outputs.get(name)
+        if type(array) is not np.ndarray or not array.flags.c_contiguous:
+            return None
+        arrays.append(array)
+    key = (model_name, model_version, *[(a.dtype, a.shape) for a in arrays], *names)
+    memo = _RESPONSE_HEADS.get(key)
+    if memo is None:
+        if any(a.dtype.kind not in "biuf" or a.dtype not in _NATIVE for a in arrays):
+            return None
+        start: dict[str, Any] = {"model_name": model_name}
+        if model_version is not None:
+            start["model_version"] = model_version
+        head = dumps(start)[:-1]  # without its closing brace
+        entries = [
+            dumps({"name": n, "datatype": v2_datatype(a.dtype), "shape": list(a.shape)})[:-1]
+            + b',"data":'
+            for n, a in zip(names, arrays, strict=True)
+        ]
+        memo = (head, entries)
+        if len(_RESPONSE_HEADS) >= _PLAN_COUNT:
+            _RESPONSE_HEADS.clear()
+        _RESPONSE_HEADS[key] = memo
+    head, entries = memo
+    pieces = [head]
+    if request.id is not None:
+        pieces += (b',"id":', dumps(request.id))
+    pieces.append(b',"outputs":[')
+    for index, (entry, array) in enumerate(zip(entries, arrays, strict=True)):
+        if index:
+            pieces.append(b"},")
+        pieces += (entry, dumps(array.reshape(-1)))
+    pieces.append(b"}]}")
+    return b"".join(pieces)
+
+
+#: The numpy dtypes orjson writes as the long way would (native byte order).
+_NATIVE: Final = frozenset(DATATYPES.values()) - {np.dtype(np.object_)}
+#: `_json_response`'s memo: the head and each output's entry but its data.
+_RESPONSE_HEADS: Final[dict[tuple[Any, ...], tuple[bytes, list[bytes]]]] = {}
 
 
 def encode_infer_request(
@@ -743,6 +1089,10 @@ def encode_infer_response(
         ValueError: An output in *output_order* is missing from *outputs*, or an
             output's dtype has no V2 datatype (a server-side problem).
     """
+    if parameters is None and request.outputs is None and not request.binary_output:
+        body = _json_response(model_name, model_version, request, outputs, output_order)
+        if body is not None:
+            return body, None
     places: dict[str, tuple[str, int, int]] = {}
     if request.outputs is not None:
         places = {item.name: item.shm for item in request.outputs if item.shm is not None}
