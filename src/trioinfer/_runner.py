@@ -53,7 +53,7 @@ from ._threads import (
     native_waiter_factory,
     trio_rescheduler,
 )
-from ._util import NoPublicConstructor
+from ._util import NoPublicConstructor, resume
 from .abc import (
     AssemblingBatcher,
     AttachableFallback,
@@ -733,7 +733,9 @@ class ModelRunner(metaclass=NoPublicConstructor):
     _alone: int = attrs.field(default=0, init=False)
     _alone_ended: EventLike | None = attrs.field(default=None, init=False)
     #: Their cancel scopes: stopping the model aborts them as it aborts the workers'.
-    _alone_scopes: set[anyio.CancelScope] = attrs.field(factory=set, init=False)
+    _alone_scopes: set[anyio.CancelScope | trio.CancelScope] = attrs.field(
+        factory=set, init=False
+    )
 
     def __attrs_post_init__(self) -> None:
         self._new_event = native_event_factory()
@@ -1298,8 +1300,7 @@ class ModelRunner(metaclass=NoPublicConstructor):
         assert taken, "run_alone() on a replica that is not idle"
         self._in_flight.add(request)
         self._alone += 1
-        scope = anyio.CancelScope()
-        self._alone_scopes.add(scope)
+        scope: anyio.CancelScope | trio.CancelScope | None = None
         rows = request.rows
         self._queue_duration.observe(started - request.arrival)
         self._batch_size.observe(rows)
@@ -1311,10 +1312,29 @@ class ModelRunner(metaclass=NoPublicConstructor):
         deadline_token = _batch_deadline.set(deadline)
         try:
             try:
-                with scope:
-                    outputs = await replica._backend_instance.execute(request.inputs)
-                    if self.batched:
-                        _check_rows(self.config.name, replica, outputs, rows)
+                instance = replica._backend_instance
+                answer: Outputs | None = None  # (none if an unload aborts it)
+                if getattr(instance, "runs_inline", False) is True:
+                    # It never suspends (see InlineInstance), so no unload can come
+                    # while it runs: it needs no cancel scope (a few µs each).
+                    run = instance.execute(request.inputs)
+                    try:
+                        yielded = run.send(None)
+                    except StopIteration as done:
+                        answer = done.value
+                    else:
+                        # It broke its word: it goes on, but an unload waits for it
+                        # (_wait_alone) rather than aborting it.
+                        answer = await resume(run, yielded)
+                else:
+                    # A run that may suspend: stopping the model aborts it by its scope.
+                    scope = trio.CancelScope() if self.on_trio else anyio.CancelScope()
+                    self._alone_scopes.add(scope)
+                    with scope:
+                        answer = await instance.execute(request.inputs)
+                if answer is not None and self.batched:
+                    _check_rows(self.config.name, replica, answer, rows)
+                outputs = answer
             except Exception as exc:
                 replica.failures += 1
                 outputs = None
@@ -1328,7 +1348,8 @@ class ModelRunner(metaclass=NoPublicConstructor):
             raise
         finally:
             _batch_deadline.reset(deadline_token)
-            self._alone_scopes.discard(scope)
+            if scope is not None:
+                self._alone_scopes.discard(scope)
             self._executing.remove(running)
             ended = self.clock.current_time()
             elapsed = ended - started
