@@ -733,9 +733,7 @@ class ModelRunner(metaclass=NoPublicConstructor):
     _alone: int = attrs.field(default=0, init=False)
     _alone_ended: EventLike | None = attrs.field(default=None, init=False)
     #: Their cancel scopes: stopping the model aborts them as it aborts the workers'.
-    _alone_scopes: set[anyio.CancelScope | trio.CancelScope] = attrs.field(
-        factory=set, init=False
-    )
+    _alone_scopes: set[anyio.CancelScope | trio.CancelScope] = attrs.field(factory=set, init=False)
 
     def __attrs_post_init__(self) -> None:
         self._new_event = native_event_factory()
