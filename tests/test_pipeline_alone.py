@@ -456,3 +456,21 @@ async def test_an_instance_that_says_it_runs_inline_but_suspends_is_carried_on(
         s = engine.statistics().models["slow"]
         assert (s.succeeded, s.executions, s.in_flight, s.queue_duration.count) == (2, 2, 0, 2)
         assert s.compute_duration.sum == pytest.approx(2.0)
+
+
+def test_inline_steps_run_in_the_callers_task_on_asyncio() -> None:
+    async def main() -> None:
+        async with open_engine() as engine:
+            await load(engine, inline("a"), inline("b", fail="RuntimeError"), chain("a"))
+            await engine.load(chain("a", "b", name="p2"))
+            with anyio.fail_after(10):
+                out = await engine.infer("p", {"IN": X})
+                np.testing.assert_array_equal(out["OUT"], X + 1)
+                with pytest.raises(BackendError, match=r"^pipeline 'p2', step 1 "):
+                    await engine.infer("p2", {"IN": X})
+            assert Probe.tasks == {"a": [_current_task()] * 2, "b": [_current_task()]}
+            stats = engine.statistics().models
+            assert [(stats[m].succeeded, stats[m].failed) for m in "ab"] == [(2, 0), (0, 1)]
+            assert [stats[m].in_flight for m in "ab"] == [0, 0]
+
+    anyio.run(main, backend="asyncio")

@@ -38,11 +38,10 @@ def resume(coro: Coroutine[Any, Any, T], yielded: Any) -> Generator[Any, Any, T]
 
     What ``await coro`` would have done from there (``yield from``): every
     value the event loop sends or throws goes to *coro*, and what it yields to
-    the loop. With it, a caller can start a coroutine, see whether it
-    finishes without suspending (``coro.send(None)`` raises StopIteration),
-    and only if it does not set up what a suspension needs (a cancel scope:
-    a few microseconds each, which a run that never yields does not need,
-    since nothing else runs until it returns).
+    the loop. With it, a caller that started a coroutine by hand, to run it
+    without a frame of its own when it finishes without suspending
+    (``coro.send(None)`` raises StopIteration), can await it after all when
+    it does suspend.
     """
     value = yielded
     while True:
