@@ -474,3 +474,30 @@ def test_inline_steps_run_in_the_callers_task_on_asyncio() -> None:
             assert [stats[m].in_flight for m in "ab"] == [0, 0]
 
     anyio.run(main, backend="asyncio")
+
+
+@pytest.mark.parametrize("backend", ["trio", "asyncio"])
+def test_a_caller_leaving_a_step_that_broke_its_word_cancels_it(
+    monkeypatch: pytest.MonkeyPatch, backend: str
+) -> None:
+    # The cancellation reaches the model through the run carried on by hand
+    # (Trio sends it in, asyncio throws it in), and the step is counted once.
+    monkeypatch.setattr(PythonInstance, "runs_inline", property(lambda self: True))
+
+    async def main() -> None:
+        async with open_engine() as engine:
+            await load(engine, model("slow", parameters={"name": "slow", "delay": 60.0}))
+            await engine.load(chain("slow"))
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(engine.infer, "p", {"IN": X})
+                with anyio.fail_after(10):
+                    await anyio.wait_all_tasks_blocked()
+                assert Probe.events == ["slow start"]
+                tg.cancel_scope.cancel()
+            assert Probe.events == ["slow start", "slow cancelled"]
+            stats = engine.statistics().models
+            s = stats["slow"]
+            assert (s.cancelled, s.succeeded, s.executions, s.in_flight) == (1, 0, 1, 0)
+            assert stats["p"].cancelled == 1
+
+    anyio.run(main, backend=backend)
