@@ -23,7 +23,8 @@ PUBLIC = {
     },
     "trioinfer.abc": {
         "AssemblingBatcher", "AttachableFallback", "AttachableScheduler", "Backend",
-        "BackendInstance", "Batcher", "Fallback", "PipelinedInstance", "Scheduler",
+        "BackendInstance", "Batcher", "Fallback", "InlineInstance", "PipelinedInstance",
+        "Scheduler",
         "StreamingInstance", "TunedInstance", "SequenceBatcher",
     },
     "trioinfer.lowlevel": {

@@ -386,14 +386,14 @@ async def test_steps_with_nothing_beside_them_run_in_the_callers_task(
         return await infer(self, model, *args, **kw)
 
     monkeypatch.setattr(trioinfer.Engine, "infer", recording)
-    run_alone = ModelRunner.run_alone
+    run_here = ModelRunner.run_here
 
-    async def recording_alone(self: ModelRunner, replica: Any, request: Any) -> Any:
+    async def recording_here(self: ModelRunner, *args: Any) -> Any:
         # A step run on its idle model in the pipeline's task (join, say).
-        tasks[request.model] = trio.lowlevel.current_task()
-        return await run_alone(self, replica, request)
+        tasks[self.config.name] = trio.lowlevel.current_task()
+        return await run_here(self, *args)
 
-    monkeypatch.setattr(ModelRunner, "run_alone", recording_alone)
+    monkeypatch.setattr(ModelRunner, "run_here", recording_here)
     async with open_engine() as engine:
         await engine.load(step_model("first"))
         await load_diamond(engine)

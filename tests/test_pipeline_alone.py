@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Any, ClassVar
 
 import anyio
+import attrs
 import numpy as np
 import pytest
 import trio
@@ -18,6 +19,7 @@ import trio.testing
 
 import trioinfer
 from trioinfer import BackendError, EngineClosed, ModelConfig, open_engine
+from trioinfer_python import PythonInstance
 
 pytestmark = pytest.mark.pipeline
 
@@ -70,6 +72,32 @@ class Jump:
         assert Jump.clock is not None
         Jump.clock.jump(self.by)
         return {"y": inputs["x"] + 1}
+
+
+class Sync:
+    """y = x + 1 in a plain ``def infer``; records its task; may raise *fail* (a class name)."""
+
+    def __init__(self, name: str, fail: str = "") -> None:
+        self.name, self.fail = name, fail
+
+    def infer(self, inputs: Arrays) -> Arrays:
+        try:
+            where = _current_task()
+        except Exception:  # (on a worker thread: no event loop there)
+            where = "a thread"
+        Probe.tasks.setdefault(self.name, []).append(where)
+        if self.fail == "InvalidInput":
+            raise trioinfer.InvalidInput(f"{self.name} refuses it")
+        if self.fail:
+            raise RuntimeError(f"{self.name} is broken")
+        return {"y": inputs["x"] + 1}
+
+
+def inline(name: str, **parameters: Any) -> ModelConfig:
+    # A Sync model whose infer runs on the event loop: its instance never suspends.
+    return model(
+        name, Sync, parameters={"name": name, **parameters}, backend_options={"dispatch": "inline"}
+    )
 
 
 @pytest.fixture(autouse=True)
@@ -318,3 +346,158 @@ def test_idle_plain_steps_run_in_the_callers_task_on_asyncio() -> None:
             assert [stats[m].in_flight for m in "ab"] == [0, 0]
 
     anyio.run(main, backend="asyncio")
+
+
+def _counts(s: trioinfer.ModelStatistics) -> tuple[object, ...]:
+    # Everything a request's way through a model counts, but how long it took.
+    return (
+        s.succeeded, s.failed, s.cancelled, s.expired, s.refused, s.in_flight, s.queued,
+        s.executions, s.replicas[0].executions, s.replicas[0].failures,
+        s.queue_duration.counts, s.compute_duration.count, s.request_duration.count,
+        s.batch_size.counts, s.batch_size.sum,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("step", "scopes"),
+    [
+        (inline("a"), 0),  # never suspends: nothing can stop its model mid-run
+        (model("a"), 1),  # async def infer
+        (model("a", Sync, parameters={"name": "a"}), 1),  # def infer on a thread
+    ],
+    ids=["inline", "async", "thread"],
+)
+async def test_a_step_on_an_inline_model_needs_no_cancel_scope_and_is_counted_alike(
+    autojump_clock: trio.testing.MockClock,
+    monkeypatch: pytest.MonkeyPatch,
+    step: ModelConfig,
+    scopes: int,
+) -> None:
+    async with open_engine() as engine:
+        options = {**step.backend_options, "parameters": {"name": "q"}}
+        queued = attrs.evolve(step, name="q", backend_options=options)
+        await load(engine, step, queued, chain("a"))
+        made: list[object] = []
+        for where in (trio, anyio):
+            real = where.CancelScope
+
+            def counting(*args: Any, real: Any = real, **kw: Any) -> Any:
+                made.append(real)
+                return real(*args, **kw)
+
+            monkeypatch.setattr(where, "CancelScope", counting)
+        out = await engine.infer("p", {"IN": X})
+        monkeypatch.undo()
+        np.testing.assert_array_equal(out["OUT"], X + 1)
+        assert len(made) == scopes
+        if scopes == 0:
+            assert Probe.tasks["a"] == [_current_task()]
+        # Counted as a request queued to a model of the same kind is.
+        await engine.infer("q", {"x": X})
+        stats = engine.statistics().models
+        assert _counts(stats["a"]) == _counts(stats["q"])
+        assert stats["a"].succeeded == 1
+
+
+@pytest.mark.parametrize(
+    ("fail", "error"), [("InvalidInput", trioinfer.InvalidInput), ("RuntimeError", BackendError)]
+)
+async def test_a_failing_inline_step_ends_the_request_once_naming_it_and_is_counted(
+    autojump_clock: trio.testing.MockClock, fail: str, error: type[Exception]
+) -> None:
+    async with open_engine() as engine:
+        await load(engine, inline("a"), inline("b", fail=fail), inline("c"))
+        await load(engine, inline("q", fail=fail), chain("a", "b", "c"))
+        with pytest.raises(error) as info:
+            await engine.infer("p", {"IN": X})
+        message = str(info.value)
+        assert message.startswith("pipeline 'p', step 1 (model 'b'): ")
+        assert message.count("b ") == 1  # the model's own words, once
+        assert type(info.value) is error  # a client's fault stays the client's
+        assert Probe.tasks["b"] == [_current_task()]
+        assert "c" not in Probe.tasks
+        with pytest.raises(error):
+            await engine.infer("q", {"x": X})
+        stats = engine.statistics().models
+        assert _counts(stats["b"]) == _counts(stats["q"])
+        assert (stats["b"].failed, stats["b"].replicas[0].failures) == (1, 1)
+        assert (stats["p"].failed, stats["p"].in_flight) == (1, 0)
+        # The instance was given back: the next request runs here again.
+        with pytest.raises(error):
+            await engine.infer("p", {"IN": X})
+        assert Probe.tasks["b"] == [_current_task()] * 2
+
+
+async def test_an_instance_that_says_it_runs_inline_but_suspends_is_carried_on(
+    autojump_clock: trio.testing.MockClock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # It broke its word (trioinfer.abc.InlineInstance): its execution goes on as any
+    # run in its caller's task: it holds the instance (the next request queues) and
+    # is counted once.
+    monkeypatch.setattr(PythonInstance, "runs_inline", property(lambda self: True))
+    async with open_engine() as engine:
+        await load(engine, model("slow", parameters={"name": "slow", "delay": 1.0}), chain("slow"))
+        callers: list[object] = []
+
+        async def call() -> None:
+            callers.append(_current_task())
+            out = await engine.infer("p", {"IN": X})
+            np.testing.assert_array_equal(out["OUT"], X + 1)
+
+        t0 = trio.current_time()
+        with trio.fail_after(10):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(call)
+                tg.start_soon(call)
+        assert trio.current_time() - t0 == pytest.approx(2.0)  # one instance: in turn
+        first, second = Probe.tasks["slow"]
+        assert first in callers
+        assert second not in callers
+        s = engine.statistics().models["slow"]
+        assert (s.succeeded, s.executions, s.in_flight, s.queue_duration.count) == (2, 2, 0, 2)
+        assert s.compute_duration.sum == pytest.approx(2.0)
+
+
+def test_inline_steps_run_in_the_callers_task_on_asyncio() -> None:
+    async def main() -> None:
+        async with open_engine() as engine:
+            await load(engine, inline("a"), inline("b", fail="RuntimeError"), chain("a"))
+            await engine.load(chain("a", "b", name="p2"))
+            with anyio.fail_after(10):
+                out = await engine.infer("p", {"IN": X})
+                np.testing.assert_array_equal(out["OUT"], X + 1)
+                with pytest.raises(BackendError, match=r"^pipeline 'p2', step 1 "):
+                    await engine.infer("p2", {"IN": X})
+            assert Probe.tasks == {"a": [_current_task()] * 2, "b": [_current_task()]}
+            stats = engine.statistics().models
+            assert [(stats[m].succeeded, stats[m].failed) for m in "ab"] == [(2, 0), (0, 1)]
+            assert [stats[m].in_flight for m in "ab"] == [0, 0]
+
+    anyio.run(main, backend="asyncio")
+
+
+@pytest.mark.parametrize("backend", ["trio", "asyncio"])
+def test_a_caller_leaving_a_step_that_broke_its_word_cancels_it(
+    monkeypatch: pytest.MonkeyPatch, backend: str
+) -> None:
+    # The cancellation reaches the model through the run carried on by hand
+    # (Trio sends it in, asyncio throws it in), and the step is counted once.
+    monkeypatch.setattr(PythonInstance, "runs_inline", property(lambda self: True))
+
+    async def main() -> None:
+        async with open_engine() as engine:
+            await load(engine, model("slow", parameters={"name": "slow", "delay": 60.0}))
+            await engine.load(chain("slow"))
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(engine.infer, "p", {"IN": X})
+                with anyio.fail_after(10):
+                    await anyio.wait_all_tasks_blocked()
+                assert Probe.events == ["slow start"]
+                tg.cancel_scope.cancel()
+            assert Probe.events == ["slow start", "slow cancelled"]
+            stats = engine.statistics().models
+            s = stats["slow"]
+            assert (s.cancelled, s.succeeded, s.executions, s.in_flight) == (1, 0, 1, 0)
+            assert stats["p"].cancelled == 1
+
+    anyio.run(main, backend=backend)

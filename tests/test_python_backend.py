@@ -13,9 +13,11 @@ import trio
 import trio.testing
 
 import trioinfer
-from trioinfer import BackendError, ConfigError, Instance, ModelConfig, open_engine
+from trioinfer import BackendError, ConfigError, Device, Instance, ModelConfig, open_engine
+from trioinfer.abc import InlineInstance
+from trioinfer.lowlevel import Placement
 from trioinfer.testing import check_backend
-from trioinfer_python import PythonBackend
+from trioinfer_python import PythonBackend, PythonInstance
 
 pytestmark = pytest.mark.python_model
 
@@ -53,6 +55,13 @@ class AsyncDouble:
         return {"y": inputs["x"] * 2}
 
 
+class LoopDouble:
+    """A sync model run on the event loop (``dispatch = "inline"``): y = 2 * x."""
+
+    def infer(self, inputs: dict[str, np.ndarray[Any, Any]]) -> dict[str, Any]:
+        return {"y": inputs["x"] * 2}
+
+
 def config(cls: Any = Double, name: str = "m", **options: Any) -> ModelConfig:
     return ModelConfig(
         name=name, path="-", backend="python", backend_options={"class": cls, **XY, **options}
@@ -62,9 +71,31 @@ def config(cls: Any = Double, name: str = "m", **options: Any) -> ModelConfig:
 X = np.arange(8, dtype=np.float32).reshape(2, 4)
 
 
-@pytest.mark.parametrize("cls", [Double, AsyncDouble])
-async def test_sync_and_async_models_keep_the_backend_contract(cls: type) -> None:
-    await check_backend(PythonBackend(), config(cls), {"x": X})
+@pytest.mark.parametrize(
+    ("cls", "dispatch", "inline"),
+    [(Double, "thread", False), (LoopDouble, "inline", True), (AsyncDouble, "thread", False)],
+)
+async def test_sync_and_async_models_keep_the_backend_contract(
+    cls: type, dispatch: str, inline: bool
+) -> None:
+    await check_backend(PythonBackend(), config(cls, dispatch=dispatch), {"x": X})
+    # Only a plain def infer on the loop never suspends (trioinfer.abc.InlineInstance).
+    instance = await PythonBackend().load(
+        config(cls, dispatch=dispatch), Placement(Device("cpu"), 0)
+    )
+    try:
+        assert isinstance(instance, InlineInstance)
+        assert instance.runs_inline is inline
+    finally:
+        await instance.aclose()
+
+
+async def test_check_backend_holds_an_inline_instance_to_its_word(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(PythonInstance, "runs_inline", property(lambda self: True))
+    with pytest.raises(AssertionError, match="runs_inline is True, but execute"):
+        await check_backend(PythonBackend(), config(AsyncDouble), {"x": X})
 
 
 async def test_a_model_from_a_repository_on_disk(tmp_path: Path) -> None:

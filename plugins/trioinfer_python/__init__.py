@@ -306,6 +306,15 @@ class PythonInstance:
         return self._device
 
     @property
+    def runs_inline(self) -> bool:
+        """Whether `execute` never suspends: a plain ``def infer`` run on the event loop.
+
+        So says `trioinfer.abc.InlineInstance`: a pipeline's step run in its
+        caller's task then needs no cancel scope of its own.
+        """
+        return not self._async and self._worker is None
+
+    @property
     def decoupled(self) -> bool:
         """Whether ``infer`` is an async generator (``decoupled = true``): a stream per request."""
         return self._decoupled

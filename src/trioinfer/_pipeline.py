@@ -27,7 +27,7 @@ side by side, each in a task of its own. Leading steps that have nothing
 beside them (all of a chain's) run in turn in the caller's task, with no task
 or wake-up of their own. A step on a model that would pass a lone request
 straight through, with an idle instance and nothing queued, skips even the
-queue: it runs on that instance in this task (``ModelRunner.run_alone``).
+queue: it runs on that instance in this task (``ModelRunner.run_here``).
 The first step to fail cancels the others and ends the request with its
 error, the step named in the message.
 """
@@ -52,7 +52,7 @@ from ._exceptions import (
     QueueFull,
     TrioInferError,
 )
-from ._request import Outputs, Request, make_request
+from ._request import Outputs, Request
 from ._runner import (
     BATCH_BUCKETS,
     DURATION_BUCKETS,
@@ -61,7 +61,7 @@ from ._runner import (
     _copy_error,
     _Histogram,
 )
-from ._tensors import ModelSignature, TensorSpec, rows, validate_inputs
+from ._tensors import ModelSignature, TensorSpec, validate_inputs
 from ._threads import LoopClock
 from .abc import Status
 
@@ -151,6 +151,11 @@ class Pipeline:
             alone += 1
         self._in_turn = tuple(step for ready in rounds[:alone] for step in ready)
         self._side_by_side = tuple(sorted(step for ready in rounds[alone:] for step in ready))
+        # Each step's (model tensor, pipeline tensor) pairs, in and out, as tuples.
+        self._maps = tuple(
+            (tuple(step.input_map.items()), tuple(step.output_map.items())) for step in self.steps
+        )
+        self._output_names = tuple(spec.name for spec in self.signature.outputs)
         self.input_limits = config.input_limits
         self.queue_timeouts = config.queue_timeouts
         self.batched = False  # requests keep their rows; each step batches on its own
@@ -228,7 +233,12 @@ class Pipeline:
             await self._step(request, index, step, tensors)
         if self._side_by_side:
             await self._run_side_by_side(request, tensors)
-        return {spec.name: np.asarray(tensors[spec.name]) for spec in self.signature.outputs}
+        outputs = {}
+        for name in self._output_names:
+            value = tensors[name]
+            # Arrays already, from every backend that checks its outputs.
+            outputs[name] = value if type(value) is np.ndarray else np.asarray(value)
+        return outputs
 
     async def _step(
         self, request: Request, index: int, step: Step, tensors: dict[str, Any]
@@ -236,7 +246,10 @@ class Pipeline:
         # One step's request to its model; its outputs join *tensors*. Its error
         # keeps its class (a client's fault stays a client's fault), its message
         # naming the step.
-        inputs = {own: tensors[shared] for own, shared in step.input_map.items()}
+        ins, outs = self._maps[index]
+        inputs = {}
+        for own, shared in ins:
+            inputs[own] = tensors[shared]
         model = step.model
         try:
             runner = self._step_runner(model)
@@ -245,7 +258,8 @@ class Pipeline:
             if replica is not None:
                 # The model is idle: run the step here, in this task, under the caller's
                 # scope, with no queue, worker or wake-up (what engine.infer does up to
-                # the queue, then run_alone). The check and the run have no await between.
+                # the queue, then run_alone, or less: run_here). The check and the run
+                # have no await between.
                 assert runner is not None
                 arrays = validate_inputs(model, runner.signature, inputs, runner.input_limits)
                 clock = runner.clock
@@ -253,18 +267,14 @@ class Pipeline:
             if deadline != -math.inf:  # else busy, or a cancellation for engine.infer to raise
                 assert runner is not None
                 assert replica is not None
-                outputs = await runner.run_alone(
+                outputs = await runner.run_here(
                     replica,
-                    make_request(
-                        model,
-                        arrays,
-                        f"{request.id}/{index}",
-                        request.priority,
-                        request.tenant,
-                        deadline,
-                        clock.current_time(),
-                        rows(arrays) if runner.batched else 1,
-                    ),
+                    arrays,
+                    f"{request.id}/{index}",
+                    request.priority,
+                    request.tenant,
+                    deadline,
+                    clock.current_time(),
                 )
             else:
                 outputs = await self._infer(
@@ -274,15 +284,16 @@ class Pipeline:
                     tenant=request.tenant,
                     request_id=f"{request.id}/{index}",
                 )
-            if not step.output_map.keys() <= outputs.keys():
+            try:
+                for own, shared in outs:
+                    tensors[shared] = outputs[own]
+            except KeyError:
                 # The step's model was replaced by one with other outputs.
                 missing = sorted(set(step.output_map) - set(outputs))
-                raise BackendError(f"its model answered without outputs {missing}")
+                raise BackendError(f"its model answered without outputs {missing}") from None
         except TrioInferError as exc:
             where = f"pipeline {self.config.name!r}, step {index} (model {step.model!r})"
             raise _copy_error(exc, cause=exc, message=f"{where}: {exc}") from exc
-        for own, shared in step.output_map.items():
-            tensors[shared] = outputs[own]
 
     async def _run_side_by_side(self, request: Request, tensors: dict[str, Any]) -> None:
         pending = list(self._side_by_side)

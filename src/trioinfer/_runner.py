@@ -16,7 +16,7 @@ import heapq
 import itertools
 import math
 import sys
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, NoReturn, Protocol, cast, final
 
 import anyio
@@ -41,7 +41,7 @@ from ._exceptions import (
     TrioInferError,
 )
 from ._registry import Kind
-from ._request import Outputs, Request
+from ._request import Outputs, Request, make_request
 from ._tensors import InputLimits, ModelSignature, rows_validator
 from ._tensors import rows as _rows
 from ._threads import (
@@ -53,7 +53,7 @@ from ._threads import (
     native_waiter_factory,
     trio_rescheduler,
 )
-from ._util import NoPublicConstructor
+from ._util import NoPublicConstructor, resume
 from .abc import (
     AssemblingBatcher,
     AttachableFallback,
@@ -733,7 +733,7 @@ class ModelRunner(metaclass=NoPublicConstructor):
     _alone: int = attrs.field(default=0, init=False)
     _alone_ended: EventLike | None = attrs.field(default=None, init=False)
     #: Their cancel scopes: stopping the model aborts them as it aborts the workers'.
-    _alone_scopes: set[anyio.CancelScope] = attrs.field(factory=set, init=False)
+    _alone_scopes: set[anyio.CancelScope | trio.CancelScope] = attrs.field(factory=set, init=False)
 
     def __attrs_post_init__(self) -> None:
         self._new_event = native_event_factory()
@@ -1268,7 +1268,105 @@ class ModelRunner(metaclass=NoPublicConstructor):
                 return replica
         return None
 
-    async def run_alone(self, replica: Replica, request: Request) -> Outputs:
+    async def run_here(
+        self,
+        replica: Replica,
+        inputs: Mapping[str, np.ndarray[Any, Any]],
+        request_id: str,
+        priority: int,
+        tenant: str | None,
+        deadline: float,
+        now: float,
+    ) -> Outputs:
+        """Run validated *inputs* on *replica*, from `idle_replica` with no await since.
+
+        What `run_alone` does with a request made of them at *now* (its arrival),
+        counted the same way. On an instance that never suspends
+        (`trioinfer.abc.InlineInstance`) the execution runs to its end before
+        anything else can look at the model, so it is done with no request
+        object, slot, in-flight entry or cancel scope: only its counts. One
+        that suspends anyway is carried on as `run_alone` runs any other.
+
+        Raises:
+            What the request ended with, as `call` does.
+        """
+        rows = _rows(inputs) if self.batched else 1
+        instance = replica._backend_instance
+        if deadline <= now or getattr(instance, "runs_inline", False) is not True:
+            return await self.run_alone(
+                replica,
+                make_request(
+                    self.config.name, inputs, request_id, priority, tenant, deadline, now, rows
+                ),
+            )
+        token = _batch_deadline.set(deadline)
+        begun: tuple[Coroutine[Any, Any, Outputs], Any] | None = None
+        failed: Request | None = None
+        try:
+            run = instance.execute(inputs)
+            try:
+                yielded = run.send(None)
+            except StopIteration as done:
+                outputs: Outputs = done.value
+                if self.batched:
+                    _check_rows(self.config.name, replica, outputs, rows)
+            else:
+                begun = (run, yielded)  # it broke its word
+        except Exception as exc:
+            failed = make_request(
+                self.config.name, inputs, request_id, priority, tenant, deadline, now, rows
+            )
+            failed._state.status = _RUNNING
+            self._in_flight.add(failed)
+            self._count_alone(replica, rows, now, self.clock.current_time(), None)
+            replica.failures += 1
+            self.finish(failed, error=_backend_error(self.config.name, failed, exc))
+        except BaseException:
+            # Not a cancellation (it never suspended): KeyboardInterrupt and the like.
+            self._count_alone(replica, rows, now, self.clock.current_time(), None)
+            self.cancelled += 1
+            raise
+        finally:
+            _batch_deadline.reset(token)
+        if failed is not None:
+            assert failed._state.error is not None
+            await self.raise_error(failed._state.error, own_deadline=True)
+        if begun is not None:
+            # From here on, as any run in its caller's task (it holds the slot, and
+            # an unload waits for it).
+            request = make_request(
+                self.config.name, inputs, request_id, priority, tenant, deadline, now, rows
+            )
+            return await self.run_alone(replica, request, begun)
+        ended = self.clock.current_time()
+        self._count_alone(replica, rows, now, ended, outputs)
+        self.succeeded += 1
+        self._request_duration.observe(ended - now)
+        return outputs
+
+    def _count_alone(
+        self, replica: Replica, rows: int, started: float, ended: float, outputs: Outputs | None
+    ) -> None:
+        # An execution in its caller's task, counted as the worker counts one.
+        queued = self._queue_duration
+        queued.counts[0] += 1  # it never queued: observe(0.0), the first bucket
+        queued.count += 1
+        self._batch_size.observe(rows)
+        self.executions += 1
+        replica.executions += 1
+        elapsed = ended - started
+        self._compute_duration.observe(elapsed)
+        if outputs is not None:
+            mean = self._mean_execution_s
+            self._mean_execution_s = elapsed if mean == 0.0 else mean + 0.2 * (elapsed - mean)
+            self._cost.observe(rows, 1, elapsed)
+
+    async def run_alone(
+        self,
+        replica: Replica,
+        request: Request,
+        begun: tuple[Coroutine[Any, Any, Outputs], Any] | None = None,
+    ) -> Outputs:
         """Run *request* on *replica*, from `idle_replica` with no await since, in this task.
 
         Its caller's cancel scope is the execution's: a cancelled caller cancels
@@ -1277,13 +1375,17 @@ class ModelRunner(metaclass=NoPublicConstructor):
         executions, the histograms, the replica's executions and failures), ends
         exactly once, and holds the replica's slot, so that the worker waits for
         it and the model's instances close only after it (`_wait_alone`).
+        *begun*: the execution, already run (by `run_here`) to its first
+        suspension, and what it yielded there; it is carried on with no cancel
+        scope (an unload waits for it rather than aborting it).
 
         Raises:
             What the request ended with, as `call` does.
         """
         state = request._state
         state.status = _RUNNING
-        started = self.clock.current_time()
+        # Its arrival was just now (no await since), unless made a while ago.
+        started = request.arrival if begun is not None else self.clock.current_time()
         deadline = request.deadline
         if deadline <= started:
             # Past its deadline with no checkpoint since (the step before it ran
@@ -1298,8 +1400,7 @@ class ModelRunner(metaclass=NoPublicConstructor):
         assert taken, "run_alone() on a replica that is not idle"
         self._in_flight.add(request)
         self._alone += 1
-        scope = anyio.CancelScope()
-        self._alone_scopes.add(scope)
+        scope: anyio.CancelScope | trio.CancelScope | None = None
         rows = request.rows
         self._queue_duration.observe(started - request.arrival)
         self._batch_size.observe(rows)
@@ -1311,10 +1412,18 @@ class ModelRunner(metaclass=NoPublicConstructor):
         deadline_token = _batch_deadline.set(deadline)
         try:
             try:
-                with scope:
-                    outputs = await replica._backend_instance.execute(request.inputs)
-                    if self.batched:
-                        _check_rows(self.config.name, replica, outputs, rows)
+                answer: Outputs | None = None  # (none if an unload aborts it)
+                if begun is not None:
+                    answer = await resume(*begun)
+                else:
+                    # A run that may suspend: stopping the model aborts it by its scope.
+                    scope = trio.CancelScope() if self.on_trio else anyio.CancelScope()
+                    self._alone_scopes.add(scope)
+                    with scope:
+                        answer = await replica._backend_instance.execute(request.inputs)
+                if answer is not None and self.batched:
+                    _check_rows(self.config.name, replica, answer, rows)
+                outputs = answer
             except Exception as exc:
                 replica.failures += 1
                 outputs = None
@@ -1328,7 +1437,8 @@ class ModelRunner(metaclass=NoPublicConstructor):
             raise
         finally:
             _batch_deadline.reset(deadline_token)
-            self._alone_scopes.discard(scope)
+            if scope is not None:
+                self._alone_scopes.discard(scope)
             self._executing.remove(running)
             ended = self.clock.current_time()
             elapsed = ended - started

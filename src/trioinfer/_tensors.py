@@ -322,6 +322,11 @@ def validate_rows(
             checked = _fixed_arrays(fixed, inputs, limits)
             if checked is not None:
                 return checked
+    elif fixed is not None and type(inputs) is dict and len(inputs) == len(fixed):
+        # Unbatched (a pipeline's request keeps its rows): the same checks, one "row".
+        checked = _fixed_arrays(fixed, inputs, limits)
+        if checked is not None:
+            return checked[0], 1
     arrays = _validate(model, signature, inputs, limits)
     return arrays, rows(arrays) if batched else 1
 

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
+import types
+from collections.abc import Coroutine, Generator
+from typing import TYPE_CHECKING, Any, NoReturn, TypeVar, cast
 
 T = TypeVar("T")
 
@@ -28,3 +30,33 @@ class NoPublicConstructor(type):
 
     else:
         _create = type.__call__
+
+
+@types.coroutine
+def resume(coro: Coroutine[Any, Any, T], yielded: Any) -> Generator[Any, Any, T]:
+    """Go on awaiting *coro*, which has run to its first suspension and yielded *yielded*.
+
+    What ``await coro`` would have done from there (``yield from``): every
+    value the event loop sends or throws goes to *coro*, and what it yields to
+    the loop. With it, a caller that started a coroutine by hand, to run it
+    without a frame of its own when it finishes without suspending
+    (``coro.send(None)`` raises StopIteration), can await it after all when
+    it does suspend.
+    """
+    value = yielded
+    while True:
+        try:
+            sent = yield value
+        except GeneratorExit:
+            coro.close()
+            raise
+        except BaseException as exc:  # the loop's cancellation, or a throw() into us
+            try:
+                value = coro.throw(exc)
+            except StopIteration as stop:
+                return cast(T, stop.value)
+        else:
+            try:
+                value = coro.send(sent)
+            except StopIteration as stop:
+                return cast(T, stop.value)

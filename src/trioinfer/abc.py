@@ -42,6 +42,7 @@ __all__ = [
     "BackendInstance",
     "Batcher",
     "Fallback",
+    "InlineInstance",
     "PipelinedInstance",
     "Scheduler",
     "SequenceBatcher",
@@ -600,6 +601,26 @@ class PipelinedInstance(BackendInstance, Protocol):
     @property
     def pipeline_depth(self) -> int:
         """Executions the instance accepts at once; a positive integer (else ignored: 1)."""
+        ...
+
+
+@runtime_checkable
+class InlineInstance(BackendInstance, Protocol):
+    """An instance whose `execute` never suspends (an optional hook).
+
+    Its execution runs to its end in one stretch of its caller's task, with
+    no ``await`` that yields to the event loop: a Python model's plain
+    ``def infer`` with ``dispatch = "inline"``, for instance. When a request
+    runs in its caller's task (a pipeline's step on an idle model), the engine
+    then sets up no cancel scope for stopping the model mid-run, since
+    nothing else can run until it returns. An instance that says so and
+    suspends anyway still finishes, but stopping its model waits for it
+    (up to the cleanup period) instead of aborting it.
+    """
+
+    @property
+    def runs_inline(self) -> bool:
+        """True when `execute` never suspends; anything else counts as False."""
         ...
 
 

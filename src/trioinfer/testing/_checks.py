@@ -166,7 +166,9 @@ async def check_backend(
     sample and for the sample twice over (the engine cuts each caller's rows
     out of a batch's outputs); that a
     cancelled ``execute`` propagates the cancellation and leaves the instance
-    usable; that ``aclose`` is idempotent; and that ``execute`` after
+    usable (for an instance whose ``runs_inline`` is True, an
+    [`InlineInstance`][trioinfer.abc.InlineInstance], that ``execute``
+    ends without suspending instead); that ``aclose`` is idempotent; and that ``execute`` after
     ``aclose`` raises [`BackendError`][trioinfer.BackendError].
 
     Args:
@@ -201,12 +203,24 @@ async def check_backend(
             doubled = {name: np.concatenate([array, array]) for name, array in inputs.items()}
             _check_rows(await instance.execute(doubled), 2 * rows)
 
-        with anyio.CancelScope() as scope:
-            scope.cancel()
-            await instance.execute(inputs)
-            _fail("execute() under a cancelled scope returned instead of raising Cancelled")
-        if not scope.cancelled_caught:
-            _fail("execute() under a cancelled scope did not raise Cancelled")
+        if getattr(instance, "runs_inline", False) is True:
+            # It says it never suspends (an InlineInstance): then it cannot see a
+            # cancellation either, and must end without yielding to the loop.
+            run = instance.execute(inputs)
+            try:
+                run.send(None)
+            except StopIteration as done:
+                _check_outputs(signature, done.value)
+            else:
+                run.close()
+                _fail("runs_inline is True, but execute() suspended")
+        else:
+            with anyio.CancelScope() as scope:
+                scope.cancel()
+                await instance.execute(inputs)
+                _fail("execute() under a cancelled scope returned instead of raising Cancelled")
+            if not scope.cancelled_caught:
+                _fail("execute() under a cancelled scope did not raise Cancelled")
 
         async with anyio.create_task_group() as tg:
             tg.start_soon(instance.execute, inputs)
