@@ -1050,14 +1050,7 @@ class ModelRunner(metaclass=NoPublicConstructor):
                     _batch_deadline.reset(deadline_token)
                     self._executing.remove(running)
                     ended = self.clock.current_time()
-                    elapsed = ended - started
-                    self._compute_duration.observe(elapsed, len(live))
-                    if outputs is not None:  # aborted and failed runs say little of the next one
-                        mean = self._mean_execution_s
-                        self._mean_execution_s = (
-                            elapsed if mean == 0.0 else mean + 0.2 * (elapsed - mean)
-                        )
-                        self._cost.observe(rows, len(live), elapsed)
+                    self._executed(rows, len(live), ended - started, outputs is not None)
                     if taken is not None:
                         self._pool.give_back(taken, outputs)
             finally:
@@ -1354,12 +1347,16 @@ class ModelRunner(metaclass=NoPublicConstructor):
         self._batch_size.observe(rows)
         self.executions += 1
         replica.executions += 1
-        elapsed = ended - started
-        self._compute_duration.observe(elapsed)
-        if outputs is not None:
+        self._executed(rows, 1, ended - started, outputs is not None)
+
+    def _executed(self, rows: int, requests: int, elapsed: float, answered: bool) -> None:
+        # One execution's compute time; a run that answered also teaches the
+        # estimates (aborted and failed runs say little of the next one).
+        self._compute_duration.observe(elapsed, requests)
+        if answered:
             mean = self._mean_execution_s
             self._mean_execution_s = elapsed if mean == 0.0 else mean + 0.2 * (elapsed - mean)
-            self._cost.observe(rows, 1, elapsed)
+            self._cost.observe(rows, requests, elapsed)
 
     async def run_alone(
         self,
@@ -1441,12 +1438,7 @@ class ModelRunner(metaclass=NoPublicConstructor):
                 self._alone_scopes.discard(scope)
             self._executing.remove(running)
             ended = self.clock.current_time()
-            elapsed = ended - started
-            self._compute_duration.observe(elapsed)
-            if outputs is not None:
-                mean = self._mean_execution_s
-                self._mean_execution_s = elapsed if mean == 0.0 else mean + 0.2 * (elapsed - mean)
-                self._cost.observe(rows, 1, elapsed)
+            self._executed(rows, 1, ended - started, outputs is not None)
             slot.release()  # to the next in line, if any
             self._alone_left()
         if state.status is _RUNNING:
