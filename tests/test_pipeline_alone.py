@@ -134,6 +134,34 @@ async def load(engine: trioinfer.Engine, *configs: ModelConfig) -> None:
         await engine.load(config)
 
 
+async def two_callers_in_turn(engine: trioinfer.Engine, check: Any = None) -> None:
+    """Two callers of "p" at once on the one-instance model "slow" (1 s a run, mock clock).
+
+    The first runs in its caller's task, the second waits and is run by the
+    model's worker; both are counted as queued requests are. *check* is
+    called on each answer.
+    """
+    callers: list[object] = []
+
+    async def call() -> None:
+        callers.append(_current_task())
+        out = await engine.infer("p", {"IN": X})
+        if check is not None:
+            check(out)
+
+    t0 = trio.current_time()
+    with trio.fail_after(10):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(call)
+            tg.start_soon(call)
+    assert trio.current_time() - t0 == pytest.approx(2.0)  # one instance: in turn
+    first, second = Probe.tasks["slow"]
+    assert first in callers  # idle: in its caller's task
+    assert second not in callers  # busy: queued, run by the model's worker
+    s = engine.statistics().models["slow"]
+    assert (s.succeeded, s.executions, s.in_flight, s.queue_duration.count) == (2, 2, 0, 2)
+
+
 async def test_idle_plain_steps_run_in_the_callers_task_and_are_counted(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
@@ -162,23 +190,7 @@ async def test_a_busy_step_model_queues_the_step_as_before(
     async with open_engine() as engine:
         await load(engine, model("slow", parameters={"name": "slow", "delay": 1.0}))
         await engine.load(chain("slow"))
-        callers: list[object] = []
-
-        async def call() -> None:
-            callers.append(_current_task())
-            await engine.infer("p", {"IN": X})
-
-        t0 = trio.current_time()
-        with trio.fail_after(10):
-            async with anyio.create_task_group() as tg:
-                tg.start_soon(call)
-                tg.start_soon(call)
-        assert trio.current_time() - t0 == pytest.approx(2.0)  # one instance: in turn
-        first, second = Probe.tasks["slow"]
-        assert first in callers  # idle: in its caller's task
-        assert second not in callers  # busy: queued, run by the model's worker
-        s = engine.statistics().models["slow"]
-        assert (s.succeeded, s.executions, s.in_flight, s.queue_duration.count) == (2, 2, 0, 2)
+        await two_callers_in_turn(engine)
         # Idle again: the next one runs in its caller's task.
         await engine.infer("p", {"IN": X})
         assert Probe.tasks["slow"][-1] == _current_task()
@@ -437,24 +449,10 @@ async def test_an_instance_that_says_it_runs_inline_but_suspends_is_carried_on(
     monkeypatch.setattr(PythonInstance, "runs_inline", property(lambda self: True))
     async with open_engine() as engine:
         await load(engine, model("slow", parameters={"name": "slow", "delay": 1.0}), chain("slow"))
-        callers: list[object] = []
-
-        async def call() -> None:
-            callers.append(_current_task())
-            out = await engine.infer("p", {"IN": X})
-            np.testing.assert_array_equal(out["OUT"], X + 1)
-
-        t0 = trio.current_time()
-        with trio.fail_after(10):
-            async with anyio.create_task_group() as tg:
-                tg.start_soon(call)
-                tg.start_soon(call)
-        assert trio.current_time() - t0 == pytest.approx(2.0)  # one instance: in turn
-        first, second = Probe.tasks["slow"]
-        assert first in callers
-        assert second not in callers
+        await two_callers_in_turn(
+            engine, lambda out: np.testing.assert_array_equal(out["OUT"], X + 1)
+        )
         s = engine.statistics().models["slow"]
-        assert (s.succeeded, s.executions, s.in_flight, s.queue_duration.count) == (2, 2, 0, 2)
         assert s.compute_duration.sum == pytest.approx(2.0)
 
 

@@ -19,18 +19,25 @@ from trioinfer.testing import FakeBackend
 X = np.ones((1, 4), dtype=np.float32)
 
 
-async def test_trio_rescheduler_wakes_a_parked_task() -> None:
-    reschedule = trio_rescheduler()
-    # On this Trio, the running runner's own method, not the public wrapper.
-    assert reschedule is not trio.lowlevel.reschedule
-    parked: list[trio.lowlevel.Task] = []
-    woken: list[object] = []
+def parker(parked: list[trio.lowlevel.Task], woken: list[object]) -> Callable[[], Any]:
+    """A task body that parks in wait_task_rescheduled: its task to *parked*, then what woke it."""
 
     async def park() -> None:
         parked.append(trio.lowlevel.current_task())
         woken.append(
             await trio.lowlevel.wait_task_rescheduled(lambda _: trio.lowlevel.Abort.SUCCEEDED)
         )
+
+    return park
+
+
+async def test_trio_rescheduler_wakes_a_parked_task() -> None:
+    reschedule = trio_rescheduler()
+    # On this Trio, the running runner's own method, not the public wrapper.
+    assert reschedule is not trio.lowlevel.reschedule
+    parked: list[trio.lowlevel.Task] = []
+    woken: list[object] = []
+    park = parker(parked, woken)
 
     async with trio.open_nursery() as nursery:
         nursery.start_soon(park)
@@ -102,12 +109,7 @@ async def test_woken_wakes_parked_tasks_with_none_any_number_of_times() -> None:
     reschedule = trio_rescheduler()
     parked: list[trio.lowlevel.Task] = []
     woken: list[object] = []
-
-    async def park() -> None:
-        parked.append(trio.lowlevel.current_task())
-        woken.append(
-            await trio.lowlevel.wait_task_rescheduled(lambda _: trio.lowlevel.Abort.SUCCEEDED)
-        )
+    park = parker(parked, woken)
 
     async with trio.open_nursery() as nursery:
         for _ in range(3):

@@ -951,22 +951,13 @@ def _json_response(
 
     The same bytes as the long way's (a test compares them): the memo holds
     the document's head and each output's ``{name, datatype, shape, "data":``;
-    each request adds its id and each output's flat values. None for
-    anything else (binary or shared-memory outputs, an output missing, BYTES,
-    a dtype or layout to convert): the long way answers. `encode_infer_response`
-    asks it only for requests that name no outputs, the usual JSON request:
-    others would pay for the question more often than the memo saves.
+    each request adds its id and each output's flat values. Only for
+    requests that name no outputs and ask for no binary ones (the usual JSON
+    request; `encode_infer_response` asks for no other: those would pay for
+    the question more often than the memo saves). None for anything else (an
+    output missing, BYTES, a dtype or layout to convert): the long way answers.
     """
-    if request.outputs is None:
-        if request.binary_output:
-            return None
-        names: Sequence[str] = output_order
-    else:
-        if any(item.shm is not None or item.binary for item in request.outputs):
-            return None
-        if request.binary_output and any(item.binary is None for item in request.outputs):
-            return None
-        names = [item.name for item in request.outputs]
+    names = output_order
     arrays = []
     for name in names:
         array = outputs.get(name)
