@@ -160,6 +160,17 @@ class NotTheirRows:
         return {"x": np.concatenate([r.inputs["x"] for r in requests])}, split
 
 
+class OverfillsUniformQueues:
+    """Pops one request at a time, but overfills a batch from a uniform queue."""
+
+    async def next_batch(self, queue: RequestQueue) -> Sequence[Request]:
+        first = await _first(queue)
+        if not queue.uniform:
+            return [first]
+        # Asks for every row there is: the batch outgrows any model's max_batch_size.
+        return [first, *queue.take_nowait(1_000_000)]
+
+
 BROKEN: dict[str, tuple[Callable[[], Any], str]] = {
     "empty batch": (EmptyHanded, "returned an empty batch"),
     "twice in a batch": (Twice, "holds one request more than once"),
@@ -176,6 +187,12 @@ BROKEN: dict[str, tuple[Callable[[], Any], str]] = {
     "groups an unbatched model": (FirstOfEachWidth, "the model has no batch dimension"),
     "hands out others' rows": (NotTheirRows, "rows of 'x' that are not its own"),
 }
+
+
+async def test_check_batcher_drives_the_uniform_queue_path() -> None:
+    # Only a uniform queue (a fixed signature) takes a batcher down this path.
+    with pytest.raises(AssertionError, match=r"uniform queue.*more than max_batch_size 8"):
+        await check_batcher(OverfillsUniformQueues, max_batch_size=8)
 
 
 @pytest.mark.parametrize("name", BROKEN)

@@ -402,6 +402,7 @@ class _BatcherHarness:
         batched: bool = True,
         preferred_batch_sizes: tuple[int, ...] = (),
         max_batch_size: int | None = None,
+        uniform: bool = False,
     ) -> None:
         # The engine's own queue, so that the batcher meets exactly what it will in
         # an engine. Imported here: the queue belongs to the engine, which this
@@ -411,7 +412,9 @@ class _BatcherHarness:
         self.batcher = batcher
         self.what = what
         self.max_batch_size = max_batch_size
-        self.queue = RequestQueue._create(_Fifo(), self._expire, batched, preferred_batch_sizes)
+        self.queue = RequestQueue._create(
+            _Fifo(), self._expire, batched, preferred_batch_sizes, uniform=uniform
+        )
         self.pushed: list[_Request] = []
         self.handed: set[_Request] = set()
         self.expired: set[_Request] = set()
@@ -588,7 +591,9 @@ async def check_batcher(
     [`AssemblingBatcher`][trioinfer.abc.AssemblingBatcher], whose split must
     then give each request its own rows of an identity model's outputs; at
     most *max_batch_size* rows when a batch holds more than one request. It
-    runs with and without the queue's ``preferred_batch_sizes``. After every
+    runs with and without the queue's ``preferred_batch_sizes``, and on a
+    ``uniform`` queue (the model's signature fixes every dimension but the
+    batch: where a batcher may fill a batch with ``take_nowait()``). After every
     call each request is queued, handed out or ended, never kept or lost; a
     call on an empty queue waits for a request; and a call cancelled at any
     of its awaits gives back what it took, in the order taken. Works on a
@@ -608,16 +613,28 @@ async def check_batcher(
         (1 + i % 3, widths[i % 4], np.float64 if i % 7 == 6 else np.float32) for i in range(36)
     ]
 
-    for batched, preferred in ((True, ()), (True, (2, 4)), (False, ())):
-        what = f"batched={batched}, preferred_batch_sizes={list(preferred)}"
+    # A uniform queue (the model's signature fixes every dimension but the
+    # batch) is where batchers may take a batch's worth with take_nowait().
+    alike = [(1 + i % 3, 4, np.float32) for i in range(36)]
+    for batched, preferred, uniform in (
+        (True, (), False),
+        (True, (2, 4), False),
+        (False, (), False),
+        (True, (), True),
+        (True, (2, 4), True),
+    ):
+        what = f"batched={batched}, preferred_batch_sizes={list(preferred)}" + (
+            ", uniform queue" if uniform else ""
+        )
         harness = _BatcherHarness(
             make_batcher(),
             what,
             batched=batched,
             preferred_batch_sizes=preferred,
             max_batch_size=max_batch_size,
+            uniform=uniform,
         )
-        for rows, width, dtype in layouts:
+        for rows, width, dtype in alike if uniform else layouts:
             harness.push(rows, width, dtype)
         while len(harness.queue):
             await harness.next_batch()
