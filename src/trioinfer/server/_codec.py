@@ -959,12 +959,16 @@ def _json_response(
     """
     names = output_order
     arrays = []
+    # The key is built flat, appended to as the outputs are checked: a tuple per
+    # output and a comprehension cost more than the whole lookup (1.1 against 0.4 µs).
+    parts: list[Any] = [model_name, model_version, *names]
     for name in names:
         array = outputs.get(name)
         if type(array) is not np.ndarray or not array.flags.c_contiguous:
             return None
         arrays.append(array)
-    key = (model_name, model_version, *[(a.dtype, a.shape) for a in arrays], *names)
+        parts += (array.dtype, array.shape)
+    key = tuple(parts)
     memo = _RESPONSE_HEADS.get(key)
     if memo is None:
         if any(a.dtype.kind not in "biuf" or a.dtype not in _NATIVE for a in arrays):
