@@ -5,8 +5,10 @@ so a request is one object from the parser to the app), plus the response's
 state. ``receive`` hands out the body the connection received, asking the
 connection to read more when the app wants it; ``send`` turns ``http.response.*``
 messages into bytes with `encode_response_head` and `frame_body` and writes
-them through the connection. Reading and writing the socket, and every
-timeout, are the connection's (``_connection.py``).
+them through the connection; ``respond`` (the ASGI extension
+``trioinfer.respond``, which the infer route uses) does both messages' work
+in one call. Reading and writing the socket, and every timeout, are the
+connection's (``_connection.py``).
 """
 
 from __future__ import annotations
