@@ -1257,7 +1257,9 @@ class _InferEndpoint:
                 return
             extensions = scope.get("extensions")
             respond = extensions.get("trioinfer.respond") if extensions else None
-            if respond is not None:
+            # Only where `send` is the server's own: whatever wraps it (tracing, a
+            # middleware around this app) reads the messages it is given.
+            if respond is not None and getattr(send, "__self__", None) is respond.__self__:
                 # trioinfer's own server: one call, the length framed by the server.
                 await respond(status, tuple(extra), body)
                 return
