@@ -1216,6 +1216,76 @@ async def test_app_protocol_errors() -> None:
                 assert (await client.response()).status == 500, path
 
 
+async def respond_app(scope: Scope, receive: Receive, send: Send) -> None:
+    """Answers through the ``trioinfer.respond`` extension, as the path says."""
+    if scope["type"] != "http":
+        raise RuntimeError("no lifespan")
+    respond_once = scope["extensions"]["trioinfer.respond"]
+    path = scope["path"]
+    chunks = [(message := await receive())["body"]]
+    while message.get("more_body"):
+        chunks.append((message := await receive())["body"])
+    body = b"".join(chunks) or path.encode()
+    if path == "/twice":
+        await respond_once(200, (), b"one")
+        await respond_once(200, (), b"two")
+    elif path == "/after-start":
+        await send({"type": "http.response.start", "status": 200})
+        await respond_once(200, (), b"late")
+    elif path == "/injection":
+        await respond_once(200, ((b"x-evil", b"a\r\nset-cookie: b"),), b"")
+    elif path == "/too-long":
+        await respond_once(200, ((b"content-length", b"3"),), b"12345")
+    elif path == "/close":
+        await respond_once(200, ((b"connection", b"close"),), body)
+    else:
+        await respond_once(201, ((b"content-type", b"text/plain"), (b"x-n", b"1")), body)
+
+
+async def test_respond_extension_answers_in_one_call_and_keeps_the_connection() -> None:
+    # Its responses carry the server's content-length (the app sends none) and
+    # the app's headers; keep-alive and pipelining go on as with `send`.
+    async with serving(respond_app) as server, connect(server) as client:
+        for body in (b"a", b"bcd" * 1000, b"e" * 300_000):  # the last over _COALESCE_LIMIT
+            await client.send(post("/echo", body) + post("/echo", body[:1]))
+            for expected in (body, body[:1]):
+                response = await client.response()
+                assert response.status == 201
+                assert response.body == expected
+                assert response.header(b"content-length") == str(len(expected)).encode()
+                assert response.header(b"content-type") == b"text/plain"
+                assert response.header(b"x-n") == b"1"
+        await client.send(b"HEAD /head HTTP/1.1\r\nHost: test\r\n\r\n" + get("/after-head"))
+        await client.send(get("/close"))
+        head_raw = await client.raw_until_eof()
+    # A HEAD response has its length and no body; a connection: close from the app closes.
+    head, after_head, rest, last = head_raw.split(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 201 ")
+    assert b"\r\ncontent-length: 5\r\n" in head
+    assert after_head.startswith(b"HTTP/1.1 201 ")
+    assert b"\r\ncontent-length: 11\r\n" in after_head
+    body, close = rest[: len(b"/after-head")], rest[len(b"/after-head") :]
+    assert body == b"/after-head"
+    assert close.startswith(b"HTTP/1.1 200 ")
+    assert b"\r\nconnection: close" in close
+    assert last == b"/close"
+
+
+async def test_respond_extension_protocol_errors() -> None:
+    # A response started or sent twice, a header that injects, a body over its
+    # declared length: a 500 if nothing went out yet, else the connection closes.
+    async with serving(respond_app) as server:
+        for path in ("/after-start", "/injection", "/too-long"):
+            async with connect(server) as client:
+                await client.send(get(path))
+                assert (await client.response()).status == 500, path
+        async with connect(server) as client:
+            await client.send(get("/twice") + get("/next"))
+            first = await client.response()
+            assert (first.status, first.body) == (200, b"one")
+            assert await client.closed()
+
+
 async def test_short_body_for_content_length_closes_connection() -> None:
     async def app(scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":

@@ -2146,3 +2146,53 @@ def test_a_request_like_ones_before_with_bad_data_is_400(
     assert response.status_code == 400
     assert "input 'b'" in error_of(response)
     assert fragment in error_of(response)
+
+
+_HEADER_NAMES = st.sampled_from(
+    [b"content-length", b"authorization", b"trioinfer-routing-key", b"x-\xe9", b"host"]
+)
+
+
+@given(
+    raw=st.lists(st.tuples(_HEADER_NAMES, st.binary(max_size=8)), max_size=6),
+    asked=st.sampled_from(
+        ["content-length", "Authorization", "trioinfer-routing-key", "x-\xe9", "absent"]
+    ),
+)
+def test_infer_route_headers_read_as_the_decoded_mapping(
+    raw: list[tuple[bytes, bytes]], asked: str
+) -> None:
+    # The route's header mapping decodes values only when asked: it must read as
+    # the whole decoded, lower-case-keyed mapping would (a repeated field: its last).
+    from trioinfer.server._app import _Headers
+
+    expected = {k.decode("latin-1"): v.decode("latin-1") for k, v in raw}
+    headers = _Headers(raw)
+    key = asked.lower()
+    assert headers.get(asked) == expected.get(key)
+    assert headers.get(asked, "default") == expected.get(key, "default")
+    assert (asked in headers) == (key in expected)
+    assert dict(headers) == expected
+    assert len(headers) == len(expected)
+    if key in expected:
+        assert headers[asked] == expected[key]
+    else:
+        with pytest.raises(KeyError):
+            headers[asked]
+
+
+def test_output_names_are_made_once_per_signature() -> None:
+    from trioinfer._tensors import ModelSignature, TensorSpec
+    from trioinfer.server._app import _output_names
+
+    def signature(*names: str) -> ModelSignature:
+        return ModelSignature(
+            inputs=(TensorSpec("x", np.dtype(np.float32), (1,)),),
+            outputs=tuple(TensorSpec(n, np.dtype(np.float32), (1,)) for n in names),
+        )
+
+    first, second = signature("b", "a"), signature("c")
+    assert _output_names(first) == ("b", "a")
+    assert _output_names(first) is _output_names(first)
+    assert _output_names(second) == ("c",)
+    assert _output_names(first) == ("b", "a")

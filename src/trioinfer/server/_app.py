@@ -17,7 +17,7 @@ import inspect
 import logging
 import math
 import re
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Final, final
 
 import anyio
@@ -68,7 +68,7 @@ from ._logging import check_log_settings, log_settings, update_log_settings
 from ._metrics import InFlight, Metrics
 from ._models import ServedModels, ServedVersion
 from ._repository import VersionPolicy
-from ._shm import ShmLease, SystemSharedMemory
+from ._shm import SystemSharedMemory
 
 if TYPE_CHECKING:
     from ._workers import WorkerLink
@@ -96,6 +96,8 @@ _JSON: Final = "application/json"
 
 #: Scope key set once a request's body has been read to its end.
 _BODY_READ: Final = "trioinfer.body_read"
+#: The headers of an all-JSON infer response (the server adds content-length).
+_JSON_HEADERS: Final = ((b"content-type", b"application/json"),)
 
 
 def _must_close(scope: Scope) -> bool:
@@ -402,7 +404,10 @@ class _FastInfer:
     __slots__ = ("_infer", "_other")
 
     def __init__(self, infer: _InferEndpoint, other: ASGIApp) -> None:
-        self._infer = infer
+        # Without tracing, the endpoint's own `_serve`: one coroutine less per request.
+        self._infer: Callable[[Scope, Receive, Send], Awaitable[None]] = (
+            infer._serve if infer._tracing is None else infer
+        )
         self._other = other
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -1072,6 +1077,22 @@ def _check_outputs(request: InferRequest, served: ServedVersion) -> None:
             )
 
 
+def _output_names(signature: ModelSignature) -> tuple[str, ...]:
+    """*signature*'s output names in order, made once per signature rather than per response."""
+    cached = _OUTPUT_NAMES.get(id(signature))
+    if cached is not None and cached[0] is signature:
+        return cached[1]
+    names = tuple(spec.name for spec in signature.outputs)
+    if len(_OUTPUT_NAMES) >= 256:
+        _OUTPUT_NAMES.clear()
+    # The signature is kept beside its id, so that an id reused after it is freed never matches.
+    _OUTPUT_NAMES[id(signature)] = (signature, names)
+    return names
+
+
+_OUTPUT_NAMES: Final[dict[int, tuple[ModelSignature, tuple[str, ...]]]] = {}
+
+
 def _fallback_parameters(
     state: ServerState, asked: ServedVersion, result: InferenceResult
 ) -> dict[str, str]:
@@ -1234,6 +1255,14 @@ class _InferEndpoint:
                     extra.append((b"connection", b"close"))
             if status is None:  # the client left: there is nobody to answer
                 return
+            extensions = scope.get("extensions")
+            respond = extensions.get("trioinfer.respond") if extensions else None
+            # Only where `send` is the server's own: whatever wraps it (tracing, a
+            # middleware around this app) reads the messages it is given.
+            if respond is not None and getattr(send, "__self__", None) is respond.__self__:
+                # trioinfer's own server: one call, the length framed by the server.
+                await respond(status, tuple(extra), body)
+                return
             await send(
                 {
                     "type": "http.response.start",
@@ -1253,7 +1282,7 @@ class _InferEndpoint:
         receive: Receive,
         model: str,
         version: str | None,
-    ) -> tuple[int | None, bytes, list[tuple[bytes, bytes]]]:
+    ) -> tuple[int | None, bytes, Sequence[tuple[bytes, bytes]]]:
         state = self._state
         if not state.ready:
             raise NotReady("the server is shutting down and takes no new requests")
@@ -1269,59 +1298,61 @@ class _InferEndpoint:
             headers.get("inference-header-content-length"), len(body)
         )
         # Regions the request reads or writes stay mapped until its answer is built.
+        # (All of the request is served in this one coroutine, the engine called
+        # directly when no timeout or sequence applies: every suspension of the
+        # engine call passes through each frame above it.)
         with state.shm.lease() as lease:
             request = decode_infer_request(body, header_length, limits, lease)
-            return await self._infer_decoded(scope, receive, served, request, lease)
-
-    async def _infer_decoded(
-        self,
-        scope: Scope,
-        receive: Receive,
-        served: ServedVersion,
-        request: InferRequest,
-        lease: ShmLease,
-    ) -> tuple[int | None, bytes, list[tuple[bytes, bytes]]]:
-        state = self._state
-        _check_outputs(request, served)
-        priority, timeout = _schedule_parameters(request, served)
-        # The lean HTTP layer watches for a disconnect itself, with one task per
-        # connection, and cancels this task if the client goes (the connection
-        # then closes: nobody is left on it); other layers need a task of ours
-        # calling `receive`.
-        watch = scope.get("extensions", {}).get("trioinfer.cancel_on_disconnect")
-        if watch is not None and watch():
-            try:
-                result: InferenceResult | None = await infer_in_time(
-                    state, served, request, priority, timeout
-                )
-            except anyio.get_cancelled_exc_class():
-                # The client left, or the server stops without waiting: nobody gets this answer.
+            _check_outputs(request, served)
+            priority, timeout = _schedule_parameters(request, served)
+            # The lean HTTP layer watches for a disconnect itself, with one task per
+            # connection, and cancels this task if the client goes (the connection
+            # then closes: nobody is left on it); other layers need a task of ours
+            # calling `receive`.
+            watch = scope.get("extensions", {}).get("trioinfer.cancel_on_disconnect")
+            if watch is not None and watch():
+                try:
+                    if timeout is None and not request.parameters:
+                        result: InferenceResult | None = await state.models.engine.infer_detailed(
+                            served.engine_name,
+                            request.inputs,
+                            priority=priority,
+                            request_id=request.id,
+                        )
+                    else:
+                        result = await infer_in_time(state, served, request, priority, timeout)
+                except anyio.get_cancelled_exc_class():
+                    # The client left, or the server stops without waiting: nobody gets this answer.
+                    state.metrics.cancelled(served)
+                    raise
+            else:
+                result = await self._run(served, request, priority, timeout, receive)
+            if result is None:
                 state.metrics.cancelled(served)
-                raise
-        else:
-            result = await self._run(served, request, priority, timeout, receive)
-        if result is None:
-            state.metrics.cancelled(served)
-            return None, b"", []
-        state.models.mark_inference(served)
-        state.metrics.succeeded(served)
-        response, json_length = encode_infer_response(
-            model_name=served.model,
-            model_version=str(served.version),
-            request=request,
-            outputs=_classified(request, served, result.outputs),
-            output_order=[spec.name for spec in served.info.signature.outputs],
-            parameters=_fallback_parameters(state, served, result) if result.fallbacks else None,
-            shm=lease,
-        )
-        if json_length is None:
-            extra = [(b"content-type", b"application/json")]
-        else:
-            extra = [
-                (b"content-type", b"application/octet-stream"),
-                (b"inference-header-content-length", str(json_length).encode()),
-            ]
-        return 200, response, extra
+                return None, b"", ()
+            state.models.mark_inference(served)
+            state.metrics.succeeded(served)
+            response, json_length = encode_infer_response(
+                model_name=served.model,
+                model_version=str(served.version),
+                request=request,
+                outputs=_classified(request, served, result.outputs),
+                output_order=_output_names(served.info.signature),
+                parameters=_fallback_parameters(state, served, result)
+                if result.fallbacks
+                else None,
+                shm=lease,
+            )
+            if json_length is None:
+                return 200, response, _JSON_HEADERS
+            return (
+                200,
+                response,
+                (
+                    (b"content-type", b"application/octet-stream"),
+                    (b"inference-header-content-length", str(json_length).encode()),
+                ),
+            )
 
     async def _run(
         self,
@@ -1371,26 +1402,51 @@ class _InferEndpoint:
 
 @final
 class _Headers(Mapping[str, str]):
-    """An ASGI scope's raw headers as a read-only, lower-case-keyed mapping."""
+    """An ASGI scope's raw headers as a read-only, lower-case-keyed mapping.
 
-    __slots__ = ("_items",)
+    ASGI gives header names in lower case already. The raw pairs go into a
+    dict as they are (one call in C); a value is decoded only when it is
+    asked for, and a route reads four or five of them, most of which the
+    request lacks. Decoding every name and value up front cost more than
+    all of those lookups. A repeated field keeps its last value, as before.
+    """
+
+    __slots__ = ("_raw",)
 
     def __init__(self, raw: list[tuple[bytes, bytes]]) -> None:
-        self._items = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in raw}
+        self._raw: dict[bytes, bytes] = dict(raw)
 
     def __getitem__(self, key: str) -> str:
-        return self._items[key]
+        return self._raw[_header_key(key)].decode("latin-1")
 
     # Mapping's own get() and `in` go through __getitem__ and catch its KeyError:
     # a raised exception for every header a request lacks, several per request.
     def get(self, key: str, default: Any = None) -> Any:
-        return self._items.get(key, default)
+        value = self._raw.get(_HEADER_KEYS.get(key) or _header_key(key))
+        return default if value is None else value.decode("latin-1")
 
     def __contains__(self, key: object) -> bool:
-        return key in self._items
+        return isinstance(key, str) and _header_key(key) in self._raw
 
     def __iter__(self) -> Any:
-        return iter(self._items)
+        return (name.decode("latin-1") for name in self._raw)
 
     def __len__(self) -> int:
-        return len(self._items)
+        return len(self._raw)
+
+
+def _header_key(key: str) -> bytes:
+    return key.lower().encode("latin-1", "replace")
+
+
+#: The names the infer route looks up, as bytes: spares an encode per lookup.
+_HEADER_KEYS: Final = {
+    name: name.encode()
+    for name in (
+        "authorization",
+        "content-encoding",
+        "content-length",
+        "inference-header-content-length",
+        ROUTING_KEY_HEADER,
+    )
+}

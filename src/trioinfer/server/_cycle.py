@@ -5,8 +5,10 @@ so a request is one object from the parser to the app), plus the response's
 state. ``receive`` hands out the body the connection received, asking the
 connection to read more when the app wants it; ``send`` turns ``http.response.*``
 messages into bytes with `encode_response_head` and `frame_body` and writes
-them through the connection. Reading and writing the socket, and every
-timeout, are the connection's (``_connection.py``).
+them through the connection; ``respond`` (the ASGI extension
+``trioinfer.respond``, which the infer route uses) does both messages' work
+in one call. Reading and writing the socket, and every timeout, are the
+connection's (``_connection.py``).
 """
 
 from __future__ import annotations
@@ -167,7 +169,10 @@ class RequestCycle(RequestHead):
             "raw_path": raw_path,
             "query_string": query,
             "headers": self.headers,
-            "extensions": {"trioinfer.cancel_on_disconnect": self.cancel_on_disconnect},
+            "extensions": {
+                "trioinfer.cancel_on_disconnect": self.cancel_on_disconnect,
+                "trioinfer.respond": self.respond,
+            },
         }
         state = conn.lifespan_state
         if state:
@@ -264,6 +269,36 @@ class RequestCycle(RequestHead):
             self._headers = message.get("headers", ())
         else:
             raise RuntimeError(f"expected an http.response.* message, got {kind!r}")
+
+    async def respond(
+        self, status: int, headers: tuple[tuple[bytes, bytes], ...], body: bytes
+    ) -> None:
+        """A whole response in one call: ``http.response.start``, then its one and last body.
+
+        The ASGI extension ``trioinfer.respond`` (in the scope's
+        ``extensions``), for an app that has its whole body at hand: it
+        spares two messages and two calls of `send`, and with *headers* a
+        tuple without ``content-length`` (the server adds it, from the
+        body's length) the head is one seen before, looked up rather than
+        made. Once the client is gone it sends nothing.
+        """
+        if self.started:
+            raise RuntimeError("http.response.start sent twice")
+        self.started = True
+        self._status = status
+        self._headers = headers
+        head = self._encode_head(len(body), False)
+        data = self._frame(head, body, False)
+        self._head = head
+        self.head_sent = True
+        self.finish()
+        conn = self._conn
+        if conn.gone:
+            return
+        if len(data) <= _COALESCE_LIMIT:
+            await conn.send_all(head.data + data)
+        elif await conn.send_all(head.data):
+            await conn.send_all(data)
 
     def _encode_head(self, body_length: int, more: bool) -> ResponseHead:
         conn = self._conn
