@@ -1578,9 +1578,13 @@ async def test_a_busy_connection_is_not_reaped_for_the_time_it_has_been_open() -
         assert await client.closed()  # and once idle, it is closed
 
 
-async def test_a_request_read_while_the_loop_waited_for_the_reading_turn_is_served() -> None:
+@pytest.mark.parametrize("closed", [False, True])
+async def test_a_request_read_while_the_loop_waited_for_the_reading_turn_is_served(
+    closed: bool,
+) -> None:
     # An app's `receive` held the reading turn and read the next request: the request
-    # loop, given the turn, serves it rather than waiting for more bytes.
+    # loop, given the turn, serves it rather than waiting for more bytes; unless the
+    # server closed the connection (idle reaper, shutdown) meanwhile.
     ours, theirs = socket.socketpair()
     ours.setblocking(False)
     shared = _connection.Shared(
@@ -1606,9 +1610,14 @@ async def test_a_request_read_while_the_loop_waited_for_the_reading_turn_is_serv
                 nursery.start_soon(next_request)
                 await trio.testing.wait_all_tasks_blocked()
                 conn.framing.receive_data(get("/read-by-the-app"))
+                if closed:
+                    conn.close_now()
                 conn._give_reading_turn()
-        assert got[0] is not None
-        assert got[0].url == b"/read-by-the-app"
+        if closed:
+            assert got == [None]
+        else:
+            assert got[0] is not None
+            assert got[0].url == b"/read-by-the-app"
     finally:
         ours.close()
         theirs.close()

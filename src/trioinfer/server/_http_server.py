@@ -331,14 +331,14 @@ class _Server:
             expired = shared.idle_tick - 5
             for conn in self._connections:
                 if conn.idle and conn.idle_since <= expired:
-                    conn.cancel_scope.cancel()
+                    conn.close_now()
 
     def begin_shutdown(self) -> None:
         """Close idle connections now; busy ones close after their current response."""
         self.shared.closing = True
         for conn in list(self._connections):
             if conn.idle:
-                conn.cancel_scope.cancel()
+                conn.close_now()
         if not self._connections:
             self._all_closed.set()
 
