@@ -1631,3 +1631,63 @@ async def test_no_epoll_set_left_means_the_slower_watch_not_a_failure(
     monkeypatch.setattr(_connection.select, "epoll", out_of_descriptors)
     assert _connection.hangup_watcher(_io.open_io()) is None
     assert "Too many open files" in caplog.text
+
+
+async def test_a_busy_connection_is_not_reaped_for_the_time_it_has_been_open() -> None:
+    # Idleness is counted from the last request, not from the connection's start:
+    # requests kept coming for more than two timeouts, each gap far shorter than one.
+    async with (
+        serving(echo_app, head_timeout=0.5, body_timeout=0.5) as server,
+        connect(server) as client,
+    ):
+        end = trio.current_time() + 1.2
+        while trio.current_time() < end:
+            await client.send(get("/busy"))
+            assert (await client.response()).status == 200
+            await trio.sleep(0.02)
+        assert await client.closed()  # and once idle, it is closed
+
+
+@pytest.mark.parametrize("closed", [False, True])
+async def test_a_request_read_while_the_loop_waited_for_the_reading_turn_is_served(
+    closed: bool,
+) -> None:
+    # An app's `receive` held the reading turn and read the next request: the request
+    # loop, given the turn, serves it rather than waiting for more bytes; unless the
+    # server closed the connection (idle reaper, shutdown) meanwhile.
+    ours, theirs = socket.socketpair()
+    ours.setblocking(False)
+    shared = _connection.Shared(
+        echo_app,
+        _io.open_io(),
+        {},
+        head_timeout=5.0,
+        body_timeout=5.0,
+        send_timeout=5.0,
+        max_head_bytes=8192,
+        max_headers=100,
+    )
+    conn = _connection.Connection(shared, ours, ("127.0.0.1", 1), ("127.0.0.1", 2))
+    conn._reading = True  # the app's reader has the turn
+    got: list[Any] = []
+
+    async def next_request() -> None:
+        got.append(await conn._next_request())
+
+    try:
+        with trio.fail_after(5):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(next_request)
+                await trio.testing.wait_all_tasks_blocked()
+                conn.framing.receive_data(get("/read-by-the-app"))
+                if closed:
+                    conn.close_now()
+                conn._give_reading_turn()
+        if closed:
+            assert got == [None]
+        else:
+            assert got[0] is not None
+            assert got[0].url == b"/read-by-the-app"
+    finally:
+        ours.close()
+        theirs.close()

@@ -190,6 +190,7 @@ class RequestFraming:
         "_hosts",
         "_in_head",
         "_last",
+        "_length",
         "_lengths",
         "_make_head",
         "_max_head",
@@ -233,6 +234,8 @@ class RequestFraming:
         self._seq = 0
         # Host, Content-Length and Transfer-Encoding lines seen in this head.
         self._hosts = self._lengths = self._encodings = 0
+        # The value of this head's Content-Length line (when `_lengths`).
+        self._length = b""
         # The last Host value found valid: most clients send the same one each time.
         self._valid_host = b""
         self._fed_in_body = 0
@@ -382,12 +385,11 @@ class RequestFraming:
         """Parser callback: a new request starts."""
         self._parsing = self._make_head()
         self._in_head = True
-        self._head_size = 0
-        self._head_raw = 0
+        self._head_size = self._head_raw = 0
         self._seq += 1
         self._hosts = self._lengths = self._encodings = 0
-        self._fed_in_body = 0
-        self._body_bytes = 0
+        # (`_fed_in_body` and `_body_bytes` only matter to a chunked body: they
+        # are reset when a head says so, in `on_headers_complete`.)
 
     def on_url(self, url: bytes) -> None:
         """Parser callback: (a piece of) the request target."""
@@ -400,23 +402,31 @@ class RequestFraming:
 
     def on_header(self, name: bytes, value: bytes) -> None:
         """Parser callback: one complete header field (or trailer field)."""
-        head = self._parsing
-        assert head is not None
-        self._head_size += len(name) + len(value) + 4
-        if self._head_size > self._max_head:
+        # Runs for every header line of every request: locals over attributes.
+        size = self._head_size + len(name) + len(value) + 4
+        self._head_size = size
+        if size > self._max_head:
             raise _refuse(431, "the request head is too large")
         if not self._in_head:
             return  # a trailer: counted, not kept (ASGI has no request trailers)
+        head = self._parsing
+        assert head is not None
         headers = head.headers
         if len(headers) >= self._max_headers:
             raise _refuse(431, f"the request has more than {self._max_headers} header fields")
         name = name.lower()
         headers.append((name, value))
         if name in _FRAMING_FIELDS:
-            if name == _HOST_FIELD and value == self._valid_host and not self._hosts:
-                self._hosts = 1  # the host the last request had: checked already
-            else:
-                self._framing_field(head, name, value)
+            if name == _HOST_FIELD:
+                if value == self._valid_host and not self._hosts:
+                    self._hosts = 1  # the host the last request had: checked already
+                    return
+            elif name == _CONTENT_LENGTH_FIELD:
+                # llhttp refuses a second line, a sign and inner spaces itself.
+                self._lengths += 1
+                self._length = value
+                return
+            self._framing_field(head, name, value)
 
     def _framing_field(self, head: RequestHead, name: bytes, value: bytes) -> None:
         if name == _HOST_FIELD:
@@ -426,8 +436,6 @@ class RequestFraming:
             if _HOST.fullmatch(value) is None:
                 raise _refuse(400, "the Host header is not a valid host[:port]")
             self._valid_host = value
-        elif name == _CONTENT_LENGTH_FIELD:
-            self._lengths += 1  # llhttp refuses a second line, a sign and inner spaces itself
         elif name == _TRANSFER_ENCODING_FIELD:
             self._encodings += 1
             if value.strip(b" \t").lower() != b"chunked":
@@ -453,8 +461,10 @@ class RequestFraming:
             if version == "1.0":
                 raise _refuse(400, "an HTTP/1.0 request may not have a Transfer-Encoding")
             head.chunked = True
+            self._fed_in_body = self._body_bytes = 0
         elif self._lengths:
-            head.remaining = _content_length(head.headers)
+            # llhttp has checked it already: one line, digits, optional whitespace around.
+            head.remaining = int(self._length)
         head.method = parser.get_method()
         head.http_version = version
         head.keep_alive = parser.should_keep_alive()
@@ -482,14 +492,6 @@ class RequestFraming:
         head.complete = True
         head.remaining = 0 if head.remaining >= 0 else -1
         self._parsing = None
-
-
-def _content_length(headers: Iterable[tuple[bytes, bytes]]) -> int:
-    # llhttp has checked it already: one line, digits, optional whitespace around.
-    for name, value in headers:
-        if name == _CONTENT_LENGTH_FIELD:
-            return int(value)
-    raise AssertionError("no content-length header")  # pragma: no cover - only called with one
 
 
 def _parse_error_reason(exc: httptools.HttpParserError) -> str:

@@ -321,21 +321,24 @@ class _Server:
         scheduler round trip, and the request loop needs neither. A connection
         is closed between one and 1.25 timeouts after it fell idle.
         """
-        timeout = self.shared.head_timeout
-        current_time = self.shared.io.current_time
+        shared = self.shared
         while True:
-            await anyio.sleep(timeout / 4)
-            expired = current_time() - timeout
+            await anyio.sleep(shared.head_timeout / 4)
+            # Rounds rather than the clock, read by each connection falling idle:
+            # one that fell idle in round t has waited more than k - t - 1
+            # quarters at round k, so round t + 5 closes it after 1 to 1.25 timeouts.
+            shared.idle_tick += 1
+            expired = shared.idle_tick - 5
             for conn in self._connections:
                 if conn.idle and conn.idle_since <= expired:
-                    conn.cancel_scope.cancel()
+                    conn.close_now()
 
     def begin_shutdown(self) -> None:
         """Close idle connections now; busy ones close after their current response."""
         self.shared.closing = True
         for conn in list(self._connections):
             if conn.idle:
-                conn.cancel_scope.cancel()
+                conn.close_now()
         if not self._connections:
             self._all_closed.set()
 
