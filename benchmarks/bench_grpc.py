@@ -231,7 +231,24 @@ def cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def bench(target: list[str], model: str, args: argparse.Namespace, pid: int) -> dict[str, Any]:
+def batch_rows(url: str, model: str) -> tuple[float, float]:
+    """The server's ``trioinfer_inference_batch_rows`` sum and count for *model*."""
+    import urllib.request
+
+    with urllib.request.urlopen(f"{url}/metrics", timeout=10) as response:
+        text = response.read().decode()
+    found = {"sum": 0.0, "count": 0.0}
+    for line in text.splitlines():
+        match = re.match(r"trioinfer_inference_batch_rows_(sum|count)\{(.*)\} (\S+)", line)
+        if match and f'model="{model}"' in match.group(2):
+            found[match.group(1)] += float(match.group(3))
+    return found["sum"], found["count"]
+
+
+def bench(
+    target: list[str], model: str, args: argparse.Namespace, pid: int, url: str
+) -> dict[str, Any]:
+    rows_before = batch_rows(url, model)
     before = cpu_s(pid)
     with tempfile.NamedTemporaryFile(suffix=".json") as out:
         subprocess.run(
@@ -261,6 +278,10 @@ def bench(target: list[str], model: str, args: argparse.Namespace, pid: int) -> 
         result: dict[str, Any] = json.loads(Path(out.name).read_text())["results"][0]
     requests = result["completed"] * (args.warmup + args.duration) / args.duration
     result["server_us_per_request"] = (cpu_s(pid) - before) / max(requests, 1) * 1e6
+    rows_after = batch_rows(url, model)
+    executions = rows_after[1] - rows_before[1]
+    # Warm-up included: rows per execution over the whole bench call.
+    result["rows_per_batch"] = (rows_after[0] - rows_before[0]) / max(executions, 1)
     return result
 
 
@@ -297,12 +318,12 @@ def main() -> None:
                         ),
                     ):
                         rows.setdefault((model, protocol), []).append(
-                            bench(target, model, args, pid)
+                            bench(target, model, args, pid, url)
                         )
     print(f"\npart 2: inference at C={args.concurrency}, median of {args.repeat} windows")
     print(
         f"{'model':<8}{'protocol':<13}{'req/s':>9}{'p50 ms':>9}{'p99 ms':>9}"
-        f"{'errors':>8}{'server us/req':>15}{'client us/req':>15}"
+        f"{'errors':>8}{'server us/req':>15}{'client us/req':>15}{'rows/batch':>12}"
     )
     for (model, protocol), results in rows.items():
         med = {
@@ -313,7 +334,7 @@ def main() -> None:
         print(
             f"{model:<8}{protocol:<13}{med['throughput']:>9.0f}{med['p50_ms']:>9.2f}"
             f"{med['p99_ms']:>9.2f}{med['errors']:>8.0f}{med['server_us_per_request']:>15.0f}"
-            f"{med['cpu_us_per_request']:>15.0f}"
+            f"{med['cpu_us_per_request']:>15.0f}{med['rows_per_batch']:>12.1f}"
         )
 
 
