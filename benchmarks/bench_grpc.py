@@ -25,7 +25,12 @@ Issue 21. Two parts:
    per request, printed beside the server's (from ``/proc/<pid>/stat`` around
    the whole bench call, warm-up included, over the requests the measured
    window completed scaled by (warm-up + window) / window), since on a small
-   machine the client shares the cores with the server.
+   machine the client shares the cores with the server. ``loop us/req`` is the
+   server's main thread alone (the event loop: the protocols' own work, not the
+   model's compute on its instance thread), and ``rows/batch`` the mean rows per
+   execution over the same span (``trioinfer_inference_batch_rows`` from
+   ``/metrics``): with the model's compute the same, these say whether a
+   difference in req/s came from the protocol's CPU or from the batches.
 
 Usage:  .venv/bin/python benchmarks/bench_grpc.py [--duration 5] [--repeat 2] [--no-bridge]
         [--pin 0:1] [--grpc-clients raw,aio]
@@ -226,13 +231,32 @@ def serve(
         process.wait(timeout=120)
 
 
-def cpu_s(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+def cpu_s(pid: int, thread: bool = False) -> float:
+    # The process's CPU time (all threads), or its main thread's: serve's event loop.
+    stat = f"/proc/{pid}/task/{pid}/stat" if thread else f"/proc/{pid}/stat"
+    fields = Path(stat).read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def bench(target: list[str], model: str, args: argparse.Namespace, pid: int) -> dict[str, Any]:
-    before = cpu_s(pid)
+def batch_rows(url: str, model: str) -> tuple[float, float]:
+    """The server's ``trioinfer_inference_batch_rows`` sum and count for *model*."""
+    import urllib.request
+
+    with urllib.request.urlopen(f"{url}/metrics", timeout=10) as response:
+        text = response.read().decode()
+    found = {"sum": 0.0, "count": 0.0}
+    for line in text.splitlines():
+        match = re.match(r"trioinfer_inference_batch_rows_(sum|count)\{(.*)\} (\S+)", line)
+        if match and f'model="{model}"' in match.group(2):
+            found[match.group(1)] += float(match.group(3))
+    return found["sum"], found["count"]
+
+
+def bench(
+    target: list[str], model: str, args: argparse.Namespace, pid: int, url: str
+) -> dict[str, Any]:
+    rows_before = batch_rows(url, model)
+    before, loop_before = cpu_s(pid), cpu_s(pid, thread=True)
     with tempfile.NamedTemporaryFile(suffix=".json") as out:
         subprocess.run(
             [
@@ -261,6 +285,11 @@ def bench(target: list[str], model: str, args: argparse.Namespace, pid: int) -> 
         result: dict[str, Any] = json.loads(Path(out.name).read_text())["results"][0]
     requests = result["completed"] * (args.warmup + args.duration) / args.duration
     result["server_us_per_request"] = (cpu_s(pid) - before) / max(requests, 1) * 1e6
+    result["loop_us_per_request"] = (cpu_s(pid, True) - loop_before) / max(requests, 1) * 1e6
+    rows_after = batch_rows(url, model)
+    executions = rows_after[1] - rows_before[1]
+    # Warm-up included: rows per execution over the whole bench call.
+    result["rows_per_batch"] = (rows_after[0] - rows_before[0]) / max(executions, 1)
     return result
 
 
@@ -297,12 +326,13 @@ def main() -> None:
                         ),
                     ):
                         rows.setdefault((model, protocol), []).append(
-                            bench(target, model, args, pid)
+                            bench(target, model, args, pid, url)
                         )
     print(f"\npart 2: inference at C={args.concurrency}, median of {args.repeat} windows")
     print(
         f"{'model':<8}{'protocol':<13}{'req/s':>9}{'p50 ms':>9}{'p99 ms':>9}"
-        f"{'errors':>8}{'server us/req':>15}{'client us/req':>15}"
+        f"{'errors':>8}{'server us/req':>15}{'loop us/req':>13}{'client us/req':>15}"
+        f"{'rows/batch':>12}"
     )
     for (model, protocol), results in rows.items():
         med = {
@@ -313,8 +343,16 @@ def main() -> None:
         print(
             f"{model:<8}{protocol:<13}{med['throughput']:>9.0f}{med['p50_ms']:>9.2f}"
             f"{med['p99_ms']:>9.2f}{med['errors']:>8.0f}{med['server_us_per_request']:>15.0f}"
-            f"{med['cpu_us_per_request']:>15.0f}"
+            f"{med['loop_us_per_request']:>13.0f}{med['cpu_us_per_request']:>15.0f}"
+            f"{med['rows_per_batch']:>12.1f}"
         )
+        if len(results) > 1:
+            each = " / ".join(
+                f"{r['throughput']:.0f} {r['server_us_per_request']:.0f} "
+                f"{r['loop_us_per_request']:.0f}"
+                for r in results
+            )
+            print(f"{'':<21}each window (req/s, server us, loop us): {each}")
 
 
 if __name__ == "__main__":

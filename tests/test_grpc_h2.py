@@ -109,9 +109,19 @@ class Handlers:
                 self.reading.set()
                 await self.release.wait()
 
+    async def echo_stream(
+        self,
+        messages: AsyncIterator[bytes],
+        call: GrpcCall,
+        send: Callable[[bytes], Awaitable[None]],
+    ) -> None:
+        async for message in messages:
+            await send(message)
+
     def methods(self) -> dict[str, Method]:
         return {
             "/t.S/Echo": Method(self.echo, streaming=False),
+            "/t.S/EchoStream": Method(self.echo_stream, streaming=True),
             "/t.S/Slow": Method(self.slow, streaming=False),
             "/t.S/Stream": Method(self.stream, streaming=True),
         }
@@ -457,6 +467,59 @@ async def test_large_answer_waits_for_the_clients_window(serve: Serve) -> None:
     # Sent in pieces, as the client acknowledges what it read (pump).
     assert await client.status(sid) == ("0", "")
     assert client.data[sid] == frame(big[: MAX - 5])
+
+
+async def send_in_pieces(client: Client, sid: int, body: bytes, sizes: list[int]) -> None:
+    """*body* as DATA frames of *sizes* in turn (within the windows), then the stream's end."""
+    turn = 0
+    while body:
+        room = min(client.h2.local_flow_control_window(sid), client.h2.max_outbound_frame_size)
+        if room == 0:
+            await client.pump()  # the server's WINDOW_UPDATEs, as its handler takes messages
+            continue
+        size = min(sizes[turn % len(sizes)], room)
+        turn += 1
+        chunk, body = body[:size], body[size:]
+        client.h2.send_data(sid, chunk)
+        await client.flush()
+    client.h2.end_stream(sid)
+    await client.flush()
+
+
+@both_loops
+async def test_large_messages_cut_anywhere_round_trip_both_ways(serve: Serve) -> None:
+    # Messages whose prefixes and bodies are cut across DATA frames of odd sizes, two
+    # and more in one frame, and in all more than the stream's window: each arrives
+    # whole (the server's WINDOW_UPDATEs let the rest in) and is echoed whole (each
+    # answer waits for the client's window, as it reads).
+    _, connect = await serve(Handlers())
+    client = await connect()
+    messages = [
+        bytes([n]) * size for n, size in enumerate([300_000, 3, 0, 70_000, 1, 700_000, 4_000])
+    ]
+    sid = await client.call("/t.S/EchoStream", end=False)
+    body = b"".join(map(frame, messages))
+    assert len(body) > _WINDOW
+    await send_in_pieces(client, sid, body, [16384, 1, 4, 7, 9000, 16383, 2, 5])
+    assert await client.status(sid) == ("0", "")
+    assert client.data[sid] == body
+    # A unary call's message in frames of one byte to a whole frame: echoed whole.
+    message = bytes(range(256)) * 1000
+    sid = client.h2.get_next_available_stream_id()
+    client.h2.send_headers(sid, [(k, v) for k, v in REQUEST_HEADERS])
+    await send_in_pieces(client, sid, frame(message), [1, 2, 3, 5, 16384, 4099])
+    assert await client.status(sid) == ("0", "")
+    assert client.data[sid] == frame(message)
+
+
+REQUEST_HEADERS = (
+    (":method", "POST"),
+    (":scheme", "http"),
+    (":path", "/t.S/Echo"),
+    (":authority", "x"),
+    ("content-type", "application/grpc"),
+    ("te", "trailers"),
+)
 
 
 @both_loops

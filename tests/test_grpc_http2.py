@@ -339,3 +339,49 @@ def test_a_graceful_goaway_lets_open_streams_finish() -> None:
     to_server(client, conn)
     conn.receive_data(frame(0x7, 0, 0, struct.pack(">LL", 0, _http2.PROTOCOL_ERROR)))
     assert conn.closed
+
+
+def test_frames_cut_anywhere_between_reads_arrive_whole() -> None:
+    # Frames are cut from each read as it is while nothing is left over, and from the
+    # buffer behind what was: wherever the reads split the frames, the same events.
+    client, conn = pair()
+    client.send_headers(1, REQUEST)
+    to_server(client, conn)
+    body = bytes(range(256)) * 100  # 25,600 bytes: DATA frames of 16 KiB and the rest
+    client.send_data(1, body[:16384])
+    client.send_data(1, body[16384:20000], pad_length=7)
+    client.send_data(1, body[20000:], end_stream=True)
+    wire = client.data_to_send()
+    for cuts in (
+        [],
+        [1],
+        [5, 9, 10],
+        [16392, 16393],
+        [16400, 20050],
+        list(range(0, len(wire), 997)),
+    ):
+        _, conn = pair()
+        events = conn.receive_data(frame(0x1, 0x4, 1, b"\x83\x86\x84"))  # POST, http, /
+        assert [type(e) for e in events] == [_http2.RequestReceived]
+        for start, stop in zip([0, *cuts], [*cuts, len(wire)], strict=True):
+            events += conn.receive_data(wire[start:stop])
+        data = [e for e in events if isinstance(e, _http2.DataReceived)]
+        assert b"".join(e.data for e in data) == body, cuts
+        assert [e.flow_controlled_length for e in data] == [16384, 3616 + 8, 5600], cuts
+        assert isinstance(events[-1], _http2.StreamEnded), cuts
+
+
+def test_a_data_frame_with_a_prefix_is_one_frame_charged_both() -> None:
+    client, conn = pair()
+    client.send_headers(1, REQUEST, end_stream=True)
+    to_server(client, conn)
+    conn.send_headers(1, [(b":status", b"200")])
+    conn.send_data(1, b"message", prefix=b"\x00\x00\x00\x00\x07")
+    assert conn.local_flow_control_window(1) == 65535 - 12
+    got = to_client(conn, client)
+    assert [e.data for e in got if isinstance(e, h2.events.DataReceived)] == [
+        b"\x00\x00\x00\x00\x07message"
+    ]
+    # The prefix counts against the frame size and the windows as the data does.
+    with pytest.raises(_http2.FlowControlError):
+        conn.send_data(1, b"x" * (conn.max_outbound_frame_size - 4), prefix=b"12345")

@@ -640,8 +640,7 @@ class _Connection:
         stream.unacked += flow
         stream.active = time.monotonic()
         if stream.error is None:
-            stream.buffer += data
-            self._split(stream)
+            self._split(stream, data)
         if stream.error is not None:
             # The call is answered at once; whatever else arrives is dropped.
             self._ack(stream)
@@ -693,10 +692,29 @@ class _Connection:
                 self._ack(stream)
                 self._wake.set()
 
-    def _split(self, stream: _Stream) -> None:
+    def _split(self, stream: _Stream, data: bytes) -> None:
+        # The messages are cut from the DATA payload as it is when the stream holds no
+        # unfinished message (the usual case: a message, or several, per frame); only
+        # what is left of an unfinished one is kept in the stream's buffer.
         buffer = stream.buffer
-        while len(buffer) >= 5:
-            compressed, length = _PREFIX.unpack_from(buffer)
+        if buffer:
+            buffer += data
+            pos = self._cut(stream, buffer)
+            if stream.error is not None:
+                buffer.clear()
+            else:
+                del buffer[:pos]
+        else:
+            pos = self._cut(stream, data)
+            if stream.error is None and pos < len(data):
+                buffer += memoryview(data)[pos:]
+
+    def _cut(self, stream: _Stream, source: bytes | bytearray) -> int:
+        # Whole messages of *source* onto the stream's list; where the rest starts.
+        pos, end = 0, len(source)
+        length: int
+        while end - pos >= 5:
+            compressed, length = _PREFIX.unpack_from(source, pos)
             if compressed and stream.wbits is None:
                 stream.error = (
                     INTERNAL,
@@ -709,28 +727,26 @@ class _Connection:
                     "(max_body_bytes)",
                 )
             if stream.error is not None:
-                buffer.clear()
-                return
-            if len(buffer) < 5 + length:
-                return
-            message = bytes(buffer[5 : 5 + length])
-            del buffer[: 5 + length]
+                return pos
+            if end - pos - 5 < length:
+                return pos
+            message = bytes(source[pos + 5 : pos + 5 + length])
+            pos += 5 + length
             if compressed:
                 try:
                     message = self._inflate(message, stream.wbits)
                 except GrpcError as exc:
                     stream.error = (exc.code, exc.message)
-                    buffer.clear()
-                    return
+                    return pos
             if stream.messages and not stream.method.streaming:
                 # As gRPC specifies for a cardinality violation (statuscodes.md).
                 stream.error = (
                     UNIMPLEMENTED,
                     "a unary call takes one request message; this one sent a second",
                 )
-                buffer.clear()
-                return
+                return pos
             stream.messages.append(message)
+        return pos
 
     def _inflate(self, data: bytes, wbits: int | None) -> bytes:
         # Never more than the size cap, however small the compressed message.
@@ -910,16 +926,17 @@ class _Connection:
             await arrived.wait()
 
     async def _send_message(self, stream: _Stream, data: bytes) -> None:
-        framed = _PREFIX.pack(0, len(data)) + data
+        prefix = _PREFIX.pack(0, len(data))
         conn = self._h2
-        if not stream.closed and len(framed) <= min(
+        if not stream.closed and 5 + len(data) <= min(
             conn.local_flow_control_window(stream.stream_id), conn.max_outbound_frame_size
         ):
-            # The usual case: the whole message fits the window and one frame.
-            conn.send_data(stream.stream_id, framed)
+            # The usual case: the whole message fits the window and one frame, which
+            # takes it as it is (no copy behind its prefix).
+            conn.send_data(stream.stream_id, data, prefix=prefix)
             self._wake.set()
             return
-        payload = memoryview(framed)
+        payload = memoryview(prefix + data)
         while payload:
             if stream.closed:
                 # Reset by the client: this task was cancelled with its call.

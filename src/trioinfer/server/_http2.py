@@ -353,17 +353,26 @@ class Connection:
         if end_stream:
             self._end_local(stream_id, stream)
 
-    def send_data(self, stream_id: int, data: bytes, end_stream: bool = False) -> None:
-        """Queue one DATA frame; it must fit the client's windows and frame size."""
+    def send_data(
+        self, stream_id: int, data: bytes, end_stream: bool = False, prefix: bytes = b""
+    ) -> None:
+        """Queue one DATA frame; it must fit the client's windows and frame size.
+
+        *prefix* (gRPC's message prefix) goes before *data* in the same frame: the
+        payload is queued as it is, not copied into one with it.
+        """
         stream = self._open(stream_id)
-        n = len(data)
+        n = len(prefix) + len(data)
         if n > self._outbound or n > stream.outbound or n > self.max_outbound_frame_size:
             raise FlowControlError(
                 f"{n} bytes exceed the client's window or frame size", FLOW_CONTROL_ERROR
             )
         self._outbound -= n
         stream.outbound -= n
-        self._out.append(_frame(_DATA, _END_STREAM if end_stream else 0, stream_id, data))
+        flags = _END_STREAM if end_stream else 0
+        head = _HEAD.pack(n >> 16, n & 0xFFFF, _DATA, flags, stream_id)
+        # Joined once, with everything else queued, by data_to_send.
+        self._out += (head + prefix, data)
         if end_stream:
             self._end_local(stream_id, stream)
 
@@ -432,6 +441,10 @@ class Connection:
             # After GOAWAY either way nothing more is taken, nor kept.
             buffer.clear()
             return []
+        if self._preface and not buffer:
+            # Nothing left over from the last read (the usual case): the frames are cut
+            # from the bytes read as they are, and only an unfinished frame is kept.
+            return self._frames(data)
         buffer += data
         if not self._preface:
             if len(buffer) < len(PREFACE):
@@ -442,13 +455,20 @@ class Connection:
                 raise ProtocolError("the connection did not start with HTTP/2's preface")
             del buffer[: len(PREFACE)]
             self._preface = True
+        return self._frames(buffer)
+
+    def _frames(self, source: bytes | bytearray) -> list[Any]:
+        # The frames in *source* (the bytes read, or the buffer with them behind what
+        # was left over), in order; what is left of an unfinished frame stays in the
+        # buffer.
+        buffer = self._buffer
         events: list[Any] = []
         pos = 0
-        end = len(buffer)
-        view = memoryview(buffer)
+        end = len(source)
+        view = memoryview(source)
         try:
             while end - pos >= 9 and not self.closed:
-                high, low, kind, flags, stream_id = _HEAD.unpack_from(buffer, pos)
+                high, low, kind, flags, stream_id = _HEAD.unpack_from(source, pos)
                 length = high << 16 | low
                 if length > _INBOUND_FRAME_SIZE:
                     raise ProtocolError(
@@ -492,10 +512,12 @@ class Connection:
                     raise ProtocolError("a client may not send PUSH_PROMISE")
                 # Other types are extensions: ignored (RFC 9113 4.1).
         finally:
+            if not self.closed and source is not buffer and pos < end:
+                buffer += view[pos:]
             view.release()
             if self.closed:
                 buffer.clear()
-            else:
+            elif source is buffer:
                 del buffer[:pos]
         return events
 
