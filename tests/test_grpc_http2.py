@@ -339,3 +339,21 @@ def test_a_graceful_goaway_lets_open_streams_finish() -> None:
     to_server(client, conn)
     conn.receive_data(frame(0x7, 0, 0, struct.pack(">LL", 0, _http2.PROTOCOL_ERROR)))
     assert conn.closed
+
+
+def test_buffers_to_send_are_what_data_to_send_would_join() -> None:
+    # The buffers a sendmsg writes, in order, are the bytes data_to_send returns.
+    client, conn = pair()
+    client.send_headers(1, REQUEST, end_stream=True)
+    to_server(client, conn)
+    conn.send_headers(1, [(b":status", b"200")])
+    conn.send_data(1, b"x" * 5000)
+    conn.send_headers(1, [(b"grpc-status", b"0")], end_stream=True)
+    buffers = conn.buffers_to_send()
+    assert len(buffers) == 3
+    assert conn.buffers_to_send() == []
+    assert conn.data_to_send() == b""
+    events = client.receive_data(b"".join(buffers))
+    data = b"".join(e.data for e in events if isinstance(e, h2.events.DataReceived))
+    assert data == b"x" * 5000
+    assert any(isinstance(e, h2.events.StreamEnded) for e in events)
