@@ -34,6 +34,7 @@ import h2.events
 import h2.settings
 import hpack
 import pytest
+import sniffio
 from hyperframe.frame import PingFrame
 
 from trioinfer.server import _grpc_h2
@@ -1121,3 +1122,89 @@ async def test_no_call_outlives_its_connection() -> None:
                 await started.wait()
             await client.socket.aclose()
     assert seen_at_end == [[True]]
+
+
+class _Recording:
+    """A socket's sendmsg and send, recorded and passed on (a socket's own cannot be patched)."""
+
+    def __init__(self, sock: socket.socket, *, refuse: bool = False) -> None:
+        self.sock = sock
+        self.sendmsg_sizes: list[int] = []
+        self.refuse = refuse
+
+    def sendmsg(self, buffers: list[bytes]) -> int:
+        if self.refuse:
+            raise BlockingIOError
+        sent = self.sock.sendmsg(buffers)
+        self.sendmsg_sizes.append(sent)
+        return sent
+
+    def send(self, data: bytes) -> int:
+        if self.refuse:
+            raise BlockingIOError
+        return self.sock.send(data)
+
+
+@both_loops
+async def test_large_answers_are_written_by_their_calls_on_trio(serve: Serve) -> None:
+    # On Trio an answer of _WRITE_AT_ONCE bytes or more leaves from its call's task
+    # (headers, data and trailers in one sendmsg); a small one is left to the writer;
+    # on asyncio both are left to the writer (its transport may hold bytes back).
+    server, connect = await serve(Handlers())
+    client = await connect()
+    await poll(lambda: server.connections)
+    (conn,) = server.connections
+    raw = conn._raw
+    if sniffio.current_async_library() == "asyncio":
+        assert raw is None
+        return
+    assert raw is not None
+    recording = conn._raw = _Recording(raw)  # type: ignore[assignment]
+    small = b"s" * 100
+    assert len(small) < _grpc_h2._WRITE_AT_ONCE <= len(bytes(range(256)) * 40)
+    large = bytes(range(256)) * 40  # 10 KiB: one frame
+    for body in (small, large):
+        sid = await client.call("/t.S/Echo", frame(body))
+        assert await client.status(sid) == ("0", "")
+        assert client.data[sid] == frame(body)
+    assert len(recording.sendmsg_sizes) == 1
+    assert recording.sendmsg_sizes[0] > len(frame(large))
+
+
+@both_loops
+async def test_a_large_answer_the_socket_does_not_take_is_left_to_the_writer(
+    serve: Serve,
+) -> None:
+    # A socket that takes nothing now (full): the answer is sent by the writer, whole
+    # and in order with the answers after it.
+    server, connect = await serve(Handlers())
+    client = await connect()
+    await poll(lambda: server.connections)
+    (conn,) = server.connections
+    if sniffio.current_async_library() == "trio":
+        conn._raw = _Recording(conn._raw, refuse=True)  # type: ignore[arg-type,assignment]
+    bodies = [bytes([n]) * (3000 + 1000 * n) for n in range(6)]
+    sids = [await client.call("/t.S/Echo", frame(body)) for body in bodies]
+    for sid, body in zip(sids, bodies, strict=True):
+        assert await client.status(sid) == ("0", "")
+        assert client.data[sid] == frame(body)
+
+
+@both_loops
+async def test_large_answers_to_a_slow_reader_arrive_whole_and_in_order(serve: Serve) -> None:
+    # A client with a small receive buffer that reads only after its calls are
+    # answered: the direct writes fill the socket, what it does not take goes to the
+    # writer, and every answer arrives whole (answers of one frame and of several).
+    server, _ = await serve(Handlers())
+    client = await _not_reading(server)
+    bodies = [bytes([n]) * size for n, size in enumerate([16000, 4000, 40000, 2048, 9000] * 3)]
+    sids = []
+    for body in bodies:
+        sids.append(await client.call("/t.S/Echo", frame(body)))
+    await anyio.sleep(0.05)  # the calls answer into a socket nobody reads yet
+    try:
+        for sid, body in zip(sids, bodies, strict=True):
+            assert await client.status(sid) == ("0", "")
+            assert client.data[sid] == frame(body)
+    finally:
+        await client.socket.aclose()

@@ -385,3 +385,21 @@ def test_a_data_frame_with_a_prefix_is_one_frame_charged_both() -> None:
     # The prefix counts against the frame size and the windows as the data does.
     with pytest.raises(_http2.FlowControlError):
         conn.send_data(1, b"x" * (conn.max_outbound_frame_size - 4), prefix=b"12345")
+
+
+def test_buffers_to_send_are_what_data_to_send_would_join() -> None:
+    # The buffers a sendmsg writes, in order, are the bytes data_to_send returns.
+    client, conn = pair()
+    client.send_headers(1, REQUEST, end_stream=True)
+    to_server(client, conn)
+    conn.send_headers(1, [(b":status", b"200")])
+    conn.send_data(1, b"x" * 5000)
+    conn.send_headers(1, [(b"grpc-status", b"0")], end_stream=True)
+    buffers = conn.buffers_to_send()
+    assert len(buffers) == 4  # HEADERS, DATA's head apart from its payload, trailers
+    assert conn.buffers_to_send() == []
+    assert conn.data_to_send() == b""
+    events = client.receive_data(b"".join(buffers))
+    data = b"".join(e.data for e in events if isinstance(e, h2.events.DataReceived))
+    assert data == b"x" * 5000
+    assert any(isinstance(e, h2.events.StreamEnded) for e in events)

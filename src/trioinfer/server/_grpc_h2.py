@@ -50,6 +50,7 @@ import collections
 import contextlib
 import logging
 import re
+import socket as stdsocket
 import struct
 import time
 import zlib
@@ -142,6 +143,18 @@ _RESERVED: Final = frozenset(
 _INDEXED: Final = bytes(range(0x81, 0xFF))
 #: Header blocks remembered per connection and direction, before the memo starts over.
 _MEMO_SIZE: Final = 64
+#: A unary answer of at least this many bytes is written by its call's task as soon as it is
+#: made (on Trio, when nothing else is being written), not left for the connection's writer.
+#: The writer's one send for many answers saves syscalls, which matters for small answers;
+#: but a thread waiting for the GIL (the engine's compute thread, handed its next batch
+#: just before that batch's answers are made) gets it only when the loop makes a syscall
+#: that takes a while, and the loop makes none while it builds the answers: with a 4 KB
+#: answer per call the compute thread waited 0.8-1.1 ms per batch for the GIL behind them,
+#: against 0.12-0.15 ms behind HTTP's answers (a send each). Large answers are few per
+#: batch of work and each write's fixed cost is small next to its bytes.
+_WRITE_AT_ONCE: Final = 2048
+#: The most buffers given to one ``sendmsg`` (Linux's IOV_MAX is 1024); more are joined.
+_MAX_BUFFERS: Final = 64
 
 
 def _indexed_only(block: bytes) -> bool:
@@ -432,6 +445,14 @@ class _Connection:
         #: The connection's task group: Trio's nursery on Trio, anyio's on asyncio.
         self._group: Any = None
         self._open_group, self._cancel_scope, self._asyncio_calls = _native()
+        #: The socket itself, for `_write_now`: on Trio only, where nothing of what the
+        #: writer sent is still buffered once its send returned (asyncio's transport may
+        #: hold some back, which a write beside it would overtake).
+        self._raw: stdsocket.socket | None = (
+            socket.extra(anyio.abc.SocketAttribute.raw_socket, None)
+            if self._asyncio_calls is None
+            else None
+        )
 
     async def run(self) -> None:
         """Serve the connection until the client closes it, or `goaway` lets it end."""
@@ -816,6 +837,7 @@ class _Connection:
     async def _handle(self, stream: _Stream) -> None:
         code, message = OK, ""
         sent_headers = False
+        large = False
         with self._cancel_scope() as scope:
             stream.call._scope = scope
             if stream.call.gone:
@@ -853,6 +875,7 @@ class _Connection:
                     answer = await handler(stream.messages[0], stream.call)
                     self._headers(stream)
                     sent_headers = stream.answering = True
+                    large = len(answer) >= _WRITE_AT_ONCE
                     await self._send_message(stream, answer)
             except GrpcError as exc:
                 code, message = exc.code, exc.message
@@ -880,6 +903,31 @@ class _Connection:
         self._finish(stream, code, message, sent_headers)
         if not stream.ended:
             self._stop(stream.stream_id)
+        if large:
+            self._write_now()
+
+    def _write_now(self) -> None:
+        # What is queued, written from this task without waiting (see _WRITE_AT_ONCE);
+        # only when the writer is not sending and holds nothing back, so that the
+        # bytes stay in order. What the socket does not take is left to the writer
+        # (woken by _finish), ahead of anything queued after it; so is an error.
+        raw = self._raw
+        if raw is None or self._sending or self._extra:
+            return
+        buffers = self._h2.buffers_to_send()
+        if not buffers:
+            return
+        try:
+            if len(buffers) <= _MAX_BUFFERS:
+                sent = raw.sendmsg(buffers)
+            else:
+                buffers = [b"".join(buffers)]
+                sent = raw.send(buffers[0])
+        except OSError:  # full (BlockingIOError), or broken: the writer meets it again
+            sent = 0
+        if sent < sum(map(len, buffers)):
+            self._extra = b"".join(buffers)[sent:]
+            self._wake.set()
 
     def _finish(self, stream: _Stream, code: int, message: str, sent_headers: bool) -> None:
         trailers = [(b"grpc-status", b"%d" % code)]

@@ -326,6 +326,14 @@ class Connection:
         out, self._out = self._out, []
         return b"".join(out)
 
+    def buffers_to_send(self) -> list[bytes]:
+        """The bytes queued to write, taken out as the buffers they were queued in.
+
+        For ``socket.sendmsg``: what `data_to_send` would join, in order, not joined.
+        """
+        out, self._out = self._out, []
+        return out
+
     def _open(self, stream_id: int) -> _Stream:
         if self.closed:
             raise ProtocolError("the connection is closed")
