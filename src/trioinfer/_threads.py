@@ -468,12 +468,13 @@ class WorkerThread:
 
 @final
 class _Jobs:
-    # The worker's job queue: a deque, and a socket pair to wake the worker when it
-    # sleeps. A byte on a local socket wakes its reader with the kernel's
-    # synchronous wake-up hint, which runs the worker on the waking loop's CPU
-    # when it is free to; SimpleQueue's futex wake does not, and a worker woken
-    # on the other CPU left the loop sleeping once a batch until the result came
-    # back, and cost it more CPU per request (see benchmarks/RESULTS.md).
+    # The worker's job queue: a deque, and a socket pair that wakes the worker when
+    # it sleeps. SimpleQueue's futex wake-up preempted the loop at once to run a
+    # worker that then waited for the GIL the loop held (2.6 involuntary switches of
+    # the loop per round trip); a byte on a local socket wakes its reader with the
+    # kernel's synchronous hint, which lets the loop run on until it releases the
+    # GIL (1.0 a round trip, and the loop's CPU per round trip 22-24 -> 19 us: see
+    # benchmarks/RESULTS.md, "Thread dispatch, sixth round").
     __slots__ = ("_idle", "_items", "_receiver", "_sender")
 
     def __init__(self) -> None:
