@@ -287,3 +287,25 @@ def test_a_job_put_just_as_the_worker_finds_the_queue_empty_still_runs() -> None
     jobs.close()
     assert not alive, f"the worker slept with a job queued (ran {done})"
     assert done == [1, 2]
+
+
+async def test_a_thread_that_cannot_start_leaves_no_sockets_open(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    made: list[_Jobs] = []
+    original = _Jobs.__init__
+
+    def record(self: _Jobs) -> None:
+        original(self)
+        made.append(self)
+
+    def refuse(self: threading.Thread) -> None:
+        raise RuntimeError("can't start new thread")
+
+    monkeypatch.setattr(_Jobs, "__init__", record)
+    monkeypatch.setattr(threading.Thread, "start", refuse)
+    with pytest.raises(RuntimeError, match="can't start new thread"):
+        await WorkerThread.start("test-no-thread")
+    [jobs] = made
+    assert jobs._receiver.fileno() == -1
+    assert jobs._sender.fileno() == -1

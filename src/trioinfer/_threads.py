@@ -402,7 +402,11 @@ class WorkerThread:
         thread = threading.Thread(
             target=_serve, args=(jobs, cpu_affinity, ready), name=name, daemon=True
         )
-        thread.start()
+        try:
+            thread.start()
+        except BaseException:
+            jobs.close()  # no thread to close them
+            raise
         worker = cls(thread, jobs)
         try:
             await ready.wait(None)
