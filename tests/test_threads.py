@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import collections
 import select
+import sys
 import threading
+import time
 from typing import Any
 
 import anyio
@@ -11,6 +14,7 @@ import pytest
 import trio
 import trio.testing
 
+from trioinfer._threads import _Jobs
 from trioinfer.lowlevel import WorkerThread
 
 
@@ -187,3 +191,121 @@ async def test_a_call_returns_after_tasks_made_runnable_while_its_byte_came() ->
             assert await _one_round(worker) == ["other", "call"]
     finally:
         await worker.aclose()
+
+
+def _serve_jobs(jobs: _Jobs, done: list[int]) -> None:
+    while True:
+        item = jobs.get()
+        if item is None:
+            return
+        done.append(item)
+
+
+def test_jobs_wake_a_worker_that_went_to_sleep() -> None:
+    # Each job is put after the worker has emptied the queue and (mostly) gone
+    # to sleep on its socket: put() must wake it every time.
+    jobs = _Jobs()
+    done: list[int] = []
+    thread = threading.Thread(target=_serve_jobs, args=(jobs, done), daemon=True)
+    thread.start()
+    try:
+        for i in range(200):
+            jobs.put(i)
+            deadline = time.monotonic() + 10
+            while len(done) <= i and time.monotonic() < deadline:
+                time.sleep(0.0001)
+            assert done == list(range(i + 1)), f"job {i} never ran: the worker slept on"
+    finally:
+        jobs.put(None)
+        thread.join(10)
+        jobs.close()
+    assert not thread.is_alive()
+
+
+def test_jobs_put_while_the_worker_goes_idle_are_never_lost() -> None:
+    # Jobs put at any moment of the worker's way to sleep (a tiny switch interval
+    # interleaves the two threads' steps): each runs exactly once, in order.
+    jobs = _Jobs()
+    done: list[int] = []
+    thread = threading.Thread(target=_serve_jobs, args=(jobs, done), daemon=True)
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    thread.start()
+    try:
+        for i in range(3000):
+            jobs.put(i)
+            if i % 3 == 0:
+                time.sleep(0)
+        jobs.put(None)
+        thread.join(10)
+    finally:
+        sys.setswitchinterval(interval)
+        if thread.is_alive():
+            jobs.put(None)
+        jobs.close()
+    assert not thread.is_alive(), f"the worker sleeps with jobs queued after {len(done)}"
+    assert done == list(range(3000))
+
+
+@pytest.mark.parametrize("backend", ["trio", "asyncio"])
+def test_closing_the_worker_closes_its_job_queue(backend: str) -> None:
+    async def main() -> None:
+        worker = await WorkerThread.start("test-close-jobs")
+        assert await worker.run_sync(pow, 2, 5) == 32
+        jobs = worker._jobs
+        await worker.aclose()
+        assert not worker._thread.is_alive()
+        assert jobs._receiver.fileno() == -1
+        assert jobs._sender.fileno() == -1
+
+    anyio.run(main, backend=backend)
+
+
+def test_a_job_put_just_as_the_worker_finds_the_queue_empty_still_runs() -> None:
+    # The race that put() and get() close: the loop puts a job after the worker
+    # found the queue empty and before it sleeps. Played here deterministically:
+    # the queue itself puts the next job at the moment it reports being empty.
+    jobs = _Jobs()
+    pending = [None, 2, 1]
+
+    class Racing(collections.deque[Any]):
+        def popleft(self) -> Any:
+            if not self and pending:
+                jobs.put(pending.pop())  # lands, then the worker learns it was empty
+                raise IndexError("pop from an empty deque")
+            return super().popleft()
+
+    jobs._items = Racing()
+    done: list[int] = []
+    thread = threading.Thread(target=_serve_jobs, args=(jobs, done), daemon=True)
+    thread.start()
+    thread.join(10)
+    alive = thread.is_alive()
+    if alive:
+        jobs.put(None)
+        thread.join(10)
+    jobs.close()
+    assert not alive, f"the worker slept with a job queued (ran {done})"
+    assert done == [1, 2]
+
+
+async def test_a_thread_that_cannot_start_leaves_no_sockets_open(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    made: list[_Jobs] = []
+    original = _Jobs.__init__
+
+    def record(self: _Jobs) -> None:
+        original(self)
+        made.append(self)
+
+    def refuse(self: threading.Thread) -> None:
+        raise RuntimeError("can't start new thread")
+
+    monkeypatch.setattr(_Jobs, "__init__", record)
+    monkeypatch.setattr(threading.Thread, "start", refuse)
+    with pytest.raises(RuntimeError, match="can't start new thread"):
+        await WorkerThread.start("test-no-thread")
+    [jobs] = made
+    assert jobs._receiver.fileno() == -1
+    assert jobs._sender.fileno() == -1
