@@ -18,7 +18,18 @@ wall time per execution, and the loop thread's involuntary and voluntary context
 switches per execution (``getrusage(RUSAGE_THREAD)``, Linux). Per request at
 dynamic batching's batch of 32, divide by 32.
 
+With ``--overlap``, instead: does the worker thread compute while the loop is
+busy? The loop submits one batch to a `WorkerThread`, then runs Python for
+``--busy-us`` (about what waking a batch's 32 callers costs it) without a
+system call, then waits for the result; the worker notes when ``session.run``
+starts. Per placement (both threads free; both on CPU 0; loop on CPU 0 and
+worker on CPU 1): when the worker started after the submit (median), the share
+of batches it started only once the loop's busy stretch was over, and when the
+result was back. The worker needs the GIL to take the job and call
+``session.run``; the figures show whether it gets it before the loop lets go.
+
 Usage:  .venv/bin/python benchmarks/bench_hop.py [--rows 32] [--trips 2000] [--repeat 3]
+        .venv/bin/python benchmarks/bench_hop.py --overlap [--busy-us 200] [--repeat 3]
 """
 
 from __future__ import annotations
@@ -28,6 +39,7 @@ import contextlib
 import os
 import resource
 import socket
+import statistics
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -126,9 +138,68 @@ async def main(args: argparse.Namespace) -> None:
     sender.close()
 
 
+async def overlap(args: argparse.Namespace) -> None:
+    one = session(1)
+    outputs = [spec.name for spec in one.get_outputs()]
+    feed = {one.get_inputs()[0].name: np.random.rand(args.rows, 64).astype(np.float32)}
+    placements: list[tuple[str, tuple[int, ...] | None, tuple[int, ...] | None]] = [
+        ("free", None, None),
+        ("one core", (0,), (0,)),
+        ("two cores", (0,), (1,)),
+    ]
+    print(
+        f"digits, {args.rows} rows, loop busy {args.busy_us:.0f} us after each submit, "
+        f"{args.trips // 5} batches per figure; load average {os.getloadavg()[0]:.2f}"
+    )
+    print("placement   worker starts (us)  after the busy stretch  result back (us)")
+    everywhere = os.sched_getaffinity(0)
+    busy = args.busy_us / 1e6
+    for _ in range(args.repeat):
+        for name, loop_cpus, worker_cpus in placements:
+            os.sched_setaffinity(0, loop_cpus or everywhere)
+            worker = await WorkerThread.start("bench-hop", cpu_affinity=worker_cpus)
+            starts: list[float] = []
+
+            def run(starts: list[float] = starts) -> Any:
+                starts.append(time.perf_counter())
+                return one.run(outputs, feed)
+
+            started, back, late = [], [], 0
+            for _ in range(args.trips // 5):
+                marks: dict[str, float] = {}
+
+                async def submit(
+                    marks: dict[str, float] = marks, worker: WorkerThread = worker
+                ) -> None:
+                    marks["put"] = time.perf_counter()
+                    await worker.run_sync(run)
+                    marks["back"] = time.perf_counter()
+
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(submit)
+                    while "put" not in marks:  # the submit has run up to its wait
+                        await trio.lowlevel.checkpoint()
+                    t0 = time.perf_counter()
+                    while time.perf_counter() - t0 < busy:
+                        pass
+                    busy_end = time.perf_counter()
+                started.append(starts[-1] - marks["put"])
+                back.append(marks["back"] - marks["put"])
+                late += starts[-1] >= busy_end
+            await worker.aclose()
+            print(
+                f"{name:10s} {statistics.median(started) * 1e6:19.0f} "
+                f"{late / len(started) * 100:22.0f}% {statistics.median(back) * 1e6:17.0f}"
+            )
+    os.sched_setaffinity(0, everywhere)
+
+
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rows", type=int, default=32, help="rows per execution")
     parser.add_argument("--trips", type=int, default=2000, help="executions per figure")
     parser.add_argument("--repeat", type=int, default=3, help="alternating rounds")
-    trio.run(main, parser.parse_args())
+    parser.add_argument("--overlap", action="store_true", help="the overlap test (see above)")
+    parser.add_argument("--busy-us", type=float, default=200.0, help="--overlap: loop busy time")
+    parsed = parser.parse_args()
+    trio.run(overlap if parsed.overlap else main, parsed)
