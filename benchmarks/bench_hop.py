@@ -7,11 +7,11 @@ one batch of the bundled ``digits`` MLP, awaited from the event loop:
   inline   ``session.run`` on the loop's own thread (threads=1): the loop pays the compute
   thread   ``WorkerThread.run_sync(session.run, ...)``, as ``dispatch = "thread"`` does
            (threads=1; the result wakes the loop through the worker's own socket)
-  cb       ``session.run_async`` awaited through ``wait_on_callback``, as
-           ``dispatch = "ort_async"`` does (threads=2, no spinning; the callback
-           wakes the loop through ``TrioToken.run_sync_soon``)
-  sock     ``session.run_async`` whose callback writes a byte to a socket pair the
-           loop waits on (the worker's wake-up, applied to ``ort_async``: a prototype)
+  cb       ``session.run_async`` awaited through ``wait_on_callback`` (threads=2, no
+           spinning; the callback wakes the loop through ``TrioToken.run_sync_soon``):
+           what ``dispatch = "ort_async"`` did before ``CallbackWaiter``
+  waiter   ``session.run_async`` awaited through a ``CallbackWaiter``, whose callback
+           writes a byte to a socket pair the loop waits on: ``ort_async`` now
 
 For each: the loop thread's CPU (``time.thread_time``), the process's CPU and the
 wall time per execution, and the loop thread's involuntary and voluntary context
@@ -35,10 +35,8 @@ Usage:  .venv/bin/python benchmarks/bench_hop.py [--rows 32] [--trips 2000] [--r
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
 import resource
-import socket
 import statistics
 import time
 from collections.abc import Awaitable, Callable
@@ -49,7 +47,7 @@ import numpy as np
 import onnxruntime as ort
 import trio
 
-from trioinfer.lowlevel import WorkerThread, wait_on_callback
+from trioinfer.lowlevel import CallbackWaiter, WorkerThread, wait_on_callback
 
 MODEL = (
     Path(__file__).resolve().parent.parent / "src/trioinfer/examples/repository/digits/1/model.onnx"
@@ -69,9 +67,7 @@ async def main(args: argparse.Namespace) -> None:
     outputs = [spec.name for spec in one.get_outputs()]
     feed = {one.get_inputs()[0].name: np.random.rand(args.rows, 64).astype(np.float32)}
     worker = await WorkerThread.start("bench-hop")
-    receiver, sender = socket.socketpair()
-    receiver.setblocking(False)
-    sender.setblocking(False)
+    callbacks = CallbackWaiter()
 
     async def inline() -> Any:
         await trio.lowlevel.checkpoint()
@@ -89,27 +85,20 @@ async def main(args: argparse.Namespace) -> None:
 
         return await wait_on_callback(start)
 
-    async def sock() -> Any:
-        box: list[Any] = []
+    async def waiter() -> Any:
+        def start(resolve: Any) -> None:
+            def done(values: Any, _user: object, error: str) -> None:
+                resolve(None, RuntimeError(error)) if error else resolve(values, None)
 
-        def done(values: Any, _user: object, error: str) -> None:
-            box.append(values)
-            with contextlib.suppress(OSError):
-                sender.send(b"\0")
+            two.run_async(outputs, feed, done, None, ort.RunOptions())
 
-        two.run_async(outputs, feed, done, None, ort.RunOptions())
-        while not box:
-            await trio.lowlevel.wait_readable(receiver)
-            with contextlib.suppress(BlockingIOError):
-                receiver.recv(4096)
-        await trio.lowlevel.cancel_shielded_checkpoint()
-        return box[0]
+        return await callbacks.wait_on_callback(start)
 
     ways: list[tuple[str, Callable[[], Awaitable[Any]]]] = [
         ("inline", inline),
         ("thread", thread),
         ("cb", cb),
-        ("sock", sock),
+        ("waiter", waiter),
     ]
     print(
         f"digits, {args.rows} rows an execution, {args.trips} executions per figure; "
@@ -134,8 +123,7 @@ async def main(args: argparse.Namespace) -> None:
                 f"{(wall1 - wall0) / n * 1e6:8.1f} {invol:11.2f} {vol:9.2f}"
             )
     await worker.aclose()
-    receiver.close()
-    sender.close()
+    callbacks.close()
 
 
 async def overlap(args: argparse.Namespace) -> None:
