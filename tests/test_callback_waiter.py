@@ -187,3 +187,17 @@ async def test_an_ort_async_instance_is_woken_through_its_waiter(
     finally:
         monkeypatch.undo()  # closing joins the worker thread through the token
         await instance.aclose()
+
+
+async def test_a_wait_cancelled_before_it_starts_starts_nothing_and_frees_the_waiter() -> None:
+    waiter = CallbackWaiter()
+    started: list[Resolve] = []
+    try:
+        with trio.CancelScope() as scope:
+            scope.cancel()
+            await waiter.wait_on_callback(started.append)
+        assert scope.cancelled_caught
+        assert started == []
+        assert await waiter.wait_on_callback(lambda r: _later(r, 2)) == 2
+    finally:
+        waiter.close()

@@ -369,9 +369,9 @@ class CallbackWaiter:
         wake = self._wake
         if wake is None or self._busy:
             return await wait_on_callback(start, abort=abort)
-        await _trio.checkpoint_if_cancelled()
-        self._busy = True
+        self._busy = True  # before any await: a second caller must not share the socket
         try:
+            await _trio.checkpoint_if_cancelled()
             signal: _Signal[T] = _Signal(wake[1].send)
             start(signal)
             return await _wait_on_socket(wake[0], signal, abort)
