@@ -328,6 +328,72 @@ async def wait_on_callback(
 
 
 @final
+class CallbackWaiter:
+    """`wait_on_callback` for one caller at a time, woken through a socket pair of its own.
+
+    For a backend whose runtime reports each execution through a callback
+    from a thread of its own (ONNX Runtime's ``run_async``). On Trio the
+    callback writes one byte to this object's socket, which the waiting task
+    waits on itself, as `WorkerThread` does: `wait_on_callback` goes through
+    ``TrioToken.run_sync_soon``, whose entry queue's task, lock and event cost
+    the loop about 15-20 us more a call. A second wait while one is in
+    progress, and every wait on asyncio, goes through `wait_on_callback`.
+    Create it on the event loop's thread, inside the loop it serves; `close()`
+    it when done.
+    """
+
+    __slots__ = ("_busy", "_closed", "_wake")
+
+    def __init__(self) -> None:
+        self._busy = False
+        self._closed = False
+        self._wake: tuple[socket.socket, socket.socket] | None = None  # (receiver, sender)
+        if sniffio.current_async_library() == "trio":
+            self._wake = socket.socketpair()
+            for end in self._wake:
+                end.setblocking(False)
+
+    async def wait_on_callback(
+        self,
+        start: Callable[[Callable[[T | None, BaseException | None], None]], object],
+        *,
+        abort: Callable[[], object] | None = None,
+    ) -> T:
+        """What `wait_on_callback` does, with the same contract for *start* and *abort*.
+
+        Raises:
+            anyio.ClosedResourceError: After `close()`.
+        """
+        if self._closed:
+            raise anyio.ClosedResourceError("the callback waiter is closed")
+        wake = self._wake
+        if wake is None or self._busy:
+            return await wait_on_callback(start, abort=abort)
+        self._busy = True  # before any await: a second caller must not share the socket
+        try:
+            await _trio.checkpoint_if_cancelled()
+            signal: _Signal[T] = _Signal(wake[1].send)
+            start(signal)
+            return await _wait_on_socket(wake[0], signal, abort)
+        finally:
+            self._busy = False
+            if self._closed:
+                self._close_socket()
+
+    def close(self) -> None:
+        """Close the socket pair (at once, or when the wait in progress ends). Idempotent."""
+        self._closed = True
+        if not self._busy:
+            self._close_socket()
+
+    def _close_socket(self) -> None:
+        if self._wake is not None:
+            for end in self._wake:
+                end.close()
+            self._wake = None
+
+
+@final
 class _Signal(Generic[T]):
     # Carries one result from the worker thread back to a Trio task that waits on
     # the worker's own socket: one byte written once the result is there.

@@ -26,8 +26,9 @@ class OneAtATime:
   [`Replica`][trioinfer.lowlevel.Replica] a fallback works with.
 - For backends: the [`Placement`][trioinfer.lowlevel.Placement] that ``load``
   gets, a [`WorkerThread`][trioinfer.lowlevel.WorkerThread] to run blocking
-  calls on, [`wait_on_callback()`][trioinfer.lowlevel.wait_on_callback] for
-  runtimes that report through callbacks, and
+  calls on, [`wait_on_callback()`][trioinfer.lowlevel.wait_on_callback] (and
+  [`CallbackWaiter`][trioinfer.lowlevel.CallbackWaiter], its cheaper form for
+  one caller at a time) for runtimes that report through callbacks, and
   [`numpy_dtype()`][trioinfer.lowlevel.numpy_dtype] for ONNX type names, and
   [`current_batch_deadline()`][trioinfer.lowlevel.current_batch_deadline]
   for backends that send a batch's remaining time along with it.
@@ -45,6 +46,7 @@ from ._config import Placement as Placement
 from ._remote_trace import current_trace_context as current_trace_context
 from ._remote_trace import record_span as record_span
 from ._tensors import numpy_dtype as numpy_dtype
+from ._threads import CallbackWaiter as CallbackWaiter
 from ._threads import WorkerThread as WorkerThread
 from ._threads import current_batch_deadline as current_batch_deadline
 from ._threads import wait_on_callback as wait_on_callback
