@@ -17,6 +17,7 @@ import pytest
 import trio
 
 import trioinfer
+import trioinfer._inline
 import trioinfer_onnxruntime as ort_backend
 from trioinfer import Device, Instance, ModelConfig, open_engine
 from trioinfer.lowlevel import Placement, WorkerThread
@@ -783,8 +784,8 @@ async def test_back_to_back_inline_executions_yield_once_per_budget(
         onnxruntime.InferenceSession(str(add_model)), "cpu", worker, "inline", 0.001
     )
     now = 10.0
-    instance._wall = other._wall = lambda: now  # type: ignore[method-assign]
-    monkeypatch.setattr(ort_backend._instance._slice, "start", -math.inf, raising=False)
+    monkeypatch.setattr(trioinfer._inline, "_wall", lambda: now)
+    monkeypatch.setattr(trioinfer._inline._slice, "start", -math.inf)
     me = trio.lowlevel.current_task()
 
     class Yields(trio.abc.Instrument):

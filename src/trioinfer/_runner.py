@@ -40,6 +40,7 @@ from ._exceptions import (
     QueueFull,
     TrioInferError,
 )
+from ._inline import end_inline_grant, grant_inline_run, inline_slice_spent
 from ._registry import Kind
 from ._request import Outputs, Request, make_request
 from ._tensors import InputLimits, ModelSignature, rows_validator
@@ -1261,6 +1262,23 @@ class ModelRunner(metaclass=NoPublicConstructor):
                 return replica
         return None
 
+    def slice_spent(self, replica: Replica) -> bool:
+        """Whether *replica*'s instance would yield for the loop's inline slice at its start.
+
+        An instance that runs on the loop in slices (``inline_budget_s``, see
+        `trioinfer.abc.InlineInstance`) yields at the start of an execution once
+        the slice is spent: in `run_here` it would hold the replica meanwhile,
+        and every caller that came by would queue. Its caller yields first
+        instead (`restart_inline_slice` after), then asks `idle_replica` again.
+        """
+        instance = replica._backend_instance
+        budget = getattr(instance, "inline_budget_s", None)
+        return (
+            type(budget) is float
+            and getattr(instance, "runs_inline", False) is True
+            and inline_slice_spent(budget)
+        )
+
     async def run_here(
         self,
         replica: Replica,
@@ -1297,6 +1315,9 @@ class ModelRunner(metaclass=NoPublicConstructor):
         failed: Request | None = None
         try:
             run = instance.execute(inputs)
+            # Its caller checked the loop's inline slice (slice_spent) with no
+            # await since: the instance need not yield for it, holding the model.
+            grant_inline_run()
             try:
                 yielded = run.send(None)
             except StopIteration as done:
@@ -1320,6 +1341,7 @@ class ModelRunner(metaclass=NoPublicConstructor):
             self.cancelled += 1
             raise
         finally:
+            end_inline_grant()
             _batch_deadline.reset(token)
         if failed is not None:
             assert failed._state.error is not None
