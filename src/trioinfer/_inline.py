@@ -43,14 +43,3 @@ def inline_slice_spent(budget_s: float) -> bool:
 def restart_inline_slice() -> None:
     """Start the slice anew: call it right after yielding to the event loop."""
     _slice.start = _wall()
-
-
-def grant_inline_run() -> None:
-    # The engine checked the slice for the execution it starts next (see _Slice).
-    _slice.granted = True
-
-
-def end_inline_grant() -> None:
-    # That execution has started: an instance that never read the grant leaves
-    # it to no other.
-    _slice.granted = False
