@@ -262,7 +262,10 @@ class Pipeline:
                 # by meanwhile would queue, and the queue then seldom empties).
                 await anyio.lowlevel.checkpoint()
                 restart_inline_slice()
-                replica = runner.idle_replica()
+                # Anything may have changed meanwhile (the model replaced, the engine
+                # closing, tracing turned on): ask the engine again, as a later step does.
+                runner = self._step_runner(model)
+                replica = None if runner is None else runner.idle_replica()
             deadline = -math.inf
             if replica is not None:
                 # The model is idle: run the step here, in this task, under the caller's
