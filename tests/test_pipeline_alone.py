@@ -503,16 +503,19 @@ def test_a_caller_leaving_a_step_that_broke_its_word_cancels_it(
 
 def _onnx_chain(add_model: Any) -> tuple[ModelConfig, ModelConfig]:
     # The add model (sum = a + b) run inline on the loop, and a pipeline of it: OUT = 2 IN.
-    add = ModelConfig(name="add", path=add_model, backend_options={"dispatch": "inline"})
+    # A budget (0.1 s) no run comes near, even on a loaded machine: it stays inline
+    # (a run over ten budgets would move it to its thread for good).
+    options = {"dispatch": "inline", "inline_budget_us": 100_000}
+    add = ModelConfig(name="add", path=add_model, backend_options=options)
     tensor = {"dtype": "float32", "shape": ["batch", 4]}
-    options = {
+    steps = {
         "inputs": [{"name": "IN", **tensor}],
         "outputs": [{"name": "OUT", **tensor}],
         "steps": [
             {"model": "add", "input_map": {"a": "IN", "b": "IN"}, "output_map": {"sum": "OUT"}}
         ],
     }
-    return add, ModelConfig(name="p", path="-", backend="pipeline", backend_options=options)
+    return add, ModelConfig(name="p", path="-", backend="pipeline", backend_options=steps)
 
 
 @pytest.mark.parametrize("spent", [True, False], ids=["slice-spent", "slice-fresh"])
@@ -527,7 +530,7 @@ async def test_an_inline_onnx_step_yields_before_it_claims_its_instance(
     import trioinfer._inline
 
     wall = iter(range(10**9)) if spent else iter(())
-    # Spent: each reading is a second after the last. Fresh: time stands still.
+    # Spent: each reading is a second (ten budgets) after the last. Fresh: time stands still.
     monkeypatch.setattr(trioinfer._inline, "_wall", lambda: float(next(wall, 0)))
     monkeypatch.setattr(trioinfer._inline._slice, "start", -1.0 if spent else 0.0)
     queued: list[str] = []
