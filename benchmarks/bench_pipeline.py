@@ -2,7 +2,7 @@
 
 The steps are the bundled repository's: ``scale_image`` (Python: an 8x8 image to a
 float row), ``digits`` (ONNX Runtime) and ``digit_names`` (Python: probabilities to a
-name). Three arms, C client tasks each sending one image at a time:
+name). Four arms, C client tasks each sending one image at a time:
 
   hand        one async function per request: the request's input checked (dtype and
               shape, as the pipeline checks its input), the two Python steps called
@@ -12,6 +12,9 @@ name). Three arms, C client tasks each sending one image at a time:
               after a checkpoint
   pipeline    the ``read_digit`` pipeline, every step unbatched (batcher "none")
   batched     the same pipeline, every step with the dynamic batcher (32 rows, 2 ms)
+  onnx-batched  the same pipeline, only the ONNX model (``digits``) with the dynamic
+              batcher: the Python steps, a few microseconds each, run unbatched (in the
+              request's own task when their model is idle)
 
 Both arms do the same work: one session, one compute thread, one ``RunOptions`` per
 run; only the engine (queues, step requests, output checks) is extra. Each arm runs
@@ -108,15 +111,18 @@ async def by_hand(args: argparse.Namespace) -> Figures:
             await worker.aclose()
 
 
-async def as_pipeline(args: argparse.Namespace, *, batched: bool) -> Figures:
-    batching = (
-        {"batcher": "dynamic", "batcher_options": {"max_batch_size": 32, "max_queue_delay": 0.002}}
-        if batched
-        else {"batcher": "none"}
-    )
+async def as_pipeline(
+    args: argparse.Namespace, *, batched: bool, only_onnx: bool = False
+) -> Figures:
+    dynamic = {
+        "batcher": "dynamic",
+        "batcher_options": {"max_batch_size": 32, "max_queue_delay": 0.002},
+    }
     async with trioinfer.open_engine() as engine:
         for name in ("scale_image", "digits", "digit_names"):
             config = trioinfer.ModelConfig.from_toml(REPO / name / "config.toml")
+            on = batched and (not only_onnx or config.backend == "onnxruntime")
+            batching = dynamic if on else {"batcher": "none"}
             data = {**config.backend_options}
             if config.backend == "onnxruntime":
                 data["dispatch"] = args.dispatch  # as the hand arm runs it
@@ -157,6 +163,7 @@ def main() -> None:
         "hand": lambda: by_hand(args),
         "pipeline": lambda: as_pipeline(args, batched=False),
         "batched": lambda: as_pipeline(args, batched=True),
+        "onnx-batched": lambda: as_pipeline(args, batched=True, only_onnx=True),
     }
     figures: dict[str, list[Figures]] = {name: [] for name in runs}
     for round_ in range(args.rounds):
@@ -164,9 +171,9 @@ def main() -> None:
         for name in order:
             rate, cpu = trio.run(runs[name])
             figures[name].append((rate, cpu))
-            print(f"round {round_ + 1}: {name:<9} {rate:8.0f} req/s {cpu * 1e6:6.0f} us CPU/req")
+            print(f"round {round_ + 1}: {name:<12} {rate:8.0f} req/s {cpu * 1e6:6.0f} us CPU/req")
     hand = figures["hand"]
-    for name in ("pipeline", "batched"):
+    for name in ("pipeline", "batched", "onnx-batched"):
         ratios = [b[0] / a[0] for a, b in zip(hand, figures[name], strict=True)]
         cpu_ratios = [a[1] / b[1] for a, b in zip(hand, figures[name], strict=True)]
         print(

@@ -17,6 +17,7 @@ import pytest
 import trio
 
 import trioinfer
+import trioinfer._inline
 import trioinfer_onnxruntime as ort_backend
 from trioinfer import Device, Instance, ModelConfig, open_engine
 from trioinfer.lowlevel import Placement, WorkerThread
@@ -783,8 +784,8 @@ async def test_back_to_back_inline_executions_yield_once_per_budget(
         onnxruntime.InferenceSession(str(add_model)), "cpu", worker, "inline", 0.001
     )
     now = 10.0
-    instance._wall = other._wall = lambda: now  # type: ignore[method-assign]
-    monkeypatch.setattr(ort_backend._instance._slice, "start", -math.inf, raising=False)
+    monkeypatch.setattr(trioinfer._inline, "_wall", lambda: now)
+    monkeypatch.setattr(trioinfer._inline._slice, "start", -math.inf)
     me = trio.lowlevel.current_task()
 
     class Yields(trio.abc.Instrument):
@@ -811,3 +812,57 @@ async def test_back_to_back_inline_executions_yield_once_per_budget(
         trio.lowlevel.remove_instrument(yields)
         await instance.aclose()
         await other.aclose()
+
+
+async def test_inline_runs_read_the_cpu_clock_only_near_the_budget(add_model: Path) -> None:
+    # The CPU clock is a system call (1.7 us a read on a VM): a run far within the
+    # budget by the wall is within it by the CPU too and counts its wall time; a run
+    # that comes near it by the wall is not counted (it may have been preempted),
+    # and the next run reads the CPU.
+    import onnxruntime
+
+    worker = await WorkerThread.start("test-inline-cpu-clock")
+    instance = ort_backend.OnnxRuntimeInstance(
+        onnxruntime.InferenceSession(str(add_model)), "cpu", worker, "inline", 0.001
+    )
+    reads = 0
+    wall = 0.0
+    run_s = 0.0  # each wall-clock read moves the clock on by this: a run lasts it
+
+    def cpu() -> float:
+        nonlocal reads
+        reads += 1
+        return 1e-6 * reads  # a microsecond of CPU a run
+
+    def wall_clock() -> float:
+        nonlocal wall
+        wall += run_s / 2
+        return wall
+
+    instance._clock = cpu
+    instance._wall = wall_clock  # type: ignore[method-assign]
+    try:
+        run_s = 1e-5
+        for _ in range(5):  # far within the budget: no CPU read
+            await instance.execute(pair())
+        assert reads == 0
+        run_s = 0.1  # a hundred budgets by the wall (preempted, say)
+        await instance.execute(pair())
+        assert reads == 0  # not counted, and no verdict on the wall time alone
+        assert instance.dispatch == "inline"
+        await instance.execute(pair())  # the next run reads the CPU: a microsecond
+        assert reads == 2
+        assert instance.dispatch == "inline"
+        run_s = 1e-5
+        await instance.execute(pair())  # measured so too (the last came near)
+        assert reads == 4
+        await instance.execute(pair())  # far within again: the wall
+        assert reads == 4
+        assert instance.dispatch == "inline"
+        run_s = 0.1
+        await instance.execute(pair())
+        instance._clock = lambda: wall  # the CPU agrees with the wall: a slow model
+        await instance.execute(pair())
+        assert instance.dispatch == "thread"  # the run after the near one decides
+    finally:
+        await instance.aclose()

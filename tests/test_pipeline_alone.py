@@ -499,3 +499,77 @@ def test_a_caller_leaving_a_step_that_broke_its_word_cancels_it(
             assert stats["p"].cancelled == 1
 
     anyio.run(main, backend=backend)
+
+
+def _onnx_chain(add_model: Any) -> tuple[ModelConfig, ModelConfig]:
+    # The add model (sum = a + b) run inline on the loop, and a pipeline of it: OUT = 2 IN.
+    # A budget (0.1 s) no run comes near, even on a loaded machine: it stays inline
+    # (a run over ten budgets would move it to its thread for good).
+    options = {"dispatch": "inline", "inline_budget_us": 100_000}
+    add = ModelConfig(name="add", path=add_model, backend_options=options)
+    tensor = {"dtype": "float32", "shape": ["batch", 4]}
+    steps = {
+        "inputs": [{"name": "IN", **tensor}],
+        "outputs": [{"name": "OUT", **tensor}],
+        "steps": [
+            {"model": "add", "input_map": {"a": "IN", "b": "IN"}, "output_map": {"sum": "OUT"}}
+        ],
+    }
+    return add, ModelConfig(name="p", path="-", backend="pipeline", backend_options=steps)
+
+
+@pytest.mark.parametrize("spent", [True, False], ids=["slice-spent", "slice-fresh"])
+async def test_an_inline_onnx_step_yields_before_it_claims_its_instance(
+    add_model: Any, monkeypatch: pytest.MonkeyPatch, spent: bool
+) -> None:
+    # ONNX Runtime's inline run yields once the loop's inline slice is spent. Were
+    # it to yield in its execute, it would hold the instance meanwhile, and callers
+    # arriving then would queue (and the queue, at load, seldom empties). The
+    # pipeline yields first, holding nothing: every step runs in its caller's task,
+    # and the loop is still given its turn once per slice, no more.
+    import trioinfer._inline
+
+    wall = iter(range(10**9)) if spent else iter(())
+    # Spent: each reading is a second (ten budgets) after the last. Fresh: time stands still.
+    monkeypatch.setattr(trioinfer._inline, "_wall", lambda: float(next(wall, 0)))
+    monkeypatch.setattr(trioinfer._inline._slice, "start", -1.0 if spent else 0.0)
+    queued: list[str] = []
+    admit = trioinfer._runner.ModelRunner.admit
+
+    def counting(self: Any, request: Any) -> None:
+        queued.append(self.config.name)
+        admit(self, request)
+
+    monkeypatch.setattr(trioinfer._runner.ModelRunner, "admit", counting)
+    async with open_engine() as engine:
+        await load(engine, *_onnx_chain(add_model))
+        me = trio.lowlevel.current_task()
+
+        class Yields(trio.abc.Instrument):
+            count = 0
+
+            def before_task_step(self, task: trio.lowlevel.Task) -> None:
+                self.count += task is me
+
+        yields = Yields()
+        trio.lowlevel.add_instrument(yields)
+        try:
+            for _ in range(3):
+                out = await engine.infer("p", {"IN": X})
+                np.testing.assert_array_equal(out["OUT"], 2 * X)
+        finally:
+            trio.lowlevel.remove_instrument(yields)
+        assert yields.count == (3 if spent else 0)  # once per step when spent, not twice
+
+        async def caller() -> None:
+            for _ in range(5):
+                out = await engine.infer("p", {"IN": X})
+                np.testing.assert_array_equal(out["OUT"], 2 * X)
+
+        with trio.fail_after(10):
+            async with trio.open_nursery() as nursery:
+                for _ in range(8):
+                    nursery.start_soon(caller)
+        assert queued == []  # each step ran on the idle instance in its caller's task
+        s = engine.statistics().models["add"]
+        assert (s.succeeded, s.executions, s.in_flight, s.queue_duration.count) == (43, 43, 0, 43)

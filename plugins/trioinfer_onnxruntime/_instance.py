@@ -11,8 +11,6 @@ cheaper than the hop). A cancelled execution off the loop is aborted with
 from __future__ import annotations
 
 import logging
-import math
-import threading
 import time
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any, Final, final
@@ -23,16 +21,16 @@ import numpy as np
 import sniffio
 
 from trioinfer import BackendError, ModelSignature
-from trioinfer.lowlevel import CallbackWaiter, WorkerThread
+from trioinfer.lowlevel import (
+    CallbackWaiter,
+    WorkerThread,
+    inline_slice_spent,
+    restart_inline_slice,
+)
 
 from ._options import DEFAULT_INLINE_BUDGET_US
 from ._ort import _one_line, _ort, _signature, log
 from ._tuning import preferred_batch_size
-
-#: When back-to-back inline runs on this thread's event loop last yielded:
-#: one slice for every instance (several models' runs in one loop pass hold
-#: the loop for a budget in all, not a budget each).
-_slice = threading.local()
 
 #: Executions an 'auto' instance measures on its thread before it may go inline.
 AUTO_SAMPLES: Final = 32
@@ -59,6 +57,7 @@ class OnnxRuntimeInstance:
         "_dispatch",
         "_inline_average",
         "_label",
+        "_measure_cpu",
         "_outputs",
         "_samples",
         "_session",
@@ -106,6 +105,7 @@ class OnnxRuntimeInstance:
         self._label = label
         self._samples: list[float] = []
         self._inline_average: float | None = None
+        self._measure_cpu = False  # read the CPU clock on the next inline run (_run_inline)
         self._signature = _signature(session)
         self._outputs = [spec.name for spec in self._signature.outputs]
         self._closed = False
@@ -177,30 +177,71 @@ class OnnxRuntimeInstance:
             raise BackendError(f"ONNX Runtime failed on {self._device}: {_one_line(exc)}") from exc
         return dict(zip(self._outputs, values, strict=True))
 
+    @property
+    def runs_inline(self) -> bool:
+        """True while executions run on the event loop's thread (``dispatch`` inline).
+
+        Then `execute` suspends only at its start, when the loop's inline slice
+        is spent (`inline_budget_s`), or when its caller is cancelled: an
+        `trioinfer.abc.InlineInstance` in slices. ``auto`` may move to inline
+        and back to the thread; this says where the next execution runs.
+        """
+        return self._dispatch == "inline"
+
+    @property
+    def inline_budget_s(self) -> float:
+        """The time inline executions may hold the loop, in all, before one yields."""
+        return self._budget
+
     async def _run_inline(self, session: Any, inputs: Any) -> Any:
         # Back-to-back inline executions must not starve the event loop: yield
         # once they have held it for a budget's worth of time since the last
-        # yield. Not before every run: that let each loop pass carry one request
-        # through each model and woke every model's worker for a single request.
-        if self._wall() - getattr(_slice, "start", -math.inf) > self._budget:
+        # yield (one slice for every instance on this thread's loop: several
+        # models' runs hold it for a budget in all, not a budget each). Not
+        # before every run: that let each loop pass carry one request through
+        # each model and woke every model's worker for a single request.
+        if inline_slice_spent(self._budget):
             await anyio.lowlevel.checkpoint()
-            _slice.start = self._wall()
+            restart_inline_slice()
         else:
             await self._checkpoint_if_cancelled()
-        started = self._clock()
+        # The model's cost is its CPU time with one CPU thread (_compute_clock),
+        # but that clock is a system call (1.7 us a read on a VM, twice per run).
+        # Wall time, cheap, bounds it from above: a run well within the budget by
+        # the wall is within it by the CPU too, and counts its wall time. Only
+        # a run that comes near the budget by the wall, or follows one that did,
+        # reads the CPU clock (the run after one that came near is measured so).
+        clock = self._clock
+        cpu = clock is not time.perf_counter and self._measure_cpu
+        wall = self._wall()
+        started = clock() if cpu else wall
         try:
             return session.run(self._outputs, inputs)
         finally:
-            took = self._clock() - started
+            ended = self._wall()
+            near = ended - wall > 0.5 * self._budget
+            if cpu:
+                took: float | None = clock() - started
+            elif clock is time.perf_counter or not near:
+                took = ended - wall
+            else:
+                took = None  # near the budget by the wall: the next run reads the CPU
+            self._measure_cpu = near
             # A session's first run allocates and is several times slower: it
             # only seeds the average. After it, a moving average forgives one slow
             # run (a page fault); a run ten times over the budget is not forgiven.
             average = self._inline_average
             if average is None:
-                self._inline_average = min(took, self._budget)
-            else:
+                self._inline_average = min(ended - wall if took is None else took, self._budget)
+            elif took is not None:
                 self._inline_average = average = average + 0.1 * (took - average)
-            if average is not None and (average > self._budget or took > 10 * self._budget):
+            else:
+                average = None  # not counted: nothing to decide
+            if (
+                average is not None
+                and took is not None
+                and (average > self._budget or took > 10 * self._budget)
+            ):
                 self._dispatch = "thread"
                 # Expected when auto tries inline; a surprise when inline was asked for.
                 log.log(

@@ -40,6 +40,7 @@ from typing import Any, final
 
 import anyio
 import anyio.abc
+import anyio.lowlevel
 import attrs
 import numpy as np
 
@@ -52,6 +53,7 @@ from ._exceptions import (
     QueueFull,
     TrioInferError,
 )
+from ._inline import restart_inline_slice
 from ._request import Outputs, Request
 from ._runner import (
     BATCH_BUCKETS,
@@ -254,6 +256,16 @@ class Pipeline:
         try:
             runner = self._step_runner(model)
             replica = None if runner is None else runner.idle_replica()
+            if replica is not None and runner is not None and runner.slice_spent(replica):
+                # The loop's inline slice is spent: yield now, holding nothing, not
+                # in the instance's execute while it holds the model (whoever came
+                # by meanwhile would queue, and the queue then seldom empties).
+                await anyio.lowlevel.checkpoint()
+                restart_inline_slice()
+                # Anything may have changed meanwhile (the model replaced, the engine
+                # closing, tracing turned on): ask the engine again, as a later step does.
+                runner = self._step_runner(model)
+                replica = None if runner is None else runner.idle_replica()
             deadline = -math.inf
             if replica is not None:
                 # The model is idle: run the step here, in this task, under the caller's

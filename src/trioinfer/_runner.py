@@ -40,6 +40,8 @@ from ._exceptions import (
     QueueFull,
     TrioInferError,
 )
+from ._inline import _slice as _inline_slice
+from ._inline import inline_slice_spent
 from ._registry import Kind
 from ._request import Outputs, Request, make_request
 from ._tensors import InputLimits, ModelSignature, rows_validator
@@ -1261,6 +1263,23 @@ class ModelRunner(metaclass=NoPublicConstructor):
                 return replica
         return None
 
+    def slice_spent(self, replica: Replica) -> bool:
+        """Whether *replica*'s instance would yield for the loop's inline slice at its start.
+
+        An instance that runs on the loop in slices (``inline_budget_s``, see
+        `trioinfer.abc.InlineInstance`) yields at the start of an execution once
+        the slice is spent: in `run_here` it would hold the replica meanwhile,
+        and every caller that came by would queue. Its caller yields first
+        instead (`restart_inline_slice` after), then asks `idle_replica` again.
+        """
+        instance = replica._backend_instance
+        budget = getattr(instance, "inline_budget_s", None)
+        return (
+            type(budget) is float
+            and getattr(instance, "runs_inline", False) is True
+            and inline_slice_spent(budget)
+        )
+
     async def run_here(
         self,
         replica: Replica,
@@ -1297,12 +1316,19 @@ class ModelRunner(metaclass=NoPublicConstructor):
         failed: Request | None = None
         try:
             run = instance.execute(inputs)
+            # Its caller checked the loop's inline slice (slice_spent) with no
+            # await since: the instance need not yield for it, holding the model.
+            _inline_slice.granted = True
             try:
                 yielded = run.send(None)
             except StopIteration as done:
                 outputs: Outputs = done.value
                 if self.batched:
-                    _check_rows(self.config.name, replica, outputs, rows)
+                    for array in outputs.values():
+                        # Arrays of the request's rows, from every backend that checks
+                        # its outputs; anything else _check_rows judges.
+                        if type(array) is not np.ndarray or not array.ndim or len(array) != rows:
+                            _check_rows(self.config.name, replica, outputs, rows)
             else:
                 begun = (run, yielded)  # it broke its word
         except Exception as exc:
@@ -1320,6 +1346,7 @@ class ModelRunner(metaclass=NoPublicConstructor):
             self.cancelled += 1
             raise
         finally:
+            _inline_slice.granted = False  # (an instance that never read it)
             _batch_deadline.reset(token)
         if failed is not None:
             assert failed._state.error is not None
@@ -1331,10 +1358,31 @@ class ModelRunner(metaclass=NoPublicConstructor):
                 self.config.name, inputs, request_id, priority, tenant, deadline, now, rows
             )
             return await self.run_alone(replica, request, begun)
-        ended = self.clock.current_time()
-        self._count_alone(replica, rows, now, ended, outputs)
+        # _count_alone, _executed and the request's duration, in line (this path
+        # is a pipeline step's every time): the compute and request histograms
+        # share their buckets and, here, their value.
+        elapsed = self.clock.current_time() - now
+        queued = self._queue_duration
+        queued.counts[0] += 1  # it never queued: observe(0.0), the first bucket
+        queued.count += 1
+        sizes = self._batch_size
+        sizes.counts[bisect.bisect_left(sizes.bounds, rows)] += 1
+        sizes.count += 1
+        sizes.sum += rows
+        self.executions += 1
+        replica.executions += 1
+        computed, answered = self._compute_duration, self._request_duration
+        bucket = bisect.bisect_left(computed.bounds, elapsed)
+        computed.counts[bucket] += 1
+        computed.count += 1
+        computed.sum += elapsed
+        answered.counts[bucket] += 1
+        answered.count += 1
+        answered.sum += elapsed
+        mean = self._mean_execution_s
+        self._mean_execution_s = elapsed if mean == 0.0 else mean + 0.2 * (elapsed - mean)
+        self._cost.observe(rows, 1, elapsed)
         self.succeeded += 1
-        self._request_duration.observe(ended - now)
         return outputs
 
     def _count_alone(

@@ -616,6 +616,15 @@ class InlineInstance(BackendInstance, Protocol):
     nothing else can run until it returns. An instance that says so and
     suspends anyway still finishes, but stopping its model waits for it
     (up to the cleanup period) instead of aborting it.
+
+    An instance that runs on the event loop's thread within a time budget
+    (ONNX Runtime's ``dispatch = "inline"``) may say so too, and also have an
+    ``inline_budget_s`` attribute (seconds, a float): its `execute` then
+    suspends once, at its start, when
+    [`inline_slice_spent(inline_budget_s)`][trioinfer.lowlevel.inline_slice_spent]
+    (restarting the slice after it yields), or when its caller is cancelled,
+    and never otherwise. The engine then yields itself before claiming such
+    an instance in its caller's task, holding nothing meanwhile.
     """
 
     @property

@@ -31,7 +31,10 @@ class OneAtATime:
   one caller at a time) for runtimes that report through callbacks, and
   [`numpy_dtype()`][trioinfer.lowlevel.numpy_dtype] for ONNX type names, and
   [`current_batch_deadline()`][trioinfer.lowlevel.current_batch_deadline]
-  for backends that send a batch's remaining time along with it.
+  for backends that send a batch's remaining time along with it, and
+  [`inline_slice_spent()`][trioinfer.lowlevel.inline_slice_spent] /
+  [`restart_inline_slice()`][trioinfer.lowlevel.restart_inline_slice] for
+  backends that run executions on the event loop's thread within a time budget.
 - For backends whose work runs elsewhere, tracing:
   [`current_trace_context()`][trioinfer.lowlevel.current_trace_context]
   (the W3C context to send with a traced call) and
@@ -43,6 +46,8 @@ To make requests for a plugin's own tests, use
 """
 
 from ._config import Placement as Placement
+from ._inline import inline_slice_spent as inline_slice_spent
+from ._inline import restart_inline_slice as restart_inline_slice
 from ._remote_trace import current_trace_context as current_trace_context
 from ._remote_trace import record_span as record_span
 from ._tensors import numpy_dtype as numpy_dtype

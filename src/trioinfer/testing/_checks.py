@@ -14,6 +14,7 @@ import numpy as np
 
 from .._config import Device, Instance, ModelConfig, Placement
 from .._exceptions import BackendError, TrioInferError
+from .._inline import restart_inline_slice
 from .._request import Request as _Request
 from .._sequence import SequenceFlags
 from .._tensors import ModelSignature
@@ -206,6 +207,8 @@ async def check_backend(
         if getattr(instance, "runs_inline", False) is True:
             # It says it never suspends (an InlineInstance): then it cannot see a
             # cancellation either, and must end without yielding to the loop.
+            if isinstance(getattr(instance, "inline_budget_s", None), float):
+                restart_inline_slice()  # a fresh slice: nothing to yield for
             run = instance.execute(inputs)
             try:
                 run.send(None)
