@@ -366,6 +366,7 @@ def _counts(s: trioinfer.ModelStatistics) -> tuple[object, ...]:
         s.succeeded, s.failed, s.cancelled, s.expired, s.refused, s.in_flight, s.queued,
         s.executions, s.replicas[0].executions, s.replicas[0].failures,
         s.queue_duration.counts, s.compute_duration.count, s.request_duration.count,
+        sum(s.compute_duration.counts), sum(s.request_duration.counts),
         s.batch_size.counts, s.batch_size.sum,
     )  # fmt: skip
 

@@ -1337,12 +1337,12 @@ class ModelRunner(metaclass=NoPublicConstructor):
             )
             failed._state.status = _RUNNING
             self._in_flight.add(failed)
-            self._count_alone(replica, rows, now, self.clock.current_time(), None)
+            self._count_alone(replica, rows, self.clock.current_time() - now, answered=False)
             replica.failures += 1
             self.finish(failed, error=_backend_error(self.config.name, failed, exc))
         except BaseException:
             # Not a cancellation (it never suspended): KeyboardInterrupt and the like.
-            self._count_alone(replica, rows, now, self.clock.current_time(), None)
+            self._count_alone(replica, rows, self.clock.current_time() - now, answered=False)
             self.cancelled += 1
             raise
         finally:
@@ -1358,10 +1358,16 @@ class ModelRunner(metaclass=NoPublicConstructor):
                 self.config.name, inputs, request_id, priority, tenant, deadline, now, rows
             )
             return await self.run_alone(replica, request, begun)
-        # _count_alone, _executed and the request's duration, in line (this path
-        # is a pipeline step's every time): the compute and request histograms
-        # share their buckets and, here, their value.
         elapsed = self.clock.current_time() - now
+        self._count_alone(replica, rows, elapsed, answered=True)
+        self.succeeded += 1
+        return outputs
+
+    def _count_alone(self, replica: Replica, rows: int, elapsed: float, answered: bool) -> None:
+        # An execution in its caller's task, counted as the worker counts one (and,
+        # when it answered, its request's duration: the execution's own). In line,
+        # not through Histogram.observe: this is every pipeline step's path, and the
+        # compute and request histograms share their buckets and, here, their value.
         queued = self._queue_duration
         queued.counts[0] += 1  # it never queued: observe(0.0), the first bucket
         queued.count += 1
@@ -1371,40 +1377,29 @@ class ModelRunner(metaclass=NoPublicConstructor):
         sizes.sum += rows
         self.executions += 1
         replica.executions += 1
-        computed, answered = self._compute_duration, self._request_duration
+        computed = self._compute_duration
         bucket = bisect.bisect_left(computed.bounds, elapsed)
         computed.counts[bucket] += 1
         computed.count += 1
         computed.sum += elapsed
-        answered.counts[bucket] += 1
-        answered.count += 1
-        answered.sum += elapsed
-        mean = self._mean_execution_s
-        self._mean_execution_s = elapsed if mean == 0.0 else mean + 0.2 * (elapsed - mean)
-        self._cost.observe(rows, 1, elapsed)
-        self.succeeded += 1
-        return outputs
-
-    def _count_alone(
-        self, replica: Replica, rows: int, started: float, ended: float, outputs: Outputs | None
-    ) -> None:
-        # An execution in its caller's task, counted as the worker counts one.
-        queued = self._queue_duration
-        queued.counts[0] += 1  # it never queued: observe(0.0), the first bucket
-        queued.count += 1
-        self._batch_size.observe(rows)
-        self.executions += 1
-        replica.executions += 1
-        self._executed(rows, 1, ended - started, outputs is not None)
+        if answered:
+            request = self._request_duration
+            request.counts[bucket] += 1
+            request.count += 1
+            request.sum += elapsed
+            self._learn(rows, 1, elapsed)
 
     def _executed(self, rows: int, requests: int, elapsed: float, answered: bool) -> None:
         # One execution's compute time; a run that answered also teaches the
         # estimates (aborted and failed runs say little of the next one).
         self._compute_duration.observe(elapsed, requests)
         if answered:
-            mean = self._mean_execution_s
-            self._mean_execution_s = elapsed if mean == 0.0 else mean + 0.2 * (elapsed - mean)
-            self._cost.observe(rows, requests, elapsed)
+            self._learn(rows, requests, elapsed)
+
+    def _learn(self, rows: int, requests: int, elapsed: float) -> None:
+        mean = self._mean_execution_s
+        self._mean_execution_s = elapsed if mean == 0.0 else mean + 0.2 * (elapsed - mean)
+        self._cost.observe(rows, requests, elapsed)
 
     async def run_alone(
         self,
