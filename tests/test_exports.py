@@ -31,7 +31,7 @@ PUBLIC = {
         "Execution", "FallbackContext", "Placement", "Replica", "Request", "RequestQueue",
         "SchedulerContext", "SequenceContext", "Status", "WorkerThread", "current_batch_deadline",
         "current_trace_context", "numpy_dtype", "record_span",
-        "wait_on_callback", "CallbackWaiter",
+        "wait_on_callback", "CallbackWaiter", "inline_slice_spent", "restart_inline_slice",
     },
     "trioinfer.testing": {
         "FakeBackend", "FakeInstance", "check_backend", "check_batcher", "check_fallback",
