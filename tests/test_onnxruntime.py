@@ -282,6 +282,20 @@ async def test_unknown_cpu_is_a_clear_error(add_model: Path) -> None:
             )
 
 
+async def test_a_worker_thread_that_cannot_start_is_not_blamed_on_cpu_affinity(
+    add_model: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    async def exhausted(name: str, *, cpu_affinity: object = None) -> object:
+        raise OSError(24, "Too many open files")
+
+    monkeypatch.setattr(WorkerThread, "start", exhausted)
+    async with open_engine() as engine:
+        with pytest.raises(trioinfer.BackendError, match="cannot start its worker thread") as err:
+            await engine.load(ModelConfig(name="a", path=add_model))
+    assert "cpu_affinity" not in str(err.value)
+    assert "Too many open files" in str(err.value)
+
+
 async def test_inline_dispatch_passes_the_conformance_check(add_model: Path) -> None:
     config = ModelConfig(name="add", path=add_model, backend_options={"dispatch": "inline"})
     await check_backend(OnnxRuntimeBackend(), config, pair())

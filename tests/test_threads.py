@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import collections
 import select
+import socket
 import sys
 import threading
 import time
@@ -309,3 +310,60 @@ async def test_a_thread_that_cannot_start_leaves_no_sockets_open(
     [jobs] = made
     assert jobs._receiver.fileno() == -1
     assert jobs._sender.fileno() == -1
+
+
+async def test_sockets_that_cannot_be_made_leave_no_thread_running(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The worker's own wake-up socket pair failing (too many open files) must not
+    # leave a started thread, nor the job queue's sockets, behind.
+    made: list[_Jobs] = []
+    original = _Jobs.__init__
+
+    def record(self: _Jobs) -> None:
+        original(self)
+        made.append(self)
+
+    real = socket.socketpair
+    calls = 0
+
+    def second_fails(*args: Any) -> Any:
+        # _Jobs makes its pair first (recorded above); the worker's own pair fails.
+        nonlocal calls
+        calls += 1
+        if calls == 2:
+            raise OSError(24, "Too many open files")
+        return real(*args)
+
+    monkeypatch.setattr(_Jobs, "__init__", record)
+    monkeypatch.setattr(socket, "socketpair", second_fails)
+    before = {thread.ident for thread in threading.enumerate()}
+    with pytest.raises(OSError, match="Too many open files"):
+        await WorkerThread.start("test-no-sockets")
+    [jobs] = made
+    assert jobs._receiver.fileno() == -1
+    assert jobs._sender.fileno() == -1
+    started = [t for t in threading.enumerate() if t.ident not in before]
+    assert not [t for t in started if t.name == "test-no-sockets"]
+
+
+async def test_a_thread_that_cannot_start_closes_the_workers_own_sockets(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    pairs: list[tuple[socket.socket, socket.socket]] = []
+    real = socket.socketpair
+
+    def record(*args: Any) -> Any:
+        pair = real(*args)
+        pairs.append(pair)
+        return pair
+
+    def refuse(self: threading.Thread) -> None:
+        raise RuntimeError("can't start new thread")
+
+    monkeypatch.setattr(socket, "socketpair", record)
+    monkeypatch.setattr(threading.Thread, "start", refuse)
+    with pytest.raises(RuntimeError, match="can't start new thread"):
+        await WorkerThread.start("test-no-thread")
+    assert len(pairs) == 2  # the job queue's and, on Trio, the worker's own
+    assert all(end.fileno() == -1 for pair in pairs for end in pair)

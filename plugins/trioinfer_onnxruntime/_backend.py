@@ -33,16 +33,23 @@ class OnnxRuntimeBackend:
         Raises:
             ConfigError: Unknown or invalid ``backend_options``.
             BackendUnavailable: The device is not usable and ``cpu_fallback`` is off.
-            BackendError: The model file is missing or ONNX Runtime refuses it.
+            BackendError: The model file is missing, ONNX Runtime refuses it, or the
+                instance's worker thread cannot be started (out of file descriptors).
         """
         options = _check_options(config, placement)
         name = f"trioinfer-{config.name}-{placement.index}"
         try:
             worker = await WorkerThread.start(name, cpu_affinity=placement.cpu_affinity)
         except OSError as exc:
+            if placement.cpu_affinity is None:
+                # Not the configuration: the process is out of threads or file descriptors.
+                raise BackendError(
+                    f"model {config.name!r} instance {placement.index}: cannot start its "
+                    f"worker thread: {exc}"
+                ) from exc
             raise ConfigError(
                 f"model {config.name!r} instance {placement.index}: cpu_affinity "
-                f"{list(placement.cpu_affinity or ())} cannot be applied here: {exc}"
+                f"{list(placement.cpu_affinity)} cannot be applied here: {exc}"
             ) from exc
         label = f"model {config.name!r} instance {placement.index}"
         threads = _compute_threads(placement)

@@ -468,12 +468,19 @@ class WorkerThread:
         thread = threading.Thread(
             target=_serve, args=(jobs, cpu_affinity, ready), name=name, daemon=True
         )
+        # The worker (and its wake-up socket pair) before the thread: if the sockets
+        # cannot be made (EMFILE), no thread is running yet to be left behind.
         try:
-            thread.start()
+            worker = cls(thread, jobs)
         except BaseException:
             jobs.close()  # no thread to close them
             raise
-        worker = cls(thread, jobs)
+        try:
+            thread.start()
+        except BaseException:
+            jobs.close()
+            worker._close_socket()
+            raise
         try:
             await ready.wait(None)
         except BaseException:
