@@ -574,3 +574,24 @@ async def test_an_inline_onnx_step_yields_before_it_claims_its_instance(
         assert queued == []  # each step ran on the idle instance in its caller's task
         s = engine.statistics().models["add"]
         assert (s.succeeded, s.executions, s.in_flight, s.queue_duration.count) == (43, 43, 0, 43)
+
+
+@pytest.mark.parametrize("budget", [0.5, 1], ids=["float", "int"])
+def test_an_inline_budget_in_whole_seconds_is_a_budget_too(
+    monkeypatch: pytest.MonkeyPatch, budget: float
+) -> None:
+    # A third-party InlineInstance may give its budget as an int: it must be
+    # honoured as a float one is, or its pipeline steps never yield to the loop.
+    import types
+
+    import trioinfer._inline
+
+    monkeypatch.setattr(trioinfer._inline, "_wall", lambda: 10.0)
+    monkeypatch.setattr(trioinfer._inline._slice, "start", 0.0)
+    monkeypatch.setattr(trioinfer._inline._slice, "granted", False)
+    instance = types.SimpleNamespace(runs_inline=True, inline_budget_s=budget)
+    replica = types.SimpleNamespace(_backend_instance=instance)
+    spent = trioinfer._runner.ModelRunner.slice_spent
+    assert spent(None, replica) is True  # type: ignore[arg-type]
+    instance.inline_budget_s = True  # not a number of seconds
+    assert spent(None, replica) is False  # type: ignore[arg-type]

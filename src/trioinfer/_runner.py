@@ -1275,7 +1275,8 @@ class ModelRunner(metaclass=NoPublicConstructor):
         instance = replica._backend_instance
         budget = getattr(instance, "inline_budget_s", None)
         return (
-            type(budget) is float
+            isinstance(budget, (float, int))
+            and not isinstance(budget, bool)  # a number of seconds, never a flag
             and getattr(instance, "runs_inline", False) is True
             and inline_slice_spent(budget)
         )

@@ -619,7 +619,7 @@ class InlineInstance(BackendInstance, Protocol):
 
     An instance that runs on the event loop's thread within a time budget
     (ONNX Runtime's ``dispatch = "inline"``) may say so too, and also have an
-    ``inline_budget_s`` attribute (seconds, a float): its `execute` then
+    ``inline_budget_s`` attribute (seconds, a float or an int): its `execute` then
     suspends once, at its start, when
     [`inline_slice_spent(inline_budget_s)`][trioinfer.lowlevel.inline_slice_spent]
     (restarting the slice after it yields), or when its caller is cancelled,

@@ -207,7 +207,7 @@ async def check_backend(
         if getattr(instance, "runs_inline", False) is True:
             # It says it never suspends (an InlineInstance): then it cannot see a
             # cancellation either, and must end without yielding to the loop.
-            if isinstance(getattr(instance, "inline_budget_s", None), float):
+            if type(getattr(instance, "inline_budget_s", None)) in (float, int):
                 restart_inline_slice()  # a fresh slice: nothing to yield for
             run = instance.execute(inputs)
             try:
