@@ -1286,6 +1286,27 @@ async def test_respond_extension_protocol_errors() -> None:
             assert await client.closed()
 
 
+async def test_a_response_after_the_cycle_ended_is_refused() -> None:
+    # An app that returns without answering gets its 500 from the server; a task
+    # it left behind that answers later must not write a second response.
+    kept: list[Any] = []
+
+    async def app(scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            raise RuntimeError("no lifespan")
+        kept.append((scope["extensions"]["trioinfer.respond"], send))
+
+    async with serving(app) as server, connect(server) as client:
+        await client.send(get("/"))
+        assert (await client.response()).status == 500
+        respond_late, send_late = kept[0]
+        with pytest.raises(RuntimeError, match="the response cycle is over"):
+            await respond_late(200, (), b"late")
+        with pytest.raises(RuntimeError, match="the response cycle is over"):
+            await send_late({"type": "http.response.start", "status": 200})
+        assert await client.raw_until_eof() == b""
+
+
 async def test_short_body_for_content_length_closes_connection() -> None:
     async def app(scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":

@@ -46,6 +46,11 @@ _CONTINUE: Final = b"HTTP/1.1 100 Continue\r\n\r\n"
 _COALESCE_LIMIT: Final = 256 * 1024
 
 
+_TWICE: Final = "http.response.start sent twice"
+# After the server answered for the app (it returned without a response, or raised).
+_OVER: Final = "the response cycle is over: the server has answered this request already"
+
+
 @final
 class RequestCycle(RequestHead):
     """One request/response cycle: its parsed head, its buffered body, its response state.
@@ -262,8 +267,8 @@ class RequestCycle(RequestHead):
             if data and not conn.gone:
                 await conn.send_all(data)
         elif kind == "http.response.start":
-            if self.started:
-                raise RuntimeError("http.response.start sent twice")
+            if self.started or self.finished:
+                raise RuntimeError(_TWICE if self.started else _OVER)
             self.started = True
             self._status = message["status"]
             self._headers = message.get("headers", ())
@@ -282,8 +287,8 @@ class RequestCycle(RequestHead):
         body's length) the head is one seen before, looked up rather than
         made. Once the client is gone it sends nothing.
         """
-        if self.started:
-            raise RuntimeError("http.response.start sent twice")
+        if self.started or self.finished:
+            raise RuntimeError(_TWICE if self.started else _OVER)
         self.started = True
         self._status = status
         self._headers = headers
