@@ -52,6 +52,8 @@ _RUNNING = Status.RUNNING
 
 #: (member indices, their rows' tensors by name) — a part of a batch's answer.
 _Segment = tuple[list[int], dict[str, Any]]
+#: A step request's id prefix, priority and tenant, from the members it carries.
+_Who = tuple[str, int, str | None]
 
 
 class _Members(dict[str, Any]):
@@ -181,7 +183,7 @@ class BatchedPipeline:
         tensors: dict[str, Any] = dict(inputs)
         if members is None:
             # Inputs with no members behind them (a fallback's probe): every row counts.
-            await self._rounds_from(0, tensors, None, "probe")
+            await self._rounds_from(0, tensors, None)
             return self._outputs(tensors)
         current = list(range(len(members)))
         segments: list[_Segment] = []
@@ -203,17 +205,19 @@ class BatchedPipeline:
         # Returns the round an InvalidInput stopped it at, if one did; else its
         # outputs are one segment. Other step errors propagate (the runner fails
         # every member still waiting with one).
+        who = _who([members[i] for i in current])
         for number, ready in enumerate(self._rounds):
             done = False
             while not done:
                 # Again after a round the members' latest deadline cut short: it ends them.
+                waiting = len(current)
                 deadline = self._keep_live(members, current, tensors)
                 if not current:
                     return None
+                if len(current) != waiting:
+                    who = _who([members[i] for i in current])
                 try:
-                    done = await self._round(
-                        ready, tensors, [members[i] for i in current], deadline
-                    )
+                    done = await self._round(ready, tensors, who, deadline)
                 except InvalidInput:
                     if len(current) == 1:
                         raise
@@ -238,7 +242,7 @@ class BatchedPipeline:
             a, b = int(cuts[position]), int(cuts[position + 1])
             own = {name: value[a:b] for name, value in tensors.items()}
             try:
-                await self._rounds_from(start, own, [member], member.id)
+                await self._rounds_from(start, own, [member])
             except _Departed:
                 continue
             except TrioInferError as exc:
@@ -251,9 +255,10 @@ class BatchedPipeline:
         start: int,
         tensors: dict[str, Any],
         members: list[Request] | None,
-        label: str,
+        label: str = "probe",
     ) -> None:
         # One member's (or the probe's) way through the rounds from *start*.
+        who: _Who = (label, 0, None) if members is None else _who(members)
         for ready in self._rounds[start:]:
             done = False
             while not done:
@@ -263,7 +268,7 @@ class BatchedPipeline:
                     members, _rows, deadline = self.runner._live(members)
                     if not members:
                         raise _Departed
-                done = await self._round(ready, tensors, members, deadline, label)
+                done = await self._round(ready, tensors, who, deadline)
 
     def _keep_live(
         self, members: Sequence[Request], current: list[int], tensors: dict[str, Any]
@@ -296,9 +301,8 @@ class BatchedPipeline:
         self,
         ready: Sequence[tuple[int, Step]],
         tensors: dict[str, Any],
-        members: Sequence[Request] | None,
+        who: _Who,
         deadline: float,
-        label: str | None = None,
     ) -> bool:
         # The round's steps (those not done already: a rerun repeats a round), side by
         # side when there are several; the first failure cancels the others. False if
@@ -308,36 +312,35 @@ class BatchedPipeline:
             for index, step in ready
             if not all(shared in tensors for shared in step.output_map.values())
         ]
-        if members:
-            first = members[0]
-            priority = max(member.priority for member in members)
-            tenant = first.tenant
-            if any(member.tenant != tenant for member in members):
-                tenant = None
-            label = first.id if len(members) == 1 else f"{first.id}+{len(members) - 1}"
-        else:
-            priority, tenant = 0, None
-        assert label is not None
+        if deadline == math.inf:  # no member has one: no scope to set up
+            await self._steps(todo, tensors, who)
+            return True
         with anyio.CancelScope(deadline=deadline) as scope:
-            if len(todo) == 1:
-                index, step = todo[0]
-                await self._step(index, step, tensors, f"{label}/{index}", priority, tenant)
-                return True
-            failure: list[TrioInferError] = []
-
-            async def run(index: int, step: Step, scope: anyio.CancelScope) -> None:
-                try:
-                    await self._step(index, step, tensors, f"{label}/{index}", priority, tenant)
-                except TrioInferError as exc:
-                    failure.append(exc)
-                    scope.cancel()
-
-            async with anyio.create_task_group() as tg:
-                for index, step in todo:
-                    tg.start_soon(run, index, step, tg.cancel_scope)
-            if failure:
-                raise failure[0]
+            await self._steps(todo, tensors, who)
         return not scope.cancelled_caught
+
+    async def _steps(
+        self, todo: Sequence[tuple[int, Step]], tensors: dict[str, Any], who: _Who
+    ) -> None:
+        label, priority, tenant = who
+        if len(todo) == 1:
+            index, step = todo[0]
+            await self._step(index, step, tensors, f"{label}/{index}", priority, tenant)
+            return
+        failure: list[TrioInferError] = []
+
+        async def run(index: int, step: Step, scope: anyio.CancelScope) -> None:
+            try:
+                await self._step(index, step, tensors, f"{label}/{index}", priority, tenant)
+            except TrioInferError as exc:
+                failure.append(exc)
+                scope.cancel()
+
+        async with anyio.create_task_group() as tg:
+            for index, step in todo:
+                tg.start_soon(run, index, step, tg.cancel_scope)
+        if failure:
+            raise failure[0]
 
     async def _step(
         self,
@@ -443,6 +446,21 @@ class BatchedPipeline:
             for name in self._output_names:
                 full[name][rows] = outputs[name]
         return full
+
+
+def _who(members: Sequence[Request]) -> _Who:
+    # What a step request for *members* says of them: an id naming the first member
+    # (and how many more), their highest priority, and their tenant if they share one.
+    first = members[0]
+    tenant = first.tenant
+    priority = first.priority
+    for member in members:
+        if member.priority > priority:
+            priority = member.priority
+        if member.tenant != tenant:
+            tenant = None
+    label = first.id if len(members) == 1 else f"{first.id}+{len(members) - 1}"
+    return label, priority, tenant
 
 
 class _Departed(Exception):
