@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 from typing import Any, ClassVar
 
 import anyio
@@ -294,6 +295,86 @@ async def test_invalid_input_reruns_each_member_alone(
         assert (stats.succeeded, stats.failed, stats.in_flight) == (3, 1, 0)
 
 
+class Join:
+    """y = a + b; records each call's rows."""
+
+    calls: ClassVar[list[int]] = []
+
+    async def infer(self, inputs: Arrays) -> Arrays:
+        Join.calls.append(len(inputs["a"]))
+        return {"y": inputs["a"] + inputs["b"]}
+
+
+# IN -> first -> A; IN -> second -> B (side by side); A + B -> join -> OUT
+DIAMOND = [
+    {"model": "first", "input_map": {"x": "IN"}, "output_map": {"y": "A"}},
+    {"model": "second", "input_map": {"x": "IN"}, "output_map": {"y": "B"}},
+    {"model": "join", "input_map": {"a": "A", "b": "B"}, "output_map": {"y": "OUT"}},
+]
+
+
+async def test_side_by_side_steps_of_a_batch(autojump_clock: trio.testing.MockClock) -> None:
+    Join.calls.clear()
+    async with open_engine() as engine:
+        await engine.load(step_model("first", delay=1.0))
+        await engine.load(step_model("second", delay=1.0, broken=True))
+        await engine.load(
+            ModelConfig(
+                name="join",
+                path="-",
+                backend="python",
+                backend_options={
+                    "class": Join,
+                    "inputs": [tensor("a"), tensor("b")],
+                    "outputs": [tensor("y")],
+                },
+            )
+        )
+        await engine.load(pipeline(DIAMOND))
+        t0 = trio.current_time()
+        errors: list[BaseException] = []
+
+        async def call(i: int) -> None:
+            try:
+                await engine.infer("p", {"IN": X * i})
+            except BackendError as exc:
+                errors.append(exc)
+
+        async with anyio.create_task_group() as tg:
+            for i in range(3):
+                tg.start_soon(call, i)
+        # first and second ran at once, on the batch; second's failure ended all three.
+        assert Rows.rows == {"first": [3], "second": [3]}
+        assert trio.current_time() - t0 < 1.1
+        assert [str(e).split(": ")[0] for e in errors] == [
+            "pipeline 'p', step 1 (model 'second')"
+        ] * 3
+        assert Join.calls == []
+        # A side by side pipeline that works, and one member refused by the last step.
+        await engine.load(step_model("second"), replace=True)
+        outcomes: dict[int, object] = {}
+
+        async def good(i: int) -> None:
+            x = np.full((1, 4), POISON if i == 1 else i, np.float32)
+            try:
+                outcomes[i] = (await engine.infer("p", {"IN": x}))["OUT"]
+            except InvalidInput as exc:
+                outcomes[i] = exc
+
+        Rows.rows.clear()
+        async with anyio.create_task_group() as tg:
+            for i in range(3):
+                tg.start_soon(good, i)
+        np.testing.assert_array_equal(outcomes[0], np.full((1, 4), 2, np.float32))  # type: ignore[arg-type]
+        np.testing.assert_array_equal(outcomes[2], np.full((1, 4), 6, np.float32))  # type: ignore[arg-type]
+        assert isinstance(outcomes[1], InvalidInput)
+        # Both side by side steps refuse its row; whichever said so first is named.
+        assert re.match(r"pipeline 'p', step [01] \(model '(first|second)'\): ", str(outcomes[1]))
+        # The batch's round once, then each member alone from that round on.
+        assert Rows.rows["first"][0] == 3
+        assert sorted(Join.calls) == [1, 1]
+
+
 async def test_a_lone_member_refused_by_a_step_is_not_rerun(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
@@ -435,3 +516,38 @@ async def test_the_bundled_batched_pipeline_over_http() -> None:
     (model,) = stats["model_stats"]
     assert model["inference_stats"]["success"]["count"] == 11
     assert model["inference_stats"]["fail"]["count"] == 1
+
+
+def test_a_batched_pipeline_on_asyncio() -> None:
+    """The same batching, departures and reruns on asyncio (the core is written on anyio)."""
+
+    async def main() -> dict[int, object]:
+        outcomes: dict[int, object] = {}
+        async with open_engine() as engine:
+            await load_chain(engine, delays=(0.2, 0.0, 0.0), delay=0.05)
+
+            async def call(i: int) -> None:
+                x = np.full((1, 4), POISON if i == 3 else i, np.float32)
+                with anyio.move_on_after(0.1 if i == 1 else math.inf):
+                    try:
+                        outcomes[i] = (await engine.infer("p", {"IN": x}))["OUT"]
+                    except InvalidInput as exc:
+                        outcomes[i] = exc
+                    return
+                outcomes[i] = "left"
+
+            async with anyio.create_task_group() as tg:
+                for i in range(4):
+                    tg.start_soon(call, i)
+            assert engine.statistics().models["p"].in_flight == 0
+        return outcomes
+
+    outcomes = anyio.run(main, backend="asyncio")
+    assert outcomes[1] == "left"
+    assert isinstance(outcomes[3], InvalidInput)
+    for i in (0, 2):
+        np.testing.assert_array_equal(outcomes[i], np.full((1, 4), i + 3, np.float32))  # type: ignore[arg-type]
+    # One batch of four, refused by the first step for member 3's row: the members still
+    # waiting rerun alone (member 1 left meanwhile), the bad one stopping there.
+    assert Rows.rows["first"] == [4, 1, 1, 1]
+    assert Rows.rows["second"] == [1, 1]
