@@ -96,6 +96,7 @@ def pipeline(
     **kw: Any,
 ) -> ModelConfig:
     options = {"inputs": [tensor("IN", shape)], "outputs": [tensor("OUT", shape)], "steps": steps}
+    options.update(kw.pop("backend_options", {}))
     return ModelConfig(
         name="p",
         path="-",
@@ -215,6 +216,75 @@ async def test_members_past_their_queue_timeout_end_before_the_next_step(
         assert Rows.rows == {"first": [4], "second": [2], "third": [2]}
         stats = engine.statistics().models["p"]
         assert (stats.succeeded, stats.expired, stats.in_flight) == (2, 2, 0)
+
+
+async def test_a_batch_whose_every_member_expired_stops(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    async with open_engine() as engine:
+        await load_chain(engine, delays=(1.0, 0.0, 0.0), queue_timeouts={"0": 0.5})
+        errors: list[BaseException] = []
+
+        async def call() -> None:
+            with pytest.raises(DeadlineExceeded) as info:
+                await engine.infer("p", {"IN": X})
+            errors.append(info.value)
+
+        async with anyio.create_task_group() as tg:
+            for _ in range(3):
+                tg.start_soon(call)
+        assert len(errors) == 3
+        assert Rows.rows == {"first": [3]}  # nobody waited for the second step
+        stats = engine.statistics().models["p"]
+        assert (stats.expired, stats.succeeded, stats.in_flight) == (3, 0, 0)
+
+
+async def test_a_member_that_expires_while_others_rerun_is_not_rerun(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    async with open_engine() as engine:
+        # Priority 0 times out at 1.5 s; the batch's first step refuses it at 1 s, and
+        # member 0's rerun of that step ends at 2 s: member 1 expired meanwhile.
+        await load_chain(engine, delays=(1.0, 0.0, 0.0), queue_timeouts={"0": 1.5})
+        outcomes: dict[int, object] = {}
+
+        async def call(i: int, priority: int) -> None:
+            x = np.full((1, 4), POISON if i == 2 else i, np.float32)
+            try:
+                outcomes[i] = (await engine.infer("p", {"IN": x}, priority=priority))["OUT"]
+            except (InvalidInput, DeadlineExceeded) as exc:
+                outcomes[i] = exc
+
+        async with anyio.create_task_group() as tg:
+            for i, priority in ((0, 1), (1, 0), (2, 1)):
+                tg.start_soon(call, i, priority)
+                await trio.sleep(0.001)  # in this order (one batch: the delay is 10 ms)
+        np.testing.assert_array_equal(outcomes[0], np.full((1, 4), 3, np.float32))  # type: ignore[arg-type]
+        assert isinstance(outcomes[1], DeadlineExceeded)
+        assert isinstance(outcomes[2], InvalidInput)
+        assert Rows.rows == {"first": [3, 1, 1], "second": [1], "third": [1]}
+        stats = engine.statistics().models["p"]
+        assert (stats.succeeded, stats.expired, stats.failed, stats.in_flight) == (1, 1, 1, 0)
+
+
+class Zed:
+    async def infer(self, inputs: Arrays) -> Arrays:
+        return {"z": inputs["x"]}
+
+
+async def test_a_step_model_replaced_by_one_without_its_outputs(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    async with open_engine() as engine:
+        await load_chain(engine)
+        options = {"class": Zed, "inputs": [tensor("x")], "outputs": [tensor("z")]}
+        await engine.load(
+            ModelConfig(name="second", path="-", backend="python", backend_options=options),
+            replace=True,
+        )
+        with pytest.raises(BackendError, match=r"step 1 \(model 'second'\): its model answered "
+                           r"without outputs \['y'\]"):  # fmt: skip
+            await engine.infer("p", {"IN": X})
 
 
 async def test_each_step_request_carries_the_latest_remaining_deadline(
@@ -426,6 +496,7 @@ async def test_every_member_ends_exactly_once_under_cancellation(
             r"step 0 \(model 'first'\) has no batch dimension: 'x' is float32\[1, 4\]",
         ),
         ({"shape": (4,)}, r"so its inputs and outputs need a batch dimension"),
+        ({"backend_options": {"dispatch": "inline"}}, r"unknown option 'dispatch'"),
         (
             {"batcher_options": {"pad_axis": 1, "pad_buckets": [4]}},
             r"its batcher lays out batches itself \(padding with pad_axis",
