@@ -179,6 +179,16 @@ class BatchedPipeline:
     # -- running a batch (for _Graph.execute) ----------------------------------------
 
     async def run(self, inputs: Mapping[str, Any]) -> Outputs:
+        """Run the batch in *inputs* through the steps: one output row per input row.
+
+        *inputs* is a `_Members` mapping for a batch the runner formed; rows of
+        members that ended on the way are left unset (the runner answers only
+        those still waiting). Anything else (a fallback's probe) runs as it is.
+
+        Raises:
+            TrioInferError: A step's error, the step named in its message, for
+                every member still waiting (an ``InvalidInput`` only for a lone one).
+        """
         members = inputs.requests if type(inputs) is _Members else None
         tensors: dict[str, Any] = dict(inputs)
         if members is None:
