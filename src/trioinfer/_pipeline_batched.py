@@ -40,7 +40,7 @@ from ._inline import restart_inline_slice
 from ._pipeline import Infer, Step, _check_graph, _steps
 from ._request import Outputs, Request
 from ._runner import _copy_error, _split
-from ._tensors import ModelSignature, validate_inputs
+from ._tensors import ModelSignature
 from .abc import AssemblingBatcher, Batcher, Status
 from .abc import Request as RequestView
 from .abc import RequestQueue as QueueView
@@ -406,7 +406,7 @@ class BatchedPipeline:
             runner = self._step_runner(model)
             replica = None if runner is None else runner.idle_replica()
         if replica is not None and runner is not None:
-            arrays = validate_inputs(model, runner.signature, inputs, runner.input_limits)
+            arrays, _rows = runner.validate(inputs)  # as engine.infer checks them
             clock = runner.clock
             deadline = clock.current_effective_deadline()
             if deadline != -math.inf:  # else a cancellation, for engine.infer to raise
