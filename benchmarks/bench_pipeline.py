@@ -2,7 +2,7 @@
 
 The steps are the bundled repository's: ``scale_image`` (Python: an 8x8 image to a
 float row), ``digits`` (ONNX Runtime) and ``digit_names`` (Python: probabilities to a
-name). Four arms, C client tasks each sending one image at a time:
+name). Six arms, C client tasks each sending one image at a time:
 
   hand        one async function per request: the request's input checked (dtype and
               shape, as the pipeline checks its input), the two Python steps called
@@ -15,6 +15,16 @@ name). Four arms, C client tasks each sending one image at a time:
   onnx-batched  the same pipeline, only the ONNX model (``digits``) with the dynamic
               batcher: the Python steps, a few microseconds each, run unbatched (in the
               request's own task when their model is idle)
+  pipeline-batched  the pipeline itself with the dynamic batcher (32 rows, 2 ms), every
+              step unbatched: whole requests are batched, and each batch takes one pass
+              of the steps, one step request per step carrying the whole batch (as the
+              bundled ``read_digit`` is configured)
+  pipeline-batched-steps  the same, and every step with the dynamic batcher as well
+
+The pipeline arms other than the last two load ``read_digit`` with ``batcher = "none"``
+(each request its own pass of the steps). ``--arms hand,batched,pipeline-batched`` runs
+only those; ``--pipeline-instances N`` gives the batched pipeline N graph instances (N
+batches in flight at once).
 
 Both arms do the same work: one session, one compute thread, one ``RunOptions`` per
 run; only the engine (queues, step requests, output checks) is extra. Each arm runs
@@ -23,7 +33,7 @@ round), and beside req/s each prints the process's CPU time per request (all thr
 which machine load moves far less than req/s.
 
 Usage:  .venv/bin/python benchmarks/bench_pipeline.py [--duration 5] [--rounds 3]
-            [--dispatch thread|inline]
+            [--dispatch thread|inline] [--arms hand,pipeline,...] [--pipeline-instances 1]
 """
 
 from __future__ import annotations
@@ -47,6 +57,16 @@ REPO = trioinfer.example_repository()
 
 #: (requests per second, CPU seconds per request) of one arm's run.
 Figures = tuple[float, float]
+
+#: Every arm, in the order they run (reversed every other round).
+ARMS = (
+    "hand",
+    "pipeline",
+    "batched",
+    "onnx-batched",
+    "pipeline-batched",
+    "pipeline-batched-steps",
+)
 
 
 def _model_class(name: str) -> Any:
@@ -111,13 +131,17 @@ async def by_hand(args: argparse.Namespace) -> Figures:
             await worker.aclose()
 
 
+DYNAMIC = {
+    "batcher": "dynamic",
+    "batcher_options": {"max_batch_size": 32, "max_queue_delay": 0.002},
+}
+
+
 async def as_pipeline(
-    args: argparse.Namespace, *, batched: bool, only_onnx: bool = False
+    args: argparse.Namespace, *, batched: bool, only_onnx: bool = False, whole: bool = False
 ) -> Figures:
-    dynamic = {
-        "batcher": "dynamic",
-        "batcher_options": {"max_batch_size": 32, "max_queue_delay": 0.002},
-    }
+    # batched: the steps' models batch (only_onnx: only digits); whole: the pipeline does.
+    dynamic = DYNAMIC
     async with trioinfer.open_engine() as engine:
         for name in ("scale_image", "digits", "digit_names"):
             config = trioinfer.ModelConfig.from_toml(REPO / name / "config.toml")
@@ -138,7 +162,19 @@ async def as_pipeline(
                     }
                 )
             )
-        await engine.load(trioinfer.ModelConfig.from_toml(REPO / "read_digit" / "config.toml"))
+        bundled = trioinfer.ModelConfig.from_toml(REPO / "read_digit" / "config.toml")
+        await engine.load(
+            trioinfer.ModelConfig.from_dict(
+                {
+                    "name": "read_digit",
+                    "path": bundled.path,
+                    "backend": "pipeline",
+                    "backend_options": dict(bundled.backend_options),
+                    "instances": [{"count": args.pipeline_instances}],
+                    **(DYNAMIC if whole else {"batcher": "none"}),
+                }
+            )
+        )
 
         async def call(image: np.ndarray) -> object:
             return (await engine.infer("read_digit", {"IMAGE": image}))["NAME"]
@@ -158,34 +194,65 @@ def main() -> None:
         default="thread",
         help="where both arms run the ONNX session: a worker thread, or the event loop",
     )
+    parser.add_argument(
+        "--arms",
+        default=",".join(ARMS),
+        help=f"the arms to run, comma-separated, from {', '.join(ARMS)} (default: all)",
+    )
+    parser.add_argument(
+        "--pipeline-instances",
+        type=int,
+        default=1,
+        help="graph instances of a batched pipeline (batches in flight at once)",
+    )
     args = parser.parse_args()
-    runs: dict[str, Callable[[], Awaitable[Figures]]] = {
+    arms = [arm.strip() for arm in args.arms.split(",") if arm.strip()]
+    unknown = sorted(set(arms) - set(ARMS))
+    if unknown or not arms:
+        parser.error(f"unknown arm {', '.join(unknown) or '(none)'}; known: {', '.join(ARMS)}")
+    if args.pipeline_instances < 1:
+        parser.error("--pipeline-instances must be at least 1")
+    every: dict[str, Callable[[], Awaitable[Figures]]] = {
         "hand": lambda: by_hand(args),
         "pipeline": lambda: as_pipeline(args, batched=False),
         "batched": lambda: as_pipeline(args, batched=True),
         "onnx-batched": lambda: as_pipeline(args, batched=True, only_onnx=True),
+        "pipeline-batched": lambda: as_pipeline(args, batched=False, whole=True),
+        "pipeline-batched-steps": lambda: as_pipeline(args, batched=True, whole=True),
     }
+    runs = {name: every[name] for name in ARMS if name in arms}
     figures: dict[str, list[Figures]] = {name: [] for name in runs}
     for round_ in range(args.rounds):
         order = list(runs) if round_ % 2 == 0 else list(reversed(runs))
         for name in order:
             rate, cpu = trio.run(runs[name])
             figures[name].append((rate, cpu))
-            print(f"round {round_ + 1}: {name:<12} {rate:8.0f} req/s {cpu * 1e6:6.0f} us CPU/req")
-    hand = figures["hand"]
-    for name in ("pipeline", "batched", "onnx-batched"):
-        ratios = [b[0] / a[0] for a, b in zip(hand, figures[name], strict=True)]
-        cpu_ratios = [a[1] / b[1] for a, b in zip(hand, figures[name], strict=True)]
-        print(
+            print(f"round {round_ + 1}: {name:<22} {rate:8.0f} req/s {cpu * 1e6:6.0f} us CPU/req")
+    hand = figures.get("hand")
+    for name in runs:
+        if name == "hand":
+            continue
+        line = (
             f"{name}: median {statistics.median(f[0] for f in figures[name]):.0f} req/s, "
-            f"{statistics.median(ratios):.2f}x hand ({', '.join(f'{r:.2f}' for r in ratios)}); "
-            f"CPU/req {statistics.median(f[1] for f in figures[name]) * 1e6:.0f} us, "
-            f"hand's over its {statistics.median(cpu_ratios):.2f}x"
+            f"CPU/req {statistics.median(f[1] for f in figures[name]) * 1e6:.0f} us"
+        )
+        if hand is not None:
+            ratios = [b[0] / a[0] for a, b in zip(hand, figures[name], strict=True)]
+            cpu_ratios = [a[1] / b[1] for a, b in zip(hand, figures[name], strict=True)]
+            line += (
+                f"; {statistics.median(ratios):.2f}x hand "
+                f"({', '.join(f'{r:.2f}' for r in ratios)}), hand's CPU/req over its "
+                f"{statistics.median(cpu_ratios):.2f}x"
+            )
+        print(line)
+    if hand is not None:
+        print(
+            f"hand: median {statistics.median(f[0] for f in hand):.0f} req/s, CPU/req "
+            f"{statistics.median(f[1] for f in hand) * 1e6:.0f} us"
         )
     print(
-        f"hand: median {statistics.median(f[0] for f in hand):.0f} req/s, CPU/req "
-        f"{statistics.median(f[1] for f in hand) * 1e6:.0f} us; C={args.concurrency}, "
-        f"dispatch {args.dispatch}, {Path(REPO).name}"
+        f"C={args.concurrency}, dispatch {args.dispatch}, pipeline instances "
+        f"{args.pipeline_instances}, {Path(REPO).name}"
     )
 
 

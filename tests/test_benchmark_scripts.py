@@ -422,3 +422,36 @@ def test_goals_of_grpc_over_triton(scripts: tuple[Any, Any]) -> None:
     lines = [g for g in compare.goal_lines(rows, args) if "grpc" in g]
     assert "0.90x (0.90), MISSES >= 1.0x" in lines[0]
     assert "1.50x (1.50), meets >= 1.0x" in lines[1]
+
+
+@pytest.mark.pipeline
+def test_bench_pipeline_runs_the_arms_it_is_given() -> None:
+    """Each arm named in --arms runs (briefly, untimed) and reports; an unknown one is refused."""
+    script = str(BENCHMARKS / "bench_pipeline.py")
+    brief = ["--duration", "0.05", "--warmup", "0.01", "--rounds", "1", "--concurrency", "4"]
+    arms = "hand,pipeline-batched,pipeline-batched-steps"
+    done = subprocess.run(
+        [
+            sys.executable,
+            script,
+            *brief,
+            "--dispatch",
+            "inline",
+            "--arms",
+            arms,
+            "--pipeline-instances",
+            "2",
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=120,
+    )
+    reported = [line.split(":")[0] for line in done.stdout.splitlines() if "median" in line]
+    assert reported == ["pipeline-batched", "pipeline-batched-steps", "hand"]
+    assert "pipeline instances 2" in done.stdout
+    refused = subprocess.run(
+        [sys.executable, script, "--arms", "hand,nope"], capture_output=True, text=True
+    )
+    assert refused.returncode == 2
+    assert "unknown arm nope" in refused.stderr

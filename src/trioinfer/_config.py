@@ -227,7 +227,9 @@ class ModelConfig:
         instances: Where the model runs and how many instances of it.
         backend: The backend plugin's name (group ``trioinfer.backends``).
         scheduler: The scheduler plugin's name (group ``trioinfer.schedulers``).
-        batcher: The batcher plugin's name (group ``trioinfer.batchers``).
+        batcher: The batcher plugin's name (group ``trioinfer.batchers``). A
+            pipeline with one batches whole requests, each batch taking one
+            pass of its steps (see the pipelines reference).
         fallback: The fallback plugin's name (group ``trioinfer.fallbacks``).
         backend_options: Options for the backend; it refuses those it does not know.
         scheduler_options: Keyword arguments for the scheduler.

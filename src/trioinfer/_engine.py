@@ -31,7 +31,8 @@ from ._exceptions import (
     PluginContractError,
     TrioInferError,
 )
-from ._pipeline import PIPELINE, Pipeline
+from ._pipeline import PIPELINE, Pipeline, Step, _steps
+from ._pipeline_batched import BatchedPipeline
 from ._registry import Kind, Registry
 from ._request import Outputs, Request, make_request, next_request_id
 from ._runner import ModelRunner, ModelStatistics, close_instances
@@ -204,7 +205,7 @@ class Engine:
         self._loading.add(name)
         try:
             runner: ModelRunner | Pipeline
-            if config.backend == PIPELINE:
+            if config.backend == PIPELINE and config.batcher == "none":
                 runner = Pipeline(
                     config,
                     self.infer,
@@ -229,9 +230,12 @@ class Engine:
 
     async def _new_runner(self, config: ModelConfig) -> ModelRunner:
         # A model's plugins, its loaded instances, and the runner that will serve them.
+        # A pipeline that batches its own requests is one too: its backend runs its
+        # steps once per batch (trioinfer._pipeline_batched).
         name = config.name
         registry = self._registry
-        backend: Backend = registry.create("backends", config.backend)
+        pipeline = config.backend == PIPELINE
+        backend: Backend | None = None if pipeline else registry.create("backends", config.backend)
         scheduler: Scheduler = registry.create(
             "schedulers", config.scheduler, config.scheduler_options
         )
@@ -243,7 +247,7 @@ class Engine:
             ("batchers", config.batcher, batcher, Batcher),
             ("fallbacks", config.fallback, fallback, Fallback),
         )
-        for kind, plugin_name, plugin, protocol in checks:
+        for kind, plugin_name, plugin, protocol in checks[1:] if pipeline else checks:
             if not isinstance(plugin, protocol):
                 raise PluginContractError(
                     f"{kind[:-1]} {plugin_name!r} of model {name!r} does not implement "
@@ -251,6 +255,17 @@ class Engine:
                     kind=kind,
                     plugin=plugin_name,
                 )
+        graph: BatchedPipeline | None = None
+        if backend is None:
+            graph = BatchedPipeline(
+                config,
+                self.infer,
+                lambda model: self._runner(model).signature,
+                self._steps_of,
+                self._step_alone,
+                batcher,
+            )
+            backend, batcher = graph, graph.batcher
         instances = await _load_instances(backend, config)
         try:
             runner = ModelRunner._create(
@@ -259,11 +274,14 @@ class Engine:
                 batcher=batcher,
                 fallback=fallback,
                 instances=instances,
-                device_limits=self._device_limits,
+                # A pipeline's graph computes nothing itself: its steps' models are limited.
+                device_limits=self._device_limits if graph is None else {},
                 backend=backend,
                 infer_elsewhere=self._infer_elsewhere,
                 tracing=self._tracing,
             )
+            if graph is not None:
+                graph.attach(runner)
         except BaseException:
             # A plugin refused the model in attach(): do not leave instances behind.
             await close_instances(name, instances)
@@ -329,8 +347,7 @@ class Engine:
 
     def _steps_of(self, model: str) -> tuple[str, ...]:
         # The models a pipeline's steps call (none for a model that is not one).
-        runner = self._runners.get(model)
-        return tuple(s.model for s in runner.steps) if isinstance(runner, Pipeline) else ()
+        return tuple(s.model for s in _pipeline_steps(self._runners.get(model)))
 
     def _forget(self, name: str, seen: set[str] | None = None) -> None:
         # The cached answers of *name* no longer hold, nor those of the pipelines
@@ -341,11 +358,7 @@ class Engine:
         seen.add(name)
         self._cache.forget(name)
         for other, runner in self._runners.items():
-            if (
-                isinstance(runner, Pipeline)
-                and other not in seen
-                and any(step.model == name for step in runner.steps)
-            ):
+            if other not in seen and any(step.model == name for step in _pipeline_steps(runner)):
                 self._forget(other, seen)
 
     async def _retire(self, runner: ModelRunner | Pipeline, gate: StreamGate | None = None) -> None:
@@ -869,6 +882,15 @@ async def _engine_scope(
         if body_error is not None and _only(group, body_error):
             raise body_error from None
         raise
+
+
+def _pipeline_steps(runner: ModelRunner | Pipeline | None) -> tuple[Step, ...]:
+    # A pipeline's steps: a Pipeline's, or those of the graph a batched one's runner runs.
+    if isinstance(runner, Pipeline):
+        return runner.steps
+    if runner is not None and runner.config.backend == PIPELINE:
+        return _steps(runner.config.name, runner.config.backend_options.get("steps"))
+    return ()
 
 
 def _only(group: BaseExceptionGroup[BaseException], error: BaseException) -> bool:

@@ -30,6 +30,10 @@ straight through, with an idle instance and nothing queued, skips even the
 queue: it runs on that instance in this task (``ModelRunner.run_here``).
 The first step to fail cancels the others and ends the request with its
 error, the step named in the message.
+
+All of this is a pipeline without a batcher (``batcher = "none"``, the
+default). One that names a batcher batches whole requests: see
+``trioinfer._pipeline_batched``.
 """
 
 from __future__ import annotations

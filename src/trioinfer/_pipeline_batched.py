@@ -1,0 +1,503 @@
+"""A pipeline that batches its own requests: whole pipeline requests share one pass of the steps.
+
+A pipeline whose config names a batcher (``batcher = "dynamic"`` with its
+``batcher_options``, as for any model) is served by an ordinary
+`ModelRunner`: its queue, scheduler, batcher, deadlines and statistics are a
+model's. Its "instances" are graph executors (`_Graph`): each runs the steps
+once per batch, every step getting one request that carries the whole batch.
+So a batch of 32 pipeline requests costs three step requests, not 96.
+
+The runner hands the graph its batch through the batcher's ``assemble`` hook
+(`_MemberBatcher`, around the configured batcher): the inputs, concatenated,
+in a `_Members` mapping that also carries the batch's requests, so that the
+graph can tell who is still waiting before each step:
+
+- members whose callers left (or whose deadline passed) are dropped before
+  each step, their rows with them: no step computes for nobody;
+- each step request's deadline is the latest of the remaining members';
+- a step's failure fails every member once (the runner fans it out), the step
+  named in the message;
+- an `InvalidInput` from a step, for a batch of several members (one bad row
+  poisons the batch), makes each member rerun the rest of the pipeline alone,
+  one after the other (so that the step model's own batcher cannot group
+  them again): only the bad one fails.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, cast, final
+
+import anyio
+import anyio.lowlevel
+import numpy as np
+
+from ._config import ModelConfig, Placement
+from ._exceptions import BackendError, ConfigError, InvalidInput, TrioInferError
+from ._inline import restart_inline_slice
+from ._pipeline import Infer, Step, _check_graph, _steps
+from ._request import Outputs, Request
+from ._runner import _copy_error, _split
+from ._tensors import ModelSignature
+from .abc import AssemblingBatcher, Batcher, Status
+from .abc import Request as RequestView
+from .abc import RequestQueue as QueueView
+
+if TYPE_CHECKING:
+    from ._runner import ModelRunner
+
+_RUNNING = Status.RUNNING
+
+#: (member indices, their rows' tensors by name) — a part of a batch's answer.
+_Segment = tuple[list[int], dict[str, Any]]
+#: A step request's id prefix, priority and tenant, from the members it carries.
+_Who = tuple[str, int, str | None]
+
+
+class _Members(dict[str, Any]):
+    """A batch's concatenated inputs, and the requests whose rows they are, in order."""
+
+    __slots__ = ("requests",)
+
+    def __init__(self, inputs: Mapping[str, Any], requests: Sequence[Request]) -> None:
+        super().__init__(inputs)
+        self.requests = requests
+
+
+@final
+class _MemberBatcher:
+    """The pipeline's batcher, with an ``assemble`` hook that tells the graph who is in a batch.
+
+    It forms batches as the configured batcher does (``next_batch`` is its);
+    ``assemble`` concatenates the members' inputs, as the engine would, into
+    a `_Members` mapping, and splits the outputs as the engine would.
+    """
+
+    __slots__ = ("_inner",)
+
+    def __init__(self, inner: Batcher) -> None:
+        self._inner = inner
+
+    def __repr__(self) -> str:
+        return f"pipeline batches of {self._inner!r}"
+
+    async def next_batch(self, queue: QueueView) -> Sequence[RequestView]:
+        """The configured batcher's next batch."""
+        return await self._inner.next_batch(queue)
+
+    def assemble(
+        self, requests: Sequence[RequestView]
+    ) -> tuple[_Members, Callable[[Outputs], Sequence[Outputs]]]:
+        """The members' inputs, concatenated, with the members; and the engine's own split."""
+        members = cast(list[Request], list(requests))  # only the engine makes requests
+        if len(members) == 1:
+            inputs: Mapping[str, Any] = members[0].inputs
+        else:
+            inputs = {
+                name: np.concatenate([member.inputs[name] for member in members])
+                for name in members[0].inputs
+            }
+        rows = sum(member.rows for member in members)
+        return _Members(inputs, members), functools.partial(_split, members, rows)
+
+
+@final
+class BatchedPipeline:
+    """The backend of a pipeline that batches: it loads graph executors, one per instance.
+
+    Only the engine creates it (when a pipeline's config names a batcher), and
+    attaches the runner that serves it before the first request.
+    """
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        infer: Infer,
+        signatures: Callable[[str], ModelSignature],
+        steps_of: Callable[[str], Sequence[str]],
+        step_runner: Callable[[str], ModelRunner | None],
+        batcher: Batcher,
+    ) -> None:
+        name = config.name
+        options = config.backend_options
+        unknown = sorted(set(options) - {"inputs", "outputs", "steps"})
+        if unknown:
+            raise ConfigError(
+                f"pipeline {name!r}: unknown option {', '.join(map(repr, unknown))}; "
+                "known: inputs, outputs, steps"
+            )
+        self.config = config
+        self.signature = ModelSignature.declared(
+            options.get("inputs"), options.get("outputs"), model=name
+        )
+        self.steps = _steps(name, options.get("steps"))
+        rounds = _check_graph(name, self.signature, self.steps, signatures, steps_of)
+        where = f"pipeline {name!r} batches its requests (batcher {config.batcher!r})"
+        if isinstance(batcher, AssemblingBatcher):
+            raise ConfigError(
+                f"{where}, but its batcher lays out batches itself (padding with pad_axis, or a "
+                "sequence batcher): a pipeline's batch is its members' inputs concatenated as "
+                "they are, so only requests of the same shapes may share one; drop pad_axis "
+                "(requests of other shapes then form batches of their own), or set "
+                "batcher = 'none' on the pipeline and batch its steps instead"
+            )
+        if not self.signature.batched:
+            raise ConfigError(
+                f"{where}, so its inputs and outputs need a batch dimension, but "
+                f"{self.signature.unbatched_reason}; declare every tensor's first dimension "
+                "'batch' (or -1), or set batcher = 'none'"
+            )
+        for index, step in enumerate(self.steps):
+            model = signatures(step.model)
+            if not model.batched:
+                raise ConfigError(
+                    f"{where}, so each step gets a whole batch as one request; but step {index} "
+                    f"(model {step.model!r}) has no batch dimension: {model.unbatched_reason}. "
+                    "A step model must take many rows at once (a variable first dimension in "
+                    "every input and output), or the pipeline must not batch (batcher = 'none')"
+                )
+        self._rounds = tuple(tuple(ready) for ready in rounds)
+        self._maps = tuple(
+            (tuple(step.input_map.items()), tuple(step.output_map.items())) for step in self.steps
+        )
+        self._output_names = tuple(spec.name for spec in self.signature.outputs)
+        self._infer = infer
+        self._step_runner = step_runner
+        self.batcher = _MemberBatcher(batcher)
+        self.runner: ModelRunner | None = None
+
+    def attach(self, runner: ModelRunner) -> None:
+        """Serve through *runner*: the graphs end and drop members through it."""
+        self.runner = runner
+
+    async def load(self, config: ModelConfig, placement: Placement) -> _Graph:
+        """One graph executor; it holds nothing but its place."""
+        return _Graph(self, placement)
+
+    # -- running a batch (for _Graph.execute) ----------------------------------------
+
+    async def run(self, inputs: Mapping[str, Any]) -> Outputs:
+        """Run the batch in *inputs* through the steps: one output row per input row.
+
+        *inputs* is a `_Members` mapping for a batch the runner formed; rows of
+        members that ended on the way are left unset (the runner answers only
+        those still waiting). Anything else (a fallback's probe) runs as it is.
+
+        Raises:
+            TrioInferError: A step's error, the step named in its message, for
+                every member still waiting (an ``InvalidInput`` only for a lone one).
+        """
+        members = inputs.requests if type(inputs) is _Members else None
+        tensors: dict[str, Any] = dict(inputs)
+        if members is None:
+            # Inputs with no members behind them (a fallback's probe): every row counts.
+            await self._rounds_from(0, tensors, None)
+            return self._outputs(tensors)
+        current = list(range(len(members)))
+        segments: list[_Segment] = []
+        start = await self._batch(members, current, tensors, segments)
+        if start is not None:
+            # A step refused the batch's inputs (InvalidInput): one member's rows, it may
+            # be. Each member still waiting runs the rest alone, one after the other.
+            await self._alone(members, current, tensors, start, segments)
+        return self._gather(members, segments)
+
+    async def _batch(
+        self,
+        members: Sequence[Request],
+        current: list[int],
+        tensors: dict[str, Any],
+        segments: list[_Segment],
+    ) -> int | None:
+        # The batch through every round of steps, the departed dropped before each.
+        # Returns the round an InvalidInput stopped it at, if one did; else its
+        # outputs are one segment. Other step errors propagate (the runner fails
+        # every member still waiting with one).
+        who = _who([members[i] for i in current])
+        for number, ready in enumerate(self._rounds):
+            done = False
+            while not done:
+                # Again after a round the members' latest deadline cut short: it ends them.
+                waiting = len(current)
+                deadline = self._keep_live(members, current, tensors)
+                if not current:
+                    return None
+                if len(current) != waiting:
+                    who = _who([members[i] for i in current])
+                try:
+                    done = await self._round(ready, tensors, who, deadline)
+                except InvalidInput:
+                    if len(current) == 1:
+                        raise
+                    return number
+        segments.append((list(current), self._outputs(tensors)))
+        return None
+
+    async def _alone(
+        self,
+        members: Sequence[Request],
+        current: list[int],
+        tensors: dict[str, Any],
+        start: int,
+        segments: list[_Segment],
+    ) -> None:
+        assert self.runner is not None
+        cuts = np.cumsum([0, *(members[i].rows for i in current)])
+        for position, index in enumerate(current):
+            member = members[index]
+            if member._state.status is not _RUNNING:
+                continue
+            a, b = int(cuts[position]), int(cuts[position + 1])
+            own = {name: value[a:b] for name, value in tensors.items()}
+            try:
+                await self._rounds_from(start, own, [member])
+            except _Departed:
+                continue
+            except TrioInferError as exc:
+                self.runner.finish(member, error=exc)  # its own error object: its own run's
+                continue
+            segments.append(([index], self._outputs(own)))
+
+    async def _rounds_from(
+        self,
+        start: int,
+        tensors: dict[str, Any],
+        members: list[Request] | None,
+        label: str = "probe",
+    ) -> None:
+        # One member's (or the probe's) way through the rounds from *start*.
+        who: _Who = (label, 0, None) if members is None else _who(members)
+        for ready in self._rounds[start:]:
+            done = False
+            while not done:
+                deadline = math.inf
+                if members is not None:
+                    assert self.runner is not None
+                    members, _rows, deadline = self.runner._live(members)
+                    if not members:
+                        raise _Departed
+                done = await self._round(ready, tensors, who, deadline)
+
+    def _keep_live(
+        self, members: Sequence[Request], current: list[int], tensors: dict[str, Any]
+    ) -> float:
+        # Drops the members whose caller left or whose deadline passed (the runner ends
+        # the latter), and their rows from *tensors*; returns the latest deadline left.
+        assert self.runner is not None
+        waiting = [members[i] for i in current]
+        live, _rows, deadline = self.runner._live(waiting)
+        if len(live) == len(waiting):
+            return deadline
+        kept = {id(request) for request in live}
+        rows: list[np.ndarray[Any, Any]] = []
+        offset = 0
+        survivors = []
+        for index in current:
+            member = members[index]
+            if id(member) in kept:
+                rows.append(np.arange(offset, offset + member.rows))
+                survivors.append(index)
+            offset += member.rows
+        current[:] = survivors
+        if survivors:
+            taken = np.concatenate(rows)
+            for name, value in tensors.items():
+                tensors[name] = value[taken]
+        return deadline
+
+    async def _round(
+        self,
+        ready: Sequence[tuple[int, Step]],
+        tensors: dict[str, Any],
+        who: _Who,
+        deadline: float,
+    ) -> bool:
+        # The round's steps (those not done already: a rerun repeats a round), side by
+        # side when there are several; the first failure cancels the others. False if
+        # *deadline*, the latest of the members', passed first (the caller then ends them).
+        todo = [
+            (index, step)
+            for index, step in ready
+            if not all(shared in tensors for shared in step.output_map.values())
+        ]
+        if deadline == math.inf:  # no member has one: no scope to set up
+            await self._steps(todo, tensors, who)
+            return True
+        with anyio.CancelScope(deadline=deadline) as scope:
+            await self._steps(todo, tensors, who)
+        return not scope.cancelled_caught
+
+    async def _steps(
+        self, todo: Sequence[tuple[int, Step]], tensors: dict[str, Any], who: _Who
+    ) -> None:
+        label, priority, tenant = who
+        if len(todo) == 1:
+            index, step = todo[0]
+            await self._step(index, step, tensors, f"{label}/{index}", priority, tenant)
+            return
+        failure: list[TrioInferError] = []
+
+        async def run(index: int, step: Step, scope: anyio.CancelScope) -> None:
+            try:
+                await self._step(index, step, tensors, f"{label}/{index}", priority, tenant)
+            except TrioInferError as exc:
+                failure.append(exc)
+                scope.cancel()
+
+        async with anyio.create_task_group() as tg:
+            for index, step in todo:
+                tg.start_soon(run, index, step, tg.cancel_scope)
+        if failure:
+            raise failure[0]
+
+    async def _step(
+        self,
+        index: int,
+        step: Step,
+        tensors: dict[str, Any],
+        request_id: str,
+        priority: int,
+        tenant: str | None,
+    ) -> None:
+        # One step request carrying every row in *tensors*; its outputs join them. Its
+        # error keeps its class, the step named in its message.
+        ins, outs = self._maps[index]
+        inputs = {own: tensors[shared] for own, shared in ins}
+        model = step.model
+        try:
+            outputs = await self._call(model, inputs, request_id, priority, tenant)
+            missing = sorted(set(step.output_map) - set(outputs))
+            if missing:  # the step's model was replaced by one with other outputs
+                raise BackendError(f"its model answered without outputs {missing}")
+            rows = len(next(iter(tensors.values())))
+            for own, shared in outs:
+                value = outputs[own]
+                if not np.ndim(value) or len(value) != rows:
+                    raise BackendError(
+                        f"its model answered {own!r} with shape {list(np.shape(value))} for "
+                        f"{rows} rows; a batched pipeline needs one row per input row"
+                    )
+                tensors[shared] = value
+        except TrioInferError as exc:
+            raise self._named(index, step, exc) from exc
+
+    def _named(self, index: int, step: Step, exc: TrioInferError) -> TrioInferError:
+        where = f"pipeline {self.config.name!r}, step {index} (model {step.model!r})"
+        return _copy_error(exc, cause=exc, message=f"{where}: {exc}")
+
+    async def _call(
+        self,
+        model: str,
+        inputs: dict[str, Any],
+        request_id: str,
+        priority: int,
+        tenant: str | None,
+    ) -> Outputs:
+        # The step's model: in this task on an idle instance of a model that would pass
+        # the request straight through (as the unbatched pipeline's steps run), else
+        # through engine.infer, its queue and its batcher.
+        runner = self._step_runner(model)
+        replica = None if runner is None else runner.idle_replica()
+        if replica is not None and runner is not None and runner.slice_spent(replica):
+            await anyio.lowlevel.checkpoint()
+            restart_inline_slice()
+            runner = self._step_runner(model)
+            replica = None if runner is None else runner.idle_replica()
+        if replica is not None and runner is not None:
+            arrays, _rows = runner.validate(inputs)  # as engine.infer checks them
+            clock = runner.clock
+            deadline = clock.current_effective_deadline()
+            if deadline != -math.inf:  # else a cancellation, for engine.infer to raise
+                return await runner.run_here(
+                    replica, arrays, request_id, priority, tenant, deadline, clock.current_time()
+                )
+        outputs: Outputs = await self._infer(
+            model, inputs, priority=priority, tenant=tenant, request_id=request_id
+        )
+        return outputs
+
+    def _outputs(self, tensors: Mapping[str, Any]) -> dict[str, Any]:
+        return {name: tensors[name] for name in self._output_names}
+
+    def _gather(self, members: Sequence[Request], segments: list[_Segment]) -> Outputs:
+        # The batch's outputs, one row per input row, from its parts: the common case is
+        # one part holding every member. Rows of members that ended are left unset
+        # (the runner answers only those still waiting).
+        if len(segments) == 1 and len(segments[0][0]) == len(members):
+            return segments[0][1]
+        if not segments:
+            return {}  # nobody is waiting: nothing to cut (the runner answers nobody)
+        assert self.runner is not None
+        starts = np.cumsum([0, *(member.rows for member in members)])
+        total = int(starts[-1])
+        first = segments[0][1]
+        full = {
+            name: np.empty((total, *np.shape(first[name])[1:]), np.asarray(first[name]).dtype)
+            for name in self._output_names
+        }
+        for indices, outputs in segments:
+            rows = np.concatenate([np.arange(starts[i], starts[i + 1]) for i in indices])
+            misfit = [
+                f"{name!r} is {list(np.shape(outputs[name]))}"
+                for name in self._output_names
+                if np.shape(outputs[name])[1:] != full[name].shape[1:]
+            ]
+            if misfit:
+                error = BackendError(
+                    f"pipeline {self.config.name!r}: the outputs of a member rerun alone do not "
+                    f"fit the batch's ({', '.join(misfit)}; expected "
+                    f"{', '.join(f'{n!r} [rows, {list(a.shape[1:])}]' for n, a in full.items())})"
+                )
+                for i in indices:
+                    self.runner.finish(members[i], error=_copy_error(error, cause=None))
+                continue
+            for name in self._output_names:
+                full[name][rows] = outputs[name]
+        return full
+
+
+def _who(members: Sequence[Request]) -> _Who:
+    # What a step request for *members* says of them: an id naming the first member
+    # (and how many more), their highest priority, and their tenant if they share one.
+    first = members[0]
+    tenant = first.tenant
+    priority = first.priority
+    for member in members:
+        if member.priority > priority:
+            priority = member.priority
+        if member.tenant != tenant:
+            tenant = None
+    label = first.id if len(members) == 1 else f"{first.id}+{len(members) - 1}"
+    return label, priority, tenant
+
+
+class _Departed(Exception):
+    """Nobody waits for a member rerun alone any more: it ended already."""
+
+
+@final
+class _Graph:
+    """One instance of a batched pipeline: it runs a batch through the steps."""
+
+    __slots__ = ("_pipeline", "device")
+
+    def __init__(self, pipeline: BatchedPipeline, placement: Placement) -> None:
+        self._pipeline = pipeline
+        self.device = str(placement.device)
+
+    def __repr__(self) -> str:
+        return f"<graph of pipeline {self._pipeline.config.name!r}>"
+
+    @property
+    def signature(self) -> ModelSignature:
+        """The pipeline's declared inputs and outputs."""
+        return self._pipeline.signature
+
+    async def execute(self, inputs: Mapping[str, Any]) -> Outputs:
+        """Run the steps once for the batch in *inputs*; one output row per input row."""
+        return await self._pipeline.run(inputs)
+
+    async def aclose(self) -> None:
+        """Nothing to release: the steps' models are loaded on their own."""
