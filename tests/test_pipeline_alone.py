@@ -399,17 +399,18 @@ async def test_a_step_on_an_inline_model_needs_no_cancel_scope_and_is_counted_al
                 return real(*args, **kw)
 
             monkeypatch.setattr(where, "CancelScope", counting)
-        out = await engine.infer("p", {"IN": X})
+        rows = np.ones((3, 4), np.float32)  # three rows: counted as three, not one
+        out = await engine.infer("p", {"IN": rows})
         monkeypatch.undo()
-        np.testing.assert_array_equal(out["OUT"], X + 1)
+        np.testing.assert_array_equal(out["OUT"], rows + 1)
         assert len(made) == scopes
         if scopes == 0:
             assert Probe.tasks["a"] == [_current_task()]
         # Counted as a request queued to a model of the same kind is.
-        await engine.infer("q", {"x": X})
+        await engine.infer("q", {"x": rows})
         stats = engine.statistics().models
         assert _counts(stats["a"]) == _counts(stats["q"])
-        assert stats["a"].succeeded == 1
+        assert (stats["a"].succeeded, stats["a"].batch_size.sum) == (1, 3)
 
 
 @pytest.mark.parametrize(

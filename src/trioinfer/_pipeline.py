@@ -63,7 +63,7 @@ from ._runner import (
     _copy_error,
     _Histogram,
 )
-from ._tensors import ModelSignature, TensorSpec, validate_inputs
+from ._tensors import ModelSignature, TensorSpec
 from ._threads import LoopClock
 from .abc import Status
 
@@ -273,7 +273,8 @@ class Pipeline:
                 # the queue, then run_alone, or less: run_here). The check and the run
                 # have no await between.
                 assert runner is not None
-                arrays = validate_inputs(model, runner.signature, inputs, runner.input_limits)
+                # As engine.infer checks them, with their rows, which run_here counts.
+                arrays, rows = runner.validate(inputs)
                 clock = runner.clock
                 deadline = clock.current_effective_deadline()
             if deadline != -math.inf:  # else busy, or a cancellation for engine.infer to raise
@@ -282,6 +283,7 @@ class Pipeline:
                 outputs = await runner.run_here(
                     replica,
                     arrays,
+                    rows,
                     f"{request.id}/{index}",
                     request.priority,
                     request.tenant,

@@ -1284,6 +1284,7 @@ class ModelRunner(metaclass=NoPublicConstructor):
         self,
         replica: Replica,
         inputs: Mapping[str, np.ndarray[Any, Any]],
+        rows: int,
         request_id: str,
         priority: int,
         tenant: str | None,
@@ -1291,6 +1292,8 @@ class ModelRunner(metaclass=NoPublicConstructor):
         now: float,
     ) -> Outputs:
         """Run validated *inputs* on *replica*, from `idle_replica` with no await since.
+
+        *rows*: their rows, as `validate_rows` counts them for this model.
 
         What `run_alone` does with a request made of them at *now* (its arrival),
         counted the same way. On an instance that never suspends
@@ -1302,7 +1305,6 @@ class ModelRunner(metaclass=NoPublicConstructor):
         Raises:
             What the request ended with, as `call` does.
         """
-        rows = _rows(inputs) if self.batched else 1
         instance = replica._backend_instance
         if deadline <= now or getattr(instance, "runs_inline", False) is not True:
             return await self.run_alone(
