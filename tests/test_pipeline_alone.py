@@ -321,6 +321,37 @@ async def test_unloading_a_step_model_cancels_a_step_running_in_a_callers_task(
         assert engine.statistics().models["p"].failed == 1
 
 
+@pytest.mark.parametrize("how", ["unload", "replace"])
+async def test_a_step_model_unloaded_or_replaced_takes_no_step_while_it_drains(
+    autojump_clock: trio.testing.MockClock, how: str
+) -> None:
+    # The old model finishes what it accepted (one instance busy) with its other
+    # instance idle; a pipeline's step goes where engine.infer sends it now: nowhere
+    # (unloaded), or the new model (here one that queues its requests).
+    two = (trioinfer.Instance(count=2),)
+    old = model("a", parameters={"name": "old", "delay": 1.0}, instances=two)
+    async with open_engine(drain_period=10.0) as engine:
+        await load(engine, old, chain("a"))
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(engine.infer, "a", {"x": X})
+            await trio.testing.wait_all_tasks_blocked()
+            if how == "unload":
+                tg.start_soon(engine.unload, "a")
+                await trio.testing.wait_all_tasks_blocked()
+                with pytest.raises(trioinfer.ModelNotFound) as info:
+                    await engine.infer("p", {"IN": X})
+                assert str(info.value).startswith("pipeline 'p', step 0 (model 'a'): ")
+            else:
+                new = model("a", parameters={"name": "new"}, queue_timeouts={0: 5.0})
+                tg.start_soon(lambda: engine.load(new, replace=True))
+                await trio.testing.wait_all_tasks_blocked()
+                out = await engine.infer("p", {"IN": X})
+                np.testing.assert_array_equal(out["OUT"], X + 1)
+                assert len(Probe.tasks["new"]) == 1
+            assert "old end" not in Probe.events  # still draining, and the step ran elsewhere
+        assert len(Probe.tasks["old"]) == 1
+
+
 async def test_leaving_the_engine_cancels_a_step_running_in_an_outer_task(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
