@@ -398,7 +398,7 @@ def _counts(s: trioinfer.ModelStatistics) -> tuple[object, ...]:
         s.executions, s.replicas[0].executions, s.replicas[0].failures,
         s.queue_duration.counts, s.compute_duration.count, s.request_duration.count,
         sum(s.compute_duration.counts), sum(s.request_duration.counts),
-        s.batch_size.counts, s.batch_size.sum,
+        s.batch_size.counts, s.batch_size.count, s.batch_size.sum,
     )  # fmt: skip
 
 
@@ -442,6 +442,28 @@ async def test_a_step_on_an_inline_model_needs_no_cancel_scope_and_is_counted_al
         stats = engine.statistics().models
         assert _counts(stats["a"]) == _counts(stats["q"])
         assert (stats["a"].succeeded, stats["a"].batch_size.sum) == (1, 3)
+
+
+async def test_an_inline_steps_time_is_counted_as_its_compute_and_request_durations(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    # The step runs 0.3 s (the mock clock, moved on inside the model) and never queues.
+    Jump.clock = autojump_clock
+    jump = model("jump", Jump, parameters={"by": 0.3}, backend_options={"dispatch": "inline"})
+    async with open_engine() as engine:
+        await load(engine, jump, chain("jump"))
+        await engine.infer("p", {"IN": X})
+        await engine.infer("p", {"IN": X})
+        s = engine.statistics().models["jump"]
+        bucket = next(i for i, bound in enumerate(s.compute_duration.bounds) if bound >= 0.3)
+        for durations in (s.compute_duration, s.request_duration):
+            assert (durations.count, durations.sum) == (2, pytest.approx(0.6))
+            assert durations.counts[bucket] == 2
+        assert (s.queue_duration.count, s.queue_duration.sum, s.queue_duration.counts[0]) == (
+            2, 0.0, 2
+        )  # fmt: skip
+        assert s.mean_execution_s == pytest.approx(0.3)
+        assert (s.executions, s.succeeded) == (2, 2)
 
 
 @pytest.mark.parametrize(
