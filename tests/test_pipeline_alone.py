@@ -291,6 +291,29 @@ async def test_a_step_past_its_deadline_is_never_computed(
         assert (b.expired, b.executions, b.in_flight, b.succeeded) == (1, 0, 0, 0)
 
 
+async def test_a_pipelines_queue_timeout_bounds_a_caller_that_set_no_deadline(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    # The pipeline's queue_timeouts give its request a deadline; its steps (this
+    # one in the caller's task) are cancelled there, and it expires.
+    slow = model("slow", parameters={"name": "slow", "delay": 5.0})
+    async with open_engine() as engine:
+        await load(engine, slow, attrs.evolve(chain("slow"), queue_timeouts={0: 1.0}))
+        start = trio.current_time()
+        with pytest.raises(trioinfer.DeadlineExceeded, match="reached its deadline"):
+            await engine.infer("p", {"IN": X})
+        assert trio.current_time() - start == pytest.approx(1.0)
+        assert Probe.events == ["slow start", "slow cancelled"]
+        assert Probe.tasks["slow"] == [_current_task()]
+        p = engine.statistics().models["p"]
+        assert (p.expired, p.failed, p.cancelled, p.in_flight) == (1, 0, 0, 0)
+        # A caller's own deadline is its own scope's to report.
+        with pytest.raises(trio.TooSlowError):
+            with trio.fail_after(0.5):
+                await engine.infer("p", {"IN": X})
+        assert engine.statistics().models["p"].cancelled == 1
+
+
 async def test_unloading_a_step_model_cancels_a_step_running_in_a_callers_task(
     autojump_clock: trio.testing.MockClock,
 ) -> None:

@@ -195,7 +195,10 @@ class Pipeline:
         self._in_flight += 1
         state.status = Status.RUNNING
         try:
-            outputs = await self._answer(request, own_deadline)
+            if own_deadline:
+                outputs = await self._run(request)
+            else:
+                outputs = await self._run_by_deadline(request)
         except anyio.get_cancelled_exc_class():
             self.cancelled += 1
             raise
@@ -217,9 +220,7 @@ class Pipeline:
                 self._idle.set()
                 self._idle = None
 
-    async def _answer(self, request: Request, own_deadline: bool) -> Outputs:
-        if own_deadline:
-            return await self._run(request)
+    async def _run_by_deadline(self, request: Request) -> Outputs:
         # The pipeline's queue_timeouts: a deadline its caller did not set.
         with anyio.CancelScope(deadline=request.deadline):
             return await self._run(request)
