@@ -291,6 +291,29 @@ async def test_a_step_past_its_deadline_is_never_computed(
         assert (b.expired, b.executions, b.in_flight, b.succeeded) == (1, 0, 0, 0)
 
 
+async def test_a_pipelines_queue_timeout_bounds_a_caller_that_set_no_deadline(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    # The pipeline's queue_timeouts give its request a deadline; its steps (this
+    # one in the caller's task) are cancelled there, and it expires.
+    slow = model("slow", parameters={"name": "slow", "delay": 5.0})
+    async with open_engine() as engine:
+        await load(engine, slow, attrs.evolve(chain("slow"), queue_timeouts={0: 1.0}))
+        start = trio.current_time()
+        with pytest.raises(trioinfer.DeadlineExceeded, match="reached its deadline"):
+            await engine.infer("p", {"IN": X})
+        assert trio.current_time() - start == pytest.approx(1.0)
+        assert Probe.events == ["slow start", "slow cancelled"]
+        assert Probe.tasks["slow"] == [_current_task()]
+        p = engine.statistics().models["p"]
+        assert (p.expired, p.failed, p.cancelled, p.in_flight) == (1, 0, 0, 0)
+        # A caller's own deadline is its own scope's to report.
+        with pytest.raises(trio.TooSlowError):
+            with trio.fail_after(0.5):
+                await engine.infer("p", {"IN": X})
+        assert engine.statistics().models["p"].cancelled == 1
+
+
 async def test_unloading_a_step_model_cancels_a_step_running_in_a_callers_task(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
@@ -319,6 +342,37 @@ async def test_unloading_a_step_model_cancels_a_step_running_in_a_callers_task(
         (error,) = outcome
         assert str(error).startswith("pipeline 'p', step 0 (model 'slow'): ")
         assert engine.statistics().models["p"].failed == 1
+
+
+@pytest.mark.parametrize("how", ["unload", "replace"])
+async def test_a_step_model_unloaded_or_replaced_takes_no_step_while_it_drains(
+    autojump_clock: trio.testing.MockClock, how: str
+) -> None:
+    # The old model finishes what it accepted (one instance busy) with its other
+    # instance idle; a pipeline's step goes where engine.infer sends it now: nowhere
+    # (unloaded), or the new model (here one that queues its requests).
+    two = (trioinfer.Instance(count=2),)
+    old = model("a", parameters={"name": "old", "delay": 1.0}, instances=two)
+    async with open_engine(drain_period=10.0) as engine:
+        await load(engine, old, chain("a"))
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(engine.infer, "a", {"x": X})
+            await trio.testing.wait_all_tasks_blocked()
+            if how == "unload":
+                tg.start_soon(engine.unload, "a")
+                await trio.testing.wait_all_tasks_blocked()
+                with pytest.raises(trioinfer.ModelNotFound) as info:
+                    await engine.infer("p", {"IN": X})
+                assert str(info.value).startswith("pipeline 'p', step 0 (model 'a'): ")
+            else:
+                new = model("a", parameters={"name": "new"}, queue_timeouts={0: 5.0})
+                tg.start_soon(lambda: engine.load(new, replace=True))
+                await trio.testing.wait_all_tasks_blocked()
+                out = await engine.infer("p", {"IN": X})
+                np.testing.assert_array_equal(out["OUT"], X + 1)
+                assert len(Probe.tasks["new"]) == 1
+            assert "old end" not in Probe.events  # still draining, and the step ran elsewhere
+        assert len(Probe.tasks["old"]) == 1
 
 
 async def test_leaving_the_engine_cancels_a_step_running_in_an_outer_task(
@@ -367,7 +421,7 @@ def _counts(s: trioinfer.ModelStatistics) -> tuple[object, ...]:
         s.executions, s.replicas[0].executions, s.replicas[0].failures,
         s.queue_duration.counts, s.compute_duration.count, s.request_duration.count,
         sum(s.compute_duration.counts), sum(s.request_duration.counts),
-        s.batch_size.counts, s.batch_size.sum,
+        s.batch_size.counts, s.batch_size.count, s.batch_size.sum,
     )  # fmt: skip
 
 
@@ -399,17 +453,40 @@ async def test_a_step_on_an_inline_model_needs_no_cancel_scope_and_is_counted_al
                 return real(*args, **kw)
 
             monkeypatch.setattr(where, "CancelScope", counting)
-        out = await engine.infer("p", {"IN": X})
+        rows = np.ones((3, 4), np.float32)  # three rows: counted as three, not one
+        out = await engine.infer("p", {"IN": rows})
         monkeypatch.undo()
-        np.testing.assert_array_equal(out["OUT"], X + 1)
+        np.testing.assert_array_equal(out["OUT"], rows + 1)
         assert len(made) == scopes
         if scopes == 0:
             assert Probe.tasks["a"] == [_current_task()]
         # Counted as a request queued to a model of the same kind is.
-        await engine.infer("q", {"x": X})
+        await engine.infer("q", {"x": rows})
         stats = engine.statistics().models
         assert _counts(stats["a"]) == _counts(stats["q"])
-        assert stats["a"].succeeded == 1
+        assert (stats["a"].succeeded, stats["a"].batch_size.sum) == (1, 3)
+
+
+async def test_an_inline_steps_time_is_counted_as_its_compute_and_request_durations(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    # The step runs 0.3 s (the mock clock, moved on inside the model) and never queues.
+    Jump.clock = autojump_clock
+    jump = model("jump", Jump, parameters={"by": 0.3}, backend_options={"dispatch": "inline"})
+    async with open_engine() as engine:
+        await load(engine, jump, chain("jump"))
+        await engine.infer("p", {"IN": X})
+        await engine.infer("p", {"IN": X})
+        s = engine.statistics().models["jump"]
+        bucket = next(i for i, bound in enumerate(s.compute_duration.bounds) if bound >= 0.3)
+        for durations in (s.compute_duration, s.request_duration):
+            assert (durations.count, durations.sum) == (2, pytest.approx(0.6))
+            assert durations.counts[bucket] == 2
+        assert (s.queue_duration.count, s.queue_duration.sum, s.queue_duration.counts[0]) == (
+            2, 0.0, 2
+        )  # fmt: skip
+        assert s.mean_execution_s == pytest.approx(0.3)
+        assert (s.executions, s.succeeded) == (2, 2)
 
 
 @pytest.mark.parametrize(

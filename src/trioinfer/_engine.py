@@ -150,6 +150,10 @@ class Engine:
     # ModelRunner.plain) that are not decoupled, while the engine is open and
     # does not trace. Kept beside _runners and _gates, so that infer asks once.
     _plain: dict[str, ModelRunner] = attrs.field(factory=dict, init=False)
+    # Those of them whose requests may skip engine.infer as pipeline steps and run in
+    # the pipeline's task (ModelRunner.alone_ok; its idle_replica says when): each
+    # pipeline looks its steps' models up here, one dict lookup a step.
+    _alone: dict[str, ModelRunner] = attrs.field(factory=dict, init=False)
     _loading: set[str] = attrs.field(factory=set, init=False)
     _closing: bool = attrs.field(default=False, init=False)
     _closed: bool = attrs.field(default=False, init=False)
@@ -211,7 +215,7 @@ class Engine:
                     self.infer,
                     lambda model: self._runner(model).signature,
                     self._steps_of,
-                    self._step_alone,
+                    self._alone.get,
                 )
             else:
                 runner = await self._new_runner(config)
@@ -262,7 +266,7 @@ class Engine:
                 self.infer,
                 lambda model: self._runner(model).signature,
                 self._steps_of,
-                self._step_alone,
+                self._alone.get,
                 batcher,
             )
             backend, batcher = graph, graph.batcher
@@ -303,6 +307,7 @@ class Engine:
         """
         runner = self._runners.pop(name, None)
         self._plain.pop(name, None)
+        self._alone.pop(name, None)
         if runner is None:
             raise ModelNotFound(f"no model named {name!r} is loaded; loaded: {self._names()}")
         self._forget(name)
@@ -318,21 +323,6 @@ class Engine:
             assert isinstance(runner, ModelRunner)
             runner.streams_closed = gate.wait_closed  # before its instances close
 
-    def _step_alone(self, model: str) -> ModelRunner | None:
-        # The runner of a pipeline step's model if its request may skip engine.infer
-        # and run in the pipeline's task (ModelRunner.idle_replica says when): only a
-        # runner engine.infer's fast path would take, and only with tracing off.
-        runner = self._runners.get(model)
-        if (
-            type(runner) is ModelRunner
-            and runner.alone_ok
-            and self._tracing is None
-            and not self._closing
-            and not (self._gates and model in self._gates)
-        ):
-            return runner
-        return None
-
     def _set_plain(self, name: str, runner: ModelRunner | Pipeline) -> None:
         if (
             type(runner) is ModelRunner
@@ -342,8 +332,13 @@ class Engine:
             and name not in self._gates
         ):
             self._plain[name] = runner
+            if runner.alone_ok:
+                self._alone[name] = runner
+            else:
+                self._alone.pop(name, None)
         else:
             self._plain.pop(name, None)
+            self._alone.pop(name, None)
 
     def _steps_of(self, model: str) -> tuple[str, ...]:
         # The models a pipeline's steps call (none for a model that is not one).
@@ -738,6 +733,7 @@ class Engine:
     async def _shutdown(self, drain: bool) -> None:
         self._closing = True
         self._plain.clear()
+        self._alone.clear()
         if drain:
             with anyio.move_on_after(self.drain_period):
                 for runner in list(self._runners.values()):

@@ -67,7 +67,7 @@ from ._runner import (
     _copy_error,
     _Histogram,
 )
-from ._tensors import ModelSignature, TensorSpec, validate_inputs
+from ._tensors import ModelSignature, TensorSpec
 from ._threads import LoopClock
 from .abc import Status
 
@@ -199,7 +199,10 @@ class Pipeline:
         self._in_flight += 1
         state.status = Status.RUNNING
         try:
-            outputs = await self._answer(request, own_deadline)
+            if own_deadline:
+                outputs = await self._run(request)
+            else:
+                outputs = await self._run_by_deadline(request)
         except anyio.get_cancelled_exc_class():
             self.cancelled += 1
             raise
@@ -221,9 +224,7 @@ class Pipeline:
                 self._idle.set()
                 self._idle = None
 
-    async def _answer(self, request: Request, own_deadline: bool) -> Outputs:
-        if own_deadline:
-            return await self._run(request)
+    async def _run_by_deadline(self, request: Request) -> Outputs:
         # The pipeline's queue_timeouts: a deadline its caller did not set.
         with anyio.CancelScope(deadline=request.deadline):
             return await self._run(request)
@@ -277,7 +278,8 @@ class Pipeline:
                 # the queue, then run_alone, or less: run_here). The check and the run
                 # have no await between.
                 assert runner is not None
-                arrays = validate_inputs(model, runner.signature, inputs, runner.input_limits)
+                # As engine.infer checks them, with their rows, which run_here counts.
+                arrays, rows = runner.validate(inputs)
                 clock = runner.clock
                 deadline = clock.current_effective_deadline()
             if deadline != -math.inf:  # else busy, or a cancellation for engine.infer to raise
@@ -286,6 +288,7 @@ class Pipeline:
                 outputs = await runner.run_here(
                     replica,
                     arrays,
+                    rows,
                     f"{request.id}/{index}",
                     request.priority,
                     request.tenant,

@@ -406,12 +406,19 @@ class BatchedPipeline:
             runner = self._step_runner(model)
             replica = None if runner is None else runner.idle_replica()
         if replica is not None and runner is not None:
-            arrays, _rows = runner.validate(inputs)  # as engine.infer checks them
+            arrays, rows = runner.validate(inputs)  # as engine.infer checks them
             clock = runner.clock
             deadline = clock.current_effective_deadline()
             if deadline != -math.inf:  # else a cancellation, for engine.infer to raise
                 return await runner.run_here(
-                    replica, arrays, request_id, priority, tenant, deadline, clock.current_time()
+                    replica,
+                    arrays,
+                    rows,
+                    request_id,
+                    priority,
+                    tenant,
+                    deadline,
+                    clock.current_time(),
                 )
         outputs: Outputs = await self._infer(
             model, inputs, priority=priority, tenant=tenant, request_id=request_id

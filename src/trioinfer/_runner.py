@@ -440,8 +440,16 @@ class _Histogram:
         self.count += len(values)
         self.sum += sum(values)
 
-    def snapshot(self) -> Histogram:
-        return Histogram(self.bounds, tuple(self.counts), self.count, self.sum)
+    def snapshot(self, more: _Histogram | None = None, zeros: int = 0) -> Histogram:
+        # With *more* (of the same bounds) added in, and *zeros* observations of 0.0.
+        counts = self.counts
+        count, total = self.count + zeros, self.sum
+        if more is not None and more.count:
+            counts = [a + b for a, b in zip(counts, more.counts, strict=True)]
+            count, total = count + more.count, total + more.sum
+        if zeros:
+            counts = [counts[0] + zeros, *counts[1:]]
+        return Histogram(self.bounds, tuple(counts), count, total)
 
 
 @attrs.frozen
@@ -727,6 +735,12 @@ class ModelRunner(metaclass=NoPublicConstructor):
         factory=lambda: _Histogram(DURATION_BUCKETS), init=False
     )
     _batch_size: _Histogram = attrs.field(factory=lambda: _Histogram(BATCH_BUCKETS), init=False)
+    # The durations of executions run in their callers' tasks that answered (see
+    # run_here): counted in the queue (as 0.0), compute and request histograms
+    # and the executions when statistics() reads them.
+    _answered_here: _Histogram = attrs.field(
+        factory=lambda: _Histogram(DURATION_BUCKETS), init=False
+    )
     #: Whether a request may run in its caller's task when an instance is idle
     #: (`idle_replica`, `run_alone`): its scheduler, batcher and fallback would
     #: pass a lone request straight through.
@@ -1285,6 +1299,7 @@ class ModelRunner(metaclass=NoPublicConstructor):
         self,
         replica: Replica,
         inputs: Mapping[str, np.ndarray[Any, Any]],
+        rows: int,
         request_id: str,
         priority: int,
         tenant: str | None,
@@ -1292,6 +1307,8 @@ class ModelRunner(metaclass=NoPublicConstructor):
         now: float,
     ) -> Outputs:
         """Run validated *inputs* on *replica*, from `idle_replica` with no await since.
+
+        *rows*: their rows, as `validate_rows` counts them for this model.
 
         What `run_alone` does with a request made of them at *now* (its arrival),
         counted the same way. On an instance that never suspends
@@ -1303,7 +1320,6 @@ class ModelRunner(metaclass=NoPublicConstructor):
         Raises:
             What the request ended with, as `call` does.
         """
-        rows = _rows(inputs) if self.batched else 1
         instance = replica._backend_instance
         if deadline <= now or getattr(instance, "runs_inline", False) is not True:
             return await self.run_alone(
@@ -1338,12 +1354,12 @@ class ModelRunner(metaclass=NoPublicConstructor):
             )
             failed._state.status = _RUNNING
             self._in_flight.add(failed)
-            self._count_alone(replica, rows, self.clock.current_time() - now, answered=False)
+            self._count_alone(replica, rows, self.clock.current_time() - now)
             replica.failures += 1
             self.finish(failed, error=_backend_error(self.config.name, failed, exc))
         except BaseException:
             # Not a cancellation (it never suspended): KeyboardInterrupt and the like.
-            self._count_alone(replica, rows, self.clock.current_time() - now, answered=False)
+            self._count_alone(replica, rows, self.clock.current_time() - now)
             self.cancelled += 1
             raise
         finally:
@@ -1359,36 +1375,32 @@ class ModelRunner(metaclass=NoPublicConstructor):
                 self.config.name, inputs, request_id, priority, tenant, deadline, now, rows
             )
             return await self.run_alone(replica, request, begun)
+        # Counted as the worker counts an execution and its request, in line (this is
+        # every pipeline step's path): it never queued, and its request took its
+        # execution's time, so one tally stands for its queue, compute and request
+        # durations and its execution (statistics() adds it to each).
         elapsed = self.clock.current_time() - now
-        self._count_alone(replica, rows, elapsed, answered=True)
-        self.succeeded += 1
-        return outputs
-
-    def _count_alone(self, replica: Replica, rows: int, elapsed: float, answered: bool) -> None:
-        # An execution in its caller's task, counted as the worker counts one (and,
-        # when it answered, its request's duration: the execution's own). In line,
-        # not through Histogram.observe: this is every pipeline step's path, and the
-        # compute and request histograms share their buckets and, here, their value.
-        queued = self._queue_duration
-        queued.counts[0] += 1  # it never queued: observe(0.0), the first bucket
-        queued.count += 1
+        here = self._answered_here
+        here.counts[bisect.bisect_left(here.bounds, elapsed)] += 1
+        here.count += 1
+        here.sum += elapsed
         sizes = self._batch_size
         sizes.counts[bisect.bisect_left(sizes.bounds, rows)] += 1
         sizes.count += 1
         sizes.sum += rows
+        replica.executions += 1
+        self._learn(rows, 1, elapsed)
+        self.succeeded += 1
+        return outputs
+
+    def _count_alone(self, replica: Replica, rows: int, elapsed: float) -> None:
+        # An execution in its caller's task that did not answer, counted as the
+        # worker counts one (run_here counts one that answered).
+        self._queue_duration.observe(0.0)
+        self._batch_size.observe(rows)
         self.executions += 1
         replica.executions += 1
-        computed = self._compute_duration
-        bucket = bisect.bisect_left(computed.bounds, elapsed)
-        computed.counts[bucket] += 1
-        computed.count += 1
-        computed.sum += elapsed
-        if answered:
-            request = self._request_duration
-            request.counts[bucket] += 1
-            request.count += 1
-            request.sum += elapsed
-            self._learn(rows, 1, elapsed)
+        self._compute_duration.observe(elapsed)
 
     def _executed(self, rows: int, requests: int, elapsed: float, answered: bool) -> None:
         # One execution's compute time; a run that answered also teaches the
@@ -1817,6 +1829,7 @@ class ModelRunner(metaclass=NoPublicConstructor):
 
     def statistics(self) -> ModelStatistics:
         """A snapshot of this model's counters."""
+        here = self._answered_here
         return ModelStatistics(
             name=self.config.name,
             devices=self.devices,
@@ -1827,13 +1840,13 @@ class ModelRunner(metaclass=NoPublicConstructor):
             cancelled=self.cancelled,
             refused=self.refused,
             expired=self.expired,
-            executions=self.executions,
+            executions=self.executions + here.count,
             mean_execution_s=self._mean_execution_s,
             buffers_allocated=self._pool.allocated,
             buffers_reused=self._pool.reused,
-            queue_duration=self._queue_duration.snapshot(),
-            compute_duration=self._compute_duration.snapshot(),
-            request_duration=self._request_duration.snapshot(),
+            queue_duration=self._queue_duration.snapshot(zeros=here.count),
+            compute_duration=self._compute_duration.snapshot(here),
+            request_duration=self._request_duration.snapshot(here),
             batch_size=self._batch_size.snapshot(),
             replicas=tuple(replica.statistics() for replica in self.replicas),
             fallbacks=dict(self.fallbacks),
