@@ -69,7 +69,7 @@ POLL_S = 0.01
 TOKEN = "grpc-test-token"  # a test fixture, not a credential
 MAX_BODY = 1 << 20
 SLOW_WIDTH = 512
-#: Rows of a blocker request: a second or more of work on one thread (and under MAX_BODY).
+#: Rows of a blocker request: seconds of work on one thread (and under MAX_BODY).
 BLOCKER_ROWS = 256
 
 SLOW_CONFIG = """\
@@ -180,7 +180,9 @@ def repository(tmp_path_factory: pytest.TempPathFactory) -> Path:
     models.write_add(root / "simple" / "1" / "model.onnx", dtype=np.int32, width=16)
     models.write_add(root / "add" / "1" / "model.onnx")
     models.write_identity(root / "strings" / "1" / "model.onnx", dtype=object, shape=("b", 16))
-    models.write_slow(root / "slow" / "1" / "model.onnx", width=SLOW_WIDTH)
+    # Three times write_slow's depth: the blocker must outlast a 0.3 s deadline, metric
+    # polls and a cancel on a fast, loaded machine (a cancel aborts it between nodes).
+    models.write_slow(root / "slow" / "1" / "model.onnx", width=SLOW_WIDTH, depth=3000)
     (root / "slow" / "config.toml").write_text(SLOW_CONFIG)
     # The stateful accumulator of test_sequence.py (Triton's simple_sequence).
     (root / "simple_sequence" / "1").mkdir(parents=True)
