@@ -622,3 +622,81 @@ def test_a_batched_pipeline_on_asyncio() -> None:
     # waiting rerun alone (member 1 left meanwhile), the bad one stopping there.
     assert Rows.rows["first"] == [4, 1, 1, 1]
     assert Rows.rows["second"] == [1, 1]
+
+
+async def test_a_member_rerun_alone_is_answered_when_its_own_run_ends(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    async with open_engine() as engine:
+        # The batch's first step refuses member 1's row at 1 s; then each reruns alone
+        # for a second: member 0 by 2 s, member 1 (refused again) by 3 s, member 2 by 4 s.
+        await load_chain(engine, delays=(1.0, 0.0, 0.0))
+        t0 = trio.current_time()
+        ended: dict[int, float] = {}
+        outcomes: dict[int, object] = {}
+
+        async def call(i: int) -> None:
+            x = np.full((1, 4), POISON if i == 1 else i, np.float32)
+            # Member 0 may wait 3 s: its own answer is there at 2 s, the others' later.
+            with trio.move_on_after(3.0 if i == 0 else math.inf):
+                try:
+                    outcomes[i] = (await engine.infer("p", {"IN": x}))["OUT"]
+                except InvalidInput as exc:
+                    outcomes[i] = exc
+                ended[i] = trio.current_time() - t0
+                return
+            outcomes[i] = "left"
+
+        async with anyio.create_task_group() as tg:
+            for i in range(3):
+                tg.start_soon(call, i)
+                await trio.sleep(0.001)  # in this order (one batch: the delay is 10 ms)
+        np.testing.assert_array_equal(outcomes[0], np.full((1, 4), 3, np.float32))  # type: ignore[arg-type]
+        assert isinstance(outcomes[1], InvalidInput)
+        np.testing.assert_array_equal(outcomes[2], np.full((1, 4), 5, np.float32))  # type: ignore[arg-type]
+        assert ended[0] < ended[1] < ended[2]  # each as its own rerun ends
+        stats = engine.statistics().models["p"]
+        assert (stats.succeeded, stats.failed, stats.cancelled, stats.in_flight) == (2, 1, 0, 0)
+        assert stats.request_duration.count == 2
+        detailed = await engine.infer_detailed("p", {"IN": X})  # served_by as for a batch
+        assert (detailed.instance, detailed.device) == (0, "cpu")
+
+
+async def test_a_member_that_leaves_during_its_rerun_stops_it(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    async with open_engine() as engine:
+        # The batch's first step refuses member 0's row at 1 s; member 0 reruns alone
+        # until 2 s, then member 1, whose caller leaves at 2.5 s (not a deadline: a
+        # client that went away), then member 2.
+        await load_chain(engine, delays=(1.0, 0.0, 0.0))
+        t0 = trio.current_time()
+        scopes: dict[int, trio.CancelScope] = {}
+        outcomes: dict[int, object] = {}
+
+        async def call(i: int) -> None:
+            x = np.full((1, 4), POISON if i == 0 else i, np.float32)
+            with trio.CancelScope() as scopes[i]:
+                try:
+                    outcomes[i] = (await engine.infer("p", {"IN": x}))["OUT"]
+                except InvalidInput as exc:
+                    outcomes[i] = exc
+                return
+            outcomes[i] = "left"
+
+        async with anyio.create_task_group() as tg:
+            for i in range(3):
+                tg.start_soon(call, i)
+                await trio.sleep(0.001)  # in this order (one batch: the delay is 10 ms)
+            await trio.sleep(2.5)
+            scopes[1].cancel()
+            await trio.sleep(0.5)
+            # Member 1's rerun stopped as its caller left: member 2's runs since 2.5 s.
+            assert Rows.rows["first"] == [3, 1, 1, 1]
+            assert engine.statistics().models["first"].cancelled == 1
+        assert trio.current_time() - t0 < 4.0
+        assert isinstance(outcomes[0], InvalidInput)
+        assert outcomes[1] == "left"
+        np.testing.assert_array_equal(outcomes[2], np.full((1, 4), 5, np.float32))  # type: ignore[arg-type]
+        stats = engine.statistics().models["p"]
+        assert (stats.succeeded, stats.failed, stats.cancelled, stats.in_flight) == (1, 1, 1, 0)

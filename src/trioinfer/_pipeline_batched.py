@@ -20,7 +20,8 @@ graph can tell who is still waiting before each step:
 - an `InvalidInput` from a step, for a batch of several members (one bad row
   poisons the batch), makes each member rerun the rest of the pipeline alone,
   one after the other (so that the step model's own batcher cannot group
-  them again): only the bad one fails.
+  them again): only the bad one fails. Each is answered as its own rerun
+  ends, and a caller leaving stops its own rerun (not the others').
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ from ._exceptions import BackendError, ConfigError, InvalidInput, TrioInferError
 from ._inline import restart_inline_slice
 from ._pipeline import Infer, Step, _check_graph, _steps
 from ._request import Outputs, Request
-from ._runner import _copy_error, _split
+from ._runner import _copy_error, _Running, _split
 from ._tensors import ModelSignature
 from .abc import AssemblingBatcher, Batcher, Status
 from .abc import Request as RequestView
@@ -50,8 +51,6 @@ if TYPE_CHECKING:
 
 _RUNNING = Status.RUNNING
 
-#: (member indices, their rows' tensors by name) — a part of a batch's answer.
-_Segment = tuple[list[int], dict[str, Any]]
 #: A step request's id prefix, priority and tenant, from the members it carries.
 _Who = tuple[str, int, str | None]
 
@@ -178,12 +177,15 @@ class BatchedPipeline:
 
     # -- running a batch (for _Graph.execute) ----------------------------------------
 
-    async def run(self, inputs: Mapping[str, Any]) -> Outputs:
-        """Run the batch in *inputs* through the steps: one output row per input row.
+    async def run(self, inputs: Mapping[str, Any], graph: _Graph) -> Outputs:
+        """Run the batch in *inputs* through the steps, on *graph*: one output row per input row.
 
         *inputs* is a `_Members` mapping for a batch the runner formed; rows of
         members that ended on the way are left unset (the runner answers only
-        those still waiting). Anything else (a fallback's probe) runs as it is.
+        those still waiting). Members rerun alone (after an ``InvalidInput``)
+        are answered here, each as its own rerun ends: then nothing is left
+        for the runner to answer, and the outputs are empty. Anything else
+        (a fallback's probe) runs as it is.
 
         Raises:
             TrioInferError: A step's error, the step named in its message, for
@@ -195,26 +197,24 @@ class BatchedPipeline:
             # Inputs with no members behind them (a fallback's probe): every row counts.
             await self._rounds_from(0, tensors, None)
             return self._outputs(tensors)
+        # The execution every member waits for (the runner's: its callers leaving abort it).
+        batch: _Running = members[0]._state.batch
         current = list(range(len(members)))
-        segments: list[_Segment] = []
-        start = await self._batch(members, current, tensors, segments)
-        if start is not None:
-            # A step refused the batch's inputs (InvalidInput): one member's rows, it may
-            # be. Each member still waiting runs the rest alone, one after the other.
-            await self._alone(members, current, tensors, start, segments)
-        return self._gather(members, segments)
+        start = await self._batch(members, current, tensors)
+        if start is None:
+            return self._gather(members, current, tensors)
+        # A step refused the batch's inputs (InvalidInput): one member's rows, it may
+        # be. Each member still waiting runs the rest alone, one after the other.
+        await self._alone(members, current, tensors, start, batch, graph)
+        return {}  # every member ended (answered, failed, left or expired) in _alone
 
     async def _batch(
-        self,
-        members: Sequence[Request],
-        current: list[int],
-        tensors: dict[str, Any],
-        segments: list[_Segment],
+        self, members: Sequence[Request], current: list[int], tensors: dict[str, Any]
     ) -> int | None:
         # The batch through every round of steps, the departed dropped before each.
-        # Returns the round an InvalidInput stopped it at, if one did; else its
-        # outputs are one segment. Other step errors propagate (the runner fails
-        # every member still waiting with one).
+        # Returns the round an InvalidInput stopped it at, if one did; else the rows
+        # in *tensors* are those of the members in *current* (none if all left). Other
+        # step errors propagate (the runner fails every member still waiting with one).
         who = _who([members[i] for i in current])
         for number, ready in enumerate(self._rounds):
             done = False
@@ -232,7 +232,6 @@ class BatchedPipeline:
                     if len(current) == 1:
                         raise
                     return number
-        segments.append((list(current), self._outputs(tensors)))
         return None
 
     async def _alone(
@@ -241,24 +240,46 @@ class BatchedPipeline:
         current: list[int],
         tensors: dict[str, Any],
         start: int,
-        segments: list[_Segment],
+        batch: _Running,
+        graph: _Graph,
     ) -> None:
-        assert self.runner is not None
+        # Each member in *current* still waiting runs the rounds from *start* alone, and
+        # is answered (or failed) as soon as its own run ends: not when the others' do.
+        # Its run has a cancel scope of its own, which its caller leaving cancels (as
+        # the runner aborts a batch nobody waits for): no step computes for nobody
+        # while the others wait their turn.
+        runner = self.runner
+        assert runner is not None
+        replica = next(r for r in runner.replicas if r._backend_instance is graph)
         cuts = np.cumsum([0, *(members[i].rows for i in current)])
         for position, index in enumerate(current):
             member = members[index]
-            if member._state.status is not _RUNNING:
+            state = member._state
+            if state.status is not _RUNNING:
                 continue
             a, b = int(cuts[position]), int(cuts[position + 1])
             own = {name: value[a:b] for name, value in tensors.items()}
+            # Another execution of the batch (a hedge) may have given it a scope already.
+            mine = state.batch is batch
+            scope = anyio.CancelScope()
+            if mine:
+                state.batch = _Running(scope, 1)
             try:
-                await self._rounds_from(start, own, [member])
+                with scope:
+                    await self._rounds_from(start, own, [member])
+                    runner._succeed(
+                        (member,), (self._outputs(own),), replica, runner.clock.current_time()
+                    )
             except _Departed:
-                continue
+                pass
             except TrioInferError as exc:
-                self.runner.finish(member, error=exc)  # its own error object: its own run's
-                continue
-            segments.append(([index], self._outputs(own)))
+                runner.finish(member, error=exc)  # its own error object: its own run's
+            finally:
+                if mine:
+                    if state.status is _RUNNING:
+                        state.batch = batch  # (a BaseException on its way out)
+                    else:
+                        batch.waiting -= 1  # it waits for the batch no more
 
     async def _rounds_from(
         self,
@@ -421,40 +442,23 @@ class BatchedPipeline:
     def _outputs(self, tensors: Mapping[str, Any]) -> dict[str, Any]:
         return {name: tensors[name] for name in self._output_names}
 
-    def _gather(self, members: Sequence[Request], segments: list[_Segment]) -> Outputs:
-        # The batch's outputs, one row per input row, from its parts: the common case is
-        # one part holding every member. Rows of members that ended are left unset
-        # (the runner answers only those still waiting).
-        if len(segments) == 1 and len(segments[0][0]) == len(members):
-            return segments[0][1]
-        if not segments:
+    def _gather(
+        self, members: Sequence[Request], current: list[int], tensors: Mapping[str, Any]
+    ) -> Outputs:
+        # The batch's outputs, one row per input row, from the rows of the members in
+        # *current*: the common case is every member. Rows of members that ended are
+        # left unset (the runner answers only those still waiting).
+        if len(current) == len(members):
+            return self._outputs(tensors)
+        if not current:
             return {}  # nobody is waiting: nothing to cut (the runner answers nobody)
-        assert self.runner is not None
         starts = np.cumsum([0, *(member.rows for member in members)])
-        total = int(starts[-1])
-        first = segments[0][1]
-        full = {
-            name: np.empty((total, *np.shape(first[name])[1:]), np.asarray(first[name]).dtype)
-            for name in self._output_names
-        }
-        for indices, outputs in segments:
-            rows = np.concatenate([np.arange(starts[i], starts[i + 1]) for i in indices])
-            misfit = [
-                f"{name!r} is {list(np.shape(outputs[name]))}"
-                for name in self._output_names
-                if np.shape(outputs[name])[1:] != full[name].shape[1:]
-            ]
-            if misfit:
-                error = BackendError(
-                    f"pipeline {self.config.name!r}: the outputs of a member rerun alone do not "
-                    f"fit the batch's ({', '.join(misfit)}; expected "
-                    f"{', '.join(f'{n!r} [rows, {list(a.shape[1:])}]' for n, a in full.items())})"
-                )
-                for i in indices:
-                    self.runner.finish(members[i], error=_copy_error(error, cause=None))
-                continue
-            for name in self._output_names:
-                full[name][rows] = outputs[name]
+        rows = np.concatenate([np.arange(starts[i], starts[i + 1]) for i in current])
+        full = {}
+        for name in self._output_names:
+            value = np.asarray(tensors[name])
+            full[name] = np.empty((int(starts[-1]), *value.shape[1:]), value.dtype)
+            full[name][rows] = value
         return full
 
 
@@ -497,7 +501,7 @@ class _Graph:
 
     async def execute(self, inputs: Mapping[str, Any]) -> Outputs:
         """Run the steps once for the batch in *inputs*; one output row per input row."""
-        return await self._pipeline.run(inputs)
+        return await self._pipeline.run(inputs, self)
 
     async def aclose(self) -> None:
         """Nothing to release: the steps' models are loaded on their own."""
