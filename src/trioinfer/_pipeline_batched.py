@@ -48,11 +48,13 @@ from .abc import RequestQueue as QueueView
 
 if TYPE_CHECKING:
     from ._runner import ModelRunner
+    from ._tracing import Tracing
 
 _RUNNING = Status.RUNNING
 
-#: A step request's id prefix, priority and tenant, from the members it carries.
-_Who = tuple[str, int, str | None]
+#: A step request's id prefix, priority and tenant, from the members it carries; the
+#: members themselves, and whether it is a member's rerun alone (for its trace).
+_Who = tuple[str, int, str | None, tuple[Request, ...], bool]
 
 
 class _Members(dict[str, Any]):
@@ -166,10 +168,12 @@ class BatchedPipeline:
         self._step_runner = step_runner
         self.batcher = _MemberBatcher(batcher)
         self.runner: ModelRunner | None = None
+        self._tracing: Tracing | None = None
 
     def attach(self, runner: ModelRunner) -> None:
         """Serve through *runner*: the graphs end and drop members through it."""
         self.runner = runner
+        self._tracing = runner.tracing
 
     async def load(self, config: ModelConfig, placement: Placement) -> _Graph:
         """One graph executor; it holds nothing but its place."""
@@ -289,7 +293,7 @@ class BatchedPipeline:
         label: str = "probe",
     ) -> None:
         # One member's (or the probe's) way through the rounds from *start*.
-        who: _Who = (label, 0, None) if members is None else _who(members)
+        who: _Who = (label, 0, None, (), False) if members is None else _who(members, alone=True)
         for ready in self._rounds[start:]:
             done = False
             while not done:
@@ -353,16 +357,15 @@ class BatchedPipeline:
     async def _steps(
         self, todo: Sequence[tuple[int, Step]], tensors: dict[str, Any], who: _Who
     ) -> None:
-        label, priority, tenant = who
         if len(todo) == 1:
             index, step = todo[0]
-            await self._step(index, step, tensors, f"{label}/{index}", priority, tenant)
+            await self._step(index, step, tensors, who)
             return
         failure: list[TrioInferError] = []
 
         async def run(index: int, step: Step, scope: anyio.CancelScope) -> None:
             try:
-                await self._step(index, step, tensors, f"{label}/{index}", priority, tenant)
+                await self._step(index, step, tensors, who)
             except TrioInferError as exc:
                 failure.append(exc)
                 scope.cancel()
@@ -373,22 +376,14 @@ class BatchedPipeline:
         if failure:
             raise failure[0]
 
-    async def _step(
-        self,
-        index: int,
-        step: Step,
-        tensors: dict[str, Any],
-        request_id: str,
-        priority: int,
-        tenant: str | None,
-    ) -> None:
+    async def _step(self, index: int, step: Step, tensors: dict[str, Any], who: _Who) -> None:
         # One step request carrying every row in *tensors*; its outputs join them. Its
         # error keeps its class, the step named in its message.
         ins, outs = self._maps[index]
         inputs = {own: tensors[shared] for own, shared in ins}
         model = step.model
         try:
-            outputs = await self._call(model, inputs, request_id, priority, tenant)
+            outputs = await self._call(model, inputs, index, who)
             missing = sorted(set(step.output_map) - set(outputs))
             if missing:  # the step's model was replaced by one with other outputs
                 raise BackendError(f"its model answered without outputs {missing}")
@@ -408,17 +403,25 @@ class BatchedPipeline:
         where = f"pipeline {self.config.name!r}, step {index} (model {step.model!r})"
         return _copy_error(exc, cause=exc, message=f"{where}: {exc}")
 
-    async def _call(
-        self,
-        model: str,
-        inputs: dict[str, Any],
-        request_id: str,
-        priority: int,
-        tenant: str | None,
-    ) -> Outputs:
+    async def _call(self, model: str, inputs: dict[str, Any], index: int, who: _Who) -> Outputs:
         # The step's model: in this task on an idle instance of a model that would pass
         # the request straight through (as the unbatched pipeline's steps run), else
-        # through engine.infer, its queue and its batcher.
+        # through engine.infer, its queue and its batcher; with tracing on, in the
+        # traces of the members it carries (no step runs in this task then).
+        label, priority, tenant, members, alone = who
+        request_id = f"{label}/{index}"
+        tracing = self._tracing
+        if tracing is not None:
+            return cast(
+                Outputs,
+                await tracing.pipeline_step(
+                    members,
+                    alone,
+                    lambda: self._infer(
+                        model, inputs, priority=priority, tenant=tenant, request_id=request_id
+                    ),
+                ),
+            )
         runner = self._step_runner(model)
         replica = None if runner is None else runner.idle_replica()
         if replica is not None and runner is not None and runner.slice_spent(replica):
@@ -462,9 +465,10 @@ class BatchedPipeline:
         return full
 
 
-def _who(members: Sequence[Request]) -> _Who:
+def _who(members: Sequence[Request], *, alone: bool = False) -> _Who:
     # What a step request for *members* says of them: an id naming the first member
-    # (and how many more), their highest priority, and their tenant if they share one.
+    # (and how many more), their highest priority, and their tenant if they share one;
+    # and the members (*alone*: one rerun alone), for their traces.
     first = members[0]
     tenant = first.tenant
     priority = first.priority
@@ -474,7 +478,7 @@ def _who(members: Sequence[Request]) -> _Who:
         if member.tenant != tenant:
             tenant = None
     label = first.id if len(members) == 1 else f"{first.id}+{len(members) - 1}"
-    return label, priority, tenant
+    return label, priority, tenant, tuple(members), alone
 
 
 class _Departed(Exception):
