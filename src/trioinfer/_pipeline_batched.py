@@ -201,15 +201,13 @@ class BatchedPipeline:
             # Inputs with no members behind them (a fallback's probe): every row counts.
             await self._rounds_from(0, tensors, None)
             return self._outputs(tensors)
-        # The execution every member waits for (the runner's: its callers leaving abort it).
-        batch: _Running = members[0]._state.batch
         current = list(range(len(members)))
         start = await self._batch(members, current, tensors)
         if start is None:
             return self._gather(members, current, tensors)
         # A step refused the batch's inputs (InvalidInput): one member's rows, it may
         # be. Each member still waiting runs the rest alone, one after the other.
-        await self._alone(members, current, tensors, start, batch, graph)
+        await self._alone(members, current, tensors, start, graph)
         return {}  # every member ended (answered, failed, left or expired) in _alone
 
     async def _batch(
@@ -244,7 +242,6 @@ class BatchedPipeline:
         current: list[int],
         tensors: dict[str, Any],
         start: int,
-        batch: _Running,
         graph: _Graph,
     ) -> None:
         # Each member in *current* still waiting runs the rounds from *start* alone, and
@@ -263,11 +260,13 @@ class BatchedPipeline:
                 continue
             a, b = int(cuts[position]), int(cuts[position + 1])
             own = {name: value[a:b] for name, value in tensors.items()}
-            # Another execution of the batch (a hedge) may have given it a scope already.
-            mine = state.batch is batch
+            # The runner's execution it waits for: its caller leaving then cancels this
+            # rerun alone. Unless another execution of the batch (a hedge) reruns it too.
+            batch: _Running = state.batch
+            mine = type(batch) is not _Rerun
             scope = anyio.CancelScope()
             if mine:
-                state.batch = _Running(scope, 1)
+                state.batch = _Rerun(scope)
             try:
                 with scope:
                     await self._rounds_from(start, own, [member])
@@ -479,6 +478,15 @@ def _who(members: Sequence[Request], *, alone: bool = False) -> _Who:
             tenant = None
     label = first.id if len(members) == 1 else f"{first.id}+{len(members) - 1}"
     return label, priority, tenant, tuple(members), alone
+
+
+class _Rerun(_Running):
+    """A member's rerun alone, as the runner sees it: its caller leaving cancels *scope*."""
+
+    __slots__ = ()
+
+    def __init__(self, scope: anyio.CancelScope) -> None:
+        super().__init__(scope, 1)  # one caller waits for it
 
 
 class _Departed(Exception):
