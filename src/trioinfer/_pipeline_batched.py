@@ -22,6 +22,11 @@ graph can tell who is still waiting before each step:
   one after the other (so that the step model's own batcher cannot group
   them again): only the bad one fails. Each is answered as its own rerun
   ends, and a caller leaving stops its own rerun (not the others').
+
+With tracing on, a step request for the batch is a child of the pipeline's
+``compute`` span linked to every traced member it carries, and one for a
+member rerun alone a child of that member's own request span
+(`trioinfer._tracing.Tracing.pipeline_step`).
 """
 
 from __future__ import annotations
