@@ -872,3 +872,27 @@ def test_a_member_leaving_during_its_rerun_on_asyncio() -> None:
     np.testing.assert_array_equal(outcomes[2], np.full((1, 4), 5, np.float32))  # type: ignore[arg-type]
     assert aborted == 1  # member 1's rerun of the first step, stopped as it left
     assert Rows.rows["first"] == [3, 1, 1, 1]
+
+
+async def test_a_member_without_a_deadline_lifts_the_step_s_deadline(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    async with open_engine() as engine:
+        await load_chain(engine, delays=(1.0, 1.0, 0.0))
+        t0 = trio.current_time()
+        scopes: dict[float, trio.CancelScope] = {}
+
+        async def call(budget: float) -> None:
+            with trio.move_on_after(budget) as scope:
+                scopes[budget] = scope
+                await engine.infer("p", {"IN": X})
+
+        async with anyio.create_task_group() as tg:
+            for budget in (10.0, math.inf, 20.0):
+                tg.start_soon(call, budget)
+            await trio.sleep(0.5)  # the batch is in its first step
+            scopes[math.inf].cancel()
+        # Latest of the three is none at all; then, that member gone, the latest left.
+        assert Rows.deadlines["first"] == [math.inf]
+        assert Rows.deadlines["second"] == [t0 + 20]
+        assert Rows.deadlines["third"] == [t0 + 20]
