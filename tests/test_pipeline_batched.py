@@ -896,3 +896,23 @@ async def test_a_member_without_a_deadline_lifts_the_step_s_deadline(
         assert Rows.deadlines["first"] == [math.inf]
         assert Rows.deadlines["second"] == [t0 + 20]
         assert Rows.deadlines["third"] == [t0 + 20]
+
+
+async def test_the_engine_closing_mid_batch_ends_every_member_once(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    errors: dict[int, list[BaseException]] = {i: [] for i in range(3)}
+    async with trio.open_nursery() as nursery, open_engine(drain_period=0.25) as engine:
+        await load_chain(engine, delays=(1.0, 0.0, 0.0))
+
+        async def call(i: int) -> None:
+            try:
+                await engine.infer("p", {"IN": X * i})
+            except trioinfer.TrioInferError as exc:
+                errors[i].append(exc)
+
+        for i in range(3):
+            nursery.start_soon(call, i)
+        await trio.sleep(0.5)  # the batch is in its first step: the engine closes
+    assert all(len(e) == 1 for e in errors.values()), errors
+    assert all(isinstance(e[0], trioinfer.EngineClosed) for e in errors.values())
