@@ -622,3 +622,297 @@ def test_a_batched_pipeline_on_asyncio() -> None:
     # waiting rerun alone (member 1 left meanwhile), the bad one stopping there.
     assert Rows.rows["first"] == [4, 1, 1, 1]
     assert Rows.rows["second"] == [1, 1]
+
+
+async def test_a_member_rerun_alone_is_answered_when_its_own_run_ends(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    async with open_engine() as engine:
+        # The batch's first step refuses member 1's row at 1 s; then each reruns alone
+        # for a second: member 0 by 2 s, member 1 (refused again) by 3 s, member 2 by 4 s.
+        await load_chain(engine, delays=(1.0, 0.0, 0.0))
+        t0 = trio.current_time()
+        ended: dict[int, float] = {}
+        outcomes: dict[int, object] = {}
+
+        async def call(i: int) -> None:
+            x = np.full((1, 4), POISON if i == 1 else i, np.float32)
+            # Member 0 may wait 3 s: its own answer is there at 2 s, the others' later.
+            with trio.move_on_after(3.0 if i == 0 else math.inf):
+                try:
+                    outcomes[i] = (await engine.infer("p", {"IN": x}))["OUT"]
+                except InvalidInput as exc:
+                    outcomes[i] = exc
+                ended[i] = trio.current_time() - t0
+                return
+            outcomes[i] = "left"
+
+        async with anyio.create_task_group() as tg:
+            for i in range(3):
+                tg.start_soon(call, i)
+                await trio.sleep(0.001)  # in this order (one batch: the delay is 10 ms)
+        np.testing.assert_array_equal(outcomes[0], np.full((1, 4), 3, np.float32))  # type: ignore[arg-type]
+        assert isinstance(outcomes[1], InvalidInput)
+        np.testing.assert_array_equal(outcomes[2], np.full((1, 4), 5, np.float32))  # type: ignore[arg-type]
+        assert ended[0] < ended[1] < ended[2]  # each as its own rerun ends
+        stats = engine.statistics().models["p"]
+        assert (stats.succeeded, stats.failed, stats.cancelled, stats.in_flight) == (2, 1, 0, 0)
+        assert stats.request_duration.count == 2
+        detailed = await engine.infer_detailed("p", {"IN": X})  # served_by as for a batch
+        assert (detailed.instance, detailed.device) == (0, "cpu")
+
+
+async def test_a_member_that_leaves_during_its_rerun_stops_it(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    async with open_engine() as engine:
+        # The batch's first step refuses member 0's row at 1 s; member 0 reruns alone
+        # until 2 s, then member 1, whose caller leaves at 2.5 s (not a deadline: a
+        # client that went away), then member 2.
+        await load_chain(engine, delays=(1.0, 0.0, 0.0))
+        t0 = trio.current_time()
+        scopes: dict[int, trio.CancelScope] = {}
+        outcomes: dict[int, object] = {}
+
+        async def call(i: int) -> None:
+            x = np.full((1, 4), POISON if i == 0 else i, np.float32)
+            with trio.CancelScope() as scopes[i]:
+                try:
+                    outcomes[i] = (await engine.infer("p", {"IN": x}))["OUT"]
+                except InvalidInput as exc:
+                    outcomes[i] = exc
+                return
+            outcomes[i] = "left"
+
+        async with anyio.create_task_group() as tg:
+            for i in range(3):
+                tg.start_soon(call, i)
+                await trio.sleep(0.001)  # in this order (one batch: the delay is 10 ms)
+            await trio.sleep(2.5)
+            scopes[1].cancel()
+            await trio.sleep(0.5)
+            # Member 1's rerun stopped as its caller left: member 2's runs since 2.5 s.
+            assert Rows.rows["first"] == [3, 1, 1, 1]
+            assert engine.statistics().models["first"].cancelled == 1
+        assert trio.current_time() - t0 < 4.0
+        assert isinstance(outcomes[0], InvalidInput)
+        assert outcomes[1] == "left"
+        np.testing.assert_array_equal(outcomes[2], np.full((1, 4), 5, np.float32))  # type: ignore[arg-type]
+        stats = engine.statistics().models["p"]
+        assert (stats.succeeded, stats.failed, stats.cancelled, stats.in_flight) == (1, 1, 1, 0)
+
+
+class Flaky:
+    """y = x + 1, failing (transiently) the first *fails* calls."""
+
+    fails: ClassVar[int] = 0
+
+    async def infer(self, inputs: Arrays) -> Arrays:
+        x = inputs["x"]
+        Rows.rows.setdefault("flaky", []).append(len(x))
+        if Flaky.fails:
+            Flaky.fails -= 1
+            raise BackendError("flaky is down", transient=True)
+        return {"y": x + 1}
+
+
+async def test_a_retry_reruns_the_whole_batch_once_more(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    Flaky.fails = 1
+    async with open_engine() as engine:
+        await engine.load(step_model("first"))
+        options = {"class": Flaky, "inputs": [tensor("x")], "outputs": [tensor("y")]}
+        await engine.load(
+            ModelConfig(name="second", path="-", backend="python", backend_options=options)
+        )
+        await engine.load(step_model("third"))
+        await engine.load(
+            pipeline(fallback="resilient", fallback_options={"attempts": 2, "seed": 1})
+        )
+        results: dict[int, trioinfer.InferenceResult] = {}
+
+        async def call(i: int) -> None:
+            results[i] = await engine.infer_detailed("p", {"IN": X * i})
+
+        async with anyio.create_task_group() as tg:
+            for i in range(4):
+                tg.start_soon(call, i)
+        for i in range(4):
+            np.testing.assert_array_equal(results[i].outputs["OUT"], X * i + 3)
+            assert results[i].fallbacks == ("retry instance 0 (cpu)",)
+        # The second step failed for the batch (transiently): the batch ran again, whole.
+        assert Rows.rows == {"first": [4, 4], "flaky": [4, 4], "third": [4]}
+        stats = engine.statistics().models["p"]
+        assert (stats.succeeded, stats.failed, stats.executions, stats.in_flight) == (4, 0, 2, 0)
+        assert stats.fallbacks == {"retry": 4}
+        assert (stats.replicas[0].executions, stats.replicas[0].failures) == (2, 1)
+
+
+async def test_a_hedged_batch_ends_every_member_once(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    async with open_engine() as engine:
+        # Two graphs; a batch still in its steps after 0.5 s runs on the other as well
+        # (its step requests then queue behind the first's: the steps are shared).
+        await load_chain(engine, delays=(1.0, 0.0, 0.0), instances=[trioinfer.Instance(count=2)],
+                         fallback="resilient", fallback_options={"hedge_after": 0.5})  # fmt: skip
+        outcomes: dict[int, list[object]] = {i: [] for i in range(3)}
+
+        async def call(i: int) -> None:
+            x = np.full((1, 4), POISON if i == 1 else i, np.float32)
+            try:
+                outcomes[i].append((await engine.infer("p", {"IN": x}))["OUT"])
+            except InvalidInput as exc:
+                outcomes[i].append(exc)
+
+        async with anyio.create_task_group() as tg:
+            for i in range(3):
+                tg.start_soon(call, i)
+        assert all(len(outcome) == 1 for outcome in outcomes.values())
+        assert isinstance(outcomes[1][0], InvalidInput)
+        for i in (0, 2):
+            np.testing.assert_array_equal(outcomes[i][0], np.full((1, 4), i + 3, np.float32))  # type: ignore[arg-type]
+        stats = engine.statistics().models
+        assert (stats["p"].succeeded, stats["p"].failed, stats["p"].in_flight) == (2, 1, 0)
+        assert all(stats[m].in_flight == 0 for m in ("first", "second", "third"))
+
+
+@pytest.mark.parametrize("scheduler", ["priority", "deadline", "fair"])
+async def test_schedulers_and_instances_serve_a_batched_pipeline(
+    scheduler: str, autojump_clock: trio.testing.MockClock
+) -> None:
+    async with open_engine() as engine:
+        await load_chain(engine, delays=(1.0, 0.0, 0.0), instances=[trioinfer.Instance(count=2)],
+                         scheduler=scheduler, max_batch_size=3)  # fmt: skip
+        results: dict[int, np.ndarray[Any, Any]] = {}
+
+        async def call(i: int) -> None:
+            with trio.fail_after(100 + i):
+                results[i] = (await engine.infer("p", {"IN": X * i}, priority=i % 3))["OUT"]
+
+        async with anyio.create_task_group() as tg:
+            for i in range(9):
+                tg.start_soon(call, i)
+        for i in range(9):
+            np.testing.assert_array_equal(results[i], X * i + 3)
+        assert Rows.rows["first"] == [3, 3, 3]
+        stats = engine.statistics().models["p"]
+        assert (stats.succeeded, stats.executions, stats.in_flight) == (9, 3, 0)
+        assert sum(replica.executions for replica in stats.replicas) == 3
+
+
+@pytest.mark.parametrize("unload", ["p", "second"])
+async def test_unloading_mid_batch_ends_every_member_once(
+    unload: str, autojump_clock: trio.testing.MockClock
+) -> None:
+    async with open_engine(drain_period=0.25) as engine:
+        await load_chain(engine, delays=(1.0, 0.0, 0.0))
+        errors: dict[int, list[BaseException]] = {i: [] for i in range(3)}
+
+        async def call(i: int) -> None:
+            try:
+                await engine.infer("p", {"IN": X * i})
+            except trioinfer.TrioInferError as exc:
+                errors[i].append(exc)
+
+        async with anyio.create_task_group() as tg:
+            for i in range(3):
+                tg.start_soon(call, i)
+            await trio.sleep(0.5)  # the batch is in its first step
+            await engine.unload(unload)
+        assert all(len(e) == 1 for e in errors.values()), errors
+        if unload == "p":
+            # Not done within the drain period: each member ends with EngineClosed.
+            assert all(isinstance(e[0], trioinfer.EngineClosed) for e in errors.values())
+            assert engine.statistics().models["first"].in_flight == 0
+        else:
+            # The second step's model is gone when the batch reaches it.
+            for e in errors.values():
+                assert isinstance(e[0], trioinfer.ModelNotFound)
+                assert str(e[0]).startswith("pipeline 'p', step 1 (model 'second'): ")
+            stats = engine.statistics().models["p"]
+            assert (stats.failed, stats.in_flight) == (3, 0)
+
+
+def test_a_member_leaving_during_its_rerun_on_asyncio() -> None:
+    """On asyncio too, a caller leaving stops its own rerun, and the others go on."""
+
+    async def main() -> tuple[dict[int, object], int]:
+        outcomes: dict[int, object] = {}
+        async with open_engine() as engine:
+            await load_chain(engine, delays=(0.2, 0.0, 0.0), delay=0.05)
+            scopes: dict[int, anyio.CancelScope] = {}
+
+            async def call(i: int) -> None:
+                x = np.full((1, 4), POISON if i == 0 else i, np.float32)
+                with anyio.CancelScope() as scopes[i]:
+                    try:
+                        outcomes[i] = (await engine.infer("p", {"IN": x}))["OUT"]
+                    except InvalidInput as exc:
+                        outcomes[i] = exc
+                    return
+                outcomes[i] = "left"
+
+            async with anyio.create_task_group() as tg:
+                for i in range(3):
+                    tg.start_soon(call, i)
+                    await anyio.sleep(0.001)  # in this order (one batch: the delay is 50 ms)
+                # The batch, member 0's rerun (refused), then member 1's: it leaves there.
+                while len(Rows.rows.get("first", [])) < 3:  # noqa: ASYNC110  # a test counter, no event
+                    await anyio.sleep(0.01)
+                scopes[1].cancel()
+            stats = engine.statistics().models
+            assert stats["p"].in_flight == 0
+            return outcomes, stats["first"].cancelled
+
+    outcomes, aborted = anyio.run(main, backend="asyncio")
+    assert isinstance(outcomes[0], InvalidInput)
+    assert outcomes[1] == "left"
+    np.testing.assert_array_equal(outcomes[2], np.full((1, 4), 5, np.float32))  # type: ignore[arg-type]
+    assert aborted == 1  # member 1's rerun of the first step, stopped as it left
+    assert Rows.rows["first"] == [3, 1, 1, 1]
+
+
+async def test_a_member_without_a_deadline_lifts_the_step_s_deadline(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    async with open_engine() as engine:
+        await load_chain(engine, delays=(1.0, 1.0, 0.0))
+        t0 = trio.current_time()
+        scopes: dict[float, trio.CancelScope] = {}
+
+        async def call(budget: float) -> None:
+            with trio.move_on_after(budget) as scope:
+                scopes[budget] = scope
+                await engine.infer("p", {"IN": X})
+
+        async with anyio.create_task_group() as tg:
+            for budget in (10.0, math.inf, 20.0):
+                tg.start_soon(call, budget)
+            await trio.sleep(0.5)  # the batch is in its first step
+            scopes[math.inf].cancel()
+        # Latest of the three is none at all; then, that member gone, the latest left.
+        assert Rows.deadlines["first"] == [math.inf]
+        assert Rows.deadlines["second"] == [t0 + 20]
+        assert Rows.deadlines["third"] == [t0 + 20]
+
+
+async def test_the_engine_closing_mid_batch_ends_every_member_once(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    errors: dict[int, list[BaseException]] = {i: [] for i in range(3)}
+    async with trio.open_nursery() as nursery, open_engine(drain_period=0.25) as engine:
+        await load_chain(engine, delays=(1.0, 0.0, 0.0))
+
+        async def call(i: int) -> None:
+            try:
+                await engine.infer("p", {"IN": X * i})
+            except trioinfer.TrioInferError as exc:
+                errors[i].append(exc)
+
+        for i in range(3):
+            nursery.start_soon(call, i)
+        await trio.sleep(0.5)  # the batch is in its first step: the engine closes
+    assert all(len(e) == 1 for e in errors.values()), errors
+    assert all(isinstance(e[0], trioinfer.EngineClosed) for e in errors.values())

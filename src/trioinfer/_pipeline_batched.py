@@ -20,7 +20,13 @@ graph can tell who is still waiting before each step:
 - an `InvalidInput` from a step, for a batch of several members (one bad row
   poisons the batch), makes each member rerun the rest of the pipeline alone,
   one after the other (so that the step model's own batcher cannot group
-  them again): only the bad one fails.
+  them again): only the bad one fails. Each is answered as its own rerun
+  ends, and a caller leaving stops its own rerun (not the others').
+
+With tracing on, a step request for the batch is a child of the pipeline's
+``compute`` span linked to every traced member it carries, and one for a
+member rerun alone a child of that member's own request span
+(`trioinfer._tracing.Tracing.pipeline_step`).
 """
 
 from __future__ import annotations
@@ -39,7 +45,7 @@ from ._exceptions import BackendError, ConfigError, InvalidInput, TrioInferError
 from ._inline import restart_inline_slice
 from ._pipeline import Infer, Step, _check_graph, _steps
 from ._request import Outputs, Request
-from ._runner import _copy_error, _split
+from ._runner import _copy_error, _Running, _split
 from ._tensors import ModelSignature
 from .abc import AssemblingBatcher, Batcher, Status
 from .abc import Request as RequestView
@@ -47,13 +53,13 @@ from .abc import RequestQueue as QueueView
 
 if TYPE_CHECKING:
     from ._runner import ModelRunner
+    from ._tracing import Tracing
 
 _RUNNING = Status.RUNNING
 
-#: (member indices, their rows' tensors by name) — a part of a batch's answer.
-_Segment = tuple[list[int], dict[str, Any]]
-#: A step request's id prefix, priority and tenant, from the members it carries.
-_Who = tuple[str, int, str | None]
+#: A step request's id prefix, priority and tenant, from the members it carries; the
+#: members themselves, and whether it is a member's rerun alone (for its trace).
+_Who = tuple[str, int, str | None, tuple[Request, ...], bool]
 
 
 class _Members(dict[str, Any]):
@@ -167,10 +173,12 @@ class BatchedPipeline:
         self._step_runner = step_runner
         self.batcher = _MemberBatcher(batcher)
         self.runner: ModelRunner | None = None
+        self._tracing: Tracing | None = None
 
     def attach(self, runner: ModelRunner) -> None:
         """Serve through *runner*: the graphs end and drop members through it."""
         self.runner = runner
+        self._tracing = runner.tracing
 
     async def load(self, config: ModelConfig, placement: Placement) -> _Graph:
         """One graph executor; it holds nothing but its place."""
@@ -178,12 +186,15 @@ class BatchedPipeline:
 
     # -- running a batch (for _Graph.execute) ----------------------------------------
 
-    async def run(self, inputs: Mapping[str, Any]) -> Outputs:
-        """Run the batch in *inputs* through the steps: one output row per input row.
+    async def run(self, inputs: Mapping[str, Any], graph: _Graph) -> Outputs:
+        """Run the batch in *inputs* through the steps, on *graph*: one output row per input row.
 
         *inputs* is a `_Members` mapping for a batch the runner formed; rows of
         members that ended on the way are left unset (the runner answers only
-        those still waiting). Anything else (a fallback's probe) runs as it is.
+        those still waiting). Members rerun alone (after an ``InvalidInput``)
+        are answered here, each as its own rerun ends: then nothing is left
+        for the runner to answer, and the outputs are empty. Anything else
+        (a fallback's probe) runs as it is.
 
         Raises:
             TrioInferError: A step's error, the step named in its message, for
@@ -196,25 +207,21 @@ class BatchedPipeline:
             await self._rounds_from(0, tensors, None)
             return self._outputs(tensors)
         current = list(range(len(members)))
-        segments: list[_Segment] = []
-        start = await self._batch(members, current, tensors, segments)
-        if start is not None:
-            # A step refused the batch's inputs (InvalidInput): one member's rows, it may
-            # be. Each member still waiting runs the rest alone, one after the other.
-            await self._alone(members, current, tensors, start, segments)
-        return self._gather(members, segments)
+        start = await self._batch(members, current, tensors)
+        if start is None:
+            return self._gather(members, current, tensors)
+        # A step refused the batch's inputs (InvalidInput): one member's rows, it may
+        # be. Each member still waiting runs the rest alone, one after the other.
+        await self._alone(members, current, tensors, start, graph)
+        return {}  # every member ended (answered, failed, left or expired) in _alone
 
     async def _batch(
-        self,
-        members: Sequence[Request],
-        current: list[int],
-        tensors: dict[str, Any],
-        segments: list[_Segment],
+        self, members: Sequence[Request], current: list[int], tensors: dict[str, Any]
     ) -> int | None:
         # The batch through every round of steps, the departed dropped before each.
-        # Returns the round an InvalidInput stopped it at, if one did; else its
-        # outputs are one segment. Other step errors propagate (the runner fails
-        # every member still waiting with one).
+        # Returns the round an InvalidInput stopped it at, if one did; else the rows
+        # in *tensors* are those of the members in *current* (none if all left). Other
+        # step errors propagate (the runner fails every member still waiting with one).
         who = _who([members[i] for i in current])
         for number, ready in enumerate(self._rounds):
             done = False
@@ -232,7 +239,6 @@ class BatchedPipeline:
                     if len(current) == 1:
                         raise
                     return number
-        segments.append((list(current), self._outputs(tensors)))
         return None
 
     async def _alone(
@@ -241,24 +247,47 @@ class BatchedPipeline:
         current: list[int],
         tensors: dict[str, Any],
         start: int,
-        segments: list[_Segment],
+        graph: _Graph,
     ) -> None:
-        assert self.runner is not None
+        # Each member in *current* still waiting runs the rounds from *start* alone, and
+        # is answered (or failed) as soon as its own run ends: not when the others' do.
+        # Its run has a cancel scope of its own, which its caller leaving cancels (as
+        # the runner aborts a batch nobody waits for): no step computes for nobody
+        # while the others wait their turn.
+        runner = self.runner
+        assert runner is not None
+        replica = next(r for r in runner.replicas if r._backend_instance is graph)
         cuts = np.cumsum([0, *(members[i].rows for i in current)])
         for position, index in enumerate(current):
             member = members[index]
-            if member._state.status is not _RUNNING:
+            state = member._state
+            if state.status is not _RUNNING:
                 continue
             a, b = int(cuts[position]), int(cuts[position + 1])
             own = {name: value[a:b] for name, value in tensors.items()}
+            # The runner's execution it waits for: its caller leaving then cancels this
+            # rerun alone. Unless another execution of the batch (a hedge) reruns it too.
+            batch: _Running = state.batch
+            mine = type(batch) is not _Rerun
+            scope = anyio.CancelScope()
+            if mine:
+                state.batch = _Rerun(scope)
             try:
-                await self._rounds_from(start, own, [member])
+                with scope:
+                    await self._rounds_from(start, own, [member])
+                    runner._succeed(
+                        (member,), (self._outputs(own),), replica, runner.clock.current_time()
+                    )
             except _Departed:
-                continue
+                pass
             except TrioInferError as exc:
-                self.runner.finish(member, error=exc)  # its own error object: its own run's
-                continue
-            segments.append(([index], self._outputs(own)))
+                runner.finish(member, error=exc)  # its own error object: its own run's
+            finally:
+                if mine:
+                    if state.status is _RUNNING:
+                        state.batch = batch  # (a BaseException on its way out)
+                    else:
+                        batch.waiting -= 1  # it waits for the batch no more
 
     async def _rounds_from(
         self,
@@ -268,7 +297,7 @@ class BatchedPipeline:
         label: str = "probe",
     ) -> None:
         # One member's (or the probe's) way through the rounds from *start*.
-        who: _Who = (label, 0, None) if members is None else _who(members)
+        who: _Who = (label, 0, None, (), False) if members is None else _who(members, alone=True)
         for ready in self._rounds[start:]:
             done = False
             while not done:
@@ -332,16 +361,15 @@ class BatchedPipeline:
     async def _steps(
         self, todo: Sequence[tuple[int, Step]], tensors: dict[str, Any], who: _Who
     ) -> None:
-        label, priority, tenant = who
         if len(todo) == 1:
             index, step = todo[0]
-            await self._step(index, step, tensors, f"{label}/{index}", priority, tenant)
+            await self._step(index, step, tensors, who)
             return
         failure: list[TrioInferError] = []
 
         async def run(index: int, step: Step, scope: anyio.CancelScope) -> None:
             try:
-                await self._step(index, step, tensors, f"{label}/{index}", priority, tenant)
+                await self._step(index, step, tensors, who)
             except TrioInferError as exc:
                 failure.append(exc)
                 scope.cancel()
@@ -352,22 +380,14 @@ class BatchedPipeline:
         if failure:
             raise failure[0]
 
-    async def _step(
-        self,
-        index: int,
-        step: Step,
-        tensors: dict[str, Any],
-        request_id: str,
-        priority: int,
-        tenant: str | None,
-    ) -> None:
+    async def _step(self, index: int, step: Step, tensors: dict[str, Any], who: _Who) -> None:
         # One step request carrying every row in *tensors*; its outputs join them. Its
         # error keeps its class, the step named in its message.
         ins, outs = self._maps[index]
         inputs = {own: tensors[shared] for own, shared in ins}
         model = step.model
         try:
-            outputs = await self._call(model, inputs, request_id, priority, tenant)
+            outputs = await self._call(model, inputs, index, who)
             missing = sorted(set(step.output_map) - set(outputs))
             if missing:  # the step's model was replaced by one with other outputs
                 raise BackendError(f"its model answered without outputs {missing}")
@@ -387,17 +407,25 @@ class BatchedPipeline:
         where = f"pipeline {self.config.name!r}, step {index} (model {step.model!r})"
         return _copy_error(exc, cause=exc, message=f"{where}: {exc}")
 
-    async def _call(
-        self,
-        model: str,
-        inputs: dict[str, Any],
-        request_id: str,
-        priority: int,
-        tenant: str | None,
-    ) -> Outputs:
+    async def _call(self, model: str, inputs: dict[str, Any], index: int, who: _Who) -> Outputs:
         # The step's model: in this task on an idle instance of a model that would pass
         # the request straight through (as the unbatched pipeline's steps run), else
-        # through engine.infer, its queue and its batcher.
+        # through engine.infer, its queue and its batcher; with tracing on, in the
+        # traces of the members it carries (no step runs in this task then).
+        label, priority, tenant, members, alone = who
+        request_id = f"{label}/{index}"
+        tracing = self._tracing
+        if tracing is not None:
+            return cast(
+                Outputs,
+                await tracing.pipeline_step(
+                    members,
+                    alone,
+                    lambda: self._infer(
+                        model, inputs, priority=priority, tenant=tenant, request_id=request_id
+                    ),
+                ),
+            )
         runner = self._step_runner(model)
         replica = None if runner is None else runner.idle_replica()
         if replica is not None and runner is not None and runner.slice_spent(replica):
@@ -428,46 +456,30 @@ class BatchedPipeline:
     def _outputs(self, tensors: Mapping[str, Any]) -> dict[str, Any]:
         return {name: tensors[name] for name in self._output_names}
 
-    def _gather(self, members: Sequence[Request], segments: list[_Segment]) -> Outputs:
-        # The batch's outputs, one row per input row, from its parts: the common case is
-        # one part holding every member. Rows of members that ended are left unset
-        # (the runner answers only those still waiting).
-        if len(segments) == 1 and len(segments[0][0]) == len(members):
-            return segments[0][1]
-        if not segments:
+    def _gather(
+        self, members: Sequence[Request], current: list[int], tensors: Mapping[str, Any]
+    ) -> Outputs:
+        # The batch's outputs, one row per input row, from the rows of the members in
+        # *current*: the common case is every member. Rows of members that ended are
+        # left unset (the runner answers only those still waiting).
+        if len(current) == len(members):
+            return self._outputs(tensors)
+        if not current:
             return {}  # nobody is waiting: nothing to cut (the runner answers nobody)
-        assert self.runner is not None
         starts = np.cumsum([0, *(member.rows for member in members)])
-        total = int(starts[-1])
-        first = segments[0][1]
-        full = {
-            name: np.empty((total, *np.shape(first[name])[1:]), np.asarray(first[name]).dtype)
-            for name in self._output_names
-        }
-        for indices, outputs in segments:
-            rows = np.concatenate([np.arange(starts[i], starts[i + 1]) for i in indices])
-            misfit = [
-                f"{name!r} is {list(np.shape(outputs[name]))}"
-                for name in self._output_names
-                if np.shape(outputs[name])[1:] != full[name].shape[1:]
-            ]
-            if misfit:
-                error = BackendError(
-                    f"pipeline {self.config.name!r}: the outputs of a member rerun alone do not "
-                    f"fit the batch's ({', '.join(misfit)}; expected "
-                    f"{', '.join(f'{n!r} [rows, {list(a.shape[1:])}]' for n, a in full.items())})"
-                )
-                for i in indices:
-                    self.runner.finish(members[i], error=_copy_error(error, cause=None))
-                continue
-            for name in self._output_names:
-                full[name][rows] = outputs[name]
+        rows = np.concatenate([np.arange(starts[i], starts[i + 1]) for i in current])
+        full = {}
+        for name in self._output_names:
+            value = np.asarray(tensors[name])
+            full[name] = np.empty((int(starts[-1]), *value.shape[1:]), value.dtype)
+            full[name][rows] = value
         return full
 
 
-def _who(members: Sequence[Request]) -> _Who:
+def _who(members: Sequence[Request], *, alone: bool = False) -> _Who:
     # What a step request for *members* says of them: an id naming the first member
-    # (and how many more), their highest priority, and their tenant if they share one.
+    # (and how many more), their highest priority, and their tenant if they share one;
+    # and the members (*alone*: one rerun alone), for their traces.
     first = members[0]
     tenant = first.tenant
     priority = first.priority
@@ -477,7 +489,16 @@ def _who(members: Sequence[Request]) -> _Who:
         if member.tenant != tenant:
             tenant = None
     label = first.id if len(members) == 1 else f"{first.id}+{len(members) - 1}"
-    return label, priority, tenant
+    return label, priority, tenant, tuple(members), alone
+
+
+class _Rerun(_Running):
+    """A member's rerun alone, as the runner sees it: its caller leaving cancels *scope*."""
+
+    __slots__ = ()
+
+    def __init__(self, scope: anyio.CancelScope) -> None:
+        super().__init__(scope, 1)  # one caller waits for it
 
 
 class _Departed(Exception):
@@ -504,7 +525,7 @@ class _Graph:
 
     async def execute(self, inputs: Mapping[str, Any]) -> Outputs:
         """Run the steps once for the batch in *inputs*; one output row per input row."""
-        return await self._pipeline.run(inputs)
+        return await self._pipeline.run(inputs, self)
 
     async def aclose(self) -> None:
         """Nothing to release: the steps' models are loaded on their own."""

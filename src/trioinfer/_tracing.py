@@ -10,7 +10,10 @@ deadline does, because the runner's workers are tasks started at load that do
 not share the caller's context. The spans:
 
 - ``infer {model}``: the request, a child of the caller's current span (an HTTP
-  server span, the caller's own span, a pipeline's request for its steps).
+  server span, the caller's own span, a pipeline's request for its steps). A
+  batched pipeline's step request for a batch is a child of the pipeline's
+  ``compute`` span, linked to every traced member it carries; one for a member
+  rerun alone, a child of that member's request span (`Tracing.pipeline_step`).
 - ``queue {model}``: the request's time in the queue, a child of the request.
 - ``batch {model}``: one execution of a batch, linked to the span of every
   traced request it carries (OpenTelemetry's way for batches), and the child
@@ -63,6 +66,11 @@ _UNSAMPLED: contextvars.ContextVar[bool] = contextvars.ContextVar(
 #: Set while a worker runs a traced batch, for `Tracing.in_batch`.
 _IN_BATCH: contextvars.ContextVar[bool] = contextvars.ContextVar(
     "trioinfer_in_batch", default=False
+)
+#: The links the next request span made in this task takes: a batched pipeline's step
+#: request links the request spans of the members it carries (`Tracing.pipeline_step`).
+_LINKS: contextvars.ContextVar[tuple[Link, ...]] = contextvars.ContextVar(
+    "trioinfer_links", default=()
 )
 #: The engine's tracer while a traced backend call runs in this task (`Tracing.compute`),
 #: for a backend that records the spans of work done elsewhere (`record_span`).
@@ -219,9 +227,11 @@ class Tracing:
         """
         if parent is None:
             return await _untraced(call)
+        links = _LINKS.get()
         span = self._tracer.start_span(
             f"infer {request.model}",
             context=parent,
+            links=links,
             attributes={MODEL: request.model, REQUEST_ID: request.id},
         )
         traced = request._state.trace = _Trace(span)
@@ -229,6 +239,8 @@ class Tracing:
         if queued:
             self.queued(request)
         token = otel_context.attach(trace.set_span_in_context(span, parent))
+        # The links were this span's: not those of what it calls (an unbatched pipeline's steps).
+        unlinked = _LINKS.set(()) if links else None
         outcome, error = "success", None
         try:
             return await call()
@@ -237,6 +249,8 @@ class Tracing:
             raise
         finally:
             self._open -= 1
+            if unlinked is not None:
+                _LINKS.reset(unlinked)
             otel_context.detach(token)
             if traced.queue is not None:  # left while queued: withdrawn, expired, refused
                 traced.queue.set_attribute(OUTCOME, outcome)
@@ -372,6 +386,42 @@ class Tracing:
             _COMPUTING.reset(computing)
             otel_context.detach(token)
             _end(span, outcome, error)
+
+    # -- a batched pipeline's steps (trioinfer._pipeline_batched) ------------------------
+
+    async def pipeline_step(
+        self, members: Sequence[Request], alone: bool, call: Callable[[], Awaitable[T]]
+    ) -> T:
+        """Run *call*, a batched pipeline's step request for *members*, in their traces.
+
+        A step request for a batch is the child of the current span (the
+        pipeline's ``compute`` span, in its batch's trace: that of its first
+        traced member) and links the request span of every traced member it
+        carries, as a batch span links its requests. One for a member rerun
+        *alone* is the child of that member's request span, in its own
+        trace. One that carries no traced member is not traced, nor is
+        anything it calls: no trace starts halfway, and none joins another
+        member's.
+        """
+        spans = [m._state.trace.span for m in members if m._state.trace is not None]
+        if not spans:
+            # Not under the batch's span either (a member not sampled, rerun alone).
+            token = otel_context.attach(trace.set_span_in_context(trace.INVALID_SPAN))
+            try:
+                return await _untraced(call)
+            finally:
+                otel_context.detach(token)
+        if alone:
+            token = otel_context.attach(trace.set_span_in_context(spans[0]))
+            try:
+                return await call()
+            finally:
+                otel_context.detach(token)
+        links = _LINKS.set(tuple(Link(span.get_span_context()) for span in spans))
+        try:
+            return await call()
+        finally:
+            _LINKS.reset(links)
 
     # -- HTTP (server) -------------------------------------------------------------------
 
