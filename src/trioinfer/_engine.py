@@ -156,8 +156,9 @@ class Engine:
     _alone: dict[str, ModelRunner] = attrs.field(factory=dict, init=False)
     _loading: set[str] = attrs.field(factory=set, init=False)
     _closing: bool = attrs.field(default=False, init=False)
-    # Closing, and within its drain period: the steps of pipeline requests accepted
-    # before are still admitted (_infer_step), so that those requests may finish.
+    # Closing, and within its drain period: the requests made for requests accepted
+    # before (a pipeline's steps, a fallback's failover to another model) are still
+    # admitted (_submit's follow_up), so that those requests may finish.
     _draining: bool = attrs.field(default=False, init=False)
     _closed: bool = attrs.field(default=False, init=False)
 
@@ -587,7 +588,7 @@ class Engine:
         tenant: str | None,
         request_id: str,
     ) -> Outputs:
-        request = await self._submit(model, inputs, priority, tenant, request_id, step=True)
+        request = await self._submit(model, inputs, priority, tenant, request_id, follow_up=True)
         assert request._state.outputs is not None
         return request._state.outputs
 
@@ -596,7 +597,13 @@ class Engine:
         # the request's deadline becomes this call's cancel scope.
         with anyio.CancelScope(deadline=original.deadline):
             request = await self._submit(
-                model, original.inputs, original.priority, original.tenant, original.id, True
+                model,
+                original.inputs,
+                original.priority,
+                original.tenant,
+                original.id,
+                True,
+                follow_up=True,
             )
             state = request._state
             assert state.outputs is not None
@@ -616,12 +623,12 @@ class Engine:
         failover: bool = False,
         *,
         sequence: SequenceFlags | None = None,
-        step: bool = False,
+        follow_up: bool = False,
     ) -> Request:
-        # step: a pipeline's step for a request it accepted (_infer_step), admitted
-        # while the engine drains.
+        # follow_up: made for a request accepted already (a pipeline's step, a
+        # fallback's failover), so admitted while the engine drains.
         runner = self._runners.get(model)
-        if runner is None or (self._closing and not (step and self._draining)):
+        if runner is None or (self._closing and not (follow_up and self._draining)):
             runner = self._runner(model)  # raises what is wrong
         if self._gates and model in self._gates:
             raise InvalidInput(
