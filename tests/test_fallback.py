@@ -311,6 +311,38 @@ async def test_failover_prefers_the_same_device_then_bigger_capacity(
     assert result.fallbacks == ("failover instance 2 (cpu)",)
 
 
+async def test_a_request_accepted_before_the_engine_closed_fails_over_while_it_drains(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """Its failover to another model is admitted in the drain period; outside callers are not."""
+    failing = FaultyBackend(error_rate=1.0, transient=False, latency=1.0)
+    registry = trioinfer.Registry(
+        extra={"backends": {"faulty": lambda: failing, "fake": FakeBackend}}
+    )
+    results: list[trioinfer.InferenceResult] = []
+
+    async def call(engine: trioinfer.Engine) -> None:
+        results.append(await engine.infer_detailed("m", {"x": X}))
+
+    async with trio.open_nursery() as nursery:
+        async with open_engine(registry=registry, drain_period=5) as engine:
+            await engine.load(
+                config(instances=[Instance()], options={"models": ["backup"], "attempts": 1})
+            )
+            await engine.load(ModelConfig(name="backup", path="-", backend="fake"))
+            nursery.start_soon(call, engine)
+            await trio.testing.wait_all_tasks_blocked()
+            t0 = trio.current_time()
+        # Its one attempt failed 1 s in, in the drain period; then backup answered it.
+        assert trio.current_time() - t0 == 1.0
+        with pytest.raises(trioinfer.EngineClosed):
+            await engine.infer("backup", {"x": X})
+    [result] = results
+    assert result.model == "backup"
+    assert result.fallbacks == ("model backup",)
+    np.testing.assert_array_equal(result.outputs["y"], X * 2)
+
+
 async def test_every_instance_failing_goes_to_the_next_model_then_the_default(
     autojump_clock: trio.testing.MockClock,
 ) -> None:

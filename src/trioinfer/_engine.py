@@ -156,6 +156,10 @@ class Engine:
     _alone: dict[str, ModelRunner] = attrs.field(factory=dict, init=False)
     _loading: set[str] = attrs.field(factory=set, init=False)
     _closing: bool = attrs.field(default=False, init=False)
+    # Closing, and within its drain period: the requests made for requests accepted
+    # before (a pipeline's steps, a fallback's failover to another model) are still
+    # admitted (_submit's follow_up), so that those requests may finish.
+    _draining: bool = attrs.field(default=False, init=False)
     _closed: bool = attrs.field(default=False, init=False)
 
     @property
@@ -212,7 +216,7 @@ class Engine:
             if config.backend == PIPELINE and config.batcher == "none":
                 runner = Pipeline(
                     config,
-                    self.infer,
+                    self._infer_step,
                     lambda model: self._runner(model).signature,
                     self._steps_of,
                     self._alone.get,
@@ -263,7 +267,7 @@ class Engine:
         if backend is None:
             graph = BatchedPipeline(
                 config,
-                self.infer,
+                self._infer_step,
                 lambda model: self._runner(model).signature,
                 self._steps_of,
                 self._alone.get,
@@ -559,12 +563,47 @@ class Engine:
             state.outputs, model, served_by.index, served_by.device, state.fallbacks
         )
 
+    def _infer_step(
+        self,
+        model: str,
+        inputs: Mapping[str, Any],
+        *,
+        priority: int,
+        tenant: str | None,
+        request_id: str,
+    ) -> Awaitable[Outputs]:
+        # A pipeline's step, for a pipeline request already accepted: engine.infer,
+        # also while the engine drains (else the request could not finish in the
+        # drain period, as any other accepted request may). Returns infer's own
+        # coroutine while the engine is open: no frame of its own on each step.
+        if self._closing:
+            return self._infer_draining(model, inputs, priority, tenant, request_id)
+        return self.infer(model, inputs, priority=priority, tenant=tenant, request_id=request_id)
+
+    async def _infer_draining(
+        self,
+        model: str,
+        inputs: Mapping[str, Any],
+        priority: int,
+        tenant: str | None,
+        request_id: str,
+    ) -> Outputs:
+        request = await self._submit(model, inputs, priority, tenant, request_id, follow_up=True)
+        assert request._state.outputs is not None
+        return request._state.outputs
+
     async def _infer_elsewhere(self, model: str, original: Request) -> Outputs:
         # A fallback's failover of one request to another model, on the worker's task:
         # the request's deadline becomes this call's cancel scope.
         with anyio.CancelScope(deadline=original.deadline):
             request = await self._submit(
-                model, original.inputs, original.priority, original.tenant, original.id, True
+                model,
+                original.inputs,
+                original.priority,
+                original.tenant,
+                original.id,
+                True,
+                follow_up=True,
             )
             state = request._state
             assert state.outputs is not None
@@ -584,9 +623,12 @@ class Engine:
         failover: bool = False,
         *,
         sequence: SequenceFlags | None = None,
+        follow_up: bool = False,
     ) -> Request:
+        # follow_up: made for a request accepted already (a pipeline's step, a
+        # fallback's failover), so admitted while the engine drains.
         runner = self._runners.get(model)
-        if runner is None or self._closing:
+        if runner is None or (self._closing and not (follow_up and self._draining)):
             runner = self._runner(model)  # raises what is wrong
         if self._gates and model in self._gates:
             raise InvalidInput(
@@ -735,9 +777,13 @@ class Engine:
         self._plain.clear()
         self._alone.clear()
         if drain:
-            with anyio.move_on_after(self.drain_period):
-                for runner in list(self._runners.values()):
-                    await runner.wait_idle()
+            self._draining = True
+            try:
+                with anyio.move_on_after(self.drain_period):
+                    for runner in list(self._runners.values()):
+                        await runner.wait_idle()
+            finally:
+                self._draining = False  # no step starts after the drain period
         with anyio.CancelScope(shield=True):
             for runner in list(self._runners.values()):
                 await runner.stop()

@@ -1,0 +1,212 @@
+"""A pipeline request accepted before the engine closes may finish its steps in the drain period.
+
+Each step of a pipeline request is a request to the step's model, made while the
+pipeline request runs: when the engine starts closing, the steps of requests it
+accepted are still admitted (outside callers are refused), until the drain
+period ends. As an ensemble's in-flight requests complete at Triton's shutdown.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+import anyio
+import numpy as np
+import pytest
+
+import trioinfer
+from trioinfer import EngineClosed, ModelConfig, ModelNotFound, open_engine
+
+pytestmark = pytest.mark.pipeline
+
+Arrays = dict[str, np.ndarray[Any, Any]]
+X = np.ones((1, 4), np.float32)
+BACKENDS = pytest.mark.parametrize("backend", ["trio", "asyncio"])
+BATCHED = pytest.mark.parametrize("batched", [False, True], ids=["unbatched", "batched"])
+
+
+class Gate:
+    """Where the held step waits, made in the running event loop."""
+
+    def __init__(self) -> None:
+        self.entered = anyio.Event()
+        self.release = anyio.Event()
+
+
+class Held:
+    """y = x + 1; with ``hold``, only once the test opens the gate. Logs calls and closes."""
+
+    gate: ClassVar[Gate | None] = None
+    log: ClassVar[list[str]] = []
+
+    def __init__(self, name: str, hold: bool = False) -> None:
+        self.name, self.hold = name, hold
+
+    async def infer(self, inputs: Arrays) -> Arrays:
+        Held.log.append(f"{self.name} runs")
+        if self.hold:
+            assert Held.gate is not None
+            Held.gate.entered.set()
+            try:
+                await Held.gate.release.wait()
+            except anyio.get_cancelled_exc_class():
+                Held.log.append(f"{self.name} cancelled")
+                raise
+        return {"y": inputs["x"] + 1}
+
+    def close(self) -> None:
+        Held.log.append(f"{self.name} closed")
+
+
+@pytest.fixture(autouse=True)
+def _reset() -> None:
+    Held.gate = None
+    Held.log.clear()
+
+
+def tensor(name: str) -> dict[str, Any]:
+    return {"name": name, "dtype": "float32", "shape": ["batch", 4]}
+
+
+def step_model(name: str, **parameters: Any) -> ModelConfig:
+    return ModelConfig(
+        name=name,
+        path="-",
+        backend="python",
+        backend_options={
+            "class": Held,
+            "parameters": {"name": name, **parameters},
+            "inputs": [tensor("x")],
+            "outputs": [tensor("y")],
+        },
+    )
+
+
+def pipeline(batched: bool) -> ModelConfig:
+    batching: dict[str, Any] = {}
+    if batched:
+        batching = {
+            "batcher": "dynamic",
+            "batcher_options": {"max_batch_size": 8, "max_queue_delay": 0.001},
+        }
+    return ModelConfig(
+        name="p",
+        path="-",
+        backend="pipeline",
+        backend_options={
+            "inputs": [tensor("IN")],
+            "outputs": [tensor("OUT")],
+            "steps": [
+                {"model": "held", "input_map": {"x": "IN"}, "output_map": {"y": "A"}},
+                {"model": "plus", "input_map": {"x": "A"}, "output_map": {"y": "OUT"}},
+            ],
+        },
+        **batching,
+    )
+
+
+async def load(engine: trioinfer.Engine, batched: bool) -> None:
+    await engine.load(step_model("held", hold=True))
+    await engine.load(step_model("plus"))
+    await engine.load(pipeline(batched))
+
+
+async def drain_with_step_held(batched: bool, drain_period: float, release: bool) -> list[str]:
+    """Exit the engine while a pipeline request's first step is held; what happened, in order.
+
+    With *release*, the step is let go once the engine is closing (and has
+    refused new requests to the pipeline and to its step models).
+    """
+    gate = Held.gate = Gate()
+
+    async def call(engine: trioinfer.Engine) -> None:
+        try:
+            out = await engine.infer("p", {"IN": X})
+        except EngineClosed:
+            Held.log.append("p closed")
+        else:
+            np.testing.assert_array_equal(out["OUT"], X + 2)
+            Held.log.append("p answered")
+
+    async def release_once_closing(engine: trioinfer.Engine) -> None:
+        await anyio.wait_all_tasks_blocked()
+        assert engine.closing
+        for model in ("plus", "p", "held"):
+            with pytest.raises(EngineClosed, match="is closing"):
+                await engine.infer(model, {"IN" if model == "p" else "x": X})
+        gate.release.set()
+
+    # (fail_after: a hang fails the test rather than the suite.)
+    with anyio.fail_after(30):
+        async with (
+            anyio.create_task_group() as tg,
+            open_engine(drain_period=drain_period) as engine,
+        ):
+            await load(engine, batched)
+            tg.start_soon(call, engine)
+            await gate.entered.wait()
+            if release:
+                tg.start_soon(release_once_closing, engine)
+    return Held.log
+
+
+@BACKENDS
+@BATCHED
+def test_a_pipeline_request_in_flight_at_exit_finishes_its_steps(
+    backend: str, batched: bool
+) -> None:
+    log = anyio.run(drain_with_step_held, batched, 60.0, True, backend=backend)
+    # Its second step ran while the engine drained, before any step model closed.
+    assert log[:3] == ["held runs", "plus runs", "p answered"]
+    assert sorted(log[3:]) == ["held closed", "plus closed"]
+
+
+@BACKENDS
+@BATCHED
+def test_a_pipeline_request_the_drain_period_leaves_ends_closed_once(
+    backend: str, batched: bool
+) -> None:
+    log = anyio.run(drain_with_step_held, batched, 0.0, False, backend=backend)
+    # Cancelled in its first step; no step ran after it.
+    assert "plus runs" not in log
+    assert log.count("held runs") == 1
+    assert log.count("held cancelled") == 1
+    assert log.count("p closed") == 1
+    assert "p answered" not in log
+
+
+async def unload_with_step_held(batched: bool, model: str) -> list[str]:
+    gate = Held.gate = Gate()
+
+    async def call(engine: trioinfer.Engine) -> None:
+        try:
+            out = await engine.infer("p", {"IN": X})
+        except (EngineClosed, ModelNotFound) as exc:
+            Held.log.append(f"p {type(exc).__name__}")
+        else:
+            np.testing.assert_array_equal(out["OUT"], X + 2)
+            Held.log.append("p answered")
+
+    async def release_once_unloading() -> None:
+        await anyio.wait_all_tasks_blocked()
+        gate.release.set()
+
+    with anyio.fail_after(30):
+        async with open_engine(drain_period=60) as engine:
+            await load(engine, batched)
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(call, engine)
+                await gate.entered.wait()
+                tg.start_soon(release_once_unloading)
+                await engine.unload(model)
+                Held.log.append(f"{model} unloaded")
+    return Held.log
+
+
+@BACKENDS
+@BATCHED
+def test_unloading_a_pipeline_lets_its_requests_in_flight_finish(
+    backend: str, batched: bool
+) -> None:
+    log = anyio.run(unload_with_step_held, batched, "p", backend=backend)
+    assert log[:4] == ["held runs", "plus runs", "p answered", "p unloaded"]
