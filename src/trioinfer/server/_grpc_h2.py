@@ -129,6 +129,8 @@ _ANSWER_HEADERS: Final = (
     (b"content-type", b"application/grpc"),
     (b"grpc-accept-encoding", _ACCEPT),
 )
+#: The trailers of a call that succeeded, the same for every call.
+_OK_TRAILERS: Final = ((b"grpc-status", b"0"),)
 #: Request headers that are HTTP/2's or gRPC's own, not the call's metadata.
 _RESERVED: Final = frozenset(
     {
@@ -213,7 +215,8 @@ class _Encoder(hpack.Encoder):
     the dynamic table they encode to the same few index bytes, which do not
     change the table. Any encoding that adds to the table (or a pending table
     size change) forgets what was remembered. The server never sends headers
-    marked never-indexed, so the key is the list of (name, value) pairs.
+    marked never-indexed, so the key is the list or tuple of (name, value) pairs
+    (the answer's headers and a success's trailers are constant tuples, used as they are).
     """
 
     def __init__(self) -> None:
@@ -222,7 +225,12 @@ class _Encoder(hpack.Encoder):
 
     def encode(self, headers: Any, huffman: bool = True) -> bytes:
         """Encode *headers* as hpack does, from memory when the table cannot have changed."""
-        key = tuple(headers) if huffman and isinstance(headers, list) else None
+        key: tuple[Any, ...] | None = None
+        if huffman:
+            if type(headers) is tuple:
+                key = headers
+            elif isinstance(headers, list):
+                key = tuple(headers)
         if key is not None and not self.header_table.resized:
             block = self._memo.get(key)
             if block is not None:
@@ -1016,9 +1024,11 @@ class _Connection:
             self._wake.set()
 
     def _finish(self, stream: _Stream, code: int, message: str, sent_headers: bool) -> None:
-        trailers = [(b"grpc-status", b"%d" % code)]
-        if message:
-            trailers.append((b"grpc-message", _percent(message)))
+        trailers: tuple[tuple[bytes, bytes], ...] = _OK_TRAILERS
+        if code != OK or message:
+            trailers = ((b"grpc-status", b"%d" % code),)
+            if message:
+                trailers += ((b"grpc-message", _percent(message)),)
         try:
             if sent_headers:
                 self._h2.send_headers(stream.stream_id, trailers, end_stream=True)
@@ -1030,7 +1040,7 @@ class _Connection:
         self._wake.set()
 
     def _headers(self, stream: _Stream) -> None:
-        self._h2.send_headers(stream.stream_id, list(_ANSWER_HEADERS))
+        self._h2.send_headers(stream.stream_id, _ANSWER_HEADERS)
 
     def _trailers_only(self, stream_id: int, code: int, message: str) -> None:
         headers = [*_ANSWER_HEADERS, (b"grpc-status", b"%d" % code)]

@@ -31,6 +31,7 @@ whose ``remote_reset`` is False.
 from __future__ import annotations
 
 import struct
+from collections.abc import Sequence
 from typing import Any, Final, cast, final
 
 import hpack
@@ -343,7 +344,7 @@ class Connection:
         return stream
 
     def send_headers(
-        self, stream_id: int, headers: list[tuple[bytes, bytes]], end_stream: bool = False
+        self, stream_id: int, headers: Sequence[tuple[bytes, bytes]], end_stream: bool = False
     ) -> None:
         """Queue a header block (response headers, or trailers with *end_stream*)."""
         stream = self._open(stream_id)
