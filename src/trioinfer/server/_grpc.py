@@ -69,6 +69,7 @@ from ._codec import (
     InferRequest,
     Limits,
     PayloadTooLarge,
+    RawOutput,
     RequestError,
     _from_binary,
     _Input,
@@ -507,8 +508,14 @@ class _Service:
                     state.metrics.cancelled(served)
                     raise
                 if result is not None:
+                    # Views of the outputs' arrays: copied once, into the answer's bytes
+                    # (`_response_bytes`, or the protobuf message), as soon as this returns.
                     outputs = encode_raw_outputs(
-                        request, _classified(request, served, result.outputs), order, shm=lease
+                        request,
+                        _classified(request, served, result.outputs),
+                        order,
+                        shm=lease,
+                        copy=False,
                     )
         except TrioInferError as exc:
             state.metrics.count(model, version, exc)
@@ -735,7 +742,7 @@ def _infer_response(
     model: str,
     version: str,
     request_id: str | None,
-    outputs: list[tuple[str, str, tuple[int, ...], bytes, dict[str, Any] | None]],
+    outputs: list[RawOutput],
     parameters: Mapping[str, str] | None,
 ) -> Any:
     response = pb.ModelInferResponse(model_name=model, model_version=version, id=request_id or "")
@@ -750,7 +757,7 @@ def _infer_response(
                 tensor.parameters[key].string_param = value
             else:
                 tensor.parameters[key].int64_param = value
-        response.raw_output_contents.append(data)
+        response.raw_output_contents.append(bytes(data))
     for key, value in (parameters or {}).items():
         response.parameters[key].string_param = value
     return response
@@ -913,7 +920,7 @@ def _response_bytes(
     model: str,
     version: str,
     request_id: str | None,
-    outputs: list[tuple[str, str, tuple[int, ...], bytes, dict[str, Any] | None]],
+    outputs: list[RawOutput],
     parameters: Mapping[str, str] | None,
 ) -> bytes:
     """`_infer_response` serialised; its usual form from a memo of the fields but id and data.
