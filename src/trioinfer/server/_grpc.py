@@ -8,9 +8,10 @@ cannot drift.
 How gRPC is served. There is no grpcio server: `_grpc_h2` speaks gRPC over
 HTTP/2 (its own frame layer, ``_http2``, with python-hyper's ``hpack``) on
 the serving loop itself, Trio or asyncio, one task per connection and one
-per call, so a call's handler runs the request directly, under a cancel
+running each call (on Trio a task runs a connection's calls one after
+another), so a call's handler runs the request directly, under a cancel
 scope whose deadline is the client's (``grpc-timeout``); a client that
-cancels (RST_STREAM) or goes away cancels the call's task, and with it the
+cancels (RST_STREAM) or goes away cancels the call's scope, and with it the
 request in the engine. grpc.aio (on a loop in a thread, bridged to Trio) and
 grpcio's threaded server were served before and cost two to three times as
 much server CPU per call, and python-hyper's ``h2`` after them twice as much

@@ -2,16 +2,20 @@
 
 No grpcio server, no second thread, no bridge: each connection is a task of
 the serving loop (Trio or asyncio) that feeds the bytes it reads to an
-`_http2.Connection` and writes what that answers; each RPC is a
+`_http2.Connection` and writes what that answers; each RPC runs in a
 task of the connection's task group, so a call's cancel scope is the
-request's. What gRPC adds to HTTP/2 is handled here:
+request's. On Trio a call's task, once it answered, takes the connection's
+next call under the same scope (`_Connection._calls`: a task and a scope
+per call cost a third of the layer's own work per call); on asyncio each
+call is a task of its own (`_AsyncioCalls`). What gRPC adds to HTTP/2 is
+handled here:
 
 - framing: each message behind a 5-byte prefix (a compressed flag, a
   big-endian length); a message over the size cap is refused with
   ``RESOURCE_EXHAUSTED`` before its bytes are buffered;
 - ``grpc-timeout`` becomes the call's deadline (`GrpcCall.expires`), which
   the service turns into the request's cancel scope deadline;
-- a client's RST_STREAM, or the connection's loss, cancels the call's task,
+- a client's RST_STREAM, or the connection's loss, cancels the call's scope,
   and with it the request in the engine;
 - answers end with ``grpc-status`` / ``grpc-message`` trailers (a failure
   before any answer is a trailers-only response);
@@ -327,7 +331,7 @@ class GrpcCall:
     _scope: _Cancellable | None = None
 
     def cancel(self) -> None:
-        """The client left: cancel the call's task (and the request it runs)."""
+        """The client left: cancel the call's scope (and the request it runs)."""
         self.gone = True
         if self._scope is not None:
             self._scope.cancel()
@@ -419,7 +423,7 @@ def _deadline(value: bytes) -> float:
 
 @final
 class _Connection:
-    """One client connection: reads frames, starts a task per call, writes the answers."""
+    """One client connection: reads frames, runs each call in a task, writes the answers."""
 
     def __init__(
         self,
