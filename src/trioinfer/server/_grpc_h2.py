@@ -545,12 +545,13 @@ class _Connection:
                     self._event(event)
                 except Exception as exc:  # a bug: its stream fails, never the connection
                     self._failed(event, exc)
-            # What those frames answered (PING and SETTINGS acks, resets) is taken out
-            # of the frame layer and counted: past the limit the client's frames are left
-            # unread until it reads, so TCP holds a client that sends without reading.
-            self._extra += self._h2.data_to_send()
+            # What those frames answered (PING and SETTINGS acks, resets) is counted
+            # with the rest waiting to be written: past the limit the client's frames are
+            # left unread until it reads, so TCP holds a client that sends without
+            # reading. Counted where it is queued, not taken out (and so joined, then
+            # joined again by the writer, with the answers queued beside it).
             self._wake.set()
-            while len(self._extra) > _OUTPUT_LIMIT:
+            while len(self._extra) + self._h2.bytes_to_send() > _OUTPUT_LIMIT:
                 drained = self._drained
                 await drained.wait()
 

@@ -327,6 +327,10 @@ class Connection:
         out, self._out = self._out, []
         return b"".join(out)
 
+    def bytes_to_send(self) -> int:
+        """How many bytes are queued to write (what `data_to_send` would take out)."""
+        return sum(map(len, self._out))
+
     def buffers_to_send(self) -> list[bytes]:
         """The bytes queued to write, taken out as the buffers they were queued in.
 
