@@ -857,8 +857,9 @@ class _Connection:
     async def _calls(self, first: _Stream) -> None:
         """On Trio: answer *first*, then the connection's next calls, one after another.
 
-        A task and a cancel scope per call cost about a tenth of a small call's
-        server CPU; so a call's task, once it answered, waits for the next call
+        A task and a cancel scope per call cost a third of the layer's own work
+        per call (``benchmarks/bench_grpc_layer.py``: 23 against 15 µs of CPU);
+        so a call's task, once it answered, waits for the next call
         (`_next_call`) instead of ending, and answers it under the same scope,
         its deadline set from that call's ``grpc-timeout`` and cleared after.
         A cancelled scope cannot be used again: after a call that was cancelled
