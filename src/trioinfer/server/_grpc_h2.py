@@ -728,6 +728,8 @@ class _Connection:
         self._release()
 
     def _release(self) -> None:
+        if not self._held_back:
+            return  # the usual case, at the end of every call: nothing to sort
         for stream in sorted(self._held_back, key=lambda s: s.stream_id):
             if stream.closed or stream.stream_id not in self._streams:
                 self._held_back.discard(stream)
