@@ -139,6 +139,9 @@ else:
 
 
 def run_child(path: Path, loop: str, args: argparse.Namespace) -> list[float]:
+    if not (path / "src" / "trioinfer").is_dir():
+        # Else the installed trioinfer would be measured under this tree's name.
+        raise SystemExit(f"{path} has no src/trioinfer")
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(path / "src"), str(path)]))
     argv = [sys.executable, "-c", _CHILD, loop, str(args.calls), str(args.per_read), "1"]
     done = subprocess.run(argv, env=env, capture_output=True, text=True, check=False)
