@@ -97,7 +97,9 @@ async def one_round(args: argparse.Namespace, model: str) -> float:
     started: list[Any] = []
     method = _grpc_h2.Method(handler=None, streaming=False)  # type: ignore[arg-type]
     server = types.SimpleNamespace(max_buffered=1 << 26)
-    conn = _grpc_h2._Connection(None, {PATH: method}, 1 << 24, server)  # type: ignore[arg-type]
+    # No socket: the connection only asks it for its raw socket (none here).
+    socket = types.SimpleNamespace(extra=lambda attribute, default=None: default)
+    conn = _grpc_h2._Connection(socket, {PATH: method}, 1 << 24, server)  # type: ignore[arg-type]
     conn._start = started.append  # type: ignore[method-assign]
     conn._h2.initiate_connection()
     conn._h2.increment_flow_control_window(_grpc_h2._WINDOW * 16)

@@ -817,7 +817,7 @@ async def test_a_client_that_does_not_read_is_held_then_dropped(
     peak = 0
     with anyio.fail_after(WAIT_S):
         while server.connections:
-            peak = max(peak, len(conn._extra) + sum(map(len, conn._h2._out)))
+            peak = max(peak, len(conn._extra) + conn._h2.bytes_to_send())
             await anyio.sleep(0.01)
     # One read past the limit (65536 bytes of PINGs: as many bytes of acks), plus the
     # odd control frame the same write carried (a WINDOW_UPDATE, 13 bytes, was seen).
@@ -834,7 +834,11 @@ async def test_a_client_reset_mid_send_is_no_error(
     client = await _not_reading(server)
     task_group.start_soon(_flood, client)
     # The server's reading waits for its writing, which waits for the client.
-    await poll(lambda: any(len(c._extra) > _OUTPUT_LIMIT for c in server.connections))
+    await poll(
+        lambda: any(
+            len(c._extra) + c._h2.bytes_to_send() > _OUTPUT_LIMIT for c in server.connections
+        )
+    )
     # The client's TCP reset while the server is sending to it: an ordinary end.
     raw = client.socket.extra(anyio.abc.SocketAttribute.raw_socket)
     raw.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
@@ -1208,3 +1212,167 @@ async def test_large_answers_to_a_slow_reader_arrive_whole_and_in_order(serve: S
             assert client.data[sid] == frame(body)
     finally:
         await client.socket.aclose()
+
+
+class Reused(Handlers):
+    """Handlers that record which task ran each call, and the deadline it ran under."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list[tuple[int, float]] = []
+        self.gone: list[bytes] = []
+        self.releases: dict[bytes, anyio.Event] = {}
+
+    async def where(self, raw: bytes, call: GrpcCall) -> bytes:
+        self.seen.append((anyio.get_current_task().id, anyio.current_effective_deadline()))
+        if raw == b"leave":
+            # The client leaves as the call finishes: its scope is cancelled, never entered
+            # again (no checkpoint follows, so nothing is raised in this call).
+            call.cancel()
+            return raw
+        if raw.startswith(b"wait"):
+            # Waits for its own release; a client that leaves cancels it.
+            try:
+                await self.releases.setdefault(raw, anyio.Event()).wait()
+            except anyio.get_cancelled_exc_class():
+                self.gone.append(raw)
+                raise
+        return raw
+
+    def methods(self) -> dict[str, Method]:
+        return {**super().methods(), "/t.S/Where": Method(self.where, streaming=False)}
+
+
+def connection_of(server: GrpcServer) -> Any:
+    (conn,) = server.connections
+    return conn
+
+
+@both_loops
+async def test_sequential_calls_reuse_a_task_each_with_its_own_deadline(serve: Serve) -> None:
+    """On Trio one task answers a connection's calls one after another, each its own deadline.
+
+    A call's deadline is cleared after it; a call after one whose deadline passed, or
+    one its client reset, runs as if nothing happened before it.
+    """
+    handlers = Reused()
+    _, connect = await serve(handlers, head_timeout=10 * WAIT_S)
+    client = await connect()
+    before = anyio.current_time()
+    sid = await client.call("/t.S/Where", frame(b"a"), headers=(("grpc-timeout", "100S"),))
+    assert await client.status(sid) == ("0", "")
+    assert before + 99 < handlers.seen[-1][1] < anyio.current_time() + 101
+    sid = await client.call("/t.S/Where", frame(b"b"))
+    assert await client.status(sid) == ("0", "")
+    assert handlers.seen[-1][1] == float("inf")
+    # Its deadline passes: DEADLINE_EXCEEDED; the next call is not expired.
+    sid = await client.call("/t.S/Where", frame(b"wait1"), headers=(("grpc-timeout", "50m"),))
+    assert await client.status(sid) == (
+        "4",
+        "the client's deadline passed before the call finished",
+    )
+    assert handlers.gone == [b"wait1"]
+    sid = await client.call("/t.S/Where", frame(b"c"))
+    assert await client.status(sid) == ("0", "")
+    assert handlers.seen[-1][1] == float("inf")
+    sid = await client.call("/t.S/Where", frame(b"d"), headers=(("grpc-timeout", "100S"),))
+    assert await client.status(sid) == ("0", "")
+    assert handlers.seen[-1][1] < anyio.current_time() + 101
+    # Its client resets it: it is cancelled; the next call works.
+    sid = await client.call("/t.S/Where", frame(b"wait2"))
+    await poll(lambda: len(handlers.seen) == 6)
+    client.h2.reset_stream(sid, 8)
+    await client.flush()
+    await poll(lambda: handlers.gone == [b"wait1", b"wait2"])
+    sid = await client.call("/t.S/Where", frame(b"e"))
+    assert await client.status(sid) == ("0", "")
+    assert client.data[sid] == frame(b"e")
+    assert handlers.seen[-1][1] == float("inf")
+    # Cancelled as it finished, without a checkpoint after: the next call runs.
+    sid = await client.call("/t.S/Where", frame(b"leave"))
+    assert (await client.status(sid))[0] == "0"
+    sid = await client.call("/t.S/Where", frame(b"f"))
+    assert await client.status(sid) == ("0", "")
+    if sniffio.current_async_library() == "trio":
+        assert len({task for task, _ in handlers.seen}) == 1
+
+
+@both_loops
+async def test_a_cancelled_call_among_reused_tasks_cancels_only_itself(serve: Serve) -> None:
+    handlers = Reused()
+    server, connect = await serve(handlers, head_timeout=10 * WAIT_S)
+    client = await connect()
+    names = [b"wait-a", b"wait-b", b"wait-c"]
+    trio_loop = sniffio.current_async_library() == "trio"
+    # Three calls at once: three tasks, which wait for calls once they answered.
+    sids = [await client.call("/t.S/Where", frame(name)) for name in names]
+    await poll(lambda: len(handlers.seen) == 3)
+    for name in names:
+        handlers.releases.pop(name).set()
+    for sid in sids:
+        assert await client.status(sid) == ("0", "")
+    first = {task for task, _ in handlers.seen}
+    if trio_loop:
+        await poll(lambda: len(connection_of(server)._idle) == 3)
+    # Three more run in those tasks; the middle call's client resets it.
+    sids = [await client.call("/t.S/Where", frame(name)) for name in names]
+    await poll(lambda: len(handlers.seen) == 6)
+    if trio_loop:
+        assert {task for task, _ in handlers.seen[3:]} == first
+    client.h2.reset_stream(sids[1], 8)
+    await client.flush()
+    await poll(lambda: handlers.gone == [b"wait-b"])
+    handlers.releases[b"wait-a"].set()
+    handlers.releases[b"wait-c"].set()
+    assert await client.status(sids[0]) == ("0", "")
+    assert await client.status(sids[2]) == ("0", "")
+    assert client.data[sids[0]] == frame(b"wait-a")
+    assert client.data[sids[2]] == frame(b"wait-c")
+    assert handlers.gone == [b"wait-b"]
+    sid = await client.call("/t.S/Where", frame(b"after"))
+    assert await client.status(sid) == ("0", "")
+
+
+@both_loops
+async def test_idle_call_tasks_are_capped_and_end_with_their_connection(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(_grpc_h2, "_IDLE_CALLS", 2)
+    handlers = Reused()
+    server = GrpcServer(handlers.methods(), MAX, head_timeout=10 * WAIT_S)
+    trio_loop = sniffio.current_async_library() == "trio"
+    ended: list[Any] = []
+    async with await anyio.create_tcp_listener(local_host="127.0.0.1", local_port=0) as listener:
+        port = listener.extra(anyio.abc.SocketAttribute.local_port)
+
+        async def one_connection(socket: anyio.abc.SocketStream) -> None:
+            await server.connection(socket)  # returns once its nursery has exited
+            ended.append(conn)
+            group.cancel_scope.cancel()  # one connection only
+
+        async with anyio.create_task_group() as group:
+            group.start_soon(listener.serve, one_connection)
+            client = Client(await anyio.connect_tcp("127.0.0.1", port))
+            await client.start()
+            names = [b"wait-%d" % i for i in range(4)]
+            sids = [await client.call("/t.S/Where", frame(name)) for name in names]
+            await poll(lambda: len(handlers.seen) == 4)
+            conn = connection_of(server)
+            for name in names:
+                handlers.releases[name].set()
+            for sid in sids:
+                assert await client.status(sid) == ("0", "")
+            if trio_loop:
+                # Four tasks answered; two wait for calls, two ended (beside them the
+                # writer and the watchdog).
+                await poll(lambda: len(conn._group.child_tasks) == 4)
+                assert len(conn._idle) == 2
+            else:
+                await poll(lambda: not conn._asyncio_calls._tasks)
+            await client.socket.aclose()
+            with anyio.fail_after(WAIT_S):
+                await anyio.sleep_forever()
+    assert ended == [conn]
+    assert conn._idle == []
+    if trio_loop:
+        assert not conn._group.child_tasks

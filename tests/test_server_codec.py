@@ -1794,3 +1794,25 @@ def test_brackets_in_strings_and_long_headers_are_walked_for_depth() -> None:
     doc = one(data=[1, True])
     doc["parameters"] = {"note": "x" * 20_000}
     refused(doc, "input 'x'", "must be numbers", "got true")
+
+
+def test_raw_outputs_as_views_are_the_same_bytes_without_a_copy() -> None:
+    """copy=False: an output laid out as sent is a byte view of its array; others are bytes."""
+    request = _codec.InferRequest("r", {}, None, False, {})
+    batch = np.arange(20, dtype=np.float32).reshape(2, 10)
+    outputs = {
+        "row": batch[1:2],  # a request's row of its batch's output, as split
+        "big": np.arange(3, dtype=">i4"),  # not little-endian: a view of its conversion
+        "none": np.zeros((0, 4), np.float32),
+        "text": np.array(["ab", "c"], dtype=object),
+    }
+    order = list(outputs)
+    copied = _codec.encode_raw_outputs(request, outputs, order)
+    viewed = _codec.encode_raw_outputs(request, outputs, order, copy=False)
+    assert [bytes(v[3]) for v in viewed] == [c[3] for c in copied]
+    assert [len(v[3]) for v in viewed] == [len(c[3]) for c in copied]
+    assert all(type(c[3]) is bytes for c in copied)
+    row = viewed[0][3]
+    assert isinstance(row, memoryview)
+    assert np.shares_memory(np.frombuffer(row, np.float32), batch)
+    assert [type(v[3]) for v in viewed[1:]] == [memoryview, bytes, bytes]

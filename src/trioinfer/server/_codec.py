@@ -1204,12 +1204,18 @@ def _in_shared_memory(item: Mapping[str, Any]) -> bool:
     )
 
 
+#: An output as `encode_raw_outputs` gives it: (name, datatype, shape, data, parameters).
+RawOutput = tuple[str, str, tuple[int, ...], bytes | memoryview, dict[str, Any] | None]
+
+
 def encode_raw_outputs(
     request: InferRequest,
     outputs: Mapping[str, npt.NDArray[Any]],
     output_order: Sequence[str],
     shm: ShmLease | None = None,
-) -> list[tuple[str, str, tuple[int, ...], bytes, dict[str, Any] | None]]:
+    *,
+    copy: bool = True,
+) -> list[RawOutput]:
     """The outputs a request asked for (all, in *output_order*, if it named none) as raw bytes.
 
     Each is ``(name, datatype, shape, data, parameters)``, the data
@@ -1219,10 +1225,16 @@ def encode_raw_outputs(
     `decode_infer_parts` read with); its data is empty and its parameters
     name the region, offset and bytes written, as Triton answers.
 
+    With *copy* false, an output that is not ``BYTES`` is given as a byte view
+    of its array (as sent: contiguous, little-endian; converted first if it is
+    not) instead of a copy, for a caller that copies it into its answer at once,
+    before the array may change: the answer's bytes are then copied once, not
+    twice.
+
     Raises:
         RequestError: The request named an output that *outputs* lacks.
     """
-    encoded: list[tuple[str, str, tuple[int, ...], bytes, dict[str, Any] | None]] = []
+    encoded: list[RawOutput] = []
     places = {item.name: item.shm for item in request.outputs or () if item.shm is not None}
     for name, _binary, array in _chosen_outputs(request, outputs, output_order):
         place = places.get(name)
@@ -1233,10 +1245,13 @@ def encode_raw_outputs(
             encoded.append((name, entry["datatype"], array.shape, b"", entry["parameters"]))
             continue
         datatype = v2_datatype(array.dtype)
+        data: bytes | memoryview
         if datatype == "BYTES":
             data = _pack_bytes(array.ravel().tolist())
         else:
-            data = np.ascontiguousarray(array, dtype=_WIRE[datatype]).tobytes()
+            wire = np.ascontiguousarray(array, dtype=_WIRE[datatype])
+            # A view's length is its bytes ("B"); an empty array cannot be cast so.
+            data = wire.tobytes() if copy or not wire.size else wire.data.cast("B")
         encoded.append((name, datatype, array.shape, data, None))
     return encoded
 

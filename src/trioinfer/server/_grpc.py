@@ -8,9 +8,10 @@ cannot drift.
 How gRPC is served. There is no grpcio server: `_grpc_h2` speaks gRPC over
 HTTP/2 (its own frame layer, ``_http2``, with python-hyper's ``hpack``) on
 the serving loop itself, Trio or asyncio, one task per connection and one
-per call, so a call's handler runs the request directly, under a cancel
+running each call (on Trio a task runs a connection's calls one after
+another), so a call's handler runs the request directly, under a cancel
 scope whose deadline is the client's (``grpc-timeout``); a client that
-cancels (RST_STREAM) or goes away cancels the call's task, and with it the
+cancels (RST_STREAM) or goes away cancels the call's scope, and with it the
 request in the engine. grpc.aio (on a loop in a thread, bridged to Trio) and
 grpcio's threaded server were served before and cost two to three times as
 much server CPU per call, and python-hyper's ``h2`` after them twice as much
@@ -69,6 +70,7 @@ from ._codec import (
     InferRequest,
     Limits,
     PayloadTooLarge,
+    RawOutput,
     RequestError,
     _from_binary,
     _Input,
@@ -507,8 +509,14 @@ class _Service:
                     state.metrics.cancelled(served)
                     raise
                 if result is not None:
+                    # Views of the outputs' arrays: copied once, into the answer's bytes
+                    # (`_response_bytes`, or the protobuf message), as soon as this returns.
                     outputs = encode_raw_outputs(
-                        request, _classified(request, served, result.outputs), order, shm=lease
+                        request,
+                        _classified(request, served, result.outputs),
+                        order,
+                        shm=lease,
+                        copy=False,
                     )
         except TrioInferError as exc:
             state.metrics.count(model, version, exc)
@@ -735,7 +743,7 @@ def _infer_response(
     model: str,
     version: str,
     request_id: str | None,
-    outputs: list[tuple[str, str, tuple[int, ...], bytes, dict[str, Any] | None]],
+    outputs: list[RawOutput],
     parameters: Mapping[str, str] | None,
 ) -> Any:
     response = pb.ModelInferResponse(model_name=model, model_version=version, id=request_id or "")
@@ -750,7 +758,7 @@ def _infer_response(
                 tensor.parameters[key].string_param = value
             else:
                 tensor.parameters[key].int64_param = value
-        response.raw_output_contents.append(data)
+        response.raw_output_contents.append(bytes(data))
     for key, value in (parameters or {}).items():
         response.parameters[key].string_param = value
     return response
@@ -913,7 +921,7 @@ def _response_bytes(
     model: str,
     version: str,
     request_id: str | None,
-    outputs: list[tuple[str, str, tuple[int, ...], bytes, dict[str, Any] | None]],
+    outputs: list[RawOutput],
     parameters: Mapping[str, str] | None,
 ) -> bytes:
     """`_infer_response` serialised; its usual form from a memo of the fields but id and data.

@@ -31,6 +31,7 @@ whose ``remote_reset`` is False.
 from __future__ import annotations
 
 import struct
+from collections.abc import Sequence
 from typing import Any, Final, cast, final
 
 import hpack
@@ -326,6 +327,10 @@ class Connection:
         out, self._out = self._out, []
         return b"".join(out)
 
+    def bytes_to_send(self) -> int:
+        """How many bytes are queued to write (what `data_to_send` would take out)."""
+        return sum(map(len, self._out))
+
     def buffers_to_send(self) -> list[bytes]:
         """The bytes queued to write, taken out as the buffers they were queued in.
 
@@ -343,7 +348,7 @@ class Connection:
         return stream
 
     def send_headers(
-        self, stream_id: int, headers: list[tuple[bytes, bytes]], end_stream: bool = False
+        self, stream_id: int, headers: Sequence[tuple[bytes, bytes]], end_stream: bool = False
     ) -> None:
         """Queue a header block (response headers, or trailers with *end_stream*)."""
         stream = self._open(stream_id)
