@@ -50,7 +50,8 @@ class Resilient:
        passed, so they are never computed.
     2. **Other models.** Each request still unanswered goes to the *models*
        named, in order (another model or version, loaded in the same engine),
-       under its own deadline.
+       under its own deadline; also while the engine drains at close, since
+       the request was accepted before.
     3. **Default.** If *default* is set, what is still unanswered gets it.
 
     Otherwise the requests fail with the last error. Each step is recorded

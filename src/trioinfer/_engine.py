@@ -806,11 +806,14 @@ def open_engine(
 
     Use it as ``async with open_engine() as engine:``. Leaving the block
     normally stops new work ([`EngineClosed`][trioinfer.EngineClosed]), lets
-    accepted requests finish for at most *drain_period* seconds, then
-    cancels what is left (those callers get ``EngineClosed``) and closes every
-    backend instance. Leaving it with an exception or cancellation skips the
-    drain. An internal failure in the engine's tasks surfaces from this block
-    as an exception group rather than a hang.
+    accepted requests finish for at most *drain_period* seconds (an accepted
+    pipeline request still runs its remaining steps, and an accepted request
+    may still fail over to another model, though other callers of those
+    models are refused), then cancels what is left (those callers get
+    ``EngineClosed``) and closes every backend instance. Leaving it with an
+    exception or cancellation skips the drain. An internal failure in the
+    engine's tasks surfaces from this block as an exception group rather
+    than a hang.
 
     Args:
         registry: Where plugin names are resolved; by default, installed entry points.

@@ -461,7 +461,11 @@ class WorkerThread:
         """Start a worker thread called *name*, pinned to *cpu_affinity* if given (Linux).
 
         Raises:
-            OSError: If the affinity cannot be applied (no such CPU, or not Linux).
+            OSError: If the affinity cannot be applied (no such CPU, or not Linux),
+                or the worker's wake-up sockets cannot be made (out of file
+                descriptors, on Trio); nothing is left running.
+            RuntimeError: If the thread cannot be started (``threading``'s own
+                error); its sockets are closed.
         """
         jobs = _Jobs()
         ready: _Resolver[None] = _Resolver(current_waker(), anyio.Event())

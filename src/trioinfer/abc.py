@@ -449,10 +449,14 @@ class Execution(Protocol):
 
         The request keeps its deadline, priority, tenant and id. A request
         that is itself a failover from another model is not sent on again,
-        so that two models failing over to each other cannot loop.
+        so that two models failing over to each other cannot loop. While the
+        engine closes, the request (accepted before it began to) is still
+        admitted to *model* until the drain period ends, as a pipeline's
+        steps are; other callers of *model* are refused meanwhile.
 
         Raises:
             BackendError: *request* came from a failover already.
+            EngineClosed: The engine closes and its drain period is over.
             TrioInferError: What the other model's ``infer`` raised.
         """
         ...

@@ -203,7 +203,10 @@ def _shapes(_ctx: click.Context, _param: click.Parameter, value: Sequence[str]) 
     type=click.Path(file_okay=False, exists=True, path_type=Path),
     default=None,
     metavar="DIR",
-    help="In-process: a model repository; --model's config.toml applies.",
+    help=(
+        "In-process: a model repository; --model's config.toml applies. Only that "
+        "model is loaded: bench a pipeline, whose steps are other models, over HTTP."
+    ),
 )
 @click.option(
     "--json",

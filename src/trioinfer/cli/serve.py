@@ -201,11 +201,13 @@ def serve(ctx: click.Context, /, **options: Any) -> None:
     with the same limits and token (sent as 'authorization' metadata).
     NVIDIA's tritonclient (http and grpc) works against it unchanged.
 
-    With no options it serves the bundled example repository (the "digits"
-    model, and the Python models, pipeline and streaming model built around
-    it) on http://127.0.0.1:8000 and gRPC on 127.0.0.1:8001. SIGINT or SIGTERM makes
-    it not ready at once, lets in-flight requests finish for up to the drain
-    period, and exits 0.
+    With no options it serves the bundled example repository on
+    http://127.0.0.1:8000 and gRPC on 127.0.0.1:8001: "digits" (an ONNX MLP
+    over 8x8 images), "scale_image" and "digit_names" (Python models),
+    "read_digit" (a pipeline of those three that batches whole requests, up
+    to 32 in 2 ms) and "repeat_int32" (a streaming model). SIGINT or SIGTERM
+    makes it not ready at once, lets in-flight requests finish for up to the
+    drain period (a pipeline's request runs its remaining steps), and exits 0.
 
     With --workers N, N processes serve the same port, each with its own
     engine and sessions on the same devices, and this process supervises
