@@ -115,6 +115,21 @@ def _steps(name: str, value: object) -> tuple[Step, ...]:
     return tuple(steps)
 
 
+def _declared(config: ModelConfig) -> tuple[ModelSignature, tuple[Step, ...]]:
+    """A pipeline config's signature and steps, its options checked (batched or not)."""
+    options = config.backend_options
+    unknown = sorted(set(options) - {"inputs", "outputs", "steps"})
+    if unknown:
+        raise ConfigError(
+            f"pipeline {config.name!r}: unknown option {', '.join(map(repr, unknown))}; "
+            "known: inputs, outputs, steps"
+        )
+    signature = ModelSignature.declared(
+        options.get("inputs"), options.get("outputs"), model=config.name
+    )
+    return signature, _steps(config.name, options.get("steps"))
+
+
 @final
 class Pipeline:
     """A loaded pipeline, as the engine holds it beside its model runners.
@@ -132,18 +147,8 @@ class Pipeline:
         steps_of: Callable[[str], Sequence[str]] = lambda model: (),
         step_runner: Callable[[str], ModelRunner | None] = lambda model: None,
     ) -> None:
-        options = config.backend_options
-        unknown = sorted(set(options) - {"inputs", "outputs", "steps"})
-        if unknown:
-            raise ConfigError(
-                f"pipeline {config.name!r}: unknown option {', '.join(map(repr, unknown))}; "
-                "known: inputs, outputs, steps"
-            )
         self.config = config
-        self.signature = ModelSignature.declared(
-            options.get("inputs"), options.get("outputs"), model=config.name
-        )
-        self.steps = _steps(config.name, options.get("steps"))
+        self.signature, self.steps = _declared(config)
         self._infer = infer
         # The runner of a step's model when its requests may run in the pipeline's
         # task (the engine's say; the runner's idle_replica has the rest), else None.

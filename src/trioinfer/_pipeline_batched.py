@@ -43,7 +43,7 @@ import numpy as np
 from ._config import ModelConfig, Placement
 from ._exceptions import BackendError, ConfigError, InvalidInput, TrioInferError
 from ._inline import restart_inline_slice
-from ._pipeline import Infer, Step, _check_graph, _steps
+from ._pipeline import Infer, Step, _check_graph, _declared
 from ._request import Outputs, Request
 from ._runner import _copy_error, _Running, _split
 from ._tensors import ModelSignature
@@ -127,18 +127,8 @@ class BatchedPipeline:
         batcher: Batcher,
     ) -> None:
         name = config.name
-        options = config.backend_options
-        unknown = sorted(set(options) - {"inputs", "outputs", "steps"})
-        if unknown:
-            raise ConfigError(
-                f"pipeline {name!r}: unknown option {', '.join(map(repr, unknown))}; "
-                "known: inputs, outputs, steps"
-            )
         self.config = config
-        self.signature = ModelSignature.declared(
-            options.get("inputs"), options.get("outputs"), model=name
-        )
-        self.steps = _steps(name, options.get("steps"))
+        self.signature, self.steps = _declared(config)
         rounds = _check_graph(name, self.signature, self.steps, signatures, steps_of)
         where = f"pipeline {name!r} batches its requests (batcher {config.batcher!r})"
         if isinstance(batcher, AssemblingBatcher):
