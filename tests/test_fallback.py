@@ -212,6 +212,25 @@ async def test_a_transient_error_is_retried_in_place_after_a_jittered_backoff(
         assert backend.statistics().planned_errors == 2
 
 
+async def test_inferences_count_the_rows_that_succeeded_once_not_the_attempts(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    # Triton's inference_count: a request retried twice counts its rows once; a
+    # request that fails counts none, though both ran (executions counts them).
+    backend = FaultyBackend(fail_on=[1, 2, 4, 5, 6], transient=True)
+    options = {"attempts": 3, "backoff": 0.01}
+    rows = np.ones((3, 4), dtype=np.float32)
+    async with engine_with(backend, config(instances=[Instance()], options=options)) as engine:
+        await engine.infer("m", {"x": rows})  # calls 1, 2 fail; 3 answers
+        stats = engine.statistics().models["m"]
+        assert (stats.inferences, stats.succeeded, stats.executions) == (3, 1, 3)
+        with pytest.raises(BackendError):
+            await engine.infer("m", {"x": rows[:2]})  # calls 4, 5, 6: every attempt fails
+        stats = engine.statistics().models["m"]
+        assert (stats.inferences, stats.succeeded, stats.failed) == (3, 1, 1)
+        assert stats.executions == 6
+
+
 async def test_a_permanent_error_on_the_only_instance_is_not_retried(
     autojump_clock: trio.testing.MockClock,
 ) -> None:

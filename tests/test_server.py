@@ -1561,8 +1561,9 @@ def test_client_that_leaves_while_queued_is_never_computed(
         stats_after["inference_stats"]["queue"]["count"],
     )
     assert queue_counts[1] - queue_counts[0] == 1
-    # Rows of started executions: the blocker's only, none from the abandoned requests.
-    assert stats_after["inference_count"] - stats_before["inference_count"] == BLOCKER_ROWS
+    # Triton's inference_count: rows of requests that succeeded. None did: the
+    # blocker was aborted and the queued requests never ran.
+    assert stats_after["inference_count"] == stats_before["inference_count"]
     success = [s["inference_stats"]["success"]["count"] for s in (stats_before, stats_after)]
     assert success[0] == success[1]
     # The blocker and both queued requests were abandoned by their clients.
@@ -1668,6 +1669,7 @@ def test_metrics(http: httpx.Client) -> None:
         "trioinfer_inference_requests": "counter",
         "trioinfer_http_inference_in_flight": "gauge",
         "trioinfer_inference_executions": "counter",
+        "trioinfer_inferences": "counter",
         "trioinfer_inference_queue_depth": "gauge",
         "trioinfer_inference_pending": "gauge",
         "trioinfer_instances": "gauge",
@@ -1702,6 +1704,8 @@ def test_metrics(http: httpx.Client) -> None:
         buckets = [s.value for s in samples(families, f"{histogram}_bucket", **counted)]
         assert buckets == sorted(buckets), f"{histogram} buckets are cumulative"
     assert value(families, "trioinfer_inference_batch_rows_sum", **counted) == sum(rows)
+    # The refused requests never ran: the rows that got outputs are the same rows.
+    assert value(families, "trioinfer_inferences_total", **counted) == sum(rows)
     # Every served version has its own labelled series.
     executions = {
         (s.labels["model"], s.labels["version"])

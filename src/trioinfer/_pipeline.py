@@ -177,6 +177,7 @@ class Pipeline:
         self._stopped = False
         self._stop = anyio.Event()
         self.succeeded = self.failed = self.cancelled = self.refused = self.expired = 0
+        self.inferences = 0
         self._request_duration = _Histogram(DURATION_BUCKETS)
 
     @property
@@ -219,6 +220,7 @@ class Pipeline:
             raise
         else:
             self.succeeded += 1
+            self.inferences += request.rows or 1
             self._request_duration.observe(self.clock.current_time() - request.arrival)
             state.outputs = outputs
             return outputs
@@ -385,6 +387,7 @@ class Pipeline:
             compute_duration=empty,
             request_duration=self._request_duration.snapshot(),
             batch_size=_Histogram(BATCH_BUCKETS).snapshot(),
+            inferences=self.inferences,
         )
 
 

@@ -462,6 +462,9 @@ class ModelStatistics:
         queued: Requests waiting now.
         in_flight: Requests accepted and not yet ended (queued or running).
         succeeded: Requests that got outputs.
+        inferences: Rows of the requests that got outputs (one for a request
+            without a batch dimension): Triton's ``inference_count``, which counts
+            neither failed nor retried attempts.
         failed: Requests that ended with an error other than expiry (backend, shutdown).
         cancelled: Requests whose caller gave up before they ended.
         refused: Requests refused at admission: the queue was full, or the scheduler
@@ -509,6 +512,7 @@ class ModelStatistics:
     replicas: tuple[ReplicaStatistics, ...] = ()
     fallbacks: Mapping[str, int] = attrs.field(factory=dict)
     cache: CacheStatistics | None = None
+    inferences: int = 0
 
 
 @final
@@ -712,6 +716,7 @@ class ModelRunner(metaclass=NoPublicConstructor):
     _turns: _Turns = attrs.field(init=False)
     _in_flight: set[Request] = attrs.field(factory=set, init=False)
     succeeded: int = attrs.field(default=0, init=False)
+    inferences: int = attrs.field(default=0, init=False)
     failed: int = attrs.field(default=0, init=False)
     cancelled: int = attrs.field(default=0, init=False)
     refused: int = attrs.field(default=0, init=False)
@@ -1391,6 +1396,7 @@ class ModelRunner(metaclass=NoPublicConstructor):
         replica.executions += 1
         self._learn(rows, 1, elapsed)
         self.succeeded += 1
+        self.inferences += rows or 1
         return outputs
 
     def _count_alone(self, replica: Replica, rows: int, elapsed: float) -> None:
@@ -1577,6 +1583,7 @@ class ModelRunner(metaclass=NoPublicConstructor):
         state.outputs, state.error = outputs, error
         if error is None:
             self.succeeded += 1
+            self.inferences += request.rows or 1
         elif isinstance(error, DeadlineExceeded):
             self.expired += 1
         else:
@@ -1627,17 +1634,20 @@ class ModelRunner(metaclass=NoPublicConstructor):
                     state.done.set()
                 in_flight.discard(request)
                 self.succeeded += 1
+                self.inferences += request.rows or 1
                 if not in_flight and self._idle is not None:
                     self._idle.set()
                     self._idle = None
                 self._request_duration.observe(ended - request.arrival)
             return
         durations: list[float] = []
+        inferences = 0
         reschedule: Callable[[Any, Any], object] | None = None  # fetched for the first parked task
         for request, share in zip(requests, shares, strict=True):
             state = request._state
             if state.status is _RUNNING:
                 durations.append(ended - request.arrival)
+                inferences += request.rows or 1
                 state.served_by = replica
                 state.outputs = share
                 state.status = _DONE
@@ -1652,6 +1662,7 @@ class ModelRunner(metaclass=NoPublicConstructor):
                     state.done.set()
                 in_flight.discard(request)
         self.succeeded += len(durations)
+        self.inferences += inferences
         if not in_flight and self._idle is not None:
             self._idle.set()
             self._idle = None
@@ -1850,6 +1861,7 @@ class ModelRunner(metaclass=NoPublicConstructor):
             batch_size=self._batch_size.snapshot(),
             replicas=tuple(replica.statistics() for replica in self.replicas),
             fallbacks=dict(self.fallbacks),
+            inferences=self.inferences,
         )
 
 

@@ -794,7 +794,7 @@ def model_stats(state: ServerState, model: str | None, version: str | None) -> l
                 "last_inference": state.models.last_inference_ms.get(
                     (served.model, served.version), 0
                 ),
-                "inference_count": int(stats.batch_size.sum),
+                "inference_count": stats.inferences,
                 "execution_count": stats.executions,
                 "inference_stats": {
                     "success": _duration(stats.succeeded, stats.request_duration.sum),

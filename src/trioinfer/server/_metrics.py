@@ -125,6 +125,11 @@ class Metrics:
             "Backend executions (batches) started.",
             labels=_LABELS,
         )
+        inferences = CounterMetricFamily(
+            "trioinfer_inferences",
+            "Rows of the requests that got outputs (Triton's nv_inference_count).",
+            labels=_LABELS,
+        )
         queued = GaugeMetricFamily(
             "trioinfer_inference_queue_depth", "Requests waiting in the queue.", labels=_LABELS
         )
@@ -210,6 +215,7 @@ class Metrics:
                 continue
             labels = [served.model, str(served.version)]
             executions.add_metric(labels, stats.executions)
+            inferences.add_metric(labels, stats.inferences)
             queued.add_metric(labels, stats.queued)
             in_flight.add_metric(labels, stats.in_flight)
             states = Counter((r.device, r.state) for r in stats.replicas)
@@ -229,6 +235,7 @@ class Metrics:
                 for attribute, cache_family in cache.items():
                     cache_family.add_metric(labels, getattr(stats.cache, attribute))
         yield executions
+        yield inferences
         yield queued
         yield in_flight
         yield instances
