@@ -10,6 +10,10 @@ name). Six arms, C client tasks each sending one image at a time:
               the way the pipeline's ``digits`` instance runs it (``--dispatch``): on a
               worker thread of its own (one run at a time), or on the event loop
               after a checkpoint
+  hand-model  the hand function served as one Python model (``async def infer``,
+              batcher "none") by the engine: what a user writes instead of a
+              pipeline, and the engine's cost for one request, beside the pipeline's
+              for a request and its three steps
   pipeline    the ``read_digit`` pipeline, every step unbatched (batcher "none")
   batched     the same pipeline, every step with the dynamic batcher (32 rows, 2 ms)
   onnx-batched  the same pipeline, only the ONNX model (``digits``) with the dynamic
@@ -61,6 +65,7 @@ Figures = tuple[float, float]
 #: Every arm, in the order they run (reversed every other round).
 ARMS = (
     "hand",
+    "hand-model",
     "pipeline",
     "batched",
     "onnx-batched",
@@ -101,31 +106,76 @@ async def closed_loop(call: Callable[[np.ndarray], Awaitable[object]], args: Any
     return rate, cpu
 
 
-async def by_hand(args: argparse.Namespace) -> Figures:
-    options = ort.SessionOptions()
-    options.intra_op_num_threads = 1
-    session = ort.InferenceSession(str(REPO / "digits" / "1" / "model.onnx"), options)
-    scale, names = _model_class("scale_image")(), _model_class("digit_names")(threshold=0.5)
-    worker = await WorkerThread.start("hand-digits") if args.dispatch == "thread" else None
-    one_run = trio.Lock()  # one session, one run at a time: as one instance of depth 1
+class _Hand:
+    """The three steps by hand, one async call per request (``--dispatch`` for the session)."""
 
-    async def call(image: np.ndarray) -> object:
+    def __init__(self, worker: WorkerThread | None) -> None:
+        options = ort.SessionOptions()
+        options.intra_op_num_threads = 1
+        self.session = ort.InferenceSession(str(REPO / "digits" / "1" / "model.onnx"), options)
+        self.scale = _model_class("scale_image")()
+        self.names = _model_class("digit_names")(threshold=0.5)
+        self.worker = worker
+        self.one_run = trio.Lock()  # one session, one run at a time: one instance of depth 1
+
+    async def infer(self, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        image = inputs["IMAGE"]
         if image.dtype != np.uint8 or image.ndim != 3 or image.shape[1:] != (8, 8):
             raise trioinfer.InvalidInput(f"IMAGE must be uint8 [batch, 8, 8], got {image.shape}")
-        row = scale.infer({"image": image})["input"]
+        row = self.scale.infer({"image": image})["input"]
         run_options = ort.RunOptions()
-        if worker is not None:
-            async with one_run:
-                values = await worker.run_sync(
-                    session.run, ["probabilities"], {"input": row}, run_options
+        if self.worker is not None:
+            async with self.one_run:
+                values = await self.worker.run_sync(
+                    self.session.run, ["probabilities"], {"input": row}, run_options
                 )
         else:
             await trio.lowlevel.checkpoint()  # as an inline execution yields first
-            values = session.run(["probabilities"], {"input": row}, run_options)
-        return names.infer({"probabilities": values[0]})["name"]
+            values = self.session.run(["probabilities"], {"input": row}, run_options)
+        named = self.names.infer({"probabilities": values[0]})
+        return {"NAME": named["name"], "CONFIDENCE": named["confidence"]}
 
+
+class _Served:
+    """The hand function as a Python model's class: one instance, the same calls."""
+
+    def __init__(self, hand: _Hand) -> None:
+        self.infer = hand.infer
+
+
+async def by_hand(args: argparse.Namespace, *, served: bool = False) -> Figures:
+    worker = await WorkerThread.start("hand-digits") if args.dispatch == "thread" else None
+    hand = _Hand(worker)
     try:
-        return await closed_loop(call, args)
+        if not served:
+
+            async def call(image: np.ndarray) -> object:
+                return (await hand.infer({"IMAGE": image}))["NAME"]
+
+            return await closed_loop(call, args)
+        bundled = trioinfer.ModelConfig.from_toml(REPO / "read_digit" / "config.toml")
+        signature = {k: bundled.backend_options[k] for k in ("inputs", "outputs")}
+        async with trioinfer.open_engine() as engine:
+            await engine.load(
+                trioinfer.ModelConfig.from_dict(
+                    {
+                        "name": "hand",
+                        "path": "-",
+                        "backend": "python",
+                        "backend_options": {
+                            "class": _Served,
+                            "parameters": {"hand": hand},
+                            **signature,
+                        },
+                        "batcher": "none",
+                    }
+                )
+            )
+
+            async def served_call(image: np.ndarray) -> object:
+                return (await engine.infer("hand", {"IMAGE": image}))["NAME"]
+
+            return await closed_loop(served_call, args)
     finally:
         if worker is not None:
             await worker.aclose()
@@ -214,6 +264,7 @@ def main() -> None:
         parser.error("--pipeline-instances must be at least 1")
     every: dict[str, Callable[[], Awaitable[Figures]]] = {
         "hand": lambda: by_hand(args),
+        "hand-model": lambda: by_hand(args, served=True),
         "pipeline": lambda: as_pipeline(args, batched=False),
         "batched": lambda: as_pipeline(args, batched=True),
         "onnx-batched": lambda: as_pipeline(args, batched=True, only_onnx=True),
