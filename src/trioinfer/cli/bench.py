@@ -270,8 +270,11 @@ def bench(**options: Any) -> None:
 
     Over HTTP it speaks only the V2 protocol (model metadata and infer), so it
     works against trioinfer, Triton, MLServer or KServe. Inputs are random data
-    shaped from the model's metadata (GET /v2/models/NAME), or read from
-    files; each distinct request is encoded once, before the run. With
+    shaped from the model's metadata (GET /v2/models/NAME), zeros
+    (--input-data zero), or read from files; each distinct request is encoded
+    once, before the run. A model that checks its values may refuse random
+    data (the bundled read_digit takes 0-16): the tool then says to use
+    --input-data zero or a file. With
     --protocol grpc it speaks V2 gRPC (Triton's inference.GRPCInferenceService)
     from a lean HTTP/2 client over plain sockets, closed loop, 16 calls in
     flight per connection; a call counts as done when it ends with grpc-status
@@ -293,6 +296,10 @@ def bench(**options: Any) -> None:
     included (in-process: the whole process, engine included). While it runs,
     a progress bar shows on stderr when stderr is a terminal (drawn by rich
     when installed, as the bench extra installs it).
+
+    In-process (--in-process --model-repository DIR -m NAME) the model is
+    loaded as 'trioinfer serve' loads it, a pipeline after the models of its
+    steps, e.g. -m read_digit --input-data zero over the bundled repository.
 
     Exits with status 1 when the server cannot be reached or does not serve
     the model, or when any request failed (errors by status are printed).
