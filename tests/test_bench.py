@@ -7,6 +7,7 @@ import io
 import itertools
 import json
 import math
+import shutil
 import socket
 import socketserver
 import sys
@@ -223,6 +224,30 @@ def test_random_inputs_refuse_an_unknown_shape_name() -> None:
         tool.random_inputs([{"name": "x", "datatype": "FP32", "shape": [1]}], {"y": [1]})
 
 
+def test_zero_inputs_are_zeros_of_each_datatype() -> None:
+    specs = [
+        {"name": "x", "datatype": "FP32", "shape": [-1, 3]},
+        {"name": "n", "datatype": "UINT8", "shape": [2]},
+        {"name": "b", "datatype": "BOOL", "shape": [1]},
+        {"name": "s", "datatype": "BYTES", "shape": [2]},
+    ]
+    tensors = {t.name: t.array for t in tool.zero_inputs(specs, {"x": [2, 3]})}
+    assert tensors["x"].dtype == np.float32
+    assert tensors["x"].shape == (2, 3)
+    assert not tensors["x"].any()
+    assert tensors["n"].dtype == np.uint8
+    assert tensors["n"].tolist() == [0, 0]
+    assert tensors["b"].tolist() == [False]
+    assert tensors["s"].tolist() == ["0", "0"]  # a string a model reading numbers accepts
+    body, header = encode_infer_request(tensors, binary=True)
+    assert decode_infer_request(body, header, Limits()).inputs["s"].tolist() == ["0", "0"]
+
+
+def test_zero_inputs_refuse_an_unknown_shape_name() -> None:
+    with pytest.raises(tool.BenchError, match="'y'"):
+        tool.zero_inputs([{"name": "x", "datatype": "FP32", "shape": [1]}], {"y": [1]})
+
+
 # -- against a server -------------------------------------------------------------------------
 
 
@@ -287,6 +312,110 @@ def test_in_process(tmp_path: Path) -> None:
     (row,) = rows(out)
     assert row["completed"] > 0  # type: ignore[operator]
     assert json.loads(out.read_text())["target"] == "in-process"
+
+
+def test_in_process_pipeline_loads_its_steps_first(tmp_path: Path) -> None:
+    # read_digit's steps (scale_image, digits, digit_names) are other models of the
+    # repository; its intensities run 0-16, so random data (0-99) would be refused.
+    out = tmp_path / "out.json"
+    result = bench(
+        "--in-process", "--model-repository", str(example_repository()), "-m", "read_digit",
+        "--input-data", "zero", "--concurrency", "2", *SHORT, "--json", str(out),
+    )  # fmt: skip
+    assert result.exit_code == 0, result.output
+    (row,) = rows(out)
+    assert row["completed"] > 0  # type: ignore[operator]
+    assert row["errors"] == 0
+    assert json.loads(out.read_text())["input_data"] == "zero"
+
+
+def _repository_with(tmp_path: Path, name: str, steps: str) -> Path:
+    """The bundled repository, copied, with one more pipeline model *name* over *steps*."""
+    root = tmp_path / "repository"
+    shutil.copytree(example_repository(), root)
+    (root / name).mkdir()
+    (root / name / "config.toml").write_text(
+        'backend = "pipeline"\n[backend_options]\n'
+        'inputs = [{ name = "IMAGE", dtype = "uint8", shape = ["batch", 8, 8] }]\n'
+        'outputs = [{ name = "NAME", dtype = "string", shape = ["batch"] }]\n' + steps
+    )
+    return root
+
+
+def test_in_process_pipeline_of_pipelines_loads_every_step(tmp_path: Path) -> None:
+    root = _repository_with(
+        tmp_path,
+        "outer",
+        '[[backend_options.steps]]\nmodel = "read_digit"\n'
+        'input_map = { IMAGE = "IMAGE" }\noutput_map = { NAME = "NAME" }\n',
+    )
+    out = tmp_path / "out.json"
+    result = bench(
+        "--in-process", "--model-repository", str(root), "-m", "outer",
+        "--input-data", "zero", *SHORT, "--json", str(out),
+    )  # fmt: skip
+    assert result.exit_code == 0, result.output
+    (row,) = rows(out)
+    assert row["completed"] > 0  # type: ignore[operator]
+    assert row["errors"] == 0
+
+
+def test_in_process_pipeline_with_a_missing_step_names_it(tmp_path: Path) -> None:
+    root = _repository_with(
+        tmp_path,
+        "broken",
+        '[[backend_options.steps]]\nmodel = "nowhere"\n'
+        'input_map = { image = "IMAGE" }\noutput_map = { name = "NAME" }\n',
+    )
+    result = bench("--in-process", "--model-repository", str(root), "-m", "broken", *SHORT)
+    assert result.exit_code == 1
+    assert "cannot bench 'broken'" in result.output
+    assert "'nowhere'" in result.output
+    assert "not in the repository" in result.output
+    assert "Traceback" not in result.output
+
+
+def test_in_process_model_version_must_be_served(tmp_path: Path) -> None:
+    result = bench(
+        "--in-process", "--model-repository", str(example_repository()), "-m", "digits",
+        "--model-version", "7", *SHORT,
+    )  # fmt: skip
+    assert result.exit_code == 1
+    assert "no served version '7'" in result.output
+
+
+def test_in_process_refused_random_inputs_suggest_zero() -> None:
+    result = bench(
+        "--in-process", "--model-repository", str(example_repository()), "-m", "read_digit",
+        *SHORT,
+    )  # fmt: skip
+    assert result.exit_code == 1
+    assert "first InvalidInput answer" in result.output
+    assert "'read_digit' (version 1)" in result.output  # as people name it, not read_digit.v1
+    assert "try --input-data zero" in result.output
+
+
+def test_served_pipeline_refusing_random_inputs_suggests_zero(url: str, tmp_path: Path) -> None:
+    refused = bench("--url", url, "-m", "read_digit", *SHORT)
+    assert refused.exit_code == 1
+    assert "first 400 answer" in refused.output
+    assert "intensity" in refused.output
+    assert "try --input-data zero, or give your own with --input-data FILE" in refused.output
+    out = tmp_path / "out.json"
+    zero = bench(
+        "--url", url, "-m", "read_digit", "--input-data", "zero", *SHORT, "--json", str(out)
+    )
+    assert zero.exit_code == 0, zero.output
+    assert rows(out)[0]["errors"] == 0
+
+
+def test_input_data_usage_errors(tmp_path: Path) -> None:
+    both = bench("-m", "d", "--input-data", "zero", "--input-data", "random")
+    assert both.exit_code == 2
+    assert "goes alone" in both.output
+    missing = bench("-m", "d", "--input-data", str(tmp_path / "nope.json"))
+    assert missing.exit_code == 2
+    assert "'random', 'zero' or an .npz or .json file" in missing.output
 
 
 def test_inputs_from_an_npz_file(url: str, tmp_path: Path) -> None:

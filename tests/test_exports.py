@@ -54,7 +54,7 @@ PUBLIC = {
         "Result", "Run", "STABLE_WINDOWS", "Settings", "Tensor", "format_table", "is_stable",
         "iter_arrivals", "load_inputs", "open_local_model", "open_progress", "print_table",
         "random_inputs", "run_grpc", "run_http", "run_in_process", "write_csv", "write_json",
-        "write_plot",
+        "write_plot", "zero_inputs",
     },
 }  # fmt: skip
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import shutil
+from pathlib import Path
 from typing import Any, ClassVar
 
 import anyio
@@ -407,3 +409,32 @@ async def test_steps_with_nothing_beside_them_run_in_the_callers_task(
         tasks.clear()
         await engine.infer("chain", {"IN": X})
         assert tasks == {"chain": caller, "first": caller, "double": caller}
+
+
+async def test_load_with_steps_loads_what_a_pipeline_needs_and_nothing_else(
+    tmp_path: Path,
+) -> None:
+    """The server's table loads a pipeline's step models first, each once, and no others."""
+    from trioinfer.server import ModelRepository
+    from trioinfer.server._models import ServedModels
+
+    root = tmp_path / "repository"
+    shutil.copytree(trioinfer.example_repository(), root)
+    (root / "twice").mkdir()
+    # Two steps over one model (loaded once), beside models it does not need (not loaded).
+    (root / "twice" / "config.toml").write_text(
+        'backend = "pipeline"\n[backend_options]\n'
+        'inputs = [{ name = "IMAGE", dtype = "uint8", shape = ["batch", 8, 8] }]\n'
+        'outputs = [{ name = "B", dtype = "float32", shape = ["batch", 64] }]\n'
+        '[[backend_options.steps]]\nmodel = "scale_image"\n'
+        'input_map = { image = "IMAGE" }\noutput_map = { input = "A" }\n'
+        '[[backend_options.steps]]\nmodel = "scale_image"\n'
+        'input_map = { image = "IMAGE" }\noutput_map = { input = "B" }\n'
+    )
+    async with trioinfer.open_engine() as engine:
+        served = ServedModels(engine, ModelRepository(root))
+        await served.load_with_steps("twice")
+        assert [s.model for s in served.all()] == ["scale_image", "twice"]
+        image = np.zeros((1, 8, 8), dtype=np.uint8)
+        out = await engine.infer(served.resolve("twice").engine_name, {"IMAGE": image})
+        assert out["B"].shape == (1, 64)

@@ -149,6 +149,10 @@ def repository(tmp_path_factory: pytest.TempPathFactory) -> Path:
     (root / "simple" / "config.pbtxt").write_text(SIMPLE_PBTXT)
     (root / "ensemble" / "1").mkdir(parents=True)
     (root / "ensemble" / "config.pbtxt").write_text(test_triton.ENSEMBLE_PBTXT)
+    # The bundled pipeline, declared in config.toml, and the models of its steps.
+    examples = Path(trioinfer.__file__).parent / "examples/repository"
+    for name in ("read_digit", "scale_image", "digits", "digit_names"):
+        shutil.copytree(examples / name, root / name)
     return root
 
 
@@ -295,6 +299,30 @@ def test_http_and_grpc_answer_the_same_model_config(server: Server, model: str, 
     assert set(http) - {"trioinfer", "version"} <= {
         f.name for f in model_config_pb2.ModelConfig.DESCRIPTOR.fields
     }
+
+
+@pytest.mark.pipeline
+@pytest.mark.parametrize(
+    ("model", "platform"),
+    [
+        ("ensemble", "ensemble"),  # config.pbtxt's platform: "ensemble"
+        ("read_digit", "ensemble"),  # a config.toml pipeline: what Triton calls an ensemble
+        ("simple", "onnxruntime_onnx"),
+        ("digits", "onnxruntime_onnx"),  # config.toml, ONNX Runtime
+        ("scale_image", "trioinfer"),  # a Python model: trioinfer's own
+    ],
+)
+def test_platform_is_tritons_over_http_and_grpc(server: Server, model: str, platform: str) -> None:
+    """Model metadata and config name the platform as Triton does: pipelines are ensembles."""
+    client = _http(server)
+    try:
+        assert client.get_model_metadata(model)["platform"] == platform
+        assert client.get_model_config(model)["platform"] == platform
+    finally:
+        client.close()
+    with grpcclient.InferenceServerClient(server.grpc) as grpc_client:
+        assert grpc_client.get_model_metadata(model).platform == platform
+        assert grpc_client.get_model_config(model).config.platform == platform
 
 
 def test_the_grpc_model_config_holds_what_triton_configures(server: Server) -> None:

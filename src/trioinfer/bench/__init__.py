@@ -56,6 +56,7 @@ from ._inputs import BenchError as BenchError
 from ._inputs import Tensor as Tensor
 from ._inputs import load_inputs as load_inputs
 from ._inputs import random_inputs as random_inputs
+from ._inputs import zero_inputs as zero_inputs
 from ._load import iter_arrivals as iter_arrivals
 from ._report import format_table as format_table
 from ._report import open_progress as open_progress
@@ -104,4 +105,5 @@ __all__ = [
     "write_csv",
     "write_json",
     "write_plot",
+    "zero_inputs",
 ]

@@ -5,9 +5,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import attrs
 import numpy as np
@@ -36,6 +36,10 @@ class Tensor:
     array: npt.NDArray[Any]
 
 
+#: What ``--input-data`` generates when it names no file: random values, or zeros.
+InputData = Literal["random", "zero"]
+
+
 def random_inputs(
     specs: Sequence[Mapping[str, Any]],
     shapes: Mapping[str, Sequence[int]] | None = None,
@@ -44,11 +48,57 @@ def random_inputs(
 ) -> list[Tensor]:
     """Make one request's inputs from V2 model metadata (``inputs``: name, datatype, shape).
 
-    Variable dimensions (``-1``) become 1 unless *shapes* gives the input's whole shape.
+    Integers are drawn from 0 to 99, floats from [0, 1), booleans half true,
+    strings 8 lowercase letters. Variable dimensions (``-1``) become 1 unless
+    *shapes* gives the input's whole shape.
 
     Raises:
         BenchError: A datatype that has no numpy type, or a *shapes* entry for no input.
     """
+    rng = np.random.default_rng(seed)
+
+    def fill(datatype: str, dtype: np.dtype[Any], shape: tuple[int, ...]) -> npt.NDArray[Any]:
+        if datatype == "BYTES":
+            letters = rng.integers(97, 123, size=(*shape, 8), dtype=np.uint8)
+            return np.array(
+                [row.tobytes().decode() for row in letters.reshape(-1, 8)], dtype=object
+            ).reshape(shape)
+        if dtype.kind == "b":
+            return rng.random(shape) < 0.5
+        if dtype.kind in "iu":
+            return rng.integers(0, 100, size=shape).astype(dtype)
+        return rng.random(shape).astype(dtype)
+
+    return _generated(specs, shapes, fill)
+
+
+def zero_inputs(
+    specs: Sequence[Mapping[str, Any]],
+    shapes: Mapping[str, Sequence[int]] | None = None,
+) -> list[Tensor]:
+    """Make one request's inputs of zeros from V2 model metadata, as `random_inputs` shapes them.
+
+    Numbers are 0, booleans false, and strings ``"0"``: perf_analyzer's
+    ``--input-data zero`` leaves strings random, but ``"0"`` is what a model
+    that reads numbers from strings accepts, and it is as plain a value.
+
+    Raises:
+        BenchError: A datatype that has no numpy type, or a *shapes* entry for no input.
+    """
+
+    def fill(datatype: str, dtype: np.dtype[Any], shape: tuple[int, ...]) -> npt.NDArray[Any]:
+        if datatype == "BYTES":
+            return np.full(shape, "0", dtype=object)
+        return np.zeros(shape, dtype=dtype)
+
+    return _generated(specs, shapes, fill)
+
+
+def _generated(
+    specs: Sequence[Mapping[str, Any]],
+    shapes: Mapping[str, Sequence[int]] | None,
+    fill: Callable[[str, np.dtype[Any], tuple[int, ...]], npt.NDArray[Any]],
+) -> list[Tensor]:
     shapes = dict(shapes or {})
     unknown = sorted(set(shapes) - {str(spec.get("name")) for spec in specs})
     if unknown:
@@ -56,7 +106,6 @@ def random_inputs(
             f"--shape names {', '.join(map(repr, unknown))}, which the model has not; its "
             f"inputs are {', '.join(repr(spec.get('name')) for spec in specs)}"
         )
-    rng = np.random.default_rng(seed)
     tensors = []
     for spec in specs:
         name = str(spec["name"])
@@ -68,20 +117,21 @@ def random_inputs(
                 f"input {name!r} has datatype {datatype!r}, which the tool cannot generate; "
                 "pass --input-data with its values"
             )
-        array: npt.NDArray[Any]
-        if datatype == "BYTES":
-            letters = rng.integers(97, 123, size=(*shape, 8), dtype=np.uint8)
-            array = np.array(
-                [row.tobytes().decode() for row in letters.reshape(-1, 8)], dtype=object
-            ).reshape(shape)
-        elif dtype.kind == "b":
-            array = rng.random(shape) < 0.5
-        elif dtype.kind in "iu":
-            array = rng.integers(0, 100, size=shape).astype(dtype)
-        else:
-            array = rng.random(shape).astype(dtype)
-        tensors.append(Tensor(name, datatype, array))
+        tensors.append(Tensor(name, datatype, fill(datatype, dtype, shape)))
     return tensors
+
+
+def generated_inputs(
+    specs: Sequence[Mapping[str, Any]],
+    shapes: Mapping[str, Sequence[int]] | None = None,
+    *,
+    input_data: InputData = "random",
+    seed: int = 0,
+) -> list[Tensor]:
+    """`random_inputs` or `zero_inputs`, as *input_data* says."""
+    if input_data == "zero":
+        return zero_inputs(specs, shapes)
+    return random_inputs(specs, shapes, seed=seed)
 
 
 def load_inputs(path: Path) -> list[Tensor]:

@@ -20,13 +20,14 @@ from typing import Any, Final
 import attrs
 import trio
 
-from .._config import ModelConfig, find_model_file
-from .._engine import Engine, open_engine
+from .._config import ModelConfig
+from .._engine import Engine, ModelInfo, open_engine
 from .._exceptions import TrioInferError
-from ..server import v2_datatype
+from ..server import ModelRepository, v2_datatype
+from ..server._models import ServedModels, public_names
 from ._client import HttpTarget, _Connection
 from ._grpc import GrpcClient, GrpcTarget, run_grpc_level
-from ._inputs import BenchError, load_inputs, random_inputs
+from ._inputs import BenchError, InputData, Tensor, generated_inputs, load_inputs
 from ._load import (
     _BACKLOG_PER_CONNECTION,
     Arrivals,
@@ -82,6 +83,19 @@ def _pool_size(plan: Plan, rate: float, probe_s: float) -> int:
     # latency, as Little's law says. A batching server's latency under load is
     # several times the probe's, so the loop opens more as requests find none free.
     return min(_pool_limit(plan), max(_MIN_POOL, math.ceil(rate * probe_s * 4)))
+
+
+def _variants(
+    specs: Sequence[Mapping[str, Any]],
+    plan: Plan,
+    input_files: Sequence[Path],
+    shapes: Mapping[str, Sequence[int]] | None,
+    input_data: InputData,
+) -> list[list[Tensor]]:
+    # Each distinct request's inputs: read from the files, else generated from the specs.
+    if input_files:
+        return [load_inputs(p) for p in input_files]
+    return [generated_inputs(specs, shapes, input_data=input_data, seed=plan.seed)]
 
 
 async def _run_levels(
@@ -141,20 +155,21 @@ async def run_http(
     plan: Plan,
     *,
     input_files: Sequence[Path] = (),
+    input_data: InputData = "random",
     shapes: Mapping[str, Sequence[int]] | None = None,
     binary: bool = False,
     progress: Callable[[Progress], None] | None = None,
 ) -> Run:
     """Benchmark a V2 server's model over HTTP; one `Result` per level.
 
+    Each request's inputs are read from *input_files* (cycled through), else
+    generated from the model's metadata as *input_data* says: random or zeros.
+
     Raises:
         BenchError: No server, no such model, or unusable inputs.
     """
     metadata = await target.metadata()
-    if input_files:
-        variants = [load_inputs(p) for p in input_files]
-    else:
-        variants = [random_inputs(metadata["inputs"], shapes, seed=plan.seed)]
+    variants = _variants(metadata["inputs"], plan, input_files, shapes, input_data)
     requests = target.requests(variants, binary=binary)
     address = (target.host, target.port)
 
@@ -221,6 +236,7 @@ async def run_grpc(
     plan: Plan,
     *,
     input_files: Sequence[Path] = (),
+    input_data: InputData = "random",
     shapes: Mapping[str, Sequence[int]] | None = None,
     progress: Callable[[Progress], None] | None = None,
     client: GrpcClient = "raw",
@@ -228,6 +244,7 @@ async def run_grpc(
     """Benchmark a V2 gRPC server's model (closed loop); one `Result` per level.
 
     *client*: the lean load client (``"raw"``) or grpcio's ``grpc.aio`` (``"aio"``).
+    Inputs are read or generated as `run_http` does.
 
     Raises:
         BenchError: Open-loop levels (not implemented over gRPC), no server, no
@@ -236,10 +253,7 @@ async def run_grpc(
     if plan.rates:
         raise BenchError("--protocol grpc runs closed-loop levels (--concurrency) only")
     metadata = await target.metadata()
-    if input_files:
-        variants = [load_inputs(p) for p in input_files]
-    else:
-        variants = [random_inputs(metadata["inputs"], shapes, seed=plan.seed)]
+    variants = _variants(metadata["inputs"], plan, input_files, shapes, input_data)
     requests = target.requests(variants)
     index = 0
 
@@ -269,26 +283,26 @@ async def open_local_model(
     model: str | None = None,
     version: int | None = None,
 ) -> AsyncIterator[tuple[Engine, str, list[dict[str, Any]]]]:
-    """Open an engine with one model; yield it, the model's name and V2-style input specs.
+    """Open an engine with one model; yield it, the engine's name for it and V2-style input specs.
 
-    Either *model_file* (defaults for everything) or *repository* and *model*
-    (its ``config.toml`` when there is one, and *version*).
+    Either *model_file* (defaults for everything), or *repository* and *model*:
+    then the model is loaded as ``trioinfer serve`` would serve it (its
+    ``config.toml`` or ``config.pbtxt``, its version policy), and a pipeline's
+    step models, pipelines among them, are loaded from the same repository
+    first. *version* picks one of the versions the policy serves (default: the
+    highest).
 
     Raises:
-        BenchError: Neither given, or the model cannot be found.
+        BenchError: Neither given, the model or a step's model cannot be found or
+            loaded, or *version* is not served.
     """
-    if model_file is not None:
-        config = ModelConfig(name=model or "model", path=model_file)
-    elif repository is not None and model is not None:
-        toml = repository / model / "config.toml"
-        if toml.is_file():
-            config = ModelConfig.from_toml(toml, version=version)
-        else:
-            config = ModelConfig(name=model, path=find_model_file(repository / model, version))
-    else:
-        raise BenchError("--in-process needs --model-file, or --model-repository and --model")
     async with open_engine() as engine:
-        info = await engine.load(config)
+        if model_file is not None:
+            info = await engine.load(ModelConfig(name=model or "model", path=model_file))
+        elif repository is not None and model is not None:
+            info = await _load_from_repository(engine, repository, model, version)
+        else:
+            raise BenchError("--in-process needs --model-file, or --model-repository and --model")
         specs = []
         for spec in info.signature.inputs:
             shape = [d if isinstance(d, int) else -1 for d in spec.shape]
@@ -302,6 +316,22 @@ async def open_local_model(
         yield engine, info.name, specs
 
 
+async def _load_from_repository(
+    engine: Engine, repository: Path, model: str, version: int | None
+) -> ModelInfo:
+    # The server's own table loads it: the same configs, versions and engine names
+    # (a pipeline's steps call 'digits.v1', not 'digits') as `trioinfer serve`.
+    try:
+        served = ServedModels(engine, ModelRepository(repository))
+        await served.load_with_steps(model)
+        return served.resolve(model, None if version is None else str(version)).info
+    except TrioInferError as exc:
+        raise BenchError(
+            f"cannot bench {model!r} from the model repository {repository}: "
+            f"{public_names(str(exc))}"
+        ) from None
+
+
 async def run_in_process(
     engine: Engine,
     model: str,
@@ -309,17 +339,16 @@ async def run_in_process(
     plan: Plan,
     *,
     input_files: Sequence[Path] = (),
+    input_data: InputData = "random",
     shapes: Mapping[str, Sequence[int]] | None = None,
     progress: Callable[[Progress], None] | None = None,
 ) -> Run:
     """Benchmark *model* on *engine* directly (no HTTP); one `Result` per level.
 
     CPU figures here are the whole process's: the engine's work included.
+    Inputs are read or generated as `run_http` does.
     """
-    if input_files:
-        variants = [load_inputs(p) for p in input_files]
-    else:
-        variants = [random_inputs(specs, shapes, seed=plan.seed)]
+    variants = _variants(specs, plan, input_files, shapes, input_data)
     inputs = [{t.name: t.array for t in v} for v in variants]
     index = 0
 
@@ -329,7 +358,7 @@ async def run_in_process(
                 await engine.infer(model, inputs[n % len(inputs)])
             except TrioInferError as exc:
                 name = type(exc).__name__
-                recorder.first_error.setdefault(name, str(exc))
+                recorder.first_error.setdefault(name, public_names(str(exc)))
                 return name
             return 200
 

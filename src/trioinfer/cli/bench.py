@@ -53,6 +53,35 @@ def _shapes(_ctx: click.Context, _param: click.Parameter, value: Sequence[str]) 
     return shapes
 
 
+def _input_data(
+    _ctx: click.Context, _param: click.Parameter, value: Sequence[str]
+) -> tuple[str, tuple[Path, ...]]:
+    # perf_analyzer's --input-data: 'random', 'zero', or files (here .npz or .json).
+    modes = [v for v in value if v in ("random", "zero")]
+    if modes and len(value) > 1:
+        raise click.BadParameter(
+            f"{modes[0]!r} goes alone; give it once, or give only files (a file named "
+            f"{modes[0]!r}: write ./{modes[0]})"
+        )
+    if modes:
+        return modes[0], ()
+    files = tuple(Path(v) for v in value)
+    for path in files:
+        if not path.is_file():
+            raise click.BadParameter(
+                f"expected 'random', 'zero' or an .npz or .json file; {str(path)!r} is no file"
+            )
+    return "random", files
+
+
+_REFUSED_INPUTS = (
+    "400",  # HTTP: the server's answer to inputs it refuses
+    "INVALID_ARGUMENT",  # gRPC: the same
+    "InvalidInput",  # in-process: the engine's error
+    "SequenceError",  # in-process: an InvalidInput too
+)
+
+
 @click.command(short_help="Load-test a KServe V2 server (or an engine in-process) and report.")
 @click.option(
     "--url",
@@ -84,7 +113,8 @@ def _shapes(_ctx: click.Context, _param: click.Parameter, value: Sequence[str]) 
     "--model-version",
     default=None,
     metavar="VERSION",
-    help="A model version (default: the server's).",
+    help="A model version (default: the server's; in-process: the highest its version "
+    "policy serves).",
 )
 @click.option(
     "--concurrency",
@@ -119,12 +149,15 @@ def _shapes(_ctx: click.Context, _param: click.Parameter, value: Sequence[str]) 
 )
 @click.option(
     "--input-data",
-    "input_files",
+    "input_data",
     multiple=True,
-    type=click.Path(dir_okay=False, exists=True, path_type=Path),
-    metavar="FILE",
-    help="Inputs from a .npz (one array per input) or .json (a V2 infer request) file, "
-    "instead of random data shaped from the model's metadata; repeat to cycle through several.",
+    callback=_input_data,
+    metavar="random|zero|FILE",
+    help="Inputs: 'random' (the default: integers 0-99, floats 0-1, strings of 8 letters), "
+    "'zero' (zeros, false, and '0' for strings), or a .npz (one array per input) or .json (a "
+    "V2 infer request) file; repeat FILE to cycle through several. Generated data is shaped "
+    "from the model's metadata. A model that checks its values (the bundled read_digit takes "
+    "0-16) refuses random data: use zero or a file.",
 )
 @click.option(
     "--shape",
@@ -204,8 +237,8 @@ def _shapes(_ctx: click.Context, _param: click.Parameter, value: Sequence[str]) 
     default=None,
     metavar="DIR",
     help=(
-        "In-process: a model repository; --model's config.toml applies. Only that "
-        "model is loaded: bench a pipeline, whose steps are other models, over HTTP."
+        "In-process: a model repository; --model is loaded as 'trioinfer serve' loads it "
+        "(config.toml or config.pbtxt, version policy), a pipeline after its steps' models."
     ),
 )
 @click.option(
@@ -237,8 +270,11 @@ def bench(**options: Any) -> None:
 
     Over HTTP it speaks only the V2 protocol (model metadata and infer), so it
     works against trioinfer, Triton, MLServer or KServe. Inputs are random data
-    shaped from the model's metadata (GET /v2/models/NAME), or read from
-    files; each distinct request is encoded once, before the run. With
+    shaped from the model's metadata (GET /v2/models/NAME), zeros
+    (--input-data zero), or read from files; each distinct request is encoded
+    once, before the run. A model that checks its values may refuse random
+    data (the bundled read_digit takes 0-16): the tool then says to use
+    --input-data zero or a file. With
     --protocol grpc it speaks V2 gRPC (Triton's inference.GRPCInferenceService)
     from a lean HTTP/2 client over plain sockets, closed loop, 16 calls in
     flight per connection; a call counts as done when it ends with grpc-status
@@ -260,6 +296,10 @@ def bench(**options: Any) -> None:
     included (in-process: the whole process, engine included). While it runs,
     a progress bar shows on stderr when stderr is a terminal (drawn by rich
     when installed, as the bench extra installs it).
+
+    In-process (--in-process --model-repository DIR -m NAME) the model is
+    loaded as 'trioinfer serve' loads it, a pipeline after the models of its
+    steps, e.g. -m read_digit --input-data zero over the bundled repository.
 
     Exits with status 1 when the server cannot be reached or does not serve
     the model, or when any request failed (errors by status are printed).
@@ -300,6 +340,9 @@ def bench(**options: Any) -> None:
         "target": "in-process" if options["in_process"] else options["url"],
         "model": options["model"] or (options["model_file"] and str(options["model_file"])),
         "model_version": options["model_version"],
+        "input_data": options["input_data"][0]
+        if not options["input_data"][1]
+        else [str(p) for p in options["input_data"][1]],
         "encoding": None if options["in_process"] else options["encoding"],
         "protocol": None if options["in_process"] else options["protocol"],
         "grpc_client": options["grpc_client"]
@@ -324,6 +367,15 @@ def bench(**options: Any) -> None:
     if failed:
         for status, text in run.first_errors.items():
             click.echo(f"first {status} answer: {' '.join(text.split())[:300]}", err=True)
+        data, files = options["input_data"]
+        if not files and set(run.first_errors) & set(_REFUSED_INPUTS):
+            click.echo(
+                f"the model refused the {data} inputs: "
+                + ("try --input-data zero, or " if data == "random" else "")
+                + "give your own with --input-data FILE (.json: a V2 infer request; .npz: one "
+                "array per input)",
+                err=True,
+            )
         raise click.ClickException(f"{failed} requests failed (see the errors column)")
 
 
@@ -347,7 +399,8 @@ async def _bench_run(
                 name,
                 specs,
                 plan,
-                input_files=options["input_files"],
+                input_files=options["input_data"][1],
+                input_data=options["input_data"][0],
                 shapes=options["shape"],
                 progress=progress,
             )
@@ -361,7 +414,8 @@ async def _bench_run(
         return await tool.run_grpc(
             grpc_target,
             plan,
-            input_files=options["input_files"],
+            input_files=options["input_data"][1],
+            input_data=options["input_data"][0],
             shapes=options["shape"],
             progress=progress,
             client=options["grpc_client"],
@@ -370,7 +424,8 @@ async def _bench_run(
     return await tool.run_http(
         target,
         plan,
-        input_files=options["input_files"],
+        input_files=options["input_data"][1],
+        input_data=options["input_data"][0],
         shapes=options["shape"],
         binary=options["encoding"] == "binary",
         progress=progress,

@@ -32,6 +32,7 @@ from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from .. import __version__
+from .._config import PIPELINE
 from .._engine import InferenceResult
 from .._exceptions import (
     BackendUnavailable,
@@ -645,9 +646,12 @@ def _effective_options(state: ServerState, name: str, options: Mapping[str, Any]
 
 
 def _platform(served: ServedVersion) -> str:
-    if served.triton is not None and served.triton.doc.get("platform") == "ensemble":
+    # Triton's names, which its clients and tools branch on: a pipeline is what Triton
+    # calls an ensemble, whether config.pbtxt or config.toml declared it.
+    backend = served.info.config.backend
+    if backend == PIPELINE:
         return "ensemble"
-    return "onnxruntime_onnx" if served.info.config.backend == "onnxruntime" else "trioinfer"
+    return "onnxruntime_onnx" if backend == "onnxruntime" else "trioinfer"
 
 
 def _dims(spec: TensorSpec) -> list[int]:

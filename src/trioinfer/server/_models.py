@@ -181,6 +181,33 @@ class ServedModels:
                 failed.append(name)
         return failed
 
+    async def load_with_steps(self, model: str) -> None:
+        """Load *model* after the repository models its pipeline steps name, theirs first.
+
+        For a model served alone (``trioinfer bench --in-process``): a pipeline's
+        steps are other models of the repository, and so are theirs when a step is
+        a pipeline too; each is loaded before the models that call it, as
+        `load_all` orders them. A model that is no pipeline loads alone.
+
+        Raises:
+            ConfigError: A step names a model the repository does not hold (the
+                message names it), or any error of `load`.
+            ModelNotFound: No such model in the repository.
+        """
+        names = set(self.repository.names())
+        needed: list[str] = []
+        pending = [model]
+        while pending:
+            name = pending.pop()
+            if name in needed:
+                continue
+            needed.append(name)
+            # A step missing from the repository is left to the pipeline's own load,
+            # which refuses it naming the step.
+            pending.extend(step for step in self._steps(name) if step in names)
+        for name in self._in_dependency_order(needed):
+            await self.load(name)
+
     async def load(self, model: str, override: Mapping[str, Any] | None = None) -> None:
         """Serve the versions of *model* its version policy selects, as they are on disk now.
 
