@@ -672,3 +672,38 @@ def test_an_inline_budget_in_whole_seconds_is_a_budget_too(
     assert spent(None, replica) is True  # type: ignore[arg-type]
     instance.inline_budget_s = True  # not a number of seconds
     assert spent(None, replica) is False  # type: ignore[arg-type]
+
+
+async def test_callers_of_a_pipeline_of_inline_python_steps_leave_the_loop_its_turns(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Every step of such a pipeline runs in its caller's task and never queues, so
+    # nothing in a request parks. A plain def infer run inline yields once the loop's
+    # inline slice is spent (as ONNX Runtime's inline runs do): callers looping on
+    # the pipeline must not keep the rest of the program from running until they stop.
+    import trioinfer._inline
+
+    wall = iter(range(10**9))  # every reading a second after the last: each slice spent
+    monkeypatch.setattr(trioinfer._inline, "_wall", lambda: float(next(wall)))
+    async with open_engine() as engine:
+        await load(engine, inline("a"), inline("b"), chain("a", "b"))
+        done = 0
+
+        async def caller() -> None:
+            nonlocal done
+            for _ in range(50):
+                out = await engine.infer("p", {"IN": X})
+                np.testing.assert_array_equal(out["OUT"], X + 2)
+                done += 1
+
+        seen = []
+        async with trio.open_nursery() as nursery:
+            for _ in range(4):
+                nursery.start_soon(caller)
+            while done < 200:
+                await trio.lowlevel.checkpoint()
+                seen.append(done)
+        # This task ran between the callers' requests, not only after the last of them.
+        assert any(0 < n < 200 for n in seen), seen
+        s = engine.statistics().models["a"]
+        assert (s.succeeded, s.queue_duration.count) == (200, 200)  # none of them queued
