@@ -670,21 +670,32 @@ def test_an_inline_budget_in_whole_seconds_is_a_budget_too(
     replica = types.SimpleNamespace(_backend_instance=instance)
     spent = trioinfer._runner.ModelRunner.slice_spent
     assert spent(None, replica) is True  # type: ignore[arg-type]
-    instance.inline_budget_s = True  # not a number of seconds
+    instance.inline_budget_s = True  # not a number of seconds: the engine's own slice
+    assert spent(None, replica) is True  # type: ignore[arg-type]
+    monkeypatch.setattr(trioinfer._inline, "_wall", lambda: 1e-4)  # 100 µs into the slice
     assert spent(None, replica) is False  # type: ignore[arg-type]
 
 
-async def test_callers_of_a_pipeline_of_inline_python_steps_leave_the_loop_its_turns(
-    monkeypatch: pytest.MonkeyPatch,
+@pytest.mark.parametrize("budget", [True, False], ids=["own-slice", "no-slice"])
+async def test_callers_of_a_pipeline_of_inline_steps_leave_the_loop_its_turns(
+    monkeypatch: pytest.MonkeyPatch, budget: bool
 ) -> None:
     # Every step of such a pipeline runs in its caller's task and never queues, so
     # nothing in a request parks. A plain def infer run inline yields once the loop's
-    # inline slice is spent (as ONNX Runtime's inline runs do): callers looping on
-    # the pipeline must not keep the rest of the program from running until they stop.
+    # inline slice is spent (as ONNX Runtime's inline runs do); an InlineInstance
+    # with no slice of its own (no-slice) never does, and the pipeline yields for it.
+    # Callers looping on the pipeline must not keep the rest of the program from
+    # running until they stop.
     import trioinfer._inline
+    import trioinfer_python
 
     wall = iter(range(10**9))  # every reading a second after the last: each slice spent
     monkeypatch.setattr(trioinfer._inline, "_wall", lambda: float(next(wall)))
+    monkeypatch.setattr(trioinfer._inline._slice, "start", -1.0)
+    monkeypatch.setattr(trioinfer._inline._slice, "granted", False)
+    if not budget:
+        monkeypatch.delattr(trioinfer_python.PythonInstance, "inline_budget_s")
+        monkeypatch.setattr(trioinfer_python, "inline_slice_spent", lambda budget: False)
     async with open_engine() as engine:
         await load(engine, inline("a"), inline("b"), chain("a", "b"))
         done = 0

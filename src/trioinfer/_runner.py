@@ -1290,15 +1290,20 @@ class ModelRunner(metaclass=NoPublicConstructor):
         the slice is spent: in `run_here` it would hold the replica meanwhile,
         and every caller that came by would queue. Its caller yields first
         instead (`restart_inline_slice` after), then asks `idle_replica` again.
+        An inline instance without a budget of its own never yields: its
+        caller yields for it once `INLINE_BUDGET_S` is spent.
         """
         instance = replica._backend_instance
+        if getattr(instance, "runs_inline", False) is not True:
+            return False
         budget = getattr(instance, "inline_budget_s", None)
-        return (
-            isinstance(budget, (float, int))
-            and not isinstance(budget, bool)  # a number of seconds, never a flag
-            and getattr(instance, "runs_inline", False) is True
-            and inline_slice_spent(budget)
-        )
+        if not isinstance(budget, (float, int)) or isinstance(budget, bool):
+            # No slice of its own (a number of seconds, never a flag): it never
+            # yields, and requests whose every step runs so would never park; the
+            # engine keeps the slice for it, lest callers looping on a pipeline of
+            # such steps keep every other task waiting.
+            budget = INLINE_BUDGET_S
+        return inline_slice_spent(budget)
 
     async def run_here(
         self,
@@ -1863,6 +1868,11 @@ class ModelRunner(metaclass=NoPublicConstructor):
             fallbacks=dict(self.fallbacks),
             inferences=self.inferences,
         )
+
+
+#: The inline slice (seconds) the engine keeps for an `trioinfer.abc.InlineInstance`
+#: that has no ``inline_budget_s`` of its own: ONNX Runtime's default.
+INLINE_BUDGET_S = 250e-6
 
 
 #: The first-party plugins that pass a lone request on an idle instance straight

@@ -614,7 +614,7 @@ class InlineInstance(BackendInstance, Protocol):
 
     Its execution runs to its end in one stretch of its caller's task, with
     no ``await`` that yields to the event loop: a Python model's plain
-    ``def infer`` with ``dispatch = "inline"``, for instance. When a request
+    ``def infer`` with ``dispatch = "inline"`` (see below), for instance. When a request
     runs in its caller's task (a pipeline's step on an idle model), the engine
     then sets up no cancel scope for stopping the model mid-run, since
     nothing else can run until it returns. An instance that says so and
@@ -628,7 +628,11 @@ class InlineInstance(BackendInstance, Protocol):
     [`inline_slice_spent(inline_budget_s)`][trioinfer.lowlevel.inline_slice_spent]
     (restarting the slice after it yields), or when its caller is cancelled,
     and never otherwise. The engine then yields itself before claiming such
-    an instance in its caller's task, holding nothing meanwhile.
+    an instance in its caller's task, holding nothing meanwhile. (The Python
+    backend's inline instances do this with a 250 µs budget.) For an inline
+    instance without ``inline_budget_s``, the engine yields the same way once
+    250 µs of the slice are spent: back-to-back requests run in their callers'
+    tasks never park, and must still leave the loop its turns.
     """
 
     @property
