@@ -388,6 +388,14 @@ async def test_steps_with_nothing_beside_them_run_in_the_callers_task(
         return await infer(self, model, *args, **kw)
 
     monkeypatch.setattr(trioinfer.Engine, "infer", recording)
+    # A step on a plain model takes infer's fast path in the engine's _infer_held.
+    infer_held = trioinfer.Engine._infer_held
+
+    async def recording_held(self: trioinfer.Engine, model: str, *args: Any, **kw: Any) -> Any:
+        tasks[model] = trio.lowlevel.current_task()
+        return await infer_held(self, model, *args, **kw)
+
+    monkeypatch.setattr(trioinfer.Engine, "_infer_held", recording_held)
     run_here = ModelRunner.run_here
 
     async def recording_here(self: ModelRunner, *args: Any) -> Any:

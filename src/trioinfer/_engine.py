@@ -216,7 +216,7 @@ class Engine:
             if config.backend == PIPELINE and config.batcher == "none":
                 runner = Pipeline(
                     config,
-                    self._infer_step,
+                    self._infer_held,
                     lambda model: self._runner(model).signature,
                     self._steps_of,
                     self._alone.get,
@@ -579,6 +579,78 @@ class Engine:
         if self._closing:
             return self._infer_draining(model, inputs, priority, tenant, request_id)
         return self.infer(model, inputs, priority=priority, tenant=tenant, request_id=request_id)
+
+    async def _infer_held(
+        self,
+        model: str,
+        inputs: Mapping[str, Any],
+        *,
+        priority: int,
+        tenant: str | None,
+        request_id: str,
+        held: dict[Request, ModelRunner],
+        scopes: set[anyio.CancelScope],
+    ) -> Outputs:
+        # An unbatched pipeline's step (its request runs in its caller's task, which no
+        # scope of the engine's encloses): _infer_step, leaving the pipeline a way to end
+        # the step if the pipeline stops first. On a plain model (the fast path of infer,
+        # step for step: a change there belongs here too) its request, in *held* while
+        # it waits, for ModelRunner.cut_off: no cancel scope, which costs more than the
+        # rest of the step's own work. Any other way, a cancel scope, in *scopes*.
+        runner = self._plain.get(model)
+        if runner is not None:
+            arrays, n = runner.validate(inputs)
+            clock = runner.clock
+            deadline = clock.current_effective_deadline()
+            if deadline != -math.inf:  # else a cancellation to raise: below
+                request = make_request(
+                    model,
+                    arrays,
+                    request_id,
+                    priority,
+                    tenant,
+                    deadline,
+                    clock.current_time(),
+                    n,
+                )
+                state = request._state
+                if runner.on_trio:
+                    runner.admit(request)
+                    held[request] = runner
+                    state.task = _current_task()
+                    try:
+                        (await _park(state.abort)).unwrap()
+                    except anyio.get_cancelled_exc_class():
+                        runner.withdraw(request)
+                        raise
+                    finally:
+                        del held[request]
+                else:
+                    runner.enter(request)
+                    held[request] = runner
+                    assert state.done is not None
+                    try:
+                        await state.done.wait()
+                    except anyio.get_cancelled_exc_class():
+                        runner.withdraw(request)
+                        raise
+                    finally:
+                        del held[request]
+                if state.error is not None:
+                    await runner.raise_error(state.error, own_deadline=True)
+                assert state.outputs is not None
+                return state.outputs
+        scope = anyio.CancelScope()
+        scopes.add(scope)
+        try:
+            with scope:
+                return await self._infer_step(
+                    model, inputs, priority=priority, tenant=tenant, request_id=request_id
+                )
+        finally:
+            scopes.discard(scope)
+        # The pipeline stopped under the step (Pipeline.stop cancelled its scope).
+        raise EngineClosed(f"step request {request_id!r} for model {model!r} was cut off")
 
     async def _infer_draining(
         self,

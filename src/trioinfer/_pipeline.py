@@ -61,6 +61,7 @@ from ._inline import restart_inline_slice
 from ._request import Outputs, Request
 from ._runner import (
     BATCH_BUCKETS,
+    CLEANUP_S,
     DURATION_BUCKETS,
     ModelRunner,
     ModelStatistics,
@@ -175,6 +176,14 @@ class Pipeline:
         self._in_flight = 0
         self._idle: anyio.Event | None = None
         self._stopped = False
+        # Set by stop() at the end of the drain period: the requests still in flight
+        # end (EngineClosed), each at its next step or at the wait it is in. Where a
+        # step waits on its model, its request to that model is in _held (a plain
+        # model's: parked in it, queued or running there), or its wait is in a scope
+        # in _scopes (any other way). A step run inline with no await needs neither.
+        self._cut = False
+        self._held: dict[Request, ModelRunner] = {}
+        self._scopes: set[anyio.CancelScope] = set()
         self._stop = anyio.Event()
         self.succeeded = self.failed = self.cancelled = self.refused = self.expired = 0
         self.inferences = 0
@@ -212,11 +221,18 @@ class Pipeline:
         except anyio.get_cancelled_exc_class():
             self.cancelled += 1
             raise
-        except DeadlineExceeded:
-            self.expired += 1
-            raise
-        except BaseException:
-            self.failed += 1
+        except BaseException as exc:
+            if self._cut and isinstance(exc, TrioInferError):
+                # Cut off by stop(): the error a model's request gets when its runner stops.
+                self.failed += 1
+                raise EngineClosed(
+                    f"model {self.config.name!r} was unloaded or the engine closed before "
+                    f"request {request.id!r} ended"
+                ) from None
+            if isinstance(exc, DeadlineExceeded):
+                self.expired += 1
+            else:
+                self.failed += 1
             raise
         else:
             self.succeeded += 1
@@ -260,6 +276,8 @@ class Pipeline:
         # One step's request to its model; its outputs join *tensors*. Its error
         # keeps its class (a client's fault stays a client's fault), its message
         # naming the step.
+        if self._cut:
+            raise EngineClosed(f"pipeline {self.config.name!r} stopped before step {index}")
         ins, outs = self._maps[index]
         inputs = {}
         for own, shared in ins:
@@ -274,6 +292,8 @@ class Pipeline:
                 # by meanwhile would queue, and the queue then seldom empties).
                 await anyio.lowlevel.checkpoint()
                 restart_inline_slice()
+                if self._cut:
+                    raise EngineClosed(f"pipeline {self.config.name!r} stopped before step {index}")
                 # Anything may have changed meanwhile (the model replaced, the engine
                 # closing, tracing turned on): ask the engine again, as a later step does.
                 runner = self._step_runner(model)
@@ -301,6 +321,7 @@ class Pipeline:
                     request.tenant,
                     deadline,
                     clock.current_time(),
+                    self._held,
                 )
             else:
                 outputs = await self._infer(
@@ -309,6 +330,8 @@ class Pipeline:
                     priority=request.priority,
                     tenant=request.tenant,
                     request_id=f"{request.id}/{index}",
+                    held=self._held,
+                    scopes=self._scopes,
                 )
             try:
                 for own, shared in outs:
@@ -362,8 +385,31 @@ class Pipeline:
             await self._idle.wait()
 
     async def stop(self) -> None:
-        """Refuse new requests and let the engine's task group forget the pipeline."""
+        """Refuse new requests, end those in flight, wait for them, and leave the task group.
+
+        What stopping a model's runner does to its requests: each request still
+        in flight (the drain period is over) ends with
+        [`EngineClosed`][trioinfer.EngineClosed], its step requests with it,
+        taken out of their models' queues or their executions aborted as if
+        their callers had left; none of them answers after this returns.
+        """
         self._stopped = True
+        if self._in_flight:
+            self._cut = True
+            for step_request, runner in list(self._held.items()):
+                runner.cut_off(
+                    step_request,
+                    EngineClosed(
+                        f"pipeline {self.config.name!r} was unloaded or the engine closed "
+                        f"before step request {step_request.id!r} ended"
+                    ),
+                )
+            for scope in list(self._scopes):
+                scope.cancel()
+            # Each ends at once, at the wait it was woken from; a step whose instance
+            # broke its word to run inline ends when it returns (nothing can abort it).
+            with anyio.move_on_after(CLEANUP_S, shield=True):
+                await self.wait_idle()
         self._stop.set()
 
     def statistics(self) -> ModelStatistics:

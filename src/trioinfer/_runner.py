@@ -1315,10 +1315,13 @@ class ModelRunner(metaclass=NoPublicConstructor):
         tenant: str | None,
         deadline: float,
         now: float,
+        held: dict[Request, ModelRunner] | None = None,
     ) -> Outputs:
         """Run validated *inputs* on *replica*, from `idle_replica` with no await since.
 
         *rows*: their rows, as `validate_rows` counts them for this model.
+        *held*: where an execution that suspends puts its request while it runs
+        (the pipeline's, which ends it with `cut_off` if the pipeline stops first).
 
         What `run_alone` does with a request made of them at *now* (its arrival),
         counted the same way. On an instance that never suspends
@@ -1337,6 +1340,7 @@ class ModelRunner(metaclass=NoPublicConstructor):
                 make_request(
                     self.config.name, inputs, request_id, priority, tenant, deadline, now, rows
                 ),
+                held=held,
             )
         token = _batch_deadline.set(deadline)
         begun: tuple[Coroutine[Any, Any, Outputs], Any] | None = None
@@ -1384,7 +1388,7 @@ class ModelRunner(metaclass=NoPublicConstructor):
             request = make_request(
                 self.config.name, inputs, request_id, priority, tenant, deadline, now, rows
             )
-            return await self.run_alone(replica, request, begun)
+            return await self.run_alone(replica, request, begun, held)
         # Counted as the worker counts an execution and its request, in line (this is
         # every pipeline step's path): it never queued, and its request took its
         # execution's time, so one tally stands for its queue, compute and request
@@ -1430,6 +1434,7 @@ class ModelRunner(metaclass=NoPublicConstructor):
         replica: Replica,
         request: Request,
         begun: tuple[Coroutine[Any, Any, Outputs], Any] | None = None,
+        held: dict[Request, ModelRunner] | None = None,
     ) -> Outputs:
         """Run *request* on *replica*, from `idle_replica` with no await since, in this task.
 
@@ -1441,7 +1446,8 @@ class ModelRunner(metaclass=NoPublicConstructor):
         it and the model's instances close only after it (`_wait_alone`).
         *begun*: the execution, already run (by `run_here`) to its first
         suspension, and what it yielded there; it is carried on with no cancel
-        scope (an unload waits for it rather than aborting it).
+        scope (an unload waits for it rather than aborting it). *held*: where
+        *request* is kept while it runs, for `cut_off` (a pipeline's).
 
         Raises:
             What the request ended with, as `call` does.
@@ -1474,6 +1480,8 @@ class ModelRunner(metaclass=NoPublicConstructor):
         self._executing.append(running)
         outputs: Outputs | None = None
         deadline_token = _batch_deadline.set(deadline)
+        if held is not None:
+            held[request] = self
         try:
             try:
                 answer: Outputs | None = None  # (none if an unload aborts it)
@@ -1483,6 +1491,7 @@ class ModelRunner(metaclass=NoPublicConstructor):
                     # A run that may suspend: stopping the model aborts it by its scope.
                     scope = trio.CancelScope() if self.on_trio else anyio.CancelScope()
                     self._alone_scopes.add(scope)
+                    state.batch = scope  # for cut_off
                     with scope:
                         answer = await replica._backend_instance.execute(request.inputs)
                 if answer is not None and self.batched:
@@ -1501,6 +1510,8 @@ class ModelRunner(metaclass=NoPublicConstructor):
             raise
         finally:
             _batch_deadline.reset(deadline_token)
+            if held is not None:
+                del held[request]
             if scope is not None:
                 self._alone_scopes.discard(scope)
             self._executing.remove(running)
@@ -1548,6 +1559,37 @@ class ModelRunner(metaclass=NoPublicConstructor):
         self.cancelled += 1
         self._end(request)
         if held:
+            self._tell_sequencer(request)
+
+    def cut_off(self, request: Request, error: BaseException) -> None:
+        """End *request* with *error* now, wherever it is, as if its caller had left.
+
+        For a request made for another that is ending (a step of a pipeline
+        request, when the pipeline stops after its drain period): taken out of
+        the queue, or its execution aborted if nobody else waits for it (a run
+        in its caller's task by its scope, as stopping the model does), and
+        counted as cancelled. Its caller, parked in the request or waiting on
+        it, wakes to *error*. Nothing if it has ended already.
+        """
+        state = request._state
+        status = state.status
+        if status is _DONE:
+            return
+        state.abandoned = True
+        if status is _QUEUED:
+            self.queue._remove(request)
+        else:
+            running = state.batch
+            if isinstance(running, _Running):
+                running.waiting -= 1
+                if running.waiting == 0:
+                    running.scope.cancel()  # nobody waits for this execution: abort it
+            elif running is not None:
+                running.cancel()  # a run in its caller's task (run_alone): its scope
+        state.error = error
+        self.cancelled += 1
+        self._end(request)
+        if status is _QUEUED:
             self._tell_sequencer(request)
 
     def _tell_sequencer(self, request: Request) -> None:
