@@ -574,16 +574,31 @@ async def test_infer_and_infer_detailed_end_requests_alike(
     scenario: str, autojump_clock: trio.testing.MockClock
 ) -> None:
     """``infer`` takes a plain model's request in its own frame, ``infer_detailed`` through
-    ``_submit`` and ``ModelRunner.call``: the two ways must end requests and count them alike."""
+    ``_submit`` and ``ModelRunner.call``, and an unbatched pipeline's step (``_infer_held``)
+    in a copy of ``infer``'s frame: the three ways must end requests and count them alike."""
 
-    async def run(fast: bool) -> tuple[list[tuple[str, str]], dict[str, int] | None]:
+    async def held_step(engine: trioinfer.Engine, model: str, inputs: Any) -> object:
+        return await engine._infer_held(
+            model,
+            inputs,
+            priority=0,
+            tenant=None,
+            request_id=str(trioinfer._request.next_request_id()),
+            held={},
+            scopes=set(),
+        )
+
+    async def run(fast: bool | None) -> tuple[list[tuple[str, str]], dict[str, int] | None]:
         backend = FakeBackend(delay=1.0)
         ended: list[tuple[str, str]] = []
         async with open_engine(registry=backend.registry()) as engine:
             # Trio may start a nursery's tasks in either order: only "queue full" fills it.
             size = 2 if scenario == "queue full" else 8
             await engine.load(fake_config(max_queue_size=size))
-            call = engine.infer if fast else engine.infer_detailed
+            if fast is None:
+                call: Any = partial(held_step, engine)
+            else:
+                call = engine.infer if fast else engine.infer_detailed
 
             async def one(tag: str, budget: float = math.inf, cancelled: bool = False) -> None:
                 with trio.move_on_after(budget) as scope:
@@ -637,14 +652,16 @@ async def test_infer_and_infer_detailed_end_requests_alike(
         return sorted(ended), counted
 
     if scenario != "same instant":
-        assert await run(fast=True) == await run(fast=False)
+        fast = await run(fast=True)
+        assert fast == await run(fast=False)
+        assert fast == await run(fast=None)
         return
     # Which comes first in one instant, the answer or the cancellation, is Trio's
     # (random) choice: each way must end every caller once and count every request
     # once. (A request answered as its caller's cancellation is delivered counts
     # as succeeded, though its caller sees the cancellation.)
-    for fast in (True, False):
-        ended, counted = await run(fast)
+    for way in (True, False, None):
+        ended, counted = await run(way)
         assert counted is not None
         assert sorted(tag for tag, _ in ended) == ["a", "b", "c"]
         assert counted["in_flight"] == 0
