@@ -1104,6 +1104,14 @@ BAD_REQUESTS = [
     ),
     pytest.param(
         "/v2/models/add/infer",
+        add_body(parameters={"priority": 3_000_000_000}),
+        {},
+        400,
+        "must be an integer from -2**31 to 2**31, got 3000000000",
+        id="priority-out-of-range",
+    ),
+    pytest.param(
+        "/v2/models/add/infer",
         add_body(parameters={"timeout": -5}),
         {},
         400,

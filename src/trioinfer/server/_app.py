@@ -1156,7 +1156,11 @@ def schedule_parameters(
     """
     priority = parameters.get("priority", 0)
     if isinstance(priority, bool) or not isinstance(priority, int) or abs(priority) > 2**31:
-        raise RequestError(f"parameter 'priority' must be an integer, got {priority!r}")
+        # Say the range: an integer past it (or one too big for JSON's parser, which gives
+        # a float) is not "not an integer" to the client who sent it.
+        raise RequestError(
+            f"parameter 'priority' must be an integer from -2**31 to 2**31, got {priority!r}"
+        )
     triton = served.triton if served is not None else None
     if served is not None and triton is not None and triton.priority_levels:
         try:
