@@ -1317,7 +1317,8 @@ def test_raw_binary_request_and_response(http: httpx.Client) -> None:
 
 
 def test_priority_and_generous_timeout_are_accepted(http: httpx.Client) -> None:
-    for parameters in ({"priority": 3}, {"priority": -1}, {"timeout": 60_000_000}):
+    # timeout 0 is no timeout, as in Triton (not one that passed before the request was read).
+    for parameters in ({"priority": 3}, {"priority": -1}, {"timeout": 60_000_000}, {"timeout": 0}):
         response = http.post("/v2/models/add/infer", content=add_body(parameters=parameters))
         assert response.status_code == 200, (parameters, response.text)
 

@@ -1179,7 +1179,10 @@ def schedule_parameters(
                 f"parameter 'timeout' must be a non-negative integer of microseconds, got "
                 f"{timeout!r}"
             )
-        seconds = timeout / 1e6
+        # As in Triton, 0 sets no timeout (the model's own queue timeouts apply), rather than
+        # one that has passed before the request is read: a client that sends 0 for "none"
+        # would otherwise get nothing but 504s.
+        seconds = timeout / 1e6 if timeout else None
     return priority, seconds
 
 
