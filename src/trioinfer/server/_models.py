@@ -100,7 +100,8 @@ class ServedModels:
         """
         versions = self._served.get(model)
         if not versions:
-            served = ", ".join(map(repr, sorted(self._served))) or "none"
+            # A model between an unload and a load has an entry without versions: not served.
+            served = ", ".join(repr(m) for m in sorted(self._served) if self._served[m]) or "none"
             # Triton's wording, which its clients check for.
             raise ModelNotFound(
                 f"Request for unknown model: {model!r} is not served; served models: {served}"
