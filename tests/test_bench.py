@@ -327,6 +327,13 @@ def test_unknown_model_is_a_clear_error(url: str) -> None:
     assert "'nope'" in result.output
 
 
+def test_a_grpc_url_over_http_names_protocol_grpc() -> None:
+    with pytest.raises(tool.BenchError, match=r"add --protocol grpc"):
+        tool.HttpTarget.from_url("grpc://127.0.0.1:8001", "digits")
+    with pytest.raises(tool.BenchError, match=r"got 'ftp://x'$"):
+        tool.HttpTarget.from_url("ftp://x", "digits")
+
+
 def test_refused_connection_is_a_clear_error() -> None:
     with socket.socket() as sock:  # a port nothing listens on
         sock.bind(("127.0.0.1", 0))
