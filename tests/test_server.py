@@ -2205,3 +2205,21 @@ def test_output_names_are_made_once_per_signature() -> None:
     assert _output_names(first) is _output_names(first)
     assert _output_names(second) == ("c",)
     assert _output_names(first) == ("b", "a")
+
+
+def test_config_reports_a_batchers_own_defaults() -> None:
+    # A config.toml with batcher = "dynamic" and no options runs at the batcher's defaults
+    # (32 rows, 5 ms); /config said max_batch_size 0, since the dynamic batcher's class
+    # signature is its __new__'s (pad_axis only), which hid __init__'s defaults.
+    from types import SimpleNamespace
+
+    from trioinfer._registry import Registry
+    from trioinfer.server._app import _effective_options
+
+    state: Any = SimpleNamespace(
+        models=SimpleNamespace(engine=SimpleNamespace(registry=Registry()))
+    )
+    options = _effective_options(state, "dynamic", {})
+    assert (options["max_batch_size"], options["max_queue_delay"]) == (32, 0.005)
+    assert _effective_options(state, "dynamic", {"max_batch_size": 8})["max_batch_size"] == 8
+    assert _effective_options(state, "no-such-batcher", {"a": 1}) == {"a": 1}

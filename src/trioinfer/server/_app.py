@@ -635,12 +635,20 @@ def _effective_options(state: ServerState, name: str, options: Mapping[str, Any]
     defaults: dict[str, Any] = {}
     try:
         target = state.models.engine.registry.load("batchers", name)
-        parameters = inspect.signature(target).parameters.values()  # type: ignore[arg-type]
-    except (TrioInferError, TypeError, ValueError):
-        parameters = []  # type: ignore[assignment]
-    for parameter in parameters:
-        if parameter.default is not inspect.Parameter.empty:
-            defaults[parameter.name] = parameter.default
+    except TrioInferError:
+        return dict(options)
+    # A class's signature is its __new__'s when it has one (the dynamic batcher's takes
+    # only pad_axis, to pick its class): read __init__'s defaults too, which then win.
+    factory: Any = target
+    callables = [factory.__new__, factory.__init__] if isinstance(target, type) else [factory]
+    for function in callables:
+        try:
+            parameters = inspect.signature(function).parameters.values()
+        except (TypeError, ValueError):
+            continue
+        for parameter in parameters:
+            if parameter.default is not inspect.Parameter.empty:
+                defaults[parameter.name] = parameter.default
     return defaults | dict(options)
 
 
