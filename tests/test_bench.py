@@ -430,6 +430,18 @@ def test_inputs_from_an_npz_file(url: str, tmp_path: Path) -> None:
     assert rows(out)[0]["errors"] == 0
 
 
+def test_an_npz_that_is_not_one_is_a_clear_error(tmp_path: Path) -> None:
+    # A lone .npy array named .npz was a TypeError traceback; text, numpy's "pickled" note.
+    npy = tmp_path / "array.npz"
+    with npy.open("wb") as f:
+        np.save(f, np.zeros((1, 64), np.float32))
+    text = tmp_path / "text.npz"
+    text.write_text("x")
+    for path in (npy, text):
+        with pytest.raises(tool.BenchError, match=r"it is not an \.npz archive; write one with"):
+            tool.load_inputs(path)
+
+
 def test_wrong_inputs_count_400s_and_fail(url: str, tmp_path: Path) -> None:
     data = tmp_path / "bad.json"
     request = {
@@ -454,6 +466,13 @@ def test_unknown_model_is_a_clear_error(url: str) -> None:
     assert result.exit_code == 1
     assert "404" in result.output
     assert "'nope'" in result.output
+
+
+def test_a_grpc_url_over_http_names_protocol_grpc() -> None:
+    with pytest.raises(tool.BenchError, match=r"add --protocol grpc"):
+        tool.HttpTarget.from_url("grpc://127.0.0.1:8001", "digits")
+    with pytest.raises(tool.BenchError, match=r"got 'ftp://x'$"):
+        tool.HttpTarget.from_url("ftp://x", "digits")
 
 
 def test_refused_connection_is_a_clear_error() -> None:

@@ -185,7 +185,36 @@ def test_serve_refuses_bad_settings_with_a_usage_error(tmp_path: Path) -> None:
     config.write_text("trace_exporter = 'console'\ntrace_rate = 3\n")
     result = invoke("serve", "--config", str(config))
     assert result.exit_code == 2
-    assert "--trace-rate must be a ratio between 0 and 1" in result.output
+    assert "trace_rate = 3: 3.0 is not in the range 0<=x<=1" in result.output
+
+
+@pytest.mark.parametrize(
+    ("line", "message"),
+    [
+        # Each once went through unchecked: a traceback, or worse, a server.
+        ('port = "x"', "port = 'x': 'x' is not a valid integer"),
+        ("port = true", "port = true: expected an integer, not a boolean"),
+        ("grpc_port = 70000", "grpc_port = 70000: 70000 is not in the range 0<=x<=65535"),
+        ("log_level = 3", "log_level = 3: 3 is not one of 'debug'"),
+        ('loop = "uvloop"', "loop = 'uvloop': 'uvloop' is not one of 'trio', 'asyncio'"),
+        ('models = "digits"', "models = 'digits': Value must be an iterable"),
+        ('trace_rate = "x"', "trace_rate = 'x': 'x' is not a valid float"),
+        ('grpc = "maybe"', "grpc = 'maybe': 'maybe' is not a valid boolean"),
+        ("host = 5", "host must be a string, got 5"),
+        ("model_repository = 5", "model_repository must be a string, got 5"),
+        ("limits = 5", "limits must be a table ([limits]) of body_timeout"),
+        ("[limits]\nbogus = 1", "unknown key 'bogus' in [limits]; known keys are body_timeout"),
+    ],
+)
+def test_serve_checks_each_config_file_value_as_its_option(
+    tmp_path: Path, line: str, message: str
+) -> None:
+    config = tmp_path / "server.toml"
+    config.write_text(line + "\n")
+    result = invoke("serve", "--config", str(config))
+    assert result.exit_code == 2, result.output
+    assert "Invalid value for --config" in result.output
+    assert message in " ".join(result.output.split()), result.output
 
 
 @pytest.mark.parametrize("token", ["", "   ", " padded", "tab\there"])

@@ -196,6 +196,33 @@ async def test_instances_that_fail_alike_are_reported_once() -> None:
     assert len(caught.value.__cause__.exceptions) == 2  # type: ignore[union-attr]
 
 
+async def test_many_failed_instances_make_a_bounded_message() -> None:
+    # Each reason names its instance, so none group: count = 100000 once made a 12 MB
+    # message. Five reasons are named, then a count of the rest; all stay in the cause.
+    backend = FailsOnSomeDevices()
+    async with open_engine(registry=backend.registry()) as engine:
+        with pytest.raises(trioinfer.BackendUnavailable) as caught:
+            await engine.load(config(instances=[trioinfer.Instance(count=40)]))
+    message = str(caught.value)
+    assert message.startswith("39 of 40 instances of model 'm' failed to load: ")
+    assert "instance 5 (cpu): no GPU for instance 5" in message
+    assert "instance 6 " not in message
+    assert message.endswith("; and 34 more, for 34 other reasons")
+    assert len(caught.value.__cause__.exceptions) == 39  # type: ignore[union-attr]
+    assert backend.open_instances == 0
+
+
+async def test_many_instances_failing_alike_name_ten_numbers() -> None:
+    backend = FailsAlike()
+    async with open_engine(registry=backend.registry()) as engine:
+        with pytest.raises(trioinfer.BackendUnavailable) as caught:
+            await engine.load(config(instances=[trioinfer.Instance(count=12)]))
+    assert str(caught.value) == (
+        "12 of 12 instances of model 'm' failed to load: instances 0, 1, 2, 3, 4, 5, 6, 7, 8, "
+        "9, ... (12 in all) (cpu): no ONNX Runtime here: install the cpu extra"
+    )
+
+
 async def test_a_failing_aclose_is_logged_with_the_instance(
     caplog: pytest.LogCaptureFixture,
 ) -> None:

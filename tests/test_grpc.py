@@ -616,6 +616,27 @@ def test_model_control_and_token(client: triton.InferenceServerClient) -> None:
     assert client.is_model_ready("add")
 
 
+def test_errors_quoting_long_names_keep_their_status(
+    client: triton.InferenceServerClient,
+) -> None:
+    # An error quoting a long name from the request must still reach the client as its
+    # status: a grpc-message past grpcio's 16 KiB trailer limit was a transport error
+    # ("Stream removed", RESOURCE_EXHAUSTED) instead of NOT_FOUND or INVALID_ARGUMENT.
+    x = triton.InferInput("a", [1, 16], "INT32")
+    x.set_data_from_numpy(np.zeros((1, 16), np.int32))
+    with pytest.raises(InferenceServerException) as unknown:
+        client.infer("m" * 100_000, [x])
+    assert unknown.value.status() == "StatusCode.NOT_FOUND"
+    assert "(100000 characters)" in unknown.value.message()
+    long_input = triton.InferInput("é" * 20_000, [1, 16], "INT32")
+    long_input.set_data_from_numpy(np.zeros((1, 16), np.int32))
+    with pytest.raises(InferenceServerException) as invalid:
+        client.infer("simple", [long_input])
+    assert invalid.value.status() == "StatusCode.INVALID_ARGUMENT"
+    assert invalid.value.message().endswith("... (cut)")
+    assert client.is_server_live()
+
+
 def test_keepalive_client(server: Server) -> None:
     # simple_grpc_keepalive_client.py
     options = triton.KeepAliveOptions(

@@ -489,6 +489,23 @@ def test_many_requests_pipelined_at_once_are_all_answered_in_order(backend: str)
 TOKEN = "hostile-test-token"  # a test fixture, not a credential
 
 
+def test_host_paths_are_cut_but_the_servers_endpoints_stay() -> None:
+    from trioinfer.server._errors import without_host_paths
+
+    assert without_host_paths("cannot open /home/me/x/model.onnx: gone") == (
+        "cannot open model.onnx: gone"
+    )
+    assert without_host_paths("/srv/repo/m/1/model.onnx is bad", "/srv/repo") == (
+        "m/1/model.onnx is bad"
+    )
+    for message in (
+        "register it first (POST /v2/systemsharedmemory/region/<name>/register)",
+        "use system shared memory (/v2/systemsharedmemory), or",
+        "set it on /v2/trace/setting; a model",
+    ):
+        assert without_host_paths(message) == message
+
+
 def write_repository(root: Path, outside: Path) -> None:
     """The example model, a model file that is not ONNX, and a link out of the repository."""
     shutil.copytree(example_repository() / "digits", root / "digits")

@@ -173,6 +173,16 @@ async def test_a_stateful_model_needs_a_sequence_batcher() -> None:
             await engine.load(ModelConfig(**{**_fields(config), "batcher": "dynamic"}))
 
 
+async def test_a_sequence_batcher_needs_a_sequence_table() -> None:
+    # It once loaded, and the engine stopped at its first batch (next_batch refused): a
+    # server took a load override {"batcher": "sequence"} and shut down.
+    config = simple_sequence_config()
+    async with open_engine() as engine:
+        with pytest.raises(ConfigError, match=r"batcher 'sequence' keeps sequences and needs a"):
+            await engine.load(ModelConfig(**{**_fields(config), "sequence": None}))
+        assert engine.models() == []
+
+
 @pytest.mark.parametrize(
     ("sequence", "message"),
     [

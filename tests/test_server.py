@@ -1104,6 +1104,14 @@ BAD_REQUESTS = [
     ),
     pytest.param(
         "/v2/models/add/infer",
+        add_body(parameters={"priority": 3_000_000_000}),
+        {},
+        400,
+        "must be an integer from -2**31 to 2**31, got 3000000000",
+        id="priority-out-of-range",
+    ),
+    pytest.param(
+        "/v2/models/add/infer",
         add_body(parameters={"timeout": -5}),
         {},
         400,
@@ -1309,7 +1317,8 @@ def test_raw_binary_request_and_response(http: httpx.Client) -> None:
 
 
 def test_priority_and_generous_timeout_are_accepted(http: httpx.Client) -> None:
-    for parameters in ({"priority": 3}, {"priority": -1}, {"timeout": 60_000_000}):
+    # timeout 0 is no timeout, as in Triton (not one that passed before the request was read).
+    for parameters in ({"priority": 3}, {"priority": -1}, {"timeout": 60_000_000}, {"timeout": 0}):
         response = http.post("/v2/models/add/infer", content=add_body(parameters=parameters))
         assert response.status_code == 200, (parameters, response.text)
 
@@ -2200,3 +2209,21 @@ def test_output_names_are_made_once_per_signature() -> None:
     assert _output_names(first) is _output_names(first)
     assert _output_names(second) == ("c",)
     assert _output_names(first) == ("b", "a")
+
+
+def test_config_reports_a_batchers_own_defaults() -> None:
+    # A config.toml with batcher = "dynamic" and no options runs at the batcher's defaults
+    # (32 rows, 5 ms); /config said max_batch_size 0, since the dynamic batcher's class
+    # signature is its __new__'s (pad_axis only), which hid __init__'s defaults.
+    from types import SimpleNamespace
+
+    from trioinfer._registry import Registry
+    from trioinfer.server._app import _effective_options
+
+    state: Any = SimpleNamespace(
+        models=SimpleNamespace(engine=SimpleNamespace(registry=Registry()))
+    )
+    options = _effective_options(state, "dynamic", {})
+    assert (options["max_batch_size"], options["max_queue_delay"]) == (32, 0.005)
+    assert _effective_options(state, "dynamic", {"max_batch_size": 8})["max_batch_size"] == 8
+    assert _effective_options(state, "no-such-batcher", {"a": 1}) == {"a": 1}

@@ -1029,3 +1029,18 @@ def test_layout_hint_says_an_empty_repository_holds_no_model(root: Path) -> None
     assert hint is not None
     assert hint.startswith(f"{root.resolve()} holds no model directory: ")
     assert "<repository>/<model>/<version>/model.onnx" in hint
+
+
+def test_unknown_model_message_lists_only_models_with_served_versions() -> None:
+    # Between an unload and the next load a model's entry has no versions: a request for it
+    # is a 404, whose list of served models must not name it (it said "'m' is not served;
+    # served models: 'm'").
+    from trioinfer.server._models import ServedModels
+
+    served = ServedModels.__new__(ServedModels)  # only the routing table, no engine
+    served._served = {"m": {}, "other": {1: "v1"}}  # type: ignore[dict-item]
+    with pytest.raises(ModelNotFound) as caught:
+        served.resolve("m")
+    assert str(caught.value) == (
+        "Request for unknown model: 'm' is not served; served models: 'other'"
+    )

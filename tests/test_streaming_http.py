@@ -156,7 +156,9 @@ async def test_generate_answers_exactly_one_response(repository: Path) -> None:
         ("nope/generate_stream", {}, 404, "Request for unknown model: 'nope' is not served"),
         ("repeat_int32/generate_stream", [1], 400, "must be a JSON object of inputs"),
         ("repeat_int32/generate_stream", {"IN": [1], "X": 1}, 400, "'X' is not an input"),
-        ("repeat_int32/generate_stream", {"IN": [1.5]}, 400, "cannot hold JSON values like"),
+        ("repeat_int32/generate_stream", {"IN": [1.5]}, 400, "cannot hold JSON values like 1.5"),
+        # The value as the client wrote it, not numpy's repr (np.str_('a')).
+        ("repeat_int32/generate_stream", {"IN": ["a"]}, 400, "JSON values like 'a'"),
         ("repeat_int32/generate_stream", {"IN": [[1], [2, 3]]}, 400, "rectangular"),
         ("repeat_int32/generate_stream", {"IN": [2**40]}, 400, "out of its range"),
         ("repeat_int32/generate", {"IN": [1], "DELAY": [0]}, 400, "WAIT"),

@@ -387,7 +387,11 @@ def test_shared_memory_refusals(
     # The input's offset and size must lie within the region.
     with pytest.raises(InferenceServerException, match="past the end of region 'small'"):
         _shm_infer(client, "small", 64, offset=4)
-    with pytest.raises(InferenceServerException, match="unable to find system shared memory"):
+    # The endpoint it names is the server's, not a host path to hide ("<path><name>").
+    with pytest.raises(
+        InferenceServerException,
+        match=r"unable to find system shared memory.*\(POST /v2/systemsharedmemory/region/<name>/",
+    ):
         _shm_infer(client, "nowhere", 64)
     with pytest.raises(InferenceServerException, match="needs 64"):
         _shm_infer(client, "small", 60)
@@ -995,3 +999,47 @@ def test_no_region_is_left_behind() -> None:
     # This process's regions only: other test runs on the machine make their own.
     leftovers = [n for n in os.listdir("/dev/shm") if n.startswith(REGION_PREFIX)]
     assert leftovers == []
+
+
+def test_triton_onnxruntime_parameters_take_trioinfer_names() -> None:
+    # Triton's ONNX configs set these often; each has a trioinfer setting of another name.
+    model = TritonModel.parse(
+        """
+        max_batch_size: 8
+        instance_group [ { kind: KIND_GPU count: 2 }, { kind: KIND_CPU } ]
+        parameters { key: "intra_op_thread_count" value { string_value: "4" } }
+        parameters { key: "inter_op_thread_count" value { string_value: "2" } }
+        parameters { key: "execution_mode" value { string_value: "1" } }
+        """,
+        name="m",
+        where="m/config.pbtxt",
+    )
+    assert model.settings["instances"] == [
+        {"device": "cuda:0", "count": 2, "threads": 4},
+        {"device": "cpu", "count": 1, "threads": 4},
+    ]
+    assert model.settings["backend_options"] == {
+        "inter_op_threads": 2,
+        "execution_mode": "parallel",
+    }
+    # Without instance_group: the one CPU instance a config would get anyway.
+    model = TritonModel.parse(
+        'parameters { key: "intra_op_thread_count" value { string_value: "1" } }',
+        name="m",
+        where="m/config.pbtxt",
+    )
+    assert model.settings["instances"] == [{"device": "cpu", "count": 1, "threads": 1}]
+    assert model.settings["backend_options"] == {}
+    with pytest.raises(ConfigError, match=r"intra_op_thread_count must be an integer >= 0"):
+        TritonModel.parse(
+            'parameters { key: "intra_op_thread_count" value { string_value: "many" } }',
+            name="m",
+            where="m/config.pbtxt",
+        )
+    with pytest.raises(ConfigError, match=r"both inter_op_thread_count and inter_op_threads"):
+        TritonModel.parse(
+            'parameters { key: "inter_op_thread_count" value { string_value: "1" } }\n'
+            'parameters { key: "inter_op_threads" value { string_value: "1" } }',
+            name="m",
+            where="m/config.pbtxt",
+        )

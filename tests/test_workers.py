@@ -438,7 +438,7 @@ def test_serve_help_and_bad_worker_counts(tmp_path: Path) -> None:
     config.write_text("workers = 0\n")
     refused = runner.invoke(main, ["serve", "--config", str(config)])
     assert refused.exit_code == 2
-    assert "workers must be >= 1, got 0" in refused.output
+    assert "workers = 0: 0 is not in the range x>=1" in refused.output
 
 
 async def test_a_change_some_workers_refuse_is_an_error_that_names_them(tmp_path: Path) -> None:

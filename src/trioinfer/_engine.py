@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
-from typing import TYPE_CHECKING, Any, NoReturn, final
+from typing import TYPE_CHECKING, Any, Final, NoReturn, final
 
 import anyio
 import anyio.abc
@@ -1061,6 +1061,16 @@ async def _load_instances(backend: Backend, config: ModelConfig) -> list[Backend
     return done
 
 
+#: How many distinct reasons, and instance numbers per reason, a load error names.
+_REASONS_SHOWN: Final = 5
+_IDS_SHOWN: Final = 10
+
+
+def _some(ids: list[int]) -> str:
+    shown = ", ".join(map(str, ids[:_IDS_SHOWN]))
+    return shown if len(ids) <= _IDS_SHOWN else f"{shown}, ... ({len(ids)} in all)"
+
+
 def _load_error(
     config: ModelConfig, placements: list[Placement], errors: dict[int, TrioInferError]
 ) -> TrioInferError:
@@ -1080,12 +1090,19 @@ def _load_error(
     same: dict[tuple[str, str], list[int]] = {}
     for i in failed:
         same.setdefault((str(placements[i].device), str(errors[i])), []).append(i)
+    # Bounded: each instance's own message differs when it names the instance, and
+    # count = 100000 once made a message of 12 MB (logged, and sent to an HTTP client).
+    groups = list(same.items())
+    parts = [
+        f"instance{'s' if len(ids) > 1 else ''} {_some(ids)} ({device}): {why}"
+        for (device, why), ids in groups[:_REASONS_SHOWN]
+    ]
+    if len(groups) > _REASONS_SHOWN:
+        rest = sum(len(ids) for _, ids in groups[_REASONS_SHOWN:])
+        parts.append(f"and {rest} more, for {len(groups) - _REASONS_SHOWN} other reasons")
     message = (
         f"{len(failed)} of {len(placements)} instances of model {config.name!r} failed to load: "
-        + "; ".join(
-            f"instance{'s' if len(ids) > 1 else ''} {', '.join(map(str, ids))} ({device}): {why}"
-            for (device, why), ids in same.items()
-        )
+        + "; ".join(parts)
     )
     error = cls.__new__(cls)
     error.__dict__.update(errors[failed[0]].__dict__)

@@ -796,6 +796,15 @@ class ModelRunner(metaclass=NoPublicConstructor):
             self._attach_sequencer(
                 self.config.sequence.hidden_inputs, self.config.sequence.hidden_outputs
             )
+        elif isinstance(self._batcher, SequenceBatcher):
+            # Refused here, at load: its workers would call next_batch(), which a sequence
+            # batcher refuses, and that broken contract would stop the engine (over HTTP, a
+            # load override {"batcher": "sequence"} took the whole server down).
+            raise ConfigError(
+                f"model {self.config.name!r}: batcher {self.config.batcher!r} keeps sequences "
+                "and needs a [sequence] table (its strategy, control inputs and state; "
+                "SequenceConfig in Python); add one, or choose another batcher"
+            )
         # Every request admitted passes validate_inputs against this signature, so
         # when it fixes every dtype and non-batch dimension, they all agree on them.
         self.queue.uniform = self.signature._fixed is not None

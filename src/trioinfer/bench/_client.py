@@ -188,7 +188,9 @@ class HttpTarget:
         """
         parts = urlsplit(url)
         if parts.scheme != "http" or not parts.hostname:
-            raise BenchError(f"--url must look like http://HOST:PORT, got {url!r}")
+            # A gRPC URL is the likely slip: say the option that makes it right.
+            hint = " (for V2 gRPC, add --protocol grpc)" if parts.scheme == "grpc" else ""
+            raise BenchError(f"--url must look like http://HOST:PORT, got {url!r}{hint}")
         return cls(parts.hostname, parts.port or 80, model, version)
 
     @property

@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import zipfile
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal
@@ -143,6 +144,13 @@ def load_inputs(path: Path) -> list[Tensor]:
     Raises:
         BenchError: The file cannot be read or holds no usable inputs.
     """
+    # np.load reads whatever the file holds: a lone .npy array (which is no context manager:
+    # a TypeError traceback), or, for anything else, says it is pickled.
+    if path.suffix == ".npz" and path.is_file() and not zipfile.is_zipfile(path):
+        raise BenchError(
+            f"cannot read inputs from {path}: it is not an .npz archive; write one with "
+            "numpy.savez(path, input=array), one array per input, named as the input"
+        )
     try:
         if path.suffix == ".npz":
             with np.load(path, allow_pickle=False) as npz:

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any, Final
 
 import anyio
+import attrs
 import click
 
 from .. import __version__
@@ -418,13 +419,77 @@ def _serve_settings(ctx: click.Context, options: dict[str, Any]) -> dict[str, An
             f"{', '.join(sorted(_SERVE_KEYS))}",
             param_hint="--config",
         )
+    if "limits" in data:
+        _check_limits(data["limits"], config_file)
     if "model_repository" in data:
-        data["model_repository"] = config_file.parent / str(data["model_repository"])
+        _check_string(config_file, "model_repository", data["model_repository"])
+        data["model_repository"] = config_file.parent / data["model_repository"]
+    params = {param.name: param for param in ctx.command.params}
     for key, value in data.items():
         source = ctx.get_parameter_source(key) if key in settings else None
-        if key == "limits" or source in (None, click.core.ParameterSource.DEFAULT):
+        if key in ("limits", "model_repository"):
             settings[key] = value
+        elif source in (None, click.core.ParameterSource.DEFAULT):
+            settings[key] = _file_value(ctx, params[key], config_file, key, value)
     return settings
+
+
+def _file_value(
+    ctx: click.Context, param: click.Parameter, config_file: Path, key: str, value: Any
+) -> Any:
+    """*value* of the --config file's *key*, checked and converted as the option's own.
+
+    Without this a file's value reached the server unchecked: ``port = "x"`` ended in a
+    TypeError traceback, ``log_level = 3`` in an AttributeError, ``models = "digits"``
+    loaded the models 'd', 'i', ...
+    """
+    if isinstance(param.type, click.types.StringParamType) and not param.multiple:
+        _check_string(config_file, key, value)  # click would make 5 the string "5"
+    if isinstance(value, bool) and not isinstance(param.type, click.types.BoolParamType):
+        # click would make true the number 1: port = true would listen on port 1.
+        what = (
+            "an integer"
+            if isinstance(param.type, click.types.IntParamType)
+            else "a number"
+            if isinstance(param.type, click.types.FloatParamType)
+            else f"a {param.type.name} value"
+        )
+        raise click.BadParameter(
+            f"{config_file}: {key} = {str(value).lower()}: expected {what}, not a boolean",
+            param_hint="--config",
+        )
+    try:
+        return param.process_value(ctx, value)
+    except click.BadParameter as exc:
+        raise click.BadParameter(
+            f"{config_file}: {key} = {value!r}: {exc.message}", param_hint="--config"
+        ) from None
+
+
+def _check_string(config_file: Path, key: str, value: Any) -> None:
+    if not isinstance(value, str):
+        raise click.BadParameter(
+            f"{config_file}: {key} must be a string, got {value!r}", param_hint="--config"
+        )
+
+
+def _check_limits(limits: Any, config_file: Path) -> None:
+    from ..server import Limits
+
+    known = sorted(field.name for field in attrs.fields(Limits))
+    if not isinstance(limits, dict):
+        raise click.BadParameter(
+            f"{config_file}: limits must be a table ([limits]) of {', '.join(known)}; "
+            f"got {limits!r}",
+            param_hint="--config",
+        )
+    unknown = sorted(set(limits) - set(known))
+    if unknown:
+        raise click.BadParameter(
+            f"{config_file}: unknown key {', '.join(map(repr, unknown))} in [limits]; "
+            f"known keys are {', '.join(known)}",
+            param_hint="--config",
+        )
 
 
 async def _serve(

@@ -636,12 +636,20 @@ def _effective_options(state: ServerState, name: str, options: Mapping[str, Any]
     defaults: dict[str, Any] = {}
     try:
         target = state.models.engine.registry.load("batchers", name)
-        parameters = inspect.signature(target).parameters.values()  # type: ignore[arg-type]
-    except (TrioInferError, TypeError, ValueError):
-        parameters = []  # type: ignore[assignment]
-    for parameter in parameters:
-        if parameter.default is not inspect.Parameter.empty:
-            defaults[parameter.name] = parameter.default
+    except TrioInferError:
+        return dict(options)
+    # A class's signature is its __new__'s when it has one (the dynamic batcher's takes
+    # only pad_axis, to pick its class): read __init__'s defaults too, which then win.
+    factory: Any = target
+    callables = [factory.__new__, factory.__init__] if isinstance(target, type) else [factory]
+    for function in callables:
+        try:
+            parameters = inspect.signature(function).parameters.values()
+        except (TypeError, ValueError):
+            continue
+        for parameter in parameters:
+            if parameter.default is not inspect.Parameter.empty:
+                defaults[parameter.name] = parameter.default
     return defaults | dict(options)
 
 
@@ -1160,7 +1168,11 @@ def schedule_parameters(
     """
     priority = parameters.get("priority", 0)
     if isinstance(priority, bool) or not isinstance(priority, int) or abs(priority) > 2**31:
-        raise RequestError(f"parameter 'priority' must be an integer, got {priority!r}")
+        # Say the range: an integer past it (or one too big for JSON's parser, which gives
+        # a float) is not "not an integer" to the client who sent it.
+        raise RequestError(
+            f"parameter 'priority' must be an integer from -2**31 to 2**31, got {priority!r}"
+        )
     triton = served.triton if served is not None else None
     if served is not None and triton is not None and triton.priority_levels:
         try:
@@ -1179,7 +1191,10 @@ def schedule_parameters(
                 f"parameter 'timeout' must be a non-negative integer of microseconds, got "
                 f"{timeout!r}"
             )
-        seconds = timeout / 1e6
+        # As in Triton, 0 sets no timeout (the model's own queue timeouts apply), rather than
+        # one that has passed before the request is read: a client that sends 0 for "none"
+        # would otherwise get nothing but 504s.
+        seconds = timeout / 1e6 if timeout else None
     return priority, seconds
 
 

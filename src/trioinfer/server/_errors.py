@@ -8,8 +8,10 @@ from typing import Final
 from .._exceptions import TrioInferError
 
 # An absolute POSIX path: a "/" that does not continue a word, a relative path
-# or a URL ("a/b", "./x", "http://h/p"), then at least one more segment.
-_ABSOLUTE_PATH: Final = re.compile(r"(?<![\w.:/~-])/(?:[\w.+~@-]+/)+([\w.+~@-]*)")
+# or a URL ("a/b", "./x", "http://h/p"), then at least one more segment. The
+# server's own endpoints ("/v2/..."), which messages name to say what to call,
+# are not host paths: cutting them left "(POST <path><name>/register)".
+_ABSOLUTE_PATH: Final = re.compile(r"(?<![\w.:/~-])/(?!v2/)(?:[\w.+~@-]+/)+([\w.+~@-]*)")
 
 
 def without_host_paths(message: str, root: str | None = None) -> str:

@@ -390,11 +390,32 @@ def _wake(event: anyio.Event | None) -> None:
         event.set()
 
 
+#: The most bytes of grpc-message sent. grpcio refuses trailers past 16 KiB (8 KiB by
+#: default elsewhere), and then its caller sees a transport error instead of the status: a
+#: message that quotes a long name from the request is cut to fit.
+MAX_MESSAGE_BYTES: Final = 4096
+_CUT: Final = b"... (cut)"
+
+
 def _percent(message: str) -> bytes:
+    encoded = _escaped(message)
+    if len(encoded) <= MAX_MESSAGE_BYTES:
+        return encoded
+    # Whole characters only, so that the client decodes what it gets.
+    out, room = bytearray(), MAX_MESSAGE_BYTES - len(_CUT)
+    for char in message:
+        piece = _escaped(char)
+        if len(out) + len(piece) > room:
+            break
+        out += piece
+    return bytes(out) + _CUT
+
+
+def _escaped(text: str) -> bytes:
     # grpc-message is percent-encoded UTF-8 outside printable ASCII (and '%').
     return b"".join(
         bytes((b,)) if 0x20 <= b <= 0x7E and b != 0x25 else b"%%%02X" % b
-        for b in message.encode("utf-8")
+        for b in text.encode("utf-8")
     )
 
 

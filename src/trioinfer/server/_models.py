@@ -37,6 +37,17 @@ log = logging.getLogger("trioinfer.server")
 MAX_MODEL_NAME = 100
 
 
+def _shown(name: str) -> str:
+    """*name* quoted for an error message; a client's overlong name is cut, not echoed whole.
+
+    The answer would otherwise grow with the request: over gRPC past the 16 KiB that
+    grpcio takes in a trailer, so that the client saw a transport error, not NOT_FOUND.
+    """
+    if len(name) <= MAX_MODEL_NAME:
+        return repr(name)
+    return f"{name[:MAX_MODEL_NAME]!r}... ({len(name)} characters)"
+
+
 @attrs.frozen
 class ServedVersion:
     """One model version the engine serves.
@@ -100,10 +111,11 @@ class ServedModels:
         """
         versions = self._served.get(model)
         if not versions:
-            served = ", ".join(map(repr, sorted(self._served))) or "none"
+            # A model between an unload and a load has an entry without versions: not served.
+            served = ", ".join(repr(m) for m in sorted(self._served) if self._served[m]) or "none"
             # Triton's wording, which its clients check for.
             raise ModelNotFound(
-                f"Request for unknown model: {model!r} is not served; served models: {served}"
+                f"Request for unknown model: {_shown(model)} is not served; served models: {served}"
             )
         if version is None:
             split = self._traffic.get(model)
@@ -117,7 +129,7 @@ class ServedModels:
         if found is None:
             have = ", ".join(str(v) for v in sorted(versions))
             raise ModelNotFound(
-                f"Request for unknown model: {model!r} has no served version {version!r}; "
+                f"Request for unknown model: {model!r} has no served version {_shown(version)}; "
                 f"served versions: {have}"
             )
         return found

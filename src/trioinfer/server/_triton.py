@@ -543,9 +543,9 @@ def _translate(message: Any, doc: dict[str, Any], name: str, where: str) -> Trit
     if message.parameters:
         if ensemble:
             raise ConfigError(f"{where}: an ensemble takes no parameters")
-        settings["backend_options"] = {
-            key: _parameter(value.string_value) for key, value in message.parameters.items()
-        }
+        options = {key: _parameter(value.string_value) for key, value in message.parameters.items()}
+        _onnxruntime_parameters(options, settings, where)
+        settings["backend_options"] = options
     if message.HasField("response_cache"):
         settings["response_cache"] = message.response_cache.enable
 
@@ -718,6 +718,35 @@ def _instances(group: Any, where: str) -> list[dict[str, Any]]:
         raise ConfigError(f"{where}: instance_group gpus must be distinct GPU numbers >= 0")
     # Triton puts `count` instances on each listed GPU; trioinfer's groups are per device.
     return [{"device": f"cuda:{gpu}", "count": count} for gpu in gpus]
+
+
+def _onnxruntime_parameters(options: dict[str, Any], settings: dict[str, Any], where: str) -> None:
+    """Rename, in place, Triton's onnxruntime backend parameters that trioinfer spells otherwise.
+
+    Triton's ONNX configs often set ``intra_op_thread_count``, ``inter_op_thread_count`` and
+    ``execution_mode`` (0 sequential, 1 parallel); refusing them as unknown options would make
+    such a repository fail to load although each has a trioinfer equivalent: ``threads`` on
+    every instance group, the ``inter_op_threads`` option, and ``execution_mode`` by name.
+    """
+    if "intra_op_thread_count" in options:
+        threads = options.pop("intra_op_thread_count")
+        if type(threads) is not int or threads < 0:
+            raise ConfigError(
+                f"{where}: parameters intra_op_thread_count must be an integer >= 0 "
+                f"(0: ONNX Runtime's default), got {threads!r}"
+            )
+        # Without instance_group, the one CPU instance that ModelConfig would make.
+        for group in settings.setdefault("instances", [{"device": "cpu", "count": 1}]):
+            group["threads"] = threads
+    if "inter_op_thread_count" in options:
+        if "inter_op_threads" in options:
+            raise ConfigError(
+                f"{where}: parameters set both inter_op_thread_count and inter_op_threads; keep one"
+            )
+        options["inter_op_threads"] = options.pop("inter_op_thread_count")
+    mode = options.get("execution_mode")
+    if type(mode) is int and mode in (0, 1):
+        options["execution_mode"] = ("sequential", "parallel")[mode]
 
 
 def _parameter(text: str) -> Any:
