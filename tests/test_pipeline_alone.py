@@ -676,26 +676,21 @@ def test_an_inline_budget_in_whole_seconds_is_a_budget_too(
     assert spent(None, replica) is False  # type: ignore[arg-type]
 
 
-@pytest.mark.parametrize("budget", [True, False], ids=["own-slice", "no-slice"])
 async def test_callers_of_a_pipeline_of_inline_steps_leave_the_loop_its_turns(
-    monkeypatch: pytest.MonkeyPatch, budget: bool
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     # Every step of such a pipeline runs in its caller's task and never queues, so
-    # nothing in a request parks. A plain def infer run inline yields once the loop's
-    # inline slice is spent (as ONNX Runtime's inline runs do); an InlineInstance
-    # with no slice of its own (no-slice) never does, and the pipeline yields for it.
-    # Callers looping on the pipeline must not keep the rest of the program from
-    # running until they stop.
+    # nothing in a request parks, and a plain def infer run inline never yields (it
+    # keeps no inline slice of its own, unlike ONNX Runtime's inline runs): the
+    # pipeline yields before such a step once the engine's slice is spent. Callers
+    # looping on the pipeline must not keep the rest of the program from running
+    # until they stop.
     import trioinfer._inline
-    import trioinfer_python
 
     wall = iter(range(10**9))  # every reading a second after the last: each slice spent
     monkeypatch.setattr(trioinfer._inline, "_wall", lambda: float(next(wall)))
     monkeypatch.setattr(trioinfer._inline._slice, "start", -1.0)
     monkeypatch.setattr(trioinfer._inline._slice, "granted", False)
-    if not budget:
-        monkeypatch.delattr(trioinfer_python.PythonInstance, "inline_budget_s")
-        monkeypatch.setattr(trioinfer_python, "inline_slice_spent", lambda budget: False)
     async with open_engine() as engine:
         await load(engine, inline("a"), inline("b"), chain("a", "b"))
         done = 0
@@ -718,3 +713,53 @@ async def test_callers_of_a_pipeline_of_inline_steps_leave_the_loop_its_turns(
         assert any(0 < n < 200 for n in seen), seen
         s = engine.statistics().models["a"]
         assert (s.succeeded, s.queue_duration.count) == (200, 200)  # none of them queued
+
+
+class Elapses:
+    """y = x + 1, with a second of the inline slice's clock passing while it runs."""
+
+    now: ClassVar[list[float]] = [0.0]
+
+    def infer(self, inputs: Arrays) -> Arrays:
+        Elapses.now[0] += 1.0
+        return {"y": inputs["x"] + 1}
+
+
+async def test_a_step_that_waited_for_its_answer_restarts_the_inline_slice(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A step that queued parks its caller's task: the loop has had its turns, so
+    # the inline step after it must not yield again for a slice that only looks
+    # spent because time passed while the task was parked.
+    import trioinfer._inline
+
+    Elapses.now[0] = 10.0
+    monkeypatch.setattr(trioinfer._inline, "_wall", lambda: Elapses.now[0])
+    monkeypatch.setattr(trioinfer._inline._slice, "start", 10.0)  # fresh
+    monkeypatch.setattr(trioinfer._inline._slice, "granted", False)
+    queued = model(
+        "q",
+        Elapses,
+        parameters={},
+        batcher="dynamic",
+        batcher_options={"max_batch_size": 4, "max_queue_delay": 0.0},
+    )
+    async with open_engine() as engine:
+        await load(engine, inline("a"), queued, inline("b"), chain("a", "q", "b"))
+        me = trio.lowlevel.current_task()
+
+        class Steps(trio.abc.Instrument):
+            count = 0
+
+            def before_task_step(self, task: trio.lowlevel.Task) -> None:
+                self.count += task is me
+
+        steps = Steps()
+        trio.lowlevel.add_instrument(steps)
+        try:
+            out = await engine.infer("p", {"IN": X})
+        finally:
+            trio.lowlevel.remove_instrument(steps)
+        np.testing.assert_array_equal(out["OUT"], X + 3)
+        assert Elapses.now[0] == 11.0  # the queued step ran once, a second passing
+        assert steps.count == 1  # resumed once: when q answered, not again before b

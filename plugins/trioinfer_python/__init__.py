@@ -54,10 +54,10 @@ raises ends the stream after the responses before it, as for ``infer``.
 ``dispatch = "inline"`` runs a plain ``infer`` (and ``load``, ``close``) on the
 event loop instead: for numpy code of a few hundred microseconds at most,
 cheaper there than a hop to a thread and back; the loop waits while it runs.
-Back-to-back inline runs yield to the loop once they have held it for
-250 microseconds in all (``INLINE_BUDGET_S``, one slice shared with ONNX
-Runtime's inline runs), so that callers looping on such a model, or on a
-pipeline of them, never starve the rest of the program.
+Requests that run such a model as a pipeline's step in their own task
+(nothing queued, the model idle) yield to the loop once inline runs have
+held it for 250 microseconds in all, so that callers looping on the
+pipeline never starve the rest of the program.
 
 The engine checks inputs against the declared signature before they queue,
 as for an ONNX model, and this backend checks every output against it: a
@@ -76,7 +76,7 @@ import sys
 from collections.abc import AsyncGenerator, Mapping
 from pathlib import Path
 from types import ModuleType
-from typing import Any, Final, final
+from typing import Any, final
 
 import anyio
 import numpy as np
@@ -89,16 +89,7 @@ from trioinfer import (
     TensorSpec,
     TrioInferError,
 )
-from trioinfer.lowlevel import (
-    Placement,
-    WorkerThread,
-    inline_slice_spent,
-    restart_inline_slice,
-)
-
-#: How long back-to-back inline executions (of any model on the loop's thread) may
-#: hold the event loop before one yields: as ONNX Runtime's inline dispatch does.
-INLINE_BUDGET_S: Final = 250e-6
+from trioinfer.lowlevel import Placement, WorkerThread
 
 __all__ = ["PythonBackend", "PythonInstance"]
 
@@ -320,18 +311,12 @@ class PythonInstance:
 
     @property
     def runs_inline(self) -> bool:
-        """Whether `execute` runs on the event loop without suspending: a plain ``def infer``.
+        """Whether `execute` never suspends: a plain ``def infer`` run on the event loop.
 
         So says `trioinfer.abc.InlineInstance`: a pipeline's step run in its
-        caller's task then needs no cancel scope of its own. It suspends once,
-        at its start, when the loop's inline slice is spent (`inline_budget_s`).
+        caller's task then needs no cancel scope of its own.
         """
         return not self._async and self._worker is None
-
-    @property
-    def inline_budget_s(self) -> float:
-        """How long inline executions may hold the loop, in all, before one yields."""
-        return INLINE_BUDGET_S
 
     @property
     def decoupled(self) -> bool:
@@ -381,12 +366,6 @@ class PythonInstance:
             if self._async:
                 outputs = await self._infer(dict(inputs))
             elif self._worker is None:  # dispatch = "inline": cheaper than a thread hop
-                # Back-to-back inline runs (a pipeline's steps run in their caller's
-                # task never queue) must not starve the loop: yield once a slice is
-                # spent, as ONNX Runtime's inline runs do, not before every run.
-                if inline_slice_spent(INLINE_BUDGET_S):
-                    await anyio.lowlevel.checkpoint()
-                    restart_inline_slice()
                 outputs = self._infer(dict(inputs))
             else:
                 outputs = await self._worker.run_sync(self._infer, dict(inputs), abort=self._abort)

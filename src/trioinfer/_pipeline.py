@@ -333,6 +333,9 @@ class Pipeline:
                     held=self._held,
                     scopes=self._scopes,
                 )
+                # It waited for its answer: the loop has had its turns meanwhile. Else
+                # the slice would look spent, and the next inline step yield again.
+                restart_inline_slice()
             try:
                 for own, shared in outs:
                     tensors[shared] = outputs[own]

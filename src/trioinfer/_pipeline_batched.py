@@ -441,6 +441,7 @@ class BatchedPipeline:
         outputs: Outputs = await self._infer(
             model, inputs, priority=priority, tenant=tenant, request_id=request_id
         )
+        restart_inline_slice()  # it waited for its answer: the loop has had its turns
         return outputs
 
     def _outputs(self, tensors: Mapping[str, Any]) -> dict[str, Any]:

@@ -628,11 +628,11 @@ class InlineInstance(BackendInstance, Protocol):
     [`inline_slice_spent(inline_budget_s)`][trioinfer.lowlevel.inline_slice_spent]
     (restarting the slice after it yields), or when its caller is cancelled,
     and never otherwise. The engine then yields itself before claiming such
-    an instance in its caller's task, holding nothing meanwhile. (The Python
-    backend's inline instances do this with a 250 µs budget.) For an inline
-    instance without ``inline_budget_s``, the engine yields the same way once
-    250 µs of the slice are spent: back-to-back requests run in their callers'
-    tasks never park, and must still leave the loop its turns.
+    an instance in its caller's task, holding nothing meanwhile. For an inline
+    instance without ``inline_budget_s`` (the Python backend's), the engine
+    yields the same way once 250 µs of the slice are spent: back-to-back
+    requests run in their callers' tasks never park, and must still leave
+    the loop its turns.
     """
 
     @property
