@@ -54,7 +54,7 @@ def _weight(text: str) -> tuple[int, float]:
     metavar="VERSION",
     help="Take VERSION out of the split (weight 0): the other versions keep their "
     "weights relative to each other, or, if VERSION had all the traffic, the highest "
-    "served version below it gets it all.",
+    "served version below it gets it all (with none below it, the highest other one).",
 )
 @click.option(
     "--url",
