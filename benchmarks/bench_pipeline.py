@@ -14,6 +14,10 @@ name). Six arms, C client tasks each sending one image at a time:
               batcher "none") by the engine: what a user writes instead of a
               pipeline, and the engine's cost for one request, beside the pipeline's
               for a request and its three steps
+  hand-model-sync  the same as a plain ``def infer`` model, ``dispatch`` = ``--dispatch``
+              (inline: on the event loop; thread: the whole function on the
+              instance's worker thread): the engine's cost of one request when the
+              model never suspends
   pipeline    the ``read_digit`` pipeline, every step unbatched (batcher "none")
   batched     the same pipeline, every step with the dynamic batcher (32 rows, 2 ms)
   onnx-batched  the same pipeline, only the ONNX model (``digits``) with the dynamic
@@ -66,6 +70,7 @@ Figures = tuple[float, float]
 ARMS = (
     "hand",
     "hand-model",
+    "hand-model-sync",
     "pipeline",
     "batched",
     "onnx-batched",
@@ -118,6 +123,13 @@ class _Hand:
         self.worker = worker
         self.one_run = trio.Lock()  # one session, one run at a time: one instance of depth 1
 
+    def infer_sync(self, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """The three steps in one plain call: where it runs is its caller's choice."""
+        row = self.scale.infer({"image": inputs["IMAGE"]})["input"]
+        values = self.session.run(["probabilities"], {"input": row}, ort.RunOptions())
+        named = self.names.infer({"probabilities": values[0]})
+        return {"NAME": named["name"], "CONFIDENCE": named["confidence"]}
+
     async def infer(self, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         image = inputs["IMAGE"]
         if image.dtype != np.uint8 or image.ndim != 3 or image.shape[1:] != (8, 8):
@@ -140,11 +152,24 @@ class _Served:
     """The hand function as a Python model's class: one instance, the same calls."""
 
     def __init__(self, hand: _Hand) -> None:
-        self.infer = hand.infer
+        self.hand = hand
+
+    async def infer(self, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        return await self.hand.infer(inputs)
 
 
-async def by_hand(args: argparse.Namespace, *, served: bool = False) -> Figures:
-    worker = await WorkerThread.start("hand-digits") if args.dispatch == "thread" else None
+class _ServedSync(_Served):
+    """The same as a plain ``def infer`` (a method of the class, as the backend looks for)."""
+
+    def infer(self, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:  # type: ignore[override]
+        return self.hand.infer_sync(inputs)
+
+
+async def by_hand(args: argparse.Namespace, *, served: bool = False, sync: bool = False) -> Figures:
+    # sync: the model's plain def infer runs where its dispatch says, not on our worker.
+    worker = (
+        await WorkerThread.start("hand-digits") if args.dispatch == "thread" and not sync else None
+    )
     hand = _Hand(worker)
     try:
         if not served:
@@ -163,8 +188,9 @@ async def by_hand(args: argparse.Namespace, *, served: bool = False) -> Figures:
                         "path": "-",
                         "backend": "python",
                         "backend_options": {
-                            "class": _Served,
+                            "class": _ServedSync if sync else _Served,
                             "parameters": {"hand": hand},
+                            **({"dispatch": args.dispatch} if sync else {}),
                             **signature,
                         },
                         "batcher": "none",
@@ -265,6 +291,7 @@ def main() -> None:
     every: dict[str, Callable[[], Awaitable[Figures]]] = {
         "hand": lambda: by_hand(args),
         "hand-model": lambda: by_hand(args, served=True),
+        "hand-model-sync": lambda: by_hand(args, served=True, sync=True),
         "pipeline": lambda: as_pipeline(args, batched=False),
         "batched": lambda: as_pipeline(args, batched=True),
         "onnx-batched": lambda: as_pipeline(args, batched=True, only_onnx=True),
