@@ -459,3 +459,25 @@ async def test_dispatch_inline_runs_a_plain_infer_on_the_event_loop() -> None:
     np.testing.assert_array_equal(out["y"], X * 2)
     assert seen == [threading.current_thread().name] * 2
     assert not [t for t in threading.enumerate() if t.name.startswith("trioinfer-python-")]
+
+
+async def test_an_infer_the_constructor_sets_runs_where_dispatch_says() -> None:
+    # The hooks are the object's: a constructor that sets self.infer to a plain
+    # function (a wrapper, a compiled callable) must not run on the event loop
+    # when dispatch is "thread", the default.
+    seen: list[str] = []
+
+    def double(inputs: dict[str, np.ndarray[Any, Any]]) -> dict[str, Any]:
+        seen.append(threading.current_thread().name)
+        return {"y": inputs["x"] * 2}
+
+    class Wrapped:
+        def __init__(self) -> None:
+            self.infer = double
+
+    async with open_engine() as engine:
+        await engine.load(config(Wrapped))
+        out = await engine.infer("m", {"x": X})
+    np.testing.assert_array_equal(out["y"], X * 2)
+    assert len(seen) == 1
+    assert seen[0].startswith("trioinfer-python-m-")

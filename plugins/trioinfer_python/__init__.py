@@ -161,9 +161,11 @@ class PythonBackend:
                 f"backend option dispatch of model {config.name!r} must be 'thread' or "
                 f"'inline', got {dispatch!r}"
             )
+        model = _construct(cls, kwargs, label, decoupled)
+        # The object's hooks, not the class's: a constructor may set infer itself.
         needs_thread = dispatch == "thread" and any(
-            callable(getattr(cls, hook, None))
-            and not inspect.iscoroutinefunction(getattr(cls, hook))
+            callable(getattr(model, hook, None))
+            and not inspect.iscoroutinefunction(getattr(model, hook))
             for hook in ("infer", "load", "close")
         )
         worker = (
@@ -175,9 +177,7 @@ class PythonBackend:
             else None
         )
         try:
-            instance = PythonInstance(
-                _construct(cls, kwargs, label, decoupled), signature, device, label, worker
-            )
+            instance = PythonInstance(model, signature, device, label, worker)
             await instance._call_hook("load")
         except BaseException:
             if worker is not None:
