@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import functools
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import anyio
@@ -14,9 +14,16 @@ import pytest
 import trio
 import trio.testing
 
+from trioinfer import BackendError, ModelConfig
 from trioinfer.abc import Batcher, Split
-from trioinfer.lowlevel import Request, RequestQueue
-from trioinfer.testing import check_batcher, check_scheduler, make_request
+from trioinfer.lowlevel import Placement, Request, RequestQueue, WorkerThread
+from trioinfer.testing import (
+    FakeBackend,
+    check_backend,
+    check_batcher,
+    check_scheduler,
+    make_request,
+)
 from trioinfer_batching import DynamicBatcher, NoBatcher
 
 FIRST_PARTY: dict[str, Callable[[], Batcher]] = {
@@ -271,3 +278,108 @@ def test_check_scheduler_fails_a_scheduler_that_pops_one_request_twice() -> None
 
     with pytest.raises(AssertionError, match=r"popped more than once|some twice|len is"):
         check_scheduler(Stutters)
+
+
+def test_check_scheduler_names_the_wrong_exception_from_an_empty_peek() -> None:
+    class KeyErrorWhenEmpty(LastInFirstOut):
+        def peek(self) -> Request:
+            if not self._held:
+                raise KeyError("nothing held")
+            return super().peek()
+
+    with pytest.raises(AssertionError, match=r"peek\(\) on a new scheduler raised KeyError"):
+        check_scheduler(KeyErrorWhenEmpty)
+
+
+def test_check_scheduler_fails_a_scheduler_that_still_removes_a_popped_request() -> None:
+    class RemembersPopped(LastInFirstOut):
+        def __init__(self) -> None:
+            super().__init__()
+            self._seen: set[Request] = set()
+
+        def push(self, request: Request) -> None:
+            self._seen.add(request)
+            super().push(request)
+
+        def remove(self, request: Request) -> bool:
+            self._held.pop(request, None)
+            known = request in self._seen
+            self._seen.discard(request)
+            return known
+
+    with pytest.raises(AssertionError, match=r"remove\(\) of a request pop\(\) already returned"):
+        check_scheduler(RemembersPopped)
+
+
+# -- check_backend -------------------------------------------------------------------
+
+
+class _Doubler:
+    """``y = 2 * x`` on a worker thread, x: float32[batch, 4]; subclasses break a rule."""
+
+    def __init__(self, worker: WorkerThread) -> None:
+        self.worker = worker
+        self.closed = False
+        self.signature = FakeBackend().signature
+        self.device = "cpu"
+
+    async def execute(self, inputs: Mapping[str, np.ndarray[Any, Any]]) -> dict[str, Any]:
+        if self.closed:
+            raise BackendError("closed")
+        return {"y": await self.worker.run_sync(np.multiply, inputs["x"], 2)}
+
+    async def aclose(self) -> None:
+        self.closed = True
+        await self.worker.aclose()
+
+
+def _backend(instance_class: type[_Doubler]) -> Any:
+    class Backend:
+        async def load(self, config: ModelConfig, placement: Placement) -> _Doubler:
+            return instance_class(await WorkerThread.start(f"doubler-{placement.index}"))
+
+    return Backend()
+
+
+X4 = {"x": np.ones((2, 4), np.float32)}
+CONFIG = ModelConfig(name="doubler", path="-", backend="doubler")
+
+
+async def test_check_backend_passes_a_backend_that_keeps_the_contract() -> None:
+    await check_backend(_backend(_Doubler), CONFIG, X4)
+
+
+async def test_check_backend_fails_an_instance_that_leaves_its_worker_thread_running() -> None:
+    leaked: list[WorkerThread] = []
+
+    class Leaky(_Doubler):
+        async def aclose(self) -> None:
+            self.closed = True
+            leaked.append(self.worker)
+
+    try:
+        with pytest.raises(AssertionError, match=r"aclose\(\) left worker threads \['doubler-0'\]"):
+            await check_backend(_backend(Leaky), CONFIG, X4)
+    finally:
+        for worker in leaked:
+            await worker.aclose()
+
+
+async def test_check_backend_says_which_sample_input_does_not_fit_the_signature() -> None:
+    with pytest.raises(
+        AssertionError, match=r"sample input 'x' is float32\[2, 3\], the signature declares"
+    ):
+        await check_backend(_backend(_Doubler), CONFIG, {"x": np.ones((2, 3), np.float32)})
+    with pytest.raises(AssertionError, match=r"sample input 'x' is float64\[2, 4\]"):
+        await check_backend(_backend(_Doubler), CONFIG, {"x": np.ones((2, 4))})
+
+
+async def test_check_backend_says_why_a_cancelled_execute_may_return() -> None:
+    class OnTheLoop(_Doubler):
+        async def execute(self, inputs: Mapping[str, np.ndarray[Any, Any]]) -> dict[str, Any]:
+            if self.closed:
+                raise BackendError("closed")
+            return {"y": inputs["x"] * 2}  # computes on the event loop, never awaits
+
+    with pytest.raises(AssertionError, match=r"Does it compute on the event loop\?"):
+        await check_backend(_backend(OnTheLoop), CONFIG, X4)

@@ -162,6 +162,9 @@ def test_from_toml_errors(tmp_path: Path) -> None:
         ConfigError, match=r"has no version directory holding model\.onnx: expected"
     ):
         ModelConfig.from_toml(path)
+    path.write_text('backend = "affine"\n')
+    with pytest.raises(ConfigError, match=r"on the 'affine' backend too, .* named model\.onnx"):
+        ModelConfig.from_toml(path)
 
 
 def test_relative_path_is_relative_to_the_config(tmp_path: Path) -> None:

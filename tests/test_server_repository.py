@@ -397,6 +397,19 @@ def test_model_without_versions(root: Path) -> None:
     assert "no version to serve" in row.reason
 
 
+def test_a_plugin_backend_model_without_model_onnx_is_told_the_file_name(root: Path) -> None:
+    # A third-party backend's file in a version directory is model.onnx, whatever its
+    # format: its author, who wrote 1/model.npz, is told so and shown path.
+    (root / "m" / "1").mkdir(parents=True)
+    (root / "m" / "1" / "model.npz").write_bytes(b"")
+    (root / "m" / "config.toml").write_text('backend = "affine"\n')
+    with pytest.raises(ConfigError, match=r"'affine' backend too, .* is named model\.onnx.*path ="):
+        ModelRepository(root).entry("m").selected()
+    (root / "m" / "config.toml").write_text('backend = "onnxruntime"\n')
+    with pytest.raises(ConfigError, match=r"model\.onnx with N a positive integer$"):
+        ModelRepository(root).entry("m").selected()
+
+
 # config.toml
 
 

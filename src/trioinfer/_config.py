@@ -395,8 +395,11 @@ class ModelConfig:
         if "path" not in data and data.get("backend") == PIPELINE:
             data["path"] = path.name  # a pipeline has no model file: it is its config
         elif "path" not in data:
-            file = model_file_name(data.get("backend", "onnxruntime"))
-            data["path"] = find_model_file(model_dir, version, file)  # already under model_dir
+            backend = data.get("backend", "onnxruntime")
+            try:
+                data["path"] = find_model_file(model_dir, version, model_file_name(backend))
+            except ConfigError as exc:
+                raise ConfigError(f"{exc}{model_file_hint(backend)}") from None
         return cls.from_dict(data, base=model_dir)
 
 
@@ -410,6 +413,21 @@ MODEL_FILES: Mapping[str, str] = MappingProxyType({"python": "model.py"})
 def model_file_name(backend: object) -> str:
     """The file name of a model in ``<model>/<version>/`` for *backend*: ``model.onnx`` mostly."""
     return MODEL_FILES.get(backend, "model.onnx") if isinstance(backend, str) else "model.onnx"
+
+
+def model_file_hint(backend: object) -> str:
+    """What to say when a version directory lacks *backend*'s file: empty for the first-party ones.
+
+    A plugin backend's file is ``model.onnx`` too, whatever its format, which its
+    author does not expect: the message says so, and names the way out (``path``).
+    """
+    if not isinstance(backend, str) or backend in MODEL_FILES or backend == "onnxruntime":
+        return ""
+    return (
+        f"; on the {backend!r} backend too, the model file in a version directory is "
+        "named model.onnx, whatever its format, unless config.toml names it with "
+        "path = '<file>' (then served as version 1)"
+    )
 
 
 def find_model_file(model_dir: Path, version: int | None = None, file: str = "model.onnx") -> Path:

@@ -469,9 +469,7 @@ class WorkerThread:
         """
         jobs = _Jobs()
         ready: _Resolver[None] = _Resolver(current_waker(), anyio.Event())
-        thread = threading.Thread(
-            target=_serve, args=(jobs, cpu_affinity, ready), name=name, daemon=True
-        )
+        thread = _OSThread(target=_serve, args=(jobs, cpu_affinity, ready), name=name, daemon=True)
         # The worker (and its wake-up socket pair) before the thread: if the sockets
         # cannot be made (EMFILE), no thread is running yet to be left behind.
         try:
@@ -545,6 +543,14 @@ class WorkerThread:
         self._thread.join()
         if not self._socket_busy:  # else the call waiting on it closes it when it ends
             self._close_socket()
+
+
+class _OSThread(threading.Thread):
+    """The OS thread under a `WorkerThread`.
+
+    A type of its own, so that ``check_backend`` can tell one that an instance
+    left running after ``aclose``.
+    """
 
 
 @final

@@ -28,7 +28,14 @@ from typing import Any, Literal
 
 import attrs
 
-from .._config import _NAME_RE, PIPELINE, ModelConfig, model_file_name, unknown_keys_error
+from .._config import (
+    _NAME_RE,
+    PIPELINE,
+    ModelConfig,
+    model_file_hint,
+    model_file_name,
+    unknown_keys_error,
+)
 from .._exceptions import ConfigError, ModelNotFound
 from ._triton import TRITON_FIELDS, TritonModel
 
@@ -287,6 +294,7 @@ class ModelEntry:
             raise ConfigError(
                 f"model {self.name!r} has no version to serve: "
                 f"expected {self.name}/<N>/{self.model_file} with N a positive integer"
+                f"{model_file_hint(self.settings.get('backend', 'onnxruntime'))}"
             )
         missing = [v for v in self.policy.versions if v not in self.versions]
         if missing:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import collections
 import itertools
 import math
+import threading
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NoReturn
 
@@ -19,6 +20,7 @@ from .._request import Request as _Request
 from .._sequence import SequenceFlags
 from .._tensors import ModelSignature
 from .._tensors import rows as _rows
+from .._threads import _OSThread
 from ..abc import (
     AssemblingBatcher,
     Backend,
@@ -69,11 +71,12 @@ def _fail(what: str) -> NoReturn:
 def check_scheduler(make_scheduler: Callable[[], Scheduler]) -> None:
     """Check that a scheduler keeps the [`Scheduler`][trioinfer.abc.Scheduler] contract.
 
-    Checks that an empty scheduler pops and peeks ``IndexError``; that `peek()`
-    shows what `pop()` takes next; that every pushed request is popped
-    exactly once, whether alike or not; that ``remove`` takes a request out
-    once (returning ``True``, then ``False``) and that a removed request is
-    never popped; and that ``len`` follows along. Which request comes next is
+    Checks that an empty scheduler, new or emptied, pops and peeks
+    ``IndexError``; that `peek()` shows what `pop()` takes next; that every
+    pushed request is popped exactly once, whether alike or not; that
+    ``remove`` takes a request out once (returning ``True``, then ``False``,
+    and ``False`` for one already popped) and that a removed request is never
+    popped; and that ``len`` follows along. Which request comes next is
     the scheduler's own policy, so no order is checked: a last-in-first-out
     scheduler passes as a first-in-first-out one does.
 
@@ -86,20 +89,9 @@ def check_scheduler(make_scheduler: Callable[[], Scheduler]) -> None:
     scheduler = make_scheduler()
     if len(scheduler) != 0:
         _fail(f"a new scheduler has len {len(scheduler)}, expected 0")
-    try:
-        scheduler.pop()
-    except IndexError:
-        pass
-    else:
-        _fail("pop() on an empty scheduler returned instead of raising IndexError")
-    try:
-        scheduler.peek()
-    except IndexError:
-        pass
-    else:
-        _fail("peek() on an empty scheduler returned instead of raising IndexError")
-    if scheduler.remove(make_request()) is not False:
-        _fail("remove() of a request never pushed did not return False")
+    _check_empty(scheduler, "a new scheduler")
+    if (got := scheduler.remove(make_request())) is not False:
+        _fail(f"remove() of a request never pushed returned {got!r}, expected False")
 
     # Alike requests: nothing tells them apart but identity (and arrival).
     alike = [make_request(priority=1, tenant="t", deadline=100.0) for _ in range(50)]
@@ -129,10 +121,10 @@ def check_scheduler(make_scheduler: Callable[[], Scheduler]) -> None:
         scheduler.push(request)
     removed = mixed[::5]
     for request in removed:
-        if scheduler.remove(request) is not True:
-            _fail("remove() of a held request did not return True")
-        if scheduler.remove(request) is not False:
-            _fail("remove() of an already removed request did not return False")
+        if (got := scheduler.remove(request)) is not True:
+            _fail(f"remove() of a held request returned {got!r}, expected True")
+        if (got := scheduler.remove(request)) is not False:
+            _fail(f"remove() of an already removed request returned {got!r}, expected False")
     if len(scheduler) != len(mixed) - len(removed):
         _fail(f"len is {len(scheduler)}, expected {len(mixed) - len(removed)} after removals")
     out = []
@@ -150,6 +142,24 @@ def check_scheduler(make_scheduler: Callable[[], Scheduler]) -> None:
             f"popped {len(set(out) & expected)} of {len(expected)} held requests "
             f"and {len(set(out) - expected)} that were removed or never pushed"
         )
+    # The engine may call remove() for a request that already left by pop() (its
+    # caller gave up as it was taken): the scheduler no longer holds it.
+    if (got := scheduler.remove(out[0])) is not False:
+        _fail(f"remove() of a request pop() already returned gave {got!r}, expected False")
+    if len(scheduler) != 0:
+        _fail(f"len is {len(scheduler)} after popping everything and a remove()")
+    _check_empty(scheduler, "a scheduler emptied by pop()")
+
+
+def _check_empty(scheduler: Scheduler, which: str) -> None:
+    for method in ("pop", "peek"):
+        try:
+            got = getattr(scheduler, method)()
+        except IndexError:
+            continue
+        except Exception as exc:
+            _fail(f"{method}() on {which} raised {type(exc).__name__}: {exc}; expected IndexError")
+        _fail(f"{method}() on {which} returned {got!r} instead of raising IndexError")
 
 
 async def check_backend(
@@ -169,8 +179,11 @@ async def check_backend(
     cancelled ``execute`` propagates the cancellation and leaves the instance
     usable (for an instance whose ``runs_inline`` is True, an
     [`InlineInstance`][trioinfer.abc.InlineInstance], that ``execute``
-    ends without suspending instead); that ``aclose`` is idempotent; and that ``execute`` after
-    ``aclose`` raises [`BackendError`][trioinfer.BackendError].
+    ends without suspending instead); that ``aclose`` is idempotent and stops
+    every [`WorkerThread`][trioinfer.lowlevel.WorkerThread] the instance
+    started; and that ``execute`` after ``aclose`` raises
+    [`BackendError`][trioinfer.BackendError]. The sample *inputs* are checked
+    against the signature first (names, dtypes, ranks, fixed dims).
 
     Args:
         backend: The backend under test.
@@ -181,6 +194,7 @@ async def check_backend(
     Raises:
         AssertionError: Saying which part of the contract was broken.
     """
+    threads_before = set(threading.enumerate())
     instance = await backend.load(config, placement or Placement(Device("cpu"), 0))
     try:
         if not isinstance(instance, BackendInstance):
@@ -193,6 +207,22 @@ async def check_backend(
         names = {spec.name for spec in signature.inputs}
         if names != set(inputs):
             _fail(f"signature inputs are {sorted(names)}, the sample inputs {sorted(inputs)}")
+        for spec in signature.inputs:
+            # The engine validates callers' inputs before execute() sees them; this
+            # check does not, so a wrong sample would fail inside the backend instead.
+            sample = np.asarray(inputs[spec.name])
+            if (
+                (spec.dtype is not None and sample.dtype != spec.dtype)
+                or sample.ndim != spec.rank
+                or any(
+                    isinstance(dim, int) and size != dim
+                    for size, dim in zip(sample.shape, spec.shape, strict=True)
+                )
+            ):
+                _fail(
+                    f"sample input {spec.name!r} is {sample.dtype}{list(sample.shape)}, the "
+                    f"signature declares {spec.describe()}: pass inputs the model accepts"
+                )
 
         outputs = await instance.execute(inputs)
         _check_outputs(signature, outputs)
@@ -221,7 +251,12 @@ async def check_backend(
             with anyio.CancelScope() as scope:
                 scope.cancel()
                 await instance.execute(inputs)
-                _fail("execute() under a cancelled scope returned instead of raising Cancelled")
+                _fail(
+                    "execute() under a cancelled scope returned instead of raising Cancelled: "
+                    "it never reached a checkpoint. Does it compute on the event loop? Run "
+                    "the compute on a WorkerThread, or, if execute() never suspends, say so "
+                    "with runs_inline = True (an InlineInstance)"
+                )
             if not scope.cancelled_caught:
                 _fail("execute() under a cancelled scope did not raise Cancelled")
 
@@ -235,6 +270,13 @@ async def check_backend(
             await instance.aclose()
     with anyio.CancelScope(shield=True):
         await instance.aclose()
+    left = sorted(
+        thread.name
+        for thread in threading.enumerate()
+        if isinstance(thread, _OSThread) and thread not in threads_before
+    )
+    if left:
+        _fail(f"aclose() left worker threads {left} running: close every WorkerThread it started")
     try:
         await instance.execute(inputs)
     except BackendError:
