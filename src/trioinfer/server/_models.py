@@ -290,7 +290,11 @@ class ServedModels:
                 and old.info.config == config  # a pipeline's steps may name other versions now
             ):
                 continue
-            info = await self.engine.load(config, replace=old is not None)
+            try:
+                info = await self.engine.load(config, replace=old is not None)
+            except ModelNotFound as exc:
+                self._say_why_a_step_is_missing(model, exc)
+                raise
             try:
                 _check_tensors(triton, info, model)
                 # A stateful model's control and state inputs, which its signature hides.
@@ -323,6 +327,16 @@ class ServedModels:
         self._set_traffic(model, traffic)
         for version in sorted(set(served) - set(wanted)):
             await self._unload_version(served, version)
+
+    def _say_why_a_step_is_missing(self, model: str, exc: ModelNotFound) -> None:
+        # A pipeline (a Triton ensemble) whose step model is not loaded: the engine can
+        # say only that ("no model named 'classifier' (version 2) is loaded"). When the
+        # step's own load failed, its reason is the answer: it replaces the message.
+        for step in self._steps(model):
+            reason = self._errors.get(step)
+            if reason and not self._served.get(step):
+                exc.args = (f"its step model {step!r} is not loaded: {reason}", *exc.args[1:])
+                return
 
     def _steps(self, model: str) -> list[str]:
         # The repository models a pipeline's steps name (none for other models).
