@@ -166,6 +166,7 @@ async def test_a_scheduler_whose_pop_raises_takes_its_model_out_of_service(
             assert stats.out_of_service is not None
             assert "scheduler 'breaks'" in stats.out_of_service
             assert engine.statistics().models["other"].out_of_service is None
+            assert engine.model("m").out_of_service == stats.out_of_service
             # Loaded again (a fresh scheduler), the model serves again.
             await engine.load(config(scheduler="breaks"), replace=True)
             assert await outcome(engine, "m") is None
@@ -404,5 +405,11 @@ async def test_over_http_the_server_stays_up_and_answers_500(tmp_path: Path) -> 
                 assert "out of service" in response.json()["error"]
                 response = await client.post("/v2/models/small/infer", json=body)
                 assert response.status_code == 200
+                # The model is loaded but not ready; the server and its other models are.
+                response = await client.get("/v2/models/digits/ready")
+                assert response.status_code == 400
+                assert "is not ready: scheduler 'breaks'" in response.json()["error"]
+                assert (await client.get("/v2/models/small/ready")).status_code == 200
+                assert (await client.get("/v2/health/ready")).status_code == 200
                 assert (await client.get("/v2/health/live")).status_code == 200
             stop.set()

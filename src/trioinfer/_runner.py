@@ -949,6 +949,11 @@ class ModelRunner(metaclass=NoPublicConstructor):
         """A moving average of one execution's duration in seconds (0.0 before the first)."""
         return self._mean_execution_s
 
+    @property
+    def out_of_service(self) -> str | None:
+        """Why the model answers nothing (a plugin broke its contract), or None while it serves."""
+        return None if self._fault is None else str(self._fault)
+
     # -- the tasks ---------------------------------------------------------------
 
     async def run(self, *, task_status: anyio.abc.TaskStatus[None]) -> None:
@@ -2143,7 +2148,7 @@ class ModelRunner(metaclass=NoPublicConstructor):
             replicas=tuple(replica.statistics() for replica in self.replicas),
             fallbacks=dict(self.fallbacks),
             inferences=self.inferences,
-            out_of_service=None if self._fault is None else str(self._fault),
+            out_of_service=self.out_of_service,
         )
 
 

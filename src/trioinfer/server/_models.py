@@ -162,6 +162,17 @@ class ServedModels:
         """Every served version, by model then version."""
         return [s for model in sorted(self._served) for s in self.versions(model)]
 
+    def out_of_service(self, served: ServedVersion) -> str | None:
+        """Why *served* answers nothing (a plugin of it broke its contract), or None.
+
+        Such a version is not ready (HTTP and gRPC readiness say so) until loaded again.
+        """
+        try:
+            reason = self.engine.model(served.engine_name).out_of_service
+        except ModelNotFound:
+            return None  # unloaded meanwhile: resolve() says so next time
+        return None if reason is None else self.public_message(reason)
+
     def error(self, model: str) -> str:
         """Why the last load of *model* failed, or ``""``."""
         return self._errors.get(model, "")
