@@ -446,3 +446,53 @@ async def test_load_with_steps_loads_what_a_pipeline_needs_and_nothing_else(
         image = np.zeros((1, 8, 8), dtype=np.uint8)
         out = await engine.infer(served.resolve("twice").engine_name, {"IMAGE": image})
         assert out["B"].shape == (1, 64)
+
+
+@pytest.mark.triton_config
+async def test_an_ensemble_whose_step_model_failed_to_load_says_why(tmp_path: Path) -> None:
+    """Not "no model named 'classifier' (version 2) is loaded": the step's own failure."""
+    from trioinfer.server import ModelRepository
+    from trioinfer.server._models import ServedModels
+
+    (tmp_path / "classifier" / "2").mkdir(parents=True)
+    (tmp_path / "classifier" / "2" / "model.onnx").write_bytes(b"not an ONNX model")
+    (tmp_path / "classifier" / "config.pbtxt").write_text(
+        'platform: "onnxruntime_onnx"\nmax_batch_size: 4\n'
+    )
+    (tmp_path / "ensemble" / "1").mkdir(parents=True)
+    (tmp_path / "ensemble" / "config.pbtxt").write_text(
+        'platform: "ensemble"\nmax_batch_size: 4\n'
+        'input [ { name: "RAW" data_type: TYPE_FP32 dims: [ 5 ] } ]\n'
+        'output [ { name: "CLASSES" data_type: TYPE_FP32 dims: [ 5 ] } ]\n'
+        'ensemble_scheduling { step [ { model_name: "classifier" model_version: 2\n'
+        'input_map { key: "IMAGE" value: "RAW" } output_map { key: "SCORES" value: "CLASSES" }'
+        " } ] }\n"
+    )
+    async with trioinfer.open_engine() as engine:
+        served = ServedModels(engine, ModelRepository(tmp_path))
+        assert await served.load_all() == ["classifier", "ensemble"]
+        step_error = served.error("classifier")
+        assert step_error.startswith("failed to load 'classifier'")
+        message = served.error("ensemble")
+        assert message == (
+            f"failed to load 'ensemble': its step model 'classifier' is not loaded: {step_error}"
+        )
+        assert "loaded: none" not in message
+
+
+async def test_a_pipeline_without_steps_says_what_a_pipeline_needs(tmp_path: Path) -> None:
+    """A load override {"backend": "pipeline"} on another model: not a complaint about inputs."""
+    from trioinfer.server import ModelRepository
+    from trioinfer.server._models import ServedModels
+
+    shutil.copytree(trioinfer.example_repository() / "digits", tmp_path / "digits")
+    async with trioinfer.open_engine() as engine:
+        served = ServedModels(engine, ModelRepository(tmp_path))
+        with pytest.raises(ConfigError) as caught:
+            await served.load("digits", {"backend": "pipeline"})
+        message = str(caught.value)
+        assert "has backend 'pipeline' but its backend_options describe no pipeline" in message
+        assert "backend_options.steps" in message
+        assert "backend_options.inputs and .outputs" in message
+        with pytest.raises(ConfigError, match=r"describe no pipeline \(they hold none\)"):
+            await engine.load(ModelConfig(name="p", path="-", backend="pipeline"))

@@ -262,16 +262,19 @@ class ReplicaStatistics:
 class Execution(metaclass=NoPublicConstructor):
     """One batch on its way through the model's fallback: the engine's `trioinfer.abc.Execution`.
 
-    Created per batch, so it stays small: three slots, and a constructor that
+    Created per batch, so it stays small: four slots, and a constructor that
     costs what an ordinary one does (see `NoPublicConstructor`).
     """
 
-    __slots__ = ("_port", "replica", "requests")
+    __slots__ = ("_port", "_raised", "replica", "requests")
 
     def __init__(self, port: RunnerPort, requests: Sequence[Request], replica: Replica) -> None:
         self._port = port
         self.requests = requests
         self.replica = replica
+        # What its runs raised (a backend's errors, for the fallback to handle): an
+        # exception out of the fallback that is none of these is the fallback's own.
+        self._raised: list[BaseException] | None = None
 
     # What each method promises is written once, in trioinfer.abc.Execution.
 

@@ -79,6 +79,10 @@ class ModelInfo:
             ``tune_batch_sizes``); empty when it does not say.
         decoupled: Whether it answers with a stream of responses, through
             [`Engine.infer_stream()`][trioinfer.Engine.infer_stream] only.
+        out_of_service: Why it answers nothing, or ``None`` while it serves:
+            one of its plugins broke its contract so that its state cannot be
+            trusted (see ``ModelStatistics.out_of_service``). Such a model is
+            not ready; loading it again brings it back.
     """
 
     name: str
@@ -87,6 +91,7 @@ class ModelInfo:
     devices: tuple[str, ...]
     preferred_batch_sizes: tuple[int, ...] = ()
     decoupled: bool = False
+    out_of_service: str | None = None
 
 
 @attrs.frozen
@@ -842,6 +847,7 @@ class Engine:
             runner.devices,
             runner.preferred_batch_sizes,
             decoupled(runner),
+            runner.out_of_service if isinstance(runner, ModelRunner) else None,
         )
 
     async def _shutdown(self, drain: bool) -> None:

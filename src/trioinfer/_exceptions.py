@@ -74,6 +74,9 @@ class PluginContractError(TrioInferError):
     implement its Protocol. The engine logs each one (at error level, on the
     ``trioinfer`` logger) with the plugin's kind and name; the HTTP server
     answers 500. The plugin's own exception, if any, is the ``__cause__``.
+    A model whose scheduler raised (or whose batcher broke its contract twice
+    in a row) is out of service: its later requests are refused with one of
+    these, saying so, until it is loaded again.
 
     Attributes:
         kind: The plugin's kind: ``"backends"``, ``"schedulers"``,

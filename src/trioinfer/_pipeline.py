@@ -119,6 +119,17 @@ def _steps(name: str, value: object) -> tuple[Step, ...]:
 def _declared(config: ModelConfig) -> tuple[ModelSignature, tuple[Step, ...]]:
     """A pipeline config's signature and steps, its options checked (batched or not)."""
     options = config.backend_options
+    if "steps" not in options:
+        # Most often another model's config with backend = "pipeline" (a load override
+        # that set only the backend): say what a pipeline is, not what its inputs lack.
+        have = ", ".join(map(repr, sorted(options))) or "none"
+        raise ConfigError(
+            f"model {config.name!r} has backend 'pipeline' but its backend_options describe "
+            f"no pipeline (they hold {have}): a pipeline needs backend_options.steps (the "
+            "models it runs, each a table of model, input_map and output_map) and "
+            "backend_options.inputs and .outputs (its tensors, each a table of name, dtype "
+            "and shape); set them, or another backend"
+        )
     unknown = sorted(set(options) - {"inputs", "outputs", "steps"})
     if unknown:
         raise ConfigError(

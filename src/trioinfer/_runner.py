@@ -91,6 +91,10 @@ _ki_protected = trio.lowlevel.enable_ki_protection
 #: How long closing instances may take at shutdown before we stop waiting.
 CLEANUP_S = 10.0
 
+#: ``request._state.batch`` of a queued request a batcher took from the queue and
+#: has not dispatched (nor given back): the requests lost with it if it raises.
+_HELD: Any = "held by the batcher"
+
 
 class _OwnScheduler(Protocol):
     # A scheduler as the engine holds it. By its contract a scheduler returns the
@@ -101,6 +105,28 @@ class _OwnScheduler(Protocol):
     def pop(self) -> Request: ...
     def remove(self, request: Request) -> bool: ...
     def __len__(self) -> int: ...
+
+
+@final
+class _Emptied:
+    # The scheduler of a model taken out of service (its own broke its contract): it
+    # holds nothing, ever. The model refuses requests before they reach it.
+    __slots__ = ()
+
+    def push(self, request: Request) -> None:
+        raise AssertionError("a model out of service admits no request")
+
+    def peek(self) -> Request:
+        raise IndexError
+
+    def pop(self) -> Request:
+        raise IndexError
+
+    def remove(self, request: Request) -> bool:
+        return False
+
+    def __len__(self) -> int:
+        return 0
 
 
 class _OwnBatcher(Protocol):
@@ -124,6 +150,7 @@ class RequestQueue(metaclass=NoPublicConstructor):
         "_levels",
         "_new_event",
         "_on_expired",
+        "_on_fault",
         "_scheduler",
         "_wakeup",
         "batched",
@@ -140,8 +167,12 @@ class RequestQueue(metaclass=NoPublicConstructor):
         preferred_batch_sizes: tuple[int, ...] = (),
         bounded_levels: tuple[int, ...] = (),
         uniform: bool = False,
+        on_fault: Callable[[str, Exception], object] | None = None,
     ) -> None:
         self._scheduler = cast(_OwnScheduler, scheduler)
+        # Told when the scheduler raises where its contract allows no error (the
+        # runner takes the model out of service); None: the error propagates.
+        self._on_fault = on_fault
         # Requests waiting per priority level, kept only for the levels with a bound
         # (a client may send any priority: counting every one would grow without end).
         self._levels: dict[int, int] | None = (
@@ -169,7 +200,28 @@ class RequestQueue(metaclass=NoPublicConstructor):
 
     def __len__(self) -> int:
         """Requests waiting (some may have expired and not yet been dropped)."""
-        return len(self._front) + len(self._scheduler)
+        try:
+            return len(self._front) + len(self._scheduler)
+        except Exception as exc:
+            self._scheduler_failed("__len__", exc)
+            return len(self._front)
+
+    def _scheduler_failed(self, method: str, exc: Exception) -> None:
+        # The scheduler raised where its contract allows no error: which requests it
+        # holds is unknown from here on. The runner takes the model out of service
+        # (every queued request fails); this queue is empty from then on, and its
+        # scheduler is never called again. Batchers see an empty queue, not the error.
+        if self._on_fault is None:
+            raise exc
+        self._empty()
+        self._on_fault(method, exc)
+
+    def _empty(self) -> None:
+        # The model was taken out of service: nothing waits here any more.
+        self._scheduler = _Emptied()
+        self._front.clear()
+        if self._levels is not None:
+            self._levels = dict.fromkeys(self._levels, 0)
 
     def _waiting_at(self, priority: int) -> int:
         assert self._levels is not None
@@ -193,6 +245,9 @@ class RequestQueue(metaclass=NoPublicConstructor):
                     request = scheduler.peek()
                 except IndexError:
                     raise anyio.WouldBlock from None
+                except Exception as exc:
+                    self._scheduler_failed("peek", exc)
+                    raise anyio.WouldBlock from None
             deadline = request.deadline
             if deadline == _INF:
                 return request
@@ -202,7 +257,11 @@ class RequestQueue(metaclass=NoPublicConstructor):
             if front:
                 front.popleft()
             else:
-                scheduler.pop()
+                try:
+                    scheduler.pop()
+                except Exception as exc:
+                    self._scheduler_failed("pop", exc)
+                    raise anyio.WouldBlock from None
             if self._levels is not None and request.priority in self._levels:
                 self._levels[request.priority] -= 1
             self._on_expired(request, now)
@@ -218,6 +277,10 @@ class RequestQueue(metaclass=NoPublicConstructor):
                     request = scheduler.pop()
                 except IndexError:
                     raise anyio.WouldBlock from None
+                except Exception as exc:
+                    self._scheduler_failed("pop", exc)
+                    raise anyio.WouldBlock from None
+            request._state.batch = _HELD  # (an expired one ends below: batch None again)
             self.taken += 1
             levels = self._levels
             if levels is not None and request.priority in levels:
@@ -247,6 +310,9 @@ class RequestQueue(metaclass=NoPublicConstructor):
                     request = scheduler.pop()
                 except IndexError:
                     break
+                except Exception as exc:
+                    self._scheduler_failed("pop", exc)
+                    break  # what it took failed with the rest of the queue
             expired = False
             if request.deadline != _INF:
                 if now is None:
@@ -258,6 +324,7 @@ class RequestQueue(metaclass=NoPublicConstructor):
                     front.appendleft(request)  # it heads the next batch
                     break
                 max_rows -= rows
+                request._state.batch = _HELD
                 taken.append(request)
             if levels is not None and request.priority in levels:
                 levels[request.priority] -= 1
@@ -271,6 +338,8 @@ class RequestQueue(metaclass=NoPublicConstructor):
         """Give back requests taken and not dispatched, to the head of the queue, in order."""
         # Only the engine makes requests, so any a batcher gives back is one of ours.
         back = [r for r in cast(Sequence[Request], requests) if r._state.status is _QUEUED]
+        for r in back:
+            r._state.batch = None  # no longer the batcher's
         self._front.extendleft(reversed(back))
         if self._levels is not None:
             for r in back:
@@ -290,7 +359,13 @@ class RequestQueue(metaclass=NoPublicConstructor):
             self._wakeup = None
 
     def _remove(self, request: Request) -> None:
-        removed = self._scheduler.remove(request)
+        # The runner's callers look at the request's status again after this: a
+        # scheduler that raised here has failed every queued request, this one too.
+        try:
+            removed = self._scheduler.remove(request)
+        except Exception as exc:
+            self._scheduler_failed("remove", exc)
+            return
         if not removed and request in self._front:
             self._front.remove(request)  # at most a batch's worth: a short scan
             removed = True
@@ -490,6 +565,12 @@ class ModelStatistics:
         cache: The model's use of the response cache, or ``None`` when it has
             ``response_cache`` off. Hits and coalesced requests are counted
             there only: they never reach the model's queue.
+        out_of_service: Why the model serves no more, or ``None`` while it does:
+            one of its plugins broke its contract so that its state cannot be
+            trusted (a scheduler that raised, a batcher that failed twice in a
+            row). Its queued requests failed, and every later one is refused
+            with a [`PluginContractError`][trioinfer.PluginContractError] saying
+            this, until the model is loaded again.
     """
 
     name: str
@@ -513,6 +594,7 @@ class ModelStatistics:
     fallbacks: Mapping[str, int] = attrs.field(factory=dict)
     cache: CacheStatistics | None = None
     inferences: int = 0
+    out_of_service: str | None = None
 
 
 @final
@@ -729,6 +811,11 @@ class ModelRunner(metaclass=NoPublicConstructor):
     _executing: list[tuple[Replica, float, int, float]] = attrs.field(factory=list, init=False)
     fallbacks: dict[str, int] = attrs.field(factory=dict, init=False)
     _serving: int = attrs.field(default=0, init=False)
+    #: Why the model is out of service (a plugin broke its contract so that its
+    #: state cannot be trusted), or None: every request is refused with it.
+    _fault: PluginContractError | None = attrs.field(default=None, init=False)
+    # next_batch() failures since a batch was last formed (see _batcher_failed).
+    _batcher_faults: int = attrs.field(default=0, init=False)
     _task_group: anyio.abc.TaskGroup | None = attrs.field(default=None, init=False)
     _queue_duration: _Histogram = attrs.field(
         factory=lambda: _Histogram(DURATION_BUCKETS), init=False
@@ -781,6 +868,7 @@ class ModelRunner(metaclass=NoPublicConstructor):
             self.batched,
             _preferred(self._instances[0], self.config.name),
             bounded_levels=tuple(self.config.queue_sizes),
+            on_fault=self._scheduler_failed,
         )
         self._turns = _Turns(self._new_event, self.queue)
         # The optional hooks (see trioinfer.abc), looked for once, at load.
@@ -789,9 +877,9 @@ class ModelRunner(metaclass=NoPublicConstructor):
         # Enough buffers for every instance to run a batch while the next is formed.
         self._pool = BufferPool(per_key=len(self._instances) + 1)
         if isinstance(self._scheduler, AttachableScheduler):
-            self._scheduler.attach(SchedulerContext._create(self))
+            self._attach("schedulers", self._scheduler.attach, SchedulerContext._create(self))
         if isinstance(self._fallback, AttachableFallback):
-            self._fallback.attach(FallbackContext._create(self))
+            self._attach("fallbacks", self._fallback.attach, FallbackContext._create(self))
         if self.config.sequence is not None:
             self._attach_sequencer(
                 self.config.sequence.hidden_inputs, self.config.sequence.hidden_outputs
@@ -834,7 +922,17 @@ class ModelRunner(metaclass=NoPublicConstructor):
             tuple(spec for spec in full.inputs if spec.name not in inputs),
             tuple(spec for spec in full.outputs if spec.name not in outputs),
         )
-        batcher.attach(SequenceContext._create(self))
+        self._attach("batchers", batcher.attach, SequenceContext._create(self))
+
+    def _attach(self, kind: Kind, attach: Callable[[Any], object], context: object) -> None:
+        # A plugin's attach() at load: it may refuse the model (a TrioInferError, a
+        # ConfigError most often); anything else it raises is a broken contract.
+        try:
+            attach(context)
+        except TrioInferError:
+            raise
+        except Exception as exc:
+            raise self._broken(kind, f"raised {type(exc).__name__} in attach(): {exc}") from exc
 
     @property
     def devices(self) -> tuple[str, ...]:
@@ -850,6 +948,11 @@ class ModelRunner(metaclass=NoPublicConstructor):
     def mean_execution_s(self) -> float:
         """A moving average of one execution's duration in seconds (0.0 before the first)."""
         return self._mean_execution_s
+
+    @property
+    def out_of_service(self) -> str | None:
+        """Why the model answers nothing (a plugin broke its contract), or None while it serves."""
+        return None if self._fault is None else str(self._fault)
 
     # -- the tasks ---------------------------------------------------------------
 
@@ -921,20 +1024,97 @@ class ModelRunner(metaclass=NoPublicConstructor):
                                 continue
                             batch = formed
                     except Exception as exc:
-                        # What it had taken is lost with it, so the model cannot go on:
-                        # the engine fails, naming the plugin, rather than hang callers.
-                        raise self._broken(
-                            "batchers", f"raised {type(exc).__name__} in next_batch(): {exc}"
-                        ) from exc
-                    if not batch:
-                        raise self._broken("batchers", "returned an empty batch")
-                    if not replica.serving:
-                        # Taken out while forming: the batch goes to a serving replica.
-                        self.queue.put_back(batch)
-                        if not self._serving:
-                            self._refuse_queued()
+                        # What it had taken fails with it; the engine and the model go on.
+                        await self._batcher_failed(
+                            f"raised {type(exc).__name__} in next_batch(): {exc}", exc
+                        )
                         continue
-                    await self._execute(replica, batch, scope)
+                    try:  # (one per batch: free in CPython 3.11 when nothing raises)
+                        if not batch:
+                            await self._batcher_failed("returned an empty batch", None)
+                            continue
+                        if not replica.serving:
+                            # Taken out while forming: the batch goes to a serving replica.
+                            self.queue.put_back(batch)
+                            if not self._serving:
+                                self._refuse_queued()
+                            continue
+                        await self._execute(replica, batch, scope)
+                    except Exception as exc:
+                        # Something that is no batch of its queue's requests: the
+                        # batcher's fault, which must not end the worker.
+                        wrong = _not_a_batch(batch)
+                        if wrong is None:
+                            raise  # the engine's own bug: let it be seen
+                        await self._batcher_failed(f"returned {wrong}", exc, batch)
+
+    async def _batcher_failed(self, what: str, exc: Exception | None, batch: object = ()) -> None:
+        """A batcher failed to form a batch: fail what it held, and maybe the model.
+
+        The requests it took from the queue and had not dispatched nor given back
+        fail with a `PluginContractError` naming it; the model goes on with its next
+        batch. A batcher that fails again with no batch formed in between (or whose
+        model is out of service already) cannot be trusted: the model is taken out
+        of service. Either way the worker checkpoints, so that a batcher failing at
+        once cannot keep the event loop. Requests of *batch* (what it returned, if
+        anything) that were marked running fail too.
+        """
+        error = self._fault
+        if error is None:
+            self._batcher_faults += 1
+            if self._batcher_faults > 1:
+                what += "; it failed again with no batch formed since, so it cannot be trusted"
+                error = self._broken("batchers", what, exc, log=False)
+                self._out_of_service(error)
+            else:
+                error = self._broken("batchers", what, exc)
+                for request in list(self._in_flight):
+                    state = request._state
+                    if state.status is _QUEUED and state.batch is _HELD:
+                        self.finish(request, error=_copy_error(error, cause=exc))
+        for request in batch if isinstance(batch, list | tuple) else ():
+            if isinstance(request, Request) and request._state.status is _RUNNING:
+                self.finish(request, error=_copy_error(error, cause=error.__cause__))
+        if self._fault is not None:
+            await anyio.sleep_forever()  # nothing left to form: the model is unloaded later
+        await anyio.lowlevel.checkpoint()
+
+    def _scheduler_failed(self, method: str, exc: Exception) -> None:
+        # The queue's report that its scheduler raised in *method*: the queue is
+        # empty already, its requests unknown; the model is taken out of service.
+        self._out_of_service(
+            self._broken(
+                "schedulers", f"raised {type(exc).__name__} in {method}(): {exc}", exc, log=False
+            )
+        )
+
+    def _out_of_service(self, error: PluginContractError) -> None:
+        """Take the model out of service: a plugin's state can no longer be trusted.
+
+        Every queued request fails with *error* (a copy each), and every later one
+        is refused with it (`admit`); running executions finish. Logged once, with
+        the plugin's traceback. The model stays loaded, answering nothing, until it
+        is unloaded or loaded again.
+        """
+        if self._fault is not None:
+            return
+        self._fault = error
+        self._serving = 0  # admit() refuses: its one check, no cost on the hot path
+        self.alone_ok = False
+        self.queue._empty()
+        failed = 0
+        for request in list(self._in_flight):
+            if request._state.status is _QUEUED:
+                self.finish(request, error=_copy_error(error, cause=error.__cause__))
+                failed += 1
+        logger.error(
+            "%s; model %r is out of service: %d queued requests failed, later ones are "
+            "refused, until the model is loaded again",
+            error,
+            self.config.name,
+            failed,
+            exc_info=error.__cause__,
+        )
 
     async def _execute(
         self, replica: Replica, batch: Sequence[Request], scope: anyio.CancelScope
@@ -953,6 +1133,7 @@ class ModelRunner(metaclass=NoPublicConstructor):
             state.status = _RUNNING
             state.batch = running
             live.append(request)
+        self._batcher_faults = 0  # it formed a batch
         if not live:
             return
         if len(live) > 1 and not self.batched:
@@ -979,6 +1160,17 @@ class ModelRunner(metaclass=NoPublicConstructor):
         except Exception as exc:
             if isinstance(exc, PluginContractError):  # e.g. from Execution.respond()
                 logger.error("%s", exc)
+            elif not isinstance(exc, TrioInferError) and not (
+                execution._raised is not None and any(exc is e for e in execution._raised)
+            ):
+                # Not a backend's error passed on: the fallback's own bug. Its batch
+                # fails, named after it; the model goes on with the next batch.
+                error = self._broken(
+                    "fallbacks", f"raised {type(exc).__name__} in execute(): {exc}", exc
+                )
+                for request in execution.pending():
+                    self.finish(request, error=_copy_error(error, cause=exc))
+                return
             for request in execution.pending():
                 self.finish(request, error=_backend_error(self.config.name, request, exc))
             return
@@ -992,8 +1184,14 @@ class ModelRunner(metaclass=NoPublicConstructor):
             for request in unanswered:
                 self.finish(request, error=_copy_error(error, cause=error.__cause__))
 
-    def _broken(self, kind: Kind, what: str) -> PluginContractError:
-        """A plugin of this model broke its contract: the error, logged with the plugin's name."""
+    def _broken(
+        self, kind: Kind, what: str, cause: BaseException | None = None, *, log: bool = True
+    ) -> PluginContractError:
+        """A plugin of this model broke its contract: the error, logged with the plugin's name.
+
+        *cause*: the plugin's own exception, chained and logged with its traceback
+        (by default the one being handled). ``log=False``: the caller logs it.
+        """
         plugin = {
             "schedulers": self.config.scheduler,
             "batchers": self.config.batcher,
@@ -1005,7 +1203,11 @@ class ModelRunner(metaclass=NoPublicConstructor):
             kind=kind,
             plugin=plugin,
         )
-        logger.error("%s", error, exc_info=sys.exc_info()[1])
+        if cause is None:
+            cause = sys.exc_info()[1]
+        error.__cause__ = cause
+        if log:
+            logger.error("%s", error, exc_info=cause)
         return error
 
     async def attempt(self, execution: Execution, replica: Replica) -> bool:
@@ -1086,6 +1288,13 @@ class ModelRunner(metaclass=NoPublicConstructor):
             finally:
                 if limiter is not None:
                     limiter.release()
+        except Exception as exc:
+            # A backend's error (or the engine's) for the fallback to handle: not its own.
+            if execution._raised is None:
+                execution._raised = [exc]
+            else:
+                execution._raised.append(exc)
+            raise
         finally:
             slot.release()
         if split is None:
@@ -1224,6 +1433,8 @@ class ModelRunner(metaclass=NoPublicConstructor):
             raise
         except Exception as exc:
             self.refused += 1
+            if self._fault is not None:  # its scheduler failed as this came (in len())
+                raise self._circuit_open() from None
             raise self._broken(
                 "schedulers", f"raised {type(exc).__name__} in push(): {exc}"
             ) from exc
@@ -1559,6 +1770,8 @@ class ModelRunner(metaclass=NoPublicConstructor):
         held = state.status is _QUEUED
         if held:
             self.queue._remove(request)
+            if state.status is _DONE:  # a scheduler that failed there failed it too
+                return
         elif state.status is _RUNNING:
             running: _Running = state.batch
             running.waiting -= 1
@@ -1587,6 +1800,8 @@ class ModelRunner(metaclass=NoPublicConstructor):
         state.abandoned = True
         if status is _QUEUED:
             self.queue._remove(request)
+            if state.status is _DONE:  # a scheduler that failed there failed it too
+                return
         else:
             running = state.batch
             if isinstance(running, _Running):
@@ -1636,6 +1851,8 @@ class ModelRunner(metaclass=NoPublicConstructor):
             return
         if state.status is _QUEUED:
             self.queue._remove(request)
+            if state.status is _DONE:  # a scheduler that failed there failed it too
+                return
         state.outputs, state.error = outputs, error
         if error is None:
             self.succeeded += 1
@@ -1728,6 +1945,8 @@ class ModelRunner(metaclass=NoPublicConstructor):
 
     def take_out(self, replica: Replica, reason: str, retry_after: float) -> None:
         """Stop dispatching to *replica*; see `FallbackContext.take_out`."""
+        if self._fault is not None:
+            return  # the whole model is out of service: no replica serves anyway
         replica._retry_at = self.clock.current_time() + max(retry_after, 0.0)
         if not replica.serving:
             replica.reason = reason
@@ -1745,7 +1964,7 @@ class ModelRunner(metaclass=NoPublicConstructor):
 
     def put_back(self, replica: Replica) -> None:
         """Return *replica* to service; see `FallbackContext.put_back`."""
-        if replica.serving:
+        if replica.serving or self._fault is not None:
             return
         replica.state, replica.reason = "serving", None
         replica._retry_at = math.inf
@@ -1755,7 +1974,18 @@ class ModelRunner(metaclass=NoPublicConstructor):
         if back is not None:
             back.set()
 
-    def _circuit_open(self) -> CircuitOpen:
+    def _circuit_open(self) -> TrioInferError:
+        # Why a request is refused when no replica serves: a breaker's, or the model's fault.
+        fault = self._fault
+        if fault is not None:
+            refusal = PluginContractError(
+                f"model {self.config.name!r} is out of service: {fault}; it refuses every "
+                "request until it is loaded again",
+                kind=fault.kind,
+                plugin=fault.plugin,
+            )
+            refusal.__cause__ = fault
+            return refusal
         now = self.clock.current_time()
         retry_after = max(min(r._retry_at for r in self.replicas) - now, 0.0)
         reasons = "; ".join(f"{r.label}: {r.reason}" for r in self.replicas)
@@ -1918,6 +2148,7 @@ class ModelRunner(metaclass=NoPublicConstructor):
             replicas=tuple(replica.statistics() for replica in self.replicas),
             fallbacks=dict(self.fallbacks),
             inferences=self.inferences,
+            out_of_service=self.out_of_service,
         )
 
 
@@ -2010,6 +2241,21 @@ def _probe_inputs(signature: ModelSignature) -> dict[str, Any]:
             np.full(shape, "", dtype=object) if dtype.kind == "O" else np.zeros(shape, dtype)
         )
     return arrays
+
+
+def _not_a_batch(batch: object) -> str | None:
+    # What a batcher returned instead of a batch of requests from its queue, or None.
+    try:
+        items = list(cast(Sequence[object], batch))
+    except Exception:
+        return f"a {type(batch).__name__!r} object, not a sequence of requests"
+    odd = [item for item in items if not isinstance(item, Request)]
+    if not odd:
+        return None
+    return (
+        f"a batch holding {len(odd)} {type(odd[0]).__name__!r} objects among its "
+        f"{len(items)} items, not requests taken from its queue"
+    )
 
 
 def _backend_error(model: str, request: Request, exc: Exception) -> TrioInferError:

@@ -721,8 +721,15 @@ class Scheduler(Protocol):
     block or await. Requests hash by identity. `push()` may refuse a request
     by raising a [`TrioInferError`][trioinfer.TrioInferError] such as
     [`DeadlineExceeded`][trioinfer.DeadlineExceeded]; the caller gets it at
-    once. Any other exception is a broken contract: the caller gets a
-    [`PluginContractError`][trioinfer.PluginContractError].
+    once. Any other exception `push()` raises is a broken contract: that
+    caller gets a [`PluginContractError`][trioinfer.PluginContractError], and
+    the model goes on. An exception from any other method (but the
+    ``IndexError`` of an empty scheduler) leaves the queue in a state nobody
+    can trust: the engine takes the model out of service. Its queued requests
+    fail with a `PluginContractError` naming the scheduler and the model (the
+    scheduler's exception chained), later ones are refused with it, it is
+    logged once with the traceback, and the engine and its other models go
+    on; loading the model again brings it back.
     """
 
     def push(self, request: Request) -> None:
@@ -813,9 +820,15 @@ class Batcher(Protocol):
         May be cancelled at any await; requests already taken must then be
         given back with ``queue.put_back()``, in the order they were taken,
         so that the scheduler's order holds. Any exception other than
-        cancellation is a broken contract: the model's worker stops and the
-        engine fails with a [`PluginContractError`][trioinfer.PluginContractError]
-        naming the batcher.
+        cancellation, an empty batch, or a batch of anything but the queue's
+        requests is a broken contract: the requests it had taken and not given
+        back (and those of the batch) fail with a
+        [`PluginContractError`][trioinfer.PluginContractError] naming the
+        batcher and the model, logged with the traceback, and the model asks
+        for its next batch. A batcher that breaks it again before it forms a
+        batch takes its model out of service (queued requests fail, later
+        ones are refused, until the model is loaded again). The engine and
+        its other models go on either way.
         """
         ...
 
@@ -911,8 +924,11 @@ class Fallback(Protocol):
         Requests still pending when it returns fail with a
         [`PluginContractError`][trioinfer.PluginContractError] (a fallback
         that answers nobody breaks its contract); when it raises, they fail
-        with that error (wrapped in [`BackendError`][trioinfer.BackendError]
-        unless it is a [`TrioInferError`][trioinfer.TrioInferError]). Must not
+        with that error: a [`TrioInferError`][trioinfer.TrioInferError] as it
+        is, a backend's exception from ``execution.run()`` passed on wrapped in
+        [`BackendError`][trioinfer.BackendError], and any other exception (the
+        fallback's own bug) wrapped in a `PluginContractError` naming the
+        fallback and logged with its traceback; the model goes on. Must not
         swallow cancellation: it means that every caller of the batch has
         left, or that the model is being unloaded.
         """

@@ -475,7 +475,7 @@ def model_metadata_document(
 
 async def _model_ready(request: Request, state: ServerState) -> Response:
     try:
-        _served(request, state)
+        served = _served(request, state)
     except ModelNotFound as exc:
         # The protocol answers "not ready" with a 4xx; a model the repository
         # holds but does not serve is not ready (400), one it lacks is unknown (404).
@@ -485,6 +485,10 @@ async def _model_ready(request: Request, state: ServerState) -> Response:
         except TrioInferError:
             return error_response(exc)
         return error_response(InvalidInput(f"model {model!r} is not ready: {exc}"))
+    reason = state.models.out_of_service(served)
+    if reason is not None:
+        # Loaded, but a plugin of it broke its contract: it answers nothing.
+        return error_response(InvalidInput(f"model {served.model!r} is not ready: {reason}"))
     return Response(status_code=200)
 
 

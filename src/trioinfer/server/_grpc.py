@@ -187,10 +187,10 @@ class _Service:
         def ready() -> bool:
             self._state.check_token(metadata, admin=False)
             try:
-                self._state.models.resolve(request.name, request.version or None)
+                served = self._state.models.resolve(request.name, request.version or None)
             except ModelNotFound:
                 return False
-            return True
+            return self._state.models.out_of_service(served) is None
 
         return pb.ModelReadyResponse(ready=await self._run(call, ready))
 

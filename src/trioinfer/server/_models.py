@@ -162,6 +162,17 @@ class ServedModels:
         """Every served version, by model then version."""
         return [s for model in sorted(self._served) for s in self.versions(model)]
 
+    def out_of_service(self, served: ServedVersion) -> str | None:
+        """Why *served* answers nothing (a plugin of it broke its contract), or None.
+
+        Such a version is not ready (HTTP and gRPC readiness say so) until loaded again.
+        """
+        try:
+            reason = self.engine.model(served.engine_name).out_of_service
+        except ModelNotFound:
+            return None  # unloaded meanwhile: resolve() says so next time
+        return None if reason is None else self.public_message(reason)
+
     def error(self, model: str) -> str:
         """Why the last load of *model* failed, or ``""``."""
         return self._errors.get(model, "")
@@ -290,7 +301,11 @@ class ServedModels:
                 and old.info.config == config  # a pipeline's steps may name other versions now
             ):
                 continue
-            info = await self.engine.load(config, replace=old is not None)
+            try:
+                info = await self.engine.load(config, replace=old is not None)
+            except ModelNotFound as exc:
+                self._say_why_a_step_is_missing(model, exc)
+                raise
             try:
                 _check_tensors(triton, info, model)
                 # A stateful model's control and state inputs, which its signature hides.
@@ -323,6 +338,16 @@ class ServedModels:
         self._set_traffic(model, traffic)
         for version in sorted(set(served) - set(wanted)):
             await self._unload_version(served, version)
+
+    def _say_why_a_step_is_missing(self, model: str, exc: ModelNotFound) -> None:
+        # A pipeline (a Triton ensemble) whose step model is not loaded: the engine can
+        # say only that ("no model named 'classifier' (version 2) is loaded"). When the
+        # step's own load failed, its reason is the answer: it replaces the message.
+        for step in self._steps(model):
+            reason = self._errors.get(step)
+            if reason and not self._served.get(step):
+                exc.args = (f"its step model {step!r} is not loaded: {reason}", *exc.args[1:])
+                return
 
     def _steps(self, model: str) -> list[str]:
         # The repository models a pipeline's steps name (none for other models).

@@ -1,0 +1,415 @@
+"""A plugin that breaks its contract at run time fails its requests, never the engine.
+
+A scheduler, batcher or fallback is third-party code running in a model's
+worker loop. When one raises (or returns what is no batch), the requests it
+touched end once with a `PluginContractError` naming the plugin and the model,
+its exception chained; the model goes on when it can, and is taken out of
+service (queued requests failed, later ones refused, logged once) when its
+state can no longer be trusted. The engine, and every other model, keep serving.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import shutil
+from pathlib import Path
+from typing import Any
+
+import anyio
+import httpx
+import numpy as np
+import pytest
+import trio
+import trio.testing
+
+import trioinfer
+from trioinfer import ModelConfig, open_engine
+from trioinfer.lowlevel import Execution, Request, RequestQueue
+from trioinfer.server import Listening, serve_http, status_for
+from trioinfer.testing import FakeBackend
+
+X = np.ones((1, 4), dtype=np.float32)
+
+
+def config(name: str = "m", **kw: Any) -> ModelConfig:
+    return ModelConfig(name=name, path="unused.onnx", backend="fake", **kw)
+
+
+class Breaks:
+    """A FIFO scheduler whose ``pop()`` (or ``remove()``) raises once told to."""
+
+    def __init__(self) -> None:
+        self._items: collections.deque[Request] = collections.deque()
+        self.pop_raises = False
+        self.remove_raises = False
+
+    def push(self, request: Request) -> None:
+        self._items.append(request)
+
+    def peek(self) -> Request:
+        if not self._items:
+            raise IndexError("empty")
+        return self._items[0]
+
+    def pop(self) -> Request:
+        if self.pop_raises:
+            raise RuntimeError("heap invariant violated")
+        if not self._items:
+            raise IndexError("empty")
+        return self._items.popleft()
+
+    def remove(self, request: Request) -> bool:
+        if self.remove_raises:
+            raise RuntimeError("index out of sync")
+        try:
+            self._items.remove(request)
+        except ValueError:
+            return False
+        return True
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+
+class Flaky:
+    """A batcher whose ``next_batch()`` raises for its next *failures* batches, holding one."""
+
+    def __init__(self) -> None:
+        self.failures = 0
+        self.junk = 0
+
+    async def next_batch(self, queue: RequestQueue) -> list[Any]:
+        while True:
+            await queue.wait_not_empty()
+            try:
+                request = queue.pop_nowait()
+            except anyio.WouldBlock:
+                continue
+            break
+        if self.failures:
+            self.failures -= 1
+            raise ZeroDivisionError("bad batch arithmetic")
+        if self.junk:
+            self.junk -= 1
+            return [request, "not a request"]
+        return [request]
+
+
+def registry(backend: FakeBackend, **plugins: dict[str, Any]) -> trioinfer.Registry:
+    """A registry of *backend* as "fake" and of *plugins*: by kind, then name, each a factory."""
+    return trioinfer.Registry(extra={"backends": {"fake": lambda: backend}, **plugins})
+
+
+async def outcome(engine: trioinfer.Engine, model: str) -> BaseException | None:
+    """What engine.infer() ends with: None for outputs, else its error."""
+    try:
+        out = await engine.infer(model, {"x": X})
+    except trioinfer.TrioInferError as exc:
+        return exc
+    np.testing.assert_array_equal(out["y"], 2 * X)
+    return None
+
+
+def errors(caplog: pytest.LogCaptureFixture) -> list[logging.LogRecord]:
+    return [r for r in caplog.records if r.levelno >= logging.ERROR and r.name == "trioinfer"]
+
+
+async def test_a_scheduler_whose_pop_raises_takes_its_model_out_of_service(
+    autojump_clock: trio.testing.MockClock, caplog: pytest.LogCaptureFixture
+) -> None:
+    made: list[Breaks] = []
+
+    def make() -> Breaks:
+        made.append(Breaks())
+        return made[-1]
+
+    backend = FakeBackend(delay=1.0)
+    with trio.fail_after(60):
+        async with open_engine(registry=registry(backend, schedulers={"breaks": make})) as engine:
+            await engine.load(config(scheduler="breaks"))
+            await engine.load(config("other"))
+            results: list[BaseException | None] = []
+
+            async def call() -> None:
+                results.append(await outcome(engine, "m"))
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(call)  # runs for 1 s
+                await trio.sleep(0.5)
+                for _ in range(3):
+                    nursery.start_soon(call)  # queued behind it
+                await trio.sleep(0.1)
+                made[-1].pop_raises = True
+            # The running request was answered; every queued caller got the clear
+            # error, and none was left waiting.
+            assert len(results) == 4
+            failed = [error for error in results if error is not None]
+            assert len(failed) == 3
+            for error in failed:
+                assert isinstance(error, trioinfer.PluginContractError)
+                assert (error.kind, error.plugin) == ("schedulers", "breaks")
+                assert "scheduler 'breaks' of model 'm' broke its contract" in str(error)
+                assert "RuntimeError in pop(): heap invariant violated" in str(error)
+                assert isinstance(error.__cause__, RuntimeError)
+                assert status_for(error) == 500
+            # Later requests are refused at once, saying why.
+            refused = await outcome(engine, "m")
+            assert isinstance(refused, trioinfer.PluginContractError)
+            assert "model 'm' is out of service: scheduler 'breaks'" in str(refused)
+            # The engine and the other model go on.
+            assert await outcome(engine, "other") is None
+            stats = engine.statistics().models["m"]
+            assert (stats.succeeded, stats.failed, stats.refused) == (1, 3, 1)
+            assert stats.queued == 0
+            assert stats.in_flight == 0
+            assert stats.out_of_service is not None
+            assert "scheduler 'breaks'" in stats.out_of_service
+            assert engine.statistics().models["other"].out_of_service is None
+            assert engine.model("m").out_of_service == stats.out_of_service
+            # Loaded again (a fresh scheduler), the model serves again.
+            await engine.load(config(scheduler="breaks"), replace=True)
+            assert await outcome(engine, "m") is None
+    # Logged once, with the scheduler's traceback.
+    [record] = errors(caplog)
+    assert "model 'm' is out of service" in record.getMessage()
+    assert record.exc_info is not None
+    assert isinstance(record.exc_info[1], RuntimeError)
+
+
+async def test_a_scheduler_whose_remove_raises_as_a_caller_leaves(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    scheduler = Breaks()
+    backend = FakeBackend(delay=10.0)
+    with trio.fail_after(60):
+        async with open_engine(
+            registry=registry(backend, schedulers={"breaks": lambda: scheduler})
+        ) as engine:
+            await engine.load(config(scheduler="breaks"))
+            results: list[BaseException | None] = []
+
+            async def call() -> None:
+                results.append(await outcome(engine, "m"))
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(call)  # runs for 10 s
+                await trio.sleep(1)
+                scheduler.remove_raises = True
+                with trio.move_on_after(1) as scope:
+                    await engine.infer("m", {"x": X})  # queued, then its caller leaves
+                assert scope.cancelled_caught  # the caller's own cancellation, untouched
+                refused = await outcome(engine, "m")
+                assert isinstance(refused, trioinfer.PluginContractError)
+                assert "remove()" in str(refused)
+            # The execution already running finished and answered its caller.
+            assert results == [None]
+            stats = engine.statistics().models["m"]
+            assert (stats.succeeded, stats.refused, stats.in_flight) == (1, 1, 0)
+
+
+async def test_a_batcher_that_raises_once_fails_what_it_held_and_the_model_goes_on(
+    autojump_clock: trio.testing.MockClock, caplog: pytest.LogCaptureFixture
+) -> None:
+    batcher = Flaky()
+    with trio.fail_after(60):
+        async with open_engine(
+            registry=registry(FakeBackend(), batchers={"flaky": lambda: batcher})
+        ) as e:
+            await e.load(config(batcher="flaky"))
+            batcher.failures = 1
+            error = await outcome(e, "m")
+            assert isinstance(error, trioinfer.PluginContractError)
+            assert (error.kind, error.plugin) == ("batchers", "flaky")
+            assert "batcher 'flaky' of model 'm' broke its contract" in str(error)
+            assert "ZeroDivisionError in next_batch(): bad batch arithmetic" in str(error)
+            assert isinstance(error.__cause__, ZeroDivisionError)
+            assert await outcome(e, "m") is None
+            stats = e.statistics().models["m"]
+            assert (stats.succeeded, stats.failed, stats.out_of_service) == (1, 1, None)
+    [record] = errors(caplog)
+    assert record.exc_info is not None
+    assert isinstance(record.exc_info[1], ZeroDivisionError)
+
+
+async def test_a_batcher_that_fails_twice_in_a_row_takes_its_model_out(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    batcher = Flaky()
+    with trio.fail_after(60):
+        async with open_engine(
+            registry=registry(FakeBackend(), batchers={"flaky": lambda: batcher})
+        ) as e:
+            await e.load(config(batcher="flaky"))
+            await e.load(config("other"))
+            batcher.failures = 2
+            first, second = await outcome(e, "m"), await outcome(e, "m")
+            assert isinstance(first, trioinfer.PluginContractError)
+            assert isinstance(second, trioinfer.PluginContractError)
+            assert "failed again with no batch formed since" in str(second)
+            refused = await outcome(e, "m")
+            assert isinstance(refused, trioinfer.PluginContractError)
+            assert "model 'm' is out of service: batcher 'flaky'" in str(refused)
+            assert await outcome(e, "other") is None
+            stats = e.statistics().models["m"]
+            assert (stats.failed, stats.refused) == (2, 1)
+            assert stats.out_of_service is not None
+
+
+async def test_a_batcher_that_returns_something_else_than_requests(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    batcher = Flaky()
+    with trio.fail_after(60):
+        async with open_engine(
+            registry=registry(FakeBackend(), batchers={"flaky": lambda: batcher})
+        ) as e:
+            await e.load(config(batcher="flaky"))
+            batcher.junk = 1
+            error = await outcome(e, "m")
+            assert isinstance(error, trioinfer.PluginContractError)
+            assert "returned a batch holding 1 'str' objects among its 2 items" in str(error)
+            assert await outcome(e, "m") is None  # it goes on
+            stats = e.statistics().models["m"]
+            assert (stats.succeeded, stats.failed) == (1, 1)
+
+
+async def test_a_batcher_that_returns_empty_batches(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    class Empty:
+        async def next_batch(self, queue: RequestQueue) -> list[Request]:
+            await queue.wait_not_empty()
+            return []  # breaks the contract: a batch has at least one request
+
+    with trio.fail_after(60):
+        async with open_engine(registry=registry(FakeBackend(), batchers={"empty": Empty})) as e:
+            await e.load(config(batcher="empty"))
+            await e.load(config("other"))
+            error = await outcome(e, "m")
+            assert isinstance(error, trioinfer.PluginContractError)
+            assert "returned an empty batch" in str(error)
+            assert await outcome(e, "other") is None
+
+
+async def test_a_fallback_that_raises_fails_its_batch_naming_it(
+    autojump_clock: trio.testing.MockClock, caplog: pytest.LogCaptureFixture
+) -> None:
+    class Buggy:
+        def __init__(self) -> None:
+            self.calls = 0
+
+        async def execute(self, execution: Execution) -> None:
+            self.calls += 1
+            if self.calls == 1:
+                raise KeyError("replica 7")
+            await execution.run()
+
+    with trio.fail_after(60):
+        async with open_engine(registry=registry(FakeBackend(), fallbacks={"buggy": Buggy})) as e:
+            await e.load(config(fallback="buggy"))
+            error = await outcome(e, "m")
+            assert isinstance(error, trioinfer.PluginContractError)
+            assert (error.kind, error.plugin) == ("fallbacks", "buggy")
+            assert "fallback 'buggy' of model 'm' broke its contract" in str(error)
+            assert "KeyError in execute()" in str(error)
+            assert isinstance(error.__cause__, KeyError)
+            assert await outcome(e, "m") is None
+            stats = e.statistics().models["m"]
+            assert (stats.succeeded, stats.failed, stats.out_of_service) == (1, 1, None)
+    [record] = errors(caplog)
+    assert record.exc_info is not None
+    assert isinstance(record.exc_info[1], KeyError)
+
+
+async def test_a_backend_error_passed_on_by_a_fallback_is_the_backends(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    class PassesOn:
+        async def execute(self, execution: Execution) -> None:
+            await execution.run()
+
+    backend = FakeBackend()
+    with trio.fail_after(60):
+        async with open_engine(registry=registry(backend, fallbacks={"on": PassesOn})) as e:
+            await e.load(config(fallback="on"))
+            backend.error = RuntimeError("device on fire")
+            error = await outcome(e, "m")
+            assert type(error) is trioinfer.BackendError
+            assert "device on fire" in str(error)
+
+
+async def test_a_plugin_whose_attach_raises_fails_the_load_naming_it() -> None:
+    class Unattachable(Breaks):
+        def attach(self, context: object) -> None:
+            raise TypeError("attach() takes no context")
+
+    async with open_engine(
+        registry=registry(FakeBackend(), schedulers={"u": Unattachable})
+    ) as engine:
+        with pytest.raises(trioinfer.PluginContractError, match=r"scheduler 'u'.*attach\(\)"):
+            await engine.load(config(scheduler="u"))
+
+
+def _repository(root: Path) -> Path:
+    source = trioinfer.example_repository() / "digits"
+    shutil.copytree(source, root / "digits")
+    (root / "digits" / "config.toml").write_text('name = "digits"\nscheduler = "breaks"\n')
+    shutil.copytree(source, root / "small")
+    (root / "small" / "config.toml").write_text('name = "small"\n')
+    return root
+
+
+async def test_over_http_the_server_stays_up_and_answers_500(tmp_path: Path) -> None:
+    from trioinfer_onnxruntime import OnnxRuntimeBackend
+
+    scheduler = Breaks()
+    scheduler.pop_raises = True
+    plugins = trioinfer.Registry(
+        extra={
+            "backends": {"onnxruntime": OnnxRuntimeBackend},
+            "schedulers": {"breaks": lambda: scheduler},
+        }
+    )
+    images, _ = trioinfer.digits_samples()
+    body = {
+        "inputs": [
+            {
+                "name": "input",
+                "datatype": "FP32",
+                "shape": [1, 64],
+                "data": [float(v) for v in images[0].ravel()],
+            }
+        ]
+    }
+    with trio.fail_after(60):
+        async with trio.open_nursery() as nursery:
+            stop = trio.Event()
+            listening: Listening = await nursery.start(
+                lambda task_status: serve_http(
+                    _repository(tmp_path),
+                    port=0,
+                    registry=plugins,
+                    handle_signals=False,
+                    shutdown=stop,
+                    task_status=task_status,
+                )
+            )
+            async with httpx.AsyncClient(base_url=listening.urls[0]) as client:
+                response = await client.post("/v2/models/digits/infer", json=body)
+                assert response.status_code == 500
+                assert "scheduler 'breaks' of model 'digits" in response.json()["error"]
+                assert "RuntimeError in pop()" in response.json()["error"]
+                response = await client.post("/v2/models/digits/infer", json=body)
+                assert response.status_code == 500
+                assert "out of service" in response.json()["error"]
+                response = await client.post("/v2/models/small/infer", json=body)
+                assert response.status_code == 200
+                # The model is loaded but not ready; the server and its other models are.
+                response = await client.get("/v2/models/digits/ready")
+                assert response.status_code == 400
+                assert "is not ready: scheduler 'breaks'" in response.json()["error"]
+                assert (await client.get("/v2/models/small/ready")).status_code == 200
+                assert (await client.get("/v2/health/ready")).status_code == 200
+                assert (await client.get("/v2/health/live")).status_code == 200
+            stop.set()
