@@ -93,6 +93,17 @@ class Sync:
         return {"y": inputs["x"] + 1}
 
 
+class Steps(trio.abc.Instrument):
+    """Counts the times *task* resumes: its yields to the event loop, as they end."""
+
+    def __init__(self, task: trio.lowlevel.Task) -> None:
+        self.task = task
+        self.count = 0
+
+    def before_task_step(self, task: trio.lowlevel.Task) -> None:
+        self.count += task is self.task
+
+
 def inline(name: str, **parameters: Any) -> ModelConfig:
     # A Sync model whose infer runs on the event loop: its instance never suspends.
     return model(
@@ -621,15 +632,7 @@ async def test_an_inline_onnx_step_yields_before_it_claims_its_instance(
     monkeypatch.setattr(trioinfer._runner.ModelRunner, "admit", counting)
     async with open_engine() as engine:
         await load(engine, *_onnx_chain(add_model))
-        me = trio.lowlevel.current_task()
-
-        class Yields(trio.abc.Instrument):
-            count = 0
-
-            def before_task_step(self, task: trio.lowlevel.Task) -> None:
-                self.count += task is me
-
-        yields = Yields()
+        yields = Steps(trio.lowlevel.current_task())
         trio.lowlevel.add_instrument(yields)
         try:
             for _ in range(3):
@@ -746,15 +749,7 @@ async def test_a_step_that_waited_for_its_answer_restarts_the_inline_slice(
     )
     async with open_engine() as engine:
         await load(engine, inline("a"), queued, inline("b"), chain("a", "q", "b"))
-        me = trio.lowlevel.current_task()
-
-        class Steps(trio.abc.Instrument):
-            count = 0
-
-            def before_task_step(self, task: trio.lowlevel.Task) -> None:
-                self.count += task is me
-
-        steps = Steps()
+        steps = Steps(trio.lowlevel.current_task())
         trio.lowlevel.add_instrument(steps)
         try:
             out = await engine.infer("p", {"IN": X})

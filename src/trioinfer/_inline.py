@@ -24,6 +24,10 @@ class _Slice(threading.local):
 
 
 _slice = _Slice()
+
+#: The slice (seconds) the engine keeps for an `trioinfer.abc.InlineInstance` that
+#: has no ``inline_budget_s`` of its own: ONNX Runtime's default budget.
+DEFAULT_SLICE_S = 250e-6
 _wall = time.perf_counter  # the loop is held for wall time
 
 

@@ -40,8 +40,8 @@ from ._exceptions import (
     QueueFull,
     TrioInferError,
 )
+from ._inline import DEFAULT_SLICE_S, inline_slice_spent
 from ._inline import _slice as _inline_slice
-from ._inline import inline_slice_spent
 from ._registry import Kind
 from ._request import Outputs, Request, make_request
 from ._tensors import InputLimits, ModelSignature, rows_validator
@@ -1511,7 +1511,7 @@ class ModelRunner(metaclass=NoPublicConstructor):
         and every caller that came by would queue. Its caller yields first
         instead (`restart_inline_slice` after), then asks `idle_replica` again.
         An inline instance without a budget of its own never yields: its
-        caller yields for it once `INLINE_BUDGET_S` is spent.
+        caller yields for it once `DEFAULT_SLICE_S` is spent.
         """
         instance = replica._backend_instance
         if getattr(instance, "runs_inline", False) is not True:
@@ -1522,7 +1522,7 @@ class ModelRunner(metaclass=NoPublicConstructor):
             # yields, and requests whose every step runs so would never park; the
             # engine keeps the slice for it, lest callers looping on a pipeline of
             # such steps keep every other task waiting.
-            budget = INLINE_BUDGET_S
+            budget = DEFAULT_SLICE_S
         return inline_slice_spent(budget)
 
     async def run_here(
@@ -2150,11 +2150,6 @@ class ModelRunner(metaclass=NoPublicConstructor):
             inferences=self.inferences,
             out_of_service=self.out_of_service,
         )
-
-
-#: The inline slice (seconds) the engine keeps for an `trioinfer.abc.InlineInstance`
-#: that has no ``inline_budget_s`` of its own: ONNX Runtime's default.
-INLINE_BUDGET_S = 250e-6
 
 
 #: The first-party plugins that pass a lone request on an idle instance straight
