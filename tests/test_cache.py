@@ -355,6 +355,9 @@ async def test_the_server_reports_hits_in_triton_statistics_and_metrics(tmp_path
     assert answers[0]["outputs"] == answers[2]["outputs"]
     inference = stats["model_stats"][0]["inference_stats"]
     assert (inference["cache_hit"]["count"], inference["cache_miss"]["count"]) == (2, 1)
+    # As in Triton, the hits are successes too: three requests got outputs.
+    assert inference["success"]["count"] == 3
+    assert inference["success"]["ns"] >= inference["cache_hit"]["ns"] > 0
     samples = {
         s.name: s.value
         for family in text_string_to_metric_families(metrics)
