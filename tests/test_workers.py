@@ -557,3 +557,43 @@ def test_workers_trace_with_the_servers_trace_settings(repository: Path, tmp_pat
     # The console exporter prints each span as JSON on the workers' stdout at exit.
     names = re.findall(r'"name": "([^"]+)"', "".join(printed))
     assert names.count("infer digits.v1") == 4, names
+
+
+def test_a_restarted_worker_serves_what_the_others_do_not_what_is_on_disk(
+    tmp_path: Path,
+) -> None:
+    # A model added to the repository after start, and not loaded through the API,
+    # was loaded by a worker that restarted (it read the whole repository again):
+    # the workers then served different models, by connection.
+    repository = tmp_path / "repository"
+    shutil.copytree(example_repository() / "digits", repository / "digits")
+    log = tmp_path / "serve.log"
+    process, next_line = start(repository, log, "--workers", "2")
+    try:
+        while True:
+            line = next_line()
+            assert line is not None, log.read_text()
+            found = re.search(r"2 workers \(pids \d+, (\d+)\) listening on (\S+)", line)
+            if found:
+                break
+        victim, url = int(found.group(1)), found.group(2)
+        shutil.copytree(repository / "digits", repository / "late")
+        (repository / "late" / "config.toml").unlink()  # it names digits
+        os.kill(victim, signal.SIGKILL)
+        wait_until(lambda: worker_pids(url).get("1", victim) != victim, "worker 1 is back")
+        for _ in range(12):
+            ready = fresh("POST", f"{url}/v2/repository/index", json={"ready": True}).json()
+            assert [row["name"] for row in ready] == ["digits"]
+        # Loading it through the API serves it on both, the restarted one included.
+        assert fresh("POST", f"{url}/v2/repository/models/late/load").status_code == 200
+        for _ in range(12):
+            assert fresh("GET", f"{url}/v2/models/late/ready").status_code == 200
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=WAIT_S) == 0, log.read_text()
+    finally:
+        if process.poll() is None:
+            workers = _children_of(process.pid)
+            process.kill()
+            process.wait()
+            for pid in workers:
+                os.kill(pid, signal.SIGKILL)

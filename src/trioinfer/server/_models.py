@@ -16,7 +16,7 @@ import logging
 import random
 import re
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any, Final, final
 
 import anyio
@@ -191,12 +191,14 @@ class ServedModels:
         """Note that *served* just answered a request (for the statistics endpoint)."""
         self.last_inference_ms[served.model, served.version] = time.time_ns() // 1_000_000
 
-    async def load_all(self) -> list[str]:
-        """Load every model in the repository; return the names that failed (logged)."""
+    async def load_all(self, names: Sequence[str] | None = None) -> list[str]:
+        """Load every model in the repository (or *names*); return those that failed (logged)."""
         failed = []
         if (hint := self.repository.layout_hint()) is not None:
             log.warning("%s", hint)
-        for name in self._in_dependency_order(self.repository.names()):
+        for name in self._in_dependency_order(
+            self.repository.names() if names is None else list(names)
+        ):
             try:
                 await self.load(name)
             except TrioInferError as exc:

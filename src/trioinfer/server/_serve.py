@@ -152,7 +152,9 @@ async def serve_http(
     ):
         served = ServedModels(engine, repo)
         if models is None:
-            failed = await served.load_all()
+            # A restarted worker loads what the first workers loaded at start, not
+            # every model on disk now (then takes the changes made since).
+            failed = await served.load_all(worker.start_models if worker is not None else None)
         else:
             failed = []
             for name in models:

@@ -240,8 +240,17 @@ class WorkerLink:
     HTTP routes call the rest (see ``ServerState.cluster``).
     """
 
-    def __init__(self, index: int, directory: Path, supervisor_pid: int) -> None:
+    def __init__(
+        self,
+        index: int,
+        directory: Path,
+        supervisor_pid: int,
+        start_models: Sequence[str] | None = None,
+    ) -> None:
         self.index = index
+        #: For a worker that restarts: the models the first workers served at start,
+        #: to load instead of every model in the repository (None: every model).
+        self.start_models = start_models
         self._directory = directory
         self._supervisor_pid = supervisor_pid
         self._state: ServerState | None = None
@@ -540,7 +549,12 @@ class _Supervisor:
             worker.ready = True
             worker.listening = message
             log.info("worker %d (pid %d) is ready", worker.index, worker.pid)
-            if all(w.ready for w in self.workers):
+            if all(w.ready for w in self.workers) and not self.all_ready.is_set():
+                if self.spec["models"] is None:
+                    # A worker that restarts loads what these loaded at start, not
+                    # the repository as it is on disk then: a model added since, and
+                    # never loaded through the API, would be served by it alone.
+                    self.spec["start_models"] = sorted(message["models"])
                 self.all_ready.set()
             return {"ok": True}
         if op == "failed":
@@ -846,7 +860,7 @@ def _worker_main(argv: list[str]) -> int:
         trace_rate=tracing[1] if tracing else 1.0,
     )
     directory = Path(spec["directory"])
-    link = WorkerLink(index, directory, spec["supervisor_pid"])
+    link = WorkerLink(index, directory, spec["supervisor_pid"], spec.get("start_models"))
 
     async def serve() -> None:
         async with anyio.create_task_group() as tg:
