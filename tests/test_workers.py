@@ -597,3 +597,84 @@ def test_a_restarted_worker_serves_what_the_others_do_not_what_is_on_disk(
             process.wait()
             for pid in workers:
                 os.kill(pid, signal.SIGKILL)
+
+
+ACCUMULATOR_CONFIG = """\
+# A stateful Python model: OUTPUT is the running sum of its sequence's INPUTs.
+backend = "python"
+batcher = "sequence"
+
+[backend_options]
+dispatch = "inline"
+inputs = [
+    { name = "INPUT", dtype = "INT32", shape = ["batch", 1] },
+    { name = "START", dtype = "INT32", shape = ["batch", 1] },
+    { name = "STATE_IN", dtype = "INT32", shape = ["batch", 1] },
+]
+outputs = [
+    { name = "OUTPUT", dtype = "INT32", shape = ["batch", 1] },
+    { name = "STATE_OUT", dtype = "INT32", shape = ["batch", 1] },
+]
+
+[sequence]
+control = { start = "START" }
+state = [{ input = "STATE_IN", output = "STATE_OUT" }]
+"""
+
+ACCUMULATOR_MODEL = """\
+import numpy as np
+
+
+class Model:
+    def infer(self, inputs):
+        carried = np.where(inputs["START"] != 0, 0, inputs["STATE_IN"])
+        total = (carried + inputs["INPUT"]).astype(np.int32)
+        return {"OUTPUT": total, "STATE_OUT": total}
+"""
+
+
+def test_a_sequence_that_reaches_another_worker_says_why_it_is_unknown(tmp_path: Path) -> None:
+    # Each worker keeps its own sequences: a sequence's request over a new connection
+    # may reach another worker, which answered "no sequence in progress: a sequence's
+    # first request must set sequence_start" to a client that had set it.
+    repository = tmp_path / "repository"
+    (repository / "accumulator" / "1").mkdir(parents=True)
+    (repository / "accumulator" / "config.toml").write_text(ACCUMULATOR_CONFIG)
+    (repository / "accumulator" / "1" / "model.py").write_text(ACCUMULATOR_MODEL)
+    log = tmp_path / "serve.log"
+    process, next_line = start(repository, log, "--workers", "2")
+
+    def send(url: str, start: bool) -> httpx.Response:
+        body = {
+            "parameters": {"sequence_id": 7, "sequence_start": start},
+            "inputs": [{"name": "INPUT", "shape": [1, 1], "datatype": "INT32", "data": [1]}],
+        }
+        return fresh("POST", f"{url}/v2/models/accumulator/infer", json=body)
+
+    try:
+        while True:
+            line = next_line()
+            assert line is not None, log.read_text()
+            found = re.search(r"2 workers \(pids \d+, \d+\) listening on (\S+)", line)
+            if found:
+                break
+        url = found.group(1)
+        assert send(url, start=True).status_code == 200
+        answers = [send(url, start=False) for _ in range(16)]
+        refused = [a for a in answers if a.status_code != 200]
+        assert 0 < len(refused) < len(answers)  # the other worker's connections
+        for answer in refused:
+            assert answer.status_code == 400
+            assert "has no sequence 7 in progress" in answer.json()["error"]
+            assert "runs 2 worker processes, each with its own sequences" in answer.json()["error"]
+            assert "serve stateful models with --workers 1" in answer.json()["error"]
+        assert "model 'accumulator' is stateful ([sequence]) and served by 2" in log.read_text()
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=WAIT_S) == 0, log.read_text()
+    finally:
+        if process.poll() is None:
+            workers = _children_of(process.pid)
+            process.kill()
+            process.wait()
+            for pid in workers:
+                os.kill(pid, signal.SIGKILL)

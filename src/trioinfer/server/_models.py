@@ -24,7 +24,7 @@ import attrs
 
 from .._config import PIPELINE, ModelConfig
 from .._engine import Engine, ModelInfo
-from .._exceptions import ConfigError, ModelNotFound, TrioInferError
+from .._exceptions import ConfigError, ModelNotFound, SequenceError, TrioInferError
 from .._tensors import ModelSignature
 from ._codec import v2_datatype
 from ._errors import without_host_paths
@@ -95,6 +95,8 @@ class ServedModels:
     )
     #: Picks a version by weight for requests without a routing key (seed it in tests).
     rng: random.Random = attrs.field(factory=random.Random)
+    #: This process's place among ``trioinfer serve --workers N``'s: (its index, N), or None.
+    worker: tuple[int, int] | None = attrs.field(default=None, kw_only=True)
 
     def resolve(
         self, model: str, version: str | None = None, *, key: str | None = None
@@ -185,6 +187,15 @@ class ServedModels:
         absolute path is left (see `without_host_paths`).
         """
         message = public_names(str(error) or type(error).__name__)
+        if isinstance(error, SequenceError) and self.worker is not None:
+            # Each worker keeps its own sequences: a request that reached another
+            # worker than its sequence's first one finds none, whatever it sent.
+            message += (
+                f" (this server runs {self.worker[1]} worker processes, each with its own "
+                f"sequences, and this request reached worker {self.worker[0]}: a sequence's "
+                "requests must all reach the worker that started it, over one connection; "
+                "serve stateful models with --workers 1)"
+            )
         return without_host_paths(message, str(self.repository.root))
 
     def mark_inference(self, served: ServedVersion) -> None:
@@ -303,6 +314,15 @@ class ServedModels:
                 and old.info.config == config  # a pipeline's steps may name other versions now
             ):
                 continue
+            if config.sequence is not None and self.worker is not None and self.worker[0] == 0:
+                log.warning(
+                    "model %r is stateful ([sequence]) and served by %d worker processes, each "
+                    "with its own sequences: a sequence whose requests reach another worker "
+                    "than its first one (a new connection, or one the server closed while "
+                    "idle) fails with SequenceError; serve it with --workers 1",
+                    model,
+                    self.worker[1],
+                )
             try:
                 info = await self.engine.load(config, replace=old is not None)
             except ModelNotFound as exc:

@@ -193,7 +193,9 @@ async def _serve_engine(
             trace_rate=config.trace_rate,
         ) as engine,
     ):
-        served = ServedModels(engine, repo)
+        served = ServedModels(
+            engine, repo, worker=None if worker is None else (worker.index, worker.count)
+        )
         if models is None:
             # A restarted worker loads what the first workers loaded at start, not
             # every model on disk now (then takes the changes made since).

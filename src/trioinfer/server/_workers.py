@@ -246,8 +246,12 @@ class WorkerLink:
         directory: Path,
         supervisor_pid: int,
         start_models: Sequence[str] | None = None,
+        *,
+        count: int = 2,
     ) -> None:
         self.index = index
+        #: How many workers serve (N of ``--workers N``).
+        self.count = count
         #: For a worker that restarts: the models the first workers served at start,
         #: to load instead of every model in the repository (None: every model).
         self.start_models = start_models
@@ -761,6 +765,7 @@ async def serve_workers(
         "host": host,
         "port": port,
         "models": None if models is None else list(models),
+        "workers": workers,
         "loop": loop,
         "log_level": log_level,
         "directory": str(directory),
@@ -860,7 +865,9 @@ def _worker_main(argv: list[str]) -> int:
         trace_rate=tracing[1] if tracing else 1.0,
     )
     directory = Path(spec["directory"])
-    link = WorkerLink(index, directory, spec["supervisor_pid"], spec.get("start_models"))
+    link = WorkerLink(
+        index, directory, spec["supervisor_pid"], spec.get("start_models"), count=spec["workers"]
+    )
 
     async def serve() -> None:
         async with anyio.create_task_group() as tg:
