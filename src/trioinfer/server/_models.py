@@ -13,6 +13,7 @@ import bisect
 import hashlib
 import itertools
 import logging
+import math
 import random
 import re
 import time
@@ -152,7 +153,10 @@ class ServedModels:
             self._traffic.pop(model, None)
             return
         numbers = tuple(v for v, _ in chosen)
-        bounds = tuple(itertools.accumulate(w for _, w in chosen))
+        # Weights near a float's limit (1e308 each) would add up to infinity, and
+        # every request would fail to pick a version: those go relative to the largest.
+        scale = max(w for _, w in chosen) if math.isinf(sum(w for _, w in chosen)) else 1.0
+        bounds = tuple(itertools.accumulate(w / scale for _, w in chosen))
         self._traffic[model] = (numbers, bounds)
 
     def versions(self, model: str) -> list[ServedVersion]:
