@@ -2078,10 +2078,10 @@ async def test_closing_says_what_it_waits_for_when_an_execution_cannot_stop(
 
         nursery.start_soon(send)
         with trio.fail_after(WAIT_S):
-            while not (tmp_path / "stuck" / "1" / "running").exists():
+            while not (tmp_path / "stuck" / "1" / "running").exists():  # noqa: ASYNC110  # a file, or a log line: no event
                 await trio.sleep(0.01)
             stop.set()
-            while not said("still closing the engine"):
+            while not said("still closing the engine"):  # noqa: ASYNC110  # a file, or a log line: no event
                 await trio.sleep(0.01)
         (tmp_path / "stuck" / "1" / "go").touch()
     assert said("a second SIGINT or SIGTERM stops at once")
