@@ -14,7 +14,7 @@ import functools
 import logging
 import os
 import signal
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import anyio
@@ -140,51 +140,9 @@ async def serve_http(
     repo = ModelRepository(repository)
     if not reuse_port:
         await _check_ports(host, port, grpc_port)
-    async with anyio.create_task_group() as closing:
-        await _serve_engine(
-            repo, host, port, config, registry, models, handle_signals, shutdown,
-            grpc_port, reuse_port, worker, serve_grpc, closing, task_status,
-        )  # fmt: skip
-        closing.cancel_scope.cancel()  # closed: no need to say it is slow
-
-
-#: How long closing the engine may take, after serving stopped, before the log says
-#: what it waits for (executions that cannot be interrupted).
-CLOSE_NOTICE_S = 5.0
-
-
-async def _say_what_closing_waits_for() -> None:
-    # An execution on a thread (a Python model's plain def infer, say) runs to its
-    # end whatever cancels it, and the engine waits for it: without this line the
-    # process would seem to hang after "closing the engine".
-    await anyio.sleep(CLOSE_NOTICE_S)
-    log.warning(
-        "still closing the engine %.0fs after serving stopped: waiting for executions that "
-        "cannot be interrupted (a Python model's plain def infer runs to its end on its "
-        "thread); a second SIGINT or SIGTERM stops at once",
-        CLOSE_NOTICE_S,
-    )
-
-
-async def _serve_engine(
-    repo: ModelRepository,
-    host: str,
-    port: int,
-    config: ServerConfig,
-    registry: Registry | None,
-    models: Sequence[str] | None,
-    handle_signals: bool,
-    shutdown: anyio.Event | None,
-    grpc_port: int | None,
-    reuse_port: bool,
-    worker: WorkerLink | None,
-    serve_grpc: Any,
-    closing: anyio.abc.TaskGroup,
-    task_status: anyio.abc.TaskStatus[Listening],
-) -> None:
-    # serve_http's body: the engine, its models, and the layers until they stop.
     async with (
         _public_names_in_logs(),
+        _watch_the_close() as watch_the_close,
         open_engine(
             registry=registry,
             drain_period=config.drain_period,
@@ -255,7 +213,34 @@ async def _serve_engine(
             # The HTTP layer is closing its listener and draining its connections;
             # when it returns, nothing is left to wait for.
         log.info("stopped serving; closing the engine")
-        closing.start_soon(_say_what_closing_waits_for)
+        watch_the_close()
+
+
+#: How long closing the engine may take, after serving stopped, before the log says
+#: what it waits for (executions that cannot be interrupted).
+CLOSE_NOTICE_S = 5.0
+
+
+@contextlib.asynccontextmanager
+async def _watch_the_close() -> AsyncIterator[Callable[[], None]]:
+    # Yields a function to call once serving has stopped: if what follows (the
+    # engine's close) takes longer than CLOSE_NOTICE_S, the log says why.
+    async with anyio.create_task_group() as tg:
+        yield functools.partial(tg.start_soon, _say_what_closing_waits_for)
+        tg.cancel_scope.cancel()  # closed: nothing to say
+
+
+async def _say_what_closing_waits_for() -> None:
+    # An execution on a thread (a Python model's plain def infer, say) runs to its
+    # end whatever cancels it, and the engine waits for it: without this line the
+    # process would seem to hang after "closing the engine".
+    await anyio.sleep(CLOSE_NOTICE_S)
+    log.warning(
+        "still closing the engine %.0fs after serving stopped: waiting for executions that "
+        "cannot be interrupted (a Python model's plain def infer runs to its end on its "
+        "thread); a second SIGINT or SIGTERM stops at once",
+        CLOSE_NOTICE_S,
+    )
 
 
 def _grpc_layer() -> Any:
