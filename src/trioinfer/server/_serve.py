@@ -222,7 +222,7 @@ CLOSE_NOTICE_S = 5.0
 
 
 @contextlib.asynccontextmanager
-async def _watch_the_close() -> AsyncIterator[Callable[[], None]]:
+async def _watch_the_close() -> AsyncIterator[Callable[[], object]]:
     # Yields a function to call once serving has stopped: if what follows (the
     # engine's close) takes longer than CLOSE_NOTICE_S, the log says why.
     async with anyio.create_task_group() as tg:
