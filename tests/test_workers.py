@@ -490,6 +490,37 @@ async def test_a_change_some_workers_refuse_is_an_error_that_names_them(tmp_path
         tg.cancel_scope.cancel()
 
 
+async def test_a_worker_that_dies_while_serve_stops_is_not_started_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A SIGTERM during a dead worker's restart delay started it anyway ("started
+    # worker 0" after "stopping 2 workers"), only to be told to stop at once.
+    from trioinfer.server import _workers
+
+    supervisor = _Supervisor(1, tmp_path, {})
+    supervisor.all_ready.set()
+    started = []
+
+    class Died:
+        pid = 4242
+        returncode = -signal.SIGKILL
+
+        async def wait(self) -> int:
+            supervisor.workers[0].ready = True
+            supervisor.stop.set()  # the signal, while it was dying
+            return self.returncode
+
+    async def open_process(*args: Any, **kwargs: Any) -> Died:
+        started.append(args)
+        supervisor.stopping = len(started) > 1  # as stop_all would, a moment later
+        return Died()
+
+    monkeypatch.setattr(_workers.anyio, "open_process", open_process)
+    with anyio.fail_after(WAIT_S):
+        await supervisor.run_worker(supervisor.workers[0])
+    assert len(started) == 1
+
+
 @pytest.mark.parametrize(
     ("kind", "expected"),
     [("ModelNotFound", ModelNotFound), ("RequestError", TrioInferError), ("Nonsense", None)],

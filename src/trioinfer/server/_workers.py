@@ -514,6 +514,10 @@ class _Supervisor:
             )
             with anyio.move_on_after(delay):
                 await self.stop.wait()
+            if self.stop.is_set():
+                # Stopping: `stopping` may not be set yet (stop_all runs after this
+                # wakes), and a worker started now would only be told to stop.
+                return
 
     def _fail(self, message: str) -> None:
         if self.failure is None:
