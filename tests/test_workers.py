@@ -598,6 +598,8 @@ def test_a_restarted_worker_serves_what_the_others_do_not_what_is_on_disk(
     # the workers then served different models, by connection.
     repository = tmp_path / "repository"
     shutil.copytree(example_repository() / "digits", repository / "digits")
+    (repository / "broken" / "1").mkdir(parents=True)
+    (repository / "broken" / "1" / "model.onnx").write_bytes(b"not an ONNX file")
     log = tmp_path / "serve.log"
     process, next_line = start(repository, log, "--workers", "2")
     try:
@@ -613,8 +615,11 @@ def test_a_restarted_worker_serves_what_the_others_do_not_what_is_on_disk(
         os.kill(victim, signal.SIGKILL)
         wait_until(lambda: worker_pids(url).get("1", victim) != victim, "worker 1 is back")
         for _ in range(12):
-            ready = fresh("POST", f"{url}/v2/repository/index", json={"ready": True}).json()
-            assert [row["name"] for row in ready] == ["digits"]
+            rows = fresh("POST", f"{url}/v2/repository/index").json()
+            assert [row["name"] for row in rows if row["state"] == "READY"] == ["digits"]
+            # The model that failed at start says why on both, not "unloaded" on one.
+            (broken,) = [row for row in rows if row["name"] == "broken"]
+            assert broken["reason"].startswith("failed to load 'broken'"), broken
         # Loading it through the API serves it on both, the restarted one included.
         assert fresh("POST", f"{url}/v2/repository/models/late/load").status_code == 200
         for _ in range(12):

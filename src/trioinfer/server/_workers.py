@@ -252,8 +252,9 @@ class WorkerLink:
         self.index = index
         #: How many workers serve (N of ``--workers N``).
         self.count = count
-        #: For a worker that restarts: the models the first workers served at start,
-        #: to load instead of every model in the repository (None: every model).
+        #: For a worker that restarts: the models the first workers loaded (or failed
+        #: to load) at start, to load instead of every model in the repository (None:
+        #: every model).
         self.start_models = start_models
         self._directory = directory
         self._supervisor_pid = supervisor_pid
@@ -561,8 +562,9 @@ class _Supervisor:
                 if self.spec["models"] is None:
                     # A worker that restarts loads what these loaded at start, not
                     # the repository as it is on disk then: a model added since, and
-                    # never loaded through the API, would be served by it alone.
-                    self.spec["start_models"] = sorted(message["models"])
+                    # never loaded through the API, would be served by it alone. (It
+                    # tries those that failed too, to give the same reason for them.)
+                    self.spec["start_models"] = sorted({*message["models"], *message["failed"]})
                 self.all_ready.set()
             return {"ok": True}
         if op == "failed":
