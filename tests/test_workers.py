@@ -313,6 +313,11 @@ def test_a_killed_worker_is_restarted_and_its_requests_fail_cleanly(served: Serv
     wait_until(lambda: worker_pids(url).get("1", victim) != victim, "worker 1 is back")
     assert not alive(victim)
     assert f"worker 1 (pid {victim}) was killed by SIGKILL" in served.log.read_text()
+    # It loaded digits once, with the override of its last load: not from the file,
+    # then again (two copies at once) when the change was repeated to it.
+    after = served.log.read_text().split(f"started worker 1 (pid {worker_pids(url)['1']})")[1]
+    assert after.count("worker 1 trioinfer.server INFO loaded model 'digits'") == 1
+    assert "worker 1 trioinfer.server INFO reloaded model 'digits'" not in after
     for _ in range(12):
         assert infer_digit(url).status_code == 200
         # The restarted worker took the changes made before it started.

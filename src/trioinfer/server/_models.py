@@ -206,8 +206,13 @@ class ServedModels:
         """Note that *served* just answered a request (for the statistics endpoint)."""
         self.last_inference_ms[served.model, served.version] = time.time_ns() // 1_000_000
 
-    async def load_all(self, names: Sequence[str] | None = None) -> list[str]:
-        """Load every model in the repository (or *names*); return those that failed (logged)."""
+    async def load_all(
+        self, names: Sequence[str] | None = None, overrides: Mapping[str, Any] | None = None
+    ) -> list[str]:
+        """Load every model in the repository (or *names*); return those that failed (logged).
+
+        *overrides* gives models a config override to load with, as `load` takes it.
+        """
         failed = []
         if (hint := self.repository.layout_hint()) is not None:
             log.warning("%s", hint)
@@ -215,7 +220,7 @@ class ServedModels:
             self.repository.names() if names is None else list(names)
         ):
             try:
-                await self.load(name)
+                await self.load(name, (overrides or {}).get(name))
             except TrioInferError as exc:
                 log.error("%s", exc)  # noqa: TRY400  # it says "failed to load" and why, in full
                 failed.append(name)

@@ -154,14 +154,18 @@ async def serve_http(
         served = ServedModels(
             engine, repo, worker=None if worker is None else (worker.index, worker.count)
         )
+        # A restarted worker loads what the first workers loaded at start, not every
+        # model on disk now, each with its last load's override (then takes the
+        # changes made since).
+        overrides = worker.start_overrides if worker is not None else {}
         if models is None:
-            # A restarted worker loads what the first workers loaded at start, not
-            # every model on disk now (then takes the changes made since).
-            failed = await served.load_all(worker.start_models if worker is not None else None)
+            failed = await served.load_all(
+                worker.start_models if worker is not None else None, overrides
+            )
         else:
             failed = []
             for name in models:
-                await served.load(name)
+                await served.load(name, overrides.get(name))
         in_flight = InFlight()
         state = ServerState(served, config, Metrics(served, in_flight), in_flight, cluster=worker)
         app = create_app(state)

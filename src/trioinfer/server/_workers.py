@@ -248,10 +248,14 @@ class WorkerLink:
         start_models: Sequence[str] | None = None,
         *,
         count: int = 2,
+        start_overrides: Mapping[str, Any] | None = None,
     ) -> None:
         self.index = index
         #: How many workers serve (N of ``--workers N``).
         self.count = count
+        #: For a worker that restarts: the config override of each model whose last
+        #: change was a load, to load it with at start (the journal repeats it later).
+        self.start_overrides: Mapping[str, Any] = start_overrides or {}
         #: For a worker that restarts: the models the first workers loaded (or failed
         #: to load) at start, to load instead of every model in the repository (None:
         #: every model).
@@ -466,7 +470,7 @@ class _Supervisor:
                 stdin=None,
                 stdout=None,
                 stderr=None,
-                env={**os.environ, SPEC_ENV: json.dumps(self.spec)},
+                env={**os.environ, SPEC_ENV: json.dumps(self._spec_for_a_start())},
                 # Its own session: a terminal's Ctrl+C reaches the supervisor
                 # alone, which then stops the workers once, in order.
                 start_new_session=True,
@@ -519,6 +523,19 @@ class _Supervisor:
                 # Stopping: `stopping` may not be set yet (stop_all runs after this
                 # wakes), and a worker started now would only be told to stop.
                 return
+
+    def _spec_for_a_start(self) -> dict[str, Any]:
+        # A worker that restarts loads each model whose last change was a load with
+        # that load's override at once: loading it from disk, then again when the
+        # journal is replayed, would hold two copies of it for a while (on a GPU,
+        # perhaps more than fits) and take twice as long. The replay then finds
+        # nothing to do.
+        overrides = {
+            key: change["override"]
+            for key, change in self.journal.items()
+            if isinstance(key, str) and change["op"] == "load"
+        }
+        return {**self.spec, "start_overrides": overrides} if overrides else self.spec
 
     def _fail(self, message: str) -> None:
         if self.failure is None:
@@ -872,7 +889,12 @@ def _worker_main(argv: list[str]) -> int:
     )
     directory = Path(spec["directory"])
     link = WorkerLink(
-        index, directory, spec["supervisor_pid"], spec.get("start_models"), count=spec["workers"]
+        index,
+        directory,
+        spec["supervisor_pid"],
+        spec.get("start_models"),
+        count=spec["workers"],
+        start_overrides=spec.get("start_overrides"),
     )
 
     async def serve() -> None:
