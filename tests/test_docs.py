@@ -144,7 +144,7 @@ EXPECTED_OUTPUT = {
         "metrics: slow v1 cancelled: 1",
         "metrics: slow v1 deadline_exceeded: 1",
         "metrics: slow v1 success: 2",
-        "stats: slow v1: 2 succeeded,",
+        "stats: slow v1: 2 succeeded, 2 executions,",
         "unload slow: 200",
         "errors: 404 Request for unknown model: 'slow' is not served; served models: 'digits', "
         "'mlp'",

@@ -888,6 +888,7 @@ def test_deadline_and_cancel_withdraw_requests(
 def check_deadline_and_cancel(client: triton.InferenceServerClient, server: Server) -> None:
     pending0, executions0, cancelled0 = slow_state(server)
     assert pending0 == 0
+    stats0 = client.get_inference_statistics("slow", "1").model_stats[0]
     blocker: queue.Queue[tuple[Any, Any]] = queue.Queue()
     call = client.async_infer(
         "slow", slow_input(BLOCKER_ROWS), lambda result, error: blocker.put((result, error))
@@ -908,6 +909,10 @@ def check_deadline_and_cancel(client: triton.InferenceServerClient, server: Serv
     _pending, executions, cancelled = slow_state(server)
     assert executions == executions0 + 1
     assert cancelled - cancelled0 == 2
+    # Triton's execution_count and inference_count count what answered: nothing did.
+    stats = client.get_inference_statistics("slow", "1").model_stats[0]
+    assert stats.execution_count == stats0.execution_count
+    assert stats.inference_count == stats0.inference_count
 
 
 def raw_h2_call(

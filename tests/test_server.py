@@ -1563,8 +1563,10 @@ def test_client_that_leaves_while_queued_is_never_computed(
         assert during.executions == state_before.executions + 1, "only the blocker ran"
     stats_after = model_stats(http, "slow")
     state_after = slow_state(http)
-    # The blocker started once (and was aborted); neither queued request ever reached it.
-    assert stats_after["execution_count"] - stats_before["execution_count"] == 1
+    # The blocker started once and was aborted: Triton's execution_count counts only
+    # executions that answered, so it is unchanged; neither queued request ever ran.
+    assert stats_after["execution_count"] == stats_before["execution_count"]
+    assert state_after.executions - state_before.executions == 1
     queue_counts = (
         stats_before["inference_stats"]["queue"]["count"],
         stats_after["inference_stats"]["queue"]["count"],
@@ -1678,6 +1680,7 @@ def test_metrics(http: httpx.Client) -> None:
         "trioinfer_inference_requests": "counter",
         "trioinfer_http_inference_in_flight": "gauge",
         "trioinfer_inference_executions": "counter",
+        "trioinfer_inference_executions_succeeded": "counter",
         "trioinfer_inferences": "counter",
         "trioinfer_inference_queue_depth": "gauge",
         "trioinfer_inference_pending": "gauge",
@@ -1698,6 +1701,7 @@ def test_metrics(http: httpx.Client) -> None:
     assert value(families, requests, model="", version="", outcome="not_found") >= 1
     assert not samples(families, requests, model="nowhere")
     assert value(families, "trioinfer_inference_executions_total", **counted) == 3
+    assert value(families, "trioinfer_inference_executions_succeeded_total", **counted) == 3
     assert value(families, "trioinfer_inference_queue_depth", **counted) == 0
     assert value(families, "trioinfer_inference_pending", **counted) == 0
     assert value(families, "trioinfer_instances", device="cpu", state="serving", **counted) == 1

@@ -811,7 +811,8 @@ def model_stats(state: ServerState, model: str | None, version: str | None) -> l
                     (served.model, served.version), 0
                 ),
                 "inference_count": stats.inferences,
-                "execution_count": stats.executions,
+                # Triton's: executions that answered, not every one started.
+                "execution_count": stats.successful_executions,
                 "inference_stats": {
                     "success": _duration(stats.succeeded, stats.request_duration.sum),
                     "fail": _duration(stats.failed + stats.expired + stats.refused, 0.0),
