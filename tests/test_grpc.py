@@ -606,6 +606,10 @@ def test_model_control_and_token(client: triton.InferenceServerClient) -> None:
     with pytest.raises(InferenceServerException) as bad_config:
         client.load_model("add", headers=auth, config='"parameters": {"config": {{')
     assert bad_config.value.status() == "StatusCode.INVALID_ARGUMENT"
+    with pytest.raises(InferenceServerException) as too_many:
+        client.load_model("add", headers=auth, config='{"instances": [{"count": 100000}]}')
+    assert too_many.value.status() == "StatusCode.INVALID_ARGUMENT"
+    assert "count 100000 is more than a model may have: at most 256" in too_many.value.message()
     with pytest.raises(InferenceServerException) as upload:
         client.load_model("add", headers=auth, config="{}", files={"file:" + "A" * 256: b"a"})
     assert upload.value.status() == "StatusCode.INVALID_ARGUMENT"

@@ -819,6 +819,11 @@ def test_load_with_config_override(client: triton.InferenceServerClient) -> None
             client.load_model("mlp", config=json.dumps({"no_such_key": 1}))
         assert caught.value.status() == "400"
         assert "no_such_key" in caught.value.message()
+        # A count past the bound is refused before any instance is made.
+        with pytest.raises(InferenceServerException) as caught:
+            client.load_model("mlp", config=json.dumps({"instances": [{"count": 100_000}]}))
+        assert caught.value.status() == "400"
+        assert "count 100000 is more than a model may have: at most 256" in caught.value.message()
         # A failed load leaves the served version as it was.
         assert client.get_model_config("mlp")["trioinfer"]["max_queue_size"] == 7
     finally:

@@ -739,6 +739,10 @@ def test_bad_triton_configs_are_named(client: httpclient.InferenceServerClient) 
         ),
         ("instance_group [ { kind: KIND_GPU gpus: [0, 0] } ]", "distinct GPU numbers"),
         ("instance_group [ { kind: KIND_MODEL } ]", "KIND_MODEL is not supported"),
+        (
+            "instance_group [ { kind: KIND_CPU count: 100000 } ]",
+            "instance_group count 100000 is more than a model may have: at most 256",
+        ),
         ('instance_group [ { kind: KIND_CPU profile: "p" } ]', "sets profile"),
         ('output [ { name: "y" reshape { shape: [1] } } ]', "output 'y' sets reshape"),
         ("max_batch_size: 2\ndynamic_batching { priority_levels: 2 }", "default_priority_level"),

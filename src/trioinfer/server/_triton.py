@@ -27,6 +27,7 @@ from typing import Any, Final
 
 import attrs
 
+from .._config import MAX_INSTANCES
 from .._exceptions import ConfigError
 
 __all__ = ["TRITON_FIELDS", "TritonModel"]
@@ -706,6 +707,11 @@ def _instances(group: Any, where: str) -> list[dict[str, Any]]:
     count = group.count or 1
     if count < 0:
         raise ConfigError(f"{where}: instance_group count must be >= 1, got {group.count}")
+    if count > MAX_INSTANCES:
+        raise ConfigError(
+            f"{where}: instance_group count {count} is more than a model may have: "
+            f"at most {MAX_INSTANCES}"
+        )
     kind = group.kind  # 0 AUTO, 1 GPU, 2 CPU, 3 MODEL
     if kind == 3:
         raise ConfigError(f"{where}: instance_group kind KIND_MODEL is not supported")
