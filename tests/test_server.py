@@ -713,6 +713,29 @@ def datatype_values(datatype: str) -> npt.NDArray[Any]:
     return np.array([[info_i.min, info_i.max, 0], [1, 2, 3]], dtype=dtype)
 
 
+def test_an_integer_wider_than_64_bits_is_a_400(http: httpx.Client) -> None:
+    # orjson reads 2**70 as a float: the answer says what was wrong with the number
+    # sent, not with a float the client never wrote.
+    body = (
+        b'{"inputs":[{"name":"x","shape":[1,3],"datatype":"INT64",'
+        b'"data":[1,2,1180591620717411303424]}]}'
+    )
+    response = http.post("/v2/models/identity_int64/infer", content=body)
+    assert response.status_code == 400
+    assert error_of(response) == (
+        "input 'x': INT64 data must be integers from -9223372036854775808 to "
+        "9223372036854775807; got a number past the 64-bit range (about 1.18059e+21)"
+    )
+    edges = {"name": "x", "shape": [1, 3], "datatype": "INT64", "data": [-(2**63), 2**63 - 1, 0]}
+    response = http.post("/v2/models/identity_int64/infer", json={"inputs": [edges]})
+    assert response.status_code == 200, response.text
+    assert response.json()["outputs"][0]["data"] == [-(2**63), 2**63 - 1, 0]
+    top = {"name": "x", "shape": [1, 3], "datatype": "UINT64", "data": [2**64 - 1, 0, 1]}
+    response = http.post("/v2/models/identity_uint64/infer", json={"inputs": [top]})
+    assert response.status_code == 200, response.text
+    assert response.json()["outputs"][0]["data"] == [2**64 - 1, 0, 1]
+
+
 @pytest.mark.parametrize("binary", [False, True], ids=["json", "binary"])
 @pytest.mark.parametrize("datatype", list(V2_TYPES))
 def test_every_datatype_round_trips(
