@@ -306,6 +306,9 @@ class TritonModel:
         priority_levels: ``dynamic_batching.priority_levels`` (0: none).
         default_priority_level: The level of requests that name none (1 is the highest).
         notes: Fields accepted without effect, said once in the log.
+        model_filename: The model file's name in each version directory:
+            ``default_model_filename``, or ``None`` for the backend's own
+            (``model.onnx``).
     """
 
     doc: Mapping[str, Any]
@@ -315,6 +318,7 @@ class TritonModel:
     priority_levels: int = 0
     default_priority_level: int = 0
     notes: tuple[str, ...] = ()
+    model_filename: str | None = None
 
     @classmethod
     def parse(cls, source: str | Mapping[str, Any], *, name: str, where: str) -> TritonModel:
@@ -426,11 +430,7 @@ def _translate(message: Any, doc: dict[str, Any], name: str, where: str) -> Trit
         )
     elif present & {"platform", "backend"}:
         settings["backend"] = "onnxruntime"
-    if message.default_model_filename not in ("", "model.onnx"):
-        raise ConfigError(
-            f"{where}: default_model_filename {message.default_model_filename!r} is not "
-            "supported; trioinfer reads <version>/model.onnx"
-        )
+    model_filename = _model_filename(message.default_model_filename, ensemble, where, notes)
     max_batch = message.max_batch_size
     if max_batch < 0:
         raise ConfigError(f"{where}: max_batch_size must be >= 0, got {max_batch}")
@@ -570,7 +570,37 @@ def _translate(message: Any, doc: dict[str, Any], name: str, where: str) -> Trit
             versions = {"specific": list(message.version_policy.specific.versions)}
         else:
             versions = "all"
-    return TritonModel(doc, settings, versions, labels, levels, default_level, tuple(notes))
+    return TritonModel(
+        doc,
+        settings,
+        versions,
+        labels,
+        levels,
+        default_level,
+        tuple(notes),
+        model_filename,
+    )
+
+
+def _model_filename(value: str, ensemble: bool, where: str, notes: list[str]) -> str | None:
+    # Triton's default_model_filename: the model file's name in each version directory
+    # (model.onnx unless it says otherwise). A plain name: it must not lead elsewhere.
+    if not value or value == "model.onnx":
+        return None
+    if ensemble:
+        notes.append("default_model_filename has no effect: an ensemble has no model file")
+        return None
+    if (
+        len(value) > 255
+        or value in (".", "..")
+        or any(c in value for c in "/\\\0")
+        or not value.isprintable()
+    ):
+        raise ConfigError(
+            f"{where}: default_model_filename must be a file name in the version "
+            f"directory, e.g. 'model.onnx' (no directories); got {value[:64]!r}"
+        )
+    return value
 
 
 #: Triton's control kinds as the ``[sequence]`` table's ``control`` keys.
