@@ -115,6 +115,7 @@ async def test_an_idle_inline_model_runs_the_request_in_its_callers_task(
         s = engine.statistics().models["a"]
         assert _counts(s) == (2, 0, 0, 0, 0, 0, 2, 2, 0, 2, 2, 2, 2, 4, 4)
         assert s.queue_duration.sum == 0.0
+        assert s.successful_executions == 2
 
 
 @pytest.mark.parametrize(
@@ -153,7 +154,7 @@ async def test_a_failing_inline_request_ends_once_counted_and_the_instance_serve
         assert Where.tasks == [_task()] * 2  # given back after the first: the second ran here too
         s = engine.statistics().models["a"]
         assert (s.succeeded, s.failed, s.in_flight, s.executions) == (0, 2, 0, 2)
-        assert s.replicas[0].failures == 2
+        assert (s.replicas[0].failures, s.successful_executions) == (2, 0)
 
 
 async def test_a_request_past_its_deadline_is_never_computed(
