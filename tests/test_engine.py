@@ -254,6 +254,24 @@ async def test_exit_with_an_exception_skips_the_drain(
         assert trio.current_time() == t0 + 1
     assert info.value.args[0].closing
     assert outcomes == ["closed"]
+
+async def test_a_group_from_the_callers_own_nursery_leaves_the_block_as_raised(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    # The engine's task group, cancelled on the way out, re-raises a copy of a group
+    # (trio splits Cancelled out of it): the block must still hand back the caller's
+    # group as it was, not that copy wrapped in a second group.
+    backend = FakeBackend(delay=10.0)
+    with pytest.RaisesGroup(KeyError) as info:  # exactly one level: the caller's nursery's
+        async with open_engine(registry=backend.registry()) as engine:
+            await engine.load(fake_config())
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(partial(engine.infer, "m", {"x": X}))
+                await trio.sleep(1)
+                raise KeyError("mine")
+    assert info.value.exceptions[0].args == ("mine",)
+    assert backend.open_instances == 0
+
     assert backend.open_instances == 0
 
 

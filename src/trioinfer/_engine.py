@@ -9,7 +9,7 @@ Nothing the engine started outlives the block.
 from __future__ import annotations
 
 import math
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from typing import TYPE_CHECKING, Any, Final, NoReturn, final
 
@@ -1017,10 +1017,20 @@ def _pipeline_steps(runner: ModelRunner | Pipeline | None) -> tuple[Step, ...]:
 
 
 def _only(group: BaseExceptionGroup[BaseException], error: BaseException) -> bool:
-    return all(
-        leaf is error or (isinstance(leaf, BaseExceptionGroup) and _only(leaf, error))
-        for leaf in group.exceptions
-    )
+    # Whether every leaf of *group* is a leaf of *error*. Not identity of the groups:
+    # a cancel scope on the way out (the task group's own, once cancelled) splits
+    # Cancelled out of a group and so re-raises a copy of the caller's group (an
+    # ExceptionGroup from the caller's own nursery), with the same leaves.
+    mine = {id(leaf) for leaf in _leaves(error)}
+    return all(id(leaf) in mine for leaf in _leaves(group))
+
+
+def _leaves(error: BaseException) -> Iterator[BaseException]:
+    if isinstance(error, BaseExceptionGroup):
+        for inner in error.exceptions:
+            yield from _leaves(inner)
+    else:
+        yield error
 
 
 async def _load_instances(backend: Backend, config: ModelConfig) -> list[BackendInstance]:
