@@ -255,6 +255,7 @@ async def test_exit_with_an_exception_skips_the_drain(
     assert info.value.args[0].closing
     assert outcomes == ["closed"]
 
+
 async def test_a_group_from_the_callers_own_nursery_leaves_the_block_as_raised(
     autojump_clock: trio.testing.MockClock,
 ) -> None:

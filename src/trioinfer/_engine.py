@@ -9,9 +9,10 @@ Nothing the engine started outlives the block.
 from __future__ import annotations
 
 import math
+import operator
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
-from typing import TYPE_CHECKING, Any, Final, NoReturn, final
+from typing import TYPE_CHECKING, Any, Final, NoReturn, SupportsIndex, final
 
 import anyio
 import anyio.abc
@@ -421,7 +422,8 @@ class Engine:
 
         Raises:
             ModelNotFound: No model of that name is loaded.
-            InvalidInput: The inputs do not fit the model's signature or limits.
+            InvalidInput: The inputs do not fit the model's signature or limits, or
+                *priority* is not an integer, or *tenant* or *request_id* not a string.
             SequenceError: The request does not fit its sequence (none in
                 progress, released after being idle, ended, or broken by an
                 earlier request that was not computed).
@@ -434,6 +436,10 @@ class Engine:
                 circuit breaker took them out); ``retry_after`` says when to try again.
             EngineClosed: The engine is closing, or closed before the request ended.
         """
+        if priority.__class__ is not int or not (
+            tenant.__class__ in _STR_OR_NONE and request_id.__class__ in _STR_OR_NONE
+        ):
+            priority = _checked_arguments(model, priority, tenant, request_id)
         runner = self._plain.get(model)
         if runner is not None and sequence is None:
             # The common case, in this one frame: what _submit and ModelRunner.call
@@ -526,7 +532,9 @@ class Engine:
 
         Raises:
             ModelNotFound: (Entering) no model of that name is loaded.
-            InvalidInput: (Entering) the inputs do not fit the model's signature.
+            InvalidInput: (Entering) the inputs do not fit the model's signature, or
+                *priority*, *tenant* or *request_id* is of the wrong type (raised at
+                the call, before entering).
             QueueFull: (Entering) the model has ``max_queue_size`` streams open.
             CircuitOpen: (Entering) every instance is out of service.
             BackendError: (Iterating) the model raised; the responses before it
@@ -538,6 +546,7 @@ class Engine:
         ``ModelNotFound`` and ``EngineClosed``; its other errors, those of
         `infer()`, come from the iteration.
         """
+        priority = _checked_arguments(model, priority, tenant, request_id)
         return open_stream(self, model, inputs, priority, tenant, request_id)
 
     async def infer_detailed(
@@ -556,6 +565,7 @@ class Engine:
         instance or device, another model, a default answer). Same arguments
         and errors as `infer()`.
         """
+        priority = _checked_arguments(model, priority, tenant, request_id)
         request = await self._submit(model, inputs, priority, tenant, request_id, sequence=sequence)
         state = request._state
         assert state.outputs is not None
@@ -1005,6 +1015,27 @@ async def _engine_scope(
         if body_error is not None and _only(group, body_error):
             raise body_error from None
         raise
+
+
+_STR_OR_NONE: Final = frozenset({str, type(None)})
+
+
+def _checked_arguments(model: str, priority: object, tenant: object, request_id: object) -> int:
+    # The priority of a request, as an int, or InvalidInput saying which argument is wrong.
+    # Checked before the request reaches its scheduler: a priority scheduler that took
+    # priority="high" into its levels broke, and the model went out of service for all.
+    if isinstance(priority, bool) or not isinstance(priority, SupportsIndex):
+        raise InvalidInput(
+            f"priority of a request to model {model!r} must be an integer (higher runs "
+            f"sooner), got {priority!r}"
+        )
+    for name, value in (("tenant", tenant), ("request_id", request_id)):
+        if value is not None and not isinstance(value, str):
+            raise InvalidInput(
+                f"{name} of a request to model {model!r} must be a string or None, got "
+                f"{value!r} ({type(value).__name__})"
+            )
+    return operator.index(priority)
 
 
 def _pipeline_steps(runner: ModelRunner | Pipeline | None) -> tuple[Step, ...]:
