@@ -276,6 +276,68 @@ async def test_a_group_from_the_callers_own_nursery_leaves_the_block_as_raised(
     assert backend.open_instances == 0
 
 
+async def test_leaving_the_block_ends_a_load_in_another_task_first(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    # A load runs in its caller's task; the engine's block must not end while it goes
+    # on, holding instances (and their threads) that nothing would close.
+    class SlowSecondLoad(FakeBackend):
+        async def load(self, config: ModelConfig, placement: Any) -> Any:
+            if placement.index == 1:
+                await trio.sleep_forever()  # until cancelled
+            return await super().load(config, placement)
+
+    backend = SlowSecondLoad()
+    outcomes: list[str] = []
+
+    async def load(engine: trioinfer.Engine) -> None:
+        try:
+            await engine.load(fake_config(instances=[Instance("cpu", count=2)]))
+        except trioinfer.EngineClosed as exc:
+            outcomes.append(str(exc))
+
+    async with trio.open_nursery() as nursery:
+        async with open_engine(registry=backend.registry()) as engine:
+            nursery.start_soon(load, engine)
+            await trio.testing.wait_all_tasks_blocked()
+            assert backend.open_instances == 1
+            t0 = trio.current_time()
+        # Cancelled at once, it closed what it had loaded before the block ended.
+        assert outcomes == ["the engine closed while model 'm' was loading"]
+        assert backend.open_instances == 0
+        assert trio.current_time() == t0
+
+
+async def test_a_model_being_unloaded_drains_with_the_engine(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    # An unload in another task when the block ends: its accepted request may finish in
+    # the engine's drain period, and the unload ends before the block does.
+    backend = FakeBackend(delay=3.0)
+    outcomes: list[str] = []
+
+    async def call(engine: trioinfer.Engine) -> None:
+        await engine.infer("m", {"x": X})
+        outcomes.append("answered")
+
+    async def unload(engine: trioinfer.Engine) -> None:
+        await engine.unload("m")
+        outcomes.append("unloaded")
+
+    async with trio.open_nursery() as nursery:
+        async with open_engine(registry=backend.registry(), drain_period=5) as engine:
+            await engine.load(fake_config())
+            nursery.start_soon(call, engine)
+            await trio.testing.wait_all_tasks_blocked()
+            nursery.start_soon(unload, engine)
+            await trio.testing.wait_all_tasks_blocked()
+            t0 = trio.current_time()
+        outcomes.append("exited")
+        assert trio.current_time() == t0 + 3
+    assert outcomes == ["answered", "unloaded", "exited"]
+    assert backend.open_instances == 0
+
+
 async def test_backend_failure_fails_only_its_requests() -> None:
     backend = FakeBackend()
     async with open_engine(registry=backend.registry()) as engine:

@@ -8,10 +8,11 @@ Nothing the engine started outlives the block.
 
 from __future__ import annotations
 
+import logging
 import math
 import operator
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping
-from contextlib import AbstractAsyncContextManager, asynccontextmanager
+from contextlib import AbstractAsyncContextManager, asynccontextmanager, contextmanager
 from typing import TYPE_CHECKING, Any, Final, NoReturn, SupportsIndex, final
 
 import anyio
@@ -36,7 +37,7 @@ from ._pipeline import PIPELINE, Pipeline, Step, _steps
 from ._pipeline_batched import BatchedPipeline
 from ._registry import Kind, Registry
 from ._request import Outputs, Request, make_request, next_request_id
-from ._runner import ModelRunner, ModelStatistics, close_instances
+from ._runner import CLEANUP_S, ModelRunner, ModelStatistics, close_instances
 from ._sequence import SequenceFlags
 from ._stream import ResponseStream, StreamGate, decoupled, open_stream
 from ._tensors import ModelSignature, validate_rows
@@ -44,6 +45,8 @@ from .abc import Backend, BackendInstance, Batcher, Fallback, Scheduler, Status,
 
 if TYPE_CHECKING:
     from ._tracing import Tracing
+
+logger = logging.getLogger("trioinfer")
 
 # Used only by the fast path of a runner on Trio (ModelRunner.on_trio).
 _current_task = trio.lowlevel.current_task
@@ -161,6 +164,13 @@ class Engine:
     # pipeline looks its steps' models up here, one dict lookup a step.
     _alone: dict[str, ModelRunner] = attrs.field(factory=dict, init=False)
     _loading: set[str] = attrs.field(factory=set, init=False)
+    # The loads, and the unloads (and replaced models' retirements), running in callers'
+    # tasks, by their cancel scopes: closing cancels them and waits for them to end, so
+    # that no instance, thread or runner of theirs outlives the engine's block.
+    _loads: set[anyio.CancelScope] = attrs.field(factory=set, init=False)
+    _retiring: set[anyio.CancelScope] = attrs.field(factory=set, init=False)
+    _settled: anyio.Event | None = attrs.field(default=None, init=False)
+    _stopping: bool = attrs.field(default=False, init=False)  # past the drain, if any
     _closing: bool = attrs.field(default=False, init=False)
     # Closing, and within its drain period: the requests made for requests accepted
     # before (a pipeline's steps, a fallback's failover to another model) are still
@@ -217,27 +227,34 @@ class Engine:
                 "one with open_engine(cache_size=...) (trioinfer serve --cache-size)"
             )
         self._loading.add(name)
+        installed = False
         try:
-            runner: ModelRunner | Pipeline
-            if config.backend == PIPELINE and config.batcher == "none":
-                runner = Pipeline(
-                    config,
-                    self._infer_held,
-                    lambda model: self._runner(model).signature,
-                    self._steps_of,
-                    self._alone.get,
-                )
-            else:
-                runner = await self._new_runner(config)
-            await self._task_group.start(runner.run)
-            old = self._runners.get(name)
-            old_gate = self._gates.get(name)
-            self._runners[name] = runner
-            self._set_gate(name, runner)
-            self._set_plain(name, runner)
-            self._forget(name)  # answers of the model it replaces may not hold
+            with self._owned(self._loads) as loading, loading:
+                runner: ModelRunner | Pipeline
+                if config.backend == PIPELINE and config.batcher == "none":
+                    runner = Pipeline(
+                        config,
+                        self._infer_held,
+                        lambda model: self._runner(model).signature,
+                        self._steps_of,
+                        self._alone.get,
+                    )
+                else:
+                    runner = await self._new_runner(config)
+                await self._task_group.start(runner.run)
+                old = self._runners.get(name)
+                old_gate = self._gates.get(name)
+                self._runners[name] = runner
+                self._set_gate(name, runner)
+                self._set_plain(name, runner)
+                self._forget(name)  # answers of the model it replaces may not hold
+                installed = True
         finally:
             self._loading.discard(name)
+        if not installed:
+            # The engine's closing cancelled this load (what it had loaded is closed).
+            await anyio.lowlevel.checkpoint_if_cancelled()  # the caller's own cancellation
+            raise EngineClosed(f"the engine closed while model {name!r} was loading")
         if old is not None:
             await self._retire(old, old_gate)
         return self._info(runner)
@@ -368,15 +385,17 @@ class Engine:
 
     async def _retire(self, runner: ModelRunner | Pipeline, gate: StreamGate | None = None) -> None:
         # The runner takes no new requests already; let accepted ones finish, then stop it.
-        try:
-            with anyio.move_on_after(self.drain_period):
-                await runner.wait_idle()
-        finally:
-            # Even if the caller is cancelled while draining, the model must stop.
-            with anyio.CancelScope(shield=True):
-                await runner.stop()
-                if gate is not None:
-                    await gate.wait_closed()  # its streams' generators, closing now
+        # The engine's closing ends this drain with its own (see _shutdown).
+        with self._owned(self._retiring) as drain:
+            try:
+                with drain, anyio.move_on_after(self.drain_period):
+                    await runner.wait_idle()
+            finally:
+                # Even if the caller is cancelled while draining, the model must stop.
+                with anyio.CancelScope(shield=True):
+                    await runner.stop()
+                    if gate is not None:
+                        await gate.wait_closed()  # its streams' generators, closing now
 
     def models(self) -> list[ModelInfo]:
         """The loaded models, sorted by name."""
@@ -860,19 +879,60 @@ class Engine:
             runner.out_of_service if isinstance(runner, ModelRunner) else None,
         )
 
+    @contextmanager
+    def _owned(self, scopes: set[anyio.CancelScope]) -> Iterator[anyio.CancelScope]:
+        # A load or a retirement in the caller's task: the scope it yields (for the
+        # part that closing may cancel) is in *scopes* until the block ends, and a
+        # closing engine that waits for them all is told when the last one has.
+        scope = anyio.CancelScope()
+        if self._stopping:
+            scope.cancel()  # an unload begun while the engine stops drains no longer
+        scopes.add(scope)
+        try:
+            yield scope
+        finally:
+            scopes.discard(scope)
+            if self._settled is not None and not (self._loads or self._retiring):
+                self._settled.set()
+
+    async def _wait_settled(self) -> None:
+        # Until no load or retirement is in progress (see _owned).
+        while self._loads or self._retiring:
+            self._settled = anyio.Event()
+            await self._settled.wait()
+
     async def _shutdown(self, drain: bool) -> None:
         self._closing = True
         self._plain.clear()
         self._alone.clear()
+        for scope in self._loads:
+            scope.cancel()  # a load now could only be closed again: stop it at once
         if drain:
             self._draining = True
             try:
                 with anyio.move_on_after(self.drain_period):
                     for runner in list(self._runners.values()):
                         await runner.wait_idle()
+                    await self._wait_settled()  # models being unloaded drain too
             finally:
                 self._draining = False  # no step starts after the drain period
         with anyio.CancelScope(shield=True):
+            self._stopping = True
+            for scope in self._retiring:
+                scope.cancel()  # an unload's drain ends with the engine's
+            # Loads and unloads in callers' tasks: wait until they have closed what
+            # they loaded or retired, so that nothing of theirs outlives the block;
+            # bounded, as any cleanup, for a backend whose load cannot be stopped.
+            with anyio.move_on_after(CLEANUP_S):
+                await self._wait_settled()
+            if self._loads or self._retiring:
+                logger.error(
+                    "the engine closed with %d loads and %d unloads of other tasks still "
+                    "in progress after %ss; what they hold may outlive it",
+                    len(self._loads),
+                    len(self._retiring),
+                    CLEANUP_S,
+                )
             for runner in list(self._runners.values()):
                 await runner.stop()
             for gate in list(self._gates.values()):
@@ -898,7 +958,10 @@ def open_engine(
     pipeline request still runs its remaining steps, and an accepted request
     may still fail over to another model, though other callers of those
     models are refused), then cancels what is left (those callers get
-    ``EngineClosed``) and closes every backend instance. Leaving it with an
+    ``EngineClosed``) and closes every backend instance. A load in progress
+    in another task is cancelled at once (it raises ``EngineClosed``), and a
+    model being unloaded in another task drains with the engine; the block
+    ends only after they have closed what they held. Leaving it with an
     exception or cancellation skips the drain. An internal failure in the
     engine's tasks surfaces from this block as an exception group rather
     than a hang.
