@@ -276,6 +276,26 @@ async def test_a_group_from_the_callers_own_nursery_leaves_the_block_as_raised(
     assert backend.open_instances == 0
 
 
+async def test_the_callers_exception_leaves_the_block_alone_when_an_outer_scope_cancels(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    # The engine's tasks run inside the caller's scopes: one cancelled around the
+    # block sends them a Cancelled of its own, which their task group gathered with the
+    # caller's exception. That Cancelled is the outer scope's to catch; the caller's own
+    # exception must still leave the block as it was raised.
+    backend = FakeBackend(delay=10.0)
+    with pytest.RaisesGroup(KeyError):  # exactly one level: the caller's nursery's
+        async with (
+            trio.open_nursery() as nursery,
+            open_engine(registry=backend.registry()) as engine,
+        ):
+            await engine.load(fake_config())
+            await engine.load(fake_config("other"))
+            nursery.cancel_scope.cancel()
+            raise KeyError("mine")
+    assert backend.open_instances == 0
+
+
 async def test_leaving_the_block_ends_a_load_in_another_task_first(
     autojump_clock: trio.testing.MockClock,
 ) -> None:

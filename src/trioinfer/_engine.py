@@ -1111,12 +1111,15 @@ def _pipeline_steps(runner: ModelRunner | Pipeline | None) -> tuple[Step, ...]:
 
 
 def _only(group: BaseExceptionGroup[BaseException], error: BaseException) -> bool:
-    # Whether every leaf of *group* is a leaf of *error*. Not identity of the groups:
-    # a cancel scope on the way out (the task group's own, once cancelled) splits
-    # Cancelled out of a group and so re-raises a copy of the caller's group (an
-    # ExceptionGroup from the caller's own nursery), with the same leaves.
+    # Whether every leaf of *group* is a leaf of *error*, or a cancellation. Not
+    # identity of the groups: a cancel scope on the way out (the task group's own,
+    # once cancelled) splits Cancelled out of a group and so re-raises a copy of the
+    # caller's group (one from the caller's own nursery), with the same leaves. A
+    # cancellation left is that of a scope around the block (the engine's tasks run
+    # inside the caller's scopes), which cancels again at its next checkpoint.
     mine = {id(leaf) for leaf in _leaves(error)}
-    return all(id(leaf) in mine for leaf in _leaves(group))
+    cancelled = anyio.get_cancelled_exc_class()
+    return all(id(leaf) in mine or isinstance(leaf, cancelled) for leaf in _leaves(group))
 
 
 def _leaves(error: BaseException) -> Iterator[BaseException]:
