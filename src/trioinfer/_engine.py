@@ -227,37 +227,48 @@ class Engine:
                 "one with open_engine(cache_size=...) (trioinfer serve --cache-size)"
             )
         self._loading.add(name)
-        installed = False
         try:
-            with self._owned(self._loads) as loading, loading:
-                runner: ModelRunner | Pipeline
-                if config.backend == PIPELINE and config.batcher == "none":
-                    runner = Pipeline(
-                        config,
-                        self._infer_held,
-                        lambda model: self._runner(model).signature,
-                        self._steps_of,
-                        self._alone.get,
-                    )
-                else:
-                    runner = await self._new_runner(config)
-                await self._task_group.start(runner.run)
+            with self._owned(self._loads) as loading:
+                runner: ModelRunner | Pipeline | None = None
+                with loading:
+                    if config.backend == PIPELINE and config.batcher == "none":
+                        runner = Pipeline(
+                            config,
+                            self._infer_held,
+                            lambda model: self._runner(model).signature,
+                            self._steps_of,
+                            self._alone.get,
+                        )
+                    else:
+                        runner = await self._new_runner(config)
+                if runner is None:
+                    return await self._cut_off(name)
+                # Shielded (it is quick): a task cancelled before it first runs never runs
+                # its finally (on asyncio), and the runner's closes the loaded instances.
+                with anyio.CancelScope(shield=True):
+                    await self._task_group.start(runner.run)
+                if anyio.current_effective_deadline() <= anyio.current_time():
+                    # The caller gave up while its model started: it is not to serve.
+                    with anyio.CancelScope(shield=True):
+                        await runner.stop()
+                    await anyio.lowlevel.checkpoint()  # raises the caller's cancellation
                 old = self._runners.get(name)
                 old_gate = self._gates.get(name)
                 self._runners[name] = runner
                 self._set_gate(name, runner)
                 self._set_plain(name, runner)
                 self._forget(name)  # answers of the model it replaces may not hold
-                installed = True
         finally:
             self._loading.discard(name)
-        if not installed:
-            # The engine's closing cancelled this load (what it had loaded is closed).
-            await anyio.lowlevel.checkpoint_if_cancelled()  # the caller's own cancellation
-            raise EngineClosed(f"the engine closed while model {name!r} was loading")
         if old is not None:
             await self._retire(old, old_gate)
         return self._info(runner)
+
+    @staticmethod
+    async def _cut_off(name: str) -> NoReturn:
+        # A load the engine's closing cancelled (what it had loaded is closed).
+        await anyio.lowlevel.checkpoint_if_cancelled()  # the caller's own cancellation
+        raise EngineClosed(f"the engine closed while model {name!r} was loading")
 
     async def _new_runner(self, config: ModelConfig) -> ModelRunner:
         # A model's plugins, its loaded instances, and the runner that will serve them.
@@ -1152,11 +1163,13 @@ async def _load_instances(backend: Backend, config: ModelConfig) -> list[Backend
         async with anyio.create_task_group() as tg:
             for i in range(len(placements)):
                 tg.start_soon(load_one, i)
-    finally:
-        done = [instance for instance in loaded if instance is not None]
-        if errors or len(done) != len(placements):
-            await close_instances(config.name, done)
+    except BaseException:
+        # Cancelled: maybe only as the task group ended, every instance loaded by then.
+        await close_instances(config.name, [i for i in loaded if i is not None])
+        raise
+    done = [instance for instance in loaded if instance is not None]
     if errors:
+        await close_instances(config.name, done)
         raise _load_error(config, placements, errors)
     signatures = {instance.signature for instance in done}
     if len(signatures) != 1:
