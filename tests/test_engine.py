@@ -221,6 +221,8 @@ async def test_exit_cancels_what_the_drain_period_leaves(
             await engine.infer("m", {"x": X})
         with pytest.raises(trioinfer.EngineClosed):
             await engine.load(fake_config("other"))
+        with pytest.raises(trioinfer.EngineClosed, match="has closed"):
+            await engine.unload("m")  # not ModelNotFound: "loaded: none" said too little
     # One finished in the drain period; the one running and the two queued ended closed.
     assert sorted(outcomes) == ["closed", "closed", "closed", "ok"]
     assert backend.executions == [1, 1]

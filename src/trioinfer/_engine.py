@@ -342,7 +342,10 @@ class Engine:
 
         Raises:
             ModelNotFound: No model of that name is loaded.
+            EngineClosed: The engine has closed (every model was unloaded with it).
         """
+        if self._closed:
+            self._check_open()
         runner = self._runners.pop(name, None)
         self._plain.pop(name, None)
         self._alone.pop(name, None)
