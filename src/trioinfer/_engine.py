@@ -446,7 +446,7 @@ class Engine:
             model: A loaded model's name.
             inputs: One array per model input, by name; dtypes must match the model's
                 (see ``ModelConfig.casting``).
-            priority: Higher runs sooner under priority-aware schedulers.
+            priority: An integer; higher runs sooner under priority-aware schedulers.
             tenant: Who the request is for, for fair-share schedulers.
             request_id: An id for logs and tracing; generated if not given.
             sequence: For a stateful model (one with a ``sequence`` config), the
