@@ -54,10 +54,12 @@ raises ends the stream after the responses before it, as for ``infer``.
 ``dispatch = "inline"`` runs a plain ``infer`` (and ``load``, ``close``) on the
 event loop instead: for numpy code of a few hundred microseconds at most,
 cheaper there than a hop to a thread and back; the loop waits while it runs.
-Requests that run such a model as a pipeline's step in their own task
-(nothing queued, the model idle) yield to the loop once inline runs have
-held it for 250 microseconds in all, so that callers looping on the
-pipeline never starve the rest of the program.
+With ``batcher = "none"`` (and no other plugin in the way), a request to
+such a model, or a pipeline's step on it, runs in its caller's task when
+nothing is queued and the instance is idle: no queue, worker or wake-up.
+Such requests yield to the loop once inline runs have held it for 250
+microseconds in all, so that callers looping on the model never starve the
+rest of the program.
 
 The engine checks inputs against the declared signature before they queue,
 as for an ONNX model, and this backend checks every output against it: a

@@ -33,17 +33,20 @@ from ._exceptions import (
     PluginContractError,
     TrioInferError,
 )
+from ._inline import restart_inline_slice
 from ._pipeline import PIPELINE, Pipeline, Step, _steps
 from ._pipeline_batched import BatchedPipeline
 from ._registry import Kind, Registry
 from ._request import Outputs, Request, make_request, next_request_id
 from ._runner import CLEANUP_S, ModelRunner, ModelStatistics, close_instances
+from ._runner import runs_inline as _runs_inline
 from ._sequence import SequenceFlags
 from ._stream import ResponseStream, StreamGate, decoupled, open_stream
 from ._tensors import ModelSignature, validate_rows
 from .abc import Backend, BackendInstance, Batcher, Fallback, Scheduler, Status, StreamingInstance
 
 if TYPE_CHECKING:
+    from ._dispatch import Replica
     from ._tracing import Tracing
 
 logger = logging.getLogger("trioinfer")
@@ -484,6 +487,30 @@ class Engine:
             clock = runner.clock
             deadline = clock.current_effective_deadline()
             if deadline != -math.inf:  # else a cancellation to raise: _submit does
+                if runner.alone_ok:
+                    # An idle instance that never suspends: the request runs here, in
+                    # this task, with no queue, worker or wake-up (ModelRunner.run_here).
+                    replica = runner.idle_replica()
+                    if replica is not None and _runs_inline(replica):
+                        if runner.slice_spent(replica):
+                            # Such requests never park: yield once per inline slice, as
+                            # a pipeline's step does, lest callers looping on the model
+                            # keep the rest of the program waiting.
+                            await anyio.lowlevel.checkpoint()
+                            restart_inline_slice()
+                            return await self._infer_after_yield(
+                                model, inputs, priority, tenant, request_id
+                            )
+                        return await runner.run_here(
+                            replica,
+                            arrays,
+                            n,
+                            request_id,
+                            priority,
+                            tenant,
+                            deadline,
+                            clock.current_time(),
+                        )
                 request = make_request(
                     model,
                     arrays,
@@ -513,6 +540,8 @@ class Engine:
                     except anyio.get_cancelled_exc_class():
                         runner.withdraw(request)
                         raise
+                if runner.alone_ok:
+                    restart_inline_slice()
                 if state.error is not None:
                     await runner.raise_error(state.error, own_deadline=True)
                 assert state.outputs is not None
@@ -520,6 +549,56 @@ class Engine:
         request = await self._submit(model, inputs, priority, tenant, request_id, sequence=sequence)
         assert request._state.outputs is not None
         return request._state.outputs
+
+    async def _infer_after_yield(
+        self,
+        model: str,
+        inputs: Mapping[str, Any],
+        priority: int,
+        tenant: str | None,
+        request_id: str | None,
+    ) -> Outputs:
+        # infer's request on an idle inline model, after it yielded for the inline
+        # slice: anything may have changed meanwhile (the model replaced, busy or
+        # gone, the engine closing), so ask again; busy or gone, _submit's way.
+        found = self._idle_inline(model)
+        if found is not None:
+            outputs = await self._run_here(*found, inputs, priority, tenant, request_id)
+            if outputs is not None:
+                return outputs
+        request = await self._submit(model, inputs, priority, tenant, request_id)
+        assert request._state.outputs is not None
+        return request._state.outputs
+
+    def _idle_inline(self, model: str) -> tuple[ModelRunner, Replica] | None:
+        # The runner of *model* and an idle instance of it that never suspends, when a
+        # request to it may run in its caller's task (see ModelRunner.idle_replica).
+        runner = self._alone.get(model)
+        if runner is not None:
+            replica = runner.idle_replica()
+            if replica is not None and _runs_inline(replica):
+                return runner, replica
+        return None
+
+    async def _run_here(
+        self,
+        runner: ModelRunner,
+        replica: Replica,
+        inputs: Mapping[str, Any],
+        priority: int,
+        tenant: str | None,
+        request_id: str | None,
+    ) -> Outputs | None:
+        # A request run on *replica* (from _idle_inline, no await since) in this task;
+        # None for a cancelled caller (_submit raises what it must).
+        arrays, n = runner.validate(inputs)
+        clock = runner.clock
+        deadline = clock.current_effective_deadline()
+        if deadline == -math.inf:
+            return None
+        return await runner.run_here(
+            replica, arrays, n, request_id, priority, tenant, deadline, clock.current_time()
+        )
 
     def infer_stream(
         self,
@@ -599,6 +678,18 @@ class Engine:
         and errors as `infer()`.
         """
         priority = _checked_arguments(model, priority, tenant, request_id)
+        found = self._idle_inline(model) if sequence is None else None
+        if found is not None:
+            # As infer runs a request on an idle inline model: in this task.
+            if found[0].slice_spent(found[1]):
+                await anyio.lowlevel.checkpoint()
+                restart_inline_slice()
+                found = self._idle_inline(model)
+            if found is not None:
+                replica = found[1]
+                outputs = await self._run_here(*found, inputs, priority, tenant, request_id)
+                if outputs is not None:
+                    return InferenceResult(outputs, model, replica.index, replica.device, ())
         request = await self._submit(model, inputs, priority, tenant, request_id, sequence=sequence)
         state = request._state
         assert state.outputs is not None

@@ -1513,10 +1513,9 @@ class ModelRunner(metaclass=NoPublicConstructor):
         An inline instance without a budget of its own never yields: its
         caller yields for it once `DEFAULT_SLICE_S` is spent.
         """
-        instance = replica._backend_instance
-        if getattr(instance, "runs_inline", False) is not True:
+        if not runs_inline(replica):
             return False
-        budget = getattr(instance, "inline_budget_s", None)
+        budget = getattr(replica._backend_instance, "inline_budget_s", None)
         if not isinstance(budget, (float, int)) or isinstance(budget, bool):
             # No slice of its own (a number of seconds, never a flag): it never
             # yields, and requests whose every step runs so would never park; the
@@ -1530,7 +1529,7 @@ class ModelRunner(metaclass=NoPublicConstructor):
         replica: Replica,
         inputs: Mapping[str, np.ndarray[Any, Any]],
         rows: int,
-        request_id: str,
+        request_id: str | None,
         priority: int,
         tenant: str | None,
         deadline: float,
@@ -1553,8 +1552,7 @@ class ModelRunner(metaclass=NoPublicConstructor):
         Raises:
             What the request ended with, as `call` does.
         """
-        instance = replica._backend_instance
-        if deadline <= now or getattr(instance, "runs_inline", False) is not True:
+        if deadline <= now or not runs_inline(replica):
             return await self.run_alone(
                 replica,
                 make_request(
@@ -1566,7 +1564,7 @@ class ModelRunner(metaclass=NoPublicConstructor):
         begun: tuple[Coroutine[Any, Any, Outputs], Any] | None = None
         failed: Request | None = None
         try:
-            run = instance.execute(inputs)
+            run = replica._backend_instance.execute(inputs)
             # Its caller checked the loop's inline slice (slice_spent) with no
             # await since: the instance need not yield for it, holding the model.
             _inline_slice.granted = True
@@ -2170,6 +2168,11 @@ def _passes_alone(*plugins: object) -> bool:
         f"{type(plugin).__module__}.{type(plugin).__qualname__}" in _PASS_ALONE
         for plugin in plugins
     )
+
+
+def runs_inline(replica: Replica) -> bool:
+    """Whether *replica*'s instance never suspends in ``execute`` (an ``InlineInstance``)."""
+    return getattr(replica._backend_instance, "runs_inline", False) is True
 
 
 def _depth(instance: BackendInstance) -> int:
