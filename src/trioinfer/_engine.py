@@ -213,7 +213,8 @@ class Engine:
                 device cannot be used and CPU fallback is off). When several fail,
                 one error names each failure, and its ``__cause__`` is an
                 ``ExceptionGroup`` of them all.
-            EngineClosed: The engine is closing.
+            EngineClosed: The engine is closing, or began to close while the model
+                loaded (what was loaded is closed again).
         """
         self._check_open()
         name = config.name
