@@ -23,7 +23,10 @@ In code, ``backend_options={"class": Model, ...}`` names the class itself and
 ``path`` is not read. The class:
 
 - ``__init__(self, **parameters)``; a ``device`` keyword, if it takes one,
-  gets where the instance was placed (``"cpu"``, ``"cuda:0"``).
+  gets where the instance was placed (``"cpu"``, ``"cuda:0"``). It runs on
+  the event loop, so every other task waits for it: keep it cheap, and do
+  slow work (reading weights) in ``load``, which a plain ``def`` runs on the
+  instance's worker thread.
 - ``infer(self, inputs) -> outputs``, dicts of numpy arrays by tensor name.
   An exception it raises fails its batch as a ``BackendError``, unless it is
   a ``TrioInferError`` (raise ``trioinfer.InvalidInput`` for input the
