@@ -23,13 +23,19 @@ In code, ``backend_options={"class": Model, ...}`` names the class itself and
 ``path`` is not read. The class:
 
 - ``__init__(self, **parameters)``; a ``device`` keyword, if it takes one,
-  gets where the instance was placed (``"cpu"``, ``"cuda:0"``).
+  gets where the instance was placed (``"cpu"``, ``"cuda:0"``). It runs on
+  the event loop, so every other task waits for it: keep it cheap, and do
+  slow work (reading weights) in ``load``, which a plain ``def`` runs on the
+  instance's worker thread.
 - ``infer(self, inputs) -> outputs``, dicts of numpy arrays by tensor name.
   An exception it raises fails its batch as a ``BackendError``, unless it is
   a ``TrioInferError`` (raise ``trioinfer.InvalidInput`` for input the
   model refuses: a 400 over HTTP), which reaches the callers as it is.
   ``async def infer`` runs on the event loop and is cancelled when every
   caller of its batch has left (the caller's deadline, a client going away);
+  it runs in the engine's task, so ``anyio.current_effective_deadline()``
+  there is not the callers': ``trioinfer.lowlevel.current_batch_deadline()``
+  is the latest of theirs, to pass on to a service the model calls;
   a plain ``def infer`` runs on the instance's own worker thread, and Python
   cannot interrupt it: a cancelled call runs to its end (an ``abort(self)``
   method, if the class has one, is called from the event loop then, to ask

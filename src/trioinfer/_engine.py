@@ -8,10 +8,12 @@ Nothing the engine started outlives the block.
 
 from __future__ import annotations
 
+import logging
 import math
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
-from contextlib import AbstractAsyncContextManager, asynccontextmanager
-from typing import TYPE_CHECKING, Any, Final, NoReturn, final
+import operator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping
+from contextlib import AbstractAsyncContextManager, asynccontextmanager, contextmanager
+from typing import TYPE_CHECKING, Any, Final, NoReturn, SupportsIndex, final
 
 import anyio
 import anyio.abc
@@ -36,7 +38,7 @@ from ._pipeline import PIPELINE, Pipeline, Step, _steps
 from ._pipeline_batched import BatchedPipeline
 from ._registry import Kind, Registry
 from ._request import Outputs, Request, make_request, next_request_id
-from ._runner import ModelRunner, ModelStatistics, close_instances
+from ._runner import CLEANUP_S, ModelRunner, ModelStatistics, close_instances
 from ._runner import runs_inline as _runs_inline
 from ._sequence import SequenceFlags
 from ._stream import ResponseStream, StreamGate, decoupled, open_stream
@@ -46,6 +48,8 @@ from .abc import Backend, BackendInstance, Batcher, Fallback, Scheduler, Status,
 if TYPE_CHECKING:
     from ._dispatch import Replica
     from ._tracing import Tracing
+
+logger = logging.getLogger("trioinfer")
 
 # Used only by the fast path of a runner on Trio (ModelRunner.on_trio).
 _current_task = trio.lowlevel.current_task
@@ -163,6 +167,13 @@ class Engine:
     # pipeline looks its steps' models up here, one dict lookup a step.
     _alone: dict[str, ModelRunner] = attrs.field(factory=dict, init=False)
     _loading: set[str] = attrs.field(factory=set, init=False)
+    # The loads, and the unloads (and replaced models' retirements), running in callers'
+    # tasks, by their cancel scopes: closing cancels them and waits for them to end, so
+    # that no instance, thread or runner of theirs outlives the engine's block.
+    _loads: set[anyio.CancelScope] = attrs.field(factory=set, init=False)
+    _retiring: set[anyio.CancelScope] = attrs.field(factory=set, init=False)
+    _settled: anyio.Event | None = attrs.field(default=None, init=False)
+    _stopping: bool = attrs.field(default=False, init=False)  # past the drain, if any
     _closing: bool = attrs.field(default=False, init=False)
     # Closing, and within its drain period: the requests made for requests accepted
     # before (a pipeline's steps, a fallback's failover to another model) are still
@@ -202,7 +213,8 @@ class Engine:
                 device cannot be used and CPU fallback is off). When several fail,
                 one error names each failure, and its ``__cause__`` is an
                 ``ExceptionGroup`` of them all.
-            EngineClosed: The engine is closing.
+            EngineClosed: The engine is closing, or began to close while the model
+                loaded (what was loaded is closed again).
         """
         self._check_open()
         name = config.name
@@ -220,29 +232,47 @@ class Engine:
             )
         self._loading.add(name)
         try:
-            runner: ModelRunner | Pipeline
-            if config.backend == PIPELINE and config.batcher == "none":
-                runner = Pipeline(
-                    config,
-                    self._infer_held,
-                    lambda model: self._runner(model).signature,
-                    self._steps_of,
-                    self._alone.get,
-                )
-            else:
-                runner = await self._new_runner(config)
-            await self._task_group.start(runner.run)
-            old = self._runners.get(name)
-            old_gate = self._gates.get(name)
-            self._runners[name] = runner
-            self._set_gate(name, runner)
-            self._set_plain(name, runner)
-            self._forget(name)  # answers of the model it replaces may not hold
+            with self._owned(self._loads) as loading:
+                runner: ModelRunner | Pipeline | None = None
+                with loading:
+                    if config.backend == PIPELINE and config.batcher == "none":
+                        runner = Pipeline(
+                            config,
+                            self._infer_held,
+                            lambda model: self._runner(model).signature,
+                            self._steps_of,
+                            self._alone.get,
+                        )
+                    else:
+                        runner = await self._new_runner(config)
+                if runner is None:
+                    return await self._cut_off(name)
+                # Shielded (it is quick): a task cancelled before it first runs never runs
+                # its finally (on asyncio), and the runner's closes the loaded instances.
+                with anyio.CancelScope(shield=True):
+                    await self._task_group.start(runner.run)
+                if anyio.current_effective_deadline() <= anyio.current_time():
+                    # The caller gave up while its model started: it is not to serve.
+                    with anyio.CancelScope(shield=True):
+                        await runner.stop()
+                    await anyio.lowlevel.checkpoint()  # raises the caller's cancellation
+                old = self._runners.get(name)
+                old_gate = self._gates.get(name)
+                self._runners[name] = runner
+                self._set_gate(name, runner)
+                self._set_plain(name, runner)
+                self._forget(name)  # answers of the model it replaces may not hold
         finally:
             self._loading.discard(name)
         if old is not None:
             await self._retire(old, old_gate)
         return self._info(runner)
+
+    @staticmethod
+    async def _cut_off(name: str) -> NoReturn:
+        # A load the engine's closing cancelled (what it had loaded is closed).
+        await anyio.lowlevel.checkpoint_if_cancelled()  # the caller's own cancellation
+        raise EngineClosed(f"the engine closed while model {name!r} was loading")
 
     async def _new_runner(self, config: ModelConfig) -> ModelRunner:
         # A model's plugins, its loaded instances, and the runner that will serve them.
@@ -316,7 +346,10 @@ class Engine:
 
         Raises:
             ModelNotFound: No model of that name is loaded.
+            EngineClosed: The engine has closed (every model was unloaded with it).
         """
+        if self._closed:
+            self._check_open()
         runner = self._runners.pop(name, None)
         self._plain.pop(name, None)
         self._alone.pop(name, None)
@@ -370,15 +403,17 @@ class Engine:
 
     async def _retire(self, runner: ModelRunner | Pipeline, gate: StreamGate | None = None) -> None:
         # The runner takes no new requests already; let accepted ones finish, then stop it.
-        try:
-            with anyio.move_on_after(self.drain_period):
-                await runner.wait_idle()
-        finally:
-            # Even if the caller is cancelled while draining, the model must stop.
-            with anyio.CancelScope(shield=True):
-                await runner.stop()
-                if gate is not None:
-                    await gate.wait_closed()  # its streams' generators, closing now
+        # The engine's closing ends this drain with its own (see _shutdown).
+        with self._owned(self._retiring) as drain:
+            try:
+                with drain, anyio.move_on_after(self.drain_period):
+                    await runner.wait_idle()
+            finally:
+                # Even if the caller is cancelled while draining, the model must stop.
+                with anyio.CancelScope(shield=True):
+                    await runner.stop()
+                    if gate is not None:
+                        await gate.wait_closed()  # its streams' generators, closing now
 
     def models(self) -> list[ModelInfo]:
         """The loaded models, sorted by name."""
@@ -415,7 +450,7 @@ class Engine:
             model: A loaded model's name.
             inputs: One array per model input, by name; dtypes must match the model's
                 (see ``ModelConfig.casting``).
-            priority: Higher runs sooner under priority-aware schedulers.
+            priority: An integer; higher runs sooner under priority-aware schedulers.
             tenant: Who the request is for, for fair-share schedulers.
             request_id: An id for logs and tracing; generated if not given.
             sequence: For a stateful model (one with a ``sequence`` config), the
@@ -424,7 +459,8 @@ class Engine:
 
         Raises:
             ModelNotFound: No model of that name is loaded.
-            InvalidInput: The inputs do not fit the model's signature or limits.
+            InvalidInput: The inputs do not fit the model's signature or limits, or
+                *priority* is not an integer, or *tenant* or *request_id* not a string.
             SequenceError: The request does not fit its sequence (none in
                 progress, released after being idle, ended, or broken by an
                 earlier request that was not computed).
@@ -437,6 +473,10 @@ class Engine:
                 circuit breaker took them out); ``retry_after`` says when to try again.
             EngineClosed: The engine is closing, or closed before the request ended.
         """
+        if priority.__class__ is not int or not (
+            tenant.__class__ in _STR_OR_NONE and request_id.__class__ in _STR_OR_NONE
+        ):
+            priority = _checked_arguments(model, priority, tenant, request_id)
         runner = self._plain.get(model)
         if runner is not None and sequence is None:
             # The common case, in this one frame: what _submit and ModelRunner.call
@@ -605,7 +645,9 @@ class Engine:
 
         Raises:
             ModelNotFound: (Entering) no model of that name is loaded.
-            InvalidInput: (Entering) the inputs do not fit the model's signature.
+            InvalidInput: (Entering) the inputs do not fit the model's signature, or
+                *priority*, *tenant* or *request_id* is of the wrong type (raised at
+                the call, before entering).
             QueueFull: (Entering) the model has ``max_queue_size`` streams open.
             CircuitOpen: (Entering) every instance is out of service.
             BackendError: (Iterating) the model raised; the responses before it
@@ -617,6 +659,7 @@ class Engine:
         ``ModelNotFound`` and ``EngineClosed``; its other errors, those of
         `infer()`, come from the iteration.
         """
+        priority = _checked_arguments(model, priority, tenant, request_id)
         return open_stream(self, model, inputs, priority, tenant, request_id)
 
     async def infer_detailed(
@@ -635,6 +678,7 @@ class Engine:
         instance or device, another model, a default answer). Same arguments
         and errors as `infer()`.
         """
+        priority = _checked_arguments(model, priority, tenant, request_id)
         found = self._idle_inline(model) if sequence is None else None
         if found is not None:
             # As infer runs a request on an idle inline model: in this task.
@@ -941,19 +985,60 @@ class Engine:
             runner.out_of_service if isinstance(runner, ModelRunner) else None,
         )
 
+    @contextmanager
+    def _owned(self, scopes: set[anyio.CancelScope]) -> Iterator[anyio.CancelScope]:
+        # A load or a retirement in the caller's task: the scope it yields (for the
+        # part that closing may cancel) is in *scopes* until the block ends, and a
+        # closing engine that waits for them all is told when the last one has.
+        scope = anyio.CancelScope()
+        if self._stopping:
+            scope.cancel()  # an unload begun while the engine stops drains no longer
+        scopes.add(scope)
+        try:
+            yield scope
+        finally:
+            scopes.discard(scope)
+            if self._settled is not None and not (self._loads or self._retiring):
+                self._settled.set()
+
+    async def _wait_settled(self) -> None:
+        # Until no load or retirement is in progress (see _owned).
+        while self._loads or self._retiring:
+            self._settled = anyio.Event()
+            await self._settled.wait()
+
     async def _shutdown(self, drain: bool) -> None:
         self._closing = True
         self._plain.clear()
         self._alone.clear()
+        for scope in self._loads:
+            scope.cancel()  # a load now could only be closed again: stop it at once
         if drain:
             self._draining = True
             try:
                 with anyio.move_on_after(self.drain_period):
                     for runner in list(self._runners.values()):
                         await runner.wait_idle()
+                    await self._wait_settled()  # models being unloaded drain too
             finally:
                 self._draining = False  # no step starts after the drain period
         with anyio.CancelScope(shield=True):
+            self._stopping = True
+            for scope in self._retiring:
+                scope.cancel()  # an unload's drain ends with the engine's
+            # Loads and unloads in callers' tasks: wait until they have closed what
+            # they loaded or retired, so that nothing of theirs outlives the block;
+            # bounded, as any cleanup, for a backend whose load cannot be stopped.
+            with anyio.move_on_after(CLEANUP_S):
+                await self._wait_settled()
+            if self._loads or self._retiring:
+                logger.error(
+                    "the engine closed with %d loads and %d unloads of other tasks still "
+                    "in progress after %ss; what they hold may outlive it",
+                    len(self._loads),
+                    len(self._retiring),
+                    CLEANUP_S,
+                )
             for runner in list(self._runners.values()):
                 await runner.stop()
             for gate in list(self._gates.values()):
@@ -979,7 +1064,10 @@ def open_engine(
     pipeline request still runs its remaining steps, and an accepted request
     may still fail over to another model, though other callers of those
     models are refused), then cancels what is left (those callers get
-    ``EngineClosed``) and closes every backend instance. Leaving it with an
+    ``EngineClosed``) and closes every backend instance. A load in progress
+    in another task is cancelled at once (it raises ``EngineClosed``), and a
+    model being unloaded in another task drains with the engine; the block
+    ends only after they have closed what they held. Leaving it with an
     exception or cancellation skips the drain. An internal failure in the
     engine's tasks surfaces from this block as an exception group rather
     than a hang.
@@ -1098,6 +1186,27 @@ async def _engine_scope(
         raise
 
 
+_STR_OR_NONE: Final = frozenset({str, type(None)})
+
+
+def _checked_arguments(model: str, priority: object, tenant: object, request_id: object) -> int:
+    # The priority of a request, as an int, or InvalidInput saying which argument is wrong.
+    # Checked before the request reaches its scheduler: a priority scheduler that took
+    # priority="high" into its levels broke, and the model went out of service for all.
+    if isinstance(priority, bool) or not isinstance(priority, SupportsIndex):
+        raise InvalidInput(
+            f"priority of a request to model {model!r} must be an integer (higher runs "
+            f"sooner), got {priority!r}"
+        )
+    for name, value in (("tenant", tenant), ("request_id", request_id)):
+        if value is not None and not isinstance(value, str):
+            raise InvalidInput(
+                f"{name} of a request to model {model!r} must be a string or None, got "
+                f"{value!r} ({type(value).__name__})"
+            )
+    return operator.index(priority)
+
+
 def _pipeline_steps(runner: ModelRunner | Pipeline | None) -> tuple[Step, ...]:
     # A pipeline's steps: a Pipeline's, or those of the graph a batched one's runner runs.
     if isinstance(runner, Pipeline):
@@ -1108,10 +1217,23 @@ def _pipeline_steps(runner: ModelRunner | Pipeline | None) -> tuple[Step, ...]:
 
 
 def _only(group: BaseExceptionGroup[BaseException], error: BaseException) -> bool:
-    return all(
-        leaf is error or (isinstance(leaf, BaseExceptionGroup) and _only(leaf, error))
-        for leaf in group.exceptions
-    )
+    # Whether every leaf of *group* is a leaf of *error*, or a cancellation. Not
+    # identity of the groups: a cancel scope on the way out (the task group's own,
+    # once cancelled) splits Cancelled out of a group and so re-raises a copy of the
+    # caller's group (one from the caller's own nursery), with the same leaves. A
+    # cancellation left is that of a scope around the block (the engine's tasks run
+    # inside the caller's scopes), which cancels again at its next checkpoint.
+    mine = {id(leaf) for leaf in _leaves(error)}
+    cancelled = anyio.get_cancelled_exc_class()
+    return all(id(leaf) in mine or isinstance(leaf, cancelled) for leaf in _leaves(group))
+
+
+def _leaves(error: BaseException) -> Iterator[BaseException]:
+    if isinstance(error, BaseExceptionGroup):
+        for inner in error.exceptions:
+            yield from _leaves(inner)
+    else:
+        yield error
 
 
 async def _load_instances(backend: Backend, config: ModelConfig) -> list[BackendInstance]:
@@ -1136,11 +1258,13 @@ async def _load_instances(backend: Backend, config: ModelConfig) -> list[Backend
         async with anyio.create_task_group() as tg:
             for i in range(len(placements)):
                 tg.start_soon(load_one, i)
-    finally:
-        done = [instance for instance in loaded if instance is not None]
-        if errors or len(done) != len(placements):
-            await close_instances(config.name, done)
+    except BaseException:
+        # Cancelled: maybe only as the task group ended, every instance loaded by then.
+        await close_instances(config.name, [i for i in loaded if i is not None])
+        raise
+    done = [instance for instance in loaded if instance is not None]
     if errors:
+        await close_instances(config.name, done)
         raise _load_error(config, placements, errors)
     signatures = {instance.signature for instance in done}
     if len(signatures) != 1:
