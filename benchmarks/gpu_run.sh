@@ -3,14 +3,13 @@
 # tool of this workplace: no package index there, Python 3.12, CUDA 13, PyTorch's NVIDIA
 # libraries installed, onnxruntime CPU only).
 #
-# What it needs beside the checkout, carried in an ignored `.gpu/` folder:
-#   - onnxruntime-gpu's CUDA 13 wheel (`pip download --no-deps --only-binary=:all:
-#     --python-version 3.12 --platform manylinux_2_28_x86_64 onnxruntime-gpu`), too big for
-#     one call: its CUDA provider library xz-compressed and split into parts under 60 MiB,
-#     each carried by one call and copied to /tmp/parts (calls in a row, while the machine
-#     is warm), and the rest of the wheel as `.gpu/rest/rest.tar.xz`;
-#   - `.gpu/rest/*.whl`: trio, outcome, sniffio, pytest-trio and a trioinfer wheel built here
-#     (`pip wheel --no-deps --no-build-isolation . -w .gpu/rest`);
+# What it needs beside the checkout, carried in an ignored `.gpu/` folder that
+# `benchmarks/gpu_stage.sh` writes here (where the package index is reachable):
+#   - onnxruntime-gpu's CUDA 13 wheel, too big for one call: its CUDA provider library
+#     xz-compressed and split into parts under 60 MiB (`.gpu/parts/`), each carried by one call
+#     and copied to /tmp/parts (calls in a row, while the machine is warm), and the rest of the
+#     wheel as `.gpu/rest/rest.tar.xz`;
+#   - `.gpu/rest/*.whl`: trio, outcome, pytest-trio and a trioinfer wheel of this checkout;
 #   - `.gpu/rest/cuda.sha`: the sha256 of the whole compressed library.
 # Then: `bash benchmarks/gpu_run.sh 'BENCH COMMAND' ...` with `.gpu/rest` carried: each
 # argument is a benchmark command run after the tests, for instance issue 20's goal 2 on the GPU:

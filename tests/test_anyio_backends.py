@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 from pathlib import Path
+from typing import Any
 
 import anyio
 import numpy as np
@@ -11,6 +12,7 @@ import pytest
 
 import trioinfer
 from trioinfer import Instance, ModelConfig, open_engine
+from trioinfer.testing import FakeBackend
 
 BACKENDS = ["trio", "asyncio"]
 
@@ -109,3 +111,35 @@ def test_on_asyncio_anyio_scopes_carry_the_deadline_and_asyncio_timeouts_only_ca
     anyio.run(main, backend="asyncio")
     assert seen[0] < float("inf")  # anyio's scope: the deadline travels with the request
     assert seen[1] == float("inf")  # asyncio.timeout: invisible to the engine
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_load_cancelled_as_its_instances_are_ready_closes_them(backend: str) -> None:
+    # The caller's scope is cancelled just as the last instance finishes loading: on
+    # asyncio the cancellation came at the end of the load's task group, with every
+    # instance loaded, and those were left open (their threads running for good).
+    class CancelAsLoaded(FakeBackend):
+        scope: anyio.CancelScope | None = None
+
+        async def load(self, config: ModelConfig, placement: Any) -> Any:
+            instance = await super().load(config, placement)
+            if placement.index == 1:
+                assert self.scope is not None
+                self.scope.cancel()  # the caller gives up as the instance is ready
+            return instance
+
+    fake = CancelAsLoaded()
+
+    async def main() -> None:
+        async with open_engine(registry=fake.registry()) as engine:
+            with anyio.CancelScope() as fake.scope:
+                await engine.load(
+                    ModelConfig(
+                        name="m", path="unused.onnx", backend="fake", instances=[Instance(count=2)]
+                    )
+                )
+            assert fake.scope.cancelled_caught
+            assert fake.open_instances == 0
+            assert engine.models() == []
+
+    run(backend, main)

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import gc
 import importlib.metadata
+import importlib.util
 import logging
 import re
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 from click.testing import CliRunner, Result
@@ -101,6 +103,37 @@ def test_plugins_reports_one_that_fails_and_exits_1(monkeypatch: pytest.MonkeyPa
     assert row.split()[:3] == ["backends", "broken", "no_such_module_here:Backend"]
     assert "ModuleNotFoundError" in row
     assert "1 of 1 plugins failed to load" in result.output
+
+
+@pytest.mark.parametrize(
+    ("module", "backend", "said"),
+    [
+        ("ray", "ray", "Ray is not installed: install trioinfer with the 'ray' extra"),
+        (
+            "onnxruntime",
+            "onnxruntime",
+            "ONNX Runtime is not installed: install trioinfer with the 'cpu' extra",
+        ),
+    ],
+)
+def test_plugins_says_what_a_backend_lacks_and_how_to_install_it(
+    monkeypatch: pytest.MonkeyPatch, module: str, backend: str, said: str
+) -> None:
+    # Both backends import their dependency on first use, so they import without it:
+    # the table said "ok" for ray on an install without Ray.
+    real = importlib.util.find_spec
+
+    def find_spec(name: str, package: str | None = None) -> Any:
+        return None if name == module else real(name, package)
+
+    monkeypatch.setattr(importlib.util, "find_spec", find_spec)
+    result = invoke("plugins")
+    assert result.exit_code == 0, result.output  # an install without an extra is a normal one
+    rows = {tuple(line.split()[:2]): line for line in result.output.splitlines()[1:]}
+    assert said in rows["backends", backend]
+    assert "pip install -e '.[" in rows["backends", backend]
+    assert rows["backends", "python"].endswith("  ok")
+    assert re.search(r"\b1 of \d+ plugins lack a dependency", result.output)
 
 
 def test_demo_runs_and_reports() -> None:

@@ -70,6 +70,22 @@ def test_bad_instance_fields_are_refused() -> None:
         Instance(cpu_affinity=["a"])  # type: ignore[list-item]
 
 
+def test_instance_count_is_bounded() -> None:
+    # Each instance is a session of its own: a count of 100000 (a typo, or a client's
+    # load override) would try to create them all.
+    assert Instance(count=256).count == 256
+    with pytest.raises(
+        ConfigError, match="instances count 100000 is more than a model may have: at most 256"
+    ):
+        Instance(count=100_000)
+    with pytest.raises(ConfigError, match=r"instances count 257 .* at most 256"):
+        ModelConfig.from_dict({"name": "m", "path": "m.onnx", "instances": [{"count": 257}]})
+    # The bound is on the model's instances, over all its groups.
+    groups = [Instance("cuda:0", count=200), Instance("cpu", count=100)]
+    with pytest.raises(ConfigError, match=r"300 instances in all .* at most 256"):
+        ModelConfig(name="m", path="m.onnx", instances=groups)
+
+
 def write_repo(tmp_path: Path, toml: str, versions: tuple[int, ...] = (1, 3)) -> Path:
     model_dir = tmp_path / "digits"
     model_dir.mkdir()

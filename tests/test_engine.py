@@ -221,6 +221,8 @@ async def test_exit_cancels_what_the_drain_period_leaves(
             await engine.infer("m", {"x": X})
         with pytest.raises(trioinfer.EngineClosed):
             await engine.load(fake_config("other"))
+        with pytest.raises(trioinfer.EngineClosed, match="has closed"):
+            await engine.unload("m")  # not ModelNotFound: "loaded: none" said too little
     # One finished in the drain period; the one running and the two queued ended closed.
     assert sorted(outcomes) == ["closed", "closed", "closed", "ok"]
     assert backend.executions == [1, 1]
@@ -254,6 +256,107 @@ async def test_exit_with_an_exception_skips_the_drain(
         assert trio.current_time() == t0 + 1
     assert info.value.args[0].closing
     assert outcomes == ["closed"]
+
+
+async def test_a_group_from_the_callers_own_nursery_leaves_the_block_as_raised(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    # The engine's task group, cancelled on the way out, re-raises a copy of a group
+    # (trio splits Cancelled out of it): the block must still hand back the caller's
+    # group as it was, not that copy wrapped in a second group.
+    backend = FakeBackend(delay=10.0)
+    with pytest.RaisesGroup(KeyError) as info:  # exactly one level: the caller's nursery's
+        async with open_engine(registry=backend.registry()) as engine:
+            await engine.load(fake_config())
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(partial(engine.infer, "m", {"x": X}))
+                await trio.sleep(1)
+                raise KeyError("mine")
+    assert info.value.exceptions[0].args == ("mine",)
+    assert backend.open_instances == 0
+
+    assert backend.open_instances == 0
+
+
+async def test_the_callers_exception_leaves_the_block_alone_when_an_outer_scope_cancels(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    # The engine's tasks run inside the caller's scopes: one cancelled around the
+    # block sends them a Cancelled of its own, which their task group gathered with the
+    # caller's exception. That Cancelled is the outer scope's to catch; the caller's own
+    # exception must still leave the block as it was raised.
+    backend = FakeBackend(delay=10.0)
+    with pytest.RaisesGroup(KeyError):  # exactly one level: the caller's nursery's
+        async with (
+            trio.open_nursery() as nursery,
+            open_engine(registry=backend.registry()) as engine,
+        ):
+            await engine.load(fake_config())
+            await engine.load(fake_config("other"))
+            nursery.cancel_scope.cancel()
+            raise KeyError("mine")
+    assert backend.open_instances == 0
+
+
+async def test_leaving_the_block_ends_a_load_in_another_task_first(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    # A load runs in its caller's task; the engine's block must not end while it goes
+    # on, holding instances (and their threads) that nothing would close.
+    class SlowSecondLoad(FakeBackend):
+        async def load(self, config: ModelConfig, placement: Any) -> Any:
+            if placement.index == 1:
+                await trio.sleep_forever()  # until cancelled
+            return await super().load(config, placement)
+
+    backend = SlowSecondLoad()
+    outcomes: list[str] = []
+
+    async def load(engine: trioinfer.Engine) -> None:
+        try:
+            await engine.load(fake_config(instances=[Instance("cpu", count=2)]))
+        except trioinfer.EngineClosed as exc:
+            outcomes.append(str(exc))
+
+    async with trio.open_nursery() as nursery:
+        async with open_engine(registry=backend.registry()) as engine:
+            nursery.start_soon(load, engine)
+            await trio.testing.wait_all_tasks_blocked()
+            assert backend.open_instances == 1
+            t0 = trio.current_time()
+        # Cancelled at once, it closed what it had loaded before the block ended.
+        assert outcomes == ["the engine closed while model 'm' was loading"]
+        assert backend.open_instances == 0
+        assert trio.current_time() == t0
+
+
+async def test_a_model_being_unloaded_drains_with_the_engine(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    # An unload in another task when the block ends: its accepted request may finish in
+    # the engine's drain period, and the unload ends before the block does.
+    backend = FakeBackend(delay=3.0)
+    outcomes: list[str] = []
+
+    async def call(engine: trioinfer.Engine) -> None:
+        await engine.infer("m", {"x": X})
+        outcomes.append("answered")
+
+    async def unload(engine: trioinfer.Engine) -> None:
+        await engine.unload("m")
+        outcomes.append("unloaded")
+
+    async with trio.open_nursery() as nursery:
+        async with open_engine(registry=backend.registry(), drain_period=5) as engine:
+            await engine.load(fake_config())
+            nursery.start_soon(call, engine)
+            await trio.testing.wait_all_tasks_blocked()
+            nursery.start_soon(unload, engine)
+            await trio.testing.wait_all_tasks_blocked()
+            t0 = trio.current_time()
+        outcomes.append("exited")
+        assert trio.current_time() == t0 + 3
+    assert outcomes == ["answered", "unloaded", "exited"]
     assert backend.open_instances == 0
 
 

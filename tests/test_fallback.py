@@ -231,6 +231,26 @@ async def test_inferences_count_the_rows_that_succeeded_once_not_the_attempts(
         assert stats.executions == 6
 
 
+async def test_successful_executions_count_the_runs_that_answered_not_the_attempts(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    # Triton's execution_count: only runs whose outputs went to their requests.
+    # executions counts every run started, failed attempts included.
+    backend = FaultyBackend(fail_on=[1, 2, 4, 5, 6], transient=True)
+    options = {"attempts": 3, "backoff": 0.01}
+    async with engine_with(backend, config(instances=[Instance()], options=options)) as engine:
+        await engine.infer("m", {"x": X})  # calls 1, 2 fail; 3 answers
+        stats = engine.statistics().models["m"]
+        assert (stats.successful_executions, stats.executions) == (1, 3)
+        with pytest.raises(BackendError):
+            await engine.infer("m", {"x": X})  # calls 4, 5, 6: every attempt fails
+        stats = engine.statistics().models["m"]
+        assert (stats.successful_executions, stats.executions) == (1, 6)
+        await engine.infer("m", {"x": X})  # call 7 answers at once
+        stats = engine.statistics().models["m"]
+        assert (stats.successful_executions, stats.executions) == (2, 7)
+
+
 async def test_a_permanent_error_on_the_only_instance_is_not_retried(
     autojump_clock: trio.testing.MockClock,
 ) -> None:

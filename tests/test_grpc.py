@@ -606,6 +606,10 @@ def test_model_control_and_token(client: triton.InferenceServerClient) -> None:
     with pytest.raises(InferenceServerException) as bad_config:
         client.load_model("add", headers=auth, config='"parameters": {"config": {{')
     assert bad_config.value.status() == "StatusCode.INVALID_ARGUMENT"
+    with pytest.raises(InferenceServerException) as too_many:
+        client.load_model("add", headers=auth, config='{"instances": [{"count": 100000}]}')
+    assert too_many.value.status() == "StatusCode.INVALID_ARGUMENT"
+    assert "count 100000 is more than a model may have: at most 256" in too_many.value.message()
     with pytest.raises(InferenceServerException) as upload:
         client.load_model("add", headers=auth, config="{}", files={"file:" + "A" * 256: b"a"})
     assert upload.value.status() == "StatusCode.INVALID_ARGUMENT"
@@ -888,6 +892,7 @@ def test_deadline_and_cancel_withdraw_requests(
 def check_deadline_and_cancel(client: triton.InferenceServerClient, server: Server) -> None:
     pending0, executions0, cancelled0 = slow_state(server)
     assert pending0 == 0
+    stats0 = client.get_inference_statistics("slow", "1").model_stats[0]
     blocker: queue.Queue[tuple[Any, Any]] = queue.Queue()
     call = client.async_infer(
         "slow", slow_input(BLOCKER_ROWS), lambda result, error: blocker.put((result, error))
@@ -908,6 +913,10 @@ def check_deadline_and_cancel(client: triton.InferenceServerClient, server: Serv
     _pending, executions, cancelled = slow_state(server)
     assert executions == executions0 + 1
     assert cancelled - cancelled0 == 2
+    # Triton's execution_count and inference_count count what answered: nothing did.
+    stats = client.get_inference_statistics("slow", "1").model_stats[0]
+    assert stats.execution_count == stats0.execution_count
+    assert stats.inference_count == stats0.inference_count
 
 
 def raw_h2_call(

@@ -112,6 +112,19 @@ def test_casting_only_when_configured() -> None:
     assert check(inputs, InputLimits(casting="same_kind"))["scale"].dtype == np.float32
 
 
+def test_the_models_dtype_in_the_other_byte_order_is_named_so() -> None:
+    # np.frombuffer(data, ">f4") is refused (ONNX Runtime reads the machine's order), and
+    # the message read "has dtype float32; the model expects float32".
+    inputs = good()
+    inputs["scale"] = inputs["scale"].astype(">f4")
+    with pytest.raises(
+        InvalidInput,
+        match=r"has dtype float32 in the other byte order \('>f4'\), not the machine's; "
+        r"the model expects float32\[batch, 1\] \(convert it with .astype\(numpy.float32\)",
+    ):
+        check(inputs)
+
+
 def test_nested_lists_are_accepted_when_dtypes_fit() -> None:
     sig = ModelSignature(
         inputs=(TensorSpec("x", np.dtype(np.int64), ("batch", 2), "tensor(int64)"),),

@@ -18,6 +18,7 @@ import trio
 import trio.testing
 
 import trioinfer
+from _instruments import Steps
 from trioinfer import BackendError, EngineClosed, ModelConfig, open_engine
 from trioinfer_python import PythonInstance
 
@@ -91,17 +92,6 @@ class Sync:
         if self.fail:
             raise RuntimeError(f"{self.name} is broken")
         return {"y": inputs["x"] + 1}
-
-
-class Steps(trio.abc.Instrument):
-    """Counts the times *task* resumes: its yields to the event loop, as they end."""
-
-    def __init__(self, task: trio.lowlevel.Task) -> None:
-        self.task = task
-        self.count = 0
-
-    def before_task_step(self, task: trio.lowlevel.Task) -> None:
-        self.count += task is self.task
 
 
 def inline(name: str, **parameters: Any) -> ModelConfig:

@@ -29,6 +29,7 @@ from trioinfer import (
 )
 from trioinfer.lowlevel import Placement
 from trioinfer.testing import check_backend, models
+from trioinfer_ray._options import MODEL_RESOURCE_SHARE, check_options
 
 pytestmark = pytest.mark.ray
 
@@ -439,3 +440,19 @@ async def test_bad_options_are_refused_before_ray_starts(
     config = ModelConfig(name="m", path=mlp_model, backend="ray", backend_options=options)
     with pytest.raises(ConfigError, match=message):
         await trioinfer_ray.RayBackend().load(config, config.placements()[0])
+
+
+@pytest.mark.parametrize(
+    ("name", "resource"),
+    [("digits", "model:digits"), ("digits.v3", "model:digits"), ("a.v1.v12", "model:a.v1")],
+)
+def test_model_resource_names_the_model_not_its_served_version(
+    mlp_model: Path, name: str, resource: str
+) -> None:
+    # trioinfer serve loads version 3 of repository model digits as digits.v3; the
+    # docs tell operators to start its nodes with --resources '{"model:digits": 1}'.
+    config = ModelConfig(
+        name=name, path=mlp_model, backend="ray", backend_options={"model_resource": True}
+    )
+    options = check_options(config, config.placements()[0])
+    assert options.resources == {resource: MODEL_RESOURCE_SHARE}

@@ -106,6 +106,35 @@ def test_broken_plugin_is_reported_and_does_not_break_others(third_party: Path) 
     assert registry.check(ok) is None
 
 
+def test_a_plugin_that_loads_may_say_what_it_lacks() -> None:
+    class Lacking:
+        @staticmethod
+        def missing_requirements() -> str | None:
+            return "libfoo is not installed: pip install foo"
+
+    class Broken:
+        @staticmethod
+        def missing_requirements() -> str | None:
+            raise RuntimeError("cannot tell")
+
+    class Whole:
+        @staticmethod
+        def missing_requirements() -> str | None:
+            return None
+
+    registry = Registry(
+        extra={"backends": {"lacking": Lacking, "broken": Broken, "whole": Whole, "plain": object}}
+    )
+    said = {p.name: registry.missing(p) for p in registry.plugins("backends")}
+    assert said["lacking"] == "libfoo is not installed: pip install foo"
+    assert said["broken"] == (
+        "backend plugin 'broken': missing_requirements() raised RuntimeError: cannot tell"
+    )
+    assert said["whole"] is None
+    assert said["plain"] is None  # a plugin without the hook lacks nothing it can tell
+    assert all(registry.check(p) is None for p in registry.plugins("backends"))
+
+
 def test_unknown_name_lists_the_known_ones() -> None:
     with pytest.raises(
         PluginError,

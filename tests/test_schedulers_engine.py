@@ -226,3 +226,32 @@ async def test_invalid_scheduler_options_refuse_the_model(
         with pytest.raises(ConfigError, match=message):
             await engine.load(fake_config(scheduler=scheduler, scheduler_options=options))
         assert [m.name for m in engine.models()] == []
+
+
+@pytest.mark.parametrize("scheduler", ["fifo", "priority", "deadline", "fair"])
+async def test_a_request_argument_of_the_wrong_type_is_refused_before_the_scheduler(
+    scheduler: str,
+) -> None:
+    # priority="high" once went into the priority scheduler's levels, broke it, and took
+    # the model out of service for every caller: a caller's typo is that caller's error.
+    backend = FakeBackend()
+    async with open_engine(registry=backend.registry()) as engine:
+        await engine.load(fake_config(scheduler=scheduler))
+        for kw, words in [
+            ({"priority": "high"}, "priority .* must be an integer .* got 'high'"),
+            ({"priority": 1.5}, "priority .* must be an integer"),
+            ({"priority": None}, "priority .* must be an integer"),
+            ({"priority": True}, "priority .* must be an integer"),
+            ({"tenant": 3}, r"tenant .* must be a string or None, got 3 \(int\)"),
+            ({"request_id": 7}, r"request_id .* must be a string or None, got 7 \(int\)"),
+        ]:
+            for call in (engine.infer, engine.infer_detailed):
+                with pytest.raises(trioinfer.InvalidInput, match=words):
+                    await call("m", {"x": X}, **kw)  # type: ignore[arg-type]
+            with pytest.raises(trioinfer.InvalidInput, match=words):
+                async with engine.infer_stream("m", {"x": X}, **kw):  # type: ignore[arg-type]
+                    pass
+        # An integer of another type is the integer it stands for; the model still serves.
+        out = await engine.infer("m", {"x": X}, priority=np.int64(2))
+        np.testing.assert_array_equal(out["y"], 2 * X)
+        assert engine.statistics().models["m"].succeeded == 1

@@ -713,6 +713,29 @@ def datatype_values(datatype: str) -> npt.NDArray[Any]:
     return np.array([[info_i.min, info_i.max, 0], [1, 2, 3]], dtype=dtype)
 
 
+def test_an_integer_wider_than_64_bits_is_a_400(http: httpx.Client) -> None:
+    # orjson reads 2**70 as a float: the answer says what was wrong with the number
+    # sent, not with a float the client never wrote.
+    body = (
+        b'{"inputs":[{"name":"x","shape":[1,3],"datatype":"INT64",'
+        b'"data":[1,2,1180591620717411303424]}]}'
+    )
+    response = http.post("/v2/models/identity_int64/infer", content=body)
+    assert response.status_code == 400
+    assert error_of(response) == (
+        "input 'x': INT64 data must be integers from -9223372036854775808 to "
+        "9223372036854775807; got a number past the 64-bit range (about 1.18059e+21)"
+    )
+    edges = {"name": "x", "shape": [1, 3], "datatype": "INT64", "data": [-(2**63), 2**63 - 1, 0]}
+    response = http.post("/v2/models/identity_int64/infer", json={"inputs": [edges]})
+    assert response.status_code == 200, response.text
+    assert response.json()["outputs"][0]["data"] == [-(2**63), 2**63 - 1, 0]
+    top = {"name": "x", "shape": [1, 3], "datatype": "UINT64", "data": [2**64 - 1, 0, 1]}
+    response = http.post("/v2/models/identity_uint64/infer", json={"inputs": [top]})
+    assert response.status_code == 200, response.text
+    assert response.json()["outputs"][0]["data"] == [2**64 - 1, 0, 1]
+
+
 @pytest.mark.parametrize("binary", [False, True], ids=["json", "binary"])
 @pytest.mark.parametrize("datatype", list(V2_TYPES))
 def test_every_datatype_round_trips(
@@ -819,6 +842,11 @@ def test_load_with_config_override(client: triton.InferenceServerClient) -> None
             client.load_model("mlp", config=json.dumps({"no_such_key": 1}))
         assert caught.value.status() == "400"
         assert "no_such_key" in caught.value.message()
+        # A count past the bound is refused before any instance is made.
+        with pytest.raises(InferenceServerException) as caught:
+            client.load_model("mlp", config=json.dumps({"instances": [{"count": 100_000}]}))
+        assert caught.value.status() == "400"
+        assert "count 100000 is more than a model may have: at most 256" in caught.value.message()
         # A failed load leaves the served version as it was.
         assert client.get_model_config("mlp")["trioinfer"]["max_queue_size"] == 7
     finally:
@@ -1563,8 +1591,10 @@ def test_client_that_leaves_while_queued_is_never_computed(
         assert during.executions == state_before.executions + 1, "only the blocker ran"
     stats_after = model_stats(http, "slow")
     state_after = slow_state(http)
-    # The blocker started once (and was aborted); neither queued request ever reached it.
-    assert stats_after["execution_count"] - stats_before["execution_count"] == 1
+    # The blocker started once and was aborted: Triton's execution_count counts only
+    # executions that answered, so it is unchanged; neither queued request ever ran.
+    assert stats_after["execution_count"] == stats_before["execution_count"]
+    assert state_after.executions - state_before.executions == 1
     queue_counts = (
         stats_before["inference_stats"]["queue"]["count"],
         stats_after["inference_stats"]["queue"]["count"],
@@ -1678,6 +1708,7 @@ def test_metrics(http: httpx.Client) -> None:
         "trioinfer_inference_requests": "counter",
         "trioinfer_http_inference_in_flight": "gauge",
         "trioinfer_inference_executions": "counter",
+        "trioinfer_inference_executions_succeeded": "counter",
         "trioinfer_inferences": "counter",
         "trioinfer_inference_queue_depth": "gauge",
         "trioinfer_inference_pending": "gauge",
@@ -1698,6 +1729,7 @@ def test_metrics(http: httpx.Client) -> None:
     assert value(families, requests, model="", version="", outcome="not_found") >= 1
     assert not samples(families, requests, model="nowhere")
     assert value(families, "trioinfer_inference_executions_total", **counted) == 3
+    assert value(families, "trioinfer_inference_executions_succeeded_total", **counted) == 3
     assert value(families, "trioinfer_inference_queue_depth", **counted) == 0
     assert value(families, "trioinfer_inference_pending", **counted) == 0
     assert value(families, "trioinfer_instances", device="cpu", state="serving", **counted) == 1

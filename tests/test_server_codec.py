@@ -355,6 +355,9 @@ def test_integers_are_fine_in_float_data_and_large_unsigned_values_fit() -> None
     assert_same(decode(one(data=[1, 2.5])).inputs["x"], np.array([1.0, 2.5], dtype=np.float32))
     big = decode(one(datatype="UINT64", data=[0, 2**64 - 1])).inputs["x"]
     assert big.tolist() == [0, 2**64 - 1]
+    edges = decode(one(datatype="INT64", data=[-(2**63), 2**63 - 1])).inputs["x"]
+    assert edges.dtype == np.int64
+    assert edges.tolist() == [-(2**63), 2**63 - 1]
 
 
 def test_float_values_at_the_edge_of_the_range_round_rather_than_overflow() -> None:
@@ -1143,7 +1146,30 @@ def test_binary_data_missing_or_left_over() -> None:
         (one(datatype="INT64", data=[0, 2**63]), ["input 'x'", "INT64", str(2**63)]),
         (
             b'{"inputs":[{"name":"x","shape":[2],"datatype":"INT64","data":[0,18446744073709551616]}]}',
-            ["input 'x'", "INT64", "1.8446744073709552e+19"],
+            ["input 'x'", "INT64", "past the 64-bit range (about 1.84467e+19)"],
+        ),
+        # Integers wider than 64 bits, which orjson reads as floats: named as what they
+        # were, never converted.
+        (
+            b'{"inputs":[{"name":"x","shape":[1],"datatype":"INT64","data":[1180591620717411303424]}]}',
+            [
+                "input 'x'",
+                "INT64 data must be integers from",
+                "past the 64-bit range",
+                "1.18059e+21",
+            ],
+        ),
+        (
+            b'{"inputs":[{"name":"x","shape":[2],"datatype":"UINT64","data":[1,18446744073709551616]}]}',
+            ["input 'x'", "UINT64", "0 to 18446744073709551615", "past the 64-bit range"],
+        ),
+        (
+            b'{"inputs":[{"name":"x","shape":[1],"datatype":"INT64","data":[-9223372036854775809]}]}',
+            ["input 'x'", "INT64", "past the 64-bit range (about -9.22337e+18)"],
+        ),
+        (
+            b'{"inputs":[{"name":"x","shape":[1],"datatype":"INT8","data":[1180591620717411303424]}]}',
+            ["input 'x'", "INT8 data must be integers from -128 to 127", "past the 64-bit range"],
         ),
         (one(datatype="UINT16", data=["1", 2]), ["input 'x'", "must be numbers", '"1"']),
         (one(datatype="BOOL", data=[1, 0]), ["input 'x'", "BOOL data must be true or false", "1"]),

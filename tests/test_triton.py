@@ -647,6 +647,35 @@ def test_labels_in_config_toml_are_checked(tmp_path: Path) -> None:
 # == config.pbtxt ===========================================================================
 
 
+async def test_default_model_filename_names_the_file_in_each_version(tmp_path: Path) -> None:
+    # Triton reads <version>/<default_model_filename>; trioinfer refused any name but
+    # model.onnx.
+    from trioinfer.server import ModelRepository
+
+    for version in (1, 2):
+        write_simple(tmp_path / "m" / str(version) / "simple.onnx")
+    write_simple(tmp_path / "m" / "3" / "model.onnx")  # not the configured name: no version
+    (tmp_path / "m" / "config.pbtxt").write_text(
+        'platform: "onnxruntime_onnx"\ndefault_model_filename: "simple.onnx"\n'
+        "version_policy { all { } }\n"
+    )
+    entry = ModelRepository(tmp_path).entry("m")
+    assert entry.versions == (1, 2)
+    assert entry.model_file == "simple.onnx"
+    assert "ignored version directory 3 (it holds no simple.onnx)" in entry.notes
+    config = entry.config(2)
+    assert (config.path.parent.name, config.path.name) == ("2", "simple.onnx")
+    async with trioinfer.open_engine() as engine:
+        await engine.load(config)
+        a = np.arange(16, dtype=np.int32).reshape(1, 16)
+        outputs = await engine.infer("m", {"INPUT0": a, "INPUT1": a})
+        np.testing.assert_array_equal(outputs["OUTPUT0"], a + a)
+    # A load override may repeat the name, not change it: the versions were found by it.
+    assert entry.config(1, {"default_model_filename": "simple.onnx"}).path.name == "simple.onnx"
+    with pytest.raises(ConfigError, match="may not change default_model_filename"):
+        entry.config(1, {"default_model_filename": "other.onnx"})
+
+
 def test_triton_config_is_served_as_triton_shaped(
     client: httpclient.InferenceServerClient,
 ) -> None:
@@ -739,6 +768,15 @@ def test_bad_triton_configs_are_named(client: httpclient.InferenceServerClient) 
         ),
         ("instance_group [ { kind: KIND_GPU gpus: [0, 0] } ]", "distinct GPU numbers"),
         ("instance_group [ { kind: KIND_MODEL } ]", "KIND_MODEL is not supported"),
+        ('default_model_filename: "../m.onnx"', "default_model_filename must be a file name"),
+        (
+            'default_model_filename: "1/m.onnx"',
+            "e.g. 'model.onnx' .no directories.; got '1/m.onnx'",
+        ),
+        (
+            "instance_group [ { kind: KIND_CPU count: 100000 } ]",
+            "instance_group count 100000 is more than a model may have: at most 256",
+        ),
         ('instance_group [ { kind: KIND_CPU profile: "p" } ]', "sets profile"),
         ('output [ { name: "y" reshape { shape: [1] } } ]', "output 'y' sets reshape"),
         ("max_batch_size: 2\ndynamic_batching { priority_levels: 2 }", "default_priority_level"),

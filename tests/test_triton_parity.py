@@ -303,26 +303,30 @@ def test_http_and_grpc_answer_the_same_model_config(server: Server, model: str, 
 
 @pytest.mark.pipeline
 @pytest.mark.parametrize(
-    ("model", "platform"),
+    ("model", "platform", "configured"),
     [
-        ("ensemble", "ensemble"),  # config.pbtxt's platform: "ensemble"
-        ("read_digit", "ensemble"),  # a config.toml pipeline: what Triton calls an ensemble
-        ("simple", "onnxruntime_onnx"),
-        ("digits", "onnxruntime_onnx"),  # config.toml, ONNX Runtime
-        ("scale_image", "trioinfer"),  # a Python model: trioinfer's own
+        ("ensemble", "ensemble", "ensemble"),  # config.pbtxt's platform: "ensemble"
+        ("read_digit", "ensemble", "ensemble"),  # a config.toml pipeline: Triton's ensemble
+        ("simple", "onnxruntime_onnx", "onnxruntime_onnx"),
+        ("digits", "onnxruntime_onnx", "onnxruntime_onnx"),  # config.toml, ONNX Runtime
+        # A Python model: as Triton's python backend models, no platform in the config,
+        # and the backend's name in the metadata (Triton's "platform, else backend").
+        ("scale_image", "python", ""),
     ],
 )
-def test_platform_is_tritons_over_http_and_grpc(server: Server, model: str, platform: str) -> None:
+def test_platform_is_tritons_over_http_and_grpc(
+    server: Server, model: str, platform: str, configured: str
+) -> None:
     """Model metadata and config name the platform as Triton does: pipelines are ensembles."""
     client = _http(server)
     try:
         assert client.get_model_metadata(model)["platform"] == platform
-        assert client.get_model_config(model)["platform"] == platform
+        assert client.get_model_config(model)["platform"] == configured
     finally:
         client.close()
     with grpcclient.InferenceServerClient(server.grpc) as grpc_client:
         assert grpc_client.get_model_metadata(model).platform == platform
-        assert grpc_client.get_model_config(model).config.platform == platform
+        assert grpc_client.get_model_config(model).config.platform == configured
 
 
 def test_the_grpc_model_config_holds_what_triton_configures(server: Server) -> None:

@@ -17,7 +17,7 @@ from trioinfer.lowlevel import Placement, WorkerThread
 from ._device import _providers, probe_device
 from ._instance import OnnxRuntimeInstance, _compute_clock
 from ._options import _OPT_LEVELS, _check_options
-from ._ort import _one_line, _ort, log
+from ._ort import _one_line, _ort, log, missing_ort
 from ._tuning import _mtime, _tune, _tuned
 
 
@@ -26,6 +26,11 @@ class OnnxRuntimeBackend:
     """Loads ONNX models into ONNX Runtime sessions, one per instance."""
 
     __slots__ = ()
+
+    @staticmethod
+    def missing_requirements() -> str | None:
+        """ONNX Runtime, if it is not installed here (for ``trioinfer plugins``); else None."""
+        return missing_ort()
 
     async def load(self, config: ModelConfig, placement: Placement) -> OnnxRuntimeInstance:
         """Create the instance's worker thread and its session on the placed device.

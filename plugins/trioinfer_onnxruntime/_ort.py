@@ -6,13 +6,21 @@ Runtime's errors read in one line, and the plugin's logger.
 
 from __future__ import annotations
 
+import importlib.util
 import logging
-from typing import Any
+from typing import Any, Final
 
 from trioinfer import BackendUnavailable, ModelSignature, TensorSpec
 from trioinfer.lowlevel import numpy_dtype
 
 log = logging.getLogger("trioinfer.onnxruntime")
+
+
+#: How to get ONNX Runtime, said where it is missing.
+_INSTALL_ORT: Final = (
+    "install trioinfer with the 'cpu' extra (onnxruntime) or the 'gpu' extra "
+    "(onnxruntime-gpu), one of them, e.g. pip install -e '.[cpu]' in a clone"
+)
 
 
 def _ort() -> Any:
@@ -23,10 +31,16 @@ def _ort() -> Any:
     except ImportError as exc:
         raise BackendUnavailable(
             f"the onnxruntime backend needs ONNX Runtime, which does not import here ({exc}): "
-            "install trioinfer with the 'cpu' extra (onnxruntime) or the 'gpu' extra "
-            "(onnxruntime-gpu), one of them, e.g. pip install -e '.[cpu]' in a clone"
+            f"{_INSTALL_ORT}"
         ) from exc
     return onnxruntime
+
+
+def missing_ort() -> str | None:
+    """ONNX Runtime, if it is not installed here; else None. Imports nothing."""
+    if importlib.util.find_spec("onnxruntime") is None:
+        return f"ONNX Runtime is not installed: {_INSTALL_ORT}"
+    return None
 
 
 def _signature(session: Any) -> ModelSignature:

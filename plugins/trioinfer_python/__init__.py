@@ -23,13 +23,19 @@ In code, ``backend_options={"class": Model, ...}`` names the class itself and
 ``path`` is not read. The class:
 
 - ``__init__(self, **parameters)``; a ``device`` keyword, if it takes one,
-  gets where the instance was placed (``"cpu"``, ``"cuda:0"``).
+  gets where the instance was placed (``"cpu"``, ``"cuda:0"``). It runs on
+  the event loop, so every other task waits for it: keep it cheap, and do
+  slow work (reading weights) in ``load``, which a plain ``def`` runs on the
+  instance's worker thread.
 - ``infer(self, inputs) -> outputs``, dicts of numpy arrays by tensor name.
   An exception it raises fails its batch as a ``BackendError``, unless it is
   a ``TrioInferError`` (raise ``trioinfer.InvalidInput`` for input the
   model refuses: a 400 over HTTP), which reaches the callers as it is.
   ``async def infer`` runs on the event loop and is cancelled when every
   caller of its batch has left (the caller's deadline, a client going away);
+  it runs in the engine's task, so ``anyio.current_effective_deadline()``
+  there is not the callers': ``trioinfer.lowlevel.current_batch_deadline()``
+  is the latest of theirs, to pass on to a service the model calls;
   a plain ``def infer`` runs on the instance's own worker thread, and Python
   cannot interrupt it: a cancelled call runs to its end (an ``abort(self)``
   method, if the class has one, is called from the event loop then, to ask
@@ -59,10 +65,12 @@ raises ends the stream after the responses before it, as for ``infer``.
 ``dispatch = "inline"`` runs a plain ``infer`` (and ``load``, ``close``) on the
 event loop instead: for numpy code of a few hundred microseconds at most,
 cheaper there than a hop to a thread and back; the loop waits while it runs.
-Requests that run such a model as a pipeline's step in their own task
-(nothing queued, the model idle) yield to the loop once inline runs have
-held it for 250 microseconds in all, so that callers looping on the
-pipeline never starve the rest of the program.
+With ``batcher = "none"`` (and no other plugin in the way), a request to
+such a model, or a pipeline's step on it, runs in its caller's task when
+nothing is queued and the instance is idle: no queue, worker or wake-up.
+Such requests yield to the loop once inline runs have held it for 250
+microseconds in all, so that callers looping on the model never starve the
+rest of the program.
 
 The engine checks inputs against the declared signature before they queue,
 as for an ONNX model, and this backend checks every output against it: a

@@ -10,6 +10,7 @@ blocking the event loop.
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import logging
 import math
 import os
@@ -50,14 +51,21 @@ _connect_lock = threading.Lock()
 _actor_class: Any = None
 
 
+#: How to get Ray, said where it is missing.
+_INSTALL_RAY: Final = (
+    "install trioinfer with the 'ray' extra (and cpu or gpu), e.g. pip install -e "
+    "'.[ray,cpu]' in a clone"
+)
+_NO_RAY: Final = f"Ray is not installed: {_INSTALL_RAY}"
+
+
 def _ray() -> Any:
     # Imported on first use: Ray is an extra, and importing it takes a second.
     try:
         return importlib.import_module("ray")
     except ImportError as exc:
         raise BackendUnavailable(
-            f"the ray backend needs Ray, which does not import here ({exc}): install trioinfer "
-            "with the 'ray' extra (and cpu or gpu), e.g. pip install -e '.[ray,cpu]' in a clone"
+            f"the ray backend needs Ray, which does not import here ({exc}): {_INSTALL_RAY}"
         ) from exc
 
 
@@ -153,6 +161,16 @@ class RayBackend:
     """Loads each instance of a model into an async Ray actor on a cluster node."""
 
     __slots__ = ()
+
+    @staticmethod
+    def missing_requirements() -> str | None:
+        """Ray, if it is not installed here (for ``trioinfer plugins``); else None.
+
+        Looks Ray up without importing it, which takes a second.
+        """
+        if importlib.util.find_spec("ray") is None:
+            return _NO_RAY
+        return None
 
     async def load(self, config: ModelConfig, placement: Placement) -> RayInstance:
         """Create the instance's actor where its options place it, and its session there.

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Mapping
 from typing import Any, Final
 
@@ -31,8 +32,9 @@ OPTIONS: Final[Mapping[str, str]] = {
     "resources": "custom Ray resources each actor reserves, a table such as "
     '{ "ssd" = 0.1 }: it is placed only on nodes that advertise them',
     "model_resource": "true: place instances only on nodes that advertise the resource "
-    f"'model:<name>' (each instance takes {MODEL_RESOURCE_SHARE} of it), e.g. nodes started "
-    "with --resources '{\"model:digits\": 1}' where the model's weights are cached",
+    f"'model:<name>' (each instance takes {MODEL_RESOURCE_SHARE} of it; every version of a "
+    "repository model asks for the same), e.g. nodes started with "
+    "--resources '{\"model:digits\": 1}' where the model's weights are cached",
     "node_id": "a Ray node id (hex), or a list of them: instance i is placed on the "
     "(i mod n)-th, and nowhere else",
     "ship_model": "true: send the model file to the nodes through Ray's object store; "
@@ -94,7 +96,7 @@ def check_options(config: ModelConfig, placement: Placement) -> RayOptions:
     if not isinstance(model_resource, bool):
         raise ConfigError(f"{where} model_resource must be true or false, got {model_resource!r}")
     if model_resource:
-        resources[f"model:{config.name}"] = MODEL_RESOURCE_SHARE
+        resources[model_resource_name(config.name)] = MODEL_RESOURCE_SHARE
     node_id = _node_for(where, options.get("node_id"), placement.index)
     ship = options.get("ship_model", False)
     if not isinstance(ship, bool):
@@ -131,6 +133,22 @@ def check_options(config: ModelConfig, placement: Placement) -> RayOptions:
         ort_options=dict(ort),
         pipeline_depth=depth,
     )
+
+
+#: How ``trioinfer serve`` names a repository model's version in the engine: ``digits.v3``.
+_SERVED_VERSION = re.compile(r"^(.+)\.v[0-9]+$")
+
+
+def model_resource_name(model: str) -> str:
+    """The node resource a model's instances ask for with ``model_resource = true``.
+
+    ``model:<name>``, the name without the version ``trioinfer serve`` gives a
+    repository model in the engine (its version 3 of ``digits`` is ``digits.v3``):
+    a node advertising ``model:digits`` hosts every version of ``digits``, as the
+    docs tell operators to start it.
+    """
+    served = _SERVED_VERSION.match(model)
+    return f"model:{served.group(1) if served else model}"
 
 
 def _amount(where: str, name: str, value: object) -> float:

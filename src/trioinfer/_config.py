@@ -31,6 +31,11 @@ _DEVICE_RE = re.compile(r"^(cpu|cuda|tensorrt)(?::(\d+))?$")
 _T = TypeVar("_T")
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,127}$")
 
+#: Most instances one model may have, over all its groups. Each is a session
+#: with its own memory and threads; a count far past the devices' cores and GPUs
+#: is a typo, or a client's load override trying to exhaust the server.
+MAX_INSTANCES = 256
+
 
 @attrs.frozen
 class Device:
@@ -80,6 +85,14 @@ def _non_negative(_inst: object, attribute: attrs.Attribute[Any], value: int) ->
         raise ConfigError(f"{attribute.name} must be an integer >= 0, got {value!r}")
 
 
+def _instance_count(_inst: object, attribute: attrs.Attribute[Any], value: int) -> None:
+    _positive(_inst, attribute, value)
+    if value > MAX_INSTANCES:
+        raise ConfigError(
+            f"instances count {value} is more than a model may have: at most {MAX_INSTANCES}"
+        )
+
+
 def _positive_number(_inst: object, attribute: attrs.Attribute[Any], value: float) -> None:
     if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 < value < math.inf:
         raise ConfigError(f"{attribute.name} must be a positive number, got {value!r}")
@@ -103,7 +116,8 @@ class Instance:
 
     Attributes:
         device: ``"cpu"``, ``"cuda"``, ``"cuda:N"``, ``"tensorrt"`` or ``"tensorrt:N"``.
-        count: How many instances (each with its own session) to run there.
+        count: How many instances (each with its own session) to run there:
+            1 to 256 (a model has at most 256 instances over all its groups).
         threads: Compute threads per instance (ONNX Runtime's intra-op threads);
             0 lets the backend choose.
         cpu_affinity: CPUs the instance's threads may run on (Linux), or ``None``.
@@ -113,7 +127,7 @@ class Instance:
     """
 
     device: Device = attrs.field(default=Device("cpu"), converter=_to_device)
-    count: int = attrs.field(default=1, validator=_positive)
+    count: int = attrs.field(default=1, validator=_instance_count)
     threads: int = attrs.field(default=0, validator=_non_negative)
     cpu_affinity: tuple[int, ...] | None = attrs.field(default=None, converter=_to_affinity)
     capacity: float = attrs.field(default=1.0, validator=_positive_number)
@@ -163,6 +177,12 @@ def _to_instances(value: object) -> tuple[Instance, ...]:
             out.append(_build(Instance, item, "instances"))
         else:
             raise ConfigError(f"each of instances must be an Instance or a table, got {item!r}")
+    total = sum(group.count for group in out)
+    if total > MAX_INSTANCES:
+        raise ConfigError(
+            f"instances: {total} instances in all is more than a model may have: "
+            f"at most {MAX_INSTANCES}"
+        )
     return tuple(out)
 
 
@@ -224,7 +244,8 @@ class ModelConfig:
     Attributes:
         name: The name requests use. Letters, digits, ``_ . -``; at most 128.
         path: The model file (for the ONNX Runtime backend, a ``.onnx`` file).
-        instances: Where the model runs and how many instances of it.
+        instances: Where the model runs and how many instances of it (at
+            most 256 in all).
         backend: The backend plugin's name (group ``trioinfer.backends``).
         scheduler: The scheduler plugin's name (group ``trioinfer.schedulers``).
         batcher: The batcher plugin's name (group ``trioinfer.batchers``). A

@@ -8,10 +8,12 @@ Nothing the engine started outlives the block.
 
 from __future__ import annotations
 
+import logging
 import math
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
-from contextlib import AbstractAsyncContextManager, asynccontextmanager
-from typing import TYPE_CHECKING, Any, Final, NoReturn, final
+import operator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping
+from contextlib import AbstractAsyncContextManager, asynccontextmanager, contextmanager
+from typing import TYPE_CHECKING, Any, Final, NoReturn, SupportsIndex, final
 
 import anyio
 import anyio.abc
@@ -31,18 +33,23 @@ from ._exceptions import (
     PluginContractError,
     TrioInferError,
 )
+from ._inline import restart_inline_slice
 from ._pipeline import PIPELINE, Pipeline, Step, _steps
 from ._pipeline_batched import BatchedPipeline
 from ._registry import Kind, Registry
 from ._request import Outputs, Request, make_request, next_request_id
-from ._runner import ModelRunner, ModelStatistics, close_instances
+from ._runner import CLEANUP_S, ModelRunner, ModelStatistics, close_instances
+from ._runner import runs_inline as _runs_inline
 from ._sequence import SequenceFlags
 from ._stream import ResponseStream, StreamGate, decoupled, open_stream
 from ._tensors import ModelSignature, validate_rows
 from .abc import Backend, BackendInstance, Batcher, Fallback, Scheduler, Status, StreamingInstance
 
 if TYPE_CHECKING:
+    from ._dispatch import Replica
     from ._tracing import Tracing
+
+logger = logging.getLogger("trioinfer")
 
 # Used only by the fast path of a runner on Trio (ModelRunner.on_trio).
 _current_task = trio.lowlevel.current_task
@@ -160,6 +167,13 @@ class Engine:
     # pipeline looks its steps' models up here, one dict lookup a step.
     _alone: dict[str, ModelRunner] = attrs.field(factory=dict, init=False)
     _loading: set[str] = attrs.field(factory=set, init=False)
+    # The loads, and the unloads (and replaced models' retirements), running in callers'
+    # tasks, by their cancel scopes: closing cancels them and waits for them to end, so
+    # that no instance, thread or runner of theirs outlives the engine's block.
+    _loads: set[anyio.CancelScope] = attrs.field(factory=set, init=False)
+    _retiring: set[anyio.CancelScope] = attrs.field(factory=set, init=False)
+    _settled: anyio.Event | None = attrs.field(default=None, init=False)
+    _stopping: bool = attrs.field(default=False, init=False)  # past the drain, if any
     _closing: bool = attrs.field(default=False, init=False)
     # Closing, and within its drain period: the requests made for requests accepted
     # before (a pipeline's steps, a fallback's failover to another model) are still
@@ -199,7 +213,8 @@ class Engine:
                 device cannot be used and CPU fallback is off). When several fail,
                 one error names each failure, and its ``__cause__`` is an
                 ``ExceptionGroup`` of them all.
-            EngineClosed: The engine is closing.
+            EngineClosed: The engine is closing, or began to close while the model
+                loaded (what was loaded is closed again).
         """
         self._check_open()
         name = config.name
@@ -217,31 +232,49 @@ class Engine:
             )
         self._loading.add(name)
         try:
-            runner: ModelRunner | Pipeline
-            if config.backend == PIPELINE and config.batcher == "none":
-                runner = Pipeline(
-                    config,
-                    self._infer_held,
-                    lambda model: self._runner(model).signature,
-                    self._steps_of,
-                    self._alone.get,
-                )
-            else:
-                runner = await self._new_runner(config)
-            await self._task_group.start(runner.run)
-            old = self._runners.get(name)
-            old_gate = self._gates.get(name)
-            self._runners[name] = runner
-            self._set_gate(name, runner)
-            self._set_plain(name, runner)
-            # Answers of the model it replaces may not hold; its counters start again
-            # with the new runner's.
-            self._forget(name, restart=True)
+            with self._owned(self._loads) as loading:
+                runner: ModelRunner | Pipeline | None = None
+                with loading:
+                    if config.backend == PIPELINE and config.batcher == "none":
+                        runner = Pipeline(
+                            config,
+                            self._infer_held,
+                            lambda model: self._runner(model).signature,
+                            self._steps_of,
+                            self._alone.get,
+                        )
+                    else:
+                        runner = await self._new_runner(config)
+                if runner is None:
+                    return await self._cut_off(name)
+                # Shielded (it is quick): a task cancelled before it first runs never runs
+                # its finally (on asyncio), and the runner's closes the loaded instances.
+                with anyio.CancelScope(shield=True):
+                    await self._task_group.start(runner.run)
+                if anyio.current_effective_deadline() <= anyio.current_time():
+                    # The caller gave up while its model started: it is not to serve.
+                    with anyio.CancelScope(shield=True):
+                        await runner.stop()
+                    await anyio.lowlevel.checkpoint()  # raises the caller's cancellation
+                old = self._runners.get(name)
+                old_gate = self._gates.get(name)
+                self._runners[name] = runner
+                self._set_gate(name, runner)
+                self._set_plain(name, runner)
+                # Answers of the model it replaces may not hold; its counters start
+                # again with the new runner's.
+                self._forget(name, restart=True)
         finally:
             self._loading.discard(name)
         if old is not None:
             await self._retire(old, old_gate)
         return self._info(runner)
+
+    @staticmethod
+    async def _cut_off(name: str) -> NoReturn:
+        # A load the engine's closing cancelled (what it had loaded is closed).
+        await anyio.lowlevel.checkpoint_if_cancelled()  # the caller's own cancellation
+        raise EngineClosed(f"the engine closed while model {name!r} was loading")
 
     async def _new_runner(self, config: ModelConfig) -> ModelRunner:
         # A model's plugins, its loaded instances, and the runner that will serve them.
@@ -315,7 +348,10 @@ class Engine:
 
         Raises:
             ModelNotFound: No model of that name is loaded.
+            EngineClosed: The engine has closed (every model was unloaded with it).
         """
+        if self._closed:
+            self._check_open()
         runner = self._runners.pop(name, None)
         self._plain.pop(name, None)
         self._alone.pop(name, None)
@@ -370,15 +406,17 @@ class Engine:
 
     async def _retire(self, runner: ModelRunner | Pipeline, gate: StreamGate | None = None) -> None:
         # The runner takes no new requests already; let accepted ones finish, then stop it.
-        try:
-            with anyio.move_on_after(self.drain_period):
-                await runner.wait_idle()
-        finally:
-            # Even if the caller is cancelled while draining, the model must stop.
-            with anyio.CancelScope(shield=True):
-                await runner.stop()
-                if gate is not None:
-                    await gate.wait_closed()  # its streams' generators, closing now
+        # The engine's closing ends this drain with its own (see _shutdown).
+        with self._owned(self._retiring) as drain:
+            try:
+                with drain, anyio.move_on_after(self.drain_period):
+                    await runner.wait_idle()
+            finally:
+                # Even if the caller is cancelled while draining, the model must stop.
+                with anyio.CancelScope(shield=True):
+                    await runner.stop()
+                    if gate is not None:
+                        await gate.wait_closed()  # its streams' generators, closing now
 
     def models(self) -> list[ModelInfo]:
         """The loaded models, sorted by name."""
@@ -415,7 +453,7 @@ class Engine:
             model: A loaded model's name.
             inputs: One array per model input, by name; dtypes must match the model's
                 (see ``ModelConfig.casting``).
-            priority: Higher runs sooner under priority-aware schedulers.
+            priority: An integer; higher runs sooner under priority-aware schedulers.
             tenant: Who the request is for, for fair-share schedulers.
             request_id: An id for logs and tracing; generated if not given.
             sequence: For a stateful model (one with a ``sequence`` config), the
@@ -424,7 +462,8 @@ class Engine:
 
         Raises:
             ModelNotFound: No model of that name is loaded.
-            InvalidInput: The inputs do not fit the model's signature or limits.
+            InvalidInput: The inputs do not fit the model's signature or limits, or
+                *priority* is not an integer, or *tenant* or *request_id* not a string.
             SequenceError: The request does not fit its sequence (none in
                 progress, released after being idle, ended, or broken by an
                 earlier request that was not computed).
@@ -437,6 +476,10 @@ class Engine:
                 circuit breaker took them out); ``retry_after`` says when to try again.
             EngineClosed: The engine is closing, or closed before the request ended.
         """
+        if priority.__class__ is not int or not (
+            tenant.__class__ in _STR_OR_NONE and request_id.__class__ in _STR_OR_NONE
+        ):
+            priority = _checked_arguments(model, priority, tenant, request_id)
         runner = self._plain.get(model)
         if runner is not None and sequence is None:
             # The common case, in this one frame: what _submit and ModelRunner.call
@@ -448,6 +491,30 @@ class Engine:
             clock = runner.clock
             deadline = clock.current_effective_deadline()
             if deadline != -math.inf:  # else a cancellation to raise: _submit does
+                if runner.alone_ok:
+                    # An idle instance that never suspends: the request runs here, in
+                    # this task, with no queue, worker or wake-up (ModelRunner.run_here).
+                    replica = runner.idle_replica()
+                    if replica is not None and _runs_inline(replica):
+                        if runner.slice_spent(replica):
+                            # Such requests never park: yield once per inline slice, as
+                            # a pipeline's step does, lest callers looping on the model
+                            # keep the rest of the program waiting.
+                            await anyio.lowlevel.checkpoint()
+                            restart_inline_slice()
+                            return await self._infer_after_yield(
+                                model, inputs, priority, tenant, request_id
+                            )
+                        return await runner.run_here(
+                            replica,
+                            arrays,
+                            n,
+                            request_id,
+                            priority,
+                            tenant,
+                            deadline,
+                            clock.current_time(),
+                        )
                 request = make_request(
                     model,
                     arrays,
@@ -477,6 +544,8 @@ class Engine:
                     except anyio.get_cancelled_exc_class():
                         runner.withdraw(request)
                         raise
+                if runner.alone_ok:
+                    restart_inline_slice()
                 if state.error is not None:
                     await runner.raise_error(state.error, own_deadline=True)
                 assert state.outputs is not None
@@ -484,6 +553,56 @@ class Engine:
         request = await self._submit(model, inputs, priority, tenant, request_id, sequence=sequence)
         assert request._state.outputs is not None
         return request._state.outputs
+
+    async def _infer_after_yield(
+        self,
+        model: str,
+        inputs: Mapping[str, Any],
+        priority: int,
+        tenant: str | None,
+        request_id: str | None,
+    ) -> Outputs:
+        # infer's request on an idle inline model, after it yielded for the inline
+        # slice: anything may have changed meanwhile (the model replaced, busy or
+        # gone, the engine closing), so ask again; busy or gone, _submit's way.
+        found = self._idle_inline(model)
+        if found is not None:
+            outputs = await self._run_here(*found, inputs, priority, tenant, request_id)
+            if outputs is not None:
+                return outputs
+        request = await self._submit(model, inputs, priority, tenant, request_id)
+        assert request._state.outputs is not None
+        return request._state.outputs
+
+    def _idle_inline(self, model: str) -> tuple[ModelRunner, Replica] | None:
+        # The runner of *model* and an idle instance of it that never suspends, when a
+        # request to it may run in its caller's task (see ModelRunner.idle_replica).
+        runner = self._alone.get(model)
+        if runner is not None:
+            replica = runner.idle_replica()
+            if replica is not None and _runs_inline(replica):
+                return runner, replica
+        return None
+
+    async def _run_here(
+        self,
+        runner: ModelRunner,
+        replica: Replica,
+        inputs: Mapping[str, Any],
+        priority: int,
+        tenant: str | None,
+        request_id: str | None,
+    ) -> Outputs | None:
+        # A request run on *replica* (from _idle_inline, no await since) in this task;
+        # None for a cancelled caller (_submit raises what it must).
+        arrays, n = runner.validate(inputs)
+        clock = runner.clock
+        deadline = clock.current_effective_deadline()
+        if deadline == -math.inf:
+            return None
+        return await runner.run_here(
+            replica, arrays, n, request_id, priority, tenant, deadline, clock.current_time()
+        )
 
     def infer_stream(
         self,
@@ -529,7 +648,9 @@ class Engine:
 
         Raises:
             ModelNotFound: (Entering) no model of that name is loaded.
-            InvalidInput: (Entering) the inputs do not fit the model's signature.
+            InvalidInput: (Entering) the inputs do not fit the model's signature, or
+                *priority*, *tenant* or *request_id* is of the wrong type (raised at
+                the call, before entering).
             QueueFull: (Entering) the model has ``max_queue_size`` streams open.
             CircuitOpen: (Entering) every instance is out of service.
             BackendError: (Iterating) the model raised; the responses before it
@@ -541,6 +662,7 @@ class Engine:
         ``ModelNotFound`` and ``EngineClosed``; its other errors, those of
         `infer()`, come from the iteration.
         """
+        priority = _checked_arguments(model, priority, tenant, request_id)
         return open_stream(self, model, inputs, priority, tenant, request_id)
 
     async def infer_detailed(
@@ -559,6 +681,19 @@ class Engine:
         instance or device, another model, a default answer). Same arguments
         and errors as `infer()`.
         """
+        priority = _checked_arguments(model, priority, tenant, request_id)
+        found = self._idle_inline(model) if sequence is None else None
+        if found is not None:
+            # As infer runs a request on an idle inline model: in this task.
+            if found[0].slice_spent(found[1]):
+                await anyio.lowlevel.checkpoint()
+                restart_inline_slice()
+                found = self._idle_inline(model)
+            if found is not None:
+                replica = found[1]
+                outputs = await self._run_here(*found, inputs, priority, tenant, request_id)
+                if outputs is not None:
+                    return InferenceResult(outputs, model, replica.index, replica.device, ())
         request = await self._submit(model, inputs, priority, tenant, request_id, sequence=sequence)
         state = request._state
         assert state.outputs is not None
@@ -853,19 +988,60 @@ class Engine:
             runner.out_of_service if isinstance(runner, ModelRunner) else None,
         )
 
+    @contextmanager
+    def _owned(self, scopes: set[anyio.CancelScope]) -> Iterator[anyio.CancelScope]:
+        # A load or a retirement in the caller's task: the scope it yields (for the
+        # part that closing may cancel) is in *scopes* until the block ends, and a
+        # closing engine that waits for them all is told when the last one has.
+        scope = anyio.CancelScope()
+        if self._stopping:
+            scope.cancel()  # an unload begun while the engine stops drains no longer
+        scopes.add(scope)
+        try:
+            yield scope
+        finally:
+            scopes.discard(scope)
+            if self._settled is not None and not (self._loads or self._retiring):
+                self._settled.set()
+
+    async def _wait_settled(self) -> None:
+        # Until no load or retirement is in progress (see _owned).
+        while self._loads or self._retiring:
+            self._settled = anyio.Event()
+            await self._settled.wait()
+
     async def _shutdown(self, drain: bool) -> None:
         self._closing = True
         self._plain.clear()
         self._alone.clear()
+        for scope in self._loads:
+            scope.cancel()  # a load now could only be closed again: stop it at once
         if drain:
             self._draining = True
             try:
                 with anyio.move_on_after(self.drain_period):
                     for runner in list(self._runners.values()):
                         await runner.wait_idle()
+                    await self._wait_settled()  # models being unloaded drain too
             finally:
                 self._draining = False  # no step starts after the drain period
         with anyio.CancelScope(shield=True):
+            self._stopping = True
+            for scope in self._retiring:
+                scope.cancel()  # an unload's drain ends with the engine's
+            # Loads and unloads in callers' tasks: wait until they have closed what
+            # they loaded or retired, so that nothing of theirs outlives the block;
+            # bounded, as any cleanup, for a backend whose load cannot be stopped.
+            with anyio.move_on_after(CLEANUP_S):
+                await self._wait_settled()
+            if self._loads or self._retiring:
+                logger.error(
+                    "the engine closed with %d loads and %d unloads of other tasks still "
+                    "in progress after %ss; what they hold may outlive it",
+                    len(self._loads),
+                    len(self._retiring),
+                    CLEANUP_S,
+                )
             for runner in list(self._runners.values()):
                 await runner.stop()
             for gate in list(self._gates.values()):
@@ -891,7 +1067,10 @@ def open_engine(
     pipeline request still runs its remaining steps, and an accepted request
     may still fail over to another model, though other callers of those
     models are refused), then cancels what is left (those callers get
-    ``EngineClosed``) and closes every backend instance. Leaving it with an
+    ``EngineClosed``) and closes every backend instance. A load in progress
+    in another task is cancelled at once (it raises ``EngineClosed``), and a
+    model being unloaded in another task drains with the engine; the block
+    ends only after they have closed what they held. Leaving it with an
     exception or cancellation skips the drain. An internal failure in the
     engine's tasks surfaces from this block as an exception group rather
     than a hang.
@@ -1010,6 +1189,27 @@ async def _engine_scope(
         raise
 
 
+_STR_OR_NONE: Final = frozenset({str, type(None)})
+
+
+def _checked_arguments(model: str, priority: object, tenant: object, request_id: object) -> int:
+    # The priority of a request, as an int, or InvalidInput saying which argument is wrong.
+    # Checked before the request reaches its scheduler: a priority scheduler that took
+    # priority="high" into its levels broke, and the model went out of service for all.
+    if isinstance(priority, bool) or not isinstance(priority, SupportsIndex):
+        raise InvalidInput(
+            f"priority of a request to model {model!r} must be an integer (higher runs "
+            f"sooner), got {priority!r}"
+        )
+    for name, value in (("tenant", tenant), ("request_id", request_id)):
+        if value is not None and not isinstance(value, str):
+            raise InvalidInput(
+                f"{name} of a request to model {model!r} must be a string or None, got "
+                f"{value!r} ({type(value).__name__})"
+            )
+    return operator.index(priority)
+
+
 def _pipeline_steps(runner: ModelRunner | Pipeline | None) -> tuple[Step, ...]:
     # A pipeline's steps: a Pipeline's, or those of the graph a batched one's runner runs.
     if isinstance(runner, Pipeline):
@@ -1020,10 +1220,23 @@ def _pipeline_steps(runner: ModelRunner | Pipeline | None) -> tuple[Step, ...]:
 
 
 def _only(group: BaseExceptionGroup[BaseException], error: BaseException) -> bool:
-    return all(
-        leaf is error or (isinstance(leaf, BaseExceptionGroup) and _only(leaf, error))
-        for leaf in group.exceptions
-    )
+    # Whether every leaf of *group* is a leaf of *error*, or a cancellation. Not
+    # identity of the groups: a cancel scope on the way out (the task group's own,
+    # once cancelled) splits Cancelled out of a group and so re-raises a copy of the
+    # caller's group (one from the caller's own nursery), with the same leaves. A
+    # cancellation left is that of a scope around the block (the engine's tasks run
+    # inside the caller's scopes), which cancels again at its next checkpoint.
+    mine = {id(leaf) for leaf in _leaves(error)}
+    cancelled = anyio.get_cancelled_exc_class()
+    return all(id(leaf) in mine or isinstance(leaf, cancelled) for leaf in _leaves(group))
+
+
+def _leaves(error: BaseException) -> Iterator[BaseException]:
+    if isinstance(error, BaseExceptionGroup):
+        for inner in error.exceptions:
+            yield from _leaves(inner)
+    else:
+        yield error
 
 
 async def _load_instances(backend: Backend, config: ModelConfig) -> list[BackendInstance]:
@@ -1048,11 +1261,13 @@ async def _load_instances(backend: Backend, config: ModelConfig) -> list[Backend
         async with anyio.create_task_group() as tg:
             for i in range(len(placements)):
                 tg.start_soon(load_one, i)
-    finally:
-        done = [instance for instance in loaded if instance is not None]
-        if errors or len(done) != len(placements):
-            await close_instances(config.name, done)
+    except BaseException:
+        # Cancelled: maybe only as the task group ended, every instance loaded by then.
+        await close_instances(config.name, [i for i in loaded if i is not None])
+        raise
+    done = [instance for instance in loaded if instance is not None]
     if errors:
+        await close_instances(config.name, done)
         raise _load_error(config, placements, errors)
     signatures = {instance.signature for instance in done}
     if len(signatures) != 1:

@@ -181,6 +181,35 @@ class Registry:
             return str(exc)
         return None
 
+    def missing(self, info: PluginInfo) -> str | None:
+        """What a plugin that loads still lacks to run here, or ``None`` if nothing.
+
+        A plugin that imports a dependency only on first use (the ray backend
+        imports Ray, the onnxruntime backend ONNX Runtime) loads without it, and
+        fails only when a model uses it. Its entry-point target may say so at
+        once: a callable attribute ``missing_requirements()``, taking no
+        arguments and importing nothing heavy, that returns ``None`` when the
+        plugin can run here, or a sentence naming what is missing and how to
+        install it. ``trioinfer plugins`` shows that sentence as the status.
+
+        Raises:
+            PluginError: The plugin does not load (see `check()`).
+        """
+        target = self.load(info.kind, info.name)
+        probe = getattr(target, "missing_requirements", None)
+        if not callable(probe):
+            return None
+        try:
+            what = probe()
+        except Exception as exc:
+            return (
+                f"{info.kind[:-1]} plugin {info.name!r}: missing_requirements() raised "
+                f"{type(exc).__name__}: {exc}"
+            )
+        if what is None:
+            return None
+        return str(what)
+
 
 def _refused_options(
     kind: str, name: str, factory: Callable[..., Any], options: Mapping[str, Any], exc: TypeError

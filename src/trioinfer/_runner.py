@@ -547,7 +547,12 @@ class ModelStatistics:
         expired: Requests the engine dropped because their deadline passed before
             they ran, noticed before the caller's own scope fired (when the scope
             fires first, the request counts as cancelled).
-        executions: Backend executions (batches) started.
+        executions: Backend executions (batches) started, failed and aborted
+            ones included.
+        successful_executions: Executions whose outputs went to their requests
+            (a failed run, a retried attempt that failed, an execution aborted
+            because its callers left, or outputs that could not be split among
+            the batch's requests do not count): Triton's ``execution_count``.
         mean_execution_s: Moving average of a batch's execution time.
         buffers_allocated: Batch input buffers allocated so far; flat in steady
             state, because batches reuse pooled buffers.
@@ -595,6 +600,7 @@ class ModelStatistics:
     cache: CacheStatistics | None = None
     inferences: int = 0
     out_of_service: str | None = None
+    successful_executions: int = 0
 
 
 @final
@@ -804,6 +810,9 @@ class ModelRunner(metaclass=NoPublicConstructor):
     refused: int = attrs.field(default=0, init=False)
     expired: int = attrs.field(default=0, init=False)
     executions: int = attrs.field(default=0, init=False)
+    # Executions whose outputs went to their requests (Triton's execution_count);
+    # with those in _answered_here.
+    successful_executions: int = attrs.field(default=0, init=False)
     _mean_execution_s: float = attrs.field(default=0.0, init=False)
     _cost: _Cost = attrs.field(factory=lambda: _Cost(), init=False)
     # (replica, start, rows, its callers' latest deadline) of each execution in
@@ -1299,6 +1308,7 @@ class ModelRunner(metaclass=NoPublicConstructor):
             slot.release()
         if split is None:
             assert outputs is not None
+            self.successful_executions += 1
             self._succeed(live, (outputs,), replica, ended)
             return True
         try:
@@ -1310,6 +1320,7 @@ class ModelRunner(metaclass=NoPublicConstructor):
             error = ValueError(f"it gave {len(shares)} shares for {len(live)} requests")
             self._fail_batch(live, "split", error)
             return True
+        self.successful_executions += 1
         self._succeed(live, shares, replica, ended)
         return True
 
@@ -1513,10 +1524,9 @@ class ModelRunner(metaclass=NoPublicConstructor):
         An inline instance without a budget of its own never yields: its
         caller yields for it once `DEFAULT_SLICE_S` is spent.
         """
-        instance = replica._backend_instance
-        if getattr(instance, "runs_inline", False) is not True:
+        if not runs_inline(replica):
             return False
-        budget = getattr(instance, "inline_budget_s", None)
+        budget = getattr(replica._backend_instance, "inline_budget_s", None)
         if not isinstance(budget, (float, int)) or isinstance(budget, bool):
             # No slice of its own (a number of seconds, never a flag): it never
             # yields, and requests whose every step runs so would never park; the
@@ -1530,7 +1540,7 @@ class ModelRunner(metaclass=NoPublicConstructor):
         replica: Replica,
         inputs: Mapping[str, np.ndarray[Any, Any]],
         rows: int,
-        request_id: str,
+        request_id: str | None,
         priority: int,
         tenant: str | None,
         deadline: float,
@@ -1553,8 +1563,7 @@ class ModelRunner(metaclass=NoPublicConstructor):
         Raises:
             What the request ended with, as `call` does.
         """
-        instance = replica._backend_instance
-        if deadline <= now or getattr(instance, "runs_inline", False) is not True:
+        if deadline <= now or not runs_inline(replica):
             return await self.run_alone(
                 replica,
                 make_request(
@@ -1566,7 +1575,7 @@ class ModelRunner(metaclass=NoPublicConstructor):
         begun: tuple[Coroutine[Any, Any, Outputs], Any] | None = None
         failed: Request | None = None
         try:
-            run = instance.execute(inputs)
+            run = replica._backend_instance.execute(inputs)
             # Its caller checked the loop's inline slice (slice_spent) with no
             # await since: the instance need not yield for it, holding the model.
             _inline_slice.granted = True
@@ -1741,6 +1750,7 @@ class ModelRunner(metaclass=NoPublicConstructor):
             self._alone_left()
         if state.status is _RUNNING:
             assert outputs is not None
+            self.successful_executions += 1
             self._succeed((request,), (outputs,), replica, ended)
             return outputs
         # It failed, or the model stopped under it (EngineClosed): its error, once.
@@ -2138,6 +2148,7 @@ class ModelRunner(metaclass=NoPublicConstructor):
             refused=self.refused,
             expired=self.expired,
             executions=self.executions + here.count,
+            successful_executions=self.successful_executions + here.count,
             mean_execution_s=self._mean_execution_s,
             buffers_allocated=self._pool.allocated,
             buffers_reused=self._pool.reused,
@@ -2170,6 +2181,11 @@ def _passes_alone(*plugins: object) -> bool:
         f"{type(plugin).__module__}.{type(plugin).__qualname__}" in _PASS_ALONE
         for plugin in plugins
     )
+
+
+def runs_inline(replica: Replica) -> bool:
+    """Whether *replica*'s instance never suspends in ``execute`` (an ``InlineInstance``)."""
+    return getattr(replica._backend_instance, "runs_inline", False) is True
 
 
 def _depth(instance: BackendInstance) -> int:

@@ -528,9 +528,11 @@ def _as_array(
         if limits.casting == "no"
         else f"the configured casting {limits.casting!r} does not allow that conversion"
     )
-    raise InvalidInput(
-        f"{where} has dtype {array.dtype.name}; the model expects {spec.describe()} ({hint})"
-    )
+    got = array.dtype.name
+    if not array.dtype.isnative and array.dtype.newbyteorder("=") == want:
+        # The model's dtype in the other byte order: say so, not "float32; expects float32".
+        got = f"{got} in the other byte order ({array.dtype.str!r}), not the machine's"
+    raise InvalidInput(f"{where} has dtype {got}; the model expects {spec.describe()} ({hint})")
 
 
 def _names(specs: tuple[TensorSpec, ...]) -> str:

@@ -301,9 +301,12 @@ def current_batch_deadline() -> float:
     On the engine's clock (``math.inf`` when a row has none, or outside an
     execution). Past it nobody waits for the batch, so a backend that sends
     work elsewhere (another process, another machine) can send the time left
-    with it and refuse the work there once it has passed. The engine does not
-    cancel the execution at this deadline itself: it cancels it when the last
-    caller leaves.
+    with it and refuse the work there once it has passed, before it starts.
+    The engine does not cancel the execution at this deadline itself: it
+    cancels it when the last caller leaves. A row whose caller set no deadline
+    but whose model has ``queue_timeouts`` counts with that timeout, which
+    bounds only its wait to start: its caller still waits for a run begun
+    before it, so do not cut a running execution short at this deadline.
     """
     return _batch_deadline.get()
 

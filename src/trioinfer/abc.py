@@ -614,10 +614,12 @@ class InlineInstance(BackendInstance, Protocol):
 
     Its execution runs to its end in one stretch of its caller's task, with
     no ``await`` that yields to the event loop: a Python model's plain
-    ``def infer`` with ``dispatch = "inline"`` (see below), for instance. When a request
-    runs in its caller's task (a pipeline's step on an idle model), the engine
-    then sets up no cancel scope for stopping the model mid-run, since
-    nothing else can run until it returns. An instance that says so and
+    ``def infer`` with ``dispatch = "inline"`` (see below), for instance. A
+    request to an idle instance of a model that passes lone requests straight
+    through (the ``fifo`` scheduler, no batcher or fallback), and a pipeline's
+    step on one, then runs in its caller's task, with no queue or worker and
+    no cancel scope for stopping the model mid-run, since nothing else can
+    run until it returns. An instance that says so and
     suspends anyway still finishes, but stopping its model waits for it
     (up to the cleanup period) instead of aborting it.
 

@@ -467,7 +467,7 @@ def model_metadata_document(
     return {
         "name": served.model,
         "versions": versions,
-        "platform": _platform(served),
+        "platform": _metadata_platform(served),
         "inputs": [_tensor_metadata(t) for t in signature.inputs],
         "outputs": [_tensor_metadata(t) for t in signature.outputs],
     }
@@ -658,12 +658,20 @@ def _effective_options(state: ServerState, name: str, options: Mapping[str, Any]
 
 
 def _platform(served: ServedVersion) -> str:
-    # Triton's names, which its clients and tools branch on: a pipeline is what Triton
-    # calls an ensemble, whether config.pbtxt or config.toml declared it.
+    # The config's platform, as Triton fills it in: its names, which its clients and
+    # tools branch on (a pipeline is what Triton calls an ensemble, whether config.pbtxt
+    # or config.toml declared it), and none for a model that only names a backend (a
+    # Python model: Triton's python backend models have no platform either).
     backend = served.info.config.backend
     if backend == PIPELINE:
         return "ensemble"
-    return "onnxruntime_onnx" if backend == "onnxruntime" else "trioinfer"
+    return "onnxruntime_onnx" if backend == "onnxruntime" else ""
+
+
+def _metadata_platform(served: ServedVersion) -> str:
+    # As Triton answers model metadata: the config's platform, else its backend's name
+    # ("python" for a Python model, as Triton says of its python backend's).
+    return _platform(served) or served.info.config.backend
 
 
 def _dims(spec: TensorSpec) -> list[int]:
@@ -818,7 +826,8 @@ def model_stats(state: ServerState, model: str | None, version: str | None) -> l
                     (served.model, served.version), 0
                 ),
                 "inference_count": stats.inferences,
-                "execution_count": stats.executions,
+                # Triton's: executions that answered, not every one started.
+                "execution_count": stats.successful_executions,
                 "inference_stats": {
                     "success": _duration(succeeded, success_s),
                     "fail": _duration(stats.failed + stats.expired + stats.refused, 0.0),

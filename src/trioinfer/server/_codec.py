@@ -1632,7 +1632,15 @@ def _from_json(spec: _Input, data: list[Any]) -> npt.NDArray[Any]:
             # numpy also infers float64 for ints that need both int64 and uint64
             # (say 0 and 2**63); those are checked and converted exactly here.
             if set(map(type, _flat(spec))) != {int}:
-                raise _bad_value(spec, _first(spec, lambda v: type(v) is not int), span)
+                culprit = _first(spec, lambda v: type(v) is not int)
+                if type(culprit) is float and not _INT_LOW < culprit < _INT_HIGH:
+                    # orjson reads an integer past 64 bits as the nearest float: the
+                    # client sent digits, not this float, so say what was wrong with them.
+                    raise RequestError(
+                        f"{spec.where}: {spec.datatype} data must be {span}; got a number "
+                        f"past the 64-bit range (about {culprit:.6g})"
+                    )
+                raise _bad_value(spec, culprit, span)
             if min(_flat(spec)) < info.min or max(_flat(spec)) > info.max:
                 raise _bad_value(spec, _first(spec, in_range), span)
             return np.array(data, dtype=target).reshape(spec.shape)
@@ -1655,6 +1663,9 @@ def _from_json(spec: _Input, data: list[Any]) -> npt.NDArray[Any]:
 
 
 _NUMBER_TYPES: Final = (int, float)
+#: The integers orjson reads as ints; past these, it reads the nearest float.
+_INT_LOW: Final = -(2**63)
+_INT_HIGH: Final = 2**64
 
 
 def _plain_floats(data: list[Any], target: np.dtype[Any]) -> npt.NDArray[Any] | None:

@@ -125,6 +125,12 @@ class Metrics:
             "Backend executions (batches) started.",
             labels=_LABELS,
         )
+        succeeded_executions = CounterMetricFamily(
+            "trioinfer_inference_executions_succeeded",
+            "Backend executions whose outputs went to their requests "
+            "(Triton's nv_inference_exec_count).",
+            labels=_LABELS,
+        )
         inferences = CounterMetricFamily(
             "trioinfer_inferences",
             "Rows of the requests that got outputs (Triton's nv_inference_count).",
@@ -215,6 +221,7 @@ class Metrics:
                 continue
             labels = [served.model, str(served.version)]
             executions.add_metric(labels, stats.executions)
+            succeeded_executions.add_metric(labels, stats.successful_executions)
             inferences.add_metric(labels, stats.inferences)
             queued.add_metric(labels, stats.queued)
             in_flight.add_metric(labels, stats.in_flight)
@@ -235,6 +242,7 @@ class Metrics:
                 for attribute, cache_family in cache.items():
                     cache_family.add_metric(labels, getattr(stats.cache, attribute))
         yield executions
+        yield succeeded_executions
         yield inferences
         yield queued
         yield in_flight

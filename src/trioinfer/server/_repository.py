@@ -276,7 +276,12 @@ class ModelEntry:
 
     @property
     def model_file(self) -> str:
-        """The file each version directory holds: ``model.onnx``, or ``model.py`` for Python."""
+        """The file each version directory holds: ``model.onnx``, or ``model.py`` for Python.
+
+        A ``config.pbtxt``'s ``default_model_filename`` names another.
+        """
+        if self.triton is not None and self.triton.model_filename is not None:
+            return self.triton.model_filename
         return model_file_name(self.settings.get("backend", "onnxruntime"))
 
     def selected(self) -> tuple[int, ...]:
@@ -336,6 +341,13 @@ class ModelEntry:
                     f"{', '.join(map(repr, fixed))}; the repository decides the name (the "
                     f"directory's), the file (<N>/{self.model_file}) and the versions "
                     f"({_CONFIG_FILE})"
+                )
+            chosen = override.get("default_model_filename", "")
+            if chosen not in ("", self.model_file):
+                raise ConfigError(
+                    f"model {self.name!r}: a config override may not change "
+                    f"default_model_filename (to {_shown(chosen)}); the repository decides "
+                    f"the file (<N>/{self.model_file})"
                 )
             data = self._overridden(data, override)
         data["name"] = self.name
@@ -795,6 +807,8 @@ def _scan(name: str, directory: Path, root: Path) -> ModelEntry:
 
     fixed_file = "path" in settings
     file_name = model_file_name(settings.get("backend", "onnxruntime"))
+    if triton is not None and triton.model_filename is not None:
+        file_name = triton.model_filename
     versions: list[int] = []
     for child in children:
         child_name = child.name

@@ -27,6 +27,7 @@ from typing import Any, Final
 
 import attrs
 
+from .._config import MAX_INSTANCES
 from .._exceptions import ConfigError
 
 __all__ = ["TRITON_FIELDS", "TritonModel"]
@@ -305,6 +306,9 @@ class TritonModel:
         priority_levels: ``dynamic_batching.priority_levels`` (0: none).
         default_priority_level: The level of requests that name none (1 is the highest).
         notes: Fields accepted without effect, said once in the log.
+        model_filename: The model file's name in each version directory:
+            ``default_model_filename``, or ``None`` for the backend's own
+            (``model.onnx``).
     """
 
     doc: Mapping[str, Any]
@@ -314,6 +318,7 @@ class TritonModel:
     priority_levels: int = 0
     default_priority_level: int = 0
     notes: tuple[str, ...] = ()
+    model_filename: str | None = None
 
     @classmethod
     def parse(cls, source: str | Mapping[str, Any], *, name: str, where: str) -> TritonModel:
@@ -425,11 +430,7 @@ def _translate(message: Any, doc: dict[str, Any], name: str, where: str) -> Trit
         )
     elif present & {"platform", "backend"}:
         settings["backend"] = "onnxruntime"
-    if message.default_model_filename not in ("", "model.onnx"):
-        raise ConfigError(
-            f"{where}: default_model_filename {message.default_model_filename!r} is not "
-            "supported; trioinfer reads <version>/model.onnx"
-        )
+    model_filename = _model_filename(message.default_model_filename, ensemble, where, notes)
     max_batch = message.max_batch_size
     if max_batch < 0:
         raise ConfigError(f"{where}: max_batch_size must be >= 0, got {max_batch}")
@@ -569,7 +570,37 @@ def _translate(message: Any, doc: dict[str, Any], name: str, where: str) -> Trit
             versions = {"specific": list(message.version_policy.specific.versions)}
         else:
             versions = "all"
-    return TritonModel(doc, settings, versions, labels, levels, default_level, tuple(notes))
+    return TritonModel(
+        doc,
+        settings,
+        versions,
+        labels,
+        levels,
+        default_level,
+        tuple(notes),
+        model_filename,
+    )
+
+
+def _model_filename(value: str, ensemble: bool, where: str, notes: list[str]) -> str | None:
+    # Triton's default_model_filename: the model file's name in each version directory
+    # (model.onnx unless it says otherwise). A plain name: it must not lead elsewhere.
+    if not value or value == "model.onnx":
+        return None
+    if ensemble:
+        notes.append("default_model_filename has no effect: an ensemble has no model file")
+        return None
+    if (
+        len(value) > 255
+        or value in (".", "..")
+        or any(c in value for c in "/\\\0")
+        or not value.isprintable()
+    ):
+        raise ConfigError(
+            f"{where}: default_model_filename must be a file name in the version "
+            f"directory, e.g. 'model.onnx' (no directories); got {value[:64]!r}"
+        )
+    return value
 
 
 #: Triton's control kinds as the ``[sequence]`` table's ``control`` keys.
@@ -706,6 +737,11 @@ def _instances(group: Any, where: str) -> list[dict[str, Any]]:
     count = group.count or 1
     if count < 0:
         raise ConfigError(f"{where}: instance_group count must be >= 1, got {group.count}")
+    if count > MAX_INSTANCES:
+        raise ConfigError(
+            f"{where}: instance_group count {count} is more than a model may have: "
+            f"at most {MAX_INSTANCES}"
+        )
     kind = group.kind  # 0 AUTO, 1 GPU, 2 CPU, 3 MODEL
     if kind == 3:
         raise ConfigError(f"{where}: instance_group kind KIND_MODEL is not supported")

@@ -1,0 +1,18 @@
+"""Trio instruments the tests share."""
+
+from __future__ import annotations
+
+import trio
+import trio.abc
+import trio.lowlevel
+
+
+class Steps(trio.abc.Instrument):
+    """Counts the times *task* resumes: its yields to the event loop, as they end."""
+
+    def __init__(self, task: trio.lowlevel.Task) -> None:
+        self.task = task
+        self.count = 0
+
+    def before_task_step(self, task: trio.lowlevel.Task) -> None:
+        self.count += task is self.task

@@ -1,0 +1,258 @@
+"""``engine.infer`` on an idle model whose instance runs inline takes no queue, worker or wake-up.
+
+When a model would pass a lone request straight through (the ``fifo``
+scheduler, no batcher, fallback, cache or sequences), its instance runs on the
+event loop without suspending (`trioinfer.abc.InlineInstance`: a plain
+``def infer`` with ``dispatch = "inline"``, ONNX Runtime's inline dispatch)
+and it has an idle instance with nothing queued, the request runs in its
+caller's task, counted as a queued request is. Each test tells where a request
+ran by the task its model saw.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+import anyio
+import numpy as np
+import pytest
+import trio
+import trio.testing
+
+import trioinfer
+import trioinfer._inline
+from _instruments import Steps
+from trioinfer import BackendError, InvalidInput, ModelConfig, open_engine
+
+pytestmark = pytest.mark.python_model
+
+Arrays = dict[str, np.ndarray[Any, Any]]
+X = np.ones((1, 4), np.float32)
+SPEC = [{"name": "x", "dtype": "float32", "shape": ["batch", 4]}]
+OUT = [{"name": "y", "dtype": "float32", "shape": ["batch", 4]}]
+
+
+def _task() -> object:
+    return anyio.get_current_task().id
+
+
+class Where:
+    """y = x + 1, recording the task it ran in; *fail*: raise InvalidInput or RuntimeError."""
+
+    tasks: ClassVar[list[object]] = []
+    clock: ClassVar[trio.testing.MockClock | None] = None
+
+    def __init__(self, fail: str = "", jump: float = 0.0) -> None:
+        self.fail, self.jump = fail, jump
+
+    def infer(self, inputs: Arrays) -> Arrays:
+        try:
+            Where.tasks.append(_task())
+        except Exception:  # on a worker thread: no task there
+            Where.tasks.append("a thread")
+        if self.jump:
+            assert Where.clock is not None
+            Where.clock.jump(self.jump)  # the model's run takes this long, with no checkpoint
+        if self.fail == "InvalidInput":
+            raise InvalidInput("it refuses this input")
+        if self.fail:
+            raise RuntimeError("it is broken")
+        return {"y": inputs["x"] + 1}
+
+
+class AsyncWhere(Where):
+    """The same as ``async def infer``: run on the loop, but it may suspend."""
+
+    async def infer(self, inputs: Arrays) -> Arrays:  # type: ignore[override]
+        return Where.infer(self, inputs)
+
+
+@pytest.fixture(autouse=True)
+def _reset(monkeypatch: pytest.MonkeyPatch) -> None:
+    Where.tasks.clear()
+    # A fresh slice, and time standing still for it: no test yields for it unless it says so.
+    monkeypatch.setattr(trioinfer._inline, "_wall", lambda: 0.0)
+    monkeypatch.setattr(trioinfer._inline._slice, "start", 0.0)
+    monkeypatch.setattr(trioinfer._inline._slice, "granted", False)
+
+
+def model(name: str, cls: type = Where, dispatch: str = "inline", **kw: Any) -> ModelConfig:
+    options: dict[str, Any] = {
+        "class": cls,
+        "inputs": SPEC,
+        "outputs": OUT,
+        "parameters": kw.pop("parameters", {}),
+        "dispatch": dispatch,
+    }
+    return ModelConfig(name=name, path="-", backend="python", backend_options=options, **kw)
+
+
+def _counts(s: trioinfer.ModelStatistics) -> tuple[object, ...]:
+    return (
+        s.succeeded, s.failed, s.cancelled, s.expired, s.in_flight, s.queued, s.executions,
+        s.replicas[0].executions, s.replicas[0].failures, s.queue_duration.count,
+        s.compute_duration.count, s.request_duration.count, s.batch_size.count,
+        s.batch_size.sum, s.inferences,
+    )  # fmt: skip
+
+
+async def test_an_idle_inline_model_runs_the_request_in_its_callers_task(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    async with open_engine() as engine:
+        await engine.load(model("a"))
+        rows = np.ones((3, 4), np.float32)
+        out = await engine.infer("a", {"x": rows})
+        np.testing.assert_array_equal(out["y"], rows + 1)
+        # infer_detailed (what the server calls) alike, saying which instance answered.
+        result = await engine.infer_detailed("a", {"x": X})
+        np.testing.assert_array_equal(result.outputs["y"], X + 1)
+        assert (result.model, result.instance, result.device, result.fallbacks) == (
+            "a", 0, "cpu", ()
+        )  # fmt: skip
+        assert Where.tasks == [_task()] * 2
+        # Counted as the worker counts a request: executions, durations, rows.
+        s = engine.statistics().models["a"]
+        assert _counts(s) == (2, 0, 0, 0, 0, 0, 2, 2, 0, 2, 2, 2, 2, 4, 4)
+        assert s.queue_duration.sum == 0.0
+        assert s.successful_executions == 2
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        model("b", AsyncWhere),  # async def infer: it may suspend
+        model("b", dispatch="thread"),  # def infer on the instance's thread
+        model("b", batcher="dynamic", batcher_options={"max_batch_size": 4}),
+        model("b", scheduler="priority"),
+    ],
+    ids=["async", "thread", "batched", "priority"],
+)
+async def test_any_other_model_queues_the_request_as_before(
+    autojump_clock: trio.testing.MockClock, config: ModelConfig
+) -> None:
+    async with open_engine() as engine:
+        await engine.load(config)
+        out = await engine.infer("b", {"x": X})
+        np.testing.assert_array_equal(out["y"], X + 1)
+        assert Where.tasks != [_task()]
+        assert engine.statistics().models["b"].succeeded == 1
+
+
+@pytest.mark.parametrize(
+    ("fail", "error"), [("InvalidInput", InvalidInput), ("RuntimeError", BackendError)]
+)
+async def test_a_failing_inline_request_ends_once_counted_and_the_instance_serves_on(
+    autojump_clock: trio.testing.MockClock, fail: str, error: type[Exception]
+) -> None:
+    async with open_engine() as engine:
+        await engine.load(model("a", parameters={"fail": fail}))
+        for _ in range(2):
+            with pytest.raises(error) as info:
+                await engine.infer("a", {"x": X})
+            assert type(info.value) is error
+        assert Where.tasks == [_task()] * 2  # given back after the first: the second ran here too
+        s = engine.statistics().models["a"]
+        assert (s.succeeded, s.failed, s.in_flight, s.executions) == (0, 2, 0, 2)
+        assert (s.replicas[0].failures, s.successful_executions) == (2, 0)
+
+
+async def test_a_request_past_its_deadline_is_never_computed(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    # The first model runs inline and moves the clock past the caller's deadline
+    # without a checkpoint: the second request must not run, and the scope reports it.
+    Where.clock = autojump_clock
+    async with open_engine() as engine:
+        await engine.load(model("jump", parameters={"jump": 2.0}))
+        await engine.load(model("b"))
+        with pytest.raises(trio.TooSlowError), trio.fail_after(1.0):  # noqa: PT012
+            await engine.infer("jump", {"x": X})
+            await engine.infer("b", {"x": X})
+        assert len(Where.tasks) == 1  # jump's run only
+        b = engine.statistics().models["b"]
+        assert (b.expired, b.executions, b.in_flight, b.succeeded) == (1, 0, 0, 0)
+
+
+async def test_a_cancelled_caller_gets_cancelled_before_anything_runs(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    async with open_engine() as engine:
+        await engine.load(model("a"))
+        with trio.CancelScope() as scope:
+            scope.cancel()
+            await engine.infer("a", {"x": X})
+        assert scope.cancelled_caught
+        assert Where.tasks == []
+        assert engine.statistics().models["a"].executions == 0
+
+
+async def test_callers_looping_on_an_inline_model_leave_the_loop_its_turns(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Such requests never park: a caller yields once the loop's inline slice is
+    # spent (here, at every request), so that the rest of the program runs.
+    wall = iter(range(10**9))  # every reading a second after the last
+    monkeypatch.setattr(trioinfer._inline, "_wall", lambda: float(next(wall)))
+    monkeypatch.setattr(trioinfer._inline._slice, "start", -1.0)
+    async with open_engine() as engine:
+        await engine.load(model("a"))
+        done = 0
+
+        async def caller() -> None:
+            nonlocal done
+            for _ in range(50):
+                out = await engine.infer("a", {"x": X})
+                np.testing.assert_array_equal(out["y"], X + 1)
+                done += 1
+
+        async def detailed_caller() -> None:
+            nonlocal done
+            for _ in range(50):
+                result = await engine.infer_detailed("a", {"x": X})
+                np.testing.assert_array_equal(result.outputs["y"], X + 1)
+                done += 1
+
+        seen = []
+        async with trio.open_nursery() as nursery:
+            for _ in range(2):
+                nursery.start_soon(caller)
+                nursery.start_soon(detailed_caller)
+            while done < 200:
+                await trio.lowlevel.checkpoint()
+                seen.append(done)
+        assert any(0 < n < 200 for n in seen), seen
+        s = engine.statistics().models["a"]
+        assert (s.succeeded, s.executions) == (200, 200)
+
+
+async def test_a_fresh_slice_costs_no_yield(autojump_clock: trio.testing.MockClock) -> None:
+    # Within the slice, the request neither queues nor yields: the task does not resume.
+    async with open_engine() as engine:
+        await engine.load(model("a"))
+        steps = Steps(trio.lowlevel.current_task())
+        trio.lowlevel.add_instrument(steps)
+        try:
+            for _ in range(5):
+                await engine.infer("a", {"x": X})
+        finally:
+            trio.lowlevel.remove_instrument(steps)
+        assert steps.count == 0
+        assert Where.tasks == [_task()] * 5
+
+
+def test_an_idle_inline_model_runs_in_its_callers_task_on_asyncio() -> None:
+    async def main() -> None:
+        async with open_engine() as engine:
+            await engine.load(model("a"))
+            await engine.load(model("f", parameters={"fail": "RuntimeError"}))
+            with anyio.fail_after(10):
+                out = await engine.infer("a", {"x": X})
+                np.testing.assert_array_equal(out["y"], X + 1)
+                with pytest.raises(BackendError):
+                    await engine.infer("f", {"x": X})
+            assert Where.tasks == [_task()] * 2
+            stats = engine.statistics().models
+            assert [(stats[m].succeeded, stats[m].failed) for m in "af"] == [(1, 0), (0, 1)]
+
+    anyio.run(main, backend="asyncio")
