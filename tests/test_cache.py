@@ -183,6 +183,22 @@ async def test_reloading_a_model_forgets_its_answers(
     np.testing.assert_array_equal(out["y"], x(3))
 
 
+async def test_reloading_a_model_starts_its_cache_counters_again(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    # As the model's other statistics do: a hit counted before the reload beside a
+    # success count that started again made the server's `success` count wrong.
+    async with open_engine(registry=FakeBackend().registry(), cache_size=1 << 20) as engine:
+        await engine.load(cached())
+        for _ in range(3):
+            await engine.infer("m", {"x": x(1)})
+        await engine.load(cached(), replace=True)
+        await engine.infer("m", {"x": x(1)})
+        stats = engine.statistics().models["m"]
+    assert stats.cache is not None
+    assert (stats.cache.hits, stats.cache.misses, stats.succeeded) == (0, 1, 1)
+
+
 async def test_models_without_response_cache_are_not_cached() -> None:
     backend = FakeBackend()
     async with open_engine(registry=backend.registry(), cache_size=1 << 20) as engine:
@@ -355,6 +371,9 @@ async def test_the_server_reports_hits_in_triton_statistics_and_metrics(tmp_path
     assert answers[0]["outputs"] == answers[2]["outputs"]
     inference = stats["model_stats"][0]["inference_stats"]
     assert (inference["cache_hit"]["count"], inference["cache_miss"]["count"]) == (2, 1)
+    # As in Triton, the hits are successes too: three requests got outputs.
+    assert inference["success"]["count"] == 3
+    assert inference["success"]["ns"] >= inference["cache_hit"]["ns"] > 0
     samples = {
         s.name: s.value
         for family in text_string_to_metric_families(metrics)

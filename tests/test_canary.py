@@ -74,6 +74,21 @@ def test_the_split_follows_the_weights_within_a_tolerance() -> None:
     assert served.resolve("m", "3") == "v3"
 
 
+def test_weights_near_a_floats_limit_still_split() -> None:
+    # 1e308 + 1e308 is infinity: the split read as {1: 0.0, 2: NaN} and every request
+    # to the model failed with a 500 (IndexError) while picking its version.
+    from trioinfer.server._models import ServedModels
+
+    served = ServedModels.__new__(ServedModels)  # only the routing table, no engine
+    served._traffic = {}
+    served.rng = random.Random(1)
+    served._served = {"m": {1: "v1", 2: "v2"}}  # type: ignore[dict-item]
+    served._set_traffic("m", parse_traffic({"1": 1e308, "2": 1e308}))
+    assert served.traffic("m") == {1: 0.5, 2: 0.5}
+    assert Counter(served.resolve("m") for _ in range(100)).keys() == {"v1", "v2"}
+    assert served.resolve("m", key="alice") in ("v1", "v2")
+
+
 async def test_a_canary_over_http_and_its_promotion(tmp_path: Path) -> None:
     repo = repository(tmp_path)
     async with trio.open_nursery() as nursery:
@@ -137,8 +152,10 @@ async def test_changing_the_weights_under_load_loses_no_request(tmp_path: Path) 
     [
         ([1], "traffic must be a table of version = weight"),
         ({"x": 1}, "'x' is not a version number"),
-        ({"1": -1}, "version 1 needs a weight >= 0"),
-        ({"1": True}, "version 1 needs a weight >= 0"),
+        ({"1": -1}, "version 1 needs a finite weight >= 0"),
+        ({"1": True}, "version 1 needs a finite weight >= 0"),
+        ({"1": float("inf")}, "version 1 needs a finite weight >= 0"),
+        ({"1": 10**400}, "version 1 needs a finite weight >= 0"),
         ({"1": 0, "2": 0}, "every weight is 0"),
     ],
 )

@@ -128,6 +128,45 @@ async def test_a_model_from_a_repository_on_disk(tmp_path: Path) -> None:
     np.testing.assert_array_equal(out["ids"], [[1, 2, 3], [5, 0, 0]])
 
 
+async def test_importing_a_model_file_leaves_the_event_loop_free(tmp_path: Path) -> None:
+    # A model file whose imports take seconds (torch, say) was imported on the event
+    # loop, and every other request of the server waited meanwhile. This one's import
+    # waits until a task on the loop says so: on the loop, it would give up.
+    model_dir = tmp_path / "heavy"
+    (model_dir / "1").mkdir(parents=True)
+    (model_dir / "1" / "model.py").write_text(
+        "import pathlib\n"
+        "import time\n\n"
+        "import numpy as np\n\n"
+        "here = pathlib.Path(__file__).parent\n"
+        "(here / 'importing').touch()\n"
+        "flag = here / 'loop-ran'\n"
+        "for _ in range(1000):  # 10 s at most\n"
+        "    if flag.exists():\n"
+        "        break\n"
+        "    time.sleep(0.01)\n"
+        "else:\n"
+        "    raise RuntimeError('the event loop did not run while this file was imported')\n\n"
+        "class Model:\n"
+        "    def infer(self, inputs):\n"
+        "        return {'y': inputs['x']}\n"
+    )
+    (model_dir / "config.toml").write_text(
+        'backend = "python"\n'
+        "[backend_options]\n"
+        "inputs = [{ name = 'x', dtype = 'float32', shape = [1] }]\n"
+        "outputs = [{ name = 'y', dtype = 'float32', shape = [1] }]\n"
+    )
+    async with open_engine() as engine:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(engine.load, ModelConfig.from_toml(model_dir / "config.toml"))
+            while not (model_dir / "1" / "importing").exists():  # noqa: ASYNC110  # a file, or a log line: no event
+                await trio.sleep(0.01)
+            (model_dir / "1" / "loop-ran").touch()
+        out = await engine.infer("heavy", {"x": np.ones(1, dtype=np.float32)})
+    np.testing.assert_array_equal(out["y"], [1.0])
+
+
 async def test_a_model_with_a_batch_dimension_receives_batches(
     autojump_clock: trio.testing.MockClock,
 ) -> None:

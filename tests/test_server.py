@@ -2046,6 +2046,79 @@ def test_sigterm_drains_in_flight_request_and_exits_0(tmp_path: Path) -> None:
     assert "SIGTERM" in log.read_text(errors="replace")
 
 
+STUCK_CONFIG = """\
+backend = "python"
+[backend_options]
+inputs = [{ name = "x", dtype = "float32", shape = ["batch", 1] }]
+outputs = [{ name = "y", dtype = "float32", shape = ["batch", 1] }]
+"""
+
+STUCK_MODEL = """\
+import pathlib
+import time
+
+
+class Model:
+    def infer(self, inputs):
+        # On its thread: nothing can interrupt it; it ends when the test says so.
+        here = pathlib.Path(__file__).parent
+        (here / "running").touch()
+        while not (here / "go").exists():
+            time.sleep(0.01)
+        return {"y": inputs["x"]}
+"""
+
+
+async def test_closing_says_what_it_waits_for_when_an_execution_cannot_stop(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # After the drain, the engine waits for an execution on a thread, which no
+    # cancellation stops: the log said "closing the engine", then nothing while the
+    # process seemed to hang.
+    import trio
+
+    from trioinfer.server import ServerConfig, serve_http
+    from trioinfer.server import _serve as serve_module
+
+    monkeypatch.setattr(serve_module, "CLOSE_NOTICE_S", 0.0)
+    (tmp_path / "stuck" / "1").mkdir(parents=True)
+    (tmp_path / "stuck" / "config.toml").write_text(STUCK_CONFIG)
+    (tmp_path / "stuck" / "1" / "model.py").write_text(STUCK_MODEL)
+    stop = trio.Event()
+    body = {"inputs": [{"name": "x", "shape": [1, 1], "datatype": "FP32", "data": [1.0]}]}
+    caplog.set_level("INFO", logger="trioinfer.server")
+
+    def said(text: str) -> bool:
+        return any(text in r.getMessage() for r in caplog.records)
+
+    async with trio.open_nursery() as nursery:
+        listening = await nursery.start(
+            functools.partial(
+                serve_http,
+                tmp_path,
+                port=0,
+                handle_signals=False,
+                shutdown=stop,
+                config=ServerConfig(drain_period=0.0),
+            )
+        )
+
+        async def send() -> None:
+            async with httpx.AsyncClient(base_url=listening.urls[0], timeout=WAIT_S) as client:
+                with contextlib.suppress(httpx.TransportError):  # cut at the drain's end
+                    await client.post("/v2/models/stuck/infer", json=body)
+
+        nursery.start_soon(send)
+        with trio.fail_after(WAIT_S):
+            while not (tmp_path / "stuck" / "1" / "running").exists():  # noqa: ASYNC110  # a file, or a log line: no event
+                await trio.sleep(0.01)
+            stop.set()
+            while not said("still closing the engine"):  # noqa: ASYNC110  # a file, or a log line: no event
+                await trio.sleep(0.01)
+        (tmp_path / "stuck" / "1" / "go").touch()
+    assert said("a second SIGINT or SIGTERM stops at once")
+
+
 def test_unload_lets_the_request_in_flight_finish(tmp_path: Path) -> None:
     root = tmp_path / "repository"
     write_slow_model(root)

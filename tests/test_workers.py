@@ -313,6 +313,11 @@ def test_a_killed_worker_is_restarted_and_its_requests_fail_cleanly(served: Serv
     wait_until(lambda: worker_pids(url).get("1", victim) != victim, "worker 1 is back")
     assert not alive(victim)
     assert f"worker 1 (pid {victim}) was killed by SIGKILL" in served.log.read_text()
+    # It loaded digits once, with the override of its last load: not from the file,
+    # then again (two copies at once) when the change was repeated to it.
+    after = served.log.read_text().split(f"started worker 1 (pid {worker_pids(url)['1']})")[1]
+    assert after.count("worker 1 trioinfer.server INFO loaded model 'digits'") == 1
+    assert "worker 1 trioinfer.server INFO reloaded model 'digits'" not in after
     for _ in range(12):
         assert infer_digit(url).status_code == 200
         # The restarted worker took the changes made before it started.
@@ -490,6 +495,37 @@ async def test_a_change_some_workers_refuse_is_an_error_that_names_them(tmp_path
         tg.cancel_scope.cancel()
 
 
+async def test_a_worker_that_dies_while_serve_stops_is_not_started_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A SIGTERM during a dead worker's restart delay started it anyway ("started
+    # worker 0" after "stopping 2 workers"), only to be told to stop at once.
+    from trioinfer.server import _workers
+
+    supervisor = _Supervisor(1, tmp_path, {})
+    supervisor.all_ready.set()
+    started = []
+
+    class Died:
+        pid = 4242
+        returncode = -signal.SIGKILL
+
+        async def wait(self) -> int:
+            supervisor.workers[0].ready = True
+            supervisor.stop.set()  # the signal, while it was dying
+            return self.returncode
+
+    async def open_process(*args: Any, **kwargs: Any) -> Died:
+        started.append(args)
+        supervisor.stopping = len(started) > 1  # as stop_all would, a moment later
+        return Died()
+
+    monkeypatch.setattr(_workers.anyio, "open_process", open_process)
+    with anyio.fail_after(WAIT_S):
+        await supervisor.run_worker(supervisor.workers[0])
+    assert len(started) == 1
+
+
 @pytest.mark.parametrize(
     ("kind", "expected"),
     [("ModelNotFound", ModelNotFound), ("RequestError", TrioInferError), ("Nonsense", None)],
@@ -557,3 +593,129 @@ def test_workers_trace_with_the_servers_trace_settings(repository: Path, tmp_pat
     # The console exporter prints each span as JSON on the workers' stdout at exit.
     names = re.findall(r'"name": "([^"]+)"', "".join(printed))
     assert names.count("infer digits.v1") == 4, names
+
+
+def test_a_restarted_worker_serves_what_the_others_do_not_what_is_on_disk(
+    tmp_path: Path,
+) -> None:
+    # A model added to the repository after start, and not loaded through the API,
+    # was loaded by a worker that restarted (it read the whole repository again):
+    # the workers then served different models, by connection.
+    repository = tmp_path / "repository"
+    shutil.copytree(example_repository() / "digits", repository / "digits")
+    (repository / "broken" / "1").mkdir(parents=True)
+    (repository / "broken" / "1" / "model.onnx").write_bytes(b"not an ONNX file")
+    log = tmp_path / "serve.log"
+    process, next_line = start(repository, log, "--workers", "2")
+    try:
+        while True:
+            line = next_line()
+            assert line is not None, log.read_text()
+            found = re.search(r"2 workers \(pids \d+, (\d+)\) listening on (\S+)", line)
+            if found:
+                break
+        victim, url = int(found.group(1)), found.group(2)
+        shutil.copytree(repository / "digits", repository / "late")
+        (repository / "late" / "config.toml").unlink()  # it names digits
+        os.kill(victim, signal.SIGKILL)
+        wait_until(lambda: worker_pids(url).get("1", victim) != victim, "worker 1 is back")
+        for _ in range(12):
+            rows = fresh("POST", f"{url}/v2/repository/index").json()
+            assert [row["name"] for row in rows if row["state"] == "READY"] == ["digits"]
+            # The model that failed at start says why on both, not "unloaded" on one.
+            (broken,) = [row for row in rows if row["name"] == "broken"]
+            assert broken["reason"].startswith("failed to load 'broken'"), broken
+        # Loading it through the API serves it on both, the restarted one included.
+        assert fresh("POST", f"{url}/v2/repository/models/late/load").status_code == 200
+        for _ in range(12):
+            assert fresh("GET", f"{url}/v2/models/late/ready").status_code == 200
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=WAIT_S) == 0, log.read_text()
+    finally:
+        if process.poll() is None:
+            workers = _children_of(process.pid)
+            process.kill()
+            process.wait()
+            for pid in workers:
+                os.kill(pid, signal.SIGKILL)
+
+
+ACCUMULATOR_CONFIG = """\
+# A stateful Python model: OUTPUT is the running sum of its sequence's INPUTs.
+backend = "python"
+batcher = "sequence"
+
+[backend_options]
+dispatch = "inline"
+inputs = [
+    { name = "INPUT", dtype = "INT32", shape = ["batch", 1] },
+    { name = "START", dtype = "INT32", shape = ["batch", 1] },
+    { name = "STATE_IN", dtype = "INT32", shape = ["batch", 1] },
+]
+outputs = [
+    { name = "OUTPUT", dtype = "INT32", shape = ["batch", 1] },
+    { name = "STATE_OUT", dtype = "INT32", shape = ["batch", 1] },
+]
+
+[sequence]
+control = { start = "START" }
+state = [{ input = "STATE_IN", output = "STATE_OUT" }]
+"""
+
+ACCUMULATOR_MODEL = """\
+import numpy as np
+
+
+class Model:
+    def infer(self, inputs):
+        carried = np.where(inputs["START"] != 0, 0, inputs["STATE_IN"])
+        total = (carried + inputs["INPUT"]).astype(np.int32)
+        return {"OUTPUT": total, "STATE_OUT": total}
+"""
+
+
+def test_a_sequence_that_reaches_another_worker_says_why_it_is_unknown(tmp_path: Path) -> None:
+    # Each worker keeps its own sequences: a sequence's request over a new connection
+    # may reach another worker, which answered "no sequence in progress: a sequence's
+    # first request must set sequence_start" to a client that had set it.
+    repository = tmp_path / "repository"
+    (repository / "accumulator" / "1").mkdir(parents=True)
+    (repository / "accumulator" / "config.toml").write_text(ACCUMULATOR_CONFIG)
+    (repository / "accumulator" / "1" / "model.py").write_text(ACCUMULATOR_MODEL)
+    log = tmp_path / "serve.log"
+    process, next_line = start(repository, log, "--workers", "2")
+
+    def send(url: str, start: bool) -> httpx.Response:
+        body = {
+            "parameters": {"sequence_id": 7, "sequence_start": start},
+            "inputs": [{"name": "INPUT", "shape": [1, 1], "datatype": "INT32", "data": [1]}],
+        }
+        return fresh("POST", f"{url}/v2/models/accumulator/infer", json=body)
+
+    try:
+        while True:
+            line = next_line()
+            assert line is not None, log.read_text()
+            found = re.search(r"2 workers \(pids \d+, \d+\) listening on (\S+)", line)
+            if found:
+                break
+        url = found.group(1)
+        assert send(url, start=True).status_code == 200
+        answers = [send(url, start=False) for _ in range(16)]
+        refused = [a for a in answers if a.status_code != 200]
+        assert 0 < len(refused) < len(answers)  # the other worker's connections
+        for answer in refused:
+            assert answer.status_code == 400
+            assert "has no sequence 7 in progress" in answer.json()["error"]
+            assert "runs 2 worker processes, each with its own sequences" in answer.json()["error"]
+            assert "serve stateful models with --workers 1" in answer.json()["error"]
+        assert "model 'accumulator' is stateful ([sequence]) and served by 2" in log.read_text()
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=WAIT_S) == 0, log.read_text()
+    finally:
+        if process.poll() is None:
+            workers = _children_of(process.pid)
+            process.kill()
+            process.wait()
+            for pid in workers:
+                os.kill(pid, signal.SIGKILL)

@@ -43,6 +43,11 @@ In code, ``backend_options={"class": Model, ...}`` names the class itself and
 - optional ``load(self)`` and ``close(self)``, sync (on the worker thread) or
   async, called once per instance after construction and at unload.
 
+The model file is imported on a thread, so that its imports (of a deep
+learning framework, say) do not stall the other models' requests; the
+constructor runs on the event loop: put slow set-up, such as reading
+weights, in a plain ``load``, which runs on the instance's worker thread.
+
 A streaming (decoupled) model's ``infer`` is an async generator: ``async def
 infer(self, inputs)`` that yields one dict of outputs per response, any
 number of them, with ``decoupled = true`` in ``backend_options`` (the two
@@ -145,7 +150,9 @@ class PythonBackend:
         signature = ModelSignature.declared(
             options.get("inputs"), options.get("outputs"), model=config.name
         )
-        cls = _model_class(config)
+        # On a thread: a model file's imports (torch, say) can take seconds, which on
+        # the event loop would stall every other model's requests meanwhile.
+        cls = await anyio.to_thread.run_sync(_model_class, config)
         decoupled = options.get("decoupled", False)
         if not isinstance(decoupled, bool):
             raise ConfigError(

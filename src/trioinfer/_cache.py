@@ -193,12 +193,14 @@ class ResponseCache:
         counters.bytes += size
         return stored
 
-    def forget(self, model: str) -> None:
+    def forget(self, model: str, *, restart: bool = False) -> None:
         """Drop *model*'s answers and start its next generation.
 
         For a model loaded again or unloaded: its answers may no longer hold,
         and an answer still being computed by the old one is neither kept nor
-        given to requests that arrive from now on.
+        given to requests that arrive from now on. With *restart* (the model
+        itself was loaded again, not one of its pipeline's steps), its counters
+        start again too, as the model's other statistics do.
         """
         self._generations[model] = self._generations.get(model, 0) + 1
         for key in [k for k in self._entries if k[0] == model]:
@@ -207,6 +209,9 @@ class ResponseCache:
         counters = self._counters.get(model)
         if counters is not None:
             counters.entries = counters.bytes = 0
+        if restart:
+            # Requests still answering on the old model count in the old object.
+            self._counters.pop(model, None)
 
     def statistics(self, model: str) -> CacheStatistics:
         """A snapshot of *model*'s counters."""

@@ -261,7 +261,9 @@ class Engine:
                 self._runners[name] = runner
                 self._set_gate(name, runner)
                 self._set_plain(name, runner)
-                self._forget(name)  # answers of the model it replaces may not hold
+                # Answers of the model it replaces may not hold; its counters start
+                # again with the new runner's.
+                self._forget(name, restart=True)
         finally:
             self._loading.discard(name)
         if old is not None:
@@ -389,14 +391,15 @@ class Engine:
         # The models a pipeline's steps call (none for a model that is not one).
         return tuple(s.model for s in _pipeline_steps(self._runners.get(model)))
 
-    def _forget(self, name: str, seen: set[str] | None = None) -> None:
+    def _forget(self, name: str, seen: set[str] | None = None, *, restart: bool = False) -> None:
         # The cached answers of *name* no longer hold, nor those of the pipelines
-        # it is a step of (and theirs, in turn).
+        # it is a step of (and theirs, in turn); with *restart*, *name*'s cache
+        # counters start again (it was loaded anew).
         if self._cache is None:
             return
         seen = seen if seen is not None else set()
         seen.add(name)
-        self._cache.forget(name)
+        self._cache.forget(name, restart=restart)
         for other, runner in self._runners.items():
             if other not in seen and any(step.model == name for step in _pipeline_steps(runner)):
                 self._forget(other, seen)

@@ -811,6 +811,13 @@ def model_stats(state: ServerState, model: str | None, version: str | None) -> l
         stats = statistics.get(served.engine_name)
         if stats is None:  # unloaded between the two lookups
             continue
+        # As in Triton, a request the cache answered is a success too (its time to
+        # answer included): the engine counts it in the cache's figures only. A
+        # coalesced one (answered by an identical request in flight) is one as
+        # well; the cache does not time it.
+        cache = stats.cache
+        succeeded = stats.succeeded + (cache.hits + cache.coalesced if cache else 0)
+        success_s = stats.request_duration.sum + (cache.hit_duration.sum if cache else 0.0)
         out.append(
             {
                 "name": served.model,
@@ -822,7 +829,7 @@ def model_stats(state: ServerState, model: str | None, version: str | None) -> l
                 # Triton's: executions that answered, not every one started.
                 "execution_count": stats.successful_executions,
                 "inference_stats": {
-                    "success": _duration(stats.succeeded, stats.request_duration.sum),
+                    "success": _duration(succeeded, success_s),
                     "fail": _duration(stats.failed + stats.expired + stats.refused, 0.0),
                     "queue": _duration(stats.queue_duration.count, stats.queue_duration.sum),
                     "compute_input": _duration(0, 0.0),
@@ -832,12 +839,10 @@ def model_stats(state: ServerState, model: str | None, version: str | None) -> l
                     "compute_output": _duration(0, 0.0),
                     # Triton's fields: hits, and the misses' time to compute and store.
                     "cache_hit": _duration(
-                        stats.cache.hits if stats.cache else 0,
-                        stats.cache.hit_duration.sum if stats.cache else 0.0,
+                        cache.hits if cache else 0, cache.hit_duration.sum if cache else 0.0
                     ),
                     "cache_miss": _duration(
-                        stats.cache.misses if stats.cache else 0,
-                        stats.cache.miss_duration.sum if stats.cache else 0.0,
+                        cache.misses if cache else 0, cache.miss_duration.sum if cache else 0.0
                     ),
                 },
                 "batch_stats": [],

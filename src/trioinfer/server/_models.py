@@ -13,10 +13,11 @@ import bisect
 import hashlib
 import itertools
 import logging
+import math
 import random
 import re
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any, Final, final
 
 import anyio
@@ -24,7 +25,7 @@ import attrs
 
 from .._config import PIPELINE, ModelConfig
 from .._engine import Engine, ModelInfo
-from .._exceptions import ConfigError, ModelNotFound, TrioInferError
+from .._exceptions import ConfigError, ModelNotFound, SequenceError, TrioInferError
 from .._tensors import ModelSignature
 from ._codec import v2_datatype
 from ._errors import without_host_paths
@@ -95,6 +96,8 @@ class ServedModels:
     )
     #: Picks a version by weight for requests without a routing key (seed it in tests).
     rng: random.Random = attrs.field(factory=random.Random)
+    #: This process's place among ``trioinfer serve --workers N``'s: (its index, N), or None.
+    worker: tuple[int, int] | None = attrs.field(default=None, kw_only=True)
 
     def resolve(
         self, model: str, version: str | None = None, *, key: str | None = None
@@ -150,7 +153,10 @@ class ServedModels:
             self._traffic.pop(model, None)
             return
         numbers = tuple(v for v, _ in chosen)
-        bounds = tuple(itertools.accumulate(w for _, w in chosen))
+        # Weights near a float's limit (1e308 each) would add up to infinity, and
+        # every request would fail to pick a version: those go relative to the largest.
+        scale = max(w for _, w in chosen) if math.isinf(sum(w for _, w in chosen)) else 1.0
+        bounds = tuple(itertools.accumulate(w / scale for _, w in chosen))
         self._traffic[model] = (numbers, bounds)
 
     def versions(self, model: str) -> list[ServedVersion]:
@@ -185,20 +191,36 @@ class ServedModels:
         absolute path is left (see `without_host_paths`).
         """
         message = public_names(str(error) or type(error).__name__)
+        if isinstance(error, SequenceError) and self.worker is not None:
+            # Each worker keeps its own sequences: a request that reached another
+            # worker than its sequence's first one finds none, whatever it sent.
+            message += (
+                f" (this server runs {self.worker[1]} worker processes, each with its own "
+                f"sequences, and this request reached worker {self.worker[0]}: a sequence's "
+                "requests must all reach the worker that started it, over one connection; "
+                "serve stateful models with --workers 1)"
+            )
         return without_host_paths(message, str(self.repository.root))
 
     def mark_inference(self, served: ServedVersion) -> None:
         """Note that *served* just answered a request (for the statistics endpoint)."""
         self.last_inference_ms[served.model, served.version] = time.time_ns() // 1_000_000
 
-    async def load_all(self) -> list[str]:
-        """Load every model in the repository; return the names that failed (logged)."""
+    async def load_all(
+        self, names: Sequence[str] | None = None, overrides: Mapping[str, Any] | None = None
+    ) -> list[str]:
+        """Load every model in the repository (or *names*); return those that failed (logged).
+
+        *overrides* gives models a config override to load with, as `load` takes it.
+        """
         failed = []
         if (hint := self.repository.layout_hint()) is not None:
             log.warning("%s", hint)
-        for name in self._in_dependency_order(self.repository.names()):
+        for name in self._in_dependency_order(
+            self.repository.names() if names is None else list(names)
+        ):
             try:
-                await self.load(name)
+                await self.load(name, (overrides or {}).get(name))
             except TrioInferError as exc:
                 log.error("%s", exc)  # noqa: TRY400  # it says "failed to load" and why, in full
                 failed.append(name)
@@ -301,6 +323,15 @@ class ServedModels:
                 and old.info.config == config  # a pipeline's steps may name other versions now
             ):
                 continue
+            if config.sequence is not None and self.worker is not None and self.worker[0] == 0:
+                log.warning(
+                    "model %r is stateful ([sequence]) and served by %d worker processes, each "
+                    "with its own sequences: a sequence whose requests reach another worker "
+                    "than its first one (a new connection, or one the server closed while "
+                    "idle) fails with SequenceError; serve it with --workers 1",
+                    model,
+                    self.worker[1],
+                )
             try:
                 info = await self.engine.load(config, replace=old is not None)
             except ModelNotFound as exc:

@@ -18,6 +18,7 @@ file I/O, so async code calls these methods from a worker thread.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import re
 import tomllib
@@ -906,15 +907,16 @@ def parse_traffic(value: object) -> dict[int, float]:
         number = int(version) if isinstance(version, str) and version.isdigit() else version
         if not isinstance(number, int) or isinstance(number, bool) or number < 1:
             raise ConfigError(f"traffic: {_shown(version)} is not a version number")
-        if (
-            isinstance(weight, bool)
-            or not isinstance(weight, int | float)
-            or not 0 <= weight < float("inf")
-        ):
+        try:
+            # An integer past a float's range (10**400) is no weight either.
+            as_float = float(weight) if isinstance(weight, int | float) else math.nan
+        except OverflowError:
+            as_float = math.inf
+        if isinstance(weight, bool) or not 0 <= as_float < math.inf:
             raise ConfigError(
-                f"traffic: version {number} needs a weight >= 0, got {_shown(weight)}"
+                f"traffic: version {number} needs a finite weight >= 0, got {_shown(weight)}"
             )
-        weights[number] = float(weight)
+        weights[number] = as_float
     if weights and not any(weights.values()):
         raise ConfigError("traffic: every weight is 0; give at least one version some traffic")
     return weights

@@ -14,7 +14,7 @@ import functools
 import logging
 import os
 import signal
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import anyio
@@ -142,6 +142,7 @@ async def serve_http(
         await _check_ports(host, port, grpc_port)
     async with (
         _public_names_in_logs(),
+        _watch_the_close() as watch_the_close,
         open_engine(
             registry=registry,
             drain_period=config.drain_period,
@@ -150,13 +151,21 @@ async def serve_http(
             trace_rate=config.trace_rate,
         ) as engine,
     ):
-        served = ServedModels(engine, repo)
+        served = ServedModels(
+            engine, repo, worker=None if worker is None else (worker.index, worker.count)
+        )
+        # A restarted worker loads what the first workers loaded at start, not every
+        # model on disk now, each with its last load's override (then takes the
+        # changes made since).
+        overrides = worker.start_overrides if worker is not None else {}
         if models is None:
-            failed = await served.load_all()
+            failed = await served.load_all(
+                worker.start_models if worker is not None else None, overrides
+            )
         else:
             failed = []
             for name in models:
-                await served.load(name)
+                await served.load(name, overrides.get(name))
         in_flight = InFlight()
         state = ServerState(served, config, Metrics(served, in_flight), in_flight, cluster=worker)
         app = create_app(state)
@@ -208,6 +217,34 @@ async def serve_http(
             # The HTTP layer is closing its listener and draining its connections;
             # when it returns, nothing is left to wait for.
         log.info("stopped serving; closing the engine")
+        watch_the_close()
+
+
+#: How long closing the engine may take, after serving stopped, before the log says
+#: what it waits for (executions that cannot be interrupted).
+CLOSE_NOTICE_S = 5.0
+
+
+@contextlib.asynccontextmanager
+async def _watch_the_close() -> AsyncIterator[Callable[[], object]]:
+    # Yields a function to call once serving has stopped: if what follows (the
+    # engine's close) takes longer than CLOSE_NOTICE_S, the log says why.
+    async with anyio.create_task_group() as tg:
+        yield functools.partial(tg.start_soon, _say_what_closing_waits_for)
+        tg.cancel_scope.cancel()  # closed: nothing to say
+
+
+async def _say_what_closing_waits_for() -> None:
+    # An execution on a thread (a Python model's plain def infer, say) runs to its
+    # end whatever cancels it, and the engine waits for it: without this line the
+    # process would seem to hang after "closing the engine".
+    await anyio.sleep(CLOSE_NOTICE_S)
+    log.warning(
+        "still closing the engine %.0fs after serving stopped: waiting for executions that "
+        "cannot be interrupted (a Python model's plain def infer runs to its end on its "
+        "thread); a second SIGINT or SIGTERM stops at once",
+        CLOSE_NOTICE_S,
+    )
 
 
 def _grpc_layer() -> Any:

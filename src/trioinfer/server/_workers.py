@@ -240,8 +240,26 @@ class WorkerLink:
     HTTP routes call the rest (see ``ServerState.cluster``).
     """
 
-    def __init__(self, index: int, directory: Path, supervisor_pid: int) -> None:
+    def __init__(
+        self,
+        index: int,
+        directory: Path,
+        supervisor_pid: int,
+        start_models: Sequence[str] | None = None,
+        *,
+        count: int = 2,
+        start_overrides: Mapping[str, Any] | None = None,
+    ) -> None:
         self.index = index
+        #: How many workers serve (N of ``--workers N``).
+        self.count = count
+        #: For a worker that restarts: the config override of each model whose last
+        #: change was a load, to load it with at start (the journal repeats it later).
+        self.start_overrides: Mapping[str, Any] = start_overrides or {}
+        #: For a worker that restarts: the models the first workers loaded (or failed
+        #: to load) at start, to load instead of every model in the repository (None:
+        #: every model).
+        self.start_models = start_models
         self._directory = directory
         self._supervisor_pid = supervisor_pid
         self._state: ServerState | None = None
@@ -452,7 +470,7 @@ class _Supervisor:
                 stdin=None,
                 stdout=None,
                 stderr=None,
-                env={**os.environ, SPEC_ENV: json.dumps(self.spec)},
+                env={**os.environ, SPEC_ENV: json.dumps(self._spec_for_a_start())},
                 # Its own session: a terminal's Ctrl+C reaches the supervisor
                 # alone, which then stops the workers once, in order.
                 start_new_session=True,
@@ -501,6 +519,23 @@ class _Supervisor:
             )
             with anyio.move_on_after(delay):
                 await self.stop.wait()
+            if self.stop.is_set():
+                # Stopping: `stopping` may not be set yet (stop_all runs after this
+                # wakes), and a worker started now would only be told to stop.
+                return
+
+    def _spec_for_a_start(self) -> dict[str, Any]:
+        # A worker that restarts loads each model whose last change was a load with
+        # that load's override at once: loading it from disk, then again when the
+        # journal is replayed, would hold two copies of it for a while (on a GPU,
+        # perhaps more than fits) and take twice as long. The replay then finds
+        # nothing to do.
+        overrides = {
+            key: change["override"]
+            for key, change in self.journal.items()
+            if isinstance(key, str) and change["op"] == "load"
+        }
+        return {**self.spec, "start_overrides": overrides} if overrides else self.spec
 
     def _fail(self, message: str) -> None:
         if self.failure is None:
@@ -540,7 +575,13 @@ class _Supervisor:
             worker.ready = True
             worker.listening = message
             log.info("worker %d (pid %d) is ready", worker.index, worker.pid)
-            if all(w.ready for w in self.workers):
+            if all(w.ready for w in self.workers) and not self.all_ready.is_set():
+                if self.spec["models"] is None:
+                    # A worker that restarts loads what these loaded at start, not
+                    # the repository as it is on disk then: a model added since, and
+                    # never loaded through the API, would be served by it alone. (It
+                    # tries those that failed too, to give the same reason for them.)
+                    self.spec["start_models"] = sorted({*message["models"], *message["failed"]})
                 self.all_ready.set()
             return {"ok": True}
         if op == "failed":
@@ -747,6 +788,7 @@ async def serve_workers(
         "host": host,
         "port": port,
         "models": None if models is None else list(models),
+        "workers": workers,
         "loop": loop,
         "log_level": log_level,
         "directory": str(directory),
@@ -846,7 +888,14 @@ def _worker_main(argv: list[str]) -> int:
         trace_rate=tracing[1] if tracing else 1.0,
     )
     directory = Path(spec["directory"])
-    link = WorkerLink(index, directory, spec["supervisor_pid"])
+    link = WorkerLink(
+        index,
+        directory,
+        spec["supervisor_pid"],
+        spec.get("start_models"),
+        count=spec["workers"],
+        start_overrides=spec.get("start_overrides"),
+    )
 
     async def serve() -> None:
         async with anyio.create_task_group() as tg:
