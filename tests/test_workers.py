@@ -33,6 +33,7 @@ from trioinfer import ConfigError, ModelNotFound, TrioInferError, example_reposi
 from trioinfer.cli import main
 from trioinfer.server import status_for
 from trioinfer.server._workers import (
+    MetricsLedger,
     WorkersDisagree,
     _raise_error,
     _serve_calls,
@@ -287,9 +288,20 @@ def test_log_settings_reach_every_worker(served: Served) -> None:
         assert (settings["log_info"], settings["log_format"]) == (False, "ISO8601")
 
 
+def _succeeded(url: str) -> float:
+    return sum(
+        value
+        for labels, value in samples(url, "trioinfer_inference_requests_total")
+        if labels["outcome"] == "success"
+    )
+
+
 def test_a_killed_worker_is_restarted_and_its_requests_fail_cleanly(served: Served) -> None:
     url = served.url
     victim = worker_pids(url)["1"]
+    for _ in range(12):
+        assert infer_digit(url).status_code == 200
+    counted = _succeeded(url)  # a scrape: every worker's counts, the victim's too
     # Long enough for all of them to be seen in flight at once on a busy machine.
     seconds = [3.0 + i / 1000 for i in range(16)]
     with ThreadPoolExecutor(len(seconds)) as pool:
@@ -312,6 +324,8 @@ def test_a_killed_worker_is_restarted_and_its_requests_fail_cleanly(served: Serv
 
     wait_until(lambda: worker_pids(url).get("1", victim) != victim, "worker 1 is back")
     assert not alive(victim)
+    # What the victim had counted stays in the server's counters: none went down.
+    assert _succeeded(url) >= counted + len(answered)
     assert f"worker 1 (pid {victim}) was killed by SIGKILL" in served.log.read_text()
     # It loaded digits once, with the override of its last load: not from the file,
     # then again (two copies at once) when the change was repeated to it.
@@ -403,6 +417,53 @@ def test_merge_adds_up_samples_and_keeps_each_workers_own() -> None:
     assert "t_seconds_sum 1.0" in merged
     assert 't_worker_total{worker="0"} 3.0' in merged
     assert 't_worker_total{worker="1"} 4.0' in merged
+
+
+def _exposition(requests: float, in_flight: float, pid: int) -> bytes:
+    return (
+        "# HELP t_requests_total R.\n# TYPE t_requests_total counter\n"
+        f't_requests_total{{model="m"}} {requests}\n'
+        "# HELP t_in_flight F.\n# TYPE t_in_flight gauge\n"
+        f't_in_flight{{model="m"}} {in_flight}\n'
+        "# HELP t_worker_total W.\n# TYPE t_worker_total counter\n"
+        f't_worker_total{{pid="{pid}"}} {requests}\n'
+    ).encode()
+
+
+def _value(text: bytes, name: str, **labels: str) -> float | None:
+    for family in text_string_to_metric_families(text.decode()):
+        for sample in family.samples:
+            if sample.name == name and sample.labels == labels:
+                return float(sample.value)
+    return None
+
+
+def test_the_ledger_never_lets_a_counter_go_down() -> None:
+    # Prometheus reads a counter that went down as a reset, and the whole sum after
+    # it as new requests: a worker that is slow to answer, dies or restarts must not
+    # take its counts out of the server's.
+    ledger = MetricsLedger()
+    ledger.report(0, 100, _exposition(5, 1, 100))
+    ledger.report(1, 101, _exposition(7, 2, 101))
+    merged = ledger.merged(0)
+    assert _value(merged, "t_requests_total", model="m") == 12
+    assert _value(merged, "t_in_flight", model="m") == 3
+    # Worker 1 does not answer the next scrape: counted as it last was.
+    ledger.report(0, 100, _exposition(6, 0, 100))
+    assert _value(ledger.merged(0), "t_requests_total", model="m") == 13
+    # Worker 1 dies and comes back as pid 102, from zero: its counts stay, its
+    # gauges and its own (pid) series go.
+    ledger.retire(1, 101)
+    ledger.retire(1, 101)  # (once only)
+    ledger.report(1, 102, _exposition(1, 4, 102))
+    merged = ledger.merged(1)
+    assert _value(merged, "t_requests_total", model="m") == 6 + 7 + 1
+    assert _value(merged, "t_in_flight", model="m") == 0 + 4
+    assert _value(merged, "t_worker_total", pid="101") is None
+    assert _value(merged, "t_worker_total", pid="102") == 1
+    # A retirement of a process that reported nothing since (or never) changes nothing.
+    ledger.retire(0, 99)
+    assert _value(ledger.merged(0), "t_requests_total", model="m") == 14
 
 
 def test_merge_stats_sums_counts_and_takes_the_last_inference() -> None:

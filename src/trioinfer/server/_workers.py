@@ -27,7 +27,12 @@ creates and removes (one JSON line each way per call):
   mode was not used: it supports only its own metric objects, updated on the
   hot path through memory-mapped files, while trioinfer's metrics are read from
   the engine's statistics at scrape time (its custom collectors cannot run in
-  that mode). What a worker counted is lost when it dies.
+  that mode). The supervisor keeps what each worker last reported to
+  ``/metrics``: a worker that does not answer in time is counted as it was,
+  and one that dies leaves its counts (counters and histograms, not gauges)
+  in the sums, so that no counter ever goes down (Prometheus would read that
+  as a reset, and count the whole remaining sum again as new). What it counted
+  after its last scrape is lost with it.
 
 A worker's in-flight requests die with it: their connections close, and no
 client is answered by anyone else. Connections the kernel had queued for it
@@ -218,6 +223,63 @@ def merge_expositions(texts: Iterable[bytes]) -> bytes:
     return generate_latest(registry)
 
 
+#: Metric types whose samples only grow in a process's life: a dead worker's stay in the sums.
+_CUMULATIVE: Final = frozenset({"counter", "histogram", "summary"})
+
+
+def _counts_only(text: bytes) -> bytes:
+    """The samples of *text* that a dead worker leaves in the sums: its counts, not its gauges.
+
+    Its own series (labelled with its ``pid``) end with it, and ``_created``
+    timestamps are no counts.
+    """
+    kept: list[Metric] = []
+    for family in text_string_to_metric_families(text.decode()):
+        if family.type not in _CUMULATIVE:
+            continue
+        metric = Metric(family.name, family.documentation, family.type)
+        for sample in family.samples:
+            if "pid" not in sample.labels and not sample.name.endswith("_created"):
+                metric.add_sample(sample.name, sample.labels, sample.value)
+        if metric.samples:
+            kept.append(metric)
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(_Fixed(kept))
+    return generate_latest(registry)
+
+
+@final
+class MetricsLedger:
+    """What each worker last reported to ``/metrics``, and the counts of workers that died.
+
+    The supervisor's: every scrape reports the answering worker's exposition
+    and gathers the others'; `merged` adds up the latest of each live worker
+    (a worker that did not answer counts as it last did) and what dead ones
+    left, so that the server's counters never go down when a worker is slow,
+    dies or restarts.
+    """
+
+    def __init__(self) -> None:
+        self._last: dict[int, tuple[int, bytes]] = {}
+        self._retired = b""
+
+    def report(self, index: int, pid: int, text: bytes) -> None:
+        """Worker *index* (process *pid*) reported *text*."""
+        self._last[index] = (pid, text)
+
+    def retire(self, index: int, pid: int) -> None:
+        """Worker *index*'s process *pid* ended: its counts stay, its gauges go."""
+        last = self._last.get(index)
+        if last is not None and last[0] == pid:
+            del self._last[index]
+            self._retired = merge_expositions([self._retired, _counts_only(last[1])])
+
+    def merged(self, first: int) -> bytes:
+        """The server's exposition, worker *first*'s families in front."""
+        order = sorted(self._last, key=lambda index: index != first)
+        return merge_expositions([*(self._last[i][1] for i in order), self._retired])
+
+
 @final
 class _Fixed:
     def __init__(self, families: list[Metric]) -> None:
@@ -329,10 +391,11 @@ class WorkerLink:
         return merge_stats([local, *(r["stats"] for r in replies if "stats" in r)])
 
     async def merged_metrics(self, local: bytes) -> bytes:
-        """This worker's metrics text (*local*) added to the other workers'."""
-        replies = await self._gather({"op": "metrics"})
+        """This worker's metrics text (*local*) added to the other workers' (`MetricsLedger`)."""
         mine = local + self._own_metrics()
-        return merge_expositions([mine, *(r["metrics"].encode() for r in replies)])
+        reply = await self._ask({"op": "metrics", "worker": self.index, "metrics": mine.decode()})
+        merged: str = reply["metrics"]
+        return merged.encode()
 
     async def _change(self, message: dict[str, Any]) -> None:
         reply = await self._ask(message)
@@ -457,6 +520,7 @@ class _Supervisor:
         self.stop = anyio.Event()
         self.all_ready = anyio.Event()
         self.failure: str | None = None
+        self.metrics = MetricsLedger()
 
     # -- workers' lives --
 
@@ -486,6 +550,7 @@ class _Supervisor:
                 was_ready = worker.ready
                 worker.process = None
                 worker.member = worker.ready = False
+                self.metrics.retire(worker.index, worker.pid)
             if self.stopping:
                 return
             how = _exit_text(process.returncode)
@@ -569,6 +634,8 @@ class _Supervisor:
         if op == "gather":
             return {"replies": await self._gather(message["call"], exclude=message["exclude"])}
         worker = self.workers[message["worker"]]
+        if op == "metrics":
+            return {"metrics": (await self._metrics(worker, message["metrics"])).decode()}
         if op == "hello":
             return await self._hello(worker)
         if op == "ready":
@@ -637,6 +704,15 @@ class _Supervisor:
                     ),
                 }
             }
+
+    async def _metrics(self, asker: _Worker, text: str) -> bytes:
+        # A scrape that *asker* answers: every worker's latest, and what dead ones left.
+        self.metrics.report(asker.index, asker.pid, text.encode())
+        targets = [w for w in self.workers if w.member and w.index != asker.index]
+        for worker, reply in await _each(targets, {"op": "metrics"}, limit_s=GATHER_TIMEOUT_S):
+            if reply is not None and "metrics" in reply:
+                self.metrics.report(worker.index, worker.pid, reply["metrics"].encode())
+        return self.metrics.merged(asker.index)
 
     async def _gather(self, call: dict[str, Any], *, exclude: int) -> list[dict[str, Any]]:
         targets = [w for w in self.workers if w.member and w.index != exclude]
