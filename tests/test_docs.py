@@ -674,3 +674,18 @@ def test_a_tutorial_says_what_to_install_for_its_program(page: str) -> None:
         if not re.search(rf"[\[,]{need}[\],]|\b{need}\b", installs)
     ]
     assert missing == [], f"{page} never says to install {missing}"
+
+
+def test_the_server_reference_lists_every_metric_family(tutorial_server: tuple[int, int]) -> None:
+    # The Metrics table once lacked the response cache's five families, which /metrics
+    # declares on every server (their samples come with a model's response_cache).
+    port = tutorial_server[0]
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics") as response:
+        scraped = response.read().decode()
+    exported = set(re.findall(r"^# TYPE (\S+) ", scraped, re.MULTILINE))
+    page = (DOCS / "reference" / "server.md").read_text()
+    table = page.split("### Metrics", 1)[1].split("\n#", 1)[0]
+    rows = set(re.findall(r"^\| `(trioinfer_[a-z_]+)` \|", table, re.MULTILINE))
+    # Served only with --workers; the same section documents it.
+    assert "trioinfer_worker_inference_requests_total" in table
+    assert rows == exported
