@@ -689,3 +689,32 @@ def test_the_server_reference_lists_every_metric_family(tutorial_server: tuple[i
     # Served only with --workers; the same section documents it.
     assert "trioinfer_worker_inference_requests_total" in table
     assert rows == exported
+
+
+def test_benchmark_commands_use_real_options() -> None:
+    # The commands the Benchmarks page gives to rerun its figures: each script must take
+    # every option the page passes it (its --help lists them).
+    commands = [
+        " ".join(block.replace("\\\n", " ").split())
+        for lang, _, block in page_blocks("benchmarks.md")
+        if lang == "sh"
+    ]
+    used: dict[str, set[str]] = {}
+    for text in commands:
+        for script, arguments in re.findall(r"benchmarks/(\w+)\.py([^\n]*?)(?=\.venv/|$)", text):
+            used.setdefault(script, set()).update(
+                re.findall(r"(?<![\w-])--[a-z][a-z-]*", arguments)
+            )
+    assert used, "the page gives no benchmark command"
+    wrong = []
+    for script, options in sorted(used.items()):
+        shown = subprocess.run(
+            [sys.executable, str(ROOT / "benchmarks" / f"{script}.py"), "--help"],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=True,
+        ).stdout
+        known = set(re.findall(r"(?<![\w-])--[a-z][a-z-]*", shown))
+        wrong += [f"{script}.py {option}" for option in sorted(options - known)]
+    assert wrong == []
