@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ast
 import importlib.util
+import json
 import os
 import re
 import socket
@@ -718,3 +719,34 @@ def test_benchmark_commands_use_real_options() -> None:
         known = set(re.findall(r"(?<![\w-])--[a-z][a-z-]*", shown))
         wrong += [f"{script}.py {option}" for option in sorted(options - known)]
     assert wrong == []
+
+
+@pytest.mark.tracing
+def test_tracing_howto_program_traces_the_request_under_the_callers_span(tmp_path: Path) -> None:
+    # "Trace an engine in your own program": the request's spans are children of the
+    # caller's span, even at trace_rate=0.01 (a request under a sampled span follows it).
+    pytest.importorskip("opentelemetry.sdk")
+    (block,) = fences(DOCS / "how-to" / "tracing.md", "python")
+    program = tmp_path / "traced.py"
+    program.write_text(block)
+    result = subprocess.run(
+        [sys.executable, str(program)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+        cwd=tmp_path,
+    )
+    assert result.returncode == 0, result.stderr
+    spans = {
+        span["name"]: span
+        for span in json.loads("[" + re.sub(r"\}\s*\{", "},{", result.stdout) + "]")
+    }
+    assert set(spans) == {
+        "handle order",
+        "infer digits",
+        "queue digits",
+        "batch digits",
+        "compute digits",
+    }
+    assert spans["infer digits"]["parent_id"] == spans["handle order"]["context"]["span_id"]
