@@ -750,3 +750,35 @@ def test_tracing_howto_program_traces_the_request_under_the_callers_span(tmp_pat
         "compute digits",
     }
     assert spans["infer digits"]["parent_id"] == spans["handle order"]["context"]["span_id"]
+
+
+def test_every_instance_field_is_documented() -> None:
+    import attrs
+
+    page = (DOCS / "how-to" / "models.md").read_text()
+    section = page.split("## Instances and devices", 1)[1].split("\n## ", 1)[0]
+    rows = re.findall(r"^\| `([a-z_]+)` \| `?([^`|]+?)`? \|", section, re.MULTILINE)
+    assert [name for name, _ in rows] == [f.name for f in attrs.fields(trioinfer.Instance)]
+    defaults = {name: default for name, default in rows}
+    instance = trioinfer.Instance()
+    assert str(instance.device) == defaults["device"].strip('"')
+    assert (str(instance.count), str(instance.threads), str(instance.capacity)) == (
+        defaults["count"],
+        defaults["threads"],
+        defaults["capacity"],
+    )
+
+
+def test_the_server_reference_lists_every_limit_with_its_default() -> None:
+    import attrs
+
+    from trioinfer.server import Limits
+
+    page = (DOCS / "reference" / "server.md").read_text()
+    section = page.split("\n## Limits\n", 1)[1].split("\n## ", 1)[0]
+    rows = re.findall(r"^\| `([a-z_]+)` \| ([0-9.]+)", section, re.MULTILINE)
+    assert [name for name, _ in rows] == [f.name for f in attrs.fields(Limits)]
+    limits = Limits()
+    assert {name: float(default) for name, default in rows} == {
+        name: float(getattr(limits, name)) for name, _ in rows
+    }
