@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ast
 import importlib.util
+import json
 import os
 import re
 import socket
@@ -674,3 +675,110 @@ def test_a_tutorial_says_what_to_install_for_its_program(page: str) -> None:
         if not re.search(rf"[\[,]{need}[\],]|\b{need}\b", installs)
     ]
     assert missing == [], f"{page} never says to install {missing}"
+
+
+def test_the_server_reference_lists_every_metric_family(tutorial_server: tuple[int, int]) -> None:
+    # The Metrics table once lacked the response cache's five families, which /metrics
+    # declares on every server (their samples come with a model's response_cache).
+    port = tutorial_server[0]
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics") as response:
+        scraped = response.read().decode()
+    exported = set(re.findall(r"^# TYPE (\S+) ", scraped, re.MULTILINE))
+    page = (DOCS / "reference" / "server.md").read_text()
+    table = page.split("### Metrics", 1)[1].split("\n#", 1)[0]
+    rows = set(re.findall(r"^\| `(trioinfer_[a-z_]+)` \|", table, re.MULTILINE))
+    # Served only with --workers; the same section documents it.
+    assert "trioinfer_worker_inference_requests_total" in table
+    assert rows == exported
+
+
+def test_benchmark_commands_use_real_options() -> None:
+    # The commands the Benchmarks page gives to rerun its figures: each script must take
+    # every option the page passes it (its --help lists them).
+    commands = [
+        " ".join(block.replace("\\\n", " ").split())
+        for lang, _, block in page_blocks("benchmarks.md")
+        if lang == "sh"
+    ]
+    used: dict[str, set[str]] = {}
+    for text in commands:
+        for script, arguments in re.findall(r"benchmarks/(\w+)\.py([^\n]*?)(?=\.venv/|$)", text):
+            used.setdefault(script, set()).update(
+                re.findall(r"(?<![\w-])--[a-z][a-z-]*", arguments)
+            )
+    assert used, "the page gives no benchmark command"
+    wrong = []
+    for script, options in sorted(used.items()):
+        shown = subprocess.run(
+            [sys.executable, str(ROOT / "benchmarks" / f"{script}.py"), "--help"],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=True,
+        ).stdout
+        known = set(re.findall(r"(?<![\w-])--[a-z][a-z-]*", shown))
+        wrong += [f"{script}.py {option}" for option in sorted(options - known)]
+    assert wrong == []
+
+
+@pytest.mark.tracing
+def test_tracing_howto_program_traces_the_request_under_the_callers_span(tmp_path: Path) -> None:
+    # "Trace an engine in your own program": the request's spans are children of the
+    # caller's span, even at trace_rate=0.01 (a request under a sampled span follows it).
+    pytest.importorskip("opentelemetry.sdk")
+    (block,) = fences(DOCS / "how-to" / "tracing.md", "python")
+    program = tmp_path / "traced.py"
+    program.write_text(block)
+    result = subprocess.run(
+        [sys.executable, str(program)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+        cwd=tmp_path,
+    )
+    assert result.returncode == 0, result.stderr
+    spans = {
+        span["name"]: span
+        for span in json.loads("[" + re.sub(r"\}\s*\{", "},{", result.stdout) + "]")
+    }
+    assert set(spans) == {
+        "handle order",
+        "infer digits",
+        "queue digits",
+        "batch digits",
+        "compute digits",
+    }
+    assert spans["infer digits"]["parent_id"] == spans["handle order"]["context"]["span_id"]
+
+
+def test_every_instance_field_is_documented() -> None:
+    import attrs
+
+    page = (DOCS / "how-to" / "models.md").read_text()
+    section = page.split("## Instances and devices", 1)[1].split("\n## ", 1)[0]
+    rows = re.findall(r"^\| `([a-z_]+)` \| `?([^`|]+?)`? \|", section, re.MULTILINE)
+    assert [name for name, _ in rows] == [f.name for f in attrs.fields(trioinfer.Instance)]
+    defaults = {name: default for name, default in rows}
+    instance = trioinfer.Instance()
+    assert str(instance.device) == defaults["device"].strip('"')
+    assert (str(instance.count), str(instance.threads), str(instance.capacity)) == (
+        defaults["count"],
+        defaults["threads"],
+        defaults["capacity"],
+    )
+
+
+def test_the_server_reference_lists_every_limit_with_its_default() -> None:
+    import attrs
+
+    from trioinfer.server import Limits
+
+    page = (DOCS / "reference" / "server.md").read_text()
+    section = page.split("\n## Limits\n", 1)[1].split("\n## ", 1)[0]
+    rows = re.findall(r"^\| `([a-z_]+)` \| ([0-9.]+)", section, re.MULTILINE)
+    assert [name for name, _ in rows] == [f.name for f in attrs.fields(Limits)]
+    limits = Limits()
+    assert {name: float(default) for name, default in rows} == {
+        name: float(getattr(limits, name)) for name, _ in rows
+    }
