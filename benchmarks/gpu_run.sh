@@ -6,7 +6,7 @@
 # What it needs beside the checkout, carried in an ignored `.gpu/` folder that
 # `benchmarks/gpu_stage.sh` writes here (where the package index is reachable):
 #   - onnxruntime-gpu's CUDA 13 wheel, too big for one call: its CUDA provider library
-#     xz-compressed and split into parts under 60 MiB (`.gpu/parts/`), each carried by one call
+#     xz-compressed and split into 50 MiB parts (`.gpu/parts/`), each carried by one call
 #     and copied to /tmp/parts (calls in a row, while the machine is warm), and the rest of the
 #     wheel as `.gpu/rest/rest.tar.xz`;
 #   - `.gpu/rest/*.whl`: trio, outcome, pytest-trio and a trioinfer wheel of this checkout;

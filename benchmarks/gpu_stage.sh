@@ -4,7 +4,8 @@
 #
 # Writes the ignored folder `.gpu/` (add `/.gpu/` to .git/info/exclude; it is not in .gitignore
 # on purpose, so that nobody commits 250 MB by mistake):
-#   .gpu/parts/partNN  onnxruntime-gpu's CUDA provider library, xz-compressed, in 60 MiB parts:
+#   .gpu/parts/partNN  onnxruntime-gpu's CUDA provider library, xz-compressed, in 50 MiB parts
+#                      (PART_MIB; a call carries the part and the checkout, 64 MiB in all):
 #                      one `run` call each, while the machine stays warm, copying it to
 #                      /tmp/parts (carry [".gpu/parts/partNN"], command
 #                      `mkdir -p /tmp/parts && cp .gpu/parts/partNN /tmp/parts/`);
@@ -46,7 +47,7 @@ if [ "${STAGE_ONLY_TRIOINFER:-0}" != 1 ]; then
     rm "$lib"
     (cd "$work" && sha256sum cuda.so.xz > "$G/rest/cuda.sha")
     rm -f "$G"/parts/part*
-    split -b 60M -d "$work/cuda.so.xz" "$G/parts/part"
+    split -b "${PART_MIB:-50}M" -d "$work/cuda.so.xz" "$G/parts/part"
     echo "   $(ls "$G"/parts | wc -l) parts: $(ls "$G"/parts | tr '\n' ' ')"
     echo "== the rest of the wheel"
     tar -C "$work/site" -cJf "$G/rest/rest.tar.xz" .
@@ -58,4 +59,4 @@ echo "== trioinfer from this checkout"
 rm -f "$G"/rest/trioinfer-*.whl
 "$PY" -m pip wheel -q --no-deps --no-build-isolation . -w "$G/rest"
 du -sh "$G/rest" "$G"/parts/* | sed 's/^/   /'
-echo "every carried path must stay under 64 MiB a call: rest and each part are separate calls"
+echo "a call carries the checkout ($(git ls-files -z | xargs -0 du -cb | tail -1 | cut -f1) bytes tracked) and one part or rest: 64 MiB in all"
