@@ -2,8 +2,7 @@
 # Stage what benchmarks/gpu_run.sh needs on a lent GPU machine, here, where the package index
 # is reachable: the lent machine reaches none, and each `run` call carries at most 64 MiB.
 #
-# Writes the ignored folder `.gpu/` (add `/.gpu/` to .git/info/exclude; it is not in .gitignore
-# on purpose, so that nobody commits 250 MB by mistake):
+# Writes the folder `.gpu/` (in .gitignore):
 #   .gpu/parts/partNN  onnxruntime-gpu's CUDA provider library, xz-compressed, in 50 MiB parts
 #                      (PART_MIB; a call carries the part and the checkout, 64 MiB in all):
 #                      one `run` call each, while the machine stays warm, copying it to
