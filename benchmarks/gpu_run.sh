@@ -9,7 +9,8 @@
 #     xz-compressed and split into 50 MiB parts (`.gpu/parts/`), each carried by one call
 #     and copied to /tmp/parts (calls in a row, while the machine is warm), and the rest of the
 #     wheel as `.gpu/rest/rest.tar.xz`;
-#   - `.gpu/rest/*.whl`: trio, outcome, pytest-trio and a trioinfer wheel of this checkout;
+#   - `.gpu/rest/*.whl`: trio, outcome, pytest-trio, serve's starlette, httptools and orjson,
+#     and a trioinfer wheel of this checkout;
 #   - `.gpu/rest/cuda.sha`: the sha256 of the whole compressed library.
 # Then: `bash benchmarks/gpu_run.sh 'BENCH COMMAND' ...` with `.gpu/rest` carried: each
 # argument is a benchmark command run after the tests, for instance issue 20's goal 2 on the GPU:
@@ -46,9 +47,9 @@ import trioinfer, trioinfer_onnxruntime
 print("trioinfer", trioinfer.__version__ if hasattr(trioinfer, "__version__") else "", trioinfer.__file__)
 EOF
 
-echo "== tests on the GPU (the ONNX Runtime backend and the engine)"
+echo "== tests on the GPU (the ONNX Runtime backend, the engine, CUDA shared memory)"
 python3 -m pytest -q -p no:cacheprovider -W ignore::DeprecationWarning \
-    tests/test_onnxruntime.py tests/test_engine.py -rs 2>&1 | tail -25
+    tests/test_onnxruntime.py tests/test_engine.py tests/test_cuda_shm.py -rs 2>&1 | tail -25
 
 echo "== benchmarks"
 for cmd in "$@"; do

@@ -10,7 +10,8 @@
 #                      `mkdir -p /tmp/parts && cp .gpu/parts/partNN /tmp/parts/`);
 #   .gpu/rest/         the rest of the wheel (rest.tar.xz), the sha256 of the compressed
 #                      library (cuda.sha), the wheels the machine's image lacks (trio, outcome,
-#                      pytest-trio) and a trioinfer wheel of this checkout, built last so that
+#                      pytest-trio, and serve's starlette, httptools, orjson) and a trioinfer
+#                      wheel of this checkout, built last so that
 #                      re-running the script with STAGE_ONLY_TRIOINFER=1 refreshes only it.
 # Then one last call carries [".gpu/rest"] and runs `bash benchmarks/gpu_run.sh 'BENCH' ...`.
 #
@@ -51,8 +52,8 @@ if [ "${STAGE_ONLY_TRIOINFER:-0}" != 1 ]; then
     echo "== the rest of the wheel"
     tar -C "$work/site" -cJf "$G/rest/rest.tar.xz" .
     echo "== wheels the image lacks"
-    rm -f "$G"/rest/trio-*.whl "$G"/rest/outcome-*.whl "$G"/rest/pytest_trio-*.whl
-    fetch "$G/rest" trio outcome pytest-trio
+    find "$G/rest" -name '*.whl' ! -name 'trioinfer-*' -delete
+    fetch "$G/rest" trio outcome pytest-trio starlette httptools orjson
 fi
 echo "== trioinfer from this checkout"
 rm -f "$G"/rest/trioinfer-*.whl
