@@ -333,13 +333,22 @@ class ModelEntry:
                     f"model {self.name!r}: a config override must be a table of "
                     f"field = value, got {_shown(override)}"
                 )
-            fixed = sorted({"name", "path", *_SERVER_KEYS} & set(override))
+            # What GET .../config answers may come back whole (Triton's clients fetch the
+            # config, change a field and load with it): the name and version policy it
+            # holds are accepted when they are the repository's own, as they then are.
+            fixed = sorted(
+                key
+                for key in {"name", "path", *_SERVER_KEYS} & set(override)
+                if not self._unchanged(key, override[key])
+            )
             if fixed:
+                source = _TRITON_FILE if self.triton is not None else _CONFIG_FILE
                 raise ConfigError(
                     f"model {self.name!r}: a config override may not set "
-                    f"{', '.join(map(repr, fixed))}; the repository decides the name (the "
-                    f"directory's), the file (<N>/{self.model_file}) and the versions "
-                    f"({_CONFIG_FILE})"
+                    f"{', '.join(map(repr, fixed))} other than the repository's own; it "
+                    "decides the name (the "
+                    f"directory's, {self.name!r}), the file (<N>/{self.model_file}) and the "
+                    f"versions ({source}'s version_policy, {self.policy})"
                 )
             chosen = override.get("default_model_filename", "")
             if chosen not in ("", self.model_file):
@@ -355,6 +364,22 @@ class ModelEntry:
             return ModelConfig.from_dict(data)
         except ConfigError as exc:
             raise ConfigError(f"model {self.name!r} version {version}: {exc}") from None
+
+    def _unchanged(self, key: str, value: object) -> bool:
+        # Whether an override's *key* repeats what the repository says already.
+        if key == "name":
+            return value == self.name
+        if key == "version_policy":
+            try:
+                return VersionPolicy.parse(value) == self.policy
+            except ConfigError:
+                pass
+            try:  # Triton's JSON form, 64-bit versions as strings included
+                triton = TritonModel.parse({key: value}, name=self.name, where=key)
+                return VersionPolicy.parse(triton.version_policy) == self.policy
+            except ConfigError:
+                return False
+        return False
 
     def triton_config(self, override: Mapping[str, Any] | None = None) -> TritonModel | None:
         """The Triton configuration *version* is loaded with, after *override*; ``None`` if none.
@@ -385,6 +410,12 @@ class ModelEntry:
                     f'holds its fields as JSON, e.g. {{"max_batch_size": 16}}; unknown key '
                     f"{', '.join(map(repr, unknown))}; known keys are "
                     f"{', '.join(sorted(TRITON_FIELDS))}"
+                    + (
+                        " ('version' and 'trioinfer' are what GET .../config adds beside "
+                        "Triton's fields: leave them out of an override)"
+                        if {"version", "trioinfer"} & set(unknown)
+                        else ""
+                    )
                 )
         triton = self.triton_config(override)
         if triton is None:
@@ -680,8 +711,13 @@ class ModelRepository:
             )
         return None
 
-    def entry(self, name: str) -> ModelEntry:
+    def entry(self, name: str, override: Mapping[str, Any] | None = None) -> ModelEntry:
         """Read one model's directory: its versions, policy and settings.
+
+        A ``config.pbtxt`` is read with the fields of a load *override* of
+        Triton's keys in place of its own (as Triton loads an override instead
+        of the file), so that an override can replace a field the file gets
+        wrong. Other overrides are applied by ``ModelEntry.config()``.
 
         Raises:
             ConfigError: If *name* is not a valid model name, the directory or a
@@ -695,7 +731,7 @@ class ModelRepository:
         if not _is_dir(directory):
             raise ModelNotFound(f"no model {name!r} in the model repository; {self._listing()}")
         _confine(directory, self.root, f"model {name!r}")
-        entry = _scan(name, directory, self.root)
+        entry = _scan(name, directory, self.root, override)
         for note in entry.notes:
             self._log_once(f"model {name!r}: {note}")
         return entry
@@ -756,7 +792,9 @@ class ModelRepository:
             log.info("%s", message)
 
 
-def _scan(name: str, directory: Path, root: Path) -> ModelEntry:
+def _scan(
+    name: str, directory: Path, root: Path, override: Mapping[str, Any] | None = None
+) -> ModelEntry:
     """Read a model directory that is known to be inside *root*."""
     where = f"model {name!r}"
     notes: list[str] = []
@@ -786,7 +824,19 @@ def _scan(name: str, directory: Path, root: Path) -> ModelEntry:
         _confine(triton_path, root, where)
         shown = _relative(triton_path, root)
         text = _read_text(triton_path, shown)
-        triton = TritonModel.parse(text, name=name, where=shown)
+        if (
+            isinstance(override, Mapping)
+            and override
+            and all(isinstance(k, str) for k in override)
+            and set(override) <= TRITON_FIELDS
+        ):
+            # The override's fields replace the file's before the file is judged: a
+            # field the file gets wrong (timeout_action: DELAY, say) is fixed by one.
+            triton = TritonModel.parse(
+                text, name=name, where=f"{shown} with the config override", override=override
+            )
+        else:
+            triton = TritonModel.parse(text, name=name, where=shown)
         label_files = dict(triton.labels)
         notes.extend(triton.notes)
         settings = dict(triton.settings)
