@@ -1116,7 +1116,7 @@ def test_the_config_answered_can_be_sent_back_in_a_load_override(
     # Another name, or another version policy, is still refused, and says why.
     with pytest.raises(InferenceServerException, match="differs from the directory's name"):
         client.load_model("simple", config=json.dumps({"name": "other"}))
-    with pytest.raises(InferenceServerException, match="'trioinfer', 'version'.*leave them out"):
+    with pytest.raises(InferenceServerException, match=r"'trioinfer', 'version'.*leave them out"):
         client.load_model("simple", config=json.dumps(client.get_model_config("simple")))
 
 
@@ -1136,7 +1136,7 @@ def test_a_load_override_replaces_the_field_a_config_pbtxt_gets_wrong(tmp_path: 
     entry = repository.entry("m", override)
     assert entry.config(1, override).batcher_options["max_queue_delay"] == 0.0001
     # An override that brings the refused field itself says so, and where it came from.
-    with pytest.raises(ConfigError, match="config.pbtxt with the config override: .*DELAY"):
+    with pytest.raises(ConfigError, match=r"config.pbtxt with the config override: .*DELAY"):
         repository.entry("m", {"max_batch_size": 4})
 
 
