@@ -1135,6 +1135,14 @@ def test_a_load_override_replaces_the_field_a_config_pbtxt_gets_wrong(tmp_path: 
     override = {"dynamic_batching": {"max_queue_delay_microseconds": 100}}
     entry = repository.entry("m", override)
     assert entry.config(1, override).batcher_options["max_queue_delay"] == 0.0001
+    # Served so, the repository index lists it as ready, not with the file's refusal.
+    with (
+        run_server(tmp_path, log=tmp_path / "server.log") as running,
+        httpclient.InferenceServerClient(running.address) as triton,
+    ):
+        triton.load_model("m", config=json.dumps(override))
+        index = [row for row in triton.get_model_repository_index() if row["name"] == "m"]
+        assert index == [{"name": "m", "version": "1", "state": "READY", "reason": ""}]
     # An override that brings the refused field itself says so, and where it came from.
     with pytest.raises(ConfigError, match=r"config.pbtxt with the config override: .*DELAY"):
         repository.entry("m", {"max_batch_size": 4})

@@ -897,6 +897,14 @@ def repository_index_document(state: ServerState, *, ready_only: bool) -> list[d
     out = []
     for entry in state.models.repository.index():
         served = {s.version: s for s in state.models.versions(entry.name)}
+        if entry.version is None and served:
+            # The directory as it stands cannot be read, yet versions are served: loaded
+            # before it broke, or with a load override that replaced what it gets wrong.
+            out.extend(
+                {"name": entry.name, "version": str(v), "state": "READY", "reason": ""}
+                for v in sorted(served)
+            )
+            continue
         if entry.version is not None and entry.version in served:
             out.append(
                 {"name": entry.name, "version": str(entry.version), "state": "READY", "reason": ""}
