@@ -640,8 +640,14 @@ def test_labels_in_config_toml_are_checked(tmp_path: Path) -> None:
         ModelRepository(tmp_path).entry("m")
     (tmp_path / "m" / "config.toml").write_text('labels = { OUTPUT0 = "../x.txt" }\n')
     entry = ModelRepository(tmp_path).entry("m")
-    with pytest.raises(ConfigError, match="OUTPUT0"):
+    # Said as a labels file, not as config.toml's path of a model file.
+    with pytest.raises(ConfigError) as info:
         entry.labels(None)
+    assert str(info.value) == (
+        "model 'm': output 'OUTPUT0' labels file '../x.txt': must be a relative path to a file "
+        "inside the model directory, e.g. 'labels.txt': a file, not absolute, no '..', and '/' "
+        "as the separator"
+    )
 
 
 # == config.pbtxt ===========================================================================

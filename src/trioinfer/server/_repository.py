@@ -440,7 +440,7 @@ class ModelEntry:
         for output, file in files.items():
             where = f"model {self.name!r}: output {output!r} labels file {_shown(file)}"
             path = self.directory / file
-            _check_path_key(file, self.directory, self._root, where)
+            _check_path_key(file, self.directory, self._root, where, key="", example="labels.txt")
             try:
                 with path.open("rb") as f:
                     raw = f.read(_MAX_LABELS_BYTES + 1)
@@ -1003,16 +1003,27 @@ def _check_settings(
         raise ConfigError(f"{shown}: {exc}") from None
 
 
-def _check_path_key(value: object, directory: Path, root: Path, shown: str) -> None:
-    expected = "a relative path to a file inside the model directory, e.g. 'weights/model.onnx'"
+def _check_path_key(
+    value: object,
+    directory: Path,
+    root: Path,
+    shown: str,
+    *,
+    key: str = "path",
+    example: str = "weights/model.onnx",
+) -> None:
+    # *key* and *example* name what is checked: config.toml's path, or (key "") a labels
+    # file, which *shown* names already and which must not be described as a model file.
+    expected = f"a relative path to a file inside the model directory, e.g. {example!r}"
+    named = f"{key} = {_shown(value)} " if key else ""
     if not isinstance(value, str) or not value.strip():
-        raise ConfigError(f"{shown}: path must be {expected}; got {_shown(value)}")
+        raise ConfigError(f"{shown}: {key or 'it'} must be {expected}; got {_shown(value)}")
     pure = PurePosixPath(value)
     # A backslash is refused too: it would be a separator on Windows and a
     # strange file name anywhere else.
     if pure.is_absolute() or "\\" in value or ".." in pure.parts or not pure.parts:
         raise ConfigError(
-            f"{shown}: path = {_shown(value)} must be {expected}: a file, not absolute, "
+            f"{shown}: {named}must be {expected}: a file, not absolute, "
             "no '..', and '/' as the separator"
         )
     resolved = _confine(directory / value, root, shown)
@@ -1022,6 +1033,6 @@ def _check_path_key(value: object, directory: Path, root: Path, shown: str) -> N
         inside = False
     if not inside:
         raise ConfigError(
-            f"{shown}: path = {_shown(value)} leads outside the model directory "
+            f"{shown}: {named or 'it '}leads outside the model directory "
             "(through a symbolic link); it must stay inside it"
         )
