@@ -894,7 +894,7 @@ async def _repository_index(request: Request, state: ServerState) -> Response:
 
 def repository_index_document(state: ServerState, *, ready_only: bool) -> list[dict[str, Any]]:
     """The repository's models and their states (HTTP and gRPC answer the same)."""
-    out = []
+    out: list[dict[str, Any]] = []
     for entry in state.models.repository.index():
         served = {s.version: s for s in state.models.versions(entry.name)}
         if entry.version is None and served:
