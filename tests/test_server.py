@@ -587,7 +587,9 @@ def test_model_without_config_toml_gets_defaults(client: triton.InferenceServerC
     assert config["input"] == [{"name": "input", "data_type": "TYPE_FP32", "dims": [-1, 8]}]
     assert config["output"] == [{"name": "output", "data_type": "TYPE_FP32", "dims": [-1, 3]}]
     assert config["trioinfer"]["batcher"] == "none"
-    assert config["instance_group"] == [{"kind": "KIND_CPU", "device": "cpu"}]
+    assert config["instance_group"] == [
+        {"name": "mlp_0", "kind": "KIND_CPU", "count": 1, "gpus": []}
+    ]
 
 
 def test_model_readiness(client: triton.InferenceServerClient) -> None:

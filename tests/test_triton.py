@@ -640,8 +640,14 @@ def test_labels_in_config_toml_are_checked(tmp_path: Path) -> None:
         ModelRepository(tmp_path).entry("m")
     (tmp_path / "m" / "config.toml").write_text('labels = { OUTPUT0 = "../x.txt" }\n')
     entry = ModelRepository(tmp_path).entry("m")
-    with pytest.raises(ConfigError, match="OUTPUT0"):
+    # Said as a labels file, not as config.toml's path of a model file.
+    with pytest.raises(ConfigError) as info:
         entry.labels(None)
+    assert str(info.value) == (
+        "model 'm': output 'OUTPUT0' labels file '../x.txt': must be a relative path to a file "
+        "inside the model directory, e.g. 'labels.txt': a file, not absolute, no '..', and '/' "
+        "as the separator"
+    )
 
 
 # == config.pbtxt ===========================================================================
@@ -780,6 +786,13 @@ def test_bad_triton_configs_are_named(client: httpclient.InferenceServerClient) 
         ('instance_group [ { kind: KIND_CPU profile: "p" } ]', "sets profile"),
         ('output [ { name: "y" reshape { shape: [1] } } ]', "output 'y' sets reshape"),
         ("max_batch_size: 2\ndynamic_batching { priority_levels: 2 }", "default_priority_level"),
+        (
+            # A uint64 count of levels once kept the server busy, unanswering, building
+            # a queue policy for each.
+            "max_batch_size: 2\n"
+            "dynamic_batching { priority_levels: 1099511627776 default_priority_level: 1 }",
+            "priority_levels 1099511627776 is more than trioinfer serves: at most 65536",
+        ),
         ('name: "other"', "differs from the directory's name"),
         ('platform: "ensemble"', "needs ensemble_scheduling"),
         ("sequence_batching { iterative_sequence: true }", "sets iterative_sequence"),
@@ -1081,3 +1094,115 @@ def test_triton_onnxruntime_parameters_take_trioinfer_names() -> None:
             name="m",
             where="m/config.pbtxt",
         )
+
+
+# == load overrides as Triton's clients send them ==============================================
+
+
+def _without_trioinfer_keys(config: dict[str, Any]) -> dict[str, Any]:
+    # GET .../config answers Triton's fields plus trioinfer's own "version" and "trioinfer".
+    return {k: v for k, v in config.items() if k not in ("version", "trioinfer")}
+
+
+def test_the_config_answered_can_be_sent_back_in_a_load_override(
+    client: httpclient.InferenceServerClient,
+) -> None:
+    # Triton's clients fetch the config, change a field and load with it. The name and
+    # version_policy it holds were refused ("may not set 'name'"), and the instance_group
+    # worked out for a config.pbtxt without one held a "device" key that Triton's
+    # ModelInstanceGroup has no field for.
+    for model in ("simple", "classifier"):
+        config = _without_trioinfer_keys(client.get_model_config(model))
+        config["max_batch_size"] = 16
+        client.load_model(model, config=json.dumps(config))
+        assert client.get_model_config(model)["max_batch_size"] == 16
+        client.load_model(model)
+    groups = client.get_model_config("classifier")["instance_group"]
+    assert groups == [{"name": "classifier_0", "kind": "KIND_CPU", "count": 1, "gpus": []}]
+    # Another name, or another version policy, is still refused, and says why.
+    with pytest.raises(InferenceServerException, match="differs from the directory's name"):
+        client.load_model("simple", config=json.dumps({"name": "other"}))
+    with pytest.raises(InferenceServerException, match=r"'trioinfer', 'version'.*leave them out"):
+        client.load_model("simple", config=json.dumps(client.get_model_config("simple")))
+
+
+def test_a_load_override_replaces_the_field_a_config_pbtxt_gets_wrong(tmp_path: Path) -> None:
+    # As in Triton, whose override replaces the file: the file's fields were judged (and
+    # DELAY refused) before the override's replaced them, so no override could fix it.
+    from trioinfer.server import ModelRepository
+
+    write_simple(tmp_path / "m" / "1" / "model.onnx")
+    (tmp_path / "m" / "config.pbtxt").write_text(
+        "max_batch_size: 8\ndynamic_batching { default_queue_policy { timeout_action: DELAY } }\n"
+    )
+    repository = ModelRepository(tmp_path)
+    with pytest.raises(ConfigError, match="DELAY is not supported"):
+        repository.entry("m")
+    override = {"dynamic_batching": {"max_queue_delay_microseconds": 100}}
+    entry = repository.entry("m", override)
+    assert entry.config(1, override).batcher_options["max_queue_delay"] == 0.0001
+    # Served so, the repository index lists it as ready, not with the file's refusal.
+    with (
+        run_server(tmp_path, log=tmp_path / "server.log") as running,
+        httpclient.InferenceServerClient(running.address) as triton,
+    ):
+        triton.load_model("m", config=json.dumps(override))
+        index = [row for row in triton.get_model_repository_index() if row["name"] == "m"]
+        assert index == [{"name": "m", "version": "1", "state": "READY", "reason": ""}]
+    # An override that brings the refused field itself says so, and where it came from.
+    with pytest.raises(ConfigError, match=r"config.pbtxt with the config override: .*DELAY"):
+        repository.entry("m", {"max_batch_size": 4})
+
+
+def test_a_config_pbtxt_override_may_set_the_version_policy(tmp_path: Path) -> None:
+    from trioinfer.server import ModelRepository
+
+    for version in (1, 2, 3):
+        write_simple(tmp_path / "m" / str(version) / "model.onnx")
+    (tmp_path / "m" / "config.pbtxt").write_text('platform: "onnxruntime_onnx"\n')
+    repository = ModelRepository(tmp_path)
+    assert repository.entry("m").selected() == (3,)
+    policy = {"version_policy": {"specific": {"versions": ["1", "3"]}}}  # int64 as strings
+    entry = repository.entry("m", policy)
+    assert entry.selected() == (1, 3)
+    assert entry.config(1, policy).path.parent.name == "1"
+    # A config.toml model's override may repeat its name and policy, not change them.
+    (tmp_path / "t" / "1").mkdir(parents=True)
+    write_simple(tmp_path / "t" / "1" / "model.onnx")
+    (tmp_path / "t" / "config.toml").write_text('version_policy = "all"\n')
+    entry = ModelRepository(tmp_path).entry("t")
+    same = {"name": "t", "version_policy": {"all": {}}, "max_queue_size": 3}
+    assert entry.config(1, same).max_queue_size == 3
+    with pytest.raises(ConfigError, match=r"may not set 'version_policy' other than .*\"all\""):
+        entry.config(1, {"version_policy": {"latest": {"num_versions": 2}}})
+
+
+@pytest.mark.pipeline
+@pytest.mark.parametrize(
+    ("tensors", "fragment"),
+    [
+        (
+            {"output": [{"name": "SUM", "data_type": "TYPE_INT32", "dims": [15]}]},
+            "output 'SUM' is declared int32.batch, 15., but its step produces int32.batch, 16.",
+        ),
+        (
+            {
+                "input": [
+                    {"name": "A", "data_type": "TYPE_INT32", "dims": [16]},
+                    {"name": "B", "data_type": "TYPE_INT32", "dims": [8]},
+                ]
+            },
+            "input 'INPUT1' of model 'simple' .* is int32.batch, 16., but its tensor 'B' is "
+            "int32.batch, 8.",
+        ),
+    ],
+)
+def test_an_ensemble_whose_dims_do_not_fit_its_steps_is_refused(
+    client: httpclient.InferenceServerClient, tensors: dict[str, Any], fragment: str
+) -> None:
+    # Only the types were compared: an ensemble declaring SUM [15] loaded, its metadata said
+    # [-1, 15] and its answers were [n, 16]; with B [8] every request failed in the step.
+    with pytest.raises(InferenceServerException, match=f"failed to load 'ensemble'.*{fragment}"):
+        client.load_model("ensemble", config=json.dumps(tensors))
+    client.load_model("ensemble")
+    assert client.is_model_ready("ensemble")

@@ -510,7 +510,7 @@ def _check_graph(
     for spec in signature.outputs:
         if spec.name not in producers:
             raise ConfigError(f"{where}: no step produces its output {spec.name!r}")
-        if producers[spec.name].dtype != spec.dtype:
+        if producers[spec.name].dtype != spec.dtype or _sizes_differ(spec, producers[spec.name]):
             raise ConfigError(
                 f"{where}: output {spec.name!r} is declared {spec.describe()}, but its step "
                 f"produces {producers[spec.name].describe()}"
@@ -534,11 +534,23 @@ def _fits(where: str, what: str, specs: Sequence[TensorSpec], own: str, source: 
     spec = next((s for s in specs if s.name == own), None)
     if spec is None:
         raise ConfigError(f"{where}, {what}: the model has no such input")
-    if spec.dtype != source.dtype or spec.rank != source.rank:
+    if spec.dtype != source.dtype or _sizes_differ(spec, source):
         raise ConfigError(
             f"{where}, {what} is {spec.describe()}, but its tensor {source.name!r} is "
             f"{source.describe()}"
         )
+
+
+def _sizes_differ(a: TensorSpec, b: TensorSpec) -> bool:
+    # Ranks that differ, or a dimension both fix at different sizes: no tensor fits both,
+    # so every request would fail at that step (an input), or the pipeline would answer
+    # other shapes than its metadata says (an output). Symbolic and unknown sizes fit any.
+    if a.rank != b.rank:
+        return True
+    return any(
+        isinstance(x, int) and isinstance(y, int) and x != y
+        for x, y in zip(a.shape, b.shape, strict=True)
+    )
 
 
 __all__ = ["PIPELINE", "Pipeline", "Step"]

@@ -515,10 +515,7 @@ def model_config_document(state: ServerState, served: ServedVersion) -> dict[str
         "max_batch_size": max_batch,
         "input": [_tensor_config(t, skip) for t in signature.inputs],
         "output": [_tensor_config(t, skip) for t in signature.outputs],
-        "instance_group": [
-            {"kind": "KIND_CPU" if d.startswith("cpu") else "KIND_GPU", "device": d}
-            for d in served.info.devices
-        ],
+        "instance_group": _instance_groups(served.model, served.info.devices),
         "trioinfer": {
             "scheduler": config.scheduler,
             "scheduler_options": dict(config.scheduler_options),
@@ -557,6 +554,29 @@ def model_config_document(state: ServerState, served: ServedVersion) -> dict[str
         body.update(served.triton.json())
         body["name"] = served.model
     return body
+
+
+def _instance_groups(model: str, devices: Sequence[str]) -> list[dict[str, Any]]:
+    """The instances' devices as Triton's ``instance_group``: kind, count and gpus.
+
+    Only Triton's fields, as Triton completes them (a group's name is
+    ``<model>_<n>``), so that the answer reads as Triton's ``ModelInstanceGroup``
+    and can be sent back in a load override; the devices as trioinfer names
+    them are under ``trioinfer.instances``.
+    """
+    groups: list[dict[str, Any]] = []
+    for device in devices:
+        kind = "KIND_CPU" if device.startswith("cpu") else "KIND_GPU"
+        number = device.rpartition(":")[2]
+        gpus = [int(number)] if kind == "KIND_GPU" and number.isdigit() else []
+        last = groups[-1] if groups else None
+        if last is not None and (last["kind"], last["gpus"]) == (kind, gpus):
+            last["count"] += 1
+        else:
+            groups.append(
+                {"name": f"{model}_{len(groups)}", "kind": kind, "count": 1, "gpus": gpus}
+            )
+    return groups
 
 
 def _sequence_batching(
@@ -879,9 +899,17 @@ async def _repository_index(request: Request, state: ServerState) -> Response:
 
 def repository_index_document(state: ServerState, *, ready_only: bool) -> list[dict[str, Any]]:
     """The repository's models and their states (HTTP and gRPC answer the same)."""
-    out = []
+    out: list[dict[str, Any]] = []
     for entry in state.models.repository.index():
         served = {s.version: s for s in state.models.versions(entry.name)}
+        if entry.version is None and served:
+            # The directory as it stands cannot be read, yet versions are served: loaded
+            # before it broke, or with a load override that replaced what it gets wrong.
+            out.extend(
+                {"name": entry.name, "version": str(v), "state": "READY", "reason": ""}
+                for v in sorted(served)
+            )
+            continue
         if entry.version is not None and entry.version in served:
             out.append(
                 {"name": entry.name, "version": str(entry.version), "state": "READY", "reason": ""}

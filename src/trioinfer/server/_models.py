@@ -293,14 +293,16 @@ class ServedModels:
                 log.error("could not reload pipeline %r: %s", dependent, exc)  # noqa: TRY400
 
     async def _load(self, model: str, override: Mapping[str, Any] | None) -> None:
-        entry = self.repository.entry(model)
-        wanted = entry.selected()
-        traffic = dict(entry.traffic)
+        traffic: dict[int, float] | None = None
         if isinstance(override, Mapping) and "traffic" in override:
             # A load override may change the split alone: promote, roll back, ramp up.
             override = dict(override)
             traffic = parse_traffic(override.pop("traffic"))
             override = override or None
+        entry = self.repository.entry(model, override)
+        wanted = entry.selected()
+        if traffic is None:
+            traffic = dict(entry.traffic)
         strays = sorted(set(traffic) - set(wanted))
         if strays:
             raise ConfigError(

@@ -334,13 +334,22 @@ class ModelEntry:
                     f"model {self.name!r}: a config override must be a table of "
                     f"field = value, got {_shown(override)}"
                 )
-            fixed = sorted({"name", "path", *_SERVER_KEYS} & set(override))
+            # What GET .../config answers may come back whole (Triton's clients fetch the
+            # config, change a field and load with it): the name and version policy it
+            # holds are accepted when they are the repository's own, as they then are.
+            fixed = sorted(
+                key
+                for key in {"name", "path", *_SERVER_KEYS} & set(override)
+                if not self._unchanged(key, override[key])
+            )
             if fixed:
+                source = _TRITON_FILE if self.triton is not None else _CONFIG_FILE
                 raise ConfigError(
                     f"model {self.name!r}: a config override may not set "
-                    f"{', '.join(map(repr, fixed))}; the repository decides the name (the "
-                    f"directory's), the file (<N>/{self.model_file}) and the versions "
-                    f"({_CONFIG_FILE})"
+                    f"{', '.join(map(repr, fixed))} other than the repository's own; it "
+                    "decides the name (the "
+                    f"directory's, {self.name!r}), the file (<N>/{self.model_file}) and the "
+                    f"versions ({source}'s version_policy, {self.policy})"
                 )
             chosen = override.get("default_model_filename", "")
             if chosen not in ("", self.model_file):
@@ -356,6 +365,22 @@ class ModelEntry:
             return ModelConfig.from_dict(data)
         except ConfigError as exc:
             raise ConfigError(f"model {self.name!r} version {version}: {exc}") from None
+
+    def _unchanged(self, key: str, value: object) -> bool:
+        # Whether an override's *key* repeats what the repository says already.
+        if key == "name":
+            return value == self.name
+        if key == "version_policy":
+            try:
+                return VersionPolicy.parse(value) == self.policy
+            except ConfigError:
+                pass
+            try:  # Triton's JSON form, 64-bit versions as strings included
+                triton = TritonModel.parse({key: value}, name=self.name, where=key)
+                return VersionPolicy.parse(triton.version_policy) == self.policy
+            except ConfigError:
+                return False
+        return False
 
     def triton_config(self, override: Mapping[str, Any] | None = None) -> TritonModel | None:
         """The Triton configuration *version* is loaded with, after *override*; ``None`` if none.
@@ -386,6 +411,12 @@ class ModelEntry:
                     f'holds its fields as JSON, e.g. {{"max_batch_size": 16}}; unknown key '
                     f"{', '.join(map(repr, unknown))}; known keys are "
                     f"{', '.join(sorted(TRITON_FIELDS))}"
+                    + (
+                        " ('version' and 'trioinfer' are what GET .../config adds beside "
+                        "Triton's fields: leave them out of an override)"
+                        if {"version", "trioinfer"} & set(unknown)
+                        else ""
+                    )
                 )
         triton = self.triton_config(override)
         if triton is None:
@@ -410,7 +441,7 @@ class ModelEntry:
         for output, file in files.items():
             where = f"model {self.name!r}: output {output!r} labels file {_shown(file)}"
             path = self.directory / file
-            _check_path_key(file, self.directory, self._root, where)
+            _check_path_key(file, self.directory, self._root, where, key="", example="labels.txt")
             try:
                 with path.open("rb") as f:
                     raw = f.read(_MAX_LABELS_BYTES + 1)
@@ -681,8 +712,13 @@ class ModelRepository:
             )
         return None
 
-    def entry(self, name: str) -> ModelEntry:
+    def entry(self, name: str, override: Mapping[str, Any] | None = None) -> ModelEntry:
         """Read one model's directory: its versions, policy and settings.
+
+        A ``config.pbtxt`` is read with the fields of a load *override* of
+        Triton's keys in place of its own (as Triton loads an override instead
+        of the file), so that an override can replace a field the file gets
+        wrong. Other overrides are applied by ``ModelEntry.config()``.
 
         Raises:
             ConfigError: If *name* is not a valid model name, the directory or a
@@ -696,7 +732,7 @@ class ModelRepository:
         if not _is_dir(directory):
             raise ModelNotFound(f"no model {name!r} in the model repository; {self._listing()}")
         _confine(directory, self.root, f"model {name!r}")
-        entry = _scan(name, directory, self.root)
+        entry = _scan(name, directory, self.root, override)
         for note in entry.notes:
             self._log_once(f"model {name!r}: {note}")
         return entry
@@ -757,7 +793,9 @@ class ModelRepository:
             log.info("%s", message)
 
 
-def _scan(name: str, directory: Path, root: Path) -> ModelEntry:
+def _scan(
+    name: str, directory: Path, root: Path, override: Mapping[str, Any] | None = None
+) -> ModelEntry:
     """Read a model directory that is known to be inside *root*."""
     where = f"model {name!r}"
     notes: list[str] = []
@@ -787,7 +825,19 @@ def _scan(name: str, directory: Path, root: Path) -> ModelEntry:
         _confine(triton_path, root, where)
         shown = _relative(triton_path, root)
         text = _read_text(triton_path, shown)
-        triton = TritonModel.parse(text, name=name, where=shown)
+        if (
+            isinstance(override, Mapping)
+            and override
+            and all(isinstance(k, str) for k in override)
+            and set(override) <= TRITON_FIELDS
+        ):
+            # The override's fields replace the file's before the file is judged: a
+            # field the file gets wrong (timeout_action: DELAY, say) is fixed by one.
+            triton = TritonModel.parse(
+                text, name=name, where=f"{shown} with the config override", override=override
+            )
+        else:
+            triton = TritonModel.parse(text, name=name, where=shown)
         label_files = dict(triton.labels)
         notes.extend(triton.notes)
         settings = dict(triton.settings)
@@ -955,16 +1005,27 @@ def _check_settings(
         raise ConfigError(f"{shown}: {exc}") from None
 
 
-def _check_path_key(value: object, directory: Path, root: Path, shown: str) -> None:
-    expected = "a relative path to a file inside the model directory, e.g. 'weights/model.onnx'"
+def _check_path_key(
+    value: object,
+    directory: Path,
+    root: Path,
+    shown: str,
+    *,
+    key: str = "path",
+    example: str = "weights/model.onnx",
+) -> None:
+    # *key* and *example* name what is checked: config.toml's path, or (key "") a labels
+    # file, which *shown* names already and which must not be described as a model file.
+    expected = f"a relative path to a file inside the model directory, e.g. {example!r}"
+    named = f"{key} = {_shown(value)} " if key else ""
     if not isinstance(value, str) or not value.strip():
-        raise ConfigError(f"{shown}: path must be {expected}; got {_shown(value)}")
+        raise ConfigError(f"{shown}: {key or 'it'} must be {expected}; got {_shown(value)}")
     pure = PurePosixPath(value)
     # A backslash is refused too: it would be a separator on Windows and a
     # strange file name anywhere else.
     if pure.is_absolute() or "\\" in value or ".." in pure.parts or not pure.parts:
         raise ConfigError(
-            f"{shown}: path = {_shown(value)} must be {expected}: a file, not absolute, "
+            f"{shown}: {named}must be {expected}: a file, not absolute, "
             "no '..', and '/' as the separator"
         )
     resolved = _confine(directory / value, root, shown)
@@ -974,6 +1035,6 @@ def _check_path_key(value: object, directory: Path, root: Path, shown: str) -> N
         inside = False
     if not inside:
         raise ConfigError(
-            f"{shown}: path = {_shown(value)} leads outside the model directory "
+            f"{shown}: {named or 'it '}leads outside the model directory "
             "(through a symbolic link); it must stay inside it"
         )

@@ -233,6 +233,9 @@ _MESSAGES: Final[dict[str, list[tuple[str, int, int, int, str, str]]]] = {
     ],
 }
 
+#: The most ``dynamic_batching.priority_levels`` a model may have (Triton sets no bound).
+MAX_PRIORITY_LEVELS: Final = 1 << 16
+
 #: The top-level ``config.pbtxt`` fields trioinfer reads (also the JSON keys of load overrides).
 TRITON_FIELDS: Final = frozenset(f[0] for f in _MESSAGES["ModelConfig"])
 
@@ -321,7 +324,14 @@ class TritonModel:
     model_filename: str | None = None
 
     @classmethod
-    def parse(cls, source: str | Mapping[str, Any], *, name: str, where: str) -> TritonModel:
+    def parse(
+        cls,
+        source: str | Mapping[str, Any],
+        *,
+        name: str,
+        where: str,
+        override: Mapping[str, Any] | None = None,
+    ) -> TritonModel:
         """Read ``config.pbtxt`` text, or the same configuration as a JSON object.
 
         Args:
@@ -329,6 +339,9 @@ class TritonModel:
                 (as a load override sends them: ``{"max_batch_size": 16}``).
             name: The model's name (its directory's).
             where: How messages name the source (``"digits/config.pbtxt"``).
+            override: Top-level fields (JSON) that replace *source*'s, whole,
+                before anything is checked: what *source* says of a field the
+                override sets is never judged.
 
         Raises:
             ConfigError: Not valid protobuf text or JSON for a model config, a
@@ -347,6 +360,8 @@ class TritonModel:
                 f"{', '.join(sorted(TRITON_FIELDS))})"
             ) from None
         doc = json_format.MessageToDict(message, preserving_proto_field_name=True)
+        if override is not None:
+            return cls.parse({**doc, **override}, name=name, where=where)
         return _translate(message, doc, name, where)
 
     def merged(self, override: Mapping[str, Any], *, name: str, where: str) -> TritonModel:
@@ -461,6 +476,13 @@ def _translate(message: Any, doc: dict[str, Any], name: str, where: str) -> Trit
             )
         levels = batching.priority_levels
         default_level = batching.default_priority_level
+        if levels > MAX_PRIORITY_LEVELS:
+            # Each level gets its own queue policy below: an unbounded count (a uint64 here)
+            # would keep the server busy building them instead of answering.
+            raise ConfigError(
+                f"{where}: dynamic_batching.priority_levels {levels} is more than trioinfer "
+                f"serves: at most {MAX_PRIORITY_LEVELS}"
+            )
         if levels and not 1 <= default_level <= levels:
             raise ConfigError(
                 f"{where}: dynamic_batching.default_priority_level must be from 1 to "
