@@ -368,7 +368,10 @@ async def test_a_step_model_unloaded_or_replaced_takes_no_step_while_it_drains(
             else:
                 new = model("a", parameters={"name": "new"}, queue_timeouts={0: 5.0})
                 tg.start_soon(lambda: engine.load(new, replace=True))
-                await trio.testing.wait_all_tasks_blocked()
+                # The new model's class loads on a thread, which wait_all_tasks_blocked
+                # does not wait for: spin, no virtual time passing, until it serves.
+                while engine.model("a").config.backend_options["parameters"]["name"] != "new":
+                    await trio.lowlevel.checkpoint()
                 out = await engine.infer("p", {"IN": X})
                 np.testing.assert_array_equal(out["OUT"], X + 1)
                 assert len(Probe.tasks["new"]) == 1
