@@ -404,6 +404,29 @@ def test_codec_leaves_ints_and_non_finite_floats_alone() -> None:
     assert trioinfer_ray.error_bound(odd) == 0.0
 
 
+def test_a_lost_actor_says_why_it_died() -> None:
+    # Ray's message as Ray 2.60 words it for an actor whose creation was cancelled (the
+    # driver's token refused by a cluster without token authentication): the why comes
+    # after the actor's indented details, and the operator needs it.
+    class Died(ray.exceptions.ActorDiedError):
+        def __str__(self) -> str:
+            return (
+                "The actor died unexpectedly before finishing this task.\n"
+                "\tclass_name: ModelActor\n"
+                "\tactor_id: 7f7baf643ecb50f537557ae502000000\n"
+                "The actor is dead because all references to the actor were removed.\n"
+                "The actor never ran - it was cancelled before it started running."
+            )
+
+    error = trioinfer_ray.remote_error(Died(), "instance 0 (ray)")
+    assert isinstance(error, BackendUnavailable)
+    assert str(error) == (
+        "instance 0 (ray) is gone (Died): The actor died unexpectedly before finishing this"
+        " task. The actor is dead because all references to the actor were removed."
+        " The actor never ran - it was cancelled before it started running."
+    )
+
+
 async def test_missing_ray_names_the_extra(
     monkeypatch: pytest.MonkeyPatch, mlp_model: Path
 ) -> None:

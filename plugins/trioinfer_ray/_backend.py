@@ -151,7 +151,12 @@ def remote_error(exc: BaseException, label: str) -> BaseException:
         errors.LocalRayletDiedError,
     )
     if isinstance(exc, gone):
-        text = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        # Ray's message: a headline, the actor's details (indented: class, id,
+        # namespace, pid) and then why it died ("its node has died", "it was
+        # cancelled before it started running", ...). The why is what tells an
+        # operator a lost node from a driver the cluster would not talk to.
+        lines = [line.strip() for line in str(exc).splitlines() if line[:1] not in ("\t", " ")]
+        text = " ".join(line for line in lines if line)
         return BackendUnavailable(f"{label} is gone ({type(exc).__name__}): {text}")
     return BackendError(f"{label} failed: {type(exc).__name__}: {exc}")
 
