@@ -39,7 +39,6 @@ from ._pipeline_batched import BatchedPipeline
 from ._registry import Kind, Registry
 from ._request import Outputs, Request, make_request, next_request_id
 from ._runner import CLEANUP_S, ModelRunner, ModelStatistics, close_instances
-from ._runner import runs_inline as _runs_inline
 from ._sequence import SequenceFlags
 from ._stream import ResponseStream, StreamGate, decoupled, open_stream
 from ._tensors import ModelSignature, validate_rows
@@ -494,8 +493,8 @@ class Engine:
                 if runner.alone_ok:
                     # An idle instance that never suspends: the request runs here, in
                     # this task, with no queue, worker or wake-up (ModelRunner.run_here).
-                    replica = runner.idle_replica()
-                    if replica is not None and _runs_inline(replica):
+                    replica = runner.idle_inline_replica()
+                    if replica is not None:
                         if runner.slice_spent(replica):
                             # Such requests never park: yield once per inline slice, as
                             # a pipeline's step does, lest callers looping on the model
@@ -579,8 +578,8 @@ class Engine:
         # request to it may run in its caller's task (see ModelRunner.idle_replica).
         runner = self._alone.get(model)
         if runner is not None:
-            replica = runner.idle_replica()
-            if replica is not None and _runs_inline(replica):
+            replica = runner.idle_inline_replica()
+            if replica is not None:
                 return runner, replica
         return None
 

@@ -1513,6 +1513,15 @@ class ModelRunner(metaclass=NoPublicConstructor):
                 return replica
         return None
 
+    def idle_inline_replica(self) -> Replica | None:
+        """`idle_replica`, if its instance never suspends (``runs_inline``), else None.
+
+        A plain request may run on it in its caller's task (`run_here`) with no
+        cancel scope: nothing else runs until its execution returns.
+        """
+        replica = self.idle_replica()
+        return replica if replica is not None and runs_inline(replica) else None
+
     def slice_spent(self, replica: Replica) -> bool:
         """Whether *replica*'s instance would yield for the loop's inline slice at its start.
 
