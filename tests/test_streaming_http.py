@@ -46,6 +46,7 @@ class Model:
                 if i == 2 and probe.fail:
                     raise ValueError("the model broke after two")
                 if i == 3:
+                    probe.holding.set()
                     await probe.go_on.wait()
                 probe.made += 1
                 yield {"i": np.array([i], np.int32)}
@@ -65,7 +66,12 @@ class Model:
 
 def probe() -> types.SimpleNamespace:
     return types.SimpleNamespace(
-        made=0, ended=None, fail=False, go_on=anyio.Event(), closed=anyio.Event()
+        made=0,
+        ended=None,
+        fail=False,
+        holding=anyio.Event(),
+        go_on=anyio.Event(),
+        closed=anyio.Event(),
     )
 
 
@@ -330,8 +336,7 @@ async def _cut_by_the_drain(
 
             nursery.start_soon(client)
             with trio.fail_after(10):
-                while watched.made < 3:
-                    await trio.sleep(0.01)
+                await watched.holding.wait()  # three responses made, the fourth held
             stop.set()  # as SIGTERM does: the stream outlasts the drain period
     finally:
         del sys.modules[PROBE]
