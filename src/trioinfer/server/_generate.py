@@ -213,12 +213,6 @@ class GenerateEndpoint:
                 await self._serve(scope, receive, send, start, model, version)
             except ClientLeft:
                 return  # there is nobody to answer
-            except anyio.get_cancelled_exc_class():
-                if started and not state.ready:
-                    # Cut at the end of the server's drain: one last event says so, or
-                    # the client could not tell this stream from one that ended whole.
-                    await _last_event(send, _cut_message(state.config.drain_period))
-                raise
             except TrioInferError as exc:
                 state.metrics.count(model, version, exc)
                 message = state.models.public_message(exc)
@@ -292,26 +286,39 @@ class GenerateEndpoint:
         engine = state.models.engine
         streaming = self._stream
         answered = 0
-        with anyio.move_on_after(timeout_s if timeout_s is not None else math.inf) as scope:
-            async with engine.infer_stream(
-                served.engine_name, inputs, priority=priority
-            ) as responses:
-                async for outputs in responses:
-                    answered += 1
-                    response = encode_generate_response(served, outputs, signature)
-                    if not streaming:
-                        if answered > 1:
-                            raise InvalidInput(
-                                f"model {served.model!r} sent more than one response; "
-                                "POST .../generate_stream for all of them"
-                            )
-                        first = dumps(response)
-                        continue
-                    if answered == 1:
-                        await start(200, list(_SSE_HEADERS))
-                    await send(
-                        {"type": "http.response.body", "body": _event(response), "more_body": True}
-                    )
+        streamed = False  # the status and some events have gone out, the body goes on
+        try:
+            with anyio.move_on_after(timeout_s if timeout_s is not None else math.inf) as scope:
+                async with engine.infer_stream(
+                    served.engine_name, inputs, priority=priority
+                ) as responses:
+                    async for outputs in responses:
+                        answered += 1
+                        response = encode_generate_response(served, outputs, signature)
+                        if not streaming:
+                            if answered > 1:
+                                raise InvalidInput(
+                                    f"model {served.model!r} sent more than one response; "
+                                    "POST .../generate_stream for all of them"
+                                )
+                            first = dumps(response)
+                            continue
+                        if answered == 1:
+                            await start(200, list(_SSE_HEADERS))
+                            streamed = True
+                        await send(
+                            {
+                                "type": "http.response.body",
+                                "body": _event(response),
+                                "more_body": True,
+                            }
+                        )
+        except anyio.get_cancelled_exc_class():
+            if streamed and not state.ready:
+                # Cut at the end of the server's drain: one last event says so, or the
+                # client could not tell this stream from one that ended whole.
+                await _last_event(send, _cut_message(state.config.drain_period))
+            raise
         if scope.cancelled_caught:
             raise DeadlineExceeded(
                 f"the request's timeout of {_timeout_text(timeout_s)} passed before its "
