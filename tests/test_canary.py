@@ -301,3 +301,94 @@ def test_the_traffic_command_cannot_reach_a_server() -> None:
     assert "cannot reach http://127.0.0.1:9" in result.output
     result = traffic_cli("digits", "--url", "ftp://x")
     assert result.exit_code == 2
+    for timeout in ("0", "-1", "nan"):
+        result = traffic_cli("digits", "--timeout", timeout, "--url", "http://127.0.0.1:9")
+        assert result.exit_code == 2, (timeout, result.output)
+        assert "--timeout" in result.output
+    # inf: no limit (nothing listens here, so the answer is at once)
+    result = traffic_cli("digits", "--timeout", "inf", "--url", "http://127.0.0.1:9")
+    assert result.exit_code == 1
+    assert "cannot reach http://127.0.0.1:9" in result.output
+
+
+@pytest.mark.streaming
+async def test_the_traffic_command_waits_for_a_reload_as_long_as_its_timeout(
+    tmp_path: Path,
+) -> None:
+    """A change queued behind a reload draining an open stream: --timeout bounds the wait,
+    its message names it, and the change still takes effect when the reload ends."""
+    import sys
+
+    import test_streaming_http as streams
+    from trioinfer.server import ServerConfig
+
+    repo = tmp_path / "repo"
+    for version in (1, 2):
+        (repo / "watched" / str(version)).mkdir(parents=True)
+        (repo / "watched" / str(version) / "model.py").write_text(streams.WATCHED)
+    (repo / "watched" / "config.toml").write_text(
+        'version_policy = "all"\nbackend = "python"\n[backend_options]\ndecoupled = true\n'
+        + streams.SIGNATURE
+    )
+    sys.modules[streams.PROBE] = watched = streams.probe()
+    try:
+        async with trio.open_nursery() as nursery:
+            listening = await nursery.start(
+                lambda task_status: serve_http(
+                    repo,
+                    port=0,
+                    config=ServerConfig(drain_period=60.0),
+                    handle_signals=False,
+                    task_status=task_status,
+                )
+            )
+            url = listening.urls[0]
+            async with httpx.AsyncClient(base_url=url, timeout=30) as client:
+                # A stream on version 1 that holds its 4th response until let go.
+                async with client.stream(
+                    "POST", "/v2/models/watched/versions/1/generate_stream", json={"n": 5}
+                ) as stream:
+                    with trio.fail_after(10):
+                        await watched.holding.wait()
+                    # A reload (the file changed): it waits for the open stream to end.
+                    changed = streams.WATCHED + "\nprobe.imported = True\n"
+                    (repo / "watched" / "1" / "model.py").write_text(changed)
+                    reloaded: list[int] = []
+
+                    async def reload() -> None:
+                        answer = await client.post("/v2/repository/models/watched/load")
+                        reloaded.append(answer.status_code)
+
+                    nursery.start_soon(reload)
+                    with trio.fail_after(10):  # the reload holds the model's loads from here
+                        while not getattr(watched, "imported", False):  # noqa: ASYNC110
+                            await trio.sleep(0.01)
+                    late = await trio.to_thread.run_sync(
+                        lambda: traffic_cli(
+                            "watched", "1=1", "2=3", "--url", url, "--timeout", "0.5"
+                        )
+                    )
+                    watched.go_on.set()  # the stream ends; so does the reload
+                    text = await stream.aread()
+
+                async def split() -> Any:
+                    return (await client.get("/v2/models/watched/traffic")).json()["traffic"]
+
+                # The change sent by the command that gave up applies once the reload ends.
+                with trio.fail_after(10):
+                    while await split() != {"1": 0.25, "2": 0.75}:  # noqa: ASYNC110 - no event
+                        await trio.sleep(0.01)
+            prompt = await trio.to_thread.run_sync(
+                lambda: traffic_cli("watched", "--promote", "2", "--url", url)
+            )
+            nursery.cancel_scope.cancel()
+    finally:
+        del sys.modules[streams.PROBE]
+    assert [e["i"] for e in streams.events(text.decode())] == [0, 1, 2, 3, 4]
+    assert reloaded == [200]
+    assert late.exit_code == 1
+    assert "no answer within --timeout 0.5 s" in late.output
+    assert "waiting for a load of model 'watched' already in progress" in late.output
+    assert "cannot reach" not in late.output
+    assert prompt.exit_code == 0, prompt.output
+    assert prompt.output == "watched: version 2 100.0%\n"

@@ -19,7 +19,7 @@ PUBLIC = {
         "ModelSignature", "ModelStatistics", "PluginContractError", "PluginError", "PluginInfo",
         "PluginLoadError", "QueueFull", "Registry", "ReplicaStatistics", "ResponseStream",
         "TensorSpec", "SequenceConfig", "SequenceError", "SequenceFlags", "SequenceState",
-        "TrioInferError", "digits_samples", "example_repository", "open_engine",
+        "StreamClosed", "TrioInferError", "digits_samples", "example_repository", "open_engine",
     },
     "trioinfer.abc": {
         "AssemblingBatcher", "AttachableFallback", "AttachableScheduler", "Backend",
@@ -93,5 +93,5 @@ def test_every_public_name_has_a_docstring() -> None:
 def test_errors_share_one_base() -> None:
     errors = [getattr(trioinfer, n) for n in PUBLIC["trioinfer"] if n.endswith(("Error", "Full"))]
     errors += [trioinfer.ModelNotFound, trioinfer.InvalidInput, trioinfer.DeadlineExceeded]
-    errors += [trioinfer.EngineClosed, trioinfer.BackendUnavailable]
+    errors += [trioinfer.EngineClosed, trioinfer.BackendUnavailable, trioinfer.StreamClosed]
     assert all(issubclass(e, trioinfer.TrioInferError) for e in errors)

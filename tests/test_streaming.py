@@ -449,13 +449,34 @@ def _bad_flag() -> ModelConfig:
     return ModelConfig(name="m", path="-", backend="python", backend_options=options)
 
 
-async def test_the_stream_refuses_use_outside_its_block() -> None:
-    async with open_engine() as engine:
-        await engine.load(config(counting(Probe())))
-        async with engine.infer_stream("m", n(3)) as responses:
-            pass
-        with pytest.raises(anyio.ClosedResourceError, match=r"inside its `async with"):
-            await responses.__anext__()
+@pytest.mark.parametrize("backend", ["trio", "asyncio"])
+def test_the_stream_refuses_use_outside_its_block(backend: str) -> None:
+    """Iterating a stream after its block is a typed error saying so, on either loop."""
+    errors: list[trioinfer.StreamClosed] = []
+
+    async def main() -> None:
+        async with open_engine() as engine:
+            await engine.load(config(counting(Probe())))
+            async with engine.infer_stream("m", n(3), request_id="r") as responses:
+                pass
+            with pytest.raises(trioinfer.StreamClosed) as left:
+                await responses.__anext__()
+            errors.append(left.value)
+            # Read to its end inside, then iterated again outside: the same error.
+            async with engine.infer_stream("m", n(2)) as finished:
+                assert [int(r["i"][0]) async for r in finished] == [0, 1]
+            with pytest.raises(trioinfer.StreamClosed):
+                async for _ in finished:
+                    pass
+
+    anyio.run(main, backend=backend)
+    (error,) = errors
+    assert isinstance(error, trioinfer.TrioInferError)
+    assert isinstance(error, anyio.ClosedResourceError)  # as it was before it had a class
+    assert str(error) == (
+        "the response stream of request 'r' is closed: its `async with "
+        "engine.infer_stream(...)` block has ended; iterate it inside that block"
+    )
 
 
 async def test_a_decoupled_model_cannot_be_stateful() -> None:

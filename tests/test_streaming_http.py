@@ -17,7 +17,7 @@ import pytest
 import trio
 
 import trioinfer
-from trioinfer.server import serve_http
+from trioinfer.server import ServerConfig, serve_http
 
 pytestmark = pytest.mark.streaming
 
@@ -46,6 +46,7 @@ class Model:
                 if i == 2 and probe.fail:
                     raise ValueError("the model broke after two")
                 if i == 3:
+                    probe.holding.set()
                     await probe.go_on.wait()
                 probe.made += 1
                 yield {"i": np.array([i], np.int32)}
@@ -65,7 +66,12 @@ class Model:
 
 def probe() -> types.SimpleNamespace:
     return types.SimpleNamespace(
-        made=0, ended=None, fail=False, go_on=anyio.Event(), closed=anyio.Event()
+        made=0,
+        ended=None,
+        fail=False,
+        holding=anyio.Event(),
+        go_on=anyio.Event(),
+        closed=anyio.Event(),
     )
 
 
@@ -300,3 +306,99 @@ def test_generate_stream_and_a_disconnect_on_asyncio(repository: Path) -> None:
     anyio.run(main, backend="asyncio")
     assert seen["events"] == [4, 2, 0, 1]
     assert seen["model"] == (3, "CancelledError")
+
+
+async def _cut_by_the_drain(
+    repository: Path, client_side: Any, *, grpc: bool = False
+) -> tuple[Any, types.SimpleNamespace]:
+    """Run *client_side(listening)* (a stream of the watched model, which holds its 4th
+    response) while the server stops with a short drain period; return what it got."""
+    sys.modules[PROBE] = watched = probe()
+    stop = anyio.Event()
+    got: list[Any] = []
+    try:
+        async with trio.open_nursery() as nursery:
+            listening = await nursery.start(
+                lambda task_status: serve_http(
+                    repository,
+                    host="127.0.0.1",
+                    port=0,
+                    grpc_port=0 if grpc else None,
+                    config=ServerConfig(drain_period=0.2),
+                    handle_signals=False,
+                    shutdown=stop,
+                    task_status=task_status,
+                )
+            )
+
+            async def client() -> None:
+                got.append(await client_side(listening))
+
+            nursery.start_soon(client)
+            with trio.fail_after(10):
+                await watched.holding.wait()  # three responses made, the fourth held
+            stop.set()  # as SIGTERM does: the stream outlasts the drain period
+    finally:
+        del sys.modules[PROBE]
+    return got[0], watched
+
+
+async def test_a_stream_cut_by_the_drain_ends_with_an_error_event(repository: Path) -> None:
+    """Cut at the drain's end, an SSE stream says so: a client can tell it from a whole one."""
+
+    async def read_all(listening: Any) -> bytes:
+        host, port = listening.urls[0].removeprefix("http://").rsplit(":", 1)
+        body = b'{"n": 10}'
+        got = b""
+        async with await trio.open_tcp_stream(host, int(port)) as sock:
+            await sock.send_all(
+                b"POST /v2/models/watched/generate_stream HTTP/1.1\r\nhost: x\r\n"
+                b"content-length: %d\r\n\r\n%b" % (len(body), body)
+            )
+            while chunk := await sock.receive_some():
+                got += chunk
+        return got
+
+    got, watched = await _cut_by_the_drain(repository, read_all)
+    head, _, body = got.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 200 OK\r\n")
+    assert body.endswith(b"\r\n0\r\n\r\n")  # the chunked body ends whole, not cut short
+    sent = [json.loads(line[6:]) for line in body.split(b"\r\n") if line[:6] == b"data: "]
+    *responses, error = sent
+    assert [r["i"] for r in responses] == [0, 1, 2]
+    assert list(error) == ["error"]
+    assert "shut down before the stream ended" in error["error"]
+    assert watched.ended == "Cancelled"
+
+
+async def test_a_grpc_stream_cut_by_the_drain_ends_unavailable(repository: Path) -> None:
+    """gRPC's ModelStreamInfer, cut the same way, ends with UNAVAILABLE, not a clean end."""
+    grpc = pytest.importorskip("grpc")
+    service_pb2 = pytest.importorskip("tritonclient.grpc.service_pb2")
+    service_pb2_grpc = pytest.importorskip("tritonclient.grpc.service_pb2_grpc")
+
+    def call(address: str) -> tuple[list[int], Any]:
+        request = service_pb2.ModelInferRequest(model_name="watched", id="cut")
+        tensor = request.inputs.add(name="n", datatype="INT32", shape=[1])
+        tensor.contents.int_contents.append(10)
+        responses: list[int] = []
+        with grpc.insecure_channel(address) as channel:
+            stub = service_pb2_grpc.GRPCInferenceServiceStub(channel)
+            try:
+                for answer in stub.ModelStreamInfer(iter([request]), timeout=10):
+                    assert not answer.error_message, answer.error_message
+                    raw = answer.infer_response.raw_output_contents[0]
+                    responses.append(int.from_bytes(raw, "little"))
+            except grpc.RpcError as exc:
+                return responses, exc
+        return responses, None
+
+    async def client_side(listening: Any) -> tuple[list[int], Any]:
+        return await trio.to_thread.run_sync(call, listening.grpc)
+
+    (responses, error), watched = await _cut_by_the_drain(repository, client_side, grpc=True)
+    assert responses == [0, 1, 2]
+    assert error is not None
+    assert error.code() == grpc.StatusCode.UNAVAILABLE
+    assert "server stopped before the call finished" in error.details()
+    assert watched.ended == "Cancelled"

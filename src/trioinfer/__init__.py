@@ -37,6 +37,7 @@ from ._exceptions import PluginError as PluginError
 from ._exceptions import PluginLoadError as PluginLoadError
 from ._exceptions import QueueFull as QueueFull
 from ._exceptions import SequenceError as SequenceError
+from ._exceptions import StreamClosed as StreamClosed
 from ._exceptions import TrioInferError as TrioInferError
 from ._registry import PluginInfo as PluginInfo
 from ._registry import Registry as Registry

@@ -656,6 +656,8 @@ class Engine:
                 were delivered.
             EngineClosed: The engine is closing, or the model was unloaded
                 before the stream ended.
+            StreamClosed: (Iterating) the stream's block has ended; iterate it
+                inside the block.
 
         For a model that is not decoupled, entering raises only
         ``ModelNotFound`` and ``EngineClosed``; its other errors, those of

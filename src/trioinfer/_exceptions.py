@@ -19,7 +19,9 @@ TrioInferError
 ├── DeadlineExceeded       the request's deadline passed before it could run
 ├── BackendError           the backend failed while executing
 │   └── BackendUnavailable the requested device or provider cannot be used
-└── EngineClosed           the engine is shutting down or has shut down
+├── EngineClosed           the engine is shutting down or has shut down
+└── StreamClosed           a response stream iterated after its block ended
+                           (also anyio.ClosedResourceError)
 ```
 
 The class says whose fault it is: the caller's (``InvalidInput``,
@@ -29,6 +31,8 @@ HTTP layer maps classes, never messages, to status codes.
 """
 
 from __future__ import annotations
+
+import anyio
 
 
 class TrioInferError(Exception):
@@ -166,3 +170,14 @@ class CircuitOpen(TrioInferError):
 
 class EngineClosed(TrioInferError):
     """The engine is closing or closed, so it accepts no new work."""
+
+
+class StreamClosed(TrioInferError, anyio.ClosedResourceError):
+    """A response stream was iterated after its ``async with`` block ended.
+
+    [`Engine.infer_stream()`][trioinfer.Engine.infer_stream]'s stream lives
+    as long as its block: leaving the block closes the model's generator, so
+    nothing is left to read. Iterate the stream inside the block. The
+    caller's mistake, like using any closed resource, hence also an
+    ``anyio.ClosedResourceError`` (what was raised before this class).
+    """

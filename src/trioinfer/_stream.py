@@ -31,7 +31,7 @@ import sniffio
 import trio
 
 from ._dispatch import Replica
-from ._exceptions import BackendError, QueueFull, TrioInferError
+from ._exceptions import BackendError, QueueFull, StreamClosed, TrioInferError
 from ._request import Outputs, Request, next_request_id
 from ._runner import ModelRunner
 from ._tensors import validate_inputs
@@ -144,7 +144,8 @@ class ResponseStream(metaclass=NoPublicConstructor):
     inside that ``async with`` block. The iteration ends when the model has
     sent its last response, or raises the error that ended the stream (a
     ``BackendError`` the model raised mid-stream, ``EngineClosed``...) after
-    the responses sent before it.
+    the responses sent before it. Iterated after that block has ended, it
+    raises [`StreamClosed`][trioinfer.StreamClosed].
     """
 
     def __init__(
@@ -174,9 +175,11 @@ class ResponseStream(metaclass=NoPublicConstructor):
                 raise self._error from None
             raise StopAsyncIteration from None
         except _CLOSED:
-            raise anyio.ClosedResourceError(
-                f"the response stream of request {self._id!r} is closed: iterate it inside "
-                "its `async with engine.infer_stream(...)` block"
+            # The block ended and closed the channel: the loop's own error would name
+            # neither the stream nor what to do.
+            raise StreamClosed(
+                f"the response stream of request {self._id!r} is closed: its `async with "
+                "engine.infer_stream(...)` block has ended; iterate it inside that block"
             ) from None
 
 

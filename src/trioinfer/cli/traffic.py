@@ -18,7 +18,10 @@ from typing import Any
 
 import click
 
-#: Seconds to wait for the server's answer: a load that changes only the split is quick.
+#: Seconds to wait for each answer of the server, unless --timeout says otherwise. A load
+#: that changes only the split is quick, but it waits for any load of the model already in
+#: progress: a reload lets the replaced version's requests and streams finish first, for up
+#: to the server's drain period.
 TIMEOUT_S = 30.0
 
 
@@ -63,6 +66,17 @@ def _weight(text: str) -> tuple[int, float]:
     help="The server's base URL.",
 )
 @click.option(
+    "--timeout",
+    type=click.FloatRange(min=0, min_open=True),
+    default=TIMEOUT_S,
+    show_default=True,
+    metavar="SECONDS",
+    help="How long to wait for each answer of the server. A change waits for any load of "
+    "the model already in progress there (a reload lets the replaced version's requests "
+    "and streams finish first, for up to the server's --drain-period); give more than "
+    "that, or inf to wait as long as it takes.",
+)
+@click.option(
     "--token",
     envvar="TRIOINFER_ADMIN_TOKEN",
     default=None,
@@ -75,6 +89,7 @@ def traffic(
     promote: int | None,
     rollback: int | None,
     url: str,
+    timeout: float,
     token: str | None,
 ) -> None:
     """Show MODEL's traffic split on a running server, or change it.
@@ -92,8 +107,14 @@ def traffic(
     weights hold until the next change or the next load of the model (which
     reads config.toml's traffic again).
 
-    Exit status: 0 when done, 1 when the server refused or could not be
-    reached (its message is printed), 2 for invalid arguments.
+    The change waits for any load of the model already in progress on the
+    server; --timeout bounds each wait for the server's answer. A change the
+    command gave up waiting for is not withdrawn: the server makes it when
+    the load before it ends.
+
+    Exit status: 0 when done, 1 when the server refused, could not be
+    reached or did not answer within --timeout (its message is printed), 2
+    for invalid arguments.
     """
     chosen = [name for name, given in (("weights", weights), ("--promote", promote),
                                        ("--rollback", rollback)) if given]  # fmt: skip
@@ -101,7 +122,9 @@ def traffic(
         raise click.UsageError(
             f"give one of weights, --promote, --rollback; got {' and '.join(chosen)}"
         )
-    server = _Server(url.rstrip("/"), token)
+    if math.isnan(timeout):
+        raise click.BadParameter("expected a number of seconds > 0, or inf", param_hint="--timeout")
+    server = _Server(url.rstrip("/"), token, timeout)
     split: dict[int, float] | None = None
     if weights:
         split = {}
@@ -146,7 +169,7 @@ def _shown(split: dict[int, float]) -> str:
 class _Server:
     """The few requests `traffic` makes, with the server's error messages as ClickExceptions."""
 
-    def __init__(self, url: str, token: str | None) -> None:
+    def __init__(self, url: str, token: str | None, timeout: float) -> None:
         parsed = urllib.parse.urlsplit(url)
         if parsed.scheme not in ("http", "https") or not parsed.netloc:
             raise click.BadParameter(
@@ -154,6 +177,9 @@ class _Server:
             )
         self.url = url
         self.token = token
+        # urllib's timeout bounds each wait on the socket; None waits without one.
+        self.timeout = None if math.isinf(timeout) else timeout
+        self._timeout_text = f"--timeout {timeout:g} s"
 
     def split(self, model: str) -> dict[int, float]:
         answer = self._request("GET", f"/v2/models/{_quoted(model)}/traffic")
@@ -169,9 +195,18 @@ class _Server:
             "POST",
             f"/v2/repository/models/{_quoted(model)}/load",
             {"parameters": {"config": override}},
+            late=(
+                f"the server is most likely waiting for a load of model {model!r} already in "
+                "progress to end before it changes the split (a reload lets the replaced "
+                "version's requests and streams finish first, for up to the server's "
+                "--drain-period). The change is not withdrawn: the server makes it when "
+                "that load ends. Run "
+                f"'trioinfer traffic {model}' to see the split in force, or give a longer "
+                "--timeout (inf waits as long as it takes)"
+            ),
         )
 
-    def _request(self, method: str, path: str, body: Any = None) -> Any:
+    def _request(self, method: str, path: str, body: Any = None, late: str = "") -> Any:
         headers = {"accept": "application/json"}
         data = None
         if body is not None:
@@ -181,11 +216,18 @@ class _Server:
             headers["authorization"] = f"Bearer {self.token}"
         request = urllib.request.Request(self.url + path, data, headers, method=method)
         try:
-            with urllib.request.urlopen(request, timeout=TIMEOUT_S) as response:
+            with urllib.request.urlopen(request, timeout=self.timeout) as response:
                 text = response.read()
         except urllib.error.HTTPError as exc:
             raise click.ClickException(
                 f"{method} {path}: {exc.code} {_message(exc.read()) or exc.reason}"
+            ) from exc
+        except TimeoutError as exc:
+            # Connected and sent, then no answer in time (a timeout while connecting
+            # comes as a URLError: the server cannot be reached).
+            raise click.ClickException(
+                f"{method} {path}: no answer within {self._timeout_text}"
+                + (f": {late}" if late else "")
             ) from exc
         except (urllib.error.URLError, OSError) as exc:
             reason = getattr(exc, "reason", exc)

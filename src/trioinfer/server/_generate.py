@@ -15,9 +15,11 @@ that is not decoupled answers both routes with its one response.
 ``/generate_stream`` answers ``text/event-stream``, one ``data: {...}`` event
 per response as the model yields it. An error before the first response is an
 ordinary JSON error with its status; an error after it is a last event
-``data: {"error": "..."}`` (the status, 200, was sent already). A client
-that disconnects cancels the request: the model's generator stops at the
-``yield`` it waits at.
+``data: {"error": "..."}`` (the status, 200, was sent already); so is a
+stream still running when the server's drain period ends at shutdown ("the
+server shut down before the stream ended"), so that a client can tell a cut
+stream from a whole one. A client that disconnects cancels the request: the
+model's generator stops at the ``yield`` it waits at.
 """
 
 from __future__ import annotations
@@ -53,6 +55,8 @@ _SSE_HEADERS: Final = [
     (b"content-type", b"text/event-stream; charset=utf-8"),
     (b"cache-control", b"no-cache"),
 ]
+#: How long the error event of a stream cut at shutdown may take to leave.
+_LAST_EVENT_S: Final = 0.5
 #: What a numeric input accepts from JSON, by the kind of its dtype.
 _KINDS: Final = {"i": "iu", "u": "iu", "f": "iuf", "b": "b", "O": "U"}
 
@@ -153,6 +157,22 @@ def _timeout_text(timeout: float | None) -> str:
 
 def _event(value: object) -> bytes:
     return b"data: " + dumps(value) + b"\n\n"
+
+
+def _cut_message(drain_period: float) -> str:
+    return (
+        "the server shut down before the stream ended: it was still running when the "
+        f"drain period of {drain_period:g} s ran out; the events before this one are all "
+        "the model sent (send the request again to a server that is up)"
+    )
+
+
+async def _last_event(send: Send, message: str) -> None:
+    # Sent while cancelled, so shielded, and briefly: a client that reads nothing holds
+    # the shutdown up no longer than this. (A send the cancellation cut short has marked
+    # the connection gone, and this one then writes nothing, never half a frame after it.)
+    with anyio.move_on_after(_LAST_EVENT_S, shield=True):
+        await send({"type": "http.response.body", "body": _event({"error": message})})
 
 
 @final
@@ -266,26 +286,39 @@ class GenerateEndpoint:
         engine = state.models.engine
         streaming = self._stream
         answered = 0
-        with anyio.move_on_after(timeout_s if timeout_s is not None else math.inf) as scope:
-            async with engine.infer_stream(
-                served.engine_name, inputs, priority=priority
-            ) as responses:
-                async for outputs in responses:
-                    answered += 1
-                    response = encode_generate_response(served, outputs, signature)
-                    if not streaming:
-                        if answered > 1:
-                            raise InvalidInput(
-                                f"model {served.model!r} sent more than one response; "
-                                "POST .../generate_stream for all of them"
-                            )
-                        first = dumps(response)
-                        continue
-                    if answered == 1:
-                        await start(200, list(_SSE_HEADERS))
-                    await send(
-                        {"type": "http.response.body", "body": _event(response), "more_body": True}
-                    )
+        streamed = False  # the status and some events have gone out, the body goes on
+        try:
+            with anyio.move_on_after(timeout_s if timeout_s is not None else math.inf) as scope:
+                async with engine.infer_stream(
+                    served.engine_name, inputs, priority=priority
+                ) as responses:
+                    async for outputs in responses:
+                        answered += 1
+                        response = encode_generate_response(served, outputs, signature)
+                        if not streaming:
+                            if answered > 1:
+                                raise InvalidInput(
+                                    f"model {served.model!r} sent more than one response; "
+                                    "POST .../generate_stream for all of them"
+                                )
+                            first = dumps(response)
+                            continue
+                        if answered == 1:
+                            await start(200, list(_SSE_HEADERS))
+                            streamed = True
+                        await send(
+                            {
+                                "type": "http.response.body",
+                                "body": _event(response),
+                                "more_body": True,
+                            }
+                        )
+        except anyio.get_cancelled_exc_class():
+            if streamed and not state.ready:
+                # Cut at the end of the server's drain: one last event says so, or the
+                # client could not tell this stream from one that ended whole.
+                await _last_event(send, _cut_message(state.config.drain_period))
+            raise
         if scope.cancelled_caught:
             raise DeadlineExceeded(
                 f"the request's timeout of {_timeout_text(timeout_s)} passed before its "
