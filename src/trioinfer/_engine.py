@@ -491,10 +491,10 @@ class Engine:
             deadline = clock.current_effective_deadline()
             if deadline != -math.inf:  # else a cancellation to raise: _submit does
                 if runner.alone_ok:
-                    # An idle instance: the request runs here, in this task, with no
-                    # queue, worker or wake-up (ModelRunner.run_here): to its end if
-                    # it never suspends, else on in this task, holding the instance.
-                    replica = runner.idle_replica()
+                    # An idle instance on the loop: the request runs here, in this
+                    # task, with no queue, worker or wake-up (ModelRunner.run_here):
+                    # to its end if it does not suspend, else on in this task.
+                    replica = runner.idle_inline_replica()
                     if replica is not None:
                         if runner.slice_spent(replica):
                             # Such requests never park: yield once per inline slice, as
@@ -562,7 +562,7 @@ class Engine:
         tenant: str | None,
         request_id: str | None,
     ) -> Outputs:
-        # infer's request on an idle inline model, after it yielded for the inline
+        # infer's request on an idle model on the loop, after it yielded for the inline
         # slice: anything may have changed meanwhile (the model replaced, busy or
         # gone, the engine closing), so ask again; busy or gone, _submit's way.
         found = self._idle_here(model)
@@ -575,11 +575,11 @@ class Engine:
         return request._state.outputs
 
     def _idle_here(self, model: str) -> tuple[ModelRunner, Replica] | None:
-        # The runner of *model* and an idle instance of it that never suspends, when a
-        # request to it may run in its caller's task (see ModelRunner.idle_replica).
+        # The runner of *model* and an idle instance of it that runs on the loop, when
+        # a request to it may run in its caller's task (ModelRunner.idle_inline_replica).
         runner = self._alone.get(model)
         if runner is not None:
-            replica = runner.idle_replica()
+            replica = runner.idle_inline_replica()
             if replica is not None:
                 return runner, replica
         return None

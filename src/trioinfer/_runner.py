@@ -767,6 +767,7 @@ class ModelRunner(metaclass=NoPublicConstructor):
     #: OpenTelemetry spans (trioinfer._tracing), None when tracing is off.
     tracing: Tracing | None = attrs.field(default=None)
     replicas: list[Replica] = attrs.field(init=False)
+    _biggest_first: list[Replica] = attrs.field(init=False)
     queue: RequestQueue = attrs.field(init=False)
     signature: ModelSignature = attrs.field(init=False)
     #: The signature the backend reports: ``signature`` plus a stateful model's
@@ -862,6 +863,8 @@ class ModelRunner(metaclass=NoPublicConstructor):
             for instance, placement in zip(self._instances, self.config.placements(), strict=True)
         ]
         self._serving = len(self.replicas)
+        # The order idle_replica looks in: the biggest first, as the workers take work.
+        self._biggest_first = sorted(self.replicas, key=lambda r: -r.capacity)
         self.signature = self.backend_signature = self._instances[0].signature
         self.batched = self.signature.batched
         if not self.batched and self.config.batcher != "none":
@@ -1502,7 +1505,7 @@ class ModelRunner(metaclass=NoPublicConstructor):
         if not self.alone_ok or len(self.queue) or self._task_group is None:
             return None  # (no task group: the model is not running, its instances closed)
         limits = self._device_limits
-        for replica in self.replicas:
+        for replica in self._biggest_first:
             slot = replica._slot
             if (
                 slot.free
@@ -1514,13 +1517,20 @@ class ModelRunner(metaclass=NoPublicConstructor):
         return None
 
     def idle_inline_replica(self) -> Replica | None:
-        """`idle_replica`, if its instance never suspends (``runs_inline``), else None.
+        """`idle_replica`, if its instance runs on the loop (``runs_inline``, ``starts_inline``).
 
-        A plain request may run on it in its caller's task (`run_here`) with no
-        cancel scope: nothing else runs until its execution returns.
+        A plain request may run on it in its caller's task (`run_here`): to its
+        end with no cancel scope when it never suspends; started there, hoping
+        it ends before it suspends, when it only may (an ``async def infer``),
+        and carried on there if it does, its caller's cancellation reaching it
+        at its awaits as the worker's abort would. Any other instance (a worker
+        thread's, a remote one's) serves the request from the queue: there its
+        cancelled caller leaves at once, whatever the execution does.
         """
         replica = self.idle_replica()
-        return replica if replica is not None and runs_inline(replica) else None
+        if replica is not None and (runs_inline(replica) or starts_inline(replica)):
+            return replica
+        return None
 
     def slice_spent(self, replica: Replica) -> bool:
         """Whether *replica*'s instance would yield for the loop's inline slice at its start.
@@ -1534,9 +1544,9 @@ class ModelRunner(metaclass=NoPublicConstructor):
         caller yields for it once `DEFAULT_SLICE_S` is spent.
         """
         if not runs_inline(replica):
-            # One that may suspend (run_here starts it hoping it does not): one that
-            # does not holds the loop as an inline one does, for the engine's slice.
-            return inline_slice_spent(DEFAULT_SLICE_S)
+            # One that may end before it suspends (run_here starts it hoping so) holds
+            # the loop then as an inline one does: the engine keeps the slice for it.
+            return starts_inline(replica) and inline_slice_spent(DEFAULT_SLICE_S)
         budget = getattr(replica._backend_instance, "inline_budget_s", None)
         if not isinstance(budget, (float, int)) or isinstance(budget, bool):
             # No slice of its own (a number of seconds, never a flag): it never
@@ -1574,11 +1584,11 @@ class ModelRunner(metaclass=NoPublicConstructor):
         Raises:
             What the request ended with, as `call` does.
         """
-        if deadline > now and not runs_inline(replica):
+        if deadline > now and starts_inline(replica) and not runs_inline(replica):
             return await self._run_hoping(
                 replica, inputs, rows, request_id, priority, tenant, deadline, now, held
             )
-        if deadline <= now:
+        if deadline <= now or not runs_inline(replica):
             return await self.run_alone(
                 replica,
                 make_request(
@@ -2283,6 +2293,11 @@ def _passes_alone(*plugins: object) -> bool:
         f"{type(plugin).__module__}.{type(plugin).__qualname__}" in _PASS_ALONE
         for plugin in plugins
     )
+
+
+def starts_inline(replica: Replica) -> bool:
+    """Whether *replica*'s instance says its execution may end before it first suspends."""
+    return getattr(replica._backend_instance, "starts_inline", False) is True
 
 
 def runs_inline(replica: Replica) -> bool:
