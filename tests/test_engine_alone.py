@@ -5,8 +5,10 @@ scheduler, no batcher, fallback, cache or sequences), its instance runs on the
 event loop without suspending (`trioinfer.abc.InlineInstance`: a plain
 ``def infer`` with ``dispatch = "inline"``, ONNX Runtime's inline dispatch)
 and it has an idle instance with nothing queued, the request runs in its
-caller's task, counted as a queued request is. Each test tells where a request
-ran by the task its model saw.
+caller's task, counted as a queued request is. An instance that may end
+before it suspends (``starts_inline``: a Python ``async def infer``) is started
+there too, and carried on there if it suspends. Each test tells where a
+request ran by the task its model saw.
 """
 
 from __future__ import annotations

@@ -335,7 +335,7 @@ class PythonInstance:
 
     @property
     def starts_inline(self) -> bool:
-        """Whether `execute` runs on the event loop until ``infer`` first awaits: ``async def infer``.
+        """Whether `execute` runs on the event loop until ``infer`` first awaits (``async def``).
 
         So the engine may start it in its caller's task (`trioinfer.abc.InlineInstance`):
         done there at once if ``infer`` never suspends, carried on there if it does.
