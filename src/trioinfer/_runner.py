@@ -1580,6 +1580,9 @@ class ModelRunner(metaclass=NoPublicConstructor):
         anything else can look at the model, so it is done with no request
         object, slot, in-flight entry or cancel scope: only its counts. One
         that suspends anyway is carried on as `run_alone` runs any other.
+        One that may end before it suspends (``starts_inline``) is started the
+        same way inside a cancel scope of its own, and carried on in it by
+        `run_alone` if it suspends, so that stopping the model aborts it.
 
         Raises:
             What the request ended with, as `call` does.
@@ -1678,10 +1681,10 @@ class ModelRunner(metaclass=NoPublicConstructor):
         now: float,
         held: dict[Request, ModelRunner] | None,
     ) -> Outputs:
-        # run_here on an instance that may suspend (an async def model, a worker
-        # thread's): started here in the hope that it does not, when it is done at
-        # run_here's cost; if it does, it goes on as run_alone runs any other, in
-        # this task. Its scope, entered before the execution starts (a scope entered
+        # run_here on an instance that may end before it suspends (starts_inline: an
+        # async def model): started here in the hope that it does, when it is done
+        # at run_here's cost; if it suspends, it goes on as run_alone runs any other,
+        # in this task. Its scope, entered before the execution starts (a scope entered
         # after would not nest with the execution's own), lets an unload or cut_off
         # abort it then, as they abort any run in its caller's task.
         scope = trio.CancelScope() if self.on_trio else anyio.CancelScope()
