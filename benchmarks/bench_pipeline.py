@@ -18,6 +18,9 @@ name). Six arms, C client tasks each sending one image at a time:
               (inline: on the event loop; thread: the whole function on the
               instance's worker thread): the engine's cost of one request when the
               model never suspends
+  hand-model-noawait  the same plain call in an ``async def infer`` that never awaits
+              (the ONNX session on the event loop, whatever ``--dispatch``): the
+              engine's cost of one request to an async model that does not suspend
   pipeline    the ``read_digit`` pipeline, every step unbatched (batcher "none")
   batched     the same pipeline, every step with the dynamic batcher (32 rows, 2 ms)
   onnx-batched  the same pipeline, only the ONNX model (``digits``) with the dynamic
@@ -71,6 +74,7 @@ ARMS = (
     "hand",
     "hand-model",
     "hand-model-sync",
+    "hand-model-noawait",
     "pipeline",
     "batched",
     "onnx-batched",
@@ -165,10 +169,22 @@ class _ServedSync(_Served):
         return self.hand.infer_sync(inputs)
 
 
-async def by_hand(args: argparse.Namespace, *, served: bool = False, sync: bool = False) -> Figures:
-    # sync: the model's plain def infer runs where its dispatch says, not on our worker.
+class _ServedNoAwait(_Served):
+    """The same plain call in an ``async def infer`` that never awaits."""
+
+    async def infer(self, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        return self.hand.infer_sync(inputs)
+
+
+async def by_hand(
+    args: argparse.Namespace, *, served: bool = False, sync: bool = False, eager: bool = False
+) -> Figures:
+    # sync: the model's plain def infer runs where its dispatch says, not on our worker;
+    # eager: an async def infer that never awaits (the session on the event loop).
     worker = (
-        await WorkerThread.start("hand-digits") if args.dispatch == "thread" and not sync else None
+        await WorkerThread.start("hand-digits")
+        if args.dispatch == "thread" and not (sync or eager)
+        else None
     )
     hand = _Hand(worker)
     try:
@@ -188,7 +204,7 @@ async def by_hand(args: argparse.Namespace, *, served: bool = False, sync: bool 
                         "path": "-",
                         "backend": "python",
                         "backend_options": {
-                            "class": _ServedSync if sync else _Served,
+                            "class": _ServedSync if sync else _ServedNoAwait if eager else _Served,
                             "parameters": {"hand": hand},
                             **({"dispatch": args.dispatch} if sync else {}),
                             **signature,
@@ -292,6 +308,7 @@ def main() -> None:
         "hand": lambda: by_hand(args),
         "hand-model": lambda: by_hand(args, served=True),
         "hand-model-sync": lambda: by_hand(args, served=True, sync=True),
+        "hand-model-noawait": lambda: by_hand(args, served=True, eager=True),
         "pipeline": lambda: as_pipeline(args, batched=False),
         "batched": lambda: as_pipeline(args, batched=True),
         "onnx-batched": lambda: as_pipeline(args, batched=True, only_onnx=True),

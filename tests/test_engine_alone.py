@@ -5,12 +5,15 @@ scheduler, no batcher, fallback, cache or sequences), its instance runs on the
 event loop without suspending (`trioinfer.abc.InlineInstance`: a plain
 ``def infer`` with ``dispatch = "inline"``, ONNX Runtime's inline dispatch)
 and it has an idle instance with nothing queued, the request runs in its
-caller's task, counted as a queued request is. Each test tells where a request
-ran by the task its model saw.
+caller's task, counted as a queued request is. An instance that may end
+before it suspends (``starts_inline``: a Python ``async def infer``) is started
+there too, and carried on there if it suspends. Each test tells where a
+request ran by the task its model saw.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any, ClassVar
 
 import anyio
@@ -121,12 +124,11 @@ async def test_an_idle_inline_model_runs_the_request_in_its_callers_task(
 @pytest.mark.parametrize(
     "config",
     [
-        model("b", AsyncWhere),  # async def infer: it may suspend
         model("b", dispatch="thread"),  # def infer on the instance's thread
         model("b", batcher="dynamic", batcher_options={"max_batch_size": 4}),
         model("b", scheduler="priority"),
     ],
-    ids=["async", "thread", "batched", "priority"],
+    ids=["thread", "batched", "priority"],
 )
 async def test_any_other_model_queues_the_request_as_before(
     autojump_clock: trio.testing.MockClock, config: ModelConfig
@@ -254,5 +256,203 @@ def test_an_idle_inline_model_runs_in_its_callers_task_on_asyncio() -> None:
             assert Where.tasks == [_task()] * 2
             stats = engine.statistics().models
             assert [(stats[m].succeeded, stats[m].failed) for m in "af"] == [(1, 0), (0, 1)]
+
+    anyio.run(main, backend="asyncio")
+
+
+# -- an instance that may suspend: started in the caller's task, hoping it does not ----
+
+
+class Awaits:
+    """y = x + 1 after awaiting *wait* (seconds; inf: until cancelled), recording what it saw."""
+
+    tasks: ClassVar[list[object]] = []
+    seen: ClassVar[list[str]] = []
+    release: ClassVar[anyio.Event | None] = None
+
+    def __init__(self, wait: float = 0.0, fail: bool = False) -> None:
+        self.wait, self.fail = wait, fail
+
+    async def infer(self, inputs: Arrays) -> Arrays:
+        Awaits.tasks.append(_task())
+        try:
+            if Awaits.release is not None:
+                await Awaits.release.wait()
+            elif self.wait:
+                await anyio.sleep(self.wait)
+        except anyio.get_cancelled_exc_class():
+            Awaits.seen.append("cancelled")
+            raise
+        Awaits.seen.append("done")
+        if self.fail:
+            raise RuntimeError("it is broken")
+        return {"y": inputs["x"] + 1}
+
+
+@pytest.fixture(autouse=True)
+def _reset_awaits() -> None:
+    Awaits.tasks.clear()
+    Awaits.seen.clear()
+    Awaits.release = None
+
+
+async def test_an_async_model_that_does_not_suspend_runs_in_its_callers_task(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    # Started here, it returned without suspending: done as an inline model's request,
+    # counted alike, with no yield.
+    async with open_engine() as engine:
+        await engine.load(model("a", AsyncWhere))
+        steps = Steps(trio.lowlevel.current_task())
+        trio.lowlevel.add_instrument(steps)
+        try:
+            out = await engine.infer("a", {"x": np.ones((3, 4), np.float32)})
+            result = await engine.infer_detailed("a", {"x": X})
+        finally:
+            trio.lowlevel.remove_instrument(steps)
+        assert steps.count == 0
+        np.testing.assert_array_equal(out["y"], np.full((3, 4), 2, np.float32))
+        assert (result.model, result.instance, result.device) == ("a", 0, "cpu")
+        assert Where.tasks == [_task()] * 2
+        s = engine.statistics().models["a"]
+        assert _counts(s) == (2, 0, 0, 0, 0, 0, 2, 2, 0, 2, 2, 2, 2, 4, 4)
+        assert s.successful_executions == 2
+
+
+@pytest.mark.parametrize("wait", [0.0, 1.0], ids=["at-once", "after-awaiting"])
+async def test_a_failing_async_model_fails_its_request_once_in_its_callers_task(
+    autojump_clock: trio.testing.MockClock, wait: float
+) -> None:
+    async with open_engine() as engine:
+        await engine.load(model("a", Awaits, parameters={"wait": wait, "fail": True}))
+        for _ in range(2):
+            with pytest.raises(BackendError, match="it is broken"):
+                await engine.infer("a", {"x": X})
+        assert Awaits.tasks == [_task()] * 2
+        s = engine.statistics().models["a"]
+        assert (s.succeeded, s.failed, s.cancelled, s.in_flight, s.executions) == (0, 2, 0, 0, 2)
+        assert (s.replicas[0].failures, s.successful_executions) == (2, 0)
+
+
+async def test_an_async_model_that_suspends_goes_on_in_its_callers_task(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    async with open_engine() as engine:
+        await engine.load(model("a", Awaits, parameters={"wait": 1.0}))
+        start = trio.current_time()
+        out = await engine.infer("a", {"x": X})
+        np.testing.assert_array_equal(out["y"], X + 1)
+        assert trio.current_time() - start == 1.0
+        result = await engine.infer_detailed("a", {"x": X})
+        assert result.instance == 0
+        assert Awaits.tasks == [_task()] * 2
+        s = engine.statistics().models["a"]
+        assert _counts(s) == (2, 0, 0, 0, 0, 0, 2, 2, 0, 2, 2, 2, 2, 2, 2)
+        assert s.compute_duration.sum == 2.0
+
+
+async def test_the_callers_deadline_cancels_an_async_model_that_suspends(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    async with open_engine() as engine:
+        await engine.load(model("a", Awaits, parameters={"wait": math.inf}))
+        with pytest.raises(trio.TooSlowError), trio.fail_after(1.0):
+            await engine.infer("a", {"x": X})
+        assert Awaits.seen == ["cancelled"]
+        with trio.move_on_after(1.0) as scope:
+            await engine.infer_detailed("a", {"x": X})
+        assert scope.cancelled_caught
+        assert Awaits.tasks == [_task()] * 2  # the slot was given back: the second ran here
+        s = engine.statistics().models["a"]
+        assert (s.succeeded, s.cancelled, s.failed, s.in_flight, s.executions) == (0, 2, 0, 0, 2)
+        assert s.replicas[0].failures == 0
+
+
+async def test_a_request_arriving_while_it_runs_queues_and_the_worker_serves_it(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    async with open_engine() as engine:
+        await engine.load(model("a", Awaits))
+        Awaits.release = anyio.Event()
+        tasks: dict[str, object] = {}
+
+        async def call(name: str) -> None:
+            tasks[name] = _task()
+            out = await engine.infer("a", {"x": X})
+            np.testing.assert_array_equal(out["y"], X + 1)
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(call, "first")
+            await trio.testing.wait_all_tasks_blocked()
+            nursery.start_soon(call, "second")
+            await trio.testing.wait_all_tasks_blocked()
+            # Queued, then taken by the worker, which waits for the instance.
+            assert engine.statistics().models["a"].in_flight == 2
+            Awaits.release.set()
+        # The first ran in its caller's task; the second, queued, in the worker's.
+        assert Awaits.tasks[0] == tasks["first"]
+        assert Awaits.tasks[1] not in tasks.values()
+        s = engine.statistics().models["a"]
+        assert (s.succeeded, s.in_flight, s.queued, s.executions) == (2, 0, 0, 2)
+
+
+@pytest.mark.parametrize("how", ["unload", "close"])
+async def test_an_unload_ends_an_async_model_suspended_in_its_callers_task(
+    autojump_clock: trio.testing.MockClock, how: str
+) -> None:
+    # As any request still running after the drain period: EngineClosed, and the
+    # execution aborted (not waited for).
+    errors: list[BaseException] = []
+    callers: list[object] = []
+
+    async def call(engine: trioinfer.Engine) -> None:
+        callers.append(_task())
+        try:
+            await engine.infer("a", {"x": X})
+        except trioinfer.EngineClosed as exc:
+            errors.append(exc)
+
+    async with trio.open_nursery() as nursery:
+        async with open_engine(drain_period=1.0) as engine:
+            await engine.load(model("a", Awaits, parameters={"wait": math.inf}))
+            nursery.start_soon(call, engine)
+            await trio.testing.wait_all_tasks_blocked()
+            start = trio.current_time()
+            if how == "unload":
+                await engine.unload("a")
+        # (closing: leaving the block)
+        assert trio.current_time() - start == 1.0
+    assert len(errors) == 1
+    assert Awaits.seen == ["cancelled"]
+    assert Awaits.tasks == callers
+
+
+def test_an_async_model_runs_in_its_callers_task_on_asyncio() -> None:
+    async def main() -> None:
+        async with open_engine(drain_period=0.0) as engine:
+            await engine.load(model("a", AsyncWhere))
+            await engine.load(model("w", Awaits, parameters={"wait": math.inf}))
+            with anyio.fail_after(10):
+                out = await engine.infer("a", {"x": X})
+                np.testing.assert_array_equal(out["y"], X + 1)
+            assert Where.tasks == [_task()]
+            with pytest.raises(TimeoutError):
+                with anyio.fail_after(0.05):
+                    await engine.infer("w", {"x": X})
+            assert Awaits.seen == ["cancelled"]
+            Awaits.seen.clear()
+
+            async def call() -> None:
+                with pytest.raises(trioinfer.EngineClosed):
+                    await engine.infer("w", {"x": X})
+
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(call)
+                await anyio.sleep(0.05)
+                await engine.unload("w")
+            assert Awaits.seen == ["cancelled"]
+            assert Awaits.tasks[0] == _task()
+            stats = engine.statistics().models
+            assert (stats["a"].succeeded, stats["a"].executions) == (1, 1)
 
     anyio.run(main, backend="asyncio")

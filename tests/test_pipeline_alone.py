@@ -167,12 +167,18 @@ async def test_idle_plain_steps_run_in_the_callers_task_and_are_counted(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
     async with open_engine() as engine:
-        await load(engine, model("a"), model("b"), model("c"), model("q"), chain("a", "b", "c"))
+        # q: a model of the same kind whose requests queue (its scheduler could reorder
+        # them), for the counters to compare.
+        await load(
+            engine,
+            *(model(name) for name in "abc"),
+            model("q", scheduler="priority"),
+            chain("a", "b", "c"),
+        )
         caller = _current_task()
         out = await engine.infer("p", {"IN": X})
         np.testing.assert_array_equal(out["OUT"], X + 3)
         assert Probe.tasks == {"a": [caller], "b": [caller], "c": [caller]}
-        # A queued request to a model of the same kind, for the counters to compare.
         await engine.infer("q", {"x": X})
         assert Probe.tasks["q"] != [caller]
         stats = engine.statistics().models

@@ -334,6 +334,15 @@ class PythonInstance:
         return not self._async and self._worker is None
 
     @property
+    def starts_inline(self) -> bool:
+        """Whether `execute` runs on the event loop until ``infer`` first awaits (``async def``).
+
+        So the engine may start it in its caller's task (`trioinfer.abc.InlineInstance`):
+        done there at once if ``infer`` never suspends, carried on there if it does.
+        """
+        return self._async
+
+    @property
     def decoupled(self) -> bool:
         """Whether ``infer`` is an async generator (``decoupled = true``): a stream per request."""
         return self._decoupled

@@ -491,8 +491,9 @@ class Engine:
             deadline = clock.current_effective_deadline()
             if deadline != -math.inf:  # else a cancellation to raise: _submit does
                 if runner.alone_ok:
-                    # An idle instance that never suspends: the request runs here, in
-                    # this task, with no queue, worker or wake-up (ModelRunner.run_here).
+                    # An idle instance on the loop: the request runs here, in this
+                    # task, with no queue, worker or wake-up (ModelRunner.run_here):
+                    # to its end if it does not suspend, else on in this task.
                     replica = runner.idle_inline_replica()
                     if replica is not None:
                         if runner.slice_spent(replica):
@@ -561,10 +562,10 @@ class Engine:
         tenant: str | None,
         request_id: str | None,
     ) -> Outputs:
-        # infer's request on an idle inline model, after it yielded for the inline
+        # infer's request on an idle model on the loop, after it yielded for the inline
         # slice: anything may have changed meanwhile (the model replaced, busy or
         # gone, the engine closing), so ask again; busy or gone, _submit's way.
-        found = self._idle_inline(model)
+        found = self._idle_here(model)
         if found is not None:
             outputs = await self._run_here(*found, inputs, priority, tenant, request_id)
             if outputs is not None:
@@ -573,9 +574,9 @@ class Engine:
         assert request._state.outputs is not None
         return request._state.outputs
 
-    def _idle_inline(self, model: str) -> tuple[ModelRunner, Replica] | None:
-        # The runner of *model* and an idle instance of it that never suspends, when a
-        # request to it may run in its caller's task (see ModelRunner.idle_replica).
+    def _idle_here(self, model: str) -> tuple[ModelRunner, Replica] | None:
+        # The runner of *model* and an idle instance of it that runs on the loop, when
+        # a request to it may run in its caller's task (ModelRunner.idle_inline_replica).
         runner = self._alone.get(model)
         if runner is not None:
             replica = runner.idle_inline_replica()
@@ -592,7 +593,7 @@ class Engine:
         tenant: str | None,
         request_id: str | None,
     ) -> Outputs | None:
-        # A request run on *replica* (from _idle_inline, no await since) in this task;
+        # A request run on *replica* (from _idle_here, no await since) in this task;
         # None for a cancelled caller (_submit raises what it must).
         arrays, n = runner.validate(inputs)
         clock = runner.clock
@@ -686,13 +687,13 @@ class Engine:
             tenant.__class__ in _STR_OR_NONE and request_id.__class__ in _STR_OR_NONE
         ):
             priority = _checked_arguments(model, priority, tenant, request_id)
-        found = self._idle_inline(model) if sequence is None else None
+        found = self._idle_here(model) if sequence is None else None
         if found is not None:
             # As infer runs a request on an idle inline model: in this task.
             if found[0].slice_spent(found[1]):
                 await anyio.lowlevel.checkpoint()
                 restart_inline_slice()
-                found = self._idle_inline(model)
+                found = self._idle_here(model)
             if found is not None:
                 replica = found[1]
                 outputs = await self._run_here(*found, inputs, priority, tenant, request_id)

@@ -40,7 +40,7 @@ from ._exceptions import (
     QueueFull,
     TrioInferError,
 )
-from ._inline import DEFAULT_SLICE_S, inline_slice_spent
+from ._inline import DEFAULT_SLICE_S, inline_slice_spent, restart_inline_slice
 from ._inline import _slice as _inline_slice
 from ._registry import Kind
 from ._request import Outputs, Request, make_request
@@ -767,6 +767,7 @@ class ModelRunner(metaclass=NoPublicConstructor):
     #: OpenTelemetry spans (trioinfer._tracing), None when tracing is off.
     tracing: Tracing | None = attrs.field(default=None)
     replicas: list[Replica] = attrs.field(init=False)
+    _biggest_first: list[Replica] = attrs.field(init=False)
     queue: RequestQueue = attrs.field(init=False)
     signature: ModelSignature = attrs.field(init=False)
     #: The signature the backend reports: ``signature`` plus a stateful model's
@@ -862,6 +863,8 @@ class ModelRunner(metaclass=NoPublicConstructor):
             for instance, placement in zip(self._instances, self.config.placements(), strict=True)
         ]
         self._serving = len(self.replicas)
+        # The order idle_replica looks in: the biggest first, as the workers take work.
+        self._biggest_first = sorted(self.replicas, key=lambda r: -r.capacity)
         self.signature = self.backend_signature = self._instances[0].signature
         self.batched = self.signature.batched
         if not self.batched and self.config.batcher != "none":
@@ -1502,7 +1505,7 @@ class ModelRunner(metaclass=NoPublicConstructor):
         if not self.alone_ok or len(self.queue) or self._task_group is None:
             return None  # (no task group: the model is not running, its instances closed)
         limits = self._device_limits
-        for replica in self.replicas:
+        for replica in self._biggest_first:
             slot = replica._slot
             if (
                 slot.free
@@ -1514,13 +1517,20 @@ class ModelRunner(metaclass=NoPublicConstructor):
         return None
 
     def idle_inline_replica(self) -> Replica | None:
-        """`idle_replica`, if its instance never suspends (``runs_inline``), else None.
+        """`idle_replica`, if its instance runs on the loop (``runs_inline``, ``starts_inline``).
 
-        A plain request may run on it in its caller's task (`run_here`) with no
-        cancel scope: nothing else runs until its execution returns.
+        A plain request may run on it in its caller's task (`run_here`): to its
+        end with no cancel scope when it never suspends; started there, hoping
+        it ends before it suspends, when it only may (an ``async def infer``),
+        and carried on there if it does, its caller's cancellation reaching it
+        at its awaits as the worker's abort would. Any other instance (a worker
+        thread's, a remote one's) serves the request from the queue: there its
+        cancelled caller leaves at once, whatever the execution does.
         """
         replica = self.idle_replica()
-        return replica if replica is not None and runs_inline(replica) else None
+        if replica is not None and (runs_inline(replica) or starts_inline(replica)):
+            return replica
+        return None
 
     def slice_spent(self, replica: Replica) -> bool:
         """Whether *replica*'s instance would yield for the loop's inline slice at its start.
@@ -1534,7 +1544,9 @@ class ModelRunner(metaclass=NoPublicConstructor):
         caller yields for it once `DEFAULT_SLICE_S` is spent.
         """
         if not runs_inline(replica):
-            return False
+            # One that may end before it suspends (run_here starts it hoping so) holds
+            # the loop then as an inline one does: the engine keeps the slice for it.
+            return starts_inline(replica) and inline_slice_spent(DEFAULT_SLICE_S)
         budget = getattr(replica._backend_instance, "inline_budget_s", None)
         if not isinstance(budget, (float, int)) or isinstance(budget, bool):
             # No slice of its own (a number of seconds, never a flag): it never
@@ -1568,10 +1580,17 @@ class ModelRunner(metaclass=NoPublicConstructor):
         anything else can look at the model, so it is done with no request
         object, slot, in-flight entry or cancel scope: only its counts. One
         that suspends anyway is carried on as `run_alone` runs any other.
+        One that may end before it suspends (``starts_inline``) is started the
+        same way inside a cancel scope of its own, and carried on in it by
+        `run_alone` if it suspends, so that stopping the model aborts it.
 
         Raises:
             What the request ended with, as `call` does.
         """
+        if deadline > now and starts_inline(replica) and not runs_inline(replica):
+            return await self._run_hoping(
+                replica, inputs, rows, request_id, priority, tenant, deadline, now, held
+            )
         if deadline <= now or not runs_inline(replica):
             return await self.run_alone(
                 replica,
@@ -1627,8 +1646,13 @@ class ModelRunner(metaclass=NoPublicConstructor):
                 self.config.name, inputs, request_id, priority, tenant, deadline, now, rows
             )
             return await self.run_alone(replica, request, begun, held)
-        # Counted as the worker counts an execution and its request, in line (this is
-        # every pipeline step's path): it never queued, and its request took its
+        self._answered(replica, rows, now)
+        return outputs
+
+    def _answered(self, replica: Replica, rows: int, now: float) -> None:
+        # An execution run here, from *now*, that answered without suspending, counted
+        # as the worker counts an execution and its request, in line (this is every
+        # pipeline step's path): it never queued, and its request took its
         # execution's time, so one tally stands for its queue, compute and request
         # durations and its execution (statistics() adds it to each).
         elapsed = self.clock.current_time() - now
@@ -1644,6 +1668,84 @@ class ModelRunner(metaclass=NoPublicConstructor):
         self._learn(rows, 1, elapsed)
         self.succeeded += 1
         self.inferences += rows or 1
+
+    async def _run_hoping(
+        self,
+        replica: Replica,
+        inputs: Mapping[str, np.ndarray[Any, Any]],
+        rows: int,
+        request_id: str | None,
+        priority: int,
+        tenant: str | None,
+        deadline: float,
+        now: float,
+        held: dict[Request, ModelRunner] | None,
+    ) -> Outputs:
+        # run_here on an instance that may end before it suspends (starts_inline: an
+        # async def model): started here in the hope that it does, when it is done
+        # at run_here's cost; if it suspends, it goes on as run_alone runs any other,
+        # in this task. Its scope, entered before the execution starts (a scope entered
+        # after would not nest with the execution's own), lets an unload or cut_off
+        # abort it then, as they abort any run in its caller's task.
+        scope = trio.CancelScope() if self.on_trio else anyio.CancelScope()
+        slot = replica._slot
+        request: Request | None = None
+        failed: Request | None = None
+        with scope:
+            # Held while it starts: a request the execution makes meanwhile (to its
+            # own model) must not find this replica idle.
+            slot.free -= 1
+            token = _batch_deadline.set(deadline)
+            try:
+                run = replica._backend_instance.execute(inputs)
+                try:
+                    yielded = run.send(None)
+                except StopIteration as done:
+                    outputs: Outputs = done.value
+                    if self.batched:
+                        for array in outputs.values():
+                            # As run_here checks them.
+                            if (
+                                type(array) is not np.ndarray
+                                or not array.ndim
+                                or len(array) != rows
+                            ):
+                                _check_rows(self.config.name, replica, outputs, rows)
+                else:
+                    request = make_request(
+                        self.config.name, inputs, request_id, priority, tenant, deadline, now, rows
+                    )
+            except Exception as exc:
+                failed = make_request(
+                    self.config.name, inputs, request_id, priority, tenant, deadline, now, rows
+                )
+                failed._state.status = _RUNNING
+                self._in_flight.add(failed)
+                self._count_alone(replica, rows, self.clock.current_time() - now)
+                replica.failures += 1
+                self.finish(failed, error=_backend_error(self.config.name, failed, exc))
+            except BaseException:
+                # Not a cancellation (it never suspended): KeyboardInterrupt and the like.
+                self._count_alone(replica, rows, self.clock.current_time() - now)
+                self.cancelled += 1
+                raise
+            finally:
+                _batch_deadline.reset(token)
+                slot.release()  # (nobody can wait for it: no await since idle_replica)
+            if request is not None:
+                # It suspended: from here on as any run in its caller's task, in
+                # this scope (no await since it was taken: the slot is still free).
+                outputs = await self.run_alone(replica, request, (run, yielded), held, scope)
+                restart_inline_slice()  # it yielded to the loop
+                return outputs
+        if failed is not None:
+            assert failed._state.error is not None
+            await self.raise_error(failed._state.error, own_deadline=True)
+        if request is not None:
+            # Aborted by its scope: the unload or cut_off that did it ended the request.
+            assert request._state.error is not None
+            await self.raise_error(request._state.error, own_deadline=True)
+        self._answered(replica, rows, now)
         return outputs
 
     def _count_alone(self, replica: Replica, rows: int, elapsed: float) -> None:
@@ -1673,6 +1775,7 @@ class ModelRunner(metaclass=NoPublicConstructor):
         request: Request,
         begun: tuple[Coroutine[Any, Any, Outputs], Any] | None = None,
         held: dict[Request, ModelRunner] | None = None,
+        scope: anyio.CancelScope | trio.CancelScope | None = None,
     ) -> Outputs:
         """Run *request* on *replica*, from `idle_replica` with no await since, in this task.
 
@@ -1683,9 +1786,10 @@ class ModelRunner(metaclass=NoPublicConstructor):
         exactly once, and holds the replica's slot, so that the worker waits for
         it and the model's instances close only after it (`_wait_alone`).
         *begun*: the execution, already run (by `run_here`) to its first
-        suspension, and what it yielded there; it is carried on with no cancel
-        scope (an unload waits for it rather than aborting it). *held*: where
-        *request* is kept while it runs, for `cut_off` (a pipeline's).
+        suspension, and what it yielded there; it is carried on in *scope*, the
+        cancel scope it started in (an unload or `cut_off` aborts it by that),
+        or with none (an unload waits for it rather than aborting it). *held*:
+        where *request* is kept while it runs, for `cut_off` (a pipeline's).
 
         Raises:
             What the request ended with, as `call` does.
@@ -1708,7 +1812,6 @@ class ModelRunner(metaclass=NoPublicConstructor):
         assert taken, "run_alone() on a replica that is not idle"
         self._in_flight.add(request)
         self._alone += 1
-        scope: anyio.CancelScope | trio.CancelScope | None = None
         rows = request.rows
         self._queue_duration.observe(started - request.arrival)
         self._batch_size.observe(rows)
@@ -1724,6 +1827,9 @@ class ModelRunner(metaclass=NoPublicConstructor):
             try:
                 answer: Outputs | None = None  # (none if an unload aborts it)
                 if begun is not None:
+                    if scope is not None:
+                        self._alone_scopes.add(scope)
+                        state.batch = scope  # for cut_off
                     answer = await resume(*begun)
                 else:
                     # A run that may suspend: stopping the model aborts it by its scope.
@@ -2190,6 +2296,11 @@ def _passes_alone(*plugins: object) -> bool:
         f"{type(plugin).__module__}.{type(plugin).__qualname__}" in _PASS_ALONE
         for plugin in plugins
     )
+
+
+def starts_inline(replica: Replica) -> bool:
+    """Whether *replica*'s instance says its execution may end before it first suspends."""
+    return getattr(replica._backend_instance, "starts_inline", False) is True
 
 
 def runs_inline(replica: Replica) -> bool:

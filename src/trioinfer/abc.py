@@ -635,6 +635,16 @@ class InlineInstance(BackendInstance, Protocol):
     yields the same way once 250 µs of the slice are spent: back-to-back
     requests run in their callers' tasks never park, and must still leave
     the loop its turns.
+
+    An instance whose `execute` runs on the event loop until it first
+    suspends, which it may never do (a Python model's ``async def infer``),
+    may say ``starts_inline = True`` instead (an attribute, not part of this
+    protocol). Such an execution starts in its caller's task: if it ends
+    without suspending, the request is done as an inline one's; if it
+    suspends, it goes on there, holding the instance, under its caller's
+    cancel scope and a scope of its own that stopping the model cancels.
+    Say it only if every suspension gives way to cancellation at once:
+    a caller cancelled meanwhile leaves only when the execution does.
     """
 
     @property
