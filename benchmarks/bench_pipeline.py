@@ -21,6 +21,11 @@ name). Six arms, C client tasks each sending one image at a time:
   hand-model-noawait  the same plain call in an ``async def infer`` that never awaits
               (the ONNX session on the event loop, whatever ``--dispatch``): the
               engine's cost of one request to an async model that does not suspend
+  chained     the same three models as the pipeline's, loaded the same way, called by
+              hand through the engine: one async function per request awaiting
+              ``engine.infer`` on each in turn (what a user writes without a
+              pipeline); its every step unbatched, as the pipeline arm's
+  chained-batched  the same, with the dynamic batcher on the ONNX model (as onnx-batched)
   pipeline    the ``read_digit`` pipeline, every step unbatched (batcher "none")
   batched     the same pipeline, every step with the dynamic batcher (32 rows, 2 ms)
   onnx-batched  the same pipeline, only the ONNX model (``digits``) with the dynamic
@@ -75,6 +80,8 @@ ARMS = (
     "hand-model",
     "hand-model-sync",
     "hand-model-noawait",
+    "chained",
+    "chained-batched",
     "pipeline",
     "batched",
     "onnx-batched",
@@ -229,31 +236,51 @@ DYNAMIC = {
 }
 
 
+async def load_steps(
+    engine: trioinfer.Engine, args: argparse.Namespace, *, batched: bool, only_onnx: bool
+) -> None:
+    """Load the pipeline's three models (batched: with the dynamic batcher; only_onnx: digits)."""
+    dynamic = DYNAMIC
+    for name in ("scale_image", "digits", "digit_names"):
+        config = trioinfer.ModelConfig.from_toml(REPO / name / "config.toml")
+        on = batched and (not only_onnx or config.backend == "onnxruntime")
+        batching = dynamic if on else {"batcher": "none"}
+        data = {**config.backend_options}
+        if config.backend == "onnxruntime":
+            data["dispatch"] = args.dispatch  # as the hand arm runs it
+        await engine.load(
+            trioinfer.ModelConfig.from_dict(
+                {
+                    "name": name,
+                    "path": config.path,
+                    "backend": config.backend,
+                    "backend_options": data,
+                    "instances": [{"threads": 1}],
+                    **batching,
+                }
+            )
+        )
+
+
+async def chained(args: argparse.Namespace, *, batched: bool) -> Figures:
+    """The pipeline's three models, called in turn by one function per request."""
+    async with trioinfer.open_engine() as engine:
+        await load_steps(engine, args, batched=batched, only_onnx=True)
+
+        async def call(image: np.ndarray) -> object:
+            row = (await engine.infer("scale_image", {"image": image}))["input"]
+            scores = (await engine.infer("digits", {"input": row}))["probabilities"]
+            return (await engine.infer("digit_names", {"probabilities": scores}))["name"]
+
+        return await closed_loop(call, args)
+
+
 async def as_pipeline(
     args: argparse.Namespace, *, batched: bool, only_onnx: bool = False, whole: bool = False
 ) -> Figures:
     # batched: the steps' models batch (only_onnx: only digits); whole: the pipeline does.
-    dynamic = DYNAMIC
     async with trioinfer.open_engine() as engine:
-        for name in ("scale_image", "digits", "digit_names"):
-            config = trioinfer.ModelConfig.from_toml(REPO / name / "config.toml")
-            on = batched and (not only_onnx or config.backend == "onnxruntime")
-            batching = dynamic if on else {"batcher": "none"}
-            data = {**config.backend_options}
-            if config.backend == "onnxruntime":
-                data["dispatch"] = args.dispatch  # as the hand arm runs it
-            await engine.load(
-                trioinfer.ModelConfig.from_dict(
-                    {
-                        "name": name,
-                        "path": config.path,
-                        "backend": config.backend,
-                        "backend_options": data,
-                        "instances": [{"threads": 1}],
-                        **batching,
-                    }
-                )
-            )
+        await load_steps(engine, args, batched=batched, only_onnx=only_onnx)
         bundled = trioinfer.ModelConfig.from_toml(REPO / "read_digit" / "config.toml")
         await engine.load(
             trioinfer.ModelConfig.from_dict(
@@ -309,6 +336,8 @@ def main() -> None:
         "hand-model": lambda: by_hand(args, served=True),
         "hand-model-sync": lambda: by_hand(args, served=True, sync=True),
         "hand-model-noawait": lambda: by_hand(args, served=True, eager=True),
+        "chained": lambda: chained(args, batched=False),
+        "chained-batched": lambda: chained(args, batched=True),
         "pipeline": lambda: as_pipeline(args, batched=False),
         "batched": lambda: as_pipeline(args, batched=True),
         "onnx-batched": lambda: as_pipeline(args, batched=True, only_onnx=True),

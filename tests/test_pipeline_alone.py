@@ -757,3 +757,73 @@ async def test_a_step_that_waited_for_its_answer_restarts_the_inline_slice(
         np.testing.assert_array_equal(out["OUT"], X + 3)
         assert Elapses.now[0] == 11.0  # the queued step ran once, a second passing
         assert steps.count == 1  # resumed once: when q answered, not again before b
+
+
+@pytest.mark.parametrize("scenario", ["ok", "bad input", "cancelled", "full", "expired", "failing"])
+async def test_infer_takes_a_pipelines_request_as_infer_detailed_does(
+    scenario: str, autojump_clock: trio.testing.MockClock
+) -> None:
+    # engine.infer takes an unbatched pipeline's request in its own frame (straight
+    # to Pipeline.call); infer_detailed through _submit: both must end it alike and
+    # count it alike, in the pipeline's statistics and its steps'.
+    Jump.clock = autojump_clock
+
+    async def run(detailed: bool) -> tuple[str, tuple[int, ...], tuple[int, ...]]:
+        steps = [inline("a", fail="RuntimeError" if scenario == "failing" else ""), model("b")]
+        if scenario == "expired":
+            steps[0] = model(
+                "a", Jump, parameters={"by": 2.0}, backend_options={"dispatch": "inline"}
+            )
+        p = chain("a", "b")
+        if scenario == "full":
+            # The first caller holds its place in "b" (5 s a run) while the second comes.
+            steps[1] = model("b", parameters={"name": "b", "delay": 5.0})
+            p = attrs.evolve(p, max_queue_size=1)
+        async with open_engine() as engine:
+            await load(engine, *steps, p)
+            call = engine.infer_detailed if detailed else engine.infer
+            inputs = {"IN": X.astype(np.float64)} if scenario == "bad input" else {"IN": X}
+            outcome = "ok"
+            try:
+                with trio.fail_after(1.0) as scope:
+                    if scenario == "cancelled":
+                        scope.cancel()
+                    if scenario == "full":
+                        async with trio.open_nursery() as nursery:
+                            nursery.start_soon(call, "p", {"IN": X})
+                            await trio.testing.wait_all_tasks_blocked()
+                            await call("p", inputs)
+                    else:
+                        await call("p", inputs)
+            except trioinfer.TrioInferError as exc:
+                outcome = f"{type(exc).__name__}: {exc}"
+            except trio.TooSlowError:
+                outcome = "too slow"
+            except BaseException as exc:  # (an exception group around QueueFull)
+                outcome = repr(exc)
+            if scenario == "cancelled":
+                outcome = f"cancelled: {scope.cancelled_caught}"
+            stats = engine.statistics().models
+            s = stats["p"]
+            counts = (s.succeeded, s.failed, s.cancelled, s.refused, s.expired, s.in_flight)
+            steps_counts = tuple(
+                n
+                for m in ("a", "b")
+                for n in (stats[m].succeeded, stats[m].failed, stats[m].expired)
+            )
+            return outcome, counts, steps_counts
+
+    Probe.tasks.clear()
+    fast = await run(detailed=False)
+    Probe.tasks.clear()
+    slow = await run(detailed=True)
+    assert fast == slow
+    expected = {
+        "ok": "ok",
+        "bad input": "InvalidInput",
+        "cancelled": "cancelled: True",
+        "full": "QueueFull",
+        "expired": "too slow",
+        "failing": "BackendError: pipeline 'p', step 0 (model 'a')",
+    }[scenario]
+    assert fast[0].startswith(expected) or expected in fast[0]

@@ -165,6 +165,9 @@ class Engine:
     # the pipeline's task (ModelRunner.alone_ok; its idle_replica says when): each
     # pipeline looks its steps' models up here, one dict lookup a step.
     _alone: dict[str, ModelRunner] = attrs.field(factory=dict, init=False)
+    # The pipelines Engine.infer takes in its own frame (no cache, not traced, the
+    # engine open), as _plain's models: straight to Pipeline.call.
+    _pipes: dict[str, Pipeline] = attrs.field(factory=dict, init=False)
     _loading: set[str] = attrs.field(factory=set, init=False)
     # The loads, and the unloads (and replaced models' retirements), running in callers'
     # tasks, by their cancel scopes: closing cancels them and waits for them to end, so
@@ -354,6 +357,7 @@ class Engine:
         runner = self._runners.pop(name, None)
         self._plain.pop(name, None)
         self._alone.pop(name, None)
+        self._pipes.pop(name, None)
         if runner is None:
             raise ModelNotFound(f"no model named {name!r} is loaded; loaded: {self._names()}")
         self._forget(name)
@@ -385,6 +389,15 @@ class Engine:
         else:
             self._plain.pop(name, None)
             self._alone.pop(name, None)
+        if (
+            type(runner) is Pipeline
+            and not runner.config.response_cache
+            and self._tracing is None
+            and not self._closing
+        ):
+            self._pipes[name] = runner
+        else:
+            self._pipes.pop(name, None)
 
     def _steps_of(self, model: str) -> tuple[str, ...]:
         # The models a pipeline's steps call (none for a model that is not one).
@@ -550,6 +563,27 @@ class Engine:
                     await runner.raise_error(state.error, own_deadline=True)
                 assert state.outputs is not None
                 return state.outputs
+        elif sequence is None:
+            pipeline = self._pipes.get(model)
+            if pipeline is not None:
+                # A pipeline, in this frame too: what _submit does for it.
+                arrays, n = pipeline.validate(inputs)
+                clock = pipeline.clock
+                deadline = clock.current_effective_deadline()
+                # Else a cancellation to raise, or the queue policy's deadline: _submit's.
+                if deadline != -math.inf and (deadline != math.inf or not pipeline.queue_timeouts):
+                    return await pipeline.call(
+                        make_request(
+                            model,
+                            arrays,
+                            request_id,
+                            priority,
+                            tenant,
+                            deadline,
+                            clock.current_time(),
+                            n,
+                        )
+                    )
         request = await self._submit(model, inputs, priority, tenant, request_id, sequence=sequence)
         assert request._state.outputs is not None
         return request._state.outputs
@@ -1019,6 +1053,7 @@ class Engine:
         self._closing = True
         self._plain.clear()
         self._alone.clear()
+        self._pipes.clear()
         for scope in self._loads:
             scope.cancel()  # a load now could only be closed again: stop it at once
         if drain:

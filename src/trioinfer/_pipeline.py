@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, final
+from typing import Any, cast, final
 
 import anyio
 import anyio.abc
@@ -65,14 +65,25 @@ from ._runner import (
     DURATION_BUCKETS,
     ModelRunner,
     ModelStatistics,
+    Unfinished,
     _copy_error,
     _Histogram,
+    runs_inline,
 )
-from ._tensors import ModelSignature, TensorSpec
+from ._tensors import ModelSignature, TensorSpec, rows_validator
 from ._threads import LoopClock
 from .abc import Status
 
 Infer = Callable[..., Any]
+
+
+@final
+class _Later:
+    """What `Pipeline._step_now` says of a step it left whole to `Pipeline._step`."""
+
+
+_LATER = _Later()
+_SPENT = _Later()
 
 
 @attrs.frozen
@@ -182,6 +193,8 @@ class Pipeline:
         self.input_limits = config.input_limits
         self.queue_timeouts = config.queue_timeouts
         self.batched = False  # requests keep their rows; each step batches on its own
+        #: ``validate_rows`` for this pipeline's inputs, as a model runner's.
+        self.validate = rows_validator(config.name, self.signature, self.input_limits, False)
         self.clock = LoopClock()
         self.devices: tuple[str, ...] = ()
         self._in_flight = 0
@@ -270,8 +283,17 @@ class Pipeline:
     async def _run(self, request: Request) -> Outputs:
         tensors: dict[str, Any] = dict(request.inputs)
         for index, step in self._in_turn:
-            # No task group, task or wake-up for a step that has nothing beside it.
-            await self._step(request, index, step, tensors)
+            # No task group, task or wake-up for a step that has nothing beside it,
+            # and, on an idle model that never suspends, not even a coroutine.
+            left = self._step_now(request, index, step, tensors)
+            if left is _SPENT:
+                # The loop's inline slice is spent: yield now, holding nothing, then
+                # try again (anything may have changed meanwhile).
+                await anyio.lowlevel.checkpoint()
+                restart_inline_slice()
+                left = self._step_now(request, index, step, tensors, yielded=True)
+            if left is not None:
+                await self._step(request, index, step, tensors, left)
         if self._side_by_side:
             await self._run_side_by_side(request, tensors)
         outputs = {}
@@ -281,82 +303,153 @@ class Pipeline:
             outputs[name] = value if type(value) is np.ndarray else np.asarray(value)
         return outputs
 
+    def _step_now(
+        self,
+        request: Request,
+        index: int,
+        step: Step,
+        tensors: dict[str, Any],
+        yielded: bool = False,
+    ) -> Unfinished | _Later | None:
+        # One step run to its end as a plain call, when its model is idle, never
+        # suspends and its inline slice is not spent (ModelRunner.run_now): its
+        # outputs join *tensors*, and None says so. Else what _step must do:
+        # _LATER (all of it), or an Unfinished to end.
+        runner = self._step_runner(step.model)
+        if runner is None or self._cut:
+            return _LATER
+        replica = runner.idle_inline_replica()
+        if replica is None or not runs_inline(replica):
+            # Busy, or an instance that may suspend (an async def model): run_here
+            # starts that one in a cancel scope of its own (_step's way).
+            return _LATER
+        if not yielded and runner.slice_spent(replica):
+            return _SPENT
+        inputs = {}
+        for own, shared in self._maps[index][0]:
+            inputs[own] = tensors[shared]
+        try:
+            arrays, rows = runner.validate(inputs)
+        except TrioInferError as exc:
+            raise self._step_error(index, step, exc) from exc
+        clock = runner.clock
+        deadline = clock.current_effective_deadline()
+        now = clock.current_time()
+        if deadline <= now:
+            # A cancelled caller (-inf) or a deadline gone by: _step's way raises it.
+            return _LATER
+        outputs = runner.run_now(replica, arrays, rows, deadline, now)
+        if outputs.__class__ is Unfinished:
+            return outputs
+        self._keep(index, step, cast(Outputs, outputs), tensors)
+        return None
+
+    def _keep(self, index: int, step: Step, outputs: Outputs, tensors: dict[str, Any]) -> None:
+        # A step's outputs, into the pipeline's tensors by its output map.
+        try:
+            for own, shared in self._maps[index][1]:
+                tensors[shared] = outputs[own]
+        except KeyError:
+            # The step's model was replaced by one with other outputs.
+            missing = sorted(set(step.output_map) - set(outputs))
+            error = BackendError(f"its model answered without outputs {missing}")
+            raise self._step_error(index, step, error) from None
+
+    def _step_error(self, index: int, step: Step, exc: TrioInferError) -> TrioInferError:
+        # A step's error keeps its class (a client's fault stays a client's fault),
+        # its message naming the step.
+        where = f"pipeline {self.config.name!r}, step {index} (model {step.model!r})"
+        return _copy_error(exc, cause=exc, message=f"{where}: {exc}")
+
     async def _step(
-        self, request: Request, index: int, step: Step, tensors: dict[str, Any]
+        self,
+        request: Request,
+        index: int,
+        step: Step,
+        tensors: dict[str, Any],
+        left: Unfinished | _Later = _LATER,
     ) -> None:
-        # One step's request to its model; its outputs join *tensors*. Its error
-        # keeps its class (a client's fault stays a client's fault), its message
-        # naming the step.
+        # One step's request to its model, the way _step_now could not take (or
+        # the end of what it began: *left*); its outputs join *tensors*.
+        try:
+            if left.__class__ is Unfinished:
+                runner = self._step_runner(step.model)
+                assert runner is not None  # (no await since _step_now had it)
+                outputs = await runner.finish_here(
+                    left,
+                    f"{request.id}/{index}",
+                    request.priority,
+                    request.tenant,
+                    self._held,
+                )
+            else:
+                outputs = await self._step_request(request, index, step, tensors)
+        except TrioInferError as exc:
+            raise self._step_error(index, step, exc) from exc
+        self._keep(index, step, outputs, tensors)
+
+    async def _step_request(
+        self, request: Request, index: int, step: Step, tensors: dict[str, Any]
+    ) -> Outputs:
         if self._cut:
             raise EngineClosed(f"pipeline {self.config.name!r} stopped before step {index}")
-        ins, outs = self._maps[index]
+        ins = self._maps[index][0]
         inputs = {}
         for own, shared in ins:
             inputs[own] = tensors[shared]
         model = step.model
-        try:
+        runner = self._step_runner(model)
+        replica = None if runner is None else runner.idle_replica()
+        if replica is not None and runner is not None and runner.slice_spent(replica):
+            # The loop's inline slice is spent: yield now, holding nothing, not
+            # in the instance's execute while it holds the model (whoever came
+            # by meanwhile would queue, and the queue then seldom empties).
+            await anyio.lowlevel.checkpoint()
+            restart_inline_slice()
+            if self._cut:
+                raise EngineClosed(f"pipeline {self.config.name!r} stopped before step {index}")
+            # Anything may have changed meanwhile (the model replaced, the engine
+            # closing, tracing turned on): ask the engine again, as a later step does.
             runner = self._step_runner(model)
             replica = None if runner is None else runner.idle_replica()
-            if replica is not None and runner is not None and runner.slice_spent(replica):
-                # The loop's inline slice is spent: yield now, holding nothing, not
-                # in the instance's execute while it holds the model (whoever came
-                # by meanwhile would queue, and the queue then seldom empties).
-                await anyio.lowlevel.checkpoint()
-                restart_inline_slice()
-                if self._cut:
-                    raise EngineClosed(f"pipeline {self.config.name!r} stopped before step {index}")
-                # Anything may have changed meanwhile (the model replaced, the engine
-                # closing, tracing turned on): ask the engine again, as a later step does.
-                runner = self._step_runner(model)
-                replica = None if runner is None else runner.idle_replica()
-            deadline = -math.inf
-            if replica is not None:
-                # The model is idle: run the step here, in this task, under the caller's
-                # scope, with no queue, worker or wake-up (what engine.infer does up to
-                # the queue, then run_alone, or less: run_here). The check and the run
-                # have no await between.
-                assert runner is not None
-                # As engine.infer checks them, with their rows, which run_here counts.
-                arrays, rows = runner.validate(inputs)
-                clock = runner.clock
-                deadline = clock.current_effective_deadline()
-            if deadline != -math.inf:  # else busy, or a cancellation for engine.infer to raise
-                assert runner is not None
-                assert replica is not None
-                outputs = await runner.run_here(
-                    replica,
-                    arrays,
-                    rows,
-                    f"{request.id}/{index}",
-                    request.priority,
-                    request.tenant,
-                    deadline,
-                    clock.current_time(),
-                    self._held,
-                )
-            else:
-                outputs = await self._infer(
-                    model,
-                    inputs,
-                    priority=request.priority,
-                    tenant=request.tenant,
-                    request_id=f"{request.id}/{index}",
-                    held=self._held,
-                    scopes=self._scopes,
-                )
-                # It waited for its answer: the loop has had its turns meanwhile. Else
-                # the slice would look spent, and the next inline step yield again.
-                restart_inline_slice()
-            try:
-                for own, shared in outs:
-                    tensors[shared] = outputs[own]
-            except KeyError:
-                # The step's model was replaced by one with other outputs.
-                missing = sorted(set(step.output_map) - set(outputs))
-                raise BackendError(f"its model answered without outputs {missing}") from None
-        except TrioInferError as exc:
-            where = f"pipeline {self.config.name!r}, step {index} (model {step.model!r})"
-            raise _copy_error(exc, cause=exc, message=f"{where}: {exc}") from exc
+        deadline = -math.inf
+        if replica is not None:
+            # The model is idle: run the step here, in this task, under the caller's
+            # scope, with no queue, worker or wake-up (what engine.infer does up to
+            # the queue, then run_alone, or less: run_here). The check and the run
+            # have no await between.
+            assert runner is not None
+            # As engine.infer checks them, with their rows, which run_here counts.
+            arrays, rows = runner.validate(inputs)
+            clock = runner.clock
+            deadline = clock.current_effective_deadline()
+        if deadline != -math.inf:  # else busy, or a cancellation for engine.infer to raise
+            assert runner is not None
+            assert replica is not None
+            return await runner.run_here(
+                replica,
+                arrays,
+                rows,
+                f"{request.id}/{index}",
+                request.priority,
+                request.tenant,
+                deadline,
+                clock.current_time(),
+                self._held,
+            )
+        outputs = await self._infer(
+            model,
+            inputs,
+            priority=request.priority,
+            tenant=request.tenant,
+            request_id=f"{request.id}/{index}",
+            held=self._held,
+            scopes=self._scopes,
+        )
+        # It waited for its answer: the loop has had its turns meanwhile. Else
+        # the slice would look spent, and the next inline step yield again.
+        restart_inline_slice()
+        return cast(Outputs, outputs)
 
     async def _run_side_by_side(self, request: Request, tensors: dict[str, Any]) -> None:
         pending = list(self._side_by_side)

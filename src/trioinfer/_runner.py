@@ -745,6 +745,22 @@ class _Running:
 
 
 @final
+@attrs.frozen(slots=True)
+class Unfinished:
+    """An execution `ModelRunner.run_now` started and could not end: see `finish_here`."""
+
+    replica: Replica
+    inputs: Mapping[str, np.ndarray[Any, Any]]
+    rows: int
+    deadline: float
+    now: float
+    #: The execution, suspended after all, and what it yielded there.
+    begun: tuple[Coroutine[Any, Any, Outputs], Any] | None
+    #: What the execution raised.
+    error: Exception | None
+
+
+@final
 @attrs.define(eq=False)
 class ModelRunner(metaclass=NoPublicConstructor):
     """The tasks and state that serve one loaded model. Created by the engine only.
@@ -1576,11 +1592,9 @@ class ModelRunner(metaclass=NoPublicConstructor):
 
         What `run_alone` does with a request made of them at *now* (its arrival),
         counted the same way. On an instance that never suspends
-        (`trioinfer.abc.InlineInstance`) the execution runs to its end before
-        anything else can look at the model, so it is done with no request
+        (`trioinfer.abc.InlineInstance`) it is `run_now`, with no request
         object, slot, in-flight entry or cancel scope: only its counts. One
-        that suspends anyway is carried on as `run_alone` runs any other.
-        One that may end before it suspends (``starts_inline``) is started the
+        that may end before it suspends (``starts_inline``) is started the
         same way inside a cancel scope of its own, and carried on in it by
         `run_alone` if it suspends, so that stopping the model aborts it.
 
@@ -1599,9 +1613,31 @@ class ModelRunner(metaclass=NoPublicConstructor):
                 ),
                 held=held,
             )
+        outputs = self.run_now(replica, inputs, rows, deadline, now)
+        if outputs.__class__ is Unfinished:
+            return await self.finish_here(outputs, request_id, priority, tenant, held)
+        return cast(Outputs, outputs)
+
+    def run_now(
+        self,
+        replica: Replica,
+        inputs: Mapping[str, np.ndarray[Any, Any]],
+        rows: int,
+        deadline: float,
+        now: float,
+    ) -> Outputs | Unfinished:
+        """`run_here` on an instance that never suspends, as a plain call: its outputs.
+
+        From `idle_inline_replica` (and `slice_spent` False) with no await since,
+        *deadline* after *now*, both read then. The execution runs to its end
+        before anything else can look at the model, so it needs no request
+        object, slot, in-flight entry or cancel scope, and no coroutine frame
+        of its own: a pipeline's chain of such steps runs as one call each.
+        An execution that answered is counted here; one that failed, or
+        suspended after all (it broke its word), comes back as an `Unfinished`
+        to pass to `finish_here` at once (no await before), which ends it.
+        """
         token = _batch_deadline.set(deadline)
-        begun: tuple[Coroutine[Any, Any, Outputs], Any] | None = None
-        failed: Request | None = None
         try:
             run = replica._backend_instance.execute(inputs)
             # Its caller checked the loop's inline slice (slice_spent) with no
@@ -1618,16 +1654,9 @@ class ModelRunner(metaclass=NoPublicConstructor):
                         if type(array) is not np.ndarray or not array.ndim or len(array) != rows:
                             _check_rows(self.config.name, replica, outputs, rows)
             else:
-                begun = (run, yielded)  # it broke its word
+                return Unfinished(replica, inputs, rows, deadline, now, (run, yielded), None)
         except Exception as exc:
-            failed = make_request(
-                self.config.name, inputs, request_id, priority, tenant, deadline, now, rows
-            )
-            failed._state.status = _RUNNING
-            self._in_flight.add(failed)
-            self._count_alone(replica, rows, self.clock.current_time() - now)
-            replica.failures += 1
-            self.finish(failed, error=_backend_error(self.config.name, failed, exc))
+            return Unfinished(replica, inputs, rows, deadline, now, None, exc)
         except BaseException:
             # Not a cancellation (it never suspended): KeyboardInterrupt and the like.
             self._count_alone(replica, rows, self.clock.current_time() - now)
@@ -1636,16 +1665,6 @@ class ModelRunner(metaclass=NoPublicConstructor):
         finally:
             _inline_slice.granted = False  # (an instance that never read it)
             _batch_deadline.reset(token)
-        if failed is not None:
-            assert failed._state.error is not None
-            await self.raise_error(failed._state.error, own_deadline=True)
-        if begun is not None:
-            # From here on, as any run in its caller's task (it holds the slot, and
-            # an unload waits for it).
-            request = make_request(
-                self.config.name, inputs, request_id, priority, tenant, deadline, now, rows
-            )
-            return await self.run_alone(replica, request, begun, held)
         self._answered(replica, rows, now)
         return outputs
 
@@ -1747,6 +1766,41 @@ class ModelRunner(metaclass=NoPublicConstructor):
             await self.raise_error(request._state.error, own_deadline=True)
         self._answered(replica, rows, now)
         return outputs
+
+    async def finish_here(
+        self,
+        unfinished: Unfinished,
+        request_id: str | None,
+        priority: int,
+        tenant: str | None,
+        held: dict[Request, ModelRunner] | None = None,
+    ) -> Outputs:
+        """End what `run_now` left *unfinished*, as its request: raise its error, or carry it on.
+
+        Called at once, with no await since `run_now`: its request is made now
+        (with *request_id*, *priority* and *tenant*), at the execution's
+        arrival. A failed execution ends it with the backend's error; one
+        that suspended goes on as `run_alone` runs any other (it holds the
+        slot, and an unload waits for it; *held* as `run_here` says).
+
+        Raises:
+            What the request ended with, as `call` does.
+        """
+        u = unfinished
+        request = make_request(
+            self.config.name, u.inputs, request_id, priority, tenant, u.deadline, u.now, u.rows
+        )
+        if u.begun is not None:
+            return await self.run_alone(u.replica, request, u.begun, held)
+        assert u.error is not None
+        request._state.status = _RUNNING
+        self._in_flight.add(request)
+        self._count_alone(u.replica, u.rows, self.clock.current_time() - u.now)
+        u.replica.failures += 1
+        self.finish(request, error=_backend_error(self.config.name, request, u.error))
+        assert request._state.error is not None
+        await self.raise_error(request._state.error, own_deadline=True)
+        raise AssertionError("raise_error returned")  # pragma: no cover
 
     def _count_alone(self, replica: Replica, rows: int, elapsed: float) -> None:
         # An execution in its caller's task that did not answer, counted as the
