@@ -240,8 +240,9 @@ def test_one_input_is_refused_as_the_full_checks_refuse_it(
         return rows_validator("m", ONE, limits, batched)(inputs)
 
     if message:
-        with pytest.raises(InvalidInput, match=message):
-            check({"x": x})
+        for batched in (True, False):  # (unbatched: a pipeline's request)
+            with pytest.raises(InvalidInput, match=message):
+                check({"x": x}, batched)
         return
     inputs = {"x": x}
     arrays, rows = check(inputs)

@@ -336,13 +336,14 @@ def rows_validator(
 ) -> Callable[[object], tuple[dict[str, np.ndarray[Any, Any]], int]]:
     """``validate_rows(model, signature, inputs, limits, batched)`` as a function of *inputs*.
 
-    For a batched model with one input whose signature fixes all but the
-    batch, the common case is checked with everything it compares bound
-    once (the request path validates every request); anything else, or
-    anything wrong, goes to `validate_rows`, which says what is wrong.
+    For a model with one input whose signature fixes all but the batch, the
+    common case is checked with everything it compares bound once (the
+    request path validates every request); anything else, or anything
+    wrong, goes to `validate_rows`, which says what is wrong. Unbatched (a
+    pipeline's request, which keeps its rows), the same checks, one "row".
     """
     fixed = signature._fixed
-    if not (batched and fixed is not None and len(fixed) == 1):
+    if not (fixed is not None and len(fixed) == 1):
         return functools.partial(_validate_rows_of, model, signature, limits, batched)
     name, dtype, tail = fixed[0]
     cap = min(limits.max_elements_per_input, limits.max_elements_per_request)
@@ -354,7 +355,7 @@ def rows_validator(
             if type(array) is ndarray and (array.dtype is dtype or array.dtype == dtype):
                 shape = array.shape
                 if shape and shape[0] and shape[1:] == tail and array.size <= cap:
-                    return {name: array}, shape[0]
+                    return {name: array}, shape[0] if batched else 1
         return validate_rows(model, signature, inputs, limits, batched)
 
     return validate
