@@ -68,7 +68,6 @@ from ._runner import (
     Unfinished,
     _copy_error,
     _Histogram,
-    runs_inline,
 )
 from ._tensors import ModelSignature, TensorSpec, rows_validator
 from ._threads import LoopClock
@@ -318,12 +317,12 @@ class Pipeline:
         runner = self._step_runner(step.model)
         if runner is None or self._cut:
             return _LATER
-        replica = runner.idle_inline_replica()
-        if replica is None or not runs_inline(replica):
+        replica = runner.idle_inline_now(yielded)
+        if replica is None:
             # Busy, or an instance that may suspend (an async def model): run_here
             # starts that one in a cancel scope of its own (_step's way).
             return _LATER
-        if not yielded and runner.slice_spent(replica):
+        if replica is False:
             return _SPENT
         inputs = {}
         for own, shared in self._maps[index][0]:

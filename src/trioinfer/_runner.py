@@ -17,7 +17,7 @@ import itertools
 import math
 import sys
 from collections.abc import Awaitable, Callable, Coroutine, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, NoReturn, Protocol, cast, final
+from typing import TYPE_CHECKING, Any, Literal, NoReturn, Protocol, cast, final
 
 import anyio
 import anyio.abc
@@ -1563,14 +1563,23 @@ class ModelRunner(metaclass=NoPublicConstructor):
             # One that may end before it suspends (run_here starts it hoping so) holds
             # the loop then as an inline one does: the engine keeps the slice for it.
             return starts_inline(replica) and inline_slice_spent(DEFAULT_SLICE_S)
-        budget = getattr(replica._backend_instance, "inline_budget_s", None)
-        if not isinstance(budget, (float, int)) or isinstance(budget, bool):
-            # No slice of its own (a number of seconds, never a flag): it never
-            # yields, and requests whose every step runs so would never park; the
-            # engine keeps the slice for it, lest callers looping on a pipeline of
-            # such steps keep every other task waiting.
-            budget = DEFAULT_SLICE_S
-        return inline_slice_spent(budget)
+        return inline_slice_spent(inline_budget(replica))
+
+    def idle_inline_now(self, yielded: bool = False) -> Replica | Literal[False] | None:
+        """An idle replica whose instance never suspends, if a request may run on it now.
+
+        `idle_replica`, if ``runs_inline``, and False when the loop's inline slice
+        is spent for it (`slice_spent`: yield, then ask again, *yielded*); else
+        None. What a pipeline's step asks before it runs as a plain call
+        (`run_now`): one look at the instance, where the three questions
+        (idle, inline, slice) would take three.
+        """
+        replica = self.idle_replica()
+        if replica is None or not runs_inline(replica):
+            return None
+        if not yielded and inline_slice_spent(inline_budget(replica)):
+            return False
+        return replica
 
     async def run_here(
         self,
@@ -2355,6 +2364,20 @@ def _passes_alone(*plugins: object) -> bool:
 def starts_inline(replica: Replica) -> bool:
     """Whether *replica*'s instance says its execution may end before it first suspends."""
     return getattr(replica._backend_instance, "starts_inline", False) is True
+
+
+def inline_budget(replica: Replica) -> float:
+    """The inline slice (seconds) *replica*'s instance keeps: its own, or `DEFAULT_SLICE_S`.
+
+    One without a slice of its own (``inline_budget_s``, a number of seconds,
+    never a flag) never yields, and requests whose every step runs so would
+    never park: the engine keeps the slice for it, lest callers looping on a
+    pipeline of such steps keep every other task waiting.
+    """
+    budget = getattr(replica._backend_instance, "inline_budget_s", None)
+    if not isinstance(budget, (float, int)) or isinstance(budget, bool):
+        return DEFAULT_SLICE_S
+    return budget
 
 
 def runs_inline(replica: Replica) -> bool:
