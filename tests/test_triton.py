@@ -734,6 +734,18 @@ def test_simple_http_infer_client_on_a_triton_repository(
     np.testing.assert_array_equal(result.as_numpy("OUTPUT1"), input0 - input1)
 
 
+def test_bytes_data_that_holds_numbers_is_a_400(server: Server) -> None:
+    # A JSON BYTES input whose data are numbers: refused before the model, which would
+    # have taken each number's str() without a word, and saying which element it was.
+    strings = {"name": "INPUT1", "shape": [1, 16], "datatype": "BYTES", "data": ["1"] * 16}
+    numbers = {**strings, "name": "INPUT0", "data": ["1"] * 3 + [4] + ["1"] * 12}
+    with httpx.Client(base_url=server.url) as http:
+        answer = http.post("/v2/models/simple_string/infer", json={"inputs": [numbers, strings]})
+    assert answer.status_code == 400
+    assert "input 'INPUT0'" in answer.json()["error"]
+    assert "BYTES data must be strings; got 4 at index 3" in answer.json()["error"]
+
+
 def test_ensemble_runs_as_a_pipeline(client: httpclient.InferenceServerClient) -> None:
     a = np.arange(32, dtype=np.int32).reshape(2, 16)
     inputs = [
