@@ -14,10 +14,12 @@ from __future__ import annotations
 import base64
 import importlib.util
 import json
+import logging
 import os
 import sys
 import uuid
 from collections.abc import Iterator
+from functools import partial
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -26,6 +28,7 @@ import httpx
 import numpy as np
 import onnx
 import pytest
+import trio
 import tritonclient.http as httpclient
 import tritonclient.utils.shared_memory as shm
 from onnx import TensorProto, helper
@@ -34,10 +37,12 @@ from tritonclient.utils import InferenceServerException
 
 import trioinfer
 from test_server import Server, run_server
-from trioinfer import ConfigError
+from trioinfer import ConfigError, Device
+from trioinfer.server import serve_http
 from trioinfer.server._cuda_ipc import probe
 from trioinfer.server._shm import SharedMemoryError, SystemSharedMemory
 from trioinfer.server._triton import TritonModel, _model_config_class
+from trioinfer_onnxruntime import probe_device
 
 pytestmark = [pytest.mark.shm, pytest.mark.triton_config]
 
@@ -701,6 +706,56 @@ def test_triton_config_is_served_as_triton_shaped(
     classifier = client.get_model_config("classifier")
     assert classifier["input"] == [{"name": "IMAGE", "data_type": "TYPE_FP32", "dims": [5]}]
     assert classifier["dynamic_batching"]["priority_levels"] == 3
+
+
+CUDA_REASON = probe_device(Device("cuda", 0))
+
+
+@pytest.mark.skipif(CUDA_REASON is None, reason="CUDA is usable here; this checks the fallback")
+async def test_a_gpu_instance_group_that_runs_on_the_cpu_says_so(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # The ONNX Runtime backend falls back to the CPU (cpu_fallback, on by default) and
+    # says why; /config then says what runs, not what config.pbtxt asked for.
+    write_simple(tmp_path / "g" / "1" / "model.onnx")
+    pbtxt = SIMPLE_PBTXT.replace('name: "simple"', 'name: "g"')
+    pbtxt = pbtxt.replace("{ kind: KIND_CPU count: 2 }", "{ kind: KIND_GPU count: 2 }")
+    (tmp_path / "g" / "config.pbtxt").write_text(pbtxt)
+    with caplog.at_level(logging.WARNING):
+        async with trio.open_nursery() as nursery:
+            listening = await nursery.start(
+                partial(serve_http, tmp_path, host="127.0.0.1", port=0, handle_signals=False)
+            )
+            async with httpx.AsyncClient(base_url=listening.urls[0]) as http:
+                config = (await http.get("/v2/models/g/config")).json()
+                # What /config says loads back as it is, and says the same again.
+                reload = await http.post(
+                    "/v2/repository/models/g/load",
+                    json={"parameters": {"config": json.dumps(_without_trioinfer_keys(config))}},
+                )
+                assert reload.status_code == 200, reload.text
+                again = (await http.get("/v2/models/g/config")).json()
+            nursery.cancel_scope.cancel()
+    assert config["instance_group"] == [
+        {"name": "g_0", "kind": "KIND_CPU", "count": 2, "gpus": []}
+    ]
+    assert config["trioinfer"]["instances"][0]["device"] == "cuda:0"  # what was asked
+    # Loaded back, it asks for the CPU, and runs there: the same groups, now as asked.
+    assert again["trioinfer"]["instances"][0]["device"] == "cpu"
+    assert [(g["kind"], g["count"]) for g in again["instance_group"]] == [("KIND_CPU", 2)]
+    same = ("instance_group", "trioinfer")
+    assert {k: v for k, v in again.items() if k not in same} == {
+        k: v for k, v in config.items() if k not in same
+    }
+    backend = [r.getMessage() for r in caplog.records if r.name == "trioinfer.onnxruntime"]
+    assert len(backend) == 2
+    assert all("cuda:0 is not usable (" in m and "running on the CPU" in m for m in backend)
+    (server,) = [r.getMessage() for r in caplog.records if r.name == "trioinfer.server"]
+    assert server == (
+        "model 'g' version 1: its instance_group asked for KIND_GPU (cuda:0 x2) but runs on "
+        "cpu, cpu; the backend's warnings above say why, and GET /v2/models/g/config reports "
+        "the instance_group that runs (KIND_CPU)"
+    )
 
 
 def test_simple_http_infer_client_on_a_triton_repository(

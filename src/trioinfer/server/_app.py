@@ -553,6 +553,11 @@ def model_config_document(state: ServerState, served: ServedVersion) -> dict[str
         # trioinfer worked out; what it leaves out (inputs, say) stays worked out.
         body.update(served.triton.json())
         body["name"] = served.model
+        if served.fell_back:
+            # A KIND_GPU group that runs on the CPU (the backend fell back, and said
+            # why in the log): say what runs, as for a config.toml model, not what
+            # config.pbtxt asked for.
+            body["instance_group"] = _instance_groups(served.model, served.info.devices)
     return body
 
 

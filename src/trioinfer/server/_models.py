@@ -77,6 +77,22 @@ class ServedVersion:
     labels: Mapping[str, tuple[str, ...]] = attrs.field(factory=dict)
     policy: VersionPolicy | None = None
 
+    @property
+    def fell_back(self) -> bool:
+        """Whether an instance runs elsewhere than its config asked (a GPU it ran without).
+
+        The backend decides (ONNX Runtime's falls back to the CPU, with a warning
+        that says why, when the config's ``cpu_fallback`` allows); ``info.devices``
+        says where each instance really runs, in the order the config lists them.
+        """
+        devices = self.info.devices
+        if not devices:
+            return False  # a pipeline: its steps' models have instances, it has none
+        asked = [
+            str(group.device) for group in self.info.config.instances for _ in range(group.count)
+        ]
+        return asked != list(devices)
+
 
 @final
 @attrs.define(eq=False)
@@ -366,6 +382,20 @@ class ServedModels:
                 version,
                 ", ".join(info.devices) or "its steps' models (a pipeline)",
             )
+            if triton is not None and served[version].fell_back:
+                # The backend said why, per instance; this ties it to what the user wrote.
+                log.warning(
+                    "model %r version %d: its instance_group asked for KIND_GPU (%s) but runs "
+                    "on %s; the backend's warnings above say why, and GET "
+                    "/v2/models/%s/config reports the instance_group that runs (KIND_CPU)",
+                    model,
+                    version,
+                    ", ".join(
+                        f"{group.device} x{group.count}" for group in info.config.instances
+                    ),
+                    ", ".join(info.devices),
+                    model,
+                )
         # The new split takes effect once every version it names serves, and before
         # any version it no longer names is unloaded (after its requests drain).
         self._set_traffic(model, traffic)
