@@ -694,21 +694,45 @@ def test_triton_config_is_served_as_triton_shaped(
     assert config["name"] == "simple"
     assert config["platform"] == "onnxruntime_onnx"
     assert config["max_batch_size"] == 8
-    assert config["input"][0] == {"name": "INPUT0", "data_type": "TYPE_INT32", "dims": [16]}
+    # As Triton prints it: every field of the message, at its default when unset.
+    assert config["input"][0] == {
+        "name": "INPUT0",
+        "data_type": "TYPE_INT32",
+        "dims": [16],
+        **INPUT_DEFAULTS,
+    }
     assert config["dynamic_batching"] == {
         "preferred_batch_size": [4, 8],
         "max_queue_delay_microseconds": 500,
+        "preserve_ordering": False,
+        "priority_levels": 0,
+        "default_priority_level": 0,
+        "priority_queue_policy": {},
     }
-    assert config["instance_group"] == [{"kind": "KIND_CPU", "count": 2}]
+    assert config["instance_group"] == [
+        {"name": "", "kind": "KIND_CPU", "count": 2, "gpus": [], **GROUP_DEFAULTS}
+    ]
+    assert config["default_model_filename"] == ""
+    assert config["parameters"] == {}
     assert config["trioinfer"]["batcher_options"]["max_queue_delay"] == 0.0005
     assert [i["count"] for i in config["trioinfer"]["instances"]] == [2]
     # Without input and output in config.pbtxt, they come from the model (auto-complete).
     classifier = client.get_model_config("classifier")
-    assert classifier["input"] == [{"name": "IMAGE", "data_type": "TYPE_FP32", "dims": [5]}]
+    assert classifier["input"] == [
+        {"name": "IMAGE", "data_type": "TYPE_FP32", "dims": [5], **INPUT_DEFAULTS}
+    ]
     assert classifier["dynamic_batching"]["priority_levels"] == 3
 
 
 CUDA_REASON = probe_device(Device("cuda", 0))
+#: What Triton prints of a ModelInput, or a ModelInstanceGroup, that leaves them unset.
+INPUT_DEFAULTS = {
+    "format": "FORMAT_NONE",
+    "is_shape_tensor": False,
+    "allow_ragged_batch": False,
+    "optional": False,
+}
+GROUP_DEFAULTS = {"profile": [], "passive": False, "host_policy": ""}
 
 
 @pytest.mark.skipif(CUDA_REASON is None, reason="CUDA is usable here; this checks the fallback")
@@ -737,15 +761,13 @@ async def test_a_gpu_instance_group_that_runs_on_the_cpu_says_so(
                 again = (await http.get("/v2/models/g/config")).json()
             nursery.cancel_scope.cancel()
     assert config["instance_group"] == [
-        {"name": "g_0", "kind": "KIND_CPU", "count": 2, "gpus": []}
+        {"name": "g_0", "kind": "KIND_CPU", "count": 2, "gpus": [], **GROUP_DEFAULTS}
     ]
     assert config["trioinfer"]["instances"][0]["device"] == "cuda:0"  # what was asked
-    # Loaded back, it asks for the CPU, and runs there: the same groups, now as asked.
+    # Loaded back, it asks for the CPU and runs there: the same answer, now as asked.
     assert again["trioinfer"]["instances"][0]["device"] == "cpu"
-    assert [(g["kind"], g["count"]) for g in again["instance_group"]] == [("KIND_CPU", 2)]
-    same = ("instance_group", "trioinfer")
-    assert {k: v for k, v in again.items() if k not in same} == {
-        k: v for k, v in config.items() if k not in same
+    assert {k: v for k, v in again.items() if k != "trioinfer"} == {
+        k: v for k, v in config.items() if k != "trioinfer"
     }
     backend = [r.getMessage() for r in caplog.records if r.name == "trioinfer.onnxruntime"]
     assert len(backend) == 2
@@ -1185,7 +1207,18 @@ def test_the_config_answered_can_be_sent_back_in_a_load_override(
         assert client.get_model_config(model)["max_batch_size"] == 16
         client.load_model(model)
     groups = client.get_model_config("classifier")["instance_group"]
-    assert groups == [{"name": "classifier_0", "kind": "KIND_CPU", "count": 1, "gpus": []}]
+    assert groups == [
+        {"name": "classifier_0", "kind": "KIND_CPU", "count": 1, "gpus": [], **GROUP_DEFAULTS}
+    ]
+    # Every config answered loads back unchanged: loaded with it, a model answers it again
+    # (the parts worked out from the model and those config.pbtxt gives print alike, with
+    # their defaults; an ensemble answers no backend and no instance_group, which Triton
+    # refuses in one).
+    for model in ("simple", "simple_string", "classifier", "ensemble", "classify_ensemble"):
+        answered = client.get_model_config(model)
+        client.load_model(model, config=json.dumps(_without_trioinfer_keys(answered)))
+        assert client.get_model_config(model) == answered, model
+        client.load_model(model)
     # Another name, or another version policy, is still refused, and says why.
     with pytest.raises(InferenceServerException, match="differs from the directory's name"):
         client.load_model("simple", config=json.dumps({"name": "other"}))

@@ -70,6 +70,7 @@ from ._metrics import InFlight, Metrics
 from ._models import ServedModels, ServedVersion
 from ._repository import VersionPolicy
 from ._shm import SystemSharedMemory
+from ._triton import with_defaults
 
 if TYPE_CHECKING:
     from ._workers import WorkerLink
@@ -511,11 +512,17 @@ def model_config_document(state: ServerState, served: ServedVersion) -> dict[str
         "name": served.model,
         "version": str(served.version),
         "platform": _platform(served),
-        "backend": config.backend,
+        # Triton's ensembles have no backend (one that names one is refused on load).
+        "backend": config.backend if config.backend != PIPELINE else "",
         "max_batch_size": max_batch,
         "input": [_tensor_config(t, skip) for t in signature.inputs],
         "output": [_tensor_config(t, skip) for t in signature.outputs],
-        "instance_group": _instance_groups(served.model, served.info.devices),
+        # Triton's ensembles have none (their steps' models do; one is refused on load).
+        "instance_group": (
+            _instance_groups(served.model, served.info.devices)
+            if config.backend != PIPELINE
+            else []
+        ),
         "trioinfer": {
             "scheduler": config.scheduler,
             "scheduler_options": dict(config.scheduler_options),
@@ -558,7 +565,10 @@ def model_config_document(state: ServerState, served: ServedVersion) -> dict[str
             # why in the log): say what runs, as for a config.toml model, not what
             # config.pbtxt asked for.
             body["instance_group"] = _instance_groups(served.model, served.info.devices)
-    return body
+    # As Triton prints it: every field of its message at its default when unset, so
+    # that the parts worked out here and those config.pbtxt gave read alike, and
+    # what is answered loads back (less version and trioinfer) and is answered again.
+    return with_defaults(body)
 
 
 def _instance_groups(model: str, devices: Sequence[str]) -> list[dict[str, Any]]:
