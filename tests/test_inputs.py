@@ -183,8 +183,10 @@ def test_numbers_for_a_string_input_are_told_to_send_strings() -> None:
         validate_inputs("m", STRINGS, {"s": np.array([[1, 2]])}, LIMITS)
     message = str(info.value)
     assert "has dtype int64; the model expects object[batch, ?]" in message
-    assert "numpy.object" not in message and "datatype object" not in message
-    assert "str or bytes" in message and "datatype BYTES" in message
+    assert "numpy.object" not in message
+    assert "datatype object" not in message
+    assert "str or bytes" in message
+    assert "datatype BYTES" in message
 
 
 def test_unsupported_element_type_is_refused() -> None:

@@ -756,7 +756,9 @@ def drained(scheduler: Scheduler) -> list[Request]:
     """Pop until empty, checking that len() counts down to 0 with it."""
     popped = []
     while len(scheduler):
-        assert scheduler.peek() is (request := scheduler.pop())
+        shown = scheduler.peek()
+        request = scheduler.pop()
+        assert request is shown
         popped.append(request)
     with pytest.raises(IndexError):
         scheduler.pop()

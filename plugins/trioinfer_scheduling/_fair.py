@@ -249,5 +249,5 @@ def _check_rows(rows: object) -> None:
             f"fair scheduler: a request's rows must be a number, got {rows!r} "
             f"({type(rows).__name__})"
         )
-    if not rows >= 0:
+    if not float(rows) >= 0:  # NaN is not
         raise ValueError(f"fair scheduler: a request's rows must be 0 or more, got {rows!r}")

@@ -447,9 +447,7 @@ def _check_strings(model: str, spec: TensorSpec, array: np.ndarray[Any, Any]) ->
     elements = array.ravel().tolist()  # of an object array: the elements themselves
     if set(map(type, elements)) <= _STRING_TYPES:
         return
-    found = next(
-        ((i, v) for i, v in enumerate(elements) if not isinstance(v, (str, bytes))), None
-    )
+    found = next(((i, v) for i, v in enumerate(elements) if not isinstance(v, (str, bytes))), None)
     if found is None:
         return  # subclasses of str or bytes (numpy.str_, numpy.bytes_)
     index, bad = found
