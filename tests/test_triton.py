@@ -710,7 +710,7 @@ def test_triton_config_is_served_as_triton_shaped(
         "priority_queue_policy": {},
     }
     assert config["instance_group"] == [
-        {"name": "", "kind": "KIND_CPU", "count": 2, "gpus": [], **GROUP_DEFAULTS}
+        {"name": "simple_0", "kind": "KIND_CPU", "count": 2, "gpus": [], **GROUP_DEFAULTS}
     ]
     assert config["default_model_filename"] == ""
     assert config["parameters"] == {}

@@ -568,6 +568,15 @@ def model_config_document(state: ServerState, served: ServedVersion) -> dict[str
     # As Triton prints it: every field of its message at its default when unset, so
     # that the parts worked out here and those config.pbtxt gave read alike, and
     # what is answered loads back (less version and trioinfer) and is answered again.
+    groups = body.get("instance_group")
+    if isinstance(groups, list):
+        # Triton names a group it was given without a name <model>_<n>, as here.
+        body["instance_group"] = [
+            {**group, "name": group.get("name") or f"{served.model}_{n}"}
+            if isinstance(group, dict)
+            else group
+            for n, group in enumerate(groups)
+        ]
     return with_defaults(body)
 
 
