@@ -250,6 +250,79 @@ def test_serve_checks_each_config_file_value_as_its_option(
     assert message in " ".join(result.output.split()), result.output
 
 
+@pytest.mark.parametrize(
+    ("lines", "args", "said", "unsaid"),
+    [
+        # Each names the setting the way it was given: a config file's key (and the
+        # file), or the command line's flag; never a flag nobody typed.
+        (
+            "workers = 2\ngrpc_port = 9001\n",
+            (),
+            [
+                "not with workers = 2 in {file}",
+                "grpc_port = 9001 in {file} asks for it",
+                "set workers = 1 in {file}, or grpc = false",
+            ],
+            ["--workers", "--grpc-port"],
+        ),
+        (
+            "workers = 2\ngrpc = true\n",
+            (),
+            ["not with workers = 2 in {file}", "grpc = true in {file} asks for it"],
+            ["--workers", "--grpc "],
+        ),
+        (
+            "workers = 3\n",
+            ("--grpc-port", "9001"),
+            ["not with workers = 3 in {file}", "--grpc-port 9001 asks for it", "--no-grpc"],
+            ["--workers"],
+        ),
+        (
+            "",
+            ("--workers", "2", "--grpc"),
+            ["not with --workers 2", "--grpc asks for it", "drop --workers or pass --no-grpc"],
+            ["in {file}"],
+        ),
+        (
+            "port = 9005\ngrpc_port = 9005\n",
+            (),
+            [
+                "grpc_port = 9005 in {file} is also the HTTP port (port = 9005 in {file})",
+                "pick another grpc_port in {file}",
+            ],
+            ["--grpc-port", "--port"],
+        ),
+        (
+            "grpc_port = 9006\n",
+            ("--port", "9006"),
+            ["grpc_port = 9006 in {file} is also the HTTP port (--port 9006)"],
+            ["--grpc-port"],
+        ),
+        (
+            'host = "localhost:8000"\n',
+            (),
+            [
+                "host = 'localhost:8000' in {file} is not an address",
+                "and the port with its own key, port",
+            ],
+            ["--host", "--port"],
+        ),
+    ],
+)
+def test_serve_errors_name_the_setting_as_it_was_given(
+    tmp_path: Path, lines: str, args: tuple[str, ...], said: list[str], unsaid: list[str]
+) -> None:
+    config = tmp_path / "server.toml"
+    config.write_text(lines)
+    result = invoke("serve", "--config", str(config), *args)
+    assert result.exit_code == 2, result.output
+    output = " ".join(result.output.split())
+    for fragment in said:
+        assert fragment.format(file=config) in output
+    for fragment in unsaid:
+        assert fragment.format(file=config) not in output
+
+
 @pytest.mark.parametrize("token", ["", "   ", " padded", "tab\there"])
 def test_serve_refuses_an_admin_token_nobody_could_send(token: str) -> None:
     # An empty token would let "Authorization: Bearer " through.

@@ -1274,7 +1274,7 @@ def test_one_port_for_http_and_grpc_is_a_usage_error(repository: Path) -> None:
         ],
     )
     assert result.exit_code == 2
-    assert "--grpc-port 18123 is also the HTTP --port" in result.output
+    assert "--grpc-port 18123 is also the HTTP port (--port 18123)" in result.output
 
 
 def test_no_grpc_serves_http_only(repository: Path, tmp_path: Path) -> None:

@@ -142,6 +142,53 @@ def test_strings_are_passed_as_objects() -> None:
     assert out["s"].dtype == object
 
 
+STRINGS = ModelSignature(
+    inputs=(TensorSpec("s", np.dtype(object), ("batch", None), "tensor(string)"),), outputs=()
+)
+
+
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [
+        (np.array([["a", 1]], dtype=object), "got int 1 at index [0, 1]"),
+        (np.array([["a"], [2.5]], dtype=object), "got float 2.5 at index [1, 0]"),
+        (np.array([[None]], dtype=object), "got NoneType None at index [0, 0]"),
+        ([["a", 7]], None),
+        (np.array([[1, 2]]), "got int 1 at index [0, 0]"),  # int64, cast to object
+    ],
+)
+def test_string_inputs_hold_only_str_or_bytes(value: object, message: str | None) -> None:
+    limits = InputLimits(casting="same_kind")
+    if message is None:
+        # numpy turns a list that mixes str and int into str: nothing is left to refuse.
+        out = validate_inputs("m", STRINGS, {"s": value}, limits)
+        assert out["s"].tolist() == [["a", "7"]]
+        return
+    with pytest.raises(InvalidInput) as info:
+        validate_inputs("m", STRINGS, {"s": value}, limits)
+    assert str(info.value).startswith(
+        "input 's' of model 'm' is a string (BYTES) tensor: its elements must be bytes or str"
+    )
+    assert message in str(info.value)
+
+
+def test_string_inputs_take_str_bytes_and_numpy_strings() -> None:
+    value = np.array([["a", b"b", np.str_("c"), np.bytes_(b"d")]], dtype=object)
+    out = validate_inputs("m", STRINGS, {"s": value}, LIMITS)
+    assert out["s"] is value
+
+
+def test_numbers_for_a_string_input_are_told_to_send_strings() -> None:
+    with pytest.raises(InvalidInput) as info:
+        validate_inputs("m", STRINGS, {"s": np.array([[1, 2]])}, LIMITS)
+    message = str(info.value)
+    assert "has dtype int64; the model expects object[batch, ?]" in message
+    assert "numpy.object" not in message
+    assert "datatype object" not in message
+    assert "str or bytes" in message
+    assert "datatype BYTES" in message
+
+
 def test_unsupported_element_type_is_refused() -> None:
     sig = ModelSignature(
         inputs=(TensorSpec("x", None, ("batch",), "tensor(bfloat16)"),), outputs=()

@@ -78,6 +78,21 @@ async def test_every_numpy_dtype_round_trips(model_dir: Path, dtype: type) -> No
         np.testing.assert_array_equal(out["y"], x.astype(object) if dtype is np.str_ else x)
 
 
+async def test_a_string_input_holding_numbers_is_invalid_input(model_dir: Path) -> None:
+    # ONNX Runtime would take str(1) for the 1 without a word; the engine refuses it first.
+    path = models.write_identity(model_dir / "id_strings.onnx", dtype=object, shape=["batch"])
+    async with open_engine() as engine:
+        await engine.load(ModelConfig(name="id", path=path))
+        with pytest.raises(trioinfer.InvalidInput) as info:
+            await engine.infer("id", {"x": np.array(["a", 1], dtype=object)})
+        assert str(info.value) == (
+            "input 'x' of model 'id' is a string (BYTES) tensor: its elements must be bytes "
+            "or str, got int 1 at index 1"
+        )
+        out = await engine.infer("id", {"x": np.array(["a", "b"], dtype=object)})
+        assert out["y"].tolist() == ["a", "b"]
+
+
 @pytest.mark.parametrize("dispatch", ["thread", "ort_async"])
 async def test_cancelled_execution_is_terminated_in_ort(slow_model: Path, dispatch: str) -> None:
     backend = OnnxRuntimeBackend()

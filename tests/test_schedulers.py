@@ -743,3 +743,125 @@ def test_fair_forgets_everything_when_the_last_request_is_cancelled() -> None:
     scheduler.push(first)
     scheduler.push(second)
     assert [scheduler.pop(), scheduler.pop()] == [first, second]
+
+
+# -- a push that fails leaves the scheduler as it was ---------------------------------
+# The engine hands the caller of a push that raised a PluginContractError and keeps the
+# model serving (trioinfer.abc.Scheduler), so whatever push raises, it must raise before
+# it changed anything: every request held before, and every one pushed after, still
+# comes out exactly once, in the scheduler's order.
+
+
+def drained(scheduler: Scheduler) -> list[Request]:
+    """Pop until empty, checking that len() counts down to 0 with it."""
+    popped = []
+    while len(scheduler):
+        shown = scheduler.peek()
+        request = scheduler.pop()
+        assert request is shown
+        popped.append(request)
+    with pytest.raises(IndexError):
+        scheduler.pop()
+    with pytest.raises(IndexError):
+        scheduler.peek()
+    return popped
+
+
+BAD_REQUESTS: dict[str, tuple[Callable[[], Scheduler], dict[str, Any]]] = {
+    "priority-str": (PriorityScheduler, {"priority": "high"}),
+    "priority-float": (PriorityScheduler, {"priority": 1.5}),
+    "priority-strict-str": (lambda: PriorityScheduler(max_wait=None), {"priority": "high"}),
+    "priority-arrival-nan": (PriorityScheduler, {"priority": 7, "arrival": math.nan}),
+    "priority-arrival-str": (PriorityScheduler, {"priority": 7, "arrival": "now"}),
+    "priority-arrival-str-old-level": (PriorityScheduler, {"priority": 1, "arrival": "now"}),
+    "deadline-nan": (DeadlineScheduler, {"deadline": math.nan}),
+    "deadline-str": (DeadlineScheduler, {"deadline": "soon"}),
+    "fair-rows-str": (FairScheduler, {"tenant": "c", "rows": "2"}),
+    "fair-rows-str-old-tenant": (FairScheduler, {"tenant": "a", "rows": "2"}),
+    "fair-rows-negative": (FairScheduler, {"tenant": "c", "rows": -5}),
+}
+
+
+@pytest.mark.parametrize("first", [False, True], ids=["among-others", "into-empty"])
+@pytest.mark.parametrize(("factory", "bad"), BAD_REQUESTS.values(), ids=BAD_REQUESTS.keys())
+def test_a_refused_push_changes_nothing(
+    factory: Callable[[], Scheduler], bad: dict[str, Any], first: bool
+) -> None:
+    def requests() -> list[Request]:
+        return [
+            make_request(priority=p, tenant=t, deadline=d)
+            for p, t, d in [(1, "a", 3.0), (0, "b", 1.0), (2, "a", 2.0), (0, "b", math.inf)]
+        ]
+
+    # What the scheduler does with these requests when nothing goes wrong.
+    control = factory()
+    expected = requests()
+    for request in expected:
+        control.push(request)
+    order = [expected.index(r) for r in drained(control)]
+
+    scheduler = factory()
+    pushed = requests()
+    before, after = ([], pushed) if first else (pushed[:2], pushed[2:])
+    for request in before:
+        scheduler.push(request)
+    with pytest.raises((TypeError, ValueError)):
+        scheduler.push(make_request(**bad))
+    assert len(scheduler) == len(before)
+    for request in after:
+        scheduler.push(request)
+    assert drained(scheduler) == [pushed[i] for i in order]
+    # And it goes on working once emptied.
+    again = requests()
+    for request in again:
+        scheduler.push(request)
+    assert drained(scheduler) == [again[i] for i in order]
+
+
+def test_priority_push_that_fails_between_its_structures_changes_nothing(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A new level goes into two sorted structures (levels, and heads for aging): the
+    # second add failing (MemoryError, say) must take the first back.
+    scheduler = PriorityScheduler()
+    low, high = make_request(priority=0), make_request(priority=5)
+    scheduler.push(low)
+    real_add = SortedKeys.add
+    calls = 0
+
+    def add_once_then_fail(self: SortedKeys[Any], key: Any) -> None:
+        nonlocal calls
+        calls += 1
+        if calls == 2:
+            raise MemoryError
+        real_add(self, key)
+
+    monkeypatch.setattr(SortedKeys, "add", add_once_then_fail)
+    with pytest.raises(MemoryError):
+        scheduler.push(make_request(priority=3))
+    monkeypatch.undo()
+    assert calls == 2
+    assert len(scheduler) == 1
+    scheduler.push(high)
+    assert drained(scheduler) == [high, low]
+
+
+def test_fair_push_that_fails_midway_changes_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
+    # A new tenant is written into its queue, its tag, the heap and the active weight:
+    # a failure reading its weight must leave none of them changed.
+    scheduler = FairScheduler(weights={"a": 2.0})
+    first = make_request(tenant="a")
+    scheduler.push(first)
+
+    def broken_weight(self: FairScheduler, tenant: str | None) -> float:
+        raise MemoryError
+
+    monkeypatch.setattr(FairScheduler, "weight", broken_weight)
+    with pytest.raises(MemoryError):
+        scheduler.push(make_request(tenant="b"))
+    monkeypatch.undo()
+    assert len(scheduler) == 1
+    later = [make_request(tenant="b"), make_request(tenant="a"), make_request(tenant="b")]
+    for request in later:
+        scheduler.push(request)
+    assert sorted(map(id, drained(scheduler))) == sorted(map(id, [first, *later]))

@@ -856,13 +856,27 @@ async def test_tritons_sequence_client_calls_over_http(tmp_path: Path) -> None:
     assert out["string0"] == list(np.cumsum([20, *[-v for v in values]]))
     assert out["inputs"] == ["INPUT"]
     assert out["config"]["max_batch_size"] == 4
+    # As Triton prints it: every field of the message, at its default when unset.
     assert out["config"]["sequence_batching"] == {
         "max_sequence_idle_microseconds": 60_000_000,
-        "oldest": {},
+        "oldest": {
+            "max_candidate_sequences": 0,
+            "preferred_batch_size": [],
+            "max_queue_delay_microseconds": 0,
+            "preserve_ordering": False,
+        },
         "control_input": [
             {
                 "name": "START",
-                "control": [{"kind": "CONTROL_SEQUENCE_START", "int32_false_true": [0, 1]}],
+                "control": [
+                    {
+                        "kind": "CONTROL_SEQUENCE_START",
+                        "int32_false_true": [0, 1],
+                        "fp32_false_true": [],
+                        "data_type": "TYPE_INVALID",
+                        "bool_false_true": [],
+                    }
+                ],
             }
         ],
         "state": [
@@ -874,8 +888,11 @@ async def test_tritons_sequence_client_calls_over_http(tmp_path: Path) -> None:
                 "initial_state": [
                     {"data_type": "TYPE_INT32", "dims": [1], "name": "initial", "zero_data": True}
                 ],
+                "use_same_buffer_for_input_output": False,
+                "use_growable_memory": False,
             }
         ],
+        "iterative_sequence": False,
     }
     assert out["config"]["trioinfer"]["sequence"]["state"] == [
         {"input": "STATE_IN", "output": "STATE_OUT", "initial": 0}

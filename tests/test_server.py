@@ -563,6 +563,15 @@ def test_model_metadata(client: triton.InferenceServerClient) -> None:
     assert client.get_model_metadata("versioned", "1")["versions"] == ["1"]
 
 
+#: What Triton prints of a ModelInput that leaves its other fields unset.
+INPUT_DEFAULTS = {
+    "format": "FORMAT_NONE",
+    "is_shape_tensor": False,
+    "allow_ragged_batch": False,
+    "optional": False,
+}
+
+
 def test_model_config_comes_from_config_toml_not_pbtxt(
     client: triton.InferenceServerClient,
 ) -> None:
@@ -574,8 +583,8 @@ def test_model_config_comes_from_config_toml_not_pbtxt(
     assert config["max_batch_size"] == 16
     assert config["dynamic_batching"]["max_queue_delay_microseconds"] == 2000
     assert config["input"] == [
-        {"name": "a", "data_type": "TYPE_FP32", "dims": [4]},
-        {"name": "b", "data_type": "TYPE_FP32", "dims": [4]},
+        {"name": "a", "data_type": "TYPE_FP32", "dims": [4], **INPUT_DEFAULTS},
+        {"name": "b", "data_type": "TYPE_FP32", "dims": [4], **INPUT_DEFAULTS},
     ]
     assert config["trioinfer"]["batcher"] == "dynamic"
 
@@ -584,11 +593,30 @@ def test_model_without_config_toml_gets_defaults(client: triton.InferenceServerC
     config = client.get_model_config("mlp")
     assert config["max_batch_size"] == 0
     assert "dynamic_batching" not in config
-    assert config["input"] == [{"name": "input", "data_type": "TYPE_FP32", "dims": [-1, 8]}]
-    assert config["output"] == [{"name": "output", "data_type": "TYPE_FP32", "dims": [-1, 3]}]
+    # As Triton prints it: every field of the message, at its default when unset.
+    assert config["input"] == [
+        {"name": "input", "data_type": "TYPE_FP32", "dims": [-1, 8], **INPUT_DEFAULTS}
+    ]
+    assert config["output"] == [
+        {
+            "name": "output",
+            "data_type": "TYPE_FP32",
+            "dims": [-1, 3],
+            "label_filename": "",
+            "is_shape_tensor": False,
+        }
+    ]
     assert config["trioinfer"]["batcher"] == "none"
     assert config["instance_group"] == [
-        {"name": "mlp_0", "kind": "KIND_CPU", "count": 1, "gpus": []}
+        {
+            "name": "mlp_0",
+            "kind": "KIND_CPU",
+            "count": 1,
+            "gpus": [],
+            "profile": [],
+            "passive": False,
+            "host_policy": "",
+        }
     ]
 
 

@@ -1174,7 +1174,14 @@ def test_binary_data_missing_or_left_over() -> None:
         (one(datatype="UINT16", data=["1", 2]), ["input 'x'", "must be numbers", '"1"']),
         (one(datatype="BOOL", data=[1, 0]), ["input 'x'", "BOOL data must be true or false", "1"]),
         (one(datatype="BOOL", data=[True, None]), ["input 'x'", "true or false", "null"]),
-        (one(datatype="BYTES", data=["a", 1]), ["input 'x'", "BYTES data must be strings", "1"]),
+        (
+            one(datatype="BYTES", data=["a", 1]),
+            ["input 'x'", "BYTES data must be strings; got 1 at index 1"],
+        ),
+        (
+            one(datatype="BYTES", shape=[2, 2], data=[["a", "b"], ["c", 2.5]]),
+            ["input 'x'", "BYTES data must be strings; got 2.5 at index 3 of the flattened"],
+        ),
         (one(datatype="BYTES", data=["a", ["b"]]), ["input 'x'", "BYTES data must be strings"]),
         (
             one(datatype="BYTES", shape=[2, 1], data=[["a"], ["b", "c"]]),

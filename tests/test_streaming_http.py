@@ -101,6 +101,42 @@ async def serving(root: Path) -> AsyncIterator[httpx.AsyncClient]:
         nursery.cancel_scope.cancel()
 
 
+async def test_a_streaming_models_config_loads_back(repository: Path) -> None:
+    # GET .../config answers model_transaction_policy for a streaming model; sent back in
+    # a load override (as Triton's clients do), it is checked against the model, not refused
+    # as a key config.toml does not have.
+    async with serving(repository) as client:
+        for model in ("repeat_int32", "plain"):
+            answered = (await client.get(f"/v2/models/{model}/config")).json()
+            override = {k: v for k, v in answered.items() if k not in ("version", "trioinfer")}
+            override.setdefault("model_transaction_policy", {"decoupled": False})
+            loaded = await client.post(
+                f"/v2/repository/models/{model}/load",
+                json={"parameters": {"config": json.dumps(override)}},
+            )
+            assert loaded.status_code == 200, loaded.text
+            assert (await client.get(f"/v2/models/{model}/config")).json() == answered
+        wrong = await client.post(
+            "/v2/repository/models/plain/load",
+            json={
+                "parameters": {
+                    "config": json.dumps({"model_transaction_policy": {"decoupled": True}})
+                }
+            },
+        )
+        bad = await client.post(
+            "/v2/repository/models/plain/load",
+            json={"parameters": {"config": json.dumps({"model_transaction_policy": True})}},
+        )
+    assert wrong.status_code == 400
+    assert (
+        "says model_transaction_policy decoupled: true, but the model does not stream"
+        in (wrong.json()["error"])
+    )
+    assert bad.status_code == 400
+    assert 'model_transaction_policy must be {"decoupled": true}' in bad.json()["error"]
+
+
 def events(text: str) -> list[Any]:
     """The JSON of each server-sent event in *text*, checking the framing."""
     assert text.endswith("\n\n")

@@ -588,7 +588,9 @@ def test_serve_exports_spans_with_the_console_exporter(tmp_path: Path) -> None:
     assert '"service.name": "svc"' in out
 
 
-def test_serve_says_tracing_needs_the_otel_extra(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_serve_says_tracing_needs_the_otel_extra(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
     from click.testing import CliRunner
 
     from trioinfer.cli import main
@@ -597,6 +599,13 @@ def test_serve_says_tracing_needs_the_otel_extra(monkeypatch: pytest.MonkeyPatch
     result = CliRunner().invoke(main, ["serve", "--port", "0", "--trace-exporter", "console"])
     assert result.exit_code == 1
     assert "--trace-exporter console needs the 'otel' extra" in result.output
+    # Set in a --config file, the message names the file's key, not the flag.
+    config = tmp_path / "server.toml"
+    config.write_text('trace_exporter = "console"\n')
+    result = CliRunner().invoke(main, ["serve", "--port", "0", "--config", str(config)])
+    assert result.exit_code == 1
+    said = " ".join(result.output.split())
+    assert f"trace_exporter = 'console' in {config} needs the 'otel' extra" in said
 
 
 @pytest.mark.grpc

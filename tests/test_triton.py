@@ -14,10 +14,12 @@ from __future__ import annotations
 import base64
 import importlib.util
 import json
+import logging
 import os
 import sys
 import uuid
 from collections.abc import Iterator
+from functools import partial
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -26,6 +28,7 @@ import httpx
 import numpy as np
 import onnx
 import pytest
+import trio
 import tritonclient.http as httpclient
 import tritonclient.utils.shared_memory as shm
 from onnx import TensorProto, helper
@@ -34,10 +37,12 @@ from tritonclient.utils import InferenceServerException
 
 import trioinfer
 from test_server import Server, run_server
-from trioinfer import ConfigError
+from trioinfer import ConfigError, Device
+from trioinfer.server import serve_http
 from trioinfer.server._cuda_ipc import probe
 from trioinfer.server._shm import SharedMemoryError, SystemSharedMemory
 from trioinfer.server._triton import TritonModel, _model_config_class
+from trioinfer_onnxruntime import probe_device
 
 pytestmark = [pytest.mark.shm, pytest.mark.triton_config]
 
@@ -689,18 +694,90 @@ def test_triton_config_is_served_as_triton_shaped(
     assert config["name"] == "simple"
     assert config["platform"] == "onnxruntime_onnx"
     assert config["max_batch_size"] == 8
-    assert config["input"][0] == {"name": "INPUT0", "data_type": "TYPE_INT32", "dims": [16]}
+    # As Triton prints it: every field of the message, at its default when unset.
+    assert config["input"][0] == {
+        "name": "INPUT0",
+        "data_type": "TYPE_INT32",
+        "dims": [16],
+        **INPUT_DEFAULTS,
+    }
     assert config["dynamic_batching"] == {
         "preferred_batch_size": [4, 8],
         "max_queue_delay_microseconds": 500,
+        "preserve_ordering": False,
+        "priority_levels": 0,
+        "default_priority_level": 0,
+        "priority_queue_policy": {},
     }
-    assert config["instance_group"] == [{"kind": "KIND_CPU", "count": 2}]
+    assert config["instance_group"] == [
+        {"name": "simple_0", "kind": "KIND_CPU", "count": 2, "gpus": [], **GROUP_DEFAULTS}
+    ]
+    assert config["default_model_filename"] == ""
+    assert config["parameters"] == {}
     assert config["trioinfer"]["batcher_options"]["max_queue_delay"] == 0.0005
     assert [i["count"] for i in config["trioinfer"]["instances"]] == [2]
     # Without input and output in config.pbtxt, they come from the model (auto-complete).
     classifier = client.get_model_config("classifier")
-    assert classifier["input"] == [{"name": "IMAGE", "data_type": "TYPE_FP32", "dims": [5]}]
+    assert classifier["input"] == [
+        {"name": "IMAGE", "data_type": "TYPE_FP32", "dims": [5], **INPUT_DEFAULTS}
+    ]
     assert classifier["dynamic_batching"]["priority_levels"] == 3
+
+
+CUDA_REASON = probe_device(Device("cuda", 0))
+#: What Triton prints of a ModelInput, or a ModelInstanceGroup, that leaves them unset.
+INPUT_DEFAULTS = {
+    "format": "FORMAT_NONE",
+    "is_shape_tensor": False,
+    "allow_ragged_batch": False,
+    "optional": False,
+}
+GROUP_DEFAULTS = {"profile": [], "passive": False, "host_policy": ""}
+
+
+@pytest.mark.skipif(CUDA_REASON is None, reason="CUDA is usable here; this checks the fallback")
+async def test_a_gpu_instance_group_that_runs_on_the_cpu_says_so(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # The ONNX Runtime backend falls back to the CPU (cpu_fallback, on by default) and
+    # says why; /config then says what runs, not what config.pbtxt asked for.
+    write_simple(tmp_path / "g" / "1" / "model.onnx")
+    pbtxt = SIMPLE_PBTXT.replace('name: "simple"', 'name: "g"')
+    pbtxt = pbtxt.replace("{ kind: KIND_CPU count: 2 }", "{ kind: KIND_GPU count: 2 }")
+    (tmp_path / "g" / "config.pbtxt").write_text(pbtxt)
+    with caplog.at_level(logging.WARNING):
+        async with trio.open_nursery() as nursery:
+            listening = await nursery.start(
+                partial(serve_http, tmp_path, host="127.0.0.1", port=0, handle_signals=False)
+            )
+            async with httpx.AsyncClient(base_url=listening.urls[0]) as http:
+                config = (await http.get("/v2/models/g/config")).json()
+                # What /config says loads back as it is, and says the same again.
+                reload = await http.post(
+                    "/v2/repository/models/g/load",
+                    json={"parameters": {"config": json.dumps(_without_trioinfer_keys(config))}},
+                )
+                assert reload.status_code == 200, reload.text
+                again = (await http.get("/v2/models/g/config")).json()
+            nursery.cancel_scope.cancel()
+    assert config["instance_group"] == [
+        {"name": "g_0", "kind": "KIND_CPU", "count": 2, "gpus": [], **GROUP_DEFAULTS}
+    ]
+    assert config["trioinfer"]["instances"][0]["device"] == "cuda:0"  # what was asked
+    # Loaded back, it asks for the CPU and runs there: the same answer, now as asked.
+    assert again["trioinfer"]["instances"][0]["device"] == "cpu"
+    assert {k: v for k, v in again.items() if k != "trioinfer"} == {
+        k: v for k, v in config.items() if k != "trioinfer"
+    }
+    backend = [r.getMessage() for r in caplog.records if r.name == "trioinfer.onnxruntime"]
+    assert len(backend) == 2
+    assert all("cuda:0 is not usable (" in m and "running on the CPU" in m for m in backend)
+    (server,) = [r.getMessage() for r in caplog.records if r.name == "trioinfer.server"]
+    assert server == (
+        "model 'g' version 1: its instance_group asked for KIND_GPU (cuda:0 x2) but runs on "
+        "cpu, cpu; the backend's warnings above say why, and GET /v2/models/g/config reports "
+        "the instance_group that runs (KIND_CPU)"
+    )
 
 
 def test_simple_http_infer_client_on_a_triton_repository(
@@ -732,6 +809,18 @@ def test_simple_http_infer_client_on_a_triton_repository(
     result = client.infer("simple", inputs, outputs=None, request_compression_algorithm="deflate")
     np.testing.assert_array_equal(result.as_numpy("OUTPUT0"), input0 + input1)
     np.testing.assert_array_equal(result.as_numpy("OUTPUT1"), input0 - input1)
+
+
+def test_bytes_data_that_holds_numbers_is_a_400(server: Server) -> None:
+    # A JSON BYTES input whose data are numbers: refused before the model, which would
+    # have taken each number's str() without a word, and saying which element it was.
+    strings = {"name": "INPUT1", "shape": [1, 16], "datatype": "BYTES", "data": ["1"] * 16}
+    numbers = {**strings, "name": "INPUT0", "data": ["1"] * 3 + [4] + ["1"] * 12}
+    with httpx.Client(base_url=server.url) as http:
+        answer = http.post("/v2/models/simple_string/infer", json={"inputs": [numbers, strings]})
+    assert answer.status_code == 400
+    assert "input 'INPUT0'" in answer.json()["error"]
+    assert "BYTES data must be strings; got 4 at index 3" in answer.json()["error"]
 
 
 def test_ensemble_runs_as_a_pipeline(client: httpclient.InferenceServerClient) -> None:
@@ -1118,7 +1207,18 @@ def test_the_config_answered_can_be_sent_back_in_a_load_override(
         assert client.get_model_config(model)["max_batch_size"] == 16
         client.load_model(model)
     groups = client.get_model_config("classifier")["instance_group"]
-    assert groups == [{"name": "classifier_0", "kind": "KIND_CPU", "count": 1, "gpus": []}]
+    assert groups == [
+        {"name": "classifier_0", "kind": "KIND_CPU", "count": 1, "gpus": [], **GROUP_DEFAULTS}
+    ]
+    # Every config answered loads back unchanged: loaded with it, a model answers it again
+    # (the parts worked out from the model and those config.pbtxt gives print alike, with
+    # their defaults; an ensemble answers no backend and no instance_group, which Triton
+    # refuses in one).
+    for model in ("simple", "simple_string", "classifier", "ensemble", "classify_ensemble"):
+        answered = client.get_model_config(model)
+        client.load_model(model, config=json.dumps(_without_trioinfer_keys(answered)))
+        assert client.get_model_config(model) == answered, model
+        client.load_model(model)
     # Another name, or another version policy, is still refused, and says why.
     with pytest.raises(InferenceServerException, match="differs from the directory's name"):
         client.load_model("simple", config=json.dumps({"name": "other"}))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from collections import OrderedDict
+from numbers import Real
 from operator import attrgetter
 from typing import final
 
@@ -75,13 +76,20 @@ class DeadlineScheduler:
     def push(self, request: Request) -> None:
         """Queue *request* by its deadline.
 
+        All or nothing: what it raises, it raises before it changed anything.
+
         Raises:
             DeadlineExceeded: With *refuse_late*, the request cannot finish in time.
+            TypeError: The request's deadline is not a real number.
+            ValueError: Its deadline is NaN (it would sort nowhere, and spoil the
+                order of every request queued after it).
         """
         deadline = request.deadline
         if deadline == math.inf:
             self._open[request] = None
             return
+        if deadline.__class__ is not float or deadline != deadline:
+            _check_deadline(deadline)
         if self._refuse_late and self._context is not None:
             self._check_in_time(request)
         self._queue.add(deadline, request)
@@ -138,4 +146,17 @@ class DeadlineScheduler:
             f"({ahead} waiting request(s) with an earlier or equal deadline run first on "
             f"{instances} instance(s), then its own execution, at about {per_execution:.4f}s "
             f"per execution); nothing was computed"
+        )
+
+
+def _check_deadline(deadline: object) -> None:
+    # A deadline that is not a plain float, or is NaN: a real number, or TypeError/ValueError.
+    if isinstance(deadline, bool) or not isinstance(deadline, Real):
+        raise TypeError(
+            f"deadline scheduler: a request's deadline must be a time in seconds (or inf), "
+            f"got {deadline!r} ({type(deadline).__name__})"
+        )
+    if math.isnan(deadline):
+        raise ValueError(
+            "deadline scheduler: a request's deadline must be a time in seconds (or inf), got NaN"
         )

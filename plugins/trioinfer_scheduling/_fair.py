@@ -6,6 +6,7 @@ import heapq
 import itertools
 from collections import OrderedDict
 from collections.abc import Mapping
+from numbers import Real
 from typing import final
 
 from trioinfer import ConfigError
@@ -120,20 +121,37 @@ class FairScheduler:
         return self._weights.get(tenant, self._default)
 
     def push(self, request: Request) -> None:
-        """Add *request* at the back of its tenant's queue."""
+        """Add *request* at the back of its tenant's queue.
+
+        All or nothing: what it raises, it raises before it changed anything, so
+        the requests already held still come out exactly once, in order.
+
+        Raises:
+            TypeError: The request's tenant is not hashable, or its rows not a number.
+            ValueError: Its rows are negative or NaN (they move its tenant's
+                virtual time, which must never go back).
+        """
         tenant = request.tenant
+        rows = request.rows
+        # pop() divides the rows by the weight once the request is out of its queue:
+        # rows that cannot be must be refused here, not there.
+        if rows.__class__ is not int or rows < 0:
+            _check_rows(rows)
         queue = self._queues.get(tenant)
         if queue is None:
-            # The tenant starts now, or where its last request finished if that is later.
-            queue = self._queues[tenant] = OrderedDict()
+            # The tenant starts now, or where its last request finished if that is
+            # later. Everything that can fail is read first; then the stores.
+            weight = self.weight(tenant)
             start = self._virtual_time
-            idle = self._idle.pop(tenant, None)
+            idle = self._idle.get(tenant)
             if idle is not None and idle[0] > start:
                 start = idle[0]
             tag = (start, next(self._numbers), tenant)
+            heapq.heappush(self._heap, tag)  # a tag no tenant owns yet is dropped lazily
+            self._idle.pop(tenant, None)
             self._tags[tenant] = tag
-            heapq.heappush(self._heap, tag)
-            self._active_weight += self.weight(tenant)
+            self._active_weight += weight
+            queue = self._queues[tenant] = OrderedDict()
         queue[request] = None
         self._count += 1
 
@@ -222,3 +240,14 @@ class FairScheduler:
             if len(self._idle_heap) > 32 + 2 * len(self._idle):
                 self._idle_heap = [t for t in self._idle_heap if self._idle.get(t[2]) is t]
                 heapq.heapify(self._idle_heap)
+
+
+def _check_rows(rows: object) -> None:
+    # Rows that are not a plain int, or negative: a number of at least 0, or TypeError/ValueError.
+    if isinstance(rows, bool) or not isinstance(rows, Real):
+        raise TypeError(
+            f"fair scheduler: a request's rows must be a number, got {rows!r} "
+            f"({type(rows).__name__})"
+        )
+    if not float(rows) >= 0:  # NaN is not
+        raise ValueError(f"fair scheduler: a request's rows must be 0 or more, got {rows!r}")

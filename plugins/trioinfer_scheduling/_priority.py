@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import math
+import operator
 from collections import OrderedDict
 from collections.abc import Callable
-from typing import final
+from numbers import Real
+from typing import SupportsIndex, final
 
 from trioinfer.lowlevel import Request, SchedulerContext
 
@@ -79,14 +81,38 @@ class PriorityScheduler:
         self._clock = context.current_time
 
     def push(self, request: Request) -> None:
-        """Add *request* at the back of its priority level."""
+        """Add *request* at the back of its priority level.
+
+        All or nothing: what it raises, it raises before it changed anything, so
+        the requests already held still come out exactly once, in order.
+
+        Raises:
+            TypeError: The request's priority is not an integer, or (with aging on)
+                its arrival is not a real number.
+            ValueError: With aging on, its arrival is NaN.
+        """
         level = request.priority
+        if level.__class__ is not int:
+            level = _checked_level(level)
+        heads = self._heads
+        if heads is not None:
+            # Every request may become its level's head, and heads are compared by
+            # arrival: refuse one that cannot be, now, not in a later pop.
+            arrival = request.arrival
+            if arrival.__class__ is not float or arrival != arrival:
+                _check_arrival(arrival)
         queue = self._levels.get(level)
         if queue is None:
-            queue = self._levels[level] = OrderedDict()
+            # A new level goes into the sorted levels and the heads: if the second
+            # add fails (MemoryError), the first is taken back.
             self._order.add(level)
-            if self._heads is not None:
-                self._heads.add((request.arrival, -level))
+            if heads is not None:
+                try:
+                    heads.add((request.arrival, -level))
+                except BaseException:
+                    self._order.remove(level)
+                    raise
+            queue = self._levels[level] = OrderedDict()
         queue[request] = None
         self._count += 1
         self._peeked = None
@@ -143,3 +169,25 @@ class PriorityScheduler:
         if not queue:
             del self._levels[level]
             self._order.remove(level)
+
+
+def _checked_level(level: object) -> int:
+    # A priority that is not a plain int: an integer all the same (numpy's, say), or
+    # TypeError. bool is refused, as the engine refuses it: True is not a priority.
+    if isinstance(level, bool) or not isinstance(level, SupportsIndex):
+        raise TypeError(
+            f"priority scheduler: a request's priority must be an integer, got {level!r} "
+            f"({type(level).__name__})"
+        )
+    return operator.index(level)
+
+
+def _check_arrival(arrival: object) -> None:
+    # An arrival that is not a plain float, or is NaN: a real number, or TypeError/ValueError.
+    if isinstance(arrival, bool) or not isinstance(arrival, Real):
+        raise TypeError(
+            f"priority scheduler: a request's arrival must be a time in seconds, got "
+            f"{arrival!r} ({type(arrival).__name__})"
+        )
+    if math.isnan(arrival):
+        raise ValueError("priority scheduler: a request's arrival must be a time, got NaN")

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, Literal, NoReturn, cast
+from typing import Any, Final, Literal, NoReturn, cast
 
 import attrs
 import numpy as np
@@ -432,8 +432,34 @@ def _validate(
                     f"inputs of model {model!r} disagree on the batch size: "
                     f"{batch[1]!r} has {batch[0]} rows, {spec.name!r} has {rows}"
                 )
+        if spec.dtype is not None and spec.dtype.kind == "O":
+            _check_strings(model, spec, array)
         arrays[spec.name] = array
     return arrays
+
+
+_STRING_TYPES: Final = frozenset({str, bytes})
+
+
+def _check_strings(model: str, spec: TensorSpec, array: np.ndarray[Any, Any]) -> None:
+    # A string tensor's elements are str or bytes. An object array holds anything, and
+    # ONNX Runtime turns what is not a string into its str() ("1", "None") without a
+    # word: refuse it here, where the message can say which element it was.
+    elements = array.ravel().tolist()  # of an object array: the elements themselves
+    if set(map(type, elements)) <= _STRING_TYPES:
+        return
+    found = next(((i, v) for i, v in enumerate(elements) if not isinstance(v, (str, bytes))), None)
+    if found is None:
+        return  # subclasses of str or bytes (numpy.str_, numpy.bytes_)
+    index, bad = found
+    where = index if array.ndim == 1 else [int(i) for i in np.unravel_index(index, array.shape)]
+    shown = repr(bad)
+    if len(shown) > 40:
+        shown = shown[:37] + "..."
+    raise InvalidInput(
+        f"input {spec.name!r} of model {model!r} is a string (BYTES) tensor: its elements "
+        f"must be bytes or str, got {type(bad).__name__} {shown} at index {where}"
+    )
 
 
 def _fixed_arrays(
@@ -523,12 +549,19 @@ def _as_array(
         return array.astype(object)
     if limits.casting != "no" and np.can_cast(array.dtype, want, casting=limits.casting):
         return array.astype(want)
-    hint = (
-        f"convert it with .astype(numpy.{want.name}), or over HTTP or gRPC send it as "
-        f"datatype {_V2_OF_NUMPY.get(want.name, want.name)}"
-        if limits.casting == "no"
-        else f"the configured casting {limits.casting!r} does not allow that conversion"
-    )
+    if limits.casting != "no":
+        hint = f"the configured casting {limits.casting!r} does not allow that conversion"
+    elif want == np.object_:
+        # numpy.object is no name, and "object" is no V2 datatype: say what strings are.
+        hint = (
+            "send str or bytes elements (an array of dtype str, bytes or object), or over "
+            "HTTP or gRPC send it as datatype BYTES"
+        )
+    else:
+        hint = (
+            f"convert it with .astype(numpy.{want.name}), or over HTTP or gRPC send it as "
+            f"datatype {_V2_OF_NUMPY.get(want.name, want.name)}"
+        )
     got = array.dtype.name
     if not array.dtype.isnative and array.dtype.newbyteorder("=") == want:
         # The model's dtype in the other byte order: say so, not "float32; expects float32".

@@ -235,7 +235,7 @@ def serve(ctx: click.Context, /, **options: Any) -> None:
     workers = settings["workers"]
     if not isinstance(workers, int) or isinstance(workers, bool) or workers < 1:
         raise click.UsageError(f"invalid server settings: workers must be >= 1, got {workers!r}")
-    _check_host(settings["host"])
+    _check_host(settings["host"], settings)
     try:
         limits = Limits(**settings.get("limits", {}))
         # Under --workers each worker builds its own provider: here they are only checked.
@@ -305,7 +305,7 @@ def serve(ctx: click.Context, /, **options: Any) -> None:
             tracing[0].shutdown()  # sends the spans still buffered
 
 
-def _check_host(host: object) -> None:
+def _check_host(host: object, settings: Mapping[str, Any] | None = None) -> None:
     # "localhost:8000" would fail later as an unknown name; say what --host takes now.
     if not isinstance(host, str) or not host.strip():
         raise click.UsageError(f"invalid server settings: host must be an address, got {host!r}")
@@ -313,9 +313,12 @@ def _check_host(host: object) -> None:
         try:
             ipaddress.IPv6Address(host)
         except ValueError:
+            said = _said(settings, "host") if settings is not None else f"--host {host!r}"
+            # Where the port goes, beside where the host came from.
+            port = "its own key, port" if not said.startswith("--") else "--port"
             raise click.UsageError(
-                f"--host {host!r} is not an address: give the address alone (127.0.0.1, "
-                "0.0.0.0, ::1, or a host name) and the port with --port"
+                f"{said} is not an address: give the address alone (127.0.0.1, "
+                f"0.0.0.0, ::1, or a host name) and the port with {port}"
             ) from None
 
 
@@ -329,7 +332,8 @@ def _tracing(settings: dict[str, Any], *, build: bool) -> tuple[Any, float] | No
             import opentelemetry.sdk  # noqa: F401  # only to say which extra is missing
         except ModuleNotFoundError as exc:
             raise click.ClickException(
-                f"--trace-exporter {exporter} needs the 'otel' extra, which is not installed "
+                f"{_said(settings, 'trace_exporter')} needs the 'otel' extra, which is not "
+                "installed "
                 f"(no module named {exc.name!r}): install trioinfer with it, e.g. "
                 "pip install -e '.[cpu,serve,otel]' in a clone"
             ) from exc
@@ -351,19 +355,37 @@ def _grpc_port(ctx: click.Context, settings: dict[str, Any]) -> int | None:
     if not settings["grpc"]:
         return None
     source = click.core.ParameterSource
+    from_file = settings.get(_FROM_FILE, {})
     port_given = (
         ctx.get_parameter_source("grpc_port") not in (None, source.DEFAULT)
+        or "grpc_port" in from_file
         or settings["grpc_port"] != DEFAULT_GRPC_PORT
     )
-    asked = port_given or ctx.get_parameter_source("grpc") not in (None, source.DEFAULT)
+    grpc_given = ctx.get_parameter_source("grpc") not in (None, source.DEFAULT) or (
+        "grpc" in from_file
+    )
+    asked = port_given or grpc_given
     if settings["workers"] > 1:
         if asked:
+            # What asked for gRPC, and for the workers, in the words the user chose.
+            by = _said(settings, "grpc_port" if port_given else "grpc")
+            fix = (
+                "drop --workers"
+                if "workers" not in from_file
+                else f"set workers = 1 in {from_file['workers']}"
+            )
+            fix += (
+                f", or grpc = false in {from_file['grpc_port' if port_given else 'grpc']} "
+                "(or pass --no-grpc)"
+                if ("grpc_port" if port_given else "grpc") in from_file
+                else " or pass --no-grpc"
+            )
             raise click.UsageError(
-                "gRPC is served by one process only, not with --workers N (N > 1); "
-                "drop --workers or pass --no-grpc"
+                f"gRPC is served by one process only, not with {_said(settings, 'workers')}, "
+                f"but {by} asks for it; {fix}"
             )
         logging.getLogger("trioinfer.server").warning(
-            "not serving gRPC: --workers %d serves HTTP only", settings["workers"]
+            "not serving gRPC: %s serves HTTP only", _said(settings, "workers")
         )
         return None
     missing = [m for m in ("grpc", "grpc_tools", "google.protobuf") if not _importable(m)]
@@ -383,8 +405,9 @@ def _grpc_port(ctx: click.Context, settings: dict[str, Any]) -> int | None:
     if grpc_port != 0 and grpc_port == settings["port"]:
         # Both would bind it, and the second would fail as "address in use".
         raise click.UsageError(
-            f"--grpc-port {grpc_port} is also the HTTP --port: HTTP and gRPC need a port "
-            "each; pick another --grpc-port (Triton's is 8001), or pass --no-grpc"
+            f"{_said(settings, 'grpc_port')} is also the HTTP port "
+            f"({_said(settings, 'port')}): HTTP and gRPC need a port each; pick another "
+            f"{_said_key(settings, 'grpc_port')} (Triton's is 8001), or pass --no-grpc"
         )
     return grpc_port
 
@@ -425,13 +448,47 @@ def _serve_settings(ctx: click.Context, options: dict[str, Any]) -> dict[str, An
         _check_string(config_file, "model_repository", data["model_repository"])
         data["model_repository"] = config_file.parent / data["model_repository"]
     params = {param.name: param for param in ctx.command.params}
+    from_file: dict[str, Path] = {}
     for key, value in data.items():
         source = ctx.get_parameter_source(key) if key in settings else None
         if key in ("limits", "model_repository"):
             settings[key] = value
+            from_file[key] = config_file
         elif source in (None, click.core.ParameterSource.DEFAULT):
             settings[key] = _file_value(ctx, params[key], config_file, key, value)
+            from_file[key] = config_file
+    settings[_FROM_FILE] = from_file
     return settings
+
+
+#: The settings key under which `_serve_settings` notes which came from --config (and its path).
+_FROM_FILE: Final = "_from_file"
+
+
+def _said(settings: Mapping[str, Any], key: str) -> str:
+    """*key* as the user set it, for a message: ``--grpc-port 9001`` or ``grpc_port = 9001 in F``.
+
+    A message that names a flag the user never typed (they wrote the key in
+    their --config file) sends them looking for it on a command line they
+    did not write.
+    """
+    value = settings[key]
+    where = settings.get(_FROM_FILE, {}).get(key)
+    if where is not None:
+        shown = str(value).lower() if isinstance(value, bool) else repr(value)
+        return f"{key} = {shown} in {where}"
+    flag = "--" + key.replace("_", "-")
+    if isinstance(value, bool):
+        return flag if value else f"--no-{key.replace('_', '-')}"
+    if isinstance(value, str) and not value.isidentifier():
+        return f"{flag} {value!r}"  # quoted where a shell would need it: 'localhost:8000'
+    return f"{flag} {value}"
+
+
+def _said_key(settings: Mapping[str, Any], key: str) -> str:
+    """*key*'s name as the user gave it: ``--grpc-port``, or ``grpc_port in F``."""
+    where = settings.get(_FROM_FILE, {}).get(key)
+    return f"{key} in {where}" if where is not None else "--" + key.replace("_", "-")
 
 
 def _file_value(

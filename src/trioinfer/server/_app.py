@@ -70,6 +70,7 @@ from ._metrics import InFlight, Metrics
 from ._models import ServedModels, ServedVersion
 from ._repository import VersionPolicy
 from ._shm import SystemSharedMemory
+from ._triton import with_defaults
 
 if TYPE_CHECKING:
     from ._workers import WorkerLink
@@ -511,11 +512,17 @@ def model_config_document(state: ServerState, served: ServedVersion) -> dict[str
         "name": served.model,
         "version": str(served.version),
         "platform": _platform(served),
-        "backend": config.backend,
+        # Triton's ensembles have no backend (one that names one is refused on load).
+        "backend": config.backend if config.backend != PIPELINE else "",
         "max_batch_size": max_batch,
         "input": [_tensor_config(t, skip) for t in signature.inputs],
         "output": [_tensor_config(t, skip) for t in signature.outputs],
-        "instance_group": _instance_groups(served.model, served.info.devices),
+        # Triton's ensembles have none (their steps' models do; one is refused on load).
+        "instance_group": (
+            _instance_groups(served.model, served.info.devices)
+            if config.backend != PIPELINE
+            else []
+        ),
         "trioinfer": {
             "scheduler": config.scheduler,
             "scheduler_options": dict(config.scheduler_options),
@@ -553,7 +560,24 @@ def model_config_document(state: ServerState, served: ServedVersion) -> dict[str
         # trioinfer worked out; what it leaves out (inputs, say) stays worked out.
         body.update(served.triton.json())
         body["name"] = served.model
-    return body
+        if served.fell_back:
+            # A KIND_GPU group that runs on the CPU (the backend fell back, and said
+            # why in the log): say what runs, as for a config.toml model, not what
+            # config.pbtxt asked for.
+            body["instance_group"] = _instance_groups(served.model, served.info.devices)
+    # As Triton prints it: every field of its message at its default when unset, so
+    # that the parts worked out here and those config.pbtxt gave read alike, and
+    # what is answered loads back (less version and trioinfer) and is answered again.
+    groups = body.get("instance_group")
+    if isinstance(groups, list):
+        # Triton names a group it was given without a name <model>_<n>, as here.
+        body["instance_group"] = [
+            {**group, "name": group.get("name") or f"{served.model}_{n}"}
+            if isinstance(group, dict)
+            else group
+            for n, group in enumerate(groups)
+        ]
+    return with_defaults(body)
 
 
 def _instance_groups(model: str, devices: Sequence[str]) -> list[dict[str, Any]]:

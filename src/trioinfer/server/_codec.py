@@ -1703,7 +1703,12 @@ def _bytes_from_json(spec: _Input, data: list[Any], expected: tuple[int, ...]) -
         raise RequestError(_uneven(spec))
     flat = array.ravel().tolist()
     if set(map(type, flat)) - {str}:
-        raise _bad_value(spec, _first(spec, lambda v: type(v) is not str), "strings")
+        # Which element, as the engine says it of an object array from Python.
+        index = next(i for i, value in enumerate(flat) if type(value) is not str)
+        raise RequestError(
+            f"{spec.where}: BYTES data must be strings; got {_show(flat[index])} at index "
+            f"{index} of the flattened data"
+        )
     return array.reshape(spec.shape)
 
 

@@ -77,6 +77,47 @@ class ServedVersion:
     labels: Mapping[str, tuple[str, ...]] = attrs.field(factory=dict)
     policy: VersionPolicy | None = None
 
+    @property
+    def fell_back(self) -> bool:
+        """Whether an instance runs elsewhere than its config asked (a GPU it ran without).
+
+        The backend decides (ONNX Runtime's falls back to the CPU, with a warning
+        that says why, when the config's ``cpu_fallback`` allows); ``info.devices``
+        says where each instance really runs, in the order the config lists them.
+        """
+        devices = self.info.devices
+        if not devices:
+            return False  # a pipeline: its steps' models have instances, it has none
+        asked = [
+            str(group.device) for group in self.info.config.instances for _ in range(group.count)
+        ]
+        return asked != list(devices)
+
+
+def _check_decoupled(decoupled: bool | None, info: ModelInfo, model: str) -> None:
+    # A load override's model_transaction_policy against the model that loaded.
+    if decoupled is not None and decoupled != info.decoupled:
+        raise ConfigError(
+            f"model {model!r}: the config override says model_transaction_policy "
+            f"decoupled: {str(decoupled).lower()}, but the model "
+            f"{'streams' if info.decoupled else 'does not stream'}; its own "
+            "config says whether it streams (the Python backend's decoupled "
+            "option): leave model_transaction_policy out, or say what it does"
+        )
+
+
+def _decoupled(policy: object, model: str) -> bool:
+    # model_transaction_policy of a load override: {"decoupled": bool} (or {}), as
+    # GET .../config answers it; anything else is refused, naming what was expected.
+    if isinstance(policy, Mapping) and set(policy) <= {"decoupled"}:
+        value = policy.get("decoupled", False)
+        if isinstance(value, bool):
+            return value
+    raise ConfigError(
+        f"model {model!r}: the config override's model_transaction_policy must be "
+        f'{{"decoupled": true}} or {{"decoupled": false}}, got {policy!r}'
+    )
+
 
 @final
 @attrs.define(eq=False)
@@ -299,6 +340,13 @@ class ServedModels:
             override = dict(override)
             traffic = parse_traffic(override.pop("traffic"))
             override = override or None
+        decoupled: bool | None = None
+        if isinstance(override, Mapping) and "model_transaction_policy" in override:
+            # What GET .../config answers for a streaming model, sent back: whether a
+            # model streams is its own (a Python generator), so this is only checked.
+            override = dict(override)
+            decoupled = _decoupled(override.pop("model_transaction_policy"), model)
+            override = override or None
         entry = self.repository.entry(model, override)
         wanted = entry.selected()
         if traffic is None:
@@ -340,6 +388,7 @@ class ServedModels:
                 self._say_why_a_step_is_missing(model, exc)
                 raise
             try:
+                _check_decoupled(decoupled, info, model)
                 _check_tensors(triton, info, model)
                 # A stateful model's control and state inputs, which its signature hides.
                 full = getattr(self.engine._runners.get(engine_name), "backend_signature", None)
@@ -366,6 +415,18 @@ class ServedModels:
                 version,
                 ", ".join(info.devices) or "its steps' models (a pipeline)",
             )
+            if triton is not None and served[version].fell_back:
+                # The backend said why, per instance; this ties it to what the user wrote.
+                log.warning(
+                    "model %r version %d: its instance_group asked for KIND_GPU (%s) but runs "
+                    "on %s; the backend's warnings above say why, and GET "
+                    "/v2/models/%s/config reports the instance_group that runs (KIND_CPU)",
+                    model,
+                    version,
+                    ", ".join(f"{group.device} x{group.count}" for group in info.config.instances),
+                    ", ".join(info.devices),
+                    model,
+                )
         # The new split takes effect once every version it names serves, and before
         # any version it no longer names is unloaded (after its requests drain).
         self._set_traffic(model, traffic)

@@ -30,7 +30,7 @@ import attrs
 from .._config import MAX_INSTANCES
 from .._exceptions import ConfigError
 
-__all__ = ["TRITON_FIELDS", "TritonModel"]
+__all__ = ["TRITON_FIELDS", "TritonModel", "with_defaults"]
 
 _EXTRA: Final = (
     "reading a Triton config.pbtxt needs protobuf: install the 'triton' extra "
@@ -409,6 +409,59 @@ def _numbers(value: Any, key: str = "") -> Any:
     if key in _INT64_KEYS and isinstance(value, str):
         return int(value)
     return value
+
+
+def with_defaults(doc: Mapping[str, Any], message: str = "ModelConfig") -> dict[str, Any]:
+    """*doc* (a ``ModelConfig`` in Triton's JSON form) with every field at its default printed.
+
+    As Triton answers ``GET .../config``: protobuf's JSON with
+    ``always_print_primitive_fields``, so every scalar, list and map of a
+    message that is there appears, at its default when unset (``"format":
+    "FORMAT_NONE"``, ``"gpus": []``, ``"parameters": {}``); a message field
+    that is unset stays out, and so does an unset member of a oneof. Clients
+    made for Triton read such fields without checking for them (its
+    image_client reads an input's ``format``). Only the fields trioinfer
+    reads are known here (the table above); keys it does not know (``version``,
+    ``model_transaction_policy``) are kept as they are. Needs no protobuf.
+    """
+    out = dict(doc)
+    for name, _number, kind, label, type_name, oneof in _MESSAGES[message]:
+        value = out.get(name)
+        entry = _MESSAGES.get(type_name) if type_name.endswith("Entry") else None
+        if value is None:
+            if oneof or (kind == _M and label == _ONE):
+                continue  # unset messages and oneof members are not printed
+            out[name] = (
+                {} if entry is not None else [] if label == _MANY else _default(kind, type_name)
+            )
+        elif kind == _M and entry is not None:
+            value_type = entry[1][4]  # the map's value: a message, or a scalar
+            if value_type in _MESSAGES and isinstance(value, Mapping):
+                out[name] = {k: with_defaults(v, value_type) for k, v in value.items()}
+        elif kind == _M and label == _MANY and isinstance(value, list):
+            out[name] = [
+                with_defaults(v, type_name) if isinstance(v, Mapping) else v for v in value
+            ]
+        elif kind == _M and isinstance(value, Mapping):
+            out[name] = with_defaults(value, type_name)
+    return out
+
+
+def _default(kind: int, type_name: str) -> Any:
+    # A scalar field's default as protobuf's JSON prints it (64-bit integers as numbers).
+    if kind == _S:
+        return ""
+    if kind == _B:
+        return False
+    if kind == _F:
+        return 0.0
+    if kind == _E:
+        enum = _ENUMS.get(type_name)
+        if enum is None:
+            outer, _, inner = type_name.rpartition(".")
+            enum = _NESTED_ENUMS[outer][inner]
+        return next(name for name, number in enum if number == 0)
+    return 0
 
 
 def _refuse(message: Any, allowed: set[str], where: str, what: str) -> None:
