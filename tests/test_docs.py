@@ -130,7 +130,8 @@ EXPECTED_OUTPUT = {
         "health: live 200, ready 200",
         "digits: versions ['2', '3'], inputs [('input', 'FP32', [-1, 64])]",
         "digits config: max_batch_size 32, {'preferred_batch_size': [], "
-        "'max_queue_delay_microseconds': 5000}",
+        "'max_queue_delay_microseconds': 5000, 'preserve_ordering': False, "
+        "'priority_levels': 0, 'default_priority_level': 0, 'priority_queue_policy': {}}",
         "mlp config: max_batch_size 0, {'scheduler': 'fifo', 'batcher': 'none',",
         "infer: labels [2, 8, 2, 6], expected [2, 8, 2, 6]",
         "infer: version 2 answered [2, 8, 2, 6]",
