@@ -208,6 +208,97 @@ async def test_a_scheduler_whose_remove_raises_as_a_caller_leaves(
             assert (stats.succeeded, stats.refused, stats.in_flight) == (1, 1, 0)
 
 
+class Miscounts(Breaks):
+    """A scheduler whose answers go wrong, silently, once told to: it raises nothing."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.drops = False  # push() keeps nothing: the caller would wait for ever
+        self.len_zero = False  # len() says 0 while it holds requests
+        self.pops_twice = False  # pop() keeps what it returns: hands it out again
+        self.pops_none = False  # pop() returns None, not a request
+
+    def push(self, request: Request) -> None:
+        if not self.drops:
+            super().push(request)
+
+    def pop(self) -> Request:
+        request = super().pop()
+        if self.pops_twice:
+            self._items.appendleft(request)
+        if self.pops_none:
+            return None  # type: ignore[return-value]  # the mistake under test
+        return request
+
+    def __len__(self) -> int:
+        return 0 if self.len_zero else super().__len__()
+
+
+@pytest.mark.parametrize(
+    ("fault", "said"),
+    [
+        ("drops", "len() is 0, but 3 requests were pushed into it"),
+        ("len_zero", "len() is 0, but 3 requests were pushed into it"),
+        # Seen in len() (one more than pushed) or in pop(), whichever the batcher asks first.
+        ("pops_twice", "which it had already returned | it lost requests, or miscounts them"),
+        ("pops_none", "pop() returned a 'NoneType' object, not a request pushed into it"),
+    ],
+)
+@pytest.mark.parametrize("batcher", ["none", "dynamic"])
+async def test_a_scheduler_that_loses_or_repeats_requests_takes_its_model_out(
+    autojump_clock: trio.testing.MockClock,
+    caplog: pytest.LogCaptureFixture,
+    fault: str,
+    said: str,
+    batcher: str,
+) -> None:
+    """Its callers get the scheduler's name at once: none waits for ever, the loop never spins.
+
+    A scheduler that drops a request, or miscounts, left its callers waiting
+    with no deadline for ever; one whose pop() handed a request out again had
+    the queue fail it as expired and pop it again, in a loop that never
+    yielded (the whole event loop hung, cancel scopes and all).
+    """
+    scheduler = Miscounts()
+    backend = FakeBackend(delay=1.0)
+    with trio.fail_after(60):
+        async with open_engine(
+            registry=registry(backend, schedulers={"miscounts": lambda: scheduler})
+        ) as engine:
+            await engine.load(config(scheduler="miscounts", batcher=batcher))
+            await engine.load(config("other"))
+            results: dict[int, BaseException | None] = {}
+
+            async def call(i: int, deadline: float) -> None:
+                with trio.move_on_after(deadline):
+                    results[i] = await outcome(engine, "m")
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(call, 0, 30)  # runs for 1 s
+                await trio.sleep(0.5)
+                setattr(scheduler, fault, True)
+                for i, deadline in enumerate((0.7, 30, 30), 1):  # the first may expire queued
+                    nursery.start_soon(call, i, deadline)
+                await trio.sleep(0.1)
+            assert results.pop(0) is None  # the running request was answered
+            # Each queued caller that was not cut off by its deadline was answered: the
+            # request handed out first may have run; the others got the error.
+            assert len(results) >= 2, "queued callers were left waiting, not answered"
+            failed = [error for error in results.values() if error is not None]
+            assert failed
+            for error in failed:
+                assert isinstance(error, trioinfer.PluginContractError), error
+                assert (error.kind, error.plugin) == ("schedulers", "miscounts")
+                assert "scheduler 'miscounts' of model 'm' broke its contract" in str(error)
+                assert any(part in str(error) for part in said.split(" | ")), error
+            refused = await outcome(engine, "m")
+            assert isinstance(refused, trioinfer.PluginContractError)
+            assert await outcome(engine, "other") is None
+            assert engine.statistics().models["m"].in_flight == 0
+    [record] = errors(caplog)
+    assert "model 'm' is out of service" in record.getMessage()
+
+
 async def test_a_batcher_that_raises_once_fails_what_it_held_and_the_model_goes_on(
     autojump_clock: trio.testing.MockClock, caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -731,7 +731,11 @@ class Scheduler(Protocol):
     fail with a `PluginContractError` naming the scheduler and the model (the
     scheduler's exception chained), later ones are refused with it, it is
     logged once with the traceback, and the engine and its other models go
-    on; loading the model again brings it back.
+    on; loading the model again brings it back. The same happens, without
+    an exception, when its answers cannot be right: a ``len()`` other than
+    the engine's own count of what it pushed and did not get back (a
+    request lost, whose caller would wait for ever), or a `pop()` or
+    `peek()` that returns a request again, one that ended, or no request.
     """
 
     def push(self, request: Request) -> None:
