@@ -442,6 +442,88 @@ async def test_a_plugin_whose_attach_raises_fails_the_load_naming_it() -> None:
             await engine.load(config(scheduler="u"))
 
 
+class _Returns:
+    """A backend whose load() returns what *make* makes of a good FakeInstance."""
+
+    def __init__(self, make: Any) -> None:
+        self._make = make
+        self.closed = 0
+
+    async def load(self, config: ModelConfig, placement: Any) -> Any:
+        instance = await FakeBackend().load(config, placement)
+        made = self._make(instance)
+        if made is not instance:
+            await instance.aclose()
+        return made
+
+
+class _Dressed:
+    """A FakeInstance with one attribute replaced."""
+
+    def __init__(self, instance: Any, owner: _Returns, **override: Any) -> None:
+        self._instance = instance
+        self._owner = owner
+        self._override = override
+
+    def __getattr__(self, name: str) -> Any:
+        return self._override.get(name, getattr(self._instance, name))
+
+    @property
+    def signature(self) -> Any:
+        return self._override.get("signature", self._instance.signature)
+
+    @property
+    def device(self) -> Any:
+        return self._override.get("device", self._instance.device)
+
+    async def execute(self, inputs: Any) -> Any:
+        return await self._instance.execute(inputs)
+
+    async def aclose(self) -> None:
+        self._owner.closed += 1
+        await self._instance.aclose()
+
+
+@pytest.mark.parametrize(
+    ("what", "said"),
+    [
+        ("none", "returned a 'NoneType' object, not a trioinfer.abc.BackendInstance"),
+        ("dict signature", "whose signature is a 'dict' object, not a trioinfer.ModelSignature"),
+        ("no device", "whose device is '', not a non-empty str"),
+    ],
+)
+async def test_a_backend_whose_load_returns_no_instance_fails_the_load_naming_it(
+    what: str, said: str
+) -> None:
+    """load() returning None failed with "instances report different signatures";
+    a signature that was a dict, with a bare TypeError (unhashable type)."""
+    backend: _Returns
+    makers = {
+        "none": lambda instance: None,
+        "dict signature": lambda instance: _Dressed(instance, backend, signature={"x": 1}),
+        "no device": lambda instance: _Dressed(instance, backend, device=""),
+    }
+    backend = _Returns(makers[what])
+    reg = trioinfer.Registry(extra={"backends": {"odd": lambda: backend}})
+    async with open_engine(registry=reg) as engine:
+        with pytest.raises(trioinfer.PluginContractError) as caught:
+            await engine.load(
+                ModelConfig(
+                    name="m",
+                    path="unused.onnx",
+                    backend="odd",
+                    instances=[trioinfer.Instance("cpu", count=2)],
+                )
+            )
+        assert (caught.value.kind, caught.value.plugin) == ("backends", "odd")
+        assert "backend 'odd' broke its contract: load() of instance" in str(caught.value)
+        assert said in str(caught.value)
+        assert status_for(caught.value) == 500
+        assert engine.models() == []
+    if what != "none":
+        assert backend.closed == 2  # what it did load is closed, not leaked
+
+
 def _repository(root: Path) -> Path:
     source = trioinfer.example_repository() / "digits"
     shutil.copytree(source, root / "digits")

@@ -701,6 +701,11 @@ class Backend(Protocol):
         the CPU when ``placement.cpu_fallback`` allows it (and report the real
         device in [`BackendInstance.device`][trioinfer.abc.BackendInstance.device]), else raise.
 
+        What it returns must be a `BackendInstance` whose ``signature`` is a
+        ``ModelSignature`` and whose ``device`` a non-empty ``str``; anything
+        else fails the load with a
+        [`PluginContractError`][trioinfer.PluginContractError] naming the backend.
+
         Raises:
             BackendUnavailable: The device cannot be used and no fallback is allowed.
             ConfigError: ``config.backend_options`` holds options the backend refuses.
