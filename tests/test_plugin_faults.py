@@ -524,6 +524,69 @@ async def test_a_backend_whose_load_returns_no_instance_fails_the_load_naming_it
         assert backend.closed == 2  # what it did load is closed, not leaked
 
 
+class _InlineOutputs:
+    """An instance that never suspends (an InlineInstance) and returns *outputs* of x."""
+
+    runs_inline = True
+
+    def __init__(self, make: Any) -> None:
+        self._make = make
+        self.signature = FakeBackend().signature
+        self.device = "cpu"
+
+    async def execute(self, inputs: Any) -> Any:
+        return self._make(inputs)
+
+    async def aclose(self) -> None:
+        pass
+
+
+@pytest.mark.parametrize(
+    ("make", "said"),
+    [
+        (lambda i: {"z": i["x"] * 2}, "returned outputs ['z'], but its signature declares ['y']"),
+        (
+            lambda i: {"y": i["x"] * 2, "extra": i["x"]},
+            "returned outputs ['extra', 'y'], but its signature declares ['y'] "
+            "(missing [], undeclared ['extra'])",
+        ),
+        (lambda i: {}, "returned outputs [], but its signature declares ['y'] (missing ['y']"),
+    ],
+)
+@pytest.mark.parametrize("path", ["alone", "dynamic", "inline"])
+async def test_a_backend_that_returns_other_outputs_fails_with_a_backend_error(
+    make: Any, said: str, path: str
+) -> None:
+    """Callers got a mapping without the outputs the signature promised (the server then
+    failed with a 500 of its own, or told a client that asked for 'y' that the model has
+    no such output, "it has 'y'")."""
+    backend: Any = FakeBackend(make)
+    if path == "inline":
+
+        class Inline:
+            async def load(self, config: ModelConfig, placement: Any) -> _InlineOutputs:
+                return _InlineOutputs(make)
+
+        backend = Inline()
+    reg = trioinfer.Registry(extra={"backends": {"fake": lambda: backend}})
+    with trio.fail_after(10):
+        async with open_engine(registry=reg) as engine:
+            await engine.load(config(batcher="dynamic" if path == "dynamic" else "none"))
+            results: list[BaseException] = []
+
+            async def call() -> None:
+                with pytest.raises(trioinfer.BackendError) as caught:
+                    await engine.infer("m", {"x": X})
+                results.append(caught.value)
+
+            async with trio.open_nursery() as nursery:
+                for _ in range(3 if path == "dynamic" else 1):
+                    nursery.start_soon(call)
+            for error in results:
+                assert "model 'm': instance 0 (cpu) " + said in str(error)
+                assert status_for(error) == 500
+
+
 def _repository(root: Path) -> Path:
     source = trioinfer.example_repository() / "digits"
     shutil.copytree(source, root / "digits")

@@ -28,7 +28,7 @@ import sniffio
 import trio.lowlevel
 
 from ._buffers import BufferPool
-from ._config import ModelConfig
+from ._config import PIPELINE, ModelConfig
 from ._dispatch import Execution, FallbackContext, Replica, ReplicaStatistics, logger
 from ._exceptions import (
     BackendError,
@@ -843,6 +843,10 @@ class ModelRunner(metaclass=NoPublicConstructor):
     #: The signature the backend reports: ``signature`` plus a stateful model's
     #: control and state tensors, which its sequence batcher fills.
     backend_signature: ModelSignature = attrs.field(init=False)
+    #: The names of the backend's outputs: exactly those every execution returns.
+    #: None for a batched pipeline, whose graph answers its requests itself and
+    #: returns nothing when nobody is left to answer.
+    _output_names: frozenset[str] | None = attrs.field(init=False)
     _sequencer: SequenceBatcher | None = attrs.field(default=None, init=False)
     input_limits: InputLimits = attrs.field(init=False)
     validate: Callable[[object], tuple[dict[str, Any], int]] = attrs.field(init=False)
@@ -934,6 +938,11 @@ class ModelRunner(metaclass=NoPublicConstructor):
         ]
         self._serving = len(self.replicas)
         self.signature = self.backend_signature = self._instances[0].signature
+        self._output_names = (
+            None
+            if self.config.backend == PIPELINE
+            else frozenset(spec.name for spec in self.signature.outputs)
+        )
         self.batched = self.signature.batched
         if not self.batched and self.config.batcher != "none":
             logger.warning(
@@ -1347,6 +1356,12 @@ class ModelRunner(metaclass=NoPublicConstructor):
                         # _call_backend() in line: one coroutine frame fewer per execution.
                         try:
                             outputs = await replica._backend_instance.execute(inputs)
+                            if (
+                                names := self._output_names
+                            ) is not None and outputs.keys() != names:
+                                _wrong_names(
+                                    self.config.name, replica, outputs, self.backend_signature
+                                )
                             if self.batched:
                                 _check_rows(self.config.name, replica, outputs, rows)
                         except Exception:
@@ -1667,6 +1682,8 @@ class ModelRunner(metaclass=NoPublicConstructor):
                 yielded = run.send(None)
             except StopIteration as done:
                 outputs: Outputs = done.value
+                if (names := self._output_names) is not None and outputs.keys() != names:
+                    _wrong_names(self.config.name, replica, outputs, self.backend_signature)
                 if self.batched:
                     for array in outputs.values():
                         # Arrays of the request's rows, from every backend that checks
@@ -1807,8 +1824,11 @@ class ModelRunner(metaclass=NoPublicConstructor):
                     state.batch = scope  # for cut_off
                     with scope:
                         answer = await replica._backend_instance.execute(request.inputs)
-                if answer is not None and self.batched:
-                    _check_rows(self.config.name, replica, answer, rows)
+                if answer is not None:
+                    if (names := self._output_names) is not None and answer.keys() != names:
+                        _wrong_names(self.config.name, replica, answer, self.backend_signature)
+                    if self.batched:
+                        _check_rows(self.config.name, replica, answer, rows)
                 outputs = answer
             except Exception as exc:
                 replica.failures += 1
@@ -2143,6 +2163,8 @@ class ModelRunner(metaclass=NoPublicConstructor):
         # caller get its own. A failure here counts against the replica.
         try:
             outputs = await replica._backend_instance.execute(inputs)
+            if (names := self._output_names) is not None and outputs.keys() != names:
+                _wrong_names(self.config.name, replica, outputs, self.backend_signature)
             if rows:
                 _check_rows(self.config.name, replica, outputs, rows)
         except Exception:
@@ -2374,6 +2396,21 @@ def _copy_error(
     error.args = exc.args if message is None else (message, *exc.args[1:])
     error.__cause__ = cause
     return error
+
+
+def _wrong_names(model: str, replica: Replica, outputs: object, signature: ModelSignature) -> None:
+    # An execution returned other outputs than the signature declares: a caller would
+    # get a mapping without the outputs it was promised (the server failed with a 500
+    # of its own, or told the client it had asked for an output the model lacks).
+    declared = [spec.name for spec in signature.outputs]
+    got = sorted(map(str, cast(Mapping[str, Any], outputs)))
+    missing = sorted(set(declared) - set(got))
+    extra = sorted(set(got) - set(declared))
+    raise BackendError(
+        f"model {model!r}: {replica.label} returned outputs {got}, but its signature declares "
+        f"{declared} (missing {missing}, undeclared {extra}); a backend returns every declared "
+        "output, and only those"
+    )
 
 
 def _check_rows(model: str, replica: Replica, outputs: Outputs, rows: int) -> None:

@@ -568,6 +568,12 @@ class BackendInstance(Protocol):
         compute must run off the event loop (a worker thread, or the runtime's
         own asynchronous call); the event loop never waits on compute.
 
+        It returns exactly the outputs ``signature`` declares: a missing or
+        undeclared one fails the execution's requests with ``BackendError``
+        naming the instance and both lists (the engine checks the names on
+        every execution; dtypes and shapes are the backend's to keep, and
+        ``check_backend`` checks them).
+
         For a batched model (``signature.batched``), every output must have
         one row per input row: the engine cuts each caller's rows out of it,
         and fails the whole batch with ``BackendError`` when an output's first
