@@ -649,3 +649,36 @@ async def test_over_http_the_server_stays_up_and_answers_500(tmp_path: Path) -> 
                 assert (await client.get("/v2/health/ready")).status_code == 200
                 assert (await client.get("/v2/health/live")).status_code == 200
             stop.set()
+
+
+async def test_closing_past_an_execute_that_ignores_cancellation_says_which_instance(
+    autojump_clock: trio.testing.MockClock, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The engine cannot abandon the task, but it no longer waits mute: the log names it."""
+
+    class Deaf:
+        signature = FakeBackend().signature
+        device = "cpu"
+
+        async def execute(self, inputs: Any) -> Any:
+            with trio.CancelScope(shield=True):  # the mistake under test
+                await trio.sleep(100)
+            return {"y": 2 * inputs["x"]}
+
+        async def aclose(self) -> None:
+            pass
+
+    class DeafBackend:
+        async def load(self, config: ModelConfig, placement: Any) -> Deaf:
+            return Deaf()
+
+    reg = trioinfer.Registry(extra={"backends": {"fake": DeafBackend}})
+    start = trio.current_time()
+    async with open_engine(registry=reg, drain_period=0) as engine:
+        await engine.load(config())
+        with trio.move_on_after(1):
+            await engine.infer("m", {"x": X})
+    assert trio.current_time() - start >= 100  # it did wait: nothing abandons a task
+    [record] = errors(caplog)
+    assert "model 'm': stopping it has waited 10.0s for instance 0 (cpu)" in record.getMessage()
+    assert "must let Cancelled propagate" in record.getMessage()

@@ -2219,7 +2219,20 @@ class ModelRunner(metaclass=NoPublicConstructor):
     async def stop(self) -> None:
         """Cancel the workers, fail what is left, close the instances, and wait for all that."""
         self._scope.cancel()
-        await self._finished.wait()
+        with anyio.move_on_after(CLEANUP_S):
+            await self._finished.wait()
+        if not self._finished.is_set():
+            # Nothing can abandon a task: say who holds the model, rather than hang mute.
+            busy = sorted({replica.label for replica, *_ in self._executing})
+            logger.error(
+                "model %r: stopping it has waited %ss for %s, whose execute() has not "
+                "returned since it was cancelled; a backend must let Cancelled propagate (does "
+                "it shield its work, or catch Cancelled?). Still waiting for it",
+                self.config.name,
+                CLEANUP_S,
+                ", ".join(busy) or "its workers",
+            )
+            await self._finished.wait()
 
     def retry_after(self) -> float:
         """A guess at when an instance could take a request refused now, in seconds.
