@@ -1356,9 +1356,8 @@ class ModelRunner(metaclass=NoPublicConstructor):
                         # _call_backend() in line: one coroutine frame fewer per execution.
                         try:
                             outputs = await replica._backend_instance.execute(inputs)
-                            if (
-                                names := self._output_names
-                            ) is not None and outputs.keys() != names:
+                            declared = self._output_names
+                            if declared is not None and outputs.keys() != declared:
                                 _wrong_names(
                                     self.config.name, replica, outputs, self.backend_signature
                                 )
@@ -1682,7 +1681,7 @@ class ModelRunner(metaclass=NoPublicConstructor):
                 yielded = run.send(None)
             except StopIteration as done:
                 outputs: Outputs = done.value
-                if (names := self._output_names) is not None and outputs.keys() != names:
+                if (declared := self._output_names) is not None and outputs.keys() != declared:
                     _wrong_names(self.config.name, replica, outputs, self.backend_signature)
                 if self.batched:
                     for array in outputs.values():
@@ -1825,7 +1824,7 @@ class ModelRunner(metaclass=NoPublicConstructor):
                     with scope:
                         answer = await replica._backend_instance.execute(request.inputs)
                 if answer is not None:
-                    if (names := self._output_names) is not None and answer.keys() != names:
+                    if (declared := self._output_names) is not None and answer.keys() != declared:
                         _wrong_names(self.config.name, replica, answer, self.backend_signature)
                     if self.batched:
                         _check_rows(self.config.name, replica, answer, rows)
@@ -2163,7 +2162,7 @@ class ModelRunner(metaclass=NoPublicConstructor):
         # caller get its own. A failure here counts against the replica.
         try:
             outputs = await replica._backend_instance.execute(inputs)
-            if (names := self._output_names) is not None and outputs.keys() != names:
+            if (declared := self._output_names) is not None and outputs.keys() != declared:
                 _wrong_names(self.config.name, replica, outputs, self.backend_signature)
             if rows:
                 _check_rows(self.config.name, replica, outputs, rows)
