@@ -383,3 +383,51 @@ async def test_check_backend_says_why_a_cancelled_execute_may_return() -> None:
 
     with pytest.raises(AssertionError, match=r"Does it compute on the event loop\?"):
         await check_backend(_backend(OnTheLoop), CONFIG, X4)
+
+
+async def test_check_backend_says_a_shielded_execute_may_be_why_it_returned() -> None:
+    """Its message named only computing on the event loop, which this instance does not do."""
+
+    class Shielded(_Doubler):
+        async def execute(self, inputs: Mapping[str, np.ndarray[Any, Any]]) -> dict[str, Any]:
+            with anyio.CancelScope(shield=True):
+                return await super().execute(inputs)
+
+    with pytest.raises(AssertionError, match=r"CancelScope\(shield=True\)"):
+        await check_backend(_backend(Shielded), CONFIG, X4)
+
+
+async def test_check_backend_fails_an_aclose_that_is_not_idempotent() -> None:
+    """A second aclose() that raised escaped the check as itself, not as a broken rule."""
+
+    class ClosesOnce(_Doubler):
+        async def aclose(self) -> None:
+            if self.closed:
+                raise RuntimeError("already closed")
+            await super().aclose()
+
+    with pytest.raises(AssertionError, match=r"a second aclose\(\) raised RuntimeError: already"):
+        await check_backend(_backend(ClosesOnce), CONFIG, X4)
+
+
+async def test_check_backend_fails_an_aclose_that_raises() -> None:
+    class CloseRaises(_Doubler):
+        async def aclose(self) -> None:
+            await super().aclose()
+            raise OSError("device memory not freed")
+
+    with pytest.raises(AssertionError, match=r"aclose\(\) raised OSError: device memory"):
+        await check_backend(_backend(CloseRaises), CONFIG, X4)
+
+
+async def test_check_backend_reports_the_first_broken_rule_when_aclose_raises_too() -> None:
+    class Both(_Doubler):
+        async def execute(self, inputs: Mapping[str, np.ndarray[Any, Any]]) -> dict[str, Any]:
+            return {"z": await self.worker.run_sync(np.multiply, inputs["x"], 2)}
+
+        async def aclose(self) -> None:
+            await super().aclose()
+            raise OSError("device memory not freed")
+
+    with pytest.raises(AssertionError, match=r"execute\(\) returned outputs \['z'\]"):
+        await check_backend(_backend(Both), CONFIG, X4)

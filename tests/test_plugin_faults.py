@@ -208,6 +208,97 @@ async def test_a_scheduler_whose_remove_raises_as_a_caller_leaves(
             assert (stats.succeeded, stats.refused, stats.in_flight) == (1, 1, 0)
 
 
+class Miscounts(Breaks):
+    """A scheduler whose answers go wrong, silently, once told to: it raises nothing."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.drops = False  # push() keeps nothing: the caller would wait for ever
+        self.len_zero = False  # len() says 0 while it holds requests
+        self.pops_twice = False  # pop() keeps what it returns: hands it out again
+        self.pops_none = False  # pop() returns None, not a request
+
+    def push(self, request: Request) -> None:
+        if not self.drops:
+            super().push(request)
+
+    def pop(self) -> Request:
+        request = super().pop()
+        if self.pops_twice:
+            self._items.appendleft(request)
+        if self.pops_none:
+            return None  # type: ignore[return-value]  # the mistake under test
+        return request
+
+    def __len__(self) -> int:
+        return 0 if self.len_zero else super().__len__()
+
+
+@pytest.mark.parametrize(
+    ("fault", "said"),
+    [
+        ("drops", "len() is 0, but 3 requests were pushed into it"),
+        ("len_zero", "len() is 0, but 3 requests were pushed into it"),
+        # Seen in len() (one more than pushed) or in pop(), whichever the batcher asks first.
+        ("pops_twice", "which it had already returned | it lost requests, or miscounts them"),
+        ("pops_none", "pop() returned a 'NoneType' object, not a request pushed into it"),
+    ],
+)
+@pytest.mark.parametrize("batcher", ["none", "dynamic"])
+async def test_a_scheduler_that_loses_or_repeats_requests_takes_its_model_out(
+    autojump_clock: trio.testing.MockClock,
+    caplog: pytest.LogCaptureFixture,
+    fault: str,
+    said: str,
+    batcher: str,
+) -> None:
+    """Its callers get the scheduler's name at once: none waits for ever, the loop never spins.
+
+    A scheduler that drops a request, or miscounts, left its callers waiting
+    with no deadline for ever; one whose pop() handed a request out again had
+    the queue fail it as expired and pop it again, in a loop that never
+    yielded (the whole event loop hung, cancel scopes and all).
+    """
+    scheduler = Miscounts()
+    backend = FakeBackend(delay=1.0)
+    with trio.fail_after(60):
+        async with open_engine(
+            registry=registry(backend, schedulers={"miscounts": lambda: scheduler})
+        ) as engine:
+            await engine.load(config(scheduler="miscounts", batcher=batcher))
+            await engine.load(config("other"))
+            results: dict[int, BaseException | None] = {}
+
+            async def call(i: int, deadline: float) -> None:
+                with trio.move_on_after(deadline):
+                    results[i] = await outcome(engine, "m")
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(call, 0, 30)  # runs for 1 s
+                await trio.sleep(0.5)
+                setattr(scheduler, fault, True)
+                for i, deadline in enumerate((0.7, 30, 30), 1):  # the first may expire queued
+                    nursery.start_soon(call, i, deadline)
+                await trio.sleep(0.1)
+            assert results.pop(0) is None  # the running request was answered
+            # Each queued caller that was not cut off by its deadline was answered: the
+            # request handed out first may have run; the others got the error.
+            assert len(results) >= 2, "queued callers were left waiting, not answered"
+            failed = [error for error in results.values() if error is not None]
+            assert failed
+            for error in failed:
+                assert isinstance(error, trioinfer.PluginContractError), error
+                assert (error.kind, error.plugin) == ("schedulers", "miscounts")
+                assert "scheduler 'miscounts' of model 'm' broke its contract" in str(error)
+                assert any(part in str(error) for part in said.split(" | ")), error
+            refused = await outcome(engine, "m")
+            assert isinstance(refused, trioinfer.PluginContractError)
+            assert await outcome(engine, "other") is None
+            assert engine.statistics().models["m"].in_flight == 0
+    [record] = errors(caplog)
+    assert "model 'm' is out of service" in record.getMessage()
+
+
 async def test_a_batcher_that_raises_once_fails_what_it_held_and_the_model_goes_on(
     autojump_clock: trio.testing.MockClock, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -351,6 +442,151 @@ async def test_a_plugin_whose_attach_raises_fails_the_load_naming_it() -> None:
             await engine.load(config(scheduler="u"))
 
 
+class _Returns:
+    """A backend whose load() returns what *make* makes of a good FakeInstance."""
+
+    def __init__(self, make: Any) -> None:
+        self._make = make
+        self.closed = 0
+
+    async def load(self, config: ModelConfig, placement: Any) -> Any:
+        instance = await FakeBackend().load(config, placement)
+        made = self._make(instance)
+        if made is not instance:
+            await instance.aclose()
+        return made
+
+
+class _Dressed:
+    """A FakeInstance with one attribute replaced."""
+
+    def __init__(self, instance: Any, owner: _Returns, **override: Any) -> None:
+        self._instance = instance
+        self._owner = owner
+        self._override = override
+
+    def __getattr__(self, name: str) -> Any:
+        return self._override.get(name, getattr(self._instance, name))
+
+    @property
+    def signature(self) -> Any:
+        return self._override.get("signature", self._instance.signature)
+
+    @property
+    def device(self) -> Any:
+        return self._override.get("device", self._instance.device)
+
+    async def execute(self, inputs: Any) -> Any:
+        return await self._instance.execute(inputs)
+
+    async def aclose(self) -> None:
+        self._owner.closed += 1
+        await self._instance.aclose()
+
+
+@pytest.mark.parametrize(
+    ("what", "said"),
+    [
+        ("none", "returned a 'NoneType' object, not a trioinfer.abc.BackendInstance"),
+        ("dict signature", "whose signature is a 'dict' object, not a trioinfer.ModelSignature"),
+        ("no device", "whose device is '', not a non-empty str"),
+    ],
+)
+async def test_a_backend_whose_load_returns_no_instance_fails_the_load_naming_it(
+    what: str, said: str
+) -> None:
+    """load() returning None failed with "instances report different signatures";
+    a signature that was a dict, with a bare TypeError (unhashable type)."""
+    backend: _Returns
+    makers = {
+        "none": lambda instance: None,
+        "dict signature": lambda instance: _Dressed(instance, backend, signature={"x": 1}),
+        "no device": lambda instance: _Dressed(instance, backend, device=""),
+    }
+    backend = _Returns(makers[what])
+    reg = trioinfer.Registry(extra={"backends": {"odd": lambda: backend}})
+    async with open_engine(registry=reg) as engine:
+        with pytest.raises(trioinfer.PluginContractError) as caught:
+            await engine.load(
+                ModelConfig(
+                    name="m",
+                    path="unused.onnx",
+                    backend="odd",
+                    instances=[trioinfer.Instance("cpu", count=2)],
+                )
+            )
+        assert (caught.value.kind, caught.value.plugin) == ("backends", "odd")
+        assert "backend 'odd' broke its contract: load() of instance" in str(caught.value)
+        assert said in str(caught.value)
+        assert status_for(caught.value) == 500
+        assert engine.models() == []
+    if what != "none":
+        assert backend.closed == 2  # what it did load is closed, not leaked
+
+
+class _InlineOutputs:
+    """An instance that never suspends (an InlineInstance) and returns *outputs* of x."""
+
+    runs_inline = True
+
+    def __init__(self, make: Any) -> None:
+        self._make = make
+        self.signature = FakeBackend().signature
+        self.device = "cpu"
+
+    async def execute(self, inputs: Any) -> Any:
+        return self._make(inputs)
+
+    async def aclose(self) -> None:
+        pass
+
+
+@pytest.mark.parametrize(
+    ("make", "said"),
+    [
+        (lambda i: {"z": i["x"] * 2}, "returned outputs ['z'], but its signature declares ['y']"),
+        (
+            lambda i: {"y": i["x"] * 2, "extra": i["x"]},
+            "returned outputs ['extra', 'y'], but its signature declares ['y'] "
+            "(missing [], undeclared ['extra'])",
+        ),
+        (lambda i: {}, "returned outputs [], but its signature declares ['y'] (missing ['y']"),
+    ],
+)
+@pytest.mark.parametrize("path", ["alone", "dynamic", "inline"])
+async def test_a_backend_that_returns_other_outputs_fails_with_a_backend_error(
+    make: Any, said: str, path: str
+) -> None:
+    """Callers got a mapping without the outputs the signature promised (the server then
+    failed with a 500 of its own, or told a client that asked for 'y' that the model has
+    no such output, "it has 'y'")."""
+    backend: Any = FakeBackend(make)
+    if path == "inline":
+
+        class Inline:
+            async def load(self, config: ModelConfig, placement: Any) -> _InlineOutputs:
+                return _InlineOutputs(make)
+
+        backend = Inline()
+    reg = trioinfer.Registry(extra={"backends": {"fake": lambda: backend}})
+    with trio.fail_after(10):
+        async with open_engine(registry=reg) as engine:
+            await engine.load(config(batcher="dynamic" if path == "dynamic" else "none"))
+            results: list[BaseException] = []
+
+            async def call() -> None:
+                with pytest.raises(trioinfer.BackendError) as caught:
+                    await engine.infer("m", {"x": X})
+                results.append(caught.value)
+
+            async with trio.open_nursery() as nursery:
+                for _ in range(3 if path == "dynamic" else 1):
+                    nursery.start_soon(call)
+            for error in results:
+                assert "model 'm': instance 0 (cpu) " + said in str(error)
+                assert status_for(error) == 500
+
+
 def _repository(root: Path) -> Path:
     source = trioinfer.example_repository() / "digits"
     shutil.copytree(source, root / "digits")
@@ -413,3 +649,36 @@ async def test_over_http_the_server_stays_up_and_answers_500(tmp_path: Path) -> 
                 assert (await client.get("/v2/health/ready")).status_code == 200
                 assert (await client.get("/v2/health/live")).status_code == 200
             stop.set()
+
+
+async def test_closing_past_an_execute_that_ignores_cancellation_says_which_instance(
+    autojump_clock: trio.testing.MockClock, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The engine cannot abandon the task, but it no longer waits mute: the log names it."""
+
+    class Deaf:
+        signature = FakeBackend().signature
+        device = "cpu"
+
+        async def execute(self, inputs: Any) -> Any:
+            with trio.CancelScope(shield=True):  # the mistake under test
+                await trio.sleep(100)
+            return {"y": 2 * inputs["x"]}
+
+        async def aclose(self) -> None:
+            pass
+
+    class DeafBackend:
+        async def load(self, config: ModelConfig, placement: Any) -> Deaf:
+            return Deaf()
+
+    reg = trioinfer.Registry(extra={"backends": {"fake": DeafBackend}})
+    start = trio.current_time()
+    async with open_engine(registry=reg, drain_period=0) as engine:
+        await engine.load(config())
+        with trio.move_on_after(1):
+            await engine.infer("m", {"x": X})
+    assert trio.current_time() - start >= 100  # it did wait: nothing abandons a task
+    [record] = errors(caplog)
+    assert "model 'm': stopping it has waited 10.0s for instance 0 (cpu)" in record.getMessage()
+    assert "must let Cancelled propagate" in record.getMessage()

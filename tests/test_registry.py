@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from trioinfer import (
+    ConfigError,
     ModelConfig,
     PluginContractError,
     PluginError,
@@ -182,6 +183,40 @@ def test_a_plugin_without_named_options_is_reported_by_its_own_error() -> None:
     # Every name is known: the value was refused, and the plugin's own words say why.
     with pytest.raises(PluginLoadError, match=r"refused its options \['size'\]: size must be"):
         registry.create("schedulers", "strict", {"size": "8"})
+
+
+def test_a_plugin_that_raises_as_it_is_created_fails_with_plugin_load_error() -> None:
+    """A ValueError for an option's value, or a plugin's own bug, escaped Engine.load bare."""
+
+    def picky(*, max_batch_size: int = 2) -> object:
+        raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
+
+    def buggy() -> object:
+        return {}["nope"]
+
+    def says_so(*, size: int = 1) -> object:
+        raise ConfigError(f"size {size} is too big for this scheduler")
+
+    registry = Registry(entry_points=[])
+    registry._loaded["batchers", "picky"] = picky
+    registry._loaded["schedulers", "buggy"] = buggy
+    registry._loaded["schedulers", "says-so"] = says_so
+    with pytest.raises(PluginLoadError) as caught:
+        registry.create("batchers", "picky", {"max_batch_size": 0})
+    assert str(caught.value) == (
+        "batcher plugin 'picky' failed to start with options {'max_batch_size': 0}: "
+        "ValueError: max_batch_size must be >= 1, got 0"
+    )
+    assert isinstance(caught.value, ConfigError)
+    assert isinstance(caught.value.__cause__, ValueError)
+    with pytest.raises(
+        PluginLoadError, match=r"'buggy' failed to start with options \{\}: KeyError"
+    ):
+        registry.create("schedulers", "buggy")
+    # A TrioInferError is the plugin's own word: it passes as it is.
+    with pytest.raises(ConfigError, match=r"^size 9 is too big") as refused:
+        registry.create("schedulers", "says-so", {"size": 9})
+    assert not isinstance(refused.value, PluginLoadError)
 
 
 async def test_engine_uses_a_third_party_scheduler(third_party: Path, add_model: Path) -> None:

@@ -1288,7 +1288,7 @@ async def _load_instances(backend: Backend, config: ModelConfig) -> list[Backend
 
     async def load_one(i: int) -> None:
         try:
-            loaded[i] = await backend.load(config, placements[i])
+            instance: object = await backend.load(config, placements[i])
         except TrioInferError as exc:
             errors[i] = exc
         except Exception as exc:
@@ -1298,6 +1298,16 @@ async def _load_instances(backend: Backend, config: ModelConfig) -> list[Backend
             )
             error.__cause__ = exc
             errors[i] = error
+        else:
+            if isinstance(instance, BackendInstance):
+                loaded[i] = instance  # closed with the others if it is refused below
+            if (wrong := _not_an_instance(instance)) is not None:
+                errors[i] = PluginContractError(
+                    f"backend {config.backend!r} broke its contract: load() of instance {i} "
+                    f"of model {config.name!r} returned {wrong}",
+                    kind="backends",
+                    plugin=config.backend,
+                )
 
     try:
         async with anyio.create_task_group() as tg:
@@ -1325,6 +1335,29 @@ async def _load_instances(backend: Backend, config: ModelConfig) -> list[Backend
             "[sequence] config); a model can be one or the other, not both"
         )
     return done
+
+
+def _not_an_instance(instance: object) -> str | None:
+    # What a backend's load() returned instead of a BackendInstance, or None. Checked
+    # once per instance at load: a None, or a dict for a signature, failed the load
+    # with "instances report different signatures" or an unhashable-type TypeError.
+    if not isinstance(instance, BackendInstance):
+        return (
+            f"a {type(instance).__name__!r} object, not a trioinfer.abc.BackendInstance "
+            "(signature, device, execute() and aclose())"
+        )
+    try:
+        signature, device = instance.signature, instance.device
+    except Exception as exc:
+        return f"an instance whose signature or device raised {type(exc).__name__}: {exc}"
+    if not isinstance(signature, ModelSignature):
+        return (
+            f"an instance whose signature is a {type(signature).__name__!r} object, not a "
+            "trioinfer.ModelSignature"
+        )
+    if not isinstance(device, str) or not device:
+        return f"an instance whose device is {device!r}, not a non-empty str such as 'cpu'"
+    return None
 
 
 #: How many distinct reasons, and instance numbers per reason, a load error names.

@@ -16,7 +16,7 @@ from typing import Any, Final, Literal
 
 import attrs
 
-from ._exceptions import PluginError, PluginLoadError
+from ._exceptions import PluginError, PluginLoadError, TrioInferError
 
 Kind = Literal["backends", "schedulers", "batchers", "fallbacks"]
 
@@ -157,7 +157,8 @@ class Registry:
 
         Raises:
             PluginError: Unknown name (see `load()`).
-            PluginLoadError: The plugin fails to import, or refuses the options.
+            PluginLoadError: The plugin fails to import, refuses the options, or raises
+                anything else but a `TrioInferError` (which passes as it is) while created.
         """
         target = self.load(kind, name)
         if not callable(target):
@@ -165,9 +166,21 @@ class Registry:
         factory: Callable[..., Any] = target
         try:
             return factory(**(options or {}))
+        except TrioInferError:
+            raise  # the plugin's own word (a ConfigError for a value it refuses, say)
         except TypeError as exc:
             raise PluginLoadError(
                 _refused_options(kind, name, factory, options or {}, exc),
+                group=GROUPS[kind],
+                name=name,
+                distribution=None,
+            ) from exc
+        except Exception as exc:
+            # A value it refuses (a ValueError for max_batch_size = 0), or its own bug:
+            # either way the model cannot load with it, and the operator must hear which.
+            raise PluginLoadError(
+                f"{kind[:-1]} plugin {name!r} failed to start with options "
+                f"{dict(options or {})!r}: {type(exc).__name__}: {exc}",
                 group=GROUPS[kind],
                 name=name,
                 distribution=None,

@@ -28,7 +28,7 @@ import sniffio
 import trio.lowlevel
 
 from ._buffers import BufferPool
-from ._config import ModelConfig
+from ._config import PIPELINE, ModelConfig
 from ._dispatch import Execution, FallbackContext, Replica, ReplicaStatistics, logger
 from ._exceptions import (
     BackendError,
@@ -96,6 +96,10 @@ CLEANUP_S = 10.0
 _HELD: Any = "held by the batcher"
 
 
+class _SchedulerBroke(Exception):
+    """What the queue found wrong with its scheduler's answers (the scheduler raised nothing)."""
+
+
 class _OwnScheduler(Protocol):
     # A scheduler as the engine holds it. By its contract a scheduler returns the
     # requests it was given, and only the engine gives it any: its own Request
@@ -147,6 +151,7 @@ class RequestQueue(metaclass=NoPublicConstructor):
     __slots__ = (
         "_current_time",
         "_front",
+        "_held",
         "_levels",
         "_new_event",
         "_on_expired",
@@ -181,6 +186,11 @@ class RequestQueue(metaclass=NoPublicConstructor):
         # Requests a batcher gave back: they were at the head, so they stay there,
         # ahead of the scheduler's order, without being admitted a second time.
         self._front: collections.deque[Request] = collections.deque()
+        # Requests pushed into the scheduler and neither popped nor removed: what its
+        # len() must say. Compared where the queue asks for its length or finds it
+        # empty, so that a scheduler that loses requests (whose callers would wait
+        # for ever) or hands one out twice is caught, not trusted.
+        self._held = 0
         #: Whether the model has a batch dimension, so requests may share an execution.
         self.batched = batched
         #: Batch sizes the model's backend runs fastest, as its first instance
@@ -201,10 +211,14 @@ class RequestQueue(metaclass=NoPublicConstructor):
     def __len__(self) -> int:
         """Requests waiting (some may have expired and not yet been dropped)."""
         try:
-            return len(self._front) + len(self._scheduler)
+            held = len(self._scheduler)
         except Exception as exc:
             self._scheduler_failed("__len__", exc)
             return len(self._front)
+        if held != self._held:
+            self._lost("__len__", f"len() is {held!r}")
+            return len(self._front)
+        return len(self._front) + held
 
     def _scheduler_failed(self, method: str, exc: Exception) -> None:
         # The scheduler raised where its contract allows no error: which requests it
@@ -216,9 +230,33 @@ class RequestQueue(metaclass=NoPublicConstructor):
         self._empty()
         self._on_fault(method, exc)
 
+    def _lost(self, method: str, said: str) -> None:
+        # The scheduler's answer disagrees with what it was given: requests pushed
+        # and never handed back would leave their callers waiting for ever.
+        self._scheduler_failed(
+            method,
+            _SchedulerBroke(
+                f"{said}, but {self._held} requests were pushed into it and neither "
+                "returned by pop() nor taken out by a remove() that returned True: it lost "
+                "requests, or miscounts them"
+            ),
+        )
+
+    def _handed_wrong(self, method: str, request: object) -> None:
+        # pop() or peek() gave something that is not a request it holds: the same
+        # request again (the queue would loop on it), one that ended, or no request.
+        if not isinstance(request, Request):
+            said = f"a {type(request).__name__!r} object, not a request pushed into it"
+        elif request._state.status is _QUEUED:
+            said = f"request {request.id!r}, which it had already returned"
+        else:
+            said = f"request {request.id!r}, which had already ended or been removed"
+        self._scheduler_failed(method, _SchedulerBroke(f"{method}() returned {said}"))
+
     def _empty(self) -> None:
         # The model was taken out of service: nothing waits here any more.
         self._scheduler = _Emptied()
+        self._held = 0
         self._front.clear()
         if self._levels is not None:
             self._levels = dict.fromkeys(self._levels, 0)
@@ -244,9 +282,18 @@ class RequestQueue(metaclass=NoPublicConstructor):
                 try:  # an empty scheduler raises IndexError (its contract): no len() first
                     request = scheduler.peek()
                 except IndexError:
+                    if self._held:
+                        self._lost("peek", "peek() raised IndexError (empty)")
                     raise anyio.WouldBlock from None
                 except Exception as exc:
                     self._scheduler_failed("peek", exc)
+                    raise anyio.WouldBlock from None
+                if (
+                    request.__class__ is not Request
+                    or request._state.status is not _QUEUED
+                    or request._state.batch is not None
+                ):
+                    self._handed_wrong("peek", request)
                     raise anyio.WouldBlock from None
             deadline = request.deadline
             if deadline == _INF:
@@ -262,6 +309,7 @@ class RequestQueue(metaclass=NoPublicConstructor):
                 except Exception as exc:
                     self._scheduler_failed("pop", exc)
                     raise anyio.WouldBlock from None
+                self._held -= 1
             if self._levels is not None and request.priority in self._levels:
                 self._levels[request.priority] -= 1
             self._on_expired(request, now)
@@ -276,9 +324,19 @@ class RequestQueue(metaclass=NoPublicConstructor):
                 try:
                     request = scheduler.pop()
                 except IndexError:
+                    if self._held:
+                        self._lost("pop", "pop() raised IndexError (empty)")
                     raise anyio.WouldBlock from None
                 except Exception as exc:
                     self._scheduler_failed("pop", exc)
+                    raise anyio.WouldBlock from None
+                self._held -= 1
+                if (
+                    request.__class__ is not Request
+                    or request._state.status is not _QUEUED
+                    or request._state.batch is not None
+                ):
+                    self._handed_wrong("pop", request)
                     raise anyio.WouldBlock from None
             request._state.batch = _HELD  # (an expired one ends below: batch None again)
             self.taken += 1
@@ -309,9 +367,19 @@ class RequestQueue(metaclass=NoPublicConstructor):
                 try:
                     request = scheduler.pop()
                 except IndexError:
+                    if self._held:  # what it took failed with the rest of the queue
+                        self._lost("pop", "pop() raised IndexError (empty)")
                     break
                 except Exception as exc:
                     self._scheduler_failed("pop", exc)
+                    break  # what it took failed with the rest of the queue
+                self._held -= 1
+                if (
+                    request.__class__ is not Request
+                    or request._state.status is not _QUEUED
+                    or request._state.batch is not None
+                ):
+                    self._handed_wrong("pop", request)
                     break  # what it took failed with the rest of the queue
             expired = False
             if request.deadline != _INF:
@@ -352,6 +420,7 @@ class RequestQueue(metaclass=NoPublicConstructor):
     def _push(self, request: Request) -> None:
         # ModelRunner.admit does this in line: a change here belongs there too.
         self._scheduler.push(request)  # may raise: the caller (ModelRunner.call) sorts it out
+        self._held += 1
         if self._levels is not None and request.priority in self._levels:
             self._levels[request.priority] += 1
         if self._wakeup is not None:
@@ -366,7 +435,9 @@ class RequestQueue(metaclass=NoPublicConstructor):
         except Exception as exc:
             self._scheduler_failed("remove", exc)
             return
-        if not removed and request in self._front:
+        if removed:
+            self._held -= 1
+        elif request in self._front:
             self._front.remove(request)  # at most a batch's worth: a short scan
             removed = True
         if removed and self._levels is not None and request.priority in self._levels:
@@ -789,6 +860,10 @@ class ModelRunner(metaclass=NoPublicConstructor):
     #: The signature the backend reports: ``signature`` plus a stateful model's
     #: control and state tensors, which its sequence batcher fills.
     backend_signature: ModelSignature = attrs.field(init=False)
+    #: The names of the backend's outputs: exactly those every execution returns.
+    #: None for a batched pipeline, whose graph answers its requests itself and
+    #: returns nothing when nobody is left to answer.
+    _output_names: frozenset[str] | None = attrs.field(init=False)
     _sequencer: SequenceBatcher | None = attrs.field(default=None, init=False)
     input_limits: InputLimits = attrs.field(init=False)
     validate: Callable[[object], tuple[dict[str, Any], int]] = attrs.field(init=False)
@@ -882,6 +957,11 @@ class ModelRunner(metaclass=NoPublicConstructor):
         # The order idle_replica looks in: the biggest first, as the workers take work.
         self._biggest_first = sorted(self.replicas, key=lambda r: -r.capacity)
         self.signature = self.backend_signature = self._instances[0].signature
+        self._output_names = (
+            None
+            if self.config.backend == PIPELINE
+            else frozenset(spec.name for spec in self.signature.outputs)
+        )
         self.batched = self.signature.batched
         if not self.batched and self.config.batcher != "none":
             logger.warning(
@@ -1108,13 +1188,16 @@ class ModelRunner(metaclass=NoPublicConstructor):
         await anyio.lowlevel.checkpoint()
 
     def _scheduler_failed(self, method: str, exc: Exception) -> None:
-        # The queue's report that its scheduler raised in *method*: the queue is
-        # empty already, its requests unknown; the model is taken out of service.
-        self._out_of_service(
-            self._broken(
-                "schedulers", f"raised {type(exc).__name__} in {method}(): {exc}", exc, log=False
-            )
-        )
+        # The queue's report that its scheduler raised in *method*, or answered what
+        # cannot be (a _SchedulerBroke saying what): the queue is empty already, its
+        # requests unknown; the model is taken out of service.
+        if isinstance(exc, _SchedulerBroke):
+            error = self._broken("schedulers", str(exc), exc, log=False)
+            error.__cause__ = None  # nothing of the scheduler's to show: what it said is told
+        else:
+            what = f"raised {type(exc).__name__} in {method}(): {exc}"
+            error = self._broken("schedulers", what, exc, log=False)
+        self._out_of_service(error)
 
     def _out_of_service(self, error: PluginContractError) -> None:
         """Take the model out of service: a plugin's state can no longer be trusted.
@@ -1292,6 +1375,11 @@ class ModelRunner(metaclass=NoPublicConstructor):
                         # _call_backend() in line: one coroutine frame fewer per execution.
                         try:
                             outputs = await replica._backend_instance.execute(inputs)
+                            declared = self._output_names
+                            if declared is not None and outputs.keys() != declared:
+                                _wrong_names(
+                                    self.config.name, replica, outputs, self.backend_signature
+                                )
                             if self.batched:
                                 _check_rows(self.config.name, replica, outputs, rows)
                         except Exception:
@@ -1468,6 +1556,7 @@ class ModelRunner(metaclass=NoPublicConstructor):
             raise self._broken(
                 "schedulers", f"raised {type(exc).__name__} in push(): {exc}"
             ) from exc
+        queue._held += 1
         levels = queue._levels
         if levels is not None and request.priority in levels:
             levels[request.priority] += 1
@@ -1656,6 +1745,8 @@ class ModelRunner(metaclass=NoPublicConstructor):
                 yielded = run.send(None)
             except StopIteration as done:
                 outputs: Outputs = done.value
+                if (declared := self._output_names) is not None and outputs.keys() != declared:
+                    _wrong_names(self.config.name, replica, outputs, self.backend_signature)
                 if self.batched:
                     for array in outputs.values():
                         # Arrays of the request's rows, from every backend that checks
@@ -1901,8 +1992,11 @@ class ModelRunner(metaclass=NoPublicConstructor):
                     state.batch = scope  # for cut_off
                     with scope:
                         answer = await replica._backend_instance.execute(request.inputs)
-                if answer is not None and self.batched:
-                    _check_rows(self.config.name, replica, answer, rows)
+                if answer is not None:
+                    if (declared := self._output_names) is not None and answer.keys() != declared:
+                        _wrong_names(self.config.name, replica, answer, self.backend_signature)
+                    if self.batched:
+                        _check_rows(self.config.name, replica, answer, rows)
                 outputs = answer
             except Exception as exc:
                 replica.failures += 1
@@ -2237,6 +2331,8 @@ class ModelRunner(metaclass=NoPublicConstructor):
         # caller get its own. A failure here counts against the replica.
         try:
             outputs = await replica._backend_instance.execute(inputs)
+            if (declared := self._output_names) is not None and outputs.keys() != declared:
+                _wrong_names(self.config.name, replica, outputs, self.backend_signature)
             if rows:
                 _check_rows(self.config.name, replica, outputs, rows)
         except Exception:
@@ -2291,7 +2387,20 @@ class ModelRunner(metaclass=NoPublicConstructor):
     async def stop(self) -> None:
         """Cancel the workers, fail what is left, close the instances, and wait for all that."""
         self._scope.cancel()
-        await self._finished.wait()
+        with anyio.move_on_after(CLEANUP_S):
+            await self._finished.wait()
+        if not self._finished.is_set():
+            # Nothing can abandon a task: say who holds the model, rather than hang mute.
+            busy = sorted({replica.label for replica, *_ in self._executing})
+            logger.error(
+                "model %r: stopping it has waited %ss for %s, whose execute() has not "
+                "returned since it was cancelled; a backend must let Cancelled propagate (does "
+                "it shield its work, or catch Cancelled?). Still waiting for it",
+                self.config.name,
+                CLEANUP_S,
+                ", ".join(busy) or "its workers",
+            )
+            await self._finished.wait()
 
     def retry_after(self) -> float:
         """A guess at when an instance could take a request refused now, in seconds.
@@ -2487,6 +2596,21 @@ def _copy_error(
     error.args = exc.args if message is None else (message, *exc.args[1:])
     error.__cause__ = cause
     return error
+
+
+def _wrong_names(model: str, replica: Replica, outputs: object, signature: ModelSignature) -> None:
+    # An execution returned other outputs than the signature declares: a caller would
+    # get a mapping without the outputs it was promised (the server failed with a 500
+    # of its own, or told the client it had asked for an output the model lacks).
+    declared = [spec.name for spec in signature.outputs]
+    got = sorted(map(str, cast(Mapping[str, Any], outputs)))
+    missing = sorted(set(declared) - set(got))
+    extra = sorted(set(got) - set(declared))
+    raise BackendError(
+        f"model {model!r}: {replica.label} returned outputs {got}, but its signature declares "
+        f"{declared} (missing {missing}, undeclared {extra}); a backend returns every declared "
+        "output, and only those"
+    )
 
 
 def _check_rows(model: str, replica: Replica, outputs: Outputs, rows: int) -> None:

@@ -568,6 +568,12 @@ class BackendInstance(Protocol):
         compute must run off the event loop (a worker thread, or the runtime's
         own asynchronous call); the event loop never waits on compute.
 
+        It returns exactly the outputs ``signature`` declares: a missing or
+        undeclared one fails the execution's requests with ``BackendError``
+        naming the instance and both lists (the engine checks the names on
+        every execution; dtypes and shapes are the backend's to keep, and
+        ``check_backend`` checks them).
+
         For a batched model (``signature.batched``), every output must have
         one row per input row: the engine cuts each caller's rows out of it,
         and fails the whole batch with ``BackendError`` when an output's first
@@ -711,6 +717,11 @@ class Backend(Protocol):
         the CPU when ``placement.cpu_fallback`` allows it (and report the real
         device in [`BackendInstance.device`][trioinfer.abc.BackendInstance.device]), else raise.
 
+        What it returns must be a `BackendInstance` whose ``signature`` is a
+        ``ModelSignature`` and whose ``device`` a non-empty ``str``; anything
+        else fails the load with a
+        [`PluginContractError`][trioinfer.PluginContractError] naming the backend.
+
         Raises:
             BackendUnavailable: The device cannot be used and no fallback is allowed.
             ConfigError: ``config.backend_options`` holds options the backend refuses.
@@ -741,7 +752,11 @@ class Scheduler(Protocol):
     fail with a `PluginContractError` naming the scheduler and the model (the
     scheduler's exception chained), later ones are refused with it, it is
     logged once with the traceback, and the engine and its other models go
-    on; loading the model again brings it back.
+    on; loading the model again brings it back. The same happens, without
+    an exception, when its answers cannot be right: a ``len()`` other than
+    the engine's own count of what it pushed and did not get back (a
+    request lost, whose caller would wait for ever), or a `pop()` or
+    `peek()` that returns a request again, one that ended, or no request.
     """
 
     def push(self, request: Request) -> None:

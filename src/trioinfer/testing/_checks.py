@@ -179,7 +179,7 @@ async def check_backend(
     cancelled ``execute`` propagates the cancellation and leaves the instance
     usable (for an instance whose ``runs_inline`` is True, an
     [`InlineInstance`][trioinfer.abc.InlineInstance], that ``execute``
-    ends without suspending instead); that ``aclose`` is idempotent and stops
+    ends without suspending instead); that ``aclose`` raises nothing, is idempotent, and stops
     every [`WorkerThread`][trioinfer.lowlevel.WorkerThread] the instance
     started; and that ``execute`` after ``aclose`` raises
     [`BackendError`][trioinfer.BackendError]. The sample *inputs* are checked
@@ -196,6 +196,7 @@ async def check_backend(
     """
     threads_before = set(threading.enumerate())
     instance = await backend.load(config, placement or Placement(Device("cpu"), 0))
+    checked = False
     try:
         if not isinstance(instance, BackendInstance):
             _fail(f"load() returned {type(instance).__name__}, not a BackendInstance")
@@ -253,9 +254,13 @@ async def check_backend(
                 await instance.execute(inputs)
                 _fail(
                     "execute() under a cancelled scope returned instead of raising Cancelled: "
-                    "it never reached a checkpoint. Does it compute on the event loop? Run "
-                    "the compute on a WorkerThread, or, if execute() never suspends, say so "
-                    "with runs_inline = True (an InlineInstance)"
+                    "it never reached a checkpoint, or it shielded or caught the cancellation. "
+                    "Does it compute on the event loop? Run the compute on a WorkerThread, "
+                    "or, if execute() never suspends, say so with runs_inline = True (an "
+                    "InlineInstance). Does it wrap its work in CancelScope(shield=True), or "
+                    "return from an except clause that catches Cancelled (except "
+                    "BaseException, say)? Let Cancelled propagate once the instance can "
+                    "take its next call"
                 )
             if not scope.cancelled_caught:
                 _fail("execute() under a cancelled scope did not raise Cancelled")
@@ -265,11 +270,24 @@ async def check_backend(
             await anyio.lowlevel.checkpoint()
             tg.cancel_scope.cancel()
         _check_outputs(signature, await instance.execute(inputs))
+        checked = True
     finally:
         with anyio.CancelScope(shield=True):
-            await instance.aclose()
+            try:
+                await instance.aclose()
+            except Exception as exc:
+                if checked:  # else the check already failed: that failure is the one to see
+                    _fail(
+                        f"aclose() raised {type(exc).__name__}: {exc}; closing a healthy "
+                        "instance must not raise"
+                    )
     with anyio.CancelScope(shield=True):
-        await instance.aclose()
+        try:
+            await instance.aclose()
+        except Exception as exc:
+            _fail(
+                f"a second aclose() raised {type(exc).__name__}: {exc}; aclose() must be idempotent"
+            )
     left = sorted(
         thread.name
         for thread in threading.enumerate()
