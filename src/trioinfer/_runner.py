@@ -1809,63 +1809,32 @@ class ModelRunner(metaclass=NoPublicConstructor):
         scope = trio.CancelScope() if self.on_trio else anyio.CancelScope()
         slot = replica._slot
         request: Request | None = None
-        failed: Request | None = None
         with scope:
             # Held while it starts: a request the execution makes meanwhile (to its
             # own model) must not find this replica idle.
             slot.free -= 1
-            token = _batch_deadline.set(deadline)
             try:
-                run = replica._backend_instance.execute(inputs)
-                try:
-                    yielded = run.send(None)
-                except StopIteration as done:
-                    outputs: Outputs = done.value
-                    if self.batched:
-                        for array in outputs.values():
-                            # As run_here checks them.
-                            if (
-                                type(array) is not np.ndarray
-                                or not array.ndim
-                                or len(array) != rows
-                            ):
-                                _check_rows(self.config.name, replica, outputs, rows)
-                else:
-                    request = make_request(
-                        self.config.name, inputs, request_id, priority, tenant, deadline, now, rows
-                    )
-            except Exception as exc:
-                failed = make_request(
-                    self.config.name, inputs, request_id, priority, tenant, deadline, now, rows
-                )
-                failed._state.status = _RUNNING
-                self._in_flight.add(failed)
-                self._count_alone(replica, rows, self.clock.current_time() - now)
-                replica.failures += 1
-                self.finish(failed, error=_backend_error(self.config.name, failed, exc))
-            except BaseException:
-                # Not a cancellation (it never suspended): KeyboardInterrupt and the like.
-                self._count_alone(replica, rows, self.clock.current_time() - now)
-                self.cancelled += 1
-                raise
+                outcome = self.run_now(replica, inputs, rows, deadline, now)
             finally:
-                _batch_deadline.reset(token)
                 slot.release()  # (nobody can wait for it: no await since idle_replica)
-            if request is not None:
+            if outcome.__class__ is not Unfinished:
+                return cast(Outputs, outcome)  # it ended before it suspended
+            begun = outcome.begun
+            if begun is not None:
                 # It suspended: from here on as any run in its caller's task, in
                 # this scope (no await since it was taken: the slot is still free).
-                outputs = await self.run_alone(replica, request, (run, yielded), held, scope)
+                request = make_request(
+                    self.config.name, inputs, request_id, priority, tenant, deadline, now, rows
+                )
+                outputs = await self.run_alone(replica, request, begun, held, scope)
                 restart_inline_slice()  # it yielded to the loop
                 return outputs
-        if failed is not None:
-            assert failed._state.error is not None
-            await self.raise_error(failed._state.error, own_deadline=True)
-        if request is not None:
-            # Aborted by its scope: the unload or cut_off that did it ended the request.
-            assert request._state.error is not None
-            await self.raise_error(request._state.error, own_deadline=True)
-        self._answered(replica, rows, now)
-        return outputs
+        if request is None:
+            # It failed before it suspended: ended as run_here ends such a run.
+            return await self.finish_here(cast(Unfinished, outcome), request_id, priority, tenant)
+        # Aborted by its scope: the unload or cut_off that did it ended the request.
+        assert request._state.error is not None
+        await self.raise_error(request._state.error, own_deadline=True)
 
     async def finish_here(
         self,
