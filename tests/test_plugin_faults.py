@@ -541,6 +541,13 @@ class _InlineOutputs:
         pass
 
 
+class _HopingOutputs(_InlineOutputs):
+    """The same as an instance that may suspend but says it starts inline (starts_inline)."""
+
+    runs_inline = False
+    starts_inline = True
+
+
 @pytest.mark.parametrize(
     ("make", "said"),
     [
@@ -553,7 +560,7 @@ class _InlineOutputs:
         (lambda i: {}, "returned outputs [], but its signature declares ['y'] (missing ['y']"),
     ],
 )
-@pytest.mark.parametrize("path", ["alone", "dynamic", "inline"])
+@pytest.mark.parametrize("path", ["alone", "dynamic", "inline", "hoping"])
 async def test_a_backend_that_returns_other_outputs_fails_with_a_backend_error(
     make: Any, said: str, path: str
 ) -> None:
@@ -561,11 +568,12 @@ async def test_a_backend_that_returns_other_outputs_fails_with_a_backend_error(
     failed with a 500 of its own, or told a client that asked for 'y' that the model has
     no such output, "it has 'y'")."""
     backend: Any = FakeBackend(make)
-    if path == "inline":
+    if path in ("inline", "hoping"):
+        kind = _InlineOutputs if path == "inline" else _HopingOutputs
 
         class Inline:
             async def load(self, config: ModelConfig, placement: Any) -> _InlineOutputs:
-                return _InlineOutputs(make)
+                return kind(make)
 
         backend = Inline()
     reg = trioinfer.Registry(extra={"backends": {"fake": lambda: backend}})
