@@ -145,6 +145,9 @@ def time_ops(
     """
     now = time.monotonic()
     fresh = make_requests(ops, 2, deadlines[1], now)
+    # Others for the removals: pop() need not take the request just pushed, so some of
+    # *fresh* are still queued, and each request is pushed once (a second push is refused).
+    fresh_removed = make_requests(ops, 3, deadlines[1], now)
     backlogs = {n: make_requests(n, 1, deadlines[0], now - n * 1e-5) for n in (SMALL, LARGE)}
     pop_ns: dict[int, list[float]] = {n: [] for n in backlogs}
     remove_ns: dict[int, list[float]] = {n: [] for n in backlogs}
@@ -164,7 +167,7 @@ def time_ops(
                 pop_ns[queued].append((time.perf_counter_ns() - start) / ops)
                 # Cancellation: push, then remove that same request again (not at the head).
                 start = time.perf_counter_ns()
-                for request in fresh:
+                for request in fresh_removed:
                     push(request)
                     remove(request)
                 remove_ns[queued].append((time.perf_counter_ns() - start) / ops)

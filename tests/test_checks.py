@@ -242,6 +242,8 @@ class LastInFirstOut:
         self._held: OrderedDict[Request, None] = OrderedDict()
 
     def push(self, request: Request) -> None:
+        if request in self._held:
+            raise ValueError("already held")
         self._held[request] = None
 
     def peek(self) -> Request:
@@ -278,6 +280,29 @@ def test_check_scheduler_fails_a_scheduler_that_pops_one_request_twice() -> None
 
     with pytest.raises(AssertionError, match=r"popped more than once|some twice|len is"):
         check_scheduler(Stutters)
+
+
+@pytest.mark.parametrize(
+    ("push", "message"),
+    [
+        (lambda held, request: held.__setitem__(request, None), r"held already returned"),
+        (lambda held, request: {}[request], r"held already raised KeyError"),
+    ],
+    ids=["accepts", "wrong-exception"],
+)
+def test_check_scheduler_fails_a_scheduler_that_takes_a_request_twice(
+    push: Callable[[OrderedDict[Request, None], Request], object], message: str
+) -> None:
+    # A duplicate push kept in an OrderedDict is idempotent, but unsaid: the contract
+    # asks for ValueError, so that a caller pushing twice learns of it.
+    class Lenient(LastInFirstOut):
+        def push(self, request: Request) -> None:
+            if request in self._held:
+                push(self._held, request)
+            self._held[request] = None
+
+    with pytest.raises(AssertionError, match=message):
+        check_scheduler(Lenient)
 
 
 def test_check_scheduler_names_the_wrong_exception_from_an_empty_peek() -> None:

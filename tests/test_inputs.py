@@ -178,6 +178,49 @@ def test_string_inputs_take_str_bytes_and_numpy_strings() -> None:
     assert out["s"] is value
 
 
+TEXT = ModelSignature(
+    inputs=(TensorSpec("s", np.dtype(object), ("batch", None), "tensor(string)", utf8=True),),
+    outputs=(),
+)
+
+
+def test_utf8_string_inputs_get_bytes_decoded_into_a_new_array() -> None:
+    value = np.array([["a", b"b", np.str_("c"), np.bytes_(b"d"), "\u00e9".encode()]], dtype=object)
+    out = validate_inputs("m", TEXT, {"s": value}, LIMITS)["s"]
+    assert out.shape == value.shape
+    assert out.tolist() == [["a", "b", "c", "d", "\u00e9"]]
+    assert all(isinstance(v, str) for v in out.ravel())
+    assert value[0, 1] == b"b"  # the caller's array is not changed
+    # Nothing to decode: the array as it came.
+    text = np.array([["a", "b"]], dtype=object)
+    assert validate_inputs("m", TEXT, {"s": text}, LIMITS)["s"] is text
+    # A numpy bytes array, and an empty one.
+    out = validate_inputs("m", TEXT, {"s": np.array([[b"x"], [b"yz"]])}, LIMITS)["s"]
+    assert out.tolist() == [["x"], ["yz"]]
+    empty = np.empty((1, 0), dtype=object)
+    assert validate_inputs("m", TEXT, {"s": empty}, LIMITS)["s"].shape == (1, 0)
+
+
+def test_utf8_string_inputs_refuse_bytes_that_are_not_utf8() -> None:
+    value = np.array([[b"ok", "fine"], [b"caf\xc3", b"x"]], dtype=object)
+    with pytest.raises(InvalidInput) as info:
+        validate_inputs("m", TEXT, {"s": value}, LIMITS)
+    assert str(info.value) == (
+        "input 's' of model 'm' is a string tensor of UTF-8 text, but its element at index "
+        "[1, 0] is not UTF-8 (unexpected end of data at byte 3 of b'caf\\xc3'); send UTF-8 "
+        "encoded bytes, or str"
+    )
+    # Elements that are not strings at all are told so first, as without utf8.
+    with pytest.raises(InvalidInput, match="got int 1 at index \\[0, 1\\]"):
+        validate_inputs("m", TEXT, {"s": np.array([[b"\xff", 1]], dtype=object)}, LIMITS)
+
+
+def test_declared_string_inputs_keep_the_bytes_they_were_given() -> None:
+    # A declared BYTES input (a Python model's) is not text: binary bytes pass as they are.
+    value = np.array([[b"\xff\x00", "a"]], dtype=object)
+    assert validate_inputs("m", STRINGS, {"s": value}, LIMITS)["s"] is value
+
+
 def test_numbers_for_a_string_input_are_told_to_send_strings() -> None:
     with pytest.raises(InvalidInput) as info:
         validate_inputs("m", STRINGS, {"s": np.array([[1, 2]])}, LIMITS)

@@ -93,6 +93,53 @@ async def test_a_string_input_holding_numbers_is_invalid_input(model_dir: Path) 
         assert out["y"].tolist() == ["a", "b"]
 
 
+def write_parse_strings(path: Path) -> Path:
+    """y = x (string[batch, 2]), n = x parsed as integers (int64[batch, 2])."""
+    from onnx import TensorProto, helper, save_model
+
+    graph = helper.make_graph(
+        [
+            helper.make_node("Identity", ["x"], ["y"]),
+            helper.make_node("Cast", ["x"], ["n"], to=TensorProto.INT64),
+        ],
+        "parse_strings",
+        [helper.make_tensor_value_info("x", TensorProto.STRING, ["batch", 2])],
+        [
+            helper.make_tensor_value_info("y", TensorProto.STRING, ["batch", 2]),
+            helper.make_tensor_value_info("n", TensorProto.INT64, ["batch", 2]),
+        ],
+    )
+    save_model(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), path)
+    return path
+
+
+async def test_bytes_elements_reach_onnx_runtime_as_utf8_text(model_dir: Path) -> None:
+    # ONNX Runtime reads an object array's elements by their str(): b"12" was "b'12'",
+    # which the model echoed back, and could not parse as a number.
+    path = write_parse_strings(model_dir / "parse_strings.onnx")
+    async with open_engine() as engine:
+        info = await engine.load(ModelConfig(name="parse", path=path))
+        assert info.signature.input("x").utf8
+        given = np.array([[b"12", "-3"], [np.bytes_(b"7"), b"+40"]], dtype=object)
+        out = await engine.infer("parse", {"x": given})
+        assert out["y"].tolist() == [["12", "-3"], ["7", "+40"]]
+        assert out["n"].tolist() == [[12, -3], [7, 40]]
+        # The caller's array is left as it was given.
+        assert given[0, 0] == b"12"
+        # A numpy bytes array takes the same way.
+        out = await engine.infer("parse", {"x": np.array([[b"1", b"2"]])})
+        assert out["y"].tolist() == [["1", "2"]]
+        with pytest.raises(trioinfer.InvalidInput) as info_error:
+            await engine.infer(
+                "parse", {"x": np.array([["1", "2"], [b"3", b"\xff4"]], dtype=object)}
+            )
+        assert str(info_error.value) == (
+            "input 'x' of model 'parse' is a string tensor of UTF-8 text, but its element at "
+            "index [1, 1] is not UTF-8 (invalid start byte at byte 0 of b'\\xff4'); send "
+            "UTF-8 encoded bytes, or str"
+        )
+
+
 @pytest.mark.parametrize("dispatch", ["thread", "ort_async"])
 async def test_cancelled_execution_is_terminated_in_ort(slow_model: Path, dispatch: str) -> None:
     backend = OnnxRuntimeBackend()

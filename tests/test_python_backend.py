@@ -128,6 +128,31 @@ async def test_a_model_from_a_repository_on_disk(tmp_path: Path) -> None:
     np.testing.assert_array_equal(out["ids"], [[1, 2, 3], [5, 0, 0]])
 
 
+class Lengths:
+    """n = each element's type name and length: what the model was given, as given."""
+
+    def infer(self, inputs: dict[str, np.ndarray[Any, Any]]) -> dict[str, Any]:
+        return {"n": np.array([f"{type(v).__name__} {len(v)}" for v in inputs["s"]], dtype=object)}
+
+
+async def test_string_inputs_reach_a_python_model_as_the_caller_gave_them() -> None:
+    # Unlike an ONNX model's (UTF-8 text: bytes are decoded for it), a declared BYTES
+    # input may hold any bytes, so the model gets bytes and str as they were sent.
+    signature = {
+        "inputs": [{"name": "s", "dtype": "BYTES", "shape": ["batch"]}],
+        "outputs": [{"name": "n", "dtype": "BYTES", "shape": ["batch"]}],
+    }
+    cfg = ModelConfig(
+        name="lengths", path="-", backend="python", backend_options={"class": Lengths, **signature}
+    )
+    async with open_engine() as engine:
+        info = await engine.load(cfg)
+        assert not info.signature.input("s").utf8
+        given = np.array([b"\xff\x00", "\u00e9t\u00e9", "\u00e9".encode()], dtype=object)
+        out = await engine.infer("lengths", {"s": given})
+    assert out["n"].tolist() == ["bytes 2", "str 3", "bytes 2"]
+
+
 async def test_importing_a_model_file_leaves_the_event_loop_free(tmp_path: Path) -> None:
     # A model file whose imports take seconds (torch, say) was imported on the event
     # loop, and every other request of the server waited meanwhile. This one's import

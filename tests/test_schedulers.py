@@ -673,6 +673,7 @@ class _Ticketed:
                 st.integers(0, 5),
             ),
             st.tuples(st.just("remove"), st.integers(0, 300)),
+            st.tuples(st.just("add_again"), st.integers(0, 300)),
             st.tuples(st.just("remove_wrong_key"), st.integers(0, 300)),
             st.tuples(
                 st.just("remove_stranger"),
@@ -701,12 +702,15 @@ def test_time_queue_matches_a_list_sorted_by_key_then_ticket(ops: list[Any], loa
             # Unique tickets, in an order of their own: an item added later may go first.
             item = _Ticketed(op[2] * 1000 + added)
             added += 1
-            queue.add(op[1], item)
+            assert queue.add(op[1], item)
             bisect.insort(model, (op[1], item.ticket, item), key=lambda e: e[:2])
         elif op[0] == "remove" and model:
             key, _, item = model.pop(op[1] % len(model))
             assert queue.remove(key, item)
             assert not queue.remove(key, item)  # no longer held
+        elif op[0] == "add_again" and model:
+            key, _, item = model[op[1] % len(model)]
+            assert not queue.add(key, item)  # held already: refused, nothing changed
         elif op[0] == "remove_wrong_key" and model:
             key, _, item = model[op[1] % len(model)]
             assert not queue.remove(key + 0.25, item)  # held, but not with that key: kept
@@ -719,6 +723,31 @@ def test_time_queue_matches_a_list_sorted_by_key_then_ticket(ops: list[Any], loa
             assert queue.count_until(op[1]) == sum(key <= op[1] for key, _, _ in model)
         assert len(queue) == len(model)
         assert list(queue) == [item for _, _, item in model]
+
+
+@pytest.mark.parametrize("name", ["fifo", "priority", "deadline", "fair"])
+@pytest.mark.parametrize("deadline", [math.inf, 5.0])
+def test_a_second_push_of_a_queued_request_is_refused(name: str, deadline: float) -> None:
+    # priority and fair counted it twice: len() stayed 1 after its one pop, and
+    # peek() then raised IndexError with len() saying a request was held.
+    scheduler = FACTORIES[name]()
+    first = make_request(priority=1, tenant="t", deadline=deadline)
+    twin = make_request(priority=1, tenant="t", deadline=deadline)  # alike, another request
+    scheduler.push(first)
+    scheduler.push(twin)
+    for request in (first, twin):
+        with pytest.raises(ValueError, match="already queued") as info:
+            scheduler.push(request)
+        assert str(info.value).startswith(
+            f"{name} scheduler: request {request.id!r} is already queued; each request is "
+            "pushed once"
+        )
+    assert len(scheduler) == 2
+    assert {scheduler.pop(), scheduler.pop()} == {first, twin}
+    assert len(scheduler) == 0
+    # Once out, it may be pushed again (as a test might; the engine does not).
+    scheduler.push(first)
+    assert scheduler.pop() is first
 
 
 def test_deadline_runs_equal_deadlines_in_the_order_requests_were_made() -> None:

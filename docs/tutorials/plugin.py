@@ -36,6 +36,8 @@ class ShortestJobFirst:
         self._numbers = itertools.count()  # breaks ties, so requests are never compared
 
     def push(self, request: Request) -> None:
+        if request in self._live:  # each request is pushed once: say so to who did not
+            raise ValueError(f"request {request.id!r} is already queued")
         self._live.add(request)
         heapq.heappush(self._heap, (request.rows, request.arrival, next(self._numbers), request))
         if len(self._heap) > 64 + 2 * len(self._live):

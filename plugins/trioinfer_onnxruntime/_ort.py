@@ -46,7 +46,9 @@ def missing_ort() -> str | None:
 def _signature(session: Any) -> ModelSignature:
     def spec(arg: Any) -> TensorSpec:
         shape = tuple(d if isinstance(d, (int, str)) else None for d in arg.shape)
-        return TensorSpec(arg.name, numpy_dtype(arg.type), shape, arg.type)
+        # ONNX strings are UTF-8 text: the engine decodes bytes elements for it.
+        utf8 = arg.type == "tensor(string)"
+        return TensorSpec(arg.name, numpy_dtype(arg.type), shape, arg.type, utf8=utf8)
 
     return ModelSignature(
         tuple(spec(a) for a in session.get_inputs()),

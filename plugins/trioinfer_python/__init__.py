@@ -75,7 +75,11 @@ rest of the program.
 The engine checks inputs against the declared signature before they queue,
 as for an ONNX model, and this backend checks every output against it: a
 missing or extra output, another dtype, rank or fixed size is a
-``BackendError`` naming the output. A model whose every input and output
+``BackendError`` naming the output. A ``BYTES`` (``string``) input reaches
+the model as its caller gave it, an object array of ``bytes`` or ``str``
+(over HTTP and gRPC, ``str``): an ONNX model's string inputs are UTF-8 text,
+so the engine decodes ``bytes`` for those, but a declared one may hold any
+bytes (an image, say). A model whose every input and output
 has a symbolic first dimension receives batches from the ``dynamic``
 batcher, and must return one row per input row.
 """

@@ -11,6 +11,7 @@ from typing import final
 from trioinfer import ConfigError, DeadlineExceeded
 from trioinfer.lowlevel import Request, SchedulerContext
 
+from ._options import already_held
 from ._sorted import TimeQueue
 
 
@@ -82,17 +83,21 @@ class DeadlineScheduler:
             DeadlineExceeded: With *refuse_late*, the request cannot finish in time.
             TypeError: The request's deadline is not a real number.
             ValueError: Its deadline is NaN (it would sort nowhere, and spoil the
-                order of every request queued after it).
+                order of every request queued after it); or the request is held
+                already (each request is pushed once).
         """
         deadline = request.deadline
         if deadline == math.inf:
+            if request in self._open:
+                already_held("deadline", request)
             self._open[request] = None
             return
         if deadline.__class__ is not float or deadline != deadline:
             _check_deadline(deadline)
         if self._refuse_late and self._context is not None:
             self._check_in_time(request)
-        self._queue.add(deadline, request)
+        if not self._queue.add(deadline, request):
+            already_held("deadline", request)
 
     def peek(self) -> Request:
         """Return the request with the earliest deadline; ``IndexError`` if empty."""

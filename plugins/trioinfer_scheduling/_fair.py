@@ -12,7 +12,7 @@ from typing import final
 from trioinfer import ConfigError
 from trioinfer.lowlevel import Request
 
-from ._options import positive_number
+from ._options import already_held, positive_number
 
 # (virtual time tag, number, tenant): numbers are unique, so tenants are never compared.
 _Tag = tuple[float, int, str | None]
@@ -129,7 +129,8 @@ class FairScheduler:
         Raises:
             TypeError: The request's tenant is not hashable, or its rows not a number.
             ValueError: Its rows are negative or NaN (they move its tenant's
-                virtual time, which must never go back).
+                virtual time, which must never go back); or the request is held
+                already (each request is pushed once).
         """
         tenant = request.tenant
         rows = request.rows
@@ -152,6 +153,9 @@ class FairScheduler:
             self._tags[tenant] = tag
             self._active_weight += weight
             queue = self._queues[tenant] = OrderedDict()
+        elif request in queue:
+            # Held already: a second entry would count it twice (len() never 0 again).
+            already_held("fair", request)
         queue[request] = None
         self._count += 1
 

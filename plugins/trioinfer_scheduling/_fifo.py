@@ -7,6 +7,8 @@ from typing import final
 
 from trioinfer.lowlevel import Request
 
+from ._options import already_held
+
 
 @final
 class FifoScheduler:
@@ -22,8 +24,15 @@ class FifoScheduler:
         self._queue: OrderedDict[Request, None] = OrderedDict()
 
     def push(self, request: Request) -> None:
-        """Add *request* at the back."""
-        self._queue[request] = None
+        """Add *request* at the back.
+
+        Raises:
+            ValueError: *request* is held already (each request is pushed once).
+        """
+        queue = self._queue
+        if request in queue:
+            already_held("fifo", request)
+        queue[request] = None
 
     def peek(self) -> Request:
         """Return the oldest request without removing it; ``IndexError`` if empty."""

@@ -1,14 +1,16 @@
-"""Checking scheduler options, and the clock a scheduler reads before the engine attaches it."""
+"""Checking scheduler options and pushes, and the clock a scheduler reads before attach()."""
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable
 from numbers import Real
+from typing import NoReturn
 
 import anyio
 
 from trioinfer import ConfigError
+from trioinfer.lowlevel import Request
 
 
 def positive_number(
@@ -48,3 +50,16 @@ def event_loop_clock() -> Callable[[], float]:
             return -math.inf
 
     return now
+
+
+def already_held(scheduler: str, request: Request) -> NoReturn:
+    """Refuse a second `push()` of *request*, which the scheduler holds already.
+
+    Raises:
+        ValueError: Always, naming the scheduler and the request.
+    """
+    raise ValueError(
+        f"{scheduler} scheduler: request {request.id!r} is already queued; each request "
+        "is pushed once, when admitted (one a batcher gives back goes to the head of the "
+        "engine's queue with RequestQueue.put_back(), not through push() again)"
+    )

@@ -11,7 +11,7 @@ from typing import SupportsIndex, final
 
 from trioinfer.lowlevel import Request, SchedulerContext
 
-from ._options import event_loop_clock, positive_number
+from ._options import already_held, event_loop_clock, positive_number
 from ._sorted import SortedKeys
 
 
@@ -89,7 +89,8 @@ class PriorityScheduler:
         Raises:
             TypeError: The request's priority is not an integer, or (with aging on)
                 its arrival is not a real number.
-            ValueError: With aging on, its arrival is NaN.
+            ValueError: With aging on, its arrival is NaN; or the request is held
+                already (each request is pushed once).
         """
         level = request.priority
         if level.__class__ is not int:
@@ -113,6 +114,9 @@ class PriorityScheduler:
                     self._order.remove(level)
                     raise
             queue = self._levels[level] = OrderedDict()
+        elif request in queue:
+            # Held already: a second entry would count it twice (len() never 0 again).
+            already_held("priority", request)
         queue[request] = None
         self._count += 1
         self._peeked = None

@@ -201,8 +201,12 @@ class TimeQueue(Generic[T]):
         for items in self._items:
             yield from items
 
-    def add(self, key: float, item: T) -> None:
-        """Queue *item*, which must not be held already, by *key* and then its ticket."""
+    def add(self, key: float, item: T) -> bool:
+        """Queue *item* by *key* and then its ticket; ``False`` (and nothing done) if held.
+
+        Whether it is held costs nothing more than finding its place: the same
+        item has the same key and ticket, so it sits where it would go.
+        """
         max_keys = self._max_keys
         pos = bisect_right(max_keys, key)
         if pos and max_keys[pos - 1] == key:
@@ -216,7 +220,7 @@ class TimeQueue(Generic[T]):
                 max_keys.append(key)
                 self._len = 1
                 self._tree = None
-                return
+                return True
             # After every held item: any that share the key have earlier tickets.
             pos -= 1
             keys, items = self._keys[pos], self._items[pos]
@@ -228,6 +232,8 @@ class TimeQueue(Generic[T]):
             index = bisect_right(keys, key)
             if index and keys[index - 1] == key:
                 index = self._index_of(keys, items, key, self._ticket(item), index)
+                if index < len(items) and items[index] is item:
+                    return False
             keys.insert(index, key)
             items.insert(index, item)
         self._len += 1  # only once held: a ticket function that raised leaves no trace
@@ -240,6 +246,7 @@ class TimeQueue(Generic[T]):
             self._tree = None
         elif self._tree is not None:
             _grow(self._tree, pos, 1)
+        return True
 
     def remove(self, key: float, item: T) -> bool:
         """Remove *item*, added with *key*; return whether it was held (with that key)."""

@@ -77,12 +77,19 @@ class TensorSpec:
             size (the same name means the same size across the model's tensors), or
             ``None`` for a size the model leaves open.
         type_name: The element type as the backend spells it, e.g. ``"tensor(float)"``.
+        utf8: For a string input: whether the model reads its elements as UTF-8
+            text, as an ONNX string tensor does. The engine then decodes ``bytes``
+            elements to ``str`` as it checks the request (ONNX Runtime would take
+            a ``bytes`` element's ``repr``, ``"b'a'"``) and refuses bytes that are
+            not UTF-8. ``False`` (a declared signature, such as a Python model's):
+            elements reach the model as the caller gave them, ``bytes`` or ``str``.
     """
 
     name: str
     dtype: np.dtype[Any] | None
     shape: tuple[Dim, ...]
     type_name: str = ""
+    utf8: bool = attrs.field(default=False, kw_only=True)
 
     @property
     def rank(self) -> int:
@@ -433,7 +440,7 @@ def _validate(
                     f"{batch[1]!r} has {batch[0]} rows, {spec.name!r} has {rows}"
                 )
         if spec.dtype is not None and spec.dtype.kind == "O":
-            _check_strings(model, spec, array)
+            array = _check_strings(model, spec, array)
         arrays[spec.name] = array
     return arrays
 
@@ -441,25 +448,65 @@ def _validate(
 _STRING_TYPES: Final = frozenset({str, bytes})
 
 
-def _check_strings(model: str, spec: TensorSpec, array: np.ndarray[Any, Any]) -> None:
+def _check_strings(
+    model: str, spec: TensorSpec, array: np.ndarray[Any, Any]
+) -> np.ndarray[Any, Any]:
     # A string tensor's elements are str or bytes. An object array holds anything, and
     # ONNX Runtime turns what is not a string into its str() ("1", "None") without a
-    # word: refuse it here, where the message can say which element it was.
+    # word: refuse it here, where the message can say which element it was. Only
+    # string inputs come here (their signature has no fast path), so numeric ones
+    # pay nothing for it.
     elements = array.ravel().tolist()  # of an object array: the elements themselves
-    if set(map(type, elements)) <= _STRING_TYPES:
-        return
-    found = next(((i, v) for i, v in enumerate(elements) if not isinstance(v, (str, bytes))), None)
-    if found is None:
-        return  # subclasses of str or bytes (numpy.str_, numpy.bytes_)
-    index, bad = found
-    where = index if array.ndim == 1 else [int(i) for i in np.unravel_index(index, array.shape)]
-    shown = repr(bad)
-    if len(shown) > 40:
-        shown = shown[:37] + "..."
-    raise InvalidInput(
-        f"input {spec.name!r} of model {model!r} is a string (BYTES) tensor: its elements "
-        f"must be bytes or str, got {type(bad).__name__} {shown} at index {where}"
-    )
+    types = set(map(type, elements))
+    if not types <= _STRING_TYPES:
+        found = next(
+            ((i, v) for i, v in enumerate(elements) if not isinstance(v, (str, bytes))), None
+        )
+        if found is not None:
+            index, bad = found
+            raise InvalidInput(
+                f"input {spec.name!r} of model {model!r} is a string (BYTES) tensor: its "
+                f"elements must be bytes or str, got {type(bad).__name__} {_shown(bad)} at "
+                f"index {_index(array, index)}"
+            )
+        # else subclasses of str or bytes (numpy.str_, numpy.bytes_)
+    if spec.utf8 and (bytes in types or not types <= _STRING_TYPES):
+        return _decoded(model, spec, array, elements)
+    return array
+
+
+def _decoded(
+    model: str, spec: TensorSpec, array: np.ndarray[Any, Any], elements: list[Any]
+) -> np.ndarray[Any, Any]:
+    # A UTF-8 string input's bytes elements as str, in a new array (the caller's is
+    # left as it was): ONNX Runtime reads an object array's elements by their str(),
+    # which for bytes is their repr.
+    texts: list[Any] = []
+    for index, value in enumerate(elements):
+        if isinstance(value, bytes):
+            try:
+                value = value.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                raise InvalidInput(
+                    f"input {spec.name!r} of model {model!r} is a string tensor of UTF-8 "
+                    f"text, but its element at index {_index(array, index)} is not UTF-8 "
+                    f"({exc.reason} at byte {exc.start} of {_shown(value)}); send UTF-8 "
+                    "encoded bytes, or str"
+                ) from None
+        texts.append(value)
+    out = np.empty(len(texts), dtype=object)
+    out[:] = texts
+    return out.reshape(array.shape)
+
+
+def _index(array: np.ndarray[Any, Any], index: int) -> int | list[int]:
+    # Where element *index* of the flattened *array* is, as the caller indexes it.
+    return index if array.ndim == 1 else [int(i) for i in np.unravel_index(index, array.shape)]
+
+
+def _shown(value: object) -> str:
+    shown = repr(value)
+    return shown if len(shown) <= 40 else shown[:37] + "..."
 
 
 def _fixed_arrays(

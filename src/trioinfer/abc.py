@@ -767,6 +767,12 @@ class Scheduler(Protocol):
         [`RequestQueue.put_back()`][trioinfer.lowlevel.RequestQueue.put_back]
         are not pushed again: the engine keeps them at the head of the queue,
         ahead of the scheduler's order.
+
+        Raises:
+            ValueError: *request* is held already: a second push would count it
+                twice. The engine never does this; refusing it (and changing
+                nothing) tells a caller that breaks the contract, and
+                [`check_scheduler()`][trioinfer.testing.check_scheduler] checks it.
         """
         ...
 

@@ -76,7 +76,10 @@ def check_scheduler(make_scheduler: Callable[[], Scheduler]) -> None:
     pushed request is popped exactly once, whether alike or not; that
     ``remove`` takes a request out once (returning ``True``, then ``False``,
     and ``False`` for one already popped) and that a removed request is never
-    popped; and that ``len`` follows along. Which request comes next is
+    popped; that a second `push()` of a request held already raises
+    ``ValueError`` and changes nothing (each request is pushed once; one
+    counted twice would keep ``len`` above 0 for good); and that ``len``
+    follows along. Which request comes next is
     the scheduler's own policy, so no order is checked: a last-in-first-out
     scheduler passes as a first-in-first-out one does.
 
@@ -149,6 +152,40 @@ def check_scheduler(make_scheduler: Callable[[], Scheduler]) -> None:
     if len(scheduler) != 0:
         _fail(f"len is {len(scheduler)} after popping everything and a remove()")
     _check_empty(scheduler, "a scheduler emptied by pop()")
+    _check_pushed_twice(scheduler)
+
+
+def _check_pushed_twice(scheduler: Scheduler) -> None:
+    # Each request is pushed once: a second push of one held (alike or not) is
+    # refused with ValueError and leaves the scheduler as it was.
+    held = [
+        make_request(priority=1, tenant="t", deadline=100.0),
+        make_request(priority=1, tenant="t", deadline=100.0),
+        make_request(priority=2, tenant=None),
+    ]
+    for request in held:
+        scheduler.push(request)
+    for request in held:
+        try:
+            scheduler.push(request)
+        except ValueError:
+            pass
+        except Exception as exc:
+            _fail(
+                f"push() of a request held already raised {type(exc).__name__}: {exc}; "
+                "expected ValueError"
+            )
+        else:
+            _fail(
+                f"push() of a request held already returned (len is now {len(scheduler)}); "
+                "each request is pushed once: refuse a second push with ValueError"
+            )
+    if len(scheduler) != len(held):
+        _fail(f"len is {len(scheduler)} after refused second pushes, expected {len(held)}")
+    out = [scheduler.pop() for _ in held]
+    if set(out) != set(held) or len(scheduler) != 0:
+        _fail("after refused second pushes, the requests held did not come out once each")
+    _check_empty(scheduler, "a scheduler emptied after refused second pushes")
 
 
 def _check_empty(scheduler: Scheduler, which: str) -> None:

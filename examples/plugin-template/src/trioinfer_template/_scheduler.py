@@ -24,7 +24,13 @@ class LifoScheduler:
         self._held: OrderedDict[Request, None] = OrderedDict()
 
     def push(self, request: Request) -> None:
-        """Add *request* on top: each request is pushed once, when admitted."""
+        """Add *request* on top: each request is pushed once, when admitted.
+
+        Raises:
+            ValueError: *request* is held already (a second push would count it twice).
+        """
+        if request in self._held:
+            raise ValueError(f"lifo scheduler: request {request.id!r} is already queued")
         self._held[request] = None
 
     def peek(self) -> Request:
