@@ -238,16 +238,18 @@ async def test_a_caller_back_from_a_wait_finds_a_fresh_slice(
     monkeypatch.setattr(trioinfer._inline, "_wall", lambda: now)
     async with open_engine() as engine:
         await engine.load(model("a"))
-        await engine.infer("a", {"x": X})
         steps = Steps(trio.lowlevel.current_task())
         trio.lowlevel.add_instrument(steps)
         try:
-            now = 1.0  # the wait, by the slice's clock: the slice spent over again
+            now = 1.0  # the slice spent: the request yields (the first yield: the restarts begin)
+            await engine.infer("a", {"x": X})
+            assert steps.count == 1
+            now = 2.0  # the wait, by the slice's clock: the slice spent over again
             await trio.lowlevel.checkpoint()  # ... while the loop polled
             count = steps.count
             await engine.infer("a", {"x": X})
             assert steps.count == count  # no yield
-            now = 2.0  # held since: no poll, so the slice is spent and the next request yields
+            now = 3.0  # held since: no poll, so the slice is spent and the next request yields
             await engine.infer("a", {"x": X})
             assert steps.count == count + 1
         finally:
@@ -260,6 +262,10 @@ async def test_the_slice_restarts_at_polls_only_while_an_engine_is_open(
     now = 0.0
     monkeypatch.setattr(trioinfer._inline, "_wall", lambda: now)
     async with open_engine():
+        now = 0.5  # no inline work has yielded yet: nothing restarts the slice at polls
+        await trio.lowlevel.checkpoint()
+        assert trioinfer._inline._slice.start == 0.0
+        trioinfer._inline.restart_inline_slice()  # (inline work's first yield)
         async with open_engine():
             now = 1.0
             await trio.lowlevel.checkpoint()  # a loop pass: a poll
