@@ -228,6 +228,56 @@ async def test_callers_looping_on_an_inline_model_leave_the_loop_its_turns(
         assert (s.succeeded, s.executions) == (200, 200)
 
 
+async def test_a_caller_back_from_a_wait_finds_a_fresh_slice(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The slice counts the time the loop is held, not the time it sat polling: a
+    # caller whose wait outlasted the slice (its client, a socket) does not yield
+    # at its next request, as if the idle time had been spent in inline work.
+    now = 0.0
+    monkeypatch.setattr(trioinfer._inline, "_wall", lambda: now)
+    async with open_engine() as engine:
+        await engine.load(model("a"))
+        steps = Steps(trio.lowlevel.current_task())
+        trio.lowlevel.add_instrument(steps)
+        try:
+            now = 1.0  # the slice spent: the request yields (the first yield: the restarts begin)
+            await engine.infer("a", {"x": X})
+            assert steps.count == 1
+            now = 2.0  # the wait, by the slice's clock: the slice spent over again
+            await trio.lowlevel.checkpoint()  # ... while the loop polled
+            count = steps.count
+            await engine.infer("a", {"x": X})
+            assert steps.count == count  # no yield
+            now = 3.0  # held since: no poll, so the slice is spent and the next request yields
+            await engine.infer("a", {"x": X})
+            assert steps.count == count + 1
+        finally:
+            trio.lowlevel.remove_instrument(steps)
+
+
+async def test_the_slice_restarts_at_polls_only_while_an_engine_is_open(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    now = 0.0
+    monkeypatch.setattr(trioinfer._inline, "_wall", lambda: now)
+    async with open_engine():
+        now = 0.5  # no inline work has yielded yet: nothing restarts the slice at polls
+        await trio.lowlevel.checkpoint()
+        assert trioinfer._inline._slice.start == 0.0
+        trioinfer._inline.restart_inline_slice()  # (inline work's first yield)
+        async with open_engine():
+            now = 1.0
+            await trio.lowlevel.checkpoint()  # a loop pass: a poll
+            assert trioinfer._inline._slice.start == 1.0
+        now = 2.0  # the inner engine closed: the outer one still asks for restarts
+        await trio.lowlevel.checkpoint()  # a loop pass: a poll
+        assert trioinfer._inline._slice.start == 2.0
+    now = 3.0  # both closed: nothing of the engine's is left in the run
+    await trio.lowlevel.checkpoint()  # a loop pass: a poll
+    assert trioinfer._inline._slice.start == 2.0
+
+
 async def test_a_fresh_slice_costs_no_yield(autojump_clock: trio.testing.MockClock) -> None:
     # Within the slice, the request neither queues nor yields: the task does not resume.
     async with open_engine() as engine:

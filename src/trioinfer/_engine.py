@@ -33,7 +33,7 @@ from ._exceptions import (
     PluginContractError,
     TrioInferError,
 )
-from ._inline import restart_inline_slice
+from ._inline import restart_inline_slice, restart_slice_at_each_poll
 from ._pipeline import PIPELINE, Pipeline, Step, _steps
 from ._pipeline_batched import BatchedPipeline
 from ._registry import Kind, Registry
@@ -1204,24 +1204,27 @@ async def _engine_scope(
 ) -> AsyncIterator[Engine]:
     body_error: BaseException | None = None
     try:
-        async with anyio.create_task_group() as tg:
-            engine = Engine(
-                task_group=tg,
-                registry=registry,
-                drain_period=drain_period,
-                device_limits=limiters,
-                cache=cache,
-                tracing=tracing,
-            )
-            try:
-                yield engine
-            except BaseException as exc:
-                body_error = exc
-                raise
-            finally:
-                await engine._shutdown(drain=body_error is None)
-                engine._closed = True
-                tg.cancel_scope.cancel()
+        # Inline requests yield once per slice of the loop; a slice held by
+        # nobody (the loop idle, polling) must not count against them.
+        with restart_slice_at_each_poll():
+            async with anyio.create_task_group() as tg:
+                engine = Engine(
+                    task_group=tg,
+                    registry=registry,
+                    drain_period=drain_period,
+                    device_limits=limiters,
+                    cache=cache,
+                    tracing=tracing,
+                )
+                try:
+                    yield engine
+                except BaseException as exc:
+                    body_error = exc
+                    raise
+                finally:
+                    await engine._shutdown(drain=body_error is None)
+                    engine._closed = True
+                    tg.cancel_scope.cancel()
     except BaseExceptionGroup as group:
         # The task group wraps the block's own exception; hand it back as the caller raised it.
         if body_error is not None and _only(group, body_error):
