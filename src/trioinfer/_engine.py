@@ -38,7 +38,14 @@ from ._pipeline import PIPELINE, Pipeline, Step, _steps
 from ._pipeline_batched import BatchedPipeline
 from ._registry import Kind, Registry
 from ._request import Outputs, Request, make_request, next_request_id
-from ._runner import CLEANUP_S, ModelRunner, ModelStatistics, close_instances
+from ._runner import (
+    CLEANUP_S,
+    ModelRunner,
+    ModelStatistics,
+    Unfinished,
+    close_instances,
+    runs_inline,
+)
 from ._sequence import SequenceFlags
 from ._stream import ResponseStream, StreamGate, decoupled, open_stream
 from ._tensors import ModelSignature, validate_rows
@@ -518,15 +525,15 @@ class Engine:
                             return await self._infer_after_yield(
                                 model, inputs, priority, tenant, request_id
                             )
+                        now = clock.current_time()
+                        if deadline > now and runs_inline(replica):
+                            # run_here's inline way, with no coroutine of its own.
+                            outputs = runner.run_now(replica, arrays, n, deadline, now)
+                            if outputs.__class__ is not Unfinished:
+                                return outputs  # type: ignore[return-value]
+                            return await runner.finish_here(outputs, request_id, priority, tenant)
                         return await runner.run_here(
-                            replica,
-                            arrays,
-                            n,
-                            request_id,
-                            priority,
-                            tenant,
-                            deadline,
-                            clock.current_time(),
+                            replica, arrays, n, request_id, priority, tenant, deadline, now
                         )
                 request = make_request(
                     model,

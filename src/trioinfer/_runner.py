@@ -1699,22 +1699,24 @@ class ModelRunner(metaclass=NoPublicConstructor):
         Raises:
             What the request ended with, as `call` does.
         """
-        if deadline > now and starts_inline(replica) and not runs_inline(replica):
-            return await self._run_hoping(
-                replica, inputs, rows, request_id, priority, tenant, deadline, now, held
-            )
-        if deadline <= now or not runs_inline(replica):
-            return await self.run_alone(
-                replica,
-                make_request(
-                    self.config.name, inputs, request_id, priority, tenant, deadline, now, rows
-                ),
-                held=held,
-            )
-        outputs = self.run_now(replica, inputs, rows, deadline, now)
-        if outputs.__class__ is Unfinished:
-            return await self.finish_here(outputs, request_id, priority, tenant, held)
-        return cast(Outputs, outputs)
+        if deadline > now:
+            # The inline instance first: the hot path asks nothing more of it.
+            if runs_inline(replica):
+                outputs = self.run_now(replica, inputs, rows, deadline, now)
+                if outputs.__class__ is Unfinished:
+                    return await self.finish_here(outputs, request_id, priority, tenant, held)
+                return cast(Outputs, outputs)
+            if starts_inline(replica):
+                return await self._run_hoping(
+                    replica, inputs, rows, request_id, priority, tenant, deadline, now, held
+                )
+        return await self.run_alone(
+            replica,
+            make_request(
+                self.config.name, inputs, request_id, priority, tenant, deadline, now, rows
+            ),
+            held=held,
+        )
 
     def run_now(
         self,
