@@ -2,7 +2,7 @@
 
 The steps are the bundled repository's: ``scale_image`` (Python: an 8x8 image to a
 float row), ``digits`` (ONNX Runtime) and ``digit_names`` (Python: probabilities to a
-name). Six arms, C client tasks each sending one image at a time:
+name). Eleven arms, C client tasks each sending one image at a time:
 
   hand        one async function per request: the request's input checked (dtype and
               shape, as the pipeline checks its input), the two Python steps called
