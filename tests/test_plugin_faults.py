@@ -558,6 +558,7 @@ class _HopingOutputs(_InlineOutputs):
             "(missing [], undeclared ['extra'])",
         ),
         (lambda i: {}, "returned outputs [], but its signature declares ['y'] (missing ['y']"),
+        (lambda i: [i["x"] * 2], "returned a 'list' object; a backend's execute() returns a dict"),
     ],
 )
 @pytest.mark.parametrize("path", ["alone", "dynamic", "inline", "hoping"])
@@ -690,3 +691,59 @@ async def test_closing_past_an_execute_that_ignores_cancellation_says_which_inst
     [record] = errors(caplog)
     assert "model 'm': stopping it has waited 10.0s for instance 0 (cpu)" in record.getMessage()
     assert "must let Cancelled propagate" in record.getMessage()
+
+
+@pytest.mark.parametrize("path", ["alone", "inline"])
+async def test_a_mapping_of_the_declared_outputs_that_is_no_dict_still_answers(path: str) -> None:
+    """The names check looks at a dict's keys at once; any other mapping is judged by its
+    names, not refused for its class."""
+    import types
+
+    make = lambda i: types.MappingProxyType({"y": i["x"] * 2})  # noqa: E731
+    backend: Any = FakeBackend(make)
+    if path == "inline":
+
+        class Inline:
+            async def load(self, config: ModelConfig, placement: Any) -> _InlineOutputs:
+                return _InlineOutputs(make)
+
+        backend = Inline()
+    reg = trioinfer.Registry(extra={"backends": {"fake": lambda: backend}})
+    async with open_engine(registry=reg) as engine:
+        await engine.load(config(batcher="none"))
+        out = await engine.infer("m", {"x": X})
+        np.testing.assert_array_equal(out["y"], X * 2)
+
+
+async def test_a_backend_whose_load_is_not_async_fails_the_load_naming_the_contract() -> None:
+    """A plain ``def load()`` failed with "object ... can't be used in 'await' expression",
+    and the instance it had made was never closed."""
+    made: list[_InlineOutputs] = []
+    closed: list[object] = []
+
+    class Closing(_InlineOutputs):
+        async def aclose(self) -> None:
+            closed.append(self)
+
+    class Plain:
+        def load(self, config: ModelConfig, placement: Any) -> _InlineOutputs:
+            made.append(Closing(lambda i: {"y": i["x"]}))
+            return made[-1]
+
+    reg = trioinfer.Registry(extra={"backends": {"plain": lambda: Plain()}})
+    async with open_engine(registry=reg) as engine:
+        with pytest.raises(trioinfer.PluginContractError) as caught:
+            await engine.load(
+                ModelConfig(
+                    name="m",
+                    path="unused.onnx",
+                    backend="plain",
+                    instances=[trioinfer.Instance("cpu", count=2)],
+                )
+            )
+        assert (caught.value.kind, caught.value.plugin) == ("backends", "plain")
+        assert "its load() returned a 'Closing' object" in str(caught.value)
+        assert "load() is an async def" in str(caught.value)
+        assert engine.models() == []
+    assert len(made) == 2
+    assert sorted(map(id, closed)) == sorted(map(id, made))  # none leaked

@@ -74,8 +74,11 @@ class BufferPool:
         for key, buffer in taken:
             # A backend may return an output that is a view of its input (an
             # identity, say); reusing that buffer would change a caller's result.
-            if outputs is not None and any(
-                np.may_share_memory(buffer, out) for out in outputs.values()
+            if outputs is not None and (
+                # A backend that broke its contract (no mapping): its answer may alias
+                # anything, and its error must not be hidden behind one of ours.
+                not isinstance(outputs, Mapping)
+                or any(np.may_share_memory(buffer, out) for out in outputs.values())
             ):
                 continue
             free = self._free.setdefault(key, [])

@@ -8,6 +8,7 @@ Nothing the engine started outlives the block.
 
 from __future__ import annotations
 
+import inspect
 import logging
 import math
 import operator
@@ -1298,7 +1299,21 @@ async def _load_instances(backend: Backend, config: ModelConfig) -> list[Backend
 
     async def load_one(i: int) -> None:
         try:
-            instance: object = await backend.load(config, placements[i])
+            pending: object = backend.load(config, placements[i])
+            if not inspect.isawaitable(pending):
+                # A plain def load(): what it made is closed with the rest, and the
+                # author told what the contract asks, not "can't be used in 'await'".
+                if isinstance(pending, BackendInstance):
+                    loaded[i] = pending
+                errors[i] = PluginContractError(
+                    f"backend {config.backend!r} broke its contract: its load() returned "
+                    f"a {type(pending).__name__!r} object for instance {i} of model "
+                    f"{config.name!r} instead of an awaitable; load() is an async def",
+                    kind="backends",
+                    plugin=config.backend,
+                )
+                return
+            instance: object = await pending
         except TrioInferError as exc:
             errors[i] = exc
         except Exception as exc:

@@ -1376,7 +1376,9 @@ class ModelRunner(metaclass=NoPublicConstructor):
                         try:
                             outputs = await replica._backend_instance.execute(inputs)
                             declared = self._output_names
-                            if declared is not None and outputs.keys() != declared:
+                            if declared is not None and (
+                                outputs.__class__ is not dict or outputs.keys() != declared
+                            ):
                                 _wrong_names(
                                     self.config.name, replica, outputs, self.backend_signature
                                 )
@@ -1747,7 +1749,9 @@ class ModelRunner(metaclass=NoPublicConstructor):
                 yielded = run.send(None)
             except StopIteration as done:
                 outputs: Outputs = done.value
-                if (declared := self._output_names) is not None and outputs.keys() != declared:
+                if (declared := self._output_names) is not None and (
+                    outputs.__class__ is not dict or outputs.keys() != declared
+                ):
                     _wrong_names(self.config.name, replica, outputs, self.backend_signature)
                 if self.batched:
                     for array in outputs.values():
@@ -1964,7 +1968,9 @@ class ModelRunner(metaclass=NoPublicConstructor):
                     with scope:
                         answer = await replica._backend_instance.execute(request.inputs)
                 if answer is not None:
-                    if (declared := self._output_names) is not None and answer.keys() != declared:
+                    if (declared := self._output_names) is not None and (
+                        answer.__class__ is not dict or answer.keys() != declared
+                    ):
                         _wrong_names(self.config.name, replica, answer, self.backend_signature)
                     if self.batched:
                         _check_rows(self.config.name, replica, answer, rows)
@@ -2302,7 +2308,9 @@ class ModelRunner(metaclass=NoPublicConstructor):
         # caller get its own. A failure here counts against the replica.
         try:
             outputs = await replica._backend_instance.execute(inputs)
-            if (declared := self._output_names) is not None and outputs.keys() != declared:
+            if (declared := self._output_names) is not None and (
+                outputs.__class__ is not dict or outputs.keys() != declared
+            ):
                 _wrong_names(self.config.name, replica, outputs, self.backend_signature)
             if rows:
                 _check_rows(self.config.name, replica, outputs, rows)
@@ -2570,11 +2578,19 @@ def _copy_error(
 
 
 def _wrong_names(model: str, replica: Replica, outputs: object, signature: ModelSignature) -> None:
-    # An execution returned other outputs than the signature declares: a caller would
+    # An execution returned other outputs than the signature declares (or no dict,
+    # or a mapping of another class, which passes if its names fit): a caller would
     # get a mapping without the outputs it was promised (the server failed with a 500
     # of its own, or told the client it had asked for an output the model lacks).
     declared = [spec.name for spec in signature.outputs]
-    got = sorted(map(str, cast(Mapping[str, Any], outputs)))
+    if not isinstance(outputs, Mapping):
+        raise BackendError(
+            f"model {model!r}: {replica.label} returned a {type(outputs).__name__!r} object; "
+            f"a backend's execute() returns a dict of its outputs by name ({declared})"
+        )
+    got = sorted(map(str, outputs))
+    if got == sorted(declared):
+        return
     missing = sorted(set(declared) - set(got))
     extra = sorted(set(got) - set(declared))
     raise BackendError(
