@@ -36,3 +36,18 @@ def mlp_model(model_dir: Path) -> Path:
 def slow_model(model_dir: Path) -> Path:
     """x: float32[batch, 512] -> y; about a second per batch of 256 on one thread."""
     return models.write_slow(model_dir / "slow.onnx")
+
+
+@pytest.fixture
+def still_slice(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The inline slice's wall time stands still: no request yields for it.
+
+    Where an inline run moves the mock clock past the caller's deadline, a yield
+    before the next request or step (the 250 µs slice spent on a slow machine)
+    would let the caller's scope see the deadline first: that request would end
+    cancelled, not expired, and counts that name the expiry would differ.
+    """
+    import trioinfer._inline
+
+    monkeypatch.setattr(trioinfer._inline, "_wall", lambda: 0.0)
+    monkeypatch.setattr(trioinfer._inline._slice, "start", 0.0)

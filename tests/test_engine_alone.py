@@ -160,7 +160,7 @@ async def test_a_failing_inline_request_ends_once_counted_and_the_instance_serve
 
 
 async def test_a_request_past_its_deadline_is_never_computed(
-    autojump_clock: trio.testing.MockClock,
+    autojump_clock: trio.testing.MockClock, still_slice: None
 ) -> None:
     # The first model runs inline and moves the clock past the caller's deadline
     # without a checkpoint: the second request must not run, and the scope reports it.

@@ -280,7 +280,7 @@ async def test_a_failing_step_ends_the_request_once_naming_it(
 
 
 async def test_a_step_past_its_deadline_is_never_computed(
-    autojump_clock: trio.testing.MockClock,
+    autojump_clock: trio.testing.MockClock, still_slice: None
 ) -> None:
     # The first step runs inline and moves the clock past the caller's deadline
     # without a checkpoint: the second must not run, and the caller's scope reports it.
@@ -761,19 +761,12 @@ async def test_a_step_that_waited_for_its_answer_restarts_the_inline_slice(
 
 @pytest.mark.parametrize("scenario", ["ok", "bad input", "cancelled", "full", "expired", "failing"])
 async def test_infer_takes_a_pipelines_request_as_infer_detailed_does(
-    scenario: str, autojump_clock: trio.testing.MockClock, monkeypatch: pytest.MonkeyPatch
+    scenario: str, autojump_clock: trio.testing.MockClock, still_slice: None
 ) -> None:
     # engine.infer takes an unbatched pipeline's request in its own frame (straight
     # to Pipeline.call); infer_detailed through _submit: both must end it alike and
     # count it alike, in the pipeline's statistics and its steps'.
-    import trioinfer._inline
-
     Jump.clock = autojump_clock
-    # The inline slice's wall time stands still: a yield for it between the steps
-    # (on a slow machine) would let the caller's scope see its deadline first, and
-    # the step after would end cancelled, not expired, on one way and not the other.
-    monkeypatch.setattr(trioinfer._inline, "_wall", lambda: 0.0)
-    monkeypatch.setattr(trioinfer._inline._slice, "start", 0.0)
 
     async def run(detailed: bool) -> tuple[str, tuple[int, ...], tuple[int, ...]]:
         steps = [inline("a", fail="RuntimeError" if scenario == "failing" else ""), model("b")]
