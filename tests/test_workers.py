@@ -8,6 +8,7 @@ workers' pids from the banner on stdout. Requests go over fresh connections
 
 from __future__ import annotations
 
+import contextlib
 import os
 import queue
 import re
@@ -29,6 +30,8 @@ import pytest
 from click.testing import CliRunner
 from prometheus_client.parser import text_string_to_metric_families
 
+from test_sequence import CONFIG_TOML as ACCUMULATOR_CONFIG
+from test_sequence import MODEL_PY as ACCUMULATOR_MODEL
 from trioinfer import ConfigError, ModelNotFound, TrioInferError, example_repository
 from trioinfer.cli import main
 from trioinfer.server import status_for
@@ -91,6 +94,8 @@ class Served:
     url: str
     pids: list[int]
     log: Path
+    #: The next line the server prints (None once it has exited).
+    next_line: Callable[[], str | None]
 
     def directory(self) -> Path:
         """The supervisor's control directory, as its log names it."""
@@ -130,10 +135,14 @@ def start(
     return process, next_line
 
 
-@pytest.fixture(scope="module")
-def served(repository: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
-    log = tmp_path_factory.mktemp("log") / "serve.log"
-    process, next_line = start(repository, log, "--workers", "2")
+@contextlib.contextmanager
+def two_workers(repository: Path, log: Path, *args: str) -> Iterator[Served]:
+    """``start`` with ``--workers 2``, once both listen.
+
+    On leaving, a server still running (a test failed before stopping it) is
+    killed with its workers.
+    """
+    process, next_line = start(repository, log, "--workers", "2", *args)
     try:
         while True:
             line = next_line()
@@ -141,14 +150,21 @@ def served(repository: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
             found = re.search(r"2 workers \(pids (\d+), (\d+)\) listening on (\S+)", line)
             if found:
                 break
-        yield Served(process, found.group(3), [int(found.group(1)), int(found.group(2))], log)
+        pids = [int(found.group(1)), int(found.group(2))]
+        yield Served(process, found.group(3), pids, log, next_line)
     finally:
-        if process.poll() is None:  # a test failed before stopping it
+        if process.poll() is None:
             workers = _children_of(process.pid)
             process.kill()
             process.wait()
             for pid in workers:
                 os.kill(pid, signal.SIGKILL)
+
+
+@pytest.fixture(scope="module")
+def served(repository: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
+    with two_workers(repository, tmp_path_factory.mktemp("log") / "serve.log") as server:
+        yield server
 
 
 def _children_of(pid: int) -> list[int]:
@@ -614,18 +630,8 @@ def test_workers_trace_with_the_servers_trace_settings(repository: Path, tmp_pat
     # Each worker makes its own tracer provider from --trace-exporter/--trace-rate, and
     # /v2/trace/setting changes reach them all (a restarted one too).
     log = tmp_path / "serve.log"
-    process, next_line = start(
-        repository, log, "--workers", "2", "--trace-exporter", "console", "--trace-rate", "1"
-    )
-    try:
-        while True:
-            line = next_line()
-            assert line is not None, log.read_text()
-            found = re.search(r"2 workers \(pids \d+, \d+\) listening on (\S+)", line)
-            if found:
-                break
-        url = found.group(1)
-        victim = int(re.findall(r"pids \d+, (\d+)\)", line)[0])
+    with two_workers(repository, log, "--trace-exporter", "console", "--trace-rate", "1") as server:
+        process, url, victim = server.process, server.url, server.pids[1]
         # A trace settings change reaches every worker, as a repository change does.
         changed = fresh("POST", f"{url}/v2/trace/setting", json={"trace_rate": "0"})
         assert changed.status_code == 200, changed.text
@@ -650,15 +656,8 @@ def test_workers_trace_with_the_servers_trace_settings(repository: Path, tmp_pat
             assert infer_digit(url).status_code == 200  # the model's own rate: traced
         process.send_signal(signal.SIGTERM)
         assert process.wait(timeout=WAIT_S) == 0, log.read_text()
-    finally:
-        if process.poll() is None:
-            workers = _children_of(process.pid)
-            process.kill()
-            process.wait()
-            for pid in workers:
-                os.kill(pid, signal.SIGKILL)
     printed = []
-    while (line := next_line()) is not None:
+    while (line := server.next_line()) is not None:
         printed.append(line)
     # The console exporter prints each span as JSON on the workers' stdout at exit.
     names = re.findall(r'"name": "([^"]+)"', "".join(printed))
@@ -676,15 +675,8 @@ def test_a_restarted_worker_serves_what_the_others_do_not_what_is_on_disk(
     (repository / "broken" / "1").mkdir(parents=True)
     (repository / "broken" / "1" / "model.onnx").write_bytes(b"not an ONNX file")
     log = tmp_path / "serve.log"
-    process, next_line = start(repository, log, "--workers", "2")
-    try:
-        while True:
-            line = next_line()
-            assert line is not None, log.read_text()
-            found = re.search(r"2 workers \(pids \d+, (\d+)\) listening on (\S+)", line)
-            if found:
-                break
-        victim, url = int(found.group(1)), found.group(2)
+    with two_workers(repository, log) as server:
+        process, url, victim = server.process, server.url, server.pids[1]
         shutil.copytree(repository / "digits", repository / "late")
         (repository / "late" / "config.toml").unlink()  # it names digits
         os.kill(victim, signal.SIGKILL)
@@ -701,47 +693,6 @@ def test_a_restarted_worker_serves_what_the_others_do_not_what_is_on_disk(
             assert fresh("GET", f"{url}/v2/models/late/ready").status_code == 200
         process.send_signal(signal.SIGTERM)
         assert process.wait(timeout=WAIT_S) == 0, log.read_text()
-    finally:
-        if process.poll() is None:
-            workers = _children_of(process.pid)
-            process.kill()
-            process.wait()
-            for pid in workers:
-                os.kill(pid, signal.SIGKILL)
-
-
-ACCUMULATOR_CONFIG = """\
-# A stateful Python model: OUTPUT is the running sum of its sequence's INPUTs.
-backend = "python"
-batcher = "sequence"
-
-[backend_options]
-dispatch = "inline"
-inputs = [
-    { name = "INPUT", dtype = "INT32", shape = ["batch", 1] },
-    { name = "START", dtype = "INT32", shape = ["batch", 1] },
-    { name = "STATE_IN", dtype = "INT32", shape = ["batch", 1] },
-]
-outputs = [
-    { name = "OUTPUT", dtype = "INT32", shape = ["batch", 1] },
-    { name = "STATE_OUT", dtype = "INT32", shape = ["batch", 1] },
-]
-
-[sequence]
-control = { start = "START" }
-state = [{ input = "STATE_IN", output = "STATE_OUT" }]
-"""
-
-ACCUMULATOR_MODEL = """\
-import numpy as np
-
-
-class Model:
-    def infer(self, inputs):
-        carried = np.where(inputs["START"] != 0, 0, inputs["STATE_IN"])
-        total = (carried + inputs["INPUT"]).astype(np.int32)
-        return {"OUTPUT": total, "STATE_OUT": total}
-"""
 
 
 def test_a_sequence_that_reaches_another_worker_says_why_it_is_unknown(tmp_path: Path) -> None:
@@ -753,7 +704,6 @@ def test_a_sequence_that_reaches_another_worker_says_why_it_is_unknown(tmp_path:
     (repository / "accumulator" / "config.toml").write_text(ACCUMULATOR_CONFIG)
     (repository / "accumulator" / "1" / "model.py").write_text(ACCUMULATOR_MODEL)
     log = tmp_path / "serve.log"
-    process, next_line = start(repository, log, "--workers", "2")
 
     def send(url: str, start: bool) -> httpx.Response:
         body = {
@@ -762,14 +712,8 @@ def test_a_sequence_that_reaches_another_worker_says_why_it_is_unknown(tmp_path:
         }
         return fresh("POST", f"{url}/v2/models/accumulator/infer", json=body)
 
-    try:
-        while True:
-            line = next_line()
-            assert line is not None, log.read_text()
-            found = re.search(r"2 workers \(pids \d+, \d+\) listening on (\S+)", line)
-            if found:
-                break
-        url = found.group(1)
+    with two_workers(repository, log) as server:
+        process, url = server.process, server.url
         assert send(url, start=True).status_code == 200
         answers = [send(url, start=False) for _ in range(16)]
         refused = [a for a in answers if a.status_code != 200]
@@ -782,10 +726,3 @@ def test_a_sequence_that_reaches_another_worker_says_why_it_is_unknown(tmp_path:
         assert "model 'accumulator' is stateful ([sequence]) and served by 2" in log.read_text()
         process.send_signal(signal.SIGTERM)
         assert process.wait(timeout=WAIT_S) == 0, log.read_text()
-    finally:
-        if process.poll() is None:
-            workers = _children_of(process.pid)
-            process.kill()
-            process.wait()
-            for pid in workers:
-                os.kill(pid, signal.SIGKILL)
