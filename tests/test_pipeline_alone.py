@@ -759,6 +759,36 @@ async def test_a_step_that_waited_for_its_answer_restarts_the_inline_slice(
         assert steps.count == 1  # resumed once: when q answered, not again before b
 
 
+async def test_a_slice_spent_mid_chain_yields_once_and_goes_on_from_that_step(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # engine.infer runs an unbatched pipeline's chain of inline steps as plain calls
+    # (Pipeline.run_now); when the slice is spent before a later step, it yields and
+    # goes on from that step: the steps before it are not run again.
+    import trioinfer._inline
+
+    Elapses.now[0] = 10.0
+    monkeypatch.setattr(trioinfer._inline, "_wall", lambda: Elapses.now[0])
+    monkeypatch.setattr(trioinfer._inline._slice, "start", 10.0)  # fresh
+    monkeypatch.setattr(trioinfer._inline._slice, "granted", False)
+    first = model("a", Elapses, parameters={}, backend_options={"dispatch": "inline"})
+    async with open_engine() as engine:
+        await load(engine, first, inline("b"), inline("c"), chain("a", "b", "c"))
+        steps = Steps(trio.lowlevel.current_task())
+        trio.lowlevel.add_instrument(steps)
+        try:
+            out = await engine.infer("p", {"IN": X})
+        finally:
+            trio.lowlevel.remove_instrument(steps)
+        np.testing.assert_array_equal(out["OUT"], X + 3)
+        assert Elapses.now[0] == 11.0  # "a" ran once (its second spent the slice)
+        assert steps.count == 1  # one yield: before "b", none before "c"
+        assert Probe.tasks == {"b": [_current_task()], "c": [_current_task()]}
+        stats = engine.statistics().models
+        assert [stats[m].succeeded for m in ("a", "b", "c", "p")] == [1, 1, 1, 1]
+        assert stats["p"].request_duration.count == 1
+
+
 @pytest.mark.parametrize("scenario", ["ok", "bad input", "cancelled", "full", "expired", "failing"])
 async def test_infer_takes_a_pipelines_request_as_infer_detailed_does(
     scenario: str, autojump_clock: trio.testing.MockClock, still_slice: None

@@ -35,7 +35,7 @@ from ._exceptions import (
     TrioInferError,
 )
 from ._inline import restart_inline_slice, restart_slice_at_each_poll
-from ._pipeline import PIPELINE, Pipeline, Step, _steps
+from ._pipeline import PIPELINE, Pipeline, Resume, Step, _steps
 from ._pipeline_batched import BatchedPipeline
 from ._registry import Kind, Registry
 from ._request import Outputs, Request, make_request, next_request_id
@@ -580,17 +580,13 @@ class Engine:
                 deadline = clock.current_effective_deadline()
                 # Else a cancellation to raise, or the queue policy's deadline: _submit's.
                 if deadline != -math.inf and (deadline != math.inf or not pipeline.queue_timeouts):
+                    now = clock.current_time()
+                    done = pipeline.run_now(arrays, n, deadline, now)
+                    if done.__class__ is not Resume:
+                        return done  # type: ignore[return-value]
                     return await pipeline.call(
-                        make_request(
-                            model,
-                            arrays,
-                            request_id,
-                            priority,
-                            tenant,
-                            deadline,
-                            clock.current_time(),
-                            n,
-                        )
+                        make_request(model, arrays, request_id, priority, tenant, deadline, now, n),
+                        resume=done,
                     )
         request = await self._submit(model, inputs, priority, tenant, request_id, sequence=sequence)
         assert request._state.outputs is not None

@@ -28,6 +28,10 @@ beside them (all of a chain's) run in turn in the caller's task, with no task
 or wake-up of their own. A step on a model that would pass a lone request
 straight through, with an idle instance and nothing queued, skips even the
 queue: it runs on that instance in this task (``ModelRunner.run_here``).
+``engine.infer`` runs a chain whose every step's model is idle and never
+suspends as plain calls (``Pipeline.run_now``): no request object, coroutine
+or task for the pipeline or its steps; where a step cannot run so, ``call``
+goes on from that step.
 The first step to fail cancels the others and ends the request with its
 error, the step named in the message.
 
@@ -83,6 +87,24 @@ class _Later:
 
 _LATER = _Later()
 _SPENT = _Later()
+
+
+@final
+@attrs.frozen
+class Resume:
+    """Where `Pipeline.run_now` stopped: what `Pipeline.call` goes on from.
+
+    *at*: the position in the steps run in turn; *tensors*: the request's
+    tensors so far (None: from its inputs); *left*: what that step still needs
+    (`Pipeline._step_now`'s answer).
+    """
+
+    at: int
+    tensors: dict[str, Any] | None
+    left: Unfinished | _Later
+
+
+_FROM_START = Resume(0, None, _LATER)
 
 
 @attrs.frozen
@@ -222,8 +244,52 @@ class Pipeline:
         task_status.started()
         await self._stop.wait()
 
-    async def call(self, request: Request, *, own_deadline: bool = True) -> Outputs:
-        """Run *request* through the steps, in the caller's task, and return its outputs."""
+    def run_now(
+        self, arrays: dict[str, Any], rows: int, deadline: float, now: float
+    ) -> Outputs | Resume:
+        """Run a request's steps as plain calls, from `validate` with no await since.
+
+        *deadline* (the caller's effective deadline, not -inf) and *now* read
+        then. When every step's model is idle, never suspends and the loop's
+        inline slice lasts (`_step_now`), the request ends here, counted, with
+        no request object, coroutine or task: its outputs. Else a `Resume` to
+        pass to `call` at once (no await before), which goes on where this
+        stopped; the steps run so far are not run again.
+
+        Raises:
+            What a step's inputs or outputs failed with, the step named.
+        """
+        if (
+            self._stopped
+            or self._side_by_side
+            or self._in_flight >= self.config.max_queue_size
+            or deadline <= now
+        ):
+            return _FROM_START  # call's way: the errors it raises, side by side steps
+        tensors: dict[str, Any] = dict(arrays)
+        at = 0
+        try:
+            for index, step in self._in_turn:
+                left = self._step_now(index, step, tensors)
+                if left is not None:
+                    return Resume(at, tensors, left)
+                at += 1
+        except TrioInferError:
+            self.failed += 1
+            raise
+        outputs = self._outputs(tensors)
+        self.succeeded += 1
+        self.inferences += rows or 1
+        self._request_duration.observe(self.clock.current_time() - now)
+        return outputs
+
+    async def call(
+        self, request: Request, *, own_deadline: bool = True, resume: Resume = _FROM_START
+    ) -> Outputs:
+        """Run *request* through the steps, in the caller's task, and return its outputs.
+
+        *resume*: where `run_now` stopped, for its request (else from the start).
+        """
         state = request._state
         if self._stopped:
             raise EngineClosed(f"pipeline {self.config.name!r} was unloaded")
@@ -238,7 +304,7 @@ class Pipeline:
         state.status = Status.RUNNING
         try:
             if own_deadline:
-                outputs = await self._run(request)
+                outputs = await self._run(request, resume)
             else:
                 outputs = await self._run_by_deadline(request)
         except anyio.get_cancelled_exc_class():
@@ -279,22 +345,28 @@ class Pipeline:
             "before its steps ended"
         )
 
-    async def _run(self, request: Request) -> Outputs:
-        tensors: dict[str, Any] = dict(request.inputs)
-        for index, step in self._in_turn:
+    async def _run(self, request: Request, resume: Resume = _FROM_START) -> Outputs:
+        tensors = dict(request.inputs) if resume.tensors is None else resume.tensors
+        left: Unfinished | _Later | None = resume.left
+        for index, step in self._in_turn[resume.at :]:
             # No task group, task or wake-up for a step that has nothing beside it,
             # and, on an idle model that never suspends, not even a coroutine.
-            left = self._step_now(request, index, step, tensors)
+            if left is _LATER:  # (not run_now's answer for this step: ask now)
+                left = self._step_now(index, step, tensors)
             if left is _SPENT:
                 # The loop's inline slice is spent: yield now, holding nothing, then
                 # try again (anything may have changed meanwhile).
                 await anyio.lowlevel.checkpoint()
                 restart_inline_slice()
-                left = self._step_now(request, index, step, tensors, yielded=True)
+                left = self._step_now(index, step, tensors, yielded=True)
             if left is not None:
                 await self._step(request, index, step, tensors, left)
+            left = _LATER
         if self._side_by_side:
             await self._run_side_by_side(request, tensors)
+        return self._outputs(tensors)
+
+    def _outputs(self, tensors: dict[str, Any]) -> Outputs:
         outputs = {}
         for name in self._output_names:
             value = tensors[name]
@@ -304,7 +376,6 @@ class Pipeline:
 
     def _step_now(
         self,
-        request: Request,
         index: int,
         step: Step,
         tensors: dict[str, Any],

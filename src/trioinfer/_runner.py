@@ -220,6 +220,14 @@ class RequestQueue(metaclass=NoPublicConstructor):
             return len(self._front)
         return len(self._front) + held
 
+    def holds_none(self) -> bool:
+        """Whether no request waits, by the queue's own count (no call into the scheduler).
+
+        For the hot path's "is the model idle?": a scheduler that broke its
+        count is caught where the queue asks it (`__len__`, pops), not here.
+        """
+        return not self._held and not self._front
+
     def _scheduler_failed(self, method: str, exc: Exception) -> None:
         # The scheduler raised where its contract allows no error: which requests it
         # holds is unknown from here on. The runner takes the model out of service
@@ -1609,7 +1617,7 @@ class ModelRunner(metaclass=NoPublicConstructor):
         in the caller's task instead measured slower (each hand-over costs a
         pass of the event loop for one task, where the worker runs the queue).
         """
-        if not self.alone_ok or len(self.queue) or self._task_group is None:
+        if not self.alone_ok or not self.queue.holds_none() or self._task_group is None:
             return None  # (no task group: the model is not running, its instances closed)
         limits = self._device_limits
         for replica in self._biggest_first:
