@@ -38,6 +38,8 @@ def third_party(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 
             class LifoScheduler:
                 def __init__(self, *, limit=10):
+                    if limit < 0:
+                        raise ValueError("limit must be >= 0")
                     self.limit = limit
                     self._items = OrderedDict()
                 def push(self, request):
@@ -105,6 +107,30 @@ def test_broken_plugin_is_reported_and_does_not_break_others(third_party: Path) 
     assert "ImportError" in str(registry.check(broken))
     ok = next(p for p in registry.plugins("backends") if p.name == "onnxruntime")
     assert registry.check(ok) is None
+
+
+def test_a_constructor_error_names_the_plugins_distribution(third_party: Path) -> None:
+    # An operator told that a model cannot load with a plugin's options must be able
+    # to tell which installed package that plugin came from.
+    registry = Registry()
+    with pytest.raises(PluginLoadError, match=r"does not accept options \['depth'\]") as info:
+        registry.create("schedulers", "lifo", {"depth": 3})
+    assert info.value.distribution == "acme-trioinfer 1.2"
+    with pytest.raises(
+        PluginLoadError,
+        match=r"'lifo' \(from acme-trioinfer 1\.2\) failed to start .*ValueError: limit must",
+    ) as info:
+        registry.create("schedulers", "lifo", {"limit": -1})
+    assert info.value.distribution == "acme-trioinfer 1.2"
+    local = Registry(extra={"schedulers": {"lifo": _Refuses}})
+    with pytest.raises(PluginLoadError, match=r"'lifo' failed to start") as info:
+        local.create("schedulers", "lifo", {})
+    assert info.value.distribution is None  # in-process: it shadows the entry point
+
+
+class _Refuses:
+    def __init__(self) -> None:
+        raise ValueError("no")
 
 
 def test_a_plugin_that_loads_may_say_what_it_lacks() -> None:

@@ -173,18 +173,27 @@ class Registry:
                 _refused_options(kind, name, factory, options or {}, exc),
                 group=GROUPS[kind],
                 name=name,
-                distribution=None,
+                distribution=self._distribution(kind, name),
             ) from exc
         except Exception as exc:
             # A value it refuses (a ValueError for max_batch_size = 0), or its own bug:
             # either way the model cannot load with it, and the operator must hear which.
+            dist = self._distribution(kind, name)
             raise PluginLoadError(
-                f"{kind[:-1]} plugin {name!r} failed to start with options "
-                f"{dict(options or {})!r}: {type(exc).__name__}: {exc}",
+                f"{kind[:-1]} plugin {name!r}{f' (from {dist})' if dist else ''} failed to "
+                f"start with options {dict(options or {})!r}: {type(exc).__name__}: {exc}",
                 group=GROUPS[kind],
                 name=name,
-                distribution=None,
+                distribution=dist,
             ) from exc
+
+    def _distribution(self, kind: Kind, name: str) -> str | None:
+        # The distribution that declared the plugin loaded as (kind, name); None for
+        # an in-process one (they shadow entry points) or an unknown distribution.
+        if name in self._extra.get(kind, {}):
+            return None
+        eps = self._discover().get((kind, name))
+        return _dist_of(eps[0]) if eps else None
 
     def check(self, info: PluginInfo) -> str | None:
         """Try to load one plugin; return ``None`` if it loads, else the error message."""
