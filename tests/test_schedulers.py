@@ -254,6 +254,22 @@ def test_refuse_late_admits_everything_before_the_first_estimate() -> None:
         scheduler.push(make_request(deadline=10.1))
 
 
+def test_refuse_late_reports_a_second_push_of_a_held_request_as_such() -> None:
+    # Pushing a held request again is the caller's bug (each request is pushed once):
+    # it must be told so, not that the request would be late, whatever the estimate.
+    context = FakeContext(now=10.0, estimate=0.0)
+    scheduler = attached(DeadlineScheduler(refuse_late=True), context)
+    held = make_request(deadline=10.5)
+    scheduler.push(held)
+    context.estimate = 1.0  # now nothing with a deadline 0.5 s away fits
+    with pytest.raises(ValueError, match="is already queued"):
+        scheduler.push(held)
+    with pytest.raises(DeadlineExceeded):
+        scheduler.push(make_request(deadline=10.5))  # a new one is late, as before
+    assert len(scheduler) == 1
+    assert scheduler.pop() is held
+
+
 def test_refuse_late_is_off_without_an_engine() -> None:
     scheduler = DeadlineScheduler(refuse_late=True)
     scheduler.push(make_request(deadline=-5.0))

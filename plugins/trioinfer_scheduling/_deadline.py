@@ -95,7 +95,12 @@ class DeadlineScheduler:
         if deadline.__class__ is not float or deadline != deadline:
             _check_deadline(deadline)
         if self._refuse_late and self._context is not None:
-            self._check_in_time(request)
+            try:
+                self._check_in_time(request)
+            except DeadlineExceeded:
+                if self._queue.holds(deadline, request):
+                    already_held("deadline", request)  # the caller's bug comes first
+                raise
         if not self._queue.add(deadline, request):
             already_held("deadline", request)
 

@@ -250,17 +250,29 @@ class TimeQueue(Generic[T]):
 
     def remove(self, key: float, item: T) -> bool:
         """Remove *item*, added with *key*; return whether it was held (with that key)."""
+        found = self._find(key, item)
+        if found is None:
+            return False
+        self._delete(*found)
+        return True
+
+    def holds(self, key: float, item: T) -> bool:
+        """Whether *item* is held, added with *key*."""
+        return self._find(key, item) is not None
+
+    def _find(self, key: float, item: T) -> tuple[int, int] | None:
+        # (chunk, index) of *item*, added with *key*; None if it is not held.
         max_keys = self._max_keys
         pos = bisect_left(max_keys, key)
         if pos == len(max_keys):
-            return False
+            return None
         ticket: int | None = None
         if max_keys[pos] == key:
             # Several chunks may end on this key: their last items' tickets ascend.
             ticket = self._ticket(item)
             pos = self._chunk_of(ticket, pos, bisect_right(max_keys, key, pos))
             if pos == len(max_keys):
-                return False
+                return None
         keys, items = self._keys[pos], self._items[pos]
         index = bisect_left(keys, key)
         end = bisect_right(keys, key, index)
@@ -269,9 +281,8 @@ class TimeQueue(Generic[T]):
                 ticket = self._ticket(item)
             index = bisect_left(items, ticket, index, end, key=self._ticket)
         if index == end or items[index] is not item:
-            return False
-        self._delete(pos, index)
-        return True
+            return None
+        return pos, index
 
     def first(self) -> T:
         """The item with the smallest key (first ticket among equals); ``IndexError`` if empty."""
