@@ -65,6 +65,9 @@ class ServedVersion:
         labels: Each output's class labels (Triton's ``label_filename``), for
             the classification extension.
         policy: The repository's version policy of the model when it was loaded.
+        config: Its config as the repository gave it: other models (a pipeline's
+            steps, a fallback's models) named as the repository names them
+            (``info.config`` names them as the engine does, ``digits.v1``).
     """
 
     model: str
@@ -76,6 +79,7 @@ class ServedVersion:
     triton: TritonModel | None = None
     labels: Mapping[str, tuple[str, ...]] = attrs.field(factory=dict)
     policy: VersionPolicy | None = None
+    config: ModelConfig | None = None
 
     @property
     def fell_back(self) -> bool:
@@ -362,8 +366,8 @@ class ServedModels:
             fingerprint = entry.fingerprint(version)
             old = served.get(version)
             engine_name = f"{model}.v{version}"
-            config = attrs.evolve(entry.config(version, override), name=engine_name)
-            config = self._engine_names(model, config)
+            named = entry.config(version, override)
+            config = self._engine_names(model, attrs.evolve(named, name=engine_name))
             triton = entry.triton_config(override)
             labels = entry.labels(triton)
             if (
@@ -407,6 +411,7 @@ class ServedModels:
                 triton,
                 labels,
                 entry.policy,
+                named,
             )
             log.info(
                 "%s model %r version %d on %s",
