@@ -931,6 +931,18 @@ def test_bad_triton_configs_are_named(client: httpclient.InferenceServerClient) 
         ),
         ("sequence_batching { direct { } oldest { } }", "config.pbtxt"),
         ("max_batch_size: [", "config.pbtxt"),
+        (
+            'parameters { key: "trioinfer.max_queue_size" value { string_value: "ten" } }',
+            "parameters 'trioinfer.max_queue_size' must hold JSON",
+        ),
+        (
+            'parameters { key: "trioinfer.path" value { string_value: "x" } }',
+            "'trioinfer.path' is not a trioinfer setting",
+        ),
+        (
+            'platform: "ensemble" parameters { key: "threads" value { string_value: "1" } }',
+            "an ensemble takes no parameters .*; got threads",
+        ),
     ],
 )
 def test_triton_config_refusals(text: str, fragment: str) -> None:

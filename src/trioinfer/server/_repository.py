@@ -64,6 +64,14 @@ _VERSION_RE = re.compile(r"[1-9][0-9]{0,18}")
 _MAX_CONFIG_BYTES = 1 << 20
 # Server-only keys of config.toml: the server reads them, ModelConfig never sees them.
 _SERVER_KEYS = frozenset({"version_policy", "traffic", "labels"})
+
+
+def _in_tritons_form(key: str, value: object) -> bool:
+    # Whether a config.toml model's override key is Triton's: one ModelConfig lacks, or
+    # response_cache as Triton writes it ({"enable": true}, what GET .../config answers).
+    return key in _TRITON_ONLY or (key == "response_cache" and isinstance(value, Mapping))
+
+
 _POLICY_FORMS = (
     '"latest", "all", { latest = N }, { specific = [1, 3] } or { all = {} } '
     "(Triton's { latest = { num_versions = N } } and { specific = { versions = [...] } } "
@@ -400,7 +408,7 @@ class ModelEntry:
         where = f"model {self.name!r}: the config override"
         if self.triton is not None:
             return self.triton.merged(override, name=self.name, where=where)
-        chosen = {k: v for k, v in override.items() if k in _TRITON_ONLY}
+        chosen = {k: v for k, v in override.items() if _in_tritons_form(k, v)}
         return TritonModel.parse(chosen, name=self.name, where=where) if chosen else None
 
     def _overridden(self, data: dict[str, Any], override: Mapping[str, Any]) -> dict[str, Any]:
@@ -435,7 +443,7 @@ class ModelEntry:
         rest = {
             k: v
             for k, v in override.items()
-            if k not in _TRITON_ONLY and not (k == "backend" and v == "")
+            if not _in_tritons_form(k, v) and not (k == "backend" and v == "")
         }
         return {**data, **triton.settings, **rest}
 

@@ -313,7 +313,7 @@ _OWN_NAMES: Final = frozenset({"scheduler", "batcher", "fallback"})
 
 
 def own_parameters(settings: Mapping[str, Any]) -> dict[str, dict[str, str]]:
-    """trioinfer's own *settings* as Triton's ``parameters``: ``trioinfer.<key>``, strings.
+    """Return trioinfer's own *settings* as Triton's ``parameters``: ``trioinfer.<key>``.
 
     A plugin's name is written as it is, anything else as JSON
     (``"trioinfer.max_queue_size": {"string_value": "1024"}``).
@@ -336,8 +336,7 @@ def _own_settings(parameters: Mapping[str, Any], where: str) -> dict[str, Any]:
         if key not in OWN_SETTINGS:
             raise ConfigError(
                 f"{where}: parameters {name!r} is not a trioinfer setting; the "
-                f"{OWN_PREFIX}* parameters are "
-                + ", ".join(OWN_PREFIX + k for k in OWN_SETTINGS)
+                f"{OWN_PREFIX}* parameters are " + ", ".join(OWN_PREFIX + k for k in OWN_SETTINGS)
             )
         text = parameter.string_value
         if key in _OWN_NAMES:
