@@ -562,6 +562,14 @@ def test_a_pipeline_round_trips_through_its_config(server: Server, repository: P
         ]
         assert answers[0] == answers[1]
         assert len(answers[0]) == 4
+        # A step's model loaded again reloads the pipelines over it, this one with the
+        # override that configures it (there is no file to read it from).
+        client.load_model("digits", headers=AUTH)
+        assert client.is_model_ready("read_digit_again")
+        assert client.get_model_config("read_digit_again") == copy
+        again = client.infer("read_digit_again", [image]).as_numpy("NAME").tolist()
+        assert again == answers[0]
+        assert "could not reload pipeline" not in server.log_text()
     finally:
         client.unload_model("read_digit_again", headers=AUTH)
         shutil.rmtree(repository / "read_digit_again")
@@ -600,3 +608,25 @@ def test_trioinfer_settings_show_and_load_back(server: Server) -> None:
     finally:
         client.load_model("cached", headers=AUTH)
         client.close()
+
+
+def test_the_grpc_proto_holds_every_config_field_trioinfer_reads() -> None:
+    """gRPC parses /config's answer strictly: its ModelConfig must have every field answered.
+
+    The answer holds what config.pbtxt may set (the fields trioinfer reads), printed
+    at their defaults when unset, and model_transaction_policy.
+    """
+    from trioinfer.server import _grpc_proto
+    from trioinfer.server._triton import _model_config_class
+
+    def walk(read: Any, served: Any, where: str) -> None:
+        for field in read.fields:
+            other = served.fields_by_name.get(field.name)
+            assert other is not None, f"{where}.{field.name} is not in grpc_service.proto"
+            assert (field.number, field.type) == (other.number, other.type), where
+            if field.message_type is not None:
+                walk(field.message_type, other.message_type, f"{where}.{field.name}")
+
+    served = _grpc_proto.POOL.FindMessageTypeByName("inference.ModelConfig")
+    walk(_model_config_class().DESCRIPTOR, served, "ModelConfig")
+    assert "model_transaction_policy" in served.fields_by_name

@@ -332,8 +332,10 @@ class ServedModels:
             self._errors.pop(model, None)
         # Pipelines over this model name its versions as they were: load them again.
         for dependent in self._dependents(model):
+            # With the override it was loaded with (one may configure it whole).
+            loaded = list(self._served.get(dependent, {}).values())
             try:
-                await self.load(dependent)
+                await self.load(dependent, loaded[-1].override if loaded else None)
             except TrioInferError as exc:
                 log.error("could not reload pipeline %r: %s", dependent, exc)  # noqa: TRY400
 
@@ -451,11 +453,18 @@ class ServedModels:
     def _steps(self, model: str) -> list[str]:
         # The repository models a pipeline's steps name (none for other models).
         try:
-            settings = self.repository.entry(model).settings
+            settings: Mapping[str, Any] = self.repository.entry(model).settings
         except TrioInferError:
-            return []  # its own load says what is wrong with it
+            settings = {}  # its own load says what is wrong with it
+        served = [v.config for v in self._served.get(model, {}).values() if v.config is not None]
+        if not settings and served:
+            # A pipeline its load override configures whole (no config file): as it runs.
+            settings = {
+                "backend": served[-1].backend,
+                "backend_options": served[-1].backend_options,
+            }
         steps = settings.get("backend_options", {}).get("steps", [])
-        if settings.get("backend") != PIPELINE or not isinstance(steps, list):
+        if settings.get("backend") != PIPELINE or not isinstance(steps, list | tuple):
             return []
         return [
             step["model"].partition(":")[0]
