@@ -584,7 +584,7 @@ def test_trioinfer_settings_show_and_load_back(server: Server) -> None:
             "max_queue_size": 7,
             "scheduler": "priority",
             "queue_timeouts": {"0": 0.5},
-            "instances": [{"device": "cpu", "count": 2, "capacity": 3.0}],
+            "instances": [{"device": "cpu", "count": 2, "capacity": 3.0, "threads": 1}],
         }
         client.load_model("cached", config=json.dumps(override), headers=AUTH)
         config = client.get_model_config("cached")
@@ -596,7 +596,7 @@ def test_trioinfer_settings_show_and_load_back(server: Server) -> None:
         assert config["parameters"]["trioinfer.scheduler"] == {"string_value": "priority"}
         assert own["trioinfer.max_queue_size"] == 7
         assert own["trioinfer.queue_timeouts"] == {"0": 0.5}
-        assert own["trioinfer.instances"] == [{"device": "cpu", "count": 2, "capacity": 3.0}]
+        assert own["trioinfer.instances"] == override["instances"]
         # The whole answer sent back (as Triton's clients do, a field changed) keeps them.
         changed = {**config, "response_cache": {"enable": False}}
         client.load_model("cached", config=json.dumps(changed), headers=AUTH)

@@ -32,7 +32,7 @@ from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from .. import __version__
-from .._config import PIPELINE, ModelConfig
+from .._config import PIPELINE, Instance, ModelConfig
 from .._engine import InferenceResult
 from .._exceptions import (
     BackendUnavailable,
@@ -541,10 +541,7 @@ def model_config_document(state: ServerState, served: ServedVersion) -> dict[str
         "max_queue_size": config.max_queue_size,
         "queue_timeouts": {str(k): v for k, v in config.queue_timeouts.items()},
         "queue_sizes": {str(k): v for k, v in config.queue_sizes.items()},
-        "instances": [
-            {"device": str(i.device), "count": i.count, "capacity": i.capacity}
-            for i in config.instances
-        ],
+        "instances": [_instance(group) for group in config.instances],
     }
     if pipeline:
         # As Triton answers an ensemble: its steps, which a load override sends back.
@@ -591,6 +588,17 @@ def model_config_document(state: ServerState, served: ServedVersion) -> dict[str
             for n, group in enumerate(groups)
         ]
     return with_defaults(body)
+
+
+def _instance(group: Instance) -> dict[str, Any]:
+    """An ``[[instances]]`` table as ``config.toml`` writes it (threads and CPUs when set)."""
+    table: dict[str, Any] = {"device": str(group.device), "count": group.count}
+    table["capacity"] = group.capacity
+    if group.threads:
+        table["threads"] = group.threads
+    if group.cpu_affinity is not None:
+        table["cpu_affinity"] = list(group.cpu_affinity)
+    return table
 
 
 def _ensemble_scheduling(config: ModelConfig) -> dict[str, Any]:

@@ -769,7 +769,8 @@ def _with_initial_values(table: dict[str, Any], own: Mapping[str, Any]) -> dict[
 
 def _with_own_instances(groups: list[dict[str, Any]], own: object) -> list[dict[str, Any]]:
     # instance_group says kind, GPU and count: when trioinfer.instances lists the same
-    # groups, its capacity and device (tensorrt:N, which Triton calls a GPU) are kept.
+    # groups, its capacity, threads, CPUs and device (tensorrt:N, which Triton calls a
+    # GPU) are kept; threads that Triton's parameters set (intra_op_thread_count) win.
     def shape(device: object, count: object) -> tuple[str, object]:
         return str(device).replace("tensorrt", "cuda"), count
 
@@ -779,7 +780,9 @@ def _with_own_instances(groups: list[dict[str, Any]], own: object) -> list[dict[
         shape(g["device"], g["count"]) for g in groups
     ]:
         return groups
-    return [{**group, **mine} for group, mine in zip(groups, own, strict=True)]
+    return [
+        {**mine, **group, "device": mine["device"]} for group, mine in zip(groups, own, strict=True)
+    ]
 
 
 def _model_filename(value: str, ensemble: bool, where: str, notes: list[str]) -> str | None:
