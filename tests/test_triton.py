@@ -42,7 +42,7 @@ from trioinfer import ConfigError, Device
 from trioinfer.server import serve_http
 from trioinfer.server._cuda_ipc import probe
 from trioinfer.server._shm import SharedMemoryError, SystemSharedMemory
-from trioinfer.server._triton import TritonModel, _model_config_class
+from trioinfer.server._triton import TritonModel, _model_config_class, own_parameters
 from trioinfer_onnxruntime import probe_device
 
 pytestmark = [pytest.mark.shm, pytest.mark.triton_config]
@@ -998,6 +998,51 @@ def test_sequence_batching_maps_onto_the_sequence_table() -> None:
         "control": {},
         "state": [],
     }
+
+
+@pytest.mark.sequence
+def test_own_parameters_fill_what_tritons_fields_leave_unsaid() -> None:
+    # A state's non-zero initial value, which sequence_batching cannot say.
+    state = {"input": "S_IN", "output": "S_OUT", "initial": 5}
+    sequence = json.dumps(json.dumps({"state": [state]}))  # a JSON string in protobuf text
+    text = (
+        'sequence_batching { state [ { input_name: "S_IN" output_name: "S_OUT" } ] }\n'
+        f'parameters {{ key: "trioinfer.sequence" value {{ string_value: {sequence} }} }}\n'
+        'parameters { key: "trioinfer.max_queue_size" value { string_value: "9" } }'
+    )
+    model = TritonModel.parse(text, name="m", where="m/config.pbtxt")
+    assert model.settings["sequence"]["state"] == [state]
+    assert model.settings["max_queue_size"] == 9
+    assert "backend_options" not in model.settings  # trioinfer.* are no backend options
+    # A batched pipeline (GET .../config of read_digit): its batcher and options kept,
+    # the batch size max_batch_size's; Triton's own dynamic_batching fields win likewise.
+    ensemble = {
+        "platform": "ensemble",
+        "max_batch_size": 8,
+        "input": [{"name": "A", "data_type": "TYPE_INT32", "dims": [1]}],
+        "output": [{"name": "B", "data_type": "TYPE_INT32", "dims": [1]}],
+        "ensemble_scheduling": {
+            "step": [{"model_name": "s", "input_map": {"x": "A"}, "output_map": {"y": "B"}}]
+        },
+        "parameters": own_parameters(
+            {
+                "batcher": "dynamic",
+                "batcher_options": {"max_batch_size": 32, "max_queue_delay": 0.002},
+            }
+        ),
+    }
+    settings = TritonModel.parse(ensemble, name="p", where="p").settings
+    assert settings["batcher"] == "dynamic"
+    assert settings["batcher_options"] == {"max_batch_size": 8, "max_queue_delay": 0.002}
+    batched = {
+        "max_batch_size": 4,
+        "dynamic_batching": {"max_queue_delay_microseconds": 100},
+        "parameters": own_parameters(
+            {"batcher": "dynamic", "batcher_options": {"max_batch_size": 2, "pad_axis": 1}}
+        ),
+    }
+    options = TritonModel.parse(batched, name="m", where="m").settings["batcher_options"]
+    assert options == {"max_batch_size": 4, "max_queue_delay": 0.0001, "pad_axis": 1}
 
 
 def test_triton_config_mapping() -> None:

@@ -15,6 +15,9 @@ checked against the model's inputs once it loads (``server/_models.py``).
 
 The same keys arrive as JSON in repository load overrides
 (``{"max_batch_size": 16}``): `TritonModel.parse` reads either form.
+``GET .../config`` answers trioinfer's own settings as ``parameters`` named
+``trioinfer.<setting>`` (`own_parameters`); read back, they fill what
+Triton's fields leave unsaid, and are not backend options.
 Protobuf is the ``triton`` extra; without it, meeting a ``config.pbtxt``
 is a `ConfigError` that names the extra.
 """
@@ -483,8 +486,8 @@ def with_defaults(doc: Mapping[str, Any], message: str = "ModelConfig") -> dict[
     that is unset stays out, and so does an unset member of a oneof. Clients
     made for Triton read such fields without checking for them (its
     image_client reads an input's ``format``). Only the fields trioinfer
-    reads are known here (the table above); keys it does not know (``version``,
-    ``model_transaction_policy``) are kept as they are. Needs no protobuf.
+    reads are known here (the table above); a key it does not know
+    (``model_transaction_policy``) is kept as it is. Needs no protobuf.
     """
     out = dict(doc)
     for name, _number, kind, label, type_name, oneof in _MESSAGES[message]:
