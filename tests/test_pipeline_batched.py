@@ -14,6 +14,7 @@ import trio
 import trio.testing
 
 import trioinfer
+from _triton_config import own_setting
 from trioinfer import (
     BackendError,
     ConfigError,
@@ -568,7 +569,7 @@ async def test_the_bundled_batched_pipeline_over_http() -> None:
             config = (await client.get("/v2/models/read_digit/config")).json()
             stats = (await client.get("/v2/models/read_digit/stats")).json()
         nursery.cancel_scope.cancel()
-    assert config["trioinfer"]["batcher"] == "dynamic"
+    assert own_setting(config, "batcher") == "dynamic"
     assert config["max_batch_size"] == 32
     for i in range(12):
         if i == 5:

@@ -14,6 +14,7 @@ import trio.lowlevel
 import trio.testing
 
 import trioinfer
+from _triton_config import own_setting
 from trioinfer import (
     ConfigError,
     Instance,
@@ -894,7 +895,7 @@ async def test_tritons_sequence_client_calls_over_http(tmp_path: Path) -> None:
         ],
         "iterative_sequence": False,
     }
-    assert out["config"]["trioinfer"]["sequence"]["state"] == [
+    assert own_setting(out["config"], "sequence")["state"] == [
         {"input": "STATE_IN", "output": "STATE_OUT", "initial": 0}
     ]
     assert "dynamic_batching" not in out["config"]

@@ -64,6 +64,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.samples import Sample
 from tritonclient.utils import InferenceServerException
 
+from _triton_config import own_setting
 from trioinfer import digits_samples, example_repository
 from trioinfer.testing import models
 
@@ -586,7 +587,7 @@ def test_model_config_comes_from_config_toml_not_pbtxt(
         {"name": "a", "data_type": "TYPE_FP32", "dims": [4], **INPUT_DEFAULTS},
         {"name": "b", "data_type": "TYPE_FP32", "dims": [4], **INPUT_DEFAULTS},
     ]
-    assert config["trioinfer"]["batcher"] == "dynamic"
+    assert own_setting(config, "batcher") == "dynamic"
 
 
 def test_model_without_config_toml_gets_defaults(client: triton.InferenceServerClient) -> None:
@@ -606,7 +607,7 @@ def test_model_without_config_toml_gets_defaults(client: triton.InferenceServerC
             "is_shape_tensor": False,
         }
     ]
-    assert config["trioinfer"]["batcher"] == "none"
+    assert own_setting(config, "batcher") == "none"
     assert config["instance_group"] == [
         {
             "name": "mlp_0",
@@ -864,7 +865,7 @@ def test_load_with_config_override(client: triton.InferenceServerClient) -> None
     try:
         config = client.get_model_config("mlp")
         assert config["max_batch_size"] == 8
-        assert config["trioinfer"]["max_queue_size"] == 7
+        assert own_setting(config, "max_queue_size") == 7
         given = triton.InferInput("input", [2, 8], "FP32")
         given.set_data_from_numpy(np.ones((2, 8), np.float32))
         assert client.infer("mlp", [given]).as_numpy("output").shape == (2, 3)
@@ -878,7 +879,7 @@ def test_load_with_config_override(client: triton.InferenceServerClient) -> None
         assert caught.value.status() == "400"
         assert "count 100000 is more than a model may have: at most 256" in caught.value.message()
         # A failed load leaves the served version as it was.
-        assert client.get_model_config("mlp")["trioinfer"]["max_queue_size"] == 7
+        assert own_setting(client.get_model_config("mlp"), "max_queue_size") == 7
     finally:
         client.load_model("mlp")  # back to the repository's (default) configuration
     assert client.get_model_config("mlp")["max_batch_size"] == 0
@@ -1716,7 +1717,7 @@ def test_hot_reload_keeps_serving(main: Server, http: httpx.Client) -> None:
     )
     assert http.post("/v2/repository/models/reload/load").status_code == 200
     config = http.get("/v2/models/reload/config").json()
-    assert config["trioinfer"]["max_queue_size"] == 50
+    assert own_setting(config, "max_queue_size") == 50
     assert answer(http) == (200, new)
 
 

@@ -36,12 +36,13 @@ from tritonclient import utils
 from tritonclient.utils import InferenceServerException
 
 import trioinfer
+from _triton_config import own_setting
 from test_server import Server, run_server
 from trioinfer import ConfigError, Device
 from trioinfer.server import serve_http
 from trioinfer.server._cuda_ipc import probe
 from trioinfer.server._shm import SharedMemoryError, SystemSharedMemory
-from trioinfer.server._triton import TritonModel, _model_config_class
+from trioinfer.server._triton import TritonModel, _model_config_class, own_parameters
 from trioinfer_onnxruntime import probe_device
 
 pytestmark = [pytest.mark.shm, pytest.mark.triton_config]
@@ -625,8 +626,8 @@ def test_config_toml_model_takes_triton_keys_in_an_override(
         triton.load_model("plain", config=json.dumps({"max_batch_size": 4}))
         config = triton.get_model_config("plain")
         assert config["max_batch_size"] == 4
-        assert config["trioinfer"]["batcher"] == "dynamic"
-        assert config["trioinfer"]["max_queue_size"] == 10
+        assert own_setting(config, "batcher") == "dynamic"
+        assert own_setting(config, "max_queue_size") == 10
         # Classification with labels from config.toml's `labels`.
         inputs = [httpclient.InferInput(f"INPUT{i}", [1, 16], "INT32") for i in (0, 1)]
         inputs[0].set_data_from_numpy(np.arange(16, dtype=np.int32).reshape(1, 16))
@@ -713,9 +714,10 @@ def test_triton_config_is_served_as_triton_shaped(
         {"name": "simple_0", "kind": "KIND_CPU", "count": 2, "gpus": [], **GROUP_DEFAULTS}
     ]
     assert config["default_model_filename"] == ""
-    assert config["parameters"] == {}
-    assert config["trioinfer"]["batcher_options"]["max_queue_delay"] == 0.0005
-    assert [i["count"] for i in config["trioinfer"]["instances"]] == [2]
+    # No backend parameters; trioinfer's own settings are parameters with its prefix.
+    assert all(key.startswith("trioinfer.") for key in config["parameters"])
+    assert own_setting(config, "batcher_options")["max_queue_delay"] == 0.0005
+    assert [i["count"] for i in own_setting(config, "instances")] == [2]
     # Without input and output in config.pbtxt, they come from the model (auto-complete).
     classifier = client.get_model_config("classifier")
     assert classifier["input"] == [
@@ -755,7 +757,7 @@ async def test_a_gpu_instance_group_that_runs_on_the_cpu_says_so(
                 # What /config says loads back as it is, and says the same again.
                 reload = await http.post(
                     "/v2/repository/models/g/load",
-                    json={"parameters": {"config": json.dumps(_without_trioinfer_keys(config))}},
+                    json={"parameters": {"config": json.dumps(config)}},
                 )
                 assert reload.status_code == 200, reload.text
                 again = (await http.get("/v2/models/g/config")).json()
@@ -763,12 +765,11 @@ async def test_a_gpu_instance_group_that_runs_on_the_cpu_says_so(
     assert config["instance_group"] == [
         {"name": "g_0", "kind": "KIND_CPU", "count": 2, "gpus": [], **GROUP_DEFAULTS}
     ]
-    assert config["trioinfer"]["instances"][0]["device"] == "cuda:0"  # what was asked
+    assert own_setting(config, "instances")[0]["device"] == "cuda:0"  # what was asked
     # Loaded back, it asks for the CPU and runs there: the same answer, now as asked.
-    assert again["trioinfer"]["instances"][0]["device"] == "cpu"
-    assert {k: v for k, v in again.items() if k != "trioinfer"} == {
-        k: v for k, v in config.items() if k != "trioinfer"
-    }
+    assert own_setting(again, "instances")[0]["device"] == "cpu"
+    del again["parameters"]["trioinfer.instances"], config["parameters"]["trioinfer.instances"]
+    assert again == config
     backend = [r.getMessage() for r in caplog.records if r.name == "trioinfer.onnxruntime"]
     assert len(backend) == 2
     assert all("cuda:0 is not usable (" in m and "running on the CPU" in m for m in backend)
@@ -930,6 +931,18 @@ def test_bad_triton_configs_are_named(client: httpclient.InferenceServerClient) 
         ),
         ("sequence_batching { direct { } oldest { } }", "config.pbtxt"),
         ("max_batch_size: [", "config.pbtxt"),
+        (
+            'parameters { key: "trioinfer.max_queue_size" value { string_value: "ten" } }',
+            "parameters 'trioinfer.max_queue_size' must hold JSON",
+        ),
+        (
+            'parameters { key: "trioinfer.path" value { string_value: "x" } }',
+            "'trioinfer.path' is not a trioinfer setting",
+        ),
+        (
+            'platform: "ensemble" parameters { key: "threads" value { string_value: "1" } }',
+            "an ensemble takes no parameters .*; got threads",
+        ),
     ],
 )
 def test_triton_config_refusals(text: str, fragment: str) -> None:
@@ -985,6 +998,51 @@ def test_sequence_batching_maps_onto_the_sequence_table() -> None:
         "control": {},
         "state": [],
     }
+
+
+@pytest.mark.sequence
+def test_own_parameters_fill_what_tritons_fields_leave_unsaid() -> None:
+    # A state's non-zero initial value, which sequence_batching cannot say.
+    state = {"input": "S_IN", "output": "S_OUT", "initial": 5}
+    sequence = json.dumps(json.dumps({"state": [state]}))  # a JSON string in protobuf text
+    text = (
+        'sequence_batching { state [ { input_name: "S_IN" output_name: "S_OUT" } ] }\n'
+        f'parameters {{ key: "trioinfer.sequence" value {{ string_value: {sequence} }} }}\n'
+        'parameters { key: "trioinfer.max_queue_size" value { string_value: "9" } }'
+    )
+    model = TritonModel.parse(text, name="m", where="m/config.pbtxt")
+    assert model.settings["sequence"]["state"] == [state]
+    assert model.settings["max_queue_size"] == 9
+    assert "backend_options" not in model.settings  # trioinfer.* are no backend options
+    # A batched pipeline (GET .../config of read_digit): its batcher and options kept,
+    # the batch size max_batch_size's; Triton's own dynamic_batching fields win likewise.
+    ensemble = {
+        "platform": "ensemble",
+        "max_batch_size": 8,
+        "input": [{"name": "A", "data_type": "TYPE_INT32", "dims": [1]}],
+        "output": [{"name": "B", "data_type": "TYPE_INT32", "dims": [1]}],
+        "ensemble_scheduling": {
+            "step": [{"model_name": "s", "input_map": {"x": "A"}, "output_map": {"y": "B"}}]
+        },
+        "parameters": own_parameters(
+            {
+                "batcher": "dynamic",
+                "batcher_options": {"max_batch_size": 32, "max_queue_delay": 0.002},
+            }
+        ),
+    }
+    settings = TritonModel.parse(ensemble, name="p", where="p").settings
+    assert settings["batcher"] == "dynamic"
+    assert settings["batcher_options"] == {"max_batch_size": 8, "max_queue_delay": 0.002}
+    batched = {
+        "max_batch_size": 4,
+        "dynamic_batching": {"max_queue_delay_microseconds": 100},
+        "parameters": own_parameters(
+            {"batcher": "dynamic", "batcher_options": {"max_batch_size": 2, "pad_axis": 1}}
+        ),
+    }
+    options = TritonModel.parse(batched, name="m", where="m").settings["batcher_options"]
+    assert options == {"max_batch_size": 4, "max_queue_delay": 0.0001, "pad_axis": 1}
 
 
 def test_triton_config_mapping() -> None:
@@ -1188,11 +1246,6 @@ def test_triton_onnxruntime_parameters_take_trioinfer_names() -> None:
 # == load overrides as Triton's clients send them ==============================================
 
 
-def _without_trioinfer_keys(config: dict[str, Any]) -> dict[str, Any]:
-    # GET .../config answers Triton's fields plus trioinfer's own "version" and "trioinfer".
-    return {k: v for k, v in config.items() if k not in ("version", "trioinfer")}
-
-
 def test_the_config_answered_can_be_sent_back_in_a_load_override(
     client: httpclient.InferenceServerClient,
 ) -> None:
@@ -1201,7 +1254,7 @@ def test_the_config_answered_can_be_sent_back_in_a_load_override(
     # worked out for a config.pbtxt without one held a "device" key that Triton's
     # ModelInstanceGroup has no field for.
     for model in ("simple", "classifier"):
-        config = _without_trioinfer_keys(client.get_model_config(model))
+        config = client.get_model_config(model)
         config["max_batch_size"] = 16
         client.load_model(model, config=json.dumps(config))
         assert client.get_model_config(model)["max_batch_size"] == 16
@@ -1216,14 +1269,17 @@ def test_the_config_answered_can_be_sent_back_in_a_load_override(
     # refuses in one).
     for model in ("simple", "simple_string", "classifier", "ensemble", "classify_ensemble"):
         answered = client.get_model_config(model)
-        client.load_model(model, config=json.dumps(_without_trioinfer_keys(answered)))
+        client.load_model(model, config=json.dumps(answered))
         assert client.get_model_config(model) == answered, model
         client.load_model(model)
     # Another name, or another version policy, is still refused, and says why.
     with pytest.raises(InferenceServerException, match="differs from the directory's name"):
         client.load_model("simple", config=json.dumps({"name": "other"}))
-    with pytest.raises(InferenceServerException, match=r"'trioinfer', 'version'.*leave them out"):
-        client.load_model("simple", config=json.dumps(client.get_model_config("simple")))
+    # The keys earlier releases answered beside Triton's are not Triton's: named, and where
+    # trioinfer's settings are now.
+    old = {**client.get_model_config("simple"), "version": "1", "trioinfer": {}}
+    with pytest.raises(InferenceServerException, match=r"'trioinfer', 'version'.*parameters"):
+        client.load_model("simple", config=json.dumps(old))
 
 
 def test_a_load_override_replaces_the_field_a_config_pbtxt_gets_wrong(tmp_path: Path) -> None:

@@ -10,7 +10,9 @@ configuration both protocols answer, and Triton's log settings.
 
 from __future__ import annotations
 
+import json
 import logging
+import os
 import queue
 import re
 import shutil
@@ -289,16 +291,31 @@ def test_http_and_grpc_answer_the_same_model_config(server: Server, model: str, 
     client.close()
     with grpcclient.InferenceServerClient(server.grpc) as grpc_client:
         answer = grpc_client.get_model_config(model).config
-    # What HTTP answers, read as Triton's ModelConfig (trioinfer's own keys left out) ...
-    expected = json_format.ParseDict(
-        http, model_config_pb2.ModelConfig(), ignore_unknown_fields=True
-    )
+    # What HTTP answers, read strictly as Triton's ModelConfig ...
+    expected = json_format.ParseDict(http, model_config_pb2.ModelConfig())
     # ... is what gRPC answers, field for field.
     assert answer == expected
     assert answer.HasField(field)
-    assert set(http) - {"trioinfer", "version"} <= {
-        f.name for f in model_config_pb2.ModelConfig.DESCRIPTOR.fields
-    }
+
+
+def test_every_models_config_parses_strictly_as_tritons(server: Server) -> None:
+    """Triton's Model Analyzer reads /config with ParseDict, no unknown field allowed."""
+    client = _http(server)
+    ready = sorted(
+        row["name"] for row in client.get_model_repository_index() if row["state"] == "READY"
+    )
+    # Every kind served: ONNX and Python, config.pbtxt and config.toml, a pipeline and an
+    # ensemble, stateful, decoupled, cached, batched and not; the bundled models among them.
+    assert {*os.listdir(trioinfer.example_repository()), "ensemble", "seq_oldest"} <= set(ready)
+    with grpcclient.InferenceServerClient(server.grpc) as grpc_client:
+        for model in ready:
+            http = client.get_model_config(model)
+            strict = json_format.ParseDict(http, model_config_pb2.ModelConfig())
+            assert grpc_client.get_model_config(model).config == strict, model
+            # trioinfer's own settings are parameters, with its prefix.
+            own = [key for key in http["parameters"] if key.startswith("trioinfer.")]
+            assert "trioinfer.batcher" in own, model
+    client.close()
 
 
 @pytest.mark.pipeline
@@ -514,3 +531,102 @@ def test_sequence_batching_that_does_not_fit_the_model_is_refused_at_load(server
         "sequence_batching state 'STATE_IN' has dims [3]; the model's input has [1]"
         in reasons["seq_baddims"]
     )
+
+
+@pytest.mark.pipeline
+def test_a_pipeline_round_trips_through_its_config(server: Server, repository: Path) -> None:
+    """read_digit's config, loaded under another name as Triton loads an ensemble, answers alike."""
+    client = _http(server)
+    config = client.get_model_config("read_digit")
+    assert config["platform"] == "ensemble"
+    assert config["max_batch_size"] == 32
+    assert config["ensemble_scheduling"]["step"][1] == {
+        "model_name": "digits",
+        "model_version": -1,
+        "input_map": {"input": "ROW"},
+        "output_map": {"probabilities": "PROBABILITIES"},
+    }
+    # As Triton loads an ensemble: a directory holding only a version directory, and the
+    # configuration in the load request.
+    (repository / "read_digit_again" / "1").mkdir(parents=True)
+    copy = {**config, "name": "read_digit_again"}
+    try:
+        client.load_model("read_digit_again", config=json.dumps(copy), headers=AUTH)
+        assert client.get_model_config("read_digit_again") == copy
+        images, _ = trioinfer.digits_samples()
+        image = httpclient.InferInput("IMAGE", [4, 8, 8], "UINT8")
+        image.set_data_from_numpy(images[:4].reshape(4, 8, 8).astype(np.uint8))
+        answers = [
+            client.infer(model, [image]).as_numpy("NAME").tolist()
+            for model in ("read_digit", "read_digit_again")
+        ]
+        assert answers[0] == answers[1]
+        assert len(answers[0]) == 4
+        # A step's model loaded again reloads the pipelines over it, this one with the
+        # override that configures it (there is no file to read it from).
+        client.load_model("digits", headers=AUTH)
+        assert client.is_model_ready("read_digit_again")
+        assert client.get_model_config("read_digit_again") == copy
+        again = client.infer("read_digit_again", [image]).as_numpy("NAME").tolist()
+        assert again == answers[0]
+        assert "could not reload pipeline" not in server.log_text()
+    finally:
+        client.unload_model("read_digit_again", headers=AUTH)
+        shutil.rmtree(repository / "read_digit_again")
+        client.close()
+
+
+def test_trioinfer_settings_show_and_load_back(server: Server) -> None:
+    """A config.toml model's own settings show as trioinfer.* parameters, and load back."""
+    client = _http(server)
+    try:
+        override = {
+            "max_queue_size": 7,
+            "scheduler": "priority",
+            "queue_timeouts": {"0": 0.5},
+            "instances": [{"device": "cpu", "count": 2, "capacity": 3.0, "threads": 1}],
+        }
+        client.load_model("cached", config=json.dumps(override), headers=AUTH)
+        config = client.get_model_config("cached")
+        own = {
+            key: json.loads(value["string_value"])
+            for key, value in config["parameters"].items()
+            if key not in ("trioinfer.scheduler", "trioinfer.batcher", "trioinfer.fallback")
+        }
+        assert config["parameters"]["trioinfer.scheduler"] == {"string_value": "priority"}
+        assert own["trioinfer.max_queue_size"] == 7
+        assert own["trioinfer.queue_timeouts"] == {"0": 0.5}
+        assert own["trioinfer.instances"] == override["instances"]
+        # The whole answer sent back (as Triton's clients do, a field changed) keeps them.
+        changed = {**config, "response_cache": {"enable": False}}
+        client.load_model("cached", config=json.dumps(changed), headers=AUTH)
+        assert client.get_model_config("cached") == changed
+        # A trioinfer.* parameter that is not one of its settings is named.
+        wrong = {"parameters": {"trioinfer.shceduler": {"string_value": "fifo"}}}
+        with pytest.raises(InferenceServerException, match=r"'trioinfer.shceduler' is not a"):
+            client.load_model("cached", config=json.dumps(wrong), headers=AUTH)
+    finally:
+        client.load_model("cached", headers=AUTH)
+        client.close()
+
+
+def test_the_grpc_proto_holds_every_config_field_trioinfer_reads() -> None:
+    """gRPC parses /config's answer strictly: its ModelConfig must have every field answered.
+
+    The answer holds what config.pbtxt may set (the fields trioinfer reads), printed
+    at their defaults when unset, and model_transaction_policy.
+    """
+    from trioinfer.server import _grpc_proto
+    from trioinfer.server._triton import _model_config_class
+
+    def walk(read: Any, served: Any, where: str) -> None:
+        for field in read.fields:
+            other = served.fields_by_name.get(field.name)
+            assert other is not None, f"{where}.{field.name} is not in grpc_service.proto"
+            assert (field.number, field.type) == (other.number, other.type), where
+            if field.message_type is not None:
+                walk(field.message_type, other.message_type, f"{where}.{field.name}")
+
+    served = _grpc_proto.POOL.FindMessageTypeByName("inference.ModelConfig")
+    walk(_model_config_class().DESCRIPTOR, served, "ModelConfig")
+    assert "model_transaction_policy" in served.fields_by_name

@@ -30,6 +30,7 @@ import pytest
 from click.testing import CliRunner
 from prometheus_client.parser import text_string_to_metric_families
 
+from _triton_config import own_setting
 from test_sequence import CONFIG_TOML as ACCUMULATOR_CONFIG
 from test_sequence import MODEL_PY as ACCUMULATOR_MODEL
 from trioinfer import ConfigError, ModelNotFound, TrioInferError, example_repository
@@ -283,7 +284,7 @@ def test_load_and_unload_reach_every_worker(served: Served) -> None:
     assert response.status_code == 200, response.text
     for _ in range(12):
         config = fresh("GET", f"{url}/v2/models/digits/config").json()
-        assert config["trioinfer"]["max_queue_size"] == 7
+        assert own_setting(config, "max_queue_size") == 7
     # A change every worker refuses fails as it would on one server, and changes nothing.
     bad = {"parameters": {"config": {"max_queue_size": -1}}}
     response = fresh("POST", f"{url}/v2/repository/models/digits/load", json=bad)
@@ -361,7 +362,7 @@ def test_a_killed_worker_is_restarted_and_its_requests_fail_cleanly(served: Serv
         assert infer_digit(url).status_code == 200
         # The restarted worker took the changes made before it started.
         config = fresh("GET", f"{url}/v2/models/digits/config").json()
-        assert config["trioinfer"]["max_queue_size"] == 7
+        assert own_setting(config, "max_queue_size") == 7
         settings = fresh("GET", f"{url}/v2/logging").json()
         assert (settings["log_info"], settings["log_format"]) == (False, "ISO8601")
 

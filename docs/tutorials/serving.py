@@ -99,7 +99,13 @@ async def health_and_metadata(client: httpx.AsyncClient) -> None:
     config = (await client.get("/v2/models/digits/config")).json()
     print(f"digits config: max_batch_size {config['max_batch_size']}, {config['dynamic_batching']}")
     config = (await client.get("/v2/models/mlp/config")).json()
-    defaults = {key: config["trioinfer"][key] for key in ("scheduler", "batcher", "instances")}
+    # trioinfer's own settings are among Triton's parameters, as trioinfer.<setting>.
+    own = {
+        key.removeprefix("trioinfer."): value["string_value"]
+        for key, value in config["parameters"].items()
+        if key.startswith("trioinfer.")
+    }
+    defaults = {key: own[key] for key in ("scheduler", "batcher", "instances")}
     print(f"mlp config: max_batch_size {config['max_batch_size']}, {defaults}")
 
 

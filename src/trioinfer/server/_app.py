@@ -32,7 +32,7 @@ from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from .. import __version__
-from .._config import PIPELINE
+from .._config import PIPELINE, Instance, ModelConfig
 from .._engine import InferenceResult
 from .._exceptions import (
     BackendUnavailable,
@@ -70,7 +70,7 @@ from ._metrics import InFlight, Metrics
 from ._models import ServedModels, ServedVersion
 from ._repository import VersionPolicy
 from ._shm import SystemSharedMemory
-from ._triton import with_defaults
+from ._triton import own_parameters, with_defaults
 
 if TYPE_CHECKING:
     from ._workers import WorkerLink
@@ -498,8 +498,14 @@ async def _model_config(request: Request, state: ServerState) -> Response:
 
 
 def model_config_document(state: ServerState, served: ServedVersion) -> dict[str, Any]:
-    """A served version's configuration in Triton's terms (HTTP and gRPC answer the same)."""
-    config = served.info.config
+    """A served version's configuration in Triton's terms (HTTP and gRPC answer the same).
+
+    It parses as Triton's ``inference.ModelConfig``, strictly: trioinfer's own
+    settings are ``parameters`` named ``trioinfer.<setting>``, which a load
+    override carrying the answer back reads again.
+    """
+    # Other models (steps, fallbacks) named as in the repository, not as in the engine.
+    config = served.config if served.config is not None else served.info.config
     signature = served.info.signature
     batched = signature.batched and config.batcher != "none"
     batching = _effective_options(state, config.batcher, config.batcher_options)
@@ -508,36 +514,38 @@ def model_config_document(state: ServerState, served: ServedVersion) -> dict[str
         max_batch = config.sequence.max_batch_size if signature.batched else 0
     # In Triton's terms: with max_batch_size > 0 the dims leave out the batch dimension.
     skip = 1 if max_batch > 0 else 0
+    pipeline = config.backend == PIPELINE
     body: dict[str, Any] = {
         "name": served.model,
-        "version": str(served.version),
         "platform": _platform(served),
         # Triton's ensembles have no backend (one that names one is refused on load).
-        "backend": config.backend if config.backend != PIPELINE else "",
+        "backend": config.backend if not pipeline else "",
         "max_batch_size": max_batch,
         "input": [_tensor_config(t, skip) for t in signature.inputs],
         "output": [_tensor_config(t, skip) for t in signature.outputs],
         # Triton's ensembles have none (their steps' models do; one is refused on load).
         "instance_group": (
-            _instance_groups(served.model, served.info.devices)
-            if config.backend != PIPELINE
-            else []
+            _instance_groups(served.model, served.info.devices) if not pipeline else []
         ),
-        "trioinfer": {
-            "scheduler": config.scheduler,
-            "scheduler_options": dict(config.scheduler_options),
-            "batcher": config.batcher,
-            "batcher_options": dict(config.batcher_options),
-            "fallback": config.fallback,
-            "max_queue_size": config.max_queue_size,
-            "queue_timeouts": {str(k): v for k, v in config.queue_timeouts.items()},
-            "queue_sizes": {str(k): v for k, v in config.queue_sizes.items()},
-            "instances": [
-                {"device": str(i.device), "count": i.count, "capacity": i.capacity}
-                for i in config.instances
-            ],
-        },
     }
+    # trioinfer's own settings, which Triton's ModelConfig has no field for, go where
+    # Triton keeps free-form settings (parameters, strings), under a prefix: the answer
+    # then parses as Triton's message, and a load override carrying it back reads them.
+    own: dict[str, Any] = {
+        "scheduler": config.scheduler,
+        "scheduler_options": dict(config.scheduler_options),
+        "batcher": config.batcher,
+        "batcher_options": dict(config.batcher_options),
+        "fallback": config.fallback,
+        "fallback_options": dict(config.fallback_options),
+        "max_queue_size": config.max_queue_size,
+        "queue_timeouts": {str(k): v for k, v in config.queue_timeouts.items()},
+        "queue_sizes": {str(k): v for k, v in config.queue_sizes.items()},
+        "instances": [_instance(group) for group in config.instances],
+    }
+    if pipeline:
+        # As Triton answers an ensemble: its steps, which a load override sends back.
+        body["ensemble_scheduling"] = _ensemble_scheduling(config)
     if served.policy is not None:
         body["version_policy"] = _version_policy(served.policy)
     if served.info.decoupled:
@@ -548,8 +556,9 @@ def model_config_document(state: ServerState, served: ServedVersion) -> dict[str
         runner = state.models.engine._runners.get(served.engine_name)
         full = getattr(runner, "backend_signature", None)  # with the control and state inputs
         body["sequence_batching"] = _sequence_batching(config.sequence, full, skip)
-        body["trioinfer"]["sequence"] = _sequence_table(config.sequence)
-    elif max_batch > 0:
+        own["sequence"] = _sequence_table(config.sequence)
+    elif max_batch > 0 and not pipeline:
+        # (An ensemble's scheduling is its ensemble_scheduling: one of the three.)
         delay = batching.get("max_queue_delay")
         body["dynamic_batching"] = {
             "preferred_batch_size": list(batching.get("preferred_batch_sizes", [])),
@@ -565,9 +574,10 @@ def model_config_document(state: ServerState, served: ServedVersion) -> dict[str
             # why in the log): say what runs, as for a config.toml model, not what
             # config.pbtxt asked for.
             body["instance_group"] = _instance_groups(served.model, served.info.devices)
+    body["parameters"] = {**body.get("parameters", {}), **own_parameters(own)}
     # As Triton prints it: every field of its message at its default when unset, so
     # that the parts worked out here and those config.pbtxt gave read alike, and
-    # what is answered loads back (less version and trioinfer) and is answered again.
+    # what is answered loads back and is answered again.
     groups = body.get("instance_group")
     if isinstance(groups, list):
         # Triton names a group it was given without a name <model>_<n>, as here.
@@ -578,6 +588,33 @@ def model_config_document(state: ServerState, served: ServedVersion) -> dict[str
             for n, group in enumerate(groups)
         ]
     return with_defaults(body)
+
+
+def _instance(group: Instance) -> dict[str, Any]:
+    """An ``[[instances]]`` table as ``config.toml`` writes it (threads and CPUs when set)."""
+    table: dict[str, Any] = {"device": str(group.device), "count": group.count}
+    table["capacity"] = group.capacity
+    if group.threads:
+        table["threads"] = group.threads
+    if group.cpu_affinity is not None:
+        table["cpu_affinity"] = list(group.cpu_affinity)
+    return table
+
+
+def _ensemble_scheduling(config: ModelConfig) -> dict[str, Any]:
+    """A pipeline's steps as Triton's ``ensemble_scheduling`` (a step's version: -1, the latest)."""
+    steps = []
+    for step in config.backend_options.get("steps", ()):
+        model, _, version = str(step["model"]).partition(":")
+        steps.append(
+            {
+                "model_name": model,
+                "model_version": int(version) if version.isdigit() else -1,
+                "input_map": dict(step["input_map"]),
+                "output_map": dict(step["output_map"]),
+            }
+        )
+    return {"step": steps}
 
 
 def _instance_groups(model: str, devices: Sequence[str]) -> list[dict[str, Any]]:

@@ -218,9 +218,10 @@ class _Service:
             return model_config_document(self._state, served)
 
         response = pb.ModelConfigResponse()
-        # Keys Triton's ModelConfig lacks (trioinfer's own settings, devices) stay HTTP-only.
+        # The document is Triton's ModelConfig as JSON (trioinfer's settings among its
+        # parameters): parsed strictly, a key it lacks is a bug here, not a dropped field.
         document_ = await self._run(call, document)
-        json_format.ParseDict(document_, response.config, ignore_unknown_fields=True)
+        json_format.ParseDict(document_, response.config)
         return response
 
     async def LogSettings(self, request: Any, context: Any, call: GrpcCall) -> Any:

@@ -65,6 +65,9 @@ class ServedVersion:
         labels: Each output's class labels (Triton's ``label_filename``), for
             the classification extension.
         policy: The repository's version policy of the model when it was loaded.
+        config: Its config as the repository gave it: other models (a pipeline's
+            steps, a fallback's models) named as the repository names them
+            (``info.config`` names them as the engine does, ``digits.v1``).
     """
 
     model: str
@@ -76,6 +79,7 @@ class ServedVersion:
     triton: TritonModel | None = None
     labels: Mapping[str, tuple[str, ...]] = attrs.field(factory=dict)
     policy: VersionPolicy | None = None
+    config: ModelConfig | None = None
 
     @property
     def fell_back(self) -> bool:
@@ -328,8 +332,10 @@ class ServedModels:
             self._errors.pop(model, None)
         # Pipelines over this model name its versions as they were: load them again.
         for dependent in self._dependents(model):
+            # With the override it was loaded with (one may configure it whole).
+            loaded = list(self._served.get(dependent, {}).values())
             try:
-                await self.load(dependent)
+                await self.load(dependent, loaded[-1].override if loaded else None)
             except TrioInferError as exc:
                 log.error("could not reload pipeline %r: %s", dependent, exc)  # noqa: TRY400
 
@@ -362,8 +368,8 @@ class ServedModels:
             fingerprint = entry.fingerprint(version)
             old = served.get(version)
             engine_name = f"{model}.v{version}"
-            config = attrs.evolve(entry.config(version, override), name=engine_name)
-            config = self._engine_names(model, config)
+            named = entry.config(version, override)
+            config = self._engine_names(model, attrs.evolve(named, name=engine_name))
             triton = entry.triton_config(override)
             labels = entry.labels(triton)
             if (
@@ -407,6 +413,7 @@ class ServedModels:
                 triton,
                 labels,
                 entry.policy,
+                named,
             )
             log.info(
                 "%s model %r version %d on %s",
@@ -446,11 +453,18 @@ class ServedModels:
     def _steps(self, model: str) -> list[str]:
         # The repository models a pipeline's steps name (none for other models).
         try:
-            settings = self.repository.entry(model).settings
+            settings: Mapping[str, Any] = self.repository.entry(model).settings
         except TrioInferError:
-            return []  # its own load says what is wrong with it
+            settings = {}  # its own load says what is wrong with it
+        served = [v.config for v in self._served.get(model, {}).values() if v.config is not None]
+        if not settings and served:
+            # A pipeline its load override configures whole (no config file): as it runs.
+            settings = {
+                "backend": served[-1].backend,
+                "backend_options": served[-1].backend_options,
+            }
         steps = settings.get("backend_options", {}).get("steps", [])
-        if settings.get("backend") != PIPELINE or not isinstance(steps, list):
+        if settings.get("backend") != PIPELINE or not isinstance(steps, list | tuple):
             return []
         return [
             step["model"].partition(":")[0]

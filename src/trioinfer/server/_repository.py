@@ -25,7 +25,7 @@ import tomllib
 from collections.abc import Mapping, Sequence
 from pathlib import Path, PurePosixPath
 from types import MappingProxyType
-from typing import Any, Literal
+from typing import Any, Literal, TypeGuard
 
 import attrs
 
@@ -38,7 +38,7 @@ from .._config import (
     unknown_keys_error,
 )
 from .._exceptions import ConfigError, ModelNotFound
-from ._triton import TRITON_FIELDS, TritonModel
+from ._triton import OWN_PREFIX, TRITON_FIELDS, TritonModel
 
 __all__ = ["IndexEntry", "ModelEntry", "ModelRepository", "VersionPolicy"]
 
@@ -64,6 +64,14 @@ _VERSION_RE = re.compile(r"[1-9][0-9]{0,18}")
 _MAX_CONFIG_BYTES = 1 << 20
 # Server-only keys of config.toml: the server reads them, ModelConfig never sees them.
 _SERVER_KEYS = frozenset({"version_policy", "traffic", "labels"})
+
+
+def _in_tritons_form(key: str, value: object) -> bool:
+    # Whether a config.toml model's override key is Triton's: one ModelConfig lacks, or
+    # response_cache as Triton writes it ({"enable": true}, what GET .../config answers).
+    return key in _TRITON_ONLY or (key == "response_cache" and isinstance(value, Mapping))
+
+
 _POLICY_FORMS = (
     '"latest", "all", { latest = N }, { specific = [1, 3] } or { all = {} } '
     "(Triton's { latest = { num_versions = N } } and { specific = { versions = [...] } } "
@@ -262,6 +270,9 @@ class ModelEntry:
         label_files: Output name to its labels file, for the classification
             extension: ``labels`` in ``config.toml``, or the outputs'
             ``label_filename`` in ``config.pbtxt``.
+        from_override: Whether the load override configures it whole (an
+            ensemble in a directory with no config file): its "model file" is
+            the directory.
     """
 
     name: str
@@ -273,6 +284,7 @@ class ModelEntry:
     traffic: Mapping[int, float] = attrs.field(factory=dict)
     triton: TritonModel | None = None
     label_files: Mapping[str, str] = attrs.field(factory=dict)
+    from_override: bool = False
 
     @property
     def model_file(self) -> str:
@@ -396,7 +408,7 @@ class ModelEntry:
         where = f"model {self.name!r}: the config override"
         if self.triton is not None:
             return self.triton.merged(override, name=self.name, where=where)
-        chosen = {k: v for k, v in override.items() if k in _TRITON_ONLY}
+        chosen = {k: v for k, v in override.items() if _in_tritons_form(k, v)}
         return TritonModel.parse(chosen, name=self.name, where=where) if chosen else None
 
     def _overridden(self, data: dict[str, Any], override: Mapping[str, Any]) -> dict[str, Any]:
@@ -412,8 +424,9 @@ class ModelEntry:
                     f"{', '.join(map(repr, unknown))}; known keys are "
                     f"{', '.join(sorted(TRITON_FIELDS))}"
                     + (
-                        " ('version' and 'trioinfer' are what GET .../config adds beside "
-                        "Triton's fields: leave them out of an override)"
+                        " ('version' and 'trioinfer' are not Triton's: GET .../config "
+                        f"answers trioinfer's own settings as parameters {OWN_PREFIX}*; "
+                        "leave them out of an override)"
                         if {"version", "trioinfer"} & set(unknown)
                         else ""
                     )
@@ -426,7 +439,12 @@ class ModelEntry:
             if data.get("backend") == PIPELINE:
                 data["path"] = _TRITON_FILE
             return data
-        rest = {k: v for k, v in override.items() if k not in _TRITON_ONLY}
+        # Triton's empty backend is "none given" (an ensemble's, say), not a plugin's name.
+        rest = {
+            k: v
+            for k, v in override.items()
+            if not _in_tritons_form(k, v) and not (k == "backend" and v == "")
+        }
         return {**data, **triton.settings, **rest}
 
     def labels(self, triton: TritonModel | None) -> dict[str, tuple[str, ...]]:
@@ -499,6 +517,8 @@ class ModelEntry:
             raise ConfigError(
                 f"model {self.name!r} has no version {_shown(version)}; versions on disk: {on_disk}"
             )
+        if self.from_override:
+            return self.directory  # an ensemble is its config (the override): no file
         if "path" in self.settings:
             path = self.directory / str(self.settings["path"])
         else:
@@ -804,6 +824,7 @@ def _scan(
     traffic: dict[int, float] = {}
     triton: TritonModel | None = None
     label_files: dict[str, str] = {}
+    from_override = False
     config_path = directory / _CONFIG_FILE
     triton_path = directory / _TRITON_FILE
     shown = _relative(config_path, root)
@@ -850,6 +871,22 @@ def _scan(
                 raise ConfigError(f"{shown}: {exc}") from None
         _check_settings(name, directory, root, settings, shown)
 
+    elif _is_ensemble(override):
+        # No config file: an ensemble given whole by the load override, as Triton loads
+        # one into a directory that holds only a version directory (GET .../config of
+        # another pipeline, say, under this name). It has no file: it is its config.
+        shown = f"model {name!r}: the config override"
+        triton = TritonModel.parse(override, name=name, where=shown)
+        notes.extend(triton.notes)
+        settings = dict(triton.settings)
+        if triton.version_policy is not None:
+            try:
+                policy = VersionPolicy.parse(triton.version_policy)
+            except ConfigError as exc:
+                raise ConfigError(f"{shown}: {exc}") from None
+        _check_settings(name, directory, root, settings, shown)
+        from_override = True
+
     try:
         children = sorted(directory.iterdir())
     except OSError as exc:
@@ -883,6 +920,9 @@ def _scan(
                 "written without leading zeros)"
             )
             continue
+        if from_override:
+            versions.append(int(child_name))  # Triton's empty version directory
+            continue
         if fixed_file:
             if child_name == PurePosixPath(str(settings["path"])).parts[0]:
                 continue
@@ -913,6 +953,8 @@ def _scan(
             notes.append(
                 f"{_CONFIG_FILE} sets path = {_shown(settings['path'])}, which is not a file"
             )
+    if from_override and not versions:
+        versions = [1]  # served as version 1, as a pipeline's config.toml is
     return ModelEntry(
         name,
         directory,
@@ -923,6 +965,17 @@ def _scan(
         traffic,
         triton,
         label_files,
+        from_override,
+    )
+
+
+def _is_ensemble(override: Mapping[str, Any] | None) -> TypeGuard[Mapping[str, Any]]:
+    # Whether a load override is a whole Triton ensemble config (JSON), which needs no file.
+    return (
+        isinstance(override, Mapping)
+        and all(isinstance(k, str) for k in override)
+        and set(override) <= TRITON_FIELDS
+        and override.get("platform") == "ensemble"
     )
 
 

@@ -15,6 +15,9 @@ checked against the model's inputs once it loads (``server/_models.py``).
 
 The same keys arrive as JSON in repository load overrides
 (``{"max_batch_size": 16}``): `TritonModel.parse` reads either form.
+``GET .../config`` answers trioinfer's own settings as ``parameters`` named
+``trioinfer.<setting>`` (`own_parameters`); read back, they fill what
+Triton's fields leave unsaid, and are not backend options.
 Protobuf is the ``triton`` extra; without it, meeting a ``config.pbtxt``
 is a `ConfigError` that names the extra.
 """
@@ -22,6 +25,7 @@ is a `ConfigError` that names the extra.
 from __future__ import annotations
 
 import functools
+import json
 from collections.abc import Mapping
 from typing import Any, Final
 
@@ -30,7 +34,7 @@ import attrs
 from .._config import MAX_INSTANCES
 from .._exceptions import ConfigError
 
-__all__ = ["TRITON_FIELDS", "TritonModel", "with_defaults"]
+__all__ = ["OWN_PREFIX", "TRITON_FIELDS", "TritonModel", "own_parameters", "with_defaults"]
 
 _EXTRA: Final = (
     "reading a Triton config.pbtxt needs protobuf: install the 'triton' extra "
@@ -290,6 +294,67 @@ def _protobuf() -> tuple[Any, Any]:
     return text_format, json_format
 
 
+#: The prefix of the ``parameters`` that carry trioinfer's own settings (``trioinfer.batcher``).
+OWN_PREFIX: Final = "trioinfer."
+#: trioinfer's settings that Triton's ModelConfig has no field for, answered by
+#: ``GET .../config`` as ``parameters`` and read back from a load override's.
+OWN_SETTINGS: Final = (
+    "scheduler",
+    "scheduler_options",
+    "batcher",
+    "batcher_options",
+    "fallback",
+    "fallback_options",
+    "max_queue_size",
+    "queue_timeouts",
+    "queue_sizes",
+    "instances",
+    "sequence",
+)
+# The settings whose value is a plugin's name: the parameter's string as it is.
+_OWN_NAMES: Final = frozenset({"scheduler", "batcher", "fallback"})
+
+
+def own_parameters(settings: Mapping[str, Any]) -> dict[str, dict[str, str]]:
+    """Return trioinfer's own *settings* as Triton's ``parameters``: ``trioinfer.<key>``.
+
+    A plugin's name is written as it is, anything else as JSON
+    (``"trioinfer.max_queue_size": {"string_value": "1024"}``).
+    """
+    return {
+        OWN_PREFIX + key: {
+            "string_value": value if key in _OWN_NAMES else json.dumps(value, sort_keys=True)
+        }
+        for key, value in settings.items()
+    }
+
+
+def _own_settings(parameters: Mapping[str, Any], where: str) -> dict[str, Any]:
+    """The ``trioinfer.<key>`` *parameters* (Triton's, strings) as ModelConfig keys."""
+    out: dict[str, Any] = {}
+    for name, parameter in parameters.items():
+        if not name.startswith(OWN_PREFIX):
+            continue
+        key = name.removeprefix(OWN_PREFIX)
+        if key not in OWN_SETTINGS:
+            raise ConfigError(
+                f"{where}: parameters {name!r} is not a trioinfer setting; the "
+                f"{OWN_PREFIX}* parameters are " + ", ".join(OWN_PREFIX + k for k in OWN_SETTINGS)
+            )
+        text = parameter.string_value
+        if key in _OWN_NAMES:
+            out[key] = text
+            continue
+        try:
+            out[key] = json.loads(text)
+        except ValueError:
+            raise ConfigError(
+                f"{where}: parameters {name!r} must hold JSON (as GET .../config answers "
+                f"it), got {text[:64]!r}"
+            ) from None
+    return out
+
+
 # Triton's data types as trioinfer's dtype names (V2 names; STRING is BYTES there).
 def _dtype(data_type: str) -> str:
     return data_type.removeprefix("TYPE_").replace("STRING", "BYTES")
@@ -421,8 +486,8 @@ def with_defaults(doc: Mapping[str, Any], message: str = "ModelConfig") -> dict[
     that is unset stays out, and so does an unset member of a oneof. Clients
     made for Triton read such fields without checking for them (its
     image_client reads an input's ``format``). Only the fields trioinfer
-    reads are known here (the table above); keys it does not know (``version``,
-    ``model_transaction_policy``) are kept as they are. Needs no protobuf.
+    reads are known here (the table above); a key it does not know
+    (``model_transaction_policy``) is kept as it is. Needs no protobuf.
     """
     out = dict(doc)
     for name, _number, kind, label, type_name, oneof in _MESSAGES[message]:
@@ -547,6 +612,7 @@ def _translate(message: Any, doc: dict[str, Any], name: str, where: str) -> Trit
             )
         if levels:
             settings["scheduler"] = "priority"
+    own = _own_settings(message.parameters, where)
     if message.HasField("sequence_batching"):
         if ensemble:
             raise ConfigError(
@@ -560,8 +626,24 @@ def _translate(message: Any, doc: dict[str, Any], name: str, where: str) -> Trit
             options["max_queue_delay"] = batching.max_queue_delay_microseconds / 1e6
             if batching.preferred_batch_size:
                 options["preferred_batch_sizes"] = list(batching.preferred_batch_size)
+        if own.get("batcher") == "dynamic" and isinstance(own.get("batcher_options"), dict):
+            # The dynamic batcher's other options, which Triton's fields cannot say.
+            said = {"max_batch_size", "max_queue_delay", "preferred_batch_sizes"}
+            options = {
+                **{k: v for k, v in own["batcher_options"].items() if k not in said},
+                **options,
+            }
         settings["batcher"] = "dynamic"
         settings["batcher_options"] = options
+    elif ensemble and max_batch > 0 and own.get("batcher", "none") != "none":
+        # A pipeline that batches whole requests (GET .../config answered it so): its
+        # batcher as it was, its batch size as max_batch_size says.
+        settings["batcher"] = own["batcher"]
+        options = own.get("batcher_options", {})
+        settings["batcher_options"] = {
+            **(options if isinstance(options, dict) else {}),
+            "max_batch_size": max_batch,
+        }
     elif "max_batch_size" in present or ensemble:
         settings["batcher"] = "none"
 
@@ -616,10 +698,16 @@ def _translate(message: Any, doc: dict[str, Any], name: str, where: str) -> Trit
         settings["instances"] = [
             instance for group in message.instance_group for instance in _instances(group, where)
         ]
-    if message.parameters:
+    backend_parameters = {
+        key: value for key, value in message.parameters.items() if not key.startswith(OWN_PREFIX)
+    }
+    if backend_parameters:
         if ensemble:
-            raise ConfigError(f"{where}: an ensemble takes no parameters")
-        options = {key: _parameter(value.string_value) for key, value in message.parameters.items()}
+            raise ConfigError(
+                f"{where}: an ensemble takes no parameters (but trioinfer's own, "
+                f"{OWN_PREFIX}*); got {', '.join(sorted(backend_parameters))}"
+            )
+        options = {key: _parameter(value.string_value) for key, value in backend_parameters.items()}
         _onnxruntime_parameters(options, settings, where)
         settings["backend_options"] = options
     if message.HasField("response_cache"):
@@ -635,6 +723,14 @@ def _translate(message: Any, doc: dict[str, Any], name: str, where: str) -> Trit
             labels[tensor.name] = tensor.label_filename
     if ensemble:
         settings["backend_options"] = _ensemble(message, where)
+    # trioinfer's own settings fill what Triton's fields leave unsaid; where both say
+    # something, Triton's win (a client changes those, not the parameters).
+    for key, value in own.items():
+        if key == "sequence" and isinstance(settings.get(key), dict) and isinstance(value, dict):
+            settings[key] = _with_initial_values(settings[key], value)
+        elif key == "instances" and isinstance(settings.get(key), list):
+            settings[key] = _with_own_instances(settings[key], value)
+        settings.setdefault(key, value)
 
     versions: Any = None
     if message.HasField("version_policy"):
@@ -655,6 +751,41 @@ def _translate(message: Any, doc: dict[str, Any], name: str, where: str) -> Trit
         tuple(notes),
         model_filename,
     )
+
+
+def _with_initial_values(table: dict[str, Any], own: Mapping[str, Any]) -> dict[str, Any]:
+    # sequence_batching says a state starts at zero or says nothing: a state's other
+    # initial value is in trioinfer.sequence only.
+    given = {
+        state.get("input"): state["initial"]
+        for state in own.get("state", [])
+        if isinstance(state, dict) and "initial" in state
+    }
+    states = [
+        {**state, "initial": given[state["input"]]}
+        if state.get("input") in given and "initial" not in state
+        else state
+        for state in table.get("state", [])
+    ]
+    return {**table, "state": states}
+
+
+def _with_own_instances(groups: list[dict[str, Any]], own: object) -> list[dict[str, Any]]:
+    # instance_group says kind, GPU and count: when trioinfer.instances lists the same
+    # groups, its capacity, threads, CPUs and device (tensorrt:N, which Triton calls a
+    # GPU) are kept; threads that Triton's parameters set (intra_op_thread_count) win.
+    def shape(device: object, count: object) -> tuple[str, object]:
+        return str(device).replace("tensorrt", "cuda"), count
+
+    if not isinstance(own, list) or not all(isinstance(g, dict) for g in own):
+        return groups
+    if [shape(g.get("device"), g.get("count")) for g in own] != [
+        shape(g["device"], g["count"]) for g in groups
+    ]:
+        return groups
+    return [
+        {**mine, **group, "device": mine["device"]} for group, mine in zip(groups, own, strict=True)
+    ]
 
 
 def _model_filename(value: str, ensemble: bool, where: str, notes: list[str]) -> str | None:
