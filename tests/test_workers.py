@@ -533,6 +533,10 @@ def test_the_ledger_never_lets_a_counter_go_down() -> None:
     # Worker 1 does not answer the next scrape: counted as it last was.
     ledger.report(0, 100, _exposition(6, 0, 100))
     assert _value(ledger.merged(0), "t_requests_total", model="m") == 13
+    # Two reports that crossed on their way: the later snapshot stays.
+    ledger.report(1, 101, _exposition(7, 2, 101), taken=2)
+    ledger.report(1, 101, _exposition(3, 2, 101), taken=1)
+    assert _value(ledger.merged(0), "t_requests_total", model="m") == 13
     # Worker 1 dies and comes back as pid 102, from zero: its counts stay, its
     # gauges and its own (pid) series go.
     ledger.retire(1, 101)
