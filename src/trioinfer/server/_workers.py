@@ -60,7 +60,7 @@ import sys
 import tempfile
 from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Final, final
+from typing import TYPE_CHECKING, Any, Final, Generic, TypeVar, final
 
 import anyio
 import anyio.abc
@@ -79,6 +79,9 @@ if TYPE_CHECKING:
     from ._serve import Listening
 
 __all__ = ["WorkerFailed", "WorkerLink", "WorkersDisagree", "serve_workers"]
+
+#: A snapshot a worker reports: a metrics exposition, or its statistics.
+_S = TypeVar("_S")
 
 log = logging.getLogger("trioinfer.server")
 
@@ -260,6 +263,41 @@ def _counts_only(text: bytes) -> bytes:
 
 
 @final
+class _Latest(Generic[_S]):
+    """The latest snapshot each live worker reported, by worker index."""
+
+    def __init__(self) -> None:
+        self._by_index: dict[int, tuple[int, int, _S]] = {}
+
+    def report(self, index: int, pid: int, snapshot: _S, taken: int) -> None:
+        """Worker *index* (process *pid*) reported *snapshot*, its *taken*-th.
+
+        A snapshot older than the one kept (reports cross on their way) is
+        ignored: a counter must not go back to an earlier value.
+        """
+        last = self._by_index.get(index)
+        if last is None or last[0] != pid or last[1] <= taken:
+            self._by_index[index] = (pid, taken, snapshot)
+
+    def pop(self, index: int, pid: int) -> _S | None:
+        """What worker *index*'s process *pid* last reported (None if nothing), forgotten."""
+        last = self._by_index.get(index)
+        if last is None or last[0] != pid:
+            return None
+        del self._by_index[index]
+        return last[2]
+
+    def ordered(self, first: int) -> list[_S]:
+        """Every live worker's latest, worker *first*'s in front."""
+        return [self._by_index[i][2] for i in sorted(self._by_index, key=lambda i: i != first)]
+
+    def change(self, edit: Callable[[_S], _S]) -> None:
+        """Replace every worker's latest with *edit* of it."""
+        for index, (pid, taken, snapshot) in list(self._by_index.items()):
+            self._by_index[index] = (pid, taken, edit(snapshot))
+
+
+@final
 class MetricsLedger:
     """What each worker last reported to ``/metrics``, and the counts of workers that died.
 
@@ -271,30 +309,22 @@ class MetricsLedger:
     """
 
     def __init__(self) -> None:
-        self._last: dict[int, tuple[int, int, bytes]] = {}
+        self._latest = _Latest[bytes]()
         self._retired = b""
 
     def report(self, index: int, pid: int, text: bytes, *, taken: int = 0) -> None:
-        """Worker *index* (process *pid*) reported *text*, its *taken*-th snapshot.
-
-        A snapshot older than the one kept (reports cross on their way) is
-        ignored: a counter must not go back to an earlier value.
-        """
-        last = self._last.get(index)
-        if last is None or last[0] != pid or last[1] <= taken:
-            self._last[index] = (pid, taken, text)
+        """Worker *index* (process *pid*) reported *text*, its *taken*-th snapshot."""
+        self._latest.report(index, pid, text, taken)
 
     def retire(self, index: int, pid: int) -> None:
         """Worker *index*'s process *pid* ended: its counts stay, its gauges go."""
-        last = self._last.get(index)
-        if last is not None and last[0] == pid:
-            del self._last[index]
-            self._retired = merge_expositions([self._retired, _counts_only(last[2])])
+        last = self._latest.pop(index, pid)
+        if last is not None:
+            self._retired = merge_expositions([self._retired, _counts_only(last)])
 
     def merged(self, first: int) -> bytes:
         """The server's exposition, worker *first*'s families in front."""
-        order = sorted(self._last, key=lambda index: index != first)
-        return merge_expositions([*(self._last[i][2] for i in order), self._retired])
+        return merge_expositions([*self._latest.ordered(first), self._retired])
 
 
 @final
@@ -309,27 +339,27 @@ class StatsLedger:
     """
 
     def __init__(self) -> None:
-        self._last: dict[int, tuple[int, int, list[dict[str, Any]]]] = {}
+        self._latest = _Latest[list[dict[str, Any]]]()
         self._retired: list[dict[str, Any]] = []
 
     def report(self, index: int, pid: int, stats: list[dict[str, Any]], *, taken: int = 0) -> None:
         """Worker *index* (process *pid*) reported *stats* (every model's), its *taken*-th."""
-        last = self._last.get(index)
-        if last is None or last[0] != pid or last[1] <= taken:
-            self._last[index] = (pid, taken, stats)
+        self._latest.report(index, pid, stats, taken)
 
     def retire(self, index: int, pid: int) -> None:
         """Worker *index*'s process *pid* ended: what it last reported stays in the totals."""
-        last = self._last.get(index)
-        if last is not None and last[0] == pid:
-            del self._last[index]
-            self._retired = merge_stats([self._retired, last[2]])
+        last = self._latest.pop(index, pid)
+        if last is not None:
+            self._retired = merge_stats([self._retired, last])
 
     def forget(self, model: str) -> None:
         """*model* was unloaded: what the workers counted of it so far goes with it."""
-        self._retired = [e for e in self._retired if e["name"] != model]
-        for index, (pid, taken, stats) in list(self._last.items()):
-            self._last[index] = (pid, taken, [e for e in stats if e["name"] != model])
+
+        def without(stats: list[dict[str, Any]]) -> list[dict[str, Any]]:
+            return [e for e in stats if e["name"] != model]
+
+        self._retired = without(self._retired)
+        self._latest.change(without)
 
     def merged(
         self, first: int, only: Iterable[tuple[str, str]] | None = None
@@ -339,8 +369,7 @@ class StatsLedger:
         Worker *first*'s entries come first; a dead worker's are added to the
         model versions a live worker reports.
         """
-        order = sorted(self._last, key=lambda index: index != first)
-        live = merge_stats(self._last[i][2] for i in order)
+        live = merge_stats(self._latest.ordered(first))
         served = {(e["name"], e["version"]) for e in live}
         wanted = served if only is None else served & set(only)
         retired = [e for e in self._retired if (e["name"], e["version"]) in wanted]
