@@ -21,7 +21,7 @@ import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import anyio
 import attrs
@@ -38,6 +38,7 @@ from trioinfer.cli import main
 from trioinfer.server import status_for
 from trioinfer.server._workers import (
     MetricsLedger,
+    StatsLedger,
     WorkersDisagree,
     _raise_error,
     _serve_calls,
@@ -328,6 +329,7 @@ def test_a_killed_worker_is_restarted_and_its_requests_fail_cleanly(served: Serv
     for _ in range(12):
         assert infer_digit(url).status_code == 200
     counted = _succeeded(url)  # a scrape: every worker's counts, the victim's too
+    digits = _digits_stats(url)  # so is a statistics request
     # Long enough for all of them to be seen in flight at once on a busy machine.
     seconds = [3.0 + i / 1000 for i in range(16)]
     with ThreadPoolExecutor(len(seconds)) as pool:
@@ -352,6 +354,7 @@ def test_a_killed_worker_is_restarted_and_its_requests_fail_cleanly(served: Serv
     assert not alive(victim)
     # What the victim had counted stays in the server's counters: none went down.
     assert _succeeded(url) >= counted + len(answered)
+    assert _digits_stats(url) == digits  # every worker's, the victim's too, when asked
     assert f"worker 1 (pid {victim}) was killed by SIGKILL" in served.log.read_text()
     # It loaded digits once, with the override of its last load: not from the file,
     # then again (two copies at once) when the change was repeated to it.
@@ -365,6 +368,59 @@ def test_a_killed_worker_is_restarted_and_its_requests_fail_cleanly(served: Serv
         assert own_setting(config, "max_queue_size") == 7
         settings = fresh("GET", f"{url}/v2/logging").json()
         assert (settings["log_info"], settings["log_format"]) == (False, "ISO8601")
+
+
+def _digits_stats(url: str) -> tuple[int, int, int]:
+    """The server's statistics of digits: inferences, executions, successes."""
+    [stats] = fresh("GET", f"{url}/v2/models/digits/stats").json()["model_stats"]
+    success = stats["inference_stats"]["success"]["count"]
+    return stats["inference_count"], stats["execution_count"], success
+
+
+def _kept(log: Path, pid: int) -> int | None:
+    """The inference requests of worker process *pid* that the supervisor last said it kept."""
+    said = re.findall(
+        rf"kept the counts of worker \d \(pid {pid}\): (\d+) inference", log.read_text()
+    )
+    return int(said[-1]) if said else None
+
+
+def test_a_dead_workers_counts_stay_in_the_totals(repository: Path, tmp_path: Path) -> None:
+    # Counts a worker reported (every REPORT_S while it answers requests) outlive
+    # it: a SIGKILL takes neither requests nor durations out of the statistics,
+    # nor the request counter of /metrics (which Prometheus would read as a reset).
+    log = tmp_path / "serve.log"
+    with two_workers(repository, log, "--log-level", "debug") as server:
+        url, pids = server.url, server.pids
+        for _ in range(40):
+            assert infer_digit(url).status_code == 200
+        # No statistics request nor scrape: the workers' own reports, nothing else.
+        wait_until(
+            lambda: (_kept(log, pids[0]) or 0) + (_kept(log, pids[1]) or 0) == 40,
+            "both workers reported their 40 requests",
+        )
+        assert 0 < (_kept(log, pids[1]) or 0) < 40, "worker 1 served none to lose"
+        os.kill(pids[1], signal.SIGKILL)
+        wait_until(lambda: worker_pids(url).get("1", pids[1]) != pids[1], "worker 1 is back")
+        inferences, executions, succeeded = _digits_stats(url)
+        assert inferences == succeeded == 40
+        assert executions >= 2  # one per worker at least (batches may hold several)
+        requests = [
+            (labels, value)
+            for labels, value in samples(url, "trioinfer_inference_requests_total")
+            if labels["model"] == "digits"
+        ]
+        assert [(labels["outcome"], value) for labels, value in requests] == [("success", 40)]
+        rows = samples(url, "trioinfer_inference_batch_rows_sum")
+        assert [v for labels, v in rows if labels["model"] == "digits"] == [40]
+        # The restarted worker adds to them, from zero.
+        for _ in range(10):
+            assert infer_digit(url).status_code == 200
+        assert _digits_stats(url)[0] == 50
+        # An unload takes its statistics (every worker's, the dead one's too) with it.
+        assert fresh("POST", f"{url}/v2/repository/models/digits/unload").status_code == 200
+        assert fresh("POST", f"{url}/v2/repository/models/digits/load").status_code == 200
+        assert _digits_stats(url) == (0, 0, 0)
 
 
 def test_shared_memory_is_refused_with_several_workers(served: Served) -> None:
@@ -477,6 +533,10 @@ def test_the_ledger_never_lets_a_counter_go_down() -> None:
     # Worker 1 does not answer the next scrape: counted as it last was.
     ledger.report(0, 100, _exposition(6, 0, 100))
     assert _value(ledger.merged(0), "t_requests_total", model="m") == 13
+    # Two reports that crossed on their way: the later snapshot stays.
+    ledger.report(1, 101, _exposition(7, 2, 101), taken=2)
+    ledger.report(1, 101, _exposition(3, 2, 101), taken=1)
+    assert _value(ledger.merged(0), "t_requests_total", model="m") == 13
     # Worker 1 dies and comes back as pid 102, from zero: its counts stay, its
     # gauges and its own (pid) series go.
     ledger.retire(1, 101)
@@ -492,19 +552,33 @@ def test_the_ledger_never_lets_a_counter_go_down() -> None:
     assert _value(ledger.merged(0), "t_requests_total", model="m") == 14
 
 
-def test_merge_stats_sums_counts_and_takes_the_last_inference() -> None:
-    def entry(count: int, last: int) -> dict[str, Any]:
-        return {
-            "name": "m",
-            "version": "1",
-            "last_inference": last,
-            "inference_count": count,
-            "execution_count": count,
-            "inference_stats": {"success": {"count": count, "ns": 10 * count}},
-            "batch_stats": [],
-        }
+def test_the_stats_ledger_keeps_a_dead_workers_counts_until_its_model_is_unloaded() -> None:
+    ledger = StatsLedger()
+    ledger.report(0, 100, [_stats_entry(5, 1), _stats_entry(1, 1, "n")], taken=1)
+    ledger.report(1, 101, [_stats_entry(7, 2), _stats_entry(2, 2, "n")], taken=1)
+    assert ledger.merged(0) == [_stats_entry(12, 2), _stats_entry(3, 2, "n")]
+    # Reports that crossed on their way: the later snapshot stays.
+    ledger.report(1, 101, [_stats_entry(9, 3), _stats_entry(2, 2, "n")], taken=3)
+    ledger.report(1, 101, [_stats_entry(8, 3), _stats_entry(2, 2, "n")], taken=2)
+    assert ledger.merged(1, [("m", "1")]) == [_stats_entry(14, 3)]
+    # Worker 1 dies and comes back from zero: what it reported stays in the totals
+    # of the model versions still served (and once only).
+    ledger.retire(1, 101)
+    ledger.retire(1, 101)
+    assert ledger.merged(0) == [_stats_entry(14, 3), _stats_entry(3, 2, "n")]
+    ledger.report(1, 102, [_stats_entry(1, 4)], taken=1)
+    assert ledger.merged(1, [("m", "1")]) == [_stats_entry(15, 4)]
+    assert ledger.merged(1, [("m", "2")]) == []
+    # Unloaded: its counts go, on every worker (as on one server, a load starts from zero).
+    ledger.forget("n")
+    ledger.report(0, 100, [_stats_entry(6, 5), _stats_entry(1, 5, "n")], taken=2)
+    assert ledger.merged(0) == [_stats_entry(16, 5), _stats_entry(1, 5, "n")]
+    ledger.retire(0, 99)  # a process that never reported: nothing changes
+    assert ledger.merged(0) == [_stats_entry(16, 5), _stats_entry(1, 5, "n")]
 
-    merged = merge_stats([[entry(2, 5)], [entry(3, 9)], []])
+
+def test_merge_stats_sums_counts_and_takes_the_last_inference() -> None:
+    merged = merge_stats([[_stats_entry(2, 5)], [_stats_entry(3, 9)], []])
     assert merged == [
         {
             "name": "m",
@@ -542,6 +616,8 @@ async def test_a_change_some_workers_refuse_is_an_error_that_names_them(tmp_path
     def worker(index: int) -> Any:
         async def handle(message: dict[str, Any]) -> dict[str, Any]:
             said[index].append(message)
+            if message["op"] == "counts":
+                return _counts(100 + index, 3, [_stats_entry(3, index)])
             if refuse[index]:
                 return {"error": {"type": "ConfigError", "message": refuse[index]}}
             return {"ok": True}
@@ -575,11 +651,38 @@ async def test_a_change_some_workers_refuse_is_an_error_that_names_them(tmp_path
         with pytest.raises(ConfigError, match=r"^no$"):
             _raise_error(reply["error"])
 
-        # Statistics and metrics come from every member but the one asking.
-        refuse[0] = refuse[1] = ""
-        replies = await supervisor.handle({"op": "gather", "call": {"op": "x"}, "exclude": 1})
-        assert replies == {"replies": [{"ok": True}]}
+        # Statistics and metrics: the asker's own counts, and every other member's now.
+        for member in supervisor.workers:
+            member.process, member.pid = cast(Any, object()), 100 + member.index
+        asked = {"op": "stats", "worker": 1, "only": None, **_counts(101, 2, [_stats_entry(2, 7)])}
+        reply = await supervisor.handle(asked)
+        assert said[0][-1] == {"op": "counts"}
+        assert said[1][-1]["op"] == "unload"  # the asker is not asked again
+        assert reply == {"stats": [_stats_entry(5, 7)]}
+        metrics = await supervisor.handle({**asked, "op": "metrics"})
+        assert _value(metrics["metrics"].encode(), "t_requests_total", model="m") == 5
+        # A word from a process that is not the worker's now (it died since) is not kept.
+        await supervisor.handle({"op": "counts", "worker": 0, **_counts(99, 50, [])})
+        assert supervisor.stats.merged(0) == [_stats_entry(5, 7)]
         tg.cancel_scope.cancel()
+
+
+def _stats_entry(count: int, last: int, name: str = "m", version: str = "1") -> dict[str, Any]:
+    return {
+        "name": name,
+        "version": version,
+        "last_inference": last,
+        "inference_count": count,
+        "execution_count": count,
+        "inference_stats": {"success": {"count": count, "ns": 10 * count}},
+        "batch_stats": [],
+    }
+
+
+def _counts(pid: int, requests: int, stats: list[dict[str, Any]], taken: int = 1) -> dict[str, Any]:
+    """A worker's report of its counts, as `WorkerLink` sends it."""
+    metrics = _exposition(requests, 0, pid).decode()
+    return {"pid": pid, "taken": taken, "requests": requests, "stats": stats, "metrics": metrics}
 
 
 async def test_a_worker_that_dies_while_serve_stops_is_not_started_again(

@@ -20,19 +20,24 @@ creates and removes (one JSON line each way per call):
   restarts, before it listens, so a restarted worker serves what the others do.
 - trace settings (``POST /v2[/models/{m}]/trace/setting``): the same way, kept
   per setting (each changes alone, so the last value of each is the state).
-- statistics and ``/metrics``: the answering worker gathers the others'
-  through the supervisor at request time and adds them up, sample by sample
+- statistics and ``/metrics``: the answering worker sends its own to the
+  supervisor, which gathers the others' at request time and adds them up,
+  sample by sample
   (every metric trioinfer exports is a count, a sum or a histogram, so the sum
-  across workers is the server's figure). prometheus_client's multiprocess
-  mode was not used: it supports only its own metric objects, updated on the
-  hot path through memory-mapped files, while trioinfer's metrics are read from
+  across workers is the server's figure). The supervisor keeps what each
+  worker last reported (`MetricsLedger`, `StatsLedger`): a worker that does
+  not answer in time is counted as it was, and one that dies leaves its counts
+  (counters, histograms and Triton's statistics; not gauges) in the sums, so
+  that no counter ever goes down (Prometheus would read that as a reset, and
+  count the whole remaining sum again as new). Besides each request's
+  gathering, every worker reports its counts every `REPORT_S` when it has
+  answered requests since: what a worker counted after its last report (at
+  most `REPORT_S`'s worth) is lost with it. Reports are taken by a periodic
+  task, never on the per-request path. prometheus_client's multiprocess mode
+  was not used: it supports only its own metric objects, updated on the hot
+  path through memory-mapped files, while trioinfer's metrics are read from
   the engine's statistics at scrape time (its custom collectors cannot run in
-  that mode). The supervisor keeps what each worker last reported to
-  ``/metrics``: a worker that does not answer in time is counted as it was,
-  and one that dies leaves its counts (counters and histograms, not gauges)
-  in the sums, so that no counter ever goes down (Prometheus would read that
-  as a reset, and count the whole remaining sum again as new). What it counted
-  after its last scrape is lost with it.
+  that mode), and Triton's statistics would have needed the reports anyway.
 
 A worker's in-flight requests die with it: their connections close, and no
 client is answered by anyone else. Connections the kernel had queued for it
@@ -55,7 +60,7 @@ import sys
 import tempfile
 from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Final, final
+from typing import TYPE_CHECKING, Any, Final, Generic, TypeVar, final
 
 import anyio
 import anyio.abc
@@ -74,6 +79,9 @@ if TYPE_CHECKING:
     from ._serve import Listening
 
 __all__ = ["WorkerFailed", "WorkerLink", "WorkersDisagree", "serve_workers"]
+
+#: A snapshot a worker reports: a metrics exposition, or its statistics.
+_S = TypeVar("_S")
 
 log = logging.getLogger("trioinfer.server")
 
@@ -94,6 +102,12 @@ MAX_FAILED_STARTS: Final = 5
 STOP_MARGIN_S: Final = 10.0
 #: How often a worker checks that its supervisor is still there.
 PARENT_POLL_S: Final = 1.0
+#: How often a worker reports its statistics and metrics to the supervisor (when it has
+#: answered requests since): what it counted after its last report dies with it.
+REPORT_S: Final = 1.0
+#: A worker that answered no request reports anyway this often (a probe, a failing
+#: instance, a fallback change counts too).
+REPORT_ANYWAY_S: Final = 15.0
 
 
 class WorkerFailed(TrioInferError):
@@ -249,35 +263,117 @@ def _counts_only(text: bytes) -> bytes:
 
 
 @final
+class _Latest(Generic[_S]):
+    """The latest snapshot each live worker reported, by worker index."""
+
+    def __init__(self) -> None:
+        self._by_index: dict[int, tuple[int, int, _S]] = {}
+
+    def report(self, index: int, pid: int, snapshot: _S, taken: int) -> None:
+        """Worker *index* (process *pid*) reported *snapshot*, its *taken*-th.
+
+        A snapshot older than the one kept (reports cross on their way) is
+        ignored: a counter must not go back to an earlier value.
+        """
+        last = self._by_index.get(index)
+        if last is None or last[0] != pid or last[1] <= taken:
+            self._by_index[index] = (pid, taken, snapshot)
+
+    def pop(self, index: int, pid: int) -> _S | None:
+        """What worker *index*'s process *pid* last reported (None if nothing), forgotten."""
+        last = self._by_index.get(index)
+        if last is None or last[0] != pid:
+            return None
+        del self._by_index[index]
+        return last[2]
+
+    def ordered(self, first: int) -> list[_S]:
+        """Every live worker's latest, worker *first*'s in front."""
+        return [self._by_index[i][2] for i in sorted(self._by_index, key=lambda i: i != first)]
+
+    def change(self, edit: Callable[[_S], _S]) -> None:
+        """Replace every worker's latest with *edit* of it."""
+        for index, (pid, taken, snapshot) in list(self._by_index.items()):
+            self._by_index[index] = (pid, taken, edit(snapshot))
+
+
+@final
 class MetricsLedger:
     """What each worker last reported to ``/metrics``, and the counts of workers that died.
 
-    The supervisor's: every scrape reports the answering worker's exposition
-    and gathers the others'; `merged` adds up the latest of each live worker
-    (a worker that did not answer counts as it last did) and what dead ones
-    left, so that the server's counters never go down when a worker is slow,
-    dies or restarts.
+    The supervisor's: every worker reports its exposition every `REPORT_S`
+    (when it has answered requests since) and at every scrape; `merged` adds up
+    the latest of each live worker (a worker that did not answer counts as it
+    last did) and what dead ones left, so that the server's counters never go
+    down when a worker is slow, dies or restarts.
     """
 
     def __init__(self) -> None:
-        self._last: dict[int, tuple[int, bytes]] = {}
+        self._latest = _Latest[bytes]()
         self._retired = b""
 
-    def report(self, index: int, pid: int, text: bytes) -> None:
-        """Worker *index* (process *pid*) reported *text*."""
-        self._last[index] = (pid, text)
+    def report(self, index: int, pid: int, text: bytes, *, taken: int = 0) -> None:
+        """Worker *index* (process *pid*) reported *text*, its *taken*-th snapshot."""
+        self._latest.report(index, pid, text, taken)
 
     def retire(self, index: int, pid: int) -> None:
         """Worker *index*'s process *pid* ended: its counts stay, its gauges go."""
-        last = self._last.get(index)
-        if last is not None and last[0] == pid:
-            del self._last[index]
-            self._retired = merge_expositions([self._retired, _counts_only(last[1])])
+        last = self._latest.pop(index, pid)
+        if last is not None:
+            self._retired = merge_expositions([self._retired, _counts_only(last)])
 
     def merged(self, first: int) -> bytes:
         """The server's exposition, worker *first*'s families in front."""
-        order = sorted(self._last, key=lambda index: index != first)
-        return merge_expositions([*(self._last[i][1] for i in order), self._retired])
+        return merge_expositions([*self._latest.ordered(first), self._retired])
+
+
+@final
+class StatsLedger:
+    """What each worker last reported of its Triton statistics, and those of workers that died.
+
+    The statistics' counterpart of `MetricsLedger`: a dead worker's counts
+    and durations stay in the totals of each model version the live workers
+    serve, so that ``/v2/models/stats`` never goes down when a worker dies.
+    They are dropped when the model is unloaded (a single server's start
+    again from zero then too).
+    """
+
+    def __init__(self) -> None:
+        self._latest = _Latest[list[dict[str, Any]]]()
+        self._retired: list[dict[str, Any]] = []
+
+    def report(self, index: int, pid: int, stats: list[dict[str, Any]], *, taken: int = 0) -> None:
+        """Worker *index* (process *pid*) reported *stats* (every model's), its *taken*-th."""
+        self._latest.report(index, pid, stats, taken)
+
+    def retire(self, index: int, pid: int) -> None:
+        """Worker *index*'s process *pid* ended: what it last reported stays in the totals."""
+        last = self._latest.pop(index, pid)
+        if last is not None:
+            self._retired = merge_stats([self._retired, last])
+
+    def forget(self, model: str) -> None:
+        """*model* was unloaded: what the workers counted of it so far goes with it."""
+
+        def without(stats: list[dict[str, Any]]) -> list[dict[str, Any]]:
+            return [e for e in stats if e["name"] != model]
+
+        self._retired = without(self._retired)
+        self._latest.change(without)
+
+    def merged(
+        self, first: int, only: Iterable[tuple[str, str]] | None = None
+    ) -> list[dict[str, Any]]:
+        """The server's ``model_stats``: of the (name, version) pairs *only*, or of every one.
+
+        Worker *first*'s entries come first; a dead worker's are added to the
+        model versions a live worker reports.
+        """
+        live = merge_stats(self._latest.ordered(first))
+        served = {(e["name"], e["version"]) for e in live}
+        wanted = served if only is None else served & set(only)
+        retired = [e for e in self._retired if (e["name"], e["version"]) in wanted]
+        return [e for e in merge_stats([live, retired]) if (e["name"], e["version"]) in wanted]
 
 
 @final
@@ -325,6 +421,9 @@ class WorkerLink:
         self._directory = directory
         self._supervisor_pid = supervisor_pid
         self._state: ServerState | None = None
+        #: Snapshots of this process's counts taken so far (numbers each one, so that
+        #: the supervisor keeps the latest when two reports cross).
+        self._taken = 0
 
     @property
     def _supervisor(self) -> Path:
@@ -343,6 +442,7 @@ class WorkerLink:
             reply = await self._ask({"op": "hello", "worker": self.index, "pid": os.getpid()})
             if "error" in reply:
                 _raise_error(reply["error"])
+            tg.start_soon(self._report_counts)
             task_status.started()
 
     async def report_ready(self, listening: Listening) -> None:
@@ -386,26 +486,66 @@ class WorkerLink:
     async def merged_stats(
         self, local: list[dict[str, Any]], model: str | None, version: str | None
     ) -> list[dict[str, Any]]:
-        """*local* statistics added to the other workers' for the same request."""
-        replies = await self._gather({"op": "stats", "model": model, "version": version})
-        return merge_stats([local, *(r["stats"] for r in replies if "stats" in r)])
+        """The server's statistics of the model versions in *local* (every one if *model* is None).
+
+        *local* is this worker's answer to the request (which raised for a
+        model it does not serve); the supervisor adds up every worker's latest
+        counts and those of dead workers (`StatsLedger`).
+        """
+        only = None if model is None else [[e["name"], e["version"]] for e in local]
+        reply = await self._ask(
+            {"op": "stats", "worker": self.index, "only": only, **self._counts()}
+        )
+        merged: list[dict[str, Any]] = reply["stats"]
+        return merged
 
     async def merged_metrics(self, local: bytes) -> bytes:
         """This worker's metrics text (*local*) added to the other workers' (`MetricsLedger`)."""
-        mine = local + self._own_metrics()
-        reply = await self._ask({"op": "metrics", "worker": self.index, "metrics": mine.decode()})
+        reply = await self._ask({"op": "metrics", "worker": self.index, **self._counts(local)})
         merged: str = reply["metrics"]
         return merged.encode()
+
+    def _counts(self, metrics: bytes | None = None) -> dict[str, Any]:
+        """This process's statistics and metrics (*metrics* if just taken), numbered."""
+        from ._app import model_stats
+
+        state = self._state
+        assert state is not None
+        if metrics is None:
+            metrics, _ = state.metrics.exposition()
+        self._taken += 1
+        return {
+            "pid": os.getpid(),
+            "taken": self._taken,
+            "requests": state.metrics.requests(),
+            "stats": model_stats(state, None, None),
+            "metrics": (metrics + self._own_metrics()).decode(),
+        }
+
+    async def _report_counts(self) -> None:
+        # What the supervisor keeps of this process if it dies (SIGKILL, the OOM
+        # killer, a crash in a native library): its last report. Reporting from
+        # here, every REPORT_S, keeps the per-request path as it was (no call,
+        # lock or syscall per request); the price is what was counted since.
+        state = self._state
+        assert state is not None
+        reported, quiet_s = -1, 0.0
+        while True:
+            await anyio.sleep(REPORT_S)
+            quiet_s += REPORT_S
+            requests = state.metrics.requests()
+            if requests == reported and quiet_s < REPORT_ANYWAY_S:
+                continue
+            try:
+                await self._ask({"op": "counts", "worker": self.index, **self._counts()})
+            except TrioInferError:
+                return  # the supervisor has gone: _watch_supervisor stops this worker
+            reported, quiet_s = requests, 0.0
 
     async def _change(self, message: dict[str, Any]) -> None:
         reply = await self._ask(message)
         if "error" in reply:
             _raise_error(reply["error"])
-
-    async def _gather(self, message: dict[str, Any]) -> list[dict[str, Any]]:
-        reply = await self._ask({"op": "gather", "call": message, "exclude": self.index})
-        replies: list[dict[str, Any]] = reply.get("replies", [])
-        return replies
 
     async def _ask(self, message: dict[str, Any]) -> dict[str, Any]:
         try:
@@ -429,7 +569,6 @@ class WorkerLink:
 
     async def _handle(self, message: dict[str, Any]) -> dict[str, Any]:
         from .._trace_settings import update_trace_settings
-        from ._app import model_stats
         from ._logging import update_log_settings
 
         state = self._state
@@ -449,11 +588,8 @@ class WorkerLink:
             if op == "logging":
                 update_log_settings(message["settings"])
                 return {"ok": True}
-            if op == "stats":
-                return {"stats": model_stats(state, message["model"], message["version"])}
-            if op == "metrics":
-                local, _ = state.metrics.exposition()
-                return {"metrics": (local + self._own_metrics()).decode()}
+            if op == "counts":
+                return self._counts()
         except TrioInferError as exc:
             return _error_reply(exc, state.models.public_message(exc))
         return {"error": {"type": "TrioInferError", "message": f"unknown control call {op!r}"}}
@@ -521,6 +657,7 @@ class _Supervisor:
         self.all_ready = anyio.Event()
         self.failure: str | None = None
         self.metrics = MetricsLedger()
+        self.stats = StatsLedger()
 
     # -- workers' lives --
 
@@ -551,6 +688,7 @@ class _Supervisor:
                 worker.process = None
                 worker.member = worker.ready = False
                 self.metrics.retire(worker.index, worker.pid)
+                self.stats.retire(worker.index, worker.pid)
             if self.stopping:
                 return
             how = _exit_text(process.returncode)
@@ -631,11 +769,18 @@ class _Supervisor:
         op = message["op"]
         if op in ("load", "unload", "trace", "logging"):
             return await self._change(message)
-        if op == "gather":
-            return {"replies": await self._gather(message["call"], exclude=message["exclude"])}
         worker = self.workers[message["worker"]]
+        if op == "counts":
+            self._keep(worker, message)
+            return {"ok": True}
         if op == "metrics":
-            return {"metrics": (await self._metrics(worker, message["metrics"])).decode()}
+            await self._gather_counts(worker, message)
+            return {"metrics": self.metrics.merged(worker.index).decode()}
+        if op == "stats":
+            only = message["only"]
+            await self._gather_counts(worker, message)
+            pairs = None if only is None else [(name, version) for name, version in only]
+            return {"stats": self.stats.merged(worker.index, pairs)}
         if op == "hello":
             return await self._hello(worker)
         if op == "ready":
@@ -686,6 +831,8 @@ class _Supervisor:
                 for key, change in _journal_entries(message, self.journal):
                     self.journal.pop(key, None)
                     self.journal[key] = change
+                if message["op"] == "unload":
+                    self.stats.forget(message["model"])
             if not failed:
                 return {"ok": True}
             errors = {(e["type"], e["message"]) for _, e in failed}
@@ -705,19 +852,30 @@ class _Supervisor:
                 }
             }
 
-    async def _metrics(self, asker: _Worker, text: str) -> bytes:
-        # A scrape that *asker* answers: every worker's latest, and what dead ones left.
-        self.metrics.report(asker.index, asker.pid, text.encode())
+    async def _gather_counts(self, asker: _Worker, counts: dict[str, Any]) -> None:
+        # A scrape or a statistics request that *asker* answers, with its own counts:
+        # every other worker's now (one that does not answer in time counts as it
+        # last reported).
+        self._keep(asker, counts)
         targets = [w for w in self.workers if w.member and w.index != asker.index]
-        for worker, reply in await _each(targets, {"op": "metrics"}, limit_s=GATHER_TIMEOUT_S):
-            if reply is not None and "metrics" in reply:
-                self.metrics.report(worker.index, worker.pid, reply["metrics"].encode())
-        return self.metrics.merged(asker.index)
+        for worker, reply in await _each(targets, {"op": "counts"}, limit_s=GATHER_TIMEOUT_S):
+            if reply is not None and "taken" in reply:
+                self._keep(worker, reply)
 
-    async def _gather(self, call: dict[str, Any], *, exclude: int) -> list[dict[str, Any]]:
-        targets = [w for w in self.workers if w.member and w.index != exclude]
-        replies = await _each(targets, call, limit_s=GATHER_TIMEOUT_S)
-        return [r for _, r in replies if r is not None]
+    def _keep(self, worker: _Worker, counts: dict[str, Any]) -> None:
+        if worker.process is None or counts["pid"] != worker.pid:
+            # Sent by a process that has died since (the call crossed its death):
+            # what it had reported before is in the totals already, retired.
+            return
+        taken = counts["taken"]
+        self.metrics.report(worker.index, worker.pid, counts["metrics"].encode(), taken=taken)
+        self.stats.report(worker.index, worker.pid, counts["stats"], taken=taken)
+        log.debug(
+            "kept the counts of worker %d (pid %d): %d inference requests",
+            worker.index,
+            worker.pid,
+            counts["requests"],
+        )
 
 
 def _journal_entries(
