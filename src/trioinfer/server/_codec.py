@@ -16,10 +16,14 @@ Choices this module makes where the protocol leaves room:
 - JSON numbers must fit the datatype: ``300`` for ``UINT8``, ``1.5`` or
   ``true`` for ``INT32``, ``1e6`` for ``FP16`` are refused, never wrapped or cast.
   ``BOOL`` data is ``true``/``false`` only.
-- ``BYTES`` inputs, whether sent as JSON strings or as binary, become ``object``
-  arrays of `str`, so a model sees the same value either way. That is what
-  ONNX Runtime takes for ``tensor(string)`` (it would turn a `bytes` element
-  into its repr, ``"b'...'"``), so binary ``BYTES`` elements must be UTF-8.
+- ``BYTES`` inputs become ``object`` arrays: of `str` when sent as JSON
+  strings, of `bytes`, exactly as sent, when sent as binary (or gRPC
+  contents, or shared memory). The engine then gives the model one type
+  whatever the transport (`TensorSpec.utf8`): ``str`` for a UTF-8 text input
+  such as an ONNX string tensor (refusing bytes that are not UTF-8, naming
+  the element), ``bytes`` for any other (a Python model's, as Triton's
+  Python backend gives them). Nothing here decodes: an image sent as
+  ``BYTES`` reaches a model that takes bytes byte for byte.
 - A ``BYTES`` output with an element that is not valid UTF-8 cannot be written
   as a JSON string without loss, so it is sent as binary data (with
   ``binary_data_size``) even when JSON was asked for; clients of the binary
@@ -199,7 +203,8 @@ class InferRequest:
     Attributes:
         id: The request's ``id``, echoed in the response, or ``None``.
         inputs: Input name to array, in the order sent. Arrays from binary data
-            are read-only views of the request body; ``BYTES`` arrays hold `str`.
+            are read-only views of the request body; ``BYTES`` arrays hold `str`
+            (JSON ``data``) or `bytes` (binary, gRPC contents, shared memory).
         outputs: The outputs asked for, in order, or ``None`` when the request named
             none (or sent an empty list): then every output is returned.
         binary_output: The request-level ``parameters.binary_data_output`` (default
@@ -264,7 +269,7 @@ def v2_datatype(dtype: np.dtype[Any] | None, type_name: str = "") -> str:
 def v2_numpy_dtype(datatype: str) -> np.dtype[Any] | None:
     """Return the numpy dtype a V2 datatype's values take: the inverse of `v2_datatype`.
 
-    ``"FP32"`` is float32, ``"BYTES"`` is ``object`` (elements of `str`). Returns
+    ``"FP32"`` is float32, ``"BYTES"`` is ``object`` (elements of `str` or `bytes`). Returns
     ``None`` for a name that numpy cannot hold (``"BF16"``) or V2 does not have.
     """
     return DATATYPES.get(datatype)
@@ -1693,6 +1698,10 @@ def _plain_floats(data: list[Any], target: np.dtype[Any]) -> npt.NDArray[Any] | 
         return None
 
 
+#: What a BYTES element may be in ``data``: str from JSON, bytes from gRPC's bytes_contents.
+_STRINGS: Final = frozenset({str, bytes})
+
+
 def _bytes_from_json(spec: _Input, data: list[Any], expected: tuple[int, ...]) -> npt.NDArray[Any]:
     try:
         # dtype=object keeps strings whole; uneven nesting shows up as a wrong shape.
@@ -1702,9 +1711,9 @@ def _bytes_from_json(spec: _Input, data: list[Any], expected: tuple[int, ...]) -
     if array.shape != expected:
         raise RequestError(_uneven(spec))
     flat = array.ravel().tolist()
-    if set(map(type, flat)) - {str}:
+    if set(map(type, flat)) - _STRINGS:
         # Which element, as the engine says it of an object array from Python.
-        index = next(i for i, value in enumerate(flat) if type(value) is not str)
+        index = next(i for i, value in enumerate(flat) if type(value) not in _STRINGS)
         raise RequestError(
             f"{spec.where}: BYTES data must be strings; got {_show(flat[index])} at index "
             f"{index} of the flattened data"
@@ -1724,7 +1733,7 @@ def _from_binary(spec: _Input, chunk: memoryview) -> npt.NDArray[Any]:
 
 
 def _unpack_bytes(spec: _Input, chunk: memoryview) -> npt.NDArray[Any]:
-    items: list[str] = []
+    items: list[bytes] = []
     pos = 0
     end = len(chunk)
     for index in range(spec.count):
@@ -1740,13 +1749,8 @@ def _unpack_bytes(spec: _Input, chunk: memoryview) -> npt.NDArray[Any]:
                 f"{spec.where}: BYTES element {index} says it is {length} bytes long but only "
                 f"{end - pos} bytes of its binary data are left"
             )
-        try:
-            items.append(str(chunk[pos : pos + length], "utf-8"))
-        except UnicodeDecodeError:
-            raise RequestError(
-                f"{spec.where}: BYTES element {index} is not valid UTF-8; this server hands "
-                "BYTES to models as text (ONNX Runtime string tensors)"
-            ) from None
+        # As sent: the engine decodes for a model that takes text (TensorSpec.utf8).
+        items.append(bytes(chunk[pos : pos + length]))
         pos += length
     if pos != end:
         raise RequestError(
