@@ -10,6 +10,7 @@ by input and element. Real server on loopback, real tritonclient.
 from __future__ import annotations
 
 import functools
+import uuid
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any, TypeVar
@@ -19,6 +20,8 @@ import numpy as np
 import pytest
 import trio
 import tritonclient.http as triton_http
+import tritonclient.utils as utils
+import tritonclient.utils.shared_memory as shm
 from tritonclient.utils import InferenceServerException
 
 from trioinfer.server import serve_http
@@ -262,3 +265,43 @@ async def test_grpc_bytes_that_are_not_utf8_for_an_onnx_string_input(server: Any
     message = failed.value.message()
     assert "input 'x' of model 'strings'" in message
     assert "element at index [0, 3] is not UTF-8" in message
+
+
+# -- system shared memory ------------------------------------------------------------------------
+
+
+@pytest.mark.shm
+async def test_http_shared_memory_bytes_reach_a_python_model_as_bytes(server: Any) -> None:
+    serialized = utils.serialize_byte_tensor(np.array(BLOBS, dtype=object))
+    size = utils.serialized_byte_size(serialized)
+    handles = []
+
+    def infer() -> Any:
+        regions = {}
+        for name in ("in", "out"):
+            key = f"/trioinfer_bytes_test_{uuid.uuid4().hex[:12]}"
+            handles.append(shm.create_shared_memory_region(name, key, size))
+            regions[name] = key
+        shm.set_shared_memory_region(handles[0], [serialized])
+        with triton_http.InferenceServerClient(host_port(server.urls[0])) as client:
+            for name, key in regions.items():
+                client.register_system_shared_memory(name, key, size)
+            try:
+                tensor = triton_http.InferInput("IN", [len(BLOBS)], "BYTES")
+                tensor.set_shared_memory("in", size)
+                out = triton_http.InferRequestedOutput("OUT")
+                out.set_shared_memory("out", size)
+                kind = triton_http.InferRequestedOutput("KIND", binary_data=False)
+                result = client.infer("echo", [tensor], outputs=[out, kind])
+                got = shm.get_contents_as_numpy(handles[1], np.object_, [len(BLOBS)])
+                return got.tolist(), result.as_numpy("KIND").tolist()
+            finally:
+                client.unregister_system_shared_memory()
+
+    try:
+        got, kinds = await in_thread(infer)
+    finally:
+        for handle in handles:
+            shm.destroy_shared_memory_region(handle)
+    assert got == BLOBS
+    assert kinds == ["bytes"] * len(BLOBS)
