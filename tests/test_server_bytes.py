@@ -10,6 +10,7 @@ by input and element. Real server on loopback, real tritonclient.
 from __future__ import annotations
 
 import functools
+import json
 import uuid
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
@@ -152,7 +153,7 @@ async def test_http_json_strings_reach_a_python_model_as_bytes(server: Any) -> N
     assert result.as_numpy("KIND").tolist() == ["str"] * 3
 
 
-async def test_http_json_output_of_bytes_that_are_not_utf8_goes_as_binary(server: Any) -> None:
+async def test_http_json_output_of_bytes_that_are_not_utf8(server: Any) -> None:
     # JSON cannot hold them without loss: the output goes as binary data even when
     # JSON was asked for, which tritonclient reads as it reads any binary output.
     def infer() -> Any:
@@ -163,6 +164,28 @@ async def test_http_json_output_of_bytes_that_are_not_utf8_goes_as_binary(server
     result = await in_thread(infer)
     assert result.get_output("OUT")["parameters"]["binary_data_size"] > 0
     assert result.as_numpy("OUT").tolist() == BLOBS
+    # A plain JSON client (it says nothing of binary data) could not read that body:
+    # it is told to ask for binary output.
+    body = {"inputs": [{"name": "IN", "shape": [1], "datatype": "BYTES", "data": ["x"]}]}
+    async with httpx.AsyncClient(base_url=server.urls[0]) as client:
+        answer = await client.post("/v2/models/echo/infer", json=body)
+        assert answer.status_code == 200, answer.text
+        assert answer.json()["outputs"][0]["data"] == ["x"]
+        # Binary input, but not a word of binary output.
+        blob = utils.serialize_byte_tensor(np.array(BLOBS, dtype=object)).item()
+        tensor = {"name": "IN", "shape": [len(BLOBS)], "datatype": "BYTES"}
+        tensor["parameters"] = {"binary_data_size": len(blob)}
+        header = json.dumps({"inputs": [tensor]}).encode()
+        answer = await client.post(
+            "/v2/models/echo/infer",
+            content=header + blob,
+            headers={"Inference-Header-Content-Length": str(len(header))},
+        )
+    assert answer.status_code == 400, answer.text
+    assert answer.json()["error"].startswith(
+        "output 'OUT' holds bytes that are not UTF-8 (element 0 of the flattened output), "
+        "which a JSON response cannot carry; ask for it as binary data"
+    )
 
 
 async def test_http_bytes_that_are_not_utf8_for_a_text_input_are_a_400(server: Any) -> None:

@@ -927,18 +927,58 @@ def test_output_dtype_without_v2_name_is_refused() -> None:
         response(plain_request(), {"a": np.zeros(1, np.complex64)})
 
 
-def test_non_utf8_bytes_output_goes_binary_even_when_json_was_asked() -> None:
+@pytest.mark.parametrize(
+    "request_",
+    [
+        # What tritonclient sends: it always says one or the other, so it reads binary.
+        InferRequest(
+            id=None,
+            inputs={},
+            outputs=None,
+            binary_output=False,
+            parameters={"binary_data_output": False},
+        ),
+        plain_request((RequestedOutput("t", False), RequestedOutput("u", False))),
+    ],
+    ids=["binary_data_output", "binary_data"],
+)
+def test_non_utf8_bytes_output_goes_binary_to_a_client_of_the_extension(
+    request_: InferRequest,
+) -> None:
     outputs = {
         "t": np.array([b"\xff\xfe", b"ok"], dtype=object),
         "u": np.array([b"caf\xc3\xa9", "plain", 7], dtype=object),
     }
-    body, length = response(plain_request(binary_output=False), outputs)
+    body, length = response(request_, outputs)
     assert length is not None
     doc = header_of(body, length)
     assert doc["outputs"][0]["parameters"] == {"binary_data_size": 12}
     assert doc["outputs"][1]["data"] == ["café", "plain", "7"]
     result = httpclient.InferResult.from_response_body(body, header_length=length)
     assert result.as_numpy("t").tolist() == [b"\xff\xfe", b"ok"]
+
+
+@pytest.mark.parametrize("outputs", [None, (RequestedOutput("u"), RequestedOutput("t"))])
+def test_non_utf8_bytes_output_to_a_plain_json_client_says_to_ask_for_binary(
+    outputs: tuple[RequestedOutput, ...] | None,
+) -> None:
+    # A client that said nothing of the binary extension (curl, say) could not parse a
+    # binary body: it is told what to ask for instead.
+    arrays = {
+        "u": np.array(["plain"], dtype=object),
+        "t": np.array([b"ok", b"\xff\xd8\xff\xe0"], dtype=object),
+    }
+    with pytest.raises(RequestError) as info:
+        response(plain_request(outputs), arrays)
+    assert str(info.value) == (
+        "output 't' holds bytes that are not UTF-8 (element 1 of the flattened output), which "
+        "a JSON response cannot carry; ask for it as binary data (parameters.binary_data = "
+        "true on the output, or binary_data_output = true on the request: Triton's binary "
+        "tensor extension, which tritonclient reads), or use gRPC"
+    )
+    # Asked for as binary, it goes.
+    body, length = response(plain_request(binary_output=True), arrays)
+    assert length is not None
 
 
 def test_numpy_string_outputs_are_bytes() -> None:

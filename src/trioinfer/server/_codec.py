@@ -25,9 +25,13 @@ Choices this module makes where the protocol leaves room:
   Python backend gives them). Nothing here decodes: an image sent as
   ``BYTES`` reaches a model that takes bytes byte for byte.
 - A ``BYTES`` output with an element that is not valid UTF-8 cannot be written
-  as a JSON string without loss, so it is sent as binary data (with
-  ``binary_data_size``) even when JSON was asked for; clients of the binary
-  extension, such as ``tritonclient``, read it transparently.
+  as a JSON string without loss. When the request shows that its client
+  speaks the binary extension (it says ``binary_data_output`` or an output's
+  ``binary_data``, as ``tritonclient`` always does), the output is sent as
+  binary data (with ``binary_data_size``) even though JSON was asked for,
+  and the client reads it as any binary output; a plain JSON client, which
+  could not parse such a body, gets a `RequestError` (400) telling it to
+  ask for binary output.
 - JSON has no NaN or infinity: a float output holding them is written with
   ``null`` in their place; ask for binary output to keep them.
 - An empty ``outputs`` list means the same as none: return every output.
@@ -1072,7 +1076,8 @@ def encode_infer_response(
     Returns the outputs the request named, in its order, or every output in
     *output_order* when it named none. An output goes as binary when its own
     ``binary_data`` says so, else when the request's ``binary_data_output`` does
-    (and, whatever was asked, a ``BYTES`` output that is not all UTF-8). Binary
+    (and a ``BYTES`` output that is not all UTF-8, when the request shows its
+    client reads binary outputs; else that is a `RequestError`). Binary
     outputs carry ``parameters.binary_data_size`` and no ``data``; their bytes
     follow the JSON in the same order. JSON outputs carry flat row-major ``data``.
     Outputs requested in shared memory are written into their region (through
@@ -1085,7 +1090,8 @@ def encode_infer_response(
         binary (the body is then all JSON).
 
     Raises:
-        RequestError: The request named an output that *outputs* lacks.
+        RequestError: The request named an output that *outputs* lacks, or a plain
+            JSON request's ``BYTES`` output holds bytes that are not UTF-8.
         ValueError: An output in *output_order* is missing from *outputs*, or an
             output's dtype has no V2 datatype (a server-side problem).
     """
@@ -1103,7 +1109,7 @@ def encode_infer_response(
         if place is not None and shm is not None:
             entries.append(_output_to_shm(name, array, place, shm))
             continue
-        entry, blob = _encode_output(name, array, binary)
+        entry, blob = _encode_output(name, array, binary, request)
         entries.append(entry)
         if blob is not None:
             blobs.append(blob)
@@ -1952,7 +1958,7 @@ def _inflate(data: bytes, wbits: int, budget: int) -> tuple[bytes, bytes]:
 
 
 def _encode_output(
-    name: str, array: npt.NDArray[Any], binary: bool
+    name: str, array: npt.NDArray[Any], binary: bool, request: InferRequest
 ) -> tuple[dict[str, Any], Any | None]:
     datatype = v2_datatype(array.dtype)
     entry: dict[str, Any] = {"name": name, "datatype": datatype, "shape": list(array.shape)}
@@ -1964,6 +1970,8 @@ def _encode_output(
             if texts is not None:
                 entry["data"] = texts
                 return entry, None
+            if not _speaks_binary(request):
+                raise _not_json(name, items)
         blob = _pack_bytes(items)
     else:
         # orjson writes numpy arrays natively, but only C-contiguous, native-order ones.
@@ -2040,6 +2048,38 @@ def _output_to_shm(
             "shared_memory_byte_size": written,
         },
     }
+
+
+def _speaks_binary(request: InferRequest) -> bool:
+    """Whether the request shows that its client reads binary outputs (the binary extension).
+
+    It does when it says ``binary_data_output`` or an output's ``binary_data``,
+    either way: ``tritonclient`` always sends one of them. A plain JSON client
+    (curl, a KServe client without the extension) sends neither.
+    """
+    if "binary_data_output" in request.parameters:
+        return True
+    return any(item.binary is not None for item in request.outputs or ())
+
+
+def _not_json(name: str, items: list[Any]) -> RequestError:
+    index = next(
+        i for i, item in enumerate(items) if isinstance(item, bytes) and not _is_utf8(item)
+    )
+    return RequestError(
+        f"output {_quote(name)} holds bytes that are not UTF-8 (element {index} of the "
+        "flattened output), which a JSON response cannot carry; ask for it as binary data "
+        "(parameters.binary_data = true on the output, or binary_data_output = true on the "
+        "request: Triton's binary tensor extension, which tritonclient reads), or use gRPC"
+    )
+
+
+def _is_utf8(raw: bytes) -> bool:
+    try:
+        raw.decode("utf-8")
+    except UnicodeDecodeError:
+        return False
+    return True
 
 
 def _texts(items: list[Any]) -> list[str] | None:
