@@ -979,6 +979,8 @@ def test_non_utf8_bytes_output_to_a_plain_json_client_says_to_ask_for_binary(
     # Asked for as binary, it goes.
     body, length = response(plain_request(binary_output=True), arrays)
     assert length is not None
+    result = httpclient.InferResult.from_response_body(body, header_length=length)
+    assert result.as_numpy("t").tolist() == [b"ok", b"\xff\xd8\xff\xe0"]
 
 
 def test_numpy_string_outputs_are_bytes() -> None:
