@@ -824,6 +824,16 @@ def test_encoded_bytes_elements_go_as_json_strings() -> None:
     assert header_of(body, length)["inputs"][0]["data"] == ["ab", "cd", "7"]
 
 
+def test_encoding_bytes_that_are_not_utf8_as_json_says_to_send_binary() -> None:
+    inputs = {"s": np.array([b"ok", b"\xff\xd8"], dtype=object)}
+    with pytest.raises(
+        ValueError, match=r"^input 's' holds bytes that are not UTF-8 \(element 1\)"
+    ):
+        encode_infer_request(inputs)
+    body, length = encode_infer_request(inputs, binary=True)
+    assert decode(body, length).inputs["s"].tolist() == [b"ok", b"\xff\xd8"]
+
+
 def test_encoding_refuses_a_dtype_without_a_v2_datatype() -> None:
     with pytest.raises(ValueError, match="no V2 datatype"):
         encode_infer_request({"z": np.zeros(2, dtype=np.complex64)})

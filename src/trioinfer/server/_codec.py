@@ -1008,6 +1008,17 @@ def _json_response(
     return b"".join(pieces)
 
 
+def _json_strings(name: str, items: list[Any]) -> list[str]:
+    texts = _texts(items)
+    if texts is None:
+        index = next(i for i, v in enumerate(items) if isinstance(v, bytes) and not _is_utf8(v))
+        raise ValueError(
+            f"input {name!r} holds bytes that are not UTF-8 (element {index}), which JSON "
+            "cannot carry; encode the request with binary=True"
+        )
+    return texts
+
+
 #: The numpy dtypes orjson writes as the long way would (native byte order).
 _NATIVE: Final = frozenset(DATATYPES.values()) - {np.dtype(np.object_)}
 #: `_json_response`'s memo: the head and each output's entry but its data.
@@ -1032,7 +1043,8 @@ def encode_infer_request(
         (the body is then all JSON).
 
     Raises:
-        ValueError: An input's dtype has no V2 datatype.
+        ValueError: An input's dtype has no V2 datatype, or (without *binary*) a
+            ``BYTES`` input holds bytes that are not UTF-8, which JSON cannot carry.
     """
     entries: list[dict[str, Any]] = []
     blobs: list[bytes] = []
@@ -1049,7 +1061,7 @@ def encode_infer_request(
             entry["parameters"] = {"binary_data_size": len(blob)}
             blobs.append(blob)
         elif datatype == "BYTES":
-            entry["data"] = [v.decode() if isinstance(v, bytes) else str(v) for v in items]
+            entry["data"] = _json_strings(name, items.tolist())
         else:
             entry["data"] = np.ascontiguousarray(items, dtype=DATATYPES[datatype])
         entries.append(entry)
