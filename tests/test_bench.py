@@ -215,7 +215,11 @@ def test_random_inputs_encode_and_decode_with_the_codec(binary: bool) -> None:
     for t in tensors:
         got = decoded.inputs[t.name]
         assert got.shape == t.array.shape
-        assert got.tolist() == t.array.tolist()
+        want = t.array
+        if binary and want.dtype == object:
+            # Binary BYTES decode to the bytes sent (the engine gives a model its type).
+            want = np.array([v.encode() for v in want.ravel()], dtype=object)
+        assert got.tolist() == want.tolist()
     assert decoded.binary_output == binary
 
 
@@ -240,7 +244,7 @@ def test_zero_inputs_are_zeros_of_each_datatype() -> None:
     assert tensors["b"].tolist() == [False]
     assert tensors["s"].tolist() == ["0", "0"]  # a string a model reading numbers accepts
     body, header = encode_infer_request(tensors, binary=True)
-    assert decode_infer_request(body, header, Limits()).inputs["s"].tolist() == ["0", "0"]
+    assert decode_infer_request(body, header, Limits()).inputs["s"].tolist() == [b"0", b"0"]
 
 
 def test_zero_inputs_refuse_an_unknown_shape_name() -> None:

@@ -229,8 +229,10 @@ def test_the_key_covers_names_dtypes_shapes_and_bytes() -> None:
         digest({"x": a + 1}),
         digest({"x": np.array(["ab", "c"], dtype=object)}),
         digest({"x": np.array(["a", "bc"], dtype=object)}),
+        digest({"x": np.array([b"\xff"], dtype=object)}),
+        digest({"x": np.array(["\ud800"], dtype=object)}),  # a str UTF-8 cannot encode
     }
-    assert len(keys) == 7
+    assert len(keys) == 9
     assert digest({"x": a}) == digest({"x": a.copy()})
     assert digest({"x": a[::2]}) == digest({"x": a[::2].copy()})  # strided: by content
     assert len(digest({"x": a})) == 16  # 128 bits

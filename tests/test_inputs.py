@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from trioinfer import InputLimits, InvalidInput, ModelSignature, TensorSpec
+from trioinfer import ConfigError, InputLimits, InvalidInput, ModelSignature, TensorSpec
 from trioinfer._tensors import validate_inputs
 
 F32 = np.dtype(np.float32)
@@ -160,9 +160,10 @@ STRINGS = ModelSignature(
 def test_string_inputs_hold_only_str_or_bytes(value: object, message: str | None) -> None:
     limits = InputLimits(casting="same_kind")
     if message is None:
-        # numpy turns a list that mixes str and int into str: nothing is left to refuse.
+        # numpy turns a list that mixes str and int into str: nothing is left to refuse
+        # (and a BYTES input that is not UTF-8 text gets the str elements as bytes).
         out = validate_inputs("m", STRINGS, {"s": value}, limits)
-        assert out["s"].tolist() == [["a", "7"]]
+        assert out["s"].tolist() == [[b"a", b"7"]]
         return
     with pytest.raises(InvalidInput) as info:
         validate_inputs("m", STRINGS, {"s": value}, limits)
@@ -172,10 +173,31 @@ def test_string_inputs_hold_only_str_or_bytes(value: object, message: str | None
     assert message in str(info.value)
 
 
-def test_string_inputs_take_str_bytes_and_numpy_strings() -> None:
-    value = np.array([["a", b"b", np.str_("c"), np.bytes_(b"d")]], dtype=object)
-    out = validate_inputs("m", STRINGS, {"s": value}, LIMITS)
-    assert out["s"] is value
+def test_string_inputs_take_str_bytes_and_numpy_strings_and_give_bytes() -> None:
+    # A BYTES input without utf8 (a Python model's) reaches the model as bytes, as
+    # Triton's Python backend gives it: str elements encoded as UTF-8, in a new array.
+    value = np.array([["a", b"b", np.str_("c"), np.bytes_(b"d"), "\u00e9"]], dtype=object)
+    out = validate_inputs("m", STRINGS, {"s": value}, LIMITS)["s"]
+    assert out.tolist() == [[b"a", b"b", b"c", b"d", "\u00e9".encode()]]
+    assert all(isinstance(v, bytes) for v in out.ravel())
+    assert value[0, 0] == "a"  # the caller's array is not changed
+    # All bytes already: the array as it came.
+    raw = np.array([[b"a", b"\xff"]], dtype=object)
+    assert validate_inputs("m", STRINGS, {"s": raw}, LIMITS)["s"] is raw
+    # A numpy str array.
+    out = validate_inputs("m", STRINGS, {"s": np.array([["x"], ["yz"]])}, LIMITS)["s"]
+    assert out.tolist() == [[b"x"], [b"yz"]]
+
+
+def test_str_that_utf8_cannot_encode_is_refused_for_a_bytes_input() -> None:
+    value = np.array([["ok", "\ud800"]], dtype=object)
+    with pytest.raises(InvalidInput) as info:
+        validate_inputs("m", STRINGS, {"s": value}, LIMITS)
+    assert str(info.value) == (
+        "input 's' of model 'm' is a BYTES tensor, and its str element at index [0, 1] "
+        "cannot be encoded as UTF-8 (surrogates not allowed at character 0 of '\\ud800'); "
+        "send bytes, or str without lone surrogates"
+    )
 
 
 TEXT = ModelSignature(
@@ -217,8 +239,68 @@ def test_utf8_string_inputs_refuse_bytes_that_are_not_utf8() -> None:
 
 def test_declared_string_inputs_keep_the_bytes_they_were_given() -> None:
     # A declared BYTES input (a Python model's) is not text: binary bytes pass as they are.
-    value = np.array([[b"\xff\x00", "a"]], dtype=object)
+    value = np.array([[b"\xff\x00", b"a\x00b"]], dtype=object)
     assert validate_inputs("m", STRINGS, {"s": value}, LIMITS)["s"] is value
+
+
+def test_a_declared_input_says_utf8_for_text() -> None:
+    signature = ModelSignature.declared(
+        [
+            {"name": "image", "dtype": "BYTES", "shape": ["batch"]},
+            {"name": "prompt", "dtype": "string", "shape": ["batch"], "utf8": True},
+            {"name": "blob", "dtype": "TYPE_STRING", "shape": ["batch"], "utf8": False},
+        ],
+        [{"name": "y", "dtype": "BYTES", "shape": ["batch"]}],
+        model="m",
+    )
+    assert [spec.utf8 for spec in signature.inputs] == [False, True, False]
+    out = validate_inputs(
+        "m",
+        signature,
+        {
+            "image": np.array(["\u00e9"], dtype=object),
+            "prompt": np.array(["\u00e9".encode()], dtype=object),
+            "blob": np.array([b"\xff"], dtype=object),
+        },
+        LIMITS,
+    )
+    assert out["image"].tolist() == ["\u00e9".encode()]
+    assert out["prompt"].tolist() == ["\u00e9"]
+    assert out["blob"].tolist() == [b"\xff"]
+
+
+@pytest.mark.parametrize(
+    ("inputs", "outputs", "message"),
+    [
+        (
+            [{"name": "x", "dtype": "float32", "shape": [1], "utf8": True}],
+            [{"name": "y", "dtype": "float32", "shape": [1]}],
+            "utf8 must be true or false, and only a string (BYTES) tensor takes it; got "
+            "utf8 = True for dtype 'float32'",
+        ),
+        (
+            [{"name": "x", "dtype": "BYTES", "shape": [1], "utf8": "yes"}],
+            [{"name": "y", "dtype": "float32", "shape": [1]}],
+            "got utf8 = 'yes' for dtype 'BYTES'",
+        ),
+        (
+            [{"name": "x", "dtype": "BYTES", "shape": [1]}],
+            [{"name": "y", "dtype": "BYTES", "shape": [1], "utf8": True}],
+            "an output takes no utf8",
+        ),
+        (
+            [{"name": "x", "dtype": "BYTES", "shape": [1], "text": True}],
+            [{"name": "y", "dtype": "BYTES", "shape": [1]}],
+            "must be a table of name, dtype, shape (and, for a string input, utf8)",
+        ),
+    ],
+)
+def test_a_misdeclared_utf8_is_a_config_error(
+    inputs: list[dict[str, object]], outputs: list[dict[str, object]], message: str
+) -> None:
+    with pytest.raises(ConfigError) as info:
+        ModelSignature.declared(inputs, outputs, model="m")
+    assert message in str(info.value)
 
 
 def test_numbers_for_a_string_input_are_told_to_send_strings() -> None:

@@ -23,6 +23,7 @@ from trioinfer import (
     open_engine,
 )
 from trioinfer._runner import ModelRunner
+from trioinfer.testing import models
 
 pytestmark = pytest.mark.pipeline
 
@@ -496,3 +497,73 @@ async def test_a_pipeline_without_steps_says_what_a_pipeline_needs(tmp_path: Pat
         assert "backend_options.inputs and .outputs" in message
         with pytest.raises(ConfigError, match=r"describe no pipeline \(they hold none\)"):
             await engine.load(ModelConfig(name="p", path="-", backend="pipeline"))
+
+
+class Blob:
+    """y: each element of x as bytes, then bytes that are not UTF-8; kind: what x held."""
+
+    def infer(self, inputs: Arrays) -> Arrays:
+        x = inputs["x"]
+        blobs = np.array([bytes(v) + b"\xff\x00" for v in x.ravel()], dtype=object)
+        kinds = np.array([type(v).__name__ for v in x.ravel()], dtype=object)
+        return {"y": blobs.reshape(x.shape), "kind": kinds.reshape(x.shape)}
+
+
+def blob_model(name: str) -> ModelConfig:
+    strings = {"dtype": "BYTES", "shape": ["batch"]}
+    return ModelConfig(
+        name=name,
+        path="-",
+        backend="python",
+        backend_options={
+            "class": Blob,
+            "inputs": [{"name": "x", **strings}],
+            "outputs": [{"name": "y", **strings}, {"name": "kind", **strings}],
+        },
+    )
+
+
+async def test_bytes_pass_between_steps_as_they_are(tmp_path: Path) -> None:
+    # BYTES a step makes reach the next step as its own model takes them: a Python
+    # model's as bytes, byte for byte; an ONNX string input's as text, so bytes
+    # that are not UTF-8 are the client's error there, naming the step and element.
+    strings = {"dtype": "BYTES", "shape": ["batch"]}
+    signature = {"inputs": [{"name": "IN", **strings}], "outputs": [{"name": "OUT", **strings}]}
+    twice = [
+        {"model": "first", "input_map": {"x": "IN"}, "output_map": {"y": "A"}},
+        {"model": "second", "input_map": {"x": "A"}, "output_map": {"y": "OUT"}},
+    ]
+    into_onnx = [
+        {"model": "first", "input_map": {"x": "IN"}, "output_map": {"y": "A"}},
+        {"model": "text", "input_map": {"x": "A"}, "output_map": {"y": "OUT"}},
+    ]
+    models.write_identity(tmp_path / "text.onnx", dtype=object, shape=("batch",))
+    async with open_engine() as engine:
+        await engine.load(blob_model("first"))
+        await engine.load(blob_model("second"))
+        await engine.load(ModelConfig(name="text", path=tmp_path / "text.onnx"))
+        await engine.load(
+            ModelConfig(
+                name="p",
+                path="-",
+                backend="pipeline",
+                backend_options={**signature, "steps": twice},
+            )
+        )
+        await engine.load(
+            ModelConfig(
+                name="q",
+                path="-",
+                backend="pipeline",
+                backend_options={**signature, "steps": into_onnx},
+            )
+        )
+        out = await engine.infer("p", {"IN": np.array(["a\u00e9", b"\x00"], dtype=object)})
+        assert out["OUT"].tolist() == [
+            "a\u00e9".encode() + b"\xff\x00\xff\x00",
+            b"\x00\xff\x00\xff\x00",
+        ]
+        with pytest.raises(InvalidInput) as info:
+            await engine.infer("q", {"IN": np.array([b"ok"], dtype=object)})
+    assert str(info.value).startswith("pipeline 'q', step 1 (model 'text'): input 'x' of model ")
+    assert "element at index 0 is not UTF-8" in str(info.value)

@@ -135,11 +135,26 @@ class Lengths:
         return {"n": np.array([f"{type(v).__name__} {len(v)}" for v in inputs["s"]], dtype=object)}
 
 
-async def test_string_inputs_reach_a_python_model_as_the_caller_gave_them() -> None:
-    # Unlike an ONNX model's (UTF-8 text: bytes are decoded for it), a declared BYTES
-    # input may hold any bytes, so the model gets bytes and str as they were sent.
+@pytest.mark.parametrize(
+    ("utf8", "want"),
+    [
+        # Unlike an ONNX model's (UTF-8 text: bytes are decoded for it), a declared
+        # BYTES input may hold any bytes: the model gets bytes, as Triton's Python
+        # backend gives them, str elements encoded as UTF-8.
+        (None, ["bytes 2", "bytes 5", "bytes 2"]),
+        (False, ["bytes 2", "bytes 5", "bytes 2"]),
+        # Declared utf8: str, and bytes that are not UTF-8 are refused (below).
+        (True, ["str 2", "str 3", "str 1"]),
+    ],
+)
+async def test_string_inputs_reach_a_python_model_as_declared(
+    utf8: bool | None, want: list[str]
+) -> None:
+    declared: dict[str, Any] = {"name": "s", "dtype": "BYTES", "shape": ["batch"]}
+    if utf8 is not None:
+        declared["utf8"] = utf8
     signature = {
-        "inputs": [{"name": "s", "dtype": "BYTES", "shape": ["batch"]}],
+        "inputs": [declared],
         "outputs": [{"name": "n", "dtype": "BYTES", "shape": ["batch"]}],
     }
     cfg = ModelConfig(
@@ -147,10 +162,16 @@ async def test_string_inputs_reach_a_python_model_as_the_caller_gave_them() -> N
     )
     async with open_engine() as engine:
         info = await engine.load(cfg)
-        assert not info.signature.input("s").utf8
-        given = np.array([b"\xff\x00", "\u00e9t\u00e9", "\u00e9".encode()], dtype=object)
+        assert info.signature.input("s").utf8 is bool(utf8)
+        given = np.array([b"ab", "\u00e9t\u00e9", "\u00e9".encode()], dtype=object)
         out = await engine.infer("lengths", {"s": given})
-    assert out["n"].tolist() == ["bytes 2", "str 3", "bytes 2"]
+        assert out["n"].tolist() == want
+        binary = np.array([b"\xff\x00"], dtype=object)
+        if utf8:
+            with pytest.raises(trioinfer.InvalidInput, match="index 0 is not UTF-8"):
+                await engine.infer("lengths", {"s": binary})
+        else:
+            assert (await engine.infer("lengths", {"s": binary}))["n"].tolist() == ["bytes 2"]
 
 
 async def test_importing_a_model_file_leaves_the_event_loop_free(tmp_path: Path) -> None:

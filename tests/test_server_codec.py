@@ -133,10 +133,17 @@ def one(**fields: Any) -> dict[str, Any]:
     return {"inputs": [{k: v for k, v in item.items() if v is not ...}]}
 
 
-def assert_same(got: np.ndarray[Any, Any], want: np.ndarray[Any, Any]) -> None:
+def assert_same(
+    got: np.ndarray[Any, Any], want: np.ndarray[Any, Any], *, binary: bool = False
+) -> None:
+    """*got* holds *want*'s values; BYTES sent as *binary* data decode to bytes, as sent."""
     assert got.shape == want.shape
     if want.dtype == object:
         assert got.dtype == object
+        kind = bytes if binary else str
+        assert {type(v) for v in got.ravel()} <= {kind}
+        if binary:
+            want = np.vectorize(lambda v: v.encode(), otypes=[object])(want)
         assert got.tolist() == want.tolist()
     else:
         assert got.dtype == want.dtype
@@ -290,8 +297,8 @@ def test_binary_inputs_round_trip_as_views_of_the_body(datatype: str) -> None:
     want = SAMPLES[datatype]
     body, length = binary_body({"x": want, "y": want[:, ::-1].copy()})
     request = decode(body, length)
-    assert_same(request.inputs["x"], want)
-    assert_same(request.inputs["y"], want[:, ::-1])
+    assert_same(request.inputs["x"], want, binary=True)
+    assert_same(request.inputs["y"], want[:, ::-1], binary=True)
     if datatype != "BYTES":
         got = request.inputs["x"]
         assert np.shares_memory(got, np.frombuffer(body, dtype=np.uint8))
@@ -779,7 +786,7 @@ def test_tritonclient_request_bodies_decode(binary: bool) -> None:
     assert request.parameters["priority"] == 3
     assert request.outputs == (RequestedOutput("y", False),)
     for name, want in arrays.items():
-        assert_same(request.inputs[name], want)
+        assert_same(request.inputs[name], want, binary=binary)
 
 
 def test_tritonclient_default_outputs_ask_for_binary() -> None:
@@ -799,7 +806,7 @@ def test_encoded_requests_decode_to_the_same_arrays_in_order(binary: bool) -> No
     request = decode(body, length)
     assert list(request.inputs) == list(SAMPLES)
     for name, want in SAMPLES.items():
-        assert_same(request.inputs[name], want)
+        assert_same(request.inputs[name], want, binary=binary)
     assert request.binary_output is binary  # binary requests ask for binary outputs too
 
 
@@ -815,6 +822,16 @@ def test_encoded_bytes_elements_go_as_json_strings() -> None:
     body, length = encode_infer_request({"s": np.array([b"ab", "cd", 7], dtype=object)})
     assert length is None
     assert header_of(body, length)["inputs"][0]["data"] == ["ab", "cd", "7"]
+
+
+def test_encoding_bytes_that_are_not_utf8_as_json_says_to_send_binary() -> None:
+    inputs = {"s": np.array([b"ok", b"\xff\xd8"], dtype=object)}
+    with pytest.raises(
+        ValueError, match=r"^input 's' holds bytes that are not UTF-8 \(element 1\)"
+    ):
+        encode_infer_request(inputs)
+    body, length = encode_infer_request(inputs, binary=True)
+    assert decode(body, length).inputs["s"].tolist() == [b"ok", b"\xff\xd8"]
 
 
 def test_encoding_refuses_a_dtype_without_a_v2_datatype() -> None:
@@ -920,18 +937,60 @@ def test_output_dtype_without_v2_name_is_refused() -> None:
         response(plain_request(), {"a": np.zeros(1, np.complex64)})
 
 
-def test_non_utf8_bytes_output_goes_binary_even_when_json_was_asked() -> None:
+@pytest.mark.parametrize(
+    "request_",
+    [
+        # What tritonclient sends: it always says one or the other, so it reads binary.
+        InferRequest(
+            id=None,
+            inputs={},
+            outputs=None,
+            binary_output=False,
+            parameters={"binary_data_output": False},
+        ),
+        plain_request((RequestedOutput("t", False), RequestedOutput("u", False))),
+    ],
+    ids=["binary_data_output", "binary_data"],
+)
+def test_non_utf8_bytes_output_goes_binary_to_a_client_of_the_extension(
+    request_: InferRequest,
+) -> None:
     outputs = {
         "t": np.array([b"\xff\xfe", b"ok"], dtype=object),
         "u": np.array([b"caf\xc3\xa9", "plain", 7], dtype=object),
     }
-    body, length = response(plain_request(binary_output=False), outputs)
+    body, length = response(request_, outputs)
     assert length is not None
     doc = header_of(body, length)
     assert doc["outputs"][0]["parameters"] == {"binary_data_size": 12}
     assert doc["outputs"][1]["data"] == ["café", "plain", "7"]
     result = httpclient.InferResult.from_response_body(body, header_length=length)
     assert result.as_numpy("t").tolist() == [b"\xff\xfe", b"ok"]
+
+
+@pytest.mark.parametrize("outputs", [None, (RequestedOutput("u"), RequestedOutput("t"))])
+def test_non_utf8_bytes_output_to_a_plain_json_client_says_to_ask_for_binary(
+    outputs: tuple[RequestedOutput, ...] | None,
+) -> None:
+    # A client that said nothing of the binary extension (curl, say) could not parse a
+    # binary body: it is told what to ask for instead.
+    arrays = {
+        "u": np.array(["plain"], dtype=object),
+        "t": np.array([b"ok", b"\xff\xd8\xff\xe0"], dtype=object),
+    }
+    with pytest.raises(RequestError) as info:
+        response(plain_request(outputs), arrays)
+    assert str(info.value) == (
+        "output 't' holds bytes that are not UTF-8 (element 1 of the flattened output), which "
+        "a JSON response cannot carry; ask for it as binary data (parameters.binary_data = "
+        "true on the output, or binary_data_output = true on the request: Triton's binary "
+        "tensor extension, which tritonclient reads), or use gRPC"
+    )
+    # Asked for as binary, it goes.
+    body, length = response(plain_request(binary_output=True), arrays)
+    assert length is not None
+    result = httpclient.InferResult.from_response_body(body, header_length=length)
+    assert result.as_numpy("t").tolist() == [b"ok", b"\xff\xd8\xff\xe0"]
 
 
 def test_numpy_string_outputs_are_bytes() -> None:
@@ -1312,13 +1371,25 @@ def test_bool_binary_data_must_be_zero_or_one() -> None:
         (pack_bytes([b"a"]) + b"\x01\x00\x00", ["ends inside element 1's 4-byte length"]),
         (pack_bytes([b"a"]) + struct.pack("<I", 9) + b"xyz", ["element 1 says it is 9 bytes", "3"]),
         (pack_bytes([b"a", b"b"]) + b"zz", ["2 bytes follow the last of its 2 BYTES"]),
-        (pack_bytes([b"a", b"\xff"]), ["element 1 is not valid UTF-8"]),
     ],
 )
 def test_malformed_bytes_binary_data(blob: bytes, fragments: list[str]) -> None:
     doc = one(datatype="BYTES", data=..., parameters={"binary_data_size": len(blob)})
     header = orjson.dumps(doc)
     refused(header + blob, "input 'x'", *fragments, header_length=len(header))
+
+
+def test_bytes_binary_data_decodes_to_the_bytes_sent() -> None:
+    # Not UTF-8, NULs inside, an empty element: each element is the bytes sent,
+    # for the engine to give a model as they are (or refuse for a text input).
+    values = [b"\xff\xd8\xff\xe0\x00\x10JFIF\x00", b"", b"a\x00b", "\u00e9".encode()]
+    blob = pack_bytes(values)
+    doc = one(datatype="BYTES", shape=[4], data=..., parameters={"binary_data_size": len(blob)})
+    header = orjson.dumps(doc)
+    got = decode(header + blob, len(header)).inputs["x"]
+    assert got.dtype == object
+    assert got.tolist() == values
+    assert all(type(v) is bytes for v in got)
 
 
 def test_messages_stay_short_for_huge_values() -> None:

@@ -53,7 +53,7 @@ WORDS = trioinfer.ModelConfig(
         "class": Words,
         "decoupled": True,  # infer is an async generator: any number of responses
         "inputs": [
-            {"name": "TEXT", "dtype": "string", "shape": [1]},
+            {"name": "TEXT", "dtype": "string", "shape": [1], "utf8": True},  # str, not bytes
             {"name": "PAUSE", "dtype": "float32", "shape": [1]},
         ],
         "outputs": [{"name": "WORD", "dtype": "string", "shape": [1]}],

@@ -76,10 +76,15 @@ The engine checks inputs against the declared signature before they queue,
 as for an ONNX model, and this backend checks every output against it: a
 missing or extra output, another dtype, rank or fixed size is a
 ``BackendError`` naming the output. A ``BYTES`` (``string``) input reaches
-the model as its caller gave it, an object array of ``bytes`` or ``str``
-(over HTTP and gRPC, ``str``): an ONNX model's string inputs are UTF-8 text,
-so the engine decodes ``bytes`` for those, but a declared one may hold any
-bytes (an image, say). A model whose every input and output
+the model as an object array of ``bytes``, as Triton's Python backend gives
+it, however it was sent (``engine.infer`` with ``bytes`` or ``str``, HTTP
+JSON strings or binary data, gRPC): any bytes pass, an image say, and a
+``str`` is encoded as UTF-8. A model that wants text declares the input
+``utf8 = true`` (``{ name = "prompt", dtype = "string", shape = [1],
+utf8 = true }``): it then gets ``str``, and bytes that are not UTF-8 are
+refused before they queue (an ``InvalidInput`` naming the element: HTTP 400,
+gRPC ``INVALID_ARGUMENT``), as for an ONNX model's string input. A ``BYTES``
+output may hold ``bytes`` or ``str``. A model whose every input and output
 has a symbolic first dimension receives batches from the ``dynamic``
 batcher, and must return one row per input row.
 """
@@ -126,7 +131,8 @@ OPTIONS: Mapping[str, str] = {
     "decoupled": "true for a model whose infer is an async generator (async def with yield): "
     "it answers each request with a stream of responses, any number of them, served by "
     "engine.infer_stream and HTTP generate_stream (default false)",
-    "inputs": "the model's inputs: a list of tables with name, dtype and shape "
+    "inputs": "the model's inputs: a list of tables with name, dtype and shape, and for a "
+    "string (BYTES) input optionally utf8 = true to get str rather than bytes "
     "(see ModelSignature.declared)",
     "outputs": "the model's outputs, as inputs",
 }

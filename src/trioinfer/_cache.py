@@ -234,7 +234,11 @@ def digest(inputs: Arrays) -> bytes:
         h.update(f"{name}\0{array.dtype.str}\0{array.shape}\0".encode())
         if array.dtype == np.object_:
             for item in array.ravel():
-                data = item if isinstance(item, bytes) else str(item).encode()
+                # surrogatepass: a str holding a lone surrogate (Python allows it) has a
+                # key too, distinct from every other str's, rather than an encoding error.
+                data = (
+                    item if isinstance(item, bytes) else str(item).encode("utf-8", "surrogatepass")
+                )
                 h.update(len(data).to_bytes(8, "little"))
                 h.update(data)
         else:

@@ -77,12 +77,15 @@ class TensorSpec:
             size (the same name means the same size across the model's tensors), or
             ``None`` for a size the model leaves open.
         type_name: The element type as the backend spells it, e.g. ``"tensor(float)"``.
-        utf8: For a string input: whether the model reads its elements as UTF-8
-            text, as an ONNX string tensor does. The engine then decodes ``bytes``
-            elements to ``str`` as it checks the request (ONNX Runtime would take
-            a ``bytes`` element's ``repr``, ``"b'a'"``) and refuses bytes that are
-            not UTF-8. ``False`` (a declared signature, such as a Python model's):
-            elements reach the model as the caller gave them, ``bytes`` or ``str``.
+        utf8: For a string (``BYTES``) input: what its elements reach the model
+            as, however the request came (``engine.infer``, HTTP JSON or binary,
+            gRPC). True: ``str``, UTF-8 text, as an ONNX string tensor reads
+            them: the engine decodes ``bytes`` elements as it checks the request
+            (ONNX Runtime would take a ``bytes`` element's ``repr``, ``"b'a'"``)
+            and refuses bytes that are not UTF-8 (`InvalidInput`, naming the
+            element). False (a declared signature's default, as for a Python
+            model): ``bytes``, as Triton's Python backend gives them: any bytes
+            pass (an image, say), and a ``str`` element is encoded as UTF-8.
     """
 
     name: str
@@ -168,7 +171,10 @@ class ModelSignature:
     def declared(cls, inputs: object, outputs: object, *, model: str) -> ModelSignature:
         """A signature written in a config, for models with no file to read it from.
 
-        *inputs* and *outputs* are lists of tables ``{name, dtype, shape}``.
+        *inputs* and *outputs* are lists of tables ``{name, dtype, shape}``,
+        and for a string input optionally ``utf8``: true if the model wants
+        its elements as ``str`` (UTF-8 text), else they arrive as ``bytes``
+        (see `TensorSpec.utf8`).
         ``dtype`` is a numpy name (``"float32"``, ``"int64"``, ``"bool"``,
         ``"string"``) or a V2/Triton name (``"FP32"``, ``"TYPE_INT64"``,
         ``"BYTES"``). ``shape`` lists each dimension: an int for a fixed size,
@@ -221,8 +227,11 @@ def _declared(model: str, kind: str, value: object) -> tuple[TensorSpec, ...]:
         )
     specs: list[TensorSpec] = []
     for item in value:
-        if not isinstance(item, Mapping) or set(item) != {"name", "dtype", "shape"}:
-            raise ConfigError(f"each of {where} must be a table of name, dtype, shape: {item!r}")
+        if not isinstance(item, Mapping) or not _KEYS <= set(item) <= _KEYS | {"utf8"}:
+            raise ConfigError(
+                f"each of {where} must be a table of name, dtype, shape (and, for a string "
+                f"input, utf8): {item!r}"
+            )
         name = item["name"]
         if not isinstance(name, str) or not name:
             raise ConfigError(f"{where}: a tensor name must be a non-empty string, got {name!r}")
@@ -239,10 +248,23 @@ def _declared(model: str, kind: str, value: object) -> tuple[TensorSpec, ...]:
                 "(or a V2 name such as 'FP32', 'INT64', 'BYTES')"
             )
         onnx = _DECLARED[numpy]
-        specs.append(
-            TensorSpec(name, _ONNX_TO_NUMPY[onnx], _declared_shape(here, item["shape"]), onnx)
-        )
+        utf8 = item.get("utf8", False)
+        if "utf8" in item and kind != "inputs":
+            raise ConfigError(
+                f"{here}: utf8 says what a string input reaches the model as; an output "
+                "takes no utf8 (its elements may be str or bytes)"
+            )
+        if not isinstance(utf8, bool) or (utf8 and numpy != "string"):
+            raise ConfigError(
+                f"{here}: utf8 must be true or false, and only a string (BYTES) tensor takes "
+                f"it; got utf8 = {utf8!r} for dtype {dtype!r}"
+            )
+        shape = _declared_shape(here, item["shape"])
+        specs.append(TensorSpec(name, _ONNX_TO_NUMPY[onnx], shape, onnx, utf8=utf8))
     return tuple(specs)
+
+
+_KEYS: Final = frozenset({"name", "dtype", "shape"})
 
 
 def _declared_shape(where: str, value: object) -> tuple[Dim, ...]:
@@ -470,9 +492,40 @@ def _check_strings(
                 f"index {_index(array, index)}"
             )
         # else subclasses of str or bytes (numpy.str_, numpy.bytes_)
-    if spec.utf8 and (bytes in types or not types <= _STRING_TYPES):
-        return _decoded(model, spec, array, elements)
-    return array
+    if spec.utf8:
+        if bytes in types or not types <= _STRING_TYPES:
+            return _decoded(model, spec, array, elements)
+        return array
+    if types == _JUST_BYTES:
+        return array
+    return _encoded(model, spec, array, elements)
+
+
+_JUST_BYTES: Final = frozenset({bytes})
+
+
+def _encoded(
+    model: str, spec: TensorSpec, array: np.ndarray[Any, Any], elements: list[Any]
+) -> np.ndarray[Any, Any]:
+    # A bytes input's str elements as UTF-8, in a new array (the caller's is left as
+    # it was): the model gets bytes whether the caller sent bytes (gRPC, HTTP binary)
+    # or text (JSON, a str from Python), as Triton's Python backend gives them.
+    raw: list[Any] = []
+    for index, value in enumerate(elements):
+        if isinstance(value, str):
+            try:
+                value = value.encode("utf-8")
+            except UnicodeEncodeError as exc:
+                raise InvalidInput(
+                    f"input {spec.name!r} of model {model!r} is a BYTES tensor, and its str "
+                    f"element at index {_index(array, index)} cannot be encoded as UTF-8 "
+                    f"({exc.reason} at character {exc.start} of {_shown(value)}); send "
+                    "bytes, or str without lone surrogates"
+                ) from None
+        raw.append(value)
+    out = np.empty(len(raw), dtype=object)
+    out[:] = raw
+    return out.reshape(array.shape)
 
 
 def _decoded(

@@ -16,14 +16,22 @@ Choices this module makes where the protocol leaves room:
 - JSON numbers must fit the datatype: ``300`` for ``UINT8``, ``1.5`` or
   ``true`` for ``INT32``, ``1e6`` for ``FP16`` are refused, never wrapped or cast.
   ``BOOL`` data is ``true``/``false`` only.
-- ``BYTES`` inputs, whether sent as JSON strings or as binary, become ``object``
-  arrays of `str`, so a model sees the same value either way. That is what
-  ONNX Runtime takes for ``tensor(string)`` (it would turn a `bytes` element
-  into its repr, ``"b'...'"``), so binary ``BYTES`` elements must be UTF-8.
+- ``BYTES`` inputs become ``object`` arrays: of `str` when sent as JSON
+  strings, of `bytes`, exactly as sent, when sent as binary (or gRPC
+  contents, or shared memory). The engine then gives the model one type
+  whatever the transport (`TensorSpec.utf8`): ``str`` for a UTF-8 text input
+  such as an ONNX string tensor (refusing bytes that are not UTF-8, naming
+  the element), ``bytes`` for any other (a Python model's, as Triton's
+  Python backend gives them). Nothing here decodes: an image sent as
+  ``BYTES`` reaches a model that takes bytes byte for byte.
 - A ``BYTES`` output with an element that is not valid UTF-8 cannot be written
-  as a JSON string without loss, so it is sent as binary data (with
-  ``binary_data_size``) even when JSON was asked for; clients of the binary
-  extension, such as ``tritonclient``, read it transparently.
+  as a JSON string without loss. When the request shows that its client
+  speaks the binary extension (it says ``binary_data_output`` or an output's
+  ``binary_data``, as ``tritonclient`` always does), the output is sent as
+  binary data (with ``binary_data_size``) even though JSON was asked for,
+  and the client reads it as any binary output; a plain JSON client, which
+  could not parse such a body, gets a `RequestError` (400) telling it to
+  ask for binary output.
 - JSON has no NaN or infinity: a float output holding them is written with
   ``null`` in their place; ask for binary output to keep them.
 - An empty ``outputs`` list means the same as none: return every output.
@@ -199,7 +207,8 @@ class InferRequest:
     Attributes:
         id: The request's ``id``, echoed in the response, or ``None``.
         inputs: Input name to array, in the order sent. Arrays from binary data
-            are read-only views of the request body; ``BYTES`` arrays hold `str`.
+            are read-only views of the request body; ``BYTES`` arrays hold `str`
+            (JSON ``data``) or `bytes` (binary, gRPC contents, shared memory).
         outputs: The outputs asked for, in order, or ``None`` when the request named
             none (or sent an empty list): then every output is returned.
         binary_output: The request-level ``parameters.binary_data_output`` (default
@@ -264,7 +273,7 @@ def v2_datatype(dtype: np.dtype[Any] | None, type_name: str = "") -> str:
 def v2_numpy_dtype(datatype: str) -> np.dtype[Any] | None:
     """Return the numpy dtype a V2 datatype's values take: the inverse of `v2_datatype`.
 
-    ``"FP32"`` is float32, ``"BYTES"`` is ``object`` (elements of `str`). Returns
+    ``"FP32"`` is float32, ``"BYTES"`` is ``object`` (elements of `str` or `bytes`). Returns
     ``None`` for a name that numpy cannot hold (``"BF16"``) or V2 does not have.
     """
     return DATATYPES.get(datatype)
@@ -999,6 +1008,17 @@ def _json_response(
     return b"".join(pieces)
 
 
+def _json_strings(name: str, items: list[Any]) -> list[str]:
+    texts = _texts(items)
+    if texts is None:
+        index = next(i for i, v in enumerate(items) if isinstance(v, bytes) and not _is_utf8(v))
+        raise ValueError(
+            f"input {name!r} holds bytes that are not UTF-8 (element {index}), which JSON "
+            "cannot carry; encode the request with binary=True"
+        )
+    return texts
+
+
 #: The numpy dtypes orjson writes as the long way would (native byte order).
 _NATIVE: Final = frozenset(DATATYPES.values()) - {np.dtype(np.object_)}
 #: `_json_response`'s memo: the head and each output's entry but its data.
@@ -1023,7 +1043,8 @@ def encode_infer_request(
         (the body is then all JSON).
 
     Raises:
-        ValueError: An input's dtype has no V2 datatype.
+        ValueError: An input's dtype has no V2 datatype, or (without *binary*) a
+            ``BYTES`` input holds bytes that are not UTF-8, which JSON cannot carry.
     """
     entries: list[dict[str, Any]] = []
     blobs: list[bytes] = []
@@ -1040,7 +1061,7 @@ def encode_infer_request(
             entry["parameters"] = {"binary_data_size": len(blob)}
             blobs.append(blob)
         elif datatype == "BYTES":
-            entry["data"] = [v.decode() if isinstance(v, bytes) else str(v) for v in items]
+            entry["data"] = _json_strings(name, items.tolist())
         else:
             entry["data"] = np.ascontiguousarray(items, dtype=DATATYPES[datatype])
         entries.append(entry)
@@ -1067,7 +1088,8 @@ def encode_infer_response(
     Returns the outputs the request named, in its order, or every output in
     *output_order* when it named none. An output goes as binary when its own
     ``binary_data`` says so, else when the request's ``binary_data_output`` does
-    (and, whatever was asked, a ``BYTES`` output that is not all UTF-8). Binary
+    (and a ``BYTES`` output that is not all UTF-8, when the request shows its
+    client reads binary outputs; else that is a `RequestError`). Binary
     outputs carry ``parameters.binary_data_size`` and no ``data``; their bytes
     follow the JSON in the same order. JSON outputs carry flat row-major ``data``.
     Outputs requested in shared memory are written into their region (through
@@ -1080,7 +1102,8 @@ def encode_infer_response(
         binary (the body is then all JSON).
 
     Raises:
-        RequestError: The request named an output that *outputs* lacks.
+        RequestError: The request named an output that *outputs* lacks, or a plain
+            JSON request's ``BYTES`` output holds bytes that are not UTF-8.
         ValueError: An output in *output_order* is missing from *outputs*, or an
             output's dtype has no V2 datatype (a server-side problem).
     """
@@ -1098,7 +1121,7 @@ def encode_infer_response(
         if place is not None and shm is not None:
             entries.append(_output_to_shm(name, array, place, shm))
             continue
-        entry, blob = _encode_output(name, array, binary)
+        entry, blob = _encode_output(name, array, binary, request)
         entries.append(entry)
         if blob is not None:
             blobs.append(blob)
@@ -1693,6 +1716,10 @@ def _plain_floats(data: list[Any], target: np.dtype[Any]) -> npt.NDArray[Any] | 
         return None
 
 
+#: What a BYTES element may be in ``data``: str from JSON, bytes from gRPC's bytes_contents.
+_STRINGS: Final = frozenset({str, bytes})
+
+
 def _bytes_from_json(spec: _Input, data: list[Any], expected: tuple[int, ...]) -> npt.NDArray[Any]:
     try:
         # dtype=object keeps strings whole; uneven nesting shows up as a wrong shape.
@@ -1702,9 +1729,9 @@ def _bytes_from_json(spec: _Input, data: list[Any], expected: tuple[int, ...]) -
     if array.shape != expected:
         raise RequestError(_uneven(spec))
     flat = array.ravel().tolist()
-    if set(map(type, flat)) - {str}:
+    if set(map(type, flat)) - _STRINGS:
         # Which element, as the engine says it of an object array from Python.
-        index = next(i for i, value in enumerate(flat) if type(value) is not str)
+        index = next(i for i, value in enumerate(flat) if type(value) not in _STRINGS)
         raise RequestError(
             f"{spec.where}: BYTES data must be strings; got {_show(flat[index])} at index "
             f"{index} of the flattened data"
@@ -1724,7 +1751,7 @@ def _from_binary(spec: _Input, chunk: memoryview) -> npt.NDArray[Any]:
 
 
 def _unpack_bytes(spec: _Input, chunk: memoryview) -> npt.NDArray[Any]:
-    items: list[str] = []
+    items: list[bytes] = []
     pos = 0
     end = len(chunk)
     for index in range(spec.count):
@@ -1740,13 +1767,8 @@ def _unpack_bytes(spec: _Input, chunk: memoryview) -> npt.NDArray[Any]:
                 f"{spec.where}: BYTES element {index} says it is {length} bytes long but only "
                 f"{end - pos} bytes of its binary data are left"
             )
-        try:
-            items.append(str(chunk[pos : pos + length], "utf-8"))
-        except UnicodeDecodeError:
-            raise RequestError(
-                f"{spec.where}: BYTES element {index} is not valid UTF-8; this server hands "
-                "BYTES to models as text (ONNX Runtime string tensors)"
-            ) from None
+        # As sent: the engine decodes for a model that takes text (TensorSpec.utf8).
+        items.append(bytes(chunk[pos : pos + length]))
         pos += length
     if pos != end:
         raise RequestError(
@@ -1948,7 +1970,7 @@ def _inflate(data: bytes, wbits: int, budget: int) -> tuple[bytes, bytes]:
 
 
 def _encode_output(
-    name: str, array: npt.NDArray[Any], binary: bool
+    name: str, array: npt.NDArray[Any], binary: bool, request: InferRequest
 ) -> tuple[dict[str, Any], Any | None]:
     datatype = v2_datatype(array.dtype)
     entry: dict[str, Any] = {"name": name, "datatype": datatype, "shape": list(array.shape)}
@@ -1960,6 +1982,8 @@ def _encode_output(
             if texts is not None:
                 entry["data"] = texts
                 return entry, None
+            if not _speaks_binary(request):
+                raise _not_json(name, items)
         blob = _pack_bytes(items)
     else:
         # orjson writes numpy arrays natively, but only C-contiguous, native-order ones.
@@ -2036,6 +2060,38 @@ def _output_to_shm(
             "shared_memory_byte_size": written,
         },
     }
+
+
+def _speaks_binary(request: InferRequest) -> bool:
+    """Whether the request shows that its client reads binary outputs (the binary extension).
+
+    It does when it says ``binary_data_output`` or an output's ``binary_data``,
+    either way: ``tritonclient`` always sends one of them. A plain JSON client
+    (curl, a KServe client without the extension) sends neither.
+    """
+    if "binary_data_output" in request.parameters:
+        return True
+    return any(item.binary is not None for item in request.outputs or ())
+
+
+def _not_json(name: str, items: list[Any]) -> RequestError:
+    index = next(
+        i for i, item in enumerate(items) if isinstance(item, bytes) and not _is_utf8(item)
+    )
+    return RequestError(
+        f"output {_quote(name)} holds bytes that are not UTF-8 (element {index} of the "
+        "flattened output), which a JSON response cannot carry; ask for it as binary data "
+        "(parameters.binary_data = true on the output, or binary_data_output = true on the "
+        "request: Triton's binary tensor extension, which tritonclient reads), or use gRPC"
+    )
+
+
+def _is_utf8(raw: bytes) -> bool:
+    try:
+        raw.decode("utf-8")
+    except UnicodeDecodeError:
+        return False
+    return True
 
 
 def _texts(items: list[Any]) -> list[str] | None:

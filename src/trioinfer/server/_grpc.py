@@ -728,16 +728,9 @@ def _contents(tensor: Any) -> list[Any]:
             f"{where} is {tensor.datatype or 'without a datatype'} and takes {wanted}; it "
             f"sent {', '.join('contents.' + name for name in present)}"
         )
-    values = list(getattr(tensor.contents, expected))
-    if expected == "bytes_contents":
-        try:
-            return [value.decode("utf-8") for value in values]
-        except UnicodeDecodeError:
-            raise RequestError(
-                f"{where}: a BYTES element is not valid UTF-8; this server hands BYTES to "
-                "models as text (ONNX Runtime string tensors)"
-            ) from None
-    return values
+    # bytes_contents stay bytes, as sent: the engine decodes them for a model that
+    # takes text (TensorSpec.utf8), and refuses there what is not UTF-8.
+    return list(getattr(tensor.contents, expected))
 
 
 def _infer_response(
