@@ -864,10 +864,12 @@ async def test_a_connection_without_calls_is_closed(serve: Serve) -> None:
 
 @both_loops
 async def test_a_connection_with_short_calls_is_kept(serve: Serve) -> None:
-    # Calls come more often than head_timeout, each over before anyone looks.
-    server, connect = await serve(Handlers(), head_timeout=0.2)
+    # Calls come more often than head_timeout, each over before anyone looks; the
+    # connection outlives head_timeout three times over. (The gap between calls is
+    # 0.05 s plus a call's latency: a head_timeout of 0.2 s failed once at load 6.)
+    server, connect = await serve(Handlers(), head_timeout=0.4)
     client = await connect()
-    for _ in range(12):
+    for _ in range(24):
         sid = await client.call("/t.S/Echo", frame(b"again"))
         assert await client.status(sid) == ("0", "")
         await anyio.sleep(0.05)
