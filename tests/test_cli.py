@@ -391,6 +391,8 @@ def test_serve_on_a_port_in_use_says_which_address(tmp_path: Path) -> None:
     assert result.exit_code == 1
     assert result.output.startswith(f"Error: cannot listen on 127.0.0.1:{port}: ")
     assert "in use" in result.output
+    # What to do about it, not just the errno's words.
+    assert "choose another --port; --port 0 picks a free one" in result.output
 
 
 def test_serve_says_a_port_is_in_use_before_loading_models(

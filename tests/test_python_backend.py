@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import threading
 from pathlib import Path
 from typing import Any, ClassVar
@@ -327,6 +328,46 @@ async def test_outputs_are_checked_against_the_declared_signature(
             await engine.infer("m", {"x": X})
 
 
+async def test_an_error_in_infer_names_its_line_and_logs_its_traceback_once(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # A newcomer's KeyError over HTTP is a 500 saying only "KeyError: 'X'": the message
+    # names the model's own line (not numpy's, not the worker thread's), and the log has
+    # the traceback, once per place, not once per failing request.
+    class Typo:
+        def infer(self, inputs: dict[str, np.ndarray[Any, Any]]) -> dict[str, Any]:
+            return {"y": inputs["X"]}
+
+    line = Typo.infer.__code__.co_firstlineno + 1
+    caplog.set_level(logging.ERROR, logger="trioinfer.python")
+    async with open_engine() as engine:
+        await engine.load(config(Typo))
+        for _ in range(3):
+            with pytest.raises(BackendError) as caught:
+                await engine.infer("m", {"x": X})
+            assert str(caught.value) == (
+                "model 'm' instance 0: infer raised KeyError: 'X' "
+                f"(test_python_backend.py, line {line}, in infer)"
+            )
+    [record] = caplog.records
+    assert record.exc_info is not None
+    assert record.exc_info[0] is KeyError
+    assert "logged once per place it fails at" in record.getMessage()
+
+
+async def test_an_error_in_numpy_names_the_models_line_not_numpys() -> None:
+    class Mismatch:
+        def infer(self, inputs: dict[str, np.ndarray[Any, Any]]) -> dict[str, Any]:
+            return {"y": np.concatenate([inputs["x"], np.zeros((2, 3))])}
+
+    line = Mismatch.infer.__code__.co_firstlineno + 1
+    async with open_engine() as engine:
+        await engine.load(config(Mismatch, dispatch="inline"))
+        where = rf"\(test_python_backend\.py, line {line}, in infer\)$"
+        with pytest.raises(BackendError, match=where):
+            await engine.infer("m", {"x": X})
+
+
 async def test_lists_are_converted_to_the_declared_dtype() -> None:
     async with open_engine() as engine:
         await engine.load(config(outputs_of(lambda x: {"y": x.tolist()})))
@@ -338,6 +379,7 @@ async def test_lists_are_converted_to_the_declared_dtype() -> None:
     ("options", "error", "message"),
     [
         ({"colour": 1}, ConfigError, "unknown python backend option 'colour'"),
+        ({"ouputs": []}, ConfigError, "; did you mean 'outputs' for 'ouputs'[?]$"),
         ({"inputs": None}, ConfigError, "^inputs of model 'm' must be a non-empty list"),
         (
             {"inputs": None},

@@ -86,10 +86,14 @@ batcher, and must return one row per input row.
 
 from __future__ import annotations
 
+import difflib
 import importlib.util
 import inspect
 import itertools
+import logging
 import sys
+import sysconfig
+import traceback
 from collections.abc import AsyncGenerator, Mapping
 from pathlib import Path
 from types import ModuleType
@@ -109,6 +113,8 @@ from trioinfer import (
 from trioinfer.lowlevel import Placement, WorkerThread
 
 __all__ = ["PythonBackend", "PythonInstance"]
+
+log = logging.getLogger("trioinfer.python")
 
 Arrays = Mapping[str, np.ndarray[Any, Any]]
 _modules = itertools.count()
@@ -132,6 +138,49 @@ OPTIONS: Mapping[str, str] = {
 }
 
 
+#: Where library code lives: frames there are not the model author's (numpy's, the stdlib's,
+#: trioinfer's own), so the location an error names is the last frame outside them.
+_LIBRARY_DIRS: tuple[str, ...] = tuple(
+    sorted(
+        {
+            *(
+                str(Path(path).resolve()) + "/"
+                for key, path in sysconfig.get_paths().items()
+                if key in ("stdlib", "platstdlib", "purelib", "platlib")
+            ),
+            f"{Path(__file__).resolve().parent}/",  # this backend
+            f"{Path(inspect.getfile(ModelConfig)).resolve().parent}/",  # trioinfer
+        }
+    )
+)
+#: How many places (exception type, file, line) of one instance get their traceback logged.
+_LOGGED_AT_MOST: int = 256
+
+
+def _raised(what: str, exc: BaseException) -> str:
+    """``<what> raised <Type>: <message> (<file>, line <n>, in <function>)``.
+
+    The location is the innermost frame of the model's own code, as Python's
+    own ``SyntaxError`` says where: without it, a ``KeyError: 'X'`` from
+    ``infer`` (over HTTP a 500) leaves its author guessing which line.
+    """
+    frame = _own_frame(exc)
+    where = "" if frame is None else f" ({Path(frame[0]).name}, line {frame[1]}, in {frame[2]})"
+    return f"{what} raised {type(exc).__name__}: {exc}{where}"
+
+
+def _own_frame(exc: BaseException) -> tuple[str, int | None, str] | None:
+    # The innermost frame outside library code: the model author's line.
+    for summary in reversed(traceback.extract_tb(exc.__traceback__)):
+        try:
+            path = str(Path(summary.filename).resolve())
+        except (OSError, RuntimeError, ValueError):  # pragma: no cover  # an odd file name
+            continue
+        if not path.startswith(_LIBRARY_DIRS) and not summary.filename.startswith("<"):
+            return summary.filename, summary.lineno, summary.name
+    return None
+
+
 @final
 class PythonBackend:
     """Loads a Python class as a model: one object per instance (see the module's docs)."""
@@ -147,9 +196,15 @@ class PythonBackend:
         options = config.backend_options
         unknown = sorted(set(options) - set(OPTIONS))
         if unknown:
+            # A typo (ouputs) is the usual cause: name the option it was meant to be.
+            hints = "".join(
+                f"; did you mean {close[0]!r} for {key!r}?"
+                for key in unknown
+                if (close := difflib.get_close_matches(key, OPTIONS, n=1))
+            )
             raise ConfigError(
                 f"model {config.name!r}: unknown python backend option "
-                f"{', '.join(map(repr, unknown))}; known: {', '.join(OPTIONS)}"
+                f"{', '.join(map(repr, unknown))}; known: {', '.join(OPTIONS)}{hints}"
             )
         signature = ModelSignature.declared(
             options.get("inputs"), options.get("outputs"), model=config.name
@@ -209,9 +264,7 @@ def _construct(cls: type, kwargs: dict[str, Any], label: str, decoupled: bool) -
     try:
         model = cls(**kwargs)
     except Exception as exc:
-        raise BackendError(
-            f"{label}: {cls.__name__}(...) raised {type(exc).__name__}: {exc}"
-        ) from exc
+        raise BackendError(_raised(f"{label}: {cls.__name__}(...)", exc)) from exc
     infer = getattr(model, "infer", None)
     if not callable(infer):
         raise BackendError(f"{label}: class {cls.__name__} has no infer(self, inputs)")
@@ -277,9 +330,7 @@ def _import(model: str, path: Path) -> ModuleType:
         spec.loader.exec_module(module)
     except Exception as exc:
         del sys.modules[name]
-        raise BackendError(
-            f"model {model!r}: importing {path.name} raised {type(exc).__name__}: {exc}"
-        ) from exc
+        raise BackendError(_raised(f"model {model!r}: importing {path.name}", exc)) from exc
     return module
 
 
@@ -306,6 +357,8 @@ class PythonInstance:
         abort = getattr(model, "abort", None)
         self._abort = abort if callable(abort) else None
         self._closed = False
+        #: Where infer failed so far, each logged once with its traceback (see _failed).
+        self._logged: set[tuple[str, str, int | None]] = set()
         # (name, dtype, rank, fixed (axis, size) pairs) of each declared output:
         # what _checked compares an answer of arrays against, in a few comparisons.
         self._expected = tuple(
@@ -374,9 +427,7 @@ class PythonInstance:
                 except (anyio.get_cancelled_exc_class(), TrioInferError):
                     raise
                 except Exception as exc:
-                    raise BackendError(
-                        f"{self._label}: infer raised {type(exc).__name__}: {exc}"
-                    ) from exc
+                    raise self._failed(exc) from exc
                 yield self._checked(outputs)
         finally:
             await generator.aclose()
@@ -400,8 +451,23 @@ class PythonInstance:
         except (anyio.get_cancelled_exc_class(), TrioInferError):
             raise  # the model chose the error's class (InvalidInput is the client's fault)
         except Exception as exc:
-            raise BackendError(f"{self._label}: infer raised {type(exc).__name__}: {exc}") from exc
+            raise self._failed(exc) from exc
         return self._checked(outputs)
+
+    def _failed(self, exc: Exception) -> BackendError:
+        # The error callers get names the line; the log gets the whole traceback, once per
+        # place (a model failing every request would otherwise flood it).
+        error = BackendError(_raised(f"{self._label}: infer", exc))
+        frame = _own_frame(exc)
+        place = (type(exc).__name__, *(("", None) if frame is None else frame[:2]))
+        if place not in self._logged and len(self._logged) < _LOGGED_AT_MOST:
+            self._logged.add(place)
+            log.error(
+                "%s; its traceback (logged once per place it fails at):",
+                error,
+                exc_info=exc,
+            )
+        return error
 
     def _checked(self, outputs: object) -> dict[str, np.ndarray[Any, Any]]:
         expected = self._expected
@@ -486,9 +552,7 @@ class PythonInstance:
         except anyio.get_cancelled_exc_class():
             raise
         except Exception as exc:
-            raise BackendError(
-                f"{self._label}: {name}() raised {type(exc).__name__}: {exc}"
-            ) from exc
+            raise BackendError(_raised(f"{self._label}: {name}()", exc)) from exc
 
     async def aclose(self) -> None:
         """Run the object's ``close`` once, then stop the worker thread. Idempotent."""

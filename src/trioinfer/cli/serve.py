@@ -296,6 +296,11 @@ def serve(ctx: click.Context, /, **options: Any) -> None:
             why = cause.strerror or str(cause)
             if cause.errno == errno.EADDRNOTAVAIL:
                 why += " (it is not an address of this host; 0.0.0.0 listens on all of them)"
+            elif cause.errno == errno.EADDRINUSE:
+                why += (
+                    " (another process listens there, perhaps another trioinfer serve: stop "
+                    "it, or choose another --port; --port 0 picks a free one)"
+                )
             raise click.ClickException(
                 f"cannot listen on {settings['host']}:{settings['port']}: {why}"
             ) from exc
