@@ -56,6 +56,18 @@ class AsyncDouble:
         return {"y": inputs["x"] * 2}
 
 
+class Needs:
+    """A model whose constructor needs an argument, from the backend option parameters."""
+
+    def __init__(self, scale: float) -> None:
+        if scale < 0:
+            raise ValueError("negative")
+        self.scale = scale
+
+    def infer(self, inputs: dict[str, np.ndarray[Any, Any]]) -> dict[str, Any]:
+        return {"y": inputs["x"] * self.scale}
+
+
 class LoopDouble:
     """A sync model run on the event loop (``dispatch = "inline"``): y = 2 * x."""
 
@@ -409,7 +421,25 @@ async def test_lists_are_converted_to_the_declared_dtype() -> None:
         ),
         ({"class": "not a name"}, ConfigError, "must be a class name such as 'Model'"),
         ({"parameters": [1]}, ConfigError, "parameters of model 'm' must be a table"),
-        ({"parameters": {"unknown": 1}}, BackendError, r"Double\(\.\.\.\) raised TypeError"),
+        (
+            {"parameters": {"unknown": 1}},
+            ConfigError,
+            r"Double\(\) cannot be called with the backend option parameters \(unknown\): got "
+            r"an unexpected keyword argument 'unknown'; set its arguments with parameters = ",
+        ),
+        (
+            {"class": Needs},
+            ConfigError,
+            r"Needs\(scale\) cannot be called with the backend option parameters \(none\): "
+            r"missing a required argument: 'scale'; set its arguments with parameters = \{",
+        ),
+        # A constructor that raises on its own is the model's error, at its line.
+        (
+            {"class": Needs, "parameters": {"scale": -1}},
+            BackendError,
+            r"Needs\(\.\.\.\) raised ValueError: negative \(test_python_backend\.py, line \d+, "
+            r"in __init__\)$",
+        ),
     ],
 )
 async def test_bad_configs_are_refused_at_load(

@@ -437,6 +437,19 @@ def test_a_plugin_backend_model_without_model_onnx_is_told_the_file_name(root: P
         ModelRepository(root).entry("m").selected()
 
 
+def test_a_misspelt_first_party_backend_is_called_a_typo_not_a_plugin(root: Path) -> None:
+    # backend = "pyhton" is no plugin with a model.onnx of its own: the error asks about
+    # the typo instead of explaining a third-party backend's file name.
+    (root / "m" / "1").mkdir(parents=True)
+    (root / "m" / "1" / "model.py").write_text("class Model: ...\n")
+    (root / "m" / "config.toml").write_text('backend = "pyhton"\n')
+    with pytest.raises(ConfigError) as caught:
+        ModelRepository(root).entry("m").selected()
+    message = str(caught.value)
+    assert "; is backend = 'pyhton' a typo? did you mean 'python'?" in message
+    assert "whatever its format" not in message
+
+
 # config.toml
 
 

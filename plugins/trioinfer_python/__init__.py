@@ -189,7 +189,8 @@ class PythonBackend:
         """Import the class, build one object for *placement*, and run its ``load``.
 
         Raises:
-            ConfigError: An unknown option, or a signature that cannot be read.
+            ConfigError: An unknown option, a signature that cannot be read, or
+                parameters that the class's constructor cannot take.
             BackendError: The file or class is missing, or constructing or
                 loading the object raised (chained).
         """
@@ -261,6 +262,25 @@ class PythonBackend:
 
 
 def _construct(cls: type, kwargs: dict[str, Any], label: str, decoupled: bool) -> Any:
+    try:
+        signature = inspect.signature(cls)
+    except (TypeError, ValueError):  # no signature to read: the call itself says
+        signature = None
+    if signature is not None:
+        try:
+            signature.bind(**kwargs)
+        except TypeError as exc:
+            # The constructor's arguments come from config.toml: say where to set them,
+            # rather than leave the bare TypeError of a call the author never wrote.
+            given = ", ".join(sorted(kwargs)) or "none"
+            takes = ", ".join(
+                str(p).split(":")[0].split("=")[0] for p in signature.parameters.values()
+            )
+            raise ConfigError(
+                f"{label}: {cls.__name__}({takes}) cannot be called with the backend "
+                f"option parameters ({given}): {exc}; set its arguments with "
+                "parameters = { name = value, ... } in [backend_options]"
+            ) from None
     try:
         model = cls(**kwargs)
     except Exception as exc:
