@@ -20,7 +20,7 @@ A model repository holds it as ``<model>/<version>/model.py`` beside
     shape = ["batch", 16]
 
 In code, ``backend_options={"class": Model, ...}`` names the class itself and
-``path`` is not read. The class:
+``path`` is not read (``ModelConfig`` still needs one: ``path="-"``). The class:
 
 - ``__init__(self, **parameters)``; a ``device`` keyword, if it takes one,
   gets where the instance was placed (``"cpu"``, ``"cuda:0"``). It runs on

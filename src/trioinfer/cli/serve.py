@@ -68,7 +68,9 @@ def _rate_not_nan(
     default=None,
     metavar="DIR",
     help="<DIR>/<model>/<version>/model.onnx, with an optional <DIR>/<model>/config.toml "
-    "(or Triton's config.pbtxt). Default: the bundled example repository.",
+    "(or Triton's config.pbtxt); a Python model is <version>/model.py, with backend = "
+    '"python" and its inputs and outputs in config.toml. Default: the bundled example '
+    "repository.",
 )
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on.")
 @click.option(
