@@ -324,7 +324,11 @@ def outputs_of(result: Any) -> type:
         (lambda x: [x], "infer returned list; expected a dict of arrays by output name"),
         (lambda x: {}, r"infer returned outputs \[\]; the config declares \['y'\] \(missing"),
         (lambda x: {"y": x, "z": x}, r"undeclared \['z'\]"),
-        (lambda x: {"y": x.astype(np.float64)}, "output 'y' has dtype float64; the config"),
+        (
+            lambda x: {"y": x.astype(np.float64)},
+            r"output 'y' has dtype float64; the config declares float32\[batch, 4\] \(return it "
+            r'with \.astype\(numpy\.float32\), or declare dtype = "float64" in config\.toml\)$',
+        ),
         (lambda x: {"y": x[:, :2]}, r"output 'y' has shape \[2, 2\]; the config declares"),
         (lambda x: {"y": x[0]}, r"output 'y' has shape \[4\]"),
         (lambda x: {"y": "text"}, "output 'y' is str, not convertible to float32"),
