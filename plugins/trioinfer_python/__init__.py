@@ -25,16 +25,16 @@ In code, ``backend_options={"class": Model, ...}`` names the class itself and
 - ``__init__(self, **parameters)``; a ``device`` keyword, if it takes one,
   gets where the instance was placed (``"cpu"``, ``"cuda:0"``). Parameters
   it cannot take (one missing, one it does not know) are a ``ConfigError``
-  at load. It runs on
-  the event loop, so every other task waits for it: keep it cheap, and do
-  slow work (reading weights) in ``load``, which a plain ``def`` runs on the
-  instance's worker thread.
+  at load. It runs on the event loop, so every other task waits for it: keep
+  it cheap, and do slow work (reading weights) in ``load``, which a plain
+  ``def`` runs on the instance's worker thread.
 - ``infer(self, inputs) -> outputs``, dicts of numpy arrays by tensor name.
   An exception it raises fails its batch as a ``BackendError`` whose message
   names the line of the model's code that raised it (``(model.py, line 5, in
   infer)``; the logger ``trioinfer.python`` gets the traceback, once per
-  place it fails at), unless it is a ``TrioInferError`` (raise ``trioinfer.InvalidInput`` for input the
-  model refuses: a 400 over HTTP), which reaches the callers as it is.
+  place it fails at), unless it is a ``TrioInferError`` (raise
+  ``trioinfer.InvalidInput`` for input the model refuses: a 400 over HTTP),
+  which reaches the callers as it is.
   ``async def infer`` runs on the event loop and is cancelled when every
   caller of its batch has left (the caller's deadline, a client going away);
   it runs in the engine's task, so ``anyio.current_effective_deadline()``
