@@ -541,10 +541,15 @@ class PythonInstance:
                 spec.dtype == np.object_ and array.dtype.kind in "US"
             ):
                 # numpy's default float64 under a float32 declaration is the usual case.
-                raise BackendError(
-                    f"{where} has dtype {array.dtype.name}; the config declares {spec.describe()} "
-                    f"(return it with .astype(numpy.{spec.dtype.name}), or declare "
+                hint = (
+                    f" (return it with .astype(numpy.{spec.dtype.name}), or declare "
                     f'dtype = "{array.dtype.name}" in config.toml)'
+                    if spec.dtype is not None and spec.dtype != np.object_
+                    else ""
+                )
+                raise BackendError(
+                    f"{where} has dtype {array.dtype.name}; the config declares "
+                    f"{spec.describe()}{hint}"
                 )
             if spec.dtype == np.object_ and array.dtype != np.object_:
                 array = array.astype(object)
