@@ -153,6 +153,23 @@ def test_demo_runs_and_reports() -> None:
     assert count(phase2, "ok") <= count(phase2, "computed")
 
 
+def test_demo_explains_cancelled_requests_the_engine_did_not_count() -> None:
+    # make demo once printed "cancelled while queued 50" above "engine ... cancelled +0":
+    # 50 callers had left at engine.infer's yield, before their requests were queued.
+    from trioinfer.cli import demo
+
+    assert demo._never_computed(64, 14, 0, 50) == [
+        (
+            "never computed",
+            "    64  cancelled by their caller 50, expired in the queue 14, refused 0",
+        )
+    ]
+    [_, (label, note)] = demo._never_computed(64, 14, 0, 0)
+    assert label == ""
+    assert note.startswith("    50  or more of them before the engine had queued them")
+    assert note.endswith("the engine's cancelled counter counts queued and running requests only")
+
+
 @pytest.mark.parametrize(
     ("args", "option"),
     [
