@@ -282,9 +282,8 @@ def _never_computed(
         rows.append(
             (
                 "",
-                f"{gave_up - cancelled:>6}  or more of them before the engine had queued "
-                "them (engine.infer yields, and the scope expired there): the engine's "
-                "cancelled counter counts queued and running requests only",
+                f"{gave_up - cancelled:>6}  or more left at engine.infer's yield, before "
+                "being queued: the engine counts cancelled requests once queued",
             )
         )
     return rows
