@@ -153,6 +153,25 @@ def test_demo_runs_and_reports() -> None:
     assert count(phase2, "ok") <= count(phase2, "computed")
 
 
+def test_demo_explains_cancelled_requests_the_engine_did_not_count() -> None:
+    # make demo once printed "cancelled while queued 50" above "engine ... cancelled +0":
+    # 50 callers had left at engine.infer's yield, before their requests were queued.
+    from trioinfer.cli import demo
+
+    assert demo._never_computed(64, 14, 0, 50) == [
+        (
+            "never computed",
+            "    64  cancelled by their caller 50, expired in the queue 14, refused 0",
+        )
+    ]
+    [_, (label, note)] = demo._never_computed(64, 14, 0, 0)
+    assert label == ""
+    assert note == (
+        "    50  or more left at engine.infer's yield, before being queued: the engine "
+        "counts cancelled requests once queued"
+    )
+
+
 @pytest.mark.parametrize(
     ("args", "option"),
     [
@@ -391,6 +410,8 @@ def test_serve_on_a_port_in_use_says_which_address(tmp_path: Path) -> None:
     assert result.exit_code == 1
     assert result.output.startswith(f"Error: cannot listen on 127.0.0.1:{port}: ")
     assert "in use" in result.output
+    # What to do about it, not just the errno's words.
+    assert "choose another --port; --port 0 picks a free one" in result.output
 
 
 def test_serve_says_a_port_is_in_use_before_loading_models(

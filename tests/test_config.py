@@ -50,6 +50,8 @@ def test_bad_devices_are_refused(text: str) -> None:
         ({"name": "../etc"}, "model name"),
         ({"name": ""}, "model name"),
         ({"instances": []}, "non-empty list"),
+        # instances = "cpu" in a config.toml: the message shows the TOML that works.
+        ({"instances": "cpu"}, r'\[\[instances\]\] tables, e.g. instances = \[\{ device = "cpu"'),
         ({"instances": [{"count": 0}]}, "count must be a positive integer"),
         ({"max_queue_size": 0}, "max_queue_size must be a positive integer"),
         ({"casting": "unsafe"}, "casting must be"),

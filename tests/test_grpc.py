@@ -1263,6 +1263,8 @@ def test_grpc_port_in_use_is_a_clear_error(repository: Path) -> None:
     assert result.exit_code == 1
     # The gRPC address alone: not under the HTTP one ("cannot listen on 127.0.0.1:0: ...").
     assert result.output.startswith(f"Error: cannot listen for gRPC on 127.0.0.1:{port}: ")
+    # A newcomer who wanted HTTP only, with another server on 8001, is shown the way out.
+    assert result.output.rstrip().endswith("--no-grpc serves HTTP alone)")
 
 
 def test_one_port_for_http_and_grpc_is_a_usage_error(repository: Path) -> None:

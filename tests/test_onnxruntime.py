@@ -174,7 +174,10 @@ async def test_engine_aborts_execution_when_its_only_caller_leaves(slow_model: P
 
 async def test_bad_backend_options_are_refused_at_load(add_model: Path) -> None:
     async with open_engine() as engine:
-        with pytest.raises(trioinfer.ConfigError, match="no option 'dispath'; it knows"):
+        with pytest.raises(
+            trioinfer.ConfigError,
+            match=r"no option 'dispath'; it knows .*; did you mean 'dispatch' for 'dispath'[?]$",
+        ):
             await engine.load(
                 ModelConfig(name="a", path=add_model, backend_options={"dispath": "thread"})
             )

@@ -660,6 +660,45 @@ async def test_over_http_the_server_stays_up_and_answers_500(tmp_path: Path) -> 
             stop.set()
 
 
+@pytest.mark.python_model
+async def test_an_http_500_is_logged_and_a_python_models_traceback_once(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # The server reference says a 500 is logged at ERROR: gRPC and the other endpoints did,
+    # the HTTP infer path did not, so a newcomer's failing model left the log silent.
+    (tmp_path / "m" / "1").mkdir(parents=True)
+    (tmp_path / "m" / "config.toml").write_text(
+        'backend = "python"\n[backend_options]\n'
+        'inputs = [{ name = "x", dtype = "float32", shape = ["batch", 4] }]\n'
+        'outputs = [{ name = "y", dtype = "float32", shape = ["batch", 4] }]\n'
+    )
+    (tmp_path / "m" / "1" / "model.py").write_text(
+        'class Model:\n    def infer(self, inputs):\n        return {"y": inputs["X"]}\n'
+    )
+    caplog.set_level(logging.ERROR)
+    body = {"inputs": [{"name": "x", "datatype": "FP32", "shape": [1, 4], "data": [1, 2, 3, 4]}]}
+    with trio.fail_after(60):
+        async with trio.open_nursery() as nursery:
+            listening: Listening = await nursery.start(
+                lambda task_status: serve_http(
+                    tmp_path, port=0, handle_signals=False, task_status=task_status
+                )
+            )
+            async with httpx.AsyncClient(base_url=listening.urls[0]) as client:
+                for _ in range(2):
+                    response = await client.post("/v2/models/m/infer", json=body)
+                    assert response.status_code == 500
+                    assert response.json()["error"] == (
+                        "model 'm' (version 1) instance 0: infer raised KeyError: 'X' "
+                        "(model.py, line 3, in infer)"
+                    )
+            nursery.cancel_scope.cancel()
+    failed = [r for r in caplog.records if r.getMessage().startswith("request failed: ")]
+    assert [r.name for r in failed] == ["trioinfer.server"] * 2
+    [traceback] = [r for r in caplog.records if r.exc_info is not None]
+    assert traceback.name == "trioinfer.python"
+
+
 async def test_closing_past_an_execute_that_ignores_cancellation_says_which_instance(
     autojump_clock: trio.testing.MockClock, caplog: pytest.LogCaptureFixture
 ) -> None:

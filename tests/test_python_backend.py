@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import threading
 from pathlib import Path
 from typing import Any, ClassVar
@@ -53,6 +54,18 @@ class AsyncDouble:
             AsyncDouble.cancelled += 1
             raise
         return {"y": inputs["x"] * 2}
+
+
+class Needs:
+    """A model whose constructor needs an argument, from the backend option parameters."""
+
+    def __init__(self, scale: float) -> None:
+        if scale < 0:
+            raise ValueError("negative")
+        self.scale = scale
+
+    def infer(self, inputs: dict[str, np.ndarray[Any, Any]]) -> dict[str, Any]:
+        return {"y": inputs["x"] * self.scale}
 
 
 class LoopDouble:
@@ -332,7 +345,11 @@ def outputs_of(result: Any) -> type:
         (lambda x: [x], "infer returned list; expected a dict of arrays by output name"),
         (lambda x: {}, r"infer returned outputs \[\]; the config declares \['y'\] \(missing"),
         (lambda x: {"y": x, "z": x}, r"undeclared \['z'\]"),
-        (lambda x: {"y": x.astype(np.float64)}, "output 'y' has dtype float64; the config"),
+        (
+            lambda x: {"y": x.astype(np.float64)},
+            r"output 'y' has dtype float64; the config declares float32\[batch, 4\] \(return it "
+            r'with \.astype\(numpy\.float32\), or declare dtype = "float64" in config\.toml\)$',
+        ),
         (lambda x: {"y": x[:, :2]}, r"output 'y' has shape \[2, 2\]; the config declares"),
         (lambda x: {"y": x[0]}, r"output 'y' has shape \[4\]"),
         (lambda x: {"y": "text"}, "output 'y' is str, not convertible to float32"),
@@ -348,6 +365,46 @@ async def test_outputs_are_checked_against_the_declared_signature(
             await engine.infer("m", {"x": X})
 
 
+async def test_an_error_in_infer_names_its_line_and_logs_its_traceback_once(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # A newcomer's KeyError over HTTP is a 500 saying only "KeyError: 'X'": the message
+    # names the model's own line (not numpy's, not the worker thread's), and the log has
+    # the traceback, once per place, not once per failing request.
+    class Typo:
+        def infer(self, inputs: dict[str, np.ndarray[Any, Any]]) -> dict[str, Any]:
+            return {"y": inputs["X"]}
+
+    line = Typo.infer.__code__.co_firstlineno + 1
+    caplog.set_level(logging.ERROR, logger="trioinfer.python")
+    async with open_engine() as engine:
+        await engine.load(config(Typo))
+        for _ in range(3):
+            with pytest.raises(BackendError) as caught:
+                await engine.infer("m", {"x": X})
+            assert str(caught.value) == (
+                "model 'm' instance 0: infer raised KeyError: 'X' "
+                f"(test_python_backend.py, line {line}, in infer)"
+            )
+    [record] = caplog.records
+    assert record.exc_info is not None
+    assert record.exc_info[0] is KeyError
+    assert "logged once per place it fails at" in record.getMessage()
+
+
+async def test_an_error_in_numpy_names_the_models_line_not_numpys() -> None:
+    class Mismatch:
+        def infer(self, inputs: dict[str, np.ndarray[Any, Any]]) -> dict[str, Any]:
+            return {"y": np.concatenate([inputs["x"], np.zeros((2, 3))])}
+
+    line = Mismatch.infer.__code__.co_firstlineno + 1
+    async with open_engine() as engine:
+        await engine.load(config(Mismatch, dispatch="inline"))
+        where = rf"\(test_python_backend\.py, line {line}, in infer\)$"
+        with pytest.raises(BackendError, match=where):
+            await engine.infer("m", {"x": X})
+
+
 async def test_lists_are_converted_to_the_declared_dtype() -> None:
     async with open_engine() as engine:
         await engine.load(config(outputs_of(lambda x: {"y": x.tolist()})))
@@ -359,6 +416,7 @@ async def test_lists_are_converted_to_the_declared_dtype() -> None:
     ("options", "error", "message"),
     [
         ({"colour": 1}, ConfigError, "unknown python backend option 'colour'"),
+        ({"ouputs": []}, ConfigError, "; did you mean 'outputs' for 'ouputs'[?]$"),
         ({"inputs": None}, ConfigError, "^inputs of model 'm' must be a non-empty list"),
         (
             {"inputs": None},
@@ -388,7 +446,25 @@ async def test_lists_are_converted_to_the_declared_dtype() -> None:
         ),
         ({"class": "not a name"}, ConfigError, "must be a class name such as 'Model'"),
         ({"parameters": [1]}, ConfigError, "parameters of model 'm' must be a table"),
-        ({"parameters": {"unknown": 1}}, BackendError, r"Double\(\.\.\.\) raised TypeError"),
+        (
+            {"parameters": {"unknown": 1}},
+            ConfigError,
+            r"Double\(\) cannot be called with the backend option parameters \(unknown\): got "
+            r"an unexpected keyword argument 'unknown'; set its arguments with parameters = ",
+        ),
+        (
+            {"class": Needs},
+            ConfigError,
+            r"Needs\(scale\) cannot be called with the backend option parameters \(none\): "
+            r"missing a required argument: 'scale'; set its arguments with parameters = \{",
+        ),
+        # A constructor that raises on its own is the model's error, at its line.
+        (
+            {"class": Needs, "parameters": {"scale": -1}},
+            BackendError,
+            r"Needs\(\.\.\.\) raised ValueError: negative \(test_python_backend\.py, line \d+, "
+            r"in __init__\)$",
+        ),
     ],
 )
 async def test_bad_configs_are_refused_at_load(

@@ -397,6 +397,29 @@ def test_model_without_versions(root: Path) -> None:
     assert "no version to serve" in row.reason
 
 
+def test_a_model_py_without_backend_python_is_told_the_key_it_lacks(
+    onnx_file: Path, root: Path
+) -> None:
+    # A newcomer's first Python model: model.py in a version directory, config.toml
+    # declaring inputs and outputs, but no backend = "python". Not just "expected
+    # m/<N>/model.onnx": the file that is there, and the key that serves it.
+    (root / "m" / "1").mkdir(parents=True)
+    (root / "m" / "1" / "model.py").write_text("class Model: ...\n")
+    with pytest.raises(ConfigError) as caught:
+        ModelRepository(root).entry("m").selected()
+    assert str(caught.value) == (
+        "model 'm' has no version to serve: expected m/<N>/model.onnx with N a positive "
+        "integer; ignored version directory 1 (it holds no model.onnx, but a model.py, which "
+        'is served with backend = "python" in config.toml)'
+    )
+    # And the other way round: an ONNX file under backend = "python".
+    (root / "m" / "config.toml").write_text('backend = "python"\n')
+    (root / "m" / "1" / "model.py").unlink()
+    shutil.copyfile(onnx_file, root / "m" / "1" / "model.onnx")
+    with pytest.raises(ConfigError, match=r'backend = "onnxruntime" \(the default\) in config'):
+        ModelRepository(root).entry("m").selected()
+
+
 def test_a_plugin_backend_model_without_model_onnx_is_told_the_file_name(root: Path) -> None:
     # A third-party backend's file in a version directory is model.onnx, whatever its
     # format: its author, who wrote 1/model.npz, is told so and shown path.
@@ -406,8 +429,25 @@ def test_a_plugin_backend_model_without_model_onnx_is_told_the_file_name(root: P
     with pytest.raises(ConfigError, match=r"'affine' backend too, .* is named model\.onnx.*path ="):
         ModelRepository(root).entry("m").selected()
     (root / "m" / "config.toml").write_text('backend = "onnxruntime"\n')
-    with pytest.raises(ConfigError, match=r"model\.onnx with N a positive integer$"):
+    with pytest.raises(
+        ConfigError,
+        match=r"model\.onnx with N a positive integer; "
+        r"ignored version directory 1 \(it holds no model\.onnx\)$",
+    ):
         ModelRepository(root).entry("m").selected()
+
+
+def test_a_misspelt_first_party_backend_is_called_a_typo_not_a_plugin(root: Path) -> None:
+    # backend = "pyhton" is no plugin with a model.onnx of its own: the error asks about
+    # the typo instead of explaining a third-party backend's file name.
+    (root / "m" / "1").mkdir(parents=True)
+    (root / "m" / "1" / "model.py").write_text("class Model: ...\n")
+    (root / "m" / "config.toml").write_text('backend = "pyhton"\n')
+    with pytest.raises(ConfigError) as caught:
+        ModelRepository(root).entry("m").selected()
+    message = str(caught.value)
+    assert "; is backend = 'pyhton' a typo? did you mean 'python'?" in message
+    assert "whatever its format" not in message
 
 
 # config.toml
@@ -1052,8 +1092,29 @@ def test_unknown_model_message_lists_only_models_with_served_versions() -> None:
 
     served = ServedModels.__new__(ServedModels)  # only the routing table, no engine
     served._served = {"m": {}, "other": {1: "v1"}}  # type: ignore[dict-item]
+    served._errors = {}
     with pytest.raises(ModelNotFound) as caught:
         served.resolve("m")
     assert str(caught.value) == (
         "Request for unknown model: 'm' is not served; served models: 'other'"
     )
+
+
+async def test_a_request_for_a_model_that_failed_to_load_says_why(root: Path) -> None:
+    # Not only "'m' is not served": a newcomer whose config.toml has a typo asks for the
+    # model, and the 404 carries the reason the server logged at start-up.
+    from trioinfer.server._models import ServedModels
+
+    (root / "m" / "1").mkdir(parents=True)
+    (root / "m" / "config.toml").write_text("batcher_option = {}\n")
+    async with trioinfer.open_engine() as engine:
+        served = ServedModels(engine, ModelRepository(root))
+        assert await served.load_all() == ["m"]
+        with pytest.raises(ModelNotFound) as caught:
+            served.resolve("m")
+    message = str(caught.value)
+    assert message.startswith(
+        "Request for unknown model: 'm' is not served; served models: none; failed to load 'm': "
+        "m/config.toml: unknown key 'batcher_option'"
+    )
+    assert message.endswith("did you mean 'batcher_options' for 'batcher_option'?")

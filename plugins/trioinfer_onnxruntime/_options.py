@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import difflib
 import itertools
 from collections.abc import Mapping
 from typing import Any, Final
@@ -59,9 +60,14 @@ def _check_options(config: ModelConfig, placement: Placement) -> dict[str, Any]:
     options = dict(config.backend_options)
     unknown = sorted(set(options) - set(OPTIONS))
     if unknown:
+        hints = "".join(
+            f"; did you mean {close[0]!r} for {key!r}?"
+            for key in unknown
+            if (close := difflib.get_close_matches(key, OPTIONS, n=1))
+        )
         raise ConfigError(
             f"model {config.name!r}: onnxruntime backend has no option "
-            f"{', '.join(map(repr, unknown))}; it knows {', '.join(sorted(OPTIONS))}"
+            f"{', '.join(map(repr, unknown))}; it knows {', '.join(sorted(OPTIONS))}{hints}"
         )
     # Inline is measured and bounded on the CPU; on a GPU it has not been tried here.
     options.setdefault("dispatch", "auto" if placement.device.kind == "cpu" else "thread")

@@ -20,17 +20,21 @@ A model repository holds it as ``<model>/<version>/model.py`` beside
     shape = ["batch", 16]
 
 In code, ``backend_options={"class": Model, ...}`` names the class itself and
-``path`` is not read. The class:
+``path`` is not read (``ModelConfig`` still needs one: ``path="-"``). The class:
 
 - ``__init__(self, **parameters)``; a ``device`` keyword, if it takes one,
-  gets where the instance was placed (``"cpu"``, ``"cuda:0"``). It runs on
-  the event loop, so every other task waits for it: keep it cheap, and do
-  slow work (reading weights) in ``load``, which a plain ``def`` runs on the
-  instance's worker thread.
+  gets where the instance was placed (``"cpu"``, ``"cuda:0"``). Parameters
+  it cannot take (one missing, one it does not know) are a ``ConfigError``
+  at load. It runs on the event loop, so every other task waits for it: keep
+  it cheap, and do slow work (reading weights) in ``load``, which a plain
+  ``def`` runs on the instance's worker thread.
 - ``infer(self, inputs) -> outputs``, dicts of numpy arrays by tensor name.
-  An exception it raises fails its batch as a ``BackendError``, unless it is
-  a ``TrioInferError`` (raise ``trioinfer.InvalidInput`` for input the
-  model refuses: a 400 over HTTP), which reaches the callers as it is.
+  An exception it raises fails its batch as a ``BackendError`` whose message
+  names the line of the model's code that raised it (``(model.py, line 5, in
+  infer)``; the logger ``trioinfer.python`` gets the traceback, once per
+  place it fails at), unless it is a ``TrioInferError`` (raise
+  ``trioinfer.InvalidInput`` for input the model refuses: a 400 over HTTP),
+  which reaches the callers as it is.
   ``async def infer`` runs on the event loop and is cancelled when every
   caller of its batch has left (the caller's deadline, a client going away);
   it runs in the engine's task, so ``anyio.current_effective_deadline()``
@@ -91,10 +95,14 @@ batcher, and must return one row per input row.
 
 from __future__ import annotations
 
+import difflib
 import importlib.util
 import inspect
 import itertools
+import logging
 import sys
+import sysconfig
+import traceback
 from collections.abc import AsyncGenerator, Mapping
 from pathlib import Path
 from types import ModuleType
@@ -114,6 +122,8 @@ from trioinfer import (
 from trioinfer.lowlevel import Placement, WorkerThread
 
 __all__ = ["PythonBackend", "PythonInstance"]
+
+log = logging.getLogger("trioinfer.python")
 
 Arrays = Mapping[str, np.ndarray[Any, Any]]
 _modules = itertools.count()
@@ -138,6 +148,49 @@ OPTIONS: Mapping[str, str] = {
 }
 
 
+#: Where library code lives: frames there are not the model author's (numpy's, the stdlib's,
+#: trioinfer's own), so the location an error names is the last frame outside them.
+_LIBRARY_DIRS: tuple[str, ...] = tuple(
+    sorted(
+        {
+            *(
+                str(Path(path).resolve()) + "/"
+                for key, path in sysconfig.get_paths().items()
+                if key in ("stdlib", "platstdlib", "purelib", "platlib")
+            ),
+            f"{Path(__file__).resolve().parent}/",  # this backend
+            f"{Path(inspect.getfile(ModelConfig)).resolve().parent}/",  # trioinfer
+        }
+    )
+)
+#: How many places (exception type, file, line) of one instance get their traceback logged.
+_LOGGED_AT_MOST: int = 256
+
+
+def _raised(what: str, exc: BaseException) -> str:
+    """``<what> raised <Type>: <message> (<file>, line <n>, in <function>)``.
+
+    The location is the innermost frame of the model's own code, as Python's
+    own ``SyntaxError`` says where: without it, a ``KeyError: 'X'`` from
+    ``infer`` (over HTTP a 500) leaves its author guessing which line.
+    """
+    frame = _own_frame(exc)
+    where = "" if frame is None else f" ({Path(frame[0]).name}, line {frame[1]}, in {frame[2]})"
+    return f"{what} raised {type(exc).__name__}: {exc}{where}"
+
+
+def _own_frame(exc: BaseException) -> tuple[str, int | None, str] | None:
+    # The innermost frame outside library code: the model author's line.
+    for summary in reversed(traceback.extract_tb(exc.__traceback__)):
+        try:
+            path = str(Path(summary.filename).resolve())
+        except (OSError, RuntimeError, ValueError):  # pragma: no cover  # an odd file name
+            continue
+        if not path.startswith(_LIBRARY_DIRS) and not summary.filename.startswith("<"):
+            return summary.filename, summary.lineno, summary.name
+    return None
+
+
 @final
 class PythonBackend:
     """Loads a Python class as a model: one object per instance (see the module's docs)."""
@@ -146,16 +199,23 @@ class PythonBackend:
         """Import the class, build one object for *placement*, and run its ``load``.
 
         Raises:
-            ConfigError: An unknown option, or a signature that cannot be read.
+            ConfigError: An unknown option, a signature that cannot be read, or
+                parameters that the class's constructor cannot take.
             BackendError: The file or class is missing, or constructing or
                 loading the object raised (chained).
         """
         options = config.backend_options
         unknown = sorted(set(options) - set(OPTIONS))
         if unknown:
+            # A typo (ouputs) is the usual cause: name the option it was meant to be.
+            hints = "".join(
+                f"; did you mean {close[0]!r} for {key!r}?"
+                for key in unknown
+                if (close := difflib.get_close_matches(key, OPTIONS, n=1))
+            )
             raise ConfigError(
                 f"model {config.name!r}: unknown python backend option "
-                f"{', '.join(map(repr, unknown))}; known: {', '.join(OPTIONS)}"
+                f"{', '.join(map(repr, unknown))}; known: {', '.join(OPTIONS)}{hints}"
             )
         signature = ModelSignature.declared(
             options.get("inputs"), options.get("outputs"), model=config.name
@@ -213,11 +273,28 @@ class PythonBackend:
 
 def _construct(cls: type, kwargs: dict[str, Any], label: str, decoupled: bool) -> Any:
     try:
+        signature = inspect.signature(cls)
+    except (TypeError, ValueError):  # no signature to read: the call itself says
+        signature = None
+    if signature is not None:
+        try:
+            signature.bind(**kwargs)
+        except TypeError as exc:
+            # The constructor's arguments come from config.toml: say where to set them,
+            # rather than leave the bare TypeError of a call the author never wrote.
+            given = ", ".join(sorted(kwargs)) or "none"
+            takes = ", ".join(
+                str(p).split(":")[0].split("=")[0] for p in signature.parameters.values()
+            )
+            raise ConfigError(
+                f"{label}: {cls.__name__}({takes}) cannot be called with the backend "
+                f"option parameters ({given}): {exc}; set its arguments with "
+                "parameters = { name = value, ... } in [backend_options]"
+            ) from None
+    try:
         model = cls(**kwargs)
     except Exception as exc:
-        raise BackendError(
-            f"{label}: {cls.__name__}(...) raised {type(exc).__name__}: {exc}"
-        ) from exc
+        raise BackendError(_raised(f"{label}: {cls.__name__}(...)", exc)) from exc
     infer = getattr(model, "infer", None)
     if not callable(infer):
         raise BackendError(f"{label}: class {cls.__name__} has no infer(self, inputs)")
@@ -283,9 +360,7 @@ def _import(model: str, path: Path) -> ModuleType:
         spec.loader.exec_module(module)
     except Exception as exc:
         del sys.modules[name]
-        raise BackendError(
-            f"model {model!r}: importing {path.name} raised {type(exc).__name__}: {exc}"
-        ) from exc
+        raise BackendError(_raised(f"model {model!r}: importing {path.name}", exc)) from exc
     return module
 
 
@@ -312,6 +387,8 @@ class PythonInstance:
         abort = getattr(model, "abort", None)
         self._abort = abort if callable(abort) else None
         self._closed = False
+        #: Where infer failed so far, each logged once with its traceback (see _failed).
+        self._logged: set[tuple[str, str, int | None]] = set()
         # (name, dtype, rank, fixed (axis, size) pairs) of each declared output:
         # what _checked compares an answer of arrays against, in a few comparisons.
         self._expected = tuple(
@@ -380,9 +457,7 @@ class PythonInstance:
                 except (anyio.get_cancelled_exc_class(), TrioInferError):
                     raise
                 except Exception as exc:
-                    raise BackendError(
-                        f"{self._label}: infer raised {type(exc).__name__}: {exc}"
-                    ) from exc
+                    raise self._failed(exc) from exc
                 yield self._checked(outputs)
         finally:
             await generator.aclose()
@@ -406,8 +481,23 @@ class PythonInstance:
         except (anyio.get_cancelled_exc_class(), TrioInferError):
             raise  # the model chose the error's class (InvalidInput is the client's fault)
         except Exception as exc:
-            raise BackendError(f"{self._label}: infer raised {type(exc).__name__}: {exc}") from exc
+            raise self._failed(exc) from exc
         return self._checked(outputs)
+
+    def _failed(self, exc: Exception) -> BackendError:
+        # The error callers get names the line; the log gets the whole traceback, once per
+        # place (a model failing every request would otherwise flood it).
+        error = BackendError(_raised(f"{self._label}: infer", exc))
+        frame = _own_frame(exc)
+        place = (type(exc).__name__, *(("", None) if frame is None else frame[:2]))
+        if place not in self._logged and len(self._logged) < _LOGGED_AT_MOST:
+            self._logged.add(place)
+            log.error(
+                "%s; its traceback (logged once per place it fails at):",
+                error,
+                exc_info=exc,
+            )
+        return error
 
     def _checked(self, outputs: object) -> dict[str, np.ndarray[Any, Any]]:
         expected = self._expected
@@ -456,8 +546,16 @@ class PythonInstance:
             if array.dtype != spec.dtype and not (
                 spec.dtype == np.object_ and array.dtype.kind in "US"
             ):
+                # numpy's default float64 under a float32 declaration is the usual case.
+                hint = (
+                    f" (return it with .astype(numpy.{spec.dtype.name}), or declare "
+                    f'dtype = "{array.dtype.name}" in config.toml)'
+                    if spec.dtype is not None and spec.dtype != np.object_
+                    else ""
+                )
                 raise BackendError(
-                    f"{where} has dtype {array.dtype.name}; the config declares {spec.describe()}"
+                    f"{where} has dtype {array.dtype.name}; the config declares "
+                    f"{spec.describe()}{hint}"
                 )
             if spec.dtype == np.object_ and array.dtype != np.object_:
                 array = array.astype(object)
@@ -492,9 +590,7 @@ class PythonInstance:
         except anyio.get_cancelled_exc_class():
             raise
         except Exception as exc:
-            raise BackendError(
-                f"{self._label}: {name}() raised {type(exc).__name__}: {exc}"
-            ) from exc
+            raise BackendError(_raised(f"{self._label}: {name}()", exc)) from exc
 
     async def aclose(self) -> None:
         """Run the object's ``close`` once, then stop the worker thread. Idempotent."""

@@ -168,7 +168,11 @@ def _to_instances(value: object) -> tuple[Instance, ...]:
     if isinstance(value, Instance):
         return (value,)
     if not isinstance(value, (list, tuple)) or not value:
-        raise ConfigError(f"instances must be a non-empty list of Instance, got {value!r}")
+        # Both spellings, since either file or code may have written it.
+        raise ConfigError(
+            f"instances must be a non-empty list of Instance (in config.toml, [[instances]] "
+            f'tables, e.g. instances = [{{ device = "cpu", count = 2 }}]), got {value!r}'
+        )
     out = []
     for item in value:
         if isinstance(item, Instance):
@@ -444,6 +448,10 @@ def model_file_hint(backend: object) -> str:
     """
     if not isinstance(backend, str) or backend in MODEL_FILES or backend == "onnxruntime":
         return ""
+    # backend = "pyhton": a typo, not a plugin of its own; say so rather than name its file.
+    first_party = ("onnxruntime", PIPELINE, "ray", *MODEL_FILES)
+    if close := difflib.get_close_matches(backend, first_party, n=1):
+        return f"; is backend = {backend!r} a typo? did you mean {close[0]!r}?"
     return (
         f"; on the {backend!r} backend too, the model file in a version directory is "
         "named model.onnx, whatever its format, unless config.toml names it with "

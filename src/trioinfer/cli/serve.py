@@ -68,7 +68,9 @@ def _rate_not_nan(
     default=None,
     metavar="DIR",
     help="<DIR>/<model>/<version>/model.onnx, with an optional <DIR>/<model>/config.toml "
-    "(or Triton's config.pbtxt). Default: the bundled example repository.",
+    "(or Triton's config.pbtxt); a Python model is <version>/model.py, with backend = "
+    '"python" and its inputs and outputs in config.toml. Default: the bundled example '
+    "repository.",
 )
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on.")
 @click.option(
@@ -296,6 +298,11 @@ def serve(ctx: click.Context, /, **options: Any) -> None:
             why = cause.strerror or str(cause)
             if cause.errno == errno.EADDRNOTAVAIL:
                 why += " (it is not an address of this host; 0.0.0.0 listens on all of them)"
+            elif cause.errno == errno.EADDRINUSE:
+                why += (
+                    " (another process listens there, perhaps another trioinfer serve: stop "
+                    "it, or choose another --port; --port 0 picks a free one)"
+                )
             raise click.ClickException(
                 f"cannot listen on {settings['host']}:{settings['port']}: {why}"
             ) from exc

@@ -1374,6 +1374,8 @@ class _InferEndpoint:
             except TrioInferError as exc:
                 state.metrics.count(model, params.get("version"), exc)
                 status = status_for(exc)
+                if status == 500:  # as error_response and gRPC do: the server's fault
+                    log.error("request failed: %s: %s", type(exc).__name__, exc)  # noqa: TRY400
                 body = dumps({"error": state.models.public_message(exc)})
                 extra = [(k.encode(), v.encode()) for k, v in _error_headers(exc).items()]
                 extra.append((b"content-type", b"application/json"))

@@ -25,6 +25,7 @@ model's generator stops at the ``yield`` it waits at.
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 from typing import Any, Final, final
 
@@ -50,6 +51,8 @@ from ._errors import ClientLeft, NotReady
 from ._models import ServedVersion
 
 __all__ = ["GenerateEndpoint", "decode_generate_request", "encode_generate_response"]
+
+log = logging.getLogger("trioinfer.server")
 
 _SSE_HEADERS: Final = [
     (b"content-type", b"text/event-stream; charset=utf-8"),
@@ -215,6 +218,8 @@ class GenerateEndpoint:
                 return  # there is nobody to answer
             except TrioInferError as exc:
                 state.metrics.count(model, version, exc)
+                if status_for(exc) == 500:  # as error_response and gRPC do: the server's fault
+                    log.error("request failed: %s: %s", type(exc).__name__, exc)  # noqa: TRY400
                 message = state.models.public_message(exc)
                 if started:  # the status went out with the first event: say it in one more
                     await send({"type": "http.response.body", "body": _event({"error": message})})

@@ -1031,7 +1031,8 @@ def listen_error(host: str, port: int, exc: OSError) -> OSError:
     return OSError(
         exc.errno,
         f"cannot listen for gRPC on {_bracket(host)}:{port}: {exc.strerror or exc} (the "
-        "port is in use, or the address is not one of this host's: --grpc-port, --host)",
+        "port is in use, or the address is not one of this host's: --grpc-port, --host; "
+        "--no-grpc serves HTTP alone)",
     )
 
 

@@ -161,9 +161,12 @@ class ServedModels:
         if not versions:
             # A model between an unload and a load has an entry without versions: not served.
             served = ", ".join(repr(m) for m in sorted(self._served) if self._served[m]) or "none"
-            # Triton's wording, which its clients check for.
+            # Triton's wording, which its clients check for; then why, when its load failed
+            # (a newcomer's model with a typo in its config.toml is in the repository).
+            failed = self._errors.get(model)
             raise ModelNotFound(
-                f"Request for unknown model: {_shown(model)} is not served; served models: {served}"
+                f"Request for unknown model: {_shown(model)} is not served; served models: "
+                f"{served}" + (f"; {failed}" if failed else "")
             )
         if version is None:
             split = self._traffic.get(model)

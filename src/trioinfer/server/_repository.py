@@ -31,6 +31,7 @@ import attrs
 
 from .._config import (
     _NAME_RE,
+    MODEL_FILES,
     PIPELINE,
     ModelConfig,
     model_file_hint,
@@ -309,10 +310,13 @@ class ModelEntry:
                     f"model {self.name!r}: {_CONFIG_FILE} sets path = "
                     f"{_shown(self.settings['path'])}, but there is no such file"
                 )
+            # What was there instead, and why it was not read: a model.py without
+            # backend = "python", a version directory named v1.
+            ignored = "".join(f"; {note}" for note in self.notes)
             raise ConfigError(
                 f"model {self.name!r} has no version to serve: "
                 f"expected {self.name}/<N>/{self.model_file} with N a positive integer"
-                f"{model_file_hint(self.settings.get('backend', 'onnxruntime'))}"
+                f"{model_file_hint(self.settings.get('backend', 'onnxruntime'))}{ignored}"
             )
         missing = [v for v in self.policy.versions if v not in self.versions]
         if missing:
@@ -813,6 +817,22 @@ class ModelRepository:
             log.info("%s", message)
 
 
+def _other_backend_file(version_dir: Path, file_name: str) -> str:
+    """What to add when *version_dir* lacks *file_name* but holds another backend's model file.
+
+    A ``model.py`` without ``backend = "python"`` in ``config.toml`` (or a
+    ``model.onnx`` under it) is the first model a newcomer writes: name the fix.
+    """
+    for backend, other in (("onnxruntime", "model.onnx"), *MODEL_FILES.items()):
+        if other != file_name and _lexists(version_dir / other):
+            default = " (the default)" if backend == "onnxruntime" else ""
+            return (
+                f', but a {other}, which is served with backend = "{backend}"{default} '
+                f"in {_CONFIG_FILE}"
+            )
+    return ""
+
+
 def _scan(
     name: str, directory: Path, root: Path, override: Mapping[str, Any] | None = None
 ) -> ModelEntry:
@@ -893,7 +913,7 @@ def _scan(
         raise ConfigError(f"{where}: cannot list its directory: {exc.strerror or exc}") from None
 
     fixed_file = "path" in settings
-    file_name = model_file_name(settings.get("backend", "onnxruntime"))
+    file_name = default_file = model_file_name(settings.get("backend", "onnxruntime"))
     if triton is not None and triton.model_filename is not None:
         file_name = triton.model_filename
     versions: list[int] = []
@@ -936,7 +956,9 @@ def _scan(
         _confine(child, root, where)
         model_file = child / file_name
         if not _lexists(model_file):
-            notes.append(f"ignored version directory {child_name} (it holds no {file_name})")
+            # config.pbtxt's default_model_filename names the file: no other backend's is meant.
+            other = "" if file_name != default_file else _other_backend_file(child, file_name)
+            notes.append(f"ignored version directory {child_name} (it holds no {file_name}{other})")
             continue
         _confine(model_file, root, where)
         if not _is_file(model_file):
