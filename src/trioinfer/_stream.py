@@ -282,15 +282,27 @@ async def _generate(
     traced: StreamTrace | None,
 ) -> None:
     runner = gate.runner
+    # Each response is checked as an execution's answer is (unbatched: a stream's
+    # request runs alone): a caller gets what the model's metadata says.
+    check = runner._output_check
+    label = replica.label
     try:
         with scope:
             generator = instance.stream(request.inputs)
             try:
                 if traced is None:
                     async for outputs in generator:
+                        if check is not None:
+                            check.check(outputs, 0, label)
                         await send.send(outputs)
                 else:
-                    await traced.generate(generator, send.send)
+
+                    async def checked(outputs: Outputs) -> None:
+                        if check is not None:
+                            check.check(outputs, 0, label)
+                        await send.send(outputs)
+
+                    await traced.generate(generator, checked)
             finally:
                 # The caller left, was cancelled, or the engine closes: the model stops at
                 # the yield it waits at (GeneratorExit there), never later.
