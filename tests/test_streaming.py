@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -222,6 +223,64 @@ async def test_a_model_s_own_error_reaches_the_caller_as_it_is() -> None:
         with pytest.raises(BackendError, match=r"output 'i' has shape \[2\]; the config"):
             await collect(engine, "misshapen", n(1))
         assert_all_ended(engine, accepted=2)
+
+
+class _Yields:
+    """A third-party decoupled instance: its stream yields *responses* as they are."""
+
+    decoupled = True
+    device = "cpu"
+
+    def __init__(self, responses: list[Any]) -> None:
+        self.signature = trioinfer.ModelSignature.declared(
+            SIGNATURE["inputs"], SIGNATURE["outputs"], model="m"
+        )
+        self._responses = responses
+
+    async def execute(self, inputs: Arrays) -> Arrays:  # pragma: no cover  # never called
+        raise AssertionError("a decoupled instance is only streamed")
+
+    async def stream(self, inputs: Arrays) -> AsyncIterator[Arrays]:
+        for response in self._responses:
+            yield response
+
+    async def aclose(self) -> None:
+        pass
+
+
+@pytest.mark.parametrize(
+    ("bad", "said"),
+    [
+        (np.array([1.0]), "with dtype float64; its signature declares int32[1]"),
+        (np.array([[1]], np.int32), "with shape [1, 1]; its signature declares int32[1]"),
+        (np.array([1, 2], np.int32), "with shape [2]; its signature declares int32[1]"),
+    ],
+    ids=["dtype", "rank", "fixed"],
+)
+@pytest.mark.parametrize("traced", [False, pytest.param(True, marks=pytest.mark.tracing)])
+async def test_a_third_party_stream_s_responses_are_checked_against_the_signature(
+    bad: Any, said: str, traced: bool
+) -> None:
+    """The Python backend checks its own; the engine checks any backend's, per response."""
+    instance = _Yields([{"i": np.array([0], np.int32)}, {"i": bad}, {"i": np.array([2])}])
+
+    class Backend:
+        async def load(self, config: ModelConfig, placement: Any) -> _Yields:
+            return instance
+
+    registry = trioinfer.Registry(extra={"backends": {"third": Backend}})
+    kwargs: dict[str, Any] = {}
+    if traced:  # a sampled stream's responses take the traced loop
+        sdk = pytest.importorskip("opentelemetry.sdk.trace")
+        kwargs["tracer_provider"] = sdk.TracerProvider()
+    async with open_engine(registry=registry, **kwargs) as engine:
+        await engine.load(ModelConfig(name="m", path="-", backend="third"))
+        got: list[Arrays] = []
+        said = re.escape(f"model 'm': instance 0 (cpu) returned output 'i' {said}")
+        with pytest.raises(BackendError, match=f"^{said}"):
+            await collect(engine, "m", n(3), got)
+        assert [r["i"].tolist() for r in got] == [[0]]  # the responses before it came
+        assert_all_ended(engine, accepted=1)
 
 
 async def test_every_stream_ends_exactly_once() -> None:

@@ -667,9 +667,9 @@ class OutputCheck:
 
         *label* names the instance that answered, for the message.
         """
-        if outputs.__class__ is dict and outputs.keys() == self._names:  # type: ignore[attr-defined]
+        if outputs.__class__ is dict and outputs.keys() == self._names:
             for name, dtype, rank, fixed in self._expected:
-                array = outputs[name]  # type: ignore[index]
+                array = outputs[name]
                 if array.__class__ is not np.ndarray or array.dtype is not dtype:
                     break
                 shape = array.shape
