@@ -287,6 +287,10 @@ def _import(model: str, path: Path) -> ModuleType:
 class PythonInstance:
     """One object of a Python model's class, on its placement."""
 
+    #: Every answer (and streamed response) is checked against the declared signature
+    #: here, where lists are converted too: the engine need check only names and rows.
+    checks_outputs = True
+
     def __init__(
         self,
         model: Any,

@@ -960,7 +960,7 @@ class ModelRunner(metaclass=NoPublicConstructor):
         self._output_check = (
             None
             if self.config.backend == PIPELINE
-            else OutputCheck(self.config.name, self.signature)
+            else OutputCheck.for_instances(self.config.name, self.signature, self._instances)
         )
         self.batched = self.signature.batched
         if not self.batched and self.config.batcher != "none":
