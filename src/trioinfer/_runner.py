@@ -1376,7 +1376,7 @@ class ModelRunner(metaclass=NoPublicConstructor):
                         try:
                             outputs = await replica._backend_instance.execute(inputs)
                             if (check := self._output_check) is not None:
-                                check.check(outputs, rows if self.batched else 0, replica.label)
+                                check.check(outputs, rows if self.batched else 0, replica)
                             elif self.batched:
                                 _check_rows(self.config.name, replica, outputs, rows)
                         except Exception:
@@ -1745,7 +1745,7 @@ class ModelRunner(metaclass=NoPublicConstructor):
             except StopIteration as done:
                 outputs: Outputs = done.value
                 if (check := self._output_check) is not None:
-                    check.check(outputs, rows if self.batched else 0, replica.label)
+                    check.check(outputs, rows if self.batched else 0, replica)
                 elif self.batched:
                     _check_rows(self.config.name, replica, outputs, rows)
             else:
@@ -1958,7 +1958,7 @@ class ModelRunner(metaclass=NoPublicConstructor):
                         answer = await replica._backend_instance.execute(request.inputs)
                 if answer is not None:
                     if (check := self._output_check) is not None:
-                        check.check(answer, rows if self.batched else 0, replica.label)
+                        check.check(answer, rows if self.batched else 0, replica)
                     elif self.batched:
                         _check_rows(self.config.name, replica, answer, rows)
                 outputs = answer
@@ -2296,7 +2296,7 @@ class ModelRunner(metaclass=NoPublicConstructor):
         try:
             outputs = await replica._backend_instance.execute(inputs)
             if (check := self._output_check) is not None:
-                check.check(outputs, rows, replica.label)
+                check.check(outputs, rows, replica)
             elif rows:
                 _check_rows(self.config.name, replica, outputs, rows)
         except Exception:

@@ -342,7 +342,6 @@ async def _generate(
     # Each response is checked as an execution's answer is (unbatched: a stream's
     # request runs alone): a caller gets what the model's metadata says.
     check = runner._output_check
-    label = replica.label
     try:
         with scope:
             generator = instance.stream(request.inputs)
@@ -350,13 +349,13 @@ async def _generate(
                 if traced is None:
                     async for outputs in generator:
                         if check is not None:
-                            check.check(outputs, 0, label)
+                            check.check(outputs, 0, replica)
                         await send.send(outputs)
                 else:
 
                     async def checked(outputs: Outputs) -> None:
                         if check is not None:
-                            check.check(outputs, 0, label)
+                            check.check(outputs, 0, replica)
                         await send.send(outputs)
 
                     await traced.generate(generator, checked)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, Final, Literal, NoReturn, cast, final
+from typing import Any, Final, Literal, NoReturn, Protocol, cast, final
 
 import attrs
 import numpy as np
@@ -620,6 +620,15 @@ def _names(specs: tuple[TensorSpec, ...]) -> str:
     return ", ".join(f"{s.name!r} {s.describe()}" for s in specs) or "(none)"
 
 
+class Labelled(Protocol):
+    """What answered an execution, as an error message names it (a replica)."""
+
+    @property
+    def label(self) -> str:
+        """E.g. ``"instance 0 (cpu)"``."""
+        ...
+
+
 class OutputCheck:
     """A model's declared outputs, as the engine checks every execution's answer against them.
 
@@ -672,10 +681,11 @@ class OutputCheck:
             for spec in signature.outputs
         )
 
-    def check(self, outputs: object, rows: int, label: str) -> None:
+    def check(self, outputs: object, rows: int, who: Labelled) -> None:
         """Raise `BackendError` unless *outputs* fit the signature (*rows* rows each; 0: unbatched).
 
-        *label* names the instance that answered, for the message.
+        *who* answered: its ``label`` names it in the message (read only then:
+        a replica's is formatted on each read).
         """
         if outputs.__class__ is dict and outputs.keys() == self._names:
             for name, dtype, rank, fixed in self._expected:
@@ -700,13 +710,13 @@ class OutputCheck:
                     break
             else:
                 return
-        self._explain(outputs, rows, label)
+        self._explain(outputs, rows, who)
 
-    def _explain(self, outputs: object, rows: int, label: str) -> None:
+    def _explain(self, outputs: object, rows: int, who: Labelled) -> None:
         # The slow path: raise with what is wrong, or return for an answer the fast
         # path could not judge (a dtype equal but not the same object, a BYTES output
         # as str_, a dtype the signature leaves open, a mapping that is not a dict).
-        where = f"model {self._model!r}: {label}"
+        where = f"model {self._model!r}: {who.label}"
         declared = [spec.name for spec in self._specs]
         if not isinstance(outputs, Mapping):
             raise BackendError(
@@ -734,7 +744,7 @@ class _NamesAndRows(OutputCheck):
     # output's rows (which only the engine knows). What is wrong, _explain says.
     __slots__ = ()
 
-    def check(self, outputs: object, rows: int, label: str) -> None:
+    def check(self, outputs: object, rows: int, who: Labelled) -> None:
         if outputs.__class__ is dict and outputs.keys() == self._names:
             if not rows:
                 return
@@ -743,7 +753,7 @@ class _NamesAndRows(OutputCheck):
                     break
             else:
                 return
-        self._explain(outputs, rows, label)
+        self._explain(outputs, rows, who)
 
 
 def output_misfit(spec: TensorSpec, array: object, rows: int) -> str | None:
