@@ -73,9 +73,17 @@ microseconds in all, so that callers looping on the model never starve the
 rest of the program.
 
 The engine checks inputs against the declared signature before they queue,
-as for an ONNX model, and this backend checks every output against it: a
-missing or extra output, another dtype, rank or fixed size is a
-``BackendError`` naming the output. A ``BYTES`` (``string``) input reaches
+as for an ONNX model, and every output against it, on every execution and
+every streamed response: a missing or extra output, another dtype, rank or
+fixed size (any size where the shape says -1 or a name), or, batched, other
+than one row per input row, is a ``BackendError`` naming the model, the
+output, what came and what the config declares; the request(s) of that
+execution end with it (a 500 over HTTP: the model's fault, not the
+client's). An array of another dtype is refused, not cast (as Triton
+does): the model's metadata tells clients the declared dtype, and a float64
+answer under FP32 metadata is a bug to fix where the model computes it
+(``astype``), not to round silently. A value that is not an array (a list,
+a number) is converted to the declared dtype. A ``BYTES`` (``string``) input reaches
 the model as its caller gave it, an object array of ``bytes`` or ``str``
 (over HTTP and gRPC, ``str``): an ONNX model's string inputs are UTF-8 text,
 so the engine decodes ``bytes`` for those, but a declared one may hold any
