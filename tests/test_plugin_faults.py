@@ -649,6 +649,30 @@ async def test_a_backend_whose_outputs_do_not_fit_its_signature_fails_with_a_bac
     assert (stats.failed, stats.replicas[0].failures) == (1, 1)
 
 
+async def test_an_instance_that_checks_its_outputs_itself_gets_names_and_rows_checked() -> None:
+    """checks_outputs = True (the Python backend's): the engine trusts its dtypes and
+    shapes, and still checks what only it knows, the batch's rows, and the names."""
+    answer: dict[str, Any] = {"y": X.astype(np.float64)}
+
+    class Trusted(_InlineOutputs):
+        checks_outputs = True
+
+    class Backend:
+        async def load(self, config: ModelConfig, placement: Any) -> _InlineOutputs:
+            return Trusted(lambda inputs: answer)
+
+    reg = trioinfer.Registry(extra={"backends": {"fake": Backend}})
+    async with open_engine(registry=reg) as engine:
+        await engine.load(config())
+        assert (await engine.infer("m", {"x": X}))["y"].dtype == np.float64  # its word
+        answer = {"y": np.zeros((2, 4), np.float32)}
+        with pytest.raises(trioinfer.BackendError, match=r"shape \[2, 4\] for a batch of 1"):
+            await engine.infer("m", {"x": X})
+        answer = {"z": X}
+        with pytest.raises(trioinfer.BackendError, match=r"returned outputs \['z'\]"):
+            await engine.infer("m", {"x": X})
+
+
 async def test_outputs_that_fit_in_another_form_pass_as_they_are() -> None:
     """Open sizes take any size; a BYTES output may be str_ or object; a numpy scalar is
     a rank-0 array; a dtype equal to the declared one passes though not the same object."""

@@ -651,7 +651,12 @@ class OutputCheck:
     the batch's rows are checked here (`for_instances`).
     """
 
-    __slots__ = ("_expected", "_model", "_names", "_specs")
+    __slots__ = ("_expected", "_model", "_specs", "names")
+
+    #: Whether it checks dtypes and shapes too (not only names and rows).
+    full = True
+    #: The declared output names.
+    names: frozenset[str]
 
     @staticmethod
     def for_instances(
@@ -665,7 +670,7 @@ class OutputCheck:
     def __init__(self, model: str, signature: ModelSignature) -> None:
         self._model = model
         self._specs = signature.outputs
-        self._names = frozenset(spec.name for spec in signature.outputs)
+        self.names = frozenset(spec.name for spec in signature.outputs)
         # (name, dtype, rank, fixed (axis, size) pairs) of each declared output.
         self._expected = tuple(
             (
@@ -687,7 +692,7 @@ class OutputCheck:
         *who* answered: its ``label`` names it in the message (read only then:
         a replica's is formatted on each read).
         """
-        if outputs.__class__ is dict and outputs.keys() == self._names:
+        if outputs.__class__ is dict and outputs.keys() == self.names:
             for name, dtype, rank, fixed in self._expected:
                 array = outputs[name]
                 if array.__class__ is not np.ndarray:
@@ -743,9 +748,10 @@ class _NamesAndRows(OutputCheck):
     # For instances that check dtypes and shapes themselves: the names, and each
     # output's rows (which only the engine knows). What is wrong, _explain says.
     __slots__ = ()
+    full = False
 
     def check(self, outputs: object, rows: int, who: Labelled) -> None:
-        if outputs.__class__ is dict and outputs.keys() == self._names:
+        if outputs.__class__ is dict and outputs.keys() == self.names:
             if not rows:
                 return
             for array in outputs.values():
