@@ -646,9 +646,10 @@ class OutputCheck:
 
     On the request path: the usual answer is judged in a few identity and
     integer comparisons per output; anything else takes the slow path, which
-    says what is wrong. An instance that checks its answers itself (the
-    Python backend's) says ``checks_outputs = True``: then only the names and
-    the batch's rows are checked here (`for_instances`).
+    says what is wrong. An instance whose answers fit by construction or by
+    its own check (ONNX Runtime's, the Python backend's) says
+    ``checks_outputs = True``: then only the names and the batch's rows are
+    checked here (`for_instances`).
     """
 
     __slots__ = ("_expected", "_model", "_specs", "names")

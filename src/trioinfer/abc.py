@@ -574,10 +574,11 @@ class BackendInstance(Protocol):
         answer, and one that does not fit fails the execution's requests with
         ``BackendError`` naming the instance, the output, what came and what
         was declared (a 500 over HTTP). Nothing is converted: a client is
-        told the declared dtype, so it must get that one. An instance that
-        checks its answers itself (the Python backend's) may say
-        ``checks_outputs = True`` (an attribute, read at load): the engine
-        then checks only the names and, batched, the rows.
+        told the declared dtype, so it must get that one. An instance whose
+        answers fit by construction or by its own check (ONNX Runtime's,
+        typed and shaped by the graph; the Python backend's, which checks
+        each) may say ``checks_outputs = True`` (an attribute, read at load):
+        the engine then checks only the names and, batched, the rows.
 
         For a batched model (``signature.batched``), every output must have
         one row per input row: the engine cuts each caller's rows out of it,
