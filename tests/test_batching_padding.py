@@ -202,7 +202,8 @@ async def test_inputs_that_disagree_on_the_length_are_not_padded(
 
     def fn(inputs: Arrays) -> dict[str, np.ndarray[Any, Any]]:
         seen.append({name: array.copy() for name, array in inputs.items()})
-        return {"w": inputs["x"] + inputs["attention_mask"].sum(axis=1, keepdims=True)}
+        lengths = inputs["attention_mask"].sum(axis=1, keepdims=True, dtype=np.float32)
+        return {"w": inputs["x"] + lengths}  # float32, as declared (the engine checks)
 
     backend = FakeBackend(fn, signature=signature, delay=1.0)
     odd = {"x": np.ones((1, 3), np.float32), "attention_mask": np.ones((1, 5), np.int64)}

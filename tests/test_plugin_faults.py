@@ -596,6 +596,144 @@ async def test_a_backend_that_returns_other_outputs_fails_with_a_backend_error(
                 assert status_for(error) == 500
 
 
+@pytest.mark.parametrize(
+    ("make", "said"),
+    [
+        (
+            lambda i: {"y": i["x"].astype(np.float64)},
+            "returned output 'y' with dtype float64; its signature declares float32[batch, 4]",
+        ),
+        (
+            lambda i: {"y": i["x"][:, 0]},  # a wrong rank: the fixed dimension is missing
+            "returned output 'y' with shape [1]; its signature declares float32[batch, 4]",
+        ),
+        (
+            lambda i: {"y": i["x"][:, :3]},
+            "returned output 'y' with shape [1, 3]; its signature declares float32[batch, 4]",
+        ),
+        (
+            lambda i: {"y": np.concatenate([i["x"], i["x"]])},
+            "returned output 'y' with shape [2, 4] for a batch of 1 rows",
+        ),
+        (
+            lambda i: {"y": i["x"].tolist()},
+            "returned output 'y' as a 'list' object; its signature declares a numpy array",
+        ),
+    ],
+    ids=["dtype", "rank", "fixed", "rows", "list"],
+)
+@pytest.mark.parametrize("path", ["alone", "dynamic", "inline", "hoping"])
+async def test_a_backend_whose_outputs_do_not_fit_its_signature_fails_with_a_backend_error(
+    make: Any, said: str, path: str
+) -> None:
+    """A float64 answer for FP32 reached clients as FP64 while metadata said FP32; the
+    engine checked names only. Every path an execution takes checks the same way."""
+    backend: Any = FakeBackend(make)
+    if path in ("inline", "hoping"):
+        kind = _InlineOutputs if path == "inline" else _HopingOutputs
+
+        class Inline:
+            async def load(self, config: ModelConfig, placement: Any) -> _InlineOutputs:
+                return kind(make)
+
+        backend = Inline()
+    reg = trioinfer.Registry(extra={"backends": {"fake": lambda: backend}})
+    with trio.fail_after(10):
+        async with open_engine(registry=reg) as engine:
+            await engine.load(config(batcher="dynamic" if path == "dynamic" else "none"))
+            with pytest.raises(trioinfer.BackendError) as caught:
+                await engine.infer("m", {"x": X})
+            stats = engine.statistics().models["m"]
+    assert str(caught.value).startswith("model 'm': instance 0 (cpu) " + said)
+    assert status_for(caught.value) == 500
+    assert (stats.failed, stats.replicas[0].failures) == (1, 1)
+
+
+async def test_an_instance_that_checks_its_outputs_itself_gets_names_and_rows_checked() -> None:
+    """checks_outputs = True (the Python backend's): the engine trusts its dtypes and
+    shapes, and still checks what only it knows, the batch's rows, and the names."""
+    answer: dict[str, Any] = {"y": X.astype(np.float64)}
+
+    class Trusted(_InlineOutputs):
+        checks_outputs = True
+
+    class Backend:
+        async def load(self, config: ModelConfig, placement: Any) -> _InlineOutputs:
+            return Trusted(lambda inputs: answer)
+
+    reg = trioinfer.Registry(extra={"backends": {"fake": Backend}})
+    async with open_engine(registry=reg) as engine:
+        await engine.load(config())
+        assert (await engine.infer("m", {"x": X}))["y"].dtype == np.float64  # its word
+        answer = {"y": np.zeros((2, 4), np.float32)}
+        with pytest.raises(trioinfer.BackendError, match=r"shape \[2, 4\] for a batch of 1"):
+            await engine.infer("m", {"x": X})
+        answer = {"z": X}
+        with pytest.raises(trioinfer.BackendError, match=r"returned outputs \['z'\]"):
+            await engine.infer("m", {"x": X})
+
+
+async def test_outputs_that_fit_in_another_form_pass_as_they_are() -> None:
+    """Open sizes take any size; a BYTES output may be str_ or object; a numpy scalar is
+    a rank-0 array; a dtype equal to the declared one passes though not the same object."""
+    signature = trioinfer.ModelSignature(
+        inputs=(trioinfer.TensorSpec("x", np.dtype(np.float32), ("batch", 4)),),
+        outputs=(
+            trioinfer.TensorSpec("y", np.dtype(np.float32), ("batch", None)),
+            trioinfer.TensorSpec("s", np.dtype(object), (None,)),
+            trioinfer.TensorSpec("n", np.dtype(np.int64), ()),
+        ),
+    )
+    little = np.dtype("<f4").newbyteorder("=")  # float32, built afresh
+
+    def answer(inputs: Any) -> dict[str, Any]:
+        return {
+            "y": inputs["x"][:, :3].astype(little),
+            "s": np.array(["a", "b"]),
+            "n": np.int64(len(inputs["x"])),
+        }
+
+    backend = FakeBackend(answer, signature=signature)
+    async with open_engine(registry=backend.registry()) as engine:
+        await engine.load(config())
+        out = await engine.infer("m", {"x": X})
+    assert out["y"].shape == (1, 3)
+    assert out["s"].tolist() == ["a", "b"]
+    assert int(out["n"]) == 1
+
+
+async def test_a_fallback_answering_with_outputs_that_do_not_fit_breaks_its_contract() -> None:
+    """A fallback's answer (a default, another model's outputs) is checked as a backend's."""
+
+    class Default:
+        def __init__(self) -> None:
+            self.answer: dict[str, Any] = {"y": [[0.0, 0.0, 0.0, 0.0]]}  # float64 from a list
+
+        async def execute(self, execution: Execution) -> None:
+            for request in execution.pending():
+                execution.respond(request, self.answer, via="default")
+
+    fallback = Default()
+    reg = registry(FakeBackend(), fallbacks={"default": lambda: fallback})
+    async with open_engine(registry=reg) as engine:
+        await engine.load(config(fallback="default"))
+        with pytest.raises(trioinfer.PluginContractError) as caught:
+            await engine.infer("m", {"x": X}, request_id="r1")
+        fallback.answer = {"y": np.zeros((2, 4), np.float32)}  # two rows for a one-row request
+        with pytest.raises(trioinfer.PluginContractError, match=r"shape \[2, 4\] for a batch"):
+            await engine.infer("m", {"x": X})
+        fallback.answer = {"y": np.zeros((1, 4), np.float32)}
+        out = await engine.infer("m", {"x": X})
+    assert str(caught.value) == (
+        "fallback 'default' of model 'm' answered request 'r1' of model 'm' (default) with "
+        "output 'y' "
+        "with dtype float64; its signature declares float32[batch, 4] (the engine does not "
+        "convert outputs: clients are told the declared dtype)"
+    )
+    assert status_for(caught.value) == 500
+    assert out["y"].dtype == np.float32
+
+
 def _repository(root: Path) -> Path:
     source = trioinfer.example_repository() / "digits"
     shutil.copytree(source, root / "digits")

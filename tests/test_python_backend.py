@@ -567,6 +567,72 @@ async def test_a_python_model_is_served_over_http(tmp_path: Path) -> None:
     assert answer["outputs"][0]["data"] == [10.0, 20.0]
 
 
+MISFITS = {
+    # model name: (what its infer returns, what the 500 says)
+    "f64": (
+        "{'y': inputs['x'].astype('float64')}",
+        "model 'f64' (version 1) instance 0: output 'y' has dtype float64; the config declares "
+        "float32[batch, 2]",
+    ),
+    "rank": (
+        "{'y': inputs['x'][:, 0]}",  # the fixed dimension missing
+        "model 'rank' (version 1) instance 0: output 'y' has shape [2]; the config declares "
+        "float32[batch, 2]",
+    ),
+    "fixed": (
+        "{'y': inputs['x'][:, :1]}",
+        "model 'fixed' (version 1) instance 0: output 'y' has shape [2, 1]; the config declares "
+        "float32[batch, 2]",
+    ),
+    "rows": (
+        "{'y': inputs['x'][:-1]}",  # 1 row back for a 2-row request
+        "model 'rows' (version 1): instance 0 (cpu) returned output 'y' with shape [1, 2] "
+        "for a batch of 2 rows",
+    ),
+}
+
+
+async def test_outputs_that_do_not_fit_are_a_500_naming_the_output_over_http(
+    tmp_path: Path,
+) -> None:
+    """A float64 answer for FP32 must not reach a client as FP64 under FP32 metadata."""
+    httpx = pytest.importorskip("httpx")
+    from trioinfer.server import serve_http
+
+    for name, (returns, _) in MISFITS.items():
+        model_dir = tmp_path / "repo" / name
+        (model_dir / "1").mkdir(parents=True)
+        (model_dir / "1" / "model.py").write_text(
+            f"class Model:\n    def infer(self, inputs):\n        return {returns}\n"
+        )
+        (model_dir / "config.toml").write_text(
+            'backend = "python"\n[backend_options]\ndispatch = "inline"\n'
+            "inputs = [{ name = 'x', dtype = 'FP32', shape = ['batch', 2] }]\n"
+            "outputs = [{ name = 'y', dtype = 'FP32', shape = ['batch', 2] }]\n"
+        )
+    body = {"inputs": [{"name": "x", "shape": [2, 2], "datatype": "FP32", "data": [1, 2, 3, 4]}]}
+    answers = {}
+    with trio.fail_after(30):
+        async with trio.open_nursery() as nursery:
+            listening = await nursery.start(
+                lambda task_status: serve_http(
+                    tmp_path / "repo",
+                    host="127.0.0.1",
+                    port=0,
+                    handle_signals=False,
+                    task_status=task_status,
+                )
+            )
+            async with httpx.AsyncClient(base_url=listening.urls[0]) as client:
+                for name in MISFITS:
+                    response = await client.post(f"/v2/models/{name}/infer", json=body)
+                    answers[name] = (response.status_code, response.json()["error"])
+            nursery.cancel_scope.cancel()
+    for name, (_, said) in MISFITS.items():
+        assert answers[name][0] == 500, answers[name]
+        assert answers[name][1].startswith(said), answers[name]
+
+
 def test_trioinfer_lists_the_plugin() -> None:
     assert "python" in trioinfer.Registry().names("backends")
 

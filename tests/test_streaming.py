@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
+import re
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
 import anyio
+import anyio.lowlevel
 import attrs
 import numpy as np
 import pytest
@@ -222,6 +225,64 @@ async def test_a_model_s_own_error_reaches_the_caller_as_it_is() -> None:
         with pytest.raises(BackendError, match=r"output 'i' has shape \[2\]; the config"):
             await collect(engine, "misshapen", n(1))
         assert_all_ended(engine, accepted=2)
+
+
+class _Yields:
+    """A third-party decoupled instance: its stream yields *responses* as they are."""
+
+    decoupled = True
+    device = "cpu"
+
+    def __init__(self, responses: list[Any]) -> None:
+        self.signature = trioinfer.ModelSignature.declared(
+            SIGNATURE["inputs"], SIGNATURE["outputs"], model="m"
+        )
+        self._responses = responses
+
+    async def execute(self, inputs: Arrays) -> Arrays:  # pragma: no cover  # never called
+        raise AssertionError("a decoupled instance is only streamed")
+
+    async def stream(self, inputs: Arrays) -> AsyncIterator[Arrays]:
+        for response in self._responses:
+            yield response
+
+    async def aclose(self) -> None:
+        pass
+
+
+@pytest.mark.parametrize(
+    ("bad", "said"),
+    [
+        (np.array([1.0]), "with dtype float64; its signature declares int32[1]"),
+        (np.array([[1]], np.int32), "with shape [1, 1]; its signature declares int32[1]"),
+        (np.array([1, 2], np.int32), "with shape [2]; its signature declares int32[1]"),
+    ],
+    ids=["dtype", "rank", "fixed"],
+)
+@pytest.mark.parametrize("traced", [False, pytest.param(True, marks=pytest.mark.tracing)])
+async def test_a_third_party_stream_s_responses_are_checked_against_the_signature(
+    bad: Any, said: str, traced: bool
+) -> None:
+    """The Python backend checks its own; the engine checks any backend's, per response."""
+    instance = _Yields([{"i": np.array([0], np.int32)}, {"i": bad}, {"i": np.array([2])}])
+
+    class Backend:
+        async def load(self, config: ModelConfig, placement: Any) -> _Yields:
+            return instance
+
+    registry = trioinfer.Registry(extra={"backends": {"third": Backend}})
+    kwargs: dict[str, Any] = {}
+    if traced:  # a sampled stream's responses take the traced loop
+        sdk = pytest.importorskip("opentelemetry.sdk.trace")
+        kwargs["tracer_provider"] = sdk.TracerProvider()
+    async with open_engine(registry=registry, **kwargs) as engine:
+        await engine.load(ModelConfig(name="m", path="-", backend="third"))
+        got: list[Arrays] = []
+        said = re.escape(f"model 'm': instance 0 (cpu) returned output 'i' {said}")
+        with pytest.raises(BackendError, match=f"^{said}"):
+            await collect(engine, "m", n(3), got)
+        assert [r["i"].tolist() for r in got] == [[0]]  # the responses before it came
+        assert_all_ended(engine, accepted=1)
 
 
 async def test_every_stream_ends_exactly_once() -> None:
@@ -477,6 +538,75 @@ def test_the_stream_refuses_use_outside_its_block(backend: str) -> None:
         "the response stream of request 'r' is closed: its `async with "
         "engine.infer_stream(...)` block has ended; iterate it inside that block"
     )
+
+
+@pytest.mark.parametrize("backend", ["trio", "asyncio"])
+def test_aclose_stops_the_model_as_leaving_the_block_does(backend: str) -> None:
+    """An iterator held apart from its block (contextlib.aclosing) closes the model at its
+    yield: once aclose() returns, the model makes no response more; a second is a no-op."""
+    seen: dict[str, Any] = {}
+
+    async def main() -> None:
+        probe, waiting = Probe(), Probe()
+        async with open_engine() as engine:
+            await engine.load(config(counting(probe)))
+            await engine.load(config(counting(waiting, pause=60), "waiting"))
+            async with engine.infer_stream("m", n(1000), request_id="r") as responses:
+                got = [int((await responses.__anext__())["i"][0]) for _ in range(3)]
+                await responses.aclose()
+                made = probe.made
+                for _ in range(10):  # time for the model to run on, were it still running
+                    await anyio.lowlevel.checkpoint()
+                seen["after"] = probe.made - made
+                await responses.aclose()  # idempotent
+                with pytest.raises(trioinfer.StreamClosed) as closed:
+                    await responses.__anext__()
+                seen["closed"] = str(closed.value)
+            seen["got"], seen["ended"] = got, probe.ended
+            # contextlib.aclosing, in an await of the model's own (not at a yield).
+            async with engine.infer_stream("waiting", n(5)) as responses:
+                async with contextlib.aclosing(responses):
+                    with anyio.move_on_after(0.01):
+                        await responses.__anext__()
+                seen["waiting"] = (waiting.made, waiting.ended)
+            # Read to its end, or not decoupled: nothing to stop, and not a cancellation.
+            async with engine.infer_stream("m", n(2)) as finished:
+                assert [int(r["i"][0]) async for r in finished] == [0, 1]
+                await finished.aclose()
+
+            class Slow:  # not decoupled: its one answer, by engine.infer, cancelled
+                async def infer(self, inputs: Arrays) -> Arrays:
+                    await anyio.sleep(60)
+                    raise AssertionError("not cancelled")  # pragma: no cover
+
+            options = {"class": Slow, **SIGNATURE}
+            await engine.load(
+                ModelConfig(name="plain", path="-", backend="python", backend_options=options)
+            )
+            async with engine.infer_stream("plain", n(1)) as one:
+                await anyio.sleep(0.01)  # in the model's await
+                await one.aclose()
+                with pytest.raises(trioinfer.StreamClosed):
+                    await one.__anext__()
+            assert_all_ended(engine, accepted=4)
+            seen["stats"] = {
+                name: (s.succeeded, s.failed, s.cancelled)
+                for name, s in engine.statistics().models.items()
+            }
+
+    anyio.run(main, backend=backend)
+    assert seen["got"] == [0, 1, 2]
+    assert seen["after"] == 0
+    assert seen["ended"] == "closed at its yield"
+    cancelled = "CancelledError" if backend == "asyncio" else "Cancelled"
+    assert seen["waiting"] == (0, cancelled)
+    assert seen["closed"] == (
+        "the response stream of request 'r' is closed: its aclose() was called; it has no "
+        "more responses"
+    )
+    assert seen["stats"]["m"] == (1, 0, 1)
+    assert seen["stats"]["waiting"] == (0, 0, 1)
+    assert seen["stats"]["plain"] == (0, 0, 1)
 
 
 async def test_a_decoupled_model_cannot_be_stateful() -> None:

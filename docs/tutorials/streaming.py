@@ -4,6 +4,7 @@ Run it with ``python docs/tutorials/streaming.py``; the docs' test suite runs it
 """
 
 # --8<-- [start:setup]
+import contextlib
 import json
 import shutil
 import tempfile
@@ -118,6 +119,32 @@ async def read_slowly(engine: trioinfer.Engine) -> None:
 # --8<-- [end:slow]
 
 
+# --8<-- [start:aclose]
+async def first_words(words: trioinfer.ResponseStream, count: int) -> list[str]:
+    # A helper that is handed the stream, reads what it needs, and closes it.
+    got = []
+    async with contextlib.aclosing(words):  # calls words.aclose() on the way out
+        async for outputs in words:
+            got.append(str(outputs["WORD"][0]))
+            if len(got) == count:
+                break
+    return got
+
+
+async def close_in_a_helper(engine: trioinfer.Engine) -> None:
+    Words.made = 0
+    async with engine.infer_stream("words", text("a b c d e f g h i j k l m n o p")) as words:
+        got = await first_words(words, 2)
+        made = Words.made  # the model has stopped: no response after aclose() returns
+        await trio.sleep(0.01)
+        print(
+            f"aclose: read {got}, the model made {made} ({Words.made}) and stopped {Words.stopped}"
+        )
+
+
+# --8<-- [end:aclose]
+
+
 # --8<-- [start:http]
 async def over_http(root: Path) -> None:
     async with trio.open_nursery() as nursery:
@@ -152,6 +179,7 @@ async def main() -> None:
         await stream_words(engine)
         await stop_early(engine)
         await read_slowly(engine)
+        await close_in_a_helper(engine)
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp) / "models"
         shutil.copytree(trioinfer.example_repository() / "repeat_int32", root / "repeat_int32")

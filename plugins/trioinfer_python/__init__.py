@@ -77,14 +77,22 @@ microseconds in all, so that callers looping on the model never starve the
 rest of the program.
 
 The engine checks inputs against the declared signature before they queue,
-as for an ONNX model, and this backend checks every output against it: a
-missing or extra output, another dtype, rank or fixed size is a
-``BackendError`` naming the output. A ``BYTES`` (``string``) input reaches
-the model as an object array of ``bytes``, as Triton's Python backend gives
-it, however it was sent (``engine.infer`` with ``bytes`` or ``str``, HTTP
-JSON strings or binary data, gRPC): any bytes pass, an image say, and a
-``str`` is encoded as UTF-8. A model that wants text declares the input
-``utf8 = true`` (``{ name = "prompt", dtype = "string", shape = [1],
+as for an ONNX model, and every output against it, on every execution and
+every streamed response: a missing or extra output, another dtype, rank or
+fixed size (any size where the shape says -1 or a name), or, batched, other
+than one row per input row, is a ``BackendError`` naming the model, the
+output, what came and what the config declares; the request(s) of that
+execution end with it (a 500 over HTTP: the model's fault, not the
+client's). An array of another dtype is refused, not cast (as Triton
+does): the model's metadata tells clients the declared dtype, and a float64
+answer under FP32 metadata is a bug to fix where the model computes it
+(``astype``), not to round silently. A value that is not an array (a list,
+a number) is converted to the declared dtype. A ``BYTES`` (``string``)
+input reaches the model as an object array of ``bytes``, as Triton's Python
+backend gives it, however it was sent (``engine.infer`` with ``bytes`` or
+``str``, HTTP JSON strings or binary data, gRPC): any bytes pass, an image
+say, and a ``str`` is encoded as UTF-8. A model that wants text declares the
+input ``utf8 = true`` (``{ name = "prompt", dtype = "string", shape = [1],
 utf8 = true }``): it then gets ``str``, and bytes that are not UTF-8 are
 refused before they queue (an ``InvalidInput`` naming the element: HTTP 400,
 gRPC ``INVALID_ARGUMENT``), as for an ONNX model's string input. A ``BYTES``
@@ -367,6 +375,10 @@ def _import(model: str, path: Path) -> ModuleType:
 @final
 class PythonInstance:
     """One object of a Python model's class, on its placement."""
+
+    #: Every answer (and streamed response) is checked against the declared signature
+    #: here, where lists are converted too: the engine need check only names and rows.
+    checks_outputs = True
 
     def __init__(
         self,

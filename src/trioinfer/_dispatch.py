@@ -25,7 +25,7 @@ import numpy as np
 from ._config import ModelConfig, Placement
 from ._exceptions import BackendError, PluginContractError
 from ._request import Outputs, Request
-from ._tensors import ModelSignature
+from ._tensors import ModelSignature, output_misfit
 from ._threads import EventLike, LoopClock
 from ._util import NoPublicConstructor
 from .abc import BackendInstance, ReplicaState, Status
@@ -306,8 +306,19 @@ class Execution(metaclass=NoPublicConstructor):
         ours = cast(Request, request)  # one of self.requests, checked above
         if ours._state.status is not _RUNNING:
             return
+        arrays = {name: np.asarray(value) for name, value in outputs.items()}
+        # Checked as a backend's answer is: a caller gets what the metadata says.
+        signature = port.signature
+        rows = ours.rows if signature.batched else 0
+        for spec in signature.outputs:
+            problem = output_misfit(spec, arrays[spec.name], rows)
+            if problem is not None:
+                raise self._broken(
+                    f"answered request {request.id!r} of model {port.config.name!r} "
+                    f"({via}) with output {spec.name!r} {problem}"
+                )
         self.note(via, [ours])
-        port.finish(ours, outputs={name: np.asarray(value) for name, value in outputs.items()})
+        port.finish(ours, outputs=arrays)
 
     def _broken(self, what: str) -> PluginContractError:
         # Not logged here: a fallback may catch it (resilient tries whether another

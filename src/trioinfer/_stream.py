@@ -21,12 +21,13 @@ its per-response loop is the untraced one.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from contextlib import asynccontextmanager
 from typing import TYPE_CHECKING, Any, Protocol, final
 
 import anyio
 import anyio.abc
+import anyio.lowlevel
 import sniffio
 import trio
 
@@ -144,8 +145,8 @@ class ResponseStream(metaclass=NoPublicConstructor):
     inside that ``async with`` block. The iteration ends when the model has
     sent its last response, or raises the error that ended the stream (a
     ``BackendError`` the model raised mid-stream, ``EngineClosed``...) after
-    the responses sent before it. Iterated after that block has ended, it
-    raises [`StreamClosed`][trioinfer.StreamClosed].
+    the responses sent before it. Iterated after that block has ended, or
+    after `aclose`, it raises [`StreamClosed`][trioinfer.StreamClosed].
     """
 
     def __init__(
@@ -157,6 +158,12 @@ class ResponseStream(metaclass=NoPublicConstructor):
         self._receive = receive
         # The error that ended the stream, raised once the responses before it are read.
         self._error: BaseException | None = None
+        # Ends the stream as leaving its block does (open_stream's); None once it ran.
+        self._closer: Callable[[], None] | None = None
+        self._closed_early = False  # by aclose(), for StreamClosed's message
+        # Whether the model's task still runs, and what aclose() waits on to see it end.
+        self._producing = False
+        self._stopped: anyio.Event | None = None
 
     @property
     def id(self) -> str:
@@ -165,6 +172,35 @@ class ResponseStream(metaclass=NoPublicConstructor):
 
     def __aiter__(self) -> ResponseStream:
         return self
+
+    async def aclose(self) -> None:
+        """Stop the stream now, as leaving its ``async with`` block would; idempotent.
+
+        For an iterator held apart from its block (``contextlib.aclosing``, a
+        helper that reads a few responses and returns). The model's generator
+        is closed at the ``yield`` it waits at (``GeneratorExit`` there), or
+        cancelled in the ``await`` it is in, and has ended when this returns:
+        it makes no response after. An unfinished request counts as cancelled
+        (as when the caller leaves); iterating afterwards raises
+        [`StreamClosed`][trioinfer.StreamClosed]. After the stream's end, or
+        its block's, there is nothing left to stop.
+        """
+        closer, self._closer = self._closer, None
+        if closer is not None:
+            self._closed_early = True
+            closer()
+        if self._producing:
+            if self._stopped is None:
+                self._stopped = anyio.Event()
+            await self._stopped.wait()
+        else:
+            await anyio.lowlevel.checkpoint()
+
+    def _produced(self) -> None:
+        # The model's task has ended (its generator is closed): wake aclose().
+        self._producing = False
+        if self._stopped is not None:
+            self._stopped.set()
 
     async def __anext__(self) -> Outputs:
         """The next response; ``StopAsyncIteration`` after the last one."""
@@ -175,8 +211,13 @@ class ResponseStream(metaclass=NoPublicConstructor):
                 raise self._error from None
             raise StopAsyncIteration from None
         except _CLOSED:
-            # The block ended and closed the channel: the loop's own error would name
-            # neither the stream nor what to do.
+            # The block ended (or aclose) closed the channel: the loop's own error would
+            # name neither the stream nor what to do.
+            if self._closed_early:
+                raise StreamClosed(
+                    f"the response stream of request {self._id!r} is closed: its aclose() "
+                    "was called; it has no more responses"
+                ) from None
             raise StreamClosed(
                 f"the response stream of request {self._id!r} is closed: its `async with "
                 "engine.infer_stream(...)` block has ended; iterate it inside that block"
@@ -229,15 +270,42 @@ async def open_stream(
     stream = ResponseStream._create(request_id, receive)
     body_error: BaseException | None = None
     abandoned = False
+    # The model's task runs in it: cancelled when the stream is closed early.
+    producer = anyio.CancelScope()
+
+    def close() -> None:
+        # The caller is done with the stream (its block ended, or aclose()).
+        nonlocal abandoned
+        stream._closer = None
+        if gate is not None and request is not None and request._state.status is not Status.DONE:
+            # The caller left before the model's last response: the stream ends
+            # here, once, as cancelled; its generator is closed at its yield.
+            abandoned = True
+            request._state.abandoned = True
+            gate.runner.cancelled += 1
+            gate.runner._end(request)
+        receive.close()
+        producer.cancel()
+
+    stream._closer = close
+    stream._producing = True
     try:
         async with anyio.create_task_group() as tg:
             if request is None:
                 tg.start_soon(
-                    _one, engine, model, inputs, priority, tenant, request_id, send, stream
+                    _one,
+                    engine,
+                    model,
+                    inputs,
+                    priority,
+                    tenant,
+                    request_id,
+                    send,
+                    stream,
+                    producer,
                 )
             else:
                 assert gate is not None
-                producer = anyio.CancelScope()
                 tg.start_soon(
                     _generate, gate, replica, instance, request, send, stream, producer, traced
                 )
@@ -248,18 +316,7 @@ async def open_stream(
                 body_error = exc
                 raise
             finally:
-                if (
-                    gate is not None
-                    and request is not None
-                    and request._state.status is not Status.DONE
-                ):
-                    # The caller left before the model's last response: the stream
-                    # ends here, once, as cancelled; its generator is closed below.
-                    abandoned = True
-                    request._state.abandoned = True
-                    gate.runner.cancelled += 1
-                    gate.runner._end(request)
-                receive.close()
+                close()
                 tg.cancel_scope.cancel()
     except BaseExceptionGroup as group:
         # The task group wraps the block's own exception; hand it back as the caller raised it.
@@ -282,15 +339,26 @@ async def _generate(
     traced: StreamTrace | None,
 ) -> None:
     runner = gate.runner
+    # Each response is checked as an execution's answer is (unbatched: a stream's
+    # request runs alone): a caller gets what the model's metadata says.
+    check = runner._output_check
     try:
         with scope:
             generator = instance.stream(request.inputs)
             try:
                 if traced is None:
                     async for outputs in generator:
+                        if check is not None:
+                            check.check(outputs, 0, replica)
                         await send.send(outputs)
                 else:
-                    await traced.generate(generator, send.send)
+
+                    async def checked(outputs: Outputs) -> None:
+                        if check is not None:
+                            check.check(outputs, 0, replica)
+                        await send.send(outputs)
+
+                    await traced.generate(generator, checked)
             finally:
                 # The caller left, was cancelled, or the engine closes: the model stops at
                 # the yield it waits at (GeneratorExit there), never later.
@@ -319,6 +387,7 @@ async def _generate(
     finally:
         send.close()
         gate.release(replica)
+        stream._produced()
 
 
 def _end_trace(
@@ -357,19 +426,22 @@ async def _one(
     request_id: str,
     send: _Send,
     stream: ResponseStream,
+    scope: anyio.CancelScope,
 ) -> None:
     # A model that is not decoupled: its one answer, by the ordinary request path.
     try:
-        outputs = await engine.infer(
-            model, inputs, priority=priority, tenant=tenant, request_id=request_id
-        )
-        await send.send(outputs)
+        with scope:
+            outputs = await engine.infer(
+                model, inputs, priority=priority, tenant=tenant, request_id=request_id
+            )
+            await send.send(outputs)
     except _BROKEN:
         pass
     except TrioInferError as exc:
         stream._error = exc
     finally:
         send.close()
+        stream._produced()
 
 
 def _only(group: BaseExceptionGroup[BaseException], error: BaseException) -> bool:

@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, Final, Literal, NoReturn, cast
+from typing import Any, Final, Literal, NoReturn, Protocol, cast, final
 
 import attrs
 import numpy as np
 
-from ._exceptions import ConfigError, InvalidInput
+from ._exceptions import BackendError, ConfigError, InvalidInput
 
 #: A dimension: a fixed size, a symbolic name shared between tensors, or ``None`` (unknown).
 Dim = int | str | None
@@ -671,6 +671,186 @@ def _as_array(
 
 def _names(specs: tuple[TensorSpec, ...]) -> str:
     return ", ".join(f"{s.name!r} {s.describe()}" for s in specs) or "(none)"
+
+
+class Labelled(Protocol):
+    """What answered an execution, as an error message names it (a replica)."""
+
+    @property
+    def label(self) -> str:
+        """E.g. ``"instance 0 (cpu)"``."""
+        ...
+
+
+class OutputCheck:
+    """A model's declared outputs, as the engine checks every execution's answer against them.
+
+    Made once per model at load. An answer fits when it is a ``dict`` with
+    exactly the declared names, each an ``np.ndarray`` of the declared dtype
+    (a ``BYTES`` output: an ``object``, ``str_`` or ``bytes_`` array), rank
+    and fixed sizes, and, for a batched execution, one row per input row.
+    Symbolic and open (``None``, ``-1`` in a config) sizes take any size. An
+    answer that does not fit fails its execution's requests with a
+    [`BackendError`][trioinfer.BackendError] naming the model, the
+    instance, the output, what came and what was declared: the backend's
+    fault, a 500 over HTTP. Nothing is converted: metadata says what a client
+    receives, and a model that answers otherwise is wrong, not rounded (as
+    Triton refuses such outputs, "unexpected datatype").
+
+    On the request path: the usual answer is judged in a few identity and
+    integer comparisons per output; anything else takes the slow path, which
+    says what is wrong. An instance whose answers fit by construction or by
+    its own check (ONNX Runtime's, the Python backend's) says
+    ``checks_outputs = True``: then only the names and the batch's rows are
+    checked here (`for_instances`).
+    """
+
+    __slots__ = ("_expected", "_model", "_specs", "names")
+
+    #: Whether it checks dtypes and shapes too (not only names and rows).
+    full = True
+    #: The declared output names.
+    names: frozenset[str]
+
+    @staticmethod
+    def for_instances(
+        model: str, signature: ModelSignature, instances: Sequence[object]
+    ) -> OutputCheck:
+        """The check for a model served by *instances*: less where each checks its own."""
+        if instances and all(getattr(i, "checks_outputs", False) is True for i in instances):
+            return _NamesAndRows(model, signature)
+        return OutputCheck(model, signature)
+
+    def __init__(self, model: str, signature: ModelSignature) -> None:
+        self._model = model
+        self._specs = signature.outputs
+        self.names = frozenset(spec.name for spec in signature.outputs)
+        # (name, dtype, rank, fixed (axis, size) pairs) of each declared output.
+        self._expected = tuple(
+            (
+                spec.name,
+                spec.dtype,
+                spec.rank,
+                tuple(
+                    (axis, dim)
+                    for axis, dim in enumerate(spec.shape)
+                    if isinstance(dim, int) and not isinstance(dim, bool) and dim >= 0
+                ),
+            )
+            for spec in signature.outputs
+        )
+
+    def check(self, outputs: object, rows: int, who: Labelled) -> None:
+        """Raise `BackendError` unless *outputs* fit the signature (*rows* rows each; 0: unbatched).
+
+        *who* answered: its ``label`` names it in the message (read only then:
+        a replica's is formatted on each read).
+        """
+        if outputs.__class__ is dict and outputs.keys() == self.names:
+            for name, dtype, rank, fixed in self._expected:
+                array = outputs[name]
+                if array.__class__ is not np.ndarray:
+                    break
+                # Most are numpy's own dtype objects; ONNX Runtime's arrays carry equal copies.
+                got = array.dtype
+                if got is not dtype and got != dtype:
+                    break
+                shape = array.shape
+                # (Batched, every output has a first dimension: ModelSignature.batched.)
+                if len(shape) != rank or (rows and shape[0] != rows):
+                    break
+                # A loop, not any() over a generator: a third of the cost per output.
+                misfit = False
+                for axis, size in fixed:
+                    if shape[axis] != size:
+                        misfit = True
+                        break
+                if misfit:
+                    break
+            else:
+                return
+        self._explain(outputs, rows, who)
+
+    def _explain(self, outputs: object, rows: int, who: Labelled) -> None:
+        # The slow path: raise with what is wrong, or return for an answer the fast
+        # path could not judge (a dtype equal but not the same object, a BYTES output
+        # as str_, a dtype the signature leaves open, a mapping that is not a dict).
+        where = f"model {self._model!r}: {who.label}"
+        declared = [spec.name for spec in self._specs]
+        if not isinstance(outputs, Mapping):
+            raise BackendError(
+                f"{where} returned a {type(outputs).__name__!r} object; a backend's execute() "
+                f"returns a dict of its outputs by name ({declared})"
+            )
+        got = sorted(map(str, outputs))
+        if got != sorted(declared):
+            missing = sorted(set(declared) - set(got))
+            extra = sorted(set(got) - set(declared))
+            raise BackendError(
+                f"{where} returned outputs {got}, but its signature declares {declared} "
+                f"(missing {missing}, undeclared {extra}); a backend returns every declared "
+                "output, and only those"
+            )
+        for spec in self._specs:
+            problem = output_misfit(spec, outputs[spec.name], rows)
+            if problem is not None:
+                raise BackendError(f"{where} returned output {spec.name!r} {problem}")
+
+
+@final
+class _NamesAndRows(OutputCheck):
+    # For instances that check dtypes and shapes themselves: the names, and each
+    # output's rows (which only the engine knows). What is wrong, _explain says.
+    __slots__ = ()
+    full = False
+
+    def check(self, outputs: object, rows: int, who: Labelled) -> None:
+        if outputs.__class__ is dict and outputs.keys() == self.names:
+            if not rows:
+                return
+            for array in outputs.values():
+                if array.__class__ is not np.ndarray or not array.ndim or len(array) != rows:
+                    break
+            else:
+                return
+        self._explain(outputs, rows, who)
+
+
+def output_misfit(spec: TensorSpec, array: object, rows: int) -> str | None:
+    """What is wrong with *array* as output *spec* (*rows* rows; 0: unbatched), or None.
+
+    The text follows "returned output 'name'" in a message.
+    """
+    # A numpy scalar (x.sum(), say) is a rank-0 array in all but its class: accepted.
+    if not isinstance(array, np.ndarray | np.generic):
+        return (
+            f"as a {type(array).__name__!r} object; its signature declares a numpy array "
+            f"{spec.describe()}"
+        )
+    want = spec.dtype
+    if (
+        want is not None
+        and array.dtype != want
+        and not (want.kind == "O" and array.dtype.kind in "US")
+    ):
+        return (
+            f"with dtype {array.dtype.name}; its signature declares {spec.describe()} (the "
+            "engine does not convert outputs: clients are told the declared dtype)"
+        )
+    shape = array.shape
+    if rows and (not shape or shape[0] != rows):
+        return (
+            f"with shape {list(shape)} for a batch of {rows} rows; every output of a batched "
+            "model must have one row per input row, or no request could be given its own rows "
+            "(an output whose first dimension is not the batch must be named differently from "
+            "the inputs' in the model; then each request runs alone)"
+        )
+    if len(shape) != spec.rank or any(
+        isinstance(dim, int) and not isinstance(dim, bool) and dim >= 0 and dim != size
+        for dim, size in zip(spec.shape, shape, strict=True)
+    ):
+        return f"with shape {list(shape)}; its signature declares {spec.describe()}"
+    return None
 
 
 def rows(arrays: Mapping[str, np.ndarray[Any, Any]]) -> int:

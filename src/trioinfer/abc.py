@@ -568,11 +568,17 @@ class BackendInstance(Protocol):
         compute must run off the event loop (a worker thread, or the runtime's
         own asynchronous call); the event loop never waits on compute.
 
-        It returns exactly the outputs ``signature`` declares: a missing or
-        undeclared one fails the execution's requests with ``BackendError``
-        naming the instance and both lists (the engine checks the names on
-        every execution; dtypes and shapes are the backend's to keep, and
-        ``check_backend`` checks them).
+        It returns exactly the outputs ``signature`` declares, each a numpy
+        array of the declared dtype, rank and fixed sizes (any size where the
+        signature leaves one open): the engine checks every execution's
+        answer, and one that does not fit fails the execution's requests with
+        ``BackendError`` naming the instance, the output, what came and what
+        was declared (a 500 over HTTP). Nothing is converted: a client is
+        told the declared dtype, so it must get that one. An instance whose
+        answers fit by construction or by its own check (ONNX Runtime's,
+        typed and shaped by the graph; the Python backend's, which checks
+        each) may say ``checks_outputs = True`` (an attribute, read at load):
+        the engine then checks only the names and, batched, the rows.
 
         For a batched model (``signature.batched``), every output must have
         one row per input row: the engine cuts each caller's rows out of it,
