@@ -153,25 +153,6 @@ def test_demo_runs_and_reports() -> None:
     assert count(phase2, "ok") <= count(phase2, "computed")
 
 
-def test_demo_explains_cancelled_requests_the_engine_did_not_count() -> None:
-    # make demo once printed "cancelled while queued 50" above "engine ... cancelled +0":
-    # 50 callers had left at engine.infer's yield, before their requests were queued.
-    from trioinfer.cli import demo
-
-    assert demo._never_computed(64, 14, 0, 50) == [
-        (
-            "never computed",
-            "    64  cancelled by their caller 50, expired in the queue 14, refused 0",
-        )
-    ]
-    [_, (label, note)] = demo._never_computed(64, 14, 0, 0)
-    assert label == ""
-    assert note == (
-        "    50  or more left at engine.infer's yield, before being queued: the engine "
-        "counts cancelled requests once queued"
-    )
-
-
 @pytest.mark.parametrize(
     ("args", "option"),
     [

@@ -189,6 +189,36 @@ async def test_a_cancelled_caller_gets_cancelled_before_anything_runs(
         assert engine.statistics().models["a"].executions == 0
 
 
+@pytest.mark.parametrize("detailed", [False, True], ids=["infer", "infer_detailed"])
+async def test_a_caller_that_leaves_at_the_slices_yield_is_counted_as_cancelled(
+    monkeypatch: pytest.MonkeyPatch, detailed: bool
+) -> None:
+    # The engine yields before an inline request once the loop's slice is spent; a
+    # caller whose scope ends there left a request the engine had taken: it must be
+    # in a counter (make demo showed 64 timed out, 16 expired and 0 cancelled).
+    scope = trio.CancelScope()
+    armed = False
+
+    def wall() -> float:
+        # The slice is always spent; and once the request is taken, the caller's scope
+        # ends before the yield does (its deadline passing, or a cancel from elsewhere).
+        if armed:
+            scope.cancel()
+        return 1.0
+
+    monkeypatch.setattr(trioinfer._inline, "_wall", wall)
+    async with open_engine() as engine:
+        await engine.load(model("a"))
+        call = engine.infer_detailed if detailed else engine.infer
+        with scope:
+            armed = True
+            await call("a", {"x": X})
+        assert scope.cancelled_caught
+        assert Where.tasks == []
+        s = engine.statistics().models["a"]
+        assert (s.cancelled, s.expired, s.executions, s.in_flight) == (1, 0, 0, 0)
+
+
 async def test_callers_looping_on_an_inline_model_leave_the_loop_its_turns(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

@@ -521,8 +521,7 @@ class Engine:
                             # Such requests never park: yield once per inline slice, as
                             # a pipeline's step does, lest callers looping on the model
                             # keep the rest of the program waiting.
-                            await anyio.lowlevel.checkpoint()
-                            restart_inline_slice()
+                            await _yield_for_slice(runner)
                             return await self._infer_after_yield(
                                 model, inputs, priority, tenant, request_id
                             )
@@ -729,8 +728,7 @@ class Engine:
         if found is not None:
             # As infer runs a request on an idle inline model: in this task.
             if found[0].slice_spent(found[1]):
-                await anyio.lowlevel.checkpoint()
-                restart_inline_slice()
+                await _yield_for_slice(found[0])
                 found = self._idle_here(model)
             if found is not None:
                 replica = found[1]
@@ -1237,6 +1235,18 @@ async def _engine_scope(
 
 
 _STR_OR_NONE: Final = frozenset({str, type(None)})
+
+
+async def _yield_for_slice(runner: ModelRunner) -> None:
+    # The yield before a request runs in its caller's task once the loop's inline
+    # slice is spent. A caller that leaves meanwhile (its deadline passed, or it was
+    # cancelled) is counted as one that left its queued request: it was in no counter.
+    try:
+        await anyio.lowlevel.checkpoint()
+    except anyio.get_cancelled_exc_class():
+        runner.cancelled += 1
+        raise
+    restart_inline_slice()
 
 
 def _checked_arguments(model: str, priority: object, tenant: object, request_id: object) -> int:

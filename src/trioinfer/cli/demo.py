@@ -214,8 +214,7 @@ async def _demo(*, requests: int, concurrency: int, instances: int, deadline: fl
                 "then aborted where the backend can), or as it ended",
                 indent=2,
             )
-        for label, text in _never_computed(never, expired, refused, cancelled):
-            _row(label, text, indent=2)
+        _row(*_never_computed(never, expired, refused), indent=2)
         _row(
             "engine",
             f"executions +{executions}   expired +{expired}   cancelled +{cancelled}   "
@@ -259,34 +258,18 @@ async def _send(
     return seen
 
 
-def _never_computed(
-    never: int, expired: int, refused: int, cancelled: int
-) -> list[tuple[str, str]]:
-    """The report's rows on the requests of phase 2 that no execution computed.
+def _never_computed(never: int, expired: int, refused: int) -> tuple[str, str]:
+    """The report's row on the requests of phase 2 that no execution computed.
 
-    Those neither expired nor refused were cancelled by their caller's scope: in the
-    queue, or at a checkpoint of ``engine.infer`` before their request was queued (on
-    an inline model, the yield after its time slice), which no engine counter counts.
-    The engine's ``cancelled`` counts queued and running requests only, so it may show
-    fewer than this says: the rows say why, rather than disagree with it.
+    Those neither expired nor refused were cancelled by their caller's scope: in
+    the queue, or at the yield before an inline request (the engine counts both
+    as cancelled).
     """
-    gave_up = never - expired - refused
-    rows = [
-        (
-            "never computed",
-            f"{never:>6}  cancelled by their caller {gave_up}, expired in the queue "
-            f"{expired}, refused {refused}",
-        )
-    ]
-    if gave_up > cancelled:
-        rows.append(
-            (
-                "",
-                f"{gave_up - cancelled:>6}  or more left at engine.infer's yield, before "
-                "being queued: the engine counts cancelled requests once queued",
-            )
-        )
-    return rows
+    return (
+        "never computed",
+        f"{never:>6}  cancelled by their caller {never - expired - refused}, expired in "
+        f"the queue {expired}, refused {refused}",
+    )
 
 
 def _model_statistics(engine: Engine) -> ModelStatistics:
