@@ -188,3 +188,27 @@ def test_from_toml_errors(tmp_path: Path) -> None:
 def test_relative_path_is_relative_to_the_config(tmp_path: Path) -> None:
     path = write_repo(tmp_path, 'path = "weights/model.onnx"\n', versions=())
     assert ModelConfig.from_toml(path).path == tmp_path / "digits" / "weights" / "model.onnx"
+
+
+def test_path_is_optional_and_the_old_placeholder_means_none(tmp_path: Path) -> None:
+    """A model that reads no file needs no path; ``path="-"`` (what code passed before) is None."""
+    assert ModelConfig(name="m", backend="python").path is None
+    assert ModelConfig(name="m", path="-").path is None
+    assert ModelConfig.from_dict({"name": "m", "path": "-"}, base=tmp_path).path is None
+    assert ModelConfig.from_dict({"name": "m"}, base=tmp_path).path is None
+    assert ModelConfig(name="m", path="m.onnx").model_file("the .onnx file") == Path("m.onnx")
+
+
+def test_model_file_without_a_path_is_a_config_error_naming_the_backend() -> None:
+    config = ModelConfig(name="x", backend="onnxruntime")
+    with pytest.raises(
+        ConfigError,
+        match=r"model 'x' has no path: the onnxruntime backend needs the \.onnx file to load; "
+        r"give it as ModelConfig\(path=\.\.\.\)",
+    ):
+        config.model_file("the .onnx file to load")
+
+
+def test_a_pipelines_config_toml_gives_it_no_path(tmp_path: Path) -> None:
+    path = write_repo(tmp_path, 'backend = "pipeline"\n', versions=())
+    assert ModelConfig.from_toml(path).path is None

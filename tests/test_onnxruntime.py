@@ -54,6 +54,17 @@ async def test_backend_passes_the_conformance_check(
     )
 
 
+async def test_a_model_without_a_path_is_a_config_error_at_load() -> None:
+    """The ONNX Runtime backend needs a file: no path says so, before a thread is started."""
+    threads = threading.active_count()
+    with pytest.raises(
+        trioinfer.ConfigError,
+        match=r"model 'x' has no path: the onnxruntime backend needs the \.onnx file to load",
+    ):
+        await OnnxRuntimeBackend().load(ModelConfig(name="x"), Placement(Device("cpu"), 0))
+    assert threading.active_count() == threads
+
+
 async def test_signature_is_read_from_the_session(model_dir: Path) -> None:
     path = models.write_identity(model_dir / "id_i64.onnx", dtype=np.int64, shape=("n", 3, None))
     instance = await OnnxRuntimeBackend().load(

@@ -76,9 +76,8 @@ class LoopDouble:
 
 
 def config(cls: Any = Double, name: str = "m", **options: Any) -> ModelConfig:
-    return ModelConfig(
-        name=name, path="-", backend="python", backend_options={"class": cls, **XY, **options}
-    )
+    # No path: the class is given itself, so there is no file to read.
+    return ModelConfig(name=name, backend="python", backend_options={"class": cls, **XY, **options})
 
 
 X = np.arange(8, dtype=np.float32).reshape(2, 4)
@@ -512,6 +511,26 @@ async def test_a_missing_model_file_is_a_backend_error(tmp_path: Path) -> None:
     async with open_engine() as engine:
         with pytest.raises(BackendError, match=r"no model file model\.py"):
             await engine.load(missing)
+
+
+async def test_a_class_named_without_a_path_is_a_config_error() -> None:
+    """A class given by name is looked for in model.py: without a path, the message says so."""
+    nameless = ModelConfig(name="m", backend="python", backend_options={"class": "Model", **XY})
+    async with open_engine() as engine:
+        with pytest.raises(
+            ConfigError,
+            match=r"model 'm' has no path: the python backend needs the model\.py that "
+            r"defines class 'Model' \(or, in Python, backend_options=\{'class': TheClass\}\)",
+        ):
+            await engine.load(nameless)
+
+
+async def test_the_old_placeholder_path_still_loads_a_class_given_in_code() -> None:
+    old = ModelConfig(name="m", path="-", backend="python", backend_options={"class": Double, **XY})
+    async with open_engine() as engine:
+        await engine.load(old)
+        out = await engine.infer("m", {"x": X})
+    np.testing.assert_array_equal(out["y"], X * 2)
 
 
 def test_signature_dtypes_and_shapes() -> None:

@@ -1302,15 +1302,45 @@ def test_unknown_route_and_wrong_method(http: httpx.Client) -> None:
     missing = http.get("/v3/everything")
     assert missing.status_code == 404
     error_of(missing)
-    for method, path in (
-        ("GET", "/v2/models/add/infer"),
-        ("DELETE", "/v2/health/live"),
-        ("PUT", "/v2/repository/models/add/load"),
-        ("POST", "/metrics"),
+    # The 405 says which method the route takes, in the JSON body and in Allow (sorted:
+    # Starlette's own lists a set, in an order that changes between runs).
+    for method, path, allow, message in (
+        (
+            "GET",
+            "/v2/models/add/infer",
+            "POST",
+            "POST /v2/models/add/infer: method GET not allowed; use POST",
+        ),
+        (
+            "GET",
+            "/v2/models/add/versions/1/infer",
+            "POST",
+            "POST /v2/models/add/versions/1/infer: method GET not allowed; use POST",
+        ),
+        (
+            "DELETE",
+            "/v2/health/live",
+            "GET, HEAD",
+            "GET /v2/health/live: method DELETE not allowed; use GET",
+        ),
+        (
+            "PUT",
+            "/v2/repository/models/add/load",
+            "POST",
+            "POST /v2/repository/models/add/load: method PUT not allowed; use POST",
+        ),
+        ("POST", "/metrics", "GET, HEAD", "GET /metrics: method POST not allowed; use GET"),
+        (
+            "PUT",
+            "/v2/logging",
+            "GET, HEAD, POST",
+            "GET/POST /v2/logging: method PUT not allowed; use GET or POST",
+        ),
     ):
         response = http.request(method, path)
         assert response.status_code == 405, (method, path)
-        error_of(response)
+        assert response.headers["allow"] == allow, (method, path)
+        assert error_of(response) == message
 
 
 def test_nesting_too_deep_is_400(http: httpx.Client, locked_http: httpx.Client) -> None:

@@ -90,12 +90,14 @@ class MatmulBackend:
                     f"model {config.name!r}: the matmul backend cannot run on {device}"
                 )
             device = "cpu"
+        # No path is a ConfigError that says what this backend needs.
+        path = config.model_file("the .npy file of the weight matrix")
         # One thread per instance; reading the file is blocking work too, so it runs there.
         worker = await WorkerThread.start(
             f"matmul-{config.name}-{placement.index}", cpu_affinity=placement.cpu_affinity
         )
         try:
-            weight = await worker.run_sync(read_weight, config.name, config.path)
+            weight = await worker.run_sync(read_weight, config.name, path)
         except BaseException:
             await worker.aclose()
             raise

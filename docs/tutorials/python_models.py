@@ -93,7 +93,6 @@ async def names_for(engine: trioinfer.Engine, images: np.ndarray) -> list[str]:
 # --8<-- [start:pipeline]
 NAMED_DIGITS = trioinfer.ModelConfig(
     name="named_digits",
-    path="-",  # a pipeline has no file: its steps are models loaded in the engine
     backend="pipeline",
     backend_options={
         "inputs": [{"name": "IMAGE", "dtype": "float32", "shape": ["batch", 64]}],
@@ -146,7 +145,6 @@ async def cancelled_at_the_deadline(engine: trioinfer.Engine) -> None:
     await engine.load(
         trioinfer.ModelConfig(
             name="lookup",
-            path="-",  # the class is given below: no file to read
             backend="python",
             backend_options={
                 "class": SlowLookup,

@@ -48,7 +48,6 @@ class Words:
 
 WORDS = trioinfer.ModelConfig(
     name="words",
-    path="-",  # the class is given itself: no model file to read
     backend="python",
     backend_options={
         "class": Words,

@@ -36,12 +36,13 @@ class OnnxRuntimeBackend:
         """Create the instance's worker thread and its session on the placed device.
 
         Raises:
-            ConfigError: Unknown or invalid ``backend_options``.
+            ConfigError: Unknown or invalid ``backend_options``, or no ``path``.
             BackendUnavailable: The device is not usable and ``cpu_fallback`` is off.
             BackendError: The model file is missing, ONNX Runtime refuses it, or the
                 instance's worker thread cannot be started (out of file descriptors).
         """
         options = _check_options(config, placement)
+        path = config.model_file("the .onnx file to load")
         name = f"trioinfer-{config.name}-{placement.index}"
         try:
             worker = await WorkerThread.start(name, cpu_affinity=placement.cpu_affinity)
@@ -60,11 +61,13 @@ class OnnxRuntimeBackend:
         threads = _compute_threads(placement)
         rates: dict[int, float] = {}
         try:
-            session, device = await worker.run_sync(_create_session, config, placement, options)
+            session, device = await worker.run_sync(
+                _create_session, config, path, placement, options
+            )
             # The engine reads the first instance's figures; others would only
             # disturb its measurement by running at the same time.
             if options["tune_batch_sizes"] and placement.index == 0:
-                key = (str(config.path), _mtime(config.path), device, threads)
+                key = (str(path), _mtime(path), device, threads)
                 key += tuple(options["tune_batch_sizes"])
                 clock = _compute_clock(device, threads)
                 sizes = options["tune_batch_sizes"]
@@ -95,10 +98,9 @@ class OnnxRuntimeBackend:
 
 
 def _create_session(
-    config: ModelConfig, placement: Placement, options: dict[str, Any]
+    config: ModelConfig, path: Path, placement: Placement, options: dict[str, Any]
 ) -> tuple[Any, str]:
     ort = _ort()
-    path = Path(config.path)
     if not path.is_file():
         raise BackendError(f"model {config.name!r}: no model file at {path}")
     device = placement.device

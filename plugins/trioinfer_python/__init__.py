@@ -19,8 +19,9 @@ A model repository holds it as ``<model>/<version>/model.py`` beside
     dtype = "int64"
     shape = ["batch", 16]
 
-In code, ``backend_options={"class": Model, ...}`` names the class itself and
-``path`` is not read (``ModelConfig`` still needs one: ``path="-"``). The class:
+In code, ``backend_options={"class": Model, ...}`` names the class itself, and
+``ModelConfig`` needs no ``path`` (a class given by name without one is a
+``ConfigError`` at load that says so). The class:
 
 - ``__init__(self, **parameters)``; a ``device`` keyword, if it takes one,
   gets where the instance was placed (``"cpu"``, ``"cuda:0"``). Parameters
@@ -342,11 +343,15 @@ def _model_class(config: ModelConfig) -> type:
             f"backend option class of model {config.name!r} must be a class name such as "
             f"'Model' (or, in Python, the class itself), got {chosen!r}"
         )
-    module = _import(config.name, config.path)
+    path = config.model_file(
+        f"the model.py that defines class {chosen!r} (or, in Python, "
+        "backend_options={'class': TheClass})"
+    )
+    module = _import(config.name, path)
     cls = getattr(module, chosen, None)
     if not isinstance(cls, type):
         raise BackendError(
-            f"model {config.name!r}: {config.path.name} defines no class {chosen!r} "
+            f"model {config.name!r}: {path.name} defines no class {chosen!r} "
             "(set backend option class to the model's class)"
         )
     return cls

@@ -187,6 +187,7 @@ class RayBackend:
             BackendError: The model could not be loaded on the node.
         """
         options = check_options(config, placement)
+        path = config.model_file("the .onnx file its actors load")
         if options.address is None and "ray" not in sys.modules:
             # A Ray we may start ourselves: Ray reads this when imported, and then
             # runs every process of it on 127.0.0.1 alone.
@@ -197,9 +198,9 @@ class RayBackend:
         model_bytes = None
         if options.ship_model:
             try:
-                model_bytes = await anyio.Path(config.path).read_bytes()
+                model_bytes = await anyio.Path(path).read_bytes()
             except OSError as exc:
-                raise BackendError(f"{label}: cannot read {config.path}: {exc}") from exc
+                raise BackendError(f"{label}: cannot read {path}: {exc}") from exc
         actor = _create_actor(options)
         # No CPU pinning on a node this process does not know; everything else as asked.
         remote_placement = Placement(
@@ -212,7 +213,7 @@ class RayBackend:
         )
         ref = actor.load.remote(
             config.name,
-            str(config.path),
+            str(path),
             model_bytes,
             options.ort_options,
             config.batcher,

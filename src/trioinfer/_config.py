@@ -196,7 +196,14 @@ def _to_options(value: object) -> Mapping[str, Any]:
     return MappingProxyType(dict(value))
 
 
-def _to_path(value: str | os.PathLike[str]) -> Path:
+#: The ``path`` that says "no file" as well as None does: what code passed before
+#: ``path`` became optional, so it keeps meaning the same.
+NO_FILE = "-"
+
+
+def _to_path(value: str | os.PathLike[str] | None) -> Path | None:
+    if value is None or value == NO_FILE:
+        return None
     if not isinstance(value, (str, os.PathLike)):
         raise ConfigError(f"path must be a file path (a string), got {value!r}")
     return Path(value)
@@ -247,7 +254,11 @@ class ModelConfig:
 
     Attributes:
         name: The name requests use. Letters, digits, ``_ . -``; at most 128.
-        path: The model file (for the ONNX Runtime backend, a ``.onnx`` file).
+        path: The model file (for the ONNX Runtime backend, a ``.onnx`` file),
+            or None (the default) for a model that reads none: a pipeline, or a
+            ``python`` model whose class is given in code. A backend that needs
+            a file reads it through [`model_file()`][trioinfer.ModelConfig.model_file],
+            which says so when there is none. (``"-"`` means None too.)
         instances: Where the model runs and how many instances of it (at
             most 256 in all).
         backend: The backend plugin's name (group ``trioinfer.backends``).
@@ -293,7 +304,7 @@ class ModelConfig:
     """
 
     name: str = attrs.field(validator=_check_name)
-    path: Path = attrs.field(converter=_to_path)
+    path: Path | None = attrs.field(default=None, converter=_to_path)
     instances: tuple[Instance, ...] = attrs.field(default=(Instance(),), converter=_to_instances)
     backend: str = attrs.field(default="onnxruntime", validator=_plugin_name)
     scheduler: str = attrs.field(default="fifo", validator=_plugin_name)
@@ -344,6 +355,25 @@ class ModelConfig:
         if value not in ("no", "safe", "same_kind"):
             raise ConfigError(f"casting must be 'no', 'safe' or 'same_kind', got {value!r}")
 
+    def model_file(self, what: str) -> Path:
+        """The model file, for a backend that reads one: the one place ``path`` is checked.
+
+        Args:
+            what: What the backend needs the file to be, for the message
+                (``"the .onnx file to load"``).
+
+        Raises:
+            ConfigError: If ``path`` is None: the message names the model, the
+                backend and *what*.
+        """
+        if self.path is None:
+            raise ConfigError(
+                f"model {self.name!r} has no path: the {self.backend} backend needs {what}; "
+                "give it as ModelConfig(path=...) (in config.toml, path = '<file>', or the "
+                "file in a version directory)"
+            )
+        return self.path
+
     @property
     def input_limits(self) -> InputLimits:
         """The caps and casting rule the engine checks inputs against."""
@@ -376,7 +406,11 @@ class ModelConfig:
             ConfigError: Naming the key or field that is wrong.
         """
         data = dict(data)
-        if base is not None and isinstance(data.get("path"), (str, os.PathLike)):
+        if (
+            base is not None
+            and isinstance(data.get("path"), (str, os.PathLike))
+            and data["path"] != NO_FILE
+        ):
             data["path"] = base / Path(data["path"])
         return _build(cls, data, "model config")
 
@@ -417,9 +451,8 @@ class ModelConfig:
             raise unknown_keys_error(f"{path}: model config", set(data) - fields, fields)
         model_dir = path.absolute().parent
         data.setdefault("name", model_dir.name)
-        if "path" not in data and data.get("backend") == PIPELINE:
-            data["path"] = path.name  # a pipeline has no model file: it is its config
-        elif "path" not in data:
+        # A pipeline has no model file (it is its config): its path stays None.
+        if "path" not in data and data.get("backend") != PIPELINE:
             backend = data.get("backend", "onnxruntime")
             try:
                 data["path"] = find_model_file(model_dir, version, model_file_name(backend))

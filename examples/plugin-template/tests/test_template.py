@@ -24,15 +24,13 @@ def test_lifo_runs_the_newest_first() -> None:
 
 async def test_scale_keeps_the_backend_contract() -> None:
     config = trioinfer.ModelConfig(
-        name="triple", path="-", backend="scale", backend_options={"factor": 3, "width": 2}
+        name="triple", backend="scale", backend_options={"factor": 3, "width": 2}
     )
     await check_backend(ScaleBackend(), config, {"x": np.ones((2, 2), dtype=np.float32)})
 
 
 async def test_scale_refuses_options_it_does_not_know() -> None:
-    config = trioinfer.ModelConfig(
-        name="m", path="-", backend="scale", backend_options={"factr": 3}
-    )
+    config = trioinfer.ModelConfig(name="m", backend="scale", backend_options={"factr": 3})
     with pytest.raises(trioinfer.ConfigError, match="factr"):
         await ScaleBackend().load(config, config.placements()[0])
 
@@ -50,7 +48,6 @@ def test_the_entry_points_are_installed() -> None:
 async def test_an_engine_serves_a_model_through_both_by_name() -> None:
     config = trioinfer.ModelConfig(
         name="triple",
-        path="-",
         backend="scale",
         scheduler="lifo",
         backend_options={"factor": 3},

@@ -131,8 +131,9 @@ async def _demo(*, requests: int, concurrency: int, instances: int, deadline: fl
     async with open_engine() as engine:
         info = await engine.load(config)
         click.echo(f"trioinfer {__version__} demo\n")
-        _row("model", f"{info.name}, version {config.path.parent.name}")
-        _row("file", str(config.path))
+        model_file = config.model_file("the .onnx file")
+        _row("model", f"{info.name}, version {model_file.parent.name}")
+        _row("file", str(model_file))
         _row("runs on", f"{_devices(info.devices)}  (1 compute thread per instance)")
 
         click.echo()

@@ -289,81 +289,81 @@ def create_app(state: ServerState) -> ASGIApp:
     generate = GenerateEndpoint(state, stream=False)
     generate_stream = GenerateEndpoint(state, stream=True)
     routes = [
-        Route("/v2/health/live", endpoint(_live), methods=["GET"]),
-        Route("/v2/health/ready", endpoint(_ready), methods=["GET"]),
-        Route("/v2", endpoint(_server_metadata), methods=["GET"]),
-        Route("/v2/models/stats", endpoint(_stats), methods=["GET"]),
-        Route("/v2/models/{model}", endpoint(_model_metadata), methods=["GET"]),
-        Route("/v2/models/{model}/versions/{version}", endpoint(_model_metadata), methods=["GET"]),
-        Route("/v2/models/{model}/ready", endpoint(_model_ready), methods=["GET"]),
-        Route(
+        _Route("/v2/health/live", endpoint(_live), methods=["GET"]),
+        _Route("/v2/health/ready", endpoint(_ready), methods=["GET"]),
+        _Route("/v2", endpoint(_server_metadata), methods=["GET"]),
+        _Route("/v2/models/stats", endpoint(_stats), methods=["GET"]),
+        _Route("/v2/models/{model}", endpoint(_model_metadata), methods=["GET"]),
+        _Route("/v2/models/{model}/versions/{version}", endpoint(_model_metadata), methods=["GET"]),
+        _Route("/v2/models/{model}/ready", endpoint(_model_ready), methods=["GET"]),
+        _Route(
             "/v2/models/{model}/versions/{version}/ready",
             endpoint(_model_ready),
             methods=["GET"],
         ),
-        Route("/v2/models/{model}/config", endpoint(_model_config), methods=["GET"]),
-        Route(
+        _Route("/v2/models/{model}/config", endpoint(_model_config), methods=["GET"]),
+        _Route(
             "/v2/models/{model}/versions/{version}/config",
             endpoint(_model_config),
             methods=["GET"],
         ),
-        Route("/v2/models/{model}/stats", endpoint(_stats), methods=["GET"]),
-        Route("/v2/models/{model}/traffic", endpoint(_traffic), methods=["GET"]),
-        Route("/v2/models/{model}/versions/{version}/stats", endpoint(_stats), methods=["GET"]),
-        Route("/v2/models/{model}/infer", infer, methods=["POST"]),
-        Route("/v2/models/{model}/versions/{version}/infer", infer, methods=["POST"]),
-        Route("/v2/models/{model}/generate", generate, methods=["POST"]),
-        Route("/v2/models/{model}/versions/{version}/generate", generate, methods=["POST"]),
-        Route("/v2/models/{model}/generate_stream", generate_stream, methods=["POST"]),
-        Route(
+        _Route("/v2/models/{model}/stats", endpoint(_stats), methods=["GET"]),
+        _Route("/v2/models/{model}/traffic", endpoint(_traffic), methods=["GET"]),
+        _Route("/v2/models/{model}/versions/{version}/stats", endpoint(_stats), methods=["GET"]),
+        _Route("/v2/models/{model}/infer", infer, methods=["POST"]),
+        _Route("/v2/models/{model}/versions/{version}/infer", infer, methods=["POST"]),
+        _Route("/v2/models/{model}/generate", generate, methods=["POST"]),
+        _Route("/v2/models/{model}/versions/{version}/generate", generate, methods=["POST"]),
+        _Route("/v2/models/{model}/generate_stream", generate_stream, methods=["POST"]),
+        _Route(
             "/v2/models/{model}/versions/{version}/generate_stream",
             generate_stream,
             methods=["POST"],
         ),
-        Route("/v2/repository/index", endpoint(_repository_index), methods=["POST"]),
-        Route("/v2/repository/models/{model}/load", endpoint(_load), methods=["POST"]),
-        Route("/v2/repository/models/{model}/unload", endpoint(_unload), methods=["POST"]),
-        Route("/v2/systemsharedmemory/status", endpoint(_shm_status), methods=["GET"]),
-        Route(
+        _Route("/v2/repository/index", endpoint(_repository_index), methods=["POST"]),
+        _Route("/v2/repository/models/{model}/load", endpoint(_load), methods=["POST"]),
+        _Route("/v2/repository/models/{model}/unload", endpoint(_unload), methods=["POST"]),
+        _Route("/v2/systemsharedmemory/status", endpoint(_shm_status), methods=["GET"]),
+        _Route(
             "/v2/systemsharedmemory/region/{region}/status",
             endpoint(_shm_status),
             methods=["GET"],
         ),
-        Route(
+        _Route(
             "/v2/systemsharedmemory/region/{region}/register",
             endpoint(_shm_register),
             methods=["POST"],
         ),
-        Route(
+        _Route(
             "/v2/systemsharedmemory/region/{region}/unregister",
             endpoint(_shm_unregister),
             methods=["POST"],
         ),
-        Route("/v2/systemsharedmemory/unregister", endpoint(_shm_unregister), methods=["POST"]),
+        _Route("/v2/systemsharedmemory/unregister", endpoint(_shm_unregister), methods=["POST"]),
         # Where CUDA is not usable, registering says so and the rest answers as for an empty
         # registry, so that clients which clear both registries first (Triton's examples)
         # carry on.
-        Route("/v2/cudasharedmemory/status", endpoint(_cuda_status), methods=["GET"]),
-        Route(
+        _Route("/v2/cudasharedmemory/status", endpoint(_cuda_status), methods=["GET"]),
+        _Route(
             "/v2/cudasharedmemory/region/{region}/status",
             endpoint(_cuda_status),
             methods=["GET"],
         ),
-        Route(
+        _Route(
             "/v2/cudasharedmemory/region/{region}/register",
             endpoint(_cuda_register),
             methods=["POST"],
         ),
-        Route(
+        _Route(
             "/v2/cudasharedmemory/region/{region}/unregister",
             endpoint(_cuda_unregister),
             methods=["POST"],
         ),
-        Route("/v2/cudasharedmemory/unregister", endpoint(_cuda_unregister), methods=["POST"]),
-        Route("/metrics", endpoint(_metrics), methods=["GET"]),
-        Route("/v2/trace/setting", endpoint(_trace_setting), methods=["GET", "POST"]),
-        Route("/v2/logging", endpoint(_logging), methods=["GET", "POST"]),
-        Route(
+        _Route("/v2/cudasharedmemory/unregister", endpoint(_cuda_unregister), methods=["POST"]),
+        _Route("/metrics", endpoint(_metrics), methods=["GET"]),
+        _Route("/v2/trace/setting", endpoint(_trace_setting), methods=["GET", "POST"]),
+        _Route("/v2/logging", endpoint(_logging), methods=["GET", "POST"]),
+        _Route(
             "/v2/models/{model}/trace/setting",
             endpoint(_trace_setting),
             methods=["GET", "POST"],
@@ -394,6 +394,29 @@ def create_app(state: ServerState) -> ASGIApp:
             exception_handlers={HTTPException: http_error, Exception: server_error},
         ),
     )
+
+
+class _Route(Route):
+    """A route whose 405 names the method it takes, as a JSON error like every other.
+
+    Starlette's says only "Method Not Allowed", and its ``Allow`` header lists the
+    methods in set order (it changes between runs).
+    """
+
+    async def handle(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """Serve the request, or raise a 405 naming this route's methods."""
+        if self.methods and scope["method"] not in self.methods:
+            allowed = sorted(self.methods)
+            # HEAD is allowed wherever GET is (Starlette serves it), so it goes in Allow,
+            # but a person reading the message wants the method to use instead.
+            use = [method for method in allowed if method != "HEAD"] or allowed
+            raise HTTPException(
+                405,
+                detail=f"{'/'.join(use)} {scope['path']}: method {scope['method']} not allowed; "
+                f"use {' or '.join(use)}",
+                headers={"Allow": ", ".join(allowed)},
+            )
+        await super().handle(scope, receive, send)
 
 
 _INFER_PATH: Final = re.compile(r"/v2/models/([^/]+)(?:/versions/([^/]+))?/infer")

@@ -401,7 +401,6 @@ async def check_fallback(make_fallback: Callable[[], Fallback]) -> None:
     )
     config = ModelConfig(
         name="checked",
-        path="-",
         backend="fake",
         fallback="checked",
         instances=[Instance(count=2)],
