@@ -18,7 +18,6 @@ from functools import partial
 from typing import Any
 
 import attrs
-import httptools
 import httpx
 import pytest
 import trio
@@ -30,6 +29,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.routing import Route
 
+from _http_client import Response, ResponseParser
 from trioinfer.server import _connection, _http_server, _io
 from trioinfer.server._http_server import serve_asgi
 
@@ -81,57 +81,23 @@ async def serving(
 # -- a raw HTTP client -----------------------------------------------------------------------------
 
 
-@attrs.define
-class Response:
-    status: int = 0
-    headers: list[tuple[bytes, bytes]] = attrs.Factory(list)
-    chunks: list[bytes] = attrs.Factory(list)
-
-    @property
-    def body(self) -> bytes:
-        return b"".join(self.chunks)
-
-    def header(self, name: bytes) -> bytes | None:
-        values = [v for k, v in self.headers if k.lower() == name]
-        return values[0] if values else None
-
-    def json(self) -> Any:
-        return json.loads(self.body)
-
-
-class Client:
+class Client(ResponseParser):
     """A raw socket plus a response parser that survives pipelining."""
 
     def __init__(self, stream: trio.SocketStream) -> None:
+        super().__init__()
         self.stream = stream
-        self._parser = httptools.HttpResponseParser(self)
-        self._partial = Response()
-        self._done: list[Response] = []
-
-    # httptools callbacks
-    def on_header(self, name: bytes, value: bytes) -> None:
-        self._partial.headers.append((name, value))
-
-    def on_headers_complete(self) -> None:
-        self._partial.status = self._parser.get_status_code()
-
-    def on_body(self, body: bytes) -> None:
-        self._partial.chunks.append(body)
-
-    def on_message_complete(self) -> None:
-        self._done.append(self._partial)
-        self._partial = Response()
 
     async def send(self, data: bytes) -> None:
         await self.stream.send_all(data)
 
     async def response(self) -> Response:
         """The next complete response; AssertionError if the server closes first."""
-        while not self._done:
+        while not self.responses:
             data = await self._receive()
             assert data, "the server closed the connection before a complete response"
             self._parser.feed_data(data)
-        return self._done.pop(0)
+        return self.responses.pop(0)
 
     async def raw_until_eof(self) -> bytes:
         """Everything the server still sends, up to its closing the connection."""
