@@ -302,25 +302,33 @@ async def test_a_step_model_replaced_by_one_without_its_outputs(
             await engine.infer("p", {"IN": X})
 
 
+@pytest.mark.parametrize(
+    "latest",
+    [
+        pytest.param(30.0, id="the-latest-deadline"),
+        # A member without a deadline lifts the step's deadline: the latest is none at all.
+        pytest.param(math.inf, id="a-member-without-a-deadline-lifts-it"),
+    ],
+)
 async def test_each_step_request_carries_the_latest_remaining_deadline(
-    autojump_clock: trio.testing.MockClock,
+    latest: float, autojump_clock: trio.testing.MockClock
 ) -> None:
     async with open_engine() as engine:
         await load_chain(engine, delays=(1.0, 1.0, 0.0))
         t0 = trio.current_time()
-        scopes: dict[int, trio.CancelScope] = {}
+        scopes: dict[float, trio.CancelScope] = {}
 
-        async def call(budget: int) -> None:
+        async def call(budget: float) -> None:
             with trio.move_on_after(budget) as scope:
                 scopes[budget] = scope
                 await engine.infer("p", {"IN": X})
 
         async with anyio.create_task_group() as tg:
-            for budget in (10, 30, 20):
+            for budget in (10.0, latest, 20.0):
                 tg.start_soon(call, budget)
             await trio.sleep(0.5)  # the batch is in its first step
-            scopes[30].cancel()
-        assert Rows.deadlines["first"] == [t0 + 30]
+            scopes[latest].cancel()
+        assert Rows.deadlines["first"] == [t0 + latest]
         # The member with the latest deadline left: the next steps carry the latest left.
         assert Rows.deadlines["second"] == [t0 + 20]
         assert Rows.deadlines["third"] == [t0 + 20]
@@ -843,30 +851,6 @@ def test_a_member_leaving_during_its_rerun_on_asyncio() -> None:
     np.testing.assert_array_equal(outcomes[2], np.full((1, 4), 5, np.float32))  # type: ignore[arg-type]
     assert aborted == 1  # member 1's rerun of the first step, stopped as it left
     assert Rows.rows["first"] == [3, 1, 1, 1]
-
-
-async def test_a_member_without_a_deadline_lifts_the_step_s_deadline(
-    autojump_clock: trio.testing.MockClock,
-) -> None:
-    async with open_engine() as engine:
-        await load_chain(engine, delays=(1.0, 1.0, 0.0))
-        t0 = trio.current_time()
-        scopes: dict[float, trio.CancelScope] = {}
-
-        async def call(budget: float) -> None:
-            with trio.move_on_after(budget) as scope:
-                scopes[budget] = scope
-                await engine.infer("p", {"IN": X})
-
-        async with anyio.create_task_group() as tg:
-            for budget in (10.0, math.inf, 20.0):
-                tg.start_soon(call, budget)
-            await trio.sleep(0.5)  # the batch is in its first step
-            scopes[math.inf].cancel()
-        # Latest of the three is none at all; then, that member gone, the latest left.
-        assert Rows.deadlines["first"] == [math.inf]
-        assert Rows.deadlines["second"] == [t0 + 20]
-        assert Rows.deadlines["third"] == [t0 + 20]
 
 
 async def test_the_engine_closing_mid_batch_ends_every_member_once(
