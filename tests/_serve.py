@@ -15,7 +15,7 @@ import signal
 import subprocess
 import threading
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +25,8 @@ import pytest
 #: Bounds against hangs only; nothing asserts how long anything took.
 START_S = 120.0
 STOP_S = 120.0
+WAIT_S = 60.0
+POLL_S = 0.01
 
 
 @attrs.frozen
@@ -113,3 +115,12 @@ def _wait_listening(
         match = re.search(r"listening on (http://\S+)", line)
         if match:
             return Started(match.group(1), process, seen)
+
+
+def wait_until(predicate: Callable[[], bool], what: str, timeout: float = WAIT_S) -> None:
+    """Poll *predicate* until it holds; fail, saying *what* was awaited, after *timeout*."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out waiting until {what}")
+        time.sleep(POLL_S)

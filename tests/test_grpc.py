@@ -21,7 +21,6 @@ import socket
 import struct
 import subprocess
 import sys
-import time
 import types
 import uuid
 from collections.abc import Iterator
@@ -52,15 +51,11 @@ from tritonclient.utils import InferenceServerException, deserialize_bytes_tenso
 import test_sequence
 import test_triton
 import trioinfer
-from _serve import serve_process
+from _serve import WAIT_S, serve_process, wait_until
 from trioinfer.cli import main as cli_main
 from trioinfer.testing import models
 
 pytestmark = pytest.mark.grpc
-
-#: Bounds against hangs only; nothing asserts how long anything took.
-WAIT_S = 60.0
-POLL_S = 0.01
 
 TOKEN = "grpc-test-token"  # a test fixture, not a credential
 MAX_BODY = 1 << 20
@@ -112,14 +107,6 @@ def run_server(
         address = next((match.group(1) for match in found if match), "")
         assert bool(address) == want_grpc, log.read_text()[-4000:]
         yield Server(started.url, address, started.process, log)
-
-
-def wait_until(predicate: Any, what: str) -> None:
-    deadline = time.monotonic() + WAIT_S
-    while not predicate():
-        if time.monotonic() > deadline:
-            pytest.fail(f"timed out waiting until {what}")
-        time.sleep(POLL_S)
 
 
 @pytest.fixture(scope="module")

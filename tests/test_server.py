@@ -43,7 +43,7 @@ import sys
 import threading
 import time
 import zlib
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -63,14 +63,12 @@ from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.samples import Sample
 from tritonclient.utils import InferenceServerException
 
-from _serve import STOP_S, log_tail, serve_process
+from _serve import POLL_S, STOP_S, WAIT_S, log_tail, serve_process, wait_until
 from _triton_config import own_setting
 from trioinfer import digits_samples, example_repository
 from trioinfer.testing import models
 
 HOST = "127.0.0.1"
-WAIT_S = 60.0
-POLL_S = 0.01
 #: How long to watch for a server closing a connection it said it would keep.
 LINGER_S = 2.0
 
@@ -165,15 +163,6 @@ def run_server(
     command += ["--model-repository", str(repository), "--log-level", "info", *args]
     with serve_process(command, log=log, env=env) as started:
         yield Server(started.url, started.process, log, repository)
-
-
-def wait_until(predicate: Callable[[], bool], what: str, timeout: float = WAIT_S) -> None:
-    """Poll *predicate* until it holds; fail, saying *what* was awaited, after *timeout*."""
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            pytest.fail(f"timed out waiting until {what}")
-        time.sleep(POLL_S)
 
 
 # -- building the repositories ---------------------------------------------------------
