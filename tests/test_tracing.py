@@ -22,12 +22,12 @@ import trio
 import trio.testing
 import tritonclient.http
 from opentelemetry import trace
-from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
-from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import StatusCode
 
 import trioinfer
+from _spans import named, parent_of, provider_for
 from trioinfer import ConfigError, Instance, ModelConfig, example_repository, open_engine
 from trioinfer._trace_settings import provider_from_settings, update_trace_settings
 from trioinfer._tracing import Tracing
@@ -42,20 +42,6 @@ X = np.ones((1, 4), np.float32)
 @pytest.fixture
 def exporter() -> InMemorySpanExporter:
     return InMemorySpanExporter()
-
-
-def provider_for(exporter: InMemorySpanExporter) -> TracerProvider:
-    provider = TracerProvider()
-    provider.add_span_processor(SimpleSpanProcessor(exporter))
-    return provider
-
-
-def named(spans: Any, prefix: str) -> list[ReadableSpan]:
-    return [s for s in spans if s.name.startswith(prefix)]
-
-
-def parent_of(span: ReadableSpan) -> int | None:
-    return span.parent.span_id if span.parent is not None else None
 
 
 def batched(name: str = "m", delay: float = 0.01) -> ModelConfig:

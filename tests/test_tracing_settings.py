@@ -9,11 +9,10 @@ from typing import Any
 import pytest
 import trio
 from opentelemetry import trace
-from opentelemetry.sdk.trace import TracerProvider
-from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 import trioinfer
+from _spans import provider_for
 from trioinfer import ConfigError, example_repository
 from trioinfer._trace_settings import check_trace_settings
 from trioinfer.server import ServerConfig, serve_http
@@ -28,8 +27,7 @@ async def test_tritonclient_grpc_reads_and_changes_trace_settings(tmp_path: Path
     repo = tmp_path / "repo"
     shutil.copytree(example_repository() / "digits", repo / "digits")
     exporter = InMemorySpanExporter()
-    provider = TracerProvider()
-    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    provider = provider_for(exporter)
     config = ServerConfig(tracer_provider=provider, trace_rate=0.0)
     images = trioinfer.digits_samples()[0][:1]
 

@@ -13,12 +13,11 @@ import pytest
 import trio
 import trio.lowlevel
 from opentelemetry import trace
-from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
-from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import StatusCode
 
 import trioinfer
+from _spans import named, parent_of, provider_for
 from trioinfer import ModelConfig, open_engine
 from trioinfer.server import ServerConfig, serve_http
 
@@ -50,20 +49,6 @@ def config(name: str = "m", **fields: Any) -> ModelConfig:
 
 def n(count: int) -> Arrays:
     return {"n": np.array([count], np.int32)}
-
-
-def provider_for(exporter: InMemorySpanExporter) -> TracerProvider:
-    provider = TracerProvider()
-    provider.add_span_processor(SimpleSpanProcessor(exporter))
-    return provider
-
-
-def named(spans: Any, prefix: str) -> list[ReadableSpan]:
-    return [s for s in spans if s.name.startswith(prefix)]
-
-
-def parent_of(span: ReadableSpan) -> int | None:
-    return span.parent.span_id if span.parent is not None else None
 
 
 async def test_a_stream_has_a_span_and_its_generator_a_child_span() -> None:
