@@ -1,8 +1,12 @@
-"""Running ``trioinfer serve`` as a child process, for the tests that talk to a real server.
+"""Running trioinfer's server for the tests that talk to a real one.
 
-test_server (HTTP) and test_grpc (HTTP and gRPC) start the server the same way: a free
-port, stdout read on a thread until it says where it listens, SIGTERM and exit code 0 at
-the end, and a kill if anything goes wrong, so that no process is ever left behind.
+In this process, ``start_serving`` starts ``serve_http`` in the caller's nursery, on
+127.0.0.1 and a free port; cancelling the nursery stops it.
+
+As a child process, test_server (HTTP) and test_grpc (HTTP and gRPC) start
+``trioinfer serve`` the same way: a free port, stdout read on a thread until it says where
+it listens, SIGTERM and exit code 0 at the end, and a kill if anything goes wrong, so that
+no process is ever left behind.
 """
 
 from __future__ import annotations
@@ -16,17 +20,38 @@ import subprocess
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+import anyio.abc
 import attrs
 import pytest
+import trio
+
+if TYPE_CHECKING:
+    from trioinfer.server import Listening
 
 #: Bounds against hangs only; nothing asserts how long anything took.
 START_S = 120.0
 STOP_S = 120.0
 WAIT_S = 60.0
 POLL_S = 0.01
+
+
+async def start_serving(
+    nursery: trio.Nursery | anyio.abc.TaskGroup, repository: Path, **options: Any
+) -> Listening:
+    """Start ``serve_http(repository, **options)`` in *nursery* (a trio nursery or an anyio
+    task group) on 127.0.0.1 and a free port, without signal handlers; once it listens,
+    return where."""
+    # Imported here: test files that serve only in some tests import no server otherwise.
+    from trioinfer.server import serve_http
+
+    listening: Listening = await nursery.start(
+        partial(serve_http, repository, host="127.0.0.1", port=0, handle_signals=False, **options)
+    )
+    return listening
 
 
 @attrs.frozen

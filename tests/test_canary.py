@@ -15,8 +15,8 @@ import pytest
 import trio
 
 import trioinfer
+from _serve import start_serving
 from trioinfer import ConfigError, example_repository
-from trioinfer.server import serve_http
 from trioinfer.server._repository import parse_traffic
 
 pytestmark = pytest.mark.canary
@@ -42,9 +42,7 @@ def repository(tmp_path: Path, traffic: str = '{ "1" = 90, "2" = 10 }') -> Path:
 
 
 async def serving(repo: Path, nursery: trio.Nursery) -> tuple[str, Any]:
-    listening = await nursery.start(
-        lambda task_status: serve_http(repo, port=0, handle_signals=False, task_status=task_status)
-    )
+    listening = await start_serving(nursery, repo)
     return listening.urls[0], listening
 
 
@@ -262,15 +260,7 @@ async def test_the_traffic_command_needs_the_admin_token(tmp_path: Path) -> None
 
     repo = repository(tmp_path)
     async with trio.open_nursery() as nursery:
-        listening = await nursery.start(
-            lambda task_status: serve_http(
-                repo,
-                port=0,
-                config=ServerConfig(admin_token="s3cret"),
-                handle_signals=False,
-                task_status=task_status,
-            )
-        )
+        listening = await start_serving(nursery, repo, config=ServerConfig(admin_token="s3cret"))
         url = listening.urls[0]
 
         async def run(*args: str, env: dict[str, str] | None = None) -> Any:
@@ -335,15 +325,7 @@ async def test_the_traffic_command_waits_for_a_reload_as_long_as_its_timeout(
     sys.modules[streams.PROBE] = watched = streams.probe()
     try:
         async with trio.open_nursery() as nursery:
-            listening = await nursery.start(
-                lambda task_status: serve_http(
-                    repo,
-                    port=0,
-                    config=ServerConfig(drain_period=60.0),
-                    handle_signals=False,
-                    task_status=task_status,
-                )
-            )
+            listening = await start_serving(nursery, repo, config=ServerConfig(drain_period=60.0))
             url = listening.urls[0]
             async with httpx.AsyncClient(base_url=url, timeout=30) as client:
                 # A stream on version 1 that holds its 4th response until let go.

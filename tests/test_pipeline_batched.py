@@ -15,6 +15,7 @@ import trio
 import trio.testing
 
 import trioinfer
+from _serve import start_serving
 from _triton_config import own_setting
 from trioinfer import (
     BackendError,
@@ -540,17 +541,12 @@ async def test_a_pipeline_with_batcher_none_stays_unbatched() -> None:
 
 async def test_the_bundled_batched_pipeline_over_http() -> None:
     """read_digit batches itself; a bad image fails alone, with the step named, over HTTP."""
-    from trioinfer.server import serve_http
 
     images, labels = trioinfer.digits_samples()
     names = ["zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine"]
     answers: dict[int, httpx.Response] = {}
     async with trio.open_nursery() as nursery:
-        listening = await nursery.start(
-            lambda task_status: serve_http(
-                example_repository(), port=0, handle_signals=False, task_status=task_status
-            )
-        )
+        listening = await start_serving(nursery, example_repository())
         async with httpx.AsyncClient(base_url=listening.urls[0]) as client:
 
             async def post(i: int) -> None:

@@ -12,10 +12,11 @@ from opentelemetry import trace
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 import trioinfer
+from _serve import start_serving
 from _spans import provider_for
 from trioinfer import ConfigError, example_repository
 from trioinfer._trace_settings import check_trace_settings
-from trioinfer.server import ServerConfig, serve_http
+from trioinfer.server import ServerConfig
 
 pytestmark = pytest.mark.tracing
 
@@ -64,16 +65,7 @@ async def test_tritonclient_grpc_reads_and_changes_trace_settings(tmp_path: Path
         return seen
 
     async with trio.open_nursery() as nursery:
-        listening = await nursery.start(
-            lambda task_status: serve_http(
-                repo,
-                port=0,
-                grpc_port=0,
-                config=config,
-                handle_signals=False,
-                task_status=task_status,
-            )
-        )
+        listening = await start_serving(nursery, repo, grpc_port=0, config=config)
         seen = await trio.to_thread.run_sync(use, listening.grpc)
         nursery.cancel_scope.cancel()
     assert seen["before"]["settings"]["trace_rate"]["value"] == ["0"]

@@ -17,9 +17,10 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.trace import StatusCode
 
 import trioinfer
+from _serve import start_serving
 from _spans import named, parent_of, provider_for
 from trioinfer import ModelConfig, open_engine
-from trioinfer.server import ServerConfig, serve_http
+from trioinfer.server import ServerConfig
 
 pytestmark = pytest.mark.tracing
 
@@ -145,11 +146,7 @@ async def test_generate_stream_over_http_is_traced_under_its_server_span(
     exporter = InMemorySpanExporter()
     config = ServerConfig(tracer_provider=provider_for(exporter), trace_rate=0.0)
     async with trio.open_nursery() as nursery:
-        listening = await nursery.start(
-            lambda task_status: serve_http(
-                repository, port=0, config=config, handle_signals=False, task_status=task_status
-            )
-        )
+        listening = await start_serving(nursery, repository, config=config)
         async with httpx.AsyncClient(base_url=listening.urls[0]) as client:
             streamed = await client.post(
                 "/v2/models/repeat_int32/generate_stream",
@@ -218,16 +215,7 @@ async def test_model_stream_infer_is_traced_under_its_server_span(repository: Pa
         return got
 
     async with trio.open_nursery() as nursery:
-        listening = await nursery.start(
-            lambda task_status: serve_http(
-                repository,
-                port=0,
-                grpc_port=0,
-                config=config,
-                handle_signals=False,
-                task_status=task_status,
-            )
-        )
+        listening = await start_serving(nursery, repository, grpc_port=0, config=config)
         assert await trio.to_thread.run_sync(call, listening.grpc) == [None] * 3
         nursery.cancel_scope.cancel()
     spans = exporter.get_finished_spans()
