@@ -24,9 +24,10 @@ from click.testing import CliRunner, Result
 
 import trioinfer
 import trioinfer.bench as tool
+from _serve import start_serving
 from trioinfer._examples import digits_samples, example_repository
 from trioinfer.cli import main
-from trioinfer.server import Limits, decode_infer_request, encode_infer_request, serve_http
+from trioinfer.server import Limits, decode_infer_request, encode_infer_request
 
 SHORT = ("--warmup", "0.05", "--window", "0.2", "--windows", "2")
 
@@ -41,15 +42,7 @@ def url() -> Iterator[str]:
         stop = trio.Event()
         found["stop"], found["token"] = stop, trio.lowlevel.current_trio_token()
         async with trio.open_nursery() as nursery:
-            listening = await nursery.start(
-                lambda task_status: serve_http(
-                    example_repository(),
-                    port=0,
-                    handle_signals=False,
-                    shutdown=stop,
-                    task_status=task_status,
-                )
-            )
+            listening = await start_serving(nursery, example_repository(), shutdown=stop)
             found["url"] = listening.urls[0]
             started.set()
 

@@ -10,6 +10,7 @@ import pytest
 import trio
 import trio.testing
 
+from _serve import start_serving
 from trioinfer import BackendError, ConfigError, ModelConfig, open_engine
 from trioinfer._cache import ARRAY_OVERHEAD, ENTRY_OVERHEAD, digest
 from trioinfer.testing import FakeBackend
@@ -346,7 +347,7 @@ async def test_the_server_reports_hits_in_triton_statistics_and_metrics(tmp_path
     from prometheus_client.parser import text_string_to_metric_families
 
     from trioinfer import example_repository
-    from trioinfer.server import ServerConfig, serve_http
+    from trioinfer.server import ServerConfig
 
     repo = tmp_path / "repo"
     shutil.copytree(example_repository() / "digits", repo / "digits")
@@ -354,15 +355,7 @@ async def test_the_server_reports_hits_in_triton_statistics_and_metrics(tmp_path
     toml.write_text("response_cache = true\n" + toml.read_text())
     body = {"inputs": [{"name": "input", "shape": [1, 64], "datatype": "FP32", "data": [1] * 64}]}
     async with trio.open_nursery() as nursery:
-        listening = await nursery.start(
-            lambda task_status: serve_http(
-                repo,
-                port=0,
-                handle_signals=False,
-                config=ServerConfig(cache_size=1 << 20),
-                task_status=task_status,
-            )
-        )
+        listening = await start_serving(nursery, repo, config=ServerConfig(cache_size=1 << 20))
         async with httpx.AsyncClient(base_url=listening.urls[0]) as client:
             answers = [
                 (await client.post("/v2/models/digits/infer", json=body)).json() for _ in range(3)

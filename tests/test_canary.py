@@ -5,8 +5,9 @@ from __future__ import annotations
 import random
 import shutil
 from collections import Counter
+from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import anyio
 import httpx
@@ -14,11 +15,13 @@ import pytest
 import trio
 
 import trioinfer
+from _serve import start_serving
 from trioinfer import ConfigError, example_repository
-from trioinfer.server import serve_http
 from trioinfer.server._repository import parse_traffic
 
 pytestmark = pytest.mark.canary
+
+T = TypeVar("T")
 
 ROW = trioinfer.digits_samples()[0][:1]
 BODY = {
@@ -39,9 +42,7 @@ def repository(tmp_path: Path, traffic: str = '{ "1" = 90, "2" = 10 }') -> Path:
 
 
 async def serving(repo: Path, nursery: trio.Nursery) -> tuple[str, Any]:
-    listening = await nursery.start(
-        lambda task_status: serve_http(repo, port=0, handle_signals=False, task_status=task_status)
-    )
+    listening = await start_serving(nursery, repo)
     return listening.urls[0], listening
 
 
@@ -121,7 +122,14 @@ async def test_a_canary_over_http_and_its_promotion(tmp_path: Path) -> None:
     assert 'version="2"' in stats  # per-version metrics to judge the rollout by
 
 
-async def test_changing_the_weights_under_load_loses_no_request(tmp_path: Path) -> None:
+async def statuses_under_load(
+    tmp_path: Path,
+    requests: int,
+    changes: Sequence[T],
+    change: Callable[[httpx.AsyncClient, str, T], Awaitable[None]],
+) -> Counter[int]:
+    """Serve version 1 alone to 8 clients posting *requests* requests each, calling
+    *change* for each of *changes* meanwhile; the statuses of their answers, counted."""
     repo = repository(tmp_path, '{ "1" = 100 }')
     outcomes: Counter[int] = Counter()
     async with trio.open_nursery() as nursery:
@@ -129,22 +137,30 @@ async def test_changing_the_weights_under_load_loses_no_request(tmp_path: Path) 
         async with httpx.AsyncClient(base_url=url, timeout=30) as client:
 
             async def load() -> None:
-                for _ in range(40):
+                for _ in range(requests):
                     answer = await client.post("/v2/models/digits/infer", json=BODY)
                     outcomes[answer.status_code] += 1
 
             async with anyio.create_task_group() as tg:
                 for _ in range(8):
                     tg.start_soon(load)
-                for weights in ('{"1": 50, "2": 50}', '{"2": 100}', '{"1": 100}'):
+                for each in changes:
                     await trio.sleep(0.05)
-                    answer = await client.post(
-                        "/v2/repository/models/digits/load",
-                        json={"parameters": {"config": f'{{"traffic": {weights}}}'}},
-                    )
-                    assert answer.status_code == 200, answer.text
+                    await change(client, url, each)
         nursery.cancel_scope.cancel()
-    assert outcomes == {200: 320}
+    return outcomes
+
+
+async def test_changing_the_weights_under_load_loses_no_request(tmp_path: Path) -> None:
+    async def reload(client: httpx.AsyncClient, url: str, weights: str) -> None:
+        answer = await client.post(
+            "/v2/repository/models/digits/load",
+            json={"parameters": {"config": f'{{"traffic": {weights}}}'}},
+        )
+        assert answer.status_code == 200, answer.text
+
+    weights = ('{"1": 50, "2": 50}', '{"2": 100}', '{"1": 100}')
+    assert await statuses_under_load(tmp_path, 40, weights, reload) == {200: 320}
 
 
 @pytest.mark.parametrize(
@@ -244,15 +260,7 @@ async def test_the_traffic_command_needs_the_admin_token(tmp_path: Path) -> None
 
     repo = repository(tmp_path)
     async with trio.open_nursery() as nursery:
-        listening = await nursery.start(
-            lambda task_status: serve_http(
-                repo,
-                port=0,
-                config=ServerConfig(admin_token="s3cret"),
-                handle_signals=False,
-                task_status=task_status,
-            )
-        )
+        listening = await start_serving(nursery, repo, config=ServerConfig(admin_token="s3cret"))
         url = listening.urls[0]
 
         async def run(*args: str, env: dict[str, str] | None = None) -> Any:
@@ -271,28 +279,12 @@ async def test_the_traffic_command_needs_the_admin_token(tmp_path: Path) -> None
 
 
 async def test_the_traffic_command_under_load_loses_no_request(tmp_path: Path) -> None:
-    repo = repository(tmp_path, '{ "1" = 100 }')
-    outcomes: Counter[int] = Counter()
-    async with trio.open_nursery() as nursery:
-        url, _ = await serving(repo, nursery)
-        async with httpx.AsyncClient(base_url=url, timeout=30) as client:
+    async def command(client: httpx.AsyncClient, url: str, args: tuple[str, ...]) -> None:
+        done = await trio.to_thread.run_sync(lambda: traffic_cli("digits", *args, "--url", url))
+        assert done.exit_code == 0, done.output
 
-            async def load() -> None:
-                for _ in range(30):
-                    answer = await client.post("/v2/models/digits/infer", json=BODY)
-                    outcomes[answer.status_code] += 1
-
-            async with anyio.create_task_group() as tg:
-                for _ in range(8):
-                    tg.start_soon(load)
-                for args in (("1=50", "2=50"), ("--promote", "2"), ("--rollback", "2")):
-                    await trio.sleep(0.05)
-                    done = await trio.to_thread.run_sync(
-                        lambda args=args: traffic_cli("digits", *args, "--url", url)
-                    )
-                    assert done.exit_code == 0, done.output
-        nursery.cancel_scope.cancel()
-    assert outcomes == {200: 240}
+    changes = (("1=50", "2=50"), ("--promote", "2"), ("--rollback", "2"))
+    assert await statuses_under_load(tmp_path, 30, changes, command) == {200: 240}
 
 
 def test_the_traffic_command_cannot_reach_a_server() -> None:
@@ -333,15 +325,7 @@ async def test_the_traffic_command_waits_for_a_reload_as_long_as_its_timeout(
     sys.modules[streams.PROBE] = watched = streams.probe()
     try:
         async with trio.open_nursery() as nursery:
-            listening = await nursery.start(
-                lambda task_status: serve_http(
-                    repo,
-                    port=0,
-                    config=ServerConfig(drain_period=60.0),
-                    handle_signals=False,
-                    task_status=task_status,
-                )
-            )
+            listening = await start_serving(nursery, repo, config=ServerConfig(drain_period=60.0))
             url = listening.urls[0]
             async with httpx.AsyncClient(base_url=url, timeout=30) as client:
                 # A stream on version 1 that holds its 4th response until let go.

@@ -24,7 +24,7 @@ import trio.testing
 
 import trioinfer
 import trioinfer._inline
-from _instruments import Steps
+from _instruments import counting_steps
 from trioinfer import BackendError, InvalidInput, ModelConfig, open_engine
 
 pytestmark = pytest.mark.python_model
@@ -268,9 +268,7 @@ async def test_a_caller_back_from_a_wait_finds_a_fresh_slice(
     monkeypatch.setattr(trioinfer._inline, "_wall", lambda: now)
     async with open_engine() as engine:
         await engine.load(model("a"))
-        steps = Steps(trio.lowlevel.current_task())
-        trio.lowlevel.add_instrument(steps)
-        try:
+        with counting_steps() as steps:
             now = 1.0  # the slice spent: the request yields (the first yield: the restarts begin)
             await engine.infer("a", {"x": X})
             assert steps.count == 1
@@ -282,8 +280,6 @@ async def test_a_caller_back_from_a_wait_finds_a_fresh_slice(
             now = 3.0  # held since: no poll, so the slice is spent and the next request yields
             await engine.infer("a", {"x": X})
             assert steps.count == count + 1
-        finally:
-            trio.lowlevel.remove_instrument(steps)
 
 
 async def test_the_slice_restarts_at_polls_only_while_an_engine_is_open(
@@ -312,13 +308,9 @@ async def test_a_fresh_slice_costs_no_yield(autojump_clock: trio.testing.MockClo
     # Within the slice, the request neither queues nor yields: the task does not resume.
     async with open_engine() as engine:
         await engine.load(model("a"))
-        steps = Steps(trio.lowlevel.current_task())
-        trio.lowlevel.add_instrument(steps)
-        try:
+        with counting_steps() as steps:
             for _ in range(5):
                 await engine.infer("a", {"x": X})
-        finally:
-            trio.lowlevel.remove_instrument(steps)
         assert steps.count == 0
         assert Where.tasks == [_task()] * 5
 
@@ -383,13 +375,9 @@ async def test_an_async_model_that_does_not_suspend_runs_in_its_callers_task(
     # counted alike, with no yield.
     async with open_engine() as engine:
         await engine.load(model("a", AsyncWhere))
-        steps = Steps(trio.lowlevel.current_task())
-        trio.lowlevel.add_instrument(steps)
-        try:
+        with counting_steps() as steps:
             out = await engine.infer("a", {"x": np.ones((3, 4), np.float32)})
             result = await engine.infer_detailed("a", {"x": X})
-        finally:
-            trio.lowlevel.remove_instrument(steps)
         assert steps.count == 0
         np.testing.assert_array_equal(out["y"], np.full((3, 4), 2, np.float32))
         assert (result.model, result.instance, result.device) == ("a", 0, "cpu")

@@ -14,17 +14,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import os
 import queue
 import re
 import shutil
-import signal
 import socket
 import struct
 import subprocess
 import sys
-import threading
-import time
 import types
 import uuid
 from collections.abc import Iterator
@@ -55,16 +51,11 @@ from tritonclient.utils import InferenceServerException, deserialize_bytes_tenso
 import test_sequence
 import test_triton
 import trioinfer
+from _serve import WAIT_S, serve_process, wait_until
 from trioinfer.cli import main as cli_main
 from trioinfer.testing import models
 
 pytestmark = pytest.mark.grpc
-
-#: Bounds against hangs only; nothing asserts how long anything took.
-START_S = 120.0
-STOP_S = 120.0
-WAIT_S = 60.0
-POLL_S = 0.01
 
 TOKEN = "grpc-test-token"  # a test fixture, not a credential
 MAX_BODY = 1 << 20
@@ -111,66 +102,11 @@ def run_server(
     code = f"{prelude}\nfrom trioinfer.cli import main\nmain()"
     command = [sys.executable, "-c", code, "serve", "--port", "0"]
     command += ["--model-repository", str(repository), *args]
-    environment = {k: v for k, v in os.environ.items() if k != "TRIOINFER_ADMIN_TOKEN"}
-    with log.open("wb") as log_file:
-        process = subprocess.Popen(
-            command,
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE,
-            stderr=log_file,
-            env=environment,
-            text=True,
-        )
-    lines: queue.Queue[str | None] = queue.Queue()
-
-    def pump() -> None:
-        assert process.stdout is not None
-        for line in process.stdout:
-            lines.put(line)
-        lines.put(None)
-
-    reader = threading.Thread(target=pump, daemon=True)
-    reader.start()
-    try:
-        address = ""
-        deadline = time.monotonic() + START_S
-        while True:
-            try:
-                line = lines.get(timeout=max(deadline - time.monotonic(), 0.0))
-            except queue.Empty:
-                line = None
-            if line is None:
-                process.kill()
-                process.wait()
-                pytest.fail(f"the server did not start; log:\n{log.read_text()[-4000:]}")
-            if match := re.search(r"gRPC on (\S+)", line):
-                address = match.group(1)
-            if match := re.search(r"listening on (http://\S+)", line):
-                url = match.group(1)
-                break
+    with serve_process(command, log=log) as started:
+        found = (re.search(r"gRPC on (\S+)", line) for line in started.lines)
+        address = next((match.group(1) for match in found if match), "")
         assert bool(address) == want_grpc, log.read_text()[-4000:]
-        yield Server(url, address, process, log)
-        process.send_signal(signal.SIGTERM)
-        try:
-            exit_code = process.wait(timeout=STOP_S)
-        except subprocess.TimeoutExpired:
-            pytest.fail(f"the server did not stop on SIGTERM; log:\n{log.read_text()[-4000:]}")
-        assert exit_code == 0, log.read_text()[-4000:]
-    finally:
-        if process.poll() is None:
-            process.kill()
-            process.wait()
-        reader.join(timeout=STOP_S)
-        assert process.stdout is not None
-        process.stdout.close()
-
-
-def wait_until(predicate: Any, what: str) -> None:
-    deadline = time.monotonic() + WAIT_S
-    while not predicate():
-        if time.monotonic() > deadline:
-            pytest.fail(f"timed out waiting until {what}")
-        time.sleep(POLL_S)
+        yield Server(started.url, address, started.process, log)
 
 
 @pytest.fixture(scope="module")

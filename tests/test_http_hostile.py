@@ -29,9 +29,9 @@ from typing import Any
 
 import anyio
 import attrs
-import httptools
 import pytest
 
+from _http_client import Response, ResponseParser
 from trioinfer import example_repository
 from trioinfer._exceptions import ConfigError
 from trioinfer.server import Limits, ServerConfig, serve_http
@@ -100,22 +100,7 @@ async def serving(app: Any, **options: Any) -> AsyncIterator[int]:
         shutdown.set()
 
 
-@attrs.define
-class Response:
-    status: int = 0
-    headers: list[tuple[bytes, bytes]] = attrs.Factory(list)
-    chunks: list[bytes] = attrs.Factory(list)
-
-    @property
-    def body(self) -> bytes:
-        return b"".join(self.chunks)
-
-    def header(self, name: bytes) -> bytes | None:
-        values = [v for k, v in self.headers if k.lower() == name]
-        return values[0] if values else None
-
-
-class Client:
+class Client(ResponseParser):
     """A raw socket and a response parser that survives pipelining.
 
     A plain non-blocking socket rather than an anyio stream: on asyncio a
@@ -124,23 +109,8 @@ class Client:
     """
 
     def __init__(self, sock: socket.socket) -> None:
+        super().__init__()
         self.sock = sock
-        self._parser = httptools.HttpResponseParser(self)
-        self._partial = Response()
-        self.responses: list[Response] = []
-
-    def on_header(self, name: bytes, value: bytes) -> None:
-        self._partial.headers.append((name, value))
-
-    def on_headers_complete(self) -> None:
-        self._partial.status = self._parser.get_status_code()
-
-    def on_body(self, body: bytes) -> None:
-        self._partial.chunks.append(body)
-
-    def on_message_complete(self) -> None:
-        self.responses.append(self._partial)
-        self._partial = Response()
 
     async def send(self, data: bytes) -> bool:
         """Send *data*; False if the server already closed (or reset) the connection."""

@@ -8,6 +8,7 @@ nothing asserts how long anything took.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import socket
@@ -18,7 +19,6 @@ from functools import partial
 from typing import Any
 
 import attrs
-import httptools
 import httpx
 import pytest
 import trio
@@ -30,6 +30,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.routing import Route
 
+from _http_client import Response, ResponseParser
 from trioinfer.server import _connection, _http_server, _io
 from trioinfer.server._http_server import serve_asgi
 
@@ -37,6 +38,7 @@ Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
 Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
+App = Callable[[Scope, Receive, Send], Awaitable[None]]
 
 GUARD_S = 15  # every test is a failure, not a hang, if something waits forever
 
@@ -81,57 +83,23 @@ async def serving(
 # -- a raw HTTP client -----------------------------------------------------------------------------
 
 
-@attrs.define
-class Response:
-    status: int = 0
-    headers: list[tuple[bytes, bytes]] = attrs.Factory(list)
-    chunks: list[bytes] = attrs.Factory(list)
-
-    @property
-    def body(self) -> bytes:
-        return b"".join(self.chunks)
-
-    def header(self, name: bytes) -> bytes | None:
-        values = [v for k, v in self.headers if k.lower() == name]
-        return values[0] if values else None
-
-    def json(self) -> Any:
-        return json.loads(self.body)
-
-
-class Client:
+class Client(ResponseParser):
     """A raw socket plus a response parser that survives pipelining."""
 
     def __init__(self, stream: trio.SocketStream) -> None:
+        super().__init__()
         self.stream = stream
-        self._parser = httptools.HttpResponseParser(self)
-        self._partial = Response()
-        self._done: list[Response] = []
-
-    # httptools callbacks
-    def on_header(self, name: bytes, value: bytes) -> None:
-        self._partial.headers.append((name, value))
-
-    def on_headers_complete(self) -> None:
-        self._partial.status = self._parser.get_status_code()
-
-    def on_body(self, body: bytes) -> None:
-        self._partial.chunks.append(body)
-
-    def on_message_complete(self) -> None:
-        self._done.append(self._partial)
-        self._partial = Response()
 
     async def send(self, data: bytes) -> None:
         await self.stream.send_all(data)
 
     async def response(self) -> Response:
         """The next complete response; AssertionError if the server closes first."""
-        while not self._done:
+        while not self.responses:
             data = await self._receive()
             assert data, "the server closed the connection before a complete response"
             self._parser.feed_data(data)
-        return self._done.pop(0)
+        return self.responses.pop(0)
 
     async def raw_until_eof(self) -> bytes:
         """Everything the server still sends, up to its closing the connection."""
@@ -169,6 +137,18 @@ def post(path: str, body: bytes, *headers: str) -> bytes:
 
 
 # -- apps ------------------------------------------------------------------------------------------
+
+
+def http_only(app: App) -> App:
+    """*app*, refusing the lifespan scope: it has none, and the server goes on without."""
+
+    @functools.wraps(app)
+    async def guarded(scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            raise RuntimeError("no lifespan")
+        await app(scope, receive, send)
+
+    return guarded
 
 
 async def read_body(receive: Receive) -> tuple[bytes, int] | None:
@@ -363,9 +343,8 @@ async def test_chunked_request_body_arrives_in_pieces() -> None:
     received: list[tuple[bytes, bool]] = []
     got_one = trio.Semaphore(0)
 
+    @http_only
     async def app(scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            raise RuntimeError("no lifespan")
         while True:
             message = await receive()
             received.append((message["body"], message["more_body"]))
@@ -389,9 +368,8 @@ async def test_chunked_request_body_arrives_in_pieces() -> None:
 
 
 async def test_streamed_response_is_chunked_without_content_length() -> None:
+    @http_only
     async def app(scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            raise RuntimeError("no lifespan")
         headers = [(b"content-length", b"6")] if scope["path"] == "/sized" else []
         await send({"type": "http.response.start", "status": 200, "headers": headers})
         await send({"type": "http.response.body", "body": b"abc", "more_body": True})
@@ -417,9 +395,8 @@ async def test_streamed_response_is_chunked_without_content_length() -> None:
 
 
 async def test_response_headers_from_the_app_are_respected() -> None:
+    @http_only
     async def app(scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            raise RuntimeError("no lifespan")
         path = scope["path"]
         if path == "/own-chunking":
             headers = [(b"Transfer-Encoding", b"chunked")]
@@ -451,9 +428,8 @@ async def test_response_headers_from_the_app_are_respected() -> None:
 async def test_large_response_is_written_completely() -> None:
     size = 32 * 1024 * 1024
 
+    @http_only
     async def app(scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            raise RuntimeError("no lifespan")
         await respond(send, 200, b"x" * size)
 
     async with serving(app) as server, connect(server) as client:
@@ -478,9 +454,8 @@ async def test_head_response_has_no_body() -> None:
 
 
 async def test_head_response_without_a_body_from_the_app() -> None:
+    @http_only
     async def app(scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            raise RuntimeError("no lifespan")
         await send({"type": "http.response.start", "status": 200, "headers": []})
         if scope["path"] == "/streamed":
             await send({"type": "http.response.body", "body": b"abc", "more_body": True})
@@ -499,9 +474,8 @@ async def test_head_response_without_a_body_from_the_app() -> None:
 
 
 async def test_bodiless_statuses_send_no_body() -> None:
+    @http_only
     async def app(scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            raise RuntimeError("no lifespan")
         await respond(send, int(scope["path"][1:]), b"ignored")
 
     async with serving(app) as server, connect(server) as client:
@@ -575,9 +549,8 @@ async def test_stalled_partial_request_is_dropped() -> None:
 
 
 async def test_unread_body_is_discarded_before_next_request() -> None:
+    @http_only
     async def app(scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            raise RuntimeError("no lifespan")
         await respond(send, 200, scope["path"].encode())  # never reads the body
 
     async with serving(app) as server:
@@ -600,10 +573,9 @@ async def test_slow_app_applies_backpressure_to_a_large_body() -> None:
     total = 64 * 1024 * 1024
     received = 0
 
+    @http_only
     async def app(scope: Scope, receive: Receive, send: Send) -> None:
         nonlocal received
-        if scope["type"] != "http":
-            raise RuntimeError("no lifespan")
         await release.wait()
         read = await read_body(receive)
         assert read is not None
@@ -641,9 +613,8 @@ async def test_receive_reports_disconnect_while_app_runs() -> None:
     seen: list[str] = []
     done = trio.Event()
 
+    @http_only
     async def app(scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            raise RuntimeError("no lifespan")
         assert await read_body(receive) == (b"abc", 1)
         message = await receive()  # blocks: the client is still there, until it is not
         seen.append(message["type"])
@@ -661,9 +632,8 @@ async def test_receive_reports_disconnect_on_reset() -> None:
     done = trio.Event()
     waiting = trio.Event()
 
+    @http_only
     async def app(scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            raise RuntimeError("no lifespan")
         await read_body(receive)
         waiting.set()
         seen.append((await receive())["type"])
@@ -709,9 +679,8 @@ async def test_cancel_on_disconnect_extension_cancels_the_registered_scope(reset
     working = trio.Event()
     done = trio.Event()
 
+    @http_only
     async def app(scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            raise RuntimeError("no lifespan")
         watch = scope["extensions"]["trioinfer.cancel_on_disconnect"]
         with trio.CancelScope() as left:
             assert not watch(left)  # the body is not read yet: receive() must watch
@@ -737,9 +706,8 @@ async def test_cancel_on_disconnect_after_the_hang_up_was_seen_cancels_at_once()
     outcomes: list[str] = []
     done = trio.Event()
 
+    @http_only
     async def app(scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            raise RuntimeError("no lifespan")
         await read_body(receive)
         await trio.testing.wait_all_tasks_blocked()  # the watcher has seen the hang-up
         with trio.CancelScope() as left:
@@ -771,9 +739,8 @@ async def test_without_a_hang_up_watcher_the_extension_leaves_watching_to_receiv
     seen: list[object] = []
     done = trio.Event()
 
+    @http_only
     async def app(scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            raise RuntimeError("no lifespan")
         await read_body(receive)
         seen.append(scope["extensions"]["trioinfer.cancel_on_disconnect"]())
         if scope["path"] == "/stay":
@@ -798,9 +765,8 @@ async def test_cancel_on_disconnect_without_a_scope_cancels_the_apps_task() -> N
     working = trio.Event()
     done = trio.Event()
 
+    @http_only
     async def app(scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            raise RuntimeError("no lifespan")
         watch = scope["extensions"]["trioinfer.cancel_on_disconnect"]
         await read_body(receive)
         assert watch()
@@ -828,9 +794,8 @@ def disconnect_watching_app(release: trio.Event | None = None) -> Any:
     task waits (its watcher reading the socket).
     """
 
+    @http_only
     async def app(scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            raise RuntimeError("no lifespan")
         read = await read_body(receive)
         assert read is not None
 
@@ -855,9 +820,8 @@ def extension_watching_app(release: trio.Event | None = None) -> Any:
     while the app works, and the next request when the response is done.
     """
 
+    @http_only
     async def app(scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            raise RuntimeError("no lifespan")
         read = await read_body(receive)
         assert read is not None
         with trio.CancelScope() as left:
@@ -981,9 +945,8 @@ async def test_concurrent_receive_calls_share_the_body() -> None:
     entered = trio.Event()
     results: list[Message] = []
 
+    @http_only
     async def app(scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            raise RuntimeError("no lifespan")
         first = trio.Event()
 
         async def one() -> None:
@@ -1013,9 +976,8 @@ async def test_client_gone_mid_response_makes_send_a_no_op() -> None:
     sent_all = trio.Event()
     started = trio.Event()
 
+    @http_only
     async def app(scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            raise RuntimeError("no lifespan")
         await send({"type": "http.response.start", "status": 200, "headers": []})
         started.set()
         for _ in range(8):
@@ -1038,9 +1000,8 @@ async def test_client_gone_mid_response_makes_send_a_no_op() -> None:
 async def test_waiting_receive_ends_with_the_response_and_pipelining_continues() -> None:
     seen: list[str] = []
 
+    @http_only
     async def app(scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            raise RuntimeError("no lifespan")
         await read_body(receive)
 
         async def watch() -> None:
@@ -1127,9 +1088,8 @@ async def test_oversized_head_gets_431() -> None:
 async def test_app_error_before_response_is_500_and_logged(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
+    @http_only
     async def app(scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            raise RuntimeError("no lifespan")
         if scope["path"] == "/started":
             await send({"type": "http.response.start", "status": 200, "headers": []})
         raise ValueError("boom")
@@ -1149,9 +1109,8 @@ async def test_app_error_before_response_is_500_and_logged(
 
 
 async def test_app_error_after_response_body_started_closes_connection() -> None:
+    @http_only
     async def app(scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            raise RuntimeError("no lifespan")
         await send({"type": "http.response.start", "status": 200, "headers": []})
         await send({"type": "http.response.body", "body": b"partial", "more_body": True})
         raise ValueError("boom")
@@ -1166,9 +1125,8 @@ async def test_app_error_after_response_body_started_closes_connection() -> None
 async def test_app_returning_mid_response_closes_connection(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
+    @http_only
     async def app(scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            raise RuntimeError("no lifespan")
         await send({"type": "http.response.start", "status": 200, "headers": []})
         await send({"type": "http.response.body", "body": b"partial", "more_body": True})
 
@@ -1181,9 +1139,9 @@ async def test_app_returning_mid_response_closes_connection(
 
 
 async def test_app_without_response_is_500(caplog: pytest.LogCaptureFixture) -> None:
+    @http_only
     async def app(scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            raise RuntimeError("no lifespan")
+        """Returns without sending anything."""
 
     async with serving(app) as server, connect(server) as client:
         await client.send(get())
@@ -1193,9 +1151,8 @@ async def test_app_without_response_is_500(caplog: pytest.LogCaptureFixture) -> 
 
 
 async def test_app_protocol_errors() -> None:
+    @http_only
     async def app(scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            raise RuntimeError("no lifespan")
         path = scope["path"]
         if path == "/body-first":
             await send({"type": "http.response.body", "body": b""})
@@ -1216,10 +1173,9 @@ async def test_app_protocol_errors() -> None:
                 assert (await client.response()).status == 500, path
 
 
+@http_only
 async def respond_app(scope: Scope, receive: Receive, send: Send) -> None:
     """Answers through the ``trioinfer.respond`` extension, as the path says."""
-    if scope["type"] != "http":
-        raise RuntimeError("no lifespan")
     respond_once = scope["extensions"]["trioinfer.respond"]
     path = scope["path"]
     chunks = [(message := await receive())["body"]]
@@ -1291,9 +1247,8 @@ async def test_a_response_after_the_cycle_ended_is_refused() -> None:
     # it left behind that answers later must not write a second response.
     kept: list[Any] = []
 
+    @http_only
     async def app(scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            raise RuntimeError("no lifespan")
         kept.append((scope["extensions"]["trioinfer.respond"], send))
 
     async with serving(app) as server, connect(server) as client:
@@ -1308,9 +1263,8 @@ async def test_a_response_after_the_cycle_ended_is_refused() -> None:
 
 
 async def test_short_body_for_content_length_closes_connection() -> None:
+    @http_only
     async def app(scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            raise RuntimeError("no lifespan")
         await respond(send, 200, b"abc", (b"content-length", b"5"))
 
     async with serving(app) as server, connect(server) as client:
@@ -1331,9 +1285,8 @@ async def test_expect_100_continue() -> None:
 
 
 async def test_expect_100_continue_not_sent_when_body_not_read() -> None:
+    @http_only
     async def app(scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            raise RuntimeError("no lifespan")
         await respond(send, 413, b"too big")
 
     async with serving(app) as server, connect(server) as client:
@@ -1382,9 +1335,8 @@ async def test_graceful_shutdown_finishes_in_flight_requests() -> None:
     entered = trio.Event()
     release = trio.Event()
 
+    @http_only
     async def app(scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            raise RuntimeError("no lifespan")
         if scope["path"] == "/slow":
             entered.set()
             await release.wait()
@@ -1412,9 +1364,8 @@ async def test_graceful_timeout_cancels_stragglers() -> None:
     entered = trio.Event()
     cancelled = trio.Event()
 
+    @http_only
     async def app(scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            raise RuntimeError("no lifespan")
         entered.set()
         try:
             await trio.sleep_forever()
@@ -1433,9 +1384,8 @@ async def test_graceful_timeout_cancels_stragglers() -> None:
 async def test_graceful_timeout_cuts_a_response_the_client_does_not_read() -> None:
     writing = trio.Event()
 
+    @http_only
     async def app(scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            raise RuntimeError("no lifespan")
         await send({"type": "http.response.start", "status": 200, "headers": []})
         writing.set()
         await send({"type": "http.response.body", "body": b"x" * (256 * 1024 * 1024)})
@@ -1578,9 +1528,8 @@ async def test_hangups_follow_reused_descriptors_and_forget_closed_ones(
     working = trio.Event()
     done = trio.Event()
 
+    @http_only
     async def app(scope: Any, receive: Any, send: Any) -> None:
-        if scope["type"] != "http":
-            raise RuntimeError("no lifespan")
         await read_body(receive)
         with trio.CancelScope() as left:
             assert scope["extensions"]["trioinfer.cancel_on_disconnect"](left)
@@ -1623,9 +1572,8 @@ async def test_an_error_in_the_watcher_costs_no_more_than_its_connection(
 
     registered = trio.Event()
 
+    @http_only
     async def app(scope: Any, receive: Any, send: Any) -> None:
-        if scope["type"] != "http":
-            raise RuntimeError("no lifespan")
         await read_body(receive)
         if scope["path"] == "/bad":
             assert scope["extensions"]["trioinfer.cancel_on_disconnect"](Bad())

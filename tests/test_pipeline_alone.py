@@ -18,7 +18,7 @@ import trio
 import trio.testing
 
 import trioinfer
-from _instruments import Steps
+from _instruments import counting_steps
 from trioinfer import BackendError, EngineClosed, ModelConfig, open_engine
 from trioinfer_python import PythonInstance
 
@@ -631,14 +631,10 @@ async def test_an_inline_onnx_step_yields_before_it_claims_its_instance(
     monkeypatch.setattr(trioinfer._runner.ModelRunner, "admit", counting)
     async with open_engine() as engine:
         await load(engine, *_onnx_chain(add_model))
-        yields = Steps(trio.lowlevel.current_task())
-        trio.lowlevel.add_instrument(yields)
-        try:
+        with counting_steps() as yields:
             for _ in range(3):
                 out = await engine.infer("p", {"IN": X})
                 np.testing.assert_array_equal(out["OUT"], 2 * X)
-        finally:
-            trio.lowlevel.remove_instrument(yields)
         assert yields.count == (3 if spent else 0)  # once per step when spent, not twice
 
         async def caller() -> None:
@@ -748,12 +744,8 @@ async def test_a_step_that_waited_for_its_answer_restarts_the_inline_slice(
     )
     async with open_engine() as engine:
         await load(engine, inline("a"), queued, inline("b"), chain("a", "q", "b"))
-        steps = Steps(trio.lowlevel.current_task())
-        trio.lowlevel.add_instrument(steps)
-        try:
+        with counting_steps() as steps:
             out = await engine.infer("p", {"IN": X})
-        finally:
-            trio.lowlevel.remove_instrument(steps)
         np.testing.assert_array_equal(out["OUT"], X + 3)
         assert Elapses.now[0] == 11.0  # the queued step ran once, a second passing
         assert steps.count == 1  # resumed once: when q answered, not again before b
@@ -774,12 +766,8 @@ async def test_a_slice_spent_mid_chain_yields_once_and_goes_on_from_that_step(
     first = model("a", Elapses, parameters={}, backend_options={"dispatch": "inline"})
     async with open_engine() as engine:
         await load(engine, first, inline("b"), inline("c"), chain("a", "b", "c"))
-        steps = Steps(trio.lowlevel.current_task())
-        trio.lowlevel.add_instrument(steps)
-        try:
+        with counting_steps() as steps:
             out = await engine.infer("p", {"IN": X})
-        finally:
-            trio.lowlevel.remove_instrument(steps)
         np.testing.assert_array_equal(out["OUT"], X + 3)
         assert Elapses.now[0] == 11.0  # "a" ran once (its second spent the slice)
         assert steps.count == 1  # one yield: before "b", none before "c"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Awaitable, Callable
 from typing import Any, ClassVar
 
 import anyio
@@ -14,6 +15,7 @@ import trio
 import trio.testing
 
 import trioinfer
+from _serve import start_serving
 from _triton_config import own_setting
 from trioinfer import (
     BackendError,
@@ -126,6 +128,31 @@ async def load_chain(
     await engine.load(pipeline(**kw))
 
 
+def row(i: int, poison: int | None = None) -> np.ndarray[Any, Any]:
+    """Member *i*'s row: all *i*, or all POISON for the member numbered *poison*."""
+    return np.full((1, 4), POISON if i == poison else i, np.float32)
+
+
+async def answer(
+    engine: trioinfer.Engine,
+    x: np.ndarray[Any, Any],
+    refusals: tuple[type[Exception], ...] = (InvalidInput,),
+    **kw: Any,
+) -> object:
+    """The pipeline's OUT for *x*, or the error (one of *refusals*) it ended with."""
+    try:
+        return (await engine.infer("p", {"IN": x}, **kw))["OUT"]
+    except refusals as exc:
+        return exc
+
+
+async def all_at_once(call: Callable[[int], Awaitable[None]], members: int) -> None:
+    """Run call(0) ... call(members - 1) side by side, until each has ended."""
+    async with anyio.create_task_group() as tg:
+        for i in range(members):
+            tg.start_soon(call, i)
+
+
 async def test_whole_requests_share_one_pass_of_the_steps(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
@@ -139,9 +166,7 @@ async def test_whole_requests_share_one_pass_of_the_steps(
         async def call(i: int) -> None:
             results[i] = (await engine.infer("p", {"IN": X * i}))["OUT"]
 
-        async with anyio.create_task_group() as tg:
-            for i in range(8):
-                tg.start_soon(call, i)
+        await all_at_once(call, 8)
         for i in range(8):
             np.testing.assert_array_equal(results[i], X * i + 3)
         # One step request of 8 rows per step, not 8 of one row each.
@@ -182,9 +207,7 @@ async def test_departed_members_are_dropped_before_the_next_step(
                 return
             results[i] = "left"
 
-        async with anyio.create_task_group() as tg:
-            for i in range(4):
-                tg.start_soon(call, i)
+        await all_at_once(call, 4)
         assert results[1] == results[3] == "left"
         np.testing.assert_array_equal(results[0], X * 0 + 3)  # type: ignore[arg-type]
         np.testing.assert_array_equal(results[2], X * 2 + 3)  # type: ignore[arg-type]
@@ -203,14 +226,9 @@ async def test_members_past_their_queue_timeout_end_before_the_next_step(
         outcomes: dict[int, object] = {}
 
         async def call(i: int) -> None:
-            try:
-                outcomes[i] = (await engine.infer("p", {"IN": X}, priority=i % 2))["OUT"]
-            except DeadlineExceeded as exc:
-                outcomes[i] = exc
+            outcomes[i] = await answer(engine, X, (DeadlineExceeded,), priority=i % 2)
 
-        async with anyio.create_task_group() as tg:
-            for i in range(4):
-                tg.start_soon(call, i)
+        await all_at_once(call, 4)
         assert isinstance(outcomes[0], DeadlineExceeded)
         assert isinstance(outcomes[2], DeadlineExceeded)
         np.testing.assert_array_equal(outcomes[1], X + 3)  # type: ignore[arg-type]
@@ -250,11 +268,8 @@ async def test_a_member_that_expires_while_others_rerun_is_not_rerun(
         outcomes: dict[int, object] = {}
 
         async def call(i: int, priority: int) -> None:
-            x = np.full((1, 4), POISON if i == 2 else i, np.float32)
-            try:
-                outcomes[i] = (await engine.infer("p", {"IN": x}, priority=priority))["OUT"]
-            except (InvalidInput, DeadlineExceeded) as exc:
-                outcomes[i] = exc
+            refusals = (InvalidInput, DeadlineExceeded)
+            outcomes[i] = await answer(engine, row(i, poison=2), refusals, priority=priority)
 
         async with anyio.create_task_group() as tg:
             for i, priority in ((0, 1), (1, 0), (2, 1)):
@@ -288,25 +303,33 @@ async def test_a_step_model_replaced_by_one_without_its_outputs(
             await engine.infer("p", {"IN": X})
 
 
+@pytest.mark.parametrize(
+    "latest",
+    [
+        pytest.param(30.0, id="the-latest-deadline"),
+        # A member without a deadline lifts the step's deadline: the latest is none at all.
+        pytest.param(math.inf, id="a-member-without-a-deadline-lifts-it"),
+    ],
+)
 async def test_each_step_request_carries_the_latest_remaining_deadline(
-    autojump_clock: trio.testing.MockClock,
+    latest: float, autojump_clock: trio.testing.MockClock
 ) -> None:
     async with open_engine() as engine:
         await load_chain(engine, delays=(1.0, 1.0, 0.0))
         t0 = trio.current_time()
-        scopes: dict[int, trio.CancelScope] = {}
+        scopes: dict[float, trio.CancelScope] = {}
 
-        async def call(budget: int) -> None:
+        async def call(budget: float) -> None:
             with trio.move_on_after(budget) as scope:
                 scopes[budget] = scope
                 await engine.infer("p", {"IN": X})
 
         async with anyio.create_task_group() as tg:
-            for budget in (10, 30, 20):
+            for budget in (10.0, latest, 20.0):
                 tg.start_soon(call, budget)
             await trio.sleep(0.5)  # the batch is in its first step
-            scopes[30].cancel()
-        assert Rows.deadlines["first"] == [t0 + 30]
+            scopes[latest].cancel()
+        assert Rows.deadlines["first"] == [t0 + latest]
         # The member with the latest deadline left: the next steps carry the latest left.
         assert Rows.deadlines["second"] == [t0 + 20]
         assert Rows.deadlines["third"] == [t0 + 20]
@@ -326,9 +349,7 @@ async def test_a_failing_step_fails_every_member_once_with_its_name(
             except BackendError as exc:
                 errors.append(exc)
 
-        async with anyio.create_task_group() as tg:
-            for i in range(4):
-                tg.start_soon(call, i)
+        await all_at_once(call, 4)
         assert len(errors) == 4
         assert len({id(e) for e in errors}) == 4  # each caller its own exception object
         for error in errors:
@@ -347,15 +368,9 @@ async def test_invalid_input_reruns_each_member_alone(
         outcomes: dict[int, object] = {}
 
         async def call(i: int) -> None:
-            x = np.full((1, 4), POISON if i == 2 else i, np.float32)
-            try:
-                outcomes[i] = (await engine.infer("p", {"IN": x}))["OUT"]
-            except InvalidInput as exc:
-                outcomes[i] = exc
+            outcomes[i] = await answer(engine, row(i, poison=2))
 
-        async with anyio.create_task_group() as tg:
-            for i in range(4):
-                tg.start_soon(call, i)
+        await all_at_once(call, 4)
         for i in (0, 1, 3):
             np.testing.assert_array_equal(outcomes[i], np.full((1, 4), i + 3, np.float32))  # type: ignore[arg-type]
         assert isinstance(outcomes[2], InvalidInput)
@@ -411,9 +426,7 @@ async def test_side_by_side_steps_of_a_batch(autojump_clock: trio.testing.MockCl
             except BackendError as exc:
                 errors.append(exc)
 
-        async with anyio.create_task_group() as tg:
-            for i in range(3):
-                tg.start_soon(call, i)
+        await all_at_once(call, 3)
         # first and second ran at once, on the batch; second's failure ended all three.
         assert Rows.rows == {"first": [3], "second": [3]}
         assert trio.current_time() - t0 < 1.1
@@ -426,16 +439,10 @@ async def test_side_by_side_steps_of_a_batch(autojump_clock: trio.testing.MockCl
         outcomes: dict[int, object] = {}
 
         async def good(i: int) -> None:
-            x = np.full((1, 4), POISON if i == 1 else i, np.float32)
-            try:
-                outcomes[i] = (await engine.infer("p", {"IN": x}))["OUT"]
-            except InvalidInput as exc:
-                outcomes[i] = exc
+            outcomes[i] = await answer(engine, row(i, poison=1))
 
         Rows.rows.clear()
-        async with anyio.create_task_group() as tg:
-            for i in range(3):
-                tg.start_soon(good, i)
+        await all_at_once(good, 3)
         np.testing.assert_array_equal(outcomes[0], np.full((1, 4), 2, np.float32))  # type: ignore[arg-type]
         np.testing.assert_array_equal(outcomes[2], np.full((1, 4), 6, np.float32))  # type: ignore[arg-type]
         assert isinstance(outcomes[1], InvalidInput)
@@ -534,17 +541,12 @@ async def test_a_pipeline_with_batcher_none_stays_unbatched() -> None:
 
 async def test_the_bundled_batched_pipeline_over_http() -> None:
     """read_digit batches itself; a bad image fails alone, with the step named, over HTTP."""
-    from trioinfer.server import serve_http
 
     images, labels = trioinfer.digits_samples()
     names = ["zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine"]
     answers: dict[int, httpx.Response] = {}
     async with trio.open_nursery() as nursery:
-        listening = await nursery.start(
-            lambda task_status: serve_http(
-                example_repository(), port=0, handle_signals=False, task_status=task_status
-            )
-        )
+        listening = await start_serving(nursery, example_repository())
         async with httpx.AsyncClient(base_url=listening.urls[0]) as client:
 
             async def post(i: int) -> None:
@@ -599,18 +601,12 @@ def test_a_batched_pipeline_on_asyncio() -> None:
             await load_chain(engine, delays=(0.2, 0.0, 0.0), delay=0.05)
 
             async def call(i: int) -> None:
-                x = np.full((1, 4), POISON if i == 3 else i, np.float32)
                 with anyio.move_on_after(0.1 if i == 1 else math.inf):
-                    try:
-                        outcomes[i] = (await engine.infer("p", {"IN": x}))["OUT"]
-                    except InvalidInput as exc:
-                        outcomes[i] = exc
+                    outcomes[i] = await answer(engine, row(i, poison=3))
                     return
                 outcomes[i] = "left"
 
-            async with anyio.create_task_group() as tg:
-                for i in range(4):
-                    tg.start_soon(call, i)
+            await all_at_once(call, 4)
             assert engine.statistics().models["p"].in_flight == 0
         return outcomes
 
@@ -637,13 +633,9 @@ async def test_a_member_rerun_alone_is_answered_when_its_own_run_ends(
         outcomes: dict[int, object] = {}
 
         async def call(i: int) -> None:
-            x = np.full((1, 4), POISON if i == 1 else i, np.float32)
             # Member 0 may wait 3 s: its own answer is there at 2 s, the others' later.
             with trio.move_on_after(3.0 if i == 0 else math.inf):
-                try:
-                    outcomes[i] = (await engine.infer("p", {"IN": x}))["OUT"]
-                except InvalidInput as exc:
-                    outcomes[i] = exc
+                outcomes[i] = await answer(engine, row(i, poison=1))
                 ended[i] = trio.current_time() - t0
                 return
             outcomes[i] = "left"
@@ -676,12 +668,8 @@ async def test_a_member_that_leaves_during_its_rerun_stops_it(
         outcomes: dict[int, object] = {}
 
         async def call(i: int) -> None:
-            x = np.full((1, 4), POISON if i == 0 else i, np.float32)
             with trio.CancelScope() as scopes[i]:
-                try:
-                    outcomes[i] = (await engine.infer("p", {"IN": x}))["OUT"]
-                except InvalidInput as exc:
-                    outcomes[i] = exc
+                outcomes[i] = await answer(engine, row(i, poison=0))
                 return
             outcomes[i] = "left"
 
@@ -736,9 +724,7 @@ async def test_a_retry_reruns_the_whole_batch_once_more(
         async def call(i: int) -> None:
             results[i] = await engine.infer_detailed("p", {"IN": X * i})
 
-        async with anyio.create_task_group() as tg:
-            for i in range(4):
-                tg.start_soon(call, i)
+        await all_at_once(call, 4)
         for i in range(4):
             np.testing.assert_array_equal(results[i].outputs["OUT"], X * i + 3)
             assert results[i].fallbacks == ("retry instance 0 (cpu)",)
@@ -761,15 +747,9 @@ async def test_a_hedged_batch_ends_every_member_once(
         outcomes: dict[int, list[object]] = {i: [] for i in range(3)}
 
         async def call(i: int) -> None:
-            x = np.full((1, 4), POISON if i == 1 else i, np.float32)
-            try:
-                outcomes[i].append((await engine.infer("p", {"IN": x}))["OUT"])
-            except InvalidInput as exc:
-                outcomes[i].append(exc)
+            outcomes[i].append(await answer(engine, row(i, poison=1)))
 
-        async with anyio.create_task_group() as tg:
-            for i in range(3):
-                tg.start_soon(call, i)
+        await all_at_once(call, 3)
         assert all(len(outcome) == 1 for outcome in outcomes.values())
         assert isinstance(outcomes[1][0], InvalidInput)
         for i in (0, 2):
@@ -792,9 +772,7 @@ async def test_schedulers_and_instances_serve_a_batched_pipeline(
             with trio.fail_after(100 + i):
                 results[i] = (await engine.infer("p", {"IN": X * i}, priority=i % 3))["OUT"]
 
-        async with anyio.create_task_group() as tg:
-            for i in range(9):
-                tg.start_soon(call, i)
+        await all_at_once(call, 9)
         for i in range(9):
             np.testing.assert_array_equal(results[i], X * i + 3)
         assert Rows.rows["first"] == [3, 3, 3]
@@ -846,12 +824,8 @@ def test_a_member_leaving_during_its_rerun_on_asyncio() -> None:
             scopes: dict[int, anyio.CancelScope] = {}
 
             async def call(i: int) -> None:
-                x = np.full((1, 4), POISON if i == 0 else i, np.float32)
                 with anyio.CancelScope() as scopes[i]:
-                    try:
-                        outcomes[i] = (await engine.infer("p", {"IN": x}))["OUT"]
-                    except InvalidInput as exc:
-                        outcomes[i] = exc
+                    outcomes[i] = await answer(engine, row(i, poison=0))
                     return
                 outcomes[i] = "left"
 
@@ -873,30 +847,6 @@ def test_a_member_leaving_during_its_rerun_on_asyncio() -> None:
     np.testing.assert_array_equal(outcomes[2], np.full((1, 4), 5, np.float32))  # type: ignore[arg-type]
     assert aborted == 1  # member 1's rerun of the first step, stopped as it left
     assert Rows.rows["first"] == [3, 1, 1, 1]
-
-
-async def test_a_member_without_a_deadline_lifts_the_step_s_deadline(
-    autojump_clock: trio.testing.MockClock,
-) -> None:
-    async with open_engine() as engine:
-        await load_chain(engine, delays=(1.0, 1.0, 0.0))
-        t0 = trio.current_time()
-        scopes: dict[float, trio.CancelScope] = {}
-
-        async def call(budget: float) -> None:
-            with trio.move_on_after(budget) as scope:
-                scopes[budget] = scope
-                await engine.infer("p", {"IN": X})
-
-        async with anyio.create_task_group() as tg:
-            for budget in (10.0, math.inf, 20.0):
-                tg.start_soon(call, budget)
-            await trio.sleep(0.5)  # the batch is in its first step
-            scopes[math.inf].cancel()
-        # Latest of the three is none at all; then, that member gone, the latest left.
-        assert Rows.deadlines["first"] == [math.inf]
-        assert Rows.deadlines["second"] == [t0 + 20]
-        assert Rows.deadlines["third"] == [t0 + 20]
 
 
 async def test_the_engine_closing_mid_batch_ends_every_member_once(

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from contextlib import nullcontext, suppress
-from typing import Any
 
 import anyio
 import numpy as np
@@ -11,24 +10,16 @@ import pytest
 import trio
 import trio.testing
 from opentelemetry import trace
-from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
-from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
+from _spans import named, parent_of, provider_for
 from test_pipeline_batched import POISON, X, load_chain, pipeline, step_model, tensor
 from trioinfer import InvalidInput, ModelConfig, open_engine
 
 pytestmark = [pytest.mark.pipeline, pytest.mark.tracing]
 
 STEPS = ("first", "second", "third")
-
-
-def named(spans: Any, prefix: str) -> list[ReadableSpan]:
-    return [s for s in spans if s.name.startswith(prefix)]
-
-
-def parent_of(span: ReadableSpan) -> int | None:
-    return span.parent.span_id if span.parent is not None else None
 
 
 def linked(span: ReadableSpan) -> set[int]:
@@ -42,8 +33,7 @@ async def traced_calls(
 
     Returns each traced member's request span by its index, and every span.
     """
-    provider = TracerProvider()
-    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    provider = provider_for(exporter)
     async with open_engine(tracer_provider=provider) as engine:
         await load_chain(engine, delays=(1.0, 0.0, 0.0))
 
@@ -161,8 +151,7 @@ async def test_a_step_that_is_a_pipeline_links_only_its_own_request(
         {"model": "third", "input_map": {"x": "B"}, "output_map": {"y": "OUT"}},
     ]
     exporter = InMemorySpanExporter()
-    provider = TracerProvider()
-    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    provider = provider_for(exporter)
     async with open_engine(tracer_provider=provider) as engine:
         for name in STEPS:
             await engine.load(step_model(name))

@@ -24,9 +24,10 @@ import trio
 import trio.testing
 
 import trioinfer
+from _serve import start_serving
 from trioinfer import ModelConfig, open_engine
 from trioinfer.lowlevel import Execution, Request, RequestQueue
-from trioinfer.server import Listening, serve_http, status_for
+from trioinfer.server import Listening, status_for
 from trioinfer.testing import FakeBackend
 
 X = np.ones((1, 4), dtype=np.float32)
@@ -768,15 +769,8 @@ async def test_over_http_the_server_stays_up_and_answers_500(tmp_path: Path) -> 
     with trio.fail_after(60):
         async with trio.open_nursery() as nursery:
             stop = trio.Event()
-            listening: Listening = await nursery.start(
-                lambda task_status: serve_http(
-                    _repository(tmp_path),
-                    port=0,
-                    registry=plugins,
-                    handle_signals=False,
-                    shutdown=stop,
-                    task_status=task_status,
-                )
+            listening: Listening = await start_serving(
+                nursery, _repository(tmp_path), registry=plugins, shutdown=stop
             )
             async with httpx.AsyncClient(base_url=listening.urls[0]) as client:
                 response = await client.post("/v2/models/digits/infer", json=body)
@@ -817,11 +811,7 @@ async def test_an_http_500_is_logged_and_a_python_models_traceback_once(
     body = {"inputs": [{"name": "x", "datatype": "FP32", "shape": [1, 4], "data": [1, 2, 3, 4]}]}
     with trio.fail_after(60):
         async with trio.open_nursery() as nursery:
-            listening: Listening = await nursery.start(
-                lambda task_status: serve_http(
-                    tmp_path, port=0, handle_signals=False, task_status=task_status
-                )
-            )
+            listening: Listening = await start_serving(nursery, tmp_path)
             async with httpx.AsyncClient(base_url=listening.urls[0]) as client:
                 for _ in range(2):
                     response = await client.post("/v2/models/m/infer", json=body)

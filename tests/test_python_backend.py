@@ -14,6 +14,7 @@ import trio
 import trio.testing
 
 import trioinfer
+from _serve import start_serving
 from trioinfer import BackendError, ConfigError, Device, Instance, ModelConfig, open_engine
 from trioinfer.abc import InlineInstance
 from trioinfer.lowlevel import Placement
@@ -554,7 +555,6 @@ def test_signature_dtypes_and_shapes() -> None:
 
 async def test_a_python_model_is_served_over_http(tmp_path: Path) -> None:
     httpx = pytest.importorskip("httpx")
-    from trioinfer.server import serve_http
 
     model_dir = tmp_path / "repo" / "scale"
     (model_dir / "1").mkdir(parents=True)
@@ -567,15 +567,7 @@ async def test_a_python_model_is_served_over_http(tmp_path: Path) -> None:
         "outputs = [{ name = 'y', dtype = 'FP32', shape = ['batch', 2] }]\n"
     )
     async with trio.open_nursery() as nursery:
-        listening = await nursery.start(
-            lambda task_status: serve_http(
-                tmp_path / "repo",
-                host="127.0.0.1",
-                port=0,
-                handle_signals=False,
-                task_status=task_status,
-            )
-        )
+        listening = await start_serving(nursery, tmp_path / "repo")
         url = listening.urls[0]
         async with httpx.AsyncClient(base_url=url) as client:
             meta = (await client.get("/v2/models/scale")).json()
@@ -616,7 +608,6 @@ async def test_outputs_that_do_not_fit_are_a_500_naming_the_output_over_http(
 ) -> None:
     """A float64 answer for FP32 must not reach a client as FP64 under FP32 metadata."""
     httpx = pytest.importorskip("httpx")
-    from trioinfer.server import serve_http
 
     for name, (returns, _) in MISFITS.items():
         model_dir = tmp_path / "repo" / name
@@ -633,15 +624,7 @@ async def test_outputs_that_do_not_fit_are_a_500_naming_the_output_over_http(
     answers = {}
     with trio.fail_after(30):
         async with trio.open_nursery() as nursery:
-            listening = await nursery.start(
-                lambda task_status: serve_http(
-                    tmp_path / "repo",
-                    host="127.0.0.1",
-                    port=0,
-                    handle_signals=False,
-                    task_status=task_status,
-                )
-            )
+            listening = await start_serving(nursery, tmp_path / "repo")
             async with httpx.AsyncClient(base_url=listening.urls[0]) as client:
                 for name in MISFITS:
                     response = await client.post(f"/v2/models/{name}/infer", json=body)

@@ -14,6 +14,7 @@ import trio.lowlevel
 import trio.testing
 
 import trioinfer
+from _serve import start_serving
 from _triton_config import own_setting
 from trioinfer import (
     ConfigError,
@@ -788,8 +789,6 @@ async def test_tritons_sequence_client_calls_over_http(tmp_path: Path) -> None:
     httpclient = pytest.importorskip("tritonclient.http")
     from tritonclient.utils import InferenceServerException
 
-    from trioinfer.server import serve_http
-
     (tmp_path / "repo" / "simple_sequence" / "1").mkdir(parents=True)
     (tmp_path / "repo" / "simple_sequence" / "1" / "model.py").write_text(MODEL_PY)
     (tmp_path / "repo" / "simple_sequence" / "config.toml").write_text(CONFIG_TOML)
@@ -840,15 +839,7 @@ async def test_tritons_sequence_client_calls_over_http(tmp_path: Path) -> None:
         return out
 
     async with trio.open_nursery() as nursery:
-        listening = await nursery.start(
-            lambda task_status: serve_http(
-                tmp_path / "repo",
-                host="127.0.0.1",
-                port=0,
-                handle_signals=False,
-                task_status=task_status,
-            )
-        )
+        listening = await start_serving(nursery, tmp_path / "repo")
         address = listening.urls[0].removeprefix("http://")
         out = await trio.to_thread.run_sync(client_calls, address)
         nursery.cancel_scope.cancel()

@@ -33,7 +33,6 @@ import functools
 import gzip
 import json
 import os
-import queue
 import re
 import select
 import shutil
@@ -44,7 +43,7 @@ import sys
 import threading
 import time
 import zlib
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -64,16 +63,12 @@ from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.samples import Sample
 from tritonclient.utils import InferenceServerException
 
+from _serve import POLL_S, STOP_S, WAIT_S, log_tail, serve_process, wait_until
 from _triton_config import own_setting
 from trioinfer import digits_samples, example_repository
 from trioinfer.testing import models
 
 HOST = "127.0.0.1"
-#: Bounds against hangs only; nothing asserts how long anything took.
-START_S = 120.0
-STOP_S = 120.0
-WAIT_S = 60.0
-POLL_S = 0.01
 #: How long to watch for a server closing a connection it said it would keep.
 LINGER_S = 2.0
 
@@ -150,14 +145,7 @@ class Server:
         return self.url.removeprefix("http://")
 
     def log_tail(self, chars: int = 4000) -> str:
-        return self.log.read_text(encoding="utf-8", errors="replace")[-chars:]
-
-
-def _pump(stream: Any, lines: queue.Queue[str | None]) -> None:
-    # Drains the server's stdout for its whole life, so that it never blocks on a full pipe.
-    for line in stream:
-        lines.put(line)
-    lines.put(None)
+        return log_tail(self.log, chars)
 
 
 @contextlib.contextmanager
@@ -171,82 +159,10 @@ def run_server(
 
     The process is killed if anything goes wrong, so none is ever left behind.
     """
-    command = [
-        sys.executable,
-        "-m",
-        "trioinfer",
-        "serve",
-        "--port",
-        "0",
-        "--model-repository",
-        str(repository),
-        "--log-level",
-        "info",
-        *args,
-    ]
-    environment = {k: v for k, v in os.environ.items() if k != "TRIOINFER_ADMIN_TOKEN"}
-    environment.update(env or {})
-    with log.open("wb") as log_file:
-        process = subprocess.Popen(
-            command,
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE,
-            stderr=log_file,
-            env=environment,
-            text=True,
-        )
-    lines: queue.Queue[str | None] = queue.Queue()
-    reader = threading.Thread(target=_pump, args=(process.stdout, lines), daemon=True)
-    reader.start()
-    try:
-        url = _wait_listening(process, lines, log)
-        server = Server(url, process, log, repository)
-        yield server
-        if process.poll() is None:
-            process.send_signal(signal.SIGTERM)
-        try:
-            code = process.wait(timeout=STOP_S)
-        except subprocess.TimeoutExpired:
-            pytest.fail(f"the server did not exit after SIGTERM; log:\n{server.log_tail()}")
-        assert code == 0, f"the server exited with {code}; log:\n{server.log_tail()}"
-    finally:
-        if process.poll() is None:
-            process.kill()
-            process.wait()
-        reader.join(timeout=STOP_S)
-        assert process.stdout is not None
-        process.stdout.close()
-
-
-def _wait_listening(
-    process: subprocess.Popen[str], lines: queue.Queue[str | None], log: Path
-) -> str:
-    deadline = time.monotonic() + START_S
-    while True:
-        left = deadline - time.monotonic()
-        try:
-            line = lines.get(timeout=max(left, 0.0))
-        except queue.Empty:
-            line = None
-            process.kill()
-        if line is None:
-            process.wait()
-            pytest.fail(
-                f"the server did not say 'listening on' (exit code {process.returncode}); "
-                f"log:\n{log.read_text(errors='replace')[-4000:]}"
-            )
-        match = re.search(r"listening on (http://\S+)", line)
-        if match:
-            return match.group(1)
-
-
-def wait_until(predicate: Callable[[], bool], what: str, timeout: float = WAIT_S) -> None:
-    """Poll *predicate* until it holds; fail, saying *what* was awaited, after *timeout*."""
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            pytest.fail(f"timed out waiting until {what}")
-        time.sleep(POLL_S)
+    command = [sys.executable, "-m", "trioinfer", "serve", "--port", "0"]
+    command += ["--model-repository", str(repository), "--log-level", "info", *args]
+    with serve_process(command, log=log, env=env) as started:
+        yield Server(started.url, started.process, log, repository)
 
 
 # -- building the repositories ---------------------------------------------------------

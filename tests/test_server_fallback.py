@@ -19,7 +19,8 @@ import trio
 from prometheus_client.parser import text_string_to_metric_families
 
 import trioinfer
-from trioinfer.server import Listening, serve_http
+from _serve import start_serving
+from trioinfer.server import Listening
 from trioinfer.testing import FaultyBackend
 from trioinfer_onnxruntime import OnnxRuntimeBackend
 
@@ -58,15 +59,8 @@ async def serving(
 ) -> AsyncIterator[httpx.AsyncClient]:
     async with trio.open_nursery() as nursery:
         stop = trio.Event()
-        listening: Listening = await nursery.start(
-            lambda task_status: serve_http(
-                root,
-                port=0,
-                registry=backend.registry("onnxruntime"),
-                handle_signals=False,
-                shutdown=stop,
-                task_status=task_status,
-            )
+        listening: Listening = await start_serving(
+            nursery, root, registry=backend.registry("onnxruntime"), shutdown=stop
         )
         if failed is not None:
             failed.extend(listening.failed)

@@ -17,6 +17,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import trioinfer
+from _serve import start_serving
 from trioinfer import ConfigError, ModelNotFound, example_repository
 from trioinfer.server._repository import IndexEntry, ModelRepository, VersionPolicy
 from trioinfer.testing import models
@@ -91,16 +92,11 @@ def test_bundled_example_repository_is_served() -> None:
 
 async def test_the_bundled_pipeline_is_served_with_no_code() -> None:
     """scale_image (Python), digits (ONNX), digit_names (Python), as one model over HTTP."""
-    from trioinfer.server import serve_http
 
     images, labels = trioinfer.digits_samples()
     pixels = images[:3].reshape(3, 8, 8).astype(np.uint8)
     async with trio.open_nursery() as nursery:
-        listening = await nursery.start(
-            lambda task_status: serve_http(
-                example_repository(), port=0, handle_signals=False, task_status=task_status
-            )
-        )
+        listening = await start_serving(nursery, example_repository())
         async with httpx.AsyncClient(base_url=listening.urls[0]) as client:
             body = {
                 "inputs": [
@@ -924,7 +920,6 @@ async def test_pipelines_follow_their_step_models_versions_and_load_in_order(
     tmp_path: Path,
 ) -> None:
     """A new version of a step's model reloads the pipeline; a pipeline of a pipeline loads."""
-    from trioinfer.server import serve_http
 
     repo = tmp_path / "repo"
     shutil.copytree(example_repository(), repo)
@@ -942,11 +937,7 @@ async def test_pipelines_follow_their_step_models_versions_and_load_in_order(
     body = {"inputs": [{"name": "I", "shape": [2, 8, 8], "datatype": "UINT8", "data": pixels}]}
     names = ["zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine"]
     async with trio.open_nursery() as nursery:
-        listening = await nursery.start(
-            lambda task_status: serve_http(
-                repo, port=0, handle_signals=False, task_status=task_status
-            )
-        )
+        listening = await start_serving(nursery, repo)
         assert listening.failed == ()
         async with httpx.AsyncClient(base_url=listening.urls[0]) as client:
             first = (await client.post("/v2/models/a_outer/infer", json=body)).json()
@@ -975,7 +966,6 @@ def test_public_names() -> None:
 async def test_server_log_lines_name_versions_as_answers_do(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    from trioinfer.server import serve_http
 
     model = tmp_path / "repo" / "pairs"
     (model / "1").mkdir(parents=True)
@@ -989,11 +979,7 @@ async def test_server_log_lines_name_versions_as_answers_do(
     )
     caplog.set_level(logging.INFO, logger="trioinfer")
     async with trio.open_nursery() as nursery:
-        await nursery.start(
-            lambda task_status: serve_http(
-                tmp_path / "repo", port=0, handle_signals=False, task_status=task_status
-            )
-        )
+        await start_serving(nursery, tmp_path / "repo")
         nursery.cancel_scope.cancel()
     assert "model 'pairs' (version 1): the 'dynamic' batcher will not group" in caplog.text
     assert "pairs.v1" not in caplog.text
@@ -1010,8 +996,6 @@ async def test_a_client_that_leaves_is_seen_on_a_reused_connection_after_a_large
     import json
 
     from prometheus_client.parser import text_string_to_metric_families
-
-    from trioinfer.server import serve_http
 
     models.write_slow(tmp_path / "repo" / "slow" / "1" / "model.onnx", width=256, depth=400)
     big = np.ones((4096, 256), np.float32)  # 4 MiB: seconds of work on this model
@@ -1031,11 +1015,7 @@ async def test_a_client_that_leaves_is_seen_on_a_reused_connection_after_a_large
         return 0.0
 
     async with trio.open_nursery() as nursery:
-        listening = await nursery.start(
-            lambda task_status: serve_http(
-                tmp_path / "repo", port=0, handle_signals=False, task_status=task_status
-            )
-        )
+        listening = await start_serving(nursery, tmp_path / "repo")
         one = httpx.Limits(max_connections=1)  # every request on the same connection
         async with httpx.AsyncClient(base_url=listening.urls[0], limits=one) as client:
             # As the serving tutorial does: a large request that times out, a few small

@@ -17,7 +17,8 @@ import pytest
 import trio
 
 import trioinfer
-from trioinfer.server import ServerConfig, serve_http
+from _serve import start_serving
+from trioinfer.server import ServerConfig
 
 pytestmark = pytest.mark.streaming
 
@@ -91,11 +92,7 @@ def repository(tmp_path: Path) -> Path:
 @asynccontextmanager
 async def serving(root: Path) -> AsyncIterator[httpx.AsyncClient]:
     async with trio.open_nursery() as nursery:
-        listening = await nursery.start(
-            lambda task_status: serve_http(
-                root, host="127.0.0.1", port=0, handle_signals=False, task_status=task_status
-            )
-        )
+        listening = await start_serving(nursery, root)
         async with httpx.AsyncClient(base_url=listening.urls[0]) as client:
             yield client
         nursery.cancel_scope.cancel()
@@ -305,15 +302,7 @@ def test_generate_stream_and_a_disconnect_on_asyncio(repository: Path) -> None:
         sys.modules[PROBE] = watched = probe()
         try:
             async with anyio.create_task_group() as tg:
-                listening = await tg.start(
-                    lambda task_status: serve_http(
-                        repository,
-                        host="127.0.0.1",
-                        port=0,
-                        handle_signals=False,
-                        task_status=task_status,
-                    )
-                )
+                listening = await start_serving(tg, repository)
                 url = listening.urls[0]
                 async with httpx.AsyncClient(base_url=url) as client:
                     answer = await client.post(
@@ -354,17 +343,12 @@ async def _cut_by_the_drain(
     got: list[Any] = []
     try:
         async with trio.open_nursery() as nursery:
-            listening = await nursery.start(
-                lambda task_status: serve_http(
-                    repository,
-                    host="127.0.0.1",
-                    port=0,
-                    grpc_port=0 if grpc else None,
-                    config=ServerConfig(drain_period=0.2),
-                    handle_signals=False,
-                    shutdown=stop,
-                    task_status=task_status,
-                )
+            listening = await start_serving(
+                nursery,
+                repository,
+                grpc_port=0 if grpc else None,
+                config=ServerConfig(drain_period=0.2),
+                shutdown=stop,
             )
 
             async def client() -> None:

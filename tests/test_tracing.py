@@ -22,16 +22,17 @@ import trio
 import trio.testing
 import tritonclient.http
 from opentelemetry import trace
-from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
-from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import StatusCode
 
 import trioinfer
+from _serve import start_serving
+from _spans import named, parent_of, provider_for
 from trioinfer import ConfigError, Instance, ModelConfig, example_repository, open_engine
 from trioinfer._trace_settings import provider_from_settings, update_trace_settings
 from trioinfer._tracing import Tracing
-from trioinfer.server import ServerConfig, serve_http
+from trioinfer.server import ServerConfig
 from trioinfer.testing import FakeBackend, FaultyBackend
 
 pytestmark = pytest.mark.tracing
@@ -42,20 +43,6 @@ X = np.ones((1, 4), np.float32)
 @pytest.fixture
 def exporter() -> InMemorySpanExporter:
     return InMemorySpanExporter()
-
-
-def provider_for(exporter: InMemorySpanExporter) -> TracerProvider:
-    provider = TracerProvider()
-    provider.add_span_processor(SimpleSpanProcessor(exporter))
-    return provider
-
-
-def named(spans: Any, prefix: str) -> list[ReadableSpan]:
-    return [s for s in spans if s.name.startswith(prefix)]
-
-
-def parent_of(span: ReadableSpan) -> int | None:
-    return span.parent.span_id if span.parent is not None else None
 
 
 def batched(name: str = "m", delay: float = 0.01) -> ModelConfig:
@@ -419,11 +406,7 @@ async def serving(tmp_path: Path, config: ServerConfig) -> AsyncIterator[httpx.A
     repo = tmp_path / "repo"
     shutil.copytree(example_repository() / "digits", repo / "digits")
     async with trio.open_nursery() as nursery:
-        listening = await nursery.start(
-            lambda task_status: serve_http(
-                repo, port=0, config=config, handle_signals=False, task_status=task_status
-            )
-        )
+        listening = await start_serving(nursery, repo, config=config)
         async with httpx.AsyncClient(base_url=listening.urls[0]) as client:
             yield client
         nursery.cancel_scope.cancel()
@@ -632,16 +615,7 @@ async def test_traceparent_over_grpc_parents_the_server_span(
             client.close()
 
     async with trio.open_nursery() as nursery:
-        listening = await nursery.start(
-            lambda task_status: serve_http(
-                repo,
-                port=0,
-                grpc_port=0,
-                config=config,
-                handle_signals=False,
-                task_status=task_status,
-            )
-        )
+        listening = await start_serving(nursery, repo, grpc_port=0, config=config)
         await trio.to_thread.run_sync(call, listening.grpc)
         nursery.cancel_scope.cancel()
     spans = exporter.get_finished_spans()

@@ -7,10 +7,9 @@ from typing import Any
 
 import numpy as np
 import pytest
-from opentelemetry.sdk.trace import TracerProvider
-from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
+from _spans import parent_of, provider_for
 from trioinfer import ModelConfig, open_engine
 from trioinfer.lowlevel import current_trace_context, record_span
 from trioinfer.testing import FakeBackend
@@ -34,14 +33,9 @@ def remote_backend(seen: list[dict[str, str]]) -> FakeBackend:
     return FakeBackend(compute)
 
 
-def parent_of(span: Any) -> int | None:
-    return span.parent.span_id if span.parent is not None else None
-
-
 async def test_a_remote_backend_records_spans_under_the_compute_span() -> None:
     exporter = InMemorySpanExporter()
-    provider = TracerProvider()
-    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    provider = provider_for(exporter)
     seen: list[dict[str, str]] = []
     backend = remote_backend(seen)
     config = ModelConfig(name="m", path="-", backend="fake")

@@ -9,14 +9,14 @@ from typing import Any
 import pytest
 import trio
 from opentelemetry import trace
-from opentelemetry.sdk.trace import TracerProvider
-from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 import trioinfer
+from _serve import start_serving
+from _spans import provider_for
 from trioinfer import ConfigError, example_repository
 from trioinfer._trace_settings import check_trace_settings
-from trioinfer.server import ServerConfig, serve_http
+from trioinfer.server import ServerConfig
 
 pytestmark = pytest.mark.tracing
 
@@ -28,8 +28,7 @@ async def test_tritonclient_grpc_reads_and_changes_trace_settings(tmp_path: Path
     repo = tmp_path / "repo"
     shutil.copytree(example_repository() / "digits", repo / "digits")
     exporter = InMemorySpanExporter()
-    provider = TracerProvider()
-    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    provider = provider_for(exporter)
     config = ServerConfig(tracer_provider=provider, trace_rate=0.0)
     images = trioinfer.digits_samples()[0][:1]
 
@@ -66,16 +65,7 @@ async def test_tritonclient_grpc_reads_and_changes_trace_settings(tmp_path: Path
         return seen
 
     async with trio.open_nursery() as nursery:
-        listening = await nursery.start(
-            lambda task_status: serve_http(
-                repo,
-                port=0,
-                grpc_port=0,
-                config=config,
-                handle_signals=False,
-                task_status=task_status,
-            )
-        )
+        listening = await start_serving(nursery, repo, grpc_port=0, config=config)
         seen = await trio.to_thread.run_sync(use, listening.grpc)
         nursery.cancel_scope.cancel()
     assert seen["before"]["settings"]["trace_rate"]["value"] == ["0"]

@@ -13,14 +13,14 @@ import pytest
 import trio
 import trio.lowlevel
 from opentelemetry import trace
-from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
-from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import StatusCode
 
 import trioinfer
+from _serve import start_serving
+from _spans import named, parent_of, provider_for
 from trioinfer import ModelConfig, open_engine
-from trioinfer.server import ServerConfig, serve_http
+from trioinfer.server import ServerConfig
 
 pytestmark = pytest.mark.tracing
 
@@ -50,20 +50,6 @@ def config(name: str = "m", **fields: Any) -> ModelConfig:
 
 def n(count: int) -> Arrays:
     return {"n": np.array([count], np.int32)}
-
-
-def provider_for(exporter: InMemorySpanExporter) -> TracerProvider:
-    provider = TracerProvider()
-    provider.add_span_processor(SimpleSpanProcessor(exporter))
-    return provider
-
-
-def named(spans: Any, prefix: str) -> list[ReadableSpan]:
-    return [s for s in spans if s.name.startswith(prefix)]
-
-
-def parent_of(span: ReadableSpan) -> int | None:
-    return span.parent.span_id if span.parent is not None else None
 
 
 async def test_a_stream_has_a_span_and_its_generator_a_child_span() -> None:
@@ -160,11 +146,7 @@ async def test_generate_stream_over_http_is_traced_under_its_server_span(
     exporter = InMemorySpanExporter()
     config = ServerConfig(tracer_provider=provider_for(exporter), trace_rate=0.0)
     async with trio.open_nursery() as nursery:
-        listening = await nursery.start(
-            lambda task_status: serve_http(
-                repository, port=0, config=config, handle_signals=False, task_status=task_status
-            )
-        )
+        listening = await start_serving(nursery, repository, config=config)
         async with httpx.AsyncClient(base_url=listening.urls[0]) as client:
             streamed = await client.post(
                 "/v2/models/repeat_int32/generate_stream",
@@ -233,16 +215,7 @@ async def test_model_stream_infer_is_traced_under_its_server_span(repository: Pa
         return got
 
     async with trio.open_nursery() as nursery:
-        listening = await nursery.start(
-            lambda task_status: serve_http(
-                repository,
-                port=0,
-                grpc_port=0,
-                config=config,
-                handle_signals=False,
-                task_status=task_status,
-            )
-        )
+        listening = await start_serving(nursery, repository, grpc_port=0, config=config)
         assert await trio.to_thread.run_sync(call, listening.grpc) == [None] * 3
         nursery.cancel_scope.cancel()
     spans = exporter.get_finished_spans()
