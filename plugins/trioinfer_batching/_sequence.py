@@ -83,6 +83,9 @@ class SequenceBatcher:
         self._controls: list[tuple[str, TensorSpec, tuple[int, ...]]] = []
         self._states: list[tuple[str, str, np.dtype[Any], tuple[int, ...], float]] = []
         self._hidden_outputs: frozenset[str] = frozenset()
+        # The string inputs whose elements reach the model as bytes (TensorSpec.utf8
+        # false): their padding rows are b"", as their other rows are bytes.
+        self._bytes_inputs: frozenset[str] = frozenset()
 
     # -- set up --------------------------------------------------------------------
 
@@ -94,6 +97,11 @@ class SequenceBatcher:
         self._context, self._config, self._model = context, config, context.model
         signature = context.signature
         self._batched = signature.batched
+        self._bytes_inputs = frozenset(
+            spec.name
+            for spec in signature.inputs
+            if spec.dtype is not None and spec.dtype.kind == "O" and not spec.utf8
+        )
         if not self._batched and config.max_batch_size != 1:
             raise ConfigError(
                 f"model {self._model!r} has no batch dimension, so sequence.max_batch_size "
@@ -449,7 +457,7 @@ class SequenceBatcher:
             if not self._batched:
                 inputs[name] = first
                 continue
-            array = _blank((rows, *first.shape[1:]), first.dtype)
+            array = _blank((rows, *first.shape[1:]), first.dtype, name in self._bytes_inputs)
             for request, position in zip(requests, positions, strict=True):
                 array[position] = request.inputs[name][0]
             inputs[name] = array
@@ -507,8 +515,9 @@ class SequenceBatcher:
         return inputs, split
 
 
-def _blank(shape: tuple[int, ...], dtype: np.dtype[Any]) -> np.ndarray[Any, Any]:
-    # Padding rows (and the base of control tensors): zeros, or empty strings.
+def _blank(shape: tuple[int, ...], dtype: np.dtype[Any], raw: bool = False) -> np.ndarray[Any, Any]:
+    # Padding rows (and the base of control tensors): zeros, or empty strings (*raw*:
+    # bytes, for an input whose elements reach the model as bytes).
     if dtype.kind == "O":
-        return np.full(shape, "", dtype=object)
+        return np.full(shape, b"" if raw else "", dtype=object)
     return np.zeros(shape, dtype=dtype)
