@@ -687,7 +687,8 @@ class OutputCheck:
 
     Made once per model at load. An answer fits when it is a ``dict`` with
     exactly the declared names, each an ``np.ndarray`` of the declared dtype
-    (a ``BYTES`` output: an ``object``, ``str_`` or ``bytes_`` array), rank
+    (in either byte order; a ``BYTES`` output: an ``object``, ``str_`` or
+    ``bytes_`` array), rank
     and fixed sizes, and, for a batched execution, one row per input row.
     Symbolic and open (``None``, ``-1`` in a config) sizes take any size. An
     answer that does not fit fails its execution's requests with a
