@@ -1083,3 +1083,43 @@ async def test_a_bytes_inputs_padding_rows_are_bytes_too() -> None:
             await engine.infer("kinds", text, sequence=SequenceFlags(2, end=True))
     assert any(len(types) == 2 for types in seen)
     assert all(t is bytes for types in seen for t in types), seen
+
+
+async def test_a_string_corrid_reaches_a_bytes_model_as_bytes() -> None:
+    # A Python model's BYTES tensors hold bytes (utf8 false), as Triton's Python backend
+    # gives a TYPE_STRING CORRID: the id went in as the caller gave it (str, or an int),
+    # and the padding rows as str "".
+    strings = {"dtype": "BYTES", "shape": ["batch", 1]}
+    seen: list[list[Any]] = []
+
+    class Ids:
+        def infer(self, inputs: dict[str, Array]) -> dict[str, Array]:
+            seen.append(inputs["CORRID"].ravel().tolist())
+            return {"KIND": np.array([[b"ok"]] * len(inputs["CORRID"]), dtype=object)}
+
+    config = ModelConfig(
+        name="ids",
+        path="-",
+        backend="python",
+        batcher="sequence",
+        backend_options={
+            "class": Ids,
+            "inputs": [{"name": "TEXT", **strings}, {"name": "CORRID", **strings}],
+            "outputs": [{"name": "KIND", **strings}],
+        },
+        sequence={
+            "strategy": "direct",
+            "max_batch_size": 2,
+            "max_sequence_idle": 5.0,
+            "control": {"corrid": "CORRID"},
+        },
+    )
+    text = {"TEXT": np.array([[b"x"]], dtype=object)}
+    async with open_engine() as engine:
+        await engine.load(config)
+        await engine.infer("ids", text, sequence=SequenceFlags("a", start=True))
+        await engine.infer("ids", text, sequence=SequenceFlags(7, start=True))
+        await engine.infer("ids", text, sequence=SequenceFlags("a", end=True))
+        await engine.infer("ids", text, sequence=SequenceFlags(7, end=True))
+    assert [b"a"] in seen
+    assert [b"", b"7"] in seen  # slot 0 a padding row

@@ -464,7 +464,8 @@ class SequenceBatcher:
         lead = (rows,) if self._batched else ()
         for kind, spec, shape in self._controls:
             assert spec.dtype is not None
-            array = _blank((*lead, *shape), spec.dtype)
+            raw = spec.name in self._bytes_inputs
+            array = _blank((*lead, *shape), spec.dtype, raw)
             for request, position in zip(requests, positions, strict=True):
                 flags = request.sequence_flags
                 assert flags is not None
@@ -474,6 +475,11 @@ class SequenceBatcher:
                     "ready": True,
                     "corrid": flags.id,
                 }[kind]
+                if kind == "corrid" and spec.dtype.kind == "O":
+                    # A string CORRID holds the id as text (an int id in decimal), as
+                    # the model's other string tensors: bytes where those are bytes.
+                    text = value if isinstance(value, str) else str(value)
+                    value = text.encode("utf-8", "surrogatepass") if raw else text
                 if self._batched:
                     array[position] = value
                 else:
