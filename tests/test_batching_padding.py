@@ -526,3 +526,33 @@ async def test_a_request_missing_the_axis_in_a_pad_input_runs_as_sent(
     # flag lacks the axis: nothing can be padded, so the request goes as it came.
     assert seen == [(1, 3)]
     np.testing.assert_array_equal(out["y"], 3 * x)
+
+
+@pytest.mark.parametrize(("utf8", "blank"), [(False, b""), (True, "")])
+async def test_a_string_inputs_padding_is_an_empty_string_of_its_type(
+    autojump_clock: trio.testing.MockClock, utf8: bool, blank: object
+) -> None:
+    # pad_value is a number: a BYTES input was padded with the int 0 (str "0" to ONNX
+    # Runtime, an int among a Python model's bytes). Its padding is an empty string of
+    # the type its elements reach the model as (TensorSpec.utf8).
+    strings = np.dtype(object)
+    signature = ModelSignature(
+        inputs=(TensorSpec("tokens", strings, ("batch", "seq"), utf8=utf8),),
+        outputs=(TensorSpec("n", I64, ("batch",)),),
+    )
+    seen: list[list[Any]] = []
+
+    def count(inputs: Arrays) -> dict[str, np.ndarray[Any, Any]]:
+        seen.append(inputs["tokens"].tolist())
+        return {"n": np.array([len(row) for row in inputs["tokens"]], np.int64)}
+
+    backend = FakeBackend(count, signature=signature, delay=1.0)
+    requests = {
+        0: {"tokens": np.array([[b"a", b"b"]], dtype=object)},
+        1: {"tokens": np.array([[b"c", b"d", b"e"]], dtype=object)},
+    }
+    async with open_engine(registry=backend.registry()) as engine:
+        await engine.load(config(max_batch_size=4, pad_axis=1, pad_buckets=[4]))
+        await run_all(engine, requests)
+    a, b, c, d, e = (s if not utf8 else s.decode() for s in (b"a", b"b", b"c", b"d", b"e"))
+    assert seen == [[[a, b, blank, blank], [c, d, e, blank]]]

@@ -626,3 +626,21 @@ async def test_check_fallback_catches_broken_fallbacks(
 def test_resilient_passes_check_fallback_on_asyncio() -> None:
     # The core runs on anyio; the fallback layer must too (real clock: a few seconds).
     anyio.run(check_fallback, Resilient, backend="asyncio")
+
+
+def test_probe_inputs_of_a_bytes_input_are_bytes() -> None:
+    # A BYTES input reaches a Python model as bytes (utf8 false), an ONNX one's as str:
+    # a probe gives each what its requests give it (it gave str "" to both, and a model
+    # that decodes its bytes failed every probe, keeping its circuit open).
+    from trioinfer._runner import _probe_inputs
+
+    signature = trioinfer.ModelSignature(
+        inputs=(
+            trioinfer.TensorSpec("raw", np.dtype(object), (None,)),
+            trioinfer.TensorSpec("text", np.dtype(object), (None,), utf8=True),
+        ),
+        outputs=(),
+    )
+    probe = _probe_inputs(signature)
+    assert probe["raw"].tolist() == [b""]
+    assert probe["text"].tolist() == [""]

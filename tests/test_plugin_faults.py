@@ -703,6 +703,23 @@ async def test_outputs_that_fit_in_another_form_pass_as_they_are() -> None:
     assert int(out["n"]) == 1
 
 
+async def test_an_output_in_the_other_byte_order_passes_as_it_is() -> None:
+    """A float32 array in big-endian order (numpy.frombuffer(blob, ">f4"), say) holds float32
+    values: the check refused it as "dtype float32; its signature declares float32", while
+    the server's codec sends any byte order little-endian, as V2 wants."""
+    big = np.dtype(">f4")
+
+    def answer(inputs: Any) -> dict[str, Any]:
+        return {"y": inputs["x"].astype(big)}
+
+    backend = FakeBackend(answer)
+    async with open_engine(registry=backend.registry()) as engine:
+        await engine.load(config())
+        out = await engine.infer("m", {"x": X})
+        assert out["y"].dtype == big
+        assert out["y"].tolist() == X.tolist()
+
+
 async def test_a_fallback_answering_with_outputs_that_do_not_fit_breaks_its_contract() -> None:
     """A fallback's answer (a default, another model's outputs) is checked as a backend's."""
 

@@ -405,6 +405,16 @@ async def test_an_error_in_numpy_names_the_models_line_not_numpys() -> None:
             await engine.infer("m", {"x": X})
 
 
+async def test_an_output_in_the_other_byte_order_passes() -> None:
+    # float32 read from a big-endian file (numpy.frombuffer(blob, ">f4")): float32 values,
+    # which every codec sends little-endian; it was refused as "has dtype float32; the
+    # config declares float32[batch, 4]".
+    async with open_engine() as engine:
+        await engine.load(config(outputs_of(lambda x: {"y": x.astype(">f4")})))
+        out = await engine.infer("m", {"x": X})
+    assert out["y"].tolist() == X.tolist()
+
+
 async def test_lists_are_converted_to_the_declared_dtype() -> None:
     async with open_engine() as engine:
         await engine.load(config(outputs_of(lambda x: {"y": x.tolist()})))

@@ -1027,3 +1027,90 @@ async def test_a_sequence_batcher_whose_admit_raises_breaks_its_contract() -> No
         stats = engine.statistics().models["simple_sequence"]
         assert (stats.refused, stats.queued) == (1, 0)
         assert_all_ended(engine)
+
+
+class Kinds:
+    """A stateless sequence model that answers what type each row's BYTES element was."""
+
+    def infer(self, inputs: dict[str, Array]) -> dict[str, Array]:
+        text = inputs["TEXT"]
+        kinds = [type(v).__name__ for v in text.ravel()]
+        return {"KIND": np.array(kinds, dtype=object).reshape(text.shape)}
+
+
+async def test_a_bytes_inputs_padding_rows_are_bytes_too() -> None:
+    # A direct sequence batch pads the slots no request fills. A BYTES input reaches a
+    # Python model as bytes (utf8 false), but its padding rows held str "": a model
+    # that decodes each element (v.decode()) failed on them, answering nobody wrong.
+    strings = {"dtype": "BYTES", "shape": ["batch", 1]}
+    config = ModelConfig(
+        name="kinds",
+        path="-",
+        backend="python",
+        batcher="sequence",
+        backend_options={
+            "class": Kinds,
+            "inputs": [{"name": "TEXT", **strings}],
+            "outputs": [{"name": "KIND", **strings}],
+        },
+        sequence={"strategy": "direct", "max_batch_size": 2, "max_sequence_idle": 5.0},
+    )
+    seen: list[list[Any]] = []
+    original = Kinds.infer
+
+    def infer(self: Kinds, inputs: dict[str, Array]) -> dict[str, Array]:
+        seen.append([type(v) for v in inputs["TEXT"].ravel()])
+        return original(self, inputs)
+
+    text = {"TEXT": np.array([[b"x"]], dtype=object)}
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(Kinds, "infer", infer)
+        async with open_engine() as engine:
+            await engine.load(config)
+            await engine.infer("kinds", text, sequence=SequenceFlags(1, start=True))
+            await engine.infer("kinds", text, sequence=SequenceFlags(2, start=True))
+            # Sequence 2 holds slot 1 alone: slot 0 is a padding row.
+            await engine.infer("kinds", text, sequence=SequenceFlags(1, end=True))
+            await engine.infer("kinds", text, sequence=SequenceFlags(2, end=True))
+    assert any(len(types) == 2 for types in seen)
+    assert all(t is bytes for types in seen for t in types), seen
+
+
+async def test_a_string_corrid_reaches_a_bytes_model_as_bytes() -> None:
+    # A Python model's BYTES tensors hold bytes (utf8 false), as Triton's Python backend
+    # gives a TYPE_STRING CORRID: the id went in as the caller gave it (str, or an int),
+    # and the padding rows as str "".
+    strings = {"dtype": "BYTES", "shape": ["batch", 1]}
+    seen: list[list[Any]] = []
+
+    class Ids:
+        def infer(self, inputs: dict[str, Array]) -> dict[str, Array]:
+            seen.append(inputs["CORRID"].ravel().tolist())
+            return {"KIND": np.array([[b"ok"]] * len(inputs["CORRID"]), dtype=object)}
+
+    config = ModelConfig(
+        name="ids",
+        path="-",
+        backend="python",
+        batcher="sequence",
+        backend_options={
+            "class": Ids,
+            "inputs": [{"name": "TEXT", **strings}, {"name": "CORRID", **strings}],
+            "outputs": [{"name": "KIND", **strings}],
+        },
+        sequence={
+            "strategy": "direct",
+            "max_batch_size": 2,
+            "max_sequence_idle": 5.0,
+            "control": {"corrid": "CORRID"},
+        },
+    )
+    text = {"TEXT": np.array([[b"x"]], dtype=object)}
+    async with open_engine() as engine:
+        await engine.load(config)
+        await engine.infer("ids", text, sequence=SequenceFlags("a", start=True))
+        await engine.infer("ids", text, sequence=SequenceFlags(7, start=True))
+        await engine.infer("ids", text, sequence=SequenceFlags("a", end=True))
+        await engine.infer("ids", text, sequence=SequenceFlags(7, end=True))
+    assert [b"a"] in seen
+    assert [b"", b"7"] in seen  # slot 0 a padding row

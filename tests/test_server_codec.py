@@ -993,6 +993,29 @@ def test_non_utf8_bytes_output_to_a_plain_json_client_says_to_ask_for_binary(
     assert result.as_numpy("t").tolist() == [b"ok", b"\xff\xd8\xff\xe0"]
 
 
+def test_a_str_output_with_lone_surrogates_is_no_500() -> None:
+    # A model that decodes with errors="surrogateescape" returns str that no UTF-8 (and
+    # so no JSON) can carry: the JSON encoder raised, a 500 with a traceback in the log.
+    # It goes as the bytes that str stands for, as binary data, to a client of the
+    # extension; a plain JSON client is told to ask for binary, as for bytes.
+    arrays = {"t": np.array(["ok", b"a\xff".decode("utf-8", "surrogateescape")], dtype=object)}
+    tritonclient = InferRequest(
+        id=None,
+        inputs={},
+        outputs=None,
+        binary_output=False,
+        parameters={"binary_data_output": False},
+    )
+    body, length = response(tritonclient, arrays)
+    assert length is not None
+    result = httpclient.InferResult.from_response_body(body, header_length=length)
+    assert result.as_numpy("t").tolist() == [b"ok", "a\udcff".encode("utf-8", "surrogatepass")]
+    with pytest.raises(RequestError, match=r"^output 't' holds .*\(element 1 of the flattened"):
+        response(plain_request(), arrays)
+    with pytest.raises(ValueError, match=r"^input 's' holds .*\(element 0\)"):
+        encode_infer_request({"s": np.array(["\ud800"], dtype=object)})
+
+
 def test_numpy_string_outputs_are_bytes() -> None:
     outputs = {"u": np.array(["ab", "c"]), "s": np.array([b"x", b"yz"])}
     body, length = response(plain_request(), outputs)

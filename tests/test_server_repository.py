@@ -1098,3 +1098,28 @@ async def test_a_request_for_a_model_that_failed_to_load_says_why(root: Path) ->
         "m/config.toml: unknown key 'batcher_option'"
     )
     assert message.endswith("did you mean 'batcher_options' for 'batcher_option'?")
+
+
+async def test_an_unloaded_model_is_not_said_to_have_failed_to_load(
+    onnx_file: Path, root: Path
+) -> None:
+    # A reload with a bad override fails while the served version goes on serving; once
+    # the model is unloaded on purpose, its 404 said "failed to load 'm': ..." still (the
+    # reason of that earlier reload), as if the unload had been a failure.
+    from trioinfer.server._models import ServedModels
+
+    (root / "m" / "1").mkdir(parents=True)
+    shutil.copyfile(onnx_file, root / "m" / "1" / "model.onnx")
+    async with trioinfer.open_engine() as engine:
+        served = ServedModels(engine, ModelRepository(root))
+        assert await served.load_all() == []
+        with pytest.raises(ConfigError):
+            await served.load("m", {"max_queue_size": -1})
+        served.resolve("m")  # still served
+        await served.unload("m")
+        with pytest.raises(ModelNotFound) as caught:
+            served.resolve("m")
+        assert served.error("m") == ""
+    assert str(caught.value) == (
+        "Request for unknown model: 'm' is not served; served models: none"
+    )

@@ -422,3 +422,25 @@ async def test_a_grpc_stream_cut_by_the_drain_ends_unavailable(repository: Path)
     assert error.code() == grpc.StatusCode.UNAVAILABLE
     assert "server stopped before the call finished" in error.details()
     assert watched.ended == "Cancelled"
+
+
+def test_a_generate_response_with_lone_surrogates_is_json() -> None:
+    # A model that decodes with errors="surrogateescape" answers a str no UTF-8 (so no
+    # JSON encoder) takes: the response failed to encode (a 500, or a stream cut short).
+    # Its bytes are decoded with replacement, as a bytes element's are.
+    import numpy as np
+    import orjson
+
+    from trioinfer.server._generate import encode_generate_response
+
+    served: Any = types.SimpleNamespace(model="m", version=1)
+    spec = trioinfer.TensorSpec("text", np.dtype(object), (None,))
+    signature = trioinfer.ModelSignature(inputs=(), outputs=(spec,))
+    escaped = b"caf\xc3\xa9 \xff".decode("utf-8", "surrogateescape")
+    for outputs in (
+        {"text": np.array([escaped], dtype=object)},
+        {"text": np.array([escaped, "ok"], dtype=object)},
+    ):
+        answer = orjson.loads(orjson.dumps(encode_generate_response(served, outputs, signature)))
+        texts = answer["text"] if isinstance(answer["text"], list) else [answer["text"]]
+        assert texts[0] == "caf\u00e9 \ufffd"

@@ -943,6 +943,18 @@ def test_bad_triton_configs_are_named(client: httpclient.InferenceServerClient) 
             'platform: "ensemble" parameters { key: "threads" value { string_value: "1" } }',
             "an ensemble takes no parameters .*; got threads",
         ),
+        # trioinfer.sequence beside sequence_batching, malformed: a 500 (TypeError) once.
+        (
+            'sequence_batching { state [ { input_name: "a" output_name: "b" } ] } '
+            'parameters { key: "trioinfer.sequence" value { string_value: "{\\"state\\": 5}" } }',
+            "parameters 'trioinfer.sequence': its state must be a list of tables",
+        ),
+        (
+            'sequence_batching { state [ { input_name: "a" output_name: "b" } ] } '
+            'parameters { key: "trioinfer.sequence" value { string_value: '
+            '"{\\"state\\": [{\\"input\\": [1], \\"initial\\": 1}]}" } }',
+            "parameters 'trioinfer.sequence': its state must be a list of tables",
+        ),
     ],
 )
 def test_triton_config_refusals(text: str, fragment: str) -> None:

@@ -242,7 +242,7 @@ class Padding:
                 shape[axis - 1] = target
             view, key, buffer = self._take(name, array.dtype, tuple(shape), rows)
             taken.append((key, buffer))
-            fill = self._fill_value(name, array.dtype) if padded else None
+            fill = self._fill_value(name, array) if padded else None
             start = 0
             for request, own in zip(requests, lengths, strict=True):
                 part = request.inputs[name]
@@ -275,7 +275,14 @@ class Padding:
         buffer = free.pop() if free else np.empty((key[3], *shape), dtype=dtype)
         return buffer[:rows], key, buffer
 
-    def _fill_value(self, name: str, dtype: np.dtype[Any]) -> Array:
+    def _fill_value(self, name: str, array: Array) -> Array:
+        dtype = array.dtype
+        if dtype.kind == "O":
+            # A string (BYTES) input: pad_value is a number, which would put an int
+            # among its strings; an empty string of its elements' type (all bytes, or
+            # all str, once the engine checked them: TensorSpec.utf8) instead.
+            first = array.flat[0] if array.size else ""
+            return np.array(b"" if isinstance(first, bytes) else "", dtype=object)
         value = self.values.get(name, self.value)
         # Cast as astype does, never raising: a pad value out of an integer
         # dtype's range wraps rather than failing every batch at run time.

@@ -83,6 +83,9 @@ class SequenceBatcher:
         self._controls: list[tuple[str, TensorSpec, tuple[int, ...]]] = []
         self._states: list[tuple[str, str, np.dtype[Any], tuple[int, ...], float]] = []
         self._hidden_outputs: frozenset[str] = frozenset()
+        # The string inputs whose elements reach the model as bytes (TensorSpec.utf8
+        # false): their padding rows are b"", as their other rows are bytes.
+        self._bytes_inputs: frozenset[str] = frozenset()
 
     # -- set up --------------------------------------------------------------------
 
@@ -94,6 +97,11 @@ class SequenceBatcher:
         self._context, self._config, self._model = context, config, context.model
         signature = context.signature
         self._batched = signature.batched
+        self._bytes_inputs = frozenset(
+            spec.name
+            for spec in signature.inputs
+            if spec.dtype is not None and spec.dtype.kind == "O" and not spec.utf8
+        )
         if not self._batched and config.max_batch_size != 1:
             raise ConfigError(
                 f"model {self._model!r} has no batch dimension, so sequence.max_batch_size "
@@ -449,14 +457,15 @@ class SequenceBatcher:
             if not self._batched:
                 inputs[name] = first
                 continue
-            array = _blank((rows, *first.shape[1:]), first.dtype)
+            array = _blank((rows, *first.shape[1:]), first.dtype, name in self._bytes_inputs)
             for request, position in zip(requests, positions, strict=True):
                 array[position] = request.inputs[name][0]
             inputs[name] = array
         lead = (rows,) if self._batched else ()
         for kind, spec, shape in self._controls:
             assert spec.dtype is not None
-            array = _blank((*lead, *shape), spec.dtype)
+            raw = spec.name in self._bytes_inputs
+            array = _blank((*lead, *shape), spec.dtype, raw)
             for request, position in zip(requests, positions, strict=True):
                 flags = request.sequence_flags
                 assert flags is not None
@@ -466,6 +475,11 @@ class SequenceBatcher:
                     "ready": True,
                     "corrid": flags.id,
                 }[kind]
+                if kind == "corrid" and spec.dtype.kind == "O":
+                    # A string CORRID holds the id as text (an int id in decimal), as
+                    # the model's other string tensors: bytes where those are bytes.
+                    text = value if isinstance(value, str) else str(value)
+                    value = text.encode("utf-8", "surrogatepass") if raw else text
                 if self._batched:
                     array[position] = value
                 else:
@@ -507,8 +521,9 @@ class SequenceBatcher:
         return inputs, split
 
 
-def _blank(shape: tuple[int, ...], dtype: np.dtype[Any]) -> np.ndarray[Any, Any]:
-    # Padding rows (and the base of control tensors): zeros, or empty strings.
+def _blank(shape: tuple[int, ...], dtype: np.dtype[Any], raw: bool = False) -> np.ndarray[Any, Any]:
+    # Padding rows (and the base of control tensors): zeros, or empty strings (*raw*:
+    # bytes, for an input whose elements reach the model as bytes).
     if dtype.kind == "O":
-        return np.full(shape, "", dtype=object)
+        return np.full(shape, b"" if raw else "", dtype=object)
     return np.zeros(shape, dtype=dtype)

@@ -560,8 +560,12 @@ class PythonInstance:
         where = f"{self._label}: output {spec.name!r}"
         if isinstance(value, np.ndarray):
             array = value
-            if array.dtype != spec.dtype and not (
-                spec.dtype == np.object_ and array.dtype.kind in "US"
+            if (
+                array.dtype != spec.dtype
+                and not (spec.dtype == np.object_ and array.dtype.kind in "US")
+                # The declared dtype in the other byte order: the same values, which
+                # every codec sends little-endian (numpy.frombuffer(blob, ">f4")).
+                and (array.dtype.isnative or array.dtype.newbyteorder("=") != spec.dtype)
             ):
                 # numpy's default float64 under a float32 declaration is the usual case.
                 hint = (

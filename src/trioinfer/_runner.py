@@ -2542,8 +2542,11 @@ def _probe_inputs(signature: ModelSignature) -> dict[str, Any]:
     for spec in signature.inputs:
         shape = tuple(d if isinstance(d, int) and d > 0 else 1 for d in spec.shape)
         dtype = spec.dtype if spec.dtype is not None else np.dtype(np.float32)
+        # A string input's empty element as its requests' are: str, or bytes where
+        # they reach the model as bytes (TensorSpec.utf8 false).
+        blank = "" if spec.utf8 else b""
         arrays[spec.name] = (
-            np.full(shape, "", dtype=object) if dtype.kind == "O" else np.zeros(shape, dtype)
+            np.full(shape, blank, dtype=object) if dtype.kind == "O" else np.zeros(shape, dtype)
         )
     return arrays
 

@@ -687,7 +687,8 @@ class OutputCheck:
 
     Made once per model at load. An answer fits when it is a ``dict`` with
     exactly the declared names, each an ``np.ndarray`` of the declared dtype
-    (a ``BYTES`` output: an ``object``, ``str_`` or ``bytes_`` array), rank
+    (in either byte order; a ``BYTES`` output: an ``object``, ``str_`` or
+    ``bytes_`` array), rank
     and fixed sizes, and, for a batched execution, one row per input row.
     Symbolic and open (``None``, ``-1`` in a config) sizes take any size. An
     answer that does not fit fails its execution's requests with a
@@ -832,6 +833,9 @@ def output_misfit(spec: TensorSpec, array: object, rows: int) -> str | None:
         want is not None
         and array.dtype != want
         and not (want.kind == "O" and array.dtype.kind in "US")
+        # The declared dtype in the other byte order holds the same values, and every
+        # codec sends them little-endian: a float32 from numpy.frombuffer(b, ">f4").
+        and (array.dtype.isnative or array.dtype.newbyteorder("=") != want)
     ):
         return (
             f"with dtype {array.dtype.name}; its signature declares {spec.describe()} (the "

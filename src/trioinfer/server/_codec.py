@@ -1011,7 +1011,7 @@ def _json_response(
 def _json_strings(name: str, items: list[Any]) -> list[str]:
     texts = _texts(items)
     if texts is None:
-        index = next(i for i, v in enumerate(items) if isinstance(v, bytes) and not _is_utf8(v))
+        index = next(i for i, v in enumerate(items) if not _json_text(v))
         raise ValueError(
             f"input {name!r} holds bytes that are not UTF-8 (element {index}), which JSON "
             "cannot carry; encode the request with binary=True"
@@ -2075,9 +2075,7 @@ def _speaks_binary(request: InferRequest) -> bool:
 
 
 def _not_json(name: str, items: list[Any]) -> RequestError:
-    index = next(
-        i for i, item in enumerate(items) if isinstance(item, bytes) and not _is_utf8(item)
-    )
+    index = next(i for i, item in enumerate(items) if not _json_text(item))
     return RequestError(
         f"output {_quote(name)} holds bytes that are not UTF-8 (element {index} of the "
         "flattened output), which a JSON response cannot carry; ask for it as binary data "
@@ -2094,11 +2092,32 @@ def _is_utf8(raw: bytes) -> bool:
     return True
 
 
+def _json_text(item: object) -> bool:
+    """Whether a JSON string can carry *item*.
+
+    Not bytes that are not UTF-8, nor a str with lone surrogates (a model's
+    ``decode(errors="surrogateescape")``), which no UTF-8, so no JSON encoder, takes.
+    """
+    if isinstance(item, bytes):
+        return _is_utf8(item)
+    return not isinstance(item, str) or item.isascii() or _encodes(item)
+
+
+def _encodes(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 def _texts(items: list[Any]) -> list[str] | None:
-    """Return the elements as strings, or ``None`` when one is bytes that are not UTF-8."""
+    """Return the elements as strings, or ``None`` when one is no JSON string (`_json_text`)."""
     texts = []
     for item in items:
         if isinstance(item, str):
+            if not (item.isascii() or _encodes(item)):
+                return None
             texts.append(item)
         elif isinstance(item, bytes):
             try:

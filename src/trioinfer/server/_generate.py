@@ -148,6 +148,18 @@ def encode_generate_response(
 def _text(value: Any) -> Any:
     if isinstance(value, bytes):
         return value.decode("utf-8", "replace")
+    if isinstance(value, str) and not value.isascii():
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            # Lone surrogates (a model's decode(errors="surrogateescape")), which no JSON
+            # encoder takes: the bytes they stand for, decoded as a bytes element is.
+            try:
+                raw = value.encode("utf-8", "surrogateescape")
+            except UnicodeEncodeError:  # surrogates that escape no byte
+                raw = value.encode("utf-8", "surrogatepass")
+            return raw.decode("utf-8", "replace")
+        return value
     if isinstance(value, list):
         return [_text(v) for v in value]
     return value

@@ -549,7 +549,11 @@ class ServedModels:
             served = self._served.get(model)
             if served is None:
                 self.repository.entry(model)  # raises ModelNotFound if it does not exist
+                self._errors.pop(model, None)  # unloaded on purpose: no longer a failure
                 return
+            # A failed reload's reason (its served versions went on) is not why it is
+            # not served from now on: its 404 would say "failed to load".
+            self._errors.pop(model, None)
             for version in sorted(served):
                 await self._unload_version(served, version)
             del self._served[model]

@@ -727,7 +727,7 @@ def _translate(message: Any, doc: dict[str, Any], name: str, where: str) -> Trit
     # something, Triton's win (a client changes those, not the parameters).
     for key, value in own.items():
         if key == "sequence" and isinstance(settings.get(key), dict) and isinstance(value, dict):
-            settings[key] = _with_initial_values(settings[key], value)
+            settings[key] = _with_initial_values(settings[key], value, where)
         elif key == "instances" and isinstance(settings.get(key), list):
             settings[key] = _with_own_instances(settings[key], value)
         settings.setdefault(key, value)
@@ -753,14 +753,22 @@ def _translate(message: Any, doc: dict[str, Any], name: str, where: str) -> Trit
     )
 
 
-def _with_initial_values(table: dict[str, Any], own: Mapping[str, Any]) -> dict[str, Any]:
+def _with_initial_values(
+    table: dict[str, Any], own: Mapping[str, Any], where: str
+) -> dict[str, Any]:
     # sequence_batching says a state starts at zero or says nothing: a state's other
     # initial value is in trioinfer.sequence only.
-    given = {
-        state.get("input"): state["initial"]
-        for state in own.get("state", [])
-        if isinstance(state, dict) and "initial" in state
-    }
+    states = own.get("state", [])
+    # A load override's parameters are the client's: malformed, a ConfigError (a 400),
+    # not a TypeError here (a 500).
+    if not isinstance(states, list) or not all(
+        isinstance(state, dict) and isinstance(state.get("input", ""), str) for state in states
+    ):
+        raise ConfigError(
+            f"{where}: parameters '{OWN_PREFIX}sequence': its state must be a list of tables "
+            f"with a string input (as GET .../config answers it), got {str(states)[:64]}"
+        )
+    given = {state.get("input"): state["initial"] for state in states if "initial" in state}
     states = [
         {**state, "initial": given[state["input"]]}
         if state.get("input") in given and "initial" not in state
