@@ -1658,15 +1658,19 @@ def test_a_memo_response_is_used_and_keeps_no_data() -> None:
     assert b"1.5" not in head + b"".join(entries)
 
 
+def _json_containers(inner: st.SearchStrategy[Any]) -> st.SearchStrategy[Any]:
+    # A named function, not a lambda: hypothesis reads recursive()'s extend from its
+    # source to check that it recurses, and a multi-line lambda's source may not parse.
+    return st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=4), inner, max_size=4)
+
+
 _json_values = st.recursive(
     st.none()
     | st.booleans()
     | st.integers(-(2**63), 2**64 - 1)
     | st.floats(allow_nan=False)
     | st.text(max_size=4),
-    lambda inner: (
-        st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=4), inner, max_size=4)
-    ),
+    _json_containers,
     max_leaves=12,
 )
 
