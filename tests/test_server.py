@@ -1746,13 +1746,13 @@ _JSON_LEAVES = (
     | st.floats(allow_nan=True, allow_infinity=True)
     | st.text(max_size=8)
 )
-_JSON = st.recursive(
-    _JSON_LEAVES,
-    lambda inner: (
-        st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=6), inner, max_size=4)
-    ),
-    max_leaves=12,
-)
+def _json_containers(inner: st.SearchStrategy[Any]) -> st.SearchStrategy[Any]:
+    # A named function, not a lambda: hypothesis reads recursive()'s extend from its
+    # source to check that it recurses, and a multi-line lambda's source may not parse.
+    return st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=6), inner, max_size=4)
+
+
+_JSON = st.recursive(_JSON_LEAVES, _json_containers, max_leaves=12)
 _NUMBERS = st.one_of(
     st.integers(min_value=-(2**65), max_value=2**65),
     st.floats(width=32),
