@@ -1746,6 +1746,8 @@ _JSON_LEAVES = (
     | st.floats(allow_nan=True, allow_infinity=True)
     | st.text(max_size=8)
 )
+
+
 def _json_containers(inner: st.SearchStrategy[Any]) -> st.SearchStrategy[Any]:
     # A named function, not a lambda: hypothesis reads recursive()'s extend from its
     # source to check that it recurses, and a multi-line lambda's source may not parse.
