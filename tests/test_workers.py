@@ -667,6 +667,30 @@ async def test_a_change_some_workers_refuse_is_an_error_that_names_them(tmp_path
         tg.cancel_scope.cancel()
 
 
+async def test_a_report_taken_before_an_unload_does_not_bring_its_counts_back(
+    tmp_path: Path,
+) -> None:
+    # A worker's periodic report of model m, taken before m's unload, may reach the
+    # supervisor after it: the counts the worker answers the unload with (taken later)
+    # are kept first, and the late report, numbered earlier, is ignored.
+    supervisor = _Supervisor(1, tmp_path, {})
+
+    async def handle(message: dict[str, Any]) -> dict[str, Any]:
+        assert message["op"] == "unload"
+        return {"ok": True, **_counts(100, 9, [_stats_entry(2, 5, name="other")], taken=8)}
+
+    async with anyio.create_task_group() as tg:
+        await tg.start(_serve_calls, worker_socket(tmp_path, 0), handle)
+        (member,) = supervisor.workers
+        member.member = True
+        member.process, member.pid = cast(Any, object()), 100
+        assert await supervisor.handle({"op": "unload", "model": "m"}) == {"ok": True}
+        late = _counts(100, 7, [_stats_entry(7, 3), _stats_entry(1, 3, name="other")], taken=7)
+        await supervisor.handle({"op": "counts", "worker": 0, **late})
+        assert supervisor.stats.merged(0) == [_stats_entry(2, 5, name="other")]
+        tg.cancel_scope.cancel()
+
+
 def _stats_entry(count: int, last: int, name: str = "m", version: str = "1") -> dict[str, Any]:
     return {
         "name": name,

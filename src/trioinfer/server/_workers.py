@@ -580,7 +580,10 @@ class WorkerLink:
                 return {"ok": True}
             if op == "unload":
                 await state.models.unload(message["model"])
-                return {"ok": True}
+                # Counts taken after it: the supervisor keeps them as this worker's
+                # latest, so that a report taken before the unload and arriving after
+                # it (an earlier number) cannot bring the model's old counts back.
+                return {"ok": True, **self._counts()}
             if op == "trace":
                 tracing = state.models.engine._tracing
                 update_trace_settings(tracing, message["model"], message["settings"])
@@ -832,6 +835,9 @@ class _Supervisor:
                     self.journal.pop(key, None)
                     self.journal[key] = change
                 if message["op"] == "unload":
+                    for worker, reply in replies:
+                        if reply is not None and "taken" in reply:
+                            self._keep(worker, reply)
                     self.stats.forget(message["model"])
             if not failed:
                 return {"ok": True}
