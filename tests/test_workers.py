@@ -550,6 +550,15 @@ def test_the_ledger_never_lets_a_counter_go_down() -> None:
     # A retirement of a process that reported nothing since (or never) changes nothing.
     ledger.retire(0, 99)
     assert _value(ledger.merged(0), "t_requests_total", model="m") == 14
+    # Unloaded: the dead workers' counts of the model go with it (as on one server),
+    # other series stay.
+    ledger.report(1, 102, _exposition(1, 4, 102).replace(b'model="m"', b'model="n"'))
+    ledger.retire(1, 102)
+    ledger.forget("m")
+    ledger.report(0, 100, _exposition(0, 0, 100), taken=9)  # the unload's fresh counts
+    merged = ledger.merged(0)
+    assert _value(merged, "t_requests_total", model="m") == 0
+    assert _value(merged, "t_requests_total", model="n") == 1
 
 
 def test_the_stats_ledger_keeps_a_dead_workers_counts_until_its_model_is_unloaded() -> None:

@@ -247,13 +247,23 @@ def _counts_only(text: bytes) -> bytes:
     Its own series (labelled with its ``pid``) end with it, and ``_created``
     timestamps are no counts.
     """
+    return _samples_where(
+        text,
+        lambda family, sample: (
+            family.type in _CUMULATIVE
+            and "pid" not in sample.labels
+            and not sample.name.endswith("_created")
+        ),
+    )
+
+
+def _samples_where(text: bytes, keep: Callable[[Metric, Any], bool]) -> bytes:
+    """*text* with only the samples *keep* (given each one's family) says to keep."""
     kept: list[Metric] = []
     for family in text_string_to_metric_families(text.decode()):
-        if family.type not in _CUMULATIVE:
-            continue
         metric = Metric(family.name, family.documentation, family.type)
         for sample in family.samples:
-            if "pid" not in sample.labels and not sample.name.endswith("_created"):
+            if keep(family, sample):
                 metric.add_sample(sample.name, sample.labels, sample.value)
         if metric.samples:
             kept.append(metric)
@@ -321,6 +331,16 @@ class MetricsLedger:
         last = self._latest.pop(index, pid)
         if last is not None:
             self._retired = merge_expositions([self._retired, _counts_only(last)])
+
+    def forget(self, model: str) -> None:
+        """*model* was unloaded: the dead workers' counts of it go.
+
+        Its series end, as on one server; a load starts them again from zero.
+        """
+        if self._retired:
+            self._retired = _samples_where(
+                self._retired, lambda _family, sample: sample.labels.get("model") != model
+            )
 
     def merged(self, first: int) -> bytes:
         """The server's exposition, worker *first*'s families in front."""
@@ -839,6 +859,7 @@ class _Supervisor:
                         if reply is not None and "taken" in reply:
                             self._keep(worker, reply)
                     self.stats.forget(message["model"])
+                    self.metrics.forget(message["model"])
             if not failed:
                 return {"ok": True}
             errors = {(e["type"], e["message"]) for _, e in failed}
