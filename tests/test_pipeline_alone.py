@@ -723,18 +723,23 @@ class Elapses:
         return {"y": inputs["x"] + 1}
 
 
-async def test_a_step_that_waited_for_its_answer_restarts_the_inline_slice(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    # A step that queued parks its caller's task: the loop has had its turns, so
-    # the inline step after it must not yield again for a slice that only looks
-    # spent because time passed while the task was parked.
+@pytest.fixture
+def elapses_clock(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The inline slice's wall clock is `Elapses`' (10 s, moved on by its runs), the slice fresh."""
     import trioinfer._inline
 
     Elapses.now[0] = 10.0
     monkeypatch.setattr(trioinfer._inline, "_wall", lambda: Elapses.now[0])
-    monkeypatch.setattr(trioinfer._inline._slice, "start", 10.0)  # fresh
+    monkeypatch.setattr(trioinfer._inline._slice, "start", 10.0)
     monkeypatch.setattr(trioinfer._inline._slice, "granted", False)
+
+
+async def test_a_step_that_waited_for_its_answer_restarts_the_inline_slice(
+    elapses_clock: None,
+) -> None:
+    # A step that queued parks its caller's task: the loop has had its turns, so
+    # the inline step after it must not yield again for a slice that only looks
+    # spent because time passed while the task was parked.
     queued = model(
         "q",
         Elapses,
@@ -752,17 +757,11 @@ async def test_a_step_that_waited_for_its_answer_restarts_the_inline_slice(
 
 
 async def test_a_slice_spent_mid_chain_yields_once_and_goes_on_from_that_step(
-    monkeypatch: pytest.MonkeyPatch,
+    elapses_clock: None,
 ) -> None:
     # engine.infer runs an unbatched pipeline's chain of inline steps as plain calls
     # (Pipeline.run_now); when the slice is spent before a later step, it yields and
     # goes on from that step: the steps before it are not run again.
-    import trioinfer._inline
-
-    Elapses.now[0] = 10.0
-    monkeypatch.setattr(trioinfer._inline, "_wall", lambda: Elapses.now[0])
-    monkeypatch.setattr(trioinfer._inline._slice, "start", 10.0)  # fresh
-    monkeypatch.setattr(trioinfer._inline._slice, "granted", False)
     first = model("a", Elapses, parameters={}, backend_options={"dispatch": "inline"})
     async with open_engine() as engine:
         await load(engine, first, inline("b"), inline("c"), chain("a", "b", "c"))

@@ -549,6 +549,24 @@ class _HopingOutputs(_InlineOutputs):
     starts_inline = True
 
 
+def _outputs_registry(make: Any, path: str) -> trioinfer.Registry:
+    """A registry whose backend "fake" answers *make*(inputs), on the execution *path* given.
+
+    "alone" and "dynamic": a worker's execution (the config picks the batcher);
+    "inline": an instance that never suspends; "hoping": one that may end first.
+    """
+    backend: Any = FakeBackend(make)
+    if path in ("inline", "hoping"):
+        kind = _InlineOutputs if path == "inline" else _HopingOutputs
+
+        class Inline:
+            async def load(self, config: ModelConfig, placement: Any) -> _InlineOutputs:
+                return kind(make)
+
+        backend = Inline()
+    return trioinfer.Registry(extra={"backends": {"fake": lambda: backend}})
+
+
 @pytest.mark.parametrize(
     ("make", "said"),
     [
@@ -569,16 +587,7 @@ async def test_a_backend_that_returns_other_outputs_fails_with_a_backend_error(
     """Callers got a mapping without the outputs the signature promised (the server then
     failed with a 500 of its own, or told a client that asked for 'y' that the model has
     no such output, "it has 'y'")."""
-    backend: Any = FakeBackend(make)
-    if path in ("inline", "hoping"):
-        kind = _InlineOutputs if path == "inline" else _HopingOutputs
-
-        class Inline:
-            async def load(self, config: ModelConfig, placement: Any) -> _InlineOutputs:
-                return kind(make)
-
-        backend = Inline()
-    reg = trioinfer.Registry(extra={"backends": {"fake": lambda: backend}})
+    reg = _outputs_registry(make, path)
     with trio.fail_after(10):
         async with open_engine(registry=reg) as engine:
             await engine.load(config(batcher="dynamic" if path == "dynamic" else "none"))
@@ -629,16 +638,7 @@ async def test_a_backend_whose_outputs_do_not_fit_its_signature_fails_with_a_bac
 ) -> None:
     """A float64 answer for FP32 reached clients as FP64 while metadata said FP32; the
     engine checked names only. Every path an execution takes checks the same way."""
-    backend: Any = FakeBackend(make)
-    if path in ("inline", "hoping"):
-        kind = _InlineOutputs if path == "inline" else _HopingOutputs
-
-        class Inline:
-            async def load(self, config: ModelConfig, placement: Any) -> _InlineOutputs:
-                return kind(make)
-
-        backend = Inline()
-    reg = trioinfer.Registry(extra={"backends": {"fake": lambda: backend}})
+    reg = _outputs_registry(make, path)
     with trio.fail_after(10):
         async with open_engine(registry=reg) as engine:
             await engine.load(config(batcher="dynamic" if path == "dynamic" else "none"))
