@@ -1025,6 +1025,17 @@ def repository_index_document(state: ServerState, *, ready_only: bool) -> list[d
             out.append(
                 {"name": entry.name, "version": str(entry.version), "state": "READY", "reason": ""}
             )
+        elif (
+            not ready_only
+            and entry.version is None
+            and (again := state.models.reloadable_versions(entry.name))
+        ):
+            # Configured by a load override alone and unloaded: what a load brings back.
+            reason = state.models.public_message(state.models.error(entry.name) or "unloaded")
+            out.extend(
+                {"name": entry.name, "version": str(v), "state": "UNAVAILABLE", "reason": reason}
+                for v in again
+            )
         elif not ready_only:
             item: dict[str, Any] = {
                 "name": entry.name,
@@ -1050,7 +1061,8 @@ async def _load(request: Request, state: ServerState) -> Response:
         exc.args = (f"failed to load {model!r}: {exc}",)
         raise
     if state.cluster is not None:
-        await state.cluster.load(model, override)
+        # Every worker, and one that restarts later, gets the config itself.
+        await state.cluster.load(model, state.models.effective_override(model, override))
     else:
         await state.models.load(model, override)
     return Response(status_code=200)
