@@ -31,9 +31,9 @@ from click.testing import CliRunner
 from prometheus_client.parser import text_string_to_metric_families
 
 from _triton_config import own_setting
-from test_server_repository import CHAIN, chain_request
 from test_sequence import CONFIG_TOML as ACCUMULATOR_CONFIG
 from test_sequence import MODEL_PY as ACCUMULATOR_MODEL
+from test_server_repository import CHAIN, chain_request
 from trioinfer import ConfigError, ModelNotFound, TrioInferError, example_repository
 from trioinfer.cli import main
 from trioinfer.server import status_for
