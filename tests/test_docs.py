@@ -354,6 +354,29 @@ def test_tutorials_run_as_scripts() -> None:
         assert ast.unparse(tree.body[-1]) == "if __name__ == '__main__':\n    trio.run(main)"
 
 
+def test_the_quickstart_type_checks_strictly(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The first code a reader copies passes mypy --strict against this tree's trioinfer:
+    ModelConfig.path is Path | None (a pipeline has none), and the quickstart reading
+    config.path.parent failed the check (and would crash on a config without a path)."""
+    from mypy import api
+
+    monkeypatch.setenv("MYPYPATH", str(ROOT / "src"))
+    stdout, stderr, status = api.run(
+        [
+            "--strict",
+            "--no-error-summary",
+            "--config-file",
+            str(ROOT / "pyproject.toml"),
+            "--cache-dir",
+            str(tmp_path / "mypy"),
+            str(DOCS / "tutorials" / "quickstart.py"),
+        ]
+    )
+    assert (status, stdout, stderr) == (0, "", "")
+
+
 def snippets(page: Path) -> list[str]:
     return SNIPPET.findall(page.read_text())
 

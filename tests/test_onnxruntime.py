@@ -956,3 +956,168 @@ async def test_inline_runs_read_the_cpu_clock_only_near_the_budget(add_model: Pa
         assert instance.dispatch == "thread"  # the run after the near one decides
     finally:
         await instance.aclose()
+
+
+# -- whether a graph proves its outputs (checks_outputs) -----------------------------
+
+
+def _write_reshape(path: Path, *, declared: list[Any], inferable: bool) -> Path:
+    """x float32[N, 4] reshaped to [N, 4], the output declared *declared*.
+
+    Inferable: the target shape is a constant, which ONNX's shape inference reads;
+    else it is Shape(x), which inference (without data propagation) leaves open.
+    """
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 4])
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, declared)
+    if inferable:
+        nodes = [helper.make_node("Reshape", ["x", "s"], ["y"])]
+        initializers = [numpy_helper.from_array(np.array([0, 4], np.int64), "s")]
+    else:
+        nodes = [
+            helper.make_node("Shape", ["x"], ["s"]),
+            helper.make_node("Reshape", ["x", "s"], ["y"]),
+        ]
+        initializers = []
+    graph = helper.make_graph(nodes, "reshape", [x], [y], initializers)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=9)
+    onnx.save(model, path)
+    return path
+
+
+def test_onnx_runtime_does_not_hold_answers_to_a_graphs_declared_output_shape(
+    model_dir: Path,
+) -> None:
+    """The premise: a graph declaring y float32[N, 3] that computes [N, 4] runs, and
+    the session reports the declared [N, 3] (ONNX Runtime only logs a warning)."""
+    import onnxruntime
+
+    path = _write_reshape(model_dir / "lies.onnx", declared=["N", 3], inferable=False)
+    options = onnxruntime.SessionOptions()
+    options.log_severity_level = 3  # its warning of the misfit, not for the test's output
+    session = onnxruntime.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+    assert session.get_outputs()[0].shape == ["N", 3]
+    (y,) = session.run(None, {"x": np.zeros((2, 4), np.float32)})
+    assert y.shape == (2, 4)
+
+
+async def test_the_digits_graph_proves_its_outputs_so_the_engine_checks_names_and_rows() -> None:
+    """The hot path: the bundled model's outputs are derived by shape inference, so its
+    instances say checks_outputs and the engine's check is the cheap one."""
+    config = ModelConfig.from_toml(trioinfer.example_repository() / "digits" / "config.toml")
+    async with open_engine() as engine:
+        await engine.load(config)
+        runner = engine._runners["digits"]
+        assert [r._backend_instance.checks_outputs for r in runner.replicas] == [True]
+        assert runner._output_check is not None
+        assert runner._output_check.full is False
+        images, _ = trioinfer.digits_samples()
+        out = await engine.infer("digits", {"input": images[:4]})
+    assert out["probabilities"].shape == (4, 10)
+
+
+async def test_a_graph_whose_declared_shape_lies_gets_the_full_check_and_a_refused_answer(
+    model_dir: Path,
+) -> None:
+    """A graph declaring y [N, 3] that computes [N, 4], which shape inference cannot
+    prove: the engine checks each answer, and this one fails (a 500), not reaching a
+    client that metadata told [-1, 3]."""
+    path = _write_reshape(model_dir / "lies.onnx", declared=["N", 3], inferable=False)
+    async with open_engine() as engine:
+        info = await engine.load(
+            ModelConfig(name="lies", path=path, backend_options={"log_severity": 4})
+        )
+        assert info.signature.outputs[0].shape == ("N", 3)
+        runner = engine._runners["lies"]
+        assert [r._backend_instance.checks_outputs for r in runner.replicas] == [False]
+        assert runner._output_check is not None
+        assert runner._output_check.full is True
+        with pytest.raises(
+            trioinfer.BackendError,
+            match=r"output 'y' with shape \[2, 4\]; its signature declares float32\[N, 3\]",
+        ):
+            await engine.infer("lies", {"x": np.zeros((2, 4), np.float32)})
+
+
+async def test_a_graph_declared_like_its_inference_says_checks_outputs(model_dir: Path) -> None:
+    """The same Reshape to a constant shape, declared [N, 4]: proved, the cheap check.
+    Declared [N, 3] against the constant, ONNX Runtime itself reports [N, ?] (its
+    lenient merge), which the answer fits: proved too, and clients are told -1."""
+    for declared, shape in ((["N", 4], ("N", 4)), (["N", 3], ("N", None))):
+        path = _write_reshape(model_dir / "const.onnx", declared=declared, inferable=True)
+        instance = await OnnxRuntimeBackend().load(
+            ModelConfig(name="c", path=path, backend_options={"log_severity": 4}),
+            Placement(Device("cpu"), 0),
+        )
+        try:
+            assert instance.signature.outputs[0].shape == shape
+            assert instance.checks_outputs is True
+        finally:
+            await instance.aclose()
+
+
+def test_why_a_graph_does_not_prove_its_outputs(
+    model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each reason the proof gives: a size inference leaves open; one it computes
+    otherwise (a contradiction, warned of at load); no onnx package; a big file."""
+    from trioinfer_onnxruntime import _proof
+
+    def spec(*shape: Any) -> trioinfer.ModelSignature:
+        x = trioinfer.TensorSpec("x", np.dtype(np.float32), ("N", 4))
+        return trioinfer.ModelSignature((x,), (trioinfer.TensorSpec("y", x.dtype, shape),))
+
+    computed = _write_reshape(model_dir / "computed.onnx", declared=["N", 3], inferable=False)
+    constant = _write_reshape(model_dir / "constant.onnx", declared=["N", 4], inferable=True)
+    open_size = _proof.outputs_unproved(computed, spec("N", 3))
+    assert open_size == _proof.Unproved(
+        "shape inference leaves size 1 of output 'y' open, which the graph declares 3"
+    )
+    assert _proof.outputs_unproved(computed, spec("N", None)) is None
+    assert _proof.outputs_unproved(constant, spec("N", 4)) is None
+    assert _proof.outputs_unproved(constant, spec("N", 3)) == _proof.Unproved(
+        "the graph declares output 'y' float32[N, 3], but its operators compute [N, 4]", True
+    )
+    assert _proof.outputs_unproved(constant, spec("N", 4, 1)) == _proof.Unproved(
+        "the graph declares output 'y' float32[N, 4, 1], but its operators compute [N, 4]", True
+    )
+    _proof._proved.clear()
+    monkeypatch.setitem(sys.modules, "onnx", None)
+    unproved = _proof.outputs_unproved(constant, spec("N", 4))
+    assert unproved is not None
+    assert "the onnx package" in unproved.reason
+    monkeypatch.undo()
+    _proof._proved.clear()
+    monkeypatch.setattr(_proof, "PROOF_MAX_BYTES", 10)
+    unproved = _proof.outputs_unproved(constant, spec("N", 4))
+    assert unproved is not None
+    assert "over the 0 MiB parsed" in unproved.reason
+    _proof._proved.clear()
+
+
+async def test_a_graph_that_contradicts_its_declaration_is_warned_of_at_load(
+    model_dir: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """ONNX Runtime's inference and ONNX's may differ; where ONNX's computes a size other
+    than the session reports, the operator is told at load, naming the model."""
+    from trioinfer_onnxruntime import _proof
+
+    path = _write_reshape(model_dir / "computed.onnx", declared=["N", 3], inferable=False)
+    monkeypatch.setattr(
+        _backend,
+        "outputs_unproved",
+        lambda path, signature: _proof.Unproved("the graph declares ... [N, 4]", True),
+    )
+    caplog.set_level(logging.WARNING, "trioinfer.onnxruntime")
+    instance = await OnnxRuntimeBackend().load(
+        ModelConfig(name="c", path=path, backend_options={"log_severity": 4}),
+        Placement(Device("cpu"), 0),
+    )
+    await instance.aclose()
+    assert instance.checks_outputs is False
+    assert [r.getMessage() for r in caplog.records] == [
+        "model 'c' instance 0: its graph does not prove its outputs' shapes (the graph declares "
+        "... [N, 4]); the engine checks each answer against the declared signature"
+    ]

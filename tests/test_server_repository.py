@@ -955,6 +955,80 @@ async def test_pipelines_follow_their_step_models_versions_and_load_in_order(
     assert [e["version"] for e in index if e["name"] == "digits" and e["state"] == "READY"] == ["2"]
 
 
+#: A Triton ensemble over the bundled digits model, given whole by a load override (no
+#: config file: its directory holds only an empty 1/, as Triton loads one).
+CHAIN: dict[str, Any] = {
+    "name": "chain",
+    "platform": "ensemble",
+    "max_batch_size": 8,
+    "input": [{"name": "IN", "data_type": "TYPE_FP32", "dims": [64]}],
+    "output": [{"name": "LABEL", "data_type": "TYPE_INT64", "dims": []}],
+    "ensemble_scheduling": {
+        "step": [
+            {
+                "model_name": "digits",
+                "model_version": -1,
+                "input_map": {"input": "IN"},
+                "output_map": {"label": "LABEL"},
+            }
+        ]
+    },
+}
+
+
+def chain_request(rows: int = 2) -> dict[str, Any]:
+    """An infer request body for CHAIN: the first *rows* held-out digits."""
+    images, _ = trioinfer.digits_samples()
+    data = images[:rows].ravel().tolist()
+    return {"inputs": [{"name": "IN", "shape": [rows, 64], "datatype": "FP32", "data": data}]}
+
+
+@pytest.mark.pipeline
+async def test_a_pipeline_a_load_override_configures_loads_again_without_it(
+    tmp_path: Path,
+) -> None:
+    """Its override is its only config: a load without one (a reload, or a load after an
+    unload) reuses it, the index lists it unloaded with its version, and after a restart,
+    which forgets it, a load without it says so."""
+    repo = tmp_path / "repo"
+    shutil.copytree(example_repository() / "digits", repo / "digits")
+    (repo / "chain" / "1").mkdir(parents=True)
+    load = {"parameters": {"config": CHAIN}}
+    _, labels = trioinfer.digits_samples()
+    async with trio.open_nursery() as nursery:
+        listening = await start_serving(nursery, repo)
+        async with httpx.AsyncClient(base_url=listening.urls[0]) as client:
+            assert (await client.post("/v2/repository/models/chain/load", json=load)).is_success
+            config = (await client.get("/v2/models/chain/config")).json()
+            reloaded = await client.post("/v2/repository/models/chain/load")
+            again = (await client.get("/v2/models/chain/config")).json()
+            assert (await client.post("/v2/repository/models/chain/unload")).is_success
+            index = (await client.post("/v2/repository/index")).json()
+            after_unload = await client.post("/v2/repository/models/chain/load")
+            answer = await client.post("/v2/models/chain/infer", json=chain_request())
+        nursery.cancel_scope.cancel()
+    assert reloaded.status_code == 200, reloaded.text
+    assert again == config
+    assert [row for row in index if row["name"] == "chain"] == [
+        {"name": "chain", "version": "1", "state": "UNAVAILABLE", "reason": "unloaded"}
+    ]
+    assert after_unload.status_code == 200, after_unload.text
+    assert answer.json()["outputs"][0]["data"] == labels[:2].tolist()
+    # A restart: the server knows no config of it, and says what to do.
+    async with trio.open_nursery() as nursery:
+        listening = await start_serving(nursery, repo)
+        async with httpx.AsyncClient(base_url=listening.urls[0]) as client:
+            restarted = await client.post("/v2/repository/models/chain/load")
+        nursery.cancel_scope.cancel()
+    assert restarted.status_code == 400
+    assert restarted.json()["error"].endswith(
+        "a directory holding only an empty version directory is served with the config a "
+        "load request carries (parameters.config, as Triton loads an ensemble), which the "
+        "server keeps until it stops, not across a restart: load it with its config again, "
+        "or write it as config.toml"
+    )
+
+
 def test_public_names() -> None:
     from trioinfer.server._models import public_names
 

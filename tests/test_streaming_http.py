@@ -424,23 +424,67 @@ async def test_a_grpc_stream_cut_by_the_drain_ends_unavailable(repository: Path)
     assert watched.ended == "Cancelled"
 
 
-def test_a_generate_response_with_lone_surrogates_is_json() -> None:
-    # A model that decodes with errors="surrogateescape" answers a str no UTF-8 (so no
-    # JSON encoder) takes: the response failed to encode (a 500, or a stream cut short).
-    # Its bytes are decoded with replacement, as a bytes element's are.
+def test_a_generate_response_refuses_text_that_is_not_utf8() -> None:
+    """Bytes that are not UTF-8, and a str with lone surrogates (a model's
+    decode(errors="surrogateescape")), are refused naming the element, as a plain-JSON
+    infer response refuses them: they were sent with U+FFFD in their place."""
     import numpy as np
-    import orjson
 
+    from trioinfer.server._codec import RequestError
     from trioinfer.server._generate import encode_generate_response
 
     served: Any = types.SimpleNamespace(model="m", version=1)
     spec = trioinfer.TensorSpec("text", np.dtype(object), (None,))
     signature = trioinfer.ModelSignature(inputs=(), outputs=(spec,))
     escaped = b"caf\xc3\xa9 \xff".decode("utf-8", "surrogateescape")
-    for outputs in (
-        {"text": np.array([escaped], dtype=object)},
-        {"text": np.array([escaped, "ok"], dtype=object)},
+    for outputs, index in (
+        ({"text": np.array([escaped], dtype=object)}, 0),
+        ({"text": np.array(["ok", escaped], dtype=object)}, 1),
+        ({"text": np.array([b"ok", b"\xff"], dtype=object)}, 1),
+        ({"text": np.array([b"\xc3"], dtype=object)}, 0),
     ):
-        answer = orjson.loads(orjson.dumps(encode_generate_response(served, outputs, signature)))
-        texts = answer["text"] if isinstance(answer["text"], list) else [answer["text"]]
-        assert texts[0] == "caf\u00e9 \ufffd"
+        with pytest.raises(
+            RequestError, match=rf"output 'text' holds bytes that are not UTF-8 \(element {index} "
+        ):
+            encode_generate_response(served, outputs, signature)
+    ok = {"text": np.array([b"caf\xc3\xa9", "\u00e9"], dtype=object)}
+    assert encode_generate_response(served, ok, signature)["text"] == ["caf\u00e9", "\u00e9"]
+
+
+BYTES_MODEL = """
+import numpy as np
+
+
+class Model:
+    async def infer(self, inputs):
+        for text in (b"ok", b"caf\\xc3\\xa9", b"\\xff"):
+            if int(inputs["n"][0]) == 0:
+                text = b"\\xff"
+            yield {"s": np.array([text], dtype=object)}
+"""
+
+
+async def test_generate_refuses_a_bytes_output_that_is_not_utf8(repository: Path) -> None:
+    """/generate answers 400 saying why; /generate_stream sends the good responses, then
+    an error event for the one it cannot send unaltered (and a 400 when it is the first)."""
+    (repository / "texts" / "1").mkdir(parents=True)
+    (repository / "texts" / "1" / "model.py").write_text(BYTES_MODEL)
+    (repository / "texts" / "config.toml").write_text(
+        'backend = "python"\n[backend_options]\ndecoupled = true\n'
+        'inputs = [{ name = "n", dtype = "int32", shape = [1] }]\n'
+        'outputs = [{ name = "s", dtype = "BYTES", shape = [1] }]\n'
+    )
+    async with serving(repository) as client:
+        one = await client.post("/v2/models/texts/generate", json={"n": 0})
+        first = await client.post("/v2/models/texts/generate_stream", json={"n": 0})
+        stream = await client.post("/v2/models/texts/generate_stream", json={"n": 1})
+    expected = "output 's' holds bytes that are not UTF-8 (element 0 of the flattened output)"
+    assert one.status_code == 400
+    assert one.json()["error"].startswith(expected)
+    assert first.status_code == 400
+    assert first.json()["error"].startswith(expected)
+    *responses, error = events(stream.text)
+    assert [r["s"] for r in responses] == ["ok", "caf\u00e9"]
+    assert list(error) == ["error"]
+    assert error["error"].startswith(expected)
+    assert "binary_data_output" in error["error"]

@@ -33,6 +33,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from _triton_config import own_setting
 from test_sequence import CONFIG_TOML as ACCUMULATOR_CONFIG
 from test_sequence import MODEL_PY as ACCUMULATOR_MODEL
+from test_server_repository import CHAIN, chain_request
 from trioinfer import ConfigError, ModelNotFound, TrioInferError, example_repository
 from trioinfer.cli import main
 from trioinfer.server import status_for
@@ -84,6 +85,7 @@ DIGIT += [10, 12, 0, 0, 0, 0, 6, 13, 10, 0, 0, 0]
 def repository(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("repository")
     shutil.copytree(example_repository() / "digits", root / "digits")
+    (root / "chain" / "1").mkdir(parents=True)  # a pipeline a load override configures
     (root / "slow" / "1").mkdir(parents=True)
     (root / "slow" / "config.toml").write_text(SLOW_CONFIG)
     (root / "slow" / "1" / "model.py").write_text(SLOW_MODEL)
@@ -295,6 +297,15 @@ def test_load_and_unload_reach_every_worker(served: Served) -> None:
     assert response.status_code == 404
     for _ in range(12):
         assert infer_digit(url).status_code == 200
+    # A pipeline that a load override configures whole, loaded again without it: every
+    # worker reloads it with its config (and one that restarts, below, loads it too).
+    chain = {"parameters": {"config": CHAIN}}
+    response = fresh("POST", f"{url}/v2/repository/models/chain/load", json=chain)
+    assert response.status_code == 200, response.text
+    response = fresh("POST", f"{url}/v2/repository/models/chain/load")
+    assert response.status_code == 200, response.text
+    for _ in range(12):
+        assert fresh("POST", f"{url}/v2/models/chain/infer", json=chain_request()).is_success
 
 
 def test_log_settings_reach_every_worker(served: Served) -> None:
@@ -363,6 +374,7 @@ def test_a_killed_worker_is_restarted_and_its_requests_fail_cleanly(served: Serv
     assert "worker 1 trioinfer.server INFO reloaded model 'digits'" not in after
     for _ in range(12):
         assert infer_digit(url).status_code == 200
+        assert fresh("POST", f"{url}/v2/models/chain/infer", json=chain_request()).is_success
         # The restarted worker took the changes made before it started.
         config = fresh("GET", f"{url}/v2/models/digits/config").json()
         assert own_setting(config, "max_queue_size") == 7

@@ -30,7 +30,10 @@ async def main() -> None:
     #    queue, worker and session until the block ends.
     async with trioinfer.open_engine() as engine:
         info = await engine.load(config)
-        print(f"loaded {info.name!r} (version {config.path.parent.name}) on {list(info.devices)}")
+        # from_toml chose the newest version directory; its model file lies in it. (A
+        # config built in Python may have no path: a pipeline reads no file.)
+        version = config.path.parent.name if config.path is not None else "none"
+        print(f"loaded {info.name!r} (version {version}) on {list(info.devices)}")
         for spec in info.signature.inputs + info.signature.outputs:
             print(f"  {spec.name}: {spec.describe()}")
 

@@ -8,6 +8,7 @@ asked, and hands back an `OnnxRuntimeInstance`.
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import Any, final
 
@@ -17,7 +18,8 @@ from trioinfer.lowlevel import Placement, WorkerThread
 from ._device import _providers, probe_device
 from ._instance import OnnxRuntimeInstance, _compute_clock
 from ._options import _OPT_LEVELS, _check_options
-from ._ort import _one_line, _ort, log, missing_ort
+from ._ort import _one_line, _ort, _signature, log, missing_ort
+from ._proof import outputs_unproved
 from ._tuning import _mtime, _tune, _tuned
 
 
@@ -73,6 +75,7 @@ class OnnxRuntimeBackend:
                 sizes = options["tune_batch_sizes"]
                 rates = _tuned.get(key) or await _tune(worker, session, label, sizes, clock)
                 _tuned[key] = rates
+            unproved = await worker.run_sync(outputs_unproved, path, _signature(session))
         except BaseException:
             await worker.aclose()
             raise
@@ -86,7 +89,18 @@ class OnnxRuntimeBackend:
             options["pipeline_depth"],
             threads,
             rates,
+            checks_outputs=unproved is None,
         )
+        if unproved is not None and placement.index == 0:
+            # A graph at odds with its own declaration answers what its metadata does not
+            # say: each such answer fails (BackendError), which the operator should know of.
+            log.log(
+                logging.WARNING if unproved.contradicts else logging.DEBUG,
+                "%s: its graph does not prove its outputs' shapes (%s); the engine checks "
+                "each answer against the declared signature",
+                label,
+                unproved.reason,
+            )
         if rates:
             log.info(
                 "%s: rows/s by batch size: %s; preferred batch size %d",

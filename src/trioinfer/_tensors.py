@@ -717,8 +717,17 @@ class OutputCheck:
     def for_instances(
         model: str, signature: ModelSignature, instances: Sequence[object]
     ) -> OutputCheck:
-        """The check for a model served by *instances*: less where each checks its own."""
-        if instances and all(getattr(i, "checks_outputs", False) is True for i in instances):
+        """The check for a model served by *instances*: less where each checks its own.
+
+        Less only where every instance says ``checks_outputs = True`` of the very
+        signature checked here (its own ``signature``): an instance vouches for the
+        outputs it declares, not for a signature that fixes more than those.
+        """
+        if instances and all(
+            getattr(i, "checks_outputs", False) is True
+            and getattr(i, "signature", None) == signature
+            for i in instances
+        ):
             return _NamesAndRows(model, signature)
         return OutputCheck(model, signature)
 

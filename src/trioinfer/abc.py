@@ -575,9 +575,11 @@ class BackendInstance(Protocol):
         ``BackendError`` naming the instance, the output, what came and what
         was declared (a 500 over HTTP). Nothing is converted: a client is
         told the declared dtype, so it must get that one. An instance whose
-        answers fit by construction or by its own check (ONNX Runtime's,
-        typed and shaped by the graph; the Python backend's, which checks
-        each) may say ``checks_outputs = True`` (an attribute, read at load):
+        answers fit its ``signature`` by construction or by its own check (the
+        Python backend's, which checks each; ONNX Runtime's where ONNX shape
+        inference derives every declared rank and fixed size, as the runtime
+        itself holds answers to the graph's types but not to its declared
+        shapes) may say ``checks_outputs = True`` (an attribute, read at load):
         the engine then checks only the names and, batched, the rows.
 
         For a batched model (``signature.batched``), every output must have

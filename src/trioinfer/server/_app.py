@@ -579,7 +579,7 @@ def model_config_document(state: ServerState, served: ServedVersion) -> dict[str
         runner = state.models.engine._runners.get(served.engine_name)
         full = getattr(runner, "backend_signature", None)  # with the control and state inputs
         body["sequence_batching"] = _sequence_batching(config.sequence, full, skip)
-        own["sequence"] = _sequence_table(config.sequence)
+        own["sequence"] = _sequence_table(config.sequence, full)
     elif max_batch > 0 and not pipeline:
         # (An ensemble's scheduling is its ensemble_scheduling: one of the three.)
         delay = batching.get("max_queue_delay")
@@ -719,15 +719,42 @@ def _control(kind: str, spec: TensorSpec | None, skip: int) -> dict[str, Any]:
     return control
 
 
-def _sequence_table(sequence: SequenceConfig) -> dict[str, Any]:
-    """A ``[sequence]`` table as ``config.toml`` writes it."""
+def _sequence_table(sequence: SequenceConfig, signature: ModelSignature | None) -> dict[str, Any]:
+    """A ``[sequence]`` table as ``config.toml`` writes it.
+
+    A state's ``shape`` shows only where it is not the one the model's input
+    gives it (*signature*: the model's, with the inputs the batcher fills):
+    ``sequence_batching`` says that one as the state's ``dims``, which a load
+    override reads back as a ``shape``, and the answer to the loaded copy must
+    be this one again, not this one with a ``shape`` added.
+    """
     table = attrs.asdict(sequence)
     table["control"] = dict(sequence.control)
     table["state"] = [
-        {k: list(v) if isinstance(v, tuple) else v for k, v in state.items() if v is not None}
+        {
+            k: list(v) if isinstance(v, tuple) else v
+            for k, v in state.items()
+            if v is not None
+            and not (k == "shape" and list(v) == _model_state_shape(state, signature))
+        }
         for state in table["state"]
     ]
     return {k: v for k, v in table.items() if v is not None}
+
+
+def _model_state_shape(
+    state: Mapping[str, Any], signature: ModelSignature | None
+) -> list[int] | None:
+    """The shape a state without one takes: its input's after the batch dimension, if fixed."""
+    spec = (
+        next((t for t in signature.inputs if t.name == state["input"]), None) if signature else None
+    )
+    if spec is None or signature is None:
+        return None
+    dims = spec.shape[1 if signature.batched else 0 :]
+    if not all(isinstance(d, int) and not isinstance(d, bool) for d in dims):
+        return None
+    return [int(d) for d in dims if d is not None]
 
 
 def _version_policy(policy: VersionPolicy) -> dict[str, Any]:
@@ -998,6 +1025,17 @@ def repository_index_document(state: ServerState, *, ready_only: bool) -> list[d
             out.append(
                 {"name": entry.name, "version": str(entry.version), "state": "READY", "reason": ""}
             )
+        elif (
+            not ready_only
+            and entry.version is None
+            and (again := state.models.reloadable_versions(entry.name))
+        ):
+            # Configured by a load override alone and unloaded: what a load brings back.
+            reason = state.models.public_message(state.models.error(entry.name) or "unloaded")
+            out.extend(
+                {"name": entry.name, "version": str(v), "state": "UNAVAILABLE", "reason": reason}
+                for v in again
+            )
         elif not ready_only:
             item: dict[str, Any] = {
                 "name": entry.name,
@@ -1023,7 +1061,8 @@ async def _load(request: Request, state: ServerState) -> Response:
         exc.args = (f"failed to load {model!r}: {exc}",)
         raise
     if state.cluster is not None:
-        await state.cluster.load(model, override)
+        # Every worker, and one that restarts later, gets the config itself.
+        await state.cluster.load(model, state.models.effective_override(model, override))
     else:
         await state.models.load(model, override)
     return Response(status_code=200)

@@ -7,7 +7,9 @@ of 1: ``"WAIT": 5`` is ``[5]``), plus an optional ``parameters`` object
 (``priority``, and ``timeout`` in microseconds, as for ``infer``; others are
 accepted and not used). A response is one JSON object: ``model_name``,
 ``model_version``, and each output by name: a scalar when it holds one
-element, else a nested list.
+element, else a nested list; a ``BYTES`` output as text, and one holding
+bytes that are not UTF-8 is refused (400, or the stream's last event), as a
+plain-JSON ``infer`` response refuses it, never sent altered.
 
 ``/generate`` answers with exactly one response (``application/json``): a
 decoupled model that sends none or more than one is an error (400). A model
@@ -46,7 +48,7 @@ from ._app import (
     schedule_parameters,
     status_for,
 )
-from ._codec import RequestError, dumps, loads_json
+from ._codec import RequestError, _json_text, dumps, loads_json
 from ._errors import ClientLeft, NotReady
 from ._models import ServedVersion
 
@@ -132,7 +134,13 @@ def _tensor(spec: TensorSpec, value: object) -> np.ndarray[Any, Any]:
 def encode_generate_response(
     served: ServedVersion, outputs: Outputs, signature: ModelSignature
 ) -> dict[str, Any]:
-    """One response's JSON object: the model, its version, each output by name."""
+    """One response's JSON object: the model, its version, each output by name.
+
+    Raises:
+        RequestError: A ``BYTES`` output holds bytes that are not UTF-8 (or a str
+            with lone surrogates), which no JSON string carries as they are: refused
+            as a plain-JSON ``infer`` response refuses them, never sent altered.
+    """
     response: dict[str, Any] = {"model_name": served.model, "model_version": str(served.version)}
     for spec in signature.outputs:
         array = outputs[spec.name]
@@ -141,28 +149,35 @@ def encode_generate_response(
             value = value.item() if isinstance(value, np.generic) else value
         else:
             value = array.tolist()
-        response[spec.name] = _text(value)
+        try:
+            response[spec.name] = _text(value)
+        except UnicodeError:
+            raise _not_text(spec.name, array) from None
     return response
 
 
 def _text(value: Any) -> Any:
+    # Bytes as the text they hold; UnicodeError for bytes that are not UTF-8, and for
+    # a str no UTF-8 encodes (lone surrogates, a model's decode(errors="surrogateescape")).
     if isinstance(value, bytes):
-        return value.decode("utf-8", "replace")
+        return value.decode("utf-8")
     if isinstance(value, str) and not value.isascii():
-        try:
-            value.encode("utf-8")
-        except UnicodeEncodeError:
-            # Lone surrogates (a model's decode(errors="surrogateescape")), which no JSON
-            # encoder takes: the bytes they stand for, decoded as a bytes element is.
-            try:
-                raw = value.encode("utf-8", "surrogateescape")
-            except UnicodeEncodeError:  # surrogates that escape no byte
-                raw = value.encode("utf-8", "surrogatepass")
-            return raw.decode("utf-8", "replace")
+        value.encode("utf-8")
         return value
     if isinstance(value, list):
         return [_text(v) for v in value]
     return value
+
+
+def _not_text(name: str, array: np.ndarray[Any, Any]) -> RequestError:
+    items = array.reshape(-1).tolist()
+    index = next(i for i, item in enumerate(items) if not _json_text(item))
+    return RequestError(
+        f"output {name!r} holds bytes that are not UTF-8 (element {index} of the flattened "
+        "output), which a generate response (JSON text) cannot carry unaltered; POST "
+        ".../infer asking for it as binary data (binary_data_output = true, Triton's binary "
+        "tensor extension), or gRPC, sends it as it is"
+    )
 
 
 def _timeout_text(timeout: float | None) -> str:

@@ -143,6 +143,11 @@ class ServedModels:
     rng: random.Random = attrs.field(factory=random.Random)
     #: This process's place among ``trioinfer serve --workers N``'s: (its index, N), or None.
     worker: tuple[int, int] | None = attrs.field(default=None, kw_only=True)
+    # The override each model configured by a load override alone (an ensemble in a
+    # directory without a config file) was last loaded with: its only config, which a
+    # load without one reuses, after an unload too. Kept in memory only: a restart
+    # forgets it (the docs say so).
+    _own_configs: dict[str, Mapping[str, Any]] = attrs.field(factory=dict, init=False)
 
     def resolve(
         self, model: str, version: str | None = None, *, key: str | None = None
@@ -301,13 +306,46 @@ class ServedModels:
         for name in self._in_dependency_order(needed):
             await self.load(name)
 
+    def effective_override(
+        self, model: str, override: Mapping[str, Any] | None
+    ) -> Mapping[str, Any] | None:
+        """The override a load of *model* with *override* uses.
+
+        *override*, but for a load without one of a model that a load override
+        configures whole (an ensemble in a directory without a config file):
+        the override it was last loaded with, its only config, if this server
+        loaded it before. (Resolved where a load arrives, so that ``--workers``
+        sends every worker, and a worker that restarts, the config itself.)
+        """
+        if override is None and model in self._own_configs:
+            if not self.repository.has_config_file(model):
+                return self._own_configs[model]
+            del self._own_configs[model]  # a config file now: it is the model's config
+        return override
+
+    def reloadable_versions(self, model: str) -> tuple[int, ...]:
+        """The versions a load without an override would serve again (else none).
+
+        Only for a model configured by a load override alone, whose versions the
+        repository cannot list without that override.
+        """
+        override = self.effective_override(model, None)
+        if override is None:
+            return ()
+        try:
+            return self.repository.entry(model, override).selected()
+        except TrioInferError:
+            return ()
+
     async def load(self, model: str, override: Mapping[str, Any] | None = None) -> None:
         """Serve the versions of *model* its version policy selects, as they are on disk now.
 
         Versions not served yet are loaded; served ones whose files (or
         override) changed are loaded anew while the old one keeps serving;
         versions the policy no longer selects are unloaded. Loads of one model
-        are serialised; different models load concurrently.
+        are serialised; different models load concurrently. A model that a
+        load override configures whole is loaded with its last one when
+        *override* is None (`effective_override`).
 
         Raises:
             ConfigError: An invalid name, config or override.
@@ -320,6 +358,7 @@ class ServedModels:
                 f"accepts at most {MAX_MODEL_NAME}"
             )
         async with self._lock(model):
+            override = self.effective_override(model, override)
             try:
                 await self._load(model, override)
             except TrioInferError as exc:
@@ -437,6 +476,8 @@ class ServedModels:
                     ", ".join(info.devices),
                     model,
                 )
+        if entry.from_override and override is not None:
+            self._own_configs[model] = override
         # The new split takes effect once every version it names serves, and before
         # any version it no longer names is unloaded (after its requests drain).
         self._set_traffic(model, traffic)

@@ -317,6 +317,7 @@ class ModelEntry:
                 f"model {self.name!r} has no version to serve: "
                 f"expected {self.name}/<N>/{self.model_file} with N a positive integer"
                 f"{model_file_hint(self.settings.get('backend', 'onnxruntime'))}{ignored}"
+                f"{self._override_only_hint()}"
             )
         missing = [v for v in self.policy.versions if v not in self.versions]
         if missing:
@@ -326,6 +327,27 @@ class ModelEntry:
                 f"{', '.join(map(str, self.versions))}"
             )
         return self.policy.select(self.versions)
+
+    def _override_only_hint(self) -> str:
+        # No config file and an empty version directory: Triton's layout for an ensemble
+        # loaded with its config in the request, which the server forgets at a restart.
+        if _lexists(self.directory / _CONFIG_FILE) or _lexists(self.directory / _TRITON_FILE):
+            return ""
+        try:
+            empty = any(
+                child.name.isdigit() and _is_dir(child) and not any(child.iterdir())
+                for child in self.directory.iterdir()
+            )
+        except OSError:
+            return ""
+        if not empty:
+            return ""
+        return (
+            "; a directory holding only an empty version directory is served with the "
+            "config a load request carries (parameters.config, as Triton loads an "
+            "ensemble), which the server keeps until it stops, not across a restart: load "
+            "it with its config again, or write it as config.toml"
+        )
 
     def config(self, version: int, override: Mapping[str, Any] | None = None) -> ModelConfig:
         """Return the [`ModelConfig`][trioinfer.ModelConfig] to load *version* with.
@@ -760,6 +782,11 @@ class ModelRepository:
         for note in entry.notes:
             self._log_once(f"model {name!r}: {note}")
         return entry
+
+    def has_config_file(self, name: str) -> bool:
+        """Whether model *name*'s directory holds a ``config.toml`` or a ``config.pbtxt``."""
+        directory = self.root / name
+        return _lexists(directory / _CONFIG_FILE) or _lexists(directory / _TRITON_FILE)
 
     def index(self) -> list[IndexEntry]:
         """List every model, and every version of it on disk, for the repository index.

@@ -1,0 +1,123 @@
+"""Whether a graph proves its declared outputs, so that the engine may spare checking them.
+
+ONNX Runtime holds an answer to the graph's declared output *types* (a node
+whose output type differs fails the load), but not to its declared *shapes*:
+a graph may declare ``y`` as ``[N, 3]`` and compute ``[N, 4]`` (a Reshape to a
+computed shape, say), and ONNX Runtime only logs a warning per run
+(``VerifyOutputSizes``) and hands the ``[N, 4]`` answer back. The declared
+shape is what the session reports, and so what metadata tells clients.
+
+So an instance says ``checks_outputs`` only when ONNX's own shape inference,
+run over the graph with the outputs' declared shapes set aside, derives every
+output's rank and every size the signature fixes: then the answer's shape
+follows from the inputs' (which the engine validated) by the operators'
+definitions, whatever the graph declares. Anything else (no ``onnx`` package
+here, a file too big to parse twice, an operator inference does not know, a
+size inference leaves open or computes otherwise) leaves the engine's full
+check on, which costs an execution about a microsecond.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Final, NamedTuple
+
+from trioinfer import ModelSignature
+
+#: Model files bigger than this are not parsed a second time to prove their
+#: outputs: their executions are long enough that the engine's check is noise,
+#: and the parse would hold a second copy of the weights.
+PROOF_MAX_BYTES: Final = 64 << 20
+
+
+class Unproved(NamedTuple):
+    """Why a graph does not prove its outputs."""
+
+    #: What is missing, to follow "outputs not proved: " in a log line.
+    reason: str
+    #: Whether inference computes a rank or size other than the declared one: a
+    #: graph whose answers will not fit its own declaration.
+    contradicts: bool = False
+
+
+# What _unproved said per (path, mtime, signature): every instance of a model
+# asks the same question.
+_proved: dict[tuple[str, float, ModelSignature], Unproved | None] = {}
+
+
+def outputs_unproved(path: Path, signature: ModelSignature) -> Unproved | None:
+    """Why the graph at *path* does not prove *signature*'s outputs, or None when it does.
+
+    Blocking (it parses the file): call it off the event loop.
+    """
+    try:
+        mtime = os.stat(path).st_mtime
+    except OSError as exc:
+        return Unproved(f"its file cannot be read again ({exc})")
+    key = (str(path), mtime, signature)
+    if key not in _proved:
+        _proved[key] = _unproved(path, signature)
+    return _proved[key]
+
+
+def _unproved(path: Path, signature: ModelSignature) -> Unproved | None:
+    try:
+        import onnx
+        import onnx.shape_inference
+    except ImportError:
+        return Unproved("the onnx package, which infers the graph's shapes, is not installed here")
+    file_size = os.stat(path).st_size
+    if file_size > PROOF_MAX_BYTES:
+        return Unproved(
+            f"its file is {file_size >> 20} MiB, over the {PROOF_MAX_BYTES >> 20} MiB "
+            "parsed to prove them"
+        )
+    try:
+        model = onnx.load(str(path), load_external_data=False)
+        declared = {output.name: output.type for output in model.graph.output}
+        for output in model.graph.output:
+            output.type.tensor_type.ClearField("shape")
+        inferred_model = onnx.shape_inference.infer_shapes(model, strict_mode=False)
+    except Exception as exc:  # an operator or file onnx cannot read: nothing proved
+        return Unproved(f"ONNX shape inference failed on the graph ({type(exc).__name__}: {exc})")
+    inferred = {output.name: output.type for output in inferred_model.graph.output}
+    for spec in signature.outputs:
+        got = inferred.get(spec.name)
+        want = declared.get(spec.name)
+        if got is None or want is None or not got.HasField("tensor_type"):
+            return Unproved(f"shape inference says nothing of output {spec.name!r}")
+        tensor = got.tensor_type
+        if tensor.elem_type != want.tensor_type.elem_type:
+            return Unproved(
+                f"shape inference types output {spec.name!r} otherwise than its declaration", True
+            )
+        if not tensor.HasField("shape"):
+            return Unproved(f"shape inference leaves the rank of output {spec.name!r} open")
+        dims = [_dim(dim) for dim in tensor.shape.dim]
+        if len(dims) != spec.rank:
+            return _lie(spec.name, spec.describe(), dims)
+        for axis, (fixed, size) in enumerate(zip(spec.shape, dims, strict=True)):
+            if isinstance(fixed, int) and not isinstance(fixed, bool) and fixed >= 0:
+                if not isinstance(size, int):
+                    return Unproved(
+                        f"shape inference leaves size {axis} of output {spec.name!r} open, "
+                        f"which the graph declares {fixed}"
+                    )
+                if size != fixed:
+                    return _lie(spec.name, spec.describe(), dims)
+    return None
+
+
+def _dim(dim: Any) -> int | str | None:
+    if dim.HasField("dim_value"):
+        return int(dim.dim_value)
+    return dim.dim_param or None
+
+
+def _lie(name: str, declared: str, dims: list[int | str | None]) -> Unproved:
+    computed = ", ".join("?" if d is None else str(d) for d in dims)
+    return Unproved(
+        f"the graph declares output {name!r} {declared}, but its operators compute [{computed}]",
+        True,
+    )
