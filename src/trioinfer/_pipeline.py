@@ -270,7 +270,7 @@ class Pipeline:
         at = 0
         try:
             for index, step in self._in_turn:
-                left = self._step_now(index, step, tensors)
+                left = self._step_now(index, step, tensors, deadline=deadline)
                 if left is not None:
                     return Resume(at, tensors, left)
                 at += 1
@@ -380,11 +380,15 @@ class Pipeline:
         step: Step,
         tensors: dict[str, Any],
         yielded: bool = False,
+        deadline: float | None = None,
     ) -> Unfinished | _Later | None:
         # One step run to its end as a plain call, when its model is idle, never
         # suspends and its inline slice is not spent (ModelRunner.run_now): its
         # outputs join *tensors*, and None says so. Else what _step must do:
-        # _LATER (all of it), or an Unfinished to end.
+        # _LATER (all of it), or an Unfinished to end. *deadline*: the caller's
+        # effective deadline, from run_now, which read it with no await since (no
+        # other task has run, so it stands): reading it again per step cost a
+        # walk up the caller's cancel scopes each, a tenth of a step's own work.
         runner = self._step_runner(step.model)
         if runner is None or self._cut:
             return _LATER
@@ -403,7 +407,8 @@ class Pipeline:
         except TrioInferError as exc:
             raise self._step_error(index, step, exc) from exc
         clock = runner.clock
-        deadline = clock.current_effective_deadline()
+        if deadline is None:
+            deadline = clock.current_effective_deadline()
         now = clock.current_time()
         if deadline <= now:
             # A cancelled caller (-inf) or a deadline gone by: _step's way raises it.
