@@ -36,6 +36,7 @@ from test_sequence import MODEL_PY as ACCUMULATOR_MODEL
 from trioinfer import ConfigError, ModelNotFound, TrioInferError, example_repository
 from trioinfer.cli import main
 from trioinfer.server import status_for
+from trioinfer.server._metrics import Counts, VersionCounts, triton_entry
 from trioinfer.server._workers import (
     MetricsLedger,
     StatsLedger,
@@ -626,7 +627,7 @@ async def test_a_change_some_workers_refuse_is_an_error_that_names_them(tmp_path
         async def handle(message: dict[str, Any]) -> dict[str, Any]:
             said[index].append(message)
             if message["op"] == "counts":
-                return _counts(100 + index, 3, [_stats_entry(3, index)])
+                return _counts(100 + index, 3, [_version(3, index)])
             if refuse[index]:
                 return {"error": {"type": "ConfigError", "message": refuse[index]}}
             return {"ok": True}
@@ -663,16 +664,23 @@ async def test_a_change_some_workers_refuse_is_an_error_that_names_them(tmp_path
         # Statistics and metrics: the asker's own counts, and every other member's now.
         for member in supervisor.workers:
             member.process, member.pid = cast(Any, object()), 100 + member.index
-        asked = {"op": "stats", "worker": 1, "only": None, **_counts(101, 2, [_stats_entry(2, 7)])}
+        asked = {"op": "stats", "worker": 1, "only": None, **_counts(101, 2, [_version(2, 7)])}
         reply = await supervisor.handle(asked)
         assert said[0][-1] == {"op": "counts"}
         assert said[1][-1]["op"] == "unload"  # the asker is not asked again
-        assert reply == {"stats": [_stats_entry(5, 7)]}
-        metrics = await supervisor.handle({**asked, "op": "metrics"})
-        assert _value(metrics["metrics"].encode(), "t_requests_total", model="m") == 5
+        assert reply == {"stats": [triton_entry(_version(5, 7))]}
+        metrics = (await supervisor.handle({**asked, "op": "metrics"}))["metrics"].encode()
+        # The workers' counts, rendered by the supervisor as each worker renders its own.
+        success = {"model": "m", "version": "1", "outcome": "success"}
+        assert _value(metrics, "trioinfer_inference_requests_total", **success) == 5
+        assert _value(metrics, "trioinfer_inferences_total", model="m", version="1") == 5
+        assert _value(metrics, "trioinfer_worker_inference_requests_total", worker="0", pid="100")
+        assert _value(
+            metrics, "trioinfer_inference_request_duration_seconds_sum", model="m", version="1"
+        ) == pytest.approx(2.5)
         # A word from a process that is not the worker's now (it died since) is not kept.
         await supervisor.handle({"op": "counts", "worker": 0, **_counts(99, 50, [])})
-        assert supervisor.stats.merged(0) == [_stats_entry(5, 7)]
+        assert supervisor.stats.merged(0) == [triton_entry(_version(5, 7))]
         tg.cancel_scope.cancel()
 
 
@@ -686,7 +694,7 @@ async def test_a_report_taken_before_an_unload_does_not_bring_its_counts_back(
 
     async def handle(message: dict[str, Any]) -> dict[str, Any]:
         assert message["op"] == "unload"
-        return {"ok": True, **_counts(100, 9, [_stats_entry(2, 5, name="other")], taken=8)}
+        return {"ok": True, **_counts(100, 9, [_version(2, 5, name="other")], taken=8)}
 
     async with anyio.create_task_group() as tg:
         await tg.start(_serve_calls, worker_socket(tmp_path, 0), handle)
@@ -694,9 +702,9 @@ async def test_a_report_taken_before_an_unload_does_not_bring_its_counts_back(
         member.member = True
         member.process, member.pid = cast(Any, object()), 100
         assert await supervisor.handle({"op": "unload", "model": "m"}) == {"ok": True}
-        late = _counts(100, 7, [_stats_entry(7, 3), _stats_entry(1, 3, name="other")], taken=7)
+        late = _counts(100, 7, [_version(7, 3), _version(1, 3, name="other")], taken=7)
         await supervisor.handle({"op": "counts", "worker": 0, **late})
-        assert supervisor.stats.merged(0) == [_stats_entry(2, 5, name="other")]
+        assert supervisor.stats.merged(0) == [triton_entry(_version(2, 5, name="other"))]
         tg.cancel_scope.cancel()
 
 
@@ -712,10 +720,40 @@ def _stats_entry(count: int, last: int, name: str = "m", version: str = "1") -> 
     }
 
 
-def _counts(pid: int, requests: int, stats: list[dict[str, Any]], taken: int = 1) -> dict[str, Any]:
+def _version(count: int, last: int, name: str = "m", version: str = "1") -> VersionCounts:
+    """A model version's counts: *count* requests of half a second each, the last at *last*."""
+    histogram = [[1.0], [count, 0], count, count * 0.5]
+    return {
+        "model": name,
+        "version": version,
+        "last_inference": last,
+        "executions": count,
+        "successful_executions": count,
+        "inferences": count,
+        "queued": 0,
+        "in_flight": 0,
+        "succeeded": count,
+        "failed": 0,
+        "replicas": [[0, "cpu", "serving", 0, 0, 0]],
+        "fallbacks": {},
+        "histograms": {
+            name: histogram
+            for name in ("queue_duration", "compute_duration", "request_duration", "batch_size")
+        },
+        "cache": None,
+    }
+
+
+def _counts(
+    pid: int, requests: int, versions: list[VersionCounts], taken: int = 1
+) -> dict[str, Any]:
     """A worker's report of its counts, as `WorkerLink` sends it."""
-    metrics = _exposition(requests, 0, pid).decode()
-    return {"pid": pid, "taken": taken, "requests": requests, "stats": stats, "metrics": metrics}
+    counts: Counts = {
+        "outcomes": [[v["model"], v["version"], "success", v["succeeded"]] for v in versions],
+        "in_flight": 0,
+        "versions": versions,
+    }
+    return {"pid": pid, "taken": taken, "requests": requests, "counts": counts}
 
 
 async def test_a_worker_that_dies_while_serve_stops_is_not_started_again(

@@ -73,6 +73,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from .. import _exceptions
 from .._exceptions import ConfigError, TrioInferError
 from . import _codec
+from ._metrics import exposition_of, triton_entry
 
 if TYPE_CHECKING:
     from ._app import ServerConfig, ServerState
@@ -396,6 +397,19 @@ class StatsLedger:
         return [e for e in merge_stats([live, retired]) if (e["name"], e["version"]) in wanted]
 
 
+def _own_exposition(index: int, pid: int, requests: int) -> bytes:
+    """The family of a worker's own: the requests its process *pid* handled."""
+    family = CounterMetricFamily(
+        "trioinfer_worker_inference_requests",
+        "Inference requests over HTTP each worker process handled, any outcome.",
+        labels=["worker", "pid"],
+    )
+    family.add_metric([str(index), str(pid)], requests)
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(_Fixed([family]))
+    return generate_latest(registry)
+
+
 @final
 class _Fixed:
     def __init__(self, families: list[Metric]) -> None:
@@ -519,27 +533,28 @@ class WorkerLink:
         merged: list[dict[str, Any]] = reply["stats"]
         return merged
 
-    async def merged_metrics(self, local: bytes) -> bytes:
-        """This worker's metrics text (*local*) added to the other workers' (`MetricsLedger`)."""
-        reply = await self._ask({"op": "metrics", "worker": self.index, **self._counts(local)})
+    async def merged_metrics(self) -> bytes:
+        """The server's metrics text: this worker's added to the others' (`MetricsLedger`)."""
+        reply = await self._ask({"op": "metrics", "worker": self.index, **self._counts()})
         merged: str = reply["metrics"]
         return merged.encode()
 
-    def _counts(self, metrics: bytes | None = None) -> dict[str, Any]:
-        """This process's statistics and metrics (*metrics* if just taken), numbered."""
-        from ._app import model_stats
+    def _counts(self) -> dict[str, Any]:
+        """This process's counts (`Metrics.counts`), numbered: the supervisor renders them.
 
+        Plain numbers, neither text nor metric objects: rendering the
+        exposition took 1-3 ms of this worker's event loop, every second it
+        served, and is the supervisor's work now (at a scrape, or when this
+        worker dies), off every worker's loop.
+        """
         state = self._state
         assert state is not None
-        if metrics is None:
-            metrics, _ = state.metrics.exposition()
         self._taken += 1
         return {
             "pid": os.getpid(),
             "taken": self._taken,
             "requests": state.metrics.requests(),
-            "stats": model_stats(state, None, None),
-            "metrics": (metrics + self._own_metrics()).decode(),
+            "counts": state.metrics.counts(),
         }
 
     async def _report_counts(self) -> None:
@@ -574,18 +589,6 @@ class WorkerLink:
             raise TrioInferError(
                 "this worker lost its supervisor (the trioinfer serve process); it is stopping"
             ) from exc
-
-    def _own_metrics(self) -> bytes:
-        assert self._state is not None
-        family = CounterMetricFamily(
-            "trioinfer_worker_inference_requests",
-            "Inference requests over HTTP each worker process handled, any outcome.",
-            labels=["worker", "pid"],
-        )
-        family.add_metric([str(self.index), str(os.getpid())], self._state.metrics.requests())
-        registry = CollectorRegistry(auto_describe=False)
-        registry.register(_Fixed([family]))
-        return generate_latest(registry)
 
     async def _handle(self, message: dict[str, Any]) -> dict[str, Any]:
         from .._trace_settings import update_trace_settings
@@ -894,9 +897,15 @@ class _Supervisor:
             # Sent by a process that has died since (the call crossed its death):
             # what it had reported before is in the totals already, retired.
             return
-        taken = counts["taken"]
-        self.metrics.report(worker.index, worker.pid, counts["metrics"].encode(), taken=taken)
-        self.stats.report(worker.index, worker.pid, counts["stats"], taken=taken)
+        # Rendered here, not in the worker: the text took a worker's event loop
+        # 1-3 ms a report (see WorkerLink._counts).
+        taken, numbers = counts["taken"], counts["counts"]
+        text = exposition_of(numbers) + _own_exposition(
+            worker.index, worker.pid, counts["requests"]
+        )
+        self.metrics.report(worker.index, worker.pid, text, taken=taken)
+        stats = [triton_entry(version) for version in numbers["versions"]]
+        self.stats.report(worker.index, worker.pid, stats, taken=taken)
         log.debug(
             "kept the counts of worker %d (pid %d): %d inference requests",
             worker.index,
