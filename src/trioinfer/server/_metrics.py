@@ -33,7 +33,7 @@ from .._exceptions import (
     ModelNotFound,
     QueueFull,
 )
-from .._runner import Histogram
+from .._runner import BATCH_BUCKETS, DURATION_BUCKETS, Histogram
 from ._errors import NotReady, Unauthorized
 
 if TYPE_CHECKING:
@@ -145,12 +145,10 @@ class Metrics:
                         for r in stats.replicas
                     ],
                     "fallbacks": dict(stats.fallbacks),
-                    # Bounds, counts (one more than bounds), count, sum.
                     "histograms": {
-                        name: _plain(getattr(stats, name))
-                        for name in ("queue_duration", "compute_duration", "request_duration")
-                    }
-                    | {"batch_size": _plain(stats.batch_size)},
+                        name: _plain(getattr(stats, name), bounds)
+                        for name, bounds in _BOUNDS.items()
+                    },
                     "cache": None
                     if cache is None
                     else {
@@ -185,7 +183,8 @@ class VersionCounts(TypedDict):
     #: Each instance: index, device, state, taken out, re-created, failures.
     replicas: list[list[Any]]
     fallbacks: dict[str, int]
-    #: Each histogram by ModelStatistics' attribute: [bounds, counts, count, sum].
+    #: Each histogram by ModelStatistics' attribute: [bounds (None: the usual ones),
+    #: counts (one more than bounds), count, sum].
     histograms: dict[str, list[Any]]
     cache: dict[str, Any] | None
 
@@ -199,8 +198,19 @@ class Counts(TypedDict):
     versions: list[VersionCounts]
 
 
-def _plain(histogram: Histogram) -> list[Any]:
-    return [histogram.bounds, histogram.counts, histogram.count, histogram.sum]
+#: The exported histograms, by ModelStatistics' attribute, and the bounds they have.
+_BOUNDS: Final[dict[str, tuple[float, ...]]] = {
+    "queue_duration": DURATION_BUCKETS,
+    "compute_duration": DURATION_BUCKETS,
+    "request_duration": DURATION_BUCKETS,
+    "batch_size": BATCH_BUCKETS,
+}
+
+
+def _plain(histogram: Histogram, usual: tuple[float, ...]) -> list[Any]:
+    # The usual bounds go as None: a third of a report's bytes, every second.
+    bounds = None if histogram.bounds == usual else histogram.bounds
+    return [bounds, histogram.counts, histogram.count, histogram.sum]
 
 
 def exposition_of(counts: Counts) -> bytes:
@@ -377,6 +387,7 @@ def _families(counts: Counts) -> Iterator[Metric]:
             fallbacks.add_metric([*labels, kind], n)
         for attribute, family in histograms.items():
             bounds, bucket_counts, count, total = stats["histograms"][attribute]
+            bounds = _BOUNDS[attribute] if bounds is None else bounds
             family.add_metric(labels, _buckets(bounds, bucket_counts, count), total)
         if stats["cache"] is not None:
             for attribute, cache_family in cache.items():

@@ -151,11 +151,16 @@ async def _serve_calls(
     listener = await anyio.create_unix_listener(path)
 
     async def answer(stream: anyio.abc.SocketStream) -> None:
+        # One call after the other until the caller closes: a worker keeps one
+        # connection open for its periodic reports (see WorkerLink._report_counts).
         async with stream:
+            lines = BufferedByteReceiveStream(stream)
             try:
-                line = await BufferedByteReceiveStream(stream).receive_until(b"\n", _MAX_MESSAGE)
-                reply = await handle(json.loads(line))
-                await stream.send(json.dumps(reply).encode() + b"\n")
+                while True:
+                    message = json.loads(await lines.receive_until(b"\n", _MAX_MESSAGE))
+                    reply = await handle(message)
+                    if message.get("reply", True):
+                        await stream.send(json.dumps(reply).encode() + b"\n")
             except (anyio.EndOfStream, anyio.IncompleteRead, anyio.BrokenResourceError):
                 pass  # the caller went away (a worker that died, a client that left)
             except Exception:
@@ -562,20 +567,42 @@ class WorkerLink:
         # killer, a crash in a native library): its last report. Reporting from
         # here, every REPORT_S, keeps the per-request path as it was (no call,
         # lock or syscall per request); the price is what was counted since.
+        # Each report is one line on a connection kept open, with no answer to
+        # wait for: a call of its own (connect, send, receive, close) cost this
+        # loop more than the counts. A line sent reaches the supervisor even if
+        # this process is killed right after (the kernel holds it).
         state = self._state
         assert state is not None
         reported, quiet_s = -1, 0.0
-        while True:
-            await anyio.sleep(REPORT_S)
-            quiet_s += REPORT_S
-            requests = state.metrics.requests()
-            if requests == reported and quiet_s < REPORT_ANYWAY_S:
-                continue
-            try:
-                await self._ask({"op": "counts", "worker": self.index, **self._counts()})
-            except TrioInferError:
-                return  # the supervisor has gone: _watch_supervisor stops this worker
-            reported, quiet_s = requests, 0.0
+        stream: anyio.abc.SocketStream | None = None
+        try:
+            while True:
+                await anyio.sleep(REPORT_S)
+                quiet_s += REPORT_S
+                requests = state.metrics.requests()
+                if requests == reported and quiet_s < REPORT_ANYWAY_S:
+                    continue
+                message = {"op": "counts", "worker": self.index, "reply": False}
+                line = json.dumps({**message, **self._counts()}).encode() + b"\n"
+                for _attempt in range(2):
+                    try:
+                        if stream is None:
+                            stream = await anyio.connect_unix(self._supervisor)
+                        await stream.send(line)
+                        break
+                    except (OSError, anyio.BrokenResourceError, anyio.ClosedResourceError):
+                        # The supervisor closed it (a bug there costs one connection)
+                        # or has gone: a new connection tells which.
+                        if stream is not None:
+                            await stream.aclose()
+                            stream = None
+                else:
+                    return  # the supervisor has gone: _watch_supervisor stops this worker
+                reported, quiet_s = requests, 0.0
+        finally:
+            if stream is not None:
+                with anyio.CancelScope(shield=True):  # closing a Unix socket never waits
+                    await stream.aclose()
 
     async def _change(self, message: dict[str, Any]) -> None:
         reply = await self._ask(message)
