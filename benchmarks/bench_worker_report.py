@@ -6,7 +6,7 @@ supervisor each second it serves (``WorkerLink._report_counts``), so that a
 worker that dies leaves them in the totals. Whatever the report does on the
 worker's event loop, every request arriving meanwhile waits for. This script
 serves the same repository from each source tree given (``--tree``, e.g. main
-exported beside this one), in turn within each repeat (A, B, A, B, ...), with
+exported beside this one), in turn within each repeat (A, B, then B, A, ...), with
 ``--workers 2``, drives it with wrk, and reports:
 
 - ``reports``: the reports the workers sent in the window (both workers);
@@ -120,14 +120,16 @@ if OUT and "TRIOINFER_WORKER_SPEC" in os.environ:
         import sys
         link = getattr(sys.modules.get("__main__"), "WorkerLink", None)
         if link is not None:
-            ask = link._ask
+            # Reports are counted where the counts are taken (WorkerLink._counts, in
+            # every tree so far), from the report task only (a scrape takes them too).
+            take = link._counts
 
-            async def counted(self, message):
-                if message.get("op") == "counts" and mine(trio.lowlevel.current_task()):
+            def counted(self, *args, **kwargs):
+                if mine(trio.lowlevel.current_task()):
                     seen["reports"] += 1
-                return await ask(self, message)
+                return take(self, *args, **kwargs)
 
-            link._ask = counted
+            link._counts = counted
         if backend == "trio":
             options = dict(backend_options or {})
             options["instruments"] = [*options.get("instruments", ()), Probe()]
@@ -251,7 +253,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         body, headers = bench_http.request_body(digits, args.encoding)
         print(HEADER, flush=True)
         for rep in range(1, args.repeat + 1):
-            for name, tree in zip(names, args.tree, strict=True):
+            # A, B, then B, A: a machine that gets busier or quieter during the run
+            # favours no tree.
+            order = list(zip(names, args.tree, strict=True))
+            for name, tree in order if rep % 2 else order[::-1]:
                 row = _window(root, probe, Path(tree), name, rep, args, wrk, digits, body, headers)
                 rows.append(row)
                 print(row.text(), flush=True)

@@ -9,6 +9,7 @@ workers' pids from the banner on stdout. Requests go over fresh connections
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import queue
 import re
@@ -901,3 +902,68 @@ def test_a_sequence_that_reaches_another_worker_says_why_it_is_unknown(tmp_path:
         assert "model 'accumulator' is stateful ([sequence]) and served by 2" in log.read_text()
         process.send_signal(signal.SIGTERM)
         assert process.wait(timeout=WAIT_S) == 0, log.read_text()
+
+
+async def test_a_report_renders_on_the_supervisor_as_the_worker_renders_it(
+    tmp_path: Path,
+) -> None:
+    """A worker's counts, through JSON, give the supervisor its exposition and statistics.
+
+    The supervisor renders what a worker reports (`exposition_of`, `triton_entry`)
+    and adds it up: it must be the text and the statistics the worker itself
+    serves, to the byte, or the sums over live and dead workers are off.
+    """
+    import types
+
+    import numpy as np
+
+    from trioinfer import open_engine
+    from trioinfer.server._app import model_stats
+    from trioinfer.server._metrics import InFlight, Metrics, exposition_of
+    from trioinfer.server._models import ServedModels
+    from trioinfer.server._repository import ModelRepository
+
+    repo = tmp_path / "repo"
+    shutil.copytree(example_repository() / "digits", repo / "digits")
+    toml = repo / "digits" / "config.toml"
+    toml.write_text("response_cache = true\n" + toml.read_text())
+    async with open_engine(drain_period=0, cache_size=1 << 20) as engine:
+        served = ServedModels(engine, ModelRepository(repo))
+        await served.load("digits")
+        metrics = Metrics(served, InFlight())
+        version = served.resolve("digits")
+        rows = np.random.default_rng(0).random((3, 64), dtype=np.float32)
+        for row in (rows[0], rows[1], rows[0]):  # a miss, a miss, a hit
+            await engine.infer(version.engine_name, {"input": row[None]})
+            metrics.succeeded(version)
+        metrics.count("nonesuch", None, ModelNotFound("no"))
+        counts = json.loads(json.dumps(metrics.counts()))
+        assert exposition_of(counts) == metrics.exposition()[0]
+        entries = [triton_entry(v) for v in counts["versions"]]
+        state = cast(Any, types.SimpleNamespace(models=served, metrics=metrics))
+        assert entries == model_stats(state, None, None)
+        assert entries[0]["inference_stats"]["cache_hit"]["count"] == 1
+
+
+async def test_reports_go_as_lines_on_one_connection_without_answers(tmp_path: Path) -> None:
+    # A worker's periodic reports: lines on a connection it keeps open, each handled
+    # in order, none answered; a call on the same connection still gets its answer.
+    from anyio.streams.buffered import BufferedByteReceiveStream
+
+    seen: list[dict[str, Any]] = []
+
+    async def handle(message: dict[str, Any]) -> dict[str, Any]:
+        seen.append(message)
+        return {"ok": len(seen)}
+
+    async with anyio.create_task_group() as tg:
+        await tg.start(_serve_calls, worker_socket(tmp_path, 0), handle)
+        async with await anyio.connect_unix(worker_socket(tmp_path, 0)) as stream:
+            for n in (1, 2):
+                await stream.send(json.dumps({"op": "counts", "n": n, "reply": False}).encode())
+                await stream.send(b"\n")
+            await stream.send(b'{"op": "asked"}\n')
+            line = await BufferedByteReceiveStream(stream).receive_until(b"\n", 1 << 16)
+        assert json.loads(line) == {"ok": 3}
+        assert [m.get("n", m["op"]) for m in seen] == [1, 2, "asked"]
+        tg.cancel_scope.cancel()

@@ -7,6 +7,12 @@ beyond one dictionary increment per HTTP request for its outcome. Names
 follow Triton's (``nv_inference_queue_duration_us`` becomes
 ``trioinfer_inference_queue_duration_seconds``) with Prometheus conventions:
 base units, ``_total`` on counters.
+
+Both the exposition and Triton's statistics are rendered from `Counts`, a
+snapshot in plain numbers (`Metrics.counts`): a ``--workers`` worker reports
+that every second, cheaply, and the supervisor renders it (`exposition_of`,
+`triton_entry`) with the same code one server's routes use, so that the sums
+over the workers are exact.
 """
 
 from __future__ import annotations

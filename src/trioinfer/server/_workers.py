@@ -10,7 +10,8 @@ single server does. It binds the port too, without listening, so that the
 port stays reserved while a worker restarts and port 0 means one port.
 
 They talk over Unix sockets in a private temporary directory the supervisor
-creates and removes (one JSON line each way per call):
+creates and removes (one JSON line each way per call; a worker's periodic
+reports are lines on a connection it keeps open, with no answer):
 
 - repository load and unload (config overrides and traffic splits included):
   the worker that received the request asks the supervisor, which applies it
@@ -33,7 +34,13 @@ creates and removes (one JSON line each way per call):
   gathering, every worker reports its counts every `REPORT_S` when it has
   answered requests since: what a worker counted after its last report (at
   most `REPORT_S`'s worth) is lost with it. Reports are taken by a periodic
-  task, never on the per-request path. prometheus_client's multiprocess mode
+  task, never on the per-request path, and are plain numbers
+  (`Metrics.counts`: the engine's statistics and the HTTP outcome counters)
+  sent as one line on a connection the worker keeps open: the supervisor
+  renders the text and Triton's statistics (`exposition_of`, `triton_entry`,
+  the functions a single server's routes use), so that a report costs a
+  worker's event loop about 0.2 ms where rendering its own exposition took
+  1-3 ms, every second it served. prometheus_client's multiprocess mode
   was not used: it supports only its own metric objects, updated on the hot
   path through memory-mapped files, while trioinfer's metrics are read from
   the engine's statistics at scrape time (its custom collectors cannot run in
@@ -123,7 +130,7 @@ class _Gone(Exception):
     """The other end of a control call is not there (any more)."""
 
 
-# -- the wire: one JSON line each way per connection --------------------------------------
+# -- the wire: one JSON line each way per call --------------------------------------------
 
 
 async def _call(path: Path, message: Mapping[str, Any]) -> dict[str, Any]:
@@ -550,7 +557,10 @@ class WorkerLink:
         Plain numbers, neither text nor metric objects: rendering the
         exposition took 1-3 ms of this worker's event loop, every second it
         served, and is the supervisor's work now (at a scrape, or when this
-        worker dies), off every worker's loop.
+        worker dies), off every worker's loop. Rendering on a thread of this
+        process would not have freed the loop: the thread holds the GIL, and
+        the loop, waking meanwhile, waits for it up to the switch interval
+        (5 ms) at a time.
         """
         state = self._state
         assert state is not None
