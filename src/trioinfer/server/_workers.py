@@ -80,7 +80,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from .. import _exceptions
 from .._exceptions import ConfigError, TrioInferError
 from . import _codec
-from ._metrics import exposition_of, triton_entry
+from ._metrics import Counts, exposition_of, triton_entry
 
 if TYPE_CHECKING:
     from ._app import ServerConfig, ServerState
@@ -328,22 +328,27 @@ class MetricsLedger:
     (when it has answered requests since) and at every scrape; `merged` adds up
     the latest of each live worker (a worker that did not answer counts as it
     last did) and what dead ones left, so that the server's counters never go
-    down when a worker is slow, dies or restarts.
+    down when a worker is slow, dies or restarts. A report may come as the
+    function that renders it: it runs only if the text is needed (at a scrape,
+    or when the worker dies), once, and a report replaced first never renders.
     """
 
     def __init__(self) -> None:
-        self._latest = _Latest[bytes]()
+        self._latest = _Latest[Callable[[], bytes]]()
         self._retired = b""
 
-    def report(self, index: int, pid: int, text: bytes, *, taken: int = 0) -> None:
-        """Worker *index* (process *pid*) reported *text*, its *taken*-th snapshot."""
-        self._latest.report(index, pid, text, taken)
+    def report(
+        self, index: int, pid: int, text: bytes | Callable[[], bytes], *, taken: int = 0
+    ) -> None:
+        """Worker *index* (process *pid*) reported *text* (or what renders it), its *taken*-th."""
+        render = functools.cache(text) if callable(text) else functools.partial(bytes, text)
+        self._latest.report(index, pid, render, taken)
 
     def retire(self, index: int, pid: int) -> None:
         """Worker *index*'s process *pid* ended: its counts stay, its gauges go."""
         last = self._latest.pop(index, pid)
         if last is not None:
-            self._retired = merge_expositions([self._retired, _counts_only(last)])
+            self._retired = merge_expositions([self._retired, _counts_only(last())])
 
     def forget(self, model: str) -> None:
         """*model* was unloaded: the dead workers' counts of it go.
@@ -357,7 +362,7 @@ class MetricsLedger:
 
     def merged(self, first: int) -> bytes:
         """The server's exposition, worker *first*'s families in front."""
-        return merge_expositions([*self._latest.ordered(first), self._retired])
+        return merge_expositions([*(text() for text in self._latest.ordered(first)), self._retired])
 
 
 @final
@@ -407,6 +412,11 @@ class StatsLedger:
         wanted = served if only is None else served & set(only)
         retired = [e for e in self._retired if (e["name"], e["version"]) in wanted]
         return [e for e in merge_stats([live, retired]) if (e["name"], e["version"]) in wanted]
+
+
+def _exposition(counts: Counts, index: int, pid: int, requests: int) -> bytes:
+    """Worker *index*'s exposition, from the *counts* its process *pid* reported."""
+    return exposition_of(counts) + _own_exposition(index, pid, requests)
 
 
 def _own_exposition(index: int, pid: int, requests: int) -> bytes:
@@ -934,12 +944,11 @@ class _Supervisor:
             # Sent by a process that has died since (the call crossed its death):
             # what it had reported before is in the totals already, retired.
             return
-        # Rendered here, not in the worker: the text took a worker's event loop
-        # 1-3 ms a report (see WorkerLink._counts).
+        # Rendered here, not in the worker (the text took a worker's event loop 1-3
+        # ms a report, see WorkerLink._counts), and only when needed: most reports
+        # are replaced by the next before any scrape or death needs them.
         taken, numbers = counts["taken"], counts["counts"]
-        text = exposition_of(numbers) + _own_exposition(
-            worker.index, worker.pid, counts["requests"]
-        )
+        text = functools.partial(_exposition, numbers, worker.index, worker.pid, counts["requests"])
         self.metrics.report(worker.index, worker.pid, text, taken=taken)
         stats = [triton_entry(version) for version in numbers["versions"]]
         self.stats.report(worker.index, worker.pid, stats, taken=taken)
