@@ -72,6 +72,7 @@ from typing import TYPE_CHECKING, Any, Final, Generic, TypeVar, final
 import anyio
 import anyio.abc
 import attrs
+import orjson
 from anyio.streams.buffered import BufferedByteReceiveStream
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, Metric
@@ -603,7 +604,8 @@ class WorkerLink:
                 if requests == reported and quiet_s < REPORT_ANYWAY_S:
                     continue
                 message = {"op": "counts", "worker": self.index, "reply": False}
-                line = json.dumps({**message, **self._counts()}).encode() + b"\n"
+                # orjson: a fifth of json's time for the same line (4 models: 30 us).
+                line = orjson.dumps({**message, **self._counts()}) + b"\n"
                 for _attempt in range(2):
                     try:
                         if stream is None:
