@@ -39,8 +39,8 @@ reports are lines on a connection it keeps open, with no answer):
   sent as one line on a connection the worker keeps open: the supervisor
   renders the text and Triton's statistics (`exposition_of`, `triton_entry`,
   the functions a single server's routes use), so that a report costs a
-  worker's event loop about 0.2 ms where rendering its own exposition took
-  1-3 ms, every second it served. prometheus_client's multiprocess mode
+  worker's event loop 0.25-0.3 ms of CPU where rendering its own exposition
+  took 1.4-3 ms (one to four models), every second it served. prometheus_client's multiprocess mode
   was not used: it supports only its own metric objects, updated on the hot
   path through memory-mapped files, while trioinfer's metrics are read from
   the engine's statistics at scrape time (its custom collectors cannot run in
@@ -566,7 +566,7 @@ class WorkerLink:
         """This process's counts (`Metrics.counts`), numbered: the supervisor renders them.
 
         Plain numbers, neither text nor metric objects: rendering the
-        exposition took 1-3 ms of this worker's event loop, every second it
+        exposition took 1.4-3 ms of this worker's event loop, every second it
         served, and is the supervisor's work now (at a scrape, or when this
         worker dies), off every worker's loop. Rendering on a thread of this
         process would not have freed the loop: the thread holds the GIL, and
