@@ -40,7 +40,8 @@ reports are lines on a connection it keeps open, with no answer):
   renders the text and Triton's statistics (`exposition_of`, `triton_entry`,
   the functions a single server's routes use), so that a report costs a
   worker's event loop 0.25-0.3 ms of CPU where rendering its own exposition
-  took 1.4-3 ms (one to four models), every second it served. prometheus_client's multiprocess mode
+  took 1.4-3 ms (one to four models), every second it served.
+  prometheus_client's multiprocess mode
   was not used: it supports only its own metric objects, updated on the hot
   path through memory-mapped files, while trioinfer's metrics are read from
   the engine's statistics at scrape time (its custom collectors cannot run in
@@ -946,8 +947,8 @@ class _Supervisor:
             # Sent by a process that has died since (the call crossed its death):
             # what it had reported before is in the totals already, retired.
             return
-        # Rendered here, not in the worker (the text took a worker's event loop 1-3
-        # ms a report, see WorkerLink._counts), and only when needed: most reports
+        # Rendered here, not in the worker (the text took a worker's event loop
+        # 1.4-3 ms a report, see WorkerLink._counts), and only when needed: most reports
         # are replaced by the next before any scrape or death needs them.
         taken, numbers = counts["taken"], counts["counts"]
         text = functools.partial(_exposition, numbers, worker.index, worker.pid, counts["requests"])
