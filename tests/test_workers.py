@@ -9,6 +9,7 @@ workers' pids from the banner on stdout. Requests go over fresh connections
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import queue
 import re
@@ -37,6 +38,7 @@ from test_server_repository import CHAIN, chain_request
 from trioinfer import ConfigError, ModelNotFound, TrioInferError, example_repository
 from trioinfer.cli import main
 from trioinfer.server import status_for
+from trioinfer.server._metrics import Counts, VersionCounts, triton_entry
 from trioinfer.server._workers import (
     MetricsLedger,
     StatsLedger,
@@ -638,7 +640,7 @@ async def test_a_change_some_workers_refuse_is_an_error_that_names_them(tmp_path
         async def handle(message: dict[str, Any]) -> dict[str, Any]:
             said[index].append(message)
             if message["op"] == "counts":
-                return _counts(100 + index, 3, [_stats_entry(3, index)])
+                return _counts(100 + index, 3, [_version(3, index)])
             if refuse[index]:
                 return {"error": {"type": "ConfigError", "message": refuse[index]}}
             return {"ok": True}
@@ -675,16 +677,23 @@ async def test_a_change_some_workers_refuse_is_an_error_that_names_them(tmp_path
         # Statistics and metrics: the asker's own counts, and every other member's now.
         for member in supervisor.workers:
             member.process, member.pid = cast(Any, object()), 100 + member.index
-        asked = {"op": "stats", "worker": 1, "only": None, **_counts(101, 2, [_stats_entry(2, 7)])}
+        asked = {"op": "stats", "worker": 1, "only": None, **_counts(101, 2, [_version(2, 7)])}
         reply = await supervisor.handle(asked)
         assert said[0][-1] == {"op": "counts"}
         assert said[1][-1]["op"] == "unload"  # the asker is not asked again
-        assert reply == {"stats": [_stats_entry(5, 7)]}
-        metrics = await supervisor.handle({**asked, "op": "metrics"})
-        assert _value(metrics["metrics"].encode(), "t_requests_total", model="m") == 5
+        assert reply == {"stats": [triton_entry(_version(5, 7))]}
+        metrics = (await supervisor.handle({**asked, "op": "metrics"}))["metrics"].encode()
+        # The workers' counts, rendered by the supervisor as each worker renders its own.
+        success = {"model": "m", "version": "1", "outcome": "success"}
+        assert _value(metrics, "trioinfer_inference_requests_total", **success) == 5
+        assert _value(metrics, "trioinfer_inferences_total", model="m", version="1") == 5
+        assert _value(metrics, "trioinfer_worker_inference_requests_total", worker="0", pid="100")
+        assert _value(
+            metrics, "trioinfer_inference_request_duration_seconds_sum", model="m", version="1"
+        ) == pytest.approx(2.5)
         # A word from a process that is not the worker's now (it died since) is not kept.
         await supervisor.handle({"op": "counts", "worker": 0, **_counts(99, 50, [])})
-        assert supervisor.stats.merged(0) == [_stats_entry(5, 7)]
+        assert supervisor.stats.merged(0) == [triton_entry(_version(5, 7))]
         tg.cancel_scope.cancel()
 
 
@@ -698,7 +707,7 @@ async def test_a_report_taken_before_an_unload_does_not_bring_its_counts_back(
 
     async def handle(message: dict[str, Any]) -> dict[str, Any]:
         assert message["op"] == "unload"
-        return {"ok": True, **_counts(100, 9, [_stats_entry(2, 5, name="other")], taken=8)}
+        return {"ok": True, **_counts(100, 9, [_version(2, 5, name="other")], taken=8)}
 
     async with anyio.create_task_group() as tg:
         await tg.start(_serve_calls, worker_socket(tmp_path, 0), handle)
@@ -706,9 +715,9 @@ async def test_a_report_taken_before_an_unload_does_not_bring_its_counts_back(
         member.member = True
         member.process, member.pid = cast(Any, object()), 100
         assert await supervisor.handle({"op": "unload", "model": "m"}) == {"ok": True}
-        late = _counts(100, 7, [_stats_entry(7, 3), _stats_entry(1, 3, name="other")], taken=7)
+        late = _counts(100, 7, [_version(7, 3), _version(1, 3, name="other")], taken=7)
         await supervisor.handle({"op": "counts", "worker": 0, **late})
-        assert supervisor.stats.merged(0) == [_stats_entry(2, 5, name="other")]
+        assert supervisor.stats.merged(0) == [triton_entry(_version(2, 5, name="other"))]
         tg.cancel_scope.cancel()
 
 
@@ -724,10 +733,40 @@ def _stats_entry(count: int, last: int, name: str = "m", version: str = "1") -> 
     }
 
 
-def _counts(pid: int, requests: int, stats: list[dict[str, Any]], taken: int = 1) -> dict[str, Any]:
+def _version(count: int, last: int, name: str = "m", version: str = "1") -> VersionCounts:
+    """A model version's counts: *count* requests of half a second each, the last at *last*."""
+    histogram = [[1.0], [count, 0], count, count * 0.5]
+    return {
+        "model": name,
+        "version": version,
+        "last_inference": last,
+        "executions": count,
+        "successful_executions": count,
+        "inferences": count,
+        "queued": 0,
+        "in_flight": 0,
+        "succeeded": count,
+        "failed": 0,
+        "replicas": [[0, "cpu", "serving", 0, 0, 0]],
+        "fallbacks": {},
+        "histograms": {
+            name: histogram
+            for name in ("queue_duration", "compute_duration", "request_duration", "batch_size")
+        },
+        "cache": None,
+    }
+
+
+def _counts(
+    pid: int, requests: int, versions: list[VersionCounts], taken: int = 1
+) -> dict[str, Any]:
     """A worker's report of its counts, as `WorkerLink` sends it."""
-    metrics = _exposition(requests, 0, pid).decode()
-    return {"pid": pid, "taken": taken, "requests": requests, "stats": stats, "metrics": metrics}
+    counts: Counts = {
+        "outcomes": [[v["model"], v["version"], "success", v["succeeded"]] for v in versions],
+        "in_flight": 0,
+        "versions": versions,
+    }
+    return {"pid": pid, "taken": taken, "requests": requests, "counts": counts}
 
 
 async def test_a_worker_that_dies_while_serve_stops_is_not_started_again(
@@ -875,3 +914,68 @@ def test_a_sequence_that_reaches_another_worker_says_why_it_is_unknown(tmp_path:
         assert "model 'accumulator' is stateful ([sequence]) and served by 2" in log.read_text()
         process.send_signal(signal.SIGTERM)
         assert process.wait(timeout=WAIT_S) == 0, log.read_text()
+
+
+async def test_a_report_renders_on_the_supervisor_as_the_worker_renders_it(
+    tmp_path: Path,
+) -> None:
+    """A worker's counts, through JSON, give the supervisor its exposition and statistics.
+
+    The supervisor renders what a worker reports (`exposition_of`, `triton_entry`)
+    and adds it up: it must be the text and the statistics the worker itself
+    serves, to the byte, or the sums over live and dead workers are off.
+    """
+    import types
+
+    import numpy as np
+
+    from trioinfer import open_engine
+    from trioinfer.server._app import model_stats
+    from trioinfer.server._metrics import InFlight, Metrics, exposition_of
+    from trioinfer.server._models import ServedModels
+    from trioinfer.server._repository import ModelRepository
+
+    repo = tmp_path / "repo"
+    shutil.copytree(example_repository() / "digits", repo / "digits")
+    toml = repo / "digits" / "config.toml"
+    toml.write_text("response_cache = true\n" + toml.read_text())
+    async with open_engine(drain_period=0, cache_size=1 << 20) as engine:
+        served = ServedModels(engine, ModelRepository(repo))
+        await served.load("digits")
+        metrics = Metrics(served, InFlight())
+        version = served.resolve("digits")
+        rows = np.random.default_rng(0).random((3, 64), dtype=np.float32)
+        for row in (rows[0], rows[1], rows[0]):  # a miss, a miss, a hit
+            await engine.infer(version.engine_name, {"input": row[None]})
+            metrics.succeeded(version)
+        metrics.count("nonesuch", None, ModelNotFound("no"))
+        counts = json.loads(json.dumps(metrics.counts()))
+        assert exposition_of(counts) == metrics.exposition()[0]
+        entries = [triton_entry(v) for v in counts["versions"]]
+        state = cast(Any, types.SimpleNamespace(models=served, metrics=metrics))
+        assert entries == model_stats(state, None, None)
+        assert entries[0]["inference_stats"]["cache_hit"]["count"] == 1
+
+
+async def test_reports_go_as_lines_on_one_connection_without_answers(tmp_path: Path) -> None:
+    # A worker's periodic reports: lines on a connection it keeps open, each handled
+    # in order, none answered; a call on the same connection still gets its answer.
+    from anyio.streams.buffered import BufferedByteReceiveStream
+
+    seen: list[dict[str, Any]] = []
+
+    async def handle(message: dict[str, Any]) -> dict[str, Any]:
+        seen.append(message)
+        return {"ok": len(seen)}
+
+    async with anyio.create_task_group() as tg:
+        await tg.start(_serve_calls, worker_socket(tmp_path, 0), handle)
+        async with await anyio.connect_unix(worker_socket(tmp_path, 0)) as stream:
+            for n in (1, 2):
+                await stream.send(json.dumps({"op": "counts", "n": n, "reply": False}).encode())
+                await stream.send(b"\n")
+            await stream.send(b'{"op": "asked"}\n')
+            line = await BufferedByteReceiveStream(stream).receive_until(b"\n", 1 << 16)
+        assert json.loads(line) == {"ok": 3}
+        assert [m.get("n", m["op"]) for m in seen] == [1, 2, "asked"]
+        tg.cancel_scope.cancel()

@@ -24,6 +24,7 @@ import anyio
 import attrs
 import sniffio
 import trio
+from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
@@ -66,7 +67,7 @@ from ._codec import (
 )
 from ._errors import ClientLeft, NotReady, Unauthorized, without_host_paths
 from ._logging import check_log_settings, log_settings, update_log_settings
-from ._metrics import InFlight, Metrics
+from ._metrics import InFlight, Metrics, triton_entry
 from ._models import ServedModels, ServedVersion
 from ._repository import VersionPolicy
 from ._shm import SystemSharedMemory
@@ -936,60 +937,14 @@ def model_stats(state: ServerState, model: str | None, version: str | None) -> l
     else:
         state.models.resolve(model)
         chosen = state.models.versions(model)
-    statistics = state.models.engine.statistics().models
-    out = []
-    for served in chosen:
-        stats = statistics.get(served.engine_name)
-        if stats is None:  # unloaded between the two lookups
-            continue
-        # As in Triton, a request the cache answered is a success too (its time to
-        # answer included): the engine counts it in the cache's figures only. A
-        # coalesced one (answered by an identical request in flight) is one as
-        # well; the cache does not time it.
-        cache = stats.cache
-        succeeded = stats.succeeded + (cache.hits + cache.coalesced if cache else 0)
-        success_s = stats.request_duration.sum + (cache.hit_duration.sum if cache else 0.0)
-        out.append(
-            {
-                "name": served.model,
-                "version": str(served.version),
-                "last_inference": state.models.last_inference_ms.get(
-                    (served.model, served.version), 0
-                ),
-                "inference_count": stats.inferences,
-                # Triton's: executions that answered, not every one started.
-                "execution_count": stats.successful_executions,
-                "inference_stats": {
-                    "success": _duration(succeeded, success_s),
-                    "fail": _duration(stats.failed + stats.expired + stats.refused, 0.0),
-                    "queue": _duration(stats.queue_duration.count, stats.queue_duration.sum),
-                    "compute_input": _duration(0, 0.0),
-                    "compute_infer": _duration(
-                        stats.compute_duration.count, stats.compute_duration.sum
-                    ),
-                    "compute_output": _duration(0, 0.0),
-                    # Triton's fields: hits, and the misses' time to compute and store.
-                    "cache_hit": _duration(
-                        cache.hits if cache else 0, cache.hit_duration.sum if cache else 0.0
-                    ),
-                    "cache_miss": _duration(
-                        cache.misses if cache else 0, cache.miss_duration.sum if cache else 0.0
-                    ),
-                },
-                "batch_stats": [],
-            }
-        )
-    return out
-
-
-def _duration(count: int, seconds: float) -> dict[str, int]:
-    return {"count": count, "ns": int(seconds * 1e9)}
+    return [triton_entry(counts) for counts in state.metrics.version_counts(chosen)]
 
 
 async def _metrics(_request: Request, state: ServerState) -> Response:
-    body, content_type = state.metrics.exposition()
     if state.cluster is not None:
-        body = await state.cluster.merged_metrics(body)
+        # This worker's counts go to the supervisor, which renders every worker's.
+        return Response(await state.cluster.merged_metrics(), media_type=CONTENT_TYPE_LATEST)
+    body, content_type = state.metrics.exposition()
     return Response(body, media_type=content_type)
 
 

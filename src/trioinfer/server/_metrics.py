@@ -7,13 +7,19 @@ beyond one dictionary increment per HTTP request for its outcome. Names
 follow Triton's (``nv_inference_queue_duration_us`` becomes
 ``trioinfer_inference_queue_duration_seconds``) with Prometheus conventions:
 base units, ``_total`` on counters.
+
+Both the exposition and Triton's statistics are rendered from `Counts`, a
+snapshot in plain numbers (`Metrics.counts`): a ``--workers`` worker reports
+that every second, cheaply, and the supervisor renders it (`exposition_of`,
+`triton_entry`) with the same code one server's routes use, so that the sums
+over the workers are exact.
 """
 
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterator
-from typing import TYPE_CHECKING, Final, final
+from collections.abc import Iterable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, Final, TypedDict, final
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from prometheus_client.core import (
@@ -33,7 +39,7 @@ from .._exceptions import (
     ModelNotFound,
     QueueFull,
 )
-from .._runner import Histogram
+from .._runner import BATCH_BUCKETS, DURATION_BUCKETS, Histogram
 from ._errors import NotReady, Unauthorized
 
 if TYPE_CHECKING:
@@ -105,154 +111,305 @@ class Metrics:
         """The metrics in Prometheus text format, and its content type."""
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
 
-    def _families(self) -> Iterator[Metric]:
-        requests = CounterMetricFamily(
-            "trioinfer_inference_requests",
-            "Inference requests over HTTP, by model, version and outcome.",
-            labels=[*_LABELS, "outcome"],
-        )
-        for (model, version, outcome), n in sorted(self._outcomes.items()):
-            requests.add_metric([model, version, outcome], n)
-        yield requests
-        yield GaugeMetricFamily(
-            "trioinfer_http_inference_in_flight",
-            "Inference requests the HTTP server is handling now.",
-            value=self._in_flight.value,
-        )
-        statistics = self._models.engine.statistics().models
-        executions = CounterMetricFamily(
-            "trioinfer_inference_executions",
-            "Backend executions (batches) started.",
-            labels=_LABELS,
-        )
-        succeeded_executions = CounterMetricFamily(
-            "trioinfer_inference_executions_succeeded",
-            "Backend executions whose outputs went to their requests "
-            "(Triton's nv_inference_exec_count).",
-            labels=_LABELS,
-        )
-        inferences = CounterMetricFamily(
-            "trioinfer_inferences",
-            "Rows of the requests that got outputs (Triton's nv_inference_count).",
-            labels=_LABELS,
-        )
-        queued = GaugeMetricFamily(
-            "trioinfer_inference_queue_depth", "Requests waiting in the queue.", labels=_LABELS
-        )
-        in_flight = GaugeMetricFamily(
-            "trioinfer_inference_pending",
-            "Requests accepted by the engine and not yet ended (queued or running).",
-            labels=_LABELS,
-        )
-        instances = GaugeMetricFamily(
-            "trioinfer_instances",
-            "Model instances by device and state (serving, or out of service).",
-            labels=[*_LABELS, "device", "state"],
-        )
-        taken_out = CounterMetricFamily(
-            "trioinfer_instance_taken_out",
-            "Times an instance was taken out of service (its circuit breaker opened).",
-            labels=[*_LABELS, "instance", "device"],
-        )
-        recreated = CounterMetricFamily(
-            "trioinfer_instance_recreated",
-            "Times an instance's backend session was re-created after it died.",
-            labels=[*_LABELS, "instance", "device"],
-        )
-        failures = CounterMetricFamily(
-            "trioinfer_instance_failures",
-            "Executions (batches and probes) that failed on an instance.",
-            labels=[*_LABELS, "instance", "device"],
-        )
-        fallbacks = CounterMetricFamily(
-            "trioinfer_inference_fallbacks",
-            "Requests that took a fallback step, by kind (retry, failover, hedge, model, default).",
-            labels=[*_LABELS, "kind"],
-        )
-        cache: dict[str, CounterMetricFamily | GaugeMetricFamily] = {
-            "hits": CounterMetricFamily(
-                "trioinfer_cache_hits", "Requests answered from the response cache.", labels=_LABELS
-            ),
-            "misses": CounterMetricFamily(
-                "trioinfer_cache_misses",
-                "Requests of a model with the response cache on that were computed.",
-                labels=_LABELS,
-            ),
-            "coalesced": CounterMetricFamily(
-                "trioinfer_cache_coalesced",
-                "Requests answered by an identical request computed meanwhile.",
-                labels=_LABELS,
-            ),
-            "evictions": CounterMetricFamily(
-                "trioinfer_cache_evictions",
-                "Answers dropped from the response cache to make room.",
-                labels=_LABELS,
-            ),
-            "bytes": GaugeMetricFamily(
-                "trioinfer_cache_bytes", "Bytes the model's answers take in the cache.",
-                labels=_LABELS,
-            ),
-        }  # fmt: skip
-        histograms = {
-            "queue_duration": HistogramMetricFamily(
-                "trioinfer_inference_queue_duration_seconds",
-                "Time requests waited in the queue before their execution started.",
-                labels=_LABELS,
-            ),
-            "compute_duration": HistogramMetricFamily(
-                "trioinfer_inference_compute_duration_seconds",
-                "Execution time of the batch each request ran in.",
-                labels=_LABELS,
-            ),
-            "request_duration": HistogramMetricFamily(
-                "trioinfer_inference_request_duration_seconds",
-                "Time from arrival to outputs, for requests that succeeded.",
-                labels=_LABELS,
-            ),
-            "batch_size": HistogramMetricFamily(
-                "trioinfer_inference_batch_rows",
-                "Rows (batch size) per execution.",
-                labels=_LABELS,
-            ),
+    def counts(self) -> Counts:
+        """Everything the exposition and Triton's statistics show, as plain data (JSON).
+
+        Cheap to take (no text, no metric objects): what a ``--workers``
+        worker reports every second, for the supervisor to render
+        (`exposition_of`, `triton_entry`) only when it needs to.
+        """
+        return {
+            "outcomes": [[*key, n] for key, n in sorted(self._outcomes.items())],
+            "in_flight": self._in_flight.value,
+            "versions": self.version_counts(self._models.all()),
         }
-        for served in self._models.all():
+
+    def version_counts(self, chosen: Iterable[ServedVersion]) -> list[VersionCounts]:
+        """The counts of each served version in *chosen* (those unloaded meanwhile left out)."""
+        statistics = self._models.engine.statistics().models
+        last_inference = self._models.last_inference_ms
+        out: list[VersionCounts] = []
+        for served in chosen:
             stats = statistics.get(served.engine_name)
-            if stats is None:
+            if stats is None:  # unloaded between the two lookups
                 continue
-            labels = [served.model, str(served.version)]
-            executions.add_metric(labels, stats.executions)
-            succeeded_executions.add_metric(labels, stats.successful_executions)
-            inferences.add_metric(labels, stats.inferences)
-            queued.add_metric(labels, stats.queued)
-            in_flight.add_metric(labels, stats.in_flight)
-            states = Counter((r.device, r.state) for r in stats.replicas)
-            for (device, state), n in sorted(states.items()):
-                instances.add_metric([*labels, device, state], n)
-            for replica in stats.replicas:
-                where = [*labels, str(replica.index), replica.device]
-                taken_out.add_metric(where, replica.taken_out)
-                recreated.add_metric(where, replica.recreated)
-                failures.add_metric(where, replica.failures)
-            for kind, n in sorted(stats.fallbacks.items()):
-                fallbacks.add_metric([*labels, kind], n)
-            for attribute, family in histograms.items():
-                histogram: Histogram = getattr(stats, attribute)
-                family.add_metric(labels, _buckets(histogram), histogram.sum)
-            if stats.cache is not None:
-                for attribute, cache_family in cache.items():
-                    cache_family.add_metric(labels, getattr(stats.cache, attribute))
-        yield executions
-        yield succeeded_executions
-        yield inferences
-        yield queued
-        yield in_flight
-        yield instances
-        yield taken_out
-        yield recreated
-        yield failures
-        yield fallbacks
-        yield from histograms.values()
-        yield from cache.values()
+            cache = stats.cache
+            out.append(
+                {
+                    "model": served.model,
+                    "version": str(served.version),
+                    "last_inference": last_inference.get((served.model, served.version), 0),
+                    "executions": stats.executions,
+                    "successful_executions": stats.successful_executions,
+                    "inferences": stats.inferences,
+                    "queued": stats.queued,
+                    "in_flight": stats.in_flight,
+                    "succeeded": stats.succeeded,
+                    "failed": stats.failed + stats.expired + stats.refused,
+                    "replicas": [
+                        [r.index, r.device, r.state, r.taken_out, r.recreated, r.failures]
+                        for r in stats.replicas
+                    ],
+                    "fallbacks": dict(stats.fallbacks),
+                    "histograms": {
+                        name: _plain(getattr(stats, name), bounds)
+                        for name, bounds in _BOUNDS.items()
+                    },
+                    "cache": None
+                    if cache is None
+                    else {
+                        "hits": cache.hits,
+                        "misses": cache.misses,
+                        "coalesced": cache.coalesced,
+                        "evictions": cache.evictions,
+                        "bytes": cache.bytes,
+                        "hit_s": cache.hit_duration.sum,
+                        "miss_s": cache.miss_duration.sum,
+                    },
+                }
+            )
+        return out
+
+
+class VersionCounts(TypedDict):
+    """What `Metrics.counts` holds of one served model version (JSON-compatible)."""
+
+    model: str
+    version: str
+    #: Milliseconds since the epoch of its last inference (0: none yet).
+    last_inference: int
+    executions: int
+    successful_executions: int
+    inferences: int
+    queued: int
+    in_flight: int
+    succeeded: int
+    #: Failed, expired and refused requests.
+    failed: int
+    #: Each instance: index, device, state, taken out, re-created, failures.
+    replicas: list[list[Any]]
+    fallbacks: dict[str, int]
+    #: Each histogram by ModelStatistics' attribute: [bounds (None: the usual ones),
+    #: counts (one more than bounds), count, sum].
+    histograms: dict[str, list[Any]]
+    cache: dict[str, Any] | None
+
+
+class Counts(TypedDict):
+    """What `Metrics.counts` returns: a process's counts, as plain data (JSON-compatible)."""
+
+    #: [model, version, outcome, requests], sorted.
+    outcomes: list[list[Any]]
+    in_flight: int
+    versions: list[VersionCounts]
+
+
+#: The exported histograms, by ModelStatistics' attribute, and the bounds they have.
+_BOUNDS: Final[dict[str, tuple[float, ...]]] = {
+    "queue_duration": DURATION_BUCKETS,
+    "compute_duration": DURATION_BUCKETS,
+    "request_duration": DURATION_BUCKETS,
+    "batch_size": BATCH_BUCKETS,
+}
+
+
+def _plain(histogram: Histogram, usual: tuple[float, ...]) -> list[Any]:
+    # The usual bounds go as None: a third of a report's bytes, every second.
+    bounds = None if histogram.bounds == usual else histogram.bounds
+    return [bounds, histogram.counts, histogram.count, histogram.sum]
+
+
+def exposition_of(counts: Counts) -> bytes:
+    """*counts* in Prometheus text format: what `Metrics.exposition` serves for them."""
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(_Families(counts))
+    return generate_latest(registry)
+
+
+def triton_entry(counts: VersionCounts) -> dict[str, Any]:
+    """One version's entry of Triton's ``model_stats``, from its *counts*."""
+    # As in Triton, a request the cache answered is a success too (its time to
+    # answer included): the engine counts it in the cache's figures only. A
+    # coalesced one (answered by an identical request in flight) is one as
+    # well; the cache does not time it.
+    histograms = counts["histograms"]
+    cache = counts["cache"]
+    succeeded = counts["succeeded"] + (cache["hits"] + cache["coalesced"] if cache else 0)
+    success_s = histograms["request_duration"][3] + (cache["hit_s"] if cache else 0.0)
+    queue, compute = histograms["queue_duration"], histograms["compute_duration"]
+    return {
+        "name": counts["model"],
+        "version": counts["version"],
+        "last_inference": counts["last_inference"],
+        "inference_count": counts["inferences"],
+        # Triton's: executions that answered, not every one started.
+        "execution_count": counts["successful_executions"],
+        "inference_stats": {
+            "success": _duration(succeeded, success_s),
+            "fail": _duration(counts["failed"], 0.0),
+            "queue": _duration(queue[2], queue[3]),
+            "compute_input": _duration(0, 0.0),
+            "compute_infer": _duration(compute[2], compute[3]),
+            "compute_output": _duration(0, 0.0),
+            # Triton's fields: hits, and the misses' time to compute and store.
+            "cache_hit": _duration(cache["hits"] if cache else 0, cache["hit_s"] if cache else 0.0),
+            "cache_miss": _duration(
+                cache["misses"] if cache else 0, cache["miss_s"] if cache else 0.0
+            ),
+        },
+        "batch_stats": [],
+    }
+
+
+def _duration(count: int, seconds: float) -> dict[str, int]:
+    return {"count": count, "ns": int(seconds * 1e9)}
+
+
+def _families(counts: Counts) -> Iterator[Metric]:
+    requests = CounterMetricFamily(
+        "trioinfer_inference_requests",
+        "Inference requests over HTTP, by model, version and outcome.",
+        labels=[*_LABELS, "outcome"],
+    )
+    for model, version, outcome, n in counts["outcomes"]:
+        requests.add_metric([model, version, outcome], n)
+    yield requests
+    yield GaugeMetricFamily(
+        "trioinfer_http_inference_in_flight",
+        "Inference requests the HTTP server is handling now.",
+        value=counts["in_flight"],
+    )
+    executions = CounterMetricFamily(
+        "trioinfer_inference_executions",
+        "Backend executions (batches) started.",
+        labels=_LABELS,
+    )
+    succeeded_executions = CounterMetricFamily(
+        "trioinfer_inference_executions_succeeded",
+        "Backend executions whose outputs went to their requests "
+        "(Triton's nv_inference_exec_count).",
+        labels=_LABELS,
+    )
+    inferences = CounterMetricFamily(
+        "trioinfer_inferences",
+        "Rows of the requests that got outputs (Triton's nv_inference_count).",
+        labels=_LABELS,
+    )
+    queued = GaugeMetricFamily(
+        "trioinfer_inference_queue_depth", "Requests waiting in the queue.", labels=_LABELS
+    )
+    in_flight = GaugeMetricFamily(
+        "trioinfer_inference_pending",
+        "Requests accepted by the engine and not yet ended (queued or running).",
+        labels=_LABELS,
+    )
+    instances = GaugeMetricFamily(
+        "trioinfer_instances",
+        "Model instances by device and state (serving, or out of service).",
+        labels=[*_LABELS, "device", "state"],
+    )
+    taken_out = CounterMetricFamily(
+        "trioinfer_instance_taken_out",
+        "Times an instance was taken out of service (its circuit breaker opened).",
+        labels=[*_LABELS, "instance", "device"],
+    )
+    recreated = CounterMetricFamily(
+        "trioinfer_instance_recreated",
+        "Times an instance's backend session was re-created after it died.",
+        labels=[*_LABELS, "instance", "device"],
+    )
+    failures = CounterMetricFamily(
+        "trioinfer_instance_failures",
+        "Executions (batches and probes) that failed on an instance.",
+        labels=[*_LABELS, "instance", "device"],
+    )
+    fallbacks = CounterMetricFamily(
+        "trioinfer_inference_fallbacks",
+        "Requests that took a fallback step, by kind (retry, failover, hedge, model, default).",
+        labels=[*_LABELS, "kind"],
+    )
+    cache: dict[str, CounterMetricFamily | GaugeMetricFamily] = {
+        "hits": CounterMetricFamily(
+            "trioinfer_cache_hits", "Requests answered from the response cache.", labels=_LABELS
+        ),
+        "misses": CounterMetricFamily(
+            "trioinfer_cache_misses",
+            "Requests of a model with the response cache on that were computed.",
+            labels=_LABELS,
+        ),
+        "coalesced": CounterMetricFamily(
+            "trioinfer_cache_coalesced",
+            "Requests answered by an identical request computed meanwhile.",
+            labels=_LABELS,
+        ),
+        "evictions": CounterMetricFamily(
+            "trioinfer_cache_evictions",
+            "Answers dropped from the response cache to make room.",
+            labels=_LABELS,
+        ),
+        "bytes": GaugeMetricFamily(
+            "trioinfer_cache_bytes", "Bytes the model's answers take in the cache.",
+            labels=_LABELS,
+        ),
+    }  # fmt: skip
+    histograms = {
+        "queue_duration": HistogramMetricFamily(
+            "trioinfer_inference_queue_duration_seconds",
+            "Time requests waited in the queue before their execution started.",
+            labels=_LABELS,
+        ),
+        "compute_duration": HistogramMetricFamily(
+            "trioinfer_inference_compute_duration_seconds",
+            "Execution time of the batch each request ran in.",
+            labels=_LABELS,
+        ),
+        "request_duration": HistogramMetricFamily(
+            "trioinfer_inference_request_duration_seconds",
+            "Time from arrival to outputs, for requests that succeeded.",
+            labels=_LABELS,
+        ),
+        "batch_size": HistogramMetricFamily(
+            "trioinfer_inference_batch_rows",
+            "Rows (batch size) per execution.",
+            labels=_LABELS,
+        ),
+    }
+    for stats in counts["versions"]:
+        labels = [stats["model"], stats["version"]]
+        executions.add_metric(labels, stats["executions"])
+        succeeded_executions.add_metric(labels, stats["successful_executions"])
+        inferences.add_metric(labels, stats["inferences"])
+        queued.add_metric(labels, stats["queued"])
+        in_flight.add_metric(labels, stats["in_flight"])
+        states = Counter((device, state) for _, device, state, *_ in stats["replicas"])
+        for (device, state), n in sorted(states.items()):
+            instances.add_metric([*labels, device, state], n)
+        for index, device, _state, n_taken_out, n_recreated, n_failures in stats["replicas"]:
+            where = [*labels, str(index), device]
+            taken_out.add_metric(where, n_taken_out)
+            recreated.add_metric(where, n_recreated)
+            failures.add_metric(where, n_failures)
+        for kind, n in sorted(stats["fallbacks"].items()):
+            fallbacks.add_metric([*labels, kind], n)
+        for attribute, family in histograms.items():
+            bounds, bucket_counts, count, total = stats["histograms"][attribute]
+            bounds = _BOUNDS[attribute] if bounds is None else bounds
+            family.add_metric(labels, _buckets(bounds, bucket_counts, count), total)
+        if stats["cache"] is not None:
+            for attribute, cache_family in cache.items():
+                cache_family.add_metric(labels, stats["cache"][attribute])
+    yield executions
+    yield succeeded_executions
+    yield inferences
+    yield queued
+    yield in_flight
+    yield instances
+    yield taken_out
+    yield recreated
+    yield failures
+    yield fallbacks
+    yield from histograms.values()
+    yield from cache.values()
 
 
 @final
@@ -265,13 +422,13 @@ class InFlight:
         self.value = 0
 
 
-def _buckets(histogram: Histogram) -> list[tuple[str, float]]:
+def _buckets(bounds: Sequence[float], counts: Sequence[int], count: int) -> list[tuple[str, float]]:
     out = []
     total = 0
-    for bound, n in zip(histogram.bounds, histogram.counts, strict=False):
+    for bound, n in zip(bounds, counts, strict=False):
         total += n
         out.append((repr(float(bound)), float(total)))
-    out.append(("+Inf", float(histogram.count)))
+    out.append(("+Inf", float(count)))
     return out
 
 
@@ -281,4 +438,13 @@ class _Collector:
         self._metrics = metrics
 
     def collect(self) -> Iterator[Metric]:
-        return self._metrics._families()
+        return _families(self._metrics.counts())
+
+
+@final
+class _Families:
+    def __init__(self, counts: Counts) -> None:
+        self._counts = counts
+
+    def collect(self) -> Iterator[Metric]:
+        return _families(self._counts)
