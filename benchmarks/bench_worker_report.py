@@ -58,6 +58,7 @@ from pathlib import Path
 
 import bench_http  # a sibling script: benchmarks/, the script's directory, is on sys.path
 from bench_engine import versions
+from bench_workers import _children
 
 #: Written into a directory put on the servers' PYTHONPATH: Python imports it at
 #: start-up in every process, and it acts only in a worker (the variable below).
@@ -419,19 +420,6 @@ def _read_probes(out: Path, count: int) -> list[dict[str, float]]:
             return [json.loads(line) for line in lines]
         time.sleep(0.05)
     raise SystemExit(f"the workers' probes wrote {out} with fewer than {count} lines")
-
-
-def _children(pid: int) -> list[int]:
-    found = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                stat = (entry / "stat").read_text()
-            except OSError:
-                continue  # gone meanwhile
-            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
-                found.append(int(entry.name))
-    return found
 
 
 def _labels(trees: Sequence[str]) -> list[str]:
