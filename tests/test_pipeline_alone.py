@@ -844,3 +844,30 @@ async def test_infer_takes_a_pipelines_request_as_infer_detailed_does(
         "failing": "BackendError: pipeline 'p', step 0 (model 'a')",
     }[scenario]
     assert fast[0].startswith(expected) or expected in fast[0]
+
+
+class Renamed:
+    """A plain ``def infer`` that answers ``z`` where the step's output map reads ``y``."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def infer(self, inputs: Arrays) -> Arrays:
+        return {"z": inputs["x"] + 1}
+
+
+async def test_a_step_run_as_a_plain_call_whose_model_lost_the_output_fails_clearly() -> None:
+    # Pipeline.run_now keeps a plain call's outputs itself: a model replaced by one
+    # without the mapped output fails the step there with the output named, and counts.
+    async with open_engine() as engine:
+        await load(engine, inline("a"), inline("b"), chain("a", "b"))
+        renamed = model(
+            "a",
+            Renamed,
+            backend_options={"dispatch": "inline", "outputs": [{**OUT[0], "name": "z"}]},
+        )
+        await engine.load(renamed, replace=True)
+        with pytest.raises(BackendError, match=r"step 0 \(model 'a'\): .*without outputs \['y'\]"):
+            await engine.infer("p", {"IN": X})
+        stats = engine.statistics().models
+        assert (stats["p"].failed, stats["a"].succeeded, stats["b"].succeeded) == (1, 1, 0)
