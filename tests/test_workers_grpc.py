@@ -15,6 +15,7 @@ import contextlib
 import os
 import shutil
 import signal
+import socket
 import subprocess
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -24,6 +25,7 @@ from typing import Any
 import numpy as np
 import pytest
 import tritonclient.grpc as triton
+from click.testing import CliRunner
 from tritonclient.utils import InferenceServerException
 
 from _triton_config import own_setting
@@ -38,6 +40,7 @@ from test_workers import (
     wait_until,
     worker_pids,
 )
+from trioinfer.cli import main
 
 pytestmark = [pytest.mark.workers, pytest.mark.grpc]
 
@@ -231,3 +234,19 @@ def test_sigterm_drains_an_in_flight_grpc_call(served: Served) -> None:
     log = served.log.read_text()
     assert log.count("stopped serving gRPC") == 2
     assert "Traceback" not in log
+
+
+def test_a_grpc_port_in_use_is_said_before_any_worker_starts() -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        result = CliRunner().invoke(
+            main,
+            [
+                *("serve", "--workers", "2", "--host", "127.0.0.1"),
+                *("--port", "0", "--grpc-port", str(port)),
+            ],
+        )
+    assert result.exit_code == 1, result.output
+    assert f"cannot listen for gRPC on 127.0.0.1:{port}" in result.output
