@@ -236,17 +236,20 @@ def test_sigterm_drains_an_in_flight_grpc_call(served: Served) -> None:
     assert "Traceback" not in log
 
 
-def test_a_grpc_port_in_use_is_said_before_any_worker_starts() -> None:
+@pytest.mark.parametrize("from_file", [False, True])
+def test_a_grpc_port_in_use_is_said_before_any_worker_starts(
+    tmp_path: Path, from_file: bool
+) -> None:
+    # The port given on the command line, or as grpc_port in --config beside workers.
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        result = CliRunner().invoke(
-            main,
-            [
-                *("serve", "--workers", "2", "--host", "127.0.0.1"),
-                *("--port", "0", "--grpc-port", str(port)),
-            ],
+        config = tmp_path / "server.toml"
+        config.write_text(f"workers = 2\ngrpc_port = {port}\n")
+        given = (
+            ["--config", str(config)] if from_file else ["--workers", "2", "--grpc-port", str(port)]
         )
+        result = CliRunner().invoke(main, ["serve", "--host", "127.0.0.1", "--port", "0", *given])
     assert result.exit_code == 1, result.output
     assert f"cannot listen for gRPC on 127.0.0.1:{port}" in result.output
