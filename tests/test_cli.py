@@ -256,34 +256,6 @@ def test_serve_checks_each_config_file_value_as_its_option(
         # Each names the setting the way it was given: a config file's key (and the
         # file), or the command line's flag; never a flag nobody typed.
         (
-            "workers = 2\ngrpc_port = 9001\n",
-            (),
-            [
-                "not with workers = 2 in {file}",
-                "grpc_port = 9001 in {file} asks for it",
-                "set workers = 1 in {file}, or grpc = false",
-            ],
-            ["--workers", "--grpc-port"],
-        ),
-        (
-            "workers = 2\ngrpc = true\n",
-            (),
-            ["not with workers = 2 in {file}", "grpc = true in {file} asks for it"],
-            ["--workers", "--grpc "],
-        ),
-        (
-            "workers = 3\n",
-            ("--grpc-port", "9001"),
-            ["not with workers = 3 in {file}", "--grpc-port 9001 asks for it", "--no-grpc"],
-            ["--workers"],
-        ),
-        (
-            "",
-            ("--workers", "2", "--grpc"),
-            ["not with --workers 2", "--grpc asks for it", "drop --workers or pass --no-grpc"],
-            ["in {file}"],
-        ),
-        (
             "port = 9005\ngrpc_port = 9005\n",
             (),
             [

@@ -102,6 +102,8 @@ class Served:
     log: Path
     #: The next line the server prints (None once it has exited).
     next_line: Callable[[], str | None]
+    #: Where every worker serves gRPC (``host:port``), or None when not served.
+    grpc: str | None = None
 
     def directory(self) -> Path:
         """The supervisor's control directory, as its log names it."""
@@ -150,14 +152,18 @@ def two_workers(repository: Path, log: Path, *args: str) -> Iterator[Served]:
     """
     process, next_line = start(repository, log, "--workers", "2", *args)
     try:
+        grpc = None
         while True:
             line = next_line()
             assert line is not None, log.read_text()
+            said = re.match(r"gRPC on (\S+) ", line)
+            if said:
+                grpc = said.group(1)
             found = re.search(r"2 workers \(pids (\d+), (\d+)\) listening on (\S+)", line)
             if found:
                 break
         pids = [int(found.group(1)), int(found.group(2))]
-        yield Served(process, found.group(3), pids, log, next_line)
+        yield Served(process, found.group(3), pids, log, next_line, grpc)
     finally:
         if process.poll() is None:
             workers = _children_of(process.pid)
@@ -814,6 +820,7 @@ def test_a_workers_error_comes_back_as_its_class(kind: str, expected: type | Non
 
 
 @pytest.mark.tracing
+@pytest.mark.grpc
 def test_workers_trace_with_the_servers_trace_settings(repository: Path, tmp_path: Path) -> None:
     # Each worker makes its own tracer provider from --trace-exporter/--trace-rate, and
     # /v2/trace/setting changes reach them all (a restarted one too).
@@ -836,6 +843,19 @@ def test_workers_trace_with_the_servers_trace_settings(repository: Path, tmp_pat
         for _ in range(12):
             got = fresh("GET", f"{url}/v2/models/digits/trace/setting").json()
             assert got["trace_rate"] == "1"
+        # So does one made over gRPC (any worker may take the call), seen over both.
+        import tritonclient.grpc as triton_grpc
+
+        assert server.grpc is not None
+        with triton_grpc.InferenceServerClient(server.grpc) as c:
+            c.update_trace_settings(settings={"trace_rate": "2"})
+        for _ in range(12):
+            assert fresh("GET", f"{url}/v2/trace/setting").json()["trace_rate"] == "2"
+            with triton_grpc.InferenceServerClient(
+                server.grpc, channel_args=[("grpc.use_local_subchannel_pool", 1)]
+            ) as c:
+                got = c.get_trace_settings(as_json=True)["settings"]["trace_rate"]
+                assert got == {"value": ["2"]}
         # A change every worker refuses fails as on one server.
         refused = fresh("POST", f"{url}/v2/trace/setting", json={"trace_level": ["TENSORS"]})
         assert refused.status_code == 400

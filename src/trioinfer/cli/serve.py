@@ -176,8 +176,9 @@ def _rate_not_nan(
     show_default=True,
     metavar="N",
     help="Serve from N processes on one port (SO_REUSEPORT), each with its own engine; "
-    "this process supervises them (restarts one that dies). For when one event loop is "
-    "the limit; 1 serves from this process alone.",
+    "this process supervises them (restarts one that dies). Each serves gRPC too, on "
+    "the one --grpc-port. For when one event loop is the limit; 1 serves from this "
+    "process alone.",
 )
 @click.option(
     "--log-level",
@@ -215,10 +216,12 @@ def serve(ctx: click.Context, /, **options: Any) -> None:
     With --workers N, N processes serve the same port, each with its own
     engine and sessions on the same devices, and this process supervises
     them: it restarts one that dies (its in-flight requests fail with their
-    connections), applies repository load/unload on every worker before
-    answering, adds up statistics and /metrics across them, and on SIGINT or
-    SIGTERM drains them all. A worker that cannot start stops serve with its
-    error. gRPC is served by a single process only (--workers 1).
+    connections), applies repository load/unload (and trace and log
+    settings) on every worker before answering, adds up statistics and
+    /metrics across them, and on SIGINT or SIGTERM drains them all. A worker
+    that cannot start stops serve with its error. Every worker serves gRPC
+    too, on the one --grpc-port (SO_REUSEPORT, as HTTP). Shared-memory
+    regions need --workers 1 (each process maps its own).
     """
     try:
         from ..server import Limits, ServerConfig
@@ -280,6 +283,7 @@ def serve(ctx: click.Context, /, **options: Any) -> None:
                     port=settings["port"],
                     config=config,
                     models=list(settings["models"]) or None,
+                    grpc_port=grpc_port,
                     loop=settings["loop"],
                     log_level=settings["log_level"],
                     trace=(settings.get("trace_exporter"), settings.get("trace_rate")),
@@ -354,10 +358,10 @@ def _grpc_port(ctx: click.Context, settings: dict[str, Any]) -> int | None:
     """The port to serve gRPC on, or None for HTTP only.
 
     Asked for explicitly (--grpc, --grpc-port, or grpc_port in --config) without
-    the extra, or with --workers N (N > 1: gRPC is served by one process only),
-    it is an error; by default, serve says why there is no gRPC and serves HTTP.
-    With --port 0 and no --grpc-port, gRPC takes a free port too, so that
-    servers started on free ports never clash on 8001.
+    the extra, it is an error; by default, serve says why there is no gRPC and
+    serves HTTP. With --port 0 and no --grpc-port, gRPC takes a free port too,
+    so that servers started on free ports never clash on 8001 (under --workers
+    N the supervisor picks it, one port that every worker serves).
     """
     if not settings["grpc"]:
         return None
@@ -372,29 +376,6 @@ def _grpc_port(ctx: click.Context, settings: dict[str, Any]) -> int | None:
         "grpc" in from_file
     )
     asked = port_given or grpc_given
-    if settings["workers"] > 1:
-        if asked:
-            # What asked for gRPC, and for the workers, in the words the user chose.
-            by = _said(settings, "grpc_port" if port_given else "grpc")
-            fix = (
-                "drop --workers"
-                if "workers" not in from_file
-                else f"set workers = 1 in {from_file['workers']}"
-            )
-            fix += (
-                f", or grpc = false in {from_file['grpc_port' if port_given else 'grpc']} "
-                "(or pass --no-grpc)"
-                if ("grpc_port" if port_given else "grpc") in from_file
-                else " or pass --no-grpc"
-            )
-            raise click.UsageError(
-                f"gRPC is served by one process only, not with {_said(settings, 'workers')}, "
-                f"but {by} asks for it; {fix}"
-            )
-        logging.getLogger("trioinfer.server").warning(
-            "not serving gRPC: %s serves HTTP only", _said(settings, "workers")
-        )
-        return None
     missing = [m for m in ("grpc", "grpc_tools", "google.protobuf") if not _importable(m)]
     if missing:
         why = (
@@ -581,17 +562,12 @@ async def _serve(
         )
         _settle_gc()
         url = listening.urls[0]
-        grpc_line = (
-            None
-            if listening.grpc is None
-            else f"gRPC on {listening.grpc} (inference.GRPCInferenceService)"
-        )
         _banner(
             listening.models,
             listening.failed,
             repository,
             url,
-            grpc_line,
+            _grpc_line(listening.grpc),
             f"listening on {url} (Ctrl+C to stop)",
         )
 
@@ -610,9 +586,14 @@ async def _serve_workers(repository: Path, *, workers: int, **options: Any) -> N
             listening.failed,
             repository,
             url,
-            None,
+            _grpc_line(listening.grpc),
             f"{workers} workers (pids {pids}) listening on {url} (Ctrl+C to stop)",
         )
+
+
+def _grpc_line(address: str | None) -> str | None:
+    """The banner's gRPC line, or None when gRPC is not served."""
+    return None if address is None else f"gRPC on {address} (inference.GRPCInferenceService)"
 
 
 def _banner(

@@ -911,21 +911,25 @@ async def _stats(request: Request, state: ServerState) -> Response:
     state.check_token(request.headers, admin=False)
     model = request.path_params.get("model")
     version = request.path_params.get("version")
-    out = model_stats(state, model, version)
-    if state.cluster is not None:
-        out = await state.cluster.merged_stats(out, model, version)
-    return _json({"model_stats": out})
+    return _json(await statistics_document(state, model, version))
 
 
-def statistics_document(
+async def statistics_document(
     state: ServerState, model: str | None, version: str | None
 ) -> dict[str, Any]:
-    """This process's statistics in Triton's shape, of *model* (and *version*) or of all.
+    """The server's statistics in Triton's shape, of *model* (and *version*) or of all.
+
+    The one place for HTTP's ``/v2/models/stats`` and gRPC's ``ModelStatistics``
+    (the caller checks the token). Under ``serve --workers N`` they are every
+    worker's, live and dead, added up by the supervisor (`StatsLedger`).
 
     Raises:
         ModelNotFound: *model* (or that version of it) is not served.
     """
-    return {"model_stats": model_stats(state, model, version)}
+    out = model_stats(state, model, version)
+    if state.cluster is not None:
+        out = await state.cluster.merged_stats(out, model, version)
+    return {"model_stats": out}
 
 
 def model_stats(state: ServerState, model: str | None, version: str | None) -> list[dict[str, Any]]:
@@ -1015,12 +1019,37 @@ async def _load(request: Request, state: ServerState) -> Response:
         # (and so the status: 400, 413, 415) stays.
         exc.args = (f"failed to load {model!r}: {exc}",)
         raise
+    await load_model(state, model, override)
+    return Response(status_code=200)
+
+
+async def load_model(state: ServerState, model: str, override: dict[str, Any] | None) -> None:
+    """Load (or reload) *model*, with the config *override* if given: HTTP and gRPC alike.
+
+    Under ``serve --workers N`` every worker loads it before this returns
+    (and one that restarts later loads it too), through the supervisor.
+
+    Raises:
+        TrioInferError: What loading raised (`ModelNotFound`, `ConfigError`, ...);
+            `WorkersDisagree` when some workers loaded it and others failed.
+    """
     if state.cluster is not None:
         # Every worker, and one that restarts later, gets the config itself.
         await state.cluster.load(model, state.models.effective_override(model, override))
     else:
         await state.models.load(model, override)
-    return Response(status_code=200)
+
+
+async def unload_model(state: ServerState, model: str) -> None:
+    """Unload *model*: HTTP and gRPC alike; on every worker under ``serve --workers N``.
+
+    Raises:
+        ModelNotFound: *model* is not served.
+    """
+    if state.cluster is not None:
+        await state.cluster.unload(model)
+    else:
+        await state.models.unload(model)
 
 
 async def _load_override(request: Request, state: ServerState) -> dict[str, Any] | None:
@@ -1086,10 +1115,7 @@ async def _unload(request: Request, state: ServerState) -> Response:
         parameters = body.get("parameters", {})
         if not isinstance(parameters, dict) or set(parameters) - {"unload_dependents"}:
             raise RequestError("the only unload parameter is 'unload_dependents'")
-    if state.cluster is not None:
-        await state.cluster.unload(request.path_params["model"])
-    else:
-        await state.models.unload(request.path_params["model"])
+    await unload_model(state, request.path_params["model"])
     return Response(status_code=200)
 
 

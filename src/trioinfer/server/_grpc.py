@@ -59,12 +59,14 @@ from ._app import (
     _schedule_parameters,
     apply_log_settings,
     infer_in_time,
+    load_model,
     load_override,
     model_config_document,
     model_metadata_document,
     repository_index_document,
     statistics_document,
     trace_setting_document,
+    unload_model,
 )
 from ._codec import (
     InferRequest,
@@ -252,9 +254,11 @@ class _Service:
     async def ModelStatistics(self, request: Any, context: Any, call: GrpcCall) -> Any:
         metadata = _metadata(context)
 
-        def document() -> dict[str, Any]:
+        async def document() -> dict[str, Any]:
             self._state.check_token(metadata, admin=False)
-            return statistics_document(self._state, request.name or None, request.version or None)
+            return await statistics_document(
+                self._state, request.name or None, request.version or None
+            )
 
         return json_format.ParseDict(await self._run(call, document), pb.ModelStatisticsResponse())
 
@@ -278,7 +282,7 @@ class _Service:
         async def load() -> None:
             self._state.check_token(metadata, admin=True)
             override = load_override(parameters, self._state.config.limits)
-            await self._state.models.load(request.model_name, override)
+            await load_model(self._state, request.model_name, override)
 
         await self._run(call, load)
         return pb.message("RepositoryModelLoadResponse")()
@@ -291,7 +295,7 @@ class _Service:
             self._state.check_token(metadata, admin=True)
             if set(parameters) - {"unload_dependents"}:
                 raise RequestError("the only unload parameter is 'unload_dependents'")
-            await self._state.models.unload(request.model_name)
+            await unload_model(self._state, request.model_name)
 
         await self._run(call, unload)
         return pb.message("RepositoryModelUnloadResponse")()
@@ -979,6 +983,7 @@ async def serve_grpc(
     port: int,
     *,
     shutdown: anyio.Event,
+    reuse_port: bool = False,
     task_status: anyio.abc.TaskStatus[str] = anyio.TASK_STATUS_IGNORED,
 ) -> None:
     """Serve *state* over V2 gRPC on *host*:*port* until *shutdown* is set, then drain.
@@ -987,6 +992,10 @@ async def serve_grpc(
     *shutdown* each connection gets a GOAWAY (new calls are refused) and calls
     in progress get the drain period to finish; then they are cancelled, in
     the engine too. Requests are capped at ``max_body_bytes``, as over HTTP.
+    With *reuse_port* the listener is bound with ``SO_REUSEPORT``, as the HTTP
+    one is under ``serve --workers N``: every worker listens on the one gRPC
+    port and the kernel spreads new connections (not calls: a connection's
+    calls stay with the worker that accepted it) among them.
 
     Raises:
         OSError: The address cannot be bound.
@@ -1000,7 +1009,9 @@ async def serve_grpc(
         send_timeout=limits.send_timeout,
     )
     try:
-        listener = await anyio.create_tcp_listener(local_host=host, local_port=port)
+        listener = await anyio.create_tcp_listener(
+            local_host=host, local_port=port, reuse_port=reuse_port
+        )
     except OSError as exc:
         raise listen_error(host, port, exc) from None
     bound = listener.extra(anyio.abc.SocketAttribute.local_port)

@@ -120,8 +120,9 @@ async def serve_http(
         grpc_port: Also serve V2 gRPC (Triton's ``inference.GRPCInferenceService``)
             on this port of *host*, from the same engine; 0 picks a free one. Needs
             the ``grpc`` extra. None: HTTP only.
-        reuse_port: Bind with ``SO_REUSEPORT``, so that several processes
-            serve one port (the kernel spreads connections among them).
+        reuse_port: Bind with ``SO_REUSEPORT`` (HTTP and gRPC alike), so that
+            several processes serve one port (the kernel spreads connections
+            among them).
         worker: Internal: this process is one of ``trioinfer serve --workers N``'s.
         task_status: Reports a [`Listening`][trioinfer.server.Listening] once ready,
             for ``nursery.start``.
@@ -184,7 +185,9 @@ async def serve_http(
                 address = None
                 if serve_grpc is not None:
                     address = await layers.start(
-                        functools.partial(serve_grpc, state, host, grpc_port, shutdown=stop)
+                        functools.partial(
+                            serve_grpc, state, host, grpc_port, shutdown=stop, reuse_port=reuse_port
+                        )
                     )
                 task_status.started((urls, address))
             tg.cancel_scope.cancel()  # drained: the signal watcher may go too

@@ -3,11 +3,14 @@
 When one event loop is the limit (one core's worth of HTTP parsing, coding
 and scheduling), more processes serve the same port: each worker is a whole
 ``serve_http`` (its own engine, sessions and event loop) bound with
-``SO_REUSEPORT``, and the kernel spreads new connections among them. The
+``SO_REUSEPORT``, and the kernel spreads new connections among them. With
+gRPC, each worker serves it too, on the one gRPC port, bound the same way
+(the HTTP and gRPC layers share the worker's `ServerState`, so what follows
+holds for both protocols). The
 supervisor (the ``trioinfer serve`` process) starts them, restarts one that
 dies (with backoff), and stops them all on SIGINT/SIGTERM, each draining as a
-single server does. It binds the port too, without listening, so that the
-port stays reserved while a worker restarts and port 0 means one port.
+single server does. It binds the ports too, without listening, so that they
+stay reserved while a worker restarts and port 0 means one port.
 
 They talk over Unix sockets in a private temporary directory the supervisor
 creates and removes (one JSON line each way per call; a worker's periodic
@@ -425,7 +428,7 @@ def _own_exposition(index: int, pid: int, requests: int) -> bytes:
     """The family of a worker's own: the requests its process *pid* handled."""
     family = CounterMetricFamily(
         "trioinfer_worker_inference_requests",
-        "Inference requests over HTTP each worker process handled, any outcome.",
+        "Inference requests over HTTP and gRPC each worker process handled, any outcome.",
         labels=["worker", "pid"],
     )
     family.add_metric([str(index), str(pid)], requests)
@@ -513,6 +516,7 @@ class WorkerLink:
                 "urls": list(listening.urls),
                 "models": {name: list(v) for name, v in listening.models.items()},
                 "failed": list(listening.failed),
+                "grpc": listening.grpc,
             }
         )
 
@@ -710,12 +714,14 @@ class WorkersListening:
         models: The served models and versions, e.g. ``{"digits": (1,)}``.
         failed: Models of the repository that could not be loaded.
         pids: The workers' process ids, by worker index.
+        grpc: Where every worker serves V2 gRPC (``host:port``), or None when not served.
     """
 
     urls: tuple[str, ...]
     models: dict[str, tuple[int, ...]]
     failed: tuple[str, ...]
     pids: tuple[int, ...]
+    grpc: str | None = None
 
 
 @final
@@ -1074,6 +1080,7 @@ async def serve_workers(
     port: int = 8000,
     config: ServerConfig,
     models: Sequence[str] | None = None,
+    grpc_port: int | None = None,
     loop: str = "trio",
     log_level: str = "info",
     trace: tuple[str | None, float | None] = (None, None),
@@ -1086,26 +1093,43 @@ async def serve_workers(
     all have exited; a second signal stops them at once. *trace* is the
     ``--trace-exporter`` and ``--trace-rate`` settings: each worker makes its
     own tracer provider from them and the ``OTEL_*`` variables (a provider
-    cannot cross a process boundary; *config*'s is not used).
+    cannot cross a process boundary; *config*'s is not used). With
+    *grpc_port* (0: a free one, the same for every worker) each worker serves
+    V2 gRPC there too, as `serve_http` does.
 
     Raises:
-        ConfigError: The repository does not exist, or *workers* is below 1.
+        ConfigError: The repository does not exist, *workers* is below 1, or
+            *grpc_port* is the HTTP port.
         WorkerFailed: A worker could not start (the message says why), or one
             kept dying before it was ready.
-        OSError: The address could not be bound.
+        OSError: An address could not be bound.
     """
     from ._repository import ModelRepository
 
     if workers < 1:
         raise ConfigError(f"workers must be at least 1, got {workers}")
+    if grpc_port is not None and grpc_port != 0 and grpc_port == port:
+        raise ConfigError(f"grpc_port {grpc_port} is also the HTTP port: each needs its own")
     root = ModelRepository(repository).root  # a missing repository fails here, once
     reserved, port = _reserve_port(host, port)
+    if grpc_port is not None:
+        # Reserved as the HTTP port is: port 0 becomes the one port all workers share.
+        try:
+            grpc_reserved, grpc_port = _reserve_port(host, grpc_port)
+        except OSError as exc:
+            for sock in reserved:
+                sock.close()
+            from ._grpc import listen_error
+
+            raise listen_error(host, grpc_port, exc) from None
+        reserved += grpc_reserved
     directory = Path(tempfile.mkdtemp(prefix="trioinfer-workers-"))
     log.info("supervising %d workers; control sockets in %s", workers, directory)
     spec = {
         "repository": str(root),
         "host": host,
         "port": port,
+        "grpc_port": grpc_port,
         "models": None if models is None else list(models),
         "workers": workers,
         "loop": loop,
@@ -1142,6 +1166,7 @@ async def serve_workers(
                             {name: tuple(v) for name, v in first["models"].items()},
                             tuple(first["failed"]),
                             tuple(w.pid for w in supervisor.workers),
+                            first.get("grpc"),
                         )
                     )
                 await supervisor.stop.wait()
@@ -1226,6 +1251,7 @@ def _worker_main(argv: list[str]) -> int:
                     port=spec["port"],
                     config=config,
                     models=spec["models"],
+                    grpc_port=spec.get("grpc_port"),
                     reuse_port=True,
                     worker=link,
                 )
