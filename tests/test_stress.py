@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 import random
 from collections import Counter
 from collections.abc import Callable, Iterator
@@ -369,8 +370,12 @@ def check_accounts(plan: Plan, outcomes: list[str], runners: dict[str, list[Any]
             assert outcome in ("cancelled", "ModelNotFound", "EngineClosed"), (c, outcome)
             seen[c.model]["before"] += 1
             continue
-        if outcome == "cancelled" and c.method == "infer_stream":
-            outcome = "stream cancelled"
+        if outcome == "cancelled" and (
+            c.method == "infer_stream" or (c.cancel in ("after", "deadline") and not c.amount)
+        ):
+            # A stream's task may not have called yet; on asyncio a scope whose
+            # deadline is now is cancelled at once, as one cancelled before the call.
+            outcome = "maybe cancelled"
         seen[c.model][outcome] += 1
         rows[c.model, outcome] += c.rows
     for name, stats_of in runners.items():
@@ -384,17 +389,17 @@ def check_accounts(plan: Plan, outcomes: list[str], runners: dict[str, list[Any]
         where = f"{name}: counters {dict(counts)}, callers {dict(callers)}"
         certain = callers["ok"] + callers["QueueFull"] + callers["BackendError"]
         certain += callers["DeadlineExceeded"]
-        late = callers["cancelled"] + callers["stream cancelled"]
+        late = callers["cancelled"] + callers["maybe cancelled"]
         assert counts["refused"] == callers["QueueFull"], where
         assert counts["expired"] >= callers["DeadlineExceeded"], where
         assert counts["failed"] >= callers["BackendError"], where
         assert callers["ok"] <= counts["succeeded"] <= callers["ok"] + late, where
         assert rows[name, "ok"] <= counts["inferences"], where
         assert counts["inferences"] <= rows[name, "ok"] + rows[name, "cancelled"] + rows[
-            name, "stream cancelled"
+            name, "maybe cancelled"
         ], where
         low = certain + callers["cancelled"]
-        high = low + callers["stream cancelled"] + callers["EngineClosed"]
+        high = low + callers["maybe cancelled"] + callers["EngineClosed"]
         if name in PIPELINES:
             # A pipeline's request whose step found no model fails with ModelNotFound.
             high += callers["ModelNotFound"]
@@ -439,13 +444,17 @@ def _counts(runners: list[Any]) -> Counter[str]:
     return counts
 
 
+#: Runs per test: a few seconds by default; set TRIOINFER_STRESS_EXAMPLES for a longer search.
+EXAMPLES = int(os.environ.get("TRIOINFER_STRESS_EXAMPLES", "20"))
+
+
 @pytest.fixture(scope="module")
 def add(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return models.write_add(tmp_path_factory.mktemp("stress") / "add.onnx")
 
 
 @settings(
-    max_examples=40,
+    max_examples=EXAMPLES,
     deadline=None,
     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
 )
@@ -459,7 +468,7 @@ def test_every_request_ends_once_and_is_counted_once_on_trio(
 
 
 @settings(
-    max_examples=15,
+    max_examples=max(EXAMPLES // 3, 1),
     deadline=None,
     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
 )
