@@ -529,3 +529,26 @@ def test_an_execution_whose_caller_left_as_it_ended_is_not_a_successful_one(back
             assert (stats.executions, stats.successful_executions) == (2, 0)
 
     anyio.run(main, backend=backend)
+
+
+@pytest.mark.parametrize("backend", ["trio", "asyncio"])
+def test_a_caller_cancelled_before_it_calls_is_counted_by_no_way(
+    backend: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # It never entered: infer raises its cancellation counting nothing; so must
+    # infer_detailed, also when the loop's inline slice is spent (it yielded for the
+    # slice first, and counted the caller cancelled there).
+    monkeypatch.setattr(trioinfer._inline, "_wall", lambda: 1e9)  # the slice always spent
+
+    async def main() -> None:
+        async with open_engine() as engine:
+            await engine.load(python_model("m", SyncWork))
+            for call in (engine.infer, engine.infer_detailed):
+                with anyio.CancelScope() as scope:
+                    scope.cancel()
+                    await call("m", {"x": np.ones((1, 4), np.float32)})
+                assert scope.cancelled_caught
+            stats = engine.statistics().models["m"]
+            assert (stats.succeeded, stats.cancelled, stats.executions) == (0, 0, 0)
+
+    anyio.run(main, backend=backend)
