@@ -19,11 +19,9 @@ served its name, an unloaded one's included) add up to what its callers saw.
 from __future__ import annotations
 
 import contextlib
-import math
 import os
 import random
 from collections import Counter
-from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -109,7 +107,8 @@ def python_model(
     if cls is SyncWork:
         options["dispatch"] = dispatch
     if batched:
-        kw.update(batcher="dynamic", batcher_options={"max_batch_size": 8, "max_queue_delay": 0.001})
+        kw["batcher"] = "dynamic"
+        kw["batcher_options"] = {"max_batch_size": 8, "max_queue_delay": 0.001}
     return ModelConfig(name=name, path="-", backend="python", backend_options=options, **kw)
 
 
@@ -226,7 +225,8 @@ def _plans(max_callers: int) -> st.SearchStrategy[Plan]:
         cancel=st.sampled_from(["none", "none", "before", "checkpoints", "after", "deadline"]),
         amount=st.sampled_from([0, 1, 2, 3, 5, 0.0005, 0.001, 0.003]),
     )
-    reload = st.tuples(time, st.sampled_from(CALLED + tuple(m for s in PIPELINES.values() for m in s)), time)
+    steps = tuple(model for used in PIPELINES.values() for model in used)
+    reload = st.tuples(time, st.sampled_from(CALLED + steps), time)
     return st.builds(
         Plan,
         callers=st.lists(caller, min_size=1, max_size=max_callers),
@@ -291,9 +291,7 @@ async def run_plan(plan: Plan, add: Path, watchdog: bool = False) -> None:
             if not any(r is runner for r in runners.setdefault(name, [])):
                 runners[name].append(runner)
 
-    async def caller(
-        engine: trioinfer.Engine, tg: anyio.abc.TaskGroup, i: int, c: Caller
-    ) -> None:
+    async def caller(engine: trioinfer.Engine, tg: anyio.abc.TaskGroup, i: int, c: Caller) -> None:
         await anyio.sleep(c.start)
         outcome = "cancelled"
         with anyio.CancelScope() as scope:
@@ -395,9 +393,10 @@ def check_accounts(plan: Plan, outcomes: list[str], runners: dict[str, list[Any]
         assert counts["failed"] >= callers["BackendError"], where
         assert callers["ok"] <= counts["succeeded"] <= callers["ok"] + late, where
         assert rows[name, "ok"] <= counts["inferences"], where
-        assert counts["inferences"] <= rows[name, "ok"] + rows[name, "cancelled"] + rows[
-            name, "maybe cancelled"
-        ], where
+        assert (
+            counts["inferences"]
+            <= rows[name, "ok"] + rows[name, "cancelled"] + rows[name, "maybe cancelled"]
+        ), where
         low = certain + callers["cancelled"]
         high = low + callers["maybe cancelled"] + callers["EngineClosed"]
         if name in PIPELINES:

@@ -218,9 +218,7 @@ class Pipeline:
         # a model's are: the checks are the same either way.
         self.batched = self.signature.batched
         #: ``validate_rows`` for this pipeline's inputs, as a model runner's.
-        self.validate = rows_validator(
-            config.name, self.signature, self.input_limits, self.batched
-        )
+        self.validate = rows_validator(config.name, self.signature, self.input_limits, self.batched)
         self.clock = LoopClock()
         self.devices: tuple[str, ...] = ()
         self._in_flight = 0
