@@ -36,7 +36,7 @@ from hypothesis import strategies as st
 
 import trioinfer
 import trioinfer._inline
-from trioinfer import ModelConfig, open_engine
+from trioinfer import Instance, ModelConfig, open_engine
 from trioinfer.testing import models
 
 pytestmark = [pytest.mark.pipeline, pytest.mark.python_model, pytest.mark.streaming]
@@ -151,6 +151,9 @@ def configs(add: Path) -> list[ModelConfig]:
         python_model("d_thread", SyncWork, dispatch="thread", fails=True, max_queue_size=3),
         python_model("d_async", AsyncWork, fails=True),
         python_model("d_batched", AsyncWork, batched=True, fails=True, max_queue_size=4),
+        # Two instances; and one whose queue policy gives callers without a deadline one.
+        python_model("d_two", AsyncWork, fails=True, instances=[Instance(count=2)]),
+        python_model("d_timeouts", SyncWork, dispatch="thread", queue_timeouts={0: 0.001}),
         ort_model("d_ort_inline", add, "inline"),
         ort_model("d_ort_thread", add, "thread"),
         # Steps of the unbatched pipelines (each used by one pipeline, once).
@@ -165,6 +168,9 @@ def configs(add: Path) -> list[ModelConfig]:
         python_model("s_left", SyncWork, dispatch="thread"),
         python_model("s_right", AsyncWork, fails=True),
         python_model("s_join", Join),
+        # Steps of the pipeline whose queue policy sets its callers' deadline.
+        python_model("t_inline", SyncWork),
+        python_model("t_async", AsyncWork),
         # Steps of the pipeline that batches.
         python_model("b_inline", SyncWork, fails=True),
         python_model("b_async", AsyncWork),
@@ -198,6 +204,11 @@ def configs(add: Path) -> list[ModelConfig]:
             ],
         ),
         pipeline(
+            "p_timeouts",
+            [_step("t_inline", "IN", "A"), _step("t_async", "A", "OUT")],
+            queue_timeouts={0: 0.001},
+        ),
+        pipeline(
             "p_batched",
             [_step("b_inline", "IN", "A"), _step("b_async", "A", "OUT")],
             batcher="dynamic",
@@ -206,16 +217,26 @@ def configs(add: Path) -> list[ModelConfig]:
     ]
 
 
-DIRECT = ("d_inline", "d_thread", "d_async", "d_batched", "d_ort_inline", "d_ort_thread")
+DIRECT = (
+    "d_inline",
+    "d_thread",
+    "d_async",
+    "d_batched",
+    "d_two",
+    "d_timeouts",
+    "d_ort_inline",
+    "d_ort_thread",
+)
 PIPELINES = {
     "p_inline": ("s_inline", "s_ort_inline", "s_raise"),
     "p_mixed": ("s_async", "s_batched", "s_ort_thread", "s_thread"),
     "p_diamond": ("s_left", "s_right", "s_join"),
+    "p_timeouts": ("t_inline", "t_async"),
     "p_batched": ("b_inline", "b_async"),
 }
 CALLED = DIRECT + tuple(PIPELINES)
 #: Unbatched models: one execution per request.
-UNBATCHED = {"d_inline", "d_thread", "d_async", "d_ort_inline", "d_ort_thread"}
+UNBATCHED = set(DIRECT) - {"d_batched"}
 
 
 @attrs.frozen
