@@ -522,6 +522,20 @@ def test_every_request_ends_once_and_is_counted_once_on_trio(
     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
 )
 @given(plan=_plans(max_callers=10))
+def test_every_request_ends_once_and_is_counted_once_on_trio_in_real_time(
+    plan: Plan, add: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Threads' answers and deadlines interleave as they come, not as the mock clock leaps.
+    _random_slice(monkeypatch, plan.slice_seed)
+    anyio.run(run_plan, plan, add, True, backend="trio")
+
+
+@settings(
+    max_examples=max(EXAMPLES // 3, 1),
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
+@given(plan=_plans(max_callers=10))
 def test_every_request_ends_once_and_is_counted_once_on_asyncio(
     plan: Plan, add: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
