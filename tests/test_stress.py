@@ -253,7 +253,8 @@ class Caller:
 @attrs.frozen
 class Plan:
     callers: list[Caller]
-    reloads: list[tuple[float, str, float]]  # (when, model, how long it stays unloaded)
+    #: (when, model, how long it stays unloaded, or replaced in place when negative)
+    reloads: list[tuple[float, str, float]]
     close_after: float
     drain_period: float
     slice_seed: int
@@ -272,7 +273,7 @@ def _plans(max_callers: int) -> st.SearchStrategy[Plan]:
         amount=st.sampled_from([0, 1, 2, 3, 5, 0.0005, 0.001, 0.003]),
     )
     steps = tuple(model for used in PIPELINES.values() for model in used)
-    reload = st.tuples(time, st.sampled_from(CALLED + steps), time)
+    reload = st.tuples(time, st.sampled_from(CALLED + steps), time | st.just(-1.0))
     return st.builds(
         Plan,
         callers=st.lists(caller, min_size=1, max_size=max_callers),
@@ -364,8 +365,13 @@ async def run_plan(plan: Plan, add: Path, watchdog: bool = False) -> None:
         for when, name, gone in sorted(plan.reloads):
             await anyio.sleep(when)
             try:
-                before = set(engine._runners)
-                if name in before:
+                if gone < 0:
+                    if name in engine._runners:
+                        # A new runner serves the name; the old one drains what it holds.
+                        await engine.load(every[name], replace=True)
+                        keep(engine)
+                    continue
+                if name in engine._runners:
                     await engine.unload(name)
                 await anyio.sleep(gone)
                 for config in every.values():  # (steps before their pipelines)
