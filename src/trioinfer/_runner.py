@@ -629,9 +629,10 @@ class ModelStatistics:
         executions: Backend executions (batches) started, failed and aborted
             ones included.
         successful_executions: Executions whose outputs went to their requests
-            (a failed run, a retried attempt that failed, an execution aborted
-            because its callers left, or outputs that could not be split among
-            the batch's requests do not count): Triton's ``execution_count``.
+            (a failed run, a retried attempt that failed, an execution whose
+            callers all left before it ended, aborted or not, or outputs that
+            could not be split among the batch's requests do not count):
+            Triton's ``execution_count``.
         mean_execution_s: Moving average of a batch's execution time.
         buffers_allocated: Batch input buffers allocated so far; flat in steady
             state, because batches reuse pooled buffers.
