@@ -141,6 +141,23 @@ async def test_a_pipeline_looks_like_one_model(autojump_clock: trio.testing.Mock
         assert "p" in [m.name for m in engine.models()]
 
 
+async def test_a_pipelines_inference_count_is_its_requests_rows(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    # inferences (Triton's inference_count) counts the rows that got outputs, as a
+    # model's does (and a pipeline that batches its own requests): on each way a
+    # pipeline request runs (its chain as plain calls, side by side steps, _submit's).
+    async with open_engine() as engine:
+        await load_diamond(engine)
+        await engine.load(pipeline([step("double", "IN", "OUT")], name="chain"))
+        three = np.ones((3, 4), np.float32)
+        for name in ("p", "chain"):
+            await engine.infer(name, {"IN": three})
+            await engine.infer_detailed(name, {"IN": three})
+            stats = engine.statistics().models[name]
+            assert (stats.succeeded, stats.inferences) == (2, 6), name
+
+
 async def test_steps_whose_inputs_are_ready_run_side_by_side(
     autojump_clock: trio.testing.MockClock,
 ) -> None:

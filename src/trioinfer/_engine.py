@@ -727,7 +727,12 @@ class Engine:
         found = self._idle_here(model) if sequence is None else None
         if found is not None:
             # As infer runs a request on an idle inline model: in this task.
-            if found[0].slice_spent(found[1]):
+            if found[0].clock.current_effective_deadline() == -math.inf:
+                # Cancelled before it called: _submit raises that, counting nothing, as
+                # infer does (read first, as infer does: _yield_for_slice counts a
+                # caller that leaves once the request is taken).
+                found = None
+            elif found[0].slice_spent(found[1]):
                 await _yield_for_slice(found[0])
                 found = self._idle_here(model)
             if found is not None:

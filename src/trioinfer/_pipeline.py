@@ -213,9 +213,12 @@ class Pipeline:
         self._output_names = tuple(spec.name for spec in self.signature.outputs)
         self.input_limits = config.input_limits
         self.queue_timeouts = config.queue_timeouts
-        self.batched = False  # requests keep their rows; each step batches on its own
+        # Requests keep their rows (each step batches on its own); with a batch
+        # dimension, their rows are counted (inferences, Triton's inference_count), as
+        # a model's are: the checks are the same either way.
+        self.batched = self.signature.batched
         #: ``validate_rows`` for this pipeline's inputs, as a model runner's.
-        self.validate = rows_validator(config.name, self.signature, self.input_limits, False)
+        self.validate = rows_validator(config.name, self.signature, self.input_limits, self.batched)
         self.clock = LoopClock()
         self.devices: tuple[str, ...] = ()
         self._in_flight = 0

@@ -629,9 +629,10 @@ class ModelStatistics:
         executions: Backend executions (batches) started, failed and aborted
             ones included.
         successful_executions: Executions whose outputs went to their requests
-            (a failed run, a retried attempt that failed, an execution aborted
-            because its callers left, or outputs that could not be split among
-            the batch's requests do not count): Triton's ``execution_count``.
+            (a failed run, a retried attempt that failed, an execution whose
+            callers all left before it ended, aborted or not, or outputs that
+            could not be split among the batch's requests do not count):
+            Triton's ``execution_count``.
         mean_execution_s: Moving average of a batch's execution time.
         buffers_allocated: Batch input buffers allocated so far; flat in steady
             state, because batches reuse pooled buffers.
@@ -1420,8 +1421,11 @@ class ModelRunner(metaclass=NoPublicConstructor):
             slot.release()
         if split is None:
             assert outputs is not None
-            self.successful_executions += 1
-            self._succeed(live, (outputs,), replica, ended)
+            # Counted only if its outputs went to someone: its caller may have left
+            # after it ended, before this task resumed (a thread's answer comes one
+            # scheduling pass later), as one aborted because its callers left.
+            if self._succeed(live, (outputs,), replica, ended):
+                self.successful_executions += 1
             return True
         try:
             shares = split(outputs)
@@ -1432,8 +1436,8 @@ class ModelRunner(metaclass=NoPublicConstructor):
             error = ValueError(f"it gave {len(shares)} shares for {len(live)} requests")
             self._fail_batch(live, "split", error)
             return True
-        self.successful_executions += 1
-        self._succeed(live, shares, replica, ended)
+        if self._succeed(live, shares, replica, ended):
+            self.successful_executions += 1
         return True
 
     def _live(self, requests: Sequence[Request]) -> tuple[list[Request], int, float]:
@@ -2153,11 +2157,11 @@ class ModelRunner(metaclass=NoPublicConstructor):
     @_ki_protected
     def _succeed(
         self, requests: Sequence[Request], shares: Sequence[Outputs], replica: Replica, ended: float
-    ) -> None:
+    ) -> bool:
         # finish(outputs=...) and _end() for a computed batch's requests, in one
         # pass (two calls fewer per request): a change to either belongs here too.
         # After the backend call a request is still running, or done: its caller
-        # left, or another attempt (a hedge) answered.
+        # left, or another attempt (a hedge) answered. True if any got its outputs.
         in_flight = self._in_flight
         if len(requests) == 1:
             # One request (every execution of an unbatched model): the loop
@@ -2182,7 +2186,8 @@ class ModelRunner(metaclass=NoPublicConstructor):
                     self._idle.set()
                     self._idle = None
                 self._request_duration.observe(ended - request.arrival)
-            return
+                return True
+            return False
         durations: list[float] = []
         inferences = 0
         reschedule: Callable[[Any, Any], object] | None = None  # fetched for the first parked task
@@ -2210,6 +2215,7 @@ class ModelRunner(metaclass=NoPublicConstructor):
             self._idle.set()
             self._idle = None
         self._request_duration.observe_each(durations)
+        return bool(durations)
 
     # -- replicas in and out of service (FallbackContext) ------------------------------
 
