@@ -268,7 +268,7 @@ def _duration(count: int, seconds: float) -> dict[str, int]:
 def _families(counts: Counts) -> Iterator[Metric]:
     requests = CounterMetricFamily(
         "trioinfer_inference_requests",
-        "Inference requests over HTTP, by model, version and outcome.",
+        "Inference requests over HTTP and gRPC, by model, version and outcome.",
         labels=[*_LABELS, "outcome"],
     )
     for model, version, outcome, n in counts["outcomes"]:
@@ -276,7 +276,7 @@ def _families(counts: Counts) -> Iterator[Metric]:
     yield requests
     yield GaugeMetricFamily(
         "trioinfer_http_inference_in_flight",
-        "Inference requests the HTTP server is handling now.",
+        "Inference requests the server is handling now, over HTTP and gRPC.",
         value=counts["in_flight"],
     )
     executions = CounterMetricFamily(
