@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import inspect
+import tomllib
+from pathlib import Path
 
 import trioinfer
 import trioinfer.abc
@@ -95,3 +97,13 @@ def test_errors_share_one_base() -> None:
     errors += [trioinfer.ModelNotFound, trioinfer.InvalidInput, trioinfer.DeadlineExceeded]
     errors += [trioinfer.EngineClosed, trioinfer.BackendUnavailable, trioinfer.StreamClosed]
     assert all(issubclass(e, trioinfer.TrioInferError) for e in errors)
+
+
+def test_every_package_the_wheel_ships_is_typed() -> None:
+    # Without py.typed, a user's mypy skips the package ("missing library stubs or
+    # py.typed marker"): failover.py's `from trioinfer_onnxruntime import ...` failed
+    # mypy --strict in a reader's project, though it passed against our plugins/ path.
+    root = Path(__file__).resolve().parent.parent
+    wheel = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["hatch"]["build"]
+    packages = wheel["targets"]["wheel"]["packages"]
+    assert [p for p in packages if not (root / p / "py.typed").is_file()] == []

@@ -138,8 +138,9 @@ async def outputs_are_views(engine: trioinfer.Engine, path: Path) -> None:
         nursery.start_soon(call, 0)
         nursery.start_soon(call, 1)
     first, second = outputs
-    shared = first.base is not None and first.base is second.base
-    print(f"step 4: both answers are views of one {first.base.shape} array: {shared}")
+    batch = first.base  # the array a view looks into; None for an array that owns its data
+    assert batch is not None, "the answer is a copy, not a view of the batch's output"
+    print(f"step 4: both answers are views of one {batch.shape} array: {batch is second.base}")
     kept = first.copy()  # a copy holds only its own row, not the whole batch output
     print(f"step 4: a copy owns its data: {kept.base is None}")
 

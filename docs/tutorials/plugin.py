@@ -106,7 +106,7 @@ class MatmulBackend:
 
 def read_weight(model: str, path: Path) -> np.ndarray:
     try:
-        weight = np.load(path, allow_pickle=False)
+        weight: np.ndarray = np.load(path, allow_pickle=False)  # numpy types load() as Any
     except (OSError, ValueError) as exc:
         raise trioinfer.BackendError(f"model {model!r}: cannot read {path}: {exc}") from exc
     if weight.ndim != 2:

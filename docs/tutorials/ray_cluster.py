@@ -15,6 +15,7 @@ os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 import ray
 import trio
+from ray._private.node import Node  # what Cluster.add_node returns; Ray exports it nowhere else
 from ray.cluster_utils import Cluster
 
 import trioinfer
@@ -23,22 +24,27 @@ import trioinfer
 TEMP = tempfile.mkdtemp(prefix="ray-", dir="/tmp")
 os.environ["RAY_TMPDIR"] = TEMP  # where Ray notes the cluster's address
 os.makedirs(os.path.join(TEMP, "ray"))
-NODE = {
-    "node_ip_address": "127.0.0.1",
-    "include_dashboard": False,
-    "num_cpus": 1,
-    "temp_dir": TEMP,
-}
-TAG = {"model:digits": 1}  # these nodes have the digits model's weights at hand
 
 
-def start_cluster() -> tuple[Cluster, object]:
+def add_node(cluster: Cluster) -> Node:
+    """Start a node that has the digits model's weights at hand (the first one is the head)."""
+    node: Node = cluster.add_node(
+        node_ip_address="127.0.0.1",
+        include_dashboard=False,
+        num_cpus=1,
+        temp_dir=TEMP,
+        resources={"model:digits": 1},
+    )
+    return node
+
+
+def start_cluster() -> tuple[Cluster, Node, Node]:
     """A head node and a worker node, both advertising the digits model."""
-    cluster = Cluster(initialize_head=True, head_node_args={**NODE, "resources": TAG})
-    worker = cluster.add_node(**NODE, resources=TAG)
+    cluster = Cluster()
+    head, worker = add_node(cluster), add_node(cluster)
     cluster.wait_for_nodes()
     ray.init(address=cluster.address, _node_ip_address="127.0.0.1", log_to_driver=False)
-    return cluster, worker
+    return cluster, head, worker
 
 
 # --8<-- [end:cluster]
@@ -107,9 +113,8 @@ async def classify_many(engine: trioinfer.Engine, count: int) -> tuple[int, int]
 
 # --8<-- [start:main]
 async def main() -> None:
-    cluster, worker = start_cluster()
-    head_id = cluster.head_node.node_id
-    nodes = {head_id[:12]: "the head", worker.node_id[:12]: "the worker"}
+    cluster, head, worker = start_cluster()
+    nodes = {head.node_id[:12]: "the head", worker.node_id[:12]: "the worker"}
     try:
         async with trioinfer.open_engine() as engine:
             await engine.load(CONFIG)
@@ -130,7 +135,7 @@ async def main() -> None:
             show_instances(engine, nodes)
 
             print("step 3: a new node joins; the instance is re-created there")
-            cluster.add_node(**NODE, resources=TAG)
+            add_node(cluster)
             with trio.fail_after(120):
                 while "out" in states(engine):  # noqa: ASYNC110
                     await trio.sleep(0.1)
@@ -139,7 +144,7 @@ async def main() -> None:
             print(f"  {correct} of 200 correct")
     finally:
         ray.shutdown()
-        cluster.shutdown()
+        cluster.shutdown()  # type: ignore[no-untyped-call]  # Ray leaves it unannotated
         shutil.rmtree(TEMP, ignore_errors=True)
 
 

@@ -7,6 +7,8 @@ whose every execution takes 10 ms, so that queues form and orders show.
 
 # --8<-- [start:setup]
 import functools
+from collections.abc import Mapping
+from typing import TypedDict
 
 import numpy as np
 import trio
@@ -20,22 +22,42 @@ X = np.ones((1, 4), dtype=np.float32)
 backend = FakeBackend(delay=EXECUTION_S)
 
 
-async def load(engine: trioinfer.Engine, name: str, **config: object) -> None:
+async def load(
+    engine: trioinfer.Engine,
+    name: str,
+    scheduler: str,
+    scheduler_options: Mapping[str, object] | None = None,
+    queue_timeouts: Mapping[int, float] | None = None,
+) -> None:
     """Load the stand-in model as *name*: one instance, one request per execution."""
-    await engine.load(trioinfer.ModelConfig(name=name, path="unused", backend="fake", **config))
+    config = trioinfer.ModelConfig(
+        name=name,
+        path="unused",
+        backend="fake",
+        scheduler=scheduler,
+        scheduler_options=scheduler_options or {},
+        queue_timeouts=queue_timeouts or {},
+    )
+    await engine.load(config)
 
 
-async def in_order(engine: trioinfer.Engine, model: str, calls: dict[str, dict]) -> list[str]:
-    """Queue one request per entry of *calls* while the instance is held; return who ended when.
+class Call(TypedDict, total=False):
+    """How one queued request is made: ``engine.infer`` keywords, and the caller's budget."""
 
-    Each entry maps a label to ``engine.infer`` keyword arguments, plus an optional
-    ``budget``: seconds for the caller's own ``trio.move_on_after`` scope.
-    """
+    priority: int
+    tenant: str
+    budget: float  # seconds for the caller's own trio.move_on_after scope
+
+
+async def in_order(engine: trioinfer.Engine, model: str, calls: dict[str, Call]) -> list[str]:
+    """Queue one request per entry of *calls* while the instance is held; return who ended when."""
     done: list[str] = []
 
-    async def call(label: str, budget: float = 60.0, **kwargs: object) -> None:
+    async def call(
+        label: str, priority: int = 0, tenant: str | None = None, budget: float = 60.0
+    ) -> None:
         with trio.move_on_after(budget):
-            await engine.infer(model, {"x": X}, **kwargs)
+            await engine.infer(model, {"x": X}, priority=priority, tenant=tenant)
             done.append(label)
 
     gate = trio.CancelScope()
@@ -162,7 +184,7 @@ async def deadlines(engine: trioinfer.Engine) -> None:
 # --8<-- [start:fair]
 async def fairness(engine: trioinfer.Engine, scheduler: str) -> None:
     await load(engine, scheduler, scheduler=scheduler)
-    calls: dict[str, dict] = {f"batch-{i}": {"tenant": "batch-job"} for i in range(30)}
+    calls: dict[str, Call] = {f"batch-{i}": {"tenant": "batch-job"} for i in range(30)}
     calls["interactive"] = {"tenant": "alice"}
     order = await in_order(engine, scheduler, calls)
     position = order.index("interactive") + 1
@@ -171,7 +193,7 @@ async def fairness(engine: trioinfer.Engine, scheduler: str) -> None:
 
 async def weighted(engine: trioinfer.Engine) -> None:
     await load(engine, "shared", scheduler="fair", scheduler_options={"weights": {"gold": 3}})
-    calls: dict[str, dict] = {}
+    calls: dict[str, Call] = {}
     for i in range(20):
         calls[f"gold-{i}"] = {"tenant": "gold"}
         calls[f"free-{i}"] = {"tenant": "free"}

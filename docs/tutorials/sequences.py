@@ -86,7 +86,10 @@ async def send(
 
 async def interleaved(engine: trioinfer.Engine) -> None:
     values = [11, 7, 5, 3, 2, 0, 1]
-    streams = {1000: [0, *values], "speaker-b": [100, *[-v for v in values]]}
+    streams: dict[int | str, list[int]] = {
+        1000: [0, *values],
+        "speaker-b": [100, *[-v for v in values]],
+    }
     sums: dict[int | str, list[int]] = {}
     instances: dict[int | str, set[int]] = {key: set() for key in streams}
 

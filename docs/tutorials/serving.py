@@ -176,7 +176,8 @@ async def infer_binary(client: httpx.AsyncClient) -> None:
 async def batching(client: httpx.AsyncClient) -> None:
     async def stats() -> dict[str, Any]:
         response = await client.get("/v2/models/digits/versions/3/stats")
-        return response.json()["model_stats"][0]
+        model_stats: dict[str, Any] = response.json()["model_stats"][0]
+        return model_stats
 
     async def one(i: int) -> None:
         request = {"inputs": [tensor("input", IMAGES[i : i + 1])]}

@@ -16,7 +16,7 @@ import os
 import socket
 import threading
 from collections.abc import Awaitable, Callable, Coroutine
-from typing import Any, Generic, Protocol, TypeVar, final
+from typing import Any, Generic, Protocol, TypeVar, TypeVarTuple, final
 
 import anyio
 import anyio.lowlevel
@@ -31,6 +31,7 @@ except ImportError:  # pragma: no cover - depends on the installed Trio
     _trio_run = None
 
 T = TypeVar("T")
+Args = TypeVarTuple("Args")
 
 # The latest deadline among the rows of the batch a backend instance is executing.
 _batch_deadline: contextvars.ContextVar[float] = contextvars.ContextVar(
@@ -500,7 +501,10 @@ class WorkerThread:
         return self._thread.name
 
     async def run_sync(
-        self, fn: Callable[..., T], *args: object, abort: Callable[[], object] | None = None
+        self,
+        fn: Callable[[*Args], T],
+        *args: *Args,
+        abort: Callable[[], object] | None = None,
     ) -> T:
         """Run ``fn(*args)`` in the thread and return its result (or raise its exception).
 
