@@ -731,6 +731,8 @@ def _translate(message: Any, doc: dict[str, Any], name: str, where: str) -> Trit
         elif key == "instances" and isinstance(settings.get(key), list):
             settings[key] = _with_own_instances(settings[key], value)
         settings.setdefault(key, value)
+    if not ensemble and settings.get("backend", "onnxruntime") == "onnxruntime":
+        _declare_dims(settings, message, max_batch)
 
     versions: Any = None
     if message.HasField("version_policy"):
@@ -751,6 +753,24 @@ def _translate(message: Any, doc: dict[str, Any], name: str, where: str) -> Trit
         tuple(notes),
         model_filename,
     )
+
+
+def _declare_dims(settings: dict[str, Any], message: Any, max_batch: int) -> None:
+    # Triton takes the dims config.pbtxt gives as the model's: an ONNX model's
+    # signature fixes the sizes they fix where its graph leaves them symbolic (the
+    # backend's inputs and outputs options; one it fixes otherwise is refused at load).
+    given = settings.get("backend_options", {})
+    if not isinstance(given, Mapping):
+        return  # refused with its reason when the config is built
+    batch = [-1] if max_batch > 0 else []
+    options = dict(given)
+    for kind, tensors in (("inputs", message.input), ("outputs", message.output)):
+        if tensors and kind not in options:
+            options[kind] = [
+                {"name": tensor.name, "shape": [*batch, *tensor.dims]} for tensor in tensors
+            ]
+    if options:
+        settings["backend_options"] = options
 
 
 def _with_initial_values(
