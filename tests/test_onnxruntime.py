@@ -762,9 +762,11 @@ async def test_the_first_instance_measures_once_per_file_device_threads_and_size
     calls: list[list[int]] = []
     measure = _tuning._time_batch_sizes
 
-    def counted(session: Any, label: str, sizes: list[int], *args: Any) -> dict[int, float]:
+    def counted(
+        session: Any, signature: Any, label: str, sizes: list[int], *args: Any
+    ) -> dict[int, float]:
         calls.append(sizes)
-        return measure(session, label, sizes, *args)
+        return measure(session, signature, label, sizes, *args)
 
     monkeypatch.setattr(_tuning, "_time_batch_sizes", counted)
     async with open_engine() as engine:
@@ -1077,15 +1079,15 @@ def test_why_a_graph_does_not_prove_its_outputs(
     constant = _write_reshape(model_dir / "constant.onnx", declared=["N", 4], inferable=True)
     open_size = _proof.outputs_unproved(computed, spec("N", 3))
     assert open_size == _proof.Unproved(
-        "shape inference leaves size 1 of output 'y' open, which the graph declares 3"
+        "shape inference leaves size 1 of output 'y' open, which the signature declares 3"
     )
     assert _proof.outputs_unproved(computed, spec("N", None)) is None
     assert _proof.outputs_unproved(constant, spec("N", 4)) is None
     assert _proof.outputs_unproved(constant, spec("N", 3)) == _proof.Unproved(
-        "the graph declares output 'y' float32[N, 3], but its operators compute [N, 4]", True
+        "the signature declares output 'y' float32[N, 3], but its operators compute [N, 4]", True
     )
     assert _proof.outputs_unproved(constant, spec("N", 4, 1)) == _proof.Unproved(
-        "the graph declares output 'y' float32[N, 4, 1], but its operators compute [N, 4]", True
+        "the signature declares output 'y' float32[N, 4, 1], but its operators compute [N, 4]", True
     )
     _proof._proved.clear()
     monkeypatch.setitem(sys.modules, "onnx", None)
@@ -1230,3 +1232,35 @@ async def test_bad_inputs_and_outputs_options_are_refused(
             ModelConfig(name="b", path=path, backend_options=options),
             Placement(Device("cpu"), 0),
         )
+
+
+async def test_inputs_the_config_fixes_feed_the_proof(model_dir: Path) -> None:
+    """y = Concat(x, x): x float32[N, k], y float32[N, m]. With x fixed at [N, 2] and y
+    at [N, 4], inference from the fixed input proves y (the cheap check); y fixed at 3
+    contradicts it: the full check, which refuses every answer."""
+    import onnx
+    from onnx import TensorProto, helper
+
+    graph = helper.make_graph(
+        [helper.make_node("Concat", ["x", "x"], ["y"], axis=1)],
+        "doubled",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", "k"])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", "m"])],
+    )
+    path = model_dir / "doubled.onnx"
+    onnx.save(
+        helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=9), path
+    )
+    for width, proved in ((4, True), (3, False)):
+        options = {
+            "inputs": [{"name": "x", "shape": [-1, 2]}],
+            "outputs": [{"name": "y", "shape": [-1, width]}],
+        }
+        instance = await OnnxRuntimeBackend().load(
+            ModelConfig(name="d", path=path, backend_options=options), Placement(Device("cpu"), 0)
+        )
+        try:
+            assert instance.signature.outputs[0].shape == ("N", width)
+            assert instance.checks_outputs is proved
+        finally:
+            await instance.aclose()

@@ -120,10 +120,18 @@ async def test_an_input_of_another_size_than_the_config_fixes_is_refused(
 
 
 async def test_an_answer_of_another_size_than_the_config_fixes_fails(
-    client: httpx.AsyncClient,
+    client: httpx.AsyncClient, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """y's width is 3 by the config, and the graph computes 4: the answer never reaches
+    """y's width is 3 by the config, and the graph computes 4 (from x's 2, which the
+    config fixes too): the operator is warned at load, and the answer never reaches
     the client that metadata told 3; the model's fault (500), naming the output."""
+    warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert any(
+        "instance 0: its graph does not prove its outputs' shapes (the signature "
+        "declares output 'y' float32[N, 3], but its operators compute [N, 4])" in message
+        and message.startswith("model 'wrong'")
+        for message in warned
+    ), warned
     meta = (await client.get("/v2/models/wrong")).json()
     assert meta["outputs"][0]["shape"] == [-1, 3]
     answer = await client.post("/v2/models/wrong/infer", json=_body(2, 2))
