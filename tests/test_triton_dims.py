@@ -128,7 +128,8 @@ async def test_an_answer_of_another_size_than_the_config_fixes_fails(
     warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
     assert any(
         "instance 0: its graph does not prove its outputs' shapes (the signature "
-        "declares output 'y' float32[N, 3], but its operators compute [N, 4])" in message
+        "declares output 'y' float32[N, 3], but its operators compute [N, 4])"
+        in message
         and message.startswith("model 'wrong'")
         for message in warned
     ), warned

@@ -58,8 +58,8 @@ OPTIONS: Final[Mapping[str, str]] = {
     "or -1 to keep the graph's; a fixed size narrows a symbolic or open one in the "
     "signature (metadata, and the engine refuses requests of another size), and one the "
     "graph fixes otherwise is refused at load (a config.pbtxt's dims arrive here)",
-    "outputs": "as inputs, for outputs: the engine then refuses an answer of another size "
-    "(BackendError), unless ONNX shape inference proves the graph computes it",
+    "outputs": "as inputs, for outputs: an answer of another size fails (BackendError); "
+    "where ONNX shape inference proves the graph computes the sizes, that check is spared",
 }
 
 
