@@ -29,6 +29,7 @@ from trioinfer_onnxruntime import (
     _device,
     _instance,
     _options,
+    _ort,
     _tuning,
     probe_device,
 )
@@ -761,9 +762,11 @@ async def test_the_first_instance_measures_once_per_file_device_threads_and_size
     calls: list[list[int]] = []
     measure = _tuning._time_batch_sizes
 
-    def counted(session: Any, label: str, sizes: list[int], *args: Any) -> dict[int, float]:
+    def counted(
+        session: Any, signature: Any, label: str, sizes: list[int], *args: Any
+    ) -> dict[int, float]:
         calls.append(sizes)
-        return measure(session, label, sizes, *args)
+        return measure(session, signature, label, sizes, *args)
 
     monkeypatch.setattr(_tuning, "_time_batch_sizes", counted)
     async with open_engine() as engine:
@@ -816,7 +819,10 @@ def test_each_size_is_warmed_then_timed_and_its_fastest_run_counts() -> None:
             4: [2.0],  # over a second a run: timed once
         }
     )
-    rates = _tuning._time_batch_sizes(session, "model 'f'", [1, 2, 4], session.clock, None)
+    signature = _ort._signature(session)
+    rates = _tuning._time_batch_sizes(
+        session, signature, "model 'f'", [1, 2, 4], session.clock, None
+    )
     assert session.runs == [1] * 51 + [2] * 3 + [4] * 2
     assert rates == pytest.approx({1: 1000.0, 2: 4.0, 4: 2.0})
     assert ort_backend.preferred_batch_size(rates) == 1
@@ -1073,15 +1079,15 @@ def test_why_a_graph_does_not_prove_its_outputs(
     constant = _write_reshape(model_dir / "constant.onnx", declared=["N", 4], inferable=True)
     open_size = _proof.outputs_unproved(computed, spec("N", 3))
     assert open_size == _proof.Unproved(
-        "shape inference leaves size 1 of output 'y' open, which the graph declares 3"
+        "shape inference leaves size 1 of output 'y' open, which the signature declares 3"
     )
     assert _proof.outputs_unproved(computed, spec("N", None)) is None
     assert _proof.outputs_unproved(constant, spec("N", 4)) is None
     assert _proof.outputs_unproved(constant, spec("N", 3)) == _proof.Unproved(
-        "the graph declares output 'y' float32[N, 3], but its operators compute [N, 4]", True
+        "the signature declares output 'y' float32[N, 3], but its operators compute [N, 4]", True
     )
     assert _proof.outputs_unproved(constant, spec("N", 4, 1)) == _proof.Unproved(
-        "the graph declares output 'y' float32[N, 4, 1], but its operators compute [N, 4]", True
+        "the signature declares output 'y' float32[N, 4, 1], but its operators compute [N, 4]", True
     )
     _proof._proved.clear()
     monkeypatch.setitem(sys.modules, "onnx", None)
@@ -1121,3 +1127,140 @@ async def test_a_graph_that_contradicts_its_declaration_is_warned_of_at_load(
         "model 'c' instance 0: its graph does not prove its outputs' shapes (the graph declares "
         "... [N, 4]); the engine checks each answer against the declared signature"
     ]
+
+
+# -- sizes the config fixes (the inputs and outputs options) ------------------------
+
+
+async def test_the_outputs_option_narrows_the_signature_that_is_proved(model_dir: Path) -> None:
+    """The constant Reshape declared [N, 3]: ONNX Runtime reports [N, ?]; outputs fixing
+    size 1 at 4 make it [N, 4], which inference proves (the cheap check). The computed
+    Reshape fixed at 4 is not proved: the engine checks its answers in full."""
+    const = _write_reshape(model_dir / "narrow_const.onnx", declared=["N", 3], inferable=True)
+    computed = _write_reshape(model_dir / "narrow_comp.onnx", declared=["N", "k"], inferable=False)
+    options = {"log_severity": 4, "outputs": [{"name": "y", "shape": [-1, 4]}]}
+    for path, proved in ((const, True), (computed, False)):
+        instance = await OnnxRuntimeBackend().load(
+            ModelConfig(name="n", path=path, backend_options=options),
+            Placement(Device("cpu"), 0),
+        )
+        try:
+            assert instance.signature.outputs[0].shape == ("N", 4)
+            assert instance.signature.inputs[0].shape == ("N", 4)
+            assert instance.checks_outputs is proved
+        finally:
+            await instance.aclose()
+
+
+async def test_the_inputs_option_narrows_what_requests_must_send(model_dir: Path) -> None:
+    """x float32[N, k] fixed at [N, 4]: a request of width 3 is the caller's error."""
+    path = _write_reshape(model_dir / "narrow_in.onnx", declared=["N", "k"], inferable=False)
+    _save_symbolic_input(path)
+    config = ModelConfig(
+        name="m",
+        path=path,
+        backend_options={
+            "log_severity": 4,
+            "inputs": [{"name": "x", "shape": [-1, 4]}],
+            "outputs": [{"name": "y", "shape": ["N", -1]}],
+        },
+    )
+    async with open_engine() as engine:
+        info = await engine.load(config)
+        assert info.signature.inputs[0].shape == ("N", 4)
+        assert info.signature.outputs[0].shape == ("N", "k")  # a name fills only an open size
+        out = await engine.infer("m", {"x": np.ones((2, 4), np.float32)})
+        assert out["y"].shape == (2, 4)
+        with pytest.raises(trioinfer.InvalidInput, match="'x'"):
+            await engine.infer("m", {"x": np.ones((2, 3), np.float32)})
+
+
+def _save_symbolic_input(path: Path) -> None:
+    # The Reshape graph with x's width symbolic too: x float32[N, k].
+    import onnx
+    from onnx import TensorProto, helper
+
+    model = onnx.load(str(path))
+    model.graph.input[0].CopyFrom(helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", "k"]))
+    onnx.save(model, str(path))
+
+
+async def test_a_config_that_repeats_the_digits_sizes_keeps_the_cheap_check() -> None:
+    """The bundled model with options that fix what its graph fixes: unchanged."""
+    config = ModelConfig.from_toml(trioinfer.example_repository() / "digits" / "config.toml")
+    plain = await OnnxRuntimeBackend().load(config, Placement(Device("cpu"), 0))
+    try:
+        specs = plain.signature
+    finally:
+        await plain.aclose()
+    options = {
+        **config.backend_options,
+        "inputs": [{"name": s.name, "shape": [-1, *s.shape[1:]]} for s in specs.inputs],
+        "outputs": [{"name": s.name, "shape": [-1, *s.shape[1:]]} for s in specs.outputs],
+    }
+    same = ModelConfig(name="digits", path=config.path, backend_options=options)
+    async with open_engine() as engine:
+        info = await engine.load(same)
+        assert info.signature == specs
+        runner = engine._runners["digits"]
+        assert runner._output_check is not None
+        assert runner._output_check.full is False
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"inputs": {"x": [1]}}, r"backend option inputs must be a list of tables"),
+        ({"inputs": [{"name": "x"}]}, r"each entry must be a table of name and shape"),
+        ({"outputs": [{"name": "", "shape": []}]}, r"a tensor name must be a non-empty"),
+        (
+            {"outputs": [{"name": "y", "shape": [-1]}, {"name": "y", "shape": [-1]}]},
+            r"'y' is declared twice",
+        ),
+        ({"inputs": [{"name": "x", "shape": [-2, 4]}]}, r"sizes >= 0, names or -1"),
+        ({"inputs": [{"name": "z", "shape": [-1]}]}, r"input 'z', which the graph does not have"),
+        ({"outputs": [{"name": "y", "shape": [-1]}]}, r"output 'y' with shape \[-1\]"),
+        ({"inputs": [{"name": "x", "shape": [-1, 5]}]}, r"the graph's is \[N, 4\]"),
+    ],
+)
+async def test_bad_inputs_and_outputs_options_are_refused(
+    model_dir: Path, options: dict[str, Any], message: str
+) -> None:
+    path = _write_reshape(model_dir / "bad_opts.onnx", declared=["N", 4], inferable=True)
+    with pytest.raises(trioinfer.ConfigError, match=message):
+        await OnnxRuntimeBackend().load(
+            ModelConfig(name="b", path=path, backend_options=options),
+            Placement(Device("cpu"), 0),
+        )
+
+
+async def test_inputs_the_config_fixes_feed_the_proof(model_dir: Path) -> None:
+    """y = Concat(x, x): x float32[N, k], y float32[N, m]. With x fixed at [N, 2] and y
+    at [N, 4], inference from the fixed input proves y (the cheap check); y fixed at 3
+    contradicts it: the full check, which refuses every answer."""
+    import onnx
+    from onnx import TensorProto, helper
+
+    graph = helper.make_graph(
+        [helper.make_node("Concat", ["x", "x"], ["y"], axis=1)],
+        "doubled",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", "k"])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", "m"])],
+    )
+    path = model_dir / "doubled.onnx"
+    onnx.save(
+        helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=9), path
+    )
+    for width, proved in ((4, True), (3, False)):
+        options = {
+            "inputs": [{"name": "x", "shape": [-1, 2]}],
+            "outputs": [{"name": "y", "shape": [-1, width]}],
+        }
+        instance = await OnnxRuntimeBackend().load(
+            ModelConfig(name="d", path=path, backend_options=options), Placement(Device("cpu"), 0)
+        )
+        try:
+            assert instance.signature.outputs[0].shape == ("N", width)
+            assert instance.checks_outputs is proved
+        finally:
+            await instance.aclose()

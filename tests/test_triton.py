@@ -848,7 +848,8 @@ def test_bad_triton_configs_are_named(client: httpclient.InferenceServerClient) 
     with pytest.raises(InferenceServerException) as info:
         client.load_model("wrong_dims")
     assert "failed to load 'wrong_dims'" in info.value.message()
-    assert "dims [15]; the model's are [16]" in info.value.message()
+    assert "input 'INPUT0' with shape [-1, 15]" in info.value.message()
+    assert "the graph's is [batch, 16]" in info.value.message()
     assert not client.is_model_ready("wrong_dims")
 
 

@@ -18,7 +18,7 @@ from trioinfer.lowlevel import Placement, WorkerThread
 from ._device import _providers, probe_device
 from ._instance import OnnxRuntimeInstance, _compute_clock
 from ._options import _OPT_LEVELS, _check_options
-from ._ort import _one_line, _ort, _signature, log, missing_ort
+from ._ort import _narrowed, _one_line, _ort, _signature, log, missing_ort
 from ._proof import outputs_unproved
 from ._tuning import _mtime, _tune, _tuned
 
@@ -66,6 +66,11 @@ class OnnxRuntimeBackend:
             session, device = await worker.run_sync(
                 _create_session, config, path, placement, options
             )
+            # The graph's signature narrowed by the sizes the config fixes (a
+            # config.pbtxt's dims): what is checked, reported and proved below.
+            signature = _narrowed(
+                _signature(session), options["inputs"], options["outputs"], config.name
+            )
             # The engine reads the first instance's figures; others would only
             # disturb its measurement by running at the same time.
             if options["tune_batch_sizes"] and placement.index == 0:
@@ -73,9 +78,11 @@ class OnnxRuntimeBackend:
                 key += tuple(options["tune_batch_sizes"])
                 clock = _compute_clock(device, threads)
                 sizes = options["tune_batch_sizes"]
-                rates = _tuned.get(key) or await _tune(worker, session, label, sizes, clock)
+                rates = _tuned.get(key) or await _tune(
+                    worker, session, signature, label, sizes, clock
+                )
                 _tuned[key] = rates
-            unproved = await worker.run_sync(outputs_unproved, path, _signature(session))
+            unproved = await worker.run_sync(outputs_unproved, path, signature)
         except BaseException:
             await worker.aclose()
             raise
@@ -90,6 +97,7 @@ class OnnxRuntimeBackend:
             threads,
             rates,
             checks_outputs=unproved is None,
+            signature=signature,
         )
         if unproved is not None and placement.index == 0:
             # A graph at odds with its own declaration answers what its metadata does not

@@ -84,6 +84,7 @@ class OnnxRuntimeInstance:
         batch_rates: Mapping[int, float] | None = None,
         *,
         checks_outputs: bool = False,
+        signature: ModelSignature | None = None,
     ) -> None:
         #: Whether its answers fit its signature by construction, so that the engine
         #: checks only their names and rows (1 us of a three-step pipeline's 34). ONNX
@@ -116,7 +117,8 @@ class OnnxRuntimeInstance:
         self._samples: list[float] = []
         self._inline_average: float | None = None
         self._measure_cpu = False  # read the CPU clock on the next inline run (_run_inline)
-        self._signature = _signature(session)
+        # The graph's, or as the config narrowed it (the backend's _narrowed).
+        self._signature = _signature(session) if signature is None else signature
         self._outputs = [spec.name for spec in self._signature.outputs]
         self._closed = False
         self._wall = time.perf_counter  # the loop is held for wall time
@@ -126,7 +128,11 @@ class OnnxRuntimeInstance:
 
     @property
     def signature(self) -> ModelSignature:
-        """The model's inputs and outputs as the session reports them."""
+        """The model's inputs and outputs as the session reports them.
+
+        With the sizes the ``inputs`` and ``outputs`` options fix where the graph
+        leaves them symbolic or open.
+        """
         return self._signature
 
     @property

@@ -53,6 +53,13 @@ OPTIONS: Final[Mapping[str, str]] = {
     f"{TUNE_OVERHEAD_S * 1e6:.0f} us per execution) is within {TUNE_TOLERANCE:.0%} of the best "
     "becomes the model's preferred batch size, which the dynamic batcher cuts batches at "
     "unless its preferred_batch_sizes is set",
+    "inputs": "sizes the graph leaves open that the model fixes: a list of tables "
+    "{ name, shape }, shape with every dimension (the batch one too) as an int, a name, "
+    "or -1 to keep the graph's; a fixed size narrows a symbolic or open one in the "
+    "signature (metadata, and the engine refuses requests of another size), and one the "
+    "graph fixes otherwise is refused at load (a config.pbtxt's dims arrive here)",
+    "outputs": "as inputs, for outputs: an answer of another size fails (BackendError); "
+    "where ONNX shape inference proves the graph computes the sizes, that check is spared",
 }
 
 
@@ -129,7 +136,40 @@ def _check_options(config: ModelConfig, placement: Placement) -> dict[str, Any]:
     provider_options = options.setdefault("provider_options", {})
     if not isinstance(provider_options, Mapping):
         raise ConfigError(f"model {config.name!r}: provider_options must be a table")
+    for kind in ("inputs", "outputs"):
+        options[kind] = _declared_shapes(config.name, kind, options.get(kind, []))
     return options
+
+
+def _declared_shapes(model: str, kind: str, value: object) -> dict[str, tuple[int | str, ...]]:
+    # The inputs or outputs option as {name: shape}, -1 for a size left as the graph says.
+    where = f"model {model!r}: backend option {kind}"
+    if not isinstance(value, list | tuple):
+        raise ConfigError(
+            f"{where} must be a list of tables {{ name, shape }}, got {type(value).__name__}"
+        )
+    shapes: dict[str, tuple[int | str, ...]] = {}
+    for item in value:
+        if not isinstance(item, Mapping) or set(item) != {"name", "shape"}:
+            raise ConfigError(
+                f"{where}: each entry must be a table of name and shape, got {item!r}"
+            )
+        name, shape = item["name"], item["shape"]
+        if not isinstance(name, str) or not name:
+            raise ConfigError(f"{where}: a tensor name must be a non-empty string, got {name!r}")
+        if name in shapes:
+            raise ConfigError(f"{where}: {name!r} is declared twice")
+        if not isinstance(shape, list | tuple) or not all(
+            (isinstance(d, int) and not isinstance(d, bool) and d >= -1)
+            or (isinstance(d, str) and d)
+            for d in shape
+        ):
+            raise ConfigError(
+                f"{where}: the shape of {name!r} must be a list of sizes >= 0, names or -1 "
+                f"(the graph's), got {shape!r}"
+            )
+        shapes[name] = tuple(shape)
+    return shapes
 
 
 def _check_tune_fits_batcher(config: ModelConfig, sizes: list[int]) -> None:

@@ -8,9 +8,12 @@ from __future__ import annotations
 
 import importlib.util
 import logging
+from collections.abc import Mapping
 from typing import Any, Final
 
-from trioinfer import BackendUnavailable, ModelSignature, TensorSpec
+import attrs
+
+from trioinfer import BackendUnavailable, ConfigError, ModelSignature, TensorSpec
 from trioinfer.lowlevel import numpy_dtype
 
 log = logging.getLogger("trioinfer.onnxruntime")
@@ -53,6 +56,65 @@ def _signature(session: Any) -> ModelSignature:
     return ModelSignature(
         tuple(spec(a) for a in session.get_inputs()),
         tuple(spec(a) for a in session.get_outputs()),
+    )
+
+
+def _narrowed(
+    signature: ModelSignature,
+    inputs: Mapping[str, tuple[int | str, ...]],
+    outputs: Mapping[str, tuple[int | str, ...]],
+    model: str,
+) -> ModelSignature:
+    """*signature* with the sizes the ``inputs`` and ``outputs`` options fix.
+
+    The graph's own signature with each size it leaves symbolic or open that the
+    options fix (as Triton takes a config's dims for the model's): what metadata
+    reports, what requests are checked against and what answers must fit. A name
+    fills an open size only (a symbol of the graph's stays, as the batch dimension's
+    ties inputs to outputs); -1 keeps the graph's size.
+
+    Raises:
+        ConfigError: A tensor the graph does not have, another rank, or a size the
+            graph fixes otherwise.
+    """
+    if not inputs and not outputs:
+        return signature
+
+    def narrow(kind: str, specs: tuple[TensorSpec, ...], declared: Mapping[str, Any]) -> Any:
+        names = [spec.name for spec in specs]
+        strays = [name for name in declared if name not in names]
+        if strays:
+            raise ConfigError(
+                f"model {model!r}: the config declares {kind} {strays[0]!r}, which the graph "
+                f"does not have; its {kind}s are {', '.join(map(repr, names))}"
+            )
+        out = []
+        for spec in specs:
+            shape = declared.get(spec.name)
+            if shape is None:
+                out.append(spec)
+                continue
+            graph = ", ".join("-1" if d is None else str(d) for d in spec.shape)
+            misfit = len(shape) != spec.rank or any(
+                isinstance(g, int) and g >= 0 and isinstance(d, int) and d not in (-1, g)
+                for g, d in zip(spec.shape, shape, strict=False)
+            )
+            if misfit:
+                raise ConfigError(
+                    f"model {model!r}: the config declares {kind} {spec.name!r} with shape "
+                    f"[{', '.join(map(str, shape))}] (a batched model's batch dimension "
+                    f"first, as -1); the graph's is [{graph}], and a size the graph fixes "
+                    "cannot be changed"
+                )
+            dims = tuple(
+                d if (isinstance(d, int) and d >= 0) or (isinstance(d, str) and g is None) else g
+                for g, d in zip(spec.shape, shape, strict=True)
+            )
+            out.append(attrs.evolve(spec, shape=dims))
+        return tuple(out)
+
+    return ModelSignature(
+        narrow("input", signature.inputs, inputs), narrow("output", signature.outputs, outputs)
     )
 
 

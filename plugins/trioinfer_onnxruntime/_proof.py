@@ -11,7 +11,11 @@ So an instance says ``checks_outputs`` only when ONNX's own shape inference,
 run over the graph with the outputs' declared shapes set aside, derives every
 output's rank and every size the signature fixes: then the answer's shape
 follows from the inputs' (which the engine validated) by the operators'
-definitions, whatever the graph declares. Anything else (no ``onnx`` package
+definitions, whatever the graph declares. The signature proved is the
+instance's: the graph's, with the sizes a config fixes (the ``inputs`` and
+``outputs`` options, a config.pbtxt's dims) where the graph leaves them
+symbolic, so a size only the config fixes is proved or checked like any other.
+Anything else (no ``onnx`` package
 here, a file too big to parse twice, an operator inference does not know, a
 size inference leaves open or computes otherwise) leaves the engine's full
 check on, which costs an execution about a microsecond.
@@ -78,6 +82,7 @@ def _unproved(path: Path, signature: ModelSignature) -> Unproved | None:
         declared = {output.name: output.type for output in model.graph.output}
         for output in model.graph.output:
             output.type.tensor_type.ClearField("shape")
+        _fix_inputs(model, signature)
         inferred_model = onnx.shape_inference.infer_shapes(model, strict_mode=False)
     except Exception as exc:  # an operator or file onnx cannot read: nothing proved
         return Unproved(f"ONNX shape inference failed on the graph ({type(exc).__name__}: {exc})")
@@ -102,11 +107,25 @@ def _unproved(path: Path, signature: ModelSignature) -> Unproved | None:
                 if not isinstance(size, int):
                     return Unproved(
                         f"shape inference leaves size {axis} of output {spec.name!r} open, "
-                        f"which the graph declares {fixed}"
+                        f"which the signature declares {fixed}"
                     )
                 if size != fixed:
                     return _lie(spec.name, spec.describe(), dims)
     return None
+
+
+def _fix_inputs(model: Any, signature: ModelSignature) -> None:
+    # Inference starts from the sizes the signature fixes, not only the graph's: the
+    # engine refuses any request of another size (a config's narrowed inputs).
+    shapes = {spec.name: spec.shape for spec in signature.inputs}
+    for tensor in model.graph.input:
+        shape = shapes.get(tensor.name)
+        kind = tensor.type.tensor_type
+        if shape is None or not kind.HasField("shape") or len(kind.shape.dim) != len(shape):
+            continue
+        for dim, size in zip(kind.shape.dim, shape, strict=True):
+            if isinstance(size, int) and not isinstance(size, bool) and size >= 0:
+                dim.dim_value = size  # dim_param and dim_value are one field (a oneof)
 
 
 def _dim(dim: Any) -> int | str | None:
@@ -118,6 +137,7 @@ def _dim(dim: Any) -> int | str | None:
 def _lie(name: str, declared: str, dims: list[int | str | None]) -> Unproved:
     computed = ", ".join("?" if d is None else str(d) for d in dims)
     return Unproved(
-        f"the graph declares output {name!r} {declared}, but its operators compute [{computed}]",
+        f"the signature declares output {name!r} {declared}, but its operators compute "
+        f"[{computed}]",
         True,
     )

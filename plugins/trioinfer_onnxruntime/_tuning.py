@@ -19,7 +19,7 @@ import numpy as np
 from trioinfer import BackendError, ConfigError, ModelSignature, TensorSpec
 from trioinfer.lowlevel import WorkerThread
 
-from ._ort import _one_line, _ort, _signature
+from ._ort import _one_line, _ort
 
 #: ``tune_batch_sizes`` prefers the smallest batch whose rows/s is within this
 #: fraction of the best: timings on a shared machine move by a few percent, and
@@ -71,6 +71,7 @@ def _mtime(path: str | os.PathLike[str]) -> float:
 async def _tune(
     worker: WorkerThread,
     session: Any,
+    signature: ModelSignature,
     label: str,
     sizes: list[int],
     clock: Callable[[], float],
@@ -82,16 +83,21 @@ async def _tune(
         run_options.terminate = True
 
     return await worker.run_sync(
-        _time_batch_sizes, session, label, sizes, clock, run_options, abort=abort
+        _time_batch_sizes, session, signature, label, sizes, clock, run_options, abort=abort
     )
 
 
 def _time_batch_sizes(
-    session: Any, label: str, sizes: list[int], clock: Callable[[], float], run_options: Any
+    session: Any,
+    signature: ModelSignature,
+    label: str,
+    sizes: list[int],
+    clock: Callable[[], float],
+    run_options: Any,
 ) -> dict[int, float]:
     # Runs on the worker thread, before the instance serves anything; a cancelled
-    # load sets run_options.terminate, which stops the run in progress.
-    signature = _signature(session)
+    # load sets run_options.terminate, which stops the run in progress. The signature
+    # is the instance's (sizes the config fixes included, so those can be sampled).
     _check_tunable(label, signature)
     outputs = [spec.name for spec in signature.outputs]
     rng = np.random.default_rng(0)

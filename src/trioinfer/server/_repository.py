@@ -39,7 +39,7 @@ from .._config import (
     unknown_keys_error,
 )
 from .._exceptions import ConfigError, ModelNotFound
-from ._triton import OWN_PREFIX, TRITON_FIELDS, TritonModel
+from ._triton import OWN_PREFIX, TRITON_FIELDS, TritonModel, with_declared_shapes
 
 __all__ = ["IndexEntry", "ModelEntry", "ModelRepository", "VersionPolicy"]
 
@@ -397,6 +397,9 @@ class ModelEntry:
                     f"the file (<N>/{self.model_file})"
                 )
             data = self._overridden(data, override)
+        triton = self.triton_config(override)
+        if triton is not None:
+            data = with_declared_shapes(data, triton)
         data["name"] = self.name
         data["path"] = self._model_file(version)
         try:

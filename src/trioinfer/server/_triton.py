@@ -374,6 +374,9 @@ class TritonModel:
         priority_levels: ``dynamic_batching.priority_levels`` (0: none).
         default_priority_level: The level of requests that name none (1 is the highest).
         notes: Fields accepted without effect, said once in the log.
+        declared: The shapes its ``input`` and ``output`` give, for the ONNX Runtime
+            backend's ``inputs`` and ``outputs`` options (see `with_declared_shapes`):
+            each dims list with the batch dimension first (-1) when max_batch_size > 0.
         model_filename: The model file's name in each version directory:
             ``default_model_filename``, or ``None`` for the backend's own
             (``model.onnx``).
@@ -387,6 +390,7 @@ class TritonModel:
     default_priority_level: int = 0
     notes: tuple[str, ...] = ()
     model_filename: str | None = None
+    declared: Mapping[str, tuple[Mapping[str, Any], ...]] = attrs.field(factory=dict)
 
     @classmethod
     def parse(
@@ -750,7 +754,36 @@ def _translate(message: Any, doc: dict[str, Any], name: str, where: str) -> Trit
         default_level,
         tuple(notes),
         model_filename,
+        declared=_declared_shapes(message, max_batch) if not ensemble else {},
     )
+
+
+def _declared_shapes(message: Any, max_batch: int) -> dict[str, tuple[Mapping[str, Any], ...]]:
+    batch = [-1] if max_batch > 0 else []
+    return {
+        kind: tuple({"name": t.name, "shape": [*batch, *t.dims]} for t in tensors)
+        for kind, tensors in (("inputs", message.input), ("outputs", message.output))
+        if tensors
+    }
+
+
+def with_declared_shapes(settings: Mapping[str, Any], triton: TritonModel) -> dict[str, Any]:
+    """*settings* (a ModelConfig's, as a table) with the sizes *triton*'s dims fix.
+
+    Triton takes the dims a config gives as the model's own: for an ONNX model they
+    become the backend's ``inputs`` and ``outputs`` options, which narrow the graph's
+    symbolic sizes in its signature (a size the graph fixes otherwise fails the
+    load). Options the settings give themselves win; other backends keep theirs.
+    """
+    out = dict(settings)
+    given = out.get("backend_options", {})
+    if not triton.declared or out.get("backend", "onnxruntime") != "onnxruntime":
+        return out
+    if not isinstance(given, Mapping):
+        return out  # refused with its reason when the config is built
+    declared = {kind: [dict(t) for t in tensors] for kind, tensors in triton.declared.items()}
+    out["backend_options"] = {**declared, **given}
+    return out
 
 
 def _with_initial_values(

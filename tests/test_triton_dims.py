@@ -1,0 +1,187 @@
+"""A config.pbtxt's dims are the model's: narrower than its ONNX graph's, they are enforced.
+
+Triton takes the dims a config declares as the model's own: metadata reports
+them, requests of another size are refused, and an answer of another size is
+an error. The graphs here leave their sizes symbolic; the configs fix them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+import onnx
+import pytest
+import trio
+from onnx import TensorProto, helper
+
+from _serve import start_serving
+
+pytestmark = pytest.mark.triton_config
+
+
+def _save(nodes: list[Any], inputs: list[Any], outputs: list[Any], path: Path) -> None:
+    graph = helper.make_graph(nodes, "g", inputs, outputs)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=9)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    onnx.save(model, path)
+
+
+def write_doubled(path: Path) -> None:
+    """y = Concat(x, x) on axis 1: x float32[N, k], y float32[N, m] (twice x's width)."""
+    _save(
+        [helper.make_node("Concat", ["x", "x"], ["y"], axis=1)],
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", "k"])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", "m"])],
+        path,
+    )
+
+
+def write_fixed(path: Path) -> None:
+    """y = x + x, both float32[N, 4]: fixed sizes a config can only repeat."""
+    _save(
+        [helper.make_node("Add", ["x", "x"], ["y"])],
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 4])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", 4])],
+        path,
+    )
+
+
+def _pbtxt(x: list[int], y: list[int], max_batch: int = 8) -> str:
+    return (
+        f"max_batch_size: {max_batch}\n"
+        f'input [ {{ name: "x" data_type: TYPE_FP32 dims: {x} }} ]\n'
+        f'output [ {{ name: "y" data_type: TYPE_FP32 dims: {y} }} ]\n'
+    )
+
+
+@pytest.fixture
+async def client(tmp_path: Path) -> AsyncIterator[httpx.AsyncClient]:
+    # "right": the config fixes x's width at 2 and y's at 4, as the graph computes them.
+    # "wrong": it fixes y's at 3, which the graph does not compute (its answers fail).
+    # "unbatched": max_batch_size 0, the dims are the whole shapes.
+    # "fixed": the config repeats the graph's fixed sizes; "conflict": it contradicts them.
+    for name, pbtxt in (
+        ("right", _pbtxt([2], [4])),
+        ("wrong", _pbtxt([2], [3])),
+        ("unbatched", _pbtxt([1, 2], [1, 4], max_batch=0)),
+        ("conflict", _pbtxt([5], [4])),
+    ):
+        write_doubled(tmp_path / name / "1" / "model.onnx")
+        (tmp_path / name / "config.pbtxt").write_text(pbtxt)
+    (tmp_path / "conflict" / "1" / "model.onnx").unlink()
+    write_fixed(tmp_path / "conflict" / "1" / "model.onnx")
+    write_fixed(tmp_path / "fixed" / "1" / "model.onnx")
+    (tmp_path / "fixed" / "config.pbtxt").write_text(_pbtxt([4], [4]))
+    async with trio.open_nursery() as nursery:
+        listening = await start_serving(nursery, tmp_path)
+        async with httpx.AsyncClient(base_url=listening.urls[0]) as http:
+            yield http
+        nursery.cancel_scope.cancel()
+
+
+def _body(rows: int, width: int) -> dict[str, Any]:
+    data = np.arange(rows * width, dtype=np.float32)
+    return {
+        "inputs": [{"name": "x", "shape": [rows, width], "datatype": "FP32", "data": data.tolist()}]
+    }
+
+
+async def test_metadata_and_config_report_the_configs_sizes(client: httpx.AsyncClient) -> None:
+    """The graph says [N, k] and [N, m]; metadata says what config.pbtxt fixed, as GET
+    config does."""
+    meta = (await client.get("/v2/models/right")).json()
+    assert [(t["name"], t["shape"]) for t in meta["inputs"]] == [("x", [-1, 2])]
+    assert [(t["name"], t["shape"]) for t in meta["outputs"]] == [("y", [-1, 4])]
+    config = (await client.get("/v2/models/right/config")).json()
+    assert [t["dims"] for t in config["input"]] == [[2]]
+    assert [t["dims"] for t in config["output"]] == [[4]]
+    unbatched = (await client.get("/v2/models/unbatched")).json()
+    assert [t["shape"] for t in unbatched["inputs"]] == [[1, 2]]
+    assert [t["shape"] for t in unbatched["outputs"]] == [[1, 4]]
+
+
+async def test_an_input_of_another_size_than_the_config_fixes_is_refused(
+    client: httpx.AsyncClient,
+) -> None:
+    """x's width is 2 by the config: 3 is the client's error (400), 2 is answered."""
+    ok = await client.post("/v2/models/right/infer", json=_body(3, 2))
+    assert ok.status_code == 200, ok.text
+    assert ok.json()["outputs"][0]["shape"] == [3, 4]
+    bad = await client.post("/v2/models/right/infer", json=_body(3, 3))
+    assert bad.status_code == 400
+    assert "'x'" in bad.json()["error"]
+    assert "2" in bad.json()["error"]
+    unbatched = await client.post("/v2/models/unbatched/infer", json=_body(2, 2))
+    assert unbatched.status_code == 400  # [1, 2] fixed: 2 rows do not fit
+
+
+async def test_an_answer_of_another_size_than_the_config_fixes_fails(
+    client: httpx.AsyncClient, caplog: pytest.LogCaptureFixture
+) -> None:
+    """y's width is 3 by the config, and the graph computes 4 (from x's 2, which the
+    config fixes too): the operator is warned at load, and the answer never reaches
+    the client that metadata told 3; the model's fault (500), naming the output."""
+    warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert any(
+        "instance 0: its graph does not prove its outputs' shapes (the signature "
+        "declares output 'y' float32[N, 3], but its operators compute [N, 4])"
+        in message
+        and message.startswith("model 'wrong'")
+        for message in warned
+    ), warned
+    meta = (await client.get("/v2/models/wrong")).json()
+    assert meta["outputs"][0]["shape"] == [-1, 3]
+    answer = await client.post("/v2/models/wrong/infer", json=_body(2, 2))
+    assert answer.status_code == 500
+    error = answer.json()["error"]
+    assert "output 'y' with shape [2, 4]" in error
+    assert "float32[N, 3]" in error
+
+
+async def test_a_config_that_repeats_the_graphs_fixed_sizes_changes_nothing(
+    client: httpx.AsyncClient,
+) -> None:
+    meta = (await client.get("/v2/models/fixed")).json()
+    assert meta["inputs"][0]["shape"] == meta["outputs"][0]["shape"] == [-1, 4]
+    answer = await client.post("/v2/models/fixed/infer", json=_body(1, 4))
+    assert answer.status_code == 200, answer.text
+
+
+async def test_a_config_that_contradicts_a_size_the_graph_fixes_fails_to_load(
+    client: httpx.AsyncClient,
+) -> None:
+    load = await client.post("/v2/repository/models/conflict/load")
+    assert load.status_code == 400
+    error = load.json()["error"]
+    assert "input 'x' with shape [-1, 5]" in error
+    assert "the graph's is [N, 4]" in error
+
+
+async def test_a_load_override_fixes_sizes_as_config_pbtxt_does(
+    client: httpx.AsyncClient,
+) -> None:
+    """A JSON load override's input and output dims narrow the graph's too."""
+    config = {
+        "max_batch_size": 8,
+        "input": [{"name": "x", "data_type": "TYPE_FP32", "dims": [3]}],
+        "output": [{"name": "y", "data_type": "TYPE_FP32", "dims": [6]}],
+    }
+    load = await client.post(
+        "/v2/repository/models/right/load", json={"parameters": {"config": _json(config)}}
+    )
+    assert load.status_code == 200, load.text
+    meta = (await client.get("/v2/models/right")).json()
+    assert meta["inputs"][0]["shape"] == [-1, 3]
+    assert meta["outputs"][0]["shape"] == [-1, 6]
+    assert (await client.post("/v2/models/right/infer", json=_body(1, 2))).status_code == 400
+    assert (await client.post("/v2/models/right/infer", json=_body(1, 3))).status_code == 200
+
+
+def _json(doc: dict[str, Any]) -> str:
+    import json
+
+    return json.dumps(doc)
