@@ -331,7 +331,7 @@ class ModelEntry:
     def _override_only_hint(self) -> str:
         # No config file and an empty version directory: Triton's layout for an ensemble
         # loaded with its config in the request, which the server forgets at a restart.
-        if _lexists(self.directory / _CONFIG_FILE) or _lexists(self.directory / _TRITON_FILE):
+        if _has_config_file(self.directory):
             return ""
         try:
             empty = any(
@@ -649,6 +649,11 @@ def _lexists(path: Path) -> bool:
     return True
 
 
+def _has_config_file(directory: Path) -> bool:
+    # A config.toml or a config.pbtxt, a dangling link counted (a file meant to be there).
+    return _lexists(directory / _CONFIG_FILE) or _lexists(directory / _TRITON_FILE)
+
+
 def _read_text(path: Path, shown: str, kind: str = "protobuf text") -> str:
     if not _is_file(path):
         raise ConfigError(f"{shown} is not a regular file")
@@ -788,8 +793,7 @@ class ModelRepository:
 
     def has_config_file(self, name: str) -> bool:
         """Whether model *name*'s directory holds a ``config.toml`` or a ``config.pbtxt``."""
-        directory = self.root / name
-        return _lexists(directory / _CONFIG_FILE) or _lexists(directory / _TRITON_FILE)
+        return _has_config_file(self.root / name)
 
     def index(self) -> list[IndexEntry]:
         """List every model, and every version of it on disk, for the repository index.
