@@ -410,9 +410,8 @@ class ServedModels:
             fingerprint = entry.fingerprint(version)
             old = served.get(version)
             engine_name = f"{model}.v{version}"
-            named = entry.config(version, override)
+            named, triton = entry.config_and_triton(version, override)
             config = self._engine_names(model, attrs.evolve(named, name=engine_name))
-            triton = entry.triton_config(override)
             labels = entry.labels(triton)
             if (
                 old is not None
