@@ -494,62 +494,48 @@ def _check_strings(
         # else subclasses of str or bytes (numpy.str_, numpy.bytes_)
     if spec.utf8:
         if bytes in types or not types <= _STRING_TYPES:
-            return _decoded(model, spec, array, elements)
+            return _recoded(model, spec, array, elements)
         return array
     if types == _JUST_BYTES:
         return array
-    return _encoded(model, spec, array, elements)
+    return _recoded(model, spec, array, elements)
 
 
 _JUST_BYTES: Final = frozenset({bytes})
 
 
-def _encoded(
+def _recoded(
     model: str, spec: TensorSpec, array: np.ndarray[Any, Any], elements: list[Any]
 ) -> np.ndarray[Any, Any]:
-    # A bytes input's str elements as UTF-8, in a new array (the caller's is left as
-    # it was): the model gets bytes whether the caller sent bytes (gRPC, HTTP binary)
-    # or text (JSON, a str from Python), as Triton's Python backend gives them.
-    raw: list[Any] = []
-    for index, value in enumerate(elements):
-        if isinstance(value, str):
-            try:
-                value = value.encode("utf-8")
-            except UnicodeEncodeError as exc:
-                raise InvalidInput(
-                    f"input {spec.name!r} of model {model!r} is a BYTES tensor, and its str "
-                    f"element at index {_index(array, index)} cannot be encoded as UTF-8 "
-                    f"({exc.reason} at character {exc.start} of {_shown(value)}); send "
-                    "bytes, or str without lone surrogates"
-                ) from None
-        raw.append(value)
-    out = np.empty(len(raw), dtype=object)
-    out[:] = raw
-    return out.reshape(array.shape)
-
-
-def _decoded(
-    model: str, spec: TensorSpec, array: np.ndarray[Any, Any], elements: list[Any]
-) -> np.ndarray[Any, Any]:
-    # A UTF-8 string input's bytes elements as str, in a new array (the caller's is
-    # left as it was): ONNX Runtime reads an object array's elements by their str(),
+    # A string input's elements as its model reads them, in a new array (the caller's
+    # is left as it was). A bytes input's str elements as UTF-8: the model gets bytes
+    # whether the caller sent bytes (gRPC, HTTP binary) or text (JSON, a str from
+    # Python), as Triton's Python backend gives them. A UTF-8 string input's bytes
+    # elements as str: ONNX Runtime reads an object array's elements by their str(),
     # which for bytes is their repr.
-    texts: list[Any] = []
+    utf8 = spec.utf8
+    other: type[Any] = bytes if utf8 else str
+    out: list[Any] = []
     for index, value in enumerate(elements):
-        if isinstance(value, bytes):
+        if isinstance(value, other):
             try:
-                value = value.decode("utf-8")
-            except UnicodeDecodeError as exc:
+                value = value.decode("utf-8") if utf8 else value.encode("utf-8")
+            except (UnicodeEncodeError, UnicodeDecodeError) as exc:
+                where = _index(array, index)
                 raise InvalidInput(
                     f"input {spec.name!r} of model {model!r} is a string tensor of UTF-8 "
-                    f"text, but its element at index {_index(array, index)} is not UTF-8 "
-                    f"({exc.reason} at byte {exc.start} of {_shown(value)}); send UTF-8 "
-                    "encoded bytes, or str"
+                    f"text, but its element at index {where} is not UTF-8 ({exc.reason} at "
+                    f"byte {exc.start} of {_shown(value)}); send UTF-8 encoded bytes, or str"
+                    if utf8
+                    else f"input {spec.name!r} of model {model!r} is a BYTES tensor, and its "
+                    f"str element at index {where} cannot be encoded as UTF-8 ({exc.reason} "
+                    f"at character {exc.start} of {_shown(value)}); send bytes, or str "
+                    "without lone surrogates"
                 ) from None
-        texts.append(value)
-    out = np.empty(len(texts), dtype=object)
-    out[:] = texts
-    return out.reshape(array.shape)
+        out.append(value)
+    recoded = np.empty(len(out), dtype=object)
+    recoded[:] = out
+    return recoded.reshape(array.shape)
 
 
 def _index(array: np.ndarray[Any, Any], index: int) -> int | list[int]:

@@ -57,6 +57,7 @@ from ._codec import (
     RequestError,
     UnsupportedEncoding,
     classify,
+    config_datatype,
     decode_infer_request,
     decompress,
     dumps,
@@ -821,7 +822,7 @@ def _tensor_metadata(spec: TensorSpec) -> dict[str, Any]:
 def _tensor_config(spec: TensorSpec, skip: int) -> dict[str, Any]:
     return {
         "name": spec.name,
-        "data_type": "TYPE_" + v2_datatype(spec.dtype, spec.type_name).replace("BYTES", "STRING"),
+        "data_type": "TYPE_" + config_datatype(spec),
         "dims": _dims(spec)[skip:],
     }
 

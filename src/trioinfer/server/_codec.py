@@ -56,7 +56,7 @@ import numpy.typing as npt
 import orjson
 
 from .._exceptions import ConfigError, InvalidInput
-from .._tensors import numpy_dtype
+from .._tensors import TensorSpec, numpy_dtype
 
 if TYPE_CHECKING:
     from ._shm import ShmLease
@@ -268,6 +268,15 @@ def v2_datatype(dtype: np.dtype[Any] | None, type_name: str = "") -> str:
             "as 'tensor(float)', or a numpy dtype"
         )
     return v2_datatype(mapped)
+
+
+def config_datatype(spec: TensorSpec) -> str:
+    """*spec*'s data type as ``config.pbtxt`` names it, less ``TYPE_``: ``BYTES`` is ``STRING``.
+
+    Raises:
+        ValueError: As `v2_datatype`.
+    """
+    return v2_datatype(spec.dtype, spec.type_name).replace("BYTES", "STRING")
 
 
 def v2_numpy_dtype(datatype: str) -> np.dtype[Any] | None:

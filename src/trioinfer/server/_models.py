@@ -27,7 +27,7 @@ from .._config import PIPELINE, ModelConfig
 from .._engine import Engine, ModelInfo
 from .._exceptions import ConfigError, ModelNotFound, SequenceError, TrioInferError
 from .._tensors import ModelSignature
-from ._codec import v2_datatype
+from ._codec import config_datatype
 from ._errors import without_host_paths
 from ._repository import ModelRepository, VersionPolicy, parse_traffic
 from ._triton import TritonModel
@@ -410,9 +410,8 @@ class ServedModels:
             fingerprint = entry.fingerprint(version)
             old = served.get(version)
             engine_name = f"{model}.v{version}"
-            named = entry.config(version, override)
+            named, triton = entry.config_and_triton(version, override)
             config = self._engine_names(model, attrs.evolve(named, name=engine_name))
-            triton = entry.triton_config(override)
             labels = entry.labels(triton)
             if (
                 old is not None
@@ -636,7 +635,7 @@ def _check_tensors(triton: TritonModel | None, info: ModelInfo, model: str) -> N
                     f"{', '.join(map(repr, by_name))}"
                 )
             want = tensor.get("data_type", "TYPE_INVALID").removeprefix("TYPE_")
-            have = v2_datatype(spec.dtype, spec.type_name).replace("BYTES", "STRING")
+            have = config_datatype(spec)
             if want != have:
                 raise ConfigError(
                     f"model {model!r}: config.pbtxt declares {kind} {spec.name!r} as TYPE_{want}; "
@@ -678,7 +677,7 @@ def _check_sequence(
         spec = specs.get(name)
         if spec is None:
             return  # the sequence batcher names a missing input at load
-        have = v2_datatype(spec.dtype, spec.type_name).replace("BYTES", "STRING")
+        have = config_datatype(spec)
         if want != have:
             raise ConfigError(
                 f"model {model!r}: config.pbtxt's sequence_batching {what} {name!r} is "

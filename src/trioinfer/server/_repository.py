@@ -365,7 +365,18 @@ class ModelEntry:
                 or now leads outside the repository, or an override that is not
                 a table of valid [`ModelConfig`][trioinfer.ModelConfig] fields.
         """
+        return self.config_and_triton(version, override)[0]
+
+    def config_and_triton(
+        self, version: int, override: Mapping[str, Any] | None = None
+    ) -> tuple[ModelConfig, TritonModel | None]:
+        """`config()` and `triton_config()` of one load, *override* merged once for both.
+
+        Raises:
+            ConfigError: As `config()`.
+        """
         data = dict(self.settings)
+        triton = self.triton
         if override is not None:
             if not isinstance(override, Mapping) or not all(isinstance(k, str) for k in override):
                 raise ConfigError(
@@ -396,14 +407,13 @@ class ModelEntry:
                     f"default_model_filename (to {_shown(chosen)}); the repository decides "
                     f"the file (<N>/{self.model_file})"
                 )
-            data = self._overridden(data, override)
-        triton = self.triton_config(override)
+            data, triton = self._overridden(data, override)
         if triton is not None:
             data = with_declared_shapes(data, triton)
         data["name"] = self.name
         data["path"] = self._model_file(version)
         try:
-            return ModelConfig.from_dict(data)
+            return ModelConfig.from_dict(data), triton
         except ConfigError as exc:
             raise ConfigError(f"model {self.name!r} version {version}: {exc}") from None
 
@@ -440,10 +450,13 @@ class ModelEntry:
         chosen = {k: v for k, v in override.items() if _in_tritons_form(k, v)}
         return TritonModel.parse(chosen, name=self.name, where=where) if chosen else None
 
-    def _overridden(self, data: dict[str, Any], override: Mapping[str, Any]) -> dict[str, Any]:
+    def _overridden(
+        self, data: dict[str, Any], override: Mapping[str, Any]
+    ) -> tuple[dict[str, Any], TritonModel | None]:
         # A config.pbtxt model's override holds config.pbtxt fields as JSON, which replace
         # the file's fields whole; a config.toml model's holds ModelConfig keys, and may
         # hold Triton's keys too (what Triton's clients send), read as Triton reads them.
+        # Also returns the Triton configuration after the override (triton_config()).
         if self.triton is not None:
             unknown = sorted(set(override) - TRITON_FIELDS)
             if unknown:
@@ -462,19 +475,19 @@ class ModelEntry:
                 )
         triton = self.triton_config(override)
         if triton is None:
-            return {**data, **override}
+            return {**data, **override}, None
         if self.triton is not None:
             data = dict(triton.settings)
             if data.get("backend") == PIPELINE:
                 data["path"] = _TRITON_FILE
-            return data
+            return data, triton
         # Triton's empty backend is "none given" (an ensemble's, say), not a plugin's name.
         rest = {
             k: v
             for k, v in override.items()
             if not _in_tritons_form(k, v) and not (k == "backend" and v == "")
         }
-        return {**data, **triton.settings, **rest}
+        return {**data, **triton.settings, **rest}, triton
 
     def labels(self, triton: TritonModel | None) -> dict[str, tuple[str, ...]]:
         """Each output's class labels, read from its ``label_filename`` (one label a line).
