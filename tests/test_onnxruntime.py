@@ -1129,6 +1129,66 @@ async def test_a_graph_that_contradicts_its_declaration_is_warned_of_at_load(
     ]
 
 
+def _write_hidden_lie(path: Path, where: str) -> Path:
+    """x float32[N, 4] -> y declared [N, 3], computed [N, 4] (a Reshape to Shape(x)),
+    with the lie told again where ONNX's inference starts from: an intermediate's
+    value_info, or the declared outputs of an If's branches."""
+    import onnx
+    from onnx import TensorProto, helper
+
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 4])
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", 3])
+    inputs = [x]
+    if where == "value_info":
+        nodes = [
+            helper.make_node("Shape", ["x"], ["s"]),
+            helper.make_node("Reshape", ["x", "s"], ["t"]),
+            helper.make_node("Identity", ["t"], ["y"]),
+        ]
+        value_info = [helper.make_tensor_value_info("t", TensorProto.FLOAT, ["N", 3])]
+    else:
+
+        def branch(name: str) -> Any:
+            return helper.make_graph(
+                [
+                    helper.make_node("Shape", ["x"], [f"{name}_s"]),
+                    helper.make_node("Reshape", ["x", f"{name}_s"], [f"{name}_y"]),
+                ],
+                name,
+                [],
+                [helper.make_tensor_value_info(f"{name}_y", TensorProto.FLOAT, ["N", 3])],
+            )
+
+        inputs.append(helper.make_tensor_value_info("c", TensorProto.BOOL, []))
+        nodes = [
+            helper.make_node(
+                "If", ["c"], ["y"], then_branch=branch("then"), else_branch=branch("else")
+            )
+        ]
+        value_info = []
+    graph = helper.make_graph(nodes, "hidden", inputs, [y], value_info=value_info)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=9)
+    onnx.save(model, path)
+    return path
+
+
+@pytest.mark.parametrize("where", ["value_info", "if_branches"])
+async def test_a_lie_repeated_inside_the_graph_proves_nothing(model_dir: Path, where: str) -> None:
+    """Inference merges what it computes with the shapes a graph declares on the way
+    (value_info, a subgraph's outputs): a declaration repeated there is no proof, and
+    the [N, 4] answer to a signature of [N, 3] must fail, not reach the client."""
+    path = _write_hidden_lie(model_dir / f"hidden_{where}.onnx", where)
+    inputs: dict[str, Any] = {"x": np.zeros((2, 4), np.float32)}
+    if where == "if_branches":
+        inputs["c"] = np.array(True)
+    async with open_engine() as engine:
+        await engine.load(ModelConfig(name="h", path=path, backend_options={"log_severity": 4}))
+        runner = engine._runners["h"]
+        assert [r._backend_instance.checks_outputs for r in runner.replicas] == [False]
+        with pytest.raises(trioinfer.BackendError, match=r"output 'y' with shape \[2, 4\]"):
+            await engine.infer("h", inputs)
+
+
 # -- sizes the config fixes (the inputs and outputs options) ------------------------
 
 

@@ -8,7 +8,9 @@ computed shape, say), and ONNX Runtime only logs a warning per run
 shape is what the session reports, and so what metadata tells clients.
 
 So an instance says ``checks_outputs`` only when ONNX's own shape inference,
-run over the graph with the outputs' declared shapes set aside, derives every
+run over the graph with every declared shape but the inputs' set aside (the
+outputs', value_info's, subgraphs': inference keeps a declared size it does not
+compute, so a lie told there again would prove itself), derives every
 output's rank and every size the signature fixes: then the answer's shape
 follows from the inputs' (which the engine validated) by the operators'
 definitions, whatever the graph declares. The signature proved is the
@@ -80,8 +82,7 @@ def _unproved(path: Path, signature: ModelSignature) -> Unproved | None:
     try:
         model = onnx.load(str(path), load_external_data=False)
         declared = {output.name: output.type for output in model.graph.output}
-        for output in model.graph.output:
-            output.type.tensor_type.ClearField("shape")
+        _forget_shapes(model)
         _fix_inputs(model, signature)
         inferred_model = onnx.shape_inference.infer_shapes(model, strict_mode=False)
     except Exception as exc:  # an operator or file onnx cannot read: nothing proved
@@ -112,6 +113,51 @@ def _unproved(path: Path, signature: ModelSignature) -> Unproved | None:
                 if size != fixed:
                     return _lie(spec.name, spec.describe(), dims)
     return None
+
+
+def _forget_shapes(model: Any) -> None:
+    # Inference merges what it computes with every shape the file declares on the way,
+    # keeping a declared size where it computes none: a lie told again in value_info or
+    # in a subgraph's (an If branch's, a Loop body's) inputs and outputs would prove
+    # itself. So only the graph's inputs keep theirs (ONNX Runtime holds requests to
+    # them); the rest is computed from those or not known.
+    graphs = [model.graph]
+    for function in model.functions:
+        for value in getattr(function, "value_info", ()):  # IR 10 and later
+            _forget_shape(value.type)
+        graphs.extend(_subgraphs(function.node))
+    while graphs:
+        graph = graphs.pop()
+        values = [*graph.value_info, *graph.output]
+        if graph is not model.graph:
+            values += graph.input
+        for value in values:
+            _forget_shape(value.type)
+        graphs.extend(_subgraphs(graph.node))
+
+
+def _forget_shape(kind: Any) -> None:
+    # The shape of a tensor, or of the tensors a sequence, optional or map holds;
+    # through WhichOneof, as touching tensor_type would make a sequence type a tensor's.
+    while kind is not None:
+        which = kind.WhichOneof("value")
+        if which == "tensor_type":
+            kind.tensor_type.ClearField("shape")
+        if which in ("sequence_type", "optional_type"):
+            kind = getattr(kind, which).elem_type
+        elif which == "map_type":
+            kind = kind.map_type.value_type
+        else:
+            kind = None
+
+
+def _subgraphs(nodes: Any) -> list[Any]:
+    return [
+        graph
+        for node in nodes
+        for attribute in node.attribute
+        for graph in ([attribute.g] if attribute.HasField("g") else []) + list(attribute.graphs)
+    ]
 
 
 def _fix_inputs(model: Any, signature: ModelSignature) -> None:
