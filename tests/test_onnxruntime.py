@@ -1114,7 +1114,7 @@ async def test_a_graph_that_contradicts_its_declaration_is_warned_of_at_load(
     monkeypatch.setattr(
         _backend,
         "outputs_unproved",
-        lambda path, signature: _proof.Unproved("the graph declares ... [N, 4]", True),
+        lambda path, signature, read=None: _proof.Unproved("the graph declares ... [N, 4]", True),
     )
     caplog.set_level(logging.WARNING, "trioinfer.onnxruntime")
     instance = await OnnxRuntimeBackend().load(
@@ -1187,6 +1187,54 @@ async def test_a_lie_repeated_inside_the_graph_proves_nothing(model_dir: Path, w
         assert [r._backend_instance.checks_outputs for r in runner.replicas] == [False]
         with pytest.raises(trioinfer.BackendError, match=r"output 'y' with shape \[2, 4\]"):
             await engine.infer("h", inputs)
+
+
+async def test_a_file_replaced_after_its_session_was_made_proves_nothing(
+    model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The proof reads the file again: one replaced after ONNX Runtime read it (a
+    repository updated during the load) is not the graph the session runs. Here the
+    session runs y = Reshape(Concat(x, x), Shape(...)), [N, 8] declared [N, 4], and the
+    file becomes y = Identity(x), which inference proves: the session's answers must
+    still be checked."""
+    import onnx
+    from onnx import TensorProto, helper
+
+    def write(path: Path, nodes: list[Any]) -> None:
+        graph = helper.make_graph(
+            nodes,
+            "g",
+            [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 4])],
+            [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", 4])],
+        )
+        model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=9)
+        onnx.save(model, path)
+
+    path = model_dir / "replaced.onnx"
+    write(
+        path,
+        [
+            helper.make_node("Concat", ["x", "x"], ["t"], axis=1),
+            helper.make_node("Shape", ["t"], ["s"]),
+            helper.make_node("Reshape", ["t", "s"], ["y"]),
+        ],
+    )
+    create = _backend._create_session
+
+    def create_then_replace(*args: Any) -> tuple[Any, str]:
+        made = create(*args)
+        honest = model_dir / "honest.onnx"
+        write(honest, [helper.make_node("Identity", ["x"], ["y"])])
+        os.replace(honest, path)
+        return made
+
+    monkeypatch.setattr(_backend, "_create_session", create_then_replace)
+    async with open_engine() as engine:
+        await engine.load(ModelConfig(name="r", path=path, backend_options={"log_severity": 4}))
+        runner = engine._runners["r"]
+        assert [r._backend_instance.checks_outputs for r in runner.replicas] == [False]
+        with pytest.raises(trioinfer.BackendError, match=r"output 'y' with shape \[2, 8\]"):
+            await engine.infer("r", {"x": np.zeros((2, 4), np.float32)})
 
 
 # -- sizes the config fixes (the inputs and outputs options) ------------------------

@@ -47,33 +47,52 @@ class Unproved(NamedTuple):
     contradicts: bool = False
 
 
-# What _unproved said per (path, mtime, signature): every instance of a model
+#: What tells the file at a path from another put there: device, inode, size, mtime (ns).
+Stamp = tuple[int, int, int, int]
+
+# What _unproved said per (path, stamp, signature): every instance of a model
 # asks the same question.
-_proved: dict[tuple[str, float, ModelSignature], Unproved | None] = {}
+_proved: dict[tuple[str, Stamp, ModelSignature], Unproved | None] = {}
 
 
-def outputs_unproved(path: Path, signature: ModelSignature) -> Unproved | None:
+def file_stamp(path: Path) -> Stamp | None:
+    """The `Stamp` of the file at *path*, or None if it cannot be read. Blocking."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+
+
+def outputs_unproved(
+    path: Path, signature: ModelSignature, read: Stamp | None = None
+) -> Unproved | None:
     """Why the graph at *path* does not prove *signature*'s outputs, or None when it does.
+
+    *read*: the file's `Stamp` from before ONNX Runtime read it, so that a file
+    replaced since (a repository updated during the load) proves nothing of the
+    session, which runs the graph read then.
 
     Blocking (it parses the file): call it off the event loop.
     """
-    try:
-        mtime = os.stat(path).st_mtime
-    except OSError as exc:
-        return Unproved(f"its file cannot be read again ({exc})")
-    key = (str(path), mtime, signature)
+    stamp = file_stamp(path)
+    if stamp is None:
+        return Unproved("its file cannot be read again")
+    if read is not None and stamp != read:
+        return Unproved("its file was replaced after ONNX Runtime read it")
+    key = (str(path), stamp, signature)
     if key not in _proved:
-        _proved[key] = _unproved(path, signature)
+        _proved[key] = _unproved(path, signature, stamp)
     return _proved[key]
 
 
-def _unproved(path: Path, signature: ModelSignature) -> Unproved | None:
+def _unproved(path: Path, signature: ModelSignature, stamp: Stamp) -> Unproved | None:
     try:
         import onnx
         import onnx.shape_inference
     except ImportError:
         return Unproved("the onnx package, which infers the graph's shapes, is not installed here")
-    file_size = os.stat(path).st_size
+    file_size = stamp[2]
     if file_size > PROOF_MAX_BYTES:
         return Unproved(
             f"its file is {file_size >> 20} MiB, over the {PROOF_MAX_BYTES >> 20} MiB "
@@ -81,6 +100,8 @@ def _unproved(path: Path, signature: ModelSignature) -> Unproved | None:
         )
     try:
         model = onnx.load(str(path), load_external_data=False)
+        if file_stamp(path) != stamp:
+            return Unproved("its file was replaced while it was read")
         declared = {output.name: output.type for output in model.graph.output}
         _forget_shapes(model)
         _fix_inputs(model, signature)
