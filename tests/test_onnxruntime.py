@@ -1189,43 +1189,46 @@ async def test_a_lie_repeated_inside_the_graph_proves_nothing(model_dir: Path, w
             await engine.infer("h", inputs)
 
 
+def _write_x_to_y(path: Path, *, lying: bool) -> None:
+    """x float32[N, 4] -> y declared float32[N, 4]: Identity(x), which inference proves,
+    or (lying) Reshape(Concat(x, x), Shape(...)), which computes [N, 8] unproved."""
+    import onnx
+    from onnx import TensorProto, helper
+
+    nodes = (
+        [
+            helper.make_node("Concat", ["x", "x"], ["t"], axis=1),
+            helper.make_node("Shape", ["t"], ["s"]),
+            helper.make_node("Reshape", ["t", "s"], ["y"]),
+        ]
+        if lying
+        else [helper.make_node("Identity", ["x"], ["y"])]
+    )
+    graph = helper.make_graph(
+        nodes,
+        "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 4])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", 4])],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=9)
+    onnx.save(model, path)
+
+
 async def test_a_file_replaced_after_its_session_was_made_proves_nothing(
     model_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The proof reads the file again: one replaced after ONNX Runtime read it (a
     repository updated during the load) is not the graph the session runs. Here the
-    session runs y = Reshape(Concat(x, x), Shape(...)), [N, 8] declared [N, 4], and the
-    file becomes y = Identity(x), which inference proves: the session's answers must
-    still be checked."""
-    import onnx
-    from onnx import TensorProto, helper
-
-    def write(path: Path, nodes: list[Any]) -> None:
-        graph = helper.make_graph(
-            nodes,
-            "g",
-            [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 4])],
-            [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", 4])],
-        )
-        model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=9)
-        onnx.save(model, path)
-
+    session runs the lying graph ([N, 8] declared [N, 4]) and the file becomes the
+    honest one, which inference proves: the session's answers must still be checked."""
     path = model_dir / "replaced.onnx"
-    write(
-        path,
-        [
-            helper.make_node("Concat", ["x", "x"], ["t"], axis=1),
-            helper.make_node("Shape", ["t"], ["s"]),
-            helper.make_node("Reshape", ["t", "s"], ["y"]),
-        ],
-    )
+    _write_x_to_y(path, lying=True)
     create = _backend._create_session
 
     def create_then_replace(*args: Any) -> tuple[Any, str]:
         made = create(*args)
-        honest = model_dir / "honest.onnx"
-        write(honest, [helper.make_node("Identity", ["x"], ["y"])])
-        os.replace(honest, path)
+        _write_x_to_y(model_dir / "honest.onnx", lying=False)
+        os.replace(model_dir / "honest.onnx", path)
         return made
 
     monkeypatch.setattr(_backend, "_create_session", create_then_replace)
@@ -1233,6 +1236,27 @@ async def test_a_file_replaced_after_its_session_was_made_proves_nothing(
         await engine.load(ModelConfig(name="r", path=path, backend_options={"log_severity": 4}))
         runner = engine._runners["r"]
         assert [r._backend_instance.checks_outputs for r in runner.replicas] == [False]
+        with pytest.raises(trioinfer.BackendError, match=r"output 'y' with shape \[2, 8\]"):
+            await engine.infer("r", {"x": np.zeros((2, 4), np.float32)})
+
+
+async def test_an_instance_recreated_from_an_unproved_graph_gets_the_full_check(
+    model_dir: Path,
+) -> None:
+    """A dead instance is re-created from the file as it is then: a graph put there
+    since with the same signature, which does not prove its outputs, must not be
+    spared the full check the model's first instances were."""
+    path = model_dir / "recreated.onnx"
+    _write_x_to_y(path, lying=False)
+    async with open_engine() as engine:
+        await engine.load(ModelConfig(name="r", path=path, backend_options={"log_severity": 4}))
+        runner = engine._runners["r"]
+        assert runner._output_check is not None
+        assert runner._output_check.full is False
+        _write_x_to_y(model_dir / "lying.onnx", lying=True)
+        os.replace(model_dir / "lying.onnx", path)
+        await runner.recreate(runner.replicas[0])
+        assert runner.replicas[0]._backend_instance.checks_outputs is False
         with pytest.raises(trioinfer.BackendError, match=r"output 'y' with shape \[2, 8\]"):
             await engine.infer("r", {"x": np.zeros((2, 4), np.float32)})
 
