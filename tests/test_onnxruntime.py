@@ -1261,6 +1261,55 @@ async def test_an_instance_recreated_from_an_unproved_graph_gets_the_full_check(
             await engine.infer("r", {"x": np.zeros((2, 4), np.float32)})
 
 
+async def test_a_state_shape_at_odds_with_the_narrowed_input_is_refused(
+    model_dir: Path,
+) -> None:
+    """A sequence's state input is filled by the batcher, in the state's shape, not
+    checked as a request's input is. A state shape other than the size the config
+    fixes for that input fails the load, rather than feed the model a state of
+    another size (and an answer of another size reach a client: the proof of the
+    outputs starts from the input's fixed sizes)."""
+    import onnx
+    from onnx import TensorProto, helper
+
+    graph = helper.make_graph(
+        [
+            helper.make_node("Add", ["s_in", "x"], ["y"]),
+            helper.make_node("Identity", ["s_in"], ["s_out"]),
+        ],
+        "state",
+        [
+            helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", "k"]),
+            helper.make_tensor_value_info("s_in", TensorProto.FLOAT, ["N", "m"]),
+        ],
+        [
+            helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", "p"]),
+            helper.make_tensor_value_info("s_out", TensorProto.FLOAT, ["N", "q"]),
+        ],
+    )
+    path = model_dir / "state.onnx"
+    onnx.save(
+        helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=9), path
+    )
+    config = ModelConfig(
+        name="d",
+        path=path,
+        batcher="sequence",
+        sequence={"state": [{"input": "s_in", "output": "s_out", "shape": [3]}]},
+        backend_options={
+            "log_severity": 4,
+            "inputs": [{"name": "x", "shape": [-1, 1]}, {"name": "s_in", "shape": [-1, 4]}],
+            "outputs": [{"name": "y", "shape": [-1, 4]}],
+        },
+    )
+    async with open_engine() as engine:
+        with pytest.raises(
+            trioinfer.ConfigError,
+            match=r"state input 's_in' the shape \[3\], but the input is float32\[N, 4\]",
+        ):
+            await engine.load(config)
+
+
 # -- sizes the config fixes (the inputs and outputs options) ------------------------
 
 
