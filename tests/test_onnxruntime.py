@@ -1103,6 +1103,40 @@ def test_why_a_graph_does_not_prove_its_outputs(
     _proof._proved.clear()
 
 
+def test_instances_loading_together_parse_the_file_once(
+    model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A model's instances load side by side, each on its own thread: the proof parses
+    its file (up to PROOF_MAX_BYTES, a copy of the weights each) for the first, and the
+    others wait for its answer, rather than each parse at once."""
+    from trioinfer_onnxruntime import _proof
+
+    path = _write_reshape(model_dir / "once.onnx", declared=["N", 4], inferable=True)
+    x = trioinfer.TensorSpec("x", np.dtype(np.float32), ("N", 4))
+    signature = trioinfer.ModelSignature((x,), (trioinfer.TensorSpec("y", x.dtype, ("N", 4)),))
+    parse = _proof._unproved
+    calls: list[int] = []
+    second = threading.Event()
+
+    def counted(*args: Any) -> Any:
+        calls.append(1)
+        if len(calls) == 1:
+            # The second instance asks meanwhile; it must not parse too (bounded wait:
+            # with one parse at a time it never arrives here while this one runs).
+            other.start()
+            second.wait(timeout=1.0)
+        else:
+            second.set()
+        return parse(*args)
+
+    monkeypatch.setattr(_proof, "_unproved", counted)
+    other = threading.Thread(target=_proof.outputs_unproved, args=(path, signature))
+    assert _proof.outputs_unproved(path, signature) is None
+    other.join()
+    assert len(calls) == 1
+    _proof._proved.clear()
+
+
 async def test_a_graph_that_contradicts_its_declaration_is_warned_of_at_load(
     model_dir: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:

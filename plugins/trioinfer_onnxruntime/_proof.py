@@ -26,6 +26,7 @@ check on, which costs an execution about a microsecond.
 from __future__ import annotations
 
 import os
+import threading
 from pathlib import Path
 from typing import Any, Final, NamedTuple
 
@@ -53,6 +54,11 @@ Stamp = tuple[int, int, int, int]
 # What _unproved said per (path, stamp, signature): every instance of a model
 # asks the same question.
 _proved: dict[tuple[str, Stamp, ModelSignature], Unproved | None] = {}
+# The question being answered now, per key: a model's instances load side by side,
+# and each parse holds a copy of the file (up to PROOF_MAX_BYTES), so the others
+# wait for the first's answer.
+_proving: dict[tuple[str, Stamp, ModelSignature], threading.Lock] = {}
+_proving_lock = threading.Lock()
 
 
 def file_stamp(path: Path) -> Stamp | None:
@@ -81,8 +87,15 @@ def outputs_unproved(
     if read is not None and stamp != read:
         return Unproved("its file was replaced after ONNX Runtime read it")
     key = (str(path), stamp, signature)
-    if key not in _proved:
-        _proved[key] = _unproved(path, signature, stamp)
+    if key in _proved:
+        return _proved[key]
+    with _proving_lock:
+        lock = _proving.setdefault(key, threading.Lock())
+    with lock:
+        if key not in _proved:
+            _proved[key] = _unproved(path, signature, stamp)
+    with _proving_lock:
+        _proving.pop(key, None)
     return _proved[key]
 
 
