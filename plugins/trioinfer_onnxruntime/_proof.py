@@ -155,17 +155,17 @@ def _forget_shapes(model: Any) -> None:
     # in a subgraph's (an If branch's, a Loop body's) inputs and outputs would prove
     # itself. So only the graph's inputs keep theirs (ONNX Runtime holds requests to
     # them); the rest is computed from those or not known.
-    graphs = [model.graph]
+    top = model.graph
+    for value in [*top.value_info, *top.output]:
+        _forget_shape(value.type)
+    graphs = _subgraphs(top.node)
     for function in model.functions:
         for value in getattr(function, "value_info", ()):  # IR 10 and later
             _forget_shape(value.type)
         graphs.extend(_subgraphs(function.node))
     while graphs:
         graph = graphs.pop()
-        values = [*graph.value_info, *graph.output]
-        if graph is not model.graph:
-            values += graph.input
-        for value in values:
+        for value in [*graph.value_info, *graph.output, *graph.input]:
             _forget_shape(value.type)
         graphs.extend(_subgraphs(graph.node))
 
