@@ -1103,6 +1103,40 @@ def test_why_a_graph_does_not_prove_its_outputs(
     _proof._proved.clear()
 
 
+def test_instances_loading_together_parse_the_file_once(
+    model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A model's instances load side by side, each on its own thread: the proof parses
+    its file (up to PROOF_MAX_BYTES, a copy of the weights each) for the first, and the
+    others wait for its answer, rather than each parse at once."""
+    from trioinfer_onnxruntime import _proof
+
+    path = _write_reshape(model_dir / "once.onnx", declared=["N", 4], inferable=True)
+    x = trioinfer.TensorSpec("x", np.dtype(np.float32), ("N", 4))
+    signature = trioinfer.ModelSignature((x,), (trioinfer.TensorSpec("y", x.dtype, ("N", 4)),))
+    parse = _proof._unproved
+    calls: list[int] = []
+    second = threading.Event()
+
+    def counted(*args: Any) -> Any:
+        calls.append(1)
+        if len(calls) == 1:
+            # The second instance asks meanwhile; it must not parse too (bounded wait:
+            # with one parse at a time it never arrives here while this one runs).
+            other.start()
+            second.wait(timeout=1.0)
+        else:
+            second.set()
+        return parse(*args)
+
+    monkeypatch.setattr(_proof, "_unproved", counted)
+    other = threading.Thread(target=_proof.outputs_unproved, args=(path, signature))
+    assert _proof.outputs_unproved(path, signature) is None
+    other.join()
+    assert len(calls) == 1
+    _proof._proved.clear()
+
+
 async def test_a_graph_that_contradicts_its_declaration_is_warned_of_at_load(
     model_dir: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -1114,7 +1148,7 @@ async def test_a_graph_that_contradicts_its_declaration_is_warned_of_at_load(
     monkeypatch.setattr(
         _backend,
         "outputs_unproved",
-        lambda path, signature: _proof.Unproved("the graph declares ... [N, 4]", True),
+        lambda path, signature, read=None: _proof.Unproved("the graph declares ... [N, 4]", True),
     )
     caplog.set_level(logging.WARNING, "trioinfer.onnxruntime")
     instance = await OnnxRuntimeBackend().load(
@@ -1127,6 +1161,187 @@ async def test_a_graph_that_contradicts_its_declaration_is_warned_of_at_load(
         "model 'c' instance 0: its graph does not prove its outputs' shapes (the graph declares "
         "... [N, 4]); the engine checks each answer against the declared signature"
     ]
+
+
+def _write_hidden_lie(path: Path, where: str) -> Path:
+    """x float32[N, 4] -> y declared [N, 3], computed [N, 4] (a Reshape to Shape(x)),
+    with the lie told again where ONNX's inference starts from: an intermediate's
+    value_info, or the declared outputs of an If's branches."""
+    import onnx
+    from onnx import TensorProto, helper
+
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 4])
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", 3])
+    inputs = [x]
+    if where == "value_info":
+        nodes = [
+            helper.make_node("Shape", ["x"], ["s"]),
+            helper.make_node("Reshape", ["x", "s"], ["t"]),
+            helper.make_node("Identity", ["t"], ["y"]),
+        ]
+        value_info = [helper.make_tensor_value_info("t", TensorProto.FLOAT, ["N", 3])]
+    else:
+
+        def branch(name: str) -> Any:
+            return helper.make_graph(
+                [
+                    helper.make_node("Shape", ["x"], [f"{name}_s"]),
+                    helper.make_node("Reshape", ["x", f"{name}_s"], [f"{name}_y"]),
+                ],
+                name,
+                [],
+                [helper.make_tensor_value_info(f"{name}_y", TensorProto.FLOAT, ["N", 3])],
+            )
+
+        inputs.append(helper.make_tensor_value_info("c", TensorProto.BOOL, []))
+        nodes = [
+            helper.make_node(
+                "If", ["c"], ["y"], then_branch=branch("then"), else_branch=branch("else")
+            )
+        ]
+        value_info = []
+    graph = helper.make_graph(nodes, "hidden", inputs, [y], value_info=value_info)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=9)
+    onnx.save(model, path)
+    return path
+
+
+@pytest.mark.parametrize("where", ["value_info", "if_branches"])
+async def test_a_lie_repeated_inside_the_graph_proves_nothing(model_dir: Path, where: str) -> None:
+    """Inference merges what it computes with the shapes a graph declares on the way
+    (value_info, a subgraph's outputs): a declaration repeated there is no proof, and
+    the [N, 4] answer to a signature of [N, 3] must fail, not reach the client."""
+    path = _write_hidden_lie(model_dir / f"hidden_{where}.onnx", where)
+    inputs: dict[str, Any] = {"x": np.zeros((2, 4), np.float32)}
+    if where == "if_branches":
+        inputs["c"] = np.array(True)
+    async with open_engine() as engine:
+        await engine.load(ModelConfig(name="h", path=path, backend_options={"log_severity": 4}))
+        runner = engine._runners["h"]
+        assert [r._backend_instance.checks_outputs for r in runner.replicas] == [False]
+        with pytest.raises(trioinfer.BackendError, match=r"output 'y' with shape \[2, 4\]"):
+            await engine.infer("h", inputs)
+
+
+def _write_x_to_y(path: Path, *, lying: bool) -> None:
+    """x float32[N, 4] -> y declared float32[N, 4]: Identity(x), which inference proves,
+    or (lying) Reshape(Concat(x, x), Shape(...)), which computes [N, 8] unproved."""
+    import onnx
+    from onnx import TensorProto, helper
+
+    nodes = (
+        [
+            helper.make_node("Concat", ["x", "x"], ["t"], axis=1),
+            helper.make_node("Shape", ["t"], ["s"]),
+            helper.make_node("Reshape", ["t", "s"], ["y"]),
+        ]
+        if lying
+        else [helper.make_node("Identity", ["x"], ["y"])]
+    )
+    graph = helper.make_graph(
+        nodes,
+        "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 4])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", 4])],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=9)
+    onnx.save(model, path)
+
+
+async def test_a_file_replaced_after_its_session_was_made_proves_nothing(
+    model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The proof reads the file again: one replaced after ONNX Runtime read it (a
+    repository updated during the load) is not the graph the session runs. Here the
+    session runs the lying graph ([N, 8] declared [N, 4]) and the file becomes the
+    honest one, which inference proves: the session's answers must still be checked."""
+    path = model_dir / "replaced.onnx"
+    _write_x_to_y(path, lying=True)
+    create = _backend._create_session
+
+    def create_then_replace(*args: Any) -> tuple[Any, str]:
+        made = create(*args)
+        _write_x_to_y(model_dir / "honest.onnx", lying=False)
+        os.replace(model_dir / "honest.onnx", path)
+        return made
+
+    monkeypatch.setattr(_backend, "_create_session", create_then_replace)
+    async with open_engine() as engine:
+        await engine.load(ModelConfig(name="r", path=path, backend_options={"log_severity": 4}))
+        runner = engine._runners["r"]
+        assert [r._backend_instance.checks_outputs for r in runner.replicas] == [False]
+        with pytest.raises(trioinfer.BackendError, match=r"output 'y' with shape \[2, 8\]"):
+            await engine.infer("r", {"x": np.zeros((2, 4), np.float32)})
+
+
+async def test_an_instance_recreated_from_an_unproved_graph_gets_the_full_check(
+    model_dir: Path,
+) -> None:
+    """A dead instance is re-created from the file as it is then: a graph put there
+    since with the same signature, which does not prove its outputs, must not be
+    spared the full check the model's first instances were."""
+    path = model_dir / "recreated.onnx"
+    _write_x_to_y(path, lying=False)
+    async with open_engine() as engine:
+        await engine.load(ModelConfig(name="r", path=path, backend_options={"log_severity": 4}))
+        runner = engine._runners["r"]
+        assert runner._output_check is not None
+        assert runner._output_check.full is False
+        _write_x_to_y(model_dir / "lying.onnx", lying=True)
+        os.replace(model_dir / "lying.onnx", path)
+        await runner.recreate(runner.replicas[0])
+        assert runner.replicas[0]._backend_instance.checks_outputs is False
+        with pytest.raises(trioinfer.BackendError, match=r"output 'y' with shape \[2, 8\]"):
+            await engine.infer("r", {"x": np.zeros((2, 4), np.float32)})
+
+
+async def test_a_state_shape_at_odds_with_the_narrowed_input_is_refused(
+    model_dir: Path,
+) -> None:
+    """A sequence's state input is filled by the batcher, in the state's shape, not
+    checked as a request's input is. A state shape other than the size the config
+    fixes for that input fails the load, rather than feed the model a state of
+    another size (and an answer of another size reach a client: the proof of the
+    outputs starts from the input's fixed sizes)."""
+    import onnx
+    from onnx import TensorProto, helper
+
+    graph = helper.make_graph(
+        [
+            helper.make_node("Add", ["s_in", "x"], ["y"]),
+            helper.make_node("Identity", ["s_in"], ["s_out"]),
+        ],
+        "state",
+        [
+            helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", "k"]),
+            helper.make_tensor_value_info("s_in", TensorProto.FLOAT, ["N", "m"]),
+        ],
+        [
+            helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", "p"]),
+            helper.make_tensor_value_info("s_out", TensorProto.FLOAT, ["N", "q"]),
+        ],
+    )
+    path = model_dir / "state.onnx"
+    onnx.save(
+        helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=9), path
+    )
+    config = ModelConfig(
+        name="d",
+        path=path,
+        batcher="sequence",
+        sequence={"state": [{"input": "s_in", "output": "s_out", "shape": [3]}]},
+        backend_options={
+            "log_severity": 4,
+            "inputs": [{"name": "x", "shape": [-1, 1]}, {"name": "s_in", "shape": [-1, 4]}],
+            "outputs": [{"name": "y", "shape": [-1, 4]}],
+        },
+    )
+    async with open_engine() as engine:
+        with pytest.raises(
+            trioinfer.ConfigError,
+            match=r"state input 's_in' the shape \[3\], but the input is float32\[N, 4\]",
+        ):
+            await engine.load(config)
 
 
 # -- sizes the config fixes (the inputs and outputs options) ------------------------

@@ -185,3 +185,24 @@ def _json(doc: dict[str, Any]) -> str:
     import json
 
     return json.dumps(doc)
+
+
+async def test_a_load_without_the_override_drops_its_sizes(client: httpx.AsyncClient) -> None:
+    """The override's dims are that load's: a load without one serves config.pbtxt's."""
+    config = {
+        "max_batch_size": 8,
+        "input": [{"name": "x", "data_type": "TYPE_FP32", "dims": [3]}],
+        "output": [{"name": "y", "data_type": "TYPE_FP32", "dims": [6]}],
+    }
+    load = await client.post(
+        "/v2/repository/models/right/load", json={"parameters": {"config": _json(config)}}
+    )
+    assert load.status_code == 200, load.text
+    load = await client.post("/v2/repository/models/right/load")
+    assert load.status_code == 200, load.text
+    meta = (await client.get("/v2/models/right")).json()
+    assert meta["inputs"][0]["shape"] == [-1, 2]
+    assert meta["outputs"][0]["shape"] == [-1, 4]
+    config_now = (await client.get("/v2/models/right/config")).json()
+    assert [t["dims"] for t in config_now["input"]] == [[2]]
+    assert (await client.post("/v2/models/right/infer", json=_body(1, 2))).status_code == 200

@@ -527,9 +527,10 @@ def test_sequence_batching_that_does_not_fit_the_model_is_refused_at_load(server
         "sequence_batching control (int32_false_true) 'READY' is TYPE_INT32; the model's input "
         "is TYPE_FP32" in reasons["seq_badtype"]
     )
+    # (The sequence batcher refuses it, for any config: the state is fed unchecked.)
     assert (
-        "sequence_batching state 'STATE_IN' has dims [3]; the model's input has [1]"
-        in reasons["seq_baddims"]
+        "sequence.state gives state input 'STATE_IN' the shape [3], but the input is "
+        "int32[batch, 1]" in reasons["seq_baddims"]
     )
 
 

@@ -606,6 +606,31 @@ def test_the_stats_ledger_keeps_a_dead_workers_counts_until_its_model_is_unloade
     assert ledger.merged(0) == [_stats_entry(16, 5), _stats_entry(1, 5, "n")]
 
 
+def test_an_unload_keeps_the_dead_workers_request_counts_as_one_server_does() -> None:
+    # One server counts a model's requests by outcome for its whole life, through an
+    # unload (the HTTP layer's counter, not the engine's statistics, which go with the
+    # model): the dead workers' share must stay too, or the sum goes down at an unload.
+    from trioinfer.server._metrics import exposition_of
+
+    def text(succeeded: int, pid: int) -> bytes:
+        return exposition_of(_counts(pid, succeeded, [_version(succeeded, 1)])["counts"])
+
+    ledger = MetricsLedger()
+    ledger.report(0, 100, text(5, 100))
+    ledger.retire(0, 100)  # worker 0 died, and came back as pid 101
+    ledger.report(0, 101, text(2, 101))
+    labels = {"model": "m", "version": "1", "outcome": "success"}
+    assert _value(ledger.merged(0), "trioinfer_inference_requests_total", **labels) == 7
+    # m unloaded: worker 0 reports its requests of m still (as one server's /metrics
+    # shows them), and no more statistics of it.
+    ledger.forget("m")
+    unloaded: Counts = {"outcomes": [["m", "1", "success", 2]], "in_flight": 0, "versions": []}
+    ledger.report(0, 101, exposition_of(unloaded), taken=9)
+    merged = ledger.merged(0)
+    assert _value(merged, "trioinfer_inference_requests_total", **labels) == 7
+    assert _value(merged, "trioinfer_inferences_total", model="m", version="1") is None
+
+
 def test_merge_stats_sums_counts_and_takes_the_last_inference() -> None:
     merged = merge_stats([[_stats_entry(2, 5)], [_stats_entry(3, 9)], []])
     assert merged == [

@@ -142,6 +142,20 @@ class SequenceBatcher:
             dims = spec.shape[skip:]
             if state.shape is not None:
                 shape = state.shape
+                if len(shape) != len(dims) or any(
+                    isinstance(d, int) and d != size for d, size in zip(dims, shape, strict=False)
+                ):
+                    # The state is fed in this shape, unchecked (no caller sends it): one
+                    # the model's input does not take would fail each execution or, where
+                    # only the config fixes the size, answer in sizes the model's outputs
+                    # were not declared (and proved) for.
+                    raise ConfigError(
+                        f"model {self._model!r}: sequence.state gives state input "
+                        f"{state.input!r} the shape {list(shape)}, but the input is "
+                        f"{spec.describe()}; give its sizes"
+                        + (" after the batch dimension" if skip else "")
+                        + " (or leave shape out where the input fixes them all)"
+                    )
             elif all(isinstance(d, int) for d in dims):
                 shape = tuple(int(d) for d in dims if d is not None)
             else:

@@ -19,7 +19,7 @@ from ._device import _providers, probe_device
 from ._instance import OnnxRuntimeInstance, _compute_clock
 from ._options import _OPT_LEVELS, _check_options
 from ._ort import _narrowed, _one_line, _ort, _signature, log, missing_ort
-from ._proof import outputs_unproved
+from ._proof import Unproved, file_stamp, outputs_unproved
 from ._tuning import _mtime, _tune, _tuned
 
 
@@ -63,6 +63,9 @@ class OnnxRuntimeBackend:
         threads = _compute_threads(placement)
         rates: dict[int, float] = {}
         try:
+            # Before ONNX Runtime reads the file: the proof below reads it again, and
+            # must not judge another file put there meanwhile.
+            read = await worker.run_sync(file_stamp, path)
             session, device = await worker.run_sync(
                 _create_session, config, path, placement, options
             )
@@ -82,7 +85,11 @@ class OnnxRuntimeBackend:
                     worker, session, signature, label, sizes, clock
                 )
                 _tuned[key] = rates
-            unproved = await worker.run_sync(outputs_unproved, path, signature)
+            unproved = (
+                Unproved("its file could not be read before its session was made")
+                if read is None
+                else await worker.run_sync(outputs_unproved, path, signature, read)
+            )
         except BaseException:
             await worker.aclose()
             raise

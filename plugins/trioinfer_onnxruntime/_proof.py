@@ -8,7 +8,9 @@ computed shape, say), and ONNX Runtime only logs a warning per run
 shape is what the session reports, and so what metadata tells clients.
 
 So an instance says ``checks_outputs`` only when ONNX's own shape inference,
-run over the graph with the outputs' declared shapes set aside, derives every
+run over the graph with every declared shape but the inputs' set aside (the
+outputs', value_info's, subgraphs': inference keeps a declared size it does not
+compute, so a lie told there again would prove itself), derives every
 output's rank and every size the signature fixes: then the answer's shape
 follows from the inputs' (which the engine validated) by the operators'
 definitions, whatever the graph declares. The signature proved is the
@@ -24,6 +26,7 @@ check on, which costs an execution about a microsecond.
 from __future__ import annotations
 
 import os
+import threading
 from pathlib import Path
 from typing import Any, Final, NamedTuple
 
@@ -45,33 +48,64 @@ class Unproved(NamedTuple):
     contradicts: bool = False
 
 
-# What _unproved said per (path, mtime, signature): every instance of a model
+#: What tells the file at a path from another put there: device, inode, size, mtime (ns).
+Stamp = tuple[int, int, int, int]
+
+# What _unproved said per (path, stamp, signature): every instance of a model
 # asks the same question.
-_proved: dict[tuple[str, float, ModelSignature], Unproved | None] = {}
+_proved: dict[tuple[str, Stamp, ModelSignature], Unproved | None] = {}
+# The question being answered now, per key: a model's instances load side by side,
+# and each parse holds a copy of the file (up to PROOF_MAX_BYTES), so the others
+# wait for the first's answer.
+_proving: dict[tuple[str, Stamp, ModelSignature], threading.Lock] = {}
+_proving_lock = threading.Lock()
 
 
-def outputs_unproved(path: Path, signature: ModelSignature) -> Unproved | None:
+def file_stamp(path: Path) -> Stamp | None:
+    """The `Stamp` of the file at *path*, or None if it cannot be read. Blocking."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+
+
+def outputs_unproved(
+    path: Path, signature: ModelSignature, read: Stamp | None = None
+) -> Unproved | None:
     """Why the graph at *path* does not prove *signature*'s outputs, or None when it does.
+
+    *read*: the file's `Stamp` from before ONNX Runtime read it, so that a file
+    replaced since (a repository updated during the load) proves nothing of the
+    session, which runs the graph read then.
 
     Blocking (it parses the file): call it off the event loop.
     """
-    try:
-        mtime = os.stat(path).st_mtime
-    except OSError as exc:
-        return Unproved(f"its file cannot be read again ({exc})")
-    key = (str(path), mtime, signature)
-    if key not in _proved:
-        _proved[key] = _unproved(path, signature)
+    stamp = file_stamp(path)
+    if stamp is None:
+        return Unproved("its file cannot be read again")
+    if read is not None and stamp != read:
+        return Unproved("its file was replaced after ONNX Runtime read it")
+    key = (str(path), stamp, signature)
+    if key in _proved:
+        return _proved[key]
+    with _proving_lock:
+        lock = _proving.setdefault(key, threading.Lock())
+    with lock:
+        if key not in _proved:
+            _proved[key] = _unproved(path, signature, stamp)
+    with _proving_lock:
+        _proving.pop(key, None)
     return _proved[key]
 
 
-def _unproved(path: Path, signature: ModelSignature) -> Unproved | None:
+def _unproved(path: Path, signature: ModelSignature, stamp: Stamp) -> Unproved | None:
     try:
         import onnx
         import onnx.shape_inference
     except ImportError:
         return Unproved("the onnx package, which infers the graph's shapes, is not installed here")
-    file_size = os.stat(path).st_size
+    file_size = stamp[2]
     if file_size > PROOF_MAX_BYTES:
         return Unproved(
             f"its file is {file_size >> 20} MiB, over the {PROOF_MAX_BYTES >> 20} MiB "
@@ -79,9 +113,10 @@ def _unproved(path: Path, signature: ModelSignature) -> Unproved | None:
         )
     try:
         model = onnx.load(str(path), load_external_data=False)
+        if file_stamp(path) != stamp:
+            return Unproved("its file was replaced while it was read")
         declared = {output.name: output.type for output in model.graph.output}
-        for output in model.graph.output:
-            output.type.tensor_type.ClearField("shape")
+        _forget_shapes(model)
         _fix_inputs(model, signature)
         inferred_model = onnx.shape_inference.infer_shapes(model, strict_mode=False)
     except Exception as exc:  # an operator or file onnx cannot read: nothing proved
@@ -112,6 +147,51 @@ def _unproved(path: Path, signature: ModelSignature) -> Unproved | None:
                 if size != fixed:
                     return _lie(spec.name, spec.describe(), dims)
     return None
+
+
+def _forget_shapes(model: Any) -> None:
+    # Inference merges what it computes with every shape the file declares on the way,
+    # keeping a declared size where it computes none: a lie told again in value_info or
+    # in a subgraph's (an If branch's, a Loop body's) inputs and outputs would prove
+    # itself. So only the graph's inputs keep theirs (ONNX Runtime holds requests to
+    # them); the rest is computed from those or not known.
+    top = model.graph
+    for value in [*top.value_info, *top.output]:
+        _forget_shape(value.type)
+    graphs = _subgraphs(top.node)
+    for function in model.functions:
+        for value in getattr(function, "value_info", ()):  # IR 10 and later
+            _forget_shape(value.type)
+        graphs.extend(_subgraphs(function.node))
+    while graphs:
+        graph = graphs.pop()
+        for value in [*graph.value_info, *graph.output, *graph.input]:
+            _forget_shape(value.type)
+        graphs.extend(_subgraphs(graph.node))
+
+
+def _forget_shape(kind: Any) -> None:
+    # The shape of a tensor, or of the tensors a sequence, optional or map holds;
+    # through WhichOneof, as touching tensor_type would make a sequence type a tensor's.
+    while kind is not None:
+        which = kind.WhichOneof("value")
+        if which == "tensor_type":
+            kind.tensor_type.ClearField("shape")
+        if which in ("sequence_type", "optional_type"):
+            kind = getattr(kind, which).elem_type
+        elif which == "map_type":
+            kind = kind.map_type.value_type
+        else:
+            kind = None
+
+
+def _subgraphs(nodes: Any) -> list[Any]:
+    return [
+        graph
+        for node in nodes
+        for attribute in node.attribute
+        for graph in ([attribute.g] if attribute.HasField("g") else []) + list(attribute.graphs)
+    ]
 
 
 def _fix_inputs(model: Any, signature: ModelSignature) -> None:

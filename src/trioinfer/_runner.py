@@ -2363,6 +2363,14 @@ class ModelRunner(metaclass=NoPublicConstructor):
                     "signature than the model was loaded with"
                 )
             replica._backend_instance = new
+            if self._output_check is not None and not self._output_check.full:
+                # The cheap check was the old instances' word for their outputs: the
+                # new one, from the file as it is now, may not give it.
+                self._output_check = OutputCheck.for_instances(
+                    self.config.name,
+                    self.backend_signature,  # the instances', as at load
+                    [r._backend_instance for r in self.replicas],
+                )
             replica.recreated += 1
             logger.info("model %r: %s re-created", self.config.name, replica.label)
         finally:

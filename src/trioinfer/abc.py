@@ -579,8 +579,9 @@ class BackendInstance(Protocol):
         Python backend's, which checks each; ONNX Runtime's where ONNX shape
         inference derives every declared rank and fixed size, as the runtime
         itself holds answers to the graph's types but not to its declared
-        shapes) may say ``checks_outputs = True`` (an attribute, read at load):
-        the engine then checks only the names and, batched, the rows.
+        shapes) may say ``checks_outputs = True`` (an attribute, read at load,
+        and of an instance re-created): the engine then checks only the names
+        and, batched, the rows.
 
         For a batched model (``signature.batched``), every output must have
         one row per input row: the engine cuts each caller's rows out of it,

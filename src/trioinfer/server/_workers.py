@@ -255,6 +255,10 @@ def merge_expositions(texts: Iterable[bytes]) -> bytes:
     return generate_latest(registry)
 
 
+#: Families one server keeps a model's series of when it is unloaded (Metrics' own
+#: outcome counter, not read from the engine's statistics).
+_KEPT_AT_UNLOAD: Final = frozenset({"trioinfer_inference_requests"})
+
 #: Metric types whose samples only grow in a process's life: a dead worker's stay in the sums.
 _CUMULATIVE: Final = frozenset({"counter", "histogram", "summary"})
 
@@ -358,11 +362,17 @@ class MetricsLedger:
     def forget(self, model: str) -> None:
         """*model* was unloaded: the dead workers' counts of it go.
 
-        Its series end, as on one server; a load starts them again from zero.
+        Its engine series end, as on one server; a load starts them again from
+        zero. Its requests by outcome stay: one server's HTTP layer counts them
+        for its whole life, through unloads, so the live workers go on reporting
+        theirs, and without the dead workers' the sum would go down.
         """
         if self._retired:
             self._retired = _samples_where(
-                self._retired, lambda _family, sample: sample.labels.get("model") != model
+                self._retired,
+                lambda family, sample: (
+                    family.name in _KEPT_AT_UNLOAD or sample.labels.get("model") != model
+                ),
             )
 
     def merged(self, first: int) -> bytes:
