@@ -328,6 +328,11 @@ async def test_fail_after_cancels_the_remote_run_and_the_actor_takes_the_next_ca
         stats = await wait_for_counter(instance, "cancelled", 1)
         assert stats["cancelled"] == 1  # ray.cancel reached the actor's call ...
         assert stats["aborted"] == 1  # ... which stopped ONNX Runtime (RunOptions.terminate)
+        assert stats["expired"] == 0  # ... and it counts once, as cancelled
+        model = engine.statistics().models["slow"]
+        # The caller's scope fired first: one request, ended once, as a local one would.
+        assert (model.cancelled, model.expired, model.failed, model.succeeded) == (1, 0, 0, 0)
+        assert model.successful_executions == 0  # nothing delivered
         out = await engine.infer("slow", {"x": xs[:1]})
         assert out["y"].shape == (1, 512)
         assert (await instance.remote_statistics())["computed"] == 2
@@ -633,6 +638,10 @@ async def test_an_actor_killed_mid_request_ends_it_once_with_backend_unavailable
         assert instance.node_id[:12] in str(error)
         stats = engine.statistics().models["slow"]
         assert (stats.failed, stats.succeeded, stats.in_flight) == (1, 0, 0)
+        # Without the resilient fallback nothing replaces the instance: it reports the loss
+        # on each batch sent to it (fallback = "resilient" re-creates it, see below).
+        with pytest.raises(BackendUnavailable, match="is gone"):
+            await engine.infer("slow", {"x": xs[:1]})
 
 
 async def test_resilient_fails_over_a_killed_actor_and_recreates_it(
