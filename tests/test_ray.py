@@ -509,18 +509,22 @@ def slow_config(**kwargs: Any) -> ModelConfig:
     )
 
 
-@pytest.mark.parametrize("whose", ["queue_timeouts", "caller"])
+@pytest.mark.parametrize("whose", ["queue_timeouts", "caller", "queue_timeouts+breaker"])
 async def test_a_batch_whose_time_runs_out_queued_in_the_actor_is_never_computed(
     local_ray: None, slow_model: Path, whose: str
 ) -> None:
     """With pipeline_depth 2 a second batch is sent while the first runs, and waits in the
     actor: its deadline passes there (the caller's own, or its queue timeout), and the
-    session must not run it once the first ends."""
+    session must not run it once the first ends. The actor's refusal is no fault of the
+    instance: a breaker does not count it."""
     recording = Recording()
     xs = np.ones((256, 512), np.float32)
-    timeouts = {0: 0.2} if whose == "queue_timeouts" else {}
+    timeouts = {0: 0.2} if whose.startswith("queue_timeouts") else {}
+    breaker: dict[str, Any] = {}
+    if whose.endswith("breaker"):
+        breaker = {"fallback": "resilient", "fallback_options": {"breaker": {"fail_max": 1}}}
     async with open_engine(registry=recording.registry()) as engine:
-        await engine.load(slow_config(path=slow_model, queue_timeouts=timeouts))
+        await engine.load(slow_config(path=slow_model, queue_timeouts=timeouts, **breaker))
         (instance,) = recording.instances
         running = trio.Event()
         outcome: list[str] = []
@@ -547,9 +551,11 @@ async def test_a_batch_whose_time_runs_out_queued_in_the_actor_is_never_computed
             nursery.start_soon(short)
         stats = await instance.remote_statistics()
         model = engine.statistics().models["slow"]
-    expected = "DeadlineExceeded" if whose == "queue_timeouts" else "TooSlowError"
+    expected = "TooSlowError" if whose == "caller" else "DeadlineExceeded"
     assert outcome == [expected]
     assert stats["computed"] == 1  # the long batch alone
+    assert model.replicas[0].state == "serving"
+    assert model.replicas[0].taken_out == 0
     assert model.succeeded == 1
     assert model.expired + model.cancelled == 1  # the short request, counted once
     assert model.failed == 0
@@ -615,6 +621,7 @@ async def test_many_concurrent_deadlines_end_once_and_the_hop_stays_bounded(
 async def test_an_actor_killed_mid_request_ends_it_once_with_backend_unavailable(
     local_ray: None, slow_model: Path
 ) -> None:
+    """One batch running in the actor and one waiting there behind it: each ends once."""
     recording = Recording()
     xs = np.ones((256, 512), np.float32)
     async with open_engine(registry=recording.registry()) as engine:
@@ -622,22 +629,27 @@ async def test_an_actor_killed_mid_request_ends_it_once_with_backend_unavailable
         (instance,) = recording.instances
         errors: list[BaseException] = []
 
-        async def caller() -> None:
+        async def caller(rows: int) -> None:
             try:
-                await engine.infer("slow", {"x": xs})
+                await engine.infer("slow", {"x": xs[:rows]})
             except BackendUnavailable as exc:
                 errors.append(exc)
 
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(caller)
+            nursery.start_soon(caller, 256)
             await wait_for_counter(instance, "computed", 1)
+            nursery.start_soon(caller, 1)
+            with trio.fail_after(30):
+                while engine.statistics().models["slow"].queued:  # noqa: ASYNC110
+                    await trio.sleep(0.01)  # both sent: the second waits in the actor
             ray.kill(instance.actor)
-        (error,) = errors
-        assert "is gone" in str(error)
-        assert "'slow'" in str(error)  # which model and instance, and its node
-        assert instance.node_id[:12] in str(error)
+        assert len(errors) == 2
+        for error in errors:
+            assert "is gone" in str(error)
+            assert "'slow'" in str(error)  # which model and instance, and its node
+            assert instance.node_id[:12] in str(error)
         stats = engine.statistics().models["slow"]
-        assert (stats.failed, stats.succeeded, stats.in_flight) == (1, 0, 0)
+        assert (stats.failed, stats.succeeded, stats.in_flight) == (2, 0, 0)
         # Without the resilient fallback nothing replaces the instance: it reports the loss
         # on each batch sent to it (fallback = "resilient" re-creates it, see below).
         with pytest.raises(BackendUnavailable, match="is gone"):
