@@ -40,10 +40,11 @@ class ModelActor:
     """Holds one ONNX Runtime instance of a model; made a Ray actor by the backend.
 
     The counters say what the actor did with the calls it got: ``computed``
-    (runs started), ``expired`` (refused: the batch's deadline had passed when
-    the actor got to it), ``cancelled`` (calls cancelled while they waited or
-    ran) and ``aborted`` (runs ONNX Runtime cut short); ``last_remaining`` is
-    the time left that the last call came with (``inf`` without a deadline).
+    (runs started), ``expired`` (refused uncomputed: the batch's deadline had
+    passed when it reached the actor, or when its turn to run came),
+    ``cancelled`` (calls cancelled while they waited or ran) and ``aborted``
+    (runs ONNX Runtime cut short); ``last_remaining`` is the time left that
+    the last call came with (``inf`` without a deadline).
     """
 
     def __init__(self) -> None:
