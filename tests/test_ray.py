@@ -807,22 +807,28 @@ async def test_a_model_file_missing_on_the_node_names_the_node(
     assert node[:12] in str(caught.value)  # which node lacks it
 
 
+@pytest.mark.parametrize("how", ["address", "RAY_ADDRESS"])
 def test_a_ray_that_is_not_running_is_backend_unavailable_at_once(
-    tmp_path: Path, mlp_model: Path
+    tmp_path: Path, mlp_model: Path, how: str
 ) -> None:
     """An address where no Ray listens: a typed error, not minutes of Ray's retries.
 
-    In a process of its own: this one is connected to the tests' Ray already.
+    Given as the address option, or as RAY_ADDRESS with address = "auto" (which Ray
+    takes first). In a process of its own: this one is connected to the tests' Ray.
     """
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]  # free once closed: nothing listens there
+    env = {**os.environ, "RAY_TMPDIR": str(tmp_path)}
+    address = f"127.0.0.1:{port}"
+    if how == "RAY_ADDRESS":
+        env["RAY_ADDRESS"], address = address, "auto"
     program = f"""
 import time, trio
 import trioinfer_ray
 from trioinfer import BackendUnavailable, ModelConfig
 config = ModelConfig(name="m", path={str(mlp_model)!r}, backend="ray",
-                     backend_options={{"address": "127.0.0.1:{port}", "start_timeout": 5}})
+                     backend_options={{"address": {address!r}, "start_timeout": 5}})
 start = time.monotonic()
 try:
     trio.run(trioinfer_ray.RayBackend().load, config, config.placements()[0])
@@ -830,7 +836,6 @@ except BackendUnavailable as exc:
     print("BackendUnavailable:", exc)
 print("took", time.monotonic() - start)
 """
-    env = {**os.environ, "RAY_TMPDIR": str(tmp_path)}
     result = subprocess.run(
         [sys.executable, "-c", program],
         capture_output=True,
@@ -840,7 +845,7 @@ print("took", time.monotonic() - start)
         check=False,
     )
     assert result.returncode == 0, result.stderr
-    assert f"BackendUnavailable: model 'm' instance 0 (ray): no Ray at 127.0.0.1:{port}" in (
+    assert f"BackendUnavailable: model 'm' instance 0 (ray): no Ray at 127.0.0.1:{port}:" in (
         result.stdout
     ), result.stdout + result.stderr
     took = float(result.stdout.split("took")[1])

@@ -75,9 +75,10 @@ def connect(address: str | None, timeout: float = DEFAULT_START_TIMEOUT_S) -> No
 
     Blocking (starting a local Ray takes seconds): call it off the event loop.
     A process already connected keeps its connection, whatever *address* says.
-    An address of the form ``host:port`` (or ``ray://host:port``) is tried
-    first with a plain TCP connection of at most *timeout* seconds: where
-    nothing listens, ``ray.init`` would retry for minutes before it gives up.
+    An address of the form ``host:port`` (or ``ray://host:port``, or
+    ``"auto"`` with ``RAY_ADDRESS`` set to one) is tried first with a plain
+    TCP connection of at most *timeout* seconds: where nothing listens,
+    ``ray.init`` would retry for minutes before it gives up.
 
     Raises:
         BackendUnavailable: Ray is not installed, nothing answers at
@@ -114,7 +115,10 @@ def connect(address: str | None, timeout: float = DEFAULT_START_TIMEOUT_S) -> No
 
 
 def _probe(address: str, timeout: float) -> None:
-    # Only host:port addresses: "auto" is looked up by Ray itself, and fails at once.
+    # Only host:port addresses (and "auto" where RAY_ADDRESS names one, which Ray takes
+    # first): otherwise "auto" is looked up by Ray itself, which fails at once.
+    if address == "auto":
+        address = os.environ.get("RAY_ADDRESS", "") or address
     host, sep, port = address.removeprefix("ray://").rpartition(":")
     if not sep or not host or not port.isdigit():
         return
