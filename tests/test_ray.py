@@ -705,6 +705,50 @@ async def test_resilient_fails_over_a_killed_actor_and_recreates_it(
     assert all(actor_gone(handle) for handle in recording.handles)
 
 
+async def test_a_lone_killed_actor_is_not_retried_in_place_but_recreated(
+    local_ray: None, slow_model: Path
+) -> None:
+    """One instance, resilient with retries: a lost actor is no transient fault, so its
+    batch is not retried on it (it fails once, BackendUnavailable); the breaker re-creates
+    the instance, and the next request is served by the new actor."""
+    recording = Recording()
+    xs = np.ones((256, 512), np.float32)
+    config = slow_config(
+        path=slow_model,
+        fallback="resilient",
+        fallback_options={"attempts": 3, "breaker": {"fail_max": 1, "reset_timeout": 0.1}},
+    )
+    async with open_engine(registry=recording.registry()) as engine:
+        await engine.load(config)
+        (instance,) = recording.instances
+        errors: list[BaseException] = []
+
+        async def caller() -> None:
+            try:
+                await engine.infer("slow", {"x": xs})
+            except BackendUnavailable as exc:
+                errors.append(exc)
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(caller)
+            await wait_for_counter(instance, "computed", 1)
+            ray.kill(instance.actor)
+        (error,) = errors
+        assert "is gone" in str(error)
+        with trio.fail_after(60):
+            while True:  # the breaker's re-prober, in the engine's task group
+                (replica,) = engine.statistics().models["slow"].replicas
+                if replica.state == "serving" and replica.recreated >= 1:
+                    break
+                await trio.sleep(0.05)
+        assert len(recording.instances) == 2
+        out = await engine.infer("slow", {"x": xs[:1]})
+        assert out["y"].shape == (1, 512)
+        stats = engine.statistics().models["slow"]
+        assert (stats.failed, stats.succeeded) == (1, 1)
+    assert all(actor_gone(handle) for handle in recording.handles)
+
+
 def driver_refs() -> dict[Any, Any]:
     """Object refs this driver still holds or waits on.
 
