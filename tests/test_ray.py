@@ -4,7 +4,12 @@ from __future__ import annotations
 
 import importlib
 import math
+import os
+import socket
+import subprocess
+import sys
 import time
+from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -19,10 +24,12 @@ from hypothesis.extra import numpy as hnp
 
 import trioinfer_ray
 from trioinfer import (
+    BackendError,
     BackendUnavailable,
     ConfigError,
     DeadlineExceeded,
     Instance,
+    InvalidInput,
     ModelConfig,
     Registry,
     open_engine,
@@ -321,6 +328,11 @@ async def test_fail_after_cancels_the_remote_run_and_the_actor_takes_the_next_ca
         stats = await wait_for_counter(instance, "cancelled", 1)
         assert stats["cancelled"] == 1  # ray.cancel reached the actor's call ...
         assert stats["aborted"] == 1  # ... which stopped ONNX Runtime (RunOptions.terminate)
+        assert stats["expired"] == 0  # ... and it counts once, as cancelled
+        model = engine.statistics().models["slow"]
+        # The caller's scope fired first: one request, ended once, as a local one would.
+        assert (model.cancelled, model.expired, model.failed, model.succeeded) == (1, 0, 0, 0)
+        assert model.successful_executions == 0  # nothing delivered
         out = await engine.infer("slow", {"x": xs[:1]})
         assert out["y"].shape == (1, 512)
         assert (await instance.remote_statistics())["computed"] == 2
@@ -479,3 +491,406 @@ def test_model_resource_names_the_model_not_its_served_version(
     )
     options = check_options(config, config.placements()[0])
     assert options.resources == {resource: MODEL_RESOURCE_SHARE}
+
+
+# -- the audit: deadlines, cancellation, loss, backpressure and leaks across the hop ------
+
+
+def slow_config(**kwargs: Any) -> ModelConfig:
+    """The slow model on one actor thread, pipelined: a second batch waits in the actor."""
+    options = kwargs.pop("backend_options", {})
+    return ModelConfig(
+        name="slow",
+        path=kwargs.pop("path"),
+        backend="ray",
+        instances=kwargs.pop("instances", [Instance(threads=1)]),
+        backend_options={"onnxruntime": {"dispatch": "thread", "pipeline_depth": 2}, **options},
+        **kwargs,
+    )
+
+
+@pytest.mark.parametrize("whose", ["queue_timeouts", "caller", "queue_timeouts+breaker"])
+async def test_a_batch_whose_time_runs_out_queued_in_the_actor_is_never_computed(
+    local_ray: None, slow_model: Path, whose: str
+) -> None:
+    """With pipeline_depth 2 a second batch is sent while the first runs, and waits in the
+    actor: its deadline passes there (the caller's own, or its queue timeout), and the
+    session must not run it once the first ends. The actor's refusal is no fault of the
+    instance: a breaker does not count it."""
+    recording = Recording()
+    xs = np.ones((256, 512), np.float32)
+    timeouts = {0: 0.2} if whose.startswith("queue_timeouts") else {}
+    breaker: dict[str, Any] = {}
+    if whose.endswith("breaker"):
+        breaker = {"fallback": "resilient", "fallback_options": {"breaker": {"fail_max": 1}}}
+    async with open_engine(registry=recording.registry()) as engine:
+        await engine.load(slow_config(path=slow_model, queue_timeouts=timeouts, **breaker))
+        (instance,) = recording.instances
+        running = trio.Event()
+        outcome: list[str] = []
+
+        async def long_batch() -> None:
+            running.set()
+            await engine.infer("slow", {"x": xs})
+
+        async def short() -> None:
+            try:
+                if whose == "caller":
+                    with trio.fail_after(0.2):
+                        await engine.infer("slow", {"x": xs[:1]})
+                else:
+                    await engine.infer("slow", {"x": xs[:1]})
+                outcome.append("answered")
+            except (DeadlineExceeded, trio.TooSlowError) as exc:
+                outcome.append(type(exc).__name__)
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(long_batch)
+            await running.wait()
+            await wait_for_counter(instance, "computed", 1)  # the long batch runs
+            nursery.start_soon(short)
+        stats = await instance.remote_statistics()
+        model = engine.statistics().models["slow"]
+    expected = "TooSlowError" if whose == "caller" else "DeadlineExceeded"
+    assert outcome == [expected]
+    assert stats["computed"] == 1  # the long batch alone
+    assert model.replicas[0].state == "serving"
+    assert model.replicas[0].taken_out == 0
+    assert model.succeeded == 1
+    assert model.expired + model.cancelled == 1  # the short request, counted once
+    assert model.failed == 0
+
+
+async def test_many_concurrent_deadlines_end_once_and_the_hop_stays_bounded(
+    local_ray: None, mlp_model: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """200 callers with deadlines from 1 ms to none: each ends once; at most pipeline_depth
+    calls per actor are in flight across the hop, however many callers wait."""
+    in_flight = peak = 0
+    real_wait = trioinfer_ray._backend.wait_ref
+
+    async def counting(ref: Any, **kwargs: Any) -> Any:
+        nonlocal in_flight, peak
+        in_flight += 1
+        peak = max(peak, in_flight)
+        try:
+            return await real_wait(ref, **kwargs)
+        finally:
+            in_flight -= 1
+
+    monkeypatch.setattr(trioinfer_ray._backend, "wait_ref", counting)
+    rng = np.random.default_rng(2)
+    ends: Counter[str] = Counter()
+    async with open_engine() as engine:
+        await engine.load(
+            ModelConfig(
+                name="m",
+                path=mlp_model,
+                backend="ray",
+                instances=[Instance(count=2, threads=1)],
+                max_queue_size=1000,
+                batcher="dynamic",
+                batcher_options={"max_batch_size": 4, "max_queue_delay": 0.001},
+                backend_options={"onnxruntime": {"dispatch": "thread", "pipeline_depth": 2}},
+            )
+        )
+
+        async def one(i: int) -> None:
+            budget = [0.001, 0.01, 0.05, 0.5, math.inf][i % 5]
+            x = rng.standard_normal((1, 64), dtype=np.float32)
+            try:
+                with trio.fail_after(budget):
+                    out = await engine.infer("m", {"input": x})
+                assert out["output"].shape == (1, 10)
+                ends["answered"] += 1
+            except trio.TooSlowError:
+                ends["too slow"] += 1
+
+        async with trio.open_nursery() as nursery:
+            for i in range(200):
+                nursery.start_soon(one, i)
+        stats = engine.statistics().models["m"]
+    assert sum(ends.values()) == 200
+    assert ends["answered"] >= 80  # those without a deadline, and those of 0.5 s, at least
+    assert stats.in_flight == 0
+    assert stats.succeeded + stats.cancelled + stats.expired == 200
+    assert stats.failed == 0
+    assert 1 <= peak <= 2 * 2  # two actors, two calls each
+
+
+async def test_an_actor_killed_mid_request_ends_it_once_with_backend_unavailable(
+    local_ray: None, slow_model: Path
+) -> None:
+    """One batch running in the actor and one waiting there behind it: each ends once."""
+    recording = Recording()
+    xs = np.ones((256, 512), np.float32)
+    async with open_engine(registry=recording.registry()) as engine:
+        await engine.load(slow_config(path=slow_model))
+        (instance,) = recording.instances
+        errors: list[BaseException] = []
+
+        async def caller(rows: int) -> None:
+            try:
+                await engine.infer("slow", {"x": xs[:rows]})
+            except BackendUnavailable as exc:
+                errors.append(exc)
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(caller, 256)
+            await wait_for_counter(instance, "computed", 1)
+            nursery.start_soon(caller, 1)
+            with trio.fail_after(30):
+                while engine.statistics().models["slow"].queued:  # noqa: ASYNC110
+                    await trio.sleep(0.01)  # both sent: the second waits in the actor
+            ray.kill(instance.actor)
+        assert len(errors) == 2
+        for error in errors:
+            assert "is gone" in str(error)
+            assert "'slow'" in str(error)  # which model and instance, and its node
+            assert instance.node_id[:12] in str(error)
+        stats = engine.statistics().models["slow"]
+        assert (stats.failed, stats.succeeded, stats.in_flight) == (2, 0, 0)
+        # Without the resilient fallback nothing replaces the instance: it reports the loss
+        # on each batch sent to it (fallback = "resilient" re-creates it, see below).
+        with pytest.raises(BackendUnavailable, match="is gone"):
+            await engine.infer("slow", {"x": xs[:1]})
+
+
+async def test_resilient_fails_over_a_killed_actor_and_recreates_it(
+    local_ray: None, slow_model: Path
+) -> None:
+    """Two actors; one is killed while it computes: its batch is answered by the other, the
+    breaker takes the instance out, and it is re-created as a new actor that serves."""
+    recording = Recording()
+    xs = np.ones((128, 512), np.float32)
+    config = slow_config(
+        path=slow_model,
+        instances=[Instance(count=2, threads=1)],
+        fallback="resilient",
+        fallback_options={"attempts": 3, "breaker": {"fail_max": 1, "reset_timeout": 0.1}},
+    )
+    async with open_engine(registry=recording.registry()) as engine:
+        await engine.load(config)
+        results: list[Any] = []
+
+        async def caller() -> None:
+            results.append(await engine.infer_detailed("slow", {"x": xs}))
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(caller)
+            with trio.fail_after(60):
+                while True:
+                    running = [i for i in recording.instances[:2] if i.actor is not None]
+                    counts = [(await i.remote_statistics())["computed"] for i in running]
+                    if any(counts):
+                        break
+                    await trio.sleep(0.01)
+            victim = running[counts.index(1)]
+            ray.kill(victim.actor)
+        (result,) = results  # answered once, on the other actor
+        assert result.outputs["y"].shape == (128, 512)
+        assert any(step.startswith("failover") for step in result.fallbacks)
+        with trio.fail_after(60):
+            while True:  # the breaker's re-prober, in the engine's task group
+                replicas = engine.statistics().models["slow"].replicas
+                if all(r.state == "serving" for r in replicas) and any(
+                    r.recreated for r in replicas
+                ):
+                    break
+                await trio.sleep(0.05)
+        assert len(recording.instances) == 3  # a new actor for the lost one
+        assert victim.actor is None  # the lost instance was closed
+        out = await engine.infer("slow", {"x": xs[:1]})
+        assert out["y"].shape == (1, 512)
+    assert all(actor_gone(handle) for handle in recording.handles)
+
+
+async def test_a_lone_killed_actor_is_not_retried_in_place_but_recreated(
+    local_ray: None, slow_model: Path
+) -> None:
+    """One instance, resilient with retries: a lost actor is no transient fault, so its
+    batch is not retried on it (it fails once, BackendUnavailable); the breaker re-creates
+    the instance, and the next request is served by the new actor."""
+    recording = Recording()
+    xs = np.ones((256, 512), np.float32)
+    config = slow_config(
+        path=slow_model,
+        fallback="resilient",
+        fallback_options={"attempts": 3, "breaker": {"fail_max": 1, "reset_timeout": 0.1}},
+    )
+    async with open_engine(registry=recording.registry()) as engine:
+        await engine.load(config)
+        (instance,) = recording.instances
+        errors: list[BaseException] = []
+
+        async def caller() -> None:
+            try:
+                await engine.infer("slow", {"x": xs})
+            except BackendUnavailable as exc:
+                errors.append(exc)
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(caller)
+            await wait_for_counter(instance, "computed", 1)
+            ray.kill(instance.actor)
+        (error,) = errors
+        assert "is gone" in str(error)
+        with trio.fail_after(60):
+            while True:  # the breaker's re-prober, in the engine's task group
+                (replica,) = engine.statistics().models["slow"].replicas
+                if replica.state == "serving" and replica.recreated >= 1:
+                    break
+                await trio.sleep(0.05)
+        assert len(recording.instances) == 2
+        out = await engine.infer("slow", {"x": xs[:1]})
+        assert out["y"].shape == (1, 512)
+        stats = engine.statistics().models["slow"]
+        assert (stats.failed, stats.succeeded) == (1, 1)
+    assert all(actor_gone(handle) for handle in recording.handles)
+
+
+def driver_refs() -> dict[Any, Any]:
+    """Object refs this driver still holds or waits on.
+
+    Ray's state API (``ray.util.state``) needs Ray's dashboard, which the minimal Ray of
+    the ``ray`` extra does not have: this reads the same table from the core worker.
+    """
+    worker = ray._private.worker.global_worker
+    counts: dict[Any, Any] = worker.core_worker.get_all_reference_counts()
+    return counts
+
+
+async def test_unload_and_exit_leave_no_actor_task_or_object_ref(
+    local_ray: None, mlp_model: Path, slow_model: Path
+) -> None:
+    recording = Recording()
+    total = ray.cluster_resources()["CPU"]
+    before = set(driver_refs())
+    xs = np.ones((64, 512), np.float32)
+    with trio.CancelScope() as scope:
+        async with open_engine(registry=recording.registry()) as engine:
+            await engine.load(ModelConfig(name="m", path=mlp_model, backend="ray"))
+            await engine.load(slow_config(path=slow_model))
+            await engine.infer("m", {"input": np.zeros((1, 64), np.float32)})
+            await engine.unload("m")
+            async with trio.open_nursery() as nursery:
+                for _ in range(3):  # one running, one queued in the actor, one in the driver
+                    nursery.start_soon(engine.infer, "slow", {"x": xs})
+                await wait_for_counter(recording.instances[1], "computed", 1)
+                scope.cancel()  # the driver leaves with calls in flight
+    # Ray lets go of a ref whose future completed, and of an actor's CPU, a moment later.
+    with trio.fail_after(10):
+        while set(driver_refs()) - before:  # noqa: ASYNC110  # Ray's state
+            await trio.sleep(0.05)
+    with trio.fail_after(30):
+        while ray.available_resources().get("CPU", 0) < total:  # noqa: ASYNC110  # Ray's state
+            await trio.sleep(0.05)
+    assert all(actor_gone(handle) for handle in recording.handles)
+
+
+def write_concat(path: Path) -> Path:
+    """y = Concat(x, x) on axis 1: x float32[N, k] -> y float32[N, m], both widths open."""
+    import onnx
+    from onnx import TensorProto, helper
+
+    graph = helper.make_graph(
+        [helper.make_node("Concat", ["x", "x"], ["y"], axis=1)],
+        "doubled",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", "k"])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", "m"])],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=9)
+    onnx.save(model, path)
+    return path
+
+
+@pytest.mark.parametrize("codec", ["none", "uint8"])
+async def test_the_onnxruntime_inputs_and_outputs_options_work_in_the_actors(
+    local_ray: None, tmp_path: Path, codec: str
+) -> None:
+    """The sizes a config fixes narrow the remote session's signature, as they do locally:
+    the engine refuses a request of another size, and an answer of another size fails."""
+    path = write_concat(tmp_path / "doubled.onnx")
+
+    def config(name: str, width: int) -> ModelConfig:
+        ort = {
+            "log_severity": 4,
+            "inputs": [{"name": "x", "shape": [-1, 2]}],
+            "outputs": [{"name": "y", "shape": [-1, width]}],
+        }
+        return ModelConfig(
+            name=name,
+            path=path,
+            backend="ray",
+            backend_options={"onnxruntime": ort, "codec": codec},
+        )
+
+    async with open_engine() as engine:
+        info = await engine.load(config("doubled", 4))
+        assert info.signature.inputs[0].shape == ("N", 2)
+        assert info.signature.outputs[0].shape == ("N", 4)
+        x = np.arange(6, dtype=np.float32).reshape(3, 2)
+        out = await engine.infer("doubled", {"x": x})
+        np.testing.assert_allclose(out["y"], np.concatenate([x, x], axis=1), atol=0.02)
+        with pytest.raises(InvalidInput, match="'x'"):
+            await engine.infer("doubled", {"x": np.ones((3, 3), np.float32)})
+        # A width the graph does not compute: every answer fails, naming the sizes.
+        await engine.load(config("wrong", 3))
+        with pytest.raises(BackendError, match="'y'"):
+            await engine.infer("wrong", {"x": x})
+
+
+async def test_a_model_file_missing_on_the_node_names_the_node(
+    local_ray: None, tmp_path: Path
+) -> None:
+    config = ModelConfig(name="m", path=tmp_path / "nowhere.onnx", backend="ray")
+    with pytest.raises(BackendError, match="no model file at") as caught:
+        await trioinfer_ray.RayBackend().load(config, config.placements()[0])
+    assert not isinstance(caught.value, BackendUnavailable)
+    node = ray.get_runtime_context().get_node_id()
+    assert node[:12] in str(caught.value)  # which node lacks it
+
+
+@pytest.mark.parametrize("how", ["address", "RAY_ADDRESS"])
+def test_a_ray_that_is_not_running_is_backend_unavailable_at_once(
+    tmp_path: Path, mlp_model: Path, how: str
+) -> None:
+    """An address where no Ray listens: a typed error, not minutes of Ray's retries.
+
+    Given as the address option, or as RAY_ADDRESS with address = "auto" (which Ray
+    takes first). In a process of its own: this one is connected to the tests' Ray.
+    """
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # free once closed: nothing listens there
+    env = {**os.environ, "RAY_TMPDIR": str(tmp_path)}
+    address = f"127.0.0.1:{port}"
+    if how == "RAY_ADDRESS":
+        env["RAY_ADDRESS"], address = address, "auto"
+    program = f"""
+import time, trio
+import trioinfer_ray
+from trioinfer import BackendUnavailable, ModelConfig
+config = ModelConfig(name="m", path={str(mlp_model)!r}, backend="ray",
+                     backend_options={{"address": {address!r}, "start_timeout": 5}})
+start = time.monotonic()
+try:
+    trio.run(trioinfer_ray.RayBackend().load, config, config.placements()[0])
+except BackendUnavailable as exc:
+    print("BackendUnavailable:", exc)
+print("took", time.monotonic() - start)
+"""
+    result = subprocess.run(
+        [sys.executable, "-c", program],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr
+    assert f"BackendUnavailable: model 'm' instance 0 (ray): no Ray at 127.0.0.1:{port}:" in (
+        result.stdout
+    ), result.stdout + result.stderr
+    took = float(result.stdout.split("took")[1])
+    assert took < 60, result.stdout

@@ -9,14 +9,14 @@ machine (127.0.0.1 only), so it takes half a minute or so on a small machine.
 import os
 import shutil
 import tempfile
+from typing import Any
 
 # Before Ray is imported: every process of this cluster on 127.0.0.1, no usage reports.
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 import ray
 import trio
-from ray._private.node import Node  # what Cluster.add_node returns; Ray exports it nowhere else
-from ray.cluster_utils import Cluster
+from ray.cluster_utils import Cluster  # Ray's documented mini-cluster for one machine
 
 import trioinfer
 
@@ -25,26 +25,40 @@ TEMP = tempfile.mkdtemp(prefix="ray-", dir="/tmp")
 os.environ["RAY_TMPDIR"] = TEMP  # where Ray notes the cluster's address
 os.makedirs(os.path.join(TEMP, "ray"))
 
-
-def add_node(cluster: Cluster) -> Node:
-    """Start a node that has the digits model's weights at hand (the first one is the head)."""
-    node: Node = cluster.add_node(
-        node_ip_address="127.0.0.1",
-        include_dashboard=False,
-        num_cpus=1,
-        temp_dir=TEMP,
-        resources={"model:digits": 1},
-    )
-    return node
+# Each node as `ray start` would start it on a machine that has the digits
+# model's weights at hand: one CPU, the custom resource model:digits.
+NODE: dict[str, Any] = {
+    "node_ip_address": "127.0.0.1",
+    "include_dashboard": False,
+    "num_cpus": 1,
+    "temp_dir": TEMP,
+    "resources": {"model:digits": 1},
+}
 
 
-def start_cluster() -> tuple[Cluster, Node, Node]:
-    """A head node and a worker node, both advertising the digits model."""
-    cluster = Cluster()
-    head, worker = add_node(cluster), add_node(cluster)
+def start_cluster() -> Cluster:
+    """A head node and a worker node, both advertising the digits model; connect to it."""
+    cluster = Cluster(initialize_head=True, head_node_args=NODE)
+    cluster.add_node(**NODE)
     cluster.wait_for_nodes()
-    ray.init(address=cluster.address, _node_ip_address="127.0.0.1", log_to_driver=False)
-    return cluster, head, worker
+    ray.init(address=cluster.address, log_to_driver=False)
+    return cluster
+
+
+def node_names() -> dict[str, str]:
+    """The nodes by id (its first 12 hex digits, as instances' devices show it)."""
+    head = ray.get_runtime_context().get_node_id()  # the driver runs on the head
+    names = {head[:12]: "the head"}
+    for node in ray.nodes():  # type: ignore[no-untyped-call]  # Ray leaves it unannotated
+        if node["Alive"] and node["NodeID"] != head:
+            names[node["NodeID"][:12]] = "the worker"
+    return names
+
+
+def crash_worker(cluster: Cluster) -> None:
+    """Kill the worker node's processes at once, as a crash would (no graceful exit)."""
+    (worker,) = cluster.worker_nodes
+    cluster.remove_node(worker, allow_graceful=False)
 
 
 # --8<-- [end:cluster]
@@ -113,8 +127,8 @@ async def classify_many(engine: trioinfer.Engine, count: int) -> tuple[int, int]
 
 # --8<-- [start:main]
 async def main() -> None:
-    cluster, head, worker = start_cluster()
-    nodes = {head.node_id[:12]: "the head", worker.node_id[:12]: "the worker"}
+    cluster = start_cluster()
+    nodes = node_names()
     try:
         async with trioinfer.open_engine() as engine:
             await engine.load(CONFIG)
@@ -124,7 +138,7 @@ async def main() -> None:
             print(f"  {correct} of 200 correct")
 
             print("step 2: the worker node dies; requests go on")
-            await trio.to_thread.run_sync(cluster.remove_node, worker, False)  # a crash
+            await trio.to_thread.run_sync(crash_worker, cluster)
             answered = correct = failovers = 0
             with trio.fail_after(120):
                 # Until a batch meets the lost actor: Ray notices a dead node in its own time.
@@ -135,7 +149,7 @@ async def main() -> None:
             show_instances(engine, nodes)
 
             print("step 3: a new node joins; the instance is re-created there")
-            add_node(cluster)
+            cluster.add_node(**NODE)
             with trio.fail_after(120):
                 while "out" in states(engine):  # noqa: ASYNC110
                     await trio.sleep(0.1)

@@ -10,8 +10,9 @@ custom ``resources``, ``model_resource`` for a node that advertises
 ``model:<name>``) or on an explicit ``node_id``.
 
 - Each batch carries its remaining time (the latest deadline of its rows);
-  the actor refuses a batch whose time ran out on the way
-  ([`DeadlineExceeded`][trioinfer.DeadlineExceeded]) before it computes.
+  the actor refuses a batch whose time ran out on the way, or while it
+  waited in the actor for the run before it
+  ([`DeadlineExceeded`][trioinfer.DeadlineExceeded]), before it computes.
 - A batch whose callers all left is cancelled remotely (``ray.cancel``),
   which aborts the ONNX Runtime run there (``RunOptions.terminate``).
 - An actor or node that is gone turns calls into

@@ -16,6 +16,8 @@ exporter of its own and spans made here would be lost.
 
 from __future__ import annotations
 
+import asyncio
+import copy
 import importlib
 import math
 import os
@@ -27,7 +29,7 @@ from typing import Any
 
 import anyio
 
-from trioinfer import DeadlineExceeded, ModelConfig
+from trioinfer import DeadlineExceeded, ModelConfig, TrioInferError
 from trioinfer.lowlevel import Placement
 from trioinfer_onnxruntime import OnnxRuntimeBackend
 
@@ -38,10 +40,11 @@ class ModelActor:
     """Holds one ONNX Runtime instance of a model; made a Ray actor by the backend.
 
     The counters say what the actor did with the calls it got: ``computed``
-    (runs started), ``expired`` (refused: the batch's deadline had passed when
-    the actor got to it), ``cancelled`` (calls cancelled while they waited or
-    ran) and ``aborted`` (runs ONNX Runtime cut short); ``last_remaining`` is
-    the time left that the last call came with (``inf`` without a deadline).
+    (runs started), ``expired`` (refused uncomputed: the batch's deadline had
+    passed when it reached the actor, or when its turn to run came),
+    ``cancelled`` (calls cancelled while they waited or ran) and ``aborted``
+    (runs ONNX Runtime cut short); ``last_remaining`` is the time left that
+    the last call came with (``inf`` without a deadline).
     """
 
     def __init__(self) -> None:
@@ -57,6 +60,10 @@ class ModelActor:
         self._in_flight = 0
         self._last_end = 0
         self._serial = True
+        # Serial sessions take one call at a time: the others wait here, not in the
+        # session's queue, so that each is checked against its deadline right before
+        # it runs (created in load(), on the actor's event loop).
+        self._turn: asyncio.Lock | None = None
 
     async def load(
         self,
@@ -90,29 +97,38 @@ class ModelActor:
             batcher_options=dict(batcher_options),
             cpu_fallback=placement.cpu_fallback,
         )
-        self._instance = await OnnxRuntimeBackend().load(config, placement)
+        node_id = ray.get_runtime_context().get_node_id()
+        node_ip = ray.util.get_node_ip_address()
+        try:
+            self._instance = await OnnxRuntimeBackend().load(config, placement)
+        except TrioInferError as exc:
+            # "no model file at /models/digits.onnx" is about this node's disk: say which.
+            raise _on_node(exc, f"on Ray node {node_id[:12]} ({node_ip})") from exc
         self._codec = codec
         # Every dispatch but ort_async runs the session one call at a time, in order.
         self._serial = ort_options.get("dispatch") != "ort_async"
-        context = ray.get_runtime_context()
+        self._turn = asyncio.Lock() if self._serial else None
         return {
             "signature": self._instance.signature,
             "device": self._instance.device,
-            "node_id": context.get_node_id(),
-            "node_ip": ray.util.get_node_ip_address(),
+            "node_id": node_id,
+            "node_ip": node_ip,
             "pid": os.getpid(),
             "preferred_batch_sizes": tuple(self._instance.preferred_batch_sizes),
         }
 
     async def execute(self, inputs: Mapping[str, Any], remaining: float) -> dict[str, Any]:
-        """Run one batch, unless its deadline passed on the way (*remaining* seconds from sending).
+        """Run one batch, unless its deadline passes first (*remaining* seconds from sending).
 
         The time the call spent in transit is not known here (the nodes'
         clocks are not compared); it is counted from when the actor took the
-        call, which errs on the side of computing.
+        call, which errs on the side of computing. A call that waits in the
+        actor for the run before it (the engine's ``pipeline_depth`` above 1)
+        is checked again when its turn comes, right before the session runs it.
 
         Raises:
-            DeadlineExceeded: *remaining* was not positive: nobody waits for this batch.
+            DeadlineExceeded: The deadline passed before the run began: nobody
+                waits for this batch, and nothing was computed.
             BackendError: ONNX Runtime failed.
         """
         return await self._execute(inputs, remaining, None)
@@ -150,20 +166,45 @@ class ModelActor:
             raise DeadlineExceeded(
                 f"the batch's deadline passed {-remaining:.6f}s before it reached the actor"
             )
-        arrays = _codec.decode(inputs) if self._codec else inputs
-        self.computed += 1
         self._in_flight += 1
         if timings is not None:
             timings["in_flight"] = self._in_flight
-            timings["run_start"] = time.time_ns()
         try:
-            outputs = await self._instance.execute(arrays)
+            if self._turn is None:
+                outputs = await self._run(inputs, deadline, received, timings)
+            else:
+                async with self._turn:
+                    outputs = await self._run(inputs, deadline, received, timings)
         except BaseException as exc:
             if _is_cancelled(exc):
                 self.cancelled += 1
             raise
         finally:
             self._in_flight -= 1
+        return _codec.encode(outputs) if self._codec else outputs
+
+    async def _run(
+        self,
+        inputs: Mapping[str, Any],
+        deadline: float,
+        received: float,
+        timings: dict[str, Any] | None,
+    ) -> Any:
+        # The session's turn for this call: its last chance to be refused uncomputed.
+        now = time.monotonic()
+        if deadline <= now:
+            self.expired += 1
+            raise DeadlineExceeded(
+                f"the batch's deadline passed while it waited {now - received:.6f}s in the "
+                "actor for the run before it; nothing was computed"
+            )
+        arrays = _codec.decode(inputs) if self._codec else inputs
+        self.computed += 1
+        if timings is not None:
+            timings["run_start"] = time.time_ns()
+        try:
+            return await self._instance.execute(arrays)
+        finally:
             ended, last = time.time_ns(), self._last_end
             self._last_end = ended
             if timings is not None:
@@ -171,7 +212,6 @@ class ModelActor:
                 timings["queued"] = self._serial
                 if self._serial:  # it ran once the run before it (the last to end) had
                     timings["run_start"] = max(timings["run_start"], last)
-        return _codec.encode(outputs) if self._codec else outputs
 
     def statistics(self) -> dict[str, Any]:
         """The actor's counters, and what its ONNX Runtime instance aborted."""
@@ -194,6 +234,15 @@ class ModelActor:
 
 
 def _is_cancelled(exc: BaseException) -> bool:
-    import asyncio
-
     return isinstance(exc, asyncio.CancelledError)
+
+
+def _on_node(exc: TrioInferError, where: str) -> TrioInferError:
+    # The same error, of the same class (the engine and the fallbacks read the class),
+    # its message saying where it happened.
+    try:
+        error = copy.copy(exc)
+    except Exception:  # a class that cannot be rebuilt from its args: as it is, then
+        return exc
+    error.args = (f"{exc} ({where})", *exc.args[1:])
+    return error

@@ -14,6 +14,7 @@ import importlib.util
 import logging
 import math
 import os
+import socket
 import sys
 import threading
 from collections.abc import Callable, Mapping
@@ -40,7 +41,7 @@ from trioinfer.lowlevel import (
 
 from . import _codec
 from ._actor import ModelActor
-from ._options import RayOptions, check_options
+from ._options import DEFAULT_START_TIMEOUT_S, RayOptions, check_options
 
 log = logging.getLogger("trioinfer.ray")
 
@@ -69,11 +70,19 @@ def _ray() -> Any:
         ) from exc
 
 
-def connect(address: str | None) -> None:
+def connect(address: str | None, timeout: float = DEFAULT_START_TIMEOUT_S) -> None:
     """Connect this process to Ray once: to *address*, or to a local Ray on 127.0.0.1.
 
     Blocking (starting a local Ray takes seconds): call it off the event loop.
     A process already connected keeps its connection, whatever *address* says.
+    An address of the form ``host:port`` (or ``ray://host:port``, or
+    ``"auto"`` with ``RAY_ADDRESS`` set to one) is tried first with a plain
+    TCP connection of at most *timeout* seconds: where nothing listens,
+    ``ray.init`` would retry for minutes before it gives up.
+
+    Raises:
+        BackendUnavailable: Ray is not installed, nothing answers at
+            *address*, or Ray refused the connection (or failed to start).
     """
     ray = _ray()
     with _connect_lock:
@@ -83,15 +92,44 @@ def connect(address: str | None) -> None:
             # A cluster of our own making: this machine only, and no reports home.
             os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
             log.info("starting a local Ray on 127.0.0.1 for the ray backend")
-            ray.init(
-                address="local",
-                include_dashboard=False,
-                _node_ip_address="127.0.0.1",
-                log_to_driver=False,
-                configure_logging=False,
-            )
-        else:
+            try:
+                ray.init(
+                    address="local",
+                    include_dashboard=False,
+                    _node_ip_address="127.0.0.1",
+                    log_to_driver=False,
+                    configure_logging=False,
+                )
+            except Exception as exc:
+                raise BackendUnavailable(
+                    f"could not start a local Ray: {type(exc).__name__}: {exc}"
+                ) from exc
+            return
+        _probe(address, timeout)
+        try:
             ray.init(address=address, log_to_driver=False, configure_logging=False)
+        except Exception as exc:
+            raise BackendUnavailable(
+                f"could not connect to the Ray cluster at {address!r}: {type(exc).__name__}: {exc}"
+            ) from exc
+
+
+def _probe(address: str, timeout: float) -> None:
+    # Only host:port addresses (and "auto" where RAY_ADDRESS names one, which Ray takes
+    # first): otherwise "auto" is looked up by Ray itself, which fails at once.
+    if address == "auto":
+        address = os.environ.get("RAY_ADDRESS", "") or address
+    host, sep, port = address.removeprefix("ray://").rpartition(":")
+    if not sep or not host or not port.isdigit():
+        return
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=timeout).close()
+    except OSError as exc:
+        raise BackendUnavailable(
+            f"no Ray at {address}: connecting to {host}:{port} failed ({exc}); is the "
+            "cluster's head node running (ray start --head), and is this its address "
+            "(host:6379 for its GCS, ray://host:10001 for Ray Client)?"
+        ) from exc
 
 
 def _actor() -> Any:
@@ -110,21 +148,41 @@ async def wait_ref(ref: Any, *, abort: Callable[[], object] | None = None) -> An
     called (``ray.cancel(ref)`` by default), the ref's outcome is still waited
     for, and then the cancellation propagates: nothing is left running.
 
+    The ref is let go when the wait ends: an error raised here keeps this
+    frame alive (in a traceback, or a cycle that waits for the garbage
+    collector), and must not keep the ref's object pinned in Ray meanwhile.
+
     Raises:
         Exception: What ``ray.get`` would raise.
     """
     ray = _ray()
+    held = [ref]
+    del ref
 
     def start(resolve: Callable[[Any, BaseException | None], None]) -> None:
         def done(future: Any) -> None:
+            # The error is read, not raised: raised here, its traceback would hold this
+            # frame, the future and its ref in a cycle until the garbage collector ran.
             try:
-                resolve(future.result(), None)
-            except BaseException as exc:
+                error = future.exception()
+            except BaseException as exc:  # the future itself was cancelled
                 resolve(None, exc)
+                return
+            if error is None:
+                resolve(future.result(), None)
+            else:
+                resolve(None, error)
 
-        ref.future().add_done_callback(done)
+        held[0].future().add_done_callback(done)
 
-    return await wait_on_callback(start, abort=abort or (lambda: ray.cancel(ref)))
+    def cancel() -> None:
+        if held:
+            ray.cancel(held[0])
+
+    try:
+        return await wait_on_callback(start, abort=abort or cancel)
+    finally:
+        held.clear()
 
 
 def remote_error(exc: BaseException, label: str) -> BaseException:
@@ -182,9 +240,11 @@ class RayBackend:
 
         Raises:
             ConfigError: Unknown or invalid ``backend_options``.
-            BackendUnavailable: Ray is not installed, or no node took the
+            BackendUnavailable: Ray is not installed, the cluster at ``address``
+                does not answer (or refuses this driver), or no node took the
                 actor (or loaded the model) within ``start_timeout``.
-            BackendError: The model could not be loaded on the node.
+            BackendError: The model could not be loaded on the node (the message
+                names the node: a model file missing there, say).
         """
         options = check_options(config, placement)
         path = config.model_file("the .onnx file its actors load")
@@ -193,8 +253,11 @@ class RayBackend:
             # runs every process of it on 127.0.0.1 alone.
             os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
         _ray()  # say which extra is missing before anything else
-        await anyio.to_thread.run_sync(connect, options.address)
         label = f"model {config.name!r} instance {placement.index} (ray)"
+        try:
+            await anyio.to_thread.run_sync(connect, options.address, options.start_timeout)
+        except BackendUnavailable as exc:
+            raise BackendUnavailable(f"{label}: {exc}") from exc
         model_bytes = None
         if options.ship_model:
             try:
@@ -228,11 +291,13 @@ class RayBackend:
                 # resources), which a cancel of its pending call would not.
                 info = await wait_ref(ref, abort=lambda: ray.kill(actor))
         except TimeoutError:
+            del ref  # not pinned by this frame, which the traceback keeps
             raise BackendUnavailable(
                 f"{label}: no Ray node took the actor and loaded the model within "
                 f"{options.start_timeout:g}s (it asks for {_asks(options)})"
             ) from None
         except BaseException as exc:
+            del ref
             ray.kill(actor)
             if isinstance(exc, Exception):
                 raise remote_error(exc, label) from exc
@@ -358,8 +423,9 @@ class RayInstance:
             if not trace_context:
                 outputs = await wait_ref(actor.execute.remote(payload, remaining))
             else:
-                ref = actor.execute_traced.remote(payload, remaining, trace_context)
-                outputs, timings = await wait_ref(ref)
+                outputs, timings = await wait_ref(
+                    actor.execute_traced.remote(payload, remaining, trace_context)
+                )
         except Exception as exc:
             error = remote_error(exc, f"{self._label} on node {self.node_id[:12]}")
             if isinstance(error, DeadlineExceeded):
