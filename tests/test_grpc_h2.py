@@ -35,7 +35,7 @@ import h2.settings
 import hpack
 import pytest
 import sniffio
-from hyperframe.frame import PingFrame
+from hyperframe.frame import DataFrame, Frame, GoAwayFrame, HeadersFrame, PingFrame
 
 from trioinfer.server import _grpc_h2
 from trioinfer.server._grpc_h2 import (
@@ -801,6 +801,63 @@ async def _not_reading(server: GrpcServer) -> Client:
     client = Client(await anyio.abc.SocketStream.from_socket(sock))
     await client.start()
     return client
+
+
+@both_loops
+async def test_a_drained_connection_closes_without_destroying_the_unread_answer(
+    serve: Serve, task_group: anyio.abc.TaskGroup
+) -> None:
+    # At the end of a drain the server closes the connection. A client still reading
+    # the last answer (slow, or on a loaded machine) sends on meanwhile (grpcio sends
+    # WINDOW_UPDATEs and PINGs as it reads): closing with that input unread made the
+    # kernel reset the connection, which destroyed what the client had not read yet,
+    # and a call answered within the drain failed (UNAVAILABLE) or hung.
+    handlers = Handlers()
+    server, _ = await serve(handlers)
+    client = await _not_reading(server)
+    client.h2.update_settings({h2.settings.SettingCodes.INITIAL_WINDOW_SIZE: 2**31 - 1})
+    client.h2.increment_flow_control_window(2**30)
+    body = bytes(range(256)) * 3000  # far more than the client's socket buffer takes
+    sid = await client.call("/t.S/Slow", frame(body))
+    await poll(lambda: handlers.calls)
+    task_group.start_soon(server.drain, WAIT_S)
+    await poll(lambda: all(c._going_away for c in server.connections))
+    handlers.release.set()
+    # Answered, and done with: the server reads no more of this connection and closes
+    # it, most of the answer still in its socket buffer.
+    await poll(lambda: not server.connections)
+    ping = PingFrame(0)
+    ping.opaque_data = b"12345678"
+    received = bytearray()
+    try:
+        await client.socket.send(ping.serialize())  # the client, reading only now, says so
+        with anyio.fail_after(WAIT_S):
+            while data := await client.receive():
+                received += data
+    except anyio.BrokenResourceError as exc:
+        pytest.fail(f"the connection was reset after {len(received)} bytes: {exc!r}")
+    finally:
+        await client.socket.aclose()
+    # Read frame by frame: h2's client state machine takes nothing after a GOAWAY.
+    frames = _frames(bytes(received))
+    answer = b"".join(f.data for f in frames if isinstance(f, DataFrame) and f.stream_id == sid)
+    assert answer == frame(body)
+    decoder = hpack.Decoder()
+    blocks = [dict(decoder.decode(f.data)) for f in frames if isinstance(f, HeadersFrame)]
+    assert blocks[-1].get("grpc-status") == "0"
+    assert isinstance(frames[-1], GoAwayFrame)
+
+
+def _frames(data: bytes) -> list[Frame]:
+    """The HTTP/2 frames that *data* (what a connection sent, after its preface) holds."""
+    frames: list[Frame] = []
+    pos = 0
+    while pos < len(data):
+        parsed, length = Frame.parse_frame_header(memoryview(data[pos : pos + 9]))
+        parsed.parse_body(memoryview(data[pos + 9 : pos + 9 + length]))
+        frames.append(parsed)
+        pos += 9 + length
+    return frames
 
 
 @both_loops

@@ -591,7 +591,7 @@ async def test_tune_batch_sizes_times_each_size_and_advertises_its_choice(
         [preferred] = instance.preferred_batch_sizes
         assert preferred == ort_backend.preferred_batch_size(rates)
         figures = ", ".join(f"{size}: {rate:,.1f}" for size, rate in rates.items())
-        assert caplog.messages == [
+        assert [m for m in caplog.messages if "rows/s" in m] == [
             f"model 't' instance 0: rows/s by batch size: {figures}; "
             f"preferred batch size {preferred}"
         ]
@@ -1007,6 +1007,66 @@ def test_onnx_runtime_does_not_hold_answers_to_a_graphs_declared_output_shape(
     assert session.get_outputs()[0].shape == ["N", 3]
     (y,) = session.run(None, {"x": np.zeros((2, 4), np.float32)})
     assert y.shape == (2, 4)
+
+
+def test_onnx_runtime_strict_inference_does_not_hold_answers_either(model_dir: Path) -> None:
+    """Why the proof needs the onnx package: ONNX Runtime's strict shape inference fails
+    a graph whose declaration contradicts what it infers, but one where it infers
+    nothing loads, reports the declared [N, 3] and answers [N, 4], as without it."""
+    import onnxruntime
+
+    path = _write_reshape(model_dir / "lies_strict.onnx", declared=["N", 3], inferable=False)
+    options = onnxruntime.SessionOptions()
+    options.log_severity_level = 3
+    options.add_session_config_entry("session.strict_shape_type_inference", "1")
+    session = onnxruntime.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+    assert session.get_outputs()[0].shape == ["N", 3]
+    (y,) = session.run(None, {"x": np.zeros((2, 4), np.float32)})
+    assert y.shape == (2, 4)
+
+
+async def test_the_load_log_says_which_output_check_a_model_gets(
+    model_dir: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Once per model (its first instance), at INFO: proved (names and rows checked),
+    or not and why; without the onnx package, the extra that installs it."""
+    from trioinfer_onnxruntime import _proof
+
+    path = _write_reshape(model_dir / "said.onnx", declared=["N", 4], inferable=True)
+    caplog.set_level(logging.INFO, "trioinfer.onnxruntime")
+
+    async def load(index: int) -> bool:
+        instance = await OnnxRuntimeBackend().load(
+            ModelConfig(name="said", path=path, backend_options={"log_severity": 4}),
+            Placement(Device("cpu"), index),
+        )
+        await instance.aclose()
+        return bool(instance.checks_outputs)
+
+    _proof._proved.clear()
+    assert await load(0) is True
+    assert await load(1) is True
+    said = [r.getMessage() for r in caplog.records if "output" in r.getMessage()]
+    assert said == [
+        "model 'said' instance 0: ONNX shape inference proves its outputs' shapes; the "
+        "engine checks each answer's output names and rows only"
+    ]
+    caplog.clear()
+    # As in a plain [cpu] install: import onnx fails.
+    monkeypatch.setitem(sys.modules, "onnx", None)
+    monkeypatch.setitem(sys.modules, "onnx.shape_inference", None)
+    _proof._proved.clear()
+    try:
+        assert await load(0) is False
+    finally:
+        _proof._proved.clear()
+    (record,) = [r for r in caplog.records if "output" in r.getMessage()]
+    assert record.levelno == logging.INFO
+    assert "the onnx package, which infers the graph's shapes, is not installed" in (
+        record.getMessage()
+    )
+    assert "the 'onnx' extra" in record.getMessage()
+    assert "the engine checks each answer against the declared signature" in (record.getMessage())
 
 
 async def test_the_digits_graph_proves_its_outputs_so_the_engine_checks_names_and_rows() -> None:

@@ -50,6 +50,13 @@ def write_fixed(path: Path) -> None:
     )
 
 
+TOML_SHAPES = """\
+[backend_options]
+inputs = [{ name = "x", shape = [-1, 2] }]
+outputs = [{ name = "y", shape = [-1, 4] }]
+"""
+
+
 def _pbtxt(x: list[int], y: list[int], max_batch: int = 8) -> str:
     return (
         f"max_batch_size: {max_batch}\n"
@@ -76,6 +83,9 @@ async def client(tmp_path: Path) -> AsyncIterator[httpx.AsyncClient]:
     write_fixed(tmp_path / "conflict" / "1" / "model.onnx")
     write_fixed(tmp_path / "fixed" / "1" / "model.onnx")
     (tmp_path / "fixed" / "config.pbtxt").write_text(_pbtxt([4], [4]))
+    # "toml": the same sizes as "right", fixed by config.toml's backend options.
+    write_doubled(tmp_path / "toml" / "1" / "model.onnx")
+    (tmp_path / "toml" / "config.toml").write_text(TOML_SHAPES)
     async with trio.open_nursery() as nursery:
         listening = await start_serving(nursery, tmp_path)
         async with httpx.AsyncClient(base_url=listening.urls[0]) as http:
@@ -206,3 +216,59 @@ async def test_a_load_without_the_override_drops_its_sizes(client: httpx.AsyncCl
     config_now = (await client.get("/v2/models/right/config")).json()
     assert [t["dims"] for t in config_now["input"]] == [[2]]
     assert (await client.post("/v2/models/right/infer", json=_body(1, 2))).status_code == 200
+
+
+def _dims_override(x: list[int], y: list[int], **more: Any) -> dict[str, Any]:
+    config = {
+        "max_batch_size": 8,
+        "input": [{"name": "x", "data_type": "TYPE_FP32", "dims": x}],
+        "output": [{"name": "y", "data_type": "TYPE_FP32", "dims": y}],
+        **more,
+    }
+    return {"parameters": {"config": _json(config)}}
+
+
+async def _shapes(client: httpx.AsyncClient, model: str) -> tuple[list[int], list[int]]:
+    meta = (await client.get(f"/v2/models/{model}")).json()
+    return meta["inputs"][0]["shape"], meta["outputs"][0]["shape"]
+
+
+async def test_a_load_overrides_dims_replace_config_toml_backend_options(
+    client: httpx.AsyncClient,
+) -> None:
+    """config.toml's inputs/outputs options fix x at 2 and y at 4; a load override's
+    dims, the later and explicit instruction, are what the model is loaded with."""
+    assert await _shapes(client, "toml") == ([-1, 2], [-1, 4])
+    load = await client.post("/v2/repository/models/toml/load", json=_dims_override([3], [6]))
+    assert load.status_code == 200, load.text
+    assert await _shapes(client, "toml") == ([-1, 3], [-1, 6])
+    assert (await client.post("/v2/models/toml/infer", json=_body(1, 2))).status_code == 400
+    assert (await client.post("/v2/models/toml/infer", json=_body(1, 3))).status_code == 200
+    # Loaded again without an override: config.toml's own sizes are back.
+    assert (await client.post("/v2/repository/models/toml/load")).status_code == 200
+    assert await _shapes(client, "toml") == ([-1, 2], [-1, 4])
+
+
+async def test_an_override_giving_dims_and_options_that_differ_is_refused(
+    client: httpx.AsyncClient,
+) -> None:
+    """One instruction that says x's shape twice, two ways: a 400 naming both, and the
+    model loaded before stays as it was."""
+    options = {"inputs": [{"name": "x", "shape": [-1, 5]}]}
+    load = await client.post(
+        "/v2/repository/models/toml/load",
+        json=_dims_override([3], [6], backend_options=options),
+    )
+    assert load.status_code == 400, load.text
+    error = load.json()["error"]
+    assert "the load override gives inputs' shapes twice" in error
+    assert "input dims say x [-1, 3]" in error
+    assert "backend_options inputs say x [-1, 5]" in error
+    assert await _shapes(client, "toml") == ([-1, 2], [-1, 4])
+    # Saying the same twice is no conflict.
+    same = {"inputs": [{"name": "x", "shape": [-1, 3]}]}
+    load = await client.post(
+        "/v2/repository/models/toml/load", json=_dims_override([3], [6], backend_options=same)
+    )
+    assert load.status_code == 200, load.text
+    assert await _shapes(client, "toml") == ([-1, 3], [-1, 6])

@@ -106,16 +106,24 @@ class OnnxRuntimeBackend:
             checks_outputs=unproved is None,
             signature=signature,
         )
-        if unproved is not None and placement.index == 0:
-            # A graph at odds with its own declaration answers what its metadata does not
-            # say: each such answer fails (BackendError), which the operator should know of.
-            log.log(
-                logging.WARNING if unproved.contradicts else logging.DEBUG,
-                "%s: its graph does not prove its outputs' shapes (%s); the engine checks "
-                "each answer against the declared signature",
-                label,
-                unproved.reason,
-            )
+        if placement.index == 0:
+            # Said once per model at load: which output check its answers get. A graph at
+            # odds with its own declaration answers what its metadata does not say: each
+            # such answer fails (BackendError), which the operator should know of.
+            if unproved is None:
+                log.info(
+                    "%s: ONNX shape inference proves its outputs' shapes; the engine "
+                    "checks each answer's output names and rows only",
+                    label,
+                )
+            else:
+                log.log(
+                    logging.WARNING if unproved.contradicts else logging.INFO,
+                    "%s: its graph does not prove its outputs' shapes (%s); the engine checks "
+                    "each answer against the declared signature",
+                    label,
+                    unproved.reason,
+                )
         if rates:
             log.info(
                 "%s: rows/s by batch size: %s; preferred batch size %d",

@@ -21,6 +21,12 @@ Anything else (no ``onnx`` package
 here, a file too big to parse twice, an operator inference does not know, a
 size inference leaves open or computes otherwise) leaves the engine's full
 check on, which costs an execution about a microsecond.
+
+ONNX Runtime's own metadata cannot stand in for ``onnx`` (the ``onnx`` extra,
+not in a plain ``cpu`` install): its sessions report the graph's declared
+shapes, and even with ``session.strict_shape_type_inference`` a load fails only
+where its inference computes a size other than the declared one, not where it
+leaves one open; such a graph still answers another shape than it reports.
 """
 
 from __future__ import annotations
@@ -104,7 +110,10 @@ def _unproved(path: Path, signature: ModelSignature, stamp: Stamp) -> Unproved |
         import onnx
         import onnx.shape_inference
     except ImportError:
-        return Unproved("the onnx package, which infers the graph's shapes, is not installed here")
+        return Unproved(
+            "the onnx package, which infers the graph's shapes, is not installed here: the "
+            "'onnx' extra installs it, e.g. pip install -e '.[cpu,onnx]'"
+        )
     file_size = stamp[2]
     if file_size > PROOF_MAX_BYTES:
         return Unproved(

@@ -124,6 +124,11 @@ _TIMEOUT: Final = re.compile(rb"[0-9]{1,8}[HMSmun]")
 _OUTPUT_LIMIT: Final = 256 * 1024
 #: How long the last words (a call's UNAVAILABLE, the final GOAWAY) may take to leave.
 _LAST_WORDS_S: Final = 0.5
+#: After the last words, how long (and how many bytes) to read and drop what the client
+#: still sends until it closes too: a close with unread input is a reset, which destroys
+#: what the client has not read yet (as the HTTP/1.1 server's lingering close).
+_LINGER_S: Final = 2.0
+_LINGER_BYTES: Final = 1024 * 1024
 #: RST_STREAMs a client may send per second, on average over 10 s, before a GOAWAY
 #: (ENHANCE_YOUR_CALM): each starts a call's work for nothing (CVE-2023-44487).
 _RESET_RATE: Final = 100
@@ -537,6 +542,24 @@ class _Connection:
             if not self._h2.closed:
                 self._h2.close_connection(last_stream_id=self._last_stream)
             await self._flush()
+        if self._sending:
+            return  # cut short: what is left is a partial frame, nothing to wait for
+        await self._linger()
+
+    async def _linger(self) -> None:
+        # The server ends this connection (a drain, a GOAWAY of ours) while the client
+        # may still be reading the last answers and sending as it reads (grpcio's
+        # WINDOW_UPDATEs and PINGs). Closing with its bytes unread makes the kernel
+        # reset the connection and drop what it had not delivered yet: the end of an
+        # answer sent within the drain, which the client then never got (a flake
+        # under load). So this side ends with a FIN after the last bytes, and what
+        # the client still sends is read and dropped until it closes too (at once
+        # when it had closed first), for at most _LINGER_S.
+        with contextlib.suppress(Exception), anyio.move_on_after(_LINGER_S):
+            await self._socket.send_eof()
+            total = 0
+            while total < _LINGER_BYTES:
+                total += len(await self._socket.receive(65536))
 
     def goaway(self) -> None:
         """At shutdown: tell the client to open no more streams; those open may finish."""

@@ -409,7 +409,18 @@ class ModelEntry:
                 )
             data, triton = self._overridden(data, override)
         if triton is not None:
-            data = with_declared_shapes(data, triton)
+            # Which of the two says a tensor's shapes later: a load override's dims
+            # replace config.toml's backend_options inputs/outputs, and its options
+            # (a config.pbtxt's parameters) replace the file's dims.
+            given = override if isinstance(override, Mapping) else {}
+            options_key = "backend_options" if self.triton is None else "parameters"
+            data = with_declared_shapes(
+                data,
+                triton,
+                where=f"model {self.name!r}",
+                dims_overridden=[k + "s" for k in ("input", "output") if k in given],
+                options_overridden=options_key in given,
+            )
         data["name"] = self.name
         data["path"] = self._model_file(version)
         try:

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import functools
 import json
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from typing import Any, Final
 
 import attrs
@@ -767,13 +767,38 @@ def _declared_shapes(message: Any, max_batch: int) -> dict[str, tuple[Mapping[st
     }
 
 
-def with_declared_shapes(settings: Mapping[str, Any], triton: TritonModel) -> dict[str, Any]:
+def with_declared_shapes(
+    settings: Mapping[str, Any],
+    triton: TritonModel,
+    *,
+    where: str,
+    dims_overridden: Collection[str] = (),
+    options_overridden: bool = False,
+) -> dict[str, Any]:
     """*settings* (a ModelConfig's, as a table) with the sizes *triton*'s dims fix.
 
     Triton takes the dims a config gives as the model's own: for an ONNX model they
     become the backend's ``inputs`` and ``outputs`` options, which narrow the graph's
     symbolic sizes in its signature (a size the graph fixes otherwise fails the
-    load). Options the settings give themselves win; other backends keep theirs.
+    load); other backends keep their options.
+
+    Where the settings' own ``backend_options`` give ``inputs`` (or ``outputs``) too,
+    the later instruction wins: a load override's dims replace what ``config.toml``
+    says, and an override's ``backend_options`` replace what ``config.pbtxt``'s dims
+    say. Both given by one source (the file, or the override) must agree.
+
+    Args:
+        settings: The ModelConfig table, the override applied.
+        triton: The Triton configuration the dims come from.
+        where: How a message names the model (``model 'm'``).
+        dims_overridden: The kinds (``"inputs"``, ``"outputs"``) whose dims the load
+            override gave (its ``input``, ``output``), not the file.
+        options_overridden: Whether the settings' ``backend_options`` are the load
+            override's, not the file's.
+
+    Raises:
+        ConfigError: One source gives both a kind's dims and its option, and they
+            declare different shapes.
     """
     out = dict(settings)
     given = out.get("backend_options", {})
@@ -781,9 +806,48 @@ def with_declared_shapes(settings: Mapping[str, Any], triton: TritonModel) -> di
         return out
     if not isinstance(given, Mapping):
         return out  # refused with its reason when the config is built
-    declared = {kind: [dict(t) for t in tensors] for kind, tensors in triton.declared.items()}
-    out["backend_options"] = {**declared, **given}
+    options = dict(given)
+    for kind, tensors in triton.declared.items():
+        declared = [dict(t) for t in tensors]
+        if kind not in options:
+            options[kind] = declared
+            continue
+        dims_later = kind in dims_overridden
+        if dims_later and not options_overridden:
+            options[kind] = declared  # the override's dims replace config.toml's option
+        elif dims_later == options_overridden:
+            _check_agree(kind, declared, options[kind], where, overridden=dims_later)
+        # else: the override's option replaces config.pbtxt's dims
+    out["backend_options"] = options
     return out
+
+
+def _check_agree(
+    kind: str, declared: list[dict[str, Any]], option: object, where: str, *, overridden: bool
+) -> None:
+    # One source said a kind's shapes twice, as Triton's dims and as the backend option.
+    def shapes(entries: object) -> dict[Any, Any] | None:
+        if not isinstance(entries, list) or not all(isinstance(e, Mapping) for e in entries):
+            return None  # malformed: the backend refuses it with its reason
+        return {e.get("name"): list(e.get("shape", [])) for e in entries}
+
+    mine, theirs = shapes(declared), shapes(option)
+    if theirs is None or mine == theirs:
+        return
+    triton_key = kind.removesuffix("s")
+    source = "the load override" if overridden else "the model's config"
+    raise ConfigError(
+        f"{where}: {source} gives {kind}' shapes twice, and they differ: its {triton_key} "
+        f"dims say {_shapes_text(mine)}, its backend_options {kind} say "
+        f"{_shapes_text(theirs)}; give one of them (a load override's replaces "
+        "config.toml's)"
+    )
+
+
+def _shapes_text(shapes: Mapping[Any, Any] | None) -> str:
+    return ", ".join(
+        f"{name} [{', '.join(map(str, dims))}]" for name, dims in (shapes or {}).items()
+    )
 
 
 def _with_initial_values(
