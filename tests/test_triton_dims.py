@@ -57,6 +57,25 @@ outputs = [{ name = "y", shape = [-1, 4] }]
 """
 
 
+PY_DOUBLED = """\
+import numpy as np
+
+
+class Model:
+    def infer(self, inputs):
+        x = inputs["x"]
+        return {"y": np.concatenate([x, x], axis=1)}
+"""
+
+PY_CONFIG = """\
+backend = "python"
+
+[backend_options]
+inputs = [{ name = "x", dtype = "float32", shape = ["N", -1] }]
+outputs = [{ name = "y", dtype = "float32", shape = ["N", -1] }]
+"""
+
+
 def _pbtxt(x: list[int], y: list[int], max_batch: int = 8) -> str:
     return (
         f"max_batch_size: {max_batch}\n"
@@ -86,6 +105,10 @@ async def client(tmp_path: Path) -> AsyncIterator[httpx.AsyncClient]:
     # "toml": the same sizes as "right", fixed by config.toml's backend options.
     write_doubled(tmp_path / "toml" / "1" / "model.onnx")
     (tmp_path / "toml" / "config.toml").write_text(TOML_SHAPES)
+    # "py": a Python model that doubles x, its widths left open by its own declaration.
+    (tmp_path / "py" / "1").mkdir(parents=True)
+    (tmp_path / "py" / "1" / "model.py").write_text(PY_DOUBLED)
+    (tmp_path / "py" / "config.toml").write_text(PY_CONFIG)
     async with trio.open_nursery() as nursery:
         listening = await start_serving(nursery, tmp_path)
         async with httpx.AsyncClient(base_url=listening.urls[0]) as http:
@@ -272,3 +295,52 @@ async def test_an_override_giving_dims_and_options_that_differ_is_refused(
     )
     assert load.status_code == 200, load.text
     assert await _shapes(client, "toml") == ([-1, 3], [-1, 6])
+
+
+async def test_dims_a_python_model_cannot_take_are_refused_not_ignored(
+    client: httpx.AsyncClient,
+) -> None:
+    """The python backend's shapes are its own declaration: an override whose dims fix
+    a width it leaves open would be the config's word only (metadata -1, any width
+    served), so the load fails saying where the sizes belong; dims that leave them open
+    load."""
+    load = await client.post("/v2/repository/models/py/load", json=_dims_override([3], [6]))
+    assert load.status_code == 400, load.text
+    error = load.json()["error"]
+    assert "fixing sizes the model leaves open ([-1])" in error
+    assert "'python' backend's shapes are its own declaration" in error
+    # (Checked against the model once loaded: the failed load leaves it unloaded.)
+    assert (await client.get("/v2/models/py/ready")).status_code != 200
+    same = await client.post("/v2/repository/models/py/load", json=_dims_override([-1], [-1]))
+    assert same.status_code == 200, same.text
+    assert (await client.post("/v2/models/py/infer", json=_body(2, 3))).status_code == 200
+
+
+def test_a_ray_models_dims_narrow_its_onnxruntime_table() -> None:
+    """On the ray backend the dims become its actors' ONNX Runtime options, beside the
+    ray options it has; the later instruction wins there too."""
+    from trioinfer.server._triton import TritonModel, with_declared_shapes
+
+    triton = TritonModel(
+        doc={},
+        settings={},
+        declared={"inputs": ({"name": "x", "shape": [-1, 3]},)},
+    )
+    settings = {
+        "backend": "ray",
+        "backend_options": {"codec": "uint8", "onnxruntime": {"log_severity": 4}},
+    }
+    out = with_declared_shapes(settings, triton, where="model 'r'")
+    assert out["backend_options"] == {
+        "codec": "uint8",
+        "onnxruntime": {"log_severity": 4, "inputs": [{"name": "x", "shape": [-1, 3]}]},
+    }
+    assert settings["backend_options"]["onnxruntime"] == {"log_severity": 4}  # not changed
+    toml = {"onnxruntime": {"inputs": [{"name": "x", "shape": [-1, 2]}]}}
+    later = with_declared_shapes(
+        {"backend": "ray", "backend_options": toml},
+        triton,
+        where="model 'r'",
+        dims_overridden=["inputs"],
+    )
+    assert later["backend_options"]["onnxruntime"]["inputs"] == [{"name": "x", "shape": [-1, 3]}]

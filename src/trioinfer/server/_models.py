@@ -30,7 +30,7 @@ from .._tensors import ModelSignature
 from ._codec import config_datatype
 from ._errors import without_host_paths
 from ._repository import ModelRepository, VersionPolicy, parse_traffic
-from ._triton import TritonModel
+from ._triton import NARROWING_BACKENDS, TritonModel
 
 log = logging.getLogger("trioinfer.server")
 
@@ -652,6 +652,18 @@ def _check_tensors(triton: TritonModel | None, info: ModelInfo, model: str) -> N
                 raise ConfigError(
                     f"model {model!r}: config.pbtxt declares {kind} {spec.name!r} with dims "
                     f"{dims}; the model's are {shape}{batch}"
+                )
+            backend = info.config.backend
+            if backend not in NARROWING_BACKENDS and any(
+                a != -1 and b == -1 for a, b in zip(dims, shape, strict=True)
+            ):
+                # Narrowed nowhere, these sizes would be the config's word only: metadata
+                # and the checks of requests and answers follow the model's declaration.
+                raise ConfigError(
+                    f"model {model!r}: the config declares {kind} {spec.name!r} with dims "
+                    f"{dims}, fixing sizes the model leaves open ({shape}); the {backend!r} "
+                    f"backend's shapes are its own declaration (backend_options "
+                    f"{kind}s): fix the sizes there, or give dims -1 where it does"
                 )
 
 

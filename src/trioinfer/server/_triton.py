@@ -767,6 +767,12 @@ def _declared_shapes(message: Any, max_batch: int) -> dict[str, tuple[Mapping[st
     }
 
 
+#: The backends whose signature a config's dims narrow (their ONNX Runtime options
+#: ``inputs`` and ``outputs``); any other declares its shapes itself, and a config whose
+#: dims fix a size it leaves open is refused (`_check_tensors` in _models.py).
+NARROWING_BACKENDS: Final = frozenset({"onnxruntime", "ray"})
+
+
 def with_declared_shapes(
     settings: Mapping[str, Any],
     triton: TritonModel,
@@ -778,9 +784,10 @@ def with_declared_shapes(
     """*settings* (a ModelConfig's, as a table) with the sizes *triton*'s dims fix.
 
     Triton takes the dims a config gives as the model's own: for an ONNX model they
-    become the backend's ``inputs`` and ``outputs`` options, which narrow the graph's
-    symbolic sizes in its signature (a size the graph fixes otherwise fails the
-    load); other backends keep their options.
+    become the backend's ``inputs`` and ``outputs`` options (on the ray backend, its
+    ``onnxruntime`` table's), which narrow the graph's symbolic sizes in its signature
+    (a size the graph fixes otherwise fails the load); other backends keep their
+    options (their own declaration is checked against the dims after the load).
 
     Where the settings' own ``backend_options`` give ``inputs`` (or ``outputs``) too,
     the later instruction wins: a load override's dims replace what ``config.toml``
@@ -801,9 +808,13 @@ def with_declared_shapes(
             declare different shapes.
     """
     out = dict(settings)
-    given = out.get("backend_options", {})
-    if not triton.declared or out.get("backend", "onnxruntime") != "onnxruntime":
+    backend = out.get("backend", "onnxruntime")
+    if not triton.declared or backend not in NARROWING_BACKENDS:
         return out
+    given = out.get("backend_options", {})
+    if backend == "ray":
+        # The ray backend's actors run ONNX Runtime with its "onnxruntime" table.
+        given = given.get("onnxruntime", {}) if isinstance(given, Mapping) else None
     if not isinstance(given, Mapping):
         return out  # refused with its reason when the config is built
     options = dict(given)
@@ -818,6 +829,8 @@ def with_declared_shapes(
         elif dims_later == options_overridden:
             _check_agree(kind, declared, options[kind], where, overridden=dims_later)
         # else: the override's option replaces config.pbtxt's dims
+    if backend == "ray":
+        options = {**out.get("backend_options", {}), "onnxruntime": options}
     out["backend_options"] = options
     return out
 
