@@ -556,3 +556,88 @@ async def test_a_string_inputs_padding_is_an_empty_string_of_its_type(
         await run_all(engine, requests)
     a, b, c, d, e = (s if not utf8 else s.decode() for s in (b"a", b"b", b"c", b"d", b"e"))
     assert seen == [[[a, b, blank, blank], [c, d, e, blank]]]
+
+
+def fixed_signature(size: int) -> ModelSignature:
+    """x fixed at *size* on the padded axis; the mask left open there."""
+    return ModelSignature(
+        inputs=(
+            TensorSpec("x", F32, ("batch", size), "tensor(float)"),
+            TensorSpec("attention_mask", I64, ("batch", "seq"), "tensor(int64)"),
+        ),
+        outputs=(TensorSpec("y", F32, ("batch", size), "tensor(float)"),),
+    )
+
+
+async def test_padding_an_axis_the_model_fixes_is_refused_at_load() -> None:
+    # A request of length 5 passes the signature's check, then would be padded to 8:
+    # the model would be fed a size it fixes at 5 (and the caller get 8 columns of y).
+    seen: list[tuple[int, ...]] = []
+
+    def fn(inputs: Arrays) -> dict[str, np.ndarray[Any, Any]]:
+        seen.append(inputs["x"].shape)
+        return {"y": inputs["x"] * 2}
+
+    backend = FakeBackend(fn, signature=fixed_signature(5))
+    async with open_engine(registry=backend.registry()) as engine:
+        with pytest.raises(trioinfer.ConfigError) as caught:
+            await engine.load(config(pad_axis=1, pad_buckets=[4, 8]))
+        assert engine.models() == []
+    message = str(caught.value)
+    assert "model 'm'" in message
+    assert "input 'x', which the model fixes at 5" in message
+    assert "pad_buckets [4, 8]" in message
+    assert "pad_inputs" in message  # what to do instead
+    assert seen == []
+
+
+@pytest.mark.parametrize("buckets", [[4, 5, 8], [2, 4]])
+async def test_a_fixed_size_padding_never_changes_is_accepted(
+    autojump_clock: trio.testing.MockClock, buckets: list[int]
+) -> None:
+    # 5 is a bucket itself, or above every bucket: a request of length 5 is never padded.
+    seen: list[tuple[int, ...]] = []
+
+    def fn(inputs: Arrays) -> dict[str, np.ndarray[Any, Any]]:
+        seen.append(inputs["x"].shape)
+        return {"y": inputs["x"] * 2}
+
+    backend = FakeBackend(fn, signature=fixed_signature(5))
+    async with open_engine(registry=backend.registry()) as engine:
+        await engine.load(config(pad_axis=1, pad_buckets=buckets))
+        out = await engine.infer(
+            "m", {"x": np.ones((1, 5), np.float32), "attention_mask": np.ones((1, 5), np.int64)}
+        )
+    assert seen == [(1, 5)]
+    assert out["y"].shape == (1, 5)
+
+
+async def test_an_input_left_out_of_pad_inputs_may_fix_the_axis() -> None:
+    backend = FakeBackend(signature=fixed_signature(5))
+    async with open_engine(registry=backend.registry()) as engine:
+        await engine.load(config(pad_axis=1, pad_buckets=[4, 8], pad_inputs=["attention_mask"]))
+        assert [m.name for m in engine.models()] == ["m"]
+
+
+@pytest.mark.parametrize("where", ["graph", "config"])
+def test_real_onnx_model_with_a_fixed_axis_is_refused(model_dir: Path, where: str) -> None:
+    # Fixed by the graph, or only by the config's dims over an open graph (as a
+    # config.pbtxt's dims reach the backend): either way padding 5 to 8 is refused.
+    shape = ("batch", 5) if where == "graph" else ("batch", "seq")
+    path = models.write_identity(model_dir / f"identity_{where}.onnx", shape=shape)
+    declared = {"inputs": [{"name": "x", "shape": [-1, 5]}]} if where == "config" else {}
+
+    async def main() -> None:
+        async with open_engine() as engine:
+            with pytest.raises(trioinfer.ConfigError, match=r"'x'.*fixes at 5"):
+                await engine.load(
+                    ModelConfig(
+                        name="id",
+                        path=path,
+                        backend_options=declared,
+                        batcher="dynamic",
+                        batcher_options={"pad_axis": 1, "pad_buckets": [8]},
+                    )
+                )
+
+    trio.run(main)

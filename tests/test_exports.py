@@ -24,13 +24,15 @@ PUBLIC = {
         "StreamClosed", "TrioInferError", "digits_samples", "example_repository", "open_engine",
     },
     "trioinfer.abc": {
-        "AssemblingBatcher", "AttachableFallback", "AttachableScheduler", "Backend",
+        "AssemblingBatcher", "AttachableBatcher", "AttachableFallback", "AttachableScheduler",
+        "Backend",
         "BackendInstance", "Batcher", "Fallback", "InlineInstance", "PipelinedInstance",
         "Scheduler",
         "StreamingInstance", "TunedInstance", "SequenceBatcher",
     },
     "trioinfer.lowlevel": {
-        "Execution", "FallbackContext", "Placement", "Replica", "Request", "RequestQueue",
+        "BatcherContext", "Execution", "FallbackContext", "Placement", "Replica", "Request",
+        "RequestQueue",
         "SchedulerContext", "SequenceContext", "Status", "WorkerThread", "current_batch_deadline",
         "current_trace_context", "numpy_dtype", "record_span",
         "wait_on_callback", "CallbackWaiter", "inline_slice_spent", "restart_inline_slice",

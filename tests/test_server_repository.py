@@ -1197,3 +1197,52 @@ async def test_an_unloaded_model_is_not_said_to_have_failed_to_load(
     assert str(caught.value) == (
         "Request for unknown model: 'm' is not served; served models: none"
     )
+
+
+async def test_a_version_the_policy_drops_leaves_metrics_as_an_unload_does(
+    onnx_file: Path, root: Path
+) -> None:
+    """Version 2 appears under ``latest = 1``: version 1's engine series and stats end.
+
+    As at an unload: its requests by outcome stay (one server counts them for its
+    whole life), the rest goes; /metrics shows no counter going down.
+    """
+    from prometheus_client.parser import text_string_to_metric_families
+
+    make_model(onnx_file, root, "m", (1,), "version_policy = { latest = 1 }\n")
+    body = {
+        "inputs": [
+            {"name": name, "shape": [1, 4], "datatype": "FP32", "data": [1, 2, 3, 4]}
+            for name in ("a", "b")
+        ]
+    }
+
+    def series(text: str) -> dict[tuple[str, str], float]:
+        return {
+            (sample.name, sample.labels.get("version", "")): sample.value
+            for family in text_string_to_metric_families(text)
+            for sample in family.samples
+            if sample.labels.get("model") == "m" and "outcome" not in sample.labels
+        }
+
+    async with trio.open_nursery() as nursery:
+        listening = await start_serving(nursery, root)
+        async with httpx.AsyncClient(base_url=listening.urls[0]) as client:
+            for _ in range(3):
+                assert (await client.post("/v2/models/m/infer", json=body)).status_code == 200
+            before = (await client.get("/metrics")).text
+            assert ("trioinfer_inference_batch_rows_sum", "1") in series(before)
+            shutil.copytree(root / "m" / "1", root / "m" / "2")
+            assert (await client.post("/v2/repository/models/m/load")).status_code == 200
+            after = (await client.get("/metrics")).text
+            stats = (await client.get("/v2/models/m/stats")).json()["model_stats"]
+        nursery.cancel_scope.cancel()
+    assert [entry["version"] for entry in stats] == ["2"]
+    assert {v for (_, v) in series(after)} <= {"2", ""}
+    requests = {
+        sample.labels["version"]: sample.value
+        for family in text_string_to_metric_families(after)
+        for sample in family.samples
+        if sample.name == "trioinfer_inference_requests_total" and sample.labels["model"] == "m"
+    }
+    assert requests == {"1": 3}

@@ -443,6 +443,41 @@ def test_a_dead_workers_counts_stay_in_the_totals(repository: Path, tmp_path: Pa
         assert _digits_stats(url) == (0, 0, 0)
 
 
+def test_a_version_the_policy_drops_takes_the_dead_workers_counts_of_it(tmp_path: Path) -> None:
+    # Version 2 appears under latest = 1 and a load retires version 1: as at an unload
+    # (and as on one server), version 1's statistics and engine series end, the dead
+    # worker's share with them, and its requests by outcome stay.
+    root = tmp_path / "repository"
+    shutil.copytree(example_repository() / "digits", root / "digits")
+    config = root / "digits" / "config.toml"
+    config.write_text("version_policy = { latest = 1 }\n" + config.read_text())
+    log = tmp_path / "serve.log"
+    with two_workers(root, log, "--log-level", "debug") as server:
+        url, pids = server.url, server.pids
+        for _ in range(40):
+            assert infer_digit(url).status_code == 200
+        wait_until(
+            lambda: (_kept(log, pids[0]) or 0) + (_kept(log, pids[1]) or 0) == 40,
+            "both workers reported their 40 requests",
+        )
+        assert 0 < (_kept(log, pids[1]) or 0) < 40, "worker 1 served none to lose"
+        os.kill(pids[1], signal.SIGKILL)
+        wait_until(lambda: worker_pids(url).get("1", pids[1]) != pids[1], "worker 1 is back")
+        shutil.copytree(root / "digits" / "1", root / "digits" / "2")
+        assert fresh("POST", f"{url}/v2/repository/models/digits/load").status_code == 200
+        stats = fresh("GET", f"{url}/v2/models/digits/stats").json()["model_stats"]
+        assert [(e["version"], e["inference_count"]) for e in stats] == [("2", 0)]
+        rows = samples(url, "trioinfer_inference_batch_rows_sum")
+        assert [(lb["version"], v) for lb, v in rows if lb["model"] == "digits"] == [("2", 0)]
+        requests = samples(url, "trioinfer_inference_requests_total")
+        assert [(lb["version"], v) for lb, v in requests if lb["model"] == "digits"] == [("1", 40)]
+        # Version 1 back (2 gone): it starts from zero, as a load does on one server.
+        shutil.rmtree(root / "digits" / "2")
+        assert fresh("POST", f"{url}/v2/repository/models/digits/load").status_code == 200
+        stats = fresh("GET", f"{url}/v2/models/digits/stats").json()["model_stats"]
+        assert [(e["version"], e["inference_count"]) for e in stats] == [("1", 0)]
+
+
 def test_shared_memory_is_refused_with_several_workers(served: Served) -> None:
     for kind in ("systemsharedmemory", "cudasharedmemory"):
         answer = fresh(

@@ -12,7 +12,7 @@ import anyio
 import numpy as np
 
 from trioinfer import ConfigError
-from trioinfer.lowlevel import Request, RequestQueue, Status
+from trioinfer.lowlevel import BatcherContext, Request, RequestQueue, Status
 
 from ._padding import Arrays, Padding, Split
 
@@ -282,6 +282,11 @@ class _PaddingBatcher(DynamicBatcher):
     """A dynamic batcher with ``pad_axis``: it lays out its batches' inputs itself."""
 
     __slots__ = ()
+
+    def attach(self, context: BatcherContext) -> None:
+        """Refuse, at load, padding an axis whose size the model's signature fixes."""
+        assert self._padding is not None  # DynamicBatcher.__new__ chose this class for it
+        self._padding.check(context.model, context.signature)
 
     def assemble(self, requests: Sequence[Request]) -> tuple[Arrays, Split]:
         """Pad each request to its bucket in reused buffers; the split cuts the padding off."""

@@ -19,7 +19,7 @@ from typing import Any, final
 
 import numpy as np
 
-from trioinfer import ConfigError
+from trioinfer import ConfigError, ModelSignature
 from trioinfer.lowlevel import Request
 
 Array = np.ndarray[Any, Any]
@@ -141,6 +141,47 @@ class Padding:
             mask=mask_input,
             outputs=outputs,
         )
+
+    def check(self, model: str, signature: ModelSignature) -> None:
+        """Refuse padding that would feed the model a size its signature fixes.
+
+        Every request passes the signature's check before it reaches the
+        batcher, so a padded input the model fixes at F on the axis arrives
+        with length F; padding it to a larger bucket would hand the backend a
+        shape it never accepted (or, where config dims narrow a looser graph,
+        give callers more positions than the config declares). A size that
+        padding leaves alone (a bucket itself, or above every bucket) is fine.
+
+        Raises:
+            ConfigError: Naming the model, the input, its fixed size and the
+                bucket it would be padded to.
+        """
+        axis = self.axis
+        for spec in signature.inputs:
+            if self.inputs is None:
+                if spec.rank <= axis:
+                    continue
+            elif spec.name not in self.inputs or spec.rank <= axis:
+                continue
+            size = spec.shape[axis]
+            if not isinstance(size, int) or isinstance(size, bool):
+                continue
+            target = self.target(size)
+            if target != size:
+                hint = (
+                    f"leave {spec.name!r} out of pad_inputs"
+                    if self.inputs is not None
+                    else f"name the inputs that vary on axis {axis} in pad_inputs, "
+                    f"without {spec.name!r}"
+                )
+                raise ConfigError(
+                    f"model {model!r}: the dynamic batcher pads axis {axis} (pad_axis) of input "
+                    f"{spec.name!r}, which the model fixes at {size} ({spec.describe()}), to "
+                    f"pad_buckets {list(self.buckets)}: a request of length {size} would reach "
+                    f"the model as {target}. Expected padded inputs whose size on axis {axis} "
+                    f"is left open, or a fixed size that is one of pad_buckets or above them "
+                    f"all; {hint}, or leave the axis open in the model's dims"
+                )
 
     def describe(self) -> str:
         """The options, as the batcher's repr shows them."""

@@ -58,6 +58,7 @@ from ._threads import (
 from ._util import NoPublicConstructor, resume
 from .abc import (
     AssemblingBatcher,
+    AttachableBatcher,
     AttachableFallback,
     AttachableScheduler,
     Backend,
@@ -478,6 +479,26 @@ class SchedulerContext(metaclass=NoPublicConstructor):
     def current_time(self) -> float:
         """The engine's clock (the event loop's, so a MockClock in tests)."""
         return self._runner.clock.current_time()
+
+
+@final
+class BatcherContext(metaclass=NoPublicConstructor):
+    """What an attachable batcher learns of its model (`trioinfer.abc.BatcherContext`)."""
+
+    __slots__ = ("_runner",)
+
+    def __init__(self, runner: ModelRunner) -> None:
+        self._runner = runner
+
+    @property
+    def model(self) -> str:
+        """The model's name."""
+        return self._runner.config.name
+
+    @property
+    def signature(self) -> ModelSignature:
+        """The model's signature, as the backend reports it."""
+        return self._runner.backend_signature
 
 
 @final
@@ -1010,6 +1031,9 @@ class ModelRunner(metaclass=NoPublicConstructor):
                 "and needs a [sequence] table (its strategy, control inputs and state; "
                 "SequenceConfig in Python); add one, or choose another batcher"
             )
+        elif isinstance(self._batcher, AttachableBatcher):
+            # Its options checked against the model (padding an axis the model fixes, say).
+            self._attach("batchers", self._batcher.attach, BatcherContext._create(self))
         # Every request admitted passes validate_inputs against this signature, so
         # when it fixes every dtype and non-batch dimension, they all agree on them.
         self.queue.uniform = self.signature._fixed is not None

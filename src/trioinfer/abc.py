@@ -36,6 +36,7 @@ from ._tensors import ModelSignature
 
 __all__ = [
     "AssemblingBatcher",
+    "AttachableBatcher",
     "AttachableFallback",
     "AttachableScheduler",
     "Backend",
@@ -255,7 +256,29 @@ class SchedulerContext(Protocol):
         ...
 
 
-class SequenceContext(Protocol):
+class BatcherContext(Protocol):
+    """What an [`AttachableBatcher`][trioinfer.abc.AttachableBatcher] learns about its model.
+
+    It gets one once, when the model loads. Only the engine creates it.
+    """
+
+    @property
+    def model(self) -> str:
+        """The model's name."""
+        ...
+
+    @property
+    def signature(self) -> ModelSignature:
+        """The model's signature, as the backend reports it (declared dims included).
+
+        Every request reaching the batcher has passed a check against it, so
+        its fixed sizes are the sizes the backend expects: a batcher that lays
+        out inputs itself must not change them.
+        """
+        ...
+
+
+class SequenceContext(BatcherContext, Protocol):
     """What a [`SequenceBatcher`][trioinfer.abc.SequenceBatcher] learns about its model.
 
     It gets one once, when the model loads. Only the engine creates it.
@@ -887,6 +910,23 @@ class AssemblingBatcher(Batcher, Protocol):
         the backend's outputs and must return one mapping per request, in the
         same order. An exception from either fails that batch's requests with
         a [`PluginContractError`][trioinfer.PluginContractError]; the worker goes on.
+        """
+        ...
+
+
+@runtime_checkable
+class AttachableBatcher(Batcher, Protocol):
+    """A batcher that checks its options against the model when it loads (an optional hook).
+
+    Not a [`SequenceBatcher`][trioinfer.abc.SequenceBatcher], whose ``attach``
+    gets a [`SequenceContext`][trioinfer.lowlevel.SequenceContext] instead.
+    """
+
+    def attach(self, context: BatcherContext) -> None:
+        """Called once, when the model loads, before any other method.
+
+        May raise [`ConfigError`][trioinfer.ConfigError] to refuse the model
+        (padding an axis whose size the model fixes, say).
         """
         ...
 

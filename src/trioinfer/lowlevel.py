@@ -21,6 +21,7 @@ class OneAtATime:
   [`SchedulerContext`][trioinfer.lowlevel.SchedulerContext] and
   [`FallbackContext`][trioinfer.lowlevel.FallbackContext] that attachable
   schedulers and fallbacks get, the
+  [`BatcherContext`][trioinfer.lowlevel.BatcherContext] an attachable batcher gets, the
   [`SequenceContext`][trioinfer.lowlevel.SequenceContext] a sequence batcher gets, and the
   [`Execution`][trioinfer.lowlevel.Execution] and
   [`Replica`][trioinfer.lowlevel.Replica] a fallback works with.
@@ -55,6 +56,7 @@ from ._threads import CallbackWaiter as CallbackWaiter
 from ._threads import WorkerThread as WorkerThread
 from ._threads import current_batch_deadline as current_batch_deadline
 from ._threads import wait_on_callback as wait_on_callback
+from .abc import BatcherContext as BatcherContext
 from .abc import Execution as Execution
 from .abc import FallbackContext as FallbackContext
 from .abc import Replica as Replica

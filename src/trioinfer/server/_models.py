@@ -678,12 +678,16 @@ _FALSE_TRUE: Final = {
 def _check_sequence(
     triton: TritonModel | None, signature: ModelSignature | None, model: str
 ) -> None:
-    """Refuse a config.pbtxt whose sequence_batching types or dims are not the model's."""
+    """Refuse a config.pbtxt whose sequence_batching data types are not the model's inputs'.
+
+    Its state ``dims`` are the sequence batcher's to check: they become the
+    ``[[sequence.state]]`` shape, which it refuses at load, for any config,
+    when the state input fixes other sizes (the engine's load fails first).
+    """
     if triton is None or signature is None or "sequence_batching" not in triton.doc:
         return
     batching = triton.doc["sequence_batching"]
     specs = {spec.name: spec for spec in signature.inputs}
-    skip = 1 if signature.batched else 0
 
     def check(name: str, want: str, what: str) -> None:
         spec = specs.get(name)
@@ -707,18 +711,6 @@ def _check_sequence(
         name = state.get("input_name", "")
         if "data_type" in state:
             check(name, state["data_type"].removeprefix("TYPE_"), "state")
-        spec = specs.get(name)
-        dims = [int(d) for d in state.get("dims", [])]
-        if spec is not None and dims:
-            shape = [d if isinstance(d, int) else -1 for d in spec.shape][skip:]
-            if len(dims) != len(shape) or any(
-                a != b and b != -1 for a, b in zip(dims, shape, strict=False)
-            ):
-                raise ConfigError(
-                    f"model {model!r}: config.pbtxt's sequence_batching state {name!r} has dims "
-                    f"{dims}; the model's input has {shape}"
-                    + (" after the batch dimension" if skip else "")
-                )
 
 
 def _unit(key: str) -> float:

@@ -69,7 +69,7 @@ import signal
 import socket
 import sys
 import tempfile
-from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final, Generic, TypeVar, final
 
@@ -359,19 +359,23 @@ class MetricsLedger:
         if last is not None:
             self._retired = merge_expositions([self._retired, _counts_only(last())])
 
-    def forget(self, model: str) -> None:
-        """*model* was unloaded: the dead workers' counts of it go.
+    def forget(self, model: str, versions: Collection[str] | None = None) -> None:
+        """*model* was unloaded (or only its *versions*): the dead workers' counts of it go.
 
         Its engine series end, as on one server; a load starts them again from
         zero. Its requests by outcome stay: one server's HTTP layer counts them
         for its whole life, through unloads, so the live workers go on reporting
-        theirs, and without the dead workers' the sum would go down.
+        theirs, and without the dead workers' the sum would go down. *versions*
+        are those a load retired (its version policy serves others now), which
+        one server unloads as it unloads a whole model.
         """
         if self._retired:
             self._retired = _samples_where(
                 self._retired,
                 lambda family, sample: (
-                    family.name in _KEPT_AT_UNLOAD or sample.labels.get("model") != model
+                    family.name in _KEPT_AT_UNLOAD
+                    or sample.labels.get("model") != model
+                    or (versions is not None and sample.labels.get("version") not in versions)
                 ),
             )
 
@@ -405,11 +409,15 @@ class StatsLedger:
         if last is not None:
             self._retired = merge_stats([self._retired, last])
 
-    def forget(self, model: str) -> None:
-        """*model* was unloaded: what the workers counted of it so far goes with it."""
+    def forget(self, model: str, versions: Collection[str] | None = None) -> None:
+        """*model* was unloaded (or only its *versions*): what the workers counted of it goes."""
 
         def without(stats: list[dict[str, Any]]) -> list[dict[str, Any]]:
-            return [e for e in stats if e["name"] != model]
+            return [
+                e
+                for e in stats
+                if e["name"] != model or (versions is not None and e["version"] not in versions)
+            ]
 
         self._retired = without(self._retired)
         self._latest.change(without)
@@ -663,8 +671,15 @@ class WorkerLink:
         op = message["op"]
         try:
             if op == "load":
-                await state.models.load(message["model"], message["override"])
-                return {"ok": True}
+                model = message["model"]
+                before = {served.version for served in state.models.versions(model)}
+                await state.models.load(model, message["override"])
+                retired = before - {served.version for served in state.models.versions(model)}
+                if not retired:
+                    return {"ok": True}
+                # Versions its policy no longer serves, unloaded: the supervisor forgets
+                # them as at an unload, keeping the counts taken after (see below).
+                return {"ok": True, "retired": [str(v) for v in sorted(retired)], **self._counts()}
             if op == "unload":
                 await state.models.unload(message["model"])
                 # Counts taken after it: the supervisor keeps them as this worker's
@@ -923,12 +938,19 @@ class _Supervisor:
                 for key, change in _journal_entries(message, self.journal):
                     self.journal.pop(key, None)
                     self.journal[key] = change
-                if message["op"] == "unload":
+                retired = {
+                    version
+                    for _, reply in replies
+                    if reply is not None
+                    for version in reply.get("retired", ())
+                }
+                if message["op"] == "unload" or retired:
                     for worker, reply in replies:
                         if reply is not None and "taken" in reply:
                             self._keep(worker, reply)
-                    self.stats.forget(message["model"])
-                    self.metrics.forget(message["model"])
+                    versions = None if message["op"] == "unload" else retired
+                    self.stats.forget(message["model"], versions)
+                    self.metrics.forget(message["model"], versions)
             if not failed:
                 return {"ok": True}
             errors = {(e["type"], e["message"]) for _, e in failed}
