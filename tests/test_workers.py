@@ -487,6 +487,10 @@ def test_shared_memory_is_refused_with_several_workers(served: Served) -> None:
         )
         assert answer.status_code == 400
         assert "not supported with trioinfer serve --workers N" in answer.json()["error"]
+    # Nor does the server say it has the extension (tritonclient's users read /v2).
+    extensions = fresh("GET", f"{served.url}/v2").json()["extensions"]
+    assert "system_shared_memory" not in extensions
+    assert "model_repository" in extensions
 
 
 def test_sigterm_drains_every_worker_and_leaves_nothing(served: Served) -> None:

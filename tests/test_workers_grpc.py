@@ -199,6 +199,10 @@ def test_grpc_shared_memory_registration_is_refused_clearly(served: Served) -> N
         for refused in (system.value, cuda.value):
             assert refused.status() == "StatusCode.INVALID_ARGUMENT"
             assert "not supported with trioinfer serve --workers N" in refused.message()
+    with client(served) as c:
+        extensions = c.get_server_metadata(as_json=True)["extensions"]
+    assert "system_shared_memory" not in extensions
+    assert "model_repository" in extensions
 
 
 def test_a_killed_worker_is_restarted_and_serves_grpc(served: Served) -> None:

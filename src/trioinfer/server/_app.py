@@ -464,8 +464,19 @@ async def _ready(_request: Request, state: ServerState) -> Response:
     return Response(status_code=200)
 
 
-async def _server_metadata(_request: Request, _state: ServerState) -> Response:
-    return _json({"name": "trioinfer", "version": __version__, "extensions": list(EXTENSIONS)})
+async def _server_metadata(_request: Request, state: ServerState) -> Response:
+    return _json({"name": "trioinfer", "version": __version__, "extensions": extensions(state)})
+
+
+def extensions(state: ServerState) -> list[str]:
+    """The protocol extensions *state*'s server implements, as ``GET /v2`` lists them.
+
+    `EXTENSIONS`, less shared memory under ``serve --workers N``, which refuses
+    it (`_one_process_only`).
+    """
+    if state.cluster is None:
+        return list(EXTENSIONS)
+    return [name for name in EXTENSIONS if name != "system_shared_memory"]
 
 
 def _served(request: Request, state: ServerState) -> ServedVersion:

@@ -49,7 +49,6 @@ from .._exceptions import (
 from . import _grpc_h2 as status
 from . import _grpc_proto as pb
 from ._app import (
-    EXTENSIONS,
     ROUTING_KEY_HEADER,
     ServerState,
     _check_outputs,
@@ -58,6 +57,7 @@ from ._app import (
     _one_process_only,
     _schedule_parameters,
     apply_log_settings,
+    extensions,
     infer_in_time,
     load_model,
     load_override,
@@ -198,7 +198,7 @@ class _Service:
 
     async def ServerMetadata(self, _request: Any, _context: Any, _call: GrpcCall) -> Any:
         return pb.ServerMetadataResponse(
-            name="trioinfer", version=__version__, extensions=list(EXTENSIONS)
+            name="trioinfer", version=__version__, extensions=extensions(self._state)
         )
 
     async def ModelMetadata(self, request: Any, context: Any, call: GrpcCall) -> Any:
