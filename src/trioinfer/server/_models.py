@@ -436,7 +436,7 @@ class ServedModels:
                 raise
             try:
                 _check_decoupled(decoupled, info, model)
-                _check_tensors(triton, info, model)
+                _check_tensors(triton, info, model, _triton_source(entry.triton, override))
                 # A stateful model's control and state inputs, which its signature hides.
                 full = getattr(self.engine._runners.get(engine_name), "backend_signature", None)
                 _check_sequence(triton, full, model)
@@ -615,8 +615,20 @@ class ServedModels:
 _ENGINE_NAME = re.compile(r"'([A-Za-z0-9][A-Za-z0-9_.\-]*)\.v([0-9]+)'")
 
 
-def _check_tensors(triton: TritonModel | None, info: ModelInfo, model: str) -> None:
-    """Refuse a config.pbtxt whose input or output does not match the model's own."""
+def _triton_source(file: TritonModel | None, override: object) -> str:
+    """How an error names where a model's Triton config came from."""
+    if file is None:
+        return "the load override"
+    return "config.pbtxt with the load override" if override else "config.pbtxt"
+
+
+def _check_tensors(
+    triton: TritonModel | None, info: ModelInfo, model: str, source: str = "config.pbtxt"
+) -> None:
+    """Refuse a Triton config whose input or output does not match the model's own.
+
+    *source*: where the config came from, for the message (`_triton_source`).
+    """
     if triton is None:
         return
     batched = int(triton.doc.get("max_batch_size", 0)) > 0
@@ -630,7 +642,7 @@ def _check_tensors(triton: TritonModel | None, info: ModelInfo, model: str) -> N
             spec = by_name.get(tensor.get("name", ""))
             if spec is None:
                 raise ConfigError(
-                    f"model {model!r}: config.pbtxt declares {kind} {tensor.get('name')!r}, "
+                    f"model {model!r}: {source} declares {kind} {tensor.get('name')!r}, "
                     f"which the model does not have; its {kind}s are "
                     f"{', '.join(map(repr, by_name))}"
                 )
@@ -638,7 +650,7 @@ def _check_tensors(triton: TritonModel | None, info: ModelInfo, model: str) -> N
             have = config_datatype(spec)
             if want != have:
                 raise ConfigError(
-                    f"model {model!r}: config.pbtxt declares {kind} {spec.name!r} as TYPE_{want}; "
+                    f"model {model!r}: {source} declares {kind} {spec.name!r} as TYPE_{want}; "
                     f"the model's is TYPE_{have}"
                 )
             dims = [int(d) for d in tensor.get("dims", [])]
@@ -650,7 +662,7 @@ def _check_tensors(triton: TritonModel | None, info: ModelInfo, model: str) -> N
             ):
                 batch = " after the batch dimension" if batched else ""
                 raise ConfigError(
-                    f"model {model!r}: config.pbtxt declares {kind} {spec.name!r} with dims "
+                    f"model {model!r}: {source} declares {kind} {spec.name!r} with dims "
                     f"{dims}; the model's are {shape}{batch}"
                 )
             backend = info.config.backend
@@ -660,7 +672,7 @@ def _check_tensors(triton: TritonModel | None, info: ModelInfo, model: str) -> N
                 # Narrowed nowhere, these sizes would be the config's word only: metadata
                 # and the checks of requests and answers follow the model's declaration.
                 raise ConfigError(
-                    f"model {model!r}: the config declares {kind} {spec.name!r} with dims "
+                    f"model {model!r}: {source} declares {kind} {spec.name!r} with dims "
                     f"{dims}, fixing sizes the model leaves open ({shape}); the {backend!r} "
                     f"backend's shapes are its own declaration (backend_options "
                     f"{kind}s): fix the sizes there, or give dims -1 where it does"
