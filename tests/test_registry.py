@@ -56,6 +56,9 @@ def third_party(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
                     return self._items.pop(request, False) is None
                 def __len__(self):
                     return len(self._items)
+
+            def not_a_scheduler(**options):
+                return {"options": options}
             """
         )
     )
@@ -64,7 +67,8 @@ def third_party(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     info.mkdir()
     (info / "METADATA").write_text("Metadata-Version: 2.1\nName: acme-trioinfer\nVersion: 1.2\n")
     (info / "entry_points.txt").write_text(
-        "[trioinfer.schedulers]\nlifo = acme_plugins:LifoScheduler\n\n"
+        "[trioinfer.schedulers]\nlifo = acme_plugins:LifoScheduler\n"
+        "notsched = acme_plugins:not_a_scheduler\n\n"
         "[trioinfer.backends]\nacme = acme_broken:Backend\n"
     )
     monkeypatch.syspath_prepend(str(tmp_path))
@@ -251,6 +255,20 @@ async def test_engine_uses_a_third_party_scheduler(third_party: Path, add_model:
         x = np.ones((1, 4), np.float32)
         out = await engine.infer("add", {"a": x, "b": x})
         assert out["sum"][0, 0] == 2
+
+
+async def test_a_third_party_plugin_of_the_wrong_type_names_its_distribution(
+    third_party: Path, add_model: Path
+) -> None:
+    # The operator reading "does not implement" must learn which package to blame.
+    async with open_engine() as engine:
+        with pytest.raises(
+            PluginContractError,
+            match=r"^scheduler 'notsched' \(from acme-trioinfer 1\.2\) of model 'add' does not "
+            r"implement trioinfer\.abc\.Scheduler: got dict$",
+        ) as info:
+            await engine.load(ModelConfig(name="add", path=add_model, scheduler="notsched"))
+        assert (info.value.kind, info.value.plugin) == ("schedulers", "notsched")
 
 
 async def test_engine_reports_unknown_plugins_at_load(add_model: Path) -> None:

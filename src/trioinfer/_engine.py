@@ -307,9 +307,12 @@ class Engine:
         )
         for kind, plugin_name, plugin, protocol in checks[1:] if pipeline else checks:
             if not isinstance(plugin, protocol):
+                # Name the package it came from: the operator must know whom to tell.
+                dist = registry._distribution(kind, plugin_name)
                 raise PluginContractError(
-                    f"{kind[:-1]} {plugin_name!r} of model {name!r} does not implement "
-                    f"trioinfer.abc.{protocol.__name__}: got {type(plugin).__name__}",
+                    f"{kind[:-1]} {plugin_name!r}{f' (from {dist})' if dist else ''} of model "
+                    f"{name!r} does not implement trioinfer.abc.{protocol.__name__}: "
+                    f"got {type(plugin).__name__}",
                     kind=kind,
                     plugin=plugin_name,
                 )
