@@ -644,3 +644,39 @@ def test_probe_inputs_of_a_bytes_input_are_bytes() -> None:
     probe = _probe_inputs(signature)
     assert probe["raw"].tolist() == [b""]
     assert probe["text"].tolist() == [""]
+
+
+class _ReloadFails(FaultyBackend):
+    """A FaultyBackend whose every load after the first fails, stamping when it was tried."""
+
+    def __init__(self, **options: Any) -> None:
+        super().__init__(**options)
+        self.loads: list[float] = []
+
+    async def load(self, config: ModelConfig, placement: Any) -> Any:
+        self.loads.append(trio.current_time())
+        if len(self.loads) > 1:
+            raise RuntimeError("the device is gone")
+        return await super().load(config, placement)
+
+
+async def test_a_failing_re_creation_backs_off_like_a_failing_probe(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    # A dead instance whose device is gone: each re-creation (a model load, the
+    # costliest thing an engine does) fails. Like a failed probe, each failure
+    # reopens the breaker with its wait doubled, up to max_reset_timeout, rather
+    # than reloading every reset_timeout for ever.
+    backend = _ReloadFails(crash_after=0)
+    breaker = {"fail_max": 1, "reset_timeout": 1.0, "max_reset_timeout": 8.0}
+    options = {"breaker": breaker, "attempts": 1}
+    async with engine_with(backend, config(instances=[Instance()], options=options)) as engine:
+        with pytest.raises(BackendError, match="crashed"):
+            await engine.infer("m", {"x": X})
+        await trio.sleep(40)
+        (replica,) = replicas(engine)
+        assert replica.state == "out"
+        assert replica.reason is not None
+        assert "re-creating it failed" in replica.reason
+        gaps = [b - a for a, b in zip(backend.loads[1:], backend.loads[2:], strict=False)]
+        assert gaps[:4] == pytest.approx([2.0, 4.0, 8.0, 8.0])

@@ -63,7 +63,8 @@ class Resilient:
     is taken out of service, and a background task in the engine's task group
     waits the breaker's reset timeout, then probes the instance with a
     synthetic input until enough probes succeed, re-creating the instance
-    first when the last error was not transient (a dead session). When every
+    first when the last error was not transient (a dead session; a
+    re-creation that fails counts as a failed probe, doubling the wait). When every
     instance is out, requests fail at once with [`CircuitOpen`][trioinfer.CircuitOpen].
 
     With *hedge_after* set, a batch still running after that many seconds is
@@ -325,6 +326,10 @@ class Resilient:
                 try:
                     await context.recreate(replica)
                 except Exception as exc:
+                    # A failed probe of its own: reopen, doubling the wait. (failure()
+                    # alone does nothing on an open breaker, and the instance was
+                    # reloaded every reset_timeout for ever.)
+                    breaker.half_open()
                     breaker.failure()
                     context.take_out(
                         replica, f"re-creating it failed: {exc}", retry_after=breaker.wait
