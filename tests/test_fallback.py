@@ -120,6 +120,7 @@ def test_half_open_needs_every_probe_and_reopening_backs_off() -> None:
     [
         ({"fail_max": 0}, "fail_max must be a positive integer"),
         ({"failure_rate": 1.5}, "failure_rate must be a share"),
+        ({"failure_rate": True}, "failure_rate must be a share"),
         ({"reset_timeout": -1}, "reset_timeout must be seconds"),
         ({"probes": True}, "probes must be a positive integer"),
         ({"fail_mx": 3}, "unknown breaker options ['fail_mx']"),
