@@ -57,6 +57,8 @@ def third_party(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
                 def __len__(self):
                     return len(self._items)
 
+            NOT_CALLABLE = 42
+
             def not_a_scheduler(**options):
                 return {"options": options}
             """
@@ -68,7 +70,8 @@ def third_party(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     (info / "METADATA").write_text("Metadata-Version: 2.1\nName: acme-trioinfer\nVersion: 1.2\n")
     (info / "entry_points.txt").write_text(
         "[trioinfer.schedulers]\nlifo = acme_plugins:LifoScheduler\n"
-        "notsched = acme_plugins:not_a_scheduler\n\n"
+        "notsched = acme_plugins:not_a_scheduler\n"
+        "number = acme_plugins:NOT_CALLABLE\n\n"
         "[trioinfer.backends]\nacme = acme_broken:Backend\n"
     )
     monkeypatch.syspath_prepend(str(tmp_path))
@@ -269,6 +272,19 @@ async def test_a_third_party_plugin_of_the_wrong_type_names_its_distribution(
         ) as info:
             await engine.load(ModelConfig(name="add", path=add_model, scheduler="notsched"))
         assert (info.value.kind, info.value.plugin) == ("schedulers", "notsched")
+
+
+def test_an_entry_point_to_something_not_callable_names_its_distribution(
+    third_party: Path,
+) -> None:
+    with pytest.raises(
+        PluginLoadError,
+        match=r"^scheduler plugin 'number' \(from acme-trioinfer 1\.2\) cannot be created: its "
+        r"entry point names 42, which is not callable",
+    ) as info:
+        Registry().create("schedulers", "number")
+    assert info.value.distribution == "acme-trioinfer 1.2"
+    assert (info.value.group, info.value.name) == ("trioinfer.schedulers", "number")
 
 
 async def test_engine_reports_unknown_plugins_at_load(add_model: Path) -> None:
