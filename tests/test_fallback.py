@@ -681,3 +681,20 @@ async def test_a_failing_re_creation_backs_off_like_a_failing_probe(
         assert "re-creating it failed" in replica.reason
         gaps = [b - a for a, b in zip(backend.loads[1:], backend.loads[2:], strict=False)]
         assert gaps[:4] == pytest.approx([2.0, 4.0, 8.0, 8.0])
+
+
+async def test_the_first_retry_waits_up_to_backoff_even_after_a_failover(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    # As documented ("the first transient retry waits up to 50 ms, then doubling"):
+    # the waits double with each retry, not with each execution, so a failover
+    # (which waits nothing) before the first retry does not double its bound.
+    backend = FaultyBackend(fail_on=[1, 2], transient=True)
+    options = {"attempts": 3, "backoff": 0.5, "max_backoff": 4.0, "seed": 0}  # draws 0.844
+    async with engine_with(backend, config(options=options)) as engine:
+        start = trio.current_time()
+        with pytest.raises(BackendError):
+            await engine.infer_detailed("m", {"x": X})
+        waited = trio.current_time() - start
+        assert 0 < waited <= 0.5
+        assert backend.statistics().planned_errors == 3

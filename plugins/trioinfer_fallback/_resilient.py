@@ -74,7 +74,7 @@ class Resilient:
     Args:
         attempts: Executions of a batch on this model's instances, in all (1: no retry).
         backoff: Upper bound of the first retry's random wait, in seconds; it
-            doubles with each attempt.
+            doubles with each retry (a failover, which waits nothing, does not count).
         max_backoff: Upper bound of any retry's wait.
         timeout: Seconds an execution may run before it counts as hung: it is
             cancelled and fails with a transient ``BackendError``. ``None``: no limit.
@@ -156,7 +156,8 @@ class Resilient:
         replica = execution.replica
         tried: list[Replica] = []
         error: Exception | None = None
-        for attempt in range(self.attempts):
+        retries = 0  # the backoff doubles per retry: a failover before one waits nothing
+        for _ in range(self.attempts):
             if error is not None:
                 following = self._next(replica, tried)
                 transient = _transient(error)
@@ -165,7 +166,10 @@ class Resilient:
                         break
                     following = replica
                 # Another instance may take the batch at once; the same one gets time to recover.
-                delay = self._delay(attempt) if following is replica else 0.0
+                delay = 0.0
+                if following is replica:
+                    retries += 1
+                    delay = self._delay(retries)
                 if self._now() + delay >= execution.deadline():
                     break
                 if delay:
@@ -200,9 +204,9 @@ class Resilient:
         assert self._context is not None
         return self._context.current_time()
 
-    def _delay(self, attempt: int) -> float:
+    def _delay(self, retry: int) -> float:
         # Full jitter: uniform over [0, min(cap, base * 2**(n-1))] for the n-th retry.
-        ceiling = min(self.max_backoff, self.backoff * 2 ** (attempt - 1))
+        ceiling = min(self.max_backoff, self.backoff * 2 ** (retry - 1))
         return self._rng.uniform(0.0, ceiling)
 
     def _next(self, current: Replica, tried: Sequence[Replica]) -> Replica | None:
