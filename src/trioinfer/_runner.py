@@ -1242,10 +1242,17 @@ class ModelRunner(metaclass=NoPublicConstructor):
         started = self.clock.current_time()
         running = _Running(scope, 0)
         live: list[Request] = []
+        stray: Request | None = None
         # One pass: drop what ended or expired while the batch formed, mark the rest running.
         for request in batch:
             state = request._state
             if state.status is not _QUEUED:
+                continue
+            if state.batch is not _HELD:
+                # Not taken from the queue (only peeked at, or given back): it is still
+                # queued there, and running it now would hand it out twice, with the
+                # scheduler blamed for it. Left where it is; the batcher is at fault.
+                stray = request
                 continue
             if request.deadline <= started:
                 self._expire(request, started)
@@ -1253,6 +1260,14 @@ class ModelRunner(metaclass=NoPublicConstructor):
             state.status = _RUNNING
             state.batch = running
             live.append(request)
+        if stray is not None:
+            await self._batcher_failed(
+                f"returned request {stray.id!r}, which it had not taken from its queue "
+                "(with pop_nowait() or take_nowait()) or had given back",
+                None,
+                live,
+            )
+            return
         self._batcher_faults = 0  # it formed a batch
         if not live:
             return
