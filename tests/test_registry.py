@@ -59,6 +59,10 @@ def third_party(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 
             NOT_CALLABLE = 42
 
+            class PushRaises(LifoScheduler):
+                def push(self, request):
+                    raise RuntimeError("heap out of order")
+
             def not_a_scheduler(**options):
                 return {"options": options}
             """
@@ -71,7 +75,8 @@ def third_party(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     (info / "entry_points.txt").write_text(
         "[trioinfer.schedulers]\nlifo = acme_plugins:LifoScheduler\n"
         "notsched = acme_plugins:not_a_scheduler\n"
-        "number = acme_plugins:NOT_CALLABLE\n\n"
+        "number = acme_plugins:NOT_CALLABLE\n"
+        "pushraises = acme_plugins:PushRaises\n\n"
         "[trioinfer.backends]\nacme = acme_broken:Backend\n"
     )
     monkeypatch.syspath_prepend(str(tmp_path))
@@ -285,6 +290,20 @@ def test_an_entry_point_to_something_not_callable_names_its_distribution(
         Registry().create("schedulers", "number")
     assert info.value.distribution == "acme-trioinfer 1.2"
     assert (info.value.group, info.value.name) == ("trioinfer.schedulers", "number")
+
+
+async def test_a_third_party_plugin_breaking_its_contract_at_run_time_names_its_distribution(
+    third_party: Path, add_model: Path
+) -> None:
+    async with open_engine() as engine:
+        await engine.load(ModelConfig(name="add", path=add_model, scheduler="pushraises"))
+        x = np.ones((1, 4), np.float32)
+        with pytest.raises(
+            PluginContractError,
+            match=r"^scheduler 'pushraises' \(from acme-trioinfer 1\.2\) of model 'add' broke "
+            r"its contract: raised RuntimeError in push\(\): heap out of order",
+        ):
+            await engine.infer("add", {"a": x, "b": x})
 
 
 async def test_engine_reports_unknown_plugins_at_load(add_model: Path) -> None:

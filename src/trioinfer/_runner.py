@@ -862,6 +862,9 @@ class ModelRunner(metaclass=NoPublicConstructor):
     )
     #: OpenTelemetry spans (trioinfer._tracing), None when tracing is off.
     tracing: Tracing | None = attrs.field(default=None)
+    #: The distribution that declared each plugin, by kind ("schedulers"...), for the
+    #: errors that say a plugin broke its contract; None (or absent) if not known.
+    sources: Mapping[str, str | None] = attrs.field(factory=dict)
     replicas: list[Replica] = attrs.field(init=False)
     _biggest_first: list[Replica] = attrs.field(init=False)
     queue: RequestQueue = attrs.field(init=False)
@@ -1333,8 +1336,10 @@ class ModelRunner(metaclass=NoPublicConstructor):
             "fallbacks": self.config.fallback,
             "backends": self.config.backend,
         }[kind]
+        dist = self.sources.get(kind)
         error = PluginContractError(
-            f"{kind[:-1]} {plugin!r} of model {self.config.name!r} broke its contract: {what}",
+            f"{kind[:-1]} {plugin!r}{f' (from {dist})' if dist else ''} of model "
+            f"{self.config.name!r} broke its contract: {what}",
             kind=kind,
             plugin=plugin,
         )
