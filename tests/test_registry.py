@@ -63,6 +63,11 @@ def third_party(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
                 def push(self, request):
                     raise RuntimeError("heap out of order")
 
+            class AnswersBadly:
+                async def execute(self, execution):
+                    for request in execution.pending():
+                        execution.respond(request, {}, via="default")
+
             def not_a_scheduler(**options):
                 return {"options": options}
             """
@@ -77,6 +82,7 @@ def third_party(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
         "notsched = acme_plugins:not_a_scheduler\n"
         "number = acme_plugins:NOT_CALLABLE\n"
         "pushraises = acme_plugins:PushRaises\n\n"
+        "[trioinfer.fallbacks]\nbadly = acme_plugins:AnswersBadly\n\n"
         "[trioinfer.backends]\nacme = acme_broken:Backend\n"
     )
     monkeypatch.syspath_prepend(str(tmp_path))
@@ -304,6 +310,13 @@ async def test_a_third_party_plugin_breaking_its_contract_at_run_time_names_its_
             r"its contract: raised RuntimeError in push\(\): heap out of order",
         ):
             await engine.infer("add", {"a": x, "b": x})
+        await engine.load(ModelConfig(name="add2", path=add_model, fallback="badly"))
+        with pytest.raises(
+            PluginContractError,
+            match=r"^fallback 'badly' \(from acme-trioinfer 1\.2\) of model 'add2' answered "
+            r"request .* without outputs \['sum', 'diff'\]",
+        ):
+            await engine.infer("add2", {"a": x, "b": x})
 
 
 async def test_engine_reports_unknown_plugins_at_load(add_model: Path) -> None:
