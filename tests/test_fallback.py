@@ -120,6 +120,7 @@ def test_half_open_needs_every_probe_and_reopening_backs_off() -> None:
     [
         ({"fail_max": 0}, "fail_max must be a positive integer"),
         ({"failure_rate": 1.5}, "failure_rate must be a share"),
+        ({"failure_rate": True}, "failure_rate must be a share"),
         ({"reset_timeout": -1}, "reset_timeout must be seconds"),
         ({"probes": True}, "probes must be a positive integer"),
         ({"fail_mx": 3}, "unknown breaker options ['fail_mx']"),
@@ -644,3 +645,56 @@ def test_probe_inputs_of_a_bytes_input_are_bytes() -> None:
     probe = _probe_inputs(signature)
     assert probe["raw"].tolist() == [b""]
     assert probe["text"].tolist() == [""]
+
+
+class _ReloadFails(FaultyBackend):
+    """A FaultyBackend whose every load after the first fails, stamping when it was tried."""
+
+    def __init__(self, **options: Any) -> None:
+        super().__init__(**options)
+        self.loads: list[float] = []
+
+    async def load(self, config: ModelConfig, placement: Any) -> Any:
+        self.loads.append(trio.current_time())
+        if len(self.loads) > 1:
+            raise RuntimeError("the device is gone")
+        return await super().load(config, placement)
+
+
+async def test_a_failing_re_creation_backs_off_like_a_failing_probe(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    # A dead instance whose device is gone: each re-creation (a model load, the
+    # costliest thing an engine does) fails. Like a failed probe, each failure
+    # reopens the breaker with its wait doubled, up to max_reset_timeout, rather
+    # than reloading every reset_timeout for ever.
+    backend = _ReloadFails(crash_after=0)
+    breaker = {"fail_max": 1, "reset_timeout": 1.0, "max_reset_timeout": 8.0}
+    options = {"breaker": breaker, "attempts": 1}
+    async with engine_with(backend, config(instances=[Instance()], options=options)) as engine:
+        with pytest.raises(BackendError, match="crashed"):
+            await engine.infer("m", {"x": X})
+        await trio.sleep(40)
+        (replica,) = replicas(engine)
+        assert replica.state == "out"
+        assert replica.reason is not None
+        assert "re-creating it failed" in replica.reason
+        gaps = [b - a for a, b in zip(backend.loads[1:], backend.loads[2:], strict=False)]
+        assert gaps[:4] == pytest.approx([2.0, 4.0, 8.0, 8.0])
+
+
+async def test_the_first_retry_waits_up_to_backoff_even_after_a_failover(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    # As documented ("the first transient retry waits up to 50 ms, then doubling"):
+    # the waits double with each retry, not with each execution, so a failover
+    # (which waits nothing) before the first retry does not double its bound.
+    backend = FaultyBackend(fail_on=[1, 2], transient=True)
+    options = {"attempts": 3, "backoff": 0.5, "max_backoff": 4.0, "seed": 0}  # draws 0.844
+    async with engine_with(backend, config(options=options)) as engine:
+        start = trio.current_time()
+        with pytest.raises(BackendError):
+            await engine.infer_detailed("m", {"x": X})
+        waited = trio.current_time() - start
+        assert 0 < waited <= 0.5
+        assert backend.statistics().planned_errors == 3

@@ -384,6 +384,48 @@ async def test_a_batcher_that_returns_empty_batches(
             assert await outcome(e, "other") is None
 
 
+async def test_a_batcher_that_returns_a_request_it_only_peeked_at_is_blamed_not_the_scheduler(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    # The request is still in the scheduler: run as it is, it was handed out twice
+    # and the scheduler's next peek() returned an ended request, so the model went
+    # out of service blaming 'fifo', which did nothing wrong.
+    class PeeksOnly:
+        def __init__(self) -> None:
+            self.pop_after = 0  # batches formed wrongly before it pops as it should
+
+        async def next_batch(self, queue: RequestQueue) -> list[Request]:
+            while True:
+                await queue.wait_not_empty()
+                try:
+                    if self.pop_after:
+                        self.pop_after -= 1
+                        return [queue.peek_nowait()]
+                    return [queue.pop_nowait()]
+                except anyio.WouldBlock:
+                    continue
+
+    batcher = PeeksOnly()
+    with trio.fail_after(60):
+        async with open_engine(
+            registry=registry(FakeBackend(), batchers={"peeks": lambda: batcher})
+        ) as e:
+            await e.load(config(batcher="peeks"))
+            batcher.pop_after = 1
+            # The request stays queued, and runs when the batcher next takes it.
+            assert await outcome(e, "m") is None
+            batcher.pop_after = 2
+            error = await outcome(e, "m")
+            assert isinstance(error, trioinfer.PluginContractError)
+            assert (error.kind, error.plugin) == ("batchers", "peeks")
+            assert "which it had not taken from its queue" in str(error)
+            assert "failed again with no batch formed since" in str(error)
+            stats = e.statistics().models["m"]
+            assert stats.out_of_service is not None
+            assert "batcher 'peeks'" in stats.out_of_service
+            assert (stats.succeeded, stats.failed) == (1, 1)
+
+
 async def test_a_fallback_that_raises_fails_its_batch_naming_it(
     autojump_clock: trio.testing.MockClock, caplog: pytest.LogCaptureFixture
 ) -> None:

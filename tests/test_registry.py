@@ -56,6 +56,20 @@ def third_party(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
                     return self._items.pop(request, False) is None
                 def __len__(self):
                     return len(self._items)
+
+            NOT_CALLABLE = 42
+
+            class PushRaises(LifoScheduler):
+                def push(self, request):
+                    raise RuntimeError("heap out of order")
+
+            class AnswersBadly:
+                async def execute(self, execution):
+                    for request in execution.pending():
+                        execution.respond(request, {}, via="default")
+
+            def not_a_scheduler(**options):
+                return {"options": options}
             """
         )
     )
@@ -64,7 +78,11 @@ def third_party(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     info.mkdir()
     (info / "METADATA").write_text("Metadata-Version: 2.1\nName: acme-trioinfer\nVersion: 1.2\n")
     (info / "entry_points.txt").write_text(
-        "[trioinfer.schedulers]\nlifo = acme_plugins:LifoScheduler\n\n"
+        "[trioinfer.schedulers]\nlifo = acme_plugins:LifoScheduler\n"
+        "notsched = acme_plugins:not_a_scheduler\n"
+        "number = acme_plugins:NOT_CALLABLE\n"
+        "pushraises = acme_plugins:PushRaises\n\n"
+        "[trioinfer.fallbacks]\nbadly = acme_plugins:AnswersBadly\n\n"
         "[trioinfer.backends]\nacme = acme_broken:Backend\n"
     )
     monkeypatch.syspath_prepend(str(tmp_path))
@@ -251,6 +269,54 @@ async def test_engine_uses_a_third_party_scheduler(third_party: Path, add_model:
         x = np.ones((1, 4), np.float32)
         out = await engine.infer("add", {"a": x, "b": x})
         assert out["sum"][0, 0] == 2
+
+
+async def test_a_third_party_plugin_of_the_wrong_type_names_its_distribution(
+    third_party: Path, add_model: Path
+) -> None:
+    # The operator reading "does not implement" must learn which package to blame.
+    async with open_engine() as engine:
+        with pytest.raises(
+            PluginContractError,
+            match=r"^scheduler 'notsched' \(from acme-trioinfer 1\.2\) of model 'add' does not "
+            r"implement trioinfer\.abc\.Scheduler: got dict$",
+        ) as info:
+            await engine.load(ModelConfig(name="add", path=add_model, scheduler="notsched"))
+        assert (info.value.kind, info.value.plugin) == ("schedulers", "notsched")
+
+
+def test_an_entry_point_to_something_not_callable_names_its_distribution(
+    third_party: Path,
+) -> None:
+    with pytest.raises(
+        PluginLoadError,
+        match=r"^scheduler plugin 'number' \(from acme-trioinfer 1\.2\) cannot be created: its "
+        r"entry point names 42, which is not callable",
+    ) as info:
+        Registry().create("schedulers", "number")
+    assert info.value.distribution == "acme-trioinfer 1.2"
+    assert (info.value.group, info.value.name) == ("trioinfer.schedulers", "number")
+
+
+async def test_a_third_party_plugin_breaking_its_contract_at_run_time_names_its_distribution(
+    third_party: Path, add_model: Path
+) -> None:
+    async with open_engine() as engine:
+        await engine.load(ModelConfig(name="add", path=add_model, scheduler="pushraises"))
+        x = np.ones((1, 4), np.float32)
+        with pytest.raises(
+            PluginContractError,
+            match=r"^scheduler 'pushraises' \(from acme-trioinfer 1\.2\) of model 'add' broke "
+            r"its contract: raised RuntimeError in push\(\): heap out of order",
+        ):
+            await engine.infer("add", {"a": x, "b": x})
+        await engine.load(ModelConfig(name="add2", path=add_model, fallback="badly"))
+        with pytest.raises(
+            PluginContractError,
+            match=r"^fallback 'badly' \(from acme-trioinfer 1\.2\) of model 'add2' answered "
+            r"request .* without outputs \['sum', 'diff'\]",
+        ):
+            await engine.infer("add2", {"a": x, "b": x})
 
 
 async def test_engine_reports_unknown_plugins_at_load(add_model: Path) -> None:

@@ -73,7 +73,10 @@ class Breaker:
     ) -> None:
         self.fail_max = _count("fail_max", fail_max)
         if failure_rate is not None and not (
-            isinstance(failure_rate, (int, float)) and 0.0 < failure_rate <= 1.0
+            # bool is an int, and True would pass as 1.0: refused, as every other option refuses it
+            isinstance(failure_rate, (int, float))
+            and not isinstance(failure_rate, bool)
+            and 0.0 < failure_rate <= 1.0
         ):
             raise ConfigError(
                 f"breaker option failure_rate must be a share in (0, 1] or unset, "

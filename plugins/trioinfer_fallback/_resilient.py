@@ -63,7 +63,8 @@ class Resilient:
     is taken out of service, and a background task in the engine's task group
     waits the breaker's reset timeout, then probes the instance with a
     synthetic input until enough probes succeed, re-creating the instance
-    first when the last error was not transient (a dead session). When every
+    first when the last error was not transient (a dead session; a
+    re-creation that fails counts as a failed probe, doubling the wait). When every
     instance is out, requests fail at once with [`CircuitOpen`][trioinfer.CircuitOpen].
 
     With *hedge_after* set, a batch still running after that many seconds is
@@ -73,7 +74,7 @@ class Resilient:
     Args:
         attempts: Executions of a batch on this model's instances, in all (1: no retry).
         backoff: Upper bound of the first retry's random wait, in seconds; it
-            doubles with each attempt.
+            doubles with each retry (a failover, which waits nothing, does not count).
         max_backoff: Upper bound of any retry's wait.
         timeout: Seconds an execution may run before it counts as hung: it is
             cancelled and fails with a transient ``BackendError``. ``None``: no limit.
@@ -155,7 +156,8 @@ class Resilient:
         replica = execution.replica
         tried: list[Replica] = []
         error: Exception | None = None
-        for attempt in range(self.attempts):
+        retries = 0  # the backoff doubles per retry: a failover before one waits nothing
+        for _ in range(self.attempts):
             if error is not None:
                 following = self._next(replica, tried)
                 transient = _transient(error)
@@ -164,7 +166,10 @@ class Resilient:
                         break
                     following = replica
                 # Another instance may take the batch at once; the same one gets time to recover.
-                delay = self._delay(attempt) if following is replica else 0.0
+                delay = 0.0
+                if following is replica:
+                    retries += 1
+                    delay = self._delay(retries)
                 if self._now() + delay >= execution.deadline():
                     break
                 if delay:
@@ -199,9 +204,9 @@ class Resilient:
         assert self._context is not None
         return self._context.current_time()
 
-    def _delay(self, attempt: int) -> float:
+    def _delay(self, retry: int) -> float:
         # Full jitter: uniform over [0, min(cap, base * 2**(n-1))] for the n-th retry.
-        ceiling = min(self.max_backoff, self.backoff * 2 ** (attempt - 1))
+        ceiling = min(self.max_backoff, self.backoff * 2 ** (retry - 1))
         return self._rng.uniform(0.0, ceiling)
 
     def _next(self, current: Replica, tried: Sequence[Replica]) -> Replica | None:
@@ -325,6 +330,10 @@ class Resilient:
                 try:
                     await context.recreate(replica)
                 except Exception as exc:
+                    # A failed probe of its own: reopen, doubling the wait. (failure()
+                    # alone does nothing on an open breaker, and the instance was
+                    # reloaded every reset_timeout for ever.)
+                    breaker.half_open()
                     breaker.failure()
                     context.take_out(
                         replica, f"re-creating it failed: {exc}", retry_after=breaker.wait

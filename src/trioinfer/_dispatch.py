@@ -67,6 +67,11 @@ class RunnerPort(Protocol):
         ...
 
     @property
+    def sources(self) -> Mapping[str, str | None]:
+        """The distribution that declared each of the model's plugins, by kind; None if unknown."""
+        ...
+
+    @property
     def fallbacks(self) -> dict[str, int]:
         """Fallback steps taken, by their first word (mutable: executions count into it)."""
         ...
@@ -324,8 +329,10 @@ class Execution(metaclass=NoPublicConstructor):
         # Not logged here: a fallback may catch it (resilient tries whether another
         # model's outputs fit); the runner logs one that escapes the fallback.
         fallback = self._port.config.fallback
+        dist = self._port.sources.get("fallbacks")
         return PluginContractError(
-            f"fallback {fallback!r} of model {self._port.config.name!r} {what}",
+            f"fallback {fallback!r}{f' (from {dist})' if dist else ''} of model "
+            f"{self._port.config.name!r} {what}",
             kind="fallbacks",
             plugin=fallback,
         )

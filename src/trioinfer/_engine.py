@@ -305,11 +305,18 @@ class Engine:
             ("batchers", config.batcher, batcher, Batcher),
             ("fallbacks", config.fallback, fallback, Fallback),
         )
+        # The package each plugin came from, for every error that says one broke its
+        # contract: the operator must know whom to tell.
+        sources = {
+            kind: registry._distribution(kind, plugin_name) for kind, plugin_name, _, _ in checks
+        }
         for kind, plugin_name, plugin, protocol in checks[1:] if pipeline else checks:
             if not isinstance(plugin, protocol):
+                dist = sources[kind]
                 raise PluginContractError(
-                    f"{kind[:-1]} {plugin_name!r} of model {name!r} does not implement "
-                    f"trioinfer.abc.{protocol.__name__}: got {type(plugin).__name__}",
+                    f"{kind[:-1]} {plugin_name!r}{f' (from {dist})' if dist else ''} of model "
+                    f"{name!r} does not implement trioinfer.abc.{protocol.__name__}: "
+                    f"got {type(plugin).__name__}",
                     kind=kind,
                     plugin=plugin_name,
                 )
@@ -337,6 +344,7 @@ class Engine:
                 backend=backend,
                 infer_elsewhere=self._infer_elsewhere,
                 tracing=self._tracing,
+                sources=sources,
             )
             if graph is not None:
                 graph.attach(runner)

@@ -76,7 +76,8 @@ class PluginContractError(TrioInferError):
     without answering, a scheduler whose ``push`` raised something other than
     a [`TrioInferError`][trioinfer.TrioInferError], a plugin that does not
     implement its Protocol. The engine logs each one (at error level, on the
-    ``trioinfer`` logger) with the plugin's kind and name; the HTTP server
+    ``trioinfer`` logger) with the plugin's kind and name, and the distribution
+    that declared it where it came through an entry point; the HTTP server
     answers 500. The plugin's own exception, if any, is the ``__cause__``.
     A model whose scheduler raised (or whose batcher broke its contract twice
     in a row) is out of service: its later requests are refused with one of

@@ -157,12 +157,22 @@ class Registry:
 
         Raises:
             PluginError: Unknown name (see `load()`).
-            PluginLoadError: The plugin fails to import, refuses the options, or raises
-                anything else but a `TrioInferError` (which passes as it is) while created.
+            PluginLoadError: The plugin fails to import, is not callable, refuses the
+                options, or raises anything else but a `TrioInferError` (which passes as
+                it is) while created.
         """
         target = self.load(kind, name)
         if not callable(target):
-            raise PluginError(f"{kind[:-1]} plugin {name!r} is not callable: {target!r}")
+            # The package's fault, as an import error is: name the package.
+            dist = self._distribution(kind, name)
+            raise PluginLoadError(
+                f"{kind[:-1]} plugin {name!r}{f' (from {dist})' if dist else ''} cannot be "
+                f"created: its entry point names {target!r}, which is not callable (expected "
+                "a class or a function taking the model's options)",
+                group=GROUPS[kind],
+                name=name,
+                distribution=dist,
+            )
         factory: Callable[..., Any] = target
         try:
             return factory(**(options or {}))

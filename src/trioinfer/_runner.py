@@ -883,6 +883,9 @@ class ModelRunner(metaclass=NoPublicConstructor):
     )
     #: OpenTelemetry spans (trioinfer._tracing), None when tracing is off.
     tracing: Tracing | None = attrs.field(default=None)
+    #: The distribution that declared each plugin, by kind ("schedulers"...), for the
+    #: errors that say a plugin broke its contract; None (or absent) if not known.
+    sources: Mapping[str, str | None] = attrs.field(factory=dict)
     replicas: list[Replica] = attrs.field(init=False)
     _biggest_first: list[Replica] = attrs.field(init=False)
     queue: RequestQueue = attrs.field(init=False)
@@ -1266,10 +1269,17 @@ class ModelRunner(metaclass=NoPublicConstructor):
         started = self.clock.current_time()
         running = _Running(scope, 0)
         live: list[Request] = []
+        stray: Request | None = None
         # One pass: drop what ended or expired while the batch formed, mark the rest running.
         for request in batch:
             state = request._state
             if state.status is not _QUEUED:
+                continue
+            if state.batch is not _HELD:
+                # Not taken from the queue (only peeked at, or given back): it is still
+                # queued there, and running it now would hand it out twice, with the
+                # scheduler blamed for it. Left where it is; the batcher is at fault.
+                stray = request
                 continue
             if request.deadline <= started:
                 self._expire(request, started)
@@ -1277,6 +1287,14 @@ class ModelRunner(metaclass=NoPublicConstructor):
             state.status = _RUNNING
             state.batch = running
             live.append(request)
+        if stray is not None:
+            await self._batcher_failed(
+                f"returned request {stray.id!r}, which it had not taken from its queue "
+                "(with pop_nowait() or take_nowait()) or had given back",
+                None,
+                live,
+            )
+            return
         self._batcher_faults = 0  # it formed a batch
         if not live:
             return
@@ -1342,8 +1360,10 @@ class ModelRunner(metaclass=NoPublicConstructor):
             "fallbacks": self.config.fallback,
             "backends": self.config.backend,
         }[kind]
+        dist = self.sources.get(kind)
         error = PluginContractError(
-            f"{kind[:-1]} {plugin!r} of model {self.config.name!r} broke its contract: {what}",
+            f"{kind[:-1]} {plugin!r}{f' (from {dist})' if dist else ''} of model "
+            f"{self.config.name!r} broke its contract: {what}",
             kind=kind,
             plugin=plugin,
         )
