@@ -546,12 +546,41 @@ async def test_cancelling_one_request_ends_its_sequence(
             assert scope.cancelled_caught
         with pytest.raises(
             SequenceError,
-            match=r"was cancelled before it was computed|was cancelled or expired before it ran",
+            match=r"was cancelled before its answer was delivered|was cancelled or expired before it ran",
         ):
             await engine.infer("acc", value(4), sequence=SequenceFlags(1))
         stats = engine.statistics().models["acc"]
         assert stats.cancelled == 1
         assert stats.succeeded == (2 if while_ == "queued" else 1)
+        assert_all_ended(engine)
+
+
+class Stubborn(SequenceAccumulator):
+    """Computes each request to the end, cancelled or not (as sync code in a thread does)."""
+
+    async def infer(self, inputs: dict[str, Array]) -> dict[str, Array]:  # type: ignore[override]
+        with trio.CancelScope(shield=True):
+            await trio.sleep(1)
+        return super().infer(inputs)
+
+
+async def test_a_request_computed_after_its_caller_left_ends_its_sequence(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    # Its caller saw no answer: a sequence carried on past it would fold in a step the
+    # client believes never ran (1 + 10 + 100 = 111 for a client that sent 1, then 100).
+    async with open_engine() as engine:
+        await engine.load(state_config(Stubborn))
+        await engine.infer("acc", value(1), sequence=SequenceFlags(1, start=True))
+        with trio.move_on_after(0.5) as scope:
+            await engine.infer("acc", value(10), sequence=SequenceFlags(1))
+        assert scope.cancelled_caught
+        with pytest.raises(SequenceError, match=r"was cancelled before its answer was delivered"):
+            await engine.infer("acc", value(100), sequence=SequenceFlags(1))
+        out = await engine.infer("acc", value(5), sequence=SequenceFlags(1, start=True))
+        assert out["OUTPUT"][0, 0] == 5
+        stats = engine.statistics().models["acc"]
+        assert (stats.succeeded, stats.cancelled) == (2, 1)
         assert_all_ended(engine)
 
 

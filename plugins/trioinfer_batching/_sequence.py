@@ -10,9 +10,12 @@ state tensors, and the ``split`` it returns stores each sequence's new state.
 
 A request that ends without being computed (its instance failed, its caller
 left, its deadline passed) ends its sequence: the model's state would
-otherwise have skipped a step. The sequence's waiting requests and any later
-ones are refused with ``SequenceError`` saying why; nothing restarts it but
-a new ``sequence_start``.
+otherwise have skipped a step. So does one computed after its caller left
+(a model that ignores cancellation): its caller saw no answer, and a state
+carried past it would hold a step the client believes never ran. The
+sequence's waiting requests and any later ones are refused with
+``SequenceError`` saying why; nothing restarts it but a new
+``sequence_start``.
 """
 
 from __future__ import annotations
@@ -366,8 +369,9 @@ class SequenceBatcher:
             if sequence is None:  # pragma: no cover  # every request dispatched is ours
                 continue
             sequence.running = None
-            if request in self._computed:
-                self._computed.discard(request)
+            computed = request in self._computed
+            self._computed.discard(request)
+            if computed and not request.abandoned:
                 sequence.last = now
                 if self._sequences.get(sequence.id) is sequence:
                     self._sequences.move_to_end(sequence.id)
@@ -375,8 +379,12 @@ class SequenceBatcher:
                     if flags is not None and flags.end:
                         self._release(sequence, "ended with its last request (sequence_end)")
             else:
+                # A request whose caller left is never part of the sequence, even when
+                # the model computed it (code that ignores cancellation, a thread's answer
+                # arriving as the caller leaves): its caller saw no answer, so a state
+                # carried on past it would hold a step the client believes never ran.
                 why = (
-                    "was cancelled before it was computed"
+                    "was cancelled before its answer was delivered"
                     if request.abandoned
                     else "failed, or expired, before it was computed"
                 )
