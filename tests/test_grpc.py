@@ -438,6 +438,13 @@ def test_simple_grpc_custom_repeat(server: Server) -> None:
         result, error = answers.get(timeout=WAIT_S)
         assert error is None, error
         np.testing.assert_array_equal(result.as_numpy("sum"), a + b)
+        # Asked for the final flag, its one response is its last and says so, as
+        # Triton's does (a client reading until the flag would wait forever).
+        c.async_stream_infer("simple", inputs, request_id="s2", enable_empty_final_response=True)
+        result, error = answers.get(timeout=WAIT_S)
+        assert error is None, error
+        assert result.get_response().parameters["triton_final_response"].bool_param is True
+        np.testing.assert_array_equal(result.as_numpy("sum"), a + b)
         # An empty IN: no response at all (an error would come back as one).
         c.async_stream_infer("repeat_int32", repeat_inputs([]), request_id="e")
         c.async_stream_infer("simple", inputs, request_id="after")

@@ -582,7 +582,15 @@ class _Service:
         parts = _infer_parts(request)
         result = await self._run(call, self._traced_infer, request, parts, metadata, emit)
         if result is not None:
-            await send(wrap(_infer_response(*result)))
+            response = _infer_response(*result)
+            asked = request.parameters.get("triton_enable_empty_final_response")
+            if asked is not None and asked.WhichOneof("parameter_choice") == "bool_param":
+                if asked.bool_param:
+                    # A model that is not decoupled: its one response is also its last, and
+                    # says so as Triton's does; a client reading until the flag would wait
+                    # forever for an empty final response that never comes.
+                    response.parameters["triton_final_response"].bool_param = True
+            await send(wrap(response))
 
 
 async def _stream(
@@ -600,7 +608,8 @@ async def _stream(
     With ``triton_enable_empty_final_response`` (tritonclient's
     ``enable_empty_final_response=True``) each response carries
     ``triton_final_response: false`` and an empty one with ``true`` ends the
-    request's responses, as in Triton; without it the responses just stop.
+    request's responses, as in Triton; without it the responses just stop. (A
+    model that is not decoupled answers with one response carrying ``true``.)
     """
     final = request.parameters.get("triton_enable_empty_final_response") is True
     version = str(served.version)
