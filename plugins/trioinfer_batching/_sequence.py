@@ -80,6 +80,8 @@ class SequenceBatcher:
         self._gone: collections.OrderedDict[SequenceId, str] = collections.OrderedDict()
         self._of: dict[Request, _Sequence] = {}  # requests held or running
         self._computed: set[Request] = set()
+        # Computed requests whose state output did not fit the state: why, to end the sequence.
+        self._spoiled: dict[Request, str] = {}
         self._slots: dict[int, list[_Sequence | None]] = {}
         self._changed: anyio.Event | None = None
         self._changes = 0  # counts _wake() calls, so a worker sees its own changes too
@@ -167,6 +169,26 @@ class SequenceBatcher:
                     "with sizes left open; give the state's shape in sequence.state"
                 )
             dtype = spec.dtype if spec.dtype is not None else np.dtype(np.float32)
+            produced = outputs[state.output]
+            out_dims = produced.shape[skip:]
+            if (produced.dtype is not None and produced.dtype != dtype) or (
+                len(out_dims) != len(shape)
+                or any(
+                    isinstance(d, int) and d != size
+                    for d, size in zip(out_dims, shape, strict=False)
+                )
+            ):
+                # The output is fed back as the input unchecked by any caller: in another
+                # dtype it would be cast (1.7 became 1 in an int32 state), in another shape
+                # it fails the next batch of every sequence in it (Triton too gives a
+                # state's input and output one data type and shape).
+                raise ConfigError(
+                    f"model {self._model!r}: sequence.state output {state.output!r} is "
+                    f"{produced.describe()}, but its state input {state.input!r} is "
+                    f"{spec.describe()} (a state of shape {list(shape)}"
+                    + (" after the batch dimension" if skip else "")
+                    + "): a state's output must have its input's dtype and the state's shape"
+                )
             self._states.append((state.input, state.output, dtype, shape, state.initial))
         self._hidden_outputs = config.hidden_outputs
         self._changed = anyio.Event()
@@ -371,7 +393,10 @@ class SequenceBatcher:
             sequence.running = None
             computed = request in self._computed
             self._computed.discard(request)
-            if computed and not request.abandoned:
+            spoiled = self._spoiled.pop(request, None)
+            if spoiled is not None:
+                self._break(sequence, request, spoiled)
+            elif computed and not request.abandoned:
                 sequence.last = now
                 if self._sequences.get(sequence.id) is sequence:
                     self._sequences.move_to_end(sequence.id)
@@ -530,12 +555,22 @@ class SequenceBatcher:
                 else:
                     share = {k: v for k, v in outputs.items() if k not in self._hidden_outputs}
                 if self._states:
-                    sequence.state = {
-                        name: np.array(
+                    state = {}
+                    for name, output, dtype, shape, _initial in self._states:
+                        value = np.array(
                             outputs[output][position] if self._batched else outputs[output]
                         )
-                        for name, output, _dtype, _shape, _initial in self._states
-                    }
+                        if value.shape != shape or value.dtype != dtype:
+                            # An output with sizes left open, in sizes the state is not: the
+                            # answer is whole, but the sequence cannot go on from it.
+                            self._spoiled[request] = (
+                                f"left its state {name!r} as output {output!r} gave it, "
+                                f"{value.dtype}{list(value.shape)}, which is not the state's "
+                                f"{dtype}{list(shape)}"
+                            )
+                            break
+                        state[name] = value
+                    sequence.state = state
                 self._computed.add(request)
                 shares.append(share)
             return shares
