@@ -584,12 +584,11 @@ class _Service:
         if result is not None:
             response = _infer_response(*result)
             asked = request.parameters.get("triton_enable_empty_final_response")
-            if asked is not None and asked.WhichOneof("parameter_choice") == "bool_param":
-                if asked.bool_param:
-                    # A model that is not decoupled: its one response is also its last, and
-                    # says so as Triton's does; a client reading until the flag would wait
-                    # forever for an empty final response that never comes.
-                    response.parameters["triton_final_response"].bool_param = True
+            if asked is not None and _parameter(asked) is True:
+                # A model that is not decoupled: its one response is also its last, and
+                # says so as Triton's does; a client reading until the flag would wait
+                # forever for an empty final response that never comes.
+                response.parameters["triton_final_response"].bool_param = True
             await send(wrap(response))
 
 
