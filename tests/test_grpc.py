@@ -456,6 +456,37 @@ def test_simple_grpc_custom_repeat(server: Server) -> None:
 
 
 @pytest.mark.streaming
+def test_a_requests_own_timeout_on_a_stream_with_a_deadline_ends_that_request_only(
+    server: Server,
+) -> None:
+    # The request's timeout parameter passing is that request's error; the stream, whose
+    # own deadline (stream_timeout) is far, goes on. It returned there, as if the
+    # stream's deadline had passed: later requests were never answered, and the call
+    # ended OK.
+    answers: queue.Queue[tuple[Any, Any]] = queue.Queue()
+    with triton.InferenceServerClient(server.grpc) as c:
+        c.start_stream(
+            callback=lambda result, error: answers.put((result, error)), stream_timeout=WAIT_S
+        )
+        try:
+            c.async_stream_infer(
+                "repeat_int32", repeat_inputs([1, 2], delay_ms=2000), request_id="t", timeout=1000
+            )
+            inputs, a, b = simple_inputs()
+            c.async_stream_infer("simple", inputs, request_id="after")
+            result, error = answers.get(timeout=WAIT_S)
+            assert result is None
+            assert isinstance(error, InferenceServerException)
+            assert "timeout" in error.message()
+            result, error = answers.get(timeout=WAIT_S)
+            assert error is None, error
+            assert result.get_response().id == "after"
+            np.testing.assert_array_equal(result.as_numpy("sum"), a + b)
+        finally:
+            c.stop_stream()
+
+
+@pytest.mark.streaming
 def test_cancelling_a_stream_stops_the_generator(server: Server) -> None:
     # A long stream (one response a second); the client cancels after the first.
     answers: queue.Queue[tuple[Any, Any]] = queue.Queue()

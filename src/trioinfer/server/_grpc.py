@@ -120,6 +120,10 @@ class _ClientGone(TrioInferError):
     """The client cancelled the call or went away: nobody is left to answer."""
 
 
+class _CallExpired(DeadlineExceeded):
+    """The call's own deadline (``grpc-timeout``) passed, not a request's ``timeout``."""
+
+
 # -- the service ------------------------------------------------------------------------
 
 
@@ -145,7 +149,7 @@ class _Service:
             if inspect.isawaitable(result):
                 result = await result
             return result
-        raise DeadlineExceeded("the client's deadline passed before the request finished")
+        raise _CallExpired("the client's deadline passed before the request finished")
 
     def _error(self, error: BaseException) -> GrpcError:
         code = grpc_status_for(error)
@@ -559,8 +563,10 @@ class _Service:
                     log.exception("gRPC stream request failed", exc_info=exc)
                     text = f"internal error: {type(exc).__name__}"
                 await send(pb.ModelStreamInferResponse(error_message=text).SerializeToString())
-                if isinstance(exc, DeadlineExceeded) and call.expires is not None:
-                    return  # the stream's own deadline passed: nothing more can run
+                if isinstance(exc, _CallExpired):
+                    # The stream's own deadline passed: nothing more can run. (A request's
+                    # own timeout parameter is that request's error: the stream goes on.)
+                    return
 
     async def _stream_request(
         self,
