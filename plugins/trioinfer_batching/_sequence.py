@@ -560,9 +560,11 @@ class SequenceBatcher:
                         value = np.array(
                             outputs[output][position] if self._batched else outputs[output]
                         )
-                        if value.shape != shape or value.dtype != dtype:
+                        if value.shape != shape:
                             # An output with sizes left open, in sizes the state is not: the
-                            # answer is whole, but the sequence cannot go on from it.
+                            # answer is whole, but the sequence cannot go on from it. (Its
+                            # dtype is the input's: checked at attach, and the runner's
+                            # output check holds outputs to their declared dtypes.)
                             self._spoiled[request] = (
                                 f"left its state {name!r} as output {output!r} gave it, "
                                 f"{value.dtype}{list(value.shape)}, which is not the state's "
