@@ -438,6 +438,13 @@ def test_simple_grpc_custom_repeat(server: Server) -> None:
         result, error = answers.get(timeout=WAIT_S)
         assert error is None, error
         np.testing.assert_array_equal(result.as_numpy("sum"), a + b)
+        # Asked for the final flag, its one response is its last and says so, as
+        # Triton's does (a client reading until the flag would wait forever).
+        c.async_stream_infer("simple", inputs, request_id="s2", enable_empty_final_response=True)
+        result, error = answers.get(timeout=WAIT_S)
+        assert error is None, error
+        assert result.get_response().parameters["triton_final_response"].bool_param is True
+        np.testing.assert_array_equal(result.as_numpy("sum"), a + b)
         # An empty IN: no response at all (an error would come back as one).
         c.async_stream_infer("repeat_int32", repeat_inputs([]), request_id="e")
         c.async_stream_infer("simple", inputs, request_id="after")
@@ -446,6 +453,37 @@ def test_simple_grpc_custom_repeat(server: Server) -> None:
         assert result.get_response().id == "after"
         c.stop_stream()
     assert answers.empty()
+
+
+@pytest.mark.streaming
+def test_a_requests_own_timeout_on_a_stream_with_a_deadline_ends_that_request_only(
+    server: Server,
+) -> None:
+    # The request's timeout parameter passing is that request's error; the stream, whose
+    # own deadline (stream_timeout) is far, goes on. It returned there, as if the
+    # stream's deadline had passed: later requests were never answered, and the call
+    # ended OK.
+    answers: queue.Queue[tuple[Any, Any]] = queue.Queue()
+    with triton.InferenceServerClient(server.grpc) as c:
+        c.start_stream(
+            callback=lambda result, error: answers.put((result, error)), stream_timeout=WAIT_S
+        )
+        try:
+            c.async_stream_infer(
+                "repeat_int32", repeat_inputs([1, 2], delay_ms=2000), request_id="t", timeout=1000
+            )
+            inputs, a, b = simple_inputs()
+            c.async_stream_infer("simple", inputs, request_id="after")
+            result, error = answers.get(timeout=WAIT_S)
+            assert result is None
+            assert isinstance(error, InferenceServerException)
+            assert "timeout" in error.message()
+            result, error = answers.get(timeout=WAIT_S)
+            assert error is None, error
+            assert result.get_response().id == "after"
+            np.testing.assert_array_equal(result.as_numpy("sum"), a + b)
+        finally:
+            c.stop_stream()
 
 
 @pytest.mark.streaming

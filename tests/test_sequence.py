@@ -207,6 +207,55 @@ async def test_the_sequence_config_is_checked_against_the_model(
                 await engine.load(config)
 
 
+def _state_model(cls: type, state_out: dict[str, Any]) -> ModelConfig:
+    config = state_config(cls)
+    options = dict(config.backend_options)
+    options["outputs"] = [_tensor("OUTPUT"), {"name": "STATE_OUT", **state_out}]
+    return ModelConfig(**{**_fields(config), "backend_options": options})
+
+
+@pytest.mark.parametrize(
+    ("state_out", "message"),
+    [
+        ({"dtype": "float32", "shape": ["batch", 1]}, r"is float32\[batch, 1\], but its state"),
+        ({"dtype": "int32", "shape": ["batch", 2]}, r"is int32\[batch, 2\], but its state"),
+        ({"dtype": "int32", "shape": ["batch"]}, r"is int32\[batch\], but its state"),
+    ],
+)
+async def test_a_state_output_must_fit_its_state_input(
+    state_out: dict[str, Any], message: str
+) -> None:
+    # Fed back unchecked, a float32 output was cast into the int32 state (1.7 became 1),
+    # and one of another shape failed the next batch of every sequence in it.
+    async with open_engine() as engine:
+        with pytest.raises(ConfigError, match=message):
+            await engine.load(_state_model(SequenceAccumulator, state_out))
+
+
+class Widening(SequenceAccumulator):
+    """Gives a state of two elements where the state holds one."""
+
+    def infer(self, inputs: dict[str, Array]) -> dict[str, Array]:
+        out = super().infer(inputs)
+        return {**out, "STATE_OUT": np.repeat(out["STATE_OUT"], 2, axis=1)}
+
+
+async def test_a_state_output_in_another_shape_ends_its_sequence_only() -> None:
+    # Its sizes left open, the output's shape is seen at run time: the answer is whole,
+    # the sequence ends saying why (it was a "batcher broke its contract" at the next
+    # request, failing every sequence batched with it).
+    async with open_engine() as engine:
+        await engine.load(_state_model(Widening, {"dtype": "int32", "shape": ["batch", -1]}))
+        out = await engine.infer("acc", value(1), sequence=SequenceFlags(1, start=True))
+        assert out["OUTPUT"][0, 0] == 1
+        with pytest.raises(
+            SequenceError, match=r"left its state 'STATE_IN' as output 'STATE_OUT' gave it, "
+        ) as raised:
+            await engine.infer("acc", value(1), sequence=SequenceFlags(1))
+        assert "int32[2], which is not the state's int32[1]" in str(raised.value)
+        assert_all_ended(engine)
+
+
 async def test_a_corrid_control_must_be_an_integer_or_string_type() -> None:
     config = simple_sequence_config()
     options = dict(config.backend_options)
@@ -546,12 +595,41 @@ async def test_cancelling_one_request_ends_its_sequence(
             assert scope.cancelled_caught
         with pytest.raises(
             SequenceError,
-            match=r"was cancelled before it was computed|was cancelled or expired before it ran",
+            match=r"was cancelled before its answer was delivered|was cancelled or expired before",
         ):
             await engine.infer("acc", value(4), sequence=SequenceFlags(1))
         stats = engine.statistics().models["acc"]
         assert stats.cancelled == 1
         assert stats.succeeded == (2 if while_ == "queued" else 1)
+        assert_all_ended(engine)
+
+
+class Stubborn(SequenceAccumulator):
+    """Computes each request to the end, cancelled or not (as sync code in a thread does)."""
+
+    async def infer(self, inputs: dict[str, Array]) -> dict[str, Array]:  # type: ignore[override]
+        with trio.CancelScope(shield=True):
+            await trio.sleep(1)
+        return super().infer(inputs)
+
+
+async def test_a_request_computed_after_its_caller_left_ends_its_sequence(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    # Its caller saw no answer: a sequence carried on past it would fold in a step the
+    # client believes never ran (1 + 10 + 100 = 111 for a client that sent 1, then 100).
+    async with open_engine() as engine:
+        await engine.load(state_config(Stubborn))
+        await engine.infer("acc", value(1), sequence=SequenceFlags(1, start=True))
+        with trio.move_on_after(0.5) as scope:
+            await engine.infer("acc", value(10), sequence=SequenceFlags(1))
+        assert scope.cancelled_caught
+        with pytest.raises(SequenceError, match=r"was cancelled before its answer was delivered"):
+            await engine.infer("acc", value(100), sequence=SequenceFlags(1))
+        out = await engine.infer("acc", value(5), sequence=SequenceFlags(1, start=True))
+        assert out["OUTPUT"][0, 0] == 5
+        stats = engine.statistics().models["acc"]
+        assert (stats.succeeded, stats.cancelled) == (2, 1)
         assert_all_ended(engine)
 
 

@@ -967,35 +967,36 @@ def test_a_restarted_worker_serves_what_the_others_do_not_what_is_on_disk(
         assert process.wait(timeout=WAIT_S) == 0, log.read_text()
 
 
-def test_a_sequence_that_reaches_another_worker_says_why_it_is_unknown(tmp_path: Path) -> None:
-    # Each worker keeps its own sequences: a sequence's request over a new connection
-    # may reach another worker, which answered "no sequence in progress: a sequence's
-    # first request must set sequence_start" to a client that had set it.
+def test_a_stateful_model_is_refused_under_workers(tmp_path: Path) -> None:
+    # Each worker would keep its own sequences. A request reaching another worker than
+    # its sequence's failed, and the client, restarting the sequence over a new
+    # connection, left it alive on both: its later requests were answered from either
+    # sum, by connection (101, 102, 101, 103, ...), with no error. So it is not served.
     repository = tmp_path / "repository"
     (repository / "accumulator" / "1").mkdir(parents=True)
     (repository / "accumulator" / "config.toml").write_text(ACCUMULATOR_CONFIG)
     (repository / "accumulator" / "1" / "model.py").write_text(ACCUMULATOR_MODEL)
+    shutil.copytree(example_repository() / "digits", repository / "digits")
     log = tmp_path / "serve.log"
-
-    def send(url: str, start: bool) -> httpx.Response:
-        body = {
-            "parameters": {"sequence_id": 7, "sequence_start": start},
-            "inputs": [{"name": "INPUT", "shape": [1, 1], "datatype": "INT32", "data": [1]}],
-        }
-        return fresh("POST", f"{url}/v2/models/accumulator/infer", json=body)
-
+    body = {
+        "parameters": {"sequence_id": 7, "sequence_start": True},
+        "inputs": [{"name": "INPUT", "shape": [1, 1], "datatype": "INT32", "data": [1]}],
+    }
     with two_workers(repository, log) as server:
         process, url = server.process, server.url
-        assert send(url, start=True).status_code == 200
-        answers = [send(url, start=False) for _ in range(16)]
-        refused = [a for a in answers if a.status_code != 200]
-        assert 0 < len(refused) < len(answers)  # the other worker's connections
-        for answer in refused:
-            assert answer.status_code == 400
-            assert "has no sequence 7 in progress" in answer.json()["error"]
-            assert "runs 2 worker processes, each with its own sequences" in answer.json()["error"]
-            assert "serve stateful models with --workers 1" in answer.json()["error"]
-        assert "model 'accumulator' is stateful ([sequence]) and served by 2" in log.read_text()
+        for _ in range(8):  # on both workers
+            answer = fresh("POST", f"{url}/v2/models/accumulator/infer", json=body)
+            assert answer.status_code != 200
+            assert infer_digit(url).status_code == 200  # the other models serve
+        rows = fresh("POST", f"{url}/v2/repository/index").json()
+        (row,) = [row for row in rows if row["name"] == "accumulator"]
+        assert row["state"] != "READY"
+        assert "cannot be served by 2 worker processes" in row["reason"]
+        assert "serve it with --workers 1" in row["reason"]
+        # Nor does a load through the API serve it.
+        loaded = fresh("POST", f"{url}/v2/repository/models/accumulator/load")
+        assert loaded.status_code == 400
+        assert "cannot be served by 2 worker processes" in loaded.json()["error"]
         process.send_signal(signal.SIGTERM)
         assert process.wait(timeout=WAIT_S) == 0, log.read_text()
 

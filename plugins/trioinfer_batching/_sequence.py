@@ -10,9 +10,12 @@ state tensors, and the ``split`` it returns stores each sequence's new state.
 
 A request that ends without being computed (its instance failed, its caller
 left, its deadline passed) ends its sequence: the model's state would
-otherwise have skipped a step. The sequence's waiting requests and any later
-ones are refused with ``SequenceError`` saying why; nothing restarts it but
-a new ``sequence_start``.
+otherwise have skipped a step. So does one computed after its caller left
+(a model that ignores cancellation): its caller saw no answer, and a state
+carried past it would hold a step the client believes never ran. The
+sequence's waiting requests and any later ones are refused with
+``SequenceError`` saying why; nothing restarts it but a new
+``sequence_start``.
 """
 
 from __future__ import annotations
@@ -77,6 +80,8 @@ class SequenceBatcher:
         self._gone: collections.OrderedDict[SequenceId, str] = collections.OrderedDict()
         self._of: dict[Request, _Sequence] = {}  # requests held or running
         self._computed: set[Request] = set()
+        # Computed requests whose state output did not fit the state: why, to end the sequence.
+        self._spoiled: dict[Request, str] = {}
         self._slots: dict[int, list[_Sequence | None]] = {}
         self._changed: anyio.Event | None = None
         self._changes = 0  # counts _wake() calls, so a worker sees its own changes too
@@ -164,6 +169,26 @@ class SequenceBatcher:
                     "with sizes left open; give the state's shape in sequence.state"
                 )
             dtype = spec.dtype if spec.dtype is not None else np.dtype(np.float32)
+            produced = outputs[state.output]
+            out_dims = produced.shape[skip:]
+            if (produced.dtype is not None and produced.dtype != dtype) or (
+                len(out_dims) != len(shape)
+                or any(
+                    isinstance(d, int) and d != size
+                    for d, size in zip(out_dims, shape, strict=False)
+                )
+            ):
+                # The output is fed back as the input unchecked by any caller: in another
+                # dtype it would be cast (1.7 became 1 in an int32 state), in another shape
+                # it fails the next batch of every sequence in it (Triton too gives a
+                # state's input and output one data type and shape).
+                raise ConfigError(
+                    f"model {self._model!r}: sequence.state output {state.output!r} is "
+                    f"{produced.describe()}, but its state input {state.input!r} is "
+                    f"{spec.describe()} (a state of shape {list(shape)}"
+                    + (" after the batch dimension" if skip else "")
+                    + "): a state's output must have its input's dtype and the state's shape"
+                )
             self._states.append((state.input, state.output, dtype, shape, state.initial))
         self._hidden_outputs = config.hidden_outputs
         self._changed = anyio.Event()
@@ -366,8 +391,12 @@ class SequenceBatcher:
             if sequence is None:  # pragma: no cover  # every request dispatched is ours
                 continue
             sequence.running = None
-            if request in self._computed:
-                self._computed.discard(request)
+            computed = request in self._computed
+            self._computed.discard(request)
+            spoiled = self._spoiled.pop(request, None)
+            if spoiled is not None:
+                self._break(sequence, request, spoiled)
+            elif computed and not request.abandoned:
                 sequence.last = now
                 if self._sequences.get(sequence.id) is sequence:
                     self._sequences.move_to_end(sequence.id)
@@ -375,8 +404,12 @@ class SequenceBatcher:
                     if flags is not None and flags.end:
                         self._release(sequence, "ended with its last request (sequence_end)")
             else:
+                # A request whose caller left is never part of the sequence, even when
+                # the model computed it (code that ignores cancellation, a thread's answer
+                # arriving as the caller leaves): its caller saw no answer, so a state
+                # carried on past it would hold a step the client believes never ran.
                 why = (
-                    "was cancelled before it was computed"
+                    "was cancelled before its answer was delivered"
                     if request.abandoned
                     else "failed, or expired, before it was computed"
                 )
@@ -522,12 +555,24 @@ class SequenceBatcher:
                 else:
                     share = {k: v for k, v in outputs.items() if k not in self._hidden_outputs}
                 if self._states:
-                    sequence.state = {
-                        name: np.array(
+                    state = {}
+                    for name, output, dtype, shape, _initial in self._states:
+                        value = np.array(
                             outputs[output][position] if self._batched else outputs[output]
                         )
-                        for name, output, _dtype, _shape, _initial in self._states
-                    }
+                        if value.shape != shape:
+                            # An output with sizes left open, in sizes the state is not: the
+                            # answer is whole, but the sequence cannot go on from it. (Its
+                            # dtype is the input's: checked at attach, and the runner's
+                            # output check holds outputs to their declared dtypes.)
+                            self._spoiled[request] = (
+                                f"left its state {name!r} as output {output!r} gave it, "
+                                f"{value.dtype}{list(value.shape)}, which is not the state's "
+                                f"{dtype}{list(shape)}"
+                            )
+                            break
+                        state[name] = value
+                    sequence.state = state
                 self._computed.add(request)
                 shares.append(share)
             return shares

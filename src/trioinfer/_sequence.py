@@ -152,7 +152,8 @@ class SequenceState:
 
     Attributes:
         input: The model input that receives the state.
-        output: The model output whose value becomes the state after each request.
+        output: The model output whose value becomes the state after each request:
+            declared with the input's dtype and the state's shape.
         initial: The value every element of the state has on a sequence's
             first request (0 by default).
         shape: The state's shape without the batch dimension; by default the

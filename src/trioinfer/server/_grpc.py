@@ -120,6 +120,10 @@ class _ClientGone(TrioInferError):
     """The client cancelled the call or went away: nobody is left to answer."""
 
 
+class _CallExpired(DeadlineExceeded):
+    """The call's own deadline (``grpc-timeout``) passed, not a request's ``timeout``."""
+
+
 # -- the service ------------------------------------------------------------------------
 
 
@@ -145,7 +149,7 @@ class _Service:
             if inspect.isawaitable(result):
                 result = await result
             return result
-        raise DeadlineExceeded("the client's deadline passed before the request finished")
+        raise _CallExpired("the client's deadline passed before the request finished")
 
     def _error(self, error: BaseException) -> GrpcError:
         code = grpc_status_for(error)
@@ -559,8 +563,10 @@ class _Service:
                     log.exception("gRPC stream request failed", exc_info=exc)
                     text = f"internal error: {type(exc).__name__}"
                 await send(pb.ModelStreamInferResponse(error_message=text).SerializeToString())
-                if isinstance(exc, DeadlineExceeded) and call.expires is not None:
-                    return  # the stream's own deadline passed: nothing more can run
+                if isinstance(exc, _CallExpired):
+                    # The stream's own deadline passed: nothing more can run. (A request's
+                    # own timeout parameter is that request's error: the stream goes on.)
+                    return
 
     async def _stream_request(
         self,
@@ -582,7 +588,14 @@ class _Service:
         parts = _infer_parts(request)
         result = await self._run(call, self._traced_infer, request, parts, metadata, emit)
         if result is not None:
-            await send(wrap(_infer_response(*result)))
+            response = _infer_response(*result)
+            asked = request.parameters.get("triton_enable_empty_final_response")
+            if asked is not None and _parameter(asked) is True:
+                # A model that is not decoupled: its one response is also its last, and
+                # says so as Triton's does; a client reading until the flag would wait
+                # forever for an empty final response that never comes.
+                response.parameters["triton_final_response"].bool_param = True
+            await send(wrap(response))
 
 
 async def _stream(
@@ -600,7 +613,8 @@ async def _stream(
     With ``triton_enable_empty_final_response`` (tritonclient's
     ``enable_empty_final_response=True``) each response carries
     ``triton_final_response: false`` and an empty one with ``true`` ends the
-    request's responses, as in Triton; without it the responses just stop.
+    request's responses, as in Triton; without it the responses just stop. (A
+    model that is not decoupled answers with one response carrying ``true``.)
     """
     final = request.parameters.get("triton_enable_empty_final_response") is True
     version = str(served.version)

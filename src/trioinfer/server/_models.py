@@ -25,7 +25,7 @@ import attrs
 
 from .._config import PIPELINE, ModelConfig
 from .._engine import Engine, ModelInfo
-from .._exceptions import ConfigError, ModelNotFound, SequenceError, TrioInferError
+from .._exceptions import ConfigError, ModelNotFound, TrioInferError
 from .._tensors import ModelSignature
 from ._codec import config_datatype
 from ._errors import without_host_paths
@@ -244,15 +244,6 @@ class ServedModels:
         absolute path is left (see `without_host_paths`).
         """
         message = public_names(str(error) or type(error).__name__)
-        if isinstance(error, SequenceError) and self.worker is not None:
-            # Each worker keeps its own sequences: a request that reached another
-            # worker than its sequence's first one finds none, whatever it sent.
-            message += (
-                f" (this server runs {self.worker[1]} worker processes, each with its own "
-                f"sequences, and this request reached worker {self.worker[0]}: a sequence's "
-                "requests must all reach the worker that started it, over one connection; "
-                "serve stateful models with --workers 1)"
-            )
         return without_host_paths(message, str(self.repository.root))
 
     def mark_inference(self, served: ServedVersion) -> None:
@@ -420,14 +411,17 @@ class ServedModels:
                 and old.info.config == config  # a pipeline's steps may name other versions now
             ):
                 continue
-            if config.sequence is not None and self.worker is not None and self.worker[0] == 0:
-                log.warning(
-                    "model %r is stateful ([sequence]) and served by %d worker processes, each "
-                    "with its own sequences: a sequence whose requests reach another worker "
-                    "than its first one (a new connection, or one the server closed while "
-                    "idle) fails with SequenceError; serve it with --workers 1",
-                    model,
-                    self.worker[1],
+            if config.sequence is not None and self.worker is not None and self.worker[1] > 1:
+                # Each worker would keep its own sequences, and a sequence restarted over
+                # another connection (as the error for a request reaching the wrong worker
+                # advised) lived on in the first worker too: the sequence's later requests
+                # were answered from either state, by connection, with no error.
+                raise ConfigError(
+                    f"model {model!r} is stateful ([sequence]): it cannot be served by "
+                    f"{self.worker[1]} worker processes, which would each keep their own "
+                    "sequences (a sequence's requests reach whichever worker their "
+                    "connection reached, and a sequence started again on another worker "
+                    "would live on in both); serve it with --workers 1"
                 )
             try:
                 info = await self.engine.load(config, replace=old is not None)
