@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from trioinfer import (
+    BackendError,
     ConfigError,
     ModelConfig,
     PluginContractError,
@@ -70,6 +71,26 @@ def third_party(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 
             def not_a_scheduler(**options):
                 return {"options": options}
+
+            class NoSignature:
+                # Its instances have no signature: no trioinfer.abc.BackendInstance.
+                async def load(self, config, placement):
+                    return NoSignature.Instance()
+
+                class Instance:
+                    device = "cpu"
+                    async def execute(self, inputs):
+                        return {}
+                    async def aclose(self):
+                        pass
+
+            class SyncLoad:
+                def load(self, config, placement):
+                    return None
+
+            class LoadFails:
+                async def load(self, config, placement):
+                    raise OSError("libacme.so: cannot open shared object file")
             """
         )
     )
@@ -84,6 +105,8 @@ def third_party(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
         "pushraises = acme_plugins:PushRaises\n\n"
         "[trioinfer.fallbacks]\nbadly = acme_plugins:AnswersBadly\n\n"
         "[trioinfer.backends]\nacme = acme_broken:Backend\n"
+        "nosignature = acme_plugins:NoSignature\nsyncload = acme_plugins:SyncLoad\n"
+        "loadfails = acme_plugins:LoadFails\n"
     )
     monkeypatch.syspath_prepend(str(tmp_path))
     yield tmp_path
@@ -317,6 +340,43 @@ async def test_a_third_party_plugin_breaking_its_contract_at_run_time_names_its_
             r"request .* without outputs \['sum', 'diff'\]",
         ):
             await engine.infer("add2", {"a": x, "b": x})
+
+
+@pytest.mark.parametrize(
+    ("backend", "error", "said"),
+    [
+        (
+            "nosignature",
+            PluginContractError,
+            r"^backend 'nosignature' \(from acme-trioinfer 1\.2\) broke its contract: load\(\) "
+            r"of instance 0 of model 'add' returned a 'Instance' object, not a "
+            r"trioinfer\.abc\.BackendInstance",
+        ),
+        (
+            "syncload",
+            PluginContractError,
+            r"^backend 'syncload' \(from acme-trioinfer 1\.2\) broke its contract: its load\(\) "
+            r"returned a 'NoneType' object for instance 0 of model 'add' instead of an awaitable",
+        ),
+        (
+            "loadfails",
+            BackendError,
+            r"^backend 'loadfails' \(from acme-trioinfer 1\.2\) could not load instance 0 of "
+            r"model 'add': OSError: libacme\.so",
+        ),
+    ],
+)
+async def test_a_third_party_backend_failing_at_load_names_its_distribution(
+    third_party: Path, add_model: Path, backend: str, error: type[Exception], said: str
+) -> None:
+    # Its load errors named the backend alone, while its schedulers' and fallbacks'
+    # named the package too: the operator must know which installed package to tell.
+    async with open_engine() as engine:
+        with pytest.raises(error, match=said) as info:
+            await engine.load(ModelConfig(name="add", path=add_model, backend=backend))
+        if isinstance(info.value, PluginContractError):
+            assert (info.value.kind, info.value.plugin) == ("backends", backend)
+        assert engine.models() == []
 
 
 async def test_engine_reports_unknown_plugins_at_load(add_model: Path) -> None:

@@ -42,7 +42,7 @@ from ._exceptions import (
 )
 from ._inline import DEFAULT_SLICE_S, inline_slice_spent, restart_inline_slice
 from ._inline import _slice as _inline_slice
-from ._registry import Kind
+from ._registry import Kind, plugin_label
 from ._request import Outputs, Request, make_request
 from ._tensors import InputLimits, ModelSignature, OutputCheck, rows_validator
 from ._tensors import rows as _rows
@@ -1360,9 +1360,8 @@ class ModelRunner(metaclass=NoPublicConstructor):
             "fallbacks": self.config.fallback,
             "backends": self.config.backend,
         }[kind]
-        dist = self.sources.get(kind)
         error = PluginContractError(
-            f"{kind[:-1]} {plugin!r}{f' (from {dist})' if dist else ''} of model "
+            f"{plugin_label(kind, plugin, self.sources.get(kind))} of model "
             f"{self.config.name!r} broke its contract: {what}",
             kind=kind,
             plugin=plugin,
@@ -2378,6 +2377,10 @@ class ModelRunner(metaclass=NoPublicConstructor):
             raise
         return outputs
 
+    def _backend_label(self) -> str:
+        # The backend and the package that declared it, as its load errors name them.
+        return plugin_label("backends", self.config.backend, self.sources.get("backends"))
+
     async def recreate(self, replica: Replica) -> None:
         """Load a fresh backend instance for *replica*; see `FallbackContext.recreate`."""
         if self._backend is None:  # pragma: no cover  # every engine passes its backend
@@ -2395,16 +2398,17 @@ class ModelRunner(metaclass=NoPublicConstructor):
                 raise
             except Exception as exc:
                 raise BackendError(
-                    f"could not re-create {replica.label} of model {self.config.name!r}: "
-                    f"{type(exc).__name__}: {exc}"
+                    f"{self._backend_label()} could not re-create {replica.label} of model "
+                    f"{self.config.name!r}: {type(exc).__name__}: {exc}"
                 ) from exc
             finally:
                 await close_instances(self.config.name, [old])
             if new.signature != self.backend_signature:
                 await close_instances(self.config.name, [new])
                 raise BackendError(
-                    f"re-created {replica.label} of model {self.config.name!r} reports another "
-                    "signature than the model was loaded with"
+                    f"{replica.label} of model {self.config.name!r}, re-created by "
+                    f"{self._backend_label()}, reports another signature than the model was "
+                    "loaded with"
                 )
             replica._backend_instance = new
             if self._output_check is not None and not self._output_check.full:
