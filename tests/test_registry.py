@@ -88,6 +88,18 @@ def third_party(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
                 def load(self, config, placement):
                     return None
 
+            class Doubles:
+                # Returns each request twice in its batch, which its contract forbids.
+                async def next_batch(self, queue):
+                    from anyio import WouldBlock
+                    while True:
+                        await queue.wait_not_empty()
+                        try:
+                            request = queue.pop_nowait()
+                        except WouldBlock:
+                            continue
+                        return [request, request]
+
             class LoadFails:
                 async def load(self, config, placement):
                     raise OSError("libacme.so: cannot open shared object file")
@@ -104,6 +116,7 @@ def third_party(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
         "number = acme_plugins:NOT_CALLABLE\n"
         "pushraises = acme_plugins:PushRaises\n\n"
         "[trioinfer.fallbacks]\nbadly = acme_plugins:AnswersBadly\n\n"
+        "[trioinfer.batchers]\ndoubles = acme_plugins:Doubles\n\n"
         "[trioinfer.backends]\nacme = acme_broken:Backend\n"
         "nosignature = acme_plugins:NoSignature\nsyncload = acme_plugins:SyncLoad\n"
         "loadfails = acme_plugins:LoadFails\n"
@@ -340,6 +353,13 @@ async def test_a_third_party_plugin_breaking_its_contract_at_run_time_names_its_
             r"request .* without outputs \['sum', 'diff'\]",
         ):
             await engine.infer("add2", {"a": x, "b": x})
+        await engine.load(ModelConfig(name="add3", path=add_model, batcher="doubles"))
+        with pytest.raises(
+            PluginContractError,
+            match=r"^batcher 'doubles' \(from acme-trioinfer 1\.2\) of model 'add3' broke its "
+            r"contract: returned request .* twice in one batch",
+        ):
+            await engine.infer("add3", {"a": x, "b": x})
 
 
 @pytest.mark.parametrize(

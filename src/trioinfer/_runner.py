@@ -1270,10 +1270,18 @@ class ModelRunner(metaclass=NoPublicConstructor):
         running = _Running(scope, 0)
         live: list[Request] = []
         stray: Request | None = None
+        twice: Request | None = None
         # One pass: drop what ended or expired while the batch formed, mark the rest running.
         for request in batch:
             state = request._state
             if state.status is not _QUEUED:
+                if state.batch is running:
+                    # Marked running by this very pass: the batcher returned it twice,
+                    # which its contract forbids. Run once without a word, the batch hid
+                    # the batcher's miscount (the request it meant may be left behind).
+                    # Checked only here, off the path of a request that runs: a sound
+                    # batch pays nothing for it.
+                    twice = request
                 continue
             if state.batch is not _HELD:
                 # Not taken from the queue (only peeked at, or given back): it is still
@@ -1291,6 +1299,14 @@ class ModelRunner(metaclass=NoPublicConstructor):
             await self._batcher_failed(
                 f"returned request {stray.id!r}, which it had not taken from its queue "
                 "(with pop_nowait() or take_nowait()) or had given back",
+                None,
+                live,
+            )
+            return
+        if twice is not None:
+            await self._batcher_failed(
+                f"returned request {twice.id!r} twice in one batch (each request it takes "
+                "from its queue goes in one batch, once)",
                 None,
                 live,
             )
