@@ -100,6 +100,17 @@ def third_party(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
                             continue
                         return [request, request]
 
+            class LoadsOnce:
+                # Its first load works (a FakeBackend's), its next fails: a re-creation.
+                def __init__(self):
+                    from trioinfer.testing import FakeBackend
+                    self.inner, self.loads = FakeBackend(), 0
+                async def load(self, config, placement):
+                    self.loads += 1
+                    if self.loads > 1:
+                        raise OSError("device lost")
+                    return await self.inner.load(config, placement)
+
             class LoadFails:
                 async def load(self, config, placement):
                     raise OSError("libacme.so: cannot open shared object file")
@@ -119,7 +130,7 @@ def third_party(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
         "[trioinfer.batchers]\ndoubles = acme_plugins:Doubles\n\n"
         "[trioinfer.backends]\nacme = acme_broken:Backend\n"
         "nosignature = acme_plugins:NoSignature\nsyncload = acme_plugins:SyncLoad\n"
-        "loadfails = acme_plugins:LoadFails\n"
+        "loadfails = acme_plugins:LoadFails\nloadsonce = acme_plugins:LoadsOnce\n"
     )
     monkeypatch.syspath_prepend(str(tmp_path))
     yield tmp_path
@@ -397,6 +408,20 @@ async def test_a_third_party_backend_failing_at_load_names_its_distribution(
         if isinstance(info.value, PluginContractError):
             assert (info.value.kind, info.value.plugin) == ("backends", backend)
         assert engine.models() == []
+
+
+async def test_a_third_party_backend_failing_to_re_create_an_instance_names_its_distribution(
+    third_party: Path, add_model: Path
+) -> None:
+    async with open_engine() as engine:
+        await engine.load(ModelConfig(name="add", path=add_model, backend="loadsonce"))
+        runner = engine._runners["add"]
+        with pytest.raises(
+            BackendError,
+            match=r"^backend 'loadsonce' \(from acme-trioinfer 1\.2\) could not re-create "
+            r"instance 0 \(cpu\) of model 'add': OSError: device lost$",
+        ):
+            await runner.recreate(runner.replicas[0])
 
 
 async def test_engine_reports_unknown_plugins_at_load(add_model: Path) -> None:
