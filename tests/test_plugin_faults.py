@@ -426,6 +426,56 @@ async def test_a_batcher_that_returns_a_request_it_only_peeked_at_is_blamed_not_
             assert (stats.succeeded, stats.failed) == (1, 1)
 
 
+async def test_a_batcher_that_returns_a_request_twice_in_one_batch_is_blamed(
+    autojump_clock: trio.testing.MockClock, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Its contract: no request twice in a batch. It ran once, without a word, which
+    # hid the batcher's miscount (the request it meant may have been left behind).
+    class Doubles:
+        def __init__(self) -> None:
+            self.double = 0  # batches formed wrongly before it forms them as it should
+
+        async def next_batch(self, queue: RequestQueue) -> list[Request]:
+            while True:
+                await queue.wait_not_empty()
+                try:
+                    request = queue.pop_nowait()
+                except anyio.WouldBlock:
+                    continue
+                if self.double:
+                    self.double -= 1
+                    return [request, request]
+                return [request]
+
+    backend = FakeBackend()
+    batcher = Doubles()
+    with trio.fail_after(60):
+        async with open_engine(
+            registry=registry(backend, batchers={"doubles": lambda: batcher})
+        ) as e:
+            await e.load(config(batcher="doubles"))
+            batcher.double = 1
+            error = await outcome(e, "m")
+            assert isinstance(error, trioinfer.PluginContractError)
+            assert (error.kind, error.plugin) == ("batchers", "doubles")
+            assert str(error).startswith("batcher 'doubles' of model 'm' broke its contract: ")
+            assert "twice in one batch" in str(error)
+            assert status_for(error) == 500
+            assert backend.executions == []  # nothing ran
+            assert [r.getMessage() for r in errors(caplog)] == [str(error)]
+            # One broken batch: the model goes on.
+            assert await outcome(e, "m") is None
+            batcher.double = 2
+            assert isinstance(await outcome(e, "m"), trioinfer.PluginContractError)
+            error = await outcome(e, "m")
+            assert isinstance(error, trioinfer.PluginContractError)
+            assert "failed again with no batch formed since" in str(error)
+            stats = e.statistics().models["m"]
+            assert stats.out_of_service is not None
+            assert "batcher 'doubles'" in stats.out_of_service
+            assert (stats.succeeded, stats.failed) == (1, 3)
+
+
 async def test_a_fallback_that_raises_fails_its_batch_naming_it(
     autojump_clock: trio.testing.MockClock, caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from trioinfer import (
+    BackendError,
     ConfigError,
     ModelConfig,
     PluginContractError,
@@ -70,6 +71,49 @@ def third_party(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 
             def not_a_scheduler(**options):
                 return {"options": options}
+
+            class NoSignature:
+                # Its instances have no signature: no trioinfer.abc.BackendInstance.
+                async def load(self, config, placement):
+                    return NoSignature.Instance()
+
+                class Instance:
+                    device = "cpu"
+                    async def execute(self, inputs):
+                        return {}
+                    async def aclose(self):
+                        pass
+
+            class SyncLoad:
+                def load(self, config, placement):
+                    return None
+
+            class Doubles:
+                # Returns each request twice in its batch, which its contract forbids.
+                async def next_batch(self, queue):
+                    from anyio import WouldBlock
+                    while True:
+                        await queue.wait_not_empty()
+                        try:
+                            request = queue.pop_nowait()
+                        except WouldBlock:
+                            continue
+                        return [request, request]
+
+            class LoadsOnce:
+                # Its first load works (a FakeBackend's), its next fails: a re-creation.
+                def __init__(self):
+                    from trioinfer.testing import FakeBackend
+                    self.inner, self.loads = FakeBackend(), 0
+                async def load(self, config, placement):
+                    self.loads += 1
+                    if self.loads > 1:
+                        raise OSError("device lost")
+                    return await self.inner.load(config, placement)
+
+            class LoadFails:
+                async def load(self, config, placement):
+                    raise OSError("libacme.so: cannot open shared object file")
             """
         )
     )
@@ -83,7 +127,10 @@ def third_party(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
         "number = acme_plugins:NOT_CALLABLE\n"
         "pushraises = acme_plugins:PushRaises\n\n"
         "[trioinfer.fallbacks]\nbadly = acme_plugins:AnswersBadly\n\n"
+        "[trioinfer.batchers]\ndoubles = acme_plugins:Doubles\n\n"
         "[trioinfer.backends]\nacme = acme_broken:Backend\n"
+        "nosignature = acme_plugins:NoSignature\nsyncload = acme_plugins:SyncLoad\n"
+        "loadfails = acme_plugins:LoadFails\nloadsonce = acme_plugins:LoadsOnce\n"
     )
     monkeypatch.syspath_prepend(str(tmp_path))
     yield tmp_path
@@ -317,6 +364,64 @@ async def test_a_third_party_plugin_breaking_its_contract_at_run_time_names_its_
             r"request .* without outputs \['sum', 'diff'\]",
         ):
             await engine.infer("add2", {"a": x, "b": x})
+        await engine.load(ModelConfig(name="add3", path=add_model, batcher="doubles"))
+        with pytest.raises(
+            PluginContractError,
+            match=r"^batcher 'doubles' \(from acme-trioinfer 1\.2\) of model 'add3' broke its "
+            r"contract: returned request .* twice in one batch",
+        ):
+            await engine.infer("add3", {"a": x, "b": x})
+
+
+@pytest.mark.parametrize(
+    ("backend", "error", "said"),
+    [
+        (
+            "nosignature",
+            PluginContractError,
+            r"^backend 'nosignature' \(from acme-trioinfer 1\.2\) broke its contract: load\(\) "
+            r"of instance 0 of model 'add' returned a 'Instance' object, not a "
+            r"trioinfer\.abc\.BackendInstance",
+        ),
+        (
+            "syncload",
+            PluginContractError,
+            r"^backend 'syncload' \(from acme-trioinfer 1\.2\) broke its contract: its load\(\) "
+            r"returned a 'NoneType' object for instance 0 of model 'add' instead of an awaitable",
+        ),
+        (
+            "loadfails",
+            BackendError,
+            r"^backend 'loadfails' \(from acme-trioinfer 1\.2\) could not load instance 0 of "
+            r"model 'add': OSError: libacme\.so",
+        ),
+    ],
+)
+async def test_a_third_party_backend_failing_at_load_names_its_distribution(
+    third_party: Path, add_model: Path, backend: str, error: type[Exception], said: str
+) -> None:
+    # Its load errors named the backend alone, while its schedulers' and fallbacks'
+    # named the package too: the operator must know which installed package to tell.
+    async with open_engine() as engine:
+        with pytest.raises(error, match=said) as info:
+            await engine.load(ModelConfig(name="add", path=add_model, backend=backend))
+        if isinstance(info.value, PluginContractError):
+            assert (info.value.kind, info.value.plugin) == ("backends", backend)
+        assert engine.models() == []
+
+
+async def test_a_third_party_backend_failing_to_re_create_an_instance_names_its_distribution(
+    third_party: Path, add_model: Path
+) -> None:
+    async with open_engine() as engine:
+        await engine.load(ModelConfig(name="add", path=add_model, backend="loadsonce"))
+        runner = engine._runners["add"]
+        with pytest.raises(
+            BackendError,
+            match=r"^backend 'loadsonce' \(from acme-trioinfer 1\.2\) could not re-create "
+            r"instance 0 \(cpu\) of model 'add': OSError: device lost$",
+        ):
+            await runner.recreate(runner.replicas[0])
 
 
 async def test_engine_reports_unknown_plugins_at_load(add_model: Path) -> None:

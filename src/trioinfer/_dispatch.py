@@ -24,6 +24,7 @@ import numpy as np
 
 from ._config import ModelConfig, Placement
 from ._exceptions import BackendError, PluginContractError
+from ._registry import plugin_label
 from ._request import Outputs, Request
 from ._tensors import ModelSignature, output_misfit
 from ._threads import EventLike, LoopClock
@@ -329,10 +330,9 @@ class Execution(metaclass=NoPublicConstructor):
         # Not logged here: a fallback may catch it (resilient tries whether another
         # model's outputs fit); the runner logs one that escapes the fallback.
         fallback = self._port.config.fallback
-        dist = self._port.sources.get("fallbacks")
         return PluginContractError(
-            f"fallback {fallback!r}{f' (from {dist})' if dist else ''} of model "
-            f"{self._port.config.name!r} {what}",
+            f"{plugin_label('fallbacks', fallback, self._port.sources.get('fallbacks'))} of "
+            f"model {self._port.config.name!r} {what}",
             kind="fallbacks",
             plugin=fallback,
         )

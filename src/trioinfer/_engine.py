@@ -37,7 +37,7 @@ from ._exceptions import (
 from ._inline import restart_inline_slice, restart_slice_at_each_poll
 from ._pipeline import PIPELINE, Pipeline, Resume, Step, _steps
 from ._pipeline_batched import BatchedPipeline
-from ._registry import Kind, Registry
+from ._registry import Kind, Registry, plugin_label
 from ._request import Outputs, Request, make_request, next_request_id
 from ._runner import (
     CLEANUP_S,
@@ -312,9 +312,8 @@ class Engine:
         }
         for kind, plugin_name, plugin, protocol in checks[1:] if pipeline else checks:
             if not isinstance(plugin, protocol):
-                dist = sources[kind]
                 raise PluginContractError(
-                    f"{kind[:-1]} {plugin_name!r}{f' (from {dist})' if dist else ''} of model "
+                    f"{plugin_label(kind, plugin_name, sources[kind])} of model "
                     f"{name!r} does not implement trioinfer.abc.{protocol.__name__}: "
                     f"got {type(plugin).__name__}",
                     kind=kind,
@@ -331,7 +330,7 @@ class Engine:
                 batcher,
             )
             backend, batcher = graph, graph.batcher
-        instances = await _load_instances(backend, config)
+        instances = await _load_instances(backend, config, sources["backends"])
         try:
             runner = ModelRunner._create(
                 config,
@@ -1311,8 +1310,13 @@ def _leaves(error: BaseException) -> Iterator[BaseException]:
         yield error
 
 
-async def _load_instances(backend: Backend, config: ModelConfig) -> list[BackendInstance]:
+async def _load_instances(
+    backend: Backend, config: ModelConfig, dist: str | None
+) -> list[BackendInstance]:
+    # *dist*: the distribution that declared the backend (the runner's sources), named
+    # in every error that blames it, as the other plugins' errors name theirs.
     placements = config.placements()
+    named = plugin_label("backends", config.backend, dist)
     loaded: list[BackendInstance | None] = [None] * len(placements)
     errors: dict[int, TrioInferError] = {}
 
@@ -1325,7 +1329,7 @@ async def _load_instances(backend: Backend, config: ModelConfig) -> list[Backend
                 if isinstance(pending, BackendInstance):
                     loaded[i] = pending
                 errors[i] = PluginContractError(
-                    f"backend {config.backend!r} broke its contract: its load() returned "
+                    f"{named} broke its contract: its load() returned "
                     f"a {type(pending).__name__!r} object for instance {i} of model "
                     f"{config.name!r} instead of an awaitable; load() is an async def",
                     kind="backends",
@@ -1337,7 +1341,7 @@ async def _load_instances(backend: Backend, config: ModelConfig) -> list[Backend
             errors[i] = exc
         except Exception as exc:
             error = BackendError(
-                f"backend {config.backend!r} could not load instance {i} of model "
+                f"{named} could not load instance {i} of model "
                 f"{config.name!r}: {type(exc).__name__}: {exc}"
             )
             error.__cause__ = exc
@@ -1347,7 +1351,7 @@ async def _load_instances(backend: Backend, config: ModelConfig) -> list[Backend
                 loaded[i] = instance  # closed with the others if it is refused below
             if (wrong := _not_an_instance(instance)) is not None:
                 errors[i] = PluginContractError(
-                    f"backend {config.backend!r} broke its contract: load() of instance {i} "
+                    f"{named} broke its contract: load() of instance {i} "
                     f"of model {config.name!r} returned {wrong}",
                     kind="backends",
                     plugin=config.backend,
@@ -1368,7 +1372,9 @@ async def _load_instances(backend: Backend, config: ModelConfig) -> list[Backend
     signatures = {instance.signature for instance in done}
     if len(signatures) != 1:
         await close_instances(config.name, done)
-        raise BackendError(f"instances of model {config.name!r} report different signatures")
+        raise BackendError(
+            f"instances of model {config.name!r}, loaded by {named}, report different signatures"
+        )
     if config.sequence is not None and any(
         isinstance(instance, StreamingInstance) and instance.decoupled for instance in done
     ):

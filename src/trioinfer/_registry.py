@@ -282,6 +282,17 @@ def _check_kind(kind: str) -> Kind:
     return kind  # type: ignore[return-value]
 
 
+def plugin_label(kind: Kind, name: str, dist: str | None) -> str:
+    """How an error names a plugin: ``scheduler 'lifo' (from acme-trioinfer 1.2)``.
+
+    *dist* is the distribution that declared it (`Registry._distribution`), None for
+    an in-process plugin or an unknown distribution: then no "(from ...)". One
+    wording for every error that blames a plugin, so that an operator always learns
+    which installed package to report it to.
+    """
+    return f"{kind[:-1]} {name!r}{f' (from {dist})' if dist else ''}"
+
+
 def _dist_of(ep: importlib.metadata.EntryPoint) -> str | None:
     dist = getattr(ep, "dist", None)
     if dist is None:

@@ -42,7 +42,7 @@ from ._exceptions import (
 )
 from ._inline import DEFAULT_SLICE_S, inline_slice_spent, restart_inline_slice
 from ._inline import _slice as _inline_slice
-from ._registry import Kind
+from ._registry import Kind, plugin_label
 from ._request import Outputs, Request, make_request
 from ._tensors import InputLimits, ModelSignature, OutputCheck, rows_validator
 from ._tensors import rows as _rows
@@ -1270,10 +1270,18 @@ class ModelRunner(metaclass=NoPublicConstructor):
         running = _Running(scope, 0)
         live: list[Request] = []
         stray: Request | None = None
+        twice: Request | None = None
         # One pass: drop what ended or expired while the batch formed, mark the rest running.
         for request in batch:
             state = request._state
             if state.status is not _QUEUED:
+                if state.batch is running:
+                    # Marked running by this very pass: the batcher returned it twice,
+                    # which its contract forbids. Run once without a word, the batch hid
+                    # the batcher's miscount (the request it meant may be left behind).
+                    # Checked only here, off the path of a request that runs: a sound
+                    # batch pays nothing for it.
+                    twice = request
                 continue
             if state.batch is not _HELD:
                 # Not taken from the queue (only peeked at, or given back): it is still
@@ -1291,6 +1299,14 @@ class ModelRunner(metaclass=NoPublicConstructor):
             await self._batcher_failed(
                 f"returned request {stray.id!r}, which it had not taken from its queue "
                 "(with pop_nowait() or take_nowait()) or had given back",
+                None,
+                live,
+            )
+            return
+        if twice is not None:
+            await self._batcher_failed(
+                f"returned request {twice.id!r} twice in one batch (each request it takes "
+                "from its queue goes in one batch, once)",
                 None,
                 live,
             )
@@ -1360,9 +1376,8 @@ class ModelRunner(metaclass=NoPublicConstructor):
             "fallbacks": self.config.fallback,
             "backends": self.config.backend,
         }[kind]
-        dist = self.sources.get(kind)
         error = PluginContractError(
-            f"{kind[:-1]} {plugin!r}{f' (from {dist})' if dist else ''} of model "
+            f"{plugin_label(kind, plugin, self.sources.get(kind))} of model "
             f"{self.config.name!r} broke its contract: {what}",
             kind=kind,
             plugin=plugin,
@@ -2378,6 +2393,10 @@ class ModelRunner(metaclass=NoPublicConstructor):
             raise
         return outputs
 
+    def _backend_label(self) -> str:
+        # The backend and the package that declared it, as its load errors name them.
+        return plugin_label("backends", self.config.backend, self.sources.get("backends"))
+
     async def recreate(self, replica: Replica) -> None:
         """Load a fresh backend instance for *replica*; see `FallbackContext.recreate`."""
         if self._backend is None:  # pragma: no cover  # every engine passes its backend
@@ -2395,16 +2414,17 @@ class ModelRunner(metaclass=NoPublicConstructor):
                 raise
             except Exception as exc:
                 raise BackendError(
-                    f"could not re-create {replica.label} of model {self.config.name!r}: "
-                    f"{type(exc).__name__}: {exc}"
+                    f"{self._backend_label()} could not re-create {replica.label} of model "
+                    f"{self.config.name!r}: {type(exc).__name__}: {exc}"
                 ) from exc
             finally:
                 await close_instances(self.config.name, [old])
             if new.signature != self.backend_signature:
                 await close_instances(self.config.name, [new])
                 raise BackendError(
-                    f"re-created {replica.label} of model {self.config.name!r} reports another "
-                    "signature than the model was loaded with"
+                    f"{replica.label} of model {self.config.name!r}, re-created by "
+                    f"{self._backend_label()}, reports another signature than the model was "
+                    "loaded with"
                 )
             replica._backend_instance = new
             if self._output_check is not None and not self._output_check.full:

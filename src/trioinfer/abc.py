@@ -885,10 +885,10 @@ class Batcher(Protocol):
         May be cancelled at any await; requests already taken must then be
         given back with ``queue.put_back()``, in the order they were taken,
         so that the scheduler's order holds. Any exception other than
-        cancellation, an empty batch, or a batch of anything but the queue's
-        requests is a broken contract: the requests it had taken and not given
-        back (and those of the batch) fail with a
-        [`PluginContractError`][trioinfer.PluginContractError] naming the
+        cancellation, an empty batch, a batch holding a request twice, or a
+        batch of anything but the queue's requests is a broken contract: the
+        requests it had taken and not given back (and those of the batch) fail
+        with a [`PluginContractError`][trioinfer.PluginContractError] naming the
         batcher and the model, logged with the traceback, and the model asks
         for its next batch. A batcher that breaks it again before it forms a
         batch takes its model out of service (queued requests fail, later
