@@ -481,7 +481,6 @@ class SchedulerContext(metaclass=NoPublicConstructor):
         return self._runner.clock.current_time()
 
 
-@final
 class BatcherContext(metaclass=NoPublicConstructor):
     """What an attachable batcher learns of its model (`trioinfer.abc.BatcherContext`)."""
 
@@ -502,28 +501,19 @@ class BatcherContext(metaclass=NoPublicConstructor):
 
 
 @final
-class SequenceContext(metaclass=NoPublicConstructor):
-    """What a sequence batcher learns of its model: the engine's `trioinfer.abc.SequenceContext`."""
+class SequenceContext(BatcherContext):
+    """What a sequence batcher learns of its model: the engine's `trioinfer.abc.SequenceContext`.
 
-    __slots__ = ("_runner",)
+    Its ``signature`` is the full one, control and state inputs included (the
+    backend's, as for any batcher).
+    """
 
-    def __init__(self, runner: ModelRunner) -> None:
-        self._runner = runner
-
-    @property
-    def model(self) -> str:
-        """The model's name."""
-        return self._runner.config.name
+    __slots__ = ()
 
     @property
     def config(self) -> ModelConfig:
         """The model's configuration."""
         return self._runner.config
-
-    @property
-    def signature(self) -> ModelSignature:
-        """The model's full signature, control and state inputs included."""
-        return self._runner.backend_signature
 
     def current_time(self) -> float:
         """The engine's clock (the event loop's, so a MockClock in tests)."""
