@@ -824,8 +824,8 @@ async def test_a_drained_connection_closes_without_destroying_the_unread_answer(
     await poll(lambda: all(c._going_away for c in server.connections))
     handlers.release.set()
     # Answered, and done with: the server reads no more of this connection and closes
-    # it, most of the answer still in its socket buffer.
-    await poll(lambda: not server.connections)
+    # its side, most of the answer still in its socket buffer.
+    await poll(lambda: all(c.lingering for c in server.connections))
     ping = PingFrame(0)
     ping.opaque_data = b"12345678"
     received = bytearray()
@@ -846,6 +846,35 @@ async def test_a_drained_connection_closes_without_destroying_the_unread_answer(
     blocks = [dict(decoder.decode(f.data)) for f in frames if isinstance(f, HeadersFrame)]
     assert blocks[-1].get("grpc-status") == "0"
     assert isinstance(frames[-1], GoAwayFrame)
+
+
+@both_loops
+async def test_a_client_that_never_closes_holds_no_shutdown_past_the_drain(
+    serve: Serve, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # After its last frames the server reads and drops what the client still sends until
+    # the client closes too (the linger). A client that never closes (hung, or its host
+    # gone) must not hold the server's shutdown past the drain period: the linger was
+    # shielded, so every such connection held serve_grpc's end for _LINGER_S after the
+    # drain, whatever the period said. The linger longer than this test waits:
+    monkeypatch.setattr(_grpc_h2, "_LINGER_S", WAIT_S * 10)
+    ended = anyio.Event()
+    run = _grpc_h2._Connection.run
+
+    async def run_then_say(conn: _grpc_h2._Connection) -> None:
+        try:
+            await run(conn)
+        finally:
+            ended.set()
+
+    monkeypatch.setattr(_grpc_h2._Connection, "run", run_then_say)
+    server, connect = await serve(Handlers())
+    await connect()  # and never closes, nor reads
+    await poll(lambda: server.connections)
+    await server.drain(0)  # the GOAWAY is sent; the drain period is over at once
+    server.stop()  # type: ignore[attr-defined]  # as serve_grpc at the drain's end
+    with anyio.fail_after(WAIT_S):
+        await ended.wait()
 
 
 def _frames(data: bytes) -> list[Frame]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib
 import math
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -894,3 +895,48 @@ print("took", time.monotonic() - start)
     ), result.stdout + result.stderr
     took = float(result.stdout.split("took")[1])
     assert took < 60, result.stdout
+
+
+def _free_port(family: socket.AddressFamily, host: str) -> int:
+    with socket.socket(family) as s:
+        s.bind((host, 0))
+        port: int = s.getsockname()[1]
+        return port  # free once closed: nothing listens there
+
+
+@pytest.mark.parametrize("form", ["{host}:{port}", "ray://{host}:{port}"])
+@pytest.mark.parametrize("family", ["ipv4", "ipv6"])
+def test_the_connect_probe_reads_ipv4_and_bracketed_ipv6_addresses(
+    form: str, family: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`host:port`, `ray://host:port`, and `[v6]:port` in both: probed, and where
+    nothing listens a BackendUnavailable naming the address; where something does, no
+    error (ray.init is left to speak)."""
+    from trioinfer_ray._backend import _probe
+
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    af, host = (socket.AF_INET, "127.0.0.1") if family == "ipv4" else (socket.AF_INET6, "::1")
+    try:
+        port = _free_port(af, host)
+    except OSError:
+        pytest.skip(f"no {family} loopback here")
+    shown = host if af == socket.AF_INET else f"[{host}]"
+    address = form.format(host=shown, port=port)
+    with pytest.raises(BackendUnavailable, match=f"no Ray at {re.escape(address)}: "):
+        _probe(address, 5.0)
+    with socket.socket(af) as listening:
+        listening.bind((host, 0))
+        listening.listen()
+        _probe(form.format(host=shown, port=listening.getsockname()[1]), 5.0)
+
+
+@pytest.mark.parametrize("address", ["auto", "ray://127.0.0.1:{port}/path", "127.0.0.1"])
+def test_addresses_the_probe_cannot_read_are_left_to_ray(
+    address: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """ "auto" without RAY_ADDRESS (Ray looks for a cluster itself, and fails at once),
+    an address with a path or without a port: not probed, so never refused by it."""
+    from trioinfer_ray._backend import _probe
+
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    _probe(address.format(port=_free_port(socket.AF_INET, "127.0.0.1")), 5.0)

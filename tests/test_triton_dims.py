@@ -304,13 +304,16 @@ async def test_dims_a_python_model_cannot_take_are_refused_not_ignored(
     a width it leaves open would be the config's word only (metadata -1, any width
     served), so the load fails saying where the sizes belong; dims that leave them open
     load."""
+    assert (await client.get("/v2/models/py/ready")).status_code == 200
     load = await client.post("/v2/repository/models/py/load", json=_dims_override([3], [6]))
     assert load.status_code == 400, load.text
     error = load.json()["error"]
     assert "fixing sizes the model leaves open ([-1])" in error
     assert "'python' backend's shapes are its own declaration" in error
-    # (Checked against the model once loaded: the failed load leaves it unloaded.)
-    assert (await client.get("/v2/models/py/ready")).status_code != 200
+    # A failed reload leaves the version that was served serving (checked against the
+    # model once loaded, the config used to unload it: a typo took the model down).
+    assert (await client.get("/v2/models/py/ready")).status_code == 200
+    assert (await client.post("/v2/models/py/infer", json=_body(2, 3))).status_code == 200
     same = await client.post("/v2/repository/models/py/load", json=_dims_override([-1], [-1]))
     assert same.status_code == 200, same.text
     assert (await client.post("/v2/models/py/infer", json=_body(2, 3))).status_code == 200

@@ -201,7 +201,13 @@ class Engine:
         """Whether the engine has stopped accepting work (its block is exiting)."""
         return self._closing
 
-    async def load(self, config: ModelConfig, *, replace: bool = False) -> ModelInfo:
+    async def load(
+        self,
+        config: ModelConfig,
+        *,
+        replace: bool = False,
+        _check: Callable[[ModelInfo, ModelSignature | None], None] | None = None,
+    ) -> ModelInfo:
         """Load a model: create its plugins, load every instance, start its workers.
 
         Returns once the model is ready to serve. Loading runs under the
@@ -212,6 +218,10 @@ class Engine:
         new one and the old one is unloaded as by [`unload()`][trioinfer.Engine.unload]
         (its accepted requests may finish within `drain_period`). If loading
         fails, the old one goes on serving.
+
+        (``_check``, the server's: called with the loaded model's info and its
+        backend's full signature once it is ready, before it serves or replaces
+        anything; what it raises fails the load, the new model closed.)
 
         Raises:
             ConfigError: A model of that name is loaded (or loading) already and
@@ -266,6 +276,14 @@ class Engine:
                     with anyio.CancelScope(shield=True):
                         await runner.stop()
                     await anyio.lowlevel.checkpoint()  # raises the caller's cancellation
+                if _check is not None:
+                    try:
+                        _check(self._info(runner), getattr(runner, "backend_signature", None))
+                    except BaseException:
+                        # Refused before it serves: a model it would replace serves on.
+                        with anyio.CancelScope(shield=True):
+                            await runner.stop()
+                        raise
                 old = self._runners.get(name)
                 old_gate = self._gates.get(name)
                 self._runners[name] = runner

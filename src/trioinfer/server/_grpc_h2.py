@@ -483,6 +483,8 @@ class _Connection:
         self._blocked: set[_Stream] = set()
         self._wake = anyio.Event()
         self._going_away = False
+        #: Its last frames sent, it reads and drops what the client still sends (`_linger`).
+        self.lingering = False
         self._last_stream = 0
         #: What repeated request headers (a client's, call after call) were read as:
         #: the method, the encoding's wbits, the metadata; only calls without a deadline.
@@ -525,13 +527,21 @@ class _Connection:
             # send_timeout): an ordinary end, not the server's failure.
             pass
         finally:
-            self._server.connections.discard(self)
-            self._server.closed.set()
-            with anyio.CancelScope(shield=True):
-                if self._asyncio_calls is not None:
-                    await self._asyncio_calls.aclose()
-                await self._last_words()
-                await self._socket.aclose()
+            try:
+                with anyio.CancelScope(shield=True):
+                    if self._asyncio_calls is not None:
+                        await self._asyncio_calls.aclose()
+                    await self._last_words()
+                if not self._sending:  # (cut short: a partial frame, nothing to wait for)
+                    # Not shielded, and the connection still counted as open: a drain
+                    # waits for it within its period, and the period's end cuts it
+                    # short, so a client that never closes cannot hold the shutdown.
+                    await self._linger()
+            finally:
+                self._server.connections.discard(self)
+                self._server.closed.set()
+                with anyio.CancelScope(shield=True):
+                    await self._socket.aclose()
 
     async def _last_words(self) -> None:
         # What the cancelled calls answered (UNAVAILABLE at the end of a drain) and a
@@ -542,9 +552,6 @@ class _Connection:
             if not self._h2.closed:
                 self._h2.close_connection(last_stream_id=self._last_stream)
             await self._flush()
-        if self._sending:
-            return  # cut short: what is left is a partial frame, nothing to wait for
-        await self._linger()
 
     async def _linger(self) -> None:
         # The server ends this connection (a drain, a GOAWAY of ours) while the client
@@ -554,7 +561,8 @@ class _Connection:
         # answer sent within the drain, which the client then never got (a flake
         # under load). So this side ends with a FIN after the last bytes, and what
         # the client still sends is read and dropped until it closes too (at once
-        # when it had closed first), for at most _LINGER_S.
+        # when it had closed first), for at most _LINGER_S and _LINGER_BYTES.
+        self.lingering = True
         with contextlib.suppress(Exception), anyio.move_on_after(_LINGER_S):
             await self._socket.send_eof()
             total = 0

@@ -10,6 +10,7 @@ loaded anew beside the old one, which keeps serving until the new one is ready
 from __future__ import annotations
 
 import bisect
+import functools
 import hashlib
 import itertools
 import logging
@@ -424,19 +425,14 @@ class ServedModels:
                     "would live on in both); serve it with --workers 1"
                 )
             try:
-                info = await self.engine.load(config, replace=old is not None)
+                # Checked before it serves: a reload refused leaves the version that was
+                # served serving (unloaded after the swap, a typo took the model down).
+                check = functools.partial(
+                    _check_loaded, decoupled, triton, _triton_source(entry.triton, override), model
+                )
+                info = await self.engine.load(config, replace=old is not None, _check=check)
             except ModelNotFound as exc:
                 self._say_why_a_step_is_missing(model, exc)
-                raise
-            try:
-                _check_decoupled(decoupled, info, model)
-                _check_tensors(triton, info, model, _triton_source(entry.triton, override))
-                # A stateful model's control and state inputs, which its signature hides.
-                full = getattr(self.engine._runners.get(engine_name), "backend_signature", None)
-                _check_sequence(triton, full, model)
-            except ConfigError:
-                served.pop(version, None)
-                await self.engine.unload(engine_name)
                 raise
             served[version] = ServedVersion(
                 model,
@@ -607,6 +603,24 @@ class ServedModels:
 
 # An engine model name as the server makes them, quoted: 'digits.v1'.
 _ENGINE_NAME = re.compile(r"'([A-Za-z0-9][A-Za-z0-9_.\-]*)\.v([0-9]+)'")
+
+
+def _check_loaded(
+    decoupled: bool | None,
+    triton: TritonModel | None,
+    source: str,
+    model: str,
+    info: ModelInfo,
+    full: ModelSignature | None,
+) -> None:
+    """Refuse a loaded model that its Triton config does not fit (before it serves).
+
+    *full*: the backend's signature, a stateful model's control and state inputs
+    included (its signature hides them).
+    """
+    _check_decoupled(decoupled, info, model)
+    _check_tensors(triton, info, model, source)
+    _check_sequence(triton, full, model)
 
 
 def _triton_source(file: TritonModel | None, override: object) -> str:
