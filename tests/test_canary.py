@@ -168,6 +168,10 @@ async def test_changing_the_weights_under_load_loses_no_request(tmp_path: Path) 
     [
         ([1], "traffic must be a table of version = weight"),
         ({"x": 1}, "'x' is not a version number"),
+        # str.isdigit() holds for these, but int() refuses the first (a 500 from a load
+        # override) and reads the second as 1, a version no URL can name.
+        ({"\u00b2": 1}, "is not a version number"),
+        ({"\uff11": 1}, "is not a version number"),
         ({"1": -1}, "version 1 needs a finite weight >= 0"),
         ({"1": True}, "version 1 needs a finite weight >= 0"),
         ({"1": float("inf")}, "version 1 needs a finite weight >= 0"),

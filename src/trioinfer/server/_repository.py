@@ -1087,7 +1087,13 @@ def parse_traffic(value: object) -> dict[int, float]:
         )
     weights: dict[int, float] = {}
     for version, weight in value.items():
-        number = int(version) if isinstance(version, str) and version.isdigit() else version
+        # ASCII digits only, as a URL's version: str.isdigit() holds for "²", which int()
+        # refuses (a load override's ValueError was a 500), and for "１", read as 1.
+        number = (
+            int(version)
+            if isinstance(version, str) and version.isascii() and version.isdigit()
+            else version
+        )
         if not isinstance(number, int) or isinstance(number, bool) or number < 1:
             raise ConfigError(f"traffic: {_shown(version)} is not a version number")
         try:
