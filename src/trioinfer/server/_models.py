@@ -191,6 +191,19 @@ class ServedModels:
             )
         return found
 
+    def reroute(self, served: ServedVersion, key: str | None) -> ServedVersion:
+        """Where a request that named no version goes now, routed to *served* before.
+
+        *served* while it still serves; if it was unloaded or replaced since (while
+        the request's body arrived), the version the split (or *key*) picks now.
+
+        Raises:
+            ModelNotFound: No version of the model is served any more.
+        """
+        if self._served.get(served.model, {}).get(served.version) is served:
+            return served
+        return self.resolve(served.model, key=key)
+
     def traffic(self, model: str) -> dict[int, float]:
         """*model*'s traffic split: each version's share of requests, adding up to 1."""
         numbers, bounds = self._traffic.get(model, ((), ()))
