@@ -76,6 +76,28 @@ def test_the_split_follows_the_weights_within_a_tolerance() -> None:
     assert served.resolve("m", "3") == "v3"
 
 
+def test_a_routing_key_hashed_to_the_top_of_the_range_still_picks_a_version(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A key whose 64-bit hash is within 2**10 of 2**64 read as 1.0 (a float rounds
+    # it): past the split's last bound, an IndexError (a 500) for that user always.
+    from trioinfer.server import _models
+    from trioinfer.server._models import ServedModels
+
+    class Top:
+        def __init__(self, *_: object, **__: object) -> None: ...
+
+        def digest(self) -> bytes:
+            return b"\xff" * 8
+
+    monkeypatch.setattr(_models.hashlib, "blake2b", Top)
+    served = ServedModels.__new__(ServedModels)
+    served._traffic = {}
+    served._served = {"m": {1: "v1", 2: "v2"}}  # type: ignore[dict-item]
+    served._set_traffic("m", {1: 50, 2: 50})
+    assert served.resolve("m", key="unlucky") == "v2"
+
+
 def test_weights_near_a_floats_limit_still_split() -> None:
     # 1e308 + 1e308 is infinity: the split read as {1: 0.0, 2: NaN} and every request
     # to the model failed with a 500 (IndexError) while picking its version.
