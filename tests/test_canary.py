@@ -186,6 +186,49 @@ async def test_changing_the_weights_under_load_loses_no_request(tmp_path: Path) 
     assert await statuses_under_load(tmp_path, 40, weights, reload) == {200: 320}
 
 
+async def test_a_model_being_unloaded_routes_no_request_to_a_version_gone_already() -> None:
+    # unload() drains its versions one after another (version 1's in-flight requests
+    # first) while the split still named them all: a request the split sent to
+    # version 1, no longer served, failed with a 500 (KeyError), not version 2's answer.
+    from trioinfer.server._models import ServedModels
+
+    draining = trio.Event()
+    release = trio.Event()
+
+    class Engine:
+        async def unload(self, name: str) -> None:
+            if name == "m.v1":
+                draining.set()
+                await release.wait()
+
+    served = ServedModels.__new__(ServedModels)
+    served.engine = Engine()  # type: ignore[assignment]
+    served._traffic = {}
+    served._locks = {}
+    served._errors = {}
+    served.last_inference_ms = {}
+    served.rng = random.Random(1)
+    served._served = {"m": {1: _fake_version(1), 2: _fake_version(2)}}
+    served._set_traffic("m", {1: 50, 2: 50})
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(served.unload, "m")
+        await draining.wait()
+        picked = {served.resolve("m").version for _ in range(100)}
+        keyed = {served.resolve("m", key=f"user-{i}").version for i in range(100)}
+        release.set()
+    assert picked == keyed == {2}
+    assert served.traffic("m") == {}  # and no split is left behind for the model
+
+
+def _fake_version(number: int) -> Any:
+    # A served version as far as routing and unloading look: its model, number and name.
+    from trioinfer.server._models import ServedVersion
+
+    return ServedVersion(  # type: ignore[arg-type]
+        "m", number, f"m.v{number}", (), None, None, None, {}, None, None
+    )
+
+
 async def test_a_version_retired_while_a_request_body_arrives_is_routed_around(
     tmp_path: Path,
 ) -> None:

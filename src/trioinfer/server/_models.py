@@ -597,6 +597,9 @@ class ServedModels:
             # A failed reload's reason (its served versions went on) is not why it is
             # not served from now on: its 404 would say "failed to load".
             self._errors.pop(model, None)
+            # The split goes first: while each version drains in turn, requests that name
+            # none go to the highest one left, not to one unloaded already (a KeyError).
+            self._traffic.pop(model, None)
             for version in sorted(served):
                 await self._unload_version(served, version)
             del self._served[model]
