@@ -1088,7 +1088,7 @@ def parse_traffic(value: object) -> dict[int, float]:
     weights: dict[int, float] = {}
     for version, weight in value.items():
         # ASCII digits only, as a URL's version: str.isdigit() holds for "²", which int()
-        # refuses (a load override's ValueError was a 500), and for "１", read as 1.
+        # refuses (a load override's ValueError was a 500), and for a fullwidth "1", read as 1.
         number = (
             int(version)
             if isinstance(version, str) and version.isascii() and version.isdigit()
