@@ -138,13 +138,19 @@ async def test_a_failure_is_not_stored_and_reaches_those_waiting(
                 tg.start_soon(call)
         backend.error = None
         fixed = await engine.infer("m", {"x": x(1)})
-        cache = engine.statistics().models["m"].cache
+        stats = engine.statistics().models["m"]
+        cache = stats.cache
     assert len(errors) == 3
     assert len({id(e) for e in errors}) == 3  # each caller its own exception object
     np.testing.assert_array_equal(fixed["y"], x(2))
     assert backend.executions == [1, 1]
     assert cache is not None
     assert cache.entries == 1
+    # One computed and failed (the model's own statistics count it); the two that
+    # waited for it failed too, and count here (Triton's `fail` adds them): they
+    # were counted nowhere, and `fail` said 1 where 3 callers got the error.
+    assert (cache.misses, cache.coalesced, cache.failed) == (2, 0, 2)
+    assert stats.failed == 1
 
 
 async def test_the_cache_is_bounded_in_bytes_least_recently_used_first(

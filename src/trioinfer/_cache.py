@@ -42,9 +42,9 @@ class CacheStatistics:
 
     A request of a model with the cache on counts in *hits* when answered
     from the cache, in *misses* when it computes (so does one that takes a
-    computation over), and in *coalesced* when it gets the answer of an
-    identical request computed meanwhile; one that waited and got that
-    request's error, or left, counts in none.
+    computation over), in *coalesced* when it gets the answer of an
+    identical request computed meanwhile, and in *failed* when it gets that
+    request's error instead; one that waited and left counts in none.
 
     Attributes:
         hits: Requests answered from the cache, without queueing.
@@ -56,6 +56,9 @@ class CacheStatistics:
             answer and per array for what holds them.
         hit_duration: Seconds to answer each hit.
         miss_duration: Seconds to compute and store each miss.
+        failed: Requests that waited for an identical request computed meanwhile
+            and got its error (the model's own statistics count only that
+            request's failure; Triton's ``fail`` counts them all).
     """
 
     hits: int
@@ -66,14 +69,17 @@ class CacheStatistics:
     bytes: int
     hit_duration: Histogram
     miss_duration: Histogram
+    failed: int = 0
 
 
 @final
 class _Counters:
-    __slots__ = ("bytes", "coalesced", "entries", "evictions", "hit", "hits", "miss", "misses")
+    __slots__ = (
+        "bytes", "coalesced", "entries", "evictions", "failed", "hit", "hits", "miss", "misses",
+    )  # fmt: skip
 
     def __init__(self) -> None:
-        self.hits = self.misses = self.coalesced = self.evictions = 0
+        self.hits = self.misses = self.coalesced = self.evictions = self.failed = 0
         self.entries = self.bytes = 0
         self.hit = _Histogram(DURATION_BUCKETS)
         self.miss = _Histogram(DURATION_BUCKETS)
@@ -148,6 +154,7 @@ class ResponseCache:
                 counters.coalesced += 1
                 return dict(flight.outputs)
             if flight.error is not None:
+                counters.failed += 1
                 raise _copy_error(flight.error, cause=flight.error.__cause__)
             # Its caller gave up without an answer: take the computation over.
         flight = self._flights[key] = _Flight()
@@ -218,7 +225,7 @@ class ResponseCache:
         c = self._counters.get(model) or _Counters()
         return CacheStatistics(
             c.hits, c.misses, c.coalesced, c.evictions, c.entries, c.bytes,
-            c.hit.snapshot(), c.miss.snapshot(),
+            c.hit.snapshot(), c.miss.snapshot(), c.failed,
         )  # fmt: skip
 
 
