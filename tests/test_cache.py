@@ -322,6 +322,34 @@ async def test_a_fallbacks_default_answer_is_not_kept(
     np.testing.assert_array_equal(real.outputs["y"], x(2))
 
 
+async def test_those_waiting_for_a_fallbacks_answer_are_told_it_is_one(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    # Identical requests in flight share the computing one's answer, a fallback's
+    # default too; the others got it with no fallback steps and an empty
+    # trioinfer_fallbacks, as if the model had answered.
+    backend = FakeBackend(delay=1.0)
+    backend.error = BackendError("broken")
+    config = cached(
+        fallback="resilient", fallback_options={"attempts": 1, "default": {"y": [0, 0, 0, 0]}}
+    )
+    results = []
+    async with open_engine(registry=backend.registry(), cache_size=1 << 20) as engine:
+        await engine.load(config)
+
+        async def call() -> None:
+            results.append(await engine.infer_detailed("m", {"x": x(1)}))
+
+        async with anyio.create_task_group() as tg:
+            for _ in range(3):
+                tg.start_soon(call)
+        cache = engine.statistics().models["m"].cache
+    assert [r.fallbacks for r in results] == [("default",)] * 3
+    assert [r.instance for r in results] == [None] * 3
+    assert cache is not None
+    assert (cache.misses, cache.coalesced, cache.entries) == (1, 2, 0)
+
+
 async def test_hits_give_the_event_loop_its_turn(autojump_clock: trio.testing.MockClock) -> None:
     ran = 0
 
