@@ -281,6 +281,8 @@ async def test_a_version_retired_while_a_request_body_arrives_is_routed_around(
         # override) and reads the second as 1, a version no URL can name.
         ({"\u00b2": 1}, "is not a version number"),
         ({"\uff11": 1}, "is not a version number"),
+        ({"1" * 5000: 1}, "is not a version number"),  # past int()'s 4300 digits: a 500
+        ({"9" * 19: 1}, "is not a version number"),  # past 2**63-1, as a directory's
         ({"1": -1}, "version 1 needs a finite weight >= 0"),
         ({"1": True}, "version 1 needs a finite weight >= 0"),
         ({"1": float("inf")}, "version 1 needs a finite weight >= 0"),
