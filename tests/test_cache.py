@@ -138,13 +138,19 @@ async def test_a_failure_is_not_stored_and_reaches_those_waiting(
                 tg.start_soon(call)
         backend.error = None
         fixed = await engine.infer("m", {"x": x(1)})
-        cache = engine.statistics().models["m"].cache
+        stats = engine.statistics().models["m"]
+        cache = stats.cache
     assert len(errors) == 3
     assert len({id(e) for e in errors}) == 3  # each caller its own exception object
     np.testing.assert_array_equal(fixed["y"], x(2))
     assert backend.executions == [1, 1]
     assert cache is not None
     assert cache.entries == 1
+    # One computed and failed (the model's own statistics count it); the two that
+    # waited for it failed too, and count here (Triton's `fail` adds them): they
+    # were counted nowhere, and `fail` said 1 where 3 callers got the error.
+    assert (cache.misses, cache.coalesced, cache.failed) == (2, 0, 2)
+    assert stats.failed == 1
 
 
 async def test_the_cache_is_bounded_in_bytes_least_recently_used_first(
@@ -314,6 +320,34 @@ async def test_a_fallbacks_default_answer_is_not_kept(
     np.testing.assert_array_equal(default.outputs["y"], np.zeros((1, 4), np.float32))
     assert real.fallbacks == ()
     np.testing.assert_array_equal(real.outputs["y"], x(2))
+
+
+async def test_those_waiting_for_a_fallbacks_answer_are_told_it_is_one(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    # Identical requests in flight share the computing one's answer, a fallback's
+    # default too; the others got it with no fallback steps and an empty
+    # trioinfer_fallbacks, as if the model had answered.
+    backend = FakeBackend(delay=1.0)
+    backend.error = BackendError("broken")
+    config = cached(
+        fallback="resilient", fallback_options={"attempts": 1, "default": {"y": [0, 0, 0, 0]}}
+    )
+    results = []
+    async with open_engine(registry=backend.registry(), cache_size=1 << 20) as engine:
+        await engine.load(config)
+
+        async def call() -> None:
+            results.append(await engine.infer_detailed("m", {"x": x(1)}))
+
+        async with anyio.create_task_group() as tg:
+            for _ in range(3):
+                tg.start_soon(call)
+        cache = engine.statistics().models["m"].cache
+    assert [r.fallbacks for r in results] == [("default",)] * 3
+    assert [r.instance for r in results] == [None] * 3
+    assert cache is not None
+    assert (cache.misses, cache.coalesced, cache.entries) == (1, 2, 0)
 
 
 async def test_hits_give_the_event_loop_its_turn(autojump_clock: trio.testing.MockClock) -> None:

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import json
 import random
 import shutil
 from collections import Counter
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -73,6 +74,28 @@ def test_the_split_follows_the_weights_within_a_tolerance() -> None:
     assert keyed["v2"] == pytest.approx(1_000, abs=150)
     # A version named in the request is that version, whatever the split.
     assert served.resolve("m", "3") == "v3"
+
+
+def test_a_routing_key_hashed_to_the_top_of_the_range_still_picks_a_version(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A key whose 64-bit hash is within 2**10 of 2**64 read as 1.0 (a float rounds
+    # it): past the split's last bound, an IndexError (a 500) for that user always.
+    from trioinfer.server import _models
+    from trioinfer.server._models import ServedModels
+
+    class Top:
+        def __init__(self, *_: object, **__: object) -> None: ...
+
+        def digest(self) -> bytes:
+            return b"\xff" * 8
+
+    monkeypatch.setattr(_models.hashlib, "blake2b", Top)
+    served = ServedModels.__new__(ServedModels)
+    served._traffic = {}
+    served._served = {"m": {1: "v1", 2: "v2"}}  # type: ignore[dict-item]
+    served._set_traffic("m", {1: 50, 2: 50})
+    assert served.resolve("m", key="unlucky") == "v2"
 
 
 def test_weights_near_a_floats_limit_still_split() -> None:
@@ -163,11 +186,103 @@ async def test_changing_the_weights_under_load_loses_no_request(tmp_path: Path) 
     assert await statuses_under_load(tmp_path, 40, weights, reload) == {200: 320}
 
 
+async def test_a_model_being_unloaded_routes_no_request_to_a_version_gone_already() -> None:
+    # unload() drains its versions one after another (version 1's in-flight requests
+    # first) while the split still named them all: a request the split sent to
+    # version 1, no longer served, failed with a 500 (KeyError), not version 2's answer.
+    from trioinfer.server._models import ServedModels
+
+    draining = trio.Event()
+    release = trio.Event()
+
+    class Engine:
+        async def unload(self, name: str) -> None:
+            if name == "m.v1":
+                draining.set()
+                await release.wait()
+
+    served = ServedModels.__new__(ServedModels)
+    served.engine = Engine()  # type: ignore[assignment]
+    served._traffic = {}
+    served._locks = {}
+    served._errors = {}
+    served.last_inference_ms = {}
+    served.rng = random.Random(1)
+    served._served = {"m": {1: _fake_version(1), 2: _fake_version(2)}}
+    served._set_traffic("m", {1: 50, 2: 50})
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(served.unload, "m")
+        await draining.wait()
+        picked = {served.resolve("m").version for _ in range(100)}
+        keyed = {served.resolve("m", key=f"user-{i}").version for i in range(100)}
+        release.set()
+    assert picked == keyed == {2}
+    assert served.traffic("m") == {}  # and no split is left behind for the model
+
+
+def _fake_version(number: int) -> Any:
+    # A served version as far as routing and unloading look: its model, number and name.
+    from trioinfer.server._models import ServedVersion
+
+    return ServedVersion(  # type: ignore[arg-type]
+        "m", number, f"m.v{number}", (), None, None, None, {}, None, None
+    )
+
+
+async def test_a_version_retired_while_a_request_body_arrives_is_routed_around(
+    tmp_path: Path,
+) -> None:
+    # Version 1 was picked when the request's headers came; retiring it (the rollout's
+    # last step) before its body had come answered 404 "no model named 'digits'
+    # (version 1) is loaded", for a request that named no version.
+    repo = repository(tmp_path, '{ "1" = 100 }')
+    text = json.dumps(BODY).encode()
+    started, go = trio.Event(), trio.Event()
+
+    async def body() -> AsyncIterator[bytes]:
+        yield text[:10]
+        started.set()
+        await go.wait()
+        yield text[10:]
+
+    answers: list[httpx.Response] = []
+    async with trio.open_nursery() as nursery:
+        url, _ = await serving(repo, nursery)
+        async with httpx.AsyncClient(base_url=url, timeout=30) as client:
+
+            async def post() -> None:
+                answers.append(await client.post("/v2/models/digits/infer", content=body()))
+
+            async with trio.open_nursery() as posting:
+                posting.start_soon(post)
+                await started.wait()
+                await trio.sleep(0.2)  # the server routes it meanwhile (no timing asserted)
+                toml = repo / "digits" / "config.toml"
+                toml.write_text(
+                    toml.read_text().replace(
+                        'version_policy = "all"\ntraffic = { "1" = 100 }',
+                        "version_policy = { specific = [2] }",
+                    )
+                )
+                retired = await client.post("/v2/repository/models/digits/load")
+                go.set()
+        nursery.cancel_scope.cancel()
+    assert retired.status_code == 200, retired.text
+    assert answers[0].status_code == 200, answers[0].text
+    assert answers[0].json()["model_version"] == "2"
+
+
 @pytest.mark.parametrize(
     ("value", "message"),
     [
         ([1], "traffic must be a table of version = weight"),
         ({"x": 1}, "'x' is not a version number"),
+        # str.isdigit() holds for these, but int() refuses the first (a 500 from a load
+        # override) and reads the second as 1, a version no URL can name.
+        ({"\u00b2": 1}, "is not a version number"),
+        ({"\uff11": 1}, "is not a version number"),
+        ({"1" * 5000: 1}, "is not a version number"),  # past int()'s 4300 digits: a 500
+        ({"9" * 19: 1}, "is not a version number"),  # past 2**63-1, as a directory's
         ({"1": -1}, "version 1 needs a finite weight >= 0"),
         ({"1": True}, "version 1 needs a finite weight >= 0"),
         ({"1": float("inf")}, "version 1 needs a finite weight >= 0"),

@@ -6,7 +6,8 @@ The key is the model's name (which holds its version when served from a
 repository) and a 128-bit BLAKE2b digest of every input's name, dtype, shape
 and bytes. Only the model's own successful answers are stored (not a
 fallback's default answer, nor one from another model), as read-only copies,
-so that no caller can change what another receives.
+so that no caller can change what another receives. Such an answer not kept
+still answers the identical requests waiting for it, with its fallback steps.
 
 Identical requests that arrive while the first is still being computed wait
 for its answer instead of computing again (request coalescing). The first
@@ -42,9 +43,9 @@ class CacheStatistics:
 
     A request of a model with the cache on counts in *hits* when answered
     from the cache, in *misses* when it computes (so does one that takes a
-    computation over), and in *coalesced* when it gets the answer of an
-    identical request computed meanwhile; one that waited and got that
-    request's error, or left, counts in none.
+    computation over), in *coalesced* when it gets the answer of an
+    identical request computed meanwhile, and in *failed* when it gets that
+    request's error instead; one that waited and left counts in none.
 
     Attributes:
         hits: Requests answered from the cache, without queueing.
@@ -56,6 +57,9 @@ class CacheStatistics:
             answer and per array for what holds them.
         hit_duration: Seconds to answer each hit.
         miss_duration: Seconds to compute and store each miss.
+        failed: Requests that waited for an identical request computed meanwhile
+            and got its error (the model's own statistics count only that
+            request's failure; Triton's ``fail`` counts them all).
     """
 
     hits: int
@@ -66,14 +70,17 @@ class CacheStatistics:
     bytes: int
     hit_duration: Histogram
     miss_duration: Histogram
+    failed: int = 0
 
 
 @final
 class _Counters:
-    __slots__ = ("bytes", "coalesced", "entries", "evictions", "hit", "hits", "miss", "misses")
+    __slots__ = (
+        "bytes", "coalesced", "entries", "evictions", "failed", "hit", "hits", "miss", "misses",
+    )  # fmt: skip
 
     def __init__(self) -> None:
-        self.hits = self.misses = self.coalesced = self.evictions = 0
+        self.hits = self.misses = self.coalesced = self.evictions = self.failed = 0
         self.entries = self.bytes = 0
         self.hit = _Histogram(DURATION_BUCKETS)
         self.miss = _Histogram(DURATION_BUCKETS)
@@ -82,12 +89,13 @@ class _Counters:
 @final
 class _Flight:
     # One computation that identical requests wait for.
-    __slots__ = ("done", "error", "outputs")
+    __slots__ = ("done", "error", "origin", "outputs")
 
     def __init__(self) -> None:
         self.done = anyio.Event()
         self.outputs: Outputs | None = None
         self.error: TrioInferError | None = None
+        self.origin: object = None
 
 
 #: What an answer costs beyond its arrays' bytes: its key, its place in the LRU order,
@@ -96,8 +104,9 @@ ENTRY_OVERHEAD = 512
 ARRAY_OVERHEAD = 128
 
 #: A computation's answer, and whether it may be kept (a fallback's default answer,
-#: or one from another model, answers those waiting now but is not kept).
-Computed = tuple[Outputs, bool]
+#: or one from another model, answers those waiting now but is not kept), and, for
+#: one not kept, where it came from: given to those it answers, who must say so too.
+Computed = tuple[Outputs, bool, object]
 
 
 @final
@@ -119,8 +128,11 @@ class ResponseCache:
 
     async def answer(
         self, model: str, inputs: Arrays, compute: Callable[[], Awaitable[Computed]]
-    ) -> Outputs:
+    ) -> tuple[Outputs, object]:
         """The cached answer to *inputs*, or an identical request's, or ``compute()``'s.
+
+        With the answer comes the origin ``compute()`` gave with it when it
+        was an identical request's, not kept (a fallback's); ``None`` otherwise.
 
         Raises:
             TrioInferError: What ``compute()`` raised, for its caller and for
@@ -139,29 +151,31 @@ class ResponseCache:
                 # A hit never waits: give the event loop its turn (and a scope
                 # that expired, its chance to fire) as a queued request would.
                 await anyio.lowlevel.checkpoint()
-                return dict(entry[0])
+                return dict(entry[0]), None
             flight = self._flights.get(key)
             if flight is None:
                 break
             await flight.done.wait()
             if flight.outputs is not None:
                 counters.coalesced += 1
-                return dict(flight.outputs)
+                return dict(flight.outputs), flight.origin
             if flight.error is not None:
+                counters.failed += 1
                 raise _copy_error(flight.error, cause=flight.error.__cause__)
             # Its caller gave up without an answer: take the computation over.
         flight = self._flights[key] = _Flight()
         counters.misses += 1
         try:
-            outputs, keep = await compute()
+            outputs, keep, origin = await compute()
         except TrioInferError as exc:
             if not isinstance(exc, DeadlineExceeded):  # the caller's own deadline: not theirs
                 flight.error = exc
             raise
         else:
             flight.outputs = self._store(key, counters, outputs, keep)
+            flight.origin = None if keep else origin
             counters.miss.observe(self._clock.current_time() - started)
-            return outputs
+            return outputs, None
         finally:
             del self._flights[key]
             flight.done.set()
@@ -218,7 +232,7 @@ class ResponseCache:
         c = self._counters.get(model) or _Counters()
         return CacheStatistics(
             c.hits, c.misses, c.coalesced, c.evictions, c.entries, c.bytes,
-            c.hit.snapshot(), c.miss.snapshot(),
+            c.hit.snapshot(), c.miss.snapshot(), c.failed,
         )  # fmt: skip
 
 

@@ -14,7 +14,7 @@ import math
 import operator
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping
 from contextlib import AbstractAsyncContextManager, asynccontextmanager, contextmanager
-from typing import TYPE_CHECKING, Any, Final, NoReturn, SupportsIndex, final
+from typing import TYPE_CHECKING, Any, Final, NoReturn, SupportsIndex, cast, final
 
 import anyio
 import anyio.abc
@@ -992,7 +992,7 @@ class Engine:
 
         computed = False
 
-        async def compute() -> tuple[Outputs, bool]:
+        async def compute() -> tuple[Outputs, bool, object]:
             nonlocal computed
             computed = True
             if request._state.trace is not None:
@@ -1007,10 +1007,14 @@ class Engine:
             own = isinstance(runner, Pipeline) or (
                 state.served_by is not None and not isinstance(state.served_by, tuple)
             )
-            return state.outputs, own
+            return state.outputs, own, (state.served_by, state.fallbacks)
 
         assert self._cache is not None  # load() refuses response_cache without a cache
-        outputs = await self._cache.answer(request.model, request.inputs, compute)
+        outputs, origin = await self._cache.answer(request.model, request.inputs, compute)
+        if origin is not None:
+            # An identical request's fallback answered: this one says so as well.
+            served_by, fallbacks = cast("tuple[Any, tuple[str, ...]]", origin)
+            request._state.served_by, request._state.fallbacks = served_by, fallbacks
         request._state.outputs, request._state.status = outputs, Status.DONE
         if request._state.trace is not None:
             assert self._tracing is not None

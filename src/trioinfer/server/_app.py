@@ -1094,6 +1094,16 @@ async def _traffic(request: Request, state: ServerState) -> Response:
     )
 
 
+def _rerouted(
+    state: ServerState, served: ServedVersion, headers: Mapping[str, str], tracing: Any
+) -> ServedVersion:
+    # The version a request that named none goes to now (see ServedModels.reroute).
+    now = state.models.reroute(served, headers.get(ROUTING_KEY_HEADER))
+    if now is not served and tracing is not None:
+        tracing.served_version(now.version)
+    return now
+
+
 def load_override(parameters: Mapping[str, Any], limits: Limits) -> dict[str, Any] | None:
     """The config override a repository load request's *parameters* carry, checked.
 
@@ -1477,6 +1487,10 @@ class _InferEndpoint:
             self._tracing.served_version(served.version)
         limits = state.config.limits
         body = await _read_body(scope, receive, headers, limits)
+        if version is None:
+            # A version retired while the body arrived (a canary's old one): the split
+            # routes the request again, rather than a 404 for a version it never named.
+            served = _rerouted(state, served, headers, self._tracing)
         header_length = parse_header_length(
             headers.get("inference-header-content-length"), len(body)
         )

@@ -45,6 +45,7 @@ from ._app import (
     _Headers,
     _must_close,
     _read_body,
+    _rerouted,
     schedule_parameters,
     status_for,
 )
@@ -280,6 +281,9 @@ class GenerateEndpoint:
             self._tracing.served_version(served.version)
         limits = state.config.limits
         body = await _read_body(scope, receive, headers, limits)
+        if version is None:
+            # Its version may have been retired while the body arrived: routed again.
+            served = _rerouted(state, served, headers, self._tracing)
         signature = served.info.signature
         inputs, parameters = decode_generate_request(
             loads_json(body, limits, "the generate request"), signature, served.model

@@ -145,7 +145,11 @@ class Metrics:
                     "queued": stats.queued,
                     "in_flight": stats.in_flight,
                     "succeeded": stats.succeeded,
-                    "failed": stats.failed + stats.expired + stats.refused,
+                    # Identical requests that got a computing one's error failed too.
+                    "failed": stats.failed
+                    + stats.expired
+                    + stats.refused
+                    + (cache.failed if cache is not None else 0),
                     "replicas": [
                         [r.index, r.device, r.state, r.taken_out, r.recreated, r.failures]
                         for r in stats.replicas

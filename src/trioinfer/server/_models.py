@@ -191,6 +191,19 @@ class ServedModels:
             )
         return found
 
+    def reroute(self, served: ServedVersion, key: str | None) -> ServedVersion:
+        """Where a request that named no version goes now, routed to *served* before.
+
+        *served* while it still serves; if it was unloaded or replaced since (while
+        the request's body arrived), the version the split (or *key*) picks now.
+
+        Raises:
+            ModelNotFound: No version of the model is served any more.
+        """
+        if self._served.get(served.model, {}).get(served.version) is served:
+            return served
+        return self.resolve(served.model, key=key)
+
     def traffic(self, model: str) -> dict[int, float]:
         """*model*'s traffic split: each version's share of requests, adding up to 1."""
         numbers, bounds = self._traffic.get(model, ((), ()))
@@ -584,6 +597,9 @@ class ServedModels:
             # A failed reload's reason (its served versions went on) is not why it is
             # not served from now on: its 404 would say "failed to load".
             self._errors.pop(model, None)
+            # The split goes first: while each version drains in turn, requests that name
+            # none go to the highest one left, not to one unloaded already (a KeyError).
+            self._traffic.pop(model, None)
             for version in sorted(served):
                 await self._unload_version(served, version)
             del self._served[model]
@@ -735,8 +751,10 @@ def _check_sequence(
 
 def _unit(key: str) -> float:
     # A routing key's place in [0, 1): the same key, the same place, on every server.
+    # 53 bits, as many as a float holds: 64 bits over 2**64 rounded up to 1.0 for the
+    # highest 2**10 values, past the last bound of the split (an IndexError, a 500).
     digest = hashlib.blake2b(key.encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "big") / 2**64
+    return (int.from_bytes(digest, "big") >> 11) / 2**53
 
 
 def public_names(text: str) -> str:

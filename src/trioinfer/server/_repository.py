@@ -1087,8 +1087,22 @@ def parse_traffic(value: object) -> dict[int, float]:
         )
     weights: dict[int, float] = {}
     for version, weight in value.items():
-        number = int(version) if isinstance(version, str) and version.isdigit() else version
-        if not isinstance(number, int) or isinstance(number, bool) or number < 1:
+        # ASCII digits only, as a URL's version: str.isdigit() holds for "²", which int()
+        # refuses (a load override's ValueError was a 500), and for a fullwidth "1", read as 1.
+        # At most 19 of them (2**63-1 has 19): int() refuses 4301 or more (a 500 too).
+        number = (
+            int(version)
+            if isinstance(version, str)
+            and version.isascii()
+            and version.isdigit()
+            and len(version) <= 19
+            else version
+        )
+        if (
+            not isinstance(number, int)
+            or isinstance(number, bool)
+            or not 1 <= number <= _MAX_VERSION
+        ):
             raise ConfigError(f"traffic: {_shown(version)} is not a version number")
         try:
             # An integer past a float's range (10**400) is no weight either.
