@@ -624,6 +624,8 @@ async def test_traceparent_over_grpc_parents_the_server_span(
     ok, refused = sorted(servers, key=lambda s: s.attributes["trioinfer.model.name"])
     assert ok.name == "inference.GRPCInferenceService/ModelInfer"
     assert ok.attributes["rpc.system"] == "grpc"
+    # The version that answered, as over HTTP, though the call named none.
+    assert ok.attributes["trioinfer.model.version"] == "1"
     assert format(ok.context.trace_id, "032x") == TRACE_ID
     assert ok.parent is not None
     assert format(ok.parent.span_id, "016x") == "00f067aa0ba902b7"

@@ -496,6 +496,9 @@ class _Service:
                 raise NotReady("the server is shutting down and takes no new requests")
             state.check_token(metadata, admin=False)
             served = state.models.resolve(model, version, key=metadata.get(ROUTING_KEY_HEADER))
+            tracing = state.models.engine._tracing
+            if tracing is not None:  # the server span says which version answered, as HTTP's
+                tracing.served_version(served.version)
             # The lease holds the regions the request names until its outputs are written.
             with state.shm.lease() as lease:
                 if isinstance(parts, _Planned):
