@@ -369,6 +369,8 @@ def test_settings_from_options_and_environment() -> None:
     [
         ({"trace_level": ["TENSORS"]}, "TENSORS is not supported"),
         ({"trace_level": ["LOUD"]}, "OFF or TIMESTAMPS"),
+        # Which one wins would be a guess (tracing stayed on); Triton refuses it too.
+        ({"trace_level": ["TIMESTAMPS", "OFF"]}, "OFF goes alone"),
         ({"trace_rate": "-3"}, "whole number"),
         ({"trace_rate": "often"}, "whole number"),
         ({"trace_count": "10"}, "trace_count cannot be changed"),
