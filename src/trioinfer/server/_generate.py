@@ -249,6 +249,8 @@ class GenerateEndpoint:
                     log.error("request failed: %s: %s", type(exc).__name__, exc)  # noqa: TRY400
                 message = state.models.public_message(exc)
                 if started:  # the status went out with the first event: say it in one more
+                    if self._tracing is not None:
+                        self._tracing.answered_late(exc)
                     await send({"type": "http.response.body", "body": _event({"error": message})})
                     return
                 body = dumps({"error": message})
