@@ -172,7 +172,9 @@ async def test_a_failed_request_is_counted_on_the_version_that_served_it(tmp_pat
         for v in ("1", "2")
     }
     lines = scraped.splitlines()
-    counted = {v: sum(float(x.split()[-1]) for x in lines if x.startswith(s)) for v, s in invalid.items()}
+    counted = {
+        v: sum(float(x.split()[-1]) for x in lines if x.startswith(s)) for v, s in invalid.items()
+    }
     assert counted == {version: 20.0, "2" if version == "1" else "1": 0.0}
 
 
