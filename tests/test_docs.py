@@ -718,6 +718,22 @@ def test_the_server_reference_lists_every_metric_family(tutorial_server: tuple[i
     assert rows == exported
 
 
+def test_the_server_reference_lists_every_request_outcome() -> None:
+    # The outcome table once said a missing token (401) and a server shutting down
+    # (503) were counted as "other"; they are "unauthorized" and "unavailable".
+    from trioinfer.server._errors import NotReady, Unauthorized
+    from trioinfer.server._metrics import _OUTCOMES, outcome_of
+
+    page = (DOCS / "reference" / "server.md").read_text()
+    table = page.split("The `outcome` label of", 1)[1].split("\n\n", 2)[1]
+    rows = dict(re.findall(r"^\| `([a-z_]+)` \| (.*) \|$", table, re.MULTILINE))
+    rows.pop("outcome")  # the header
+    labels = {outcome for _, outcome in _OUTCOMES} | {"success", "cancelled", "other"}
+    assert set(rows) == labels
+    assert "401" in rows[outcome_of(Unauthorized("no token"))]
+    assert "shutting down" in rows[outcome_of(NotReady("stopping"))]
+
+
 def test_benchmark_commands_use_real_options() -> None:
     # The commands the Benchmarks page gives to rerun its figures: each script must take
     # every option the page passes it (its --help lists them).

@@ -369,6 +369,8 @@ def test_settings_from_options_and_environment() -> None:
     [
         ({"trace_level": ["TENSORS"]}, "TENSORS is not supported"),
         ({"trace_level": ["LOUD"]}, "OFF or TIMESTAMPS"),
+        # Which one wins would be a guess (tracing stayed on); Triton refuses it too.
+        ({"trace_level": ["TIMESTAMPS", "OFF"]}, "OFF goes alone"),
         ({"trace_rate": "-3"}, "whole number"),
         ({"trace_rate": "often"}, "whole number"),
         ({"trace_count": "10"}, "trace_count cannot be changed"),
@@ -624,6 +626,8 @@ async def test_traceparent_over_grpc_parents_the_server_span(
     ok, refused = sorted(servers, key=lambda s: s.attributes["trioinfer.model.name"])
     assert ok.name == "inference.GRPCInferenceService/ModelInfer"
     assert ok.attributes["rpc.system"] == "grpc"
+    # The version that answered, as over HTTP, though the call named none.
+    assert ok.attributes["trioinfer.model.version"] == "1"
     assert format(ok.context.trace_id, "032x") == TRACE_ID
     assert ok.parent is not None
     assert format(ok.parent.span_id, "016x") == "00f067aa0ba902b7"

@@ -227,3 +227,24 @@ async def test_model_stream_infer_is_traced_under_its_server_span(repository: Pa
     assert stream.attributes["trioinfer.request.id"] == "r1"
     assert stream.attributes["trioinfer.stream.responses"] == 3
     assert stream.attributes["trioinfer.outcome"] == "success"
+
+
+async def test_a_stream_that_fails_after_its_200_says_so_on_its_server_span(
+    repository: Path,
+) -> None:
+    # The status went out with the first event, the error in one last event: the server
+    # span said "success" (gRPC's said "error") though the stream did not end whole.
+    exporter = InMemorySpanExporter()
+    config = ServerConfig(tracer_provider=provider_for(exporter), trace_rate=1.0)
+    late = {"IN": [1, 2], "DELAY": [0, 60_000], "WAIT": 0, "parameters": {"timeout": 300_000}}
+    async with trio.open_nursery() as nursery:
+        listening = await start_serving(nursery, repository, config=config)
+        async with httpx.AsyncClient(base_url=listening.urls[0]) as client:
+            cut = await client.post("/v2/models/repeat_int32/generate_stream", json=late)
+        nursery.cancel_scope.cancel()
+    assert cut.status_code == 200
+    assert '"error"' in cut.text.splitlines()[-2]  # the last event (then a blank line)
+    (server,) = [s for s in exporter.get_finished_spans() if s.kind is trace.SpanKind.SERVER]
+    assert server.attributes["http.response.status_code"] == 200
+    assert server.attributes["trioinfer.outcome"] == "error"
+    assert server.attributes["error.type"] == "DeadlineExceeded"

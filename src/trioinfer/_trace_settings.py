@@ -226,6 +226,11 @@ def update_trace_settings(
             )
         if not upper <= {"OFF", "TIMESTAMPS"} or not upper:
             raise ConfigError(f"trace_level must be OFF or TIMESTAMPS, got {level!r}")
+        if "OFF" in upper and len(upper) > 1:
+            raise ConfigError(
+                f'trace_level OFF goes alone: ["OFF"] stops tracing, ["TIMESTAMPS"] traces; '
+                f"got {level!r}"
+            )
         if model is not None:
             raise ConfigError(
                 "trace_level is server-wide here: set it on /v2/trace/setting; a model "

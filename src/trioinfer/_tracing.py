@@ -77,6 +77,11 @@ _LINKS: contextvars.ContextVar[tuple[Link, ...]] = contextvars.ContextVar(
 _COMPUTING: contextvars.ContextVar[trace.Tracer | None] = contextvars.ContextVar(
     "trioinfer_computing", default=None
 )
+#: While an HTTP server span is open: the errors its route answered after the status
+#: went out (a stream's last event), which only the route sees (`Tracing.answered_late`).
+_LATE_ERRORS: contextvars.ContextVar[list[BaseException] | None] = contextvars.ContextVar(
+    "trioinfer_late_errors", default=None
+)
 _PROPAGATOR = TraceContextTextMapPropagator()
 
 # Attribute names: OpenTelemetry's where a convention exists (error.type, the
@@ -472,6 +477,8 @@ class Tracing:
             await send(message)
 
         token = otel_context.attach(trace.set_span_in_context(span))
+        late: list[BaseException] = []
+        noting = _LATE_ERRORS.set(late)
         error: BaseException | None = None
         try:
             await serve(send_and_note)
@@ -479,6 +486,7 @@ class Tracing:
             error = exc
             raise
         finally:
+            _LATE_ERRORS.reset(noting)
             otel_context.detach(token)
             if status is None:  # the client left (or the server stopped) before an answer
                 span.set_attribute(OUTCOME, "cancelled" if error is None else _outcome(error))
@@ -486,6 +494,9 @@ class Tracing:
                 span.set_attribute("http.response.status_code", status)
                 if error is not None:  # after the status: a stream's client left mid-stream
                     span.set_attribute(OUTCOME, _outcome(error))
+                elif late:  # a 200 went out, then the stream failed (its last event says so)
+                    span.set_attribute(OUTCOME, "error")
+                    span.set_attribute(ERROR_TYPE, type(late[0]).__name__)
                 else:
                     span.set_attribute(OUTCOME, "success" if status < 400 else "error")
                 if status >= 400:
@@ -544,6 +555,18 @@ class Tracing:
         parent_context = _PROPAGATOR.extract(carrier) if carrier else None
         parent = trace.get_current_span(parent_context).get_span_context()
         return parent_context, self._sampled(model, parent)
+
+    @staticmethod
+    def answered_late(error: BaseException) -> None:
+        """Note on the current HTTP server span that its stream failed after the status went out.
+
+        The route answered *error* in the stream's last event, under a 200
+        already sent: the span says ``error`` (and the error's class) instead
+        of ``success``.
+        """
+        late = _LATE_ERRORS.get()
+        if late is not None:
+            late.append(error)
 
     def served_version(self, version: int) -> None:
         """Note on the current server span which version answers (a traffic split picks it)."""

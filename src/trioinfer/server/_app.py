@@ -1429,15 +1429,16 @@ class _InferEndpoint:
         params = scope["path_params"]
         model = params["model"]
         state.in_flight.value += 1
+        picked: list[ServedVersion] = []  # the version it went to, once picked
         try:
             try:
                 status, body, extra = await self._infer(
-                    scope, headers, params, receive, model, params.get("version")
+                    scope, headers, params, receive, model, params.get("version"), picked
                 )
             except ClientLeft:
                 return  # there is nobody to answer
             except TrioInferError as exc:
-                state.metrics.count(model, params.get("version"), exc)
+                state.metrics.count(model, params.get("version"), exc, *picked)
                 status = status_for(exc)
                 if status == 500:  # as error_response and gRPC do: the server's fault
                     log.error("request failed: %s: %s", type(exc).__name__, exc)  # noqa: TRY400
@@ -1475,6 +1476,7 @@ class _InferEndpoint:
         receive: Receive,
         model: str,
         version: str | None,
+        picked: list[ServedVersion],
     ) -> tuple[int | None, bytes, Sequence[tuple[bytes, bytes]]]:
         state = self._state
         if not state.ready:
@@ -1483,6 +1485,7 @@ class _InferEndpoint:
         # A request that names no version follows the model's traffic split; one with a
         # routing key (a user or tenant id) stays on one version while the split does.
         served = state.models.resolve(model, version, key=headers.get(ROUTING_KEY_HEADER))
+        picked.append(served)  # its errors are counted on this version
         if self._tracing is not None:
             self._tracing.served_version(served.version)
         limits = state.config.limits

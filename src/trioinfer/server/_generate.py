@@ -239,17 +239,20 @@ class GenerateEndpoint:
             await send({"type": "http.response.start", "status": status, "headers": headers})
 
         state.in_flight.value += 1
+        picked: list[ServedVersion] = []  # the version it went to, once picked
         try:
             try:
-                await self._serve(scope, receive, send, start, model, version)
+                await self._serve(scope, receive, send, start, model, version, picked)
             except ClientLeft:
                 return  # there is nobody to answer
             except TrioInferError as exc:
-                state.metrics.count(model, version, exc)
+                state.metrics.count(model, version, exc, *picked)
                 if status_for(exc) == 500:  # as error_response and gRPC do: the server's fault
                     log.error("request failed: %s: %s", type(exc).__name__, exc)  # noqa: TRY400
                 message = state.models.public_message(exc)
                 if started:  # the status went out with the first event: say it in one more
+                    if self._tracing is not None:
+                        self._tracing.answered_late(exc)
                     await send({"type": "http.response.body", "body": _event({"error": message})})
                     return
                 body = dumps({"error": message})
@@ -270,6 +273,7 @@ class GenerateEndpoint:
         start: Any,
         model: str,
         version: str | None,
+        picked: list[ServedVersion],
     ) -> None:
         state = self._state
         if not state.ready:
@@ -277,6 +281,7 @@ class GenerateEndpoint:
         headers = _Headers(scope["headers"])
         state.check_token(headers, admin=False)
         served = state.models.resolve(model, version, key=headers.get(ROUTING_KEY_HEADER))
+        picked.append(served)  # its errors are counted on this version
         if self._tracing is not None:
             self._tracing.served_version(served.version)
         limits = state.config.limits

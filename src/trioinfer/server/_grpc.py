@@ -81,6 +81,7 @@ from ._codec import (
 )
 from ._errors import NotReady, Unauthorized
 from ._grpc_h2 import GrpcCall, GrpcError, GrpcServer, Method
+from ._models import ServedVersion
 
 log = logging.getLogger("trioinfer.server")
 
@@ -490,12 +491,18 @@ class _Service:
         """Answer one request; a decoupled model's responses go to *emit* (a stream), then None."""
         state = self._state
         model, version = message.model_name, message.model_version or None
+        picked: ServedVersion | None = None  # the version it went to, once picked
         state.in_flight.value += 1
         try:
             if not state.ready:
                 raise NotReady("the server is shutting down and takes no new requests")
             state.check_token(metadata, admin=False)
-            served = state.models.resolve(model, version, key=metadata.get(ROUTING_KEY_HEADER))
+            served = picked = state.models.resolve(
+                model, version, key=metadata.get(ROUTING_KEY_HEADER)
+            )
+            tracing = state.models.engine._tracing
+            if tracing is not None:  # the server span says which version answered, as HTTP's
+                tracing.served_version(served.version)
             # The lease holds the regions the request names until its outputs are written.
             with state.shm.lease() as lease:
                 if isinstance(parts, _Planned):
@@ -528,7 +535,7 @@ class _Service:
                         copy=False,
                     )
         except TrioInferError as exc:
-            state.metrics.count(model, version, exc)
+            state.metrics.count(model, version, exc, picked)
             raise
         finally:
             state.in_flight.value -= 1

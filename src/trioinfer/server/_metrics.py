@@ -89,19 +89,28 @@ class Metrics:
         """Count a request whose client disconnected before its answer."""
         self._outcomes[served.model, str(served.version), "cancelled"] += 1
 
-    def count(self, model: str, version: str | None, error: BaseException) -> None:
+    def count(
+        self,
+        model: str,
+        version: str | None,
+        error: BaseException,
+        served: ServedVersion | None = None,
+    ) -> None:
         """Count a request for *model* that ended with *error*.
 
-        Requests for models the server does not serve are counted without a
-        model label: the label values must not be whatever clients send.
+        *served* is the version the request went to, once it was picked: a
+        request that named no version is counted on it, not on a version the
+        traffic split would pick again. Requests for models the server does
+        not serve are counted without a model label: the label values must
+        not be whatever clients send.
         """
-        try:
-            served = self._models.resolve(model, version)
-        except ModelNotFound:
-            key = ("", "", outcome_of(error))
-        else:
-            key = (served.model, str(served.version), outcome_of(error))
-        self._outcomes[key] += 1
+        if served is None:
+            try:
+                served = self._models.resolve(model, version)
+            except ModelNotFound:
+                self._outcomes["", "", outcome_of(error)] += 1
+                return
+        self._outcomes[served.model, str(served.version), outcome_of(error)] += 1
 
     def requests(self) -> int:
         """Inference requests counted so far, whatever their outcome."""
