@@ -231,7 +231,25 @@ class PythonBackend:
         )
         # On a thread: a model file's imports (torch, say) can take seconds, which on
         # the event loop would stall every other model's requests meanwhile.
-        cls = await anyio.to_thread.run_sync(_model_class, config)
+        cls, module = await anyio.to_thread.run_sync(_model_class, config)
+        try:
+            return await self._instance(config, placement, signature, cls, module)
+        except BaseException:
+            # A load that fails leaves no instance to drop the module at aclose: drop it
+            # here, or every failed try (a repository poll retrying a broken model.py)
+            # keeps a module, and whatever its top level holds, for the process's life.
+            _forget(module)
+            raise
+
+    async def _instance(
+        self,
+        config: ModelConfig,
+        placement: Placement,
+        signature: ModelSignature,
+        cls: type,
+        module: str | None,
+    ) -> PythonInstance:
+        options = config.backend_options
         decoupled = options.get("decoupled", False)
         if not isinstance(decoupled, bool):
             raise ConfigError(
@@ -271,7 +289,7 @@ class PythonBackend:
             else None
         )
         try:
-            instance = PythonInstance(model, signature, device, label, worker)
+            instance = PythonInstance(model, signature, device, label, worker, module)
             await instance._call_hook("load")
         except BaseException:
             if worker is not None:
@@ -334,10 +352,11 @@ def _takes(cls: type, name: str) -> bool:
     return name in parameters
 
 
-def _model_class(config: ModelConfig) -> type:
+def _model_class(config: ModelConfig) -> tuple[type, str | None]:
+    # The class, and the name of the module this load imported for it (None: given in code).
     chosen = config.backend_options.get("class", "Model")
     if isinstance(chosen, type):
-        return chosen
+        return chosen, None
     if not isinstance(chosen, str) or not chosen.isidentifier():
         raise ConfigError(
             f"backend option class of model {config.name!r} must be a class name such as "
@@ -350,11 +369,12 @@ def _model_class(config: ModelConfig) -> type:
     module = _import(config.name, path)
     cls = getattr(module, chosen, None)
     if not isinstance(cls, type):
+        sys.modules.pop(module.__name__, None)  # no instance will use it
         raise BackendError(
             f"model {config.name!r}: {path.name} defines no class {chosen!r} "
             "(set backend option class to the model's class)"
         )
-    return cls
+    return cls, module.__name__
 
 
 def _import(model: str, path: Path) -> ModuleType:
@@ -392,8 +412,11 @@ class PythonInstance:
         device: str,
         label: str,
         worker: WorkerThread | None,
+        module: str | None = None,
     ) -> None:
         self._model = model
+        #: The module this instance's load imported model.py as (None: a class given in code).
+        self._module = module
         self._signature = signature
         self._device = device
         self._label = label
@@ -625,6 +648,11 @@ class PythonInstance:
             if self._worker is not None:
                 await self._worker.aclose()
             # The module this instance's import of model.py made: nothing else uses it.
-            module = type(self._model).__module__
-            if module.startswith(_MODULE_PREFIX):
-                sys.modules.pop(module, None)
+            _forget(self._module)
+
+
+def _forget(module: str | None) -> None:
+    # Drop the module one load's import of model.py made (its own name, not the class's
+    # __module__: model.py may import its class from elsewhere). None: a class in code.
+    if module is not None:
+        sys.modules.pop(module, None)
