@@ -731,6 +731,33 @@ async def test_unloading_drops_a_module_whose_class_it_imported(tmp_path: Path) 
     assert after == before
 
 
+async def test_a_reload_runs_model_py_as_edited_within_the_same_second(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Python's bytecode cache trusts a source of the same size and whole-second mtime:
+    # an edit that keeps both (0.5 made 0.7, within the second it was loaded) reloaded
+    # as the old code, with bytecode writing on, as it is by default.
+    import os
+    import sys
+
+    monkeypatch.setattr(sys, "dont_write_bytecode", False)
+    model = tmp_path / "model.py"
+    on_disk = ModelConfig(name="m", path=model, backend="python", backend_options=dict(XY))
+    source = (
+        "class Model:\n    def infer(self, inputs):\n        return {{'y': inputs['x'] * {}}}\n"
+    )
+    async with open_engine() as engine:
+        model.write_text(source.format(5))
+        os.utime(model, ns=(1_700_000_000_000_000_000, 1_700_000_000_000_000_000))
+        await engine.load(on_disk)
+        assert (await engine.infer("m", {"x": X}))["y"][0, 1] == 5
+        model.write_text(source.format(7))
+        os.utime(model, ns=(1_700_000_000_100_000_000, 1_700_000_000_100_000_000))
+        await engine.load(on_disk, replace=True)
+        assert (await engine.infer("m", {"x": X}))["y"][0, 1] == 7
+    assert not (tmp_path / "__pycache__").exists()  # nor is the repository written to
+
+
 async def test_dispatch_inline_runs_a_plain_infer_on_the_event_loop() -> None:
     seen: list[str] = []
 
