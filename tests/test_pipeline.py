@@ -374,6 +374,50 @@ async def test_a_pipeline_that_would_call_itself_is_refused() -> None:
             await engine.load(pipeline(cycle), replace=True)
 
 
+class Streams:
+    """A decoupled model: one response per request, as a stream."""
+
+    async def infer(self, inputs: Arrays) -> Any:
+        yield {"y": inputs["x"]}
+
+
+@pytest.mark.parametrize("batcher", ["none", "dynamic"])
+async def test_a_pipeline_over_a_decoupled_or_stateful_model_is_refused_at_load(
+    batcher: str,
+) -> None:
+    # A step needs one answer per request, and has no sequence_id to give: it loaded,
+    # then every request failed (a 400, the client blamed for the pipeline's config).
+    streams = ModelConfig(
+        name="streams",
+        backend="python",
+        backend_options={
+            "class": Streams,
+            "decoupled": True,
+            "inputs": [tensor("x")],
+            "outputs": [tensor("y")],
+        },
+    )
+    stateful = ModelConfig(
+        name="stateful",
+        backend="python",
+        backend_options={"class": Join, "inputs": [tensor("x")], "outputs": [tensor("y")]},
+        batcher="sequence",
+        sequence={},
+    )
+    async with open_engine() as engine:
+        await engine.load(streams)
+        with pytest.raises(
+            ConfigError, match=r"pipeline 'p': step 0: model 'streams' is decoupled"
+        ):
+            await engine.load(pipeline([step("streams", "IN", "OUT")], batcher=batcher))
+        # Nor can a step give a stateful model the sequence_id each request needs.
+        await engine.load(stateful)
+        with pytest.raises(
+            ConfigError, match=r"pipeline 'p': step 0: model 'stateful' is stateful"
+        ):
+            await engine.load(pipeline([step("stateful", "IN", "OUT")], batcher=batcher))
+
+
 async def test_a_failing_step_of_a_chain_ends_the_request_before_the_steps_after_it(
     autojump_clock: trio.testing.MockClock,
 ) -> None:

@@ -679,6 +679,85 @@ async def test_unloading_drops_the_modules_its_instances_imported(tmp_path: Path
     assert after == before
 
 
+@pytest.mark.parametrize(
+    "source",
+    [
+        "class Other:\n    pass\n",  # no class Model
+        "class Model:\n    def __init__(self):\n        raise ValueError('x')\n",
+        "class Model:\n    def __init__(self, width):\n        pass\n",  # no parameters
+        "class Model:\n    pass\n",  # no infer
+        "class Model:\n    def load(self):\n        raise ValueError('x')\n"
+        "    def infer(self, inputs):\n        return {'y': inputs['x']}\n",
+    ],
+)
+async def test_a_failed_load_drops_the_module_it_imported(tmp_path: Path, source: str) -> None:
+    # Else every failed try (a repository poll retrying a broken model.py) keeps a
+    # module, and all its top level holds, for the life of the process.
+    import sys
+
+    (tmp_path / "model.py").write_text(source)
+    on_disk = ModelConfig(
+        name="m", path=tmp_path / "model.py", backend="python", backend_options=dict(XY)
+    )
+    before = {name for name in sys.modules if name.startswith("trioinfer_python_model_")}
+    async with open_engine() as engine:
+        with pytest.raises((BackendError, ConfigError)):
+            await engine.load(on_disk)
+    after = {name for name in sys.modules if name.startswith("trioinfer_python_model_")}
+    assert after == before
+
+
+async def test_unloading_drops_a_module_whose_class_it_imported(tmp_path: Path) -> None:
+    import sys
+
+    (tmp_path / "impl.py").write_text(
+        "class Impl:\n    def infer(self, inputs):\n        return {'y': inputs['x']}\n"
+    )
+    (tmp_path / "model.py").write_text(
+        f"import sys\nsys.path.insert(0, {str(tmp_path)!r})\nfrom impl import Impl as Model\n"
+    )
+    on_disk = ModelConfig(
+        name="m", path=tmp_path / "model.py", backend="python", backend_options=dict(XY)
+    )
+    before = {name for name in sys.modules if name.startswith("trioinfer_python_model_")}
+    try:
+        async with open_engine() as engine:
+            await engine.load(on_disk)
+            await engine.unload("m")
+    finally:
+        sys.path.remove(str(tmp_path))
+        sys.modules.pop("impl", None)
+    after = {name for name in sys.modules if name.startswith("trioinfer_python_model_")}
+    assert after == before
+
+
+async def test_a_reload_runs_model_py_as_edited_within_the_same_second(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Python's bytecode cache trusts a source of the same size and whole-second mtime:
+    # an edit that keeps both (0.5 made 0.7, within the second it was loaded) reloaded
+    # as the old code, with bytecode writing on, as it is by default.
+    import os
+    import sys
+
+    monkeypatch.setattr(sys, "dont_write_bytecode", False)
+    model = tmp_path / "model.py"
+    on_disk = ModelConfig(name="m", path=model, backend="python", backend_options=dict(XY))
+    source = (
+        "class Model:\n    def infer(self, inputs):\n        return {{'y': inputs['x'] * {}}}\n"
+    )
+    async with open_engine() as engine:
+        model.write_text(source.format(5))
+        os.utime(model, ns=(1_700_000_000_000_000_000, 1_700_000_000_000_000_000))
+        await engine.load(on_disk)
+        assert (await engine.infer("m", {"x": X}))["y"][0, 1] == 5
+        model.write_text(source.format(7))
+        os.utime(model, ns=(1_700_000_000_100_000_000, 1_700_000_000_100_000_000))
+        await engine.load(on_disk, replace=True)
+        assert (await engine.infer("m", {"x": X}))["y"][0, 1] == 7
+    assert not (tmp_path / "__pycache__").exists()  # nor is the repository written to
+
+
 async def test_dispatch_inline_runs_a_plain_infer_on_the_event_loop() -> None:
     seen: list[str] = []
 

@@ -1174,6 +1174,30 @@ async def test_a_request_for_a_model_that_failed_to_load_says_why(root: Path) ->
     assert message.endswith("did you mean 'batcher_options' for 'batcher_option'?")
 
 
+@pytest.mark.pipeline
+async def test_a_step_model_with_a_broken_config_is_named_with_its_fault(root: Path) -> None:
+    # Its config.toml has a typo: the pipeline's error said the step model "is not in the
+    # repository", which sends its author looking for a misspelt step name.
+    from trioinfer.server._models import ServedModels
+
+    (root / "m" / "1").mkdir(parents=True)
+    (root / "m" / "config.toml").write_text("batcher_option = {}\n")
+    (root / "p").mkdir()
+    (root / "p" / "config.toml").write_text(
+        'backend = "pipeline"\n[backend_options]\n'
+        "inputs = [{ name = 'x', dtype = 'float32', shape = [1] }]\n"
+        "outputs = [{ name = 'y', dtype = 'float32', shape = [1] }]\n"
+        "steps = [{ model = 'm', input_map = { x = 'x' }, output_map = { y = 'y' } }]\n"
+    )
+    async with trioinfer.open_engine() as engine:
+        served = ServedModels(engine, ModelRepository(root))
+        assert await served.load_all() == ["m", "p"]
+        assert served.error("p").startswith(
+            "failed to load 'p': step model 'm' of model 'p': m/config.toml: unknown key "
+            "'batcher_option'"
+        )
+
+
 async def test_an_unloaded_model_is_not_said_to_have_failed_to_load(
     onnx_file: Path, root: Path
 ) -> None:

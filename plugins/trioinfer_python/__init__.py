@@ -49,7 +49,9 @@ In code, ``backend_options={"class": Model, ...}`` names the class itself, and
   async, called once per instance after construction and at unload.
 
 The model file is imported on a thread, so that its imports (of a deep
-learning framework, say) do not stall the other models' requests; the
+learning framework, say) do not stall the other models' requests, and
+afresh at each load, compiled from its source as it is then (no
+``__pycache__`` is read or written), as a module of its own; the
 constructor runs on the event loop: put slow set-up, such as reading
 weights, in a plain ``load``, which runs on the instance's worker thread.
 
@@ -105,6 +107,7 @@ batcher, and must return one row per input row.
 from __future__ import annotations
 
 import difflib
+import importlib.machinery
 import importlib.util
 import inspect
 import itertools
@@ -114,7 +117,7 @@ import sysconfig
 import traceback
 from collections.abc import AsyncGenerator, Mapping
 from pathlib import Path
-from types import ModuleType
+from types import CodeType, ModuleType
 from typing import Any, final
 
 import anyio
@@ -231,7 +234,25 @@ class PythonBackend:
         )
         # On a thread: a model file's imports (torch, say) can take seconds, which on
         # the event loop would stall every other model's requests meanwhile.
-        cls = await anyio.to_thread.run_sync(_model_class, config)
+        cls, module = await anyio.to_thread.run_sync(_model_class, config)
+        try:
+            return await self._instance(config, placement, signature, cls, module)
+        except BaseException:
+            # A load that fails leaves no instance to drop the module at aclose: drop it
+            # here, or every failed try (a repository poll retrying a broken model.py)
+            # keeps a module, and whatever its top level holds, for the process's life.
+            _forget(module)
+            raise
+
+    async def _instance(
+        self,
+        config: ModelConfig,
+        placement: Placement,
+        signature: ModelSignature,
+        cls: type,
+        module: str | None,
+    ) -> PythonInstance:
+        options = config.backend_options
         decoupled = options.get("decoupled", False)
         if not isinstance(decoupled, bool):
             raise ConfigError(
@@ -271,7 +292,7 @@ class PythonBackend:
             else None
         )
         try:
-            instance = PythonInstance(model, signature, device, label, worker)
+            instance = PythonInstance(model, signature, device, label, worker, module)
             await instance._call_hook("load")
         except BaseException:
             if worker is not None:
@@ -334,10 +355,11 @@ def _takes(cls: type, name: str) -> bool:
     return name in parameters
 
 
-def _model_class(config: ModelConfig) -> type:
+def _model_class(config: ModelConfig) -> tuple[type, str | None]:
+    # The class, and the name of the module this load imported for it (None: given in code).
     chosen = config.backend_options.get("class", "Model")
     if isinstance(chosen, type):
-        return chosen
+        return chosen, None
     if not isinstance(chosen, str) or not chosen.isidentifier():
         raise ConfigError(
             f"backend option class of model {config.name!r} must be a class name such as "
@@ -350,11 +372,12 @@ def _model_class(config: ModelConfig) -> type:
     module = _import(config.name, path)
     cls = getattr(module, chosen, None)
     if not isinstance(cls, type):
+        sys.modules.pop(module.__name__, None)  # no instance will use it
         raise BackendError(
             f"model {config.name!r}: {path.name} defines no class {chosen!r} "
             "(set backend option class to the model's class)"
         )
-    return cls
+    return cls, module.__name__
 
 
 def _import(model: str, path: Path) -> ModuleType:
@@ -364,7 +387,7 @@ def _import(model: str, path: Path) -> ModuleType:
     if not path.is_file():
         raise BackendError(f"model {model!r}: no model file {path.name} at the configured path")
     name = f"{_MODULE_PREFIX}{next(_modules)}"
-    spec = importlib.util.spec_from_file_location(name, path)
+    spec = importlib.util.spec_from_file_location(name, path, loader=_SourceLoader(name, str(path)))
     if spec is None or spec.loader is None:  # pragma: no cover  # a .py file always has one
         raise BackendError(f"model {model!r}: {path.name} cannot be imported")
     module = importlib.util.module_from_spec(spec)
@@ -375,6 +398,21 @@ def _import(model: str, path: Path) -> ModuleType:
         del sys.modules[name]
         raise BackendError(_raised(f"model {model!r}: importing {path.name}", exc)) from exc
     return module
+
+
+@final
+class _SourceLoader(importlib.machinery.SourceFileLoader):
+    """Compiles model.py from its source every time: no ``__pycache__`` read or written.
+
+    Python's bytecode cache trusts a source whose modification time (in whole
+    seconds) and size match: model.py edited within the second it was loaded,
+    to a file of the same size (``0.5`` made ``0.7``), would reload as the
+    old code.
+    """
+
+    def get_code(self, fullname: str) -> CodeType:
+        """The module's code, compiled from the file as it is now."""
+        return self.source_to_code(self.get_data(self.path), self.path)
 
 
 @final
@@ -392,8 +430,11 @@ class PythonInstance:
         device: str,
         label: str,
         worker: WorkerThread | None,
+        module: str | None = None,
     ) -> None:
         self._model = model
+        #: The module this instance's load imported model.py as (None: a class given in code).
+        self._module = module
         self._signature = signature
         self._device = device
         self._label = label
@@ -625,6 +666,11 @@ class PythonInstance:
             if self._worker is not None:
                 await self._worker.aclose()
             # The module this instance's import of model.py made: nothing else uses it.
-            module = type(self._model).__module__
-            if module.startswith(_MODULE_PREFIX):
-                sys.modules.pop(module, None)
+            _forget(self._module)
+
+
+def _forget(module: str | None) -> None:
+    # Drop the module one load's import of model.py made (its own name, not the class's
+    # __module__: model.py may import its class from elsewhere). None: a class in code.
+    if module is not None:
+        sys.modules.pop(module, None)

@@ -259,7 +259,7 @@ class Engine:
                         runner = Pipeline(
                             config,
                             self._infer_held,
-                            lambda model: self._runner(model).signature,
+                            self._step_signature,
                             self._steps_of,
                             self._alone.get,
                         )
@@ -342,7 +342,7 @@ class Engine:
             graph = BatchedPipeline(
                 config,
                 self._infer_step,
-                lambda model: self._runner(model).signature,
+                self._step_signature,
                 self._steps_of,
                 self._alone.get,
                 batcher,
@@ -431,6 +431,26 @@ class Engine:
             self._pipes[name] = runner
         else:
             self._pipes.pop(name, None)
+
+    def _step_signature(self, model: str) -> ModelSignature:
+        # A pipeline step's model, for its load's checks. A decoupled one answers with
+        # streams, and a stateful one needs a sequence_id, which a step cannot take or
+        # give: refused at load, or every request through the pipeline would fail, as
+        # the client's fault (a 400), for its config's.
+        runner = self._runner(model)
+        if model in self._gates:
+            raise ConfigError(
+                f"model {model!r} is decoupled (it answers with a stream of responses), but a "
+                "pipeline's step needs one answer per request; call it with "
+                "engine.infer_stream() instead, or use a model that answers once"
+            )
+        if runner.config.sequence is not None:
+            raise ConfigError(
+                f"model {model!r} is stateful (it has a [sequence] config), but a pipeline's "
+                "step request carries no sequence_id; call it with its sequence, or use a "
+                "model without one"
+            )
+        return runner.signature
 
     def _steps_of(self, model: str) -> tuple[str, ...]:
         # The models a pipeline's steps call (none for a model that is not one).

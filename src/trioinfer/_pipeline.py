@@ -655,7 +655,10 @@ def _check_graph(
                     f"{where}: step {i} (model {step.model!r}) leads back to the pipeline "
                     "itself; a pipeline's steps must not call it"
                 )
-            model = signatures(step.model)
+            try:
+                model = signatures(step.model)
+            except ConfigError as exc:  # a model no step can call (a decoupled one)
+                raise ConfigError(f"{where}: step {i}: {exc}") from None
             for own, shared in step.input_map.items():
                 _fits(where, f"step {i}: input {own!r} of model {step.model!r}", model.inputs,
                       own, producers[shared])  # fmt: skip

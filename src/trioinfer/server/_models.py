@@ -576,10 +576,14 @@ class ServedModels:
         if number is None:
             try:
                 number = max(self.repository.entry(model).selected())
-            except (ModelNotFound, ConfigError) as exc:
+            except ModelNotFound as exc:
                 raise ConfigError(
                     f"{what} {model!r} of model {owner!r} is not in the repository"
                 ) from exc
+            except ConfigError as exc:
+                # It is there, but its directory or config is broken: say what is wrong
+                # with it, not that it is missing (its author would look for a typo).
+                raise ConfigError(f"{what} {model!r} of model {owner!r}: {exc}") from exc
         return f"{model}.v{number}"
 
     async def unload(self, model: str) -> None:
