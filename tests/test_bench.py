@@ -15,6 +15,7 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import attrs
 import numpy as np
@@ -238,6 +239,13 @@ def test_zero_inputs_are_zeros_of_each_datatype() -> None:
     assert tensors["s"].tolist() == ["0", "0"]  # a string a model reading numbers accepts
     body, header = encode_infer_request(tensors, binary=True)
     assert decode_infer_request(body, header, Limits()).inputs["s"].tolist() == [b"0", b"0"]
+
+
+@pytest.mark.parametrize("make", [tool.random_inputs, tool.zero_inputs])
+def test_generated_inputs_refuse_a_negative_shape(make: Any) -> None:
+    # --shape IN=-1,4 crashed with numpy's traceback; -1 is a wildcard, not a size.
+    with pytest.raises(tool.BenchError, match=r"--shape x=-1,3: a dimension is negative"):
+        make([{"name": "x", "datatype": "FP32", "shape": [-1, 3]}], {"x": [-1, 3]})
 
 
 def test_zero_inputs_refuse_an_unknown_shape_name() -> None:

@@ -112,6 +112,13 @@ def _generated(
         name = str(spec["name"])
         datatype = str(spec["datatype"])
         shape = tuple(shapes.get(name, [max(int(d), 1) for d in spec.get("shape", [])]))
+        if any(d < 0 for d in shape):
+            # numpy would fail deep inside with a traceback; -1 is the metadata's wildcard,
+            # never a size the tool can fill.
+            raise BenchError(
+                f"--shape {name}={','.join(map(str, shape))}: a dimension is negative; "
+                "give every dimension as a size of 0 or more"
+            )
         dtype = v2_numpy_dtype(datatype)
         if dtype is None:
             raise BenchError(
