@@ -724,6 +724,27 @@ def _result(value: float) -> tool.Result:
     )
 
 
+def test_reports_of_a_level_where_every_request_failed_are_valid_json_and_csv(
+    tmp_path: Path,
+) -> None:
+    # No latency to measure: the JSON held NaN (which JSON has not: jq and browsers refuse
+    # it) and the CSV "nan"; they hold null and an empty cell, as "stable" does.
+    latency = dict.fromkeys(["p50", "p90", "p95", "p99", "max"], math.nan)
+    failed = tool.Result(
+        "concurrency", 1, 0.0, latency, 0, {"500": 5}, 0, 0, 1, None, math.nan, 0.01
+    )
+    tool.write_json(tmp_path / "out.json", [failed], {"model": "m"})
+    text = (tmp_path / "out.json").read_text()
+    row = json.loads(text, parse_constant=lambda name: pytest.fail(f"{name} in the JSON"))
+    assert row["results"][0]["p99_ms"] is None
+    assert row["results"][0]["cpu_us_per_request"] is None
+    tool.write_csv(tmp_path / "out.csv", [failed])
+    with (tmp_path / "out.csv").open(newline="") as f:
+        (got,) = list(csv.DictReader(f))
+    assert got["p50_ms"] == got["max_ms"] == got["cpu_us_per_request"] == ""
+    assert got["errors"] == "5"
+
+
 def test_table_is_plain_text_off_a_terminal(capsys: pytest.CaptureFixture[str]) -> None:
     tool.print_table([_result(4)])
     out = capsys.readouterr().out
