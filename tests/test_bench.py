@@ -248,6 +248,16 @@ def test_generated_inputs_refuse_a_negative_shape(make: Any) -> None:
         make([{"name": "x", "datatype": "FP32", "shape": [-1, 3]}], {"x": [-1, 3]})
 
 
+@pytest.mark.parametrize("shape", [[2, 3], [4], [1, 4, 1]])
+def test_generated_inputs_refuse_a_shape_the_model_cannot_take(shape: list[int]) -> None:
+    # The server refused every request, and the tool blamed its random values.
+    spec = [{"name": "x", "datatype": "FP32", "shape": [-1, 4]}]
+    with pytest.raises(tool.BenchError, match=r"does not fit input 'x', whose shape is \[-1, 4\]"):
+        tool.random_inputs(spec, {"x": shape})
+    (tensor,) = tool.random_inputs(spec, {"x": [8, 4]})
+    assert tensor.array.shape == (8, 4)
+
+
 def test_zero_inputs_refuse_an_unknown_shape_name() -> None:
     with pytest.raises(tool.BenchError, match="'y'"):
         tool.zero_inputs([{"name": "x", "datatype": "FP32", "shape": [1]}], {"y": [1]})
