@@ -15,6 +15,7 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import attrs
 import numpy as np
@@ -238,6 +239,23 @@ def test_zero_inputs_are_zeros_of_each_datatype() -> None:
     assert tensors["s"].tolist() == ["0", "0"]  # a string a model reading numbers accepts
     body, header = encode_infer_request(tensors, binary=True)
     assert decode_infer_request(body, header, Limits()).inputs["s"].tolist() == [b"0", b"0"]
+
+
+@pytest.mark.parametrize("make", [tool.random_inputs, tool.zero_inputs])
+def test_generated_inputs_refuse_a_negative_shape(make: Any) -> None:
+    # --shape IN=-1,4 crashed with numpy's traceback; -1 is a wildcard, not a size.
+    with pytest.raises(tool.BenchError, match=r"--shape x=-1,3: a dimension is negative"):
+        make([{"name": "x", "datatype": "FP32", "shape": [-1, 3]}], {"x": [-1, 3]})
+
+
+@pytest.mark.parametrize("shape", [[2, 3], [4], [1, 4, 1]])
+def test_generated_inputs_refuse_a_shape_the_model_cannot_take(shape: list[int]) -> None:
+    # The server refused every request, and the tool blamed its random values.
+    spec = [{"name": "x", "datatype": "FP32", "shape": [-1, 4]}]
+    with pytest.raises(tool.BenchError, match=r"does not fit input 'x', whose shape is \[-1, 4\]"):
+        tool.random_inputs(spec, {"x": shape})
+    (tensor,) = tool.random_inputs(spec, {"x": [8, 4]})
+    assert tensor.array.shape == (8, 4)
 
 
 def test_zero_inputs_refuse_an_unknown_shape_name() -> None:
@@ -714,6 +732,27 @@ def _result(value: float) -> tool.Result:
     return tool.Result(
         "concurrency", value, 1234.0, latency, 100, {"503": 2}, 0, 0, 3, False, 21.5, 0.02
     )
+
+
+def test_reports_of_a_level_where_every_request_failed_are_valid_json_and_csv(
+    tmp_path: Path,
+) -> None:
+    # No latency to measure: the JSON held NaN (which JSON has not: jq and browsers refuse
+    # it) and the CSV "nan"; they hold null and an empty cell, as "stable" does.
+    latency = dict.fromkeys(["p50", "p90", "p95", "p99", "max"], math.nan)
+    failed = tool.Result(
+        "concurrency", 1, 0.0, latency, 0, {"500": 5}, 0, 0, 1, None, math.nan, 0.01
+    )
+    tool.write_json(tmp_path / "out.json", [failed], {"model": "m"})
+    text = (tmp_path / "out.json").read_text()
+    row = json.loads(text, parse_constant=lambda name: pytest.fail(f"{name} in the JSON"))
+    assert row["results"][0]["p99_ms"] is None
+    assert row["results"][0]["cpu_us_per_request"] is None
+    tool.write_csv(tmp_path / "out.csv", [failed])
+    with (tmp_path / "out.csv").open(newline="") as f:
+        (got,) = list(csv.DictReader(f))
+    assert got["p50_ms"] == got["max_ms"] == got["cpu_us_per_request"] == ""
+    assert got["errors"] == "5"
 
 
 def test_table_is_plain_text_off_a_terminal(capsys: pytest.CaptureFixture[str]) -> None:

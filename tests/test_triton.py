@@ -426,6 +426,23 @@ def test_shared_memory_refusals(
     assert result is None
 
 
+def test_an_unregistered_region_is_unmapped_once_its_requests_answered(
+    server: Server, client: httpclient.InferenceServerClient, regions: list[Any]
+) -> None:
+    # The runner's worker kept its last batch (and so the request's input, a view of the
+    # region) while it waited for the next: an idle server kept every unregistered
+    # region mapped until more requests came.
+    handle, key = create_region(regions, "held", 64)
+    shm.set_shared_memory_region(handle, [np.arange(16, dtype=np.int32)])
+    client.register_system_shared_memory("held", key, 64)
+    result = _shm_infer(client, "held", 64)
+    np.testing.assert_array_equal(result.as_numpy("OUTPUT0"), np.arange(16).reshape(1, 16))
+    client.unregister_system_shared_memory("held")
+    client.get_system_shared_memory_status()  # one more request answered after it
+    maps = Path(f"/proc/{server.process.pid}/maps").read_text()
+    assert f"/dev/shm{key}" not in maps
+
+
 @pytest.mark.skipif(probe() is None, reason="CUDA is usable here: CUDA shared memory works")
 def test_cuda_shared_memory_is_refused_clearly(client: httpclient.InferenceServerClient) -> None:
     # simple_http_cudashm_client clears both registries first: that works; registering does not.

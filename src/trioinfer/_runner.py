@@ -1147,6 +1147,10 @@ class ModelRunner(metaclass=NoPublicConstructor):
                     if replica._back is not None:
                         await replica._back.wait()  # out of service: wait to be put back
                         continue
+                    # The last batch is dropped before waiting for the next: its requests
+                    # hold their inputs, which may be views of a client's shared memory
+                    # that must be unmapped once unregistered, not when traffic resumes.
+                    batch = formed = None
                     try:
                         if alone:
                             batch = await batcher.next_batch(self.queue)
@@ -1156,7 +1160,7 @@ class ModelRunner(metaclass=NoPublicConstructor):
                             in_line = None
                             if formed is None:
                                 continue
-                            batch = formed
+                            batch, formed = formed, None
                     except Exception as exc:
                         # What it had taken fails with it; the engine and the model go on.
                         await self._batcher_failed(

@@ -112,6 +112,22 @@ def _generated(
         name = str(spec["name"])
         datatype = str(spec["datatype"])
         shape = tuple(shapes.get(name, [max(int(d), 1) for d in spec.get("shape", [])]))
+        declared = [int(d) for d in spec.get("shape", [])]
+        if name in shapes and declared and not _fits(shape, declared):
+            # The server would refuse every request (400s the tool would put down to
+            # its random values): say so before the run.
+            raise BenchError(
+                f"--shape {name}={','.join(map(str, shape))} does not fit input {name!r}, "
+                f"whose shape is {declared} (-1: any size); give a size for each "
+                "dimension, the model's where it is fixed"
+            )
+        if any(d < 0 for d in shape):
+            # numpy would fail deep inside with a traceback; -1 is the metadata's wildcard,
+            # never a size the tool can fill.
+            raise BenchError(
+                f"--shape {name}={','.join(map(str, shape))}: a dimension is negative; "
+                "give every dimension as a size of 0 or more"
+            )
         dtype = v2_numpy_dtype(datatype)
         if dtype is None:
             raise BenchError(
@@ -120,6 +136,12 @@ def _generated(
             )
         tensors.append(Tensor(name, datatype, fill(datatype, dtype, shape)))
     return tensors
+
+
+def _fits(shape: Sequence[int], declared: Sequence[int]) -> bool:
+    return len(shape) == len(declared) and all(
+        d == want for d, want in zip(shape, declared, strict=True) if want >= 0
+    )
 
 
 def generated_inputs(

@@ -192,7 +192,7 @@ def open_progress() -> Iterator[Callable[[Progress], None] | None]:
 def write_json(path: Path, results: Sequence[Result], about: Mapping[str, Any]) -> None:
     """Write the run's settings and one object per level as JSON."""
     doc = {**about, "results": [r.row() for r in results]}
-    path.write_text(json.dumps(doc, indent=2) + "\n")
+    path.write_text(json.dumps(doc, indent=2, allow_nan=False) + "\n")
 
 
 def write_csv(path: Path, results: Sequence[Result]) -> None:

@@ -101,12 +101,17 @@ class Result:
     cores: float
 
     def row(self) -> dict[str, Any]:
-        """The result as one flat mapping (what ``--json`` and ``--csv`` write)."""
+        """The result as one flat mapping (what ``--json`` and ``--csv`` write).
+
+        A figure with nothing to measure (latencies when no request succeeded, CPU
+        per request when none finished) is ``None``: ``null`` in JSON, which has no
+        NaN, and empty in CSV.
+        """
         return {
             "load": self.load,
             "value": self.value,
             "throughput": round(self.throughput, 2),
-            **{f"{k}_ms": round(v, 4) for k, v in self.latency_ms.items()},
+            **{f"{k}_ms": _figure(v, 4) for k, v in self.latency_ms.items()},
             "completed": self.completed,
             "errors": sum(self.errors.values()),
             "errors_by_status": " ".join(f"{k}:{v}" for k, v in sorted(self.errors.items())),
@@ -114,9 +119,13 @@ class Result:
             "dropped": self.dropped,
             "windows": self.windows,
             "stable": self.stable,
-            "cpu_us_per_request": round(self.cpu_us_per_request, 2),
+            "cpu_us_per_request": _figure(self.cpu_us_per_request, 2),
             "cores": round(self.cores, 3),
         }
+
+
+def _figure(value: float, digits: int) -> float | None:
+    return None if math.isnan(value) else round(value, digits)
 
 
 def _cpu_s() -> float:

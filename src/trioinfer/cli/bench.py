@@ -212,7 +212,10 @@ _REFUSED_INPUTS = (
     type=click.IntRange(min=0),
     default=0,
     metavar="N",
-    help="Measure exactly N windows and count them all, instead of waiting for stability.",
+    help=(
+        "Measure exactly N windows and count them all, instead of waiting for stability "
+        "(0, the default: wait for stability)."
+    ),
 )
 @click.option(
     "--seed", type=int, default=0, show_default=True, help="Seeds random inputs and arrivals."
