@@ -295,6 +295,18 @@ def test_serve_errors_name_the_setting_as_it_was_given(
         assert fragment.format(file=config) not in output
 
 
+def test_serve_command_line_model_repository_wins_over_the_config_file(tmp_path: Path) -> None:
+    # --help says options on the command line win; model_repository in the file once did.
+    config = tmp_path / "server.toml"
+    config.write_text('model_repository = "from_file"\n')
+    result = invoke(
+        "serve", "--config", str(config), "--model-repository", str(tmp_path / "from_cli")
+    )
+    assert result.exit_code == 1, result.output
+    assert "from_cli does not exist" in result.output
+    assert "from_file" not in result.output
+
+
 @pytest.mark.parametrize("token", ["", "   ", " padded", "tab\there"])
 def test_serve_refuses_an_admin_token_nobody_could_send(token: str) -> None:
     # An empty token would let "Authorization: Bearer " through.

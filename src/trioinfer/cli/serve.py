@@ -439,10 +439,12 @@ def _serve_settings(ctx: click.Context, options: dict[str, Any]) -> dict[str, An
     from_file: dict[str, Path] = {}
     for key, value in data.items():
         source = ctx.get_parameter_source(key) if key in settings else None
+        if source not in (None, click.core.ParameterSource.DEFAULT):
+            continue  # the command line wins (model_repository's once did not)
         if key in ("limits", "model_repository"):
             settings[key] = value
             from_file[key] = config_file
-        elif source in (None, click.core.ParameterSource.DEFAULT):
+        else:
             settings[key] = _file_value(ctx, params[key], config_file, key, value)
             from_file[key] = config_file
     settings[_FROM_FILE] = from_file
