@@ -237,6 +237,10 @@ def test_serve_refuses_bad_settings_with_a_usage_error(tmp_path: Path) -> None:
         ("model_repository = 5", "model_repository must be a string, got 5"),
         ("limits = 5", "limits must be a table ([limits]) of body_timeout"),
         ("[limits]\nbogus = 1", "unknown key 'bogus' in [limits]; known keys are body_timeout"),
+        # A typo says which key was meant.
+        ("prot = 8000", "unknown key 'prot'; known keys are"),
+        ("prot = 8000", "did you mean 'port' for 'prot'?"),
+        ("[limits]\nmax_body_byte = 1", "did you mean 'max_body_bytes' for 'max_body_byte'?"),
     ],
 )
 def test_serve_checks_each_config_file_value_as_its_option(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import difflib
 import errno
 import functools
 import gc
@@ -11,7 +12,7 @@ import logging
 import math
 import os
 import tomllib
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Final
 
@@ -427,7 +428,7 @@ def _serve_settings(ctx: click.Context, options: dict[str, Any]) -> dict[str, An
     if unknown:
         raise click.BadParameter(
             f"{config_file}: unknown key {', '.join(map(repr, unknown))}; known keys are "
-            f"{', '.join(sorted(_SERVE_KEYS))}",
+            f"{', '.join(sorted(_SERVE_KEYS))}{_did_you_mean(unknown, _SERVE_KEYS)}",
             param_hint="--config",
         )
     if "limits" in data:
@@ -513,6 +514,17 @@ def _file_value(
         ) from None
 
 
+def _did_you_mean(unknown: Sequence[str], known: Iterable[str]) -> str:
+    """``; did you mean 'port' for 'prot'?`` for each unknown key close to a known one."""
+    known = sorted(known)
+    hints = [
+        f"; did you mean {close[0]!r} for {key!r}?"
+        for key in unknown
+        if (close := difflib.get_close_matches(key, known, n=1))
+    ]
+    return "".join(hints)
+
+
 def _check_string(config_file: Path, key: str, value: Any) -> None:
     if not isinstance(value, str):
         raise click.BadParameter(
@@ -534,7 +546,7 @@ def _check_limits(limits: Any, config_file: Path) -> None:
     if unknown:
         raise click.BadParameter(
             f"{config_file}: unknown key {', '.join(map(repr, unknown))} in [limits]; "
-            f"known keys are {', '.join(known)}",
+            f"known keys are {', '.join(known)}{_did_you_mean(unknown, known)}",
             param_hint="--config",
         )
 
