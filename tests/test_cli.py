@@ -159,6 +159,7 @@ def test_demo_runs_and_reports() -> None:
         (["--concurrency", "0"], "--concurrency"),
         (["--requests", "-1"], "--requests"),
         (["--instances", "0"], "--instances"),
+        (["--instances", "300"], "--instances"),  # more than a model may have
         (["--deadline", "0"], "--deadline"),
         (["--deadline", "nan"], "--deadline"),
     ],
