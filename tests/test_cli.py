@@ -232,6 +232,7 @@ def test_serve_refuses_bad_settings_with_a_usage_error(tmp_path: Path) -> None:
         ("log_level = 3", "log_level = 3: 3 is not one of 'debug'"),
         ('loop = "uvloop"', "loop = 'uvloop': 'uvloop' is not one of 'trio', 'asyncio'"),
         ('models = "digits"', "models = 'digits': Value must be an iterable"),
+        ("models = [1]", "models must be a list of strings, got [1]"),
         ('trace_rate = "x"', "trace_rate = 'x': 'x' is not a valid float"),
         ('grpc = "maybe"', "grpc = 'maybe': 'maybe' is not a valid boolean"),
         ("host = 5", "host must be a string, got 5"),

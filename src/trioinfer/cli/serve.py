@@ -493,6 +493,17 @@ def _file_value(
     """
     if isinstance(param.type, click.types.StringParamType) and not param.multiple:
         _check_string(config_file, key, value)  # click would make 5 the string "5"
+    if (
+        isinstance(param.type, click.types.StringParamType)
+        and param.multiple
+        and isinstance(value, list)
+        and not all(isinstance(item, str) for item in value)
+    ):
+        # models = [1] would load a model named '1'.
+        raise click.BadParameter(
+            f"{config_file}: {key} must be a list of strings, got {value!r}",
+            param_hint="--config",
+        )
     if isinstance(value, bool) and not isinstance(param.type, click.types.BoolParamType):
         # click would make true the number 1: port = true would listen on port 1.
         what = (
