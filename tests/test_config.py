@@ -57,6 +57,8 @@ def test_bad_devices_are_refused(text: str) -> None:
         ({"casting": "unsafe"}, "casting must be"),
         ({"scheduler": ""}, "scheduler must be a plugin name"),
         ({"scheduler_options": [1]}, "plugin options must be a table"),
+        ({"queue_timeouts": {"0": 1, "00": 2}}, "queue_timeouts: level 0 is given twice"),
+        ({"queue_sizes": {"-1": 1, " -1": 2}}, "queue_sizes: level -1 is given twice"),
         # cpu_fallback = "no" in a config.toml: truthy, so it once meant true.
         ({"cpu_fallback": "no"}, "cpu_fallback must be true or false, got 'no'"),
         ({"cpu_fallback": 0}, "cpu_fallback must be true or false, got 0"),

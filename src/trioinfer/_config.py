@@ -223,6 +223,9 @@ def _per_level(name: str, what: str, value: object, valid: Any) -> dict[int, Any
             raise ConfigError(f"{name}: {level!r} is not an integer priority level") from None
         if isinstance(item, bool) or not valid(item):
             raise ConfigError(f"{name}: level {key} needs {what}, got {item!r}")
+        if key in out:
+            # "0" and "00" (or " 0") are one level: which value won was the table's order.
+            raise ConfigError(f"{name}: level {key} is given twice, as {level!r} and another key")
         out[key] = item
     return out
 
