@@ -134,7 +134,7 @@ def test_from_toml_skips_version_folders_the_repository_does_not_serve(tmp_path:
         (path.parent / odd / "model.onnx").write_bytes(b"")
     assert ModelConfig.from_toml(path).path == path.parent / "2" / "model.onnx"
     shutil.rmtree(path.parent / "2")
-    with pytest.raises(ConfigError, match="has no version directory holding model.onnx"):
+    with pytest.raises(ConfigError, match=r"has no version directory holding model\.onnx"):
         ModelConfig.from_toml(path)
 
 
