@@ -159,6 +159,7 @@ def test_demo_runs_and_reports() -> None:
         (["--concurrency", "0"], "--concurrency"),
         (["--requests", "-1"], "--requests"),
         (["--instances", "0"], "--instances"),
+        (["--instances", "300"], "--instances"),  # more than a model may have
         (["--deadline", "0"], "--deadline"),
         (["--deadline", "nan"], "--deadline"),
     ],
@@ -231,12 +232,17 @@ def test_serve_refuses_bad_settings_with_a_usage_error(tmp_path: Path) -> None:
         ("log_level = 3", "log_level = 3: 3 is not one of 'debug'"),
         ('loop = "uvloop"', "loop = 'uvloop': 'uvloop' is not one of 'trio', 'asyncio'"),
         ('models = "digits"', "models = 'digits': Value must be an iterable"),
+        ("models = [1]", "models must be a list of strings, got [1]"),
         ('trace_rate = "x"', "trace_rate = 'x': 'x' is not a valid float"),
         ('grpc = "maybe"', "grpc = 'maybe': 'maybe' is not a valid boolean"),
         ("host = 5", "host must be a string, got 5"),
         ("model_repository = 5", "model_repository must be a string, got 5"),
         ("limits = 5", "limits must be a table ([limits]) of body_timeout"),
         ("[limits]\nbogus = 1", "unknown key 'bogus' in [limits]; known keys are body_timeout"),
+        # A typo says which key was meant.
+        ("prot = 8000", "unknown key 'prot'; known keys are"),
+        ("prot = 8000", "did you mean 'port' for 'prot'?"),
+        ("[limits]\nmax_body_byte = 1", "did you mean 'max_body_bytes' for 'max_body_byte'?"),
     ],
 )
 def test_serve_checks_each_config_file_value_as_its_option(
@@ -293,6 +299,18 @@ def test_serve_errors_name_the_setting_as_it_was_given(
         assert fragment.format(file=config) in output
     for fragment in unsaid:
         assert fragment.format(file=config) not in output
+
+
+def test_serve_command_line_model_repository_wins_over_the_config_file(tmp_path: Path) -> None:
+    # --help says options on the command line win; model_repository in the file once did.
+    config = tmp_path / "server.toml"
+    config.write_text('model_repository = "from_file"\n')
+    result = invoke(
+        "serve", "--config", str(config), "--model-repository", str(tmp_path / "from_cli")
+    )
+    assert result.exit_code == 1, result.output
+    assert "from_cli does not exist" in result.output
+    assert "from_file" not in result.output
 
 
 @pytest.mark.parametrize("token", ["", "   ", " padded", "tab\there"])

@@ -57,6 +57,11 @@ def test_bad_devices_are_refused(text: str) -> None:
         ({"casting": "unsafe"}, "casting must be"),
         ({"scheduler": ""}, "scheduler must be a plugin name"),
         ({"scheduler_options": [1]}, "plugin options must be a table"),
+        ({"queue_timeouts": {"0": 1, "00": 2}}, "queue_timeouts: level 0 is given twice"),
+        ({"queue_sizes": {"-1": 1, " -1": 2}}, "queue_sizes: level -1 is given twice"),
+        # cpu_fallback = "no" in a config.toml: truthy, so it once meant true.
+        ({"cpu_fallback": "no"}, "cpu_fallback must be true or false, got 'no'"),
+        ({"cpu_fallback": 0}, "cpu_fallback must be true or false, got 0"),
     ],
 )
 def test_bad_fields_are_refused(kwargs: dict[str, object], message: str) -> None:
@@ -118,6 +123,19 @@ threads = 1
     assert config.max_queue_size == 16
     assert dict(config.backend_options) == {"dispatch": "thread"}
     assert ModelConfig.from_toml(path, version=1).path.parent.name == "1"
+
+
+def test_from_toml_skips_version_folders_the_repository_does_not_serve(tmp_path: Path) -> None:
+    # '²' passes str.isdigit() but not int(); "01" and "0" are no version the server
+    # serves: none of them is a crash or the version picked.
+    path = write_repo(tmp_path, "", versions=(2,))
+    for odd in ("\u00b2", "01", "0", "007"):
+        (path.parent / odd).mkdir()
+        (path.parent / odd / "model.onnx").write_bytes(b"")
+    assert ModelConfig.from_toml(path).path == path.parent / "2" / "model.onnx"
+    shutil.rmtree(path.parent / "2")
+    with pytest.raises(ConfigError, match=r"has no version directory holding model\.onnx"):
+        ModelConfig.from_toml(path)
 
 
 def test_from_toml_refuses_unknown_keys_and_names_them(tmp_path: Path) -> None:

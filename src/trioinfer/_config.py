@@ -30,6 +30,8 @@ DeviceKind = Literal["cpu", "cuda", "tensorrt"]
 _DEVICE_RE = re.compile(r"^(cpu|cuda|tensorrt)(?::(\d+))?$")
 _T = TypeVar("_T")
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,127}$")
+# A version directory's name, as the server's repository reads it (1 to 2**63-1).
+_VERSION_DIR = re.compile(r"[1-9][0-9]{0,18}")
 
 #: Most instances one model may have, over all its groups. Each is a session
 #: with its own memory and threads; a count far past the devices' cores and GPUs
@@ -221,6 +223,9 @@ def _per_level(name: str, what: str, value: object, valid: Any) -> dict[int, Any
             raise ConfigError(f"{name}: {level!r} is not an integer priority level") from None
         if isinstance(item, bool) or not valid(item):
             raise ConfigError(f"{name}: level {key} needs {what}, got {item!r}")
+        if key in out:
+            # "0" and "00" (or " 0") are one level: which value won was the table's order.
+            raise ConfigError(f"{name}: level {key} is given twice, as {level!r} and another key")
         out[key] = item
     return out
 
@@ -317,7 +322,7 @@ class ModelConfig:
     max_queue_size: int = attrs.field(default=1024, validator=_positive)
     queue_timeouts: Mapping[int, float] = attrs.field(factory=dict, converter=_to_timeouts)
     queue_sizes: Mapping[int, int] = attrs.field(factory=dict, converter=_to_queue_sizes)
-    cpu_fallback: bool = True
+    cpu_fallback: bool = attrs.field(default=True)
     response_cache: bool = attrs.field(default=False)
     max_elements_per_input: int = attrs.field(default=1 << 26, validator=_positive)
     max_elements_per_request: int = attrs.field(default=1 << 27, validator=_positive)
@@ -344,6 +349,13 @@ class ModelConfig:
                 f"got {self.fallback!r}: a sequence stays on its instance, and a retry or "
                 "failover would run a request twice or elsewhere"
             )
+
+    @cpu_fallback.validator
+    def _check_cpu_fallback(self, _attribute: attrs.Attribute[Any], value: object) -> None:
+        # cpu_fallback = "no" in a config.toml is a non-empty string, so truthy: refused
+        # rather than silently taken as true.
+        if not isinstance(value, bool):
+            raise ConfigError(f"cpu_fallback must be true or false, got {value!r}")
 
     @response_cache.validator
     def _check_response_cache(self, _attribute: attrs.Attribute[Any], value: object) -> None:
@@ -498,8 +510,14 @@ def find_model_file(model_dir: Path, version: int | None = None, file: str = "mo
     Raises:
         ConfigError: If there is no numeric version directory holding *file*.
     """
+    # The repository's rule (ASCII digits, no leading zero): str.isdigit() accepts '²',
+    # which int() refuses, and a folder "01" would be read as 1 then looked for as "1".
     versions = (
-        sorted(int(p.name) for p in model_dir.iterdir() if p.is_dir() and p.name.isdigit())
+        sorted(
+            int(p.name)
+            for p in model_dir.iterdir()
+            if p.is_dir() and _VERSION_DIR.fullmatch(p.name)
+        )
         if model_dir.is_dir()
         else []
     )
@@ -512,7 +530,7 @@ def find_model_file(model_dir: Path, version: int | None = None, file: str = "mo
     wanted = f"version {version}" if version is not None else "version directory"
     raise ConfigError(
         f"{model_dir} has no {wanted} holding {file}: expected {model_dir}/<N>/{file}, "
-        "N a version number"
+        "N a version number (1, 2, ... without leading zeros)"
     )
 
 

@@ -15,7 +15,7 @@ import numpy.typing as npt
 import trio
 
 from .. import __version__
-from .._config import Instance, ModelConfig
+from .._config import MAX_INSTANCES, Instance, ModelConfig
 from .._engine import Engine, open_engine
 from .._examples import digits_samples, example_repository
 from .._exceptions import TrioInferError
@@ -54,7 +54,8 @@ _LABEL_WIDTH: Final = 18
 )
 @click.option(
     "--instances",
-    type=click.IntRange(min=1),
+    # A model's bound: past it the model would fail to load (exit 1), not be refused as usage.
+    type=click.IntRange(1, MAX_INSTANCES),
     default=2,
     show_default=True,
     metavar="COUNT",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import difflib
 import errno
 import functools
 import gc
@@ -11,7 +12,7 @@ import logging
 import math
 import os
 import tomllib
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Final
 
@@ -427,7 +428,7 @@ def _serve_settings(ctx: click.Context, options: dict[str, Any]) -> dict[str, An
     if unknown:
         raise click.BadParameter(
             f"{config_file}: unknown key {', '.join(map(repr, unknown))}; known keys are "
-            f"{', '.join(sorted(_SERVE_KEYS))}",
+            f"{', '.join(sorted(_SERVE_KEYS))}{_did_you_mean(unknown, _SERVE_KEYS)}",
             param_hint="--config",
         )
     if "limits" in data:
@@ -439,10 +440,12 @@ def _serve_settings(ctx: click.Context, options: dict[str, Any]) -> dict[str, An
     from_file: dict[str, Path] = {}
     for key, value in data.items():
         source = ctx.get_parameter_source(key) if key in settings else None
+        if source not in (None, click.core.ParameterSource.DEFAULT):
+            continue  # the command line wins (model_repository's once did not)
         if key in ("limits", "model_repository"):
             settings[key] = value
             from_file[key] = config_file
-        elif source in (None, click.core.ParameterSource.DEFAULT):
+        else:
             settings[key] = _file_value(ctx, params[key], config_file, key, value)
             from_file[key] = config_file
     settings[_FROM_FILE] = from_file
@@ -490,6 +493,17 @@ def _file_value(
     """
     if isinstance(param.type, click.types.StringParamType) and not param.multiple:
         _check_string(config_file, key, value)  # click would make 5 the string "5"
+    if (
+        isinstance(param.type, click.types.StringParamType)
+        and param.multiple
+        and isinstance(value, list)
+        and not all(isinstance(item, str) for item in value)
+    ):
+        # models = [1] would load a model named '1'.
+        raise click.BadParameter(
+            f"{config_file}: {key} must be a list of strings, got {value!r}",
+            param_hint="--config",
+        )
     if isinstance(value, bool) and not isinstance(param.type, click.types.BoolParamType):
         # click would make true the number 1: port = true would listen on port 1.
         what = (
@@ -509,6 +523,17 @@ def _file_value(
         raise click.BadParameter(
             f"{config_file}: {key} = {value!r}: {exc.message}", param_hint="--config"
         ) from None
+
+
+def _did_you_mean(unknown: Sequence[str], known: Iterable[str]) -> str:
+    """``; did you mean 'port' for 'prot'?`` for each unknown key close to a known one."""
+    known = sorted(known)
+    hints = [
+        f"; did you mean {close[0]!r} for {key!r}?"
+        for key in unknown
+        if (close := difflib.get_close_matches(key, known, n=1))
+    ]
+    return "".join(hints)
 
 
 def _check_string(config_file: Path, key: str, value: Any) -> None:
@@ -532,7 +557,7 @@ def _check_limits(limits: Any, config_file: Path) -> None:
     if unknown:
         raise click.BadParameter(
             f"{config_file}: unknown key {', '.join(map(repr, unknown))} in [limits]; "
-            f"known keys are {', '.join(known)}",
+            f"known keys are {', '.join(known)}{_did_you_mean(unknown, known)}",
             param_hint="--config",
         )
 
