@@ -1169,7 +1169,10 @@ def open_engine(
     ends only after they have closed what they held. Leaving it with an
     exception or cancellation skips the drain. An internal failure in the
     engine's tasks surfaces from this block as an exception group rather
-    than a hang.
+    than a hang. A backend execution that does not end when cancelled (a
+    thread stuck in blocking code that its abort cannot stop) keeps the block
+    waiting until it returns: nothing can abandon a thread; an error is
+    logged after 10 seconds naming the instance.
 
     Args:
         registry: Where plugin names are resolved; by default, installed entry points.
