@@ -1171,8 +1171,8 @@ def open_engine(
     engine's tasks surfaces from this block as an exception group rather
     than a hang. A backend execution that does not end when cancelled (a
     thread stuck in blocking code that its abort cannot stop) keeps the block
-    waiting until it returns: nothing can abandon a thread; an error is
-    logged after 10 seconds naming the instance.
+    waiting until it returns (Ctrl-C too cannot end that wait): nothing can
+    abandon a thread; an error is logged after 10 seconds naming the instance.
 
     Args:
         registry: Where plugin names are resolved; by default, installed entry points.
