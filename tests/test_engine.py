@@ -97,6 +97,27 @@ async def test_loading_a_name_twice_is_refused(add_model: Path) -> None:
             await engine.load(ModelConfig(name="add", path=add_model))
 
 
+@pytest.mark.parametrize(
+    ("config", "replace", "said"),
+    [
+        (None, False, "a ModelConfig, got None"),
+        ({"name": "m"}, False, r"ModelConfig.from_dict\(\)"),
+        (fake_config(), "yes", "replace must be True or False, got 'yes'"),
+    ],
+)
+async def test_load_refuses_what_is_not_a_config_with_a_config_error(
+    config: Any, replace: Any, said: str
+) -> None:
+    # A dict (a TOML file's table) or None ended in AttributeError, a 500 in a
+    # caller's server; replace="no" replaced the model.
+    backend = FakeBackend()
+    async with open_engine(registry=backend.registry()) as engine:
+        await engine.load(fake_config())
+        with pytest.raises(trioinfer.ConfigError, match=said):
+            await engine.load(config, replace=replace)
+        assert len(backend.loaded) == 1
+
+
 async def test_replace_swaps_models_without_dropping_requests(
     autojump_clock: trio.testing.MockClock,
 ) -> None:

@@ -225,7 +225,8 @@ class Engine:
 
         Raises:
             ConfigError: A model of that name is loaded (or loading) already and
-                *replace* is false, or the config is refused.
+                *replace* is false, or the config is refused, or *config* is not a
+                ``ModelConfig`` or *replace* not a bool.
             PluginError: A plugin name is unknown, or a plugin fails to load (a
                 ``ConfigError``: the configuration names it).
             PluginContractError: A plugin does not implement its contract.
@@ -237,6 +238,12 @@ class Engine:
                 loaded (what was loaded is closed again).
         """
         self._check_open()
+        if not isinstance(config, ModelConfig):
+            # A dict (a TOML table) or None ended in AttributeError: a 500 in a server.
+            hint = " (make one with ModelConfig.from_dict())" if isinstance(config, Mapping) else ""
+            raise ConfigError(f"engine.load() takes a ModelConfig, got {config!r}{hint}")
+        if replace is not True and replace is not False:
+            raise ConfigError(f"replace must be True or False, got {replace!r}")
         name = config.name
         if name in self._loading:
             raise ConfigError(f"a model named {name!r} is being loaded already")
@@ -1169,7 +1176,10 @@ def open_engine(
     ends only after they have closed what they held. Leaving it with an
     exception or cancellation skips the drain. An internal failure in the
     engine's tasks surfaces from this block as an exception group rather
-    than a hang.
+    than a hang. A backend execution that does not end when cancelled (a
+    thread stuck in blocking code that its abort cannot stop) keeps the block
+    waiting until it returns (Ctrl-C too cannot end that wait): nothing can
+    abandon a thread; an error is logged after 10 seconds naming the instance.
 
     Args:
         registry: Where plugin names are resolved; by default, installed entry points.
