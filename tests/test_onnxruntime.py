@@ -378,6 +378,23 @@ async def test_inline_dispatch_passes_the_conformance_check(add_model: Path) -> 
     await check_backend(OnnxRuntimeBackend(), config, pair())
 
 
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        # A TOML list or table is unhashable: it raised TypeError, not a ConfigError.
+        ({"graph_optimization_level": ["all"]}, r"graph_optimization_level must be one of"),
+        ({"graph_optimization_level": {"x": 1}}, r"'disable', 'basic', .* got \{'x': 1\}"),
+        ({"log_severity": 7}, r"log_severity must be an integer from 0 .* to 4 .*, got 7"),
+    ],
+)
+def test_a_wrong_option_value_of_any_type_is_a_config_error_naming_it(
+    options: dict[str, Any], message: str
+) -> None:
+    config = ModelConfig(name="m", path="m.onnx", backend_options=options)
+    with pytest.raises(trioinfer.ConfigError, match=message):
+        _options._check_options(config, Placement(Device("cpu"), 0))
+
+
 @pytest.mark.parametrize(("device", "expected"), [("cpu", "auto"), ("cuda:0", "thread")])
 async def test_dispatch_defaults_to_auto_on_the_cpu_and_thread_on_a_gpu(
     add_model: Path, device: str, expected: str

@@ -99,10 +99,11 @@ def _check_options(config: ModelConfig, placement: Placement) -> dict[str, Any]:
             "thread pool, which needs threads >= 2 (or 0 for ORT's default); got threads = 1"
         )
     level = options.setdefault("graph_optimization_level", "all")
-    if level not in _OPT_LEVELS:
+    # A TOML list or table is unhashable: asked of the dict, it would raise TypeError.
+    if not isinstance(level, str) or level not in _OPT_LEVELS:
         raise ConfigError(
             f"model {config.name!r}: graph_optimization_level must be one of "
-            f"{', '.join(_OPT_LEVELS)}, got {level!r}"
+            f"{', '.join(map(repr, _OPT_LEVELS))}, got {level!r}"
         )
     mode = options.setdefault("execution_mode", "sequential")
     if mode not in ("sequential", "parallel"):
@@ -116,8 +117,12 @@ def _check_options(config: ModelConfig, placement: Placement) -> dict[str, Any]:
             raise ConfigError(
                 f"model {config.name!r}: {key} must be an integer >= 0, got {value!r}"
             )
-    if not 0 <= options.setdefault("log_severity", 3) <= 4:
-        raise ConfigError(f"model {config.name!r}: log_severity must be 0-4")
+    severity = options.setdefault("log_severity", 3)
+    if not 0 <= severity <= 4:
+        raise ConfigError(
+            f"model {config.name!r}: log_severity must be an integer from 0 (verbose) to 4 "
+            f"(fatal), got {severity!r}"
+        )
     for key in ("enable_mem_arena", "enable_mem_pattern", "allow_spinning"):
         if not isinstance(options.setdefault(key, True), bool):
             raise ConfigError(f"model {config.name!r}: {key} must be true or false")
