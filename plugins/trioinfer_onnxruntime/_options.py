@@ -25,6 +25,11 @@ _OPT_LEVELS: Final = {
 #: digits MLP costs about 100 us there, its caches cold from the loop's other
 #: work), and holds the loop no longer than a few hops would.
 DEFAULT_INLINE_BUDGET_US: Final = 250
+#: Most intra-op (an instance's ``threads``) or inter-op threads one session may ask
+#: for. ONNX Runtime starts them all at load: 100000 held a load for minutes, and a
+#: count past a C int failed with a TypeError; either is a typo, or a client's load
+#: override trying to exhaust the server.
+MAX_THREADS: Final = 1024
 #: Every ``backend_options`` key this backend accepts, with what it means.
 OPTIONS: Final[Mapping[str, str]] = {
     "dispatch": "'thread': session.run on the instance's worker thread (default on a GPU); "
@@ -35,7 +40,8 @@ OPTIONS: Final[Mapping[str, str]] = {
     "inline_budget_us": "execution time, in microseconds, allowed on the event loop's thread "
     "(moving average; one run may take up to 10x) before an 'inline' or 'auto' instance "
     f"moves to its worker thread (default {DEFAULT_INLINE_BUDGET_US})",
-    "inter_op_threads": "threads for running independent nodes in parallel (0: ORT default)",
+    "inter_op_threads": "threads for running independent nodes in parallel (0: ORT default; "
+    f"at most {MAX_THREADS})",
     "graph_optimization_level": "'disable', 'basic', 'extended' or 'all' (default)",
     "execution_mode": "'sequential' (default) or 'parallel'",
     "enable_mem_arena": "use ORT's CPU memory arena (default true)",
@@ -117,6 +123,16 @@ def _check_options(config: ModelConfig, placement: Placement) -> dict[str, Any]:
             raise ConfigError(
                 f"model {config.name!r}: {key} must be an integer >= 0, got {value!r}"
             )
+    if options.get("inter_op_threads", 0) > MAX_THREADS:
+        raise ConfigError(
+            f"model {config.name!r}: inter_op_threads must be at most {MAX_THREADS}, "
+            f"got {options['inter_op_threads']}"
+        )
+    if placement.threads > MAX_THREADS:
+        raise ConfigError(
+            f"model {config.name!r} instance {placement.index}: threads must be at most "
+            f"{MAX_THREADS} for the onnxruntime backend, got {placement.threads}"
+        )
     severity = options.setdefault("log_severity", 3)
     if not 0 <= severity <= 4:
         raise ConfigError(
