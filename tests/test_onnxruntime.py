@@ -378,6 +378,34 @@ async def test_inline_dispatch_passes_the_conformance_check(add_model: Path) -> 
     await check_backend(OnnxRuntimeBackend(), config, pair())
 
 
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        # A TOML list or table is unhashable: it raised TypeError, not a ConfigError.
+        ({"graph_optimization_level": ["all"]}, r"graph_optimization_level must be one of"),
+        ({"graph_optimization_level": {"x": 1}}, r"'disable', 'basic', .* got \{'x': 1\}"),
+        ({"log_severity": 7}, r"log_severity must be an integer from 0 .* to 4 .*, got 7"),
+        # ORT starts every thread at load: 100000 held the load for minutes, 2**40 a TypeError.
+        ({"inter_op_threads": 100_000}, r"inter_op_threads must be at most 1024, got 100000"),
+        ({"inter_op_threads": 2**40}, r"inter_op_threads must be at most 1024"),
+    ],
+)
+def test_a_wrong_option_value_of_any_type_is_a_config_error_naming_it(
+    options: dict[str, Any], message: str
+) -> None:
+    config = ModelConfig(name="m", path="m.onnx", backend_options=options)
+    with pytest.raises(trioinfer.ConfigError, match=message):
+        _options._check_options(config, Placement(Device("cpu"), 0))
+
+
+def test_an_instance_asking_for_more_threads_than_a_session_may_start_is_refused() -> None:
+    config = ModelConfig(name="m", path="m.onnx")
+    with pytest.raises(
+        trioinfer.ConfigError, match=r"'m' instance 0: threads must be at most 1024 .*got 5000"
+    ):
+        _options._check_options(config, Placement(Device("cpu"), 0, 5000))
+
+
 @pytest.mark.parametrize(("device", "expected"), [("cpu", "auto"), ("cuda:0", "thread")])
 async def test_dispatch_defaults_to_auto_on_the_cpu_and_thread_on_a_gpu(
     add_model: Path, device: str, expected: str

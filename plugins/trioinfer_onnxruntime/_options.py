@@ -25,6 +25,11 @@ _OPT_LEVELS: Final = {
 #: digits MLP costs about 100 us there, its caches cold from the loop's other
 #: work), and holds the loop no longer than a few hops would.
 DEFAULT_INLINE_BUDGET_US: Final = 250
+#: Most intra-op (an instance's ``threads``) or inter-op threads one session may ask
+#: for. ONNX Runtime starts them all at load: 100000 held a load for minutes, and a
+#: count past a C int failed with a TypeError; either is a typo, or a client's load
+#: override trying to exhaust the server.
+MAX_THREADS: Final = 1024
 #: Every ``backend_options`` key this backend accepts, with what it means.
 OPTIONS: Final[Mapping[str, str]] = {
     "dispatch": "'thread': session.run on the instance's worker thread (default on a GPU); "
@@ -35,7 +40,8 @@ OPTIONS: Final[Mapping[str, str]] = {
     "inline_budget_us": "execution time, in microseconds, allowed on the event loop's thread "
     "(moving average; one run may take up to 10x) before an 'inline' or 'auto' instance "
     f"moves to its worker thread (default {DEFAULT_INLINE_BUDGET_US})",
-    "inter_op_threads": "threads for running independent nodes in parallel (0: ORT default)",
+    "inter_op_threads": "threads for running independent nodes in parallel (0: ORT default; "
+    f"at most {MAX_THREADS})",
     "graph_optimization_level": "'disable', 'basic', 'extended' or 'all' (default)",
     "execution_mode": "'sequential' (default) or 'parallel'",
     "enable_mem_arena": "use ORT's CPU memory arena (default true)",
@@ -99,10 +105,11 @@ def _check_options(config: ModelConfig, placement: Placement) -> dict[str, Any]:
             "thread pool, which needs threads >= 2 (or 0 for ORT's default); got threads = 1"
         )
     level = options.setdefault("graph_optimization_level", "all")
-    if level not in _OPT_LEVELS:
+    # A TOML list or table is unhashable: asked of the dict, it would raise TypeError.
+    if not isinstance(level, str) or level not in _OPT_LEVELS:
         raise ConfigError(
             f"model {config.name!r}: graph_optimization_level must be one of "
-            f"{', '.join(_OPT_LEVELS)}, got {level!r}"
+            f"{', '.join(map(repr, _OPT_LEVELS))}, got {level!r}"
         )
     mode = options.setdefault("execution_mode", "sequential")
     if mode not in ("sequential", "parallel"):
@@ -116,8 +123,22 @@ def _check_options(config: ModelConfig, placement: Placement) -> dict[str, Any]:
             raise ConfigError(
                 f"model {config.name!r}: {key} must be an integer >= 0, got {value!r}"
             )
-    if not 0 <= options.setdefault("log_severity", 3) <= 4:
-        raise ConfigError(f"model {config.name!r}: log_severity must be 0-4")
+    if options.get("inter_op_threads", 0) > MAX_THREADS:
+        raise ConfigError(
+            f"model {config.name!r}: inter_op_threads must be at most {MAX_THREADS}, "
+            f"got {options['inter_op_threads']}"
+        )
+    if placement.threads > MAX_THREADS:
+        raise ConfigError(
+            f"model {config.name!r} instance {placement.index}: threads must be at most "
+            f"{MAX_THREADS} for the onnxruntime backend, got {placement.threads}"
+        )
+    severity = options.setdefault("log_severity", 3)
+    if not 0 <= severity <= 4:
+        raise ConfigError(
+            f"model {config.name!r}: log_severity must be an integer from 0 (verbose) to 4 "
+            f"(fatal), got {severity!r}"
+        )
     for key in ("enable_mem_arena", "enable_mem_pattern", "allow_spinning"):
         if not isinstance(options.setdefault(key, True), bool):
             raise ConfigError(f"model {config.name!r}: {key} must be true or false")
