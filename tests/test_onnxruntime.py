@@ -388,6 +388,8 @@ async def test_inline_dispatch_passes_the_conformance_check(add_model: Path) -> 
         # ORT starts every thread at load: 100000 held the load for minutes, 2**40 a TypeError.
         ({"inter_op_threads": 100_000}, r"inter_op_threads must be at most 1024, got 100000"),
         ({"inter_op_threads": 2**40}, r"inter_op_threads must be at most 1024"),
+        # It would win over the instance's device, which metadata and statistics report.
+        ({"provider_options": {"device_id": 1}}, r"provider_options may not set device_id"),
     ],
 )
 def test_a_wrong_option_value_of_any_type_is_a_config_error_naming_it(

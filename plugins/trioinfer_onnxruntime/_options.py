@@ -157,6 +157,14 @@ def _check_options(config: ModelConfig, placement: Placement) -> dict[str, Any]:
     provider_options = options.setdefault("provider_options", {})
     if not isinstance(provider_options, Mapping):
         raise ConfigError(f"model {config.name!r}: provider_options must be a table")
+    if "device_id" in provider_options:
+        # It would win over the instance's device: a session on GPU 1 that metadata,
+        # statistics and placement call cuda:0.
+        raise ConfigError(
+            f"model {config.name!r}: provider_options may not set device_id "
+            f"(got {provider_options['device_id']!r}); the instance's device picks it: "
+            'give the instance device = "cuda:N"'
+        )
     for kind in ("inputs", "outputs"):
         options[kind] = _declared_shapes(config.name, kind, options.get(kind, []))
     return options
