@@ -30,8 +30,18 @@ DeviceKind = Literal["cpu", "cuda", "tensorrt"]
 _DEVICE_RE = re.compile(r"^(cpu|cuda|tensorrt)(?::(\d+))?$")
 _T = TypeVar("_T")
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,127}$")
-# A version directory's name, as the server's repository reads it (1 to 2**63-1).
-_VERSION_DIR = re.compile(r"[1-9][0-9]{0,18}")
+# Versions go over the V2 protocol as strings and into Triton clients as int64,
+# so anything larger could not be addressed.
+_MAX_VERSION = (1 << 63) - 1
+# A version directory's name: ASCII only (str.isdigit() accepts '²' and other digits
+# int() reads) and no leading zero, so that "01" and "1" cannot both claim version 1.
+_VERSION_RE = re.compile(r"[1-9][0-9]{0,18}")
+
+
+def _is_version_name(name: str) -> bool:
+    # A version directory's name, as the server's repository reads it too.
+    return _VERSION_RE.fullmatch(name) is not None and int(name) <= _MAX_VERSION
+
 
 #: Most instances one model may have, over all its groups. Each is a session
 #: with its own memory and threads; a count far past the devices' cores and GPUs
@@ -513,11 +523,7 @@ def find_model_file(model_dir: Path, version: int | None = None, file: str = "mo
     # The repository's rule (ASCII digits, no leading zero): str.isdigit() accepts '²',
     # which int() refuses, and a folder "01" would be read as 1 then looked for as "1".
     versions = (
-        sorted(
-            int(p.name)
-            for p in model_dir.iterdir()
-            if p.is_dir() and _VERSION_DIR.fullmatch(p.name)
-        )
+        sorted(int(p.name) for p in model_dir.iterdir() if p.is_dir() and _is_version_name(p.name))
         if model_dir.is_dir()
         else []
     )

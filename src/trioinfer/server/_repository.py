@@ -20,7 +20,6 @@ from __future__ import annotations
 import logging
 import math
 import os
-import re
 import tomllib
 from collections.abc import Mapping, Sequence
 from pathlib import Path, PurePosixPath
@@ -30,10 +29,12 @@ from typing import Any, Literal, TypeGuard
 import attrs
 
 from .._config import (
+    _MAX_VERSION,
     _NAME_RE,
     MODEL_FILES,
     PIPELINE,
     ModelConfig,
+    _is_version_name,
     model_file_hint,
     model_file_name,
     unknown_keys_error,
@@ -55,12 +56,6 @@ _TRITON_ONLY = TRITON_FIELDS - {f.name for f in attrs.fields(ModelConfig)}
 # A label file holds one label per line; a bound keeps a stray huge file from being read.
 _MAX_LABELS_BYTES = 16 << 20
 
-# Versions go over the V2 protocol as strings and into Triton clients as int64,
-# so anything larger could not be addressed.
-_MAX_VERSION = (1 << 63) - 1
-# ASCII only (str.isdigit() accepts '²' and other digits int() reads) and no
-# leading zero, so that "01" and "1" cannot both claim version 1.
-_VERSION_RE = re.compile(r"[1-9][0-9]{0,18}")
 # A config.toml is a few lines; a bound keeps a stray huge file from being read whole.
 _MAX_CONFIG_BYTES = 1 << 20
 # Server-only keys of config.toml: the server reads them, ModelConfig never sees them.
@@ -992,7 +987,7 @@ def _scan(
                     f"<N>/{file_name} in a model directory)"
                 )
             continue
-        if not _VERSION_RE.fullmatch(child_name) or int(child_name) > _MAX_VERSION:
+        if not _is_version_name(child_name):
             notes.append(
                 f"ignored directory {child_name} (a version is a positive integer below 2**63, "
                 "written without leading zeros)"
