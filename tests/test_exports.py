@@ -21,6 +21,7 @@ PUBLIC = {
         "ModelSignature", "ModelStatistics", "PluginContractError", "PluginError", "PluginInfo",
         "PluginLoadError", "QueueFull", "Registry", "ReplicaStatistics", "ResponseStream",
         "TensorSpec", "SequenceConfig", "SequenceError", "SequenceFlags", "SequenceState",
+        "Warmup", "WarmupInput",
         "StreamClosed", "TrioInferError", "digits_samples", "example_repository", "open_engine",
     },
     "trioinfer.abc": {

@@ -50,6 +50,7 @@ from ._runner import (
 from ._sequence import SequenceFlags
 from ._stream import ResponseStream, StreamGate, decoupled, open_stream
 from ._tensors import ModelSignature, validate_rows
+from ._warmup import warm_up
 from .abc import Backend, BackendInstance, Batcher, Fallback, Scheduler, Status, StreamingInstance
 
 if TYPE_CHECKING:
@@ -372,8 +373,18 @@ class Engine:
             )
             if graph is not None:
                 graph.attach(runner)
+            # Before it serves: the first callers must not pay for the runtime's first runs.
+            await warm_up(
+                name,
+                config.warmup,
+                runner.backend_signature,
+                runner.input_limits,
+                instances,
+                [replica.label for replica in runner.replicas],
+            )
         except BaseException:
-            # A plugin refused the model in attach(): do not leave instances behind.
+            # A plugin refused the model in attach(), or a warm-up failed: do not leave
+            # instances behind.
             await close_instances(name, instances)
             raise
         if self._closing:

@@ -18,6 +18,7 @@ import logging
 import math
 import re
 from collections.abc import Awaitable, Callable, Mapping, Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final, final
 
 import anyio
@@ -588,9 +589,11 @@ def model_config_document(state: ServerState, served: ServedVersion) -> dict[str
         body["model_transaction_policy"] = {"decoupled": True}
     if config.response_cache:
         body["response_cache"] = {"enable": True}
+    runner = state.models.engine._runners.get(served.engine_name)
+    full = getattr(runner, "backend_signature", None)  # with the control and state inputs
+    if config.warmup:
+        body["model_warmup"] = _model_warmup(config, full)
     if config.sequence is not None:
-        runner = state.models.engine._runners.get(served.engine_name)
-        full = getattr(runner, "backend_signature", None)  # with the control and state inputs
         body["sequence_batching"] = _sequence_batching(config.sequence, full, skip)
         own["sequence"] = _sequence_table(config.sequence, full)
     elif max_batch > 0 and not pipeline:
@@ -624,6 +627,35 @@ def model_config_document(state: ServerState, served: ServedVersion) -> dict[str
             for n, group in enumerate(groups)
         ]
     return with_defaults(body)
+
+
+def _model_warmup(config: ModelConfig, full: ModelSignature | None) -> list[dict[str, Any]]:
+    """The warm-up samples as Triton's ``model_warmup`` (files named within ``<model>/warmup``)."""
+    home = config.path.parent.parent / "warmup" if config.path is not None else None
+    specs = {spec.name: spec for spec in full.inputs} if full is not None else {}
+    samples = []
+    for sample in config.warmup:
+        inputs: dict[str, Any] = {}
+        for name, made in sample.inputs.items():
+            entry: dict[str, Any] = {"dims": list(made.dims)}
+            if name in specs:
+                entry["data_type"] = "TYPE_" + config_datatype(specs[name])
+            if isinstance(made.data, Path):
+                inside = home is not None and made.data.is_relative_to(home)
+                file = made.data.relative_to(home) if home is not None and inside else made.data
+                entry["input_data_file"] = str(file)
+            else:
+                entry[f"{made.data}_data"] = True
+            inputs[name] = entry
+        samples.append(
+            {
+                "name": sample.name,
+                "batch_size": sample.batch_size,
+                "inputs": inputs,
+                "count": sample.count,
+            }
+        )
+    return samples
 
 
 def _instance(group: Instance) -> dict[str, Any]:
