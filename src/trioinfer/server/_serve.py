@@ -26,6 +26,7 @@ from .._engine import open_engine
 from .._exceptions import ConfigError
 from .._registry import Registry
 from ._app import ServerConfig, ServerState, create_app
+from ._host_metrics import HostMetrics
 from ._http_server import check_bindable, serve_asgi
 from ._metrics import InFlight, Metrics
 from ._models import ServedModels, public_names
@@ -168,7 +169,10 @@ async def serve_http(
             for name in models:
                 await served.load(name, overrides.get(name))
         in_flight = InFlight()
-        state = ServerState(served, config, Metrics(served, in_flight), in_flight, cluster=worker)
+        # The machine's metrics once per server: under --workers, the supervisor's.
+        machine = HostMetrics() if worker is None else None
+        metrics = Metrics(served, in_flight, host=machine)
+        state = ServerState(served, config, metrics, in_flight, cluster=worker)
         app = create_app(state)
         stop = shutdown if shutdown is not None else anyio.Event()
 

@@ -85,6 +85,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from .. import _exceptions
 from .._exceptions import ConfigError, TrioInferError
 from . import _codec
+from ._host_metrics import HostMetrics
 from ._metrics import Counts, exposition_of, triton_entry
 
 if TYPE_CHECKING:
@@ -342,9 +343,11 @@ class MetricsLedger:
     or when the worker dies), once, and a report replaced first never renders.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, host: HostMetrics | None = None) -> None:
+        """*host*: the machine's metrics, added once to the workers' sums."""
         self._latest = _Latest[Callable[[], bytes]]()
         self._retired = b""
+        self._host = host
 
     def report(
         self, index: int, pid: int, text: bytes | Callable[[], bytes], *, taken: int = 0
@@ -380,8 +383,15 @@ class MetricsLedger:
             )
 
     def merged(self, first: int) -> bytes:
-        """The server's exposition, worker *first*'s families in front."""
-        return merge_expositions([*(text() for text in self._latest.ordered(first)), self._retired])
+        """The server's exposition, worker *first*'s families in front, the machine's last."""
+        merged = merge_expositions(
+            [*(text() for text in self._latest.ordered(first)), self._retired]
+        )
+        if self._host is None:
+            return merged
+        registry = CollectorRegistry(auto_describe=False)
+        registry.register(self._host)
+        return merged + generate_latest(registry)
 
 
 @final
@@ -763,7 +773,7 @@ class _Supervisor:
         self.stop = anyio.Event()
         self.all_ready = anyio.Event()
         self.failure: str | None = None
-        self.metrics = MetricsLedger()
+        self.metrics = MetricsLedger(HostMetrics())
         self.stats = StatsLedger()
 
     # -- workers' lives --
