@@ -71,6 +71,7 @@ from ._errors import ClientLeft, NotReady, Unauthorized, without_host_paths
 from ._logging import check_log_settings, log_settings, update_log_settings
 from ._metrics import InFlight, Metrics, triton_entry
 from ._models import ServedModels, ServedVersion
+from ._poll import REFUSED as POLLING_REFUSED
 from ._repository import VersionPolicy
 from ._shm import SystemSharedMemory
 from ._triton import own_parameters, with_defaults
@@ -186,6 +187,10 @@ class ServerConfig:
             with (see `open_engine`); None for no tracing.
         trace_rate: The share of requests that start a trace which are traced;
             ``/v2/trace/setting`` changes it at run time.
+        repository_poll_s: Read the model repository every so many seconds and
+            load, reload and unload what changed (Triton's poll mode; see
+            ``trioinfer.server._poll``); the repository API's load and unload
+            are refused meanwhile. 0: never.
     """
 
     limits: Limits = attrs.field(factory=Limits)
@@ -195,6 +200,19 @@ class ServerConfig:
     cache_size: int = attrs.field(default=0)
     tracer_provider: Any = None
     trace_rate: float = 1.0
+    repository_poll_s: float = attrs.field(default=0.0)
+
+    @repository_poll_s.validator
+    def _check_poll(self, _attribute: attrs.Attribute[Any], value: object) -> None:
+        if (
+            not isinstance(value, (int, float))
+            or isinstance(value, bool)
+            or not 0 <= value < math.inf
+        ):
+            raise ConfigError(
+                f"repository_poll_secs must be a number of seconds, 0 or more (0: no "
+                f"polling), got {value!r}"
+            )
 
     @cache_size.validator
     def _check_cache_size(self, _attribute: attrs.Attribute[Any], value: int) -> None:
@@ -1077,6 +1095,7 @@ async def load_model(state: ServerState, model: str, override: dict[str, Any] | 
         TrioInferError: What loading raised (`ModelNotFound`, `ConfigError`, ...);
             `WorkersDisagree` when some workers loaded it and others failed.
     """
+    _check_not_polling(state)
     if state.cluster is not None:
         # Every worker, and one that restarts later, gets the config itself.
         await state.cluster.load(model, state.models.effective_override(model, override))
@@ -1090,10 +1109,21 @@ async def unload_model(state: ServerState, model: str) -> None:
     Raises:
         ModelNotFound: *model* is not served.
     """
+    _check_not_polling(state)
     if state.cluster is not None:
         await state.cluster.unload(model)
     else:
         await state.models.unload(model)
+
+
+def _check_not_polling(state: ServerState) -> None:
+    # Two writers of what is served would undo each other's work: Triton refuses too.
+    if state.config.repository_poll_s:
+        raise RequestError(
+            f"{POLLING_REFUSED}: this server reads its repository every "
+            f"{state.config.repository_poll_s:g} s (--repository-poll-secs) and loads, reloads "
+            "and unloads what changed there; change the repository instead"
+        )
 
 
 async def _load_override(request: Request, state: ServerState) -> dict[str, Any] | None:

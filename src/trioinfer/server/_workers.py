@@ -87,6 +87,8 @@ from .._exceptions import ConfigError, TrioInferError
 from . import _codec
 from ._host_metrics import HostMetrics
 from ._metrics import Counts, exposition_of, triton_entry
+from ._poll import poll_repository
+from ._poll import snapshot as repository_snapshot
 
 if TYPE_CHECKING:
     from ._app import ServerConfig, ServerState
@@ -918,6 +920,18 @@ class _Supervisor:
             return {"ok": True}
         return {"error": {"type": "TrioInferError", "message": f"unknown control call {op!r}"}}
 
+    async def poll_load(self, model: str) -> None:
+        """Load *model* on every worker, for the repository poll; raises what failed."""
+        reply = await self._change({"op": "load", "model": model, "override": None})
+        if "error" in reply:
+            _raise_error(reply["error"])
+
+    async def poll_unload(self, model: str) -> None:
+        """Unload *model* on every worker, for the repository poll; raises what failed."""
+        reply = await self._change({"op": "unload", "model": model})
+        if "error" in reply:
+            _raise_error(reply["error"])
+
     async def _hello(self, worker: _Worker) -> dict[str, Any]:
         # Under the lock: no change may pass between the replay and membership.
         async with self.changing:
@@ -1185,8 +1199,13 @@ async def serve_workers(
             "drain_period": config.drain_period,
             "cache_size": config.cache_size,
             "trace": list(trace),
+            # Polled by the supervisor; the workers refuse the API's load and unload.
+            "repository_poll_s": config.repository_poll_s,
         },
     }
+    repo = ModelRepository(root)
+    polling = config.repository_poll_s
+    baseline = await anyio.to_thread.run_sync(repository_snapshot, repo) if polling else None
     supervisor = _Supervisor(workers, directory, spec)
     try:
         async with anyio.create_task_group() as tg:
@@ -1211,7 +1230,20 @@ async def serve_workers(
                             first.get("grpc"),
                         )
                     )
-                await supervisor.stop.wait()
+                async with anyio.create_task_group() as serving:
+                    if polling and supervisor.failure is None:
+                        serving.start_soon(
+                            functools.partial(
+                                poll_repository,
+                                repo,
+                                polling,
+                                supervisor.poll_load,
+                                supervisor.poll_unload,
+                                baseline=baseline,
+                            )
+                        )
+                    await supervisor.stop.wait()
+                    serving.cancel_scope.cancel()  # nothing loads or unloads while they drain
                 log.info(
                     "stopping %d workers; each drains for up to %.1fs", workers, config.drain_period
                 )
@@ -1272,6 +1304,7 @@ def _worker_main(argv: list[str]) -> int:
         cache_size=settings["cache_size"],
         tracer_provider=tracing[0] if tracing else None,
         trace_rate=tracing[1] if tracing else 1.0,
+        repository_poll_s=settings["repository_poll_s"],
     )
     directory = Path(spec["directory"])
     link = WorkerLink(
