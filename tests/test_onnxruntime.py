@@ -255,6 +255,31 @@ async def test_unusable_cuda_falls_back_to_cpu_with_one_line(
     assert "EP Error" not in captured.out + captured.err
 
 
+@pytest.mark.parametrize(
+    ("options", "dispatch"),
+    [({}, "auto"), ({"dispatch": "thread"}, "thread"), ({"dispatch": "inline"}, "inline")],
+)
+async def test_an_instance_fallen_back_to_the_cpu_dispatches_as_a_cpu_instance(
+    add_model: Path, monkeypatch: pytest.MonkeyPatch, options: dict[str, Any], dispatch: str
+) -> None:
+    """A cuda:0 instance that runs on the CPU gets the CPU's default dispatch ('auto':
+    measured on its thread, inline when cheaper), not the GPU's ('thread'), and one
+    worker thread, gone at close; a dispatch the config names is kept."""
+    # As where CUDA is not usable (the GPU machine too: the probe says so).
+    monkeypatch.setattr(_backend, "probe_device", lambda device: "no CUDA in this test")
+    config = ModelConfig(name="fb", path=add_model, backend_options=options)
+    instance = await OnnxRuntimeBackend().load(config, Placement(Device("cuda", 0), 0))
+    try:
+        assert instance.device == "cpu"
+        assert instance.dispatch == dispatch
+        assert [t.name for t in instance_threads("fb")] == ["trioinfer-fb-0"]
+        out = await instance.execute(pair())
+        np.testing.assert_array_equal(out["sum"], pair()["a"] + 1)
+    finally:
+        await instance.aclose()
+    assert instance_threads("fb") == []
+
+
 @pytest.mark.skipif(CUDA_REASON is None, reason="CUDA is usable here; this checks the refusal")
 @pytest.mark.parametrize("device", ["cuda:0", "tensorrt:0"])
 async def test_unusable_gpu_without_fallback_is_refused(add_model: Path, device: str) -> None:

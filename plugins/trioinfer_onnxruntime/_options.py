@@ -35,7 +35,8 @@ OPTIONS: Final[Mapping[str, str]] = {
     "dispatch": "'thread': session.run on the instance's worker thread (default on a GPU); "
     "'ort_async': ONNX Runtime's run_async (needs threads >= 2); "
     "'inline': on the event loop's thread, for models far cheaper than a thread hop, "
-    "within inline_budget_us; 'auto' (default on the CPU): measure on the thread, "
+    "within inline_budget_us; 'auto' (default on the CPU, a GPU instance fallen back to it "
+    "too): measure on the thread, "
     "go inline if cheap enough",
     "inline_budget_us": "execution time, in microseconds, allowed on the event loop's thread "
     "(moving average; one run may take up to 10x) before an 'inline' or 'auto' instance "
@@ -69,6 +70,12 @@ OPTIONS: Final[Mapping[str, str]] = {
 }
 
 
+def default_dispatch(kind: str) -> str:
+    """The ``dispatch`` of an instance on a device of *kind* whose options name none."""
+    # Inline is measured and bounded on the CPU; on a GPU it has not been tried here.
+    return "auto" if kind == "cpu" else "thread"
+
+
 def _check_options(config: ModelConfig, placement: Placement) -> dict[str, Any]:
     options = dict(config.backend_options)
     unknown = sorted(set(options) - set(OPTIONS))
@@ -82,8 +89,7 @@ def _check_options(config: ModelConfig, placement: Placement) -> dict[str, Any]:
             f"model {config.name!r}: onnxruntime backend has no option "
             f"{', '.join(map(repr, unknown))}; it knows {', '.join(sorted(OPTIONS))}{hints}"
         )
-    # Inline is measured and bounded on the CPU; on a GPU it has not been tried here.
-    options.setdefault("dispatch", "auto" if placement.device.kind == "cpu" else "thread")
+    options.setdefault("dispatch", default_dispatch(placement.device.kind))
     if options["dispatch"] not in _DISPATCH:
         raise ConfigError(
             f"model {config.name!r}: dispatch must be one of {', '.join(map(repr, _DISPATCH))}, "
