@@ -561,10 +561,61 @@ async def test_bad_dispatch_options_are_refused(add_model: Path) -> None:
             await engine.load(
                 ModelConfig(name="a", path=add_model, backend_options={"dispatch": "fast"})
             )
-        with pytest.raises(trioinfer.ConfigError, match="inline_budget_us must be a positive"):
+        with pytest.raises(
+            trioinfer.ConfigError,
+            match="inline_budget_us must be a number of microseconds greater than 0",
+        ):
             await engine.load(
                 ModelConfig(name="a", path=add_model, backend_options={"inline_budget_us": 0})
             )
+
+
+@pytest.mark.parametrize(
+    "budget", [math.inf, -math.inf, math.nan, -250, 0, 0.0, 10_000_001, "250", True, None]
+)
+async def test_an_inline_budget_that_makes_no_sense_is_refused(
+    add_model: Path, budget: object
+) -> None:
+    """inf held the loop for ever (an inline model never moved to its thread, nor yielded
+    for other tasks): a budget must be a positive, finite number, up to 10 s."""
+    async with open_engine() as engine:
+        with pytest.raises(trioinfer.ConfigError) as caught:
+            await engine.load(
+                ModelConfig(name="a", path=add_model, backend_options={"inline_budget_us": budget})
+            )
+    assert str(caught.value) == (
+        "model 'a': inline_budget_us must be a number of microseconds greater than 0 and "
+        f"at most 10000000 (10 s), got {budget!r}"
+    )
+
+
+@pytest.mark.parametrize("written", ["inf", "+inf", "nan", "-5"])
+async def test_a_config_toml_inline_budget_that_makes_no_sense_is_refused(
+    tmp_path: Path, add_model: Path, written: str
+) -> None:
+    (tmp_path / "a" / "1").mkdir(parents=True)
+    (tmp_path / "a" / "1" / "model.onnx").write_bytes(add_model.read_bytes())
+    (tmp_path / "a" / "config.toml").write_text(
+        f'[backend_options]\ndispatch = "inline"\ninline_budget_us = {written}\n'
+    )
+    config = ModelConfig.from_toml(tmp_path / "a" / "config.toml")
+    async with open_engine() as engine:
+        with pytest.raises(trioinfer.ConfigError, match="inline_budget_us must be a number of"):
+            await engine.load(config)
+
+
+async def test_the_inline_budget_bounds_are_accepted(add_model: Path) -> None:
+    for budget in (0.5, 1, 10_000_000, 1e7):
+        config = ModelConfig(
+            name="a",
+            path=add_model,
+            backend_options={"dispatch": "inline", "inline_budget_us": budget},
+        )
+        instance = await OnnxRuntimeBackend().load(config, Placement(Device("cpu"), 0))
+        try:
+            assert instance.inline_budget_s == budget / 1e6
+        finally:
+            await instance.aclose()
 
 
 async def test_pipeline_depth_keeps_two_executions_in_flight(add_model: Path) -> None:
