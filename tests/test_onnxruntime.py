@@ -6,6 +6,7 @@ import itertools
 import logging
 import math
 import os
+import shutil
 import sys
 import threading
 import time
@@ -594,7 +595,7 @@ async def test_a_config_toml_inline_budget_that_makes_no_sense_is_refused(
     tmp_path: Path, add_model: Path, written: str
 ) -> None:
     (tmp_path / "a" / "1").mkdir(parents=True)
-    (tmp_path / "a" / "1" / "model.onnx").write_bytes(add_model.read_bytes())
+    shutil.copyfile(add_model, tmp_path / "a" / "1" / "model.onnx")
     (tmp_path / "a" / "config.toml").write_text(
         f'[backend_options]\ndispatch = "inline"\ninline_budget_us = {written}\n'
     )

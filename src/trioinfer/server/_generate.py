@@ -9,11 +9,13 @@ of 1: ``"WAIT": 5`` is ``[5]``), plus an optional ``parameters`` object
 ``infer``; others are accepted and not used). A request naming a sequence runs
 through the model's sequence batcher as an ``infer`` request does, and answers
 with its one response on either route; a decoupled model, never stateful,
-refuses one (400) rather than run it outside any sequence. A response is one JSON object: ``model_name``,
-``model_version``, and each output by name: a scalar when it holds one
-element, else a nested list; a ``BYTES`` output as text, and one holding
-bytes that are not UTF-8 is refused (400, or the stream's last event), as a
-plain-JSON ``infer`` response refuses it, never sent altered.
+refuses one (400) rather than run it outside any sequence.
+
+A response is one JSON object: ``model_name``, ``model_version``, and each
+output by name: a scalar when it holds one element, else a nested list; a
+``BYTES`` output as text, and one holding bytes that are not UTF-8 is refused
+(400, or the stream's last event), as a plain-JSON ``infer`` response refuses
+it, never sent altered.
 
 ``/generate`` answers with exactly one response (``application/json``): a
 decoupled model that sends none or more than one is an error (400). A model
