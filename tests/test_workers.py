@@ -495,6 +495,8 @@ def test_shared_memory_is_refused_with_several_workers(served: Served) -> None:
     # Nor does the server say it has the extension (tritonclient's users read /v2).
     extensions = fresh("GET", f"{served.url}/v2").json()["extensions"]
     assert "system_shared_memory" not in extensions
+    # Nor sequences: a stateful model is refused under --workers N.
+    assert "sequence" not in extensions
     assert "model_repository" in extensions
 
 

@@ -490,12 +490,18 @@ async def _server_metadata(_request: Request, state: ServerState) -> Response:
 def extensions(state: ServerState) -> list[str]:
     """The protocol extensions *state*'s server implements, as ``GET /v2`` lists them.
 
-    `EXTENSIONS`, less shared memory under ``serve --workers N``, which refuses
-    it (`_one_process_only`).
+    `EXTENSIONS`, less what ``serve --workers N`` refuses: shared memory
+    (`_one_process_only`) and sequences (a stateful model is not loaded there,
+    each worker would keep its own sequences), so that a client reading
+    ``GET /v2`` or gRPC ``ServerMetadata`` is not told of what it cannot use.
     """
     if state.cluster is None:
         return list(EXTENSIONS)
-    return [name for name in EXTENSIONS if name != "system_shared_memory"]
+    return [name for name in EXTENSIONS if name not in _ONE_PROCESS_EXTENSIONS]
+
+
+#: The extensions ``serve --workers N`` (N > 1) does not offer.
+_ONE_PROCESS_EXTENSIONS: Final = frozenset({"sequence", "system_shared_memory"})
 
 
 def _served(request: Request, state: ServerState) -> ServedVersion:
