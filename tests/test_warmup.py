@@ -393,3 +393,37 @@ def test_tritons_key_in_config_toml_says_where_it_goes(tmp_path: Path) -> None:
     model = digits_copy(tmp_path, "model_warmup = []\n")
     with pytest.raises(ConfigError, match=r"write \[\[warmup\]\] tables"):
         ModelConfig.from_toml(model / "config.toml")
+
+
+async def test_an_unbatched_model_and_a_streaming_one_warm_up() -> None:
+    # Their answers are judged as the engine judges theirs: no rows to count.
+    backend = FakeBackend(lambda inputs: {"y": inputs["x"] * 2}, signature=UNBATCHED)
+    async with open_engine(registry=backend.registry()) as engine:
+        await engine.load(fake_config({"name": "w", "inputs": {"x": {"dims": [2, 4]}}}, count=1))
+        assert backend.executions == [2]
+
+
+class Repeat:
+    """A decoupled model: each request's x, twice."""
+
+    async def infer(self, inputs: dict[str, Any]) -> Any:
+        for _ in range(2):
+            yield {"y": inputs["x"]}
+
+
+async def test_a_streaming_model_runs_its_samples_to_their_last_response() -> None:
+    config = ModelConfig(
+        name="repeat",
+        backend="python",
+        backend_options={
+            "class": Repeat,
+            "decoupled": True,
+            "inputs": [{"name": "x", "dtype": "int32", "shape": [1]}],
+            "outputs": [{"name": "y", "dtype": "int32", "shape": [1]}],
+        },
+        warmup=[{"name": "w", "inputs": {"x": {"dims": [1]}}, "count": 2}],
+    )
+    async with open_engine() as engine:
+        await engine.load(config)
+        async with engine.infer_stream("repeat", {"x": np.array([7], np.int32)}) as responses:
+            assert [r["y"].tolist() async for r in responses] == [[7], [7]]

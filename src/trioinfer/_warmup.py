@@ -308,12 +308,12 @@ async def warm_up(
                         responses = instance.stream(arrays)
                         try:
                             async for outputs in responses:
-                                check.check(outputs, sample.batch_size, _Named(label))
+                                check.check(outputs, 0, _Named(label))  # each response alone
                         finally:
                             await responses.aclose()
                     else:
                         outputs = await instance.execute(arrays)
-                        rows = sample.batch_size if signature.batched else 1
+                        rows = sample.batch_size if signature.batched else 0  # 0: unbatched
                         check.check(outputs, rows, _Named(label))
                 except Exception as exc:
                     reason = (
