@@ -87,6 +87,7 @@ EXPECTED_OUTPUT = {
         "names: 6 answered in ",  # 1 execution, or a few on a busy machine
         "pipeline: ['two', 'eight', 'two', 'six', 'six', 'seven']",
         "async model: cancelled 1 time at the caller's deadline",
+        "reader: ['two', 'eight', 'two', 'six', 'six', 'seven']",
     ],
     "sequences.py": [
         "sequence 1000: [0, 11, 18, 23, 26, 28, 28, 29]",
