@@ -244,3 +244,10 @@ def test_served_models_call_others_by_the_names_clients_use(tmp_path: Path) -> N
             s["version"]: s["inference_stats"]["success"]["count"] for s in stats["model_stats"]
         }
         assert counts == {"1": 1, "2": 1}
+
+
+@pytest.mark.parametrize("name", ["models", "device"])
+async def test_parameters_may_not_set_what_the_backend_passes(name: str) -> None:
+    async with open_engine() as engine:
+        with pytest.raises(trioinfer.ConfigError, match=f"sets '{name}', which the backend passes"):
+            await engine.load(python("caller", AsyncCaller, parameters={name: "mine"}))

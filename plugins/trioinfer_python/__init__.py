@@ -276,6 +276,12 @@ class PythonBackend:
                 f"name = value, got {parameters!r}"
             )
         device = str(placement.device)
+        if given := sorted({"device", "models"} & set(parameters)):
+            raise ConfigError(
+                f"backend option parameters of model {config.name!r} sets "
+                f"{', '.join(map(repr, given))}, which the backend passes itself (where the "
+                "instance runs, and the other models to call): rename the parameter"
+            )
         kwargs = dict(parameters)
         if _takes(cls, "device"):
             kwargs["device"] = device
