@@ -52,6 +52,26 @@ async def test_a_repeated_request_is_answered_without_queueing(
     assert stats.models["m"].succeeded == 2  # the hit never reached the model
 
 
+async def test_a_miss_is_timed_by_its_lookup_and_insert_not_its_compute(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    # Triton's cache_miss: the time to look up and insert, not to compute (a second
+    # here, on virtual time, where the cache's own work takes none).
+    backend = FakeBackend(delay=1.0)
+    async with open_engine(registry=backend.registry(), cache_size=1 << 20) as engine:
+        await engine.load(cached())
+        await engine.infer("m", {"x": x(1)})
+        backend.error = BackendError("broken")
+        with pytest.raises(BackendError):
+            await engine.infer("m", {"x": x(2)})
+        stats = engine.statistics().models["m"]
+    cache = stats.cache
+    assert cache is not None
+    assert cache.misses == cache.miss_duration.count == 2  # a failed compute missed too
+    assert cache.miss_duration.sum == 0
+    assert stats.compute_duration.sum == 2.0
+
+
 async def test_answers_from_the_cache_cannot_be_changed_by_their_callers(
     autojump_clock: trio.testing.MockClock,
 ) -> None:

@@ -56,7 +56,9 @@ class CacheStatistics:
         bytes: What they take, in bytes: their arrays, and a fixed charge per
             answer and per array for what holds them.
         hit_duration: Seconds to answer each hit.
-        miss_duration: Seconds to compute and store each miss.
+        miss_duration: Seconds each miss spent in the cache: looking the answer
+            up, and storing it once computed (not computing it), as Triton's
+            ``cache_miss`` statistics; one for each miss, failed ones too.
         failed: Requests that waited for an identical request computed meanwhile
             and got its error (the model's own statistics count only that
             request's failure; Triton's ``fail`` counts them all).
@@ -165,6 +167,8 @@ class ResponseCache:
             # Its caller gave up without an answer: take the computation over.
         flight = self._flights[key] = _Flight()
         counters.misses += 1
+        # A miss is timed as Triton times it: the lookup and the insert, not the compute.
+        spent = self._clock.current_time() - started
         try:
             outputs, keep, origin = await compute()
         except TrioInferError as exc:
@@ -172,11 +176,13 @@ class ResponseCache:
                 flight.error = exc
             raise
         else:
+            inserting = self._clock.current_time()
             flight.outputs = self._store(key, counters, outputs, keep)
             flight.origin = None if keep else origin
-            counters.miss.observe(self._clock.current_time() - started)
+            spent += self._clock.current_time() - inserting
             return outputs, None
         finally:
+            counters.miss.observe(spent)
             del self._flights[key]
             flight.done.set()
 

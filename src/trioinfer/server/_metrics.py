@@ -264,7 +264,7 @@ def triton_entry(counts: VersionCounts) -> dict[str, Any]:
             "compute_input": _duration(0, 0.0),
             "compute_infer": _duration(compute[2], compute[3]),
             "compute_output": _duration(0, 0.0),
-            # Triton's fields: hits, and the misses' time to compute and store.
+            # Triton's fields: hits, and misses (their time to look up and store, not to compute).
             "cache_hit": _duration(cache["hits"] if cache else 0, cache["hit_s"] if cache else 0.0),
             "cache_miss": _duration(
                 cache["misses"] if cache else 0, cache["miss_s"] if cache else 0.0
