@@ -1,4 +1,4 @@
-"""The response cache: hits without queueing, coalescing with takeover, LRU by bytes."""
+"""The response cache: hits without queueing, coalescing (a computation kept while anyone waits), LRU by bytes."""
 
 from __future__ import annotations
 
@@ -108,9 +108,11 @@ async def test_identical_requests_in_flight_are_computed_once(
     assert (cache.misses, cache.coalesced, cache.hits) == (1, 4, 0)
 
 
-async def test_when_the_computing_caller_leaves_a_waiting_one_takes_over(
+async def test_when_the_computing_caller_leaves_a_waiting_one_gets_its_computation(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
+    # The computation belongs to the cache entry, not to the caller whose miss started
+    # it: the one who stays gets it when it ends, computed once.
     backend = FakeBackend(delay=1.0)
     async with open_engine(registry=backend.registry(), cache_size=1 << 20) as engine:
         await engine.load(cached())
@@ -124,18 +126,101 @@ async def test_when_the_computing_caller_leaves_a_waiting_one_takes_over(
 
         async def follower() -> None:
             outcome["follower"] = (await engine.infer("m", {"x": x(5)}))["y"]
+            outcome["at"] = trio.current_time()
 
+        t0 = trio.current_time()
         async with anyio.create_task_group() as tg:
             tg.start_soon(leader)
             await trio.testing.wait_all_tasks_blocked()
             tg.start_soon(follower)
-        cache = engine.statistics().models["m"].cache
+        stats = engine.statistics().models["m"]
     assert outcome["leader"] == "gave up"
     np.testing.assert_array_equal(outcome["follower"], x(10))  # type: ignore[arg-type]
-    # The leader's execution was aborted when it left; the follower ran its own.
+    assert outcome["at"] == t0 + 1.0  # not restarted when the leader left
+    assert backend.executions == [1]
+    assert (stats.cancelled, stats.succeeded) == (0, 1)
+    assert stats.cache is not None
+    assert (stats.cache.misses, stats.cache.coalesced) == (1, 1)
+
+
+async def test_a_computation_is_cancelled_when_its_last_caller_leaves(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    backend = FakeBackend(delay=1.0)
+    async with open_engine(registry=backend.registry(), cache_size=1 << 20) as engine:
+        await engine.load(cached())
+
+        async def call(budget: float) -> None:
+            with anyio.move_on_after(budget):
+                await engine.infer("m", {"x": x(5)})
+                raise AssertionError("answered after its deadline")
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(call, 0.5)
+            await trio.testing.wait_all_tasks_blocked()
+            tg.start_soon(call, 0.8)
+        await trio.sleep(5)  # nothing runs for nobody meanwhile
+        stats = engine.statistics().models["m"]
+    # One execution, aborted when the second caller left: none started again.
+    assert backend.executions == [1]
+    assert (stats.cancelled, stats.succeeded, stats.in_flight) == (1, 0, 0)
+    assert stats.cache is not None
+    assert (stats.cache.misses, stats.cache.coalesced, stats.cache.entries) == (1, 0, 0)
+
+
+async def test_a_queued_computation_takes_the_deadline_of_those_still_waiting(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    # Queued behind another request, the computation outlives its first caller's
+    # deadline: it is not expired while a caller with a later one still waits.
+    backend = FakeBackend(delay=1.0)
+    async with open_engine(registry=backend.registry(), cache_size=1 << 20) as engine:
+        await engine.load(cached())
+        answered: list[float] = []
+
+        async def blocker() -> None:
+            await engine.infer("m", {"x": x(9)})
+
+        async def call(budget: float) -> None:
+            with anyio.move_on_after(budget):
+                await engine.infer("m", {"x": x(5)})
+                answered.append(trio.current_time())
+
+        t0 = trio.current_time()
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(blocker)
+            await trio.testing.wait_all_tasks_blocked()
+            tg.start_soon(call, 0.5)
+            await trio.testing.wait_all_tasks_blocked()
+            tg.start_soon(call, 5.0)
+        stats = engine.statistics().models["m"]
+    assert answered == [t0 + 2.0]
     assert backend.executions == [1, 1]
-    assert cache is not None
-    assert (cache.misses, cache.coalesced) == (2, 0)
+    assert (stats.cancelled, stats.expired, stats.succeeded) == (0, 0, 2)
+
+
+async def test_a_caller_who_leaves_a_computation_leaves_it_to_the_others(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    backend = FakeBackend(delay=1.0)
+    async with open_engine(registry=backend.registry(), cache_size=1 << 20) as engine:
+        await engine.load(cached())
+        answers: list[np.ndarray[Any, Any]] = []
+
+        async def call(budget: float) -> None:
+            with anyio.move_on_after(budget):
+                answers.append((await engine.infer("m", {"x": x(5)}))["y"])
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(call, 9.0)
+            await trio.testing.wait_all_tasks_blocked()
+            tg.start_soon(call, 0.5)
+            tg.start_soon(call, 9.0)
+        stats = engine.statistics().models["m"]
+    assert len(answers) == 2
+    assert backend.executions == [1]
+    assert stats.cache is not None
+    assert (stats.cache.misses, stats.cache.coalesced) == (1, 1)
 
 
 async def test_a_failure_is_not_stored_and_reaches_those_waiting(

@@ -10,10 +10,13 @@ so that no caller can change what another receives. Such an answer not kept
 still answers the identical requests waiting for it, with its fallback steps.
 
 Identical requests that arrive while the first is still being computed wait
-for its answer instead of computing again (request coalescing). The first
-caller computes under its own deadline; if it gives up (cancelled, or its
-deadline passes), a waiting caller takes the computation over under its own,
-rather than failing with it.
+for its answer instead of computing again (request coalescing). The
+computation belongs to the cache, not to the caller whose miss started it: it
+runs in a task of the engine's task group (nothing outlives the engine), under
+the latest deadline of the callers waiting for it. A caller that gives up
+(cancelled, or its deadline passed) leaves it to the others, with the work
+done so far; the last one to leave cancels it, so that nothing is computed
+for nobody, and a request nobody waits for never reaches a backend.
 """
 
 from __future__ import annotations
@@ -25,11 +28,12 @@ from collections.abc import Awaitable, Callable, Mapping
 from typing import Any, final
 
 import anyio
+import anyio.abc
 import anyio.lowlevel
 import attrs
 import numpy as np
 
-from ._exceptions import DeadlineExceeded, TrioInferError
+from ._exceptions import DeadlineExceeded, EngineClosed, TrioInferError
 from ._request import Outputs
 from ._runner import DURATION_BUCKETS, Histogram, _copy_error, _Histogram
 from ._threads import LoopClock
@@ -90,15 +94,35 @@ class _Counters:
 
 @final
 class _Flight:
-    # One computation that identical requests wait for.
-    __slots__ = ("done", "error", "origin", "outputs")
+    # One computation that identical requests wait for. It belongs to the cache, not
+    # to the caller that started it: it runs in a task of the engine's task group,
+    # and is cancelled only when no caller is left waiting for it.
+    __slots__ = (
+        "computed", "deadline", "deadlines", "done", "error", "leader", "origin", "outputs",
+        "retarget", "scope", "started",
+    )  # fmt: skip
 
-    def __init__(self) -> None:
+    def __init__(
+        self, deadline: float, retarget: Callable[[float, bool], float], started: Callable[[], bool]
+    ) -> None:
         self.done = anyio.Event()
-        self.outputs: Outputs | None = None
-        self.error: TrioInferError | None = None
+        self.outputs: Outputs | None = None  # the cache's read-only copy, for those who waited
+        self.computed: Outputs | None = None  # as computed: the caller who started it gets these
+        self.error: BaseException | None = None
         self.origin: object = None
-
+        # Made here, entered by the task: a caller that leaves before the task
+        # starts cancels it all the same.
+        self.scope = anyio.CancelScope()
+        # The deadline of each caller waiting for it.
+        self.deadlines: list[float] = []
+        # The deadline the computation has (its first caller's at first), and how to
+        # move it towards the latest of theirs (`ResponseCache._wait`, `_leave`).
+        self.deadline = deadline
+        self.retarget = retarget
+        # Whether it has left the queue (a caller with the model's queue timeout
+        # leaves only a computation that has not).
+        self.started = started
+        self.leader = True  # whether the next caller to join is the one that started it
 
 #: What an answer costs beyond its arrays' bytes: its key, its place in the LRU order,
 #: its dict, and each array's header. Charged so that many small answers stay bounded too.
@@ -129,61 +153,173 @@ class ResponseCache:
         self._clock = LoopClock()
 
     async def answer(
-        self, model: str, inputs: Arrays, compute: Callable[[], Awaitable[Computed]]
+        self,
+        model: str,
+        inputs: Arrays,
+        compute: Callable[[], Awaitable[Computed]],
+        *,
+        deadline: float,
+        own_deadline: bool,
+        task_group: anyio.abc.TaskGroup,
+        retarget: Callable[[float, bool], float],
+        started: Callable[[], bool],
     ) -> tuple[Outputs, object]:
         """The cached answer to *inputs*, or an identical request's, or ``compute()``'s.
+
+        A miss starts ``compute()`` in *task_group* (the engine's), where every
+        identical request arriving meanwhile waits for it too. It runs while
+        anyone waits: a caller that leaves (cancelled, or its deadline passed)
+        leaves it to the others, and ``retarget(latest, requeue)`` moves its
+        deadline to the latest of theirs and returns the one it has then
+        (*requeue*: even in the queue, where the one it had would expire it
+        while a caller still waits); the last one to leave cancels it, so
+        that nothing is computed for nobody. *deadline* is this caller's;
+        *own_deadline* False: the model's queue timeout, which ends the wait of
+        a request still queued (`DeadlineExceeded`), never one running.
+        ``started()`` says whether the computation has left the queue.
 
         With the answer comes the origin ``compute()`` gave with it when it
         was an identical request's, not kept (a fallback's); ``None`` otherwise.
 
         Raises:
-            TrioInferError: What ``compute()`` raised, for its caller and for
-                those who waited for it (each their own copy); a caller who
-                gave up hands the computation to one who waits instead.
+            TrioInferError: What ``compute()`` raised, for each caller waiting
+                for it (each their own copy).
+            EngineClosed: The engine closed before the computation ended.
         """
         key = (model, self._generations.get(model, 0), digest(inputs))
         counters = self._counters.setdefault(model, _Counters())
-        started = self._clock.current_time()
+        started_at = self._clock.current_time()
         while True:
             entry = self._entries.get(key)
             if entry is not None:
                 self._entries.move_to_end(key)
                 counters.hits += 1
-                counters.hit.observe(self._clock.current_time() - started)
+                counters.hit.observe(self._clock.current_time() - started_at)
                 # A hit never waits: give the event loop its turn (and a scope
                 # that expired, its chance to fire) as a queued request would.
                 await anyio.lowlevel.checkpoint()
                 return dict(entry[0]), None
             flight = self._flights.get(key)
             if flight is None:
-                break
-            await flight.done.wait()
+                flight = self._flights[key] = _Flight(deadline, retarget, started)
+                counters.misses += 1
+                # A miss is timed as Triton times it: the lookup and the insert, not the
+                # compute (the task adds the insert's time).
+                lookup = self._clock.current_time() - started_at
+                task_group.start_soon(self._compute, key, counters, flight, compute, lookup)
+            leader, flight.leader = flight.leader, False
+            await self._wait(flight, key, deadline, own_deadline, leader)
             if flight.outputs is not None:
+                if leader:
+                    assert flight.computed is not None
+                    return flight.computed, None  # its own request says where it came from
                 counters.coalesced += 1
                 return dict(flight.outputs), flight.origin
-            if flight.error is not None:
+            error = flight.error
+            if (
+                not leader
+                and isinstance(error, DeadlineExceeded)
+                and self._clock.current_time() < deadline
+            ):
+                # Expired in the queue just as the caller whose deadline it had left,
+                # before it could be moved to ours: nothing was computed; again.
+                continue
+            if error is None:
+                raise EngineClosed(
+                    f"the engine closed before the answer to a request for model {model!r} "
+                    "was computed"
+                )
+            if not leader:
                 counters.failed += 1
-                raise _copy_error(flight.error, cause=flight.error.__cause__)
-            # Its caller gave up without an answer: take the computation over.
-        flight = self._flights[key] = _Flight()
-        counters.misses += 1
-        # A miss is timed as Triton times it: the lookup and the insert, not the compute.
-        spent = self._clock.current_time() - started
+            if isinstance(error, DeadlineExceeded) and own_deadline:
+                # Our own deadline passed: let our scope say so, as a queued request's would.
+                await self._clock.checkpoint_if_cancelled()
+            if isinstance(error, TrioInferError):
+                raise _copy_error(error, cause=error.__cause__)
+            raise error
+
+    async def _wait(
+        self,
+        flight: _Flight,
+        key: tuple[str, int, bytes],
+        deadline: float,
+        own_deadline: bool,
+        leader: bool,
+    ) -> None:
+        # Wait for *flight* among its callers, under this caller's deadline.
+        flight.deadlines.append(deadline)
+        if not leader and deadline > flight.deadline:
+            # Out of the queue already, its checks before each attempt read the latest
+            # deadline; in the queue, it keeps its place (and its deadline, until the
+            # caller whose deadline it is leaves: _leave).
+            flight.deadline = flight.retarget(deadline, False)
         try:
-            outputs, keep, origin = await compute()
-        except TrioInferError as exc:
-            if not isinstance(exc, DeadlineExceeded):  # the caller's own deadline: not theirs
-                flight.error = exc
+            if own_deadline:
+                await flight.done.wait()
+                return
+            with anyio.CancelScope(deadline=deadline):
+                await flight.done.wait()
+                return
+            # The model's queue timeout passed: it ends a wait in the queue, not a run.
+            if flight.started():
+                await flight.done.wait()
+                return
+        except BaseException:
+            self._leave(flight, key, deadline)
             raise
-        else:
-            inserting = self._clock.current_time()
-            flight.outputs = self._store(key, counters, outputs, keep)
-            flight.origin = None if keep else origin
-            spent += self._clock.current_time() - inserting
-            return outputs, None
+        self._leave(flight, key, deadline)
+        raise DeadlineExceeded(
+            f"a request for model {key[0]!r} reached its queue timeout waiting for an "
+            "identical request to run; nothing was computed for it"
+        )
+
+    def _leave(self, flight: _Flight, key: tuple[str, int, bytes], deadline: float) -> None:
+        # A caller gave up waiting for *flight*: the others keep it, or nobody does.
+        if flight.done.is_set():
+            return
+        deadlines = flight.deadlines
+        deadlines.remove(deadline)
+        if not deadlines:
+            # Nobody waits: stop the computation, and let the next caller start another.
+            if self._flights.get(key) is flight:
+                del self._flights[key]
+            flight.scope.cancel()
+            return
+        latest = max(deadlines)
+        if flight.deadline < latest:
+            # It had the deadline of one who left, and would expire with those who stay.
+            flight.deadline = flight.retarget(latest, True)
+        elif flight.deadline > latest:
+            # Nobody waits that long any more: expire it when the last of them would.
+            flight.deadline = flight.retarget(latest, False)
+
+    async def _compute(
+        self,
+        key: tuple[str, int, bytes],
+        counters: _Counters,
+        flight: _Flight,
+        compute: Callable[[], Awaitable[Computed]],
+        spent: float,
+    ) -> None:
+        # The task computing *flight*: what it ends with is every waiting caller's.
+        try:
+            with flight.scope:
+                if flight.scope.cancel_called:
+                    return  # every caller left before it started: nothing reaches the model
+                try:
+                    outputs, keep, origin = await compute()
+                except Exception as exc:  # every caller's; it must not end the engine's tasks
+                    flight.error = exc
+                else:
+                    inserting = self._clock.current_time()
+                    flight.computed = outputs
+                    flight.outputs = self._store(key, counters, outputs, keep)
+                    flight.origin = None if keep else origin
+                    spent += self._clock.current_time() - inserting
         finally:
             counters.miss.observe(spent)
-            del self._flights[key]
+            if self._flights.get(key) is flight:
+                del self._flights[key]
             flight.done.set()
 
     def _store(

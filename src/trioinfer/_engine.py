@@ -1018,14 +1018,31 @@ class Engine:
             return request
 
         computed = False
+        pipe_scope = (
+            anyio.CancelScope(deadline=request.deadline) if isinstance(runner, Pipeline) else None
+        )
 
         async def compute() -> tuple[Outputs, bool, object]:
+            # In the cache's task, for every caller waiting for this answer: its
+            # cancel scope is cancelled when none is left, and the request's
+            # deadline follows theirs (retarget), so the queue timeout is enforced
+            # there, as the cache waits for each caller.
             nonlocal computed
             computed = True
             if request._state.trace is not None:
                 assert self._tracing is not None
                 self._tracing.queued(request)
-            await runner.call(request, own_deadline=own_deadline)
+            if pipe_scope is None:
+                await runner.call(request, own_deadline=True)
+            else:
+                # A pipeline runs its steps in this task: under the callers' latest deadline.
+                with pipe_scope:
+                    await runner.call(request, own_deadline=True)
+                if pipe_scope.cancelled_caught:
+                    raise DeadlineExceeded(
+                        f"request {request.id!r} for pipeline {request.model!r} reached its "
+                        "deadline before its steps ended"
+                    )
             state = request._state
             assert state.outputs is not None
             # Keep only the model's own answer (from one of its instances, after a
@@ -1036,8 +1053,28 @@ class Engine:
             )
             return state.outputs, own, (state.served_by, state.fallbacks)
 
+        def retarget(deadline: float, requeue: bool) -> float:
+            # The latest deadline of the callers waiting for this computation.
+            if pipe_scope is None:
+                runner.move_deadline(request, deadline, requeue=requeue)
+                return request.deadline
+            pipe_scope.deadline = deadline
+            return deadline
+
+        def started() -> bool:
+            return request._state.status is not Status.QUEUED
+
         assert self._cache is not None  # load() refuses response_cache without a cache
-        outputs, origin = await self._cache.answer(request.model, request.inputs, compute)
+        outputs, origin = await self._cache.answer(
+            request.model,
+            request.inputs,
+            compute,
+            deadline=request.deadline,
+            own_deadline=own_deadline,
+            task_group=self._task_group,
+            retarget=retarget,
+            started=started,
+        )
         if origin is not None:
             # An identical request's fallback answered: this one says so as well.
             served_by, fallbacks = cast("tuple[Any, tuple[str, ...]]", origin)
