@@ -1,4 +1,4 @@
-"""The response cache: hits without queueing, coalescing (a computation kept while anyone waits), LRU by bytes."""
+"""The response cache: hits without queueing, coalescing (kept while anyone waits), LRU by bytes."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import trio
 import trio.testing
 
 from _serve import start_serving
-from trioinfer import BackendError, ConfigError, ModelConfig, open_engine
+from trioinfer import BackendError, ConfigError, DeadlineExceeded, ModelConfig, open_engine
 from trioinfer._cache import ARRAY_OVERHEAD, ENTRY_OVERHEAD, digest
 from trioinfer.testing import FakeBackend
 
@@ -517,3 +517,99 @@ async def test_the_server_reports_hits_in_triton_statistics_and_metrics(tmp_path
     assert samples["trioinfer_cache_hits_total"] == 2
     assert samples["trioinfer_cache_misses_total"] == 1
     assert samples["trioinfer_cache_bytes"] > 0
+
+
+@pytest.mark.parametrize("backend", ["trio", "asyncio"])
+def test_a_computation_outlives_its_first_caller_on_both_backends(backend: str) -> None:
+    # The computation's task and scope, made by one caller and left to another, on
+    # asyncio too (real time there: a short compute, a shorter first caller).
+    fake = FakeBackend(delay=0.2)
+    got: list[np.ndarray[Any, Any]] = []
+
+    async def main() -> None:
+        async with open_engine(registry=fake.registry(), cache_size=1 << 20) as engine:
+            await engine.load(cached())
+
+            async def leader() -> None:
+                with anyio.move_on_after(0.05):
+                    await engine.infer("m", {"x": x(5)})
+
+            async def follower() -> None:
+                await anyio.sleep(0.01)
+                got.append((await engine.infer("m", {"x": x(5)}))["y"])
+
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(leader)
+                tg.start_soon(follower)
+
+    anyio.run(main, backend=backend)
+    assert fake.executions == [1]
+    assert len(got) == 1
+    np.testing.assert_array_equal(got[0], x(10))
+
+
+async def test_a_pipelines_computation_outlives_its_first_caller(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    step = FakeBackend(delay=1.0)
+    pipeline = ModelConfig(
+        name="p",
+        path="-",
+        backend="pipeline",
+        response_cache=True,
+        backend_options={
+            "inputs": [{"name": "IN", "dtype": "float32", "shape": ["batch", 4]}],
+            "outputs": [{"name": "OUT", "dtype": "float32", "shape": ["batch", 4]}],
+            "steps": [{"model": "m", "input_map": {"x": "IN"}, "output_map": {"y": "OUT"}}],
+        },
+    )
+    async with open_engine(registry=step.registry(), cache_size=1 << 20) as engine:
+        await engine.load(ModelConfig(name="m", path="-", backend="fake"))
+        await engine.load(pipeline)
+        answers: list[np.ndarray[Any, Any]] = []
+
+        async def call(budget: float) -> None:
+            with anyio.move_on_after(budget):
+                answers.append((await engine.infer("p", {"IN": x(1)}))["OUT"])
+
+        async def call_other(budget: float) -> None:
+            with anyio.move_on_after(budget):
+                answers.append((await engine.infer("p", {"IN": x(2)}))["OUT"])
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(call, 0.5)
+            await trio.testing.wait_all_tasks_blocked()
+            tg.start_soon(call, 1.5)
+        # Both gone before it ends: the step's execution is aborted, nothing else runs.
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(call_other, 0.3)
+            tg.start_soon(call_other, 0.6)
+        await trio.sleep(5)
+    assert len(answers) == 1
+    np.testing.assert_array_equal(answers[0], x(2))
+    assert step.executions == [1, 1]
+
+
+async def test_a_queue_timeout_ends_a_wait_in_the_queue_not_a_run(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    backend = FakeBackend(delay=1.0)
+    async with open_engine(registry=backend.registry(), cache_size=1 << 20) as engine:
+        await engine.load(cached(queue_timeouts={0: 0.5}))
+        outcome: list[object] = []
+
+        async def call(value: float) -> None:
+            try:
+                outcome.append((await engine.infer("m", {"x": x(value)}))["y"][0, 0])
+            except DeadlineExceeded:
+                outcome.append("expired")
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(call, 9)  # runs at once, for a second: its timeout does not cut it
+            await trio.testing.wait_all_tasks_blocked()
+            tg.start_soon(call, 5)  # queued behind it past its timeout: never computed
+            tg.start_soon(call, 5)
+        stats = engine.statistics().models["m"]
+    assert sorted(map(str, outcome)) == ["18.0", "expired", "expired"]
+    assert backend.executions == [1]
+    assert (stats.expired, stats.cancelled) == (1, 0)  # as without the cache

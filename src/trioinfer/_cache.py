@@ -46,14 +46,14 @@ class CacheStatistics:
     """One model's use of the engine's response cache, in ``ModelStatistics.cache``.
 
     A request of a model with the cache on counts in *hits* when answered
-    from the cache, in *misses* when it computes (so does one that takes a
-    computation over), in *coalesced* when it gets the answer of an
-    identical request computed meanwhile, and in *failed* when it gets that
-    request's error instead; one that waited and left counts in none.
+    from the cache, in *misses* when it starts a computation (which goes on
+    for the others if it leaves), in *coalesced* when it gets the answer of
+    a computation another request started, and in *failed* when it gets that
+    computation's error instead; one that waited and left counts in none.
 
     Attributes:
         hits: Requests answered from the cache, without queueing.
-        misses: Requests that were computed (the first of identical ones in flight).
+        misses: Requests that started a computation (the first of identical ones in flight).
         coalesced: Requests answered by an identical request computed meanwhile.
         evictions: Answers dropped to make room (least recently used first).
         entries: Answers the cache holds for the model now.
@@ -98,12 +98,16 @@ class _Flight:
     # to the caller that started it: it runs in a task of the engine's task group,
     # and is cancelled only when no caller is left waiting for it.
     __slots__ = (
-        "computed", "deadline", "deadlines", "done", "error", "leader", "origin", "outputs",
-        "retarget", "scope", "started",
+        "computed", "deadline", "deadlines", "done", "error", "expire", "leader", "origin",
+        "outputs", "retarget", "scope", "started",
     )  # fmt: skip
 
     def __init__(
-        self, deadline: float, retarget: Callable[[float, bool], float], started: Callable[[], bool]
+        self,
+        deadline: float,
+        retarget: Callable[[float, bool], float],
+        started: Callable[[], bool],
+        expire: Callable[[], bool],
     ) -> None:
         self.done = anyio.Event()
         self.outputs: Outputs | None = None  # the cache's read-only copy, for those who waited
@@ -120,9 +124,13 @@ class _Flight:
         self.deadline = deadline
         self.retarget = retarget
         # Whether it has left the queue (a caller with the model's queue timeout
-        # leaves only a computation that has not).
+        # leaves only a computation that has not); and, for the last such caller,
+        # ending it as expired in the queue, as the model's own request (False: not
+        # queued yet, it is cancelled instead).
         self.started = started
+        self.expire = expire
         self.leader = True  # whether the next caller to join is the one that started it
+
 
 #: What an answer costs beyond its arrays' bytes: its key, its place in the LRU order,
 #: its dict, and each array's header. Charged so that many small answers stay bounded too.
@@ -163,6 +171,7 @@ class ResponseCache:
         task_group: anyio.abc.TaskGroup,
         retarget: Callable[[float, bool], float],
         started: Callable[[], bool],
+        expire: Callable[[], bool],
     ) -> tuple[Outputs, object]:
         """The cached answer to *inputs*, or an identical request's, or ``compute()``'s.
 
@@ -176,7 +185,8 @@ class ResponseCache:
         that nothing is computed for nobody. *deadline* is this caller's;
         *own_deadline* False: the model's queue timeout, which ends the wait of
         a request still queued (`DeadlineExceeded`), never one running.
-        ``started()`` says whether the computation has left the queue.
+        ``started()`` says whether the computation has left the queue, and
+        ``expire()`` ends it there, expired, for the last caller's queue timeout.
 
         With the answer comes the origin ``compute()`` gave with it when it
         was an identical request's, not kept (a fallback's); ``None`` otherwise.
@@ -201,7 +211,7 @@ class ResponseCache:
                 return dict(entry[0]), None
             flight = self._flights.get(key)
             if flight is None:
-                flight = self._flights[key] = _Flight(deadline, retarget, started)
+                flight = self._flights[key] = _Flight(deadline, retarget, started, expire)
                 counters.misses += 1
                 # A miss is timed as Triton times it: the lookup and the insert, not the
                 # compute (the task adds the insert's time).
@@ -261,8 +271,8 @@ class ResponseCache:
                 await flight.done.wait()
                 return
             # The model's queue timeout passed: it ends a wait in the queue, not a run.
-            if flight.started():
-                await flight.done.wait()
+            if flight.started() or (len(flight.deadlines) == 1 and flight.expire()):
+                await flight.done.wait()  # its answer, or (expired) its DeadlineExceeded
                 return
         except BaseException:
             self._leave(flight, key, deadline)

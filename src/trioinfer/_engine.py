@@ -1055,14 +1055,23 @@ class Engine:
 
         def retarget(deadline: float, requeue: bool) -> float:
             # The latest deadline of the callers waiting for this computation.
-            if pipe_scope is None:
+            if isinstance(runner, ModelRunner):
                 runner.move_deadline(request, deadline, requeue=requeue)
                 return request.deadline
+            assert pipe_scope is not None
             pipe_scope.deadline = deadline
             return deadline
 
         def started() -> bool:
             return request._state.status is not Status.QUEUED
+
+        def expire() -> bool:
+            # The queue timeout of the last caller waiting passed, the request still
+            # queued: it expires there, as it would have without the cache.
+            if not isinstance(runner, ModelRunner) or request not in runner._in_flight:
+                return False  # a pipeline's steps have their own queues; or not admitted yet
+            runner._expire(request, runner.clock.current_time())
+            return True
 
         assert self._cache is not None  # load() refuses response_cache without a cache
         outputs, origin = await self._cache.answer(
@@ -1074,6 +1083,7 @@ class Engine:
             task_group=self._task_group,
             retarget=retarget,
             started=started,
+            expire=expire,
         )
         if origin is not None:
             # An identical request's fallback answered: this one says so as well.

@@ -2094,8 +2094,9 @@ class ModelRunner(metaclass=NoPublicConstructor):
         For the response cache, whose one computation answers every identical
         request waiting for it (`trioinfer._cache`): when the caller whose
         deadline the request had leaves, those still waiting keep it alive.
-        Taken by a batcher or running, it is out of its scheduler, and the
-        deadline changes in place (the checks before each attempt read it).
+        Not admitted yet, taken by a batcher or running, it is out of its
+        scheduler, and the deadline changes in place (the checks before each
+        attempt read it).
         In its scheduler (which may order requests by deadline) it moves only
         with *requeue*: it leaves and enters again, behind those queued since.
         """
@@ -2103,7 +2104,7 @@ class ModelRunner(metaclass=NoPublicConstructor):
         if state.status is _DONE or request.deadline == deadline:
             return
         queue = self.queue
-        if state.status is _QUEUED and state.batch is None:
+        if state.status is _QUEUED and state.batch is None and request in self._in_flight:
             if not requeue:
                 return
             queue._remove(request)
