@@ -11,9 +11,10 @@ still answers the identical requests waiting for it, with its fallback steps.
 
 Identical requests that arrive while the first is still being computed wait
 for its answer instead of computing again (request coalescing). The
-computation belongs to the cache, not to the caller whose miss started it: it
-runs in a task of the engine's task group (nothing outlives the engine), under
-the latest deadline of the callers waiting for it. A caller that gives up
+computation belongs to the cache, not to the caller whose miss started it (see
+`Computation`: the model's request, run by its runner, or a pipeline's run in
+a task of the engine's task group; nothing outlives the engine), under the
+latest deadline of the callers waiting for it. A caller that gives up
 (cancelled, or its deadline passed) leaves it to the others, with the work
 done so far; the last one to leave cancels it, so that nothing is computed
 for nobody, and a request nobody waits for never reaches a backend.
@@ -24,19 +25,18 @@ from __future__ import annotations
 import collections
 import hashlib
 import sys
-from collections.abc import Awaitable, Callable, Mapping
-from typing import Any, final
+from collections.abc import Callable, Mapping
+from typing import Any, Protocol, final
 
 import anyio
-import anyio.abc
 import anyio.lowlevel
 import attrs
 import numpy as np
 
-from ._exceptions import DeadlineExceeded, EngineClosed, TrioInferError
+from ._exceptions import DeadlineExceeded, TrioInferError
 from ._request import Outputs
 from ._runner import DURATION_BUCKETS, Histogram, _copy_error, _Histogram
-from ._threads import LoopClock
+from ._threads import EventLike, LoopClock
 
 Arrays = Mapping[str, np.ndarray[Any, Any]]
 
@@ -92,44 +92,80 @@ class _Counters:
         self.miss = _Histogram(DURATION_BUCKETS)
 
 
+class Event(EventLike, Protocol):
+    """An event many tasks may wait for: trio's, asyncio's."""
+
+    def is_set(self) -> bool:
+        """Whether it was set."""
+
+
+class Computation(Protocol):
+    """One computation of an answer, for every identical request waiting for it.
+
+    Made by the engine for a miss: the model's request, admitted to its queue
+    and run by its runner (no task of its own: the engine's runner owns it),
+    or a pipeline's run in a task of the engine's task group. Either way
+    nothing of it outlives the engine, and it ends on its own: no caller's
+    task carries it, so a caller that leaves does not end it.
+    """
+
+    #: Set when it ends (computed, failed, or abandoned).
+    done: Event
+
+    def start(self) -> None:
+        """Start it, or raise why it cannot start (a full queue, say)."""
+
+    def outcome(self) -> Computed | BaseException:
+        """Once done: the answer, whether to keep it and where it came from; or the error."""
+
+    def abandon(self) -> None:
+        """Nobody waits any more: take it out of the queue, or abort its run."""
+
+    def retarget(self, deadline: float, requeue: bool) -> float:
+        """Move its deadline towards *deadline*; return the one it has now.
+
+        *requeue*: also while queued, where the scheduler may order by deadline
+        (it then loses its place); without, only once out of the queue.
+        """
+
+    def started(self) -> bool:
+        """Whether it has left the queue (a run is never cut by a queue timeout)."""
+
+    def expire(self) -> bool:
+        """End it, still queued, as expired (the last caller's queue timeout); False: cannot."""
+
+
 @final
 class _Flight:
-    # One computation that identical requests wait for. It belongs to the cache, not
-    # to the caller that started it: it runs in a task of the engine's task group,
-    # and is cancelled only when no caller is left waiting for it.
+    # A computation that identical requests wait for, and what it ended with.
     __slots__ = (
-        "computed", "deadline", "deadlines", "done", "error", "expire", "leader", "origin",
-        "outputs", "retarget", "scope", "started",
+        "computation", "computed", "counters", "deadline", "deadlines", "done", "error",
+        "finished", "key", "origin", "outputs", "spent",
     )  # fmt: skip
 
     def __init__(
         self,
+        key: tuple[str, int, bytes],
+        counters: _Counters,
+        computation: Computation,
         deadline: float,
-        retarget: Callable[[float, bool], float],
-        started: Callable[[], bool],
-        expire: Callable[[], bool],
+        spent: float,
     ) -> None:
-        self.done = anyio.Event()
+        self.key = key
+        self.counters = counters
+        self.computation = computation
+        self.done = computation.done
+        self.finished = False
         self.outputs: Outputs | None = None  # the cache's read-only copy, for those who waited
         self.computed: Outputs | None = None  # as computed: the caller who started it gets these
         self.error: BaseException | None = None
         self.origin: object = None
-        # Made here, entered by the task: a caller that leaves before the task
-        # starts cancels it all the same.
-        self.scope = anyio.CancelScope()
-        # The deadline of each caller waiting for it.
+        # The deadline of each caller waiting for it, and the one the computation has
+        # (its first caller's at first), moved towards the latest of theirs (_wait, _leave).
         self.deadlines: list[float] = []
-        # The deadline the computation has (its first caller's at first), and how to
-        # move it towards the latest of theirs (`ResponseCache._wait`, `_leave`).
         self.deadline = deadline
-        self.retarget = retarget
-        # Whether it has left the queue (a caller with the model's queue timeout
-        # leaves only a computation that has not); and, for the last such caller,
-        # ending it as expired in the queue, as the model's own request (False: not
-        # queued yet, it is cancelled instead).
-        self.started = started
-        self.expire = expire
-        self.leader = True  # whether the next caller to join is the one that started it
+        # Its time in the cache, as Triton's cache_miss: the lookup, then the insert.
+        self.spent = spent
 
 
 #: What an answer costs beyond its arrays' bytes: its key, its place in the LRU order,
@@ -164,37 +200,31 @@ class ResponseCache:
         self,
         model: str,
         inputs: Arrays,
-        compute: Callable[[], Awaitable[Computed]],
+        computation: Callable[[], Computation],
         *,
         deadline: float,
         own_deadline: bool,
-        task_group: anyio.abc.TaskGroup,
-        retarget: Callable[[float, bool], float],
-        started: Callable[[], bool],
-        expire: Callable[[], bool],
-    ) -> tuple[Outputs, object]:
-        """The cached answer to *inputs*, or an identical request's, or ``compute()``'s.
+    ) -> tuple[Outputs, object, bool]:
+        """The cached answer to *inputs*, or that of a computation under way, or a new one's.
 
-        A miss starts ``compute()`` in *task_group* (the engine's), where every
-        identical request arriving meanwhile waits for it too. It runs while
-        anyone waits: a caller that leaves (cancelled, or its deadline passed)
-        leaves it to the others, and ``retarget(latest, requeue)`` moves its
-        deadline to the latest of theirs and returns the one it has then
-        (*requeue*: even in the queue, where the one it had would expire it
-        while a caller still waits); the last one to leave cancels it, so
-        that nothing is computed for nobody. *deadline* is this caller's;
-        *own_deadline* False: the model's queue timeout, which ends the wait of
-        a request still queued (`DeadlineExceeded`), never one running.
-        ``started()`` says whether the computation has left the queue, and
-        ``expire()`` ends it there, expired, for the last caller's queue timeout.
+        A miss starts ``computation()``, and every identical request arriving
+        meanwhile waits for it too. It goes on while anyone waits: a caller
+        that leaves (cancelled, or its deadline passed) leaves it to the
+        others, its deadline moved to the latest of theirs; the last one to
+        leave abandons it, so that nothing is computed for nobody. *deadline*
+        is this caller's; *own_deadline* False: the model's queue timeout,
+        which ends the wait of a request still queued (`DeadlineExceeded`),
+        never one running.
 
-        With the answer comes the origin ``compute()`` gave with it when it
-        was an identical request's, not kept (a fallback's); ``None`` otherwise.
+        Returns:
+            The answer; the origin ``computation()`` gave with it when it was
+            another request's, not kept (a fallback's), ``None`` otherwise;
+            and whether this caller started the computation (its own request
+            holds the answer and where it came from).
 
         Raises:
-            TrioInferError: What ``compute()`` raised, for each caller waiting
-                for it (each their own copy).
-            EngineClosed: The engine closed before the computation ended.
+            TrioInferError: What the computation ended with, for each caller
+                waiting for it (each their own copy), or what refused it.
         """
         key = (model, self._generations.get(model, 0), digest(inputs))
         counters = self._counters.setdefault(model, _Counters())
@@ -208,24 +238,30 @@ class ResponseCache:
                 # A hit never waits: give the event loop its turn (and a scope
                 # that expired, its chance to fire) as a queued request would.
                 await anyio.lowlevel.checkpoint()
-                return dict(entry[0]), None
+                return dict(entry[0]), None, False
             flight = self._flights.get(key)
+            leader = flight is None
             if flight is None:
-                flight = self._flights[key] = _Flight(deadline, retarget, started, expire)
                 counters.misses += 1
-                # A miss is timed as Triton times it: the lookup and the insert, not the
-                # compute (the task adds the insert's time).
+                # A miss is timed as Triton times it: the lookup and the insert, not the compute.
                 lookup = self._clock.current_time() - started_at
-                task_group.start_soon(self._compute, key, counters, flight, compute, lookup)
-            leader, flight.leader = flight.leader, False
-            await self._wait(flight, key, deadline, own_deadline, leader)
+                made = computation()
+                try:
+                    made.start()
+                except BaseException:
+                    counters.miss.observe(lookup)
+                    raise
+                flight = self._flights[key] = _Flight(key, counters, made, deadline, lookup)
+            await self._wait(flight, deadline, own_deadline, leader)
+            self._finish(flight)
             if flight.outputs is not None:
                 if leader:
                     assert flight.computed is not None
-                    return flight.computed, None  # its own request says where it came from
+                    return flight.computed, None, True
                 counters.coalesced += 1
-                return dict(flight.outputs), flight.origin
+                return dict(flight.outputs), flight.origin, False
             error = flight.error
+            assert error is not None
             if (
                 not leader
                 and isinstance(error, DeadlineExceeded)
@@ -234,11 +270,6 @@ class ResponseCache:
                 # Expired in the queue just as the caller whose deadline it had left,
                 # before it could be moved to ours: nothing was computed; again.
                 continue
-            if error is None:
-                raise EngineClosed(
-                    f"the engine closed before the answer to a request for model {model!r} "
-                    "was computed"
-                )
             if not leader:
                 counters.failed += 1
             if isinstance(error, DeadlineExceeded) and own_deadline:
@@ -249,20 +280,16 @@ class ResponseCache:
             raise error
 
     async def _wait(
-        self,
-        flight: _Flight,
-        key: tuple[str, int, bytes],
-        deadline: float,
-        own_deadline: bool,
-        leader: bool,
+        self, flight: _Flight, deadline: float, own_deadline: bool, leader: bool
     ) -> None:
         # Wait for *flight* among its callers, under this caller's deadline.
         flight.deadlines.append(deadline)
+        computation = flight.computation
         if not leader and deadline > flight.deadline:
             # Out of the queue already, its checks before each attempt read the latest
             # deadline; in the queue, it keeps its place (and its deadline, until the
             # caller whose deadline it is leaves: _leave).
-            flight.deadline = flight.retarget(deadline, False)
+            flight.deadline = computation.retarget(deadline, False)
         try:
             if own_deadline:
                 await flight.done.wait()
@@ -270,67 +297,62 @@ class ResponseCache:
             with anyio.CancelScope(deadline=deadline):
                 await flight.done.wait()
                 return
-            # The model's queue timeout passed: it ends a wait in the queue, not a run.
-            if flight.started() or (len(flight.deadlines) == 1 and flight.expire()):
-                await flight.done.wait()  # its answer, or (expired) its DeadlineExceeded
+            # The model's queue timeout passed: it ends a wait in the queue, not a run;
+            # the last caller's ends the computation there, expired, as the model's own.
+            if computation.started() or (len(flight.deadlines) == 1 and computation.expire()):
+                await flight.done.wait()
                 return
         except BaseException:
-            self._leave(flight, key, deadline)
+            self._leave(flight, deadline)
             raise
-        self._leave(flight, key, deadline)
+        self._leave(flight, deadline)
         raise DeadlineExceeded(
-            f"a request for model {key[0]!r} reached its queue timeout waiting for an "
+            f"a request for model {flight.key[0]!r} reached its queue timeout waiting for an "
             "identical request to run; nothing was computed for it"
         )
 
-    def _leave(self, flight: _Flight, key: tuple[str, int, bytes], deadline: float) -> None:
+    def _leave(self, flight: _Flight, deadline: float) -> None:
         # A caller gave up waiting for *flight*: the others keep it, or nobody does.
         if flight.done.is_set():
+            self._finish(flight)  # it ended as the caller left: its answer is kept still
             return
         deadlines = flight.deadlines
         deadlines.remove(deadline)
         if not deadlines:
-            # Nobody waits: stop the computation, and let the next caller start another.
-            if self._flights.get(key) is flight:
-                del self._flights[key]
-            flight.scope.cancel()
+            # Nobody waits: abandon it, and let the next caller start another.
+            flight.finished = True
+            if self._flights.get(flight.key) is flight:
+                del self._flights[flight.key]
+            flight.counters.miss.observe(flight.spent)
+            flight.computation.abandon()
             return
         latest = max(deadlines)
         if flight.deadline < latest:
             # It had the deadline of one who left, and would expire with those who stay.
-            flight.deadline = flight.retarget(latest, True)
+            flight.deadline = flight.computation.retarget(latest, True)
         elif flight.deadline > latest:
             # Nobody waits that long any more: expire it when the last of them would.
-            flight.deadline = flight.retarget(latest, False)
+            flight.deadline = flight.computation.retarget(latest, False)
 
-    async def _compute(
-        self,
-        key: tuple[str, int, bytes],
-        counters: _Counters,
-        flight: _Flight,
-        compute: Callable[[], Awaitable[Computed]],
-        spent: float,
-    ) -> None:
-        # The task computing *flight*: what it ends with is every waiting caller's.
-        try:
-            with flight.scope:
-                if flight.scope.cancel_called:
-                    return  # every caller left before it started: nothing reaches the model
-                try:
-                    outputs, keep, origin = await compute()
-                except Exception as exc:  # every caller's; it must not end the engine's tasks
-                    flight.error = exc
-                else:
-                    inserting = self._clock.current_time()
-                    flight.computed = outputs
-                    flight.outputs = self._store(key, counters, outputs, keep)
-                    flight.origin = None if keep else origin
-                    spent += self._clock.current_time() - inserting
-        finally:
-            counters.miss.observe(spent)
-            if self._flights.get(key) is flight:
-                del self._flights[key]
-            flight.done.set()
+    def _finish(self, flight: _Flight) -> None:
+        # The first caller to wake after *flight* ended stores its answer, for all.
+        if flight.finished:
+            return
+        flight.finished = True
+        key = flight.key
+        if self._flights.get(key) is flight:
+            del self._flights[key]
+        outcome = flight.computation.outcome()
+        if isinstance(outcome, BaseException):
+            flight.error = outcome
+        else:
+            outputs, keep, origin = outcome
+            inserting = self._clock.current_time()
+            flight.computed = outputs
+            flight.outputs = self._store(key, flight.counters, outputs, keep)
+            flight.origin = None if keep else origin
+            flight.spent += self._clock.current_time() - inserting
+        flight.counters.miss.observe(flight.spent)
 
     def _store(
         self, key: tuple[str, int, bytes], counters: _Counters, outputs: Outputs, keep: bool
