@@ -11,7 +11,14 @@ import trio
 import trio.testing
 
 from _serve import start_serving
-from trioinfer import BackendError, ConfigError, DeadlineExceeded, ModelConfig, open_engine
+from trioinfer import (
+    BackendError,
+    ConfigError,
+    DeadlineExceeded,
+    ModelConfig,
+    QueueFull,
+    open_engine,
+)
 from trioinfer._cache import ARRAY_OVERHEAD, ENTRY_OVERHEAD, digest
 from trioinfer.testing import FakeBackend
 
@@ -613,3 +620,25 @@ async def test_a_queue_timeout_ends_a_wait_in_the_queue_not_a_run(
     assert sorted(map(str, outcome)) == ["18.0", "expired", "expired"]
     assert backend.executions == [1]
     assert (stats.expired, stats.cancelled) == (1, 0)  # as without the cache
+
+
+async def test_a_computation_refused_at_admission_is_its_callers_error_alone(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    backend = FakeBackend(delay=1.0)
+    async with open_engine(registry=backend.registry(), cache_size=1 << 20) as engine:
+        await engine.load(cached(max_queue_size=1))
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(engine.infer, "m", {"x": x(9)})  # runs
+            await trio.testing.wait_all_tasks_blocked()
+            tg.start_soon(engine.infer, "m", {"x": x(8)})  # fills the queue
+            await trio.testing.wait_all_tasks_blocked()
+            with pytest.raises(QueueFull):
+                await engine.infer("m", {"x": x(5)})
+        # Nothing of the refused one is left waiting to be joined: computed afresh.
+        again = await engine.infer("m", {"x": x(5)})
+        cache = engine.statistics().models["m"].cache
+    np.testing.assert_array_equal(again["y"], x(10))
+    assert backend.executions == [1, 1, 1]
+    assert cache is not None
+    assert (cache.misses, cache.miss_duration.count, cache.entries) == (4, 4, 3)
