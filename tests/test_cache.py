@@ -1,4 +1,4 @@
-"""The response cache: hits without queueing, coalescing with takeover, LRU by bytes."""
+"""The response cache: hits without queueing, coalescing (kept while anyone waits), LRU by bytes."""
 
 from __future__ import annotations
 
@@ -11,7 +11,14 @@ import trio
 import trio.testing
 
 from _serve import start_serving
-from trioinfer import BackendError, ConfigError, ModelConfig, open_engine
+from trioinfer import (
+    BackendError,
+    ConfigError,
+    DeadlineExceeded,
+    ModelConfig,
+    QueueFull,
+    open_engine,
+)
 from trioinfer._cache import ARRAY_OVERHEAD, ENTRY_OVERHEAD, digest
 from trioinfer.testing import FakeBackend
 
@@ -52,6 +59,26 @@ async def test_a_repeated_request_is_answered_without_queueing(
     assert stats.models["m"].succeeded == 2  # the hit never reached the model
 
 
+async def test_a_miss_is_timed_by_its_lookup_and_insert_not_its_compute(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    # Triton's cache_miss: the time to look up and insert, not to compute (a second
+    # here, on virtual time, where the cache's own work takes none).
+    backend = FakeBackend(delay=1.0)
+    async with open_engine(registry=backend.registry(), cache_size=1 << 20) as engine:
+        await engine.load(cached())
+        await engine.infer("m", {"x": x(1)})
+        backend.error = BackendError("broken")
+        with pytest.raises(BackendError):
+            await engine.infer("m", {"x": x(2)})
+        stats = engine.statistics().models["m"]
+    cache = stats.cache
+    assert cache is not None
+    assert cache.misses == cache.miss_duration.count == 2  # a failed compute missed too
+    assert cache.miss_duration.sum == 0
+    assert stats.compute_duration.sum == 2.0
+
+
 async def test_answers_from_the_cache_cannot_be_changed_by_their_callers(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
@@ -88,9 +115,11 @@ async def test_identical_requests_in_flight_are_computed_once(
     assert (cache.misses, cache.coalesced, cache.hits) == (1, 4, 0)
 
 
-async def test_when_the_computing_caller_leaves_a_waiting_one_takes_over(
+async def test_when_the_computing_caller_leaves_a_waiting_one_gets_its_computation(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
+    # The computation belongs to the cache entry, not to the caller whose miss started
+    # it: the one who stays gets it when it ends, computed once.
     backend = FakeBackend(delay=1.0)
     async with open_engine(registry=backend.registry(), cache_size=1 << 20) as engine:
         await engine.load(cached())
@@ -104,18 +133,101 @@ async def test_when_the_computing_caller_leaves_a_waiting_one_takes_over(
 
         async def follower() -> None:
             outcome["follower"] = (await engine.infer("m", {"x": x(5)}))["y"]
+            outcome["at"] = trio.current_time()
 
+        t0 = trio.current_time()
         async with anyio.create_task_group() as tg:
             tg.start_soon(leader)
             await trio.testing.wait_all_tasks_blocked()
             tg.start_soon(follower)
-        cache = engine.statistics().models["m"].cache
+        stats = engine.statistics().models["m"]
     assert outcome["leader"] == "gave up"
     np.testing.assert_array_equal(outcome["follower"], x(10))  # type: ignore[arg-type]
-    # The leader's execution was aborted when it left; the follower ran its own.
+    assert outcome["at"] == t0 + 1.0  # not restarted when the leader left
+    assert backend.executions == [1]
+    assert (stats.cancelled, stats.succeeded) == (0, 1)
+    assert stats.cache is not None
+    assert (stats.cache.misses, stats.cache.coalesced) == (1, 1)
+
+
+async def test_a_computation_is_cancelled_when_its_last_caller_leaves(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    backend = FakeBackend(delay=1.0)
+    async with open_engine(registry=backend.registry(), cache_size=1 << 20) as engine:
+        await engine.load(cached())
+
+        async def call(budget: float) -> None:
+            with anyio.move_on_after(budget):
+                await engine.infer("m", {"x": x(5)})
+                raise AssertionError("answered after its deadline")
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(call, 0.5)
+            await trio.testing.wait_all_tasks_blocked()
+            tg.start_soon(call, 0.8)
+        await trio.sleep(5)  # nothing runs for nobody meanwhile
+        stats = engine.statistics().models["m"]
+    # One execution, aborted when the second caller left: none started again.
+    assert backend.executions == [1]
+    assert (stats.cancelled, stats.succeeded, stats.in_flight) == (1, 0, 0)
+    assert stats.cache is not None
+    assert (stats.cache.misses, stats.cache.coalesced, stats.cache.entries) == (1, 0, 0)
+
+
+async def test_a_queued_computation_takes_the_deadline_of_those_still_waiting(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    # Queued behind another request, the computation outlives its first caller's
+    # deadline: it is not expired while a caller with a later one still waits.
+    backend = FakeBackend(delay=1.0)
+    async with open_engine(registry=backend.registry(), cache_size=1 << 20) as engine:
+        await engine.load(cached())
+        answered: list[float] = []
+
+        async def blocker() -> None:
+            await engine.infer("m", {"x": x(9)})
+
+        async def call(budget: float) -> None:
+            with anyio.move_on_after(budget):
+                await engine.infer("m", {"x": x(5)})
+                answered.append(trio.current_time())
+
+        t0 = trio.current_time()
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(blocker)
+            await trio.testing.wait_all_tasks_blocked()
+            tg.start_soon(call, 0.5)
+            await trio.testing.wait_all_tasks_blocked()
+            tg.start_soon(call, 5.0)
+        stats = engine.statistics().models["m"]
+    assert answered == [t0 + 2.0]
     assert backend.executions == [1, 1]
-    assert cache is not None
-    assert (cache.misses, cache.coalesced) == (2, 0)
+    assert (stats.cancelled, stats.expired, stats.succeeded) == (0, 0, 2)
+
+
+async def test_a_caller_who_leaves_a_computation_leaves_it_to_the_others(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    backend = FakeBackend(delay=1.0)
+    async with open_engine(registry=backend.registry(), cache_size=1 << 20) as engine:
+        await engine.load(cached())
+        answers: list[np.ndarray[Any, Any]] = []
+
+        async def call(budget: float) -> None:
+            with anyio.move_on_after(budget):
+                answers.append((await engine.infer("m", {"x": x(5)}))["y"])
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(call, 9.0)
+            await trio.testing.wait_all_tasks_blocked()
+            tg.start_soon(call, 0.5)
+            tg.start_soon(call, 9.0)
+        stats = engine.statistics().models["m"]
+    assert len(answers) == 2
+    assert backend.executions == [1]
+    assert stats.cache is not None
+    assert (stats.cache.misses, stats.cache.coalesced) == (1, 1)
 
 
 async def test_a_failure_is_not_stored_and_reaches_those_waiting(
@@ -412,3 +524,121 @@ async def test_the_server_reports_hits_in_triton_statistics_and_metrics(tmp_path
     assert samples["trioinfer_cache_hits_total"] == 2
     assert samples["trioinfer_cache_misses_total"] == 1
     assert samples["trioinfer_cache_bytes"] > 0
+
+
+@pytest.mark.parametrize("backend", ["trio", "asyncio"])
+def test_a_computation_outlives_its_first_caller_on_both_backends(backend: str) -> None:
+    # The computation's task and scope, made by one caller and left to another, on
+    # asyncio too (real time there: a short compute, a shorter first caller).
+    fake = FakeBackend(delay=0.2)
+    got: list[np.ndarray[Any, Any]] = []
+
+    async def main() -> None:
+        async with open_engine(registry=fake.registry(), cache_size=1 << 20) as engine:
+            await engine.load(cached())
+
+            async def leader() -> None:
+                with anyio.move_on_after(0.05):
+                    await engine.infer("m", {"x": x(5)})
+
+            async def follower() -> None:
+                await anyio.sleep(0.01)
+                got.append((await engine.infer("m", {"x": x(5)}))["y"])
+
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(leader)
+                tg.start_soon(follower)
+
+    anyio.run(main, backend=backend)
+    assert fake.executions == [1]
+    assert len(got) == 1
+    np.testing.assert_array_equal(got[0], x(10))
+
+
+async def test_a_pipelines_computation_outlives_its_first_caller(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    step = FakeBackend(delay=1.0)
+    pipeline = ModelConfig(
+        name="p",
+        path="-",
+        backend="pipeline",
+        response_cache=True,
+        backend_options={
+            "inputs": [{"name": "IN", "dtype": "float32", "shape": ["batch", 4]}],
+            "outputs": [{"name": "OUT", "dtype": "float32", "shape": ["batch", 4]}],
+            "steps": [{"model": "m", "input_map": {"x": "IN"}, "output_map": {"y": "OUT"}}],
+        },
+    )
+    async with open_engine(registry=step.registry(), cache_size=1 << 20) as engine:
+        await engine.load(ModelConfig(name="m", path="-", backend="fake"))
+        await engine.load(pipeline)
+        answers: list[np.ndarray[Any, Any]] = []
+
+        async def call(budget: float) -> None:
+            with anyio.move_on_after(budget):
+                answers.append((await engine.infer("p", {"IN": x(1)}))["OUT"])
+
+        async def call_other(budget: float) -> None:
+            with anyio.move_on_after(budget):
+                answers.append((await engine.infer("p", {"IN": x(2)}))["OUT"])
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(call, 0.5)
+            await trio.testing.wait_all_tasks_blocked()
+            tg.start_soon(call, 1.5)
+        # Both gone before it ends: the step's execution is aborted, nothing else runs.
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(call_other, 0.3)
+            tg.start_soon(call_other, 0.6)
+        await trio.sleep(5)
+    assert len(answers) == 1
+    np.testing.assert_array_equal(answers[0], x(2))
+    assert step.executions == [1, 1]
+
+
+async def test_a_queue_timeout_ends_a_wait_in_the_queue_not_a_run(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    backend = FakeBackend(delay=1.0)
+    async with open_engine(registry=backend.registry(), cache_size=1 << 20) as engine:
+        await engine.load(cached(queue_timeouts={0: 0.5}))
+        outcome: list[object] = []
+
+        async def call(value: float) -> None:
+            try:
+                outcome.append((await engine.infer("m", {"x": x(value)}))["y"][0, 0])
+            except DeadlineExceeded:
+                outcome.append("expired")
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(call, 9)  # runs at once, for a second: its timeout does not cut it
+            await trio.testing.wait_all_tasks_blocked()
+            tg.start_soon(call, 5)  # queued behind it past its timeout: never computed
+            tg.start_soon(call, 5)
+        stats = engine.statistics().models["m"]
+    assert sorted(map(str, outcome)) == ["18.0", "expired", "expired"]
+    assert backend.executions == [1]
+    assert (stats.expired, stats.cancelled) == (1, 0)  # as without the cache
+
+
+async def test_a_computation_refused_at_admission_is_its_callers_error_alone(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    backend = FakeBackend(delay=1.0)
+    async with open_engine(registry=backend.registry(), cache_size=1 << 20) as engine:
+        await engine.load(cached(max_queue_size=1))
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(engine.infer, "m", {"x": x(9)})  # runs
+            await trio.testing.wait_all_tasks_blocked()
+            tg.start_soon(engine.infer, "m", {"x": x(8)})  # fills the queue
+            await trio.testing.wait_all_tasks_blocked()
+            with pytest.raises(QueueFull):
+                await engine.infer("m", {"x": x(5)})
+        # Nothing of the refused one is left waiting to be joined: computed afresh.
+        again = await engine.infer("m", {"x": x(5)})
+        cache = engine.statistics().models["m"].cache
+    np.testing.assert_array_equal(again["y"], x(10))
+    assert backend.executions == [1, 1, 1]
+    assert cache is not None
+    assert (cache.misses, cache.miss_duration.count, cache.entries) == (4, 4, 3)

@@ -14,6 +14,7 @@ import anyio
 import httpx
 import pytest
 import trio
+from prometheus_client.parser import text_string_to_metric_families
 
 import trioinfer
 from _serve import start_serving
@@ -518,3 +519,54 @@ async def test_the_traffic_command_waits_for_a_reload_as_long_as_its_timeout(
     assert "cannot reach" not in late.output
     assert prompt.exit_code == 0, prompt.output
     assert prompt.output == "watched: version 2 100.0%\n"
+
+
+async def test_a_request_refused_before_routing_is_counted_on_no_version(tmp_path: Path) -> None:
+    # A body that cannot be read as a request, or inputs refused before any version's
+    # signature is looked at, reach no version: under a split they were counted on one
+    # drawn at random (a canary's error share was the stable one's noise). They count
+    # on the model, with no version, over HTTP and gRPC alike; what a version refuses
+    # (its signature's shapes) counts on it.
+    import grpc
+    from tritonclient.grpc import service_pb2
+
+    repo = repository(tmp_path, '{ "1" = 50, "2" = 50 }')
+    bad_input = {"inputs": [{"name": "input", "shape": [1, 64], "datatype": "FP32", "data": [1]}]}
+    grpc_bad = service_pb2.ModelInferRequest(model_name="digits")
+    grpc_bad.inputs.add(name="input", datatype="FP32", shape=[1, 64])
+    grpc_bad.raw_input_contents.append(b"\x00" * 31)  # not 64 floats
+    grpc_typo = service_pb2.ModelInferRequest(model_name="digits")
+    grpc_typo.inputs.add(name="input", datatype="FLOAT", shape=[1, 64])  # no such datatype
+    grpc_typo.raw_input_contents.append(b"\x00" * 256)
+
+    def grpc_infer(where: str, body: bytes) -> grpc.StatusCode:
+        with grpc.insecure_channel(where) as channel:
+            method = channel.unary_unary("/inference.GRPCInferenceService/ModelInfer")
+            try:
+                method(body, timeout=30)
+            except grpc.RpcError as exc:
+                return exc.code()  # type: ignore[no-any-return]
+        return grpc.StatusCode.OK
+
+    async with trio.open_nursery() as nursery:
+        listening = await start_serving(nursery, repo, grpc_port=0)
+        async with httpx.AsyncClient(base_url=listening.urls[0]) as client:
+            for _ in range(10):
+                answer = await client.post("/v2/models/digits/infer", content=b"{not json")
+                assert answer.status_code == 400
+                answer = await client.post("/v2/models/digits/infer", json=bad_input)
+                assert answer.status_code == 400
+                for body in (grpc_bad.SerializeToString(), grpc_typo.SerializeToString()):
+                    code = await trio.to_thread.run_sync(grpc_infer, listening.grpc, body)
+                    assert code == grpc.StatusCode.INVALID_ARGUMENT
+            scraped = (await client.get("/metrics")).text
+        nursery.cancel_scope.cancel()
+    counted = {
+        s.labels["version"]: s.value
+        for family in text_string_to_metric_families(scraped)
+        for s in family.samples
+        if s.name == "trioinfer_inference_requests_total"
+        and s.labels["model"] == "digits"
+        and s.labels["outcome"] == "invalid_input"
+    }
+    assert counted == {"": 40.0}

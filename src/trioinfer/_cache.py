@@ -10,10 +10,14 @@ so that no caller can change what another receives. Such an answer not kept
 still answers the identical requests waiting for it, with its fallback steps.
 
 Identical requests that arrive while the first is still being computed wait
-for its answer instead of computing again (request coalescing). The first
-caller computes under its own deadline; if it gives up (cancelled, or its
-deadline passes), a waiting caller takes the computation over under its own,
-rather than failing with it.
+for its answer instead of computing again (request coalescing). The
+computation belongs to the cache, not to the caller whose miss started it (see
+`Computation`: the model's request, run by its runner, or a pipeline's run in
+a task of the engine's task group; nothing outlives the engine), under the
+latest deadline of the callers waiting for it. A caller that gives up
+(cancelled, or its deadline passed) leaves it to the others, with the work
+done so far; the last one to leave cancels it, so that nothing is computed
+for nobody, and a request nobody waits for never reaches a backend.
 """
 
 from __future__ import annotations
@@ -21,8 +25,8 @@ from __future__ import annotations
 import collections
 import hashlib
 import sys
-from collections.abc import Awaitable, Callable, Mapping
-from typing import Any, final
+from collections.abc import Callable, Mapping
+from typing import Any, Protocol, final
 
 import anyio
 import anyio.lowlevel
@@ -32,7 +36,7 @@ import numpy as np
 from ._exceptions import DeadlineExceeded, TrioInferError
 from ._request import Outputs
 from ._runner import DURATION_BUCKETS, Histogram, _copy_error, _Histogram
-from ._threads import LoopClock
+from ._threads import EventLike, LoopClock
 
 Arrays = Mapping[str, np.ndarray[Any, Any]]
 
@@ -42,21 +46,23 @@ class CacheStatistics:
     """One model's use of the engine's response cache, in ``ModelStatistics.cache``.
 
     A request of a model with the cache on counts in *hits* when answered
-    from the cache, in *misses* when it computes (so does one that takes a
-    computation over), in *coalesced* when it gets the answer of an
-    identical request computed meanwhile, and in *failed* when it gets that
-    request's error instead; one that waited and left counts in none.
+    from the cache, in *misses* when it starts a computation (which goes on
+    for the others if it leaves), in *coalesced* when it gets the answer of
+    a computation another request started, and in *failed* when it gets that
+    computation's error instead; one that waited and left counts in none.
 
     Attributes:
         hits: Requests answered from the cache, without queueing.
-        misses: Requests that were computed (the first of identical ones in flight).
+        misses: Requests that started a computation (the first of identical ones in flight).
         coalesced: Requests answered by an identical request computed meanwhile.
         evictions: Answers dropped to make room (least recently used first).
         entries: Answers the cache holds for the model now.
         bytes: What they take, in bytes: their arrays, and a fixed charge per
             answer and per array for what holds them.
         hit_duration: Seconds to answer each hit.
-        miss_duration: Seconds to compute and store each miss.
+        miss_duration: Seconds each miss spent in the cache: looking the answer
+            up, and storing it once computed (not computing it), as Triton's
+            ``cache_miss`` statistics; one for each miss, failed ones too.
         failed: Requests that waited for an identical request computed meanwhile
             and got its error (the model's own statistics count only that
             request's failure; Triton's ``fail`` counts them all).
@@ -86,16 +92,80 @@ class _Counters:
         self.miss = _Histogram(DURATION_BUCKETS)
 
 
+class Event(EventLike, Protocol):
+    """An event many tasks may wait for: trio's, asyncio's."""
+
+    def is_set(self) -> bool:
+        """Whether it was set."""
+
+
+class Computation(Protocol):
+    """One computation of an answer, for every identical request waiting for it.
+
+    Made by the engine for a miss: the model's request, admitted to its queue
+    and run by its runner (no task of its own: the engine's runner owns it),
+    or a pipeline's run in a task of the engine's task group. Either way
+    nothing of it outlives the engine, and it ends on its own: no caller's
+    task carries it, so a caller that leaves does not end it.
+    """
+
+    #: Set when it ends (computed, failed, or abandoned).
+    done: Event
+
+    def start(self) -> None:
+        """Start it, or raise why it cannot start (a full queue, say)."""
+
+    def outcome(self) -> Computed | BaseException:
+        """Once done: the answer, whether to keep it and where it came from; or the error."""
+
+    def abandon(self) -> None:
+        """Nobody waits any more: take it out of the queue, or abort its run."""
+
+    def retarget(self, deadline: float, requeue: bool) -> float:
+        """Move its deadline towards *deadline*; return the one it has now.
+
+        *requeue*: also while queued, where the scheduler may order by deadline
+        (it then loses its place); without, only once out of the queue.
+        """
+
+    def started(self) -> bool:
+        """Whether it has left the queue (a run is never cut by a queue timeout)."""
+
+    def expire(self) -> bool:
+        """End it, still queued, as expired (the last caller's queue timeout); False: cannot."""
+
+
 @final
 class _Flight:
-    # One computation that identical requests wait for.
-    __slots__ = ("done", "error", "origin", "outputs")
+    # A computation that identical requests wait for, and what it ended with.
+    __slots__ = (
+        "computation", "computed", "counters", "deadline", "deadlines", "done", "error",
+        "finished", "key", "origin", "outputs", "spent",
+    )  # fmt: skip
 
-    def __init__(self) -> None:
-        self.done = anyio.Event()
-        self.outputs: Outputs | None = None
-        self.error: TrioInferError | None = None
+    def __init__(
+        self,
+        key: tuple[str, int, bytes],
+        counters: _Counters,
+        computation: Computation,
+        deadline: float,
+        spent: float,
+    ) -> None:
+        self.key = key
+        self.counters = counters
+        self.computation = computation
+        self.done = computation.done
+        self.finished = False
+        self.outputs: Outputs | None = None  # the cache's read-only copy, for those who waited
+        self.computed: Outputs | None = None  # as computed: the caller who started it gets these
+        self.error: BaseException | None = None
         self.origin: object = None
+        # The deadline of each caller waiting for it, and the one the computation has
+        # (its first caller's at first), moved towards the latest of theirs (_wait, _leave).
+        self.deadlines: list[float] = []
+        self.deadline = deadline
+        # Its time in the cache, as Triton's cache_miss: the lookup, then the insert.
+        self.spent = spent
 
 
 #: What an answer costs beyond its arrays' bytes: its key, its place in the LRU order,
@@ -127,58 +197,162 @@ class ResponseCache:
         self._clock = LoopClock()
 
     async def answer(
-        self, model: str, inputs: Arrays, compute: Callable[[], Awaitable[Computed]]
-    ) -> tuple[Outputs, object]:
-        """The cached answer to *inputs*, or an identical request's, or ``compute()``'s.
+        self,
+        model: str,
+        inputs: Arrays,
+        computation: Callable[[], Computation],
+        *,
+        deadline: float,
+        own_deadline: bool,
+    ) -> tuple[Outputs, object, bool]:
+        """The cached answer to *inputs*, or that of a computation under way, or a new one's.
 
-        With the answer comes the origin ``compute()`` gave with it when it
-        was an identical request's, not kept (a fallback's); ``None`` otherwise.
+        A miss starts ``computation()``, and every identical request arriving
+        meanwhile waits for it too. It goes on while anyone waits: a caller
+        that leaves (cancelled, or its deadline passed) leaves it to the
+        others, its deadline moved to the latest of theirs; the last one to
+        leave abandons it, so that nothing is computed for nobody. *deadline*
+        is this caller's; *own_deadline* False: the model's queue timeout,
+        which ends the wait of a request still queued (`DeadlineExceeded`),
+        never one running.
+
+        Returns:
+            The answer; the origin ``computation()`` gave with it when it was
+            another request's, not kept (a fallback's), ``None`` otherwise;
+            and whether this caller started the computation (its own request
+            holds the answer and where it came from).
 
         Raises:
-            TrioInferError: What ``compute()`` raised, for its caller and for
-                those who waited for it (each their own copy); a caller who
-                gave up hands the computation to one who waits instead.
+            TrioInferError: What the computation ended with, for each caller
+                waiting for it (each their own copy), or what refused it.
         """
         key = (model, self._generations.get(model, 0), digest(inputs))
         counters = self._counters.setdefault(model, _Counters())
-        started = self._clock.current_time()
+        started_at = self._clock.current_time()
         while True:
             entry = self._entries.get(key)
             if entry is not None:
                 self._entries.move_to_end(key)
                 counters.hits += 1
-                counters.hit.observe(self._clock.current_time() - started)
+                counters.hit.observe(self._clock.current_time() - started_at)
                 # A hit never waits: give the event loop its turn (and a scope
                 # that expired, its chance to fire) as a queued request would.
                 await anyio.lowlevel.checkpoint()
-                return dict(entry[0]), None
+                return dict(entry[0]), None, False
             flight = self._flights.get(key)
+            leader = flight is None
             if flight is None:
-                break
-            await flight.done.wait()
+                counters.misses += 1
+                # A miss is timed as Triton times it: the lookup and the insert, not the compute.
+                lookup = self._clock.current_time() - started_at
+                made = computation()
+                try:
+                    made.start()
+                except BaseException:
+                    counters.miss.observe(lookup)
+                    raise
+                flight = self._flights[key] = _Flight(key, counters, made, deadline, lookup)
+            await self._wait(flight, deadline, own_deadline, leader)
+            self._finish(flight)
             if flight.outputs is not None:
+                if leader:
+                    assert flight.computed is not None
+                    return flight.computed, None, True
                 counters.coalesced += 1
-                return dict(flight.outputs), flight.origin
-            if flight.error is not None:
+                return dict(flight.outputs), flight.origin, False
+            error = flight.error
+            assert error is not None
+            if (
+                not leader
+                and isinstance(error, DeadlineExceeded)
+                and self._clock.current_time() < deadline
+            ):
+                # Expired in the queue just as the caller whose deadline it had left,
+                # before it could be moved to ours: nothing was computed; again.
+                continue
+            if not leader:
                 counters.failed += 1
-                raise _copy_error(flight.error, cause=flight.error.__cause__)
-            # Its caller gave up without an answer: take the computation over.
-        flight = self._flights[key] = _Flight()
-        counters.misses += 1
+            if isinstance(error, DeadlineExceeded) and own_deadline:
+                # Our own deadline passed: let our scope say so, as a queued request's would.
+                await self._clock.checkpoint_if_cancelled()
+            if isinstance(error, TrioInferError):
+                raise _copy_error(error, cause=error.__cause__)
+            raise error
+
+    async def _wait(
+        self, flight: _Flight, deadline: float, own_deadline: bool, leader: bool
+    ) -> None:
+        # Wait for *flight* among its callers, under this caller's deadline.
+        flight.deadlines.append(deadline)
+        computation = flight.computation
+        if not leader and deadline > flight.deadline:
+            # Out of the queue already, its checks before each attempt read the latest
+            # deadline; in the queue, it keeps its place (and its deadline, until the
+            # caller whose deadline it is leaves: _leave).
+            flight.deadline = computation.retarget(deadline, False)
         try:
-            outputs, keep, origin = await compute()
-        except TrioInferError as exc:
-            if not isinstance(exc, DeadlineExceeded):  # the caller's own deadline: not theirs
-                flight.error = exc
+            if own_deadline:
+                await flight.done.wait()
+                return
+            with anyio.CancelScope(deadline=deadline):
+                await flight.done.wait()
+                return
+            # The model's queue timeout passed: it ends a wait in the queue, not a run;
+            # the last caller's ends the computation there, expired, as the model's own.
+            if computation.started() or (len(flight.deadlines) == 1 and computation.expire()):
+                await flight.done.wait()
+                return
+        except BaseException:
+            self._leave(flight, deadline)
             raise
-        else:
-            flight.outputs = self._store(key, counters, outputs, keep)
-            flight.origin = None if keep else origin
-            counters.miss.observe(self._clock.current_time() - started)
-            return outputs, None
-        finally:
+        self._leave(flight, deadline)
+        raise DeadlineExceeded(
+            f"a request for model {flight.key[0]!r} reached its queue timeout waiting for an "
+            "identical request to run; nothing was computed for it"
+        )
+
+    def _leave(self, flight: _Flight, deadline: float) -> None:
+        # A caller gave up waiting for *flight*: the others keep it, or nobody does.
+        if flight.done.is_set():
+            self._finish(flight)  # it ended as the caller left: its answer is kept still
+            return
+        deadlines = flight.deadlines
+        deadlines.remove(deadline)
+        if not deadlines:
+            # Nobody waits: abandon it, and let the next caller start another.
+            flight.finished = True
+            if self._flights.get(flight.key) is flight:
+                del self._flights[flight.key]
+            flight.counters.miss.observe(flight.spent)
+            flight.computation.abandon()
+            return
+        latest = max(deadlines)
+        if flight.deadline < latest:
+            # It had the deadline of one who left, and would expire with those who stay.
+            flight.deadline = flight.computation.retarget(latest, True)
+        elif flight.deadline > latest:
+            # Nobody waits that long any more: expire it when the last of them would.
+            flight.deadline = flight.computation.retarget(latest, False)
+
+    def _finish(self, flight: _Flight) -> None:
+        # The first caller to wake after *flight* ended stores its answer, for all.
+        if flight.finished:
+            return
+        flight.finished = True
+        key = flight.key
+        if self._flights.get(key) is flight:
             del self._flights[key]
-            flight.done.set()
+        outcome = flight.computation.outcome()
+        if isinstance(outcome, BaseException):
+            flight.error = outcome
+        else:
+            outputs, keep, origin = outcome
+            inserting = self._clock.current_time()
+            flight.computed = outputs
+            flight.outputs = self._store(key, flight.counters, outputs, keep)
+            flight.origin = None if keep else origin
+            flight.spent += self._clock.current_time() - inserting
+        flight.counters.miss.observe(flight.spent)
 
     def _store(
         self, key: tuple[str, int, bytes], counters: _Counters, outputs: Outputs, keep: bool

@@ -23,7 +23,7 @@ import anyio.lowlevel
 import attrs
 import trio.lowlevel
 
-from ._cache import ResponseCache
+from ._cache import Computation, Computed, Event, ResponseCache
 from ._config import Device, ModelConfig, Placement
 from ._exceptions import (
     BackendError,
@@ -1046,27 +1046,21 @@ class Engine:
             await runner.call(request, own_deadline=own_deadline)
             return request
 
-        computed = False
-
-        async def compute() -> tuple[Outputs, bool, object]:
-            nonlocal computed
-            computed = True
-            if request._state.trace is not None:
-                assert self._tracing is not None
-                self._tracing.queued(request)
-            await runner.call(request, own_deadline=own_deadline)
-            state = request._state
-            assert state.outputs is not None
-            # Keep only the model's own answer (from one of its instances, after a
-            # retry or failover between them as well): not a fallback's default, nor
-            # another model's. A pipeline's answer is its steps' models' own.
-            own = isinstance(runner, Pipeline) or (
-                state.served_by is not None and not isinstance(state.served_by, tuple)
+        computation: Callable[[], Computation]
+        if isinstance(runner, ModelRunner):
+            computation = lambda: _RunnerComputation(runner, request, self._tracing)  # noqa: E731
+        else:
+            computation = lambda: _PipelineComputation(  # noqa: E731
+                runner, request, self._task_group, self._tracing
             )
-            return state.outputs, own, (state.served_by, state.fallbacks)
-
         assert self._cache is not None  # load() refuses response_cache without a cache
-        outputs, origin = await self._cache.answer(request.model, request.inputs, compute)
+        outputs, origin, computed = await self._cache.answer(
+            request.model,
+            request.inputs,
+            computation,
+            deadline=request.deadline,
+            own_deadline=own_deadline,
+        )
         if origin is not None:
             # An identical request's fallback answered: this one says so as well.
             served_by, fallbacks = cast("tuple[Any, tuple[str, ...]]", origin)
@@ -1586,3 +1580,128 @@ def _load_error(
         f"instances of model {config.name!r} that failed to load", [errors[i] for i in failed]
     )
     return error
+
+
+def _computed(request: Request, own: bool) -> Computed | BaseException:
+    # What the response cache's computation of *request* ended with.
+    state = request._state
+    if state.error is not None:
+        return state.error
+    assert state.outputs is not None
+    # Keep only the model's own answer (from one of its instances, after a retry or
+    # failover between them as well): not a fallback's default, nor another model's.
+    own = own or (state.served_by is not None and not isinstance(state.served_by, tuple))
+    return state.outputs, own, (state.served_by, state.fallbacks)
+
+
+@final
+class _RunnerComputation:
+    # The response cache's computation of a model's answer (`_cache.Computation`): the
+    # request that missed, in the model's queue, run by its runner for every caller
+    # waiting for it; none of their tasks carries it, so one that leaves ends nothing.
+    __slots__ = ("_request", "_runner", "_tracing", "done")
+
+    def __init__(self, runner: ModelRunner, request: Request, tracing: Tracing | None) -> None:
+        self._runner = runner
+        self._request = request
+        self._tracing = tracing
+        # Many callers wait for it: an event, not the runner's one-waiter kind.
+        self.done: Event = cast("Event", runner._new_event())
+
+    def start(self) -> None:
+        request = self._request
+        if request._state.trace is not None:
+            assert self._tracing is not None
+            self._tracing.queued(request)
+        request._state.done = self.done  # set when the runner ends the request
+        self._runner.admit(request)
+
+    def outcome(self) -> Computed | BaseException:
+        return _computed(self._request, False)
+
+    def abandon(self) -> None:
+        # Out of the queue, or its run aborted when nobody else in its batch waits.
+        self._runner.withdraw(self._request)
+
+    def retarget(self, deadline: float, requeue: bool) -> float:
+        self._runner.move_deadline(self._request, deadline, requeue=requeue)
+        return self._request.deadline
+
+    def started(self) -> bool:
+        return self._request._state.status is not Status.QUEUED
+
+    def expire(self) -> bool:
+        # As without the cache: the request expires in the queue, counted so.
+        runner = self._runner
+        runner._expire(self._request, runner.clock.current_time())
+        return True
+
+
+@final
+class _PipelineComputation:
+    # The response cache's computation of a pipeline's answer (`_cache.Computation`):
+    # the pipeline runs its steps in the task that calls it, so here in a task of the
+    # engine's task group, under the latest deadline of those waiting for it, and
+    # cancelled when none is left.
+    __slots__ = ("_pipeline", "_request", "_scope", "_task_group", "_tracing", "done", "error")
+
+    def __init__(
+        self,
+        pipeline: Pipeline,
+        request: Request,
+        task_group: anyio.abc.TaskGroup,
+        tracing: Tracing | None,
+    ) -> None:
+        self._pipeline = pipeline
+        self._tracing = tracing
+        self._request = request
+        self._task_group = task_group
+        self._scope = anyio.CancelScope(deadline=request.deadline)
+        self.done: Event = cast("Event", anyio.Event())
+        self.error: BaseException | None = None
+
+    def start(self) -> None:
+        if self._request._state.trace is not None:
+            assert self._tracing is not None
+            self._tracing.queued(self._request)
+        self._task_group.start_soon(self._run)
+
+    async def _run(self) -> None:
+        request = self._request
+        try:
+            with self._scope:
+                try:
+                    await self._pipeline.call(request, own_deadline=True)
+                except Exception as exc:  # every caller's; it must not end the engine's tasks
+                    self.error = exc
+            if self._scope.cancelled_caught and self.error is None:
+                self.error = DeadlineExceeded(
+                    f"request {request.id!r} for pipeline {request.model!r} reached its "
+                    "deadline before its steps ended"
+                )
+        except anyio.get_cancelled_exc_class():
+            self.error = EngineClosed(
+                f"the engine closed before request {request.id!r} for pipeline "
+                f"{request.model!r} ended"
+            )
+            raise
+        finally:
+            self.done.set()
+
+    def outcome(self) -> Computed | BaseException:
+        if self.error is not None:
+            return self.error
+        return _computed(self._request, True)  # its steps' models' own answer
+
+    def abandon(self) -> None:
+        self._scope.cancel()
+
+    def retarget(self, deadline: float, requeue: bool) -> float:
+        self._scope.deadline = deadline
+        return deadline
+
+    def started(self) -> bool:
+        return True  # it has no queue of its own (its steps' requests do)
+
+    def expire(self) -> bool:
+        return False

@@ -2089,6 +2089,38 @@ class ModelRunner(metaclass=NoPublicConstructor):
                 self._alone_ended = self._new_event()
                 await self._alone_ended.wait()
 
+    def move_deadline(self, request: Request, deadline: float, *, requeue: bool) -> None:
+        """Give *request* another deadline: that of the latest caller still waiting for it.
+
+        For the response cache, whose one computation answers every identical
+        request waiting for it (`trioinfer._cache`): when the caller whose
+        deadline the request had leaves, those still waiting keep it alive.
+        Not admitted yet, taken by a batcher or running, it is out of its
+        scheduler, and the deadline changes in place (the checks before each
+        attempt read it).
+        In its scheduler (which may order requests by deadline) it moves only
+        with *requeue*: it leaves and enters again, behind those queued since.
+        """
+        state = request._state
+        if state.status is _DONE or request.deadline == deadline:
+            return
+        queue = self.queue
+        if state.status is _QUEUED and state.batch is None and request in self._in_flight:
+            if not requeue:
+                return
+            queue._remove(request)
+            if state.status is _DONE:  # a scheduler that failed there failed it too
+                return
+            object.__setattr__(request, "deadline", deadline)
+            try:
+                queue._push(request)
+            except TrioInferError as exc:  # the scheduler refused it (a deadline it cannot meet)
+                self.finish(request, error=exc)
+            except Exception as exc:  # fails every queued request, this one too
+                queue._scheduler_failed("push", exc)
+            return
+        object.__setattr__(request, "deadline", deadline)
+
     def withdraw(self, request: Request) -> None:
         """Take back the request of a caller cancelled while it waited, wherever it is."""
         state = request._state

@@ -1553,7 +1553,6 @@ class _InferEndpoint:
         # A request that names no version follows the model's traffic split; one with a
         # routing key (a user or tenant id) stays on one version while the split does.
         served = state.models.resolve(model, version, key=headers.get(ROUTING_KEY_HEADER))
-        picked.append(served)  # its errors are counted on this version (or where rerouted)
         if self._tracing is not None:
             self._tracing.served_version(served.version)
         limits = state.config.limits
@@ -1561,7 +1560,7 @@ class _InferEndpoint:
         if version is None:
             # A version retired while the body arrived (a canary's old one): the split
             # routes the request again, rather than a 404 for a version it never named.
-            served = picked[0] = _rerouted(state, served, headers, self._tracing)
+            served = _rerouted(state, served, headers, self._tracing)
         header_length = parse_header_length(
             headers.get("inference-header-content-length"), len(body)
         )
@@ -1571,6 +1570,9 @@ class _InferEndpoint:
         # engine call passes through each frame above it.)
         with state.shm.lease() as lease:
             request = decode_infer_request(body, header_length, limits, lease)
+            # Read as a request, it goes to *served*: its errors count on that version
+            # from here on. Before, they are no version's (see Metrics.count).
+            picked.append(served)
             _check_outputs(request, served)
             priority, timeout = _schedule_parameters(request, served)
             # The lean HTTP layer watches for a disconnect itself, with one task per

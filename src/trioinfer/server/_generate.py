@@ -288,18 +288,19 @@ class GenerateEndpoint:
         headers = _Headers(scope["headers"])
         state.check_token(headers, admin=False)
         served = state.models.resolve(model, version, key=headers.get(ROUTING_KEY_HEADER))
-        picked.append(served)  # its errors are counted on this version (or where rerouted)
         if self._tracing is not None:
             self._tracing.served_version(served.version)
         limits = state.config.limits
         body = await _read_body(scope, receive, headers, limits)
         if version is None:
             # Its version may have been retired while the body arrived: routed again.
-            served = picked[0] = _rerouted(state, served, headers, self._tracing)
+            served = _rerouted(state, served, headers, self._tracing)
+        parsed = loads_json(body, limits, "the generate request")
+        # Read as JSON, it goes to *served*, whose signature its inputs are read by:
+        # its errors count on that version from here on (before, on none: Metrics.count).
+        picked.append(served)
         signature = served.info.signature
-        inputs, parameters = decode_generate_request(
-            loads_json(body, limits, "the generate request"), signature, served.model
-        )
+        inputs, parameters = decode_generate_request(parsed, signature, served.model)
         priority, timeout = schedule_parameters(parameters, served)
         sequence = SequenceFlags.from_parameters(parameters)
         if sequence is not None and served.info.decoupled:

@@ -497,9 +497,7 @@ class _Service:
             if not state.ready:
                 raise NotReady("the server is shutting down and takes no new requests")
             state.check_token(metadata, admin=False)
-            served = picked = state.models.resolve(
-                model, version, key=metadata.get(ROUTING_KEY_HEADER)
-            )
+            served = state.models.resolve(model, version, key=metadata.get(ROUTING_KEY_HEADER))
             tracing = state.models.engine._tracing
             if tracing is not None:  # the server span says which version answered, as HTTP's
                 tracing.served_version(served.version)
@@ -512,6 +510,7 @@ class _Service:
                     request = decode_infer_parts(limits=state.config.limits, shm=lease, **parts)
                     if key is not None:
                         _remember(key, parts, request, state.config.limits, message)
+                picked = served  # read as a request: its errors count on *served* (as HTTP's)
                 _check_outputs(request, served)
                 priority, timeout = _schedule_parameters(request, served)
                 order = [spec.name for spec in served.info.signature.outputs]

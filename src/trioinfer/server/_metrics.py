@@ -106,11 +106,20 @@ class Metrics:
 
         *served* is the version the request went to, once it was picked: a
         request that named no version is counted on it, not on a version the
-        traffic split would pick again. Requests for models the server does
-        not serve are counted without a model label: the label values must
-        not be whatever clients send.
+        traffic split would pick again. One that failed before it went to a
+        version (refused at the door, or its body could not be read as a
+        request) is counted on the version it named, or, naming none, on the
+        one its model sends them all to; under a traffic split, on none: with
+        its model and an empty version, the model's own, as Triton counts a
+        model's errors that no version answered. Requests for models the
+        server does not serve are counted without a model label: the label
+        values must not be whatever clients send.
         """
         if served is None:
+            if version is None and self._models.splits(model):
+                # No version's error, nor one to draw a version for at random.
+                self._outcomes[model, "", outcome_of(error)] += 1
+                return
             try:
                 served = self._models.resolve(model, version)
             except ModelNotFound:
@@ -270,7 +279,7 @@ def triton_entry(counts: VersionCounts) -> dict[str, Any]:
             "compute_input": _duration(0, 0.0),
             "compute_infer": _duration(compute[2], compute[3]),
             "compute_output": _duration(0, 0.0),
-            # Triton's fields: hits, and the misses' time to compute and store.
+            # Triton's fields: hits, and misses (their time to look up and store, not to compute).
             "cache_hit": _duration(cache["hits"] if cache else 0, cache["hit_s"] if cache else 0.0),
             "cache_miss": _duration(
                 cache["misses"] if cache else 0, cache["miss_s"] if cache else 0.0

@@ -223,6 +223,10 @@ class ServedModels:
             return served
         return self.resolve(served.model, key=key)
 
+    def splits(self, model: str) -> bool:
+        """Whether a traffic split picks the version of *model*'s requests that name none."""
+        return model in self._traffic
+
     def traffic(self, model: str) -> dict[int, float]:
         """*model*'s traffic split: each version's share of requests, adding up to 1."""
         numbers, bounds = self._traffic.get(model, ((), ()))
