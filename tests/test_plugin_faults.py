@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import math
 import shutil
 from pathlib import Path
 from typing import Any
@@ -1023,3 +1024,17 @@ async def test_a_backend_whose_load_is_not_async_fails_the_load_naming_the_contr
         assert engine.models() == []
     assert len(made) == 2
     assert sorted(map(id, closed)) == sorted(map(id, made))  # none leaked
+
+
+@pytest.mark.parametrize("budget", [math.inf, math.nan, -1.0, 0, True, "0.001"])
+def test_an_inline_budget_that_is_no_positive_finite_number_counts_as_none(budget: object) -> None:
+    # A third-party instance's inf (or nan) never yielded: callers looping on it kept
+    # every other task waiting. It gets the engine's slice, as one without a budget.
+    from types import SimpleNamespace
+
+    from trioinfer._runner import DEFAULT_SLICE_S, inline_budget
+
+    replica = SimpleNamespace(_backend_instance=SimpleNamespace(inline_budget_s=budget))
+    assert inline_budget(replica) == DEFAULT_SLICE_S  # type: ignore[arg-type]
+    replica._backend_instance.inline_budget_s = 0.002
+    assert inline_budget(replica) == 0.002  # type: ignore[arg-type]

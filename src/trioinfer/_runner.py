@@ -2586,10 +2586,12 @@ def inline_budget(replica: Replica) -> float:
     One without a slice of its own (``inline_budget_s``, a number of seconds,
     never a flag) never yields, and requests whose every step runs so would
     never park: the engine keeps the slice for it, lest callers looping on a
-    pipeline of such steps keep every other task waiting.
+    pipeline of such steps keep every other task waiting. So does one whose
+    slice is not a positive, finite number (``inf`` or ``nan`` would never
+    yield either).
     """
     budget = getattr(replica._backend_instance, "inline_budget_s", None)
-    if not isinstance(budget, (float, int)) or isinstance(budget, bool):
+    if not isinstance(budget, (float, int)) or isinstance(budget, bool) or not 0 < budget < _INF:
         return DEFAULT_SLICE_S
     return budget
 
