@@ -1335,7 +1335,8 @@ def schedule_parameters(
     """The engine priority and the timeout (seconds) a request's parameters ask for.
 
     For a model with Triton's ``priority_levels``, ``priority`` is a Triton
-    level (1 the highest, 0 the model's default level). HTTP infer and
+    level (1 the highest; 0, or any other number that is not one of its
+    levels, the model's default level, as Triton reads it). HTTP infer and
     generate and gRPC all read them here.
     """
     priority = parameters.get("priority", 0)
@@ -1346,15 +1347,8 @@ def schedule_parameters(
             f"parameter 'priority' must be an integer from -2**31 to 2**31, got {priority!r}"
         )
     triton = served.triton if served is not None else None
-    if served is not None and triton is not None and triton.priority_levels:
-        try:
-            priority = triton.engine_priority(priority)
-        except ValueError:
-            raise RequestError(
-                f"parameter 'priority' must be a priority level of model {served.model!r}: "
-                f"1 (the highest) to {triton.priority_levels}, or 0 for its default level "
-                f"({triton.default_priority_level}); got {priority}"
-            ) from None
+    if triton is not None and triton.priority_levels:
+        priority = triton.engine_priority(priority)
     timeout = parameters.get("timeout")
     seconds = None
     if timeout is not None:

@@ -443,13 +443,18 @@ class TritonModel:
         return out
 
     def engine_priority(self, level: int) -> int:
-        """The engine priority of a Triton priority level (1 is the highest; 0 the default)."""
+        """The engine priority of a Triton priority level (1 is the highest; 0 the default).
+
+        As in Triton, a level that is not one of the model's (0, past
+        ``priority_levels``, or below 1) is its default level: a client that
+        sends the same priority to models with different numbers of levels is
+        served by each, not refused by some. Without ``priority_levels`` the
+        level is passed on as it is.
+        """
         if not self.priority_levels:
             return level
-        if level == 0:
-            level = self.default_priority_level
         if not 1 <= level <= self.priority_levels:
-            raise ValueError(level)
+            level = self.default_priority_level
         # The engine runs higher numbers sooner; Triton runs lower levels sooner.
         return self.priority_levels - level
 
