@@ -168,6 +168,26 @@ def test_aged_requests_do_not_wait_for_older_high_priority_ones() -> None:
     assert scheduler.pop() is low
 
 
+def test_aged_requests_take_every_other_start_while_the_top_level_waits() -> None:
+    # Lower levels under sustained overload: every request there has aged. The top
+    # level is not starved by them; it and the aged requests alternate.
+    clock = FakeContext(now=0.0)
+    scheduler = attached(PriorityScheduler(max_wait=1.0), clock)
+    lows = [make_request(priority=0, arrival=0.0) for _ in range(10)]
+    mids = [make_request(priority=1, arrival=0.1) for _ in range(3)]
+    for request in [*lows, *mids]:
+        scheduler.push(request)
+    clock.now = 5.0
+    highs = [make_request(priority=2, arrival=5.0) for _ in range(3)]
+    for request in highs:
+        scheduler.push(request)
+    order = [scheduler.pop() for _ in range(6)]
+    assert order == [lows[0], highs[0], lows[1], highs[1], lows[2], highs[2]]
+    # With the top level empty, the next one is the top: aged requests alternate with it.
+    order = [scheduler.pop() for _ in range(7)]
+    assert order == [lows[3], mids[0], lows[4], mids[1], lows[5], mids[2], lows[6]]
+
+
 def test_pop_takes_what_peek_showed_even_if_time_moved_on() -> None:
     clock = FakeContext(now=0.0)
     scheduler = attached(PriorityScheduler(max_wait=1.0), clock)
@@ -378,6 +398,7 @@ class Reference:
         self.finish: dict[str | None, float] = {}
         self.vtime = 0.0
         self.numbers = 0
+        self.aged_last = False  # priority: the last pop took an aged request
 
     def weight(self, tenant: str | None) -> float:
         weights = self.options.get("weights", {})
@@ -424,7 +445,8 @@ class Reference:
         levels = sorted({r.priority for r in self.held})
         heads = {lvl: next(r for r in self.held if r.priority == lvl) for lvl in levels}
         max_wait = self.options.get("max_wait", 1.0)
-        if max_wait is not None and len(levels) > 1:
+        # After an aged request, the top level's turn (aged requests or not).
+        if max_wait is not None and len(levels) > 1 and not self.aged_last:
             oldest = min(levels[:-1], key=lambda lvl: (heads[lvl].arrival, -lvl))
             if self.context.now - heads[oldest].arrival >= max_wait:
                 return heads[oldest]
@@ -438,6 +460,8 @@ class Reference:
     def pop(self) -> Request:
         request = self.peeked if self.peeked is not None else self.choose()
         self.peeked = None
+        if self.kind == "priority" and self.options.get("max_wait", 1.0) is not None:
+            self.aged_last = request.priority != max(r.priority for r in self.held)
         self.held.remove(request)
         if self.kind == "fair":
             tenant = request.tenant
@@ -514,6 +538,13 @@ operations = st.lists(
 
 @pytest.mark.parametrize("setup", REFERENCE_SETUPS.values(), ids=REFERENCE_SETUPS.keys())
 @given(ops=operations, instances=st.integers(1, 3))
+@example(
+    # Two aged requests below a waiting top level: the top level's turn comes between them.
+    ops=[("push", 0, "a", math.inf, 1, 3.0)] * 2
+    + [("push", 1, "b", math.inf, 1, 0.0)]
+    + [("pop",)] * 3,
+    instances=1,
+)
 @settings(max_examples=60, deadline=None)
 def test_matches_reference_model(
     setup: tuple[str, Callable[[], Any], dict[str, Any]], ops: list[Any], instances: int
