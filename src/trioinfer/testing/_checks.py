@@ -76,7 +76,8 @@ def check_scheduler(make_scheduler: Callable[[], Scheduler]) -> None:
     pushed request is popped exactly once, whether alike or not; that
     ``remove`` takes a request out once (returning ``True``, then ``False``,
     and ``False`` for one already popped) and that a removed request is never
-    peeked or popped, the one `peek()` had just shown included; that a second `push()` of a request held already raises
+    peeked or popped, the one `peek()` had just shown included; that a
+    second `push()` of a request held already raises
     ``ValueError`` and changes nothing (each request is pushed once; one
     counted twice would keep ``len`` above 0 for good); and that ``len``
     follows along. Which request comes next is
