@@ -1138,6 +1138,43 @@ def test_a_triton_priority_that_is_no_level_of_the_model_is_its_default_level() 
         schedule_parameters({"priority": 2**31 + 1}, served)
 
 
+def test_without_priority_levels_every_request_has_the_default_queue_policy() -> None:
+    # Triton serves every request of a model without priority_levels at one level: a
+    # client's priority changes nothing, and default_queue_policy's timeout holds for
+    # all. It held only for priority 0 (queue_timeouts' level), so a request that sent
+    # priority=2 waited in the queue for as long as it took.
+    model = TritonModel.parse(
+        "max_batch_size: 8\n"
+        "dynamic_batching { default_queue_policy { default_timeout_microseconds: 5000 } }",
+        name="m",
+        where="m/config.pbtxt",
+    )
+    assert model.settings["queue_timeouts"] == {"0": 0.005}
+    for scheduler in ("fifo", "deadline", "fair"):
+        served: Any = SimpleNamespace(
+            triton=model, model="m", config=trioinfer.ModelConfig(name="m", scheduler=scheduler)
+        )
+        assert schedule_parameters({"priority": 2}, served) == (0, None)
+    # A scheduler that reads priorities (chosen by trioinfer's own parameters, or a
+    # config.toml model's) keeps them: its levels are trioinfer's.
+    served = SimpleNamespace(
+        triton=model, model="m", config=trioinfer.ModelConfig(name="m", scheduler="priority")
+    )
+    assert schedule_parameters({"priority": 2}, served) == (2, None)
+    # Without a queue timeout of Triton's, the priority is passed on as it is, to the
+    # queue_timeouts trioinfer's own parameters may give per level.
+    own = json.dumps({"1": 0.5})
+    plain = TritonModel.parse(
+        f'max_batch_size: 8\nparameters {{ key: "trioinfer.queue_timeouts" '
+        f"value {{ string_value: {json.dumps(own)} }} }}",
+        name="m",
+        where="m/config.pbtxt",
+    )
+    assert plain.settings["queue_timeouts"] == {"1": 0.5}
+    served = SimpleNamespace(triton=plain, model="m", config=trioinfer.ModelConfig(name="m"))
+    assert schedule_parameters({"priority": 1}, served) == (1, None)
+
+
 def test_a_config_pbtxt_without_protobuf_names_the_extra(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

@@ -1329,6 +1329,10 @@ def _schedule_parameters(
     return schedule_parameters(request.parameters, served)
 
 
+#: The first-party schedulers that do not order by priority (for `schedule_parameters`).
+_PRIORITY_BLIND: Final = frozenset({"fifo", "deadline", "fair"})
+
+
 def schedule_parameters(
     parameters: Mapping[str, Any], served: ServedVersion | None = None
 ) -> tuple[int, float | None]:
@@ -1336,8 +1340,10 @@ def schedule_parameters(
 
     For a model with Triton's ``priority_levels``, ``priority`` is a Triton
     level (1 the highest; 0, or any other number that is not one of its
-    levels, the model's default level, as Triton reads it). HTTP infer and
-    generate and gRPC all read them here.
+    levels, the model's default level, as Triton reads it). A Triton model
+    without levels whose ``default_queue_policy`` sets a timeout serves every
+    request at level 0, as Triton does, unless its scheduler orders by
+    priority. HTTP infer and generate and gRPC all read them here.
     """
     priority = parameters.get("priority", 0)
     if isinstance(priority, bool) or not isinstance(priority, int) or abs(priority) > 2**31:
@@ -1347,8 +1353,22 @@ def schedule_parameters(
             f"parameter 'priority' must be an integer from -2**31 to 2**31, got {priority!r}"
         )
     triton = served.triton if served is not None else None
-    if triton is not None and triton.priority_levels:
-        priority = triton.engine_priority(priority)
+    if triton is not None:
+        if triton.priority_levels:
+            priority = triton.engine_priority(priority)
+        elif (
+            triton.doc.get("dynamic_batching", {})
+            .get("default_queue_policy", {})
+            .get("default_timeout_microseconds")
+            and served is not None
+            and served.config is not None
+            and served.config.scheduler in _PRIORITY_BLIND
+        ):
+            # Triton serves every request of a model without priority_levels at one
+            # level: its default_queue_policy timeout (queue_timeouts' level 0) holds
+            # for all, whatever priority a client sends. (A scheduler that reads
+            # priorities keeps them: its levels are trioinfer's.)
+            priority = 0
     timeout = parameters.get("timeout")
     seconds = None
     if timeout is not None:
