@@ -1138,6 +1138,40 @@ def test_a_triton_priority_that_is_no_level_of_the_model_is_its_default_level() 
         schedule_parameters({"priority": 2**31 + 1}, served)
 
 
+def test_per_level_queue_bounds_are_not_cut_short_by_the_default_whole_queue_bound() -> None:
+    # Triton bounds each level's queue and nothing else. With every level bounded, the
+    # whole queue holds up to their sum: trioinfer's default max_queue_size (1024)
+    # refused requests long before the levels' bounds were reached.
+    text = (
+        "max_batch_size: 8\ndynamic_batching { priority_levels: 2 default_priority_level: 2 "
+        "default_queue_policy { max_queue_size: 1000 } "
+        "priority_queue_policy { key: 1 value { max_queue_size: 600 } } }"
+    )
+    model = TritonModel.parse(text, name="m", where="m/config.pbtxt")
+    assert model.settings["queue_sizes"] == {"1": 600, "0": 1000}
+    assert model.settings["max_queue_size"] == 1600
+    assert trioinfer.ModelConfig(name="m", **model.settings).max_queue_size == 1600
+    # trioinfer's own max_queue_size, when the configuration gives one, still holds.
+    own = text + '\nparameters { key: "trioinfer.max_queue_size" value { string_value: "50" } }'
+    assert TritonModel.parse(own, name="m", where="m/config.pbtxt").settings["max_queue_size"] == 50
+    # Bounds whose sum is within the default change nothing; nor does a level left
+    # unbounded (Triton's queue is unbounded then; trioinfer's default bound holds).
+    small = TritonModel.parse(
+        "max_batch_size: 8\ndynamic_batching { priority_levels: 2 default_priority_level: 2 "
+        "default_queue_policy { max_queue_size: 10 } }",
+        name="m",
+        where="m/config.pbtxt",
+    )
+    assert "max_queue_size" not in small.settings
+    partial = TritonModel.parse(
+        "max_batch_size: 8\ndynamic_batching { priority_levels: 2 default_priority_level: 2 "
+        "priority_queue_policy { key: 1 value { max_queue_size: 2000 } } }",
+        name="m",
+        where="m/config.pbtxt",
+    )
+    assert "max_queue_size" not in partial.settings
+
+
 def test_without_priority_levels_every_request_has_the_default_queue_policy() -> None:
     # Triton serves every request of a model without priority_levels at one level: a
     # client's priority changes nothing, and default_queue_policy's timeout holds for

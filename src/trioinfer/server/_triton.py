@@ -27,11 +27,11 @@ from __future__ import annotations
 import functools
 import json
 from collections.abc import Collection, Mapping
-from typing import Any, Final
+from typing import Any, Final, cast
 
 import attrs
 
-from .._config import MAX_INSTANCES
+from .._config import MAX_INSTANCES, ModelConfig
 from .._exceptions import ConfigError
 
 __all__ = ["OWN_PREFIX", "TRITON_FIELDS", "TritonModel", "own_parameters", "with_defaults"]
@@ -236,6 +236,9 @@ _MESSAGES: Final[dict[str, list[tuple[str, int, int, int, str, str]]]] = {
         ("response_cache", 24, _M, _ONE, "ModelResponseCache", ""),
     ],
 }
+
+#: ModelConfig's max_queue_size when nothing sets one.
+_DEFAULT_QUEUE_SIZE: Final = cast(int, attrs.fields(ModelConfig).max_queue_size.default)
 
 #: The most ``dynamic_batching.priority_levels`` a model may have (Triton sets no bound).
 MAX_PRIORITY_LEVELS: Final = 1 << 16
@@ -700,6 +703,12 @@ def _translate(message: Any, doc: dict[str, Any], name: str, where: str) -> Trit
             settings["queue_timeouts"] = timeouts
         if sizes:
             settings["queue_sizes"] = sizes
+            total = sum(sizes.values())
+            if levels and len(sizes) == levels and total > _DEFAULT_QUEUE_SIZE:
+                # Triton bounds each level's queue and nothing else: with every level
+                # bounded, the whole queue may hold their sum, which trioinfer's default
+                # bound would cut short (trioinfer's own max_queue_size still wins).
+                settings["max_queue_size"] = own.get("max_queue_size", total)
 
     if message.instance_group:
         if ensemble:
