@@ -336,6 +336,30 @@ def test_check_scheduler_fails_a_scheduler_that_still_removes_a_popped_request()
         check_scheduler(RemembersPopped)
 
 
+def test_check_scheduler_fails_a_scheduler_whose_peek_outlives_a_remove() -> None:
+    # A peek cached until the next pop (as the priority scheduler's is, so that pop()
+    # takes what peek() showed even if time moved on) must not outlive remove() of
+    # the request it shows: the engine would hand out a request whose caller left.
+    class CachesPeek(LastInFirstOut):
+        def __init__(self) -> None:
+            super().__init__()
+            self._peeked: Request | None = None
+
+        def peek(self) -> Request:
+            if self._peeked is None:
+                self._peeked = super().peek()
+            return self._peeked
+
+        def pop(self) -> Request:
+            request = self._peeked if self._peeked is not None else super().peek()
+            self._peeked = None
+            self._held.pop(request, None)
+            return request
+
+    with pytest.raises(AssertionError, match=r"peek\(\) returned a request remove\(\) took out"):
+        check_scheduler(CachesPeek)
+
+
 # -- check_backend -------------------------------------------------------------------
 
 

@@ -1288,7 +1288,7 @@ def test_errors_map_to_tritons_status_codes() -> None:
 
 @pytest.mark.triton_config
 def test_triton_priority_levels_and_classification(tmp_path: Path) -> None:
-    # A config.pbtxt model over gRPC: Triton's priority levels are mapped and checked,
+    # A config.pbtxt model over gRPC: Triton's priority levels are mapped (as Triton does),
     # and class_count answers the top classes with labels, as over HTTP.
     root = tmp_path / "repository"
     test_triton.write_scores(root / "classifier" / "1" / "model.onnx")
@@ -1300,10 +1300,9 @@ def test_triton_priority_levels_and_classification(tmp_path: Path) -> None:
             scores = np.array([[0.1, 0.7, 0.05, 0.9, 0.7]], dtype=np.float32)
             inputs = [triton.InferInput("IMAGE", [1, 5], "FP32")]
             inputs[0].set_data_from_numpy(scores)
-            for level in (0, 1, 3):
+            # 4 is no level of the model's: as in Triton, it is served at the default level.
+            for level in (0, 1, 3, 4):
                 client.infer("classifier", inputs, priority=level)
-            with pytest.raises(triton.InferenceServerException, match=r"1 \(the highest\) to 3"):
-                client.infer("classifier", inputs, priority=4)
             outputs = [triton.InferRequestedOutput("SCORES", class_count=3)]
             top = client.infer("classifier", inputs, outputs=outputs).as_numpy("SCORES")
             assert [t.decode() for t in top[0]] == [

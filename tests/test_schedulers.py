@@ -168,6 +168,70 @@ def test_aged_requests_do_not_wait_for_older_high_priority_ones() -> None:
     assert scheduler.pop() is low
 
 
+def test_aged_requests_take_every_other_start_while_the_top_level_waits() -> None:
+    # Lower levels under sustained overload: every request there has aged. The top
+    # level is not starved by them; it and the aged requests alternate.
+    clock = FakeContext(now=0.0)
+    scheduler = attached(PriorityScheduler(max_wait=1.0), clock)
+    lows = [make_request(priority=0, arrival=0.0) for _ in range(10)]
+    mids = [make_request(priority=1, arrival=0.1) for _ in range(3)]
+    for request in [*lows, *mids]:
+        scheduler.push(request)
+    clock.now = 5.0
+    highs = [make_request(priority=2, arrival=5.0) for _ in range(3)]
+    for request in highs:
+        scheduler.push(request)
+    order = [scheduler.pop() for _ in range(6)]
+    assert order == [lows[0], highs[0], lows[1], highs[1], lows[2], highs[2]]
+    # With the top level empty, the next one is the top: aged requests alternate with it.
+    order = [scheduler.pop() for _ in range(7)]
+    assert order == [lows[3], mids[0], lows[4], mids[1], lows[5], mids[2], lows[6]]
+
+
+@given(
+    st.lists(
+        st.one_of(
+            st.tuples(st.just("push"), st.integers(0, 3), st.sampled_from([0.0, 0.5, 2.0])),
+            st.tuples(st.just("pop"), st.just(0), st.sampled_from([0.0, 0.25, 1.0])),
+        ),
+        max_size=150,
+    )
+)
+@SETTINGS
+def test_aging_never_passes_over_the_top_level_twice_running_nor_an_older_aged_head(
+    ops: list[tuple[str, int, float]],
+) -> None:
+    # Stated for any arrivals and any pace: (1) while the top level waits, two starts
+    # in a row never both go below it; (2) one that goes below it is aged, and no
+    # other level below the top has an older head (the oldest aged request goes).
+    clock = FakeContext(now=0.0)
+    scheduler = attached(PriorityScheduler(max_wait=1.0), clock)
+    held: list[Request] = []
+    below_last = False
+    for name, a, b in ops:
+        if name == "push":
+            request = make_request(priority=a, arrival=clock.now - b)
+            scheduler.push(request)
+            held.append(request)
+            continue
+        clock.now += b
+        if not held:
+            continue
+        top = max(r.priority for r in held)
+        heads = {}
+        for r in held:
+            heads.setdefault(r.priority, r)
+        request = scheduler.pop()
+        held.remove(request)
+        below = request.priority != top
+        if below:
+            assert not below_last
+            assert clock.now - request.arrival >= 1.0
+            assert request is heads[request.priority]
+            assert all(h.arrival >= request.arrival for lvl, h in heads.items() if lvl != top)
+        below_last = below
+
+
 def test_pop_takes_what_peek_showed_even_if_time_moved_on() -> None:
     clock = FakeContext(now=0.0)
     scheduler = attached(PriorityScheduler(max_wait=1.0), clock)
@@ -309,6 +373,39 @@ def test_fair_shares_follow_weights_while_both_are_backlogged(
         assert abs(served["a"] / wa - served["b"] / wb) <= bound + 1e-9
 
 
+@given(st.data())
+@settings(max_examples=60, deadline=None)
+def test_fair_shares_hold_from_when_each_tenant_joins(data: st.DataObject) -> None:
+    # Tenants join at any moment with a backlog that outlasts the run: over the time
+    # any two have both been waiting, their rows served (over their weights) differ
+    # by at most one request of each. A late tenant is not owed the time before it
+    # came, and does not queue behind the others' backlog.
+    tenants = [f"t{i}" for i in range(data.draw(st.integers(2, 4)))]
+    weights = {t: data.draw(st.sampled_from([0.5, 1.0, 2.0, 3.0])) for t in tenants}
+    joins = {t: 0 if i == 0 else data.draw(st.integers(0, 30)) for i, t in enumerate(tenants)}
+    scheduler = FairScheduler(weights=weights)
+    served = dict.fromkeys(tenants, 0)
+    snapshots: list[dict[str, int]] = []  # served before each pop
+    for step in range(80):
+        for tenant in tenants:
+            if joins[tenant] == step:
+                pattern = data.draw(st.lists(st.integers(1, 4), min_size=1, max_size=8))
+                for k in range(100):
+                    scheduler.push(make_request(tenant=tenant, rows=pattern[k % len(pattern)]))
+        snapshots.append(dict(served))
+        request = scheduler.pop()
+        assert request.tenant is not None
+        served[request.tenant] += request.rows
+    snapshots.append(dict(served))
+    for a in tenants:
+        for b in tenants:
+            if a < b:
+                base = snapshots[max(joins[a], joins[b])]
+                for now in snapshots[max(joins[a], joins[b]) :]:
+                    gap = (now[a] - base[a]) / weights[a] - (now[b] - base[b]) / weights[b]
+                    assert abs(gap) <= 4 / weights[a] + 4 / weights[b] + 1e-9
+
+
 def test_a_trickle_is_served_at_once_behind_a_flood() -> None:
     scheduler = FairScheduler()
     for _ in range(1000):
@@ -378,6 +475,7 @@ class Reference:
         self.finish: dict[str | None, float] = {}
         self.vtime = 0.0
         self.numbers = 0
+        self.aged_last = False  # priority: the last pop took an aged request
 
     def weight(self, tenant: str | None) -> float:
         weights = self.options.get("weights", {})
@@ -424,7 +522,8 @@ class Reference:
         levels = sorted({r.priority for r in self.held})
         heads = {lvl: next(r for r in self.held if r.priority == lvl) for lvl in levels}
         max_wait = self.options.get("max_wait", 1.0)
-        if max_wait is not None and len(levels) > 1:
+        # After an aged request, the top level's turn (aged requests or not).
+        if max_wait is not None and len(levels) > 1 and not self.aged_last:
             oldest = min(levels[:-1], key=lambda lvl: (heads[lvl].arrival, -lvl))
             if self.context.now - heads[oldest].arrival >= max_wait:
                 return heads[oldest]
@@ -438,6 +537,8 @@ class Reference:
     def pop(self) -> Request:
         request = self.peeked if self.peeked is not None else self.choose()
         self.peeked = None
+        if self.kind == "priority" and self.options.get("max_wait", 1.0) is not None:
+            self.aged_last = request.priority != max(r.priority for r in self.held)
         self.held.remove(request)
         if self.kind == "fair":
             tenant = request.tenant
@@ -514,6 +615,13 @@ operations = st.lists(
 
 @pytest.mark.parametrize("setup", REFERENCE_SETUPS.values(), ids=REFERENCE_SETUPS.keys())
 @given(ops=operations, instances=st.integers(1, 3))
+@example(
+    # Two aged requests below a waiting top level: the top level's turn comes between them.
+    ops=[("push", 0, "a", math.inf, 1, 3.0)] * 2
+    + [("push", 1, "b", math.inf, 1, 0.0)]
+    + [("pop",)] * 3,
+    instances=1,
+)
 @settings(max_examples=60, deadline=None)
 def test_matches_reference_model(
     setup: tuple[str, Callable[[], Any], dict[str, Any]], ops: list[Any], instances: int

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 
@@ -94,6 +95,45 @@ async def test_a_low_priority_request_is_not_starved_by_a_flood(
         # It starts within max_wait plus the execution already running; then runs itself.
         assert not scope.cancelled_caught
         assert waited - execution <= max_wait + execution
+
+
+async def test_a_flood_of_aged_low_priority_requests_does_not_starve_the_top_level(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    # Low-priority work arrives at twice what the model serves: every low request ages
+    # before it runs. Aged requests took every start, so high-priority ones, arriving
+    # fresh, waited for as long as the flood lasted. They take every other one now.
+    execution = 0.01
+    backend = FakeBackend(delay=execution)
+    waits: list[float] = []
+    async with open_engine(registry=backend.registry()) as engine, trio.open_nursery() as nursery:
+        await engine.load(
+            fake_config(
+                scheduler="priority",
+                scheduler_options={"max_wait": 1.0},
+                max_queue_size=1000,
+                queue_sizes={0: 500},  # room for the high level under overload
+            )
+        )
+
+        async def low() -> None:
+            with contextlib.suppress(trioinfer.QueueFull):
+                await engine.infer("m", {"x": X}, priority=0)
+
+        async def high() -> None:
+            start = trio.current_time()
+            await engine.infer("m", {"x": X}, priority=1)
+            waits.append(trio.current_time() - start)
+
+        for k in range(2000):  # 10 s of a flood of 200 low requests a second
+            nursery.start_soon(low)
+            if k % 20 == 10:
+                nursery.start_soon(high)  # and 10 high ones
+            await trio.sleep(execution / 2)
+        nursery.cancel_scope.cancel()
+    assert len(waits) == 100
+    # Each waits for the execution under way and at most one aged request before it.
+    assert max(waits) <= 3 * execution + 1e-9
 
 
 async def test_deadline_runs_earliest_deadline_first(

@@ -37,12 +37,15 @@ class MockClock:
         return 0.0
 
 
-def _expected_next(waiting: list[Request], now: float, max_wait: float) -> Request:
+def _expected_next(
+    waiting: list[Request], now: float, max_wait: float, aged_last: bool = False
+) -> Request:
     # The documented rule, written the slow way: the highest level's oldest request,
-    # unless the oldest request of a lower level has waited max_wait.
+    # unless the oldest request of a lower level has waited max_wait and the last
+    # request taken was not such an aged one (aged ones take every other start at most).
     top = max(r.priority for r in waiting)
     lower = [r for r in waiting if r.priority < top]
-    if lower:
+    if lower and not aged_last:
         oldest = min(lower, key=lambda r: (r.arrival, -r.priority, r.sequence))
         if now - oldest.arrival >= max_wait:
             return oldest
@@ -68,15 +71,17 @@ def test_aging_follows_the_documented_rule_while_requests_keep_arriving(
     scheduler = PriorityScheduler(max_wait=max_wait)
     scheduler.attach(clock)  # type: ignore[arg-type]
     waiting: list[Request] = []
+    aged_last = False
     for levels, execution in steps:
         for level in levels:
             request = make_request(priority=level, arrival=clock.now)
             scheduler.push(request)
             waiting.append(request)
         if waiting:
-            expected = _expected_next(waiting, clock.now, max_wait)
+            expected = _expected_next(waiting, clock.now, max_wait, aged_last)
             assert scheduler.peek() is expected
             assert scheduler.pop() is expected
+            aged_last = expected.priority != max(r.priority for r in waiting)
             waiting.remove(expected)
         clock.now += execution
     assert len(scheduler) == len(waiting)

@@ -21,6 +21,7 @@ import uuid
 from collections.abc import Iterator
 from functools import partial
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any, ClassVar
 
 import attrs
@@ -40,6 +41,7 @@ from _triton_config import own_setting
 from test_server import Server, run_server
 from trioinfer import ConfigError, Device
 from trioinfer.server import serve_http
+from trioinfer.server._app import RequestError, schedule_parameters
 from trioinfer.server._cuda_ipc import probe
 from trioinfer.server._shm import SharedMemoryError, SystemSharedMemory
 from trioinfer.server._triton import TritonModel, _model_config_class, own_parameters
@@ -1116,8 +1118,95 @@ def test_triton_config_mapping() -> None:
     }
     assert model.version_policy == {"specific": [1, 3]}
     assert [model.engine_priority(level) for level in (0, 1, 2)] == [0, 1, 0]
-    with pytest.raises(ValueError, match="3"):
-        model.engine_priority(3)
+
+
+def test_a_triton_priority_that_is_no_level_of_the_model_is_its_default_level() -> None:
+    # As Triton's InferenceRequest::SetPriority: 0 and a level past priority_levels take
+    # the default level, so a client that sends one priority to every model is served by
+    # each (Triton's priority is unsigned: a negative one reads as a huge level).
+    model = TritonModel.parse(
+        "max_batch_size: 8\ndynamic_batching { priority_levels: 3 default_priority_level: 2 }",
+        name="m",
+        where="m/config.pbtxt",
+    )
+    levels = (0, 1, 2, 3, 4, 2**31, -1)
+    assert [model.engine_priority(level) for level in levels] == [1, 2, 1, 0, 1, 1, 1]
+    served: Any = SimpleNamespace(triton=model, model="m")  # all it reads of a ServedVersion
+    assert schedule_parameters({"priority": 4}, served) == (1, None)
+    assert schedule_parameters({"priority": 1, "timeout": 5}, served) == (2, 5e-06)
+    with pytest.raises(RequestError, match="from -2\\*\\*31 to 2\\*\\*31"):
+        schedule_parameters({"priority": 2**31 + 1}, served)
+
+
+def test_per_level_queue_bounds_are_not_cut_short_by_the_default_whole_queue_bound() -> None:
+    # Triton bounds each level's queue and nothing else. With every level bounded, the
+    # whole queue holds up to their sum: trioinfer's default max_queue_size (1024)
+    # refused requests long before the levels' bounds were reached.
+    text = (
+        "max_batch_size: 8\ndynamic_batching { priority_levels: 2 default_priority_level: 2 "
+        "default_queue_policy { max_queue_size: 1000 } "
+        "priority_queue_policy { key: 1 value { max_queue_size: 600 } } }"
+    )
+    model = TritonModel.parse(text, name="m", where="m/config.pbtxt")
+    assert model.settings["queue_sizes"] == {"1": 600, "0": 1000}
+    assert model.settings["max_queue_size"] == 1600
+    assert trioinfer.ModelConfig(name="m", **model.settings).max_queue_size == 1600
+    # trioinfer's own max_queue_size, when the configuration gives one, still holds.
+    own = text + '\nparameters { key: "trioinfer.max_queue_size" value { string_value: "50" } }'
+    assert TritonModel.parse(own, name="m", where="m/config.pbtxt").settings["max_queue_size"] == 50
+    # Bounds whose sum is within the default change nothing; nor does a level left
+    # unbounded (Triton's queue is unbounded then; trioinfer's default bound holds).
+    small = TritonModel.parse(
+        "max_batch_size: 8\ndynamic_batching { priority_levels: 2 default_priority_level: 2 "
+        "default_queue_policy { max_queue_size: 10 } }",
+        name="m",
+        where="m/config.pbtxt",
+    )
+    assert "max_queue_size" not in small.settings
+    partial = TritonModel.parse(
+        "max_batch_size: 8\ndynamic_batching { priority_levels: 2 default_priority_level: 2 "
+        "priority_queue_policy { key: 1 value { max_queue_size: 2000 } } }",
+        name="m",
+        where="m/config.pbtxt",
+    )
+    assert "max_queue_size" not in partial.settings
+
+
+def test_without_priority_levels_every_request_has_the_default_queue_policy() -> None:
+    # Triton serves every request of a model without priority_levels at one level: a
+    # client's priority changes nothing, and default_queue_policy's timeout holds for
+    # all. It held only for priority 0 (queue_timeouts' level), so a request that sent
+    # priority=2 waited in the queue for as long as it took.
+    model = TritonModel.parse(
+        "max_batch_size: 8\n"
+        "dynamic_batching { default_queue_policy { default_timeout_microseconds: 5000 } }",
+        name="m",
+        where="m/config.pbtxt",
+    )
+    assert model.settings["queue_timeouts"] == {"0": 0.005}
+    for scheduler in ("fifo", "deadline", "fair"):
+        served: Any = SimpleNamespace(
+            triton=model, model="m", config=trioinfer.ModelConfig(name="m", scheduler=scheduler)
+        )
+        assert schedule_parameters({"priority": 2}, served) == (0, None)
+    # A scheduler that reads priorities (chosen by trioinfer's own parameters, or a
+    # config.toml model's) keeps them: its levels are trioinfer's.
+    served = SimpleNamespace(
+        triton=model, model="m", config=trioinfer.ModelConfig(name="m", scheduler="priority")
+    )
+    assert schedule_parameters({"priority": 2}, served) == (2, None)
+    # Without a queue timeout of Triton's, the priority is passed on as it is, to the
+    # queue_timeouts trioinfer's own parameters may give per level.
+    own = json.dumps({"1": 0.5})
+    plain = TritonModel.parse(
+        f'max_batch_size: 8\nparameters {{ key: "trioinfer.queue_timeouts" '
+        f"value {{ string_value: {json.dumps(own)} }} }}",
+        name="m",
+        where="m/config.pbtxt",
+    )
+    assert plain.settings["queue_timeouts"] == {"1": 0.5}
+    served = SimpleNamespace(triton=plain, model="m", config=trioinfer.ModelConfig(name="m"))
+    assert schedule_parameters({"priority": 1}, served) == (1, None)
 
 
 def test_a_config_pbtxt_without_protobuf_names_the_extra(
@@ -1211,11 +1300,9 @@ def test_classification_through_an_ensemble(client: httpclient.InferenceServerCl
 def test_triton_priority_levels(server: Server, client: httpclient.InferenceServerClient) -> None:
     inputs = [httpclient.InferInput("IMAGE", [1, 5], "FP32")]
     inputs[0].set_data_from_numpy(np.zeros((1, 5), np.float32))
-    for level in (0, 1, 3):
+    # 4 is no level of the model's: as in Triton, it is served at the default level.
+    for level in (0, 1, 3, 4):
         client.infer("classifier", inputs, priority=level)
-    with pytest.raises(InferenceServerException, match="1 \\(the highest\\) to 3") as info:
-        client.infer("classifier", inputs, priority=4)
-    assert info.value.status() == "400"
 
 
 def test_server_metadata_lists_the_extensions(client: httpclient.InferenceServerClient) -> None:

@@ -29,11 +29,16 @@ class PriorityScheduler:
     any level below the highest waiting one has waited *max_wait* seconds, it
     goes next, ahead of the higher levels (the oldest such request first). A
     low-priority request therefore starts within about *max_wait* plus one
-    execution of its arrival (plus the time to run older aged requests), however
+    execution of its arrival (plus the time to run older aged requests, and a
+    highest-level request between each two of them), however
     busy the higher levels are; the higher levels keep everything the aged
-    requests do not take. Under sustained overload of the lower levels
-    themselves, aged requests take every slot: aging trades priority for
-    bounded waiting, on purpose.
+    requests do not take. Aged requests take at most every other start while
+    the highest level has requests waiting: after one, the highest level's
+    next request goes, aged requests or not. So the lower levels cannot starve
+    the highest one either: under sustained overload of the lower levels,
+    where every request there ages, the two alternate (without this, aged
+    requests took every start, and high-priority work waited for as long as
+    the overload lasted).
 
     Push, pop and remove cost O(log L) for L distinct levels waiting (O(1)
     within a level); peek is O(log L). Time is read from the engine's clock
@@ -48,7 +53,16 @@ class PriorityScheduler:
         ConfigError: *max_wait* is not a number greater than 0 (nor ``None``).
     """
 
-    __slots__ = ("_clock", "_count", "_heads", "_levels", "_max_wait", "_order", "_peeked")
+    __slots__ = (
+        "_aged_last",
+        "_clock",
+        "_count",
+        "_heads",
+        "_levels",
+        "_max_wait",
+        "_order",
+        "_peeked",
+    )
 
     def __init__(self, *, max_wait: float | None = 1.0) -> None:
         limit = (
@@ -70,6 +84,9 @@ class PriorityScheduler:
         self._count = 0
         # What peek() chose, so that pop() takes the same even if time moved on between.
         self._peeked: Request | None = None
+        # Whether the last pop() took an aged request (one below the highest level): then
+        # the next goes to the highest level, so that aged requests cannot starve it.
+        self._aged_last = False
 
     @property
     def max_wait(self) -> float | None:
@@ -131,6 +148,9 @@ class PriorityScheduler:
         """Remove and return the next request; ``IndexError`` if empty."""
         request = self._peeked if self._peeked is not None else self._choose()
         self._peeked = None
+        if self._heads is not None:
+            # Taken from below the highest level: it was aged (only aging takes one there).
+            self._aged_last = request.priority != self._order.last()
         self._take(request, head=True)
         return request
 
@@ -152,7 +172,7 @@ class PriorityScheduler:
             raise IndexError("pop from an empty PriorityScheduler")
         level = order.last()
         heads = self._heads
-        if heads is not None and len(order) > 1:
+        if heads is not None and len(order) > 1 and not self._aged_last:
             # The oldest head among the levels below the top one.
             arrival, negated = heads.first()
             if -negated == level:

@@ -1397,14 +1397,21 @@ def _schedule_parameters(
     return schedule_parameters(request.parameters, served)
 
 
+#: The first-party schedulers that do not order by priority (for `schedule_parameters`).
+_PRIORITY_BLIND: Final = frozenset({"fifo", "deadline", "fair"})
+
+
 def schedule_parameters(
     parameters: Mapping[str, Any], served: ServedVersion | None = None
 ) -> tuple[int, float | None]:
     """The engine priority and the timeout (seconds) a request's parameters ask for.
 
     For a model with Triton's ``priority_levels``, ``priority`` is a Triton
-    level (1 the highest, 0 the model's default level). HTTP infer and
-    generate and gRPC all read them here.
+    level (1 the highest; 0, or any other number that is not one of its
+    levels, the model's default level, as Triton reads it). A Triton model
+    without levels whose ``default_queue_policy`` sets a timeout serves every
+    request at level 0, as Triton does, unless its scheduler orders by
+    priority. HTTP infer and generate and gRPC all read them here.
     """
     priority = parameters.get("priority", 0)
     if isinstance(priority, bool) or not isinstance(priority, int) or abs(priority) > 2**31:
@@ -1414,15 +1421,22 @@ def schedule_parameters(
             f"parameter 'priority' must be an integer from -2**31 to 2**31, got {priority!r}"
         )
     triton = served.triton if served is not None else None
-    if served is not None and triton is not None and triton.priority_levels:
-        try:
+    if triton is not None:
+        if triton.priority_levels:
             priority = triton.engine_priority(priority)
-        except ValueError:
-            raise RequestError(
-                f"parameter 'priority' must be a priority level of model {served.model!r}: "
-                f"1 (the highest) to {triton.priority_levels}, or 0 for its default level "
-                f"({triton.default_priority_level}); got {priority}"
-            ) from None
+        elif (
+            triton.doc.get("dynamic_batching", {})
+            .get("default_queue_policy", {})
+            .get("default_timeout_microseconds")
+            and served is not None
+            and served.config is not None
+            and served.config.scheduler in _PRIORITY_BLIND
+        ):
+            # Triton serves every request of a model without priority_levels at one
+            # level: its default_queue_policy timeout (queue_timeouts' level 0) holds
+            # for all, whatever priority a client sends. (A scheduler that reads
+            # priorities keeps them: its levels are trioinfer's.)
+            priority = 0
     timeout = parameters.get("timeout")
     seconds = None
     if timeout is not None:

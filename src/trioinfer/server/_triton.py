@@ -27,11 +27,11 @@ from __future__ import annotations
 import functools
 import json
 from collections.abc import Collection, Mapping
-from typing import Any, Final
+from typing import Any, Final, cast
 
 import attrs
 
-from .._config import MAX_INSTANCES
+from .._config import MAX_INSTANCES, ModelConfig
 from .._exceptions import ConfigError
 
 __all__ = ["OWN_PREFIX", "TRITON_FIELDS", "TritonModel", "own_parameters", "with_defaults"]
@@ -255,6 +255,9 @@ _MESSAGES: Final[dict[str, list[tuple[str, int, int, int, str, str]]]] = {
     ],
 }
 
+#: ModelConfig's max_queue_size when nothing sets one.
+_DEFAULT_QUEUE_SIZE: Final = cast(int, attrs.fields(ModelConfig).max_queue_size.default)
+
 #: The most ``dynamic_batching.priority_levels`` a model may have (Triton sets no bound).
 MAX_PRIORITY_LEVELS: Final = 1 << 16
 
@@ -465,13 +468,18 @@ class TritonModel:
         return out
 
     def engine_priority(self, level: int) -> int:
-        """The engine priority of a Triton priority level (1 is the highest; 0 the default)."""
+        """The engine priority of a Triton priority level (1 is the highest; 0 the default).
+
+        As in Triton, a level that is not one of the model's (0, past
+        ``priority_levels``, or below 1) is its default level: a client that
+        sends the same priority to models with different numbers of levels is
+        served by each, not refused by some. Without ``priority_levels`` the
+        level is passed on as it is.
+        """
         if not self.priority_levels:
             return level
-        if level == 0:
-            level = self.default_priority_level
         if not 1 <= level <= self.priority_levels:
-            raise ValueError(level)
+            level = self.default_priority_level
         # The engine runs higher numbers sooner; Triton runs lower levels sooner.
         return self.priority_levels - level
 
@@ -717,6 +725,12 @@ def _translate(message: Any, doc: dict[str, Any], name: str, where: str) -> Trit
             settings["queue_timeouts"] = timeouts
         if sizes:
             settings["queue_sizes"] = sizes
+            total = sum(sizes.values())
+            if levels and len(sizes) == levels and total > _DEFAULT_QUEUE_SIZE:
+                # Triton bounds each level's queue and nothing else: with every level
+                # bounded, the whole queue may hold their sum, which trioinfer's default
+                # bound would cut short (trioinfer's own max_queue_size still wins).
+                settings["max_queue_size"] = own.get("max_queue_size", total)
 
     if message.instance_group:
         if ensemble:

@@ -76,7 +76,8 @@ def check_scheduler(make_scheduler: Callable[[], Scheduler]) -> None:
     pushed request is popped exactly once, whether alike or not; that
     ``remove`` takes a request out once (returning ``True``, then ``False``,
     and ``False`` for one already popped) and that a removed request is never
-    popped; that a second `push()` of a request held already raises
+    peeked or popped, the one `peek()` had just shown included; that a
+    second `push()` of a request held already raises
     ``ValueError`` and changes nothing (each request is pushed once; one
     counted twice would keep ``len`` above 0 for good); and that ``len``
     follows along. Which request comes next is
@@ -130,9 +131,18 @@ def check_scheduler(make_scheduler: Callable[[], Scheduler]) -> None:
             _fail(f"remove() of an already removed request returned {got!r}, expected False")
     if len(scheduler) != len(mixed) - len(removed):
         _fail(f"len is {len(scheduler)}, expected {len(mixed) - len(removed)} after removals")
+    # What peek() shows, its caller may leave: remove() takes it out, and neither
+    # peek() nor pop() shows it again (a peek kept until the next pop() must not
+    # outlive a remove(): the engine would hand out a request nobody waits for).
+    shown = scheduler.peek()
+    if (got := scheduler.remove(shown)) is not True:
+        _fail(f"remove() of the request peek() had just returned gave {got!r}, expected True")
+    removed.append(shown)
     out = []
     while len(scheduler):
         head = scheduler.peek()
+        if head in removed:
+            _fail("peek() returned a request remove() took out (a peek kept past a remove())")
         taken = scheduler.pop()
         if taken is not head:
             _fail("pop() returned a different request from the one peek() had just returned")
