@@ -89,6 +89,15 @@ class Metrics:
         """Count a request whose client disconnected before its answer."""
         self._outcomes[served.model, str(served.version), "cancelled"] += 1
 
+    def expired(self, served: ServedVersion) -> None:
+        """Count a request cancelled because its client's deadline passed (gRPC's ``grpc-timeout``).
+
+        The outcome of a request whose own ``timeout`` passed, over HTTP or
+        gRPC (`outcome_of` a `DeadlineExceeded`): both are deadlines passing,
+        not clients leaving.
+        """
+        self._outcomes[served.model, str(served.version), "deadline_exceeded"] += 1
+
     def count(
         self,
         model: str,
