@@ -1015,6 +1015,12 @@ def slow_state(server: Server) -> tuple[int, int, int]:
     )
 
 
+def expired_count(server: Server) -> int:
+    labels = {"model": "slow", "version": "1"}
+    name = "trioinfer_inference_requests_total"
+    return int(metric(server, name, outcome="deadline_exceeded", **labels))
+
+
 def test_deadline_and_cancel_withdraw_requests(
     client: triton.InferenceServerClient, server: Server
 ) -> None:
@@ -1023,6 +1029,7 @@ def test_deadline_and_cancel_withdraw_requests(
 
 def check_deadline_and_cancel(client: triton.InferenceServerClient, server: Server) -> None:
     pending0, executions0, cancelled0 = slow_state(server)
+    expired0 = expired_count(server)
     assert pending0 == 0
     stats0 = client.get_inference_statistics("slow", "1").model_stats[0]
     blocker: queue.Queue[tuple[Any, Any]] = queue.Queue()
@@ -1044,7 +1051,10 @@ def check_deadline_and_cancel(client: triton.InferenceServerClient, server: Serv
     wait_until(lambda: slow_state(server)[0] == 0, "the cancelled blocker is withdrawn")
     _pending, executions, cancelled = slow_state(server)
     assert executions == executions0 + 1
-    assert cancelled - cancelled0 == 2
+    # The cancelled blocker; the late request is counted as expired, as HTTP counts a
+    # request whose timeout passed (test_a_passed_deadline_counts_alike_over_http_and_grpc).
+    assert cancelled - cancelled0 == 1
+    assert expired_count(server) - expired0 == 1
     # Triton's execution_count and inference_count count what answered: nothing did.
     stats = client.get_inference_statistics("slow", "1").model_stats[0]
     assert stats.execution_count == stats0.execution_count
@@ -1107,6 +1117,76 @@ def test_the_server_keeps_the_clients_deadline(
         call.cancel()
         blocker.get(timeout=WAIT_S)
     wait_until(lambda: slow_state(server)[0] == 0, "nothing is left pending")
+
+
+def test_a_passed_deadline_counts_alike_over_http_and_grpc(
+    client: triton.InferenceServerClient, server: Server
+) -> None:
+    # An HTTP request whose timeout passes, a gRPC call whose deadline passes (grpcio
+    # resets its stream then; a bare client does not), a gRPC request whose timeout
+    # parameter passes: each is one deadline_exceeded, none cancelled, and Triton's
+    # statistics count them alike. The gRPC deadline was counted as a client leaving.
+    def counts() -> tuple[int, int, int]:
+        stats = client.get_inference_statistics("slow", "1").model_stats[0]
+        return expired_count(server), slow_state(server)[2], stats.inference_stats.fail.count
+
+    body = {
+        "inputs": [{"name": "x", "shape": [1, SLOW_WIDTH], "datatype": "FP32",
+                    "data": [1.0] * SLOW_WIDTH}],
+        "parameters": {"timeout": 100_000},
+    }  # fmt: skip
+    request = service_pb2.ModelInferRequest(model_name="slow")
+    request.inputs.add(name="x", datatype="FP32", shape=[1, SLOW_WIDTH])
+    request.raw_input_contents.append(np.ones((1, SLOW_WIDTH), dtype=np.float32).tobytes())
+
+    def over_http() -> None:
+        response = httpx.post(f"{server.url}/v2/models/slow/infer", json=body, timeout=WAIT_S)
+        assert response.status_code == 504, response.text
+
+    def over_grpcio() -> None:
+        with pytest.raises(InferenceServerException) as late:
+            client.infer("slow", slow_input(1), client_timeout=0.1)
+        assert late.value.status() == "StatusCode.DEADLINE_EXCEEDED"
+
+    def over_bare_h2() -> None:
+        path = b"/inference.GRPCInferenceService/ModelInfer"
+        answer = raw_h2_call(
+            server.grpc, path, request.SerializeToString(), (b"grpc-timeout", b"100m")
+        )
+        assert answer.get(b"grpc-status") == b"%d" % grpc.StatusCode.DEADLINE_EXCEEDED.value[0]
+
+    def timeout_parameter() -> None:
+        with pytest.raises(InferenceServerException) as late:
+            client.infer("slow", slow_input(1), timeout=100_000)
+        assert late.value.status() == "StatusCode.DEADLINE_EXCEEDED"
+
+    deltas = {}
+    for way in (over_http, over_grpcio, over_bare_h2, timeout_parameter):
+        # Behind a blocker of its own, so that it waits in the queue until its end.
+        blocker: queue.Queue[tuple[Any, Any]] = queue.Queue()
+        call = client.async_infer(
+            "slow", slow_input(BLOCKER_ROWS), lambda result, error: blocker.put((result, error))
+        )
+        try:
+            wait_until(lambda: slow_state(server)[0] == 1 or not blocker.empty(), "blocker queued")
+            assert blocker.empty(), str(blocker.get()[1])
+            before = counts()
+            way()
+            assert blocker.empty(), "the blocker ran all along"
+        finally:
+            call.cancel()
+            blocker.get(timeout=WAIT_S)
+        wait_until(lambda: slow_state(server)[0] == 0, "nothing is left pending")
+        # Less the cancelled blocker.
+        after = counts()
+        deltas[way.__name__] = (
+            after[0] - before[0],
+            after[1] - before[1] - 1,
+            after[2] - before[2],
+        )
+    first = deltas["over_http"]
+    assert first[:2] == (1, 0), deltas
+    assert all(delta == first for delta in deltas.values()), deltas
 
 
 def test_timeout_parameter_is_the_triton_timeout(client: triton.InferenceServerClient) -> None:
