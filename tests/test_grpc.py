@@ -598,6 +598,7 @@ def test_model_control_and_token(client: triton.InferenceServerClient) -> None:
     index = client.get_model_repository_index()
     assert sorted(m.name for m in index.models) == [
         "add",
+        "rendezvous",
         "repeat_int32",
         "simple",
         "simple_sequence",
@@ -1187,6 +1188,35 @@ def test_a_passed_deadline_counts_alike_over_http_and_grpc(
     first = deltas["over_http"]
     assert first[:2] == (1, 0), deltas
     assert all(delta == first for delta in deltas.values()), deltas
+
+
+def test_requests_in_flight_are_counted_by_protocol(
+    client: triton.InferenceServerClient, server: Server
+) -> None:
+    # trioinfer_inference_in_flight{protocol}: a gRPC request is "grpc", never "http"
+    # (trioinfer_http_inference_in_flight, the old name, counts both, as documented).
+    def in_flight() -> tuple[int, int, int]:
+        name = "trioinfer_inference_in_flight"
+        return (
+            int(metric(server, name, protocol="http")),
+            int(metric(server, name, protocol="grpc")),
+            int(metric(server, "trioinfer_http_inference_in_flight")),
+        )
+
+    # The scrape that reads them is an HTTP request, but not an inference one.
+    assert in_flight() == (0, 0, 0)
+    blocker: queue.Queue[tuple[Any, Any]] = queue.Queue()
+    call = client.async_infer(
+        "slow", slow_input(BLOCKER_ROWS), lambda result, error: blocker.put((result, error))
+    )
+    try:
+        wait_until(lambda: in_flight() != (0, 0, 0) or not blocker.empty(), "blocker counted")
+        assert blocker.empty(), str(blocker.get()[1])
+        assert in_flight() == (0, 1, 1)
+    finally:
+        call.cancel()
+        blocker.get(timeout=WAIT_S)
+    wait_until(lambda: in_flight() == (0, 0, 0), "nothing in flight")
 
 
 def test_timeout_parameter_is_the_triton_timeout(client: triton.InferenceServerClient) -> None:

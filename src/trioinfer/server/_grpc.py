@@ -513,7 +513,7 @@ class _Service:
         state = self._state
         model, version = message.model_name, message.model_version or None
         picked: ServedVersion | None = None  # the version it went to, once picked
-        state.in_flight.value += 1
+        state.in_flight.grpc += 1
         try:
             if not state.ready:
                 raise NotReady("the server is shutting down and takes no new requests")
@@ -562,7 +562,7 @@ class _Service:
             state.metrics.count(model, version, exc, picked)
             raise
         finally:
-            state.in_flight.value -= 1
+            state.in_flight.grpc -= 1
         state.models.mark_inference(served)
         state.metrics.succeeded(served)
         if result is None:

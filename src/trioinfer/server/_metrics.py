@@ -139,6 +139,7 @@ class Metrics:
         return {
             "outcomes": [[*key, n] for key, n in sorted(self._outcomes.items())],
             "in_flight": self._in_flight.value,
+            "in_flight_protocols": {"http": self._in_flight.http, "grpc": self._in_flight.grpc},
             "versions": self.version_counts(self._models.all()),
         }
 
@@ -222,7 +223,10 @@ class Counts(TypedDict):
 
     #: [model, version, outcome, requests], sorted.
     outcomes: list[list[Any]]
+    #: Every protocol's requests in flight (``trioinfer_http_inference_in_flight``).
     in_flight: int
+    #: Requests in flight by protocol (``http``, ``grpc``).
+    in_flight_protocols: dict[str, int]
     versions: list[VersionCounts]
 
 
@@ -296,9 +300,18 @@ def _families(counts: Counts) -> Iterator[Metric]:
     for model, version, outcome, n in counts["outcomes"]:
         requests.add_metric([model, version, outcome], n)
     yield requests
+    by_protocol = GaugeMetricFamily(
+        "trioinfer_inference_in_flight",
+        "Inference requests the server is handling now, by protocol (http, grpc).",
+        labels=["protocol"],
+    )
+    for protocol, n in counts["in_flight_protocols"].items():
+        by_protocol.add_metric([protocol], n)
+    yield by_protocol
     yield GaugeMetricFamily(
         "trioinfer_http_inference_in_flight",
-        "Inference requests the server is handling now, over HTTP and gRPC.",
+        "Inference requests the server is handling now, over HTTP and gRPC together "
+        "(an older name, kept: trioinfer_inference_in_flight has them by protocol).",
         value=counts["in_flight"],
     )
     executions = CounterMetricFamily(
@@ -436,12 +449,22 @@ def _families(counts: Counts) -> Iterator[Metric]:
 
 @final
 class InFlight:
-    """A counter the HTTP layer updates, read by the metrics at scrape time."""
+    """Inference requests being handled now, by protocol: the server's layers count them.
 
-    __slots__ = ("value",)
+    Read by the metrics at scrape time. The HTTP routes (infer, generate)
+    count theirs in ``http``, the gRPC service in ``grpc``.
+    """
+
+    __slots__ = ("grpc", "http")
 
     def __init__(self) -> None:
-        self.value = 0
+        self.http = 0
+        self.grpc = 0
+
+    @property
+    def value(self) -> int:
+        """Every protocol's together."""
+        return self.http + self.grpc
 
 
 def _buckets(bounds: Sequence[float], counts: Sequence[int], count: int) -> list[tuple[str, float]]:
