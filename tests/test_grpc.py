@@ -24,6 +24,7 @@ import sys
 import types
 import uuid
 from collections.abc import Iterator
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -1161,15 +1162,19 @@ def test_a_passed_deadline_counts_alike_over_http_and_grpc(
             client.infer("slow", slow_input(1), timeout=100_000)
         assert late.value.status() == "StatusCode.DEADLINE_EXCEEDED"
 
+    def answered(answers: queue.Queue[tuple[Any, Any]], result: Any, error: Any) -> None:
+        answers.put((result, error))
+
+    def blocking(answers: queue.Queue[tuple[Any, Any]]) -> bool:
+        return slow_state(server)[0] == 1 or not answers.empty()
+
     deltas = {}
     for way in (over_http, over_grpcio, over_bare_h2, timeout_parameter):
         # Behind a blocker of its own, so that it waits in the queue until its end.
         blocker: queue.Queue[tuple[Any, Any]] = queue.Queue()
-        call = client.async_infer(
-            "slow", slow_input(BLOCKER_ROWS), lambda result, error: blocker.put((result, error))
-        )
+        call = client.async_infer("slow", slow_input(BLOCKER_ROWS), partial(answered, blocker))
         try:
-            wait_until(lambda: slow_state(server)[0] == 1 or not blocker.empty(), "blocker queued")
+            wait_until(partial(blocking, blocker), "the blocker is accepted")
             assert blocker.empty(), str(blocker.get()[1])
             before = counts()
             way()

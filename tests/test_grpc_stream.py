@@ -1,4 +1,4 @@
-"""ModelStreamInfer's concurrency, on virtual time: requests side by side, bounded, in order per sequence.
+"""ModelStreamInfer's requests side by side, bounded, in order per sequence: on virtual time.
 
 `_Service.ModelStreamInfer` runs each request of a stream in a task of the
 call's own; these tests give it request messages and a fake per-request step

@@ -133,7 +133,7 @@ _DEADLINE_SLACK_S: Final = 0.05
 
 
 def _deadline_passed(expires: float | None) -> bool:
-    """Whether a call's deadline (`GrpcCall.expires`) has passed, or all but (`_DEADLINE_SLACK_S`)."""
+    """Whether a call's deadline (`GrpcCall.expires`) passed, or all but (`_DEADLINE_SLACK_S`)."""
     return expires is not None and time.monotonic() >= expires - _DEADLINE_SLACK_S
 
 
