@@ -196,3 +196,65 @@ async def test_cancelling_the_call_cancels_every_request(
     assert sent == []
     assert service.running == 0
     assert service.started == ["a", "b"]
+
+
+# -- the real service ------------------------------------------------------------------
+
+
+async def test_the_drain_finishes_a_streams_requests_in_flight() -> None:
+    """On SIGTERM (shutdown set), every request in flight on a stream gets all its answers."""
+    grpc = pytest.importorskip("grpc")
+    service_pb2 = pytest.importorskip("tritonclient.grpc.service_pb2")
+    service_pb2_grpc = pytest.importorskip("tritonclient.grpc.service_pb2_grpc")
+    import numpy as np
+
+    import trioinfer
+    from _serve import start_serving
+    from trioinfer.server import ServerConfig
+
+    def request(request_id: str) -> Any:
+        # repeat_int32: three responses, 100 ms apart.
+        message = service_pb2.ModelInferRequest(model_name="repeat_int32", id=request_id)
+        for name, datatype, array in (
+            ("IN", "INT32", np.array([1, 2, 3], np.int32)),
+            ("DELAY", "UINT32", np.array([100, 100, 100], np.uint32)),
+            ("WAIT", "UINT32", np.array([0], np.uint32)),
+        ):
+            message.inputs.add(name=name, datatype=datatype, shape=list(array.shape))
+            message.raw_input_contents.append(array.tobytes())
+        return message
+
+    first = trio.Event()
+    stop = trio.Event()
+    token = trio.lowlevel.current_trio_token()
+
+    def call(address: str) -> list[tuple[str, str]]:
+        got = []
+        with grpc.insecure_channel(address) as channel:
+            stub = service_pb2_grpc.GRPCInferenceServiceStub(channel)
+            answers = stub.ModelStreamInfer(iter([request("a"), request("b")]), timeout=30)
+            for answer in answers:
+                got.append((answer.infer_response.id, answer.error_message))
+                if len(got) == 2:  # both started: the server is told to stop now
+                    trio.from_thread.run_sync(first.set, trio_token=token)
+        return got
+
+    got: list[list[tuple[str, str]]] = []
+    async with trio.open_nursery() as nursery:
+        listening = await start_serving(
+            nursery,
+            trioinfer.example_repository(),
+            grpc_port=0,
+            config=ServerConfig(drain_period=20.0),
+            shutdown=stop,
+        )
+
+        async def client() -> None:
+            got.append(await trio.to_thread.run_sync(call, listening.grpc))
+
+        nursery.start_soon(client)
+        with trio.fail_after(20):
+            await first.wait()
+        stop.set()
+    [answers] = got
+    assert sorted(answers) == [("a", "")] * 3 + [("b", "")] * 3
