@@ -12,7 +12,9 @@ running each call (on Trio a task runs a connection's calls one after
 another), so a call's handler runs the request directly, under a cancel
 scope whose deadline is the client's (``grpc-timeout``); a client that
 cancels (RST_STREAM) or goes away cancels the call's scope, and with it the
-request in the engine. grpc.aio (on a loop in a thread, bridged to Trio) and
+request in the engine. A ``ModelStreamInfer`` call runs its requests side by
+side, each in a task of the call's own, as Triton's stream does
+(`_Service.ModelStreamInfer`). grpc.aio (on a loop in a thread, bridged to Trio) and
 grpcio's threaded server were served before and cost two to three times as
 much server CPU per call, and python-hyper's ``h2`` after them twice as much
 (docs/reference/server.md, benchmarks/RESULTS.md).
@@ -638,8 +640,8 @@ class _Service:
             stream.slots.release()
             if done is not None:
                 done.set()
-                if stream.tails.get(key) is done:  # type: ignore[arg-type]
-                    del stream.tails[key]  # type: ignore[arg-type]
+                if key is not None and stream.tails.get(key) is done:  # the sequence's last
+                    del stream.tails[key]
 
     def _stream_error(self, error: BaseException, request_id: str) -> bytes:
         """A failed stream request's response: its error_message, and its id, as Triton's.
