@@ -87,6 +87,7 @@ EXPECTED_OUTPUT = {
         "names: 6 answered in ",  # 1 execution, or a few on a busy machine
         "pipeline: ['two', 'eight', 'two', 'six', 'six', 'seven']",
         "async model: cancelled 1 time at the caller's deadline",
+        "reader: ['two', 'eight', 'two', 'six', 'six', 'seven']",
     ],
     "sequences.py": [
         "sequence 1000: [0, 11, 18, 23, 26, 28, 28, 29]",
@@ -715,7 +716,17 @@ def test_the_server_reference_lists_every_metric_family(tutorial_server: tuple[i
     rows = set(re.findall(r"^\| `(trioinfer_[a-z_]+)` \|", table, re.MULTILINE))
     # Served only with --workers; the same section documents it.
     assert "trioinfer_worker_inference_requests_total" in table
-    assert rows == exported
+    # The GPUs' families come where NVML finds GPUs: here, from a fake one.
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from test_host_metrics import FakeNVML
+    from trioinfer.server._host_metrics import HostMetrics
+
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(HostMetrics(DOCS / "no-proc-here", nvml=FakeNVML()))
+    gpus = set(re.findall(r"^# TYPE (\S+) ", generate_latest(registry).decode(), re.MULTILINE))
+    assert gpus
+    assert rows == exported | gpus
 
 
 def test_the_server_reference_lists_every_request_outcome() -> None:

@@ -21,6 +21,7 @@ PUBLIC = {
         "ModelSignature", "ModelStatistics", "PluginContractError", "PluginError", "PluginInfo",
         "PluginLoadError", "QueueFull", "Registry", "ReplicaStatistics", "ResponseStream",
         "TensorSpec", "SequenceConfig", "SequenceError", "SequenceFlags", "SequenceState",
+        "Warmup", "WarmupInput",
         "StreamClosed", "TrioInferError", "digits_samples", "example_repository", "open_engine",
     },
     "trioinfer.abc": {
@@ -36,6 +37,7 @@ PUBLIC = {
         "SchedulerContext", "SequenceContext", "Status", "WorkerThread", "current_batch_deadline",
         "current_trace_context", "numpy_dtype", "record_span",
         "wait_on_callback", "CallbackWaiter", "inline_slice_spent", "restart_inline_slice",
+        "current_engine", "infer_follow_up",
     },
     "trioinfer.testing": {
         "FakeBackend", "FakeInstance", "check_backend", "check_batcher", "check_fallback",

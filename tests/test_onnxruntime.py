@@ -6,6 +6,7 @@ import itertools
 import logging
 import math
 import os
+import shutil
 import sys
 import threading
 import time
@@ -253,6 +254,31 @@ async def test_unusable_cuda_falls_back_to_cpu_with_one_line(
     captured = capfd.readouterr()
     assert "onnxruntime" not in captured.err.lower()
     assert "EP Error" not in captured.out + captured.err
+
+
+@pytest.mark.parametrize(
+    ("options", "dispatch"),
+    [({}, "auto"), ({"dispatch": "thread"}, "thread"), ({"dispatch": "inline"}, "inline")],
+)
+async def test_an_instance_fallen_back_to_the_cpu_dispatches_as_a_cpu_instance(
+    add_model: Path, monkeypatch: pytest.MonkeyPatch, options: dict[str, Any], dispatch: str
+) -> None:
+    """A cuda:0 instance that runs on the CPU gets the CPU's default dispatch ('auto':
+    measured on its thread, inline when cheaper), not the GPU's ('thread'), and one
+    worker thread, gone at close; a dispatch the config names is kept."""
+    # As where CUDA is not usable (the GPU machine too: the probe says so).
+    monkeypatch.setattr(_backend, "probe_device", lambda device: "no CUDA in this test")
+    config = ModelConfig(name="fb", path=add_model, backend_options=options)
+    instance = await OnnxRuntimeBackend().load(config, Placement(Device("cuda", 0), 0))
+    try:
+        assert instance.device == "cpu"
+        assert instance.dispatch == dispatch
+        assert [t.name for t in instance_threads("fb")] == ["trioinfer-fb-0"]
+        out = await instance.execute(pair())
+        np.testing.assert_array_equal(out["sum"], pair()["a"] + 1)
+    finally:
+        await instance.aclose()
+    assert instance_threads("fb") == []
 
 
 @pytest.mark.skipif(CUDA_REASON is None, reason="CUDA is usable here; this checks the refusal")
@@ -536,10 +562,61 @@ async def test_bad_dispatch_options_are_refused(add_model: Path) -> None:
             await engine.load(
                 ModelConfig(name="a", path=add_model, backend_options={"dispatch": "fast"})
             )
-        with pytest.raises(trioinfer.ConfigError, match="inline_budget_us must be a positive"):
+        with pytest.raises(
+            trioinfer.ConfigError,
+            match="inline_budget_us must be a number of microseconds greater than 0",
+        ):
             await engine.load(
                 ModelConfig(name="a", path=add_model, backend_options={"inline_budget_us": 0})
             )
+
+
+@pytest.mark.parametrize(
+    "budget", [math.inf, -math.inf, math.nan, -250, 0, 0.0, 10_000_001, "250", True, None]
+)
+async def test_an_inline_budget_that_makes_no_sense_is_refused(
+    add_model: Path, budget: object
+) -> None:
+    """inf held the loop for ever (an inline model never moved to its thread, nor yielded
+    for other tasks): a budget must be a positive, finite number, up to 10 s."""
+    async with open_engine() as engine:
+        with pytest.raises(trioinfer.ConfigError) as caught:
+            await engine.load(
+                ModelConfig(name="a", path=add_model, backend_options={"inline_budget_us": budget})
+            )
+    assert str(caught.value) == (
+        "model 'a': inline_budget_us must be a number of microseconds greater than 0 and "
+        f"at most 10000000 (10 s), got {budget!r}"
+    )
+
+
+@pytest.mark.parametrize("written", ["inf", "+inf", "nan", "-5"])
+async def test_a_config_toml_inline_budget_that_makes_no_sense_is_refused(
+    tmp_path: Path, add_model: Path, written: str
+) -> None:
+    (tmp_path / "a" / "1").mkdir(parents=True)
+    shutil.copyfile(add_model, tmp_path / "a" / "1" / "model.onnx")
+    (tmp_path / "a" / "config.toml").write_text(
+        f'[backend_options]\ndispatch = "inline"\ninline_budget_us = {written}\n'
+    )
+    config = ModelConfig.from_toml(tmp_path / "a" / "config.toml")
+    async with open_engine() as engine:
+        with pytest.raises(trioinfer.ConfigError, match="inline_budget_us must be a number of"):
+            await engine.load(config)
+
+
+async def test_the_inline_budget_bounds_are_accepted(add_model: Path) -> None:
+    for budget in (0.5, 1, 10_000_000, 1e7):
+        config = ModelConfig(
+            name="a",
+            path=add_model,
+            backend_options={"dispatch": "inline", "inline_budget_us": budget},
+        )
+        instance = await OnnxRuntimeBackend().load(config, Placement(Device("cpu"), 0))
+        try:
+            assert instance.inline_budget_s == budget / 1e6
+        finally:
+            await instance.aclose()
 
 
 async def test_pipeline_depth_keeps_two_executions_in_flight(add_model: Path) -> None:

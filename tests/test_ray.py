@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import http.server
 import importlib
 import math
 import os
@@ -9,9 +11,11 @@ import re
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections import Counter
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -852,18 +856,35 @@ async def test_a_model_file_missing_on_the_node_names_the_node(
     assert node[:12] in str(caught.value)  # which node lacks it
 
 
-@pytest.mark.parametrize("how", ["address", "RAY_ADDRESS"])
+@pytest.mark.parametrize(
+    ("how", "listening"),
+    [
+        ("address", "nothing"),
+        ("RAY_ADDRESS", "nothing"),
+        ("address", "a silent server"),
+        ("address", "an HTTP server"),
+    ],
+)
 def test_a_ray_that_is_not_running_is_backend_unavailable_at_once(
-    tmp_path: Path, mlp_model: Path, how: str
+    tmp_path: Path, mlp_model: Path, how: str, listening: str
 ) -> None:
     """An address where no Ray listens: a typed error, not minutes of Ray's retries.
 
     Given as the address option, or as RAY_ADDRESS with address = "auto" (which Ray
-    takes first). In a process of its own: this one is connected to the tests' Ray.
+    takes first); nothing on the port, or a server that is not Ray's (one that
+    accepts and says nothing, an HTTP server), where ray.init hung for minutes. In a
+    process of its own: this one is connected to the tests' Ray.
     """
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]  # free once closed: nothing listens there
+    with contextlib.ExitStack() as stack:
+        if listening == "nothing":
+            port = _free_port(socket.AF_INET, "127.0.0.1")
+        else:
+            answer = None if listening == "a silent server" else _HTTP_ANSWER
+            port = stack.enter_context(_serving(socket.AF_INET, "127.0.0.1", answer))
+        _load_from_a_process_of_its_own(tmp_path, mlp_model, how, port)
+
+
+def _load_from_a_process_of_its_own(tmp_path: Path, mlp_model: Path, how: str, port: int) -> None:
     env = {**os.environ, "RAY_TMPDIR": str(tmp_path)}
     address = f"127.0.0.1:{port}"
     if how == "RAY_ADDRESS":
@@ -924,10 +945,115 @@ def test_the_connect_probe_reads_ipv4_and_bracketed_ipv6_addresses(
     address = form.format(host=shown, port=port)
     with pytest.raises(BackendUnavailable, match=f"no Ray at {re.escape(address)}: "):
         _probe(address, 5.0)
+    with _serving(af, host, _SETTINGS_FRAME) as port:
+        _probe(form.format(host=shown, port=port), 5.0)
+
+
+#: What a gRPC server sends first: an (empty) HTTP/2 SETTINGS frame.
+_SETTINGS_FRAME = b"\x00\x00\x00\x04\x00\x00\x00\x00\x00"
+_HTTP_ANSWER = b"HTTP/1.1 400 Bad Request\r\ncontent-length: 0\r\nconnection: close\r\n\r\n"
+
+
+@contextmanager
+def _serving(af: socket.AddressFamily, host: str, answer: bytes | None) -> Iterator[int]:
+    """A TCP server on *host* that accepts each connection and sends *answer* (None:
+    nothing at all, the connection held open; empty: it is closed); yields its port."""
+    held: list[socket.socket] = []
     with socket.socket(af) as listening:
         listening.bind((host, 0))
         listening.listen()
-        _probe(form.format(host=shown, port=listening.getsockname()[1]), 5.0)
+
+        def serve() -> None:
+            with contextlib.suppress(OSError):  # closed at the end of the block
+                while True:
+                    conn, _ = listening.accept()
+                    held.append(conn)
+                    if answer is not None:
+                        conn.recv(1024)
+                        conn.sendall(answer)
+                        if not answer:
+                            conn.close()
+
+        thread = threading.Thread(target=serve, daemon=True)
+        thread.start()
+        try:
+            yield listening.getsockname()[1]
+        finally:
+            listening.shutdown(socket.SHUT_RDWR)
+    thread.join(5)
+    for conn in held:
+        conn.close()
+
+
+@pytest.mark.parametrize(
+    ("answer", "said"),
+    [
+        (None, "accepted the connection but sent nothing in 1 s"),
+        (_HTTP_ANSWER, "answered b'HTTP/1.1 400 Bad Request"),
+        (b"", "closed the connection unanswered"),
+    ],
+)
+@pytest.mark.parametrize("form", ["{host}:{port}", "ray://{host}:{port}"])
+def test_a_port_where_ray_does_not_answer_fails_fast_naming_it(
+    answer: bytes | None, said: str, form: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Something listens, but not Ray (a server that accepts and says nothing, an HTTP
+    server, one that hangs up): ray.init would retry for minutes; the probe says so at
+    once, as a BackendUnavailable naming the address."""
+    from trioinfer_ray._backend import _probe
+
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    monkeypatch.delenv("RAY_USE_TLS", raising=False)
+    with _serving(socket.AF_INET, "127.0.0.1", answer) as port:
+        address = form.format(host="127.0.0.1", port=port)
+        with pytest.raises(BackendUnavailable) as caught:
+            _probe(address, 1.0)
+    message = str(caught.value)
+    assert message.startswith(f"no Ray at {address}: 127.0.0.1:{port} {said}"), message
+    assert "ray start --head" in message
+
+
+def test_a_real_http_server_is_not_taken_for_ray(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The standard library's HTTP server on the port: refused as not gRPC."""
+    from trioinfer_ray._backend import _probe
+
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    monkeypatch.delenv("RAY_USE_TLS", raising=False)
+
+    class Quiet(http.server.BaseHTTPRequestHandler):
+        def log_message(self, format: str, *args: Any) -> None:
+            pass
+
+    server = http.server.HTTPServer(("127.0.0.1", 0), Quiet)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        address = f"127.0.0.1:{server.server_address[1]}"
+        with pytest.raises(BackendUnavailable, match=r"which is not gRPC \(HTTP/2\)") as caught:
+            _probe(address, 5.0)
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(5)
+    # (It answers "PRI * HTTP/2.0" as HTTP/0.9, with an HTML page and no status line.)
+    assert str(caught.value).startswith(f"no Ray at {address}: {address} answered b'")
+
+
+def test_the_probe_passes_a_real_rays_gcs(local_ray: None) -> None:
+    from trioinfer_ray._backend import _probe
+
+    _probe(ray.get_runtime_context().gcs_address, 5.0)
+
+
+def test_with_ray_tls_on_the_probe_only_connects(monkeypatch: pytest.MonkeyPatch) -> None:
+    """RAY_USE_TLS=1: Ray's gRPC speaks TLS first, which ray.init has the certificates
+    for; the probe checks that something listens, and leaves the rest to it."""
+    from trioinfer_ray._backend import _probe
+
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    monkeypatch.setenv("RAY_USE_TLS", "1")
+    with _serving(socket.AF_INET, "127.0.0.1", None) as port:
+        _probe(f"127.0.0.1:{port}", 1.0)
 
 
 @pytest.mark.parametrize("address", ["auto", "ray://127.0.0.1:{port}/path", "127.0.0.1"])

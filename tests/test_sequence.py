@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import shutil
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -974,6 +975,64 @@ async def test_tritons_sequence_client_calls_over_http(tmp_path: Path) -> None:
     assert "ended with its last request" in messages[0]
     assert "no sequence 4242 in progress" in messages[1]
     assert "needs a sequence_id" in messages[2]
+
+
+@pytest.mark.streaming
+async def test_generate_routes_sequence_parameters_as_infer_does(tmp_path: Path) -> None:
+    """/generate and /generate_stream take sequence_id/start/end, as infer does."""
+    import httpx
+
+    (tmp_path / "repo" / "simple_sequence" / "1").mkdir(parents=True)
+    (tmp_path / "repo" / "simple_sequence" / "1" / "model.py").write_text(MODEL_PY)
+    (tmp_path / "repo" / "simple_sequence" / "config.toml").write_text(CONFIG_TOML)
+    shutil.copytree(
+        trioinfer.example_repository() / "repeat_int32", tmp_path / "repo" / "repeat_int32"
+    )
+    url = "/v2/models/simple_sequence/"
+
+    def body(v: int, **parameters: Any) -> dict[str, Any]:
+        return {"INPUT": v, "parameters": parameters}
+
+    async with trio.open_nursery() as nursery:
+        listening = await start_serving(nursery, tmp_path / "repo")
+        async with httpx.AsyncClient(base_url=listening.urls[0]) as client:
+            first = await client.post(
+                url + "generate", json=body(11, sequence_id=7, sequence_start=True)
+            )
+            other = await client.post(
+                url + "generate_stream", json=body(100, sequence_id="s", sequence_start=True)
+            )
+            second = await client.post(url + "generate_stream", json=body(5, sequence_id=7))
+            last = await client.post(
+                url + "generate", json=body(2, sequence_id=7, sequence_end=True)
+            )
+            after_end = await client.post(url + "generate", json=body(1, sequence_id=7))
+            no_sequence = await client.post(url + "generate", json=body(1))
+            bad_flag = await client.post(url + "generate", json=body(1, sequence_start=True))
+            decoupled = await client.post(
+                "/v2/models/repeat_int32/generate_stream",
+                json={"IN": [1], "DELAY": [0], "WAIT": 0, "parameters": {"sequence_id": 3}},
+            )
+        nursery.cancel_scope.cancel()
+    assert first.status_code == 200, first.text
+    assert first.json()["OUTPUT"] == 11
+    assert (
+        other.text == 'data: {"model_name":"simple_sequence","model_version":"1","OUTPUT":100}\n\n'
+    )
+    assert (
+        second.text == 'data: {"model_name":"simple_sequence","model_version":"1","OUTPUT":16}\n\n'
+    )
+    assert last.json()["OUTPUT"] == 18
+    assert after_end.status_code == 400
+    assert "ended with its last request" in after_end.json()["error"]
+    assert no_sequence.status_code == 400
+    assert "needs a sequence_id" in no_sequence.json()["error"]
+    assert bad_flag.status_code == 400
+    assert "need a sequence_id" in bad_flag.json()["error"]
+    # A decoupled model is never stateful: the parameters are refused, not ignored.
+    assert decoupled.status_code == 400
+    assert "repeat_int32" in decoupled.json()["error"]
+    assert "sequence_id" in decoupled.json()["error"]
 
 
 async def test_a_slot_freed_while_forming_goes_at_once_to_a_waiting_sequence(

@@ -1698,6 +1698,14 @@ def test_metrics(http: httpx.Client) -> None:
     }
     for name, kind in types.items():
         assert families[name].type == kind, name
+    # The machine's, as Triton's nv_cpu_* (test_host_metrics.py reads them from a fake /proc).
+    if Path("/proc/meminfo").exists():
+        assert (
+            0
+            < value(families, "trioinfer_cpu_memory_used_bytes")
+            <= value(families, "trioinfer_cpu_memory_total_bytes")
+        )
+        assert 0 <= value(families, "trioinfer_cpu_utilization") <= 1
 
     counted = {"model": "counted", "version": "1"}
     requests = "trioinfer_inference_requests_total"

@@ -279,6 +279,11 @@ def test_requests_spread_over_both_workers_and_metrics_add_up(served: Served) ->
     assert [v for labels, v in rows if labels["model"] == "digits"] == [40]
     instances = samples(served.url, "trioinfer_instances")
     assert [v for labels, v in instances if labels["model"] == "digits"] == [2]  # one each
+    # The machine is reported once, by the supervisor, not added up over the workers.
+    if Path("/proc/meminfo").exists():
+        ((labels, total),) = samples(served.url, "trioinfer_cpu_memory_total_bytes")
+        meminfo = Path("/proc/meminfo").read_text().split("\n")[0]  # MemTotal: N kB
+        assert (labels, total) == ({}, int(meminfo.split()[1]) * 1024)
     stats = fresh("GET", f"{served.url}/v2/models/digits/stats").json()["model_stats"]
     assert len(stats) == 1
     assert stats[0]["inference_count"] == 40
@@ -490,6 +495,8 @@ def test_shared_memory_is_refused_with_several_workers(served: Served) -> None:
     # Nor does the server say it has the extension (tritonclient's users read /v2).
     extensions = fresh("GET", f"{served.url}/v2").json()["extensions"]
     assert "system_shared_memory" not in extensions
+    # Nor sequences: a stateful model is refused under --workers N.
+    assert "sequence" not in extensions
     assert "model_repository" in extensions
 
 

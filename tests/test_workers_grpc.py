@@ -202,6 +202,8 @@ def test_grpc_shared_memory_registration_is_refused_clearly(served: Served) -> N
     with client(served) as c:
         extensions = c.get_server_metadata(as_json=True)["extensions"]
     assert "system_shared_memory" not in extensions
+    # Nor sequences: a stateful model is refused under --workers N.
+    assert "sequence" not in extensions
     assert "model_repository" in extensions
 
 

@@ -162,6 +162,41 @@ async def cancelled_at_the_deadline(engine: trioinfer.Engine) -> None:
 # --8<-- [end:async]
 
 
+# --8<-- [start:calls]
+class Reader:
+    """One model that calls two others while it computes: digits, then names."""
+
+    def __init__(self, models) -> None:  # the engine's other models, to call
+        self.models = models
+
+    async def infer(self, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        scores = await self.models.infer("digits", {"input": inputs["IMAGE"]})
+        if scores["probabilities"].max() < 0.5:  # a branch a pipeline's DAG cannot take
+            return {"NAME": np.full(len(inputs["IMAGE"]), "unreadable", dtype=object)}
+        named = await self.models.infer("names", {"probabilities": scores["probabilities"]})
+        return {"NAME": named["name"]}
+
+
+async def calling_other_models(engine: trioinfer.Engine, images: np.ndarray) -> None:
+    await engine.load(
+        trioinfer.ModelConfig(
+            name="reader",
+            backend="python",
+            backend_options={
+                "class": Reader,
+                "inputs": [{"name": "IMAGE", "dtype": "float32", "shape": ["batch", 64]}],
+                "outputs": [{"name": "NAME", "dtype": "string", "shape": ["batch"]}],
+            },
+        )
+    )
+    with trio.fail_after(2):  # the deadline of the request, and of the calls it makes
+        out = await engine.infer("reader", {"IMAGE": images})
+    print("reader:", out["NAME"].tolist())
+
+
+# --8<-- [end:calls]
+
+
 # --8<-- [start:main]
 async def main() -> None:
     images, labels = trioinfer.digits_samples()
@@ -184,6 +219,7 @@ async def main() -> None:
             print(f"names: {stats.succeeded} answered in {stats.executions} executions")
             await as_one_model(engine, images[:6])
             await cancelled_at_the_deadline(engine)
+            await calling_other_models(engine, images[:6])
 
 
 # --8<-- [end:main]

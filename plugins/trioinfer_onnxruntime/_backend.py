@@ -17,7 +17,7 @@ from trioinfer.lowlevel import Placement, WorkerThread
 
 from ._device import _providers, probe_device
 from ._instance import OnnxRuntimeInstance, _compute_clock
-from ._options import _OPT_LEVELS, _check_options
+from ._options import _OPT_LEVELS, _check_options, default_dispatch
 from ._ort import _narrowed, _one_line, _ort, _signature, log, missing_ort
 from ._proof import Unproved, file_stamp, outputs_unproved
 from ._tuning import _mtime, _tune, _tuned
@@ -93,11 +93,15 @@ class OnnxRuntimeBackend:
         except BaseException:
             await worker.aclose()
             raise
+        dispatch = options["dispatch"]
+        if device != str(placement.device) and "dispatch" not in config.backend_options:
+            # Fallen back to the CPU: the CPU's default, not the one picked for the GPU.
+            dispatch = default_dispatch("cpu")
         instance = OnnxRuntimeInstance(
             session,
             device,
             worker,
-            options["dispatch"],
+            dispatch,
             options["inline_budget_us"] / 1e6,
             label,
             options["pipeline_depth"],

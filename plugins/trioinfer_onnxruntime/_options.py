@@ -25,6 +25,10 @@ _OPT_LEVELS: Final = {
 #: digits MLP costs about 100 us there, its caches cold from the loop's other
 #: work), and holds the loop no longer than a few hops would.
 DEFAULT_INLINE_BUDGET_US: Final = 250
+#: The largest ``inline_budget_us``: 10 s of the event loop's thread per execution is
+#: no longer "cheaper than a thread hop" in any sense, and every other task of the loop
+#: waits that long; past it (or infinite) is a typo or a misunderstanding.
+MAX_INLINE_BUDGET_US: Final = 10_000_000
 #: Most intra-op (an instance's ``threads``) or inter-op threads one session may ask
 #: for. ONNX Runtime starts them all at load: 100000 held a load for minutes, and a
 #: count past a C int failed with a TypeError; either is a typo, or a client's load
@@ -35,11 +39,13 @@ OPTIONS: Final[Mapping[str, str]] = {
     "dispatch": "'thread': session.run on the instance's worker thread (default on a GPU); "
     "'ort_async': ONNX Runtime's run_async (needs threads >= 2); "
     "'inline': on the event loop's thread, for models far cheaper than a thread hop, "
-    "within inline_budget_us; 'auto' (default on the CPU): measure on the thread, "
+    "within inline_budget_us; 'auto' (default on the CPU, a GPU instance fallen back to it "
+    "too): measure on the thread, "
     "go inline if cheap enough",
     "inline_budget_us": "execution time, in microseconds, allowed on the event loop's thread "
     "(moving average; one run may take up to 10x) before an 'inline' or 'auto' instance "
-    f"moves to its worker thread (default {DEFAULT_INLINE_BUDGET_US})",
+    f"moves to its worker thread (default {DEFAULT_INLINE_BUDGET_US}; greater than 0, at most "
+    f"{MAX_INLINE_BUDGET_US})",
     "inter_op_threads": "threads for running independent nodes in parallel (0: ORT default; "
     f"at most {MAX_THREADS})",
     "graph_optimization_level": "'disable', 'basic', 'extended' or 'all' (default)",
@@ -69,6 +75,12 @@ OPTIONS: Final[Mapping[str, str]] = {
 }
 
 
+def default_dispatch(kind: str) -> str:
+    """The ``dispatch`` of an instance on a device of *kind* whose options name none."""
+    # Inline is measured and bounded on the CPU; on a GPU it has not been tried here.
+    return "auto" if kind == "cpu" else "thread"
+
+
 def _check_options(config: ModelConfig, placement: Placement) -> dict[str, Any]:
     options = dict(config.backend_options)
     unknown = sorted(set(options) - set(OPTIONS))
@@ -82,8 +94,7 @@ def _check_options(config: ModelConfig, placement: Placement) -> dict[str, Any]:
             f"model {config.name!r}: onnxruntime backend has no option "
             f"{', '.join(map(repr, unknown))}; it knows {', '.join(sorted(OPTIONS))}{hints}"
         )
-    # Inline is measured and bounded on the CPU; on a GPU it has not been tried here.
-    options.setdefault("dispatch", "auto" if placement.device.kind == "cpu" else "thread")
+    options.setdefault("dispatch", default_dispatch(placement.device.kind))
     if options["dispatch"] not in _DISPATCH:
         raise ConfigError(
             f"model {config.name!r}: dispatch must be one of {', '.join(map(repr, _DISPATCH))}, "
@@ -95,9 +106,17 @@ def _check_options(config: ModelConfig, placement: Placement) -> dict[str, Any]:
             f"model {config.name!r}: pipeline_depth must be an integer from 1 to 8, got {depth!r}"
         )
     budget = options.setdefault("inline_budget_us", DEFAULT_INLINE_BUDGET_US)
-    if not isinstance(budget, (int, float)) or isinstance(budget, bool) or not budget > 0:
+    # inf (TOML's too) held the loop for ever: an inline instance never moved to its
+    # thread, nor yielded to other tasks; nan compares false with everything, as inf.
+    if (
+        not isinstance(budget, (int, float))
+        or isinstance(budget, bool)
+        or not 0 < budget <= MAX_INLINE_BUDGET_US
+    ):
         raise ConfigError(
-            f"model {config.name!r}: inline_budget_us must be a positive number, got {budget!r}"
+            f"model {config.name!r}: inline_budget_us must be a number of microseconds "
+            f"greater than 0 and at most {MAX_INLINE_BUDGET_US} "
+            f"({MAX_INLINE_BUDGET_US / 1e6:g} s), got {budget!r}"
         )
     if options["dispatch"] == "ort_async" and placement.threads == 1:
         raise ConfigError(

@@ -47,6 +47,14 @@ In code, ``backend_options={"class": Model, ...}`` names the class itself, and
   it to stop early).
 - optional ``load(self)`` and ``close(self)``, sync (on the worker thread) or
   async, called once per instance after construction and at unload.
+- a ``models`` keyword, if ``__init__`` takes one, gets a `Models`: the other
+  models of the engine, to call while it computes (Triton's business logic
+  scripting). ``await models.infer("digits", inputs)`` from ``async def
+  infer``, ``models.infer_blocking(...)`` from a plain ``def infer`` on the
+  worker thread; each call is an ordinary request to that model, under the
+  deadline of the requests being computed (see `Models`). In
+  ``trioinfer serve`` a model is named as clients name it (``"digits"``, or
+  ``"digits:2"`` for one version).
 
 The model file is imported on a thread, so that its imports (of a deep
 learning framework, say) do not stall the other models' requests, and
@@ -131,9 +139,11 @@ from trioinfer import (
     TensorSpec,
     TrioInferError,
 )
-from trioinfer.lowlevel import Placement, WorkerThread
+from trioinfer.lowlevel import Placement, WorkerThread, current_batch_deadline, current_engine
 
-__all__ = ["PythonBackend", "PythonInstance"]
+from ._models import Models
+
+__all__ = ["Models", "PythonBackend", "PythonInstance"]
 
 log = logging.getLogger("trioinfer.python")
 
@@ -266,9 +276,18 @@ class PythonBackend:
                 f"name = value, got {parameters!r}"
             )
         device = str(placement.device)
+        if given := sorted({"device", "models"} & set(parameters)):
+            raise ConfigError(
+                f"backend option parameters of model {config.name!r} sets "
+                f"{', '.join(map(repr, given))}, which the backend passes itself (where the "
+                "instance runs, and the other models to call): rename the parameter"
+            )
         kwargs = dict(parameters)
         if _takes(cls, "device"):
             kwargs["device"] = device
+        models = Models(current_engine(), config.name) if _takes(cls, "models") else None
+        if models is not None:
+            kwargs["models"] = models
         label = f"model {config.name!r} instance {placement.index}"
         dispatch = options.get("dispatch", "thread")
         if dispatch not in ("thread", "inline"):
@@ -292,7 +311,7 @@ class PythonBackend:
             else None
         )
         try:
-            instance = PythonInstance(model, signature, device, label, worker, module)
+            instance = PythonInstance(model, signature, device, label, worker, module, models)
             await instance._call_hook("load")
         except BaseException:
             if worker is not None:
@@ -431,8 +450,11 @@ class PythonInstance:
         label: str,
         worker: WorkerThread | None,
         module: str | None = None,
+        models: Models | None = None,
     ) -> None:
         self._model = model
+        #: What the model calls other models with, if its class takes ``models``.
+        self._models = models
         #: The module this instance's load imported model.py as (None: a class given in code).
         self._module = module
         self._signature = signature
@@ -534,8 +556,16 @@ class PythonInstance:
                 outputs = await self._infer(dict(inputs))
             elif self._worker is None:  # dispatch = "inline": cheaper than a thread hop
                 outputs = self._infer(dict(inputs))
-            else:
+            elif self._models is None:
                 outputs = await self._worker.run_sync(self._infer, dict(inputs), abort=self._abort)
+            else:  # its calls to other models take this execution's deadline with them
+                outputs = await self._worker.run_sync(
+                    self._models._within,
+                    current_batch_deadline(),
+                    self._infer,
+                    dict(inputs),
+                    abort=self._abort,
+                )
         except (anyio.get_cancelled_exc_class(), TrioInferError):
             raise  # the model chose the error's class (InvalidInput is the client's fault)
         except Exception as exc:

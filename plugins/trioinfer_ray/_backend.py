@@ -9,6 +9,7 @@ blocking the event loop.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import importlib.util
 import logging
@@ -77,12 +78,15 @@ def connect(address: str | None, timeout: float = DEFAULT_START_TIMEOUT_S) -> No
     A process already connected keeps its connection, whatever *address* says.
     An address of the form ``host:port`` (or ``ray://host:port``, or
     ``"auto"`` with ``RAY_ADDRESS`` set to one) is tried first with a plain
-    TCP connection of at most *timeout* seconds: where nothing listens,
-    ``ray.init`` would retry for minutes before it gives up.
+    TCP connection of at most *timeout* seconds, and what answers must speak
+    gRPC (HTTP/2), as Ray's GCS and Ray Client servers do: where nothing
+    listens, or something else does (an HTTP server, a port that accepts and
+    says nothing), ``ray.init`` would retry for minutes before it gives up.
 
     Raises:
         BackendUnavailable: Ray is not installed, nothing answers at
-            *address*, or Ray refused the connection (or failed to start).
+            *address* (or something that is not Ray does), or Ray refused the
+            connection (or failed to start).
     """
     ray = _ray()
     with _connect_lock:
@@ -122,14 +126,73 @@ def _probe(address: str, timeout: float) -> None:
     host, sep, port = address.removeprefix("ray://").rpartition(":")
     if not sep or not host or not port.isdigit():
         return
+    hint = (
+        "is the cluster's head node running (ray start --head), and is this its address "
+        "(host:6379 for its GCS, ray://host:10001 for Ray Client)?"
+    )
     try:
-        socket.create_connection((host.strip("[]"), int(port)), timeout=timeout).close()
+        connection = socket.create_connection((host.strip("[]"), int(port)), timeout=timeout)
     except OSError as exc:
         raise BackendUnavailable(
-            f"no Ray at {address}: connecting to {host}:{port} failed ({exc}); is the "
-            "cluster's head node running (ray start --head), and is this its address "
-            "(host:6379 for its GCS, ray://host:10001 for Ray Client)?"
+            f"no Ray at {address}: connecting to {host}:{port} failed ({exc}); {hint}"
         ) from exc
+    with connection:
+        if _tls():
+            return  # a TLS handshake first: left to ray.init, which has the certificates
+        wait = min(timeout, _HANDSHAKE_S)
+        try:
+            connection.settimeout(wait)
+            connection.sendall(_H2_PREFACE)
+            first = _read_frame_header(connection)
+        except TimeoutError:
+            raise BackendUnavailable(
+                f"no Ray at {address}: {host}:{port} accepted the connection but sent "
+                f"nothing in {wait:g} s, where Ray's gRPC server answers at once; {hint}"
+            ) from None
+        except OSError as exc:
+            raise BackendUnavailable(
+                f"no Ray at {address}: {host}:{port} accepted the connection, then failed "
+                f"({exc}); {hint}"
+            ) from exc
+    if len(first) < _FRAME_HEADER or first[3] != _SETTINGS:
+        said = f"answered {first[:24]!r}" if first else "closed the connection unanswered"
+        raise BackendUnavailable(
+            f"no Ray at {address}: {host}:{port} {said}, which is not gRPC (HTTP/2), as "
+            f"Ray's GCS and Ray Client servers speak; another server listens there; {hint}"
+        )
+
+
+#: The HTTP/2 client preface and an empty SETTINGS frame: a gRPC server answers it
+#: (Ray's GCS sends its SETTINGS even unasked) with a SETTINGS frame of its own.
+_H2_PREFACE: Final = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + b"\x00\x00\x00\x04\x00\x00\x00\x00\x00"
+_FRAME_HEADER: Final = 9
+_SETTINGS: Final = 0x04
+#: At most this long for the server's first frame: a gRPC server sends it at once, and
+#: a port that accepts and says nothing would otherwise hold the load for the whole
+#: start_timeout (60 s by default).
+_HANDSHAKE_S: Final = 10.0
+
+
+def _read_frame_header(connection: socket.socket) -> bytes:
+    # The first 9 bytes the server sends (fewer if it closes first); TimeoutError if
+    # they do not come in time.
+    data = b""
+    while len(data) < _FRAME_HEADER:
+        chunk = connection.recv(_FRAME_HEADER - len(data))
+        if not chunk:
+            break
+        data += chunk
+    # An HTTP/1 server answers with text: a little more of it says what it is.
+    if data[:4] == b"HTTP":
+        connection.settimeout(0.5)
+        with contextlib.suppress(OSError):
+            data += connection.recv(64)
+    return data
+
+
+def _tls() -> bool:
+    # Ray's own switch for TLS between its processes (gRPC over TLS).
+    return os.environ.get("RAY_USE_TLS", "0").strip().lower() in ("1", "true")
 
 
 def _actor() -> Any:

@@ -50,6 +50,8 @@ from ._stream import ResponseStream as ResponseStream
 from ._tensors import InputLimits as InputLimits
 from ._tensors import ModelSignature as ModelSignature
 from ._tensors import TensorSpec as TensorSpec
+from ._warmup import Warmup as Warmup
+from ._warmup import WarmupInput as WarmupInput
 
 try:
     __version__ = _metadata.version("trioinfer")

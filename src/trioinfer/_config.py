@@ -25,6 +25,7 @@ import attrs
 from ._exceptions import ConfigError
 from ._sequence import SequenceConfig, to_sequence_config
 from ._tensors import Casting, InputLimits
+from ._warmup import Warmup
 
 DeviceKind = Literal["cpu", "cuda", "tensorrt"]
 _DEVICE_RE = re.compile(r"^(cpu|cuda|tensorrt)(?::(\d+))?$")
@@ -258,6 +259,55 @@ def _to_queue_sizes(value: object) -> Mapping[int, int]:
     )
 
 
+def _to_warmups(value: object) -> tuple[Warmup, ...]:
+    if isinstance(value, (str, bytes, Mapping)) or not isinstance(value, Iterable):
+        raise ConfigError(
+            f"warmup must be a list of samples (in config.toml, [[warmup]] tables), got {value!r}"
+        )
+    out: list[Warmup] = []
+    for item in value:
+        if isinstance(item, Warmup):
+            out.append(item)
+        elif isinstance(item, Mapping):
+            out.append(_build(Warmup, item, "warmup"))
+        else:
+            raise ConfigError(f"each warmup sample must be a table or a Warmup, got {item!r}")
+    return tuple(out)
+
+
+def _warmup_files(value: object, base: Path) -> object:
+    # [[warmup]] tables as config.toml holds them, each input's relative file under base.
+    if not isinstance(value, list):
+        return value  # refused, saying why, by _to_warmups
+    out: list[object] = []
+    for sample in value:
+        inputs = sample.get("inputs") if isinstance(sample, Mapping) else None
+        if isinstance(inputs, Mapping):
+            inputs = {
+                name: (
+                    {**item, "file": _warmup_file(item["file"], base)}
+                    if isinstance(item, Mapping) and isinstance(item.get("file"), str)
+                    else item
+                )
+                for name, item in inputs.items()
+            }
+            sample = {**sample, "inputs": inputs}
+        out.append(sample)
+    return out
+
+
+def _warmup_file(name: str, base: Path) -> Path:
+    # A config's file may not lead out of the model's warmup directory (a load override
+    # comes over the network).
+    path = base / name
+    if not path.resolve().is_relative_to(base.resolve()):
+        raise ConfigError(
+            f"warm-up file {name!r} leads outside the model's warmup directory; give a "
+            f"file name within {base}"
+        )
+    return path
+
+
 def _plugin_name(_inst: object, attribute: attrs.Attribute[Any], value: str) -> None:
     if not isinstance(value, str) or not value:
         raise ConfigError(f"{attribute.name} must be a plugin name, got {value!r}")
@@ -316,6 +366,10 @@ class ModelConfig:
         sequence: Makes the model stateful: its requests come in sequences
             (see [`SequenceConfig`][trioinfer.SequenceConfig]); needs a sequence
             batcher (``batcher = "sequence"``). In config.toml, a ``[sequence]`` table.
+        warmup: Request samples every instance runs at load, before the model
+            serves (see [`Warmup`][trioinfer.Warmup]; Triton's ``model_warmup``).
+            In config.toml, ``[[warmup]]`` tables. Not for a pipeline: its step
+            models warm up themselves.
     """
 
     name: str = attrs.field(validator=_check_name)
@@ -338,6 +392,15 @@ class ModelConfig:
     max_elements_per_request: int = attrs.field(default=1 << 27, validator=_positive)
     casting: Casting = attrs.field(default="no")
     sequence: SequenceConfig | None = attrs.field(default=None, converter=to_sequence_config)
+    warmup: tuple[Warmup, ...] = attrs.field(default=(), converter=_to_warmups)
+
+    @warmup.validator
+    def _check_warmup(self, _attribute: attrs.Attribute[Any], value: tuple[Warmup, ...]) -> None:
+        if value and self.backend == PIPELINE:
+            raise ConfigError(
+                f"model {self.name!r}: a pipeline takes no warmup (as a Triton ensemble "
+                "takes no model_warmup); give its step models theirs"
+            )
 
     @sequence.validator
     def _check_sequence(self, _attribute: attrs.Attribute[Any], value: object) -> None:
@@ -422,7 +485,9 @@ class ModelConfig:
     def from_dict(cls, data: Mapping[str, Any], *, base: Path | None = None) -> Self:
         """Build a config from a table such as a parsed ``config.toml``.
 
-        A relative ``path`` is taken relative to *base*. Unknown keys are refused.
+        A relative ``path`` is taken relative to *base*, and a warm-up input's
+        relative ``file`` relative to ``<base>/warmup`` (as Triton's
+        ``input_data_file``). Unknown keys are refused.
 
         Raises:
             ConfigError: Naming the key or field that is wrong.
@@ -434,6 +499,8 @@ class ModelConfig:
             and data["path"] != NO_FILE
         ):
             data["path"] = base / Path(data["path"])
+        if base is not None and "warmup" in data:
+            data["warmup"] = _warmup_files(data["warmup"], base / "warmup")
         return _build(cls, data, "model config")
 
     @classmethod
@@ -549,6 +616,7 @@ _KEY_HINTS: Mapping[str, str] = MappingProxyType(
         "preferred_batch_size": "preferred_batch_sizes is a batcher option, in [batcher_options]",
         "max_queue_delay": "max_queue_delay is a batcher option, in [batcher_options]",
         "instance_group": "write [[instances]] tables, each with device and count",
+        "model_warmup": "write [[warmup]] tables, each with name, inputs, batch_size and count",
         "platform": "write backend = 'onnxruntime' (the default) instead of platform",
         "device": "device goes in an [[instances]] table",
         "count": "count goes in an [[instances]] table",

@@ -14,6 +14,7 @@ import math
 import operator
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping
 from contextlib import AbstractAsyncContextManager, asynccontextmanager, contextmanager
+from contextvars import ContextVar
 from typing import TYPE_CHECKING, Any, Final, NoReturn, SupportsIndex, cast, final
 
 import anyio
@@ -50,6 +51,7 @@ from ._runner import (
 from ._sequence import SequenceFlags
 from ._stream import ResponseStream, StreamGate, decoupled, open_stream
 from ._tensors import ModelSignature, validate_rows
+from ._warmup import warm_up
 from .abc import Backend, BackendInstance, Batcher, Fallback, Scheduler, Status, StreamingInstance
 
 if TYPE_CHECKING:
@@ -190,6 +192,9 @@ class Engine:
     # admitted (_submit's follow_up), so that those requests may finish.
     _draining: bool = attrs.field(default=False, init=False)
     _closed: bool = attrs.field(default=False, init=False)
+    # How infer_follow_up names models, when the engine's names are not its users'
+    # (trioinfer serve loads "digits" version 2 as "digits.v2"): the server's resolver.
+    _follow_up_names: Callable[[str], str] | None = attrs.field(default=None, init=False)
 
     @property
     def registry(self) -> Registry:
@@ -258,6 +263,9 @@ class Engine:
                 "one with open_engine(cache_size=...) (trioinfer serve --cache-size)"
             )
         self._loading.add(name)
+        # The backend's load, and every task the model starts, can tell which engine
+        # serves it (lowlevel.current_engine: a Python model calling other models).
+        engine_token = _current_engine.set(self)
         try:
             with self._owned(self._loads) as loading:
                 runner: ModelRunner | Pipeline | None = None
@@ -300,6 +308,7 @@ class Engine:
                 # again with the new runner's.
                 self._forget(name, restart=True)
         finally:
+            _current_engine.reset(engine_token)
             self._loading.discard(name)
         if old is not None:
             await self._retire(old, old_gate)
@@ -372,8 +381,18 @@ class Engine:
             )
             if graph is not None:
                 graph.attach(runner)
+            # Before it serves: the first callers must not pay for the runtime's first runs.
+            await warm_up(
+                name,
+                config.warmup,
+                runner.backend_signature,
+                runner.input_limits,
+                instances,
+                [replica.label for replica in runner.replicas],
+            )
         except BaseException:
-            # A plugin refused the model in attach(): do not leave instances behind.
+            # A plugin refused the model in attach(), or a warm-up failed: do not leave
+            # instances behind.
             await close_instances(name, instances)
             raise
         if self._closing:
@@ -821,6 +840,16 @@ class Engine:
             return self._infer_draining(model, inputs, priority, tenant, request_id)
         return self.infer(model, inputs, priority=priority, tenant=tenant, request_id=request_id)
 
+    def _follow_up(
+        self, model: str, inputs: Mapping[str, Any], priority: int, tenant: str | None
+    ) -> Awaitable[Outputs]:
+        # lowlevel.infer_follow_up: a request made for one accepted already.
+        if self._follow_up_names is not None:
+            model = self._follow_up_names(model)
+        return self._infer_step(
+            model, inputs, priority=priority, tenant=tenant, request_id=next_request_id()
+        )
+
     async def _infer_held(
         self,
         model: str,
@@ -1258,6 +1287,51 @@ class _EngineManager(AbstractAsyncContextManager["Engine"]):
             f"open_engine() returns a context manager, not the engine, so it has no {name!r}: "
             "write 'async with open_engine(...) as engine:' and use engine there"
         )
+
+
+#: The engine a model is loaded by (see `current_engine`).
+_current_engine: ContextVar[Engine | None] = ContextVar("trioinfer_engine", default=None)
+
+
+def current_engine() -> Engine:
+    """The engine that is loading the current model, or whose task this is.
+
+    For a backend whose models call other models of the same engine (the
+    ``python`` backend's ``models`` keyword): call it in ``load``, or in a
+    task the model's load or execution started, and keep what it returns.
+
+    Raises:
+        RuntimeError: Outside an engine's load and tasks.
+    """
+    engine = _current_engine.get()
+    if engine is None:
+        raise RuntimeError(
+            "current_engine() is only known in a backend's load() and in the tasks of the "
+            "model it loads"
+        )
+    return engine
+
+
+async def infer_follow_up(
+    engine: Engine,
+    model: str,
+    inputs: Mapping[str, Any],
+    *,
+    priority: int = 0,
+    tenant: str | None = None,
+) -> Outputs:
+    """``engine.infer``, for a request made on behalf of one the engine accepted already.
+
+    As a pipeline's steps are: also while the engine drains, so that the
+    request it is made for can finish in the drain period as any other
+    accepted request may (``engine.infer`` refuses new work then, with
+    ``EngineClosed``). A model that calls another model while it computes
+    uses it; the caller's cancel scope is the timeout, as for ``infer``.
+
+    Raises:
+        TrioInferError: As `Engine.infer`.
+    """
+    return await engine._follow_up(model, inputs, priority, tenant)
 
 
 @asynccontextmanager

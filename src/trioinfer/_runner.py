@@ -56,6 +56,7 @@ from ._threads import (
     trio_rescheduler,
 )
 from ._util import NoPublicConstructor, resume
+from ._warmup import warm_up
 from .abc import (
     AssemblingBatcher,
     AttachableBatcher,
@@ -2420,6 +2421,18 @@ class ModelRunner(metaclass=NoPublicConstructor):
                     f"{self._backend_label()}, reports another signature than the model was "
                     "loaded with"
                 )
+            try:
+                await warm_up(
+                    self.config.name,
+                    self.config.warmup,
+                    self.backend_signature,
+                    self.input_limits,
+                    [new],
+                    [replica.label],
+                )
+            except BaseException:
+                await close_instances(self.config.name, [new])
+                raise
             replica._backend_instance = new
             if self._output_check is not None and not self._output_check.full:
                 # The cheap check was the old instances' word for their outputs: the

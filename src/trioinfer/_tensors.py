@@ -57,6 +57,24 @@ _V2_NAMES = {
 _V2_OF_NUMPY = {numpy: v2 for v2, numpy in _V2_NAMES.items() if v2 != "STRING"}
 
 
+def declared_dtype(dtype: object) -> str | None:
+    """The numpy name a config's element type stands for (``"string"`` for ``BYTES``), or None.
+
+    Takes a numpy name (``"float32"``, ``"string"``) or a V2/Triton one
+    (``"FP32"``, ``"TYPE_INT64"``, ``"BYTES"``), in any case.
+    """
+    if not isinstance(dtype, str):
+        return None
+    numpy = _V2_NAMES.get(dtype.upper().removeprefix("TYPE_")) or dtype.lower()
+    numpy = "string" if numpy in ("object", "bytes", "str") else numpy
+    return numpy if numpy in _DECLARED else None
+
+
+def dtype_name(dtype: np.dtype[Any]) -> str:
+    """The name `declared_dtype` gives *dtype*: its numpy name, ``"string"`` for ``object``."""
+    return "string" if dtype.kind == "O" else dtype.name
+
+
 def numpy_dtype(onnx_type: str) -> np.dtype[Any] | None:
     """Return the numpy dtype for an ONNX Runtime type string such as ``"tensor(float)"``.
 
@@ -239,10 +257,8 @@ def _declared(model: str, kind: str, value: object) -> tuple[TensorSpec, ...]:
             raise ConfigError(f"{where}: {name!r} is declared twice")
         here = f"{where}, {name!r}"
         dtype = item["dtype"]
-        text = dtype.upper().removeprefix("TYPE_") if isinstance(dtype, str) else ""
-        numpy = _V2_NAMES.get(text) or (dtype.lower() if isinstance(dtype, str) else "")
-        numpy = "string" if numpy in ("object", "bytes", "str") else numpy
-        if numpy not in _DECLARED:
+        numpy = declared_dtype(dtype)
+        if numpy is None:
             raise ConfigError(
                 f"{here}: dtype {dtype!r} is not one of {', '.join(sorted(_DECLARED))} "
                 "(or a V2 name such as 'FP32', 'INT64', 'BYTES')"

@@ -36,6 +36,12 @@ class OneAtATime:
   [`inline_slice_spent()`][trioinfer.lowlevel.inline_slice_spent] /
   [`restart_inline_slice()`][trioinfer.lowlevel.restart_inline_slice] for
   backends that run executions on the event loop's thread within a time budget.
+- For backends whose models call other models of their engine (the
+  ``python`` backend's ``models``, as Triton's BLS):
+  [`current_engine()`][trioinfer.lowlevel.current_engine] (the engine loading
+  the model) and [`infer_follow_up()`][trioinfer.lowlevel.infer_follow_up]
+  (``engine.infer`` for a request made on behalf of an accepted one, also
+  while the engine drains).
 - For backends whose work runs elsewhere, tracing:
   [`current_trace_context()`][trioinfer.lowlevel.current_trace_context]
   (the W3C context to send with a traced call) and
@@ -47,6 +53,8 @@ To make requests for a plugin's own tests, use
 """
 
 from ._config import Placement as Placement
+from ._engine import current_engine as current_engine
+from ._engine import infer_follow_up as infer_follow_up
 from ._inline import inline_slice_spent as inline_slice_spent
 from ._inline import restart_inline_slice as restart_inline_slice
 from ._remote_trace import current_trace_context as current_trace_context

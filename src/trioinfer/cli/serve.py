@@ -38,6 +38,7 @@ _SERVE_KEYS: Final = frozenset(
         "grpc_port",
         "models",
         "drain_period",
+        "repository_poll_secs",
         "cache_size",
         "admin_token",
         "protect_inference",
@@ -119,6 +120,18 @@ def _rate_not_nan(
     show_default=True,
     metavar="SECONDS",
     help="On SIGINT/SIGTERM, how long in-flight requests may take to finish.",
+)
+@click.option(
+    "--repository-poll-secs",
+    type=click.FloatRange(min=0),
+    callback=_not_nan,
+    default=0.0,
+    show_default=True,
+    metavar="SECONDS",
+    help="Read the model repository every SECONDS and load the models that appeared, "
+    "reload those whose files changed and unload those that went away (Triton's "
+    "--model-control-mode=poll); meanwhile the repository API's load and unload are "
+    "refused. 0: never. Not with --model.",
 )
 @click.option(
     "--cache-size",
@@ -254,9 +267,17 @@ def serve(ctx: click.Context, /, **options: Any) -> None:
             cache_size=ByteSize().convert(settings["cache_size"], None, ctx),
             tracer_provider=tracing[0] if tracing else None,
             trace_rate=tracing[1] if tracing else 1.0,
+            repository_poll_s=settings["repository_poll_secs"],
         )
     except (TypeError, TrioInferError) as exc:
         raise click.UsageError(f"invalid server settings: {exc}") from exc
+    if config.repository_poll_s and settings["models"]:
+        # The poll serves what the repository holds; --model would serve a part of it.
+        raise click.UsageError(
+            "invalid server settings: --model and --repository-poll-secs do not go "
+            "together: a polled server serves every model of its repository (as Triton's "
+            "poll mode); move the others out of it, or drop one of the two"
+        )
     repository = settings["model_repository"] or example_repository()
     grpc_port = _grpc_port(ctx, settings)
     try:

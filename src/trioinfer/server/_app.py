@@ -18,6 +18,7 @@ import logging
 import math
 import re
 from collections.abc import Awaitable, Callable, Mapping, Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final, final
 
 import anyio
@@ -70,6 +71,7 @@ from ._errors import ClientLeft, NotReady, Unauthorized, without_host_paths
 from ._logging import check_log_settings, log_settings, update_log_settings
 from ._metrics import InFlight, Metrics, triton_entry
 from ._models import ServedModels, ServedVersion
+from ._poll import REFUSED as POLLING_REFUSED
 from ._repository import VersionPolicy
 from ._shm import SystemSharedMemory
 from ._triton import own_parameters, with_defaults
@@ -185,6 +187,10 @@ class ServerConfig:
             with (see `open_engine`); None for no tracing.
         trace_rate: The share of requests that start a trace which are traced;
             ``/v2/trace/setting`` changes it at run time.
+        repository_poll_s: Read the model repository every so many seconds and
+            load, reload and unload what changed (Triton's poll mode; see
+            ``trioinfer.server._poll``); the repository API's load and unload
+            are refused meanwhile. 0: never.
     """
 
     limits: Limits = attrs.field(factory=Limits)
@@ -194,6 +200,19 @@ class ServerConfig:
     cache_size: int = attrs.field(default=0)
     tracer_provider: Any = None
     trace_rate: float = 1.0
+    repository_poll_s: float = attrs.field(default=0.0)
+
+    @repository_poll_s.validator
+    def _check_poll(self, _attribute: attrs.Attribute[Any], value: object) -> None:
+        if (
+            not isinstance(value, (int, float))
+            or isinstance(value, bool)
+            or not 0 <= value < math.inf
+        ):
+            raise ConfigError(
+                f"repository_poll_secs must be a number of seconds, 0 or more (0: no "
+                f"polling), got {value!r}"
+            )
 
     @cache_size.validator
     def _check_cache_size(self, _attribute: attrs.Attribute[Any], value: int) -> None:
@@ -471,12 +490,18 @@ async def _server_metadata(_request: Request, state: ServerState) -> Response:
 def extensions(state: ServerState) -> list[str]:
     """The protocol extensions *state*'s server implements, as ``GET /v2`` lists them.
 
-    `EXTENSIONS`, less shared memory under ``serve --workers N``, which refuses
-    it (`_one_process_only`).
+    `EXTENSIONS`, less what ``serve --workers N`` refuses: shared memory
+    (`_one_process_only`) and sequences (a stateful model is not loaded there,
+    each worker would keep its own sequences), so that a client reading
+    ``GET /v2`` or gRPC ``ServerMetadata`` is not told of what it cannot use.
     """
     if state.cluster is None:
         return list(EXTENSIONS)
-    return [name for name in EXTENSIONS if name != "system_shared_memory"]
+    return [name for name in EXTENSIONS if name not in _ONE_PROCESS_EXTENSIONS]
+
+
+#: The extensions ``serve --workers N`` (N > 1) does not offer.
+_ONE_PROCESS_EXTENSIONS: Final = frozenset({"sequence", "system_shared_memory"})
 
 
 def _served(request: Request, state: ServerState) -> ServedVersion:
@@ -588,9 +613,11 @@ def model_config_document(state: ServerState, served: ServedVersion) -> dict[str
         body["model_transaction_policy"] = {"decoupled": True}
     if config.response_cache:
         body["response_cache"] = {"enable": True}
+    runner = state.models.engine._runners.get(served.engine_name)
+    full = getattr(runner, "backend_signature", None)  # with the control and state inputs
+    if config.warmup:
+        body["model_warmup"] = _model_warmup(config, full)
     if config.sequence is not None:
-        runner = state.models.engine._runners.get(served.engine_name)
-        full = getattr(runner, "backend_signature", None)  # with the control and state inputs
         body["sequence_batching"] = _sequence_batching(config.sequence, full, skip)
         own["sequence"] = _sequence_table(config.sequence, full)
     elif max_batch > 0 and not pipeline:
@@ -624,6 +651,35 @@ def model_config_document(state: ServerState, served: ServedVersion) -> dict[str
             for n, group in enumerate(groups)
         ]
     return with_defaults(body)
+
+
+def _model_warmup(config: ModelConfig, full: ModelSignature | None) -> list[dict[str, Any]]:
+    """The warm-up samples as Triton's ``model_warmup`` (files named within ``<model>/warmup``)."""
+    home = config.path.parent.parent / "warmup" if config.path is not None else None
+    specs = {spec.name: spec for spec in full.inputs} if full is not None else {}
+    samples = []
+    for sample in config.warmup:
+        inputs: dict[str, Any] = {}
+        for name, made in sample.inputs.items():
+            entry: dict[str, Any] = {"dims": list(made.dims)}
+            if name in specs:
+                entry["data_type"] = "TYPE_" + config_datatype(specs[name])
+            if isinstance(made.data, Path):
+                inside = home is not None and made.data.is_relative_to(home)
+                file = made.data.relative_to(home) if home is not None and inside else made.data
+                entry["input_data_file"] = str(file)
+            else:
+                entry[f"{made.data}_data"] = True
+            inputs[name] = entry
+        samples.append(
+            {
+                "name": sample.name,
+                "batch_size": sample.batch_size,
+                "inputs": inputs,
+                "count": sample.count,
+            }
+        )
+    return samples
 
 
 def _instance(group: Instance) -> dict[str, Any]:
@@ -1045,6 +1101,7 @@ async def load_model(state: ServerState, model: str, override: dict[str, Any] | 
         TrioInferError: What loading raised (`ModelNotFound`, `ConfigError`, ...);
             `WorkersDisagree` when some workers loaded it and others failed.
     """
+    _check_not_polling(state)
     if state.cluster is not None:
         # Every worker, and one that restarts later, gets the config itself.
         await state.cluster.load(model, state.models.effective_override(model, override))
@@ -1058,10 +1115,21 @@ async def unload_model(state: ServerState, model: str) -> None:
     Raises:
         ModelNotFound: *model* is not served.
     """
+    _check_not_polling(state)
     if state.cluster is not None:
         await state.cluster.unload(model)
     else:
         await state.models.unload(model)
+
+
+def _check_not_polling(state: ServerState) -> None:
+    # Two writers of what is served would undo each other's work: Triton refuses too.
+    if state.config.repository_poll_s:
+        raise RequestError(
+            f"{POLLING_REFUSED}: this server reads its repository every "
+            f"{state.config.repository_poll_s:g} s (--repository-poll-secs) and loads, reloads "
+            "and unloads what changed there; change the repository instead"
+        )
 
 
 async def _load_override(request: Request, state: ServerState) -> dict[str, Any] | None:

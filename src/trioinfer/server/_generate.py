@@ -4,12 +4,18 @@ The request is one JSON object: each top-level key names a model input and
 holds its value (a JSON scalar, or a nested list, for a tensor of that
 shape; a value with fewer dimensions than the input gets leading dimensions
 of 1: ``"WAIT": 5`` is ``[5]``), plus an optional ``parameters`` object
-(``priority``, and ``timeout`` in microseconds, as for ``infer``; others are
-accepted and not used). A response is one JSON object: ``model_name``,
-``model_version``, and each output by name: a scalar when it holds one
-element, else a nested list; a ``BYTES`` output as text, and one holding
-bytes that are not UTF-8 is refused (400, or the stream's last event), as a
-plain-JSON ``infer`` response refuses it, never sent altered.
+(``priority``, ``timeout`` in microseconds, and a stateful model's
+``sequence_id``, ``sequence_start`` and ``sequence_end``, all as for
+``infer``; others are accepted and not used). A request naming a sequence runs
+through the model's sequence batcher as an ``infer`` request does, and answers
+with its one response on either route; a decoupled model, never stateful,
+refuses one (400) rather than run it outside any sequence.
+
+A response is one JSON object: ``model_name``, ``model_version``, and each
+output by name: a scalar when it holds one element, else a nested list; a
+``BYTES`` output as text, and one holding bytes that are not UTF-8 is refused
+(400, or the stream's last event), as a plain-JSON ``infer`` response refuses
+it, never sent altered.
 
 ``/generate`` answers with exactly one response (``application/json``): a
 decoupled model that sends none or more than one is an error (400). A model
@@ -37,6 +43,7 @@ from starlette.types import Message, Receive, Scope, Send
 
 from .._exceptions import DeadlineExceeded, InvalidInput, TrioInferError
 from .._request import Outputs
+from .._sequence import SequenceFlags
 from .._tensors import ModelSignature, TensorSpec
 from ._app import (
     ROUTING_KEY_HEADER,
@@ -294,6 +301,15 @@ class GenerateEndpoint:
             loads_json(body, limits, "the generate request"), signature, served.model
         )
         priority, timeout = schedule_parameters(parameters, served)
+        sequence = SequenceFlags.from_parameters(parameters)
+        if sequence is not None and served.info.decoupled:
+            # Streams bypass the sequence batcher (a model is decoupled or stateful, never
+            # both): run, the request would silently belong to no sequence at all.
+            raise InvalidInput(
+                f"model {served.model!r} is decoupled (it streams responses), not stateful, "
+                f"so its requests take no sequence; got sequence_id {sequence.id!r} (send "
+                "sequence_id, sequence_start and sequence_end only to a stateful model)"
+            )
         watch = scope.get("extensions", {}).get("trioinfer.cancel_on_disconnect")
         error: TrioInferError | None = None
         async with contextlib.AsyncExitStack() as stack:
@@ -303,7 +319,9 @@ class GenerateEndpoint:
                 group.start_soon(_watch_disconnect, receive, group.cancel_scope)
                 stack.callback(group.cancel_scope.cancel)
             try:
-                await self._respond(served, signature, inputs, priority, timeout, send, start)
+                await self._respond(
+                    served, signature, inputs, priority, timeout, sequence, send, start
+                )
             except TrioInferError as exc:
                 error = exc  # raised out of a task group it would arrive in an ExceptionGroup
             except anyio.get_cancelled_exc_class():
@@ -320,6 +338,7 @@ class GenerateEndpoint:
         inputs: dict[str, np.ndarray[Any, Any]],
         priority: int,
         timeout_s: float | None,
+        sequence: SequenceFlags | None,
         send: Send,
         start: Any,
     ) -> None:
@@ -328,32 +347,40 @@ class GenerateEndpoint:
         streaming = self._stream
         answered = 0
         streamed = False  # the status and some events have gone out, the body goes on
+        first = b""
+
+        async def answer(outputs: Outputs) -> None:
+            nonlocal answered, streamed, first
+            answered += 1
+            response = encode_generate_response(served, outputs, signature)
+            if not streaming:
+                if answered > 1:
+                    raise InvalidInput(
+                        f"model {served.model!r} sent more than one response; "
+                        "POST .../generate_stream for all of them"
+                    )
+                first = dumps(response)
+                return
+            if answered == 1:
+                await start(200, list(_SSE_HEADERS))
+                streamed = True
+            await send({"type": "http.response.body", "body": _event(response), "more_body": True})
+
         try:
             with anyio.move_on_after(timeout_s if timeout_s is not None else math.inf) as scope:
-                async with engine.infer_stream(
-                    served.engine_name, inputs, priority=priority
-                ) as responses:
-                    async for outputs in responses:
-                        answered += 1
-                        response = encode_generate_response(served, outputs, signature)
-                        if not streaming:
-                            if answered > 1:
-                                raise InvalidInput(
-                                    f"model {served.model!r} sent more than one response; "
-                                    "POST .../generate_stream for all of them"
-                                )
-                            first = dumps(response)
-                            continue
-                        if answered == 1:
-                            await start(200, list(_SSE_HEADERS))
-                            streamed = True
-                        await send(
-                            {
-                                "type": "http.response.body",
-                                "body": _event(response),
-                                "more_body": True,
-                            }
+                if sequence is None:
+                    async with engine.infer_stream(
+                        served.engine_name, inputs, priority=priority
+                    ) as responses:
+                        async for outputs in responses:
+                            await answer(outputs)
+                else:
+                    # A stateful model's request: through its sequence batcher, as infer's.
+                    await answer(
+                        await engine.infer(
+                            served.engine_name, inputs, priority=priority, sequence=sequence
                         )
+                    )
         except anyio.get_cancelled_exc_class():
             if streamed and not state.ready:
                 # Cut at the end of the server's drain: one last event says so, or the

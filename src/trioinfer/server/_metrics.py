@@ -41,6 +41,7 @@ from .._exceptions import (
 )
 from .._runner import BATCH_BUCKETS, DURATION_BUCKETS, Histogram
 from ._errors import NotReady, Unauthorized
+from ._host_metrics import HostMetrics
 
 if TYPE_CHECKING:
     from ._models import ServedModels, ServedVersion
@@ -74,12 +75,17 @@ def outcome_of(error: BaseException) -> str:
 class Metrics:
     """Outcome counters kept by the HTTP layer, and the Prometheus exposition of everything."""
 
-    def __init__(self, models: ServedModels, in_flight: InFlight) -> None:
+    def __init__(
+        self, models: ServedModels, in_flight: InFlight, *, host: HostMetrics | None = None
+    ) -> None:
+        """*host*: the machine's metrics, for a server that reports them (not a worker's)."""
         self._models = models
         self._in_flight = in_flight
         self._outcomes: Counter[tuple[str, str, str]] = Counter()
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(_Collector(self))
+        if host is not None:
+            self.registry.register(host)
 
     def succeeded(self, served: ServedVersion) -> None:
         """Count a request *served* answered."""

@@ -150,6 +150,25 @@ class ServedModels:
     # forgets it (the docs say so).
     _own_configs: dict[str, Mapping[str, Any]] = attrs.field(factory=dict, init=False)
 
+    def __attrs_post_init__(self) -> None:
+        # A served Python model's calls to others name them as clients do: the engine
+        # knows them by version (lowlevel.infer_follow_up).
+        self.engine._follow_up_names = self.engine_name
+
+    def engine_name(self, name: str) -> str:
+        """The engine's name for the version a call from a served model to *name* goes to.
+
+        *name* is a model as clients name it, optionally with ``:<version>``
+        (``"digits"``, ``"digits:2"``): a Python model's ``models.infer`` goes
+        through the traffic split or to the highest version, as a request over
+        HTTP that names no version does.
+
+        Raises:
+            ModelNotFound: The model or that version is not served.
+        """
+        model, _, version = name.partition(":")
+        return self.resolve(model, version or None).engine_name
+
     def resolve(
         self, model: str, version: str | None = None, *, key: str | None = None
     ) -> ServedVersion:

@@ -419,7 +419,8 @@ class ModelEntry:
         data["name"] = self.name
         data["path"] = self._model_file(version)
         try:
-            return ModelConfig.from_dict(data), triton
+            # base: a warm-up sample's file is read from <model>/warmup/, as in Triton.
+            return ModelConfig.from_dict(data, base=self.directory), triton
         except ConfigError as exc:
             raise ConfigError(f"model {self.name!r} version {version}: {exc}") from None
 

@@ -26,9 +26,11 @@ from .._engine import open_engine
 from .._exceptions import ConfigError
 from .._registry import Registry
 from ._app import ServerConfig, ServerState, create_app
+from ._host_metrics import HostMetrics
 from ._http_server import check_bindable, serve_asgi
 from ._metrics import InFlight, Metrics
 from ._models import ServedModels, public_names
+from ._poll import Fingerprint, poll_repository, snapshot
 from ._repository import ModelRepository
 
 if TYPE_CHECKING:
@@ -155,6 +157,10 @@ async def serve_http(
         served = ServedModels(
             engine, repo, worker=None if worker is None else (worker.index, worker.count)
         )
+        # Polled by this process alone (under --workers, by the supervisor), from what
+        # the repository held before its models loaded.
+        polling = config.repository_poll_s if worker is None else 0.0
+        baseline = await anyio.to_thread.run_sync(snapshot, repo) if polling else None
         # A restarted worker loads what the first workers loaded at start, not every
         # model on disk now, each with its last load's override (then takes the
         # changes made since).
@@ -168,7 +174,10 @@ async def serve_http(
             for name in models:
                 await served.load(name, overrides.get(name))
         in_flight = InFlight()
-        state = ServerState(served, config, Metrics(served, in_flight), in_flight, cluster=worker)
+        # The machine's metrics once per server: under --workers, the supervisor's.
+        machine = HostMetrics() if worker is None else None
+        metrics = Metrics(served, in_flight, host=machine)
+        state = ServerState(served, config, metrics, in_flight, cluster=worker)
         app = create_app(state)
         stop = shutdown if shutdown is not None else anyio.Event()
 
@@ -210,9 +219,13 @@ async def serve_http(
             if worker is not None:
                 await worker.report_ready(listening)
             task_status.started(listening)
+            poll = anyio.CancelScope()  # entered by the poll's task
+            if polling:
+                tg.start_soon(_poll_until, poll, repo, polling, served, baseline)
             try:
                 await stop.wait()
             finally:
+                poll.cancel()  # nothing loads or unloads while the server drains
                 state.ready = False
                 log.info(
                     "not ready; draining in-flight requests for up to %.1fs", config.drain_period
@@ -221,6 +234,18 @@ async def serve_http(
             # when it returns, nothing is left to wait for.
         log.info("stopped serving; closing the engine")
         watch_the_close()
+
+
+async def _poll_until(
+    scope: anyio.CancelScope,
+    repo: ModelRepository,
+    interval: float,
+    served: ServedModels,
+    baseline: dict[str, Fingerprint] | None,
+) -> None:
+    # The repository poll, until *scope* (the server's serving) is cancelled.
+    with scope:
+        await poll_repository(repo, interval, served.load, served.unload, baseline=baseline)
 
 
 #: How long closing the engine may take, after serving stopped, before the log says

@@ -215,6 +215,23 @@ _MESSAGES: Final[dict[str, list[tuple[str, int, int, int, str, str]]]] = {
     ],
     "ModelParameter": [("string_value", 1, _S, _ONE, "", "")],
     "ModelResponseCache": [("enable", 1, _B, _ONE, "", "")],
+    "ModelWarmup.Input": [
+        ("data_type", 1, _E, _ONE, "DataType", ""),
+        ("dims", 2, _I64, _MANY, "", ""),
+        ("zero_data", 3, _B, _ONE, "", "input_data_type"),
+        ("random_data", 4, _B, _ONE, "", "input_data_type"),
+        ("input_data_file", 5, _S, _ONE, "", "input_data_type"),
+    ],
+    "ModelWarmup.InputsEntry": [
+        ("key", 1, _S, _ONE, "", ""),
+        ("value", 2, _M, _ONE, "ModelWarmup.Input", ""),
+    ],
+    "ModelWarmup": [
+        ("name", 1, _S, _ONE, "", ""),
+        ("batch_size", 2, _U32, _ONE, "", ""),
+        ("inputs", 3, _M, _MANY, "ModelWarmup.InputsEntry", ""),
+        ("count", 4, _U32, _ONE, "", ""),
+    ],
     "ModelConfig.ParametersEntry": [
         ("key", 1, _S, _ONE, "", ""),
         ("value", 2, _M, _ONE, "ModelParameter", ""),
@@ -232,6 +249,7 @@ _MESSAGES: Final[dict[str, list[tuple[str, int, int, int, str, str]]]] = {
         ("sequence_batching", 13, _M, _ONE, "ModelSequenceBatching", "scheduling_choice"),
         ("parameters", 14, _M, _MANY, "ModelConfig.ParametersEntry", ""),
         ("ensemble_scheduling", 15, _M, _ONE, "ModelEnsembling", "scheduling_choice"),
+        ("model_warmup", 16, _M, _MANY, "ModelWarmup", ""),
         ("backend", 17, _S, _ONE, "", ""),
         ("response_cache", 24, _M, _ONE, "ModelResponseCache", ""),
     ],
@@ -353,6 +371,10 @@ def _own_settings(parameters: Mapping[str, Any], where: str) -> dict[str, Any]:
                 f"it), got {text[:64]!r}"
             ) from None
     return out
+
+
+#: Triton's DataType enum by number.
+_DATA_TYPES: Final = {number: name for name, number in _ENUMS["DataType"]}
 
 
 # Triton's data types as trioinfer's dtype names (V2 names; STRING is BYTES there).
@@ -716,6 +738,8 @@ def _translate(message: Any, doc: dict[str, Any], name: str, where: str) -> Trit
         settings["backend_options"] = options
     if message.HasField("response_cache"):
         settings["response_cache"] = message.response_cache.enable
+    if message.model_warmup:
+        settings["warmup"] = [_warmup(sample, where) for sample in message.model_warmup]
 
     labels: dict[str, str] = {}
     for tensor in message.input:
@@ -1107,6 +1131,33 @@ def _onnxruntime_parameters(options: dict[str, Any], settings: dict[str, Any], w
     mode = options.get("execution_mode")
     if type(mode) is int and mode in (0, 1):
         options["execution_mode"] = ("sequential", "parallel")[mode]
+
+
+def _warmup(sample: Any, where: str) -> dict[str, Any]:
+    # A model_warmup sample as a [[warmup]] table (its file read from <model>/warmup/, as
+    # Triton reads input_data_file). Triton's batch_size and count of 0 mean 1 and once.
+    inputs: dict[str, dict[str, Any]] = {}
+    for name, item in sample.inputs.items():
+        table: dict[str, Any] = {"dims": list(item.dims)}
+        if item.data_type:
+            table["dtype"] = _dtype(_DATA_TYPES[item.data_type])
+        choice = item.WhichOneof("input_data_type")
+        if choice is None:
+            raise ConfigError(
+                f"{where}: model_warmup {sample.name!r}, input {name!r}: set zero_data, "
+                "random_data or input_data_file"
+            )
+        if choice == "input_data_file":
+            table["file"] = item.input_data_file
+        else:
+            table["data"] = "zero" if choice == "zero_data" else "random"
+        inputs[name] = table
+    return {
+        "name": sample.name,
+        "inputs": inputs,
+        "batch_size": sample.batch_size or 1,
+        "count": sample.count or 1,
+    }
 
 
 def _parameter(text: str) -> Any:

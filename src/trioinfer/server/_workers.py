@@ -85,7 +85,10 @@ from prometheus_client.parser import text_string_to_metric_families
 from .. import _exceptions
 from .._exceptions import ConfigError, TrioInferError
 from . import _codec
+from ._host_metrics import HostMetrics
 from ._metrics import Counts, exposition_of, triton_entry
+from ._poll import poll_repository
+from ._poll import snapshot as repository_snapshot
 
 if TYPE_CHECKING:
     from ._app import ServerConfig, ServerState
@@ -342,9 +345,11 @@ class MetricsLedger:
     or when the worker dies), once, and a report replaced first never renders.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, host: HostMetrics | None = None) -> None:
+        """*host*: the machine's metrics, added once to the workers' sums."""
         self._latest = _Latest[Callable[[], bytes]]()
         self._retired = b""
+        self._host = host
 
     def report(
         self, index: int, pid: int, text: bytes | Callable[[], bytes], *, taken: int = 0
@@ -380,8 +385,15 @@ class MetricsLedger:
             )
 
     def merged(self, first: int) -> bytes:
-        """The server's exposition, worker *first*'s families in front."""
-        return merge_expositions([*(text() for text in self._latest.ordered(first)), self._retired])
+        """The server's exposition, worker *first*'s families in front, the machine's last."""
+        merged = merge_expositions(
+            [*(text() for text in self._latest.ordered(first)), self._retired]
+        )
+        if self._host is None:
+            return merged
+        registry = CollectorRegistry(auto_describe=False)
+        registry.register(self._host)
+        return merged + generate_latest(registry)
 
 
 @final
@@ -763,7 +775,7 @@ class _Supervisor:
         self.stop = anyio.Event()
         self.all_ready = anyio.Event()
         self.failure: str | None = None
-        self.metrics = MetricsLedger()
+        self.metrics = MetricsLedger(HostMetrics())
         self.stats = StatsLedger()
 
     # -- workers' lives --
@@ -907,6 +919,18 @@ class _Supervisor:
             worker.failure = message["message"]
             return {"ok": True}
         return {"error": {"type": "TrioInferError", "message": f"unknown control call {op!r}"}}
+
+    async def poll_load(self, model: str) -> None:
+        """Load *model* on every worker, for the repository poll; raises what failed."""
+        reply = await self._change({"op": "load", "model": model, "override": None})
+        if "error" in reply:
+            _raise_error(reply["error"])
+
+    async def poll_unload(self, model: str) -> None:
+        """Unload *model* on every worker, for the repository poll; raises what failed."""
+        reply = await self._change({"op": "unload", "model": model})
+        if "error" in reply:
+            _raise_error(reply["error"])
 
     async def _hello(self, worker: _Worker) -> dict[str, Any]:
         # Under the lock: no change may pass between the replay and membership.
@@ -1175,8 +1199,13 @@ async def serve_workers(
             "drain_period": config.drain_period,
             "cache_size": config.cache_size,
             "trace": list(trace),
+            # Polled by the supervisor; the workers refuse the API's load and unload.
+            "repository_poll_s": config.repository_poll_s,
         },
     }
+    repo = ModelRepository(root)
+    polling = config.repository_poll_s
+    baseline = await anyio.to_thread.run_sync(repository_snapshot, repo) if polling else None
     supervisor = _Supervisor(workers, directory, spec)
     try:
         async with anyio.create_task_group() as tg:
@@ -1201,7 +1230,20 @@ async def serve_workers(
                             first.get("grpc"),
                         )
                     )
-                await supervisor.stop.wait()
+                async with anyio.create_task_group() as serving:
+                    if polling and supervisor.failure is None:
+                        serving.start_soon(
+                            functools.partial(
+                                poll_repository,
+                                repo,
+                                polling,
+                                supervisor.poll_load,
+                                supervisor.poll_unload,
+                                baseline=baseline,
+                            )
+                        )
+                    await supervisor.stop.wait()
+                    serving.cancel_scope.cancel()  # nothing loads or unloads while they drain
                 log.info(
                     "stopping %d workers; each drains for up to %.1fs", workers, config.drain_period
                 )
@@ -1262,6 +1304,7 @@ def _worker_main(argv: list[str]) -> int:
         cache_size=settings["cache_size"],
         tracer_provider=tracing[0] if tracing else None,
         trace_rate=tracing[1] if tracing else 1.0,
+        repository_poll_s=settings["repository_poll_s"],
     )
     directory = Path(spec["directory"])
     link = WorkerLink(

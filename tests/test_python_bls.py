@@ -1,0 +1,253 @@
+"""Python models calling other models while they compute (Triton's BLS): ``models.infer``.
+
+Over the engine (an async model and a plain one on its worker thread, deadlines,
+a caller that leaves, the engine draining) and ``trioinfer serve`` (models named
+as clients name them, versions included).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import anyio
+import httpx
+import numpy as np
+import pytest
+import trio
+import trio.testing
+
+import trioinfer
+from test_server import run_server
+from trioinfer import DeadlineExceeded, ModelConfig, open_engine
+from trioinfer.lowlevel import current_engine
+
+pytestmark = pytest.mark.python_model
+
+XY = {
+    "inputs": [{"name": "x", "dtype": "float32", "shape": ["batch", 4]}],
+    "outputs": [{"name": "y", "dtype": "float32", "shape": ["batch", 4]}],
+}
+X = np.arange(4, dtype=np.float32).reshape(1, 4)
+
+
+class Double:
+    """y = 2 * x, after *delay* seconds (on the event loop)."""
+
+    def __init__(self, delay: float = 0.0) -> None:
+        self.delay = delay
+        self.finished = 0
+
+    async def infer(self, inputs: dict[str, Any]) -> dict[str, Any]:
+        await anyio.sleep(self.delay)
+        Double.finished += 1
+        return {"y": inputs["x"] * 2}
+
+
+Double.finished = 0
+
+
+class AsyncCaller:
+    """y = double(x) + 1, by calling the model named *target*."""
+
+    def __init__(self, models: Any, target: str = "double") -> None:
+        self.models = models
+        self.target = target
+
+    async def infer(self, inputs: dict[str, Any]) -> dict[str, Any]:
+        doubled = await self.models.infer(self.target, {"x": inputs["x"]})
+        return {"y": doubled["y"] + 1}
+
+
+class ThreadCaller:
+    """The same from a plain def infer on the instance's worker thread."""
+
+    def __init__(self, models: Any) -> None:
+        self.models = models
+
+    def infer(self, inputs: dict[str, Any]) -> dict[str, Any]:
+        doubled = self.models.infer_blocking("double", {"x": inputs["x"]})
+        return {"y": doubled["y"] + 1}
+
+
+def python(name: str, cls: type, **options: Any) -> ModelConfig:
+    return ModelConfig(name=name, backend="python", backend_options={"class": cls, **XY, **options})
+
+
+@pytest.mark.parametrize("caller", [AsyncCaller, ThreadCaller])
+async def test_a_model_calls_another_and_the_call_is_an_ordinary_request(caller: type) -> None:
+    async with open_engine() as engine:
+        await engine.load(python("double", Double))
+        await engine.load(python("caller", caller))
+        for _ in range(3):
+            out = await engine.infer("caller", {"x": X})
+            np.testing.assert_array_equal(out["y"], X * 2 + 1)
+        stats = engine.statistics().models
+        assert (stats["caller"].succeeded, stats["double"].succeeded) == (3, 3)
+
+
+async def test_an_inline_plain_model_is_told_to_be_async() -> None:
+    async with open_engine() as engine:
+        await engine.load(python("double", Double))
+        await engine.load(python("caller", ThreadCaller, dispatch="inline"))
+        with pytest.raises(trioinfer.BackendError, match="was called on the event loop's thread"):
+            await engine.infer("caller", {"x": X})
+
+
+class SelfCaller(AsyncCaller):
+    def __init__(self, models: Any) -> None:
+        super().__init__(models, target="self")
+
+
+async def test_a_model_cannot_call_itself_and_errors_come_as_raised() -> None:
+    async with open_engine() as engine:
+        await engine.load(python("self", SelfCaller))
+        with pytest.raises(trioinfer.BackendError, match="model 'self' called itself"):
+            await engine.infer("self", {"x": X})
+        await engine.load(python("lost", AsyncCaller))  # "double" is not loaded
+        # The caller's model is at fault, not its client (no 404 for a model it asked for).
+        with pytest.raises(
+            trioinfer.BackendError, match="model 'lost' called model 'double', which is not served"
+        ):
+            await engine.infer("lost", {"x": X})
+
+
+async def test_the_callers_deadline_bounds_the_call_and_nothing_runs_after_it(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    Double.finished = 0
+    async with open_engine() as engine:
+        await engine.load(python("double", Double, parameters={"delay": 10.0}))
+        await engine.load(python("caller", AsyncCaller))
+        start = trio.current_time()
+        with trio.move_on_after(1.0):
+            await engine.infer("caller", {"x": X})
+        assert trio.current_time() - start == pytest.approx(1.0)
+        await trio.sleep(20)
+        assert Double.finished == 0  # the call was cancelled with its caller
+        stats = engine.statistics().models["double"]
+        assert stats.succeeded == 0
+        assert stats.cancelled + stats.expired == 1
+
+
+class Waiter:
+    """A plain model that calls "double" with whatever deadline its execution has."""
+
+    def __init__(self, models: Any) -> None:
+        self.models = models
+
+    def infer(self, inputs: dict[str, Any]) -> dict[str, Any]:
+        try:
+            return self.models.infer_blocking("double", {"x": inputs["x"]})
+        except DeadlineExceeded as exc:
+            Waiter.said = str(exc)
+            raise
+
+
+Waiter.said = ""
+
+
+async def test_a_threads_call_takes_its_executions_deadline() -> None:
+    async with open_engine() as engine:
+        await engine.load(python("double", Double, parameters={"delay": 30.0}))
+        await engine.load(python("waiter", Waiter))
+        with trio.move_on_after(0.5):
+            await engine.infer("waiter", {"x": X})
+        # The thread's call ended at the deadline, not 30 s later.
+        with trio.fail_after(10):
+            while not Waiter.said:  # noqa: ASYNC110  # the thread reports when it is told
+                await trio.sleep(0.01)
+        assert "did not end before the deadline" in Waiter.said
+
+
+class SlowCaller:
+    """Waits, then calls "double": its call comes while the engine drains."""
+
+    def __init__(self, models: Any) -> None:
+        self.models = models
+
+    async def infer(self, inputs: dict[str, Any]) -> dict[str, Any]:
+        await anyio.sleep(1.0)
+        return await self.models.infer("double", {"x": inputs["x"]})
+
+
+async def test_calls_go_on_while_the_engine_drains(autojump_clock: trio.testing.MockClock) -> None:
+    answers: list[Any] = []
+    async with trio.open_nursery() as callers, open_engine(drain_period=5.0) as engine:
+        await engine.load(python("double", Double))
+        await engine.load(python("slow", SlowCaller))
+
+        async def call() -> None:
+            answers.append(await engine.infer("slow", {"x": X}))
+
+        callers.start_soon(call)
+        await trio.sleep(0.1)  # computing: its call to "double" comes at 1 s
+        # The block was left at 0.1 s: the engine drained, and the call, made while it
+        # did, was admitted as a pipeline's steps are (engine.infer refuses then).
+    assert len(answers) == 1
+    np.testing.assert_array_equal(answers[0]["y"], X * 2)
+
+
+def test_current_engine_is_known_only_where_an_engine_loads() -> None:
+    with pytest.raises(RuntimeError, match="only known in a backend's load"):
+        current_engine()
+
+
+SCALE_PY = """
+class Model:
+    def infer(self, inputs):
+        return {"y": inputs["x"] * FACTOR}
+"""
+CALLER_PY = """
+import numpy as np
+
+
+class Model:
+    def __init__(self, models):
+        self.models = models
+
+    async def infer(self, inputs):
+        latest = await self.models.infer("scale", {"x": inputs["x"]})
+        first = await self.models.infer("scale:1", {"x": inputs["x"]})
+        return {"y": latest["y"] + first["y"]}
+"""
+SCALE_TOML = """
+backend = "python"
+version_policy = "all"
+[backend_options]
+inputs = [{ name = "x", dtype = "float32", shape = ["batch", 4] }]
+outputs = [{ name = "y", dtype = "float32", shape = ["batch", 4] }]
+"""
+
+
+def test_served_models_call_others_by_the_names_clients_use(tmp_path: Path) -> None:
+    repository = tmp_path / "repository"
+    for version, factor in ((1, 2), (2, 3)):
+        (repository / "scale" / str(version)).mkdir(parents=True)
+        (repository / "scale" / str(version) / "model.py").write_text(
+            SCALE_PY.replace("FACTOR", str(factor))
+        )
+    (repository / "scale" / "config.toml").write_text(SCALE_TOML)
+    (repository / "caller" / "1").mkdir(parents=True)
+    (repository / "caller" / "1" / "model.py").write_text(CALLER_PY)
+    (repository / "caller" / "config.toml").write_text(
+        SCALE_TOML.replace('version_policy = "all"\n', "")
+    )
+    body = {"inputs": [{"name": "x", "shape": [1, 4], "datatype": "FP32", "data": [1, 2, 3, 4]}]}
+    with run_server(repository, log=tmp_path / "log") as server:
+        answer = httpx.post(f"{server.url}/v2/models/caller/infer", json=body, timeout=30)
+        assert answer.status_code == 200, answer.text
+        # version 2 (the latest) triples, version 1 doubles: 5x.
+        assert answer.json()["outputs"][0]["data"] == [5.0, 10.0, 15.0, 20.0]
+        stats = httpx.get(f"{server.url}/v2/models/scale/stats", timeout=30).json()
+        counts = {
+            s["version"]: s["inference_stats"]["success"]["count"] for s in stats["model_stats"]
+        }
+        assert counts == {"1": 1, "2": 1}
+
+
+@pytest.mark.parametrize("name", ["models", "device"])
+async def test_parameters_may_not_set_what_the_backend_passes(name: str) -> None:
+    async with open_engine() as engine:
+        with pytest.raises(trioinfer.ConfigError, match=f"sets '{name}', which the backend passes"):
+            await engine.load(python("caller", AsyncCaller, parameters={name: "mine"}))
