@@ -168,21 +168,25 @@ def aio_server() -> Iterator[tuple[str, list[bytes]]]:
         server.add_generic_rpc_handlers((handler,))
         state["port"] = server.add_insecure_port("127.0.0.1:0")
         state["stop"] = asyncio.Event()
+        state["loop"] = asyncio.get_running_loop()
         await server.start()
         ready.set()
         await state["stop"].wait()
         await server.stop(None)
 
-    loop = asyncio.new_event_loop()
-    thread = threading.Thread(target=loop.run_until_complete, args=(main(),), daemon=True)
+    # asyncio.run, not run_until_complete and close: the calls server.stop cancelled are
+    # tasks still pending then, which asyncio.run cancels and waits for. A loop closed
+    # under them left them to the garbage collector, which destroyed them at the end of
+    # the test run ("Task was destroyed but it is pending!", grpc.aio's GeneratorExit).
+    thread = threading.Thread(target=asyncio.run, args=(main(),), daemon=True)
     thread.start()
     assert ready.wait(WAIT_S)
     try:
         yield f"127.0.0.1:{state['port']}", seen
     finally:
-        loop.call_soon_threadsafe(state["stop"].set)
+        state["loop"].call_soon_threadsafe(state["stop"].set)
         thread.join(WAIT_S)
-        loop.close()
+        assert not thread.is_alive(), "the grpc.aio server did not stop"
 
 
 def test_raw_client_speaks_standard_grpc() -> None:

@@ -24,6 +24,7 @@ import sys
 import types
 import uuid
 from collections.abc import Iterator
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -128,7 +129,43 @@ def repository(tmp_path_factory: pytest.TempPathFactory) -> Path:
     shutil.copytree(
         Path(trioinfer.__file__).parent / "examples/repository/repeat_int32", root / "repeat_int32"
     )
+    (root / "rendezvous" / "1").mkdir(parents=True)
+    (root / "rendezvous" / "1" / "model.py").write_text(RENDEZVOUS_PY)
+    (root / "rendezvous" / "config.toml").write_text(RENDEZVOUS_TOML)
     return root
+
+
+#: A decoupled model whose request with ROLE 0 answers only once the request with ROLE 1
+#: and the same KEY has arrived: two such requests on one stream need it to run them
+#: side by side (one after the other, the first waits forever for the second).
+RENDEZVOUS_PY = """
+import anyio
+import numpy as np
+
+ARRIVED = set()
+
+
+class Model:
+    async def infer(self, inputs):
+        key, role = int(inputs["KEY"][0]), int(inputs["ROLE"][0])
+        ARRIVED.add((key, role))
+        if role == 0:
+            with anyio.fail_after(20):  # a bound, so that a stuck test ends
+                while (key, 1) not in ARRIVED:
+                    await anyio.sleep(0.005)
+        yield {"OUT": np.array([role], np.int32)}
+"""
+RENDEZVOUS_TOML = """
+backend = "python"
+
+[backend_options]
+decoupled = true
+inputs = [
+    { name = "KEY", dtype = "int32", shape = [1] },
+    { name = "ROLE", dtype = "int32", shape = [1] },
+]
+outputs = [{ name = "OUT", dtype = "int32", shape = [1] }]
+"""
 
 
 @pytest.fixture(scope="module")
@@ -364,8 +401,9 @@ def test_aio_client(server: Server) -> None:
 
 
 def test_stream_infer(client: triton.InferenceServerClient) -> None:
-    # simple_grpc_stream_infer_client.py: one response per request, in order; an error
-    # answers its request and the stream goes on.
+    # simple_grpc_stream_infer_client.py: one response per request, each with its id (in
+    # the order they finish: the requests run side by side); an error answers its
+    # request and the stream goes on.
     answers: queue.Queue[tuple[Any, Any]] = queue.Queue()
     client.start_stream(callback=lambda result, error: answers.put((result, error)))
     try:
@@ -378,16 +416,15 @@ def test_stream_infer(client: triton.InferenceServerClient) -> None:
         got = [answers.get(timeout=WAIT_S) for _ in range(7)]
     finally:
         client.stop_stream()
-    for i, (result, error) in enumerate(got):
-        if i in (3, 6):
-            assert result is None
-            assert isinstance(error, InferenceServerException)
-        else:
-            assert error is None, error
-            assert result.get_response().id == str(i)
-            np.testing.assert_array_equal(result.as_numpy("sum"), a + b)
-    assert "no_such_model" in got[6][1].message()
-    assert "'a'" in got[3][1].message() or "input" in got[3][1].message()
+    answered = {result.get_response().id: result for result, error in got if error is None}
+    assert sorted(answered) == ["0", "1", "2", "4", "5"]
+    for result in answered.values():
+        np.testing.assert_array_equal(result.as_numpy("sum"), a + b)
+    # tritonclient's callback gets an error without the response (whose id says which).
+    messages = sorted(error.message() for result, error in got if error is not None)
+    assert len(messages) == 2
+    assert any("no_such_model" in m for m in messages), messages
+    assert any("'a'" in m or "input" in m for m in messages if "no_such_model" not in m)
 
 
 def repeat_inputs(values: list[int], delay_ms: int = 0) -> list[triton.InferInput]:
@@ -474,12 +511,12 @@ def test_a_requests_own_timeout_on_a_stream_with_a_deadline_ends_that_request_on
             )
             inputs, a, b = simple_inputs()
             c.async_stream_infer("simple", inputs, request_id="after")
-            result, error = answers.get(timeout=WAIT_S)
-            assert result is None
+            # Either may answer first: the requests run side by side.
+            got = [answers.get(timeout=WAIT_S) for _ in range(2)]
+            [error] = [error for _, error in got if error is not None]
             assert isinstance(error, InferenceServerException)
             assert "timeout" in error.message()
-            result, error = answers.get(timeout=WAIT_S)
-            assert error is None, error
+            [result] = [result for result, error in got if error is None]
             assert result.get_response().id == "after"
             np.testing.assert_array_equal(result.as_numpy("sum"), a + b)
         finally:
@@ -562,6 +599,7 @@ def test_model_control_and_token(client: triton.InferenceServerClient) -> None:
     index = client.get_model_repository_index()
     assert sorted(m.name for m in index.models) == [
         "add",
+        "rendezvous",
         "repeat_int32",
         "simple",
         "simple_sequence",
@@ -845,6 +883,128 @@ def test_simple_grpc_sequence_stream_infer_client(server: Server) -> None:
         assert got[sequence_id] == list(np.cumsum(sent))
 
 
+def rendezvous_inputs(key: int, role: int) -> list[triton.InferInput]:
+    inputs = []
+    for name, value in (("KEY", key), ("ROLE", role)):
+        inputs.append(triton.InferInput(name, [1], "INT32"))
+        inputs[-1].set_data_from_numpy(np.array([value], dtype=np.int32))
+    return inputs
+
+
+@pytest.mark.streaming
+def test_a_stream_runs_its_requests_side_by_side(server: Server) -> None:
+    # As Triton's: each request runs as it arrives, not after the one before ended. The
+    # first request answers only once the second has arrived at the model: one at a
+    # time, the stream deadlocked (until the model's own bound failed the first).
+    answers: queue.Queue[tuple[Any, Any]] = queue.Queue()
+    with triton.InferenceServerClient(server.grpc) as c:
+        c.start_stream(callback=lambda result, error: answers.put((result, error)))
+        try:
+            c.async_stream_infer("rendezvous", rendezvous_inputs(1, 0), request_id="first")
+            c.async_stream_infer("rendezvous", rendezvous_inputs(1, 1), request_id="second")
+            got = [answers.get(timeout=WAIT_S) for _ in range(2)]
+        finally:
+            c.stop_stream()
+    assert [error for _, error in got] == [None, None]
+    # Each response carries its request's id; the second request answered first.
+    ids = [result.get_response().id for result, _ in got]
+    assert ids == ["second", "first"]
+    assert [int(result.as_numpy("OUT")[0]) for result, _ in got] == [1, 0]
+
+
+@pytest.mark.streaming
+def test_many_requests_in_flight_on_one_stream(server: Server) -> None:
+    # tritonclient's stream with many requests in flight (perf_analyzer --streaming):
+    # every one answered once, with its id, a decoupled model's responses in order.
+    answers: queue.Queue[tuple[Any, Any]] = queue.Queue()
+    inputs, a, b = simple_inputs()
+    with triton.InferenceServerClient(server.grpc) as c:
+        c.start_stream(callback=lambda result, error: answers.put((result, error)))
+        try:
+            for i in range(40):
+                if i % 4 == 0:
+                    c.async_stream_infer(
+                        "repeat_int32", repeat_inputs([i, i + 1, i + 2]), request_id=f"r{i}"
+                    )
+                else:
+                    c.async_stream_infer("simple", inputs, request_id=f"s{i}")
+            got = [answers.get(timeout=WAIT_S) for _ in range(30 + 10 * 3)]
+        finally:
+            c.stop_stream()
+    assert [error for _, error in got if error is not None] == []
+    simple = [r.get_response().id for r, _ in got if r.get_response().id.startswith("s")]
+    assert sorted(simple) == sorted(f"s{i}" for i in range(40) if i % 4)
+    for result, _ in got:
+        if result.get_response().id.startswith("s"):
+            np.testing.assert_array_equal(result.as_numpy("sum"), a + b)
+    repeats: dict[str, list[int]] = {}
+    for result, _ in got:
+        response = result.get_response()
+        if response.id.startswith("r"):
+            repeats.setdefault(response.id, []).append(int(result.as_numpy("OUT")[0]))
+    assert repeats == {f"r{i}": [i, i + 1, i + 2] for i in range(0, 40, 4)}
+
+
+@pytest.mark.sequence
+def test_a_streams_sequences_keep_their_order_under_concurrency(server: Server) -> None:
+    # Every request of three sequences sent at once, interleaved with plain ones: each
+    # sequence's requests reach the model in the order they were sent (the accumulator's
+    # running sums say so; a start overtaken by its next request would be refused).
+    answers: queue.Queue[tuple[Any, Any]] = queue.Queue()
+    steps = 16
+    sent = {3001 + k: [k * 100, *range(1, steps)] for k in range(3)}
+    inputs, _a, _b = simple_inputs()
+    with triton.InferenceServerClient(server.grpc) as c:
+        c.start_stream(callback=lambda result, error: answers.put((result, error)))
+        try:
+            for step in range(steps):
+                for sequence_id, values in sent.items():
+                    c.async_stream_infer(
+                        "simple_sequence",
+                        sequence_input(values[step]),
+                        request_id=f"{sequence_id}_{step}",
+                        outputs=[triton.InferRequestedOutput("OUTPUT")],
+                        sequence_id=sequence_id,
+                        sequence_start=step == 0,
+                        sequence_end=step == steps - 1,
+                    )
+                c.async_stream_infer("simple", inputs, request_id=f"plain_{step}")
+            got = [answers.get(timeout=WAIT_S) for _ in range(4 * steps)]
+        finally:
+            c.stop_stream()
+    assert [error for _, error in got if error is not None] == []
+    sums: dict[int, list[tuple[int, int]]] = {k: [] for k in sent}
+    for result, _ in got:
+        head, step = result.get_response().id.split("_")
+        if head != "plain":
+            sums[int(head)].append((int(step), int(result.as_numpy("OUTPUT")[0][0])))
+    for sequence_id, values in sent.items():
+        # Answered in order too: each waited for the one before it.
+        assert sums[sequence_id] == list(enumerate(np.cumsum(values).tolist())), sequence_id
+
+
+def stream_call(server: Server, requests: list[Any], **kwargs: Any) -> list[Any]:
+    """ModelStreamInfer through grpcio's own stub: every response message, as sent."""
+    with grpc.insecure_channel(server.grpc) as channel:
+        stub = service_pb2_grpc.GRPCInferenceServiceStub(channel)
+        return list(stub.ModelStreamInfer(iter(requests), timeout=WAIT_S, **kwargs))
+
+
+def test_a_failed_stream_request_answers_with_its_id(server: Server) -> None:
+    # As Triton's stream handler: the error_message, and an infer_response holding only the
+    # request's id "so that client knows which request failed".
+    good = valid_request()
+    good.id = "good"
+    unknown = service_pb2.ModelInferRequest(model_name="no_such_model", id="lost")
+    answers = stream_call(server, [unknown, good])
+    by_id = {a.infer_response.id: a for a in answers}
+    assert set(by_id) == {"lost", "good"}
+    assert "no_such_model" in by_id["lost"].error_message
+    assert by_id["lost"].HasField("infer_response")
+    assert by_id["lost"].infer_response == service_pb2.ModelInferResponse(id="lost")
+    assert by_id["good"].error_message == ""
+
+
 # -- deadlines and cancellation --------------------------------------------------------
 
 
@@ -857,6 +1017,12 @@ def slow_state(server: Server) -> tuple[int, int, int]:
     )
 
 
+def expired_count(server: Server) -> int:
+    labels = {"model": "slow", "version": "1"}
+    name = "trioinfer_inference_requests_total"
+    return int(metric(server, name, outcome="deadline_exceeded", **labels))
+
+
 def test_deadline_and_cancel_withdraw_requests(
     client: triton.InferenceServerClient, server: Server
 ) -> None:
@@ -865,6 +1031,7 @@ def test_deadline_and_cancel_withdraw_requests(
 
 def check_deadline_and_cancel(client: triton.InferenceServerClient, server: Server) -> None:
     pending0, executions0, cancelled0 = slow_state(server)
+    expired0 = expired_count(server)
     assert pending0 == 0
     stats0 = client.get_inference_statistics("slow", "1").model_stats[0]
     blocker: queue.Queue[tuple[Any, Any]] = queue.Queue()
@@ -886,7 +1053,10 @@ def check_deadline_and_cancel(client: triton.InferenceServerClient, server: Serv
     wait_until(lambda: slow_state(server)[0] == 0, "the cancelled blocker is withdrawn")
     _pending, executions, cancelled = slow_state(server)
     assert executions == executions0 + 1
-    assert cancelled - cancelled0 == 2
+    # The cancelled blocker; the late request is counted as expired, as HTTP counts a
+    # request whose timeout passed (test_a_passed_deadline_counts_alike_over_http_and_grpc).
+    assert cancelled - cancelled0 == 1
+    assert expired_count(server) - expired0 == 1
     # Triton's execution_count and inference_count count what answered: nothing did.
     stats = client.get_inference_statistics("slow", "1").model_stats[0]
     assert stats.execution_count == stats0.execution_count
@@ -949,6 +1119,109 @@ def test_the_server_keeps_the_clients_deadline(
         call.cancel()
         blocker.get(timeout=WAIT_S)
     wait_until(lambda: slow_state(server)[0] == 0, "nothing is left pending")
+
+
+def test_a_passed_deadline_counts_alike_over_http_and_grpc(
+    client: triton.InferenceServerClient, server: Server
+) -> None:
+    # An HTTP request whose timeout passes, a gRPC call whose deadline passes (grpcio
+    # resets its stream then; a bare client does not), a gRPC request whose timeout
+    # parameter passes: each is one deadline_exceeded, none cancelled, and Triton's
+    # statistics count them alike. The gRPC deadline was counted as a client leaving.
+    def counts() -> tuple[int, int, int]:
+        stats = client.get_inference_statistics("slow", "1").model_stats[0]
+        return expired_count(server), slow_state(server)[2], stats.inference_stats.fail.count
+
+    body = {
+        "inputs": [{"name": "x", "shape": [1, SLOW_WIDTH], "datatype": "FP32",
+                    "data": [1.0] * SLOW_WIDTH}],
+        "parameters": {"timeout": 100_000},
+    }  # fmt: skip
+    request = service_pb2.ModelInferRequest(model_name="slow")
+    request.inputs.add(name="x", datatype="FP32", shape=[1, SLOW_WIDTH])
+    request.raw_input_contents.append(np.ones((1, SLOW_WIDTH), dtype=np.float32).tobytes())
+
+    def over_http() -> None:
+        response = httpx.post(f"{server.url}/v2/models/slow/infer", json=body, timeout=WAIT_S)
+        assert response.status_code == 504, response.text
+
+    def over_grpcio() -> None:
+        with pytest.raises(InferenceServerException) as late:
+            client.infer("slow", slow_input(1), client_timeout=0.1)
+        assert late.value.status() == "StatusCode.DEADLINE_EXCEEDED"
+
+    def over_bare_h2() -> None:
+        path = b"/inference.GRPCInferenceService/ModelInfer"
+        answer = raw_h2_call(
+            server.grpc, path, request.SerializeToString(), (b"grpc-timeout", b"100m")
+        )
+        assert answer.get(b"grpc-status") == b"%d" % grpc.StatusCode.DEADLINE_EXCEEDED.value[0]
+
+    def timeout_parameter() -> None:
+        with pytest.raises(InferenceServerException) as late:
+            client.infer("slow", slow_input(1), timeout=100_000)
+        assert late.value.status() == "StatusCode.DEADLINE_EXCEEDED"
+
+    def answered(answers: queue.Queue[tuple[Any, Any]], result: Any, error: Any) -> None:
+        answers.put((result, error))
+
+    def blocking(answers: queue.Queue[tuple[Any, Any]]) -> bool:
+        return slow_state(server)[0] == 1 or not answers.empty()
+
+    deltas = {}
+    for way in (over_http, over_grpcio, over_bare_h2, timeout_parameter):
+        # Behind a blocker of its own, so that it waits in the queue until its end.
+        blocker: queue.Queue[tuple[Any, Any]] = queue.Queue()
+        call = client.async_infer("slow", slow_input(BLOCKER_ROWS), partial(answered, blocker))
+        try:
+            wait_until(partial(blocking, blocker), "the blocker is accepted")
+            assert blocker.empty(), str(blocker.get()[1])
+            before = counts()
+            way()
+            assert blocker.empty(), "the blocker ran all along"
+        finally:
+            call.cancel()
+            blocker.get(timeout=WAIT_S)
+        wait_until(lambda: slow_state(server)[0] == 0, "nothing is left pending")
+        # Less the cancelled blocker.
+        after = counts()
+        deltas[way.__name__] = (
+            after[0] - before[0],
+            after[1] - before[1] - 1,
+            after[2] - before[2],
+        )
+    first = deltas["over_http"]
+    assert first[:2] == (1, 0), deltas
+    assert all(delta == first for delta in deltas.values()), deltas
+
+
+def test_requests_in_flight_are_counted_by_protocol(
+    client: triton.InferenceServerClient, server: Server
+) -> None:
+    # trioinfer_inference_in_flight{protocol}: a gRPC request is "grpc", never "http"
+    # (trioinfer_http_inference_in_flight, the old name, counts both, as documented).
+    def in_flight() -> tuple[int, int, int]:
+        name = "trioinfer_inference_in_flight"
+        return (
+            int(metric(server, name, protocol="http")),
+            int(metric(server, name, protocol="grpc")),
+            int(metric(server, "trioinfer_http_inference_in_flight")),
+        )
+
+    # The scrape that reads them is an HTTP request, but not an inference one.
+    assert in_flight() == (0, 0, 0)
+    blocker: queue.Queue[tuple[Any, Any]] = queue.Queue()
+    call = client.async_infer(
+        "slow", slow_input(BLOCKER_ROWS), lambda result, error: blocker.put((result, error))
+    )
+    try:
+        wait_until(lambda: in_flight() != (0, 0, 0) or not blocker.empty(), "blocker counted")
+        assert blocker.empty(), str(blocker.get()[1])
+        assert in_flight() == (0, 1, 1)
+    finally:
+        call.cancel()
+        blocker.get(timeout=WAIT_S)
+    wait_until(lambda: in_flight() == (0, 0, 0), "nothing in flight")
 
 
 def test_timeout_parameter_is_the_triton_timeout(client: triton.InferenceServerClient) -> None:

@@ -1684,6 +1684,7 @@ def test_metrics(http: httpx.Client) -> None:
     types = {
         "trioinfer_inference_requests": "counter",
         "trioinfer_http_inference_in_flight": "gauge",
+        "trioinfer_inference_in_flight": "gauge",
         "trioinfer_inference_executions": "counter",
         "trioinfer_inference_executions_succeeded": "counter",
         "trioinfer_inferences": "counter",

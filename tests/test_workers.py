@@ -670,7 +670,12 @@ def test_an_unload_keeps_the_dead_workers_request_counts_as_one_server_does() ->
     # m unloaded: worker 0 reports its requests of m still (as one server's /metrics
     # shows them), and no more statistics of it.
     ledger.forget("m")
-    unloaded: Counts = {"outcomes": [["m", "1", "success", 2]], "in_flight": 0, "versions": []}
+    unloaded: Counts = {
+        "outcomes": [["m", "1", "success", 2]],
+        "in_flight": 0,
+        "in_flight_protocols": {"http": 0, "grpc": 0},
+        "versions": [],
+    }
     ledger.report(0, 101, exposition_of(unloaded), taken=9)
     merged = ledger.merged(0)
     assert _value(merged, "trioinfer_inference_requests_total", **labels) == 7
@@ -841,6 +846,7 @@ def _counts(
     counts: Counts = {
         "outcomes": [[v["model"], v["version"], "success", v["succeeded"]] for v in versions],
         "in_flight": 0,
+        "in_flight_protocols": {"http": 0, "grpc": 0},
         "versions": versions,
     }
     return {"pid": pid, "taken": taken, "requests": requests, "counts": counts}

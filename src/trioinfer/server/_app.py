@@ -1510,7 +1510,7 @@ class _InferEndpoint:
         headers = _Headers(scope["headers"])
         params = scope["path_params"]
         model = params["model"]
-        state.in_flight.value += 1
+        state.in_flight.http += 1
         picked: list[ServedVersion] = []  # the version it went to, once picked
         try:
             try:
@@ -1548,7 +1548,7 @@ class _InferEndpoint:
             )
             await send({"type": "http.response.body", "body": body})
         finally:
-            state.in_flight.value -= 1
+            state.in_flight.http -= 1
 
     async def _infer(
         self,

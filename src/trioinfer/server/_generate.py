@@ -245,7 +245,7 @@ class GenerateEndpoint:
             started = True
             await send({"type": "http.response.start", "status": status, "headers": headers})
 
-        state.in_flight.value += 1
+        state.in_flight.http += 1
         picked: list[ServedVersion] = []  # the version it went to, once picked
         try:
             try:
@@ -270,7 +270,7 @@ class GenerateEndpoint:
                 await start(status_for(exc), [(b"content-length", str(len(body)).encode()), *extra])
                 await send({"type": "http.response.body", "body": body})
         finally:
-            state.in_flight.value -= 1
+            state.in_flight.http -= 1
 
     async def _serve(
         self,

@@ -12,7 +12,9 @@ running each call (on Trio a task runs a connection's calls one after
 another), so a call's handler runs the request directly, under a cancel
 scope whose deadline is the client's (``grpc-timeout``); a client that
 cancels (RST_STREAM) or goes away cancels the call's scope, and with it the
-request in the engine. grpc.aio (on a loop in a thread, bridged to Trio) and
+request in the engine. A ``ModelStreamInfer`` call runs its requests side by
+side, each in a task of the call's own, as Triton's stream does
+(`_Service.ModelStreamInfer`). grpc.aio (on a loop in a thread, bridged to Trio) and
 grpcio's threaded server were served before and cost two to three times as
 much server CPU per call, and python-hyper's ``h2`` after them twice as much
 (docs/reference/server.md, benchmarks/RESULTS.md).
@@ -81,6 +83,7 @@ from ._codec import (
 )
 from ._errors import NotReady, Unauthorized
 from ._grpc_h2 import GrpcCall, GrpcError, GrpcServer, Method
+from ._http2 import ProtocolError
 from ._models import ServedVersion
 
 log = logging.getLogger("trioinfer.server")
@@ -123,6 +126,17 @@ class _ClientGone(TrioInferError):
 
 class _CallExpired(DeadlineExceeded):
     """The call's own deadline (``grpc-timeout``) passed, not a request's ``timeout``."""
+
+
+#: How long before its deadline a call that ends is taken to have ended by it. grpcio
+#: resets its stream when its own deadline passes, which it counted from before the
+#: request left: the reset may come a little before the deadline as the server counts it.
+_DEADLINE_SLACK_S: Final = 0.05
+
+
+def _deadline_passed(expires: float | None) -> bool:
+    """Whether a call's deadline (`GrpcCall.expires`) passed, or all but (`_DEADLINE_SLACK_S`)."""
+    return expires is not None and time.monotonic() >= expires - _DEADLINE_SLACK_S
 
 
 # -- the service ------------------------------------------------------------------------
@@ -454,7 +468,9 @@ class _Service:
             # would do, without their two coroutine frames on every resume.
             answer = await self._infer_in_loop(message, parts, metadata)
         else:
-            answer = await self._run(call, self._traced_infer, message, parts, metadata)
+            answer = await self._run(
+                call, self._traced_infer, message, parts, metadata, None, call.expires
+            )
         assert answer is not None  # without an emit nothing is streamed
         return answer
 
@@ -468,17 +484,18 @@ class _Service:
         parts: dict[str, Any] | _Planned,
         metadata: Mapping[str, str],
         emit: Callable[[Any], Awaitable[None]] | None = None,
+        expires: float | None = None,
     ) -> tuple[Any, ...] | None:
         # In a server span parented by the call's traceparent metadata, when tracing is on.
         tracing = self._state.models.engine._tracing
         if tracing is None:
-            return await self._infer_in_loop(message, parts, metadata, emit)
+            return await self._infer_in_loop(message, parts, metadata, emit, expires)
         return await tracing.serve_grpc(
             "ModelInfer" if emit is None else "ModelStreamInfer",
             metadata,
             message.model_name,
             message.model_version or None,
-            lambda: self._infer_in_loop(message, parts, metadata, emit),
+            lambda: self._infer_in_loop(message, parts, metadata, emit, expires),
         )
 
     async def _infer_in_loop(
@@ -487,12 +504,18 @@ class _Service:
         parts: dict[str, Any] | _Planned,
         metadata: Mapping[str, str],
         emit: Callable[[Any], Awaitable[None]] | None = None,
+        expires: float | None = None,
     ) -> tuple[Any, ...] | None:
-        """Answer one request; a decoupled model's responses go to *emit* (a stream), then None."""
+        """Answer one request; a decoupled model's responses go to *emit* (a stream), then None.
+
+        *expires* is the call's deadline (`GrpcCall.expires`): a request
+        cancelled once it passed is counted as expired, as an HTTP request
+        whose timeout passed is, not as one whose client left.
+        """
         state = self._state
         model, version = message.model_name, message.model_version or None
         picked: ServedVersion | None = None  # the version it went to, once picked
-        state.in_flight.value += 1
+        state.in_flight.grpc += 1
         try:
             if not state.ready:
                 raise NotReady("the server is shutting down and takes no new requests")
@@ -521,7 +544,10 @@ class _Service:
                     else:
                         result = await infer_in_time(state, served, request, priority, timeout)
                 except anyio.get_cancelled_exc_class():
-                    state.metrics.cancelled(served)
+                    if _deadline_passed(expires):
+                        state.metrics.expired(served)
+                    else:
+                        state.metrics.cancelled(served)
                     raise
                 if result is not None:
                     # Views of the outputs' arrays: copied once, into the answer's bytes
@@ -537,7 +563,7 @@ class _Service:
             state.metrics.count(model, version, exc, picked)
             raise
         finally:
-            state.in_flight.value -= 1
+            state.in_flight.grpc -= 1
         state.models.mark_inference(served)
         state.metrics.succeeded(served)
         if result is None:
@@ -551,28 +577,86 @@ class _Service:
         call: GrpcCall,
         send: Callable[[bytes], Awaitable[None]],
     ) -> None:
-        """Each request's responses, in order: one, or a decoupled model's stream of them.
+        """Each request run as it arrives, beside the stream's others, as Triton's stream does.
 
-        A failed request answers with its error_message and the stream goes on.
+        The requests are read in order and each starts in a task of the call's
+        own as soon as it is read; responses go back as they are ready (each
+        carries its request's id), so one stream may answer out of order.
+        At most `STREAM_CONCURRENCY` of a stream's requests run at once: past
+        it no further request is read until one ends, and HTTP/2 flow control
+        holds the client. Requests naming one sequence (``sequence_id``) of a
+        model run one after another, in the order they came, since a sequence
+        batcher takes them in order of arrival. A decoupled model's responses
+        to one request go in their order. A failed request answers with its
+        error_message (and its id, as Triton's) and the stream goes on; the
+        client going away or the call's deadline cancels every request in
+        flight, while a request's own ``timeout`` ends that request only.
         """
         metadata = _metadata(call)
-        async for raw in requests:
-            try:
-                request = _parse(pb.ModelInferRequest, raw)
-                await self._stream_request(request, metadata, call, send)
-            except _ClientGone:
-                return
-            except Exception as exc:  # the stream goes on; this request's error goes back
-                if isinstance(exc, TrioInferError):
-                    text = self._state.models.public_message(exc)
-                else:
-                    log.exception("gRPC stream request failed", exc_info=exc)
-                    text = f"internal error: {type(exc).__name__}"
-                await send(pb.ModelStreamInferResponse(error_message=text).SerializeToString())
-                if isinstance(exc, _CallExpired):
-                    # The stream's own deadline passed: nothing more can run. (A request's
-                    # own timeout parameter is that request's error: the stream goes on.)
-                    return
+        stream = _StreamState(send)
+        try:
+            async with anyio.create_task_group() as group:
+                async for raw in requests:
+                    await stream.slots.acquire()
+                    try:
+                        request = _parse(pb.ModelInferRequest, raw)
+                    except RequestError as exc:
+                        stream.slots.release()
+                        await stream.send(self._stream_error(exc, ""))
+                        continue
+                    key = _sequence_key(request)
+                    after = stream.tails.get(key) if key is not None else None
+                    done = None
+                    if key is not None:
+                        stream.tails[key] = done = anyio.Event()
+                    group.start_soon(
+                        self._stream_one, request, metadata, call, stream, key, after, done
+                    )
+        except* ProtocolError as failed:
+            # The stream or connection closed under an answer: the transport's own end.
+            raise failed.exceptions[0] from None
+
+    async def _stream_one(
+        self,
+        request: Any,
+        metadata: Mapping[str, str],
+        call: GrpcCall,
+        stream: _StreamState,
+        key: tuple[str, int | str] | None,
+        after: anyio.Event | None,
+        done: anyio.Event | None,
+    ) -> None:
+        # One request of a stream, in its own task of the call's task group.
+        try:
+            if after is not None:
+                await after.wait()  # the sequence's previous request, ended
+            await self._stream_request(request, metadata, call, stream.send)
+        except Exception as exc:  # the stream goes on; this request's error goes back
+            if not isinstance(exc, TrioInferError):
+                log.exception("gRPC stream request failed", exc_info=exc)
+            await stream.send(self._stream_error(exc, request.id))
+        finally:
+            stream.slots.release()
+            if done is not None:
+                done.set()
+                if key is not None and stream.tails.get(key) is done:  # the sequence's last
+                    del stream.tails[key]
+
+    def _stream_error(self, error: BaseException, request_id: str) -> bytes:
+        """A failed stream request's response: its error_message, and its id, as Triton's.
+
+        Triton's stream handler clears the response and sets the request's id
+        on it ("so that client knows which request failed"): with requests in
+        flight side by side, the id is how a client tells which one failed.
+        """
+        if isinstance(error, TrioInferError):
+            text = self._state.models.public_message(error)
+        else:
+            text = f"internal error: {type(error).__name__}"
+        data: bytes = pb.ModelStreamInferResponse(
+            error_message=text, infer_response=pb.ModelInferResponse(id=request_id)
+        ).SerializeToString()
+        return data
 
     async def _stream_request(
         self,
@@ -592,7 +676,9 @@ class _Service:
             return data
 
         parts = _infer_parts(request)
-        result = await self._run(call, self._traced_infer, request, parts, metadata, emit)
+        # No scope of its own for the call's deadline: the call's task group is under
+        # it already (`_grpc_h2`), and its passing ends the whole stream.
+        result = await self._traced_infer(request, parts, metadata, emit, call.expires)
         if result is not None:
             response = _infer_response(*result)
             asked = request.parameters.get("triton_enable_empty_final_response")
@@ -602,6 +688,56 @@ class _Service:
                 # forever for an empty final response that never comes.
                 response.parameters["triton_final_response"].bool_param = True
             await send(wrap(response))
+
+
+#: The most requests of one ModelStreamInfer call that run at once: as many as one
+#: connection runs calls (`_grpc_h2`'s ``max_streams``), so that a stream holds no more
+#: than the same client could with unary calls. Past it the stream reads no further
+#: request until one ends, and HTTP/2 flow control then holds the client.
+STREAM_CONCURRENCY: Final = 1024
+
+
+@final
+class _StreamState:
+    """A ModelStreamInfer call's shared parts: one writer at a time, its slots, its sequences."""
+
+    __slots__ = ("_lock", "_send", "slots", "tails")
+
+    def __init__(self, send: Callable[[bytes], Awaitable[None]]) -> None:
+        self._send = send
+        # A response larger than the client's window goes out in pieces, with waits
+        # between them: two of them at once would interleave their bytes.
+        self._lock = anyio.Lock()
+        self.slots = anyio.Semaphore(STREAM_CONCURRENCY)
+        #: Each sequence's (model, sequence_id) last request read: set when it ended.
+        self.tails: dict[tuple[str, int | str], anyio.Event] = {}
+
+    async def send(self, data: bytes) -> None:
+        """Send one message, never beside another's bytes."""
+        lock = self._lock
+        try:
+            lock.acquire_nowait()  # the usual case: no checkpoint when nobody is sending
+        except anyio.WouldBlock:
+            await lock.acquire()
+        try:
+            await self._send(data)
+        finally:
+            lock.release()
+
+
+def _sequence_key(request: Any) -> tuple[str, int | str] | None:
+    """The (model, sequence_id) a request belongs to, or None outside a sequence.
+
+    0 and "" name no sequence (Triton reserves them); an id of another type
+    gets none: its request fails where the parameters are checked.
+    """
+    value = request.parameters.get("sequence_id")
+    if value is None:
+        return None
+    sequence_id = _parameter(value)
+    if not sequence_id or not isinstance(sequence_id, int | str):
+        return None
+    return request.model_name, sequence_id
 
 
 async def _stream(

@@ -95,6 +95,15 @@ class Metrics:
         """Count a request whose client disconnected before its answer."""
         self._outcomes[served.model, str(served.version), "cancelled"] += 1
 
+    def expired(self, served: ServedVersion) -> None:
+        """Count a request cancelled because its client's deadline passed (gRPC's ``grpc-timeout``).
+
+        The outcome of a request whose own ``timeout`` passed, over HTTP or
+        gRPC (`outcome_of` a `DeadlineExceeded`): both are deadlines passing,
+        not clients leaving.
+        """
+        self._outcomes[served.model, str(served.version), "deadline_exceeded"] += 1
+
     def count(
         self,
         model: str,
@@ -145,6 +154,7 @@ class Metrics:
         return {
             "outcomes": [[*key, n] for key, n in sorted(self._outcomes.items())],
             "in_flight": self._in_flight.value,
+            "in_flight_protocols": {"http": self._in_flight.http, "grpc": self._in_flight.grpc},
             "versions": self.version_counts(self._models.all()),
         }
 
@@ -228,7 +238,10 @@ class Counts(TypedDict):
 
     #: [model, version, outcome, requests], sorted.
     outcomes: list[list[Any]]
+    #: Every protocol's requests in flight (``trioinfer_http_inference_in_flight``).
     in_flight: int
+    #: Requests in flight by protocol (``http``, ``grpc``).
+    in_flight_protocols: dict[str, int]
     versions: list[VersionCounts]
 
 
@@ -302,9 +315,18 @@ def _families(counts: Counts) -> Iterator[Metric]:
     for model, version, outcome, n in counts["outcomes"]:
         requests.add_metric([model, version, outcome], n)
     yield requests
+    by_protocol = GaugeMetricFamily(
+        "trioinfer_inference_in_flight",
+        "Inference requests the server is handling now, by protocol (http, grpc).",
+        labels=["protocol"],
+    )
+    for protocol, n in counts["in_flight_protocols"].items():
+        by_protocol.add_metric([protocol], n)
+    yield by_protocol
     yield GaugeMetricFamily(
         "trioinfer_http_inference_in_flight",
-        "Inference requests the server is handling now, over HTTP and gRPC.",
+        "Inference requests the server is handling now, over HTTP and gRPC together "
+        "(an older name, kept: trioinfer_inference_in_flight has them by protocol).",
         value=counts["in_flight"],
     )
     executions = CounterMetricFamily(
@@ -442,12 +464,22 @@ def _families(counts: Counts) -> Iterator[Metric]:
 
 @final
 class InFlight:
-    """A counter the HTTP layer updates, read by the metrics at scrape time."""
+    """Inference requests being handled now, by protocol: the server's layers count them.
 
-    __slots__ = ("value",)
+    Read by the metrics at scrape time. The HTTP routes (infer, generate)
+    count theirs in ``http``, the gRPC service in ``grpc``.
+    """
+
+    __slots__ = ("grpc", "http")
 
     def __init__(self) -> None:
-        self.value = 0
+        self.http = 0
+        self.grpc = 0
+
+    @property
+    def value(self) -> int:
+        """Every protocol's together."""
+        return self.http + self.grpc
 
 
 def _buckets(bounds: Sequence[float], counts: Sequence[int], count: int) -> list[tuple[str, float]]:
