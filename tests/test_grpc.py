@@ -488,6 +488,12 @@ def test_simple_grpc_custom_repeat(server: Server) -> None:
         result, error = answers.get(timeout=WAIT_S)
         assert error is None, error
         assert result.get_response().id == "after"
+        # A decoupled model is never stateful: sequence parameters are refused, as over
+        # HTTP generate, not ignored (the request would belong to no sequence).
+        c.async_stream_infer("repeat_int32", repeat_inputs([1]), request_id="q", sequence_id=5)
+        result, error = answers.get(timeout=WAIT_S)
+        assert result is None
+        assert "is decoupled (it streams responses), not stateful" in str(error)
         c.stop_stream()
     assert answers.empty()
 

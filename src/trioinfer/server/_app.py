@@ -1452,6 +1452,25 @@ def schedule_parameters(
     return priority, seconds
 
 
+def stream_sequence(served: ServedVersion, parameters: Mapping[str, Any]) -> SequenceFlags | None:
+    """A request's sequence flags (HTTP generate, gRPC streams), refused for a decoupled model.
+
+    Streams bypass the sequence batcher (a model is decoupled or stateful, never
+    both): run, such a request would silently belong to no sequence at all.
+
+    Raises:
+        InvalidInput: *parameters* name a sequence and the model streams.
+    """
+    sequence = SequenceFlags.from_parameters(parameters) if parameters else None
+    if sequence is not None and served.info.decoupled:
+        raise InvalidInput(
+            f"model {served.model!r} is decoupled (it streams responses), not stateful, "
+            f"so its requests take no sequence; got sequence_id {sequence.id!r} (send "
+            "sequence_id, sequence_start and sequence_end only to a stateful model)"
+        )
+    return sequence
+
+
 async def infer_in_time(
     state: ServerState,
     served: ServedVersion,

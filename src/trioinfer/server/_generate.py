@@ -55,6 +55,7 @@ from ._app import (
     _rerouted,
     schedule_parameters,
     status_for,
+    stream_sequence,
 )
 from ._codec import RequestError, _json_text, dumps, loads_json
 from ._errors import ClientLeft, NotReady
@@ -302,15 +303,7 @@ class GenerateEndpoint:
         signature = served.info.signature
         inputs, parameters = decode_generate_request(parsed, signature, served.model)
         priority, timeout = schedule_parameters(parameters, served)
-        sequence = SequenceFlags.from_parameters(parameters)
-        if sequence is not None and served.info.decoupled:
-            # Streams bypass the sequence batcher (a model is decoupled or stateful, never
-            # both): run, the request would silently belong to no sequence at all.
-            raise InvalidInput(
-                f"model {served.model!r} is decoupled (it streams responses), not stateful, "
-                f"so its requests take no sequence; got sequence_id {sequence.id!r} (send "
-                "sequence_id, sequence_start and sequence_end only to a stateful model)"
-            )
+        sequence = stream_sequence(served, parameters)
         watch = scope.get("extensions", {}).get("trioinfer.cancel_on_disconnect")
         error: TrioInferError | None = None
         async with contextlib.AsyncExitStack() as stack:

@@ -67,6 +67,7 @@ from ._app import (
     model_metadata_document,
     repository_index_document,
     statistics_document,
+    stream_sequence,
     trace_setting_document,
     unload_model,
 )
@@ -539,6 +540,7 @@ class _Service:
                 order = [spec.name for spec in served.info.signature.outputs]
                 try:
                     if emit is not None and served.info.decoupled:
+                        stream_sequence(served, request.parameters)  # refused there
                         await _stream(state, served, request, priority, timeout, order, emit, lease)
                         result = None
                     else:
