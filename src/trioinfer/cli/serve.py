@@ -39,6 +39,8 @@ _SERVE_KEYS: Final = frozenset(
         "models",
         "drain_period",
         "repository_poll_secs",
+        "strict_readiness",
+        "exit_on_error",
         "cache_size",
         "admin_token",
         "protect_inference",
@@ -132,6 +134,21 @@ def _rate_not_nan(
     "reload those whose files changed and unload those that went away (Triton's "
     "--model-control-mode=poll); meanwhile the repository API's load and unload are "
     "refused. 0: never. Not with --model.",
+)
+@click.option(
+    "--strict-readiness/--no-strict-readiness",
+    default=False,
+    show_default=True,
+    help="Say ready (/v2/health/ready, gRPC ServerReady) only while every model the server "
+    "tried to load serves: one whose load failed makes it not ready (Triton's "
+    "--strict-readiness, on there by default).",
+)
+@click.option(
+    "--exit-on-error/--no-exit-on-error",
+    default=False,
+    show_default=True,
+    help="Stop (exit status 1) when a model fails to load at start, instead of serving the "
+    "others (Triton's --exit-on-error, on there by default).",
 )
 @click.option(
     "--cache-size",
@@ -268,6 +285,8 @@ def serve(ctx: click.Context, /, **options: Any) -> None:
             tracer_provider=tracing[0] if tracing else None,
             trace_rate=tracing[1] if tracing else 1.0,
             repository_poll_s=settings["repository_poll_secs"],
+            strict_readiness=settings["strict_readiness"],
+            exit_on_error=settings["exit_on_error"],
         )
     except (TypeError, TrioInferError) as exc:
         raise click.UsageError(f"invalid server settings: {exc}") from exc

@@ -187,6 +187,13 @@ class ServerConfig:
             with (see `open_engine`); None for no tracing.
         trace_rate: The share of requests that start a trace which are traced;
             ``/v2/trace/setting`` changes it at run time.
+        strict_readiness: ``/v2/health/ready`` (gRPC ``ServerReady``) says ready only
+            while every model the server tried to load is served: one whose load
+            failed, with no version of it serving, makes it not ready (Triton's
+            ``--strict-readiness``).
+        exit_on_error: A model that fails to load at start stops the server
+            (exit status 1) instead of being served without (Triton's
+            ``--exit-on-error``).
         repository_poll_s: Read the model repository every so many seconds and
             load, reload and unload what changed (Triton's poll mode; see
             ``trioinfer.server._poll``); the repository API's load and unload
@@ -200,6 +207,8 @@ class ServerConfig:
     cache_size: int = attrs.field(default=0)
     tracer_provider: Any = None
     trace_rate: float = 1.0
+    strict_readiness: bool = False
+    exit_on_error: bool = False
     repository_poll_s: float = attrs.field(default=0.0)
 
     @repository_poll_s.validator
@@ -478,9 +487,22 @@ async def _live(_request: Request, _state: ServerState) -> Response:
 
 
 async def _ready(_request: Request, state: ServerState) -> Response:
-    if not state.ready:
-        return error_response(NotReady("the server is starting or shutting down"))
+    why = not_ready(state)
+    if why is not None:
+        return error_response(NotReady(why))
     return Response(status_code=200)
+
+
+def not_ready(state: ServerState) -> str | None:
+    """Why the server is not ready (HTTP and gRPC readiness alike), or None when it is."""
+    if not state.ready:
+        return "the server is starting or shutting down"
+    if state.config.strict_readiness and (failed := state.models.unavailable()):
+        return (
+            f"--strict-readiness: model(s) {', '.join(map(repr, failed))} failed to load and "
+            "serve no version (see the repository index for why)"
+        )
+    return None
 
 
 async def _server_metadata(_request: Request, state: ServerState) -> Response:

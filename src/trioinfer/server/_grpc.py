@@ -65,6 +65,7 @@ from ._app import (
     load_override,
     model_config_document,
     model_metadata_document,
+    not_ready,
     repository_index_document,
     statistics_document,
     stream_sequence,
@@ -201,7 +202,7 @@ class _Service:
         return pb.ServerLiveResponse(live=True)
 
     async def ServerReady(self, _request: Any, _context: Any, _call: GrpcCall) -> Any:
-        return pb.ServerReadyResponse(ready=self._state.ready)
+        return pb.ServerReadyResponse(ready=not_ready(self._state) is None)
 
     async def ModelReady(self, request: Any, context: Any, call: GrpcCall) -> Any:
         metadata = _metadata(context)

@@ -155,6 +155,10 @@ class ServedModels:
         # knows them by version (lowlevel.infer_follow_up).
         self.engine._follow_up_names = self.engine_name
 
+    def unavailable(self) -> list[str]:
+        """The models whose last load failed and that serve no version, sorted."""
+        return sorted(model for model in self._errors if not self._served.get(model))
+
     def engine_name(self, name: str) -> str:
         """The engine's name for the version a call from a served model to *name* goes to.
 

@@ -173,6 +173,12 @@ async def serve_http(
             failed = []
             for name in models:
                 await served.load(name, overrides.get(name))
+        if failed and config.exit_on_error:
+            # Said in the log already, each with why: stop before serving anything.
+            raise ConfigError(
+                f"--exit-on-error: model(s) {', '.join(map(repr, failed))} failed to load at "
+                "start (the log says why); fix or remove them, or serve without --exit-on-error"
+            )
         in_flight = InFlight()
         # The machine's metrics once per server: under --workers, the supervisor's.
         machine = HostMetrics() if worker is None else None
