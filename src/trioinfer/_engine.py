@@ -424,6 +424,13 @@ class Engine:
         groups = [group for group in config.instances for _ in range(group.count)]
         if not any(g.resources or g.global_resources for g in groups):
             return
+        if decoupled(runner):
+            # Its streams' generators run outside executions: nothing would take them.
+            raise ConfigError(
+                f"model {config.name!r} is decoupled (it answers with streams), whose "
+                "generators the rate limiter does not gate: expected no resources on its "
+                "instances"
+            )
         gates = self._resources.attach(
             id(runner._instances),
             config.name,
