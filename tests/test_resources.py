@@ -292,3 +292,19 @@ def test_pools_on_both_event_loops(anyio_backend: str) -> None:
 
     anyio.run(main, backend=anyio_backend)
     assert held == [1] * 20
+
+
+async def test_rate_limit_off_ignores_needs(
+    autojump_clock: trio.testing.MockClock, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Triton's --rate-limit=off: declared needs are read, said, and not taken."""
+    backend = FakeBackend(delay=1.0)
+    async with open_engine(registry=backend.registry(), rate_limit=False) as engine:
+        await engine.load(config("a", Instance(count=2, global_resources={"R": 1})))
+        t0 = trio.current_time()
+        await burst(engine, "a", "a")
+        assert trio.current_time() - t0 == 1.0
+        assert engine.statistics().resources == ()
+    assert "model 'a': its instances' resources are not taken: rate limiting is off" in (
+        caplog.text
+    )

@@ -1479,3 +1479,53 @@ def test_an_ensemble_whose_dims_do_not_fit_its_steps_is_refused(
         client.load_model("ensemble", config=json.dumps(tensors))
     client.load_model("ensemble")
     assert client.is_model_ready("ensemble")
+
+
+def test_rate_limiter_maps_onto_resource_needs() -> None:
+    """Triton's rate_limiter: per-device and global resources, and the priority weight."""
+    model = TritonModel.parse(
+        """
+        instance_group [
+          {
+            kind: KIND_GPU count: 2 gpus: [ 0, 1 ]
+            rate_limiter {
+              resources [ { name: "R1" count: 4 }, { name: "G" global: true count: 1 } ]
+              priority: 2
+            }
+          },
+          { kind: KIND_CPU rate_limiter { resources [ { name: "R1" count: 0 } ] priority: 0 } }
+        ]
+        """,
+        name="m",
+        where="m/config.pbtxt",
+    )
+    needs = {"resources": {"R1": 4}, "global_resources": {"G": 1}, "resource_priority": 2}
+    assert model.settings["instances"] == [
+        {"device": "cuda:0", "count": 2, **needs},
+        {"device": "cuda:1", "count": 2, **needs},
+        # A count of 0 needs nothing; a priority of 0 is 1, as Triton reads both.
+        {"device": "cpu", "count": 1},
+    ]
+    # The engine's config takes it as it is.
+    config = trioinfer.ModelConfig.from_dict({"name": "m", "path": "m.onnx", **model.settings})
+    assert dict(config.instances[0].global_resources) == {"G": 1}
+    assert config.instances[1].resource_priority == 2
+
+
+@pytest.mark.parametrize(
+    ("text", "fragment"),
+    [
+        (
+            "instance_group [ { rate_limiter { resources [ { count: 1 } ] } } ]",
+            "rate_limiter has a resource without a name",
+        ),
+        (
+            'instance_group [ { rate_limiter { resources [ { name: "R" count: 1 }, '
+            '{ name: "R" global: true count: 2 } ] } } ]',
+            "names resource 'R' twice",
+        ),
+    ],
+)
+def test_rate_limiter_refusals(text: str, fragment: str) -> None:
+    with pytest.raises(ConfigError, match=fragment):
+        TritonModel.parse(text, name="m", where="m/config.pbtxt")

@@ -167,7 +167,7 @@ class Engine:
     # The rate limiter's pools (open_engine's resources=), which instances with
     # resource needs take before each execution.
     _resources: ResourcePools = attrs.field(
-        factory=lambda: ResourcePools({}, {}), alias="resources"
+        factory=lambda: ResourcePools({}, {}, enabled=True), alias="resources"
     )
     _cache: ResponseCache | None = attrs.field(default=None, alias="cache")
     # OpenTelemetry spans (trioinfer._tracing), None when tracing is off.
@@ -423,6 +423,12 @@ class Engine:
         config = runner.config
         groups = [group for group in config.instances for _ in range(group.count)]
         if not any(g.resources or g.global_resources for g in groups):
+            return
+        if not self._resources.enabled:
+            logger.warning(
+                "model %r: its instances' resources are not taken: rate limiting is off",
+                config.name,
+            )
             return
         if decoupled(runner):
             # Its streams' generators run outside executions: nothing would take them.
@@ -1234,6 +1240,7 @@ def open_engine(
     tracer_provider: Any = None,
     trace_rate: float = 1.0,
     resources: Mapping[str, int | Mapping[str, int]] | None = None,
+    rate_limit: bool = True,
 ) -> AbstractAsyncContextManager[Engine]:
     """An inference engine whose task group owns all its work, as an async context manager.
 
@@ -1279,6 +1286,9 @@ def open_engine(
             Triton. Instances declare their needs in
             [`Instance.resources`][trioinfer.Instance]; a need bigger than its
             configured pool is refused at load with ``ConfigError``.
+        rate_limit: Whether instances take the resources they declare (Triton's
+            ``--rate-limit=execution_count``); False runs them as if they declared
+            none (``--rate-limit=off``), and says so in the log at each load.
     """
     if not (isinstance(drain_period, (int, float)) and drain_period >= 0):
         raise ConfigError(f"drain_period must be a number of seconds >= 0, got {drain_period!r}")
@@ -1295,7 +1305,7 @@ def open_engine(
     if not isinstance(cache_size, int) or isinstance(cache_size, bool) or cache_size < 0:
         raise ConfigError(f"cache_size must be a number of bytes >= 0, got {cache_size!r}")
     cache = ResponseCache(cache_size) if cache_size else None
-    pools = ResourcePools(*to_resource_sizes(resources))
+    pools = ResourcePools(*to_resource_sizes(resources), enabled=bool(rate_limit))
     tracing: Tracing | None = None
     if tracer_provider is not None:
         from ._tracing import Tracing  # imports opentelemetry: only when tracing is on
@@ -1406,7 +1416,7 @@ async def _engine_scope(
                     registry=registry,
                     drain_period=drain_period,
                     device_limits=limiters,
-                    resources=resources or ResourcePools({}, {}),
+                    resources=resources or ResourcePools({}, {}, enabled=True),
                     cache=cache,
                     tracing=tracing,
                 )

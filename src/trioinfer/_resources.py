@@ -155,7 +155,11 @@ class _Waiter:
 class ResourcePools:
     """The engine's resource pools: their sizes, what is free, who waits."""
 
-    def __init__(self, every: dict[str, int], per_device: dict[tuple[str, str], int]) -> None:
+    def __init__(
+        self, every: dict[str, int], per_device: dict[tuple[str, str], int], *, enabled: bool
+    ) -> None:
+        #: Whether instances take what they declare (False: Triton's --rate-limit=off).
+        self.enabled = enabled
         self._every = every
         self._per_device = per_device
         self._size: dict[PoolKey, int] = {}

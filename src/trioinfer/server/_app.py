@@ -690,6 +690,12 @@ def _instance(group: Instance) -> dict[str, Any]:
         table["threads"] = group.threads
     if group.cpu_affinity is not None:
         table["cpu_affinity"] = list(group.cpu_affinity)
+    if group.resources:
+        table["resources"] = dict(group.resources)
+    if group.global_resources:
+        table["global_resources"] = dict(group.global_resources)
+    if group.resource_priority != 1:
+        table["resource_priority"] = group.resource_priority
     return table
 
 
