@@ -635,7 +635,7 @@ async def test_a_decoupled_model_may_not_need_resources() -> None:
     registry = trioinfer.Registry(extra={"backends": {"third": Backend}})
     async with open_engine(registry=registry) as engine:
         needs = trioinfer.Instance(resources={"R": 1})
-        with pytest.raises(trioinfer.ConfigError, match="decoupled.*expected no resources"):
+        with pytest.raises(trioinfer.ConfigError, match=r"decoupled.*expected no resources"):
             await engine.load(ModelConfig(name="m", path="-", backend="third", instances=[needs]))
         assert engine.models() == []
         assert engine.statistics().resources == ()
