@@ -16,6 +16,7 @@ import importlib.util
 import json
 import logging
 import os
+import re
 import sys
 import uuid
 from collections.abc import Iterator
@@ -1529,3 +1530,78 @@ def test_rate_limiter_maps_onto_resource_needs() -> None:
 def test_rate_limiter_refusals(text: str, fragment: str) -> None:
     with pytest.raises(ConfigError, match=fragment):
         TritonModel.parse(text, name="m", where="m/config.pbtxt")
+
+
+@pytest.mark.parametrize("rate_limit", ["execution_count", "off"])
+async def test_a_served_rate_limiter_takes_its_pools(tmp_path: Path, rate_limit: str) -> None:
+    """--rate-limit execution_count: config.pbtxt's needs are taken from the sized pools."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from _serve import start_serving
+    from trioinfer.server import ServerConfig
+
+    write_simple(tmp_path / "simple" / "1" / "model.onnx")
+    (tmp_path / "simple" / "config.pbtxt").write_text(
+        SIMPLE_PBTXT.replace(
+            "count: 2 }",
+            'count: 2 rate_limiter { resources [ { name: "R" count: 2 } ] } }',
+        )
+    )
+    config = ServerConfig(rate_limit=rate_limit, rate_limit_resources=("R:3", "R:2:cpu"))
+    a = np.arange(16, dtype=np.int32).reshape(1, 16)
+    body = {
+        "inputs": [
+            {"name": name, "shape": [1, 16], "datatype": "INT32", "data": a.ravel().tolist()}
+            for name in ("INPUT0", "INPUT1")
+        ]
+    }
+    async with trio.open_nursery() as nursery:
+        listening = await start_serving(nursery, tmp_path, config=config)
+        async with httpx.AsyncClient(base_url=listening.urls[0]) as client:
+            answer = (await client.post("/v2/models/simple/infer", json=body)).json()
+            metrics = (await client.get("/metrics")).text
+            served = (await client.get("/v2/models/simple/config")).json()
+        nursery.cancel_scope.cancel()
+    assert answer["outputs"][0]["data"] == (a + a).ravel().tolist()
+    assert served["instance_group"][0]["rate_limiter"] == {
+        "resources": [{"name": "R", "count": 2, "global": False}],
+        "priority": 0,
+    }
+    samples = {
+        (s.name, s.labels.get("device")): s.value
+        for family in text_string_to_metric_families(metrics)
+        for s in family.samples
+        if s.name.startswith("trioinfer_resource_")
+    }
+    if rate_limit == "off":
+        assert samples == {}
+    else:
+        # The CPU's pool is sized by its own flag, not the one for every device.
+        assert samples[("trioinfer_resource_pool_size", "cpu")] == 2
+        assert samples[("trioinfer_resource_in_use", "cpu")] == 0
+
+
+@pytest.mark.parametrize(
+    ("flags", "said"),
+    [
+        (("R",), "must be NAME:COUNT[:DEVICE]"),
+        (("R:0",), "a COUNT of 1 or more"),
+        (("R:x:0",), "must be NAME:COUNT"),
+        (("R:1:gpu",), "device"),
+        (("R:1:0", "R:2:cuda:0"), "sized twice for cuda:0"),
+    ],
+)
+def test_rate_limit_resource_flags_are_checked(flags: tuple[str, ...], said: str) -> None:
+    from trioinfer.server import ServerConfig
+
+    with pytest.raises(ConfigError, match=re.escape(said)):
+        ServerConfig(rate_limit_resources=flags)
+    with pytest.raises(ConfigError, match="'off' or 'execution_count'"):
+        ServerConfig(rate_limit="on")
+
+
+def test_rate_limit_resource_flags_as_pool_sizes() -> None:
+    from trioinfer.server import ServerConfig
+
+    config = ServerConfig(rate_limit_resources=("R1:10", "R1:4:0", "R2:1:cpu"))
+    assert config.resource_sizes == {"R1": {"*": 10, "cuda:0": 4}, "R2": {"cpu": 1}}

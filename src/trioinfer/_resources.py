@@ -85,11 +85,53 @@ def to_resource_sizes(
             raise ConfigError(f"resources: a resource's name must be a string, got {name!r}")
         if isinstance(size, Mapping):
             for device, n in size.items():
+                if device == EVERY_DEVICE:
+                    every[name] = count(f"{name!r}][{device!r}", n)
+                    continue
                 key = str(Device.parse(device))
                 per_device[name, key] = count(f"{name!r}][{device!r}", n)
         else:
             every[name] = count(repr(name), size)
     return every, per_device
+
+
+#: In a per-device table of ``open_engine(resources=...)``: every device not named.
+EVERY_DEVICE = "*"
+
+
+def parse_resource_flags(flags: Iterable[str]) -> dict[str, dict[str, int]]:
+    """Triton's ``--rate-limit-resource NAME:COUNT[:DEVICE]`` flags as ``open_engine``'s sizes.
+
+    DEVICE is a GPU number as in Triton (``0`` is ``cuda:0``) or a device's name
+    (``cpu``, ``cuda:1``); without it, COUNT is every device's (and a global
+    resource's) pool size.
+
+    Raises:
+        ConfigError: A flag that is not of that form, or one pool given twice.
+    """
+    from ._config import Device  # _config imports nothing of the engine's
+
+    sizes: dict[str, dict[str, int]] = {}
+    for flag in flags:
+        name, _, rest = str(flag).partition(":")
+        number, _, device = rest.partition(":")
+        if not name or not number.isdigit() or int(number) < 1:
+            raise ConfigError(
+                f"rate limit resource {flag!r} must be NAME:COUNT[:DEVICE] with a COUNT of 1 "
+                "or more (R1:10, or R1:4:0 for GPU 0)"
+            )
+        if not device:
+            key = EVERY_DEVICE
+        else:
+            key = str(Device.parse(f"cuda:{device}" if device.isdigit() else device))
+        pools = sizes.setdefault(name, {})
+        if key in pools:
+            where = "every device" if key == EVERY_DEVICE else key
+            raise ConfigError(
+                f"rate limit resource {name!r} is sized twice for {where}: give each pool once"
+            )
+        pools[key] = int(number)
+    return sizes
 
 
 @final

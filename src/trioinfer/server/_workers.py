@@ -1201,6 +1201,8 @@ async def serve_workers(
             "trace": list(trace),
             # Polled by the supervisor; the workers refuse the API's load and unload.
             "repository_poll_s": config.repository_poll_s,
+            "rate_limit": config.rate_limit,
+            "rate_limit_resources": list(config.rate_limit_resources),
         },
     }
     repo = ModelRepository(root)
@@ -1305,6 +1307,8 @@ def _worker_main(argv: list[str]) -> int:
         tracer_provider=tracing[0] if tracing else None,
         trace_rate=tracing[1] if tracing else 1.0,
         repository_poll_s=settings["repository_poll_s"],
+        rate_limit=settings["rate_limit"],
+        rate_limit_resources=settings["rate_limit_resources"],
     )
     directory = Path(spec["directory"])
     link = WorkerLink(
