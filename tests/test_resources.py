@@ -125,12 +125,12 @@ async def test_per_device_resources_have_a_pool_per_device(
 
 async def test_per_device_size(autojump_clock: trio.testing.MockClock) -> None:
     backend = FakeBackend(delay=1.0)
-    sizes = {"R": {"cuda:0": 2}}
+    sizes = {"R": {"cuda:0": 2, "*": 6}}
     async with open_engine(registry=backend.registry(), resources=sizes) as engine:
         await engine.load(config("a", Instance(device="cuda:0", count=2, resources={"R": 2})))
         await engine.load(config("b", Instance(device="cpu", count=2, resources={"R": 5})))
         assert [(p.device, p.size) for p in engine.statistics().resources] == [
-            ("cpu", 5),  # not named for the CPU: the largest need
+            ("cpu", 6),  # not named for the CPU: every other device's
             ("cuda:0", 2),
         ]
 

@@ -478,8 +478,8 @@ def _resource_families(pools: list[list[Any]]) -> Iterator[Metric]:
         waiting.add_metric([name, device], n_waiting)
         waits.add_metric([name, device], n_waits)
         wait_s.add_metric([name, device], seconds)
-    if pools:
-        yield from (size, in_use, waiting, waits, wait_s)
+    # Declared with no pools too, as the cache's families are without a cached model.
+    yield from (size, in_use, waiting, waits, wait_s)
 
 
 @final
