@@ -186,15 +186,17 @@ async def test_overlapping_needs_never_deadlock(autojump_clock: trio.testing.Moc
         assert trio.current_time() - t0 == 15.0  # everyone needs R1 (a pool of 1)
 
 
-async def test_priority_weights_grants(autojump_clock: trio.testing.MockClock) -> None:
-    """While both wait, priority 1 is granted twice as often as priority 2 (Triton).
+@pytest.mark.parametrize("count", [1, 2])
+async def test_priority_weights_grants(autojump_clock: trio.testing.MockClock, count: int) -> None:
+    """While both have work, priority 1 is granted twice as often as priority 2 (Triton).
 
-    Two instances each: whenever R comes free, instances of both models wait for it.
+    With one instance each too: the one that gives R back and asks again at once
+    takes its turn by its priority, not behind the other.
     """
     backend = FakeBackend(delay=1.0)
     async with open_engine(registry=backend.registry()) as engine:
-        a = Instance(count=2, global_resources={"R": 1}, resource_priority=1)
-        b = Instance(count=2, global_resources={"R": 1}, resource_priority=2)
+        a = Instance(count=count, global_resources={"R": 1}, resource_priority=1)
+        b = Instance(count=count, global_resources={"R": 1}, resource_priority=2)
         await engine.load(config("a", a))
         await engine.load(config("b", b))
         done: list[str] = []

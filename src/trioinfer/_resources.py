@@ -9,10 +9,12 @@ part while waiting for the rest) is what rules out deadlock between instances
 whose needs overlap: whoever holds resources is running, not waiting.
 
 Waiters are served in order, by stride scheduling on their ``resource_priority``
-(Triton's ``rate_limiter.priority``): an instance of priority 2 gets half the
-grants of one of priority 1 while both wait. The head waiter is served first
-even when a later one would fit now, so that a large need is never starved by
-small ones.
+(Triton's ``rate_limiter.priority``): an instance of priority 2 gets about half
+the grants of one of priority 1 while both have work. The head waiter is served
+first even when a later one would fit now, so that a large need is never
+starved by small ones. Resources given back wake the head waiter, which grants
+them when it runs: an instance that asks again meanwhile (the one that gave
+them back) takes its turn by its priority, not behind every waiter.
 
 A pool's size is what ``open_engine(resources=...)`` says (for every device,
 or per device), or else the largest need of any loaded instance, as Triton sizes
@@ -332,7 +334,17 @@ class ResourcePools:
             self._waits[key] = self._waits.get(key, 0) + 1
         started = anyio.current_time()
         try:
-            await waiter.event.wait()
+            while True:
+                await waiter.event.wait()
+                if waiter.granted:
+                    break
+                # Woken to choose, as resources came back: the first in turn gets
+                # them, which may be an instance that asked again meanwhile (the one
+                # that gave them back, if its priority says it goes first).
+                self._grant()
+                if waiter.granted:
+                    break
+                waiter.event = anyio.Event()
         except BaseException:
             if waiter.granted:
                 self._give_back(gate)  # granted as it was cancelled: hand it on
@@ -349,8 +361,14 @@ class ResourcePools:
     def _give_back(self, gate: ResourceGate) -> None:
         for key, n in gate._needs.items():
             self._free[key] += n
-        if self._heap:
-            self._grant()
+        heap = self._heap
+        while heap and heap[0].left:
+            heapq.heappop(heap)
+        if heap:
+            # Not granted here: the first waiter wakes and grants then, so that an
+            # instance that asks again at once (the one giving back, its next batch
+            # waiting) takes its turn by its priority, not behind every waiter.
+            heap[0].event.set()
 
     def _grant(self) -> None:
         heap = self._heap
