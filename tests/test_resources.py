@@ -253,6 +253,11 @@ def test_bad_needs_are_refused(fields: dict[str, object], match: str) -> None:
         Instance(**fields)  # type: ignore[arg-type]
 
 
+def test_a_pipeline_takes_no_resources() -> None:
+    with pytest.raises(trioinfer.ConfigError, match="a pipeline takes no resources"):
+        ModelConfig(name="p", backend="pipeline", instances=[Instance(global_resources={"R": 1})])
+
+
 def test_config_toml_declares_needs() -> None:
     cfg = ModelConfig.from_dict(
         {

@@ -429,6 +429,14 @@ class ModelConfig:
     sequence: SequenceConfig | None = attrs.field(default=None, converter=to_sequence_config)
     warmup: tuple[Warmup, ...] = attrs.field(default=(), converter=_to_warmups)
 
+    @instances.validator
+    def _check_needs(self, _attribute: attrs.Attribute[Any], value: tuple[Instance, ...]) -> None:
+        if self.backend == PIPELINE and any(g.resources or g.global_resources for g in value):
+            raise ConfigError(
+                f"model {self.name!r}: a pipeline takes no resources (it computes nothing "
+                "itself); give its step models' instances theirs"
+            )
+
     @warmup.validator
     def _check_warmup(self, _attribute: attrs.Attribute[Any], value: tuple[Warmup, ...]) -> None:
         if value and self.backend == PIPELINE:
