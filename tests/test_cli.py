@@ -235,6 +235,8 @@ def test_serve_refuses_bad_settings_with_a_usage_error(tmp_path: Path) -> None:
         ("models = [1]", "models must be a list of strings, got [1]"),
         ('trace_rate = "x"', "trace_rate = 'x': 'x' is not a valid float"),
         ('grpc = "maybe"', "grpc = 'maybe': 'maybe' is not a valid boolean"),
+        ('rate_limit = "on"', "rate_limit = 'on': 'on' is not one of 'off', 'execution_count'"),
+        ("rate_limit_resource = [1]", "rate_limit_resource must be a list of strings, got [1]"),
         ("host = 5", "host must be a string, got 5"),
         ("model_repository = 5", "model_repository must be a string, got 5"),
         ("limits = 5", "limits must be a table ([limits]) of body_timeout"),
@@ -474,6 +476,17 @@ def test_cache_size_takes_bytes_and_units(text: str, size: int) -> None:
     from trioinfer.cli._params import ByteSize
 
     assert ByteSize().convert(text, None, None) == size
+
+
+def test_a_rate_limit_resource_that_is_not_one_is_a_usage_error(tmp_path: Path) -> None:
+    result = invoke("serve", "--rate-limit-resource", "R1:lots")
+    assert result.exit_code == 2
+    assert "rate limit resource 'R1:lots' must be NAME:COUNT[:DEVICE]" in result.output
+    config = tmp_path / "server.toml"
+    config.write_text('rate_limit_resource = ["R1:1:0", "R1:2:0"]\n')
+    result = invoke("serve", "--config", str(config))
+    assert result.exit_code == 2
+    assert "rate limit resource 'R1' is sized twice for cuda:0" in result.output
 
 
 def test_a_cache_size_that_is_not_one_is_a_usage_error() -> None:

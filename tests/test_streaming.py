@@ -623,3 +623,19 @@ async def test_a_decoupled_model_cannot_be_stateful() -> None:
         assert closed == ["closed"]  # its instance was closed, not left behind
         with pytest.raises(trioinfer.ModelNotFound):
             engine.model("m")
+
+
+async def test_a_decoupled_model_may_not_need_resources() -> None:
+    """Its streams run outside executions, where the rate limiter takes resources."""
+
+    class Backend:
+        async def load(self, config: ModelConfig, placement: Any) -> _Yields:
+            return _Yields([])
+
+    registry = trioinfer.Registry(extra={"backends": {"third": Backend}})
+    async with open_engine(registry=registry) as engine:
+        needs = trioinfer.Instance(resources={"R": 1})
+        with pytest.raises(trioinfer.ConfigError, match=r"decoupled.*expected no resources"):
+            await engine.load(ModelConfig(name="m", path="-", backend="third", instances=[needs]))
+        assert engine.models() == []
+        assert engine.statistics().resources == ()

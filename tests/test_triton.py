@@ -16,6 +16,7 @@ import importlib.util
 import json
 import logging
 import os
+import re
 import sys
 import uuid
 from collections.abc import Iterator
@@ -1479,3 +1480,128 @@ def test_an_ensemble_whose_dims_do_not_fit_its_steps_is_refused(
         client.load_model("ensemble", config=json.dumps(tensors))
     client.load_model("ensemble")
     assert client.is_model_ready("ensemble")
+
+
+def test_rate_limiter_maps_onto_resource_needs() -> None:
+    """Triton's rate_limiter: per-device and global resources, and the priority weight."""
+    model = TritonModel.parse(
+        """
+        instance_group [
+          {
+            kind: KIND_GPU count: 2 gpus: [ 0, 1 ]
+            rate_limiter {
+              resources [ { name: "R1" count: 4 }, { name: "G" global: true count: 1 } ]
+              priority: 2
+            }
+          },
+          { kind: KIND_CPU rate_limiter { resources [ { name: "R1" count: 0 } ] priority: 0 } }
+        ]
+        """,
+        name="m",
+        where="m/config.pbtxt",
+    )
+    needs = {"resources": {"R1": 4}, "global_resources": {"G": 1}, "resource_priority": 2}
+    assert model.settings["instances"] == [
+        {"device": "cuda:0", "count": 2, **needs},
+        {"device": "cuda:1", "count": 2, **needs},
+        # A count of 0 needs nothing; a priority of 0 is 1, as Triton reads both.
+        {"device": "cpu", "count": 1},
+    ]
+    # The engine's config takes it as it is.
+    config = trioinfer.ModelConfig.from_dict({"name": "m", "path": "m.onnx", **model.settings})
+    assert dict(config.instances[0].global_resources) == {"G": 1}
+    assert config.instances[1].resource_priority == 2
+
+
+@pytest.mark.parametrize(
+    ("text", "fragment"),
+    [
+        (
+            "instance_group [ { rate_limiter { resources [ { count: 1 } ] } } ]",
+            "rate_limiter has a resource without a name",
+        ),
+        (
+            'instance_group [ { rate_limiter { resources [ { name: "R" count: 1 }, '
+            '{ name: "R" global: true count: 2 } ] } } ]',
+            "names resource 'R' twice",
+        ),
+    ],
+)
+def test_rate_limiter_refusals(text: str, fragment: str) -> None:
+    with pytest.raises(ConfigError, match=fragment):
+        TritonModel.parse(text, name="m", where="m/config.pbtxt")
+
+
+@pytest.mark.parametrize("rate_limit", ["execution_count", "off"])
+async def test_a_served_rate_limiter_takes_its_pools(tmp_path: Path, rate_limit: str) -> None:
+    """--rate-limit execution_count: config.pbtxt's needs are taken from the sized pools."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from _serve import start_serving
+    from trioinfer.server import ServerConfig
+
+    write_simple(tmp_path / "simple" / "1" / "model.onnx")
+    (tmp_path / "simple" / "config.pbtxt").write_text(
+        SIMPLE_PBTXT.replace(
+            "count: 2 }",
+            'count: 2 rate_limiter { resources [ { name: "R" count: 2 } ] } }',
+        )
+    )
+    config = ServerConfig(rate_limit=rate_limit, rate_limit_resources=("R:3", "R:2:cpu"))
+    a = np.arange(16, dtype=np.int32).reshape(1, 16)
+    body = {
+        "inputs": [
+            {"name": name, "shape": [1, 16], "datatype": "INT32", "data": a.ravel().tolist()}
+            for name in ("INPUT0", "INPUT1")
+        ]
+    }
+    async with trio.open_nursery() as nursery:
+        listening = await start_serving(nursery, tmp_path, config=config)
+        async with httpx.AsyncClient(base_url=listening.urls[0]) as client:
+            answer = (await client.post("/v2/models/simple/infer", json=body)).json()
+            metrics = (await client.get("/metrics")).text
+            served = (await client.get("/v2/models/simple/config")).json()
+        nursery.cancel_scope.cancel()
+    assert answer["outputs"][0]["data"] == (a + a).ravel().tolist()
+    assert served["instance_group"][0]["rate_limiter"] == {
+        "resources": [{"name": "R", "count": 2, "global": False}],
+        "priority": 0,
+    }
+    samples = {
+        (s.name, s.labels.get("device")): s.value
+        for family in text_string_to_metric_families(metrics)
+        for s in family.samples
+        if s.name.startswith("trioinfer_resource_")
+    }
+    if rate_limit == "off":
+        assert samples == {}
+    else:
+        # The CPU's pool is sized by its own flag, not the one for every device.
+        assert samples[("trioinfer_resource_pool_size", "cpu")] == 2
+        assert samples[("trioinfer_resource_in_use", "cpu")] == 0
+
+
+@pytest.mark.parametrize(
+    ("flags", "said"),
+    [
+        (("R",), "must be NAME:COUNT[:DEVICE]"),
+        (("R:0",), "a COUNT of 1 or more"),
+        (("R:x:0",), "must be NAME:COUNT"),
+        (("R:1:gpu",), "device"),
+        (("R:1:0", "R:2:cuda:0"), "sized twice for cuda:0"),
+    ],
+)
+def test_rate_limit_resource_flags_are_checked(flags: tuple[str, ...], said: str) -> None:
+    from trioinfer.server import ServerConfig
+
+    with pytest.raises(ConfigError, match=re.escape(said)):
+        ServerConfig(rate_limit_resources=flags)
+    with pytest.raises(ConfigError, match="'off' or 'execution_count'"):
+        ServerConfig(rate_limit="on")
+
+
+def test_rate_limit_resource_flags_as_pool_sizes() -> None:
+    from trioinfer.server import ServerConfig
+
+    config = ServerConfig(rate_limit_resources=("R1:10", "R1:4:0", "R2:1:cpu"))
+    assert config.resource_sizes == {"R1": {"*": 10, "cuda:0": 4}, "R2": {"cpu": 1}}

@@ -41,6 +41,7 @@ from ._exceptions import StreamClosed as StreamClosed
 from ._exceptions import TrioInferError as TrioInferError
 from ._registry import PluginInfo as PluginInfo
 from ._registry import Registry as Registry
+from ._resources import ResourcePoolStatistics as ResourcePoolStatistics
 from ._runner import Histogram as Histogram
 from ._runner import ModelStatistics as ModelStatistics
 from ._sequence import SequenceConfig as SequenceConfig

@@ -123,6 +123,29 @@ def _to_affinity(value: object) -> tuple[int, ...] | None:
     return tuple(value)
 
 
+def _to_needs(what: str, value: object) -> Mapping[str, int]:
+    if not isinstance(value, Mapping):
+        raise ConfigError(f"{what} must be a table of resource name = count, got {value!r}")
+    for name, count in value.items():
+        if not isinstance(name, str) or not name:
+            raise ConfigError(f"{what}: a resource's name must be a non-empty string, got {name!r}")
+        if not isinstance(count, int) or isinstance(count, bool) or count < 1:
+            raise ConfigError(f"{what}[{name!r}] must be a positive integer, got {count!r}")
+    return MappingProxyType(dict(value))
+
+
+def _no_needs() -> Mapping[str, int]:
+    return MappingProxyType({})
+
+
+def _to_local_needs(value: object) -> Mapping[str, int]:
+    return _to_needs("resources", value)
+
+
+def _to_global_needs(value: object) -> Mapping[str, int]:
+    return _to_needs("global_resources", value)
+
+
 @attrs.frozen
 class Instance:
     """A group of identical model instances on one device.
@@ -137,6 +160,15 @@ class Instance:
         capacity: Relative throughput of one of these instances (say 8 for a GPU
             beside CPU instances of 1): when several instances are free, the
             one with the highest capacity takes the next batch.
+        resources: What one execution of one of these instances needs of each named
+            resource on its device (``{"R1": 4}``), taken all at once from the
+            engine's pools before it starts and given back when it ends (Triton's
+            rate limiter; see ``open_engine(resources=...)``). Each device has
+            its own pool of a per-device resource.
+        global_resources: The same, from pools that every device shares.
+        resource_priority: How often these instances get resources while
+            others wait too (Triton's ``rate_limiter.priority``): one of priority
+            2 is granted half as often as one of priority 1. 1 or more.
     """
 
     device: Device = attrs.field(default=Device("cpu"), converter=_to_device)
@@ -144,6 +176,9 @@ class Instance:
     threads: int = attrs.field(default=0, validator=_non_negative)
     cpu_affinity: tuple[int, ...] | None = attrs.field(default=None, converter=_to_affinity)
     capacity: float = attrs.field(default=1.0, validator=_positive_number)
+    resources: Mapping[str, int] = attrs.field(factory=_no_needs, converter=_to_local_needs)
+    global_resources: Mapping[str, int] = attrs.field(factory=_no_needs, converter=_to_global_needs)
+    resource_priority: int = attrs.field(default=1, validator=_positive)
 
 
 @attrs.frozen
@@ -393,6 +428,14 @@ class ModelConfig:
     casting: Casting = attrs.field(default="no")
     sequence: SequenceConfig | None = attrs.field(default=None, converter=to_sequence_config)
     warmup: tuple[Warmup, ...] = attrs.field(default=(), converter=_to_warmups)
+
+    @instances.validator
+    def _check_needs(self, _attribute: attrs.Attribute[Any], value: tuple[Instance, ...]) -> None:
+        if self.backend == PIPELINE and any(g.resources or g.global_resources for g in value):
+            raise ConfigError(
+                f"model {self.name!r}: a pipeline takes no resources (it computes nothing "
+                "itself); give its step models' instances theirs"
+            )
 
     @warmup.validator
     def _check_warmup(self, _attribute: attrs.Attribute[Any], value: tuple[Warmup, ...]) -> None:

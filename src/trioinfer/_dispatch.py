@@ -168,6 +168,7 @@ class Replica(metaclass=NoPublicConstructor):
         "_back",
         "_backend_instance",
         "_forming",
+        "_gate",
         "_retry_at",
         "_slot",
         "executions",
@@ -196,6 +197,9 @@ class Replica(metaclass=NoPublicConstructor):
         self._back: EventLike | None = None
         self._retry_at = math.inf
         self._forming: Any = None
+        # Its rate limiter's gate (trioinfer._resources), set by the engine when its
+        # instance needs resources: then the runner takes it in place of the device's.
+        self._gate: Any = None
         self.executions = 0
         self.failures = 0
         self.taken_out = 0

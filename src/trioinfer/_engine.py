@@ -40,6 +40,7 @@ from ._pipeline import PIPELINE, Pipeline, Resume, Step, _steps
 from ._pipeline_batched import BatchedPipeline
 from ._registry import Kind, Registry, plugin_label
 from ._request import Outputs, Request, make_request, next_request_id
+from ._resources import ResourcePools, ResourcePoolStatistics, to_resource_sizes
 from ._runner import (
     CLEANUP_S,
     ModelRunner,
@@ -143,12 +144,15 @@ class EngineStatistics:
         models: Per-model counters, by model name.
         cache_size: The response cache's bound in bytes (0: no cache).
         cache_bytes: What the cache holds now, in bytes, all models together.
+        resources: The rate limiter's pools (see ``open_engine(resources=...)``),
+            by name then device: their sizes, what is held and who waited.
     """
 
     closing: bool
     models: Mapping[str, ModelStatistics]
     cache_size: int = 0
     cache_bytes: int = 0
+    resources: tuple[ResourcePoolStatistics, ...] = ()
 
 
 @final
@@ -160,6 +164,11 @@ class Engine:
     _registry: Registry = attrs.field(alias="registry")
     drain_period: float
     _device_limits: dict[str, anyio.CapacityLimiter] = attrs.field(alias="device_limits")
+    # The rate limiter's pools (open_engine's resources=), which instances with
+    # resource needs take before each execution.
+    _resources: ResourcePools = attrs.field(
+        factory=lambda: ResourcePools({}, {}, enabled=True), alias="resources"
+    )
     _cache: ResponseCache | None = attrs.field(default=None, alias="cache")
     # OpenTelemetry spans (trioinfer._tracing), None when tracing is off.
     _tracing: Tracing | None = attrs.field(default=None, alias="tracing")
@@ -290,6 +299,7 @@ class Engine:
                     # The caller gave up while its model started: it is not to serve.
                     with anyio.CancelScope(shield=True):
                         await runner.stop()
+                    self._drop_resources(runner)
                     await anyio.lowlevel.checkpoint()  # raises the caller's cancellation
                 if _check is not None:
                     try:
@@ -298,6 +308,7 @@ class Engine:
                         # Refused before it serves: a model it would replace serves on.
                         with anyio.CancelScope(shield=True):
                             await runner.stop()
+                        self._drop_resources(runner)
                         raise
                 old = self._runners.get(name)
                 old_gate = self._gates.get(name)
@@ -379,6 +390,8 @@ class Engine:
                 tracing=self._tracing,
                 sources=sources,
             )
+            if graph is None:
+                self._take_resources(runner)
             if graph is not None:
                 graph.attach(runner)
             # Before it serves: the first callers must not pay for the runtime's first runs.
@@ -393,13 +406,53 @@ class Engine:
         except BaseException:
             # A plugin refused the model in attach(), or a warm-up failed: do not leave
             # instances behind.
+            self._resources.detach(id(instances))
             await close_instances(name, instances)
             raise
         if self._closing:
             # The engine began to close while we loaded: do not leave instances behind.
+            self._resources.detach(id(instances))
             await close_instances(name, instances)
             self._check_open()
         return runner
+
+    def _take_resources(self, runner: ModelRunner) -> None:
+        # Triton's rate limiter: each instance that needs resources gets a gate,
+        # which the runner takes (with the device's limiter) before each execution.
+        # Keyed by the instances, which a load and its runner share.
+        config = runner.config
+        groups = [group for group in config.instances for _ in range(group.count)]
+        if not any(g.resources or g.global_resources for g in groups):
+            return
+        if not self._resources.enabled:
+            logger.warning(
+                "model %r: its instances' resources are not taken: rate limiting is off",
+                config.name,
+            )
+            return
+        if decoupled(runner):
+            # Its streams' generators run outside executions: nothing would take them.
+            raise ConfigError(
+                f"model {config.name!r} is decoupled (it answers with streams), whose "
+                "generators the rate limiter does not gate: expected no resources on its "
+                "instances"
+            )
+        gates = self._resources.attach(
+            id(runner._instances),
+            config.name,
+            [
+                (replica.device, g.resources, g.global_resources, g.resource_priority)
+                for replica, g in zip(runner.replicas, groups, strict=True)
+            ],
+            self._device_limits,
+        )
+        for replica, gate in zip(runner.replicas, gates, strict=True):
+            replica._gate = gate
+
+    def _drop_resources(self, runner: ModelRunner | Pipeline) -> None:
+        # A stopped model's needs no longer size the pools.
+        if isinstance(runner, ModelRunner):
+            self._resources.detach(id(runner._instances))
 
     async def unload(self, name: str) -> None:
         """Stop serving a model: refuse new requests, drain, then close its instances.
@@ -506,6 +559,7 @@ class Engine:
                 # Even if the caller is cancelled while draining, the model must stop.
                 with anyio.CancelScope(shield=True):
                     await runner.stop()
+                    self._drop_resources(runner)
                     if gate is not None:
                         await gate.wait_closed()  # its streams' generators, closing now
 
@@ -1085,6 +1139,7 @@ class Engine:
             models=models,
             cache_size=cache.size if cache is not None else 0,
             cache_bytes=cache.bytes if cache is not None else 0,
+            resources=self._resources.statistics(),
         )
 
     def _runner(self, model: str) -> ModelRunner | Pipeline:
@@ -1184,6 +1239,8 @@ def open_engine(
     cache_size: int = 0,
     tracer_provider: Any = None,
     trace_rate: float = 1.0,
+    resources: Mapping[str, int | Mapping[str, int]] | None = None,
+    rate_limit: bool = True,
 ) -> AbstractAsyncContextManager[Engine]:
     """An inference engine whose task group owns all its work, as an async context manager.
 
@@ -1222,6 +1279,16 @@ def open_engine(
         trace_rate: The share of requests that start a trace which are traced
             (0.001 = 1 in 1000); a request whose caller's span is valid follows
             that span's sampled flag instead. The provider's own sampler applies too.
+        resources: The sizes of the rate limiter's pools, by resource name: a
+            count for every device's pool (and for the global pool of a global
+            resource), or a table of device = count (``{"R1": {"cuda:0": 4}}``).
+            A pool not named holds the largest need of any loaded instance, as in
+            Triton. Instances declare their needs in
+            [`Instance.resources`][trioinfer.Instance]; a need bigger than its
+            configured pool is refused at load with ``ConfigError``.
+        rate_limit: Whether instances take the resources they declare (Triton's
+            ``--rate-limit=execution_count``); False runs them as if they declared
+            none (``--rate-limit=off``), and says so in the log at each load.
     """
     if not (isinstance(drain_period, (int, float)) and drain_period >= 0):
         raise ConfigError(f"drain_period must be a number of seconds >= 0, got {drain_period!r}")
@@ -1238,13 +1305,14 @@ def open_engine(
     if not isinstance(cache_size, int) or isinstance(cache_size, bool) or cache_size < 0:
         raise ConfigError(f"cache_size must be a number of bytes >= 0, got {cache_size!r}")
     cache = ResponseCache(cache_size) if cache_size else None
+    pools = ResourcePools(*to_resource_sizes(resources), enabled=bool(rate_limit))
     tracing: Tracing | None = None
     if tracer_provider is not None:
         from ._tracing import Tracing  # imports opentelemetry: only when tracing is on
 
         tracing = Tracing(tracer_provider, trace_rate)
     return _EngineManager(
-        _engine_scope(registry or Registry(), float(drain_period), limiters, cache, tracing)
+        _engine_scope(registry or Registry(), float(drain_period), limiters, cache, tracing, pools)
     )
 
 
@@ -1335,6 +1403,7 @@ async def _engine_scope(
     limiters: dict[str, anyio.CapacityLimiter],
     cache: ResponseCache | None,
     tracing: Tracing | None = None,
+    resources: ResourcePools | None = None,
 ) -> AsyncIterator[Engine]:
     body_error: BaseException | None = None
     try:
@@ -1347,6 +1416,7 @@ async def _engine_scope(
                     registry=registry,
                     drain_period=drain_period,
                     device_limits=limiters,
+                    resources=resources or ResourcePools({}, {}, enabled=True),
                     cache=cache,
                     tracing=tracing,
                 )

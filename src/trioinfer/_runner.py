@@ -1394,7 +1394,9 @@ class ModelRunner(metaclass=NoPublicConstructor):
         slot = replica._slot
         if not slot.try_acquire():  # a free slot costs no coroutine
             await slot.acquire()
-        limiter = self._device_limits.get(replica.device) if self._device_limits else None
+        limiter = replica._gate or (  # its resources (and device), or its device
+            self._device_limits.get(replica.device) if self._device_limits else None
+        )
         try:
             if limiter is not None:
                 await limiter.acquire()
@@ -1680,6 +1682,7 @@ class ModelRunner(metaclass=NoPublicConstructor):
                 and not slot._waiters
                 and replica._back is None
                 and not (limits and replica.device in limits)
+                and replica._gate is None  # its resources are taken in attempt() only
             ):
                 return replica
         return None
@@ -2393,7 +2396,7 @@ class ModelRunner(metaclass=NoPublicConstructor):
         await replica._slot.acquire()
         try:
             replica.executions += 1
-            limiter = self._device_limits.get(replica.device)
+            limiter = replica._gate or self._device_limits.get(replica.device)
             if limiter is None:
                 await self._call_backend(replica, arrays, _rows(arrays) if self.batched else 0)
             else:

@@ -50,6 +50,8 @@ _SERVE_KEYS: Final = frozenset(
         "trace_exporter",
         "trace_rate",
         "workers",
+        "rate_limit",
+        "rate_limit_resource",
     }
 )
 
@@ -158,6 +160,24 @@ def _rate_not_nan(
     metavar="BYTES",
     help="The response cache's size (e.g. 256MiB, 1GB) for the models whose config.toml "
     "sets response_cache = true; 0: no cache.",
+)
+@click.option(
+    "--rate-limit",
+    type=click.Choice(["off", "execution_count"]),
+    default="off",
+    show_default=True,
+    help="As Triton's: with execution_count, an instance runs an execution only once it "
+    "has taken the resources its instance group declares (config.pbtxt's "
+    "rate_limiter, config.toml's resources and global_resources) from the pools shared "
+    "by every model; off runs instances as if they declared none.",
+)
+@click.option(
+    "--rate-limit-resource",
+    multiple=True,
+    metavar="NAME:COUNT[:DEVICE]",
+    help="A resource pool's size (repeatable), as Triton's: on DEVICE (a GPU number, or "
+    "cpu / cuda:N), or without it on every device (and for a global resource). A pool "
+    "not sized holds the largest need of any loaded instance.",
 )
 @click.option(
     "--admin-token",
@@ -287,6 +307,8 @@ def serve(ctx: click.Context, /, **options: Any) -> None:
             repository_poll_s=settings["repository_poll_secs"],
             strict_readiness=settings["strict_readiness"],
             exit_on_error=settings["exit_on_error"],
+            rate_limit=settings["rate_limit"],
+            rate_limit_resources=settings["rate_limit_resource"],
         )
     except (TypeError, TrioInferError) as exc:
         raise click.UsageError(f"invalid server settings: {exc}") from exc

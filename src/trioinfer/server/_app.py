@@ -48,6 +48,7 @@ from .._exceptions import (
     QueueFull,
     TrioInferError,
 )
+from .._resources import parse_resource_flags
 from .._sequence import SequenceConfig, SequenceFlags
 from .._tensors import ModelSignature, TensorSpec
 from .._trace_settings import trace_settings, update_trace_settings
@@ -198,6 +199,11 @@ class ServerConfig:
             load, reload and unload what changed (Triton's poll mode; see
             ``trioinfer.server._poll``); the repository API's load and unload
             are refused meanwhile. 0: never.
+        rate_limit: ``"execution_count"`` for instances to take the resources their
+            config declares before each execution (Triton's rate limiter), or
+            ``"off"`` (the default, as Triton's) to run them as if they declared none.
+        rate_limit_resources: Pool sizes as Triton's ``--rate-limit-resource``
+            flags, ``NAME:COUNT[:DEVICE]``; a pool not sized holds the largest need.
     """
 
     limits: Limits = attrs.field(factory=Limits)
@@ -210,6 +216,22 @@ class ServerConfig:
     strict_readiness: bool = False
     exit_on_error: bool = False
     repository_poll_s: float = attrs.field(default=0.0)
+    rate_limit: str = attrs.field(default="off")
+    rate_limit_resources: tuple[str, ...] = attrs.field(default=(), converter=tuple)
+
+    @rate_limit.validator
+    def _check_rate_limit(self, _attribute: attrs.Attribute[Any], value: object) -> None:
+        if value not in ("off", "execution_count"):
+            raise ConfigError(f"rate_limit must be 'off' or 'execution_count', got {value!r}")
+
+    @rate_limit_resources.validator
+    def _check_resources(self, _attribute: attrs.Attribute[Any], value: tuple[str, ...]) -> None:
+        parse_resource_flags(value)
+
+    @property
+    def resource_sizes(self) -> dict[str, dict[str, int]]:
+        """``rate_limit_resources`` as `open_engine`'s ``resources``."""
+        return parse_resource_flags(self.rate_limit_resources)
 
     @repository_poll_s.validator
     def _check_poll(self, _attribute: attrs.Attribute[Any], value: object) -> None:
@@ -712,6 +734,12 @@ def _instance(group: Instance) -> dict[str, Any]:
         table["threads"] = group.threads
     if group.cpu_affinity is not None:
         table["cpu_affinity"] = list(group.cpu_affinity)
+    if group.resources:
+        table["resources"] = dict(group.resources)
+    if group.global_resources:
+        table["global_resources"] = dict(group.global_resources)
+    if group.resource_priority != 1:
+        table["resource_priority"] = group.resource_priority
     return table
 
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Iterable, Iterator, Sequence
-from typing import TYPE_CHECKING, Any, Final, TypedDict, final
+from typing import TYPE_CHECKING, Any, Final, NotRequired, TypedDict, final
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from prometheus_client.core import (
@@ -156,6 +156,10 @@ class Metrics:
             "in_flight": self._in_flight.value,
             "in_flight_protocols": {"http": self._in_flight.http, "grpc": self._in_flight.grpc},
             "versions": self.version_counts(self._models.all()),
+            "resources": [
+                [p.name, p.device or GLOBAL_DEVICE, p.size, p.in_use, p.waiting, p.waits, p.wait_s]
+                for p in self._models.engine.statistics().resources
+            ],
         }
 
     def version_counts(self, chosen: Iterable[ServedVersion]) -> list[VersionCounts]:
@@ -243,6 +247,12 @@ class Counts(TypedDict):
     #: Requests in flight by protocol (``http``, ``grpc``).
     in_flight_protocols: dict[str, int]
     versions: list[VersionCounts]
+    #: The rate limiter's pools: [name, device, size, in use, waiting, waits, seconds waited].
+    resources: NotRequired[list[list[Any]]]
+
+
+#: The ``device`` label of a global resource's pool, which every device shares.
+GLOBAL_DEVICE: Final = "global"
 
 
 #: The exported histograms, by ModelStatistics' attribute, and the bounds they have.
@@ -460,6 +470,38 @@ def _families(counts: Counts) -> Iterator[Metric]:
     yield fallbacks
     yield from histograms.values()
     yield from cache.values()
+    yield from _resource_families(counts.get("resources", []))
+
+
+def _resource_families(pools: list[list[Any]]) -> Iterator[Metric]:
+    # The rate limiter's pools (--rate-limit execution_count), shared by every model.
+    labels = ["resource", "device"]
+    size = GaugeMetricFamily(
+        "trioinfer_resource_pool_size", "How much of a resource its pool holds.", labels=labels
+    )
+    in_use = GaugeMetricFamily(
+        "trioinfer_resource_in_use",
+        "How much of a resource running executions hold.",
+        labels=labels,
+    )
+    waiting = GaugeMetricFamily(
+        "trioinfer_resource_waiting", "Instances waiting for a resource now.", labels=labels
+    )
+    waits = CounterMetricFamily(
+        "trioinfer_resource_waits", "Executions that waited for a resource.", labels=labels
+    )
+    wait_s = CounterMetricFamily(
+        "trioinfer_resource_wait_seconds", "Seconds executions waited for a resource.",
+        labels=labels,
+    )  # fmt: skip
+    for name, device, n_size, n_in_use, n_waiting, n_waits, seconds in pools:
+        size.add_metric([name, device], n_size)
+        in_use.add_metric([name, device], n_in_use)
+        waiting.add_metric([name, device], n_waiting)
+        waits.add_metric([name, device], n_waits)
+        wait_s.add_metric([name, device], seconds)
+    # Declared with no pools too, as the cache's families are without a cached model.
+    yield from (size, in_use, waiting, waits, wait_s)
 
 
 @final

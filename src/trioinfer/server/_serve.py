@@ -152,6 +152,8 @@ async def serve_http(
             cache_size=config.cache_size,
             tracer_provider=config.tracer_provider,
             trace_rate=config.trace_rate,
+            resources=config.resource_sizes,
+            rate_limit=config.rate_limit != "off",
         ) as engine,
     ):
         served = ServedModels(

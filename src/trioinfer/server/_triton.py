@@ -112,6 +112,16 @@ _MESSAGES: Final[dict[str, list[tuple[str, int, int, int, str, str]]]] = {
         ("profile", 5, _S, _MANY, "", ""),
         ("passive", 7, _B, _ONE, "", ""),
         ("host_policy", 9, _S, _ONE, "", ""),
+        ("rate_limiter", 6, _M, _ONE, "ModelRateLimiter", ""),
+    ],
+    "ModelRateLimiter": [
+        ("resources", 1, _M, _MANY, "ModelRateLimiter.Resource", ""),
+        ("priority", 2, _U32, _ONE, "", ""),
+    ],
+    "ModelRateLimiter.Resource": [
+        ("name", 1, _S, _ONE, "", ""),
+        ("global", 2, _B, _ONE, "", ""),
+        ("count", 3, _U32, _ONE, "", ""),
     ],
     "ModelQueuePolicy": [
         ("timeout_action", 1, _E, _ONE, "ModelQueuePolicy.TimeoutAction", ""),
@@ -1094,8 +1104,42 @@ def _sequence(batching: Any, max_batch: int, where: str, notes: list[str]) -> di
     return table
 
 
+def _rate_limiter(group: Any, where: str) -> dict[str, Any]:
+    # Triton's rate_limiter as an instance group's resource needs: per device unless
+    # global, and its priority (0 is 1, as Triton reads it). A count of 0 needs nothing.
+    if not group.HasField("rate_limiter"):
+        return {}
+    limiter = group.rate_limiter
+    what = f"instance_group {group.name!r} rate_limiter"
+    local: dict[str, int] = {}
+    shared: dict[str, int] = {}
+    for resource in limiter.resources:
+        if not resource.name:
+            raise ConfigError(f"{where}: {what} has a resource without a name")
+        if resource.name in local or resource.name in shared:
+            raise ConfigError(
+                f"{where}: {what} names resource {resource.name!r} twice; expected each once"
+            )
+        if resource.count:
+            (shared if getattr(resource, "global") else local)[resource.name] = resource.count
+    table: dict[str, Any] = {}
+    if local:
+        table["resources"] = local
+    if shared:
+        table["global_resources"] = shared
+    if limiter.priority > 1:
+        table["resource_priority"] = limiter.priority
+    return table
+
+
 def _instances(group: Any, where: str) -> list[dict[str, Any]]:
-    _refuse(group, {"name", "count", "gpus", "kind"}, where, f"instance_group {group.name!r}")
+    _refuse(
+        group,
+        {"name", "count", "gpus", "kind", "rate_limiter"},
+        where,
+        f"instance_group {group.name!r}",
+    )
+    needs = _rate_limiter(group, where)
     count = group.count or 1
     if count < 0:
         raise ConfigError(f"{where}: instance_group count must be >= 1, got {group.count}")
@@ -1110,12 +1154,12 @@ def _instances(group: Any, where: str) -> list[dict[str, Any]]:
     if kind == 2:
         if group.gpus:
             raise ConfigError(f"{where}: a KIND_CPU instance_group takes no gpus")
-        return [{"device": "cpu", "count": count}]
+        return [{"device": "cpu", "count": count, **needs}]
     gpus = list(group.gpus) or [0]
     if len(gpus) != len(set(gpus)) or min(gpus) < 0:
         raise ConfigError(f"{where}: instance_group gpus must be distinct GPU numbers >= 0")
     # Triton puts `count` instances on each listed GPU; trioinfer's groups are per device.
-    return [{"device": f"cuda:{gpu}", "count": count} for gpu in gpus]
+    return [{"device": f"cuda:{gpu}", "count": count, **needs} for gpu in gpus]
 
 
 def _onnxruntime_parameters(options: dict[str, Any], settings: dict[str, Any], where: str) -> None:

@@ -1203,6 +1203,8 @@ async def serve_workers(
             "repository_poll_s": config.repository_poll_s,
             "strict_readiness": config.strict_readiness,
             "exit_on_error": config.exit_on_error,
+            "rate_limit": config.rate_limit,
+            "rate_limit_resources": list(config.rate_limit_resources),
         },
     }
     repo = ModelRepository(root)
@@ -1309,6 +1311,8 @@ def _worker_main(argv: list[str]) -> int:
         repository_poll_s=settings["repository_poll_s"],
         strict_readiness=settings["strict_readiness"],
         exit_on_error=settings["exit_on_error"],
+        rate_limit=settings["rate_limit"],
+        rate_limit_resources=settings["rate_limit_resources"],
     )
     directory = Path(spec["directory"])
     link = WorkerLink(
