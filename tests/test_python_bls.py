@@ -251,3 +251,26 @@ async def test_parameters_may_not_set_what_the_backend_passes(name: str) -> None
     async with open_engine() as engine:
         with pytest.raises(trioinfer.ConfigError, match=f"sets '{name}', which the backend passes"):
             await engine.load(python("caller", AsyncCaller, parameters={name: "mine"}))
+
+
+SELF_PY = """
+class Model:
+    def __init__(self, models):
+        self.models = models
+
+    async def infer(self, inputs):
+        return await self.models.infer("loop", {"x": inputs["x"]})
+"""
+
+
+def test_a_served_model_cannot_call_itself_by_the_name_clients_use(tmp_path: Path) -> None:
+    # The engine knows it as "loop.v1": the call to "loop" is to itself all the same, and
+    # would wait for its own instance (for ever, without a deadline).
+    (tmp_path / "repository" / "loop" / "1").mkdir(parents=True)
+    (tmp_path / "repository" / "loop" / "1" / "model.py").write_text(SELF_PY)
+    (tmp_path / "repository" / "loop" / "config.toml").write_text(SCALE_TOML)
+    body = {"inputs": [{"name": "x", "shape": [1, 4], "datatype": "FP32", "data": [1, 2, 3, 4]}]}
+    with run_server(tmp_path / "repository", log=tmp_path / "log") as server:
+        answer = httpx.post(f"{server.url}/v2/models/loop/infer", json=body, timeout=30)
+    assert answer.status_code == 500
+    assert "called itself (as 'loop')" in answer.json()["error"]

@@ -102,14 +102,14 @@ class Models:
     async def _infer(
         self, model: str, inputs: Mapping[str, Any], priority: int, deadline: float
     ) -> dict[str, np.ndarray[Any, Any]]:
-        if model == self._own:
-            raise ValueError(
-                f"model {self._own!r} called itself through models.infer(); a model cannot: "
-                "its instances may all be busy computing this very call's caller"
-            )
+        # A call to itself, by whatever name, is refused there (ValueError).
         with anyio.CancelScope(deadline=deadline) as scope:
             try:
-                return dict(await infer_follow_up(self._engine, model, inputs, priority=priority))
+                return dict(
+                    await infer_follow_up(
+                        self._engine, model, inputs, priority=priority, caller=self._own
+                    )
+                )
             except ModelNotFound as exc:
                 # The calling model's code or config is wrong, not its client's request:
                 # a 500 naming both, not a 404 for a model the client did not ask for.
