@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import anyio
+import attrs
 import httpx
 import numpy as np
 import pytest
@@ -274,3 +275,19 @@ def test_a_served_model_cannot_call_itself_by_the_name_clients_use(tmp_path: Pat
         answer = httpx.post(f"{server.url}/v2/models/loop/infer", json=body, timeout=30)
     assert answer.status_code == 500
     assert "called itself (as 'loop')" in answer.json()["error"]
+
+
+@pytest.mark.parametrize("caller", [AsyncCaller, ThreadCaller])
+async def test_a_queue_timeout_does_not_cut_a_running_models_call_short(
+    autojump_clock: trio.testing.MockClock, caller: type
+) -> None:
+    # The caller's model bounds its requests' wait to start (queue_timeouts), not their
+    # run: a client that set no deadline waits for the call, as for any execution.
+    async with open_engine() as engine:
+        await engine.load(python("double", Double, parameters={"delay": 2.0}))
+        config = python("caller", caller)
+        await engine.load(attrs.evolve(config, queue_timeouts={0: 0.5}))
+        start = trio.current_time()
+        out = await engine.infer("caller", {"x": X})
+        assert trio.current_time() - start >= 2.0
+        np.testing.assert_array_equal(out["y"], X * 2 + 1)
