@@ -14,6 +14,7 @@ import trio
 from trio.testing import wait_all_tasks_blocked
 
 import trioinfer
+from trioinfer_python import Models
 
 NAMES = ["zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine"]
 
@@ -166,7 +167,7 @@ async def cancelled_at_the_deadline(engine: trioinfer.Engine) -> None:
 class Reader:
     """One model that calls two others while it computes: digits, then names."""
 
-    def __init__(self, models) -> None:  # the engine's other models, to call
+    def __init__(self, models: Models) -> None:  # the engine's other models, to call
         self.models = models
 
     async def infer(self, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
