@@ -97,7 +97,9 @@ async def poll_repository(
 
     while True:
         await anyio.sleep(interval)
-        read = await anyio.to_thread.run_sync(_snapshot_or_none, repository)
+        read = await anyio.to_thread.run_sync(
+            _snapshot_or_none, repository, previous or {}, set(steps)
+        )
         if read is None:
             continue
         current, now_steps = read
@@ -130,15 +132,21 @@ async def poll_repository(
 
 
 def _snapshot_or_none(
-    repository: ModelRepository,
+    repository: ModelRepository, previous: dict[str, Fingerprint], read: set[str]
 ) -> tuple[dict[str, Fingerprint], dict[str, list[str]]] | None:
-    # Every model's fingerprint, and the steps each pipeline names (blocking I/O).
+    # Every model's fingerprint, and the steps each pipeline names, read again only
+    # where its directory changed since *previous* or they were never *read* (blocking
+    # I/O: a config is parsed, and a repository may hold many).
     try:
         current = snapshot(repository)
     except TrioInferError as exc:  # the repository directory itself went away
         log.warning("model repository poll: %s", exc)
         return None
-    return current, {name: _steps(repository, name) for name in current}
+    return current, {
+        name: _steps(repository, name)
+        for name, found in current.items()
+        if name not in read or previous.get(name) != found
+    }
 
 
 def _steps(repository: ModelRepository, name: str) -> list[str]:
