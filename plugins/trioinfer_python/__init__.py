@@ -51,8 +51,8 @@ In code, ``backend_options={"class": Model, ...}`` names the class itself, and
   models of the engine, to call while it computes (Triton's business logic
   scripting). ``await models.infer("digits", inputs)`` from ``async def
   infer``, ``models.infer_blocking(...)`` from a plain ``def infer`` on the
-  worker thread; each call is an ordinary request to that model, under the
-  deadline of the requests being computed (see `Models`). In
+  worker thread; each call is an ordinary request to that model, ended when
+  the requests being computed have all ended (see `Models`). In
   ``trioinfer serve`` a model is named as clients name it (``"digits"``, or
   ``"digits:2"`` for one version).
 
