@@ -52,6 +52,16 @@ def test_cpu_utilization_is_the_busy_share_since_the_previous_scrape(tmp_path: P
     assert first["trioinfer_cpu_memory_used_bytes"] == [({}, 12000000 * 1024)]
 
 
+def test_counters_that_go_back_start_the_count_again(tmp_path: Path) -> None:
+    # /proc/stat's counters can go back (a container's view of them restarted, a
+    # kernel's iowait): the next interval counts from there, not from the old figures.
+    host = HostMetrics(proc(tmp_path, user=100_000, idle=900_000), nvml=None)
+    proc(tmp_path, user=150, idle=850)  # went back
+    assert scraped(host)["trioinfer_cpu_utilization"] == [({}, 0.0)]
+    proc(tmp_path, user=200, idle=900)  # 50 of 100 busy since
+    assert scraped(host)["trioinfer_cpu_utilization"] == [({}, 0.5)]
+
+
 def test_without_proc_or_nvml_nothing_is_reported(tmp_path: Path) -> None:
     assert scraped(HostMetrics(tmp_path / "none", nvml=None)) == {}
     (tmp_path / "meminfo").write_text("MemTotal: 1 kB\n")  # no MemAvailable: left out

@@ -181,3 +181,34 @@ def test_poll_settings_are_checked(tmp_path: Path) -> None:
     assert "repository_poll_secs" in said.stderr
     with pytest.raises(ConfigError, match="repository_poll_secs must be a number of seconds"):
         ServerConfig(repository_poll_s=float("inf"))
+
+
+async def test_a_pipeline_loads_after_its_steps_and_unloads_before_them(tmp_path: Path) -> None:
+    # read_digit names scale_image as a step: by name it comes first, but loaded first
+    # it would fail (its step not served yet), and nothing would load it again.
+    for name in ("read_digit", "scale_image", "digits", "digit_names"):
+        shutil.copytree(example_repository() / name, tmp_path / name)
+    repository = ModelRepository(tmp_path)
+    calls: list[tuple[str, str]] = []
+
+    async def load(name: str) -> None:
+        calls.append(("load", name))
+
+    async def unload(name: str) -> None:
+        calls.append(("unload", name))
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(lambda: poll_repository(repository, POLL_S, load, unload, baseline={}))
+        with trio.fail_after(WAIT_S):
+            while len(calls) < 4:  # noqa: ASYNC110  # polls what the poll did
+                await trio.sleep(POLL_S)
+        loaded = [name for _, name in calls]
+        assert loaded.index("read_digit") > loaded.index("scale_image")
+        for name in ("read_digit", "scale_image", "digits", "digit_names"):
+            (tmp_path / name).rename(tmp_path / f".{name}")  # hidden: gone at once
+        with trio.fail_after(WAIT_S):
+            while len(calls) < 8:  # noqa: ASYNC110  # polls what the poll did
+                await trio.sleep(POLL_S)
+        nursery.cancel_scope.cancel()
+    unloaded = [name for _, name in calls[4:]]
+    assert unloaded.index("read_digit") < unloaded.index("scale_image")

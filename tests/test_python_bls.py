@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import anyio
+import attrs
 import httpx
 import numpy as np
 import pytest
@@ -251,3 +252,42 @@ async def test_parameters_may_not_set_what_the_backend_passes(name: str) -> None
     async with open_engine() as engine:
         with pytest.raises(trioinfer.ConfigError, match=f"sets '{name}', which the backend passes"):
             await engine.load(python("caller", AsyncCaller, parameters={name: "mine"}))
+
+
+SELF_PY = """
+class Model:
+    def __init__(self, models):
+        self.models = models
+
+    async def infer(self, inputs):
+        return await self.models.infer("loop", {"x": inputs["x"]})
+"""
+
+
+def test_a_served_model_cannot_call_itself_by_the_name_clients_use(tmp_path: Path) -> None:
+    # The engine knows it as "loop.v1": the call to "loop" is to itself all the same, and
+    # would wait for its own instance (for ever, without a deadline).
+    (tmp_path / "repository" / "loop" / "1").mkdir(parents=True)
+    (tmp_path / "repository" / "loop" / "1" / "model.py").write_text(SELF_PY)
+    (tmp_path / "repository" / "loop" / "config.toml").write_text(SCALE_TOML)
+    body = {"inputs": [{"name": "x", "shape": [1, 4], "datatype": "FP32", "data": [1, 2, 3, 4]}]}
+    with run_server(tmp_path / "repository", log=tmp_path / "log") as server:
+        answer = httpx.post(f"{server.url}/v2/models/loop/infer", json=body, timeout=30)
+    assert answer.status_code == 500
+    assert "called itself (as 'loop')" in answer.json()["error"]
+
+
+@pytest.mark.parametrize("caller", [AsyncCaller, ThreadCaller])
+async def test_a_queue_timeout_does_not_cut_a_running_models_call_short(
+    autojump_clock: trio.testing.MockClock, caller: type
+) -> None:
+    # The caller's model bounds its requests' wait to start (queue_timeouts), not their
+    # run: a client that set no deadline waits for the call, as for any execution.
+    async with open_engine() as engine:
+        await engine.load(python("double", Double, parameters={"delay": 2.0}))
+        config = python("caller", caller)
+        await engine.load(attrs.evolve(config, queue_timeouts={0: 0.5}))
+        start = trio.current_time()
+        out = await engine.infer("caller", {"x": X})
+        assert trio.current_time() - start >= 2.0
+        np.testing.assert_array_equal(out["y"], X * 2 + 1)

@@ -114,6 +114,18 @@ UNBATCHED = ModelSignature.declared(
             UNBATCHED,
             "batch_size is 2, but the model does not batch",
         ),
+        # Refused before it is made (a load override comes over the network): a
+        # MemoryError, or gigabytes of zeros, otherwise.
+        (
+            {"name": "w", "inputs": {"x": {"dims": [10**11]}}},
+            None,
+            r"input 'x' would hold 100000000000 elements; at most 67108864",
+        ),
+        (
+            {"name": "w", "inputs": {"x": {"dims": [4]}}, "batch_size": 10**9},
+            None,
+            r"input 'x' would hold 4000000000 elements \(4 in each of 1000000000 rows\)",
+        ),
     ],
 )
 async def test_a_sample_that_does_not_fit_fails_the_load_before_anything_runs(

@@ -51,8 +51,8 @@ In code, ``backend_options={"class": Model, ...}`` names the class itself, and
   models of the engine, to call while it computes (Triton's business logic
   scripting). ``await models.infer("digits", inputs)`` from ``async def
   infer``, ``models.infer_blocking(...)`` from a plain ``def infer`` on the
-  worker thread; each call is an ordinary request to that model, under the
-  deadline of the requests being computed (see `Models`). In
+  worker thread; each call is an ordinary request to that model, ended when
+  the requests being computed have all ended (see `Models`). In
   ``trioinfer serve`` a model is named as clients name it (``"digits"``, or
   ``"digits:2"`` for one version).
 
@@ -115,6 +115,7 @@ batcher, and must return one row per input row.
 from __future__ import annotations
 
 import difflib
+import functools
 import importlib.machinery
 import importlib.util
 import inspect
@@ -139,9 +140,9 @@ from trioinfer import (
     TensorSpec,
     TrioInferError,
 )
-from trioinfer.lowlevel import Placement, WorkerThread, current_batch_deadline, current_engine
+from trioinfer.lowlevel import Placement, WorkerThread, current_engine
 
-from ._models import Models
+from ._models import Models, _Execution
 
 __all__ = ["Models", "PythonBackend", "PythonInstance"]
 
@@ -187,6 +188,14 @@ _LIBRARY_DIRS: tuple[str, ...] = tuple(
 )
 #: How many places (exception type, file, line) of one instance get their traceback logged.
 _LOGGED_AT_MOST: int = 256
+
+
+def _abort_both(execution: _Execution, abort: Any) -> None:
+    # Every caller of a plain def infer's execution left: its calls to other models
+    # end, and the model's own abort(), if it has one, is asked to stop it early.
+    execution.abort()
+    if abort is not None:
+        abort()
 
 
 def _raised(what: str, exc: BaseException) -> str:
@@ -558,13 +567,14 @@ class PythonInstance:
                 outputs = self._infer(dict(inputs))
             elif self._models is None:
                 outputs = await self._worker.run_sync(self._infer, dict(inputs), abort=self._abort)
-            else:  # its calls to other models take this execution's deadline with them
+            else:  # its calls to other models end when it is aborted
+                execution = _Execution()
                 outputs = await self._worker.run_sync(
                     self._models._within,
-                    current_batch_deadline(),
+                    execution,
                     self._infer,
                     dict(inputs),
-                    abort=self._abort,
+                    abort=functools.partial(_abort_both, execution, self._abort),
                 )
         except (anyio.get_cancelled_exc_class(), TrioInferError):
             raise  # the model chose the error's class (InvalidInput is the client's fault)

@@ -12,7 +12,7 @@ import anyio.lowlevel
 import numpy as np
 
 from trioinfer import BackendError, DeadlineExceeded, Engine, ModelNotFound
-from trioinfer.lowlevel import current_batch_deadline, infer_follow_up
+from trioinfer.lowlevel import infer_follow_up
 
 
 @final
@@ -22,11 +22,16 @@ class Models:
     A model's class gets one as its ``models`` keyword argument, if its
     ``__init__`` takes one (as ``device``). Each call is an ordinary request
     to the other model, as ``engine.infer`` makes (its batcher, scheduler,
-    instances, statistics), under the deadline of the requests the calling
-    execution computes for (`trioinfer.lowlevel.current_batch_deadline`):
-    past it the call ends with ``DeadlineExceeded`` and never reaches the
-    other model's backend; when every caller has left, an ``async def
-    infer`` is cancelled, and its calls with it. Calls go on while the engine
+    instances, statistics), bound to the requests the calling execution
+    computes for: when every one of them has ended (its caller's deadline
+    passed, or its caller left), an ``async def infer`` is cancelled, and
+    its calls with it; an ``infer_blocking`` call from a plain ``def
+    infer`` ends then with ``DeadlineExceeded`` (the thread cannot be
+    interrupted, but what it waits for can). A model's ``queue_timeouts``
+    bound its requests' wait to start, not their run, and so not these
+    calls, as for any execution (`trioinfer.lowlevel.current_batch_deadline`
+    counts them, for a service that wants the latest time worth starting
+    by). Calls go on while the engine
     drains, as a pipeline's steps do. Errors come as the other model raised
     them (``trioinfer.TrioInferError``s: catch them to handle them, or let
     them through to reach the callers as they are), but for a model that is
@@ -39,7 +44,7 @@ class Models:
     keep calls going one way.
     """
 
-    __slots__ = ("_deadline", "_engine", "_loop", "_own", "_token")
+    __slots__ = ("_computing", "_engine", "_loop", "_own", "_token")
 
     def __init__(self, engine: Engine, own: str) -> None:
         """Made by the backend at load, on the event loop."""
@@ -47,8 +52,8 @@ class Models:
         self._own = own
         self._token = anyio.lowlevel.current_token()
         self._loop = threading.get_ident()
-        # The deadline of the execution a worker thread computes (a plain def infer).
-        self._deadline = threading.local()
+        # The execution a worker thread computes (a plain def infer), as an _Execution.
+        self._computing = threading.local()
 
     async def infer(
         self, model: str, inputs: Mapping[str, Any], *, priority: int = 0
@@ -63,7 +68,9 @@ class Models:
             DeadlineExceeded: The calling requests' deadline passed first.
             TrioInferError: What the other model's request raised.
         """
-        return await self._infer(model, inputs, priority, current_batch_deadline())
+        # Bound by cancellation alone: the engine cancels this execution when every
+        # request it computes for has ended (a caller's own deadline among them).
+        return await self._infer(model, inputs, priority)
 
     def infer_blocking(
         self, model: str, inputs: Mapping[str, Any], *, priority: int = 0
@@ -85,39 +92,73 @@ class Models:
                 "model on its worker thread (dispatch = 'thread'), or make its infer an "
                 "async def and await models.infer()"
             )
-        deadline = getattr(self._deadline, "value", float("inf"))
+        execution = getattr(self._computing, "value", None)
         return anyio.from_thread.run(
-            self._infer, model, inputs, priority, deadline, token=self._token
+            self._infer_for, execution, model, inputs, priority, token=self._token
         )
 
-    def _within(self, deadline: float, infer: Any, inputs: Any) -> Any:
-        # On the worker thread: *infer* with its execution's deadline known to
-        # infer_blocking (the thread does not see the event loop's context).
-        self._deadline.value = deadline
+    def _within(self, execution: _Execution, infer: Any, inputs: Any) -> Any:
+        # On the worker thread: *infer* with its execution known to infer_blocking
+        # (the thread does not see the event loop's context).
+        self._computing.value = execution
         try:
             return infer(inputs)
         finally:
-            self._deadline.value = float("inf")
+            self._computing.value = None
 
-    async def _infer(
-        self, model: str, inputs: Mapping[str, Any], priority: int, deadline: float
+    async def _infer_for(
+        self,
+        execution: _Execution | None,
+        model: str,
+        inputs: Mapping[str, Any],
+        priority: int,
     ) -> dict[str, np.ndarray[Any, Any]]:
-        if model == self._own:
-            raise ValueError(
-                f"model {self._own!r} called itself through models.infer(); a model cannot: "
-                "its instances may all be busy computing this very call's caller"
-            )
-        with anyio.CancelScope(deadline=deadline) as scope:
+        # infer_blocking's call, on the event loop, ended when *execution* is aborted.
+        if execution is None:  # from load(), or a thread of the model's own
+            return await self._infer(model, inputs, priority)
+        with anyio.CancelScope() as scope:
+            if execution.aborted:
+                scope.cancel()
+            execution.scopes.add(scope)
             try:
-                return dict(await infer_follow_up(self._engine, model, inputs, priority=priority))
-            except ModelNotFound as exc:
-                # The calling model's code or config is wrong, not its client's request:
-                # a 500 naming both, not a 404 for a model the client did not ask for.
-                raise BackendError(
-                    f"model {self._own!r} called model {model!r}, which is not served: {exc}"
-                ) from exc
-        assert scope.cancelled_caught
+                return await self._infer(model, inputs, priority)
+            finally:
+                execution.scopes.discard(scope)
         raise DeadlineExceeded(
             f"model {self._own!r}'s call to model {model!r} did not end before the deadline "
-            "of the requests it computes for"
+            "of the requests it computes for, or before their callers left"
         )
+
+    async def _infer(
+        self, model: str, inputs: Mapping[str, Any], priority: int
+    ) -> dict[str, np.ndarray[Any, Any]]:
+        # A call to itself, by whatever name, is refused there (ValueError).
+        try:
+            return dict(
+                await infer_follow_up(
+                    self._engine, model, inputs, priority=priority, caller=self._own
+                )
+            )
+        except ModelNotFound as exc:
+            # The calling model's code or config is wrong, not its client's request:
+            # a 500 naming both, not a 404 for a model the client did not ask for.
+            raise BackendError(
+                f"model {self._own!r} called model {model!r}, which is not served: {exc}"
+            ) from exc
+
+
+@final
+class _Execution:
+    """A plain ``def infer``'s execution on its worker thread, for its calls to end with it."""
+
+    __slots__ = ("aborted", "scopes")
+
+    def __init__(self) -> None:
+        self.aborted = False
+        self.scopes: set[anyio.CancelScope] = set()
+
+    def abort(self) -> None:
+        """Every request it computed for has ended: end its calls (on the event loop)."""
+        self.aborted = True
+        for scope in self.scopes:
+            scope.cancel()

@@ -895,11 +895,23 @@ class Engine:
         return self.infer(model, inputs, priority=priority, tenant=tenant, request_id=request_id)
 
     def _follow_up(
-        self, model: str, inputs: Mapping[str, Any], priority: int, tenant: str | None
+        self,
+        model: str,
+        inputs: Mapping[str, Any],
+        priority: int,
+        tenant: str | None,
+        caller: str | None = None,
     ) -> Awaitable[Outputs]:
         # lowlevel.infer_follow_up: a request made for one accepted already.
+        named = model
         if self._follow_up_names is not None:
             model = self._follow_up_names(model)
+        if model == caller:
+            # Judged by the engine's name: under serve "m" is "m.v1", the caller's own.
+            raise ValueError(
+                f"model {caller!r} called itself (as {named!r}); a model cannot: its "
+                "instances may all be busy computing this very call's caller"
+            )
         return self._infer_step(
             model, inputs, priority=priority, tenant=tenant, request_id=next_request_id()
         )
@@ -1381,6 +1393,7 @@ async def infer_follow_up(
     *,
     priority: int = 0,
     tenant: str | None = None,
+    caller: str | None = None,
 ) -> Outputs:
     """``engine.infer``, for a request made on behalf of one the engine accepted already.
 
@@ -1390,10 +1403,15 @@ async def infer_follow_up(
     ``EngineClosed``). A model that calls another model while it computes
     uses it; the caller's cancel scope is the timeout, as for ``infer``.
 
+    *caller* is the model (its name as the engine loaded it) whose computation
+    makes the call: a call that reaches that very model, by whatever name, is
+    refused (it could wait for ever for the instance that makes it).
+
     Raises:
+        ValueError: *model* is *caller*.
         TrioInferError: As `Engine.infer`.
     """
-    return await engine._follow_up(model, inputs, priority, tenant)
+    return await engine._follow_up(model, inputs, priority, tenant, caller)
 
 
 @asynccontextmanager

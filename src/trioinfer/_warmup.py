@@ -198,6 +198,26 @@ class Warmup:
                 f"{where}: the model has no input {', '.join(map(repr, unknown))}; its "
                 f"inputs are {', '.join(map(repr, expected))}"
             )
+        # The element caps a request's inputs meet, checked before anything is made:
+        # a load override comes over the network, and dims or a batch_size too large
+        # would be a MemoryError (a 500), or gigabytes of zeros, rather than its error.
+        rows = self.batch_size if signature.batched else 1
+        total = 0
+        for spec in signature.inputs:
+            each = math.prod(self.inputs[spec.name].dims)
+            elements = each * rows
+            total += elements
+            if elements > limits.max_elements_per_input:
+                per_row = f" ({each} in each of {rows} rows)" if rows != 1 else ""
+                raise ConfigError(
+                    f"{where}: input {spec.name!r} would hold {elements} elements{per_row}; "
+                    f"at most {limits.max_elements_per_input} are accepted in one input"
+                )
+        if total > limits.max_elements_per_request:
+            raise ConfigError(
+                f"{where}: the sample's inputs would hold {total} elements together; at most "
+                f"{limits.max_elements_per_request} are accepted in one request"
+            )
         arrays: dict[str, np.ndarray[Any, Any]] = {}
         for spec in signature.inputs:
             made = self.inputs[spec.name]

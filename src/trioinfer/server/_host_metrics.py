@@ -109,8 +109,12 @@ class HostMetrics:
         now = self._cpu_times()
         if now is not None and self._cpu is not None:
             busy, total = now[0] - self._cpu[0], now[1] - self._cpu[1]
-            if total > 0:  # else scraped again within a tick: the last figure stands
-                self._utilization = min(max(busy / total, 0.0), 1.0)
+            if busy < 0 or total < 0:
+                # The counters went back (a container's view of them restarted): count
+                # from here; until the next scrape, the last figure stands.
+                self._cpu = now
+            elif total > 0:  # else scraped again within a tick: the last figure stands
+                self._utilization = min(busy / total, 1.0)
                 self._cpu = now
             yield GaugeMetricFamily(
                 "trioinfer_cpu_utilization",

@@ -18,7 +18,7 @@ import math
 import random
 import re
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Final, final
 
 import anyio
@@ -536,33 +536,11 @@ class ServedModels:
                 "backend": served[-1].backend,
                 "backend_options": served[-1].backend_options,
             }
-        steps = settings.get("backend_options", {}).get("steps", [])
-        if settings.get("backend") != PIPELINE or not isinstance(steps, list | tuple):
-            return []
-        return [
-            step["model"].partition(":")[0]
-            for step in steps
-            if isinstance(step, Mapping) and isinstance(step.get("model"), str)
-        ]
+        return steps_named(settings)
 
     def _in_dependency_order(self, names: list[str]) -> list[str]:
         # Every model after the models its steps name (pipelines of pipelines too).
-        order: list[str] = []
-        visiting: set[str] = set()
-
-        def visit(name: str) -> None:
-            if name in order or name in visiting:
-                return  # done, or a cycle, which the pipeline's load refuses
-            visiting.add(name)
-            for step in self._steps(name):
-                if step in names:
-                    visit(step)
-            visiting.discard(name)
-            order.append(name)
-
-        for name in names:
-            visit(name)
-        return order
+        return in_dependency_order(names, self._steps)
 
     def _dependents(self, model: str) -> list[str]:
         # Served pipelines with a step over *model*.
@@ -646,6 +624,38 @@ class ServedModels:
         if lock is None:
             lock = self._locks[model] = anyio.Lock()
         return lock
+
+
+def steps_named(settings: Mapping[str, Any]) -> list[str]:
+    """The repository models a pipeline's *settings* name as steps (none for other models)."""
+    steps = settings.get("backend_options", {}).get("steps", [])
+    if settings.get("backend") != PIPELINE or not isinstance(steps, list | tuple):
+        return []
+    return [
+        step["model"].partition(":")[0]
+        for step in steps
+        if isinstance(step, Mapping) and isinstance(step.get("model"), str)
+    ]
+
+
+def in_dependency_order(names: Sequence[str], steps: Callable[[str], list[str]]) -> list[str]:
+    """*names*, each after those of them its *steps* name (pipelines of pipelines too)."""
+    order: list[str] = []
+    visiting: set[str] = set()
+
+    def visit(name: str) -> None:
+        if name in order or name in visiting:
+            return  # done, or a cycle, which the pipeline's load refuses
+        visiting.add(name)
+        for step in steps(name):
+            if step in names:
+                visit(step)
+        visiting.discard(name)
+        order.append(name)
+
+    for name in names:
+        visit(name)
+    return order
 
 
 # An engine model name as the server makes them, quoted: 'digits.v1'.

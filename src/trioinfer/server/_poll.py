@@ -24,6 +24,7 @@ from typing import Final
 import anyio
 
 from .._exceptions import ModelNotFound, TrioInferError
+from ._models import in_dependency_order, steps_named
 from ._repository import ModelRepository
 
 log = logging.getLogger("trioinfer.server")
@@ -89,22 +90,36 @@ async def poll_repository(
     retried until the directory changes again.
     """
     previous = baseline
+    steps: dict[str, list[str]] = {}  # each model's pipeline steps as last read
+
+    def known(name: str) -> list[str]:
+        return steps.get(name, [])
+
     while True:
         await anyio.sleep(interval)
-        current = await anyio.to_thread.run_sync(_snapshot_or_none, repository)
-        if current is None or previous is None:
-            previous = current if current is not None else previous
+        read = await anyio.to_thread.run_sync(
+            _snapshot_or_none, repository, previous or {}, set(steps)
+        )
+        if read is None:
             continue
-        for name in sorted(current):
-            if previous.get(name) == current[name]:
-                continue
+        current, now_steps = read
+        # A model gone from disk keeps the steps it had: its unload is ordered by them.
+        steps.update(now_steps)
+        if previous is None:
+            previous = current
+            continue
+        changed = [name for name in current if previous.get(name) != current[name]]
+        # A pipeline loads after its steps (loaded first, it would fail for want of
+        # them, and nothing would load it again), and unloads before them.
+        for name in in_dependency_order(sorted(changed), known):
             what = "appeared" if name not in previous else "changed"
             log.info("model repository poll: %s %s; loading it", name, what)
             try:
                 await load(name)
             except TrioInferError as exc:
                 log.warning("model repository poll: could not load %s: %s", name, exc)
-        for name in sorted(previous.keys() - current.keys()):
+        gone = sorted(previous.keys() - current.keys())
+        for name in reversed(in_dependency_order(gone, known)):
             log.info("model repository poll: %s is gone; unloading it", name)
             try:
                 await unload(name)
@@ -112,12 +127,30 @@ async def poll_repository(
                 pass  # it was not served (its load had failed)
             except TrioInferError as exc:
                 log.warning("model repository poll: could not unload %s: %s", name, exc)
+            steps.pop(name, None)
         previous = current
 
 
-def _snapshot_or_none(repository: ModelRepository) -> dict[str, Fingerprint] | None:
+def _snapshot_or_none(
+    repository: ModelRepository, previous: dict[str, Fingerprint], read: set[str]
+) -> tuple[dict[str, Fingerprint], dict[str, list[str]]] | None:
+    # Every model's fingerprint, and the steps each pipeline names, read again only
+    # where its directory changed since *previous* or they were never *read* (blocking
+    # I/O: a config is parsed, and a repository may hold many).
     try:
-        return snapshot(repository)
+        current = snapshot(repository)
     except TrioInferError as exc:  # the repository directory itself went away
         log.warning("model repository poll: %s", exc)
         return None
+    return current, {
+        name: _steps(repository, name)
+        for name, found in current.items()
+        if name not in read or previous.get(name) != found
+    }
+
+
+def _steps(repository: ModelRepository, name: str) -> list[str]:
+    try:
+        return steps_named(repository.entry(name).settings)
+    except TrioInferError:
+        return []  # its load says what is wrong with it
