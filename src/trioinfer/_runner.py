@@ -2450,6 +2450,17 @@ class ModelRunner(metaclass=NoPublicConstructor):
                 ) from exc
             finally:
                 await close_instances(self.config.name, [old])
+            if (wrong := _not_an_instance(new)) is not None:
+                # As at load: the backend's broken contract, not an AttributeError
+                # from the fallback that re-creates (nor a junk object served).
+                if isinstance(new, BackendInstance):
+                    await close_instances(self.config.name, [new])
+                raise PluginContractError(
+                    f"{self._backend_label()} broke its contract: load(), re-creating "
+                    f"{replica.label} of model {self.config.name!r}, returned {wrong}",
+                    kind="backends",
+                    plugin=self.config.backend,
+                )
             if new.signature != self.backend_signature:
                 await close_instances(self.config.name, [new])
                 raise BackendError(
@@ -2643,6 +2654,30 @@ async def close_instances(model: str, instances: Sequence[BackendInstance]) -> N
             CLEANUP_S,
             ", ".join(map(repr, left)),
         )
+
+
+def _not_an_instance(instance: object) -> str | None:
+    # What a backend's load() returned instead of a BackendInstance, or None. Checked
+    # once per instance at load (and at each re-creation): a None, or a dict for a
+    # signature, failed the load with "instances report different signatures" or an
+    # unhashable-type TypeError, and a re-creation with an AttributeError.
+    if not isinstance(instance, BackendInstance):
+        return (
+            f"a {type(instance).__name__!r} object, not a trioinfer.abc.BackendInstance "
+            "(signature, device, execute() and aclose())"
+        )
+    try:
+        signature, device = instance.signature, instance.device
+    except Exception as exc:
+        return f"an instance whose signature or device raised {type(exc).__name__}: {exc}"
+    if not isinstance(signature, ModelSignature):
+        return (
+            f"an instance whose signature is a {type(signature).__name__!r} object, not a "
+            "trioinfer.ModelSignature"
+        )
+    if not isinstance(device, str) or not device:
+        return f"an instance whose device is {device!r}, not a non-empty str such as 'cpu'"
+    return None
 
 
 def _probe_inputs(signature: ModelSignature) -> dict[str, Any]:

@@ -558,6 +558,9 @@ class FallbackContext(Protocol):
         Raises:
             BackendError: The new instance could not be loaded, or reports
                 another signature; the old one is closed anyway.
+            PluginContractError: The backend's ``load()`` returned no
+                [`BackendInstance`][trioinfer.abc.BackendInstance] (as at load,
+                the backend's broken contract); the old one is closed anyway.
         """
         ...
 
