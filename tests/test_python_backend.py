@@ -869,10 +869,14 @@ async def test_a_streaming_model_cannot_change_its_callers_inputs_in_place() -> 
     x = X.copy()
     async with open_engine() as engine:
         await engine.load(config(Streams, decoupled=True))
-        answers = []
-        with pytest.raises(BackendError, match=r"a model's inputs are read-only"):
+        answers: list[Any] = []
+
+        async def read() -> None:
             async with engine.infer_stream("m", {"x": x}) as responses:
                 async for outputs in responses:
                     answers.append(outputs)
+
+        with pytest.raises(BackendError, match=r"a model's inputs are read-only"):
+            await read()
         assert len(answers) == 1
     assert x.tolist() == X.tolist()

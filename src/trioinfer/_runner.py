@@ -93,7 +93,6 @@ _ki_protected = trio.lowlevel.enable_ki_protection
 CLEANUP_S = 10.0
 
 
-
 class _Held:
     """``request._state.batch`` of a queued request a batcher took and has not dispatched.
 
