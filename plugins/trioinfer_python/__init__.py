@@ -691,13 +691,14 @@ def _read_only(inputs: Arrays) -> dict[str, np.ndarray[Any, Any]]:
     # The model's inputs as read-only views: they are the caller's own arrays (engine.infer
     # copies nothing), another step's answer that the pipeline also returns, or views
     # shared with other requests' rows; a write through one (x *= 2) changed them for
-    # everyone. A view costs a fraction of a microsecond and no copy of the data.
-    views = dict(inputs)
-    for name, value in views.items():
-        if isinstance(value, np.ndarray) and value.flags.writeable:
-            view = value.view()
-            view.setflags(write=False)
-            views[name] = view
+    # everyone. A view costs about 0.3 us and no copy of the data (asking whether an
+    # array is read-only already costs a third of that: every one gets a view).
+    views: dict[str, np.ndarray[Any, Any]] = {}
+    for name, value in inputs.items():
+        if value.__class__ is np.ndarray:
+            value = value.view()
+            value.setflags(write=False)
+        views[name] = value
     return views
 
 
