@@ -1270,6 +1270,40 @@ def test_why_a_graph_does_not_prove_its_outputs(
     _proof._proved.clear()
 
 
+async def test_the_proof_cache_stays_bounded_as_models_load_and_unload(
+    model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each file proved (a path, its stamp, a signature) was kept for the process's life:
+    a server loading and unloading models, or a repository whose files are replaced,
+    grew it without end. The last PROOF_CACHE_ENTRIES answers are kept, the first
+    forgotten (a model loaded again is proved again, at load)."""
+    import shutil
+
+    from trioinfer_onnxruntime import _proof
+
+    monkeypatch.setattr(_proof, "PROOF_CACHE_ENTRIES", 4)
+    _proof._proved.clear()
+    first = _write_reshape(model_dir / "cached.onnx", declared=["N", 4], inferable=True)
+    try:
+        async with open_engine() as engine:
+            for n in range(12):
+                path = model_dir / f"cached{n}.onnx"
+                shutil.copy(first, path)
+                await engine.load(
+                    ModelConfig(name="c", path=path, backend_options={"log_severity": 4})
+                )
+                runner = engine._runners["c"]
+                assert [r._backend_instance.checks_outputs for r in runner.replicas] == [True]
+                await engine.unload("c")
+                assert len(_proof._proved) == min(n + 1, 4)
+        # The newest are those kept.
+        assert [key[0] for key in _proof._proved] == [
+            str(model_dir / f"cached{n}.onnx") for n in range(8, 12)
+        ]
+    finally:
+        _proof._proved.clear()
+
+
 def test_instances_loading_together_parse_the_file_once(
     model_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

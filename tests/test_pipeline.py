@@ -628,3 +628,54 @@ async def test_bytes_pass_between_steps_as_they_are(tmp_path: Path) -> None:
             await engine.infer("q", {"IN": np.array([b"ok"], dtype=object)})
     assert str(info.value).startswith("pipeline 'q', step 1 (model 'text'): input 'x' of model ")
     assert "element at index 0 is not UTF-8" in str(info.value)
+
+
+class Doubles:
+    """A step that doubles its input in place: its input is another step's output, or the
+    pipeline caller's array."""
+
+    def infer(self, inputs: Arrays) -> Arrays:
+        x = inputs["x"]
+        x *= 2
+        return {"y": x}
+
+
+class Passes:
+    """A step that answers its input as it is."""
+
+    def infer(self, inputs: Arrays) -> Arrays:
+        return {"y": inputs["x"]}
+
+
+def inline_model(name: str, cls: type) -> ModelConfig:
+    options = {"class": cls, "inputs": [tensor("x")], "outputs": [tensor("y")]}
+    return ModelConfig(
+        name=name, path="-", backend="python", backend_options={**options, "dispatch": "inline"}
+    )
+
+
+@pytest.mark.python_model
+@pytest.mark.parametrize("batcher", ["none", "dynamic"])
+async def test_a_step_cannot_change_the_callers_array_or_another_steps_output(
+    batcher: str,
+) -> None:
+    # IN -> passes -> A; A -> doubles -> OUT, the pipeline answering A and OUT: the step
+    # doubling its input in place doubled A (the first step's answer, the caller's
+    # array itself) after the first step had answered it, and the caller's own array.
+    async with open_engine() as engine:
+        await engine.load(inline_model("passes", Passes))
+        await engine.load(inline_model("doubles", Doubles))
+        await engine.load(
+            pipeline(
+                [step("passes", "IN", "A"), step("doubles", "A", "OUT")],
+                options={"outputs": [tensor("A"), tensor("OUT")]},
+                batcher=batcher,
+            )
+        )
+        x = X.copy()
+        with pytest.raises(
+            trioinfer.BackendError,
+            match=r"step 1 \(model 'doubles'\).*a model's inputs are read-only",
+        ):
+            await engine.infer("p", {"IN": x})
+        assert x.tolist() == X.tolist()

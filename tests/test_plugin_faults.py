@@ -1038,3 +1038,62 @@ def test_an_inline_budget_that_is_no_positive_finite_number_counts_as_none(budge
     assert inline_budget(replica) == DEFAULT_SLICE_S  # type: ignore[arg-type]
     replica._backend_instance.inline_budget_s = 0.002
     assert inline_budget(replica) == 0.002  # type: ignore[arg-type]
+
+
+async def test_a_batcher_that_returns_a_request_in_a_later_batch_is_blamed(
+    autojump_clock: trio.testing.MockClock, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Its contract: each request of a batch taken during that call; a request taken
+    # and left out goes back before the call returns. One held over and returned in
+    # a later batch broke it, as one returned twice does: a PluginContractError
+    # naming the batcher, not a run that hides the batcher's miscount.
+    class Hoards:
+        def __init__(self) -> None:
+            self.hoard = False  # take two, return the first, keep the second for later
+            self.kept: list[Request] = []
+
+        async def next_batch(self, queue: RequestQueue) -> list[Request]:
+            if self.kept:
+                kept, self.kept = self.kept, []
+                return kept
+            while True:
+                await queue.wait_not_empty()
+                try:
+                    request = queue.pop_nowait()
+                except anyio.WouldBlock:
+                    continue
+                if self.hoard:
+                    self.hoard = False
+                    await queue.wait_not_empty()
+                    self.kept = [queue.pop_nowait()]
+                return [request]
+
+    backend = FakeBackend()
+    batcher = Hoards()
+    with trio.fail_after(60):
+        async with open_engine(
+            registry=registry(backend, batchers={"hoards": lambda: batcher})
+        ) as e:
+            await e.load(config(batcher="hoards"))
+            batcher.hoard = True
+            results: list[BaseException | None] = []
+
+            async def call() -> None:
+                results.append(await outcome(e, "m"))
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(call)
+                nursery.start_soon(call)
+            assert results[0] is None  # the first, in the batch it was taken in
+            error = results[1]
+            assert isinstance(error, trioinfer.PluginContractError), results
+            assert (error.kind, error.plugin) == ("batchers", "hoards")
+            assert str(error).startswith("batcher 'hoards' of model 'm' broke its contract: ")
+            assert "in a later batch than the one it was taken in" in str(error)
+            assert status_for(error) == 500
+            assert len(backend.executions) == 1  # the kept one never ran
+            assert [r.getMessage() for r in errors(caplog)] == [str(error)]
+            # One broken batch: the model goes on.
+            assert await outcome(e, "m") is None
+            stats = e.statistics().models["m"]
+            assert (stats.succeeded, stats.failed) == (2, 1)

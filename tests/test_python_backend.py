@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 import anyio
+import attrs
 import numpy as np
 import pytest
 import trio
@@ -799,3 +800,83 @@ async def test_an_infer_the_constructor_sets_runs_where_dispatch_says() -> None:
     np.testing.assert_array_equal(out["y"], X * 2)
     assert len(seen) == 1
     assert seen[0].startswith("trioinfer-python-m-")
+
+
+class InPlace:
+    """A model that doubles its input in place (``x *= 2``), which would be its caller's array."""
+
+    def infer(self, inputs: dict[str, np.ndarray[Any, Any]]) -> dict[str, Any]:
+        x = inputs["x"]
+        x *= 2
+        return {"y": x}
+
+
+class AsyncInPlace:
+    """InPlace's ``async def`` twin, that writes by item assignment."""
+
+    async def infer(self, inputs: dict[str, np.ndarray[Any, Any]]) -> dict[str, Any]:
+        x = inputs["x"]
+        x[:] = x * 2
+        return {"y": x}
+
+
+class CopiesFirst:
+    """The way to change an input: on a copy of it."""
+
+    def infer(self, inputs: dict[str, np.ndarray[Any, Any]]) -> dict[str, Any]:
+        x = inputs["x"].copy()
+        x *= 2
+        return {"y": x}
+
+
+@pytest.mark.parametrize(
+    ("cls", "dispatch"),
+    [(InPlace, "thread"), (InPlace, "inline"), (AsyncInPlace, "thread")],
+)
+@pytest.mark.parametrize("batcher", ["none", "dynamic"])
+async def test_a_model_cannot_change_its_callers_inputs_in_place(
+    cls: type, dispatch: str, batcher: str
+) -> None:
+    # The model's inputs are the caller's arrays as sent (engine.infer copies nothing):
+    # `inputs["x"] *= 2` doubled the caller's array, and the next request built from it.
+    # They reach the model read-only: the write fails, saying how to change an input.
+    x = X.copy()
+    async with open_engine() as engine:
+        await engine.load(attrs.evolve(config(cls, dispatch=dispatch), batcher=batcher))
+        with pytest.raises(
+            BackendError,
+            match=r"infer raised ValueError: .*read-only.* \(test_python_backend\.py, line "
+            r"\d+, in infer\); a model's inputs are read-only \(they may be its caller's "
+            r"arrays\): change a copy, inputs\['x'\]\.copy\(\)",
+        ):
+            await engine.infer("m", {"x": x})
+        assert x.tolist() == X.tolist()
+        await engine.load(
+            attrs.evolve(config(CopiesFirst, dispatch=dispatch), batcher=batcher), replace=True
+        )
+        out = await engine.infer("m", {"x": x})
+        assert out["y"].tolist() == (2 * X).tolist()
+        assert x.tolist() == X.tolist()
+
+
+async def test_a_streaming_model_cannot_change_its_callers_inputs_in_place() -> None:
+    class Streams:
+        async def infer(self, inputs: dict[str, np.ndarray[Any, Any]]) -> Any:
+            yield {"y": inputs["x"] * 2}
+            inputs["x"][0, 0] = 100.0
+            yield {"y": inputs["x"]}
+
+    x = X.copy()
+    async with open_engine() as engine:
+        await engine.load(config(Streams, decoupled=True))
+        answers: list[Any] = []
+
+        async def read() -> None:
+            async with engine.infer_stream("m", {"x": x}) as responses:
+                async for outputs in responses:
+                    answers.append(outputs)
+
+        with pytest.raises(BackendError, match=r"a model's inputs are read-only"):
+            await read()
+        assert len(answers) == 1
+    assert x.tolist() == X.tolist()

@@ -111,6 +111,18 @@ def third_party(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
                         raise OSError("device lost")
                     return await self.inner.load(config, placement)
 
+            class LoadsJunk(LoadsOnce):
+                # Its first load works, its next returns what is no instance: a
+                # re-creation gets no check of it at load.
+                def __init__(self, junk):
+                    super().__init__()
+                    self.junk = junk
+                async def load(self, config, placement):
+                    self.loads += 1
+                    if self.loads > 1:
+                        return self.junk
+                    return await self.inner.load(config, placement)
+
             class LoadFails:
                 async def load(self, config, placement):
                     raise OSError("libacme.so: cannot open shared object file")
@@ -422,6 +434,60 @@ async def test_a_third_party_backend_failing_to_re_create_an_instance_names_its_
             r"instance 0 \(cpu\) of model 'add': OSError: device lost$",
         ):
             await runner.recreate(runner.replicas[0])
+
+
+@pytest.mark.parametrize(
+    ("junk", "said"),
+    [
+        (
+            "{'signature': None}",
+            r"a 'dict' object, not a trioinfer\.abc\.BackendInstance",
+        ),
+        (
+            "NoSignature.Instance()",
+            r"a 'Instance' object, not a trioinfer\.abc\.BackendInstance",
+        ),
+        (
+            "LoadsJunk.Sigless()",
+            r"an instance whose signature is a 'NoneType' object, not a trioinfer\.ModelSignature",
+        ),
+    ],
+)
+async def test_a_re_created_instance_gets_the_check_a_loaded_one_does(
+    third_party: Path, add_model: Path, monkeypatch: pytest.MonkeyPatch, junk: str, said: str
+) -> None:
+    # A backend whose load() returns no instance when the circuit breaker re-creates
+    # one was not caught there (an AttributeError, or a dict served as an instance),
+    # while the same answer at load is the backend's broken contract.
+    import acme_plugins
+
+    class Sigless:
+        signature = None
+        device = "cpu"
+        closed = False
+
+        async def execute(self, inputs: object) -> dict[str, object]:
+            return {}
+
+        async def aclose(self) -> None:
+            Sigless.closed = True
+
+    monkeypatch.setattr(acme_plugins.LoadsJunk, "Sigless", Sigless, raising=False)
+    made = eval(junk, vars(acme_plugins))
+    registry = Registry(extra={"backends": {"loadsjunk": lambda: acme_plugins.LoadsJunk(made)}})
+    async with open_engine(registry=registry) as engine:
+        await engine.load(ModelConfig(name="add", path=add_model, backend="loadsjunk"))
+        runner = engine._runners["add"]
+        with pytest.raises(
+            PluginContractError,
+            match=r"^backend 'loadsjunk' broke its contract: load\(\), re-creating instance 0 "
+            r"\(cpu\) of model 'add', returned " + said,
+        ) as info:
+            await runner.recreate(runner.replicas[0])
+        assert (info.value.kind, info.value.plugin) == ("backends", "loadsjunk")
+        assert runner.replicas[0].recreated == 0
+        if isinstance(made, Sigless):
+            assert Sigless.closed  # an instance refused is closed, as at load
 
 
 async def test_engine_reports_unknown_plugins_at_load(add_model: Path) -> None:

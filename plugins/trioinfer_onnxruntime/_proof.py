@@ -31,6 +31,7 @@ leaves one open; such a graph still answers another shape than it reports.
 
 from __future__ import annotations
 
+import collections
 import os
 import threading
 from pathlib import Path
@@ -42,6 +43,13 @@ from trioinfer import ModelSignature
 #: outputs: their executions are long enough that the engine's check is noise,
 #: and the parse would hold a second copy of the weights.
 PROOF_MAX_BYTES: Final = 64 << 20
+
+#: Answers kept, the most recently asked: a model's instances, loading side by side
+#: or re-created later, ask the same question. Bounded, so that a server loading and
+#: unloading models (or a repository whose files are replaced: each file is a new
+#: question) does not keep them for the process's life; one asked again after it
+#: was forgotten is answered again, at load.
+PROOF_CACHE_ENTRIES: Final = 256
 
 
 class Unproved(NamedTuple):
@@ -57,9 +65,11 @@ class Unproved(NamedTuple):
 #: What tells the file at a path from another put there: device, inode, size, mtime (ns).
 Stamp = tuple[int, int, int, int]
 
-# What _unproved said per (path, stamp, signature): every instance of a model
-# asks the same question.
-_proved: dict[tuple[str, Stamp, ModelSignature], Unproved | None] = {}
+# What _unproved said per (path, stamp, signature), the least recently asked first
+# (changed under _proving_lock): every instance of a model asks the same question.
+_proved: collections.OrderedDict[tuple[str, Stamp, ModelSignature], Unproved | None] = (
+    collections.OrderedDict()
+)
 # The question being answered now, per key: a model's instances load side by side,
 # and each parse holds a copy of the file (up to PROOF_MAX_BYTES), so the others
 # wait for the first's answer.
@@ -93,16 +103,24 @@ def outputs_unproved(
     if read is not None and stamp != read:
         return Unproved("its file was replaced after ONNX Runtime read it")
     key = (str(path), stamp, signature)
-    if key in _proved:
-        return _proved[key]
     with _proving_lock:
+        if key in _proved:
+            _proved.move_to_end(key)
+            return _proved[key]
         lock = _proving.setdefault(key, threading.Lock())
     with lock:
-        if key not in _proved:
-            _proved[key] = _unproved(path, signature, stamp)
+        with _proving_lock:
+            known = key in _proved
+            answer = _proved.get(key)
+        if not known:  # (else another thread answered while this one waited)
+            answer = _unproved(path, signature, stamp)
     with _proving_lock:
         _proving.pop(key, None)
-    return _proved[key]
+        _proved[key] = answer
+        _proved.move_to_end(key)
+        while len(_proved) > PROOF_CACHE_ENTRIES:
+            _proved.popitem(last=False)
+    return answer
 
 
 def _unproved(path: Path, signature: ModelSignature, stamp: Stamp) -> Unproved | None:

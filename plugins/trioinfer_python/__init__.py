@@ -30,6 +30,15 @@ In code, ``backend_options={"class": Model, ...}`` names the class itself, and
   it cheap, and do slow work (reading weights) in ``load``, which a plain
   ``def`` runs on the instance's worker thread.
 - ``infer(self, inputs) -> outputs``, dicts of numpy arrays by tensor name.
+  The input arrays are read-only views: they may be the caller's own arrays
+  (``engine.infer`` copies nothing), another pipeline step's answer (which
+  the pipeline may also return, or the response cache keep), or a client's
+  request body, so a write through one (``inputs["x"] *= 2``,
+  ``x[0] = 0``) raises numpy's ``ValueError: ... read-only``, a
+  ``BackendError`` that says so. Change a copy (``x = inputs["x"].copy()``,
+  or ``x = inputs["x"] * 2``). The dict itself is the model's own. An input
+  returned as an output (``{"y": inputs["x"]}``) reaches the caller
+  read-only, as a cached answer does.
   An exception it raises fails its batch as a ``BackendError`` whose message
   names the line of the model's code that raised it (``(model.py, line 5, in
   infer)``; the logger ``trioinfer.python`` gets the traceback, once per
@@ -536,7 +545,7 @@ class PythonInstance:
             raise BackendError(f"{self._label} is closed")
         if not self._decoupled:
             raise BackendError(f"{self._label} is not decoupled: it answers with execute()")
-        generator = self._infer(dict(inputs))
+        generator = self._infer(_read_only(inputs))
         try:
             while True:
                 try:
@@ -562,18 +571,20 @@ class PythonInstance:
             raise BackendError(f"{self._label} is closed")
         try:
             if self._async:
-                outputs = await self._infer(dict(inputs))
+                outputs = await self._infer(_read_only(inputs))
             elif self._worker is None:  # dispatch = "inline": cheaper than a thread hop
-                outputs = self._infer(dict(inputs))
+                outputs = self._infer(_read_only(inputs))
             elif self._models is None:
-                outputs = await self._worker.run_sync(self._infer, dict(inputs), abort=self._abort)
+                outputs = await self._worker.run_sync(
+                    self._infer, _read_only(inputs), abort=self._abort
+                )
             else:  # its calls to other models end when it is aborted
                 execution = _Execution()
                 outputs = await self._worker.run_sync(
                     self._models._within,
                     execution,
                     self._infer,
-                    dict(inputs),
+                    _read_only(inputs),
                     abort=functools.partial(_abort_both, execution, self._abort),
                 )
         except (anyio.get_cancelled_exc_class(), TrioInferError):
@@ -585,7 +596,14 @@ class PythonInstance:
     def _failed(self, exc: Exception) -> BackendError:
         # The error callers get names the line; the log gets the whole traceback, once per
         # place (a model failing every request would otherwise flood it).
-        error = BackendError(_raised(f"{self._label}: infer", exc))
+        said = _raised(f"{self._label}: infer", exc)
+        if isinstance(exc, ValueError) and "read-only" in str(exc):
+            # numpy's "output array is read-only" names no array: say which ones are.
+            said += (
+                "; a model's inputs are read-only (they may be its caller's arrays): change "
+                f"a copy, inputs[{self._signature.inputs[0].name!r}].copy()"
+            )
+        error = BackendError(said)
         frame = _own_frame(exc)
         place = (type(exc).__name__, *(("", None) if frame is None else frame[:2]))
         if place not in self._logged and len(self._logged) < _LOGGED_AT_MOST:
@@ -707,6 +725,21 @@ class PythonInstance:
                 await self._worker.aclose()
             # The module this instance's import of model.py made: nothing else uses it.
             _forget(self._module)
+
+
+def _read_only(inputs: Arrays) -> dict[str, np.ndarray[Any, Any]]:
+    # The model's inputs as read-only views: they are the caller's own arrays (engine.infer
+    # copies nothing), another step's answer that the pipeline also returns, or views
+    # shared with other requests' rows; a write through one (x *= 2) changed them for
+    # everyone. A view costs about 0.3 us and no copy of the data (asking whether an
+    # array is read-only already costs a third of that: every one gets a view).
+    views: dict[str, np.ndarray[Any, Any]] = {}
+    for name, value in inputs.items():
+        if value.__class__ is np.ndarray:
+            value = value.view()
+            value.setflags(write=False)
+        views[name] = value
+    return views
 
 
 def _forget(module: str | None) -> None:

@@ -46,6 +46,7 @@ from ._runner import (
     ModelRunner,
     ModelStatistics,
     Unfinished,
+    _not_an_instance,
     close_instances,
     runs_inline,
 )
@@ -1593,29 +1594,6 @@ async def _load_instances(
             "[sequence] config); a model can be one or the other, not both"
         )
     return done
-
-
-def _not_an_instance(instance: object) -> str | None:
-    # What a backend's load() returned instead of a BackendInstance, or None. Checked
-    # once per instance at load: a None, or a dict for a signature, failed the load
-    # with "instances report different signatures" or an unhashable-type TypeError.
-    if not isinstance(instance, BackendInstance):
-        return (
-            f"a {type(instance).__name__!r} object, not a trioinfer.abc.BackendInstance "
-            "(signature, device, execute() and aclose())"
-        )
-    try:
-        signature, device = instance.signature, instance.device
-    except Exception as exc:
-        return f"an instance whose signature or device raised {type(exc).__name__}: {exc}"
-    if not isinstance(signature, ModelSignature):
-        return (
-            f"an instance whose signature is a {type(signature).__name__!r} object, not a "
-            "trioinfer.ModelSignature"
-        )
-    if not isinstance(device, str) or not device:
-        return f"an instance whose device is {device!r}, not a non-empty str such as 'cpu'"
-    return None
 
 
 #: How many distinct reasons, and instance numbers per reason, a load error names.

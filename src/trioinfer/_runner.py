@@ -93,9 +93,20 @@ _ki_protected = trio.lowlevel.enable_ki_protection
 #: How long closing instances may take at shutdown before we stop waiting.
 CLEANUP_S = 10.0
 
-#: ``request._state.batch`` of a queued request a batcher took from the queue and
-#: has not dispatched (nor given back): the requests lost with it if it raises.
-_HELD: Any = "held by the batcher"
+
+class _Held:
+    """``request._state.batch`` of a queued request a batcher took and has not dispatched.
+
+    One per call of a batcher's ``next_batch`` (`RequestQueue.new_call`): the
+    requests lost with the call if it raises are those held at all; a request
+    held by an earlier call, returned in a later batch, broke the batcher's
+    contract (it holds no request from one call to the next).
+    """
+
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return "<held by the batcher>"
 
 
 class _SchedulerBroke(Exception):
@@ -154,6 +165,7 @@ class RequestQueue(metaclass=NoPublicConstructor):
         "_current_time",
         "_front",
         "_held",
+        "_held_by",
         "_levels",
         "_new_event",
         "_on_expired",
@@ -207,6 +219,8 @@ class RequestQueue(metaclass=NoPublicConstructor):
         self._wakeup: EventLike | None = None
         #: Requests handed out so far (a batch former that took none holds nothing).
         self.taken = 0
+        # What the requests the batcher takes in its current call are marked with.
+        self._held_by = _Held()
 
     # What each public method promises is written once, in trioinfer.abc.RequestQueue.
 
@@ -348,7 +362,7 @@ class RequestQueue(metaclass=NoPublicConstructor):
                 ):
                     self._handed_wrong("pop", request)
                     raise anyio.WouldBlock from None
-            request._state.batch = _HELD  # (an expired one ends below: batch None again)
+            request._state.batch = self._held_by  # (an expired one ends below: None again)
             self.taken += 1
             levels = self._levels
             if levels is not None and request.priority in levels:
@@ -369,6 +383,7 @@ class RequestQueue(metaclass=NoPublicConstructor):
         # fit goes to the front, where a batcher's given-back requests wait.
         taken: list[Request] = []
         front, scheduler, levels = self._front, self._scheduler, self._levels
+        holder = self._held_by
         now: float | None = None
         while True:
             if front:
@@ -402,7 +417,7 @@ class RequestQueue(metaclass=NoPublicConstructor):
                     front.appendleft(request)  # it heads the next batch
                     break
                 max_rows -= rows
-                request._state.batch = _HELD
+                request._state.batch = holder
                 taken.append(request)
             if levels is not None and request.priority in levels:
                 levels[request.priority] -= 1
@@ -426,6 +441,10 @@ class RequestQueue(metaclass=NoPublicConstructor):
         if self._front and self._wakeup is not None:
             self._wakeup.set()
             self._wakeup = None
+
+    def new_call(self) -> None:
+        """A batcher's next call begins: what it takes is marked as that call's."""
+        self._held_by = _Held()
 
     def _push(self, request: Request) -> None:
         # ModelRunner.admit does this in line: a change here belongs there too.
@@ -733,6 +752,7 @@ class _Turns:
         try:
             with anyio.CancelScope() as scope:
                 self._holder = (capacity, scope, self._queue.taken, replica)
+                self._queue.new_call()
                 return await batcher.next_batch(self._queue)
             return None
         finally:
@@ -1132,9 +1152,14 @@ class ModelRunner(metaclass=NoPublicConstructor):
     ) -> None:
         alone = sum(map(_depth, self._instances)) == 1
         batcher = cast(_OwnBatcher, self._batcher)
+        # Each call's takings marked as its own, but a sequence batcher's: it holds the
+        # requests of its sequences from one call to the next (its contract), and each
+        # instance's worker calls it at once.
+        new_call: Callable[[], None] | None = self.queue.new_call
         if self._sequencer is not None:
             # Each instance forms its own batches: its sequences' requests are its alone.
             alone, batcher = True, _Pinned(self._sequencer, replica)
+            new_call = None
         capacity = replica.capacity
         in_line: Callable[[], object] | None = task_status.started
         if alone:
@@ -1154,6 +1179,8 @@ class ModelRunner(metaclass=NoPublicConstructor):
                     batch = formed = None
                     try:
                         if alone:
+                            if new_call is not None:
+                                new_call()
                             batch = await batcher.next_batch(self.queue)
                         else:
                             # One free instance forms a batch at a time, the biggest first.
@@ -1209,7 +1236,7 @@ class ModelRunner(metaclass=NoPublicConstructor):
                 error = self._broken("batchers", what, exc)
                 for request in list(self._in_flight):
                     state = request._state
-                    if state.status is _QUEUED and state.batch is _HELD:
+                    if state.status is _QUEUED and state.batch is not None:  # held
                         self.finish(request, error=_copy_error(error, cause=exc))
         for request in batch if isinstance(batch, list | tuple) else ():
             if isinstance(request, Request) and request._state.status is _RUNNING:
@@ -1266,6 +1293,8 @@ class ModelRunner(metaclass=NoPublicConstructor):
         live: list[Request] = []
         stray: Request | None = None
         twice: Request | None = None
+        # What the batcher's call that returned the batch marked what it took with.
+        held = self.queue._held_by
         # One pass: drop what ended or expired while the batch formed, mark the rest running.
         for request in batch:
             state = request._state
@@ -1278,10 +1307,11 @@ class ModelRunner(metaclass=NoPublicConstructor):
                     # batch pays nothing for it.
                     twice = request
                 continue
-            if state.batch is not _HELD:
+            if state.batch is not held:
                 # Not taken from the queue (only peeked at, or given back): it is still
                 # queued there, and running it now would hand it out twice, with the
                 # scheduler blamed for it. Left where it is; the batcher is at fault.
+                # Or taken by an earlier call and held since: it fails with the batch.
                 stray = request
                 continue
             if request.deadline <= started:
@@ -1291,12 +1321,18 @@ class ModelRunner(metaclass=NoPublicConstructor):
             state.batch = running
             live.append(request)
         if stray is not None:
-            await self._batcher_failed(
-                f"returned request {stray.id!r}, which it had not taken from its queue "
-                "(with pop_nowait() or take_nowait()) or had given back",
-                None,
-                live,
-            )
+            if stray._state.batch is None:
+                what = (
+                    f"returned request {stray.id!r}, which it had not taken from its queue "
+                    "(with pop_nowait() or take_nowait()) or had given back"
+                )
+            else:
+                what = (
+                    f"returned request {stray.id!r} in a later batch than the one it was "
+                    "taken in (a request taken and left out of a batch goes back with "
+                    "put_back() before next_batch() returns)"
+                )
+            await self._batcher_failed(what, None, live)
             return
         if twice is not None:
             await self._batcher_failed(
@@ -2449,6 +2485,17 @@ class ModelRunner(metaclass=NoPublicConstructor):
                 ) from exc
             finally:
                 await close_instances(self.config.name, [old])
+            if (wrong := _not_an_instance(new)) is not None:
+                # As at load: the backend's broken contract, not an AttributeError
+                # from the fallback that re-creates (nor a junk object served).
+                if isinstance(new, BackendInstance):
+                    await close_instances(self.config.name, [new])
+                raise PluginContractError(
+                    f"{self._backend_label()} broke its contract: load(), re-creating "
+                    f"{replica.label} of model {self.config.name!r}, returned {wrong}",
+                    kind="backends",
+                    plugin=self.config.backend,
+                )
             if new.signature != self.backend_signature:
                 await close_instances(self.config.name, [new])
                 raise BackendError(
@@ -2656,6 +2703,30 @@ async def close_instances(model: str, instances: Sequence[BackendInstance]) -> N
             CLEANUP_S,
             ", ".join(map(repr, left)),
         )
+
+
+def _not_an_instance(instance: object) -> str | None:
+    # What a backend's load() returned instead of a BackendInstance, or None. Checked
+    # once per instance at load (and at each re-creation): a None, or a dict for a
+    # signature, failed the load with "instances report different signatures" or an
+    # unhashable-type TypeError, and a re-creation with an AttributeError.
+    if not isinstance(instance, BackendInstance):
+        return (
+            f"a {type(instance).__name__!r} object, not a trioinfer.abc.BackendInstance "
+            "(signature, device, execute() and aclose())"
+        )
+    try:
+        signature, device = instance.signature, instance.device
+    except Exception as exc:
+        return f"an instance whose signature or device raised {type(exc).__name__}: {exc}"
+    if not isinstance(signature, ModelSignature):
+        return (
+            f"an instance whose signature is a {type(signature).__name__!r} object, not a "
+            "trioinfer.ModelSignature"
+        )
+    if not isinstance(device, str) or not device:
+        return f"an instance whose device is {device!r}, not a non-empty str such as 'cpu'"
+    return None
 
 
 def _probe_inputs(signature: ModelSignature) -> dict[str, Any]:

@@ -558,6 +558,9 @@ class FallbackContext(Protocol):
         Raises:
             BackendError: The new instance could not be loaded, or reports
                 another signature; the old one is closed anyway.
+            PluginContractError: The backend's ``load()`` returned no
+                [`BackendInstance`][trioinfer.abc.BackendInstance] (as at load,
+                the backend's broken contract); the old one is closed anyway.
         """
         ...
 
@@ -587,7 +590,10 @@ class BackendInstance(Protocol):
     async def execute(self, inputs: Arrays) -> Outputs:
         """Run the model once and return every output by name.
 
-        *inputs* are already validated against `signature`. Blocking
+        *inputs* are already validated against `signature`, and are not the
+        instance's to change: they may be the caller's own arrays, another
+        pipeline step's answer or a client's request body (the Python backend
+        hands its models read-only views of them). Blocking
         compute must run off the event loop (a worker thread, or the runtime's
         own asynchronous call); the event loop never waits on compute.
 
