@@ -1084,8 +1084,10 @@ async def test_a_batcher_that_returns_a_request_in_a_later_batch_is_blamed(
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(call)
                 nursery.start_soon(call)
-            assert results[0] is None  # the first, in the batch it was taken in
-            error = results[1]
+            # One ran in the batch it was taken in; the kept one failed. Which ends
+            # first depends on when the runner asks for the next batch: not on order.
+            assert results.count(None) == 1, results
+            (error,) = [r for r in results if r is not None]
             assert isinstance(error, trioinfer.PluginContractError), results
             assert (error.kind, error.plugin) == ("batchers", "hoards")
             assert str(error).startswith("batcher 'hoards' of model 'm' broke its contract: ")
