@@ -221,14 +221,7 @@ def _to_instances(value: object) -> tuple[Instance, ...]:
             f"instances must be a non-empty list of Instance (in config.toml, [[instances]] "
             f'tables, e.g. instances = [{{ device = "cpu", count = 2 }}]), got {value!r}'
         )
-    out = []
-    for item in value:
-        if isinstance(item, Instance):
-            out.append(item)
-        elif isinstance(item, Mapping):
-            out.append(_build(Instance, item, "instances"))
-        else:
-            raise ConfigError(f"each of instances must be an Instance or a table, got {item!r}")
+    out = _build_each(Instance, value, "instances")
     total = sum(group.count for group in out)
     if total > MAX_INSTANCES:
         raise ConfigError(
@@ -299,15 +292,7 @@ def _to_warmups(value: object) -> tuple[Warmup, ...]:
         raise ConfigError(
             f"warmup must be a list of samples (in config.toml, [[warmup]] tables), got {value!r}"
         )
-    out: list[Warmup] = []
-    for item in value:
-        if isinstance(item, Warmup):
-            out.append(item)
-        elif isinstance(item, Mapping):
-            out.append(_build(Warmup, item, "warmup"))
-        else:
-            raise ConfigError(f"each warmup sample must be a table or a Warmup, got {item!r}")
-    return tuple(out)
+    return tuple(_build_each(Warmup, value, "warmup"))
 
 
 def _warmup_files(value: object, base: Path) -> object:
@@ -693,6 +678,19 @@ def unknown_keys_error(where: str, unknown: Iterable[str], known: Iterable[str])
         f"{where}: unknown key {', '.join(map(repr, unknown))}; "
         f"known keys are {', '.join(known)}" + "".join(f"; {hint}" for hint in hints)
     )
+
+
+def _build_each(cls: type[_T], items: Iterable[object], where: str) -> list[_T]:
+    # A config's list of *cls* (instances, warm-up samples): each one, or a table of its fields.
+    out: list[_T] = []
+    for item in items:
+        if isinstance(item, cls):
+            out.append(item)
+        elif isinstance(item, Mapping):
+            out.append(_build(cls, item, where))
+        else:
+            raise ConfigError(f"each of {where} must be a {cls.__name__} or a table, got {item!r}")
+    return out
 
 
 def _build(cls: type[_T], data: Mapping[str, Any], where: str) -> _T:
