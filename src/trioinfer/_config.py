@@ -689,7 +689,10 @@ def _build_each(cls: type[_T], items: Iterable[object], where: str) -> list[_T]:
         elif isinstance(item, Mapping):
             out.append(_build(cls, item, where))
         else:
-            raise ConfigError(f"each of {where} must be a {cls.__name__} or a table, got {item!r}")
+            article = "an" if cls.__name__[0] in "AEIOU" else "a"
+            raise ConfigError(
+                f"each of {where} must be {article} {cls.__name__} or a table, got {item!r}"
+            )
     return out
 
 
