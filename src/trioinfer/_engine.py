@@ -49,11 +49,11 @@ from ._runner import (
     _not_an_instance,
     close_instances,
     runs_inline,
+    warm_up,
 )
 from ._sequence import SequenceFlags
 from ._stream import ResponseStream, StreamGate, decoupled, open_stream
 from ._tensors import ModelSignature, validate_rows
-from ._warmup import warm_up
 from .abc import Backend, BackendInstance, Batcher, Fallback, Scheduler, Status, StreamingInstance
 
 if TYPE_CHECKING:

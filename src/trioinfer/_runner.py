@@ -56,7 +56,7 @@ from ._threads import (
     trio_rescheduler,
 )
 from ._util import NoPublicConstructor, resume
-from ._warmup import warm_up
+from ._warmup import Warmup
 from .abc import (
     AssemblingBatcher,
     AttachableBatcher,
@@ -71,6 +71,7 @@ from .abc import (
     SequenceBatcher,
     Split,
     Status,
+    StreamingInstance,
     TunedInstance,
 )
 from .abc import Request as RequestView
@@ -2860,3 +2861,70 @@ if TYPE_CHECKING:
             fallback_context,
         )
         del views
+
+
+async def warm_up(
+    model: str,
+    samples: Sequence[Warmup],
+    signature: ModelSignature,
+    limits: InputLimits,
+    instances: Sequence[BackendInstance],
+    labels: Sequence[str],
+) -> None:
+    """Run every sample ``count`` times on each instance, instances side by side.
+
+    *signature* is the instances' own (a stateful model's control and state
+    inputs included); *labels* name the instances in errors.
+
+    Raises:
+        ConfigError: A sample does not fit the model (checked before anything runs).
+        BackendError: An execution failed or answered with outputs that do not fit
+            their declared ones; when several instances fail, the first is named.
+    """
+    if not samples:
+        return
+    made = [(sample, sample.arrays(model, signature, limits)) for sample in samples]
+    check = OutputCheck(model, signature)
+    errors: list[BackendError] = []
+
+    async def run(instance: BackendInstance, label: str) -> None:
+        streams = isinstance(instance, StreamingInstance) and instance.decoupled is True
+        for sample, arrays in made:
+            for _ in range(sample.count):
+                try:
+                    if streams:
+                        assert isinstance(instance, StreamingInstance)
+                        responses = instance.stream(arrays)
+                        try:
+                            async for outputs in responses:
+                                check.check(outputs, 0, _Named(label))  # each response alone
+                        finally:
+                            await responses.aclose()
+                    else:
+                        outputs = await instance.execute(arrays)
+                        rows = sample.batch_size if signature.batched else 0  # 0: unbatched
+                        check.check(outputs, rows, _Named(label))
+                except Exception as exc:
+                    reason = (
+                        str(exc)
+                        if isinstance(exc, TrioInferError)
+                        else (f"{type(exc).__name__}: {exc}")
+                    )
+                    error = BackendError(
+                        f"model {model!r}: warm-up sample {sample.name!r} failed on {label}: "
+                        f"{reason}"
+                    )
+                    error.__cause__ = exc
+                    errors.append(error)
+                    return
+
+    async with anyio.create_task_group() as tg:
+        for instance, label in zip(instances, labels, strict=True):
+            tg.start_soon(run, instance, label)
+    if errors:
+        raise errors[0]
+
+
+@attrs.frozen
+class _Named:
+    label: str

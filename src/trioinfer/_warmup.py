@@ -5,7 +5,7 @@ the rest (kernels chosen and compiled, TensorRT engines built, memory arenas
 grown), and without a warm-up the first callers pay for them. A model config
 lists samples (`Warmup`), each input made of zeros, random values or a file's
 raw bytes (`WarmupInput`); at load the engine checks them against the model's
-signature, then each instance runs each sample ``count`` times, in order,
+signature, then each instance runs each sample ``count`` times, in order (``_runner.warm_up``),
 instances side by side. A sample that does not fit the model, or an execution
 that fails or answers with outputs that do not fit its declared ones, fails the
 load (a model it would replace serves on). Warm-up executions are not requests:
@@ -18,24 +18,19 @@ import math
 import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-import anyio
 import attrs
 import numpy as np
 
-from ._exceptions import BackendError, ConfigError, InvalidInput, TrioInferError
+from ._exceptions import ConfigError, InvalidInput
 from ._tensors import (
     InputLimits,
     ModelSignature,
-    OutputCheck,
     declared_dtype,
     dtype_name,
     validate_inputs,
 )
-
-if TYPE_CHECKING:
-    from .abc import BackendInstance
 
 #: How an input's values are made, besides a file: Triton's zero_data and random_data.
 FILLS = ("zero", "random")
@@ -290,72 +285,3 @@ def _from_file(path: Path, shape: tuple[int, ...], dtype: np.dtype[Any]) -> np.n
             f"{path} holds {len(data)} bytes; dims {list(shape)} of {dtype.name} take {wanted}"
         )
     return np.frombuffer(data, dtype.newbyteorder("<")).astype(dtype).reshape(shape)
-
-
-async def warm_up(
-    model: str,
-    samples: Sequence[Warmup],
-    signature: ModelSignature,
-    limits: InputLimits,
-    instances: Sequence[BackendInstance],
-    labels: Sequence[str],
-) -> None:
-    """Run every sample ``count`` times on each instance, instances side by side.
-
-    *signature* is the instances' own (a stateful model's control and state
-    inputs included); *labels* name the instances in errors.
-
-    Raises:
-        ConfigError: A sample does not fit the model (checked before anything runs).
-        BackendError: An execution failed or answered with outputs that do not fit
-            their declared ones; when several instances fail, the first is named.
-    """
-    if not samples:
-        return
-    from .abc import StreamingInstance  # not at the top: abc imports _config, which imports us
-
-    made = [(sample, sample.arrays(model, signature, limits)) for sample in samples]
-    check = OutputCheck(model, signature)
-    errors: list[BackendError] = []
-
-    async def run(instance: BackendInstance, label: str) -> None:
-        streams = isinstance(instance, StreamingInstance) and instance.decoupled is True
-        for sample, arrays in made:
-            for _ in range(sample.count):
-                try:
-                    if streams:
-                        assert isinstance(instance, StreamingInstance)
-                        responses = instance.stream(arrays)
-                        try:
-                            async for outputs in responses:
-                                check.check(outputs, 0, _Named(label))  # each response alone
-                        finally:
-                            await responses.aclose()
-                    else:
-                        outputs = await instance.execute(arrays)
-                        rows = sample.batch_size if signature.batched else 0  # 0: unbatched
-                        check.check(outputs, rows, _Named(label))
-                except Exception as exc:
-                    reason = (
-                        str(exc)
-                        if isinstance(exc, TrioInferError)
-                        else (f"{type(exc).__name__}: {exc}")
-                    )
-                    error = BackendError(
-                        f"model {model!r}: warm-up sample {sample.name!r} failed on {label}: "
-                        f"{reason}"
-                    )
-                    error.__cause__ = exc
-                    errors.append(error)
-                    return
-
-    async with anyio.create_task_group() as tg:
-        for instance, label in zip(instances, labels, strict=True):
-            tg.start_soon(run, instance, label)
-    if errors:
-        raise errors[0]
-
-
-@attrs.frozen
-class _Named:
-    label: str
