@@ -410,6 +410,20 @@ def _kept(log: Path, pid: int) -> int | None:
     return int(said[-1]) if said else None
 
 
+def _kill_worker_1_after_40_requests(url: str, pids: list[int], log: Path) -> None:
+    # 40 digits requests over both workers, reported by the workers themselves (no
+    # statistics request nor scrape), then worker 1 killed and waited for back.
+    for _ in range(40):
+        assert infer_digit(url).status_code == 200
+    wait_until(
+        lambda: (_kept(log, pids[0]) or 0) + (_kept(log, pids[1]) or 0) == 40,
+        "both workers reported their 40 requests",
+    )
+    assert 0 < (_kept(log, pids[1]) or 0) < 40, "worker 1 served none to lose"
+    os.kill(pids[1], signal.SIGKILL)
+    wait_until(lambda: worker_pids(url).get("1", pids[1]) != pids[1], "worker 1 is back")
+
+
 def test_a_dead_workers_counts_stay_in_the_totals(repository: Path, tmp_path: Path) -> None:
     # Counts a worker reported (every REPORT_S while it answers requests) outlive
     # it: a SIGKILL takes neither requests nor durations out of the statistics,
@@ -417,16 +431,7 @@ def test_a_dead_workers_counts_stay_in_the_totals(repository: Path, tmp_path: Pa
     log = tmp_path / "serve.log"
     with two_workers(repository, log, "--log-level", "debug") as server:
         url, pids = server.url, server.pids
-        for _ in range(40):
-            assert infer_digit(url).status_code == 200
-        # No statistics request nor scrape: the workers' own reports, nothing else.
-        wait_until(
-            lambda: (_kept(log, pids[0]) or 0) + (_kept(log, pids[1]) or 0) == 40,
-            "both workers reported their 40 requests",
-        )
-        assert 0 < (_kept(log, pids[1]) or 0) < 40, "worker 1 served none to lose"
-        os.kill(pids[1], signal.SIGKILL)
-        wait_until(lambda: worker_pids(url).get("1", pids[1]) != pids[1], "worker 1 is back")
+        _kill_worker_1_after_40_requests(url, pids, log)
         inferences, executions, succeeded = _digits_stats(url)
         assert inferences == succeeded == 40
         assert executions >= 2  # one per worker at least (batches may hold several)
@@ -459,15 +464,7 @@ def test_a_version_the_policy_drops_takes_the_dead_workers_counts_of_it(tmp_path
     log = tmp_path / "serve.log"
     with two_workers(root, log, "--log-level", "debug") as server:
         url, pids = server.url, server.pids
-        for _ in range(40):
-            assert infer_digit(url).status_code == 200
-        wait_until(
-            lambda: (_kept(log, pids[0]) or 0) + (_kept(log, pids[1]) or 0) == 40,
-            "both workers reported their 40 requests",
-        )
-        assert 0 < (_kept(log, pids[1]) or 0) < 40, "worker 1 served none to lose"
-        os.kill(pids[1], signal.SIGKILL)
-        wait_until(lambda: worker_pids(url).get("1", pids[1]) != pids[1], "worker 1 is back")
+        _kill_worker_1_after_40_requests(url, pids, log)
         shutil.copytree(root / "digits" / "1", root / "digits" / "2")
         assert fresh("POST", f"{url}/v2/repository/models/digits/load").status_code == 200
         stats = fresh("GET", f"{url}/v2/models/digits/stats").json()["model_stats"]

@@ -65,7 +65,6 @@ class Models:
 
         Raises:
             ValueError: *model* is the calling model itself.
-            DeadlineExceeded: The calling requests' deadline passed first.
             TrioInferError: What the other model's request raised.
         """
         # Bound by cancellation alone: the engine cancels this execution when every
@@ -83,7 +82,9 @@ class Models:
             RuntimeError: Called on the event loop's thread, which this would block
                 (``dispatch = "inline"``, or ``async def`` code): use ``await
                 models.infer(...)`` from an ``async def infer`` there.
-            ValueError, DeadlineExceeded, TrioInferError: As `infer`.
+            DeadlineExceeded: Every request the execution computes for ended first
+                (their deadline passed, or their callers left).
+            ValueError, TrioInferError: As `infer`.
         """
         if threading.get_ident() == self._loop:
             raise RuntimeError(

@@ -640,9 +640,9 @@ class _Service:
             await stream.send(self._stream_error(exc, request.id))
         finally:
             stream.slots.release()
-            if done is not None:
+            if key is not None and done is not None:  # (both, or neither)
                 done.set()
-                if key is not None and stream.tails.get(key) is done:  # the sequence's last
+                if stream.tails.get(key) is done:  # the sequence's last request read
                     del stream.tails[key]
 
     def _stream_error(self, error: BaseException, request_id: str) -> bytes:
