@@ -28,6 +28,9 @@ from trioinfer.server._workers import MetricsLedger
 
 MEMINFO = "MemTotal:       16000000 kB\nMemFree:         1000000 kB\nMemAvailable:    4000000 kB\n"
 
+#: Whether this machine has the /proc a real server reads (Linux).
+HAS_MEMINFO = Path("/proc/meminfo").exists()
+
 Scraped = dict[str, list[tuple[dict[str, str], float]]]
 
 
@@ -417,3 +420,48 @@ async def test_under_workers_the_supervisor_reports_the_machine_once(
         {"gpu_uuid": "GPU-0"},
         {"gpu_uuid": "GPU-1"},
     ]
+
+
+@pytest.mark.parametrize("gpu", [True, False])
+async def test_a_server_samples_while_it_serves_and_stops_nvml_with_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, gpu: bool
+) -> None:
+    import httpx
+
+    from _serve import WAIT_S, start_serving
+    from trioinfer.server import _host_metrics
+
+    nvml = FakeNVML()
+    monkeypatch.setattr(_host_metrics, "_import_nvml", lambda: nvml)
+    (tmp_path / "empty").mkdir()
+    # An hour between samples: every scrape below reads the one taken at start.
+    config = ServerConfig(metrics_interval_s=3600.0, allow_gpu_metrics=gpu)
+    async with trio.open_nursery() as nursery:
+        listening = await start_serving(nursery, tmp_path / "empty", config=config)
+        async with httpx.AsyncClient(base_url=listening.urls[0], timeout=WAIT_S) as client:
+            first = (await client.get("/metrics")).text
+            calls = list(nvml.calls)
+            assert (await client.get("/metrics")).text == first
+        assert nvml.calls == calls  # the scrapes read the sample; NVML is not called
+        found = parse(first)
+        assert ("trioinfer_gpu_utilization" in found) == gpu
+        assert ("trioinfer_cpu_memory_used_bytes" in found) == HAS_MEMINFO
+        assert (nvml.inits, nvml.shutdowns) == ((1, 0) if gpu else (0, 0))
+        nursery.cancel_scope.cancel()
+    assert (nvml.inits, nvml.shutdowns) == ((1, 1) if gpu else (0, 0))
+
+
+async def test_a_server_asked_for_no_host_metrics_reports_none(tmp_path: Path) -> None:
+    import httpx
+
+    from _serve import WAIT_S, start_serving
+
+    (tmp_path / "empty").mkdir()
+    config = ServerConfig(allow_cpu_metrics=False, allow_gpu_metrics=False)
+    async with trio.open_nursery() as nursery:
+        listening = await start_serving(nursery, tmp_path / "empty", config=config)
+        async with httpx.AsyncClient(base_url=listening.urls[0], timeout=WAIT_S) as client:
+            text = (await client.get("/metrics")).text
+        nursery.cancel_scope.cancel()
+    assert "trioinfer_inference_in_flight" in text
+    assert not [name for name in parse(text) if name.startswith(("trioinfer_cpu", "trioinfer_gpu"))]

@@ -141,7 +141,9 @@ class HostMetrics:
         yield from _cpu_families(sample)
         yield from _gpu_families(sample)
 
-    async def run(self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
+    async def run(
+        self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED
+    ) -> None:
         """Sample the machine every `interval` until cancelled; for ``task_group.start``.
 
         Reports started once the first sample is in, so that the server's
@@ -352,9 +354,7 @@ class _Reader:
             rates = self._query("utilization", uuid, nvml.nvmlDeviceGetUtilizationRates, device)
             memory = self._query("memory", uuid, nvml.nvmlDeviceGetMemoryInfo, device)
             power = self._query("power usage", uuid, nvml.nvmlDeviceGetPowerUsage, device)
-            limit = self._query(
-                "power limit", uuid, nvml.nvmlDeviceGetPowerManagementLimit, device
-            )
+            limit = self._query("power limit", uuid, nvml.nvmlDeviceGetPowerManagementLimit, device)
             energy = self._query(
                 "energy consumption", uuid, nvml.nvmlDeviceGetTotalEnergyConsumption, device
             )

@@ -1213,12 +1213,12 @@ async def serve_workers(
     polling = config.repository_poll_s
     baseline = await anyio.to_thread.run_sync(repository_snapshot, repo) if polling else None
     # The machine's metrics, reported once, by the supervisor, sampled while it runs.
-    host = host_metrics_for(config)
-    supervisor = _Supervisor(workers, directory, spec, host)
+    machine = host_metrics_for(config)
+    supervisor = _Supervisor(workers, directory, spec, machine)
     try:
         async with anyio.create_task_group() as tg:
-            if host is not None:
-                await tg.start(host.run)
+            if machine is not None:
+                await tg.start(machine.run)
             await tg.start(_serve_calls, directory / "supervisor.sock", supervisor.handle)
             await tg.start(_watch_signals, supervisor)
             async with anyio.create_task_group() as lives:
