@@ -206,7 +206,7 @@ class ServerConfig:
             flags, ``NAME:COUNT[:DEVICE]``; a pool not sized holds the largest need.
         metrics_interval_s: Seconds between two samples of the machine's CPU,
             memory and GPUs for ``/metrics`` (Triton's ``--metrics-interval-ms``,
-            2000 there too); a scrape reads the last sample.
+            whose default is 2000 ms too); a scrape reads the last sample.
         allow_cpu_metrics: Report the machine's CPU utilization and memory
             (Triton's ``--allow-cpu-metrics``).
         allow_gpu_metrics: Report each GPU's utilization, memory and power,
