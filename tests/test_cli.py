@@ -237,6 +237,10 @@ def test_serve_refuses_bad_settings_with_a_usage_error(tmp_path: Path) -> None:
         ('grpc = "maybe"', "grpc = 'maybe': 'maybe' is not a valid boolean"),
         ('rate_limit = "on"', "rate_limit = 'on': 'on' is not one of 'off', 'execution_count'"),
         ("rate_limit_resource = [1]", "rate_limit_resource must be a list of strings, got [1]"),
+        ("metrics_interval_ms = 0", "must be a whole number of milliseconds from 1"),
+        # click would have cut it to 1 ms.
+        ("metrics_interval_ms = 1.5", "metrics_interval_ms = 1.5: expected an integer"),
+        ('allow_gpu_metrics = "x"', "allow_gpu_metrics = 'x': 'x' is not a valid boolean"),
         ("host = 5", "host must be a string, got 5"),
         ("model_repository = 5", "model_repository must be a string, got 5"),
         ("limits = 5", "limits must be a table ([limits]) of body_timeout"),
@@ -301,6 +305,39 @@ def test_serve_errors_name_the_setting_as_it_was_given(
         assert fragment.format(file=config) in output
     for fragment in unsaid:
         assert fragment.format(file=config) not in output
+
+
+@pytest.mark.parametrize("value", ["0", "-5", "1.5", "x", "86400001"])
+def test_serve_metrics_interval_is_a_positive_whole_number_of_ms(value: str) -> None:
+    result = invoke("serve", "--metrics-interval-ms", value)
+    assert result.exit_code == 2, result.output
+    said = " ".join(result.output.split())
+    assert "Invalid value for '--metrics-interval-ms'" in said
+    assert "milliseconds from 1 to 86400000" in said or "is not a valid integer" in said
+
+
+def test_serve_host_metrics_settings_reach_the_server(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    seen: list[Any] = []
+
+    async def serving(repository: Path, **options: Any) -> None:
+        seen.append(options["config"])
+
+    monkeypatch.setattr(serve, "_serve", serving)
+    assert invoke("serve").exit_code == 0
+    assert (seen[0].metrics_interval_s, seen[0].allow_cpu_metrics) == (2.0, True)
+    assert seen[0].allow_gpu_metrics is True
+    config = tmp_path / "server.toml"
+    config.write_text("metrics_interval_ms = 500\nallow_cpu_metrics = false\n")
+    result = invoke("serve", "--config", str(config), "--no-allow-gpu-metrics")
+    assert result.exit_code == 0, result.output
+    assert (seen[1].metrics_interval_s, seen[1].allow_cpu_metrics) == (0.5, False)
+    assert seen[1].allow_gpu_metrics is False
+    # The command line wins over the file.
+    result = invoke("serve", "--config", str(config), "--metrics-interval-ms", "250")
+    assert result.exit_code == 0, result.output
+    assert seen[2].metrics_interval_s == 0.25
 
 
 def test_serve_command_line_model_repository_wins_over_the_config_file(tmp_path: Path) -> None:

@@ -17,6 +17,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import trio
 
 import trioinfer
 import trioinfer.testing
@@ -722,9 +723,16 @@ def test_the_server_reference_lists_every_metric_family(tutorial_server: tuple[i
     from test_host_metrics import FakeNVML
     from trioinfer.server._host_metrics import HostMetrics
 
-    registry = CollectorRegistry(auto_describe=False)
-    registry.register(HostMetrics(DOCS / "no-proc-here", nvml=FakeNVML()))
-    gpus = set(re.findall(r"^# TYPE (\S+) ", generate_latest(registry).decode(), re.MULTILINE))
+    async def sampled() -> str:
+        host = HostMetrics(proc=DOCS / "no-proc-here", nvml=FakeNVML())
+        async with trio.open_nursery() as nursery:
+            await nursery.start(host.run)
+            registry = CollectorRegistry(auto_describe=False)
+            registry.register(host)
+            nursery.cancel_scope.cancel()
+            return generate_latest(registry).decode()
+
+    gpus = set(re.findall(r"^# TYPE (\S+) ", trio.run(sampled), re.MULTILINE))
     assert gpus
     assert rows == exported | gpus
 

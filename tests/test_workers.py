@@ -284,6 +284,8 @@ def test_requests_spread_over_both_workers_and_metrics_add_up(served: Served) ->
         ((labels, total),) = samples(served.url, "trioinfer_cpu_memory_total_bytes")
         meminfo = Path("/proc/meminfo").read_text().split("\n")[0]  # MemTotal: N kB
         assert (labels, total) == ({}, int(meminfo.split()[1]) * 1024)
+        # Sampled by the supervisor's own task, from before the first scrape.
+        assert [labels for labels, _ in samples(served.url, "trioinfer_cpu_utilization")] == [{}]
     stats = fresh("GET", f"{served.url}/v2/models/digits/stats").json()["model_stats"]
     assert len(stats) == 1
     assert stats[0]["inference_count"] == 40

@@ -52,8 +52,14 @@ _SERVE_KEYS: Final = frozenset(
         "workers",
         "rate_limit",
         "rate_limit_resource",
+        "metrics_interval_ms",
+        "allow_cpu_metrics",
+        "allow_gpu_metrics",
     }
 )
+
+#: The longest --metrics-interval-ms: a day (a sample a day is already no gauge).
+MAX_METRICS_INTERVAL_MS: Final = 86_400_000
 
 
 def _rate_not_nan(
@@ -62,6 +68,16 @@ def _rate_not_nan(
     # FloatRange lets NaN through (every comparison with it is false).
     if value is not None and math.isnan(value):
         raise click.BadParameter("must be a ratio between 0 and 1, not nan")
+    return value
+
+
+def _interval_ms(_ctx: click.Context, _param: click.Parameter, value: int) -> int:
+    # IntRange would say "'1.5' is not a valid integer range"; say what is expected.
+    if not 1 <= value <= MAX_METRICS_INTERVAL_MS:
+        raise click.BadParameter(
+            f"must be a whole number of milliseconds from 1 to {MAX_METRICS_INTERVAL_MS} "
+            f"(a day), got {value}"
+        )
     return value
 
 
@@ -178,6 +194,32 @@ def _rate_not_nan(
     help="A resource pool's size (repeatable), as Triton's: on DEVICE (a GPU number, or "
     "cpu / cuda:N), or without it on every device (and for a global resource). A pool "
     "not sized holds the largest need of any loaded instance.",
+)
+@click.option(
+    "--metrics-interval-ms",
+    type=int,
+    callback=_interval_ms,
+    default=2000,
+    show_default=True,
+    metavar="MS",
+    help="Sample the machine's CPU, memory and GPUs for /metrics every MS milliseconds, "
+    "off the event loop; a scrape reads the last sample, and the CPU's utilization is "
+    "over the last interval (Triton's --metrics-interval-ms).",
+)
+@click.option(
+    "--allow-cpu-metrics/--no-allow-cpu-metrics",
+    default=True,
+    show_default=True,
+    help="Report the machine's CPU utilization and memory on /metrics, from /proc "
+    "(Triton's --allow-cpu-metrics).",
+)
+@click.option(
+    "--allow-gpu-metrics/--no-allow-gpu-metrics",
+    default=True,
+    show_default=True,
+    help="Report each GPU's utilization, memory and power on /metrics, through NVML "
+    "(the nvidia-ml-py package of the gpu extra), where it finds a driver (Triton's "
+    "--allow-gpu-metrics).",
 )
 @click.option(
     "--admin-token",
@@ -309,6 +351,9 @@ def serve(ctx: click.Context, /, **options: Any) -> None:
             exit_on_error=settings["exit_on_error"],
             rate_limit=settings["rate_limit"],
             rate_limit_resources=settings["rate_limit_resource"],
+            metrics_interval_s=settings["metrics_interval_ms"] / 1000,
+            allow_cpu_metrics=settings["allow_cpu_metrics"],
+            allow_gpu_metrics=settings["allow_gpu_metrics"],
         )
     except (TypeError, TrioInferError) as exc:
         raise click.UsageError(f"invalid server settings: {exc}") from exc
@@ -578,6 +623,11 @@ def _file_value(
         raise click.BadParameter(
             f"{config_file}: {key} = {str(value).lower()}: expected {what}, not a boolean",
             param_hint="--config",
+        )
+    if isinstance(value, float) and isinstance(param.type, click.types.IntParamType):
+        # click would cut 1.5 to 1: metrics_interval_ms = 1.5 would sample every 1 ms.
+        raise click.BadParameter(
+            f"{config_file}: {key} = {value!r}: expected an integer", param_hint="--config"
         )
     try:
         return param.process_value(ctx, value)

@@ -204,6 +204,13 @@ class ServerConfig:
             ``"off"`` (the default, as Triton's) to run them as if they declared none.
         rate_limit_resources: Pool sizes as Triton's ``--rate-limit-resource``
             flags, ``NAME:COUNT[:DEVICE]``; a pool not sized holds the largest need.
+        metrics_interval_s: Seconds between two samples of the machine's CPU,
+            memory and GPUs for ``/metrics`` (Triton's ``--metrics-interval-ms``,
+            whose default is 2000 ms too); a scrape reads the last sample.
+        allow_cpu_metrics: Report the machine's CPU utilization and memory
+            (Triton's ``--allow-cpu-metrics``).
+        allow_gpu_metrics: Report each GPU's utilization, memory and power,
+            through NVML (Triton's ``--allow-gpu-metrics``).
     """
 
     limits: Limits = attrs.field(factory=Limits)
@@ -218,6 +225,21 @@ class ServerConfig:
     repository_poll_s: float = attrs.field(default=0.0)
     rate_limit: str = attrs.field(default="off")
     rate_limit_resources: tuple[str, ...] = attrs.field(default=(), converter=tuple)
+    metrics_interval_s: float = attrs.field(default=2.0)
+    allow_cpu_metrics: bool = True
+    allow_gpu_metrics: bool = True
+
+    @metrics_interval_s.validator
+    def _check_metrics_interval(self, _attribute: attrs.Attribute[Any], value: object) -> None:
+        if (
+            not isinstance(value, (int, float))
+            or isinstance(value, bool)
+            or not 0 < value < math.inf
+        ):
+            raise ConfigError(
+                f"metrics_interval_s must be a finite number of seconds above 0 (the host "
+                f"metrics' sampling interval), got {value!r}"
+            )
 
     @rate_limit.validator
     def _check_rate_limit(self, _attribute: attrs.Attribute[Any], value: object) -> None:

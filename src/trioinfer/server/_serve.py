@@ -26,7 +26,7 @@ from .._engine import open_engine
 from .._exceptions import ConfigError
 from .._registry import Registry
 from ._app import ServerConfig, ServerState, create_app
-from ._host_metrics import HostMetrics
+from ._host_metrics import host_metrics_for
 from ._http_server import check_bindable, serve_asgi
 from ._metrics import InFlight, Metrics
 from ._models import ServedModels, public_names
@@ -183,7 +183,7 @@ async def serve_http(
             )
         in_flight = InFlight()
         # The machine's metrics once per server: under --workers, the supervisor's.
-        machine = HostMetrics() if worker is None else None
+        machine = host_metrics_for(config) if worker is None else None
         metrics = Metrics(served, in_flight, host=machine)
         state = ServerState(served, config, metrics, in_flight, cluster=worker)
         app = create_app(state)
@@ -210,6 +210,10 @@ async def serve_http(
             tg.cancel_scope.cancel()  # drained: the signal watcher may go too
 
         async with anyio.create_task_group() as tg:
+            if machine is not None:
+                # Sampled while serving, from before the first scrape; stopped (NVML
+                # shut down) with the rest of the server's tasks.
+                await tg.start(machine.run)
             if handle_signals:
                 await tg.start(_watch_signals, state, stop, tg.cancel_scope)
             if worker is not None:

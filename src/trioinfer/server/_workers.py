@@ -85,7 +85,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from .. import _exceptions
 from .._exceptions import ConfigError, TrioInferError
 from . import _codec
-from ._host_metrics import HostMetrics
+from ._host_metrics import HostMetrics, host_metrics_for
 from ._metrics import Counts, exposition_of, triton_entry
 from ._poll import poll_repository
 from ._poll import snapshot as repository_snapshot
@@ -763,7 +763,9 @@ class WorkersListening:
 
 @final
 class _Supervisor:
-    def __init__(self, count: int, directory: Path, spec: dict[str, Any]) -> None:
+    def __init__(
+        self, count: int, directory: Path, spec: dict[str, Any], host: HostMetrics | None = None
+    ) -> None:
         self.directory = directory
         self.spec = spec
         self.workers = [_Worker(i, worker_socket(directory, i)) for i in range(count)]
@@ -775,7 +777,7 @@ class _Supervisor:
         self.stop = anyio.Event()
         self.all_ready = anyio.Event()
         self.failure: str | None = None
-        self.metrics = MetricsLedger(HostMetrics())
+        self.metrics = MetricsLedger(host)
         self.stats = StatsLedger()
 
     # -- workers' lives --
@@ -1210,9 +1212,13 @@ async def serve_workers(
     repo = ModelRepository(root)
     polling = config.repository_poll_s
     baseline = await anyio.to_thread.run_sync(repository_snapshot, repo) if polling else None
-    supervisor = _Supervisor(workers, directory, spec)
+    # The machine's metrics, reported once, by the supervisor, sampled while it runs.
+    machine = host_metrics_for(config)
+    supervisor = _Supervisor(workers, directory, spec, machine)
     try:
         async with anyio.create_task_group() as tg:
+            if machine is not None:
+                await tg.start(machine.run)
             await tg.start(_serve_calls, directory / "supervisor.sock", supervisor.handle)
             await tg.start(_watch_signals, supervisor)
             async with anyio.create_task_group() as lives:
