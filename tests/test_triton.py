@@ -185,7 +185,8 @@ def repository(tmp_path_factory: pytest.TempPathFactory) -> Path:
     # Broken on purpose: a field trioinfer does not read, and dims that do not fit the model.
     write_simple(root / "unsupported" / "1" / "model.onnx")
     (root / "unsupported" / "config.pbtxt").write_text(
-        'platform: "onnxruntime_onnx"\noptimization { priority: PRIORITY_MAX }\n'
+        'platform: "onnxruntime_onnx"\n'
+        'optimization { execution_accelerators { cpu_execution_accelerator [ { name: "openvino" } ] } }\n'
     )
     write_simple(root / "wrong_dims" / "1" / "model.onnx")
     (root / "wrong_dims" / "config.pbtxt").write_text(
@@ -863,7 +864,7 @@ def test_ensemble_runs_as_a_pipeline(client: httpclient.InferenceServerClient) -
 def test_bad_triton_configs_are_named(client: httpclient.InferenceServerClient) -> None:
     index = {row["name"]: row for row in client.get_model_repository_index()}
     assert index["unsupported"]["state"] == "UNAVAILABLE"
-    assert 'no field named "optimization"' in index["unsupported"]["reason"]
+    assert "cpu_execution_accelerator 'openvino' is not supported" in index["unsupported"]["reason"]
     assert index["wrong_dims"]["state"] == "UNAVAILABLE"
     with pytest.raises(InferenceServerException) as info:
         client.load_model("wrong_dims")
