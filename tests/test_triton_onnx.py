@@ -413,7 +413,9 @@ def test_reshape_and_optional_refusals(text: str, fragment: str) -> None:
 
 
 def test_reshape_and_optional_reach_the_backend_options() -> None:
-    model = _parse(RESHAPED + 'input [ { name: "b" data_type: TYPE_FP32 dims: [ 4 ] optional: true } ]')
+    model = _parse(
+        RESHAPED + 'input [ { name: "b" data_type: TYPE_FP32 dims: [ 4 ] optional: true } ]'
+    )
     assert model.declared["inputs"] == (
         {"name": "x", "shape": [-1, 2, 2], "reshape": [-1, 4]},
         {"name": "b", "shape": [-1, 4], "optional": True},
