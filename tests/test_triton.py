@@ -182,11 +182,13 @@ def repository(tmp_path_factory: pytest.TempPathFactory) -> Path:
     (root / "classify_ensemble" / "1").mkdir(parents=True)
     (root / "classify_ensemble" / "config.pbtxt").write_text(CLASSIFY_ENSEMBLE_PBTXT)
     (root / "classify_ensemble" / "labels.txt").write_text("\n".join(LABELS[::-1]) + "\n")
-    # Broken on purpose: a field trioinfer does not read, and dims that do not fit the model.
+    # Broken on purpose: an accelerator trioinfer does not have, and dims that do not fit.
     write_simple(root / "unsupported" / "1" / "model.onnx")
     (root / "unsupported" / "config.pbtxt").write_text(
         'platform: "onnxruntime_onnx"\n'
-        'optimization { execution_accelerators { cpu_execution_accelerator [ { name: "openvino" } ] } }\n'
+        "optimization { execution_accelerators {\n"
+        '  cpu_execution_accelerator [ { name: "openvino" } ]\n'
+        "} }\n"
     )
     write_simple(root / "wrong_dims" / "1" / "model.onnx")
     (root / "wrong_dims" / "config.pbtxt").write_text(

@@ -166,8 +166,8 @@ def test_optimization_round_trips_in_the_json_form() -> None:
     ("text", "fragment"),
     [
         (
-            'optimization { execution_accelerators { cpu_execution_accelerator [ { name: "openvino" '
-            "} ] } }",
+            "optimization { execution_accelerators { cpu_execution_accelerator [ "
+            '{ name: "openvino" } ] } }',
             "cpu_execution_accelerator 'openvino' is not supported: .* no OpenVINO",
         ),
         (
