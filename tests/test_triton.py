@@ -898,7 +898,10 @@ def test_bad_triton_configs_are_named(client: httpclient.InferenceServerClient) 
             "instance_group count 100000 is more than a model may have: at most 256",
         ),
         ('instance_group [ { kind: KIND_CPU profile: "p" } ]', "sets profile"),
-        ('output [ { name: "y" reshape { shape: [1] } } ]', "output 'y' sets reshape"),
+        (
+            'output [ { name: "y" dims: [ 2 ] reshape { shape: [1] } } ]',
+            "output 'y' reshape [1] holds 1 elements; its dims [2] hold 2",
+        ),
         ("max_batch_size: 2\ndynamic_batching { priority_levels: 2 }", "default_priority_level"),
         (
             # A uint64 count of levels once kept the server busy, unanswering, building

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 from collections.abc import Collection, Mapping
 from typing import Any, Final, cast
 
@@ -812,11 +813,22 @@ def _translate(message: Any, doc: dict[str, Any], name: str, where: str) -> Trit
         settings["warmup"] = [_warmup(sample, where) for sample in message.model_warmup]
 
     labels: dict[str, str] = {}
+    # An ensemble's tensors are its steps' models': reshape and optional are theirs.
+    onnx = set() if ensemble else {"reshape"}
     for tensor in message.input:
-        _refuse(tensor, {"name", "data_type", "dims"}, where, f"input {tensor.name!r}")
+        allowed = {"name", "data_type", "dims", *onnx, *(("optional",) if onnx else ())}
+        _refuse(tensor, allowed, where, f"input {tensor.name!r}")
+        _check_reshape(tensor, "input", where)
+        if tensor.optional and tensor.HasField("reshape"):
+            raise ConfigError(
+                f"{where}: input {tensor.name!r} is optional and reshaped; trioinfer serves "
+                "an optional input as the graph's own value, which it does not reshape: "
+                "remove one of them"
+            )
     for tensor in message.output:
-        allowed = {"name", "data_type", "dims", "label_filename"}
+        allowed = {"name", "data_type", "dims", "label_filename", *onnx}
         _refuse(tensor, allowed, where, f"output {tensor.name!r}")
+        _check_reshape(tensor, "output", where)
         if tensor.label_filename:
             labels[tensor.name] = tensor.label_filename
     if ensemble:
@@ -854,11 +866,39 @@ def _translate(message: Any, doc: dict[str, Any], name: str, where: str) -> Trit
 
 def _declared_shapes(message: Any, max_batch: int) -> dict[str, tuple[Mapping[str, Any], ...]]:
     batch = [-1] if max_batch > 0 else []
+
+    def entry(tensor: Any) -> dict[str, Any]:
+        out: dict[str, Any] = {"name": tensor.name, "shape": [*batch, *tensor.dims]}
+        if tensor.HasField("reshape"):
+            out["reshape"] = [*batch, *tensor.reshape.shape]
+        if getattr(tensor, "optional", False):
+            out["optional"] = True
+        return out
+
     return {
-        kind: tuple({"name": t.name, "shape": [*batch, *t.dims]} for t in tensors)
+        kind: tuple(entry(t) for t in tensors)
         for kind, tensors in (("inputs", message.input), ("outputs", message.output))
         if tensors
     }
+
+
+def _check_reshape(tensor: Any, kind: str, where: str) -> None:
+    # Triton's reshape: clients see dims, the model has reshape.shape, the same elements.
+    # Fixed sizes only: with -1 on both sides which size goes where is a guess.
+    if not tensor.HasField("reshape"):
+        return
+    dims, shape = list(tensor.dims), list(tensor.reshape.shape)
+    if min(dims + shape, default=0) < 0:
+        raise ConfigError(
+            f"{where}: {kind} {tensor.name!r}: reshape needs fixed dims and a fixed "
+            f"reshape.shape (no -1; the batch dimension is neither's), got dims {dims} and "
+            f"reshape {shape}"
+        )
+    if math.prod(dims) != math.prod(shape):
+        raise ConfigError(
+            f"{where}: {kind} {tensor.name!r} reshape {shape} holds {math.prod(shape)} "
+            f"elements; its dims {dims} hold {math.prod(dims)}: they must hold the same"
+        )
 
 
 #: The backends whose signature a config's dims narrow (their ONNX Runtime options
