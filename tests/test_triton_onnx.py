@@ -9,6 +9,7 @@ with ``tritonclient.http`` (on a thread: it blocks) and httpx.
 
 from __future__ import annotations
 
+import json
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -309,6 +310,21 @@ REQUIRED = """\
 max_batch_size: 8
 input [ { name: "x" data_type: TYPE_FP32 dims: [ 4 ] optional: true } ]
 """
+# On a machine without a usable GPU the group runs on the CPU (cpu_fallback), as here.
+TENSORRT = """\
+max_batch_size: 8
+instance_group [ { kind: KIND_GPU count: 1 } ]
+optimization {
+  graph { level: -1 }
+  priority: PRIORITY_MAX
+  execution_accelerators { gpu_execution_accelerator [ {
+    name: "tensorrt"
+    parameters { key: "precision_mode" value: "FP16" }
+    parameters { key: "max_workspace_size_bytes" value: "1073741824" }
+  } ] }
+}
+parameters { key: "enable_mem_arena" value { string_value: "0" } }
+"""
 
 
 @pytest.fixture
@@ -319,6 +335,7 @@ async def served(tmp_path: Path) -> AsyncIterator[str]:
         ("unbatched", write_flat, UNBATCHED),
         ("optional", write_biased, OPTIONAL),
         ("required", write_flat, REQUIRED),
+        ("tensorrt", write_flat, TENSORRT),
     ):
         writer(tmp_path / name / "1" / "model.onnx")
         (tmp_path / name / "config.pbtxt").write_text(pbtxt)
@@ -326,6 +343,45 @@ async def served(tmp_path: Path) -> AsyncIterator[str]:
         listening = await start_serving(nursery, tmp_path)
         yield listening.urls[0]
         nursery.cancel_scope.cancel()
+
+
+async def test_get_config_gives_back_what_was_read_and_it_loads_again(served: str) -> None:
+    async with httpx.AsyncClient(base_url=served) as http:
+        for model in ("tensorrt", "reshaped"):
+            config = (await http.get(f"/v2/models/{model}/config")).json()
+            load = await http.post(
+                f"/v2/repository/models/{model}/load",
+                json={"parameters": {"config": json.dumps(config)}},
+            )
+            assert load.status_code == 200, load.text
+            again = (await http.get(f"/v2/models/{model}/config")).json()
+            if model == "tensorrt":
+                # Loaded back, it asks for the device it ran on, as trioinfer.instances says.
+                del config["parameters"]["trioinfer.instances"]
+                del again["parameters"]["trioinfer.instances"]
+                config.pop("instance_group"), again.pop("instance_group")
+            assert again == config
+            if model == "tensorrt":
+                assert config["optimization"] == {
+                    "graph": {"level": -1},
+                    "priority": "PRIORITY_MAX",
+                    "execution_accelerators": {
+                        "gpu_execution_accelerator": [
+                            {
+                                "name": "tensorrt",
+                                "parameters": {
+                                    "precision_mode": "FP16",
+                                    "max_workspace_size_bytes": "1073741824",
+                                },
+                            }
+                        ],
+                        "cpu_execution_accelerator": [],
+                    },
+                }
+                assert config["parameters"]["enable_mem_arena"] == {"string_value": "0"}
+    x = np.ones((2, 4), dtype=np.float32)
+    result = await trio.to_thread.run_sync(_infer, served, "tensorrt", {"x": x})
+    np.testing.assert_array_equal(result.as_numpy("y"), x + x)
 
 
 def _infer(url: str, model: str, arrays: dict[str, np.ndarray[Any, Any]]) -> Any:
