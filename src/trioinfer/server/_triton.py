@@ -1431,7 +1431,7 @@ def _optimization(
     accelerator (OpenVINO) or an unknown one is refused.
     """
     what = "optimization"
-    options: dict[str, Any] = settings.setdefault("backend_options", {})
+    options: dict[str, Any] = dict(settings.get("backend_options", {}))
     if policy.HasField("graph"):
         level = policy.graph.level
         if level not in _GRAPH_LEVELS:
@@ -1508,13 +1508,14 @@ def _optimization(
             f"{', '.join(map(repr, sorted(seen)))} has no effect: no instance_group runs on "
             "a GPU (KIND_GPU)"
         )
-        return
-    if trt is not None:
+    elif trt is not None:
         for group in gpus:
             group["device"] = group["device"].replace("cuda", "tensorrt", 1)
-    provider = trt if trt is not None else cuda
+    provider = trt if trt is not None and gpus else cuda
     if provider:
         options["provider_options"] = provider
+    if options:
+        settings["backend_options"] = options
 
 
 def _tensorrt_options(parameters: Mapping[str, str], label: str, where: str) -> dict[str, Any]:
