@@ -384,6 +384,22 @@ async def test_get_config_gives_back_what_was_read_and_it_loads_again(served: st
     np.testing.assert_array_equal(result.as_numpy("y"), x + x)
 
 
+@pytest.mark.grpc
+async def test_grpc_model_config_answers_optimization_and_reshape_too(served: str) -> None:
+    # gRPC's ModelConfig is the same document parsed strictly: every key must be a field.
+    pytest.importorskip("grpc_tools")
+    from google.protobuf import json_format
+
+    from trioinfer.server import _grpc_proto as pb
+
+    async with httpx.AsyncClient(base_url=served) as http:
+        for model in ("tensorrt", "reshaped", "optional"):
+            config = (await http.get(f"/v2/models/{model}/config")).json()
+            message = json_format.ParseDict(config, pb.ModelConfigResponse().config)
+            assert json_format.MessageToDict(message, preserving_proto_field_name=True)
+    assert message.input[1].optional
+
+
 def _infer(url: str, model: str, arrays: dict[str, np.ndarray[Any, Any]]) -> Any:
     client = httpclient.InferenceServerClient(url.removeprefix("http://"))
     try:
