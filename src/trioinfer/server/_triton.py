@@ -9,7 +9,12 @@ is refused by the parser with its name and line, and a field inside it that
 trioinfer cannot honour is refused by `TritonModel.parse` with its name.
 Nothing is ignored silently: what is accepted but has no effect is logged as
 a note (``preserve_ordering``, ``allow_timeout_override``, ``oldest``'s
-``preferred_batch_size``). ``sequence_batching`` becomes the ``[sequence]``
+``preferred_batch_size``, ``optimization``'s ``priority``, ``cuda`` and pinned
+memory). ``optimization``'s graph level and GPU accelerators, and the
+parameters Triton's ONNX Runtime backend reads, become the ONNX Runtime
+backend's options (`_optimization`, `_onnxruntime_parameters`); an input's or
+output's ``reshape`` and an input's ``optional`` reach its ``inputs`` and
+``outputs`` options (`_declared_shapes`). ``sequence_batching`` becomes the ``[sequence]``
 table of the sequence batcher (`_sequence`); the types and dims it names are
 checked against the model's inputs once it loads (``server/_models.py``).
 
