@@ -278,6 +278,7 @@ def test_messages_match_tritonclients_field_by_field() -> None:
         "parameters",
         "model_transaction_policy",
         "response_cache",
+        "optimization",
     ):
         assert name in config.fields_by_name, name
 

@@ -1637,6 +1637,28 @@ async def test_a_config_that_repeats_the_digits_sizes_keeps_the_cheap_check() ->
         ({"inputs": [{"name": "z", "shape": [-1]}]}, r"input 'z', which the graph does not have"),
         ({"outputs": [{"name": "y", "shape": [-1]}]}, r"output 'y' with shape \[-1\]"),
         ({"inputs": [{"name": "x", "shape": [-1, 5]}]}, r"the graph's is \[N, 4\]"),
+        (
+            {"inputs": [{"name": "x", "shape": [-1, 3], "reshape": [-1, 4]}]},
+            r"'x' has shape \[-1, 3\] and reshape \[-1, 4\]: they must hold the same",
+        ),
+        (
+            {"inputs": [{"name": "x", "shape": [-1, 2, 2], "reshape": [4]}]},
+            r"-1 first in both, or in neither",
+        ),
+        (
+            {"outputs": [{"name": "y", "shape": [-1, "k"], "reshape": [-1, 4]}]},
+            r"the shape of reshaped 'y' must be a list of fixed sizes",
+        ),
+        ({"outputs": [{"name": "y", "shape": [-1], "optional": True}]}, r"each entry must be"),
+        ({"inputs": [{"name": "x", "shape": [-1, 4], "optional": 1}]}, r"optional of 'x' must"),
+        (
+            {"inputs": [{"name": "x", "shape": [-1, 4], "optional": True}]},
+            r"declares input 'x' optional, but the graph needs it",
+        ),
+        (
+            {"inputs": [{"name": "w", "shape": [4], "optional": True}]},
+            r"declares input 'w' optional, which the graph does not have",
+        ),
     ],
 )
 async def test_bad_inputs_and_outputs_options_are_refused(

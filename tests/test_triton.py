@@ -182,10 +182,13 @@ def repository(tmp_path_factory: pytest.TempPathFactory) -> Path:
     (root / "classify_ensemble" / "1").mkdir(parents=True)
     (root / "classify_ensemble" / "config.pbtxt").write_text(CLASSIFY_ENSEMBLE_PBTXT)
     (root / "classify_ensemble" / "labels.txt").write_text("\n".join(LABELS[::-1]) + "\n")
-    # Broken on purpose: a field trioinfer does not read, and dims that do not fit the model.
+    # Broken on purpose: an accelerator trioinfer does not have, and dims that do not fit.
     write_simple(root / "unsupported" / "1" / "model.onnx")
     (root / "unsupported" / "config.pbtxt").write_text(
-        'platform: "onnxruntime_onnx"\noptimization { priority: PRIORITY_MAX }\n'
+        'platform: "onnxruntime_onnx"\n'
+        "optimization { execution_accelerators {\n"
+        '  cpu_execution_accelerator [ { name: "openvino" } ]\n'
+        "} }\n"
     )
     write_simple(root / "wrong_dims" / "1" / "model.onnx")
     (root / "wrong_dims" / "config.pbtxt").write_text(
@@ -863,7 +866,7 @@ def test_ensemble_runs_as_a_pipeline(client: httpclient.InferenceServerClient) -
 def test_bad_triton_configs_are_named(client: httpclient.InferenceServerClient) -> None:
     index = {row["name"]: row for row in client.get_model_repository_index()}
     assert index["unsupported"]["state"] == "UNAVAILABLE"
-    assert 'no field named "optimization"' in index["unsupported"]["reason"]
+    assert "cpu_execution_accelerator 'openvino' is not supported" in index["unsupported"]["reason"]
     assert index["wrong_dims"]["state"] == "UNAVAILABLE"
     with pytest.raises(InferenceServerException) as info:
         client.load_model("wrong_dims")
@@ -895,7 +898,10 @@ def test_bad_triton_configs_are_named(client: httpclient.InferenceServerClient) 
             "instance_group count 100000 is more than a model may have: at most 256",
         ),
         ('instance_group [ { kind: KIND_CPU profile: "p" } ]', "sets profile"),
-        ('output [ { name: "y" reshape { shape: [1] } } ]', "output 'y' sets reshape"),
+        (
+            'output [ { name: "y" dims: [ 2 ] reshape { shape: [1] } } ]',
+            "output 'y' reshape [1] holds 1 elements; its dims [2] hold 2",
+        ),
         ("max_batch_size: 2\ndynamic_batching { priority_levels: 2 }", "default_priority_level"),
         (
             # A uint64 count of levels once kept the server busy, unanswering, building

@@ -18,7 +18,16 @@ from trioinfer.lowlevel import Placement, WorkerThread
 from ._device import _providers, probe_device
 from ._instance import OnnxRuntimeInstance, _compute_clock
 from ._options import _OPT_LEVELS, _check_options, default_dispatch
-from ._ort import _narrowed, _one_line, _ort, _signature, log, missing_ort
+from ._ort import (
+    _check_optional,
+    _narrowed,
+    _one_line,
+    _ort,
+    _reshaped,
+    _signature,
+    log,
+    missing_ort,
+)
 from ._proof import Unproved, file_stamp, outputs_unproved
 from ._tuning import _mtime, _tune, _tuned
 
@@ -70,10 +79,12 @@ class OnnxRuntimeBackend:
                 _create_session, config, path, placement, options
             )
             # The graph's signature narrowed by the sizes the config fixes (a
-            # config.pbtxt's dims): what is checked, reported and proved below.
-            signature = _narrowed(
-                _signature(session), options["inputs"], options["outputs"], config.name
-            )
+            # config.pbtxt's dims): what is proved and tuned below; clients see
+            # reshaped tensors in their own shapes (Triton's reshape).
+            inputs, outputs = options["inputs"], options["outputs"]
+            _check_optional(session, inputs.optional, config.name)
+            graph = _narrowed(_signature(session), inputs.graph, outputs.graph, config.name)
+            signature = _reshaped(graph, inputs.clients, outputs.clients)
             # The engine reads the first instance's figures; others would only
             # disturb its measurement by running at the same time.
             if options["tune_batch_sizes"] and placement.index == 0:
@@ -81,14 +92,12 @@ class OnnxRuntimeBackend:
                 key += tuple(options["tune_batch_sizes"])
                 clock = _compute_clock(device, threads)
                 sizes = options["tune_batch_sizes"]
-                rates = _tuned.get(key) or await _tune(
-                    worker, session, signature, label, sizes, clock
-                )
+                rates = _tuned.get(key) or await _tune(worker, session, graph, label, sizes, clock)
                 _tuned[key] = rates
             unproved = (
                 Unproved("its file could not be read before its session was made")
                 if read is None
-                else await worker.run_sync(outputs_unproved, path, signature, read)
+                else await worker.run_sync(outputs_unproved, path, graph, read)
             )
         except BaseException:
             await worker.aclose()
@@ -109,6 +118,8 @@ class OnnxRuntimeBackend:
             rates,
             checks_outputs=unproved is None,
             signature=signature,
+            reshape_inputs={name: inputs.graph[name] for name in inputs.clients},
+            reshape_outputs=outputs.clients,
         )
         if placement.index == 0:
             # Said once per model at load: which output check its answers get. A graph at

@@ -59,6 +59,8 @@ class OnnxRuntimeInstance:
         "_label",
         "_measure_cpu",
         "_outputs",
+        "_reshape_inputs",
+        "_reshape_outputs",
         "_samples",
         "_session",
         "_signature",
@@ -85,6 +87,8 @@ class OnnxRuntimeInstance:
         *,
         checks_outputs: bool = False,
         signature: ModelSignature | None = None,
+        reshape_inputs: Mapping[str, tuple[int, ...]] | None = None,
+        reshape_outputs: Mapping[str, tuple[int, ...]] | None = None,
     ) -> None:
         #: Whether its answers fit its signature by construction, so that the engine
         #: checks only their names and rows (1 us of a three-step pipeline's 34). ONNX
@@ -120,6 +124,10 @@ class OnnxRuntimeInstance:
         # The graph's, or as the config narrowed it (the backend's _narrowed).
         self._signature = _signature(session) if signature is None else signature
         self._outputs = [spec.name for spec in self._signature.outputs]
+        # Triton's reshape: the shape the graph takes of each such input, and the one
+        # clients receive of each such output (-1 first: the batch dimension, kept).
+        self._reshape_inputs = dict(reshape_inputs or {})
+        self._reshape_outputs = dict(reshape_outputs or {})
         self._closed = False
         self._wall = time.perf_counter  # the loop is held for wall time
         self._checkpoint_if_cancelled = _checkpoint_if_cancelled()
@@ -150,6 +158,8 @@ class OnnxRuntimeInstance:
         session = self._session
         if session is None:
             raise BackendError(f"instance on {self._device} is closed")
+        if self._reshape_inputs:
+            inputs = _reshaped(inputs, self._reshape_inputs)
         dispatch = self._dispatch
         if dispatch == "inline":
             # On the loop's thread nothing can abort a run midway: no RunOptions.
@@ -159,7 +169,7 @@ class OnnxRuntimeInstance:
                 raise BackendError(
                     f"ONNX Runtime failed on {self._device}: {_one_line(exc)}"
                 ) from exc
-            return dict(zip(self._outputs, values, strict=True))
+            return self._answer(values)
         run_options = _ort().RunOptions()
 
         def abort() -> None:
@@ -191,7 +201,20 @@ class OnnxRuntimeInstance:
                 values = await self._callbacks.wait_on_callback(start, abort=abort)
         except Exception as exc:
             raise BackendError(f"ONNX Runtime failed on {self._device}: {_one_line(exc)}") from exc
-        return dict(zip(self._outputs, values, strict=True))
+        return self._answer(values)
+
+    def _answer(self, values: Any) -> dict[str, Any]:
+        # The session's outputs by name, reshaped ones as clients see them.
+        outputs = dict(zip(self._outputs, values, strict=True))
+        if self._reshape_outputs:
+            try:
+                outputs = _reshaped(outputs, self._reshape_outputs)
+            except ValueError as exc:
+                raise BackendError(
+                    f"ONNX Runtime on {self._device}: an output does not fit the config's "
+                    f"reshape: {exc}"
+                ) from exc
+        return outputs
 
     @property
     def runs_inline(self) -> bool:
@@ -320,6 +343,25 @@ class OnnxRuntimeInstance:
         if self._callbacks is not None:
             self._callbacks.close()
         await self._worker.aclose()
+
+
+def _reshaped(arrays: Mapping[str, Any], shapes: Mapping[str, tuple[int, ...]]) -> dict[str, Any]:
+    """*arrays* with those named in *shapes* reshaped (a leading -1 keeps the batch's rows).
+
+    Raises:
+        ValueError: An array whose elements do not fill its shape, saying which.
+    """
+    out = dict(arrays)
+    for name, shape in shapes.items():
+        array = out[name]
+        target = (array.shape[0], *shape[1:]) if shape[:1] == (-1,) and array.ndim else shape
+        try:
+            out[name] = array.reshape(target)
+        except ValueError:
+            raise ValueError(
+                f"{name!r} of shape {list(array.shape)} cannot be reshaped to {list(target)}"
+            ) from None
+    return out
 
 
 def _checkpoint_if_cancelled() -> Callable[[], Awaitable[None]]:

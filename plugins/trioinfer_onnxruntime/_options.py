@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import difflib
 import itertools
+import math
 from collections.abc import Mapping
 from typing import Any, Final
+
+import attrs
 
 from trioinfer import ConfigError, ModelConfig
 from trioinfer.lowlevel import Placement
@@ -69,10 +72,33 @@ OPTIONS: Final[Mapping[str, str]] = {
     "{ name, shape }, shape with every dimension (the batch one too) as an int, a name, "
     "or -1 to keep the graph's; a fixed size narrows a symbolic or open one in the "
     "signature (metadata, and the engine refuses requests of another size), and one the "
-    "graph fixes otherwise is refused at load (a config.pbtxt's dims arrive here)",
+    "graph fixes otherwise is refused at load (a config.pbtxt's dims arrive here). "
+    "With reshape (a list of fixed sizes, the first -1 for the batch dimension where "
+    "shape's is), shape is what clients send and reshape what the graph takes, the same "
+    "elements (Triton's reshape); optional = true: the graph gives the input a value "
+    "(an initializer), requests leave it out, and it is refused at load where the graph "
+    "needs it",
     "outputs": "as inputs, for outputs: an answer of another size fails (BackendError); "
-    "where ONNX shape inference proves the graph computes the sizes, that check is spared",
+    "where ONNX shape inference proves the graph computes the sizes, that check is spared; "
+    "with reshape, the graph computes reshape and clients receive shape",
 }
+
+
+@attrs.frozen
+class Declared:
+    """The ``inputs`` or ``outputs`` option: what the config says of a kind's tensors.
+
+    Attributes:
+        graph: Each declared tensor's shape in the graph's terms (its ``reshape``
+            where it has one), -1 for a size the graph keeps; optional inputs left out.
+        clients: The shape clients see of each reshaped tensor (``shape``), -1 first
+            for the batch dimension.
+        optional: The inputs that requests may leave out.
+    """
+
+    graph: Mapping[str, tuple[int | str, ...]] = attrs.field(factory=dict)
+    clients: Mapping[str, tuple[int, ...]] = attrs.field(factory=dict)
+    optional: frozenset[str] = frozenset()
 
 
 def default_dispatch(kind: str) -> str:
@@ -189,23 +215,32 @@ def _check_options(config: ModelConfig, placement: Placement) -> dict[str, Any]:
     return options
 
 
-def _declared_shapes(model: str, kind: str, value: object) -> dict[str, tuple[int | str, ...]]:
-    # The inputs or outputs option as {name: shape}, -1 for a size left as the graph says.
+def _declared_shapes(model: str, kind: str, value: object) -> Declared:
+    # The inputs or outputs option: {name: shape}, -1 for a size left as the graph says;
+    # reshaped tensors' client shapes, and optional inputs, beside.
     where = f"model {model!r}: backend option {kind}"
     if not isinstance(value, list | tuple):
         raise ConfigError(
             f"{where} must be a list of tables {{ name, shape }}, got {type(value).__name__}"
         )
+    keys = (
+        {"name", "shape", "reshape", "optional"}
+        if kind == "inputs"
+        else {"name", "shape", "reshape"}
+    )
     shapes: dict[str, tuple[int | str, ...]] = {}
+    clients: dict[str, tuple[int, ...]] = {}
+    optional: set[str] = set()
     for item in value:
-        if not isinstance(item, Mapping) or set(item) != {"name", "shape"}:
+        if not isinstance(item, Mapping) or not {"name", "shape"} <= set(item) <= keys:
             raise ConfigError(
-                f"{where}: each entry must be a table of name and shape, got {item!r}"
+                f"{where}: each entry must be a table of name and shape (and "
+                f"{' or '.join(sorted(keys - {'name', 'shape'}))}), got {item!r}"
             )
         name, shape = item["name"], item["shape"]
         if not isinstance(name, str) or not name:
             raise ConfigError(f"{where}: a tensor name must be a non-empty string, got {name!r}")
-        if name in shapes:
+        if name in shapes or name in optional:
             raise ConfigError(f"{where}: {name!r} is declared twice")
         if not isinstance(shape, list | tuple) or not all(
             (isinstance(d, int) and not isinstance(d, bool) and d >= -1)
@@ -216,8 +251,43 @@ def _declared_shapes(model: str, kind: str, value: object) -> dict[str, tuple[in
                 f"{where}: the shape of {name!r} must be a list of sizes >= 0, names or -1 "
                 f"(the graph's), got {shape!r}"
             )
-        shapes[name] = tuple(shape)
-    return shapes
+        if item.get("optional", False) is not False:
+            if item["optional"] is not True:
+                raise ConfigError(f"{where}: optional of {name!r} must be true or false")
+            if "reshape" in item:
+                raise ConfigError(f"{where}: {name!r} is optional and reshaped; it can be one")
+            optional.add(name)
+            continue
+        if "reshape" in item:
+            clients[name] = _fixed(where, name, "shape", shape)
+            shapes[name] = _fixed(where, name, "reshape", item["reshape"])
+            ends = (clients[name][:1] == (-1,), shapes[name][:1] == (-1,))
+            if ends[0] != ends[1] or math.prod(clients[name][ends[0] :]) != math.prod(
+                shapes[name][ends[1] :]
+            ):
+                raise ConfigError(
+                    f"{where}: {name!r} has shape {list(clients[name])} and reshape "
+                    f"{list(shapes[name])}: they must hold the same elements (with -1 first "
+                    "in both, or in neither, for the batch dimension)"
+                )
+        else:
+            shapes[name] = tuple(shape)
+    return Declared(shapes, clients, frozenset(optional))
+
+
+def _fixed(where: str, name: str, what: str, shape: object) -> tuple[int, ...]:
+    # A reshaped tensor's shape or reshape: fixed sizes, -1 first for the batch dimension.
+    if (
+        not isinstance(shape, list | tuple)
+        or not all(isinstance(d, int) and not isinstance(d, bool) for d in shape)
+        or any(d < 0 for d in shape[1:])
+        or (shape and shape[0] < -1)
+    ):
+        raise ConfigError(
+            f"{where}: the {what} of reshaped {name!r} must be a list of fixed sizes >= 0 "
+            f"(the first may be -1, the batch dimension), got {shape!r}"
+        )
+    return tuple(shape)
 
 
 def _check_tune_fits_batcher(config: ModelConfig, sizes: list[int]) -> None:

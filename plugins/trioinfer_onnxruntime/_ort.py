@@ -118,6 +118,62 @@ def _narrowed(
     )
 
 
+def _reshaped(
+    signature: ModelSignature,
+    inputs: Mapping[str, tuple[int, ...]],
+    outputs: Mapping[str, tuple[int, ...]],
+) -> ModelSignature:
+    """*signature* (the graph's terms) as clients see it: reshaped tensors in their shapes.
+
+    Each shape is fixed but for a leading -1, the batch dimension, which keeps the
+    graph's (its symbol ties inputs to outputs). The elements are the same (the
+    options' check), so that only the shape differs.
+    """
+    if not inputs and not outputs:
+        return signature
+
+    def client(specs: tuple[TensorSpec, ...], shapes: Mapping[str, tuple[int, ...]]) -> Any:
+        return tuple(
+            spec
+            if spec.name not in shapes
+            else attrs.evolve(
+                spec,
+                shape=tuple(
+                    spec.shape[0] if i == 0 and d == -1 else d
+                    for i, d in enumerate(shapes[spec.name])
+                ),
+            )
+            for spec in specs
+        )
+
+    return ModelSignature(client(signature.inputs, inputs), client(signature.outputs, outputs))
+
+
+def _check_optional(session: Any, optional: frozenset[str], model: str) -> None:
+    """Refuse optional inputs that the graph needs: only one with an initializer may be left out.
+
+    ONNX Runtime lists a graph input that has an initializer (a value of the graph's
+    own) apart from the others, as an overridable initializer: a run without it uses
+    that value, as Triton runs a request without an optional input.
+    """
+    if not optional:
+        return
+    required = {arg.name for arg in session.get_inputs()}
+    overridable = {arg.name for arg in session.get_overridable_initializers()}
+    for name in sorted(optional):
+        if name in required:
+            raise ConfigError(
+                f"model {model!r}: the config declares input {name!r} optional, but the graph "
+                "needs it (it has no initializer that a run without it would use); "
+                "remove optional, or give the input an initializer in the graph"
+            )
+        if name not in overridable:
+            raise ConfigError(
+                f"model {model!r}: the config declares input {name!r} optional, which the graph "
+                f"does not have; its inputs are {', '.join(map(repr, sorted(required)))}"
+            )
+
+
 def _one_line(exc: BaseException) -> str:
     text = str(exc).strip()
     # ORT prefixes "[ONNXRuntimeError] : 1 : FAIL : "; the rest is the message.

@@ -705,6 +705,15 @@ def _check_tensors(
         by_name = {spec.name: spec for spec in specs}
         for tensor in declared:
             spec = by_name.get(tensor.get("name", ""))
+            if (
+                spec is None
+                and kind == "input"
+                and tensor.get("optional")
+                and info.config.backend in NARROWING_BACKENDS
+            ):
+                # The ONNX Runtime backend found it an input the graph can go without
+                # (one with an initializer), which the model's signature leaves out.
+                continue
             if spec is None:
                 raise ConfigError(
                     f"model {model!r}: {source} declares {kind} {tensor.get('name')!r}, "

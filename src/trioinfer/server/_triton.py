@@ -9,7 +9,12 @@ is refused by the parser with its name and line, and a field inside it that
 trioinfer cannot honour is refused by `TritonModel.parse` with its name.
 Nothing is ignored silently: what is accepted but has no effect is logged as
 a note (``preserve_ordering``, ``allow_timeout_override``, ``oldest``'s
-``preferred_batch_size``). ``sequence_batching`` becomes the ``[sequence]``
+``preferred_batch_size``, ``optimization``'s ``priority``, ``cuda`` and pinned
+memory). ``optimization``'s graph level and GPU accelerators, and the
+parameters Triton's ONNX Runtime backend reads, become the ONNX Runtime
+backend's options (`_optimization`, `_onnxruntime_parameters`); an input's or
+output's ``reshape`` and an input's ``optional`` reach its ``inputs`` and
+``outputs`` options (`_declared_shapes`). ``sequence_batching`` becomes the ``[sequence]``
 table of the sequence batcher (`_sequence`); the types and dims it names are
 checked against the model's inputs once it loads (``server/_models.py``).
 
@@ -26,6 +31,7 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 from collections.abc import Collection, Mapping
 from typing import Any, Final, cast
 
@@ -66,6 +72,9 @@ _NESTED_ENUMS: Final[dict[str, dict[str, list[tuple[str, int]]]]] = {
     },
     "ModelInput": {"Format": [("FORMAT_NONE", 0), ("FORMAT_NHWC", 1), ("FORMAT_NCHW", 2)]},
     "ModelQueuePolicy": {"TimeoutAction": [("REJECT", 0), ("DELAY", 1)]},
+    "ModelOptimizationPolicy": {
+        "ModelPriority": [("PRIORITY_DEFAULT", 0), ("PRIORITY_MAX", 1), ("PRIORITY_MIN", 2)]
+    },
     "ModelSequenceBatching.Control": {
         "Kind": [
             ("CONTROL_SEQUENCE_START", 0),
@@ -75,6 +84,7 @@ _NESTED_ENUMS: Final[dict[str, dict[str, list[tuple[str, int]]]]] = {
         ]
     },
 }
+_ACCELERATOR: Final = "ModelOptimizationPolicy.ExecutionAccelerators.Accelerator"
 #: message -> fields; a field is (name, number, type, label, type name or "", oneof or "").
 _MESSAGES: Final[dict[str, list[tuple[str, int, int, int, str, str]]]] = {
     "ModelTensorReshape": [("shape", 1, _I64, _MANY, "", "")],
@@ -224,6 +234,40 @@ _MESSAGES: Final[dict[str, list[tuple[str, int, int, int, str, str]]]] = {
         ("iterative_sequence", 6, _B, _ONE, "", ""),
     ],
     "ModelParameter": [("string_value", 1, _S, _ONE, "", "")],
+    "ModelOptimizationPolicy.Graph": [("level", 1, _I32, _ONE, "", "")],
+    "ModelOptimizationPolicy.Cuda": [
+        ("graphs", 1, _B, _ONE, "", ""),
+        ("busy_wait_events", 2, _B, _ONE, "", ""),
+        ("output_copy_stream", 4, _B, _ONE, "", ""),
+    ],
+    "ModelOptimizationPolicy.ExecutionAccelerators.Accelerator.ParametersEntry": [
+        ("key", 1, _S, _ONE, "", ""),
+        ("value", 2, _S, _ONE, "", ""),
+    ],
+    "ModelOptimizationPolicy.ExecutionAccelerators.Accelerator": [
+        ("name", 1, _S, _ONE, "", ""),
+        ("parameters", 2, _M, _MANY, f"{_ACCELERATOR}.ParametersEntry", ""),
+    ],
+    "ModelOptimizationPolicy.ExecutionAccelerators": [
+        ("gpu_execution_accelerator", 1, _M, _MANY, _ACCELERATOR, ""),
+        ("cpu_execution_accelerator", 2, _M, _MANY, _ACCELERATOR, ""),
+    ],
+    "ModelOptimizationPolicy.PinnedMemoryBuffer": [("enable", 1, _B, _ONE, "", "")],
+    "ModelOptimizationPolicy": [
+        ("graph", 1, _M, _ONE, "ModelOptimizationPolicy.Graph", ""),
+        ("priority", 2, _E, _ONE, "ModelOptimizationPolicy.ModelPriority", ""),
+        ("cuda", 3, _M, _ONE, "ModelOptimizationPolicy.Cuda", ""),
+        (
+            "execution_accelerators",
+            4,
+            _M,
+            _ONE,
+            "ModelOptimizationPolicy.ExecutionAccelerators",
+            "",
+        ),
+        ("input_pinned_memory", 5, _M, _ONE, "ModelOptimizationPolicy.PinnedMemoryBuffer", ""),
+        ("output_pinned_memory", 6, _M, _ONE, "ModelOptimizationPolicy.PinnedMemoryBuffer", ""),
+    ],
     "ModelResponseCache": [("enable", 1, _B, _ONE, "", "")],
     "ModelWarmup.Input": [
         ("data_type", 1, _E, _ONE, "DataType", ""),
@@ -256,6 +300,7 @@ _MESSAGES: Final[dict[str, list[tuple[str, int, int, int, str, str]]]] = {
         ("instance_group", 7, _M, _MANY, "ModelInstanceGroup", ""),
         ("default_model_filename", 8, _S, _ONE, "", ""),
         ("dynamic_batching", 11, _M, _ONE, "ModelDynamicBatching", "scheduling_choice"),
+        ("optimization", 12, _M, _ONE, "ModelOptimizationPolicy", ""),
         ("sequence_batching", 13, _M, _ONE, "ModelSequenceBatching", "scheduling_choice"),
         ("parameters", 14, _M, _MANY, "ModelConfig.ParametersEntry", ""),
         ("ensemble_scheduling", 15, _M, _ONE, "ModelEnsembling", "scheduling_choice"),
@@ -751,6 +796,7 @@ def _translate(message: Any, doc: dict[str, Any], name: str, where: str) -> Trit
     backend_parameters = {
         key: value for key, value in message.parameters.items() if not key.startswith(OWN_PREFIX)
     }
+    cuda_options: dict[str, Any] = {}
     if backend_parameters:
         if ensemble:
             raise ConfigError(
@@ -758,19 +804,36 @@ def _translate(message: Any, doc: dict[str, Any], name: str, where: str) -> Trit
                 f"{OWN_PREFIX}*); got {', '.join(sorted(backend_parameters))}"
             )
         options = {key: _parameter(value.string_value) for key, value in backend_parameters.items()}
-        _onnxruntime_parameters(options, settings, where)
+        cuda_options = _onnxruntime_parameters(options, settings, where, notes)
         settings["backend_options"] = options
+    if message.HasField("optimization"):
+        if ensemble:
+            raise ConfigError(f"{where}: an ensemble has no optimization; its steps' models do")
+        _optimization(message.optimization, settings, cuda_options, where, notes)
+    elif cuda_options:
+        settings.setdefault("backend_options", {})["provider_options"] = cuda_options
     if message.HasField("response_cache"):
         settings["response_cache"] = message.response_cache.enable
     if message.model_warmup:
         settings["warmup"] = [_warmup(sample, where) for sample in message.model_warmup]
 
     labels: dict[str, str] = {}
+    # An ensemble's tensors are its steps' models': reshape and optional are theirs.
+    onnx = set() if ensemble else {"reshape"}
     for tensor in message.input:
-        _refuse(tensor, {"name", "data_type", "dims"}, where, f"input {tensor.name!r}")
+        allowed = {"name", "data_type", "dims", *onnx, *(("optional",) if onnx else ())}
+        _refuse(tensor, allowed, where, f"input {tensor.name!r}")
+        _check_reshape(tensor, "input", where)
+        if tensor.optional and tensor.HasField("reshape"):
+            raise ConfigError(
+                f"{where}: input {tensor.name!r} is optional and reshaped; trioinfer serves "
+                "an optional input as the graph's own value, which it does not reshape: "
+                "remove one of them"
+            )
     for tensor in message.output:
-        allowed = {"name", "data_type", "dims", "label_filename"}
+        allowed = {"name", "data_type", "dims", "label_filename", *onnx}
         _refuse(tensor, allowed, where, f"output {tensor.name!r}")
+        _check_reshape(tensor, "output", where)
         if tensor.label_filename:
             labels[tensor.name] = tensor.label_filename
     if ensemble:
@@ -808,11 +871,39 @@ def _translate(message: Any, doc: dict[str, Any], name: str, where: str) -> Trit
 
 def _declared_shapes(message: Any, max_batch: int) -> dict[str, tuple[Mapping[str, Any], ...]]:
     batch = [-1] if max_batch > 0 else []
+
+    def entry(tensor: Any) -> dict[str, Any]:
+        out: dict[str, Any] = {"name": tensor.name, "shape": [*batch, *tensor.dims]}
+        if tensor.HasField("reshape"):
+            out["reshape"] = [*batch, *tensor.reshape.shape]
+        if getattr(tensor, "optional", False):
+            out["optional"] = True
+        return out
+
     return {
-        kind: tuple({"name": t.name, "shape": [*batch, *t.dims]} for t in tensors)
+        kind: tuple(entry(t) for t in tensors)
         for kind, tensors in (("inputs", message.input), ("outputs", message.output))
         if tensors
     }
+
+
+def _check_reshape(tensor: Any, kind: str, where: str) -> None:
+    # Triton's reshape: clients see dims, the model has reshape.shape, the same elements.
+    # Fixed sizes only: with -1 on both sides which size goes where is a guess.
+    if not tensor.HasField("reshape"):
+        return
+    dims, shape = list(tensor.dims), list(tensor.reshape.shape)
+    if min(dims + shape, default=0) < 0:
+        raise ConfigError(
+            f"{where}: {kind} {tensor.name!r}: reshape needs fixed dims and a fixed "
+            f"reshape.shape (no -1; the batch dimension is neither's), got dims {dims} and "
+            f"reshape {shape}"
+        )
+    if math.prod(dims) != math.prod(shape):
+        raise ConfigError(
+            f"{where}: {kind} {tensor.name!r} reshape {shape} holds {math.prod(shape)} "
+            f"elements; its dims {dims} hold {math.prod(dims)}: they must hold the same"
+        )
 
 
 #: The backends whose signature a config's dims narrow (their ONNX Runtime options
@@ -1162,14 +1253,47 @@ def _instances(group: Any, where: str) -> list[dict[str, Any]]:
     return [{"device": f"cuda:{gpu}", "count": count, **needs} for gpu in gpus]
 
 
-def _onnxruntime_parameters(options: dict[str, Any], settings: dict[str, Any], where: str) -> None:
+def _onnxruntime_parameters(
+    options: dict[str, Any], settings: dict[str, Any], where: str, notes: list[str]
+) -> dict[str, Any]:
     """Rename, in place, Triton's onnxruntime backend parameters that trioinfer spells otherwise.
 
     Triton's ONNX configs often set ``intra_op_thread_count``, ``inter_op_thread_count`` and
     ``execution_mode`` (0 sequential, 1 parallel); refusing them as unknown options would make
     such a repository fail to load although each has a trioinfer equivalent: ``threads`` on
     every instance group, the ``inter_op_threads`` option, and ``execution_mode`` by name.
+    ``enable_mem_arena`` and ``enable_mem_pattern`` are 0 or 1 there, true or false here.
+
+    Returns:
+        The CUDA execution provider's options that Triton's backend reads from the
+        parameters (deprecated there, for its ``cuda`` accelerator's), taken out of
+        *options*: the caller decides where they go (`_optimization`).
     """
+    for key in ("enable_mem_arena", "enable_mem_pattern"):
+        if key in options:
+            options[key] = _flag(options[key], f"parameters {key}", where, "0 or 1")
+    if "share_session_between_instances" in options:
+        options.pop("share_session_between_instances")
+        notes.append(
+            "parameters share_session_between_instances has no effect: each instance has "
+            "its own ONNX Runtime session here"
+        )
+    cuda: dict[str, Any] = {}
+    for key, names in _CUDA_CHOICES.items():
+        if key in options:
+            value = options.pop(key)
+            if type(value) is not int or not 0 <= value < len(names):
+                *most, last = [f"{n} ({name})" for n, name in enumerate(names)]
+                raise ConfigError(
+                    f"{where}: parameters {key} must be {', '.join(most)} or {last}, got {value!r}"
+                )
+            cuda[key] = names[value]
+    if "gpu_mem_limit" in options:
+        cuda["gpu_mem_limit"] = _integer(options.pop("gpu_mem_limit"), "gpu_mem_limit", where)
+    if "do_copy_in_default_stream" in options:
+        cuda["do_copy_in_default_stream"] = _flag(
+            options.pop("do_copy_in_default_stream"), "parameters do_copy_in_default_stream", where
+        )
     if "intra_op_thread_count" in options:
         threads = options.pop("intra_op_thread_count")
         if type(threads) is not int or threads < 0:
@@ -1189,6 +1313,245 @@ def _onnxruntime_parameters(options: dict[str, Any], settings: dict[str, Any], w
     mode = options.get("execution_mode")
     if type(mode) is int and mode in (0, 1):
         options["execution_mode"] = ("sequential", "parallel")[mode]
+    return cuda
+
+
+#: Triton's deprecated CUDA parameters that choose by number: the CUDA provider's names.
+_CUDA_CHOICES: Final = {
+    "cudnn_conv_algo_search": ("EXHAUSTIVE", "HEURISTIC", "DEFAULT"),
+    "arena_extend_strategy": ("kNextPowerOfTwo", "kSameAsRequested"),
+}
+#: The CUDA provider's options that are flags: Triton writes them "0"/"1", ONNX Runtime's
+#: Python API takes True/False (the backend passes its options to the provider as they are).
+_CUDA_FLAGS: Final = frozenset(
+    {
+        "do_copy_in_default_stream",
+        "use_ep_level_unified_stream",
+        "cudnn_conv_use_max_workspace",
+        "cudnn_conv1d_pad_to_nc1d",
+        "enable_cuda_graph",
+        "enable_skip_layer_norm_strict_mode",
+        "prefer_nhwc",
+        "use_tf32",
+        "tunable_op_enable",
+        "tunable_op_tuning_enable",
+    }
+)
+#: Triton's ONNX Runtime graph levels (optimization.graph.level) as the backend's
+#: graph_optimization_level: -1 basic, 1 extended, 2 none, and 0 (unset) everything.
+_GRAPH_LEVELS: Final = {-1: "basic", 0: "all", 1: "extended", 2: "disable"}
+#: The tensorrt accelerator's precision_mode values: the TensorRT provider's flag for each.
+_PRECISIONS: Final = {
+    "FP32": None,
+    "FP16": "trt_fp16_enable",
+    "BF16": "trt_bf16_enable",
+    "INT8": "trt_int8_enable",
+}
+#: The tensorrt accelerator's other parameters, as Triton's backend maps them onto the
+#: TensorRT provider's options: Triton's name -> (the provider's, its type).
+_TRT_PARAMETERS: Final[dict[str, tuple[str, type]]] = {
+    "max_workspace_size_bytes": ("trt_max_workspace_size", int),
+    "int8_calibration_table_name": ("trt_int8_calibration_table_name", str),
+    "int8_use_native_calibration_table": ("trt_int8_use_native_calibration_table", bool),
+    **{
+        name: (name, kind)
+        for kind, names in (
+            (
+                int,
+                (
+                    "trt_max_partition_iterations",
+                    "trt_min_subgraph_size",
+                    "trt_dla_core",
+                    "trt_builder_optimization_level",
+                    "trt_auxiliary_streams",
+                    "trt_ep_context_embed_mode",
+                ),
+            ),
+            (
+                bool,
+                (
+                    "trt_dla_enable",
+                    "trt_engine_cache_enable",
+                    "trt_dump_subgraphs",
+                    "trt_force_sequential_engine_build",
+                    "trt_context_memory_sharing_enable",
+                    "trt_layer_norm_fp32_fallback",
+                    "trt_timing_cache_enable",
+                    "trt_force_timing_cache",
+                    "trt_detailed_build_log",
+                    "trt_build_heuristics_enable",
+                    "trt_sparsity_enable",
+                    "trt_cuda_graph_enable",
+                    "trt_dump_ep_context_model",
+                ),
+            ),
+            (
+                str,
+                (
+                    "trt_engine_cache_path",
+                    "trt_engine_cache_prefix",
+                    "trt_timing_cache_path",
+                    "trt_tactic_sources",
+                    "trt_extra_plugin_lib_paths",
+                    "trt_profile_min_shapes",
+                    "trt_profile_max_shapes",
+                    "trt_profile_opt_shapes",
+                    "trt_ep_context_file_path",
+                ),
+            ),
+        )
+        for name in names
+    },
+}
+
+
+def _flag(value: object, what: str, where: str, spelled: str = "true or false (or 1 or 0)") -> bool:
+    # Triton's backend reads a flag as 0/1 or false/true (_parameter made them int or bool).
+    if isinstance(value, str):
+        value = _parameter(value)
+    if value in (0, 1):  # True and False too
+        return bool(value)
+    raise ConfigError(f"{where}: {what} must be {spelled}, got {value!r}")
+
+
+def _integer(value: object, what: str, where: str) -> int:
+    if isinstance(value, str):
+        value = _parameter(value)
+    if type(value) is not int:
+        raise ConfigError(f"{where}: {what} must be an integer, got {value!r}")
+    return value
+
+
+def _optimization(
+    policy: Any, settings: dict[str, Any], cuda: dict[str, Any], where: str, notes: list[str]
+) -> None:
+    """Map ``optimization`` onto *settings* (its backend options and instance devices).
+
+    As Triton's ONNX Runtime backend reads it: ``graph.level`` is the graph
+    optimization level; a ``gpu_execution_accelerator`` named ``tensorrt`` puts
+    the GPU instance groups on ONNX Runtime's TensorRT provider (``tensorrt:N``)
+    with its parameters as that provider's options, one named ``cuda`` gives the
+    CUDA provider options (as *cuda*, Triton's deprecated parameters, do). What
+    has no effect here (priority, CUDA graphs, pinned memory) is a note; a CPU
+    accelerator (OpenVINO) or an unknown one is refused.
+    """
+    what = "optimization"
+    options: dict[str, Any] = dict(settings.get("backend_options", {}))
+    if policy.HasField("graph"):
+        level = policy.graph.level
+        if level not in _GRAPH_LEVELS:
+            raise ConfigError(
+                f"{where}: {what}.graph.level must be -1 (basic), 0 (all, the default), "
+                f"1 (extended) or 2 (disable), as Triton's ONNX Runtime backend reads it; "
+                f"got {level}"
+            )
+        given = options.get("graph_optimization_level")
+        if given is not None and given != _GRAPH_LEVELS[level]:
+            raise ConfigError(
+                f"{where}: {what}.graph.level {level} ({_GRAPH_LEVELS[level]}) and parameters "
+                f"graph_optimization_level {given!r} disagree; give one of them"
+            )
+        options["graph_optimization_level"] = _GRAPH_LEVELS[level]
+    if policy.priority:
+        notes.append(
+            f"{what}.priority has no effect: trioinfer gives ONNX Runtime sessions no "
+            "priority (requests have theirs)"
+        )
+    if set_fields := [field.name for field, _ in policy.cuda.ListFields()]:
+        notes.append(
+            f"{what}.cuda {', '.join(set_fields)} has no effect: Triton's ONNX Runtime backend "
+            "does not read it either (ONNX Runtime's own CUDA graphs are the cuda "
+            "accelerator's enable_cuda_graph parameter)"
+        )
+    for field in ("input_pinned_memory", "output_pinned_memory"):
+        if policy.HasField(field):
+            notes.append(
+                f"{what}.{field} has no effect: tensors reach ONNX Runtime as host arrays, "
+                "with no staging buffer to pin"
+            )
+    accelerators = policy.execution_accelerators
+    for accelerator in accelerators.cpu_execution_accelerator:
+        raise ConfigError(
+            f"{where}: {what}.execution_accelerators.cpu_execution_accelerator "
+            f"{accelerator.name!r} is not supported: trioinfer's ONNX Runtime backend runs CPU "
+            "instances on ONNX Runtime's CPU provider, and has no OpenVINO provider; remove it"
+        )
+    trt: dict[str, Any] | None = None
+    seen: set[str] = set()
+    for accelerator in accelerators.gpu_execution_accelerator:
+        name = accelerator.name
+        label = f"{what}.execution_accelerators.gpu_execution_accelerator {name!r}"
+        if name not in ("tensorrt", "cuda"):
+            raise ConfigError(
+                f"{where}: {label} is not one trioinfer knows: 'tensorrt' (ONNX Runtime's "
+                "TensorRT provider) or 'cuda' (its CUDA provider)"
+            )
+        if name in seen:
+            raise ConfigError(f"{where}: {what}.execution_accelerators names {name!r} twice")
+        seen.add(name)
+        if name == "cuda":
+            for key, value in accelerator.parameters.items():
+                cuda[key] = (
+                    _flag(value, f"{label} parameter {key}", where)
+                    if key in _CUDA_FLAGS
+                    else _parameter(value)
+                )
+        else:
+            trt = _tensorrt_options(accelerator.parameters, label, where)
+    if trt is not None and cuda:
+        raise ConfigError(
+            f"{where}: CUDA provider options ({', '.join(sorted(cuda))}) with 'tensorrt': a "
+            "TensorRT instance's provider options are the TensorRT provider's (its CUDA "
+            "provider, for what TensorRT cannot run, keeps its defaults); remove them or "
+            "the tensorrt accelerator"
+        )
+    groups = settings.get("instances", [])
+    gpus = [group for group in groups if str(group.get("device", "")).startswith("cuda")]
+    if seen and not gpus:
+        notes.append(
+            f"{what}.execution_accelerators gpu_execution_accelerator "
+            f"{', '.join(map(repr, sorted(seen)))} has no effect: no instance_group runs on "
+            "a GPU (KIND_GPU)"
+        )
+    elif trt is not None:
+        for group in gpus:
+            group["device"] = group["device"].replace("cuda", "tensorrt", 1)
+    provider = trt if trt is not None and gpus else cuda
+    if provider:
+        options["provider_options"] = provider
+    if options:
+        settings["backend_options"] = options
+
+
+def _tensorrt_options(parameters: Mapping[str, str], label: str, where: str) -> dict[str, Any]:
+    # The tensorrt accelerator's parameters as the TensorRT provider's options.
+    out: dict[str, Any] = {}
+    for key, value in parameters.items():
+        if key == "precision_mode":
+            if value not in _PRECISIONS:
+                raise ConfigError(
+                    f"{where}: {label}: precision_mode must be FP32, FP16, BF16 or INT8, "
+                    f"got {value!r}"
+                )
+            flag = _PRECISIONS[value]
+            if flag is not None:
+                out[flag] = True
+            continue
+        if key not in _TRT_PARAMETERS:
+            raise ConfigError(
+                f"{where}: {label} has no parameter {key!r}; it takes precision_mode, "
+                f"{', '.join(sorted(_TRT_PARAMETERS))}"
+            )
+        name, kind = _TRT_PARAMETERS[key]
+        what = f"{label} parameter {key}"
+        out[name] = (
+            _flag(value, what, where)
+            if kind is bool
+            else _integer(value, what, where)
+            if kind is int
+            else value
+        )
+    return out
 
 
 def _warmup(sample: Any, where: str) -> dict[str, Any]:

@@ -1,0 +1,504 @@
+"""The parts of a config.pbtxt that Triton's ONNX Runtime backend reads.
+
+``optimization`` (graph level, execution accelerators, and what changes nothing
+here), the backend's ``parameters``, ``reshape`` on inputs and outputs, and
+``optional`` inputs. Mapping is checked on `TritonModel.parse`; reshape and
+optional inputs on a served repository written with ``onnx.helper``, asked
+with ``tritonclient.http`` (on a thread: it blocks) and httpx.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+import onnx
+import pytest
+import trio
+import tritonclient.http as httpclient
+from onnx import TensorProto, helper, numpy_helper
+
+from _serve import start_serving
+from trioinfer import ConfigError
+from trioinfer.server._triton import TritonModel
+
+pytestmark = pytest.mark.triton_config
+
+
+def _parse(text: str) -> TritonModel:
+    return TritonModel.parse(text, name="m", where="m/config.pbtxt")
+
+
+# == optimization ===============================================================================
+
+
+@pytest.mark.parametrize(
+    ("level", "expected"), [(-1, "basic"), (0, "all"), (1, "extended"), (2, "disable")]
+)
+def test_graph_level_as_tritons_onnx_runtime_backend_reads_it(level: int, expected: str) -> None:
+    # -1 basic, 1 basic and extended, 2 none; 0 (unset) all, ONNX Runtime's default.
+    model = _parse(f"optimization {{ graph {{ level: {level} }} }}")
+    assert model.settings["backend_options"]["graph_optimization_level"] == expected
+
+
+def test_tensorrt_accelerator_runs_gpu_groups_on_the_tensorrt_provider() -> None:
+    model = _parse(
+        """
+        instance_group [ { kind: KIND_GPU count: 2 gpus: [ 0, 1 ] }, { kind: KIND_CPU } ]
+        optimization { execution_accelerators { gpu_execution_accelerator [ {
+          name: "tensorrt"
+          parameters { key: "precision_mode" value: "FP16" }
+          parameters { key: "max_workspace_size_bytes" value: "1073741824" }
+          parameters { key: "trt_engine_cache_enable" value: "1" }
+          parameters { key: "trt_engine_cache_path" value: "/tmp/trt" }
+        } ] } }
+        """
+    )
+    assert [g["device"] for g in model.settings["instances"]] == [
+        "tensorrt:0",
+        "tensorrt:1",
+        "cpu",
+    ]
+    # ONNX Runtime's Python API takes a TensorRT flag as True/False, not Triton's "1".
+    assert model.settings["backend_options"]["provider_options"] == {
+        "trt_fp16_enable": True,
+        "trt_max_workspace_size": 1073741824,
+        "trt_engine_cache_enable": True,
+        "trt_engine_cache_path": "/tmp/trt",
+    }
+    assert model.notes == ()
+
+
+def test_cuda_accelerator_and_deprecated_cuda_parameters_are_cuda_provider_options() -> None:
+    model = _parse(
+        """
+        instance_group [ { kind: KIND_GPU } ]
+        parameters { key: "cudnn_conv_algo_search" value { string_value: "1" } }
+        parameters { key: "gpu_mem_limit" value { string_value: "4294967296" } }
+        parameters { key: "arena_extend_strategy" value { string_value: "1" } }
+        optimization { execution_accelerators { gpu_execution_accelerator [ {
+          name: "cuda"
+          parameters { key: "do_copy_in_default_stream" value: "0" }
+          parameters { key: "cudnn_conv_use_max_workspace" value: "1" }
+        } ] } }
+        """
+    )
+    assert model.settings["instances"] == [{"device": "cuda:0", "count": 1}]
+    assert model.settings["backend_options"] == {
+        "provider_options": {
+            "cudnn_conv_algo_search": "HEURISTIC",
+            "gpu_mem_limit": 4294967296,
+            "arena_extend_strategy": "kSameAsRequested",
+            "do_copy_in_default_stream": False,
+            "cudnn_conv_use_max_workspace": True,
+        }
+    }
+
+
+def test_what_changes_nothing_here_is_accepted_with_a_note() -> None:
+    model = _parse(
+        """
+        optimization {
+          priority: PRIORITY_MAX
+          cuda { graphs: true busy_wait_events: true }
+          input_pinned_memory { enable: true }
+          output_pinned_memory { enable: false }
+          execution_accelerators { gpu_execution_accelerator [ { name: "tensorrt" } ] }
+        }
+        parameters { key: "share_session_between_instances" value { string_value: "true" } }
+        """
+    )
+    notes = "\n".join(model.notes)
+    for field in (
+        "optimization.priority",
+        "optimization.cuda graphs, busy_wait_events",
+        "optimization.input_pinned_memory",
+        "optimization.output_pinned_memory",
+        "gpu_execution_accelerator 'tensorrt' has no effect: no instance_group runs on a GPU",
+        "share_session_between_instances",
+    ):
+        assert field in notes
+    assert model.settings.get("instances") is None
+    assert "provider_options" not in model.settings.get("backend_options", {})
+
+
+def test_onnx_runtime_parameters_take_their_types() -> None:
+    # Triton's backend reads "0"/"1" as false/true; trioinfer's options are booleans.
+    model = _parse(
+        'parameters { key: "enable_mem_arena" value { string_value: "0" } }\n'
+        'parameters { key: "enable_mem_pattern" value { string_value: "1" } }'
+    )
+    assert model.settings["backend_options"] == {
+        "enable_mem_arena": False,
+        "enable_mem_pattern": True,
+    }
+
+
+def test_optimization_round_trips_in_the_json_form() -> None:
+    # GET .../config answers it as read, and a load override sends that back.
+    text = """
+        instance_group [ { kind: KIND_GPU } ]
+        optimization {
+          graph { level: 1 }
+          execution_accelerators { gpu_execution_accelerator [ {
+            name: "tensorrt" parameters { key: "precision_mode" value: "INT8" } } ] }
+        }
+        """
+    model = _parse(text)
+    doc = model.json()
+    assert doc["optimization"] == {
+        "graph": {"level": 1},
+        "execution_accelerators": {
+            "gpu_execution_accelerator": [
+                {"name": "tensorrt", "parameters": {"precision_mode": "INT8"}}
+            ]
+        },
+    }
+    again = TritonModel.parse(doc, name="m", where="override")
+    assert again.settings == model.settings
+    assert again.settings["backend_options"]["provider_options"] == {"trt_int8_enable": True}
+
+
+@pytest.mark.parametrize(
+    ("text", "fragment"),
+    [
+        (
+            "optimization { execution_accelerators { cpu_execution_accelerator [ "
+            '{ name: "openvino" } ] } }',
+            "cpu_execution_accelerator 'openvino' is not supported: .* no OpenVINO",
+        ),
+        (
+            'optimization { execution_accelerators { gpu_execution_accelerator [ { name: "tvm" '
+            "} ] } }",
+            "gpu_execution_accelerator 'tvm' is not one trioinfer knows: 'tensorrt' .* 'cuda'",
+        ),
+        (
+            'optimization { execution_accelerators { gpu_execution_accelerator [ { name: "tensorrt"'
+            ' parameters { key: "precision_mode" value: "FP8" } } ] } }',
+            "precision_mode must be FP32, FP16, BF16 or INT8, got 'FP8'",
+        ),
+        (
+            'optimization { execution_accelerators { gpu_execution_accelerator [ { name: "tensorrt"'
+            ' parameters { key: "trt_warp_drive" value: "1" } } ] } }',
+            "'tensorrt' has no parameter 'trt_warp_drive'",
+        ),
+        (
+            'optimization { execution_accelerators { gpu_execution_accelerator [ { name: "tensorrt"'
+            ' parameters { key: "trt_engine_cache_enable" value: "maybe" } } ] } }',
+            "trt_engine_cache_enable must be true or false .*, got 'maybe'",
+        ),
+        (
+            'optimization { execution_accelerators { gpu_execution_accelerator [ { name: "tensorrt"'
+            ' parameters { key: "max_workspace_size_bytes" value: "lots" } } ] } }',
+            "max_workspace_size_bytes must be an integer, got 'lots'",
+        ),
+        (
+            "instance_group [ { kind: KIND_GPU } ]\n"
+            'optimization { execution_accelerators { gpu_execution_accelerator [ { name: "tensorrt"'
+            ' }, { name: "cuda" parameters { key: "use_tf32" value: "0" } } ] } }',
+            "CUDA provider options .*use_tf32.* with 'tensorrt'",
+        ),
+        (
+            'optimization { execution_accelerators { gpu_execution_accelerator [ { name: "cuda" }'
+            ', { name: "cuda" } ] } }',
+            "names 'cuda' twice",
+        ),
+        ("optimization { graph { level: 3 } }", "graph.level must be -1 .* got 3"),
+        (
+            "optimization { graph { level: 1 } }\n"
+            'parameters { key: "graph_optimization_level" value { string_value: "all" } }',
+            "graph.level 1 .extended. and parameters graph_optimization_level 'all'",
+        ),
+        (
+            'parameters { key: "cudnn_conv_algo_search" value { string_value: "7" } }',
+            "cudnn_conv_algo_search must be 0 .EXHAUSTIVE., 1 .HEURISTIC. or 2 .DEFAULT., got 7",
+        ),
+        (
+            'parameters { key: "enable_mem_arena" value { string_value: "2" } }',
+            "enable_mem_arena must be 0 or 1",
+        ),
+        (
+            'platform: "ensemble" optimization { graph { level: 1 } }',
+            "an ensemble has no optimization",
+        ),
+    ],
+)
+def test_optimization_refusals(text: str, fragment: str) -> None:
+    with pytest.raises(ConfigError, match=fragment):
+        _parse(text)
+
+
+# == reshape and optional inputs, served =======================================================
+
+
+def _save(graph: Any, path: Path) -> None:
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=9)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    onnx.save(model, path)
+
+
+def write_flat(path: Path) -> None:
+    """y = x + x over float32[N, 4]: the model's own shapes, which reshape hides."""
+    _save(
+        helper.make_graph(
+            [helper.make_node("Add", ["x", "x"], ["y"])],
+            "flat",
+            [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 4])],
+            [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", 4])],
+        ),
+        path,
+    )
+
+
+def write_vector(path: Path) -> None:
+    """y = -x over float32[N]: one number a row, as Triton's dims [1] reshape [] serve."""
+    _save(
+        helper.make_graph(
+            [helper.make_node("Neg", ["x"], ["y"])],
+            "vector",
+            [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N"])],
+            [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N"])],
+        ),
+        path,
+    )
+
+
+def write_biased(path: Path) -> None:
+    """y = x + b over float32[N, 4]; b is an input with an initializer (ones): overridable."""
+    _save(
+        helper.make_graph(
+            [helper.make_node("Add", ["x", "b"], ["y"])],
+            "biased",
+            [
+                helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 4]),
+                helper.make_tensor_value_info("b", TensorProto.FLOAT, [4]),
+            ],
+            [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", 4])],
+            initializer=[numpy_helper.from_array(np.ones(4, np.float32), "b")],
+        ),
+        path,
+    )
+
+
+RESHAPED = """\
+max_batch_size: 8
+input [ { name: "x" data_type: TYPE_FP32 dims: [ 2, 2 ] reshape { shape: [ 4 ] } } ]
+output [ { name: "y" data_type: TYPE_FP32 dims: [ 4, 1 ] reshape { shape: [ 4 ] } } ]
+"""
+SCALAR = """\
+max_batch_size: 8
+input [ { name: "x" data_type: TYPE_FP32 dims: [ 1 ] reshape { shape: [ ] } } ]
+output [ { name: "y" data_type: TYPE_FP32 dims: [ 1 ] reshape { shape: [ ] } } ]
+"""
+UNBATCHED = """\
+max_batch_size: 0
+input [ { name: "x" data_type: TYPE_FP32 dims: [ 8 ] reshape { shape: [ 2, 4 ] } } ]
+output [ { name: "y" data_type: TYPE_FP32 dims: [ 2, 2, 2 ] reshape { shape: [ 2, 4 ] } } ]
+"""
+OPTIONAL = """\
+max_batch_size: 8
+input [
+  { name: "x" data_type: TYPE_FP32 dims: [ 4 ] },
+  { name: "b" data_type: TYPE_FP32 dims: [ 4 ] optional: true }
+]
+"""
+REQUIRED = """\
+max_batch_size: 8
+input [ { name: "x" data_type: TYPE_FP32 dims: [ 4 ] optional: true } ]
+"""
+# On a machine without a usable GPU the group runs on the CPU (cpu_fallback), as here.
+TENSORRT = """\
+max_batch_size: 8
+instance_group [ { kind: KIND_GPU count: 1 } ]
+optimization {
+  graph { level: -1 }
+  priority: PRIORITY_MAX
+  execution_accelerators { gpu_execution_accelerator [ {
+    name: "tensorrt"
+    parameters { key: "precision_mode" value: "FP16" }
+    parameters { key: "max_workspace_size_bytes" value: "1073741824" }
+  } ] }
+}
+parameters { key: "enable_mem_arena" value { string_value: "0" } }
+"""
+
+
+@pytest.fixture
+async def served(tmp_path: Path) -> AsyncIterator[str]:
+    for name, writer, pbtxt in (
+        ("reshaped", write_flat, RESHAPED),
+        ("scalar", write_vector, SCALAR),
+        ("unbatched", write_flat, UNBATCHED),
+        ("optional", write_biased, OPTIONAL),
+        ("required", write_flat, REQUIRED),
+        ("tensorrt", write_flat, TENSORRT),
+    ):
+        writer(tmp_path / name / "1" / "model.onnx")
+        (tmp_path / name / "config.pbtxt").write_text(pbtxt)
+    async with trio.open_nursery() as nursery:
+        listening = await start_serving(nursery, tmp_path)
+        yield listening.urls[0]
+        nursery.cancel_scope.cancel()
+
+
+async def test_get_config_gives_back_what_was_read_and_it_loads_again(served: str) -> None:
+    async with httpx.AsyncClient(base_url=served) as http:
+        for model in ("tensorrt", "reshaped"):
+            config = (await http.get(f"/v2/models/{model}/config")).json()
+            load = await http.post(
+                f"/v2/repository/models/{model}/load",
+                json={"parameters": {"config": json.dumps(config)}},
+            )
+            assert load.status_code == 200, load.text
+            again = (await http.get(f"/v2/models/{model}/config")).json()
+            if model == "tensorrt":
+                # Loaded back, it asks for the device it ran on, as trioinfer.instances says.
+                del config["parameters"]["trioinfer.instances"]
+                del again["parameters"]["trioinfer.instances"]
+                config.pop("instance_group"), again.pop("instance_group")
+            assert again == config
+            if model == "tensorrt":
+                assert config["optimization"] == {
+                    "graph": {"level": -1},
+                    "priority": "PRIORITY_MAX",
+                    "execution_accelerators": {
+                        "gpu_execution_accelerator": [
+                            {
+                                "name": "tensorrt",
+                                "parameters": {
+                                    "precision_mode": "FP16",
+                                    "max_workspace_size_bytes": "1073741824",
+                                },
+                            }
+                        ],
+                        "cpu_execution_accelerator": [],
+                    },
+                }
+                assert config["parameters"]["enable_mem_arena"] == {"string_value": "0"}
+    x = np.ones((2, 4), dtype=np.float32)
+    result = await trio.to_thread.run_sync(_infer, served, "tensorrt", {"x": x})
+    np.testing.assert_array_equal(result.as_numpy("y"), x + x)
+
+
+@pytest.mark.grpc
+async def test_grpc_model_config_answers_optimization_and_reshape_too(served: str) -> None:
+    # gRPC's ModelConfig is the same document parsed strictly: every key must be a field.
+    pytest.importorskip("grpc_tools")
+    from google.protobuf import json_format
+
+    from trioinfer.server import _grpc_proto as pb
+
+    async with httpx.AsyncClient(base_url=served) as http:
+        for model in ("tensorrt", "reshaped", "optional"):
+            config = (await http.get(f"/v2/models/{model}/config")).json()
+            message = json_format.ParseDict(config, pb.ModelConfigResponse().config)
+            assert json_format.MessageToDict(message, preserving_proto_field_name=True)
+    assert message.input[1].optional
+
+
+def _infer(url: str, model: str, arrays: dict[str, np.ndarray[Any, Any]]) -> Any:
+    client = httpclient.InferenceServerClient(url.removeprefix("http://"))
+    try:
+        inputs = []
+        for name, array in arrays.items():
+            item = httpclient.InferInput(name, list(array.shape), "FP32")
+            item.set_data_from_numpy(array, binary_data=True)
+            inputs.append(item)
+        return client.infer(model, inputs)
+    finally:
+        client.close()
+
+
+async def test_reshape_clients_see_dims_the_model_gets_reshape(served: str) -> None:
+    x = np.arange(12, dtype=np.float32).reshape(3, 2, 2)
+    result = await trio.to_thread.run_sync(_infer, served, "reshaped", {"x": x})
+    y = result.as_numpy("y")
+    assert y.shape == (3, 4, 1)
+    np.testing.assert_array_equal(y, (x + x).reshape(3, 4, 1))
+    async with httpx.AsyncClient(base_url=served) as http:
+        meta = (await http.get("/v2/models/reshaped")).json()
+        config = (await http.get("/v2/models/reshaped/config")).json()
+        # A row of another shape than dims is the client's error, however many numbers.
+        bad = await http.post(
+            "/v2/models/reshaped/infer",
+            json={"inputs": [{"name": "x", "shape": [1, 4], "datatype": "FP32", "data": [0] * 4}]},
+        )
+    assert [(t["name"], t["shape"]) for t in meta["inputs"]] == [("x", [-1, 2, 2])]
+    assert [(t["name"], t["shape"]) for t in meta["outputs"]] == [("y", [-1, 4, 1])]
+    assert config["input"][0]["dims"] == [2, 2]
+    assert config["input"][0]["reshape"] == {"shape": [4]}
+    assert config["output"][0]["reshape"] == {"shape": [4]}
+    assert bad.status_code == 400, bad.text
+
+
+async def test_reshape_to_no_dims_and_without_a_batch(served: str) -> None:
+    x = np.array([[1.0], [2.0], [3.0]], dtype=np.float32)
+    result = await trio.to_thread.run_sync(_infer, served, "scalar", {"x": x})
+    np.testing.assert_array_equal(result.as_numpy("y"), -x)
+    x = np.arange(8, dtype=np.float32)
+    result = await trio.to_thread.run_sync(_infer, served, "unbatched", {"x": x})
+    np.testing.assert_array_equal(result.as_numpy("y"), (x + x).reshape(2, 2, 2))
+    async with httpx.AsyncClient(base_url=served) as http:
+        config = (await http.get("/v2/models/scalar/config")).json()
+    # reshape { shape: [ ] } as Triton answers it: the message, its list empty.
+    assert config["input"][0]["reshape"] == {"shape": []}
+
+
+async def test_an_optional_input_that_the_graph_can_go_without(served: str) -> None:
+    x = np.zeros((2, 4), dtype=np.float32)
+    result = await trio.to_thread.run_sync(_infer, served, "optional", {"x": x})
+    np.testing.assert_array_equal(result.as_numpy("y"), x + 1)  # the graph's own b
+    async with httpx.AsyncClient(base_url=served) as http:
+        config = (await http.get("/v2/models/optional/config")).json()
+        index = (await http.post("/v2/repository/index")).json()
+        # Sent anyway, it is refused, naming it: the graph's own value is not fed from a
+        # request here (yet); the signature leaves the input out.
+        both = [
+            {"name": name, "shape": [1, 4], "datatype": "FP32", "data": [0] * 4}
+            for name in ("x", "b")
+        ]
+        sent = await http.post("/v2/models/optional/infer", json={"inputs": both})
+    assert sent.status_code == 400, sent.text
+    assert "has no input named 'b'" in sent.json()["error"]
+    assert config["input"][1]["optional"] is True
+    (required,) = [row for row in index if row["name"] == "required"]
+    assert required["state"] == "UNAVAILABLE"
+    assert "declares input 'x' optional" in required["reason"]
+    assert "the graph needs it" in required["reason"]
+
+
+@pytest.mark.parametrize(
+    ("text", "fragment"),
+    [
+        (
+            'max_batch_size: 2 input [ { name: "x" dims: [ 3 ] reshape { shape: [ 2 ] } } ]',
+            "input 'x' reshape .2. holds 2 elements; its dims .3. hold 3",
+        ),
+        (
+            'max_batch_size: 2 input [ { name: "x" dims: [ -1 ] reshape { shape: [ -1 ] } } ]',
+            "input 'x': reshape needs fixed dims",
+        ),
+        (
+            'platform: "ensemble" input [ { name: "x" dims: [ 1 ] optional: true } ]',
+            "input 'x' sets optional",
+        ),
+    ],
+)
+def test_reshape_and_optional_refusals(text: str, fragment: str) -> None:
+    with pytest.raises(ConfigError, match=fragment):
+        _parse(text)
+
+
+def test_reshape_and_optional_reach_the_backend_options() -> None:
+    model = _parse(
+        RESHAPED + 'input [ { name: "b" data_type: TYPE_FP32 dims: [ 4 ] optional: true } ]'
+    )
+    assert model.declared["inputs"] == (
+        {"name": "x", "shape": [-1, 2, 2], "reshape": [-1, 4]},
+        {"name": "b", "shape": [-1, 4], "optional": True},
+    )
+    assert model.declared["outputs"] == ({"name": "y", "shape": [-1, 4, 1], "reshape": [-1, 4]},)
