@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import queue
 import re
@@ -773,6 +774,73 @@ async def test_a_change_some_workers_refuse_is_an_error_that_names_them(tmp_path
         # A word from a process that is not the worker's now (it died since) is not kept.
         await supervisor.handle({"op": "counts", "worker": 0, **_counts(99, 50, [])})
         assert supervisor.stats.merged(0) == [triton_entry(_version(5, 7))]
+        tg.cancel_scope.cancel()
+
+
+async def test_a_joining_worker_that_serves_otherwise_waits_until_a_change_agrees(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A restarted worker's hello, against stand-in workers: it joins once it serves alike."""
+    supervisor = _Supervisor(2, tmp_path, {})
+    supervisor.all_ready.set()
+    old = {"digits": {"versions": {"1": [[1, 2, 3], None]}, "traffic": {}}}
+    served = {0: old, 1: {}}  # worker 1 could not load digits as it is on disk now
+    said: list[dict[str, Any]] = []
+
+    def worker(index: int) -> Any:
+        async def handle(message: dict[str, Any]) -> dict[str, Any]:
+            if message["op"] == "served":
+                return {"served": served[index]}
+            said.append({**message, "to": index})
+            served[index] = {"digits": {"versions": {"1": [[4, 5, 6], None]}, "traffic": {}}}
+            return {"ok": True}
+
+        return handle
+
+    joined: list[dict[str, Any]] = []
+    async with anyio.create_task_group() as tg:
+        for index in (0, 1):
+            await tg.start(_serve_calls, worker_socket(tmp_path, index), worker(index))
+        first, joining = supervisor.workers
+        first.member = True
+        joining.process, joining.pid = cast(Any, object()), 201
+
+        async def hello() -> None:
+            joined.append(await supervisor.handle({"op": "hello", "worker": 1, "pid": 201}))
+
+        with caplog.at_level(logging.WARNING, "trioinfer.server"):
+            tg.start_soon(hello)
+            with anyio.fail_after(WAIT_S):
+                while "does not serve" not in caplog.text:  # noqa: ASYNC110
+                    await anyio.sleep(POLL_S)
+        assert "model 'digits' is not served by it" in caplog.text
+        assert not joining.member
+        # A reload that applies on the member is repeated to the joining worker, which
+        # now serves the same files, and joins.
+        load = {"op": "load", "model": "digits", "override": None}
+        assert await supervisor.handle(load) == {"ok": True}
+        with anyio.fail_after(WAIT_S):
+            while not joined:  # noqa: ASYNC110
+                await anyio.sleep(POLL_S)
+        assert joined == [{"ok": True}]
+        assert joining.member
+        assert said == [{**load, "to": 0}, {**load, "to": 1}]
+
+        # One that still differs is told to stop when the server stops.
+        joining.member = False
+        served[0] = old
+        joined.clear()
+        tg.start_soon(hello)
+        with anyio.fail_after(WAIT_S):
+            while caplog.text.count("does not serve") < 2:  # noqa: ASYNC110
+                await anyio.sleep(POLL_S)
+        assert "model 'digits' version 1: its files on disk are not those" in caplog.text
+        supervisor.stop.set()
+        with anyio.fail_after(WAIT_S):
+            while not joined:  # noqa: ASYNC110
+                await anyio.sleep(POLL_S)
+        assert joined[0]["error"]["message"] == "the server is stopping"
+        assert not joining.member
         tg.cancel_scope.cancel()
 
 
