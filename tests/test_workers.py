@@ -1045,6 +1045,47 @@ def test_a_restarted_worker_serves_what_the_others_do_not_what_is_on_disk(
         assert process.wait(timeout=WAIT_S) == 0, log.read_text()
 
 
+def test_a_model_unloaded_and_removed_is_not_loaded_by_a_restarted_worker(
+    tmp_path: Path,
+) -> None:
+    # A worker that restarted loaded every model the workers loaded at start, one
+    # unloaded since too: its files gone, that load failed, the replayed unload found
+    # nothing, and the failure stayed: under --strict-readiness that worker alone was
+    # never ready again (and the repository index said "failed to load" on it alone).
+    repository = tmp_path / "repository"
+    shutil.copytree(example_repository() / "digits", repository / "digits")
+    shutil.copytree(example_repository() / "digits" / "1", repository / "other" / "1")
+    log = tmp_path / "serve.log"
+    with two_workers(repository, log, "--strict-readiness") as server:
+        process, url, victim = server.process, server.url, server.pids[1]
+        assert fresh("POST", f"{url}/v2/repository/models/other/unload").status_code == 200
+        shutil.rmtree(repository / "other")
+        os.kill(victim, signal.SIGKILL)
+        wait_until(lambda: worker_pids(url).get("1", victim) != victim, "worker 1 is back")
+        for _ in range(12):
+            answer = fresh("GET", f"{url}/v2/health/ready")
+            assert answer.status_code == 200, answer.text
+            assert infer_digit(url).status_code == 200
+        after = log.read_text().split("was killed by SIGKILL")[1]
+        assert "failed to load 'other'" not in after
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=WAIT_S) == 0, log.read_text()
+
+
+def test_a_restarted_worker_starts_without_the_models_unloaded_since(tmp_path: Path) -> None:
+    # With --model, a model that failed to load stopped the worker: one unloaded and
+    # removed since would have kept a restarted worker from ever starting.
+    supervisor = _Supervisor(1, tmp_path, {"models": ["digits", "other"]})
+    supervisor.journal["other"] = {"op": "unload", "model": "other"}
+    supervisor.journal["chain"] = {"op": "load", "model": "chain", "override": {"a": 1}}
+    spec = supervisor._spec_for_a_start()
+    assert spec["models"] == ["digits"]
+    assert spec["start_overrides"] == {"chain": {"a": 1}}
+    supervisor = _Supervisor(1, tmp_path, {"models": None, "start_models": ["digits", "other"]})
+    supervisor.journal["other"] = {"op": "unload", "model": "other"}
+    assert supervisor._spec_for_a_start()["start_models"] == ["digits"]
+
+
 def test_a_stateful_model_is_refused_under_workers(tmp_path: Path) -> None:
     # Each worker would keep its own sequences. A request reaching another worker than
     # its sequence's failed, and the client, restarting the sequence over a new

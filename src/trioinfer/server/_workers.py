@@ -892,7 +892,19 @@ class _Supervisor:
             for key, change in self.journal.items()
             if isinstance(key, str) and change["op"] == "load"
         }
-        return {**self.spec, "start_overrides": overrides} if overrides else self.spec
+        # Nor does it load a model unloaded since: its files may be gone, and a load
+        # that failed would stay a failure the others do not have (not ready under
+        # --strict-readiness; with --model, a worker that cannot start).
+        unloaded = {
+            key
+            for key, change in self.journal.items()
+            if isinstance(key, str) and change["op"] == "unload"
+        }
+        spec = {**self.spec, "start_overrides": overrides} if overrides else dict(self.spec)
+        for key in ("models", "start_models"):
+            if spec.get(key) is not None:
+                spec[key] = [name for name in spec[key] if name not in unloaded]
+        return spec
 
     def _tell_news(self) -> None:
         self._news.set()
