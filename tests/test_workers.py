@@ -844,6 +844,38 @@ async def test_a_joining_worker_that_serves_otherwise_waits_until_a_change_agree
         tg.cancel_scope.cancel()
 
 
+async def test_a_worker_that_fails_a_change_unexpectedly_is_no_worker_that_died(
+    tmp_path: Path,
+) -> None:
+    # A worker whose handler raised something unexpected closed the call without an
+    # answer, which the supervisor took for a worker that died meanwhile (it takes the
+    # change when it restarts): the change was answered 200 and journaled, while that
+    # worker, alive, went on serving what it had.
+    supervisor = _Supervisor(2, tmp_path, {})
+
+    async def fine(message: dict[str, Any]) -> dict[str, Any]:
+        return {"ok": True}
+
+    async def broken(message: dict[str, Any]) -> dict[str, Any]:
+        raise RuntimeError("a plugin's bug")
+
+    async with anyio.create_task_group() as tg:
+        await tg.start(_serve_calls, worker_socket(tmp_path, 0), fine)
+        await tg.start(_serve_calls, worker_socket(tmp_path, 1), broken)
+        for member in supervisor.workers:
+            member.member = True
+        load = {"op": "load", "model": "m", "override": None}
+        reply = await supervisor.handle(load)
+        assert reply["error"]["type"] == "WorkersDisagree"
+        assert "failed on worker(s) 1" in reply["error"]["message"]
+        assert "unexpected RuntimeError answering the 'load' call" in reply["error"]["message"]
+        supervisor.workers[0].member = False  # every worker that answered failed alike
+        reply = await supervisor.handle({"op": "unload", "model": "m"})
+        assert reply["error"]["type"] == "TrioInferError"
+        assert supervisor.journal == {"m": load}
+        tg.cancel_scope.cancel()
+
+
 async def test_a_report_taken_before_an_unload_does_not_bring_its_counts_back(
     tmp_path: Path,
 ) -> None:

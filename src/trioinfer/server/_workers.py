@@ -181,7 +181,19 @@ async def _serve_calls(
             try:
                 while True:
                     message = json.loads(await lines.receive_until(b"\n", _MAX_MESSAGE))
-                    reply = await handle(message)
+                    try:
+                        reply = await handle(message)
+                    except Exception as exc:
+                        # A bug here must cost one call, never the server; and it is
+                        # answered: a call closed without an answer reads as a worker
+                        # that died, which takes a change when it restarts, while this
+                        # one, alive, would go on serving what it had.
+                        log.exception("unexpected error answering a control call on %s", path.name)
+                        said = (
+                            f"unexpected {type(exc).__name__} answering the {message.get('op')!r} "
+                            f"call (the log of {path.stem} says more)"
+                        )
+                        reply = {"error": {"type": "TrioInferError", "message": said}}
                     if message.get("reply", True):
                         await stream.send(json.dumps(reply).encode() + b"\n")
             except (anyio.EndOfStream, anyio.IncompleteRead, anyio.BrokenResourceError):
