@@ -744,6 +744,12 @@ async def test_a_change_some_workers_refuse_is_an_error_that_names_them(tmp_path
         with pytest.raises(WorkersDisagree) as raised:
             _raise_error(error)
         assert status_for(raised.value) == 500
+        assert "repeat the request" in error["message"]
+        # The poll's change advises what a polled server can do (its API refuses loads).
+        with pytest.raises(WorkersDisagree, match="changed again") as raised:
+            await supervisor.poll_load("m")
+        assert "repeat the request" not in str(raised.value)
+        assert (await supervisor.handle(load))["error"]["type"] == "WorkersDisagree"
 
         # Refused alike by every worker that answered: the error as one server gives it,
         # and the journal keeps the last change that applied.

@@ -134,6 +134,14 @@ REPORT_S: Final = 1.0
 REPORT_ANYWAY_S: Final = 15.0
 
 
+#: What to do when a repository poll's change applied on some workers only (a polled
+#: server's API refuses loads and unloads).
+_POLL_ADVICE: Final = (
+    "the poll tries it again when the model's files have changed again (touching them "
+    "does), or restart the server"
+)
+
+
 class WorkerFailed(TrioInferError):
     """A worker could not start (or kept dying before it was ready): serving stops."""
 
@@ -985,13 +993,15 @@ class _Supervisor:
 
     async def poll_load(self, model: str) -> None:
         """Load *model* on every worker, for the repository poll; raises what failed."""
-        reply = await self._change({"op": "load", "model": model, "override": None})
+        reply = await self._change(
+            {"op": "load", "model": model, "override": None}, advice=_POLL_ADVICE
+        )
         if "error" in reply:
             _raise_error(reply["error"])
 
     async def poll_unload(self, model: str) -> None:
         """Unload *model* on every worker, for the repository poll; raises what failed."""
-        reply = await self._change({"op": "unload", "model": model})
+        reply = await self._change({"op": "unload", "model": model}, advice=_POLL_ADVICE)
         if "error" in reply:
             _raise_error(reply["error"])
 
@@ -1082,7 +1092,10 @@ class _Supervisor:
             return []
         return _disagreements(mine["served"], theirs[0])
 
-    async def _change(self, message: dict[str, Any]) -> dict[str, Any]:
+    async def _change(
+        self, message: dict[str, Any], *, advice: str = "repeat the request, or restart the server"
+    ) -> dict[str, Any]:
+        # *advice*: what to do when the workers disagree after it.
         async with self.changing:
             targets = [w for w in self.workers if w.member]
             replies = await _each(targets, message)
@@ -1120,8 +1133,7 @@ class _Supervisor:
                     "message": (
                         f"{what} applied on worker(s) {', '.join(map(str, applied)) or 'none'} "
                         f"and failed on worker(s) {', '.join(str(i) for i, _ in failed)} "
-                        f"({said}); the workers may now serve different things: repeat "
-                        "the request, or restart the server"
+                        f"({said}); the workers may now serve different things: {advice}"
                     ),
                 }
             }
