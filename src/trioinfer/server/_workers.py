@@ -154,6 +154,10 @@ class _Gone(Exception):
     """The other end of a control call is not there (any more)."""
 
 
+class _StoppedBeforeJoining(TrioInferError):
+    """The server stopped while this worker waited to join the others: it exits, as asked."""
+
+
 # -- the wire: one JSON line each way per call --------------------------------------------
 
 
@@ -559,6 +563,8 @@ class WorkerLink:
             # The supervisor replays the changes made before this worker started
             # through our socket before it answers.
             reply = await self._ask({"op": "hello", "worker": self.index, "pid": os.getpid()})
+            if reply.get("stopping"):
+                raise _StoppedBeforeJoining("the server stopped before this worker joined")
             if "error" in reply:
                 _raise_error(reply["error"])
             tg.start_soon(self._report_counts)
@@ -1064,7 +1070,7 @@ class _Supervisor:
                 waiting.start_soon(_first, news, waiting.cancel_scope)
                 waiting.start_soon(_first, self.stop, waiting.cancel_scope)
             if self.stop.is_set():
-                return {"error": {"type": "TrioInferError", "message": "the server is stopping"}}
+                return {"stopping": True}
 
     async def _differences(self, worker: _Worker) -> list[str]:
         """How what *worker* serves differs from what the members serve (nothing: it agrees).
@@ -1536,6 +1542,9 @@ def _worker_main(argv: list[str]) -> int:
             cause = cause.exceptions[0]
         if not isinstance(cause, TrioInferError | OSError):
             raise
+        if isinstance(cause, _StoppedBeforeJoining):
+            log.info("%s", cause)
+            return 0
         message = public_names(f"{type(cause).__name__}: {cause}")
         log.error("could not serve: %s", message)  # noqa: TRY400  # the message says it all
         with contextlib.suppress(_Gone):
