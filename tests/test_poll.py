@@ -203,6 +203,34 @@ def test_a_worker_restarted_after_a_failed_reload_serves_what_the_others_serve(
         assert server.process.wait(timeout=WAIT_S) == 0, log.read_text()
 
 
+@pytest.mark.workers
+def test_a_worker_restarted_after_a_failed_load_is_as_ready_as_the_others(
+    tmp_path: Path,
+) -> None:
+    # A model that appeared broken failed to load on every worker: under
+    # --strict-readiness none was ready. A worker that restarted did not try it (it
+    # loads what the workers loaded at start) and was ready, alone.
+    repository = tmp_path / "repository"
+    copy_digits(repository / "digits")
+    log = tmp_path / "log"
+    with two_workers(
+        repository, log, "--repository-poll-secs", "0.2", "--strict-readiness"
+    ) as server:
+        url, victim = server.url, server.pids[1]
+        (repository / "bad" / "1").mkdir(parents=True)
+        (repository / "bad" / "1" / "model.onnx").write_bytes(b"not an ONNX file")
+        wait_for(lambda: "could not load bad" in log.read_text(), "the load failed")
+        os.kill(victim, signal.SIGKILL)
+        wait_until(lambda: worker_pids(url).get("1", victim) != victim, "worker 1 is back")
+        for _ in range(12):
+            assert fresh("GET", f"{url}/v2/health/ready").status_code == 503
+            rows = fresh("POST", f"{url}/v2/repository/index").json()
+            (bad,) = [row for row in rows if row["name"] == "bad"]
+            assert bad["reason"].startswith("failed to load 'bad'"), bad
+        server.process.send_signal(signal.SIGTERM)
+        assert server.process.wait(timeout=WAIT_S) == 0, log.read_text()
+
+
 def test_poll_settings_are_checked(tmp_path: Path) -> None:
     def serve(*args: str) -> subprocess.CompletedProcess[str]:
         command = [sys.executable, "-m", "trioinfer", "serve", "--port", "0", *args]

@@ -742,7 +742,10 @@ class WorkerLink:
             if op == "counts":
                 return self._counts()
             if op == "served":
-                return {"served": served_state(state.models)}
+                return {"served": served_state(state.models), "failed": state.models.failures()}
+            if op == "failures":
+                state.models.take_failures(message["failed"])
+                return {"ok": True}
         except TrioInferError as exc:
             return _error_reply(exc, state.models.public_message(exc))
         return {"error": {"type": "TrioInferError", "message": f"unknown control call {op!r}"}}
@@ -1041,7 +1044,9 @@ class _Supervisor:
                             reply["error"]["message"],
                         )
                 try:
-                    differences = await self._differences(worker)
+                    differences, failures = await self._differences(worker)
+                    if failures is not None:
+                        await _call(worker.socket, {"op": "failures", "failed": failures})
                 except _Gone:
                     message = "its control socket stopped answering while it joined"
                     return {"error": {"type": "TrioInferError", "message": message}}
@@ -1072,7 +1077,7 @@ class _Supervisor:
             if self.stop.is_set():
                 return {"stopping": True}
 
-    async def _differences(self, worker: _Worker) -> list[str]:
+    async def _differences(self, worker: _Worker) -> tuple[list[str], dict[str, str] | None]:
         """How what *worker* serves differs from what the members serve (nothing: it agrees).
 
         A joining worker loaded the repository as it is on disk: after a reload
@@ -1083,20 +1088,27 @@ class _Supervisor:
         worker is ready, there is nothing to compare with: each loaded the
         repository at start.
 
+        Also, when it agrees, the failed loads that member holds (its
+        `ServedModels.failures`) where *worker*'s differ, for *worker* to take.
+
         Raises:
             _Gone: *worker* did not answer.
         """
         members = [w for w in self.workers if w.member and w is not worker]
         if not self.all_ready.is_set() or not members:
-            return []
+            return [], None
         replies = await _each([worker, *members], {"op": "served"}, limit_s=GATHER_TIMEOUT_S)
         mine = replies[0][1]
         if mine is None or "served" not in mine:
             raise _Gone(f"worker {worker.index} did not say what it serves")
-        theirs = [r["served"] for _, r in replies[1:] if r is not None and "served" in r]
-        if not theirs or mine["served"] in theirs:
-            return []
-        return _disagreements(mine["served"], theirs[0])
+        theirs = [r for _, r in replies[1:] if r is not None and "served" in r]
+        for reply in theirs:
+            if reply["served"] == mine["served"]:
+                failed = reply.get("failed", {})
+                return [], None if failed == mine.get("failed", {}) else failed
+        if not theirs:
+            return [], None
+        return _disagreements(mine["served"], theirs[0]["served"]), None
 
     async def _change(
         self, message: dict[str, Any], *, advice: str = "repeat the request, or restart the server"
