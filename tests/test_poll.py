@@ -20,7 +20,7 @@ import pytest
 import trio
 
 from test_server import run_server
-from test_workers import fresh, infer_digit, two_workers
+from test_workers import fresh, infer_digit, two_workers, wait_until, worker_pids
 from trioinfer import ConfigError, ModelNotFound, example_repository
 from trioinfer.server import ServerConfig
 from trioinfer.server._poll import fingerprint, poll_repository, snapshot
@@ -161,6 +161,74 @@ def test_every_worker_follows_the_polled_repository(tmp_path: Path) -> None:
             assert infer_digit(server.url).status_code == 200
         server.process.send_signal(signal.SIGTERM)
         assert server.process.wait(timeout=WAIT_S) == 0
+
+
+@pytest.mark.workers
+def test_a_worker_restarted_after_a_failed_reload_serves_what_the_others_serve(
+    tmp_path: Path,
+) -> None:
+    # A poll reload that failed leaves the workers serving the old version. A worker
+    # that died then loaded the repository as it was on disk (broken), served nothing
+    # of the model, and clients got 200 or 404 by the connection's worker.
+    repository = tmp_path / "repository"
+    copy_digits(repository / "digits")
+    log = tmp_path / "log"
+    with two_workers(repository, log, "--repository-poll-secs", "0.2") as server:
+        url, victim = server.url, server.pids[1]
+        (repository / "digits" / "config.toml").write_text("max_queue_size = -1\n")
+        wait_for(lambda: "could not load digits" in log.read_text(), "the reload failed")
+        os.kill(victim, signal.SIGKILL)
+        wait_until(
+            lambda: (
+                worker_pids(url).get("1", victim) != victim
+                or "does not serve what the others serve" in log.read_text()
+            ),
+            "worker 1 is back, or the supervisor says why it is not",
+        )
+        for _ in range(12):  # fresh connections: whichever worker listens answers alike
+            assert infer_digit(url).status_code == 200
+            assert max_queue_size(url, "digits") == 1024
+        text = log.read_text()
+        assert (
+            "model 'digits' is not served by it" in text.split("does not serve what the others")[1]
+        )
+        # Once a reload applies on the others, the restarted worker takes it and joins.
+        (repository / "digits" / "config.toml").write_text("max_queue_size = 7\n")
+        wait_until(lambda: worker_pids(url).get("1", victim) != victim, "worker 1 joins")
+        assert "serves what the others serve now; it joins them" in log.read_text()
+        for _ in range(12):
+            assert infer_digit(url).status_code == 200
+            assert max_queue_size(url, "digits") == 7
+        server.process.send_signal(signal.SIGTERM)
+        assert server.process.wait(timeout=WAIT_S) == 0, log.read_text()
+
+
+@pytest.mark.workers
+def test_a_worker_restarted_after_a_failed_load_is_as_ready_as_the_others(
+    tmp_path: Path,
+) -> None:
+    # A model that appeared broken failed to load on every worker: under
+    # --strict-readiness none was ready. A worker that restarted did not try it (it
+    # loads what the workers loaded at start) and was ready, alone.
+    repository = tmp_path / "repository"
+    copy_digits(repository / "digits")
+    log = tmp_path / "log"
+    with two_workers(
+        repository, log, "--repository-poll-secs", "0.2", "--strict-readiness"
+    ) as server:
+        url, victim = server.url, server.pids[1]
+        (repository / "bad" / "1").mkdir(parents=True)
+        (repository / "bad" / "1" / "model.onnx").write_bytes(b"not an ONNX file")
+        wait_for(lambda: "could not load bad" in log.read_text(), "the load failed")
+        os.kill(victim, signal.SIGKILL)
+        wait_until(lambda: worker_pids(url).get("1", victim) != victim, "worker 1 is back")
+        for _ in range(12):
+            assert fresh("GET", f"{url}/v2/health/ready").status_code == 503
+            rows = fresh("POST", f"{url}/v2/repository/index").json()
+            (bad,) = [row for row in rows if row["name"] == "bad"]
+            assert bad["reason"].startswith("failed to load 'bad'"), bad
+        server.process.send_signal(signal.SIGTERM)
+        assert server.process.wait(timeout=WAIT_S) == 0, log.read_text()
 
 
 def test_poll_settings_are_checked(tmp_path: Path) -> None:

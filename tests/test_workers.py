@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import queue
 import re
@@ -745,6 +746,12 @@ async def test_a_change_some_workers_refuse_is_an_error_that_names_them(tmp_path
         with pytest.raises(WorkersDisagree) as raised:
             _raise_error(error)
         assert status_for(raised.value) == 500
+        assert "repeat the request" in error["message"]
+        # The poll's change advises what a polled server can do (its API refuses loads).
+        with pytest.raises(WorkersDisagree, match="changed again") as raised:
+            await supervisor.poll_load("m")
+        assert "repeat the request" not in str(raised.value)
+        assert (await supervisor.handle(load))["error"]["type"] == "WorkersDisagree"
 
         # Refused alike by every worker that answered: the error as one server gives it,
         # and the journal keeps the last change that applied.
@@ -775,6 +782,105 @@ async def test_a_change_some_workers_refuse_is_an_error_that_names_them(tmp_path
         # A word from a process that is not the worker's now (it died since) is not kept.
         await supervisor.handle({"op": "counts", "worker": 0, **_counts(99, 50, [])})
         assert supervisor.stats.merged(0) == [triton_entry(_version(5, 7))]
+        tg.cancel_scope.cancel()
+
+
+async def test_a_joining_worker_that_serves_otherwise_waits_until_a_change_agrees(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A restarted worker's hello, against stand-in workers: it joins once it serves alike."""
+    supervisor = _Supervisor(2, tmp_path, {})
+    supervisor.all_ready.set()
+    old = {"digits": {"versions": {"1": [[1, 2, 3], None]}, "traffic": {}}}
+    served = {0: old, 1: {}}  # worker 1 could not load digits as it is on disk now
+    said: list[dict[str, Any]] = []
+
+    def worker(index: int) -> Any:
+        async def handle(message: dict[str, Any]) -> dict[str, Any]:
+            if message["op"] == "served":
+                return {"served": served[index]}
+            said.append({**message, "to": index})
+            served[index] = {"digits": {"versions": {"1": [[4, 5, 6], None]}, "traffic": {}}}
+            return {"ok": True}
+
+        return handle
+
+    joined: list[dict[str, Any]] = []
+    async with anyio.create_task_group() as tg:
+        for index in (0, 1):
+            await tg.start(_serve_calls, worker_socket(tmp_path, index), worker(index))
+        first, joining = supervisor.workers
+        first.member = True
+        joining.process, joining.pid = cast(Any, object()), 201
+
+        async def hello() -> None:
+            joined.append(await supervisor.handle({"op": "hello", "worker": 1, "pid": 201}))
+
+        with caplog.at_level(logging.WARNING, "trioinfer.server"):
+            tg.start_soon(hello)
+            with anyio.fail_after(WAIT_S):
+                while "does not serve" not in caplog.text:  # noqa: ASYNC110
+                    await anyio.sleep(POLL_S)
+        assert "model 'digits' is not served by it" in caplog.text
+        assert not joining.member
+        # A reload that applies on the member is repeated to the joining worker, which
+        # now serves the same files, and joins.
+        load = {"op": "load", "model": "digits", "override": None}
+        assert await supervisor.handle(load) == {"ok": True}
+        with anyio.fail_after(WAIT_S):
+            while not joined:  # noqa: ASYNC110
+                await anyio.sleep(POLL_S)
+        assert joined == [{"ok": True}]
+        assert joining.member
+        assert said == [{**load, "to": 0}, {**load, "to": 1}]
+
+        # One that still differs is told to stop when the server stops.
+        joining.member = False
+        served[0] = old
+        joined.clear()
+        tg.start_soon(hello)
+        with anyio.fail_after(WAIT_S):
+            while caplog.text.count("does not serve") < 2:  # noqa: ASYNC110
+                await anyio.sleep(POLL_S)
+        assert "model 'digits' version 1: its files on disk are not those" in caplog.text
+        supervisor.stop.set()
+        with anyio.fail_after(WAIT_S):
+            while not joined:  # noqa: ASYNC110
+                await anyio.sleep(POLL_S)
+        assert joined == [{"stopping": True}]
+        assert not joining.member
+        tg.cancel_scope.cancel()
+
+
+async def test_a_worker_that_fails_a_change_unexpectedly_is_no_worker_that_died(
+    tmp_path: Path,
+) -> None:
+    # A worker whose handler raised something unexpected closed the call without an
+    # answer, which the supervisor took for a worker that died meanwhile (it takes the
+    # change when it restarts): the change was answered 200 and journaled, while that
+    # worker, alive, went on serving what it had.
+    supervisor = _Supervisor(2, tmp_path, {})
+
+    async def fine(message: dict[str, Any]) -> dict[str, Any]:
+        return {"ok": True}
+
+    async def broken(message: dict[str, Any]) -> dict[str, Any]:
+        raise RuntimeError("a plugin's bug")
+
+    async with anyio.create_task_group() as tg:
+        await tg.start(_serve_calls, worker_socket(tmp_path, 0), fine)
+        await tg.start(_serve_calls, worker_socket(tmp_path, 1), broken)
+        for member in supervisor.workers:
+            member.member = True
+        load = {"op": "load", "model": "m", "override": None}
+        reply = await supervisor.handle(load)
+        assert reply["error"]["type"] == "WorkersDisagree"
+        assert "failed on worker(s) 1" in reply["error"]["message"]
+        assert "unexpected RuntimeError answering the 'load' call" in reply["error"]["message"]
+        supervisor.workers[0].member = False  # every worker that answered failed alike
+        reply = await supervisor.handle({"op": "unload", "model": "m"})
+        assert reply["error"]["type"] == "TrioInferError"
+        assert supervisor.journal == {"m": load}
         tg.cancel_scope.cancel()
 
 
@@ -977,6 +1083,47 @@ def test_a_restarted_worker_serves_what_the_others_do_not_what_is_on_disk(
             assert fresh("GET", f"{url}/v2/models/late/ready").status_code == 200
         process.send_signal(signal.SIGTERM)
         assert process.wait(timeout=WAIT_S) == 0, log.read_text()
+
+
+def test_a_model_unloaded_and_removed_is_not_loaded_by_a_restarted_worker(
+    tmp_path: Path,
+) -> None:
+    # A worker that restarted loaded every model the workers loaded at start, one
+    # unloaded since too: its files gone, that load failed, the replayed unload found
+    # nothing, and the failure stayed: under --strict-readiness that worker alone was
+    # never ready again (and the repository index said "failed to load" on it alone).
+    repository = tmp_path / "repository"
+    shutil.copytree(example_repository() / "digits", repository / "digits")
+    shutil.copytree(example_repository() / "digits" / "1", repository / "other" / "1")
+    log = tmp_path / "serve.log"
+    with two_workers(repository, log, "--strict-readiness") as server:
+        process, url, victim = server.process, server.url, server.pids[1]
+        assert fresh("POST", f"{url}/v2/repository/models/other/unload").status_code == 200
+        shutil.rmtree(repository / "other")
+        os.kill(victim, signal.SIGKILL)
+        wait_until(lambda: worker_pids(url).get("1", victim) != victim, "worker 1 is back")
+        for _ in range(12):
+            answer = fresh("GET", f"{url}/v2/health/ready")
+            assert answer.status_code == 200, answer.text
+            assert infer_digit(url).status_code == 200
+        after = log.read_text().split("was killed by SIGKILL")[1]
+        assert "failed to load 'other'" not in after
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=WAIT_S) == 0, log.read_text()
+
+
+def test_a_restarted_worker_starts_without_the_models_unloaded_since(tmp_path: Path) -> None:
+    # With --model, a model that failed to load stopped the worker: one unloaded and
+    # removed since would have kept a restarted worker from ever starting.
+    supervisor = _Supervisor(1, tmp_path, {"models": ["digits", "other"]})
+    supervisor.journal["other"] = {"op": "unload", "model": "other"}
+    supervisor.journal["chain"] = {"op": "load", "model": "chain", "override": {"a": 1}}
+    spec = supervisor._spec_for_a_start()
+    assert spec["models"] == ["digits"]
+    assert spec["start_overrides"] == {"chain": {"a": 1}}
+    supervisor = _Supervisor(1, tmp_path, {"models": None, "start_models": ["digits", "other"]})
+    supervisor.journal["other"] = {"op": "unload", "model": "other"}
+    assert supervisor._spec_for_a_start()["start_models"] == ["digits"]
 
 
 def test_a_stateful_model_is_refused_under_workers(tmp_path: Path) -> None:

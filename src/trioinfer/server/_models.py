@@ -277,6 +277,21 @@ class ServedModels:
         """Why the last load of *model* failed, or ``""``."""
         return self._errors.get(model, "")
 
+    def failures(self) -> dict[str, str]:
+        """Why the last load of each model failed, by model (those whose last load did)."""
+        return dict(self._errors)
+
+    def take_failures(self, failures: Mapping[str, str]) -> None:
+        """Hold *failures* (another server's `failures`) as this one's own.
+
+        For a ``--workers`` worker that restarts, once it serves what the
+        others serve: it did not try again the loads that failed on them since
+        it first started (a model that appeared broken, say), and a load that
+        failed only for it (a model gone from disk) was not theirs. The
+        repository index and ``--strict-readiness`` must say what theirs say.
+        """
+        self._errors = dict(failures)
+
     def public_message(self, error: BaseException | str) -> str:
         """*error*'s message as HTTP clients should read it.
 

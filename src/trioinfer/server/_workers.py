@@ -22,6 +22,13 @@ reports are lines on a connection it keeps open, with no answer):
   that fails on some workers only is an error that names them. The supervisor
   keeps the last change of each model and replays them to a worker that
   restarts, before it listens, so a restarted worker serves what the others do.
+  It loaded the repository as it is on disk, though: after a reload that
+  failed on the others (they serve the files they loaded before), or files
+  changed without a load, it would serve something else. So it joins only
+  once it serves what the others serve (each version's files as loaded, its
+  config override, the traffic split: `served_state`); until then it does not
+  listen, the supervisor says why, and each change that applies is repeated
+  to it (a poll's reload of the repaired files, say) until they agree.
 - trace settings (``POST /v2[/models/{m}]/trace/setting``): the same way, kept
   per setting (each changes alone, so the last value of each is the state).
 - statistics and ``/metrics``: the answering worker sends its own to the
@@ -92,6 +99,7 @@ from ._poll import snapshot as repository_snapshot
 
 if TYPE_CHECKING:
     from ._app import ServerConfig, ServerState
+    from ._models import ServedModels
     from ._serve import Listening
 
 __all__ = ["WorkerFailed", "WorkerLink", "WorkersDisagree", "serve_workers"]
@@ -126,6 +134,14 @@ REPORT_S: Final = 1.0
 REPORT_ANYWAY_S: Final = 15.0
 
 
+#: What to do when a repository poll's change applied on some workers only (a polled
+#: server's API refuses loads and unloads).
+_POLL_ADVICE: Final = (
+    "the poll tries it again when the model's files have changed again (touching them "
+    "does), or restart the server"
+)
+
+
 class WorkerFailed(TrioInferError):
     """A worker could not start (or kept dying before it was ready): serving stops."""
 
@@ -136,6 +152,10 @@ class WorkersDisagree(TrioInferError):
 
 class _Gone(Exception):
     """The other end of a control call is not there (any more)."""
+
+
+class _StoppedBeforeJoining(TrioInferError):
+    """The server stopped while this worker waited to join the others: it exits, as asked."""
 
 
 # -- the wire: one JSON line each way per call --------------------------------------------
@@ -173,7 +193,19 @@ async def _serve_calls(
             try:
                 while True:
                     message = json.loads(await lines.receive_until(b"\n", _MAX_MESSAGE))
-                    reply = await handle(message)
+                    try:
+                        reply = await handle(message)
+                    except Exception as exc:
+                        # A bug here must cost one call, never the server; and it is
+                        # answered: a call closed without an answer reads as a worker
+                        # that died, which takes a change when it restarts, while this
+                        # one, alive, would go on serving what it had.
+                        log.exception("unexpected error answering a control call on %s", path.name)
+                        said = (
+                            f"unexpected {type(exc).__name__} answering the {message.get('op')!r} "
+                            f"call (the log of {path.stem} says more)"
+                        )
+                        reply = {"error": {"type": "TrioInferError", "message": said}}
                     if message.get("reply", True):
                         await stream.send(json.dumps(reply).encode() + b"\n")
             except (anyio.EndOfStream, anyio.IncompleteRead, anyio.BrokenResourceError):
@@ -531,6 +563,8 @@ class WorkerLink:
             # The supervisor replays the changes made before this worker started
             # through our socket before it answers.
             reply = await self._ask({"op": "hello", "worker": self.index, "pid": os.getpid()})
+            if reply.get("stopping"):
+                raise _StoppedBeforeJoining("the server stopped before this worker joined")
             if "error" in reply:
                 _raise_error(reply["error"])
             tg.start_soon(self._report_counts)
@@ -707,6 +741,11 @@ class WorkerLink:
                 return {"ok": True}
             if op == "counts":
                 return self._counts()
+            if op == "served":
+                return {"served": served_state(state.models), "failed": state.models.failures()}
+            if op == "failures":
+                state.models.take_failures(message["failed"])
+                return {"ok": True}
         except TrioInferError as exc:
             return _error_reply(exc, state.models.public_message(exc))
         return {"error": {"type": "TrioInferError", "message": f"unknown control call {op!r}"}}
@@ -718,6 +757,27 @@ class WorkerLink:
             await anyio.sleep(PARENT_POLL_S)
         log.warning("the supervisor (pid %d) has gone; stopping", self._supervisor_pid)
         os.kill(os.getpid(), signal.SIGTERM)
+
+
+def served_state(models: ServedModels) -> dict[str, Any]:
+    """What *models* serve, as the supervisor compares workers: JSON, by model.
+
+    Each served version's files as they were when it loaded (their
+    fingerprint: a file changed on disk since has another) and its config
+    override, and the model's traffic split.
+    """
+    state: dict[str, Any] = {}
+    for served in models.all():
+        model = state.setdefault(
+            served.model,
+            {
+                "versions": {},
+                "traffic": {str(v): share for v, share in models.traffic(served.model).items()},
+            },
+        )
+        model["versions"][str(served.version)] = [list(served.fingerprint), served.override]
+    wire: dict[str, Any] = json.loads(json.dumps(state))  # as the supervisor receives it
+    return wire
 
 
 def worker_socket(directory: Path, index: int) -> Path:
@@ -773,6 +833,9 @@ class _Supervisor:
         #: worker that (re)starts.
         self.journal: dict[str | tuple[str, ...], dict[str, Any]] = {}
         self.changing = anyio.Lock()
+        #: Set (and replaced) when a change applies or a worker's process ends: a
+        #: worker that waits to join (see _hello) looks again.
+        self._news = anyio.Event()
         self.stopping = False
         self.stop = anyio.Event()
         self.all_ready = anyio.Event()
@@ -810,6 +873,7 @@ class _Supervisor:
                 worker.member = worker.ready = False
                 self.metrics.retire(worker.index, worker.pid)
                 self.stats.retire(worker.index, worker.pid)
+                self._tell_news()
             if self.stopping:
                 return
             how = _exit_text(process.returncode)
@@ -859,7 +923,23 @@ class _Supervisor:
             for key, change in self.journal.items()
             if isinstance(key, str) and change["op"] == "load"
         }
-        return {**self.spec, "start_overrides": overrides} if overrides else self.spec
+        # Nor does it load a model unloaded since: its files may be gone, and a load
+        # that failed would stay a failure the others do not have (not ready under
+        # --strict-readiness; with --model, a worker that cannot start).
+        unloaded = {
+            key
+            for key, change in self.journal.items()
+            if isinstance(key, str) and change["op"] == "unload"
+        }
+        spec = {**self.spec, "start_overrides": overrides} if overrides else dict(self.spec)
+        for key in ("models", "start_models"):
+            if spec.get(key) is not None:
+                spec[key] = [name for name in spec[key] if name not in unloaded]
+        return spec
+
+    def _tell_news(self) -> None:
+        self._news.set()
+        self._news = anyio.Event()
 
     def _fail(self, message: str) -> None:
         if self.failure is None:
@@ -903,7 +983,7 @@ class _Supervisor:
             pairs = None if only is None else [(name, version) for name, version in only]
             return {"stats": self.stats.merged(worker.index, pairs)}
         if op == "hello":
-            return await self._hello(worker)
+            return await self._hello(worker, message["pid"])
         if op == "ready":
             worker.ready = True
             worker.listening = message
@@ -924,36 +1004,118 @@ class _Supervisor:
 
     async def poll_load(self, model: str) -> None:
         """Load *model* on every worker, for the repository poll; raises what failed."""
-        reply = await self._change({"op": "load", "model": model, "override": None})
+        reply = await self._change(
+            {"op": "load", "model": model, "override": None}, advice=_POLL_ADVICE
+        )
         if "error" in reply:
             _raise_error(reply["error"])
 
     async def poll_unload(self, model: str) -> None:
         """Unload *model* on every worker, for the repository poll; raises what failed."""
-        reply = await self._change({"op": "unload", "model": model})
+        reply = await self._change({"op": "unload", "model": model}, advice=_POLL_ADVICE)
         if "error" in reply:
             _raise_error(reply["error"])
 
-    async def _hello(self, worker: _Worker) -> dict[str, Any]:
-        # Under the lock: no change may pass between the replay and membership.
-        async with self.changing:
-            for change in self.journal.values():
+    async def _hello(self, worker: _Worker, pid: int) -> dict[str, Any]:
+        # Worker *worker*'s process *pid* joins: it takes the changes made before it
+        # started, then must serve what the members serve (see _differences) before it
+        # becomes one. Until it does, it waits here, not listening (it listens once
+        # this answers), and takes each change that applies meanwhile.
+        replayed: dict[str | tuple[str, ...], dict[str, Any]] = {}
+        said = ""
+        while True:
+            # Under the lock: no change may pass between the replay, the comparison
+            # and membership.
+            async with self.changing:
+                if worker.pid != pid or worker.process is None:
+                    return {"error": {"type": "TrioInferError", "message": "replaced meanwhile"}}
+                for key, change in list(self.journal.items()):
+                    if replayed.get(key) is change:
+                        continue  # repeated to it already, while it waited
+                    replayed[key] = change
+                    try:
+                        reply = await _call(worker.socket, change)
+                    except _Gone:
+                        message = "its control socket stopped answering while it joined"
+                        return {"error": {"type": "TrioInferError", "message": message}}
+                    if "error" in reply:
+                        log.warning(
+                            "worker %d could not repeat %s made before it started: %s",
+                            worker.index,
+                            _what(change),
+                            reply["error"]["message"],
+                        )
                 try:
-                    reply = await _call(worker.socket, change)
+                    differences, failures = await self._differences(worker)
+                    if failures is not None:
+                        await _call(worker.socket, {"op": "failures", "failed": failures})
                 except _Gone:
                     message = "its control socket stopped answering while it joined"
                     return {"error": {"type": "TrioInferError", "message": message}}
-                if "error" in reply:
-                    log.warning(
-                        "worker %d could not repeat %s made before it started: %s",
-                        worker.index,
-                        _what(change),
-                        reply["error"]["message"],
-                    )
-            worker.member = True
-        return {"ok": True}
+                if not differences:
+                    worker.member = True
+                    if said:
+                        log.info(
+                            "worker %d (pid %d) serves what the others serve now; it joins them",
+                            worker.index,
+                            pid,
+                        )
+                    return {"ok": True}
+                news = self._news
+            if "; ".join(differences) != said:
+                said = "; ".join(differences)
+                log.warning(
+                    "worker %d (pid %d) does not serve what the others serve: %s. It does not "
+                    "listen until it does: each change that applies on the others (a "
+                    "repository poll's reload, a load or unload through the API) is repeated "
+                    "to it, and it joins once they agree; the others serve meanwhile",
+                    worker.index,
+                    pid,
+                    said,
+                )
+            async with anyio.create_task_group() as waiting:
+                waiting.start_soon(_first, news, waiting.cancel_scope)
+                waiting.start_soon(_first, self.stop, waiting.cancel_scope)
+            if self.stop.is_set():
+                return {"stopping": True}
 
-    async def _change(self, message: dict[str, Any]) -> dict[str, Any]:
+    async def _differences(self, worker: _Worker) -> tuple[list[str], dict[str, str] | None]:
+        """How what *worker* serves differs from what the members serve (nothing: it agrees).
+
+        A joining worker loaded the repository as it is on disk: after a reload
+        that failed on the others (they serve the files they loaded before),
+        or files changed without a load, it would serve something else. It
+        agrees when it serves what one member serves (members that disagree
+        among themselves were told so by `WorkersDisagree`). Before every first
+        worker is ready, there is nothing to compare with: each loaded the
+        repository at start.
+
+        Also, when it agrees, the failed loads that member holds (its
+        `ServedModels.failures`) where *worker*'s differ, for *worker* to take.
+
+        Raises:
+            _Gone: *worker* did not answer.
+        """
+        members = [w for w in self.workers if w.member and w is not worker]
+        if not self.all_ready.is_set() or not members:
+            return [], None
+        replies = await _each([worker, *members], {"op": "served"}, limit_s=GATHER_TIMEOUT_S)
+        mine = replies[0][1]
+        if mine is None or "served" not in mine:
+            raise _Gone(f"worker {worker.index} did not say what it serves")
+        theirs = [r for _, r in replies[1:] if r is not None and "served" in r]
+        for reply in theirs:
+            if reply["served"] == mine["served"]:
+                failed = reply.get("failed", {})
+                return [], None if failed == mine.get("failed", {}) else failed
+        if not theirs:
+            return [], None
+        return _disagreements(mine["served"], theirs[0]["served"]), None
+
+    async def _change(
+        self, message: dict[str, Any], *, advice: str = "repeat the request, or restart the server"
+    ) -> dict[str, Any]:
+        # *advice*: what to do when the workers disagree after it.
         async with self.changing:
             targets = [w for w in self.workers if w.member]
             replies = await _each(targets, message)
@@ -964,6 +1126,7 @@ class _Supervisor:
                 for key, change in _journal_entries(message, self.journal):
                     self.journal.pop(key, None)
                     self.journal[key] = change
+                self._tell_news()
                 retired = {
                     version
                     for _, reply in replies
@@ -990,8 +1153,7 @@ class _Supervisor:
                     "message": (
                         f"{what} applied on worker(s) {', '.join(map(str, applied)) or 'none'} "
                         f"and failed on worker(s) {', '.join(str(i) for i, _ in failed)} "
-                        f"({said}); the workers may now serve different things: repeat "
-                        "the request, or restart the server"
+                        f"({said}); the workers may now serve different things: {advice}"
                     ),
                 }
             }
@@ -1050,6 +1212,47 @@ def _journal_entries(
         (("trace", model or "", name), {"op": "trace", "model": model, "settings": {name: value}})
         for name, value in settings.items()
     ]
+
+
+def _disagreements(mine: Mapping[str, Any], theirs: Mapping[str, Any]) -> list[str]:
+    """How one worker's `served_state` (*mine*) differs from another's (*theirs*), in words."""
+    found = []
+    for model in sorted(mine.keys() | theirs.keys()):
+        have, want = mine.get(model), theirs.get(model)
+        if have == want:
+            continue
+        if have is None:
+            found.append(
+                f"model {model!r} is not served by it (its load from the repository as it is "
+                "now failed, or was undone), while the others serve it"
+            )
+            continue
+        if want is None:
+            found.append(f"it serves model {model!r}, which the others do not serve")
+            continue
+        if have["versions"].keys() != want["versions"].keys():
+            found.append(
+                f"it serves versions {', '.join(sorted(have['versions']))} of model {model!r}, "
+                f"the others {', '.join(sorted(want['versions']))}"
+            )
+            continue
+        for version in sorted(have["versions"]):
+            (files, override), (their_files, their_override) = (
+                have["versions"][version],
+                want["versions"][version],
+            )
+            if files != their_files:
+                found.append(
+                    f"model {model!r} version {version}: its files on disk are not those the "
+                    "others loaded (they changed since, and no reload of them applied)"
+                )
+            elif override != their_override:
+                found.append(
+                    f"model {model!r} version {version}: loaded with another config override"
+                )
+        if have["traffic"] != want["traffic"]:
+            found.append(f"model {model!r}: another traffic split")
+    return found
 
 
 def _what(change: Mapping[str, Any]) -> str:
@@ -1357,6 +1560,9 @@ def _worker_main(argv: list[str]) -> int:
             cause = cause.exceptions[0]
         if not isinstance(cause, TrioInferError | OSError):
             raise
+        if isinstance(cause, _StoppedBeforeJoining):
+            log.info("%s", cause)
+            return 0
         message = public_names(f"{type(cause).__name__}: {cause}")
         log.error("could not serve: %s", message)  # noqa: TRY400  # the message says it all
         with contextlib.suppress(_Gone):
