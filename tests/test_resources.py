@@ -212,6 +212,35 @@ async def test_priority_weights_grants(autojump_clock: trio.testing.MockClock, c
         assert (done.count("a"), done.count("b")) == (20, 10)
 
 
+async def test_priorities_weight_grants_when_executions_end_together(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """Three priorities, two instances each, a pool of 3: grants go 6:3:2 (Triton's 1 : 1/2 : 1/3).
+
+    Three executions end at once, and the first waiter wakes and grants before the
+    instances that gave back ask again: they must keep their turn, not lose it to
+    the clock those grants moved (which gave 4:3:2). Within one grant of the ideal:
+    the first round, everyone at pass 0, is one grant each.
+    """
+    backend = FakeBackend(delay=1.0)
+    async with open_engine(registry=backend.registry(), resources={"R": 3}) as engine:
+        for model, priority in [("a", 1), ("b", 2), ("c", 3)]:
+            instance = Instance(count=2, global_resources={"R": 1}, resource_priority=priority)
+            await engine.load(config(model, instance))
+        done: list[str] = []
+
+        async def run(model: str) -> None:
+            await engine.infer(model, {"x": X})
+            done.append(model)
+
+        with trio.move_on_after(66.5):  # 198 grants: 108, 54 and 36
+            async with trio.open_nursery() as nursery:
+                for model in ["a", "b", "c"] * 120:
+                    nursery.start_soon(run, model)
+        counts = [done.count(model) for model in "abc"]
+        assert all(abs(n - ideal) <= 1 for n, ideal in zip(counts, [108, 54, 36], strict=True)), counts
+
+
 async def test_needs_bigger_than_the_pool_are_refused_at_load() -> None:
     backend = FakeBackend()
     async with open_engine(registry=backend.registry(), resources={"R": 2}) as engine:

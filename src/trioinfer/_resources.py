@@ -9,8 +9,13 @@ part while waiting for the rest) is what rules out deadlock between instances
 whose needs overlap: whoever holds resources is running, not waiting.
 
 Waiters are served in order, by stride scheduling on their ``resource_priority``
-(Triton's ``rate_limiter.priority``): an instance of priority 2 gets about half
-the grants of one of priority 1 while both have work. The head waiter is served
+(Triton's ``rate_limiter.priority``, a weight: Triton orders instances by
+executions times priority): an instance of priority 2 gets half the grants of
+one of priority 1 while both have work, to within a grant. An instance that
+asks again keeps up to one round of credit (the longest stride), so that one
+that gave back as others did, and asked again only after the first waiter had
+granted, keeps its turn; an idle or new one gets no more head start than that.
+The head waiter is served
 first even when a later one would fit now, so that a large need is never
 starved by small ones. Resources given back wake the head waiter, which grants
 them when it runs: an instance that asks again meanwhile (the one that gave
@@ -217,6 +222,9 @@ class ResourcePools:
         self._waits: dict[PoolKey, int] = {}
         self._wait_s: dict[PoolKey, float] = {}
         self._vtime = 0.0
+        # How far behind the clock a gate's pass may be when it asks: see _resize.
+        self._lag = 1
+        self._strides: dict[object, int] = {}
         self._seq = 0
 
     # -- loading ------------------------------------------------------------------
@@ -273,12 +281,14 @@ class ResourcePools:
                 gates.append(None)
         if all_needs:
             self._owners[owner] = all_needs
+            self._strides[owner] = max(g._weight for g in gates if g is not None)
             self._resize()
         return gates
 
     def detach(self, owner: object) -> None:
         """Forget an unloaded model's needs: default sizes shrink to what is still loaded."""
         if self._owners.pop(owner, None) is not None:
+            del self._strides[owner]
             self._resize()
 
     def _configured(self, key: PoolKey) -> int | None:
@@ -288,6 +298,12 @@ class ResourcePools:
         return self._every.get(name)
 
     def _resize(self) -> None:
+        # A gate asking again keeps at most one round of credit: the clock (the last
+        # grant's pass) minus the longest stride. Gates that gave back at once (several
+        # ending together, their next batches not formed yet) while the head granted
+        # without them are at most that far behind; a gate back from idling (or new)
+        # gets that much head start and no more, as CFS places a waking task.
+        self._lag = max(self._strides.values(), default=1)
         largest: dict[PoolKey, int] = {}
         for needs_list in self._owners.values():
             for needs in needs_list:
@@ -317,15 +333,15 @@ class ResourcePools:
             self._free[key] -= n
         # Stride scheduling: the grant moves the clock to this gate's pass, and
         # its next pass is its weight later.
-        start = max(gate._pass, self._vtime)
-        self._vtime = start
+        start = max(gate._pass, self._vtime - self._lag)
+        self._vtime = max(self._vtime, start)
         gate._pass = start + gate._weight
 
     async def _take(self, gate: ResourceGate) -> None:
         if not self._heap and self._fits(gate._needs):
             self._hand(gate)  # uncontended: no wait, no checkpoint (as the slot's)
             return
-        gate._pass = max(gate._pass, self._vtime)
+        gate._pass = max(gate._pass, self._vtime - self._lag)
         self._seq += 1
         waiter = _Waiter(gate._pass, self._seq, gate, anyio.Event())
         heapq.heappush(self._heap, waiter)
