@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import anyio
+import attrs
 import numpy as np
 import pytest
 import trio
 import trio.testing
 
 import trioinfer
-from trioinfer import Instance, ModelConfig, open_engine
+from trioinfer import Device, Instance, ModelConfig, open_engine
+from trioinfer._runner import ModelRunner
+from trioinfer.abc import BackendInstance, Placement
 from trioinfer.testing import FakeBackend
 
 X = np.ones((1, 4), dtype=np.float32)
@@ -121,6 +124,68 @@ async def test_per_device_resources_have_a_pool_per_device(
             ("cpu", 1),
             ("cuda:0", 1),
         ]
+
+
+@attrs.define
+class FallingBack:
+    """A backend whose instances of model "a" are re-created on the CPU once *lost* is set.
+
+    As a CUDA instance whose GPU is lost comes back on the CPU (``cpu_fallback``).
+    """
+
+    fake: FakeBackend
+    lost: bool = False
+
+    async def load(self, config: ModelConfig, placement: Placement) -> BackendInstance:
+        if self.lost and config.name == "a":
+            placement = attrs.evolve(placement, device=Device.parse("cpu"))
+        return await self.fake.load(config, placement)
+
+
+async def test_a_recreated_instance_takes_from_the_pools_of_its_new_device(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """a's instance, re-created on the CPU, contends with b there for the CPU's pool of R."""
+    backend = FallingBack(FakeBackend(delay=1.0))
+    registry = trioinfer.Registry(extra={"backends": {"fake": lambda: backend}})
+    async with open_engine(registry=registry) as engine:
+        await engine.load(config("a", Instance(device="cuda:0", resources={"R": 1})))
+        await engine.load(config("b", Instance(device="cpu", resources={"R": 1})))
+        t0 = trio.current_time()
+        await burst(engine, "a", "b")
+        assert trio.current_time() - t0 == 1.0  # a pool on each device
+        backend.lost = True
+        runner = engine._runner("a")
+        assert isinstance(runner, ModelRunner)
+        (replica,) = runner.replicas
+        await runner.recreate(replica)
+        assert replica.device == "cpu"
+        t0 = trio.current_time()
+        await burst(engine, "a", "b")
+        assert trio.current_time() - t0 == 2.0  # one R on the CPU: one after the other
+        cuda, cpu = (
+            next(p for p in engine.statistics().resources if p.device == device)
+            for device in ("cuda:0", "cpu")
+        )
+        assert cpu.waits == 1  # the second of the burst waited on the CPU's pool
+        assert cuda.waits == 0
+
+
+async def test_a_recreated_instance_needing_more_than_its_new_devices_pool_is_refused(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    backend = FallingBack(FakeBackend())
+    registry = trioinfer.Registry(extra={"backends": {"fake": lambda: backend}})
+    sizes = {"R": {"cuda:0": 4, "cpu": 2}}
+    async with open_engine(registry=registry, resources=sizes) as engine:
+        await engine.load(config("a", Instance(device="cuda:0", resources={"R": 3})))
+        backend.lost = True
+        runner = engine._runner("a")
+        assert isinstance(runner, ModelRunner)
+        (replica,) = runner.replicas
+        with pytest.raises(trioinfer.ConfigError, match=r"needs 3 of resource 'R' on cpu"):
+            await runner.recreate(replica)
+        assert backend.fake.open_instances == 0  # the old one closed, the new one too
 
 
 async def test_per_device_size(autojump_clock: trio.testing.MockClock) -> None:

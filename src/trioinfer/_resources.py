@@ -180,11 +180,29 @@ class ResourceGate:
             self._device_limiter.release()
         self._pools._give_back(self)
 
+    def move(self, model: str, device: str, device_limiter: anyio.CapacityLimiter | None) -> None:
+        """Take from *device*'s pools from now on: the instance was re-created there.
+
+        Only while nobody holds or waits on this gate (the runner holds every slot
+        of the instance); global resources stay as they are.
+
+        Raises:
+            ConfigError: A need is bigger than the new device's configured pool
+                (then nothing changed).
+        """
+        self._pools._move(self, model, device)
+        self._device_limiter = device_limiter
+
     async def __aenter__(self) -> None:
         await self.acquire()
 
     async def __aexit__(self, *_exc: object) -> None:
         self.release()
+
+
+def _in_order(needs: dict[PoolKey, int]) -> dict[PoolKey, int]:
+    # Sorted: gates take and give back their pools in one fixed order.
+    return dict(sorted(needs.items(), key=lambda kv: (kv[0][0], kv[0][1] or "")))
 
 
 @attrs.define(eq=False)
@@ -263,18 +281,10 @@ class ResourcePools:
                             "before: each resource is one or the other"
                         )
                     key = (name, key_device)
-                    size = self._configured(key)
-                    if size is not None and n > size:
-                        where = "all devices" if key_device is None else key_device
-                        raise ConfigError(
-                            f"model {model!r}: an instance needs {n} of resource {name!r} "
-                            f"on {where}, more than its pool holds ({size}): expected at "
-                            f"most {size}, or a larger --rate-limit-resource"
-                        )
+                    self._check_need(model, key, n)
                     needs[key] = n
             if needs:
-                # Sorted: gates take and give back their pools in one fixed order.
-                needs = dict(sorted(needs.items(), key=lambda kv: (kv[0][0], kv[0][1] or "")))
+                needs = _in_order(needs)
                 all_needs.append(needs)
                 gates.append(ResourceGate(self, needs, max(priority, 1), device_limits.get(device)))
             else:
@@ -290,6 +300,29 @@ class ResourcePools:
         if self._owners.pop(owner, None) is not None:
             del self._strides[owner]
             self._resize()
+
+    def _move(self, gate: ResourceGate, model: str, device: str) -> None:
+        needs = {
+            (name, None if where is None else device): n
+            for (name, where), n in gate._needs.items()
+        }
+        for key, n in needs.items():
+            self._check_need(model, key, n)
+        # In place: the owner's list of needs (the default sizes) holds this dict.
+        gate._needs.clear()
+        gate._needs.update(_in_order(needs))
+        self._resize()
+
+    def _check_need(self, model: str, key: PoolKey, n: int) -> None:
+        size = self._configured(key)
+        if size is not None and n > size:
+            name, device = key
+            where = "all devices" if device is None else device
+            raise ConfigError(
+                f"model {model!r}: an instance needs {n} of resource {name!r} "
+                f"on {where}, more than its pool holds ({size}): expected at "
+                f"most {size}, or a larger --rate-limit-resource"
+            )
 
     def _configured(self, key: PoolKey) -> int | None:
         name, device = key

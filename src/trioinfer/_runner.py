@@ -2475,6 +2475,7 @@ class ModelRunner(metaclass=NoPublicConstructor):
                 await replica._slot.acquire()
                 held += 1
             old = replica._backend_instance
+            was = old.device  # asked before it closes
             try:
                 new = await self._backend.load(self.config, replica.placement)
             except TrioInferError:
@@ -2513,6 +2514,12 @@ class ModelRunner(metaclass=NoPublicConstructor):
                     [new],
                     [replica.label],
                 )
+                if replica._gate is not None and new.device != was:
+                    # Its resources are the device's it runs on now (a GPU's instance
+                    # re-created on the CPU takes from the CPU's pools).
+                    replica._gate.move(
+                        self.config.name, new.device, self._device_limits.get(new.device)
+                    )
             except BaseException:
                 await close_instances(self.config.name, [new])
                 raise
