@@ -280,7 +280,7 @@ async def test_priority_weights_grants(autojump_clock: trio.testing.MockClock, c
 async def test_priorities_weight_grants_when_executions_end_together(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
-    """Three priorities, two instances each, a pool of 3: grants go 6:3:2 (Triton's 1 : 1/2 : 1/3).
+    """Priorities 1, 2, 3, two instances each, a pool of 3: grants go 6:3:2, as Triton weighs them.
 
     Three executions end at once, and the first waiter wakes and grants before the
     instances that gave back ask again: they must keep their turn, not lose it to
@@ -303,7 +303,9 @@ async def test_priorities_weight_grants_when_executions_end_together(
                 for model in ["a", "b", "c"] * 120:
                     nursery.start_soon(run, model)
         counts = [done.count(model) for model in "abc"]
-        assert all(abs(n - ideal) <= 1 for n, ideal in zip(counts, [108, 54, 36], strict=True)), counts
+        assert all(abs(n - ideal) <= 1 for n, ideal in zip(counts, [108, 54, 36], strict=True)), (
+            counts
+        )
 
 
 async def test_needs_bigger_than_the_pool_are_refused_at_load() -> None:

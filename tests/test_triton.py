@@ -1584,7 +1584,7 @@ async def test_a_served_rate_limiter_takes_its_pools(tmp_path: Path, rate_limit:
 async def test_a_config_toml_models_needs_are_answered_as_triton_s_rate_limiter(
     tmp_path: Path,
 ) -> None:
-    """GET .../config: a config.toml group's resources read as a config.pbtxt's do, and load back."""
+    """GET .../config: a config.toml group's needs read as a config.pbtxt's do, and load back."""
     from _serve import start_serving
     from trioinfer.server import ServerConfig
 

@@ -303,8 +303,7 @@ class ResourcePools:
 
     def _move(self, gate: ResourceGate, model: str, device: str) -> None:
         needs = {
-            (name, None if where is None else device): n
-            for (name, where), n in gate._needs.items()
+            (name, None if where is None else device): n for (name, where), n in gate._needs.items()
         }
         for key, n in needs.items():
             self._check_need(model, key, n)

@@ -2908,9 +2908,7 @@ async def warm_up(
     """
     if not samples:
         return
-    made = [
-        (sample, sample.arrays(model, signature, limits, max_batch_size)) for sample in samples
-    ]
+    made = [(sample, sample.arrays(model, signature, limits, max_batch_size)) for sample in samples]
     check = OutputCheck(model, signature)
     errors: list[BackendError] = []
 
