@@ -691,6 +691,60 @@ async def test_a_member_that_leaves_during_its_rerun_stops_it(
         assert (stats.succeeded, stats.failed, stats.cancelled, stats.in_flight) == (1, 1, 1, 0)
 
 
+async def test_reruns_alone_with_refusals_departures_and_deadlines_end_each_member_once(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """Every way a member rerun alone can end, in one batch: each ends once, as counted.
+
+    The first step takes 1 s and refuses member 0's row: the batch's pass ends at
+    1 s, then each member reruns alone in turn, member 0 (refused again) until 2 s.
+    Queue timeouts: member 1's (priority 0) passes at 2.5 s, during its own rerun;
+    member 2's (priority 2) at 1.5 s, before its turn. Member 3 reruns from 2.5 s to
+    3.5 s (only the first step is slow); member 5's caller leaves at 3 s, before its
+    turn; member 4's at 4 s, during its own rerun; member 6 reruns from 4 s.
+    """
+    async with open_engine() as engine:
+        await load_chain(engine, delays=(1.0, 0.0, 0.0), queue_timeouts={"0": 2.5, "2": 1.5})
+        t0 = trio.current_time()
+        scopes: dict[int, trio.CancelScope] = {}
+        outcomes: dict[int, object] = {}
+
+        async def call(i: int) -> None:
+            with trio.CancelScope() as scopes[i]:
+                refusals = (InvalidInput, DeadlineExceeded)
+                priority = {1: 0, 2: 2}.get(i, 1)
+                outcomes[i] = await answer(engine, row(i, poison=0), refusals, priority=priority)
+                return
+            outcomes[i] = "left"
+
+        async def leave(i: int, at: float) -> None:
+            await trio.sleep_until(t0 + at)
+            scopes[i].cancel()
+
+        async with anyio.create_task_group() as tg:
+            for i in range(7):
+                tg.start_soon(call, i)
+                await trio.sleep(0.001)  # in this order (one batch: the delay is 10 ms)
+            tg.start_soon(leave, 5, 3.0)
+            tg.start_soon(leave, 4, 4.0)
+        assert isinstance(outcomes[0], InvalidInput)
+        assert isinstance(outcomes[1], DeadlineExceeded)
+        assert isinstance(outcomes[2], DeadlineExceeded)
+        np.testing.assert_array_equal(outcomes[3], np.full((1, 4), 6, np.float32))  # type: ignore[arg-type]
+        assert outcomes[4] == outcomes[5] == "left"
+        np.testing.assert_array_equal(outcomes[6], np.full((1, 4), 9, np.float32))  # type: ignore[arg-type]
+        # The batch, then alone: 0 (refused), 1 (cut short), 3, 4 (left), 6.
+        assert Rows.rows == {"first": [7, 1, 1, 1, 1, 1], "second": [1, 1], "third": [1, 1]}
+        models = engine.statistics().models
+        p = models["p"]
+        assert (p.succeeded, p.failed, p.expired, p.cancelled, p.in_flight) == (2, 1, 2, 2, 0)
+        assert (p.executions, p.request_duration.count) == (1, 2)
+        first = models["first"]
+        ended = first.succeeded + first.failed + first.expired + first.cancelled
+        assert (ended, first.in_flight) == (6, 0)  # each step request once
+        assert (first.succeeded, first.failed) == (2, 2)  # 3's and 6's; the batch's and 0's
+
+
 class Flaky:
     """y = x + 1, failing (transiently) the first *fails* calls."""
 

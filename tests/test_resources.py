@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import anyio
+import attrs
 import numpy as np
 import pytest
 import trio
 import trio.testing
 
 import trioinfer
-from trioinfer import Instance, ModelConfig, open_engine
+from trioinfer import Device, Instance, ModelConfig, open_engine
+from trioinfer._runner import ModelRunner
+from trioinfer.abc import BackendInstance, Placement
 from trioinfer.testing import FakeBackend
 
 X = np.ones((1, 4), dtype=np.float32)
@@ -123,6 +126,68 @@ async def test_per_device_resources_have_a_pool_per_device(
         ]
 
 
+@attrs.define
+class FallingBack:
+    """A backend whose instances of model "a" are re-created on the CPU once *lost* is set.
+
+    As a CUDA instance whose GPU is lost comes back on the CPU (``cpu_fallback``).
+    """
+
+    fake: FakeBackend
+    lost: bool = False
+
+    async def load(self, config: ModelConfig, placement: Placement) -> BackendInstance:
+        if self.lost and config.name == "a":
+            placement = attrs.evolve(placement, device=Device.parse("cpu"))
+        return await self.fake.load(config, placement)
+
+
+async def test_a_recreated_instance_takes_from_the_pools_of_its_new_device(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """a's instance, re-created on the CPU, contends with b there for the CPU's pool of R."""
+    backend = FallingBack(FakeBackend(delay=1.0))
+    registry = trioinfer.Registry(extra={"backends": {"fake": lambda: backend}})
+    async with open_engine(registry=registry) as engine:
+        await engine.load(config("a", Instance(device="cuda:0", resources={"R": 1})))
+        await engine.load(config("b", Instance(device="cpu", resources={"R": 1})))
+        t0 = trio.current_time()
+        await burst(engine, "a", "b")
+        assert trio.current_time() - t0 == 1.0  # a pool on each device
+        backend.lost = True
+        runner = engine._runner("a")
+        assert isinstance(runner, ModelRunner)
+        (replica,) = runner.replicas
+        await runner.recreate(replica)
+        assert replica.device == "cpu"
+        t0 = trio.current_time()
+        await burst(engine, "a", "b")
+        assert trio.current_time() - t0 == 2.0  # one R on the CPU: one after the other
+        cuda, cpu = (
+            next(p for p in engine.statistics().resources if p.device == device)
+            for device in ("cuda:0", "cpu")
+        )
+        assert cpu.waits == 1  # the second of the burst waited on the CPU's pool
+        assert cuda.waits == 0
+
+
+async def test_a_recreated_instance_needing_more_than_its_new_devices_pool_is_refused(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    backend = FallingBack(FakeBackend())
+    registry = trioinfer.Registry(extra={"backends": {"fake": lambda: backend}})
+    sizes = {"R": {"cuda:0": 4, "cpu": 2}}
+    async with open_engine(registry=registry, resources=sizes) as engine:
+        await engine.load(config("a", Instance(device="cuda:0", resources={"R": 3})))
+        backend.lost = True
+        runner = engine._runner("a")
+        assert isinstance(runner, ModelRunner)
+        (replica,) = runner.replicas
+        with pytest.raises(trioinfer.ConfigError, match=r"needs 3 of resource 'R' on cpu"):
+            await runner.recreate(replica)
+        assert backend.fake.open_instances == 0  # the old one closed, the new one too
+
+
 async def test_per_device_size(autojump_clock: trio.testing.MockClock) -> None:
     backend = FakeBackend(delay=1.0)
     sizes = {"R": {"cuda:0": 2, "*": 6}}
@@ -210,6 +275,37 @@ async def test_priority_weights_grants(autojump_clock: trio.testing.MockClock, c
                 for model in ["a", "b"] * 40:
                     nursery.start_soon(run, model)
         assert (done.count("a"), done.count("b")) == (20, 10)
+
+
+async def test_priorities_weight_grants_when_executions_end_together(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """Priorities 1, 2, 3, two instances each, a pool of 3: grants go 6:3:2, as Triton weighs them.
+
+    Three executions end at once, and the first waiter wakes and grants before the
+    instances that gave back ask again: they must keep their turn, not lose it to
+    the clock those grants moved (which gave 4:3:2). Within one grant of the ideal:
+    the first round, everyone at pass 0, is one grant each.
+    """
+    backend = FakeBackend(delay=1.0)
+    async with open_engine(registry=backend.registry(), resources={"R": 3}) as engine:
+        for model, priority in [("a", 1), ("b", 2), ("c", 3)]:
+            instance = Instance(count=2, global_resources={"R": 1}, resource_priority=priority)
+            await engine.load(config(model, instance))
+        done: list[str] = []
+
+        async def run(model: str) -> None:
+            await engine.infer(model, {"x": X})
+            done.append(model)
+
+        with trio.move_on_after(66.5):  # 198 grants: 108, 54 and 36
+            async with trio.open_nursery() as nursery:
+                for model in ["a", "b", "c"] * 120:
+                    nursery.start_soon(run, model)
+        counts = [done.count(model) for model in "abc"]
+        assert all(abs(n - ideal) <= 1 for n, ideal in zip(counts, [108, 54, 36], strict=True)), (
+            counts
+        )
 
 
 async def test_needs_bigger_than_the_pool_are_refused_at_load() -> None:

@@ -44,9 +44,13 @@ pytestmark = [pytest.mark.pipeline, pytest.mark.python_model, pytest.mark.stream
 Arrays = dict[str, np.ndarray[Any, Any]]
 
 #: An input value per behaviour: below FAILS a model that may fail raises; above
-#: SUSPENDS an async model sleeps before it answers.
-FAILS, SUSPENDS = -0.5, 0.5
-VALUES = (0.1, 0.9, -5.0)
+#: SUSPENDS an async model sleeps before it answers; beyond REFUSES (below -REFUSES
+#: for one that refuses "low" values, above it for "high") a model that refuses
+#: raises InvalidInput, as for one bad row among a batch's: the batched pipeline's
+#: steps do, so that its members rerun alone (one refused by its first step, the
+#: other by its second).
+FAILS, SUSPENDS, REFUSES = -0.5, 0.5, 40.0
+VALUES = (0.1, 0.9, -5.0, -50.0, 50.0)
 
 
 class _Counts:
@@ -59,15 +63,22 @@ class _Counts:
         cls.returned.clear()
 
 
-class SyncWork:
-    """y = x + 1; raises for inputs below FAILS when *fails*."""
+def _refuse(name: str, refuses: str, x: np.ndarray[Any, Any]) -> None:
+    # InvalidInput when any row is beyond REFUSES on the side *refuses* names.
+    if (refuses == "low" and (x < -REFUSES).any()) or (refuses == "high" and (x > REFUSES).any()):
+        raise trioinfer.InvalidInput(f"{name} refuses {refuses} values")
 
-    def __init__(self, name: str, fails: bool = False) -> None:
-        self.name, self.fails = name, fails
+
+class SyncWork:
+    """y = x + 1; raises for inputs below FAILS when *fails*, refuses as *refuses* says."""
+
+    def __init__(self, name: str, fails: bool = False, refuses: str = "") -> None:
+        self.name, self.fails, self.refuses = name, fails, refuses
 
     def infer(self, inputs: Arrays) -> Arrays:
         _Counts.calls[self.name] += 1
         x = inputs["x"]
+        _refuse(self.name, self.refuses, x)
         if self.fails and x[0, 0] < FAILS:
             raise RuntimeError(f"{self.name} refuses negative inputs")
         _Counts.returned[self.name] += 1
@@ -77,14 +88,17 @@ class SyncWork:
 class AsyncWork:
     """SyncWork's answer; sleeps first (it suspends) for inputs above SUSPENDS."""
 
-    def __init__(self, name: str, fails: bool = False, delay: float = 0.002) -> None:
-        self.name, self.fails, self.delay = name, fails, delay
+    def __init__(
+        self, name: str, fails: bool = False, refuses: str = "", delay: float = 0.002
+    ) -> None:
+        self.name, self.fails, self.refuses, self.delay = name, fails, refuses, delay
 
     async def infer(self, inputs: Arrays) -> Arrays:
         _Counts.calls[self.name] += 1
         x = inputs["x"]
         if x[0, 0] > SUSPENDS:
             await anyio.sleep(self.delay)
+        _refuse(self.name, self.refuses, x)
         if self.fails and x[0, 0] < FAILS:
             raise RuntimeError(f"{self.name} refuses negative inputs")
         _Counts.returned[self.name] += 1
@@ -110,9 +124,12 @@ def _tensor(name: str) -> dict[str, Any]:
 def python_model(
     name: str, cls: type, *, dispatch: str = "inline", batched: bool = False, **kw: Any
 ) -> ModelConfig:
+    parameters = {"name": name, "fails": kw.pop("fails", False)}
+    if "refuses" in kw:
+        parameters["refuses"] = kw.pop("refuses")
     options: dict[str, Any] = {
         "class": cls,
-        "parameters": {"name": name, "fails": kw.pop("fails", False)},
+        "parameters": parameters,
         "inputs": [_tensor("a"), _tensor("b")] if cls is Join else [_tensor("x")],
         "outputs": [_tensor("y")],
     }
@@ -172,8 +189,8 @@ def configs(add: Path) -> list[ModelConfig]:
         python_model("t_inline", SyncWork),
         python_model("t_async", AsyncWork),
         # Steps of the pipeline that batches.
-        python_model("b_inline", SyncWork, fails=True),
-        python_model("b_async", AsyncWork),
+        python_model("b_inline", SyncWork, fails=True, refuses="low"),
+        python_model("b_async", AsyncWork, refuses="high"),
         # All inline: Pipeline.run_now runs it to its end in the caller's frame, or
         # returns a Resume at the step that raised.
         pipeline(
@@ -235,6 +252,17 @@ PIPELINES = {
     "p_batched": ("b_inline", "b_async"),
 }
 CALLED = DIRECT + tuple(PIPELINES)
+#: What each model answers a row of x's (the answer to every one of its rows).
+ANSWERS: dict[str, Any] = {
+    **{name: (lambda x: x + 1) for name in DIRECT if "ort" not in name},
+    "d_ort_inline": lambda x: x + x,
+    "d_ort_thread": lambda x: x + x,
+    "p_inline": lambda x: 2 * (x + 1) + 1,
+    "p_mixed": lambda x: 2 * (x + 2) + 1,
+    "p_diamond": lambda x: 2 * (x + 1),
+    "p_timeouts": lambda x: x + 2,
+    "p_batched": lambda x: x + 2,
+}
 #: Unbatched models: one execution per request.
 UNBATCHED = set(DIRECT) - {"d_batched"}
 
@@ -359,6 +387,15 @@ async def run_plan(plan: Plan, add: Path, watchdog: bool = False) -> None:
                 outcome = "ok"
                 name = "OUT" if c.model.startswith("p_") else ("sum" if "ort" in c.model else "y")
                 assert outputs[name].shape == (c.rows, 4), (c, outputs)
+                # Its own rows' answer: not another member's, nor a rerun's of another.
+                expected = np.full((c.rows, 4), ANSWERS[c.model](np.float32(c.value)))
+                np.testing.assert_array_equal(outputs[name], expected, err_msg=str(c))
+            if outcome == "InvalidInput":
+                # Only a batched pipeline's member with a row its steps refuse.
+                assert c.model == "p_batched", c
+                assert abs(c.value) > REFUSES, c
+            if c.model == "p_batched" and abs(c.value) > REFUSES:
+                assert outcome != "ok", c  # the steps refuse it, however it was batched
         outcomes[i].append(outcome)
 
     async def reloads(engine: trioinfer.Engine) -> None:
@@ -445,11 +482,11 @@ def check_accounts(plan: Plan, outcomes: list[str], runners: dict[str, list[Any]
         counts, callers = report.get(name, Counter()), seen[name]
         where = f"{name}: counters {dict(counts)}, callers {dict(callers)}"
         certain = callers["ok"] + callers["QueueFull"] + callers["BackendError"]
-        certain += callers["DeadlineExceeded"]
+        certain += callers["DeadlineExceeded"] + callers["InvalidInput"]
         late = callers["cancelled"] + callers["maybe cancelled"]
         assert counts["refused"] == callers["QueueFull"], where
         assert counts["expired"] >= callers["DeadlineExceeded"], where
-        assert counts["failed"] >= callers["BackendError"], where
+        assert counts["failed"] >= callers["BackendError"] + callers["InvalidInput"], where
         assert callers["ok"] <= counts["succeeded"] <= callers["ok"] + late, where
         assert rows[name, "ok"] <= counts["inferences"], where
         assert (

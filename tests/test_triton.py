@@ -1587,6 +1587,44 @@ async def test_a_served_rate_limiter_takes_its_pools(tmp_path: Path, rate_limit:
         assert samples[("trioinfer_resource_in_use", "cpu")] == 0
 
 
+async def test_a_config_toml_models_needs_are_answered_as_triton_s_rate_limiter(
+    tmp_path: Path,
+) -> None:
+    """GET .../config: a config.toml group's needs read as a config.pbtxt's do, and load back."""
+    from _serve import start_serving
+    from trioinfer.server import ServerConfig
+
+    write_simple(tmp_path / "t" / "1" / "model.onnx")
+    (tmp_path / "t" / "config.toml").write_text(
+        "[[instances]]\ncount = 2\nresources = { R = 2 }\nglobal_resources = { G = 1 }\n"
+        "resource_priority = 3\n"
+        "[[instances]]\n"  # no needs: a group of its own, without a rate_limiter
+    )
+    config = ServerConfig(rate_limit="execution_count")
+    async with trio.open_nursery() as nursery:
+        listening = await start_serving(nursery, tmp_path, config=config)
+        async with httpx.AsyncClient(base_url=listening.urls[0]) as client:
+            served = (await client.get("/v2/models/t/config")).json()
+            reload = await client.post(
+                "/v2/repository/models/t/load",
+                json={"parameters": {"config": json.dumps(served)}},
+            )
+            assert reload.status_code == 200, reload.text
+            again = (await client.get("/v2/models/t/config")).json()
+        nursery.cancel_scope.cancel()
+    needs, plain = served["instance_group"]
+    assert (needs["count"], plain["count"]) == (2, 1)
+    assert needs["rate_limiter"] == {
+        "resources": [
+            {"name": "R", "global": False, "count": 2},
+            {"name": "G", "global": True, "count": 1},
+        ],
+        "priority": 3,
+    }
+    assert "rate_limiter" not in plain
+    assert again == served
+
+
 @pytest.mark.parametrize(
     ("flags", "said"),
     [

@@ -141,6 +141,30 @@ async def test_a_sample_that_does_not_fit_fails_the_load_before_anything_runs(
 
 
 @pytest.mark.parametrize(
+    ("options", "batch_size", "most"),
+    [({"max_batch_size": 4}, 5, 4), ({}, 33, 32)],  # the dynamic batcher's default: 32
+)
+async def test_a_sample_bigger_than_the_max_batch_size_fails_the_load(
+    options: dict[str, Any], batch_size: int, most: int
+) -> None:
+    """As Triton refuses it at load: no batch the model serves is that big."""
+    backend = FakeBackend()
+    sample = {"name": "w", "inputs": {"x": {"dims": [4]}}, "batch_size": batch_size}
+    async with open_engine(registry=backend.registry()) as engine:
+        with pytest.raises(
+            ConfigError,
+            match=rf"warm-up sample 'w': batch_size is {batch_size}, more than the model's "
+            rf"max_batch_size \({most}\)",
+        ):
+            await engine.load(fake_config(sample, batcher="dynamic", batcher_options=options))
+        assert backend.executions == []
+        assert backend.open_instances == 0
+        fits = {**sample, "batch_size": most}
+        await engine.load(fake_config(fits, batcher="dynamic", batcher_options=options))
+        assert backend.executions == [most, most]  # on each instance
+
+
+@pytest.mark.parametrize(
     ("sample", "message"),
     [
         ({"name": "w", "inputs": {}}, "warm-up inputs must be a non-empty table"),

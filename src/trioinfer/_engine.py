@@ -403,6 +403,7 @@ class Engine:
                 runner.input_limits,
                 instances,
                 [replica.label for replica in runner.replicas],
+                max_batch_size=runner.max_batch_size,
             )
         except BaseException:
             # A plugin refused the model in attach(), or a warm-up failed: do not leave

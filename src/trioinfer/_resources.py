@@ -9,8 +9,13 @@ part while waiting for the rest) is what rules out deadlock between instances
 whose needs overlap: whoever holds resources is running, not waiting.
 
 Waiters are served in order, by stride scheduling on their ``resource_priority``
-(Triton's ``rate_limiter.priority``): an instance of priority 2 gets about half
-the grants of one of priority 1 while both have work. The head waiter is served
+(Triton's ``rate_limiter.priority``, a weight: Triton orders instances by
+executions times priority): an instance of priority 2 gets half the grants of
+one of priority 1 while both have work, to within a grant. An instance that
+asks again keeps up to one round of credit (the longest stride), so that one
+that gave back as others did, and asked again only after the first waiter had
+granted, keeps its turn; an idle or new one gets no more head start than that.
+The head waiter is served
 first even when a later one would fit now, so that a large need is never
 starved by small ones. Resources given back wake the head waiter, which grants
 them when it runs: an instance that asks again meanwhile (the one that gave
@@ -175,11 +180,29 @@ class ResourceGate:
             self._device_limiter.release()
         self._pools._give_back(self)
 
+    def move(self, model: str, device: str, device_limiter: anyio.CapacityLimiter | None) -> None:
+        """Take from *device*'s pools from now on: the instance was re-created there.
+
+        Only while nobody holds or waits on this gate (the runner holds every slot
+        of the instance); global resources stay as they are.
+
+        Raises:
+            ConfigError: A need is bigger than the new device's configured pool
+                (then nothing changed).
+        """
+        self._pools._move(self, model, device)
+        self._device_limiter = device_limiter
+
     async def __aenter__(self) -> None:
         await self.acquire()
 
     async def __aexit__(self, *_exc: object) -> None:
         self.release()
+
+
+def _in_order(needs: dict[PoolKey, int]) -> dict[PoolKey, int]:
+    # Sorted: gates take and give back their pools in one fixed order.
+    return dict(sorted(needs.items(), key=lambda kv: (kv[0][0], kv[0][1] or "")))
 
 
 @attrs.define(eq=False)
@@ -217,6 +240,9 @@ class ResourcePools:
         self._waits: dict[PoolKey, int] = {}
         self._wait_s: dict[PoolKey, float] = {}
         self._vtime = 0.0
+        # How far behind the clock a gate's pass may be when it asks: see _resize.
+        self._lag = 1
+        self._strides: dict[object, int] = {}
         self._seq = 0
 
     # -- loading ------------------------------------------------------------------
@@ -255,31 +281,47 @@ class ResourcePools:
                             "before: each resource is one or the other"
                         )
                     key = (name, key_device)
-                    size = self._configured(key)
-                    if size is not None and n > size:
-                        where = "all devices" if key_device is None else key_device
-                        raise ConfigError(
-                            f"model {model!r}: an instance needs {n} of resource {name!r} "
-                            f"on {where}, more than its pool holds ({size}): expected at "
-                            f"most {size}, or a larger --rate-limit-resource"
-                        )
+                    self._check_need(model, key, n)
                     needs[key] = n
             if needs:
-                # Sorted: gates take and give back their pools in one fixed order.
-                needs = dict(sorted(needs.items(), key=lambda kv: (kv[0][0], kv[0][1] or "")))
+                needs = _in_order(needs)
                 all_needs.append(needs)
                 gates.append(ResourceGate(self, needs, max(priority, 1), device_limits.get(device)))
             else:
                 gates.append(None)
         if all_needs:
             self._owners[owner] = all_needs
+            self._strides[owner] = max(g._weight for g in gates if g is not None)
             self._resize()
         return gates
 
     def detach(self, owner: object) -> None:
         """Forget an unloaded model's needs: default sizes shrink to what is still loaded."""
         if self._owners.pop(owner, None) is not None:
+            del self._strides[owner]
             self._resize()
+
+    def _move(self, gate: ResourceGate, model: str, device: str) -> None:
+        needs = {
+            (name, None if where is None else device): n for (name, where), n in gate._needs.items()
+        }
+        for key, n in needs.items():
+            self._check_need(model, key, n)
+        # In place: the owner's list of needs (the default sizes) holds this dict.
+        gate._needs.clear()
+        gate._needs.update(_in_order(needs))
+        self._resize()
+
+    def _check_need(self, model: str, key: PoolKey, n: int) -> None:
+        size = self._configured(key)
+        if size is not None and n > size:
+            name, device = key
+            where = "all devices" if device is None else device
+            raise ConfigError(
+                f"model {model!r}: an instance needs {n} of resource {name!r} "
+                f"on {where}, more than its pool holds ({size}): expected at "
+                f"most {size}, or a larger --rate-limit-resource"
+            )
 
     def _configured(self, key: PoolKey) -> int | None:
         name, device = key
@@ -288,6 +330,12 @@ class ResourcePools:
         return self._every.get(name)
 
     def _resize(self) -> None:
+        # A gate asking again keeps at most one round of credit: the clock (the last
+        # grant's pass) minus the longest stride. Gates that gave back at once (several
+        # ending together, their next batches not formed yet) while the head granted
+        # without them are at most that far behind; a gate back from idling (or new)
+        # gets that much head start and no more, as CFS places a waking task.
+        self._lag = max(self._strides.values(), default=1)
         largest: dict[PoolKey, int] = {}
         for needs_list in self._owners.values():
             for needs in needs_list:
@@ -317,15 +365,15 @@ class ResourcePools:
             self._free[key] -= n
         # Stride scheduling: the grant moves the clock to this gate's pass, and
         # its next pass is its weight later.
-        start = max(gate._pass, self._vtime)
-        self._vtime = start
+        start = max(gate._pass, self._vtime - self._lag)
+        self._vtime = max(self._vtime, start)
         gate._pass = start + gate._weight
 
     async def _take(self, gate: ResourceGate) -> None:
         if not self._heap and self._fits(gate._needs):
             self._hand(gate)  # uncontended: no wait, no checkpoint (as the slot's)
             return
-        gate._pass = max(gate._pass, self._vtime)
+        gate._pass = max(gate._pass, self._vtime - self._lag)
         self._seq += 1
         waiter = _Waiter(gate._pass, self._seq, gate, anyio.Event())
         heapq.heappush(self._heap, waiter)

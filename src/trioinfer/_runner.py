@@ -1063,6 +1063,20 @@ class ModelRunner(metaclass=NoPublicConstructor):
         )
         self.alone_ok = self.plain and _passes_alone(self._scheduler, self._batcher, self._fallback)
 
+    @property
+    def max_batch_size(self) -> int | None:
+        """Most rows one batch holds, as its batcher says; None where nothing says.
+
+        A stateful model's ``sequence.max_batch_size``, or the batcher's own
+        ``max_batch_size`` (the dynamic batcher's, which config.pbtxt's sets).
+        """
+        if not self.batched:
+            return None
+        if self.config.sequence is not None:
+            return self.config.sequence.max_batch_size
+        most = getattr(self._batcher, "max_batch_size", None)
+        return most if type(most) is int and most > 0 else None
+
     def _attach_sequencer(self, inputs: frozenset[str], outputs: frozenset[str]) -> None:
         # A stateful model: its batcher must keep sequences, and callers neither send
         # the inputs it fills nor receive the state it feeds back.
@@ -2475,6 +2489,7 @@ class ModelRunner(metaclass=NoPublicConstructor):
                 await replica._slot.acquire()
                 held += 1
             old = replica._backend_instance
+            was = old.device  # asked before it closes
             try:
                 new = await self._backend.load(self.config, replica.placement)
             except TrioInferError:
@@ -2512,7 +2527,14 @@ class ModelRunner(metaclass=NoPublicConstructor):
                     self.input_limits,
                     [new],
                     [replica.label],
+                    max_batch_size=self.max_batch_size,
                 )
+                if replica._gate is not None and new.device != was:
+                    # Its resources are the device's it runs on now (a GPU's instance
+                    # re-created on the CPU takes from the CPU's pools).
+                    replica._gate.move(
+                        self.config.name, new.device, self._device_limits.get(new.device)
+                    )
             except BaseException:
                 await close_instances(self.config.name, [new])
                 raise
@@ -2870,11 +2892,14 @@ async def warm_up(
     limits: InputLimits,
     instances: Sequence[BackendInstance],
     labels: Sequence[str],
+    *,
+    max_batch_size: int | None = None,
 ) -> None:
     """Run every sample ``count`` times on each instance, instances side by side.
 
     *signature* is the instances' own (a stateful model's control and state
-    inputs included); *labels* name the instances in errors.
+    inputs included); *labels* name the instances in errors; *max_batch_size*
+    (`ModelRunner.max_batch_size`) bounds a sample's ``batch_size``.
 
     Raises:
         ConfigError: A sample does not fit the model (checked before anything runs).
@@ -2883,7 +2908,7 @@ async def warm_up(
     """
     if not samples:
         return
-    made = [(sample, sample.arrays(model, signature, limits)) for sample in samples]
+    made = [(sample, sample.arrays(model, signature, limits, max_batch_size)) for sample in samples]
     check = OutputCheck(model, signature)
     errors: list[BackendError] = []
 

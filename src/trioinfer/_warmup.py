@@ -167,13 +167,21 @@ class Warmup:
     count: int = attrs.field(default=1, validator=_count)
 
     def arrays(
-        self, model: str, signature: ModelSignature, limits: InputLimits
+        self,
+        model: str,
+        signature: ModelSignature,
+        limits: InputLimits,
+        max_batch_size: int | None = None,
     ) -> dict[str, np.ndarray[Any, Any]]:
         """The sample's inputs, made and checked against *signature* as a request's are.
 
+        *max_batch_size* is the most rows a batch of the model holds (its batcher's),
+        None where nothing bounds them.
+
         Raises:
             ConfigError: The sample does not fit the model (names, dtypes, dims,
-                a file's size), saying what the model expects.
+                a file's size, a batch_size above *max_batch_size*), saying what the
+                model expects.
         """
         where = f"model {model!r}, warm-up sample {self.name!r}"
         if not signature.batched and self.batch_size != 1:
@@ -181,6 +189,13 @@ class Warmup:
                 f"{where}: batch_size is {self.batch_size}, but the model does not batch "
                 f"({signature.unbatched_reason}); its samples have batch_size 1 and their "
                 "dims are the inputs' whole shapes"
+            )
+        if max_batch_size is not None and self.batch_size > max_batch_size:
+            # Triton refuses it at load too: no batch the model serves is that big, so
+            # the sample would warm up a shape no request brings.
+            raise ConfigError(
+                f"{where}: batch_size is {self.batch_size}, more than the model's "
+                f"max_batch_size ({max_batch_size}); expected at most {max_batch_size}"
             )
         expected = [spec.name for spec in signature.inputs]
         if missing := [name for name in expected if name not in self.inputs]:

@@ -75,7 +75,7 @@ from ._models import ServedModels, ServedVersion
 from ._poll import REFUSED as POLLING_REFUSED
 from ._repository import VersionPolicy
 from ._shm import SystemSharedMemory
-from ._triton import own_parameters, with_defaults
+from ._triton import own_parameters, rate_limiter_json, with_defaults
 
 if TYPE_CHECKING:
     from ._workers import WorkerLink
@@ -652,7 +652,9 @@ def model_config_document(state: ServerState, served: ServedVersion) -> dict[str
         "output": [_tensor_config(t, skip) for t in signature.outputs],
         # Triton's ensembles have none (their steps' models do; one is refused on load).
         "instance_group": (
-            _instance_groups(served.model, served.info.devices) if not pipeline else []
+            _instance_groups(served.model, served.info.devices, config.instances)
+            if not pipeline
+            else []
         ),
     }
     # trioinfer's own settings, which Triton's ModelConfig has no field for, go where
@@ -702,7 +704,9 @@ def model_config_document(state: ServerState, served: ServedVersion) -> dict[str
             # A KIND_GPU group that runs on the CPU (the backend fell back, and said
             # why in the log): say what runs, as for a config.toml model, not what
             # config.pbtxt asked for.
-            body["instance_group"] = _instance_groups(served.model, served.info.devices)
+            body["instance_group"] = _instance_groups(
+                served.model, served.info.devices, config.instances
+            )
     body["parameters"] = {**body.get("parameters", {}), **own_parameters(own)}
     # As Triton prints it: every field of its message at its default when unset, so
     # that the parts worked out here and those config.pbtxt gave read alike, and
@@ -781,26 +785,40 @@ def _ensemble_scheduling(config: ModelConfig) -> dict[str, Any]:
     return {"step": steps}
 
 
-def _instance_groups(model: str, devices: Sequence[str]) -> list[dict[str, Any]]:
-    """The instances' devices as Triton's ``instance_group``: kind, count and gpus.
+def _instance_groups(
+    model: str, devices: Sequence[str], instances: Sequence[Instance]
+) -> list[dict[str, Any]]:
+    """The instances' devices as Triton's ``instance_group``: kind, count, gpus, rate_limiter.
 
     Only Triton's fields, as Triton completes them (a group's name is
     ``<model>_<n>``), so that the answer reads as Triton's ``ModelInstanceGroup``
     and can be sent back in a load override; the devices as trioinfer names
-    them are under ``trioinfer.instances``.
+    them are under ``trioinfer.instances``. *instances* (the config's groups, one
+    entry per instance of *devices* once expanded) give each its resource needs.
     """
+    each = [group for group in instances for _ in range(group.count)]
+    limiters = [
+        rate_limiter_json(g.resources, g.global_resources, g.resource_priority) for g in each
+    ]
+    if len(limiters) != len(devices):  # pragma: no cover  # a runner has one per instance
+        limiters = [None] * len(devices)
     groups: list[dict[str, Any]] = []
-    for device in devices:
+    for device, limiter in zip(devices, limiters, strict=True):
         kind = "KIND_CPU" if device.startswith("cpu") else "KIND_GPU"
         number = device.rpartition(":")[2]
         gpus = [int(number)] if kind == "KIND_GPU" and number.isdigit() else []
         last = groups[-1] if groups else None
-        if last is not None and (last["kind"], last["gpus"]) == (kind, gpus):
+        if last is not None and (last["kind"], last["gpus"], last.get("rate_limiter")) == (
+            kind,
+            gpus,
+            limiter,
+        ):
             last["count"] += 1
         else:
-            groups.append(
-                {"name": f"{model}_{len(groups)}", "kind": kind, "count": 1, "gpus": gpus}
-            )
+            group = {"name": f"{model}_{len(groups)}", "kind": kind, "count": 1, "gpus": gpus}
+            if limiter is not None:
+                group["rate_limiter"] = limiter
+            groups.append(group)
     return groups
 
 

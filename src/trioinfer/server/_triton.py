@@ -1223,6 +1223,27 @@ def _rate_limiter(group: Any, where: str) -> dict[str, Any]:
     return table
 
 
+def rate_limiter_json(
+    resources: Mapping[str, int], global_resources: Mapping[str, int], priority: int
+) -> dict[str, Any] | None:
+    """An instance group's resource needs as Triton's ``rate_limiter`` (JSON), or None.
+
+    The inverse of reading config.pbtxt's: what ``GET .../config`` answers for a
+    group that a ``config.toml`` (or a ``ModelConfig``) declared, so that its needs
+    read as a config.pbtxt model's do, and load back the same.
+    """
+    if not resources and not global_resources and priority == 1:
+        return None
+    return {
+        "resources": [
+            {"name": name, "global": shared, "count": count}
+            for needs, shared in ((resources, False), (global_resources, True))
+            for name, count in needs.items()
+        ],
+        "priority": priority,
+    }
+
+
 def _instances(group: Any, where: str) -> list[dict[str, Any]]:
     _refuse(
         group,
