@@ -7,8 +7,9 @@ as clients name them, versions included).
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import anyio
 import attrs
@@ -21,7 +22,7 @@ import trio.testing
 import trioinfer
 from test_server import run_server
 from trioinfer import DeadlineExceeded, ModelConfig, open_engine
-from trioinfer.lowlevel import current_engine
+from trioinfer.lowlevel import current_batch_deadline, current_callers_deadline, current_engine
 
 pytestmark = pytest.mark.python_model
 
@@ -291,3 +292,109 @@ async def test_a_queue_timeout_does_not_cut_a_running_models_call_short(
         out = await engine.infer("caller", {"x": X})
         assert trio.current_time() - start >= 2.0
         np.testing.assert_array_equal(out["y"], X * 2 + 1)
+
+
+class Seer:
+    """y = x, recording the deadlines its execution sees (batch's, callers' own)."""
+
+    seen: ClassVar[list[tuple[float, float]]] = []
+
+    async def infer(self, inputs: dict[str, Any]) -> dict[str, Any]:
+        Seer.seen.append((current_batch_deadline(), current_callers_deadline()))
+        return {"y": inputs["x"]}
+
+
+class ScopeSeer(AsyncCaller):
+    """AsyncCaller, recording the effective deadline of the task its infer runs in."""
+
+    scopes: ClassVar[list[float]] = []
+
+    async def infer(self, inputs: dict[str, Any]) -> dict[str, Any]:
+        ScopeSeer.scopes.append(anyio.current_effective_deadline())
+        return await super().infer(inputs)
+
+
+def caller_in(mode: str) -> ModelConfig:
+    """The caller model of each mode: async infer in its caller's task, or in the engine's
+    worker task (a dynamic batcher queues every request), or plain on its worker thread."""
+    if mode == "caller's task":
+        return python("caller", ScopeSeer)
+    if mode == "worker task":
+        return attrs.evolve(
+            python("caller", ScopeSeer),
+            batcher="dynamic",
+            batcher_options={"max_batch_size": 1},
+        )
+    return python("caller", ThreadCaller)
+
+
+MODES = ["caller's task", "worker task", "thread"]
+
+
+@pytest.mark.parametrize("mode", MODES)
+async def test_a_calls_request_carries_its_callers_deadline(
+    mock_clock: trio.testing.MockClock, mode: str
+) -> None:
+    # A clock that stands still: a worker thread's real time passes no deadline.
+    Seer.seen, ScopeSeer.scopes = [], []
+    async with open_engine() as engine:
+        await engine.load(python("double", Seer))
+        await engine.load(caller_in(mode))
+        start = trio.current_time()
+        with trio.fail_after(5.0):
+            await engine.infer("caller", {"x": X})
+        await engine.infer("caller", {"x": X})  # no deadline: none
+    if mode != "thread":  # the mode is the one named: a scope of the caller's, or none
+        first = start + 5.0 if mode == "caller's task" else math.inf
+        assert ScopeSeer.scopes == [first, math.inf]
+    assert Seer.seen == [(start + 5.0, start + 5.0), (math.inf, math.inf)]
+
+
+class Lagging:
+    """A FIFO scheduler whose first pop takes *lag* seconds: its head expires meanwhile."""
+
+    def __init__(self, clock: trio.testing.MockClock, lag: float) -> None:
+        self.clock = clock
+        self.lag = lag
+        self.queue: dict[Any, None] = {}
+
+    def push(self, request: Any) -> None:
+        self.queue[request] = None
+
+    def peek(self) -> Any:
+        if not self.queue:
+            raise IndexError("empty")
+        return next(iter(self.queue))
+
+    def pop(self) -> Any:
+        request = self.peek()
+        del self.queue[request]
+        self.clock.jump(self.lag)
+        self.lag = 0.0
+        return request
+
+    def remove(self, request: Any) -> bool:
+        return self.queue.pop(request, False) is None
+
+    def __len__(self) -> int:
+        return len(self.queue)
+
+
+@pytest.mark.parametrize("mode", MODES)
+async def test_the_callees_queue_drops_a_call_past_its_callers_deadline(
+    mock_clock: trio.testing.MockClock, mode: str
+) -> None:
+    # The callee's queue takes 1 s to hand the call over, past the caller's 0.5 s: it
+    # drops the request there, uncomputed, and counts it as expired (not cancelled).
+    # The clock moves only then (a worker thread's real time passes no deadline).
+    Double.finished = 0
+    scheduler = Lagging(mock_clock, lag=1.0)
+    registry = trioinfer.Registry(extra={"schedulers": {"lagging": lambda: scheduler}})
+    async with open_engine(registry=registry) as engine:
+        await engine.load(attrs.evolve(python("double", Double), scheduler="lagging"))
+        await engine.load(caller_in(mode))
+        with trio.move_on_after(0.5):
+            await engine.infer("caller", {"x": X})
+        stats = engine.statistics().models["double"]
+    assert Double.finished == 0
+    assert (stats.expired, stats.cancelled, stats.succeeded) == (1, 0, 0)

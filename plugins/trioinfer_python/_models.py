@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import threading
 from collections.abc import Mapping
 from typing import Any, final
@@ -12,7 +13,7 @@ import anyio.lowlevel
 import numpy as np
 
 from trioinfer import BackendError, DeadlineExceeded, Engine, ModelNotFound
-from trioinfer.lowlevel import infer_follow_up
+from trioinfer.lowlevel import current_callers_deadline, infer_follow_up
 
 
 @final
@@ -27,7 +28,11 @@ class Models:
     passed, or its caller left), an ``async def infer`` is cancelled, and
     its calls with it; an ``infer_blocking`` call from a plain ``def
     infer`` ends then with ``DeadlineExceeded`` (the thread cannot be
-    interrupted, but what it waits for can). A model's ``queue_timeouts``
+    interrupted, but what it waits for can). Each call's request carries
+    the latest deadline those callers set (however the model runs: in its
+    caller's task, in the engine's, on its worker thread), so the other
+    model's queue drops it, uncomputed and counted as expired, once nobody
+    waits for it, and orders it by that deadline. A model's ``queue_timeouts``
     bound its requests' wait to start, not their run, and so not these
     calls, as for any execution (`trioinfer.lowlevel.current_batch_deadline`
     counts them, for a service that wants the latest time worth starting
@@ -116,13 +121,15 @@ class Models:
     ) -> dict[str, np.ndarray[Any, Any]]:
         # infer_blocking's call, on the event loop, ended when *execution* is aborted.
         if execution is None:  # from load(), or a thread of the model's own
-            return await self._infer(model, inputs, priority)
+            return await self._infer(model, inputs, priority, math.inf)
         with anyio.CancelScope() as scope:
             if execution.aborted:
                 scope.cancel()
             execution.scopes.add(scope)
             try:
-                return await self._infer(model, inputs, priority)
+                # The deadline execute() read: this task, started for the thread, runs
+                # under no scope of the callers' and does not see the execution's context.
+                return await self._infer(model, inputs, priority, execution.deadline)
             finally:
                 execution.scopes.discard(scope)
         raise DeadlineExceeded(
@@ -131,13 +138,19 @@ class Models:
         )
 
     async def _infer(
-        self, model: str, inputs: Mapping[str, Any], priority: int
+        self, model: str, inputs: Mapping[str, Any], priority: int, deadline: float | None = None
     ) -> dict[str, np.ndarray[Any, Any]]:
-        # A call to itself, by whatever name, is refused there (ValueError).
+        # A call to itself, by whatever name, is refused there (ValueError). The request
+        # carries the callers' deadline (None: the execution's, read in its task).
         try:
             return dict(
                 await infer_follow_up(
-                    self._engine, model, inputs, priority=priority, caller=self._own
+                    self._engine,
+                    model,
+                    inputs,
+                    priority=priority,
+                    caller=self._own,
+                    deadline=deadline,
                 )
             )
         except ModelNotFound as exc:
@@ -152,11 +165,14 @@ class Models:
 class _Execution:
     """A plain ``def infer``'s execution on its worker thread, for its calls to end with it."""
 
-    __slots__ = ("aborted", "scopes")
+    __slots__ = ("aborted", "deadline", "scopes")
 
     def __init__(self) -> None:
+        """Made in ``execute``, on the event loop, in the execution's task."""
         self.aborted = False
         self.scopes: set[anyio.CancelScope] = set()
+        #: The latest deadline its callers set: its calls' requests carry it.
+        self.deadline = current_callers_deadline()
 
     def abort(self) -> None:
         """Every request it computed for has ended: end its calls (on the event loop)."""

@@ -54,6 +54,7 @@ from ._runner import (
 from ._sequence import SequenceFlags
 from ._stream import ResponseStream, StreamGate, decoupled, open_stream
 from ._tensors import ModelSignature, validate_rows
+from ._threads import current_callers_deadline
 from .abc import Backend, BackendInstance, Batcher, Fallback, Scheduler, Status, StreamingInstance
 
 if TYPE_CHECKING:
@@ -1087,6 +1088,9 @@ class Engine:
         )
         # A request a fallback sent here from another model fails over no further.
         request._state.failover = failover
+        if not own_deadline:
+            # Not its caller's deadline: calls its execution makes do not inherit it.
+            request._state.queue_timeout = True
         tracing = self._tracing
         if tracing is not None:
             # Decided here, at once, so that a request not traced costs no more.
@@ -1395,6 +1399,7 @@ async def infer_follow_up(
     priority: int = 0,
     tenant: str | None = None,
     caller: str | None = None,
+    deadline: float | None = None,
 ) -> Outputs:
     """``engine.infer``, for a request made on behalf of one the engine accepted already.
 
@@ -1404,15 +1409,36 @@ async def infer_follow_up(
     ``EngineClosed``). A model that calls another model while it computes
     uses it; the caller's cancel scope is the timeout, as for ``infer``.
 
+    The request also carries the deadline of the requests it is made for, so
+    that the other model's queue drops it (counted as expired) once nobody
+    waits for it: *deadline*, or when None `current_callers_deadline()`
+    (known in the task of a backend instance's ``execute``, which runs under
+    no scope of its callers' when the engine runs it in a worker task of its
+    own). Pass it from where that is not known: a call relayed from a worker
+    thread, which read it in ``execute``.
+
     *caller* is the model (its name as the engine loaded it) whose computation
     makes the call: a call that reaches that very model, by whatever name, is
     refused (it could wait for ever for the instance that makes it).
 
     Raises:
         ValueError: *model* is *caller*.
+        DeadlineExceeded: The deadline of the requests it is made for passed
+            first (where the caller's own cancel scope does not carry it).
         TrioInferError: As `Engine.infer`.
     """
-    return await engine._follow_up(model, inputs, priority, tenant, caller)
+    if deadline is None:
+        deadline = current_callers_deadline()
+    if deadline >= anyio.current_effective_deadline():
+        # The caller's scope carries it already (a run in its caller's task), or none.
+        return await engine._follow_up(model, inputs, priority, tenant, caller)
+    with anyio.CancelScope(deadline=deadline):
+        return await engine._follow_up(model, inputs, priority, tenant, caller)
+    by = f"model {caller!r}'s call" if caller is not None else "a call"
+    raise DeadlineExceeded(
+        f"{by} to model {model!r} did not end before the deadline of the requests it was "
+        "made for: nobody waits for it any more"
+    )
 
 
 @asynccontextmanager
