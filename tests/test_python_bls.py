@@ -211,7 +211,9 @@ class Model:
     async def infer(self, inputs):
         latest = await self.models.infer("scale", {"x": inputs["x"]})
         first = await self.models.infer("scale:1", {"x": inputs["x"]})
-        return {"y": latest["y"] + first["y"]}
+        async with self.models.infer_stream("scale:1", {"x": inputs["x"]}) as responses:
+            streamed = [outputs async for outputs in responses]
+        return {"y": latest["y"] + first["y"] + streamed[0]["y"]}
 """
 SCALE_TOML = """
 backend = "python"
@@ -239,13 +241,13 @@ def test_served_models_call_others_by_the_names_clients_use(tmp_path: Path) -> N
     with run_server(repository, log=tmp_path / "log") as server:
         answer = httpx.post(f"{server.url}/v2/models/caller/infer", json=body, timeout=30)
         assert answer.status_code == 200, answer.text
-        # version 2 (the latest) triples, version 1 doubles: 5x.
-        assert answer.json()["outputs"][0]["data"] == [5.0, 10.0, 15.0, 20.0]
+        # version 2 (the latest) triples, version 1 doubles (called, then streamed): 7x.
+        assert answer.json()["outputs"][0]["data"] == [7.0, 14.0, 21.0, 28.0]
         stats = httpx.get(f"{server.url}/v2/models/scale/stats", timeout=30).json()
         counts = {
             s["version"]: s["inference_stats"]["success"]["count"] for s in stats["model_stats"]
         }
-        assert counts == {"1": 1, "2": 1}
+        assert counts == {"1": 2, "2": 1}
 
 
 @pytest.mark.parametrize("name", ["models", "device"])
@@ -398,3 +400,173 @@ async def test_the_callees_queue_drops_a_call_past_its_callers_deadline(
         stats = engine.statistics().models["double"]
     assert Double.finished == 0
     assert (stats.expired, stats.cancelled, stats.succeeded) == (1, 0, 0)
+
+
+class Counting:
+    """A decoupled model: y = x + i for i in 0, 1, ... up to *n* - 1, one response each,
+    after *pause* seconds; records what it yielded and whether it was stopped at a yield."""
+
+    log: ClassVar[list[str]] = []
+
+    def __init__(self, n: int = 3, pause: float = 0.0) -> None:
+        self.n = n
+        self.pause = pause
+
+    async def infer(self, inputs: dict[str, Any]) -> Any:
+        try:
+            for i in range(self.n):
+                await anyio.sleep(self.pause)
+                Counting.log.append(f"yield {i}")
+                yield {"y": inputs["x"] + i}
+            Counting.log.append("done")
+        except GeneratorExit:
+            Counting.log.append("closed")
+            raise
+        except anyio.get_cancelled_exc_class():
+            Counting.log.append("cancelled")
+            raise
+
+
+def counting(name: str = "counting", **parameters: Any) -> ModelConfig:
+    return python(name, Counting, decoupled=True, parameters=parameters)
+
+
+class StreamSummer:
+    """y = the sum of *target*'s responses to x, read through models.infer_stream; reads
+    at most *take* of them (then leaves the block)."""
+
+    def __init__(self, models: Any, target: str = "counting", take: int = 1_000) -> None:
+        self.models = models
+        self.target = target
+        self.take = take
+
+    async def infer(self, inputs: dict[str, Any]) -> dict[str, Any]:
+        total = np.zeros_like(inputs["x"])
+        read = 0
+        async with self.models.infer_stream(self.target, {"x": inputs["x"]}) as responses:
+            async for outputs in responses:
+                total = total + outputs["y"]
+                read += 1
+                if read == self.take:
+                    break
+        return {"y": total}
+
+
+@pytest.mark.streaming
+async def test_a_model_reads_a_decoupled_models_stream() -> None:
+    Counting.log = []
+    async with open_engine() as engine:
+        await engine.load(counting())
+        await engine.load(python("summer", StreamSummer))
+        out = await engine.infer("summer", {"x": X})
+        stats = engine.statistics().models["counting"]
+    np.testing.assert_array_equal(out["y"], 3 * X + 0 + 1 + 2)
+    assert Counting.log == ["yield 0", "yield 1", "yield 2", "done"]
+    assert stats.succeeded == 1
+
+
+@pytest.mark.streaming
+async def test_leaving_the_block_stops_the_callee_at_its_next_yield() -> None:
+    Counting.log = []
+    async with open_engine() as engine:
+        await engine.load(counting(n=10))
+        await engine.load(python("summer", StreamSummer, parameters={"take": 2}))
+        out = await engine.infer("summer", {"x": X})
+        stats = engine.statistics().models["counting"]
+    np.testing.assert_array_equal(out["y"], 2 * X + 1)
+    # At most one response ahead of the reader, then closed at the yield it waited at
+    # (or cancelled in the await it was in).
+    assert Counting.log[:2] == ["yield 0", "yield 1"]
+    assert Counting.log[2:] in (["closed"], ["cancelled"], ["yield 2", "closed"])
+    assert (stats.succeeded, stats.cancelled) == (0, 1)
+
+
+@pytest.mark.streaming
+async def test_a_stream_from_a_model_that_is_not_decoupled_is_its_one_answer() -> None:
+    async with open_engine() as engine:
+        await engine.load(python("double", Double))
+        await engine.load(python("summer", StreamSummer, parameters={"target": "double"}))
+        out = await engine.infer("summer", {"x": X})
+    np.testing.assert_array_equal(out["y"], X * 2)
+
+
+@pytest.mark.streaming
+async def test_a_decoupled_model_called_for_one_answer_is_the_callers_fault() -> None:
+    # Triton's exec() without decoupled=True: here a BackendError (a 500: the calling
+    # model's code is wrong, not its client's request) that names the way to call it.
+    async with open_engine() as engine:
+        await engine.load(python("double", Counting, decoupled=True))
+        for caller in (AsyncCaller, ThreadCaller):
+            await engine.load(python("caller", caller))
+            with pytest.raises(
+                trioinfer.BackendError,
+                match=r"model 'caller' called model 'double' for one answer, but it is "
+                r"decoupled.*models\.infer_stream",
+            ):
+                await engine.infer("caller", {"x": X})
+            await engine.unload("caller")
+
+
+@pytest.mark.streaming
+async def test_a_streamed_call_to_itself_or_to_no_model_is_refused() -> None:
+    async with open_engine() as engine:
+        await engine.load(python("self", StreamSummer, parameters={"target": "self"}))
+        with pytest.raises(trioinfer.BackendError, match="model 'self' called itself"):
+            await engine.infer("self", {"x": X})
+        await engine.load(python("lost", StreamSummer))
+        with pytest.raises(
+            trioinfer.BackendError,
+            match="model 'lost' called model 'counting', which is not served",
+        ):
+            await engine.infer("lost", {"x": X})
+
+
+@pytest.mark.streaming
+@pytest.mark.parametrize("mode", ["caller's task", "worker task"])
+async def test_the_callers_deadline_ends_the_stream_at_the_callees_yield(
+    autojump_clock: trio.testing.MockClock, mode: str
+) -> None:
+    Counting.log = []
+    async with open_engine() as engine:
+        await engine.load(counting(n=10, pause=1.0))
+        summer = python("summer", StreamSummer)
+        if mode == "worker task":
+            summer = attrs.evolve(summer, batcher="dynamic", batcher_options={"max_batch_size": 1})
+        await engine.load(summer)
+        start = trio.current_time()
+        with trio.move_on_after(2.5):
+            await engine.infer("summer", {"x": X})
+        assert trio.current_time() - start == pytest.approx(2.5)
+        await trio.sleep(20)
+        stats = engine.statistics().models["counting"]
+    # Stopped in its third pause: nothing after, however long the engine stayed open.
+    assert Counting.log == ["yield 0", "yield 1", "cancelled"]
+    assert (stats.succeeded, stats.cancelled) == (0, 1)
+
+
+class SlowStreamer(StreamSummer):
+    """Waits 1 s, then reads its stream: the stream opens while the engine drains."""
+
+    async def infer(self, inputs: dict[str, Any]) -> dict[str, Any]:
+        await anyio.sleep(1.0)
+        return await super().infer(inputs)
+
+
+@pytest.mark.streaming
+async def test_streamed_calls_open_while_the_engine_drains(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    answers: list[Any] = []
+    for target in ("counting", "double"):  # decoupled, and not
+        async with trio.open_nursery() as callers, open_engine(drain_period=5.0) as engine:
+            await engine.load(counting())
+            await engine.load(python("double", Double))
+            await engine.load(python("slow", SlowStreamer, parameters={"target": target}))
+
+            async def call() -> None:
+                answers.append(await engine.infer("slow", {"x": X}))
+
+            callers.start_soon(call)
+            await trio.sleep(0.1)  # computing: its stream opens at 1 s, as the engine drains
+    np.testing.assert_array_equal(answers[0]["y"], 3 * X + 3)
+    np.testing.assert_array_equal(answers[1]["y"], 2 * X)

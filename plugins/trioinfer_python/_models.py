@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import math
 import threading
-from collections.abc import Mapping
+from collections.abc import AsyncIterator, Mapping
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from typing import Any, final
 
 import anyio
@@ -12,8 +13,8 @@ import anyio.from_thread
 import anyio.lowlevel
 import numpy as np
 
-from trioinfer import BackendError, DeadlineExceeded, Engine, ModelNotFound
-from trioinfer.lowlevel import current_callers_deadline, infer_follow_up
+from trioinfer import BackendError, DeadlineExceeded, Engine, ModelNotFound, ResponseStream
+from trioinfer.lowlevel import current_callers_deadline, infer_follow_up, infer_stream_follow_up
 
 
 @final
@@ -70,11 +71,61 @@ class Models:
 
         Raises:
             ValueError: *model* is the calling model itself.
+            BackendError: *model* is not served, or is decoupled (it answers with
+                a stream of responses: call it with `infer_stream`).
             TrioInferError: What the other model's request raised.
         """
         # Bound by cancellation alone: the engine cancels this execution when every
         # request it computes for has ended (a caller's own deadline among them).
         return await self._infer(model, inputs, priority)
+
+    def infer_stream(
+        self, model: str, inputs: Mapping[str, Any], *, priority: int = 0
+    ) -> AbstractAsyncContextManager[ResponseStream]:
+        """Open a stream of *model*'s responses to *inputs*, from ``async def infer``.
+
+        For a decoupled model (Triton's ``exec(decoupled=True)``); use it as
+        ``engine.infer_stream``::
+
+            async with self.models.infer_stream("tokens", inputs) as responses:
+                async for outputs in responses:
+                    ...
+
+        The model's generator runs at most one response ahead of the reading;
+        leaving the block, or the end of the requests the calling execution
+        computes for (as for `infer`: its caller's deadline, its caller
+        leaving), stops it at the ``yield`` it waits at. A model that is not
+        decoupled answers with its one response, as `infer` would. The stream
+        is opened also while the engine drains.
+
+        Raises:
+            ValueError: *model* is the calling model itself.
+            BackendError: (Entering) *model* is not served.
+            DeadlineExceeded: (Leaving) the deadline of the requests the
+                execution computes for passed first, where no scope of theirs
+                encloses the call (the model runs in the engine's task).
+            TrioInferError: What ``engine.infer_stream`` raises, entering or
+                iterating (``BackendError`` the other model raised mid-stream...).
+        """
+        return self._stream(model, inputs, priority)
+
+    @asynccontextmanager
+    async def _stream(
+        self, model: str, inputs: Mapping[str, Any], priority: int
+    ) -> AsyncIterator[ResponseStream]:
+        entered = False
+        try:
+            async with infer_stream_follow_up(
+                self._engine, model, inputs, priority=priority, caller=self._own
+            ) as responses:
+                entered = True
+                yield responses
+        except ModelNotFound as exc:
+            if entered:  # from the block's own code, not this call
+                raise
+            raise BackendError(
+                f"model {self._own!r} called model {model!r}, which is not served: {exc}"
+            ) from exc
 
     def infer_blocking(
         self, model: str, inputs: Mapping[str, Any], *, priority: int = 0

@@ -906,6 +906,22 @@ class Engine:
     ) -> Awaitable[Outputs]:
         # lowlevel.infer_follow_up: a request made for one accepted already.
         named = model
+        model = self._follow_up_name(model, caller)
+        if self._gates and model in self._gates:
+            # The calling model's code is at fault, not its client (a 500, not a 400).
+            by = f"model {caller!r}" if caller is not None else "a model"
+            raise BackendError(
+                f"{by} called model {named!r} for one answer, but it is decoupled (it "
+                "answers with a stream of responses): call it with infer_stream_follow_up "
+                "(from a Python model, models.infer_stream)"
+            )
+        return self._infer_step(
+            model, inputs, priority=priority, tenant=tenant, request_id=next_request_id()
+        )
+
+    def _follow_up_name(self, model: str, caller: str | None) -> str:
+        # The engine's name for a follow-up's *model*, which may not be *caller* itself.
+        named = model
         if self._follow_up_names is not None:
             model = self._follow_up_names(model)
         if model == caller:
@@ -914,9 +930,14 @@ class Engine:
                 f"model {caller!r} called itself (as {named!r}); a model cannot: its "
                 "instances may all be busy computing this very call's caller"
             )
-        return self._infer_step(
-            model, inputs, priority=priority, tenant=tenant, request_id=next_request_id()
-        )
+        return model
+
+    def _follow_up_runner(self, model: str) -> ModelRunner | Pipeline:
+        # _runner, for a request made for one accepted already: also while draining.
+        runner = self._runners.get(model)
+        if runner is None or (self._closing and not self._draining):
+            runner = self._runner(model)  # raises what is wrong
+        return runner
 
     async def _infer_held(
         self,
@@ -1439,6 +1460,70 @@ async def infer_follow_up(
         f"{by} to model {model!r} did not end before the deadline of the requests it was "
         "made for: nobody waits for it any more"
     )
+
+
+def infer_stream_follow_up(
+    engine: Engine,
+    model: str,
+    inputs: Mapping[str, Any],
+    *,
+    priority: int = 0,
+    tenant: str | None = None,
+    caller: str | None = None,
+    deadline: float | None = None,
+) -> AbstractAsyncContextManager[ResponseStream]:
+    """``engine.infer_stream``, for a stream opened on behalf of a request accepted already.
+
+    As `infer_follow_up` is to ``engine.infer``: admitted while the engine
+    drains, the call to *caller* itself refused, and the stream ended at the
+    deadline of the requests it is made for (*deadline*, or when None
+    `current_callers_deadline()`), as by a cancel scope of the caller's. Use
+    it as ``engine.infer_stream``::
+
+        async with infer_stream_follow_up(engine, "tokens", inputs) as responses:
+            async for outputs in responses:
+                ...
+
+    A model that is not decoupled answers with its one response.
+
+    Raises:
+        ValueError: (At the call) *model* is *caller*.
+        DeadlineExceeded: (Leaving the block) the deadline of the requests it
+            is made for passed first (the stream was stopped then).
+        TrioInferError: As `Engine.infer_stream`.
+    """
+    model = engine._follow_up_name(model, caller)
+    priority = _checked_arguments(model, priority, tenant, None)
+    return _stream_follow_up(engine, model, inputs, priority, tenant, caller, deadline)
+
+
+@asynccontextmanager
+async def _stream_follow_up(
+    engine: Engine,
+    model: str,
+    inputs: Mapping[str, Any],
+    priority: int,
+    tenant: str | None,
+    caller: str | None,
+    deadline: float | None,
+) -> AsyncIterator[ResponseStream]:
+    if deadline is None:
+        deadline = current_callers_deadline()
+    # A scope of its own only where the caller's does not carry the deadline already.
+    scope = anyio.CancelScope(
+        deadline=deadline if deadline < anyio.current_effective_deadline() else math.inf
+    )
+    with scope:
+        async with open_stream(
+            engine, model, inputs, priority, tenant, None, follow_up=True
+        ) as stream:
+            yield stream
+    if scope.cancelled_caught:
+        by = f"model {caller!r}'s stream" if caller is not None else "a stream"
+        raise DeadlineExceeded(
+            f"{by} from model {model!r} did not end before the deadline of the requests it "
+            "was opened for: nobody waits for it any more"
+        )
 
 
 @asynccontextmanager

@@ -42,7 +42,9 @@ class OneAtATime:
   the model) and [`infer_follow_up()`][trioinfer.lowlevel.infer_follow_up]
   (``engine.infer`` for a request made on behalf of an accepted one, also
   while the engine drains, with its deadline:
-  [`current_callers_deadline()`][trioinfer.lowlevel.current_callers_deadline]).
+  [`current_callers_deadline()`][trioinfer.lowlevel.current_callers_deadline]),
+  and [`infer_stream_follow_up()`][trioinfer.lowlevel.infer_stream_follow_up]
+  (``engine.infer_stream`` alike, for a decoupled model's responses).
 - For backends whose work runs elsewhere, tracing:
   [`current_trace_context()`][trioinfer.lowlevel.current_trace_context]
   (the W3C context to send with a traced call) and
@@ -56,6 +58,7 @@ To make requests for a plugin's own tests, use
 from ._config import Placement as Placement
 from ._engine import current_engine as current_engine
 from ._engine import infer_follow_up as infer_follow_up
+from ._engine import infer_stream_follow_up as infer_stream_follow_up
 from ._inline import inline_slice_spent as inline_slice_spent
 from ._inline import restart_inline_slice as restart_inline_slice
 from ._remote_trace import current_trace_context as current_trace_context
