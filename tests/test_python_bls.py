@@ -570,3 +570,125 @@ async def test_streamed_calls_open_while_the_engine_drains(
             await trio.sleep(0.1)  # computing: its stream opens at 1 s, as the engine drains
     np.testing.assert_array_equal(answers[0]["y"], 3 * X + 3)
     np.testing.assert_array_equal(answers[1]["y"], 2 * X)
+
+
+class ThreadStreamSummer:
+    """StreamSummer from a plain def infer on the worker thread (infer_stream_blocking);
+    *close*: how it stops after *take* responses ("with", "close", or "leave" it open)."""
+
+    def __init__(
+        self, models: Any, target: str = "counting", take: int = 1_000, close: str = "with"
+    ) -> None:
+        self.models = models
+        self.target = target
+        self.take = take
+        self.close = close
+
+    def infer(self, inputs: dict[str, Any]) -> dict[str, Any]:
+        total = np.zeros_like(inputs["x"])
+        responses = self.models.infer_stream_blocking(self.target, {"x": inputs["x"]})
+        if self.close == "with":
+            with responses:
+                total = self._sum(responses, total)
+        else:
+            total = self._sum(responses, total)
+            if self.close == "close":
+                responses.close()
+                Counting.log.append("close returned")
+        return {"y": total}
+
+    def _sum(self, responses: Any, total: Any) -> Any:
+        for read, outputs in enumerate(responses, 1):
+            total = total + outputs["y"]
+            if read == self.take:
+                break
+        return total
+
+
+@pytest.mark.streaming
+async def test_a_thread_reads_a_decoupled_models_stream() -> None:
+    Counting.log = []
+    async with open_engine() as engine:
+        await engine.load(counting())
+        await engine.load(python("summer", ThreadStreamSummer))
+        out = await engine.infer("summer", {"x": X})
+        await engine.load(python("single", ThreadStreamSummer, parameters={"target": "double"}))
+        await engine.load(python("double", Double))
+        single = await engine.infer("single", {"x": X})
+    np.testing.assert_array_equal(out["y"], 3 * X + 3)
+    assert Counting.log == ["yield 0", "yield 1", "yield 2", "done"]
+    np.testing.assert_array_equal(single["y"], 2 * X)  # not decoupled: its one answer
+
+
+@pytest.mark.streaming
+@pytest.mark.parametrize("close", ["with", "close", "leave"])
+async def test_a_threads_stream_stops_when_closed_or_when_infer_returns(close: str) -> None:
+    Counting.log = []
+    async with open_engine() as engine:
+        await engine.load(counting(n=10))
+        await engine.load(
+            python("summer", ThreadStreamSummer, parameters={"take": 2, "close": close})
+        )
+        out = await engine.infer("summer", {"x": X})
+        stats = engine.statistics().models["counting"]
+    np.testing.assert_array_equal(out["y"], 2 * X + 1)
+    # Stopped at most one response ahead of the thread; with close(), before it returned.
+    log = [entry for entry in Counting.log if entry != "close returned"]
+    assert log[:2] == ["yield 0", "yield 1"]
+    assert log[2:] in (["closed"], ["cancelled"], ["yield 2", "closed"])
+    if close == "close":
+        assert Counting.log[-1] == "close returned"
+    assert (stats.succeeded, stats.cancelled) == (0, 1)
+
+
+class ThreadStreamWaiter(ThreadStreamSummer):
+    """Records the error its stream's iteration ended with."""
+
+    said: ClassVar[str] = ""
+
+    def infer(self, inputs: dict[str, Any]) -> dict[str, Any]:
+        try:
+            return super().infer(inputs)
+        except DeadlineExceeded as exc:
+            ThreadStreamWaiter.said = str(exc)
+            raise
+
+
+@pytest.mark.streaming
+async def test_a_threads_stream_ends_at_its_callers_deadline() -> None:
+    Counting.log = []
+    ThreadStreamWaiter.said = ""
+    async with open_engine() as engine:
+        await engine.load(counting(n=10, pause=30.0))
+        await engine.load(python("waiter", ThreadStreamWaiter))
+        with trio.move_on_after(0.5):
+            await engine.infer("waiter", {"x": X})
+        with trio.fail_after(10):
+            while not ThreadStreamWaiter.said:  # noqa: ASYNC110  # the thread reports it
+                await trio.sleep(0.01)
+        stats = engine.statistics().models["counting"]
+    assert "did not end before the deadline" in ThreadStreamWaiter.said
+    assert Counting.log == ["cancelled"]  # in its first pause, 30 s long
+    assert stats.cancelled == 1
+
+
+class LoadStreamer:
+    def __init__(self, models: Any) -> None:
+        self.models = models
+
+    def load(self) -> None:
+        self.models.infer_stream_blocking("counting", {"x": X})
+
+    def infer(self, inputs: dict[str, Any]) -> dict[str, Any]:
+        return {"y": inputs["x"]}
+
+
+@pytest.mark.streaming
+async def test_a_thread_streams_only_while_infer_runs() -> None:
+    async with open_engine() as engine:
+        await engine.load(counting())
+        with pytest.raises(trioinfer.BackendError, match="works only while the model's infer"):
+            await engine.load(python("loader", LoadStreamer))
+        await engine.load(python("inline", ThreadStreamSummer, dispatch="inline"))
+        with pytest.raises(trioinfer.BackendError, match="was called on the event loop's"):
+            await engine.infer("inline", {"x": X})
