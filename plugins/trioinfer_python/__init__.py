@@ -61,7 +61,9 @@ In code, ``backend_options={"class": Model, ...}`` names the class itself, and
   scripting). ``await models.infer("digits", inputs)`` from ``async def
   infer``, ``models.infer_blocking(...)`` from a plain ``def infer`` on the
   worker thread; each call is an ordinary request to that model, ended when
-  the requests being computed have all ended (see `Models`). In
+  the requests being computed have all ended (see `Models`), and a decoupled
+  model's responses come from ``models.infer_stream(...)`` (from a thread,
+  ``models.infer_stream_blocking(...)``). In
   ``trioinfer serve`` a model is named as clients name it (``"digits"``, or
   ``"digits:2"`` for one version).
 
