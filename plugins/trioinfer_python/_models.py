@@ -294,7 +294,11 @@ class Models:
                     raise
                 finally:
                     execution.tasks = None
-                    tasks.cancel_scope.cancel()  # the streams the thread left open
+                    if execution.scopes:
+                        # The streams the thread left open (its calls have all returned).
+                        # Only then: cancelling the group costs a Cancelled raised and
+                        # caught, a sixth of a thread's call to another model.
+                        execution.abort()
         except BaseExceptionGroup as group:
             # The group wraps infer's own error (or cancellation): hand it on as it was.
             if body is not None and _only(group, body):
