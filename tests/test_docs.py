@@ -89,6 +89,7 @@ EXPECTED_OUTPUT = {
         "pipeline: ['two', 'eight', 'two', 'six', 'six', 'seven']",
         "async model: cancelled 1 time at the caller's deadline",
         "reader: ['two', 'eight', 'two', 'six', 'six', 'seven']",
+        "initial: ['e']",
     ],
     "sequences.py": [
         "sequence 1000: [0, 11, 18, 23, 26, 28, 28, 29]",

@@ -681,6 +681,33 @@ async def test_a_backend_sees_its_batch_deadline(autojump_clock: trio.testing.Mo
     assert seen == [start + 7.0, math.inf]
 
 
+async def test_a_backend_sees_its_callers_own_deadline(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """lowlevel.current_callers_deadline(): a queue_timeouts deadline counts as none (its
+    caller waits for the run), where current_batch_deadline() counts it."""
+    from trioinfer.lowlevel import current_batch_deadline, current_callers_deadline
+
+    seen: list[tuple[float, float]] = []
+
+    def infer(inputs: Any) -> dict[str, Any]:
+        seen.append((current_batch_deadline(), current_callers_deadline()))
+        return {"y": inputs["x"]}
+
+    backend = trioinfer.testing.FakeBackend(infer)
+    registry = trioinfer.Registry(extra={"backends": {"b": lambda: backend}})
+    config = trioinfer.ModelConfig(name="m", path="none", backend="b", queue_timeouts={0: 2.0})
+    x = np.zeros((1, 4), np.float32)
+    assert current_callers_deadline() == math.inf  # outside an execution
+    async with trioinfer.open_engine(registry=registry) as engine:
+        await engine.load(config)
+        start = trio.current_time()
+        with trio.fail_after(5.0):
+            await engine.infer("m", {"x": x})
+        await engine.infer("m", {"x": x})  # its deadline is the queue timeout's
+    assert seen == [(start + 5.0, start + 5.0), (start + 2.0, math.inf)]
+
+
 @pytest.mark.parametrize(
     "scenario", ["queue full", "deadlines", "same instant", "cancelled", "unload", "replace"]
 )

@@ -36,9 +36,10 @@ PUBLIC = {
         "BatcherContext", "Execution", "FallbackContext", "Placement", "Replica", "Request",
         "RequestQueue",
         "SchedulerContext", "SequenceContext", "Status", "WorkerThread", "current_batch_deadline",
+        "current_callers_deadline",
         "current_trace_context", "numpy_dtype", "record_span",
         "wait_on_callback", "CallbackWaiter", "inline_slice_spent", "restart_inline_slice",
-        "current_engine", "infer_follow_up",
+        "current_engine", "infer_follow_up", "infer_stream_follow_up",
     },
     "trioinfer.testing": {
         "FakeBackend", "FakeInstance", "check_backend", "check_batcher", "check_fallback",

@@ -7,8 +7,9 @@ as clients name them, versions included).
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import anyio
 import attrs
@@ -21,7 +22,7 @@ import trio.testing
 import trioinfer
 from test_server import run_server
 from trioinfer import DeadlineExceeded, ModelConfig, open_engine
-from trioinfer.lowlevel import current_engine
+from trioinfer.lowlevel import current_batch_deadline, current_callers_deadline, current_engine
 
 pytestmark = pytest.mark.python_model
 
@@ -210,7 +211,9 @@ class Model:
     async def infer(self, inputs):
         latest = await self.models.infer("scale", {"x": inputs["x"]})
         first = await self.models.infer("scale:1", {"x": inputs["x"]})
-        return {"y": latest["y"] + first["y"]}
+        async with self.models.infer_stream("scale:1", {"x": inputs["x"]}) as responses:
+            streamed = [outputs async for outputs in responses]
+        return {"y": latest["y"] + first["y"] + streamed[0]["y"]}
 """
 SCALE_TOML = """
 backend = "python"
@@ -238,13 +241,13 @@ def test_served_models_call_others_by_the_names_clients_use(tmp_path: Path) -> N
     with run_server(repository, log=tmp_path / "log") as server:
         answer = httpx.post(f"{server.url}/v2/models/caller/infer", json=body, timeout=30)
         assert answer.status_code == 200, answer.text
-        # version 2 (the latest) triples, version 1 doubles: 5x.
-        assert answer.json()["outputs"][0]["data"] == [5.0, 10.0, 15.0, 20.0]
+        # version 2 (the latest) triples, version 1 doubles (called, then streamed): 7x.
+        assert answer.json()["outputs"][0]["data"] == [7.0, 14.0, 21.0, 28.0]
         stats = httpx.get(f"{server.url}/v2/models/scale/stats", timeout=30).json()
         counts = {
             s["version"]: s["inference_stats"]["success"]["count"] for s in stats["model_stats"]
         }
-        assert counts == {"1": 1, "2": 1}
+        assert counts == {"1": 2, "2": 1}
 
 
 @pytest.mark.parametrize("name", ["models", "device"])
@@ -291,3 +294,401 @@ async def test_a_queue_timeout_does_not_cut_a_running_models_call_short(
         out = await engine.infer("caller", {"x": X})
         assert trio.current_time() - start >= 2.0
         np.testing.assert_array_equal(out["y"], X * 2 + 1)
+
+
+class Seer:
+    """y = x, recording the deadlines its execution sees (batch's, callers' own)."""
+
+    seen: ClassVar[list[tuple[float, float]]] = []
+
+    async def infer(self, inputs: dict[str, Any]) -> dict[str, Any]:
+        Seer.seen.append((current_batch_deadline(), current_callers_deadline()))
+        return {"y": inputs["x"]}
+
+
+class ScopeSeer(AsyncCaller):
+    """AsyncCaller, recording the effective deadline of the task its infer runs in."""
+
+    scopes: ClassVar[list[float]] = []
+
+    async def infer(self, inputs: dict[str, Any]) -> dict[str, Any]:
+        ScopeSeer.scopes.append(anyio.current_effective_deadline())
+        return await super().infer(inputs)
+
+
+def caller_in(mode: str) -> ModelConfig:
+    """The caller model of each mode: async infer in its caller's task, or in the engine's
+    worker task (a dynamic batcher queues every request), or plain on its worker thread."""
+    if mode == "caller's task":
+        return python("caller", ScopeSeer)
+    if mode == "worker task":
+        return attrs.evolve(
+            python("caller", ScopeSeer),
+            batcher="dynamic",
+            batcher_options={"max_batch_size": 1},
+        )
+    return python("caller", ThreadCaller)
+
+
+MODES = ["caller's task", "worker task", "thread"]
+
+
+@pytest.mark.parametrize("mode", MODES)
+async def test_a_calls_request_carries_its_callers_deadline(
+    mock_clock: trio.testing.MockClock, mode: str
+) -> None:
+    # A clock that stands still: a worker thread's real time passes no deadline.
+    Seer.seen, ScopeSeer.scopes = [], []
+    async with open_engine() as engine:
+        await engine.load(python("double", Seer))
+        await engine.load(caller_in(mode))
+        start = trio.current_time()
+        with trio.fail_after(5.0):
+            await engine.infer("caller", {"x": X})
+        await engine.infer("caller", {"x": X})  # no deadline: none
+    if mode != "thread":  # the mode is the one named: a scope of the caller's, or none
+        first = start + 5.0 if mode == "caller's task" else math.inf
+        assert ScopeSeer.scopes == [first, math.inf]
+    assert Seer.seen == [(start + 5.0, start + 5.0), (math.inf, math.inf)]
+
+
+class Lagging:
+    """A FIFO scheduler whose first pop takes *lag* seconds: its head expires meanwhile."""
+
+    def __init__(self, clock: trio.testing.MockClock, lag: float) -> None:
+        self.clock = clock
+        self.lag = lag
+        self.queue: dict[Any, None] = {}
+
+    def push(self, request: Any) -> None:
+        self.queue[request] = None
+
+    def peek(self) -> Any:
+        if not self.queue:
+            raise IndexError("empty")
+        return next(iter(self.queue))
+
+    def pop(self) -> Any:
+        request = self.peek()
+        del self.queue[request]
+        self.clock.jump(self.lag)
+        self.lag = 0.0
+        return request
+
+    def remove(self, request: Any) -> bool:
+        return self.queue.pop(request, False) is None
+
+    def __len__(self) -> int:
+        return len(self.queue)
+
+
+@pytest.mark.parametrize("mode", MODES)
+async def test_the_callees_queue_drops_a_call_past_its_callers_deadline(
+    mock_clock: trio.testing.MockClock, mode: str
+) -> None:
+    # The callee's queue takes 1 s to hand the call over, past the caller's 0.5 s: it
+    # drops the request there, uncomputed, and counts it as expired (not cancelled).
+    # The clock moves only then (a worker thread's real time passes no deadline).
+    Double.finished = 0
+    scheduler = Lagging(mock_clock, lag=1.0)
+    registry = trioinfer.Registry(extra={"schedulers": {"lagging": lambda: scheduler}})
+    async with open_engine(registry=registry) as engine:
+        await engine.load(attrs.evolve(python("double", Double), scheduler="lagging"))
+        await engine.load(caller_in(mode))
+        with trio.move_on_after(0.5):
+            await engine.infer("caller", {"x": X})
+        stats = engine.statistics().models["double"]
+    assert Double.finished == 0
+    assert (stats.expired, stats.cancelled, stats.succeeded) == (1, 0, 0)
+
+
+class Counting:
+    """A decoupled model: y = x + i for i in 0, 1, ... up to *n* - 1, one response each,
+    after *pause* seconds; records what it yielded and whether it was stopped at a yield."""
+
+    log: ClassVar[list[str]] = []
+
+    def __init__(self, n: int = 3, pause: float = 0.0) -> None:
+        self.n = n
+        self.pause = pause
+
+    async def infer(self, inputs: dict[str, Any]) -> Any:
+        try:
+            for i in range(self.n):
+                await anyio.sleep(self.pause)
+                Counting.log.append(f"yield {i}")
+                yield {"y": inputs["x"] + i}
+            Counting.log.append("done")
+        except GeneratorExit:
+            Counting.log.append("closed")
+            raise
+        except anyio.get_cancelled_exc_class():
+            Counting.log.append("cancelled")
+            raise
+
+
+def counting(name: str = "counting", **parameters: Any) -> ModelConfig:
+    return python(name, Counting, decoupled=True, parameters=parameters)
+
+
+class StreamSummer:
+    """y = the sum of *target*'s responses to x, read through models.infer_stream; reads
+    at most *take* of them (then leaves the block)."""
+
+    def __init__(self, models: Any, target: str = "counting", take: int = 1_000) -> None:
+        self.models = models
+        self.target = target
+        self.take = take
+
+    async def infer(self, inputs: dict[str, Any]) -> dict[str, Any]:
+        total = np.zeros_like(inputs["x"])
+        read = 0
+        async with self.models.infer_stream(self.target, {"x": inputs["x"]}) as responses:
+            async for outputs in responses:
+                total = total + outputs["y"]
+                read += 1
+                if read == self.take:
+                    break
+        return {"y": total}
+
+
+@pytest.mark.streaming
+async def test_a_model_reads_a_decoupled_models_stream() -> None:
+    Counting.log = []
+    async with open_engine() as engine:
+        await engine.load(counting())
+        await engine.load(python("summer", StreamSummer))
+        out = await engine.infer("summer", {"x": X})
+        stats = engine.statistics().models["counting"]
+    np.testing.assert_array_equal(out["y"], 3 * X + 0 + 1 + 2)
+    assert Counting.log == ["yield 0", "yield 1", "yield 2", "done"]
+    assert stats.succeeded == 1
+
+
+@pytest.mark.streaming
+async def test_leaving_the_block_stops_the_callee_at_its_next_yield() -> None:
+    Counting.log = []
+    async with open_engine() as engine:
+        await engine.load(counting(n=10))
+        await engine.load(python("summer", StreamSummer, parameters={"take": 2}))
+        out = await engine.infer("summer", {"x": X})
+        stats = engine.statistics().models["counting"]
+    np.testing.assert_array_equal(out["y"], 2 * X + 1)
+    # At most one response ahead of the reader, then closed at the yield it waited at
+    # (or cancelled in the await it was in).
+    assert Counting.log[:2] == ["yield 0", "yield 1"]
+    assert Counting.log[2:] in (["closed"], ["cancelled"], ["yield 2", "closed"])
+    assert (stats.succeeded, stats.cancelled) == (0, 1)
+
+
+@pytest.mark.streaming
+async def test_a_stream_from_a_model_that_is_not_decoupled_is_its_one_answer() -> None:
+    async with open_engine() as engine:
+        await engine.load(python("double", Double))
+        await engine.load(python("summer", StreamSummer, parameters={"target": "double"}))
+        out = await engine.infer("summer", {"x": X})
+    np.testing.assert_array_equal(out["y"], X * 2)
+
+
+@pytest.mark.streaming
+async def test_a_decoupled_model_called_for_one_answer_is_the_callers_fault() -> None:
+    # Triton's exec() without decoupled=True: here a BackendError (a 500: the calling
+    # model's code is wrong, not its client's request) that names the way to call it.
+    async with open_engine() as engine:
+        await engine.load(python("double", Counting, decoupled=True))
+        for caller in (AsyncCaller, ThreadCaller):
+            await engine.load(python("caller", caller))
+            with pytest.raises(
+                trioinfer.BackendError,
+                match=r"model 'caller' called model 'double' for one answer, but it is "
+                r"decoupled.*models\.infer_stream",
+            ):
+                await engine.infer("caller", {"x": X})
+            await engine.unload("caller")
+
+
+@pytest.mark.streaming
+async def test_a_streamed_call_to_itself_or_to_no_model_is_refused() -> None:
+    async with open_engine() as engine:
+        await engine.load(python("self", StreamSummer, parameters={"target": "self"}))
+        with pytest.raises(trioinfer.BackendError, match="model 'self' called itself"):
+            await engine.infer("self", {"x": X})
+        await engine.load(python("lost", StreamSummer))
+        with pytest.raises(
+            trioinfer.BackendError,
+            match="model 'lost' called model 'counting', which is not served",
+        ):
+            await engine.infer("lost", {"x": X})
+
+
+@pytest.mark.streaming
+@pytest.mark.parametrize("mode", ["caller's task", "worker task"])
+async def test_the_callers_deadline_ends_the_stream_at_the_callees_yield(
+    autojump_clock: trio.testing.MockClock, mode: str
+) -> None:
+    Counting.log = []
+    async with open_engine() as engine:
+        await engine.load(counting(n=10, pause=1.0))
+        summer = python("summer", StreamSummer)
+        if mode == "worker task":
+            summer = attrs.evolve(summer, batcher="dynamic", batcher_options={"max_batch_size": 1})
+        await engine.load(summer)
+        start = trio.current_time()
+        with trio.move_on_after(2.5):
+            await engine.infer("summer", {"x": X})
+        assert trio.current_time() - start == pytest.approx(2.5)
+        await trio.sleep(20)
+        stats = engine.statistics().models["counting"]
+    # Stopped in its third pause: nothing after, however long the engine stayed open.
+    assert Counting.log == ["yield 0", "yield 1", "cancelled"]
+    assert (stats.succeeded, stats.cancelled) == (0, 1)
+
+
+class SlowStreamer(StreamSummer):
+    """Waits 1 s, then reads its stream: the stream opens while the engine drains."""
+
+    async def infer(self, inputs: dict[str, Any]) -> dict[str, Any]:
+        await anyio.sleep(1.0)
+        return await super().infer(inputs)
+
+
+@pytest.mark.streaming
+async def test_streamed_calls_open_while_the_engine_drains(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    answers: list[Any] = []
+    for target in ("counting", "double"):  # decoupled, and not
+        async with trio.open_nursery() as callers, open_engine(drain_period=5.0) as engine:
+            await engine.load(counting())
+            await engine.load(python("double", Double))
+            await engine.load(python("slow", SlowStreamer, parameters={"target": target}))
+
+            async def call() -> None:
+                answers.append(await engine.infer("slow", {"x": X}))
+
+            callers.start_soon(call)
+            await trio.sleep(0.1)  # computing: its stream opens at 1 s, as the engine drains
+    np.testing.assert_array_equal(answers[0]["y"], 3 * X + 3)
+    np.testing.assert_array_equal(answers[1]["y"], 2 * X)
+
+
+class ThreadStreamSummer:
+    """StreamSummer from a plain def infer on the worker thread (infer_stream_blocking);
+    *close*: how it stops after *take* responses ("with", "close", or "leave" it open)."""
+
+    def __init__(
+        self, models: Any, target: str = "counting", take: int = 1_000, close: str = "with"
+    ) -> None:
+        self.models = models
+        self.target = target
+        self.take = take
+        self.close = close
+
+    def infer(self, inputs: dict[str, Any]) -> dict[str, Any]:
+        total = np.zeros_like(inputs["x"])
+        responses = self.models.infer_stream_blocking(self.target, {"x": inputs["x"]})
+        if self.close == "with":
+            with responses:
+                total = self._sum(responses, total)
+        else:
+            total = self._sum(responses, total)
+            if self.close == "close":
+                responses.close()
+                Counting.log.append("close returned")
+        return {"y": total}
+
+    def _sum(self, responses: Any, total: Any) -> Any:
+        for read, outputs in enumerate(responses, 1):
+            total = total + outputs["y"]
+            if read == self.take:
+                break
+        return total
+
+
+@pytest.mark.streaming
+async def test_a_thread_reads_a_decoupled_models_stream() -> None:
+    Counting.log = []
+    async with open_engine() as engine:
+        await engine.load(counting())
+        await engine.load(python("summer", ThreadStreamSummer))
+        out = await engine.infer("summer", {"x": X})
+        await engine.load(python("single", ThreadStreamSummer, parameters={"target": "double"}))
+        await engine.load(python("double", Double))
+        single = await engine.infer("single", {"x": X})
+    np.testing.assert_array_equal(out["y"], 3 * X + 3)
+    assert Counting.log == ["yield 0", "yield 1", "yield 2", "done"]
+    np.testing.assert_array_equal(single["y"], 2 * X)  # not decoupled: its one answer
+
+
+@pytest.mark.streaming
+@pytest.mark.parametrize("close", ["with", "close", "leave"])
+async def test_a_threads_stream_stops_when_closed_or_when_infer_returns(close: str) -> None:
+    Counting.log = []
+    async with open_engine() as engine:
+        await engine.load(counting(n=10))
+        await engine.load(
+            python("summer", ThreadStreamSummer, parameters={"take": 2, "close": close})
+        )
+        out = await engine.infer("summer", {"x": X})
+        stats = engine.statistics().models["counting"]
+    np.testing.assert_array_equal(out["y"], 2 * X + 1)
+    # Stopped at most one response ahead of the thread; with close(), before it returned.
+    log = [entry for entry in Counting.log if entry != "close returned"]
+    assert log[:2] == ["yield 0", "yield 1"]
+    assert log[2:] in (["closed"], ["cancelled"], ["yield 2", "closed"])
+    if close == "close":
+        assert Counting.log[-1] == "close returned"
+    assert (stats.succeeded, stats.cancelled) == (0, 1)
+
+
+class ThreadStreamWaiter(ThreadStreamSummer):
+    """Records the error its stream's iteration ended with."""
+
+    said: ClassVar[str] = ""
+
+    def infer(self, inputs: dict[str, Any]) -> dict[str, Any]:
+        try:
+            return super().infer(inputs)
+        except DeadlineExceeded as exc:
+            ThreadStreamWaiter.said = str(exc)
+            raise
+
+
+@pytest.mark.streaming
+async def test_a_threads_stream_ends_at_its_callers_deadline() -> None:
+    Counting.log = []
+    ThreadStreamWaiter.said = ""
+    async with open_engine() as engine:
+        await engine.load(counting(n=10, pause=30.0))
+        await engine.load(python("waiter", ThreadStreamWaiter))
+        with trio.move_on_after(0.5):
+            await engine.infer("waiter", {"x": X})
+        with trio.fail_after(10):
+            while not ThreadStreamWaiter.said:  # noqa: ASYNC110  # the thread reports it
+                await trio.sleep(0.01)
+        stats = engine.statistics().models["counting"]
+    assert "did not end before the deadline" in ThreadStreamWaiter.said
+    assert Counting.log == ["cancelled"]  # in its first pause, 30 s long
+    assert stats.cancelled == 1
+
+
+class LoadStreamer:
+    def __init__(self, models: Any) -> None:
+        self.models = models
+
+    def load(self) -> None:
+        self.models.infer_stream_blocking("counting", {"x": X})
+
+    def infer(self, inputs: dict[str, Any]) -> dict[str, Any]:
+        return {"y": inputs["x"]}
+
+
+@pytest.mark.streaming
+async def test_a_thread_streams_only_while_infer_runs() -> None:
+    async with open_engine() as engine:
+        await engine.load(counting())
+        with pytest.raises(trioinfer.BackendError, match="works only while the model's infer"):
+            await engine.load(python("loader", LoadStreamer))
+        await engine.load(python("inline", ThreadStreamSummer, dispatch="inline"))
+        with pytest.raises(trioinfer.BackendError, match="was called on the event loop's"):
+            await engine.infer("inline", {"x": X})

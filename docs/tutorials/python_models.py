@@ -7,6 +7,7 @@ Run it with ``python docs/tutorials/python_models.py``; the docs' test suite run
 import shutil
 import tempfile
 import textwrap
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import numpy as np
@@ -198,6 +199,50 @@ async def calling_other_models(engine: trioinfer.Engine, images: np.ndarray) -> 
 # --8<-- [end:calls]
 
 
+# --8<-- [start:stream_calls]
+class Spell:
+    """A decoupled model: a word, one letter per response."""
+
+    async def infer(self, inputs: dict[str, np.ndarray]) -> AsyncIterator[dict[str, np.ndarray]]:
+        for letter in inputs["WORD"][0]:
+            yield {"LETTER": np.array([letter], dtype=object)}
+
+
+class Initial:
+    """Reads Spell's stream for its first response only: leaving the block stops Spell."""
+
+    def __init__(self, models: Models) -> None:
+        self.models = models
+
+    async def infer(self, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        async with self.models.infer_stream("spell", {"WORD": inputs["WORD"]}) as letters:
+            async for outputs in letters:
+                return {"INITIAL": outputs["LETTER"]}
+        return {"INITIAL": np.array([""], dtype=object)}  # an empty word: no response
+
+
+async def streaming_calls(engine: trioinfer.Engine) -> None:
+    word = {"name": "WORD", "dtype": "string", "shape": [1], "utf8": True}
+    for name, cls, output in (("spell", Spell, "LETTER"), ("initial", Initial, "INITIAL")):
+        await engine.load(
+            trioinfer.ModelConfig(
+                name=name,
+                backend="python",
+                backend_options={
+                    "class": cls,
+                    "decoupled": cls is Spell,
+                    "inputs": [word],
+                    "outputs": [{"name": output, "dtype": "string", "shape": [1]}],
+                },
+            )
+        )
+    out = await engine.infer("initial", {"WORD": np.array(["eight"], dtype=object)})
+    print("initial:", out["INITIAL"].tolist())
+
+
+# --8<-- [end:stream_calls]
+
+
 # --8<-- [start:main]
 async def main() -> None:
     images, labels = trioinfer.digits_samples()
@@ -221,6 +266,7 @@ async def main() -> None:
             await as_one_model(engine, images[:6])
             await cancelled_at_the_deadline(engine)
             await calling_other_models(engine, images[:6])
+            await streaming_calls(engine)
 
 
 # --8<-- [end:main]

@@ -61,7 +61,9 @@ In code, ``backend_options={"class": Model, ...}`` names the class itself, and
   scripting). ``await models.infer("digits", inputs)`` from ``async def
   infer``, ``models.infer_blocking(...)`` from a plain ``def infer`` on the
   worker thread; each call is an ordinary request to that model, ended when
-  the requests being computed have all ended (see `Models`). In
+  the requests being computed have all ended (see `Models`), and a decoupled
+  model's responses come from ``models.infer_stream(...)`` (from a thread,
+  ``models.infer_stream_blocking(...)``). In
   ``trioinfer serve`` a model is named as clients name it (``"digits"``, or
   ``"digits:2"`` for one version).
 
@@ -124,7 +126,6 @@ batcher, and must return one row per input row.
 from __future__ import annotations
 
 import difflib
-import functools
 import importlib.machinery
 import importlib.util
 import inspect
@@ -151,9 +152,9 @@ from trioinfer import (
 )
 from trioinfer.lowlevel import Placement, WorkerThread, current_engine
 
-from ._models import Models, _Execution
+from ._models import BlockingResponses, Models
 
-__all__ = ["Models", "PythonBackend", "PythonInstance"]
+__all__ = ["BlockingResponses", "Models", "PythonBackend", "PythonInstance"]
 
 log = logging.getLogger("trioinfer.python")
 
@@ -197,14 +198,6 @@ _LIBRARY_DIRS: tuple[str, ...] = tuple(
 )
 #: How many places (exception type, file, line) of one instance get their traceback logged.
 _LOGGED_AT_MOST: int = 256
-
-
-def _abort_both(execution: _Execution, abort: Any) -> None:
-    # Every caller of a plain def infer's execution left: its calls to other models
-    # end, and the model's own abort(), if it has one, is asked to stop it early.
-    execution.abort()
-    if abort is not None:
-        abort()
 
 
 def _raised(what: str, exc: BaseException) -> str:
@@ -579,13 +572,8 @@ class PythonInstance:
                     self._infer, _read_only(inputs), abort=self._abort
                 )
             else:  # its calls to other models end when it is aborted
-                execution = _Execution()
-                outputs = await self._worker.run_sync(
-                    self._models._within,
-                    execution,
-                    self._infer,
-                    _read_only(inputs),
-                    abort=functools.partial(_abort_both, execution, self._abort),
+                outputs = await self._models._run(
+                    self._worker, self._infer, _read_only(inputs), self._abort
                 )
         except (anyio.get_cancelled_exc_class(), TrioInferError):
             raise  # the model chose the error's class (InvalidInput is the client's fault)

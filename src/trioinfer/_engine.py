@@ -54,6 +54,7 @@ from ._runner import (
 from ._sequence import SequenceFlags
 from ._stream import ResponseStream, StreamGate, decoupled, open_stream
 from ._tensors import ModelSignature, validate_rows
+from ._threads import current_callers_deadline
 from .abc import Backend, BackendInstance, Batcher, Fallback, Scheduler, Status, StreamingInstance
 
 if TYPE_CHECKING:
@@ -906,6 +907,22 @@ class Engine:
     ) -> Awaitable[Outputs]:
         # lowlevel.infer_follow_up: a request made for one accepted already.
         named = model
+        model = self._follow_up_name(model, caller)
+        if self._gates and model in self._gates:
+            # The calling model's code is at fault, not its client (a 500, not a 400).
+            by = f"model {caller!r}" if caller is not None else "a model"
+            raise BackendError(
+                f"{by} called model {named!r} for one answer, but it is decoupled (it "
+                "answers with a stream of responses): call it with infer_stream_follow_up "
+                "(from a Python model, models.infer_stream)"
+            )
+        return self._infer_step(
+            model, inputs, priority=priority, tenant=tenant, request_id=next_request_id()
+        )
+
+    def _follow_up_name(self, model: str, caller: str | None) -> str:
+        # The engine's name for a follow-up's *model*, which may not be *caller* itself.
+        named = model
         if self._follow_up_names is not None:
             model = self._follow_up_names(model)
         if model == caller:
@@ -914,9 +931,14 @@ class Engine:
                 f"model {caller!r} called itself (as {named!r}); a model cannot: its "
                 "instances may all be busy computing this very call's caller"
             )
-        return self._infer_step(
-            model, inputs, priority=priority, tenant=tenant, request_id=next_request_id()
-        )
+        return model
+
+    def _follow_up_runner(self, model: str) -> ModelRunner | Pipeline:
+        # _runner, for a request made for one accepted already: also while draining.
+        runner = self._runners.get(model)
+        if runner is None or (self._closing and not self._draining):
+            runner = self._runner(model)  # raises what is wrong
+        return runner
 
     async def _infer_held(
         self,
@@ -1088,6 +1110,9 @@ class Engine:
         )
         # A request a fallback sent here from another model fails over no further.
         request._state.failover = failover
+        if not own_deadline:
+            # Not its caller's deadline: calls its execution makes do not inherit it.
+            request._state.queue_timeout = True
         tracing = self._tracing
         if tracing is not None:
             # Decided here, at once, so that a request not traced costs no more.
@@ -1396,6 +1421,7 @@ async def infer_follow_up(
     priority: int = 0,
     tenant: str | None = None,
     caller: str | None = None,
+    deadline: float | None = None,
 ) -> Outputs:
     """``engine.infer``, for a request made on behalf of one the engine accepted already.
 
@@ -1405,15 +1431,100 @@ async def infer_follow_up(
     ``EngineClosed``). A model that calls another model while it computes
     uses it; the caller's cancel scope is the timeout, as for ``infer``.
 
+    The request also carries the deadline of the requests it is made for, so
+    that the other model's queue drops it (counted as expired) once nobody
+    waits for it: *deadline*, or when None `current_callers_deadline()`
+    (known in the task of a backend instance's ``execute``, which runs under
+    no scope of its callers' when the engine runs it in a worker task of its
+    own). Pass it from where that is not known: a call relayed from a worker
+    thread, which read it in ``execute``.
+
     *caller* is the model (its name as the engine loaded it) whose computation
     makes the call: a call that reaches that very model, by whatever name, is
     refused (it could wait for ever for the instance that makes it).
 
     Raises:
         ValueError: *model* is *caller*.
+        DeadlineExceeded: The deadline of the requests it is made for passed
+            first (where the caller's own cancel scope does not carry it).
         TrioInferError: As `Engine.infer`.
     """
-    return await engine._follow_up(model, inputs, priority, tenant, caller)
+    if deadline is None:
+        deadline = current_callers_deadline()
+    if deadline >= anyio.current_effective_deadline():
+        # The caller's scope carries it already (a run in its caller's task), or none.
+        return await engine._follow_up(model, inputs, priority, tenant, caller)
+    with anyio.CancelScope(deadline=deadline):
+        return await engine._follow_up(model, inputs, priority, tenant, caller)
+    by = f"model {caller!r}'s call" if caller is not None else "a call"
+    raise DeadlineExceeded(
+        f"{by} to model {model!r} did not end before the deadline of the requests it was "
+        "made for: nobody waits for it any more"
+    )
+
+
+def infer_stream_follow_up(
+    engine: Engine,
+    model: str,
+    inputs: Mapping[str, Any],
+    *,
+    priority: int = 0,
+    tenant: str | None = None,
+    caller: str | None = None,
+    deadline: float | None = None,
+) -> AbstractAsyncContextManager[ResponseStream]:
+    """``engine.infer_stream``, for a stream opened on behalf of a request accepted already.
+
+    As `infer_follow_up` is to ``engine.infer``: admitted while the engine
+    drains, the call to *caller* itself refused, and the stream ended at the
+    deadline of the requests it is made for (*deadline*, or when None
+    `current_callers_deadline()`), as by a cancel scope of the caller's. Use
+    it as ``engine.infer_stream``::
+
+        async with infer_stream_follow_up(engine, "tokens", inputs) as responses:
+            async for outputs in responses:
+                ...
+
+    A model that is not decoupled answers with its one response.
+
+    Raises:
+        ValueError: (At the call) *model* is *caller*.
+        DeadlineExceeded: (Leaving the block) the deadline of the requests it
+            is made for passed first (the stream was stopped then).
+        TrioInferError: As `Engine.infer_stream`.
+    """
+    model = engine._follow_up_name(model, caller)
+    priority = _checked_arguments(model, priority, tenant, None)
+    return _stream_follow_up(engine, model, inputs, priority, tenant, caller, deadline)
+
+
+@asynccontextmanager
+async def _stream_follow_up(
+    engine: Engine,
+    model: str,
+    inputs: Mapping[str, Any],
+    priority: int,
+    tenant: str | None,
+    caller: str | None,
+    deadline: float | None,
+) -> AsyncIterator[ResponseStream]:
+    if deadline is None:
+        deadline = current_callers_deadline()
+    # A scope of its own only where the caller's does not carry the deadline already.
+    scope = anyio.CancelScope(
+        deadline=deadline if deadline < anyio.current_effective_deadline() else math.inf
+    )
+    with scope:
+        async with open_stream(
+            engine, model, inputs, priority, tenant, None, follow_up=True
+        ) as stream:
+            yield stream
+    if scope.cancelled_caught:
+        by = f"model {caller!r}'s stream" if caller is not None else "a stream"
+        raise DeadlineExceeded(
+            f"{by} from model {model!r} did not end before the deadline of the requests it "
+            "was opened for: nobody waits for it any more"
+        )
 
 
 @asynccontextmanager

@@ -50,6 +50,8 @@ class _State:
     failover: bool = False
     # The request's spans when it is traced (trioinfer._tracing), None otherwise.
     trace: Any = None
+    # Its deadline is its model's queue timeout, not its caller's (who waits for the run).
+    queue_timeout: bool = False
 
     def __init__(self) -> None:
         # Every field at its default, written out: attrs' __init__ takes each as an
@@ -65,6 +67,7 @@ class _State:
         self.fallbacks = ()
         self.failover = False
         self.trace = None
+        self.queue_timeout = False
 
     def abort(self, _raise_cancel: object) -> Any:
         # Trio's abort callback for the parked task: cancelled, it is no longer

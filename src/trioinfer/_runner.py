@@ -48,6 +48,7 @@ from ._tensors import InputLimits, ModelSignature, OutputCheck, rows_validator
 from ._tensors import rows as _rows
 from ._threads import (
     WOKEN,
+    BatchDeadlines,
     EventLike,
     LoopClock,
     _batch_deadline,
@@ -1485,7 +1486,9 @@ class ModelRunner(metaclass=NoPublicConstructor):
                 self._executing.append(running)
                 if self._assemble is not None:
                     rows = _rows(inputs)  # the batcher's own layout: check what it built
-                deadline_token = _batch_deadline.set(deadline)
+                deadline_token = _batch_deadline.set(
+                    deadline if not self.queue_timeouts else _deadlines(live, deadline)
+                )
                 try:
                     if self.tracing is None or not self.tracing.in_batch():
                         # _call_backend() in line: one coroutine frame fewer per execution.
@@ -2780,6 +2783,15 @@ def _not_a_batch(batch: object) -> str | None:
         f"a batch holding {len(odd)} {type(odd[0]).__name__!r} objects among its "
         f"{len(items)} items, not requests taken from its queue"
     )
+
+
+def _deadlines(live: Sequence[Request], latest: float) -> float | BatchDeadlines:
+    # What current_batch_deadline and current_callers_deadline read for a batch of a
+    # model with queue_timeouts: the callers' own latest deadline differs from the
+    # batch's only when a row's is a queue timeout (then its caller waits for the run).
+    if not any(request._state.queue_timeout for request in live):
+        return latest
+    return BatchDeadlines(latest, math.inf)
 
 
 def _backend_error(model: str, request: Request, exc: Exception) -> TrioInferError:

@@ -232,9 +232,16 @@ async def open_stream(
     priority: int,
     tenant: str | None,
     request_id: str | None,
+    *,
+    follow_up: bool = False,
 ) -> AsyncIterator[ResponseStream]:
-    """What `Engine.infer_stream` returns: see its docstring."""
-    runner = engine._runner(model)
+    """What `Engine.infer_stream` returns: see its docstring.
+
+    *follow_up*: opened for a request accepted already (a model calling
+    another), so admitted while the engine drains (``infer_stream_follow_up``).
+    """
+    find = engine._follow_up_runner if follow_up else engine._runner
+    runner = find(model)
     gate = engine._gates.get(model)
     request_id = request_id if request_id is not None else next_request_id()
     request: Request | None = None
@@ -244,7 +251,7 @@ async def open_stream(
         clock = runner.clock
         await clock.checkpoint_if_cancelled()
         if engine._gates.get(model) is not gate:  # replaced or unloaded while we yielded
-            runner, gate = engine._runner(model), engine._gates.get(model)
+            runner, gate = find(model), engine._gates.get(model)
             arrays = validate_inputs(model, runner.signature, inputs, runner.input_limits)
     if gate is not None:
         request = Request(
@@ -303,6 +310,7 @@ async def open_stream(
                     send,
                     stream,
                     producer,
+                    follow_up,
                 )
             else:
                 assert gate is not None
@@ -427,11 +435,14 @@ async def _one(
     send: _Send,
     stream: ResponseStream,
     scope: anyio.CancelScope,
+    follow_up: bool,
 ) -> None:
-    # A model that is not decoupled: its one answer, by the ordinary request path.
+    # A model that is not decoupled: its one answer, by the ordinary request path (a
+    # follow-up's, also while the engine drains, as a pipeline's step).
     try:
         with scope:
-            outputs = await engine.infer(
+            infer = engine._infer_step if follow_up else engine.infer
+            outputs = await infer(
                 model, inputs, priority=priority, tenant=tenant, request_id=request_id
             )
             await send.send(outputs)

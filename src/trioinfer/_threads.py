@@ -33,8 +33,25 @@ except ImportError:  # pragma: no cover - depends on the installed Trio
 T = TypeVar("T")
 Args = TypeVarTuple("Args")
 
-# The latest deadline among the rows of the batch a backend instance is executing.
-_batch_deadline: contextvars.ContextVar[float] = contextvars.ContextVar(
+
+@final
+class BatchDeadlines:
+    """A batch's latest deadline, and its callers' own when some came from ``queue_timeouts``.
+
+    Held by ``_batch_deadline`` only for such a batch (rare): any other holds
+    the one float, which is both.
+    """
+
+    __slots__ = ("callers", "latest")
+
+    def __init__(self, latest: float, callers: float) -> None:
+        self.latest = latest
+        self.callers = callers
+
+
+# The latest deadline among the rows of the batch a backend instance is executing (a
+# BatchDeadlines when the callers' own latest is not that: see current_callers_deadline).
+_batch_deadline: contextvars.ContextVar[float | BatchDeadlines] = contextvars.ContextVar(
     "trioinfer_batch_deadline", default=math.inf
 )
 
@@ -309,7 +326,23 @@ def current_batch_deadline() -> float:
     bounds only its wait to start: its caller still waits for a run begun
     before it, so do not cut a running execution short at this deadline.
     """
-    return _batch_deadline.get()
+    deadline = _batch_deadline.get()
+    return deadline.latest if isinstance(deadline, BatchDeadlines) else deadline
+
+
+def current_callers_deadline() -> float:
+    """The latest deadline the callers of the rows being executed set themselves.
+
+    As `current_batch_deadline`, but a row whose deadline came from its
+    model's ``queue_timeouts`` (its caller set none) counts as having none
+    (``math.inf``): such a timeout bounds only the wait to start, and its
+    caller waits for the run. Past this time nobody waits for the execution,
+    so work done for it elsewhere may end then: a request to another model
+    of the engine (`infer_follow_up` gives it this deadline), a call that
+    carries a timeout.
+    """
+    deadline = _batch_deadline.get()
+    return deadline.callers if isinstance(deadline, BatchDeadlines) else deadline
 
 
 async def wait_on_callback(

@@ -41,7 +41,10 @@ class OneAtATime:
   [`current_engine()`][trioinfer.lowlevel.current_engine] (the engine loading
   the model) and [`infer_follow_up()`][trioinfer.lowlevel.infer_follow_up]
   (``engine.infer`` for a request made on behalf of an accepted one, also
-  while the engine drains).
+  while the engine drains, with its deadline:
+  [`current_callers_deadline()`][trioinfer.lowlevel.current_callers_deadline]),
+  and [`infer_stream_follow_up()`][trioinfer.lowlevel.infer_stream_follow_up]
+  (``engine.infer_stream`` alike, for a decoupled model's responses).
 - For backends whose work runs elsewhere, tracing:
   [`current_trace_context()`][trioinfer.lowlevel.current_trace_context]
   (the W3C context to send with a traced call) and
@@ -55,6 +58,7 @@ To make requests for a plugin's own tests, use
 from ._config import Placement as Placement
 from ._engine import current_engine as current_engine
 from ._engine import infer_follow_up as infer_follow_up
+from ._engine import infer_stream_follow_up as infer_stream_follow_up
 from ._inline import inline_slice_spent as inline_slice_spent
 from ._inline import restart_inline_slice as restart_inline_slice
 from ._remote_trace import current_trace_context as current_trace_context
@@ -63,6 +67,7 @@ from ._tensors import numpy_dtype as numpy_dtype
 from ._threads import CallbackWaiter as CallbackWaiter
 from ._threads import WorkerThread as WorkerThread
 from ._threads import current_batch_deadline as current_batch_deadline
+from ._threads import current_callers_deadline as current_callers_deadline
 from ._threads import wait_on_callback as wait_on_callback
 from .abc import BatcherContext as BatcherContext
 from .abc import Execution as Execution
