@@ -75,6 +75,7 @@ from ._models import ServedModels, ServedVersion
 from ._poll import REFUSED as POLLING_REFUSED
 from ._repository import VersionPolicy
 from ._shm import SystemSharedMemory
+from ._tls import TlsFiles
 from ._triton import own_parameters, with_defaults
 
 if TYPE_CHECKING:
@@ -204,6 +205,9 @@ class ServerConfig:
             ``"off"`` (the default, as Triton's) to run them as if they declared none.
         rate_limit_resources: Pool sizes as Triton's ``--rate-limit-resource``
             flags, ``NAME:COUNT[:DEVICE]``; a pool not sized holds the largest need.
+        grpc_tls: Serve gRPC over TLS with these files (Triton's ``--grpc-use-ssl``
+            and ``--grpc-use-ssl-mutual``); `serve_http` reads them before loading
+            anything. None: plaintext.
     """
 
     limits: Limits = attrs.field(factory=Limits)
@@ -218,6 +222,7 @@ class ServerConfig:
     repository_poll_s: float = attrs.field(default=0.0)
     rate_limit: str = attrs.field(default="off")
     rate_limit_resources: tuple[str, ...] = attrs.field(default=(), converter=tuple)
+    grpc_tls: TlsFiles | None = None
 
     @rate_limit.validator
     def _check_rate_limit(self, _attribute: attrs.Attribute[Any], value: object) -> None:

@@ -32,6 +32,7 @@ from ._metrics import InFlight, Metrics
 from ._models import ServedModels, public_names
 from ._poll import Fingerprint, poll_repository, snapshot
 from ._repository import ModelRepository
+from ._tls import server_context
 
 if TYPE_CHECKING:
     from ._workers import WorkerLink
@@ -130,7 +131,8 @@ async def serve_http(
             for ``nursery.start``.
 
     Raises:
-        ConfigError: The repository is missing, or a named model does not exist.
+        ConfigError: The repository is missing, a named model does not exist, or a
+            file of ``config.grpc_tls`` cannot be read or used (checked first).
         ModuleNotFoundError: *grpc_port* is given but the ``grpc`` extra is not installed.
         OSError: A port cannot be bound (checked before the models load).
     """
@@ -140,6 +142,12 @@ async def serve_http(
     serve_grpc = _grpc_layer() if grpc_port is not None else None
     if config is None:
         config = ServerConfig()
+    # The certificate files are read now: a bad one stops the start, not a handshake later.
+    grpc_tls = (
+        server_context(config.grpc_tls)
+        if serve_grpc is not None and config.grpc_tls is not None
+        else None
+    )
     repo = ModelRepository(repository)
     if not reuse_port:
         await _check_ports(host, port, grpc_port)
@@ -203,7 +211,13 @@ async def serve_http(
                 if serve_grpc is not None:
                     address = await layers.start(
                         functools.partial(
-                            serve_grpc, state, host, grpc_port, shutdown=stop, reuse_port=reuse_port
+                            serve_grpc,
+                            state,
+                            host,
+                            grpc_port,
+                            shutdown=stop,
+                            reuse_port=reuse_port,
+                            ssl_context=grpc_tls,
                         )
                     )
                 task_status.started((urls, address))
