@@ -41,6 +41,8 @@ _SERVE_KEYS: Final = frozenset(
         "grpc_server_cert",
         "grpc_server_key",
         "grpc_root_cert",
+        "http_ssl_cert",
+        "http_ssl_key",
         "models",
         "drain_period",
         "repository_poll_secs",
@@ -90,6 +92,21 @@ def _rate_not_nan(
     default=8000,
     show_default=True,
     help="Port to listen on; 0 picks a free one.",
+)
+@click.option(
+    "--http-ssl-cert",
+    type=click.Path(dir_okay=False, path_type=str),
+    default=None,
+    metavar="FILE",
+    help="Serve HTTPS (ALPN http/1.1) with this PEM certificate (and its chain) and "
+    "--http-ssl-key. trioinfer's own flag: Triton serves no HTTPS.",
+)
+@click.option(
+    "--http-ssl-key",
+    type=click.Path(dir_okay=False, path_type=str),
+    default=None,
+    metavar="FILE",
+    help="The PEM private key of --http-ssl-cert (not encrypted).",
 )
 @click.option(
     "--grpc/--no-grpc",
@@ -359,6 +376,7 @@ def serve(ctx: click.Context, /, **options: Any) -> None:
             rate_limit=settings["rate_limit"],
             rate_limit_resources=settings["rate_limit_resource"],
             grpc_tls=_grpc_tls(settings),
+            http_tls=_http_tls(settings),
         )
     except (TypeError, TrioInferError) as exc:
         raise click.UsageError(f"invalid server settings: {exc}") from exc
@@ -378,6 +396,8 @@ def serve(ctx: click.Context, /, **options: Any) -> None:
                 f"{_said(settings, 'grpc')} serves no gRPC; drop one of the two"
             )
         _check_tls_files(config.grpc_tls, settings)
+    if config.http_tls is not None:
+        _check_tls_files(config.http_tls, settings, http=True)
     try:
         if workers == 1:
             anyio.run(
@@ -567,19 +587,37 @@ def _said_tls(settings: Mapping[str, Any]) -> str:
     return _said(settings, key)
 
 
-def _check_tls_files(files: Any, settings: Mapping[str, Any]) -> None:
+def _http_tls(settings: Mapping[str, Any]) -> Any:
+    """The HTTP endpoint's `TlsFiles` from --http-ssl-cert and --http-ssl-key, or None."""
+    from ..server._tls import TlsFiles
+
+    cert, key = settings.get("http_ssl_cert"), settings.get("http_ssl_key")
+    if cert is None and key is None:
+        return None
+    if cert is None or key is None:
+        given, missing = ("http_ssl_cert", "http_ssl_key")[:: 1 if cert is not None else -1]
+        raise click.UsageError(
+            f"invalid server settings: {_said_key(settings, given)} needs "
+            f"{_said_key(settings, missing)} too (HTTPS needs the certificate and its key)"
+        )
+    return TlsFiles(cert, key)
+
+
+def _check_tls_files(files: Any, settings: Mapping[str, Any], *, http: bool = False) -> None:
     # Read once here, before a model loads or a worker starts: a bad file stops serve now.
     from ..server._tls import server_context
 
-    flags = {
-        "cert": _said_key(settings, "grpc_server_cert"),
-        "key": _said_key(settings, "grpc_server_key"),
-        "root": _said_key(settings, "grpc_root_cert"),
-    }
+    keys = (
+        {"cert": "http_ssl_cert", "key": "http_ssl_key"}
+        if http
+        else {"cert": "grpc_server_cert", "key": "grpc_server_key", "root": "grpc_root_cert"}
+    )
+    flags = {which: _said_key(settings, key) for which, key in keys.items()}
     try:
-        server_context(files, flags=flags)
+        server_context(files, alpn="http/1.1" if http else "h2", flags=flags)
     except TrioInferError as exc:
-        raise click.ClickException(f"cannot serve gRPC over TLS: {exc}") from None
+        what = "HTTPS" if http else "gRPC over TLS"
+        raise click.ClickException(f"cannot serve {what}: {exc}") from None
 
 
 def _importable(module: str) -> bool:
@@ -617,7 +655,13 @@ def _serve_settings(ctx: click.Context, options: dict[str, Any]) -> dict[str, An
     if "model_repository" in data:
         _check_string(config_file, "model_repository", data["model_repository"])
         data["model_repository"] = config_file.parent / data["model_repository"]
-    for key in ("grpc_server_cert", "grpc_server_key", "grpc_root_cert"):
+    for key in (
+        "grpc_server_cert",
+        "grpc_server_key",
+        "grpc_root_cert",
+        "http_ssl_cert",
+        "http_ssl_key",
+    ):
         if key in data:
             # Beside the file, as model_repository is.
             _check_string(config_file, key, data[key])

@@ -208,6 +208,9 @@ class ServerConfig:
         grpc_tls: Serve gRPC over TLS with these files (Triton's ``--grpc-use-ssl``
             and ``--grpc-use-ssl-mutual``); `serve_http` reads them before loading
             anything. None: plaintext.
+        http_tls: Serve HTTPS with these files (``--http-ssl-cert`` and
+            ``--http-ssl-key``; Triton has no HTTPS of its own); *mutual* is not
+            supported there. None: plain HTTP.
     """
 
     limits: Limits = attrs.field(factory=Limits)
@@ -223,6 +226,12 @@ class ServerConfig:
     rate_limit: str = attrs.field(default="off")
     rate_limit_resources: tuple[str, ...] = attrs.field(default=(), converter=tuple)
     grpc_tls: TlsFiles | None = None
+    http_tls: TlsFiles | None = attrs.field(default=None)
+
+    @http_tls.validator
+    def _check_http_tls(self, _attribute: attrs.Attribute[Any], value: TlsFiles | None) -> None:
+        if value is not None and value.mutual:
+            raise ConfigError("http_tls: mutual TLS is served on gRPC only, not over HTTP")
 
     @rate_limit.validator
     def _check_rate_limit(self, _attribute: attrs.Attribute[Any], value: object) -> None:

@@ -14,6 +14,7 @@ import functools
 import logging
 import os
 import signal
+import ssl
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -32,7 +33,7 @@ from ._metrics import InFlight, Metrics
 from ._models import ServedModels, public_names
 from ._poll import Fingerprint, poll_repository, snapshot
 from ._repository import ModelRepository
-from ._tls import server_context
+from ._tls import HTTP_TLS_FLAGS, server_context
 
 if TYPE_CHECKING:
     from ._workers import WorkerLink
@@ -132,7 +133,8 @@ async def serve_http(
 
     Raises:
         ConfigError: The repository is missing, a named model does not exist, or a
-            file of ``config.grpc_tls`` cannot be read or used (checked first).
+            file of ``config.grpc_tls`` or ``config.http_tls`` cannot be read or
+            used (checked first).
         ModuleNotFoundError: *grpc_port* is given but the ``grpc`` extra is not installed.
         OSError: A port cannot be bound (checked before the models load).
     """
@@ -146,6 +148,11 @@ async def serve_http(
     grpc_tls = (
         server_context(config.grpc_tls)
         if serve_grpc is not None and config.grpc_tls is not None
+        else None
+    )
+    http_tls = (
+        server_context(config.http_tls, alpn="http/1.1", flags=HTTP_TLS_FLAGS)
+        if config.http_tls is not None
         else None
     )
     repo = ModelRepository(repository)
@@ -204,7 +211,14 @@ async def serve_http(
             async with anyio.create_task_group() as layers:
                 urls = await layers.start(
                     functools.partial(
-                        _serve_lean, app, host, port, config, stop, reuse_port=reuse_port
+                        _serve_lean,
+                        app,
+                        host,
+                        port,
+                        config,
+                        stop,
+                        reuse_port=reuse_port,
+                        ssl_context=http_tls,
                     )
                 )
                 address = None
@@ -336,6 +350,7 @@ async def _serve_lean(
     stop: anyio.Event,
     *,
     reuse_port: bool = False,
+    ssl_context: ssl.SSLContext | None = None,
     task_status: anyio.abc.TaskStatus[list[str]],
 ) -> None:
     limits = config.limits
@@ -351,6 +366,7 @@ async def _serve_lean(
         max_head_bytes=limits.max_head_bytes,
         max_headers=limits.max_headers,
         reuse_port=reuse_port,
+        ssl_context=ssl_context,
         task_status=task_status,
     )
 

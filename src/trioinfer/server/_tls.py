@@ -1,4 +1,4 @@
-"""TLS for the gRPC endpoint: the certificate files, their checks, and the handshake.
+"""TLS for the gRPC and HTTP endpoints: the certificate files, their checks, the handshakes.
 
 The files are read when the server starts (`server_context`), so that a
 missing, unreadable or mismatched file stops ``trioinfer serve`` at once with
@@ -8,13 +8,19 @@ the server's ``head_timeout`` (`handshake`): a client that connects and never
 finishes it holds nothing but its own socket, and is dropped.
 
 The handshake and the record layer are the standard library's ``ssl``
-module, through ``anyio.streams.tls.TLSStream`` (on Trio and asyncio alike).
+module: for gRPC through ``anyio.streams.tls.TLSStream`` (on Trio and
+asyncio alike, `handshake`); for HTTP an ``ssl.SSLSocket`` in non-blocking
+mode (`tls_handshake`), since the HTTP server calls its sockets directly and
+waits through ``_io.py`` only when a call would block.
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import logging
 import os
+import socket
 import ssl
 from typing import Any
 
@@ -24,8 +30,9 @@ import attrs
 from anyio.streams.tls import TLSStream
 
 from .._exceptions import ConfigError
+from ._io import IO
 
-__all__ = ["TlsFiles", "handshake", "server_context"]
+__all__ = ["HTTP_TLS_FLAGS", "TlsFiles", "handshake", "server_context", "tls_handshake"]
 
 log = logging.getLogger("trioinfer.server")
 
@@ -63,6 +70,8 @@ class TlsFiles:
 
 #: What each file is called in messages: the flags of ``trioinfer serve``.
 _FLAGS = {"cert": "--grpc-server-cert", "key": "--grpc-server-key", "root": "--grpc-root-cert"}
+#: The same for the HTTP endpoint's files.
+HTTP_TLS_FLAGS = {"cert": "--http-ssl-cert", "key": "--http-ssl-key"}
 
 
 def server_context(
@@ -99,6 +108,7 @@ def server_context(
     # HTTP/2 over TLS needs 1.2 or later (RFC 9113, section 9.2); so does every gRPC client.
     context.minimum_version = ssl.TLSVersion.TLSv1_2
     context.set_alpn_protocols([alpn])
+    context.sslsocket_class = _TlsSocket  # for the HTTP server's sockets (gRPC's use no socket)
     # The certificate alone first: load_cert_chain's error would not say which file is bad.
     _load_verify(ssl.create_default_context(), files.cert, said("cert"))
     try:
@@ -166,20 +176,112 @@ async def handshake(
     except TimeoutError:
         why = f"no TLS handshake within {limit_s}s (head_timeout)"
     except ssl.SSLError as exc:
-        why = f"TLS handshake failed: {exc.reason or exc}"
+        why = _failed(exc)
     except (anyio.BrokenResourceError, anyio.EndOfStream, OSError):
-        why = "the client closed the connection during the TLS handshake"
+        why = _CLOSED
     except BaseException:
         await anyio.aclose_forcefully(stream)
         raise
-    log.info("%s connection from %s closed: %s", what, _peer(stream), why)
+    _dropped(what, stream.extra(anyio.abc.SocketAttribute.remote_address, None), why)
     await anyio.aclose_forcefully(stream)
     return None
 
 
-def _peer(stream: anyio.abc.ByteStream) -> str:
-    address: Any = stream.extra(anyio.abc.SocketAttribute.remote_address, None)
+_CLOSED = "the client closed the connection during the TLS handshake"
+#: OpenSSL's reasons for a first record that is not TLS at all.
+_NOT_TLS = frozenset({"HTTP_REQUEST", "HTTPS_PROXY_REQUEST", "WRONG_VERSION_NUMBER"})
+
+
+def _failed(exc: ssl.SSLError) -> str:
+    reason = exc.reason or str(exc)
+    hint = " (the client speaks plaintext, not TLS)" if reason in _NOT_TLS else ""
+    return f"TLS handshake failed: {reason}{hint}"
+
+
+def _dropped(what: str, address: Any, why: str) -> None:
     if isinstance(address, tuple) and len(address) >= 2:
         host = f"[{address[0]}]" if ":" in str(address[0]) else address[0]
-        return f"{host}:{address[1]}"
-    return str(address) if address is not None else "a client"
+        peer = f"{host}:{address[1]}"
+    else:
+        peer = "a client"
+    log.info("%s connection from %s closed: %s", what, peer, why)
+
+
+async def tls_handshake(
+    sock: socket.socket, context: ssl.SSLContext, io: IO, limit_s: float
+) -> socket.socket | None:
+    """*sock* (just accepted) as a non-blocking TLS socket once its handshake is done.
+
+    For the HTTP server: the socket returned reads and writes as a plain
+    non-blocking one does (`BlockingIOError` when a call would block), so the
+    connection code is the same for both. None if the handshake failed or did
+    not end within *limit_s* seconds (the server's ``head_timeout``); the
+    socket is closed then, and the log says why at info level.
+    """
+    try:
+        address = sock.getpeername()
+        sock.setblocking(False)
+        tls = context.wrap_socket(sock, server_side=True, do_handshake_on_connect=False)
+    except OSError:  # the client is already gone
+        sock.close()
+        return None
+    try:
+        with anyio.fail_after(limit_s):
+            while True:
+                try:
+                    tls.do_handshake()
+                except ssl.SSLWantReadError:
+                    await io.wait_readable(tls)
+                except ssl.SSLWantWriteError:
+                    await io.wait_writable(tls)
+                else:
+                    return tls
+    except TimeoutError:
+        why = f"no TLS handshake within {limit_s}s (head_timeout)"
+    except ssl.SSLError as exc:
+        why = _failed(exc)
+    except OSError:
+        why = _CLOSED
+    except BaseException:
+        io.notify_closing(tls)
+        tls.close()
+        raise
+    _dropped("HTTPS", address, why)
+    io.notify_closing(tls)
+    tls.close()
+    return None
+
+
+class _TlsSocket(ssl.SSLSocket):
+    """A non-blocking TLS socket that reads and writes as the HTTP server expects of a plain one.
+
+    ``SSLWantReadError`` and ``SSLWantWriteError`` become `BlockingIOError`
+    (the server waits and tries again), a read also takes what the TLS layer
+    already decrypted and holds (the socket would not turn readable for it),
+    and ``shutdown`` sends the TLS close (close_notify) before the TCP one.
+    """
+
+    def recv(self, buflen: int = 1024, flags: int = 0) -> bytes:
+        """Read up to *buflen* bytes, and what the TLS layer holds decrypted beyond them."""
+        try:
+            data = super().recv(buflen, flags)
+            while (held := self.pending()) > 0:
+                data += super().recv(held, flags)
+        except (ssl.SSLWantReadError, ssl.SSLWantWriteError):
+            raise BlockingIOError(errno.EAGAIN, "TLS: no complete record to read yet") from None
+        return data
+
+    def send(self, data: Any, flags: int = 0) -> int:
+        """Write *data* whole (a TLS write is not partial), or raise `BlockingIOError`."""
+        try:
+            return super().send(data, flags)
+        except (ssl.SSLWantReadError, ssl.SSLWantWriteError):
+            raise BlockingIOError(errno.EAGAIN, "TLS: the socket is full") from None
+
+    def shutdown(self, how: int) -> None:
+        """Send the TLS close (not waiting for the client's), then shut the socket down."""
+        # unwrap() sends close_notify, then would wait for the client's: non-blocking,
+        # it raises instead, and what the client still sends is read raw and dropped.
+        with contextlib.suppress(OSError, ValueError):
+            self.unwrap()
+        super().shutdown(how)

@@ -1207,6 +1207,7 @@ async def serve_workers(
             "rate_limit_resources": list(config.rate_limit_resources),
             # The files' paths: each worker reads them and serves TLS as serve_http does.
             "grpc_tls": None if config.grpc_tls is None else attrs.asdict(config.grpc_tls),
+            "http_tls": None if config.http_tls is None else attrs.asdict(config.http_tls),
         },
     }
     repo = ModelRepository(root)
@@ -1317,6 +1318,7 @@ def _worker_main(argv: list[str]) -> int:
         rate_limit=settings["rate_limit"],
         rate_limit_resources=settings["rate_limit_resources"],
         grpc_tls=None if settings.get("grpc_tls") is None else TlsFiles(**settings["grpc_tls"]),
+        http_tls=None if settings.get("http_tls") is None else TlsFiles(**settings["http_tls"]),
     )
     directory = Path(spec["directory"])
     link = WorkerLink(

@@ -1,7 +1,8 @@
-"""gRPC over TLS and mutual TLS (Triton's --grpc-use-ssl flags), against a real ``trioinfer serve``.
+"""TLS against a real ``trioinfer serve``: gRPC (Triton's --grpc-use-ssl flags) and HTTPS.
 
-tritonclient.grpc connects with ``ssl=True`` as it would to Triton; the certificates
-are trustme's (a throwaway CA, its server certificate for 127.0.0.1 and a client's).
+tritonclient.grpc and tritonclient.http connect with ``ssl=True`` as they would to
+Triton (or to a proxy in front of it, for HTTPS); the certificates are trustme's (a
+throwaway CA, its server certificate for 127.0.0.1 and a client's).
 """
 
 from __future__ import annotations
@@ -15,9 +16,11 @@ from pathlib import Path
 from typing import Any
 
 import attrs
+import httpx
 import numpy as np
 import pytest
 import tritonclient.grpc as triton
+import tritonclient.http as triton_http
 from click.testing import CliRunner
 from tritonclient.utils import InferenceServerException
 
@@ -98,6 +101,7 @@ def tls_server(
     log = tmp_path_factory.mktemp("log") / "server.log"
     args = ["--grpc-use-ssl", "--grpc-server-cert", str(certs.server_cert)]
     args += ["--grpc-server-key", str(certs.server_key)]
+    args += ["--http-ssl-cert", str(certs.server_cert), "--http-ssl-key", str(certs.server_key)]
     args += ["--config", str(_serve_config(tmp_path_factory)), "--log-level", "info"]
     with run_server(repository, *args, log=log) as running:
         yield running
@@ -120,7 +124,10 @@ def mutual_server(
 def _client(server: Server, certs: Certs, *, cert: bool = False) -> triton.InferenceServerClient:
     options: dict[str, Any] = {"ssl": True, "root_certificates": str(certs.ca)}
     if cert:
-        options |= {"private_key": str(certs.client_key), "certificate_chain": str(certs.client_cert)}
+        options |= {
+            "private_key": str(certs.client_key),
+            "certificate_chain": str(certs.client_cert),
+        }
     return triton.InferenceServerClient(server.grpc, **options)
 
 
@@ -222,14 +229,102 @@ def test_every_worker_serves_tls(
     log = tmp_path_factory.mktemp("log") / "server.log"
     args = ["--workers", "2", "--grpc-use-ssl-mutual", "--grpc-server-cert", str(certs.server_cert)]
     args += ["--grpc-server-key", str(certs.server_key), "--grpc-root-cert", str(certs.ca)]
+    args += ["--http-ssl-cert", str(certs.server_cert), "--http-ssl-key", str(certs.server_key)]
     with run_server(repository, *args, log=log) as running:
+        assert running.url.startswith("https://")
         # New connections spread over the workers: several clients reach both.
         for _ in range(6):
             with _client(running, certs, cert=True) as client:
                 _check_infer(client)
+            with _https(certs) as http:
+                assert http.get(f"{running.url}/v2/health/ready").status_code == 200
         with _client(running, certs) as anonymous, pytest.raises(InferenceServerException):
             anonymous.is_server_live(client_timeout=10)
     assert "Traceback" not in running.log_text(), running.log_text()[-4000:]
+
+
+# -- HTTPS -----------------------------------------------------------------------------------
+
+
+def _https(certs: Certs) -> httpx.Client:
+    return httpx.Client(verify=ssl.create_default_context(cafile=str(certs.ca)), timeout=WAIT_S)
+
+
+def test_https_serves_the_v2_api(tls_server: Server, certs: Certs) -> None:
+    assert tls_server.url.startswith("https://127.0.0.1:")
+    _, a, b = simple_inputs(2)
+    body = {
+        "inputs": [
+            {"name": name, "shape": [2, 16], "datatype": "INT32", "data": array.ravel().tolist()}
+            for name, array in (("a", a), ("b", b))
+        ]
+    }
+    with _https(certs) as http:
+        assert http.get(f"{tls_server.url}/v2/health/ready").status_code == 200
+        # Keep-alive: several requests on the one TLS connection.
+        for _ in range(3):
+            answer = http.post(f"{tls_server.url}/v2/models/simple/infer", json=body)
+            assert answer.status_code == 200, answer.text
+            outputs = {o["name"]: o["data"] for o in answer.json()["outputs"]}
+            assert outputs["sum"] == (a + b).ravel().tolist()
+    # tritonclient.http (geventhttpclient), binary tensors and all.
+    client = triton_http.InferenceServerClient(
+        tls_server.url.removeprefix("https://"), ssl=True, ssl_options={"ca_certs": str(certs.ca)}
+    )
+    try:
+        http_inputs = []
+        for name, array in (("a", a), ("b", b)):
+            http_inputs.append(triton_http.InferInput(name, [2, 16], "INT32"))
+            http_inputs[-1].set_data_from_numpy(array)
+        result = client.infer("simple", http_inputs)
+        np.testing.assert_array_equal(result.as_numpy("diff"), a - b)
+        assert client.get_model_metadata("simple")["name"] == "simple"
+    finally:
+        client.close()
+
+
+def test_https_offers_http11_by_alpn(tls_server: Server, certs: Certs) -> None:
+    context = ssl.create_default_context(cafile=str(certs.ca))
+    context.set_alpn_protocols(["h2", "http/1.1"])
+    port = int(tls_server.url.rsplit(":", 1)[1])
+    with (
+        socket.create_connection(("127.0.0.1", port), timeout=WAIT_S) as raw,
+        context.wrap_socket(raw, server_hostname="127.0.0.1") as tls,
+    ):
+        assert tls.selected_alpn_protocol() == "http/1.1"
+        tls.sendall(b"GET /v2/health/live HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n")
+        answer = b""
+        while chunk := tls.recv(65536):
+            answer += chunk
+    assert answer.startswith(b"HTTP/1.1 200"), answer[:200]
+
+
+def test_plain_http_to_https_fails_and_the_server_goes_on(tls_server: Server, certs: Certs) -> None:
+    plain = tls_server.url.replace("https://", "http://")
+    with httpx.Client(timeout=WAIT_S) as http, pytest.raises(httpx.HTTPError):
+        http.get(f"{plain}/v2/health/ready")
+    port = int(tls_server.url.rsplit(":", 1)[1])
+    with socket.create_connection(("127.0.0.1", port), timeout=WAIT_S) as silent:
+        assert silent.recv(1024) == b""  # no handshake: dropped after head_timeout
+    with _https(certs) as http:
+        assert http.get(f"{tls_server.url}/v2/health/ready").status_code == 200
+    log = tls_server.log_text()
+    assert "HTTPS connection from" in log, log[-4000:]
+
+
+def test_a_bad_https_key_stops_serve_at_start(repository: Path, certs: Certs) -> None:
+    said = _serve_fails(
+        repository,
+        "--no-grpc",
+        "--http-ssl-cert",
+        str(certs.server_cert),
+        "--http-ssl-key",
+        str(certs.client_key),
+    )
+    assert "--http-ssl-key" in said, said
+    assert "does not match" in said, said
+    said = _serve_fails(repository, "--no-grpc", "--http-ssl-cert", str(certs.server_cert))
+    assert "--http-ssl-key" in said, said
 
 
 # -- bad settings stop serve at start ------------------------------------------------------
@@ -258,13 +353,12 @@ def test_a_missing_certificate_file_stops_serve_at_start(
         "--grpc-server-key",
         str(certs.server_key),
     )
-    assert "--grpc-server-cert" in said and str(missing) in said, said
+    assert "--grpc-server-cert" in said, said
+    assert str(missing) in said, said
     assert "cannot read" in said, said
 
 
-def test_a_key_of_another_certificate_stops_serve_at_start(
-    repository: Path, certs: Certs
-) -> None:
+def test_a_key_of_another_certificate_stops_serve_at_start(repository: Path, certs: Certs) -> None:
     said = _serve_fails(
         repository,
         "--grpc-use-ssl",
@@ -273,7 +367,8 @@ def test_a_key_of_another_certificate_stops_serve_at_start(
         "--grpc-server-key",
         str(certs.client_key),
     )
-    assert "--grpc-server-key" in said and str(certs.client_key) in said, said
+    assert "--grpc-server-key" in said, said
+    assert str(certs.client_key) in said, said
     assert "does not match" in said, said
 
 
@@ -290,7 +385,8 @@ def test_a_file_that_is_not_a_certificate_stops_serve_at_start(
         "--grpc-server-key",
         str(certs.server_key),
     )
-    assert "--grpc-server-cert" in said and str(junk) in said, said
+    assert "--grpc-server-cert" in said, said
+    assert str(junk) in said, said
     said = _serve_fails(
         repository,
         "--grpc-use-ssl-mutual",
@@ -301,7 +397,8 @@ def test_a_file_that_is_not_a_certificate_stops_serve_at_start(
         "--grpc-root-cert",
         str(junk),
     )
-    assert "--grpc-root-cert" in said and str(junk) in said, said
+    assert "--grpc-root-cert" in said, said
+    assert str(junk) in said, said
 
 
 def test_tls_without_its_files_stops_serve_at_start(repository: Path, certs: Certs) -> None:
@@ -337,4 +434,5 @@ def test_config_file_keys_name_themselves_and_resolve_beside_it(
         f'grpc_server_key = "{certs.server_key}"\n'
     )
     said = _serve_fails(repository, "--config", str(config))
-    assert "grpc_server_cert in" in said and str(tmp_path / "missing.pem") in said, said
+    assert "grpc_server_cert in" in said, said
+    assert str(tmp_path / "missing.pem") in said, said
