@@ -206,8 +206,8 @@ class ServerConfig:
         rate_limit_resources: Pool sizes as Triton's ``--rate-limit-resource``
             flags, ``NAME:COUNT[:DEVICE]``; a pool not sized holds the largest need.
         grpc_tls: Serve gRPC over TLS with these files (Triton's ``--grpc-use-ssl``
-            and ``--grpc-use-ssl-mutual``); `serve_http` reads them before loading
-            anything. None: plaintext.
+            and ``--grpc-use-ssl-mutual``; a [`TlsFiles`][trioinfer.server.TlsFiles]);
+            `serve_http` reads them before loading anything. None: plaintext.
         http_tls: Serve HTTPS with these files (``--http-ssl-cert`` and
             ``--http-ssl-key``; Triton has no HTTPS of its own); *mutual* is not
             supported there. None: plain HTTP.
