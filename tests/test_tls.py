@@ -327,6 +327,43 @@ def test_a_bad_https_key_stops_serve_at_start(repository: Path, certs: Certs) ->
     assert "--http-ssl-key" in said, said
 
 
+@pytest.mark.parametrize("loop", ["trio", "asyncio"])
+def test_large_messages_over_tls_and_a_drain(
+    repository: Path, certs: Certs, tmp_path_factory: pytest.TempPathFactory, loop: str
+) -> None:
+    # Many TLS records each way (a full socket on the way out, several records per read on
+    # the way in), on either loop; the server then stops with both clients connected.
+    log = tmp_path_factory.mktemp("log") / "server.log"
+    args = ["--loop", loop, "--grpc-use-ssl", "--grpc-server-cert", str(certs.server_cert)]
+    args += ["--grpc-server-key", str(certs.server_key)]
+    args += ["--http-ssl-cert", str(certs.server_cert), "--http-ssl-key", str(certs.server_key)]
+    rows = 16_384  # 1 MiB per input
+    a = np.arange(16 * rows, dtype=np.int32).reshape(rows, 16)
+    b = np.ones_like(a)
+    with run_server(repository, *args, log=log) as running:
+        grpc_client = _client(running, certs)
+        http_client = triton_http.InferenceServerClient(
+            running.url.removeprefix("https://"),
+            ssl=True,
+            ssl_options={"ca_certs": str(certs.ca)},
+            network_timeout=WAIT_S,
+        )
+        for _ in range(2):
+            grpc_inputs = [triton.InferInput(n, [rows, 16], "INT32") for n in ("a", "b")]
+            http_inputs = [triton_http.InferInput(n, [rows, 16], "INT32") for n in ("a", "b")]
+            for inputs in (grpc_inputs, http_inputs):
+                inputs[0].set_data_from_numpy(a)
+                inputs[1].set_data_from_numpy(b)
+            result: Any = grpc_client.infer("simple", grpc_inputs)
+            np.testing.assert_array_equal(result.as_numpy("sum"), a + b)
+            result = http_client.infer("simple", http_inputs)
+            np.testing.assert_array_equal(result.as_numpy("diff"), a - b)
+    # (run_server required exit status 0 after SIGTERM, with both clients still connected.)
+    grpc_client.close()
+    http_client.close()
+    assert "Traceback" not in running.log_text(), running.log_text()[-4000:]
+
+
 # -- bad settings stop serve at start ------------------------------------------------------
 
 
