@@ -511,6 +511,8 @@ class _Connection:
         conn = self._h2
         conn.initiate_connection()
         conn.increment_flow_control_window(_WINDOW * 16)
+        if self._server.draining:
+            self.goaway()
         try:
             async with self._open_group() as group:
                 self._group = group
@@ -1267,6 +1269,9 @@ class GrpcServer:
         self.connections: set[_Connection] = set()
         #: Set when a connection ends (replaced by whoever waits for it).
         self.closed = anyio.Event()
+        #: `drain` began: a connection that starts now (its TLS handshake ended
+        #: meanwhile) is told to go away at once, after its preface.
+        self.draining = False
 
     async def connection(self, socket: anyio.abc.ByteStream) -> None:
         """Serve one accepted connection (a socket's stream, or TLS over one) until it closes."""
@@ -1280,6 +1285,7 @@ class GrpcServer:
 
     async def drain(self, period: float) -> None:
         """Send every connection a GOAWAY and wait up to *period* seconds for its calls to end."""
+        self.draining = True
         for conn in list(self.connections):
             conn.goaway()
         with anyio.move_on_after(period):
