@@ -321,6 +321,10 @@ def serve(ctx: click.Context, /, **options: Any) -> None:
     inference.GRPCInferenceService, streaming included), from the same engine
     with the same limits and token (sent as 'authorization' metadata).
     NVIDIA's tritonclient (http and grpc) works against it unchanged.
+    --grpc-use-ssl (or --grpc-use-ssl-mutual, which requires client
+    certificates) serves gRPC over TLS with Triton's flags; --http-ssl-cert
+    and --http-ssl-key serve HTTPS (trioinfer's own flags). The certificate
+    files are checked before anything loads.
 
     With no options it serves the bundled example repository on
     http://127.0.0.1:8000 and gRPC on 127.0.0.1:8001: "digits" (an ONNX MLP
