@@ -364,6 +364,26 @@ def test_large_messages_over_tls_and_a_drain(
     assert "Traceback" not in running.log_text(), running.log_text()[-4000:]
 
 
+def test_mutual_tls_trusts_the_root_alone(
+    certs: Certs, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Not the system's CAs besides: a client certificate from any public CA would pass.
+    # OpenSSL's default store read from SSL_CERT_FILE stands for the system's here.
+    from trioinfer.server import TlsFiles
+    from trioinfer.server._tls import server_context
+
+    system = tmp_path / "system-ca.pem"
+    trustme.CA().cert_pem.write_to_path(str(system))
+    monkeypatch.setenv("SSL_CERT_FILE", str(system))
+    context = server_context(TlsFiles(certs.server_cert, certs.server_key, certs.ca, mutual=True))
+    assert context.verify_mode == ssl.CERT_REQUIRED
+    trusted = context.get_ca_certs(binary_form=True)
+    assert trusted == [ssl.PEM_cert_to_DER_cert(certs.ca.read_text())]
+    assert context.minimum_version >= ssl.TLSVersion.TLSv1_2
+    plain = server_context(TlsFiles(certs.server_cert, certs.server_key))
+    assert plain.verify_mode == ssl.CERT_NONE
+
+
 # -- bad settings stop serve at start ------------------------------------------------------
 
 

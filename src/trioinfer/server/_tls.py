@@ -104,13 +104,16 @@ def server_context(
                 f"{said(which)}: cannot read it ({exc.strerror or exc}); expected a "
                 "readable PEM file"
             ) from None
-    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    # Not ssl.create_default_context(), which trusts the system's CAs: under mutual TLS
+    # any client certificate from a public CA would pass. Only *root* is trusted here.
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.options |= ssl.OP_NO_COMPRESSION
     # HTTP/2 over TLS needs 1.2 or later (RFC 9113, section 9.2); so does every gRPC client.
     context.minimum_version = ssl.TLSVersion.TLSv1_2
     context.set_alpn_protocols([alpn])
     context.sslsocket_class = _TlsSocket  # for the HTTP server's sockets (gRPC's use no socket)
     # The certificate alone first: load_cert_chain's error would not say which file is bad.
-    _load_verify(ssl.create_default_context(), files.cert, said("cert"))
+    _load_verify(ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT), files.cert, said("cert"))
     try:
         context.load_cert_chain(files.cert, files.key, password=_no_password)
     except _EncryptedKey:
