@@ -7,6 +7,7 @@ throwaway CA, its server certificate for 127.0.0.1 and a client's).
 
 from __future__ import annotations
 
+import functools
 import queue
 import socket
 import ssl
@@ -15,6 +16,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import anyio
 import attrs
 import httpx
 import numpy as np
@@ -382,6 +384,45 @@ def test_mutual_tls_trusts_the_root_alone(
     assert context.minimum_version >= ssl.TLSVersion.TLSv1_2
     plain = server_context(TlsFiles(certs.server_cert, certs.server_key))
     assert plain.verify_mode == ssl.CERT_NONE
+
+
+@pytest.mark.parametrize("backend", ["trio", "asyncio"])
+def test_serve_asgi_over_tls_says_https_in_the_scope(certs: Certs, backend: str) -> None:
+    from trioinfer.server import TlsFiles
+    from trioinfer.server._http_server import serve_asgi
+    from trioinfer.server._tls import server_context
+
+    async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            raise RuntimeError("no lifespan")  # served without one
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": scope["scheme"].encode()})
+
+    context = server_context(TlsFiles(certs.server_cert, certs.server_key), alpn="http/1.1")
+
+    async def main() -> tuple[str, str]:
+        shutdown = anyio.Event()
+        async with anyio.create_task_group() as tg:
+            urls = await tg.start(
+                functools.partial(
+                    serve_asgi,
+                    app,
+                    "127.0.0.1",
+                    0,
+                    shutdown=shutdown,
+                    graceful_timeout=1.0,
+                    ssl_context=context,
+                )
+            )
+            verify = ssl.create_default_context(cafile=str(certs.ca))
+            async with httpx.AsyncClient(verify=verify, timeout=WAIT_S) as client:
+                answer = await client.get(f"{urls[0]}/")
+            shutdown.set()
+        return urls[0], answer.text
+
+    url, scheme = anyio.run(main, backend=backend)
+    assert url.startswith("https://127.0.0.1:")
+    assert scheme == "https"
 
 
 # -- bad settings stop serve at start ------------------------------------------------------
