@@ -137,7 +137,7 @@ def _wait_listening(
                 f"log:\n{log_tail(log)}"
             )
         seen.append(line)
-        match = re.search(r"listening on (http://\S+)", line)
+        match = re.search(r"listening on (https?://\S+)", line)
         if match:
             return Started(match.group(1), process, seen)
 

@@ -50,8 +50,8 @@ PUBLIC = {
     },
     "trioinfer.server": {
         "Limits", "Listening", "ModelRepository", "PayloadTooLarge", "RequestError",
-        "ServerConfig", "ServerState", "UnsupportedEncoding", "VersionPolicy", "create_app",
-        "serve_http", "status_for",
+        "ServerConfig", "ServerState", "TlsFiles", "UnsupportedEncoding", "VersionPolicy",
+        "create_app", "serve_http", "status_for",
         # The V2 codec: what a client (trioinfer bench) needs to speak the protocol.
         "InferRequest", "RequestedOutput", "decode_infer_request", "encode_infer_request",
         "v2_datatype", "v2_numpy_dtype",

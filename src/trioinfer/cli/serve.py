@@ -36,6 +36,13 @@ _SERVE_KEYS: Final = frozenset(
         "port",
         "grpc",
         "grpc_port",
+        "grpc_use_ssl",
+        "grpc_use_ssl_mutual",
+        "grpc_server_cert",
+        "grpc_server_key",
+        "grpc_root_cert",
+        "http_ssl_cert",
+        "http_ssl_key",
         "models",
         "drain_period",
         "repository_poll_secs",
@@ -103,6 +110,21 @@ def _interval_ms(_ctx: click.Context, _param: click.Parameter, value: int) -> in
     help="Port to listen on; 0 picks a free one.",
 )
 @click.option(
+    "--http-ssl-cert",
+    type=click.Path(dir_okay=False, path_type=str),
+    default=None,
+    metavar="FILE",
+    help="Serve HTTPS (ALPN http/1.1) with this PEM certificate (and its chain) and "
+    "--http-ssl-key. trioinfer's own flag: Triton serves no HTTPS.",
+)
+@click.option(
+    "--http-ssl-key",
+    type=click.Path(dir_okay=False, path_type=str),
+    default=None,
+    metavar="FILE",
+    help="The PEM private key of --http-ssl-cert (not encrypted).",
+)
+@click.option(
     "--grpc/--no-grpc",
     default=True,
     show_default=True,
@@ -115,6 +137,50 @@ def _interval_ms(_ctx: click.Context, _param: click.Parameter, value: int) -> in
     default=DEFAULT_GRPC_PORT,
     show_default=True,
     help="Port for gRPC, on the same --host; 0 picks a free one (the default with --port 0).",
+)
+@click.option(
+    "--grpc-use-ssl",
+    type=click.BOOL,
+    is_flag=False,
+    flag_value=True,
+    default=False,
+    show_default=True,
+    metavar="[BOOL]",
+    help="Serve gRPC over TLS (ALPN h2), with --grpc-server-cert and --grpc-server-key; "
+    "as Triton's, it takes a value too (--grpc-use-ssl=1, --grpc-use-ssl=true).",
+)
+@click.option(
+    "--grpc-use-ssl-mutual",
+    type=click.BOOL,
+    is_flag=False,
+    flag_value=True,
+    default=False,
+    show_default=True,
+    metavar="[BOOL]",
+    help="Serve gRPC over mutual TLS: as --grpc-use-ssl (which it implies), and every "
+    "client must present a certificate signed by --grpc-root-cert.",
+)
+@click.option(
+    "--grpc-server-cert",
+    type=click.Path(dir_okay=False, path_type=str),
+    default=None,
+    metavar="FILE",
+    help="The server's PEM certificate (and its chain) for gRPC over TLS.",
+)
+@click.option(
+    "--grpc-server-key",
+    type=click.Path(dir_okay=False, path_type=str),
+    default=None,
+    metavar="FILE",
+    help="The PEM private key of --grpc-server-cert (not encrypted).",
+)
+@click.option(
+    "--grpc-root-cert",
+    type=click.Path(dir_okay=False, path_type=str),
+    default=None,
+    metavar="FILE",
+    help="PEM certificate(s) that client certificates must be signed by; used with "
+    "--grpc-use-ssl-mutual only (as Triton's).",
 )
 @click.option(
     "--config",
@@ -297,6 +363,10 @@ def serve(ctx: click.Context, /, **options: Any) -> None:
     inference.GRPCInferenceService, streaming included), from the same engine
     with the same limits and token (sent as 'authorization' metadata).
     NVIDIA's tritonclient (http and grpc) works against it unchanged.
+    --grpc-use-ssl (or --grpc-use-ssl-mutual, which requires client
+    certificates) serves gRPC over TLS with Triton's flags; --http-ssl-cert
+    and --http-ssl-key serve HTTPS (trioinfer's own flags). The certificate
+    files are checked before anything loads.
 
     With no options it serves the bundled example repository on
     http://127.0.0.1:8000 and gRPC on 127.0.0.1:8001: "digits" (an ONNX MLP
@@ -354,6 +424,8 @@ def serve(ctx: click.Context, /, **options: Any) -> None:
             metrics_interval_s=settings["metrics_interval_ms"] / 1000,
             allow_cpu_metrics=settings["allow_cpu_metrics"],
             allow_gpu_metrics=settings["allow_gpu_metrics"],
+            grpc_tls=_grpc_tls(settings),
+            http_tls=_http_tls(settings),
         )
     except (TypeError, TrioInferError) as exc:
         raise click.UsageError(f"invalid server settings: {exc}") from exc
@@ -366,6 +438,15 @@ def serve(ctx: click.Context, /, **options: Any) -> None:
         )
     repository = settings["model_repository"] or example_repository()
     grpc_port = _grpc_port(ctx, settings)
+    if config.grpc_tls is not None:
+        if grpc_port is None:
+            raise click.UsageError(
+                f"invalid server settings: {_said_tls(settings)} serves gRPC over TLS, but "
+                f"{_said(settings, 'grpc')} serves no gRPC; drop one of the two"
+            )
+        _check_tls_files(config.grpc_tls, settings)
+    if config.http_tls is not None:
+        _check_tls_files(config.http_tls, settings, http=True)
     try:
         if workers == 1:
             anyio.run(
@@ -483,7 +564,8 @@ def _grpc_port(ctx: click.Context, settings: dict[str, Any]) -> int | None:
     grpc_given = ctx.get_parameter_source("grpc") not in (None, source.DEFAULT) or (
         "grpc" in from_file
     )
-    asked = port_given or grpc_given
+    tls_given = bool(settings.get("grpc_use_ssl") or settings.get("grpc_use_ssl_mutual"))
+    asked = port_given or grpc_given or tls_given
     missing = [m for m in ("grpc", "grpc_tools", "google.protobuf") if not _importable(m)]
     if missing:
         why = (
@@ -506,6 +588,85 @@ def _grpc_port(ctx: click.Context, settings: dict[str, Any]) -> int | None:
             f"{_said_key(settings, 'grpc_port')} (Triton's is 8001), or pass --no-grpc"
         )
     return grpc_port
+
+
+def _grpc_tls(settings: Mapping[str, Any]) -> Any:
+    """The gRPC endpoint's `TlsFiles` from the --grpc-use-ssl* options, or None for plaintext.
+
+    As Triton's: --grpc-use-ssl-mutual implies --grpc-use-ssl, and the files are
+    ignored without either (said on the log, since a forgotten flag would
+    otherwise serve plaintext unnoticed).
+    """
+    from ..server._tls import TlsFiles
+
+    mutual = bool(settings.get("grpc_use_ssl_mutual"))
+    files = {k: settings.get(f"grpc_{k}") for k in ("server_cert", "server_key", "root_cert")}
+    if not (settings.get("grpc_use_ssl") or mutual):
+        given = [_said_key(settings, f"grpc_{k}") for k, v in files.items() if v is not None]
+        if given:
+            logging.getLogger("trioinfer.server").warning(
+                "%s given without --grpc-use-ssl or --grpc-use-ssl-mutual: ignored, gRPC is "
+                "served in plaintext",
+                ", ".join(given),
+            )
+        return None
+    missing = [_said_key(settings, f"grpc_{k}") for k in ("server_cert", "server_key")]
+    missing = [
+        m for m, k in zip(missing, ("server_cert", "server_key"), strict=True) if not files[k]
+    ]
+    if missing:
+        raise click.UsageError(
+            f"invalid server settings: {_said_tls(settings)} needs the server's certificate and "
+            f"key, and {' and '.join(missing)} {'is' if len(missing) == 1 else 'are'} not given"
+        )
+    if mutual and not files["root_cert"]:
+        raise click.UsageError(
+            f"invalid server settings: {_said(settings, 'grpc_use_ssl_mutual')} needs "
+            f"{_said_key(settings, 'grpc_root_cert')}, the certificate(s) client certificates "
+            "must be signed by"
+        )
+    return TlsFiles(
+        files["server_cert"], files["server_key"], files["root_cert"] if mutual else None, mutual
+    )
+
+
+def _said_tls(settings: Mapping[str, Any]) -> str:
+    # Which of the two switches turned TLS on, as the user gave it.
+    key = "grpc_use_ssl_mutual" if settings.get("grpc_use_ssl_mutual") else "grpc_use_ssl"
+    return _said(settings, key)
+
+
+def _http_tls(settings: Mapping[str, Any]) -> Any:
+    """The HTTP endpoint's `TlsFiles` from --http-ssl-cert and --http-ssl-key, or None."""
+    from ..server._tls import TlsFiles
+
+    cert, key = settings.get("http_ssl_cert"), settings.get("http_ssl_key")
+    if cert is None and key is None:
+        return None
+    if cert is None or key is None:
+        given, missing = ("http_ssl_cert", "http_ssl_key")[:: 1 if cert is not None else -1]
+        raise click.UsageError(
+            f"invalid server settings: {_said_key(settings, given)} needs "
+            f"{_said_key(settings, missing)} too (HTTPS needs the certificate and its key)"
+        )
+    return TlsFiles(cert, key)
+
+
+def _check_tls_files(files: Any, settings: Mapping[str, Any], *, http: bool = False) -> None:
+    # Read once here, before a model loads or a worker starts: a bad file stops serve now.
+    from ..server._tls import server_context
+
+    keys = (
+        {"cert": "http_ssl_cert", "key": "http_ssl_key"}
+        if http
+        else {"cert": "grpc_server_cert", "key": "grpc_server_key", "root": "grpc_root_cert"}
+    )
+    flags = {which: _said_key(settings, key) for which, key in keys.items()}
+    try:
+        server_context(files, alpn="http/1.1" if http else "h2", flags=flags)
+    except TrioInferError as exc:
+        what = "HTTPS" if http else "gRPC over TLS"
+        raise click.ClickException(f"cannot serve {what}: {exc}") from None
 
 
 def _importable(module: str) -> bool:
@@ -543,6 +704,17 @@ def _serve_settings(ctx: click.Context, options: dict[str, Any]) -> dict[str, An
     if "model_repository" in data:
         _check_string(config_file, "model_repository", data["model_repository"])
         data["model_repository"] = config_file.parent / data["model_repository"]
+    for key in (
+        "grpc_server_cert",
+        "grpc_server_key",
+        "grpc_root_cert",
+        "http_ssl_cert",
+        "http_ssl_key",
+    ):
+        if key in data:
+            # Beside the file, as model_repository is.
+            _check_string(config_file, key, data[key])
+            data[key] = str(config_file.parent / data[key])
     params = {param.name: param for param in ctx.command.params}
     from_file: dict[str, Path] = {}
     for key, value in data.items():
@@ -704,7 +876,7 @@ async def _serve(
             listening.failed,
             repository,
             url,
-            _grpc_line(listening.grpc),
+            _grpc_line(listening.grpc, config.grpc_tls),
             f"listening on {url} (Ctrl+C to stop)",
         )
 
@@ -723,14 +895,19 @@ async def _serve_workers(repository: Path, *, workers: int, **options: Any) -> N
             listening.failed,
             repository,
             url,
-            _grpc_line(listening.grpc),
+            _grpc_line(listening.grpc, options["config"].grpc_tls),
             f"{workers} workers (pids {pids}) listening on {url} (Ctrl+C to stop)",
         )
 
 
-def _grpc_line(address: str | None) -> str | None:
-    """The banner's gRPC line, or None when gRPC is not served."""
-    return None if address is None else f"gRPC on {address} (inference.GRPCInferenceService)"
+def _grpc_line(address: str | None, tls: Any = None) -> str | None:
+    """The banner's gRPC line, or None when gRPC is not served; *tls*: its `TlsFiles`."""
+    if address is None:
+        return None
+    over = ""
+    if tls is not None:
+        over = " over mutual TLS" if tls.mutual else " over TLS"
+    return f"gRPC on {address} (inference.GRPCInferenceService{over})"
 
 
 def _banner(

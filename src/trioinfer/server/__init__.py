@@ -32,3 +32,4 @@ from ._repository import ModelRepository as ModelRepository
 from ._repository import VersionPolicy as VersionPolicy
 from ._serve import Listening as Listening
 from ._serve import serve_http as serve_http
+from ._tls import TlsFiles as TlsFiles

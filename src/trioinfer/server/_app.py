@@ -75,6 +75,7 @@ from ._models import ServedModels, ServedVersion
 from ._poll import REFUSED as POLLING_REFUSED
 from ._repository import VersionPolicy
 from ._shm import SystemSharedMemory
+from ._tls import TlsFiles
 from ._triton import own_parameters, rate_limiter_json, with_defaults
 
 if TYPE_CHECKING:
@@ -211,6 +212,12 @@ class ServerConfig:
             (Triton's ``--allow-cpu-metrics``).
         allow_gpu_metrics: Report each GPU's utilization, memory and power,
             through NVML (Triton's ``--allow-gpu-metrics``).
+        grpc_tls: Serve gRPC over TLS with these files (Triton's ``--grpc-use-ssl``
+            and ``--grpc-use-ssl-mutual``; a [`TlsFiles`][trioinfer.server.TlsFiles]);
+            `serve_http` reads them before loading anything. None: plaintext.
+        http_tls: Serve HTTPS with these files (``--http-ssl-cert`` and
+            ``--http-ssl-key``; Triton has no HTTPS of its own); *mutual* is not
+            supported there. None: plain HTTP.
     """
 
     limits: Limits = attrs.field(factory=Limits)
@@ -240,6 +247,14 @@ class ServerConfig:
                 f"metrics_interval_s must be a finite number of seconds above 0 (the host "
                 f"metrics' sampling interval), got {value!r}"
             )
+
+    grpc_tls: TlsFiles | None = None
+    http_tls: TlsFiles | None = attrs.field(default=None)
+
+    @http_tls.validator
+    def _check_http_tls(self, _attribute: attrs.Attribute[Any], value: TlsFiles | None) -> None:
+        if value is not None and value.mutual:
+            raise ConfigError("http_tls: mutual TLS is served on gRPC only, not over HTTP")
 
     @rate_limit.validator
     def _check_rate_limit(self, _attribute: attrs.Attribute[Any], value: object) -> None:

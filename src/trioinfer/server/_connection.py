@@ -47,6 +47,7 @@ from __future__ import annotations
 import logging
 import select
 import socket
+import ssl
 from contextlib import suppress
 from functools import partial
 from typing import Any, Final, final
@@ -241,6 +242,7 @@ class Connection:
         "io",
         "lifespan_state",
         "linger",
+        "scheme",
         "server_addr",
         "shared",
         "sock",
@@ -261,6 +263,8 @@ class Connection:
         self.sock = sock
         self.client = client
         self.server_addr = server_addr
+        #: The ASGI scope's scheme: "https" on a TLS socket (``_tls.tls_handshake``).
+        self.scheme = "https" if isinstance(sock, ssl.SSLSocket) else "http"
         self.framing = RequestFraming(
             max_head_bytes=shared.max_head_bytes,
             max_headers=shared.max_headers,

@@ -167,7 +167,7 @@ class RequestCycle(RequestHead):
             "http_version": self.http_version,
             "server": conn.server_addr,
             "client": conn.client,
-            "scheme": "http",
+            "scheme": conn.scheme,
             "method": method,
             "root_path": "",
             "path": path,

@@ -25,6 +25,7 @@ from __future__ import annotations
 import inspect
 import logging
 import math
+import ssl
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from typing import Any, Final, final
@@ -87,6 +88,7 @@ from ._errors import NotReady, Unauthorized
 from ._grpc_h2 import GrpcCall, GrpcError, GrpcServer, Method
 from ._http2 import ProtocolError
 from ._models import ServedVersion
+from ._tls import handshake
 
 log = logging.getLogger("trioinfer.server")
 
@@ -1143,6 +1145,7 @@ async def serve_grpc(
     *,
     shutdown: anyio.Event,
     reuse_port: bool = False,
+    ssl_context: ssl.SSLContext | None = None,
     task_status: anyio.abc.TaskStatus[str] = anyio.TASK_STATUS_IGNORED,
 ) -> None:
     """Serve *state* over V2 gRPC on *host*:*port* until *shutdown* is set, then drain.
@@ -1155,6 +1158,11 @@ async def serve_grpc(
     one is under ``serve --workers N``: every worker listens on the one gRPC
     port and the kernel spreads new connections (not calls: a connection's
     calls stay with the worker that accepted it) among them.
+
+    With *ssl_context* (from `server_context`, offering ALPN ``h2``) every
+    connection is TLS: its handshake runs in the connection's own task and must
+    end within ``head_timeout``, or the client is dropped (as is one that fails
+    it: plaintext, or without a trusted certificate under mutual TLS).
 
     Raises:
         OSError: The address cannot be bound.
@@ -1175,16 +1183,26 @@ async def serve_grpc(
         raise listen_error(host, port, exc) from None
     bound = listener.extra(anyio.abc.SocketAttribute.local_port)
     address = f"{_bracket(host)}:{bound}"
+    handler: Callable[[Any], Awaitable[None]] = server.connection
+    if ssl_context is not None:
+        context, timeout = ssl_context, limits.head_timeout
+
+        async def handler(stream: anyio.abc.SocketStream) -> None:
+            # Each handshake in its connection's task: a slow one holds no other.
+            secured = await handshake(stream, context, timeout, "gRPC")
+            if secured is not None:
+                await server.connection(secured)
+
     async with anyio.create_task_group() as connections:
         accepting = anyio.CancelScope()
 
         async def accept() -> None:
             with accepting:
                 async with listener:
-                    await listener.serve(server.connection, task_group=connections)
+                    await listener.serve(handler, task_group=connections)
 
         connections.start_soon(accept)
-        log.info("serving gRPC on %s", address)
+        log.info("serving gRPC%s on %s", " over TLS" if ssl_context is not None else "", address)
         task_status.started(address)
         try:
             await shutdown.wait()

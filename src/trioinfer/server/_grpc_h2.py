@@ -78,6 +78,7 @@ import outcome
 import sniffio
 import trio
 import trio.lowlevel
+from anyio.streams.tls import TLSAttribute
 
 from . import _http2
 from ._http2 import ProtocolError, StreamClosedError
@@ -453,7 +454,7 @@ class _Connection:
 
     def __init__(
         self,
-        socket: anyio.abc.SocketStream,
+        socket: anyio.abc.ByteStream,
         methods: Mapping[str, Method],
         max_message: int,
         server: GrpcServer,
@@ -498,9 +499,10 @@ class _Connection:
         #: The socket itself, for `_write_now`: on Trio only, where nothing of what the
         #: writer sent is still buffered once its send returned (asyncio's transport may
         #: hold some back, which a write beside it would overtake).
+        #: Never under TLS, whose bytes must go through the stream's record layer.
         self._raw: stdsocket.socket | None = (
             socket.extra(anyio.abc.SocketAttribute.raw_socket, None)
-            if self._asyncio_calls is None
+            if self._asyncio_calls is None and socket.extra(TLSAttribute.tls_version, None) is None
             else None
         )
 
@@ -509,6 +511,8 @@ class _Connection:
         conn = self._h2
         conn.initiate_connection()
         conn.increment_flow_control_window(_WINDOW * 16)
+        if self._server.draining:
+            self.goaway()
         try:
             async with self._open_group() as group:
                 self._group = group
@@ -564,7 +568,10 @@ class _Connection:
         # when it had closed first), for at most _LINGER_S and _LINGER_BYTES.
         self.lingering = True
         with contextlib.suppress(Exception), anyio.move_on_after(_LINGER_S):
-            await self._socket.send_eof()
+            # A TLS stream cannot half-close (NotImplementedError): the client,
+            # told by the GOAWAY, closes first, and until then its bytes are read.
+            with contextlib.suppress(NotImplementedError):
+                await self._socket.send_eof()
             total = 0
             while total < _LINGER_BYTES:
                 total += len(await self._socket.receive(65536))
@@ -1262,9 +1269,12 @@ class GrpcServer:
         self.connections: set[_Connection] = set()
         #: Set when a connection ends (replaced by whoever waits for it).
         self.closed = anyio.Event()
+        #: `drain` began: a connection that starts now (its TLS handshake ended
+        #: meanwhile) is told to go away at once, after its preface.
+        self.draining = False
 
-    async def connection(self, socket: anyio.abc.SocketStream) -> None:
-        """Serve one accepted connection until it closes."""
+    async def connection(self, socket: anyio.abc.ByteStream) -> None:
+        """Serve one accepted connection (a socket's stream, or TLS over one) until it closes."""
         conn = _Connection(socket, self._methods, self._max, self)
         self.connections.add(conn)
         try:
@@ -1275,6 +1285,7 @@ class GrpcServer:
 
     async def drain(self, period: float) -> None:
         """Send every connection a GOAWAY and wait up to *period* seconds for its calls to end."""
+        self.draining = True
         for conn in list(self.connections):
             conn.goaway()
         with anyio.move_on_after(period):

@@ -20,9 +20,11 @@ per request; this server keeps one task per connection (and one for the
 whole server that notices clients hanging up) and, per small request, spawns
 no task, wakes no other task, enters no cancel scope and moves no deadline.
 
-Only plain HTTP/1.1 (and 1.0) is served: no TLS (terminate it in a proxy),
-no HTTP/2, no WebSocket; an ``Upgrade`` request is served as an ordinary
-request and the connection is closed after it.
+Only HTTP/1.1 (and 1.0) is served, in plaintext or over TLS (*ssl_context*:
+the standard library's ``ssl`` socket, non-blocking, its handshake in the
+connection's task under ``head_timeout``); no HTTP/2, no WebSocket; an
+``Upgrade`` request is served as an ordinary request and the connection is
+closed after it.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from __future__ import annotations
 import errno
 import logging
 import socket
+import ssl
 from typing import Final, Protocol, final
 
 import anyio
@@ -39,6 +42,7 @@ from ._connection import Connection, Hangups, Shared, hangup_watcher
 from ._cycle import ASGI3App
 from ._io import IO, open_io
 from ._lifespan import Lifespan
+from ._tls import tls_handshake
 
 __all__ = ["ASGI3App", "serve_asgi"]
 
@@ -77,6 +81,7 @@ async def serve_asgi(
     max_head_bytes: int = 64 * 1024,
     max_headers: int = 100,
     reuse_port: bool = False,
+    ssl_context: ssl.SSLContext | None = None,
     task_status: anyio.abc.TaskStatus[list[str]] = anyio.TASK_STATUS_IGNORED,
 ) -> None:
     """Serve *app* over HTTP/1.1 on *host*:*port* until *shutdown* is set, then drain.
@@ -112,8 +117,12 @@ async def serve_asgi(
         reuse_port: Bind with ``SO_REUSEPORT``, so that other processes serving
             the same app on the same port share its connections (the kernel
             spreads them), as ``trioinfer serve --workers`` does.
-        task_status: Receives the listening URLs, e.g. ``["http://127.0.0.1:8000"]``,
-            for ``start``.
+        ssl_context: Serve HTTPS with this server-side context (see
+            ``_tls.server_context``, with ALPN ``http/1.1``): each connection's
+            handshake must end within *head_timeout*, or the client is dropped
+            (as is one that fails it). None: plain HTTP.
+        task_status: Receives the listening URLs, e.g. ``["http://127.0.0.1:8000"]``
+            (``https://`` with *ssl_context*), for ``start``.
 
     Raises:
         ValueError: A timeout is not positive, or a size limit is not.
@@ -152,7 +161,7 @@ async def serve_asgi(
                     max_headers=max_headers,
                     hangups=hangups,
                 )
-                server = _Server(shared)
+                server = _Server(shared, ssl_context)
                 await _serve(server, listeners, shutdown, graceful_timeout, task_status)
             await lifespan.shutdown()
     finally:
@@ -180,7 +189,8 @@ async def _serve(
             for listener in listeners:
                 acceptors.start_soon(server.accept_loop, listener, connections)
             acceptors.start_soon(server.reap_idle)
-            task_status.started([_url(listener) for listener in listeners])
+            scheme = "https" if server.tls is not None else "http"
+            task_status.started([_url(listener, scheme) for listener in listeners])
             await shutdown.wait()
             acceptors.cancel_scope.cancel()
         _close_all(io, listeners)
@@ -243,21 +253,23 @@ def _close_all(io: IO, socks: list[socket.socket]) -> None:
             sock.close()
 
 
-def _url(sock: socket.socket) -> str:
+def _url(sock: socket.socket, scheme: str = "http") -> str:
     host, port = sock.getsockname()[:2]
     if ":" in host:
         host = f"[{host}]"
-    return f"http://{host}:{port}"
+    return f"{scheme}://{host}:{port}"
 
 
 @final
 class _Server:
     """The set of open connections, and what runs across them: accepting, reaping, shutdown."""
 
-    __slots__ = ("_all_closed", "_connections", "shared")
+    __slots__ = ("_all_closed", "_connections", "shared", "tls")
 
-    def __init__(self, shared: Shared) -> None:
+    def __init__(self, shared: Shared, tls: ssl.SSLContext | None = None) -> None:
         self.shared = shared
+        #: Serve each connection over TLS with this context (None: plaintext).
+        self.tls = tls
         self._connections: set[Connection] = set()
         self._all_closed = anyio.Event()
 
@@ -287,6 +299,11 @@ class _Server:
 
     async def _serve_connection(self, sock: socket.socket) -> None:
         shared = self.shared
+        if self.tls is not None:
+            secured = await tls_handshake(sock, self.tls, shared.io, shared.head_timeout)
+            if secured is None:
+                return
+            sock = secured
         try:
             sock.setblocking(False)
             # Responses go out in one write each; waiting for an ACK (Nagle) only adds latency.

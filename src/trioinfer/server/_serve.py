@@ -14,6 +14,7 @@ import functools
 import logging
 import os
 import signal
+import ssl
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -32,6 +33,7 @@ from ._metrics import InFlight, Metrics
 from ._models import ServedModels, public_names
 from ._poll import Fingerprint, poll_repository, snapshot
 from ._repository import ModelRepository
+from ._tls import HTTP_TLS_FLAGS, server_context
 
 if TYPE_CHECKING:
     from ._workers import WorkerLink
@@ -130,7 +132,9 @@ async def serve_http(
             for ``nursery.start``.
 
     Raises:
-        ConfigError: The repository is missing, or a named model does not exist.
+        ConfigError: The repository is missing, a named model does not exist, or a
+            file of ``config.grpc_tls`` or ``config.http_tls`` cannot be read or
+            used (checked first).
         ModuleNotFoundError: *grpc_port* is given but the ``grpc`` extra is not installed.
         OSError: A port cannot be bound (checked before the models load).
     """
@@ -140,6 +144,17 @@ async def serve_http(
     serve_grpc = _grpc_layer() if grpc_port is not None else None
     if config is None:
         config = ServerConfig()
+    # The certificate files are read now: a bad one stops the start, not a handshake later.
+    grpc_tls = (
+        server_context(config.grpc_tls)
+        if serve_grpc is not None and config.grpc_tls is not None
+        else None
+    )
+    http_tls = (
+        server_context(config.http_tls, alpn="http/1.1", flags=HTTP_TLS_FLAGS)
+        if config.http_tls is not None
+        else None
+    )
     repo = ModelRepository(repository)
     if not reuse_port:
         await _check_ports(host, port, grpc_port)
@@ -196,14 +211,27 @@ async def serve_http(
             async with anyio.create_task_group() as layers:
                 urls = await layers.start(
                     functools.partial(
-                        _serve_lean, app, host, port, config, stop, reuse_port=reuse_port
+                        _serve_lean,
+                        app,
+                        host,
+                        port,
+                        config,
+                        stop,
+                        reuse_port=reuse_port,
+                        ssl_context=http_tls,
                     )
                 )
                 address = None
                 if serve_grpc is not None:
                     address = await layers.start(
                         functools.partial(
-                            serve_grpc, state, host, grpc_port, shutdown=stop, reuse_port=reuse_port
+                            serve_grpc,
+                            state,
+                            host,
+                            grpc_port,
+                            shutdown=stop,
+                            reuse_port=reuse_port,
+                            ssl_context=grpc_tls,
                         )
                     )
                 task_status.started((urls, address))
@@ -326,6 +354,7 @@ async def _serve_lean(
     stop: anyio.Event,
     *,
     reuse_port: bool = False,
+    ssl_context: ssl.SSLContext | None = None,
     task_status: anyio.abc.TaskStatus[list[str]],
 ) -> None:
     limits = config.limits
@@ -341,6 +370,7 @@ async def _serve_lean(
         max_head_bytes=limits.max_head_bytes,
         max_headers=limits.max_headers,
         reuse_port=reuse_port,
+        ssl_context=ssl_context,
         task_status=task_status,
     )
 

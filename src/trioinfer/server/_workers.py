@@ -1410,6 +1410,9 @@ async def serve_workers(
             "exit_on_error": config.exit_on_error,
             "rate_limit": config.rate_limit,
             "rate_limit_resources": list(config.rate_limit_resources),
+            # The files' paths: each worker reads them and serves TLS as serve_http does.
+            "grpc_tls": None if config.grpc_tls is None else attrs.asdict(config.grpc_tls),
+            "http_tls": None if config.http_tls is None else attrs.asdict(config.http_tls),
         },
     }
     repo = ModelRepository(root)
@@ -1503,6 +1506,7 @@ def _worker_main(argv: list[str]) -> int:
     from ._logging import install_handler
     from ._models import public_names
     from ._serve import serve_http
+    from ._tls import TlsFiles
 
     index = int(argv[0])
     spec = json.loads(os.environ.pop(SPEC_ENV))
@@ -1522,6 +1526,8 @@ def _worker_main(argv: list[str]) -> int:
         exit_on_error=settings["exit_on_error"],
         rate_limit=settings["rate_limit"],
         rate_limit_resources=settings["rate_limit_resources"],
+        grpc_tls=None if settings.get("grpc_tls") is None else TlsFiles(**settings["grpc_tls"]),
+        http_tls=None if settings.get("http_tls") is None else TlsFiles(**settings["http_tls"]),
     )
     directory = Path(spec["directory"])
     link = WorkerLink(

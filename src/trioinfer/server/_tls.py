@@ -1,0 +1,290 @@
+"""TLS for the gRPC and HTTP endpoints: the certificate files, their checks, the handshakes.
+
+The files are read when the server starts (`server_context`), so that a
+missing, unreadable or mismatched file stops ``trioinfer serve`` at once with
+a message naming it, rather than failing every client's handshake later.
+Each connection's handshake then runs in that connection's own task, under
+the server's ``head_timeout`` (`handshake`): a client that connects and never
+finishes it holds nothing but its own socket, and is dropped.
+
+The handshake and the record layer are the standard library's ``ssl``
+module: for gRPC through ``anyio.streams.tls.TLSStream`` (on Trio and
+asyncio alike, `handshake`); for HTTP an ``ssl.SSLSocket`` in non-blocking
+mode (`tls_handshake`), since the HTTP server calls its sockets directly and
+waits through ``_io.py`` only when a call would block.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import logging
+import os
+import socket
+import ssl
+from typing import Any
+
+import anyio
+import anyio.abc
+import attrs
+from anyio.streams.tls import TLSStream
+
+from .._exceptions import ConfigError
+from ._io import IO
+
+__all__ = ["HTTP_TLS_FLAGS", "TlsFiles", "handshake", "server_context", "tls_handshake"]
+
+log = logging.getLogger("trioinfer.server")
+
+
+def _path(value: str | os.PathLike[str] | None) -> str | None:
+    return None if value is None else os.fspath(value)
+
+
+@attrs.frozen
+class TlsFiles:
+    """The files a TLS endpoint serves with (Triton's ``--grpc-server-cert`` and the rest).
+
+    Attributes:
+        cert: The server's certificate (PEM), optionally followed by its chain.
+        key: The certificate's private key (PEM, not encrypted).
+        root: Certificates (PEM) that a client's certificate must be signed by;
+            needed when *mutual* is true, and only read then.
+        mutual: Require each client to present a certificate signed by *root*
+            (mutual TLS, Triton's ``--grpc-use-ssl-mutual``); a client without one
+            fails the handshake.
+    """
+
+    cert: str = attrs.field(converter=_path)
+    key: str = attrs.field(converter=_path)
+    root: str | None = attrs.field(default=None, converter=_path)
+    mutual: bool = False
+
+    def __attrs_post_init__(self) -> None:
+        if self.mutual and self.root is None:
+            raise ConfigError(
+                "mutual TLS needs the root certificate that client certificates must be "
+                "signed by (--grpc-root-cert), and none was given"
+            )
+
+
+#: What each file is called in messages: the flags of ``trioinfer serve``.
+_FLAGS = {"cert": "--grpc-server-cert", "key": "--grpc-server-key", "root": "--grpc-root-cert"}
+#: The same for the HTTP endpoint's files.
+HTTP_TLS_FLAGS = {"cert": "--http-ssl-cert", "key": "--http-ssl-key"}
+
+
+def server_context(
+    files: TlsFiles, *, alpn: str = "h2", flags: dict[str, str] | None = None
+) -> ssl.SSLContext:
+    """The server-side ``SSLContext`` for *files*, offering *alpn*; reads and checks every file.
+
+    *flags* names each file (``cert``, ``key``, ``root``) in messages, by the
+    option it came from (by default the ``--grpc-*`` ones).
+
+    Raises:
+        ConfigError: A file is missing or unreadable, holds no PEM certificate (or
+            key), the key is encrypted or does not match the certificate; the
+            message names the file and the option it came from.
+    """
+    names = {**_FLAGS, **(flags or {})}
+
+    def said(which: str) -> str:
+        return f"{names[which]} {getattr(files, which)!r}"
+
+    for which in ("cert", "key", "root"):
+        path = getattr(files, which)
+        if path is None or (which == "root" and not files.mutual):
+            continue
+        try:
+            with open(path, "rb") as f:
+                f.read(1)
+        except OSError as exc:
+            raise ConfigError(
+                f"{said(which)}: cannot read it ({exc.strerror or exc}); expected a "
+                "readable PEM file"
+            ) from None
+    # Not ssl.create_default_context(), which trusts the system's CAs: under mutual TLS
+    # any client certificate from a public CA would pass. Only *root* is trusted here.
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.options |= ssl.OP_NO_COMPRESSION
+    # HTTP/2 over TLS needs 1.2 or later (RFC 9113, section 9.2); so does every gRPC client.
+    context.minimum_version = ssl.TLSVersion.TLSv1_2
+    context.set_alpn_protocols([alpn])
+    context.sslsocket_class = _TlsSocket  # for the HTTP server's sockets (gRPC's use no socket)
+    # The certificate alone first: load_cert_chain's error would not say which file is bad.
+    _load_verify(ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT), files.cert, said("cert"))
+    try:
+        context.load_cert_chain(files.cert, files.key, password=_no_password)
+    except _EncryptedKey:
+        raise ConfigError(
+            f"{said('key')} is encrypted (it asks for a password); expected an unencrypted "
+            "PEM private key"
+        ) from None
+    except ssl.SSLError as exc:
+        if "KEY_VALUES_MISMATCH" in str(exc) or "key values mismatch" in str(exc):
+            raise ConfigError(
+                f"{said('key')} does not match the certificate in {said('cert')}; expected the "
+                "private key of that certificate"
+            ) from None
+        raise ConfigError(
+            f"{said('key')} holds no usable private key ({exc.reason or exc}); expected a "
+            "PEM private key"
+        ) from None
+    if files.mutual:
+        assert files.root is not None  # TlsFiles checks it
+        _load_verify(context, files.root, said("root"))
+        context.verify_mode = ssl.CERT_REQUIRED
+    return context
+
+
+class _EncryptedKey(Exception):
+    pass
+
+
+def _no_password() -> bytes:
+    # Without a callback, OpenSSL would ask for the password on the terminal.
+    raise _EncryptedKey
+
+
+def _load_verify(context: ssl.SSLContext, path: str, said: str) -> None:
+    try:
+        context.load_verify_locations(cafile=path)
+    except ssl.SSLError as exc:
+        raise ConfigError(
+            f"{said} holds no PEM certificate ({exc.reason or exc}); expected one or more "
+            "'-----BEGIN CERTIFICATE-----' blocks"
+        ) from None
+
+
+async def handshake(
+    stream: anyio.abc.ByteStream, context: ssl.SSLContext, limit_s: float, what: str
+) -> TLSStream | None:
+    """The TLS stream over *stream* once its handshake is done; None if it failed (closed then).
+
+    A client that does not finish the handshake within *limit_s* seconds (the
+    server's ``head_timeout``: one that connected and said nothing, or speaks
+    plaintext and waits for an answer) is dropped, as is one that fails it (plaintext, no client
+    certificate under mutual TLS, an untrusted one); each is said on the log at
+    info level, with *what* (``"gRPC"``) and the client's address.
+    """
+    try:
+        with anyio.fail_after(limit_s):
+            # Not standard_compatible: closing sends no close_notify and waits for none
+            # (a client gone or silent would hold the close), and a client closing
+            # without one is an ordinary end (grpc-core's often do).
+            return await TLSStream.wrap(
+                stream, server_side=True, ssl_context=context, standard_compatible=False
+            )
+    except TimeoutError:
+        why = f"no TLS handshake within {limit_s}s (head_timeout)"
+    except ssl.SSLError as exc:
+        why = _failed(exc)
+    except (anyio.BrokenResourceError, anyio.EndOfStream, OSError):
+        why = _CLOSED
+    except BaseException:
+        await anyio.aclose_forcefully(stream)
+        raise
+    _dropped(what, stream.extra(anyio.abc.SocketAttribute.remote_address, None), why)
+    await anyio.aclose_forcefully(stream)
+    return None
+
+
+_CLOSED = "the client closed the connection during the TLS handshake"
+#: OpenSSL's reasons for a first record that is not TLS at all.
+_NOT_TLS = frozenset({"HTTP_REQUEST", "HTTPS_PROXY_REQUEST", "WRONG_VERSION_NUMBER"})
+
+
+def _failed(exc: ssl.SSLError) -> str:
+    reason = exc.reason or str(exc)
+    hint = " (the client speaks plaintext, not TLS)" if reason in _NOT_TLS else ""
+    return f"TLS handshake failed: {reason}{hint}"
+
+
+def _dropped(what: str, address: Any, why: str) -> None:
+    if isinstance(address, tuple) and len(address) >= 2:
+        host = f"[{address[0]}]" if ":" in str(address[0]) else address[0]
+        peer = f"{host}:{address[1]}"
+    else:
+        peer = "a client"
+    log.info("%s connection from %s closed: %s", what, peer, why)
+
+
+async def tls_handshake(
+    sock: socket.socket, context: ssl.SSLContext, io: IO, limit_s: float
+) -> socket.socket | None:
+    """*sock* (just accepted) as a non-blocking TLS socket once its handshake is done.
+
+    For the HTTP server: the socket returned reads and writes as a plain
+    non-blocking one does (`BlockingIOError` when a call would block), so the
+    connection code is the same for both. None if the handshake failed or did
+    not end within *limit_s* seconds (the server's ``head_timeout``); the
+    socket is closed then, and the log says why at info level.
+    """
+    try:
+        address = sock.getpeername()
+        sock.setblocking(False)
+        tls = context.wrap_socket(sock, server_side=True, do_handshake_on_connect=False)
+    except OSError:  # the client is already gone
+        sock.close()
+        return None
+    try:
+        with anyio.fail_after(limit_s):
+            while True:
+                try:
+                    tls.do_handshake()
+                except ssl.SSLWantReadError:
+                    await io.wait_readable(tls)
+                except ssl.SSLWantWriteError:
+                    await io.wait_writable(tls)
+                else:
+                    return tls
+    except TimeoutError:
+        why = f"no TLS handshake within {limit_s}s (head_timeout)"
+    except ssl.SSLError as exc:
+        why = _failed(exc)
+    except OSError:
+        why = _CLOSED
+    except BaseException:
+        io.notify_closing(tls)
+        tls.close()
+        raise
+    _dropped("HTTPS", address, why)
+    io.notify_closing(tls)
+    tls.close()
+    return None
+
+
+class _TlsSocket(ssl.SSLSocket):
+    """A non-blocking TLS socket that reads and writes as the HTTP server expects of a plain one.
+
+    ``SSLWantReadError`` and ``SSLWantWriteError`` become `BlockingIOError`
+    (the server waits and tries again), a read also takes what the TLS layer
+    already decrypted and holds (the socket would not turn readable for it),
+    and ``shutdown`` sends the TLS close (close_notify) before the TCP one.
+    """
+
+    def recv(self, buflen: int = 1024, flags: int = 0) -> bytes:
+        """Read up to *buflen* bytes, and what the TLS layer holds decrypted beyond them."""
+        try:
+            data = super().recv(buflen, flags)
+            while (held := self.pending()) > 0:
+                data += super().recv(held, flags)
+        except (ssl.SSLWantReadError, ssl.SSLWantWriteError):
+            raise BlockingIOError(errno.EAGAIN, "TLS: no complete record to read yet") from None
+        return data
+
+    def send(self, data: Any, flags: int = 0) -> int:
+        """Write *data* whole (a TLS write is not partial), or raise `BlockingIOError`."""
+        try:
+            return super().send(data, flags)
+        except (ssl.SSLWantReadError, ssl.SSLWantWriteError):
+            raise BlockingIOError(errno.EAGAIN, "TLS: the socket is full") from None
+
+    def shutdown(self, how: int) -> None:
+        """Send the TLS close (not waiting for the client's), then shut the socket down."""
+        # unwrap() sends close_notify, then would wait for the client's: non-blocking,
+        # it raises instead, and what the client still sends is read raw and dropped.
+        with contextlib.suppress(OSError, ValueError):
+            self.unwrap()
+        super().shutdown(how)
