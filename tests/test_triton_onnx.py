@@ -268,17 +268,21 @@ def write_vector(path: Path) -> None:
 
 
 def write_biased(path: Path) -> None:
-    """y = x + b over float32[N, 4]; b is an input with an initializer (ones): overridable."""
+    """y = x + b over float32[N, 4]; b is an input with an initializer (ones): overridable.
+
+    b is batched as x is (Triton gives every input of a batched model the batch
+    dimension); its initializer is one row, which Add broadcasts over x's rows.
+    """
     _save(
         helper.make_graph(
             [helper.make_node("Add", ["x", "b"], ["y"])],
             "biased",
             [
                 helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 4]),
-                helper.make_tensor_value_info("b", TensorProto.FLOAT, [4]),
+                helper.make_tensor_value_info("b", TensorProto.FLOAT, ["N", 4]),
             ],
             [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", 4])],
-            initializer=[numpy_helper.from_array(np.ones(4, np.float32), "b")],
+            initializer=[numpy_helper.from_array(np.ones((1, 4), np.float32), "b")],
         ),
         path,
     )
@@ -305,6 +309,7 @@ input [
   { name: "x" data_type: TYPE_FP32 dims: [ 4 ] },
   { name: "b" data_type: TYPE_FP32 dims: [ 4 ] optional: true }
 ]
+dynamic_batching { max_queue_delay_microseconds: 20000 }
 """
 REQUIRED = """\
 max_batch_size: 8
@@ -449,26 +454,52 @@ async def test_reshape_to_no_dims_and_without_a_batch(served: str) -> None:
 
 
 async def test_an_optional_input_that_the_graph_can_go_without(served: str) -> None:
-    x = np.zeros((2, 4), dtype=np.float32)
+    x = np.arange(8, dtype=np.float32).reshape(2, 4)
+    # Left out, the graph's own b (ones); sent, the request's.
     result = await trio.to_thread.run_sync(_infer, served, "optional", {"x": x})
-    np.testing.assert_array_equal(result.as_numpy("y"), x + 1)  # the graph's own b
+    np.testing.assert_array_equal(result.as_numpy("y"), x + 1)
+    b = np.full((2, 4), 10, dtype=np.float32)
+    result = await trio.to_thread.run_sync(_infer, served, "optional", {"x": x, "b": b})
+    np.testing.assert_array_equal(result.as_numpy("y"), x + 10)
     async with httpx.AsyncClient(base_url=served) as http:
         config = (await http.get("/v2/models/optional/config")).json()
+        metadata = (await http.get("/v2/models/optional")).json()
         index = (await http.post("/v2/repository/index")).json()
-        # Sent anyway, it is refused, naming it: the graph's own value is not fed from a
-        # request here (yet); the signature leaves the input out.
-        both = [
-            {"name": name, "shape": [1, 4], "datatype": "FP32", "data": [0] * 4}
-            for name in ("x", "b")
+        # The optional input does not stand in for a required one.
+        alone = {"name": "b", "shape": [1, 4], "datatype": "FP32", "data": [0] * 4}
+        missing = await http.post("/v2/models/optional/infer", json={"inputs": [alone]})
+        # Sent, it is checked as any input: the rows of x.
+        short = [
+            {"name": "x", "shape": [2, 4], "datatype": "FP32", "data": [0] * 8},
+            {"name": "b", "shape": [1, 4], "datatype": "FP32", "data": [0] * 4},
         ]
-        sent = await http.post("/v2/models/optional/infer", json={"inputs": both})
-    assert sent.status_code == 400, sent.text
-    assert "has no input named 'b'" in sent.json()["error"]
-    assert config["input"][1]["optional"] is True
+        misfit = await http.post("/v2/models/optional/infer", json={"inputs": short})
+    assert missing.status_code == 400, missing.text
+    assert "needs input 'x'" in missing.json()["error"]
+    assert misfit.status_code == 400, misfit.text
+    assert "disagree" in misfit.json()["error"]
+    # Metadata lists it (Triton's has no optional flag); the config says optional.
+    assert [t["name"] for t in metadata["inputs"]] == ["x", "b"]
+    assert metadata["inputs"][1] == {"name": "b", "datatype": "FP32", "shape": [-1, 4]}
+    assert (config["input"][1]["name"], config["input"][1]["optional"]) == ("b", True)
     (required,) = [row for row in index if row["name"] == "required"]
     assert required["state"] == "UNAVAILABLE"
     assert "declares input 'x' optional" in required["reason"]
     assert "the graph needs it" in required["reason"]
+
+
+async def test_optional_input_sent_and_left_out_batch_apart(served: str) -> None:
+    # Requests in flight together, some sending b, some not: each answered with its own
+    # b (the dynamic batcher puts together only requests that send the same inputs).
+    def one(i: int) -> None:
+        x = np.full((1 + i % 3, 4), i, dtype=np.float32)
+        arrays = {"x": x} if i % 2 else {"x": x, "b": x * 100}
+        result = _infer(served, "optional", arrays)
+        np.testing.assert_array_equal(result.as_numpy("y"), x + (1 if i % 2 else x * 100))
+
+    async with trio.open_nursery() as nursery:
+        for i in range(16):
+            nursery.start_soon(trio.to_thread.run_sync, one, i)
 
 
 @pytest.mark.parametrize(

@@ -927,6 +927,7 @@ class ModelRunner(metaclass=NoPublicConstructor):
         init=False
     )
     _pool: BufferPool = attrs.field(init=False)
+    _sets_differ: bool = attrs.field(default=False, init=False)
     _scope: anyio.CancelScope = attrs.field(factory=anyio.CancelScope, init=False)
     _finished: anyio.Event = attrs.field(factory=anyio.Event, init=False)
     _idle: anyio.Event | None = attrs.field(default=None, init=False)
@@ -1052,6 +1053,9 @@ class ModelRunner(metaclass=NoPublicConstructor):
         # Every request admitted passes validate_inputs against this signature, so
         # when it fixes every dtype and non-batch dimension, they all agree on them.
         self.queue.uniform = self.signature._fixed is not None
+        # Requests may send different sets of inputs (some optional ones left out):
+        # a batch is checked to hold one set before its inputs are concatenated.
+        self._sets_differ = self.signature._required_names != self.signature._input_names
         self.input_limits = self.config.input_limits
         #: validate_rows() for this model's requests, bound once.
         self.validate = rows_validator(
@@ -1457,6 +1461,11 @@ class ModelRunner(metaclass=NoPublicConstructor):
                     inputs = live[0].inputs  # its outputs are its own: no split
                 else:
                     names = live[0].inputs.keys()
+                    if self._sets_differ and any(r.inputs.keys() != names for r in live):
+                        # No rows to give an input some requests left out: the
+                        # batcher's to keep apart, as it keeps apart shapes that differ.
+                        self._fail_batch(live, "assemble", _MixedInputs(live))
+                        return True
                     inputs, taken = self._pool.concatenate(
                         # Every input of a request holds its rows (validate_inputs).
                         {name: [r.inputs[name] for r in live] for name in names},
@@ -2743,6 +2752,18 @@ def _probe_inputs(signature: ModelSignature) -> dict[str, Any]:
             np.full(shape, blank, dtype=object) if dtype.kind == "O" else np.zeros(shape, dtype)
         )
     return arrays
+
+
+class _MixedInputs(ValueError):
+    # What a batch of requests that send different sets of inputs fails with.
+    def __init__(self, requests: Sequence[Request]) -> None:
+        sets = sorted({tuple(sorted(r.inputs)) for r in requests})
+        super().__init__(
+            "its requests send different inputs ("
+            + " and ".join(str(list(names)) for names in sets)
+            + "), which cannot be concatenated; a batch must hold requests that send the "
+            "same inputs (a model's optional ones sent by all or by none)"
+        )
 
 
 def _not_a_batch(batch: object) -> str | None:
