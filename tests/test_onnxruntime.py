@@ -1785,3 +1785,24 @@ async def test_requests_that_send_different_inputs_batch_apart(model_dir: Path) 
     for i in range(8):
         np.testing.assert_array_equal(results[i], np.full((1, 4), i + (1 if i < 4 else 100 * i)))
     assert stats.executions == 2
+
+
+async def test_the_response_cache_tells_an_optional_input_sent_from_one_left_out(
+    model_dir: Path,
+) -> None:
+    # b sent with the graph's own value still has a key of its own: what was sent differs.
+    path = _write_biased(model_dir / "biased_cached.onnx")
+    x = np.zeros((1, 4), dtype=np.float32)
+    async with open_engine(cache_size=1 << 20) as engine:
+        await engine.load(_biased(path, response_cache=True))
+        sent = await engine.infer("biased", {"x": x, "b": np.full_like(x, 10)})
+        left_out = await engine.infer("biased", {"x": x})
+        ones = await engine.infer("biased", {"x": x, "b": np.ones_like(x)})
+        again = await engine.infer("biased", {"x": x})
+        cache = engine.statistics().models["biased"].cache
+    np.testing.assert_array_equal(sent["y"], x + 10)
+    np.testing.assert_array_equal(left_out["y"], x + 1)
+    np.testing.assert_array_equal(ones["y"], x + 1)
+    np.testing.assert_array_equal(again["y"], x + 1)
+    assert cache is not None
+    assert (cache.misses, cache.hits, cache.entries) == (3, 1, 3)

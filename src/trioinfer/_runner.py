@@ -1464,7 +1464,7 @@ class ModelRunner(metaclass=NoPublicConstructor):
                     if self._sets_differ and any(r.inputs.keys() != names for r in live):
                         # No rows to give an input some requests left out: the
                         # batcher's to keep apart, as it keeps apart shapes that differ.
-                        self._fail_batch(live, "assemble", _MixedInputs(live))
+                        self._fail_batch(live, "assemble", _mixed_inputs(live))
                         return True
                     inputs, taken = self._pool.concatenate(
                         # Every input of a request holds its rows (validate_inputs).
@@ -2754,16 +2754,15 @@ def _probe_inputs(signature: ModelSignature) -> dict[str, Any]:
     return arrays
 
 
-class _MixedInputs(ValueError):
+def _mixed_inputs(requests: Sequence[Request]) -> ValueError:
     # What a batch of requests that send different sets of inputs fails with.
-    def __init__(self, requests: Sequence[Request]) -> None:
-        sets = sorted({tuple(sorted(r.inputs)) for r in requests})
-        super().__init__(
-            "its requests send different inputs ("
-            + " and ".join(str(list(names)) for names in sets)
-            + "), which cannot be concatenated; a batch must hold requests that send the "
-            "same inputs (a model's optional ones sent by all or by none)"
-        )
+    sets = sorted({tuple(sorted(r.inputs)) for r in requests})
+    return ValueError(
+        "its requests send different inputs ("
+        + " and ".join(str(list(names)) for names in sets)
+        + "), which cannot be concatenated; a batch must hold requests that send the "
+        "same inputs (a model's optional ones sent by all or by none)"
+    )
 
 
 def _not_a_batch(batch: object) -> str | None:
