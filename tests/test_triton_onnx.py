@@ -488,6 +488,41 @@ async def test_an_optional_input_that_the_graph_can_go_without(served: str) -> N
     assert "the graph needs it" in required["reason"]
 
 
+@pytest.mark.grpc
+async def test_an_optional_input_over_grpc(tmp_path: Path) -> None:
+    # tritonclient.grpc: metadata lists b, and a request may send it or leave it out.
+    pytest.importorskip("grpc_tools")
+    import tritonclient.grpc as grpcclient
+
+    write_biased(tmp_path / "optional" / "1" / "model.onnx")
+    (tmp_path / "optional" / "config.pbtxt").write_text(OPTIONAL)
+    x = np.arange(4, dtype=np.float32).reshape(1, 4)
+
+    def use(address: str) -> tuple[Any, ...]:
+        with grpcclient.InferenceServerClient(address) as client:
+            metadata = client.get_model_metadata("optional", as_json=True)
+            config = client.get_model_config("optional", as_json=True)["config"]
+            answers = []
+            for names in (("x",), ("x", "b")):
+                inputs = []
+                for name in names:
+                    item = grpcclient.InferInput(name, [1, 4], "FP32")
+                    item.set_data_from_numpy(x * 10 if name == "b" else x)
+                    inputs.append(item)
+                answers.append(client.infer("optional", inputs).as_numpy("y"))
+            return metadata, config, answers
+
+    async with trio.open_nursery() as nursery:
+        listening = await start_serving(nursery, tmp_path, grpc_port=0)
+        assert listening.grpc is not None
+        metadata, config, (left_out, sent) = await trio.to_thread.run_sync(use, listening.grpc)
+        nursery.cancel_scope.cancel()
+    assert [t["name"] for t in metadata["inputs"]] == ["x", "b"]
+    assert config["input"][1]["optional"] is True
+    np.testing.assert_array_equal(left_out, x + 1)
+    np.testing.assert_array_equal(sent, x + x * 10)
+
+
 async def test_optional_input_sent_and_left_out_batch_apart(served: str) -> None:
     # Requests in flight together, some sending b, some not: each answered with its own
     # b (the dynamic batcher puts together only requests that send the same inputs).
