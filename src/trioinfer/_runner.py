@@ -1450,6 +1450,12 @@ class ModelRunner(metaclass=NoPublicConstructor):
                 outputs: Outputs | None = None
                 split: Callable[[Outputs], Sequence[Outputs]] | None = None  # None: alone
                 taken: list[Any] | None = None
+                if self._sets_differ and len(live) > 1 and _mixed(live):
+                    # No rows to give an input some requests left out: the batcher's
+                    # to keep apart, as it keeps apart shapes that cannot be concatenated
+                    # (an assembling one would lay out the first request's inputs only).
+                    self._fail_batch(live, "assemble", _mixed_inputs(live))
+                    return True
                 if self._assemble is not None:
                     try:
                         inputs, split = self._assemble(live)
@@ -1461,11 +1467,6 @@ class ModelRunner(metaclass=NoPublicConstructor):
                     inputs = live[0].inputs  # its outputs are its own: no split
                 else:
                     names = live[0].inputs.keys()
-                    if self._sets_differ and any(r.inputs.keys() != names for r in live):
-                        # No rows to give an input some requests left out: the
-                        # batcher's to keep apart, as it keeps apart shapes that differ.
-                        self._fail_batch(live, "assemble", _mixed_inputs(live))
-                        return True
                     inputs, taken = self._pool.concatenate(
                         # Every input of a request holds its rows (validate_inputs).
                         {name: [r.inputs[name] for r in live] for name in names},
@@ -2752,6 +2753,12 @@ def _probe_inputs(signature: ModelSignature) -> dict[str, Any]:
             np.full(shape, blank, dtype=object) if dtype.kind == "O" else np.zeros(shape, dtype)
         )
     return arrays
+
+
+def _mixed(requests: Sequence[Request]) -> bool:
+    # Whether the requests send different sets of inputs (a model's optional ones).
+    names = requests[0].inputs.keys()
+    return any(r.inputs.keys() != names for r in requests)
 
 
 def _mixed_inputs(requests: Sequence[Request]) -> ValueError:
