@@ -568,3 +568,23 @@ def test_reshape_and_optional_reach_the_backend_options() -> None:
         {"name": "b", "shape": [-1, 4], "optional": True},
     )
     assert model.declared["outputs"] == ({"name": "y", "shape": [-1, 4, 1], "reshape": [-1, 4]},)
+
+
+async def test_an_optional_input_of_config_toml_is_optional_in_the_config_answer(
+    tmp_path: Path,
+) -> None:
+    # No config.pbtxt: the answer is worked out from the signature, which marks b optional.
+    write_biased(tmp_path / "biased" / "1" / "model.onnx")
+    (tmp_path / "biased" / "config.toml").write_text(
+        "[backend_options]\n"
+        'inputs = [{ name = "b", shape = [-1, 4], optional = true }]\n'
+    )
+    async with trio.open_nursery() as nursery:
+        listening = await start_serving(nursery, tmp_path)
+        async with httpx.AsyncClient(base_url=listening.urls[0]) as http:
+            config = (await http.get("/v2/models/biased/config")).json()
+            x = {"name": "x", "shape": [1, 4], "datatype": "FP32", "data": [0] * 4}
+            left_out = await http.post("/v2/models/biased/infer", json={"inputs": [x]})
+        nursery.cancel_scope.cancel()
+    assert [(t["name"], t["optional"]) for t in config["input"]] == [("x", False), ("b", True)]
+    assert left_out.json()["outputs"][0]["data"] == [1.0] * 4
