@@ -576,8 +576,7 @@ async def test_an_optional_input_of_config_toml_is_optional_in_the_config_answer
     # No config.pbtxt: the answer is worked out from the signature, which marks b optional.
     write_biased(tmp_path / "biased" / "1" / "model.onnx")
     (tmp_path / "biased" / "config.toml").write_text(
-        "[backend_options]\n"
-        'inputs = [{ name = "b", shape = [-1, 4], optional = true }]\n'
+        '[backend_options]\ninputs = [{ name = "b", shape = [-1, 4], optional = true }]\n'
     )
     async with trio.open_nursery() as nursery:
         listening = await start_serving(nursery, tmp_path)
