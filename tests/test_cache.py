@@ -352,6 +352,8 @@ def test_the_key_covers_names_dtypes_shapes_and_bytes() -> None:
         digest({"x": np.array(["\ud800"], dtype=object)}),  # a str UTF-8 cannot encode
     }
     assert len(keys) == 9
+    # An optional input left out (no name) is not one sent: another key.
+    assert digest({"x": a}) != digest({"x": a, "b": a[:0]})
     assert digest({"x": a}) == digest({"x": a.copy()})
     assert digest({"x": a[::2]}) == digest({"x": a[::2].copy()})  # strided: by content
     assert len(digest({"x": a})) == 16  # 128 bits

@@ -291,7 +291,8 @@ def test_a_declared_input_says_utf8_for_text() -> None:
         (
             [{"name": "x", "dtype": "BYTES", "shape": [1], "text": True}],
             [{"name": "y", "dtype": "BYTES", "shape": [1]}],
-            "must be a table of name, dtype, shape (and, for a string input, utf8)",
+            "must be a table of name, dtype, shape (and, for a string input, utf8; for an "
+            "input, optional)",
         ),
     ],
 )

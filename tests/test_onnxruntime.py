@@ -1702,3 +1702,107 @@ async def test_inputs_the_config_fixes_feed_the_proof(model_dir: Path) -> None:
             assert instance.checks_outputs is proved
         finally:
             await instance.aclose()
+
+
+# == optional inputs: sent, or left to the graph's initializer =================================
+
+
+def _write_biased(path: Path) -> Path:
+    """y = x + b, float32[N, 4]; b has an initializer (one row of ones) that Add broadcasts."""
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    graph = helper.make_graph(
+        [helper.make_node("Add", ["x", "b"], ["y"])],
+        "biased",
+        [
+            helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 4]),
+            helper.make_tensor_value_info("b", TensorProto.FLOAT, ["N", 4]),
+        ],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", 4])],
+        initializer=[numpy_helper.from_array(np.ones((1, 4), np.float32), "b")],
+    )
+    onnx.save(
+        helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=9), path
+    )
+    return path
+
+
+def _biased(path: Path, **settings: Any) -> ModelConfig:
+    options = {"inputs": [{"name": "b", "shape": [-1, 4], "optional": True}]}
+    return ModelConfig(name="biased", path=path, backend_options=options, **settings)
+
+
+async def test_an_optional_input_may_be_sent_or_left_to_the_graph(model_dir: Path) -> None:
+    path = _write_biased(model_dir / "biased.onnx")
+    async with open_engine() as engine:
+        info = await engine.load(_biased(path))
+        x_spec, b_spec = info.signature.inputs
+        assert (x_spec.name, x_spec.optional, b_spec.name, b_spec.optional) == (
+            "x",
+            False,
+            "b",
+            True,
+        )
+        x = np.arange(8, dtype=np.float32).reshape(2, 4)
+        left_out = await engine.infer("biased", {"x": x})
+        np.testing.assert_array_equal(left_out["y"], x + 1)  # the graph's b
+        sent = await engine.infer("biased", {"x": x, "b": np.full_like(x, 10)})
+        np.testing.assert_array_equal(sent["y"], x + 10)
+        # Only the optional input may be left out, and one sent is checked as any other.
+        with pytest.raises(trioinfer.InvalidInput, match=r"needs input 'x'; its inputs are "):
+            await engine.infer("biased", {"b": x})
+        with pytest.raises(trioinfer.InvalidInput, match=r"disagree on dimension 'N'"):
+            await engine.infer("biased", {"x": x, "b": x[:1]})
+        with pytest.raises(trioinfer.InvalidInput, match=r"no input named 'c'.*'b' .*\(optional\)"):
+            await engine.infer("biased", {"x": x, "c": x})
+
+
+async def test_requests_that_send_different_inputs_batch_apart(model_dir: Path) -> None:
+    """In flight together, requests that send b and requests that leave it out each get
+    their own answer: a batch holds requests that send the same inputs. Queued in
+    order, the four that leave b out make one batch, the four that send it the next."""
+    path = _write_biased(model_dir / "biased_batched.onnx")
+    config = _biased(
+        path,
+        batcher="dynamic",
+        batcher_options={"max_batch_size": 4, "max_queue_delay": 30.0},
+    )
+    results: dict[int, np.ndarray] = {}
+    async with open_engine() as engine:
+        await engine.load(config)
+
+        async def one(i: int) -> None:
+            x = np.full((1, 4), i, dtype=np.float32)
+            inputs = {"x": x} if i < 4 else {"x": x, "b": np.full_like(x, 100 * i)}
+            results[i] = (await engine.infer("biased", inputs))["y"]
+
+        async with trio.open_nursery() as nursery:
+            for i in range(8):
+                nursery.start_soon(one, i)
+                await trio.testing.wait_all_tasks_blocked()
+        stats = engine.statistics().models["biased"]
+    for i in range(8):
+        np.testing.assert_array_equal(results[i], np.full((1, 4), i + (1 if i < 4 else 100 * i)))
+    assert stats.executions == 2
+
+
+async def test_the_response_cache_tells_an_optional_input_sent_from_one_left_out(
+    model_dir: Path,
+) -> None:
+    # b sent with the graph's own value still has a key of its own: what was sent differs.
+    path = _write_biased(model_dir / "biased_cached.onnx")
+    x = np.zeros((1, 4), dtype=np.float32)
+    async with open_engine(cache_size=1 << 20) as engine:
+        await engine.load(_biased(path, response_cache=True))
+        sent = await engine.infer("biased", {"x": x, "b": np.full_like(x, 10)})
+        left_out = await engine.infer("biased", {"x": x})
+        ones = await engine.infer("biased", {"x": x, "b": np.ones_like(x)})
+        again = await engine.infer("biased", {"x": x})
+        cache = engine.statistics().models["biased"].cache
+    np.testing.assert_array_equal(sent["y"], x + 10)
+    np.testing.assert_array_equal(left_out["y"], x + 1)
+    np.testing.assert_array_equal(ones["y"], x + 1)
+    np.testing.assert_array_equal(again["y"], x + 1)
+    assert cache is not None
+    assert (cache.misses, cache.hits, cache.entries) == (3, 1, 3)

@@ -679,3 +679,38 @@ async def test_a_step_cannot_change_the_callers_array_or_another_steps_output(
         ):
             await engine.infer("p", {"IN": x})
         assert x.tolist() == X.tolist()
+
+
+class MaybeJoin:
+    """y = a + b, where the request sends b (optional), else y = a."""
+
+    async def infer(self, inputs: Arrays) -> Arrays:
+        return {"y": inputs["a"] + inputs["b"] if "b" in inputs else inputs["a"]}
+
+
+async def test_a_step_leaves_an_optional_input_it_maps_nothing_to_out(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    maybe = ModelConfig(
+        name="maybe",
+        backend="python",
+        backend_options={
+            "class": MaybeJoin,
+            "inputs": [tensor("a"), {**tensor("b"), "optional": True}],
+            "outputs": [tensor("y")],
+        },
+    )
+    async with open_engine() as engine:
+        await engine.load(maybe)
+        both = {"model": "maybe", "input_map": {"a": "IN", "b": "IN"}, "output_map": {"y": "OUT"}}
+        one = {"model": "maybe", "input_map": {"a": "IN"}, "output_map": {"y": "OUT"}}
+        await engine.load(pipeline([both], name="both"))
+        await engine.load(pipeline([one], name="one"))
+        np.testing.assert_array_equal((await engine.infer("both", {"IN": X}))["OUT"], X + X)
+        np.testing.assert_array_equal((await engine.infer("one", {"IN": X}))["OUT"], X)
+        # A pipeline's own inputs are all sent: one declared optional is refused.
+        optional = pipeline(
+            [one], name="opt", options={"inputs": [{**tensor("IN"), "optional": True}]}
+        )
+        with pytest.raises(trioinfer.ConfigError, match=r"input 'IN' is optional, which a pipe"):
+            await engine.load(optional)

@@ -1099,3 +1099,53 @@ async def test_a_batcher_that_returns_a_request_in_a_later_batch_is_blamed(
             assert await outcome(e, "m") is None
             stats = e.statistics().models["m"]
             assert (stats.succeeded, stats.failed) == (2, 1)
+
+
+async def test_a_batcher_that_mixes_requests_that_send_different_inputs_is_blamed(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    # b is optional: one request sends it, one does not. Their inputs cannot be
+    # concatenated (no rows to give b for the one that left it out); a batcher that puts
+    # them together fails that batch, and the model goes on.
+    class Greedy:
+        async def next_batch(self, queue: RequestQueue) -> list[Request]:
+            while len(queue) < 2:
+                await queue.wait_not_empty()
+                await trio.sleep(1)
+            return [queue.pop_nowait(), queue.pop_nowait()]
+
+    signature = trioinfer.ModelSignature.declared(
+        [
+            {"name": "x", "dtype": "float32", "shape": ["batch", 4]},
+            {"name": "b", "dtype": "float32", "shape": ["batch", 4], "optional": True},
+        ],
+        [{"name": "y", "dtype": "float32", "shape": ["batch", 4]}],
+        model="m",
+    )
+    backend = FakeBackend(lambda inputs: {"y": inputs["x"] * 2}, signature=signature)
+    with trio.fail_after(60):
+        async with open_engine(registry=registry(backend, batchers={"greedy": Greedy})) as e:
+            await e.load(config(batcher="greedy"))
+            outcomes: list[BaseException | None] = []
+
+            async def one(inputs: dict[str, np.ndarray]) -> None:
+                try:
+                    await e.infer("m", inputs)
+                except trioinfer.TrioInferError as exc:
+                    outcomes.append(exc)
+                else:
+                    outcomes.append(None)
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(one, {"x": X})
+                nursery.start_soon(one, {"x": X, "b": X})
+            assert len(outcomes) == 2
+            for error in outcomes:
+                assert isinstance(error, trioinfer.PluginContractError)
+                assert "send different inputs (['b', 'x'] and ['x'])" in str(error)
+            # It goes on: two requests that send the same inputs share a batch.
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(one, {"x": X})
+                nursery.start_soon(one, {"x": X})
+            assert outcomes[2:] == [None, None]
+            assert backend.executions == [2]

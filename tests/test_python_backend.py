@@ -880,3 +880,67 @@ async def test_a_streaming_model_cannot_change_its_callers_inputs_in_place() -> 
             await read()
         assert len(answers) == 1
     assert x.tolist() == X.tolist()
+
+
+class Scaled:
+    """y = x * scale, where the request sends scale (an optional input), else y = x."""
+
+    batches: ClassVar[list[tuple[list[str], int]]] = []
+
+    async def infer(self, inputs: dict[str, np.ndarray[Any, Any]]) -> dict[str, Any]:
+        Scaled.batches.append((sorted(inputs), len(inputs["x"])))
+        return {"y": inputs["x"] * inputs["scale"] if "scale" in inputs else inputs["x"]}
+
+
+SCALED = {
+    "inputs": [
+        {"name": "x", "dtype": "float32", "shape": ["batch", 4]},
+        {"name": "scale", "dtype": "float32", "shape": ["batch", 1], "optional": True},
+    ],
+    "outputs": [{"name": "y", "dtype": "FP32", "shape": ["batch", 4]}],
+}
+
+
+async def test_a_python_model_gets_the_optional_inputs_that_were_sent(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """Requests that leave the optional input out and requests that send it, in flight
+    together: each batch holds one kind, and the model gets the inputs sent."""
+    Scaled.batches = []
+    scaled = ModelConfig(
+        name="m",
+        backend="python",
+        backend_options={"class": Scaled, **SCALED},
+        batcher="dynamic",
+        batcher_options={"max_batch_size": 8, "max_queue_delay": 0.01},
+    )
+    results: dict[int, np.ndarray[Any, Any]] = {}
+    async with open_engine() as engine:
+        info = await engine.load(scaled)
+        assert [spec.optional for spec in info.signature.inputs] == [False, True]
+
+        async def call(i: int) -> None:
+            x = np.full((1, 4), i, np.float32)
+            inputs = {"x": x} if i < 3 else {"x": x, "scale": np.full((1, 1), 10, np.float32)}
+            results[i] = (await engine.infer("m", inputs))["y"]
+
+        async with anyio.create_task_group() as tg:
+            for i in range(6):
+                tg.start_soon(call, i)
+                await trio.testing.wait_all_tasks_blocked()
+        with pytest.raises(trioinfer.InvalidInput, match=r"needs input 'x'"):
+            await engine.infer("m", {"scale": np.ones((1, 1), np.float32)})
+    assert Scaled.batches == [(["x"], 3), (["scale", "x"], 3)]
+    for i in range(6):
+        np.testing.assert_array_equal(results[i], np.full((1, 4), i * (1 if i < 3 else 10)))
+
+
+def test_optional_is_for_inputs_and_is_true_or_false() -> None:
+    with pytest.raises(ConfigError, match=r"an output takes no optional"):
+        trioinfer.ModelSignature.declared(
+            SCALED["inputs"], [{**SCALED["outputs"][0], "optional": True}], model="m"
+        )
+    with pytest.raises(ConfigError, match=r"optional must be true or false, got 1"):
+        trioinfer.ModelSignature.declared(
+            [{**SCALED["inputs"][1], "optional": 1}], SCALED["outputs"], model="m"
+        )

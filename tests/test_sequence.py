@@ -1251,3 +1251,14 @@ async def test_a_string_corrid_reaches_a_bytes_model_as_bytes() -> None:
         await engine.infer("ids", text, sequence=SequenceFlags(7, end=True))
     assert [b"a"] in seen
     assert [b"", b"7"] in seen  # slot 0 a padding row
+
+
+async def test_a_model_with_an_optional_input_is_refused_by_the_sequence_batcher() -> None:
+    # Its batches lay out one request of each sequence as the first one's inputs: one
+    # that sent another set would lose an input, or miss one.
+    config = simple_sequence_config()
+    options = dict(config.backend_options)
+    options["inputs"] = [*options["inputs"], {**_tensor("EXTRA"), "optional": True}]
+    async with open_engine() as engine:
+        with pytest.raises(ConfigError, match=r"input 'EXTRA' is optional, which the sequence"):
+            await engine.load(ModelConfig(**{**_fields(config), "backend_options": options}))

@@ -268,17 +268,21 @@ def write_vector(path: Path) -> None:
 
 
 def write_biased(path: Path) -> None:
-    """y = x + b over float32[N, 4]; b is an input with an initializer (ones): overridable."""
+    """y = x + b over float32[N, 4]; b is an input with an initializer (ones): overridable.
+
+    b is batched as x is (Triton gives every input of a batched model the batch
+    dimension); its initializer is one row, which Add broadcasts over x's rows.
+    """
     _save(
         helper.make_graph(
             [helper.make_node("Add", ["x", "b"], ["y"])],
             "biased",
             [
                 helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 4]),
-                helper.make_tensor_value_info("b", TensorProto.FLOAT, [4]),
+                helper.make_tensor_value_info("b", TensorProto.FLOAT, ["N", 4]),
             ],
             [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", 4])],
-            initializer=[numpy_helper.from_array(np.ones(4, np.float32), "b")],
+            initializer=[numpy_helper.from_array(np.ones((1, 4), np.float32), "b")],
         ),
         path,
     )
@@ -305,6 +309,7 @@ input [
   { name: "x" data_type: TYPE_FP32 dims: [ 4 ] },
   { name: "b" data_type: TYPE_FP32 dims: [ 4 ] optional: true }
 ]
+dynamic_batching { max_queue_delay_microseconds: 20000 }
 """
 REQUIRED = """\
 max_batch_size: 8
@@ -449,26 +454,87 @@ async def test_reshape_to_no_dims_and_without_a_batch(served: str) -> None:
 
 
 async def test_an_optional_input_that_the_graph_can_go_without(served: str) -> None:
-    x = np.zeros((2, 4), dtype=np.float32)
+    x = np.arange(8, dtype=np.float32).reshape(2, 4)
+    # Left out, the graph's own b (ones); sent, the request's.
     result = await trio.to_thread.run_sync(_infer, served, "optional", {"x": x})
-    np.testing.assert_array_equal(result.as_numpy("y"), x + 1)  # the graph's own b
+    np.testing.assert_array_equal(result.as_numpy("y"), x + 1)
+    b = np.full((2, 4), 10, dtype=np.float32)
+    result = await trio.to_thread.run_sync(_infer, served, "optional", {"x": x, "b": b})
+    np.testing.assert_array_equal(result.as_numpy("y"), x + 10)
     async with httpx.AsyncClient(base_url=served) as http:
         config = (await http.get("/v2/models/optional/config")).json()
+        metadata = (await http.get("/v2/models/optional")).json()
         index = (await http.post("/v2/repository/index")).json()
-        # Sent anyway, it is refused, naming it: the graph's own value is not fed from a
-        # request here (yet); the signature leaves the input out.
-        both = [
-            {"name": name, "shape": [1, 4], "datatype": "FP32", "data": [0] * 4}
-            for name in ("x", "b")
+        # The optional input does not stand in for a required one.
+        alone = {"name": "b", "shape": [1, 4], "datatype": "FP32", "data": [0] * 4}
+        missing = await http.post("/v2/models/optional/infer", json={"inputs": [alone]})
+        # Sent, it is checked as any input: the rows of x.
+        short = [
+            {"name": "x", "shape": [2, 4], "datatype": "FP32", "data": [0] * 8},
+            {"name": "b", "shape": [1, 4], "datatype": "FP32", "data": [0] * 4},
         ]
-        sent = await http.post("/v2/models/optional/infer", json={"inputs": both})
-    assert sent.status_code == 400, sent.text
-    assert "has no input named 'b'" in sent.json()["error"]
-    assert config["input"][1]["optional"] is True
+        misfit = await http.post("/v2/models/optional/infer", json={"inputs": short})
+    assert missing.status_code == 400, missing.text
+    assert "needs input 'x'" in missing.json()["error"]
+    assert misfit.status_code == 400, misfit.text
+    assert "disagree" in misfit.json()["error"]
+    # Metadata lists it (Triton's has no optional flag); the config says optional.
+    assert [t["name"] for t in metadata["inputs"]] == ["x", "b"]
+    assert metadata["inputs"][1] == {"name": "b", "datatype": "FP32", "shape": [-1, 4]}
+    assert (config["input"][1]["name"], config["input"][1]["optional"]) == ("b", True)
     (required,) = [row for row in index if row["name"] == "required"]
     assert required["state"] == "UNAVAILABLE"
     assert "declares input 'x' optional" in required["reason"]
     assert "the graph needs it" in required["reason"]
+
+
+@pytest.mark.grpc
+async def test_an_optional_input_over_grpc(tmp_path: Path) -> None:
+    # tritonclient.grpc: metadata lists b, and a request may send it or leave it out.
+    pytest.importorskip("grpc_tools")
+    import tritonclient.grpc as grpcclient
+
+    write_biased(tmp_path / "optional" / "1" / "model.onnx")
+    (tmp_path / "optional" / "config.pbtxt").write_text(OPTIONAL)
+    x = np.arange(4, dtype=np.float32).reshape(1, 4)
+
+    def use(address: str) -> tuple[Any, ...]:
+        with grpcclient.InferenceServerClient(address) as client:
+            metadata = client.get_model_metadata("optional", as_json=True)
+            config = client.get_model_config("optional", as_json=True)["config"]
+            answers = []
+            for names in (("x",), ("x", "b")):
+                inputs = []
+                for name in names:
+                    item = grpcclient.InferInput(name, [1, 4], "FP32")
+                    item.set_data_from_numpy(x * 10 if name == "b" else x)
+                    inputs.append(item)
+                answers.append(client.infer("optional", inputs).as_numpy("y"))
+            return metadata, config, answers
+
+    async with trio.open_nursery() as nursery:
+        listening = await start_serving(nursery, tmp_path, grpc_port=0)
+        assert listening.grpc is not None
+        metadata, config, (left_out, sent) = await trio.to_thread.run_sync(use, listening.grpc)
+        nursery.cancel_scope.cancel()
+    assert [t["name"] for t in metadata["inputs"]] == ["x", "b"]
+    assert config["input"][1]["optional"] is True
+    np.testing.assert_array_equal(left_out, x + 1)
+    np.testing.assert_array_equal(sent, x + x * 10)
+
+
+async def test_optional_input_sent_and_left_out_batch_apart(served: str) -> None:
+    # Requests in flight together, some sending b, some not: each answered with its own
+    # b (the dynamic batcher puts together only requests that send the same inputs).
+    def one(i: int) -> None:
+        x = np.full((1 + i % 3, 4), i, dtype=np.float32)
+        arrays = {"x": x} if i % 2 else {"x": x, "b": x * 100}
+        result = _infer(served, "optional", arrays)
+        np.testing.assert_array_equal(result.as_numpy("y"), x + (1 if i % 2 else x * 100))
+
+    async with trio.open_nursery() as nursery:
+        for i in range(16):
+            nursery.start_soon(trio.to_thread.run_sync, one, i)
 
 
 @pytest.mark.parametrize(
@@ -502,3 +568,22 @@ def test_reshape_and_optional_reach_the_backend_options() -> None:
         {"name": "b", "shape": [-1, 4], "optional": True},
     )
     assert model.declared["outputs"] == ({"name": "y", "shape": [-1, 4, 1], "reshape": [-1, 4]},)
+
+
+async def test_an_optional_input_of_config_toml_is_optional_in_the_config_answer(
+    tmp_path: Path,
+) -> None:
+    # No config.pbtxt: the answer is worked out from the signature, which marks b optional.
+    write_biased(tmp_path / "biased" / "1" / "model.onnx")
+    (tmp_path / "biased" / "config.toml").write_text(
+        '[backend_options]\ninputs = [{ name = "b", shape = [-1, 4], optional = true }]\n'
+    )
+    async with trio.open_nursery() as nursery:
+        listening = await start_serving(nursery, tmp_path)
+        async with httpx.AsyncClient(base_url=listening.urls[0]) as http:
+            config = (await http.get("/v2/models/biased/config")).json()
+            x = {"name": "x", "shape": [1, 4], "datatype": "FP32", "data": [0] * 4}
+            left_out = await http.post("/v2/models/biased/infer", json={"inputs": [x]})
+        nursery.cancel_scope.cancel()
+    assert [(t["name"], t["optional"]) for t in config["input"]] == [("x", False), ("b", True)]
+    assert left_out.json()["outputs"][0]["data"] == [1.0] * 4

@@ -92,7 +92,8 @@ UNBATCHED = ModelSignature.declared(
         (
             {"name": "w", "inputs": {"z": {"dims": [4]}}},
             None,
-            "warm-up sample 'w' gives no 'x'; a sample gives every input of the model: 'x'",
+            "warm-up sample 'w' gives no 'x'; a sample gives every input of the model but "
+            "its optional ones: 'x'",
         ),
         (
             {"name": "w", "inputs": {"x": {"dims": [4]}, "z": {"dims": [4]}}},

@@ -324,6 +324,8 @@ def _unbatchable(inputs: Mapping[str, np.ndarray[Any, Any]]) -> bool:
 
 
 def _key(inputs: Mapping[str, np.ndarray[Any, Any]]) -> _Key:
+    # The names are part of it: requests that send different inputs (one leaves a
+    # model's optional input out) cannot be concatenated, as shapes that differ cannot.
     if len(inputs) == 1:  # the usual case, without a generator per request
         for name, array in inputs.items():
             return ((name, array.shape[1:], array.dtype),)

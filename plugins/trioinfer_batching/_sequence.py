@@ -112,6 +112,15 @@ class SequenceBatcher:
                 f"model {self._model!r} has no batch dimension, so sequence.max_batch_size "
                 f"must be 1, got {config.max_batch_size}"
             )
+        optional = [spec.name for spec in signature.inputs if spec.optional]
+        if optional:
+            # A batch holds one request of each sequence, laid out as the first one's
+            # inputs: a sequence that sent another set would lose an input, or miss one.
+            raise ConfigError(
+                f"model {self._model!r}: input {optional[0]!r} is optional, which the "
+                "sequence batcher does not take (its batches hold requests of several "
+                "sequences, which must send the same inputs); declare the input required"
+            )
         self._size = config.max_batch_size
         names = {spec.name for spec in signature.inputs}
         outputs = {spec.name: spec for spec in signature.outputs}

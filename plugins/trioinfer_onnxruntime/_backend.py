@@ -83,7 +83,8 @@ class OnnxRuntimeBackend:
             # reshaped tensors in their own shapes (Triton's reshape).
             inputs, outputs = options["inputs"], options["outputs"]
             _check_optional(session, inputs.optional, config.name)
-            graph = _narrowed(_signature(session), inputs.graph, outputs.graph, config.name)
+            graph = _signature(session, inputs.optional)
+            graph = _narrowed(graph, inputs.graph, outputs.graph, config.name)
             signature = _reshaped(graph, inputs.clients, outputs.clients)
             # The engine reads the first instance's figures; others would only
             # disturb its measurement by running at the same time.

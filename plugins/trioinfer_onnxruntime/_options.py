@@ -76,8 +76,9 @@ OPTIONS: Final[Mapping[str, str]] = {
     "With reshape (a list of fixed sizes, the first -1 for the batch dimension where "
     "shape's is), shape is what clients send and reshape what the graph takes, the same "
     "elements (Triton's reshape); optional = true: the graph gives the input a value "
-    "(an initializer), requests leave it out, and it is refused at load where the graph "
-    "needs it",
+    "(an initializer) that a request may override by sending it or leave to the graph "
+    "by leaving it out (a batch holds requests that send the same inputs); refused at "
+    "load where the graph needs the input",
     "outputs": "as inputs, for outputs: an answer of another size fails (BackendError); "
     "where ONNX shape inference proves the graph computes the sizes, that check is spared; "
     "with reshape, the graph computes reshape and clients receive shape",
@@ -90,7 +91,7 @@ class Declared:
 
     Attributes:
         graph: Each declared tensor's shape in the graph's terms (its ``reshape``
-            where it has one), -1 for a size the graph keeps; optional inputs left out.
+            where it has one), -1 for a size the graph keeps.
         clients: The shape clients see of each reshaped tensor (``shape``), -1 first
             for the batch dimension.
         optional: The inputs that requests may leave out.
@@ -257,7 +258,6 @@ def _declared_shapes(model: str, kind: str, value: object) -> Declared:
             if "reshape" in item:
                 raise ConfigError(f"{where}: {name!r} is optional and reshaped; it can be one")
             optional.add(name)
-            continue
         if "reshape" in item:
             clients[name] = _fixed(where, name, "shape", shape)
             shapes[name] = _fixed(where, name, "reshape", item["reshape"])

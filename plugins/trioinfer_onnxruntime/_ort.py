@@ -46,17 +46,25 @@ def missing_ort() -> str | None:
     return None
 
 
-def _signature(session: Any) -> ModelSignature:
-    def spec(arg: Any) -> TensorSpec:
+def _signature(session: Any, optional: frozenset[str] = frozenset()) -> ModelSignature:
+    """The session's inputs and outputs; *optional*: its inputs that requests may leave out.
+
+    ONNX Runtime lists an input with an initializer apart (see `_check_optional`):
+    those of them the config declares optional follow the others, marked so.
+    """
+
+    def spec(arg: Any, optional: bool = False) -> TensorSpec:
         shape = tuple(d if isinstance(d, (int, str)) else None for d in arg.shape)
         # ONNX strings are UTF-8 text: the engine decodes bytes elements for it.
         utf8 = arg.type == "tensor(string)"
-        return TensorSpec(arg.name, numpy_dtype(arg.type), shape, arg.type, utf8=utf8)
+        dtype = numpy_dtype(arg.type)
+        return TensorSpec(arg.name, dtype, shape, arg.type, utf8=utf8, optional=optional)
 
-    return ModelSignature(
-        tuple(spec(a) for a in session.get_inputs()),
-        tuple(spec(a) for a in session.get_outputs()),
-    )
+    inputs = tuple(spec(a) for a in session.get_inputs())
+    if optional:
+        overridable = session.get_overridable_initializers()
+        inputs += tuple(spec(a, True) for a in overridable if a.name in optional)
+    return ModelSignature(inputs, tuple(spec(a) for a in session.get_outputs()))
 
 
 def _narrowed(

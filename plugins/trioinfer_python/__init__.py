@@ -120,7 +120,10 @@ refused before they queue (an ``InvalidInput`` naming the element: HTTP 400,
 gRPC ``INVALID_ARGUMENT``), as for an ONNX model's string input. A ``BYTES``
 output may hold ``bytes`` or ``str``. A model whose every input and output
 has a symbolic first dimension receives batches from the ``dynamic``
-batcher, and must return one row per input row.
+batcher, and must return one row per input row. An input declared
+``optional = true`` may be left out of a request: ``inputs`` then holds
+only the inputs that were sent (a batch holds requests that sent the same
+ones), so the model reads it with ``inputs.get(name)`` or ``in``.
 """
 
 from __future__ import annotations
@@ -175,7 +178,8 @@ OPTIONS: Mapping[str, str] = {
     "it answers each request with a stream of responses, any number of them, served by "
     "engine.infer_stream and HTTP generate_stream (default false)",
     "inputs": "the model's inputs: a list of tables with name, dtype and shape, and for a "
-    "string (BYTES) input optionally utf8 = true to get str rather than bytes "
+    "string (BYTES) input optionally utf8 = true to get str rather than bytes, and "
+    "optional = true for an input requests may leave out (the model gets the inputs sent) "
     "(see ModelSignature.declared)",
     "outputs": "the model's outputs, as inputs",
 }

@@ -171,6 +171,15 @@ def _declared(config: ModelConfig) -> tuple[ModelSignature, tuple[Step, ...]]:
     signature = ModelSignature.declared(
         options.get("inputs"), options.get("outputs"), model=config.name
     )
+    optional = [spec.name for spec in signature.inputs if spec.optional]
+    if optional:
+        # A step's input mapped from a tensor the request left out would have no value:
+        # a step leaves its model's optional inputs out by mapping nothing to them.
+        raise ConfigError(
+            f"pipeline {config.name!r}: input {optional[0]!r} is optional, which a "
+            "pipeline's inputs cannot be; leave an optional input of a step's model out "
+            "of its input_map instead, and the step runs without it"
+        )
     return signature, _steps(config.name, options.get("steps"))
 
 
@@ -662,7 +671,9 @@ def _check_graph(
             for own, shared in step.input_map.items():
                 _fits(where, f"step {i}: input {own!r} of model {step.model!r}", model.inputs,
                       own, producers[shared])  # fmt: skip
-            missing_inputs = sorted({s.name for s in model.inputs} - set(step.input_map))
+            # An optional input the step maps nothing to is left out: its model runs without.
+            required = {s.name for s in model.inputs if not s.optional}
+            missing_inputs = sorted(required - set(step.input_map))
             if missing_inputs:
                 raise ConfigError(
                     f"{where}: step {i} maps no pipeline tensor to {missing_inputs}, "

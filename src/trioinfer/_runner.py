@@ -928,6 +928,7 @@ class ModelRunner(metaclass=NoPublicConstructor):
         init=False
     )
     _pool: BufferPool = attrs.field(init=False)
+    _sets_differ: bool = attrs.field(default=False, init=False)
     _scope: anyio.CancelScope = attrs.field(factory=anyio.CancelScope, init=False)
     _finished: anyio.Event = attrs.field(factory=anyio.Event, init=False)
     _idle: anyio.Event | None = attrs.field(default=None, init=False)
@@ -1053,6 +1054,9 @@ class ModelRunner(metaclass=NoPublicConstructor):
         # Every request admitted passes validate_inputs against this signature, so
         # when it fixes every dtype and non-batch dimension, they all agree on them.
         self.queue.uniform = self.signature._fixed is not None
+        # Requests may send different sets of inputs (some optional ones left out):
+        # a batch is checked to hold one set before its inputs are concatenated.
+        self._sets_differ = self.signature._required_names != self.signature._input_names
         self.input_limits = self.config.input_limits
         #: validate_rows() for this model's requests, bound once.
         self.validate = rows_validator(
@@ -1461,6 +1465,12 @@ class ModelRunner(metaclass=NoPublicConstructor):
                 outputs: Outputs | None = None
                 split: Callable[[Outputs], Sequence[Outputs]] | None = None  # None: alone
                 taken: list[Any] | None = None
+                if self._sets_differ and len(live) > 1 and _mixed(live):
+                    # No rows to give an input some requests left out: the batcher's
+                    # to keep apart, as it keeps apart shapes that cannot be concatenated
+                    # (an assembling one would lay out the first request's inputs only).
+                    self._fail_batch(live, "assemble", _mixed_inputs(live))
+                    return True
                 if self._assemble is not None:
                     try:
                         inputs, split = self._assemble(live)
@@ -2768,6 +2778,23 @@ def _probe_inputs(signature: ModelSignature) -> dict[str, Any]:
             np.full(shape, blank, dtype=object) if dtype.kind == "O" else np.zeros(shape, dtype)
         )
     return arrays
+
+
+def _mixed(requests: Sequence[Request]) -> bool:
+    # Whether the requests send different sets of inputs (a model's optional ones).
+    names = requests[0].inputs.keys()
+    return any(r.inputs.keys() != names for r in requests)
+
+
+def _mixed_inputs(requests: Sequence[Request]) -> ValueError:
+    # What a batch of requests that send different sets of inputs fails with.
+    sets = sorted({tuple(sorted(r.inputs)) for r in requests})
+    return ValueError(
+        "its requests send different inputs ("
+        + " and ".join(str(list(names)) for names in sets)
+        + "), which cannot be concatenated; a batch must hold requests that send the "
+        "same inputs (a model's optional ones sent by all or by none)"
+    )
 
 
 def _not_a_batch(batch: object) -> str | None:

@@ -104,6 +104,10 @@ class TensorSpec:
             element). False (a declared signature's default, as for a Python
             model): ``bytes``, as Triton's Python backend gives them: any bytes
             pass (an image, say), and a ``str`` element is encoded as UTF-8.
+        optional: For an input: whether a request may leave it out (Triton's
+            ``optional: true``). The model then runs without it (an ONNX graph
+            uses its initializer, a Python model gets only the inputs sent); a
+            request that sends it sends it whole, checked as any other input.
     """
 
     name: str
@@ -111,6 +115,7 @@ class TensorSpec:
     shape: tuple[Dim, ...]
     type_name: str = ""
     utf8: bool = attrs.field(default=False, kw_only=True)
+    optional: bool = attrs.field(default=False, kw_only=True)
 
     @property
     def rank(self) -> int:
@@ -137,6 +142,8 @@ class ModelSignature:
     inputs: tuple[TensorSpec, ...]
     outputs: tuple[TensorSpec, ...]
     _input_names: frozenset[str] = attrs.field(init=False, eq=False, repr=False)
+    # The inputs every request must send: all but the optional ones.
+    _required_names: frozenset[str] = attrs.field(init=False, eq=False, repr=False)
     _unbatched_reason: str | None = attrs.field(init=False, eq=False, repr=False)
     # For validate_inputs' fast path: (name, dtype, non-batch dims) of every input,
     # when the signature fixes everything but the batch dimension; else None.
@@ -147,6 +154,10 @@ class ModelSignature:
     @_input_names.default
     def _names_default(self) -> frozenset[str]:
         return frozenset(spec.name for spec in self.inputs)
+
+    @_required_names.default
+    def _required_default(self) -> frozenset[str]:
+        return frozenset(spec.name for spec in self.inputs if not spec.optional)
 
     @_unbatched_reason.default
     def _unbatched_default(self) -> str | None:
@@ -175,6 +186,10 @@ class ModelSignature:
     def _fixed_default(self) -> tuple[tuple[str, np.dtype[Any], tuple[int, ...]], ...] | None:
         if self._unbatched_reason is not None or not self.inputs:
             return None
+        if self._required_names != self._input_names:
+            # Requests may send different sets of inputs: the fast paths (and a
+            # uniform queue, whose requests all batch together) assume one set.
+            return None
         fixed = []
         for spec in self.inputs:
             tail = spec.shape[1:]
@@ -197,7 +212,9 @@ class ModelSignature:
         ``"string"``) or a V2/Triton name (``"FP32"``, ``"TYPE_INT64"``,
         ``"BYTES"``). ``shape`` lists each dimension: an int for a fixed size,
         a name for a symbolic size shared between tensors (``"batch"``), or -1
-        for a size left open.
+        for a size left open. An input may say ``optional``: true if requests
+        may leave it out (the model gets the inputs that were sent; see
+        `TensorSpec.optional`).
 
         Raises:
             ConfigError: Naming the model, the tensor and what is wrong with it.
@@ -245,10 +262,10 @@ def _declared(model: str, kind: str, value: object) -> tuple[TensorSpec, ...]:
         )
     specs: list[TensorSpec] = []
     for item in value:
-        if not isinstance(item, Mapping) or not _KEYS <= set(item) <= _KEYS | {"utf8"}:
+        if not isinstance(item, Mapping) or not _KEYS <= set(item) <= _KEYS | _INPUT_KEYS:
             raise ConfigError(
                 f"each of {where} must be a table of name, dtype, shape (and, for a string "
-                f"input, utf8): {item!r}"
+                f"input, utf8; for an input, optional): {item!r}"
             )
         name = item["name"]
         if not isinstance(name, str) or not name:
@@ -275,12 +292,23 @@ def _declared(model: str, kind: str, value: object) -> tuple[TensorSpec, ...]:
                 f"{here}: utf8 must be true or false, and only a string (BYTES) tensor takes "
                 f"it; got utf8 = {utf8!r} for dtype {dtype!r}"
             )
+        optional = item.get("optional", False)
+        if "optional" in item and kind != "inputs":
+            raise ConfigError(
+                f"{here}: optional says that requests may leave an input out; an output "
+                "takes no optional"
+            )
+        if not isinstance(optional, bool):
+            raise ConfigError(f"{here}: optional must be true or false, got {optional!r}")
         shape = _declared_shape(here, item["shape"])
-        specs.append(TensorSpec(name, _ONNX_TO_NUMPY[onnx], shape, onnx, utf8=utf8))
+        specs.append(
+            TensorSpec(name, _ONNX_TO_NUMPY[onnx], shape, onnx, utf8=utf8, optional=optional)
+        )
     return tuple(specs)
 
 
 _KEYS: Final = frozenset({"name", "dtype", "shape"})
+_INPUT_KEYS: Final = frozenset({"utf8", "optional"})
 
 
 def _declared_shape(where: str, value: object) -> tuple[Dim, ...]:
@@ -421,7 +449,12 @@ def _validate(
             f"inputs for model {model!r} must be a mapping of input name to array, "
             f"got {type(inputs).__name__}"
         )
-    if inputs.keys() != signature._input_names:
+    keys = inputs.keys()
+    # Only optional inputs may be left out (and not all of them, when every input
+    # is optional: a request must say something, and its rows).
+    if keys != signature._input_names and (
+        not signature._required_names <= keys <= signature._input_names or not keys
+    ):
         _refuse_names(model, signature, inputs)
 
     arrays: dict[str, np.ndarray[Any, Any]] = {}
@@ -430,6 +463,8 @@ def _validate(
     batch: tuple[int, str] | None = None
     batched = signature.batched
     for spec in signature.inputs:
+        if spec.optional and spec.name not in inputs:
+            continue  # left out: the model runs without it
         value = inputs[spec.name]
         if type(value) is np.ndarray and value.dtype == spec.dtype:
             array = value  # the common case: no conversion, no copy
@@ -607,7 +642,12 @@ def _refuse_names(model: str, signature: ModelSignature, inputs: Mapping[Any, An
             f"model {model!r} has no input named {', '.join(map(repr, unknown))}; "
             f"its inputs are {_names(signature.inputs)}"
         )
-    missing = sorted(expected - set(inputs))
+    missing = sorted(signature._required_names - set(inputs))
+    if not missing:  # every input is optional, and none was sent
+        raise InvalidInput(
+            f"request for model {model!r} sends no input; send at least one of "
+            f"{_names(signature.inputs)}"
+        )
     raise InvalidInput(
         f"model {model!r} needs input {', '.join(map(repr, missing))}; "
         f"its inputs are {_names(signature.inputs)}"
@@ -672,7 +712,10 @@ def _as_array(
 
 
 def _names(specs: tuple[TensorSpec, ...]) -> str:
-    return ", ".join(f"{s.name!r} {s.describe()}" for s in specs) or "(none)"
+    return (
+        ", ".join(f"{s.name!r} {s.describe()}{' (optional)' if s.optional else ''}" for s in specs)
+        or "(none)"
+    )
 
 
 class Labelled(Protocol):

@@ -198,11 +198,14 @@ class Warmup:
                 f"max_batch_size ({max_batch_size}); expected at most {max_batch_size}"
             )
         expected = [spec.name for spec in signature.inputs]
-        if missing := [name for name in expected if name not in self.inputs]:
+        required = [spec.name for spec in signature.inputs if not spec.optional]
+        if missing := [name for name in required if name not in self.inputs]:
             raise ConfigError(
                 f"{where} gives no {', '.join(map(repr, missing))}; a sample gives every "
-                f"input of the model: {', '.join(map(repr, expected))}"
+                f"input of the model but its optional ones: {', '.join(map(repr, required))}"
             )
+        # An optional input the sample leaves out is left out of its request too.
+        present = [spec for spec in signature.inputs if spec.name in self.inputs]
         if unknown := [name for name in self.inputs if name not in expected]:
             raise ConfigError(
                 f"{where}: the model has no input {', '.join(map(repr, unknown))}; its "
@@ -213,7 +216,7 @@ class Warmup:
         # would be a MemoryError (a 500), or gigabytes of zeros, rather than its error.
         rows = self.batch_size if signature.batched else 1
         total = 0
-        for spec in signature.inputs:
+        for spec in present:
             each = math.prod(self.inputs[spec.name].dims)
             elements = each * rows
             total += elements
@@ -229,7 +232,7 @@ class Warmup:
                 f"{limits.max_elements_per_request} are accepted in one request"
             )
         arrays: dict[str, np.ndarray[Any, Any]] = {}
-        for spec in signature.inputs:
+        for spec in present:
             made = self.inputs[spec.name]
             dtype = spec.dtype
             if dtype is None:

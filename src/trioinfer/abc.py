@@ -173,8 +173,11 @@ class RequestQueue(Protocol):
         """Whether any waiting requests may share a batch as they are.
 
         True when the model's signature fixes every input's dtype and every
-        dimension but the first, so that every request the engine admits
-        agrees on them: a batcher need not compare requests' shapes and dtypes.
+        dimension but the first, and has no optional input, so that every
+        request the engine admits agrees on them and sends the same inputs: a
+        batcher need not compare requests' input names, shapes and dtypes.
+        Otherwise a batch must hold requests that send the same inputs (an
+        optional one sent by all or by none), or the engine fails it.
         """
         ...
 

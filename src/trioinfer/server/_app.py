@@ -992,11 +992,14 @@ def _tensor_metadata(spec: TensorSpec) -> dict[str, Any]:
 
 
 def _tensor_config(spec: TensorSpec, skip: int) -> dict[str, Any]:
-    return {
+    tensor: dict[str, Any] = {
         "name": spec.name,
         "data_type": "TYPE_" + config_datatype(spec),
         "dims": _dims(spec)[skip:],
     }
+    if spec.optional:
+        tensor["optional"] = True  # as Triton's ModelInput says it (its default left out)
+    return tensor
 
 
 # -- system shared memory ------------------------------------------------------------------

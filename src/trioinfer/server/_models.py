@@ -720,20 +720,21 @@ def _check_tensors(
         by_name = {spec.name: spec for spec in specs}
         for tensor in declared:
             spec = by_name.get(tensor.get("name", ""))
-            if (
-                spec is None
-                and kind == "input"
-                and tensor.get("optional")
-                and info.config.backend in NARROWING_BACKENDS
-            ):
-                # The ONNX Runtime backend found it an input the graph can go without
-                # (one with an initializer), which the model's signature leaves out.
-                continue
             if spec is None:
                 raise ConfigError(
                     f"model {model!r}: {source} declares {kind} {tensor.get('name')!r}, "
                     f"which the model does not have; its {kind}s are "
                     f"{', '.join(map(repr, by_name))}"
+                )
+            if kind == "input" and bool(tensor.get("optional", False)) != spec.optional:
+                # Metadata and the config answer must say what requests may leave out.
+                said, is_ = (
+                    ("optional", "required") if not spec.optional else ("required", "optional")
+                )
+                raise ConfigError(
+                    f"model {model!r}: {source} declares input {spec.name!r} {said}; the "
+                    f"model's is {is_} (its backend's inputs say optional = "
+                    f"{str(spec.optional).lower()})"
                 )
             want = tensor.get("data_type", "TYPE_INVALID").removeprefix("TYPE_")
             have = config_datatype(spec)
