@@ -502,3 +502,36 @@ def test_reshape_and_optional_reach_the_backend_options() -> None:
         {"name": "b", "shape": [-1, 4], "optional": True},
     )
     assert model.declared["outputs"] == ({"name": "y", "shape": [-1, 4, 1], "reshape": [-1, 4]},)
+
+
+async def test_a_config_toml_reshape_round_trips_through_get_config(tmp_path: Path) -> None:
+    # GET .../config of a config.toml model whose backend options reshape answers
+    # reshape, as Triton would; sent back as a load override, the model loads again
+    # (its dims alone replaced the option, the graph's shape lost: the load failed).
+    write_flat(tmp_path / "toml" / "1" / "model.onnx")
+    (tmp_path / "toml" / "config.toml").write_text(
+        'batcher = "dynamic"\n'
+        "batcher_options = { max_batch_size = 8 }\n"
+        "[backend_options]\n"
+        'inputs = [{ name = "x", shape = [-1, 2, 2], reshape = [-1, 4] }]\n'
+        'outputs = [{ name = "y", shape = [-1, 4, 1], reshape = [-1, 4] }]\n'
+    )
+    async with trio.open_nursery() as nursery:
+        url = (await start_serving(nursery, tmp_path)).urls[0]
+        async with httpx.AsyncClient(base_url=url) as http:
+            config = (await http.get("/v2/models/toml/config")).json()
+            load = await http.post(
+                "/v2/repository/models/toml/load",
+                json={"parameters": {"config": json.dumps(config)}},
+            )
+            again = (await http.get("/v2/models/toml/config")).json()
+        x = np.arange(8, dtype=np.float32).reshape(2, 2, 2)
+        result = await trio.to_thread.run_sync(_infer, url, "toml", {"x": x})
+        nursery.cancel_scope.cancel()
+    assert config["input"][0]["dims"] == [2, 2]
+    assert config["input"][0]["reshape"] == {"shape": [4]}
+    assert config["output"][0]["reshape"] == {"shape": [4]}
+    assert load.status_code == 200, load.text
+    assert again["input"] == config["input"]
+    assert again["output"] == config["output"]
+    np.testing.assert_array_equal(result.as_numpy("y"), (x + x).reshape(2, 4, 1))
