@@ -535,3 +535,62 @@ async def test_a_config_toml_reshape_round_trips_through_get_config(tmp_path: Pa
     assert again["input"] == config["input"]
     assert again["output"] == config["output"]
     np.testing.assert_array_equal(result.as_numpy("y"), (x + x).reshape(2, 4, 1))
+
+
+BATCHED = """\
+max_batch_size: 8
+input [ { name: "x" data_type: TYPE_FP32 dims: [ 2, 2 ] reshape { shape: [ 4 ] } } ]
+output [ { name: "y" data_type: TYPE_FP32 dims: [ 4, 1 ] reshape { shape: [ 4 ] } } ]
+dynamic_batching { max_queue_delay_microseconds: 100000 }
+response_cache { enable: true }
+model_warmup [ {
+  name: "zeros" batch_size: 2
+  inputs { key: "x" value: { data_type: TYPE_FP32 dims: [ 2, 2 ] zero_data: true } }
+} ]
+"""
+STEP = """\
+platform: "ensemble"
+max_batch_size: 8
+input [ { name: "a" data_type: TYPE_FP32 dims: [ 2, 2 ] } ]
+output [ { name: "b" data_type: TYPE_FP32 dims: [ 4, 1 ] } ]
+ensemble_scheduling { step [ {
+  model_name: "batched" model_version: -1 input_map { key: "x" value: "a" }
+  output_map { key: "y" value: "b" }
+} ] }
+"""
+
+
+async def test_reshape_under_the_dynamic_batcher_the_cache_and_a_pipeline(tmp_path: Path) -> None:
+    # Requests of 1 to 4 rows, batched together as the queue delay lets them, are
+    # reshaped as one (the batch dimension the sum of theirs) and split back by rows; warm-up samples are in the clients'
+    # dims; a cached answer and an ensemble step's answer keep the clients' shape.
+    from trioinfer.server import ServerConfig
+
+    write_flat(tmp_path / "batched" / "1" / "model.onnx")
+    (tmp_path / "batched" / "config.pbtxt").write_text(BATCHED)
+    (tmp_path / "pipe" / "1").mkdir(parents=True)
+    (tmp_path / "pipe" / "config.pbtxt").write_text(STEP)
+    answers: dict[int, tuple[np.ndarray[Any, Any], np.ndarray[Any, Any]]] = {}
+    async with trio.open_nursery() as nursery:
+        listening = await start_serving(nursery, tmp_path, config=ServerConfig(cache_size=1 << 20))
+        url = listening.urls[0]
+
+        async def one(rows: int) -> None:
+            x = (np.arange(4 * rows, dtype=np.float32) + 100 * rows).reshape(rows, 2, 2)
+            result = await trio.to_thread.run_sync(_infer, url, "batched", {"x": x})
+            answers[rows] = (x, result.as_numpy("y"))
+
+        async with trio.open_nursery() as requests:
+            for rows in range(1, 5):
+                requests.start_soon(one, rows)
+        x, y = answers[3]
+        cached = await trio.to_thread.run_sync(_infer, url, "batched", {"x": x})
+        piped = await trio.to_thread.run_sync(_infer, url, "pipe", {"a": x})
+        async with httpx.AsyncClient(base_url=url) as http:
+            stats = (await http.get("/v2/models/batched/stats")).json()["model_stats"][0]
+        nursery.cancel_scope.cancel()
+    for rows, (x, y) in answers.items():
+        np.testing.assert_array_equal(y, (x + x).reshape(rows, 4, 1))
+    np.testing.assert_array_equal(cached.as_numpy("y"), answers[3][1])
+    np.testing.assert_array_equal(piped.as_numpy("b"), answers[3][1])
+    assert stats["inference_stats"]["cache_hit"]["count"] >= 1
