@@ -138,6 +138,45 @@ def test_onnx_runtime_parameters_take_their_types() -> None:
     }
 
 
+def _answered(device: str, optimization: dict[str, Any] | None) -> dict[str, Any]:
+    # GET .../config's answer for a model whose one GPU group runs on *device*, as a
+    # client edits it and sends it back as a load override.
+    doc: dict[str, Any] = {
+        "instance_group": [{"kind": "KIND_GPU", "count": 1, "gpus": [0]}],
+        "parameters": {
+            "trioinfer.instances": {
+                "string_value": json.dumps([{"device": device, "count": 1, "capacity": 1.0}])
+            }
+        },
+    }
+    if optimization is not None:
+        doc["optimization"] = optimization
+    return doc
+
+
+def test_an_edited_answer_s_accelerators_pick_the_provider_not_the_old_device() -> None:
+    # The accelerators an answer sent back says win over trioinfer.instances' device
+    # (the one that ran): adding tensorrt ran the CUDA provider with TensorRT's
+    # options, and emptying the accelerators kept TensorRT.
+    trt = {"gpu_execution_accelerator": [{"name": "tensorrt"}], "cpu_execution_accelerator": []}
+    added = TritonModel.parse(
+        _answered("cuda:0", {"execution_accelerators": trt}), name="m", where="override"
+    )
+    assert [group["device"] for group in added.settings["instances"]] == ["tensorrt:0"]
+    none = {"gpu_execution_accelerator": [], "cpu_execution_accelerator": []}
+    emptied = TritonModel.parse(
+        _answered("tensorrt:0", {"priority": "PRIORITY_DEFAULT", "execution_accelerators": none}),
+        name="m",
+        where="override",
+    )
+    assert [group["device"] for group in emptied.settings["instances"]] == ["cuda:0"]
+    # An answer that says nothing of accelerators (a config.toml model's, on
+    # tensorrt:0) keeps the device that ran, its other settings kept too.
+    for optimization in (None, {"graph": {"level": 1}}):
+        kept = TritonModel.parse(_answered("tensorrt:0", optimization), name="m", where="o")
+        assert kept.settings["instances"] == [{"device": "tensorrt:0", "count": 1, "capacity": 1.0}]
+
+
 def test_optimization_round_trips_in_the_json_form() -> None:
     # GET .../config answers it as read, and a load override sends that back.
     text = """
@@ -562,8 +601,9 @@ ensemble_scheduling { step [ {
 
 async def test_reshape_under_the_dynamic_batcher_the_cache_and_a_pipeline(tmp_path: Path) -> None:
     # Requests of 1 to 4 rows, batched together as the queue delay lets them, are
-    # reshaped as one (the batch dimension the sum of theirs) and split back by rows; warm-up samples are in the clients'
-    # dims; a cached answer and an ensemble step's answer keep the clients' shape.
+    # reshaped as one (the batch dimension the sum of theirs) and split back by rows;
+    # warm-up samples are in the clients' dims; a cached answer and an ensemble step's
+    # answer keep the clients' shape.
     from trioinfer.server import ServerConfig
 
     write_flat(tmp_path / "batched" / "1" / "model.onnx")
