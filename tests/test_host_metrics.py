@@ -22,7 +22,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from trioinfer._exceptions import ConfigError
-from trioinfer.server import ServerConfig
+from trioinfer.server import ServerConfig, _host_metrics
 from trioinfer.server._host_metrics import HostMetrics, _import_nvml, host_metrics_for
 from trioinfer.server._workers import MetricsLedger
 
@@ -286,6 +286,49 @@ async def test_nvml_is_shut_down_when_the_first_sample_is_cancelled(tmp_path: Pa
         release.set()
     assert (nvml.inits, nvml.shutdowns) == (1, 1)
     assert nvml.calls[-1] == "nvmlShutdown"
+
+
+async def test_a_sample_that_hangs_does_not_hold_the_server_s_stop(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    # An NVML reading that never returns (a wedged driver): the server stops all the
+    # same, NVML's shutdown left to run once the reading ends (it waited on the
+    # reading's thread for ever, and the server with it).
+    monkeypatch.setattr(_host_metrics, "CLEANUP_S", 0.05)
+    nvml = FakeNVML()
+    entered, release, stopped = threading.Event(), threading.Event(), threading.Event()
+    hang = False
+
+    def utilization(device: int) -> Any:
+        if hang:
+            entered.set()
+            release.wait()
+        return SimpleNamespace(gpu=40, memory=7)
+
+    def shutdown() -> None:
+        stopped.set()
+
+    nvml.nvmlDeviceGetUtilizationRates = utilization  # type: ignore[method-assign]
+    nvml.nvmlShutdown = shutdown  # type: ignore[method-assign]
+    host = HostMetrics(interval=0.01, proc=tmp_path / "none", nvml=nvml)
+    # Released after a while whatever happens, so that a server that waits fails
+    # below rather than hanging the test run.
+    watchdog = threading.Timer(30, release.set)
+    watchdog.start()
+    try:
+        async with trio.open_nursery() as nursery:
+            await nursery.start(host.run)
+            hang = True
+            await trio.to_thread.run_sync(entered.wait)
+            nursery.cancel_scope.cancel()
+        assert not release.is_set(), "the server's stop waited for the hung reading"
+        assert "NVML did not shut down" in caplog.text
+        assert not stopped.is_set()  # never while a reading runs
+        release.set()
+        assert await trio.to_thread.run_sync(stopped.wait, 30)
+    finally:
+        release.set()
+        watchdog.cancel()
 
 
 def nvml_lines(caplog: pytest.LogCaptureFixture) -> list[str]:

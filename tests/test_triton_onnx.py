@@ -138,6 +138,45 @@ def test_onnx_runtime_parameters_take_their_types() -> None:
     }
 
 
+def _answered(device: str, optimization: dict[str, Any] | None) -> dict[str, Any]:
+    # GET .../config's answer for a model whose one GPU group runs on *device*, as a
+    # client edits it and sends it back as a load override.
+    doc: dict[str, Any] = {
+        "instance_group": [{"kind": "KIND_GPU", "count": 1, "gpus": [0]}],
+        "parameters": {
+            "trioinfer.instances": {
+                "string_value": json.dumps([{"device": device, "count": 1, "capacity": 1.0}])
+            }
+        },
+    }
+    if optimization is not None:
+        doc["optimization"] = optimization
+    return doc
+
+
+def test_an_edited_answer_s_accelerators_pick_the_provider_not_the_old_device() -> None:
+    # The accelerators an answer sent back says win over trioinfer.instances' device
+    # (the one that ran): adding tensorrt ran the CUDA provider with TensorRT's
+    # options, and emptying the accelerators kept TensorRT.
+    trt = {"gpu_execution_accelerator": [{"name": "tensorrt"}], "cpu_execution_accelerator": []}
+    added = TritonModel.parse(
+        _answered("cuda:0", {"execution_accelerators": trt}), name="m", where="override"
+    )
+    assert [group["device"] for group in added.settings["instances"]] == ["tensorrt:0"]
+    none = {"gpu_execution_accelerator": [], "cpu_execution_accelerator": []}
+    emptied = TritonModel.parse(
+        _answered("tensorrt:0", {"priority": "PRIORITY_DEFAULT", "execution_accelerators": none}),
+        name="m",
+        where="override",
+    )
+    assert [group["device"] for group in emptied.settings["instances"]] == ["cuda:0"]
+    # An answer that says nothing of accelerators (a config.toml model's, on
+    # tensorrt:0) keeps the device that ran, its other settings kept too.
+    for optimization in (None, {"graph": {"level": 1}}):
+        kept = TritonModel.parse(_answered("tensorrt:0", optimization), name="m", where="o")
+        assert kept.settings["instances"] == [{"device": "tensorrt:0", "count": 1, "capacity": 1.0}]
+
+
 def test_optimization_round_trips_in_the_json_form() -> None:
     # GET .../config answers it as read, and a load override sends that back.
     text = """
@@ -587,3 +626,96 @@ async def test_an_optional_input_of_config_toml_is_optional_in_the_config_answer
         nursery.cancel_scope.cancel()
     assert [(t["name"], t["optional"]) for t in config["input"]] == [("x", False), ("b", True)]
     assert left_out.json()["outputs"][0]["data"] == [1.0] * 4
+
+
+async def test_a_config_toml_reshape_round_trips_through_get_config(tmp_path: Path) -> None:
+    # GET .../config of a config.toml model whose backend options reshape answers
+    # reshape, as Triton would; sent back as a load override, the model loads again
+    # (its dims alone replaced the option, the graph's shape lost: the load failed).
+    write_flat(tmp_path / "toml" / "1" / "model.onnx")
+    (tmp_path / "toml" / "config.toml").write_text(
+        'batcher = "dynamic"\n'
+        "batcher_options = { max_batch_size = 8 }\n"
+        "[backend_options]\n"
+        'inputs = [{ name = "x", shape = [-1, 2, 2], reshape = [-1, 4] }]\n'
+        'outputs = [{ name = "y", shape = [-1, 4, 1], reshape = [-1, 4] }]\n'
+    )
+    async with trio.open_nursery() as nursery:
+        url = (await start_serving(nursery, tmp_path)).urls[0]
+        async with httpx.AsyncClient(base_url=url) as http:
+            config = (await http.get("/v2/models/toml/config")).json()
+            load = await http.post(
+                "/v2/repository/models/toml/load",
+                json={"parameters": {"config": json.dumps(config)}},
+            )
+            again = (await http.get("/v2/models/toml/config")).json()
+        x = np.arange(8, dtype=np.float32).reshape(2, 2, 2)
+        result = await trio.to_thread.run_sync(_infer, url, "toml", {"x": x})
+        nursery.cancel_scope.cancel()
+    assert config["input"][0]["dims"] == [2, 2]
+    assert config["input"][0]["reshape"] == {"shape": [4]}
+    assert config["output"][0]["reshape"] == {"shape": [4]}
+    assert load.status_code == 200, load.text
+    assert again["input"] == config["input"]
+    assert again["output"] == config["output"]
+    np.testing.assert_array_equal(result.as_numpy("y"), (x + x).reshape(2, 4, 1))
+
+
+BATCHED = """\
+max_batch_size: 8
+input [ { name: "x" data_type: TYPE_FP32 dims: [ 2, 2 ] reshape { shape: [ 4 ] } } ]
+output [ { name: "y" data_type: TYPE_FP32 dims: [ 4, 1 ] reshape { shape: [ 4 ] } } ]
+dynamic_batching { max_queue_delay_microseconds: 100000 }
+response_cache { enable: true }
+model_warmup [ {
+  name: "zeros" batch_size: 2
+  inputs { key: "x" value: { data_type: TYPE_FP32 dims: [ 2, 2 ] zero_data: true } }
+} ]
+"""
+STEP = """\
+platform: "ensemble"
+max_batch_size: 8
+input [ { name: "a" data_type: TYPE_FP32 dims: [ 2, 2 ] } ]
+output [ { name: "b" data_type: TYPE_FP32 dims: [ 4, 1 ] } ]
+ensemble_scheduling { step [ {
+  model_name: "batched" model_version: -1 input_map { key: "x" value: "a" }
+  output_map { key: "y" value: "b" }
+} ] }
+"""
+
+
+async def test_reshape_under_the_dynamic_batcher_the_cache_and_a_pipeline(tmp_path: Path) -> None:
+    # Requests of 1 to 4 rows, batched together as the queue delay lets them, are
+    # reshaped as one (the batch dimension the sum of theirs) and split back by rows;
+    # warm-up samples are in the clients' dims; a cached answer and an ensemble step's
+    # answer keep the clients' shape.
+    from trioinfer.server import ServerConfig
+
+    write_flat(tmp_path / "batched" / "1" / "model.onnx")
+    (tmp_path / "batched" / "config.pbtxt").write_text(BATCHED)
+    (tmp_path / "pipe" / "1").mkdir(parents=True)
+    (tmp_path / "pipe" / "config.pbtxt").write_text(STEP)
+    answers: dict[int, tuple[np.ndarray[Any, Any], np.ndarray[Any, Any]]] = {}
+    async with trio.open_nursery() as nursery:
+        listening = await start_serving(nursery, tmp_path, config=ServerConfig(cache_size=1 << 20))
+        url = listening.urls[0]
+
+        async def one(rows: int) -> None:
+            x = (np.arange(4 * rows, dtype=np.float32) + 100 * rows).reshape(rows, 2, 2)
+            result = await trio.to_thread.run_sync(_infer, url, "batched", {"x": x})
+            answers[rows] = (x, result.as_numpy("y"))
+
+        async with trio.open_nursery() as requests:
+            for rows in range(1, 5):
+                requests.start_soon(one, rows)
+        x, y = answers[3]
+        cached = await trio.to_thread.run_sync(_infer, url, "batched", {"x": x})
+        piped = await trio.to_thread.run_sync(_infer, url, "pipe", {"a": x})
+        async with httpx.AsyncClient(base_url=url) as http:
+            stats = (await http.get("/v2/models/batched/stats")).json()["model_stats"][0]
+        nursery.cancel_scope.cancel()
+    for rows, (x, y) in answers.items():
+        np.testing.assert_array_equal(y, (x + x).reshape(rows, 4, 1))
+    np.testing.assert_array_equal(cached.as_numpy("y"), answers[3][1])
+    np.testing.assert_array_equal(piped.as_numpy("b"), answers[3][1])
+    assert stats["inference_stats"]["cache_hit"]["count"] >= 1

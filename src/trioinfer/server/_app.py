@@ -76,7 +76,7 @@ from ._poll import REFUSED as POLLING_REFUSED
 from ._repository import VersionPolicy
 from ._shm import SystemSharedMemory
 from ._tls import TlsFiles
-from ._triton import own_parameters, rate_limiter_json, with_defaults
+from ._triton import NARROWING_BACKENDS, own_parameters, rate_limiter_json, with_defaults
 
 if TYPE_CHECKING:
     from ._workers import WorkerLink
@@ -657,14 +657,15 @@ def model_config_document(state: ServerState, served: ServedVersion) -> dict[str
     # In Triton's terms: with max_batch_size > 0 the dims leave out the batch dimension.
     skip = 1 if max_batch > 0 else 0
     pipeline = config.backend == PIPELINE
+    reshapes = _reshapes(config)
     body: dict[str, Any] = {
         "name": served.model,
         "platform": _platform(served),
         # Triton's ensembles have no backend (one that names one is refused on load).
         "backend": config.backend if not pipeline else "",
         "max_batch_size": max_batch,
-        "input": [_tensor_config(t, skip) for t in signature.inputs],
-        "output": [_tensor_config(t, skip) for t in signature.outputs],
+        "input": [_tensor_config(t, skip, reshapes["inputs"]) for t in signature.inputs],
+        "output": [_tensor_config(t, skip, reshapes["outputs"]) for t in signature.outputs],
         # Triton's ensembles have none (their steps' models do; one is refused on load).
         "instance_group": (
             _instance_groups(served.model, served.info.devices, config.instances)
@@ -991,15 +992,44 @@ def _tensor_metadata(spec: TensorSpec) -> dict[str, Any]:
     }
 
 
-def _tensor_config(spec: TensorSpec, skip: int) -> dict[str, Any]:
-    tensor: dict[str, Any] = {
+def _tensor_config(
+    spec: TensorSpec, skip: int, reshapes: Mapping[str, list[int]] | None = None
+) -> dict[str, Any]:
+    out: dict[str, Any] = {
         "name": spec.name,
         "data_type": "TYPE_" + config_datatype(spec),
         "dims": _dims(spec)[skip:],
     }
     if spec.optional:
-        tensor["optional"] = True  # as Triton's ModelInput says it (its default left out)
-    return tensor
+        out["optional"] = True  # as Triton's ModelInput says it (its default left out)
+    if reshapes and spec.name in reshapes:
+        # The graph's shape, as Triton answers reshape (without the batch dimension).
+        out["reshape"] = {"shape": reshapes[spec.name][skip:]}
+    return out
+
+
+def _reshapes(config: ModelConfig) -> dict[str, dict[str, list[int]]]:
+    """The graph's shape of each tensor the ONNX Runtime backend reshapes, by kind.
+
+    Its ``inputs``/``outputs`` options' ``reshape``, which a config.toml may give.
+    GET .../config answers them as Triton's ``reshape``: without it, the answer sent
+    back as a load override declared the clients' dims alone, which replaced the
+    option, and the load failed on the graph's shape.
+    """
+    options: Any = config.backend_options
+    if config.backend not in NARROWING_BACKENDS:
+        return {"inputs": {}, "outputs": {}}
+    if config.backend == "ray":
+        options = options.get("onnxruntime", {})
+    out: dict[str, dict[str, list[int]]] = {}
+    for kind in ("inputs", "outputs"):
+        entries = options.get(kind, []) if isinstance(options, Mapping) else []
+        out[kind] = {
+            entry["name"]: list(entry["reshape"])
+            for entry in entries
+            if isinstance(entry, Mapping) and "reshape" in entry
+        }
+    return out
 
 
 # -- system shared memory ------------------------------------------------------------------

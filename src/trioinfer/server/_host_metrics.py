@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import logging
 import math
+import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final, final
@@ -162,7 +163,12 @@ class HostMetrics:
         # default limiter's threads, and never overlaps another sample.
         limiter = anyio.CapacityLimiter(1)
         try:
-            self._publish(await anyio.to_thread.run_sync(reader.open, limiter=limiter))
+            # Left behind when cancelled (a reading can hang: a wedged driver), so that
+            # the server's stop never waits for one; the reader's lock keeps NVML's
+            # shutdown after it.
+            self._publish(
+                await anyio.to_thread.run_sync(reader.open, limiter=limiter, abandon_on_cancel=True)
+            )
             task_status.started()
             tick = anyio.current_time()
             while True:
@@ -170,11 +176,16 @@ class HostMetrics:
                 # is followed by the next one at once, not by a burst of missed ones.
                 tick = max(tick + self._interval, anyio.current_time())
                 await anyio.sleep_until(tick)
-                self._publish(await anyio.to_thread.run_sync(reader.read, limiter=limiter))
+                self._publish(
+                    await anyio.to_thread.run_sync(
+                        reader.read, limiter=limiter, abandon_on_cancel=True
+                    )
+                )
         finally:
             self._running = False
             with anyio.move_on_after(CLEANUP_S, shield=True) as cleanup:
-                # Left behind (abandoned) only if NVML's shutdown hangs past CLEANUP_S.
+                # Left behind (abandoned) if NVML's shutdown, or the reading it waits
+                # for, takes past CLEANUP_S.
                 await anyio.to_thread.run_sync(reader.close, abandon_on_cancel=True)
             if cleanup.cancelled_caught:
                 log.warning("GPU metrics: NVML did not shut down within %.0fs", CLEANUP_S)
@@ -207,7 +218,12 @@ def _import_nvml() -> Any:
 
 @final
 class _Reader:
-    """Reads ``/proc`` and NVML: blocking, so called on a worker thread, one call at a time."""
+    """Reads ``/proc`` and NVML: blocking, so called on a worker thread, one call at a time.
+
+    A call may be left running (abandoned) when sampling is cancelled; its lock
+    keeps the next one, NVML's shutdown, after it, and nothing starts NVML or
+    reads it once `close` has run.
+    """
 
     def __init__(self, proc: Path | None, nvml: Any) -> None:
         self._proc = proc
@@ -219,9 +235,18 @@ class _Reader:
         # Energy is counted from sampling's start, as Triton's nv_energy_consumption.
         self._energy_at_start: dict[str, float] = {}
         self._said: set[tuple[str, ...]] = set()
+        self._lock = threading.Lock()
+        self._closed = False
 
     def open(self) -> _Sample:
         """Start NVML (where there is one) and take the first sample."""
+        with self._lock:
+            if self._closed:
+                return _Sample()
+            self._start_nvml()
+            return self._read()
+
+    def _start_nvml(self) -> None:
         binding = _import_nvml() if self._binding is True else self._binding
         if binding:
             try:
@@ -230,10 +255,13 @@ class _Reader:
                 log.info("GPU metrics: NVML did not start, so no GPU is reported: %s", exc)
             else:
                 self._nvml = binding
-        return self.read()
 
     def read(self) -> _Sample:
         """A sample: the CPU's utilization since the previous one, memory, the GPUs'."""
+        with self._lock:
+            return _Sample() if self._closed else self._read()
+
+    def _read(self) -> _Sample:
         if self._proc is None:
             cpu, memory = None, None
         else:
@@ -241,9 +269,12 @@ class _Reader:
         return _Sample(cpu, memory, tuple(self._read_gpus()))
 
     def close(self) -> None:
-        """Shut NVML down, once, if it started."""
-        nvml, self._nvml = self._nvml, None
-        if nvml is not None:
+        """Shut NVML down, once, if it started (after a reading still running)."""
+        with self._lock:
+            self._closed = True
+            nvml, self._nvml = self._nvml, None
+            if nvml is None:
+                return
             try:
                 nvml.nvmlShutdown()
             except Exception as exc:

@@ -844,7 +844,12 @@ def _translate(message: Any, doc: dict[str, Any], name: str, where: str) -> Trit
         if key == "sequence" and isinstance(settings.get(key), dict) and isinstance(value, dict):
             settings[key] = _with_initial_values(settings[key], value, where)
         elif key == "instances" and isinstance(settings.get(key), list):
-            settings[key] = _with_own_instances(settings[key], value)
+            # An optimization that says which accelerators run says the GPU groups'
+            # provider (tensorrt:N or cuda:N); without one, the device that ran stays.
+            said = message.HasField("optimization") and message.optimization.HasField(
+                "execution_accelerators"
+            )
+            settings[key] = _with_own_instances(settings[key], value, devices_said=said)
         settings.setdefault(key, value)
 
     versions: Any = None
@@ -1027,10 +1032,14 @@ def _with_initial_values(
     return {**table, "state": states}
 
 
-def _with_own_instances(groups: list[dict[str, Any]], own: object) -> list[dict[str, Any]]:
+def _with_own_instances(
+    groups: list[dict[str, Any]], own: object, *, devices_said: bool
+) -> list[dict[str, Any]]:
     # instance_group says kind, GPU and count: when trioinfer.instances lists the same
     # groups, its capacity, threads, CPUs and device (tensorrt:N, which Triton calls a
-    # GPU) are kept; threads that Triton's parameters set (intra_op_thread_count) win.
+    # GPU) are kept; threads that Triton's parameters set (intra_op_thread_count) win,
+    # and so do the groups' devices where optimization's accelerators say them
+    # (*devices_said*): an answer whose accelerators a client edited ran the old ones.
     def shape(device: object, count: object) -> tuple[str, object]:
         return str(device).replace("tensorrt", "cuda"), count
 
@@ -1041,7 +1050,8 @@ def _with_own_instances(groups: list[dict[str, Any]], own: object) -> list[dict[
     ]:
         return groups
     return [
-        {**mine, **group, "device": mine["device"]} for group, mine in zip(groups, own, strict=True)
+        {**mine, **group, "device": group["device"] if devices_said else mine["device"]}
+        for group, mine in zip(groups, own, strict=True)
     ]
 
 
