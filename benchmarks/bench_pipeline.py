@@ -50,13 +50,22 @@ which machine load moves far less than req/s.
 
 Usage:  .venv/bin/python benchmarks/bench_pipeline.py [--duration 5] [--rounds 3]
             [--dispatch thread|inline] [--arms hand,pipeline,...] [--pipeline-instances 1]
+            [--hidden H] [--depth 1]
+
+``--hidden H`` runs the ONNX step (in every arm) on an MLP of the digits model's
+signature, 64 -> H -> H -> 10 with random weights, instead of the bundled model: the
+step's cost as a dial, to show how much of a request the engine's fixed cost per step
+is as the steps' own work grows. ``--depth`` sets that model's ``pipeline_depth``.
 """
 
 from __future__ import annotations
 
 import argparse
+import atexit
 import importlib.util
+import shutil
 import statistics
+import tempfile
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -70,6 +79,10 @@ import trioinfer
 from trioinfer.lowlevel import WorkerThread
 
 REPO = trioinfer.example_repository()
+
+#: The ONNX step's model file: the bundled digits model, or (``--hidden H``) an MLP of the
+#: same signature, 64 -> H -> H -> 10, written at start-up: the step's cost as a dial.
+ONNX_PATH = REPO / "digits" / "1" / "model.onnx"
 
 #: (requests per second, CPU seconds per request) of one arm's run.
 Figures = tuple[float, float]
@@ -128,7 +141,7 @@ class _Hand:
     def __init__(self, worker: WorkerThread | None) -> None:
         options = ort.SessionOptions()
         options.intra_op_num_threads = 1
-        self.session = ort.InferenceSession(str(REPO / "digits" / "1" / "model.onnx"), options)
+        self.session = ort.InferenceSession(str(ONNX_PATH), options)
         self.scale = _model_class("scale_image")()
         self.names = _model_class("digit_names")(threshold=0.5)
         self.worker = worker
@@ -246,13 +259,16 @@ async def load_steps(
         on = batched and (not only_onnx or config.backend == "onnxruntime")
         batching = dynamic if on else {"batcher": "none"}
         data = {**config.backend_options}
+        path = config.path
         if config.backend == "onnxruntime":
             data["dispatch"] = args.dispatch  # as the hand arm runs it
+            data["pipeline_depth"] = args.depth
+            path = str(ONNX_PATH)
         await engine.load(
             trioinfer.ModelConfig.from_dict(
                 {
                     "name": name,
-                    "path": config.path,
+                    "path": path,
                     "backend": config.backend,
                     "backend_options": data,
                     "instances": [{"threads": 1}],
@@ -324,6 +340,19 @@ def main() -> None:
         default=1,
         help="graph instances of a batched pipeline (batches in flight at once)",
     )
+    parser.add_argument(
+        "--hidden",
+        type=int,
+        default=0,
+        help="run the ONNX step on an MLP 64 -> H -> H -> 10 of random weights instead of "
+        "the bundled digits model (0, the default): how the ratios move with the step's cost",
+    )
+    parser.add_argument(
+        "--depth",
+        type=int,
+        default=1,
+        help="the ONNX step model's pipeline_depth (executions its instance may hold at once)",
+    )
     args = parser.parse_args()
     arms = [arm.strip() for arm in args.arms.split(",") if arm.strip()]
     unknown = sorted(set(arms) - set(ARMS))
@@ -331,6 +360,17 @@ def main() -> None:
         parser.error(f"unknown arm {', '.join(unknown) or '(none)'}; known: {', '.join(ARMS)}")
     if args.pipeline_instances < 1:
         parser.error("--pipeline-instances must be at least 1")
+    if args.hidden < 0:
+        parser.error("--hidden must be 0 (the digits model) or a layer width")
+    global ONNX_PATH
+    if args.hidden:
+        from trioinfer.testing.models import write_mlp
+
+        folder = Path(tempfile.mkdtemp(prefix="bench_pipeline-"))
+        atexit.register(shutil.rmtree, folder, ignore_errors=True)
+        ONNX_PATH = write_mlp(
+            folder / "mlp.onnx", (64, args.hidden, args.hidden, 10), output_name="probabilities"
+        )
     every: dict[str, Callable[[], Awaitable[Figures]]] = {
         "hand": lambda: by_hand(args),
         "hand-model": lambda: by_hand(args, served=True),
@@ -376,7 +416,9 @@ def main() -> None:
         )
     print(
         f"C={args.concurrency}, dispatch {args.dispatch}, pipeline instances "
-        f"{args.pipeline_instances}, {Path(REPO).name}"
+        f"{args.pipeline_instances}, ONNX step "
+        + (f"MLP 64-{args.hidden}-{args.hidden}-10" if args.hidden else "digits")
+        + f", pipeline_depth {args.depth}"
     )
 
 

@@ -455,3 +455,28 @@ def test_bench_pipeline_runs_the_arms_it_is_given() -> None:
     )
     assert refused.returncode == 2
     assert "unknown arm nope" in refused.stderr
+
+
+@pytest.mark.pipeline
+def test_bench_pipeline_dials_the_onnx_steps_cost() -> None:
+    """--hidden runs every arm's ONNX step on an MLP of that width, --depth sets its depth."""
+    script = str(BENCHMARKS / "bench_pipeline.py")
+    brief = ["--duration", "0.05", "--warmup", "0.01", "--rounds", "1", "--concurrency", "4"]
+    dials = ["--hidden", "48", "--depth", "2"]
+    done = subprocess.run(
+        [sys.executable, script, *brief, "--arms", "hand,pipeline", *dials],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=120,
+    )
+    assert "ONNX step MLP 64-48-48-10, pipeline_depth 2" in done.stdout
+    assert [line.split(":")[0] for line in done.stdout.splitlines() if "median" in line] == [
+        "pipeline",
+        "hand",
+    ]
+    refused = subprocess.run(
+        [sys.executable, script, "--hidden", "-1"], capture_output=True, text=True
+    )
+    assert refused.returncode == 2
+    assert "--hidden must be 0" in refused.stderr
