@@ -785,6 +785,80 @@ async def test_a_change_some_workers_refuse_is_an_error_that_names_them(tmp_path
         tg.cancel_scope.cancel()
 
 
+async def test_a_change_that_cannot_reach_a_live_worker_fails_and_names_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A socket error on the way to a worker read as a worker that died meanwhile: the
+    # change was answered 200 and journaled for a restart that never came, while that
+    # worker, alive, went on serving what it had.
+    from trioinfer.server import _workers
+
+    monkeypatch.setattr(_workers, "REACH_S", 0.3)
+    supervisor = _Supervisor(2, tmp_path, {})
+    said: dict[int, list[dict[str, Any]]] = {0: [], 1: []}
+    drop = [0]  # connections to worker 1 that fail before it answers
+    call = _workers._call
+
+    async def flaky(path: Path, message: dict[str, Any]) -> dict[str, Any]:
+        if path == worker_socket(tmp_path, 1) and drop[0] > 0:
+            drop[0] -= 1
+            raise _workers._Gone(f"{path.name}: BlockingIOError(11, 'Resource unavailable')")
+        return await call(path, message)
+
+    monkeypatch.setattr(_workers, "_call", flaky)
+
+    @attrs.define
+    class Running:
+        returncode: int | None = None
+        signals: list[int] = attrs.Factory(list)
+
+        def send_signal(self, signum: int) -> None:
+            self.signals.append(signum)
+
+    def worker(index: int) -> Any:
+        async def handle(message: dict[str, Any]) -> dict[str, Any]:
+            said[index].append(message)
+            return {"ok": True}
+
+        return handle
+
+    async with anyio.create_task_group() as tg:
+        for index in (0, 1):
+            await tg.start(_serve_calls, worker_socket(tmp_path, index), worker(index))
+        processes = [Running(), Running()]
+        for member, process in zip(supervisor.workers, processes, strict=True):
+            member.member = True
+            member.process, member.pid = cast(Any, process), 100 + member.index
+        # A transient error: a fresh connection reaches it.
+        load = {"op": "load", "model": "m", "override": None}
+        drop[0] = 2
+        assert await supervisor.handle(load) == {"ok": True}
+        assert said[1] == [load]
+        # One that cannot be reached while its process runs: not a success, and said.
+        drop[0] = 10**6
+        unload = {"op": "unload", "model": "m"}
+        error = (await supervisor.handle(unload))["error"]
+        assert error["type"] == "WorkersDisagree"
+        assert "applied on worker(s) 0 and failed on worker(s) 1" in error["message"]
+        assert "worker 1 (pid 101) is running but did not answer" in error["message"]
+        assert "BlockingIOError" in error["message"]
+        assert said[1] == [load]
+        assert supervisor.journal == {"m": unload}  # worker 0 serves it
+        assert supervisor.workers[1].member  # a healthy worker is left alone
+        assert processes[1].signals == []
+        # With no other worker to apply it: the error as it is, and nothing journaled.
+        supervisor.workers[0].member = False
+        error = (await supervisor.handle(load))["error"]
+        assert error["type"] == "TrioInferError"
+        assert error["message"].startswith("worker 1 (pid 101) is running but did not answer")
+        assert supervisor.journal == {"m": unload}
+        # A worker whose process has ended did die: it takes the change when it restarts.
+        processes[1].returncode = -signal.SIGKILL
+        assert await supervisor.handle(load) == {"ok": True}
+        assert supervisor.journal == {"m": load}
+        tg.cancel_scope.cancel()
+
+
 async def test_a_joining_worker_that_serves_otherwise_waits_until_a_change_agrees(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -19,7 +19,10 @@ reports are lines on a connection it keeps open, with no answer):
 - repository load and unload (config overrides and traffic splits included):
   the worker that received the request asks the supervisor, which applies it
   on every worker, one change at a time, and answers once all have; a change
-  that fails on some workers only is an error that names them. The supervisor
+  that fails on some workers only is an error that names them. A worker that
+  does not answer is asked again while its process runs (`_Supervisor._reach`):
+  one that died takes the change when it restarts, one that runs and cannot be
+  reached fails the change, named (it is never restarted for it). The supervisor
   keeps the last change of each model and replays them to a worker that
   restarts, before it listens, so a restarted worker serves what the others do.
   It loaded the repository as it is on disk, though: after a reload that
@@ -115,6 +118,10 @@ SPEC_ENV: Final = "TRIOINFER_WORKER_SPEC"
 _MAX_MESSAGE: Final = 64 << 20
 #: How long a worker may take to send its statistics or metrics before it is left out.
 GATHER_TIMEOUT_S: Final = 10.0
+#: How long the supervisor tries to reach a worker whose process runs with a change
+#: (fresh connections, doubling delays from `RETRY_S`) before the change fails on it.
+REACH_S: Final = 2.0
+RETRY_S: Final = 0.05
 #: Restart delays: the first, and the most (doubling in between).
 RESTART_DELAY_S: Final = 0.5
 MAX_RESTART_DELAY_S: Final = 30.0
@@ -1033,9 +1040,9 @@ class _Supervisor:
                     if replayed.get(key) is change:
                         continue  # repeated to it already, while it waited
                     replayed[key] = change
-                    try:
-                        reply = await _call(worker.socket, change)
-                    except _Gone:
+                    reply = await self._reach(worker, change)
+                    if reply is None or reply.get("unreachable"):
+                        # Not joined yet (it does not listen): it exits and starts again.
                         message = "its control socket stopped answering while it joined"
                         return {"error": {"type": "TrioInferError", "message": message}}
                     if "error" in reply:
@@ -1118,7 +1125,7 @@ class _Supervisor:
         # *advice*: what to do when the workers disagree after it.
         async with self.changing:
             targets = [w for w in self.workers if w.member]
-            replies = await _each(targets, message)
+            replies = await _each(targets, message, call=self._reach)
             applied = [w.index for w, r in replies if r is not None and "error" not in r]
             failed = [(w.index, r["error"]) for w, r in replies if r is not None and "error" in r]
             if not failed or applied:
@@ -1157,6 +1164,53 @@ class _Supervisor:
                     ),
                 }
             }
+
+    async def _reach(self, worker: _Worker, change: dict[str, Any]) -> dict[str, Any] | None:
+        """*worker*'s answer to *change*: None if its process ended, an error if it is out of reach.
+
+        A socket error (a full backlog, a connection cut) is no death: while
+        the worker's process runs, fresh connections try again for `REACH_S`.
+        One that died is left to take the change from the journal when it
+        restarts; one that runs and cannot be reached gets an error answer
+        that names it and says why (marked ``unreachable``), so that the
+        change is no success, and the worker is left alone (it serves). A
+        change may reach a worker twice (the connection broke after it was
+        sent): each is idempotent (a load of what is served, an unload of what
+        is not, a setting set again, change nothing).
+        """
+        pid, tries, delay = worker.pid, 0, RETRY_S
+        deadline = anyio.current_time() + REACH_S
+        while True:
+            tries += 1
+            try:
+                return await _call(worker.socket, change)
+            except _Gone as exc:
+                why = exc
+            if not _running(worker, pid):
+                log.info(
+                    "worker %d (pid %d) has died: it takes %s when it restarts",
+                    worker.index,
+                    pid,
+                    _what(change),
+                )
+                return None
+            left = deadline - anyio.current_time()
+            if left <= 0:
+                break
+            log.info(
+                "worker %d (pid %d) runs but did not answer (%s): trying again",
+                worker.index,
+                pid,
+                why,
+            )
+            await anyio.sleep(min(delay, left))
+            delay *= 2
+        said = (
+            f"worker {worker.index} (pid {pid}) is running but did not answer {_what(change)} "
+            f"({tries} tries over {REACH_S:g}s, the last: {why}); it may not have applied it"
+        )
+        log.error("%s", said)
+        return {"error": {"type": "TrioInferError", "message": said}, "unreachable": True}
 
     async def _gather_counts(self, asker: _Worker, counts: dict[str, Any]) -> None:
         # A scrape or a statistics request that *asker* answers, with its own counts:
@@ -1263,14 +1317,24 @@ def _what(change: Mapping[str, Any]) -> str:
 
 
 async def _each(
-    workers: list[_Worker], message: dict[str, Any], *, limit_s: float = math.inf
+    workers: list[_Worker],
+    message: dict[str, Any],
+    *,
+    limit_s: float = math.inf,
+    call: Callable[[_Worker, dict[str, Any]], Awaitable[dict[str, Any] | None]] | None = None,
 ) -> list[tuple[_Worker, dict[str, Any] | None]]:
-    """Send *message* to every worker at once; None for those that died or did not answer."""
+    """Send *message* to every worker at once; None for those that died or did not answer.
+
+    *call*: how to reach one worker (None: once, `_call`).
+    """
     replies: dict[int, dict[str, Any] | None] = {}
 
     async def one(worker: _Worker) -> None:
         replies[worker.index] = None
         with anyio.move_on_after(limit_s):
+            if call is not None:
+                replies[worker.index] = await call(worker, message)
+                return
             try:
                 replies[worker.index] = await _call(worker.socket, message)
             except _Gone:
@@ -1280,6 +1344,12 @@ async def _each(
         for worker in workers:
             tg.start_soon(one, worker)
     return [(w, replies[w.index]) for w in workers]
+
+
+def _running(worker: _Worker, pid: int) -> bool:
+    """Whether *worker*'s process *pid* still runs (it has not exited, nor been replaced)."""
+    process = worker.process
+    return process is not None and worker.pid == pid and process.returncode is None
 
 
 def _exit_text(code: int | None) -> str:
