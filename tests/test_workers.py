@@ -859,6 +859,61 @@ async def test_a_change_that_cannot_reach_a_live_worker_fails_and_names_it(
         tg.cancel_scope.cancel()
 
 
+async def test_workers_that_start_serving_different_things_are_noticed(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Workers that started together were not compared: one whose load of a model failed
+    # (a load that fails at random, or files changed between their starts) served without
+    # it beside the others, and clients got one answer or another by the connection.
+    supervisor = _Supervisor(3, tmp_path, {"models": None})
+    digits = {"versions": {"1": [[1, 2, 3], None]}, "traffic": {}}
+    flaky = {"versions": {"1": [[4, 5, 6], None]}, "traffic": {}}
+    why = {"flaky": "failed to load 'flaky': at random"}
+    served = {0: {"digits": digits}, 1: {"digits": digits, "flaky": flaky}, 2: {"digits": digits}}
+    failed = {0: why, 1: {}, 2: why}
+
+    def worker(index: int) -> Any:
+        async def handle(message: dict[str, Any]) -> dict[str, Any]:
+            assert message["op"] == "served"
+            return {"served": served[index], "failed": failed[index]}
+
+        return handle
+
+    @attrs.define
+    class Running:
+        returncode: int | None = None
+        signals: list[int] = attrs.Factory(list)
+
+        def send_signal(self, signum: int) -> None:
+            self.signals.append(signum)
+
+    processes = [Running() for _ in range(3)]
+    async with anyio.create_task_group() as tg:
+        for index in range(3):
+            await tg.start(_serve_calls, worker_socket(tmp_path, index), worker(index))
+        for member, process in zip(supervisor.workers, processes, strict=True):
+            member.member = True  # as their hellos made them, before all were ready
+            member.process, member.pid = cast(Any, process), 100 + member.index
+        with caplog.at_level(logging.WARNING, "trioinfer.server"):
+            for index in range(3):
+                models = {name: [1] for name in served[index]}
+                ready = {"op": "ready", "worker": index, "pid": 100 + index, "urls": ["u"]}
+                ready.update({"models": models, "failed": list(failed[index]), "grpc": None})
+                assert await supervisor.handle(ready) == {"ok": True}
+        assert supervisor.all_ready.is_set()
+        # The reference is the worker that serves the most (fewest failed loads): the
+        # others restart, and join once they serve what it serves, as any restart does.
+        assert supervisor.reference == 1
+        assert [p.signals for p in processes] == [[signal.SIGTERM], [], [signal.SIGTERM]]
+        assert [w.member for w in supervisor.workers] == [False, True, False]
+        assert supervisor.spec["start_models"] == ["digits", "flaky"]
+        assert (
+            "worker 0 (pid 100) started serving other things than worker 1 (pid 101)" in caplog.text
+        )
+        assert "model 'flaky' is not served by it" in caplog.text
+        tg.cancel_scope.cancel()
+
+
 async def test_a_joining_worker_that_serves_otherwise_waits_until_a_change_agrees(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -1157,6 +1212,52 @@ def test_a_restarted_worker_serves_what_the_others_do_not_what_is_on_disk(
             assert fresh("GET", f"{url}/v2/models/late/ready").status_code == 200
         process.send_signal(signal.SIGTERM)
         assert process.wait(timeout=WAIT_S) == 0, log.read_text()
+
+
+FLAKY_MODEL = """\
+import os
+
+# The first process to load it fails; every load after that succeeds.
+try:
+    os.close(os.open({marker!r}, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+except FileExistsError:
+    pass
+else:
+    raise RuntimeError("this load fails, the next succeed")
+
+
+class Model:
+    async def infer(self, inputs):
+        return {{"y": inputs["x"]}}
+"""
+
+
+def test_a_worker_that_started_without_a_model_the_other_loaded_restarts_and_joins(
+    tmp_path: Path,
+) -> None:
+    # Workers that start together each load the repository: a load that failed on one
+    # only left it serving without the model beside the other, unnoticed.
+    repository = tmp_path / "repository"
+    shutil.copytree(example_repository() / "digits", repository / "digits")
+    (repository / "flaky" / "1").mkdir(parents=True)
+    (repository / "flaky" / "config.toml").write_text(SLOW_CONFIG)
+    marker = tmp_path / "loaded-once"
+    (repository / "flaky" / "1" / "model.py").write_text(FLAKY_MODEL.format(marker=str(marker)))
+    log = tmp_path / "serve.log"
+    with two_workers(repository, log) as server:
+        wait_until(lambda: "started serving other things" in log.read_text(), "it is noticed")
+        found = re.search(
+            r"worker (\d) \(pid (\d+)\) started serving other things", log.read_text()
+        )
+        assert found is not None
+        index, victim = found.group(1), int(found.group(2))
+        assert "model 'flaky' is not served by it" in log.read_text()
+        # Its restart loads the model (only the first load fails) and joins the other.
+        wait_until(lambda: worker_pids(server.url).get(index, victim) != victim, "it is back")
+        for _ in range(12):
+            assert fresh("GET", f"{server.url}/v2/models/flaky/ready").status_code == 200
+        server.process.send_signal(signal.SIGTERM)
+        assert server.process.wait(timeout=WAIT_S) == 0, log.read_text()
 
 
 def test_a_model_unloaded_and_removed_is_not_loaded_by_a_restarted_worker(

@@ -32,6 +32,9 @@ reports are lines on a connection it keeps open, with no answer):
   config override, the traffic split: `served_state`); until then it does not
   listen, the supervisor says why, and each change that applies is repeated
   to it (a poll's reload of the repaired files, say) until they agree.
+  Workers that start together are compared the same way once all are ready
+  (`_Supervisor._compare_at_start`): each that differs from the one serving
+  the most is restarted, and joins as above.
 - trace settings (``POST /v2[/models/{m}]/trace/setting``): the same way, kept
   per setting (each changes alone, so the last value of each is the state).
 - statistics and ``/metrics``: the answering worker sends its own to the
@@ -846,6 +849,10 @@ class _Supervisor:
         self.stopping = False
         self.stop = anyio.Event()
         self.all_ready = anyio.Event()
+        #: The worker whose models the others were compared with when all were first
+        #: ready (`_compare_at_start`); what serve reports is what it serves.
+        self.reference = 0
+        self._compared = False
         self.failure: str | None = None
         self.metrics = MetricsLedger(host)
         self.stats = StatsLedger()
@@ -995,13 +1002,16 @@ class _Supervisor:
             worker.ready = True
             worker.listening = message
             log.info("worker %d (pid %d) is ready", worker.index, worker.pid)
-            if all(w.ready for w in self.workers) and not self.all_ready.is_set():
+            if all(w.ready for w in self.workers) and not self._compared:
+                self._compared = True
+                self.reference = await self._compare_at_start()
+                first = self.workers[self.reference].listening
                 if self.spec["models"] is None:
                     # A worker that restarts loads what these loaded at start, not
                     # the repository as it is on disk then: a model added since, and
                     # never loaded through the API, would be served by it alone. (It
                     # tries those that failed too, to give the same reason for them.)
-                    self.spec["start_models"] = sorted({*message["models"], *message["failed"]})
+                    self.spec["start_models"] = sorted({*first["models"], *first["failed"]})
                 self.all_ready.set()
             return {"ok": True}
         if op == "failed":
@@ -1086,6 +1096,60 @@ class _Supervisor:
             if self.stop.is_set():
                 return {"stopping": True}
 
+    async def _compare_at_start(self) -> int:
+        """Compare what the first workers serve, once all are ready; the reference's index.
+
+        Each loaded the repository at start, on its own: a load that failed on
+        one only (a model whose load fails at random, a file that was broken
+        for a moment) or files changed between their starts leave them serving
+        different things. The reference is the worker that serves the most
+        (the fewest failed loads), then the one most others agree with, then
+        the lowest index. Each worker that differs from it stops being a member
+        and is stopped (it drains) and restarted, as one that died: it loads
+        what the reference loaded and joins once it serves the same (see
+        `_hello`), while the others serve.
+        """
+        async with self.changing:
+            replies = await _each(self.workers, {"op": "served"}, limit_s=GATHER_TIMEOUT_S)
+            groups: dict[str, list[tuple[_Worker, dict[str, Any]]]] = {}
+            for worker, reply in replies:
+                if reply is not None and "served" in reply:
+                    key = json.dumps(reply["served"], sort_keys=True)
+                    groups.setdefault(key, []).append((worker, reply))
+            if len(groups) < 2:
+                return 0
+            best = min(
+                groups.values(),
+                key=lambda group: (
+                    len(group[0][1].get("failed", {})),
+                    -len(group),
+                    group[0][0].index,
+                ),
+            )
+            reference, theirs = best[0]
+            for group in groups.values():
+                if group is best:
+                    continue
+                for worker, reply in group:
+                    log.warning(
+                        "worker %d (pid %d) started serving other things than worker %d "
+                        "(pid %d), the reference (the workers that start together are "
+                        "compared; the reference serves the most models): %s. It is "
+                        "restarted and listens again once it serves what worker %d serves, "
+                        "as a worker that restarts does",
+                        worker.index,
+                        worker.pid,
+                        reference.index,
+                        reference.pid,
+                        "; ".join(_disagreements(reply["served"], theirs["served"])),
+                        reference.index,
+                    )
+                    worker.member = False  # no change reaches it, no joining worker compares
+                    if worker.process is not None:
+                        with contextlib.suppress(ProcessLookupError):
+                            worker.process.send_signal(signal.SIGTERM)
+            return reference.index
+
     async def _differences(self, worker: _Worker) -> tuple[list[str], dict[str, str] | None]:
         """How what *worker* serves differs from what the members serve (nothing: it agrees).
 
@@ -1095,7 +1159,8 @@ class _Supervisor:
         agrees when it serves what one member serves (members that disagree
         among themselves were told so by `WorkersDisagree`). Before every first
         worker is ready, there is nothing to compare with: each loaded the
-        repository at start.
+        repository at start, and they are compared once all are ready
+        (`_compare_at_start`).
 
         Also, when it agrees, the failed loads that member holds (its
         `ServedModels.failures`) where *worker*'s differ, for *worker* to take.
@@ -1506,7 +1571,7 @@ async def serve_workers(
                 if supervisor.failure is None and not supervisor.all_ready.is_set():
                     supervisor.failure = "stopped by a signal before every worker was ready"
                 if supervisor.failure is None:
-                    first = supervisor.workers[0].listening
+                    first = supervisor.workers[supervisor.reference].listening
                     task_status.started(
                         WorkersListening(
                             tuple(first["urls"]),
