@@ -809,6 +809,8 @@ class _Worker:
     ready: bool = False
     #: Why it could not start, as it said.
     failure: str = ""
+    #: Why the supervisor stopped it to start it again ("": it was not).
+    stopped_for: str = ""
     listening: dict[str, Any] = attrs.field(factory=dict)
 
 
@@ -910,15 +912,26 @@ class _Supervisor:
                 failed_starts = 0
             backoff = 0 if was_ready and uptime >= STABLE_AFTER_S else backoff + 1
             delay = min(RESTART_DELAY_S * 2 ** (backoff - 1 if backoff else 0), MAX_RESTART_DELAY_S)
-            log.warning(
-                "worker %d (pid %d) %s%s; its in-flight requests failed (connections closed); "
-                "restarting it in %.1fs",
-                worker.index,
-                worker.pid,
-                how,
-                "" if was_ready else " before it was ready",
-                delay,
-            )
+            if worker.stopped_for:
+                log.info(
+                    "worker %d (pid %d), stopped because %s, %s; restarting it in %.1fs",
+                    worker.index,
+                    worker.pid,
+                    worker.stopped_for,
+                    how,
+                    delay,
+                )
+                worker.stopped_for = ""
+            else:
+                log.warning(
+                    "worker %d (pid %d) %s%s; its in-flight requests failed (connections "
+                    "closed); restarting it in %.1fs",
+                    worker.index,
+                    worker.pid,
+                    how,
+                    "" if was_ready else " before it was ready",
+                    delay,
+                )
             with anyio.move_on_after(delay):
                 await self.stop.wait()
             if self.stop.is_set():
@@ -1145,6 +1158,9 @@ class _Supervisor:
                         reference.index,
                     )
                     worker.member = False  # no change reaches it, no joining worker compares
+                    worker.stopped_for = (
+                        f"it started serving other things than worker {reference.index}"
+                    )
                     if worker.process is not None:
                         with contextlib.suppress(ProcessLookupError):
                             worker.process.send_signal(signal.SIGTERM)
