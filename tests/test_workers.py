@@ -859,6 +859,46 @@ async def test_a_change_that_cannot_reach_a_live_worker_fails_and_names_it(
         tg.cancel_scope.cancel()
 
 
+async def test_a_change_a_worker_cannot_hand_its_supervisor_says_so(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The other way: a worker that could not reach its (running) supervisor with a
+    # client's load answered that it had lost it and was stopping; it was not.
+    from trioinfer.server import _workers
+
+    monkeypatch.setattr(_workers, "REACH_S", 0.3)
+    drop = [2]
+    call = _workers._call
+
+    async def flaky(path: Path, message: dict[str, Any]) -> dict[str, Any]:
+        if drop[0] > 0:
+            drop[0] -= 1
+            raise _workers._Gone(f"{path.name}: BlockingIOError(11, 'Resource unavailable')")
+        return await call(path, message)
+
+    monkeypatch.setattr(_workers, "_call", flaky)
+    got: list[dict[str, Any]] = []
+
+    async def supervisor(message: dict[str, Any]) -> dict[str, Any]:
+        got.append(message)
+        return {"ok": True}
+
+    link = _workers.WorkerLink(0, tmp_path, os.getppid())
+    async with anyio.create_task_group() as tg:
+        await tg.start(_serve_calls, tmp_path / "supervisor.sock", supervisor)
+        await link.load("m", None)  # a fresh connection got through
+        assert got == [{"op": "load", "model": "m", "override": None}]
+        drop[0] = 10**6
+        with pytest.raises(TrioInferError) as raised:
+            await link.unload("m")
+        said = str(raised.value)
+        assert said.startswith("could not reach the supervisor (pid ")
+        assert "with the unload of model 'm'" in said
+        assert "BlockingIOError" in said
+        assert "stopping" not in said
+        tg.cancel_scope.cancel()
+
+
 async def test_workers_that_start_serving_different_things_are_noticed(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:

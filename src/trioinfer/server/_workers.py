@@ -706,7 +706,31 @@ class WorkerLink:
                     await stream.aclose()
 
     async def _change(self, message: dict[str, Any]) -> None:
-        reply = await self._ask(message)
+        # A socket error is no lost supervisor while it is still this process's parent:
+        # fresh connections try again for REACH_S (a change the supervisor received twice
+        # applies once, see _Supervisor._reach), then the client is told what happened.
+        tries, delay = 0, RETRY_S
+        deadline = anyio.current_time() + REACH_S
+        while True:
+            tries += 1
+            try:
+                reply = await _call(self._supervisor, message)
+                break
+            except _Gone as exc:
+                why = exc
+            if os.getppid() != self._supervisor_pid:
+                raise TrioInferError(
+                    "this worker lost its supervisor (the trioinfer serve process); it is stopping"
+                ) from why
+            left = deadline - anyio.current_time()
+            if left <= 0:
+                raise TrioInferError(
+                    f"could not reach the supervisor (pid {self._supervisor_pid}) with "
+                    f"{_what(message)} ({tries} tries over {REACH_S:g}s, the last: {why}): it "
+                    "may or may not have applied on the workers; repeat the request"
+                ) from why
+            await anyio.sleep(min(delay, left))
+            delay *= 2
         if "error" in reply:
             _raise_error(reply["error"])
 
