@@ -1153,8 +1153,8 @@ class _Supervisor:
                 if reply is not None and "served" in reply:
                     key = json.dumps(reply["served"], sort_keys=True)
                     groups.setdefault(key, []).append((worker, reply))
-            if len(groups) < 2:
-                return 0
+            if len(groups) < 2:  # they agree (those that answered)
+                return next(iter(groups.values()))[0][0].index if groups else 0
             best = min(
                 groups.values(),
                 key=lambda group: (
