@@ -59,6 +59,14 @@ def test_strict_readiness_waits_for_every_model(repository: Path, tmp_path: Path
         failed = httpx.post(f"{server.url}/v2/repository/models/broken/load", timeout=WAIT_S)
         assert failed.status_code == 400
         assert httpx.get(f"{server.url}/v2/health/ready", timeout=WAIT_S).status_code == 200
+        # A load of a model the repository does not hold is a 404, not a model that
+        # failed to load: Triton's readiness counts the models it found and tried (its
+        # LiveModelStates), and this one never was.
+        missing = httpx.post(f"{server.url}/v2/repository/models/nosuch/load", timeout=WAIT_S)
+        assert missing.status_code == 404
+        assert httpx.get(f"{server.url}/v2/health/ready", timeout=WAIT_S).status_code == 200
+        index = httpx.post(f"{server.url}/v2/repository/index", timeout=WAIT_S).json()
+        assert "nosuch" not in {row["name"] for row in index}
 
 
 def test_without_the_flags_a_failed_model_leaves_the_server_ready(

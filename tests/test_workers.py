@@ -785,6 +785,175 @@ async def test_a_change_some_workers_refuse_is_an_error_that_names_them(tmp_path
         tg.cancel_scope.cancel()
 
 
+async def test_a_change_that_cannot_reach_a_live_worker_fails_and_names_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A socket error on the way to a worker read as a worker that died meanwhile: the
+    # change was answered 200 and journaled for a restart that never came, while that
+    # worker, alive, went on serving what it had.
+    from trioinfer.server import _workers
+
+    monkeypatch.setattr(_workers, "REACH_S", 0.3)
+    supervisor = _Supervisor(2, tmp_path, {})
+    said: dict[int, list[dict[str, Any]]] = {0: [], 1: []}
+    drop = [0]  # connections to worker 1 that fail before it answers
+    call = _workers._call
+
+    async def flaky(path: Path, message: dict[str, Any]) -> dict[str, Any]:
+        if path == worker_socket(tmp_path, 1) and drop[0] > 0:
+            drop[0] -= 1
+            raise _workers._Gone(f"{path.name}: BlockingIOError(11, 'Resource unavailable')")
+        return await call(path, message)
+
+    monkeypatch.setattr(_workers, "_call", flaky)
+
+    @attrs.define
+    class Running:
+        returncode: int | None = None
+        signals: list[int] = attrs.Factory(list)
+
+        def send_signal(self, signum: int) -> None:
+            self.signals.append(signum)
+
+    def worker(index: int) -> Any:
+        async def handle(message: dict[str, Any]) -> dict[str, Any]:
+            said[index].append(message)
+            return {"ok": True}
+
+        return handle
+
+    async with anyio.create_task_group() as tg:
+        for index in (0, 1):
+            await tg.start(_serve_calls, worker_socket(tmp_path, index), worker(index))
+        processes = [Running(), Running()]
+        for member, process in zip(supervisor.workers, processes, strict=True):
+            member.member = True
+            member.process, member.pid = cast(Any, process), 100 + member.index
+        # A transient error: a fresh connection reaches it.
+        load = {"op": "load", "model": "m", "override": None}
+        drop[0] = 2
+        assert await supervisor.handle(load) == {"ok": True}
+        assert said[1] == [load]
+        # One that cannot be reached while its process runs: not a success, and said.
+        drop[0] = 10**6
+        unload = {"op": "unload", "model": "m"}
+        error = (await supervisor.handle(unload))["error"]
+        assert error["type"] == "WorkersDisagree"
+        assert "applied on worker(s) 0 and failed on worker(s) 1" in error["message"]
+        assert "worker 1 (pid 101) is running but did not answer" in error["message"]
+        assert "BlockingIOError" in error["message"]
+        assert said[1] == [load]
+        assert supervisor.journal == {"m": unload}  # worker 0 serves it
+        assert supervisor.workers[1].member  # a healthy worker is left alone
+        assert processes[1].signals == []
+        # With no other worker to apply it: the error as it is, and nothing journaled.
+        supervisor.workers[0].member = False
+        error = (await supervisor.handle(load))["error"]
+        assert error["type"] == "TrioInferError"
+        assert error["message"].startswith("worker 1 (pid 101) is running but did not answer")
+        assert supervisor.journal == {"m": unload}
+        # A worker whose process has ended did die: it takes the change when it restarts.
+        processes[1].returncode = -signal.SIGKILL
+        assert await supervisor.handle(load) == {"ok": True}
+        assert supervisor.journal == {"m": load}
+        tg.cancel_scope.cancel()
+
+
+async def test_a_change_a_worker_cannot_hand_its_supervisor_says_so(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The other way: a worker that could not reach its (running) supervisor with a
+    # client's load answered that it had lost it and was stopping; it was not.
+    from trioinfer.server import _workers
+
+    monkeypatch.setattr(_workers, "REACH_S", 0.3)
+    drop = [2]
+    call = _workers._call
+
+    async def flaky(path: Path, message: dict[str, Any]) -> dict[str, Any]:
+        if drop[0] > 0:
+            drop[0] -= 1
+            raise _workers._Gone(f"{path.name}: BlockingIOError(11, 'Resource unavailable')")
+        return await call(path, message)
+
+    monkeypatch.setattr(_workers, "_call", flaky)
+    got: list[dict[str, Any]] = []
+
+    async def supervisor(message: dict[str, Any]) -> dict[str, Any]:
+        got.append(message)
+        return {"ok": True}
+
+    link = _workers.WorkerLink(0, tmp_path, os.getppid())
+    async with anyio.create_task_group() as tg:
+        await tg.start(_serve_calls, tmp_path / "supervisor.sock", supervisor)
+        await link.load("m", None)  # a fresh connection got through
+        assert got == [{"op": "load", "model": "m", "override": None}]
+        drop[0] = 10**6
+        with pytest.raises(TrioInferError) as raised:
+            await link.unload("m")
+        said = str(raised.value)
+        assert said.startswith("could not reach the supervisor (pid ")
+        assert "with the unload of model 'm'" in said
+        assert "BlockingIOError" in said
+        assert "stopping" not in said
+        tg.cancel_scope.cancel()
+
+
+async def test_workers_that_start_serving_different_things_are_noticed(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Workers that started together were not compared: one whose load of a model failed
+    # (a load that fails at random, or files changed between their starts) served without
+    # it beside the others, and clients got one answer or another by the connection.
+    supervisor = _Supervisor(3, tmp_path, {"models": None})
+    digits = {"versions": {"1": [[1, 2, 3], None]}, "traffic": {}}
+    flaky = {"versions": {"1": [[4, 5, 6], None]}, "traffic": {}}
+    why = {"flaky": "failed to load 'flaky': at random"}
+    served = {0: {"digits": digits}, 1: {"digits": digits, "flaky": flaky}, 2: {"digits": digits}}
+    failed = {0: why, 1: {}, 2: why}
+
+    def worker(index: int) -> Any:
+        async def handle(message: dict[str, Any]) -> dict[str, Any]:
+            assert message["op"] == "served"
+            return {"served": served[index], "failed": failed[index]}
+
+        return handle
+
+    @attrs.define
+    class Running:
+        returncode: int | None = None
+        signals: list[int] = attrs.Factory(list)
+
+        def send_signal(self, signum: int) -> None:
+            self.signals.append(signum)
+
+    processes = [Running() for _ in range(3)]
+    async with anyio.create_task_group() as tg:
+        for index in range(3):
+            await tg.start(_serve_calls, worker_socket(tmp_path, index), worker(index))
+        for member, process in zip(supervisor.workers, processes, strict=True):
+            member.member = True  # as their hellos made them, before all were ready
+            member.process, member.pid = cast(Any, process), 100 + member.index
+        with caplog.at_level(logging.WARNING, "trioinfer.server"):
+            for index in range(3):
+                models = {name: [1] for name in served[index]}
+                ready = {"op": "ready", "worker": index, "pid": 100 + index, "urls": ["u"]}
+                ready.update({"models": models, "failed": list(failed[index]), "grpc": None})
+                assert await supervisor.handle(ready) == {"ok": True}
+        assert supervisor.all_ready.is_set()
+        # The reference is the worker that serves the most (fewest failed loads): the
+        # others restart, and join once they serve what it serves, as any restart does.
+        assert supervisor.reference == 1
+        assert [p.signals for p in processes] == [[signal.SIGTERM], [], [signal.SIGTERM]]
+        assert [w.member for w in supervisor.workers] == [False, True, False]
+        assert supervisor.spec["start_models"] == ["digits", "flaky"]
+        assert (
+            "worker 0 (pid 100) started serving other things than worker 1 (pid 101)" in caplog.text
+        )
+        assert "model 'flaky' is not served by it" in caplog.text
+        tg.cancel_scope.cancel()
+
+
 async def test_a_joining_worker_that_serves_otherwise_waits_until_a_change_agrees(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -1083,6 +1252,52 @@ def test_a_restarted_worker_serves_what_the_others_do_not_what_is_on_disk(
             assert fresh("GET", f"{url}/v2/models/late/ready").status_code == 200
         process.send_signal(signal.SIGTERM)
         assert process.wait(timeout=WAIT_S) == 0, log.read_text()
+
+
+FLAKY_MODEL = """\
+import os
+
+# The first process to load it fails; every load after that succeeds.
+try:
+    os.close(os.open({marker!r}, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+except FileExistsError:
+    pass
+else:
+    raise RuntimeError("this load fails, the next succeed")
+
+
+class Model:
+    async def infer(self, inputs):
+        return {{"y": inputs["x"]}}
+"""
+
+
+def test_a_worker_that_started_without_a_model_the_other_loaded_restarts_and_joins(
+    tmp_path: Path,
+) -> None:
+    # Workers that start together each load the repository: a load that failed on one
+    # only left it serving without the model beside the other, unnoticed.
+    repository = tmp_path / "repository"
+    shutil.copytree(example_repository() / "digits", repository / "digits")
+    (repository / "flaky" / "1").mkdir(parents=True)
+    (repository / "flaky" / "config.toml").write_text(SLOW_CONFIG)
+    marker = tmp_path / "loaded-once"
+    (repository / "flaky" / "1" / "model.py").write_text(FLAKY_MODEL.format(marker=str(marker)))
+    log = tmp_path / "serve.log"
+    with two_workers(repository, log) as server:
+        wait_until(lambda: "started serving other things" in log.read_text(), "it is noticed")
+        found = re.search(
+            r"worker (\d) \(pid (\d+)\) started serving other things", log.read_text()
+        )
+        assert found is not None
+        index, victim = found.group(1), int(found.group(2))
+        assert "model 'flaky' is not served by it" in log.read_text()
+        # Its restart loads the model (only the first load fails) and joins the other.
+        wait_until(lambda: worker_pids(server.url).get(index, victim) != victim, "it is back")
+        for _ in range(12):
+            assert fresh("GET", f"{server.url}/v2/models/flaky/ready").status_code == 200
+        server.process.send_signal(signal.SIGTERM)
+        assert server.process.wait(timeout=WAIT_S) == 0, log.read_text()
 
 
 def test_a_model_unloaded_and_removed_is_not_loaded_by_a_restarted_worker(

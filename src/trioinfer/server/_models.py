@@ -413,7 +413,11 @@ class ServedModels:
                 # status) stays the cause's.
                 if not str(exc).startswith("failed to load"):
                     exc.args = (f"failed to load {model!r}: {exc}", *exc.args[1:])
-                self._errors[model] = self.public_message(exc)
+                if model in self._served or self._in_repository(model):
+                    self._errors[model] = self.public_message(exc)
+                # else: no such model, a 404 and nothing more. Triton's readiness
+                # (--strict-readiness) and its index count the models it found in the
+                # repository and tried to load; one it never found is neither.
                 raise
             finally:
                 if not self._served.get(model, True):
@@ -427,6 +431,13 @@ class ServedModels:
                 await self.load(dependent, loaded[-1].override if loaded else None)
             except TrioInferError as exc:
                 log.error("could not reload pipeline %r: %s", dependent, exc)  # noqa: TRY400
+
+    def _in_repository(self, model: str) -> bool:
+        """Whether the repository holds a directory for *model* (an invalid name: no)."""
+        try:
+            return model in self.repository.names()
+        except ConfigError:
+            return True  # it cannot be listed: not known to be missing
 
     async def _load(self, model: str, override: Mapping[str, Any] | None) -> None:
         traffic: dict[int, float] | None = None

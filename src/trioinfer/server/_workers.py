@@ -19,7 +19,10 @@ reports are lines on a connection it keeps open, with no answer):
 - repository load and unload (config overrides and traffic splits included):
   the worker that received the request asks the supervisor, which applies it
   on every worker, one change at a time, and answers once all have; a change
-  that fails on some workers only is an error that names them. The supervisor
+  that fails on some workers only is an error that names them. A worker that
+  does not answer is asked again while its process runs (`_Supervisor._reach`):
+  one that died takes the change when it restarts, one that runs and cannot be
+  reached fails the change, named (it is never restarted for it). The supervisor
   keeps the last change of each model and replays them to a worker that
   restarts, before it listens, so a restarted worker serves what the others do.
   It loaded the repository as it is on disk, though: after a reload that
@@ -29,6 +32,9 @@ reports are lines on a connection it keeps open, with no answer):
   config override, the traffic split: `served_state`); until then it does not
   listen, the supervisor says why, and each change that applies is repeated
   to it (a poll's reload of the repaired files, say) until they agree.
+  Workers that start together are compared the same way once all are ready
+  (`_Supervisor._compare_at_start`): each that differs from the one serving
+  the most is restarted, and joins as above.
 - trace settings (``POST /v2[/models/{m}]/trace/setting``): the same way, kept
   per setting (each changes alone, so the last value of each is the state).
 - statistics and ``/metrics``: the answering worker sends its own to the
@@ -115,6 +121,10 @@ SPEC_ENV: Final = "TRIOINFER_WORKER_SPEC"
 _MAX_MESSAGE: Final = 64 << 20
 #: How long a worker may take to send its statistics or metrics before it is left out.
 GATHER_TIMEOUT_S: Final = 10.0
+#: How long the supervisor tries to reach a worker whose process runs with a change
+#: (fresh connections, doubling delays from `RETRY_S`) before the change fails on it.
+REACH_S: Final = 2.0
+RETRY_S: Final = 0.05
 #: Restart delays: the first, and the most (doubling in between).
 RESTART_DELAY_S: Final = 0.5
 MAX_RESTART_DELAY_S: Final = 30.0
@@ -696,7 +706,31 @@ class WorkerLink:
                     await stream.aclose()
 
     async def _change(self, message: dict[str, Any]) -> None:
-        reply = await self._ask(message)
+        # A socket error is no lost supervisor while it is still this process's parent:
+        # fresh connections try again for REACH_S (a change the supervisor received twice
+        # applies once, see _Supervisor._reach), then the client is told what happened.
+        tries, delay = 0, RETRY_S
+        deadline = anyio.current_time() + REACH_S
+        while True:
+            tries += 1
+            try:
+                reply = await _call(self._supervisor, message)
+                break
+            except _Gone as exc:
+                why = exc
+            if os.getppid() != self._supervisor_pid:
+                raise TrioInferError(
+                    "this worker lost its supervisor (the trioinfer serve process); it is stopping"
+                ) from why
+            left = deadline - anyio.current_time()
+            if left <= 0:
+                raise TrioInferError(
+                    f"could not reach the supervisor (pid {self._supervisor_pid}) with "
+                    f"{_what(message)} ({tries} tries over {REACH_S:g}s, the last: {why}): it "
+                    "may or may not have applied on the workers; repeat the request"
+                ) from why
+            await anyio.sleep(min(delay, left))
+            delay *= 2
         if "error" in reply:
             _raise_error(reply["error"])
 
@@ -799,6 +833,8 @@ class _Worker:
     ready: bool = False
     #: Why it could not start, as it said.
     failure: str = ""
+    #: Why the supervisor stopped it to start it again ("": it was not).
+    stopped_for: str = ""
     listening: dict[str, Any] = attrs.field(factory=dict)
 
 
@@ -839,6 +875,10 @@ class _Supervisor:
         self.stopping = False
         self.stop = anyio.Event()
         self.all_ready = anyio.Event()
+        #: The worker whose models the others were compared with when all were first
+        #: ready (`_compare_at_start`); what serve reports is what it serves.
+        self.reference = 0
+        self._compared = False
         self.failure: str | None = None
         self.metrics = MetricsLedger(host)
         self.stats = StatsLedger()
@@ -896,15 +936,26 @@ class _Supervisor:
                 failed_starts = 0
             backoff = 0 if was_ready and uptime >= STABLE_AFTER_S else backoff + 1
             delay = min(RESTART_DELAY_S * 2 ** (backoff - 1 if backoff else 0), MAX_RESTART_DELAY_S)
-            log.warning(
-                "worker %d (pid %d) %s%s; its in-flight requests failed (connections closed); "
-                "restarting it in %.1fs",
-                worker.index,
-                worker.pid,
-                how,
-                "" if was_ready else " before it was ready",
-                delay,
-            )
+            if worker.stopped_for:
+                log.info(
+                    "worker %d (pid %d), stopped because %s, %s; restarting it in %.1fs",
+                    worker.index,
+                    worker.pid,
+                    worker.stopped_for,
+                    how,
+                    delay,
+                )
+                worker.stopped_for = ""
+            else:
+                log.warning(
+                    "worker %d (pid %d) %s%s; its in-flight requests failed (connections "
+                    "closed); restarting it in %.1fs",
+                    worker.index,
+                    worker.pid,
+                    how,
+                    "" if was_ready else " before it was ready",
+                    delay,
+                )
             with anyio.move_on_after(delay):
                 await self.stop.wait()
             if self.stop.is_set():
@@ -988,13 +1039,16 @@ class _Supervisor:
             worker.ready = True
             worker.listening = message
             log.info("worker %d (pid %d) is ready", worker.index, worker.pid)
-            if all(w.ready for w in self.workers) and not self.all_ready.is_set():
+            if all(w.ready for w in self.workers) and not self._compared:
+                self._compared = True
+                self.reference = await self._compare_at_start()
+                first = self.workers[self.reference].listening
                 if self.spec["models"] is None:
                     # A worker that restarts loads what these loaded at start, not
                     # the repository as it is on disk then: a model added since, and
                     # never loaded through the API, would be served by it alone. (It
                     # tries those that failed too, to give the same reason for them.)
-                    self.spec["start_models"] = sorted({*message["models"], *message["failed"]})
+                    self.spec["start_models"] = sorted({*first["models"], *first["failed"]})
                 self.all_ready.set()
             return {"ok": True}
         if op == "failed":
@@ -1033,9 +1087,9 @@ class _Supervisor:
                     if replayed.get(key) is change:
                         continue  # repeated to it already, while it waited
                     replayed[key] = change
-                    try:
-                        reply = await _call(worker.socket, change)
-                    except _Gone:
+                    reply = await self._reach(worker, change)
+                    if reply is None or reply.get("unreachable"):
+                        # Not joined yet (it does not listen): it exits and starts again.
                         message = "its control socket stopped answering while it joined"
                         return {"error": {"type": "TrioInferError", "message": message}}
                     if "error" in reply:
@@ -1079,6 +1133,63 @@ class _Supervisor:
             if self.stop.is_set():
                 return {"stopping": True}
 
+    async def _compare_at_start(self) -> int:
+        """Compare what the first workers serve, once all are ready; the reference's index.
+
+        Each loaded the repository at start, on its own: a load that failed on
+        one only (a model whose load fails at random, a file that was broken
+        for a moment) or files changed between their starts leave them serving
+        different things. The reference is the worker that serves the most
+        (the fewest failed loads), then the one most others agree with, then
+        the lowest index. Each worker that differs from it stops being a member
+        and is stopped (it drains) and restarted, as one that died: it loads
+        what the reference loaded and joins once it serves the same (see
+        `_hello`), while the others serve.
+        """
+        async with self.changing:
+            replies = await _each(self.workers, {"op": "served"}, limit_s=GATHER_TIMEOUT_S)
+            groups: dict[str, list[tuple[_Worker, dict[str, Any]]]] = {}
+            for worker, reply in replies:
+                if reply is not None and "served" in reply:
+                    key = json.dumps(reply["served"], sort_keys=True)
+                    groups.setdefault(key, []).append((worker, reply))
+            if len(groups) < 2:  # they agree (those that answered)
+                return next(iter(groups.values()))[0][0].index if groups else 0
+            best = min(
+                groups.values(),
+                key=lambda group: (
+                    len(group[0][1].get("failed", {})),
+                    -len(group),
+                    group[0][0].index,
+                ),
+            )
+            reference, theirs = best[0]
+            for group in groups.values():
+                if group is best:
+                    continue
+                for worker, reply in group:
+                    log.warning(
+                        "worker %d (pid %d) started serving other things than worker %d "
+                        "(pid %d), the reference (the workers that start together are "
+                        "compared; the reference serves the most models): %s. It is "
+                        "restarted and listens again once it serves what worker %d serves, "
+                        "as a worker that restarts does",
+                        worker.index,
+                        worker.pid,
+                        reference.index,
+                        reference.pid,
+                        "; ".join(_disagreements(reply["served"], theirs["served"])),
+                        reference.index,
+                    )
+                    worker.member = False  # no change reaches it, no joining worker compares
+                    worker.stopped_for = (
+                        f"it started serving other things than worker {reference.index}"
+                    )
+                    if worker.process is not None:
+                        with contextlib.suppress(ProcessLookupError):
+                            worker.process.send_signal(signal.SIGTERM)
+            return reference.index
+
     async def _differences(self, worker: _Worker) -> tuple[list[str], dict[str, str] | None]:
         """How what *worker* serves differs from what the members serve (nothing: it agrees).
 
@@ -1088,7 +1199,8 @@ class _Supervisor:
         agrees when it serves what one member serves (members that disagree
         among themselves were told so by `WorkersDisagree`). Before every first
         worker is ready, there is nothing to compare with: each loaded the
-        repository at start.
+        repository at start, and they are compared once all are ready
+        (`_compare_at_start`).
 
         Also, when it agrees, the failed loads that member holds (its
         `ServedModels.failures`) where *worker*'s differ, for *worker* to take.
@@ -1118,7 +1230,7 @@ class _Supervisor:
         # *advice*: what to do when the workers disagree after it.
         async with self.changing:
             targets = [w for w in self.workers if w.member]
-            replies = await _each(targets, message)
+            replies = await _each(targets, message, call=self._reach)
             applied = [w.index for w, r in replies if r is not None and "error" not in r]
             failed = [(w.index, r["error"]) for w, r in replies if r is not None and "error" in r]
             if not failed or applied:
@@ -1157,6 +1269,53 @@ class _Supervisor:
                     ),
                 }
             }
+
+    async def _reach(self, worker: _Worker, change: dict[str, Any]) -> dict[str, Any] | None:
+        """*worker*'s answer to *change*: None if its process ended, an error if it is out of reach.
+
+        A socket error (a full backlog, a connection cut) is no death: while
+        the worker's process runs, fresh connections try again for `REACH_S`.
+        One that died is left to take the change from the journal when it
+        restarts; one that runs and cannot be reached gets an error answer
+        that names it and says why (marked ``unreachable``), so that the
+        change is no success, and the worker is left alone (it serves). A
+        change may reach a worker twice (the connection broke after it was
+        sent): each is idempotent (a load of what is served, an unload of what
+        is not, a setting set again, change nothing).
+        """
+        pid, tries, delay = worker.pid, 0, RETRY_S
+        deadline = anyio.current_time() + REACH_S
+        while True:
+            tries += 1
+            try:
+                return await _call(worker.socket, change)
+            except _Gone as exc:
+                why = exc
+            if not _running(worker, pid):
+                log.info(
+                    "worker %d (pid %d) has died: it takes %s when it restarts",
+                    worker.index,
+                    pid,
+                    _what(change),
+                )
+                return None
+            left = deadline - anyio.current_time()
+            if left <= 0:
+                break
+            log.info(
+                "worker %d (pid %d) runs but did not answer (%s): trying again",
+                worker.index,
+                pid,
+                why,
+            )
+            await anyio.sleep(min(delay, left))
+            delay *= 2
+        said = (
+            f"worker {worker.index} (pid {pid}) is running but did not answer {_what(change)} "
+            f"({tries} tries over {REACH_S:g}s, the last: {why}); it may not have applied it"
+        )
+        log.error("%s", said)
+        return {"error": {"type": "TrioInferError", "message": said}, "unreachable": True}
 
     async def _gather_counts(self, asker: _Worker, counts: dict[str, Any]) -> None:
         # A scrape or a statistics request that *asker* answers, with its own counts:
@@ -1263,14 +1422,24 @@ def _what(change: Mapping[str, Any]) -> str:
 
 
 async def _each(
-    workers: list[_Worker], message: dict[str, Any], *, limit_s: float = math.inf
+    workers: list[_Worker],
+    message: dict[str, Any],
+    *,
+    limit_s: float = math.inf,
+    call: Callable[[_Worker, dict[str, Any]], Awaitable[dict[str, Any] | None]] | None = None,
 ) -> list[tuple[_Worker, dict[str, Any] | None]]:
-    """Send *message* to every worker at once; None for those that died or did not answer."""
+    """Send *message* to every worker at once; None for those that died or did not answer.
+
+    *call*: how to reach one worker (None: once, `_call`).
+    """
     replies: dict[int, dict[str, Any] | None] = {}
 
     async def one(worker: _Worker) -> None:
         replies[worker.index] = None
         with anyio.move_on_after(limit_s):
+            if call is not None:
+                replies[worker.index] = await call(worker, message)
+                return
             try:
                 replies[worker.index] = await _call(worker.socket, message)
             except _Gone:
@@ -1280,6 +1449,12 @@ async def _each(
         for worker in workers:
             tg.start_soon(one, worker)
     return [(w, replies[w.index]) for w in workers]
+
+
+def _running(worker: _Worker, pid: int) -> bool:
+    """Whether *worker*'s process *pid* still runs (it has not exited, nor been replaced)."""
+    process = worker.process
+    return process is not None and worker.pid == pid and process.returncode is None
 
 
 def _exit_text(code: int | None) -> str:
@@ -1436,7 +1611,7 @@ async def serve_workers(
                 if supervisor.failure is None and not supervisor.all_ready.is_set():
                     supervisor.failure = "stopped by a signal before every worker was ready"
                 if supervisor.failure is None:
-                    first = supervisor.workers[0].listening
+                    first = supervisor.workers[supervisor.reference].listening
                     task_status.started(
                         WorkersListening(
                             tuple(first["urls"]),
