@@ -96,6 +96,11 @@ class SequenceBatcher:
         self._bytes_inputs: frozenset[str] = frozenset()
         self._sets_differ = False
 
+    @property
+    def max_batch_size(self) -> int | None:
+        """The model's ``sequence.max_batch_size``; None before attach or without a batch axis."""
+        return self._size if self._context is not None and self._batched else None
+
     # -- set up --------------------------------------------------------------------
 
     def attach(self, context: SequenceContext) -> None:
