@@ -59,6 +59,25 @@ async def test_check_batcher_holds_a_batcher_to_the_bound_it_declares() -> None:
         await check_batcher(functools.partial(DynamicBatcher, max_batch_size=4), max_batch_size=2)
 
 
+class Overpromising:
+    """Says batches hold at most 2 rows (trioinfer.abc.BoundedBatcher); forms them up to 4."""
+
+    def __init__(self) -> None:
+        self._inner = DynamicBatcher(max_batch_size=4)
+
+    @property
+    def max_batch_size(self) -> int:
+        return 2
+
+    async def next_batch(self, queue: Any) -> Any:
+        return await self._inner.next_batch(queue)
+
+
+async def test_check_batcher_holds_a_batcher_to_the_bound_it_says_by_default() -> None:
+    with pytest.raises(AssertionError, match="more than max_batch_size 2"):
+        await check_batcher(Overpromising)
+
+
 # -- broken batchers: each breaks one rule, and the check says which ----------------
 
 

@@ -28,7 +28,8 @@ PUBLIC = {
     "trioinfer.abc": {
         "AssemblingBatcher", "AttachableBatcher", "AttachableFallback", "AttachableScheduler",
         "Backend",
-        "BackendInstance", "Batcher", "Fallback", "InlineInstance", "PipelinedInstance",
+        "BackendInstance", "Batcher", "BoundedBatcher", "Fallback", "InlineInstance",
+        "PipelinedInstance",
         "Scheduler",
         "StreamingInstance", "TunedInstance", "SequenceBatcher",
     },

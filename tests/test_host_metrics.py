@@ -432,12 +432,19 @@ def test_nvml_is_optional(monkeypatch: pytest.MonkeyPatch) -> None:
     assert _import_nvml() is fine
 
 
-@pytest.mark.parametrize("interval", [0, -1.0, float("inf"), float("nan"), True, "2"])
-def test_the_interval_is_a_positive_number_of_seconds(interval: Any) -> None:
-    with pytest.raises(ConfigError, match="finite number of seconds above 0"):
-        HostMetrics(interval=interval)
-    with pytest.raises(ConfigError, match="metrics_interval_s must be a finite number"):
+@pytest.mark.parametrize(
+    "interval", [0, -1.0, 86_400.001, float("inf"), float("nan"), True, "2", None]
+)
+def test_the_interval_is_a_positive_number_of_seconds_up_to_a_day(interval: Any) -> None:
+    # Checked in one place, ServerConfig (the CLI's --metrics-interval-ms arrives there).
+    with pytest.raises(
+        ConfigError,
+        match=r"metrics_interval_s must be a number of seconds above 0 and at most a day "
+        r"\(86400\).*gives in milliseconds, 1 to 86400000",
+    ):
         ServerConfig(metrics_interval_s=interval)
+    assert ServerConfig(metrics_interval_s=86_400).metrics_interval_s == 86_400
+    assert ServerConfig(metrics_interval_s=0.001).metrics_interval_s == 0.001
 
 
 async def test_under_workers_the_supervisor_reports_the_machine_once(

@@ -1758,6 +1758,22 @@ async def test_an_optional_input_may_be_sent_or_left_to_the_graph(model_dir: Pat
             await engine.infer("biased", {"x": x, "c": x})
 
 
+async def test_an_input_with_an_initializer_declared_required_is_refused(
+    model_dir: Path,
+) -> None:
+    # The graph gives b a value of its own, which ONNX Runtime lists apart from its
+    # inputs: declared without optional, the load fails saying what to declare.
+    path = _write_biased(model_dir / "biased_required.onnx")
+    options = {"inputs": [{"name": "b", "shape": [-1, 4]}]}
+    async with open_engine() as engine:
+        with pytest.raises(
+            trioinfer.ConfigError,
+            match=r"declares input 'b' required, but the graph gives it a value of its own "
+            r"\(an initializer\).*declare it optional",
+        ):
+            await engine.load(ModelConfig(name="biased", path=path, backend_options=options))
+
+
 async def test_requests_that_send_different_inputs_batch_apart(model_dir: Path) -> None:
     """In flight together, requests that send b and requests that leave it out each get
     their own answer: a batch holds requests that send the same inputs. Queued in

@@ -1253,12 +1253,167 @@ async def test_a_string_corrid_reaches_a_bytes_model_as_bytes() -> None:
     assert [b"", b"7"] in seen  # slot 0 a padding row
 
 
-async def test_a_model_with_an_optional_input_is_refused_by_the_sequence_batcher() -> None:
-    # Its batches lay out one request of each sequence as the first one's inputs: one
-    # that sent another set would lose an input, or miss one.
-    config = simple_sequence_config()
-    options = dict(config.backend_options)
-    options["inputs"] = [*options["inputs"], {**_tensor("EXTRA"), "optional": True}]
+class Scaled:
+    """A running sum of INPUT times the optional SCALE (1 when a request leaves it out).
+
+    Sleeps a (virtual) second per batch, so that requests queue behind a running one,
+    and records each batch: the inputs its requests sent and its ready rows' CORRIDs.
+    """
+
+    batches: list[tuple[set[str], list[int]]]
+
+    async def infer(self, inputs: dict[str, Array]) -> dict[str, Array]:
+        await trio.sleep(1)
+        ready = inputs["READY"][:, 0] != 0
+        sent = set(inputs) - {"START", "READY", "CORRID", "STATE_IN"}
+        Scaled.batches.append((sent, [int(c) for c in inputs["CORRID"][ready, 0]]))
+        scale = inputs.get("SCALE", np.ones_like(inputs["INPUT"]))
+        carried = np.where(inputs["START"] != 0, 0, inputs["STATE_IN"])
+        total = (carried + inputs["INPUT"] * scale).astype(np.int32)
+        return {"OUTPUT": total, "STATE_OUT": total.copy()}
+
+
+def _scaled_config(strategy: str) -> ModelConfig:
+    inputs = [
+        _tensor("INPUT"),
+        {**_tensor("SCALE"), "optional": True},
+        _tensor("START"),
+        _tensor("READY"),
+        _tensor("CORRID", "uint64"),
+        _tensor("STATE_IN"),
+    ]
+    return ModelConfig(
+        name="scaled",
+        path="-",
+        backend="python",
+        batcher="sequence",
+        backend_options={
+            "class": Scaled,
+            "inputs": inputs,
+            "outputs": [_tensor("OUTPUT"), _tensor("STATE_OUT")],
+        },
+        sequence={
+            "strategy": strategy,
+            "max_batch_size": 4,
+            "max_sequence_idle": 100.0,
+            "control": {"start": "START", "ready": "READY", "corrid": "CORRID"},
+            "state": [{"input": "STATE_IN", "output": "STATE_OUT"}],
+        },
+    )
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+async def test_a_sequences_requests_may_send_or_leave_out_an_optional_input(
+    autojump_clock: trio.testing.MockClock, strategy: str
+) -> None:
+    # As in Triton: a batch holds requests that send the same inputs (the oldest
+    # request's set); one that sends another set waits for a later batch (under direct,
+    # its slot is a padding row meanwhile).
+    Scaled.batches = []
+    got: dict[int, int] = {}
+
+    async def send(sequence_id: int, v: int, scale: int | None, **flags: bool) -> None:
+        inputs = value(v)
+        if scale is not None:
+            inputs["SCALE"] = np.array([[scale]], dtype=np.int32)
+        out = await engine.infer("scaled", inputs, sequence=SequenceFlags(sequence_id, **flags))
+        got[sequence_id] = int(out["OUTPUT"][0, 0])
+
+    async def round_(sends: list[tuple[int, int, int | None, dict[str, bool]]]) -> None:
+        async with trio.open_nursery() as nursery:
+            for sequence_id, v, scale, flags in sends:  # admitted in this order
+                nursery.start_soon(lambda a=(sequence_id, v, scale), f=flags: send(*a, **f))
+                await trio.testing.wait_all_tasks_blocked()
+
     async with open_engine() as engine:
-        with pytest.raises(ConfigError, match=r"input 'EXTRA' is optional, which the sequence"):
-            await engine.load(ModelConfig(**{**_fields(config), "backend_options": options}))
+        await engine.load(_scaled_config(strategy))
+        # Sequence 1's request runs while 2, 3 and 4 start: 3 sends SCALE, 2 and 4 don't.
+        await round_(
+            [
+                (1, 1, None, {"start": True}),
+                (2, 2, None, {"start": True}),
+                (3, 3, 10, {"start": True}),
+                (4, 4, None, {"start": True}),
+            ]
+        )
+        assert got == {1: 1, 2: 2, 3: 30, 4: 4}
+        # A sequence's requests may switch: now 2 and 4 send SCALE, 3 doesn't.
+        await round_(
+            [
+                (1, 1, None, {"end": True}),
+                (2, 1, 100, {"end": True}),
+                (3, 1, None, {"end": True}),
+                (4, 1, 100, {"end": True}),
+            ]
+        )
+        assert got == {1: 2, 2: 102, 3: 31, 4: 104}
+        assert_all_ended(engine, accepted=8)
+    assert Scaled.batches == [
+        ({"INPUT"}, [1]),
+        ({"INPUT"}, [2, 4]),
+        ({"INPUT", "SCALE"}, [3]),
+        ({"INPUT"}, [1]),
+        ({"INPUT", "SCALE"}, [2, 4]),
+        ({"INPUT"}, [3]),
+    ]
+
+
+SCALED_PY = """
+import numpy as np
+
+class Model:
+    def infer(self, inputs):
+        scale = inputs.get("SCALE", np.ones_like(inputs["INPUT"]))
+        carried = np.where(inputs["START"] != 0, 0, inputs["STATE_IN"])
+        total = (carried + inputs["INPUT"] * scale).astype(np.int32)
+        return {"OUTPUT": total, "STATE_OUT": total}
+"""
+
+
+async def test_a_sequence_sends_or_leaves_out_an_optional_input_over_http(
+    tmp_path: Path,
+) -> None:
+    httpclient = pytest.importorskip("tritonclient.http")
+
+    (tmp_path / "repo" / "scaled" / "1").mkdir(parents=True)
+    (tmp_path / "repo" / "scaled" / "1" / "model.py").write_text(SCALED_PY)
+    (tmp_path / "repo" / "scaled" / "config.toml").write_text(
+        CONFIG_TOML.replace(
+            '    { name = "START"',
+            '    { name = "SCALE", dtype = "INT32", shape = ["batch", 1], optional = true },\n'
+            '    { name = "START"',
+        )
+    )
+    sent = [(2, None), (3, 10), (1, None), (1, 100)]  # (INPUT, SCALE or left out)
+
+    def client_calls(url: str) -> tuple[list[int], list[dict[str, Any]]]:
+        client = httpclient.InferenceServerClient(url=url)
+        results = []
+        for count, (v, scale) in enumerate(sent, start=1):
+            inputs = []
+            for name, data in (("INPUT", v), ("SCALE", scale)):
+                if data is not None:
+                    inputs.append(httpclient.InferInput(name, [1, 1], "INT32"))
+                    inputs[-1].set_data_from_numpy(np.full((1, 1), data, dtype=np.int32))
+            result = client.infer(
+                "scaled",
+                inputs,
+                sequence_id=5,
+                sequence_start=count == 1,
+                sequence_end=count == len(sent),
+            )
+            results.append(int(result.as_numpy("OUTPUT")[0][0]))
+        config = client.get_model_config("scaled")
+        client.close()
+        return results, config["input"]
+
+    async with trio.open_nursery() as nursery:
+        listening = await start_serving(nursery, tmp_path / "repo")
+        address = listening.urls[0].removeprefix("http://")
+        results, inputs = await trio.to_thread.run_sync(client_calls, address)
+        nursery.cancel_scope.cancel()
+    assert results == [2, 32, 33, 133]
+    assert [(i["name"], i.get("optional", False)) for i in inputs] == [
+        ("INPUT", False),
+        ("SCALE", True),
+    ]

@@ -527,6 +527,31 @@ async def test_an_optional_input_that_the_graph_can_go_without(served: str) -> N
     assert "the graph needs it" in required["reason"]
 
 
+async def test_an_optional_flag_the_graph_disagrees_with_fails_the_load(tmp_path: Path) -> None:
+    # optional: true on an input the graph does not have; no optional on the input the
+    # graph gives a value of its own (an initializer). (optional: true on an input the
+    # graph needs: the served fixture's "required".)
+    unknown = OPTIONAL.replace('name: "b"', 'name: "w"')
+    unmarked = OPTIONAL.replace(" optional: true", "")
+    for name, pbtxt in (("unknown", unknown), ("unmarked", unmarked)):
+        write_biased(tmp_path / name / "1" / "model.onnx")
+        (tmp_path / name / "config.pbtxt").write_text(pbtxt)
+    async with trio.open_nursery() as nursery:
+        listening = await start_serving(nursery, tmp_path)
+        async with httpx.AsyncClient(base_url=listening.urls[0]) as http:
+            index = (await http.post("/v2/repository/index")).json()
+        nursery.cancel_scope.cancel()
+    reasons = {row["name"]: row["reason"] for row in index}
+    assert [row["state"] for row in index] == ["UNAVAILABLE", "UNAVAILABLE"]
+    assert "declares input 'w' optional, which the graph does not have" in reasons["unknown"]
+    assert "its inputs are 'x'" in reasons["unknown"]
+    assert (
+        "declares input 'b' required, but the graph gives it a value of its own"
+        in reasons["unmarked"]
+    )
+    assert "optional: true" in reasons["unmarked"]
+
+
 @pytest.mark.grpc
 async def test_an_optional_input_over_grpc(tmp_path: Path) -> None:
     # tritonclient.grpc: metadata lists b, and a request may send it or leave it out.

@@ -165,6 +165,57 @@ async def test_a_sample_bigger_than_the_max_batch_size_fails_the_load(
         assert backend.executions == [most, most]  # on each instance
 
 
+class ThirdParty:
+    """A third party's batcher (one request per batch), promising *most* rows if given."""
+
+    def __init__(self, most: int | None = None) -> None:
+        self.most = most
+
+    async def next_batch(self, queue: Any) -> list[Any]:
+        await queue.wait_not_empty()
+        return [queue.pop_nowait()]
+
+
+class Bounded(ThirdParty):
+    @property
+    def max_batch_size(self) -> int | None:
+        return self.most
+
+
+@pytest.mark.parametrize(
+    ("batcher", "refused"),
+    [(Bounded(2), True), (Bounded(None), False), (ThirdParty(2), False)],
+)
+async def test_a_third_party_batchers_max_batch_size_bounds_the_samples(
+    batcher: ThirdParty, refused: bool
+) -> None:
+    """What the batcher says (trioinfer.abc.BoundedBatcher); None, or saying nothing: no bound."""
+    assert isinstance(batcher, trioinfer.abc.BoundedBatcher) is isinstance(batcher, Bounded)
+    backend = FakeBackend()
+    registry = trioinfer.Registry(
+        extra={"backends": {"fake": lambda: backend}, "batchers": {"mine": lambda: batcher}}
+    )
+    sample = {"name": "w", "inputs": {"x": {"dims": [4]}}, "batch_size": 3}
+    async with open_engine(registry=registry) as engine:
+        if refused:
+            with pytest.raises(ConfigError, match=r"more than the model's max_batch_size \(2\)"):
+                await engine.load(fake_config(sample, batcher="mine"))
+            assert backend.executions == []
+        else:
+            await engine.load(fake_config(sample, batcher="mine"))
+            assert backend.executions == [3, 3]
+
+
+def test_the_bundled_batchers_say_their_max_batch_size() -> None:
+    from trioinfer_batching import DynamicBatcher, NoBatcher, SequenceBatcher
+
+    bounded = trioinfer.abc.BoundedBatcher
+    assert all(isinstance(b, bounded) for b in (DynamicBatcher(), NoBatcher(), SequenceBatcher()))
+    assert DynamicBatcher(max_batch_size=4).max_batch_size == 4
+    assert NoBatcher().max_batch_size is None  # one request, of any rows
+    assert SequenceBatcher().max_batch_size is None  # until attached to its model
+
+
 @pytest.mark.parametrize(
     ("sample", "message"),
     [

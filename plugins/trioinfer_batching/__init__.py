@@ -33,6 +33,11 @@ class NoBatcher:
 
     __slots__ = ()
 
+    @property
+    def max_batch_size(self) -> None:
+        """None: a batch is one request, of however many rows it sends."""
+        return None
+
     async def next_batch(self, queue: RequestQueue) -> list[Request]:
         """Wait for a live request and return it alone."""
         while True:

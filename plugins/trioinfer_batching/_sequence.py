@@ -65,7 +65,10 @@ class SequenceBatcher:
     request first; under ``direct`` each sequence holds a slot of its
     instance, and a batch has a row per slot up to the highest one in use.
     Neither waits to fill a batch: a batch leaves as soon as an instance is
-    free (Triton's ``max_queue_delay`` is not implemented).
+    free (Triton's ``max_queue_delay`` is not implemented). A model's optional
+    inputs may be sent or left out by any request; as in Triton, a batch holds
+    requests that send the same inputs (the oldest request's set), and the
+    others wait for the next batch (under ``direct``, as padding rows).
     """
 
     def __init__(self) -> None:
@@ -91,6 +94,12 @@ class SequenceBatcher:
         # The string inputs whose elements reach the model as bytes (TensorSpec.utf8
         # false): their padding rows are b"", as their other rows are bytes.
         self._bytes_inputs: frozenset[str] = frozenset()
+        self._sets_differ = False
+
+    @property
+    def max_batch_size(self) -> int | None:
+        """The model's ``sequence.max_batch_size``; None before attach or without a batch axis."""
+        return self._size if self._context is not None and self._batched else None
 
     # -- set up --------------------------------------------------------------------
 
@@ -112,15 +121,11 @@ class SequenceBatcher:
                 f"model {self._model!r} has no batch dimension, so sequence.max_batch_size "
                 f"must be 1, got {config.max_batch_size}"
             )
-        optional = [spec.name for spec in signature.inputs if spec.optional]
-        if optional:
-            # A batch holds one request of each sequence, laid out as the first one's
-            # inputs: a sequence that sent another set would lose an input, or miss one.
-            raise ConfigError(
-                f"model {self._model!r}: input {optional[0]!r} is optional, which the "
-                "sequence batcher does not take (its batches hold requests of several "
-                "sequences, which must send the same inputs); declare the input required"
-            )
+        # Requests may send different sets of inputs (some optional ones left out);
+        # the control and state inputs are the batcher's own, filled in every batch.
+        self._sets_differ = any(
+            spec.optional and spec.name not in config.hidden_inputs for spec in signature.inputs
+        )
         self._size = config.max_batch_size
         names = {spec.name for spec in signature.inputs}
         outputs = {spec.name: spec for spec in signature.outputs}
@@ -350,6 +355,14 @@ class SequenceBatcher:
                 ready.append(sequence)
         if self._config.strategy == "oldest":
             ready.sort(key=lambda s: s.pending[0].arrival)
+        if self._sets_differ and len(ready) > 1:
+            # A batch holds requests that send the same inputs, as in Triton: the
+            # oldest request's set. Others wait for a later batch (under direct, their
+            # slots are padding rows meanwhile): their inputs could not be laid out
+            # beside these, with no rows for an input some left out.
+            names = min(ready, key=lambda s: s.pending[0].arrival).pending[0].inputs.keys()
+            ready = [s for s in ready if s.pending[0].inputs.keys() == names]
+        if self._config.strategy == "oldest":
             ready = ready[: self._size]
         batch = []
         for sequence in ready:

@@ -82,7 +82,7 @@ class OnnxRuntimeBackend:
             # config.pbtxt's dims): what is proved and tuned below; clients see
             # reshaped tensors in their own shapes (Triton's reshape).
             inputs, outputs = options["inputs"], options["outputs"]
-            _check_optional(session, inputs.optional, config.name)
+            _check_optional(session, inputs.optional, config.name, inputs.graph)
             graph = _signature(session, inputs.optional)
             graph = _narrowed(graph, inputs.graph, outputs.graph, config.name)
             signature = _reshaped(graph, inputs.clients, outputs.clients)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import importlib.util
 import logging
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from typing import Any, Final
 
 import attrs
@@ -157,15 +157,18 @@ def _reshaped(
     return ModelSignature(client(signature.inputs, inputs), client(signature.outputs, outputs))
 
 
-def _check_optional(session: Any, optional: frozenset[str], model: str) -> None:
-    """Refuse optional inputs that the graph needs: only one with an initializer may be left out.
+def _check_optional(
+    session: Any, optional: frozenset[str], model: str, declared: Collection[str] = ()
+) -> None:
+    """Refuse an optional flag the graph disagrees with.
 
-    ONNX Runtime lists a graph input that has an initializer (a value of the graph's
-    own) apart from the others, as an overridable initializer: a run without it uses
-    that value, as Triton runs a request without an optional input.
+    Only an input with an initializer may be left out, and such an input is
+    served only as optional. ONNX Runtime lists a graph input that has an
+    initializer (a value of the graph's own) apart from the others, as an
+    overridable initializer: a run without it uses that value, as Triton runs a
+    request without an optional input. *declared*: every input the config names
+    (optional or not).
     """
-    if not optional:
-        return
     required = {arg.name for arg in session.get_inputs()}
     overridable = {arg.name for arg in session.get_overridable_initializers()}
     for name in sorted(optional):
@@ -179,6 +182,15 @@ def _check_optional(session: Any, optional: frozenset[str], model: str) -> None:
             raise ConfigError(
                 f"model {model!r}: the config declares input {name!r} optional, which the graph "
                 f"does not have; its inputs are {', '.join(map(repr, sorted(required)))}"
+            )
+    for name in sorted(set(declared) - optional):
+        if name in overridable:
+            # Not listed among the graph's inputs, it read as one the graph lacks.
+            raise ConfigError(
+                f"model {model!r}: the config declares input {name!r} required, but the graph "
+                "gives it a value of its own (an initializer), which a request may override "
+                "or leave to the graph; declare it optional (optional: true in config.pbtxt, "
+                "optional = true in the inputs option)"
             )
 
 

@@ -66,6 +66,7 @@ from .abc import (
     Backend,
     BackendInstance,
     Batcher,
+    BoundedBatcher,
     Fallback,
     PipelinedInstance,
     Scheduler,
@@ -1072,14 +1073,13 @@ class ModelRunner(metaclass=NoPublicConstructor):
     def max_batch_size(self) -> int | None:
         """Most rows one batch holds, as its batcher says; None where nothing says.
 
-        A stateful model's ``sequence.max_batch_size``, or the batcher's own
-        ``max_batch_size`` (the dynamic batcher's, which config.pbtxt's sets).
+        The batcher's `BoundedBatcher.max_batch_size` (the dynamic batcher's, which
+        config.pbtxt's sets; a stateful model's ``sequence.max_batch_size``).
         """
-        if not self.batched:
+        if not self.batched or not isinstance(self._batcher, BoundedBatcher):
             return None
-        if self.config.sequence is not None:
-            return self.config.sequence.max_batch_size
-        most = getattr(self._batcher, "max_batch_size", None)
+        most = self._batcher.max_batch_size
+        # A bound that is no positive whole number bounds nothing it could mean.
         return most if type(most) is int and most > 0 else None
 
     def _attach_sequencer(self, inputs: frozenset[str], outputs: frozenset[str]) -> None:

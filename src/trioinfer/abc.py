@@ -42,6 +42,7 @@ __all__ = [
     "Backend",
     "BackendInstance",
     "Batcher",
+    "BoundedBatcher",
     "Fallback",
     "InlineInstance",
     "PipelinedInstance",
@@ -936,6 +937,27 @@ class AttachableBatcher(Batcher, Protocol):
 
         May raise [`ConfigError`][trioinfer.ConfigError] to refuse the model
         (padding an axis whose size the model fixes, say).
+        """
+        ...
+
+
+@runtime_checkable
+class BoundedBatcher(Batcher, Protocol):
+    """A batcher that says how many rows its batches hold at most (an optional hook).
+
+    A batcher without it (a third party's that does not say) has no bound, as
+    one whose ``max_batch_size`` is None.
+    """
+
+    @property
+    def max_batch_size(self) -> int | None:
+        """Most rows one batch holds (the sum of its requests' first dimensions).
+
+        None: no bound (one request per batch, of any rows, say). A positive
+        integer the engine holds the model's warm-up samples to at load (a
+        sample's ``batch_size`` above it fails the load, as in Triton: no batch
+        the model serves is that big). Read after ``attach``, where the batcher
+        has one; must not block.
         """
         ...
 

@@ -101,6 +101,9 @@ EXTENSIONS: Final = (
 
 _JSON: Final = "application/json"
 
+#: The longest host metrics' interval, a day, in seconds: a sample a day is no gauge.
+MAX_METRICS_INTERVAL_S: Final = 86_400
+
 
 #: Scope key set once a request's body has been read to its end.
 _BODY_READ: Final = "trioinfer.body_read"
@@ -207,7 +210,8 @@ class ServerConfig:
             flags, ``NAME:COUNT[:DEVICE]``; a pool not sized holds the largest need.
         metrics_interval_s: Seconds between two samples of the machine's CPU,
             memory and GPUs for ``/metrics`` (Triton's ``--metrics-interval-ms``,
-            whose default is 2000 ms too); a scrape reads the last sample.
+            whose default is 2000 ms too); a scrape reads the last sample. Above
+            0 and at most a day (86400).
         allow_cpu_metrics: Report the machine's CPU utilization and memory
             (Triton's ``--allow-cpu-metrics``).
         allow_gpu_metrics: Report each GPU's utilization, memory and power,
@@ -238,14 +242,19 @@ class ServerConfig:
 
     @metrics_interval_s.validator
     def _check_metrics_interval(self, _attribute: attrs.Attribute[Any], value: object) -> None:
+        # The one check of the interval: the CLI's --metrics-interval-ms arrives here
+        # (its ConfigError a usage error), and HostMetrics is made from this config.
         if (
             not isinstance(value, (int, float))
             or isinstance(value, bool)
-            or not 0 < value < math.inf
+            or not 0 < value <= MAX_METRICS_INTERVAL_S
         ):
+            # Longer than a day is no gauge of anything; NaN fails the comparison too.
             raise ConfigError(
-                f"metrics_interval_s must be a finite number of seconds above 0 (the host "
-                f"metrics' sampling interval), got {value!r}"
+                f"metrics_interval_s must be a number of seconds above 0 and at most a day "
+                f"({MAX_METRICS_INTERVAL_S}): the host metrics' sampling interval, which "
+                f"--metrics-interval-ms (metrics_interval_ms in a --config file) gives in "
+                f"milliseconds, 1 to {MAX_METRICS_INTERVAL_S * 1000}; got {value!r}"
             )
 
     grpc_tls: TlsFiles | None = None

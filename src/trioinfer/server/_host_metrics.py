@@ -26,7 +26,6 @@ reported as zero, and the log says why once.
 from __future__ import annotations
 
 import logging
-import math
 import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -36,8 +35,6 @@ import anyio
 import anyio.abc
 import attrs
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
-
-from .._exceptions import ConfigError
 
 if TYPE_CHECKING:
     from ._app import ServerConfig
@@ -92,7 +89,9 @@ class HostMetrics:
     sample, it reports nothing.
 
     Args:
-        interval: Seconds between samples (Triton's ``--metrics-interval-ms``).
+        interval: Seconds between samples (Triton's ``--metrics-interval-ms``),
+            as [`ServerConfig.metrics_interval_s`][trioinfer.server.ServerConfig],
+            which checks it.
         cpu: Report the CPU's utilization and the memory (Triton's
             ``--allow-cpu-metrics``).
         gpu: Report the GPUs through NVML (Triton's ``--allow-gpu-metrics``).
@@ -100,9 +99,6 @@ class HostMetrics:
         nvml: The NVML binding (a module such as ``pynvml``, not yet
             initialised: `run` calls its ``nvmlInit`` and ``nvmlShutdown``), or
             None for no GPU metrics; by default ``pynvml`` if it imports.
-
-    Raises:
-        ConfigError: *interval* is not a finite number of seconds above 0.
     """
 
     def __init__(
@@ -114,15 +110,6 @@ class HostMetrics:
         proc: Path = Path("/proc"),
         nvml: Any = True,
     ) -> None:
-        if (
-            not isinstance(interval, int | float)
-            or isinstance(interval, bool)
-            or not 0 < interval < math.inf
-        ):
-            raise ConfigError(
-                f"the host metrics' interval must be a finite number of seconds above 0, "
-                f"got {interval!r}"
-            )
         self._interval = float(interval)
         self._proc = proc if cpu else None
         self._nvml: Any = nvml if gpu else None

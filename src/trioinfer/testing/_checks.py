@@ -26,6 +26,7 @@ from ..abc import (
     Backend,
     BackendInstance,
     Batcher,
+    BoundedBatcher,
     Fallback,
     Request,
     Scheduler,
@@ -712,11 +713,17 @@ async def check_batcher(
         make_batcher: Returns a new batcher on each call (one per model, as the
             engine makes them).
         max_batch_size: The most rows the batcher promises a batch of two
-            requests or more holds, if it promises a bound.
+            requests or more holds, if it promises a bound; by default the
+            batcher's own [`BoundedBatcher.max_batch_size`][trioinfer.abc.BoundedBatcher],
+            where it says one.
 
     Raises:
         AssertionError: Saying which part of the contract was broken.
     """
+    if max_batch_size is None:
+        batcher = make_batcher()
+        if isinstance(batcher, BoundedBatcher):
+            max_batch_size = batcher.max_batch_size  # its promise, held to it below
     widths = (4, 4, 6, 4)  # two layouts in most batches, and a dtype of its own below
     layouts = [
         (1 + i % 3, widths[i % 4], np.float64 if i % 7 == 6 else np.float32) for i in range(36)
