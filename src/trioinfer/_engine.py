@@ -1181,6 +1181,17 @@ class Engine:
             resources=self._resources.statistics(),
         )
 
+    def _executing(self) -> list[str]:
+        # Each execution in progress, for a process that must end while some still
+        # run (trioinfer serve's exit timeout): "model 'm': instance 0 (cpu), running for 12.3s".
+        # Models being unloaded are no longer here, nor what a plugin runs of its own.
+        return [
+            f"model {name!r}: {label}, running for {seconds:.1f}s"
+            for name, runner in sorted(self._runners.items())
+            if isinstance(runner, ModelRunner)
+            for label, seconds in runner.executing()
+        ]
+
     def _runner(self, model: str) -> ModelRunner | Pipeline:
         self._check_open()
         runner = self._runners.get(model)
