@@ -415,6 +415,10 @@ def serve(ctx: click.Context, /, **options: Any) -> None:
     to 32 in 2 ms) and "repeat_int32" (a streaming model). SIGINT or SIGTERM
     makes it not ready at once, lets in-flight requests finish for up to the
     drain period (a pipeline's request runs its remaining steps), and exits 0.
+    An execution that cannot be interrupted (a Python model's plain def infer
+    stuck on its thread) would hold the exit for ever: past --exit-timeout-secs
+    (or 1 s after a second signal) the process ends anyway with exit status
+    1, the log naming what still ran.
 
     With --workers N, N processes serve the same port, each with its own
     engine and sessions on the same devices, and this process supervises
