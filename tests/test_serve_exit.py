@@ -23,6 +23,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -211,3 +212,33 @@ def test_exit_timeout_settings_that_cannot_hold(args: tuple[str, ...], message: 
     result = CliRunner().invoke(cli_main, ["serve", *args])
     assert result.exit_code == 2, result.output
     assert message in result.output
+
+
+def test_the_exit_timeout_reaches_the_server(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from trioinfer.cli import serve
+
+    seen: list[float] = []
+
+    async def serving(repository: Path, **options: Any) -> None:
+        seen.append(options["exit_timeout"])
+
+    monkeypatch.setattr(serve, "_serve", serving)
+    runner = CliRunner()
+    assert runner.invoke(cli_main, ["serve", "--drain-period", "3"]).exit_code == 0
+    assert seen[-1] == 3.0 + serve.EXIT_MARGIN_S
+    assert runner.invoke(cli_main, ["serve", "--exit-timeout-secs", "30"]).exit_code == 0
+    assert seen[-1] == 30.0
+    config = tmp_path / "server.toml"
+    config.write_text("drain_period = 1.0\nexit_timeout_secs = 4\n")
+    result = runner.invoke(cli_main, ["serve", "--config", str(config)])
+    assert result.exit_code == 0, result.output
+    assert seen[-1] == 4.0
+    # The command line wins over the file, and the bound holds against the file's drain.
+    config.write_text("drain_period = 9.0\n")
+    result = runner.invoke(cli_main, ["serve", "--config", str(config), "--exit-timeout-secs", "5"])
+    assert result.exit_code == 2
+    assert f"--exit-timeout-secs 5.0 is shorter than drain_period = 9.0 in {config}" in " ".join(
+        result.output.split()
+    )
