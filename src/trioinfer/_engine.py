@@ -1310,6 +1310,8 @@ def open_engine(
     thread stuck in blocking code that its abort cannot stop) keeps the block
     waiting until it returns (Ctrl-C too cannot end that wait): nothing can
     abandon a thread; an error is logged after 10 seconds naming the instance.
+    (``trioinfer serve``, which owns its process, ends it past its exit
+    timeout instead.)
 
     Args:
         registry: Where plugin names are resolved; by default, installed entry points.

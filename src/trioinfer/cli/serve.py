@@ -1020,10 +1020,11 @@ async def _watch_the_exit(
 async def _end_after(delay: float, serving: anyio.CancelScope, why: str) -> None:
     # Cancelled (with the whole watch) as soon as serving returns: the exit ended in time.
     await anyio.sleep(delay)
-    # Whatever can still be cancelled is: a listener not closed yet closes, the
-    # engine's waits end. If that ends the exit, this task is cancelled meanwhile.
-    serving.cancel()
-    await anyio.sleep(LAST_CANCEL_S)
+    if not serving.cancel_called:
+        # Whatever can still be cancelled is: a listener not closed yet closes, the
+        # engine's waits end. If that ends the exit, this task is cancelled meanwhile.
+        serving.cancel()
+        await anyio.sleep(LAST_CANCEL_S)
     _end_the_process(why)
 
 
