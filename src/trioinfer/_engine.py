@@ -1181,6 +1181,17 @@ class Engine:
             resources=self._resources.statistics(),
         )
 
+    def _executing(self) -> list[str]:
+        # Each execution in progress, for a process that must end while some still
+        # run (trioinfer serve's exit timeout): "model 'm': instance 0 (cpu), running for 12.3s".
+        # Models being unloaded are no longer here, nor what a plugin runs of its own.
+        return [
+            f"model {name!r}: {label}, running for {seconds:.1f}s"
+            for name, runner in sorted(self._runners.items())
+            if isinstance(runner, ModelRunner)
+            for label, seconds in runner.executing()
+        ]
+
     def _runner(self, model: str) -> ModelRunner | Pipeline:
         self._check_open()
         runner = self._runners.get(model)
@@ -1299,6 +1310,8 @@ def open_engine(
     thread stuck in blocking code that its abort cannot stop) keeps the block
     waiting until it returns (Ctrl-C too cannot end that wait): nothing can
     abandon a thread; an error is logged after 10 seconds naming the instance.
+    (``trioinfer serve``, which owns its process, ends it past its exit
+    timeout instead.)
 
     Args:
         registry: Where plugin names are resolved; by default, installed entry points.

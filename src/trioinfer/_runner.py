@@ -2593,6 +2593,15 @@ class ModelRunner(metaclass=NoPublicConstructor):
             )
             await self._finished.wait()
 
+    def executing(self) -> list[tuple[str, float]]:
+        """Each execution in progress: its instance's label and how long it has run, in seconds.
+
+        For a process that must end while some still run (``trioinfer serve``'s
+        exit timeout): what to name in its last log line.
+        """
+        now = self.clock.current_time()
+        return [(replica.label, now - started) for replica, started, *_ in self._executing]
+
     def retry_after(self) -> float:
         """A guess at when an instance could take a request refused now, in seconds.
 

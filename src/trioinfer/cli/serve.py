@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import errno
 import functools
@@ -11,12 +12,15 @@ import ipaddress
 import logging
 import math
 import os
+import signal
+import sys
 import tomllib
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import Any, Final
+from typing import Any, Final, NoReturn
 
 import anyio
+import anyio.abc
 import attrs
 import click
 
@@ -45,6 +49,7 @@ _SERVE_KEYS: Final = frozenset(
         "http_ssl_key",
         "models",
         "drain_period",
+        "exit_timeout_secs",
         "repository_poll_secs",
         "strict_readiness",
         "exit_on_error",
@@ -64,6 +69,28 @@ _SERVE_KEYS: Final = frozenset(
         "allow_gpu_metrics",
     }
 )
+
+#: With no --exit-timeout-secs, how long past the drain period the exit may take (cancelling
+#: what still runs, closing the models) before serve ends the process anyway. The same as
+#: the margin the --workers supervisor gives a worker (server._workers.STOP_MARGIN_S).
+EXIT_MARGIN_S: Final = 10.0
+#: After a second SIGINT or SIGTERM, how long the exit (cancelled at once, without draining)
+#: may take before serve ends the process anyway.
+SECOND_SIGNAL_S: Final = 1.0
+#: At the exit timeout, how long the last cancel of what serves may take to be seen (the
+#: listeners closed) before the process ends.
+LAST_CANCEL_S: Final = 0.5
+#: The exit status of a process that serve ended because its exit was held past its bound.
+EXIT_HELD_STATUS: Final = 1
+
+
+def _timeout_not_nan(
+    _ctx: click.Context, _param: click.Parameter, value: float | None
+) -> float | None:
+    # FloatRange lets NaN through (every comparison with it is false).
+    if value is not None and math.isnan(value):
+        raise click.BadParameter("must be a number of seconds >= 0, not nan")
+    return value
 
 
 def _rate_not_nan(
@@ -193,6 +220,19 @@ def _rate_not_nan(
     show_default=True,
     metavar="SECONDS",
     help="On SIGINT/SIGTERM, how long in-flight requests may take to finish.",
+)
+@click.option(
+    "--exit-timeout-secs",
+    type=click.FloatRange(min=0),
+    callback=_timeout_not_nan,
+    default=None,
+    metavar="SECONDS",
+    help="On SIGINT/SIGTERM, how long the whole exit may take (the drain, then cancelling "
+    "what still runs and closing the models): past it the process ends anyway with exit "
+    "status 1, naming in the log the executions that still run (a Python model's plain def "
+    "infer cannot be interrupted). Triton's --exit-timeout-secs. At least --drain-period. "
+    f"Default: the drain period + {EXIT_MARGIN_S:.0f}s. Not with --workers (the supervisor "
+    "kills a worker as long after its drain period).",
 )
 @click.option(
     "--repository-poll-secs",
@@ -361,6 +401,10 @@ def serve(ctx: click.Context, /, **options: Any) -> None:
     to 32 in 2 ms) and "repeat_int32" (a streaming model). SIGINT or SIGTERM
     makes it not ready at once, lets in-flight requests finish for up to the
     drain period (a pipeline's request runs its remaining steps), and exits 0.
+    An execution that cannot be interrupted (a Python model's plain def infer
+    stuck on its thread) would hold the exit for ever: past --exit-timeout-secs
+    (or 1 s after a second signal) the process ends anyway with exit status
+    1, the log naming what still ran.
 
     With --workers N, N processes serve the same port, each with its own
     engine and sessions on the same devices, and this process supervises
@@ -422,6 +466,7 @@ def serve(ctx: click.Context, /, **options: Any) -> None:
             "together: a polled server serves every model of its repository (as Triton's "
             "poll mode); move the others out of it, or drop one of the two"
         )
+    exit_timeout = _exit_timeout(settings, config.drain_period, workers)
     repository = settings["model_repository"] or example_repository()
     grpc_port = _grpc_port(ctx, settings)
     if config.grpc_tls is not None:
@@ -444,6 +489,7 @@ def serve(ctx: click.Context, /, **options: Any) -> None:
                     config=config,
                     models=list(settings["models"]) or None,
                     grpc_port=grpc_port,
+                    exit_timeout=exit_timeout,
                 ),
                 backend=settings["loop"],
             )
@@ -489,6 +535,27 @@ def serve(ctx: click.Context, /, **options: Any) -> None:
     finally:
         if tracing and tracing[0] is not None:
             tracing[0].shutdown()  # sends the spans still buffered
+
+
+def _exit_timeout(settings: Mapping[str, Any], drain_period: float, workers: int) -> float:
+    """The bound on the exit after the first signal, in seconds (see `_watch_the_exit`)."""
+    given = settings.get("exit_timeout_secs")
+    if given is None:
+        return drain_period + EXIT_MARGIN_S
+    if workers != 1:
+        raise click.UsageError(
+            f"invalid server settings: {_said(settings, 'exit_timeout_secs')} bounds the exit "
+            f"of one process; with {_said(settings, 'workers')} the supervisor kills a worker "
+            f"still running {EXIT_MARGIN_S:.0f}s after its drain period: drop one of the two"
+        )
+    if given < drain_period:
+        raise click.UsageError(
+            f"invalid server settings: {_said(settings, 'exit_timeout_secs')} is shorter than "
+            f"{_said(settings, 'drain_period')}: the process would end in the middle of the "
+            "drain; the drain period is what requests in flight get, the exit timeout what the "
+            "whole exit gets (at least as long)"
+        )
+    return float(given)
 
 
 def _check_host(host: object, settings: Mapping[str, Any] | None = None) -> None:
@@ -840,31 +907,145 @@ async def _serve(
     config: Any,
     models: list[str] | None,
     grpc_port: int | None,
+    exit_timeout: float,
 ) -> None:
     from ..server import serve_http
 
-    async with anyio.create_task_group() as tg:
-        listening = await tg.start(
-            functools.partial(
-                serve_http,
-                repository,
-                host=host,
-                port=port,
-                config=config,
-                models=models,
-                grpc_port=grpc_port,
-            )
-        )
-        _settle_gc()
-        url = listening.urls[0]
-        _banner(
-            listening.models,
-            listening.failed,
-            repository,
-            url,
-            _grpc_line(listening.grpc, config.grpc_tls),
-            f"listening on {url} (Ctrl+C to stop)",
-        )
+    stop = anyio.Event()
+    serving = anyio.CancelScope()
+    started = anyio.Event()
+
+    async def serve_then_stop() -> None:
+        with serving:
+            async with anyio.create_task_group() as server:
+                listening = await server.start(
+                    functools.partial(
+                        serve_http,
+                        repository,
+                        host=host,
+                        port=port,
+                        config=config,
+                        models=models,
+                        grpc_port=grpc_port,
+                        # The signals are watched here, for the whole run: serve_http's
+                        # own watch ends with its serving, before the engine closes,
+                        # which is the part of the exit that can be held.
+                        handle_signals=False,
+                        shutdown=stop,
+                    )
+                )
+                started.set()
+                _settle_gc()
+                url = listening.urls[0]
+                _banner(
+                    listening.models,
+                    listening.failed,
+                    repository,
+                    url,
+                    _grpc_line(listening.grpc, config.grpc_tls),
+                    f"listening on {url} (Ctrl+C to stop)",
+                )
+        watch.cancel_scope.cancel()  # the exit ended in its bound: nothing more to watch
+
+    async with anyio.create_task_group() as watch:
+        await watch.start(_watch_the_exit, stop, serving, started, exit_timeout)
+        watch.start_soon(serve_then_stop)
+
+
+async def _watch_the_exit(
+    stop: anyio.Event,
+    serving: anyio.CancelScope,
+    started: anyio.Event,
+    exit_timeout: float,
+    *,
+    task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED,
+) -> None:
+    """Stop on SIGINT or SIGTERM, and end the process if its exit is held past its bound.
+
+    The first signal starts the drain (*stop*; before the server serves, there is
+    nothing to drain: *serving* is cancelled at once) and allows the exit
+    *exit_timeout* seconds from then; a second cancels *serving* and allows it
+    `SECOND_SIGNAL_S`; a third ends the process at once.
+    """
+    log = logging.getLogger("trioinfer.server")
+    with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+        task_status.started()
+        async with anyio.create_task_group() as bounds:
+            count = 0
+            async for signum in signals:
+                count += 1
+                name = signal.Signals(signum).name
+                if count == 1:
+                    if started.is_set():
+                        log.info("%s: stopping", name)
+                        stop.set()
+                    else:
+                        log.info("%s before serving started: stopping now", name)
+                        serving.cancel()
+                    bounds.start_soon(
+                        _end_after,
+                        exit_timeout,
+                        serving,
+                        f"the exit timeout ({exit_timeout:.1f}s after {name}, "
+                        "--exit-timeout-secs) has passed",
+                    )
+                elif count == 2:
+                    log.info("second signal (%s): stopping now", name)
+                    serving.cancel()
+                    bounds.start_soon(
+                        _end_after,
+                        SECOND_SIGNAL_S,
+                        serving,
+                        f"the exit, cancelled by a second signal ({name}), has not ended "
+                        f"{SECOND_SIGNAL_S:.1f}s after it",
+                    )
+                else:
+                    _end_the_process(f"a third signal ({name}) during the exit")
+
+
+async def _end_after(delay: float, serving: anyio.CancelScope, why: str) -> None:
+    # Cancelled (with the whole watch) as soon as serving returns: the exit ended in time.
+    await anyio.sleep(delay)
+    if not serving.cancel_called:
+        # Whatever can still be cancelled is: a listener not closed yet closes, the
+        # engine's waits end. If that ends the exit, this task is cancelled meanwhile.
+        serving.cancel()
+        await anyio.sleep(LAST_CANCEL_S)
+    _end_the_process(why)
+
+
+def _end_the_process(why: str) -> NoReturn:
+    """Log why and what still runs, flush the logs, and end the process with `EXIT_HELD_STATUS`.
+
+    An execution on a thread (a Python model's plain ``def infer``, a hung native
+    call) cannot be interrupted nor abandoned: the engine's close waits for it,
+    and so would the interpreter's own exit. ``sys.exit`` would raise into the
+    event loop and unwind through that same wait. ``os._exit`` ends the process
+    without running ``finally`` blocks or ``atexit`` handlers: acceptable here only
+    because the listeners closed already (the first signal closed them, and the
+    last cancel ran before this: no connection is accepted into a dying process)
+    and the logs are flushed just before, so that the reason is on record. The
+    kernel closes what is left (sockets, shared memory mappings); spans still
+    buffered by a tracer are lost.
+    """
+    from ..server._serve import still_executing
+
+    running = still_executing()
+    logging.getLogger("trioinfer.server").error(
+        "%s: ending the process now (exit status %d) without waiting for what still runs: "
+        "%s. An execution on a thread cannot be interrupted; a backend must let "
+        "cancellation end its work",
+        why,
+        EXIT_HELD_STATUS,
+        "; ".join(running)
+        or "no execution the engine knows of (a load, an instance's close, or a plugin's "
+        "own thread)",
+    )
+    logging.shutdown()  # flushes and closes every handler
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):  # a closed or broken pipe: nothing to flush to
+            stream.flush()
+    os._exit(EXIT_HELD_STATUS)
 
 
 async def _serve_workers(repository: Path, *, workers: int, **options: Any) -> None:

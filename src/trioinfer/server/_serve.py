@@ -23,7 +23,7 @@ import anyio.abc
 import attrs
 from starlette.types import ASGIApp
 
-from .._engine import open_engine
+from .._engine import Engine, open_engine
 from .._exceptions import ConfigError
 from .._registry import Registry
 from ._app import ServerConfig, ServerState, create_app
@@ -161,6 +161,7 @@ async def serve_http(
     async with (
         _public_names_in_logs(),
         _watch_the_close() as watch_the_close,
+        _known_until_closed() as make_known,
         open_engine(
             registry=registry,
             drain_period=config.drain_period,
@@ -171,6 +172,7 @@ async def serve_http(
             rate_limit=config.rate_limit != "off",
         ) as engine,
     ):
+        make_known(engine)
         served = ServedModels(
             engine, repo, worker=None if worker is None else (worker.index, worker.count)
         )
@@ -274,6 +276,38 @@ async def serve_http(
             # when it returns, nothing is left to wait for.
         log.info("stopped serving; closing the engine")
         watch_the_close()
+
+
+#: The engines of the `serve_http` calls running in this process (one under ``trioinfer
+#: serve``), for `still_executing`.
+_OPEN_ENGINES: list[Engine] = []
+
+
+@contextlib.asynccontextmanager
+async def _known_until_closed() -> AsyncIterator[Callable[[Engine], None]]:
+    # Entered before the engine opens, so that it is known until it has closed: its
+    # close is what can be held. Yields the function that makes it known.
+    known: list[Engine] = []
+
+    def make_known(engine: Engine) -> None:
+        known.append(engine)
+        _OPEN_ENGINES.append(engine)
+
+    try:
+        yield make_known
+    finally:
+        for engine in known:
+            _OPEN_ENGINES.remove(engine)
+
+
+def still_executing() -> list[str]:
+    """The executions in progress in the engines `serve_http` has open in this process.
+
+    For ``trioinfer serve``, which must name them when it ends a process whose
+    exit they hold: ``model 'm': instance 0 (cpu), running for 12.3s`` each (the model
+    as the engine names it; the log's filter turns ``m.v1`` into ``'m' (version 1)``).
+    """
+    return [line for engine in _OPEN_ENGINES for line in engine._executing()]
 
 
 async def _poll_until(

@@ -1,0 +1,244 @@
+"""``trioinfer serve`` exits in bounded time even when an execution cannot be interrupted.
+
+A Python model's plain ``def infer`` runs on its thread to its end whatever
+cancels it, and the engine's close waits for it: before the exit timeout,
+SIGTERM never ended such a server. Each test starts a real ``trioinfer serve``
+process on 127.0.0.1 with a model whose ``infer`` sleeps for an hour, sends it a
+request, signals it, and checks that it ends by itself (exit status 1), after
+saying at ERROR why and what still ran, with its port closed. The waits are
+bounds against hangs only (a server that never exits fails them); nothing
+asserts how fast anything was.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import queue
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from click.testing import CliRunner
+
+from _serve import STOP_S, WAIT_S, Started, _pump, _wait_listening, log_tail, wait_until
+from trioinfer.cli import main as cli_main
+
+pytestmark = pytest.mark.python_model
+
+STUCK_CONFIG = """\
+backend = "python"
+[backend_options]
+inputs = [{ name = "x", dtype = "float32", shape = ["batch", 1] }]
+outputs = [{ name = "y", dtype = "float32", shape = ["batch", 1] }]
+"""
+
+STUCK_MODEL = """\
+import pathlib
+import time
+
+
+class Model:
+    def infer(self, inputs):
+        # On its thread: nothing can interrupt it, and it would run for an hour.
+        (pathlib.Path(__file__).parent / "running").touch()
+        time.sleep(3600)
+        return {"y": inputs["x"]}
+"""
+
+BODY = {"inputs": [{"name": "x", "shape": [1, 1], "datatype": "FP32", "data": [1.0]}]}
+#: What the server names in its last line: the model as answers name it, and its instance.
+STILL_RUNS = "model 'stuck' (version 1): instance 0 (cpu), running for"
+
+
+def _stuck_repository(root: Path) -> Path:
+    (root / "stuck" / "1").mkdir(parents=True)
+    (root / "stuck" / "config.toml").write_text(STUCK_CONFIG)
+    (root / "stuck" / "1" / "model.py").write_text(STUCK_MODEL)
+    return root
+
+
+@contextlib.contextmanager
+def _serving(repository: Path, *args: str, log: Path) -> Iterator[Started]:
+    """Start ``trioinfer serve`` until it listens, and yield it; kill it by its pid if it is
+    still running at the end (a failed test leaves nothing behind)."""
+    command = [sys.executable, "-m", "trioinfer", "serve", "--port", "0", "--log-level", "info"]
+    command += ["--model-repository", str(repository), *args]
+    environment = {k: v for k, v in os.environ.items() if k != "TRIOINFER_ADMIN_TOKEN"}
+    with log.open("wb") as log_file:
+        process = subprocess.Popen(
+            command,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=log_file,
+            env=environment,
+            text=True,
+        )
+    lines: queue.Queue[str | None] = queue.Queue()
+    reader = threading.Thread(target=_pump, args=(process.stdout, lines), daemon=True)
+    reader.start()
+    try:
+        yield _wait_listening(process, lines, log)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+        reader.join(timeout=STOP_S)
+        assert process.stdout is not None
+        process.stdout.close()
+
+
+def _in_background(call: Callable[[], object]) -> threading.Thread:
+    # The request never gets an answer: the server ends under it. Its outcome is not
+    # what is tested (only that it was running), so any error is dropped.
+    def run() -> None:
+        with contextlib.suppress(Exception):
+            call()
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread
+
+
+def _ended_by_itself(process: subprocess.Popen[str], log: Path) -> int:
+    try:
+        return process.wait(timeout=STOP_S)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"the server did not exit while an execution was stuck; log:\n{log_tail(log)}")
+
+
+def _refused(url: str) -> bool:
+    host, port = url.removeprefix("http://").rsplit(":", 1)
+    try:
+        socket.create_connection((host, int(port)), timeout=WAIT_S).close()
+    except ConnectionRefusedError:
+        return True
+    return False
+
+
+def _grpc_infer(server: Started) -> None:
+    import numpy as np
+    import tritonclient.grpc as triton
+
+    (address,) = (line.split()[2] for line in server.lines if line.startswith("gRPC on "))
+    client = triton.InferenceServerClient(address)
+    x = triton.InferInput("x", [1, 1], "FP32")
+    x.set_data_from_numpy(np.ones((1, 1), np.float32))
+    client.infer("stuck", [x], client_timeout=STOP_S)
+
+
+@pytest.mark.parametrize("protocol", ["http", pytest.param("grpc", marks=pytest.mark.grpc)])
+def test_sigterm_ends_the_process_at_the_exit_timeout(tmp_path: Path, protocol: str) -> None:
+    repository = _stuck_repository(tmp_path / "repository")
+    log = tmp_path / "server.log"
+    exit_timeout = 1.0
+    serving = ("--grpc-port", "0") if protocol == "grpc" else ("--no-grpc",)
+    with _serving(
+        repository,
+        *serving,
+        *("--drain-period", "0.2", "--exit-timeout-secs", str(exit_timeout)),
+        log=log,
+    ) as server:
+        url, process = server.url, server.process
+        if protocol == "grpc":
+            sent = _in_background(lambda: _grpc_infer(server))
+        else:
+            sent = _in_background(
+                lambda: httpx.post(f"{url}/v2/models/stuck/infer", json=BODY, timeout=STOP_S)
+            )
+        wait_until((repository / "stuck" / "1" / "running").exists, "the request runs")
+        signalled = time.monotonic()
+        process.send_signal(signal.SIGTERM)
+        code = _ended_by_itself(process, log)
+        waited = time.monotonic() - signalled
+        said = log.read_text(errors="replace")
+        assert code == 1, f"the server exited with {code}; log:\n{said[-4000:]}"
+        # It drained first, and gave the exit its whole bound, before ending it.
+        assert waited >= exit_timeout, said[-4000:]
+        assert "SIGTERM: stopping" in said
+        assert "ERROR the exit timeout (1.0s after SIGTERM, --exit-timeout-secs) has passed" in said
+        assert STILL_RUNS in said
+        assert said.index("stopped serving; closing the engine") < said.index("ERROR")
+        assert _refused(url)
+        sent.join(timeout=STOP_S)
+
+
+def test_a_second_signal_ends_a_held_exit_at_once(tmp_path: Path) -> None:
+    repository = _stuck_repository(tmp_path / "repository")
+    log = tmp_path / "server.log"
+    # A drain far longer than the test: only the second signal can end the exit.
+    with _serving(repository, "--no-grpc", "--drain-period", "3600", log=log) as server:
+        url, process = server.url, server.process
+        sent = _in_background(
+            lambda: httpx.post(f"{url}/v2/models/stuck/infer", json=BODY, timeout=STOP_S)
+        )
+        wait_until((repository / "stuck" / "1" / "running").exists, "the request runs")
+        process.send_signal(signal.SIGTERM)
+        wait_until(lambda: "not ready; draining" in log.read_text(errors="replace"), "it drains")
+        process.send_signal(signal.SIGINT)
+        code = _ended_by_itself(process, log)
+        said = log.read_text(errors="replace")
+        assert code == 1, f"the server exited with {code}; log:\n{said[-4000:]}"
+        assert "second signal (SIGINT): stopping now" in said
+        assert "ERROR the exit, cancelled by a second signal (SIGINT), has not ended" in said
+        assert STILL_RUNS in said
+        assert _refused(url)
+        sent.join(timeout=STOP_S)
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (
+            ("--drain-period", "5", "--exit-timeout-secs", "2"),
+            "--exit-timeout-secs 2.0 is shorter than --drain-period 5.0",
+        ),
+        (
+            ("--workers", "2", "--exit-timeout-secs", "30"),
+            "--exit-timeout-secs 30.0 bounds the exit of one process; with --workers 2",
+        ),
+        (("--exit-timeout-secs", "nan"), "must be a number of seconds >= 0, not nan"),
+    ],
+)
+def test_exit_timeout_settings_that_cannot_hold(args: tuple[str, ...], message: str) -> None:
+    result = CliRunner().invoke(cli_main, ["serve", *args])
+    assert result.exit_code == 2, result.output
+    assert message in result.output
+
+
+def test_the_exit_timeout_reaches_the_server(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from trioinfer.cli import serve
+
+    seen: list[float] = []
+
+    async def serving(repository: Path, **options: Any) -> None:
+        seen.append(options["exit_timeout"])
+
+    monkeypatch.setattr(serve, "_serve", serving)
+    runner = CliRunner()
+    assert runner.invoke(cli_main, ["serve", "--drain-period", "3"]).exit_code == 0
+    assert seen[-1] == 3.0 + serve.EXIT_MARGIN_S
+    assert runner.invoke(cli_main, ["serve", "--exit-timeout-secs", "30"]).exit_code == 0
+    assert seen[-1] == 30.0
+    config = tmp_path / "server.toml"
+    config.write_text("drain_period = 1.0\nexit_timeout_secs = 4\n")
+    result = runner.invoke(cli_main, ["serve", "--config", str(config)])
+    assert result.exit_code == 0, result.output
+    assert seen[-1] == 4.0
+    # The command line wins over the file, and the bound holds against the file's drain.
+    config.write_text("drain_period = 9.0\n")
+    result = runner.invoke(cli_main, ["serve", "--config", str(config), "--exit-timeout-secs", "5"])
+    assert result.exit_code == 2
+    assert f"--exit-timeout-secs 5.0 is shorter than drain_period = 9.0 in {config}" in " ".join(
+        result.output.split()
+    )
