@@ -340,6 +340,11 @@ async def test_a_refused_or_unloaded_model_does_not_fix_a_resources_kind() -> No
         await engine.infer("d", {"x": X})
         with pytest.raises(trioinfer.ConfigError, match="per device for this model, but global"):
             await engine.load(config("e", Instance(resources={"S": 1})))
+        # Its own groups disagreeing is said as such, not blamed on another model.
+        with pytest.raises(trioinfer.ConfigError, match="declared both global and per device"):
+            await engine.load(
+                config("e", Instance(resources={"T": 1}), Instance(global_resources={"T": 1}))
+            )
 
 
 @pytest.mark.parametrize(
