@@ -736,3 +736,35 @@ async def test_a_stream_read_after_infer_returned_says_so() -> None:
     (said,) = StreamKeeper.said
     assert said.startswith("RuntimeError"), said
     assert "after its infer returned" in said, said
+
+
+class HelperStreamer:
+    """Opens a stream from a thread of its own while infer runs (and waits for it)."""
+
+    said: ClassVar[str] = ""
+
+    def __init__(self, models: Any) -> None:
+        self.models = models
+
+    def infer(self, inputs: dict[str, Any]) -> dict[str, Any]:
+        def helper() -> None:
+            try:
+                self.models.infer_stream_blocking("counting", {"x": inputs["x"]})
+            except RuntimeError as exc:
+                HelperStreamer.said = str(exc)
+
+        thread = threading.Thread(target=helper)
+        thread.start()
+        thread.join()
+        return {"y": inputs["x"]}
+
+
+@pytest.mark.streaming
+async def test_a_stream_opened_from_another_thread_while_infer_runs_says_which_thread() -> None:
+    HelperStreamer.said = ""
+    async with open_engine() as engine:
+        await engine.load(counting())
+        await engine.load(python("helper", HelperStreamer))
+        await engine.infer("helper", {"x": X})
+    # infer runs meanwhile: what is wrong is the thread, not the time.
+    assert "on the thread that runs the model's infer" in HelperStreamer.said, HelperStreamer.said
