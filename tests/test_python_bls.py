@@ -688,7 +688,9 @@ class LoadStreamer:
 async def test_a_thread_streams_only_while_infer_runs() -> None:
     async with open_engine() as engine:
         await engine.load(counting())
-        with pytest.raises(trioinfer.BackendError, match="works only while the model's infer"):
+        with pytest.raises(
+            trioinfer.BackendError, match="works only on the thread that runs the model's infer"
+        ):
             await engine.load(python("loader", LoadStreamer))
         await engine.load(python("inline", ThreadStreamSummer, dispatch="inline"))
         with pytest.raises(trioinfer.BackendError, match="was called on the event loop's"):

@@ -195,7 +195,8 @@ class Models:
 
         Raises:
             RuntimeError: Called on the event loop's thread (as `infer_blocking`),
-                or outside ``infer`` (in ``load``: no execution to bound the stream);
+                or outside ``infer`` (in ``load``, or from a thread of the model's own:
+                no execution to bound the stream);
                 (iterating) the stream, left open, is read after ``infer`` returned.
             DeadlineExceeded: (Iterating) every request the execution computes
                 for ended first.
@@ -211,9 +212,12 @@ class Models:
             )
         execution = getattr(self._computing, "value", None)
         if execution is None:
+            # Known per thread: a thread of the model's own (or load()) has no execution.
             raise RuntimeError(
-                f"model {self._own!r}: models.infer_stream_blocking() works only while the "
-                "model's infer runs (a stream lives no longer than the execution it reads for)"
+                f"model {self._own!r}: models.infer_stream_blocking() works only on the thread "
+                "that runs the model's infer, while it runs (a stream lives no longer than "
+                "the execution it reads for); call it from infer itself, not from load() or "
+                "a thread of the model's own"
             )
         pump = anyio.from_thread.run(
             self._bounded,
