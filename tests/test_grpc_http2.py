@@ -292,6 +292,18 @@ def test_the_clients_first_frame_must_be_settings() -> None:
         conn.receive_data(_http2.PREFACE + frame(0x4, 0x1, 0, b""))
 
 
+def test_a_tls_client_on_a_plaintext_port_is_told_apart() -> None:
+    # A ClientHello's first bytes (a TLS handshake record), from a client with ssl=True
+    # against a port that serves plaintext: the log says which mistake it is.
+    hello = bytes([0x16, 0x03, 0x01, 0x02, 0x00, 0x01, 0x00, 0x01, 0xFC, 0x03, 0x03])
+    for data in (hello, hello + bytes(64)):
+        with pytest.raises(_http2.ProtocolError, match=r"speaks TLS.*plaintext"):
+            _http2.Connection().receive_data(data)
+    with pytest.raises(_http2.ProtocolError) as caught:
+        _http2.Connection().receive_data(b"GET / HTTP/1.1\r\n")
+    assert "TLS" not in str(caught.value)
+
+
 def test_malformed_stream_frames_fail_their_stream_only() -> None:
     client, conn = pair()
     client.send_headers(1, REQUEST)

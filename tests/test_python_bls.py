@@ -8,6 +8,7 @@ as clients name them, versions included).
 from __future__ import annotations
 
 import math
+import threading
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -687,8 +688,85 @@ class LoadStreamer:
 async def test_a_thread_streams_only_while_infer_runs() -> None:
     async with open_engine() as engine:
         await engine.load(counting())
-        with pytest.raises(trioinfer.BackendError, match="works only while the model's infer"):
+        with pytest.raises(
+            trioinfer.BackendError, match="works only on the thread that runs the model's infer"
+        ):
             await engine.load(python("loader", LoadStreamer))
         await engine.load(python("inline", ThreadStreamSummer, dispatch="inline"))
         with pytest.raises(trioinfer.BackendError, match="was called on the event loop's"):
             await engine.infer("inline", {"x": X})
+
+
+class StreamKeeper:
+    """Reads one response in infer, leaves its stream open, and hands it to a thread of
+    its own that reads on after infer returned; records how that read ended."""
+
+    said: ClassVar[list[str]] = []
+    done: ClassVar[threading.Event] = threading.Event()
+
+    def __init__(self, models: Any) -> None:
+        self.models = models
+
+    def infer(self, inputs: dict[str, Any]) -> dict[str, Any]:
+        responses = self.models.infer_stream_blocking("counting", {"x": inputs["x"]})
+        first = next(responses)
+
+        def later() -> None:
+            try:
+                StreamKeeper.said.append(f"read {len(list(responses))}")
+            except Exception as exc:
+                StreamKeeper.said.append(f"{type(exc).__name__}: {exc}")
+            finally:
+                StreamKeeper.done.set()
+
+        threading.Thread(target=later).start()
+        return {"y": first["y"]}
+
+
+@pytest.mark.streaming
+async def test_a_stream_read_after_infer_returned_says_so() -> None:
+    # Not a deadline: nothing of the callers' ended, infer returned and its stream with it.
+    Counting.log = []
+    StreamKeeper.said = []
+    StreamKeeper.done = threading.Event()
+    async with open_engine() as engine:
+        await engine.load(counting(n=10))
+        await engine.load(python("keeper", StreamKeeper))
+        out = await engine.infer("keeper", {"x": X})
+        await trio.to_thread.run_sync(StreamKeeper.done.wait, 10.0)
+    np.testing.assert_array_equal(out["y"], X)
+    (said,) = StreamKeeper.said
+    assert said.startswith("RuntimeError"), said
+    assert "after its infer returned" in said, said
+
+
+class HelperStreamer:
+    """Opens a stream from a thread of its own while infer runs (and waits for it)."""
+
+    said: ClassVar[str] = ""
+
+    def __init__(self, models: Any) -> None:
+        self.models = models
+
+    def infer(self, inputs: dict[str, Any]) -> dict[str, Any]:
+        def helper() -> None:
+            try:
+                self.models.infer_stream_blocking("counting", {"x": inputs["x"]})
+            except RuntimeError as exc:
+                HelperStreamer.said = str(exc)
+
+        thread = threading.Thread(target=helper)
+        thread.start()
+        thread.join()
+        return {"y": inputs["x"]}
+
+
+@pytest.mark.streaming
+async def test_a_stream_opened_from_another_thread_while_infer_runs_says_which_thread() -> None:
+    HelperStreamer.said = ""
+    async with open_engine() as engine:
+        await engine.load(counting())
+        await engine.load(python("helper", HelperStreamer))
+        await engine.infer("helper", {"x": X})
+    # infer runs meanwhile: what is wrong is the thread, not the time.
+    assert "on the thread that runs the model's infer" in HelperStreamer.said, HelperStreamer.said

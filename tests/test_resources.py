@@ -320,6 +320,33 @@ async def test_needs_bigger_than_the_pool_are_refused_at_load() -> None:
         assert engine.models()[0].name == "b"
 
 
+async def test_a_refused_or_unloaded_model_does_not_fix_a_resources_kind() -> None:
+    # Whether a resource is global or per device binds the models loaded together, not
+    # one that was refused at load, nor one unloaded since.
+    backend = FakeBackend()
+    async with open_engine(registry=backend.registry(), resources={"R": 2, "S": 2}) as engine:
+        with pytest.raises(trioinfer.ConfigError, match=r"needs 3 of resource 'R'"):
+            await engine.load(config("a", Instance(global_resources={"R": 3})))
+        with pytest.raises(trioinfer.ConfigError, match=r"needs 3 of resource 'S'"):
+            # Its first group fits: the second's refusal undoes the first's too.
+            await engine.load(
+                config("a", Instance(resources={"R": 1}), Instance(global_resources={"S": 3}))
+            )
+        await engine.load(config("b", Instance(resources={"S": 1})))
+        await engine.unload("b")
+        await engine.load(config("c", Instance(global_resources={"S": 1})))
+        await engine.load(config("d", Instance(global_resources={"R": 1})))
+        await engine.infer("c", {"x": X})
+        await engine.infer("d", {"x": X})
+        with pytest.raises(trioinfer.ConfigError, match="per device for this model, but global"):
+            await engine.load(config("e", Instance(resources={"S": 1})))
+        # Its own groups disagreeing is said as such, not blamed on another model.
+        with pytest.raises(trioinfer.ConfigError, match="declared both global and per device"):
+            await engine.load(
+                config("e", Instance(resources={"T": 1}), Instance(global_resources={"T": 1}))
+            )
+
+
 @pytest.mark.parametrize(
     ("sizes", "match"),
     [

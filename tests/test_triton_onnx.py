@@ -10,6 +10,7 @@ with ``tritonclient.http`` (on a thread: it blocks) and httpx.
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -744,3 +745,58 @@ async def test_reshape_under_the_dynamic_batcher_the_cache_and_a_pipeline(tmp_pa
     np.testing.assert_array_equal(cached.as_numpy("y"), answers[3][1])
     np.testing.assert_array_equal(piped.as_numpy("b"), answers[3][1])
     assert stats["inference_stats"]["cache_hit"]["count"] >= 1
+
+
+OPTIONAL_CACHED = (
+    OPTIONAL
+    + """response_cache { enable: true }
+model_warmup [ {
+  name: "x alone" batch_size: 2
+  inputs { key: "x" value: { data_type: TYPE_FP32 dims: [ 4 ] zero_data: true } }
+} ]
+"""
+)
+
+
+async def test_an_optional_input_through_shared_memory_the_cache_and_warm_up(
+    tmp_path: Path,
+) -> None:
+    # x in a system shared memory region, b left out or sent in the body; answers
+    # cached apart (a hit for each); a warm-up sample that leaves b out loads.
+    import tritonclient.utils.shared_memory as shm
+
+    from trioinfer.server import ServerConfig
+
+    write_biased(tmp_path / "optional" / "1" / "model.onnx")
+    (tmp_path / "optional" / "config.pbtxt").write_text(OPTIONAL_CACHED)
+    x = np.arange(4, dtype=np.float32).reshape(1, 4)
+    key = f"/trioinfer_test_optional_{os.getpid()}"
+
+    def use(url: str) -> tuple[list[Any], Any]:
+        client = httpclient.InferenceServerClient(url.removeprefix("http://"))
+        handle = shm.create_shared_memory_region("x", key, x.nbytes)
+        try:
+            shm.set_shared_memory_region(handle, [x])
+            client.register_system_shared_memory("x", key, x.nbytes)
+            from_region = httpclient.InferInput("x", [1, 4], "FP32")
+            from_region.set_shared_memory("x", x.nbytes)
+            b = httpclient.InferInput("b", [1, 4], "FP32")
+            b.set_data_from_numpy(x * 10)
+            answers = [
+                client.infer("optional", inputs).as_numpy("y")
+                for inputs in ([from_region], [from_region, b], [from_region], [from_region, b])
+            ]
+            stats = client.get_inference_statistics("optional")["model_stats"][0]
+            client.unregister_system_shared_memory("x")
+            return answers, stats["inference_stats"]
+        finally:
+            shm.destroy_shared_memory_region(handle)
+            client.close()
+
+    async with trio.open_nursery() as nursery:
+        listening = await start_serving(nursery, tmp_path, config=ServerConfig(cache_size=1 << 20))
+        answers, stats = await trio.to_thread.run_sync(use, listening.urls[0])
+        nursery.cancel_scope.cancel()
+    for answer, b_sent in zip(answers, (False, True, False, True), strict=True):
+        np.testing.assert_array_equal(answer, x + (x * 10 if b_sent else 1))
+    assert (stats["cache_hit"]["count"], stats["cache_miss"]["count"]) == (2, 2)

@@ -195,7 +195,9 @@ class Models:
 
         Raises:
             RuntimeError: Called on the event loop's thread (as `infer_blocking`),
-                or outside ``infer`` (in ``load``: no execution to bound the stream).
+                or outside ``infer`` (in ``load``, or from a thread of the model's own:
+                no execution to bound the stream);
+                (iterating) the stream, left open, is read after ``infer`` returned.
             DeadlineExceeded: (Iterating) every request the execution computes
                 for ended first.
             ValueError, TrioInferError: As `infer_stream`, from this call (what
@@ -210,9 +212,12 @@ class Models:
             )
         execution = getattr(self._computing, "value", None)
         if execution is None:
+            # Known per thread: a thread of the model's own (or load()) has no execution.
             raise RuntimeError(
-                f"model {self._own!r}: models.infer_stream_blocking() works only while the "
-                "model's infer runs (a stream lives no longer than the execution it reads for)"
+                f"model {self._own!r}: models.infer_stream_blocking() works only on the thread "
+                "that runs the model's infer, while it runs (a stream lives no longer than "
+                "the execution it reads for); call it from infer itself, not from load() or "
+                "a thread of the model's own"
             )
         pump = anyio.from_thread.run(
             self._bounded,
@@ -294,6 +299,7 @@ class Models:
                     raise
                 finally:
                     execution.tasks = None
+                    execution.returned = True
                     if execution.scopes:
                         # The streams the thread left open (its calls have all returned).
                         # Only then: cancelling the group costs a Cancelled raised and
@@ -317,7 +323,7 @@ class Models:
                 return await fn(*args)
             finally:
                 execution.scopes.discard(scope)
-        raise DeadlineExceeded(_ended(self._own, model))
+        raise _stopped(execution, self._own, model)
 
     def _within(self, execution: _Execution, infer: Any, inputs: Any) -> Any:
         # On the worker thread: *infer* with its execution known to infer_blocking
@@ -409,6 +415,7 @@ class BlockingResponses:
 
         Raises:
             DeadlineExceeded: Every request the execution computes for ended first.
+            RuntimeError: The stream was left open, and is read after ``infer`` returned.
             TrioInferError: What ended the stream, after the responses before it.
         """
         if self._closed:
@@ -422,8 +429,8 @@ class BlockingResponses:
             self._closed = True
             if pump.error is not None:
                 raise pump.error from None
-            if not pump.complete:  # stopped with the execution: its callers have all left
-                raise DeadlineExceeded(_ended(models._own, self._model)) from None
+            if not pump.complete:  # stopped with the execution: it returned, or its callers left
+                raise _stopped(self._execution, models._own, self._model) from None
             raise StopIteration from None
 
     def close(self) -> None:
@@ -497,11 +504,13 @@ class _Pump:
 class _Execution:
     """A plain ``def infer``'s execution on its worker thread, for its calls to end with it."""
 
-    __slots__ = ("aborted", "deadline", "scopes", "tasks")
+    __slots__ = ("aborted", "deadline", "returned", "scopes", "tasks")
 
     def __init__(self) -> None:
         """Made in ``execute``, on the event loop, in the execution's task."""
         self.aborted = False
+        #: Its ``infer`` returned (or raised): a stream still read is one left open.
+        self.returned = False
         self.scopes: set[anyio.CancelScope] = set()
         #: The latest deadline its callers set: its calls' requests carry it.
         self.deadline = current_callers_deadline()
@@ -528,6 +537,19 @@ def _ended(own: str, model: str) -> str:
         f"model {own!r}'s call to model {model!r} did not end before the deadline of the "
         "requests it computes for, or before their callers left"
     )
+
+
+def _stopped(execution: _Execution, own: str, model: str) -> Exception:
+    # Why a thread's call or stream of *execution*'s ended before its answer.
+    if execution.returned:
+        # A thread of the model's own reading a stream that infer left open: no deadline
+        # passed, the stream ended with the execution that opened it.
+        return RuntimeError(
+            f"model {own!r}: its stream from model {model!r} was read after its infer "
+            "returned, which stopped it; expected every stream read (or closed) before "
+            "infer returns"
+        )
+    return DeadlineExceeded(_ended(own, model))
 
 
 def _only(group: BaseExceptionGroup[BaseException], error: BaseException) -> bool:

@@ -231,10 +231,9 @@ class ResourcePools:
         self._per_device = per_device
         self._size: dict[PoolKey, int] = {}
         self._free: dict[PoolKey, int] = {}
-        # Each attached model's gates' needs, for the default sizes.
+        # Each attached model's gates' needs, for the default sizes (and for whether
+        # each resource is global: as the models loaded now declare it, see attach).
         self._owners: dict[object, list[dict[PoolKey, int]]] = {}
-        # Whether each resource name is global, as the first instance declared it.
-        self._global: dict[str, bool] = {}
         self._heap: list[_Waiter] = []
         self._waiting: dict[PoolKey, int] = {}
         self._waits: dict[PoolKey, int] = {}
@@ -265,20 +264,31 @@ class ResourcePools:
         """
         gates: list[ResourceGate | None] = []
         all_needs: list[dict[PoolKey, int]] = []
+        # Whether each resource is global, as the loaded models declare it: not kept
+        # apart from them, so that a model refused here, or unloaded, fixes nothing.
+        kinds = {
+            name: (where is None, True)  # (global, declared by another model)
+            for needs_list in self._owners.values()
+            for needs in needs_list
+            for name, where in needs
+        }
         for device, local, shared, priority in groups:
             needs: dict[PoolKey, int] = {}
             for names, key_device in ((local, device), (shared, None)):
                 for name, n in names.items():
                     is_global = key_device is None
-                    known = self._global.get(name)
-                    if known is None:
-                        known = self._global[name] = is_global
+                    known, other = kinds.setdefault(name, (is_global, False))
                     if known != is_global:
-                        raise ConfigError(
-                            f"model {model!r}: resource {name!r} is "
-                            f"{'global' if is_global else 'per device'} for this model, "
+                        said = (
+                            f"is {'global' if is_global else 'per device'} for this model, "
                             f"but {'global' if known else 'per device'} for a model loaded "
-                            "before: each resource is one or the other"
+                            "before"
+                            if other
+                            else "is declared both global and per device by this model"
+                        )
+                        raise ConfigError(
+                            f"model {model!r}: resource {name!r} {said}: each resource is "
+                            "one or the other"
                         )
                     key = (name, key_device)
                     self._check_need(model, key, n)

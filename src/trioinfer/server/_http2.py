@@ -462,10 +462,10 @@ class Connection:
         if not self._preface:
             if len(buffer) < len(PREFACE):
                 if not PREFACE.startswith(buffer):
-                    raise ProtocolError("the connection did not start with HTTP/2's preface")
+                    raise ProtocolError(_not_a_preface(buffer))
                 return []
             if not buffer.startswith(PREFACE):
-                raise ProtocolError("the connection did not start with HTTP/2's preface")
+                raise ProtocolError(_not_a_preface(buffer))
             del buffer[: len(PREFACE)]
             self._preface = True
         return self._frames(buffer)
@@ -743,3 +743,13 @@ class Connection:
         else:
             self.closed = True
         events.append(ConnectionTerminated(code, last & 0x7FFFFFFF, payload[8:]))
+
+
+def _not_a_preface(start: bytes | bytearray) -> str:
+    """Why a connection that began with *start* (not HTTP/2's preface) is closed."""
+    said = "the connection did not start with HTTP/2's preface"
+    # A TLS handshake record, version 3.x: a client with TLS on (ssl=True) at a port that
+    # serves plaintext, a mistake worth telling apart from a stranger's bytes.
+    if len(start) >= 2 and start[0] == 0x16 and start[1] == 0x03:
+        return f"{said} (it began a TLS handshake: the client speaks TLS, this port plaintext)"
+    return said
