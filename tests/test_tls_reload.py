@@ -189,6 +189,33 @@ def test_a_broken_renewal_keeps_the_old_files_and_is_said_once(
     assert any("TLS files reloaded" in r.getMessage() for r in caplog.records)
 
 
+def test_a_file_gone_while_it_is_read_is_said_once(
+    live: tuple[Path, Issued],
+    ca: trustme.CA,
+    caplog: pytest.LogCaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Removed between server_context's checks and OpenSSL's read: OpenSSL's own OSError.
+    from trioinfer.server import _tls
+
+    root, first = live
+    reloading = ReloadingContext.load(TlsFiles(root / "server.pem", root / "server.key"))
+    renewed = _issue(ca)
+    _replace(root / "server.pem", renewed.cert)
+
+    def gone(*args: object, **kwargs: object) -> ssl.SSLContext:
+        raise FileNotFoundError(2, "No such file or directory")
+
+    monkeypatch.setattr(_tls, "server_context", gone)
+    with caplog.at_level(logging.INFO, logger="trioinfer.server"):
+        assert not reloading.check()
+        assert not reloading.check()
+    [error] = _errors(caplog)
+    assert "--grpc-server-cert" in error, error
+    assert "No such file" in error, error
+    assert _memory_handshake(reloading.current(), _client(ca)) == first.serial
+
+
 def test_the_mutual_tls_root_is_reloaded(live: tuple[Path, Issued], ca: trustme.CA) -> None:
     root, first = live
     old_ca, new_ca = trustme.CA(), trustme.CA()

@@ -252,25 +252,31 @@ class ReloadingContext:
         stamps = self._stamps(self.files)
         if stamps == self._loaded or stamps == self._refused:
             return False
+        names = {**_FLAGS, **(self.flags or {})}
         try:
             context = server_context(self.files, alpn=self.alpn, flags=self.flags)
         except ConfigError as exc:
-            self._refused = stamps
-            # The message says what is wrong; a traceback would say nothing more.
-            log.error(  # noqa: TRY400
-                "TLS files changed but cannot be used: %s; new connections still get the "
-                "certificate loaded before, and the files are tried again when they change",
-                exc,
+            why = str(exc)
+        except (OSError, ValueError) as exc:
+            # A file that went away between server_context's checks and OpenSSL's read of
+            # it: said as any other renewal that cannot be used, never failing a handshake.
+            files = ", ".join(f"{names[w]} {getattr(self.files, w)!r}" for w in ("cert", "key"))
+            why = f"reading {files}: {exc}"
+        else:
+            self._context, self._loaded, self._refused = context, stamps, None
+            log.info(
+                "TLS files reloaded (%s %r): new connections get the renewed certificate",
+                names["cert"],
+                self.files.cert,
             )
-            return False
-        self._context, self._loaded, self._refused = context, stamps, None
-        names = {**_FLAGS, **(self.flags or {})}
-        log.info(
-            "TLS files reloaded (%s %r): new connections get the renewed certificate",
-            names["cert"],
-            self.files.cert,
+            return True
+        self._refused = stamps
+        log.error(
+            "TLS files changed but cannot be used: %s; new connections still get the "
+            "certificate loaded before, and the files are tried again when they change",
+            why,
         )
-        return True
+        return False
 
 
 def _current(context: ssl.SSLContext | ReloadingContext) -> ssl.SSLContext:
