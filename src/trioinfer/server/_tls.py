@@ -209,6 +209,11 @@ class ReloadingContext:
     certificate but not yet the key) keeps the context in use, and is said
     once, as an ERROR naming the file and why; it is tried again when a file
     changes again.
+
+    Attributes:
+        files: The files, read again at each renewal.
+        alpn: The protocol the contexts offer (``h2``, ``http/1.1``).
+        flags: What each file is called in messages (see `server_context`).
     """
 
     files: TlsFiles
