@@ -88,7 +88,7 @@ from ._errors import NotReady, Unauthorized
 from ._grpc_h2 import GrpcCall, GrpcError, GrpcServer, Method
 from ._http2 import ProtocolError
 from ._models import ServedVersion
-from ._tls import handshake
+from ._tls import ReloadingContext, handshake
 
 log = logging.getLogger("trioinfer.server")
 
@@ -1145,7 +1145,7 @@ async def serve_grpc(
     *,
     shutdown: anyio.Event,
     reuse_port: bool = False,
-    ssl_context: ssl.SSLContext | None = None,
+    ssl_context: ssl.SSLContext | ReloadingContext | None = None,
     task_status: anyio.abc.TaskStatus[str] = anyio.TASK_STATUS_IGNORED,
 ) -> None:
     """Serve *state* over V2 gRPC on *host*:*port* until *shutdown* is set, then drain.
@@ -1159,7 +1159,8 @@ async def serve_grpc(
     port and the kernel spreads new connections (not calls: a connection's
     calls stay with the worker that accepted it) among them.
 
-    With *ssl_context* (from `server_context`, offering ALPN ``h2``) every
+    With *ssl_context* (from `server_context`, offering ALPN ``h2``, or a
+    `ReloadingContext`, which picks up renewed files for new connections) every
     connection is TLS: its handshake runs in the connection's own task and must
     end within ``head_timeout``, or the client is dropped (as is one that fails
     it: plaintext, or without a trusted certificate under mutual TLS).

@@ -42,7 +42,7 @@ from ._connection import Connection, Hangups, Shared, hangup_watcher
 from ._cycle import ASGI3App
 from ._io import IO, open_io
 from ._lifespan import Lifespan
-from ._tls import tls_handshake
+from ._tls import ReloadingContext, tls_handshake
 
 __all__ = ["ASGI3App", "serve_asgi"]
 
@@ -81,7 +81,7 @@ async def serve_asgi(
     max_head_bytes: int = 64 * 1024,
     max_headers: int = 100,
     reuse_port: bool = False,
-    ssl_context: ssl.SSLContext | None = None,
+    ssl_context: ssl.SSLContext | ReloadingContext | None = None,
     task_status: anyio.abc.TaskStatus[list[str]] = anyio.TASK_STATUS_IGNORED,
 ) -> None:
     """Serve *app* over HTTP/1.1 on *host*:*port* until *shutdown* is set, then drain.
@@ -118,9 +118,11 @@ async def serve_asgi(
             the same app on the same port share its connections (the kernel
             spreads them), as ``trioinfer serve --workers`` does.
         ssl_context: Serve HTTPS with this server-side context (see
-            ``_tls.server_context``, with ALPN ``http/1.1``): each connection's
-            handshake must end within *head_timeout*, or the client is dropped
-            (as is one that fails it). None: plain HTTP.
+            ``_tls.server_context``, with ALPN ``http/1.1``), or a
+            ``_tls.ReloadingContext`` (each connection handshakes with the
+            files' latest usable state): each connection's handshake must end
+            within *head_timeout*, or the client is dropped (as is one that
+            fails it). None: plain HTTP.
         task_status: Receives the listening URLs, e.g. ``["http://127.0.0.1:8000"]``
             (``https://`` with *ssl_context*), for ``start``.
 
@@ -266,7 +268,9 @@ class _Server:
 
     __slots__ = ("_all_closed", "_connections", "shared", "tls")
 
-    def __init__(self, shared: Shared, tls: ssl.SSLContext | None = None) -> None:
+    def __init__(
+        self, shared: Shared, tls: ssl.SSLContext | ReloadingContext | None = None
+    ) -> None:
         self.shared = shared
         #: Serve each connection over TLS with this context (None: plaintext).
         self.tls = tls

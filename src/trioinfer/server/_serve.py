@@ -33,7 +33,7 @@ from ._metrics import InFlight, Metrics
 from ._models import ServedModels, public_names
 from ._poll import Fingerprint, poll_repository, snapshot
 from ._repository import ModelRepository
-from ._tls import HTTP_TLS_FLAGS, server_context
+from ._tls import HTTP_TLS_FLAGS, ReloadingContext
 
 if TYPE_CHECKING:
     from ._workers import WorkerLink
@@ -145,13 +145,14 @@ async def serve_http(
     if config is None:
         config = ServerConfig()
     # The certificate files are read now: a bad one stops the start, not a handshake later.
+    # Renewed files are picked up for new connections while serving (ReloadingContext).
     grpc_tls = (
-        server_context(config.grpc_tls)
+        ReloadingContext.load(config.grpc_tls)
         if serve_grpc is not None and config.grpc_tls is not None
         else None
     )
     http_tls = (
-        server_context(config.http_tls, alpn="http/1.1", flags=HTTP_TLS_FLAGS)
+        ReloadingContext.load(config.http_tls, alpn="http/1.1", flags=HTTP_TLS_FLAGS)
         if config.http_tls is not None
         else None
     )
@@ -388,7 +389,7 @@ async def _serve_lean(
     stop: anyio.Event,
     *,
     reuse_port: bool = False,
-    ssl_context: ssl.SSLContext | None = None,
+    ssl_context: ssl.SSLContext | ReloadingContext | None = None,
     task_status: anyio.abc.TaskStatus[list[str]],
 ) -> None:
     limits = config.limits

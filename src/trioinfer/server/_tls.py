@@ -3,6 +3,8 @@
 The files are read when the server starts (`server_context`), so that a
 missing, unreadable or mismatched file stops ``trioinfer serve`` at once with
 a message naming it, rather than failing every client's handshake later.
+While serving, renewed files are picked up for new connections
+(`ReloadingContext`); a renewal that cannot be used keeps the files before it.
 Each connection's handshake then runs in that connection's own task, under
 the server's ``head_timeout`` (`handshake`): a client that connects and never
 finishes it holds nothing but its own socket, and is dropped.
@@ -22,7 +24,8 @@ import logging
 import os
 import socket
 import ssl
-from typing import Any
+import time
+from typing import Any, Final, final
 
 import anyio
 import anyio.abc
@@ -32,7 +35,14 @@ from anyio.streams.tls import TLSStream
 from .._exceptions import ConfigError
 from ._io import IO
 
-__all__ = ["HTTP_TLS_FLAGS", "TlsFiles", "handshake", "server_context", "tls_handshake"]
+__all__ = [
+    "HTTP_TLS_FLAGS",
+    "ReloadingContext",
+    "TlsFiles",
+    "handshake",
+    "server_context",
+    "tls_handshake",
+]
 
 log = logging.getLogger("trioinfer.server")
 
@@ -157,8 +167,132 @@ def _load_verify(context: ssl.SSLContext, path: str, said: str) -> None:
         ) from None
 
 
+#: How often, at most, a TLS endpoint looks at its files for a renewal (see `ReloadingContext`).
+RELOAD_CHECK_S: Final = 1.0
+
+#: What a file is, for noticing that it changed: its device, inode, size and mtime (of the
+#: file a symlink points to), or why it could not be looked at.
+_Stamp = tuple[int, int, int, int] | str
+
+
+def _stamp(path: str) -> _Stamp:
+    try:
+        st = os.stat(path)  # follows symlinks: a swapped link is a new inode
+    except OSError as exc:
+        return f"{type(exc).__name__} {exc.errno}"
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+
+
+@final
+@attrs.define(eq=False)
+class ReloadingContext:
+    """The server-side ``SSLContext`` of one endpoint, rebuilt when its files are renewed.
+
+    cert-manager, certbot and Kubernetes renew a certificate by replacing its
+    files every few weeks (a new file renamed over the old, a symlink swapped,
+    or rewritten in place). `current`, called as each connection arrives,
+    looks at the files (``os.stat``: inode, size, mtime) at most once every
+    `RELOAD_CHECK_S` seconds, and when one changed builds a new context from
+    them (`server_context`'s checks); that connection and the later ones
+    handshake with it, while connections already open keep the one they
+    handshook with. Why this and not inotify or SIGHUP: a few ``stat`` calls
+    a second cost nothing, need no task, no platform API and no signal
+    forwarded to ``--workers`` (each process checks by itself), and see every
+    way of renewing, including a symlink swapped above the file; the price is
+    that a renewal shows up to a second late, and only once a connection
+    arrives (no one needs it sooner). The check runs on the event loop: a
+    ``stat`` of a local file takes microseconds, and a rebuild (a few
+    kilobytes read, a key parsed, about a millisecond) happens once per renewal.
+
+    A renewal that cannot be used (a file half written, missing, not PEM, a
+    key that is not the certificate's, as a renewal that has replaced the
+    certificate but not yet the key) keeps the context in use, and is said
+    once, as an ERROR naming the file and why; it is tried again when a file
+    changes again.
+
+    Attributes:
+        files: The files, read again at each renewal.
+        alpn: The protocol the contexts offer (``h2``, ``http/1.1``).
+        flags: What each file is called in messages (see `server_context`).
+    """
+
+    files: TlsFiles
+    alpn: str
+    flags: dict[str, str] | None
+    _context: ssl.SSLContext = attrs.field(alias="context")
+    _loaded: tuple[_Stamp, ...] = attrs.field(alias="loaded")
+    _refused: tuple[_Stamp, ...] | None = attrs.field(default=None, alias="refused")
+    _checked_at: float = attrs.field(factory=time.monotonic, alias="checked_at")
+
+    @classmethod
+    def load(
+        cls, files: TlsFiles, *, alpn: str = "h2", flags: dict[str, str] | None = None
+    ) -> ReloadingContext:
+        """Read and check *files* now, as `server_context` does (same arguments).
+
+        Raises:
+            ConfigError: As `server_context`.
+        """
+        stamps = cls._stamps(files)  # before reading: a change meanwhile is seen next time
+        context = server_context(files, alpn=alpn, flags=flags)
+        return cls(files, alpn, flags, context=context, loaded=stamps)
+
+    @staticmethod
+    def _stamps(files: TlsFiles) -> tuple[_Stamp, ...]:
+        paths = [files.cert, files.key]
+        if files.mutual and files.root is not None:
+            paths.append(files.root)
+        return tuple(_stamp(path) for path in paths)
+
+    def current(self) -> ssl.SSLContext:
+        """The context for a connection arriving now: the files' latest usable state."""
+        now = time.monotonic()
+        if now - self._checked_at >= RELOAD_CHECK_S:
+            self._checked_at = now
+            self.check()
+        return self._context
+
+    def check(self) -> bool:
+        """Look at the files now, reload them if they changed; whether a new context is in use."""
+        stamps = self._stamps(self.files)
+        if stamps == self._loaded or stamps == self._refused:
+            return False
+        names = {**_FLAGS, **(self.flags or {})}
+        try:
+            context = server_context(self.files, alpn=self.alpn, flags=self.flags)
+        except ConfigError as exc:
+            why = str(exc)
+        except (OSError, ValueError) as exc:
+            # A file that went away between server_context's checks and OpenSSL's read of
+            # it: said as any other renewal that cannot be used, never failing a handshake.
+            files = ", ".join(f"{names[w]} {getattr(self.files, w)!r}" for w in ("cert", "key"))
+            why = f"reading {files}: {exc}"
+        else:
+            self._context, self._loaded, self._refused = context, stamps, None
+            log.info(
+                "TLS files reloaded (%s %r): new connections get the renewed certificate",
+                names["cert"],
+                self.files.cert,
+            )
+            return True
+        self._refused = stamps
+        log.error(
+            "TLS files changed but cannot be used: %s; new connections still get the "
+            "certificate loaded before, and the files are tried again when they change",
+            why,
+        )
+        return False
+
+
+def _current(context: ssl.SSLContext | ReloadingContext) -> ssl.SSLContext:
+    return context.current() if isinstance(context, ReloadingContext) else context
+
+
 async def handshake(
-    stream: anyio.abc.ByteStream, context: ssl.SSLContext, limit_s: float, what: str
+    stream: anyio.abc.ByteStream,
+    context: ssl.SSLContext | ReloadingContext,
+    limit_s: float,
+    what: str,
 ) -> TLSStream | None:
     """The TLS stream over *stream* once its handshake is done; None if it failed (closed then).
 
@@ -174,7 +308,7 @@ async def handshake(
             # (a client gone or silent would hold the close), and a client closing
             # without one is an ordinary end (grpc-core's often do).
             return await TLSStream.wrap(
-                stream, server_side=True, ssl_context=context, standard_compatible=False
+                stream, server_side=True, ssl_context=_current(context), standard_compatible=False
             )
     except TimeoutError:
         why = f"no TLS handshake within {limit_s}s (head_timeout)"
@@ -211,7 +345,7 @@ def _dropped(what: str, address: Any, why: str) -> None:
 
 
 async def tls_handshake(
-    sock: socket.socket, context: ssl.SSLContext, io: IO, limit_s: float
+    sock: socket.socket, context: ssl.SSLContext | ReloadingContext, io: IO, limit_s: float
 ) -> socket.socket | None:
     """*sock* (just accepted) as a non-blocking TLS socket once its handshake is done.
 
@@ -224,7 +358,7 @@ async def tls_handshake(
     try:
         address = sock.getpeername()
         sock.setblocking(False)
-        tls = context.wrap_socket(sock, server_side=True, do_handshake_on_connect=False)
+        tls = _current(context).wrap_socket(sock, server_side=True, do_handshake_on_connect=False)
     except OSError:  # the client is already gone
         sock.close()
         return None
