@@ -77,14 +77,14 @@ def _pump(stream: Any, lines: queue.Queue[str | None]) -> None:
 
 
 @contextlib.contextmanager
-def serve_process(
+def running_server(
     command: Sequence[str], *, log: Path, env: Mapping[str, str] | None = None
 ) -> Iterator[Started]:
-    """Run *command* (a ``trioinfer serve --port 0``) until it listens; on exit SIGTERM it
-    unless it has exited already, and require exit code 0.
+    """Run *command* (a ``trioinfer serve --port 0``) until it listens, and yield it; kill it
+    by its pid if it is still running at the end (a failed test leaves nothing behind).
 
     Its stderr goes to *log*; its environment is this one without TRIOINFER_ADMIN_TOKEN,
-    updated with *env*. The process is killed if anything goes wrong.
+    updated with *env*. How it ends is the caller's to check.
     """
     environment = {k: v for k, v in os.environ.items() if k != "TRIOINFER_ADMIN_TOKEN"}
     environment.update(env or {})
@@ -102,13 +102,6 @@ def serve_process(
     reader.start()
     try:
         yield _wait_listening(process, lines, log)
-        if process.poll() is None:
-            process.send_signal(signal.SIGTERM)
-        try:
-            code = process.wait(timeout=STOP_S)
-        except subprocess.TimeoutExpired:
-            pytest.fail(f"the server did not exit after SIGTERM; log:\n{log_tail(log)}")
-        assert code == 0, f"the server exited with {code}; log:\n{log_tail(log)}"
     finally:
         if process.poll() is None:
             process.kill()
@@ -116,6 +109,24 @@ def serve_process(
         reader.join(timeout=STOP_S)
         assert process.stdout is not None
         process.stdout.close()
+
+
+@contextlib.contextmanager
+def serve_process(
+    command: Sequence[str], *, log: Path, env: Mapping[str, str] | None = None
+) -> Iterator[Started]:
+    """`running_server`, and on exit SIGTERM it unless it has exited already, and require
+    exit code 0."""
+    with running_server(command, log=log, env=env) as started:
+        yield started
+        process = started.process
+        if process.poll() is None:
+            process.send_signal(signal.SIGTERM)
+        try:
+            code = process.wait(timeout=STOP_S)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"the server did not exit after SIGTERM; log:\n{log_tail(log)}")
+        assert code == 0, f"the server exited with {code}; log:\n{log_tail(log)}"
 
 
 def _wait_listening(

@@ -13,15 +13,14 @@ asserts how fast anything was.
 from __future__ import annotations
 
 import contextlib
-import os
-import queue
 import signal
 import socket
 import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +28,7 @@ import httpx
 import pytest
 from click.testing import CliRunner
 
-from _serve import STOP_S, WAIT_S, Started, _pump, _wait_listening, log_tail, wait_until
+from _serve import STOP_S, WAIT_S, Started, log_tail, running_server, wait_until
 from trioinfer.cli import main as cli_main
 
 pytestmark = pytest.mark.python_model
@@ -66,34 +65,12 @@ def _stuck_repository(root: Path) -> Path:
     return root
 
 
-@contextlib.contextmanager
-def _serving(repository: Path, *args: str, log: Path) -> Iterator[Started]:
-    """Start ``trioinfer serve`` until it listens, and yield it; kill it by its pid if it is
-    still running at the end (a failed test leaves nothing behind)."""
+def _serving(repository: Path, *args: str, log: Path) -> AbstractContextManager[Started]:
+    """Start ``trioinfer serve`` on *repository* until it listens (killed by its pid if it
+    still runs at the end)."""
     command = [sys.executable, "-m", "trioinfer", "serve", "--port", "0", "--log-level", "info"]
     command += ["--model-repository", str(repository), *args]
-    environment = {k: v for k, v in os.environ.items() if k != "TRIOINFER_ADMIN_TOKEN"}
-    with log.open("wb") as log_file:
-        process = subprocess.Popen(
-            command,
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE,
-            stderr=log_file,
-            env=environment,
-            text=True,
-        )
-    lines: queue.Queue[str | None] = queue.Queue()
-    reader = threading.Thread(target=_pump, args=(process.stdout, lines), daemon=True)
-    reader.start()
-    try:
-        yield _wait_listening(process, lines, log)
-    finally:
-        if process.poll() is None:
-            process.kill()
-            process.wait()
-        reader.join(timeout=STOP_S)
-        assert process.stdout is not None
-        process.stdout.close()
+    return running_server(command, log=log)
 
 
 def _in_background(call: Callable[[], object]) -> threading.Thread:
