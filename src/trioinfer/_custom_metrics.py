@@ -21,6 +21,7 @@ few operations of an update or while a snapshot copies the family's series.
 from __future__ import annotations
 
 import bisect
+import itertools
 import math
 import re
 import threading
@@ -161,8 +162,10 @@ class _Family:
             labels=self.labels,
             buckets=self.buckets,
             samples=tuple(
-                CustomMetricSample(model, dict(zip(self.labels, values, strict=True)), *rest)
-                for model, values, *rest in figures
+                CustomMetricSample(
+                    model, dict(zip(self.labels, values, strict=True)), value, counts, count
+                )
+                for model, values, value, counts, count in figures
             ),
         )
 
@@ -311,7 +314,7 @@ def _checked(
             not given
             or not all(isinstance(b, (int, float)) and not isinstance(b, bool) for b in given)
             or not all(math.isfinite(b) for b in given)
-            or any(a >= b for a, b in zip(given, given[1:], strict=False))
+            or any(a >= b for a, b in itertools.pairwise(given))
         ):
             raise InvalidMetric(
                 f"{what} {name!r}: buckets must be finite numbers in increasing order, at "
@@ -374,14 +377,14 @@ class ModelMetrics(metaclass=NoPublicConstructor):
         from the family's name, as prometheus_client does.
         """
         family = self._registry.declare(self._owner, "counter", name, description, labels, ())
-        return MetricFamily._create(family, self._owner, CounterMetric)
+        return MetricFamily[CounterMetric]._create(family, self._owner, CounterMetric)
 
     def gauge(
         self, name: str, description: str, *, labels: Sequence[str] = ()
     ) -> MetricFamily[GaugeMetric]:
         """A gauge: a value that goes up and down (items held, a temperature)."""
         family = self._registry.declare(self._owner, "gauge", name, description, labels, ())
-        return MetricFamily._create(family, self._owner, GaugeMetric)
+        return MetricFamily[GaugeMetric]._create(family, self._owner, GaugeMetric)
 
     def histogram(
         self, name: str, description: str, *, buckets: Sequence[float], labels: Sequence[str] = ()
@@ -394,7 +397,7 @@ class ModelMetrics(metaclass=NoPublicConstructor):
         family = self._registry.declare(
             self._owner, "histogram", name, description, labels, buckets
         )
-        return MetricFamily._create(family, self._owner, HistogramMetric)
+        return MetricFamily[HistogramMetric]._create(family, self._owner, HistogramMetric)
 
 
 M = TypeVar("M", "CounterMetric", "GaugeMetric", "HistogramMetric")
@@ -409,7 +412,7 @@ class MetricFamily(Generic[M], metaclass=NoPublicConstructor):
     def __init__(self, family: _Family, owner: _Owner, kind: type[M]) -> None:
         self._family = family
         self._owner = owner
-        self._kind = kind
+        self._kind: type[M] = kind
 
     @property
     def name(self) -> str:
@@ -442,7 +445,8 @@ class MetricFamily(Generic[M], metaclass=NoPublicConstructor):
             series = family.series.get(key)
             if series is None:
                 series = family.series[key] = _Series(len(family.buckets))
-        return self._kind._create(family, series)
+        made: M = self._kind._create(family, series)
+        return made
 
 
 class _Metric(metaclass=NoPublicConstructor):
