@@ -23,6 +23,8 @@ PUBLIC = {
         "ResponseStream",
         "TensorSpec", "SequenceConfig", "SequenceError", "SequenceFlags", "SequenceState",
         "Warmup", "WarmupInput",
+        "CounterMetric", "CustomMetricFamily", "CustomMetricSample", "GaugeMetric",
+        "HistogramMetric", "InvalidMetric", "MetricFamily", "ModelMetrics",
         "StreamClosed", "TrioInferError", "digits_samples", "example_repository", "open_engine",
     },
     "trioinfer.abc": {
@@ -40,7 +42,7 @@ PUBLIC = {
         "current_callers_deadline",
         "current_trace_context", "numpy_dtype", "record_span",
         "wait_on_callback", "CallbackWaiter", "inline_slice_spent", "restart_inline_slice",
-        "current_engine", "infer_follow_up", "infer_stream_follow_up",
+        "current_engine", "infer_follow_up", "infer_stream_follow_up", "current_model_metrics",
     },
     "trioinfer.testing": {
         "FakeBackend", "FakeInstance", "check_backend", "check_batcher", "check_fallback",

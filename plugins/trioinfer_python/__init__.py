@@ -66,6 +66,26 @@ In code, ``backend_options={"class": Model, ...}`` names the class itself, and
   ``models.infer_stream_blocking(...)``). In
   ``trioinfer serve`` a model is named as clients name it (``"digits"``, or
   ``"digits:2"`` for one version).
+- a ``metrics`` keyword, if ``__init__`` takes one, gets a
+  `trioinfer.ModelMetrics`: where the model declares its own metric
+  families (Triton's custom metrics, ``pb_utils.MetricFamily``), which
+  ``trioinfer serve`` shows on ``/metrics`` beside its own and an in-process
+  user reads with ``engine.custom_metrics()``::
+
+      def __init__(self, metrics):
+          tokens = metrics.counter("tokens", "Tokens generated.", labels=["kind"])
+          self.tokens = tokens.metric(kind="output")
+          self.latency = metrics.histogram(
+              "decode_seconds", "Time to decode.", buckets=[0.01, 0.1, 1.0]
+          ).metric()
+
+      def infer(self, inputs):
+          self.tokens.increment(len(inputs["x"]))   # from a thread or the loop alike
+
+  Every instance of a load shares the same series (declaring a family
+  again, alike, returns it); they go when the model is unloaded or loaded
+  anew. A bad declaration or update (see `trioinfer.InvalidMetric`) fails
+  the load or the execution with a ``BackendError`` naming the line.
 
 The model file is imported on a thread, so that its imports (of a deep
 learning framework, say) do not stall the other models' requests, and
@@ -148,12 +168,13 @@ import numpy as np
 from trioinfer import (
     BackendError,
     ConfigError,
+    InvalidMetric,
     ModelConfig,
     ModelSignature,
     TensorSpec,
     TrioInferError,
 )
-from trioinfer.lowlevel import Placement, WorkerThread, current_engine
+from trioinfer.lowlevel import Placement, WorkerThread, current_engine, current_model_metrics
 
 from ._models import BlockingResponses, Models
 
@@ -291,11 +312,12 @@ class PythonBackend:
                 f"name = value, got {parameters!r}"
             )
         device = str(placement.device)
-        if given := sorted({"device", "models"} & set(parameters)):
+        if given := sorted({"device", "models", "metrics"} & set(parameters)):
             raise ConfigError(
                 f"backend option parameters of model {config.name!r} sets "
                 f"{', '.join(map(repr, given))}, which the backend passes itself (where the "
-                "instance runs, and the other models to call): rename the parameter"
+                "instance runs, the other models to call, the model's own metrics): rename "
+                "the parameter"
             )
         kwargs = dict(parameters)
         if _takes(cls, "device"):
@@ -303,6 +325,8 @@ class PythonBackend:
         models = Models(current_engine(), config.name) if _takes(cls, "models") else None
         if models is not None:
             kwargs["models"] = models
+        if _takes(cls, "metrics"):
+            kwargs["metrics"] = current_model_metrics()
         label = f"model {config.name!r} instance {placement.index}"
         dispatch = options.get("dispatch", "thread")
         if dispatch not in ("thread", "inline"):
@@ -549,6 +573,8 @@ class PythonInstance:
                     outputs = await generator.__anext__()
                 except StopAsyncIteration:
                     return
+                except InvalidMetric as exc:  # the model's bug, as in execute
+                    raise self._failed(exc) from exc
                 except (anyio.get_cancelled_exc_class(), TrioInferError):
                     raise
                 except Exception as exc:
@@ -579,6 +605,8 @@ class PythonInstance:
                 outputs = await self._models._run(
                     self._worker, self._infer, _read_only(inputs), self._abort
                 )
+        except InvalidMetric as exc:  # a bug of the model's (a counter going down), not a choice
+            raise self._failed(exc) from exc
         except (anyio.get_cancelled_exc_class(), TrioInferError):
             raise  # the model chose the error's class (InvalidInput is the client's fault)
         except Exception as exc:

@@ -16,6 +16,13 @@ import importlib.metadata as _metadata
 from ._config import Device as Device
 from ._config import Instance as Instance
 from ._config import ModelConfig as ModelConfig
+from ._custom_metrics import CounterMetric as CounterMetric
+from ._custom_metrics import CustomMetricFamily as CustomMetricFamily
+from ._custom_metrics import CustomMetricSample as CustomMetricSample
+from ._custom_metrics import GaugeMetric as GaugeMetric
+from ._custom_metrics import HistogramMetric as HistogramMetric
+from ._custom_metrics import MetricFamily as MetricFamily
+from ._custom_metrics import ModelMetrics as ModelMetrics
 from ._dispatch import ReplicaStatistics as ReplicaStatistics
 from ._engine import Engine as Engine
 from ._engine import EngineStatistics as EngineStatistics
@@ -31,6 +38,7 @@ from ._exceptions import ConfigError as ConfigError
 from ._exceptions import DeadlineExceeded as DeadlineExceeded
 from ._exceptions import EngineClosed as EngineClosed
 from ._exceptions import InvalidInput as InvalidInput
+from ._exceptions import InvalidMetric as InvalidMetric
 from ._exceptions import ModelNotFound as ModelNotFound
 from ._exceptions import PluginContractError as PluginContractError
 from ._exceptions import PluginError as PluginError

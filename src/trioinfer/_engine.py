@@ -25,6 +25,7 @@ import trio.lowlevel
 
 from ._cache import Computation, Computed, Event, ResponseCache
 from ._config import Device, ModelConfig, Placement
+from ._custom_metrics import CustomMetricFamily, CustomMetrics, _current_owner, _Owner
 from ._exceptions import (
     BackendError,
     ConfigError,
@@ -206,6 +207,10 @@ class Engine:
     # How infer_follow_up names models, when the engine's names are not its users'
     # (trioinfer serve loads "digits" version 2 as "digits.v2"): the server's resolver.
     _follow_up_names: Callable[[str], str] | None = attrs.field(default=None, init=False)
+    # The models' own metric families (custom_metrics()), and which load of each
+    # serving model owns its series (a newer load's or an unload's drop them).
+    _custom: CustomMetrics = attrs.field(factory=CustomMetrics, init=False)
+    _metric_owners: dict[str, _Owner] = attrs.field(factory=dict, init=False)
 
     @property
     def registry(self) -> Registry:
@@ -277,6 +282,10 @@ class Engine:
         # The backend's load, and every task the model starts, can tell which engine
         # serves it (lowlevel.current_engine: a Python model calling other models).
         engine_token = _current_engine.set(self)
+        # What the model declares at its load (current_model_metrics) is this load's.
+        owner = self._custom.begin(name)
+        metrics_token = _current_owner.set((self._custom, owner))
+        installed = False
         try:
             with self._owned(self._loads) as loading:
                 runner: ModelRunner | Pipeline | None = None
@@ -320,8 +329,18 @@ class Engine:
                 # Answers of the model it replaces may not hold; its counters start
                 # again with the new runner's.
                 self._forget(name, restart=True)
+                # Its custom series are shown from now on, those of the load it
+                # replaces go (as its statistics do).
+                installed = True
+                self._custom.install(owner)
+                if (old_owner := self._metric_owners.get(name)) is not None:
+                    self._custom.drop(old_owner)
+                self._metric_owners[name] = owner
         finally:
             _current_engine.reset(engine_token)
+            _current_owner.reset(metrics_token)
+            if not installed:
+                self._custom.drop(owner)
             self._loading.discard(name)
         if old is not None:
             await self._retire(old, old_gate)
@@ -476,6 +495,8 @@ class Engine:
         if runner is None:
             raise ModelNotFound(f"no model named {name!r} is loaded; loaded: {self._names()}")
         self._forget(name)
+        if (owner := self._metric_owners.pop(name, None)) is not None:
+            self._custom.drop(owner)  # as Triton's go with the model
         gate = self._gates.pop(name, None)
         await self._retire(runner, gate)
 
@@ -1191,6 +1212,20 @@ class Engine:
             if isinstance(runner, ModelRunner)
             for label, seconds in runner.executing()
         ]
+
+    def custom_metrics(self) -> tuple[CustomMetricFamily, ...]:
+        """A snapshot of the metric families the loaded models declared, sorted by name.
+
+        A model declares its own families through the
+        [`ModelMetrics`][trioinfer.ModelMetrics] its backend hands it (the
+        ``python`` backend's ``metrics`` keyword); ``trioinfer serve`` shows
+        them on ``/metrics``. Each sample is a serving model's series, named
+        as the engine names the model: those of a model being loaded are not
+        there yet, and those of a model unloaded or replaced by a new load are
+        gone (a load starts again from zero). A family stays while any loaded
+        model declares it, even with no series yet.
+        """
+        return self._custom.snapshot()
 
     def _runner(self, model: str) -> ModelRunner | Pipeline:
         self._check_open()

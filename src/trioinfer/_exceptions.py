@@ -20,6 +20,7 @@ TrioInferError
 ├── BackendError           the backend failed while executing
 │   └── BackendUnavailable the requested device or provider cannot be used
 ├── EngineClosed           the engine is shutting down or has shut down
+├── InvalidMetric          a model's custom metric declared or updated as it cannot be (ValueError)
 └── StreamClosed           a response stream iterated after its block ended
                            (also anyio.ClosedResourceError)
 ```
@@ -171,6 +172,19 @@ class CircuitOpen(TrioInferError):
 
 class EngineClosed(TrioInferError):
     """The engine is closing or closed, so it accepts no new work."""
+
+
+class InvalidMetric(TrioInferError, ValueError):
+    """A model's custom metric declared or updated as it cannot be: the model's code is at fault.
+
+    A name that is not a Prometheus name, one of trioinfer's own
+    (``trioinfer_*``) or one declared already as another kind (see
+    [`ModelMetrics`][trioinfer.ModelMetrics]); a series asked for with labels
+    its family does not declare; a counter's negative increment. The
+    ``python`` backend fails the load (raised in ``__init__``) or the
+    execution (raised in ``infer``) with a ``BackendError`` naming the line, as
+    for any bug of the model: a 500 over HTTP, not the client's fault.
+    """
 
 
 class StreamClosed(TrioInferError, anyio.ClosedResourceError):

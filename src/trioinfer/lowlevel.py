@@ -45,6 +45,10 @@ class OneAtATime:
   [`current_callers_deadline()`][trioinfer.lowlevel.current_callers_deadline]),
   and [`infer_stream_follow_up()`][trioinfer.lowlevel.infer_stream_follow_up]
   (``engine.infer_stream`` alike, for a decoupled model's responses).
+- For backends whose models declare their own metrics (the ``python``
+  backend's ``metrics``):
+  [`current_model_metrics()`][trioinfer.lowlevel.current_model_metrics], the
+  [`ModelMetrics`][trioinfer.ModelMetrics] of the model being loaded.
 - For backends whose work runs elsewhere, tracing:
   [`current_trace_context()`][trioinfer.lowlevel.current_trace_context]
   (the W3C context to send with a traced call) and
@@ -56,6 +60,7 @@ To make requests for a plugin's own tests, use
 """
 
 from ._config import Placement as Placement
+from ._custom_metrics import current_model_metrics as current_model_metrics
 from ._engine import current_engine as current_engine
 from ._engine import infer_follow_up as infer_follow_up
 from ._engine import infer_stream_follow_up as infer_stream_follow_up

@@ -160,7 +160,39 @@ class Metrics:
                 [p.name, p.device or GLOBAL_DEVICE, p.size, p.in_use, p.waiting, p.waits, p.wait_s]
                 for p in self._models.engine.statistics().resources
             ],
+            "custom": self.custom_counts(),
         }
+
+    def custom_counts(self) -> list[list[Any]]:
+        """The models' own metric families (`Engine.custom_metrics`), as plain data.
+
+        Each sample is labelled with the model and version as clients name
+        them (the engine names version 2 of ``digits`` ``digits.v2``); one of a
+        model the server does not serve (being loaded or unloaded meanwhile)
+        is left out.
+        """
+        families = self._models.engine.custom_metrics()
+        if not families:
+            return []
+        served = {v.engine_name: (v.model, str(v.version)) for v in self._models.all()}
+        out: list[list[Any]] = []
+        for family in families:
+            samples = [
+                [*served[s.model], list(s.labels.values()), s.value, list(s.bucket_counts), s.count]
+                for s in family.samples
+                if s.model in served
+            ]
+            out.append(
+                [
+                    family.name,
+                    family.description,
+                    family.kind,
+                    list(family.labels),
+                    list(family.buckets),
+                    samples,
+                ]
+            )
+        return out
 
     def version_counts(self, chosen: Iterable[ServedVersion]) -> list[VersionCounts]:
         """The counts of each served version in *chosen* (those unloaded meanwhile left out)."""
@@ -249,6 +281,10 @@ class Counts(TypedDict):
     versions: list[VersionCounts]
     #: The rate limiter's pools: [name, device, size, in use, waiting, waits, seconds waited].
     resources: NotRequired[list[list[Any]]]
+    #: The models' own families: [name, description, kind, label names, buckets, samples],
+    #: each sample [model, version, label values, value (a histogram's sum), bucket counts
+    #: (not cumulative, +Inf's last), count] (see `Metrics.custom_counts`).
+    custom: NotRequired[list[list[Any]]]
 
 
 #: The ``device`` label of a global resource's pool, which every device shares.
@@ -471,6 +507,30 @@ def _families(counts: Counts) -> Iterator[Metric]:
     yield from histograms.values()
     yield from cache.values()
     yield from _resource_families(counts.get("resources", []))
+    yield from _custom_families(counts.get("custom", []))
+
+
+def _custom_families(families: list[list[Any]]) -> Iterator[Metric]:
+    # The models' own (Metrics.custom_counts), after ours: their names never start
+    # with trioinfer_, nor clash with each other's samples (the engine refuses both).
+    for name, description, kind, label_names, bounds, samples in families:
+        labels = [*_LABELS, *label_names]
+        family: Metric
+        if kind == "counter":
+            family = CounterMetricFamily(name, description, labels=labels)
+            for model, version, values, value, _, _ in samples:
+                family.add_metric([model, version, *values], value)
+        elif kind == "gauge":
+            family = GaugeMetricFamily(name, description, labels=labels)
+            for model, version, values, value, _, _ in samples:
+                family.add_metric([model, version, *values], value)
+        else:
+            family = HistogramMetricFamily(name, description, labels=labels)
+            for model, version, values, value, bucket_counts, count in samples:
+                family.add_metric(
+                    [model, version, *values], _buckets(bounds, bucket_counts, count), value
+                )
+        yield family
 
 
 def _resource_families(pools: list[list[Any]]) -> Iterator[Metric]:

@@ -1,0 +1,544 @@
+"""Custom metrics: families a model declares and updates, kept by its engine.
+
+Triton's Python backend lets a model declare its own Prometheus metrics
+(``pb_utils.MetricFamily``); here a backend hands a model a `ModelMetrics`
+(the ``python`` backend's ``metrics`` keyword), and the engine keeps the
+families: `Engine.custom_metrics` snapshots them for an in-process user, and
+``trioinfer serve`` shows them on ``/metrics`` beside its own families.
+
+The registry is the engine's: one family per name, whichever models declare
+it, each model's series apart (the ``model`` of each sample). A load of a
+model owns the series its instances make (an `_Owner`): when a newer load
+replaces it, or the model is unloaded, or its load fails, its series go, as
+Triton's go with the model's stub, and a load starts again from zero. A family
+no model holds any more goes too, so that its name is free again.
+
+Updates come from the event loop (an ``async def infer``) and from worker
+threads (a plain ``def infer``) at once: each family has a lock, held for the
+few operations of an update or while a snapshot copies the family's series.
+"""
+
+from __future__ import annotations
+
+import bisect
+import itertools
+import math
+import re
+import threading
+from collections.abc import Iterable, Mapping, Sequence
+from contextvars import ContextVar
+from typing import Final, Generic, Literal, TypeVar, final
+
+import attrs
+
+from ._exceptions import InvalidMetric
+from ._util import NoPublicConstructor
+
+#: The kinds of family a model may declare.
+MetricKind = Literal["counter", "gauge", "histogram"]
+
+#: Prometheus's metric and label names (https://prometheus.io/docs/concepts/data_model/).
+_NAME: Final = re.compile(r"[a-zA-Z_:][a-zA-Z0-9_:]*")
+_LABEL: Final = re.compile(r"[a-zA-Z_][a-zA-Z0-9_]*")
+
+#: The prefix of trioinfer's own families (``trioinfer_inference_requests``, ...).
+RESERVED_PREFIX: Final = "trioinfer_"
+
+#: Label names a model may not declare, and why: the server adds the first two to
+#: every sample, Prometheus gives ``le`` a histogram's bounds, and ``pid`` marks a
+#: ``--workers`` worker's own series, which end with the process.
+_RESERVED_LABELS: Final = {
+    "model": "the server labels every sample with its model",
+    "version": "the server labels every sample with its model's version",
+    "le": "Prometheus names a histogram's bucket bounds le",
+    "pid": "trioinfer serve --workers reserves it for a worker's own series",
+}
+
+
+@attrs.frozen
+class CustomMetricSample:
+    """One series of a custom metric family: a model's, with its label values.
+
+    Attributes:
+        model: The engine's name of the model whose load made it.
+        labels: Its label values, by label name, in the family's order.
+        value: A counter's or gauge's value; a histogram's sum of observations.
+        bucket_counts: A histogram's observations per bucket, not cumulative:
+            one per bound of the family's ``buckets``, and a last one above them
+            all (``+Inf``). Empty for a counter or gauge.
+        count: A histogram's number of observations (0 for a counter or gauge).
+    """
+
+    model: str
+    labels: Mapping[str, str]
+    value: float
+    bucket_counts: tuple[int, ...] = ()
+    count: int = 0
+
+
+@attrs.frozen
+class CustomMetricFamily:
+    """A snapshot of a custom metric family, with every loaded model's series of it.
+
+    Attributes:
+        name: Its name (a counter's without ``_total``, which the exposition adds).
+        description: What it measures (the first declaration's words).
+        kind: ``"counter"``, ``"gauge"`` or ``"histogram"``.
+        labels: The label names its series have, besides the model.
+        buckets: A histogram's upper bounds, increasing (empty otherwise).
+        samples: Its series, by model then label values.
+    """
+
+    name: str
+    description: str
+    kind: MetricKind
+    labels: tuple[str, ...]
+    buckets: tuple[float, ...]
+    samples: tuple[CustomMetricSample, ...]
+
+
+@final
+class _Owner:
+    """One load of a model: the series it makes go when it ends."""
+
+    __slots__ = ("installed", "model")
+
+    def __init__(self, model: str) -> None:
+        self.model = model
+        #: Whether it serves (its series are shown): not while loading.
+        self.installed = False
+
+
+class _Series:
+    """One series' figures; its family's lock guards them."""
+
+    __slots__ = ("count", "counts", "value")
+
+    def __init__(self, buckets: int) -> None:
+        self.value = 0.0
+        self.count = 0
+        self.counts = [0] * (buckets + 1) if buckets else []
+
+
+@final
+class _Family:
+    """A family as the registry keeps it: its declaration, its models, their series."""
+
+    def __init__(
+        self,
+        name: str,
+        description: str,
+        kind: MetricKind,
+        labels: tuple[str, ...],
+        buckets: tuple[float, ...],
+    ) -> None:
+        self.name = name
+        self.description = description
+        self.kind: MetricKind = kind
+        self.labels = labels
+        self.buckets = buckets
+        self.lock = threading.Lock()
+        self.owners: set[_Owner] = set()
+        self.series: dict[tuple[_Owner, tuple[str, ...]], _Series] = {}
+
+    def declared(self) -> str:
+        """How it was declared, to say what a clashing declaration differs from."""
+        labels = f"labels {list(self.labels)}" if self.labels else "no labels"
+        buckets = f", buckets {list(self.buckets)}" if self.kind == "histogram" else ""
+        return f"a {self.kind} with {labels}{buckets}"
+
+    def snapshot(self) -> CustomMetricFamily:
+        with self.lock:
+            figures = [
+                (owner.model, values, s.value, tuple(s.counts), s.count)
+                for (owner, values), s in self.series.items()
+                if owner.installed
+            ]
+        figures.sort(key=lambda f: (f[0], f[1]))
+        return CustomMetricFamily(
+            name=self.name,
+            description=self.description,
+            kind=self.kind,
+            labels=self.labels,
+            buckets=self.buckets,
+            samples=tuple(
+                CustomMetricSample(
+                    model, dict(zip(self.labels, values, strict=True)), value, counts, count
+                )
+                for model, values, value, counts, count in figures
+            ),
+        )
+
+
+def _sample_names(name: str, kind: MetricKind) -> set[str]:
+    # The names its samples have in the text format, which no other family may use.
+    if kind == "counter":
+        return {name, f"{name}_total", f"{name}_created"}
+    if kind == "histogram":
+        return {name, f"{name}_bucket", f"{name}_count", f"{name}_sum", f"{name}_created"}
+    return {name}
+
+
+@final
+class CustomMetrics:
+    """The engine's custom metric families (one registry per engine)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._families: dict[str, _Family] = {}
+
+    def begin(self, model: str) -> _Owner:
+        """A load of *model* starts: what owns the series it makes."""
+        return _Owner(model)
+
+    def install(self, owner: _Owner) -> None:
+        """*owner*'s model serves now: its series are shown."""
+        owner.installed = True
+
+    def drop(self, owner: _Owner) -> None:
+        """*owner*'s load ended (replaced, unloaded, failed): its series go.
+
+        A family no load holds any more goes too.
+        """
+        owner.installed = False
+        with self._lock:
+            for name, family in list(self._families.items()):
+                if owner not in family.owners:
+                    continue
+                with family.lock:
+                    family.owners.discard(owner)
+                    for key in [k for k in family.series if k[0] is owner]:
+                        del family.series[key]
+                if not family.owners:
+                    del self._families[name]
+
+    def snapshot(self) -> tuple[CustomMetricFamily, ...]:
+        """Every family, sorted by name, with the series of the models that serve."""
+        with self._lock:
+            families = sorted(self._families.values(), key=lambda f: f.name)
+        return tuple(f.snapshot() for f in families)
+
+    def declare(
+        self,
+        owner: _Owner,
+        kind: MetricKind,
+        name: object,
+        description: object,
+        labels: object,
+        buckets: object,
+    ) -> _Family:
+        """The family *owner* declares, created or, declared alike before, shared."""
+        name, description, label_names, bounds = _checked(
+            owner.model, kind, name, description, labels, buckets
+        )
+        with self._lock:
+            family = self._families.get(name)
+            if family is None:
+                mine = _sample_names(name, kind)
+                for other in self._families.values():
+                    if mine & _sample_names(other.name, other.kind):
+                        raise InvalidMetric(
+                            f"model {owner.model!r}: custom {kind} {name!r} would clash in "
+                            f"the Prometheus text with the {other.kind} {other.name!r} "
+                            f"declared already (both write samples named "
+                            f"{sorted(mine & _sample_names(other.name, other.kind))[0]!r}): "
+                            "choose another name"
+                        )
+                family = _Family(name, description, kind, label_names, bounds)
+                self._families[name] = family
+            elif (family.kind, family.labels, family.buckets) != (kind, label_names, bounds):
+                theirs = sorted({o.model for o in family.owners})
+                mine_declared = _Family(name, "", kind, label_names, bounds).declared()
+                raise InvalidMetric(
+                    f"model {owner.model!r} declares {name!r} as {mine_declared}, but it is "
+                    f"declared already as {family.declared()} (by {', '.join(map(repr, theirs))}): "
+                    "a family's kind, labels and buckets are the same for every model that "
+                    "declares it; choose another name or declare it alike"
+                )
+            with family.lock:
+                family.owners.add(owner)
+        return family
+
+
+def _checked(
+    model: str,
+    kind: MetricKind,
+    name: object,
+    description: object,
+    labels: object,
+    buckets: object,
+) -> tuple[str, str, tuple[str, ...], tuple[float, ...]]:
+    what = f"model {model!r}: custom {kind}"
+    if not isinstance(name, str) or _NAME.fullmatch(name) is None:
+        raise InvalidMetric(
+            f"{what} name must be a Prometheus metric name (letters, digits, _ and :, not "
+            f"starting with a digit), got {name!r}"
+        )
+    if name.startswith(RESERVED_PREFIX):
+        raise InvalidMetric(
+            f"{what} {name!r}: names starting with {RESERVED_PREFIX!r} are trioinfer's own "
+            "families; choose a prefix of the model's or application's"
+        )
+    if kind == "counter" and name.endswith("_total"):
+        # As prometheus_client does: the exposition adds it back (``requests_total``).
+        name = name.removesuffix("_total")
+    if not isinstance(description, str):
+        raise InvalidMetric(f"{what} {name!r}: the description must be a str, got {description!r}")
+    if isinstance(labels, str) or not isinstance(labels, Iterable):
+        raise InvalidMetric(
+            f"{what} {name!r}: labels must be a sequence of label names such as "
+            f"['kind'], got {labels!r}"
+        )
+    label_names = tuple(labels)
+    for label in label_names:
+        if not isinstance(label, str) or _LABEL.fullmatch(label) is None or label[:2] == "__":
+            raise InvalidMetric(
+                f"{what} {name!r}: label {label!r} is not a Prometheus label name (letters, "
+                "digits and _, not starting with a digit or __)"
+            )
+        if label in _RESERVED_LABELS:
+            raise InvalidMetric(
+                f"{what} {name!r}: label {label!r} is reserved ({_RESERVED_LABELS[label]})"
+            )
+    if len(set(label_names)) != len(label_names):
+        raise InvalidMetric(f"{what} {name!r}: labels {list(label_names)} name one label twice")
+    bounds: tuple[float, ...] = ()
+    if kind == "histogram":
+        if isinstance(buckets, (str, bytes)) or not isinstance(buckets, Iterable):
+            raise InvalidMetric(
+                f"{what} {name!r}: buckets must be a sequence of upper bounds such as "
+                f"[0.01, 0.1, 1.0], got {buckets!r}"
+            )
+        given = list(buckets)
+        if (
+            not given
+            or not all(isinstance(b, (int, float)) and not isinstance(b, bool) for b in given)
+            or not all(math.isfinite(b) for b in given)
+            or any(a >= b for a, b in itertools.pairwise(given))
+        ):
+            raise InvalidMetric(
+                f"{what} {name!r}: buckets must be finite numbers in increasing order, at "
+                f"least one (+Inf is always there), got {given!r}"
+            )
+        bounds = tuple(float(b) for b in given)
+    return name, description, label_names, bounds
+
+
+#: The series a load makes (see `current_model_metrics`), set by the engine while it loads.
+_current_owner: ContextVar[tuple[CustomMetrics, _Owner] | None] = ContextVar(
+    "trioinfer_metrics_owner", default=None
+)
+
+
+def current_model_metrics() -> ModelMetrics:
+    """The custom metrics of the model the engine is loading, for a backend to hand it.
+
+    Call it in a backend's ``load`` (the ``python`` backend does, for a
+    class whose ``__init__`` takes ``metrics``). Every instance of one load
+    gets the same series; they go when the load is replaced or unloaded.
+
+    Raises:
+        RuntimeError: Outside an engine's load of a model.
+    """
+    current = _current_owner.get()
+    if current is None:
+        raise RuntimeError("current_model_metrics() is only known in a backend's load()")
+    return ModelMetrics._create(*current)
+
+
+@final
+class ModelMetrics(metaclass=NoPublicConstructor):
+    """Where a model declares its own metric families (the python backend's ``metrics``).
+
+    Each method declares a family, or returns the one declared alike before
+    (by another instance of the model, or another model: a family is the
+    engine's, and each model's series are its own), and raises
+    [`InvalidMetric`][trioinfer.InvalidMetric] for a name that is not a
+    Prometheus name, one of trioinfer's own (``trioinfer_*``), one another
+    family's samples would clash with, or one declared already as another
+    kind, with other labels or other buckets. Label names are Prometheus's;
+    ``model``, ``version``, ``le`` and ``pid`` are reserved. Declare families in
+    ``__init__`` (or ``load``): a family is free to declare again only once
+    no loaded model declares it.
+    """
+
+    __slots__ = ("_owner", "_registry")
+
+    def __init__(self, registry: CustomMetrics, owner: _Owner) -> None:
+        self._registry = registry
+        self._owner = owner
+
+    def counter(
+        self, name: str, description: str, *, labels: Sequence[str] = ()
+    ) -> MetricFamily[CounterMetric]:
+        """A counter: a total that only goes up (requests, tokens, seconds spent).
+
+        Exposed as ``name_total``; a trailing ``_total`` in *name* is dropped
+        from the family's name, as prometheus_client does.
+        """
+        family = self._registry.declare(self._owner, "counter", name, description, labels, ())
+        return MetricFamily[CounterMetric]._create(family, self._owner, CounterMetric)
+
+    def gauge(
+        self, name: str, description: str, *, labels: Sequence[str] = ()
+    ) -> MetricFamily[GaugeMetric]:
+        """A gauge: a value that goes up and down (items held, a temperature)."""
+        family = self._registry.declare(self._owner, "gauge", name, description, labels, ())
+        return MetricFamily[GaugeMetric]._create(family, self._owner, GaugeMetric)
+
+    def histogram(
+        self, name: str, description: str, *, buckets: Sequence[float], labels: Sequence[str] = ()
+    ) -> MetricFamily[HistogramMetric]:
+        """A histogram: observations counted in *buckets* (increasing upper bounds).
+
+        Exposed as ``name_bucket`` (cumulative, with ``+Inf``), ``name_count``
+        and ``name_sum``.
+        """
+        family = self._registry.declare(
+            self._owner, "histogram", name, description, labels, buckets
+        )
+        return MetricFamily[HistogramMetric]._create(family, self._owner, HistogramMetric)
+
+
+M = TypeVar("M", "CounterMetric", "GaugeMetric", "HistogramMetric")
+
+
+@final
+class MetricFamily(Generic[M], metaclass=NoPublicConstructor):
+    """A declared family, as the model that declared it sees it: its series by label values."""
+
+    __slots__ = ("_family", "_kind", "_owner")
+
+    def __init__(self, family: _Family, owner: _Owner, kind: type[M]) -> None:
+        self._family = family
+        self._owner = owner
+        self._kind: type[M] = kind
+
+    @property
+    def name(self) -> str:
+        """The family's name."""
+        return self._family.name
+
+    def metric(self, **labels: str) -> M:
+        """The model's series with these label values (one per declared label), made once.
+
+        Keep it (in ``__init__``, or the first time) rather than asking for it
+        on every request: it is cheap, but its update is cheaper.
+
+        Raises:
+            InvalidMetric: A label the family does not declare, one missing, or
+                a value that is not a str.
+        """
+        family = self._family
+        if labels.keys() != set(family.labels):
+            raise InvalidMetric(
+                f"custom {family.kind} {family.name!r} declares labels {list(family.labels)}, "
+                f"got {sorted(labels)}: give each declared label a value, and no other"
+            )
+        values = tuple(labels[name] for name in family.labels)
+        if not all(isinstance(v, str) for v in values):
+            raise InvalidMetric(
+                f"custom {family.kind} {family.name!r}: label values must be str, got {labels!r}"
+            )
+        key = (self._owner, values)
+        with family.lock:
+            series = family.series.get(key)
+            if series is None:
+                series = family.series[key] = _Series(len(family.buckets))
+        made: M = self._kind._create(family, series)
+        return made
+
+
+class _Metric(metaclass=NoPublicConstructor):
+    __slots__ = ("_family", "_series")
+
+    def __init__(self, family: _Family, series: _Series) -> None:
+        self._family = family
+        self._series = series
+
+
+def _number(family: _Family, what: str, amount: object) -> float:
+    if isinstance(amount, bool) or not isinstance(amount, (int, float)) or math.isnan(amount):
+        raise InvalidMetric(
+            f"custom {family.kind} {family.name!r}: {what} takes a number, got {amount!r}"
+        )
+    return float(amount)
+
+
+@final
+class CounterMetric(_Metric):
+    """One series of a counter."""
+
+    __slots__ = ()
+
+    def increment(self, amount: float = 1.0) -> None:
+        """Add *amount* (1 by default) to it.
+
+        Raises:
+            InvalidMetric: *amount* is negative or not a number (a counter never
+                goes down: Prometheus would read that as a restart).
+        """
+        amount = _number(self._family, "increment", amount)
+        if amount < 0:
+            raise InvalidMetric(
+                f"custom counter {self._family.name!r} only goes up, got an increment of "
+                f"{amount!r}: use a gauge for a value that also goes down"
+            )
+        with self._family.lock:
+            self._series.value += amount
+
+    def value(self) -> float:
+        """Its value now."""
+        return self._series.value
+
+
+@final
+class GaugeMetric(_Metric):
+    """One series of a gauge."""
+
+    __slots__ = ()
+
+    def set(self, value: float) -> None:
+        """Set it to *value*."""
+        value = _number(self._family, "set", value)
+        with self._family.lock:
+            self._series.value = value
+
+    def increment(self, amount: float = 1.0) -> None:
+        """Add *amount* (1 by default; negative takes away)."""
+        amount = _number(self._family, "increment", amount)
+        with self._family.lock:
+            self._series.value += amount
+
+    def decrement(self, amount: float = 1.0) -> None:
+        """Take *amount* (1 by default) away."""
+        self.increment(-_number(self._family, "decrement", amount))
+
+    def value(self) -> float:
+        """Its value now."""
+        return self._series.value
+
+
+@final
+class HistogramMetric(_Metric):
+    """One series of a histogram."""
+
+    __slots__ = ()
+
+    def observe(self, value: float) -> None:
+        """Count *value* in its bucket (the first whose bound is at least it)."""
+        value = _number(self._family, "observe", value)
+        index = bisect.bisect_left(self._family.buckets, value)
+        with self._family.lock:
+            series = self._series
+            series.counts[index] += 1
+            series.count += 1
+            series.value += value
+
+    def value(self) -> float:
+        """The sum of its observations."""
+        return self._series.value
+
+    def count(self) -> int:
+        """How many values it observed."""
+        return self._series.count

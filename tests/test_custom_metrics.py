@@ -1,0 +1,338 @@
+"""A Python model's own metrics: declared through its ``metrics`` keyword, kept by the engine."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+import anyio
+import httpx
+import numpy as np
+import pytest
+import trio
+from prometheus_client.parser import text_string_to_metric_families
+
+from _serve import start_serving
+from trioinfer import (
+    BackendError,
+    ConfigError,
+    CustomMetricFamily,
+    Instance,
+    InvalidMetric,
+    ModelConfig,
+    ModelMetrics,
+    open_engine,
+)
+from trioinfer.lowlevel import current_model_metrics
+
+pytestmark = pytest.mark.python_model
+
+XY = {
+    "inputs": [{"name": "x", "dtype": "float32", "shape": ["batch", 1]}],
+    "outputs": [{"name": "y", "dtype": "float32", "shape": ["batch", 1]}],
+}
+
+
+def config(cls: Any, name: str = "m", instances: int = 1, **options: Any) -> ModelConfig:
+    return ModelConfig(
+        name=name,
+        backend="python",
+        backend_options={"class": cls, **XY, **options},
+        instances=[Instance("cpu", count=instances)],
+    )
+
+
+class Counting:
+    """Counts rows by kind, times them, and holds the last batch's size (a plain def infer)."""
+
+    def __init__(self, metrics: ModelMetrics) -> None:
+        rows = metrics.counter("rows", "Rows seen.", labels=["kind"])
+        self.rows = rows.metric(kind="in")
+        self.last = metrics.gauge("last_batch", "Rows in the last batch.").metric()
+        self.sizes = metrics.histogram("batch_size", "Rows per batch.", buckets=[1, 4, 16]).metric()
+
+    def infer(self, inputs: dict[str, np.ndarray[Any, Any]]) -> dict[str, Any]:
+        n = len(inputs["x"])
+        self.rows.increment(n)
+        self.last.set(n)
+        self.sizes.observe(n)
+        return {"y": inputs["x"]}
+
+
+class AsyncCounting(Counting):
+    """The same, from an ``async def infer`` on the event loop."""
+
+    async def infer(self, inputs: dict[str, np.ndarray[Any, Any]]) -> dict[str, Any]:  # type: ignore[override]
+        await anyio.lowlevel.checkpoint()
+        return super().infer(inputs)
+
+
+def family(engine: Any, name: str) -> CustomMetricFamily:
+    (found,) = [f for f in engine.custom_metrics() if f.name == name]
+    return found
+
+
+def rows(n: int) -> dict[str, np.ndarray[Any, Any]]:
+    return {"x": np.ones((n, 1), np.float32)}
+
+
+@pytest.mark.parametrize("cls", [Counting, AsyncCounting])
+async def test_a_model_counts_into_the_engines_families_from_a_thread_or_the_loop(
+    cls: type,
+) -> None:
+    async with open_engine() as engine:
+        # Four instances on four threads (or the loop) update the same series at once.
+        await engine.load(config(cls, instances=4))
+        async with anyio.create_task_group() as tg:
+            for _ in range(200):
+                tg.start_soon(engine.infer, "m", rows(3))
+        counted = family(engine, "rows")
+        assert (counted.kind, counted.labels, counted.description) == (
+            "counter",
+            ("kind",),
+            "Rows seen.",
+        )
+        assert [(s.model, dict(s.labels), s.value) for s in counted.samples] == [
+            ("m", {"kind": "in"}, 600.0)
+        ]
+        assert [s.value for s in family(engine, "last_batch").samples] == [3.0]
+        (sizes,) = family(engine, "batch_size").samples
+        assert family(engine, "batch_size").buckets == (1.0, 4.0, 16.0)
+        assert (sizes.bucket_counts, sizes.count, sizes.value) == ((0, 200, 0, 0), 200, 600.0)
+
+
+async def test_two_models_share_a_family_declared_alike_with_a_series_each() -> None:
+    async with open_engine() as engine:
+        await engine.load(config(Counting, name="a"))
+        await engine.load(config(AsyncCounting, name="b"))
+        await engine.infer("a", rows(1))
+        await engine.infer("b", rows(2))
+        assert [(s.model, s.value) for s in family(engine, "rows").samples] == [
+            ("a", 1.0),
+            ("b", 2.0),
+        ]
+
+
+def declaring(*declarations: tuple[str, tuple[Any, ...], dict[str, Any]]) -> type:
+    class Declares:
+        def __init__(self, metrics: ModelMetrics) -> None:
+            for kind, args, kwargs in declarations:
+                getattr(metrics, kind)(*args, **kwargs)
+
+        def infer(self, inputs: dict[str, np.ndarray[Any, Any]]) -> dict[str, Any]:
+            return {"y": inputs["x"]}
+
+    return Declares
+
+
+BAD_DECLARATIONS = {
+    "not a name": (("counter", ("2fast", "d"), {}), "must be a Prometheus metric name"),
+    "dash": (("gauge", ("queue-depth", "d"), {}), "must be a Prometheus metric name"),
+    "ours": (("counter", ("trioinfer_inference_requests", "d"), {}), "trioinfer's own"),
+    "label": (("counter", ("c", "d"), {"labels": ["a-b"]}), "not a Prometheus label name"),
+    "reserved label": (("gauge", ("g", "d"), {"labels": ["model"]}), "'model' is reserved"),
+    "le": (("histogram", ("h", "d"), {"buckets": [1], "labels": ["le"]}), "'le' is reserved"),
+    "twice": (("counter", ("c", "d"), {"labels": ["a", "a"]}), "name one label twice"),
+    "labels as a str": (("counter", ("c", "d"), {"labels": "kind"}), "sequence of label names"),
+    "no buckets": (("histogram", ("h", "d"), {"buckets": []}), "at least one"),
+    "unsorted": (("histogram", ("h", "d"), {"buckets": [2, 1]}), "increasing order"),
+    "inf": (("histogram", ("h", "d"), {"buckets": [1, math.inf]}), "finite numbers"),
+}
+
+
+@pytest.mark.parametrize("case", BAD_DECLARATIONS)
+async def test_a_bad_declaration_fails_the_load_with_an_invalid_metric(case: str) -> None:
+    declaration, said = BAD_DECLARATIONS[case]
+    async with open_engine() as engine:
+        with pytest.raises(BackendError) as caught:
+            await engine.load(config(declaring(declaration)))
+        assert isinstance(caught.value.__cause__, InvalidMetric)
+        assert said in str(caught.value.__cause__)
+        assert engine.custom_metrics() == ()  # nothing left behind by the failed load
+
+
+async def test_a_family_declared_otherwise_by_another_model_is_refused() -> None:
+    async with open_engine() as engine:
+        await engine.load(config(Counting, name="a"))
+        with pytest.raises(BackendError) as caught:
+            await engine.load(config(declaring(("gauge", ("rows", "d"), {})), name="b"))
+        assert (
+            "declares 'rows' as a gauge with no labels, but it is declared already as a "
+            "counter with labels ['kind'] (by 'a')" in str(caught.value.__cause__)
+        )
+        # Samples of two families must not clash in the text either.
+        for clash in [("gauge", ("rows_total", "d"), {}), ("counter", ("batch_size_sum", "d"), {})]:
+            with pytest.raises(BackendError, match="would clash in the Prometheus text"):
+                await engine.load(config(declaring(clash), name="b"))
+        # Once no model declares it, the name is free again.
+        await engine.unload("a")
+        await engine.load(config(declaring(("gauge", ("rows", "d"), {})), name="b"))
+        assert family(engine, "rows").kind == "gauge"
+
+
+class Misuses:
+    def __init__(self, metrics: ModelMetrics) -> None:
+        self.family = metrics.counter("c_total", "d", labels=["kind"])
+
+    def infer(self, inputs: dict[str, np.ndarray[Any, Any]]) -> dict[str, Any]:
+        if inputs["x"][0, 0] < 0:
+            self.family.metric(kind="a").increment(-1)
+        else:
+            self.family.metric(sort="a")
+        return {"y": inputs["x"]}
+
+
+async def test_a_bad_update_fails_the_execution_as_the_models_bug() -> None:
+    async with open_engine() as engine:
+        await engine.load(config(Misuses))
+        assert family(engine, "c").name == "c"  # _total is the exposition's
+        # Named as the model's bug, with the line, a 500 over HTTP (not the client's 400).
+        with pytest.raises(
+            BackendError,
+            match=r"infer raised InvalidMetric: custom counter 'c' declares labels \['kind'\], "
+            r"got \['sort'\]: give each declared label a value, and no other "
+            r"\(test_custom_metrics.py, line \d+, in infer\)",
+        ):
+            await engine.infer("m", rows(1))
+        with pytest.raises(BackendError, match=r"only goes up, got an increment of -1\.0"):
+            await engine.infer("m", {"x": -np.ones((1, 1), np.float32)})
+
+
+async def test_an_unload_or_a_new_load_drops_the_models_series() -> None:
+    async with open_engine() as engine:
+        await engine.load(config(Counting))
+        await engine.infer("m", rows(5))
+        assert [s.value for s in family(engine, "rows").samples] == [5.0]
+        await engine.load(config(Counting), replace=True)  # starts again from zero
+        assert [s.value for s in family(engine, "rows").samples] == [0.0]
+        await engine.infer("m", rows(2))
+        assert [s.value for s in family(engine, "rows").samples] == [2.0]
+        await engine.unload("m")
+        assert engine.custom_metrics() == ()
+
+
+async def test_the_backend_passes_metrics_itself() -> None:
+    async with open_engine() as engine:
+        with pytest.raises(ConfigError, match="sets 'metrics', which the backend passes itself"):
+            await engine.load(config(Counting, parameters={"metrics": 1}))
+    with pytest.raises(TypeError, match="no public constructor"):
+        ModelMetrics()
+    with pytest.raises(RuntimeError, match="only known in a backend's load"):
+        current_model_metrics()
+
+
+MODEL_PY = """\
+class Model:
+    def __init__(self, metrics):
+        self.rows = metrics.counter("app_rows", "Rows seen.", labels=["kind"]).metric(kind="in")
+        self.last = metrics.gauge("app_last_batch", "Rows in the last batch.").metric()
+        self.sizes = metrics.histogram(
+            "app_batch_size", "Rows per batch.", buckets=[1, 4]
+        ).metric()
+
+    def infer(self, inputs):
+        n = len(inputs["x"])
+        self.rows.increment(n)
+        self.last.set(n)
+        self.sizes.observe(n)
+        return {"y": inputs["x"]}
+"""
+
+CONFIG_TOML = """\
+backend = "python"
+batcher = "none"
+[backend_options]
+inputs = [{ name = "x", dtype = "FP32", shape = ["batch", 1] }]
+outputs = [{ name = "y", dtype = "FP32", shape = ["batch", 1] }]
+"""
+
+
+def repository(root: Path) -> Path:
+    for version in ("1", "2"):
+        (root / "counted" / version).mkdir(parents=True)
+        (root / "counted" / version / "model.py").write_text(MODEL_PY)
+    (root / "counted" / "config.toml").write_text('version_policy = "all"\n' + CONFIG_TOML)
+    return root
+
+
+def body(n: int) -> dict[str, Any]:
+    return {"inputs": [{"name": "x", "shape": [n, 1], "datatype": "FP32", "data": [1.0] * n}]}
+
+
+def scraped(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    return {
+        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name.startswith("app_")
+    }
+
+
+async def test_serve_shows_the_models_families_on_metrics_by_model_and_version(
+    tmp_path: Path,
+) -> None:
+    with trio.fail_after(60):
+        async with trio.open_nursery() as nursery:
+            listening = await start_serving(nursery, repository(tmp_path / "repo"))
+            async with httpx.AsyncClient(base_url=listening.urls[0]) as client:
+                for version, n in (("1", 3), ("2", 2), ("2", 2)):
+                    answer = await client.post(
+                        f"/v2/models/counted/versions/{version}/infer", json=body(n)
+                    )
+                    assert answer.status_code == 200, answer.text
+                text = (await client.get("/metrics")).text
+                unload = await client.post("/v2/repository/models/counted/unload")
+                assert unload.status_code == 200
+                after = (await client.get("/metrics")).text
+            nursery.cancel_scope.cancel()
+    assert "# TYPE app_rows_total counter" in text
+    assert "# HELP app_batch_size Rows per batch." in text
+    v1, v2 = (("model", "counted"), ("version", "1")), (("model", "counted"), ("version", "2"))
+    assert scraped(text) == {
+        ("app_rows_total", (("kind", "in"), *v1)): 3.0,
+        ("app_rows_total", (("kind", "in"), *v2)): 4.0,
+        ("app_last_batch", v1): 3.0,
+        ("app_last_batch", v2): 2.0,
+        **{
+            ("app_batch_size_bucket", (("le", le), *v1)): n
+            for le, n in [("1.0", 0), ("4.0", 1), ("+Inf", 1)]
+        },
+        ("app_batch_size_count", v1): 1.0,
+        ("app_batch_size_sum", v1): 3.0,
+        **{
+            ("app_batch_size_bucket", (("le", le), *v2)): n
+            for le, n in [("1.0", 0), ("4.0", 2), ("+Inf", 2)]
+        },
+        ("app_batch_size_count", v2): 2.0,
+        ("app_batch_size_sum", v2): 4.0,
+    }
+    # Unloaded, its series and families go, as Triton's do with the model.
+    assert scraped(after) == {}
+    assert "app_rows" not in after
+
+
+@pytest.mark.workers
+def test_under_workers_the_figures_of_every_worker_add_up(tmp_path: Path) -> None:
+    from test_workers import fresh, samples, two_workers
+
+    root = repository(tmp_path / "repo")
+    with two_workers(root, tmp_path / "serve.log") as served:
+        for _ in range(30):
+            answer = fresh("POST", f"{served.url}/v2/models/counted/versions/1/infer", json=body(2))
+            assert answer.status_code == 200, answer.text
+        per_worker = samples(served.url, "trioinfer_worker_inference_requests_total")
+        assert sorted(v > 0 for _, v in per_worker) == [True, True]  # both served some
+        v1 = {"model": "counted", "version": "1"}
+
+        def of_v1(name: str) -> list[tuple[dict[str, str], float]]:
+            return [
+                (labels, v) for labels, v in samples(served.url, name) if labels["version"] == "1"
+            ]
+
+        assert of_v1("app_rows_total") == [({**v1, "kind": "in"}, 60.0)]
+        assert of_v1("app_batch_size_count") == [(v1, 30.0)]
+        # Gauges are summed too: each worker's last batch had 2 rows.
+        assert of_v1("app_last_batch") == [(v1, 4.0)]
+        served.process.terminate()
+        served.process.wait(timeout=60)
