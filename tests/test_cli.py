@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import anyio
 import pytest
 from click.testing import CliRunner, Result
 
@@ -404,6 +405,51 @@ def test_serve_says_why_it_cannot_start(tmp_path: Path) -> None:
     result = invoke("serve", "--loop", "asyncio", "--model-repository", str(tmp_path / "missing"))
     assert result.exit_code == 1
     assert "does not exist" in result.output
+
+
+def test_ctrl_c_while_models_load_is_aborted_not_a_traceback(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    # Ctrl+C before serve_http watches signals (while models load, or a second one as the
+    # server finishes stopping) is trio's KeyboardInterrupt, wrapped by the nurseries it
+    # crosses into a BaseExceptionGroup: click's "Aborted!" only knows a bare one.
+    async def interrupted(*args: Any, **kwargs: Any) -> None:
+        async def load() -> None:
+            raise KeyboardInterrupt
+
+        async with anyio.create_task_group() as outer:
+            async with anyio.create_task_group() as inner:
+                inner.start_soon(load)
+            outer.start_soon(anyio.sleep_forever)
+
+    monkeypatch.setattr(serve, "_serve", interrupted)
+    (tmp_path / "empty").mkdir()
+    result = CliRunner().invoke(
+        main,
+        ["serve", "--no-grpc", "--port", "0", "--model-repository", str(tmp_path / "empty")],
+        prog_name="trioinfer",
+    )
+    assert result.exit_code == 1, result.output
+    assert result.output.strip() == "Aborted!"
+    assert result.exception is None or isinstance(result.exception, SystemExit)
+
+
+def test_an_error_beside_ctrl_c_is_not_hidden(monkeypatch: pytest.MonkeyPatch) -> None:
+    async def interrupted_and_broken(*args: Any, **kwargs: Any) -> None:
+        async def fail() -> None:
+            raise RuntimeError("a bug, not the user")
+
+        async def interrupt() -> None:
+            raise KeyboardInterrupt
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(fail)
+            tg.start_soon(interrupt)
+
+    monkeypatch.setattr(serve, "_serve", interrupted_and_broken)
+    with pytest.raises(BaseExceptionGroup) as raised:
+        CliRunner().invoke(main, ["serve", "--no-grpc"], prog_name="trioinfer")
+    assert raised.value.subgroup(RuntimeError) is not None
 
 
 def test_serve_on_a_port_in_use_says_which_address(tmp_path: Path) -> None:
