@@ -690,8 +690,12 @@ def _serve_settings(ctx: click.Context, options: dict[str, Any]) -> dict[str, An
     try:
         with config_file.open("rb") as f:
             data = tomllib.load(f)
-    except (OSError, tomllib.TOMLDecodeError) as exc:
+    except OSError as exc:
         raise click.BadParameter(f"{config_file}: {exc}", param_hint="--config") from exc
+    except tomllib.TOMLDecodeError as exc:
+        raise click.BadParameter(
+            f"{config_file} is not valid TOML: {exc}", param_hint="--config"
+        ) from exc
     unknown = sorted(set(data) - _SERVE_KEYS)
     if unknown:
         raise click.BadParameter(
