@@ -455,6 +455,32 @@ def test_an_error_beside_ctrl_c_is_not_hidden(monkeypatch: pytest.MonkeyPatch) -
     assert raised.value.subgroup(RuntimeError) is not None
 
 
+def test_serve_given_the_repository_as_an_argument_says_which_option_takes_it(
+    tmp_path: Path,
+) -> None:
+    # `trioinfer serve models/`, as other servers take it: click's "Got unexpected extra
+    # argument (models/)" said what was wrong but not what was expected.
+    (tmp_path / "models").mkdir()
+    result = invoke("serve", str(tmp_path / "models"))
+    assert result.exit_code == 2, result.output
+    assert "trioinfer serve takes no arguments" in result.output
+    assert f"--model-repository {tmp_path / 'models'}" in result.output
+    # Not a directory: perhaps a model's name.
+    result = invoke("serve", "--no-grpc", "digits")
+    assert result.exit_code == 2, result.output
+    assert "got 'digits'" in result.output
+    assert "--model digits" in result.output
+    # Unknown options are still click's own error.
+    assert "No such option '--prot'" in invoke("serve", "--prot", "1").output
+
+
+def test_bench_given_the_model_as_an_argument_says_to_use_m() -> None:
+    result = invoke("bench", "digits")
+    assert result.exit_code == 2, result.output
+    assert "trioinfer bench takes no arguments, got 'digits'" in result.output
+    assert "-m digits" in result.output
+
+
 def test_serve_on_a_port_in_use_says_which_address(tmp_path: Path) -> None:
     import socket
 
