@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import anyio
 import pytest
 from click.testing import CliRunner, Result
 
@@ -248,6 +249,9 @@ def test_serve_refuses_bad_settings_with_a_usage_error(tmp_path: Path) -> None:
         ("prot = 8000", "unknown key 'prot'; known keys are"),
         ("prot = 8000", "did you mean 'port' for 'prot'?"),
         ("[limits]\nmax_body_byte = 1", "did you mean 'max_body_bytes' for 'max_body_byte'?"),
+        # tomllib's words alone ("Cannot overwrite a value") do not say the file is the fault.
+        ("port = 8000\nport = 8001", "server.toml is not valid TOML: Cannot overwrite a value"),
+        ('host = "127.0.0.1', "server.toml is not valid TOML: "),
     ],
 )
 def test_serve_checks_each_config_file_value_as_its_option(
@@ -423,6 +427,77 @@ def test_serve_says_why_it_cannot_start(tmp_path: Path) -> None:
     result = invoke("serve", "--loop", "asyncio", "--model-repository", str(tmp_path / "missing"))
     assert result.exit_code == 1
     assert "does not exist" in result.output
+
+
+def test_ctrl_c_while_models_load_is_aborted_not_a_traceback(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    # Ctrl+C before serve_http watches signals (while models load, or a second one as the
+    # server finishes stopping) is trio's KeyboardInterrupt, wrapped by the nurseries it
+    # crosses into a BaseExceptionGroup: click's "Aborted!" only knows a bare one.
+    async def interrupted(*args: Any, **kwargs: Any) -> None:
+        async def load() -> None:
+            raise KeyboardInterrupt
+
+        async with anyio.create_task_group() as outer:
+            async with anyio.create_task_group() as inner:
+                inner.start_soon(load)
+            outer.start_soon(anyio.sleep_forever)
+
+    monkeypatch.setattr(serve, "_serve", interrupted)
+    (tmp_path / "empty").mkdir()
+    result = CliRunner().invoke(
+        main,
+        ["serve", "--no-grpc", "--port", "0", "--model-repository", str(tmp_path / "empty")],
+        prog_name="trioinfer",
+    )
+    assert result.exit_code == 1, result.output
+    assert result.output.strip() == "Aborted!"
+    assert result.exception is None or isinstance(result.exception, SystemExit)
+
+
+def test_an_error_beside_ctrl_c_is_not_hidden(monkeypatch: pytest.MonkeyPatch) -> None:
+    async def interrupted_and_broken(*args: Any, **kwargs: Any) -> None:
+        async def fail() -> None:
+            raise RuntimeError("a bug, not the user")
+
+        async def interrupt() -> None:
+            raise KeyboardInterrupt
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(fail)
+            tg.start_soon(interrupt)
+
+    monkeypatch.setattr(serve, "_serve", interrupted_and_broken)
+    with pytest.raises(BaseExceptionGroup) as raised:
+        CliRunner().invoke(main, ["serve", "--no-grpc"], prog_name="trioinfer")
+    assert raised.value.subgroup(RuntimeError) is not None
+
+
+def test_serve_given_the_repository_as_an_argument_says_which_option_takes_it(
+    tmp_path: Path,
+) -> None:
+    # `trioinfer serve models/`, as other servers take it: click's "Got unexpected extra
+    # argument (models/)" said what was wrong but not what was expected.
+    (tmp_path / "models").mkdir()
+    result = invoke("serve", str(tmp_path / "models"))
+    assert result.exit_code == 2, result.output
+    assert "trioinfer serve takes no arguments" in result.output
+    assert f"--model-repository {tmp_path / 'models'}" in result.output
+    # Not a directory: perhaps a model's name.
+    result = invoke("serve", "--no-grpc", "digits")
+    assert result.exit_code == 2, result.output
+    assert "got 'digits'" in result.output
+    assert "--model digits" in result.output
+    # Unknown options are still click's own error.
+    assert "No such option '--prot'" in invoke("serve", "--prot", "1").output
+
+
+def test_bench_given_the_model_as_an_argument_says_to_use_m() -> None:
+    result = invoke("bench", "digits")
+    assert result.exit_code == 2, result.output
+    assert "trioinfer bench takes no arguments, got 'digits'" in result.output
+    assert "-m digits" in result.output
 
 
 def test_serve_on_a_port_in_use_says_which_address(tmp_path: Path) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 import math
+import shutil
 import threading
 from functools import partial
 from pathlib import Path
@@ -185,6 +186,27 @@ async def test_missing_model_file_is_a_backend_error(tmp_path: Path) -> None:
             await engine.load(ModelConfig(name="m", path=tmp_path / "nope.onnx"))
         assert engine.models() == []
     assert trioinfer_threads() == []
+
+
+async def test_a_model_directory_as_the_path_names_the_file_meant(
+    add_model: Path, tmp_path: Path
+) -> None:
+    # path = the model's directory of a repository, not its version's file: "no model file
+    # at <a directory that exists>" left the user to guess what was wrong with it.
+    (tmp_path / "m" / "1").mkdir(parents=True)
+    shutil.copyfile(add_model, tmp_path / "m" / "1" / "model.onnx")
+    async with open_engine() as engine:
+        with pytest.raises(trioinfer.BackendError) as caught:
+            await engine.load(ModelConfig(name="m", path=tmp_path / "m"))
+    message = str(caught.value)
+    assert f"{tmp_path / 'm'} is a directory" in message
+    assert f"e.g. {tmp_path / 'm' / '1' / 'model.onnx'}" in message
+    # A directory with no model file in it: what the path must name, without an example.
+    (tmp_path / "empty").mkdir()
+    async with open_engine() as engine:
+        with pytest.raises(trioinfer.BackendError) as caught:
+            await engine.load(ModelConfig(name="m", path=tmp_path / "empty"))
+    assert "is a directory; path names the model's .onnx file" in str(caught.value)
 
 
 async def test_failed_instance_closes_the_loaded_ones(add_model: Path, tmp_path: Path) -> None:

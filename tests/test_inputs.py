@@ -63,6 +63,18 @@ def test_bad_inputs_say_what_was_wrong(change: object, message: str) -> None:
         check(inputs)
 
 
+def test_a_list_of_floats_is_told_how_to_become_the_models_dtype() -> None:
+    # A list has no .astype: the hint for an array would send the user to an AttributeError.
+    inputs: dict[str, object] = dict(good())
+    inputs["scale"] = [[0.5], [1.5]]
+    with pytest.raises(InvalidInput) as info:
+        check(inputs)
+    message = str(info.value)
+    assert "has dtype float64 (a list of Python numbers, as numpy reads it)" in message
+    assert "numpy.asarray(..., dtype=numpy.float32)" in message
+    assert ".astype" not in message
+
+
 def test_inputs_must_be_a_mapping() -> None:
     with pytest.raises(InvalidInput, match="must be a mapping of input name to array, got list"):
         check([1, 2])

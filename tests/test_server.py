@@ -1217,7 +1217,12 @@ def test_unknown_model_and_version_metadata_is_404(http: httpx.Client) -> None:
 def test_unknown_route_and_wrong_method(http: httpx.Client) -> None:
     missing = http.get("/v3/everything")
     assert missing.status_code == 404
-    error_of(missing)
+    # Starlette's "Not Found" said neither what was wrong nor where the endpoints are.
+    message = error_of(missing)
+    assert message.startswith("no endpoint GET /v3/everything; "), message
+    assert "/v2/health/ready" in message
+    assert "POST /v2/repository/index" in message  # what GET /v2/models is guessed for
+    assert "/v2/models/add" not in error_of(http.get("/v2/models"))
     # The 405 says which method the route takes, in the JSON body and in Allow (sorted:
     # Starlette's own lists a set, in an order that changes between runs).
     for method, path, allow, message in (

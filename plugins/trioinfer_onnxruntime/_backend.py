@@ -150,10 +150,30 @@ class OnnxRuntimeBackend:
         return instance
 
 
+def _directory_as_path(path: Path) -> str:
+    """What is wrong with a directory given as a model's path, and the file likely meant."""
+    # A version's directory (<N>/model.onnx), or a repository's model directory
+    # (<model>/<N>/model.onnx, the highest version as the repository would serve).
+    found: Path | None = None
+    if (path / "model.onnx").is_file():
+        found = path / "model.onnx"
+    else:
+        versions = [
+            int(child.name)
+            for child in path.iterdir()
+            if child.name.isdigit() and (child / "model.onnx").is_file()
+        ]
+        found = path / str(max(versions)) / "model.onnx" if versions else None
+    example = f", e.g. {found}" if found is not None else ""
+    return f"{path} is a directory; path names the model's .onnx file{example}"
+
+
 def _create_session(
     config: ModelConfig, path: Path, placement: Placement, options: dict[str, Any]
 ) -> tuple[Any, str]:
     ort = _ort()
+    if path.is_dir():
+        raise BackendError(f"model {config.name!r}: {_directory_as_path(path)}")
     if not path.is_file():
         raise BackendError(f"model {config.name!r}: no model file at {path}")
     device = placement.device

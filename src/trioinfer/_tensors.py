@@ -691,6 +691,7 @@ def _as_array(
         return array.astype(object)
     if limits.casting != "no" and np.can_cast(array.dtype, want, casting=limits.casting):
         return array.astype(want)
+    numbers_in_a_list = isinstance(value, (list, tuple)) and array.dtype.kind in "biuf"
     if limits.casting != "no":
         hint = f"the configured casting {limits.casting!r} does not allow that conversion"
     elif want == np.object_:
@@ -699,12 +700,17 @@ def _as_array(
             "send str or bytes elements (an array of dtype str, bytes or object), or over "
             "HTTP or gRPC send it as datatype BYTES"
         )
+    elif numbers_in_a_list:
+        # A nested list has no .astype; numpy made Python floats float64, ints int64.
+        hint = f"pass numpy.asarray(..., dtype=numpy.{want.name})"
     else:
         hint = (
             f"convert it with .astype(numpy.{want.name}), or over HTTP or gRPC send it as "
             f"datatype {_V2_OF_NUMPY.get(want.name, want.name)}"
         )
     got = array.dtype.name
+    if numbers_in_a_list:
+        got = f"{got} (a list of Python numbers, as numpy reads it)"
     if not array.dtype.isnative and array.dtype.newbyteorder("=") == want:
         # The model's dtype in the other byte order: say so, not "float32; expects float32".
         got = f"{got} in the other byte order ({array.dtype.str!r}), not the machine's"

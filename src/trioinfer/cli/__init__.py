@@ -12,13 +12,40 @@ The console script ``trioinfer`` and ``python -m trioinfer`` both run `main()`.
 
 from __future__ import annotations
 
+from typing import Any
+
 import click
 
 from .. import __version__
 from . import bench, demo, plugins, serve, traffic
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+class _Main(click.Group):
+    """The ``trioinfer`` group: Ctrl+C is click's ``Aborted!``, wherever it lands."""
+
+    def invoke(self, ctx: click.Context) -> Any:
+        """Run the command; a KeyboardInterrupt that nurseries wrapped is re-raised bare.
+
+        Ctrl+C before a command watches signals (``serve`` while its models load), or
+        after it stops watching (a second one as the server finishes stopping), is Trio's
+        KeyboardInterrupt, which each nursery it crosses wraps in a BaseExceptionGroup.
+        click turns only a bare one into ``Aborted!`` (exit 1); a group made only of them
+        would print a long traceback for the user's own keypress. A group with anything
+        else in it is a failure and keeps its traceback.
+        """
+        try:
+            return super().invoke(ctx)
+        except BaseExceptionGroup as group:
+            _, rest = group.split(KeyboardInterrupt)
+            if rest is None:
+                raise KeyboardInterrupt from None
+            raise
+
+
+@click.group(
+    cls=_Main,
+    context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100},
+)
 @click.version_option(
     __version__, "--version", prog_name="trioinfer", message="%(prog)s %(version)s"
 )

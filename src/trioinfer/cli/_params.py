@@ -35,6 +35,26 @@ def needs_extra(extra: str, exc: ModuleNotFoundError) -> click.ClickException:
     )
 
 
+# For commands that take options only: their extra arguments reach the command, which
+# says which option was meant (click's own "Got unexpected extra argument" does not).
+TAKES_NO_ARGUMENTS: dict[str, Any] = {"allow_extra_args": True}
+
+
+def no_arguments(ctx: click.Context, meant: str) -> None:
+    """Refuse arguments given to a command of options only, naming the option meant.
+
+    *meant* completes "did you mean ..." for the first argument, ``{arg}`` standing
+    for it. Used with `TAKES_NO_ARGUMENTS` as the command's context settings.
+    """
+    if ctx.args:
+        arg = ctx.args[0]
+        raise click.UsageError(
+            f"trioinfer {ctx.info_name} takes no arguments, got "
+            f"{', '.join(map(repr, ctx.args))}: {meant.format(arg=arg)}",
+            ctx,
+        )
+
+
 class ByteSize(click.ParamType):  # type: ignore[type-arg]  # generic only in stubs
     """A size in bytes: ``1048576``, ``512KiB``, ``256MiB``, ``1GB``."""
 

@@ -17,7 +17,7 @@ import click
 import trio
 
 from .._exceptions import TrioInferError
-from ._params import _not_nan
+from ._params import TAKES_NO_ARGUMENTS, _not_nan, no_arguments
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -82,7 +82,10 @@ _REFUSED_INPUTS = (
 )
 
 
-@click.command(short_help="Load-test a KServe V2 server (or an engine in-process) and report.")
+@click.command(
+    short_help="Load-test a KServe V2 server (or an engine in-process) and report.",
+    context_settings=TAKES_NO_ARGUMENTS,
+)
 @click.option(
     "--url",
     default="http://127.0.0.1:8000",
@@ -307,6 +310,8 @@ def bench(**options: Any) -> None:
     Exits with status 1 when the server cannot be reached or does not serve
     the model, or when any request failed (errors by status are printed).
     """
+    # `trioinfer bench digits`: the model is an option.
+    no_arguments(click.get_current_context(), "the model is -m {arg}")
     try:
         from .. import bench as tool
     except ImportError as exc:  # the bench package's own message names the extra

@@ -27,7 +27,7 @@ import click
 from .. import __version__
 from .._examples import example_repository
 from .._exceptions import TrioInferError
-from ._params import ByteSize, _not_nan, needs_extra
+from ._params import TAKES_NO_ARGUMENTS, ByteSize, _not_nan, needs_extra, no_arguments
 
 #: Triton's gRPC port.
 DEFAULT_GRPC_PORT: Final = 8001
@@ -103,7 +103,8 @@ def _rate_not_nan(
 
 
 @click.command(
-    short_help="Serve a model repository over KServe V2 HTTP and gRPC (Triton-compatible)."
+    short_help="Serve a model repository over KServe V2 HTTP and gRPC (Triton-compatible).",
+    context_settings=TAKES_NO_ARGUMENTS,
 )
 @click.option(
     "--model-repository",
@@ -422,6 +423,15 @@ def serve(ctx: click.Context, /, **options: Any) -> None:
     except ModuleNotFoundError as exc:
         raise needs_extra("serve", exc) from exc
 
+    if ctx.args:
+        # `trioinfer serve models/`, as other servers take it.
+        meant = (
+            "the model repository is --model-repository {arg}"
+            if Path(ctx.args[0]).is_dir()
+            else "the model repository is --model-repository DIR, and one of its models "
+            "--model {arg}"
+        )
+        no_arguments(ctx, meant)
     settings = _serve_settings(ctx, options)
     if settings["admin_token"] is None and os.environ.get("TRIOINFER_ADMIN_TOKEN") == "":
         # click reads an empty variable as unset, which would serve with no token at all.
@@ -743,8 +753,12 @@ def _serve_settings(ctx: click.Context, options: dict[str, Any]) -> dict[str, An
     try:
         with config_file.open("rb") as f:
             data = tomllib.load(f)
-    except (OSError, tomllib.TOMLDecodeError) as exc:
+    except OSError as exc:
         raise click.BadParameter(f"{config_file}: {exc}", param_hint="--config") from exc
+    except tomllib.TOMLDecodeError as exc:
+        raise click.BadParameter(
+            f"{config_file} is not valid TOML: {exc}", param_hint="--config"
+        ) from exc
     unknown = sorted(set(data) - _SERVE_KEYS)
     if unknown:
         raise click.BadParameter(

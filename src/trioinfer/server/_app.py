@@ -468,10 +468,14 @@ def create_app(state: ServerState) -> ASGIApp:
         ),
     ]
 
-    async def http_error(_request: Request, exc: Exception) -> Response:
+    async def http_error(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, HTTPException)
+        detail = exc.detail
+        if exc.status_code == 404 and detail == "Not Found":
+            # Starlette's router matched no route: say where the endpoints are.
+            detail = f"no endpoint {request.method} {request.url.path}; {_ENDPOINTS}"
         return Response(
-            dumps({"error": f"{exc.detail}"}),
+            dumps({"error": f"{detail}"}),
             status_code=exc.status_code,
             headers=dict(exc.headers or {}),
             media_type=_JSON,
@@ -516,6 +520,14 @@ class _Route(Route):
             )
         await super().handle(scope, receive, send)
 
+
+#: What a 404 for a path no route matches lists: the endpoints people look for first.
+_ENDPOINTS: Final = (
+    "the KServe V2 endpoints are GET /v2 (server metadata), /v2/health/live, "
+    "/v2/health/ready, /v2/models/<model>[/versions/<version>] (metadata; /ready, /config, "
+    "/stats below it), POST /v2/models/<model>[/versions/<version>]/infer, "
+    "POST /v2/repository/index (the models), and GET /metrics"
+)
 
 _INFER_PATH: Final = re.compile(r"/v2/models/([^/]+)(?:/versions/([^/]+))?/infer")
 
