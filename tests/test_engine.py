@@ -890,13 +890,17 @@ async def test_a_follow_up_past_its_deadline_names_the_calling_model_cleanly(
         deadline = trio.current_time() + 1.0
         with pytest.raises(trioinfer.DeadlineExceeded) as call:
             await infer_follow_up(engine, "m", {"x": X}, caller="bls", deadline=deadline)
-        deadline = trio.current_time() + 1.0
-        with pytest.raises(trioinfer.DeadlineExceeded) as stream:
+
+        async def read_stream() -> None:
+            deadline = trio.current_time() + 1.0
             async with infer_stream_follow_up(
                 engine, "m", {"x": X}, caller="bls", deadline=deadline
             ) as responses:
                 async for _ in responses:
                     pass
+
+        with pytest.raises(trioinfer.DeadlineExceeded) as stream:
+            await read_stream()
     # Each name in quotes once: no "model 'bls''s call" (a quote doubled by the possessive).
     assert str(call.value).startswith("a call by model 'bls' to model 'm' did not end"), call
     assert str(stream.value).startswith(
