@@ -899,3 +899,32 @@ def test_a_batch_of_observations_counts_as_one_at_a_time(values: list[float]) ->
     for value in values:
         each.observe(value)
     assert batch.snapshot() == each.snapshot()
+
+
+async def test_a_follow_up_past_its_deadline_names_the_calling_model_cleanly(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    from trioinfer.lowlevel import infer_follow_up, infer_stream_follow_up
+
+    backend = FakeBackend(delay=10.0)
+    async with open_engine(registry=backend.registry()) as engine:
+        await engine.load(fake_config())
+        deadline = trio.current_time() + 1.0
+        with pytest.raises(trioinfer.DeadlineExceeded) as call:
+            await infer_follow_up(engine, "m", {"x": X}, caller="bls", deadline=deadline)
+
+        async def read_stream() -> None:
+            deadline = trio.current_time() + 1.0
+            async with infer_stream_follow_up(
+                engine, "m", {"x": X}, caller="bls", deadline=deadline
+            ) as responses:
+                async for _ in responses:
+                    pass
+
+        with pytest.raises(trioinfer.DeadlineExceeded) as stream:
+            await read_stream()
+    # Each name in quotes once: no "model 'bls''s call" (a quote doubled by the possessive).
+    assert str(call.value).startswith("a call by model 'bls' to model 'm' did not end"), call
+    assert str(stream.value).startswith(
+        "a stream from model 'm' opened by model 'bls' did not end"
+    ), stream

@@ -161,6 +161,8 @@ async def test_a_threads_call_takes_its_executions_deadline() -> None:
             while not Waiter.said:  # noqa: ASYNC110  # the thread reports when it is told
                 await trio.sleep(0.01)
         assert "did not end before the deadline" in Waiter.said
+        # Each name in quotes once, no "'waiter''s" (a quote doubled by the possessive).
+        assert "a call by model 'waiter' to model 'double'" in Waiter.said, Waiter.said
 
 
 class SlowCaller:
@@ -669,6 +671,7 @@ async def test_a_threads_stream_ends_at_its_callers_deadline() -> None:
                 await trio.sleep(0.01)
         stats = engine.statistics().models["counting"]
     assert "did not end before the deadline" in ThreadStreamWaiter.said
+    assert "''" not in ThreadStreamWaiter.said, ThreadStreamWaiter.said
     assert Counting.log == ["cancelled"]  # in its first pause, 30 s long
     assert stats.cancelled == 1
 

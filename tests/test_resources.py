@@ -163,12 +163,10 @@ async def test_a_recreated_instance_takes_from_the_pools_of_its_new_device(
         t0 = trio.current_time()
         await burst(engine, "a", "b")
         assert trio.current_time() - t0 == 2.0  # one R on the CPU: one after the other
-        cuda, cpu = (
-            next(p for p in engine.statistics().resources if p.device == device)
-            for device in ("cuda:0", "cpu")
-        )
+        # The CUDA pool, which no instance takes from any more, is not listed.
+        (cpu,) = engine.statistics().resources
+        assert cpu.device == "cpu"
         assert cpu.waits == 1  # the second of the burst waited on the CPU's pool
-        assert cuda.waits == 0
 
 
 async def test_a_recreated_instance_needing_more_than_its_new_devices_pool_is_refused(
@@ -345,6 +343,59 @@ async def test_a_refused_or_unloaded_model_does_not_fix_a_resources_kind() -> No
             await engine.load(
                 config("e", Instance(resources={"T": 1}), Instance(global_resources={"T": 1}))
             )
+
+
+async def test_statistics_list_only_the_pools_loaded_models_use() -> None:
+    # A pool nobody loaded uses any more would show its old size as if it still applied.
+    backend = FakeBackend()
+    async with open_engine(registry=backend.registry()) as engine:
+        await engine.load(config("a", Instance(device="cpu", resources={"R": 3})))
+        await engine.load(config("b", Instance(device="cpu", resources={"S": 1})))
+        await engine.infer("a", {"x": X})
+        await engine.unload("a")
+        await engine.load(config("c", Instance(device="cpu", global_resources={"R": 2})))
+        pools = [(p.name, p.device, p.size) for p in engine.statistics().resources]
+        assert pools == [("R", None, 2), ("S", "cpu", 1)]
+        await engine.unload("c")
+        # Used again, per device: the pool is sized afresh, by the need loaded now.
+        await engine.load(config("d", Instance(device="cpu", resources={"R": 1})))
+        await engine.infer("d", {"x": X})
+        pools = [(p.name, p.device, p.size, p.in_use) for p in engine.statistics().resources]
+        assert pools == [("R", "cpu", 1, 0), ("S", "cpu", 1, 0)]
+
+
+async def test_a_moved_instance_leaves_its_old_devices_pool_out_of_the_statistics(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    backend = FallingBack(FakeBackend(delay=1.0))
+    registry = trioinfer.Registry(extra={"backends": {"fake": lambda: backend}})
+    async with open_engine(registry=registry) as engine:
+        await engine.load(config("a", Instance(device="cuda:0", resources={"R": 1})))
+        backend.lost = True
+        runner = engine._runner("a")
+        assert isinstance(runner, ModelRunner)
+        (replica,) = runner.replicas
+        await runner.recreate(replica)
+        await engine.infer("a", {"x": X})
+        assert [(p.device, p.size) for p in engine.statistics().resources] == [("cpu", 1)]
+
+
+async def test_a_request_waiting_on_a_pool_is_not_disturbed_by_an_unload(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    # b unloads while a's requests hold and wait on the pool they share: a's go on.
+    backend = FakeBackend(delay=1.0)
+    async with open_engine(registry=backend.registry(), resources={"R": 1}) as engine:
+        await engine.load(config("a", Instance(count=2, resources={"R": 1})))
+        await engine.load(config("b", Instance(resources={"R": 1})))
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(burst, engine, "a", "a")
+            await trio.testing.wait_all_tasks_blocked()
+            (pool,) = engine.statistics().resources
+            assert (pool.in_use, pool.waiting) == (1, 1)
+            await engine.unload("b")
+        (pool,) = engine.statistics().resources
+        assert (pool.size, pool.in_use, pool.waiting, pool.waits) == (1, 0, 0, 1)
 
 
 @pytest.mark.parametrize(

@@ -266,6 +266,20 @@ async def test_a_corrid_control_must_be_an_integer_or_string_type() -> None:
             await engine.load(ModelConfig(**{**_fields(config), "backend_options": options}))
 
 
+async def test_an_id_too_big_for_the_corrid_type_names_the_input_and_model() -> None:
+    config = simple_sequence_config()
+    options = dict(config.backend_options)
+    options["inputs"] = [*options["inputs"][:3], _tensor("CORRID", "uint8")]
+    async with open_engine() as engine:
+        await engine.load(ModelConfig(**{**_fields(config), "backend_options": options}))
+        with pytest.raises(SequenceError) as caught:
+            await engine.infer(config.name, value(1), sequence=SequenceFlags(300, start=True))
+    # The model's name in quotes once: no "'simple_sequence''s" possessive.
+    assert str(caught.value).startswith(
+        "sequence_id 300 does not fit the CORRID input 'CORRID' of model 'simple_sequence'"
+    ), caught.value
+
+
 def _fields(config: ModelConfig) -> dict[str, Any]:
     import attrs
 

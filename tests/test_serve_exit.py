@@ -171,6 +171,45 @@ def test_a_second_signal_ends_a_held_exit_at_once(tmp_path: Path) -> None:
         sent.join(timeout=STOP_S)
 
 
+@pytest.mark.workers
+def test_sigterm_ends_workers_at_the_exit_timeout(tmp_path: Path) -> None:
+    """With --workers the supervisor bounds the whole exit: a worker held past it is killed."""
+    repository = _stuck_repository(tmp_path / "repository")
+    log = tmp_path / "server.log"
+    exit_timeout = 1.0
+    with _serving(
+        repository,
+        *("--workers", "2", "--no-grpc", "--drain-period", "0.2"),
+        *("--exit-timeout-secs", str(exit_timeout)),
+        log=log,
+    ) as server:
+        url, process = server.url, server.process
+        (banner,) = (line for line in server.lines if "workers (pids" in line)
+        pids = banner.split("(pids ", 1)[1].split(")", 1)[0].split(", ")
+        sent = _in_background(
+            lambda: httpx.post(f"{url}/v2/models/stuck/infer", json=BODY, timeout=STOP_S)
+        )
+        wait_until((repository / "stuck" / "1" / "running").exists, "the request runs")
+        signalled = time.monotonic()
+        process.send_signal(signal.SIGTERM)
+        code = _ended_by_itself(process, log)
+        waited = time.monotonic() - signalled
+        said = log.read_text(errors="replace")
+        assert code == 1, f"the server exited with {code}; log:\n{said[-4000:]}"
+        assert waited >= exit_timeout, said[-4000:]
+        line = next(
+            (x for x in said.splitlines() if "ERROR the exit timeout (1.0s after the stop" in x),
+            None,
+        )
+        assert line is not None, said[-4000:]
+        # It names the worker held by the stuck request, and only that one.
+        named = [pid for pid in pids if f"(pid {pid})" in line]
+        assert len(named) == 1, line
+        assert "--exit-timeout-secs" in line
+        assert _refused(url)
+        sent.join(timeout=STOP_S)
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [
@@ -179,8 +218,8 @@ def test_a_second_signal_ends_a_held_exit_at_once(tmp_path: Path) -> None:
             "--exit-timeout-secs 2.0 is shorter than --drain-period 5.0",
         ),
         (
-            ("--workers", "2", "--exit-timeout-secs", "30"),
-            "--exit-timeout-secs 30.0 bounds the exit of one process; with --workers 2",
+            ("--workers", "2", "--drain-period", "5", "--exit-timeout-secs", "2"),
+            "--exit-timeout-secs 2.0 is shorter than --drain-period 5.0",
         ),
         (("--exit-timeout-secs", "nan"), "must be a number of seconds >= 0, not nan"),
     ],
@@ -219,3 +258,21 @@ def test_the_exit_timeout_reaches_the_server(
     assert f"--exit-timeout-secs 5.0 is shorter than drain_period = 9.0 in {config}" in " ".join(
         result.output.split()
     )
+
+
+def test_the_exit_timeout_reaches_the_workers_supervisor(monkeypatch: pytest.MonkeyPatch) -> None:
+    from trioinfer.cli import serve
+
+    seen: list[float | None] = []
+
+    async def serving(repository: Path, **options: Any) -> None:
+        seen.append(options["exit_timeout"])
+
+    monkeypatch.setattr(serve, "_serve_workers", serving)
+    runner = CliRunner()
+    result = runner.invoke(cli_main, ["serve", "--workers", "2", "--exit-timeout-secs", "30"])
+    assert result.exit_code == 0, result.output
+    assert seen[-1] == 30.0
+    # Not given: None, the supervisor's own margin past the drain period (as before).
+    assert runner.invoke(cli_main, ["serve", "--workers", "2"]).exit_code == 0
+    assert seen[-1] is None

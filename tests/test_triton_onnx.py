@@ -531,7 +531,10 @@ async def test_an_optional_input_that_the_graph_can_go_without(served: str) -> N
 async def test_an_optional_flag_the_graph_disagrees_with_fails_the_load(tmp_path: Path) -> None:
     # optional: true on an input the graph does not have; no optional on the input the
     # graph gives a value of its own (an initializer). (optional: true on an input the
-    # graph needs: the served fixture's "required".)
+    # graph needs: the served fixture's "required".) Triton refuses "unmarked" too: its
+    # ONNX Runtime backend counts the config's inputs not marked optional against the
+    # graph's inputs without an initializer ("configuration expects 2 inputs, model
+    # provides 1"), onnxruntime_backend src/onnxruntime.cc, ValidateInputs.
     unknown = OPTIONAL.replace('name: "b"', 'name: "w"')
     unmarked = OPTIONAL.replace(" optional: true", "")
     for name, pbtxt in (("unknown", unknown), ("unmarked", unmarked)):

@@ -240,8 +240,8 @@ class SequenceBatcher:
                     )
                 if not np.can_cast(np.min_scalar_type(flags.id), spec.dtype):
                     raise SequenceError(
-                        f"sequence_id {flags.id} does not fit model {self._model!r}'s CORRID "
-                        f"input {spec.name!r} ({spec.describe()})"
+                        f"sequence_id {flags.id} does not fit the CORRID input {spec.name!r} "
+                        f"of model {self._model!r} ({spec.describe()})"
                     )
         bound = context.config.max_queue_size
         if len(self._of) >= bound:

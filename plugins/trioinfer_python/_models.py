@@ -534,7 +534,7 @@ def _abort_both(execution: _Execution, abort: Any) -> None:
 
 def _ended(own: str, model: str) -> str:
     return (
-        f"model {own!r}'s call to model {model!r} did not end before the deadline of the "
+        f"a call by model {own!r} to model {model!r} did not end before the deadline of the "
         "requests it computes for, or before their callers left"
     )
 

@@ -1504,7 +1504,7 @@ async def infer_follow_up(
         return await engine._follow_up(model, inputs, priority, tenant, caller)
     with anyio.CancelScope(deadline=deadline):
         return await engine._follow_up(model, inputs, priority, tenant, caller)
-    by = f"model {caller!r}'s call" if caller is not None else "a call"
+    by = f"a call by model {caller!r}" if caller is not None else "a call"
     raise DeadlineExceeded(
         f"{by} to model {model!r} did not end before the deadline of the requests it was "
         "made for: nobody waits for it any more"
@@ -1568,10 +1568,10 @@ async def _stream_follow_up(
         ) as stream:
             yield stream
     if scope.cancelled_caught:
-        by = f"model {caller!r}'s stream" if caller is not None else "a stream"
+        by = f" opened by model {caller!r}" if caller is not None else ""
         raise DeadlineExceeded(
-            f"{by} from model {model!r} did not end before the deadline of the requests it "
-            "was opened for: nobody waits for it any more"
+            f"a stream from model {model!r}{by} did not end before the deadline of the requests "
+            "it was opened for: nobody waits for it any more"
         )
 
 

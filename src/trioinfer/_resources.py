@@ -231,6 +231,11 @@ class ResourcePools:
         self._per_device = per_device
         self._size: dict[PoolKey, int] = {}
         self._free: dict[PoolKey, int] = {}
+        # The pools some attached model's gates take from: statistics() lists these.
+        # A pool none does any more (its model unloaded, its instance moved to another
+        # device) keeps its entries, never dropped under a gate that may still give
+        # back to it, and is sized afresh if a model takes from it again.
+        self._used: set[PoolKey] = set()
         # Each attached model's gates' needs, for the default sizes (and for whether
         # each resource is global: as the models loaded now declare it, see attach).
         self._owners: dict[object, list[dict[PoolKey, int]]] = {}
@@ -351,6 +356,7 @@ class ResourcePools:
             for needs in needs_list:
                 for key, n in needs.items():
                     largest[key] = max(largest.get(key, 0), n)
+        self._used = set(largest)
         for key, need in largest.items():
             size = self._configured(key) or need
             old = self._size.get(key)
@@ -443,7 +449,11 @@ class ResourcePools:
             head.event.set()
 
     def statistics(self) -> tuple[ResourcePoolStatistics, ...]:
-        """A snapshot of every pool, by name then device."""
+        """A snapshot of every pool some loaded model's instances take from, by name then device.
+
+        A pool no loaded model uses any more is left out (its size would be stale);
+        its counters carry on if a model takes from it again.
+        """
         return tuple(
             ResourcePoolStatistics(
                 name=name,
@@ -457,4 +467,5 @@ class ResourcePools:
             for (name, device), size in sorted(
                 self._size.items(), key=lambda kv: (kv[0][0], kv[0][1] or "")
             )
+            if (name, device) in self._used
         )

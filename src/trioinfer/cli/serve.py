@@ -232,8 +232,8 @@ def _rate_not_nan(
     "what still runs and closing the models): past it the process ends anyway with exit "
     "status 1, naming in the log the executions that still run (a Python model's plain def "
     "infer cannot be interrupted). Triton's --exit-timeout-secs. At least --drain-period. "
-    f"Default: the drain period + {EXIT_MARGIN_S:.0f}s. Not with --workers (the supervisor "
-    "kills a worker as long after its drain period).",
+    f"Default: the drain period + {EXIT_MARGIN_S:.0f}s. With --workers the supervisor kills "
+    "the workers still running at this bound and exits with status 1, naming them.",
 )
 @click.option(
     "--repository-poll-secs",
@@ -476,7 +476,7 @@ def serve(ctx: click.Context, /, **options: Any) -> None:
             "together: a polled server serves every model of its repository (as Triton's "
             "poll mode); move the others out of it, or drop one of the two"
         )
-    exit_timeout = _exit_timeout(settings, config.drain_period, workers)
+    exit_timeout = _exit_timeout(settings, config.drain_period)
     repository = settings["model_repository"] or example_repository()
     grpc_port = _grpc_port(ctx, settings)
     if config.grpc_tls is not None:
@@ -518,6 +518,10 @@ def serve(ctx: click.Context, /, **options: Any) -> None:
                     loop=settings["loop"],
                     log_level=settings["log_level"],
                     trace=(settings.get("trace_exporter"), settings.get("trace_rate")),
+                    # Not given: the supervisor's own margin past the drain period.
+                    exit_timeout=(
+                        exit_timeout if settings.get("exit_timeout_secs") is not None else None
+                    ),
                 ),
                 backend="trio",
             )
@@ -547,17 +551,14 @@ def serve(ctx: click.Context, /, **options: Any) -> None:
             tracing[0].shutdown()  # sends the spans still buffered
 
 
-def _exit_timeout(settings: Mapping[str, Any], drain_period: float, workers: int) -> float:
-    """The bound on the exit after the first signal, in seconds (see `_watch_the_exit`)."""
+def _exit_timeout(settings: Mapping[str, Any], drain_period: float) -> float:
+    """The bound on the exit after the first signal, in seconds (see `_watch_the_exit`).
+
+    With --workers the supervisor bounds it (`serve_workers`' *exit_timeout*).
+    """
     given = settings.get("exit_timeout_secs")
     if given is None:
         return drain_period + EXIT_MARGIN_S
-    if workers != 1:
-        raise click.UsageError(
-            f"invalid server settings: {_said(settings, 'exit_timeout_secs')} bounds the exit "
-            f"of one process; with {_said(settings, 'workers')} the supervisor kills a worker "
-            f"still running {EXIT_MARGIN_S:.0f}s after its drain period: drop one of the two"
-        )
     if given < drain_period:
         raise click.UsageError(
             f"invalid server settings: {_said(settings, 'exit_timeout_secs')} is shorter than "

@@ -1002,10 +1002,27 @@ class _Supervisor:
         self.stopping = True
         self.signal_all(signal.SIGTERM)
 
-    async def kill_after(self, seconds: float) -> None:
-        """SIGKILL the workers still running *seconds* from now."""
+    async def kill_after(self, seconds: float, *, bound: bool = False) -> None:
+        """SIGKILL the workers still running *seconds* from now.
+
+        *bound*: *seconds* is ``--exit-timeout-secs``, the whole exit's bound, which
+        those workers broke: they are named at ERROR and the exit fails.
+        """
         await anyio.sleep(seconds)
-        log.warning("workers still running %.0fs after SIGTERM; killing them", seconds)
+        if not bound:
+            log.warning("workers still running %.0fs after SIGTERM; killing them", seconds)
+        else:
+            held = ", ".join(
+                f"worker {w.index} (pid {w.pid})" for w in self.workers if w.process is not None
+            )
+            if not held:
+                return  # the last one exited just now: the exit kept its bound
+            message = (
+                f"the exit timeout ({seconds:.1f}s after the stop, --exit-timeout-secs) has "
+                f"passed with {held} still running: killing them"
+            )
+            log.error("%s", message)
+            self.failure = self.failure or message
         self.signal_all(signal.SIGKILL)
 
     def signal_all(self, signum: signal.Signals) -> None:
@@ -1520,6 +1537,7 @@ async def serve_workers(
     loop: str = "trio",
     log_level: str = "info",
     trace: tuple[str | None, float | None] = (None, None),
+    exit_timeout: float | None = None,
     task_status: anyio.abc.TaskStatus[WorkersListening] = anyio.TASK_STATUS_IGNORED,
 ) -> None:
     """Serve *repository* from *workers* processes on one port until SIGINT/SIGTERM.
@@ -1531,13 +1549,17 @@ async def serve_workers(
     own tracer provider from them and the ``OTEL_*`` variables (a provider
     cannot cross a process boundary; *config*'s is not used). With
     *grpc_port* (0: a free one, the same for every worker) each worker serves
-    V2 gRPC there too, as `serve_http` does.
+    V2 gRPC there too, as `serve_http` does. *exit_timeout*
+    (``--exit-timeout-secs``) bounds the whole exit from the first signal: the
+    workers still running then are killed, named at ERROR, and this raises
+    `WorkerFailed`; None kills them `STOP_MARGIN_S` past the drain period, with
+    a warning.
 
     Raises:
         ConfigError: The repository does not exist, *workers* is below 1, or
             *grpc_port* is the HTTP port.
-        WorkerFailed: A worker could not start (the message says why), or one
-            kept dying before it was ready.
+        WorkerFailed: A worker could not start (the message says why), one
+            kept dying before it was ready, or workers outlived *exit_timeout*.
         OSError: An address could not be bound.
     """
     from ._repository import ModelRepository
@@ -1639,7 +1661,12 @@ async def serve_workers(
                     "stopping %d workers; each drains for up to %.1fs", workers, config.drain_period
                 )
                 supervisor.stop_all()
-                tg.start_soon(supervisor.kill_after, config.drain_period + STOP_MARGIN_S)
+                if exit_timeout is None:
+                    tg.start_soon(supervisor.kill_after, config.drain_period + STOP_MARGIN_S)
+                else:
+                    tg.start_soon(
+                        functools.partial(supervisor.kill_after, exit_timeout, bound=True)
+                    )
             # Every worker has exited.
             tg.cancel_scope.cancel()
     finally:
