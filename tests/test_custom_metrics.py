@@ -336,3 +336,30 @@ def test_under_workers_the_figures_of_every_worker_add_up(tmp_path: Path) -> Non
         assert of_v1("app_last_batch") == [(v1, 4.0)]
         served.process.terminate()
         served.process.wait(timeout=60)
+
+
+kept: dict[str, Any] = {}
+
+
+class KeepsItsMetrics(Counting):
+    """Keeps its metrics where a thread of the model's outlives its unload."""
+
+    def __init__(self, metrics: ModelMetrics) -> None:
+        super().__init__(metrics)
+        kept["metrics"] = metrics
+        kept["rows"] = metrics.counter("rows", "Rows seen.", labels=["kind"])
+
+
+async def test_updates_and_declarations_after_the_unload_count_into_nothing() -> None:
+    async with open_engine() as engine:
+        await engine.load(config(Counting, name="other"))  # holds the families on
+        await engine.load(config(KeepsItsMetrics))
+        await engine.unload("m")
+        # A thread of the unloaded model still updating and declaring: no error, and
+        # nothing kept by the engine (a series or a family that no drop would ever end).
+        kept["rows"].metric(kind="late").increment()
+        kept["metrics"].gauge("late_gauge", "Declared after the unload.").metric().set(1)
+        assert [f.name for f in engine.custom_metrics()] == ["batch_size", "last_batch", "rows"]
+        assert [s.model for s in family(engine, "rows").samples] == ["other"]
+        # The engine's registry holds the other model's one series, no more.
+        assert len(engine._custom._families["rows"].series) == 1
