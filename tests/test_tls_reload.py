@@ -285,7 +285,7 @@ async def test_the_files_are_read_off_the_event_loop_and_a_hung_read_blocks_noth
     reloading = ReloadingContext.load(TlsFiles(root / "server.pem", root / "server.key"))
     in_use = reloading.current()
     monkeypatch.setattr(_tls, "RELOAD_CHECK_S", 0.0)  # every connection may look
-    monkeypatch.setattr(_tls, "RELOAD_WAIT_S", 0.0)  # and waits for no read
+    monkeypatch.setattr(_tls, "RELOAD_WAIT_S", 0.05)  # not a second for each try here
     loop_thread = threading.current_thread()
     hung, threads = threading.Event(), []
     real = _tls.server_context
