@@ -281,7 +281,7 @@ async def test_the_files_are_read_off_the_event_loop_and_a_hung_read_blocks_noth
 ) -> None:
     from trioinfer.server import _tls
 
-    root, first = live
+    root, _ = live
     reloading = ReloadingContext.load(TlsFiles(root / "server.pem", root / "server.key"))
     in_use = reloading.current()
     monkeypatch.setattr(_tls, "RELOAD_CHECK_S", 0.0)  # every connection may look
@@ -309,7 +309,8 @@ async def test_the_files_are_read_off_the_event_loop_and_a_hung_read_blocks_noth
             break
         await trio.sleep(0.01)
     assert _memory_handshake(context, _client(ca)) == renewed.serial
-    assert len(threads) == 1 and threads[0] is not loop_thread, threads
+    [thread] = threads
+    assert thread is not loop_thread
 
 
 # -- a real trioinfer serve ----------------------------------------------------------------
