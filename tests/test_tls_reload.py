@@ -242,6 +242,28 @@ def test_the_mutual_tls_root_is_reloaded(live: tuple[Path, Issued], ca: trustme.
         _memory_handshake(reloading.current(), client_of(old_ca))
 
 
+def test_a_root_ca_rollover_through_a_root_file_of_both_cas(
+    live: tuple[Path, Issued], ca: trustme.CA
+) -> None:
+    # As the docs advise: both CAs in the root file while clients move to the new one.
+    root, first = live
+    old_ca, new_ca = trustme.CA(), trustme.CA()
+    (root / "ca.pem").write_bytes(old_ca.cert_pem.bytes())
+    reloading = ReloadingContext.load(
+        TlsFiles(root / "server.pem", root / "server.key", root / "ca.pem", mutual=True)
+    )
+
+    def client_of(client_ca: trustme.CA) -> ssl.SSLContext:
+        context = _client(ca)
+        client_ca.issue_cert("client@example.com").configure_cert(context)
+        return context
+
+    _replace(root / "ca.pem", old_ca.cert_pem.bytes() + new_ca.cert_pem.bytes())
+    assert reloading.check()
+    for client_ca in (old_ca, new_ca):
+        assert _memory_handshake(reloading.current(), client_of(client_ca)) == first.serial
+
+
 def _rewrite_in_place(path: Path, data: bytes) -> None:
     # Written into the same inode, and its mtime put back: as a copy that keeps
     # timestamps, or a second write within one tick of a coarse clock (1 s, 2 s on FAT).
