@@ -336,3 +336,76 @@ def test_under_workers_the_figures_of_every_worker_add_up(tmp_path: Path) -> Non
         assert of_v1("app_last_batch") == [(v1, 4.0)]
         served.process.terminate()
         served.process.wait(timeout=60)
+
+
+kept: dict[str, Any] = {}
+
+
+class KeepsItsMetrics(Counting):
+    """Keeps its metrics where a thread of the model's outlives its unload."""
+
+    def __init__(self, metrics: ModelMetrics) -> None:
+        super().__init__(metrics)
+        kept["metrics"] = metrics
+        kept["rows"] = metrics.counter("rows", "Rows seen.", labels=["kind"])
+
+
+async def test_updates_and_declarations_after_the_unload_count_into_nothing() -> None:
+    async with open_engine() as engine:
+        await engine.load(config(Counting, name="other"))  # holds the families on
+        await engine.load(config(KeepsItsMetrics))
+        await engine.unload("m")
+        # A thread of the unloaded model still updating and declaring: no error, and
+        # nothing kept by the engine (a series or a family that no drop would ever end).
+        kept["rows"].metric(kind="late").increment()
+        kept["metrics"].gauge("late_gauge", "Declared after the unload.").metric().set(1)
+        assert [f.name for f in engine.custom_metrics()] == ["batch_size", "last_batch", "rows"]
+        assert [s.model for s in family(engine, "rows").samples] == ["other"]
+        # The engine's registry holds the other model's one series, no more.
+        assert len(engine._custom._families["rows"].series) == 1
+
+
+def test_label_values_of_any_text_and_histograms_read_back_from_the_exposition() -> None:
+    # Quotes, backslashes, newlines and unicode in label values and descriptions, as
+    # Prometheus's parser reads them, from one server and summed over two workers.
+    from trioinfer.server._metrics import exposition_of
+    from trioinfer.server._workers import merge_expositions
+
+    odd = ['a"b', "back\\slash", "new\nline", "ünï€😀", "", "\\n", 'x\\"y']
+
+    def samples(value: float, counts: list[int], count: int) -> list[Any]:
+        return [["m", "1", [v], value, counts, count] for v in odd]
+
+    custom = [
+        ["c", 'Help: \\ "q"\nnext line', "counter", ["k"], [], samples(2.0, [], 0)],
+        ["g", "A gauge.", "gauge", ["k"], [], samples(1.5, [], 0)],
+        [
+            "h",
+            "A histogram.",
+            "histogram",
+            ["k"],
+            [1e-05, 0.5, 1e20],
+            samples(3.5, [1, 2, 0, 1], 4),
+        ],
+    ]
+    no_requests = {"outcomes": [], "in_flight": 0, "in_flight_protocols": {}, "versions": []}
+    text = exposition_of({**no_requests, "custom": custom})  # type: ignore[typeddict-item]
+    for exposition, times in ((text, 1), (merge_expositions([text, text]), 2)):
+        families = {f.name: f for f in text_string_to_metric_families(exposition.decode())}
+        assert families["c"].documentation == 'Help: \\ "q"\nnext line'
+        for name in "cgh":
+            assert {s.labels["k"] for s in families[name].samples} == set(odd), name
+        assert {s.value for s in families["c"].samples} == {2.0 * times}
+        assert {s.value for s in families["g"].samples} == {1.5 * times}
+        buckets = [
+            (s.labels["le"], s.value)
+            for s in families["h"].samples
+            if s.labels["k"] == 'a"b' and "le" in s.labels
+        ]
+        assert buckets == [
+            (b, n * times) for b, n in (("1e-05", 1), ("0.5", 3), ("1e+20", 3), ("+Inf", 4))
+        ]
+        [total] = [
+            s.value for s in families["h"].samples if s.name == "h_sum" and s.labels["k"] == ""
+        ]
+        assert total == 3.5 * times

@@ -12,13 +12,16 @@ import logging
 import os
 import socket
 import ssl
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import attrs
 import numpy as np
 import pytest
+import trio
 from cryptography import x509
 
 from _serve import WAIT_S
@@ -237,6 +240,99 @@ def test_the_mutual_tls_root_is_reloaded(live: tuple[Path, Issued], ca: trustme.
     assert _memory_handshake(reloading.current(), client_of(new_ca)) == first.serial
     with pytest.raises(ssl.SSLError):
         _memory_handshake(reloading.current(), client_of(old_ca))
+
+
+def test_a_root_ca_rollover_through_a_root_file_of_both_cas(
+    live: tuple[Path, Issued], ca: trustme.CA
+) -> None:
+    # As the docs advise: both CAs in the root file while clients move to the new one.
+    root, first = live
+    old_ca, new_ca = trustme.CA(), trustme.CA()
+    (root / "ca.pem").write_bytes(old_ca.cert_pem.bytes())
+    reloading = ReloadingContext.load(
+        TlsFiles(root / "server.pem", root / "server.key", root / "ca.pem", mutual=True)
+    )
+
+    def client_of(client_ca: trustme.CA) -> ssl.SSLContext:
+        context = _client(ca)
+        client_ca.issue_cert("client@example.com").configure_cert(context)
+        return context
+
+    _replace(root / "ca.pem", old_ca.cert_pem.bytes() + new_ca.cert_pem.bytes())
+    assert reloading.check()
+    for client_ca in (old_ca, new_ca):
+        assert _memory_handshake(reloading.current(), client_of(client_ca)) == first.serial
+
+
+def _rewrite_in_place(path: Path, data: bytes) -> None:
+    # Written into the same inode, and its mtime put back: as a copy that keeps
+    # timestamps, or a second write within one tick of a coarse clock (1 s, 2 s on FAT).
+    before = path.stat()
+    with path.open("r+b") as f:
+        f.write(data)
+        f.truncate()
+    os.utime(path, ns=(before.st_atime_ns, before.st_mtime_ns))
+    after = path.stat()
+    assert (after.st_ino, after.st_size, after.st_mtime_ns) == (
+        before.st_ino,
+        before.st_size,
+        before.st_mtime_ns,
+    )
+
+
+def test_a_file_rewritten_with_the_same_size_and_mtime_is_loaded(
+    live: tuple[Path, Issued], ca: trustme.CA
+) -> None:
+    root, first = live
+    reloading = ReloadingContext.load(TlsFiles(root / "server.pem", root / "server.key"))
+    # A renewal whose files are exactly as long as the ones they replace.
+    for _ in range(200):
+        renewed = _issue(ca)
+        if (len(renewed.cert), len(renewed.key)) == (len(first.cert), len(first.key)):
+            break
+    else:
+        pytest.skip("no renewal of the same sizes issued")
+    _rewrite_in_place(root / "server.key", renewed.key)
+    _rewrite_in_place(root / "server.pem", renewed.cert)
+    assert reloading.check()
+    assert _memory_handshake(reloading.current(), _client(ca)) == renewed.serial
+
+
+async def test_the_files_are_read_off_the_event_loop_and_a_hung_read_blocks_nothing(
+    live: tuple[Path, Issued], ca: trustme.CA, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from trioinfer.server import _tls
+
+    root, _ = live
+    reloading = ReloadingContext.load(TlsFiles(root / "server.pem", root / "server.key"))
+    in_use = reloading.current()
+    monkeypatch.setattr(_tls, "RELOAD_CHECK_S", 0.0)  # every connection may look
+    monkeypatch.setattr(_tls, "RELOAD_WAIT_S", 0.05)  # not a second for each try here
+    loop_thread = threading.current_thread()
+    hung, threads = threading.Event(), []
+    real = _tls.server_context
+
+    def slow_filesystem(*args: Any, **kwargs: Any) -> ssl.SSLContext:
+        threads.append(threading.current_thread())
+        hung.wait(WAIT_S)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(_tls, "server_context", slow_filesystem)
+    renewed = _issue(ca)
+    _replace(root / "server.key", renewed.key)
+    _replace(root / "server.pem", renewed.cert)
+    # The files hang: connections go on with the certificate in use, and only one
+    # read is under way however many connections arrive meanwhile.
+    for _ in range(5):
+        assert await reloading.latest() is in_use
+    hung.set()
+    for _ in range(int(WAIT_S / 0.01)):
+        if (context := await reloading.latest()) is not in_use:
+            break
+        await trio.sleep(0.01)
+    assert _memory_handshake(context, _client(ca)) == renewed.serial
+    [thread] = threads
+    assert thread is not loop_thread
 
 
 # -- a real trioinfer serve ----------------------------------------------------------------

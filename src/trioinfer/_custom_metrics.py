@@ -101,12 +101,16 @@ class CustomMetricFamily:
 class _Owner:
     """One load of a model: the series it makes go when it ends."""
 
-    __slots__ = ("installed", "model")
+    __slots__ = ("ended", "installed", "model")
 
     def __init__(self, model: str) -> None:
         self.model = model
         #: Whether it serves (its series are shown): not while loading.
         self.installed = False
+        #: Whether it was dropped: what its model still declares or makes (a thread
+        #: still running after the unload) is kept by no registry, so never shown and
+        #: never held past the objects the model keeps.
+        self.ended = False
 
 
 class _Series:
@@ -202,6 +206,7 @@ class CustomMetrics:
         """
         owner.installed = False
         with self._lock:
+            owner.ended = True  # under the lock: a declare() after it sees it
             for name, family in list(self._families.items()):
                 if owner not in family.owners:
                     continue
@@ -232,6 +237,10 @@ class CustomMetrics:
             owner.model, kind, name, description, labels, buckets
         )
         with self._lock:
+            if owner.ended:
+                # Its load was dropped (a model's thread declaring after its unload):
+                # a family of its own, in no registry, rather than one no drop would end.
+                return _Family(name, description, kind, label_names, bounds)
             family = self._families.get(name)
             if family is None:
                 mine = _sample_names(name, kind)
@@ -444,7 +453,11 @@ class MetricFamily(Generic[M], metaclass=NoPublicConstructor):
         with family.lock:
             series = family.series.get(key)
             if series is None:
-                series = family.series[key] = _Series(len(family.buckets))
+                series = _Series(len(family.buckets))
+                # Not kept once the load was dropped (drop() took the series it had
+                # under this lock): updates after an unload count into nothing.
+                if not self._owner.ended:
+                    family.series[key] = series
         made: M = self._kind._create(family, series)
         return made
 

@@ -1224,6 +1224,11 @@ class Engine:
         there yet, and those of a model unloaded or replaced by a new load are
         gone (a load starts again from zero). A family stays while any loaded
         model declares it, even with no series yet.
+
+        Each family is copied under its lock, so a histogram's buckets, count
+        and sum agree with each other; families are copied one after the
+        other, so updates made meanwhile (from a model's threads) may be in
+        one family and not yet in the next.
         """
         return self._custom.snapshot()
 

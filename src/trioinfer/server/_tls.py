@@ -20,10 +20,12 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import hashlib
 import logging
 import os
 import socket
 import ssl
+import threading
 import time
 from typing import Any, Final, final
 
@@ -170,17 +172,25 @@ def _load_verify(context: ssl.SSLContext, path: str, said: str) -> None:
 #: How often, at most, a TLS endpoint looks at its files for a renewal (see `ReloadingContext`).
 RELOAD_CHECK_S: Final = 1.0
 
-#: What a file is, for noticing that it changed: its device, inode, size and mtime (of the
-#: file a symlink points to), or why it could not be looked at.
-_Stamp = tuple[int, int, int, int] | str
+#: How long, at most, the connection that starts a look at the files waits for it; the
+#: look goes on in its thread after that, and the connection gets the context in use.
+RELOAD_WAIT_S: Final = 1.0
+
+#: What a file is, for noticing that it changed: a digest of what it holds (through
+#: symlinks), or why it could not be read.
+_Stamp = str
 
 
 def _stamp(path: str) -> _Stamp:
+    # The content, not the inode, size and mtime: a file rewritten in place with
+    # the same size within one tick of the filesystem's clock (a second on some,
+    # two on FAT), or copied keeping its timestamps, keeps all three. A
+    # certificate, its key and a root are a few kilobytes, read on a thread.
     try:
-        st = os.stat(path)  # follows symlinks: a swapped link is a new inode
+        with open(path, "rb") as f:  # follows symlinks: a swapped link is its target
+            return hashlib.sha256(f.read()).hexdigest()
     except OSError as exc:
         return f"{type(exc).__name__} {exc.errno}"
-    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
 
 
 @final
@@ -190,19 +200,21 @@ class ReloadingContext:
 
     cert-manager, certbot and Kubernetes renew a certificate by replacing its
     files every few weeks (a new file renamed over the old, a symlink swapped,
-    or rewritten in place). `current`, called as each connection arrives,
-    looks at the files (``os.stat``: inode, size, mtime) at most once every
+    or rewritten in place). `latest`, awaited as each connection arrives,
+    looks at the files (a digest of what each holds) at most once every
     `RELOAD_CHECK_S` seconds, and when one changed builds a new context from
     them (`server_context`'s checks); that connection and the later ones
     handshake with it, while connections already open keep the one they
-    handshook with. Why this and not inotify or SIGHUP: a few ``stat`` calls
-    a second cost nothing, need no task, no platform API and no signal
-    forwarded to ``--workers`` (each process checks by itself), and see every
-    way of renewing, including a symlink swapped above the file; the price is
-    that a renewal shows up to a second late, and only once a connection
-    arrives (no one needs it sooner). The check runs on the event loop: a
-    ``stat`` of a local file takes microseconds, and a rebuild (a few
-    kilobytes read, a key parsed, about a millisecond) happens once per renewal.
+    handshook with. Why this and not inotify or SIGHUP: reading a few
+    kilobytes a second costs nothing, needs no task, no platform API and no
+    signal forwarded to ``--workers`` (each process checks by itself), and
+    sees every way of renewing, including a symlink swapped above the file;
+    the price is that a renewal shows up to a second late, and only once a
+    connection arrives (no one needs it sooner). The look runs on a worker
+    thread, never on the event loop, and one at a time: a slow or hung
+    filesystem (NFS) holds the connection that started it for at most
+    `RELOAD_WAIT_S` seconds, and no other; they handshake with the context in
+    use until the look ends.
 
     A renewal that cannot be used (a file half written, missing, not PEM, a
     key that is not the certificate's, as a renewal that has replaced the
@@ -223,6 +235,9 @@ class ReloadingContext:
     _loaded: tuple[_Stamp, ...] = attrs.field(alias="loaded")
     _refused: tuple[_Stamp, ...] | None = attrs.field(default=None, alias="refused")
     _checked_at: float = attrs.field(factory=time.monotonic, alias="checked_at")
+    # Held by the thread looking at the files: one look at a time, and none started
+    # while one hangs (a thread abandoned by its connection still holds it).
+    _looking: threading.Lock = attrs.field(factory=threading.Lock, alias="looking")
 
     @classmethod
     def load(
@@ -245,15 +260,38 @@ class ReloadingContext:
         return tuple(_stamp(path) for path in paths)
 
     def current(self) -> ssl.SSLContext:
-        """The context for a connection arriving now: the files' latest usable state."""
-        now = time.monotonic()
-        if now - self._checked_at >= RELOAD_CHECK_S:
-            self._checked_at = now
-            self.check()
+        """The context in use: the files' last usable state as last looked at."""
         return self._context
 
+    async def latest(self) -> ssl.SSLContext:
+        """The context for a connection arriving now, the files looked at if a second passed.
+
+        The look (`check`) runs on a worker thread, and waits at most
+        `RELOAD_WAIT_S`; while one is under way, the context in use is returned
+        at once.
+        """
+        now = time.monotonic()
+        if now - self._checked_at >= RELOAD_CHECK_S and not self._looking.locked():
+            self._checked_at = now
+            with anyio.move_on_after(RELOAD_WAIT_S):
+                # Abandoned when the wait ends (or the connection is cancelled): the
+                # thread goes on, holding _looking until it ends.
+                await anyio.to_thread.run_sync(self._look, abandon_on_cancel=True)
+        return self._context
+
+    def _look(self) -> None:
+        if not self._looking.acquire(blocking=False):
+            return  # another thread is looking (or hangs looking)
+        try:
+            self.check()
+        finally:
+            self._looking.release()
+
     def check(self) -> bool:
-        """Look at the files now, reload them if they changed; whether a new context is in use."""
+        """Look at the files now, reload them if they changed; whether a new context is in use.
+
+        Blocking (it reads the files): the server calls it on a worker thread (`latest`).
+        """
         stamps = self._stamps(self.files)
         if stamps == self._loaded or stamps == self._refused:
             return False
@@ -284,8 +322,8 @@ class ReloadingContext:
         return False
 
 
-def _current(context: ssl.SSLContext | ReloadingContext) -> ssl.SSLContext:
-    return context.current() if isinstance(context, ReloadingContext) else context
+async def _current(context: ssl.SSLContext | ReloadingContext) -> ssl.SSLContext:
+    return await context.latest() if isinstance(context, ReloadingContext) else context
 
 
 async def handshake(
@@ -308,7 +346,10 @@ async def handshake(
             # (a client gone or silent would hold the close), and a client closing
             # without one is an ordinary end (grpc-core's often do).
             return await TLSStream.wrap(
-                stream, server_side=True, ssl_context=_current(context), standard_compatible=False
+                stream,
+                server_side=True,
+                ssl_context=await _current(context),
+                standard_compatible=False,
             )
     except TimeoutError:
         why = f"no TLS handshake within {limit_s}s (head_timeout)"
@@ -356,9 +397,14 @@ async def tls_handshake(
     socket is closed then, and the log says why at info level.
     """
     try:
+        ssl_context = await _current(context)
+    except BaseException:
+        sock.close()
+        raise
+    try:
         address = sock.getpeername()
         sock.setblocking(False)
-        tls = _current(context).wrap_socket(sock, server_side=True, do_handshake_on_connect=False)
+        tls = ssl_context.wrap_socket(sock, server_side=True, do_handshake_on_connect=False)
     except OSError:  # the client is already gone
         sock.close()
         return None

@@ -40,8 +40,10 @@ reports are lines on a connection it keeps open, with no answer):
 - statistics and ``/metrics``: the answering worker sends its own to the
   supervisor, which gathers the others' at request time and adds them up,
   sample by sample
-  (every metric trioinfer exports is a count, a sum or a histogram, so the sum
-  across workers is the server's figure). The supervisor keeps what each
+  (counts, sums and histograms add up to the server's figure, and so do gauges:
+  each worker's value counted once, which is the server's figure for a gauge of
+  things held, such as requests in flight or bytes cached, and a plain sum for
+  a model's own gauge of a ratio). The supervisor keeps what each
   worker last reported (`MetricsLedger`, `StatsLedger`): a worker that does
   not answer in time is counted as it was, and one that dies leaves its counts
   (counters, histograms and Triton's statistics; not gauges) in the sums, so
