@@ -1140,8 +1140,8 @@ class _Supervisor:
         one only (a model whose load fails at random, a file that was broken
         for a moment) or files changed between their starts leave them serving
         different things. The reference is the worker that serves the most
-        (the fewest failed loads), then the one most others agree with, then
-        the lowest index. Each worker that differs from it stops being a member
+        models, then the one with the fewest failed loads, then the one most
+        others agree with, then the lowest index. Each worker that differs from it stops being a member
         and is stopped (it drains) and restarted, as one that died: it loads
         what the reference loaded and joins once it serves the same (see
         `_hello`), while the others serve.
@@ -1155,9 +1155,12 @@ class _Supervisor:
                     groups.setdefault(key, []).append((worker, reply))
             if len(groups) < 2:  # they agree (those that answered)
                 return next(iter(groups.values()))[0][0].index if groups else 0
+            # The most models served first: a model added to the repository between
+            # two starts is served by the later worker, and failed on neither.
             best = min(
                 groups.values(),
                 key=lambda group: (
+                    -len(group[0][1]["served"]),
                     len(group[0][1].get("failed", {})),
                     -len(group),
                     group[0][0].index,
