@@ -1141,8 +1141,9 @@ class _Supervisor:
         for a moment) or files changed between their starts leave them serving
         different things. The reference is the worker that serves the most
         models, then the one with the fewest failed loads, then the one most
-        others agree with, then the lowest index. Each worker that differs from it stops being a member
-        and is stopped (it drains) and restarted, as one that died: it loads
+        others agree with, then the lowest index. Each worker that differs
+        from it stops being a member and is stopped (it drains) and
+        restarted, as one that died: it loads
         what the reference loaded and joins once it serves the same (see
         `_hello`), while the others serve.
         """
