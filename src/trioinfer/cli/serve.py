@@ -1023,7 +1023,9 @@ def _backstop(exit_timeout: float) -> Iterator[None]:
     installed (trio's, asyncio's) are wrapped: each signal also arms a watchdog
     thread that ends the process `BACKSTOP_S` after the bound the loop keeps
     (the exit timeout after the first, `SECOND_SIGNAL_S` after the second, at
-    once after the third), unless the exit has ended by then.
+    once after the third), unless the exit has ended by then. The loop, blocked,
+    may not have closed the listeners: connections the kernel queued are reset,
+    which is still better than a process that no signal ends.
     """
     signums = (signal.SIGINT, signal.SIGTERM)
     inner = {signum: signal.getsignal(signum) for signum in signums}
