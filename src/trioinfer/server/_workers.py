@@ -1285,7 +1285,11 @@ class _Supervisor:
         change is no success, and the worker is left alone (it serves). A
         change may reach a worker twice (the connection broke after it was
         sent): each is idempotent (a load of what is served, an unload of what
-        is not, a setting set again, change nothing).
+        is not, a setting set again, change nothing), but for an unload of a
+        model whose directory is gone too: the second says ModelNotFound, and
+        the change reads as failed on that worker. Only a connection cut after
+        the worker took the call repeats it, which a live worker never does
+        (it answers every call, its errors included).
         """
         pid, tries, delay = worker.pid, 0, RETRY_S
         deadline = anyio.current_time() + REACH_S
