@@ -22,7 +22,7 @@ import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import httpx
 import pytest
@@ -208,6 +208,54 @@ def test_sigterm_ends_workers_at_the_exit_timeout(tmp_path: Path) -> None:
         assert "--exit-timeout-secs" in line
         assert _refused(url)
         sent.join(timeout=STOP_S)
+
+
+BLOCKING_INIT = """\
+import pathlib
+import time
+
+
+class Model:
+    def __init__(self):
+        # The backend builds the object on the event loop's thread: for an hour,
+        # nothing of the loop runs, its signal watcher and the exit's bound included.
+        (pathlib.Path(__file__).parent / "loading").touch()
+        time.sleep(3600)
+
+    def infer(self, inputs):
+        return {"y": inputs["x"]}
+"""
+
+
+@pytest.mark.parametrize("loop", ["trio", "asyncio"])
+def test_sigterm_ends_a_start_whose_model_blocks_the_event_loop(tmp_path: Path, loop: str) -> None:
+    # The bound was kept by the event loop's tasks alone: a model whose constructor
+    # blocked the loop's thread held the process past the exit timeout, for ever, and
+    # every later signal too.
+    repository = tmp_path / "repository"
+    (repository / "slow" / "1").mkdir(parents=True)
+    (repository / "slow" / "config.toml").write_text(STUCK_CONFIG)
+    (repository / "slow" / "1" / "model.py").write_text(BLOCKING_INIT)
+    log = tmp_path / "server.log"
+    command = [sys.executable, "-m", "trioinfer", "serve", "--port", "0", "--no-grpc"]
+    command += ["--loop", loop, "--log-level", "info", "--model-repository", str(repository)]
+    command += ["--drain-period", "0.2", "--exit-timeout-secs", "1"]
+    with log.open("wb") as log_file:
+        process = subprocess.Popen(
+            command, stdin=subprocess.DEVNULL, stdout=log_file, stderr=subprocess.STDOUT
+        )
+    try:
+        wait_until((repository / "slow" / "1" / "loading").exists, "the model loads")
+        process.send_signal(signal.SIGTERM)
+        code = _ended_by_itself(cast(Any, process), log)
+        said = log.read_text(errors="replace")
+        assert code == 1, f"the server exited with {code}; log:\n{said[-4000:]}"
+        assert "the exit timeout (1.0s after SIGTERM, --exit-timeout-secs) has passed" in said
+        assert "the event loop's thread was blocked" in said
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
 
 
 @pytest.mark.parametrize(

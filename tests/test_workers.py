@@ -954,6 +954,51 @@ async def test_workers_that_start_serving_different_things_are_noticed(
         tg.cancel_scope.cancel()
 
 
+async def test_the_reference_at_start_is_the_worker_that_serves_the_most_models(
+    tmp_path: Path,
+) -> None:
+    # A model added to the repository between two workers' starts: the later one serves
+    # it, and neither failed a load. The reference was the one with the fewest failed
+    # loads, then the lowest index: worker 0, serving less, so worker 1 was restarted
+    # to serve without the model (the docs: the reference serves the most models).
+    supervisor = _Supervisor(2, tmp_path, {"models": None})
+    digits = {"versions": {"1": [[1, 2, 3], None]}, "traffic": {}}
+    added = {"versions": {"1": [[4, 5, 6], None]}, "traffic": {}}
+    served = {0: {"digits": digits}, 1: {"digits": digits, "added": added}}
+
+    def worker(index: int) -> Any:
+        async def handle(message: dict[str, Any]) -> dict[str, Any]:
+            assert message["op"] == "served"
+            return {"served": served[index], "failed": {}}
+
+        return handle
+
+    @attrs.define
+    class Running:
+        returncode: int | None = None
+        signals: list[int] = attrs.Factory(list)
+
+        def send_signal(self, signum: int) -> None:
+            self.signals.append(signum)
+
+    processes = [Running() for _ in range(2)]
+    async with anyio.create_task_group() as tg:
+        for index in range(2):
+            await tg.start(_serve_calls, worker_socket(tmp_path, index), worker(index))
+        for member, process in zip(supervisor.workers, processes, strict=True):
+            member.member = True
+            member.process, member.pid = cast(Any, process), 100 + member.index
+        for index in range(2):
+            models = {name: [1] for name in served[index]}
+            ready = {"op": "ready", "worker": index, "pid": 100 + index, "urls": ["u"]}
+            ready.update({"models": models, "failed": [], "grpc": None})
+            assert await supervisor.handle(ready) == {"ok": True}
+        assert supervisor.reference == 1
+        assert [p.signals for p in processes] == [[signal.SIGTERM], []]
+        assert supervisor.spec["start_models"] == ["added", "digits"]
+        tg.cancel_scope.cancel()
+
+
 async def test_a_joining_worker_that_serves_otherwise_waits_until_a_change_agrees(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -14,8 +14,10 @@ import math
 import os
 import signal
 import sys
+import threading
+import time
 import tomllib
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Final, NoReturn
 
@@ -82,6 +84,9 @@ SECOND_SIGNAL_S: Final = 1.0
 LAST_CANCEL_S: Final = 0.5
 #: The exit status of a process that serve ended because its exit was held past its bound.
 EXIT_HELD_STATUS: Final = 1
+#: How long past a bound the exit may be held with the event loop's thread blocked (so
+#: that no task of the loop keeps the bound) before a watchdog thread ends the process.
+BACKSTOP_S: Final = 1.0
 
 
 def _timeout_not_nan(
@@ -983,7 +988,10 @@ async def _watch_the_exit(
     `SECOND_SIGNAL_S`; a third ends the process at once.
     """
     log = logging.getLogger("trioinfer.server")
-    with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+    with (
+        anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals,
+        _backstop(exit_timeout),
+    ):
         task_status.started()
         async with anyio.create_task_group() as bounds:
             count = 0
@@ -1018,6 +1026,84 @@ async def _watch_the_exit(
                     _end_the_process(f"a third signal ({name}) during the exit")
 
 
+@contextlib.contextmanager
+def _backstop(exit_timeout: float) -> Iterator[None]:
+    """Keep the exit's bounds from a thread too, for while the event loop's thread is blocked.
+
+    `_watch_the_exit` keeps them with tasks of the event loop, which cannot run
+    while code blocks the loop's thread (a Python model's constructor, which its
+    backend calls there, sleeping or loading for minutes): the process outlived
+    the bound, and every later signal. Python runs signal handlers on the main
+    thread between bytecodes, in such code too, so the handlers the loop
+    installed (trio's, asyncio's) are wrapped: each signal also arms a watchdog
+    thread that ends the process `BACKSTOP_S` after the bound the loop keeps
+    (the exit timeout after the first, `SECOND_SIGNAL_S` after the second, at
+    once after the third), unless the exit has ended by then. The loop, blocked,
+    may not have closed the listeners: connections the kernel queued are reset,
+    which is still better than a process that no signal ends.
+    """
+    signums = (signal.SIGINT, signal.SIGTERM)
+    inner = {signum: signal.getsignal(signum) for signum in signums}
+    done = threading.Event()
+    arm = threading.Condition()
+    held: list[tuple[float, str]] = []  # the earliest (deadline, why) armed so far
+
+    def watch() -> None:
+        with arm:
+            while not done.is_set():
+                left = held[0][0] - time.monotonic()
+                if left <= 0:
+                    break
+                arm.wait(left)
+        if not done.is_set():
+            _end_the_process(
+                f"{held[0][1]}; the event loop's thread was blocked (by code running on it, "
+                "a model's constructor say), so a watchdog thread ends it"
+            )
+
+    def handler(signum: int, frame: Any) -> None:
+        name = signal.Signals(signum).name
+        signals.append(signum)
+        if len(signals) == 1:
+            bound, why = (
+                exit_timeout,
+                f"the exit timeout ({exit_timeout:.1f}s after {name}, --exit-timeout-secs) "
+                "has passed",
+            )
+        elif len(signals) == 2:
+            bound, why = (
+                SECOND_SIGNAL_S,
+                f"the exit, cancelled by a second signal ({name}), has not ended "
+                f"{SECOND_SIGNAL_S:.1f}s after it",
+            )
+        else:
+            bound, why = 0.0, f"a third signal ({name}) during the exit"
+        deadline = time.monotonic() + bound + BACKSTOP_S
+        with arm:
+            first = not held
+            if first or deadline < held[0][0]:
+                held[:] = [(deadline, why)]
+            arm.notify()
+        if first:
+            threading.Thread(target=watch, name="trioinfer-exit-backstop", daemon=True).start()
+        chained = inner[signal.Signals(signum)]
+        if callable(chained):  # the loop's own handler: it sees the signal as before
+            chained(signum, frame)
+
+    signals: list[int] = []  # those received, in order
+    for signum in signums:
+        signal.signal(signum, handler)
+    try:
+        yield
+    finally:
+        done.set()
+        with arm:
+            arm.notify()
+        for signum in signums:
+            if signal.getsignal(signum) is handler:
+                signal.signal(signum, inner[signum])
+
+
 async def _end_after(delay: float, serving: anyio.CancelScope, why: str) -> None:
     # Cancelled (with the whole watch) as soon as serving returns: the exit ended in time.
     await anyio.sleep(delay)
@@ -1045,7 +1131,10 @@ def _end_the_process(why: str) -> NoReturn:
     """
     from ..server._serve import still_executing
 
-    running = still_executing()
+    try:
+        running = still_executing()
+    except Exception:  # read from the watchdog thread while the loop changes it: say nothing
+        running = []
     logging.getLogger("trioinfer.server").error(
         "%s: ending the process now (exit status %d) without waiting for what still runs: "
         "%s. An execution on a thread cannot be interrupted; a backend must let "

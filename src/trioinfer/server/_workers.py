@@ -1159,9 +1159,10 @@ class _Supervisor:
         one only (a model whose load fails at random, a file that was broken
         for a moment) or files changed between their starts leave them serving
         different things. The reference is the worker that serves the most
-        (the fewest failed loads), then the one most others agree with, then
-        the lowest index. Each worker that differs from it stops being a member
-        and is stopped (it drains) and restarted, as one that died: it loads
+        models, then the one with the fewest failed loads, then the one most
+        others agree with, then the lowest index. Each worker that differs
+        from it stops being a member and is stopped (it drains) and
+        restarted, as one that died: it loads
         what the reference loaded and joins once it serves the same (see
         `_hello`), while the others serve.
         """
@@ -1174,9 +1175,12 @@ class _Supervisor:
                     groups.setdefault(key, []).append((worker, reply))
             if len(groups) < 2:  # they agree (those that answered)
                 return next(iter(groups.values()))[0][0].index if groups else 0
+            # The most models served first: a model added to the repository between
+            # two starts is served by the later worker, and failed on neither.
             best = min(
                 groups.values(),
                 key=lambda group: (
+                    -len(group[0][1]["served"]),
                     len(group[0][1].get("failed", {})),
                     -len(group),
                     group[0][0].index,
@@ -1300,7 +1304,11 @@ class _Supervisor:
         change is no success, and the worker is left alone (it serves). A
         change may reach a worker twice (the connection broke after it was
         sent): each is idempotent (a load of what is served, an unload of what
-        is not, a setting set again, change nothing).
+        is not, a setting set again, change nothing), but for an unload of a
+        model whose directory is gone too: the second says ModelNotFound, and
+        the change reads as failed on that worker. Only a connection cut after
+        the worker took the call repeats it, which a live worker never does
+        (it answers every call, its errors included).
         """
         pid, tries, delay = worker.pid, 0, RETRY_S
         deadline = anyio.current_time() + REACH_S
