@@ -227,6 +227,36 @@ async def test_importing_a_model_file_leaves_the_event_loop_free(tmp_path: Path)
     np.testing.assert_array_equal(out["y"], [1.0])
 
 
+async def test_a_slow_constructor_leaves_the_event_loop_free() -> None:
+    # A constructor that read weights or a tokenizer for seconds ran on the event loop,
+    # so every other model's requests (and health checks) waited for it. This one waits
+    # until a request to another model has been answered meanwhile, or gives up.
+    entered, answered = threading.Event(), threading.Event()
+    seen: list[tuple[bool, str]] = []
+
+    class Slow:
+        def __init__(self) -> None:
+            entered.set()
+            seen.append((answered.wait(timeout=10), threading.current_thread().name))
+
+        def infer(self, inputs: dict[str, np.ndarray[Any, Any]]) -> dict[str, Any]:
+            return {"y": inputs["x"]}
+
+    async with open_engine() as engine:
+        await engine.load(config(LoopDouble, name="fast", dispatch="inline"))
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(engine.load, config(Slow, name="slow"))
+            while not entered.is_set():  # noqa: ASYNC110  # set from the constructor's thread
+                await trio.sleep(0.01)
+            out = await engine.infer("fast", {"x": X})
+            answered.set()
+        np.testing.assert_array_equal(out["y"], X * 2)
+        np.testing.assert_array_equal((await engine.infer("slow", {"x": X}))["y"], X)
+    ((released, thread),) = seen
+    assert released, "the other model's request waited for the constructor"
+    assert thread != threading.current_thread().name
+
+
 async def test_a_model_with_a_batch_dimension_receives_batches(
     autojump_clock: trio.testing.MockClock,
 ) -> None:

@@ -216,9 +216,10 @@ import time
 
 
 class Model:
-    def __init__(self):
-        # The backend builds the object on the event loop's thread: for an hour,
-        # nothing of the loop runs, its signal watcher and the exit's bound included.
+    async def load(self):
+        # An async hook runs on the event loop's thread, and this one never yields: for
+        # an hour, nothing of the loop runs, its signal watcher and the exit's bound
+        # included.
         (pathlib.Path(__file__).parent / "loading").touch()
         time.sleep(3600)
 
@@ -229,9 +230,9 @@ class Model:
 
 @pytest.mark.parametrize("loop", ["trio", "asyncio"])
 def test_sigterm_ends_a_start_whose_model_blocks_the_event_loop(tmp_path: Path, loop: str) -> None:
-    # The bound was kept by the event loop's tasks alone: a model whose constructor
-    # blocked the loop's thread held the process past the exit timeout, for ever, and
-    # every later signal too.
+    # The bound was kept by the event loop's tasks alone: a model whose code blocked the
+    # loop's thread (then its constructor; here an async load that never yields) held
+    # the process past the exit timeout, for ever, and every later signal too.
     repository = tmp_path / "repository"
     (repository / "slow" / "1").mkdir(parents=True)
     (repository / "slow" / "config.toml").write_text(STUCK_CONFIG)

@@ -26,9 +26,9 @@ In code, ``backend_options={"class": Model, ...}`` names the class itself, and
 - ``__init__(self, **parameters)``; a ``device`` keyword, if it takes one,
   gets where the instance was placed (``"cpu"``, ``"cuda:0"``). Parameters
   it cannot take (one missing, one it does not know) are a ``ConfigError``
-  at load. It runs on the event loop, so every other task waits for it: keep
-  it cheap, and do slow work (reading weights) in ``load``, which a plain
-  ``def`` runs on the instance's worker thread.
+  at load. It runs on a thread of its own, once per instance, so a slow one
+  (reading weights, a tokenizer) stalls no other model meanwhile; a load
+  cancelled while it runs waits for it to return.
 - ``infer(self, inputs) -> outputs``, dicts of numpy arrays by tensor name.
   The input arrays are read-only views: they may be the caller's own arrays
   (``engine.infer`` copies nothing), another pipeline step's answer (which
@@ -91,8 +91,7 @@ The model file is imported on a thread, so that its imports (of a deep
 learning framework, say) do not stall the other models' requests, and
 afresh at each load, compiled from its source as it is then (no
 ``__pycache__`` is read or written), as a module of its own; the
-constructor runs on the event loop: put slow set-up, such as reading
-weights, in a plain ``load``, which runs on the instance's worker thread.
+constructor runs on a thread too, for the same reason.
 
 A streaming (decoupled) model's ``infer`` is an async generator: ``async def
 infer(self, inputs)`` that yields one dict of outputs per response, any
@@ -334,7 +333,10 @@ class PythonBackend:
                 f"backend option dispatch of model {config.name!r} must be 'thread' or "
                 f"'inline', got {dispatch!r}"
             )
-        model = _construct(cls, kwargs, label, decoupled)
+        # On a thread, as the import: a constructor that reads weights or a tokenizer
+        # would stall every other model's requests (and health checks) on the loop. A
+        # load cancelled meanwhile waits for it to return: a thread cannot be stopped.
+        model = await anyio.to_thread.run_sync(_construct, cls, kwargs, label, decoupled)
         # The object's hooks, not the class's: a constructor may set infer itself.
         needs_thread = dispatch == "thread" and any(
             callable(getattr(model, hook, None))

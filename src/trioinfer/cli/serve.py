@@ -1031,8 +1031,8 @@ def _backstop(exit_timeout: float) -> Iterator[None]:
     """Keep the exit's bounds from a thread too, for while the event loop's thread is blocked.
 
     `_watch_the_exit` keeps them with tasks of the event loop, which cannot run
-    while code blocks the loop's thread (a Python model's constructor, which its
-    backend calls there, sleeping or loading for minutes): the process outlived
+    while code blocks the loop's thread (a Python model's ``async def load`` or
+    inline ``infer`` that sleeps or loads for minutes without yielding): the process outlived
     the bound, and every later signal. Python runs signal handlers on the main
     thread between bytecodes, in such code too, so the handlers the loop
     installed (trio's, asyncio's) are wrapped: each signal also arms a watchdog
@@ -1058,7 +1058,7 @@ def _backstop(exit_timeout: float) -> Iterator[None]:
         if not done.is_set():
             _end_the_process(
                 f"{held[0][1]}; the event loop's thread was blocked (by code running on it, "
-                "a model's constructor say), so a watchdog thread ends it"
+                "a model's code that never yields, say), so a watchdog thread ends it"
             )
 
     def handler(signum: int, frame: Any) -> None:
