@@ -263,6 +263,11 @@ async def load_steps(
         if config.backend == "onnxruntime":
             data["dispatch"] = args.dispatch  # as the hand arm runs it
             data["pipeline_depth"] = args.depth
+            if args.dispatch == "inline":
+                # Inline however long a run takes, as the hand arm runs it: past the
+                # default budget (250 us, a large --hidden) the instance would move
+                # its runs to its worker thread, and the arms would differ in that.
+                data["inline_budget_us"] = 10_000_000  # the most the option takes
             path = str(ONNX_PATH)
         await engine.load(
             trioinfer.ModelConfig.from_dict(
