@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any, cast
 
 import anyio
+import anyio.abc
 import attrs
 import httpx
 import pytest
@@ -46,6 +47,7 @@ from trioinfer.server._workers import (
     WorkersDisagree,
     _raise_error,
     _serve_calls,
+    _first,
     _Supervisor,
     merge_expositions,
     merge_stats,
@@ -1200,6 +1202,83 @@ async def test_a_worker_that_dies_while_serve_stops_is_not_started_again(
     with anyio.fail_after(WAIT_S):
         await supervisor.run_worker(supervisor.workers[0])
     assert len(started) == 1
+
+
+async def test_a_worker_that_dies_while_the_first_workers_are_compared_is_restarted(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Once all first workers were ready, the supervisor compared what they served; a
+    # worker that died then (after it had said it was ready) stopped the whole server
+    # with "... before it was ready". It had been ready: it is restarted, as a worker
+    # that dies later is, and the others serve.
+    from trioinfer.server import _workers
+
+    supervisor = _Supervisor(2, tmp_path, {"models": None})
+    digits = {"digits": {"versions": {"1": [[1, 2, 3], None]}, "traffic": {}}}
+    died = anyio.Event()
+    started: list[int] = []
+
+    class Process:
+        def __init__(self, index: int) -> None:
+            self.pid = 99 + len(started)
+            self.returncode: int | None = None
+            self.dies = index == 1 and started.count(1) == 1  # worker 1's first life
+
+        async def wait(self) -> int:
+            if self.dies:
+                await died.wait()
+                self.returncode = -signal.SIGKILL
+                return self.returncode
+            await anyio.sleep_forever()
+            raise AssertionError  # pragma: no cover
+
+        def send_signal(self, signum: int) -> None:
+            pass
+
+    async def open_process(argv: list[str], **kwargs: Any) -> Process:
+        started.append(int(argv[-1]))
+        return Process(int(argv[-1]))
+
+    async def worker_0(message: dict[str, Any]) -> dict[str, Any]:
+        return {"served": digits, "failed": {}}
+
+    async def worker_1(message: dict[str, Any]) -> dict[str, Any]:
+        died.set()  # killed while it is asked what it serves: it never answers
+        await anyio.sleep_forever()
+        raise AssertionError  # pragma: no cover
+
+    async def worker_1_listens(*, task_status: anyio.abc.TaskStatus[None]) -> None:
+        async with anyio.create_task_group() as calls:
+            calls.start_soon(_first, died, calls.cancel_scope)  # its socket goes with it
+            await calls.start(_serve_calls, worker_socket(tmp_path, 1), worker_1)
+            task_status.started()
+
+    monkeypatch.setattr(_workers.anyio, "open_process", open_process)
+    async with anyio.create_task_group() as tg:
+        await tg.start(_serve_calls, worker_socket(tmp_path, 0), worker_0)
+        await tg.start(worker_1_listens)
+        for worker in supervisor.workers:
+            tg.start_soon(supervisor.run_worker, worker)
+        with anyio.fail_after(WAIT_S), caplog.at_level(logging.INFO, "trioinfer.server"):
+            while sorted(started) != [0, 1]:
+                await anyio.sleep(POLL_S)
+            pid = supervisor.workers[1].pid
+            for index in range(2):
+                worker = supervisor.workers[index]
+                worker.member = True  # as its hello made it, before all were ready
+                ready = {"op": "ready", "worker": index, "pid": worker.pid, "urls": ["u"]}
+                ready.update({"models": {"digits": [1]}, "failed": [], "grpc": None})
+                assert await supervisor.handle(ready) == {"ok": True}
+            assert supervisor.all_ready.is_set()
+            while len(started) < 3 and not supervisor.stop.is_set():
+                await anyio.sleep(POLL_S)
+        assert supervisor.failure is None, supervisor.failure
+        assert not supervisor.stop.is_set()
+        assert sorted(started) == [0, 1, 1]  # worker 1 again; worker 0 serves on
+        assert supervisor.reference == 0
+        assert "before it was ready" not in caplog.text
+        assert f"worker 1 (pid {pid}) was killed by SIGKILL; its in-flight requests" in caplog.text
+        tg.cancel_scope.cancel()
 
 
 @pytest.mark.parametrize(

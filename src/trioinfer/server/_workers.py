@@ -890,6 +890,8 @@ class _Supervisor:
     async def run_worker(self, worker: _Worker) -> None:
         backoff = 0
         failed_starts = 0
+        #: Whether any of its lives got ready: until one has, its death stops serve.
+        ever_ready = False
         while not self.stopping:
             started_at = anyio.current_time()
             process = await anyio.open_process(
@@ -911,6 +913,7 @@ class _Supervisor:
                 await process.wait()
             finally:
                 was_ready = worker.ready
+                ever_ready = ever_ready or was_ready
                 worker.process = None
                 worker.member = worker.ready = False
                 self.metrics.retire(worker.index, worker.pid)
@@ -920,7 +923,11 @@ class _Supervisor:
                 return
             how = _exit_text(process.returncode)
             why = f": {worker.failure}" if worker.failure else " (see its log above)"
-            if not self.all_ready.is_set():
+            if not ever_ready and not self.all_ready.is_set():
+                # A first start that failed. One that got ready and died before the
+                # others were (or while the first workers were compared, see
+                # `_compare_at_start`) is restarted as any later death: its restart
+                # joins as a restart does, compared with the members once all are ready.
                 self._fail(
                     f"worker {worker.index} (pid {worker.pid}) {how} before it was ready{why}"
                 )
