@@ -45,9 +45,9 @@ from trioinfer.server._workers import (
     MetricsLedger,
     StatsLedger,
     WorkersDisagree,
+    _first,
     _raise_error,
     _serve_calls,
-    _first,
     _Supervisor,
     merge_expositions,
     merge_stats,
@@ -1215,7 +1215,7 @@ async def test_a_worker_that_dies_while_the_first_workers_are_compared_is_restar
 
     supervisor = _Supervisor(2, tmp_path, {"models": None})
     digits = {"digits": {"versions": {"1": [[1, 2, 3], None]}, "traffic": {}}}
-    died = anyio.Event()
+    died, both_started, restarted = anyio.Event(), anyio.Event(), anyio.Event()
     started: list[int] = []
 
     class Process:
@@ -1237,7 +1237,10 @@ async def test_a_worker_that_dies_while_the_first_workers_are_compared_is_restar
 
     async def open_process(argv: list[str], **kwargs: Any) -> Process:
         started.append(int(argv[-1]))
-        return Process(int(argv[-1]))
+        process = Process(int(argv[-1]))
+        if len(started) > 1:
+            (both_started if len(started) == 2 else restarted).set()
+        return process
 
     async def worker_0(message: dict[str, Any]) -> dict[str, Any]:
         return {"served": digits, "failed": {}}
@@ -1260,8 +1263,7 @@ async def test_a_worker_that_dies_while_the_first_workers_are_compared_is_restar
         for worker in supervisor.workers:
             tg.start_soon(supervisor.run_worker, worker)
         with anyio.fail_after(WAIT_S), caplog.at_level(logging.INFO, "trioinfer.server"):
-            while sorted(started) != [0, 1]:
-                await anyio.sleep(POLL_S)
+            await both_started.wait()
             pid = supervisor.workers[1].pid
             for index in range(2):
                 worker = supervisor.workers[index]
@@ -1270,8 +1272,9 @@ async def test_a_worker_that_dies_while_the_first_workers_are_compared_is_restar
                 ready.update({"models": {"digits": [1]}, "failed": [], "grpc": None})
                 assert await supervisor.handle(ready) == {"ok": True}
             assert supervisor.all_ready.is_set()
-            while len(started) < 3 and not supervisor.stop.is_set():
-                await anyio.sleep(POLL_S)
+            async with anyio.create_task_group() as waiting:  # a restart, or serve stops
+                waiting.start_soon(_first, restarted, waiting.cancel_scope)
+                waiting.start_soon(_first, supervisor.stop, waiting.cancel_scope)
         assert supervisor.failure is None, supervisor.failure
         assert not supervisor.stop.is_set()
         assert sorted(started) == [0, 1, 1]  # worker 1 again; worker 0 serves on
