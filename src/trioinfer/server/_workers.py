@@ -155,7 +155,19 @@ _POLL_ADVICE: Final = (
 
 
 class WorkerFailed(TrioInferError):
-    """A worker could not start (or kept dying before it was ready): serving stops."""
+    """A worker could not start (or kept dying before it was ready): serving stops.
+
+    Also raised when workers outlived ``--exit-timeout-secs``.
+
+    Attributes:
+        logged: The supervisor has logged this message at ERROR already (the
+            workers that outlived the exit timeout, with their pids): the
+            command exits 1 without printing it again.
+    """
+
+    def __init__(self, message: str, *, logged: bool = False) -> None:
+        super().__init__(message)
+        self.logged = logged
 
 
 class WorkersDisagree(TrioInferError):
@@ -882,6 +894,8 @@ class _Supervisor:
         self.reference = 0
         self._compared = False
         self.failure: str | None = None
+        #: `failure` was logged at ERROR when it was set (`kill_after`'s bound).
+        self.failure_logged = False
         self.metrics = MetricsLedger(host)
         self.stats = StatsLedger()
 
@@ -1031,7 +1045,8 @@ class _Supervisor:
                 f"passed with {held} still running: killing them"
             )
             log.error("%s", message)
-            self.failure = self.failure or message
+            if self.failure is None:
+                self.failure, self.failure_logged = message, True
         self.signal_all(signal.SIGKILL)
 
     def signal_all(self, signum: signal.Signals) -> None:
@@ -1691,7 +1706,7 @@ async def serve_workers(
             sock.close()
         shutil.rmtree(directory, ignore_errors=True)
     if supervisor.failure is not None:
-        raise WorkerFailed(supervisor.failure)
+        raise WorkerFailed(supervisor.failure, logged=supervisor.failure_logged)
     log.info("all workers stopped")
 
 
