@@ -1186,13 +1186,22 @@ class _Supervisor:
         from it stops being a member and is stopped (it drains) and
         restarted, as one that died: it loads
         what the reference loaded and joins once it serves the same (see
-        `_hello`), while the others serve.
+        `_hello`), while the others serve. A worker that dies meanwhile is
+        left out of the comparison, and restarted (`run_worker`).
         """
         async with self.changing:
+            asked = {worker.index: worker.pid for worker in self.workers}
             replies = await _each(self.workers, {"op": "served"}, limit_s=GATHER_TIMEOUT_S)
             groups: dict[str, list[tuple[_Worker, dict[str, Any]]]] = {}
             for worker, reply in replies:
-                if reply is not None and "served" in reply:
+                # One that died since it answered is left out: it is no reference
+                # (the others would be stopped for a worker that is gone), and it
+                # restarts and joins as any restart does (`run_worker`, `_hello`).
+                if (
+                    reply is not None
+                    and "served" in reply
+                    and _running(worker, asked[worker.index])
+                ):
                     key = json.dumps(reply["served"], sort_keys=True)
                     groups.setdefault(key, []).append((worker, reply))
             if len(groups) < 2:  # they agree (those that answered)
