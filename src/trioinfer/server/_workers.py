@@ -904,7 +904,7 @@ class _Supervisor:
     async def run_worker(self, worker: _Worker) -> None:
         backoff = 0
         failed_starts = 0
-        #: Whether any of its lives got ready: until one has, its death stops serve.
+        # Whether any of its lives got ready: until one has, its death stops serve.
         ever_ready = False
         while not self.stopping:
             started_at = anyio.current_time()
