@@ -206,6 +206,9 @@ def test_sigterm_ends_workers_at_the_exit_timeout(tmp_path: Path) -> None:
         named = [pid for pid in pids if f"(pid {pid})" in line]
         assert len(named) == 1, line
         assert "--exit-timeout-secs" in line
+        # Said once, at ERROR with the pids: not again as "Error: WorkerFailed: ...".
+        assert said.count("still running: killing them") == 1, said[-4000:]
+        assert "Error: WorkerFailed" not in said, said[-4000:]
         assert _refused(url)
         sent.join(timeout=STOP_S)
 
@@ -325,3 +328,21 @@ def test_the_exit_timeout_reaches_the_workers_supervisor(monkeypatch: pytest.Mon
     # Not given: None, the supervisor's own margin past the drain period (as before).
     assert runner.invoke(cli_main, ["serve", "--workers", "2"]).exit_code == 0
     assert seen[-1] is None
+
+
+@pytest.mark.parametrize("logged", [True, False])
+def test_a_workers_failure_is_said_once(monkeypatch: pytest.MonkeyPatch, logged: bool) -> None:
+    # The supervisor names the workers that outlived --exit-timeout-secs at ERROR
+    # (with their pids), then fails: the command printed the same text again as
+    # "Error: WorkerFailed: ...". A failure it did not log (a worker that cannot
+    # start) is printed, once.
+    from trioinfer.cli import serve
+    from trioinfer.server._workers import WorkerFailed
+
+    async def serving(repository: Path, **options: Any) -> None:
+        raise WorkerFailed("what went wrong", logged=logged)
+
+    monkeypatch.setattr(serve, "_serve_workers", serving)
+    result = CliRunner().invoke(cli_main, ["serve", "--workers", "2"])
+    assert result.exit_code == 1, result.output
+    assert result.output.count("what went wrong") == (0 if logged else 1), result.output

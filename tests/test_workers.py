@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any, cast
 
 import anyio
+import anyio.abc
 import attrs
 import httpx
 import pytest
@@ -44,6 +45,7 @@ from trioinfer.server._workers import (
     MetricsLedger,
     StatsLedger,
     WorkersDisagree,
+    _first,
     _raise_error,
     _serve_calls,
     _Supervisor,
@@ -1200,6 +1202,103 @@ async def test_a_worker_that_dies_while_serve_stops_is_not_started_again(
     with anyio.fail_after(WAIT_S):
         await supervisor.run_worker(supervisor.workers[0])
     assert len(started) == 1
+
+
+@pytest.mark.parametrize("answered", [False, True])
+async def test_a_worker_that_dies_while_the_first_workers_are_compared_is_restarted(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+    answered: bool,
+) -> None:
+    # Once all first workers were ready, the supervisor compared what they served; a
+    # worker that died then (after it had said it was ready) stopped the whole server
+    # with "... before it was ready". It had been ready: it is restarted, as a worker
+    # that dies later is, and the others serve. *answered*: it died just after it
+    # answered, serving more than worker 0: it is not the reference, and worker 0 is
+    # not stopped for serving otherwise than a worker that is gone.
+    from trioinfer.server import _workers
+
+    supervisor = _Supervisor(2, tmp_path, {"models": None})
+    digits = {"digits": {"versions": {"1": [[1, 2, 3], None]}, "traffic": {}}}
+    more = {**digits, "flaky": {"versions": {"1": [[4, 5, 6], None]}, "traffic": {}}}
+    died, both_started, restarted = anyio.Event(), anyio.Event(), anyio.Event()
+    started: list[int] = []
+
+    class Process:
+        def __init__(self, index: int) -> None:
+            self.pid = 99 + len(started)
+            self.returncode: int | None = None
+            self.dies = index == 1 and started.count(1) == 1  # worker 1's first life
+            self.signals: list[int] = []
+            processes.append(self)
+
+        async def wait(self) -> int:
+            if self.dies:
+                await died.wait()
+                self.returncode = -signal.SIGKILL
+                return self.returncode
+            await anyio.sleep_forever()
+            raise AssertionError  # pragma: no cover
+
+        def send_signal(self, signum: int) -> None:
+            self.signals.append(signum)
+
+    processes: list[Process] = []
+
+    async def open_process(argv: list[str], **kwargs: Any) -> Process:
+        started.append(int(argv[-1]))
+        process = Process(int(argv[-1]))
+        if len(started) > 1:
+            (both_started if len(started) == 2 else restarted).set()
+        return process
+
+    async def worker_0(message: dict[str, Any]) -> dict[str, Any]:
+        if answered:
+            await restarted.wait()  # worker 1 has answered, died and started again
+        return {"served": digits, "failed": {}}
+
+    async def worker_1(message: dict[str, Any]) -> dict[str, Any]:
+        died.set()  # killed while it is asked what it serves
+        if answered:
+            return {"served": more, "failed": {}}
+        await anyio.sleep_forever()  # it never answers
+        raise AssertionError  # pragma: no cover
+
+    async def worker_1_listens(*, task_status: anyio.abc.TaskStatus[None]) -> None:
+        async with anyio.create_task_group() as calls:
+            if not answered:
+                calls.start_soon(_first, died, calls.cancel_scope)  # its socket goes with it
+            await calls.start(_serve_calls, worker_socket(tmp_path, 1), worker_1)
+            task_status.started()
+
+    monkeypatch.setattr(_workers.anyio, "open_process", open_process)
+    async with anyio.create_task_group() as tg:
+        await tg.start(_serve_calls, worker_socket(tmp_path, 0), worker_0)
+        await tg.start(worker_1_listens)
+        for worker in supervisor.workers:
+            tg.start_soon(supervisor.run_worker, worker)
+        with anyio.fail_after(WAIT_S), caplog.at_level(logging.INFO, "trioinfer.server"):
+            await both_started.wait()
+            pid = supervisor.workers[1].pid
+            for index in range(2):
+                worker = supervisor.workers[index]
+                worker.member = True  # as its hello made it, before all were ready
+                ready = {"op": "ready", "worker": index, "pid": worker.pid, "urls": ["u"]}
+                ready.update({"models": {"digits": [1]}, "failed": [], "grpc": None})
+                assert await supervisor.handle(ready) == {"ok": True}
+            assert supervisor.all_ready.is_set()
+            async with anyio.create_task_group() as waiting:  # a restart, or serve stops
+                waiting.start_soon(_first, restarted, waiting.cancel_scope)
+                waiting.start_soon(_first, supervisor.stop, waiting.cancel_scope)
+        assert supervisor.failure is None, supervisor.failure
+        assert not supervisor.stop.is_set()
+        assert sorted(started) == [0, 1, 1]  # worker 1 again; worker 0 serves on
+        assert supervisor.reference == 0
+        assert [p.signals for p in processes if p.pid == supervisor.workers[0].pid] == [[]]
+        assert "before it was ready" not in caplog.text
+        assert f"worker 1 (pid {pid}) was killed by SIGKILL; its in-flight requests" in caplog.text
+        tg.cancel_scope.cancel()
 
 
 @pytest.mark.parametrize(

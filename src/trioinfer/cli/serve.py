@@ -532,7 +532,13 @@ def serve(ctx: click.Context, /, **options: Any) -> None:
             )
     except (TrioInferError, OSError, BaseExceptionGroup) as exc:
         # Task groups wrap what fails at start-up; say the one cause plainly.
+        from ..server._workers import WorkerFailed
+
         cause = _only_cause(exc)
+        if isinstance(cause, WorkerFailed) and cause.logged:
+            # The supervisor's ERROR line said it, with the workers' pids (a
+            # WorkerFailed at the exit timeout): printing it again only repeats it.
+            raise click.exceptions.Exit(1) from exc
         if isinstance(cause, TrioInferError):
             raise click.ClickException(f"{type(cause).__name__}: {cause}") from exc
         if isinstance(cause, OSError):  # e.g. the port is taken

@@ -155,7 +155,19 @@ _POLL_ADVICE: Final = (
 
 
 class WorkerFailed(TrioInferError):
-    """A worker could not start (or kept dying before it was ready): serving stops."""
+    """A worker could not start (or kept dying before it was ready): serving stops.
+
+    Also raised when workers outlived ``--exit-timeout-secs``.
+
+    Attributes:
+        logged: The supervisor has logged this message at ERROR already (the
+            workers that outlived the exit timeout, with their pids): the
+            command exits 1 without printing it again.
+    """
+
+    def __init__(self, message: str, *, logged: bool = False) -> None:
+        super().__init__(message)
+        self.logged = logged
 
 
 class WorkersDisagree(TrioInferError):
@@ -882,6 +894,8 @@ class _Supervisor:
         self.reference = 0
         self._compared = False
         self.failure: str | None = None
+        #: `failure` was logged at ERROR when it was set (`kill_after`'s bound).
+        self.failure_logged = False
         self.metrics = MetricsLedger(host)
         self.stats = StatsLedger()
 
@@ -890,6 +904,8 @@ class _Supervisor:
     async def run_worker(self, worker: _Worker) -> None:
         backoff = 0
         failed_starts = 0
+        # Whether any of its lives got ready: until one has, its death stops serve.
+        ever_ready = False
         while not self.stopping:
             started_at = anyio.current_time()
             process = await anyio.open_process(
@@ -911,6 +927,7 @@ class _Supervisor:
                 await process.wait()
             finally:
                 was_ready = worker.ready
+                ever_ready = ever_ready or was_ready
                 worker.process = None
                 worker.member = worker.ready = False
                 self.metrics.retire(worker.index, worker.pid)
@@ -920,7 +937,11 @@ class _Supervisor:
                 return
             how = _exit_text(process.returncode)
             why = f": {worker.failure}" if worker.failure else " (see its log above)"
-            if not self.all_ready.is_set():
+            if not ever_ready and not self.all_ready.is_set():
+                # A first start that failed. One that got ready and died before the
+                # others were (or while the first workers were compared, see
+                # `_compare_at_start`) is restarted as any later death: its restart
+                # joins as a restart does, compared with the members once all are ready.
                 self._fail(
                     f"worker {worker.index} (pid {worker.pid}) {how} before it was ready{why}"
                 )
@@ -1024,7 +1045,8 @@ class _Supervisor:
                 f"passed with {held} still running: killing them"
             )
             log.error("%s", message)
-            self.failure = self.failure or message
+            if self.failure is None:
+                self.failure, self.failure_logged = message, True
         self.signal_all(signal.SIGKILL)
 
     def signal_all(self, signum: signal.Signals) -> None:
@@ -1164,13 +1186,22 @@ class _Supervisor:
         from it stops being a member and is stopped (it drains) and
         restarted, as one that died: it loads
         what the reference loaded and joins once it serves the same (see
-        `_hello`), while the others serve.
+        `_hello`), while the others serve. A worker that dies meanwhile is
+        left out of the comparison, and restarted (`run_worker`).
         """
         async with self.changing:
+            asked = {worker.index: worker.pid for worker in self.workers}
             replies = await _each(self.workers, {"op": "served"}, limit_s=GATHER_TIMEOUT_S)
             groups: dict[str, list[tuple[_Worker, dict[str, Any]]]] = {}
             for worker, reply in replies:
-                if reply is not None and "served" in reply:
+                # One that died since it answered is left out: it is no reference
+                # (the others would be stopped for a worker that is gone), and it
+                # restarts and joins as any restart does (`run_worker`, `_hello`).
+                if (
+                    reply is not None
+                    and "served" in reply
+                    and _running(worker, asked[worker.index])
+                ):
                     key = json.dumps(reply["served"], sort_keys=True)
                     groups.setdefault(key, []).append((worker, reply))
             if len(groups) < 2:  # they agree (those that answered)
@@ -1684,7 +1715,7 @@ async def serve_workers(
             sock.close()
         shutil.rmtree(directory, ignore_errors=True)
     if supervisor.failure is not None:
-        raise WorkerFailed(supervisor.failure)
+        raise WorkerFailed(supervisor.failure, logged=supervisor.failure_logged)
     log.info("all workers stopped")
 
 
