@@ -299,7 +299,7 @@ def test_the_exit_timeout_names_a_load_it_ends(tmp_path: Path) -> None:
         assert code == 1, f"the server exited with {code}; log:\n{said[-4000:]}"
         line = next((x for x in said.splitlines() if "without waiting for" in x), None)
         assert line is not None, said[-4000:]
-        assert "'slow': its load" in line, line
+        assert "model 'slow' (version 1): its load, running for" in line, line
         assert "the event loop's thread was blocked" not in said
     finally:
         if process.poll() is None:
