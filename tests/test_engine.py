@@ -207,6 +207,14 @@ async def test_a_model_directory_as_the_path_names_the_file_meant(
         with pytest.raises(trioinfer.BackendError) as caught:
             await engine.load(ModelConfig(name="m", path=tmp_path / "empty"))
     assert "is a directory; path names the model's .onnx file" in str(caught.value)
+    # A child named by a digit that is no decimal one ("²".isdigit(), but int() refuses
+    # it): the same message, not a ValueError from looking for an example.
+    (tmp_path / "odd" / "\u00b2").mkdir(parents=True)
+    (tmp_path / "odd" / "\u00b2" / "model.onnx").touch()
+    async with open_engine() as engine:
+        with pytest.raises(trioinfer.BackendError) as caught:
+            await engine.load(ModelConfig(name="m", path=tmp_path / "odd"))
+    assert "is a directory; path names the model's .onnx file" in str(caught.value)
 
 
 async def test_failed_instance_closes_the_loaded_ones(add_model: Path, tmp_path: Path) -> None:

@@ -257,6 +257,33 @@ async def test_a_slow_constructor_leaves_the_event_loop_free() -> None:
     assert thread != threading.current_thread().name
 
 
+async def test_a_constructor_on_its_thread_sees_the_load_s_context() -> None:
+    # The constructor runs on a worker thread (not the event loop): what it may call
+    # there (current_engine, current_model_metrics, its metrics keyword, anyio's
+    # primitives made for later use on the loop) works as it did on the loop.
+    seen: list[tuple[bool, str]] = []
+
+    class Aware:
+        def __init__(self, metrics: Any) -> None:
+            here = threading.current_thread() is not threading.main_thread()
+            engine = trioinfer.lowlevel.current_engine()
+            trioinfer.lowlevel.current_model_metrics()
+            metrics.counter("aware_built_total", "constructors run")
+            self.ready = anyio.Event()
+            seen.append((here, type(engine).__name__))
+
+        async def infer(self, inputs: dict[str, np.ndarray[Any, Any]]) -> dict[str, Any]:
+            self.ready.set()
+            await self.ready.wait()
+            return {"y": inputs["x"]}
+
+    async with open_engine() as engine:
+        await engine.load(attrs.evolve(config(Aware), instances=[Instance(count=2)]))
+        np.testing.assert_array_equal((await engine.infer("m", {"x": X}))["y"], X)
+        assert [f.name for f in engine.custom_metrics()] == ["aware_built"]
+    assert seen == [(True, "Engine")] * 2
+
+
 async def test_a_model_with_a_batch_dimension_receives_batches(
     autojump_clock: trio.testing.MockClock,
 ) -> None:

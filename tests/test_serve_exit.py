@@ -262,6 +262,54 @@ def test_sigterm_ends_a_start_whose_model_blocks_the_event_loop(tmp_path: Path, 
             process.wait()
 
 
+SLOW_INIT = """\
+import pathlib
+import time
+
+
+class Model:
+    def __init__(self):
+        # The backend builds the object on a worker thread, which nothing can stop.
+        (pathlib.Path(__file__).parent / "loading").touch()
+        time.sleep(3600)
+
+    def infer(self, inputs):
+        return {"y": inputs["x"]}
+"""
+
+
+def test_the_exit_timeout_names_a_load_it_ends(tmp_path: Path) -> None:
+    # A Python model's constructor runs on a thread: the loop is free, so the exit's
+    # own bound ends the process, whose last line said "no execution the engine knows
+    # of" while the engine was loading that model.
+    repository = tmp_path / "repository"
+    (repository / "slow" / "1").mkdir(parents=True)
+    (repository / "slow" / "config.toml").write_text(STUCK_CONFIG)
+    (repository / "slow" / "1" / "model.py").write_text(SLOW_INIT)
+    log = tmp_path / "server.log"
+    command = [sys.executable, "-m", "trioinfer", "serve", "--port", "0", "--no-grpc"]
+    command += ["--log-level", "info", "--model-repository", str(repository)]
+    command += ["--drain-period", "0.2", "--exit-timeout-secs", "1"]
+    with log.open("wb") as log_file:
+        process = subprocess.Popen(
+            command, stdin=subprocess.DEVNULL, stdout=log_file, stderr=subprocess.STDOUT
+        )
+    try:
+        wait_until((repository / "slow" / "1" / "loading").exists, "the model loads")
+        process.send_signal(signal.SIGTERM)
+        code = _ended_by_itself(cast(Any, process), log)
+        said = log.read_text(errors="replace")
+        assert code == 1, f"the server exited with {code}; log:\n{said[-4000:]}"
+        line = next((x for x in said.splitlines() if "without waiting for" in x), None)
+        assert line is not None, said[-4000:]
+        assert "model 'slow' (version 1): its load, running for" in line, line
+        assert "the event loop's thread was blocked" not in said
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [

@@ -161,7 +161,8 @@ def _directory_as_path(path: Path) -> str:
         versions = [
             int(child.name)
             for child in path.iterdir()
-            if child.name.isdigit() and (child / "model.onnx").is_file()
+            # ASCII digits only, as the repository's versions: int() refuses "²".
+            if child.name.isascii() and child.name.isdigit() and (child / "model.onnx").is_file()
         ]
         found = path / str(max(versions)) / "model.onnx" if versions else None
     example = f", e.g. {found}" if found is not None else ""

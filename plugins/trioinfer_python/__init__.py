@@ -26,9 +26,15 @@ In code, ``backend_options={"class": Model, ...}`` names the class itself, and
 - ``__init__(self, **parameters)``; a ``device`` keyword, if it takes one,
   gets where the instance was placed (``"cpu"``, ``"cuda:0"``). Parameters
   it cannot take (one missing, one it does not know) are a ``ConfigError``
-  at load. It runs on a thread of its own, once per instance, so a slow one
+  at load. It runs on a worker thread, once per instance, so a slow one
   (reading weights, a tokenizer) stalls no other model meanwhile; a load
-  cancelled while it runs waits for it to return.
+  cancelled while it runs waits for it to return. The instances of one load
+  are built at once, on threads of their own: guard what they share (a
+  class attribute). Off the loop, it sees the load's context
+  (``trioinfer.lowlevel.current_engine()``, its ``metrics``) and may make
+  anyio's primitives, but what needs the running event loop
+  (``trio.lowlevel.current_trio_token()``, ``asyncio.get_running_loop()``,
+  ``anyio.current_time()``) raises there: call it in an ``async def load``.
 - ``infer(self, inputs) -> outputs``, dicts of numpy arrays by tensor name.
   The input arrays are read-only views: they may be the caller's own arrays
   (``engine.infer`` copies nothing), another pipeline step's answer (which

@@ -12,6 +12,7 @@ import inspect
 import logging
 import math
 import operator
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping
 from contextlib import AbstractAsyncContextManager, asynccontextmanager, contextmanager
 from contextvars import ContextVar
@@ -190,7 +191,9 @@ class Engine:
     # The pipelines Engine.infer takes in its own frame (no cache, not traced, the
     # engine open), as _plain's models: straight to Pipeline.call.
     _pipes: dict[str, Pipeline] = attrs.field(factory=dict, init=False)
-    _loading: set[str] = attrs.field(factory=set, init=False)
+    # The models being loaded, each with when its load began (time.monotonic(): read
+    # from a watchdog thread too, see _executing).
+    _loading: dict[str, float] = attrs.field(factory=dict, init=False)
     # The loads, and the unloads (and replaced models' retirements), running in callers'
     # tasks, by their cancel scopes: closing cancels them and waits for them to end, so
     # that no instance, thread or runner of theirs outlives the engine's block.
@@ -278,7 +281,7 @@ class Engine:
                 f"model {name!r} sets response_cache, but the engine has no cache: give it "
                 "one with open_engine(cache_size=...) (trioinfer serve --cache-size)"
             )
-        self._loading.add(name)
+        self._loading[name] = time.monotonic()
         # The backend's load, and every task the model starts, can tell which engine
         # serves it (lowlevel.current_engine: a Python model calling other models).
         engine_token = _current_engine.set(self)
@@ -341,7 +344,7 @@ class Engine:
             _current_owner.reset(metrics_token)
             if not installed:
                 self._custom.drop(owner)
-            self._loading.discard(name)
+            self._loading.pop(name, None)
         if old is not None:
             await self._retire(old, old_gate)
         return self._info(runner)
@@ -1206,11 +1209,17 @@ class Engine:
         # Each execution in progress, for a process that must end while some still
         # run (trioinfer serve's exit timeout): "model 'm': instance 0 (cpu), running for 12.3s".
         # Models being unloaded are no longer here, nor what a plugin runs of its own.
+        # A load is named too: a backend's may run on a thread that cannot be stopped
+        # (a Python model's constructor, a session reading its file).
+        now = time.monotonic()
         return [
             f"model {name!r}: {label}, running for {seconds:.1f}s"
             for name, runner in sorted(self._runners.items())
             if isinstance(runner, ModelRunner)
             for label, seconds in runner.executing()
+        ] + [
+            f"model {name!r}: its load, running for {now - began:.1f}s"
+            for name, began in sorted(self._loading.items())
         ]
 
     def custom_metrics(self) -> tuple[CustomMetricFamily, ...]:

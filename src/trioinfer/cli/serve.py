@@ -1148,8 +1148,8 @@ def _end_the_process(why: str) -> NoReturn:
         why,
         EXIT_HELD_STATUS,
         "; ".join(running)
-        or "no execution the engine knows of (a load, an instance's close, or a plugin's "
-        "own thread)",
+        or "no execution or load the engine knows of (an instance's close, say, or a "
+        "plugin's own thread)",
     )
     logging.shutdown()  # flushes and closes every handler
     for stream in (sys.stdout, sys.stderr):

@@ -302,11 +302,13 @@ async def _known_until_closed() -> AsyncIterator[Callable[[Engine], None]]:
 
 
 def still_executing() -> list[str]:
-    """The executions in progress in the engines `serve_http` has open in this process.
+    """The executions and loads in progress in the engines `serve_http` has open in this process.
 
     For ``trioinfer serve``, which must name them when it ends a process whose
-    exit they hold: ``model 'm': instance 0 (cpu), running for 12.3s`` each (the model
-    as the engine names it; the log's filter turns ``m.v1`` into ``'m' (version 1)``).
+    exit they hold: ``model 'm': instance 0 (cpu), running for 12.3s`` each, and
+    ``model 'm': its load, running for 40.0s`` (a Python model's constructor, on a
+    thread, say); the model as the engine names it (the log's filter turns ``m.v1``
+    into ``'m' (version 1)``).
     """
     return [line for engine in _OPEN_ENGINES for line in engine._executing()]
 
