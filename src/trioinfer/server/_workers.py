@@ -196,6 +196,46 @@ async def _call(path: Path, message: Mapping[str, Any]) -> dict[str, Any]:
     return reply
 
 
+@attrs.frozen
+class _Unreached:
+    """Why `_call_while` got no answer: its tries, the last error, and whether the far side died."""
+
+    tries: int
+    why: _Gone
+    dead: bool
+
+
+async def _call_while(
+    path: Path,
+    message: Mapping[str, Any],
+    alive: Callable[[], bool],
+    retrying: Callable[[_Gone], object] | None = None,
+) -> dict[str, Any] | _Unreached:
+    """`_call`, asked again on fresh connections for `REACH_S` while *alive()* says so.
+
+    A socket error (a full backlog, a connection cut) is no death while the
+    process on the other side runs; *retrying* hears each error that is tried
+    again. The answer, or why there was none.
+    """
+    tries, delay = 0, RETRY_S
+    deadline = anyio.current_time() + REACH_S
+    while True:
+        tries += 1
+        try:
+            return await _call(path, message)
+        except _Gone as exc:
+            why = exc
+        if not alive():
+            return _Unreached(tries, why, dead=True)
+        left = deadline - anyio.current_time()
+        if left <= 0:
+            return _Unreached(tries, why, dead=False)
+        if retrying is not None:
+            retrying(why)
+        await anyio.sleep(min(delay, left))
+        delay *= 2
+
+
 _Handler = Callable[[dict[str, Any]], Awaitable[dict[str, Any]]]
 
 
@@ -721,30 +761,21 @@ class WorkerLink:
 
     async def _change(self, message: dict[str, Any]) -> None:
         # A socket error is no lost supervisor while it is still this process's parent:
-        # fresh connections try again for REACH_S (a change the supervisor received twice
-        # applies once, see _Supervisor._reach), then the client is told what happened.
-        tries, delay = 0, RETRY_S
-        deadline = anyio.current_time() + REACH_S
-        while True:
-            tries += 1
-            try:
-                reply = await _call(self._supervisor, message)
-                break
-            except _Gone as exc:
-                why = exc
-            if os.getppid() != self._supervisor_pid:
+        # fresh connections try again (a change the supervisor received twice applies
+        # once, see _Supervisor._reach), then the client is told what happened.
+        reply = await _call_while(
+            self._supervisor, message, lambda: os.getppid() == self._supervisor_pid
+        )
+        if isinstance(reply, _Unreached):
+            if reply.dead:
                 raise TrioInferError(
                     "this worker lost its supervisor (the trioinfer serve process); it is stopping"
-                ) from why
-            left = deadline - anyio.current_time()
-            if left <= 0:
-                raise TrioInferError(
-                    f"could not reach the supervisor (pid {self._supervisor_pid}) with "
-                    f"{_what(message)} ({tries} tries over {REACH_S:g}s, the last: {why}): it "
-                    "may or may not have applied on the workers; repeat the request"
-                ) from why
-            await anyio.sleep(min(delay, left))
-            delay *= 2
+                ) from reply.why
+            raise TrioInferError(
+                f"could not reach the supervisor (pid {self._supervisor_pid}) with "
+                f"{_what(message)} ({reply.tries} tries over {REACH_S:g}s, the last: "
+                f"{reply.why}): it may or may not have applied on the workers; repeat the request"
+            ) from reply.why
         if "error" in reply:
             _raise_error(reply["error"])
 
@@ -1341,36 +1372,32 @@ class _Supervisor:
         the worker took the call repeats it, which a live worker never does
         (it answers every call, its errors included).
         """
-        pid, tries, delay = worker.pid, 0, RETRY_S
-        deadline = anyio.current_time() + REACH_S
-        while True:
-            tries += 1
-            try:
-                return await _call(worker.socket, change)
-            except _Gone as exc:
-                why = exc
-            if not _running(worker, pid):
-                log.info(
-                    "worker %d (pid %d) has died: it takes %s when it restarts",
-                    worker.index,
-                    pid,
-                    _what(change),
-                )
-                return None
-            left = deadline - anyio.current_time()
-            if left <= 0:
-                break
-            log.info(
+        pid = worker.pid
+        reply = await _call_while(
+            worker.socket,
+            change,
+            lambda: _running(worker, pid),
+            lambda why: log.info(
                 "worker %d (pid %d) runs but did not answer (%s): trying again",
                 worker.index,
                 pid,
                 why,
+            ),
+        )
+        if not isinstance(reply, _Unreached):
+            return reply
+        if reply.dead:
+            log.info(
+                "worker %d (pid %d) has died: it takes %s when it restarts",
+                worker.index,
+                pid,
+                _what(change),
             )
-            await anyio.sleep(min(delay, left))
-            delay *= 2
+            return None
         said = (
             f"worker {worker.index} (pid {pid}) is running but did not answer {_what(change)} "
-            f"({tries} tries over {REACH_S:g}s, the last: {why}); it may not have applied it"
+            f"({reply.tries} tries over {REACH_S:g}s, the last: {reply.why}); it may not have "
+            "applied it"
         )
         log.error("%s", said)
         return {"error": {"type": "TrioInferError", "message": said}, "unreachable": True}
