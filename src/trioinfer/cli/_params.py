@@ -4,19 +4,32 @@ from __future__ import annotations
 
 import math
 import re
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import click
+
+T = TypeVar("T", float, float | None)
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20,
           "gib": 2**30}  # fmt: skip
 
 
-def _not_nan(_ctx: click.Context, _param: click.Parameter, value: float) -> float:
-    # FloatRange lets NaN through (every comparison with it is false).
-    if math.isnan(value):
-        raise click.BadParameter("must be a number of seconds > 0, not nan")
-    return value
+def not_nan(expected: str) -> Callable[[click.Context, click.Parameter, T], T]:
+    """A callback refusing NaN for a float option (or None), saying it must be *expected*.
+
+    FloatRange lets NaN through (every comparison with it is false).
+    """
+
+    def check(_ctx: click.Context, _param: click.Parameter, value: T) -> T:
+        if isinstance(value, float) and math.isnan(value):
+            raise click.BadParameter(f"must be {expected}, not nan")
+        return value
+
+    return check
+
+
+_not_nan = not_nan("a number of seconds > 0")
 
 
 def needs_extra(extra: str, exc: ModuleNotFoundError) -> click.ClickException:

@@ -10,7 +10,6 @@ import gc
 import importlib.util
 import ipaddress
 import logging
-import math
 import os
 import signal
 import sys
@@ -29,7 +28,14 @@ import click
 from .. import __version__
 from .._examples import example_repository
 from .._exceptions import TrioInferError
-from ._params import TAKES_NO_ARGUMENTS, ByteSize, _not_nan, needs_extra, no_arguments
+from ._params import (
+    TAKES_NO_ARGUMENTS,
+    ByteSize,
+    _not_nan,
+    needs_extra,
+    no_arguments,
+    not_nan,
+)
 
 #: Triton's gRPC port.
 DEFAULT_GRPC_PORT: Final = 8001
@@ -87,24 +93,6 @@ EXIT_HELD_STATUS: Final = 1
 #: How long past a bound the exit may be held with the event loop's thread blocked (so
 #: that no task of the loop keeps the bound) before a watchdog thread ends the process.
 BACKSTOP_S: Final = 1.0
-
-
-def _timeout_not_nan(
-    _ctx: click.Context, _param: click.Parameter, value: float | None
-) -> float | None:
-    # FloatRange lets NaN through (every comparison with it is false).
-    if value is not None and math.isnan(value):
-        raise click.BadParameter("must be a number of seconds >= 0, not nan")
-    return value
-
-
-def _rate_not_nan(
-    _ctx: click.Context, _param: click.Parameter, value: float | None
-) -> float | None:
-    # FloatRange lets NaN through (every comparison with it is false).
-    if value is not None and math.isnan(value):
-        raise click.BadParameter("must be a ratio between 0 and 1, not nan")
-    return value
 
 
 @click.command(
@@ -230,7 +218,7 @@ def _rate_not_nan(
 @click.option(
     "--exit-timeout-secs",
     type=click.FloatRange(min=0),
-    callback=_timeout_not_nan,
+    callback=not_nan("a number of seconds >= 0"),
     default=None,
     metavar="SECONDS",
     help="On SIGINT/SIGTERM, how long the whole exit may take (the drain, then cancelling "
@@ -345,7 +333,7 @@ def _rate_not_nan(
 @click.option(
     "--trace-rate",
     type=click.FloatRange(0, 1),
-    callback=_rate_not_nan,
+    callback=not_nan("a ratio between 0 and 1"),
     default=None,
     metavar="RATIO",
     help="The share of requests that start a trace which are traced (0.001 = 1 in 1000); "
