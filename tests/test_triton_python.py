@@ -17,6 +17,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import numpy as np
 import pytest
 import trio
@@ -239,12 +240,37 @@ class TritonPythonModel:
         return responses
 """
 
+# The same from an async def execute, with async_exec().
+ASYNC_CALLER = (
+    CALLER.replace("def execute", "async def execute")
+    .replace(").exec()", ").async_exec()")
+    .replace("called = pb_utils", "called = await pb_utils")
+)
+
+ENSEMBLE_PBTXT = """\
+platform: "ensemble"
+max_batch_size: 0
+input [ { name: "WORDS" data_type: TYPE_STRING dims: [ -1 ] } ]
+output [ { name: "SHOUTED" data_type: TYPE_STRING dims: [ -1 ] } ]
+ensemble_scheduling {
+  step [
+    {
+      model_name: "upper"
+      model_version: -1
+      input_map { key: "TEXT" value: "WORDS" }
+      output_map { key: "UPPER" value: "SHOUTED" }
+    }
+  ]
+}
+"""
+
 MODELS = {
     "add_sub": (ADD_SUB_PBTXT, ADD_SUB),
     "upper": (UPPER_PBTXT, UPPER),
     "broken": (BROKEN_PBTXT, BROKEN),
     "repeat": (REPEAT_PBTXT, REPEAT),
     "caller": (CALLER_PBTXT, CALLER),
+    "async_caller": (CALLER_PBTXT, ASYNC_CALLER),
 }
 
 
@@ -253,6 +279,8 @@ def write_repository(root: Path) -> Path:
         (root / name / "1").mkdir(parents=True)
         (root / name / "config.pbtxt").write_text(pbtxt)
         (root / name / "1" / "model.py").write_text(code)
+    (root / "shout" / "1").mkdir(parents=True)
+    (root / "shout" / "config.pbtxt").write_text(ENSEMBLE_PBTXT)
     return root
 
 
@@ -394,13 +422,14 @@ async def test_a_decoupled_model_streams_what_it_sends(repository: Path) -> None
         assert got == [2]
 
 
-async def test_bls_calls_another_model(repository: Path) -> None:
+@pytest.mark.parametrize("caller", ["caller", "async_caller"])
+async def test_bls_calls_another_model(repository: Path, caller: str) -> None:
     async with trioinfer.open_engine() as engine:
-        await load(engine, repository, "add_sub", "caller")
-        out = await engine.infer("caller", {"X": np.full((1, 4), 2, np.float32)})
+        await load(engine, repository, "add_sub", caller)
+        out = await engine.infer(caller, {"X": np.full((1, 4), 2, np.float32)})
         np.testing.assert_array_equal(out["SUM"], np.full((1, 4), 4.5, np.float32))
         with pytest.raises(InvalidInput, match="INPUT0 must not be negative"):
-            await engine.infer("caller", {"X": np.full((1, 4), -2, np.float32)})
+            await engine.infer(caller, {"X": np.full((1, 4), -2, np.float32)})
 
 
 def test_what_pb_utils_does_not_provide_is_named() -> None:
@@ -479,7 +508,23 @@ def test_tritonclient_http(server: Any) -> None:
         assert result.as_numpy("UPPER").tolist() == [b"X", b"YZ"]
         assert result.as_numpy("LENGTHS").tolist() == [1, 2]
         meta = client.get_model_metadata("upper")
-        assert [o["datatype"] for o in meta["outputs"]] == ["BYTES", "INT64", "BYTES"]
+        assert [(o["datatype"], o["shape"]) for o in meta["outputs"]] == [
+            ("BYTES", [-1]),
+            ("INT64", [-1]),
+            ("BYTES", [2]),
+        ]
+        # A Triton ensemble whose step is a Triton Python model.
+        words = httpclient.InferInput("WORDS", [1], "BYTES")
+        words.set_data_from_numpy(np.array([b"hey"], dtype=object))
+        assert client.infer("shout", [words]).as_numpy("SHOUTED").tolist() == [b"HEY"]
+
+
+def test_http_generate_stream_of_a_decoupled_model(server: Any) -> None:
+    with httpx.Client(base_url=server.url, timeout=WAIT_S) as client:
+        answer = client.post("/v2/models/repeat/generate_stream", json={"IN": [5, 6]})
+    assert answer.status_code == 200, answer.text
+    chunks = [c for c in answer.text.split("\n\n") if c]
+    assert [json.loads(c.removeprefix("data: "))["OUT"] for c in chunks] == [5, 6]
 
 
 @pytest.mark.grpc
