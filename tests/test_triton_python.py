@@ -50,6 +50,14 @@ output [
 ]
 instance_group [ { kind: KIND_CPU count: 1 } ]
 parameters { key: "offset" value: { string_value: "0.5" } }
+model_warmup [
+  {
+    name: "zeros"
+    batch_size: 2
+    inputs { key: "INPUT0" value: { data_type: TYPE_FP32 dims: [ 4 ] zero_data: true } }
+    inputs { key: "INPUT1" value: { data_type: TYPE_FP32 dims: [ 4 ] zero_data: true } }
+  }
+]
 """
 
 # As Triton's add_sub example, with an offset from the config's parameters, and how
@@ -71,6 +79,7 @@ class TritonPythonModel:
         pb_utils.Logger.log_info("add_sub initialized: " + json.dumps(self.args, sort_keys=True))
 
     def execute(self, requests):
+        pb_utils.Logger.log_verbose(f"add_sub execute: {[r.request_id() for r in requests]}")
         responses = []
         for request in requests:
             a = pb_utils.get_input_tensor_by_name(request, "INPUT0").as_numpy()
@@ -225,9 +234,10 @@ class TritonPythonModel:
         responses = []
         for request in requests:
             x = pb_utils.get_input_tensor_by_name(request, "X")
+            wanted = "NOPE" if x.as_numpy()[0, 0] == 7 else "OUTPUT0"
             called = pb_utils.InferenceRequest(
                 model_name="add_sub",
-                requested_output_names=["OUTPUT0"],
+                requested_output_names=[wanted],
                 inputs=[pb_utils.Tensor("INPUT0", x.as_numpy()),
                         pb_utils.Tensor("INPUT1", x.as_numpy())],
             ).exec()
@@ -308,10 +318,12 @@ def pair(a: float, b: float, rows: int = 1) -> dict[str, np.ndarray[Any, Any]]:
 async def test_add_sub_gets_tritons_arguments_and_answers(
     repository: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    caplog.set_level(logging.INFO, "trioinfer.python")
+    caplog.set_level(logging.DEBUG, "trioinfer.python")
     async with trioinfer.open_engine() as engine:
         await load(engine, repository, "add_sub")
-        out = await engine.infer("add_sub", pair(3, 1, rows=2))
+        # model_warmup's sample ran at load, as one request with no id.
+        assert "add_sub execute: ['']" in [r.getMessage() for r in caplog.records]
+        out = await engine.infer("add_sub", pair(3, 1, rows=2), request_id="q")
     np.testing.assert_array_equal(out["OUTPUT0"], np.full((2, 4), 4.5, np.float32))
     np.testing.assert_array_equal(out["OUTPUT1"], np.full((2, 4), 2, np.float32))
     (said,) = [r.getMessage() for r in caplog.records if "initialized" in r.getMessage()]
@@ -430,12 +442,18 @@ async def test_bls_calls_another_model(repository: Path, caller: str) -> None:
         np.testing.assert_array_equal(out["SUM"], np.full((1, 4), 4.5, np.float32))
         with pytest.raises(InvalidInput, match="INPUT0 must not be negative"):
             await engine.infer(caller, {"X": np.full((1, 4), -2, np.float32)})
+        with pytest.raises(InvalidInput, match="model 'add_sub' has no output 'NOPE'"):
+            await engine.infer(caller, {"X": np.full((1, 4), 7, np.float32)})
 
 
 def test_what_pb_utils_does_not_provide_is_named() -> None:
     pb_utils = importlib.import_module("trioinfer_python.triton_python_backend_utils")
     with pytest.raises(AttributeError, match=r"MetricFamily is not provided.*from-triton.md"):
         pb_utils.MetricFamily  # noqa: B018  # the attribute access is the test
+    with pytest.raises(AttributeError, match=r"Tensor.from_dlpack is not provided"):
+        pb_utils.Tensor.from_dlpack  # noqa: B018
+    with pytest.raises(AttributeError, match=r"Tensor.to_dlpack is not provided.*from-triton"):
+        pb_utils.Tensor("x", [1]).to_dlpack  # noqa: B018
     with pytest.raises(NotImplementedError, match=r"exec\(decoupled=True\)"):
         pb_utils.InferenceRequest(model_name="m").exec(decoupled=True)
     with pytest.raises(pb_utils.TritonModelException, match="only in a plain def execute"):

@@ -51,22 +51,46 @@ _DOCS: Final = "docs/how-to/from-triton.md ('Python models as they are')"
 log = logging.getLogger("trioinfer.python")
 
 
+def _not_provided(name: str) -> AttributeError:
+    return AttributeError(
+        f"triton_python_backend_utils.{name} is not provided by trioinfer's python backend; "
+        f"see {_DOCS} for what is"
+    )
+
+
 def __getattr__(name: str) -> Any:
     # Triton's module has more than models use (dlpack, MetricFamily, model config
     # auto-completion, ...): a name not provided says so, rather than a silent stand-in.
     if name.startswith("__"):
         raise AttributeError(name)
-    raise AttributeError(
-        f"triton_python_backend_utils.{name} is not provided by trioinfer's python backend; "
-        f"see {_DOCS} for what is"
-    )
+    raise _not_provided(name)
+
+
+class _Partial(type):
+    """The classes here: what Triton's have and these lack is named as not provided."""
+
+    def __getattr__(cls, name: str) -> Any:
+        # Class-level (Tensor.from_dlpack); instances go through _Provided.__getattr__.
+        if name.startswith("__"):
+            raise AttributeError(name)
+        raise _not_provided(f"{cls.__name__}.{name}")
+
+
+class _Provided(metaclass=_Partial):
+    __slots__ = ()
+
+    def __getattr__(self, name: str) -> Any:
+        # Only for names the instance lacks (a method Triton's class has, to_dlpack).
+        if name.startswith("__"):
+            raise AttributeError(name)
+        raise _not_provided(f"{type(self).__name__}.{name}")
 
 
 class TritonModelException(Exception):
     """Triton's exception for a model's failure (raised by ``execute``, it fails its batch)."""
 
 
-class TritonError:
+class TritonError(_Provided):
     """An error a response carries: ``InferenceResponse(error=TritonError("bad input"))``.
 
     It fails only the request of that response, with its message;
@@ -100,7 +124,7 @@ class TritonError:
         return f"TritonError({self._message!r}, code={self._code})"
 
 
-class Tensor:
+class Tensor(_Provided):
     """A named tensor: ``Tensor("OUTPUT0", array)``.
 
     String (``BYTES``) tensors are object arrays of ``bytes``, as in Triton;
@@ -137,7 +161,7 @@ class Tensor:
         return f"Tensor({self._name!r}, shape={list(self._array.shape)}, dtype={self._array.dtype})"
 
 
-class InferenceResponse:
+class InferenceResponse(_Provided):
     """A model's answer to one request: its output tensors, or an error."""
 
     __slots__ = ("_error", "_outputs")
@@ -178,7 +202,7 @@ def get_output_tensor_by_name(response: InferenceResponse, name: str) -> Tensor 
     return None
 
 
-class ResponseSender:
+class ResponseSender(_Provided):
     """What a decoupled model sends its responses with: ``request.get_response_sender()``.
 
     ``send(response)`` any number of times, from ``execute`` or a thread of
@@ -230,7 +254,7 @@ _calls = threading.local()
 _async_calls: contextvars.ContextVar[Any] = contextvars.ContextVar("trioinfer_pb_calls")
 
 
-class InferenceRequest:
+class InferenceRequest(_Provided):
     """A request: one of those ``execute(requests)`` gets, or one a model makes (BLS).
 
     A model makes one to call another model of the server, business logic
@@ -260,7 +284,8 @@ class InferenceRequest:
                 f"InferenceRequest({', '.join(sorted(unsupported))}=...) is not supported by "
                 f"trioinfer's python backend; see {_DOCS}"
             )
-        self._model_name = model_name
+        #: The model as the engine names it: "m", or "m:2" for one version.
+        self._model_name = model_name if model_version < 0 else f"{model_name}:{model_version}"
         self._requested = list(requested_output_names)
         self._inputs = list(inputs)
         self._request_id = request_id
@@ -368,9 +393,16 @@ class InferenceRequest:
 
     def _response(self, outputs: Mapping[str, np.ndarray[Any, Any]]) -> InferenceResponse:
         wanted = self._requested or list(outputs)
-        return InferenceResponse(
-            [Tensor(name, outputs[name]) for name in wanted if name in outputs]
-        )
+        missing = [name for name in wanted if name not in outputs]
+        if missing:
+            return InferenceResponse(
+                error=TritonError(
+                    f"model {self._model_name!r} has no output {missing[0]!r}; its outputs "
+                    f"are {', '.join(map(repr, outputs))}",
+                    TritonError.INVALID_ARG,
+                )
+            )
+        return InferenceResponse([Tensor(name, outputs[name]) for name in wanted])
 
 
 def _triton_error(exc: TrioInferError) -> TritonError:
@@ -445,7 +477,7 @@ def numpy_to_triton_type(data_type: Any) -> str | None:
     return None
 
 
-class Logger:
+class Logger(_Provided):
     """Triton's model logger: to trioinfer's log (the logger ``trioinfer.python``)."""
 
     INFO: Final = 0

@@ -659,7 +659,7 @@ def _translate(message: Any, doc: dict[str, Any], name: str, where: str) -> Trit
                 f"{where}: a Triton Python model's config.pbtxt must declare its input and "
                 "output (auto_complete_config is not run here)"
             )
-        for field in ("optimization", "sequence_batching", "model_warmup"):
+        for field in ("optimization", "sequence_batching"):
             if field in present:
                 raise ConfigError(
                     f"{where}: {field} is not supported for a Triton Python model "
