@@ -181,3 +181,35 @@ async def test_an_assembling_batcher_is_refused_with_it() -> None:
     async with trioinfer.open_engine(registry=registry) as engine:
         with pytest.raises(ConfigError, match="take each request's own inputs"):
             await engine.load(config)
+
+
+@pytest.mark.tracing
+async def test_a_traced_execution_of_requests(autojump_clock: trio.testing.MockClock) -> None:
+    # Traced, the call is the batch's compute span, and each request still ends its own way.
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    from _spans import named, provider_for
+
+    exporter = InMemorySpanExporter()
+    instance = PerRequest()
+    registry, config = engine_with(instance, **BATCHED)
+    results: dict[float, Any] = {}
+    async with trioinfer.open_engine(
+        registry=registry, tracer_provider=provider_for(exporter)
+    ) as engine:
+        await engine.load(config)
+
+        async def one(x: float) -> None:
+            try:
+                results[x] = await engine.infer("m", {"x": np.full((1, 1), x, np.float32)})
+            except InvalidInput as exc:
+                results[x] = exc
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(one, 2)
+            nursery.start_soon(one, 13)
+    assert results[2]["y"].tolist() == [[4.0]]
+    assert isinstance(results[13], InvalidInput)
+    (compute,) = named(exporter.get_finished_spans(), "compute m")
+    assert compute.attributes is not None
+    assert [len(call) for call in instance.calls] == [2]
