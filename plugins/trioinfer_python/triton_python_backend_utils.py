@@ -303,7 +303,10 @@ class InferenceRequest(_Provided):
         return list(self._inputs)
 
     def request_id(self) -> str:
-        """The request's id, as the client gave it (empty when it gave none)."""
+        """The request's id: the client's, or one the engine made when it gave none.
+
+        (Triton's is empty then; a warm-up sample's is empty here too.)
+        """
         return self._request_id
 
     def correlation_id(self) -> int | str:
