@@ -181,6 +181,7 @@ from trioinfer import (
 )
 from trioinfer.lowlevel import Placement, WorkerThread, current_engine, current_model_metrics
 
+from . import _triton
 from ._models import BlockingResponses, Models
 
 __all__ = ["BlockingResponses", "Models", "PythonBackend", "PythonInstance"]
@@ -208,6 +209,9 @@ OPTIONS: Mapping[str, str] = {
     "optional = true for an input requests may leave out (the model gets the inputs sent) "
     "(see ModelSignature.declared)",
     "outputs": "the model's outputs, as inputs",
+    "triton": "the Triton configuration (config.pbtxt's, as JSON) of a Triton Python model: "
+    "model.py's class TritonPythonModel, served as Triton serves it (set by reading a "
+    'config.pbtxt that says backend: "python"; see docs/how-to/from-triton.md)',
 }
 
 
@@ -258,7 +262,9 @@ def _own_frame(exc: BaseException) -> tuple[str, int | None, str] | None:
 class PythonBackend:
     """Loads a Python class as a model: one object per instance (see the module's docs)."""
 
-    async def load(self, config: ModelConfig, placement: Placement) -> PythonInstance:
+    async def load(
+        self, config: ModelConfig, placement: Placement
+    ) -> PythonInstance | _triton.TritonInstance:
         """Import the class, build one object for *placement*, and run its ``load``.
 
         Raises:
@@ -283,10 +289,21 @@ class PythonBackend:
         signature = ModelSignature.declared(
             options.get("inputs"), options.get("outputs"), model=config.name
         )
+        triton = options.get("triton")
+        if triton is not None:
+            if not isinstance(triton, Mapping):
+                raise ConfigError(
+                    f"backend option triton of model {config.name!r} must be a Triton model "
+                    f"configuration (a table), got {triton!r}"
+                )
+            # Before model.py is imported: it imports triton_python_backend_utils.
+            _triton.register_module()
         # On a thread: a model file's imports (torch, say) can take seconds, which on
         # the event loop would stall every other model's requests meanwhile.
         cls, module = await anyio.to_thread.run_sync(_model_class, config)
         try:
+            if triton is not None:
+                return await _triton.load(config, placement, signature, cls, module, triton)
             return await self._instance(config, placement, signature, cls, module)
         except BaseException:
             # A load that fails leaves no instance to drop the module at aclose: drop it
@@ -423,7 +440,8 @@ def _takes(cls: type, name: str) -> bool:
 
 def _model_class(config: ModelConfig) -> tuple[type, str | None]:
     # The class, and the name of the module this load imported for it (None: given in code).
-    chosen = config.backend_options.get("class", "Model")
+    options = config.backend_options
+    chosen = options.get("class", _triton.CLASS_NAME if "triton" in options else "Model")
     if isinstance(chosen, type):
         return chosen, None
     if not isinstance(chosen, str) or not chosen.isidentifier():

@@ -69,6 +69,7 @@ from .abc import (
     BoundedBatcher,
     Fallback,
     PipelinedInstance,
+    RequestsInstance,
     Scheduler,
     SequenceBatcher,
     Split,
@@ -929,6 +930,8 @@ class ModelRunner(metaclass=NoPublicConstructor):
         init=False
     )
     _pool: BufferPool = attrs.field(init=False)
+    #: Whether its instances take an execution's requests as they came (RequestsInstance).
+    _per_request: bool = attrs.field(default=False, init=False)
     _sets_differ: bool = attrs.field(default=False, init=False)
     _scope: anyio.CancelScope = attrs.field(factory=anyio.CancelScope, init=False)
     _finished: anyio.Event = attrs.field(factory=anyio.Event, init=False)
@@ -1030,6 +1033,14 @@ class ModelRunner(metaclass=NoPublicConstructor):
         # The optional hooks (see trioinfer.abc), looked for once, at load.
         batcher = self._batcher
         self._assemble = batcher.assemble if isinstance(batcher, AssemblingBatcher) else None
+        self._per_request = isinstance(self._instances[0], RequestsInstance)
+        if self._per_request and self._assemble is not None:
+            # The batcher would lay out inputs that execute_requests never reads.
+            raise ConfigError(
+                f"model {self.config.name!r}: its {self.config.backend!r} instances take each "
+                f"request's own inputs, which the {self.config.batcher!r} batcher would lay "
+                "out itself; choose another batcher"
+            )
         # Enough buffers for every instance to run a batch while the next is formed.
         self._pool = BufferPool(per_key=len(self._instances) + 1)
         if isinstance(self._scheduler, AttachableScheduler):
@@ -1465,13 +1476,20 @@ class ModelRunner(metaclass=NoPublicConstructor):
                 outputs: Outputs | None = None
                 split: Callable[[Outputs], Sequence[Outputs]] | None = None  # None: alone
                 taken: list[Any] | None = None
-                if self._sets_differ and len(live) > 1 and _mixed(live):
+                per_request = self._per_request
+                answered: list[Outputs] = []
+                inputs: Mapping[str, Any]
+                if per_request:
+                    # Each request's own inputs, to execute_requests: nothing to lay out.
+                    inputs = {}
+                    split = functools.partial(_answered, answered)
+                elif self._sets_differ and len(live) > 1 and _mixed(live):
                     # No rows to give an input some requests left out: the batcher's
                     # to keep apart, as it keeps apart shapes that cannot be concatenated
                     # (an assembling one would lay out the first request's inputs only).
                     self._fail_batch(live, "assemble", _mixed_inputs(live))
                     return True
-                if self._assemble is not None:
+                elif self._assemble is not None:
                     try:
                         inputs, split = self._assemble(live)
                     except Exception as exc:
@@ -1500,7 +1518,18 @@ class ModelRunner(metaclass=NoPublicConstructor):
                     deadline if not self.queue_timeouts else _deadlines(live, deadline)
                 )
                 try:
-                    if self.tracing is None or not self.tracing.in_batch():
+                    if per_request:
+                        if self.tracing is None or not self.tracing.in_batch():
+                            answered += await self._execute_requests(replica, live)
+                        else:
+                            answered += await self.tracing.compute(
+                                self.config.name,
+                                replica,
+                                rows,
+                                lambda: self._execute_requests(replica, live),
+                            )
+                        outputs = {}  # (each request's answer is in answered)
+                    elif self.tracing is None or not self.tracing.in_batch():
                         # _call_backend() in line: one coroutine frame fewer per execution.
                         try:
                             outputs = await replica._backend_instance.execute(inputs)
@@ -2104,7 +2133,12 @@ class ModelRunner(metaclass=NoPublicConstructor):
                     self._alone_scopes.add(scope)
                     state.batch = scope  # for cut_off
                     with scope:
-                        answer = await replica._backend_instance.execute(request.inputs)
+                        if self._per_request:
+                            (share,) = await self._execute_requests(replica, (request,))
+                            # A request its answer failed has ended already, with it.
+                            answer = share if state.status is _RUNNING else None
+                        else:
+                            answer = await replica._backend_instance.execute(request.inputs)
                 if answer is not None:
                     if (check := self._output_check) is not None:
                         check.check(answer, rows if self.batched else 0, replica)
@@ -2468,6 +2502,49 @@ class ModelRunner(metaclass=NoPublicConstructor):
                     await self._call_backend(replica, arrays, _rows(arrays) if self.batched else 0)
         finally:
             replica._slot.release()
+
+    async def _execute_requests(
+        self, replica: Replica, requests: Sequence[Request]
+    ) -> list[Outputs]:
+        # One call of a RequestsInstance's execute_requests on a replica whose slot the
+        # caller holds: each request's answer, checked against its own rows, or its own
+        # error, with which it ends here (its share is then empty: _succeed passes it by).
+        instance = cast(RequestsInstance, replica._backend_instance)
+        try:
+            answers = await instance.execute_requests(requests)
+        except Exception:
+            replica.failures += 1
+            raise
+        if not isinstance(answers, Sequence) or len(answers) != len(requests):
+            replica.failures += 1
+            got = len(answers) if isinstance(answers, Sequence) else type(answers).__name__
+            raise BackendError(
+                f"model {self.config.name!r}: {replica.label} answered {got} for "
+                f"{len(requests)} requests; execute_requests returns one answer per request"
+            )
+        check = self._output_check
+        shares: list[Outputs] = []
+        for request, answer in zip(requests, answers, strict=True):
+            error: Exception
+            if isinstance(answer, Exception):
+                error = answer
+            elif not isinstance(answer, dict):
+                error = BackendError(
+                    f"model {self.config.name!r}: {replica.label} answered a request with "
+                    f"{type(answer).__name__}, not outputs by name"
+                )
+            else:
+                try:
+                    if check is not None:
+                        check.check(answer, request.rows if self.batched else 0, replica)
+                except BackendError as exc:
+                    error = exc
+                else:
+                    shares.append(answer)
+                    continue
+            self.finish(request, error=_backend_error(self.config.name, request, error))
+            shares.append({})
+        return shares
 
     async def _call_backend(
         self, replica: Replica, inputs: Mapping[str, Any], rows: int
@@ -2867,6 +2944,11 @@ def _check_rows(model: str, replica: Replica, outputs: Outputs, rows: int) -> No
                 "(an output whose first dimension is not the batch must be named differently "
                 "from the inputs' in the model; then each request runs alone)"
             )
+
+
+def _answered(answered: list[Outputs], outputs: Outputs) -> list[Outputs]:
+    # The split of a RequestsInstance's execution: each request's own answer, given.
+    return answered
 
 
 def _split(requests: Sequence[Request], rows: int, outputs: Outputs) -> list[Outputs]:

@@ -46,6 +46,7 @@ __all__ = [
     "Fallback",
     "InlineInstance",
     "PipelinedInstance",
+    "RequestsInstance",
     "Scheduler",
     "SequenceBatcher",
     "StreamingInstance",
@@ -743,6 +744,35 @@ class StreamingInstance(BackendInstance, Protocol):
         stops at the ``yield`` it waits at. Errors as in `execute()`: a
         ``TrioInferError`` (``BackendError`` for a failure of the model) ends
         the stream with that error after the responses already yielded.
+        """
+        ...
+
+
+@runtime_checkable
+class RequestsInstance(BackendInstance, Protocol):
+    """An instance that takes an execution's requests as they came (an optional hook).
+
+    For a runtime whose models take a list of requests and answer each on
+    its own, as Triton's Python backend's ``execute(requests)`` does: the
+    engine calls `execute_requests` with the requests of each execution,
+    in place of `execute` with their inputs concatenated (so requests that
+    sent different optional inputs may share an execution), and each request
+    ends with its own answer or its own error. `execute` still serves what no
+    request made: warm-up samples, a fallback's probe. Looked for once, on
+    the model's first instance, at load; a batcher that lays out the inputs
+    itself (an ``AssemblingBatcher``) is refused with it.
+    """
+
+    async def execute_requests(self, requests: Sequence[Request]) -> Sequence[Outputs | Exception]:
+        """Run the model once on *requests* and return one answer per request, in order.
+
+        An answer is the request's outputs by name, checked as `execute`'s
+        are but against the request's own rows, or an exception that ends
+        that request alone: a ``TrioInferError`` reaches its caller as it is,
+        any other as a ``BackendError``. The requests' inputs are theirs
+        (read them, do not change them). Raising fails every request, as
+        `execute` raising does; so does an answer of another length (a
+        ``BackendError``). Cancellation as for `execute`.
         """
         ...
 

@@ -286,6 +286,7 @@ _MESSAGES: Final[dict[str, list[tuple[str, int, int, int, str, str]]]] = {
         ("inputs", 3, _M, _MANY, "ModelWarmup.InputsEntry", ""),
         ("count", 4, _U32, _ONE, "", ""),
     ],
+    "ModelTransactionPolicy": [("decoupled", 1, _B, _ONE, "", "")],
     "ModelConfig.ParametersEntry": [
         ("key", 1, _S, _ONE, "", ""),
         ("value", 2, _M, _ONE, "ModelParameter", ""),
@@ -306,6 +307,7 @@ _MESSAGES: Final[dict[str, list[tuple[str, int, int, int, str, str]]]] = {
         ("ensemble_scheduling", 15, _M, _ONE, "ModelEnsembling", "scheduling_choice"),
         ("model_warmup", 16, _M, _MANY, "ModelWarmup", ""),
         ("backend", 17, _S, _ONE, "", ""),
+        ("model_transaction_policy", 19, _M, _ONE, "ModelTransactionPolicy", ""),
         ("response_cache", 24, _M, _ONE, "ModelResponseCache", ""),
     ],
 }
@@ -637,10 +639,33 @@ def _translate(message: Any, doc: dict[str, Any], name: str, where: str) -> Trit
             "leave name out or make the two equal"
         )
     ensemble = message.platform == "ensemble"
+    # A Triton Python model: model.py's TritonPythonModel, run by the python backend.
+    python = message.backend == "python" and not message.platform
+    decoupled = message.model_transaction_policy.decoupled
+    if decoupled and not python:
+        raise ConfigError(
+            f"{where}: model_transaction_policy decoupled: true is for a Triton Python model "
+            '(backend: "python"), whose execute sends its responses; this model answers '
+            "each request once: remove model_transaction_policy"
+        )
     if ensemble:
         if message.backend:
             raise ConfigError(f"{where}: an ensemble has no backend; remove backend")
         settings["backend"] = "pipeline"
+    elif python:
+        settings["backend"] = "python"
+        if not message.input or not message.output:
+            raise ConfigError(
+                f"{where}: a Triton Python model's config.pbtxt must declare its input and "
+                "output (auto_complete_config is not run here)"
+            )
+        for field in ("optimization", "sequence_batching"):
+            if field in present:
+                raise ConfigError(
+                    f"{where}: {field} is not supported for a Triton Python model "
+                    '(backend: "python") here; remove it (see "Python models as they are" '
+                    "in docs/how-to/from-triton.md)"
+                )
     elif message.platform not in ("", "onnxruntime_onnx") or message.backend not in (
         "",
         "onnxruntime",
@@ -648,7 +673,8 @@ def _translate(message: Any, doc: dict[str, Any], name: str, where: str) -> Trit
         raise ConfigError(
             f"{where}: platform {message.platform!r} / backend {message.backend!r} is not "
             "served by trioinfer; it serves ONNX models (platform 'onnxruntime_onnx' or "
-            "backend 'onnxruntime') and ensembles (platform 'ensemble')"
+            "backend 'onnxruntime'), Triton Python models (backend 'python') and ensembles "
+            "(platform 'ensemble')"
         )
     elif present & {"platform", "backend"}:
         settings["backend"] = "onnxruntime"
@@ -791,13 +817,21 @@ def _translate(message: Any, doc: dict[str, Any], name: str, where: str) -> Trit
         if ensemble:
             raise ConfigError(f"{where}: an ensemble has no instance_group; its steps' models do")
         settings["instances"] = [
-            instance for group in message.instance_group for instance in _instances(group, where)
+            instance
+            for group in message.instance_group
+            for instance in _instances(group, where, auto_cpu=python)
         ]
     backend_parameters = {
         key: value for key, value in message.parameters.items() if not key.startswith(OWN_PREFIX)
     }
     cuda_options: dict[str, Any] = {}
-    if backend_parameters:
+    if python:
+        # Its parameters are the model's to read, from args["model_config"].
+        settings["backend_options"] = {
+            "triton": with_defaults(_numbers({**doc, "name": name})),
+            **_python_tensors(message, max_batch),
+        }
+    elif backend_parameters:
         if ensemble:
             raise ConfigError(
                 f"{where}: an ensemble takes no parameters (but trioinfer's own, "
@@ -819,9 +853,9 @@ def _translate(message: Any, doc: dict[str, Any], name: str, where: str) -> Trit
 
     labels: dict[str, str] = {}
     # An ensemble's tensors are its steps' models': reshape and optional are theirs.
-    onnx = set() if ensemble else {"reshape"}
+    onnx = set() if ensemble or python else {"reshape"}
     for tensor in message.input:
-        allowed = {"name", "data_type", "dims", *onnx, *(("optional",) if onnx else ())}
+        allowed = {"name", "data_type", "dims", *onnx, *(("optional",) if not ensemble else ())}
         _refuse(tensor, allowed, where, f"input {tensor.name!r}")
         _check_reshape(tensor, "input", where)
         if tensor.optional and tensor.HasField("reshape"):
@@ -870,8 +904,34 @@ def _translate(message: Any, doc: dict[str, Any], name: str, where: str) -> Trit
         default_level,
         tuple(notes),
         model_filename,
-        declared=_declared_shapes(message, max_batch) if not ensemble else {},
+        declared=_declared_shapes(message, max_batch) if not ensemble and not python else {},
     )
+
+
+def _python_tensors(message: Any, max_batch: int) -> dict[str, list[dict[str, Any]]]:
+    # A Triton Python model's inputs and outputs, for the python backend's options. With
+    # max_batch_size 0 a first dimension of -1 is no batch: each tensor's gets a name of
+    # its own, so that the engine neither batches the model nor holds an output to its
+    # input's rows (Triton's model answers [-1] with any length).
+    def entry(tensor: Any) -> dict[str, Any]:
+        dims: list[int | str] = list(tensor.dims)
+        if max_batch > 0:
+            dims = ["batch", *dims]
+        elif dims and dims[0] == -1:
+            dims[0] = f"{tensor.name}[0]"
+        out: dict[str, Any] = {
+            "name": tensor.name,
+            "dtype": _dtype(_DATA_TYPES[tensor.data_type]),
+            "shape": dims,
+        }
+        if getattr(tensor, "optional", False):
+            out["optional"] = True
+        return out
+
+    return {
+        kind: [entry(t) for t in tensors]
+        for kind, tensors in (("inputs", message.input), ("outputs", message.output))
+    }
 
 
 def _declared_shapes(message: Any, max_batch: int) -> dict[str, tuple[Mapping[str, Any], ...]]:
@@ -1254,7 +1314,9 @@ def rate_limiter_json(
     }
 
 
-def _instances(group: Any, where: str) -> list[dict[str, Any]]:
+def _instances(group: Any, where: str, *, auto_cpu: bool = False) -> list[dict[str, Any]]:
+    # *auto_cpu*: KIND_AUTO without gpus is the CPU (a Python model's, which runs where
+    # its code puts its work), else the first GPU.
     _refuse(
         group,
         {"name", "count", "gpus", "kind", "rate_limiter"},
@@ -1273,6 +1335,8 @@ def _instances(group: Any, where: str) -> list[dict[str, Any]]:
     kind = group.kind  # 0 AUTO, 1 GPU, 2 CPU, 3 MODEL
     if kind == 3:
         raise ConfigError(f"{where}: instance_group kind KIND_MODEL is not supported")
+    if kind == 0 and auto_cpu and not group.gpus:
+        kind = 2
     if kind == 2:
         if group.gpus:
             raise ConfigError(f"{where}: a KIND_CPU instance_group takes no gpus")

@@ -1,0 +1,515 @@
+"""Triton's ``triton_python_backend_utils``, for Triton Python models served as they are.
+
+A model repository brought from Triton holds ``<model>/<version>/model.py``
+with ``class TritonPythonModel`` beside a ``config.pbtxt`` that says
+``backend: "python"``. Such a model file does ``import
+triton_python_backend_utils as pb_utils``: the ``python`` backend makes that
+name lead here (an entry in ``sys.modules``, registered when it loads such a
+model; nothing is installed under that name). What is here is the part of
+Triton's module that models use: tensors, requests and responses, errors,
+the response sender of a decoupled model, business logic scripting
+(``InferenceRequest(...).exec()``), the config helpers and the logger.
+Anything else of Triton's module is an ``AttributeError`` that names it and
+points at ``docs/how-to/from-triton.md``, never a stand-in that answers wrong.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import json
+import logging
+import threading
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Final
+
+import numpy as np
+
+from trioinfer import InvalidInput, TrioInferError
+
+__all__ = [
+    "TRITONSERVER_RESPONSE_COMPLETE_FINAL",
+    "InferenceRequest",
+    "InferenceResponse",
+    "Logger",
+    "ResponseSender",
+    "Tensor",
+    "TritonError",
+    "TritonModelException",
+    "get_input_config_by_name",
+    "get_input_tensor_by_name",
+    "get_output_config_by_name",
+    "get_output_tensor_by_name",
+    "numpy_to_triton_type",
+    "triton_string_to_numpy",
+]
+
+#: The flag of a decoupled model's last response (``sender.send(flags=...)``).
+TRITONSERVER_RESPONSE_COMPLETE_FINAL: Final = 1
+#: Where what is not provided is said.
+_DOCS: Final = "docs/how-to/from-triton.md ('Python models as they are')"
+
+log = logging.getLogger("trioinfer.python")
+
+
+def _not_provided(name: str) -> AttributeError:
+    return AttributeError(
+        f"triton_python_backend_utils.{name} is not provided by trioinfer's python backend; "
+        f"see {_DOCS} for what is"
+    )
+
+
+def __getattr__(name: str) -> Any:
+    # Triton's module has more than models use (dlpack, MetricFamily, model config
+    # auto-completion, ...): a name not provided says so, rather than a silent stand-in.
+    if name.startswith("__"):
+        raise AttributeError(name)
+    raise _not_provided(name)
+
+
+class _Partial(type):
+    """The classes here: what Triton's have and these lack is named as not provided."""
+
+    def __getattr__(cls, name: str) -> Any:
+        # Class-level (Tensor.from_dlpack); instances go through _Provided.__getattr__.
+        if name.startswith("__"):
+            raise AttributeError(name)
+        raise _not_provided(f"{cls.__name__}.{name}")
+
+
+class _Provided(metaclass=_Partial):
+    __slots__ = ()
+
+    def __getattr__(self, name: str) -> Any:
+        # Only for names the instance lacks (a method Triton's class has, to_dlpack).
+        if name.startswith("__"):
+            raise AttributeError(name)
+        raise _not_provided(f"{type(self).__name__}.{name}")
+
+
+class TritonModelException(Exception):
+    """Triton's exception for a model's failure (raised by ``execute``, it fails its batch)."""
+
+
+class TritonError(_Provided):
+    """An error a response carries: ``InferenceResponse(error=TritonError("bad input"))``.
+
+    It fails only the request of that response, with its message;
+    ``code=TritonError.INVALID_ARG`` makes it the client's fault (HTTP 400,
+    gRPC ``INVALID_ARGUMENT``), any other code the model's (HTTP 500).
+    """
+
+    UNKNOWN: Final = 0
+    INTERNAL: Final = 1
+    NOT_FOUND: Final = 2
+    INVALID_ARG: Final = 3
+    UNAVAILABLE: Final = 4
+    UNSUPPORTED: Final = 5
+    ALREADY_EXISTS: Final = 6
+    CANCELLED: Final = 7
+
+    def __init__(self, message: str, code: int = INTERNAL) -> None:
+        """An error with *message* and a Triton error *code* (``TritonError.INTERNAL``)."""
+        self._message = str(message)
+        self._code = code
+
+    def message(self) -> str:
+        """The error's message."""
+        return self._message
+
+    def code(self) -> int:
+        """The error's code (``TritonError.INTERNAL`` unless given)."""
+        return self._code
+
+    def __repr__(self) -> str:
+        return f"TritonError({self._message!r}, code={self._code})"
+
+
+class Tensor(_Provided):
+    """A named tensor: ``Tensor("OUTPUT0", array)``.
+
+    String (``BYTES``) tensors are object arrays of ``bytes``, as in Triton;
+    an array of ``str`` or fixed-width bytes is made one.
+    """
+
+    __slots__ = ("_array", "_name")
+
+    def __init__(self, name: str, tensor: Any) -> None:
+        """Wrap *tensor* (a numpy array, or what ``numpy.asarray`` takes) as *name*."""
+        array = np.asarray(tensor)
+        if array.dtype.kind in "US":
+            array = array.astype(object)
+        self._name = str(name)
+        self._array = array
+
+    def name(self) -> str:
+        """The tensor's name."""
+        return self._name
+
+    def as_numpy(self) -> np.ndarray[Any, Any]:
+        """The tensor as a numpy array (an input's is read-only: change a copy)."""
+        return self._array
+
+    def shape(self) -> list[int]:
+        """The tensor's shape."""
+        return list(self._array.shape)
+
+    def is_cpu(self) -> bool:
+        """Always True: tensors here are numpy arrays in host memory."""
+        return True
+
+    def __repr__(self) -> str:
+        return f"Tensor({self._name!r}, shape={list(self._array.shape)}, dtype={self._array.dtype})"
+
+
+class InferenceResponse(_Provided):
+    """A model's answer to one request: its output tensors, or an error."""
+
+    __slots__ = ("_error", "_outputs")
+
+    def __init__(
+        self,
+        output_tensors: Sequence[Tensor] | None = None,
+        error: TritonError | None = None,
+        parameters: object = None,
+    ) -> None:
+        """A response holding *output_tensors*, or failing its request with *error*."""
+        if parameters:
+            raise NotImplementedError(
+                "InferenceResponse(parameters=...) is not supported by trioinfer's python "
+                f"backend (responses carry no parameters); see {_DOCS}"
+            )
+        self._outputs = list(output_tensors or ())
+        self._error = error
+
+    def output_tensors(self) -> list[Tensor]:
+        """The response's tensors."""
+        return list(self._outputs)
+
+    def has_error(self) -> bool:
+        """Whether the response carries an error."""
+        return self._error is not None
+
+    def error(self) -> TritonError | None:
+        """The error, or None."""
+        return self._error
+
+
+def get_output_tensor_by_name(response: InferenceResponse, name: str) -> Tensor | None:
+    """The tensor called *name* of *response* (a BLS call's), or None."""
+    for tensor in response.output_tensors():
+        if tensor.name() == name:
+            return tensor
+    return None
+
+
+class ResponseSender(_Provided):
+    """What a decoupled model sends its responses with: ``request.get_response_sender()``.
+
+    ``send(response)`` any number of times, from ``execute`` or a thread of
+    the model's own, then ``send(flags=TRITONSERVER_RESPONSE_COMPLETE_FINAL)``
+    (with a last response or without): the request's stream ends there.
+    """
+
+    __slots__ = ("_cancelled", "_closed", "_put")
+
+    def __init__(
+        self,
+        put: Callable[[InferenceResponse | None, bool], None],
+        cancelled: Callable[[], bool],
+    ) -> None:
+        """Made by the backend: *put* hands a response on; *cancelled* says nobody reads."""
+        self._put = put
+        self._cancelled = cancelled
+        self._closed = False
+
+    def send(self, response: InferenceResponse | None = None, flags: int = 0) -> None:
+        """Send *response* (None: none); *flags* ``TRITONSERVER_RESPONSE_COMPLETE_FINAL`` ends.
+
+        A response sent once the caller stopped reading is dropped (see
+        `is_cancelled`).
+
+        Raises:
+            TritonModelException: A response after the final one, or not an
+                InferenceResponse.
+        """
+        if self._closed:
+            raise TritonModelException("a response was sent after the final flag")
+        if response is not None and not isinstance(response, InferenceResponse):
+            raise TritonModelException(
+                f"send() takes an InferenceResponse, got {type(response).__name__}"
+            )
+        final = bool(flags & TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+        self._closed = final
+        self._put(response, final)
+
+    def is_cancelled(self) -> bool:
+        """Whether the request's caller stopped reading: stop sending then."""
+        return self._cancelled()
+
+
+#: What a running execution calls other models with (BLS): the backend sets it.
+#: A thread-local for a plain ``def execute`` on its worker thread, a context variable
+#: for an ``async def execute`` on the event loop.
+_calls = threading.local()
+_async_calls: contextvars.ContextVar[Any] = contextvars.ContextVar("trioinfer_pb_calls")
+
+
+class InferenceRequest(_Provided):
+    """A request: one of those ``execute(requests)`` gets, or one a model makes (BLS).
+
+    A model makes one to call another model of the server, business logic
+    scripting: ``InferenceRequest(model_name="m", requested_output_names=["y"],
+    inputs=[Tensor("x", x)]).exec()`` from a plain ``def execute`` (``await
+    ....async_exec()`` from an ``async def execute``). The call is an ordinary
+    request to that model, carrying the deadline of the requests being
+    computed; its failure is the response's error (``response.has_error()``).
+    """
+
+    def __init__(
+        self,
+        model_name: str = "",
+        requested_output_names: Sequence[str] = (),
+        inputs: Sequence[Tensor] = (),
+        request_id: str = "",
+        correlation_id: int | str = 0,
+        flags: int = 0,
+        timeout: int = 0,
+        model_version: int = -1,
+        parameters: Mapping[str, Any] | str | None = None,
+        **unsupported: Any,
+    ) -> None:
+        """A request to *model_name* with *inputs*, asking for *requested_output_names*."""
+        if unsupported:
+            raise NotImplementedError(
+                f"InferenceRequest({', '.join(sorted(unsupported))}=...) is not supported by "
+                f"trioinfer's python backend; see {_DOCS}"
+            )
+        #: The model as the engine names it: "m", or "m:2" for one version.
+        self._model_name = model_name if model_version < 0 else f"{model_name}:{model_version}"
+        self._requested = list(requested_output_names)
+        self._inputs = list(inputs)
+        self._request_id = request_id
+        self._correlation_id = correlation_id
+        self._flags = flags
+        self._timeout = timeout
+        self._model_version = model_version
+        self._parameters = (
+            parameters if isinstance(parameters, str) else json.dumps(dict(parameters or {}))
+        )
+        self._sender: ResponseSender | None = None
+
+    def inputs(self) -> list[Tensor]:
+        """The request's input tensors."""
+        return list(self._inputs)
+
+    def request_id(self) -> str:
+        """The request's id: the client's, or one the engine made when it gave none.
+
+        (Triton's is empty then; a warm-up sample's is empty here too.)
+        """
+        return self._request_id
+
+    def correlation_id(self) -> int | str:
+        """The sequence the request belongs to (a stateful model's), else 0."""
+        return self._correlation_id
+
+    def flags(self) -> int:
+        """The request's flags (0)."""
+        return self._flags
+
+    def timeout(self) -> int:
+        """The request's timeout in microseconds as Triton's clients set it (0: none here)."""
+        return self._timeout
+
+    def model_name(self) -> str:
+        """The model the request is for."""
+        return self._model_name
+
+    def parameters(self) -> str:
+        """The request's parameters as a JSON object text (``"{}"`` when none)."""
+        return self._parameters
+
+    def requested_output_names(self) -> list[str]:
+        """The outputs to answer with: every output of the model, for a request it gets."""
+        return list(self._requested)
+
+    def is_cancelled(self) -> bool:
+        """Whether the caller left; a request ``execute`` gets never says so here (False)."""
+        return False
+
+    def get_response_sender(self) -> ResponseSender:
+        """What a decoupled model sends this request's responses with.
+
+        Raises:
+            TritonModelException: The model is not decoupled (no
+                ``model_transaction_policy { decoupled: true }``), or the
+                request is one the model made.
+        """
+        if self._sender is None:
+            raise TritonModelException(
+                "get_response_sender() needs a decoupled model (model_transaction_policy "
+                "{ decoupled: true } in config.pbtxt); this request has no response sender"
+            )
+        return self._sender
+
+    def exec(self, decoupled: bool = False) -> InferenceResponse:
+        """Run the request on its model and wait for the response (from ``def execute``)."""
+        if decoupled:
+            raise NotImplementedError(
+                f"InferenceRequest.exec(decoupled=True) is not supported here; see {_DOCS}"
+            )
+        call = getattr(_calls, "value", None)
+        if call is None:
+            raise TritonModelException(
+                "InferenceRequest.exec() works only in a plain def execute while it runs (in "
+                "an async def execute, await request.async_exec())"
+            )
+        return self._respond(lambda: call(self._model_name, self._arrays()))
+
+    async def async_exec(self, decoupled: bool = False) -> InferenceResponse:
+        """Run the request on its model and return the response (from ``async def execute``)."""
+        if decoupled:
+            raise NotImplementedError(
+                f"InferenceRequest.async_exec(decoupled=True) is not supported here; see {_DOCS}"
+            )
+        call = _async_calls.get(None)
+        if call is None:
+            raise TritonModelException(
+                "InferenceRequest.async_exec() works only in an async def execute while it runs "
+                "(in a plain def execute, call request.exec())"
+            )
+        try:
+            outputs = await call(self._model_name, self._arrays())
+        except TrioInferError as exc:
+            return InferenceResponse(error=_triton_error(exc))
+        return self._response(outputs)
+
+    def _arrays(self) -> dict[str, np.ndarray[Any, Any]]:
+        return {tensor.name(): tensor.as_numpy() for tensor in self._inputs}
+
+    def _respond(self, call: Callable[[], Mapping[str, np.ndarray[Any, Any]]]) -> InferenceResponse:
+        try:
+            outputs = call()
+        except TrioInferError as exc:
+            return InferenceResponse(error=_triton_error(exc))
+        return self._response(outputs)
+
+    def _response(self, outputs: Mapping[str, np.ndarray[Any, Any]]) -> InferenceResponse:
+        wanted = self._requested or list(outputs)
+        missing = [name for name in wanted if name not in outputs]
+        if missing:
+            return InferenceResponse(
+                error=TritonError(
+                    f"model {self._model_name!r} has no output {missing[0]!r}; its outputs "
+                    f"are {', '.join(map(repr, outputs))}",
+                    TritonError.INVALID_ARG,
+                )
+            )
+        return InferenceResponse([Tensor(name, outputs[name]) for name in wanted])
+
+
+def _triton_error(exc: TrioInferError) -> TritonError:
+    code = TritonError.INVALID_ARG if isinstance(exc, InvalidInput) else TritonError.INTERNAL
+    return TritonError(str(exc), code)
+
+
+def get_input_tensor_by_name(request: InferenceRequest, name: str) -> Tensor | None:
+    """The input tensor called *name* of *request*, or None when it has none."""
+    for tensor in request.inputs():
+        if tensor.name() == name:
+            return tensor
+    return None
+
+
+def _config_entry(model_config: Mapping[str, Any], kind: str, name: str) -> dict[str, Any] | None:
+    for entry in model_config.get(kind, ()):
+        if isinstance(entry, Mapping) and entry.get("name") == name:
+            return dict(entry)
+    return None
+
+
+def get_input_config_by_name(model_config: Mapping[str, Any], name: str) -> dict[str, Any] | None:
+    """The ``input`` entry called *name* of *model_config* (the parsed JSON), or None."""
+    return _config_entry(model_config, "input", name)
+
+
+def get_output_config_by_name(model_config: Mapping[str, Any], name: str) -> dict[str, Any] | None:
+    """The ``output`` entry called *name* of *model_config* (the parsed JSON), or None."""
+    return _config_entry(model_config, "output", name)
+
+
+_TYPES: Final[dict[str, type[Any]]] = {
+    "TYPE_BOOL": np.bool_,
+    "TYPE_UINT8": np.uint8,
+    "TYPE_UINT16": np.uint16,
+    "TYPE_UINT32": np.uint32,
+    "TYPE_UINT64": np.uint64,
+    "TYPE_INT8": np.int8,
+    "TYPE_INT16": np.int16,
+    "TYPE_INT32": np.int32,
+    "TYPE_INT64": np.int64,
+    "TYPE_FP16": np.float16,
+    "TYPE_FP32": np.float32,
+    "TYPE_FP64": np.float64,
+    "TYPE_STRING": np.object_,
+}
+
+
+def triton_string_to_numpy(triton_type_string: str) -> type[Any]:
+    """The numpy type of a config's data type: ``"TYPE_FP32"`` -> ``numpy.float32``.
+
+    Raises:
+        TritonModelException: A type numpy cannot hold (``TYPE_BF16``) or no type.
+    """
+    found = _TYPES.get(triton_type_string)
+    if found is None:
+        raise TritonModelException(
+            f"no numpy type for {triton_type_string!r}; known: {', '.join(_TYPES)}"
+        )
+    return found
+
+
+def numpy_to_triton_type(data_type: Any) -> str | None:
+    """The config data type of a numpy type (``numpy.float32`` -> ``"TYPE_FP32"``), or None."""
+    kind = np.dtype(data_type)
+    if kind.kind in "OSU":
+        return "TYPE_STRING"
+    for name, numpy in _TYPES.items():
+        if numpy is not np.object_ and np.dtype(numpy) == kind:
+            return name
+    return None
+
+
+class Logger(_Provided):
+    """Triton's model logger: to trioinfer's log (the logger ``trioinfer.python``)."""
+
+    INFO: Final = 0
+    WARNING: Final = 1
+    ERROR: Final = 2
+    VERBOSE: Final = 3
+    _LEVELS: Final = {0: logging.INFO, 1: logging.WARNING, 2: logging.ERROR, 3: logging.DEBUG}
+
+    @staticmethod
+    def log(message: str, level: int = 0) -> None:
+        """Log *message* at *level* (``Logger.INFO`` unless given)."""
+        log.log(Logger._LEVELS.get(level, logging.INFO), "%s", message)
+
+    @staticmethod
+    def log_info(message: str) -> None:
+        """Log *message* as information."""
+        log.info("%s", message)
+
+    @staticmethod
+    def log_warn(message: str) -> None:
+        """Log *message* as a warning."""
+        log.warning("%s", message)
+
+    @staticmethod
+    def log_error(message: str) -> None:
+        """Log *message* as an error."""
+        log.error("%s", message)
+
+    @staticmethod
+    def log_verbose(message: str) -> None:
+        """Log *message* at debug level (Triton's verbose)."""
+        log.debug("%s", message)
