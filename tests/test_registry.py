@@ -248,6 +248,11 @@ def test_unknown_name_lists_the_known_ones() -> None:
         ),
     ):
         Registry().load("schedulers", "edf")
+    # A misspelt name, the usual cause, is pointed at the near one.
+    with pytest.raises(PluginError, match=r"known schedulers: .*; did you mean 'fifo'\?$"):
+        Registry().load("schedulers", "fifp")
+    with pytest.raises(PluginError, match=r"'priority'$"):  # nothing near: no guess
+        Registry().load("schedulers", "edf")
     with pytest.raises(PluginError, match="unknown plugin kind 'widgets'"):
         Registry().load("widgets", "x")  # type: ignore[arg-type]
 
@@ -338,7 +343,8 @@ async def test_a_third_party_plugin_of_the_wrong_type_names_its_distribution(
         with pytest.raises(
             PluginContractError,
             match=r"^scheduler 'notsched' \(from acme-trioinfer 1\.2\) of model 'add' does not "
-            r"implement trioinfer\.abc\.Scheduler: got dict$",
+            r"implement trioinfer\.abc\.Scheduler: got dict, which lacks peek\(\), push\(\), "
+            r"remove\(\)$",
         ) as info:
             await engine.load(ModelConfig(name="add", path=add_model, scheduler="notsched"))
         assert (info.value.kind, info.value.plugin) == ("schedulers", "notsched")
@@ -355,6 +361,10 @@ def test_an_entry_point_to_something_not_callable_names_its_distribution(
         Registry().create("schedulers", "number")
     assert info.value.distribution == "acme-trioinfer 1.2"
     assert (info.value.group, info.value.name) == ("trioinfer.schedulers", "number")
+    # `trioinfer plugins` says so too, rather than "ok" for a plugin no model can use.
+    registry = Registry()
+    number = next(p for p in registry.plugins("schedulers") if p.name == "number")
+    assert "which is not callable" in str(registry.check(number))
 
 
 async def test_a_third_party_plugin_breaking_its_contract_at_run_time_names_its_distribution(
@@ -441,11 +451,13 @@ async def test_a_third_party_backend_failing_to_re_create_an_instance_names_its_
     [
         (
             "{'signature': None}",
-            r"a 'dict' object, not a trioinfer\.abc\.BackendInstance",
+            r"a 'dict' object, not a trioinfer\.abc\.BackendInstance \(.*\): "
+            r"it lacks aclose\(\), device, execute\(\), signature",
         ),
         (
             "NoSignature.Instance()",
-            r"a 'Instance' object, not a trioinfer\.abc\.BackendInstance",
+            r"a 'Instance' object, not a trioinfer\.abc\.BackendInstance \(.*\): "
+            r"it lacks signature$",
         ),
         (
             "LoadsJunk.Sigless()",
@@ -497,12 +509,20 @@ async def test_engine_reports_unknown_plugins_at_load(add_model: Path) -> None:
 
 
 async def test_a_plugin_that_is_not_a_scheduler_is_refused(add_model: Path) -> None:
-    registry = Registry(extra={"schedulers": {"bad": object}})
+    class NoRemove(FifoScheduler):
+        remove = None  # type: ignore[assignment]
+
+    registry = Registry(extra={"schedulers": {"bad": object, "noremove": NoRemove}})
     async with open_engine(registry=registry) as engine:
         with pytest.raises(
-            PluginContractError, match=r"does not implement trioinfer\.abc\.Scheduler"
+            PluginContractError,
+            match=r"does not implement trioinfer\.abc\.Scheduler: got object, which lacks "
+            r"__len__\(\), peek\(\), pop\(\), push\(\), remove\(\)$",
         ):
             await engine.load(ModelConfig(name="add", path=add_model, scheduler="bad"))
+        # Its author learns which method to add, not only that one is missing.
+        with pytest.raises(PluginContractError, match=r"got NoRemove, which lacks remove\(\)$"):
+            await engine.load(ModelConfig(name="add", path=add_model, scheduler="noremove"))
 
 
 def test_fifo_passes_the_scheduler_conformance_check() -> None:

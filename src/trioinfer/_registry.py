@@ -129,8 +129,13 @@ class Registry:
         else:
             eps = self._discover().get(key)
             if not eps:
-                known = ", ".join(map(repr, self.names(kind))) or "none"
-                raise PluginError(f"no {kind[:-1]} plugin named {name!r}; known {kind}: {known}")
+                names = self.names(kind)
+                known = ", ".join(map(repr, names)) or "none"
+                message = f"no {kind[:-1]} plugin named {name!r}; known {kind}: {known}"
+                # A misspelt name in a config is the usual cause: point at the near one.
+                if close := difflib.get_close_matches(name, names, n=1):
+                    message += f"; did you mean {close[0]!r}?"
+                raise PluginError(message)
             if len(eps) > 1:
                 dists = ", ".join(str(_dist_of(ep)) for ep in eps)
                 raise PluginError(
@@ -161,18 +166,7 @@ class Registry:
                 options, or raises anything else but a `TrioInferError` (which passes as
                 it is) while created.
         """
-        target = self.load(kind, name)
-        if not callable(target):
-            # The package's fault, as an import error is: name the package.
-            dist = self._distribution(kind, name)
-            raise PluginLoadError(
-                f"{kind[:-1]} plugin {name!r}{f' (from {dist})' if dist else ''} cannot be "
-                f"created: its entry point names {target!r}, which is not callable (expected "
-                "a class or a function taking the model's options)",
-                group=GROUPS[kind],
-                name=name,
-                distribution=dist,
-            )
+        target = self._load_callable(kind, name)
         factory: Callable[..., Any] = target
         try:
             return factory(**(options or {}))
@@ -197,6 +191,22 @@ class Registry:
                 distribution=dist,
             ) from exc
 
+    def _load_callable(self, kind: Kind, name: str) -> Callable[..., Any]:
+        # load(), and the check that the target can be called to create the plugin.
+        target = self.load(kind, name)
+        if not callable(target):
+            # The package's fault, as an import error is: name the package.
+            dist = self._distribution(kind, name)
+            raise PluginLoadError(
+                f"{kind[:-1]} plugin {name!r}{f' (from {dist})' if dist else ''} cannot be "
+                f"created: its entry point names {target!r}, which is not callable (expected "
+                "a class or a function taking the model's options)",
+                group=GROUPS[kind],
+                name=name,
+                distribution=dist,
+            )
+        return target
+
     def _distribution(self, kind: Kind, name: str) -> str | None:
         # The distribution that declared the plugin loaded as (kind, name); None for
         # an in-process one (they shadow entry points) or an unknown distribution.
@@ -206,9 +216,13 @@ class Registry:
         return _dist_of(eps[0]) if eps else None
 
     def check(self, info: PluginInfo) -> str | None:
-        """Try to load one plugin; return ``None`` if it loads, else the error message."""
+        """Try to load one plugin; return ``None`` if it loads, else the error message.
+
+        A target that loads but cannot be called (an entry point naming a
+        constant, say) is an error too: every model that names it would fail.
+        """
         try:
-            self.load(info.kind, info.name)
+            self._load_callable(info.kind, info.name)
         except PluginError as exc:
             return str(exc)
         return None
@@ -274,6 +288,30 @@ def _refused_options(
         if close := difflib.get_close_matches(key, accepted, n=1):
             message += f"; did you mean {close[0]!r} for {key!r}?"
     return message
+
+
+def missing_members(plugin: object, protocol: type) -> list[str]:
+    """The methods and attributes of *protocol* that *plugin* lacks (or sets to None), sorted.
+
+    What ``isinstance(plugin, protocol)`` checks on a runtime-checkable Protocol,
+    spelt out, so that an error can tell a plugin's author what to add rather than
+    only that something is missing. Methods are named with ``()``.
+    """
+    members: dict[str, bool] = {}
+    for klass in protocol.__mro__:
+        if klass.__module__ in ("typing", "builtins"):  # Protocol, Generic, object
+            continue
+        for attr, value in vars(klass).items():
+            if attr.startswith("_") and attr != "__len__":
+                continue
+            members.setdefault(attr, callable(value) and not isinstance(value, property))
+        for attr in getattr(klass, "__annotations__", {}):
+            members.setdefault(attr, False)
+    return [
+        f"{attr}()" if method else attr
+        for attr, method in sorted(members.items())
+        if getattr(plugin, attr, None) is None
+    ]
 
 
 def _check_kind(kind: str) -> Kind:

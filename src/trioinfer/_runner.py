@@ -42,7 +42,7 @@ from ._exceptions import (
 )
 from ._inline import DEFAULT_SLICE_S, inline_slice_spent, restart_inline_slice
 from ._inline import _slice as _inline_slice
-from ._registry import Kind, plugin_label
+from ._registry import Kind, missing_members, plugin_label
 from ._request import Outputs, Request, make_request
 from ._tensors import InputLimits, ModelSignature, OutputCheck, rows_validator
 from ._tensors import rows as _rows
@@ -2758,7 +2758,8 @@ def _not_an_instance(instance: object) -> str | None:
     if not isinstance(instance, BackendInstance):
         return (
             f"a {type(instance).__name__!r} object, not a trioinfer.abc.BackendInstance "
-            "(signature, device, execute() and aclose())"
+            "(signature, device, execute() and aclose()): it lacks "
+            f"{', '.join(missing_members(instance, BackendInstance))}"
         )
     try:
         signature, device = instance.signature, instance.device
