@@ -595,7 +595,6 @@ async def test_first_party_fallbacks_pass_check_fallback(
     await check_fallback(lambda: Resilient(default={"y": [0.0] * 4}))
 
 
-
 class _Lazy:
     async def execute(self, execution: Execution) -> None:
         return None
