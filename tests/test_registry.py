@@ -291,6 +291,14 @@ def test_a_plugin_without_named_options_is_reported_by_its_own_error() -> None:
     # Every name is known: the value was refused, and the plugin's own words say why.
     with pytest.raises(PluginLoadError, match=r"refused its options \['size'\]: size must be"):
         registry.create("schedulers", "strict", {"size": "8"})
+    # A required one is missing: named, with where to set it (Python's own TypeError
+    # said "__init__() missing 1 required keyword-only argument", no word of options).
+    with pytest.raises(PluginLoadError) as caught:
+        registry.create("schedulers", "strict")
+    assert str(caught.value) == (
+        "scheduler plugin 'strict' needs options ['size'], which the model's "
+        "scheduler_options do not set (it takes: size)"
+    )
 
 
 def test_a_plugin_that_raises_as_it_is_created_fails_with_plugin_load_error() -> None:

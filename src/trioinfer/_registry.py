@@ -280,7 +280,19 @@ def _refused_options(
         return f"{what} does not accept options {sorted(options)}: {exc}"
     accepted = sorted(p.name for p in params if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD))
     unknown = sorted(set(options) - set(accepted))
-    if not unknown:  # every name is known: a value it refused, or a required one missing
+    if not unknown:  # every name is known: a required one missing, or a value it refused
+        required = sorted(
+            p.name
+            for p in params
+            if p.default is p.empty
+            and p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)
+            and p.name not in options
+        )
+        if required:
+            return (
+                f"{what} needs options {required}, which the model's {kind[:-1]}_options "
+                f"do not set (it takes: {', '.join(accepted)})"
+            )
         return f"{what} refused its options {sorted(options)}: {exc}"
     takes = ", ".join(accepted) if accepted else "none"
     message = f"{what} does not accept options {unknown}; it takes: {takes}"
