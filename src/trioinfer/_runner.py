@@ -1211,9 +1211,7 @@ class ModelRunner(metaclass=NoPublicConstructor):
                             batch, formed = formed, None
                     except Exception as exc:
                         # What it had taken fails with it; the engine and the model go on.
-                        await self._batcher_failed(
-                            f"raised {type(exc).__name__} in next_batch(): {exc}", exc
-                        )
+                        await self._batcher_failed(_raised(exc, "next_batch()"), exc)
                         continue
                     try:  # (one per batch: free in CPython 3.11 when nothing raises)
                         if not batch:
@@ -1394,9 +1392,7 @@ class ModelRunner(metaclass=NoPublicConstructor):
             ):
                 # Not a backend's error passed on: the fallback's own bug. Its batch
                 # fails, named after it; the model goes on with the next batch.
-                error = self._broken(
-                    "fallbacks", f"raised {type(exc).__name__} in execute(): {exc}", exc
-                )
+                error = self._broken("fallbacks", _raised(exc, "execute()"), exc)
                 for request in execution.pending():
                     self.finish(request, error=_copy_error(error, cause=exc))
                 return
@@ -2748,6 +2744,15 @@ async def close_instances(model: str, instances: Sequence[BackendInstance]) -> N
             CLEANUP_S,
             ", ".join(map(repr, left)),
         )
+
+
+def _raised(exc: BaseException, where: str) -> str:
+    # "raised KeyError in execute(): 'replica 7'". An exception without a message (a
+    # bare anyio.WouldBlock from a queue found empty) is said so, not left as ": ".
+    said = str(exc)
+    return f"raised {type(exc).__name__} in {where}" + (
+        f": {said}" if said else ", with no message"
+    )
 
 
 def _not_an_instance(instance: object) -> str | None:
