@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.metadata
 import sys
 import textwrap
 from pathlib import Path
@@ -253,6 +254,15 @@ def test_unknown_name_lists_the_known_ones() -> None:
         Registry().load("schedulers", "fifp")
     with pytest.raises(PluginError, match=r"'priority'$"):  # nothing near: no guess
         Registry().load("schedulers", "edf")
+    # A package that declares it in a misspelt group: found nowhere, and said so.
+    stray = importlib.metadata.EntryPoint("lifo", "acme:Lifo", "trioinfer.scheduler")
+    with pytest.raises(PluginError) as caught:
+        Registry(entry_points=[stray]).load("schedulers", "lifo")
+    assert str(caught.value) == (
+        "no scheduler plugin named 'lifo'; known schedulers: none; a distribution declares "
+        "'lifo' in the entry-point group 'trioinfer.scheduler', which trioinfer does not "
+        "read: the group is 'trioinfer.schedulers'"
+    )
     with pytest.raises(PluginError, match="unknown plugin kind 'widgets'"):
         Registry().load("widgets", "x")  # type: ignore[arg-type]
 

@@ -90,6 +90,25 @@ class Registry:
             self._found = found
         return self._found
 
+    def _strays(self, name: str, group: str) -> list[tuple[str | None, str]]:
+        # The distributions and groups of entry points named *name* in a group that
+        # looks like *group* but is not one of trioinfer's ("trioinfer.scheduler"),
+        # each once (an editable install is found twice): read only to explain an
+        # unknown name.
+        eps: Iterable[importlib.metadata.EntryPoint] = (
+            self._entry_points
+            if self._entry_points is not None
+            else (ep for dist in importlib.metadata.distributions() for ep in dist.entry_points)
+        )
+        found = {
+            (_dist_of(ep), ep.group): None
+            for ep in eps
+            if ep.name == name
+            and ep.group not in GROUPS.values()
+            and difflib.get_close_matches(ep.group, [group], n=1)
+        }
+        return list(found)
+
     def plugins(self, kind: Kind | None = None) -> list[PluginInfo]:
         """Every plugin found, sorted by kind and name; nothing is imported."""
         infos = [
@@ -133,7 +152,16 @@ class Registry:
                 known = ", ".join(map(repr, names)) or "none"
                 message = f"no {kind[:-1]} plugin named {name!r}; known {kind}: {known}"
                 # A misspelt name in a config is the usual cause: point at the near one.
-                if close := difflib.get_close_matches(name, names, n=1):
+                # A package that declared it in a misspelt group, which nothing reads;
+                # else a name misspelt in the config, the usual cause: the near one.
+                if strays := self._strays(name, group):
+                    for dist, stray_group in strays:
+                        message += (
+                            f"; {dist or 'a distribution'} declares {name!r} in the "
+                            f"entry-point group {stray_group!r}, which trioinfer does not "
+                            f"read: the group is {group!r}"
+                        )
+                elif close := difflib.get_close_matches(name, names, n=1):
                     message += f"; did you mean {close[0]!r}?"
                 raise PluginError(message)
             if len(eps) > 1:
