@@ -29,6 +29,15 @@ GROUPS: Final[Mapping[Kind, str]] = {
 }
 
 
+#: The contract of each kind, a Protocol of trioinfer.abc, by name.
+_CONTRACTS: Final[Mapping[Kind, str]] = {
+    "backends": "Backend",
+    "schedulers": "Scheduler",
+    "batchers": "Batcher",
+    "fallbacks": "Fallback",
+}
+
+
 @attrs.frozen
 class PluginInfo:
     """What the registry knows of one plugin before importing it.
@@ -247,12 +256,23 @@ class Registry:
         """Try to load one plugin; return ``None`` if it loads, else the error message.
 
         A target that loads but cannot be called (an entry point naming a
-        constant, say) is an error too: every model that names it would fail.
+        constant, say), or a class that lacks a method of its kind's contract,
+        is an error too: every model that names it would fail. (A factory
+        function's result is known only when a model creates it.)
         """
         try:
-            self._load_callable(info.kind, info.name)
+            target = self._load_callable(info.kind, info.name)
         except PluginError as exc:
             return str(exc)
+        if isinstance(target, type):
+            from . import abc  # here: abc imports the config, which needs no registry
+
+            protocol = _CONTRACTS[info.kind]
+            if lacks := missing_members(target, getattr(abc, protocol)):
+                return (
+                    f"{info.kind[:-1]} plugin {info.name!r} does not implement "
+                    f"trioinfer.abc.{protocol}: {target.__name__} lacks {', '.join(lacks)}"
+                )
         return None
 
     def missing(self, info: PluginInfo) -> str | None:
