@@ -352,7 +352,11 @@ def test_a_plugin_that_raises_as_it_is_created_fails_with_plugin_load_error() ->
     with pytest.raises(
         PluginLoadError, match=r"'buggy' failed to start with options \{\}: KeyError"
     ):
-        registry.create("schedulers", "buggy")
+        registry.create("schedulers", "buggy", {})
+    # A backend is created with no options at all: none are named.
+    registry._loaded["backends", "buggy"] = buggy
+    with pytest.raises(PluginLoadError, match=r"^backend plugin 'buggy' failed to start: KeyError"):
+        registry.create("backends", "buggy")
     # A TrioInferError is the plugin's own word: it passes as it is.
     with pytest.raises(ConfigError, match=r"^size 9 is too big") as refused:
         registry.create("schedulers", "says-so", {"size": 9})

@@ -220,9 +220,12 @@ class Registry:
             # A value it refuses (a ValueError for max_batch_size = 0), or its own bug:
             # either way the model cannot load with it, and the operator must hear which.
             dist = self._distribution(kind, name)
+            # A backend is created with no options (its backend_options go to load()):
+            # "with options {}" would send its author looking for options it never got.
+            given = "" if options is None else f" with options {dict(options)!r}"
             raise PluginLoadError(
                 f"{kind[:-1]} plugin {name!r}{f' (from {dist})' if dist else ''} failed to "
-                f"start with options {dict(options or {})!r}: {type(exc).__name__}: {exc}",
+                f"start{given}: {type(exc).__name__}: {exc}",
                 group=GROUPS[kind],
                 name=name,
                 distribution=dist,
