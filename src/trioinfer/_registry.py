@@ -17,6 +17,7 @@ from typing import Any, Final, Literal
 import attrs
 
 from ._exceptions import PluginError, PluginLoadError, TrioInferError
+from .abc import Backend, Batcher, Fallback, Scheduler
 
 Kind = Literal["backends", "schedulers", "batchers", "fallbacks"]
 
@@ -29,12 +30,12 @@ GROUPS: Final[Mapping[Kind, str]] = {
 }
 
 
-#: The contract of each kind, a Protocol of trioinfer.abc, by name.
-_CONTRACTS: Final[Mapping[Kind, str]] = {
-    "backends": "Backend",
-    "schedulers": "Scheduler",
-    "batchers": "Batcher",
-    "fallbacks": "Fallback",
+#: The contract of each kind, a Protocol of trioinfer.abc.
+CONTRACTS: Final[Mapping[Kind, type]] = {
+    "backends": Backend,
+    "schedulers": Scheduler,
+    "batchers": Batcher,
+    "fallbacks": Fallback,
 }
 
 
@@ -160,7 +161,6 @@ class Registry:
                 names = self.names(kind)
                 known = ", ".join(map(repr, names)) or "none"
                 message = f"no {kind[:-1]} plugin named {name!r}; known {kind}: {known}"
-                # A misspelt name in a config is the usual cause: point at the near one.
                 # A package that declared it in a misspelt group, which nothing reads;
                 # else a name misspelt in the config, the usual cause: the near one.
                 if strays := self._strays(name, group):
@@ -268,13 +268,12 @@ class Registry:
         except PluginError as exc:
             return str(exc)
         if isinstance(target, type):
-            from . import abc  # here: abc imports the config, which needs no registry
-
-            protocol = _CONTRACTS[info.kind]
-            if lacks := missing_members(target, getattr(abc, protocol)):
+            protocol = CONTRACTS[info.kind]
+            if lacks := missing_members(target, protocol):
                 return (
                     f"{info.kind[:-1]} plugin {info.name!r} does not implement "
-                    f"trioinfer.abc.{protocol}: {target.__name__} lacks {', '.join(lacks)}"
+                    f"trioinfer.abc.{protocol.__name__}: {target.__name__} lacks "
+                    f"{', '.join(lacks)}"
                 )
         return None
 
