@@ -78,9 +78,13 @@ EXPECTED_OUTPUT = {
     "plugin.py": [
         "ShortestJobFirst passes check_scheduler",
         "MatmulBackend passes check_backend",
+        "FixedSizeBatcher passes check_batcher",
+        "DefaultAnswer passes check_fallback",
         "matmul model: [[18.0, 22.0, 26.0], [18.0, 22.0, 26.0]]",
         "rows in execution order, fifo: [8, 2, 4]",
         "rows in execution order, sjf:  [2, 4, 8]",
+        "rows per execution, fixed: [4, 2]",
+        "failing backend, default answer: [[0.0, 0.0, 0.0, 0.0]]",
     ],
     "python_models.py": [
         "names: ['two (1.00)', 'eight (0.95)', 'two (1.00)', 'six (1.00)', 'six (1.00)', "
@@ -612,12 +616,17 @@ def test_quickstart_shows_what_trioinfer_plugins_prints(monkeypatch: pytest.Monk
 
 
 def test_plugin_howto_shows_trioinfer_plugins_with_the_new_plugins() -> None:
-    # "Package it": after installing trioinfer-sjf, the same table plus its two plugins.
+    # "Package it": after installing trioinfer-sjf, the same table plus its four plugins.
     text = (DOCS / "how-to" / "plugins.md").read_text()
     shown = text.split('```text title="trioinfer plugins"\n', 1)[1].split("```", 1)[0]
     rows = shown.splitlines()
     added = [row for row in rows if "trioinfer-sjf" in row]
-    assert [row.split()[:2] for row in added] == [["backends", "matmul"], ["schedulers", "sjf"]]
+    assert [row.split()[:2] for row in added] == [
+        ["backends", "matmul"],
+        ["batchers", "fixed"],
+        ["fallbacks", "default"],
+        ["schedulers", "sjf"],
+    ]
     real = _plugins_output()
     assert [row.split() for row in rows if row not in added] == [row.split() for row in real]
 

@@ -590,6 +590,9 @@ async def test_first_party_fallbacks_pass_check_fallback(
     await check_fallback(
         lambda: Resilient(timeout=1.0, hedge_after=0.01, breaker={"fail_max": 2}, attempts=5)
     )
+    # One that answers every failed execution with a default keeps the contract too
+    # (check_fallback refused it: "with every execution failing, request 0 got outputs").
+    await check_fallback(lambda: Resilient(default={"y": [0.0] * 4}))
 
 
 class _Lazy:

@@ -477,6 +477,23 @@ async def test_a_batcher_that_returns_a_request_twice_in_one_batch_is_blamed(
             assert (stats.succeeded, stats.failed) == (1, 3)
 
 
+async def test_a_plugin_exception_without_a_message_is_said_to_have_none(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    # A def next_batch() popping an empty queue raised a bare anyio.WouldBlock, and the
+    # error ended "raised WouldBlock in next_batch(): ", which reads as cut off.
+    class Mute:
+        async def execute(self, execution: Execution) -> None:
+            raise anyio.WouldBlock
+
+    with trio.fail_after(60):
+        async with open_engine(registry=registry(FakeBackend(), fallbacks={"mute": Mute})) as e:
+            await e.load(config(fallback="mute"))
+            error = await outcome(e, "m")
+    assert isinstance(error, trioinfer.PluginContractError)
+    assert str(error).endswith("raised WouldBlock in execute(), with no message"), error
+
+
 async def test_a_fallback_that_raises_fails_its_batch_naming_it(
     autojump_clock: trio.testing.MockClock, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -497,7 +514,7 @@ async def test_a_fallback_that_raises_fails_its_batch_naming_it(
             assert isinstance(error, trioinfer.PluginContractError)
             assert (error.kind, error.plugin) == ("fallbacks", "buggy")
             assert "fallback 'buggy' of model 'm' broke its contract" in str(error)
-            assert "KeyError in execute()" in str(error)
+            assert "KeyError in execute(): 'replica 7'" in str(error)
             assert isinstance(error.__cause__, KeyError)
             assert await outcome(e, "m") is None
             stats = e.statistics().models["m"]

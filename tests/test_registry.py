@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.metadata
 import sys
 import textwrap
 from pathlib import Path
@@ -184,6 +185,17 @@ def test_broken_plugin_is_reported_and_does_not_break_others(third_party: Path) 
     assert "ImportError" in str(registry.check(broken))
     ok = next(p for p in registry.plugins("backends") if p.name == "onnxruntime")
     assert registry.check(ok) is None
+    # A class that lacks its contract's method is not "ok" either: no model could use it.
+    registry = Registry(extra={"backends": {"noload": FifoScheduler}})
+    noload = next(p for p in registry.plugins("backends") if p.name == "noload")
+    assert registry.check(noload) == (
+        "backend plugin 'noload' does not implement trioinfer.abc.Backend: "
+        "FifoScheduler lacks load()"
+    )
+    # Every first-party plugin passes.
+    first_party = [p for p in Registry().plugins() if str(p.distribution).startswith("trioinfer ")]
+    assert len(first_party) >= 12
+    assert [p.name for p in first_party if Registry().check(p)] == []
 
 
 def test_a_constructor_error_names_the_plugins_distribution(third_party: Path) -> None:
@@ -236,7 +248,10 @@ def test_a_plugin_that_loads_may_say_what_it_lacks() -> None:
     )
     assert said["whole"] is None
     assert said["plain"] is None  # a plugin without the hook lacks nothing it can tell
-    assert all(registry.check(p) is None for p in registry.plugins("backends"))
+    # What a plugin lacks to run is no load error (these test doubles lack load() itself).
+    installed = [p for p in registry.plugins("backends") if p.distribution]
+    assert installed
+    assert all(registry.check(p) is None for p in installed)
 
 
 def test_unknown_name_lists_the_known_ones() -> None:
@@ -248,6 +263,20 @@ def test_unknown_name_lists_the_known_ones() -> None:
         ),
     ):
         Registry().load("schedulers", "edf")
+    # A misspelt name, the usual cause, is pointed at the near one.
+    with pytest.raises(PluginError, match=r"known schedulers: .*; did you mean 'fifo'\?$"):
+        Registry().load("schedulers", "fifp")
+    with pytest.raises(PluginError, match=r"'priority'$"):  # nothing near: no guess
+        Registry().load("schedulers", "edf")
+    # A package that declares it in a misspelt group: found nowhere, and said so.
+    stray = importlib.metadata.EntryPoint("lifo", "acme:Lifo", "trioinfer.scheduler")
+    with pytest.raises(PluginError) as caught:
+        Registry(entry_points=[stray]).load("schedulers", "lifo")
+    assert str(caught.value) == (
+        "no scheduler plugin named 'lifo'; known schedulers: none; a distribution declares "
+        "'lifo' in the entry-point group 'trioinfer.scheduler', which trioinfer does not "
+        "read: the group is 'trioinfer.schedulers'"
+    )
     with pytest.raises(PluginError, match="unknown plugin kind 'widgets'"):
         Registry().load("widgets", "x")  # type: ignore[arg-type]
 
@@ -286,6 +315,14 @@ def test_a_plugin_without_named_options_is_reported_by_its_own_error() -> None:
     # Every name is known: the value was refused, and the plugin's own words say why.
     with pytest.raises(PluginLoadError, match=r"refused its options \['size'\]: size must be"):
         registry.create("schedulers", "strict", {"size": "8"})
+    # A required one is missing: named, with where to set it (Python's own TypeError
+    # said "__init__() missing 1 required keyword-only argument", no word of options).
+    with pytest.raises(PluginLoadError) as caught:
+        registry.create("schedulers", "strict")
+    assert str(caught.value) == (
+        "scheduler plugin 'strict' needs options ['size'], which the model's "
+        "scheduler_options do not set (it takes: size)"
+    )
 
 
 def test_a_plugin_that_raises_as_it_is_created_fails_with_plugin_load_error() -> None:
@@ -315,7 +352,11 @@ def test_a_plugin_that_raises_as_it_is_created_fails_with_plugin_load_error() ->
     with pytest.raises(
         PluginLoadError, match=r"'buggy' failed to start with options \{\}: KeyError"
     ):
-        registry.create("schedulers", "buggy")
+        registry.create("schedulers", "buggy", {})
+    # A backend is created with no options at all: none are named.
+    registry._loaded["backends", "buggy"] = buggy
+    with pytest.raises(PluginLoadError, match=r"^backend plugin 'buggy' failed to start: KeyError"):
+        registry.create("backends", "buggy")
     # A TrioInferError is the plugin's own word: it passes as it is.
     with pytest.raises(ConfigError, match=r"^size 9 is too big") as refused:
         registry.create("schedulers", "says-so", {"size": 9})
@@ -338,7 +379,8 @@ async def test_a_third_party_plugin_of_the_wrong_type_names_its_distribution(
         with pytest.raises(
             PluginContractError,
             match=r"^scheduler 'notsched' \(from acme-trioinfer 1\.2\) of model 'add' does not "
-            r"implement trioinfer\.abc\.Scheduler: got dict$",
+            r"implement trioinfer\.abc\.Scheduler: got dict, which lacks peek\(\), push\(\), "
+            r"remove\(\)$",
         ) as info:
             await engine.load(ModelConfig(name="add", path=add_model, scheduler="notsched"))
         assert (info.value.kind, info.value.plugin) == ("schedulers", "notsched")
@@ -355,6 +397,10 @@ def test_an_entry_point_to_something_not_callable_names_its_distribution(
         Registry().create("schedulers", "number")
     assert info.value.distribution == "acme-trioinfer 1.2"
     assert (info.value.group, info.value.name) == ("trioinfer.schedulers", "number")
+    # `trioinfer plugins` says so too, rather than "ok" for a plugin no model can use.
+    registry = Registry()
+    number = next(p for p in registry.plugins("schedulers") if p.name == "number")
+    assert "which is not callable" in str(registry.check(number))
 
 
 async def test_a_third_party_plugin_breaking_its_contract_at_run_time_names_its_distribution(
@@ -441,11 +487,13 @@ async def test_a_third_party_backend_failing_to_re_create_an_instance_names_its_
     [
         (
             "{'signature': None}",
-            r"a 'dict' object, not a trioinfer\.abc\.BackendInstance",
+            r"a 'dict' object, not a trioinfer\.abc\.BackendInstance \(.*\): "
+            r"it lacks aclose\(\), device, execute\(\), signature",
         ),
         (
             "NoSignature.Instance()",
-            r"a 'Instance' object, not a trioinfer\.abc\.BackendInstance",
+            r"a 'Instance' object, not a trioinfer\.abc\.BackendInstance \(.*\): "
+            r"it lacks signature$",
         ),
         (
             "LoadsJunk.Sigless()",
@@ -497,12 +545,20 @@ async def test_engine_reports_unknown_plugins_at_load(add_model: Path) -> None:
 
 
 async def test_a_plugin_that_is_not_a_scheduler_is_refused(add_model: Path) -> None:
-    registry = Registry(extra={"schedulers": {"bad": object}})
+    class NoRemove(FifoScheduler):
+        remove = None  # type: ignore[assignment]
+
+    registry = Registry(extra={"schedulers": {"bad": object, "noremove": NoRemove}})
     async with open_engine(registry=registry) as engine:
         with pytest.raises(
-            PluginContractError, match=r"does not implement trioinfer\.abc\.Scheduler"
+            PluginContractError,
+            match=r"does not implement trioinfer\.abc\.Scheduler: got object, which lacks "
+            r"__len__\(\), peek\(\), pop\(\), push\(\), remove\(\)$",
         ):
             await engine.load(ModelConfig(name="add", path=add_model, scheduler="bad"))
+        # Its author learns which method to add, not only that one is missing.
+        with pytest.raises(PluginContractError, match=r"got NoRemove, which lacks remove\(\)$"):
+            await engine.load(ModelConfig(name="add", path=add_model, scheduler="noremove"))
 
 
 def test_fifo_passes_the_scheduler_conformance_check() -> None:

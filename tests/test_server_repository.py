@@ -1174,6 +1174,32 @@ async def test_a_request_for_a_model_that_failed_to_load_says_why(root: Path) ->
     assert message.endswith("did you mean 'batcher_options' for 'batcher_option'?")
 
 
+async def test_a_model_that_never_finishes_loading_is_named_in_the_log(
+    root: Path, autojump_clock: trio.testing.MockClock, caplog: pytest.LogCaptureFixture
+) -> None:
+    # A plugin backend whose load() never returned held `trioinfer serve`'s start for
+    # ever, its port closed, with not a line in the log.
+    from trioinfer.server._models import ServedModels
+
+    class Hangs:
+        async def load(self, config: Any, placement: Any) -> Any:
+            await trio.sleep_forever()
+
+    (root / "m" / "1").mkdir(parents=True)
+    (root / "m" / "1" / "model.onnx").write_bytes(b"")
+    (root / "m" / "config.toml").write_text('backend = "hangs"\n')
+    registry = trioinfer.Registry(extra={"backends": {"hangs": Hangs}})
+    async with trioinfer.open_engine(registry=registry) as engine:
+        served = ServedModels(engine, ModelRepository(root))
+        with trio.move_on_after(35):
+            await served.load_all()
+    said = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert [message.split(";")[0] for message in said] == [
+        "model 'm' is still loading after 10 s",
+        "model 'm' is still loading after 30 s",
+    ]
+
+
 @pytest.mark.pipeline
 async def test_a_step_model_with_a_broken_config_is_named_with_its_fault(root: Path) -> None:
     # Its config.toml has a typo: the pipeline's error said the step model "is not in the

@@ -40,7 +40,7 @@ from ._exceptions import (
 from ._inline import restart_inline_slice, restart_slice_at_each_poll
 from ._pipeline import PIPELINE, Pipeline, Resume, Step, _steps
 from ._pipeline_batched import BatchedPipeline
-from ._registry import Kind, Registry, plugin_label
+from ._registry import Kind, Registry, missing_members, plugin_label
 from ._request import Outputs, Request, make_request, next_request_id
 from ._resources import ResourcePools, ResourcePoolStatistics, to_resource_sizes
 from ._runner import (
@@ -384,7 +384,8 @@ class Engine:
                 raise PluginContractError(
                     f"{plugin_label(kind, plugin_name, sources[kind])} of model "
                     f"{name!r} does not implement trioinfer.abc.{protocol.__name__}: "
-                    f"got {type(plugin).__name__}",
+                    f"got {type(plugin).__name__}, which lacks "
+                    f"{', '.join(missing_members(plugin, protocol)) or '(unknown)'}",
                     kind=kind,
                     plugin=plugin_name,
                 )

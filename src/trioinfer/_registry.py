@@ -17,6 +17,7 @@ from typing import Any, Final, Literal
 import attrs
 
 from ._exceptions import PluginError, PluginLoadError, TrioInferError
+from .abc import Backend, Batcher, Fallback, Scheduler
 
 Kind = Literal["backends", "schedulers", "batchers", "fallbacks"]
 
@@ -26,6 +27,15 @@ GROUPS: Final[Mapping[Kind, str]] = {
     "schedulers": "trioinfer.schedulers",
     "batchers": "trioinfer.batchers",
     "fallbacks": "trioinfer.fallbacks",
+}
+
+
+#: The contract of each kind, a Protocol of trioinfer.abc.
+CONTRACTS: Final[Mapping[Kind, type]] = {
+    "backends": Backend,
+    "schedulers": Scheduler,
+    "batchers": Batcher,
+    "fallbacks": Fallback,
 }
 
 
@@ -90,6 +100,25 @@ class Registry:
             self._found = found
         return self._found
 
+    def _strays(self, name: str, group: str) -> list[tuple[str | None, str]]:
+        # The distributions and groups of entry points named *name* in a group that
+        # looks like *group* but is not one of trioinfer's ("trioinfer.scheduler"),
+        # each once (an editable install is found twice): read only to explain an
+        # unknown name.
+        eps: Iterable[importlib.metadata.EntryPoint] = (
+            self._entry_points
+            if self._entry_points is not None
+            else (ep for dist in importlib.metadata.distributions() for ep in dist.entry_points)
+        )
+        found = {
+            (_dist_of(ep), ep.group): None
+            for ep in eps
+            if ep.name == name
+            and ep.group not in GROUPS.values()
+            and difflib.get_close_matches(ep.group, [group], n=1)
+        }
+        return list(found)
+
     def plugins(self, kind: Kind | None = None) -> list[PluginInfo]:
         """Every plugin found, sorted by kind and name; nothing is imported."""
         infos = [
@@ -129,8 +158,21 @@ class Registry:
         else:
             eps = self._discover().get(key)
             if not eps:
-                known = ", ".join(map(repr, self.names(kind))) or "none"
-                raise PluginError(f"no {kind[:-1]} plugin named {name!r}; known {kind}: {known}")
+                names = self.names(kind)
+                known = ", ".join(map(repr, names)) or "none"
+                message = f"no {kind[:-1]} plugin named {name!r}; known {kind}: {known}"
+                # A package that declared it in a misspelt group, which nothing reads;
+                # else a name misspelt in the config, the usual cause: the near one.
+                if strays := self._strays(name, group):
+                    for dist, stray_group in strays:
+                        message += (
+                            f"; {dist or 'a distribution'} declares {name!r} in the "
+                            f"entry-point group {stray_group!r}, which trioinfer does not "
+                            f"read: the group is {group!r}"
+                        )
+                elif close := difflib.get_close_matches(name, names, n=1):
+                    message += f"; did you mean {close[0]!r}?"
+                raise PluginError(message)
             if len(eps) > 1:
                 dists = ", ".join(str(_dist_of(ep)) for ep in eps)
                 raise PluginError(
@@ -161,18 +203,7 @@ class Registry:
                 options, or raises anything else but a `TrioInferError` (which passes as
                 it is) while created.
         """
-        target = self.load(kind, name)
-        if not callable(target):
-            # The package's fault, as an import error is: name the package.
-            dist = self._distribution(kind, name)
-            raise PluginLoadError(
-                f"{kind[:-1]} plugin {name!r}{f' (from {dist})' if dist else ''} cannot be "
-                f"created: its entry point names {target!r}, which is not callable (expected "
-                "a class or a function taking the model's options)",
-                group=GROUPS[kind],
-                name=name,
-                distribution=dist,
-            )
+        target = self._load_callable(kind, name)
         factory: Callable[..., Any] = target
         try:
             return factory(**(options or {}))
@@ -189,13 +220,32 @@ class Registry:
             # A value it refuses (a ValueError for max_batch_size = 0), or its own bug:
             # either way the model cannot load with it, and the operator must hear which.
             dist = self._distribution(kind, name)
+            # A backend is created with no options (its backend_options go to load()):
+            # "with options {}" would send its author looking for options it never got.
+            given = "" if options is None else f" with options {dict(options)!r}"
             raise PluginLoadError(
                 f"{kind[:-1]} plugin {name!r}{f' (from {dist})' if dist else ''} failed to "
-                f"start with options {dict(options or {})!r}: {type(exc).__name__}: {exc}",
+                f"start{given}: {type(exc).__name__}: {exc}",
                 group=GROUPS[kind],
                 name=name,
                 distribution=dist,
             ) from exc
+
+    def _load_callable(self, kind: Kind, name: str) -> Callable[..., Any]:
+        # load(), and the check that the target can be called to create the plugin.
+        target = self.load(kind, name)
+        if not callable(target):
+            # The package's fault, as an import error is: name the package.
+            dist = self._distribution(kind, name)
+            raise PluginLoadError(
+                f"{kind[:-1]} plugin {name!r}{f' (from {dist})' if dist else ''} cannot be "
+                f"created: its entry point names {target!r}, which is not callable (expected "
+                "a class or a function taking the model's options)",
+                group=GROUPS[kind],
+                name=name,
+                distribution=dist,
+            )
+        return target
 
     def _distribution(self, kind: Kind, name: str) -> str | None:
         # The distribution that declared the plugin loaded as (kind, name); None for
@@ -206,11 +256,25 @@ class Registry:
         return _dist_of(eps[0]) if eps else None
 
     def check(self, info: PluginInfo) -> str | None:
-        """Try to load one plugin; return ``None`` if it loads, else the error message."""
+        """Try to load one plugin; return ``None`` if it loads, else the error message.
+
+        A target that loads but cannot be called (an entry point naming a
+        constant, say), or a class that lacks a method of its kind's contract,
+        is an error too: every model that names it would fail. (A factory
+        function's result is known only when a model creates it.)
+        """
         try:
-            self.load(info.kind, info.name)
+            target = self._load_callable(info.kind, info.name)
         except PluginError as exc:
             return str(exc)
+        if isinstance(target, type):
+            protocol = CONTRACTS[info.kind]
+            if lacks := missing_members(target, protocol):
+                return (
+                    f"{info.kind[:-1]} plugin {info.name!r} does not implement "
+                    f"trioinfer.abc.{protocol.__name__}: {target.__name__} lacks "
+                    f"{', '.join(lacks)}"
+                )
         return None
 
     def missing(self, info: PluginInfo) -> str | None:
@@ -266,7 +330,19 @@ def _refused_options(
         return f"{what} does not accept options {sorted(options)}: {exc}"
     accepted = sorted(p.name for p in params if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD))
     unknown = sorted(set(options) - set(accepted))
-    if not unknown:  # every name is known: a value it refused, or a required one missing
+    if not unknown:  # every name is known: a required one missing, or a value it refused
+        required = sorted(
+            p.name
+            for p in params
+            if p.default is p.empty
+            and p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)
+            and p.name not in options
+        )
+        if required:
+            return (
+                f"{what} needs options {required}, which the model's {kind[:-1]}_options "
+                f"do not set (it takes: {', '.join(accepted)})"
+            )
         return f"{what} refused its options {sorted(options)}: {exc}"
     takes = ", ".join(accepted) if accepted else "none"
     message = f"{what} does not accept options {unknown}; it takes: {takes}"
@@ -274,6 +350,30 @@ def _refused_options(
         if close := difflib.get_close_matches(key, accepted, n=1):
             message += f"; did you mean {close[0]!r} for {key!r}?"
     return message
+
+
+def missing_members(plugin: object, protocol: type) -> list[str]:
+    """The methods and attributes of *protocol* that *plugin* lacks (or sets to None), sorted.
+
+    What ``isinstance(plugin, protocol)`` checks on a runtime-checkable Protocol,
+    spelt out, so that an error can tell a plugin's author what to add rather than
+    only that something is missing. Methods are named with ``()``.
+    """
+    members: dict[str, bool] = {}
+    for klass in protocol.__mro__:
+        if klass.__module__ in ("typing", "builtins"):  # Protocol, Generic, object
+            continue
+        for attr, value in vars(klass).items():
+            if attr.startswith("_") and attr != "__len__":
+                continue
+            members.setdefault(attr, callable(value) and not isinstance(value, property))
+        for attr in getattr(klass, "__annotations__", {}):
+            members.setdefault(attr, False)
+    return [
+        f"{attr}()" if method else attr
+        for attr, method in sorted(members.items())
+        if getattr(plugin, attr, None) is None
+    ]
 
 
 def _check_kind(kind: str) -> Kind:

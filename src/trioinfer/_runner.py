@@ -42,7 +42,7 @@ from ._exceptions import (
 )
 from ._inline import DEFAULT_SLICE_S, inline_slice_spent, restart_inline_slice
 from ._inline import _slice as _inline_slice
-from ._registry import Kind, plugin_label
+from ._registry import Kind, missing_members, plugin_label
 from ._request import Outputs, Request, make_request
 from ._tensors import InputLimits, ModelSignature, OutputCheck, rows_validator
 from ._tensors import rows as _rows
@@ -1222,9 +1222,7 @@ class ModelRunner(metaclass=NoPublicConstructor):
                             batch, formed = formed, None
                     except Exception as exc:
                         # What it had taken fails with it; the engine and the model go on.
-                        await self._batcher_failed(
-                            f"raised {type(exc).__name__} in next_batch(): {exc}", exc
-                        )
+                        await self._batcher_failed(_raised(exc, "next_batch()"), exc)
                         continue
                     try:  # (one per batch: free in CPython 3.11 when nothing raises)
                         if not batch:
@@ -1405,9 +1403,7 @@ class ModelRunner(metaclass=NoPublicConstructor):
             ):
                 # Not a backend's error passed on: the fallback's own bug. Its batch
                 # fails, named after it; the model goes on with the next batch.
-                error = self._broken(
-                    "fallbacks", f"raised {type(exc).__name__} in execute(): {exc}", exc
-                )
+                error = self._broken("fallbacks", _raised(exc, "execute()"), exc)
                 for request in execution.pending():
                     self.finish(request, error=_copy_error(error, cause=exc))
                 return
@@ -2827,6 +2823,15 @@ async def close_instances(model: str, instances: Sequence[BackendInstance]) -> N
         )
 
 
+def _raised(exc: BaseException, where: str) -> str:
+    # "raised KeyError in execute(): 'replica 7'". An exception without a message (a
+    # bare anyio.WouldBlock from a queue found empty) is said so, not left as ": ".
+    said = str(exc)
+    return f"raised {type(exc).__name__} in {where}" + (
+        f": {said}" if said else ", with no message"
+    )
+
+
 def _not_an_instance(instance: object) -> str | None:
     # What a backend's load() returned instead of a BackendInstance, or None. Checked
     # once per instance at load (and at each re-creation): a None, or a dict for a
@@ -2835,7 +2840,8 @@ def _not_an_instance(instance: object) -> str | None:
     if not isinstance(instance, BackendInstance):
         return (
             f"a {type(instance).__name__!r} object, not a trioinfer.abc.BackendInstance "
-            "(signature, device, execute() and aclose())"
+            "(signature, device, execute() and aclose()): it lacks "
+            f"{', '.join(missing_members(instance, BackendInstance))}"
         )
     try:
         signature, device = instance.signature, instance.device

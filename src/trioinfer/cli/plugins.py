@@ -18,10 +18,11 @@ def plugins() -> None:
     trioinfer.batchers and trioinfer.fallbacks: its kind, the name configs
     use, the module:attribute it points to, the distribution that declares it,
     and `ok` if it imports and has what it needs, the error if it does not
-    import, or what it lacks (Ray for the ray backend on an install without
-    the ray extra) and how to install it.
+    import or cannot be a plugin of its kind (it names something not callable,
+    or a class without its contract's methods), or what it lacks (Ray for the
+    ray backend on an install without the ray extra) and how to install it.
 
-    Exits with status 0 if every plugin loads, 1 if any fails to import. A
+    Exits with status 0 if every plugin loads, 1 if any fails to. A
     plugin that lacks a dependency is not a failure: an install without an
     extra is a normal one, and the plugin fails only when a model uses it.
     """

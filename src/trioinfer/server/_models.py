@@ -10,6 +10,7 @@ loaded anew beside the old one, which keeps serving until the new one is ready
 from __future__ import annotations
 
 import bisect
+import contextlib
 import functools
 import hashlib
 import itertools
@@ -18,7 +19,7 @@ import math
 import random
 import re
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from typing import Any, Final, final
 
 import anyio
@@ -34,6 +35,46 @@ from ._repository import ModelRepository, VersionPolicy, parse_traffic
 from ._triton import NARROWING_BACKENDS, TritonModel
 
 log = logging.getLogger("trioinfer.server")
+
+#: Seconds a model loads at start-up before the log says so (then twice as long, ...).
+SLOW_LOAD_S: Final = 10.0
+
+
+@contextlib.asynccontextmanager
+async def _said_while_loading(model: str) -> AsyncIterator[None]:
+    """Log a warning now and then while *model* loads at start-up, naming it.
+
+    Models load one after another before anything is served: a plugin whose
+    ``load()`` never returns held the start for ever with nothing in the log.
+    """
+
+    async def warn() -> None:
+        waited, wait = 0.0, SLOW_LOAD_S
+        while True:
+            await anyio.sleep(wait)
+            waited += wait
+            log.warning(
+                "model %r is still loading after %.0f s; nothing is served until it has "
+                "loaded or failed (a backend's load() that never returns holds it for ever)",
+                model,
+                waited,
+            )
+            wait *= 2
+
+    raised: BaseException | None = None
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(warn)
+        try:
+            yield
+        except BaseException as exc:  # raised again below, as it came
+            raised = exc
+        finally:
+            tg.cancel_scope.cancel()
+    if raised is not None:
+        # Outside the task group, which would wrap it in an ExceptionGroup: the
+        # caller catches a load's TrioInferError by its class.
+        raise raised
+
 
 #: Longest model name the server accepts: the engine's 128 less room for ``.v<version>``.
 MAX_MODEL_NAME = 100
@@ -320,7 +361,8 @@ class ServedModels:
             self.repository.names() if names is None else list(names)
         ):
             try:
-                await self.load(name, (overrides or {}).get(name))
+                async with _said_while_loading(name):
+                    await self.load(name, (overrides or {}).get(name))
             except TrioInferError as exc:
                 log.error("%s", exc)  # noqa: TRY400  # it says "failed to load" and why, in full
                 failed.append(name)

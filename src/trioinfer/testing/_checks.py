@@ -391,7 +391,9 @@ async def check_fallback(make_fallback: Callable[[], Fallback]) -> None:
     caller cancelled while its batch runs gets ``Cancelled`` at once and the
     execution is aborted; when every execution fails, every caller gets a
     [`TrioInferError`][trioinfer.TrioInferError] other than "returned without
-    answering", within a minute of the engine's clock; and the engine closes
+    answering", or outputs of its own rows that the fallback answered with
+    itself (``execution.respond()``, a default answer), within a minute of the
+    engine's clock; and the engine closes
     without waiting on anything the fallback started. Works on a real clock or a MockClock.
 
     Args:
@@ -463,7 +465,9 @@ async def check_fallback(make_fallback: Callable[[], Fallback]) -> None:
                 _fail("with every execution failing, requests did not end within 60 s")
             for i, outcome in outcomes.items():
                 if not isinstance(outcome, TrioInferError):
-                    _fail(f"with every execution failing, request {i} got outputs {outcome!r}")
+                    # Answered by the fallback itself (a default, say), the only way
+                    # outputs come while every execution fails: the engine checked them.
+                    continue
                 if "returned without answering" in str(outcome):
                     _fail(f"execute() returned without answering request {i}: {outcome}")
             backend.error = None
