@@ -846,10 +846,17 @@ async def test_a_change_that_cannot_reach_a_live_worker_fails_and_names_it(
         assert "BlockingIOError" in error["message"]
         assert said[1] == [load]
         assert supervisor.journal == {"m": unload}  # worker 0 serves it
-        assert supervisor.workers[1].member  # a healthy worker is left alone
-        assert processes[1].signals == []
+        # Whether it applied the change is unknown: it stayed a member for ever,
+        # serving what the others may not. It is restarted now (it drains first), and
+        # its restart loads what the journal says.
+        assert "did not answer the unload of model 'm'" in error["message"]
+        assert "and is restarted" in error["message"]
+        assert not supervisor.workers[1].member
+        assert processes[1].signals == [signal.SIGTERM]
+        assert supervisor.workers[1].stopped_for == "it did not answer the unload of model 'm'"
         # With no other worker to apply it: the error as it is, and nothing journaled.
         supervisor.workers[0].member = False
+        supervisor.workers[1].member = True  # as if its restart had joined
         error = (await supervisor.handle(load))["error"]
         assert error["type"] == "TrioInferError"
         assert error["message"].startswith("worker 1 (pid 101) is running but did not answer")
@@ -899,6 +906,66 @@ async def test_a_change_a_worker_cannot_hand_its_supervisor_says_so(
         assert "BlockingIOError" in said
         assert "stopping" not in said
         tg.cancel_scope.cancel()
+
+
+async def test_a_worker_stopped_for_a_restart_that_does_not_exit_is_killed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    # A worker the supervisor stops to restart it (it did not answer a change, or it
+    # started serving other things) got a SIGTERM, and nothing more: one whose event
+    # loop was blocked never exited, so it was neither restarted nor a member, for ever.
+    from trioinfer.server import _workers
+
+    monkeypatch.setattr(_workers, "STOP_MARGIN_S", 0.05)
+    monkeypatch.setattr(_workers, "RESTART_DELAY_S", 0.0)
+    supervisor = _Supervisor(1, tmp_path, {"config": {"drain_period": 0.0}})
+    supervisor.all_ready.set()
+    worker = supervisor.workers[0]
+    started = anyio.Event()
+
+    class Held:
+        def __init__(self) -> None:
+            self.pid = 4242
+            self.returncode: int | None = None
+            self.signals: list[int] = []
+            self.killed = anyio.Event()
+
+        async def wait(self) -> int:
+            if supervisor.stopping:
+                return 0
+            worker.ready = True
+            started.set()
+            await self.killed.wait()  # a SIGTERM changes nothing: its loop is blocked
+            self.returncode = -signal.SIGKILL
+            return self.returncode
+
+        def send_signal(self, signum: int) -> None:
+            self.signals.append(signum)
+            if signum == signal.SIGKILL:
+                self.killed.set()
+
+    processes: list[Held] = []
+
+    async def open_process(*args: Any, **kwargs: Any) -> Held:
+        if processes:  # restarted: enough
+            supervisor.stopping = True
+            supervisor.stop.set()
+        processes.append(Held())
+        return processes[-1]
+
+    monkeypatch.setattr(_workers.anyio, "open_process", open_process)
+    with anyio.fail_after(WAIT_S), caplog.at_level(logging.INFO, "trioinfer.server"):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(supervisor.run_worker, worker)
+            await started.wait()
+            worker.member = True
+            supervisor._restart(worker, "it did not answer the load of model 'm'")
+    assert processes[0].signals == [signal.SIGTERM, signal.SIGKILL]
+    assert len(processes) == 2
+    assert (
+        "worker 0 (pid 4242), stopped because it did not answer the load of model 'm', is "
+        "still running 0s later; killing it" in caplog.text
+    )
 
 
 async def test_workers_that_start_serving_different_things_are_noticed(
@@ -953,6 +1020,8 @@ async def test_workers_that_start_serving_different_things_are_noticed(
             "worker 0 (pid 100) started serving other things than worker 1 (pid 101)" in caplog.text
         )
         assert "model 'flaky' is not served by it" in caplog.text
+        # The banner named the pids of workers about to be restarted (another's soon).
+        assert supervisor.listening().pids == (101,)
         tg.cancel_scope.cancel()
 
 
@@ -1582,3 +1651,17 @@ async def test_reports_go_as_lines_on_one_connection_without_answers(tmp_path: P
         assert json.loads(line) == {"ok": 3}
         assert [m.get("n", m["op"]) for m in seen] == [1, 2, "asked"]
         tg.cancel_scope.cancel()
+
+
+def test_the_banner_names_only_the_workers_that_serve(monkeypatch: pytest.MonkeyPatch) -> None:
+    from trioinfer.server import _workers
+
+    async def serve_workers(
+        repository: Path, *, task_status: anyio.abc.TaskStatus[Any], **options: Any
+    ) -> None:
+        task_status.started(_workers.WorkersListening(("http://h:1",), {"m": (1,)}, (), (101,)))
+
+    monkeypatch.setattr(_workers, "serve_workers", serve_workers)
+    result = CliRunner().invoke(main, ["serve", "--workers", "3"])
+    assert result.exit_code == 0, result.output
+    assert "1 of 3 workers (the others restart) (pids 101) listening on http://h:1" in result.output

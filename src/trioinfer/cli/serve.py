@@ -1155,13 +1155,20 @@ async def _serve_workers(repository: Path, *, workers: int, **options: Any) -> N
         )
         url = listening.urls[0]
         pids = ", ".join(map(str, listening.pids))
+        # A worker stopped at start to be restarted (it served other things than the
+        # others) is not named: its pid would be another's a moment later.
+        how_many = (
+            f"{workers} workers"
+            if len(listening.pids) == workers
+            else f"{len(listening.pids)} of {workers} workers (the others restart)"
+        )
         _banner(
             listening.models,
             listening.failed,
             repository,
             url,
             _grpc_line(listening.grpc, options["config"].grpc_tls),
-            f"{workers} workers (pids {pids}) listening on {url} (Ctrl+C to stop)",
+            f"{how_many} (pids {pids}) listening on {url} (Ctrl+C to stop)",
         )
 
 

@@ -22,7 +22,8 @@ reports are lines on a connection it keeps open, with no answer):
   that fails on some workers only is an error that names them. A worker that
   does not answer is asked again while its process runs (`_Supervisor._reach`):
   one that died takes the change when it restarts, one that runs and cannot be
-  reached fails the change, named (it is never restarted for it). The supervisor
+  reached fails the change, named, and is restarted (what it serves is unknown
+  then: it may or may not have applied the change). The supervisor
   keeps the last change of each model and replays them to a worker that
   restarts, before it listens, so a restarted worker serves what the others do.
   It loaded the repository as it is on disk, though: after a reload that
@@ -880,6 +881,9 @@ class _Worker:
     failure: str = ""
     #: Why the supervisor stopped it to start it again ("": it was not).
     stopped_for: str = ""
+    #: Set when the supervisor stops this life to start it again (`_Supervisor._restart`):
+    #: it is killed if it has not exited after its drain period and `STOP_MARGIN_S`.
+    restarting: anyio.Event = attrs.field(factory=anyio.Event)
     listening: dict[str, Any] = attrs.field(factory=dict)
 
 
@@ -891,7 +895,8 @@ class WorkersListening:
         urls: The base URLs, e.g. ``("http://127.0.0.1:8000",)``.
         models: The served models and versions, e.g. ``{"digits": (1,)}``.
         failed: Models of the repository that could not be loaded.
-        pids: The workers' process ids, by worker index.
+        pids: The process ids of the workers that serve, by worker index (one
+            stopped at start to be restarted, see `serve_workers`, is left out).
         grpc: Where every worker serves V2 gRPC (``host:port``), or None when not served.
     """
 
@@ -930,6 +935,21 @@ class _Supervisor:
         self.metrics = MetricsLedger(host)
         self.stats = StatsLedger()
 
+    def listening(self) -> WorkersListening:
+        """What serve reports once every first worker is ready (and they were compared).
+
+        The pids are those of the workers that serve: one the comparison stopped
+        (or that died since) restarts, and its pid is about to be another's.
+        """
+        first = self.workers[self.reference].listening
+        return WorkersListening(
+            tuple(first["urls"]),
+            {name: tuple(v) for name, v in first["models"].items()},
+            tuple(first["failed"]),
+            tuple(w.pid for w in self.workers if w.member and w.ready),
+            first.get("grpc"),
+        )
+
     # -- workers' lives --
 
     async def run_worker(self, worker: _Worker) -> None:
@@ -950,12 +970,16 @@ class _Supervisor:
                 start_new_session=True,
             )
             worker.process, worker.pid, worker.failure = process, process.pid, ""
+            worker.restarting = anyio.Event()
             log.info("started worker %d (pid %d)", worker.index, process.pid)
             if self.stopping:
                 process.send_signal(signal.SIGTERM)
             was_ready = False
             try:
-                await process.wait()
+                async with anyio.create_task_group() as life:
+                    life.start_soon(self._kill_if_held, worker, process)
+                    await process.wait()
+                    life.cancel_scope.cancel()
             finally:
                 was_ready = worker.ready
                 ever_ready = ever_ready or was_ready
@@ -1041,6 +1065,36 @@ class _Supervisor:
             if spec.get(key) is not None:
                 spec[key] = [name for name in spec[key] if name not in unloaded]
         return spec
+
+    async def _kill_if_held(self, worker: _Worker, process: anyio.abc.Process) -> None:
+        # A life the supervisor stopped to restart (`_restart`) drains as at shutdown;
+        # one that has not exited by the time a shutdown would kill it (its event loop
+        # blocked, say: the SIGTERM waits for it) is killed, so that it does restart.
+        await worker.restarting.wait()
+        held_s = self.spec.get("config", {}).get("drain_period", 0.0) + STOP_MARGIN_S
+        await anyio.sleep(held_s)
+        log.warning(
+            "worker %d (pid %d), stopped because %s, is still running %.0fs later; killing it",
+            worker.index,
+            process.pid,
+            worker.stopped_for,
+            held_s,
+        )
+        with contextlib.suppress(ProcessLookupError):
+            process.send_signal(signal.SIGKILL)
+
+    def _restart(self, worker: _Worker, why: str) -> None:
+        """Stop *worker* (it drains) to start it again, *why* (said when it has exited).
+
+        It is no member from now: no change reaches it, no joining worker compares
+        with it. Its restart joins as any restart does (`_hello`).
+        """
+        worker.member = False
+        worker.stopped_for = why
+        worker.restarting.set()
+        if worker.process is not None:
+            with contextlib.suppress(ProcessLookupError):
+                worker.process.send_signal(signal.SIGTERM)
 
     def _tell_news(self) -> None:
         self._news.set()
@@ -1266,13 +1320,9 @@ class _Supervisor:
                         "; ".join(_disagreements(reply["served"], theirs["served"])),
                         reference.index,
                     )
-                    worker.member = False  # no change reaches it, no joining worker compares
-                    worker.stopped_for = (
-                        f"it started serving other things than worker {reference.index}"
+                    self._restart(
+                        worker, f"it started serving other things than worker {reference.index}"
                     )
-                    if worker.process is not None:
-                        with contextlib.suppress(ProcessLookupError):
-                            worker.process.send_signal(signal.SIGTERM)
             return reference.index
 
     async def _differences(self, worker: _Worker) -> tuple[list[str], dict[str, str] | None]:
@@ -1363,7 +1413,9 @@ class _Supervisor:
         One that died is left to take the change from the journal when it
         restarts; one that runs and cannot be reached gets an error answer
         that names it and says why (marked ``unreachable``), so that the
-        change is no success, and the worker is left alone (it serves). A
+        change is no success; a member is then restarted (`_restart`: it
+        drains, and its restart loads what the journal says), since whether
+        it applied the change, and so what it serves, is unknown. A
         change may reach a worker twice (the connection broke after it was
         sent): each is idempotent (a load of what is served, an unload of what
         is not, a setting set again, change nothing), but for an unload of a
@@ -1399,6 +1451,12 @@ class _Supervisor:
             f"({reply.tries} tries over {REACH_S:g}s, the last: {reply.why}); it may not have "
             "applied it"
         )
+        if worker.member and _running(worker, pid):
+            # It may or may not have applied the change: what it serves is unknown, so
+            # it cannot stay a member (it would serve what the others may not, and miss
+            # the next changes too). Restarted, it loads what the journal says.
+            said += ", and is restarted"
+            self._restart(worker, f"it did not answer {_what(change)}")
         log.error("%s", said)
         return {"error": {"type": "TrioInferError", "message": said}, "unreachable": True}
 
@@ -1701,16 +1759,7 @@ async def serve_workers(
                 if supervisor.failure is None and not supervisor.all_ready.is_set():
                     supervisor.failure = "stopped by a signal before every worker was ready"
                 if supervisor.failure is None:
-                    first = supervisor.workers[supervisor.reference].listening
-                    task_status.started(
-                        WorkersListening(
-                            tuple(first["urls"]),
-                            {name: tuple(v) for name, v in first["models"].items()},
-                            tuple(first["failed"]),
-                            tuple(w.pid for w in supervisor.workers),
-                            first.get("grpc"),
-                        )
-                    )
+                    task_status.started(supervisor.listening())
                 async with anyio.create_task_group() as serving:
                     if polling and supervisor.failure is None:
                         serving.start_soon(
