@@ -1137,6 +1137,44 @@ async def test_a_joining_worker_that_serves_otherwise_waits_until_a_change_agree
         tg.cancel_scope.cancel()
 
 
+async def test_a_joining_worker_that_never_agrees_gives_up(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    # A restarted worker that serves otherwise than the members (files changed on disk
+    # that no reload applies) waited to join for ever: loaded, never listening, and said
+    # once. It gives up after JOIN_S: its hello fails, it exits and is started again.
+    from trioinfer.server import _workers
+
+    monkeypatch.setattr(_workers, "JOIN_S", 0.2)
+    supervisor = _Supervisor(2, tmp_path, {})
+    supervisor.all_ready.set()
+    served = {0: {"digits": {"versions": {"1": [[1, 2, 3], None]}, "traffic": {}}}, 1: {}}
+
+    def worker(index: int) -> Any:
+        async def handle(message: dict[str, Any]) -> dict[str, Any]:
+            return {"served": served[index]}
+
+        return handle
+
+    async with anyio.create_task_group() as tg:
+        for index in (0, 1):
+            await tg.start(_serve_calls, worker_socket(tmp_path, index), worker(index))
+        first, joining = supervisor.workers
+        first.member = True
+        joining.process, joining.pid = cast(Any, object()), 201
+        with anyio.fail_after(WAIT_S), caplog.at_level(logging.ERROR, "trioinfer.server"):
+            reply = await supervisor.handle({"op": "hello", "worker": 1, "pid": 201})
+        message = reply["error"]["message"]
+        assert message.startswith(
+            "worker 1 (pid 201) still does not serve what the others serve 0.2s after it "
+            "asked to join (model 'digits' is not served by it"
+        )
+        assert "it stops, and is started again" in message
+        assert message in caplog.text
+        assert not joining.member
+        tg.cancel_scope.cancel()
+
+
 async def test_a_worker_that_fails_a_change_unexpectedly_is_no_worker_that_died(
     tmp_path: Path,
 ) -> None:

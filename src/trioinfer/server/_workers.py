@@ -32,7 +32,8 @@ reports are lines on a connection it keeps open, with no answer):
   once it serves what the others serve (each version's files as loaded, its
   config override, the traffic split: `served_state`); until then it does not
   listen, the supervisor says why, and each change that applies is repeated
-  to it (a poll's reload of the repaired files, say) until they agree.
+  to it (a poll's reload of the repaired files, say) until they agree, or
+  for `JOIN_S` at most: then it exits, and starts again.
   Workers that start together are compared the same way once all are ready
   (`_Supervisor._compare_at_start`): each that differs from the one serving
   the most is restarted, and joins as above.
@@ -135,6 +136,9 @@ MAX_RESTART_DELAY_S: Final = 30.0
 STABLE_AFTER_S: Final = 30.0
 #: Consecutive restarts of one worker that die before it is ready, before serve gives up.
 MAX_FAILED_STARTS: Final = 5
+#: How long a worker that (re)starts may wait to serve what the others serve (see
+#: `_Supervisor._hello`) before it gives up: it exits, and is started again.
+JOIN_S: Final = 300.0
 #: At shutdown, how long past the drain period a worker may take to exit before it is killed.
 STOP_MARGIN_S: Final = 10.0
 #: How often a worker checks that its supervisor is still there.
@@ -1203,6 +1207,10 @@ class _Supervisor:
         # this answers), and takes each change that applies meanwhile.
         replayed: dict[str | tuple[str, ...], dict[str, Any]] = {}
         said = ""
+        # Bounded: files changed on disk that nothing reloads keep it from agreeing for
+        # ever, loaded but not serving. Started again, it loads the repository as it is
+        # then (and the others may have reloaded meanwhile).
+        give_up_at = anyio.current_time() + JOIN_S
         while True:
             # Under the lock: no change may pass between the replay, the comparison
             # and membership.
@@ -1253,11 +1261,21 @@ class _Supervisor:
                     pid,
                     said,
                 )
-            async with anyio.create_task_group() as waiting:
-                waiting.start_soon(_first, news, waiting.cancel_scope)
-                waiting.start_soon(_first, self.stop, waiting.cancel_scope)
+            with anyio.move_on_after(give_up_at - anyio.current_time()):
+                async with anyio.create_task_group() as waiting:
+                    waiting.start_soon(_first, news, waiting.cancel_scope)
+                    waiting.start_soon(_first, self.stop, waiting.cancel_scope)
             if self.stop.is_set():
                 return {"stopping": True}
+            if anyio.current_time() >= give_up_at:
+                message = (
+                    f"worker {worker.index} (pid {pid}) still does not serve what the others "
+                    f"serve {JOIN_S:g}s after it asked to join ({said}): it stops, and is "
+                    "started again (loading the repository as it is then); reload the models "
+                    "whose files changed, or restart the server, for all to agree"
+                )
+                log.error("%s", message)
+                return {"error": {"type": "TrioInferError", "message": message}}
 
     async def _compare_at_start(self) -> int:
         """Compare what the first workers serve, once all are ready; the reference's index.
