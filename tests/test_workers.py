@@ -162,11 +162,12 @@ def two_workers(repository: Path, log: Path, *args: str) -> Iterator[Served]:
             said = re.match(r"gRPC on (\S+) ", line)
             if said:
                 grpc = said.group(1)
-            found = re.search(r"2 workers \(pids (\d+), (\d+)\) listening on (\S+)", line)
+            # "1 of 2 workers (the others restart)": one stopped at start is not named.
+            found = re.search(r"2 workers .*\(pids ([\d, ]+)\) listening on (\S+)", line)
             if found:
                 break
-        pids = [int(found.group(1)), int(found.group(2))]
-        yield Served(process, found.group(3), pids, log, next_line, grpc)
+        pids = [int(pid) for pid in found.group(1).split(", ")]
+        yield Served(process, found.group(2), pids, log, next_line, grpc)
     finally:
         if process.poll() is None:
             workers = _children_of(process.pid)
@@ -1543,6 +1544,9 @@ def test_a_worker_that_started_without_a_model_the_other_loaded_restarts_and_joi
         assert found is not None
         index, victim = found.group(1), int(found.group(2))
         assert "model 'flaky' is not served by it" in log.read_text()
+        # Stopped before the banner: it names the worker that serves alone.
+        assert len(server.pids) == 1
+        assert victim not in server.pids
         # Its restart loads the model (only the first load fails) and joins the other.
         wait_until(lambda: worker_pids(server.url).get(index, victim) != victim, "it is back")
         for _ in range(12):
@@ -1703,3 +1707,51 @@ def test_the_banner_names_only_the_workers_that_serve(monkeypatch: pytest.Monkey
     result = CliRunner().invoke(main, ["serve", "--workers", "3"])
     assert result.exit_code == 0, result.output
     assert "1 of 3 workers (the others restart) (pids 101) listening on http://h:1" in result.output
+
+
+LOADING_MODEL = """\
+import os
+import pathlib
+import time
+
+
+class Model:
+    def __init__(self):
+        # A constructor that reads weights for a while (on its thread): both workers
+        # are still loading when the signal comes.
+        (pathlib.Path(__file__).parent / f"loading-{os.getpid()}").touch()
+        time.sleep(2)
+
+    def infer(self, inputs):
+        return {"y": inputs["x"]}
+"""
+ONE_INSTANCE = SLOW_CONFIG.replace("count = 16", "count = 1")
+
+
+def test_sigterm_while_the_workers_load_stops_them_and_exits_0(tmp_path: Path) -> None:
+    # A SIGTERM during the start (an orchestrator's rollout while models load) ended the
+    # command with "Error: WorkerFailed: stopped by a signal before every worker was
+    # ready" and status 1; one process stops its start at once and exits 0, and so do
+    # the workers now.
+    repository = tmp_path / "repository"
+    (repository / "loading" / "1").mkdir(parents=True)
+    (repository / "loading" / "config.toml").write_text(ONE_INSTANCE)
+    (repository / "loading" / "1" / "model.py").write_text(LOADING_MODEL)
+    log = tmp_path / "serve.log"
+    process, _next_line = start(repository, log, "--workers", "2")
+    try:
+        wait_until(
+            lambda: len(list((repository / "loading" / "1").glob("loading-*"))) >= 2,
+            "both workers load",
+        )
+        process.send_signal(signal.SIGTERM)
+        code = process.wait(timeout=WAIT_S)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+    said = log.read_text()
+    assert code == 0, said
+    assert "WorkerFailed" not in said
+    assert "SIGTERM before serving started: stopping now" in said
+    assert "all workers stopped" in said

@@ -1686,7 +1686,8 @@ async def serve_workers(
 ) -> None:
     """Serve *repository* from *workers* processes on one port until SIGINT/SIGTERM.
 
-    Reports a `WorkersListening` once every worker is ready. On the first
+    Reports a `WorkersListening` once every worker is ready (a signal before
+    then stops the workers, and this returns without reporting). On the first
     signal every worker drains (as `serve_http` does) and this returns once
     all have exited; a second signal stops them at once. *trace* is the
     ``--trace-exporter`` and ``--trace-rate`` settings: each worker makes its
@@ -1738,6 +1739,9 @@ async def serve_workers(
         "log_level": log_level,
         "directory": str(directory),
         "supervisor_pid": os.getpid(),
+        # Each worker bounds its own exit too (serve_http), as the supervisor does: so
+        # that one whose supervisor has gone (SIGKILL) still ends after its SIGTERM.
+        "exit_timeout": exit_timeout,
         "config": {
             "limits": attrs.asdict(config.limits),
             "admin_token": config.admin_token,
@@ -1774,9 +1778,9 @@ async def serve_workers(
                 async with anyio.create_task_group() as waiting:
                     waiting.start_soon(_first, supervisor.all_ready, waiting.cancel_scope)
                     waiting.start_soon(_first, supervisor.stop, waiting.cancel_scope)
-                if supervisor.failure is None and not supervisor.all_ready.is_set():
-                    supervisor.failure = "stopped by a signal before every worker was ready"
-                if supervisor.failure is None:
+                # A signal before every worker was ready stops the start, as it does
+                # one process's (exit status 0): nothing is reported.
+                if supervisor.failure is None and supervisor.all_ready.is_set():
                     task_status.started(supervisor.listening())
                 async with anyio.create_task_group() as serving:
                     if polling and supervisor.failure is None:
@@ -1877,23 +1881,20 @@ def _worker_main(argv: list[str]) -> int:
     )
 
     async def serve() -> None:
-        async with anyio.create_task_group() as tg:
-            await tg.start(
-                functools.partial(
-                    serve_http,
-                    spec["repository"],
-                    host=spec["host"],
-                    port=spec["port"],
-                    config=config,
-                    models=spec["models"],
-                    grpc_port=spec.get("grpc_port"),
-                    reuse_port=True,
-                    worker=link,
-                )
-            )
-            from ..cli.serve import _settle_gc
+        from ..cli.serve import _OnStarted, _settle_gc
 
-            _settle_gc()
+        await serve_http(
+            spec["repository"],
+            host=spec["host"],
+            port=spec["port"],
+            config=config,
+            models=spec["models"],
+            grpc_port=spec.get("grpc_port"),
+            reuse_port=True,
+            worker=link,
+            exit_timeout=spec.get("exit_timeout"),
+            task_status=_OnStarted(lambda listening: _settle_gc()),
+        )
 
     try:
         anyio.run(serve, backend=spec["loop"])
