@@ -869,6 +869,68 @@ async def test_a_change_that_cannot_reach_a_live_worker_fails_and_names_it(
         tg.cancel_scope.cancel()
 
 
+async def test_a_change_to_a_worker_whose_event_loop_is_blocked_ends(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A worker whose event loop is blocked (a model's code that never yields) takes the
+    # connection (the kernel accepts it) and never answers: the change waited for ever,
+    # and so did every change and joining worker after it. A worker that answers pings
+    # meanwhile (a load that takes long) is waited for.
+    from trioinfer.server import _workers
+
+    monkeypatch.setattr(_workers, "PING_S", 0.05)
+    monkeypatch.setattr(_workers, "REACH_S", 0.2)
+    supervisor = _Supervisor(2, tmp_path, {})
+    blocked = [False]
+    release = anyio.Event()
+
+    def worker(index: int) -> Any:
+        async def handle(message: dict[str, Any]) -> dict[str, Any]:
+            if index == 1 and message["op"] == "ping" and blocked[0]:
+                await release.wait()  # its loop never gets to answer
+            if index == 1 and message["op"] == "load":
+                if blocked[0]:
+                    await release.wait()
+                else:
+                    await anyio.sleep(0.5)  # a slow load, several pings long
+            return {"ok": True}
+
+        return handle
+
+    @attrs.define
+    class Running:
+        returncode: int | None = None
+        signals: list[int] = attrs.Factory(list)
+
+        def send_signal(self, signum: int) -> None:
+            self.signals.append(signum)
+
+    processes = [Running(), Running()]
+    async with anyio.create_task_group() as tg:
+        for index in (0, 1):
+            await tg.start(_serve_calls, worker_socket(tmp_path, index), worker(index))
+        for member, process in zip(supervisor.workers, processes, strict=True):
+            member.member = True
+            member.process, member.pid = cast(Any, process), 100 + member.index
+        load = {"op": "load", "model": "m", "override": None}
+        with anyio.fail_after(WAIT_S):
+            assert await supervisor.handle(load) == {"ok": True}  # slow, and alive
+            assert processes[1].signals == []
+            blocked[0] = True
+            error = (await supervisor.handle(load))["error"]
+        assert error["type"] == "WorkersDisagree"
+        assert (
+            "worker 1 (pid 101) is running but did not answer the load of model 'm'"
+            in (error["message"])
+        )
+        assert "answered no ping on another connection within 0.2s" in error["message"]
+        assert "and is restarted" in error["message"]
+        assert processes[1].signals == [signal.SIGTERM]
+        assert not supervisor.workers[1].member
+        release.set()
+        tg.cancel_scope.cancel()
+
+
 async def test_a_change_a_worker_cannot_hand_its_supervisor_says_so(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

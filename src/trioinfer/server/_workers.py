@@ -20,7 +20,8 @@ reports are lines on a connection it keeps open, with no answer):
   the worker that received the request asks the supervisor, which applies it
   on every worker, one change at a time, and answers once all have; a change
   that fails on some workers only is an error that names them. A worker that
-  does not answer is asked again while its process runs (`_Supervisor._reach`):
+  does not answer is asked again while its process runs, and pinged while it
+  applies the change (`_Supervisor._reach`):
   one that died takes the change when it restarts, one that runs and cannot be
   reached fails the change, named, and is restarted (what it serves is unknown
   then: it may or may not have applied the change). The supervisor
@@ -129,6 +130,10 @@ GATHER_TIMEOUT_S: Final = 10.0
 #: (fresh connections, doubling delays from `RETRY_S`) before the change fails on it.
 REACH_S: Final = 2.0
 RETRY_S: Final = 0.05
+#: While a worker applies a change (a load may take minutes), how often the supervisor
+#: pings it on another connection: one that answers no ping within `REACH_S` has its
+#: event loop blocked, and is out of reach.
+PING_S: Final = 5.0
 #: Restart delays: the first, and the most (doubling in between).
 RESTART_DELAY_S: Final = 0.5
 MAX_RESTART_DELAY_S: Final = 30.0
@@ -208,6 +213,8 @@ class _Unreached:
     tries: int
     why: _Gone
     dead: bool
+    #: It took the call, then answered no ping meanwhile (`_Supervisor._reach`).
+    blocked: bool = False
 
 
 async def _call_while(
@@ -822,6 +829,8 @@ class WorkerLink:
                 return {"ok": True}
             if op == "logging":
                 update_log_settings(message["settings"])
+                return {"ok": True}
+            if op == "ping":  # the supervisor: is this event loop running?
                 return {"ok": True}
             if op == "counts":
                 return self._counts()
@@ -1443,17 +1452,7 @@ class _Supervisor:
         (it answers every call, its errors included).
         """
         pid = worker.pid
-        reply = await _call_while(
-            worker.socket,
-            change,
-            lambda: _running(worker, pid),
-            lambda why: log.info(
-                "worker %d (pid %d) runs but did not answer (%s): trying again",
-                worker.index,
-                pid,
-                why,
-            ),
-        )
+        reply = await self._call_pinged(worker, pid, change)
         if not isinstance(reply, _Unreached):
             return reply
         if reply.dead:
@@ -1464,10 +1463,14 @@ class _Supervisor:
                 _what(change),
             )
             return None
+        how = (
+            f"({reply.why})"
+            if reply.blocked
+            else f"({reply.tries} tries over {REACH_S:g}s, the last: {reply.why})"
+        )
         said = (
             f"worker {worker.index} (pid {pid}) is running but did not answer {_what(change)} "
-            f"({reply.tries} tries over {REACH_S:g}s, the last: {reply.why}); it may not have "
-            "applied it"
+            f"{how}; it may not have applied it"
         )
         if worker.member and _running(worker, pid):
             # It may or may not have applied the change: what it serves is unknown, so
@@ -1477,6 +1480,58 @@ class _Supervisor:
             self._restart(worker, f"it did not answer {_what(change)}")
         log.error("%s", said)
         return {"error": {"type": "TrioInferError", "message": said}, "unreachable": True}
+
+    async def _call_pinged(
+        self, worker: _Worker, pid: int, change: dict[str, Any]
+    ) -> dict[str, Any] | _Unreached:
+        """`_call_while` of *change* to *worker*'s process *pid*, pinged every `PING_S` meanwhile.
+
+        A worker whose event loop is blocked (a model's code that never yields)
+        still takes the connection (the kernel accepts it) and never answers: the
+        change, and every change and joining worker after it (they wait for this
+        one), waited for ever. A load may take minutes, but its worker's loop
+        answers a ping meanwhile; one that answers none within `REACH_S` is out
+        of reach.
+        """
+        outcome: list[dict[str, Any] | _Unreached] = []
+
+        async def call(scope: anyio.CancelScope) -> None:
+            outcome.append(
+                await _call_while(
+                    worker.socket,
+                    change,
+                    lambda: _running(worker, pid),
+                    lambda why: log.info(
+                        "worker %d (pid %d) runs but did not answer (%s): trying again",
+                        worker.index,
+                        pid,
+                        why,
+                    ),
+                )
+            )
+            scope.cancel()
+
+        async def ping(scope: anyio.CancelScope) -> None:
+            started = anyio.current_time()
+            while True:
+                await anyio.sleep(PING_S)
+                with anyio.move_on_after(REACH_S):
+                    with contextlib.suppress(_Gone):  # a socket error: `call` tells
+                        await _call(worker.socket, {"op": "ping"})
+                    continue
+                why = _Gone(
+                    f"it took the call and answered no ping on another connection within "
+                    f"{REACH_S:g}s, {anyio.current_time() - started:.0f}s into it: its event "
+                    "loop is blocked"
+                )
+                outcome.append(_Unreached(1, why, dead=not _running(worker, pid), blocked=True))
+                scope.cancel()
+                return
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(call, tg.cancel_scope)
+            tg.start_soon(ping, tg.cancel_scope)
+        return outcome[0]
 
     async def _gather_counts(self, asker: _Worker, counts: dict[str, Any]) -> None:
         # A scrape or a statistics request that *asker* answers, with its own counts:
