@@ -240,6 +240,28 @@ def test_serve_http_refuses_an_exit_timeout_shorter_than_the_drain(tmp_path: Pat
 
 
 @pytest.mark.workers
+def test_workers_that_exit_at_once_keep_an_exit_timeout_of_0(tmp_path: Path) -> None:
+    # `--exit-timeout-secs 0` under --workers killed healthy workers in the middle of
+    # their exit, said so at ERROR and exited 1, every time; one process gives its last
+    # cancel half a second, and exits 0 when that ends the exit. So do the workers now.
+    import shutil
+
+    from trioinfer import example_repository
+
+    repository = tmp_path / "repository"
+    shutil.copytree(example_repository() / "digits", repository / "digits")
+    log = tmp_path / "server.log"
+    args = ("--workers", "2", "--no-grpc", "--drain-period", "0", "--exit-timeout-secs", "0")
+    with _serving(repository, *args, log=log) as server:
+        server.process.send_signal(signal.SIGTERM)
+        code = _ended_by_itself(server.process, log)
+    said = log.read_text(errors="replace")
+    assert code == 0, said[-4000:]
+    assert "ERROR" not in said
+    assert "all workers stopped" in said
+
+
+@pytest.mark.workers
 def test_sigterm_ends_workers_at_the_exit_timeout(tmp_path: Path) -> None:
     """With --workers the supervisor bounds the whole exit: a worker held past it is killed."""
     repository = _stuck_repository(tmp_path / "repository")

@@ -102,6 +102,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from .. import _exceptions
 from .._exceptions import ConfigError, TrioInferError
+from .._exit import BACKSTOP_S, LAST_CANCEL_S
 from . import _codec
 from ._host_metrics import HostMetrics, host_metrics_for
 from ._metrics import Counts, exposition_of, triton_entry
@@ -1126,13 +1127,19 @@ class _Supervisor:
     async def kill_after(self, seconds: float, *, bound: bool = False) -> None:
         """SIGKILL the workers still running *seconds* from now.
 
-        *bound*: *seconds* is ``--exit-timeout-secs``, the whole exit's bound, which
-        those workers broke: they are named at ERROR and the exit fails.
+        *bound*: *seconds* is ``--exit-timeout-secs``, the whole exit's bound: the
+        workers still running `LAST_CANCEL_S` after it (as one process gives its
+        last cancel) broke it, are named at ERROR, and the exit fails.
         """
         await anyio.sleep(seconds)
         if not bound:
             log.warning("workers still running %.0fs after SIGTERM; killing them", seconds)
         else:
+            # As one process gives its last cancel LAST_CANCEL_S past the bound: a worker
+            # that is exiting then (a bound of 0 ends every exit there) is not held.
+            with anyio.move_on_after(LAST_CANCEL_S):
+                while any(w.process is not None for w in self.workers):
+                    await self._news.wait()  # told when a worker's process ends
             held = ", ".join(
                 f"worker {w.index} (pid {w.pid})" for w in self.workers if w.process is not None
             )
@@ -1794,9 +1801,14 @@ async def serve_workers(
         "log_level": log_level,
         "directory": str(directory),
         "supervisor_pid": os.getpid(),
-        # Each worker bounds its own exit too (serve_http), as the supervisor does: so
-        # that one whose supervisor has gone (SIGKILL) still ends after its SIGTERM.
-        "exit_timeout": exit_timeout,
+        # Each worker bounds its own exit too (serve_http), just past the supervisor's
+        # kill (which decides, and names the workers it kills): so that one whose
+        # supervisor has gone (SIGKILL) still ends after its SIGTERM.
+        "exit_timeout": (
+            config.drain_period + STOP_MARGIN_S if exit_timeout is None else exit_timeout
+        )
+        + LAST_CANCEL_S
+        + BACKSTOP_S,
         "config": {
             "limits": attrs.asdict(config.limits),
             "admin_token": config.admin_token,
