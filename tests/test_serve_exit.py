@@ -13,6 +13,7 @@ asserts how fast anything was.
 from __future__ import annotations
 
 import contextlib
+import math
 import signal
 import socket
 import subprocess
@@ -169,6 +170,95 @@ def test_a_second_signal_ends_a_held_exit_at_once(tmp_path: Path) -> None:
         assert STILL_RUNS in said
         assert _refused(url)
         sent.join(timeout=STOP_S)
+
+
+EMBEDDED = """\
+import logging
+import sys
+
+import anyio
+
+from trioinfer.server import ServerConfig, serve_http
+
+logging.basicConfig(level=logging.INFO, format="%(name)s %(levelname)s %(message)s")
+
+
+async def main() -> None:
+    async with anyio.create_task_group() as tg:
+        listening = await tg.start(
+            lambda task_status: serve_http(
+                sys.argv[1],
+                port=0,
+                config=ServerConfig(drain_period=0.2),
+                exit_timeout=1.0,
+                task_status=task_status,
+            )
+        )
+        print(f"listening on {listening.urls[0]}", flush=True)
+
+
+anyio.run(main)
+"""
+
+
+def test_serve_http_that_handles_signals_bounds_its_exit(tmp_path: Path) -> None:
+    # An application that gave serve_http the process's signals (handle_signals=True, the
+    # default) had no exit bound: SIGTERM, then SIGINT, never ended it while an execution
+    # was stuck on its thread. It has the command's now (its exit_timeout).
+    repository = _stuck_repository(tmp_path / "repository")
+    (tmp_path / "app.py").write_text(EMBEDDED)
+    log = tmp_path / "app.log"
+    with running_server([sys.executable, str(tmp_path / "app.py"), str(repository)], log=log) as (
+        server
+    ):
+        url, process = server.url, server.process
+        sent = _in_background(
+            lambda: httpx.post(f"{url}/v2/models/stuck/infer", json=BODY, timeout=STOP_S)
+        )
+        wait_until((repository / "stuck" / "1" / "running").exists, "the request runs")
+        process.send_signal(signal.SIGTERM)
+        code = _ended_by_itself(process, log)
+        said = log.read_text(errors="replace")
+        assert code == 1, f"the application exited with {code}; log:\n{said[-4000:]}"
+        assert "SIGTERM: stopping" in said
+        assert "ERROR the exit timeout (1.0s after SIGTERM, --exit-timeout-secs) has passed" in said
+        assert STILL_RUNS in said
+        assert _refused(url)
+        sent.join(timeout=STOP_S)
+
+
+def test_serve_http_refuses_an_exit_timeout_shorter_than_the_drain(tmp_path: Path) -> None:
+    import anyio
+
+    from trioinfer import ConfigError
+    from trioinfer.server import ServerConfig, serve_http
+
+    with pytest.raises(ConfigError, match=r"exit_timeout must be at least the drain period"):
+        anyio.run(
+            lambda: serve_http(tmp_path, config=ServerConfig(drain_period=5.0), exit_timeout=2.0)
+        )
+
+
+@pytest.mark.workers
+def test_workers_that_exit_at_once_keep_an_exit_timeout_of_0(tmp_path: Path) -> None:
+    # `--exit-timeout-secs 0` under --workers killed healthy workers in the middle of
+    # their exit, said so at ERROR and exited 1, every time; one process gives its last
+    # cancel half a second, and exits 0 when that ends the exit. So do the workers now.
+    import shutil
+
+    from trioinfer import example_repository
+
+    repository = tmp_path / "repository"
+    shutil.copytree(example_repository() / "digits", repository / "digits")
+    log = tmp_path / "server.log"
+    args = ("--workers", "2", "--no-grpc", "--drain-period", "0", "--exit-timeout-secs", "0")
+    with _serving(repository, *args, log=log) as server:
+        server.process.send_signal(signal.SIGTERM)
+        code = _ended_by_itself(server.process, log)
+    said = log.read_text(errors="replace")
+    assert code == 0, said[-4000:]
+    assert "ERROR" not in said
+    assert "all workers stopped" in said
 
 
 @pytest.mark.workers
@@ -394,3 +484,31 @@ def test_a_workers_failure_is_said_once(monkeypatch: pytest.MonkeyPatch, logged:
     result = CliRunner().invoke(cli_main, ["serve", "--workers", "2"])
     assert result.exit_code == 1, result.output
     assert result.output.count("what went wrong") == (0 if logged else 1), result.output
+
+
+@pytest.mark.parametrize("exit_timeout", [math.inf, 1e12])
+def test_an_unbounded_exit_timeout_keeps_the_second_signals_watchdog(
+    monkeypatch: pytest.MonkeyPatch, exit_timeout: float
+) -> None:
+    # `--exit-timeout-secs inf` (or 1e12) passed the checks, and the first signal's
+    # watchdog thread died at once (OverflowError: a wait longer than the platform's
+    # time_t): the second signal then armed none, and a blocked event loop held the
+    # process for ever after it too.
+    from trioinfer import _exit
+
+    ended: list[str] = []
+    monkeypatch.setattr(_exit, "end_the_process", ended.append)
+    monkeypatch.setattr(_exit, "BACKSTOP_S", 0.0)
+    monkeypatch.setattr(_exit, "SECOND_SIGNAL_S", 0.0)
+    died: list[threading.ExceptHookArgs] = []
+    monkeypatch.setattr(threading, "excepthook", died.append)
+    before = signal.signal(signal.SIGTERM, lambda signum, frame: None)  # the loop's, here
+    try:
+        with _exit._backstop(exit_timeout):
+            signal.raise_signal(signal.SIGTERM)
+            signal.raise_signal(signal.SIGTERM)
+            wait_until(lambda: bool(ended or died), "the second signal's watchdog")
+    finally:
+        signal.signal(signal.SIGTERM, before)
+    assert not died, died[0].exc_value
+    assert ended[0].startswith("the exit, cancelled by a second signal (SIGTERM), has not ended")

@@ -162,11 +162,12 @@ def two_workers(repository: Path, log: Path, *args: str) -> Iterator[Served]:
             said = re.match(r"gRPC on (\S+) ", line)
             if said:
                 grpc = said.group(1)
-            found = re.search(r"2 workers \(pids (\d+), (\d+)\) listening on (\S+)", line)
+            # "1 of 2 workers (the others restart)": one stopped at start is not named.
+            found = re.search(r"2 workers .*\(pids ([\d, ]+)\) listening on (\S+)", line)
             if found:
                 break
-        pids = [int(found.group(1)), int(found.group(2))]
-        yield Served(process, found.group(3), pids, log, next_line, grpc)
+        pids = [int(pid) for pid in found.group(1).split(", ")]
+        yield Served(process, found.group(2), pids, log, next_line, grpc)
     finally:
         if process.poll() is None:
             workers = _children_of(process.pid)
@@ -846,10 +847,17 @@ async def test_a_change_that_cannot_reach_a_live_worker_fails_and_names_it(
         assert "BlockingIOError" in error["message"]
         assert said[1] == [load]
         assert supervisor.journal == {"m": unload}  # worker 0 serves it
-        assert supervisor.workers[1].member  # a healthy worker is left alone
-        assert processes[1].signals == []
+        # Whether it applied the change is unknown: it stayed a member for ever,
+        # serving what the others may not. It is restarted now (it drains first), and
+        # its restart loads what the journal says.
+        assert "did not answer the unload of model 'm'" in error["message"]
+        assert "and is restarted" in error["message"]
+        assert not supervisor.workers[1].member
+        assert processes[1].signals == [signal.SIGTERM]
+        assert supervisor.workers[1].stopped_for == "it did not answer the unload of model 'm'"
         # With no other worker to apply it: the error as it is, and nothing journaled.
         supervisor.workers[0].member = False
+        supervisor.workers[1].member = True  # as if its restart had joined
         error = (await supervisor.handle(load))["error"]
         assert error["type"] == "TrioInferError"
         assert error["message"].startswith("worker 1 (pid 101) is running but did not answer")
@@ -858,6 +866,68 @@ async def test_a_change_that_cannot_reach_a_live_worker_fails_and_names_it(
         processes[1].returncode = -signal.SIGKILL
         assert await supervisor.handle(load) == {"ok": True}
         assert supervisor.journal == {"m": load}
+        tg.cancel_scope.cancel()
+
+
+async def test_a_change_to_a_worker_whose_event_loop_is_blocked_ends(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A worker whose event loop is blocked (a model's code that never yields) takes the
+    # connection (the kernel accepts it) and never answers: the change waited for ever,
+    # and so did every change and joining worker after it. A worker that answers pings
+    # meanwhile (a load that takes long) is waited for.
+    from trioinfer.server import _workers
+
+    monkeypatch.setattr(_workers, "PING_S", 0.05)
+    monkeypatch.setattr(_workers, "REACH_S", 0.2)
+    supervisor = _Supervisor(2, tmp_path, {})
+    blocked = [False]
+    release = anyio.Event()
+
+    def worker(index: int) -> Any:
+        async def handle(message: dict[str, Any]) -> dict[str, Any]:
+            if index == 1 and message["op"] == "ping" and blocked[0]:
+                await release.wait()  # its loop never gets to answer
+            if index == 1 and message["op"] == "load":
+                if blocked[0]:
+                    await release.wait()
+                else:
+                    await anyio.sleep(0.5)  # a slow load, several pings long
+            return {"ok": True}
+
+        return handle
+
+    @attrs.define
+    class Running:
+        returncode: int | None = None
+        signals: list[int] = attrs.Factory(list)
+
+        def send_signal(self, signum: int) -> None:
+            self.signals.append(signum)
+
+    processes = [Running(), Running()]
+    async with anyio.create_task_group() as tg:
+        for index in (0, 1):
+            await tg.start(_serve_calls, worker_socket(tmp_path, index), worker(index))
+        for member, process in zip(supervisor.workers, processes, strict=True):
+            member.member = True
+            member.process, member.pid = cast(Any, process), 100 + member.index
+        load = {"op": "load", "model": "m", "override": None}
+        with anyio.fail_after(WAIT_S):
+            assert await supervisor.handle(load) == {"ok": True}  # slow, and alive
+            assert processes[1].signals == []
+            blocked[0] = True
+            error = (await supervisor.handle(load))["error"]
+        assert error["type"] == "WorkersDisagree"
+        assert (
+            "worker 1 (pid 101) is running but did not answer the load of model 'm'"
+            in (error["message"])
+        )
+        assert "answered no ping on another connection within 0.2s" in error["message"]
+        assert "and is restarted" in error["message"]
+        assert processes[1].signals == [signal.SIGTERM]
+        assert not supervisor.workers[1].member
+        release.set()
         tg.cancel_scope.cancel()
 
 
@@ -899,6 +969,66 @@ async def test_a_change_a_worker_cannot_hand_its_supervisor_says_so(
         assert "BlockingIOError" in said
         assert "stopping" not in said
         tg.cancel_scope.cancel()
+
+
+async def test_a_worker_stopped_for_a_restart_that_does_not_exit_is_killed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    # A worker the supervisor stops to restart it (it did not answer a change, or it
+    # started serving other things) got a SIGTERM, and nothing more: one whose event
+    # loop was blocked never exited, so it was neither restarted nor a member, for ever.
+    from trioinfer.server import _workers
+
+    monkeypatch.setattr(_workers, "STOP_MARGIN_S", 0.05)
+    monkeypatch.setattr(_workers, "RESTART_DELAY_S", 0.0)
+    supervisor = _Supervisor(1, tmp_path, {"config": {"drain_period": 0.0}})
+    supervisor.all_ready.set()
+    worker = supervisor.workers[0]
+    started = anyio.Event()
+
+    class Held:
+        def __init__(self) -> None:
+            self.pid = 4242
+            self.returncode: int | None = None
+            self.signals: list[int] = []
+            self.killed = anyio.Event()
+
+        async def wait(self) -> int:
+            if supervisor.stopping:
+                return 0
+            worker.ready = True
+            started.set()
+            await self.killed.wait()  # a SIGTERM changes nothing: its loop is blocked
+            self.returncode = -signal.SIGKILL
+            return self.returncode
+
+        def send_signal(self, signum: int) -> None:
+            self.signals.append(signum)
+            if signum == signal.SIGKILL:
+                self.killed.set()
+
+    processes: list[Held] = []
+
+    async def open_process(*args: Any, **kwargs: Any) -> Held:
+        if processes:  # restarted: enough
+            supervisor.stopping = True
+            supervisor.stop.set()
+        processes.append(Held())
+        return processes[-1]
+
+    monkeypatch.setattr(_workers.anyio, "open_process", open_process)
+    with anyio.fail_after(WAIT_S), caplog.at_level(logging.INFO, "trioinfer.server"):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(supervisor.run_worker, worker)
+            await started.wait()
+            worker.member = True
+            supervisor._restart(worker, "it did not answer the load of model 'm'")
+    assert processes[0].signals == [signal.SIGTERM, signal.SIGKILL]
+    assert len(processes) == 2
+    assert (
+        "worker 0 (pid 4242), stopped because it did not answer the load of model 'm', is "
+        "still running 0s later; killing it" in caplog.text
+    )
 
 
 async def test_workers_that_start_serving_different_things_are_noticed(
@@ -953,6 +1083,8 @@ async def test_workers_that_start_serving_different_things_are_noticed(
             "worker 0 (pid 100) started serving other things than worker 1 (pid 101)" in caplog.text
         )
         assert "model 'flaky' is not served by it" in caplog.text
+        # The banner named the pids of workers about to be restarted (another's soon).
+        assert supervisor.listening().pids == (101,)
         tg.cancel_scope.cancel()
 
 
@@ -1064,6 +1196,44 @@ async def test_a_joining_worker_that_serves_otherwise_waits_until_a_change_agree
             while not joined:  # noqa: ASYNC110
                 await anyio.sleep(POLL_S)
         assert joined == [{"stopping": True}]
+        assert not joining.member
+        tg.cancel_scope.cancel()
+
+
+async def test_a_joining_worker_that_never_agrees_gives_up(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    # A restarted worker that serves otherwise than the members (files changed on disk
+    # that no reload applies) waited to join for ever: loaded, never listening, and said
+    # once. It gives up after JOIN_S: its hello fails, it exits and is started again.
+    from trioinfer.server import _workers
+
+    monkeypatch.setattr(_workers, "JOIN_S", 0.2)
+    supervisor = _Supervisor(2, tmp_path, {})
+    supervisor.all_ready.set()
+    served = {0: {"digits": {"versions": {"1": [[1, 2, 3], None]}, "traffic": {}}}, 1: {}}
+
+    def worker(index: int) -> Any:
+        async def handle(message: dict[str, Any]) -> dict[str, Any]:
+            return {"served": served[index]}
+
+        return handle
+
+    async with anyio.create_task_group() as tg:
+        for index in (0, 1):
+            await tg.start(_serve_calls, worker_socket(tmp_path, index), worker(index))
+        first, joining = supervisor.workers
+        first.member = True
+        joining.process, joining.pid = cast(Any, object()), 201
+        with anyio.fail_after(WAIT_S), caplog.at_level(logging.ERROR, "trioinfer.server"):
+            reply = await supervisor.handle({"op": "hello", "worker": 1, "pid": 201})
+        message = reply["error"]["message"]
+        assert message.startswith(
+            "worker 1 (pid 201) still does not serve what the others serve 0.2s after it "
+            "asked to join (model 'digits' is not served by it"
+        )
+        assert "it stops, and is started again" in message
+        assert message in caplog.text
         assert not joining.member
         tg.cancel_scope.cancel()
 
@@ -1436,6 +1606,9 @@ def test_a_worker_that_started_without_a_model_the_other_loaded_restarts_and_joi
         assert found is not None
         index, victim = found.group(1), int(found.group(2))
         assert "model 'flaky' is not served by it" in log.read_text()
+        # Stopped before the banner: it names the worker that serves alone.
+        assert len(server.pids) == 1
+        assert victim not in server.pids
         # Its restart loads the model (only the first load fails) and joins the other.
         wait_until(lambda: worker_pids(server.url).get(index, victim) != victim, "it is back")
         for _ in range(12):
@@ -1582,3 +1755,65 @@ async def test_reports_go_as_lines_on_one_connection_without_answers(tmp_path: P
         assert json.loads(line) == {"ok": 3}
         assert [m.get("n", m["op"]) for m in seen] == [1, 2, "asked"]
         tg.cancel_scope.cancel()
+
+
+def test_the_banner_names_only_the_workers_that_serve(monkeypatch: pytest.MonkeyPatch) -> None:
+    from trioinfer.server import _workers
+
+    async def serve_workers(
+        repository: Path, *, task_status: anyio.abc.TaskStatus[Any], **options: Any
+    ) -> None:
+        task_status.started(_workers.WorkersListening(("http://h:1",), {"m": (1,)}, (), (101,)))
+
+    monkeypatch.setattr(_workers, "serve_workers", serve_workers)
+    result = CliRunner().invoke(main, ["serve", "--workers", "3"])
+    assert result.exit_code == 0, result.output
+    assert "1 of 3 workers (the others restart) (pids 101) listening on http://h:1" in result.output
+
+
+LOADING_MODEL = """\
+import os
+import pathlib
+import time
+
+
+class Model:
+    def __init__(self):
+        # A constructor that reads weights for a while (on its thread): both workers
+        # are still loading when the signal comes.
+        (pathlib.Path(__file__).parent / f"loading-{os.getpid()}").touch()
+        time.sleep(2)
+
+    def infer(self, inputs):
+        return {"y": inputs["x"]}
+"""
+ONE_INSTANCE = SLOW_CONFIG.replace("count = 16", "count = 1")
+
+
+def test_sigterm_while_the_workers_load_stops_them_and_exits_0(tmp_path: Path) -> None:
+    # A SIGTERM during the start (an orchestrator's rollout while models load) ended the
+    # command with "Error: WorkerFailed: stopped by a signal before every worker was
+    # ready" and status 1; one process stops its start at once and exits 0, and so do
+    # the workers now.
+    repository = tmp_path / "repository"
+    (repository / "loading" / "1").mkdir(parents=True)
+    (repository / "loading" / "config.toml").write_text(ONE_INSTANCE)
+    (repository / "loading" / "1" / "model.py").write_text(LOADING_MODEL)
+    log = tmp_path / "serve.log"
+    process, _next_line = start(repository, log, "--workers", "2")
+    try:
+        wait_until(
+            lambda: len(list((repository / "loading" / "1").glob("loading-*"))) >= 2,
+            "both workers load",
+        )
+        process.send_signal(signal.SIGTERM)
+        code = process.wait(timeout=WAIT_S)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+    said = log.read_text()
+    assert code == 0, said
+    assert "WorkerFailed" not in said
+    assert "SIGTERM before serving started: stopping now" in said
+    assert "all workers stopped" in said

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import difflib
 import errno
 import functools
@@ -11,21 +10,17 @@ import importlib.util
 import ipaddress
 import logging
 import os
-import signal
-import sys
-import threading
-import time
 import tomllib
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import Any, Final, NoReturn
+from typing import Any, Final
 
 import anyio
 import anyio.abc
 import attrs
 import click
 
-from .. import __version__
+from .. import __version__, _exit
 from .._examples import example_repository
 from .._exceptions import TrioInferError
 from ._params import (
@@ -78,21 +73,9 @@ _SERVE_KEYS: Final = frozenset(
     }
 )
 
-#: With no --exit-timeout-secs, how long past the drain period the exit may take (cancelling
-#: what still runs, closing the models) before serve ends the process anyway. The same as
-#: the margin the --workers supervisor gives a worker (server._workers.STOP_MARGIN_S).
-EXIT_MARGIN_S: Final = 10.0
-#: After a second SIGINT or SIGTERM, how long the exit (cancelled at once, without draining)
-#: may take before serve ends the process anyway.
-SECOND_SIGNAL_S: Final = 1.0
-#: At the exit timeout, how long the last cancel of what serves may take to be seen (the
-#: listeners closed) before the process ends.
-LAST_CANCEL_S: Final = 0.5
-#: The exit status of a process that serve ended because its exit was held past its bound.
-EXIT_HELD_STATUS: Final = 1
-#: How long past a bound the exit may be held with the event loop's thread blocked (so
-#: that no task of the loop keeps the bound) before a watchdog thread ends the process.
-BACKSTOP_S: Final = 1.0
+#: With no --exit-timeout-secs, how long past the drain period the exit may take (see
+#: `trioinfer._exit`).
+EXIT_MARGIN_S: Final = _exit.EXIT_MARGIN_S
 
 
 @click.command(
@@ -925,244 +908,68 @@ async def _serve(
 ) -> None:
     from ..server import serve_http
 
-    stop = anyio.Event()
-    serving = anyio.CancelScope()
-    started = anyio.Event()
+    def banner(listening: Any) -> None:
+        _settle_gc()
+        url = listening.urls[0]
+        _banner(
+            listening.models,
+            listening.failed,
+            repository,
+            url,
+            _grpc_line(listening.grpc, config.grpc_tls),
+            f"listening on {url} (Ctrl+C to stop)",
+        )
 
-    async def serve_then_stop() -> None:
-        with serving:
-            async with anyio.create_task_group() as server:
-                listening = await server.start(
-                    functools.partial(
-                        serve_http,
-                        repository,
-                        host=host,
-                        port=port,
-                        config=config,
-                        models=models,
-                        grpc_port=grpc_port,
-                        # The signals are watched here, for the whole run: serve_http's
-                        # own watch ends with its serving, before the engine closes,
-                        # which is the part of the exit that can be held.
-                        handle_signals=False,
-                        shutdown=stop,
-                    )
-                )
-                started.set()
-                _settle_gc()
-                url = listening.urls[0]
-                _banner(
-                    listening.models,
-                    listening.failed,
-                    repository,
-                    url,
-                    _grpc_line(listening.grpc, config.grpc_tls),
-                    f"listening on {url} (Ctrl+C to stop)",
-                )
-        watch.cancel_scope.cancel()  # the exit ended in its bound: nothing more to watch
-
-    async with anyio.create_task_group() as watch:
-        await watch.start(_watch_the_exit, stop, serving, started, exit_timeout)
-        watch.start_soon(serve_then_stop)
-
-
-async def _watch_the_exit(
-    stop: anyio.Event,
-    serving: anyio.CancelScope,
-    started: anyio.Event,
-    exit_timeout: float,
-    *,
-    task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED,
-) -> None:
-    """Stop on SIGINT or SIGTERM, and end the process if its exit is held past its bound.
-
-    The first signal starts the drain (*stop*; before the server serves, there is
-    nothing to drain: *serving* is cancelled at once) and allows the exit
-    *exit_timeout* seconds from then; a second cancels *serving* and allows it
-    `SECOND_SIGNAL_S`; a third ends the process at once.
-    """
-    log = logging.getLogger("trioinfer.server")
-    with (
-        anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals,
-        _backstop(exit_timeout),
-    ):
-        task_status.started()
-        async with anyio.create_task_group() as bounds:
-            count = 0
-            async for signum in signals:
-                count += 1
-                name = signal.Signals(signum).name
-                if count == 1:
-                    if started.is_set():
-                        log.info("%s: stopping", name)
-                        stop.set()
-                    else:
-                        log.info("%s before serving started: stopping now", name)
-                        serving.cancel()
-                    bounds.start_soon(
-                        _end_after,
-                        exit_timeout,
-                        serving,
-                        f"the exit timeout ({exit_timeout:.1f}s after {name}, "
-                        "--exit-timeout-secs) has passed",
-                    )
-                elif count == 2:
-                    log.info("second signal (%s): stopping now", name)
-                    serving.cancel()
-                    bounds.start_soon(
-                        _end_after,
-                        SECOND_SIGNAL_S,
-                        serving,
-                        f"the exit, cancelled by a second signal ({name}), has not ended "
-                        f"{SECOND_SIGNAL_S:.1f}s after it",
-                    )
-                else:
-                    _end_the_process(f"a third signal ({name}) during the exit")
-
-
-@contextlib.contextmanager
-def _backstop(exit_timeout: float) -> Iterator[None]:
-    """Keep the exit's bounds from a thread too, for while the event loop's thread is blocked.
-
-    `_watch_the_exit` keeps them with tasks of the event loop, which cannot run
-    while code blocks the loop's thread (a Python model's ``async def load`` or
-    inline ``infer`` that sleeps or loads for minutes without yielding): the process outlived
-    the bound, and every later signal. Python runs signal handlers on the main
-    thread between bytecodes, in such code too, so the handlers the loop
-    installed (trio's, asyncio's) are wrapped: each signal also arms a watchdog
-    thread that ends the process `BACKSTOP_S` after the bound the loop keeps
-    (the exit timeout after the first, `SECOND_SIGNAL_S` after the second, at
-    once after the third), unless the exit has ended by then. The loop, blocked,
-    may not have closed the listeners: connections the kernel queued are reset,
-    which is still better than a process that no signal ends.
-    """
-    signums = (signal.SIGINT, signal.SIGTERM)
-    inner = {signum: signal.getsignal(signum) for signum in signums}
-    done = threading.Event()
-    arm = threading.Condition()
-    held: list[tuple[float, str]] = []  # the earliest (deadline, why) armed so far
-
-    def watch() -> None:
-        with arm:
-            while not done.is_set():
-                left = held[0][0] - time.monotonic()
-                if left <= 0:
-                    break
-                arm.wait(left)
-        if not done.is_set():
-            _end_the_process(
-                f"{held[0][1]}; the event loop's thread was blocked (by code running on it, "
-                "a model's code that never yields, say), so a watchdog thread ends it"
-            )
-
-    def handler(signum: int, frame: Any) -> None:
-        name = signal.Signals(signum).name
-        signals.append(signum)
-        if len(signals) == 1:
-            bound, why = (
-                exit_timeout,
-                f"the exit timeout ({exit_timeout:.1f}s after {name}, --exit-timeout-secs) "
-                "has passed",
-            )
-        elif len(signals) == 2:
-            bound, why = (
-                SECOND_SIGNAL_S,
-                f"the exit, cancelled by a second signal ({name}), has not ended "
-                f"{SECOND_SIGNAL_S:.1f}s after it",
-            )
-        else:
-            bound, why = 0.0, f"a third signal ({name}) during the exit"
-        deadline = time.monotonic() + bound + BACKSTOP_S
-        with arm:
-            first = not held
-            if first or deadline < held[0][0]:
-                held[:] = [(deadline, why)]
-            arm.notify()
-        if first:
-            threading.Thread(target=watch, name="trioinfer-exit-backstop", daemon=True).start()
-        chained = inner[signal.Signals(signum)]
-        if callable(chained):  # the loop's own handler: it sees the signal as before
-            chained(signum, frame)
-
-    signals: list[int] = []  # those received, in order
-    for signum in signums:
-        signal.signal(signum, handler)
-    try:
-        yield
-    finally:
-        done.set()
-        with arm:
-            arm.notify()
-        for signum in signums:
-            if signal.getsignal(signum) is handler:
-                signal.signal(signum, inner[signum])
-
-
-async def _end_after(delay: float, serving: anyio.CancelScope, why: str) -> None:
-    # Cancelled (with the whole watch) as soon as serving returns: the exit ended in time.
-    await anyio.sleep(delay)
-    if not serving.cancel_called:
-        # Whatever can still be cancelled is: a listener not closed yet closes, the
-        # engine's waits end. If that ends the exit, this task is cancelled meanwhile.
-        serving.cancel()
-        await anyio.sleep(LAST_CANCEL_S)
-    _end_the_process(why)
-
-
-def _end_the_process(why: str) -> NoReturn:
-    """Log why and what still runs, flush the logs, and end the process with `EXIT_HELD_STATUS`.
-
-    An execution on a thread (a Python model's plain ``def infer``, a hung native
-    call) cannot be interrupted nor abandoned: the engine's close waits for it,
-    and so would the interpreter's own exit. ``sys.exit`` would raise into the
-    event loop and unwind through that same wait. ``os._exit`` ends the process
-    without running ``finally`` blocks or ``atexit`` handlers: acceptable here only
-    because the listeners closed already (the first signal closed them, and the
-    last cancel ran before this: no connection is accepted into a dying process)
-    and the logs are flushed just before, so that the reason is on record. The
-    kernel closes what is left (sockets, shared memory mappings); spans still
-    buffered by a tracer are lost.
-    """
-    from ..server._serve import still_executing
-
-    try:
-        running = still_executing()
-    except Exception:  # read from the watchdog thread while the loop changes it: say nothing
-        running = []
-    logging.getLogger("trioinfer.server").error(
-        "%s: ending the process now (exit status %d) without waiting for what still runs: "
-        "%s. An execution on a thread cannot be interrupted; a backend must let "
-        "cancellation end its work",
-        why,
-        EXIT_HELD_STATUS,
-        "; ".join(running)
-        or "no execution or load the engine knows of (an instance's close, say, or a "
-        "plugin's own thread)",
+    await serve_http(
+        repository,
+        host=host,
+        port=port,
+        config=config,
+        models=models,
+        grpc_port=grpc_port,
+        exit_timeout=exit_timeout,
+        task_status=_OnStarted(banner),
     )
-    logging.shutdown()  # flushes and closes every handler
-    for stream in (sys.stdout, sys.stderr):
-        with contextlib.suppress(Exception):  # a closed or broken pipe: nothing to flush to
-            stream.flush()
-    os._exit(EXIT_HELD_STATUS)
 
 
 async def _serve_workers(repository: Path, *, workers: int, **options: Any) -> None:
     from ..server._workers import serve_workers
 
-    async with anyio.create_task_group() as tg:
-        listening = await tg.start(
-            functools.partial(serve_workers, repository, workers=workers, **options)
-        )
+    def banner(listening: Any) -> None:
         url = listening.urls[0]
         pids = ", ".join(map(str, listening.pids))
+        # A worker stopped at start to be restarted (it served other things than the
+        # others) is not named: its pid would be another's a moment later.
+        how_many = (
+            f"{workers} workers"
+            if len(listening.pids) == workers
+            else f"{len(listening.pids)} of {workers} workers (the others restart)"
+        )
         _banner(
             listening.models,
             listening.failed,
             repository,
             url,
             _grpc_line(listening.grpc, options["config"].grpc_tls),
-            f"{workers} workers (pids {pids}) listening on {url} (Ctrl+C to stop)",
+            f"{how_many} (pids {pids}) listening on {url} (Ctrl+C to stop)",
         )
+
+    await serve_workers(repository, workers=workers, **options, task_status=_OnStarted(banner))
+
+
+class _OnStarted(anyio.abc.TaskStatus[Any]):
+    """A task status that calls *then* with what the server reports once it listens.
+
+    Not ``nursery.start``: a signal while the models load stops the server
+    before it listens, which ``start`` would take for a bug (a RuntimeError).
+    """
+
+    def __init__(self, then: Callable[[Any], object]) -> None:
+        self._then = then
+
+    def started(self, value: Any = None) -> None:
+        """Call *then* with *value* (a `Listening` or a `WorkersListening`)."""
+        self._then(value)
 
 
 def _grpc_line(address: str | None, tls: Any = None) -> str | None:

@@ -4,7 +4,8 @@
 serves until SIGINT/SIGTERM (or until its caller cancels it). On the first
 signal readiness turns false at once, the listener closes, in-flight requests
 get `ServerConfig.drain_period` seconds to finish, and the function returns
-normally; a second signal stops at once.
+normally; a second signal stops at once. The whole exit is bounded
+(``trioinfer._exit``): past it the process ends.
 """
 
 from __future__ import annotations
@@ -13,7 +14,6 @@ import contextlib
 import functools
 import logging
 import os
-import signal
 import ssl
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import TYPE_CHECKING, Any
@@ -25,6 +25,7 @@ from starlette.types import ASGIApp
 
 from .._engine import Engine, open_engine
 from .._exceptions import ConfigError
+from .._exit import EXIT_MARGIN_S, bounded_exit
 from .._registry import Registry
 from ._app import ServerConfig, ServerState, create_app
 from ._host_metrics import host_metrics_for
@@ -102,6 +103,7 @@ async def serve_http(
     grpc_port: int | None = None,
     reuse_port: bool = False,
     worker: WorkerLink | None = None,
+    exit_timeout: float | None = None,
     task_status: anyio.abc.TaskStatus[Listening] = anyio.TASK_STATUS_IGNORED,
 ) -> None:
     """Serve *repository* over KServe V2 REST (and gRPC) until a signal (or *shutdown*) stops it.
@@ -119,7 +121,9 @@ async def serve_http(
         config: Limits, tokens and the drain period (defaults if None).
         registry: The plugin registry for the engine (entry points by default).
         models: Names of the models to load at start (all of the repository's by default).
-        handle_signals: Stop gracefully on SIGINT and SIGTERM (main thread only).
+        handle_signals: Stop gracefully on SIGINT and SIGTERM (main thread only),
+            within *exit_timeout*: a second signal stops at once, a third ends the
+            process. A signal while the models load stops at once.
         shutdown: Setting this event stops gracefully, as the first signal does.
         grpc_port: Also serve V2 gRPC (Triton's ``inference.GRPCInferenceService``)
             on this port of *host*, from the same engine; 0 picks a free one. Needs
@@ -128,13 +132,21 @@ async def serve_http(
             several processes serve one port (the kernel spreads connections
             among them).
         worker: Internal: this process is one of ``trioinfer serve --workers N``'s.
+        exit_timeout: With *handle_signals*: how long the whole exit may take from
+            the first signal (the drain, then cancelling what still runs and closing
+            the engine), as ``trioinfer serve --exit-timeout-secs``; past it (or 1
+            second after a second signal) the process ends with exit status 1, the
+            log naming the executions still running (an execution on a thread cannot
+            be interrupted, and would hold the process for ever). None: the drain
+            period + 10 seconds, the command's default; ``math.inf``: unbounded. At
+            least ``config.drain_period``.
         task_status: Reports a [`Listening`][trioinfer.server.Listening] once ready,
             for ``nursery.start``.
 
     Raises:
-        ConfigError: The repository is missing, a named model does not exist, or a
+        ConfigError: The repository is missing, a named model does not exist, a
             file of ``config.grpc_tls`` or ``config.http_tls`` cannot be read or
-            used (checked first).
+            used (checked first), or *exit_timeout* is shorter than the drain period.
         ModuleNotFoundError: *grpc_port* is given but the ``grpc`` extra is not installed.
         OSError: A port cannot be bound (checked before the models load).
     """
@@ -144,6 +156,13 @@ async def serve_http(
     serve_grpc = _grpc_layer() if grpc_port is not None else None
     if config is None:
         config = ServerConfig()
+    if exit_timeout is None:
+        exit_timeout = config.drain_period + EXIT_MARGIN_S
+    if not exit_timeout >= config.drain_period:  # NaN too
+        raise ConfigError(
+            f"exit_timeout must be at least the drain period ({config.drain_period}s): the "
+            f"process would end in the middle of the drain; got {exit_timeout}"
+        )
     # The certificate files are read now: a bad one stops the start, not a handshake later.
     # Renewed files are picked up for new connections while serving (ReloadingContext).
     grpc_tls = (
@@ -159,7 +178,10 @@ async def serve_http(
     repo = ModelRepository(repository)
     if not reuse_port:
         await _check_ports(host, port, grpc_port)
+    stop = shutdown if shutdown is not None else anyio.Event()
+    serving = anyio.Event()  # the first signal drains from then on (it cancels before)
     async with (
+        bounded_exit(stop, serving, exit_timeout) if handle_signals else contextlib.nullcontext(),
         _public_names_in_logs(),
         _watch_the_close() as watch_the_close,
         _known_until_closed() as make_known,
@@ -205,7 +227,6 @@ async def serve_http(
         metrics = Metrics(served, in_flight, host=machine)
         state = ServerState(served, config, metrics, in_flight, cluster=worker)
         app = create_app(state)
-        stop = shutdown if shutdown is not None else anyio.Event()
 
         async def run_layers(
             *, task_status: anyio.abc.TaskStatus[tuple[list[str], str | None]]
@@ -238,15 +259,13 @@ async def serve_http(
                         )
                     )
                 task_status.started((urls, address))
-            tg.cancel_scope.cancel()  # drained: the signal watcher may go too
+            tg.cancel_scope.cancel()  # drained: the host metrics may go too
 
         async with anyio.create_task_group() as tg:
             if machine is not None:
                 # Sampled while serving, from before the first scrape; stopped (NVML
                 # shut down) with the rest of the server's tasks.
                 await tg.start(machine.run)
-            if handle_signals:
-                await tg.start(_watch_signals, state, stop, tg.cancel_scope)
             if worker is not None:
                 # Joins the other workers: takes the repository changes made
                 # before it started, then receives each one as they do.
@@ -262,6 +281,7 @@ async def serve_http(
             if worker is not None:
                 await worker.report_ready(listening)
             task_status.started(listening)
+            serving.set()
             poll = anyio.CancelScope()  # entered by the poll's task
             if polling:
                 tg.start_soon(_poll_until, poll, repo, polling, served, baseline)
@@ -410,23 +430,3 @@ async def _serve_lean(
         ssl_context=ssl_context,
         task_status=task_status,
     )
-
-
-async def _watch_signals(
-    state: ServerState,
-    stop: anyio.Event,
-    scope: anyio.CancelScope,
-    *,
-    task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED,
-) -> None:
-    with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
-        task_status.started()
-        async for signum in signals:
-            if not stop.is_set():
-                state.ready = False
-                log.info("%s: stopping", signal.Signals(signum).name)
-                stop.set()
-            else:
-                log.info("second signal: stopping now")
-                scope.cancel()
-                return

@@ -20,9 +20,11 @@ reports are lines on a connection it keeps open, with no answer):
   the worker that received the request asks the supervisor, which applies it
   on every worker, one change at a time, and answers once all have; a change
   that fails on some workers only is an error that names them. A worker that
-  does not answer is asked again while its process runs (`_Supervisor._reach`):
+  does not answer is asked again while its process runs, and pinged while it
+  applies the change (`_Supervisor._reach`):
   one that died takes the change when it restarts, one that runs and cannot be
-  reached fails the change, named (it is never restarted for it). The supervisor
+  reached fails the change, named, and is restarted (what it serves is unknown
+  then: it may or may not have applied the change). The supervisor
   keeps the last change of each model and replays them to a worker that
   restarts, before it listens, so a restarted worker serves what the others do.
   It loaded the repository as it is on disk, though: after a reload that
@@ -31,7 +33,8 @@ reports are lines on a connection it keeps open, with no answer):
   once it serves what the others serve (each version's files as loaded, its
   config override, the traffic split: `served_state`); until then it does not
   listen, the supervisor says why, and each change that applies is repeated
-  to it (a poll's reload of the repaired files, say) until they agree.
+  to it (a poll's reload of the repaired files, say) until they agree, or
+  for `JOIN_S` at most: then it exits, and starts again.
   Workers that start together are compared the same way once all are ready
   (`_Supervisor._compare_at_start`): each that differs from the one serving
   the most is restarted, and joins as above.
@@ -99,6 +102,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from .. import _exceptions
 from .._exceptions import ConfigError, TrioInferError
+from .._exit import BACKSTOP_S, LAST_CANCEL_S
 from . import _codec
 from ._host_metrics import HostMetrics, host_metrics_for
 from ._metrics import Counts, exposition_of, triton_entry
@@ -127,6 +131,10 @@ GATHER_TIMEOUT_S: Final = 10.0
 #: (fresh connections, doubling delays from `RETRY_S`) before the change fails on it.
 REACH_S: Final = 2.0
 RETRY_S: Final = 0.05
+#: While a worker applies a change (a load may take minutes), how often the supervisor
+#: pings it on another connection: one that answers no ping within `REACH_S` has its
+#: event loop blocked, and is out of reach.
+PING_S: Final = 5.0
 #: Restart delays: the first, and the most (doubling in between).
 RESTART_DELAY_S: Final = 0.5
 MAX_RESTART_DELAY_S: Final = 30.0
@@ -134,6 +142,9 @@ MAX_RESTART_DELAY_S: Final = 30.0
 STABLE_AFTER_S: Final = 30.0
 #: Consecutive restarts of one worker that die before it is ready, before serve gives up.
 MAX_FAILED_STARTS: Final = 5
+#: How long a worker that (re)starts may wait to serve what the others serve (see
+#: `_Supervisor._hello`) before it gives up: it exits, and is started again.
+JOIN_S: Final = 300.0
 #: At shutdown, how long past the drain period a worker may take to exit before it is killed.
 STOP_MARGIN_S: Final = 10.0
 #: How often a worker checks that its supervisor is still there.
@@ -203,6 +214,8 @@ class _Unreached:
     tries: int
     why: _Gone
     dead: bool
+    #: It took the call, then answered no ping meanwhile (`_Supervisor._reach`).
+    blocked: bool = False
 
 
 async def _call_while(
@@ -818,6 +831,8 @@ class WorkerLink:
             if op == "logging":
                 update_log_settings(message["settings"])
                 return {"ok": True}
+            if op == "ping":  # the supervisor: is this event loop running?
+                return {"ok": True}
             if op == "counts":
                 return self._counts()
             if op == "served":
@@ -880,6 +895,9 @@ class _Worker:
     failure: str = ""
     #: Why the supervisor stopped it to start it again ("": it was not).
     stopped_for: str = ""
+    #: Set when the supervisor stops this life to start it again (`_Supervisor._restart`):
+    #: it is killed if it has not exited after its drain period and `STOP_MARGIN_S`.
+    restarting: anyio.Event = attrs.field(factory=anyio.Event)
     listening: dict[str, Any] = attrs.field(factory=dict)
 
 
@@ -891,7 +909,8 @@ class WorkersListening:
         urls: The base URLs, e.g. ``("http://127.0.0.1:8000",)``.
         models: The served models and versions, e.g. ``{"digits": (1,)}``.
         failed: Models of the repository that could not be loaded.
-        pids: The workers' process ids, by worker index.
+        pids: The process ids of the workers that serve, by worker index (one
+            stopped at start to be restarted, see `serve_workers`, is left out).
         grpc: Where every worker serves V2 gRPC (``host:port``), or None when not served.
     """
 
@@ -930,6 +949,21 @@ class _Supervisor:
         self.metrics = MetricsLedger(host)
         self.stats = StatsLedger()
 
+    def listening(self) -> WorkersListening:
+        """What serve reports once every first worker is ready (and they were compared).
+
+        The pids are those of the workers that serve: one the comparison stopped
+        (or that died since) restarts, and its pid is about to be another's.
+        """
+        first = self.workers[self.reference].listening
+        return WorkersListening(
+            tuple(first["urls"]),
+            {name: tuple(v) for name, v in first["models"].items()},
+            tuple(first["failed"]),
+            tuple(w.pid for w in self.workers if w.member and w.ready),
+            first.get("grpc"),
+        )
+
     # -- workers' lives --
 
     async def run_worker(self, worker: _Worker) -> None:
@@ -950,12 +984,16 @@ class _Supervisor:
                 start_new_session=True,
             )
             worker.process, worker.pid, worker.failure = process, process.pid, ""
+            worker.restarting = anyio.Event()
             log.info("started worker %d (pid %d)", worker.index, process.pid)
             if self.stopping:
                 process.send_signal(signal.SIGTERM)
             was_ready = False
             try:
-                await process.wait()
+                async with anyio.create_task_group() as life:
+                    life.start_soon(self._kill_if_held, worker, process)
+                    await process.wait()
+                    life.cancel_scope.cancel()
             finally:
                 was_ready = worker.ready
                 ever_ready = ever_ready or was_ready
@@ -1042,6 +1080,36 @@ class _Supervisor:
                 spec[key] = [name for name in spec[key] if name not in unloaded]
         return spec
 
+    async def _kill_if_held(self, worker: _Worker, process: anyio.abc.Process) -> None:
+        # A life the supervisor stopped to restart (`_restart`) drains as at shutdown;
+        # one that has not exited by the time a shutdown would kill it (its event loop
+        # blocked, say: the SIGTERM waits for it) is killed, so that it does restart.
+        await worker.restarting.wait()
+        held_s = self.spec.get("config", {}).get("drain_period", 0.0) + STOP_MARGIN_S
+        await anyio.sleep(held_s)
+        log.warning(
+            "worker %d (pid %d), stopped because %s, is still running %.0fs later; killing it",
+            worker.index,
+            process.pid,
+            worker.stopped_for,
+            held_s,
+        )
+        with contextlib.suppress(ProcessLookupError):
+            process.send_signal(signal.SIGKILL)
+
+    def _restart(self, worker: _Worker, why: str) -> None:
+        """Stop *worker* (it drains) to start it again, *why* (said when it has exited).
+
+        It is no member from now: no change reaches it, no joining worker compares
+        with it. Its restart joins as any restart does (`_hello`).
+        """
+        worker.member = False
+        worker.stopped_for = why
+        worker.restarting.set()
+        if worker.process is not None:
+            with contextlib.suppress(ProcessLookupError):
+                worker.process.send_signal(signal.SIGTERM)
+
     def _tell_news(self) -> None:
         self._news.set()
         self._news = anyio.Event()
@@ -1059,13 +1127,19 @@ class _Supervisor:
     async def kill_after(self, seconds: float, *, bound: bool = False) -> None:
         """SIGKILL the workers still running *seconds* from now.
 
-        *bound*: *seconds* is ``--exit-timeout-secs``, the whole exit's bound, which
-        those workers broke: they are named at ERROR and the exit fails.
+        *bound*: *seconds* is ``--exit-timeout-secs``, the whole exit's bound: the
+        workers still running `LAST_CANCEL_S` after it (as one process gives its
+        last cancel) broke it, are named at ERROR, and the exit fails.
         """
         await anyio.sleep(seconds)
         if not bound:
             log.warning("workers still running %.0fs after SIGTERM; killing them", seconds)
         else:
+            # As one process gives its last cancel LAST_CANCEL_S past the bound: a worker
+            # that is exiting then (a bound of 0 ends every exit there) is not held.
+            with anyio.move_on_after(LAST_CANCEL_S):
+                while any(w.process is not None for w in self.workers):
+                    await self._news.wait()  # told when a worker's process ends
             held = ", ".join(
                 f"worker {w.index} (pid {w.pid})" for w in self.workers if w.process is not None
             )
@@ -1149,6 +1223,10 @@ class _Supervisor:
         # this answers), and takes each change that applies meanwhile.
         replayed: dict[str | tuple[str, ...], dict[str, Any]] = {}
         said = ""
+        # Bounded: files changed on disk that nothing reloads keep it from agreeing for
+        # ever, loaded but not serving. Started again, it loads the repository as it is
+        # then (and the others may have reloaded meanwhile).
+        give_up_at = anyio.current_time() + JOIN_S
         while True:
             # Under the lock: no change may pass between the replay, the comparison
             # and membership.
@@ -1199,11 +1277,21 @@ class _Supervisor:
                     pid,
                     said,
                 )
-            async with anyio.create_task_group() as waiting:
-                waiting.start_soon(_first, news, waiting.cancel_scope)
-                waiting.start_soon(_first, self.stop, waiting.cancel_scope)
+            with anyio.move_on_after(give_up_at - anyio.current_time()):
+                async with anyio.create_task_group() as waiting:
+                    waiting.start_soon(_first, news, waiting.cancel_scope)
+                    waiting.start_soon(_first, self.stop, waiting.cancel_scope)
             if self.stop.is_set():
                 return {"stopping": True}
+            if anyio.current_time() >= give_up_at:
+                message = (
+                    f"worker {worker.index} (pid {pid}) still does not serve what the others "
+                    f"serve {JOIN_S:g}s after it asked to join ({said}): it stops, and is "
+                    "started again (loading the repository as it is then); reload the models "
+                    "whose files changed, or restart the server, for all to agree"
+                )
+                log.error("%s", message)
+                return {"error": {"type": "TrioInferError", "message": message}}
 
     async def _compare_at_start(self) -> int:
         """Compare what the first workers serve, once all are ready; the reference's index.
@@ -1266,13 +1354,9 @@ class _Supervisor:
                         "; ".join(_disagreements(reply["served"], theirs["served"])),
                         reference.index,
                     )
-                    worker.member = False  # no change reaches it, no joining worker compares
-                    worker.stopped_for = (
-                        f"it started serving other things than worker {reference.index}"
+                    self._restart(
+                        worker, f"it started serving other things than worker {reference.index}"
                     )
-                    if worker.process is not None:
-                        with contextlib.suppress(ProcessLookupError):
-                            worker.process.send_signal(signal.SIGTERM)
             return reference.index
 
     async def _differences(self, worker: _Worker) -> tuple[list[str], dict[str, str] | None]:
@@ -1363,7 +1447,9 @@ class _Supervisor:
         One that died is left to take the change from the journal when it
         restarts; one that runs and cannot be reached gets an error answer
         that names it and says why (marked ``unreachable``), so that the
-        change is no success, and the worker is left alone (it serves). A
+        change is no success; a member is then restarted (`_restart`: it
+        drains, and its restart loads what the journal says), since whether
+        it applied the change, and so what it serves, is unknown. A
         change may reach a worker twice (the connection broke after it was
         sent): each is idempotent (a load of what is served, an unload of what
         is not, a setting set again, change nothing), but for an unload of a
@@ -1373,17 +1459,7 @@ class _Supervisor:
         (it answers every call, its errors included).
         """
         pid = worker.pid
-        reply = await _call_while(
-            worker.socket,
-            change,
-            lambda: _running(worker, pid),
-            lambda why: log.info(
-                "worker %d (pid %d) runs but did not answer (%s): trying again",
-                worker.index,
-                pid,
-                why,
-            ),
-        )
+        reply = await self._call_pinged(worker, pid, change)
         if not isinstance(reply, _Unreached):
             return reply
         if reply.dead:
@@ -1394,13 +1470,75 @@ class _Supervisor:
                 _what(change),
             )
             return None
+        how = (
+            f"({reply.why})"
+            if reply.blocked
+            else f"({reply.tries} tries over {REACH_S:g}s, the last: {reply.why})"
+        )
         said = (
             f"worker {worker.index} (pid {pid}) is running but did not answer {_what(change)} "
-            f"({reply.tries} tries over {REACH_S:g}s, the last: {reply.why}); it may not have "
-            "applied it"
+            f"{how}; it may not have applied it"
         )
+        if worker.member and _running(worker, pid):
+            # It may or may not have applied the change: what it serves is unknown, so
+            # it cannot stay a member (it would serve what the others may not, and miss
+            # the next changes too). Restarted, it loads what the journal says.
+            said += ", and is restarted"
+            self._restart(worker, f"it did not answer {_what(change)}")
         log.error("%s", said)
         return {"error": {"type": "TrioInferError", "message": said}, "unreachable": True}
+
+    async def _call_pinged(
+        self, worker: _Worker, pid: int, change: dict[str, Any]
+    ) -> dict[str, Any] | _Unreached:
+        """`_call_while` of *change* to *worker*'s process *pid*, pinged every `PING_S` meanwhile.
+
+        A worker whose event loop is blocked (a model's code that never yields)
+        still takes the connection (the kernel accepts it) and never answers: the
+        change, and every change and joining worker after it (they wait for this
+        one), waited for ever. A load may take minutes, but its worker's loop
+        answers a ping meanwhile; one that answers none within `REACH_S` is out
+        of reach.
+        """
+        outcome: list[dict[str, Any] | _Unreached] = []
+
+        async def call(scope: anyio.CancelScope) -> None:
+            outcome.append(
+                await _call_while(
+                    worker.socket,
+                    change,
+                    lambda: _running(worker, pid),
+                    lambda why: log.info(
+                        "worker %d (pid %d) runs but did not answer (%s): trying again",
+                        worker.index,
+                        pid,
+                        why,
+                    ),
+                )
+            )
+            scope.cancel()
+
+        async def ping(scope: anyio.CancelScope) -> None:
+            started = anyio.current_time()
+            while True:
+                await anyio.sleep(PING_S)
+                with anyio.move_on_after(REACH_S):
+                    with contextlib.suppress(_Gone):  # a socket error: `call` tells
+                        await _call(worker.socket, {"op": "ping"})
+                    continue
+                why = _Gone(
+                    f"it took the call and answered no ping on another connection within "
+                    f"{REACH_S:g}s, {anyio.current_time() - started:.0f}s into it: its event "
+                    "loop is blocked"
+                )
+                outcome.append(_Unreached(1, why, dead=not _running(worker, pid), blocked=True))
+                scope.cancel()
+                return
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(call, tg.cancel_scope)
+            tg.start_soon(ping, tg.cancel_scope)
+        return outcome[0]
 
     async def _gather_counts(self, asker: _Worker, counts: dict[str, Any]) -> None:
         # A scrape or a statistics request that *asker* answers, with its own counts:
@@ -1610,7 +1748,8 @@ async def serve_workers(
 ) -> None:
     """Serve *repository* from *workers* processes on one port until SIGINT/SIGTERM.
 
-    Reports a `WorkersListening` once every worker is ready. On the first
+    Reports a `WorkersListening` once every worker is ready (a signal before
+    then stops the workers, and this returns without reporting). On the first
     signal every worker drains (as `serve_http` does) and this returns once
     all have exited; a second signal stops them at once. *trace* is the
     ``--trace-exporter`` and ``--trace-rate`` settings: each worker makes its
@@ -1662,6 +1801,14 @@ async def serve_workers(
         "log_level": log_level,
         "directory": str(directory),
         "supervisor_pid": os.getpid(),
+        # Each worker bounds its own exit too (serve_http), just past the supervisor's
+        # kill (which decides, and names the workers it kills): so that one whose
+        # supervisor has gone (SIGKILL) still ends after its SIGTERM.
+        "exit_timeout": (
+            config.drain_period + STOP_MARGIN_S if exit_timeout is None else exit_timeout
+        )
+        + LAST_CANCEL_S
+        + BACKSTOP_S,
         "config": {
             "limits": attrs.asdict(config.limits),
             "admin_token": config.admin_token,
@@ -1698,19 +1845,10 @@ async def serve_workers(
                 async with anyio.create_task_group() as waiting:
                     waiting.start_soon(_first, supervisor.all_ready, waiting.cancel_scope)
                     waiting.start_soon(_first, supervisor.stop, waiting.cancel_scope)
-                if supervisor.failure is None and not supervisor.all_ready.is_set():
-                    supervisor.failure = "stopped by a signal before every worker was ready"
-                if supervisor.failure is None:
-                    first = supervisor.workers[supervisor.reference].listening
-                    task_status.started(
-                        WorkersListening(
-                            tuple(first["urls"]),
-                            {name: tuple(v) for name, v in first["models"].items()},
-                            tuple(first["failed"]),
-                            tuple(w.pid for w in supervisor.workers),
-                            first.get("grpc"),
-                        )
-                    )
+                # A signal before every worker was ready stops the start, as it does
+                # one process's (exit status 0): nothing is reported.
+                if supervisor.failure is None and supervisor.all_ready.is_set():
+                    task_status.started(supervisor.listening())
                 async with anyio.create_task_group() as serving:
                     if polling and supervisor.failure is None:
                         serving.start_soon(
@@ -1810,23 +1948,20 @@ def _worker_main(argv: list[str]) -> int:
     )
 
     async def serve() -> None:
-        async with anyio.create_task_group() as tg:
-            await tg.start(
-                functools.partial(
-                    serve_http,
-                    spec["repository"],
-                    host=spec["host"],
-                    port=spec["port"],
-                    config=config,
-                    models=spec["models"],
-                    grpc_port=spec.get("grpc_port"),
-                    reuse_port=True,
-                    worker=link,
-                )
-            )
-            from ..cli.serve import _settle_gc
+        from ..cli.serve import _OnStarted, _settle_gc
 
-            _settle_gc()
+        await serve_http(
+            spec["repository"],
+            host=spec["host"],
+            port=spec["port"],
+            config=config,
+            models=spec["models"],
+            grpc_port=spec.get("grpc_port"),
+            reuse_port=True,
+            worker=link,
+            exit_timeout=spec.get("exit_timeout"),
+            task_status=_OnStarted(lambda listening: _settle_gc()),
+        )
 
     try:
         anyio.run(serve, backend=spec["loop"])
