@@ -24,6 +24,7 @@ from trioinfer import (
     ModelMetrics,
     open_engine,
 )
+from trioinfer._custom_metrics import CustomMetrics
 from trioinfer.lowlevel import current_model_metrics
 
 pytestmark = pytest.mark.python_model
@@ -409,3 +410,35 @@ def test_label_values_of_any_text_and_histograms_read_back_from_the_exposition()
             s.value for s in families["h"].samples if s.name == "h_sum" and s.labels["k"] == ""
         ]
         assert total == 3.5 * times
+
+
+def test_an_update_that_is_not_a_finite_number_is_refused_and_changes_nothing() -> None:
+    # +inf in a counter stays there for good (and rate() of it is NaN from then on);
+    # NaN in any series, or inf in a gauge or a histogram's sum, makes every figure
+    # computed from it NaN: each is the model's bug, refused where it happens.
+    registry = CustomMetrics()
+    owner = registry.begin("m")
+    registry.install(owner)
+    metrics = ModelMetrics._create(registry, owner)
+    counter = metrics.counter("c", "d").metric()
+    gauge = metrics.gauge("g", "d").metric()
+    histogram = metrics.histogram("h", "d", buckets=[1]).metric()
+    updates = [
+        ("counter", "increment", counter.increment),
+        ("gauge", "set", gauge.set),
+        ("gauge", "increment", gauge.increment),
+        ("gauge", "decrement", gauge.decrement),
+        ("histogram", "observe", histogram.observe),
+    ]
+    for kind, what, update in updates:
+        for bad in (math.inf, -math.inf, math.nan, 10**400, "1", True):
+            with pytest.raises(InvalidMetric) as caught:
+                update(bad)
+            assert str(caught.value) == (
+                f"custom {kind} {kind[0]!r}: {what} takes a finite number, got {bad!r}"
+            )
+    assert (counter.value(), gauge.value(), histogram.value(), histogram.count()) == (0, 0, 0, 0)
+    counter.increment(0)  # zero and -0.0 are no step back
+    counter.increment(-0.0)
+    gauge.set(-1e300)
+    assert (counter.value(), gauge.value()) == (0, -1e300)

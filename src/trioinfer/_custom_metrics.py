@@ -21,6 +21,7 @@ few operations of an update or while a snapshot copies the family's series.
 from __future__ import annotations
 
 import bisect
+import contextlib
 import itertools
 import math
 import re
@@ -471,11 +472,16 @@ class _Metric(metaclass=NoPublicConstructor):
 
 
 def _number(family: _Family, what: str, amount: object) -> float:
-    if isinstance(amount, bool) or not isinstance(amount, (int, float)) or math.isnan(amount):
-        raise InvalidMetric(
-            f"custom {family.kind} {family.name!r}: {what} takes a number, got {amount!r}"
-        )
-    return float(amount)
+    # Not inf or NaN: +inf in a counter stays for good (every rate() of it NaN from
+    # then on), and NaN, or inf in a gauge or a histogram's sum, turns every figure
+    # computed from the series into NaN. Each is a model's bug, refused where it is.
+    if not isinstance(amount, bool) and isinstance(amount, (int, float)):
+        with contextlib.suppress(OverflowError):  # an int past a float's range
+            if math.isfinite(value := float(amount)):
+                return value
+    raise InvalidMetric(
+        f"custom {family.kind} {family.name!r}: {what} takes a finite number, got {amount!r}"
+    )
 
 
 @final
