@@ -442,3 +442,32 @@ def test_an_update_that_is_not_a_finite_number_is_refused_and_changes_nothing() 
     counter.increment(-0.0)
     gauge.set(-1e300)
     assert (counter.value(), gauge.value()) == (0, -1e300)
+
+
+class DeclaresThenFails:
+    def __init__(self, metrics: ModelMetrics) -> None:
+        metrics.gauge("g", "d", labels=["k"])
+        raise RuntimeError("the weights are not there")
+
+
+async def test_a_reload_may_change_its_models_declaration() -> None:
+    # The model's file edited (a label added, a gauge made a counter) and reloaded: the
+    # load that serves still holds the family as it was declared, until the new one
+    # replaces it, and was the only one declaring it.
+    old = declaring(("gauge", ("g", "d"), {}))
+    async with open_engine() as engine:
+        await engine.load(config(old))
+        with pytest.raises(BackendError, match="the weights are not there"):
+            await engine.load(config(DeclaresThenFails), replace=True)  # the old one stays
+        [kept] = engine.custom_metrics()
+        assert (kept.kind, kept.labels) == ("gauge", ())
+        await engine.load(config(declaring(("gauge", ("g", "d"), {"labels": ["k"]}))), replace=True)
+        [changed] = engine.custom_metrics()
+        assert (changed.kind, changed.labels) == ("gauge", ("k",))
+        await engine.load(config(declaring(("counter", ("g", "d"), {}))), replace=True)
+        assert [(f.name, f.kind) for f in engine.custom_metrics()] == [("g", "counter")]
+        # Shared with another model, the family is not the reloaded model's to change.
+        await engine.load(config(declaring(("counter", ("g", "d"), {})), name="other"))
+        with pytest.raises(BackendError, match="declared already as a counter with no labels"):
+            await engine.load(config(old), replace=True)
+        assert [(f.name, f.kind) for f in engine.custom_metrics()] == [("g", "counter")]

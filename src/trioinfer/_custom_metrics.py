@@ -191,6 +191,10 @@ class CustomMetrics:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._families: dict[str, _Family] = {}
+        #: Families a newer load of the only model declaring them declared otherwise
+        #: (its file edited, then reloaded): shown until that load serves, and back
+        #: in `_families` if it fails.
+        self._outgoing: dict[str, _Family] = {}
 
     def begin(self, model: str) -> _Owner:
         """A load of *model* starts: what owns the series it makes."""
@@ -208,20 +212,33 @@ class CustomMetrics:
         owner.installed = False
         with self._lock:
             owner.ended = True  # under the lock: a declare() after it sees it
-            for name, family in list(self._families.items()):
-                if owner not in family.owners:
-                    continue
-                with family.lock:
-                    family.owners.discard(owner)
-                    for key in [k for k in family.series if k[0] is owner]:
-                        del family.series[key]
-                if not family.owners:
-                    del self._families[name]
+            for families in (self._outgoing, self._families):
+                for name, family in list(families.items()):
+                    if owner not in family.owners:
+                        continue
+                    with family.lock:
+                        family.owners.discard(owner)
+                        for key in [k for k in family.series if k[0] is owner]:
+                            del family.series[key]
+                    if not family.owners:
+                        del families[name]
+                        if families is self._families and name in self._outgoing:
+                            # The load that declared it otherwise failed: as before it.
+                            self._families[name] = self._outgoing.pop(name)
 
     def snapshot(self) -> tuple[CustomMetricFamily, ...]:
         """Every family, sorted by name, with the series of the models that serve."""
         with self._lock:
-            families = sorted(self._families.values(), key=lambda f: f.name)
+            families = sorted(
+                (
+                    # The declaration a reload changes is shown until the reload serves.
+                    self._outgoing[f.name]
+                    if f.name in self._outgoing and not any(o.installed for o in f.owners)
+                    else f
+                    for f in self._families.values()
+                ),
+                key=lambda f: f.name,
+            )
         return tuple(f.snapshot() for f in families)
 
     def declare(
@@ -243,10 +260,22 @@ class CustomMetrics:
                 # a family of its own, in no registry, rather than one no drop would end.
                 return _Family(name, description, kind, label_names, bounds)
             family = self._families.get(name)
+            if (
+                family is not None
+                and (family.kind, family.labels, family.buckets) != (kind, label_names, bounds)
+                and name not in self._outgoing
+                and owner not in family.owners
+                and all(o.model == owner.model for o in family.owners)
+            ):
+                # A new load of the only model declaring it (its file edited and reloaded,
+                # say) declares it otherwise: the new declaration is the family's, the
+                # old one's series shown until this load serves (or back if it fails).
+                self._outgoing[name] = family
+                family = None
             if family is None:
                 mine = _sample_names(name, kind)
-                for other in self._families.values():
-                    if mine & _sample_names(other.name, other.kind):
+                for other in [*self._families.values(), *self._outgoing.values()]:
+                    if other.name != name and mine & _sample_names(other.name, other.kind):
                         raise InvalidMetric(
                             f"model {owner.model!r}: custom {kind} {name!r} would clash in "
                             f"the Prometheus text with the {other.kind} {other.name!r} "
