@@ -154,6 +154,15 @@ def test_a_swapped_symlink_is_loaded(tmp_path: Path, ca: trustme.CA) -> None:
     assert _memory_handshake(reloading.current(), _client(ca)) == renewed.serial
 
 
+@pytest.fixture
+def said_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A renewal that cannot be used is said at its first look (no settling time)."""
+    from trioinfer.server import _tls
+
+    monkeypatch.setattr(_tls, "RELOAD_SETTLE_S", 0.0)
+
+
+@pytest.mark.usefixtures("said_at_once")
 def test_a_broken_renewal_keeps_the_old_files_and_is_said_once(
     live: tuple[Path, Issued], ca: trustme.CA, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -192,6 +201,51 @@ def test_a_broken_renewal_keeps_the_old_files_and_is_said_once(
     assert any("TLS files reloaded" in r.getMessage() for r in caplog.records)
 
 
+def test_a_certificate_renewed_a_moment_before_its_key_is_not_an_error(
+    live: tuple[Path, Issued],
+    ca: trustme.CA,
+    caplog: pytest.LogCaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A tool that replaces the certificate, then the key: a connection between the two
+    # sees them mismatched, an ordinary moment of a renewal, not yet worth an ERROR.
+    from trioinfer.server import _tls
+
+    clock = [1000.0]
+    monkeypatch.setattr(_tls.time, "monotonic", lambda: clock[0])
+    root, first = live
+    cert, key = root / "server.pem", root / "server.key"
+    reloading = ReloadingContext.load(TlsFiles(cert, key))
+    renewed = _issue(ca)
+    with caplog.at_level(logging.DEBUG, logger="trioinfer.server"):
+        _replace(cert, renewed.cert)
+        assert not reloading.check()
+        clock[0] += _tls.RELOAD_SETTLE_S / 2
+        assert not reloading.check()
+        assert _errors(caplog) == []
+        assert _memory_handshake(reloading.current(), _client(ca)) == first.serial
+        _replace(key, renewed.key)
+        assert reloading.check()
+        assert _errors(caplog) == []
+        assert _memory_handshake(reloading.current(), _client(ca)) == renewed.serial
+        # Still mismatched once it had time to settle: said then, once, at ERROR.
+        _replace(cert, _issue(ca).cert)
+        assert not reloading.check()
+        clock[0] += _tls.RELOAD_SETTLE_S - 0.1
+        assert not reloading.check()
+        assert _errors(caplog) == []
+        clock[0] += 0.1
+        assert not reloading.check()
+        [error] = _errors(caplog)
+        assert "does not match" in error, error
+        assert f"for {_tls.RELOAD_SETTLE_S:g}s" in error, error
+        clock[0] += 100
+        assert not reloading.check()
+        assert len(_errors(caplog)) == 1
+    assert _memory_handshake(reloading.current(), _client(ca)) == renewed.serial
+
+
+@pytest.mark.usefixtures("said_at_once")
 def test_a_file_gone_while_it_is_read_is_said_once(
     live: tuple[Path, Issued],
     ca: trustme.CA,
