@@ -139,6 +139,10 @@ BAD_DECLARATIONS = {
     "no buckets": (("histogram", ("h", "d"), {"buckets": []}), "at least one"),
     "unsorted": (("histogram", ("h", "d"), {"buckets": [2, 1]}), "increasing order"),
     "inf": (("histogram", ("h", "d"), {"buckets": [1, math.inf]}), "finite numbers"),
+    "workers": (
+        ("gauge", ("g", "d"), {"workers": "livesum"}),
+        "workers must be one of 'sum', 'max', 'min', 'mostrecent', 'all', got 'livesum'",
+    ),
 }
 
 
@@ -161,6 +165,13 @@ async def test_a_family_declared_otherwise_by_another_model_is_refused() -> None
         assert (
             "declares 'rows' as a gauge with no labels, but it is declared already as a "
             "counter with labels ['kind'] (by 'a')" in str(caught.value.__cause__)
+        )
+        await engine.load(config(declaring(("gauge", ("g", "d"), {"workers": "max"})), name="a2"))
+        with pytest.raises(BackendError) as caught:
+            await engine.load(config(declaring(("gauge", ("g", "d"), {})), name="b"))
+        assert (
+            "declares 'g' as a gauge with no labels, but it is declared already as a gauge "
+            "with no labels, workers='max' (by 'a2')" in str(caught.value.__cause__)
         )
         # Samples of two families must not clash in the text either.
         for clash in [("gauge", ("rows_total", "d"), {}), ("counter", ("batch_size_sum", "d"), {})]:
@@ -333,8 +344,54 @@ def test_under_workers_the_figures_of_every_worker_add_up(tmp_path: Path) -> Non
 
         assert of_v1("app_rows_total") == [({**v1, "kind": "in"}, 60.0)]
         assert of_v1("app_batch_size_count") == [(v1, 30.0)]
-        # Gauges are summed too: each worker's last batch had 2 rows.
+        # Gauges are summed by default: each worker's last batch had 2 rows.
         assert of_v1("app_last_batch") == [(v1, 4.0)]
+        served.process.terminate()
+        served.process.wait(timeout=60)
+
+
+GAUGES_PY = """\
+class Model:
+    def __init__(self, metrics):
+        self.last = {
+            workers: metrics.gauge(
+                f"app_last_{workers}", "Rows in the last batch.", workers=workers
+            ).metric()
+            for workers in ("sum", "max", "min", "mostrecent", "all")
+        }
+
+    def infer(self, inputs):
+        for gauge in self.last.values():
+            gauge.set(len(inputs["x"]))
+        return {"y": inputs["x"]}
+"""
+
+
+@pytest.mark.workers
+def test_under_workers_a_gauge_combines_as_declared(tmp_path: Path) -> None:
+    from test_workers import fresh, samples, two_workers
+
+    root = tmp_path / "repo"
+    (root / "gauged" / "1").mkdir(parents=True)
+    (root / "gauged" / "1" / "model.py").write_text(GAUGES_PY)
+    (root / "gauged" / "config.toml").write_text(CONFIG_TOML)
+    with two_workers(root, tmp_path / "serve.log") as served:
+        for n in [2] * 30 + [5]:  # the last batch, of 5 rows, on one worker
+            answer = fresh("POST", f"{served.url}/v2/models/gauged/infer", json=body(n))
+            assert answer.status_code == 200, answer.text
+        per_worker = samples(served.url, "trioinfer_worker_inference_requests_total")
+        assert sorted(v > 0 for _, v in per_worker) == [True, True]  # both served some
+        one = {"model": "gauged", "version": "1"}
+        # One worker's last batch had 5 rows, the other's 2.
+        assert samples(served.url, "app_last_sum") == [(one, 7.0)]
+        assert samples(served.url, "app_last_max") == [(one, 5.0)]
+        assert samples(served.url, "app_last_min") == [(one, 2.0)]
+        assert samples(served.url, "app_last_mostrecent") == [(one, 5.0)]
+        pids = {str(pid) for pid in served.pids}
+        each = samples(served.url, "app_last_all")
+        assert sorted(v for _, v in each) == [2.0, 5.0]
+        assert {labels.pop("pid") for labels, _ in each} == pids
+        assert [labels for labels, _ in each] == [one, one]
         served.process.terminate()
         served.process.wait(timeout=60)
 
@@ -375,11 +432,11 @@ def test_label_values_of_any_text_and_histograms_read_back_from_the_exposition()
     odd = ['a"b', "back\\slash", "new\nline", "ünï€😀", "", "\\n", 'x\\"y']
 
     def samples(value: float, counts: list[int], count: int) -> list[Any]:
-        return [["m", "1", [v], value, counts, count] for v in odd]
+        return [["m", "1", [v], value, counts, count, 0.0] for v in odd]
 
     custom = [
-        ["c", 'Help: \\ "q"\nnext line', "counter", ["k"], [], samples(2.0, [], 0)],
-        ["g", "A gauge.", "gauge", ["k"], [], samples(1.5, [], 0)],
+        ["c", 'Help: \\ "q"\nnext line', "counter", ["k"], [], samples(2.0, [], 0), "sum"],
+        ["g", "A gauge.", "gauge", ["k"], [], samples(1.5, [], 0), "sum"],
         [
             "h",
             "A histogram.",
@@ -387,6 +444,7 @@ def test_label_values_of_any_text_and_histograms_read_back_from_the_exposition()
             ["k"],
             [1e-05, 0.5, 1e20],
             samples(3.5, [1, 2, 0, 1], 4),
+            "sum",
         ],
     ]
     no_requests = {"outcomes": [], "in_flight": 0, "in_flight_protocols": {}, "versions": []}

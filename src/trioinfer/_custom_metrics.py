@@ -26,6 +26,7 @@ import itertools
 import math
 import re
 import threading
+import time
 from collections.abc import Iterable, Mapping, Sequence
 from contextvars import ContextVar
 from typing import Final, Generic, Literal, TypeVar, final
@@ -37,6 +38,12 @@ from ._util import NoPublicConstructor
 
 #: The kinds of family a model may declare.
 MetricKind = Literal["counter", "gauge", "histogram"]
+
+#: How a gauge's series of ``trioinfer serve --workers`` workers make the server's:
+#: prometheus_client's multiprocess modes of the same names (each worker's series
+#: goes with its process, so its ``live*`` modes are these).
+GaugeWorkers = Literal["sum", "max", "min", "mostrecent", "all"]
+_GAUGE_WORKERS: Final = ("sum", "max", "min", "mostrecent", "all")
 
 #: Prometheus's metric and label names (https://prometheus.io/docs/concepts/data_model/).
 _NAME: Final = re.compile(r"[a-zA-Z_:][a-zA-Z0-9_:]*")
@@ -68,6 +75,8 @@ class CustomMetricSample:
             one per bound of the family's ``buckets``, and a last one above them
             all (``+Inf``). Empty for a counter or gauge.
         count: A histogram's number of observations (0 for a counter or gauge).
+        updated: When a gauge was last set or changed (``time.time()``; 0 if
+            never): what ``workers="mostrecent"`` compares.
     """
 
     model: str
@@ -75,6 +84,7 @@ class CustomMetricSample:
     value: float
     bucket_counts: tuple[int, ...] = ()
     count: int = 0
+    updated: float = 0.0
 
 
 @attrs.frozen
@@ -88,6 +98,8 @@ class CustomMetricFamily:
         labels: The label names its series have, besides the model.
         buckets: A histogram's upper bounds, increasing (empty otherwise).
         samples: Its series, by model then label values.
+        workers: A gauge's: how the series of ``trioinfer serve --workers``
+            workers combine (see `ModelMetrics.gauge`); ``"sum"`` otherwise.
     """
 
     name: str
@@ -96,6 +108,7 @@ class CustomMetricFamily:
     labels: tuple[str, ...]
     buckets: tuple[float, ...]
     samples: tuple[CustomMetricSample, ...]
+    workers: GaugeWorkers = "sum"
 
 
 @final
@@ -117,12 +130,13 @@ class _Owner:
 class _Series:
     """One series' figures; its family's lock guards them."""
 
-    __slots__ = ("count", "counts", "value")
+    __slots__ = ("count", "counts", "updated", "value")
 
     def __init__(self, buckets: int) -> None:
         self.value = 0.0
         self.count = 0
         self.counts = [0] * (buckets + 1) if buckets else []
+        self.updated = 0.0  # a gauge's (for workers="mostrecent")
 
 
 @final
@@ -136,12 +150,14 @@ class _Family:
         kind: MetricKind,
         labels: tuple[str, ...],
         buckets: tuple[float, ...],
+        workers: GaugeWorkers = "sum",
     ) -> None:
         self.name = name
         self.description = description
         self.kind: MetricKind = kind
         self.labels = labels
         self.buckets = buckets
+        self.workers: GaugeWorkers = workers
         self.lock = threading.Lock()
         self.owners: set[_Owner] = set()
         self.series: dict[tuple[_Owner, tuple[str, ...]], _Series] = {}
@@ -150,12 +166,17 @@ class _Family:
         """How it was declared, to say what a clashing declaration differs from."""
         labels = f"labels {list(self.labels)}" if self.labels else "no labels"
         buckets = f", buckets {list(self.buckets)}" if self.kind == "histogram" else ""
-        return f"a {self.kind} with {labels}{buckets}"
+        workers = f", workers={self.workers!r}" if self.workers != "sum" else ""
+        return f"a {self.kind} with {labels}{buckets}{workers}"
+
+    def declaration(self) -> tuple[object, ...]:
+        """What every model declaring it declares alike."""
+        return (self.kind, self.labels, self.buckets, self.workers)
 
     def snapshot(self) -> CustomMetricFamily:
         with self.lock:
             figures = [
-                (owner.model, values, s.value, tuple(s.counts), s.count)
+                (owner.model, values, s.value, tuple(s.counts), s.count, s.updated)
                 for (owner, values), s in self.series.items()
                 if owner.installed
             ]
@@ -168,10 +189,16 @@ class _Family:
             buckets=self.buckets,
             samples=tuple(
                 CustomMetricSample(
-                    model, dict(zip(self.labels, values, strict=True)), value, counts, count
+                    model,
+                    dict(zip(self.labels, values, strict=True)),
+                    value,
+                    counts,
+                    count,
+                    updated,
                 )
-                for model, values, value, counts, count in figures
+                for model, values, value, counts, count, updated in figures
             ),
+            workers=self.workers,
         )
 
 
@@ -249,20 +276,22 @@ class CustomMetrics:
         description: object,
         labels: object,
         buckets: object,
+        workers: object = "sum",
     ) -> _Family:
         """The family *owner* declares, created or, declared alike before, shared."""
-        name, description, label_names, bounds = _checked(
-            owner.model, kind, name, description, labels, buckets
+        declared = _Family(
+            *_checked(owner.model, kind, name, description, labels, buckets, workers)
         )
+        name = declared.name
         with self._lock:
             if owner.ended:
                 # Its load was dropped (a model's thread declaring after its unload):
                 # a family of its own, in no registry, rather than one no drop would end.
-                return _Family(name, description, kind, label_names, bounds)
+                return declared
             family = self._families.get(name)
             if (
                 family is not None
-                and (family.kind, family.labels, family.buckets) != (kind, label_names, bounds)
+                and family.declaration() != declared.declaration()
                 and name not in self._outgoing
                 and owner not in family.owners
                 and all(o.model == owner.model for o in family.owners)
@@ -283,16 +312,16 @@ class CustomMetrics:
                             f"{sorted(mine & _sample_names(other.name, other.kind))[0]!r}): "
                             "choose another name"
                         )
-                family = _Family(name, description, kind, label_names, bounds)
+                family = declared
                 self._families[name] = family
-            elif (family.kind, family.labels, family.buckets) != (kind, label_names, bounds):
+            elif family.declaration() != declared.declaration():
                 theirs = sorted({o.model for o in family.owners})
-                mine_declared = _Family(name, "", kind, label_names, bounds).declared()
                 raise InvalidMetric(
-                    f"model {owner.model!r} declares {name!r} as {mine_declared}, but it is "
-                    f"declared already as {family.declared()} (by {', '.join(map(repr, theirs))}): "
-                    "a family's kind, labels and buckets are the same for every model that "
-                    "declares it; choose another name or declare it alike"
+                    f"model {owner.model!r} declares {name!r} as {declared.declared()}, but it "
+                    f"is declared already as {family.declared()} (by "
+                    f"{', '.join(map(repr, theirs))}): a family's kind, labels, buckets and "
+                    "workers are the same for every model that declares it; choose another "
+                    "name or declare it alike"
                 )
             with family.lock:
                 family.owners.add(owner)
@@ -306,7 +335,8 @@ def _checked(
     description: object,
     labels: object,
     buckets: object,
-) -> tuple[str, str, tuple[str, ...], tuple[float, ...]]:
+    workers: object,
+) -> tuple[str, str, MetricKind, tuple[str, ...], tuple[float, ...], GaugeWorkers]:
     what = f"model {model!r}: custom {kind}"
     if not isinstance(name, str) or _NAME.fullmatch(name) is None:
         raise InvalidMetric(
@@ -360,7 +390,17 @@ def _checked(
                 f"least one (+Inf is always there), got {given!r}"
             )
         bounds = tuple(float(b) for b in given)
-    return name, description, label_names, bounds
+    mode: GaugeWorkers = "sum"
+    for allowed in _GAUGE_WORKERS:
+        if workers == allowed and isinstance(workers, str):
+            mode = allowed
+            break
+    else:
+        raise InvalidMetric(
+            f"{what} {name!r}: workers must be one of {', '.join(map(repr, _GAUGE_WORKERS))}, "
+            f"got {workers!r}"
+        )
+    return name, description, kind, label_names, bounds, mode
 
 
 #: The series a load makes (see `current_model_metrics`), set by the engine while it loads.
@@ -419,10 +459,28 @@ class ModelMetrics(metaclass=NoPublicConstructor):
         return MetricFamily[CounterMetric]._create(family, self._owner, CounterMetric)
 
     def gauge(
-        self, name: str, description: str, *, labels: Sequence[str] = ()
+        self,
+        name: str,
+        description: str,
+        *,
+        labels: Sequence[str] = (),
+        workers: GaugeWorkers = "sum",
     ) -> MetricFamily[GaugeMetric]:
-        """A gauge: a value that goes up and down (items held, a temperature)."""
-        family = self._registry.declare(self._owner, "gauge", name, description, labels, ())
+        """A gauge: a value that goes up and down (items held, a temperature).
+
+        *workers*: how the series of ``trioinfer serve --workers N`` (each
+        worker a copy of the model, with its own series) show as the
+        server's: ``"sum"`` (the default, as the instances of a Triton model
+        add to one series: things held, such as requests in flight),
+        ``"max"`` or ``"min"`` (a high-water mark, a "loaded" flag),
+        ``"mostrecent"`` (the value of the worker that set or changed it
+        last, as a Triton model's last ``set`` shows) or ``"all"`` (each
+        worker's series, labelled with its ``pid``). A worker's series goes
+        when it stops. One process shows its own value, whichever is declared.
+        """
+        family = self._registry.declare(
+            self._owner, "gauge", name, description, labels, (), workers
+        )
         return MetricFamily[GaugeMetric]._create(family, self._owner, GaugeMetric)
 
     def histogram(
@@ -551,12 +609,14 @@ class GaugeMetric(_Metric):
         value = _number(self._family, "set", value)
         with self._family.lock:
             self._series.value = value
+            self._series.updated = time.time()
 
     def increment(self, amount: float = 1.0) -> None:
         """Add *amount* (1 by default; negative takes away)."""
         amount = _number(self._family, "increment", amount)
         with self._family.lock:
             self._series.value += amount
+            self._series.updated = time.time()
 
     def decrement(self, amount: float = 1.0) -> None:
         """Take *amount* (1 by default) away."""
