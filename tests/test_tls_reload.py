@@ -557,3 +557,77 @@ def test_every_worker_picks_up_a_renewal(
     text = server.log_text()
     assert "Traceback" not in text, text[-4000:]
     assert text.count("TLS files reloaded") == 2, text[-4000:]
+
+
+def _kubernetes_secret(mount: Path, stamp: str, files: dict[str, bytes]) -> None:
+    # As the kubelet's atomic writer updates a secret volume: the files in a new
+    # timestamped directory, ..data (a symlink to it) swapped by a rename, the old
+    # directory removed; each key's path is a symlink through ..data, made once.
+    directory = mount / f"..{stamp}"
+    directory.mkdir()
+    for name, data in files.items():
+        (directory / name).write_bytes(data)
+    data_link = mount / "..data"
+    old = data_link.resolve() if data_link.is_symlink() else None
+    tmp = mount / "..data_tmp"
+    tmp.symlink_to(directory.name)
+    os.replace(tmp, data_link)
+    for name in files:
+        if not (mount / name).is_symlink():
+            (mount / name).symlink_to(f"..data/{name}")
+    if old is not None:
+        for path in old.iterdir():
+            path.unlink()
+        old.rmdir()
+
+
+def test_a_kubernetes_secret_volume_update_is_loaded(tmp_path: Path, ca: trustme.CA) -> None:
+    # tls.crt, tls.key and ca.crt of a kubernetes.io/tls secret (cert-manager's), mutual TLS.
+    first, renewed = _issue(ca), _issue(ca)
+    old_ca, new_ca = trustme.CA(), trustme.CA()
+    mount = tmp_path / "tls"
+    mount.mkdir()
+    _kubernetes_secret(
+        mount,
+        "2026_01_01_00_00_00.1",
+        {"tls.crt": first.cert, "tls.key": first.key, "ca.crt": old_ca.cert_pem.bytes()},
+    )
+    files = TlsFiles(mount / "tls.crt", mount / "tls.key", mount / "ca.crt", mutual=True)
+    reloading = ReloadingContext.load(files)
+
+    def client_of(client_ca: trustme.CA) -> ssl.SSLContext:
+        context = _client(ca)
+        client_ca.issue_cert("client@example.com").configure_cert(context)
+        return context
+
+    assert _memory_handshake(reloading.current(), client_of(old_ca)) == first.serial
+    _kubernetes_secret(
+        mount,
+        "2026_02_01_00_00_00.2",
+        {"tls.crt": renewed.cert, "tls.key": renewed.key, "ca.crt": new_ca.cert_pem.bytes()},
+    )
+    assert reloading.check()
+    assert _memory_handshake(reloading.current(), client_of(new_ca)) == renewed.serial
+    with pytest.raises(ssl.SSLError):
+        _memory_handshake(reloading.current(), client_of(old_ca))
+    assert not reloading.check()
+
+
+@pytest.mark.usefixtures("said_at_once")
+def test_the_same_broken_renewal_again_is_said_again(
+    live: tuple[Path, Issued], ca: trustme.CA, caplog: pytest.LogCaptureFixture
+) -> None:
+    # A key made unreadable (or deleted), then restored, then the same again later: the
+    # second time is a new event, said as the first was.
+    root, first = live
+    key = root / "server.key"
+    reloading = ReloadingContext.load(TlsFiles(root / "server.pem", key))
+    with caplog.at_level(logging.INFO, logger="trioinfer.server"):
+        for _ in range(2):
+            key.unlink()
+            assert not reloading.check()
+            key.write_bytes(first.key)
+            assert not reloading.check()  # the files loaded: nothing to do
+        assert len(_errors(caplog)) == 2, _errors(caplog)
+        assert all("cannot read it" in error for error in _errors(caplog))
+    assert _memory_handshake(reloading.current(), _client(ca)) == first.serial

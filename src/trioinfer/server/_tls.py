@@ -303,6 +303,7 @@ class ReloadingContext:
         """
         stamps = self._stamps(self.files)
         if stamps == self._loaded:
+            self._refused = None  # back as loaded: the same failure again is a new one
             return False
         refused = self._refused
         if refused is not None and stamps == refused.stamps:
