@@ -538,10 +538,12 @@ def test_every_worker_picks_up_a_renewal(
 
     live, first = versions
     cert, key = str(live / "server.pem"), str(live / "server.key")
-    args = ["--workers", "2", "--no-grpc", "--http-ssl-cert", cert, "--http-ssl-key", key]
+    args = ["--workers", "2", "--http-ssl-cert", cert, "--http-ssl-key", key]
+    args += ["--grpc-use-ssl", "--grpc-server-cert", cert, "--grpc-server-key", key]
     log = tmp_path / "server.log"
-    with run_server(repository, *args, log=log, want_grpc=False) as server:
+    with run_server(repository, *args, log=log) as server:
         assert _https_serial(server.url, ca) == first.serial
+        assert _grpc_serial(server.grpc, ca) == first.serial
         renewed = _issue(ca)
         _version(live.parent, "v2", renewed.cert, renewed.key)
         _swap(live, live.parent / "v2")
@@ -550,13 +552,15 @@ def test_every_worker_picks_up_a_renewal(
         streak = [0]
 
         def renewed_everywhere() -> bool:
-            streak[0] = streak[0] + 1 if _https_serial(server.url, ca) == renewed.serial else 0
+            serials = {_https_serial(server.url, ca), _grpc_serial(server.grpc, ca)}
+            streak[0] = streak[0] + 1 if serials == {renewed.serial} else 0
             return streak[0] >= 12
 
         _until(renewed_everywhere, "every worker serving the renewed certificate")
     text = server.log_text()
     assert "Traceback" not in text, text[-4000:]
-    assert text.count("TLS files reloaded") == 2, text[-4000:]
+    # Each worker's two endpoints, each by itself.
+    assert text.count("TLS files reloaded") == 4, text[-4000:]
 
 
 def _kubernetes_secret(mount: Path, stamp: str, files: dict[str, bytes]) -> None:
