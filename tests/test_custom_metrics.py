@@ -529,3 +529,25 @@ async def test_a_reload_may_change_its_models_declaration() -> None:
         with pytest.raises(BackendError, match="declared already as a counter with no labels"):
             await engine.load(config(old), replace=True)
         assert [(f.name, f.kind) for f in engine.custom_metrics()] == [("g", "counter")]
+
+
+def test_numpy_numbers_are_numbers() -> None:
+    # What a model computes is often a numpy scalar: a mask's sum, an array's mean.
+    registry = CustomMetrics()
+    owner = registry.begin("m")
+    registry.install(owner)
+    metrics = ModelMetrics._create(registry, owner)
+    counter = metrics.counter("c", "d").metric()
+    gauge = metrics.gauge("g", "d").metric()
+    buckets = np.array([0.5, 1.0], np.float32)
+    histogram = metrics.histogram("h", "d", buckets=buckets).metric()  # type: ignore[arg-type]
+    counter.increment(np.ones(3, np.int64).sum())
+    gauge.set(np.float32(1.5))
+    gauge.increment(np.int32(2))
+    histogram.observe(np.float16(0.25))
+    assert (counter.value(), gauge.value(), histogram.count()) == (3.0, 3.5, 1)
+    assert type(counter.value()) is float
+    with pytest.raises(InvalidMetric, match=r"takes a finite number, got np\.True_"):
+        counter.increment(np.True_)  # type: ignore[arg-type]
+    with pytest.raises(InvalidMetric, match="takes a finite number"):
+        gauge.set(np.float32("nan"))

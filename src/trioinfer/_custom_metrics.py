@@ -24,14 +24,16 @@ import bisect
 import contextlib
 import itertools
 import math
+import numbers
 import re
 import threading
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from contextvars import ContextVar
-from typing import Final, Generic, Literal, TypeVar, final
+from typing import Final, Generic, Literal, SupportsFloat, TypeGuard, TypeVar, final
 
 import attrs
+import numpy as np
 
 from ._exceptions import InvalidMetric
 from ._util import NoPublicConstructor
@@ -381,7 +383,7 @@ def _checked(
         given = list(buckets)
         if (
             not given
-            or not all(isinstance(b, (int, float)) and not isinstance(b, bool) for b in given)
+            or not all(_is_number(b) for b in given)
             or not all(math.isfinite(b) for b in given)
             or any(a >= b for a, b in itertools.pairwise(given))
         ):
@@ -558,11 +560,16 @@ class _Metric(metaclass=NoPublicConstructor):
         self._series = series
 
 
+def _is_number(value: object) -> TypeGuard[SupportsFloat]:
+    # numbers.Real takes numpy's scalars (a mask's sum is a numpy.int64), not bool.
+    return isinstance(value, numbers.Real) and not isinstance(value, (bool, np.bool_))
+
+
 def _number(family: _Family, what: str, amount: object) -> float:
     # Not inf or NaN: +inf in a counter stays for good (every rate() of it NaN from
     # then on), and NaN, or inf in a gauge or a histogram's sum, turns every figure
     # computed from the series into NaN. Each is a model's bug, refused where it is.
-    if not isinstance(amount, bool) and isinstance(amount, (int, float)):
+    if _is_number(amount):
         with contextlib.suppress(OverflowError):  # an int past a float's range
             if math.isfinite(value := float(amount)):
                 return value
