@@ -21,7 +21,6 @@ few operations of an update or while a snapshot copies the family's series.
 from __future__ import annotations
 
 import bisect
-import contextlib
 import itertools
 import math
 import numbers
@@ -569,9 +568,16 @@ def _number(family: _Family, what: str, amount: object) -> float:
     # Not inf or NaN: +inf in a counter stays for good (every rate() of it NaN from
     # then on), and NaN, or inf in a gauge or a histogram's sum, turns every figure
     # computed from the series into NaN. Each is a model's bug, refused where it is.
-    if _is_number(amount):
-        with contextlib.suppress(OverflowError):  # an int past a float's range
-            if math.isfinite(value := float(amount)):
+    if type(amount) is float:  # the usual case first: every update pays for this check
+        if math.isfinite(amount):
+            return amount
+    elif type(amount) is int or _is_number(amount):
+        try:
+            value = float(amount)
+        except OverflowError:  # an int past a float's range
+            pass
+        else:
+            if math.isfinite(value):
                 return value
     raise InvalidMetric(
         f"custom {family.kind} {family.name!r}: {what} takes a finite number, got {amount!r}"
