@@ -551,3 +551,32 @@ def test_numpy_numbers_are_numbers() -> None:
         counter.increment(np.True_)  # type: ignore[arg-type]
     with pytest.raises(InvalidMetric, match="takes a finite number"):
         gauge.set(np.float32("nan"))
+
+
+def test_workers_between_two_declarations_of_a_family_still_make_a_valid_exposition() -> None:
+    # Under --workers a reload reaches each worker in turn: for a moment one has the
+    # model's new declaration of a family (a gauge made a counter) and another the old.
+    # The sum keeps the first worker's kind, whole, rather than samples of two kinds
+    # under one TYPE line.
+    from trioinfer.server._metrics import exposition_of
+    from trioinfer.server._workers import merge_expositions
+
+    no_requests = {"outcomes": [], "in_flight": 0, "in_flight_protocols": {}, "versions": []}
+
+    def text(kind: str, value: float, counts: list[int], count: int) -> bytes:
+        family = ["g", "d", kind, [], [1.0] if kind == "histogram" else []]
+        sample = ["m", "1", [], value, counts, count, 0.0]
+        return exposition_of({**no_requests, "custom": [[*family, [sample], "sum"]]})  # type: ignore[typeddict-item]
+
+    gauge, counter = text("gauge", 1.0, [], 0), text("counter", 2.0, [], 0)
+    histogram = text("histogram", 2.0, [1, 0], 1)
+    for first, then, kind, names in [
+        (gauge, counter, "gauge", ["g"]),
+        (counter, gauge, "counter", ["g_total"]),
+        (gauge, histogram, "gauge", ["g"]),
+        (histogram, counter, "histogram", ["g_bucket", "g_bucket", "g_count", "g_sum"]),
+    ]:
+        merged = merge_expositions([first, then, first]).decode()
+        families = [f for f in text_string_to_metric_families(merged) if f.name.startswith("g")]
+        assert [(f.name, f.type) for f in families] == [("g", kind)], merged
+        assert [s.name for s in families[0].samples] == names, merged

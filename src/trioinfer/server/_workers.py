@@ -339,7 +339,8 @@ def merge_expositions(
     ``workers``): the largest or smallest of them, or the one with the
     latest timestamp (``mostrecent``, see `exposition_of`); samples only some
     workers have (a worker's own series) are kept as they are. Timestamps
-    are dropped. Families keep the first worker's order.
+    are dropped. Families keep the first worker's order, and kind: a family
+    of the same name and another kind is left out.
     """
     families: dict[str, Metric] = {}
     sums: dict[str, dict[tuple[str, tuple[tuple[str, str], ...]], float]] = {}
@@ -349,6 +350,10 @@ def merge_expositions(
             if family.name not in families:
                 families[family.name] = Metric(family.name, family.documentation, family.type)
                 sums[family.name] = {}
+            elif families[family.name].type != family.type:
+                # A model's own family that a reload, not yet on every worker, declares
+                # as another kind: the first worker's kind, whole, keeps the text valid.
+                continue
             values = sums[family.name]
             combine = (gauges or {}).get(family.name, "sum")
             for sample in family.samples:
