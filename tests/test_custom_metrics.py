@@ -580,3 +580,14 @@ def test_workers_between_two_declarations_of_a_family_still_make_a_valid_exposit
         families = [f for f in text_string_to_metric_families(merged) if f.name.startswith("g")]
         assert [(f.name, f.type) for f in families] == [("g", kind)], merged
         assert [s.name for s in families[0].samples] == names, merged
+
+
+def test_any_label_name_is_given_by_keyword_self_included() -> None:
+    registry = CustomMetrics()
+    owner = registry.begin("m")
+    registry.install(owner)
+    metrics = ModelMetrics._create(registry, owner)
+    family = metrics.counter("c", "d", labels=["self", "labels"])
+    family.metric(self="a", labels="b").increment()
+    [sample] = registry.snapshot()[0].samples
+    assert sample.labels == {"self": "a", "labels": "b"}

@@ -517,7 +517,7 @@ class MetricFamily(Generic[M], metaclass=NoPublicConstructor):
         """The family's name."""
         return self._family.name
 
-    def metric(self, **labels: str) -> M:
+    def metric(self, /, **labels: str) -> M:
         """The model's series with these label values (one per declared label), made once.
 
         Keep it (in ``__init__``, or the first time) rather than asking for it
