@@ -591,3 +591,47 @@ def test_any_label_name_is_given_by_keyword_self_included() -> None:
     family.metric(self="a", labels="b").increment()
     [sample] = registry.snapshot()[0].samples
     assert sample.labels == {"self": "a", "labels": "b"}
+
+
+def test_the_supervisor_combines_each_workers_gauge_as_declared() -> None:
+    # What each worker reports (exposition_of with its pid), as the supervisor sums it.
+    from trioinfer.server._metrics import exposition_of, gauges_of
+    from trioinfer.server._workers import merge_expositions
+
+    no_requests = {"outcomes": [], "in_flight": 0, "in_flight_protocols": {}, "versions": []}
+    modes = ("sum", "max", "min", "mostrecent", "all")
+
+    def counts(value: float, updated: float) -> Any:
+        sample = ["m", "1", [], value, [], 0, updated]
+        custom = [[f"g_{mode}", "d", "gauge", [], [], [sample], mode] for mode in modes]
+        return {**no_requests, "custom": custom}
+
+    # Worker 2 updated its gauges last (at 20.5 s), with the smallest value.
+    reports = [(101, counts(3.0, 10.25)), (102, counts(1.0, 20.5)), (103, counts(2.0, 0.0))]
+    texts = [exposition_of(c, pid=pid) for pid, c in reports]
+    assert b" 20500\n" in texts[1]  # the time it was last updated, for mostrecent only
+    assert gauges_of(reports[0][1]) == {
+        "g_max": "max",
+        "g_min": "min",
+        "g_mostrecent": "mostrecent",
+        "g_all": "all",
+    }
+    merged = merge_expositions(texts, gauges_of(reports[0][1])).decode()
+    values = {
+        (s.name, s.labels.get("pid")): (s.value, s.timestamp)
+        for f in text_string_to_metric_families(merged)
+        for s in f.samples
+    }
+    assert {k: v for k, v in values.items() if k[0].startswith("g_")} == {
+        ("g_sum", None): (6.0, None),
+        ("g_max", None): (3.0, None),
+        ("g_min", None): (1.0, None),
+        ("g_mostrecent", None): (1.0, None),
+        ("g_all", "101"): (3.0, None),
+        ("g_all", "102"): (1.0, None),
+        ("g_all", "103"): (2.0, None),
+    }
+    # One server shows its own value, with no pid and no timestamp.
+    alone = exposition_of(reports[0][1]).decode()
+    assert "pid" not in alone
+    assert 'g_mostrecent{model="m",version="1"} 3.0\n' in alone
