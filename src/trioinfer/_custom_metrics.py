@@ -436,10 +436,11 @@ class ModelMetrics(metaclass=NoPublicConstructor):
     [`InvalidMetric`][trioinfer.InvalidMetric] for a name that is not a
     Prometheus name, one of trioinfer's own (``trioinfer_*``), one another
     family's samples would clash with, or one declared already as another
-    kind, with other labels or other buckets. Label names are Prometheus's;
-    ``model``, ``version``, ``le`` and ``pid`` are reserved. Declare families in
-    ``__init__`` (or ``load``): a family is free to declare again only once
-    no loaded model declares it.
+    kind, with other labels, other buckets or (a gauge) other ``workers``.
+    Label names are Prometheus's; ``model``, ``version``, ``le`` and ``pid``
+    are reserved. Declare families in ``__init__`` (or ``load``): a family
+    is free to declare again only once no loaded model declares it, or by a
+    reload of the only model that declares it.
     """
 
     __slots__ = ("_owner", "_registry")
