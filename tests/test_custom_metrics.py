@@ -635,3 +635,37 @@ def test_the_supervisor_combines_each_workers_gauge_as_declared() -> None:
     alone = exposition_of(reports[0][1]).decode()
     assert "pid" not in alone
     assert 'g_mostrecent{model="m",version="1"} 3.0\n' in alone
+
+
+GAUGE_PY = """\
+class Model:
+    def __init__(self, metrics):
+        self.g = metrics.{kind}("app_g", "A family version 2 declares otherwise.").metric()
+
+    def infer(self, inputs):
+        return {{"y": inputs["x"]}}
+"""
+
+
+async def test_a_new_version_that_replaces_the_served_one_may_declare_a_family_otherwise(
+    tmp_path: Path,
+) -> None:
+    # Version 2 of a model (its latest, the one served) with its model.py edited: a
+    # gauge made a counter. Version 1 holds the family until version 2 serves.
+    root = tmp_path / "repo"
+    (root / "m" / "1").mkdir(parents=True)
+    (root / "m" / "1" / "model.py").write_text(GAUGE_PY.format(kind="gauge"))
+    (root / "m" / "config.toml").write_text(CONFIG_TOML)
+    with trio.fail_after(60):
+        async with trio.open_nursery() as nursery:
+            listening = await start_serving(nursery, root)
+            async with httpx.AsyncClient(base_url=listening.urls[0]) as client:
+                assert "# TYPE app_g gauge" in (await client.get("/metrics")).text
+                (root / "m" / "2").mkdir()
+                (root / "m" / "2" / "model.py").write_text(GAUGE_PY.format(kind="counter"))
+                answer = await client.post("/v2/repository/models/m/load")
+                assert answer.status_code == 200, answer.text
+                text = (await client.get("/metrics")).text
+            nursery.cancel_scope.cancel()
+    assert "# TYPE app_g_total counter" in text
+    assert 'app_g_total{model="m",version="2"} 0.0' in text

@@ -116,10 +116,13 @@ class CustomMetricFamily:
 class _Owner:
     """One load of a model: the series it makes go when it ends."""
 
-    __slots__ = ("ended", "installed", "model")
+    __slots__ = ("ended", "installed", "model", "replaces")
 
-    def __init__(self, model: str) -> None:
+    def __init__(self, model: str, retiring: Iterable[str] = ()) -> None:
         self.model = model
+        #: The models it replaces once it serves: its own earlier load, and those
+        #: its caller unloads then (a model's versions it no longer serves).
+        self.replaces = frozenset({model, *retiring})
         #: Whether it serves (its series are shown): not while loading.
         self.installed = False
         #: Whether it was dropped: what its model still declares or makes (a thread
@@ -224,9 +227,12 @@ class CustomMetrics:
         #: in `_families` if it fails.
         self._outgoing: dict[str, _Family] = {}
 
-    def begin(self, model: str) -> _Owner:
-        """A load of *model* starts: what owns the series it makes."""
-        return _Owner(model)
+    def begin(self, model: str, *, retiring: Iterable[str] = ()) -> _Owner:
+        """A load of *model* starts: what owns the series it makes.
+
+        *retiring*: the models unloaded once it serves (see `declare`).
+        """
+        return _Owner(model, retiring)
 
     def install(self, owner: _Owner) -> None:
         """*owner*'s model serves now: its series are shown."""
@@ -295,11 +301,12 @@ class CustomMetrics:
                 and family.declaration() != declared.declaration()
                 and name not in self._outgoing
                 and owner not in family.owners
-                and all(o.model == owner.model for o in family.owners)
+                and all(o.model in owner.replaces for o in family.owners)
             ):
                 # A new load of the only model declaring it (its file edited and reloaded,
-                # say) declares it otherwise: the new declaration is the family's, the
-                # old one's series shown until this load serves (or back if it fails).
+                # or a new version replacing the served one) declares it otherwise: the
+                # new declaration is the family's, the old one's series shown until this
+                # load serves (or back if it fails).
                 self._outgoing[name] = family
                 family = None
             if family is None:
