@@ -154,6 +154,15 @@ def test_a_swapped_symlink_is_loaded(tmp_path: Path, ca: trustme.CA) -> None:
     assert _memory_handshake(reloading.current(), _client(ca)) == renewed.serial
 
 
+@pytest.fixture
+def said_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A renewal that cannot be used is said at its first look (no settling time)."""
+    from trioinfer.server import _tls
+
+    monkeypatch.setattr(_tls, "RELOAD_SETTLE_S", 0.0)
+
+
+@pytest.mark.usefixtures("said_at_once")
 def test_a_broken_renewal_keeps_the_old_files_and_is_said_once(
     live: tuple[Path, Issued], ca: trustme.CA, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -192,6 +201,51 @@ def test_a_broken_renewal_keeps_the_old_files_and_is_said_once(
     assert any("TLS files reloaded" in r.getMessage() for r in caplog.records)
 
 
+def test_a_certificate_renewed_a_moment_before_its_key_is_not_an_error(
+    live: tuple[Path, Issued],
+    ca: trustme.CA,
+    caplog: pytest.LogCaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A tool that replaces the certificate, then the key: a connection between the two
+    # sees them mismatched, an ordinary moment of a renewal, not yet worth an ERROR.
+    from trioinfer.server import _tls
+
+    clock = [1000.0]
+    monkeypatch.setattr(_tls.time, "monotonic", lambda: clock[0])
+    root, first = live
+    cert, key = root / "server.pem", root / "server.key"
+    reloading = ReloadingContext.load(TlsFiles(cert, key))
+    renewed = _issue(ca)
+    with caplog.at_level(logging.DEBUG, logger="trioinfer.server"):
+        _replace(cert, renewed.cert)
+        assert not reloading.check()
+        clock[0] += _tls.RELOAD_SETTLE_S / 2
+        assert not reloading.check()
+        assert _errors(caplog) == []
+        assert _memory_handshake(reloading.current(), _client(ca)) == first.serial
+        _replace(key, renewed.key)
+        assert reloading.check()
+        assert _errors(caplog) == []
+        assert _memory_handshake(reloading.current(), _client(ca)) == renewed.serial
+        # Still mismatched once it had time to settle: said then, once, at ERROR.
+        _replace(cert, _issue(ca).cert)
+        assert not reloading.check()
+        clock[0] += _tls.RELOAD_SETTLE_S - 0.1
+        assert not reloading.check()
+        assert _errors(caplog) == []
+        clock[0] += 0.1
+        assert not reloading.check()
+        [error] = _errors(caplog)
+        assert "does not match" in error, error
+        assert f"for {_tls.RELOAD_SETTLE_S:g}s" in error, error
+        clock[0] += 100
+        assert not reloading.check()
+        assert len(_errors(caplog)) == 1
+    assert _memory_handshake(reloading.current(), _client(ca)) == renewed.serial
+
+
+@pytest.mark.usefixtures("said_at_once")
 def test_a_file_gone_while_it_is_read_is_said_once(
     live: tuple[Path, Issued],
     ca: trustme.CA,
@@ -484,10 +538,12 @@ def test_every_worker_picks_up_a_renewal(
 
     live, first = versions
     cert, key = str(live / "server.pem"), str(live / "server.key")
-    args = ["--workers", "2", "--no-grpc", "--http-ssl-cert", cert, "--http-ssl-key", key]
+    args = ["--workers", "2", "--http-ssl-cert", cert, "--http-ssl-key", key]
+    args += ["--grpc-use-ssl", "--grpc-server-cert", cert, "--grpc-server-key", key]
     log = tmp_path / "server.log"
-    with run_server(repository, *args, log=log, want_grpc=False) as server:
+    with run_server(repository, *args, log=log) as server:
         assert _https_serial(server.url, ca) == first.serial
+        assert _grpc_serial(server.grpc, ca) == first.serial
         renewed = _issue(ca)
         _version(live.parent, "v2", renewed.cert, renewed.key)
         _swap(live, live.parent / "v2")
@@ -496,10 +552,86 @@ def test_every_worker_picks_up_a_renewal(
         streak = [0]
 
         def renewed_everywhere() -> bool:
-            streak[0] = streak[0] + 1 if _https_serial(server.url, ca) == renewed.serial else 0
+            serials = {_https_serial(server.url, ca), _grpc_serial(server.grpc, ca)}
+            streak[0] = streak[0] + 1 if serials == {renewed.serial} else 0
             return streak[0] >= 12
 
         _until(renewed_everywhere, "every worker serving the renewed certificate")
     text = server.log_text()
     assert "Traceback" not in text, text[-4000:]
-    assert text.count("TLS files reloaded") == 2, text[-4000:]
+    # Each worker's two endpoints, each by itself.
+    assert text.count("TLS files reloaded") == 4, text[-4000:]
+
+
+def _kubernetes_secret(mount: Path, stamp: str, files: dict[str, bytes]) -> None:
+    # As the kubelet's atomic writer updates a secret volume: the files in a new
+    # timestamped directory, ..data (a symlink to it) swapped by a rename, the old
+    # directory removed; each key's path is a symlink through ..data, made once.
+    directory = mount / f"..{stamp}"
+    directory.mkdir()
+    for name, data in files.items():
+        (directory / name).write_bytes(data)
+    data_link = mount / "..data"
+    old = data_link.resolve() if data_link.is_symlink() else None
+    tmp = mount / "..data_tmp"
+    tmp.symlink_to(directory.name)
+    os.replace(tmp, data_link)
+    for name in files:
+        if not (mount / name).is_symlink():
+            (mount / name).symlink_to(f"..data/{name}")
+    if old is not None:
+        for path in old.iterdir():
+            path.unlink()
+        old.rmdir()
+
+
+def test_a_kubernetes_secret_volume_update_is_loaded(tmp_path: Path, ca: trustme.CA) -> None:
+    # tls.crt, tls.key and ca.crt of a kubernetes.io/tls secret (cert-manager's), mutual TLS.
+    first, renewed = _issue(ca), _issue(ca)
+    old_ca, new_ca = trustme.CA(), trustme.CA()
+    mount = tmp_path / "tls"
+    mount.mkdir()
+    _kubernetes_secret(
+        mount,
+        "2026_01_01_00_00_00.1",
+        {"tls.crt": first.cert, "tls.key": first.key, "ca.crt": old_ca.cert_pem.bytes()},
+    )
+    files = TlsFiles(mount / "tls.crt", mount / "tls.key", mount / "ca.crt", mutual=True)
+    reloading = ReloadingContext.load(files)
+
+    def client_of(client_ca: trustme.CA) -> ssl.SSLContext:
+        context = _client(ca)
+        client_ca.issue_cert("client@example.com").configure_cert(context)
+        return context
+
+    assert _memory_handshake(reloading.current(), client_of(old_ca)) == first.serial
+    _kubernetes_secret(
+        mount,
+        "2026_02_01_00_00_00.2",
+        {"tls.crt": renewed.cert, "tls.key": renewed.key, "ca.crt": new_ca.cert_pem.bytes()},
+    )
+    assert reloading.check()
+    assert _memory_handshake(reloading.current(), client_of(new_ca)) == renewed.serial
+    with pytest.raises(ssl.SSLError):
+        _memory_handshake(reloading.current(), client_of(old_ca))
+    assert not reloading.check()
+
+
+@pytest.mark.usefixtures("said_at_once")
+def test_the_same_broken_renewal_again_is_said_again(
+    live: tuple[Path, Issued], ca: trustme.CA, caplog: pytest.LogCaptureFixture
+) -> None:
+    # A key made unreadable (or deleted), then restored, then the same again later: the
+    # second time is a new event, said as the first was.
+    root, first = live
+    key = root / "server.key"
+    reloading = ReloadingContext.load(TlsFiles(root / "server.pem", key))
+    with caplog.at_level(logging.INFO, logger="trioinfer.server"):
+        for _ in range(2):
+            key.unlink()
+            assert not reloading.check()
+            key.write_bytes(first.key)
+            assert not reloading.check()  # the files loaded: nothing to do
+        assert len(_errors(caplog)) == 2, _errors(caplog)
+        assert all("cannot read it" in error for error in _errors(caplog))
+    assert _memory_handshake(reloading.current(), _client(ca)) == first.serial

@@ -23,19 +23,28 @@ from __future__ import annotations
 import bisect
 import itertools
 import math
+import numbers
 import re
 import threading
+import time
 from collections.abc import Iterable, Mapping, Sequence
 from contextvars import ContextVar
-from typing import Final, Generic, Literal, TypeVar, final
+from typing import Final, Generic, Literal, SupportsFloat, TypeGuard, TypeVar, final
 
 import attrs
+import numpy as np
 
 from ._exceptions import InvalidMetric
 from ._util import NoPublicConstructor
 
 #: The kinds of family a model may declare.
 MetricKind = Literal["counter", "gauge", "histogram"]
+
+#: How a gauge's series of ``trioinfer serve --workers`` workers make the server's:
+#: prometheus_client's multiprocess modes of the same names (each worker's series
+#: goes with its process, so its ``live*`` modes are these).
+GaugeWorkers = Literal["sum", "max", "min", "mostrecent", "all"]
+_GAUGE_WORKERS: Final = ("sum", "max", "min", "mostrecent", "all")
 
 #: Prometheus's metric and label names (https://prometheus.io/docs/concepts/data_model/).
 _NAME: Final = re.compile(r"[a-zA-Z_:][a-zA-Z0-9_:]*")
@@ -67,6 +76,8 @@ class CustomMetricSample:
             one per bound of the family's ``buckets``, and a last one above them
             all (``+Inf``). Empty for a counter or gauge.
         count: A histogram's number of observations (0 for a counter or gauge).
+        updated: When a gauge was last set or changed (``time.time()``; 0 if
+            never): what ``workers="mostrecent"`` compares.
     """
 
     model: str
@@ -74,6 +85,7 @@ class CustomMetricSample:
     value: float
     bucket_counts: tuple[int, ...] = ()
     count: int = 0
+    updated: float = 0.0
 
 
 @attrs.frozen
@@ -87,6 +99,8 @@ class CustomMetricFamily:
         labels: The label names its series have, besides the model.
         buckets: A histogram's upper bounds, increasing (empty otherwise).
         samples: Its series, by model then label values.
+        workers: A gauge's: how the series of ``trioinfer serve --workers``
+            workers combine (see `ModelMetrics.gauge`); ``"sum"`` otherwise.
     """
 
     name: str
@@ -95,16 +109,20 @@ class CustomMetricFamily:
     labels: tuple[str, ...]
     buckets: tuple[float, ...]
     samples: tuple[CustomMetricSample, ...]
+    workers: GaugeWorkers = "sum"
 
 
 @final
 class _Owner:
     """One load of a model: the series it makes go when it ends."""
 
-    __slots__ = ("ended", "installed", "model")
+    __slots__ = ("ended", "installed", "model", "replaces")
 
-    def __init__(self, model: str) -> None:
+    def __init__(self, model: str, retiring: Iterable[str] = ()) -> None:
         self.model = model
+        #: The models it replaces once it serves: its own earlier load, and those
+        #: its caller unloads then (a model's versions it no longer serves).
+        self.replaces = frozenset({model, *retiring})
         #: Whether it serves (its series are shown): not while loading.
         self.installed = False
         #: Whether it was dropped: what its model still declares or makes (a thread
@@ -116,12 +134,13 @@ class _Owner:
 class _Series:
     """One series' figures; its family's lock guards them."""
 
-    __slots__ = ("count", "counts", "value")
+    __slots__ = ("count", "counts", "updated", "value")
 
     def __init__(self, buckets: int) -> None:
         self.value = 0.0
         self.count = 0
         self.counts = [0] * (buckets + 1) if buckets else []
+        self.updated = 0.0  # a gauge's (for workers="mostrecent")
 
 
 @final
@@ -135,12 +154,14 @@ class _Family:
         kind: MetricKind,
         labels: tuple[str, ...],
         buckets: tuple[float, ...],
+        workers: GaugeWorkers = "sum",
     ) -> None:
         self.name = name
         self.description = description
         self.kind: MetricKind = kind
         self.labels = labels
         self.buckets = buckets
+        self.workers: GaugeWorkers = workers
         self.lock = threading.Lock()
         self.owners: set[_Owner] = set()
         self.series: dict[tuple[_Owner, tuple[str, ...]], _Series] = {}
@@ -149,12 +170,17 @@ class _Family:
         """How it was declared, to say what a clashing declaration differs from."""
         labels = f"labels {list(self.labels)}" if self.labels else "no labels"
         buckets = f", buckets {list(self.buckets)}" if self.kind == "histogram" else ""
-        return f"a {self.kind} with {labels}{buckets}"
+        workers = f", workers={self.workers!r}" if self.workers != "sum" else ""
+        return f"a {self.kind} with {labels}{buckets}{workers}"
+
+    def declaration(self) -> tuple[object, ...]:
+        """What every model declaring it declares alike."""
+        return (self.kind, self.labels, self.buckets, self.workers)
 
     def snapshot(self) -> CustomMetricFamily:
         with self.lock:
             figures = [
-                (owner.model, values, s.value, tuple(s.counts), s.count)
+                (owner.model, values, s.value, tuple(s.counts), s.count, s.updated)
                 for (owner, values), s in self.series.items()
                 if owner.installed
             ]
@@ -167,10 +193,16 @@ class _Family:
             buckets=self.buckets,
             samples=tuple(
                 CustomMetricSample(
-                    model, dict(zip(self.labels, values, strict=True)), value, counts, count
+                    model,
+                    dict(zip(self.labels, values, strict=True)),
+                    value,
+                    counts,
+                    count,
+                    updated,
                 )
-                for model, values, value, counts, count in figures
+                for model, values, value, counts, count, updated in figures
             ),
+            workers=self.workers,
         )
 
 
@@ -190,10 +222,17 @@ class CustomMetrics:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._families: dict[str, _Family] = {}
+        #: Families a newer load of the only model declaring them declared otherwise
+        #: (its file edited, then reloaded): shown until that load serves, and back
+        #: in `_families` if it fails.
+        self._outgoing: dict[str, _Family] = {}
 
-    def begin(self, model: str) -> _Owner:
-        """A load of *model* starts: what owns the series it makes."""
-        return _Owner(model)
+    def begin(self, model: str, *, retiring: Iterable[str] = ()) -> _Owner:
+        """A load of *model* starts: what owns the series it makes.
+
+        *retiring*: the models unloaded once it serves (see `declare`).
+        """
+        return _Owner(model, retiring)
 
     def install(self, owner: _Owner) -> None:
         """*owner*'s model serves now: its series are shown."""
@@ -207,20 +246,33 @@ class CustomMetrics:
         owner.installed = False
         with self._lock:
             owner.ended = True  # under the lock: a declare() after it sees it
-            for name, family in list(self._families.items()):
-                if owner not in family.owners:
-                    continue
-                with family.lock:
-                    family.owners.discard(owner)
-                    for key in [k for k in family.series if k[0] is owner]:
-                        del family.series[key]
-                if not family.owners:
-                    del self._families[name]
+            for families in (self._outgoing, self._families):
+                for name, family in list(families.items()):
+                    if owner not in family.owners:
+                        continue
+                    with family.lock:
+                        family.owners.discard(owner)
+                        for key in [k for k in family.series if k[0] is owner]:
+                            del family.series[key]
+                    if not family.owners:
+                        del families[name]
+                        if families is self._families and name in self._outgoing:
+                            # The load that declared it otherwise failed: as before it.
+                            self._families[name] = self._outgoing.pop(name)
 
     def snapshot(self) -> tuple[CustomMetricFamily, ...]:
         """Every family, sorted by name, with the series of the models that serve."""
         with self._lock:
-            families = sorted(self._families.values(), key=lambda f: f.name)
+            families = sorted(
+                (
+                    # The declaration a reload changes is shown until the reload serves.
+                    self._outgoing[f.name]
+                    if f.name in self._outgoing and not any(o.installed for o in f.owners)
+                    else f
+                    for f in self._families.values()
+                ),
+                key=lambda f: f.name,
+            )
         return tuple(f.snapshot() for f in families)
 
     def declare(
@@ -231,21 +283,36 @@ class CustomMetrics:
         description: object,
         labels: object,
         buckets: object,
+        workers: object = "sum",
     ) -> _Family:
         """The family *owner* declares, created or, declared alike before, shared."""
-        name, description, label_names, bounds = _checked(
-            owner.model, kind, name, description, labels, buckets
+        declared = _Family(
+            *_checked(owner.model, kind, name, description, labels, buckets, workers)
         )
+        name = declared.name
         with self._lock:
             if owner.ended:
                 # Its load was dropped (a model's thread declaring after its unload):
                 # a family of its own, in no registry, rather than one no drop would end.
-                return _Family(name, description, kind, label_names, bounds)
+                return declared
             family = self._families.get(name)
+            if (
+                family is not None
+                and family.declaration() != declared.declaration()
+                and name not in self._outgoing
+                and owner not in family.owners
+                and all(o.model in owner.replaces for o in family.owners)
+            ):
+                # A new load of the only model declaring it (its file edited and reloaded,
+                # or a new version replacing the served one) declares it otherwise: the
+                # new declaration is the family's, the old one's series shown until this
+                # load serves (or back if it fails).
+                self._outgoing[name] = family
+                family = None
             if family is None:
                 mine = _sample_names(name, kind)
-                for other in self._families.values():
-                    if mine & _sample_names(other.name, other.kind):
+                for other in [*self._families.values(), *self._outgoing.values()]:
+                    if other.name != name and mine & _sample_names(other.name, other.kind):
                         raise InvalidMetric(
                             f"model {owner.model!r}: custom {kind} {name!r} would clash in "
                             f"the Prometheus text with the {other.kind} {other.name!r} "
@@ -253,16 +320,16 @@ class CustomMetrics:
                             f"{sorted(mine & _sample_names(other.name, other.kind))[0]!r}): "
                             "choose another name"
                         )
-                family = _Family(name, description, kind, label_names, bounds)
+                family = declared
                 self._families[name] = family
-            elif (family.kind, family.labels, family.buckets) != (kind, label_names, bounds):
+            elif family.declaration() != declared.declaration():
                 theirs = sorted({o.model for o in family.owners})
-                mine_declared = _Family(name, "", kind, label_names, bounds).declared()
                 raise InvalidMetric(
-                    f"model {owner.model!r} declares {name!r} as {mine_declared}, but it is "
-                    f"declared already as {family.declared()} (by {', '.join(map(repr, theirs))}): "
-                    "a family's kind, labels and buckets are the same for every model that "
-                    "declares it; choose another name or declare it alike"
+                    f"model {owner.model!r} declares {name!r} as {declared.declared()}, but it "
+                    f"is declared already as {family.declared()} (by "
+                    f"{', '.join(map(repr, theirs))}): a family's kind, labels, buckets and "
+                    "workers are the same for every model that declares it; choose another "
+                    "name or declare it alike"
                 )
             with family.lock:
                 family.owners.add(owner)
@@ -276,7 +343,8 @@ def _checked(
     description: object,
     labels: object,
     buckets: object,
-) -> tuple[str, str, tuple[str, ...], tuple[float, ...]]:
+    workers: object,
+) -> tuple[str, str, MetricKind, tuple[str, ...], tuple[float, ...], GaugeWorkers]:
     what = f"model {model!r}: custom {kind}"
     if not isinstance(name, str) or _NAME.fullmatch(name) is None:
         raise InvalidMetric(
@@ -321,7 +389,7 @@ def _checked(
         given = list(buckets)
         if (
             not given
-            or not all(isinstance(b, (int, float)) and not isinstance(b, bool) for b in given)
+            or not all(_is_number(b) for b in given)
             or not all(math.isfinite(b) for b in given)
             or any(a >= b for a, b in itertools.pairwise(given))
         ):
@@ -330,7 +398,17 @@ def _checked(
                 f"least one (+Inf is always there), got {given!r}"
             )
         bounds = tuple(float(b) for b in given)
-    return name, description, label_names, bounds
+    mode: GaugeWorkers = "sum"
+    for allowed in _GAUGE_WORKERS:
+        if workers == allowed and isinstance(workers, str):
+            mode = allowed
+            break
+    else:
+        raise InvalidMetric(
+            f"{what} {name!r}: workers must be one of {', '.join(map(repr, _GAUGE_WORKERS))}, "
+            f"got {workers!r}"
+        )
+    return name, description, kind, label_names, bounds, mode
 
 
 #: The series a load makes (see `current_model_metrics`), set by the engine while it loads.
@@ -365,10 +443,11 @@ class ModelMetrics(metaclass=NoPublicConstructor):
     [`InvalidMetric`][trioinfer.InvalidMetric] for a name that is not a
     Prometheus name, one of trioinfer's own (``trioinfer_*``), one another
     family's samples would clash with, or one declared already as another
-    kind, with other labels or other buckets. Label names are Prometheus's;
-    ``model``, ``version``, ``le`` and ``pid`` are reserved. Declare families in
-    ``__init__`` (or ``load``): a family is free to declare again only once
-    no loaded model declares it.
+    kind, with other labels, other buckets or (a gauge) other ``workers``.
+    Label names are Prometheus's; ``model``, ``version``, ``le`` and ``pid``
+    are reserved. Declare families in ``__init__`` (or ``load``): a family
+    is free to declare again only once no loaded model declares it, or by a
+    reload of the only model that declares it.
     """
 
     __slots__ = ("_owner", "_registry")
@@ -389,10 +468,28 @@ class ModelMetrics(metaclass=NoPublicConstructor):
         return MetricFamily[CounterMetric]._create(family, self._owner, CounterMetric)
 
     def gauge(
-        self, name: str, description: str, *, labels: Sequence[str] = ()
+        self,
+        name: str,
+        description: str,
+        *,
+        labels: Sequence[str] = (),
+        workers: GaugeWorkers = "sum",
     ) -> MetricFamily[GaugeMetric]:
-        """A gauge: a value that goes up and down (items held, a temperature)."""
-        family = self._registry.declare(self._owner, "gauge", name, description, labels, ())
+        """A gauge: a value that goes up and down (items held, a temperature).
+
+        *workers*: how the series of ``trioinfer serve --workers N`` (each
+        worker a copy of the model, with its own series) show as the
+        server's: ``"sum"`` (the default, as the instances of a Triton model
+        add to one series: things held, such as requests in flight),
+        ``"max"`` or ``"min"`` (a high-water mark, a "loaded" flag),
+        ``"mostrecent"`` (the value of the worker that set or changed it
+        last, as a Triton model's last ``set`` shows) or ``"all"`` (each
+        worker's series, labelled with its ``pid``). A worker's series goes
+        when it stops. One process shows its own value, whichever is declared.
+        """
+        family = self._registry.declare(
+            self._owner, "gauge", name, description, labels, (), workers
+        )
         return MetricFamily[GaugeMetric]._create(family, self._owner, GaugeMetric)
 
     def histogram(
@@ -428,7 +525,7 @@ class MetricFamily(Generic[M], metaclass=NoPublicConstructor):
         """The family's name."""
         return self._family.name
 
-    def metric(self, **labels: str) -> M:
+    def metric(self, /, **labels: str) -> M:
         """The model's series with these label values (one per declared label), made once.
 
         Keep it (in ``__init__``, or the first time) rather than asking for it
@@ -470,12 +567,29 @@ class _Metric(metaclass=NoPublicConstructor):
         self._series = series
 
 
+def _is_number(value: object) -> TypeGuard[SupportsFloat]:
+    # numbers.Real takes numpy's scalars (a mask's sum is a numpy.int64), not bool.
+    return isinstance(value, numbers.Real) and not isinstance(value, (bool, np.bool_))
+
+
 def _number(family: _Family, what: str, amount: object) -> float:
-    if isinstance(amount, bool) or not isinstance(amount, (int, float)) or math.isnan(amount):
-        raise InvalidMetric(
-            f"custom {family.kind} {family.name!r}: {what} takes a number, got {amount!r}"
-        )
-    return float(amount)
+    # Not inf or NaN: +inf in a counter stays for good (every rate() of it NaN from
+    # then on), and NaN, or inf in a gauge or a histogram's sum, turns every figure
+    # computed from the series into NaN. Each is a model's bug, refused where it is.
+    if type(amount) is float:  # the usual case first: every update pays for this check
+        if math.isfinite(amount):
+            return amount
+    elif type(amount) is int or _is_number(amount):
+        try:
+            value = float(amount)
+        except OverflowError:  # an int past a float's range
+            pass
+        else:
+            if math.isfinite(value):
+                return value
+    raise InvalidMetric(
+        f"custom {family.kind} {family.name!r}: {what} takes a finite number, got {amount!r}"
+    )
 
 
 @final
@@ -516,12 +630,14 @@ class GaugeMetric(_Metric):
         value = _number(self._family, "set", value)
         with self._family.lock:
             self._series.value = value
+            self._series.updated = time.time()
 
     def increment(self, amount: float = 1.0) -> None:
         """Add *amount* (1 by default; negative takes away)."""
         amount = _number(self._family, "increment", amount)
         with self._family.lock:
             self._series.value += amount
+            self._series.updated = time.time()
 
     def decrement(self, amount: float = 1.0) -> None:
         """Take *amount* (1 by default) away."""

@@ -13,7 +13,7 @@ import logging
 import math
 import operator
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Iterator, Mapping
 from contextlib import AbstractAsyncContextManager, asynccontextmanager, contextmanager
 from contextvars import ContextVar
 from typing import TYPE_CHECKING, Any, Final, NoReturn, SupportsIndex, cast, final
@@ -231,6 +231,7 @@ class Engine:
         *,
         replace: bool = False,
         _check: Callable[[ModelInfo, ModelSignature | None], None] | None = None,
+        _retiring: Collection[str] = (),
     ) -> ModelInfo:
         """Load a model: create its plugins, load every instance, start its workers.
 
@@ -245,7 +246,10 @@ class Engine:
 
         (``_check``, the server's: called with the loaded model's info and its
         backend's full signature once it is ready, before it serves or replaces
-        anything; what it raises fails the load, the new model closed.)
+        anything; what it raises fails the load, the new model closed.
+        ``_retiring``, the server's too: the models it unloads once this one
+        serves, the versions its policy no longer selects; a custom metric
+        family that only they and this model declare, it may declare otherwise.)
 
         Raises:
             ConfigError: A model of that name is loaded (or loading) already and
@@ -286,7 +290,7 @@ class Engine:
         # serves it (lowlevel.current_engine: a Python model calling other models).
         engine_token = _current_engine.set(self)
         # What the model declares at its load (current_model_metrics) is this load's.
-        owner = self._custom.begin(name)
+        owner = self._custom.begin(name, retiring=_retiring)
         metrics_token = _current_owner.set((self._custom, owner))
         installed = False
         try:

@@ -29,6 +29,7 @@ from prometheus_client.core import (
     Metric,
 )
 
+from .._custom_metrics import GaugeWorkers
 from .._exceptions import (
     BackendError,
     BackendUnavailable,
@@ -178,7 +179,14 @@ class Metrics:
         out: list[list[Any]] = []
         for family in families:
             samples = [
-                [*served[s.model], list(s.labels.values()), s.value, list(s.bucket_counts), s.count]
+                [
+                    *served[s.model],
+                    list(s.labels.values()),
+                    s.value,
+                    list(s.bucket_counts),
+                    s.count,
+                    s.updated,
+                ]
                 for s in family.samples
                 if s.model in served
             ]
@@ -190,6 +198,7 @@ class Metrics:
                     list(family.labels),
                     list(family.buckets),
                     samples,
+                    family.workers,
                 ]
             )
         return out
@@ -281,9 +290,10 @@ class Counts(TypedDict):
     versions: list[VersionCounts]
     #: The rate limiter's pools: [name, device, size, in use, waiting, waits, seconds waited].
     resources: NotRequired[list[list[Any]]]
-    #: The models' own families: [name, description, kind, label names, buckets, samples],
-    #: each sample [model, version, label values, value (a histogram's sum), bucket counts
-    #: (not cumulative, +Inf's last), count] (see `Metrics.custom_counts`).
+    #: The models' own families: [name, description, kind, label names, buckets, samples,
+    #: a gauge's workers], each sample [model, version, label values, value (a histogram's
+    #: sum), bucket counts (not cumulative, +Inf's last), count, a gauge's time last
+    #: updated] (see `Metrics.custom_counts`).
     custom: NotRequired[list[list[Any]]]
 
 
@@ -306,11 +316,26 @@ def _plain(histogram: Histogram, usual: tuple[float, ...]) -> list[Any]:
     return [bounds, histogram.counts, histogram.count, histogram.sum]
 
 
-def exposition_of(counts: Counts) -> bytes:
-    """*counts* in Prometheus text format: what `Metrics.exposition` serves for them."""
+def exposition_of(counts: Counts, *, pid: int | None = None) -> bytes:
+    """*counts* in Prometheus text format: what `Metrics.exposition` serves for them.
+
+    *pid*: the ``--workers`` worker process they are of, for the supervisor to
+    add up (``merge_expositions``): a custom gauge declared ``workers="all"``
+    is labelled with it, and one declared ``"mostrecent"`` carries the time it
+    was last updated (a sample timestamp, which the sum drops).
+    """
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(_Families(counts))
+    registry.register(_Families(counts, pid))
     return generate_latest(registry)
+
+
+def gauges_of(counts: Counts) -> dict[str, GaugeWorkers]:
+    """The custom gauges of *counts* that workers do not simply add up, and how they combine."""
+    return {
+        name: workers
+        for name, _, kind, _, _, _, workers in counts.get("custom", [])
+        if kind == "gauge" and workers != "sum"
+    }
 
 
 def triton_entry(counts: VersionCounts) -> dict[str, Any]:
@@ -352,7 +377,7 @@ def _duration(count: int, seconds: float) -> dict[str, int]:
     return {"count": count, "ns": int(seconds * 1e9)}
 
 
-def _families(counts: Counts) -> Iterator[Metric]:
+def _families(counts: Counts, pid: int | None = None) -> Iterator[Metric]:
     requests = CounterMetricFamily(
         "trioinfer_inference_requests",
         "Inference requests over HTTP and gRPC, by model, version and outcome.",
@@ -507,26 +532,35 @@ def _families(counts: Counts) -> Iterator[Metric]:
     yield from histograms.values()
     yield from cache.values()
     yield from _resource_families(counts.get("resources", []))
-    yield from _custom_families(counts.get("custom", []))
+    yield from _custom_families(counts.get("custom", []), pid)
 
 
-def _custom_families(families: list[list[Any]]) -> Iterator[Metric]:
+def _custom_families(families: list[list[Any]], pid: int | None) -> Iterator[Metric]:
     # The models' own (Metrics.custom_counts), after ours: their names never start
     # with trioinfer_, nor clash with each other's samples (the engine refuses both).
-    for name, description, kind, label_names, bounds, samples in families:
+    for name, description, kind, label_names, bounds, samples, workers in families:
         labels = [*_LABELS, *label_names]
         family: Metric
         if kind == "counter":
             family = CounterMetricFamily(name, description, labels=labels)
-            for model, version, values, value, _, _ in samples:
+            for model, version, values, value, *_ in samples:
                 family.add_metric([model, version, *values], value)
         elif kind == "gauge":
-            family = GaugeMetricFamily(name, description, labels=labels)
-            for model, version, values, value, _, _ in samples:
-                family.add_metric([model, version, *values], value)
+            # A worker's for the supervisor (see exposition_of); "pid" is reserved.
+            each = pid is not None and workers == "all"
+            latest = pid is not None and workers == "mostrecent"
+            family = GaugeMetricFamily(
+                name, description, labels=[*labels, "pid"] if each else labels
+            )
+            for model, version, values, value, _, _, updated in samples:
+                family.add_metric(
+                    [model, version, *values, *([str(pid)] if each else [])],
+                    value,
+                    timestamp=updated if latest else None,
+                )
         else:
             family = HistogramMetricFamily(name, description, labels=labels)
-            for model, version, values, value, bucket_counts, count in samples:
+            for model, version, values, value, bucket_counts, count, _ in samples:
                 family.add_metric(
                     [model, version, *values], _buckets(bounds, bucket_counts, count), value
                 )
@@ -605,8 +639,9 @@ class _Collector:
 
 @final
 class _Families:
-    def __init__(self, counts: Counts) -> None:
+    def __init__(self, counts: Counts, pid: int | None) -> None:
         self._counts = counts
+        self._pid = pid
 
     def collect(self) -> Iterator[Metric]:
-        return _families(self._counts)
+        return _families(self._counts, self._pid)

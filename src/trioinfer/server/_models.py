@@ -506,6 +506,9 @@ class ServedModels:
                 f"is not served; served versions: {', '.join(map(str, wanted))}"
             )
         served = self._served.setdefault(model, {})
+        # Unloaded once the wanted ones serve (below): their custom metric families
+        # are the new versions' to declare otherwise.
+        retiring = [served[v].engine_name for v in sorted(set(served) - set(wanted))]
         for version in wanted:
             fingerprint = entry.fingerprint(version)
             old = served.get(version)
@@ -538,7 +541,9 @@ class ServedModels:
                 check = functools.partial(
                     _check_loaded, decoupled, triton, _triton_source(entry.triton, override), model
                 )
-                info = await self.engine.load(config, replace=old is not None, _check=check)
+                info = await self.engine.load(
+                    config, replace=old is not None, _check=check, _retiring=retiring
+                )
             except ModelNotFound as exc:
                 self._say_why_a_step_is_missing(model, exc)
                 raise

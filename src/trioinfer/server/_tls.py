@@ -176,6 +176,11 @@ RELOAD_CHECK_S: Final = 1.0
 #: look goes on in its thread after that, and the connection gets the context in use.
 RELOAD_WAIT_S: Final = 1.0
 
+#: How long a renewal that cannot be used stays so before it is said at ERROR: a tool
+#: that replaces the certificate, then the key, leaves them mismatched for a moment,
+#: an ordinary step of the renewal (see `ReloadingContext`).
+RELOAD_SETTLE_S: Final = 5.0
+
 #: What a file is, for noticing that it changed: a digest of what it holds (through
 #: symlinks), or why it could not be read.
 _Stamp = str
@@ -218,9 +223,12 @@ class ReloadingContext:
 
     A renewal that cannot be used (a file half written, missing, not PEM, a
     key that is not the certificate's, as a renewal that has replaced the
-    certificate but not yet the key) keeps the context in use, and is said
-    once, as an ERROR naming the file and why; it is tried again when a file
-    changes again.
+    certificate but not yet the key) keeps the context in use. It is tried
+    again when a file changes again; a tool's next step (the key) usually
+    comes within a second, so it is said (once, as an ERROR naming the file
+    and why) only when a look finds the files unchanged `RELOAD_SETTLE_S`
+    seconds or more after they were first found so, and until then only at
+    DEBUG.
 
     Attributes:
         files: The files, read again at each renewal.
@@ -233,7 +241,8 @@ class ReloadingContext:
     flags: dict[str, str] | None
     _context: ssl.SSLContext = attrs.field(alias="context")
     _loaded: tuple[_Stamp, ...] = attrs.field(alias="loaded")
-    _refused: tuple[_Stamp, ...] | None = attrs.field(default=None, alias="refused")
+    # The files last found unusable: their stamps, since when, why, and whether it was said.
+    _refused: _Refused | None = attrs.field(default=None, alias="refused")
     _checked_at: float = attrs.field(factory=time.monotonic, alias="checked_at")
     # Held by the thread looking at the files: one look at a time, and none started
     # while one hangs (a thread abandoned by its connection still holds it).
@@ -293,7 +302,12 @@ class ReloadingContext:
         Blocking (it reads the files): the server calls it on a worker thread (`latest`).
         """
         stamps = self._stamps(self.files)
-        if stamps == self._loaded or stamps == self._refused:
+        if stamps == self._loaded:
+            self._refused = None  # back as loaded: the same failure again is a new one
+            return False
+        refused = self._refused
+        if refused is not None and stamps == refused.stamps:
+            self._say_if_settled(refused)
             return False
         names = {**_FLAGS, **(self.flags or {})}
         try:
@@ -313,13 +327,30 @@ class ReloadingContext:
                 self.files.cert,
             )
             return True
-        self._refused = stamps
-        log.error(
-            "TLS files changed but cannot be used: %s; new connections still get the "
-            "certificate loaded before, and the files are tried again when they change",
-            why,
-        )
+        self._refused = _Refused(stamps, time.monotonic(), why)
+        log.debug("TLS files changed but cannot be used (yet): %s", why)
+        self._say_if_settled(self._refused)
         return False
+
+    @staticmethod
+    def _say_if_settled(refused: _Refused) -> None:
+        if refused.said or time.monotonic() - refused.since < RELOAD_SETTLE_S:
+            return
+        refused.said = True
+        log.error(
+            "TLS files changed but cannot be used, for %gs now: %s; new connections still "
+            "get the certificate loaded before, and the files are tried again when they change",
+            RELOAD_SETTLE_S,
+            refused.why,
+        )
+
+
+@attrs.define(eq=False)
+class _Refused:
+    stamps: tuple[_Stamp, ...]
+    since: float
+    why: str
+    said: bool = False
 
 
 async def _current(context: ssl.SSLContext | ReloadingContext) -> ssl.SSLContext:

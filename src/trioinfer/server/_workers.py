@@ -45,8 +45,8 @@ reports are lines on a connection it keeps open, with no answer):
   sample by sample
   (counts, sums and histograms add up to the server's figure, and so do gauges:
   each worker's value counted once, which is the server's figure for a gauge of
-  things held, such as requests in flight or bytes cached, and a plain sum for
-  a model's own gauge of a ratio). The supervisor keeps what each
+  things held, such as requests in flight or bytes cached; a model's own gauge
+  combines as it declares, `merge_expositions`). The supervisor keeps what each
   worker last reported (`MetricsLedger`, `StatsLedger`): a worker that does
   not answer in time is counted as it was, and one that dies leaves its counts
   (counters, histograms and Triton's statistics; not gauges) in the sums, so
@@ -101,11 +101,12 @@ from prometheus_client.core import CounterMetricFamily, Metric
 from prometheus_client.parser import text_string_to_metric_families
 
 from .. import _exceptions
+from .._custom_metrics import GaugeWorkers
 from .._exceptions import ConfigError, TrioInferError
 from .._exit import BACKSTOP_S, LAST_CANCEL_S
 from . import _codec
 from ._host_metrics import HostMetrics, host_metrics_for
-from ._metrics import Counts, exposition_of, triton_entry
+from ._metrics import Counts, exposition_of, gauges_of, triton_entry
 from ._poll import poll_repository
 from ._poll import snapshot as repository_snapshot
 
@@ -341,30 +342,60 @@ def merge_stats(parts: Iterable[Sequence[Mapping[str, Any]]]) -> list[dict[str, 
     return list(merged.values())
 
 
-def merge_expositions(texts: Iterable[bytes]) -> bytes:
+def merge_expositions(
+    texts: Iterable[bytes], gauges: Mapping[str, GaugeWorkers] | None = None
+) -> bytes:
     """Add up Prometheus text expositions from several workers, sample by sample.
 
     Samples with the same name and labels are summed (histogram buckets
-    included); samples only some workers have (a worker's own series) are
-    kept as they are. Families keep the first worker's order.
+    included), but those of the *gauges* named (a model's own, declared with
+    ``workers``): the largest or smallest of them, or the one with the
+    latest timestamp (``mostrecent``, see `exposition_of`); samples only some
+    workers have (a worker's own series) are kept as they are. Timestamps
+    are dropped. Families keep the first worker's order, and kind: a family
+    of the same name and another kind is left out.
     """
     families: dict[str, Metric] = {}
     sums: dict[str, dict[tuple[str, tuple[tuple[str, str], ...]], float]] = {}
+    latest: dict[tuple[str, tuple[tuple[str, str], ...]], float] = {}
     for text in texts:
         for family in text_string_to_metric_families(text.decode()):
             if family.name not in families:
                 families[family.name] = Metric(family.name, family.documentation, family.type)
                 sums[family.name] = {}
+            elif families[family.name].type != family.type:
+                # A model's own family that a reload, not yet on every worker, declares
+                # as another kind: the first worker's kind, whole, keeps the text valid.
+                continue
             values = sums[family.name]
+            combine = (gauges or {}).get(family.name, "sum")
             for sample in family.samples:
                 key = (sample.name, tuple(sample.labels.items()))
-                values[key] = values.get(key, 0.0) + sample.value
+                have = values.get(key)
+                if have is None:
+                    values[key] = sample.value
+                elif combine == "max":
+                    values[key] = max(have, sample.value)
+                elif combine == "min":
+                    values[key] = min(have, sample.value)
+                elif combine == "mostrecent":
+                    if _seconds(sample.timestamp) > latest.get(key, 0.0):
+                        values[key] = sample.value
+                else:
+                    values[key] = have + sample.value
+                if combine == "mostrecent":
+                    latest[key] = max(latest.get(key, 0.0), _seconds(sample.timestamp))
     for name, family in families.items():
         for (sample_name, labels), value in sums[name].items():
             family.add_sample(sample_name, dict(labels), value)
     registry = CollectorRegistry(auto_describe=False)
     registry.register(_Fixed(list(families.values())))
     return generate_latest(registry)
+
+
+def _seconds(timestamp: object) -> float:
+    # The parser's sample timestamps are floats (text format) or Timestamps (OpenMetrics).
+    return float(timestamp) if isinstance(timestamp, (int, float)) else 0.0
 
 
 #: Families one server keeps a model's series of when it is unloaded (Metrics' own
@@ -456,22 +487,31 @@ class MetricsLedger:
 
     def __init__(self, host: HostMetrics | None = None) -> None:
         """*host*: the machine's metrics, added once to the workers' sums."""
-        self._latest = _Latest[Callable[[], bytes]]()
+        self._latest = _Latest[tuple[Callable[[], bytes], dict[str, GaugeWorkers]]]()
         self._retired = b""
         self._host = host
 
     def report(
-        self, index: int, pid: int, text: bytes | Callable[[], bytes], *, taken: int = 0
+        self,
+        index: int,
+        pid: int,
+        text: bytes | Callable[[], bytes],
+        *,
+        taken: int = 0,
+        gauges: Mapping[str, GaugeWorkers] | None = None,
     ) -> None:
-        """Worker *index* (process *pid*) reported *text* (or what renders it), its *taken*-th."""
+        """Worker *index* (process *pid*) reported *text* (or what renders it), its *taken*-th.
+
+        *gauges*: its custom gauges not simply added up (`gauges_of`).
+        """
         render = functools.cache(text) if callable(text) else functools.partial(bytes, text)
-        self._latest.report(index, pid, render, taken)
+        self._latest.report(index, pid, (render, dict(gauges or {})), taken)
 
     def retire(self, index: int, pid: int) -> None:
         """Worker *index*'s process *pid* ended: its counts stay, its gauges go."""
         last = self._latest.pop(index, pid)
         if last is not None:
-            self._retired = merge_expositions([self._retired, _counts_only(last())])
+            self._retired = merge_expositions([self._retired, _counts_only(last[0]())])
 
     def forget(self, model: str, versions: Collection[str] | None = None) -> None:
         """*model* was unloaded (or only its *versions*): the dead workers' counts of it go.
@@ -495,9 +535,9 @@ class MetricsLedger:
 
     def merged(self, first: int) -> bytes:
         """The server's exposition, worker *first*'s families in front, the machine's last."""
-        merged = merge_expositions(
-            [*(text() for text in self._latest.ordered(first)), self._retired]
-        )
+        reports = self._latest.ordered(first)
+        gauges = {name: w for _, each in reversed(reports) for name, w in each.items()}
+        merged = merge_expositions([*(text() for text, _ in reports), self._retired], gauges)
         if self._host is None:
             return merged
         registry = CollectorRegistry(auto_describe=False)
@@ -560,7 +600,7 @@ class StatsLedger:
 
 def _exposition(counts: Counts, index: int, pid: int, requests: int) -> bytes:
     """Worker *index*'s exposition, from the *counts* its process *pid* reported."""
-    return exposition_of(counts) + _own_exposition(index, pid, requests)
+    return exposition_of(counts, pid=pid) + _own_exposition(index, pid, requests)
 
 
 def _own_exposition(index: int, pid: int, requests: int) -> bytes:
@@ -1560,7 +1600,7 @@ class _Supervisor:
         # are replaced by the next before any scrape or death needs them.
         taken, numbers = counts["taken"], counts["counts"]
         text = functools.partial(_exposition, numbers, worker.index, worker.pid, counts["requests"])
-        self.metrics.report(worker.index, worker.pid, text, taken=taken)
+        self.metrics.report(worker.index, worker.pid, text, taken=taken, gauges=gauges_of(numbers))
         stats = [triton_entry(version) for version in numbers["versions"]]
         self.stats.report(worker.index, worker.pid, stats, taken=taken)
         log.debug(
