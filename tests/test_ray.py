@@ -861,6 +861,7 @@ async def test_a_model_file_missing_on_the_node_names_the_node(
     [
         ("address", "nothing"),
         ("RAY_ADDRESS", "nothing"),
+        ("noted", "nothing"),
         ("address", "a silent server"),
         ("address", "an HTTP server"),
     ],
@@ -870,10 +871,12 @@ def test_a_ray_that_is_not_running_is_backend_unavailable_at_once(
 ) -> None:
     """An address where no Ray listens: a typed error, not minutes of Ray's retries.
 
-    Given as the address option, or as RAY_ADDRESS with address = "auto" (which Ray
-    takes first); nothing on the port, or a server that is not Ray's (one that
-    accepts and says nothing, an HTTP server), where ray.init hung for minutes. In a
-    process of its own: this one is connected to the tests' Ray.
+    Given as the address option, as RAY_ADDRESS with address = "auto" (which Ray
+    takes first), or with "auto" as noted by the last `ray start --head` of a head that
+    died without `ray stop` (Ray reads the note next); nothing on the port, or a
+    server that is not Ray's (one that accepts and says nothing, an HTTP server), where
+    ray.init hung for minutes. In a process of its own: this one is connected to the
+    tests' Ray.
     """
     with contextlib.ExitStack() as stack:
         if listening == "nothing":
@@ -889,6 +892,11 @@ def _load_from_a_process_of_its_own(tmp_path: Path, mlp_model: Path, how: str, p
     address = f"127.0.0.1:{port}"
     if how == "RAY_ADDRESS":
         env["RAY_ADDRESS"], address = address, "auto"
+    elif how == "noted":
+        env.pop("RAY_ADDRESS", None)
+        (tmp_path / "ray").mkdir()
+        (tmp_path / "ray" / "ray_current_cluster").write_text(address)
+        address = "auto"
     program = f"""
 import time, trio
 import trioinfer_ray
@@ -911,9 +919,12 @@ print("took", time.monotonic() - start)
         check=False,
     )
     assert result.returncode == 0, result.stderr
-    assert f"BackendUnavailable: model 'm' instance 0 (ray): no Ray at 127.0.0.1:{port}:" in (
-        result.stdout
-    ), result.stdout + result.stderr
+    said = f"BackendUnavailable: model 'm' instance 0 (ray): no Ray at 127.0.0.1:{port}"
+    if how == "noted":  # where the address came from, and why it may be stale
+        said += f" (noted in {tmp_path / 'ray' / 'ray_current_cluster'} by the last "
+    else:
+        said += ":"
+    assert said in result.stdout, result.stdout + result.stderr
     took = float(result.stdout.split("took")[1])
     assert took < 60, result.stdout
 
@@ -1058,11 +1069,13 @@ def test_with_ray_tls_on_the_probe_only_connects(monkeypatch: pytest.MonkeyPatch
 
 @pytest.mark.parametrize("address", ["auto", "ray://127.0.0.1:{port}/path", "127.0.0.1"])
 def test_addresses_the_probe_cannot_read_are_left_to_ray(
-    address: str, monkeypatch: pytest.MonkeyPatch
+    address: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
-    """ "auto" without RAY_ADDRESS (Ray looks for a cluster itself, and fails at once),
-    an address with a path or without a port: not probed, so never refused by it."""
+    """ "auto" without RAY_ADDRESS nor a noted address (Ray looks for a cluster itself,
+    and fails at once), an address with a path or without a port: not probed, so never
+    refused by it."""
     from trioinfer_ray._backend import _probe
 
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    monkeypatch.setenv("RAY_TMPDIR", str(tmp_path))  # no `ray start --head` noted here
     _probe(address.format(port=_free_port(socket.AF_INET, "127.0.0.1")), 5.0)

@@ -77,7 +77,8 @@ def connect(address: str | None, timeout: float = DEFAULT_START_TIMEOUT_S) -> No
     Blocking (starting a local Ray takes seconds): call it off the event loop.
     A process already connected keeps its connection, whatever *address* says.
     An address of the form ``host:port`` (or ``ray://host:port``, or
-    ``"auto"`` with ``RAY_ADDRESS`` set to one) is tried first with a plain
+    ``"auto"`` where ``RAY_ADDRESS`` names one, or where the last
+    ``ray start --head`` on this machine noted one) is tried first with a plain
     TCP connection of at most *timeout* seconds, and what answers must speak
     gRPC (HTTP/2), as Ray's GCS and Ray Client servers do: where nothing
     listens, or something else does (an HTTP server, a port that accepts and
@@ -119,10 +120,16 @@ def connect(address: str | None, timeout: float = DEFAULT_START_TIMEOUT_S) -> No
 
 
 def _probe(address: str, timeout: float) -> None:
-    # Only host:port addresses (and "auto" where RAY_ADDRESS names one, which Ray takes
-    # first): otherwise "auto" is looked up by Ray itself, which fails at once.
+    # Only host:port addresses, and "auto" where it resolves to one as ray.init resolves
+    # it: RAY_ADDRESS first, else the address the last `ray start --head` noted (which
+    # a head that died without `ray stop` leaves behind: ray.init retried it for ten
+    # minutes). Otherwise "auto" is looked up by Ray itself, which fails at once.
+    shown = address  # as the errors name it
     if address == "auto":
-        address = os.environ.get("RAY_ADDRESS", "") or address
+        address = shown = os.environ.get("RAY_ADDRESS", "")
+        if not address:
+            address, note = _noted_address()
+            shown = f"{address} (noted in {note} by the last 'ray start --head' on this machine)"
     host, sep, port = address.removeprefix("ray://").rpartition(":")
     if not sep or not host or not port.isdigit():
         return
@@ -134,7 +141,7 @@ def _probe(address: str, timeout: float) -> None:
         connection = socket.create_connection((host.strip("[]"), int(port)), timeout=timeout)
     except OSError as exc:
         raise BackendUnavailable(
-            f"no Ray at {address}: connecting to {host}:{port} failed ({exc}); {hint}"
+            f"no Ray at {shown}: connecting to {host}:{port} failed ({exc}); {hint}"
         ) from exc
     with connection:
         if _tls():
@@ -146,20 +153,30 @@ def _probe(address: str, timeout: float) -> None:
             first = _read_frame_header(connection)
         except TimeoutError:
             raise BackendUnavailable(
-                f"no Ray at {address}: {host}:{port} accepted the connection but sent "
+                f"no Ray at {shown}: {host}:{port} accepted the connection but sent "
                 f"nothing in {wait:g} s, where Ray's gRPC server answers at once; {hint}"
             ) from None
         except OSError as exc:
             raise BackendUnavailable(
-                f"no Ray at {address}: {host}:{port} accepted the connection, then failed "
+                f"no Ray at {shown}: {host}:{port} accepted the connection, then failed "
                 f"({exc}); {hint}"
             ) from exc
     if len(first) < _FRAME_HEADER or first[3] != _SETTINGS:
         said = f"answered {first[:24]!r}" if first else "closed the connection unanswered"
         raise BackendUnavailable(
-            f"no Ray at {address}: {host}:{port} {said}, which is not gRPC (HTTP/2), as "
+            f"no Ray at {shown}: {host}:{port} {said}, which is not gRPC (HTTP/2), as "
             f"Ray's GCS and Ray Client servers speak; another server listens there; {hint}"
         )
+
+
+def _noted_address() -> tuple[str, str]:
+    # The address `ray start --head` noted for "auto" (Ray's own lookup, so that the
+    # probe tries the address ray.init will), and the file it is in; ("", "") if none.
+    try:
+        utils = importlib.import_module("ray._private.utils")
+        return utils.read_ray_address(None) or "", str(utils.get_ray_address_file(None))
+    except Exception:  # another Ray's internals: ray.init is left to find it
+        return "", ""
 
 
 #: The HTTP/2 client preface and an empty SETTINGS frame: a gRPC server answers it
