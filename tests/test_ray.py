@@ -546,6 +546,24 @@ async def test_bad_options_are_refused_before_ray_starts(
         await trioinfer_ray.RayBackend().load(config, config.placements()[0])
 
 
+async def test_a_python_model_is_refused_before_ray_starts_naming_the_python_backend(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The actors hold ONNX Runtime sessions: a Python model's file given to the ray
+    backend (as one moving from Ray Serve deployments would) failed on the node with
+    "Protobuf parsing failed"; it is refused before Ray is asked, naming the way."""
+
+    def no_ray(*args: object) -> None:
+        raise AssertionError("Ray was asked")
+
+    monkeypatch.setattr(trioinfer_ray._backend, "connect", no_ray)
+    path = tmp_path / "model.py"
+    path.write_text("class Model:\n    def infer(self, inputs):\n        return inputs\n")
+    config = ModelConfig(name="m", path=path, backend="ray")
+    with pytest.raises(ConfigError, match=r"runs ONNX models.*backend = 'python'"):
+        await trioinfer_ray.RayBackend().load(config, config.placements()[0])
+
+
 @pytest.mark.parametrize(
     ("name", "resource"),
     [("digits", "model:digits"), ("digits.v3", "model:digits"), ("a.v1.v12", "model:a.v1")],

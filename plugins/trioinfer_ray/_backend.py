@@ -27,6 +27,7 @@ import numpy as np
 from trioinfer import (
     BackendError,
     BackendUnavailable,
+    ConfigError,
     DeadlineExceeded,
     ModelConfig,
     ModelSignature,
@@ -319,7 +320,8 @@ class RayBackend:
         """Create the instance's actor where its options place it, and its session there.
 
         Raises:
-            ConfigError: Unknown or invalid ``backend_options``.
+            ConfigError: Unknown or invalid ``backend_options``, or a Python
+                model's file (``.py``: the actors run ONNX models).
             BackendUnavailable: Ray is not installed, the cluster at ``address``
                 does not answer (or refuses this driver), or no node took the
                 actor (or loaded the model) within ``start_timeout``.
@@ -328,6 +330,12 @@ class RayBackend:
         """
         options = check_options(config, placement)
         path = config.model_file("the .onnx file its actors load")
+        if path.suffix == ".py":  # on the node, ONNX Runtime's "Protobuf parsing failed"
+            raise ConfigError(
+                f"model {config.name!r}: the ray backend runs ONNX models (an ONNX Runtime "
+                f"session in each actor), and {path} is a Python model: serve it with "
+                "backend = 'python', in this process"
+            )
         if options.address is None and "ray" not in sys.modules:
             # A Ray we may start ourselves: Ray reads this when imported, and then
             # runs every process of it on 127.0.0.1 alone.
