@@ -11,6 +11,7 @@ import re
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections import Counter
@@ -873,6 +874,37 @@ async def test_unload_and_exit_leave_no_actor_task_or_object_ref(
         while ray.available_resources().get("CPU", 0) < total:  # noqa: ASYNC110  # Ray's state
             await trio.sleep(0.05)
     assert all(actor_gone(handle) for handle in recording.handles)
+
+
+@pytest.mark.parametrize("how", ["killed", "failed-to-load"])
+async def test_a_shipped_model_file_is_not_left_on_the_node(
+    local_ray: None, tmp_path: Path, mlp_model: Path, how: str
+) -> None:
+    """ship_model = true writes the model to a temporary file on the node for ONNX
+    Runtime to read. Only the actor's close removed it: an actor killed (or lost with
+    its driver) and a load that failed left a copy of the weights in the node's /tmp.
+    It goes once the session is made, or could not be."""
+    name = f"shipped-{how}"
+    left = Path(tempfile.gettempdir()).glob  # the actor's node is this machine
+    path = mlp_model
+    if how == "failed-to-load":
+        path = tmp_path / "broken.onnx"
+        path.write_bytes(b"not an ONNX model")
+    config = ModelConfig(name=name, path=path, backend="ray", backend_options={"ship_model": True})
+    if how == "failed-to-load":
+        with pytest.raises(BackendError, match="on Ray node"):
+            await trioinfer_ray.RayBackend().load(config, config.placements()[0])
+    else:
+        instance = await trioinfer_ray.RayBackend().load(config, config.placements()[0])
+        handle = instance.actor
+        try:
+            out = await instance.execute({"input": np.zeros((1, 64), np.float32)})
+            assert out["output"].shape == (1, 10)  # the session runs without its file
+            ray.kill(handle)
+            assert actor_gone(handle)
+        finally:
+            await instance.aclose()
+    assert not list(left(f"trioinfer-{name}-*.onnx"))
 
 
 def write_concat(path: Path) -> Path:
