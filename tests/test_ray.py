@@ -547,6 +547,24 @@ async def test_bad_options_are_refused_before_ray_starts(
         await trioinfer_ray.RayBackend().load(config, config.placements()[0])
 
 
+@pytest.mark.parametrize(
+    ("options", "said"),
+    [
+        ({"resources": {"CPU": 1}}, "instead of 'CPU' and 'GPU'"),
+        ({"num_cpus": 0.00001}, "cannot go beyond 0.0001"),
+    ],
+)
+async def test_options_ray_refuses_are_a_config_error(
+    local_ray: None, mlp_model: Path, options: dict[str, Any], said: str
+) -> None:
+    """Amounts Ray's own checks refuse when the actor is made (a CPU among the custom
+    resources, a share finer than Ray counts) escaped the load as a bare ValueError;
+    they are a ConfigError naming the model and what Ray said."""
+    config = ModelConfig(name="m", path=mlp_model, backend="ray", backend_options=options)
+    with pytest.raises(ConfigError, match=f"model 'm'.*{re.escape(said)}"):
+        await trioinfer_ray.RayBackend().load(config, config.placements()[0])
+
+
 async def test_a_python_model_is_refused_before_ray_starts_naming_the_python_backend(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

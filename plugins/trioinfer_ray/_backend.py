@@ -320,8 +320,9 @@ class RayBackend:
         """Create the instance's actor where its options place it, and its session there.
 
         Raises:
-            ConfigError: Unknown or invalid ``backend_options``, or a Python
-                model's file (``.py``: the actors run ONNX models).
+            ConfigError: Unknown or invalid ``backend_options`` (by their own
+                checks, or Ray's when it makes the actor), or a Python model's
+                file (``.py``: the actors run ONNX models).
             BackendUnavailable: Ray is not installed, the cluster at ``address``
                 does not answer (or refuses this driver), or no node took the
                 actor (or loaded the model) within ``start_timeout``.
@@ -352,7 +353,13 @@ class RayBackend:
                 model_bytes = await anyio.Path(path).read_bytes()
             except OSError as exc:
                 raise BackendError(f"{label}: cannot read {path}: {exc}") from exc
-        actor = _create_actor(options)
+        try:
+            actor = _create_actor(options)
+        except ValueError as exc:  # Ray's own checks of the amounts asked for
+            raise ConfigError(
+                f"model {config.name!r}: Ray refuses the ray backend options "
+                f"({_asks(options)}): {exc}"
+            ) from exc
         # No CPU pinning on a node this process does not know; everything else as asked.
         remote_placement = Placement(
             placement.device,
