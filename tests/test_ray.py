@@ -8,6 +8,7 @@ import importlib
 import math
 import os
 import re
+import signal
 import socket
 import subprocess
 import sys
@@ -724,10 +725,13 @@ async def test_many_concurrent_deadlines_end_once_and_the_hop_stays_bounded(
     assert 1 <= peak <= 2 * 2  # two actors, two calls each
 
 
+@pytest.mark.parametrize("how", ["ray.kill", "process crash"])
 async def test_an_actor_killed_mid_request_ends_it_once_with_backend_unavailable(
-    local_ray: None, slow_model: Path
+    local_ray: None, slow_model: Path, how: str
 ) -> None:
-    """One batch running in the actor and one waiting there behind it: each ends once."""
+    """One batch running in the actor and one waiting there behind it: each ends once,
+    whether Ray kills the actor or its process dies (SIGKILL: a crash in ONNX Runtime,
+    the kernel's OOM killer)."""
     recording = Recording()
     xs = np.ones((256, 512), np.float32)
     async with open_engine(registry=recording.registry()) as engine:
@@ -748,7 +752,10 @@ async def test_an_actor_killed_mid_request_ends_it_once_with_backend_unavailable
             with trio.fail_after(30):
                 while engine.statistics().models["slow"].queued:  # noqa: ASYNC110
                     await trio.sleep(0.01)  # both sent: the second waits in the actor
-            ray.kill(instance.actor)
+            if how == "ray.kill":
+                ray.kill(instance.actor)
+            else:
+                os.kill(instance.pid, signal.SIGKILL)  # the actor's node is this machine
         assert len(errors) == 2
         for error in errors:
             assert "is gone" in str(error)
