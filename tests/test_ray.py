@@ -426,6 +426,44 @@ async def test_every_dtype_and_layout_crosses_the_hop_unchanged(
             await engine.unload(name)
 
 
+async def test_tensors_over_100_kb_cross_through_the_object_store_and_are_let_go(
+    local_ray: None, tmp_path: Path
+) -> None:
+    """Inputs and outputs over Ray's 100 KB inline limit go through its shared-memory
+    object store: batched, non-contiguous, they come back as sent, and once the caller
+    drops them the driver holds no object of theirs."""
+    path = models.write_identity(tmp_path / "wide.onnx", shape=("batch", None))
+    rng = np.random.default_rng(3)
+    sent = [rng.standard_normal((2, 1 << 16), dtype=np.float32) for _ in range(3)]
+    sent.append(rng.standard_normal((4, 1 << 17), dtype=np.float32)[::2, ::2])
+    before = set(driver_refs())
+    async with open_engine() as engine:
+        await engine.load(
+            ModelConfig(
+                name="wide",
+                path=path,
+                backend="ray",
+                batcher="dynamic",
+                batcher_options={"max_batch_size": 8, "max_queue_delay": 2.0},
+            )
+        )
+        got: dict[int, np.ndarray[Any, Any]] = {}
+
+        async def one(i: int) -> None:
+            got[i] = (await engine.infer("wide", {"x": sent[i]}))["y"]
+
+        async with trio.open_nursery() as nursery:
+            for i in range(len(sent)):
+                nursery.start_soon(one, i)
+        for i, x in enumerate(sent):
+            np.testing.assert_array_equal(got[i], x)
+        assert engine.statistics().models["wide"].executions == 1  # all 8 rows at once
+        got.clear()
+    with trio.fail_after(10):
+        while set(driver_refs()) - before:  # noqa: ASYNC110  # Ray's state
+            await trio.sleep(0.05)
+
+
 async def test_codec_keeps_outputs_within_the_bound(local_ray: None, mlp_model: Path) -> None:
     rng = np.random.default_rng(1)
     x = rng.standard_normal((16, 64), dtype=np.float32)
