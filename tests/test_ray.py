@@ -568,6 +568,7 @@ async def test_missing_ray_names_the_extra(
     ("options", "message"),
     [
         ({"adress": "auto"}, "no option 'adress'; it knows address"),
+        ({"address": "http://head:8265"}, r"http://head:8265.*dashboard's \(Ray Jobs'\)"),
         ({"codec": "int4"}, "codec must be 'none' or 'uint8'"),
         ({"num_gpus": -1}, "num_gpus must be a number >= 0"),
         ({"resources": {"ssd": "lots"}}, r"resources\['ssd'\] must be a number"),
@@ -1242,6 +1243,18 @@ def test_with_ray_tls_on_the_probe_only_connects(monkeypatch: pytest.MonkeyPatch
     monkeypatch.setenv("RAY_USE_TLS", "1")
     with _serving(socket.AF_INET, "127.0.0.1", None) as port:
         _probe(f"127.0.0.1:{port}", 1.0)
+
+
+def test_a_ray_jobs_address_in_ray_address_is_named_as_such(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """RAY_ADDRESS=http://head:8265 (the dashboard's, which `ray job submit` reads) with
+    address = "auto": the probe said "Name or service not known" of 'http://head'."""
+    from trioinfer_ray._backend import _probe
+
+    monkeypatch.setenv("RAY_ADDRESS", "http://127.0.0.1:8265")
+    with pytest.raises(BackendUnavailable, match=r"RAY_ADDRESS.*dashboard's \(Ray Jobs'\)"):
+        _probe("auto", 5.0)
 
 
 @pytest.mark.parametrize("address", ["auto", "ray://127.0.0.1:{port}/path", "127.0.0.1"])

@@ -43,7 +43,7 @@ from trioinfer.lowlevel import (
 
 from . import _codec
 from ._actor import ModelActor
-from ._options import DEFAULT_START_TIMEOUT_S, RayOptions, check_options
+from ._options import DEFAULT_START_TIMEOUT_S, RayOptions, address_problem, check_options
 
 log = logging.getLogger("trioinfer.ray")
 
@@ -128,6 +128,9 @@ def _probe(address: str, timeout: float) -> None:
     shown = address  # as the errors name it
     if address == "auto":
         address = shown = os.environ.get("RAY_ADDRESS", "")
+        problem = address_problem(address)
+        if problem is not None:
+            raise BackendUnavailable(f"address 'auto' takes RAY_ADDRESS, and {problem}")
         if not address:
             address, note = _noted_address()
             shown = f"{address} (noted in {note} by the last 'ray start --head' on this machine)"
