@@ -971,6 +971,36 @@ async def test_a_shipped_model_file_is_not_left_on_the_node(
     assert not list(left(f"trioinfer-{name}-*.onnx"))
 
 
+async def test_unload_while_requests_run_answers_them_then_kills_the_actor(
+    local_ray: None, slow_model: Path
+) -> None:
+    """engine.unload with one batch running in the actor, one waiting there and one in
+    the driver's queue: all three are answered, then the actor is killed."""
+    recording = Recording()
+    xs = np.ones((64, 512), np.float32)
+    before = set(driver_refs())
+    answered: list[tuple[int, ...]] = []
+    async with open_engine(registry=recording.registry()) as engine:
+        await engine.load(slow_config(path=slow_model))
+        (instance,) = recording.instances
+        handle = instance.actor
+
+        async def caller() -> None:
+            answered.append((await engine.infer("slow", {"x": xs}))["y"].shape)
+
+        async with trio.open_nursery() as nursery:
+            for _ in range(3):
+                nursery.start_soon(caller)
+            await wait_for_counter(instance, "computed", 1)
+            await engine.unload("slow")
+            assert instance.actor is None
+    assert answered == [(64, 512)] * 3
+    with trio.fail_after(10):
+        while set(driver_refs()) - before:  # noqa: ASYNC110  # Ray's state
+            await trio.sleep(0.05)
+    assert actor_gone(handle)  # (after: its own failed call is a ref in a cycle)
+
+
 def write_concat(path: Path) -> Path:
     """y = Concat(x, x) on axis 1: x float32[N, k] -> y float32[N, m], both widths open."""
     import onnx
