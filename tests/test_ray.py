@@ -8,9 +8,11 @@ import importlib
 import math
 import os
 import re
+import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections import Counter
@@ -360,6 +362,108 @@ async def test_engine_exit_leaves_no_actor(local_ray: None, mlp_model: Path, how
     assert all(actor_gone(handle) for handle in recording.handles)
 
 
+def sample(dtype: Any, rows: int) -> np.ndarray[Any, Any]:
+    """*rows* rows of 3 distinct values of *dtype* (``object``: bytes, a BYTES tensor)."""
+    values = np.arange(rows * 3).reshape(rows, 3)
+    if dtype is object:
+        out = np.empty((rows, 3), object)
+        out.flat[:] = [f"s{v}".encode() for v in values.flat]
+        return out
+    return (values % 2 if dtype is np.bool_ else values % 100).astype(dtype)
+
+
+@pytest.mark.parametrize("codec", ["none", "uint8"])
+async def test_every_dtype_and_layout_crosses_the_hop_unchanged(
+    local_ray: None, tmp_path: Path, codec: str
+) -> None:
+    """Identity models of every kind of dtype, BYTES and bool included: non-contiguous
+    and Fortran-ordered inputs, and requests of different sizes batched together, come
+    back as sent (strings as str, as ONNX Runtime returns them locally); the codec
+    leaves non-float tensors exact. Numeric outputs are read-only (Ray's zero-copy
+    arrays), strings and decoded floats not, as the how-to says."""
+    dtypes = [np.float16, np.float64, np.int8, np.uint64, np.bool_, object]
+    async with open_engine() as engine:
+        for dtype in dtypes:
+            name = f"id_{np.dtype(dtype).name}"
+            await engine.load(
+                ModelConfig(
+                    name=name,
+                    path=models.write_identity(tmp_path / f"{name}.onnx", dtype=dtype),
+                    backend="ray",
+                    batcher="dynamic",
+                    # All 13 rows sent make one batch, which goes once they are there.
+                    batcher_options={"max_batch_size": 13, "max_queue_delay": 2.0},
+                    backend_options={"codec": codec},
+                )
+            )
+            sent = {
+                "non-contiguous": sample(dtype, 6)[::2, ::-1],
+                "fortran": np.asfortranarray(sample(dtype, 4)),
+                **{f"rows {n}": sample(dtype, n) for n in (1, 2, 3)},
+            }
+            got: dict[str, np.ndarray[Any, Any]] = {}
+
+            async def one(case: str) -> None:
+                got[case] = (await engine.infer(name, {"x": sent[case]}))["y"]  # noqa: B023
+
+            async with trio.open_nursery() as nursery:
+                for case in sent:
+                    nursery.start_soon(one, case)
+            for case, x in sent.items():
+                y = got[case]
+                assert y.shape == x.shape, (name, case)
+                if dtype is object:
+                    assert y.tolist() == [[v.decode() for v in row] for row in x.tolist()]
+                    assert y.flags.writeable, (name, case)
+                else:
+                    assert y.dtype == x.dtype, (name, case)
+                    if codec == "none" or x.dtype.kind != "f":
+                        np.testing.assert_array_equal(y, x, err_msg=f"{name} {case}")
+                        assert not y.flags.writeable, (name, case)
+                    else:  # decoded in the driver: a new array
+                        assert y.flags.writeable, (name, case)
+            assert engine.statistics().models[name].executions < len(sent), name  # batched
+            await engine.unload(name)
+
+
+async def test_tensors_over_100_kb_cross_through_the_object_store_and_are_let_go(
+    local_ray: None, tmp_path: Path
+) -> None:
+    """Inputs and outputs over Ray's 100 KB inline limit go through its shared-memory
+    object store: batched, non-contiguous, they come back as sent, and once the caller
+    drops them the driver holds no object of theirs."""
+    path = models.write_identity(tmp_path / "wide.onnx", shape=("batch", None))
+    rng = np.random.default_rng(3)
+    sent = [rng.standard_normal((2, 1 << 16), dtype=np.float32) for _ in range(3)]
+    sent.append(rng.standard_normal((4, 1 << 17), dtype=np.float32)[::2, ::2])
+    before = set(driver_refs())
+    async with open_engine() as engine:
+        await engine.load(
+            ModelConfig(
+                name="wide",
+                path=path,
+                backend="ray",
+                batcher="dynamic",
+                batcher_options={"max_batch_size": 8, "max_queue_delay": 2.0},
+            )
+        )
+        got: dict[int, np.ndarray[Any, Any]] = {}
+
+        async def one(i: int) -> None:
+            got[i] = (await engine.infer("wide", {"x": sent[i]}))["y"]
+
+        async with trio.open_nursery() as nursery:
+            for i in range(len(sent)):
+                nursery.start_soon(one, i)
+        for i, x in enumerate(sent):
+            np.testing.assert_array_equal(got[i], x)
+        assert engine.statistics().models["wide"].executions == 1  # all 8 rows at once
+        got.clear()
+    with trio.fail_after(10):
+        while set(driver_refs()) - before:  # noqa: ASYNC110  # Ray's state
+            await trio.sleep(0.05)
+
+
 async def test_codec_keeps_outputs_within_the_bound(local_ray: None, mlp_model: Path) -> None:
     rng = np.random.default_rng(1)
     x = rng.standard_normal((16, 64), dtype=np.float32)
@@ -464,6 +568,7 @@ async def test_missing_ray_names_the_extra(
     ("options", "message"),
     [
         ({"adress": "auto"}, "no option 'adress'; it knows address"),
+        ({"address": "http://head:8265"}, r"http://head:8265.*dashboard's \(Ray Jobs'\)"),
         ({"codec": "int4"}, "codec must be 'none' or 'uint8'"),
         ({"num_gpus": -1}, "num_gpus must be a number >= 0"),
         ({"resources": {"ssd": "lots"}}, r"resources\['ssd'\] must be a number"),
@@ -479,6 +584,42 @@ async def test_bad_options_are_refused_before_ray_starts(
 ) -> None:
     config = ModelConfig(name="m", path=mlp_model, backend="ray", backend_options=options)
     with pytest.raises(ConfigError, match=message):
+        await trioinfer_ray.RayBackend().load(config, config.placements()[0])
+
+
+@pytest.mark.parametrize(
+    ("options", "said"),
+    [
+        ({"resources": {"CPU": 1}}, "instead of 'CPU' and 'GPU'"),
+        ({"num_cpus": 0.00001}, "cannot go beyond 0.0001"),
+    ],
+)
+async def test_options_ray_refuses_are_a_config_error(
+    local_ray: None, mlp_model: Path, options: dict[str, Any], said: str
+) -> None:
+    """Amounts Ray's own checks refuse when the actor is made (a CPU among the custom
+    resources, a share finer than Ray counts) escaped the load as a bare ValueError;
+    they are a ConfigError naming the model and what Ray said."""
+    config = ModelConfig(name="m", path=mlp_model, backend="ray", backend_options=options)
+    with pytest.raises(ConfigError, match=f"model 'm'.*{re.escape(said)}"):
+        await trioinfer_ray.RayBackend().load(config, config.placements()[0])
+
+
+async def test_a_python_model_is_refused_before_ray_starts_naming_the_python_backend(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The actors hold ONNX Runtime sessions: a Python model's file given to the ray
+    backend (as one moving from Ray Serve deployments would) failed on the node with
+    "Protobuf parsing failed"; it is refused before Ray is asked, naming the way."""
+
+    def no_ray(*args: object) -> None:
+        raise AssertionError("Ray was asked")
+
+    monkeypatch.setattr(trioinfer_ray._backend, "connect", no_ray)
+    path = tmp_path / "model.py"
+    path.write_text("class Model:\n    def infer(self, inputs):\n        return inputs\n")
+    config = ModelConfig(name="m", path=path, backend="ray")
+    with pytest.raises(ConfigError, match=r"runs ONNX models.*backend = 'python'"):
         await trioinfer_ray.RayBackend().load(config, config.placements()[0])
 
 
@@ -623,10 +764,13 @@ async def test_many_concurrent_deadlines_end_once_and_the_hop_stays_bounded(
     assert 1 <= peak <= 2 * 2  # two actors, two calls each
 
 
+@pytest.mark.parametrize("how", ["ray.kill", "process crash"])
 async def test_an_actor_killed_mid_request_ends_it_once_with_backend_unavailable(
-    local_ray: None, slow_model: Path
+    local_ray: None, slow_model: Path, how: str
 ) -> None:
-    """One batch running in the actor and one waiting there behind it: each ends once."""
+    """One batch running in the actor and one waiting there behind it: each ends once,
+    whether Ray kills the actor or its process dies (SIGKILL: a crash in ONNX Runtime,
+    the kernel's OOM killer)."""
     recording = Recording()
     xs = np.ones((256, 512), np.float32)
     async with open_engine(registry=recording.registry()) as engine:
@@ -647,7 +791,10 @@ async def test_an_actor_killed_mid_request_ends_it_once_with_backend_unavailable
             with trio.fail_after(30):
                 while engine.statistics().models["slow"].queued:  # noqa: ASYNC110
                     await trio.sleep(0.01)  # both sent: the second waits in the actor
-            ray.kill(instance.actor)
+            if how == "ray.kill":
+                ray.kill(instance.actor)
+            else:
+                os.kill(instance.pid, signal.SIGKILL)  # the actor's node is this machine
         assert len(errors) == 2
         for error in errors:
             assert "is gone" in str(error)
@@ -793,6 +940,67 @@ async def test_unload_and_exit_leave_no_actor_task_or_object_ref(
     assert all(actor_gone(handle) for handle in recording.handles)
 
 
+@pytest.mark.parametrize("how", ["killed", "failed-to-load"])
+async def test_a_shipped_model_file_is_not_left_on_the_node(
+    local_ray: None, tmp_path: Path, mlp_model: Path, how: str
+) -> None:
+    """ship_model = true writes the model to a temporary file on the node for ONNX
+    Runtime to read. Only the actor's close removed it: an actor killed (or lost with
+    its driver) and a load that failed left a copy of the weights in the node's /tmp.
+    It goes once the session is made, or could not be."""
+    name = f"shipped-{how}"
+    left = Path(tempfile.gettempdir()).glob  # the actor's node is this machine
+    path = mlp_model
+    if how == "failed-to-load":
+        path = tmp_path / "broken.onnx"
+        path.write_bytes(b"not an ONNX model")
+    config = ModelConfig(name=name, path=path, backend="ray", backend_options={"ship_model": True})
+    if how == "failed-to-load":
+        with pytest.raises(BackendError, match="on Ray node"):
+            await trioinfer_ray.RayBackend().load(config, config.placements()[0])
+    else:
+        instance = await trioinfer_ray.RayBackend().load(config, config.placements()[0])
+        handle = instance.actor
+        try:
+            out = await instance.execute({"input": np.zeros((1, 64), np.float32)})
+            assert out["output"].shape == (1, 10)  # the session runs without its file
+            ray.kill(handle)
+            assert actor_gone(handle)
+        finally:
+            await instance.aclose()
+    assert not list(left(f"trioinfer-{name}-*.onnx"))
+
+
+async def test_unload_while_requests_run_answers_them_then_kills_the_actor(
+    local_ray: None, slow_model: Path
+) -> None:
+    """engine.unload with one batch running in the actor, one waiting there and one in
+    the driver's queue: all three are answered, then the actor is killed."""
+    recording = Recording()
+    xs = np.ones((64, 512), np.float32)
+    before = set(driver_refs())
+    answered: list[tuple[int, ...]] = []
+    async with open_engine(registry=recording.registry()) as engine:
+        await engine.load(slow_config(path=slow_model))
+        (instance,) = recording.instances
+        handle = instance.actor
+
+        async def caller() -> None:
+            answered.append((await engine.infer("slow", {"x": xs}))["y"].shape)
+
+        async with trio.open_nursery() as nursery:
+            for _ in range(3):
+                nursery.start_soon(caller)
+            await wait_for_counter(instance, "computed", 1)
+            await engine.unload("slow")
+            assert instance.actor is None
+    assert answered == [(64, 512)] * 3
+    with trio.fail_after(10):
+        while set(driver_refs()) - before:  # noqa: ASYNC110  # Ray's state
+            await trio.sleep(0.05)
+    assert actor_gone(handle)  # (after: its own failed call is a ref in a cycle)
+
+
 def write_concat(path: Path) -> Path:
     """y = Concat(x, x) on axis 1: x float32[N, k] -> y float32[N, m], both widths open."""
     import onnx
@@ -861,6 +1069,7 @@ async def test_a_model_file_missing_on_the_node_names_the_node(
     [
         ("address", "nothing"),
         ("RAY_ADDRESS", "nothing"),
+        ("noted", "nothing"),
         ("address", "a silent server"),
         ("address", "an HTTP server"),
     ],
@@ -870,10 +1079,12 @@ def test_a_ray_that_is_not_running_is_backend_unavailable_at_once(
 ) -> None:
     """An address where no Ray listens: a typed error, not minutes of Ray's retries.
 
-    Given as the address option, or as RAY_ADDRESS with address = "auto" (which Ray
-    takes first); nothing on the port, or a server that is not Ray's (one that
-    accepts and says nothing, an HTTP server), where ray.init hung for minutes. In a
-    process of its own: this one is connected to the tests' Ray.
+    Given as the address option, as RAY_ADDRESS with address = "auto" (which Ray
+    takes first), or with "auto" as noted by the last `ray start --head` of a head that
+    died without `ray stop` (Ray reads the note next); nothing on the port, or a
+    server that is not Ray's (one that accepts and says nothing, an HTTP server), where
+    ray.init hung for minutes. In a process of its own: this one is connected to the
+    tests' Ray.
     """
     with contextlib.ExitStack() as stack:
         if listening == "nothing":
@@ -889,6 +1100,11 @@ def _load_from_a_process_of_its_own(tmp_path: Path, mlp_model: Path, how: str, p
     address = f"127.0.0.1:{port}"
     if how == "RAY_ADDRESS":
         env["RAY_ADDRESS"], address = address, "auto"
+    elif how == "noted":
+        env.pop("RAY_ADDRESS", None)
+        (tmp_path / "ray").mkdir()
+        (tmp_path / "ray" / "ray_current_cluster").write_text(address)
+        address = "auto"
     program = f"""
 import time, trio
 import trioinfer_ray
@@ -911,9 +1127,12 @@ print("took", time.monotonic() - start)
         check=False,
     )
     assert result.returncode == 0, result.stderr
-    assert f"BackendUnavailable: model 'm' instance 0 (ray): no Ray at 127.0.0.1:{port}:" in (
-        result.stdout
-    ), result.stdout + result.stderr
+    said = f"BackendUnavailable: model 'm' instance 0 (ray): no Ray at 127.0.0.1:{port}"
+    if how == "noted":  # where the address came from, and why it may be stale
+        said += f" (noted in {tmp_path / 'ray' / 'ray_current_cluster'} by the last "
+    else:
+        said += ":"
+    assert said in result.stdout, result.stdout + result.stderr
     took = float(result.stdout.split("took")[1])
     assert took < 60, result.stdout
 
@@ -1056,13 +1275,27 @@ def test_with_ray_tls_on_the_probe_only_connects(monkeypatch: pytest.MonkeyPatch
         _probe(f"127.0.0.1:{port}", 1.0)
 
 
+def test_a_ray_jobs_address_in_ray_address_is_named_as_such(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """RAY_ADDRESS=http://head:8265 (the dashboard's, which `ray job submit` reads) with
+    address = "auto": the probe said "Name or service not known" of 'http://head'."""
+    from trioinfer_ray._backend import _probe
+
+    monkeypatch.setenv("RAY_ADDRESS", "http://127.0.0.1:8265")
+    with pytest.raises(BackendUnavailable, match=r"RAY_ADDRESS.*dashboard's \(Ray Jobs'\)"):
+        _probe("auto", 5.0)
+
+
 @pytest.mark.parametrize("address", ["auto", "ray://127.0.0.1:{port}/path", "127.0.0.1"])
 def test_addresses_the_probe_cannot_read_are_left_to_ray(
-    address: str, monkeypatch: pytest.MonkeyPatch
+    address: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
-    """ "auto" without RAY_ADDRESS (Ray looks for a cluster itself, and fails at once),
-    an address with a path or without a port: not probed, so never refused by it."""
+    """ "auto" without RAY_ADDRESS nor a noted address (Ray looks for a cluster itself,
+    and fails at once), an address with a path or without a port: not probed, so never
+    refused by it."""
     from trioinfer_ray._backend import _probe
 
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    monkeypatch.setenv("RAY_TMPDIR", str(tmp_path))  # no `ray start --head` noted here
     _probe(address.format(port=_free_port(socket.AF_INET, "127.0.0.1")), 5.0)

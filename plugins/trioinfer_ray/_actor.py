@@ -50,7 +50,6 @@ class ModelActor:
     def __init__(self) -> None:
         self._instance: Any = None
         self._codec = False
-        self._model_file: str | None = None
         self.computed = 0
         self.expired = 0
         self.cancelled = 0
@@ -78,16 +77,20 @@ class ModelActor:
     ) -> dict[str, Any]:
         """Create the session (from *model_bytes* when given, else from *path* on this node).
 
+        *model_bytes* go to a temporary file for ONNX Runtime to read, removed
+        as soon as the session is made (or could not be).
+
         Returns what the driver needs: the signature, the device, the node,
         preferred batch sizes.
         """
         ray: Any = importlib.import_module("ray")  # only actors import it, in Ray's workers
 
+        shipped = None
         if model_bytes is not None:
-            fd, tmp = tempfile.mkstemp(prefix=f"trioinfer-{name}-", suffix=".onnx")
+            fd, shipped = tempfile.mkstemp(prefix=f"trioinfer-{name}-", suffix=".onnx")
             with os.fdopen(fd, "wb") as f:
                 f.write(model_bytes)
-            path = self._model_file = tmp
+            path = shipped
         config = ModelConfig(
             name=name,
             path=Path(path),
@@ -104,6 +107,11 @@ class ModelActor:
         except TrioInferError as exc:
             # "no model file at /models/digits.onnx" is about this node's disk: say which.
             raise _on_node(exc, f"on Ray node {node_id[:12]} ({node_ip})") from exc
+        finally:
+            # The session has read the shipped file (or could not): removed now, not at
+            # close, which an actor killed or lost with its driver never reaches.
+            if shipped is not None:
+                await anyio.Path(shipped).unlink(missing_ok=True)
         self._codec = codec
         # Every dispatch but ort_async runs the session one call at a time, in order.
         self._serial = ort_options.get("dispatch") != "ort_async"
@@ -224,13 +232,10 @@ class ModelActor:
         }
 
     async def close(self) -> None:
-        """Close the instance and remove a model file written for it. Idempotent."""
+        """Close the instance. Idempotent."""
         instance, self._instance = self._instance, None
         if instance is not None:
             await instance.aclose()
-        if self._model_file is not None:
-            await anyio.Path(self._model_file).unlink(missing_ok=True)
-            self._model_file = None
 
 
 def _is_cancelled(exc: BaseException) -> bool:

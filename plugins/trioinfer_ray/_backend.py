@@ -27,6 +27,7 @@ import numpy as np
 from trioinfer import (
     BackendError,
     BackendUnavailable,
+    ConfigError,
     DeadlineExceeded,
     ModelConfig,
     ModelSignature,
@@ -42,7 +43,7 @@ from trioinfer.lowlevel import (
 
 from . import _codec
 from ._actor import ModelActor
-from ._options import DEFAULT_START_TIMEOUT_S, RayOptions, check_options
+from ._options import DEFAULT_START_TIMEOUT_S, RayOptions, address_problem, check_options
 
 log = logging.getLogger("trioinfer.ray")
 
@@ -77,7 +78,8 @@ def connect(address: str | None, timeout: float = DEFAULT_START_TIMEOUT_S) -> No
     Blocking (starting a local Ray takes seconds): call it off the event loop.
     A process already connected keeps its connection, whatever *address* says.
     An address of the form ``host:port`` (or ``ray://host:port``, or
-    ``"auto"`` with ``RAY_ADDRESS`` set to one) is tried first with a plain
+    ``"auto"`` where ``RAY_ADDRESS`` names one, or where the last
+    ``ray start --head`` on this machine noted one) is tried first with a plain
     TCP connection of at most *timeout* seconds, and what answers must speak
     gRPC (HTTP/2), as Ray's GCS and Ray Client servers do: where nothing
     listens, or something else does (an HTTP server, a port that accepts and
@@ -119,10 +121,19 @@ def connect(address: str | None, timeout: float = DEFAULT_START_TIMEOUT_S) -> No
 
 
 def _probe(address: str, timeout: float) -> None:
-    # Only host:port addresses (and "auto" where RAY_ADDRESS names one, which Ray takes
-    # first): otherwise "auto" is looked up by Ray itself, which fails at once.
+    # Only host:port addresses, and "auto" where it resolves to one as ray.init resolves
+    # it: RAY_ADDRESS first, else the address the last `ray start --head` noted (which
+    # a head that died without `ray stop` leaves behind: ray.init retried it for ten
+    # minutes). Otherwise "auto" is looked up by Ray itself, which fails at once.
+    shown = address  # as the errors name it
     if address == "auto":
-        address = os.environ.get("RAY_ADDRESS", "") or address
+        address = shown = os.environ.get("RAY_ADDRESS", "")
+        problem = address_problem(address)
+        if problem is not None:
+            raise BackendUnavailable(f"address 'auto' takes RAY_ADDRESS, and {problem}")
+        if not address:
+            address, note = _noted_address()
+            shown = f"{address} (noted in {note} by the last 'ray start --head' on this machine)"
     host, sep, port = address.removeprefix("ray://").rpartition(":")
     if not sep or not host or not port.isdigit():
         return
@@ -134,7 +145,7 @@ def _probe(address: str, timeout: float) -> None:
         connection = socket.create_connection((host.strip("[]"), int(port)), timeout=timeout)
     except OSError as exc:
         raise BackendUnavailable(
-            f"no Ray at {address}: connecting to {host}:{port} failed ({exc}); {hint}"
+            f"no Ray at {shown}: connecting to {host}:{port} failed ({exc}); {hint}"
         ) from exc
     with connection:
         if _tls():
@@ -146,20 +157,30 @@ def _probe(address: str, timeout: float) -> None:
             first = _read_frame_header(connection)
         except TimeoutError:
             raise BackendUnavailable(
-                f"no Ray at {address}: {host}:{port} accepted the connection but sent "
+                f"no Ray at {shown}: {host}:{port} accepted the connection but sent "
                 f"nothing in {wait:g} s, where Ray's gRPC server answers at once; {hint}"
             ) from None
         except OSError as exc:
             raise BackendUnavailable(
-                f"no Ray at {address}: {host}:{port} accepted the connection, then failed "
+                f"no Ray at {shown}: {host}:{port} accepted the connection, then failed "
                 f"({exc}); {hint}"
             ) from exc
     if len(first) < _FRAME_HEADER or first[3] != _SETTINGS:
         said = f"answered {first[:24]!r}" if first else "closed the connection unanswered"
         raise BackendUnavailable(
-            f"no Ray at {address}: {host}:{port} {said}, which is not gRPC (HTTP/2), as "
+            f"no Ray at {shown}: {host}:{port} {said}, which is not gRPC (HTTP/2), as "
             f"Ray's GCS and Ray Client servers speak; another server listens there; {hint}"
         )
+
+
+def _noted_address() -> tuple[str, str]:
+    # The address `ray start --head` noted for "auto" (Ray's own lookup, so that the
+    # probe tries the address ray.init will), and the file it is in; ("", "") if none.
+    try:
+        utils = importlib.import_module("ray._private.utils")
+        return utils.read_ray_address(None) or "", str(utils.get_ray_address_file(None))
+    except Exception:  # another Ray's internals: ray.init is left to find it
+        return "", ""
 
 
 #: The HTTP/2 client preface and an empty SETTINGS frame: a gRPC server answers it
@@ -302,7 +323,9 @@ class RayBackend:
         """Create the instance's actor where its options place it, and its session there.
 
         Raises:
-            ConfigError: Unknown or invalid ``backend_options``.
+            ConfigError: Unknown or invalid ``backend_options`` (by their own
+                checks, or Ray's when it makes the actor), or a Python model's
+                file (``.py``: the actors run ONNX models).
             BackendUnavailable: Ray is not installed, the cluster at ``address``
                 does not answer (or refuses this driver), or no node took the
                 actor (or loaded the model) within ``start_timeout``.
@@ -311,6 +334,12 @@ class RayBackend:
         """
         options = check_options(config, placement)
         path = config.model_file("the .onnx file its actors load")
+        if path.suffix == ".py":  # on the node, ONNX Runtime's "Protobuf parsing failed"
+            raise ConfigError(
+                f"model {config.name!r}: the ray backend runs ONNX models (an ONNX Runtime "
+                f"session in each actor), and {path} is a Python model: serve it with "
+                "backend = 'python', in this process"
+            )
         if options.address is None and "ray" not in sys.modules:
             # A Ray we may start ourselves: Ray reads this when imported, and then
             # runs every process of it on 127.0.0.1 alone.
@@ -327,7 +356,13 @@ class RayBackend:
                 model_bytes = await anyio.Path(path).read_bytes()
             except OSError as exc:
                 raise BackendError(f"{label}: cannot read {path}: {exc}") from exc
-        actor = _create_actor(options)
+        try:
+            actor = _create_actor(options)
+        except ValueError as exc:  # Ray's own checks of the amounts asked for
+            raise ConfigError(
+                f"model {config.name!r}: Ray refuses the ray backend options "
+                f"({_asks(options)}): {exc}"
+            ) from exc
         # No CPU pinning on a node this process does not know; everything else as asked.
         remote_placement = Placement(
             placement.device,

@@ -84,6 +84,9 @@ def check_options(config: ModelConfig, placement: Placement) -> RayOptions:
         raise ConfigError(
             f"{where} address must be 'auto', 'ray://host:port' or 'host:port', got {address!r}"
         )
+    problem = address_problem(address) if address is not None else None
+    if problem is not None:
+        raise ConfigError(f"{where} address: {problem}")
     gpu = placement.device.kind != "cpu"
     threads = placement.threads or 1
     num_cpus = _amount(where, "num_cpus", options.get("num_cpus", threads))
@@ -132,6 +135,22 @@ def check_options(config: ModelConfig, placement: Placement) -> RayOptions:
         start_timeout=float(timeout),
         ort_options=dict(ort),
         pipeline_depth=depth,
+    )
+
+
+def address_problem(address: str) -> str | None:
+    """Why *address* is no address a Ray driver connects to (a scheme but ``ray://``), or None.
+
+    ``http://head:8265``, the dashboard's, is what ``ray job submit`` reads from
+    ``RAY_ADDRESS``: a user of Ray Jobs may well have it set.
+    """
+    scheme, sep, _ = address.partition("://")
+    if not sep or scheme == "ray":
+        return None
+    jobs = " (http://host:8265 is the dashboard's (Ray Jobs') address)" if "http" in scheme else ""
+    return (
+        f"{address!r} is not an address a Ray driver connects to{jobs}; give 'host:6379' "
+        "(the head's GCS), 'ray://host:10001' (Ray Client) or 'auto'"
     )
 
 
