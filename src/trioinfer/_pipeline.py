@@ -103,6 +103,11 @@ class Resume:
     tensors: dict[str, Any] | None
     left: Unfinished | _Later
 
+    @property
+    def spent(self) -> bool:
+        """Whether it stopped only because the loop's inline slice was spent before a step."""
+        return self.left is _SPENT
+
 
 _FROM_START = Resume(0, None, _LATER)
 
@@ -257,7 +262,13 @@ class Pipeline:
         await self._stop.wait()
 
     def run_now(
-        self, arrays: dict[str, Any], rows: int, deadline: float, now: float
+        self,
+        arrays: dict[str, Any],
+        rows: int,
+        deadline: float,
+        now: float,
+        resume: Resume = _FROM_START,
+        arrival: float | None = None,
     ) -> Outputs | Resume:
         """Run a request's steps as plain calls, from `validate` with no await since.
 
@@ -266,7 +277,10 @@ class Pipeline:
         inline slice lasts (`_step_now`), the request ends here, counted, with
         no request object, coroutine or task: its outputs. Else a `Resume` to
         pass to `call` at once (no await before), which goes on where this
-        stopped; the steps run so far are not run again.
+        stopped; the steps run so far are not run again. One that stopped
+        only for the slice (`Resume.spent`) may instead go to `run_after_yield`.
+        *resume* and *arrival* (the request's arrival, else *now*): where
+        `run_after_yield` goes on from.
 
         Raises:
             What a step's inputs or outputs failed with, the step named.
@@ -277,14 +291,18 @@ class Pipeline:
             or self._in_flight >= self.config.max_queue_size
             or deadline <= now
         ):
-            return _FROM_START  # call's way: the errors it raises, side by side steps
-        tensors: dict[str, Any] = dict(arrays)
-        at = 0
+            # call's way: the errors it raises, side by side steps (from the step
+            # this stopped at, which need not wait for a slice: the loop just ran).
+            return resume if resume.left is _LATER else Resume(resume.at, resume.tensors, _LATER)
+        tensors: dict[str, Any] = dict(arrays) if resume.tensors is None else resume.tensors
+        at = resume.at
+        yielded = resume.left is _SPENT  # the first step's slice is fresh: it just yielded
         try:
-            for index, step in self._in_turn:
-                left = self._step_now(index, step, tensors, deadline=deadline)
+            for index, step in self._in_turn[at:] if at else self._in_turn:
+                left = self._step_now(index, step, tensors, yielded, deadline)
                 if left is not None:
                     return Resume(at, tensors, left)
+                yielded = False
                 at += 1
         except TrioInferError:
             self.failed += 1
@@ -292,8 +310,50 @@ class Pipeline:
         outputs = self._outputs(tensors)
         self.succeeded += 1
         self.inferences += rows or 1
-        self._request_duration.observe(self.clock.current_time() - now)
+        self._request_duration.observe(
+            self.clock.current_time() - (now if arrival is None else arrival)
+        )
         return outputs
+
+    async def run_after_yield(
+        self, arrays: dict[str, Any], rows: int, resume: Resume, arrival: float
+    ) -> Outputs | Resume:
+        """Yield for the loop's inline slice, then `run_now` on from *resume*.
+
+        For a request that `run_now` stopped only because the slice was spent
+        before a step (`Resume.spent`); *arrival*: the *now* it was given. With
+        a step of a few hundred microseconds that is every request: yielding
+        here, with no request object and no `call` (its own bookkeeping, a
+        coroutine and its cancel checks), costs what the yield costs. The
+        request counts as in flight meanwhile (`stop` and `wait_idle` wait for
+        it, ``max_queue_size`` counts it). Its answer is `run_now`'s.
+
+        Raises:
+            What `run_now` raises; ``Cancelled`` if its caller was cancelled
+            meanwhile (counted cancelled), `EngineClosed` if the pipeline
+            was stopped meanwhile (counted failed, as `call` counts one it cuts off).
+        """
+        self._in_flight += 1
+        try:
+            await self.clock.checkpoint()
+        except anyio.get_cancelled_exc_class():
+            self.cancelled += 1
+            raise
+        finally:
+            self._in_flight -= 1
+            if not self._in_flight and self._idle is not None:
+                self._idle.set()
+                self._idle = None
+        restart_inline_slice()
+        if self._stopped:
+            self.failed += 1
+            raise EngineClosed(
+                f"pipeline {self.config.name!r} was unloaded or the engine closed before "
+                "a request's steps ended"
+            )
+        clock = self.clock
+        deadline = clock.current_effective_deadline()
+        return self.run_now(arrays, rows, deadline, clock.current_time(), resume, arrival)
 
     async def call(
         self, request: Request, *, own_deadline: bool = True, resume: Resume = _FROM_START
@@ -368,7 +428,7 @@ class Pipeline:
             if left is _SPENT:
                 # The loop's inline slice is spent: yield now, holding nothing, then
                 # try again (anything may have changed meanwhile).
-                await anyio.lowlevel.checkpoint()
+                await self.clock.checkpoint()
                 restart_inline_slice()
                 left = self._step_now(index, step, tensors, yielded=True)
             if left is not None:
@@ -491,7 +551,7 @@ class Pipeline:
             # The loop's inline slice is spent: yield now, holding nothing, not
             # in the instance's execute while it holds the model (whoever came
             # by meanwhile would queue, and the queue then seldom empties).
-            await anyio.lowlevel.checkpoint()
+            await self.clock.checkpoint()
             restart_inline_slice()
             if self._cut:
                 raise EngineClosed(f"pipeline {self.config.name!r} stopped before step {index}")
