@@ -776,6 +776,26 @@ async def test_a_slice_spent_mid_chain_yields_once_and_goes_on_from_that_step(
         assert stats["p"].request_duration.count == 1
 
 
+async def test_a_slice_spent_again_after_the_yield_yields_again_and_runs_each_step_once(
+    elapses_clock: None,
+) -> None:
+    # "a" and "b" each spend the slice: the request yields before "b" and again
+    # before "c" (Pipeline.run_after_yield goes round), each step running once,
+    # the request counted once.
+    first = model("a", Elapses, parameters={}, backend_options={"dispatch": "inline"})
+    second = model("b", Elapses, parameters={}, backend_options={"dispatch": "inline"})
+    async with open_engine() as engine:
+        await load(engine, first, second, inline("c"), chain("a", "b", "c"))
+        with counting_steps() as steps:
+            out = await engine.infer("p", {"IN": X})
+        np.testing.assert_array_equal(out["OUT"], X + 3)
+        assert Elapses.now[0] == 12.0  # "a" and "b" ran once each
+        assert steps.count == 2  # a yield before "b", one before "c"
+        stats = engine.statistics().models
+        assert [stats[m].succeeded for m in ("a", "b", "c", "p")] == [1, 1, 1, 1]
+        assert (stats["p"].request_duration.count, stats["p"].in_flight) == (1, 0)
+
+
 @pytest.mark.parametrize("meanwhile", ["nothing", "cancelled", "drained", "unloaded"])
 async def test_a_request_waiting_for_the_slice_mid_chain_is_in_flight_and_ends_once(
     meanwhile: str, elapses_clock: None

@@ -733,11 +733,11 @@ class Engine:
                 if deadline != -math.inf and (deadline != math.inf or not pipeline.queue_timeouts):
                     now = clock.current_time()
                     done = pipeline.run_now(arrays, n, deadline, now)
-                    while done.__class__ is Resume and done.spent:
+                    if done.__class__ is Resume and done.spent:
                         # The loop's inline slice was spent before a step (with a step
                         # of hundreds of microseconds: every request): yield and go on
                         # as plain calls, with no request object or call() of its own.
-                        done = await pipeline.run_after_yield(arrays, n, done, now)
+                        done = await pipeline.run_after_yield(n, done, now)
                     if done.__class__ is not Resume:
                         return done  # type: ignore[return-value]
                     return await pipeline.call(

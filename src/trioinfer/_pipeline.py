@@ -262,13 +262,7 @@ class Pipeline:
         await self._stop.wait()
 
     def run_now(
-        self,
-        arrays: dict[str, Any],
-        rows: int,
-        deadline: float,
-        now: float,
-        resume: Resume = _FROM_START,
-        arrival: float | None = None,
+        self, arrays: dict[str, Any], rows: int, deadline: float, now: float
     ) -> Outputs | Resume:
         """Run a request's steps as plain calls, from `validate` with no await since.
 
@@ -278,9 +272,8 @@ class Pipeline:
         no request object, coroutine or task: its outputs. Else a `Resume` to
         pass to `call` at once (no await before), which goes on where this
         stopped; the steps run so far are not run again. One that stopped
-        only for the slice (`Resume.spent`) may instead go to `run_after_yield`.
-        *resume* and *arrival* (the request's arrival, else *now*): where
-        `run_after_yield` goes on from.
+        only because the slice was spent (`Resume.spent`) may go to
+        `run_after_yield` instead.
 
         Raises:
             What a step's inputs or outputs failed with, the step named.
@@ -291,12 +284,68 @@ class Pipeline:
             or self._in_flight >= self.config.max_queue_size
             or deadline <= now
         ):
-            # call's way: the errors it raises, side by side steps (from the step
-            # this stopped at, which need not wait for a slice: the loop just ran).
-            return resume if resume.left is _LATER else Resume(resume.at, resume.tensors, _LATER)
-        tensors: dict[str, Any] = dict(arrays) if resume.tensors is None else resume.tensors
-        at = resume.at
-        yielded = resume.left is _SPENT  # the first step's slice is fresh: it just yielded
+            return _FROM_START  # call's way: the errors it raises, side by side steps
+        tensors: dict[str, Any] = dict(arrays)
+        stopped = self._steps_now(tensors, 0, False, deadline)
+        if stopped is not None:
+            return stopped
+        return self._answered(tensors, rows, now)
+
+    async def run_after_yield(self, rows: int, resume: Resume, arrival: float) -> Outputs | Resume:
+        """Yield for the loop's inline slice, then run on from *resume* as `run_now` does.
+
+        For a request that `run_now` stopped only because the slice was spent
+        before a step (`Resume.spent`), at once (no await before); *arrival*:
+        the *now* it was given. With a step of a few hundred microseconds that
+        is every request: here it costs the yield, not a request object and
+        `call` (its bookkeeping, a coroutine, its cancel checks). The request
+        counts as in flight meanwhile (`stop` and `wait_idle` wait for it,
+        ``max_queue_size`` counts it). Its outputs, or a `Resume` for `call`
+        (a step whose model is busy, a deadline gone by).
+
+        Raises:
+            What `run_now` raises; ``Cancelled`` if its caller was cancelled
+            meanwhile (counted cancelled), `EngineClosed` if the pipeline
+            was stopped meanwhile (counted failed, as `call` counts one it cuts off).
+        """
+        assert resume.tensors is not None  # (run_now's, which ran a step or none)
+        clock = self.clock
+        self._in_flight += 1
+        try:
+            while True:
+                try:
+                    await clock.checkpoint()
+                except anyio.get_cancelled_exc_class():
+                    self.cancelled += 1
+                    raise
+                restart_inline_slice()
+                if self._stopped:
+                    self.failed += 1
+                    raise EngineClosed(
+                        f"pipeline {self.config.name!r} was unloaded or the engine closed "
+                        "before a request's steps ended"
+                    )
+                deadline = clock.current_effective_deadline()
+                if deadline <= clock.current_time():
+                    return Resume(resume.at, resume.tensors, _LATER)  # call raises it
+                stopped = self._steps_now(resume.tensors, resume.at, True, deadline)
+                if stopped is None:
+                    return self._answered(resume.tensors, rows, arrival)
+                if not stopped.spent:
+                    return stopped
+                resume = stopped  # spent again before a later step: yield again
+        finally:
+            self._in_flight -= 1
+            if not self._in_flight and self._idle is not None:
+                self._idle.set()
+                self._idle = None
+
+    def _steps_now(
+        self, tensors: dict[str, Any], at: int, yielded: bool, deadline: float
+    ) -> Resume | None:
+        # The steps in turn from position *at* as plain calls (_step_now), their
+        # outputs into *tensors*: None once all have run, else where it stopped.
+        # *yielded*: the first of them need not look at the slice (just restarted).
         try:
             for index, step in self._in_turn[at:] if at else self._in_turn:
                 left = self._step_now(index, step, tensors, yielded, deadline)
@@ -307,53 +356,15 @@ class Pipeline:
         except TrioInferError:
             self.failed += 1
             raise
+        return None
+
+    def _answered(self, tensors: dict[str, Any], rows: int, arrival: float) -> Outputs:
+        # A request whose steps all ran as plain calls: counted, its outputs.
         outputs = self._outputs(tensors)
         self.succeeded += 1
         self.inferences += rows or 1
-        self._request_duration.observe(
-            self.clock.current_time() - (now if arrival is None else arrival)
-        )
+        self._request_duration.observe(self.clock.current_time() - arrival)
         return outputs
-
-    async def run_after_yield(
-        self, arrays: dict[str, Any], rows: int, resume: Resume, arrival: float
-    ) -> Outputs | Resume:
-        """Yield for the loop's inline slice, then `run_now` on from *resume*.
-
-        For a request that `run_now` stopped only because the slice was spent
-        before a step (`Resume.spent`); *arrival*: the *now* it was given. With
-        a step of a few hundred microseconds that is every request: yielding
-        here, with no request object and no `call` (its own bookkeeping, a
-        coroutine and its cancel checks), costs what the yield costs. The
-        request counts as in flight meanwhile (`stop` and `wait_idle` wait for
-        it, ``max_queue_size`` counts it). Its answer is `run_now`'s.
-
-        Raises:
-            What `run_now` raises; ``Cancelled`` if its caller was cancelled
-            meanwhile (counted cancelled), `EngineClosed` if the pipeline
-            was stopped meanwhile (counted failed, as `call` counts one it cuts off).
-        """
-        self._in_flight += 1
-        try:
-            await self.clock.checkpoint()
-        except anyio.get_cancelled_exc_class():
-            self.cancelled += 1
-            raise
-        finally:
-            self._in_flight -= 1
-            if not self._in_flight and self._idle is not None:
-                self._idle.set()
-                self._idle = None
-        restart_inline_slice()
-        if self._stopped:
-            self.failed += 1
-            raise EngineClosed(
-                f"pipeline {self.config.name!r} was unloaded or the engine closed before "
-                "a request's steps ended"
-            )
-        clock = self.clock
-        deadline = clock.current_effective_deadline()
-        return self.run_now(arrays, rows, deadline, clock.current_time(), resume, arrival)
 
     async def call(
         self, request: Request, *, own_deadline: bool = True, resume: Resume = _FROM_START
