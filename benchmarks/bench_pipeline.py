@@ -428,7 +428,12 @@ def main() -> None:
         f"C={args.concurrency}, dispatch {args.dispatch}, pipeline instances "
         f"{args.pipeline_instances}, ONNX step "
         + (f"MLP 64-{args.hidden}-{args.hidden}-10" if args.hidden else "digits")
-        + f", pipeline_depth {args.depth}"
+        + f", pipeline_depth {args.depth}; the hand arm runs the session as the instance "
+        + (
+            "does inline (a yield first, no RunOptions)"
+            if args.dispatch == "inline"
+            else "does on its thread (one RunOptions a run)"
+        )
     )
 
 
