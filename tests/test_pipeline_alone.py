@@ -796,6 +796,27 @@ async def test_a_slice_spent_again_after_the_yield_yields_again_and_runs_each_st
         assert (stats["p"].request_duration.count, stats["p"].in_flight) == (1, 0)
 
 
+def test_a_slice_spent_mid_chain_goes_on_after_the_yield_on_asyncio_too(
+    elapses_clock: None,
+) -> None:
+    # run_after_yield yields with the loop's own checkpoint (LoopClock.checkpoint):
+    # anyio's on asyncio. The request answers once, each step run once.
+    first = model("a", Elapses, parameters={}, backend_options={"dispatch": "inline"})
+    second = model("b", Elapses, parameters={}, backend_options={"dispatch": "inline"})
+
+    async def main() -> tuple[np.ndarray[Any, Any], list[int]]:
+        async with open_engine() as engine:
+            await load(engine, first, second, inline("c"), chain("a", "b", "c"))
+            out = await engine.infer("p", {"IN": X})
+            stats = engine.statistics().models
+            return out["OUT"], [stats[m].succeeded for m in ("a", "b", "c", "p")]
+
+    out, succeeded = anyio.run(main, backend="asyncio")
+    np.testing.assert_array_equal(out, X + 3)
+    assert succeeded == [1, 1, 1, 1]
+    assert Elapses.now[0] == 12.0
+
+
 @pytest.mark.parametrize("meanwhile", ["nothing", "cancelled", "drained", "unloaded"])
 async def test_a_request_waiting_for_the_slice_mid_chain_is_in_flight_and_ends_once(
     meanwhile: str, elapses_clock: None
