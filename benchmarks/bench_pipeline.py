@@ -43,7 +43,9 @@ only those; ``--pipeline-instances N`` gives the batched pipeline N graph instan
 batches in flight at once).
 
 Both arms do the same work: one session, one compute thread, one ``RunOptions`` per
-run; only the engine (queues, step requests, output checks) is extra. Each arm runs
+run on a worker thread and none inline (as the ONNX Runtime instance runs it; until
+2026-12-06 19:10 UTC the hand arm made one inline too); only the engine (queues,
+step requests, output checks) is extra. Each arm runs
 in its own event loop after a warm-up, the arms alternate (the order reverses every
 round), and beside req/s each prints the process's CPU time per request (all threads),
 which machine load moves far less than req/s.
@@ -150,7 +152,8 @@ class _Hand:
     def infer_sync(self, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         """The three steps in one plain call: where it runs is its caller's choice."""
         row = self.scale.infer({"image": inputs["IMAGE"]})["input"]
-        values = self.session.run(["probabilities"], {"input": row}, ort.RunOptions())
+        # No RunOptions: nothing can abort a plain call (as the instance runs inline).
+        values = self.session.run(["probabilities"], {"input": row})
         named = self.names.infer({"probabilities": values[0]})
         return {"NAME": named["name"], "CONFIDENCE": named["confidence"]}
 
@@ -159,15 +162,17 @@ class _Hand:
         if image.dtype != np.uint8 or image.ndim != 3 or image.shape[1:] != (8, 8):
             raise trioinfer.InvalidInput(f"IMAGE must be uint8 [batch, 8, 8], got {image.shape}")
         row = self.scale.infer({"image": image})["input"]
-        run_options = ort.RunOptions()
         if self.worker is not None:
+            # One RunOptions a run, as the instance makes on its thread (to abort it).
             async with self.one_run:
                 values = await self.worker.run_sync(
-                    self.session.run, ["probabilities"], {"input": row}, run_options
+                    self.session.run, ["probabilities"], {"input": row}, ort.RunOptions()
                 )
         else:
-            await trio.lowlevel.checkpoint()  # as an inline execution yields first
-            values = self.session.run(["probabilities"], {"input": row}, run_options)
+            # As an inline execution: a yield first, and no RunOptions (nothing can
+            # abort a run on the loop's thread).
+            await trio.lowlevel.checkpoint()
+            values = self.session.run(["probabilities"], {"input": row})
         named = self.names.infer({"probabilities": values[0]})
         return {"NAME": named["name"], "CONFIDENCE": named["confidence"]}
 
@@ -423,7 +428,12 @@ def main() -> None:
         f"C={args.concurrency}, dispatch {args.dispatch}, pipeline instances "
         f"{args.pipeline_instances}, ONNX step "
         + (f"MLP 64-{args.hidden}-{args.hidden}-10" if args.hidden else "digits")
-        + f", pipeline_depth {args.depth}"
+        + f", pipeline_depth {args.depth}; the hand arm runs the session as the instance "
+        + (
+            "does inline (a yield first, no RunOptions)"
+            if args.dispatch == "inline"
+            else "does on its thread (one RunOptions a run)"
+        )
     )
 
 

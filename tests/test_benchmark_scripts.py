@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ast
 import json
+import os
 import subprocess
 import sys
 import types
@@ -480,3 +481,20 @@ def test_bench_pipeline_dials_the_onnx_steps_cost() -> None:
     )
     assert refused.returncode == 2
     assert "--hidden must be 0" in refused.stderr
+
+
+@pytest.mark.pipeline
+def test_count_pipeline_runs_an_arm_for_so_many_requests() -> None:
+    """count_pipeline.py runs one bench_pipeline arm for a count of requests, virtual slice too."""
+    script = str(BENCHMARKS / "count_pipeline.py")
+    for virtual in ("", "300"):
+        done = subprocess.run(
+            [sys.executable, script, "20", "--arms", "pipeline", "--concurrency", "4"],
+            capture_output=True,
+            text=True,
+            check=True,
+            timeout=120,
+            env={**os.environ, "VIRTUAL_RUN_US": virtual},
+        )
+        assert "round 1: pipeline" in done.stdout
+        assert "ONNX step digits" in done.stdout

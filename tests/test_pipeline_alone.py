@@ -776,6 +776,111 @@ async def test_a_slice_spent_mid_chain_yields_once_and_goes_on_from_that_step(
         assert stats["p"].request_duration.count == 1
 
 
+async def test_a_slice_spent_again_after_the_yield_yields_again_and_runs_each_step_once(
+    elapses_clock: None,
+) -> None:
+    # "a" and "b" each spend the slice: the request yields before "b" and again
+    # before "c" (Pipeline.run_after_yield goes round), each step running once,
+    # the request counted once.
+    first = model("a", Elapses, parameters={}, backend_options={"dispatch": "inline"})
+    second = model("b", Elapses, parameters={}, backend_options={"dispatch": "inline"})
+    async with open_engine() as engine:
+        await load(engine, first, second, inline("c"), chain("a", "b", "c"))
+        with counting_steps() as steps:
+            out = await engine.infer("p", {"IN": X})
+        np.testing.assert_array_equal(out["OUT"], X + 3)
+        assert Elapses.now[0] == 12.0  # "a" and "b" ran once each
+        assert steps.count == 2  # a yield before "b", one before "c"
+        stats = engine.statistics().models
+        assert [stats[m].succeeded for m in ("a", "b", "c", "p")] == [1, 1, 1, 1]
+        assert (stats["p"].request_duration.count, stats["p"].in_flight) == (1, 0)
+
+
+def test_a_slice_spent_mid_chain_goes_on_after_the_yield_on_asyncio_too(
+    elapses_clock: None,
+) -> None:
+    # run_after_yield yields with the loop's own checkpoint (LoopClock.checkpoint):
+    # anyio's on asyncio. The request answers once, each step run once.
+    first = model("a", Elapses, parameters={}, backend_options={"dispatch": "inline"})
+    second = model("b", Elapses, parameters={}, backend_options={"dispatch": "inline"})
+
+    async def main() -> tuple[np.ndarray[Any, Any], list[int]]:
+        async with open_engine() as engine:
+            await load(engine, first, second, inline("c"), chain("a", "b", "c"))
+            out = await engine.infer("p", {"IN": X})
+            stats = engine.statistics().models
+            return out["OUT"], [stats[m].succeeded for m in ("a", "b", "c", "p")]
+
+    out, succeeded = anyio.run(main, backend="asyncio")
+    np.testing.assert_array_equal(out, X + 3)
+    assert succeeded == [1, 1, 1, 1]
+    assert Elapses.now[0] == 12.0
+
+
+@pytest.mark.parametrize("meanwhile", ["nothing", "cancelled", "drained", "unloaded"])
+async def test_a_request_waiting_for_the_slice_mid_chain_is_in_flight_and_ends_once(
+    meanwhile: str, elapses_clock: None
+) -> None:
+    # When the slice is spent before a later step, engine.infer yields with no
+    # request object of its own (Pipeline.run_after_yield) and goes on from that
+    # step. Meanwhile the request is in flight: an unload drains it (it answers)
+    # or, with no drain period, ends it with EngineClosed; a caller cancelled
+    # meanwhile ends cancelled. Each way it is counted once, and the step after
+    # the yield runs only if it answers.
+    first = model("a", Elapses, parameters={}, backend_options={"dispatch": "inline"})
+    async with open_engine(drain_period=0.0 if meanwhile == "unloaded" else 10.0) as engine:
+        await load(engine, first, inline("b"), chain("a", "b"))
+        pipeline = engine._pipes["p"]
+        events: list[str] = []
+
+        async with trio.open_nursery() as nursery:
+
+            async def unload() -> None:
+                await engine.unload("p")
+                events.append("unloaded")
+
+            async def yield_meanwhile() -> None:
+                # The pipeline's yield for the slice, with the test's doings in it.
+                events.append(f"yields, in flight {pipeline.statistics().in_flight}")
+                if meanwhile == "cancelled":
+                    scope.cancel()
+                elif meanwhile != "nothing":
+                    nursery.start_soon(unload)
+                    await trio.testing.wait_all_tasks_blocked()  # draining, or stopping
+                await trio.lowlevel.checkpoint()
+
+            pipeline.clock.checkpoint = yield_meanwhile
+            with trio.CancelScope() as scope:
+                try:
+                    out = await engine.infer("p", {"IN": X})
+                except EngineClosed as exc:
+                    events.append(f"EngineClosed: {exc}")
+                else:
+                    np.testing.assert_array_equal(out["OUT"], X + 2)
+                    events.append("answered")
+            if scope.cancelled_caught:
+                events.append("cancelled")
+        s = pipeline.statistics()
+        counts = (s.succeeded, s.failed, s.cancelled, s.in_flight)
+    closed = "EngineClosed: pipeline 'p' was unloaded or the engine closed before a request's"
+    assert events[0] == "yields, in flight 1"
+    assert [e[: len(closed)] for e in events[1:]] == {
+        "nothing": ["answered"],
+        "cancelled": ["cancelled"],
+        "drained": ["answered", "unloaded"],
+        "unloaded": [closed, "unloaded"],
+    }[meanwhile]
+    expected = {
+        "nothing": (1, 0, 0, 0),
+        "cancelled": (0, 0, 1, 0),
+        "drained": (1, 0, 0, 0),
+        "unloaded": (0, 1, 0, 0),
+    }
+    assert counts == expected[meanwhile]  # (succeeded, failed, cancelled, in flight)
+    assert Elapses.now[0] == 11.0  # "a" ran once
+    assert ("b" in Probe.tasks) == (meanwhile in ("nothing", "drained"))
+
+
 @pytest.mark.parametrize("scenario", ["ok", "bad input", "cancelled", "full", "expired", "failing"])
 async def test_infer_takes_a_pipelines_request_as_infer_detailed_does(
     scenario: str, autojump_clock: trio.testing.MockClock, still_slice: None

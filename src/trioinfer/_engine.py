@@ -738,6 +738,11 @@ class Engine:
                 if deadline != -math.inf and (deadline != math.inf or not pipeline.queue_timeouts):
                     now = clock.current_time()
                     done = pipeline.run_now(arrays, n, deadline, now)
+                    if done.__class__ is Resume and done.spent:
+                        # The loop's inline slice was spent before a step (with a step
+                        # of hundreds of microseconds: every request): yield and go on
+                        # as plain calls, with no request object or call() of its own.
+                        done = await pipeline.run_after_yield(n, done, now)
                     if done.__class__ is not Resume:
                         return done  # type: ignore[return-value]
                     return await pipeline.call(
@@ -1642,7 +1647,7 @@ async def _yield_for_slice(runner: ModelRunner) -> None:
     # slice is spent. A caller that leaves meanwhile (its deadline passed, or it was
     # cancelled) is counted as one that left its queued request: it was in no counter.
     try:
-        await anyio.lowlevel.checkpoint()
+        await runner.clock.checkpoint()
     except anyio.get_cancelled_exc_class():
         runner.cancelled += 1
         raise

@@ -103,6 +103,11 @@ class Resume:
     tensors: dict[str, Any] | None
     left: Unfinished | _Later
 
+    @property
+    def spent(self) -> bool:
+        """Whether it stopped only because the loop's inline slice was spent before a step."""
+        return self.left is _SPENT
+
 
 _FROM_START = Resume(0, None, _LATER)
 
@@ -266,7 +271,9 @@ class Pipeline:
         inline slice lasts (`_step_now`), the request ends here, counted, with
         no request object, coroutine or task: its outputs. Else a `Resume` to
         pass to `call` at once (no await before), which goes on where this
-        stopped; the steps run so far are not run again.
+        stopped; the steps run so far are not run again. One that stopped
+        only because the slice was spent (`Resume.spent`) may go to
+        `run_after_yield` instead.
 
         Raises:
             What a step's inputs or outputs failed with, the step named.
@@ -279,20 +286,84 @@ class Pipeline:
         ):
             return _FROM_START  # call's way: the errors it raises, side by side steps
         tensors: dict[str, Any] = dict(arrays)
-        at = 0
+        stopped = self._steps_now(tensors, 0, False, deadline)
+        if stopped is not None:
+            return stopped
+        return self._answered(tensors, rows, now)
+
+    async def run_after_yield(self, rows: int, resume: Resume, arrival: float) -> Outputs | Resume:
+        """Yield for the loop's inline slice, then run on from *resume* as `run_now` does.
+
+        For a request that `run_now` stopped only because the slice was spent
+        before a step (`Resume.spent`), at once (no await before); *arrival*:
+        the *now* it was given. With a step of a few hundred microseconds that
+        is every request: here it costs the yield, not a request object and
+        `call` (its bookkeeping, a coroutine, its cancel checks). The request
+        counts as in flight meanwhile (`stop` and `wait_idle` wait for it,
+        ``max_queue_size`` counts it). Its outputs, or a `Resume` for `call`
+        (a step whose model is busy, a deadline gone by).
+
+        Raises:
+            What `run_now` raises; ``Cancelled`` if its caller was cancelled
+            meanwhile (counted cancelled), `EngineClosed` if the pipeline
+            was stopped meanwhile (counted failed, as `call` counts one it cuts off).
+        """
+        assert resume.tensors is not None  # (run_now's, which ran a step or none)
+        clock = self.clock
+        self._in_flight += 1
         try:
-            for index, step in self._in_turn:
-                left = self._step_now(index, step, tensors, deadline=deadline)
+            while True:
+                try:
+                    await clock.checkpoint()
+                except anyio.get_cancelled_exc_class():
+                    self.cancelled += 1
+                    raise
+                restart_inline_slice()
+                if self._stopped:
+                    self.failed += 1
+                    raise EngineClosed(
+                        f"pipeline {self.config.name!r} was unloaded or the engine closed "
+                        "before a request's steps ended"
+                    )
+                deadline = clock.current_effective_deadline()
+                if deadline <= clock.current_time():
+                    return Resume(resume.at, resume.tensors, _LATER)  # call raises it
+                stopped = self._steps_now(resume.tensors, resume.at, True, deadline)
+                if stopped is None:
+                    return self._answered(resume.tensors, rows, arrival)
+                if not stopped.spent:
+                    return stopped
+                resume = stopped  # spent again before a later step: yield again
+        finally:
+            self._in_flight -= 1
+            if not self._in_flight and self._idle is not None:
+                self._idle.set()
+                self._idle = None
+
+    def _steps_now(
+        self, tensors: dict[str, Any], at: int, yielded: bool, deadline: float
+    ) -> Resume | None:
+        # The steps in turn from position *at* as plain calls (_step_now), their
+        # outputs into *tensors*: None once all have run, else where it stopped.
+        # *yielded*: the first of them need not look at the slice (just restarted).
+        try:
+            for index, step in self._in_turn[at:] if at else self._in_turn:
+                left = self._step_now(index, step, tensors, yielded, deadline)
                 if left is not None:
                     return Resume(at, tensors, left)
+                yielded = False
                 at += 1
         except TrioInferError:
             self.failed += 1
             raise
+        return None
+
+    def _answered(self, tensors: dict[str, Any], rows: int, arrival: float) -> Outputs:
+        # A request whose steps all ran as plain calls: counted, its outputs.
         outputs = self._outputs(tensors)
         self.succeeded += 1
         self.inferences += rows or 1
-        self._request_duration.observe(self.clock.current_time() - now)
+        self._request_duration.observe(self.clock.current_time() - arrival)
         return outputs
 
     async def call(
@@ -368,7 +439,7 @@ class Pipeline:
             if left is _SPENT:
                 # The loop's inline slice is spent: yield now, holding nothing, then
                 # try again (anything may have changed meanwhile).
-                await anyio.lowlevel.checkpoint()
+                await self.clock.checkpoint()
                 restart_inline_slice()
                 left = self._step_now(index, step, tensors, yielded=True)
             if left is not None:
@@ -491,7 +562,7 @@ class Pipeline:
             # The loop's inline slice is spent: yield now, holding nothing, not
             # in the instance's execute while it holds the model (whoever came
             # by meanwhile would queue, and the queue then seldom empties).
-            await anyio.lowlevel.checkpoint()
+            await self.clock.checkpoint()
             restart_inline_slice()
             if self._cut:
                 raise EngineClosed(f"pipeline {self.config.name!r} stopped before step {index}")
