@@ -334,8 +334,12 @@ class InferenceRequest(_Provided):
         return list(self._requested)
 
     def is_cancelled(self) -> bool:
-        """Whether the caller left; a request ``execute`` gets never says so here (False)."""
-        return False
+        """Whether the caller left: a decoupled model's request says so (as its sender does).
+
+        A request of a model that is not decoupled never says so (False): its
+        ``execute`` answers the batch at once.
+        """
+        return self._sender is not None and self._sender.is_cancelled()
 
     def get_response_sender(self) -> ResponseSender:
         """What a decoupled model sends this request's responses with.

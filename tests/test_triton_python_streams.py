@@ -1,0 +1,292 @@
+"""Decoupled Triton Python models: how their responses stream, and who owns their executes.
+
+The models are written as for Triton (``request.get_response_sender()``,
+``TRITONSERVER_RESPONSE_COMPLETE_FINAL``); a module the test puts in
+``sys.modules`` (`GATE`) is how a model and its test meet.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+import types
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import trio
+
+import trioinfer
+from trioinfer import BackendError
+from trioinfer.server._repository import ModelRepository
+from trioinfer_python import _triton
+
+pytestmark = [pytest.mark.python_model, pytest.mark.triton_config]
+
+#: Bounds against hangs only.
+WAIT_S = 60.0
+#: The module a model imports to meet its test.
+GATE = "triton_stream_gate"
+
+PBTXT = """\
+backend: "python"
+max_batch_size: 0
+model_transaction_policy { decoupled: true }
+input [ { name: "IN" data_type: TYPE_INT32 dims: [ -1 ] } ]
+output [ { name: "OUT" data_type: TYPE_INT32 dims: [ 1 ] } ]
+"""
+
+# Sends IN[0] responses from a thread of its own, as fast as it can, counting them.
+FLOOD = """\
+import threading
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+import triton_stream_gate as gate
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        for request in requests:
+            sender = request.get_response_sender()
+            count = int(pb_utils.get_input_tensor_by_name(request, "IN").as_numpy()[0])
+            threading.Thread(target=self.send, args=(sender, count)).start()
+
+    def send(self, sender, count):
+        for i in range(count):
+            gate.attempts += 1
+            out = pb_utils.Tensor("OUT", np.array([i], np.int32))
+            sender.send(pb_utils.InferenceResponse([out]))
+            if not sender.is_cancelled():
+                gate.sent += 1
+        gate.cancelled = sender.is_cancelled()
+        sender.send(flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+        gate.done.set()
+"""
+
+# Sends one response from execute itself, then waits for the test before the last.
+HOLD = """\
+import numpy as np
+import triton_python_backend_utils as pb_utils
+import triton_stream_gate as gate
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        (request,) = requests
+        sender = request.get_response_sender()
+        sender.send(pb_utils.InferenceResponse([pb_utils.Tensor("OUT", np.array([1], np.int32))]))
+        gate.waiting.set()
+        gate.release.wait()
+        gate.cancelled = request.is_cancelled()
+        sender.send(
+            pb_utils.InferenceResponse([pb_utils.Tensor("OUT", np.array([2], np.int32))]),
+            flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL,
+        )
+        gate.finished.set()
+
+    def finalize(self):
+        gate.finalized_after_execute = gate.finished.is_set()
+"""
+
+# The same from an async def execute: its second response waits for the test's event.
+ASYNC_HOLD = """\
+import numpy as np
+import triton_python_backend_utils as pb_utils
+import triton_stream_gate as gate
+
+
+class TritonPythonModel:
+    async def execute(self, requests):
+        (request,) = requests
+        sender = request.get_response_sender()
+        sender.send(pb_utils.InferenceResponse([pb_utils.Tensor("OUT", np.array([1], np.int32))]))
+        try:
+            await gate.go.wait()
+        finally:
+            gate.cancelled = request.is_cancelled()
+            gate.ended.set()
+        sender.send(
+            pb_utils.InferenceResponse([pb_utils.Tensor("OUT", np.array([2], np.int32))]),
+            flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL,
+        )
+        if int(pb_utils.get_input_tensor_by_name(request, "IN").as_numpy()[0]) < 0:
+            raise pb_utils.TritonModelException("after the final flag")
+"""
+
+# An async def execute that sends IN[0] responses without awaiting in between.
+ASYNC_BURST = """\
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    async def execute(self, requests):
+        (request,) = requests
+        sender = request.get_response_sender()
+        count = int(pb_utils.get_input_tensor_by_name(request, "IN").as_numpy()[0])
+        for i in range(count):
+            out = pb_utils.Tensor("OUT", np.array([i], np.int32))
+            sender.send(pb_utils.InferenceResponse([out]))
+        sender.send(flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+"""
+
+MODELS = {"flood": FLOOD, "hold": HOLD, "async_hold": ASYNC_HOLD, "async_burst": ASYNC_BURST}
+
+
+@pytest.fixture
+def repository(tmp_path: Path) -> Path:
+    for name, code in MODELS.items():
+        (tmp_path / name / "1").mkdir(parents=True)
+        (tmp_path / name / "config.pbtxt").write_text(PBTXT)
+        (tmp_path / name / "1" / "model.py").write_text(code)
+    return tmp_path
+
+
+@pytest.fixture
+def gate() -> Iterator[Any]:
+    module = types.SimpleNamespace(
+        attempts=0,
+        sent=0,
+        cancelled=None,
+        finalized_after_execute=None,
+        done=threading.Event(),
+        waiting=threading.Event(),
+        release=threading.Event(),
+        finished=threading.Event(),
+        go=trio.Event(),
+        ended=trio.Event(),
+    )
+    sys.modules[GATE] = module  # type: ignore[assignment]
+    try:
+        yield module
+    finally:
+        module.release.set()  # a model's thread still waiting must not outlive the test
+        del sys.modules[GATE]
+
+
+async def load(engine: trioinfer.Engine, repository: Path, name: str) -> None:
+    await engine.load(ModelRepository(repository).entry(name).config(1))
+
+
+def one(n: int) -> dict[str, np.ndarray[Any, Any]]:
+    return {"IN": np.array([n], np.int32)}
+
+
+async def test_a_slow_reader_slows_a_decoupled_models_sender(repository: Path, gate: Any) -> None:
+    """At most STREAM_BUFFER responses wait: the sender blocks until the caller leaves."""
+    count = 20 * _triton.STREAM_BUFFER
+    async with trioinfer.open_engine() as engine:
+        await load(engine, repository, "flood")
+        with trio.fail_after(WAIT_S):
+            async with engine.infer_stream("flood", one(count)) as responses:
+                async for _ in responses:
+                    break
+                # Until the sender blocks on a full buffer, or has sent everything.
+                while not (gate.sent >= _triton.STREAM_BUFFER and gate.attempts > gate.sent):
+                    if gate.sent == count:
+                        break
+                    await trio.sleep(0.01)
+            await trio.to_thread.run_sync(gate.done.wait)
+    assert gate.cancelled is True
+    # The buffer, the response the engine holds one ahead, the one read, the one blocked.
+    assert gate.sent <= _triton.STREAM_BUFFER + 3
+
+
+async def test_unload_waits_for_a_decoupled_execute_still_running(
+    repository: Path, gate: Any
+) -> None:
+    """A plain def execute whose caller left is the instance's: unload waits, then finalize."""
+    async with trioinfer.open_engine() as engine:
+        await load(engine, repository, "hold")
+        with trio.fail_after(WAIT_S):
+            async with engine.infer_stream("hold", one(0)) as responses:
+                async for out in responses:
+                    assert out["OUT"].tolist() == [1]
+                    break
+            await trio.to_thread.run_sync(gate.waiting.wait)
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(engine.unload, "hold")
+                await trio.sleep(0.05)  # (unload is under way: it waits for execute)
+                assert not gate.finished.is_set()
+                gate.release.set()
+    assert gate.finished.is_set()
+    assert gate.cancelled is True  # request.is_cancelled(): its caller had left
+    assert gate.finalized_after_execute is True
+
+
+async def test_unload_names_a_decoupled_execute_running_past_the_bound(
+    repository: Path, gate: Any, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setattr(_triton, "CLOSE_S", 0.0)
+    async with trioinfer.open_engine() as engine:
+        await load(engine, repository, "hold")
+        with trio.fail_after(WAIT_S):
+            async with engine.infer_stream("hold", one(0)) as responses:
+                async for _ in responses:
+                    break
+            await trio.to_thread.run_sync(gate.waiting.wait)
+            await engine.unload("hold")
+    assert not gate.finished.is_set()
+    assert "model 'hold': 1 execute(s)" in caplog.text
+    assert "still running" in caplog.text
+    gate.release.set()
+    await trio.to_thread.run_sync(gate.finished.wait, WAIT_S)
+
+
+async def test_an_async_decoupled_execute_streams_as_it_sends(repository: Path, gate: Any) -> None:
+    async with trioinfer.open_engine() as engine:
+        await load(engine, repository, "async_hold")
+        got = []
+        with trio.fail_after(WAIT_S):
+            async with engine.infer_stream("async_hold", one(0)) as responses:
+                async for out in responses:
+                    got.append(out["OUT"].tolist())
+                    gate.go.set()  # the second response waits for the first one read
+        assert got == [[1], [2]]
+        assert gate.cancelled is False
+
+
+async def test_an_async_decoupled_execute_is_cancelled_when_its_caller_leaves(
+    repository: Path, gate: Any
+) -> None:
+    async with trioinfer.open_engine() as engine:
+        await load(engine, repository, "async_hold")
+        with trio.fail_after(WAIT_S):
+            async with engine.infer_stream("async_hold", one(0)) as responses:
+                async for _ in responses:
+                    break
+            await gate.ended.wait()
+        assert gate.cancelled is True
+
+
+async def test_an_async_decoupled_execute_raising_after_its_final_response(
+    repository: Path, gate: Any
+) -> None:
+    gate.go.set()
+    async with trioinfer.open_engine() as engine:
+        await load(engine, repository, "async_hold")
+        with trio.fail_after(WAIT_S):
+            async with engine.infer_stream("async_hold", one(-1)) as responses:
+                got = [out["OUT"].tolist() async for out in responses]
+        assert got == [[1], [2]]
+
+
+async def test_an_async_execute_sending_more_than_the_buffer_at_once_is_told(
+    repository: Path,
+) -> None:
+    async with trioinfer.open_engine() as engine:
+        await load(engine, repository, "async_burst")
+        with trio.fail_after(WAIT_S):
+            async with engine.infer_stream("async_burst", one(3)) as responses:
+                assert [out["OUT"].tolist() async for out in responses] == [[0], [1], [2]]
+            with pytest.raises(BackendError, match="await between sends"):
+                await read_all(engine, "async_burst", one(_triton.STREAM_BUFFER + 10))
+
+
+async def read_all(engine: trioinfer.Engine, model: str, inputs: dict[str, Any]) -> None:
+    async with engine.infer_stream(model, inputs) as responses:
+        async for _ in responses:
+            pass
