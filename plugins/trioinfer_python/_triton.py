@@ -28,6 +28,8 @@ import logging
 import sys
 import threading
 from collections.abc import AsyncGenerator, Awaitable, Callable, Mapping, Sequence
+from pathlib import Path
+from types import ModuleType
 from typing import Any, Final, final
 
 import anyio
@@ -59,6 +61,39 @@ def register_module() -> None:
     """Make ``import triton_python_backend_utils`` find this backend's module."""
     if sys.modules.get(MODULE_NAME) is not pb_utils:
         sys.modules[MODULE_NAME] = pb_utils
+
+
+#: One model file imported at a time: its folder is on sys.path meanwhile.
+_import_lock = threading.Lock()
+
+
+def import_beside(folder: Path, load: Callable[[], ModuleType]) -> ModuleType:
+    """Run *load* (the import of a model's ``model.py``) with *folder* first on ``sys.path``.
+
+    Triton puts the version folder on ``sys.path``, so that ``model.py``
+    imports the modules beside it (``import helper``); each Triton model has
+    a process of its own there, so two models' ``helper.py`` never meet.
+    Here the modules the import found in *folder* are the model's: taken out
+    of ``sys.modules`` afterwards (the model's globals keep them), so that
+    another model's module of the same name is its own and a reload reads
+    the folder afresh. An import of such a module inside ``execute`` finds
+    none: import them at the top of ``model.py``.
+    """
+    where = str(folder)
+    with _import_lock:
+        before = set(sys.modules)
+        sys.path.insert(0, where)
+        module: ModuleType | None = None
+        try:
+            module = load()
+            return module
+        finally:
+            sys.path.remove(where)  # (the first: the one inserted)
+            for name in set(sys.modules) - before:
+                imported = sys.modules[name]
+                file = getattr(imported, "__file__", None)
+                if imported is not module and file and Path(file).is_relative_to(folder):
+                    del sys.modules[name]
 
 
 def _raised(what: str, exc: BaseException) -> str:

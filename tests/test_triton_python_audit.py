@@ -290,3 +290,61 @@ async def read_all(engine: trioinfer.Engine, model: str, inputs: dict[str, Any])
     async with engine.infer_stream(model, inputs) as responses:
         async for _ in responses:
             pass
+
+
+# -- as Triton loads model.py -------------------------------------------------------------
+
+HELPER_PBTXT = """\
+backend: "python"
+max_batch_size: 0
+input [ { name: "X" data_type: TYPE_INT32 dims: [ 1 ] } ]
+output [ { name: "Y" data_type: TYPE_INT32 dims: [ 1 ] } ]
+"""
+
+# Imports a module and a package of its version folder, as Triton lets it (the folder is
+# on sys.path there).
+HELPER = """\
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+import helper
+from tools.add import add
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        return [
+            pb_utils.InferenceResponse([pb_utils.Tensor(
+                "Y", add(pb_utils.get_input_tensor_by_name(r, "X").as_numpy(), helper.K))])
+            for r in requests
+        ]
+"""
+
+
+def write_helper_model(root: Path, name: str, k: int) -> None:
+    (root / name / "1" / "tools").mkdir(parents=True)
+    (root / name / "config.pbtxt").write_text(HELPER_PBTXT)
+    (root / name / "1" / "model.py").write_text(HELPER)
+    (root / name / "1" / "helper.py").write_text(f"K = {k}\n")
+    (root / name / "1" / "tools" / "__init__.py").write_text("")
+    (root / name / "1" / "tools" / "add.py").write_text("def add(a, b):\n    return a + b\n")
+
+
+async def test_two_models_import_their_own_sibling_modules(tmp_path: Path) -> None:
+    write_helper_model(tmp_path, "plus_one", 1)
+    write_helper_model(tmp_path, "plus_ten", 10)
+    before = set(sys.modules)
+    async with trioinfer.open_engine() as engine:
+        await load(engine, tmp_path, "plus_one")
+        await load(engine, tmp_path, "plus_ten")
+        x = {"X": np.array([5], np.int32)}
+        assert (await engine.infer("plus_one", x))["Y"].tolist() == [6]
+        assert (await engine.infer("plus_ten", x))["Y"].tolist() == [15]
+        # The folder's modules are the model's: not left where another import finds them.
+        assert {"helper", "tools", "tools.add"}.isdisjoint(sys.modules)
+        assert str(tmp_path / "plus_one" / "1") not in sys.path
+        (tmp_path / "plus_one" / "1" / "helper.py").write_text("K = 2\n")
+        await engine.unload("plus_one")
+        await load(engine, tmp_path, "plus_one")  # a reload reads the folder afresh
+        assert (await engine.infer("plus_one", x))["Y"].tolist() == [7]
+    assert not {m for m in set(sys.modules) - before if m.startswith(("helper", "tools"))}
