@@ -348,3 +348,101 @@ async def test_two_models_import_their_own_sibling_modules(tmp_path: Path) -> No
         await load(engine, tmp_path, "plus_one")  # a reload reads the folder afresh
         assert (await engine.infer("plus_one", x))["Y"].tolist() == [7]
     assert not {m for m in set(sys.modules) - before if m.startswith(("helper", "tools"))}
+
+
+# -- through trioinfer serve, with tritonclient ------------------------------------------
+
+WORDS_PBTXT = """\
+backend: "python"
+max_batch_size: 4
+dynamic_batching { }
+input [ { name: "N" data_type: TYPE_INT32 dims: [ 1 ] } ]
+output [
+  { name: "WORDS" data_type: TYPE_STRING dims: [ 2 ] },
+  { name: "TWICE" data_type: TYPE_INT32 dims: [ 1 ] }
+]
+"""
+
+# BYTES from a list of str, as Triton's examples make them; every output, whatever the
+# client asked for (the server answers with the ones it asked for).
+WORDS = """\
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        responses = []
+        for request in requests:
+            n = pb_utils.get_input_tensor_by_name(request, "N").as_numpy()
+            words = [[f"w{int(v)}", "\u00e9t\u00e9"] for v in n[:, 0]]
+            responses.append(pb_utils.InferenceResponse([
+                pb_utils.Tensor("WORDS", np.array(words, dtype=np.object_)),
+                pb_utils.Tensor("TWICE", n * 2),
+            ]))
+        return responses
+"""
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    from test_grpc import run_server
+
+    root = tmp_path_factory.mktemp("served")
+    (root / "words" / "1").mkdir(parents=True)
+    (root / "words" / "config.pbtxt").write_text(WORDS_PBTXT)
+    (root / "words" / "1" / "model.py").write_text(WORDS)
+    log = tmp_path_factory.mktemp("log") / "server.log"
+    with run_server(root, log=log) as running:
+        yield running
+    assert "Traceback" not in running.log_text(), running.log_text()[-4000:]
+
+
+def test_http_requested_outputs_and_bytes_from_str(server: Any) -> None:
+    import tritonclient.http as httpclient
+
+    with httpclient.InferenceServerClient(server.url.removeprefix("http://")) as client:
+        n = httpclient.InferInput("N", [2, 1], "INT32")
+        n.set_data_from_numpy(np.array([[3], [4]], np.int32))
+        for binary in (True, False):
+            asked = [httpclient.InferRequestedOutput("WORDS", binary_data=binary)]
+            result = client.infer("words", [n], outputs=asked)
+            assert result.as_numpy("TWICE") is None
+            words = result.as_numpy("WORDS").tolist()
+            if not binary:  # (tritonclient gives a JSON string as str)
+                words = [[w.encode() for w in row] for row in words]
+            assert words == [[b"w3", "\u00e9t\u00e9".encode()], [b"w4", "\u00e9t\u00e9".encode()]]
+        result = client.infer("words", [n], outputs=[httpclient.InferRequestedOutput("TWICE")])
+        assert result.as_numpy("WORDS") is None
+        assert result.as_numpy("TWICE").tolist() == [[6], [8]]
+
+
+@pytest.mark.grpc
+def test_grpc_requested_outputs_and_bytes_from_str(server: Any) -> None:
+    import tritonclient.grpc as grpcclient
+
+    with grpcclient.InferenceServerClient(server.grpc) as client:
+        n = grpcclient.InferInput("N", [1, 1], "INT32")
+        n.set_data_from_numpy(np.array([[5]], np.int32))
+        result = client.infer("words", [n], outputs=[grpcclient.InferRequestedOutput("WORDS")])
+        assert result.as_numpy("TWICE") is None
+        assert result.as_numpy("WORDS").tolist() == [[b"w5", "\u00e9t\u00e9".encode()]]
+        result = client.infer("words", [n], outputs=[grpcclient.InferRequestedOutput("TWICE")])
+        assert result.as_numpy("WORDS") is None
+        assert result.as_numpy("TWICE").tolist() == [[10]]
+
+
+# -- what execute answers with --------------------------------------------------------------
+
+
+def test_a_response_of_something_else_than_tensors_is_refused_where_it_is_made() -> None:
+    from trioinfer_python import triton_python_backend_utils as pb_utils
+
+    y = np.zeros(2, np.float32)
+    with pytest.raises(TypeError, match=r"list of pb_utils.Tensor, got ndarray"):
+        pb_utils.InferenceResponse([y])
+    with pytest.raises(TypeError, match=r"list of pb_utils.Tensor, got Tensor"):
+        pb_utils.InferenceResponse(pb_utils.Tensor("Y", y))  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"output 'Y' twice"):
+        pb_utils.InferenceResponse([pb_utils.Tensor("Y", y), pb_utils.Tensor("Y", y)])
+    assert pb_utils.InferenceResponse((pb_utils.Tensor("Y", y),)).output_tensors()[0].name() == "Y"

@@ -172,13 +172,31 @@ class InferenceResponse(_Provided):
         error: TritonError | None = None,
         parameters: object = None,
     ) -> None:
-        """A response holding *output_tensors*, or failing its request with *error*."""
+        """A response holding *output_tensors*, or failing its request with *error*.
+
+        Raises:
+            TypeError: *output_tensors* is not a list of `Tensor`.
+            ValueError: Two tensors have one name.
+        """
         if parameters:
             raise NotImplementedError(
                 "InferenceResponse(parameters=...) is not supported by trioinfer's python "
                 f"backend (responses carry no parameters); see {_DOCS}"
             )
+        # Checked here, where the model's line is (Triton's constructor refuses them too).
+        if isinstance(output_tensors, Tensor):
+            raise TypeError("InferenceResponse takes a list of pb_utils.Tensor, got Tensor")
         self._outputs = list(output_tensors or ())
+        names = set()
+        for tensor in self._outputs:
+            if not isinstance(tensor, Tensor):
+                raise TypeError(
+                    "InferenceResponse takes a list of pb_utils.Tensor, got "
+                    f"{type(tensor).__name__} in it (wrap an array: pb_utils.Tensor(name, array))"
+                )
+            if tensor.name() in names:
+                raise ValueError(f"InferenceResponse got output {tensor.name()!r} twice")
+            names.add(tensor.name())
         self._error = error
 
     def output_tensors(self) -> list[Tensor]:
