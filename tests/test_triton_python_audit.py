@@ -446,3 +446,61 @@ def test_a_response_of_something_else_than_tensors_is_refused_where_it_is_made()
     with pytest.raises(ValueError, match=r"output 'Y' twice"):
         pb_utils.InferenceResponse([pb_utils.Tensor("Y", y), pb_utils.Tensor("Y", y)])
     assert pb_utils.InferenceResponse((pb_utils.Tensor("Y", y),)).output_tensors()[0].name() == "Y"
+
+
+# Waits until its caller leaves (request.is_cancelled()), as a long Triton execute checks.
+PATIENT = """\
+import time
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+import triton_stream_gate as gate
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        (request,) = requests
+        gate.cancelled = request.is_cancelled()
+        gate.waiting.set()
+        while not request.is_cancelled() and not gate.release.is_set():
+            time.sleep(0.001)
+        gate.cancelled = request.is_cancelled()
+        gate.finished.set()
+        return [pb_utils.InferenceResponse(error=pb_utils.TritonError(
+            "cancelled", pb_utils.TritonError.CANCELLED))]
+"""
+
+
+async def test_a_request_whose_caller_left_says_it_is_cancelled(tmp_path: Path, gate: Any) -> None:
+    (tmp_path / "patient" / "1").mkdir(parents=True)
+    (tmp_path / "patient" / "config.pbtxt").write_text(HELPER_PBTXT)
+    (tmp_path / "patient" / "1" / "model.py").write_text(PATIENT)
+    async with trioinfer.open_engine() as engine:
+        await load(engine, tmp_path, "patient")
+        with trio.move_on_after(WAIT_S) as scope:
+            async with trio.open_nursery() as nursery:
+
+                async def leave() -> None:
+                    await trio.to_thread.run_sync(gate.waiting.wait)
+                    assert gate.cancelled is False
+                    nursery.cancel_scope.cancel()  # the caller leaves mid-execute
+
+                nursery.start_soon(leave)
+                await engine.infer("patient", {"X": np.array([1], np.int32)})
+        assert not scope.cancelled_caught
+        await trio.to_thread.run_sync(gate.finished.wait, 10.0)
+        gate.release.set()  # (had it not seen its caller leave, the unload would wait)
+    assert gate.cancelled is True
+
+
+async def test_a_request_past_its_deadline_says_it_is_cancelled(tmp_path: Path, gate: Any) -> None:
+    (tmp_path / "patient" / "1").mkdir(parents=True)
+    (tmp_path / "patient" / "config.pbtxt").write_text(HELPER_PBTXT)
+    (tmp_path / "patient" / "1" / "model.py").write_text(PATIENT)
+    async with trioinfer.open_engine() as engine:
+        await load(engine, tmp_path, "patient")
+        with trio.move_on_after(0.2):  # (a deadline shorter than execute)
+            await engine.infer("patient", {"X": np.array([1], np.int32)})
+        await trio.to_thread.run_sync(gate.finished.wait, 10.0)
+        gate.release.set()  # (had it not seen its deadline pass, the unload would wait)
+    assert gate.cancelled is True

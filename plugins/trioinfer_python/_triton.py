@@ -22,6 +22,7 @@ backend model whose ``triton`` option holds the Triton configuration
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 import json
 import logging
@@ -38,7 +39,7 @@ import anyio.lowlevel
 import numpy as np
 
 from trioinfer import BackendError, InvalidInput, ModelConfig, ModelSignature, TrioInferError
-from trioinfer.lowlevel import Placement, Request, WorkerThread, current_engine
+from trioinfer.lowlevel import Placement, Request, Status, WorkerThread, current_engine
 
 from . import triton_python_backend_utils as pb_utils
 from ._models import Models
@@ -161,6 +162,10 @@ async def load(
     return instance
 
 
+def _ended(request: Request) -> bool:
+    return request.abandoned or request.status is Status.DONE
+
+
 def _error(model: str, error: object) -> Exception:
     # What a response's TritonError fails its request with: the client's fault for
     # INVALID_ARG (a 400), the model's otherwise (a 500), its message kept.
@@ -269,6 +274,8 @@ class TritonInstance:
         for request in requests:
             flags = request.sequence_flags
             made.append(self._request(request.inputs, request.id, flags.id if flags else 0))
+            # Ended from outside while it runs: its caller left, or its deadline passed.
+            made[-1]._ended = functools.partial(_ended, request)
         return await self._run(made)
 
     async def _run(self, requests: list[pb_utils.InferenceRequest]) -> list[Outputs | Exception]:

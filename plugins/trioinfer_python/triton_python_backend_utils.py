@@ -315,6 +315,8 @@ class InferenceRequest(_Provided):
             parameters if isinstance(parameters, str) else json.dumps(dict(parameters or {}))
         )
         self._sender: ResponseSender | None = None
+        #: Whether the request's caller left (the backend's, for a request execute gets).
+        self._ended: Callable[[], bool] | None = None
 
     def inputs(self) -> list[Tensor]:
         """The request's input tensors."""
@@ -352,12 +354,14 @@ class InferenceRequest(_Provided):
         return list(self._requested)
 
     def is_cancelled(self) -> bool:
-        """Whether the caller left: a decoupled model's request says so (as its sender does).
+        """Whether the request ended before its answer: its caller left, or its deadline passed.
 
-        A request of a model that is not decoupled never says so (False): its
-        ``execute`` answers the batch at once.
+        A long ``execute`` may stop then: its answer would reach nobody. A
+        request the model made (BLS) never says so (False).
         """
-        return self._sender is not None and self._sender.is_cancelled()
+        if self._sender is not None:
+            return self._sender.is_cancelled()
+        return self._ended is not None and self._ended()
 
     def get_response_sender(self) -> ResponseSender:
         """What a decoupled model sends this request's responses with.
