@@ -50,8 +50,6 @@ MODULE_NAME: Final = "triton_python_backend_utils"
 CLASS_NAME: Final = "TritonPythonModel"
 #: How many responses of a decoupled model's request wait for a slow reader at most.
 STREAM_BUFFER: Final = 64
-#: How long closing an instance waits for the executes of a decoupled model still running.
-CLOSE_S = 30.0
 
 log = logging.getLogger("trioinfer.python")
 
@@ -499,37 +497,38 @@ class TritonInstance:
     async def aclose(self) -> None:
         """Wait for a decoupled model's executes, run ``finalize`` once, stop the threads.
 
-        An execute still running after `CLOSE_S` is named in a warning and left
-        (a thread cannot be stopped; an ``async def execute`` is cancelled).
-        Idempotent.
+        The wait is bounded by the caller's cancel scope (the engine's cleanup
+        bound at an unload): an execute still running then is named in a
+        warning and left to end (a thread cannot be stopped; an ``async def
+        execute`` is cancelled). Idempotent.
         """
         if self._closed:
             return
         self._closed = True
+        tasks = self._task_group
         try:
-            with anyio.CancelScope(shield=True):
-                with anyio.move_on_after(CLOSE_S):
-                    await self._threads.wait()
-                    if self._task_group is not None:
-                        await self._task_group.wait()
-                running = self._threads.running() + (
-                    self._task_group.running() if self._task_group is not None else 0
-                )
-                if running:
-                    log.warning(
-                        "model %r: %d execute(s) of %s still running %.0f s after unload "
-                        "began; finalize() runs beside them",
-                        self._name,
-                        running,
-                        self._label,
-                        CLOSE_S,
-                    )
-                if self._task_group is not None:
-                    await self._task_group.aclose()
-                await self._call("finalize")
+            try:
+                await self._threads.wait()
+                if tasks is not None:
+                    await tasks.wait()
+            finally:
+                with anyio.CancelScope(shield=True):
+                    running = self._threads.running() + (tasks.running() if tasks else 0)
+                    if running:
+                        log.warning(
+                            "model %r: unload stopped waiting for %d execute(s) of %s still "
+                            "running; finalize() runs beside them",
+                            self._name,
+                            running,
+                            self._label,
+                        )
+                    if tasks is not None:
+                        await tasks.aclose()
+                    await self._call("finalize")
         finally:
-            if self._worker is not None:
-                await self._worker.aclose()
+            with anyio.CancelScope(shield=True):
+                if self._worker is not None:
+                    await self._worker.aclose()
             if self._module is not None:
                 sys.modules.pop(self._module, None)
 
@@ -579,6 +578,8 @@ class _Threads:
 
     async def wait(self) -> None:
         """Return when no thread runs (cancellable: the waiting thread stops too)."""
+        if not self.running():
+            return
         gone = threading.Event()
         try:
             await anyio.to_thread.run_sync(self._wait_blocking, gone, abandon_on_cancel=True)
