@@ -504,3 +504,32 @@ async def test_a_request_past_its_deadline_says_it_is_cancelled(tmp_path: Path, 
         await trio.to_thread.run_sync(gate.finished.wait, 10.0)
         gate.release.set()  # (had it not seen its deadline pass, the unload would wait)
     assert gate.cancelled is True
+
+
+FINALIZE_BROKEN = """\
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        return [pb_utils.InferenceResponse([pb_utils.get_input_tensor_by_name(r, "X")])
+                for r in requests]
+
+    def finalize(self):
+        raise RuntimeError("finalize broke")
+"""
+
+
+async def test_a_finalize_that_raises_is_logged_naming_the_model(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    (tmp_path / "m" / "1").mkdir(parents=True)
+    (tmp_path / "m" / "config.pbtxt").write_text(HELPER_PBTXT.replace('"Y"', '"X"', 1))
+    (tmp_path / "m" / "1" / "model.py").write_text(FINALIZE_BROKEN)
+    async with trioinfer.open_engine() as engine:
+        await load(engine, tmp_path, "m")
+        await engine.unload("m")
+        assert "closing backend instance <model 'm' instance 0> failed" in caplog.text
+        assert "finalize() raised RuntimeError: finalize broke" in caplog.text
+        await load(engine, tmp_path, "m")  # and it loads again
+        assert (await engine.infer("m", {"X": np.array([3], np.int32)}))["X"].tolist() == [3]

@@ -211,6 +211,10 @@ class TritonInstance:
         self._threads = _Threads(f"trioinfer-triton-{name}-execute")
         self._task_group: _Tasks | None = None
 
+    def __repr__(self) -> str:
+        # What the engine's logs name the instance by (a failed close, say).
+        return f"<{self._label}>"
+
     @property
     def signature(self) -> ModelSignature:
         """The signature config.pbtxt declares."""
