@@ -363,8 +363,8 @@ output [
 ]
 """
 
-# BYTES from a list of str, as Triton's examples make them; every output, whatever the
-# client asked for (the server answers with the ones it asked for).
+# BYTES from a list of str, as Triton's examples make them, and a strided view; every
+# output, whatever the client asked for (the server answers with the ones it asked for).
 WORDS = """\
 import numpy as np
 import triton_python_backend_utils as pb_utils
@@ -378,7 +378,8 @@ class TritonPythonModel:
             words = [[f"w{int(v)}", "\u00e9t\u00e9"] for v in n[:, 0]]
             responses.append(pb_utils.InferenceResponse([
                 pb_utils.Tensor("WORDS", np.array(words, dtype=np.object_)),
-                pb_utils.Tensor("TWICE", n * 2),
+                # A view that is not contiguous (every other column).
+                pb_utils.Tensor("TWICE", np.repeat(n * 2, 2, axis=1)[:, ::2]),
             ]))
         return responses
 """
@@ -533,3 +534,35 @@ async def test_a_finalize_that_raises_is_logged_naming_the_model(
         assert "finalize() raised RuntimeError: finalize broke" in caplog.text
         await load(engine, tmp_path, "m")  # and it loads again
         assert (await engine.infer("m", {"X": np.array([3], np.int32)}))["X"].tolist() == [3]
+
+
+TWO_PBTXT = HELPER_PBTXT + "instance_group [ { kind: KIND_CPU count: 2 } ]\n"
+
+# Each instance says who it is at initialize.
+TWO = """\
+import triton_python_backend_utils as pb_utils
+import triton_stream_gate as gate
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        gate.instances.append((id(self), type(self), args["model_instance_name"]))
+
+    def execute(self, requests):
+        return [pb_utils.InferenceResponse([pb_utils.Tensor(
+            "Y", pb_utils.get_input_tensor_by_name(r, "X").as_numpy())]) for r in requests]
+"""
+
+
+async def test_two_instances_are_two_objects(tmp_path: Path, gate: Any) -> None:
+    gate.instances = []
+    (tmp_path / "two" / "1").mkdir(parents=True)
+    (tmp_path / "two" / "config.pbtxt").write_text(TWO_PBTXT)
+    (tmp_path / "two" / "1" / "model.py").write_text(TWO)
+    async with trioinfer.open_engine() as engine:
+        await load(engine, tmp_path, "two")
+        assert (await engine.infer("two", {"X": np.array([4], np.int32)}))["Y"].tolist() == [4]
+    objects, classes, names = zip(*gate.instances, strict=True)
+    assert len(set(objects)) == 2
+    assert len(set(classes)) == 2  # (each its own import of model.py, as Triton's processes)
+    assert sorted(names) == ["two_0_0", "two_0_1"]
