@@ -453,7 +453,10 @@ def _model_class(config: ModelConfig) -> tuple[type, str | None]:
         f"the model.py that defines class {chosen!r} (or, in Python, "
         "backend_options={'class': TheClass})"
     )
-    module = _import(config.name, path)
+    if "triton" in options:
+        module = _triton.import_beside(path.parent, lambda: _import(config.name, path))
+    else:
+        module = _import(config.name, path)
     cls = getattr(module, chosen, None)
     if not isinstance(cls, type):
         sys.modules.pop(module.__name__, None)  # no instance will use it

@@ -21,12 +21,16 @@ backend model whose ``triton`` option holds the Triton configuration
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import inspect
 import json
-import math
+import logging
 import sys
 import threading
-from collections.abc import AsyncGenerator, Mapping, Sequence
+from collections.abc import AsyncGenerator, Awaitable, Callable, Mapping, Sequence
+from pathlib import Path
+from types import ModuleType
 from typing import Any, Final, final
 
 import anyio
@@ -35,7 +39,7 @@ import anyio.lowlevel
 import numpy as np
 
 from trioinfer import BackendError, InvalidInput, ModelConfig, ModelSignature, TrioInferError
-from trioinfer.lowlevel import Placement, Request, WorkerThread, current_engine
+from trioinfer.lowlevel import Placement, Request, Status, WorkerThread, current_engine
 
 from . import triton_python_backend_utils as pb_utils
 from ._models import Models
@@ -44,6 +48,10 @@ from ._models import Models
 MODULE_NAME: Final = "triton_python_backend_utils"
 #: The class a Triton model file defines.
 CLASS_NAME: Final = "TritonPythonModel"
+#: How many responses of a decoupled model's request wait for a slow reader at most.
+STREAM_BUFFER: Final = 64
+
+log = logging.getLogger("trioinfer.python")
 
 Outputs = dict[str, np.ndarray[Any, Any]]
 
@@ -52,6 +60,39 @@ def register_module() -> None:
     """Make ``import triton_python_backend_utils`` find this backend's module."""
     if sys.modules.get(MODULE_NAME) is not pb_utils:
         sys.modules[MODULE_NAME] = pb_utils
+
+
+#: One model file imported at a time: its folder is on sys.path meanwhile.
+_import_lock = threading.Lock()
+
+
+def import_beside(folder: Path, load: Callable[[], ModuleType]) -> ModuleType:
+    """Run *load* (the import of a model's ``model.py``) with *folder* first on ``sys.path``.
+
+    Triton puts the version folder on ``sys.path``, so that ``model.py``
+    imports the modules beside it (``import helper``); each Triton model has
+    a process of its own there, so two models' ``helper.py`` never meet.
+    Here the modules the import found in *folder* are the model's: taken out
+    of ``sys.modules`` afterwards (the model's globals keep them), so that
+    another model's module of the same name is its own and a reload reads
+    the folder afresh. An import of such a module inside ``execute`` finds
+    none: import them at the top of ``model.py``.
+    """
+    where = str(folder)
+    with _import_lock:
+        before = set(sys.modules)
+        sys.path.insert(0, where)
+        module: ModuleType | None = None
+        try:
+            module = load()
+            return module
+        finally:
+            sys.path.remove(where)  # (the first: the one inserted)
+            for name in set(sys.modules) - before:
+                imported = sys.modules[name]
+                file = getattr(imported, "__file__", None)
+                if imported is not module and file and Path(file).is_relative_to(folder):
+                    del sys.modules[name]
 
 
 def _raised(what: str, exc: BaseException) -> str:
@@ -94,6 +135,8 @@ async def load(
         model, signature, str(placement.device), label, worker, module, name, decoupled
     )
     try:
+        if decoupled and instance._async:
+            instance._task_group = await _Tasks.open(f"trioinfer-triton-{name}-tasks")
         instance._models = Models(current_engine(), config.name)
         path = config.path
         device = str(placement.device)
@@ -108,10 +151,17 @@ async def load(
         }
         await instance._call("initialize", args)
     except BaseException:
-        if worker is not None:
-            await worker.aclose()
+        with anyio.CancelScope(shield=True):
+            if instance._task_group is not None:
+                await instance._task_group.aclose()
+            if worker is not None:
+                await worker.aclose()
         raise
     return instance
+
+
+def _ended(request: Request) -> bool:
+    return request.abandoned or request.status is Status.DONE
 
 
 def _error(model: str, error: object) -> Exception:
@@ -156,6 +206,14 @@ class TritonInstance:
         self._models: Models | None = None
         self._outputs = [spec.name for spec in signature.outputs]
         self._closed = False
+        # A decoupled model's executes, beside the reading of their streams (`stream`).
+        self._execute_lock = threading.Lock()
+        self._threads = _Threads(f"trioinfer-triton-{name}-execute")
+        self._task_group: _Tasks | None = None
+
+    def __repr__(self) -> str:
+        # What the engine's logs name the instance by (a failed close, say).
+        return f"<{self._label}>"
 
     @property
     def signature(self) -> ModelSignature:
@@ -218,6 +276,8 @@ class TritonInstance:
         for request in requests:
             flags = request.sequence_flags
             made.append(self._request(request.inputs, request.id, flags.id if flags else 0))
+            # Ended from outside while it runs: its caller left, or its deadline passed.
+            made[-1]._ended = functools.partial(_ended, request)
         return await self._run(made)
 
     async def _run(self, requests: list[pb_utils.InferenceRequest]) -> list[Outputs | Exception]:
@@ -287,11 +347,18 @@ class TritonInstance:
     ) -> AsyncGenerator[Outputs, None]:
         """Run a decoupled model's ``execute`` on one request: its responses as they are sent.
 
-        A plain ``def execute`` runs on a thread of the request's own, so that
-        each response reaches the caller as it is sent; the stream ends at the
-        response sent with ``TRITONSERVER_RESPONSE_COMPLETE_FINAL``. A
-        response the model sends once the caller stopped reading is dropped
-        (``sender.is_cancelled()`` says so).
+        ``execute`` runs beside the reading, so that each response reaches the
+        caller as it is sent: a plain ``def execute`` on a thread the instance
+        owns, one execute at a time per instance (as Triton runs it on the
+        instance's thread), an ``async def execute`` in the instance's task
+        group (`_Tasks`). The stream ends at the response sent with
+        ``TRITONSERVER_RESPONSE_COMPLETE_FINAL``. At most `STREAM_BUFFER`
+        responses wait for the reader: a sender on a thread of its own
+        blocks while they do (a slow reader slows the model), and one on the
+        event loop's thread (an ``async def execute``) gets a
+        ``TritonModelException``. Once the caller left, ``is_cancelled()``
+        says so and what the model sends is dropped, a blocked sender
+        released; an ``async def execute`` is cancelled.
 
         Raises:
             BackendError: ``execute`` raised, or returned responses (a
@@ -303,57 +370,48 @@ class TritonInstance:
         token = anyio.lowlevel.current_token()
         loop = threading.get_ident()
         send, receive = anyio.create_memory_object_stream[
-            tuple[pb_utils.InferenceResponse | None, bool, Exception | None]
-        ](max_buffer_size=math.inf)
+            tuple[pb_utils.InferenceResponse | None, bool]
+        ](max_buffer_size=STREAM_BUFFER)
         gone = threading.Event()
+        errors: list[Exception] = []  # what ended the stream early: execute's failure
 
-        def put(
-            response: pb_utils.InferenceResponse | None,
-            final: bool,
-            error: Exception | None = None,
-        ) -> None:
+        def put(response: pb_utils.InferenceResponse | None, final: bool) -> None:
             if gone.is_set():
-                return
-            item = (response, final, error)
+                return  # the caller left: dropped, as Triton drops it
             try:
-                if threading.get_ident() == loop:
-                    send.send_nowait(item)
-                else:
-                    anyio.from_thread.run_sync(send.send_nowait, item, token=token)
+                if threading.get_ident() != loop:
+                    # Blocks while the buffer is full; released when the reader leaves.
+                    anyio.from_thread.run(send.send, (response, final), token=token)
+                    return
+                try:
+                    send.send_nowait((response, final))
+                except anyio.WouldBlock:
+                    raise pb_utils.TritonModelException(
+                        f"model {self._name!r}: {STREAM_BUFFER} responses wait for a reader "
+                        "slower than execute sends them; an async def execute sends on the "
+                        "event loop's thread, which must not block: await between sends"
+                    ) from None
             except (anyio.ClosedResourceError, anyio.BrokenResourceError, anyio.RunFinishedError):
                 gone.set()
 
+        def end(error: Exception) -> None:
+            # execute failed: the stream ends after the responses sent before.
+            errors.append(error)
+            if threading.get_ident() == loop:
+                send.close()
+            else:
+                with contextlib.suppress(anyio.RunFinishedError):
+                    anyio.from_thread.run_sync(send.close, token=token)
+
         request = self._request(inputs, "", 0)
         request._sender = pb_utils.ResponseSender(put, gone.is_set)
-
-        def run() -> None:
-            try:
-                returned = self._sync_execute([request])
-            except Exception as exc:
-                put(None, True, BackendError(_raised(f"{self._label}: execute", exc)))
-                return
-            if returned is not None:
-                put(None, True, BackendError(self._returned(returned)))
-
+        scope = anyio.CancelScope()
         try:
             if self._async:
-                try:
-                    returned = await self._execute([request])
-                except (anyio.get_cancelled_exc_class(), TrioInferError):
-                    raise
-                except Exception as exc:
-                    raise BackendError(_raised(f"{self._label}: execute", exc)) from exc
-                if returned is not None:
-                    raise BackendError(self._returned(returned))
+                self._tasks().start_soon(self._async_stream, request, scope, end)
             else:
-                # Not the instance's worker: a decoupled execute may send for as long as
-                # the request lasts, and other requests' streams must not wait behind it.
-                threading.Thread(
-                    target=run, name=f"trioinfer-triton-{self._name}-stream", daemon=True
-                ).start()
-            async for response, final, error in receive:
-                if error is not None:
-                    raise error
+                self._threads.start(self._sync_stream, request, end)
+            async for response, final in receive:
                 if response is not None:
                     answer = self._answer(response)
                     if isinstance(answer, Exception):
@@ -361,10 +419,62 @@ class TritonInstance:
                     yield answer
                 if final:
                     return
+            raise errors[0]  # (only end() closes the sending side)
         finally:
             gone.set()
+            scope.cancel()
             receive.close()
             send.close()
+
+    def _failed(self, exc: Exception) -> Exception:
+        if isinstance(exc, TrioInferError):
+            return exc
+        failure = BackendError(_raised(f"{self._label}: execute", exc))
+        failure.__cause__ = exc
+        return failure
+
+    def _sync_stream(
+        self, request: pb_utils.InferenceRequest, end: Callable[[Exception], None]
+    ) -> None:
+        # On a thread of the instance's own (`_Threads`), one execute at a time on the
+        # instance, as Triton runs execute on the instance's thread.
+        with self._execute_lock:
+            try:
+                returned = self._sync_execute([request])
+            except Exception as exc:
+                end(self._failed(exc))
+                return
+        if returned is not None:
+            end(BackendError(self._returned(returned)))
+
+    async def _async_stream(
+        self,
+        request: pb_utils.InferenceRequest,
+        scope: anyio.CancelScope,
+        end: Callable[[Exception], None],
+    ) -> None:
+        # A task of the instance's group: cancelled when its caller leaves (scope) or
+        # the instance closes (the group).
+        models = self._models
+        token = pb_utils._async_calls.set(None if models is None else models.infer)
+        try:
+            with scope:
+                try:
+                    returned = await self._execute([request])
+                except anyio.get_cancelled_exc_class():
+                    end(BackendError(f"{self._label} closed while execute ran"))
+                    raise
+                except Exception as exc:
+                    end(self._failed(exc))
+                    return
+                if returned is not None:
+                    end(BackendError(self._returned(returned)))
+        finally:
+            pb_utils._async_calls.reset(token)
+
+    def _tasks(self) -> _Tasks:
+        assert self._task_group is not None  # opened at load for an async decoupled model
+        return self._task_group
 
     def _returned(self, returned: object) -> str:
         return (
@@ -389,15 +499,158 @@ class TritonInstance:
             raise BackendError(_raised(f"{self._label}: {hook}()", exc)) from exc
 
     async def aclose(self) -> None:
-        """Run ``finalize`` once, then stop the worker thread. Idempotent."""
+        """Wait for a decoupled model's executes, run ``finalize`` once, stop the threads.
+
+        The wait is bounded by the caller's cancel scope (the engine's cleanup
+        bound at an unload): an execute still running then is named in a
+        warning and left to end (a thread cannot be stopped; an ``async def
+        execute`` is cancelled). Idempotent.
+        """
         if self._closed:
             return
         self._closed = True
+        tasks = self._task_group
         try:
-            with anyio.CancelScope(shield=True):
-                await self._call("finalize")
+            try:
+                await self._threads.wait()
+                if tasks is not None:
+                    await tasks.wait()
+            finally:
+                with anyio.CancelScope(shield=True):
+                    running = self._threads.running() + (tasks.running() if tasks else 0)
+                    if running:
+                        log.warning(
+                            "model %r: unload stopped waiting for %d execute(s) of %s still "
+                            "running; finalize() runs beside them",
+                            self._name,
+                            running,
+                            self._label,
+                        )
+                    if tasks is not None:
+                        await tasks.aclose()
+                    await self._call("finalize")
         finally:
-            if self._worker is not None:
-                await self._worker.aclose()
+            with anyio.CancelScope(shield=True):
+                if self._worker is not None:
+                    await self._worker.aclose()
             if self._module is not None:
                 sys.modules.pop(self._module, None)
+
+
+@final
+class _Threads:
+    # The threads a decoupled model's plain def execute runs on, one per request (the
+    # request's stream is read meanwhile): the instance's, waited for at its close.
+    __slots__ = ("_done", "_lock", "_name", "_running")
+
+    def __init__(self, name: str) -> None:
+        self._name = name
+        self._lock = threading.Lock()
+        self._running = 0
+        self._done = threading.Condition(self._lock)
+
+    def start(self, fn: Callable[..., object], *args: Any) -> None:
+        with self._lock:
+            self._running += 1
+        try:
+            threading.Thread(
+                target=self._run, args=(fn, *args), name=self._name, daemon=True
+            ).start()
+        except BaseException:
+            self._ended()
+            raise
+
+    def _run(self, fn: Callable[..., object], *args: Any) -> None:
+        try:
+            fn(*args)
+        finally:
+            self._ended()
+
+    def _ended(self) -> None:
+        with self._lock:
+            self._running -= 1
+            self._done.notify_all()
+
+    def running(self) -> int:
+        with self._lock:
+            return self._running
+
+    def _wait_blocking(self, gone: threading.Event) -> None:
+        with self._lock:
+            while self._running and not gone.is_set():
+                self._done.wait(0.1)
+
+    async def wait(self) -> None:
+        """Return when no thread runs (cancellable: the waiting thread stops too)."""
+        if not self.running():
+            return
+        gone = threading.Event()
+        try:
+            await anyio.to_thread.run_sync(self._wait_blocking, gone, abandon_on_cancel=True)
+        finally:
+            gone.set()
+
+
+@final
+class _Tasks:
+    # The instance's own task group, for a decoupled model's async def execute: a
+    # stream's generator must not hold a task group across its yields, so each
+    # execute is a task of this group, which outlives the streams and ends at close.
+    # Its host task runs from a thread of its own (anyio.from_thread.run), outside
+    # any caller's cancel scope; close ends it and joins the thread.
+    __slots__ = ("_group", "_idle", "_running", "_stop", "_thread")
+
+    def __init__(self) -> None:
+        self._group: anyio.abc.TaskGroup | None = None
+        self._stop = anyio.Event()
+        self._running = 0
+        self._idle = anyio.Event()
+        self._idle.set()
+        self._thread: threading.Thread | None = None
+
+    @classmethod
+    async def open(cls, name: str) -> _Tasks:
+        tasks = cls()
+        token = anyio.lowlevel.current_token()
+        started = anyio.Event()
+
+        def host() -> None:
+            with contextlib.suppress(anyio.RunFinishedError):
+                anyio.from_thread.run(tasks._serve, started, token=token)
+
+        tasks._thread = threading.Thread(target=host, name=name, daemon=True)
+        tasks._thread.start()
+        await started.wait()
+        return tasks
+
+    async def _serve(self, started: anyio.Event) -> None:
+        async with anyio.create_task_group() as group:
+            self._group = group
+            started.set()
+            await self._stop.wait()
+            group.cancel_scope.cancel()
+
+    def start_soon(self, fn: Callable[..., Awaitable[object]], *args: Any) -> None:
+        assert self._group is not None
+        self._running += 1
+        self._idle = anyio.Event() if self._running == 1 else self._idle
+        self._group.start_soon(self._run, fn, *args)
+
+    async def _run(self, fn: Callable[..., Awaitable[object]], *args: Any) -> None:
+        try:
+            await fn(*args)
+        finally:
+            self._running -= 1
+            if not self._running:
+                self._idle.set()
+
+    def running(self) -> int:
+        return self._running
+
+    async def wait(self) -> None:
+        await self._idle.wait()
+
+    async def aclose(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            await anyio.to_thread.run_sync(self._thread.join)

@@ -172,13 +172,31 @@ class InferenceResponse(_Provided):
         error: TritonError | None = None,
         parameters: object = None,
     ) -> None:
-        """A response holding *output_tensors*, or failing its request with *error*."""
+        """A response holding *output_tensors*, or failing its request with *error*.
+
+        Raises:
+            TypeError: *output_tensors* is not a list of `Tensor`.
+            ValueError: Two tensors have one name.
+        """
         if parameters:
             raise NotImplementedError(
                 "InferenceResponse(parameters=...) is not supported by trioinfer's python "
                 f"backend (responses carry no parameters); see {_DOCS}"
             )
+        # Checked here, where the model's line is (Triton's constructor refuses them too).
+        if isinstance(output_tensors, Tensor):
+            raise TypeError("InferenceResponse takes a list of pb_utils.Tensor, got Tensor")
         self._outputs = list(output_tensors or ())
+        names = set()
+        for tensor in self._outputs:
+            if not isinstance(tensor, Tensor):
+                raise TypeError(
+                    "InferenceResponse takes a list of pb_utils.Tensor, got "
+                    f"{type(tensor).__name__} in it (wrap an array: pb_utils.Tensor(name, array))"
+                )
+            if tensor.name() in names:
+                raise ValueError(f"InferenceResponse got output {tensor.name()!r} twice")
+            names.add(tensor.name())
         self._error = error
 
     def output_tensors(self) -> list[Tensor]:
@@ -297,6 +315,8 @@ class InferenceRequest(_Provided):
             parameters if isinstance(parameters, str) else json.dumps(dict(parameters or {}))
         )
         self._sender: ResponseSender | None = None
+        #: Whether the request's caller left (the backend's, for a request execute gets).
+        self._ended: Callable[[], bool] | None = None
 
     def inputs(self) -> list[Tensor]:
         """The request's input tensors."""
@@ -334,8 +354,14 @@ class InferenceRequest(_Provided):
         return list(self._requested)
 
     def is_cancelled(self) -> bool:
-        """Whether the caller left; a request ``execute`` gets never says so here (False)."""
-        return False
+        """Whether the request ended before its answer: its caller left, or its deadline passed.
+
+        A long ``execute`` may stop then: its answer would reach nobody. A
+        request the model made (BLS) never says so (False).
+        """
+        if self._sender is not None:
+            return self._sender.is_cancelled()
+        return self._ended is not None and self._ended()
 
     def get_response_sender(self) -> ResponseSender:
         """What a decoupled model sends this request's responses with.
