@@ -749,6 +749,26 @@ def test_triton_config_is_served_as_triton_shaped(
     assert classifier["dynamic_batching"]["priority_levels"] == 3
 
 
+async def test_an_instance_group_without_count_is_answered_with_count_1(tmp_path: Path) -> None:
+    # Triton normalizes a group's unset count to the one instance it runs; /config said
+    # count 0 (the field's protobuf default) for a group that runs one instance.
+    write_simple(tmp_path / "c" / "1" / "model.onnx")
+    pbtxt = SIMPLE_PBTXT.replace('name: "simple"', 'name: "c"')
+    pbtxt = pbtxt.replace("{ kind: KIND_CPU count: 2 }", "{ kind: KIND_CPU }")
+    (tmp_path / "c" / "config.pbtxt").write_text(pbtxt)
+    async with trio.open_nursery() as nursery:
+        listening = await nursery.start(
+            partial(serve_http, tmp_path, host="127.0.0.1", port=0, handle_signals=False)
+        )
+        async with httpx.AsyncClient(base_url=listening.urls[0]) as http:
+            config = (await http.get("/v2/models/c/config")).json()
+        nursery.cancel_scope.cancel()
+    assert config["instance_group"] == [
+        {"name": "c_0", "kind": "KIND_CPU", "count": 1, "gpus": [], **GROUP_DEFAULTS}
+    ]
+    assert [group["count"] for group in own_setting(config, "instances")] == [1]
+
+
 CUDA_REASON = probe_device(Device("cuda", 0))
 #: What Triton prints of a ModelInput, or a ModelInstanceGroup, that leaves them unset.
 INPUT_DEFAULTS = {

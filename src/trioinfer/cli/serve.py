@@ -89,7 +89,8 @@ EXIT_MARGIN_S: Final = _exit.EXIT_MARGIN_S
     metavar="DIR",
     help="<DIR>/<model>/<version>/model.onnx, with an optional <DIR>/<model>/config.toml "
     "(or Triton's config.pbtxt); a Python model is <version>/model.py, with backend = "
-    '"python" and its inputs and outputs in config.toml. Default: the bundled example '
+    '"python" and its inputs and outputs in config.toml (or a Triton Python model\'s '
+    'config.pbtxt with backend: "python", as it is). Default: the bundled example '
     "repository.",
 )
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on.")
@@ -209,7 +210,8 @@ EXIT_MARGIN_S: Final = _exit.EXIT_MARGIN_S
     "status 1, naming in the log the executions that still run (a Python model's plain def "
     "infer cannot be interrupted). Triton's --exit-timeout-secs. At least --drain-period. "
     f"Default: the drain period + {EXIT_MARGIN_S:.0f}s. With --workers the supervisor kills "
-    "the workers still running at this bound and exits with status 1, naming them.",
+    "the workers still running half a second past it (as one process gives its last "
+    "cancel) and exits with status 1, naming them.",
 )
 @click.option(
     "--repository-poll-secs",
@@ -381,14 +383,17 @@ def serve(ctx: click.Context, /, **options: Any) -> None:
     An execution that cannot be interrupted (a Python model's plain def infer
     stuck on its thread) would hold the exit for ever: past --exit-timeout-secs
     (or 1 s after a second signal) the process ends anyway with exit status
-    1, the log naming what still ran.
+    1, the log naming what still ran. A signal while the models still load
+    stops the start, with exit status 0. Any other failure to start exits 1,
+    and invalid options or settings 2.
 
     With --workers N, N processes serve the same port, each with its own
     engine and sessions on the same devices, and this process supervises
     them: it restarts one that dies (its in-flight requests fail with their
     connections), applies repository load/unload (and trace and log
     settings) on every worker before answering, adds up statistics and
-    /metrics across them, and on SIGINT or SIGTERM drains them all. A worker
+    /metrics across them (a Python model's own gauge combines as it declares),
+    and on SIGINT or SIGTERM drains them all. A worker
     that cannot start stops serve with its error. Every worker serves gRPC
     too, on the one --grpc-port (SO_REUSEPORT, as HTTP). Shared-memory
     regions need --workers 1 (each process maps its own).

@@ -750,9 +750,14 @@ def model_config_document(state: ServerState, served: ServedVersion) -> dict[str
     # what is answered loads back and is answered again.
     groups = body.get("instance_group")
     if isinstance(groups, list):
-        # Triton names a group it was given without a name <model>_<n>, as here.
+        # Triton names a group it was given without a name <model>_<n>, and gives one
+        # without a count the one instance it runs, as here.
         body["instance_group"] = [
-            {**group, "name": group.get("name") or f"{served.model}_{n}"}
+            {
+                **group,
+                "name": group.get("name") or f"{served.model}_{n}",
+                "count": group.get("count") or 1,
+            }
             if isinstance(group, dict)
             else group
             for n, group in enumerate(groups)
