@@ -68,6 +68,7 @@ from ._inline import inline_slice_spent as inline_slice_spent
 from ._inline import restart_inline_slice as restart_inline_slice
 from ._remote_trace import current_trace_context as current_trace_context
 from ._remote_trace import record_span as record_span
+from ._stream import current_stream_parameters as current_stream_parameters
 from ._tensors import numpy_dtype as numpy_dtype
 from ._threads import CallbackWaiter as CallbackWaiter
 from ._threads import WorkerThread as WorkerThread
