@@ -78,9 +78,16 @@ class Models:
         self._computing = threading.local()
 
     async def infer(
-        self, model: str, inputs: Mapping[str, Any], *, priority: int = 0
+        self,
+        model: str,
+        inputs: Mapping[str, Any],
+        *,
+        priority: int = 0,
+        parameters: Mapping[str, bool | int | float | str] | None = None,
     ) -> dict[str, np.ndarray[Any, Any]]:
         """Run *model* on *inputs* and return its outputs, from ``async def infer``.
+
+        *parameters* are the request's own, as ``engine.infer`` takes them.
 
         (A plain ``infer`` on the event loop, ``dispatch = "inline"``, can
         neither await this nor block on `infer_blocking`: make it async.)
@@ -93,7 +100,7 @@ class Models:
         """
         # Bound by cancellation alone: the engine cancels this execution when every
         # request it computes for has ended (a caller's own deadline among them).
-        return await self._infer(model, inputs, priority)
+        return await self._infer(model, inputs, priority, None, parameters)
 
     def infer_stream(
         self, model: str, inputs: Mapping[str, Any], *, priority: int = 0
@@ -149,7 +156,12 @@ class Models:
             ) from exc
 
     def infer_blocking(
-        self, model: str, inputs: Mapping[str, Any], *, priority: int = 0
+        self,
+        model: str,
+        inputs: Mapping[str, Any],
+        *,
+        priority: int = 0,
+        parameters: Mapping[str, bool | int | float | str] | None = None,
     ) -> dict[str, np.ndarray[Any, Any]]:
         """`infer`, from a plain ``def infer`` (or ``load``) on the instance's worker thread.
 
@@ -172,7 +184,7 @@ class Models:
             )
         execution = getattr(self._computing, "value", None)
         return anyio.from_thread.run(
-            self._infer_for, execution, model, inputs, priority, token=self._token
+            self._infer_for, execution, model, inputs, priority, parameters, token=self._token
         )
 
     def infer_stream_blocking(
@@ -340,18 +352,24 @@ class Models:
         model: str,
         inputs: Mapping[str, Any],
         priority: int,
+        parameters: Mapping[str, bool | int | float | str] | None = None,
     ) -> dict[str, np.ndarray[Any, Any]]:
         # infer_blocking's call, on the event loop, ended when *execution* is aborted.
         if execution is None:  # from load(), or a thread of the model's own
-            return await self._infer(model, inputs, priority, math.inf)
+            return await self._infer(model, inputs, priority, math.inf, parameters)
         # The deadline execute() read: this task, started for the thread, runs under no
         # scope of the callers' and does not see the execution's context.
         return await self._bounded(
-            execution, model, self._infer, model, inputs, priority, execution.deadline
+            execution, model, self._infer, model, inputs, priority, execution.deadline, parameters
         )
 
     async def _infer(
-        self, model: str, inputs: Mapping[str, Any], priority: int, deadline: float | None = None
+        self,
+        model: str,
+        inputs: Mapping[str, Any],
+        priority: int,
+        deadline: float | None = None,
+        parameters: Mapping[str, bool | int | float | str] | None = None,
     ) -> dict[str, np.ndarray[Any, Any]]:
         # A call to itself, by whatever name, is refused there (ValueError). The request
         # carries the callers' deadline (None: the execution's, read in its task).
@@ -364,6 +382,7 @@ class Models:
                     priority=priority,
                     caller=self._own,
                     deadline=deadline,
+                    parameters=parameters,
                 )
             )
         except ModelNotFound as exc:

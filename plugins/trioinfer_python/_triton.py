@@ -35,7 +35,13 @@ import anyio.lowlevel
 import numpy as np
 
 from trioinfer import BackendError, InvalidInput, ModelConfig, ModelSignature, TrioInferError
-from trioinfer.lowlevel import Placement, Request, WorkerThread, current_engine
+from trioinfer.lowlevel import (
+    Placement,
+    Request,
+    WorkerThread,
+    current_engine,
+    current_stream_parameters,
+)
 
 from . import triton_python_backend_utils as pb_utils
 from ._models import Models
@@ -177,6 +183,7 @@ class TritonInstance:
         inputs: Mapping[str, np.ndarray[Any, Any]],
         request_id: str,
         correlation_id: int | str,
+        parameters: Mapping[str, Any] | None = None,
     ) -> pb_utils.InferenceRequest:
         tensors = []
         for name, value in inputs.items():
@@ -191,6 +198,7 @@ class TritonInstance:
             inputs=tensors,
             request_id=request_id,
             correlation_id=correlation_id,
+            parameters=parameters,
         )
 
     async def execute(self, inputs: Mapping[str, np.ndarray[Any, Any]]) -> Outputs:
@@ -217,7 +225,11 @@ class TritonInstance:
         made = []
         for request in requests:
             flags = request.sequence_flags
-            made.append(self._request(request.inputs, request.id, flags.id if flags else 0))
+            made.append(
+                self._request(
+                    request.inputs, request.id, flags.id if flags else 0, request.parameters
+                )
+            )
         return await self._run(made)
 
     async def _run(self, requests: list[pb_utils.InferenceRequest]) -> list[Outputs | Exception]:
@@ -323,7 +335,7 @@ class TritonInstance:
             except (anyio.ClosedResourceError, anyio.BrokenResourceError, anyio.RunFinishedError):
                 gone.set()
 
-        request = self._request(inputs, "", 0)
+        request = self._request(inputs, "", 0, current_stream_parameters())
         request._sender = pb_utils.ResponseSender(put, gone.is_set)
 
         def run() -> None:

@@ -204,6 +204,7 @@ class ResponseCache:
         *,
         deadline: float,
         own_deadline: bool,
+        parameters: Mapping[str, object] | None = None,
     ) -> tuple[Outputs, object, bool]:
         """The cached answer to *inputs*, or that of a computation under way, or a new one's.
 
@@ -214,7 +215,7 @@ class ResponseCache:
         leave abandons it, so that nothing is computed for nobody. *deadline*
         is this caller's; *own_deadline* False: the model's queue timeout,
         which ends the wait of a request still queued (`DeadlineExceeded`),
-        never one running.
+        never one running. *parameters*, the request's, are part of the key.
 
         Returns:
             The answer; the origin ``computation()`` gave with it when it was
@@ -226,7 +227,7 @@ class ResponseCache:
             TrioInferError: What the computation ended with, for each caller
                 waiting for it (each their own copy), or what refused it.
         """
-        key = (model, self._generations.get(model, 0), digest(inputs))
+        key = (model, self._generations.get(model, 0), digest(inputs, parameters))
         counters = self._counters.setdefault(model, _Counters())
         started_at = self._clock.current_time()
         while True:
@@ -410,8 +411,12 @@ class ResponseCache:
         )  # fmt: skip
 
 
-def digest(inputs: Arrays) -> bytes:
-    """A 128-bit BLAKE2b digest of every input's name, dtype, shape and contents.
+def digest(inputs: Arrays, parameters: Mapping[str, object] | None = None) -> bytes:
+    """A 128-bit BLAKE2b digest of every input's name, dtype, shape and contents, and *parameters*.
+
+    Two requests that differ only in their parameters (``temperature`` 0.1 and
+    0.9) differ in key; a parameter's type counts (``1``, ``1.0`` and
+    ``True`` are three keys), as the model may tell them apart.
 
     128 bits make a collision between two different requests practically
     impossible (Triton's cache uses 64 and documents collisions as a risk).
@@ -431,6 +436,13 @@ def digest(inputs: Arrays) -> bytes:
                 h.update(data)
         else:
             h.update(np.ascontiguousarray(array).view(np.uint8).data)
+    if parameters:
+        # After a marker no input's header can make (it holds no NUL-separated shape).
+        h.update(b"\0parameters\0")
+        for key in sorted(parameters):
+            value = parameters[key]
+            h.update(repr((key, type(value).__name__, value)).encode("utf-8", "surrogatepass"))
+            h.update(b"\0")
     return h.digest()
 
 

@@ -1241,6 +1241,7 @@ class Engine:
             computation,
             deadline=request.deadline,
             own_deadline=own_deadline,
+            parameters=request.parameters,
         )
         if origin is not None:
             # An identical request's fallback answered: this one says so as well.
