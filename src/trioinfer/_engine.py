@@ -1025,6 +1025,7 @@ class Engine:
         request_id: str,
         held: dict[Request, ModelRunner],
         scopes: set[anyio.CancelScope],
+        parameters: Mapping[str, Parameter] = NO_PARAMETERS,
     ) -> Outputs:
         # An unbatched pipeline's step (its request runs in its caller's task, which no
         # scope of the engine's encloses): _infer_step, leaving the pipeline a way to end
@@ -1032,7 +1033,8 @@ class Engine:
         # step for step: a change there belongs here too) its request, in *held* while
         # it waits, for ModelRunner.cut_off: no cancel scope, which costs more than the
         # rest of the step's own work. Any other way, a cancel scope, in *scopes*.
-        runner = self._plain.get(model)
+        # (A request with parameters: _infer_step's way, which carries them.)
+        runner = None if parameters else self._plain.get(model)
         if runner is not None:
             arrays, n = runner.validate(inputs)
             clock = runner.clock
@@ -1080,7 +1082,12 @@ class Engine:
         try:
             with scope:
                 return await self._infer_step(
-                    model, inputs, priority=priority, tenant=tenant, request_id=request_id
+                    model,
+                    inputs,
+                    priority=priority,
+                    tenant=tenant,
+                    request_id=request_id,
+                    parameters=parameters or None,
                 )
         finally:
             scopes.discard(scope)

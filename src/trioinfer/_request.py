@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Mapping
-from types import MappingProxyType
-from typing import TYPE_CHECKING, Any, cast
+from collections.abc import Iterator, Mapping
+from typing import TYPE_CHECKING, Any, cast, final
 
 import attrs
 import numpy as np
@@ -23,8 +22,35 @@ Outputs = dict[str, np.ndarray[Any, Any]]
 
 #: A request parameter's value (Triton's parameters extension: bool, int, float or str).
 Parameter = bool | int | float | str
+
+
+@final
+class _Parameters(Mapping[str, Parameter]):
+    # A request's parameters, read-only; unlike a mappingproxy it pickles (a request
+    # copied to another process keeps them).
+    __slots__ = ("_given",)
+
+    def __init__(self, given: dict[str, Parameter]) -> None:
+        self._given = given
+
+    def __getitem__(self, key: str) -> Parameter:
+        return self._given[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._given)
+
+    def __len__(self) -> int:
+        return len(self._given)
+
+    def __repr__(self) -> str:
+        return repr(self._given)
+
+    def __reduce__(self) -> tuple[type[_Parameters], tuple[dict[str, Parameter]]]:
+        return _Parameters, (self._given,)
+
+
 #: The parameters of a request that has none: one shared, read-only empty mapping.
-NO_PARAMETERS: Mapping[str, Parameter] = MappingProxyType({})
+NO_PARAMETERS: Mapping[str, Parameter] = _Parameters({})
 
 _SUCCEEDED = Abort.SUCCEEDED
 _QUEUED = Status.QUEUED
@@ -59,7 +85,7 @@ def checked_parameters(parameters: object) -> Mapping[str, Parameter]:
                 f"{type(value).__name__} {value!r:.80}"
             )
         copied[key] = value
-    return MappingProxyType(copied)
+    return _Parameters(copied)
 
 
 def next_request_id() -> str:
