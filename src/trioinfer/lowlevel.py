@@ -36,6 +36,11 @@ class OneAtATime:
   [`inline_slice_spent()`][trioinfer.lowlevel.inline_slice_spent] /
   [`restart_inline_slice()`][trioinfer.lowlevel.restart_inline_slice] for
   backends that run executions on the event loop's thread within a time budget.
+- For backends whose models read request parameters (Triton's parameters
+  extension): each request's ``parameters`` (an instance that takes an
+  execution's requests, ``RequestsInstance``, reads them there), and
+  [`current_stream_parameters()`][trioinfer.lowlevel.current_stream_parameters]
+  for the stream a decoupled model is producing.
 - For backends whose models call other models of their engine (the
   ``python`` backend's ``models``, as Triton's BLS):
   [`current_engine()`][trioinfer.lowlevel.current_engine] (the engine loading
