@@ -4,8 +4,9 @@ One cache serves the whole engine, bounded in bytes and evicted least recently
 used first; a model takes part when its config says ``response_cache = true``.
 The key is the model's name (which holds its version when served from a
 repository) and a 128-bit BLAKE2b digest of every input's name, dtype, shape
-and bytes, and of the request's parameters. Only the model's own successful answers are stored (not a
-fallback's default answer, nor one from another model), as read-only copies,
+and bytes, and of the request's parameters. Only the model's own successful
+answers are stored (not a fallback's default answer, nor one from another
+model), as read-only copies,
 so that no caller can change what another receives. Such an answer not kept
 still answers the identical requests waiting for it, with its fallback steps.
 
