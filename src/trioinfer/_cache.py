@@ -6,9 +6,9 @@ The key is the model's name (which holds its version when served from a
 repository) and a 128-bit BLAKE2b digest of every input's name, dtype, shape
 and bytes, and of the request's parameters. Only the model's own successful
 answers are stored (not a fallback's default answer, nor one from another
-model), as read-only copies,
-so that no caller can change what another receives. Such an answer not kept
-still answers the identical requests waiting for it, with its fallback steps.
+model), as read-only copies, so that no caller can change what another
+receives. Such an answer not kept still answers the identical requests
+waiting for it, with its fallback steps.
 
 Identical requests that arrive while the first is still being computed wait
 for its answer instead of computing again (request coalescing). The
