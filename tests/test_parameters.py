@@ -155,8 +155,12 @@ async def test_the_models_dict_is_its_own_and_the_requests_mapping_read_only() -
     assert given == {"k": 1}
     request = make_request()
     assert dict(request.parameters) == {}
+    request = make_request(parameters={"k": 1})
+    assert dict(request.parameters) == {"k": 1}
     with pytest.raises(TypeError):
-        request.parameters["k"] = 1  # type: ignore[index]
+        request.parameters["k"] = 2  # type: ignore[index]
+    with pytest.raises(InvalidInput, match="parameter 'k'"):
+        make_request(parameters={"k": [1]})  # type: ignore[dict-item]
 
 
 def test_a_requests_parameters_survive_a_copy() -> None:
