@@ -267,6 +267,44 @@ async def test_a_model_passes_parameters_to_the_models_it_calls() -> None:
         assert got(await engine.infer("caller", X, parameters={"t": 2})) == {"t": 2, "via": "bls"}
 
 
+class StreamCaller:
+    """Reads stream's responses, asking with parameters (async def infer)."""
+
+    def __init__(self, models: Any) -> None:
+        self.models = models
+
+    async def infer(self, inputs: Arrays) -> Arrays:
+        async with self.models.infer_stream("stream", inputs, parameters={"s": 1}) as responses:
+            return [outputs async for outputs in responses][-1]  # type: ignore[no-any-return]
+
+
+class BlockingStreamCaller:
+    """The same from a plain def infer, on its worker thread."""
+
+    def __init__(self, models: Any) -> None:
+        self.models = models
+
+    def infer(self, inputs: Arrays) -> Arrays:
+        with self.models.infer_stream_blocking("stream", inputs, parameters={"b": 1}) as got:
+            return list(got)[-1]  # type: ignore[no-any-return]
+
+
+@pytest.mark.streaming
+async def test_a_model_passes_parameters_to_the_streams_it_opens() -> None:
+    stream = ModelConfig(
+        name="stream",
+        path="-",
+        backend="python",
+        backend_options={"class": Stream, "decoupled": True, **ECHO_SIGNATURE},
+    )
+    async with open_engine() as engine:
+        await engine.load(stream)
+        await engine.load(python("async_caller", StreamCaller))
+        await engine.load(python("blocking_caller", BlockingStreamCaller))
+        assert got(await engine.infer("async_caller", X)) == {"s": 1}
+        assert got(await engine.infer("blocking_caller", X)) == {"b": 1}
+
+
 async def test_onnx_models_ignore_parameters(tmp_path: Path) -> None:
     # As Triton's onnxruntime backend does: the request runs as one without any.
     pytest.importorskip("onnxruntime")

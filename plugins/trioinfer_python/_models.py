@@ -103,9 +103,16 @@ class Models:
         return await self._infer(model, inputs, priority, None, parameters)
 
     def infer_stream(
-        self, model: str, inputs: Mapping[str, Any], *, priority: int = 0
+        self,
+        model: str,
+        inputs: Mapping[str, Any],
+        *,
+        priority: int = 0,
+        parameters: Mapping[str, bool | int | float | str] | None = None,
     ) -> AbstractAsyncContextManager[ResponseStream]:
         """Open a stream of *model*'s responses to *inputs*, from ``async def infer``.
+
+        *parameters* are the request's own, as ``engine.infer_stream`` takes them.
 
         For a decoupled model (Triton's ``exec(decoupled=True)``); use it as
         ``engine.infer_stream``::
@@ -130,11 +137,16 @@ class Models:
             TrioInferError: What ``engine.infer_stream`` raises, entering or
                 iterating (``BackendError`` the other model raised mid-stream...).
         """
-        return self._stream(model, inputs, priority, None)
+        return self._stream(model, inputs, priority, None, parameters)
 
     @asynccontextmanager
     async def _stream(
-        self, model: str, inputs: Mapping[str, Any], priority: int, deadline: float | None
+        self,
+        model: str,
+        inputs: Mapping[str, Any],
+        priority: int,
+        deadline: float | None,
+        parameters: Mapping[str, bool | int | float | str] | None = None,
     ) -> AsyncIterator[ResponseStream]:
         entered = False
         try:
@@ -145,6 +157,7 @@ class Models:
                 priority=priority,
                 caller=self._own,
                 deadline=deadline,
+                parameters=parameters,
             ) as responses:
                 entered = True
                 yield responses
@@ -188,7 +201,12 @@ class Models:
         )
 
     def infer_stream_blocking(
-        self, model: str, inputs: Mapping[str, Any], *, priority: int = 0
+        self,
+        model: str,
+        inputs: Mapping[str, Any],
+        *,
+        priority: int = 0,
+        parameters: Mapping[str, bool | int | float | str] | None = None,
     ) -> BlockingResponses:
         """`infer_stream`, from a plain ``def infer`` on the instance's worker thread.
 
@@ -240,17 +258,25 @@ class Models:
             model,
             inputs,
             priority,
+            parameters,
             token=self._token,
         )
         return BlockingResponses._make(self, execution, model, pump)
 
     async def _open(
-        self, execution: _Execution, model: str, inputs: Mapping[str, Any], priority: int
+        self,
+        execution: _Execution,
+        model: str,
+        inputs: Mapping[str, Any],
+        priority: int,
+        parameters: Mapping[str, bool | int | float | str] | None = None,
     ) -> _Pump:
         # On the event loop: a task of the execution's own reads the stream for the thread.
         pump = _Pump()
         assert execution.tasks is not None  # set for as long as _within runs
-        await execution.tasks.start(self._pump, execution, pump, model, inputs, priority)
+        await execution.tasks.start(
+            self._pump, execution, pump, model, inputs, priority, parameters
+        )
         return pump
 
     async def _pump(
@@ -260,6 +286,7 @@ class Models:
         model: str,
         inputs: Mapping[str, Any],
         priority: int,
+        parameters: Mapping[str, bool | int | float | str] | None = None,
         *,
         task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED,
     ) -> None:
@@ -272,7 +299,9 @@ class Models:
             with pump.scope:
                 if execution.aborted:
                     pump.scope.cancel()
-                async with self._stream(model, inputs, priority, execution.deadline) as stream:
+                async with self._stream(
+                    model, inputs, priority, execution.deadline, parameters
+                ) as stream:
                     started = True
                     task_status.started()
                     await pump.serve(stream)
