@@ -479,3 +479,68 @@ async def test_grpc_parameters_reach_the_model(tmp_path: Path) -> None:
         answers = await trio.to_thread.run_sync(use, listening.grpc)
         nursery.cancel_scope.cancel()
     assert answers == [want, want]
+
+
+TRITON_STREAM = """
+import json
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        for request in requests:
+            sender = request.get_response_sender()
+            text = json.dumps(json.loads(request.parameters()), sort_keys=True)
+            tensor = pb_utils.Tensor("p", np.array([text], dtype=object))
+            sender.send(pb_utils.InferenceResponse(output_tensors=[tensor]))
+            sender.send(flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+        return None
+"""
+
+TRITON_CALLER = """
+import json
+
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        answers = []
+        for request in requests:
+            x = pb_utils.get_input_tensor_by_name(request, "x")
+            given = {**json.loads(request.parameters()), "via": "bls"}
+            call = pb_utils.InferenceRequest(
+                model_name="triton", requested_output_names=["p"], inputs=[x], parameters=given
+            )
+            response = call.exec()
+            p = pb_utils.get_output_tensor_by_name(response, "p")
+            answers.append(pb_utils.InferenceResponse(output_tensors=[p]))
+        return answers
+"""
+
+
+@pytest.mark.triton_config
+@pytest.mark.streaming
+async def test_a_triton_python_model_reads_request_parameters(tmp_path: Path) -> None:
+    from trioinfer.server._repository import ModelRepository
+
+    root = write_served(tmp_path / "models")
+    for name, code, extra in [
+        ("triton_stream", TRITON_STREAM, "model_transaction_policy { decoupled: true }\n"),
+        ("triton_caller", TRITON_CALLER, ""),
+    ]:
+        (root / name / "1").mkdir(parents=True)
+        (root / name / "1" / "model.py").write_text(code)
+        (root / name / "config.pbtxt").write_text(TRITON_PBTXT + extra)
+    repository = ModelRepository(root)
+    async with open_engine() as engine:
+        for name in ("triton", "triton_stream", "triton_caller"):
+            await engine.load(repository.entry(name).config(1))
+        assert got(await engine.infer("triton", X, parameters={"t": 0.5})) == {"t": 0.5}
+        assert got(await engine.infer("triton", X)) == {}
+        async with engine.infer_stream("triton_stream", X, parameters={"t": 1}) as responses:
+            assert [got(outputs) async for outputs in responses] == [{"t": 1}]
+        answer = await engine.infer("triton_caller", X, parameters={"t": 2})
+        assert got(answer) == {"t": 2, "via": "bls"}
