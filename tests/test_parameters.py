@@ -464,13 +464,27 @@ async def test_grpc_parameters_reach_the_model(tmp_path: Path) -> None:
     want = {"t": 0.5, "n": 3, "s": "x", "b": True}
 
     def use(address: str) -> list[Any]:
-        answers = []
+        import grpc
+        from tritonclient.grpc import service_pb2
+
+        answers: list[Any] = []
         with grpcclient.InferenceServerClient(address) as client:
             x = grpcclient.InferInput("x", [1], "INT32")
             x.set_data_from_numpy(np.array([1], np.int32))
             for model in ("echo", "triton"):
                 result = client.infer(model, [x], parameters=want, priority=1)
                 answers.append(json.loads(result.as_numpy("p")[0]))
+        # What tritonclient cannot send: a parameter with no value set.
+        with grpc.insecure_channel(address) as channel:
+            method = channel.unary_unary("/inference.GRPCInferenceService/ModelInfer")
+            message = service_pb2.ModelInferRequest(model_name="echo")
+            message.inputs.add(name="x", datatype="INT32", shape=[1])
+            message.raw_input_contents.append(np.array([1], np.int32).tobytes())
+            message.parameters["t"].CopyFrom(service_pb2.InferParameter())
+            try:
+                method(message.SerializeToString(), timeout=30)
+            except grpc.RpcError as exc:
+                answers.append((exc.code(), exc.details()))
         return answers
 
     async with trio.open_nursery() as nursery:
@@ -478,7 +492,13 @@ async def test_grpc_parameters_reach_the_model(tmp_path: Path) -> None:
         assert listening.grpc is not None
         answers = await trio.to_thread.run_sync(use, listening.grpc)
         nursery.cancel_scope.cancel()
-    assert answers == [want, want]
+    import grpc
+
+    assert answers[:2] == [want, want]
+    for code, details in answers[2:]:
+        assert code == grpc.StatusCode.INVALID_ARGUMENT
+        assert "request parameter 't' must be a bool, int, float or str" in details
+    assert len(answers) == 3
 
 
 TRITON_STREAM = """
