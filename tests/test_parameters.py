@@ -260,6 +260,44 @@ async def test_a_pipeline_passes_its_requests_parameters_to_each_step() -> None:
         assert got(await engine.infer("p", X)) == {}
 
 
+@pytest.mark.pipeline
+async def test_a_batched_pipeline_passes_each_members_parameters(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    # Members with the same parameters share the steps' requests; those that differ
+    # run alone, each with its own.
+    pipeline = ModelConfig(
+        name="p",
+        path="-",
+        backend="pipeline",
+        backend_options={
+            **ROWS_SIGNATURE,
+            "steps": [{"model": "rows", "input_map": {"x": "x"}, "output_map": {"p": "p"}}],
+        },
+        batcher="dynamic",
+        batcher_options={"max_batch_size": 8, "max_queue_delay": 0.01},
+    )
+    answers: dict[int, list[Any]] = {}
+    async with open_engine() as engine:
+        await engine.load(python("rows", Rows, ROWS_SIGNATURE))
+        await engine.load(pipeline)
+
+        async def call(i: int, given: dict[str, Any] | None) -> None:
+            outputs = await engine.infer("p", {"x": np.full((1, 1), i, np.int32)}, parameters=given)
+            answers[i] = [json.loads(text) for text in outputs["p"].reshape(-1)]
+
+        for same in (True, False):
+            Rows.batches = []
+            async with trio.open_nursery() as nursery:
+                for i in range(3):
+                    nursery.start_soon(call, i, {"k": 1} if same else {"k": i} if i else None)
+            if same:
+                assert answers == {i: [{"k": 1}] for i in range(3)}
+                assert Rows.batches == [[{"k": 1}] * 3]  # one step request for all three
+            else:
+                assert answers == {0: [{}], 1: [{"k": 1}], 2: [{"k": 2}]}
+
+
 async def test_a_model_passes_parameters_to_the_models_it_calls() -> None:
     async with open_engine() as engine:
         await engine.load(python("echo", Echo))
