@@ -51,6 +51,29 @@ class AsyncEcho:
         return {"p": _text(parameters)}
 
 
+@pytest.mark.streaming
+@pytest.mark.parametrize("backend", ["trio", "asyncio"])
+def test_parameters_on_trio_and_asyncio(backend: str) -> None:
+    import anyio
+
+    stream = ModelConfig(
+        name="stream",
+        path="-",
+        backend="python",
+        backend_options={"class": Stream, "decoupled": True, **ECHO_SIGNATURE},
+    )
+
+    async def main() -> None:
+        async with open_engine() as engine:
+            await engine.load(python("echo", Echo))
+            await engine.load(stream)
+            assert got(await engine.infer("echo", X, parameters={"t": 1})) == {"t": 1}
+            async with engine.infer_stream("stream", X, parameters={"t": 2}) as responses:
+                assert [got(outputs) async for outputs in responses] == [{"t": 2}]
+
+    anyio.run(main, backend=backend)
+
+
 class Plain:
     """Takes no parameters: what callers send is not its business."""
 
