@@ -194,7 +194,10 @@ async def test_generate_answers_exactly_one_response(repository: Path) -> None:
     [
         ("nope/generate_stream", {}, 404, "Request for unknown model: 'nope' is not served"),
         ("repeat_int32/generate_stream", [1], 400, "must be a JSON object of inputs"),
-        ("repeat_int32/generate_stream", {"IN": [1], "X": 1}, 400, "'X' is not an input"),
+        # A key that names no input is a parameter (Triton's mapping): a scalar.
+        ("repeat_int32/generate_stream", {"IN": [1], "X": [1]}, 400, "parameter 'X' must be"),
+        ("repeat_int32/generate_stream", {"IN": [1], "X": None}, 400, "got null"),
+        ("repeat_int32/generate", {"IN": [1], "parameters": {"t": {}}}, 400, "'t' must be"),
         ("repeat_int32/generate_stream", {"IN": [1.5]}, 400, "cannot hold JSON values like 1.5"),
         # The value as the client wrote it, not numpy's repr (np.str_('a')).
         ("repeat_int32/generate_stream", {"IN": ["a"]}, 400, "JSON values like 'a'"),

@@ -60,6 +60,14 @@ In code, ``backend_options={"class": Model, ...}`` names the class itself, and
   cannot interrupt it: a cancelled call runs to its end (an ``abort(self)``
   method, if the class has one, is called from the event loop then, to ask
   it to stop early).
+  If ``infer`` takes a ``parameters`` keyword, it gets the request
+  parameters its callers sent (``engine.infer(..., parameters={...})``;
+  over HTTP the infer body's ``"parameters"``, over gRPC the request's
+  ``parameters`` map, the generate extension's extra JSON keys): an
+  unbatched model (no batch axis) one dict, a batched model one dict per row
+  of its batch (a request of 3 rows contributes its dict 3 times), so that
+  requests with different parameters still share a batch; a decoupled
+  model's generator one dict. A request that sent none gives ``{}``.
 - optional ``load(self)`` and ``close(self)``, sync (on the worker thread) or
   async, called once per instance after construction and at unload.
 - a ``models`` keyword, if ``__init__`` takes one, gets a `Models`: the other
@@ -154,6 +162,7 @@ ones), so the model reads it with ``inputs.get(name)`` or ``in``.
 from __future__ import annotations
 
 import difflib
+import functools
 import importlib.machinery
 import importlib.util
 import inspect
@@ -162,7 +171,7 @@ import logging
 import sys
 import sysconfig
 import traceback
-from collections.abc import AsyncGenerator, Mapping
+from collections.abc import AsyncGenerator, Mapping, Sequence
 from pathlib import Path
 from types import CodeType, ModuleType
 from typing import Any, final
@@ -179,7 +188,14 @@ from trioinfer import (
     TensorSpec,
     TrioInferError,
 )
-from trioinfer.lowlevel import Placement, WorkerThread, current_engine, current_model_metrics
+from trioinfer.lowlevel import (
+    Placement,
+    Request,
+    WorkerThread,
+    current_engine,
+    current_model_metrics,
+    current_stream_parameters,
+)
 
 from . import _triton
 from ._models import BlockingResponses, Models
@@ -375,7 +391,10 @@ class PythonBackend:
             else None
         )
         try:
-            instance = PythonInstance(model, signature, device, label, worker, module, models)
+            # One whose infer takes parameters gets each execution's requests (to
+            # read theirs); any other, their inputs, joined by the engine.
+            kind = _ParameterisedInstance if _takes(model.infer, "parameters") else PythonInstance
+            instance = kind(model, signature, device, label, worker, module, models)
             await instance._call_hook("load")
         except BaseException:
             if worker is not None:
@@ -430,7 +449,8 @@ def _construct(cls: type, kwargs: dict[str, Any], label: str, decoupled: bool) -
     return model
 
 
-def _takes(cls: type, name: str) -> bool:
+def _takes(cls: Any, name: str) -> bool:
+    # Whether the callable *cls* (a class: its constructor) takes a keyword *name*.
     try:
         parameters = inspect.signature(cls).parameters
     except (TypeError, ValueError):
@@ -502,9 +522,10 @@ class _SourceLoader(importlib.machinery.SourceFileLoader):
         return self.source_to_code(self.get_data(self.path), self.path)
 
 
-@final
 class PythonInstance:
     """One object of a Python model's class, on its placement."""
+
+    # Not final: the instance of a model whose infer takes parameters is a subclass's.
 
     #: Every answer (and streamed response) is checked against the declared signature
     #: here, where lists are converted too: the engine need check only names and rows.
@@ -595,7 +616,7 @@ class PythonInstance:
             raise BackendError(f"{self._label} is closed")
         if not self._decoupled:
             raise BackendError(f"{self._label} is not decoupled: it answers with execute()")
-        generator = self._infer(_read_only(inputs))
+        generator = self._call_infer()(_read_only(inputs))
         try:
             while True:
                 try:
@@ -612,6 +633,10 @@ class PythonInstance:
         finally:
             await generator.aclose()
 
+    def _call_infer(self) -> Any:
+        # What a stream calls: infer, given the stream's parameters if it takes them.
+        return self._infer
+
     async def execute(self, inputs: Arrays) -> dict[str, np.ndarray[Any, Any]]:
         """Run the object's ``infer`` on *inputs* and check what it returns.
 
@@ -619,20 +644,21 @@ class PythonInstance:
             BackendError: ``infer`` raised (chained), or its outputs do not fit
                 the declared signature.
         """
+        return await self._execute(self._infer, inputs)
+
+    async def _execute(self, infer: Any, inputs: Arrays) -> dict[str, np.ndarray[Any, Any]]:
         if self._closed:
             raise BackendError(f"{self._label} is closed")
         try:
             if self._async:
-                outputs = await self._infer(_read_only(inputs))
+                outputs = await infer(_read_only(inputs))
             elif self._worker is None:  # dispatch = "inline": cheaper than a thread hop
-                outputs = self._infer(_read_only(inputs))
+                outputs = infer(_read_only(inputs))
             elif self._models is None:
-                outputs = await self._worker.run_sync(
-                    self._infer, _read_only(inputs), abort=self._abort
-                )
+                outputs = await self._worker.run_sync(infer, _read_only(inputs), abort=self._abort)
             else:  # its calls to other models end when it is aborted
                 outputs = await self._models._run(
-                    self._worker, self._infer, _read_only(inputs), self._abort
+                    self._worker, infer, _read_only(inputs), self._abort
                 )
         except InvalidMetric as exc:  # a bug of the model's (a counter going down), not a choice
             raise self._failed(exc) from exc
@@ -774,6 +800,63 @@ class PythonInstance:
                 await self._worker.aclose()
             # The module this instance's import of model.py made: nothing else uses it.
             _forget(self._module)
+
+
+class _ParameterisedInstance(PythonInstance):
+    """A model whose ``infer`` takes ``parameters``: it gets each execution's requests."""
+
+    def _call_infer(self) -> Any:
+        return functools.partial(self._infer, parameters=dict(current_stream_parameters()))
+
+    async def execute(self, inputs: Arrays) -> dict[str, np.ndarray[Any, Any]]:
+        """Run ``infer`` on what no request made (a warm-up sample, a probe): no parameters."""
+        rows = _rows(inputs) if self._signature.batched else 0
+        return await self._execute(self._given([({}, rows)]), inputs)
+
+    async def execute_requests(
+        self, requests: Sequence[Request]
+    ) -> list[dict[str, np.ndarray[Any, Any]] | Exception]:
+        """Run ``infer`` once on *requests*' inputs, joined, with their parameters.
+
+        Raises:
+            BackendError: As `execute`, or the requests sent different inputs
+                (a batched model's optional ones), which cannot be joined.
+        """
+        if len(requests) == 1 or not self._signature.batched:
+            # (An unbatched model's execution holds one request.)
+            return [
+                await self._execute(self._given([(dict(r.parameters), r.rows)]), r.inputs)
+                for r in requests
+            ]
+        names = requests[0].inputs.keys()
+        if any(r.inputs.keys() != names for r in requests):
+            raise BackendError(
+                f"{self._label}: the requests of one batch sent different inputs, which "
+                "cannot be joined into one batch for an infer that takes parameters"
+            )
+        inputs = {name: np.concatenate([r.inputs[name] for r in requests]) for name in names}
+        outputs = await self._execute(
+            self._given([(dict(r.parameters), r.rows) for r in requests]), inputs
+        )
+        answers: list[dict[str, np.ndarray[Any, Any]] | Exception] = []
+        start = 0
+        for request in requests:
+            end = start + request.rows
+            answers.append({name: array[start:end] for name, array in outputs.items()})
+            start = end
+        return answers
+
+    def _given(self, parameters: list[tuple[dict[str, Any], int]]) -> Any:
+        # infer with its parameters: one dict (unbatched), or one per row (batched).
+        if not self._signature.batched:
+            return functools.partial(self._infer, parameters=parameters[0][0])
+        per_row = [given for given, rows in parameters for _ in range(rows)]
+        return functools.partial(self._infer, parameters=per_row)
+
+
+def _rows(inputs: Arrays) -> int:
+    # A batched execution's rows: the first axis of its inputs.
+    return next((len(array) for array in inputs.values() if array.ndim), 0)
 
 
 def _read_only(inputs: Arrays) -> dict[str, np.ndarray[Any, Any]]:

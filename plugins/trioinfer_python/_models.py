@@ -78,9 +78,16 @@ class Models:
         self._computing = threading.local()
 
     async def infer(
-        self, model: str, inputs: Mapping[str, Any], *, priority: int = 0
+        self,
+        model: str,
+        inputs: Mapping[str, Any],
+        *,
+        priority: int = 0,
+        parameters: Mapping[str, bool | int | float | str] | None = None,
     ) -> dict[str, np.ndarray[Any, Any]]:
         """Run *model* on *inputs* and return its outputs, from ``async def infer``.
+
+        *parameters* are the request's own, as ``engine.infer`` takes them.
 
         (A plain ``infer`` on the event loop, ``dispatch = "inline"``, can
         neither await this nor block on `infer_blocking`: make it async.)
@@ -93,12 +100,19 @@ class Models:
         """
         # Bound by cancellation alone: the engine cancels this execution when every
         # request it computes for has ended (a caller's own deadline among them).
-        return await self._infer(model, inputs, priority)
+        return await self._infer(model, inputs, priority, None, parameters)
 
     def infer_stream(
-        self, model: str, inputs: Mapping[str, Any], *, priority: int = 0
+        self,
+        model: str,
+        inputs: Mapping[str, Any],
+        *,
+        priority: int = 0,
+        parameters: Mapping[str, bool | int | float | str] | None = None,
     ) -> AbstractAsyncContextManager[ResponseStream]:
         """Open a stream of *model*'s responses to *inputs*, from ``async def infer``.
+
+        *parameters* are the request's own, as ``engine.infer_stream`` takes them.
 
         For a decoupled model (Triton's ``exec(decoupled=True)``); use it as
         ``engine.infer_stream``::
@@ -123,11 +137,16 @@ class Models:
             TrioInferError: What ``engine.infer_stream`` raises, entering or
                 iterating (``BackendError`` the other model raised mid-stream...).
         """
-        return self._stream(model, inputs, priority, None)
+        return self._stream(model, inputs, priority, None, parameters)
 
     @asynccontextmanager
     async def _stream(
-        self, model: str, inputs: Mapping[str, Any], priority: int, deadline: float | None
+        self,
+        model: str,
+        inputs: Mapping[str, Any],
+        priority: int,
+        deadline: float | None,
+        parameters: Mapping[str, bool | int | float | str] | None = None,
     ) -> AsyncIterator[ResponseStream]:
         entered = False
         try:
@@ -138,6 +157,7 @@ class Models:
                 priority=priority,
                 caller=self._own,
                 deadline=deadline,
+                parameters=parameters,
             ) as responses:
                 entered = True
                 yield responses
@@ -149,7 +169,12 @@ class Models:
             ) from exc
 
     def infer_blocking(
-        self, model: str, inputs: Mapping[str, Any], *, priority: int = 0
+        self,
+        model: str,
+        inputs: Mapping[str, Any],
+        *,
+        priority: int = 0,
+        parameters: Mapping[str, bool | int | float | str] | None = None,
     ) -> dict[str, np.ndarray[Any, Any]]:
         """`infer`, from a plain ``def infer`` (or ``load``) on the instance's worker thread.
 
@@ -172,11 +197,16 @@ class Models:
             )
         execution = getattr(self._computing, "value", None)
         return anyio.from_thread.run(
-            self._infer_for, execution, model, inputs, priority, token=self._token
+            self._infer_for, execution, model, inputs, priority, parameters, token=self._token
         )
 
     def infer_stream_blocking(
-        self, model: str, inputs: Mapping[str, Any], *, priority: int = 0
+        self,
+        model: str,
+        inputs: Mapping[str, Any],
+        *,
+        priority: int = 0,
+        parameters: Mapping[str, bool | int | float | str] | None = None,
     ) -> BlockingResponses:
         """`infer_stream`, from a plain ``def infer`` on the instance's worker thread.
 
@@ -228,17 +258,25 @@ class Models:
             model,
             inputs,
             priority,
+            parameters,
             token=self._token,
         )
         return BlockingResponses._make(self, execution, model, pump)
 
     async def _open(
-        self, execution: _Execution, model: str, inputs: Mapping[str, Any], priority: int
+        self,
+        execution: _Execution,
+        model: str,
+        inputs: Mapping[str, Any],
+        priority: int,
+        parameters: Mapping[str, bool | int | float | str] | None = None,
     ) -> _Pump:
         # On the event loop: a task of the execution's own reads the stream for the thread.
         pump = _Pump()
         assert execution.tasks is not None  # set for as long as _within runs
-        await execution.tasks.start(self._pump, execution, pump, model, inputs, priority)
+        await execution.tasks.start(
+            self._pump, execution, pump, model, inputs, priority, parameters
+        )
         return pump
 
     async def _pump(
@@ -248,6 +286,7 @@ class Models:
         model: str,
         inputs: Mapping[str, Any],
         priority: int,
+        parameters: Mapping[str, bool | int | float | str] | None = None,
         *,
         task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED,
     ) -> None:
@@ -260,7 +299,9 @@ class Models:
             with pump.scope:
                 if execution.aborted:
                     pump.scope.cancel()
-                async with self._stream(model, inputs, priority, execution.deadline) as stream:
+                async with self._stream(
+                    model, inputs, priority, execution.deadline, parameters
+                ) as stream:
                     started = True
                     task_status.started()
                     await pump.serve(stream)
@@ -340,18 +381,24 @@ class Models:
         model: str,
         inputs: Mapping[str, Any],
         priority: int,
+        parameters: Mapping[str, bool | int | float | str] | None = None,
     ) -> dict[str, np.ndarray[Any, Any]]:
         # infer_blocking's call, on the event loop, ended when *execution* is aborted.
         if execution is None:  # from load(), or a thread of the model's own
-            return await self._infer(model, inputs, priority, math.inf)
+            return await self._infer(model, inputs, priority, math.inf, parameters)
         # The deadline execute() read: this task, started for the thread, runs under no
         # scope of the callers' and does not see the execution's context.
         return await self._bounded(
-            execution, model, self._infer, model, inputs, priority, execution.deadline
+            execution, model, self._infer, model, inputs, priority, execution.deadline, parameters
         )
 
     async def _infer(
-        self, model: str, inputs: Mapping[str, Any], priority: int, deadline: float | None = None
+        self,
+        model: str,
+        inputs: Mapping[str, Any],
+        priority: int,
+        deadline: float | None = None,
+        parameters: Mapping[str, bool | int | float | str] | None = None,
     ) -> dict[str, np.ndarray[Any, Any]]:
         # A call to itself, by whatever name, is refused there (ValueError). The request
         # carries the callers' deadline (None: the execution's, read in its task).
@@ -364,6 +411,7 @@ class Models:
                     priority=priority,
                     caller=self._own,
                     deadline=deadline,
+                    parameters=parameters,
                 )
             )
         except ModelNotFound as exc:

@@ -39,7 +39,14 @@ import anyio.lowlevel
 import numpy as np
 
 from trioinfer import BackendError, InvalidInput, ModelConfig, ModelSignature, TrioInferError
-from trioinfer.lowlevel import Placement, Request, Status, WorkerThread, current_engine
+from trioinfer.lowlevel import (
+    Placement,
+    Request,
+    Status,
+    WorkerThread,
+    current_engine,
+    current_stream_parameters,
+)
 
 from . import triton_python_backend_utils as pb_utils
 from ._models import Models
@@ -235,6 +242,7 @@ class TritonInstance:
         inputs: Mapping[str, np.ndarray[Any, Any]],
         request_id: str,
         correlation_id: int | str,
+        parameters: Mapping[str, Any] | None = None,
     ) -> pb_utils.InferenceRequest:
         tensors = []
         for name, value in inputs.items():
@@ -249,6 +257,7 @@ class TritonInstance:
             inputs=tensors,
             request_id=request_id,
             correlation_id=correlation_id,
+            parameters=parameters,
         )
 
     async def execute(self, inputs: Mapping[str, np.ndarray[Any, Any]]) -> Outputs:
@@ -275,7 +284,11 @@ class TritonInstance:
         made = []
         for request in requests:
             flags = request.sequence_flags
-            made.append(self._request(request.inputs, request.id, flags.id if flags else 0))
+            made.append(
+                self._request(
+                    request.inputs, request.id, flags.id if flags else 0, request.parameters
+                )
+            )
             # Ended from outside while it runs: its caller left, or its deadline passed.
             made[-1]._ended = functools.partial(_ended, request)
         return await self._run(made)
@@ -403,7 +416,7 @@ class TritonInstance:
                 with contextlib.suppress(anyio.RunFinishedError):
                     anyio.from_thread.run_sync(send.close, token=token)
 
-        request = self._request(inputs, "", 0)
+        request = self._request(inputs, "", 0, current_stream_parameters())
         request._sender = pb_utils.ResponseSender(put, gone.is_set)
         scope = anyio.CancelScope()
         try:

@@ -390,7 +390,9 @@ class InferenceRequest(_Provided):
                 "InferenceRequest.exec() works only in a plain def execute while it runs (in "
                 "an async def execute, await request.async_exec())"
             )
-        return self._respond(lambda: call(self._model_name, self._arrays()))
+        return self._respond(
+            lambda: call(self._model_name, self._arrays(), parameters=json.loads(self._parameters))
+        )
 
     async def async_exec(self, decoupled: bool = False) -> InferenceResponse:
         """Run the request on its model and return the response (from ``async def execute``)."""
@@ -405,7 +407,9 @@ class InferenceRequest(_Provided):
                 "(in a plain def execute, call request.exec())"
             )
         try:
-            outputs = await call(self._model_name, self._arrays())
+            outputs = await call(
+                self._model_name, self._arrays(), parameters=json.loads(self._parameters)
+            )
         except TrioInferError as exc:
             return InferenceResponse(error=_triton_error(exc))
         return self._response(outputs)

@@ -4,10 +4,11 @@ One cache serves the whole engine, bounded in bytes and evicted least recently
 used first; a model takes part when its config says ``response_cache = true``.
 The key is the model's name (which holds its version when served from a
 repository) and a 128-bit BLAKE2b digest of every input's name, dtype, shape
-and bytes. Only the model's own successful answers are stored (not a
-fallback's default answer, nor one from another model), as read-only copies,
-so that no caller can change what another receives. Such an answer not kept
-still answers the identical requests waiting for it, with its fallback steps.
+and bytes, and of the request's parameters. Only the model's own successful
+answers are stored (not a fallback's default answer, nor one from another
+model), as read-only copies, so that no caller can change what another
+receives. Such an answer not kept still answers the identical requests
+waiting for it, with its fallback steps.
 
 Identical requests that arrive while the first is still being computed wait
 for its answer instead of computing again (request coalescing). The
@@ -204,6 +205,7 @@ class ResponseCache:
         *,
         deadline: float,
         own_deadline: bool,
+        parameters: Mapping[str, object] | None = None,
     ) -> tuple[Outputs, object, bool]:
         """The cached answer to *inputs*, or that of a computation under way, or a new one's.
 
@@ -214,7 +216,7 @@ class ResponseCache:
         leave abandons it, so that nothing is computed for nobody. *deadline*
         is this caller's; *own_deadline* False: the model's queue timeout,
         which ends the wait of a request still queued (`DeadlineExceeded`),
-        never one running.
+        never one running. *parameters*, the request's, are part of the key.
 
         Returns:
             The answer; the origin ``computation()`` gave with it when it was
@@ -226,7 +228,7 @@ class ResponseCache:
             TrioInferError: What the computation ended with, for each caller
                 waiting for it (each their own copy), or what refused it.
         """
-        key = (model, self._generations.get(model, 0), digest(inputs))
+        key = (model, self._generations.get(model, 0), digest(inputs, parameters))
         counters = self._counters.setdefault(model, _Counters())
         started_at = self._clock.current_time()
         while True:
@@ -410,8 +412,12 @@ class ResponseCache:
         )  # fmt: skip
 
 
-def digest(inputs: Arrays) -> bytes:
-    """A 128-bit BLAKE2b digest of every input's name, dtype, shape and contents.
+def digest(inputs: Arrays, parameters: Mapping[str, object] | None = None) -> bytes:
+    """A 128-bit BLAKE2b digest of every input's name, dtype, shape and contents, and *parameters*.
+
+    Two requests that differ only in their parameters (``temperature`` 0.1 and
+    0.9) differ in key; a parameter's type counts (``1``, ``1.0`` and
+    ``True`` are three keys), as the model may tell them apart.
 
     128 bits make a collision between two different requests practically
     impossible (Triton's cache uses 64 and documents collisions as a risk).
@@ -431,6 +437,13 @@ def digest(inputs: Arrays) -> bytes:
                 h.update(data)
         else:
             h.update(np.ascontiguousarray(array).view(np.uint8).data)
+    if parameters:
+        # After a marker no input's header can make (it holds no NUL-separated shape).
+        h.update(b"\0parameters\0")
+        for key in sorted(parameters):
+            value = parameters[key]
+            h.update(repr((key, type(value).__name__, value)).encode("utf-8", "surrogatepass"))
+            h.update(b"\0")
     return h.digest()
 
 

@@ -41,7 +41,15 @@ from ._inline import restart_inline_slice, restart_slice_at_each_poll
 from ._pipeline import PIPELINE, Pipeline, Resume, Step, _steps
 from ._pipeline_batched import BatchedPipeline
 from ._registry import Kind, Registry, missing_members, plugin_label
-from ._request import Outputs, Request, make_request, next_request_id
+from ._request import (
+    NO_PARAMETERS,
+    Outputs,
+    Parameter,
+    Request,
+    checked_parameters,
+    make_request,
+    next_request_id,
+)
 from ._resources import ResourcePools, ResourcePoolStatistics, to_resource_sizes
 from ._runner import (
     CLEANUP_S,
@@ -616,6 +624,7 @@ class Engine:
         tenant: str | None = None,
         request_id: str | None = None,
         sequence: SequenceFlags | None = None,
+        parameters: Mapping[str, Parameter] | None = None,
     ) -> Outputs:
         """Run *model* on *inputs* and return its outputs by name.
 
@@ -636,11 +645,18 @@ class Engine:
             sequence: For a stateful model (one with a ``sequence`` config), the
                 sequence this request belongs to and whether it starts or ends
                 it; required there, refused elsewhere.
+            parameters: The request's own parameters, by name (Triton's parameters
+                extension: ``{"temperature": 0.7, "max_tokens": 16}``), each a
+                ``bool``, ``int``, ``float`` or ``str``. A Python model reads them
+                (see the python backend's reference); an ONNX model ignores them.
+                They are part of the response cache's key, and a pipeline passes
+                them to each of its steps.
 
         Raises:
             ModelNotFound: No model of that name is loaded.
             InvalidInput: The inputs do not fit the model's signature or limits, or
-                *priority* is not an integer, or *tenant* or *request_id* not a string.
+                *priority* is not an integer, or *tenant* or *request_id* not a string,
+                or *parameters* not a mapping of strings to bool, int, float or str.
             SequenceError: The request does not fit its sequence (none in
                 progress, released after being idle, ended, or broken by an
                 earlier request that was not computed).
@@ -653,10 +669,20 @@ class Engine:
                 circuit breaker took them out); ``retry_after`` says when to try again.
             EngineClosed: The engine is closing, or closed before the request ended.
         """
-        if priority.__class__ is not int or not (
-            tenant.__class__ in _STR_OR_NONE and request_id.__class__ in _STR_OR_NONE
+        if (
+            priority.__class__ is not int
+            or parameters is not None
+            or not (tenant.__class__ in _STR_OR_NONE and request_id.__class__ in _STR_OR_NONE)
         ):
             priority = _checked_arguments(model, priority, tenant, request_id)
+            if parameters is not None and (given := checked_parameters(parameters)):
+                # Requests with parameters take _submit's way: the fast ways below
+                # make requests that carry none (and cost nothing more for that).
+                request = await self._submit(
+                    model, inputs, priority, tenant, request_id, sequence=sequence, parameters=given
+                )
+                assert request._state.outputs is not None
+                return request._state.outputs
         runner = self._plain.get(model)
         if runner is not None and sequence is None:
             # The common case, in this one frame: what _submit and ModelRunner.call
@@ -811,6 +837,7 @@ class Engine:
         priority: int = 0,
         tenant: str | None = None,
         request_id: str | None = None,
+        parameters: Mapping[str, Parameter] | None = None,
     ) -> AbstractAsyncContextManager[ResponseStream]:
         """Run a decoupled *model* on *inputs*: its responses, as they come.
 
@@ -844,12 +871,13 @@ class Engine:
             priority: As for `infer()` (used by a model that is not decoupled).
             tenant: As for `infer()`.
             request_id: An id for logs and tracing; generated if not given.
+            parameters: The request's parameters, as for `infer()`.
 
         Raises:
             ModelNotFound: (Entering) no model of that name is loaded.
             InvalidInput: (Entering) the inputs do not fit the model's signature, or
-                *priority*, *tenant* or *request_id* is of the wrong type (raised at
-                the call, before entering).
+                *priority*, *tenant*, *request_id* or *parameters* is of the wrong type
+                (raised at the call, before entering).
             QueueFull: (Entering) the model has ``max_queue_size`` streams open.
             CircuitOpen: (Entering) every instance is out of service.
             BackendError: (Iterating) the model raised; the responses before it
@@ -864,7 +892,8 @@ class Engine:
         `infer()`, come from the iteration.
         """
         priority = _checked_arguments(model, priority, tenant, request_id)
-        return open_stream(self, model, inputs, priority, tenant, request_id)
+        given = NO_PARAMETERS if parameters is None else checked_parameters(parameters)
+        return open_stream(self, model, inputs, priority, tenant, request_id, parameters=given)
 
     async def infer_detailed(
         self,
@@ -875,6 +904,7 @@ class Engine:
         tenant: str | None = None,
         request_id: str | None = None,
         sequence: SequenceFlags | None = None,
+        parameters: Mapping[str, Parameter] | None = None,
     ) -> InferenceResult:
         """Like [`infer()`][trioinfer.Engine.infer], and say which instance answered and how.
 
@@ -886,7 +916,9 @@ class Engine:
             tenant.__class__ in _STR_OR_NONE and request_id.__class__ in _STR_OR_NONE
         ):
             priority = _checked_arguments(model, priority, tenant, request_id)
-        found = self._idle_here(model) if sequence is None else None
+        given = NO_PARAMETERS if parameters is None else checked_parameters(parameters)
+        # A request with parameters takes _submit's way (run here, it would carry none).
+        found = self._idle_here(model) if sequence is None and not given else None
         if found is not None:
             # As infer runs a request on an idle inline model: in this task.
             if found[0].clock.current_effective_deadline() == -math.inf:
@@ -902,7 +934,9 @@ class Engine:
                 outputs = await self._run_here(*found, inputs, priority, tenant, request_id)
                 if outputs is not None:
                     return InferenceResult(outputs, model, replica.index, replica.device, ())
-        request = await self._submit(model, inputs, priority, tenant, request_id, sequence=sequence)
+        request = await self._submit(
+            model, inputs, priority, tenant, request_id, sequence=sequence, parameters=given
+        )
         state = request._state
         assert state.outputs is not None
         served_by = state.served_by
@@ -922,14 +956,24 @@ class Engine:
         priority: int,
         tenant: str | None,
         request_id: str,
+        parameters: Mapping[str, Parameter] | None = None,
     ) -> Awaitable[Outputs]:
         # A pipeline's step, for a pipeline request already accepted: engine.infer,
         # also while the engine drains (else the request could not finish in the
         # drain period, as any other accepted request may). Returns infer's own
         # coroutine while the engine is open: no frame of its own on each step.
         if self._closing:
-            return self._infer_draining(model, inputs, priority, tenant, request_id)
-        return self.infer(model, inputs, priority=priority, tenant=tenant, request_id=request_id)
+            return self._infer_draining(
+                model, inputs, priority, tenant, request_id, parameters or NO_PARAMETERS
+            )
+        return self.infer(
+            model,
+            inputs,
+            priority=priority,
+            tenant=tenant,
+            request_id=request_id,
+            parameters=parameters,
+        )
 
     def _follow_up(
         self,
@@ -938,6 +982,7 @@ class Engine:
         priority: int,
         tenant: str | None,
         caller: str | None = None,
+        parameters: Mapping[str, Parameter] | None = None,
     ) -> Awaitable[Outputs]:
         # lowlevel.infer_follow_up: a request made for one accepted already.
         named = model
@@ -951,7 +996,12 @@ class Engine:
                 "(from a Python model, models.infer_stream)"
             )
         return self._infer_step(
-            model, inputs, priority=priority, tenant=tenant, request_id=next_request_id()
+            model,
+            inputs,
+            priority=priority,
+            tenant=tenant,
+            request_id=next_request_id(),
+            parameters=parameters,
         )
 
     def _follow_up_name(self, model: str, caller: str | None) -> str:
@@ -984,6 +1034,7 @@ class Engine:
         request_id: str,
         held: dict[Request, ModelRunner],
         scopes: set[anyio.CancelScope],
+        parameters: Mapping[str, Parameter] = NO_PARAMETERS,
     ) -> Outputs:
         # An unbatched pipeline's step (its request runs in its caller's task, which no
         # scope of the engine's encloses): _infer_step, leaving the pipeline a way to end
@@ -991,7 +1042,8 @@ class Engine:
         # step for step: a change there belongs here too) its request, in *held* while
         # it waits, for ModelRunner.cut_off: no cancel scope, which costs more than the
         # rest of the step's own work. Any other way, a cancel scope, in *scopes*.
-        runner = self._plain.get(model)
+        # (A request with parameters: _infer_step's way, which carries them.)
+        runner = None if parameters else self._plain.get(model)
         if runner is not None:
             arrays, n = runner.validate(inputs)
             clock = runner.clock
@@ -1039,7 +1091,12 @@ class Engine:
         try:
             with scope:
                 return await self._infer_step(
-                    model, inputs, priority=priority, tenant=tenant, request_id=request_id
+                    model,
+                    inputs,
+                    priority=priority,
+                    tenant=tenant,
+                    request_id=request_id,
+                    parameters=parameters or None,
                 )
         finally:
             scopes.discard(scope)
@@ -1053,8 +1110,17 @@ class Engine:
         priority: int,
         tenant: str | None,
         request_id: str,
+        parameters: Mapping[str, Parameter] = NO_PARAMETERS,
     ) -> Outputs:
-        request = await self._submit(model, inputs, priority, tenant, request_id, follow_up=True)
+        request = await self._submit(
+            model,
+            inputs,
+            priority,
+            tenant,
+            request_id,
+            follow_up=True,
+            parameters=checked_parameters(parameters),
+        )
         assert request._state.outputs is not None
         return request._state.outputs
 
@@ -1070,6 +1136,7 @@ class Engine:
                 original.id,
                 True,
                 follow_up=True,
+                parameters=original.parameters,
             )
             state = request._state
             assert state.outputs is not None
@@ -1090,9 +1157,11 @@ class Engine:
         *,
         sequence: SequenceFlags | None = None,
         follow_up: bool = False,
+        parameters: Mapping[str, Parameter] = NO_PARAMETERS,
     ) -> Request:
         # follow_up: made for a request accepted already (a pipeline's step, a
-        # fallback's failover), so admitted while the engine drains.
+        # fallback's failover), so admitted while the engine drains. *parameters*:
+        # checked already (checked_parameters).
         runner = self._runners.get(model)
         if runner is None or (self._closing and not (follow_up and self._draining)):
             runner = self._runner(model)  # raises what is wrong
@@ -1141,6 +1210,7 @@ class Engine:
             arrival,
             n,
             sequence,
+            parameters,
         )
         # A request a fallback sent here from another model fails over no further.
         request._state.failover = failover
@@ -1187,6 +1257,7 @@ class Engine:
             computation,
             deadline=request.deadline,
             own_deadline=own_deadline,
+            parameters=request.parameters,
         )
         if origin is not None:
             # An identical request's fallback answered: this one says so as well.
@@ -1494,6 +1565,7 @@ async def infer_follow_up(
     tenant: str | None = None,
     caller: str | None = None,
     deadline: float | None = None,
+    parameters: Mapping[str, Parameter] | None = None,
 ) -> Outputs:
     """``engine.infer``, for a request made on behalf of one the engine accepted already.
 
@@ -1514,6 +1586,7 @@ async def infer_follow_up(
     *caller* is the model (its name as the engine loaded it) whose computation
     makes the call: a call that reaches that very model, by whatever name, is
     refused (it could wait for ever for the instance that makes it).
+    *parameters* are the request's own, as for ``engine.infer``.
 
     Raises:
         ValueError: *model* is *caller*.
@@ -1525,9 +1598,9 @@ async def infer_follow_up(
         deadline = current_callers_deadline()
     if deadline >= anyio.current_effective_deadline():
         # The caller's scope carries it already (a run in its caller's task), or none.
-        return await engine._follow_up(model, inputs, priority, tenant, caller)
+        return await engine._follow_up(model, inputs, priority, tenant, caller, parameters)
     with anyio.CancelScope(deadline=deadline):
-        return await engine._follow_up(model, inputs, priority, tenant, caller)
+        return await engine._follow_up(model, inputs, priority, tenant, caller, parameters)
     by = f"a call by model {caller!r}" if caller is not None else "a call"
     raise DeadlineExceeded(
         f"{by} to model {model!r} did not end before the deadline of the requests it was "
@@ -1544,6 +1617,7 @@ def infer_stream_follow_up(
     tenant: str | None = None,
     caller: str | None = None,
     deadline: float | None = None,
+    parameters: Mapping[str, Parameter] | None = None,
 ) -> AbstractAsyncContextManager[ResponseStream]:
     """``engine.infer_stream``, for a stream opened on behalf of a request accepted already.
 
@@ -1567,7 +1641,8 @@ def infer_stream_follow_up(
     """
     model = engine._follow_up_name(model, caller)
     priority = _checked_arguments(model, priority, tenant, None)
-    return _stream_follow_up(engine, model, inputs, priority, tenant, caller, deadline)
+    given = NO_PARAMETERS if parameters is None else checked_parameters(parameters)
+    return _stream_follow_up(engine, model, inputs, priority, tenant, caller, deadline, given)
 
 
 @asynccontextmanager
@@ -1579,6 +1654,7 @@ async def _stream_follow_up(
     tenant: str | None,
     caller: str | None,
     deadline: float | None,
+    parameters: Mapping[str, Parameter],
 ) -> AsyncIterator[ResponseStream]:
     if deadline is None:
         deadline = current_callers_deadline()
@@ -1588,7 +1664,7 @@ async def _stream_follow_up(
     )
     with scope:
         async with open_stream(
-            engine, model, inputs, priority, tenant, None, follow_up=True
+            engine, model, inputs, priority, tenant, None, follow_up=True, parameters=parameters
         ) as stream:
             yield stream
     if scope.cancelled_caught:

@@ -434,7 +434,9 @@ class Pipeline:
         for index, step in self._in_turn[resume.at :]:
             # No task group, task or wake-up for a step that has nothing beside it,
             # and, on an idle model that never suspends, not even a coroutine.
-            if left is _LATER:  # (not run_now's answer for this step: ask now)
+            if left is _LATER and not request.parameters:
+                # (Not run_now's answer for this step: ask now. A request with
+                # parameters takes _step's way, which passes them to the step.)
                 left = self._step_now(index, step, tensors)
             if left is _SPENT:
                 # The loop's inline slice is spent: yield now, holding nothing, then
@@ -570,6 +572,8 @@ class Pipeline:
             # closing, tracing turned on): ask the engine again, as a later step does.
             runner = self._step_runner(model)
             replica = None if runner is None else runner.idle_replica()
+        if request.parameters:
+            replica = None  # the step's request carries them: engine.infer's way, below
         deadline = -math.inf
         if replica is not None:
             # The model is idle: run the step here, in this task, under the caller's
@@ -603,6 +607,7 @@ class Pipeline:
             request_id=f"{request.id}/{index}",
             held=self._held,
             scopes=self._scopes,
+            parameters=request.parameters,
         )
         # It waited for its answer: the loop has had its turns meanwhile. Else
         # the slice would look spent, and the next inline step yield again.

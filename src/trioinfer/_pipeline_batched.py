@@ -21,7 +21,11 @@ graph can tell who is still waiting before each step:
   poisons the batch), makes each member rerun the rest of the pipeline alone,
   one after the other (so that the step model's own batcher cannot group
   them again): only the bad one fails. Each is answered as its own rerun
-  ends, and a caller leaving stops its own rerun (not the others').
+  ends, and a caller leaving stops its own rerun (not the others');
+- a step request carries the request parameters its members share (those
+  of `Engine.infer`'s ``parameters=``); a batch whose members' parameters
+  differ runs each member alone, as above, from the first step, so that
+  each step sees its own.
 
 With tracing on, a step request for the batch is a child of the pipeline's
 ``compute`` span linked to every traced member it carries, and one for a
@@ -44,7 +48,7 @@ from ._config import ModelConfig, Placement
 from ._exceptions import BackendError, ConfigError, InvalidInput, TrioInferError
 from ._inline import restart_inline_slice
 from ._pipeline import Infer, Step, _check_graph, _declared
-from ._request import Outputs, Request
+from ._request import NO_PARAMETERS, Outputs, Parameter, Request
 from ._runner import _copy_error, _Running, _split
 from ._tensors import ModelSignature
 from .abc import AssemblingBatcher, Batcher, Status
@@ -58,8 +62,9 @@ if TYPE_CHECKING:
 _RUNNING = Status.RUNNING
 
 #: A step request's id prefix, priority and tenant, from the members it carries; the
-#: members themselves, and whether it is a member's rerun alone (for its trace).
-_Who = tuple[str, int, str | None, tuple[Request, ...], bool]
+#: members themselves, and whether it is a member's rerun alone (for its trace); and the
+#: request parameters they all carry (run() runs members whose parameters differ alone).
+_Who = tuple[str, int, str | None, tuple[Request, ...], bool, Mapping[str, Parameter]]
 
 
 class _Members(dict[str, Any]):
@@ -197,6 +202,14 @@ class BatchedPipeline:
             await self._rounds_from(0, tensors, None)
             return self._outputs(tensors)
         current = list(range(len(members)))
+        first = members[0].parameters
+        if len(members) > 1 and any(
+            m.parameters is not first and m.parameters != first for m in members
+        ):
+            # A step request carries one set of request parameters: members whose
+            # parameters differ each run the pipeline alone, with their own.
+            await self._alone(members, current, tensors, 0, graph)
+            return {}
         start = await self._batch(members, current, tensors)
         if start is None:
             return self._gather(members, current, tensors)
@@ -287,7 +300,11 @@ class BatchedPipeline:
         label: str = "probe",
     ) -> None:
         # One member's (or the probe's) way through the rounds from *start*.
-        who: _Who = (label, 0, None, (), False) if members is None else _who(members, alone=True)
+        who: _Who = (
+            (label, 0, None, (), False, NO_PARAMETERS)
+            if members is None
+            else _who(members, alone=True)
+        )
         for ready in self._rounds[start:]:
             done = False
             while not done:
@@ -402,20 +419,25 @@ class BatchedPipeline:
         # the request straight through (as the unbatched pipeline's steps run), else
         # through engine.infer, its queue and its batcher; with tracing on, in the
         # traces of the members it carries (no step runs in this task then).
-        label, priority, tenant, members, alone = who
+        label, priority, tenant, members, alone, parameters = who
         request_id = f"{label}/{index}"
         tracing = self._tracing
-        if tracing is not None:
-            return cast(
-                Outputs,
-                await tracing.pipeline_step(
-                    members,
-                    alone,
-                    lambda: self._infer(
-                        model, inputs, priority=priority, tenant=tenant, request_id=request_id
-                    ),
-                ),
+        if tracing is not None or parameters:
+            # (Its parameters travel by engine.infer's way, in the step's request.)
+            call = functools.partial(
+                self._infer,
+                model,
+                inputs,
+                priority=priority,
+                tenant=tenant,
+                request_id=request_id,
+                parameters=parameters or None,
             )
+            if tracing is None:
+                outputs: Outputs = await call()
+                restart_inline_slice()  # it waited for its answer: the loop had its turns
+                return outputs
+            return cast(Outputs, await tracing.pipeline_step(members, alone, call))
         runner = self._step_runner(model)
         replica = None if runner is None else runner.idle_replica()
         if replica is not None and runner is not None and runner.slice_spent(replica):
@@ -438,7 +460,7 @@ class BatchedPipeline:
                     deadline,
                     clock.current_time(),
                 )
-        outputs: Outputs = await self._infer(
+        outputs = await self._infer(
             model, inputs, priority=priority, tenant=tenant, request_id=request_id
         )
         restart_inline_slice()  # it waited for its answer: the loop has had its turns
@@ -480,7 +502,8 @@ def _who(members: Sequence[Request], *, alone: bool = False) -> _Who:
         if member.tenant != tenant:
             tenant = None
     label = first.id if len(members) == 1 else f"{first.id}+{len(members) - 1}"
-    return label, priority, tenant, tuple(members), alone
+    # The same for every member (run() runs those whose parameters differ alone).
+    return label, priority, tenant, tuple(members), alone, first.parameters
 
 
 class _Rerun(_Running):

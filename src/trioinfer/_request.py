@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any, cast
+from collections.abc import Iterator, Mapping
+from typing import TYPE_CHECKING, Any, cast, final
 
 import attrs
 import numpy as np
 from trio.lowlevel import Abort
 
+from ._exceptions import InvalidInput
 from .abc import Status
 
 if TYPE_CHECKING:
@@ -19,10 +20,72 @@ if TYPE_CHECKING:
 
 Outputs = dict[str, np.ndarray[Any, Any]]
 
+#: A request parameter's value (Triton's parameters extension: bool, int, float or str).
+Parameter = bool | int | float | str
+
+
+@final
+class _Parameters(Mapping[str, Parameter]):
+    # A request's parameters, read-only; unlike a mappingproxy it pickles (a request
+    # copied to another process keeps them).
+    __slots__ = ("_given",)
+
+    def __init__(self, given: dict[str, Parameter]) -> None:
+        self._given = given
+
+    def __getitem__(self, key: str) -> Parameter:
+        return self._given[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._given)
+
+    def __len__(self) -> int:
+        return len(self._given)
+
+    def __repr__(self) -> str:
+        return repr(self._given)
+
+    def __reduce__(self) -> tuple[type[_Parameters], tuple[dict[str, Parameter]]]:
+        return _Parameters, (self._given,)
+
+
+#: The parameters of a request that has none: one shared, read-only empty mapping.
+NO_PARAMETERS: Mapping[str, Parameter] = _Parameters({})
+
 _SUCCEEDED = Abort.SUCCEEDED
 _QUEUED = Status.QUEUED
 _ids = itertools.count(1)
 _sequences = itertools.count()
+
+
+_PARAMETER_TYPES = (bool, int, float, str)
+
+
+def checked_parameters(parameters: object) -> Mapping[str, Parameter]:
+    """A caller's request *parameters*, copied read-only (`NO_PARAMETERS` when empty).
+
+    Raises:
+        InvalidInput: *parameters* is not a mapping, or a key is not a string, or a
+            value is not a bool, int, float or str (naming the key).
+    """
+    if not isinstance(parameters, Mapping):
+        raise InvalidInput(
+            "a request's parameters must be a mapping of names to bool, int, float or "
+            f"str values, got {type(parameters).__name__}"
+        )
+    if not parameters:
+        return NO_PARAMETERS
+    copied: dict[str, Parameter] = {}
+    for key, value in parameters.items():
+        if not isinstance(key, str):
+            raise InvalidInput(f"request parameter names must be strings, got {key!r}")
+        if not isinstance(value, _PARAMETER_TYPES):
+            raise InvalidInput(
+                f"request parameter {key!r} must be a bool, int, float or str, got "
+                f"{type(value).__name__} {value!r:.80}"
+            )
+        copied[key] = value
+    return _Parameters(copied)
 
 
 def next_request_id() -> str:
@@ -89,6 +152,7 @@ class _Slots:
         "id",
         "inputs",
         "model",
+        "parameters",
         "priority",
         "rows",
         "sequence",
@@ -116,6 +180,7 @@ class Request(_Slots):
     arrival: float = 0.0
     rows: int = 1
     sequence_flags: SequenceFlags | None = None
+    parameters: Mapping[str, Parameter] = attrs.field(default=NO_PARAMETERS, repr=False)
     sequence: int = attrs.field(factory=_sequences.__next__, init=False)
     _state: _State = attrs.field(factory=_State, init=False, repr=False)
 
@@ -149,6 +214,7 @@ _GIVEN = (
     "arrival",
     "rows",
     "sequence_flags",
+    "parameters",
 )
 _OWN = ("sequence", "_state")
 assert {field.name for field in attrs.fields(Request)} == {*_GIVEN, *_OWN}, (
@@ -176,6 +242,7 @@ def make_request(
     arrival: float,
     rows: int,
     sequence_flags: SequenceFlags | None = None,
+    parameters: Mapping[str, Parameter] = NO_PARAMETERS,
 ) -> Request:
     """``Request(model, inputs, id=id, ...)``, at a third of the cost; *id* None: a new one."""
     draft: Any = _new(_Draft)
@@ -188,6 +255,7 @@ def make_request(
     draft.arrival = arrival
     draft.rows = rows
     draft.sequence_flags = sequence_flags
+    draft.parameters = parameters
     draft.sequence = _next_sequence()
     draft._state = _State()
     draft.__class__ = Request
@@ -204,6 +272,7 @@ def _make_request_slowly(
     arrival: float,
     rows: int,
     sequence_flags: SequenceFlags | None = None,
+    parameters: Mapping[str, Parameter] = NO_PARAMETERS,
 ) -> Request:
     # make_request through each slot's own descriptor, for a Python whose objects
     # cannot change class (none known; checked once, below).
@@ -218,6 +287,7 @@ def _make_request_slowly(
         ("arrival", arrival),
         ("rows", rows),
         ("sequence_flags", sequence_flags),
+        ("parameters", parameters),
         ("sequence", _next_sequence()),
         ("_state", _State()),
     ):

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Callable, Mapping
 from contextlib import asynccontextmanager
+from contextvars import ContextVar
 from typing import TYPE_CHECKING, Any, Protocol, final
 
 import anyio
@@ -33,7 +34,7 @@ import trio
 
 from ._dispatch import Replica
 from ._exceptions import BackendError, QueueFull, StreamClosed, TrioInferError
-from ._request import Outputs, Request, next_request_id
+from ._request import NO_PARAMETERS, Outputs, Parameter, Request, next_request_id
 from ._runner import ModelRunner
 from ._tensors import validate_inputs
 from ._util import NoPublicConstructor
@@ -43,13 +44,32 @@ if TYPE_CHECKING:
     from ._engine import Engine
     from ._tracing import StreamTrace
 
-__all__ = ["ResponseStream", "StreamGate", "open_stream"]
+__all__ = ["ResponseStream", "StreamGate", "current_stream_parameters", "open_stream"]
 
 # The hand-over between the model's task and the reader's, on either loop's own channel
 # (on Trio, its native channel takes half the time of anyio's per response).
 _END = (anyio.EndOfStream, trio.EndOfChannel)
 _CLOSED = (anyio.ClosedResourceError, trio.ClosedResourceError)
 _BROKEN = (anyio.BrokenResourceError, trio.BrokenResourceError)
+
+# The parameters of the request a decoupled model's generator answers (set in _generate,
+# the generator's own task).
+_stream_parameters: ContextVar[Mapping[str, Parameter]] = ContextVar(
+    "trioinfer_stream_parameters", default=NO_PARAMETERS
+)
+
+
+def current_stream_parameters() -> Mapping[str, Parameter]:
+    """The parameters of the request whose stream a decoupled model is producing.
+
+    For a backend's `StreamingInstance.stream` (from its generator, on the
+    event loop: read it before handing work to a thread): the
+    ``parameters`` the caller gave `Engine.infer_stream`, read-only; an
+    empty mapping when it gave none, and outside a stream. An execution's
+    requests carry theirs as `Request.parameters`, which a backend reads by
+    taking them (`RequestsInstance.execute_requests`).
+    """
+    return _stream_parameters.get()
 
 
 class _Send(Protocol):
@@ -234,11 +254,13 @@ async def open_stream(
     request_id: str | None,
     *,
     follow_up: bool = False,
+    parameters: Mapping[str, Parameter] = NO_PARAMETERS,
 ) -> AsyncIterator[ResponseStream]:
     """What `Engine.infer_stream` returns: see its docstring.
 
     *follow_up*: opened for a request accepted already (a model calling
     another), so admitted while the engine drains (``infer_stream_follow_up``).
+    *parameters*: the request's, checked already.
     """
     find = engine._follow_up_runner if follow_up else engine._runner
     runner = find(model)
@@ -262,6 +284,7 @@ async def open_stream(
             tenant=tenant,
             deadline=clock.current_effective_deadline(),
             arrival=clock.current_time(),
+            parameters=parameters,
         )
         # A sampled stream's spans (trioinfer._tracing); with tracing off, None costs a check.
         traced = engine._tracing.stream(request) if engine._tracing is not None else None
@@ -311,6 +334,7 @@ async def open_stream(
                     stream,
                     producer,
                     follow_up,
+                    parameters,
                 )
             else:
                 assert gate is not None
@@ -352,6 +376,8 @@ async def _generate(
     check = runner._output_check
     try:
         with scope:
+            # The model's generator runs in this task: what current_stream_parameters reads.
+            _stream_parameters.set(request.parameters)
             generator = instance.stream(request.inputs)
             try:
                 if traced is None:
@@ -436,6 +462,7 @@ async def _one(
     stream: ResponseStream,
     scope: anyio.CancelScope,
     follow_up: bool,
+    parameters: Mapping[str, Parameter],
 ) -> None:
     # A model that is not decoupled: its one answer, by the ordinary request path (a
     # follow-up's, also while the engine drains, as a pipeline's step).
@@ -443,7 +470,12 @@ async def _one(
         with scope:
             infer = engine._infer_step if follow_up else engine.infer
             outputs = await infer(
-                model, inputs, priority=priority, tenant=tenant, request_id=request_id
+                model,
+                inputs,
+                priority=priority,
+                tenant=tenant,
+                request_id=request_id,
+                parameters=parameters or None,
             )
             await send.send(outputs)
     except _BROKEN:

@@ -138,6 +138,16 @@ class Request(Protocol):
         ...
 
     @property
+    def parameters(self) -> Mapping[str, bool | int | float | str]:
+        """The caller's request parameters (Triton's parameters extension), read-only.
+
+        An empty mapping when the caller gave none. What they mean is the
+        model's business: a backend hands them to the model (the ``python``
+        backend does) or ignores them (``onnxruntime`` does, as Triton's does).
+        """
+        ...
+
+    @property
     def status(self) -> Status:
         """Queued, running or done."""
         ...

@@ -36,6 +36,11 @@ class OneAtATime:
   [`inline_slice_spent()`][trioinfer.lowlevel.inline_slice_spent] /
   [`restart_inline_slice()`][trioinfer.lowlevel.restart_inline_slice] for
   backends that run executions on the event loop's thread within a time budget.
+- For backends whose models read request parameters (Triton's parameters
+  extension): each request's ``parameters`` (an instance that takes an
+  execution's requests, ``RequestsInstance``, reads them there), and
+  [`current_stream_parameters()`][trioinfer.lowlevel.current_stream_parameters]
+  for the stream a decoupled model is producing.
 - For backends whose models call other models of their engine (the
   ``python`` backend's ``models``, as Triton's BLS):
   [`current_engine()`][trioinfer.lowlevel.current_engine] (the engine loading
@@ -68,6 +73,7 @@ from ._inline import inline_slice_spent as inline_slice_spent
 from ._inline import restart_inline_slice as restart_inline_slice
 from ._remote_trace import current_trace_context as current_trace_context
 from ._remote_trace import record_span as record_span
+from ._stream import current_stream_parameters as current_stream_parameters
 from ._tensors import numpy_dtype as numpy_dtype
 from ._threads import CallbackWaiter as CallbackWaiter
 from ._threads import WorkerThread as WorkerThread

@@ -48,6 +48,7 @@ from .._exceptions import (
     QueueFull,
     TrioInferError,
 )
+from .._request import Parameter, checked_parameters
 from .._resources import parse_resource_flags
 from .._sequence import SequenceConfig, SequenceFlags
 from .._tensors import ModelSignature, TensorSpec
@@ -1616,6 +1617,41 @@ def schedule_parameters(
     return priority, seconds
 
 
+#: The request parameters the server reads itself, which no model sees: those Triton
+#: reserves (with every key that starts with "triton_") and the binary data extension's.
+RESERVED_PARAMETERS: Final = frozenset(
+    {
+        "sequence_id",
+        "sequence_start",
+        "sequence_end",
+        "priority",
+        "timeout",
+        "headers",
+        "binary_data_output",
+    }
+)
+
+
+def model_parameters(parameters: Mapping[str, Any]) -> Mapping[str, Parameter] | None:
+    """The parameters of a request (HTTP, gRPC, generate) that reach its model, checked.
+
+    All but `RESERVED_PARAMETERS` and keys starting with ``triton_``; None
+    when that leaves none (the engine's way for a request without any).
+
+    Raises:
+        InvalidInput: A value is not a bool, int, float or str (a nested
+            object, a list, null), naming its key: a 400 / INVALID_ARGUMENT.
+    """
+    if not parameters:
+        return None
+    own = {
+        key: value
+        for key, value in parameters.items()
+        if key not in RESERVED_PARAMETERS and not key.startswith("triton_")
+    }
+    return checked_parameters(own) or None
+
+
 def stream_sequence(served: ServedVersion, parameters: Mapping[str, Any]) -> SequenceFlags | None:
     """A request's sequence flags (HTTP generate, gRPC streams), refused for a decoupled model.
 
@@ -1650,6 +1686,7 @@ async def infer_in_time(
     engine = state.models.engine
     # Triton's sequence_id / sequence_start / sequence_end, for stateful models.
     sequence = SequenceFlags.from_parameters(request.parameters) if request.parameters else None
+    parameters = model_parameters(request.parameters)
     if timeout_s is None:
         return await engine.infer_detailed(
             served.engine_name,
@@ -1657,6 +1694,7 @@ async def infer_in_time(
             priority=priority,
             request_id=request.id,
             sequence=sequence,
+            parameters=parameters,
         )
     with anyio.move_on_after(timeout_s):
         return await engine.infer_detailed(
@@ -1665,6 +1703,7 @@ async def infer_in_time(
             priority=priority,
             request_id=request.id,
             sequence=sequence,
+            parameters=parameters,
         )
     raise DeadlineExceeded(
         f"the request's timeout of {timeout_s * 1e6:.0f} µs passed before it finished"

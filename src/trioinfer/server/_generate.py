@@ -3,10 +3,13 @@
 The request is one JSON object: each top-level key names a model input and
 holds its value (a JSON scalar, or a nested list, for a tensor of that
 shape; a value with fewer dimensions than the input gets leading dimensions
-of 1: ``"WAIT": 5`` is ``[5]``), plus an optional ``parameters`` object
-(``priority``, ``timeout`` in microseconds, and a stateful model's
-``sequence_id``, ``sequence_start`` and ``sequence_end``, all as for
-``infer``; others are accepted and not used). A request naming a sequence runs
+of 1: ``"WAIT": 5`` is ``[5]``). Every other top-level key is a request
+parameter, as Triton maps them (``{"text_input": "hi", "max_tokens": 16,
+"temperature": 0.7}``), and so is each key of an optional ``parameters``
+object: each a string, number or boolean. ``priority``, ``timeout`` in
+microseconds, and a stateful model's ``sequence_id``, ``sequence_start``
+and ``sequence_end`` mean what they mean for ``infer``; the others reach the
+model as the request's parameters (see `model_parameters`). A request naming a sequence runs
 through the model's sequence batcher as an ``infer`` request does, and answers
 with its one response on either route; a decoupled model, never stateful,
 refuses one (400) rather than run it outside any sequence.
@@ -35,6 +38,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+from collections.abc import Mapping
 from typing import Any, Final, final
 
 import anyio
@@ -42,7 +46,7 @@ import numpy as np
 from starlette.types import Message, Receive, Scope, Send
 
 from .._exceptions import DeadlineExceeded, InvalidInput, TrioInferError
-from .._request import Outputs
+from .._request import Outputs, Parameter
 from .._sequence import SequenceFlags
 from .._tensors import ModelSignature, TensorSpec
 from ._app import (
@@ -53,6 +57,7 @@ from ._app import (
     _must_close,
     _read_body,
     _rerouted,
+    model_parameters,
     schedule_parameters,
     status_for,
     stream_sequence,
@@ -89,26 +94,39 @@ def decode_generate_request(
             f"the generate request must be a JSON object of inputs by name, got "
             f"{type(body).__name__}"
         )
-    parameters = body.get("parameters", {})
-    if not isinstance(parameters, dict) or not all(
-        isinstance(v, (str, int, float, bool)) for v in parameters.values()
-    ):
+    given = body.get("parameters", {})
+    if not isinstance(given, dict):
         raise RequestError(
             "'parameters' must be an object of names to strings, numbers or booleans"
         )
     specs = {spec.name: spec for spec in signature.inputs}
     inputs = {}
+    parameters: dict[str, Any] = {}
     for key, value in body.items():
         if key == "parameters":
             continue
         spec = specs.get(key)
         if spec is None:
+            # Triton's mapping: a key that names no input is a parameter.
+            parameters[key] = value
+        else:
+            inputs[key] = _tensor(spec, value)
+    parameters.update(given)
+    for key, value in parameters.items():
+        if value.__class__ not in (str, int, float, bool):
             raise RequestError(
-                f"{key!r} is not an input of model {model!r}; its inputs are "
-                f"{', '.join(map(repr, specs))} (anything else goes in 'parameters')"
+                f"parameter {key!r} must be a string, number or boolean, got "
+                f"{_json_kind(value)} (model {model!r} has inputs "
+                f"{', '.join(map(repr, specs))}; any other key is a parameter)"
             )
-        inputs[key] = _tensor(spec, value)
     return inputs, parameters
+
+
+def _json_kind(value: object) -> str:
+    # What a JSON value is, in JSON's words.
+    if value is None:
+        return "null"
+    return "a list" if isinstance(value, list) else "an object"
 
 
 def _tensor(spec: TensorSpec, value: object) -> np.ndarray[Any, Any]:
@@ -314,7 +332,15 @@ class GenerateEndpoint:
                 stack.callback(group.cancel_scope.cancel)
             try:
                 await self._respond(
-                    served, signature, inputs, priority, timeout, sequence, send, start
+                    served,
+                    signature,
+                    inputs,
+                    priority,
+                    timeout,
+                    sequence,
+                    model_parameters(parameters),
+                    send,
+                    start,
                 )
             except TrioInferError as exc:
                 error = exc  # raised out of a task group it would arrive in an ExceptionGroup
@@ -333,6 +359,7 @@ class GenerateEndpoint:
         priority: int,
         timeout_s: float | None,
         sequence: SequenceFlags | None,
+        parameters: Mapping[str, Parameter] | None,
         send: Send,
         start: Any,
     ) -> None:
@@ -364,7 +391,7 @@ class GenerateEndpoint:
             with anyio.move_on_after(timeout_s if timeout_s is not None else math.inf) as scope:
                 if sequence is None:
                     async with engine.infer_stream(
-                        served.engine_name, inputs, priority=priority
+                        served.engine_name, inputs, priority=priority, parameters=parameters
                     ) as responses:
                         async for outputs in responses:
                             await answer(outputs)
@@ -372,7 +399,11 @@ class GenerateEndpoint:
                     # A stateful model's request: through its sequence batcher, as infer's.
                     await answer(
                         await engine.infer(
-                            served.engine_name, inputs, priority=priority, sequence=sequence
+                            served.engine_name,
+                            inputs,
+                            priority=priority,
+                            sequence=sequence,
+                            parameters=parameters,
                         )
                     )
         except anyio.get_cancelled_exc_class():

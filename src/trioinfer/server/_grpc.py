@@ -66,6 +66,7 @@ from ._app import (
     load_override,
     model_config_document,
     model_metadata_document,
+    model_parameters,
     not_ready,
     repository_index_document,
     statistics_document,
@@ -767,7 +768,11 @@ async def _stream(
     version = str(served.version)
     with anyio.move_on_after(timeout_s if timeout_s is not None else math.inf) as scope:
         async with state.models.engine.infer_stream(
-            served.engine_name, request.inputs, priority=priority, request_id=request.id
+            served.engine_name,
+            request.inputs,
+            priority=priority,
+            request_id=request.id,
+            parameters=model_parameters(request.parameters),
         ) as responses:
             async for outputs in responses:
                 encoded = encode_raw_outputs(request, outputs, order, shm=lease)

@@ -16,6 +16,7 @@ import numpy as np
 from .._config import Device, Instance, ModelConfig, Placement
 from .._exceptions import BackendError, TrioInferError
 from .._inline import restart_inline_slice
+from .._request import NO_PARAMETERS, checked_parameters
 from .._request import Request as _Request
 from .._sequence import SequenceFlags
 from .._tensors import ModelSignature
@@ -46,12 +47,17 @@ def make_request(
     arrival: float | None = None,
     rows: int = 1,
     sequence_flags: SequenceFlags | None = None,
+    parameters: Mapping[str, bool | int | float | str] | None = None,
 ) -> Request:
     """A [`Request`][trioinfer.lowlevel.Request] for scheduler and batcher tests.
 
     Only the engine makes requests; this is the way in for a plugin's tests.
     Without *arrival*, each request arrives one tick after the previous one.
-    *sequence_flags* make it part of a sequence, for a sequence batcher's tests.
+    *sequence_flags* make it part of a sequence, for a sequence batcher's tests;
+    *parameters* are its request parameters, checked as ``engine.infer`` checks them.
+
+    Raises:
+        InvalidInput: *parameters* are not names to bool, int, float or str values.
     """
     return _Request(
         model,
@@ -62,6 +68,7 @@ def make_request(
         arrival=float(next(_arrivals)) if arrival is None else arrival,
         rows=rows,
         sequence_flags=sequence_flags,
+        parameters=NO_PARAMETERS if parameters is None else checked_parameters(parameters),
     )
 
 
