@@ -17,6 +17,7 @@ import inspect
 import logging
 import math
 import re
+import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final, final
@@ -69,7 +70,7 @@ from ._codec import (
     v2_datatype,
 )
 from ._errors import ClientLeft, NotReady, Unauthorized, without_host_paths
-from ._logging import check_log_settings, log_settings, update_log_settings
+from ._logging import REQUESTS, check_log_settings, log_request, log_settings, update_log_settings
 from ._metrics import InFlight, Metrics, triton_entry
 from ._models import ServedModels, ServedVersion
 from ._poll import REFUSED as POLLING_REFUSED
@@ -546,6 +547,12 @@ class _FastInfer:
         self._other = other
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if REQUESTS.on and scope["type"] == "http":  # the request log: the one test when off
+            await _logged(self._route, scope, receive, send)
+            return
+        await self._route(scope, receive, send)
+
+    async def _route(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope["method"] == "POST":
             match = _INFER_PATH.fullmatch(scope["path"])
             if match is not None:
@@ -557,6 +564,74 @@ class _FastInfer:
                 await self._infer(scope, receive, send)
                 return
         await self._other(scope, receive, send)
+
+
+@final
+class _Exchange:
+    """Wraps a request's ``send`` (and trioinfer's ``respond``) to note its status and size."""
+
+    __slots__ = ("_respond", "_send", "bytes_out", "status")
+
+    def __init__(self, send: Send, respond: Callable[..., Awaitable[None]] | None) -> None:
+        self._send = send
+        self._respond = respond
+        self.status: int | None = None
+        self.bytes_out = 0
+
+    async def send(self, message: Message) -> None:
+        if message["type"] == "http.response.start":
+            self.status = message["status"]
+        elif message["type"] == "http.response.body":
+            self.bytes_out += len(message.get("body", b""))
+        await self._send(message)
+
+    async def respond(
+        self, status: int, headers: Sequence[tuple[bytes, bytes]], body: bytes
+    ) -> None:
+        # The same bound-method owner as `send`: the endpoint still takes the one-call path.
+        self.status = status
+        self.bytes_out = len(body)
+        assert self._respond is not None
+        await self._respond(status, headers, body)
+
+
+async def _logged(app: ASGIApp, scope: Scope, receive: Receive, send: Send) -> None:
+    """Serve the request with *app*, then log it on the request log (`log_request`)."""
+    started = time.monotonic()
+    extensions = scope.get("extensions")
+    respond = extensions.get("trioinfer.respond") if extensions else None
+    exchange = _Exchange(send, respond)
+    if extensions and respond is not None:
+        scope["extensions"] = {**extensions, "trioinfer.respond": exchange.respond}
+    error: BaseException | None = None
+    try:
+        await app(scope, receive, exchange.send)
+    except BaseException as exc:
+        error = exc
+        raise
+    finally:
+        status = exchange.status
+        if status is None:
+            # 500: the server answers a failed app so; 499 (nginx's): the client left,
+            # or the server stopped, before an answer.
+            cancelled = isinstance(error, anyio.get_cancelled_exc_class())
+            status = 500 if error is not None and not cancelled else 499
+        params = scope.get("path_params") or {}
+        version, request_id = scope.get("trioinfer.served") or (params.get("version"), None)
+        client = scope.get("client")
+        length = next((v for k, v in scope["headers"] if k == b"content-length"), None)
+        log_request(
+            scope["method"],
+            scope["path"],
+            status,
+            started,
+            model=params.get("model"),
+            version=version,
+            request_id=request_id,
+            peer=f"{client[0]}:{client[1]}" if client else None,
+            bytes_in=int(length) if length is not None and length.isdigit() else None,
+            bytes_out=exchange.bytes_out,
+        )
 
 
 # -- health and metadata --------------------------------------------------------------
@@ -1765,6 +1840,8 @@ class _InferEndpoint:
             # Read as a request, it goes to *served*: its errors count on that version
             # from here on. Before, they are no version's (see Metrics.count).
             picked.append(served)
+            if REQUESTS.on:  # what the request log says of it (see `_logged`)
+                scope["trioinfer.served"] = (str(served.version), request.id)
             _check_outputs(request, served)
             priority, timeout = _schedule_parameters(request, served)
             # The lean HTTP layer watches for a disconnect itself, with one task per
