@@ -318,7 +318,13 @@ def log_request(
         if value is not None and value != "":
             fields[key] = value
             words.append(f"{key}={value}")
-    _access.info("%s", " ".join(words), extra=fields)
+    # The record made here, as `Logger.info(..., extra=fields)` would make it, without
+    # its search of the stack for the caller (a sixth of a line's cost; no one reads it).
+    record = logging.LogRecord(
+        ACCESS_LOGGER, logging.INFO, __file__, 0, " ".join(words), None, None
+    )
+    record.__dict__.update(fields)
+    _access.handle(record)
 
 
 def _js(flag: bool) -> str:
