@@ -216,3 +216,16 @@ def test_request_fields_are_read_off_the_wire() -> None:
     assert _string_fields(data, wanted) == {"model": "m", "version": "2", "request_id": "x"}
     assert _string_fields(data[:3], wanted) == {"model": "m"}  # cut short: what was read
     assert _string_fields(b"\xff", wanted) == {}
+
+
+@pytest.mark.tracing
+def test_json_lines_inside_a_span_carry_its_trace_and_span_ids() -> None:
+    from opentelemetry.sdk.trace import TracerProvider
+
+    record = logging.LogRecord("trioinfer.server", logging.INFO, __file__, 1, "in", None, None)
+    assert "trace_id" not in json.loads(JsonFormatter().format(record))
+    with TracerProvider().get_tracer("test").start_as_current_span("request") as span:
+        fields = json.loads(JsonFormatter().format(record))
+    context = span.get_span_context()
+    assert fields["trace_id"] == f"{context.trace_id:032x}"
+    assert fields["span_id"] == f"{context.span_id:016x}"
