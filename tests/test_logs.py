@@ -174,6 +174,16 @@ def test_under_workers_every_process_logs_json_and_the_workers_log_requests(
     assert any(re.match(r"\S+Z worker \d trioinfer\.access INFO POST ", line) for line in text)
 
 
+def test_the_config_file_sets_the_format_and_the_request_log(tmp_path: Path) -> None:
+    config = tmp_path / "server.toml"
+    config.write_text('log_format = "json"\naccess_log = true\nmodels = ["digits"]\n')
+    log = tmp_path / "serve.log"
+    with serve_process(_command("--no-grpc", "--config", str(config)), log=log) as started:
+        assert httpx.get(f"{started.url}/v2/health/ready").status_code == 200
+    [ready] = [r for r in _access(_json_lines(log)) if r["path"] == "/v2/health/ready"]
+    assert (ready["method"], ready["status"]) == ("GET", 200)
+
+
 def test_a_bad_log_format_names_the_choices() -> None:
     result = subprocess.run(
         [sys.executable, "-m", "trioinfer", "serve", "--log-format", "syslog"],
