@@ -23,13 +23,14 @@ worker (and to a worker that restarts later), as repository changes do.
 
 from __future__ import annotations
 
-import json
 import logging
 import sys
 import time
 import traceback
 from collections.abc import Mapping
 from typing import Any, Final
+
+import orjson
 
 from .._exceptions import ConfigError
 
@@ -123,7 +124,7 @@ class JsonFormatter(logging.Formatter):
             fields["exc_info"] = record.exc_text
         if record.stack_info:
             fields["stack_info"] = record.stack_info
-        return json.dumps(fields, default=str, ensure_ascii=False)
+        return orjson.dumps(fields, default=str).decode()
 
 
 def _trace_ids() -> dict[str, str]:
