@@ -208,6 +208,8 @@ def test_json_formatter_fields_extra_and_exception() -> None:
     assert (fields["level"], fields["logger"], fields["message"]) == ("ERROR", "trioinfer.x", "a b")
     assert (fields["model"], fields["worker"]) == ("digits", 3)
     assert fields["exc_info"].endswith("ValueError: bad")
+    record.model = 2**70  # past orjson's integers: still one line of JSON
+    assert json.loads(JsonFormatter().format(record))["model"] == 2**70
 
 
 @pytest.mark.grpc

@@ -23,6 +23,7 @@ worker (and to a worker that restarts later), as repository changes do.
 
 from __future__ import annotations
 
+import json
 import logging
 import sys
 import time
@@ -124,7 +125,10 @@ class JsonFormatter(logging.Formatter):
             fields["exc_info"] = record.exc_text
         if record.stack_info:
             fields["stack_info"] = record.stack_info
-        return orjson.dumps(fields, default=str).decode()
+        try:
+            return orjson.dumps(fields, default=str).decode()
+        except orjson.JSONEncodeError:  # what orjson refuses (an int past 64 bits) json takes
+            return json.dumps(fields, default=str, ensure_ascii=False)
 
 
 def _trace_ids() -> dict[str, str]:
