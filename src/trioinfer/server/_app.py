@@ -547,12 +547,11 @@ class _FastInfer:
         self._other = other
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if REQUESTS.on and scope["type"] == "http":  # the request log: the one test when off
-            await _logged(self._route, scope, receive, send)
+        # The request log: off, one test and no frame more; on, `_logged` calls this again
+        # with its mark in the scope.
+        if REQUESTS.on and scope["type"] == "http" and _SERVED not in scope:
+            await _logged(self, scope, receive, send)
             return
-        await self._route(scope, receive, send)
-
-    async def _route(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope["method"] == "POST":
             match = _INFER_PATH.fullmatch(scope["path"])
             if match is not None:
@@ -564,6 +563,10 @@ class _FastInfer:
                 await self._infer(scope, receive, send)
                 return
         await self._other(scope, receive, send)
+
+
+#: The scope key of the request log: (version, request id) of an inference, else None.
+_SERVED: Final = "trioinfer.served"
 
 
 @final
@@ -601,6 +604,7 @@ async def _logged(app: ASGIApp, scope: Scope, receive: Receive, send: Send) -> N
     extensions = scope.get("extensions")
     respond = extensions.get("trioinfer.respond") if extensions else None
     exchange = _Exchange(send, respond)
+    scope[_SERVED] = None  # the mark; the infer endpoint puts its version and id there
     if extensions and respond is not None:
         scope["extensions"] = {**extensions, "trioinfer.respond": exchange.respond}
     error: BaseException | None = None
@@ -617,7 +621,7 @@ async def _logged(app: ASGIApp, scope: Scope, receive: Receive, send: Send) -> N
             cancelled = isinstance(error, anyio.get_cancelled_exc_class())
             status = 500 if error is not None and not cancelled else 499
         params = scope.get("path_params") or {}
-        version, request_id = scope.get("trioinfer.served") or (params.get("version"), None)
+        version, request_id = scope[_SERVED] or (params.get("version"), None)
         client = scope.get("client")
         length = next((v for k, v in scope["headers"] if k == b"content-length"), None)
         log_request(
@@ -1841,7 +1845,7 @@ class _InferEndpoint:
             # from here on. Before, they are no version's (see Metrics.count).
             picked.append(served)
             if REQUESTS.on:  # what the request log says of it (see `_logged`)
-                scope["trioinfer.served"] = (str(served.version), request.id)
+                scope[_SERVED] = (str(served.version), request.id)
             _check_outputs(request, served)
             priority, timeout = _schedule_parameters(request, served)
             # The lean HTTP layer watches for a disconnect itself, with one task per
