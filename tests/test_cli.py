@@ -231,6 +231,11 @@ def test_serve_refuses_bad_settings_with_a_usage_error(tmp_path: Path) -> None:
         ("port = true", "port = true: expected an integer, not a boolean"),
         ("grpc_port = 70000", "grpc_port = 70000: 70000 is not in the range 0<=x<=65535"),
         ("log_level = 3", "log_level = 3: 3 is not one of 'debug'"),
+        (
+            'log_format = "syslog"',
+            "log_format = 'syslog': 'syslog' is not one of 'default', 'ISO8601', 'json'",
+        ),
+        ('access_log = "x"', "access_log = 'x': 'x' is not a valid boolean"),
         ('loop = "uvloop"', "loop = 'uvloop': 'uvloop' is not one of 'trio', 'asyncio'"),
         ('models = "digits"', "models = 'digits': Value must be an iterable"),
         ("models = [1]", "models must be a list of strings, got [1]"),

@@ -424,6 +424,7 @@ def test_log_settings_over_http_and_grpc_set_trioinfers_loggers(server: Server) 
         "log_error": True,
         "log_verbose_level": 0,
         "log_format": "default",
+        "access_log": False,  # trioinfer's key: the request log
     }
     # Info off: loading a model says nothing any more.
     after = client.update_log_settings({"log_info": False}, headers=AUTH)
@@ -457,7 +458,7 @@ def test_log_settings_over_http_and_grpc_set_trioinfers_loggers(server: Server) 
         ({"log_file": "/tmp/server.log"}, "log_file is not supported"),
         ({"log_warning": False}, "log_info needs log_warning"),
         ({"log_verbose_level": 1, "log_info": False}, "log_verbose_level needs log_info"),
-        ({"log_format": "syslog"}, "log_format must be 'default' or 'ISO8601'"),
+        ({"log_format": "syslog"}, "log_format must be 'default', 'ISO8601' or 'json'"),
         ({"log_rotation": True}, "unknown log setting 'log_rotation'"),
     ],
 )
@@ -507,10 +508,17 @@ def test_log_settings_map_onto_one_level_and_leave_a_foreign_handler_alone() -> 
         ]:
             update_log_settings(settings)
             assert logger.level == level, settings
-        assert log_settings() == {**off, "log_file": "", "log_format": "default"}
+        assert log_settings() == {
+            **off,
+            "log_file": "",
+            "log_format": "default",
+            "access_log": False,
+        }
         with pytest.raises(trioinfer.ConfigError, match="does not own the log handler"):
             update_log_settings({"log_format": "ISO8601"})
         update_log_settings({"log_format": "default", "log_file": ""})  # what it is: fine
+        with pytest.raises(trioinfer.ConfigError, match="access_log must be true or false"):
+            update_log_settings({"access_log": "yes"})
     finally:
         logger.setLevel(before)
 

@@ -60,6 +60,8 @@ _SERVE_KEYS: Final = frozenset(
         "admin_token",
         "protect_inference",
         "log_level",
+        "log_format",
+        "access_log",
         "loop",
         "limits",
         "trace_exporter",
@@ -351,6 +353,24 @@ EXIT_MARGIN_S: Final = _exit.EXIT_MARGIN_S
     show_default=True,
     help="Log verbosity (logs go to stderr); /v2/logging changes it while serving.",
 )
+@click.option(
+    "--log-format",
+    type=click.Choice(["default", "ISO8601", "json"]),
+    default="default",
+    show_default=True,
+    help="The log lines' form: default (local time), ISO8601 (UTC times; both Triton's), or "
+    "json: one JSON object per line (time, level, logger, message, pid, and the fields a "
+    "line carries: model, status, ...) for Loki, ELK or Cloud Logging. /v2/logging's "
+    "log_format changes it while serving.",
+)
+@click.option(
+    "--access-log/--no-access-log",
+    default=False,
+    show_default=True,
+    help="Log every HTTP request and gRPC call (method, path, model, version, status, "
+    "duration, request id, peer, bytes) at INFO on the trioinfer.access logger, as "
+    "uvicorn's access log. /v2/logging's access_log switches it while serving.",
+)
 @click.pass_context
 def serve(ctx: click.Context, /, **options: Any) -> None:
     """Serve a model repository over the KServe V2 protocol (Open Inference Protocol).
@@ -420,7 +440,9 @@ def serve(ctx: click.Context, /, **options: Any) -> None:
             "invalid server settings: admin_token must be a non-empty string, but "
             "TRIOINFER_ADMIN_TOKEN is set and empty; set a token or unset the variable"
         )
-    install_handler(settings["log_level"])
+    install_handler(
+        settings["log_level"], log_format=settings["log_format"], requests=settings["access_log"]
+    )
     workers = settings["workers"]
     if not isinstance(workers, int) or isinstance(workers, bool) or workers < 1:
         raise click.UsageError(f"invalid server settings: workers must be >= 1, got {workers!r}")
@@ -498,6 +520,8 @@ def serve(ctx: click.Context, /, **options: Any) -> None:
                     grpc_port=grpc_port,
                     loop=settings["loop"],
                     log_level=settings["log_level"],
+                    log_format=settings["log_format"],
+                    access_log=settings["access_log"],
                     trace=(settings.get("trace_exporter"), settings.get("trace_rate")),
                     # Not given: the supervisor's own margin past the drain period.
                     exit_timeout=(

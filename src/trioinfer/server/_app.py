@@ -17,6 +17,7 @@ import inspect
 import logging
 import math
 import re
+import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final, final
@@ -70,7 +71,7 @@ from ._codec import (
     v2_datatype,
 )
 from ._errors import ClientLeft, NotReady, Unauthorized, without_host_paths
-from ._logging import check_log_settings, log_settings, update_log_settings
+from ._logging import REQUESTS, check_log_settings, log_request, log_settings, update_log_settings
 from ._metrics import InFlight, Metrics, triton_entry
 from ._models import ServedModels, ServedVersion
 from ._poll import REFUSED as POLLING_REFUSED
@@ -547,6 +548,11 @@ class _FastInfer:
         self._other = other
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        # The request log: off, one test and no frame more; on, `_logged` calls this again
+        # with its mark in the scope.
+        if REQUESTS.on and scope["type"] == "http" and _SERVED not in scope:
+            await _logged(self, scope, receive, send)
+            return
         if scope["type"] == "http" and scope["method"] == "POST":
             match = _INFER_PATH.fullmatch(scope["path"])
             if match is not None:
@@ -558,6 +564,79 @@ class _FastInfer:
                 await self._infer(scope, receive, send)
                 return
         await self._other(scope, receive, send)
+
+
+#: The scope key of the request log: (version, request id) of an inference, else None.
+_SERVED: Final = "trioinfer.served"
+
+
+@final
+class _Exchange:
+    """Wraps a request's ``send`` (and trioinfer's ``respond``) to note its status and size."""
+
+    __slots__ = ("_respond", "_send", "bytes_out", "status")
+
+    def __init__(self, send: Send, respond: Callable[..., Awaitable[None]] | None) -> None:
+        self._send = send
+        self._respond = respond
+        self.status: int | None = None
+        self.bytes_out = 0
+
+    async def send(self, message: Message) -> None:
+        if message["type"] == "http.response.start":
+            self.status = message["status"]
+        elif message["type"] == "http.response.body":
+            self.bytes_out += len(message.get("body", b""))
+        await self._send(message)
+
+    async def respond(
+        self, status: int, headers: Sequence[tuple[bytes, bytes]], body: bytes
+    ) -> None:
+        # The same bound-method owner as `send`: the endpoint still takes the one-call path.
+        self.status = status
+        self.bytes_out = len(body)
+        assert self._respond is not None
+        await self._respond(status, headers, body)
+
+
+async def _logged(app: ASGIApp, scope: Scope, receive: Receive, send: Send) -> None:
+    """Serve the request with *app*, then log it on the request log (`log_request`)."""
+    started = time.monotonic()
+    extensions = scope.get("extensions")
+    respond = extensions.get("trioinfer.respond") if extensions else None
+    exchange = _Exchange(send, respond)
+    scope[_SERVED] = None  # the mark; the infer endpoint puts its version and id there
+    if extensions and respond is not None:
+        scope["extensions"] = {**extensions, "trioinfer.respond": exchange.respond}
+    error: BaseException | None = None
+    try:
+        await app(scope, receive, exchange.send)
+    except BaseException as exc:
+        error = exc
+        raise
+    finally:
+        status = exchange.status
+        if status is None:
+            # 500: the server answers a failed app so; 499 (nginx's): the client left,
+            # or the server stopped, before an answer.
+            cancelled = isinstance(error, anyio.get_cancelled_exc_class())
+            status = 500 if error is not None and not cancelled else 499
+        params = scope.get("path_params") or {}
+        version, request_id = scope[_SERVED] or (params.get("version"), None)
+        client = scope.get("client")
+        length = next((v for k, v in scope["headers"] if k == b"content-length"), None)
+        log_request(
+            scope["method"],
+            scope["path"],
+            status,
+            started,
+            model=params.get("model"),
+            version=version,
+            request_id=request_id,
+            peer=f"{client[0]}:{client[1]}" if client else None,
+            bytes_in=int(length) if length is not None and length.isdigit() else None,
+            bytes_out=exchange.bytes_out,
+        )
 
 
 # -- health and metadata --------------------------------------------------------------
@@ -1809,6 +1888,8 @@ class _InferEndpoint:
             # Read as a request, it goes to *served*: its errors count on that version
             # from here on. Before, they are no version's (see Metrics.count).
             picked.append(served)
+            if REQUESTS.on:  # what the request log says of it (see `_logged`)
+                scope[_SERVED] = (str(served.version), request.id)
             _check_outputs(request, served)
             priority, timeout = _schedule_parameters(request, served)
             # The lean HTTP layer watches for a disconnect itself, with one task per

@@ -1139,8 +1139,20 @@ def _methods(service: _Service) -> dict[str, Method]:
                 if method.name == "ModelInfer"
                 else service.unary(request_type, getattr(service, method.name))
             )
-            methods[path] = Method(handler, streaming=False)
+            methods[path] = Method(handler, streaming=False, logged=_logged_fields(method))
     return methods
+
+
+def _logged_fields(method: Any) -> dict[int, str]:
+    """The request message's fields the request log names, by number (see `Method`)."""
+    names = {"model_name": "model", "model_version": "version", "id": "request_id"}
+    if method.name.startswith("Model"):  # elsewhere "name" is a shared-memory region's
+        names |= {"name": "model", "version": "version"}
+    return {
+        field.number: names[field.name]
+        for field in method.input_type.fields
+        if field.name in names and field.type == field.TYPE_STRING
+    }
 
 
 async def serve_grpc(

@@ -82,6 +82,7 @@ from anyio.streams.tls import TLSAttribute
 
 from . import _http2
 from ._http2 import ProtocolError, StreamClosedError
+from ._logging import REQUESTS, log_request
 
 log = logging.getLogger("trioinfer.server")
 
@@ -354,10 +355,16 @@ Streaming = Callable[
 @final
 @attrs.define(frozen=True)
 class Method:
-    """A served method: its handler, unary or bidirectional streaming."""
+    """A served method: its handler, unary or bidirectional streaming.
+
+    *logged*: the request message's top-level string fields (by field number)
+    that the request log names (``model``, ``version``, ``request_id``), for a
+    unary call.
+    """
 
     handler: Unary | Streaming
     streaming: bool
+    logged: Mapping[int, str] = attrs.field(factory=dict)
 
 
 @final
@@ -389,6 +396,8 @@ class _Stream:
     held: int = 0
     #: ``time.monotonic()`` when its request bytes last arrived (for ``body_timeout``).
     active: float = 0.0
+    #: ``time.monotonic()`` when its headers arrived (for the request log).
+    opened: float = 0.0
 
 
 def _wake(event: anyio.Event | None) -> None:
@@ -734,7 +743,7 @@ class _Connection:
 
     def _open(self, stream_id: int, method: Method, call: GrpcCall, wbits: int | None) -> None:
         stream = _Stream(stream_id, method, call, wbits)
-        stream.active = self._idle_since = time.monotonic()
+        stream.active = stream.opened = self._idle_since = time.monotonic()
         self._streams[stream_id] = stream
         if method.streaming:
             self._start(stream)
@@ -1044,6 +1053,8 @@ class _Connection:
         self, stream: _Stream, answered: tuple[int, str, bool] | None, cancelled: bool
     ) -> None:
         # The call's end: its trailers (or its status, when it was cancelled).
+        if REQUESTS.on:  # the request log: the one test when off
+            self._log_call(stream, answered, cancelled)
         if answered is None and not cancelled:
             self._streams.pop(stream.stream_id, None)
             return
@@ -1066,6 +1077,41 @@ class _Connection:
             self._stop(stream.stream_id)
         if large:
             self._write_now()
+
+    def _log_call(
+        self, stream: _Stream, answered: tuple[int, str, bool] | None, cancelled: bool
+    ) -> None:
+        # The status `_conclude` ends the call with; CANCELLED where the client left.
+        if stream.closed or (answered is None and not cancelled):
+            code = CANCELLED
+        elif cancelled:
+            expires = stream.call.expires
+            code = (
+                DEADLINE_EXCEEDED
+                if expires is not None and time.monotonic() >= expires
+                else UNAVAILABLE
+            )
+        else:
+            code = (answered or _ANSWERED)[0]
+        fields: dict[str, str] = {}
+        size = None
+        if not stream.method.streaming and stream.messages:
+            size = len(stream.messages[0])
+            if stream.method.logged:
+                fields = _string_fields(stream.messages[0], stream.method.logged)
+        peer = self._socket.extra(anyio.abc.SocketAttribute.remote_address, None)
+        log_request(
+            "grpc",
+            next((path for path, m in self._methods.items() if m is stream.method), "?"),
+            code,
+            stream.opened,
+            model=fields.get("model"),
+            version=fields.get("version"),
+            request_id=fields.get("request_id"),
+            peer=f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) else None,
+            bytes_in=size,
+            protocol="grpc",
+        )
 
     def _write_now(self) -> None:
         # What is queued, written from this task without waiting (see _WRITE_AT_ONCE);
@@ -1232,6 +1278,47 @@ class _Connection:
                 stream.error = error
                 self._ready(stream)
                 self._wake.set()
+
+
+def _string_fields(message: bytes, wanted: Mapping[int, str]) -> dict[str, str]:
+    """The top-level string fields *wanted* (number: name) of protobuf *message*, by name.
+
+    Read off the wire without parsing the message (its tensors are skipped,
+    not copied); a malformed message gives what was read before the fault.
+    """
+    found: dict[str, str] = {}
+    pos, end = 0, len(message)
+    try:
+        while pos < end and len(found) < len(wanted):
+            tag, pos = _read_varint(message, pos)
+            number, kind = tag >> 3, tag & 7
+            if kind == 0:
+                _, pos = _read_varint(message, pos)
+            elif kind == 1:
+                pos += 8
+            elif kind == 5:
+                pos += 4
+            elif kind == 2:
+                size, pos = _read_varint(message, pos)
+                if number in wanted:
+                    found[wanted[number]] = message[pos : pos + size].decode("utf-8", "replace")
+                pos += size
+            else:
+                break
+    except IndexError:
+        pass
+    return found
+
+
+def _read_varint(data: bytes, pos: int) -> tuple[int, int]:
+    value = shift = 0
+    while True:
+        byte = data[pos]
+        pos += 1
+        value |= (byte & 0x7F) << shift
+        if byte < 0x80:
+            return value, pos
+        shift += 7
 
 
 @final

@@ -1447,6 +1447,14 @@ class _Supervisor:
                 for key, change in _journal_entries(message, self.journal):
                     self.journal.pop(key, None)
                     self.journal[key] = change
+                if message["op"] == "logging" and "log_format" in message["settings"]:
+                    # The supervisor's lines take the new format too: a log that mixes
+                    # JSON and text lines is no use to a log shipper. (Its level stays:
+                    # its lines are about the workers, which the settings are for.)
+                    from ._logging import update_log_settings
+
+                    with contextlib.suppress(ConfigError):
+                        update_log_settings({"log_format": message["settings"]["log_format"]})
                 self._tell_news()
                 retired = {
                     version
@@ -1782,6 +1790,8 @@ async def serve_workers(
     grpc_port: int | None = None,
     loop: str = "trio",
     log_level: str = "info",
+    log_format: str = "default",
+    access_log: bool = False,
     trace: tuple[str | None, float | None] = (None, None),
     exit_timeout: float | None = None,
     task_status: anyio.abc.TaskStatus[WorkersListening] = anyio.TASK_STATUS_IGNORED,
@@ -1796,7 +1806,9 @@ async def serve_workers(
     own tracer provider from them and the ``OTEL_*`` variables (a provider
     cannot cross a process boundary; *config*'s is not used). With
     *grpc_port* (0: a free one, the same for every worker) each worker serves
-    V2 gRPC there too, as `serve_http` does. *exit_timeout*
+    V2 gRPC there too, as `serve_http` does. *log_level*, *log_format* and
+    *access_log* are ``serve``'s, for every worker's log handler (the
+    supervisor's is the caller's). *exit_timeout*
     (``--exit-timeout-secs``) bounds the whole exit from the first signal: the
     workers still running then are killed, named at ERROR, and this raises
     `WorkerFailed`; None kills them `STOP_MARGIN_S` past the drain period, with
@@ -1839,6 +1851,8 @@ async def serve_workers(
         "workers": workers,
         "loop": loop,
         "log_level": log_level,
+        "log_format": log_format,
+        "access_log": access_log,
         "directory": str(directory),
         "supervisor_pid": os.getpid(),
         # Each worker bounds its own exit too (serve_http), just past the supervisor's
@@ -1958,7 +1972,12 @@ def _worker_main(argv: list[str]) -> int:
 
     index = int(argv[0])
     spec = json.loads(os.environ.pop(SPEC_ENV))
-    install_handler(spec["log_level"], prefix=f"worker {index} ")
+    install_handler(
+        spec["log_level"],
+        log_format=spec["log_format"],
+        requests=spec["access_log"],
+        worker=index,
+    )
     settings = spec["config"]
     tracing = provider_from_settings(*settings["trace"], environ=os.environ)
     config = ServerConfig(
