@@ -84,7 +84,6 @@ def test_json_lines_carry_time_level_logger_message_fields_and_tracebacks(tmp_pa
         assert isinstance(record["message"], str)
         assert record["pid"] == started.process.pid
     assert any(r["message"] == "loaded model 'digits' version 1 on cpu" for r in records)
-    # (Starlette re-raises what its error page answered: the server logs it once more.)
     broken = next(r for r in records if r["message"] == "unexpected error")
     assert broken["level"] == "ERROR"
     assert broken["exc_info"].startswith("Traceback (most recent call last):")
@@ -109,6 +108,21 @@ def test_json_lines_carry_time_level_logger_message_fields_and_tracebacks(tmp_pa
     assert (failed["path"], failed["status"]) == ("/v2/health/live", 500)
     assert (logging_get["path"], logging_post["method"]) == ("/v2/logging", "POST")
     assert not any(r.get("path") == "/v2/health/ready" for r in records)
+
+
+def test_a_bug_answered_500_closes_the_connection_and_is_logged_once(tmp_path: Path) -> None:
+    # Starlette sends its 500, then raises the bug again: a keep-alive client was not told
+    # that the connection closes after it, and its next request on it failed; and the
+    # traceback was logged twice.
+    log = tmp_path / "serve.log"
+    command = _command("--no-grpc", "--log-format", "json", prelude=_BROKEN_LIVE)
+    with serve_process(command, log=log) as started, httpx.Client(base_url=started.url) as client:
+        broken = client.get("/v2/health/live")
+        assert broken.status_code == 500
+        assert broken.headers["connection"] == "close"
+        assert client.get("/v2/health/ready").status_code == 200
+    tracebacks = [r for r in _json_lines(log) if "boom in live" in r.get("exc_info", "")]
+    assert [(r["level"], r["message"]) for r in tracebacks] == [("ERROR", "unexpected error")]
 
 
 @pytest.mark.grpc

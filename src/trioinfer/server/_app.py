@@ -488,6 +488,9 @@ def create_app(state: ServerState) -> ASGIApp:
         return Response(
             dumps({"error": f"internal error: {type(exc).__name__}"}),
             status_code=500,
+            # Starlette raises it again once this is sent; the connection is then
+            # closed, and a keep-alive client must know not to send on it.
+            headers={"connection": "close"},
             media_type=_JSON,
         )
 

@@ -580,7 +580,14 @@ class Connection:
         try:
             await self.shared.app(scope, request.receive, request.send)
         except Exception:
-            log.exception("exception in ASGI application (%s %s)", scope["method"], scope["path"])
+            if request.finished:
+                # Answered, then raised again (Starlette's error handler does that
+                # after its 500, which it logged): said once is enough.
+                log.debug("ASGI application raised after its response", exc_info=True)
+            else:
+                log.exception(
+                    "exception in ASGI application (%s %s)", scope["method"], scope["path"]
+                )
             request.keep_alive = False
             if not request.head_sent and not self.gone:
                 await self.send_all(_RESPONSE_500)
