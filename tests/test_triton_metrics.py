@@ -37,6 +37,7 @@ output [ {{ name: "OUTPUT0" data_type: TYPE_FP32 dims: [ 1 ] }} ]
 
 # As a Triton model counts: families in initialize, a Metric of each kept, updated per request.
 COUNTED = """\
+import numpy as np
 import triton_python_backend_utils as pb_utils
 
 
@@ -66,7 +67,9 @@ class TritonPythonModel:
             self.requests.increment(1)
             self.last.set(len(x))
             self.rows.observe(len(x))
-            responses.append(pb_utils.InferenceResponse([pb_utils.Tensor("OUTPUT0", x)]))
+            # What the counter says now (metric.value()), as each row's answer.
+            counted = np.full_like(x, self.requests.value())
+            responses.append(pb_utils.InferenceResponse([pb_utils.Tensor("OUTPUT0", counted)]))
         return responses
 """
 
@@ -99,10 +102,10 @@ async def test_a_triton_models_families_are_the_engines_custom_metrics(tmp_path:
     async with trioinfer.open_engine() as engine:
         for name in MODELS:
             await engine.load(repo.entry(name).config(1))
-        for n in (3, 2):
-            await engine.infer("counted", rows(n))
+        answers = [(await engine.infer("counted", rows(n)))["OUTPUT0"] for n in (3, 2)]
         await engine.infer("counted_async", rows(5))
         families = {f.name: f for f in engine.custom_metrics()}
+    assert [a.ravel().tolist() for a in answers] == [[1.0] * 3, [2.0] * 2]
     counter, gauge, histogram = (
         families["app_requests"],
         families["app_last_rows"],
@@ -261,3 +264,29 @@ async def test_a_family_is_declared_while_the_model_loads(tmp_path: Path) -> Non
     pb_utils = importlib.import_module("trioinfer_python.triton_python_backend_utils")
     with pytest.raises(pb_utils.TritonModelException, match="while the model loads"):
         pb_utils.MetricFamily("app_x", "d", pb_utils.MetricFamily.COUNTER)
+
+
+async def test_a_family_made_at_the_top_of_model_py_or_in_init_is_the_models(
+    tmp_path: Path,
+) -> None:
+    code = (
+        "import triton_python_backend_utils as pb_utils\n\n"
+        "TOP = pb_utils.MetricFamily(name='app_top', description='d', "
+        "kind=pb_utils.MetricFamily.COUNTER)\n\n\n"
+        "class TritonPythonModel:\n"
+        "    def __init__(self):\n"
+        "        self.made = pb_utils.MetricFamily(name='app_made', description='d', "
+        "kind=pb_utils.MetricFamily.GAUGE).Metric()\n"
+        "        self.top = TOP.Metric()\n\n"
+        "    def execute(self, requests):\n"
+        "        self.top.increment(len(requests))\n"
+        "        self.made.set(7)\n"
+        "        return [pb_utils.InferenceResponse([pb_utils.Tensor('OUTPUT0', "
+        "r.inputs()[0].as_numpy())]) for r in requests]\n"
+    )
+    repo = ModelRepository(write(tmp_path / "models", "early", code))
+    async with trioinfer.open_engine() as engine:
+        await engine.load(repo.entry("early").config(1))
+        await engine.infer("early", rows(1))
+        seen = {f.name: [(s.model, s.value) for s in f.samples] for f in engine.custom_metrics()}
+    assert seen == {"app_made": [("early", 7.0)], "app_top": [("early", 1.0)]}
