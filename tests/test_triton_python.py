@@ -448,8 +448,8 @@ async def test_bls_calls_another_model(repository: Path, caller: str) -> None:
 
 def test_what_pb_utils_does_not_provide_is_named() -> None:
     pb_utils = importlib.import_module("trioinfer_python.triton_python_backend_utils")
-    with pytest.raises(AttributeError, match=r"MetricFamily is not provided.*from-triton.md"):
-        pb_utils.MetricFamily  # noqa: B018  # the attribute access is the test
+    with pytest.raises(AttributeError, match=r"load_model is not provided.*from-triton.md"):
+        pb_utils.load_model  # noqa: B018  # the attribute access is the test
     with pytest.raises(AttributeError, match=r"Tensor.from_dlpack is not provided"):
         pb_utils.Tensor.from_dlpack  # noqa: B018
     with pytest.raises(AttributeError, match=r"Tensor.to_dlpack is not provided.*from-triton"):

@@ -500,6 +500,8 @@ class TritonInstance:
         function = getattr(self._model, hook, None)
         if not callable(function):
             return
+        # initialize() declares pb_utils.MetricFamily for the model being loaded.
+        function = pb_utils._declaring_in(function)
         try:
             if inspect.iscoroutinefunction(function):
                 await function(*args)

@@ -8,7 +8,8 @@ name lead here (an entry in ``sys.modules``, registered when it loads such a
 model; nothing is installed under that name). What is here is the part of
 Triton's module that models use: tensors, requests and responses, errors,
 the response sender of a decoupled model, business logic scripting
-(``InferenceRequest(...).exec()``), the config helpers and the logger.
+(``InferenceRequest(...).exec()``), the config helpers, the logger and custom
+metrics (``MetricFamily``, onto trioinfer's: `trioinfer.ModelMetrics`).
 Anything else of Triton's module is an ``AttributeError`` that names it and
 points at ``docs/how-to/from-triton.md``, never a stand-in that answers wrong.
 """
@@ -16,21 +17,35 @@ points at ``docs/how-to/from-triton.md``, never a stand-in that answers wrong.
 from __future__ import annotations
 
 import contextvars
+import functools
+import inspect
 import json
 import logging
 import threading
+import weakref
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, Final
+from typing import Any, Final, TypeVar
 
 import numpy as np
 
-from trioinfer import InvalidInput, TrioInferError
+from trioinfer import (
+    CounterMetric,
+    GaugeMetric,
+    HistogramMetric,
+    InvalidInput,
+    InvalidMetric,
+    ModelMetrics,
+    TrioInferError,
+)
+from trioinfer.lowlevel import current_model_metrics
 
 __all__ = [
     "TRITONSERVER_RESPONSE_COMPLETE_FINAL",
     "InferenceRequest",
     "InferenceResponse",
     "Logger",
+    "Metric",
+    "MetricFamily",
     "ResponseSender",
     "Tensor",
     "TritonError",
@@ -59,7 +74,7 @@ def _not_provided(name: str) -> AttributeError:
 
 
 def __getattr__(name: str) -> Any:
-    # Triton's module has more than models use (dlpack, MetricFamily, model config
+    # Triton's module has more than models use (dlpack, model config
     # auto-completion, ...): a name not provided says so, rather than a silent stand-in.
     if name.startswith("__"):
         raise AttributeError(name)
@@ -543,3 +558,230 @@ class Logger(_Provided):
     def log_verbose(message: str) -> None:
         """Log *message* at debug level (Triton's verbose)."""
         log.debug("%s", message)
+
+
+#: Where the custom metrics of trioinfer are said (what `MetricFamily` maps onto).
+_METRICS_DOCS: Final = "docs/how-to/from-triton.md ('Custom metrics of a Triton model')"
+
+#: The model whose ``initialize`` runs: a plain one's on its worker thread (a
+#: thread-local), an ``async def`` one's on the event loop (a context variable).
+_declaring = threading.local()
+_async_declaring: contextvars.ContextVar[ModelMetrics | None] = contextvars.ContextVar(
+    "trioinfer_pb_metrics", default=None
+)
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+#: The kind of each family a load of a model made (`MetricFamily`), by its load.
+_kinds: weakref.WeakKeyDictionary[Any, dict[str, str]] = weakref.WeakKeyDictionary()
+_kinds_lock = threading.Lock()
+
+
+def _declaring_in(hook: F) -> F:
+    """*hook* (``initialize``), made to declare `MetricFamily` for the model being loaded.
+
+    Called by the backend in the engine's load of the model, where
+    `trioinfer.lowlevel.current_model_metrics` knows the model; *hook* runs
+    later, maybe on the instance's worker thread, where it does not. Outside a
+    load (``finalize``) *hook* is returned as it is.
+    """
+    try:
+        metrics = current_model_metrics()
+    except RuntimeError:
+        return hook
+    if inspect.iscoroutinefunction(hook):
+
+        @functools.wraps(hook)
+        async def declaring_async(*args: Any) -> Any:
+            token = _async_declaring.set(metrics)
+            try:
+                return await hook(*args)
+            finally:
+                _async_declaring.reset(token)
+
+        return declaring_async  # type: ignore[return-value]
+
+    @functools.wraps(hook)
+    def declaring(*args: Any) -> Any:
+        _declaring.value = metrics
+        try:
+            return hook(*args)
+        finally:
+            _declaring.value = None
+
+    return declaring  # type: ignore[return-value]
+
+
+def _model_metrics() -> ModelMetrics:
+    metrics: ModelMetrics | None = getattr(_declaring, "value", None) or _async_declaring.get()
+    if metrics is not None:
+        return metrics
+    try:
+        # The model's __init__ and the top of model.py run in the engine's load too.
+        return current_model_metrics()
+    except RuntimeError:
+        raise TritonModelException(
+            "pb_utils.MetricFamily(...) is made while the model loads here (in initialize(), "
+            "__init__ or at the top of model.py), where trioinfer knows which model it "
+            "belongs to: make it in initialize(), keep it on self, and update its metrics "
+            f"in execute (family.Metric(...) works anywhere); see {_METRICS_DOCS}"
+        ) from None
+
+
+class Metric(_Provided):
+    """One series of a `MetricFamily`: ``family.Metric(labels={...})``."""
+
+    __slots__ = ("_name", "_series")
+
+    def __init__(self, name: str, series: CounterMetric | GaugeMetric | HistogramMetric) -> None:
+        """Made by `MetricFamily.Metric`: *series* is trioinfer's."""
+        self._name = name
+        self._series = series
+
+    def _refused(self, what: str) -> TritonModelException:
+        kind = type(self._series).__name__.removesuffix("Metric").lower()
+        return TritonModelException(
+            f"metric {self._name!r} is a {kind}: {what} is not one of its operations"
+        )
+
+    def _update(self, update: Callable[[float], None], value: float) -> None:
+        try:
+            update(value)
+        except InvalidMetric as exc:
+            raise TritonModelException(str(exc)) from exc
+
+    def increment(self, value: float) -> None:
+        """Add *value* to a counter (not negative) or a gauge."""
+        if isinstance(self._series, HistogramMetric):
+            raise self._refused("increment()")
+        self._update(self._series.increment, value)
+
+    def set(self, value: float) -> None:
+        """Set a gauge to *value*."""
+        if not isinstance(self._series, GaugeMetric):
+            raise self._refused("set()")
+        self._update(self._series.set, value)
+
+    def observe(self, value: float) -> None:
+        """Count *value* in a histogram."""
+        if not isinstance(self._series, HistogramMetric):
+            raise self._refused("observe()")
+        self._update(self._series.observe, value)
+
+    def value(self) -> float:
+        """A counter's or gauge's value now."""
+        if isinstance(self._series, HistogramMetric):
+            raise self._refused("value()")
+        return self._series.value()
+
+
+#: (Its name inside MetricFamily is the method's.)
+_Series = Metric
+
+
+class MetricFamily(_Provided):
+    """Triton's custom metric family, kept as one of trioinfer's custom metrics.
+
+    ``MetricFamily(name, description, kind=MetricFamily.COUNTER)`` in
+    ``initialize``, then ``family.Metric(labels={...})`` (a histogram's with
+    ``buckets=[...]``) for each series. Its series show on ``/metrics`` of
+    ``trioinfer serve`` (a counter's as ``name_total``), each sample labelled
+    with ``model`` and ``version`` too, and in ``engine.custom_metrics()``;
+    they go with the model at an unload or reload.
+
+    Unlike Triton's, a family has one set of label names (those of its first
+    ``Metric``) and a histogram one set of buckets (at least one); label
+    names are Prometheus's, not ``model``, ``version``, ``le`` or ``pid``;
+    names may not start with ``trioinfer_``. A gauge's series of ``trioinfer
+    serve --workers`` workers add up.
+    """
+
+    COUNTER: Final = 0
+    GAUGE: Final = 1
+    HISTOGRAM: Final = 2
+    _KINDS: Final = {0: "counter", 1: "gauge", 2: "histogram"}
+
+    __slots__ = ("_description", "_kind", "_metrics", "_name")
+
+    def __init__(self, name: str, description: str, kind: int) -> None:
+        """Declare the family *name* of *kind* for the model being loaded.
+
+        Raises:
+            TritonModelException: Outside the model's load (in ``execute``), an
+                unknown *kind*, a name that is not a Prometheus name or is
+                ``trioinfer_*``, or one declared already as another kind.
+        """
+        kind_name = self._KINDS.get(kind) if isinstance(kind, int) else None
+        if kind_name is None:
+            raise TritonModelException(
+                f"pb_utils.MetricFamily {name!r}: kind must be MetricFamily.COUNTER, GAUGE or "
+                f"HISTOGRAM, got {kind!r}"
+            )
+        self._metrics = _model_metrics()
+        self._name = name
+        self._description = description
+        self._kind = kind_name
+        # Triton refuses a name declared as another kind at once; the labels (and
+        # buckets) trioinfer declares with come with the first Metric, so the kinds of
+        # the families this load made are kept here. (Another model's family of the
+        # name is refused at the first Metric, by trioinfer: a reload may change it.)
+        shown = name.removesuffix("_total") if kind_name == "counter" else name
+        with _kinds_lock:
+            kinds = _kinds.setdefault(self._metrics._owner, {})
+            theirs = kinds.get(shown)
+            if theirs is not None and theirs != kind_name:
+                raise TritonModelException(
+                    f"pb_utils.MetricFamily {name!r} is declared already as a {theirs}, "
+                    f"not a {kind_name}: choose another name"
+                )
+            kinds[shown] = kind_name
+
+    def Metric(  # (Triton's name, capitalised)
+        self, labels: Mapping[str, str] | None = None, buckets: Sequence[float] | None = None
+    ) -> _Series:
+        """The model's series with these *labels* (a histogram's counted in *buckets*).
+
+        Raises:
+            TritonModelException: What trioinfer refuses (label names other than
+                the family's first ones, reserved or not Prometheus's; a
+                histogram without buckets, or with other buckets than its first
+                series; buckets for a counter or gauge), with why.
+        """
+        given = dict(labels or {})
+        if not all(isinstance(k, str) and isinstance(v, str) for k, v in given.items()):
+            raise TritonModelException(
+                f"pb_utils.MetricFamily {self._name!r}: labels must map str names to str "
+                f"values, got {labels!r}"
+            )
+        if self._kind != "histogram" and buckets is not None:
+            raise TritonModelException(
+                f"pb_utils.MetricFamily {self._name!r}: buckets are for a HISTOGRAM's Metric, "
+                f"this family is a {self._kind}"
+            )
+        if self._kind == "histogram" and not buckets:
+            raise TritonModelException(
+                f"pb_utils.MetricFamily {self._name!r}: a HISTOGRAM's Metric takes buckets, "
+                "at least one increasing upper bound such as [0.1, 1.0] (+Inf is always there; "
+                f"Triton allows buckets=[], trioinfer does not), got {buckets!r}"
+            )
+        names = sorted(given)  # one declaration whatever order a model gives labels in
+        metrics = self._metrics
+        try:
+            series: CounterMetric | GaugeMetric | HistogramMetric
+            if self._kind == "counter":
+                series = metrics.counter(self._name, self._description, labels=names).metric(
+                    **given
+                )
+            elif self._kind == "gauge":
+                series = metrics.gauge(self._name, self._description, labels=names).metric(**given)
+            else:
+                series = metrics.histogram(
+                    self._name, self._description, labels=names, buckets=list(buckets or ())
+                ).metric(**given)
+        except InvalidMetric as exc:
+            raise TritonModelException(
+                f"pb_utils.MetricFamily {self._name!r}: {exc} (trioinfer declares a family "
+                "with the label names and buckets of its first Metric, and every Metric of it "
+                f"has those; see {_METRICS_DOCS})"
+            ) from exc
+        return _Series(self._name, series)

@@ -116,7 +116,8 @@ class CustomMetricFamily:
 class _Owner:
     """One load of a model: the series it makes go when it ends."""
 
-    __slots__ = ("ended", "installed", "model", "replaces")
+    # (__weakref__: pb_utils.MetricFamily keeps what a load declared by its owner.)
+    __slots__ = ("__weakref__", "ended", "installed", "model", "replaces")
 
     def __init__(self, model: str, retiring: Iterable[str] = ()) -> None:
         self.model = model
