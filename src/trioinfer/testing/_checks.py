@@ -240,7 +240,10 @@ async def check_backend(
     every [`WorkerThread`][trioinfer.lowlevel.WorkerThread] the instance
     started; and that ``execute`` after ``aclose`` raises
     [`BackendError`][trioinfer.BackendError]. The sample *inputs* are checked
-    against the signature first (names, dtypes, ranks, fixed dims).
+    against the signature first (names, dtypes, ranks, fixed dims). The load
+    gets a model's task group, as in an engine
+    ([`current_model_tasks()`][trioinfer.lowlevel.current_model_tasks]),
+    whose tasks are cancelled once the instance closed.
 
     Args:
         backend: The backend under test.
