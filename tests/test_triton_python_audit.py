@@ -134,7 +134,32 @@ class TritonPythonModel:
         sender.send(flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
 """
 
-MODELS = {"flood": FLOOD, "hold": HOLD, "async_hold": ASYNC_HOLD, "async_burst": ASYNC_BURST}
+# An async def execute that tells its test which task runs it.
+ASYNC_OWNER = """\
+import numpy as np
+import trio
+import triton_python_backend_utils as pb_utils
+import triton_stream_gate as gate
+
+
+class TritonPythonModel:
+    async def execute(self, requests):
+        (request,) = requests
+        gate.task = trio.lowlevel.current_task()
+        sender = request.get_response_sender()
+        out = pb_utils.Tensor("OUT", np.array([1], np.int32))
+        sender.send(
+            pb_utils.InferenceResponse([out]), flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+        )
+"""
+
+MODELS = {
+    "flood": FLOOD,
+    "hold": HOLD,
+    "async_hold": ASYNC_HOLD,
+    "async_burst": ASYNC_BURST,
+    "async_owner": ASYNC_OWNER,
+}
 
 
 @pytest.fixture
@@ -247,6 +272,23 @@ async def test_an_async_decoupled_execute_streams_as_it_sends(repository: Path, 
                     gate.go.set()  # the second response waits for the first one read
         assert got == [[1], [2]]
         assert gate.cancelled is False
+
+
+async def test_an_async_decoupled_execute_is_a_task_under_the_engine(
+    repository: Path, gate: Any
+) -> None:
+    """A task of the model's task group, in the engine's nursery: no system task of Trio's."""
+    async with trioinfer.open_engine() as engine:
+        await load(engine, repository, "async_owner")
+        with trio.fail_after(WAIT_S):
+            async with engine.infer_stream("async_owner", one(0)) as responses:
+                assert [out["OUT"].tolist() async for out in responses] == [[1]]
+    ancestors = []
+    task: trio.lowlevel.Task | None = gate.task
+    while task is not None:
+        ancestors.append(task)
+        task = task.parent_nursery.parent_task if task.parent_nursery is not None else None
+    assert trio.lowlevel.current_task() in ancestors
 
 
 async def test_an_async_decoupled_execute_is_cancelled_when_its_caller_leaves(

@@ -40,11 +40,13 @@ import numpy as np
 
 from trioinfer import BackendError, InvalidInput, ModelConfig, ModelSignature, TrioInferError
 from trioinfer.lowlevel import (
+    ModelTasks,
     Placement,
     Request,
     Status,
     WorkerThread,
     current_engine,
+    current_model_tasks,
     current_stream_parameters,
 )
 
@@ -143,7 +145,7 @@ async def load(
     )
     try:
         if decoupled and instance._async:
-            instance._task_group = await _Tasks.open(f"trioinfer-triton-{name}-tasks")
+            instance._task_group = _Tasks(current_model_tasks())
         instance._models = Models(current_engine(), config.name)
         path = config.path
         device = str(placement.device)
@@ -363,8 +365,8 @@ class TritonInstance:
         ``execute`` runs beside the reading, so that each response reaches the
         caller as it is sent: a plain ``def execute`` on a thread the instance
         owns, one execute at a time per instance (as Triton runs it on the
-        instance's thread), an ``async def execute`` in the instance's task
-        group (`_Tasks`). The stream ends at the response sent with
+        instance's thread), an ``async def execute`` as a task of the model's
+        task group (`_Tasks`). The stream ends at the response sent with
         ``TRITONSERVER_RESPONSE_COMPLETE_FINAL``. At most `STREAM_BUFFER`
         responses wait for the reader: a sender on a thread of its own
         blocks while they do (a slow reader slows the model), and one on the
@@ -466,8 +468,8 @@ class TritonInstance:
         scope: anyio.CancelScope,
         end: Callable[[Exception], None],
     ) -> None:
-        # A task of the instance's group: cancelled when its caller leaves (scope) or
-        # the instance closes (the group).
+        # A task of the model's group (`_Tasks`): cancelled when its caller leaves
+        # (scope) or the instance closes.
         models = self._models
         token = pb_utils._async_calls.set(None if models is None else models.infer)
         try:
@@ -608,53 +610,36 @@ class _Threads:
 
 @final
 class _Tasks:
-    # The instance's own task group, for a decoupled model's async def execute: a
-    # stream's generator must not hold a task group across its yields, so each
-    # execute is a task of this group, which outlives the streams and ends at close.
-    # Its host task runs from a thread of its own (anyio.from_thread.run), outside
-    # any caller's cancel scope; close ends it and joins the thread.
-    __slots__ = ("_group", "_idle", "_running", "_stop", "_thread")
+    # A decoupled model's async def executes, each a task of the model's task group
+    # (lowlevel.current_model_tasks): a stream's generator must not hold a task group
+    # across its yields, so an execute runs beside the reading of its stream, in a
+    # group that outlives the streams. The instance's own are counted, so that its
+    # close waits for them, then cancels those left (the model's group ends later,
+    # after every instance closed; a re-created instance's must end with it).
+    __slots__ = ("_group", "_idle", "_running", "_scopes")
 
-    def __init__(self) -> None:
-        self._group: anyio.abc.TaskGroup | None = None
-        self._stop = anyio.Event()
+    def __init__(self, group: ModelTasks) -> None:
+        self._group = group
+        self._scopes: set[anyio.CancelScope] = set()
         self._running = 0
         self._idle = anyio.Event()
         self._idle.set()
-        self._thread: threading.Thread | None = None
-
-    @classmethod
-    async def open(cls, name: str) -> _Tasks:
-        tasks = cls()
-        token = anyio.lowlevel.current_token()
-        started = anyio.Event()
-
-        def host() -> None:
-            with contextlib.suppress(anyio.RunFinishedError):
-                anyio.from_thread.run(tasks._serve, started, token=token)
-
-        tasks._thread = threading.Thread(target=host, name=name, daemon=True)
-        tasks._thread.start()
-        await started.wait()
-        return tasks
-
-    async def _serve(self, started: anyio.Event) -> None:
-        async with anyio.create_task_group() as group:
-            self._group = group
-            started.set()
-            await self._stop.wait()
-            group.cancel_scope.cancel()
 
     def start_soon(self, fn: Callable[..., Awaitable[object]], *args: Any) -> None:
-        assert self._group is not None
+        scope = anyio.CancelScope()
+        self._group.start_soon(self._run, scope, fn, *args)
+        self._scopes.add(scope)
         self._running += 1
         self._idle = anyio.Event() if self._running == 1 else self._idle
-        self._group.start_soon(self._run, fn, *args)
 
-    async def _run(self, fn: Callable[..., Awaitable[object]], *args: Any) -> None:
+    async def _run(
+        self, scope: anyio.CancelScope, fn: Callable[..., Awaitable[object]], *args: Any
+    ) -> None:
         try:
-            await fn(*args)
+            with scope:
+                await fn(*args)
         finally:
+            self._scopes.discard(scope)
             self._running -= 1
             if not self._running:
                 self._idle.set()
@@ -666,6 +651,7 @@ class _Tasks:
         await self._idle.wait()
 
     async def aclose(self) -> None:
-        self._stop.set()
-        if self._thread is not None:
-            await anyio.to_thread.run_sync(self._thread.join)
+        # Those left are cancelled, and waited for (by the caller's bound: the engine's).
+        for scope in self._scopes:
+            scope.cancel()
+        await self._idle.wait()

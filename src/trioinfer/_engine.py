@@ -38,6 +38,7 @@ from ._exceptions import (
     TrioInferError,
 )
 from ._inline import restart_inline_slice, restart_slice_at_each_poll
+from ._model_tasks import loading_for, open_model_tasks
 from ._pipeline import PIPELINE, Pipeline, Resume, Step, _steps
 from ._pipeline_batched import BatchedPipeline
 from ._registry import Kind, Registry, missing_members, plugin_label
@@ -412,7 +413,15 @@ class Engine:
                 batcher,
             )
             backend, batcher = graph, graph.batcher
-        instances = await _load_instances(backend, config, sources["backends"])
+        # Opened before its instances load, which may start tasks in it; ended by the
+        # runner once they closed, or here if the load fails.
+        tasks = await open_model_tasks(name, self._task_group)
+        try:
+            with loading_for(tasks):
+                instances = await _load_instances(backend, config, sources["backends"])
+        except BaseException:
+            await tasks.aclose(CLEANUP_S)
+            raise
         try:
             runner = ModelRunner._create(
                 config,
@@ -426,6 +435,7 @@ class Engine:
                 infer_elsewhere=self._infer_elsewhere,
                 tracing=self._tracing,
                 sources=sources,
+                tasks=tasks,
             )
             if graph is None:
                 self._take_resources(runner)
@@ -446,11 +456,13 @@ class Engine:
             # instances behind.
             self._resources.detach(id(instances))
             await close_instances(name, instances)
+            await tasks.aclose(CLEANUP_S)
             raise
         if self._closing:
             # The engine began to close while we loaded: do not leave instances behind.
             self._resources.detach(id(instances))
             await close_instances(name, instances)
+            await tasks.aclose(CLEANUP_S)
             self._check_open()
         return runner
 

@@ -42,6 +42,7 @@ from ._exceptions import (
 )
 from ._inline import DEFAULT_SLICE_S, inline_slice_spent, restart_inline_slice
 from ._inline import _slice as _inline_slice
+from ._model_tasks import ModelTasks, loading_for
 from ._registry import Kind, missing_members, plugin_label
 from ._request import Outputs, Request, make_request
 from ._tensors import InputLimits, ModelSignature, OutputCheck, rows_validator
@@ -892,6 +893,8 @@ class ModelRunner(metaclass=NoPublicConstructor):
     _instances: list[BackendInstance] = attrs.field(alias="instances")
     #: The backend plugin, for re-creating an instance.
     _backend: Backend | None = attrs.field(default=None, alias="backend")
+    # The model's task group (current_model_tasks), ended once its instances closed.
+    _tasks: ModelTasks | None = attrs.field(default=None, alias="tasks")
     #: Runs a request on another model (set by the engine), for fallbacks.
     _elsewhere: Callable[[str, Request], Awaitable[Outputs]] | None = attrs.field(
         default=None, alias="infer_elsewhere"
@@ -1173,6 +1176,8 @@ class ModelRunner(metaclass=NoPublicConstructor):
             await close_instances(
                 self.config.name, [replica._backend_instance for replica in self.replicas]
             )
+            if self._tasks is not None:
+                await self._tasks.aclose(CLEANUP_S)
             self._finished.set()
 
     async def _worker(
@@ -2577,7 +2582,8 @@ class ModelRunner(metaclass=NoPublicConstructor):
             old = replica._backend_instance
             was = old.device  # asked before it closes
             try:
-                new = await self._backend.load(self.config, replica.placement)
+                with loading_for(self._tasks):
+                    new = await self._backend.load(self.config, replica.placement)
             except TrioInferError:
                 raise
             except Exception as exc:

@@ -580,6 +580,36 @@ class FallbackContext(Protocol):
         ...
 
 
+class ModelTasks(Protocol):
+    """A model's task group, as its backend sees it: tasks that live as long as the model.
+
+    What [`current_model_tasks()`][trioinfer.lowlevel.current_model_tasks]
+    returns in a backend's ``load()``; keep it to start tasks later, from the
+    instance's calls too. Everything runs on the event loop's thread. Only the
+    engine creates it.
+    """
+
+    @property
+    def model(self) -> str:
+        """The model's name."""
+        ...
+
+    def start_soon(self, fn: Callable[..., Awaitable[object]], *args: object) -> None:
+        """Run ``fn(*args)`` as a task of the model, in the engine's task group.
+
+        It runs until it returns, or until it is cancelled: after every
+        instance of the model closed at its unload (or after a failed load),
+        or when the engine closes. An exception it raises is logged with the
+        model's name and its traceback; the model and its other tasks go on.
+        A task that must end with its instance (a re-created one, say) is the
+        instance's to cancel, in its ``aclose()``.
+
+        Raises:
+            RuntimeError: The model's tasks have ended (it was unloaded).
+        """
+        ...
+
+
 # -- the contracts a plugin implements ---------------------------------------------------
 
 

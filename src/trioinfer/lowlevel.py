@@ -36,6 +36,11 @@ class OneAtATime:
   [`inline_slice_spent()`][trioinfer.lowlevel.inline_slice_spent] /
   [`restart_inline_slice()`][trioinfer.lowlevel.restart_inline_slice] for
   backends that run executions on the event loop's thread within a time budget.
+- For backends whose instances run tasks beyond one call (a decoupled
+  model's executions beside the reading of their streams):
+  [`current_model_tasks()`][trioinfer.lowlevel.current_model_tasks], the
+  model's own task group ([`ModelTasks`][trioinfer.lowlevel.ModelTasks]),
+  which the engine ends after the model's instances closed.
 - For backends whose models read request parameters (Triton's parameters
   extension): each request's ``parameters`` (an instance that takes an
   execution's requests, ``RequestsInstance``, reads them there), and
@@ -71,6 +76,7 @@ from ._engine import infer_follow_up as infer_follow_up
 from ._engine import infer_stream_follow_up as infer_stream_follow_up
 from ._inline import inline_slice_spent as inline_slice_spent
 from ._inline import restart_inline_slice as restart_inline_slice
+from ._model_tasks import current_model_tasks as current_model_tasks
 from ._remote_trace import current_trace_context as current_trace_context
 from ._remote_trace import record_span as record_span
 from ._stream import current_stream_parameters as current_stream_parameters
@@ -83,6 +89,7 @@ from ._threads import wait_on_callback as wait_on_callback
 from .abc import BatcherContext as BatcherContext
 from .abc import Execution as Execution
 from .abc import FallbackContext as FallbackContext
+from .abc import ModelTasks as ModelTasks
 from .abc import Replica as Replica
 from .abc import Request as Request
 from .abc import RequestQueue as RequestQueue

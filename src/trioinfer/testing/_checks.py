@@ -16,8 +16,10 @@ import numpy as np
 from .._config import Device, Instance, ModelConfig, Placement
 from .._exceptions import BackendError, TrioInferError
 from .._inline import restart_inline_slice
+from .._model_tasks import ModelTasks, loading_for, open_model_tasks
 from .._request import NO_PARAMETERS, checked_parameters
 from .._request import Request as _Request
+from .._runner import CLEANUP_S
 from .._sequence import SequenceFlags
 from .._tensors import ModelSignature
 from .._tensors import rows as _rows
@@ -238,7 +240,10 @@ async def check_backend(
     every [`WorkerThread`][trioinfer.lowlevel.WorkerThread] the instance
     started; and that ``execute`` after ``aclose`` raises
     [`BackendError`][trioinfer.BackendError]. The sample *inputs* are checked
-    against the signature first (names, dtypes, ranks, fixed dims).
+    against the signature first (names, dtypes, ranks, fixed dims). The load
+    gets a model's task group, as in an engine
+    ([`current_model_tasks()`][trioinfer.lowlevel.current_model_tasks]),
+    whose tasks are cancelled once the instance closed.
 
     Args:
         backend: The backend under test.
@@ -249,8 +254,30 @@ async def check_backend(
     Raises:
         AssertionError: Saying which part of the contract was broken.
     """
+    failure: Exception | None = None
+    async with anyio.create_task_group() as group:
+        # The model's task group, as the engine's load gives one (current_model_tasks).
+        tasks = await open_model_tasks(config.name, group)
+        try:
+            await _check_backend(backend, config, inputs, placement, tasks)
+        except Exception as exc:
+            failure = exc
+        finally:
+            await tasks.aclose(CLEANUP_S)
+    if failure is not None:
+        raise failure  # as the check raised it, not wrapped by the task group
+
+
+async def _check_backend(
+    backend: Backend,
+    config: ModelConfig,
+    inputs: Mapping[str, np.ndarray[Any, Any]],
+    placement: Placement | None,
+    tasks: ModelTasks,
+) -> None:
     threads_before = set(threading.enumerate())
-    instance = await backend.load(config, placement or Placement(Device("cpu"), 0))
+    with loading_for(tasks):
+        instance = await backend.load(config, placement or Placement(Device("cpu"), 0))
     checked = False
     try:
         if not isinstance(instance, BackendInstance):
