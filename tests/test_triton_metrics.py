@@ -247,20 +247,23 @@ async def test_what_trioinfer_refuses_is_a_triton_model_exception_saying_why(
     assert re.search(said, str(cause)), str(cause)
 
 
-async def test_a_family_is_declared_while_the_model_loads(tmp_path: Path) -> None:
-    # In execute trioinfer no longer knows which model is asking: made there, it fails the
-    # request with what to do instead (Metric() of a family kept from initialize works).
+async def test_a_family_made_in_execute_is_the_models(tmp_path: Path) -> None:
+    # As in Triton, a family may be made in execute too (its first Metric() declares it).
     code = COUNTED.replace(
         "            self.requests.increment(1)\n",
         "            self.requests.increment(1)\n"
-        "            pb_utils.MetricFamily(name='late', description='d', "
-        "kind=pb_utils.MetricFamily.GAUGE)\n",
+        "            pb_utils.MetricFamily(name='app_late', description='d', "
+        "kind=pb_utils.MetricFamily.GAUGE).Metric(labels={'k': 'v'}).set(3)\n",
     )
     repo = ModelRepository(write(tmp_path / "models", "late", code))
     async with trioinfer.open_engine() as engine:
         await engine.load(repo.entry("late").config(1))
-        with pytest.raises(BackendError, match=r"make it in initialize\(\), keep it on self"):
-            await engine.infer("late", rows(1))
+        await engine.infer("late", rows(1))
+        late = [f for f in engine.custom_metrics() if f.name == "app_late"]
+        assert [(s.model, s.labels, s.value) for f in late for s in f.samples] == [
+            ("late", {"k": "v"}, 3.0)
+        ], late
+    # Outside a model's load or execute there is no model to make it for.
     pb_utils = importlib.import_module("trioinfer_python.triton_python_backend_utils")
     with pytest.raises(pb_utils.TritonModelException, match="while the model loads"):
         pb_utils.MetricFamily("app_x", "d", pb_utils.MetricFamily.COUNTER)

@@ -210,7 +210,8 @@ class TritonInstance:
         self._module = module
         self._name = name
         self._decoupled = decoupled
-        self._execute = model.execute
+        # Built in the model's load: its executes may make pb_utils.MetricFamily too.
+        self._execute = pb_utils._declaring_in(model.execute)
         self._async = inspect.iscoroutinefunction(self._execute)
         self._models: Models | None = None
         self._outputs = [spec.name for spec in signature.outputs]

@@ -578,7 +578,7 @@ _kinds_lock = threading.Lock()
 
 
 def _declaring_in(hook: F) -> F:
-    """*hook* (``initialize``), made to declare `MetricFamily` for the model being loaded.
+    """*hook* (``initialize``, ``execute``), made to declare `MetricFamily` for its model.
 
     Called by the backend in the engine's load of the model, where
     `trioinfer.lowlevel.current_model_metrics` knows the model; *hook* runs
@@ -621,10 +621,11 @@ def _model_metrics() -> ModelMetrics:
         return current_model_metrics()
     except RuntimeError:
         raise TritonModelException(
-            "pb_utils.MetricFamily(...) is made while the model loads here (in initialize(), "
-            "__init__ or at the top of model.py), where trioinfer knows which model it "
-            "belongs to: make it in initialize(), keep it on self, and update its metrics "
-            f"in execute (family.Metric(...) works anywhere); see {_METRICS_DOCS}"
+            "pb_utils.MetricFamily(...) is made while the model loads or executes here "
+            "(in initialize(), __init__, at the top of model.py or in execute), where "
+            "trioinfer knows which model it belongs to, not on a thread of the model's "
+            "own: make it in initialize(), keep it on self, and update its metrics "
+            f"anywhere (family.Metric(...) works anywhere); see {_METRICS_DOCS}"
         ) from None
 
 
