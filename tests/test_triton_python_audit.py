@@ -20,6 +20,7 @@ import trio
 
 import trioinfer
 import trioinfer._runner
+from test_triton_python import REPEAT_PBTXT
 from trioinfer import BackendError
 from trioinfer.server._repository import ModelRepository
 from trioinfer_python import _triton
@@ -31,13 +32,8 @@ WAIT_S = 60.0
 #: The module a model imports to meet its test.
 GATE = "triton_stream_gate"
 
-PBTXT = """\
-backend: "python"
-max_batch_size: 0
-model_transaction_policy { decoupled: true }
-input [ { name: "IN" data_type: TYPE_INT32 dims: [ -1 ] } ]
-output [ { name: "OUT" data_type: TYPE_INT32 dims: [ 1 ] } ]
-"""
+#: A decoupled model's config: IN, a list of int32, and one OUT per response.
+PBTXT = REPEAT_PBTXT
 
 # Sends IN[0] responses from a thread of its own, as fast as it can, counting them.
 FLOOD = """\
