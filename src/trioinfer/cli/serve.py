@@ -72,6 +72,8 @@ _SERVE_KEYS: Final = frozenset(
         "metrics_interval_ms",
         "allow_cpu_metrics",
         "allow_gpu_metrics",
+        "http_header_forward_pattern",
+        "grpc_header_forward_pattern",
     }
 )
 
@@ -295,6 +297,22 @@ EXIT_MARGIN_S: Final = _exit.EXIT_MARGIN_S
     "--allow-gpu-metrics).",
 )
 @click.option(
+    "--http-header-forward-pattern",
+    default=None,
+    metavar="REGEX",
+    help="Forward the HTTP request headers whose names REGEX matches (searched, "
+    "case-insensitively; a leading (?-i) makes it case-sensitive) to the model as string "
+    "parameters, on infer, generate and generate_stream; a header wins over a body "
+    "parameter of its name (Triton's --http-header-forward-pattern). Default: none.",
+)
+@click.option(
+    "--grpc-header-forward-pattern",
+    default=None,
+    metavar="REGEX",
+    help="The same for gRPC metadata (ModelInfer, ModelStreamInfer); binary (-bin) "
+    "metadata is never forwarded (Triton's --grpc-header-forward-pattern).",
+)
+@click.option(
     "--admin-token",
     envvar="TRIOINFER_ADMIN_TOKEN",
     default=None,
@@ -469,6 +487,8 @@ def serve(ctx: click.Context, /, **options: Any) -> None:
             allow_gpu_metrics=settings["allow_gpu_metrics"],
             grpc_tls=_grpc_tls(settings),
             http_tls=_http_tls(settings),
+            http_header_forward_pattern=settings["http_header_forward_pattern"],
+            grpc_header_forward_pattern=settings["grpc_header_forward_pattern"],
         )
     except (TypeError, TrioInferError) as exc:
         raise click.UsageError(f"invalid server settings: {exc}") from exc

@@ -18,7 +18,7 @@ import logging
 import math
 import re
 import time
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final, final
 
@@ -71,6 +71,7 @@ from ._codec import (
     v2_datatype,
 )
 from ._errors import ClientLeft, NotReady, Unauthorized, without_host_paths
+from ._forward import forward_regex, forwarded_headers
 from ._logging import REQUESTS, check_log_settings, log_request, log_settings, update_log_settings
 from ._metrics import InFlight, Metrics, triton_entry
 from ._models import ServedModels, ServedVersion
@@ -224,6 +225,12 @@ class ServerConfig:
         http_tls: Serve HTTPS with these files (``--http-ssl-cert`` and
             ``--http-ssl-key``; Triton has no HTTPS of its own); *mutual* is not
             supported there. None: plain HTTP.
+        http_header_forward_pattern: A regular expression: the HTTP request
+            headers whose names it matches reach the model as string parameters
+            (Triton's ``--http-header-forward-pattern``; see
+            ``trioinfer.server._forward``). None or empty: none are.
+        grpc_header_forward_pattern: The same for gRPC metadata keys (Triton's
+            ``--grpc-header-forward-pattern``).
     """
 
     limits: Limits = attrs.field(factory=Limits)
@@ -261,6 +268,16 @@ class ServerConfig:
 
     grpc_tls: TlsFiles | None = None
     http_tls: TlsFiles | None = attrs.field(default=None)
+
+    http_header_forward_pattern: str | None = attrs.field(default=None)
+    grpc_header_forward_pattern: str | None = attrs.field(default=None)
+
+    @http_header_forward_pattern.validator
+    @grpc_header_forward_pattern.validator
+    def _check_forward_pattern(self, attribute: attrs.Attribute[Any], value: object) -> None:
+        # A bad pattern fails the start (serve: exit 2), not each request.
+        name = attribute.name
+        forward_regex(value, option=f"--{name.replace('_', '-')} ({name} in a --config file)")
 
     @http_tls.validator
     def _check_http_tls(self, _attribute: attrs.Attribute[Any], value: TlsFiles | None) -> None:
@@ -1734,6 +1751,27 @@ def model_parameters(parameters: Mapping[str, Any]) -> Mapping[str, Parameter] |
     return checked_parameters(own) or None
 
 
+def with_headers(
+    parameters: Mapping[str, Any], headers: Mapping[str, str] | None
+) -> Mapping[str, Parameter] | None:
+    """`model_parameters` of a request, with its forwarded *headers* among them.
+
+    *headers* (see ``trioinfer.server._forward``) win over the request's
+    parameters of their names, as in Triton, which sets them after the body's.
+    """
+    return model_parameters(parameters if headers is None else {**parameters, **headers})
+
+
+def http_forwarded(
+    regex: re.Pattern[str] | None, raw: Iterable[tuple[bytes, bytes]]
+) -> dict[str, str] | None:
+    """The headers of an HTTP request that *regex* forwards to the model (None: none)."""
+    if regex is None:
+        return None
+    pairs = ((name.decode("latin-1"), value.decode("latin-1")) for name, value in raw)
+    return forwarded_headers(regex, pairs, RESERVED_PARAMETERS)
+
+
 def stream_sequence(served: ServedVersion, parameters: Mapping[str, Any]) -> SequenceFlags | None:
     """A request's sequence flags (HTTP generate, gRPC streams), refused for a decoupled model.
 
@@ -1759,16 +1797,18 @@ async def infer_in_time(
     request: InferRequest,
     priority: int,
     timeout_s: float | None,
+    headers: Mapping[str, str] | None = None,
 ) -> InferenceResult:
     """The engine call, under the request's own ``timeout`` parameter if it has one.
 
     HTTP and gRPC both run a decoded request through here; the caller's
     cancel scope (a client's deadline, its disconnecting) bounds it too.
+    *headers* are the request's forwarded headers (`with_headers`).
     """
     engine = state.models.engine
     # Triton's sequence_id / sequence_start / sequence_end, for stateful models.
     sequence = SequenceFlags.from_parameters(request.parameters) if request.parameters else None
-    parameters = model_parameters(request.parameters)
+    parameters = with_headers(request.parameters, headers)
     if timeout_s is None:
         return await engine.infer_detailed(
             served.engine_name,
@@ -1800,6 +1840,9 @@ class _InferEndpoint:
         self._state = state
         self._trio: bool | None = None
         self._tracing = state.models.engine._tracing
+        self._forward = forward_regex(
+            state.config.http_header_forward_pattern, option="http_header_forward_pattern"
+        )
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if self._tracing is None:
@@ -1895,6 +1938,7 @@ class _InferEndpoint:
                 scope[_SERVED] = (str(served.version), request.id)
             _check_outputs(request, served)
             priority, timeout = _schedule_parameters(request, served)
+            forwarded = http_forwarded(self._forward, scope["headers"]) if self._forward else None
             # The lean HTTP layer watches for a disconnect itself, with one task per
             # connection, and cancels this task if the client goes (the connection
             # then closes: nobody is left on it); other layers need a task of ours
@@ -1902,7 +1946,7 @@ class _InferEndpoint:
             watch = scope.get("extensions", {}).get("trioinfer.cancel_on_disconnect")
             if watch is not None and watch():
                 try:
-                    if timeout is None and not request.parameters:
+                    if timeout is None and not request.parameters and forwarded is None:
                         result: InferenceResult | None = await state.models.engine.infer_detailed(
                             served.engine_name,
                             request.inputs,
@@ -1910,13 +1954,15 @@ class _InferEndpoint:
                             request_id=request.id,
                         )
                     else:
-                        result = await infer_in_time(state, served, request, priority, timeout)
+                        result = await infer_in_time(
+                            state, served, request, priority, timeout, forwarded
+                        )
                 except anyio.get_cancelled_exc_class():
                     # The client left, or the server stops without waiting: nobody gets this answer.
                     state.metrics.cancelled(served)
                     raise
             else:
-                result = await self._run(served, request, priority, timeout, receive)
+                result = await self._run(served, request, priority, timeout, forwarded, receive)
             if result is None:
                 state.metrics.cancelled(served)
                 return None, b"", ()
@@ -1950,6 +1996,7 @@ class _InferEndpoint:
         request: InferRequest,
         priority: int,
         timeout_s: float | None,
+        forwarded: Mapping[str, str] | None,
         receive: Receive,
     ) -> InferenceResult | None:
         """Run the request; None if the client disconnected first (its request is withdrawn)."""
@@ -1969,7 +2016,9 @@ class _InferEndpoint:
         async with self._open_group() as group:
             group.start_soon(watch, group.cancel_scope)
             try:
-                outputs = await infer_in_time(self._state, served, request, priority, timeout_s)
+                outputs = await infer_in_time(
+                    self._state, served, request, priority, timeout_s, forwarded
+                )
             except TrioInferError as exc:
                 # Raised out of the task group it would arrive wrapped in an ExceptionGroup.
                 error = exc

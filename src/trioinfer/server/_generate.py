@@ -57,13 +57,15 @@ from ._app import (
     _must_close,
     _read_body,
     _rerouted,
-    model_parameters,
+    http_forwarded,
     schedule_parameters,
     status_for,
     stream_sequence,
+    with_headers,
 )
 from ._codec import RequestError, _json_text, dumps, loads_json
 from ._errors import ClientLeft, NotReady
+from ._forward import forward_regex
 from ._models import ServedVersion
 
 __all__ = ["GenerateEndpoint", "decode_generate_request", "encode_generate_response"]
@@ -240,6 +242,9 @@ class GenerateEndpoint:
         self._state = state
         self._stream = stream
         self._tracing = state.models.engine._tracing
+        self._forward = forward_regex(
+            state.config.http_header_forward_pattern, option="http_header_forward_pattern"
+        )
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if self._tracing is None:
@@ -338,7 +343,7 @@ class GenerateEndpoint:
                     priority,
                     timeout,
                     sequence,
-                    model_parameters(parameters),
+                    with_headers(parameters, http_forwarded(self._forward, scope["headers"])),
                     send,
                     start,
                 )

@@ -52,6 +52,7 @@ from .._exceptions import (
 from . import _grpc_h2 as status
 from . import _grpc_proto as pb
 from ._app import (
+    RESERVED_PARAMETERS,
     ROUTING_KEY_HEADER,
     ServerState,
     _check_outputs,
@@ -66,13 +67,13 @@ from ._app import (
     load_override,
     model_config_document,
     model_metadata_document,
-    model_parameters,
     not_ready,
     repository_index_document,
     statistics_document,
     stream_sequence,
     trace_setting_document,
     unload_model,
+    with_headers,
 )
 from ._codec import (
     InferRequest,
@@ -86,6 +87,7 @@ from ._codec import (
     encode_raw_outputs,
 )
 from ._errors import NotReady, Unauthorized
+from ._forward import forward_regex, forwarded_headers
 from ._grpc_h2 import GrpcCall, GrpcError, GrpcServer, Method
 from ._http2 import ProtocolError
 from ._models import ServedVersion
@@ -153,6 +155,9 @@ class _Service:
 
     def __init__(self, state: ServerState) -> None:
         self._state = state
+        self._forward = forward_regex(
+            state.config.grpc_header_forward_pattern, option="grpc_header_forward_pattern"
+        )
 
     # -- plumbing --
 
@@ -543,12 +548,21 @@ class _Service:
                 priority, timeout = _schedule_parameters(request, served)
                 order = [spec.name for spec in served.info.signature.outputs]
                 try:
+                    forwarded = (
+                        forwarded_headers(self._forward, metadata.items(), RESERVED_PARAMETERS)
+                        if self._forward is not None
+                        else None
+                    )
                     if emit is not None and served.info.decoupled:
                         stream_sequence(served, request.parameters)  # refused there
-                        await _stream(state, served, request, priority, timeout, order, emit, lease)
+                        await _stream(
+                            state, served, request, priority, timeout, order, emit, lease, forwarded
+                        )
                         result = None
                     else:
-                        result = await infer_in_time(state, served, request, priority, timeout)
+                        result = await infer_in_time(
+                            state, served, request, priority, timeout, forwarded
+                        )
                 except anyio.get_cancelled_exc_class():
                     if _deadline_passed(expires):
                         state.metrics.expired(served)
@@ -755,6 +769,7 @@ async def _stream(
     order: list[str],
     emit: Callable[[Any], Awaitable[None]],
     lease: Any,
+    forwarded: Mapping[str, str] | None,
 ) -> None:
     """Emit a decoupled model's responses, as Triton's gRPC stream sends them.
 
@@ -772,7 +787,7 @@ async def _stream(
             request.inputs,
             priority=priority,
             request_id=request.id,
-            parameters=model_parameters(request.parameters),
+            parameters=with_headers(request.parameters, forwarded),
         ) as responses:
             async for outputs in responses:
                 encoded = encode_raw_outputs(request, outputs, order, shm=lease)

@@ -1879,6 +1879,8 @@ async def serve_workers(
             # The files' paths: each worker reads them and serves TLS as serve_http does.
             "grpc_tls": None if config.grpc_tls is None else attrs.asdict(config.grpc_tls),
             "http_tls": None if config.http_tls is None else attrs.asdict(config.http_tls),
+            "http_header_forward_pattern": config.http_header_forward_pattern,
+            "grpc_header_forward_pattern": config.grpc_header_forward_pattern,
         },
     }
     repo = ModelRepository(root)
@@ -1995,6 +1997,8 @@ def _worker_main(argv: list[str]) -> int:
         rate_limit_resources=settings["rate_limit_resources"],
         grpc_tls=None if settings.get("grpc_tls") is None else TlsFiles(**settings["grpc_tls"]),
         http_tls=None if settings.get("http_tls") is None else TlsFiles(**settings["http_tls"]),
+        http_header_forward_pattern=settings.get("http_header_forward_pattern"),
+        grpc_header_forward_pattern=settings.get("grpc_header_forward_pattern"),
     )
     directory = Path(spec["directory"])
     link = WorkerLink(
