@@ -12,7 +12,7 @@ import pytest
 import trio
 import trio.testing
 
-from trioinfer import InvalidInput, ModelConfig, open_engine
+from trioinfer import ConfigError, InvalidInput, ModelConfig, open_engine
 from trioinfer.testing import make_request
 from trioinfer.testing.models import write_add
 
@@ -625,3 +625,35 @@ async def test_a_triton_python_model_reads_request_parameters(tmp_path: Path) ->
             assert [got(outputs) async for outputs in responses] == [{"t": 1}]
         answer = await engine.infer("triton_caller", X, parameters={"t": 2})
         assert got(answer) == {"t": 2, "via": "bls"}
+
+
+# -- batchers that lay out the batch themselves -------------------------------------------
+
+
+class Stateful:
+    def infer(self, inputs: Arrays, parameters: list[dict[str, Any]]) -> Arrays:
+        total = inputs["STATE_IN"] * (1 - inputs["START"]) + inputs["INPUT"]
+        return {"OUTPUT": total, "STATE_OUT": total}
+
+
+@pytest.mark.sequence
+async def test_a_stateful_model_whose_infer_takes_parameters_is_refused_saying_why() -> None:
+    # The sequence batcher lays out each batch (rows by slot, control and state tensors):
+    # no row can be told whose, so the load says so, rather than the engine's
+    # "its 'python' instances take each request's own inputs".
+    from test_sequence import state_config
+
+    async with open_engine() as engine:
+        with pytest.raises(ConfigError, match="model 'acc': its infer takes parameters") as info:
+            await engine.load(state_config(Stateful))
+        assert "the sequence batcher of a stateful model" in str(info.value)
+        assert "drop the parameters keyword" in str(info.value)
+        padded = python(
+            "padded",
+            Rows,
+            ROWS_SIGNATURE,
+            batcher="dynamic",
+            batcher_options={"pad_axis": 1, "pad_buckets": [1]},
+        )
+        with pytest.raises(ConfigError, match="the dynamic batcher with pad_axis"):
+            await engine.load(padded)

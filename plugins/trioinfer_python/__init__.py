@@ -376,6 +376,13 @@ class PythonBackend:
         # would stall every other model's requests (and health checks) on the loop. A
         # load cancelled meanwhile waits for it to return: a thread cannot be stopped.
         model = await anyio.to_thread.run_sync(_construct, cls, kwargs, label, decoupled)
+        takes_parameters = _takes(model.infer, "parameters")
+        if takes_parameters and (layout := _laid_out_by(config)) is not None:
+            raise ConfigError(
+                f"model {config.name!r}: its infer takes parameters, one per request, but "
+                f"{layout} lays out each batch itself, so the engine cannot tell which row "
+                "is whose: drop the parameters keyword (or that batcher)"
+            )
         # The object's hooks, not the class's: a constructor may set infer itself.
         needs_thread = dispatch == "thread" and any(
             callable(getattr(model, hook, None))
@@ -393,7 +400,7 @@ class PythonBackend:
         try:
             # One whose infer takes parameters gets each execution's requests (to
             # read theirs); any other, their inputs, joined by the engine.
-            kind = _ParameterisedInstance if _takes(model.infer, "parameters") else PythonInstance
+            kind = _ParameterisedInstance if takes_parameters else PythonInstance
             instance = kind(model, signature, device, label, worker, module, models)
             await instance._call_hook("load")
         except BaseException:
@@ -456,6 +463,16 @@ def _takes(cls: Any, name: str) -> bool:
     except (TypeError, ValueError):
         return False
     return name in parameters
+
+
+def _laid_out_by(config: ModelConfig) -> str | None:
+    # The batcher that would lay out the model's batches itself (an AssemblingBatcher,
+    # which the engine refuses for instances that take each request's own inputs).
+    if config.sequence is not None or config.batcher == "sequence":
+        return "the sequence batcher of a stateful model"
+    if config.batcher == "dynamic" and config.batcher_options.get("pad_axis") is not None:
+        return "the dynamic batcher with pad_axis"
+    return None
 
 
 def _model_class(config: ModelConfig) -> tuple[type, str | None]:
