@@ -657,3 +657,74 @@ async def test_a_stateful_model_whose_infer_takes_parameters_is_refused_saying_w
         )
         with pytest.raises(ConfigError, match="the dynamic batcher with pad_axis"):
             await engine.load(padded)
+
+
+class SlowRows:
+    """A batched step that takes a second per execution; records each batch's parameters."""
+
+    batches: ClassVar[list[list[dict[str, Any]]]] = []
+
+    async def infer(self, inputs: Arrays, parameters: list[dict[str, Any]]) -> Arrays:
+        type(self).batches.append(parameters)
+        await trio.sleep(1)
+        text = [json.dumps(p, sort_keys=True) for p in parameters]
+        return {"p": np.array(text, dtype=object).reshape(-1, 1)}
+
+
+@pytest.mark.pipeline
+async def test_a_batched_pipelines_members_with_different_parameters_run_side_by_side(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    # Members whose parameters differ each take the steps with their own, side by side
+    # (the step model's batcher joins them again): not one after the other, each
+    # waiting for the others' whole way through the pipeline.
+    pipeline = ModelConfig(
+        name="p",
+        path="-",
+        backend="pipeline",
+        backend_options={
+            **ROWS_SIGNATURE,
+            "steps": [{"model": "slow", "input_map": {"x": "x"}, "output_map": {"p": "p"}}],
+        },
+        batcher="dynamic",
+        batcher_options={"max_batch_size": 8, "max_queue_delay": 0.01},
+    )
+    batching = {"max_batch_size": 8, "max_queue_delay": 0.01}
+    answered: dict[int, tuple[float, list[Any]]] = {}
+    async with open_engine() as engine:
+        await engine.load(
+            python("slow", SlowRows, ROWS_SIGNATURE, batcher="dynamic", batcher_options=batching)
+        )
+        await engine.load(pipeline)
+        start = trio.current_time()
+
+        async def call(i: int) -> None:
+            x = {"x": np.full((1, 1), i, np.int32)}
+            outputs = await engine.infer("p", x, parameters={"k": i})
+            text = [json.loads(t) for t in outputs["p"].reshape(-1)]
+            answered[i] = (trio.current_time() - start, text)
+
+        SlowRows.batches = []
+        async with trio.open_nursery() as nursery:
+            for i in range(3):
+                nursery.start_soon(call, i)
+        assert {i: text for i, (_, text) in answered.items()} == {i: [{"k": i}] for i in range(3)}
+        assert max(took for took, _ in answered.values()) < 2  # one step execution, not three
+        assert sorted(map(len, SlowRows.batches)) == [3]
+        # A caller that leaves ends its own run; the others are answered, each once.
+        answered.clear()
+        start = trio.current_time()
+        async with trio.open_nursery() as nursery:
+            leaving = trio.CancelScope()
+
+            async def leaves() -> None:
+                with leaving:
+                    await call(1)
+
+            nursery.start_soon(call, 0)
+            nursery.start_soon(leaves)
+            nursery.start_soon(call, 2)
+            await trio.sleep(0.5)
+            leaving.cancel()
+        assert {i: text for i, (_, text) in answered.items()} == {0: [{"k": 0}], 2: [{"k": 2}]}
+        assert max(took for took, _ in answered.values()) < 2
