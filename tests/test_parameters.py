@@ -510,6 +510,11 @@ async def test_http_infer_and_generate_pass_parameters_and_keep_the_reserved_one
             answer = await client.post("/v2/models/echo/generate", json={"x": 1, "t": [1]})
             assert answer.status_code == 400
             assert "parameter 't' must be a string, number or boolean, got a list" in answer.text
+            # A misspelt input is a parameter too: the 400 for the input it lacks says so.
+            answer = await client.post("/v2/models/echo/generate", json={"X": 1, "t": 2})
+            assert answer.status_code == 400
+            assert "model 'echo' needs input 'x'" in answer.text
+            assert "'X' and 't' name no input: they were taken as parameters" in answer.text
         nursery.cancel_scope.cancel()
 
 
