@@ -186,6 +186,26 @@ async def test_the_models_dict_is_its_own_and_the_requests_mapping_read_only() -
         make_request(parameters={"k": [1]})  # type: ignore[dict-item]
 
 
+class ChangesRows:
+    """A batched model that marks each row's dict with its row."""
+
+    def infer(self, inputs: Arrays, parameters: list[dict[str, Any]]) -> Arrays:
+        for row, given in enumerate(parameters):
+            given.setdefault("row", row)
+        text = [json.dumps(p, sort_keys=True) for p in parameters]
+        return {"p": np.array(text, dtype=object).reshape(-1, 1)}
+
+
+async def test_each_row_of_a_batched_model_has_its_own_dict() -> None:
+    # A request of 3 rows contributes 3 dicts: a change to one is not the others'.
+    async with open_engine() as engine:
+        await engine.load(python("rows", ChangesRows, ROWS_SIGNATURE))
+        x = {"x": np.zeros((3, 1), np.int32)}
+        outputs = await engine.infer("rows", x, parameters={"k": 1})
+    rows = [json.loads(text) for text in outputs["p"].reshape(-1)]
+    assert rows == [{"k": 1, "row": 0}, {"k": 1, "row": 1}, {"k": 1, "row": 2}]
+
+
 def test_a_requests_parameters_survive_a_copy() -> None:
     # A request sent to another process (the ray backend) keeps them.
     from trioinfer._request import checked_parameters

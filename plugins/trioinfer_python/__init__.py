@@ -65,7 +65,7 @@ In code, ``backend_options={"class": Model, ...}`` names the class itself, and
   over HTTP the infer body's ``"parameters"``, over gRPC the request's
   ``parameters`` map, the generate extension's extra JSON keys): an
   unbatched model (no batch axis) one dict, a batched model one dict per row
-  of its batch (a request of 3 rows contributes its dict 3 times), so that
+  of its batch (a request of 3 rows contributes 3 copies of its own), so that
   requests with different parameters still share a batch; a decoupled
   model's generator one dict. A request that sent none gives ``{}``.
 - optional ``load(self)`` and ``close(self)``, sync (on the worker thread) or
@@ -842,7 +842,7 @@ class _ParameterisedInstance(PythonInstance):
         if len(requests) == 1 or not self._signature.batched:
             # (An unbatched model's execution holds one request.)
             return [
-                await self._execute(self._given([(dict(r.parameters), r.rows)]), r.inputs)
+                await self._execute(self._given([(r.parameters, r.rows)]), r.inputs)
                 for r in requests
             ]
         names = requests[0].inputs.keys()
@@ -853,7 +853,7 @@ class _ParameterisedInstance(PythonInstance):
             )
         inputs = {name: np.concatenate([r.inputs[name] for r in requests]) for name in names}
         outputs = await self._execute(
-            self._given([(dict(r.parameters), r.rows) for r in requests]), inputs
+            self._given([(r.parameters, r.rows) for r in requests]), inputs
         )
         answers: list[dict[str, np.ndarray[Any, Any]] | Exception] = []
         start = 0
@@ -863,11 +863,12 @@ class _ParameterisedInstance(PythonInstance):
             start = end
         return answers
 
-    def _given(self, parameters: list[tuple[dict[str, Any], int]]) -> Any:
-        # infer with its parameters: one dict (unbatched), or one per row (batched).
+    def _given(self, parameters: list[tuple[Mapping[str, Any], int]]) -> Any:
+        # infer with its parameters: one dict (unbatched), or one per row (batched), each
+        # the model's own to change (shallow copies: a long string is not copied).
         if not self._signature.batched:
-            return functools.partial(self._infer, parameters=parameters[0][0])
-        per_row = [given for given, rows in parameters for _ in range(rows)]
+            return functools.partial(self._infer, parameters=dict(parameters[0][0]))
+        per_row = [dict(given) for given, rows in parameters for _ in range(rows)]
         return functools.partial(self._infer, parameters=per_row)
 
 
