@@ -753,3 +753,43 @@ async def test_a_batched_pipelines_members_with_different_parameters_run_side_by
             leaving.cancel()
         assert {i: text for i, (_, text) in answered.items()} == {0: [{"k": 0}], 2: [{"k": 2}]}
         assert max(took for took, _ in answered.values()) < 2
+
+
+TRITON_BAD_CALLER = """
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        answers = []
+        for request in requests:
+            x = pb_utils.get_input_tensor_by_name(request, "x")
+            call = pb_utils.InferenceRequest(
+                model_name="triton", requested_output_names=["p"], inputs=[x], parameters="t=1"
+            )
+            response = call.exec()
+            assert response.has_error()
+            answers.append(pb_utils.InferenceResponse(error=response.error()))
+        return answers
+"""
+
+
+@pytest.mark.triton_config
+async def test_a_triton_bls_request_whose_parameters_text_is_not_json_gets_an_error_response(
+    tmp_path: Path,
+) -> None:
+    # As one whose parameters the engine refuses: the model reads the error, not a
+    # JSONDecodeError out of exec() that fails its whole execute.
+    from trioinfer.server._repository import ModelRepository
+
+    root = tmp_path / "models"
+    for name, code in [("triton", TRITON_MODEL), ("caller", TRITON_BAD_CALLER)]:
+        (root / name / "1").mkdir(parents=True)
+        (root / name / "1" / "model.py").write_text(code)
+        (root / name / "config.pbtxt").write_text(TRITON_PBTXT)
+    repository = ModelRepository(root)
+    async with open_engine() as engine:
+        for name in ("triton", "caller"):
+            await engine.load(repository.entry(name).config(1))
+        with pytest.raises(InvalidInput, match=r"parameters='t=1'\): the parameters text is not"):
+            await engine.infer("caller", X)
