@@ -12,7 +12,7 @@ import pytest
 import trio
 import trio.testing
 
-from trioinfer import InvalidInput, ModelConfig, open_engine
+from trioinfer import ConfigError, InvalidInput, ModelConfig, open_engine
 from trioinfer.testing import make_request
 from trioinfer.testing.models import write_add
 
@@ -184,6 +184,26 @@ async def test_the_models_dict_is_its_own_and_the_requests_mapping_read_only() -
         request.parameters["k"] = 2  # type: ignore[index]
     with pytest.raises(InvalidInput, match="parameter 'k'"):
         make_request(parameters={"k": [1]})  # type: ignore[dict-item]
+
+
+class ChangesRows:
+    """A batched model that marks each row's dict with its row."""
+
+    def infer(self, inputs: Arrays, parameters: list[dict[str, Any]]) -> Arrays:
+        for row, given in enumerate(parameters):
+            given.setdefault("row", row)
+        text = [json.dumps(p, sort_keys=True) for p in parameters]
+        return {"p": np.array(text, dtype=object).reshape(-1, 1)}
+
+
+async def test_each_row_of_a_batched_model_has_its_own_dict() -> None:
+    # A request of 3 rows contributes 3 dicts: a change to one is not the others'.
+    async with open_engine() as engine:
+        await engine.load(python("rows", ChangesRows, ROWS_SIGNATURE))
+        x = {"x": np.zeros((3, 1), np.int32)}
+        outputs = await engine.infer("rows", x, parameters={"k": 1})
+    rows = [json.loads(text) for text in outputs["p"].reshape(-1)]
+    assert rows == [{"k": 1, "row": 0}, {"k": 1, "row": 1}, {"k": 1, "row": 2}]
 
 
 def test_a_requests_parameters_survive_a_copy() -> None:
@@ -510,6 +530,11 @@ async def test_http_infer_and_generate_pass_parameters_and_keep_the_reserved_one
             answer = await client.post("/v2/models/echo/generate", json={"x": 1, "t": [1]})
             assert answer.status_code == 400
             assert "parameter 't' must be a string, number or boolean, got a list" in answer.text
+            # A misspelt input is a parameter too: the 400 for the input it lacks says so.
+            answer = await client.post("/v2/models/echo/generate", json={"X": 1, "t": 2})
+            assert answer.status_code == 400
+            assert "model 'echo' needs input 'x'" in answer.text
+            assert "'X' and 't' name no input: they were taken as parameters" in answer.text
         nursery.cancel_scope.cancel()
 
 
@@ -625,3 +650,146 @@ async def test_a_triton_python_model_reads_request_parameters(tmp_path: Path) ->
             assert [got(outputs) async for outputs in responses] == [{"t": 1}]
         answer = await engine.infer("triton_caller", X, parameters={"t": 2})
         assert got(answer) == {"t": 2, "via": "bls"}
+
+
+# -- batchers that lay out the batch themselves -------------------------------------------
+
+
+class Stateful:
+    def infer(self, inputs: Arrays, parameters: list[dict[str, Any]]) -> Arrays:
+        total = inputs["STATE_IN"] * (1 - inputs["START"]) + inputs["INPUT"]
+        return {"OUTPUT": total, "STATE_OUT": total}
+
+
+@pytest.mark.sequence
+async def test_a_stateful_model_whose_infer_takes_parameters_is_refused_saying_why() -> None:
+    # The sequence batcher lays out each batch (rows by slot, control and state tensors):
+    # no row can be told whose, so the load says so, rather than the engine's
+    # "its 'python' instances take each request's own inputs".
+    from test_sequence import state_config
+
+    async with open_engine() as engine:
+        with pytest.raises(ConfigError, match="model 'acc': its infer takes parameters") as info:
+            await engine.load(state_config(Stateful))
+        assert "the sequence batcher of a stateful model" in str(info.value)
+        assert "drop the parameters keyword" in str(info.value)
+        padded = python(
+            "padded",
+            Rows,
+            ROWS_SIGNATURE,
+            batcher="dynamic",
+            batcher_options={"pad_axis": 1, "pad_buckets": [1]},
+        )
+        with pytest.raises(ConfigError, match="the dynamic batcher with pad_axis"):
+            await engine.load(padded)
+
+
+class SlowRows:
+    """A batched step that takes a second per execution; records each batch's parameters."""
+
+    batches: ClassVar[list[list[dict[str, Any]]]] = []
+
+    async def infer(self, inputs: Arrays, parameters: list[dict[str, Any]]) -> Arrays:
+        type(self).batches.append(parameters)
+        await trio.sleep(1)
+        text = [json.dumps(p, sort_keys=True) for p in parameters]
+        return {"p": np.array(text, dtype=object).reshape(-1, 1)}
+
+
+@pytest.mark.pipeline
+async def test_a_batched_pipelines_members_with_different_parameters_run_side_by_side(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    # Members whose parameters differ each take the steps with their own, side by side
+    # (the step model's batcher joins them again): not one after the other, each
+    # waiting for the others' whole way through the pipeline.
+    pipeline = ModelConfig(
+        name="p",
+        path="-",
+        backend="pipeline",
+        backend_options={
+            **ROWS_SIGNATURE,
+            "steps": [{"model": "slow", "input_map": {"x": "x"}, "output_map": {"p": "p"}}],
+        },
+        batcher="dynamic",
+        batcher_options={"max_batch_size": 8, "max_queue_delay": 0.01},
+    )
+    batching = {"max_batch_size": 8, "max_queue_delay": 0.01}
+    answered: dict[int, tuple[float, list[Any]]] = {}
+    async with open_engine() as engine:
+        await engine.load(
+            python("slow", SlowRows, ROWS_SIGNATURE, batcher="dynamic", batcher_options=batching)
+        )
+        await engine.load(pipeline)
+        start = trio.current_time()
+
+        async def call(i: int) -> None:
+            x = {"x": np.full((1, 1), i, np.int32)}
+            outputs = await engine.infer("p", x, parameters={"k": i})
+            text = [json.loads(t) for t in outputs["p"].reshape(-1)]
+            answered[i] = (trio.current_time() - start, text)
+
+        SlowRows.batches = []
+        async with trio.open_nursery() as nursery:
+            for i in range(3):
+                nursery.start_soon(call, i)
+        assert {i: text for i, (_, text) in answered.items()} == {i: [{"k": i}] for i in range(3)}
+        assert max(took for took, _ in answered.values()) < 2  # one step execution, not three
+        assert sorted(map(len, SlowRows.batches)) == [3]
+        # A caller that leaves ends its own run; the others are answered, each once.
+        answered.clear()
+        start = trio.current_time()
+        async with trio.open_nursery() as nursery:
+            leaving = trio.CancelScope()
+
+            async def leaves() -> None:
+                with leaving:
+                    await call(1)
+
+            nursery.start_soon(call, 0)
+            nursery.start_soon(leaves)
+            nursery.start_soon(call, 2)
+            await trio.sleep(0.5)
+            leaving.cancel()
+        assert {i: text for i, (_, text) in answered.items()} == {0: [{"k": 0}], 2: [{"k": 2}]}
+        assert max(took for took, _ in answered.values()) < 2
+
+
+TRITON_BAD_CALLER = """
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        answers = []
+        for request in requests:
+            x = pb_utils.get_input_tensor_by_name(request, "x")
+            call = pb_utils.InferenceRequest(
+                model_name="triton", requested_output_names=["p"], inputs=[x], parameters="t=1"
+            )
+            response = call.exec()
+            assert response.has_error()
+            answers.append(pb_utils.InferenceResponse(error=response.error()))
+        return answers
+"""
+
+
+@pytest.mark.triton_config
+async def test_a_triton_bls_request_whose_parameters_text_is_not_json_gets_an_error_response(
+    tmp_path: Path,
+) -> None:
+    # As one whose parameters the engine refuses: the model reads the error, not a
+    # JSONDecodeError out of exec() that fails its whole execute.
+    from trioinfer.server._repository import ModelRepository
+
+    root = tmp_path / "models"
+    for name, code in [("triton", TRITON_MODEL), ("caller", TRITON_BAD_CALLER)]:
+        (root / name / "1").mkdir(parents=True)
+        (root / name / "1" / "model.py").write_text(code)
+        (root / name / "config.pbtxt").write_text(TRITON_PBTXT)
+    repository = ModelRepository(root)
+    async with open_engine() as engine:
+        for name in ("triton", "caller"):
+            await engine.load(repository.entry(name).config(1))
+        with pytest.raises(InvalidInput, match=r"parameters='t=1'\): the parameters text is not"):
+            await engine.infer("caller", X)

@@ -65,7 +65,7 @@ In code, ``backend_options={"class": Model, ...}`` names the class itself, and
   over HTTP the infer body's ``"parameters"``, over gRPC the request's
   ``parameters`` map, the generate extension's extra JSON keys): an
   unbatched model (no batch axis) one dict, a batched model one dict per row
-  of its batch (a request of 3 rows contributes its dict 3 times), so that
+  of its batch (a request of 3 rows contributes 3 copies of its own), so that
   requests with different parameters still share a batch; a decoupled
   model's generator one dict. A request that sent none gives ``{}``.
 - optional ``load(self)`` and ``close(self)``, sync (on the worker thread) or
@@ -376,6 +376,13 @@ class PythonBackend:
         # would stall every other model's requests (and health checks) on the loop. A
         # load cancelled meanwhile waits for it to return: a thread cannot be stopped.
         model = await anyio.to_thread.run_sync(_construct, cls, kwargs, label, decoupled)
+        takes_parameters = _takes(model.infer, "parameters")
+        if takes_parameters and (layout := _laid_out_by(config)) is not None:
+            raise ConfigError(
+                f"model {config.name!r}: its infer takes parameters, one per request, but "
+                f"{layout} lays out each batch itself, so the engine cannot tell which row "
+                "is whose: drop the parameters keyword (or that batcher)"
+            )
         # The object's hooks, not the class's: a constructor may set infer itself.
         needs_thread = dispatch == "thread" and any(
             callable(getattr(model, hook, None))
@@ -393,7 +400,7 @@ class PythonBackend:
         try:
             # One whose infer takes parameters gets each execution's requests (to
             # read theirs); any other, their inputs, joined by the engine.
-            kind = _ParameterisedInstance if _takes(model.infer, "parameters") else PythonInstance
+            kind = _ParameterisedInstance if takes_parameters else PythonInstance
             instance = kind(model, signature, device, label, worker, module, models)
             await instance._call_hook("load")
         except BaseException:
@@ -456,6 +463,16 @@ def _takes(cls: Any, name: str) -> bool:
     except (TypeError, ValueError):
         return False
     return name in parameters
+
+
+def _laid_out_by(config: ModelConfig) -> str | None:
+    # The batcher that would lay out the model's batches itself (an AssemblingBatcher,
+    # which the engine refuses for instances that take each request's own inputs).
+    if config.sequence is not None or config.batcher == "sequence":
+        return "the sequence batcher of a stateful model"
+    if config.batcher == "dynamic" and config.batcher_options.get("pad_axis") is not None:
+        return "the dynamic batcher with pad_axis"
+    return None
 
 
 def _model_class(config: ModelConfig) -> tuple[type, str | None]:
@@ -825,7 +842,7 @@ class _ParameterisedInstance(PythonInstance):
         if len(requests) == 1 or not self._signature.batched:
             # (An unbatched model's execution holds one request.)
             return [
-                await self._execute(self._given([(dict(r.parameters), r.rows)]), r.inputs)
+                await self._execute(self._given([(r.parameters, r.rows)]), r.inputs)
                 for r in requests
             ]
         names = requests[0].inputs.keys()
@@ -836,7 +853,7 @@ class _ParameterisedInstance(PythonInstance):
             )
         inputs = {name: np.concatenate([r.inputs[name] for r in requests]) for name in names}
         outputs = await self._execute(
-            self._given([(dict(r.parameters), r.rows) for r in requests]), inputs
+            self._given([(r.parameters, r.rows) for r in requests]), inputs
         )
         answers: list[dict[str, np.ndarray[Any, Any]] | Exception] = []
         start = 0
@@ -846,11 +863,12 @@ class _ParameterisedInstance(PythonInstance):
             start = end
         return answers
 
-    def _given(self, parameters: list[tuple[dict[str, Any], int]]) -> Any:
-        # infer with its parameters: one dict (unbatched), or one per row (batched).
+    def _given(self, parameters: list[tuple[Mapping[str, Any], int]]) -> Any:
+        # infer with its parameters: one dict (unbatched), or one per row (batched), each
+        # the model's own to change (shallow copies: a long string is not copied).
         if not self._signature.batched:
-            return functools.partial(self._infer, parameters=parameters[0][0])
-        per_row = [given for given, rows in parameters for _ in range(rows)]
+            return functools.partial(self._infer, parameters=dict(parameters[0][0]))
+        per_row = [dict(given) for given, rows in parameters for _ in range(rows)]
         return functools.partial(self._infer, parameters=per_row)
 
 

@@ -406,7 +406,7 @@ class InferenceRequest(_Provided):
                 "an async def execute, await request.async_exec())"
             )
         return self._respond(
-            lambda: call(self._model_name, self._arrays(), parameters=json.loads(self._parameters))
+            lambda: call(self._model_name, self._arrays(), parameters=self._parsed_parameters())
         )
 
     async def async_exec(self, decoupled: bool = False) -> InferenceResponse:
@@ -423,11 +423,22 @@ class InferenceRequest(_Provided):
             )
         try:
             outputs = await call(
-                self._model_name, self._arrays(), parameters=json.loads(self._parameters)
+                self._model_name, self._arrays(), parameters=self._parsed_parameters()
             )
         except TrioInferError as exc:
             return InferenceResponse(error=_triton_error(exc))
         return self._response(outputs)
+
+    def _parsed_parameters(self) -> Any:
+        # The parameters given as JSON text: text that is not JSON is an error response
+        # (as one that is not an object of scalars is, from the engine), not an exception.
+        try:
+            return json.loads(self._parameters)
+        except ValueError as exc:
+            raise InvalidInput(
+                f"InferenceRequest(parameters={self._parameters!r:.80}): the parameters "
+                f"text is not JSON ({exc}); give a dict or a JSON object's text"
+            ) from None
 
     def _arrays(self) -> dict[str, np.ndarray[Any, Any]]:
         return {tensor.name(): tensor.as_numpy() for tensor in self._inputs}

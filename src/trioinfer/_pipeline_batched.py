@@ -24,8 +24,9 @@ graph can tell who is still waiting before each step:
   ends, and a caller leaving stops its own rerun (not the others');
 - a step request carries the request parameters its members share (those
   of `Engine.infer`'s ``parameters=``); a batch whose members' parameters
-  differ runs each member alone, as above, from the first step, so that
-  each step sees its own.
+  differ runs each member alone from the first step, so that each step sees
+  its own, as above but side by side (nothing poisons a batch here: a step
+  model's own batcher may join their step requests again).
 
 With tracing on, a step request for the batch is a child of the pipeline's
 ``compute`` span linked to every traced member it carries, and one for a
@@ -37,7 +38,7 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, cast, final
 
 import anyio
@@ -56,6 +57,7 @@ from .abc import Request as RequestView
 from .abc import RequestQueue as QueueView
 
 if TYPE_CHECKING:
+    from ._dispatch import Replica
     from ._runner import ModelRunner
     from ._tracing import Tracing
 
@@ -207,8 +209,9 @@ class BatchedPipeline:
             m.parameters is not first and m.parameters != first for m in members
         ):
             # A step request carries one set of request parameters: members whose
-            # parameters differ each run the pipeline alone, with their own.
-            await self._alone(members, current, tensors, 0, graph)
+            # parameters differ each run the pipeline alone, with their own, side by
+            # side (a step model's batcher joins them again: nothing poisons a batch).
+            await self._alone(members, current, tensors, 0, graph, together=True)
             return {}
         start = await self._batch(members, current, tensors)
         if start is None:
@@ -251,46 +254,75 @@ class BatchedPipeline:
         tensors: dict[str, Any],
         start: int,
         graph: _Graph,
+        *,
+        together: bool = False,
     ) -> None:
         # Each member in *current* still waiting runs the rounds from *start* alone, and
         # is answered (or failed) as soon as its own run ends: not when the others' do.
         # Its run has a cancel scope of its own, which its caller leaving cancels (as
         # the runner aborts a batch nobody waits for): no step computes for nobody
-        # while the others wait their turn.
+        # while the others wait their turn. One after the other (after an InvalidInput:
+        # the step model's batcher must not join the bad rows to the others again), or
+        # *together*, each in a task of its own (members whose parameters differ).
         runner = self.runner
         assert runner is not None
         replica = next(r for r in runner.replicas if r._backend_instance is graph)
         cuts = np.cumsum([0, *(members[i].rows for i in current)])
+        reruns = []
         for position, index in enumerate(current):
-            member = members[index]
-            state = member._state
-            if state.status is not _RUNNING:
-                continue
             a, b = int(cuts[position]), int(cuts[position + 1])
             own = {name: value[a:b] for name, value in tensors.items()}
-            # The runner's execution it waits for: its caller leaving then cancels this
-            # rerun alone. Unless another execution of the batch (a hedge) reruns it too.
-            batch: _Running = state.batch
-            mine = type(batch) is not _Rerun
-            scope = anyio.CancelScope()
-            if mine:
-                state.batch = _Rerun(scope)
+            reruns.append(functools.partial(self._rerun, members[index], own, start, replica))
+        if not together:
+            for rerun in reruns:
+                await rerun()
+            return
+        failed: list[Exception] = []
+
+        async def run(rerun: Callable[[], Awaitable[None]]) -> None:
             try:
-                with scope:
-                    await self._rounds_from(start, own, [member])
-                    runner._succeed(
-                        (member,), (self._outputs(own),), replica, runner.clock.current_time()
-                    )
-            except _Departed:
-                pass
-            except TrioInferError as exc:
-                runner.finish(member, error=exc)  # its own error object: its own run's
-            finally:
-                if mine:
-                    if state.status is _RUNNING:
-                        state.batch = batch  # (a BaseException on its way out)
-                    else:
-                        batch.waiting -= 1  # it waits for the batch no more
+                await rerun()
+            except Exception as exc:  # (not a TrioInferError: _rerun ends its member with one)
+                failed.append(exc)
+
+        async with anyio.create_task_group() as tg:
+            for rerun in reruns:
+                tg.start_soon(run, rerun)
+        if failed:
+            raise failed[0]  # as the first rerun one after the other would have
+
+    async def _rerun(
+        self, member: Request, own: dict[str, Any], start: int, replica: Replica
+    ) -> None:
+        # One member's rerun alone (for _alone), on its own rows *own*, from round *start*.
+        runner = self.runner
+        assert runner is not None
+        state = member._state
+        if state.status is not _RUNNING:
+            return
+        # The runner's execution it waits for: its caller leaving then cancels this
+        # rerun alone. Unless another execution of the batch (a hedge) reruns it too.
+        batch: _Running = state.batch
+        mine = type(batch) is not _Rerun
+        scope = anyio.CancelScope()
+        if mine:
+            state.batch = _Rerun(scope)
+        try:
+            with scope:
+                await self._rounds_from(start, own, [member])
+                runner._succeed(
+                    (member,), (self._outputs(own),), replica, runner.clock.current_time()
+                )
+        except _Departed:
+            pass
+        except TrioInferError as exc:
+            runner.finish(member, error=exc)  # its own error object: its own run's
+        finally:
+            if mine:
+                if state.status is _RUNNING:
+                    state.batch = batch  # (a BaseException on its way out)
+                else:
+                    batch.waiting -= 1  # it waits for the batch no more
 
     async def _rounds_from(
         self,

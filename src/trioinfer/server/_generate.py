@@ -113,6 +113,7 @@ def decode_generate_request(
             parameters[key] = value
         else:
             inputs[key] = _tensor(spec, value)
+    extra = list(parameters)
     parameters.update(given)
     for key, value in parameters.items():
         if value.__class__ not in (str, int, float, bool):
@@ -121,7 +122,26 @@ def decode_generate_request(
                 f"{_json_kind(value)} (model {model!r} has inputs "
                 f"{', '.join(map(repr, specs))}; any other key is a parameter)"
             )
+    if extra and (missing := sorted(signature._required_names - inputs.keys())):
+        # Triton's mapping takes a misspelt input for a parameter: say so, with the
+        # input the engine would say is missing.
+        raise RequestError(
+            f"model {model!r} needs input {', '.join(map(repr, missing))}; the request's "
+            + _listed(extra)
+            + (
+                " names no input: it was taken as a parameter"
+                if len(extra) == 1
+                else " name no input: they were taken as parameters"
+            )
+            + f" (its inputs are {', '.join(map(repr, specs))})"
+        )
     return inputs, parameters
+
+
+def _listed(keys: list[str]) -> str:
+    # 'a', 'b' and 'c'.
+    names = [repr(key) for key in keys]
+    return names[0] if len(names) == 1 else f"{', '.join(names[:-1])} and {names[-1]}"
 
 
 def _json_kind(value: object) -> str:
