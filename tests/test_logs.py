@@ -255,3 +255,32 @@ def test_json_lines_inside_a_span_carry_its_trace_and_span_ids() -> None:
     context = span.get_span_context()
     assert fields["trace_id"] == f"{context.trace_id:032x}"
     assert fields["span_id"] == f"{context.span_id:016x}"
+
+
+#: The start of a text line (`--log-format default`).
+_TEXT_LINE = re.compile(
+    r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} (worker \d+ )?trioinfer[.\w]* [A-Z]+ "
+)
+
+
+def test_a_path_or_request_id_cannot_forge_a_text_line_or_a_field(tmp_path: Path) -> None:
+    # A newline in the URL (%0A) or in the V2 request's id was written as is: the rest of
+    # it read as a line of the server's own, and a space as a field of the request log.
+    forged = "\n2026-12-06 19:00:00,000 trioinfer.server INFO forged"
+    log = tmp_path / "serve.log"
+    command = _command("--no-grpc", "--access-log", "--model", "digits")
+    with serve_process(command, log=log) as started, httpx.Client(base_url=started.url) as client:
+        request = {**_INFER, "id": f'r-1 peer=6.6.6.6:1 "{forged}\u2028\x85\x1b[31m'}
+        assert client.post("/v2/models/digits/infer", json=request).status_code == 200
+        assert client.get("/v2/health/live%0A2026-12-06%20forged%20peer=x").status_code == 404
+    lines = log.read_text().split("\n")
+    assert all(_TEXT_LINE.match(line) or line.startswith(" ") for line in lines if line), lines
+    assert not any(line.startswith("2026-12-06 19:00:00,000") for line in lines)
+    [ok, missing] = [line for line in lines if " trioinfer.access INFO " in line]
+    # Quoted as a JSON string; what JSON leaves (U+2028, NEL) escaped as in Python.
+    quoted = json.dumps(request["id"], ensure_ascii=False)
+    quoted = quoted.replace("\u2028", "\\u2028").replace("\x85", "\\x85")
+    assert re.search(f" request_id={re.escape(quoted)} peer=127\\.0\\.0\\.1:\\d+ bytes_in=", ok), ok
+    assert re.search(
+        r' GET "/v2/health/live\\n2026-12-06 forged peer=x" 404 [\d.]+ms peer=127', missing
+    )

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import sys
 import time
 import traceback
@@ -142,15 +143,36 @@ def _trace_ids() -> dict[str, str]:
     return {"trace_id": f"{context.trace_id:032x}", "span_id": f"{context.span_id:016x}"}
 
 
+class _TextFormatter(logging.Formatter):
+    r"""A text line whose control characters are escaped: one record stays one line.
+
+    A message may carry what a client sent (a URL path with ``%0A``, a request
+    id): a newline in it would start a line that reads as the server's own
+    (log injection), an ANSI escape would rewrite the operator's terminal.
+    They are written as ``\n``, ``\x1b``, as in a Python string. A traceback
+    after the line keeps its lines.
+    """
+
+    def formatMessage(self, record: logging.LogRecord) -> str:
+        """The line, with every character that is not printable escaped."""
+        line = super().formatMessage(record)
+        return line if line.isprintable() else _printable(line)
+
+
+def _printable(text: str) -> str:
+    # repr's escapes (\n, \x1b, \u2028) for what is not printable; rare, so no table.
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+
+
 def _formatter(kind: str) -> logging.Formatter:
     if kind == "json":
         return JsonFormatter(_worker)
     text = _FORMAT.format(prefix=_prefix)
     if kind == "ISO8601":
-        formatter = logging.Formatter(text, datefmt="%Y-%m-%dT%H:%M:%SZ")
+        formatter = _TextFormatter(text, datefmt="%Y-%m-%dT%H:%M:%SZ")
         formatter.converter = time.gmtime
         return formatter
-    return logging.Formatter(text)
+    return _TextFormatter(text)
 
 
 def install_handler(
@@ -311,7 +333,7 @@ def log_request(
         "status": status,
         "duration_ms": duration,
     }
-    words = [f"{method} {path} {status} {duration:.3f}ms"]
+    words = [f"{_word(method)} {_word(path)} {status} {duration:.3f}ms"]
     for key, value in (
         ("model", model),
         ("version", version),
@@ -322,7 +344,7 @@ def log_request(
     ):
         if value is not None and value != "":
             fields[key] = value
-            words.append(f"{key}={value}")
+            words.append(f"{key}={_word(value) if isinstance(value, str) else value}")
     # The record made here, as `Logger.info(..., extra=fields)` would make it, without
     # its search of the stack for the caller (a sixth of a line's cost; no one reads it).
     record = logging.LogRecord(
@@ -330,6 +352,16 @@ def log_request(
     )
     record.__dict__.update(fields)
     _access.handle(record)
+
+
+#: A value the text line shows as is: printable ASCII, no space, quote or backslash.
+_BARE: Final = re.compile(r"[!#-\[\]-~]+")
+
+
+def _word(value: str) -> str:
+    # Anything else is quoted, as a JSON string: a client's space cannot make a field of
+    # its own (`request_id=a peer=...`), nor a quote end the value early.
+    return value if _BARE.fullmatch(value) else json.dumps(value, ensure_ascii=False)
 
 
 def _js(flag: bool) -> str:
