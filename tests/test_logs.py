@@ -284,3 +284,15 @@ def test_a_path_or_request_id_cannot_forge_a_text_line_or_a_field(tmp_path: Path
     assert re.search(
         r' GET "/v2/health/live\\n2026-12-06 forged peer=x" 404 [\d.]+ms peer=127', missing
     )
+
+
+def test_a_json_line_whose_args_do_not_fit_its_message_is_still_one_json_line() -> None:
+    # getMessage raised: logging wrote "--- Logging error ---" and a traceback on stderr,
+    # lines no log shipper reads as JSON, and the record itself was lost.
+    record = logging.LogRecord("trioinfer.x", logging.WARNING, "/a/b.py", 7, "n=%d", ("x",), None)
+    line = JsonFormatter().format(record)
+    assert "\n" not in line
+    fields = json.loads(line)
+    assert (fields["level"], fields["message"]) == ("WARNING", "n=%d")
+    assert fields["args"] == "('x',)"
+    assert fields["format_error"].startswith("/a/b.py:7: TypeError: ")

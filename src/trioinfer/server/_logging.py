@@ -96,8 +96,10 @@ class JsonFormatter(logging.Formatter):
     ``message``, ``pid``; ``worker`` (its index) in a ``serve --workers``
     worker; the fields the call passed as ``extra`` (the request log's
     ``model``, ``status``, ...); ``trace_id`` and ``span_id`` (hex) when the
-    record is logged inside an OpenTelemetry span; and ``exc_info``, the
-    traceback's text, when there is one.
+    record is logged inside an OpenTelemetry span; ``exc_info``, the
+    traceback's text, when there is one; and, when the call's %-args do not
+    fit its message, the message unformatted with ``args`` and
+    ``format_error`` (the call's file and line, the error).
     """
 
     def __init__(self, worker: int | None = None) -> None:
@@ -111,9 +113,19 @@ class JsonFormatter(logging.Formatter):
             "time": time.strftime("%Y-%m-%dT%H:%M:%S", seconds) + f".{int(record.msecs):03d}Z",
             "level": record.levelname,
             "logger": record.name,
-            "message": record.getMessage(),
+            "message": "",
             "pid": record.process,
         }
+        try:
+            fields["message"] = record.getMessage()
+        except Exception as exc:
+            # A call's %-args that do not fit its message (someone's bug): logging would
+            # write its error as text lines and drop the record; it stays one JSON line.
+            fields["message"] = str(record.msg)
+            fields["args"] = repr(record.args)
+            fields["format_error"] = (
+                f"{record.pathname}:{record.lineno}: {type(exc).__name__}: {exc}"
+            )
         if self._worker is not None:
             fields["worker"] = self._worker
         for key, value in vars(record).items():
