@@ -296,3 +296,43 @@ def test_a_json_line_whose_args_do_not_fit_its_message_is_still_one_json_line() 
     assert (fields["level"], fields["message"]) == ("WARNING", "n=%d")
     assert fields["args"] == "('x',)"
     assert fields["format_error"].startswith("/a/b.py:7: TypeError: ")
+
+
+def test_a_closed_stdout_does_not_stop_the_server(tmp_path: Path) -> None:
+    # `trioinfer serve | head -1`: printing the banner to a pipe nobody reads raised
+    # BrokenPipeError, and the server stopped, saying "cannot listen on ...: Broken pipe".
+    import socket
+    import time
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    log = tmp_path / "serve.log"
+    command = [*_command("--no-grpc", "--model", "digits", "--access-log")]
+    command[command.index("--port") + 1] = str(port)
+    with log.open("w") as stderr:
+        process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=stderr)
+    assert process.stdout is not None
+    process.stdout.close()  # the reader leaves before the first line
+    try:
+        deadline = time.monotonic() + STOP_S
+        while True:
+            assert process.poll() is None, log_tail(log)
+            try:
+                answer = httpx.get(f"http://127.0.0.1:{port}/v2/health/ready")
+            except httpx.TransportError:
+                assert time.monotonic() < deadline, log_tail(log)
+                time.sleep(0.1)
+                continue
+            if answer.status_code == 200:
+                break
+        infer = httpx.post(f"http://127.0.0.1:{port}/v2/models/digits/infer", json=_INFER)
+        assert infer.status_code == 200
+    finally:
+        process.terminate()
+        code = process.wait(timeout=STOP_S)
+    assert code == 0, log_tail(log)
+    text = log.read_text()
+    assert "could not print the banner on stdout" in text
+    assert "Broken pipe" in text
+    assert "POST /v2/models/digits/infer 200" in text
