@@ -336,3 +336,20 @@ def test_a_closed_stdout_does_not_stop_the_server(tmp_path: Path) -> None:
     assert "could not print the banner on stdout" in text
     assert "Broken pipe" in text
     assert "POST /v2/models/digits/infer 200" in text
+
+
+def test_a_huge_request_id_or_path_is_cut_short_in_the_request_log(tmp_path: Path) -> None:
+    # A 100 kB request id made a 100 kB log line (per request: log volume at the client's
+    # choosing), which Docker's log driver (16 KiB) and journald split into pieces that no
+    # longer parse as JSON.
+    log = tmp_path / "serve.log"
+    command = _command("--no-grpc", "--log-format", "json", "--access-log", "--model", "digits")
+    with serve_process(command, log=log) as started, httpx.Client(base_url=started.url) as client:
+        request = {**_INFER, "id": "i" * 100_000}
+        assert client.post("/v2/models/digits/infer", json=request).status_code == 200
+        assert client.get("/" + "p" * 20_000).status_code == 404
+    lines = [line for line in log.read_text().splitlines() if "trioinfer.access" in line]
+    assert all(len(line) < 4096 for line in lines), [len(line) for line in lines]
+    ok, missing = (json.loads(line) for line in lines)
+    assert ok["request_id"] == "i" * 256 + "..."
+    assert missing["path"] == "/" + "p" * 255 + "..."

@@ -333,11 +333,13 @@ def log_request(
     method (``/inference.GRPCInferenceService/ModelInfer``); *status* the HTTP
     status or the gRPC status code; *started* the ``time.monotonic()``
     when the request arrived. The text line reads as an access log's; the
-    same values are fields of the JSON line (``--log-format json``).
+    same values are fields of the JSON line (``--log-format json``). A string
+    past `LONGEST` characters is cut there (``...`` after it).
     """
     if not _access.isEnabledFor(logging.INFO):
         return
     duration = round((time.monotonic() - started) * 1000, 3)
+    path = _cut(path)
     fields: dict[str, Any] = {
         "protocol": protocol,
         "method": method,
@@ -355,8 +357,12 @@ def log_request(
         ("bytes_out", bytes_out),
     ):
         if value is not None and value != "":
+            if isinstance(value, str):
+                value = _cut(value)
+                words.append(f"{key}={_word(value)}")
+            else:
+                words.append(f"{key}={value}")
             fields[key] = value
-            words.append(f"{key}={_word(value) if isinstance(value, str) else value}")
     # The record made here, as `Logger.info(..., extra=fields)` would make it, without
     # its search of the stack for the caller (a sixth of a line's cost; no one reads it).
     record = logging.LogRecord(
@@ -364,6 +370,15 @@ def log_request(
     )
     record.__dict__.update(fields)
     _access.handle(record)
+
+
+#: The longest value (a path, a request id) the request log writes whole: what a client
+#: sends is cut there, so that a line stays short of a log driver's limit (Docker: 16 KiB).
+LONGEST: Final = 256
+
+
+def _cut(value: str) -> str:
+    return value if len(value) <= LONGEST else value[:LONGEST] + "..."
 
 
 #: A value the text line shows as is: printable ASCII, no space, quote or backslash.
