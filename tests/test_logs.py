@@ -353,3 +353,13 @@ def test_a_huge_request_id_or_path_is_cut_short_in_the_request_log(tmp_path: Pat
     ok, missing = (json.loads(line) for line in lines)
     assert ok["request_id"] == "i" * 256 + "..."
     assert missing["path"] == "/" + "p" * 255 + "..."
+
+
+def test_an_extra_field_cannot_replace_a_json_lines_own_keys() -> None:
+    # `log.info(..., extra={"level": 3, "time": "yesterday"})` (a plugin's) replaced the
+    # line's level and time: a shipper then filed an INFO line under level 3.
+    record = logging.LogRecord("trioinfer.x", logging.INFO, __file__, 1, "m", None, None)
+    record.__dict__.update({"level": 3, "time": "yesterday", "pid": 0, "user": "u"})
+    fields = json.loads(JsonFormatter().format(record))
+    assert (fields["level"], fields["pid"], fields["user"]) == ("INFO", record.process, "u")
+    assert _TIME.fullmatch(fields["time"])

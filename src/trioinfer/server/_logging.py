@@ -95,8 +95,9 @@ class JsonFormatter(logging.Formatter):
     Keys: ``time`` (RFC 3339, UTC, milliseconds), ``level``, ``logger``,
     ``message``, ``pid``; ``worker`` (its index) in a ``serve --workers``
     worker; the fields the call passed as ``extra`` (the request log's
-    ``model``, ``status``, ...); ``trace_id`` and ``span_id`` (hex) when the
-    record is logged inside an OpenTelemetry span; ``exc_info``, the
+    ``model``, ``status``, ...; not one named as a key above); ``trace_id``
+    and ``span_id`` (hex) when the record is logged inside an OpenTelemetry
+    span; ``exc_info``, the
     traceback's text, when there is one; and, when the call's %-args do not
     fit its message, the message unformatted with ``args`` and
     ``format_error`` (the call's file and line, the error).
@@ -129,7 +130,8 @@ class JsonFormatter(logging.Formatter):
         if self._worker is not None:
             fields["worker"] = self._worker
         for key, value in vars(record).items():
-            if key not in _STANDARD and not key.startswith("_"):
+            # The line's own keys win: an extra named `level` or `time` would misfile it.
+            if key not in _STANDARD and key not in fields and not key.startswith("_"):
                 fields[key] = value
         fields.update(_trace_ids())
         if record.exc_info:
