@@ -255,3 +255,111 @@ def test_json_lines_inside_a_span_carry_its_trace_and_span_ids() -> None:
     context = span.get_span_context()
     assert fields["trace_id"] == f"{context.trace_id:032x}"
     assert fields["span_id"] == f"{context.span_id:016x}"
+
+
+#: The start of a text line (`--log-format default`).
+_TEXT_LINE = re.compile(
+    r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} (worker \d+ )?trioinfer[.\w]* [A-Z]+ "
+)
+
+
+def test_a_path_or_request_id_cannot_forge_a_text_line_or_a_field(tmp_path: Path) -> None:
+    # A newline in the URL (%0A) or in the V2 request's id was written as is: the rest of
+    # it read as a line of the server's own, and a space as a field of the request log.
+    forged = "\n2026-12-06 19:00:00,000 trioinfer.server INFO forged"
+    log = tmp_path / "serve.log"
+    command = _command("--no-grpc", "--access-log", "--model", "digits")
+    with serve_process(command, log=log) as started, httpx.Client(base_url=started.url) as client:
+        request = {**_INFER, "id": f'r-1 peer=6.6.6.6:1 "{forged}\u2028\x85\x1b[31m'}
+        assert client.post("/v2/models/digits/infer", json=request).status_code == 200
+        assert client.get("/v2/health/live%0A2026-12-06%20forged%20peer=x").status_code == 404
+    lines = log.read_text().split("\n")
+    assert all(_TEXT_LINE.match(line) or line.startswith(" ") for line in lines if line), lines
+    assert not any(line.startswith("2026-12-06 19:00:00,000") for line in lines)
+    [ok, missing] = [line for line in lines if " trioinfer.access INFO " in line]
+    # Quoted as a JSON string; what JSON leaves (U+2028, NEL) escaped as in Python.
+    quoted = json.dumps(request["id"], ensure_ascii=False)
+    quoted = quoted.replace("\u2028", "\\u2028").replace("\x85", "\\x85")
+    assert re.search(f" request_id={re.escape(quoted)} peer=127\\.0\\.0\\.1:\\d+ bytes_in=", ok), ok
+    assert re.search(
+        r' GET "/v2/health/live\\n2026-12-06 forged peer=x" 404 [\d.]+ms peer=127', missing
+    )
+
+
+def test_a_json_line_whose_args_do_not_fit_its_message_is_still_one_json_line() -> None:
+    # getMessage raised: logging wrote "--- Logging error ---" and a traceback on stderr,
+    # lines no log shipper reads as JSON, and the record itself was lost.
+    record = logging.LogRecord("trioinfer.x", logging.WARNING, "/a/b.py", 7, "n=%d", ("x",), None)
+    line = JsonFormatter().format(record)
+    assert "\n" not in line
+    fields = json.loads(line)
+    assert (fields["level"], fields["message"]) == ("WARNING", "n=%d")
+    assert fields["args"] == "('x',)"
+    assert fields["format_error"].startswith("/a/b.py:7: TypeError: ")
+
+
+def test_a_closed_stdout_does_not_stop_the_server(tmp_path: Path) -> None:
+    # `trioinfer serve | head -1`: printing the banner to a pipe nobody reads raised
+    # BrokenPipeError, and the server stopped, saying "cannot listen on ...: Broken pipe".
+    import socket
+    import time
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    log = tmp_path / "serve.log"
+    command = [*_command("--no-grpc", "--model", "digits", "--access-log")]
+    command[command.index("--port") + 1] = str(port)
+    with log.open("w") as stderr:
+        process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=stderr)
+    assert process.stdout is not None
+    process.stdout.close()  # the reader leaves before the first line
+    try:
+        deadline = time.monotonic() + STOP_S
+        while True:
+            assert process.poll() is None, log_tail(log)
+            try:
+                answer = httpx.get(f"http://127.0.0.1:{port}/v2/health/ready")
+            except httpx.TransportError:
+                assert time.monotonic() < deadline, log_tail(log)
+                time.sleep(0.1)
+                continue
+            if answer.status_code == 200:
+                break
+        infer = httpx.post(f"http://127.0.0.1:{port}/v2/models/digits/infer", json=_INFER)
+        assert infer.status_code == 200
+    finally:
+        process.terminate()
+        code = process.wait(timeout=STOP_S)
+    assert code == 0, log_tail(log)
+    text = log.read_text()
+    assert "could not print the banner on stdout" in text
+    assert "Broken pipe" in text
+    assert "POST /v2/models/digits/infer 200" in text
+
+
+def test_a_huge_request_id_or_path_is_cut_short_in_the_request_log(tmp_path: Path) -> None:
+    # A 100 kB request id made a 100 kB log line (per request: log volume at the client's
+    # choosing), which Docker's log driver (16 KiB) and journald split into pieces that no
+    # longer parse as JSON.
+    log = tmp_path / "serve.log"
+    command = _command("--no-grpc", "--log-format", "json", "--access-log", "--model", "digits")
+    with serve_process(command, log=log) as started, httpx.Client(base_url=started.url) as client:
+        request = {**_INFER, "id": "i" * 100_000}
+        assert client.post("/v2/models/digits/infer", json=request).status_code == 200
+        assert client.get("/" + "p" * 20_000).status_code == 404
+    lines = [line for line in log.read_text().splitlines() if "trioinfer.access" in line]
+    assert all(len(line) < 4096 for line in lines), [len(line) for line in lines]
+    ok, missing = (json.loads(line) for line in lines)
+    assert ok["request_id"] == "i" * 256 + "..."
+    assert missing["path"] == "/" + "p" * 255 + "..."
+
+
+def test_an_extra_field_cannot_replace_a_json_lines_own_keys() -> None:
+    # `log.info(..., extra={"level": 3, "time": "yesterday"})` (a plugin's) replaced the
+    # line's level and time: a shipper then filed an INFO line under level 3.
+    record = logging.LogRecord("trioinfer.x", logging.INFO, __file__, 1, "m", None, None)
+    record.__dict__.update({"level": 3, "time": "yesterday", "pid": 0, "user": "u"})
+    fields = json.loads(JsonFormatter().format(record))
+    assert (fields["level"], fields["pid"], fields["user"]) == ("INFO", record.process, "u")
+    assert _TIME.fullmatch(fields["time"])

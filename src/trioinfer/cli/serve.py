@@ -10,6 +10,7 @@ import importlib.util
 import ipaddress
 import logging
 import os
+import sys
 import tomllib
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
@@ -1039,19 +1040,40 @@ def _banner(
     grpc_line: str | None,
     listening_line: str,
 ) -> None:
-    """Print what is served and where, and a first request to try, on stdout."""
+    """Print what is served and where, and a first request to try, on stdout.
+
+    A stdout nobody reads any more (``serve | head -1``, a closed terminal)
+    does not stop the server: a WARNING says so, and stdout goes to
+    ``/dev/null`` from then on.
+    """
     served = ", ".join(f"{name} (v{', v'.join(map(str, v))})" for name, v in models.items())
-    click.echo(f"trioinfer {__version__} serving {served or 'no models'} from {repository}")
+    lines = [f"trioinfer {__version__} serving {served or 'no models'} from {repository}"]
     if failed:
-        click.echo(f"could not load: {', '.join(failed)} (see the log above)")
+        lines.append(f"could not load: {', '.join(failed)} (see the log above)")
     if grpc_line is not None:
-        click.echo(grpc_line)
-    click.echo(listening_line)
+        lines.append(grpc_line)
+    lines.append(listening_line)
     if models:
         # The repository index names every model and its state: a better first
         # request than whichever model sorts first (often a pipeline's step).
-        click.echo(f"try: curl -s -X POST {url}/v2/repository/index")
-    click.echo("", nl=True)
+        lines.append(f"try: curl -s -X POST {url}/v2/repository/index")
+    try:
+        for line in lines:
+            click.echo(line)
+        click.echo("", nl=True)
+    except OSError as exc:
+        # The banner is for a person; the server serves on. What stdout still buffers,
+        # and Python's flush at exit, go to /dev/null rather than fail again.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        try:
+            os.dup2(devnull, sys.stdout.fileno())
+        except (OSError, ValueError):  # no file descriptor (a test's captured stdout)
+            pass
+        finally:
+            os.close(devnull)
+        logging.getLogger("trioinfer.server").warning(
+            "could not print the banner on stdout (%s); serving on", exc.strerror or exc
+        )
 
 
 #: The garbage collector's first threshold while serving (Python's default is 700).

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import sys
 import time
 import traceback
@@ -94,9 +95,12 @@ class JsonFormatter(logging.Formatter):
     Keys: ``time`` (RFC 3339, UTC, milliseconds), ``level``, ``logger``,
     ``message``, ``pid``; ``worker`` (its index) in a ``serve --workers``
     worker; the fields the call passed as ``extra`` (the request log's
-    ``model``, ``status``, ...); ``trace_id`` and ``span_id`` (hex) when the
-    record is logged inside an OpenTelemetry span; and ``exc_info``, the
-    traceback's text, when there is one.
+    ``model``, ``status``, ...; not one named as a key above); ``trace_id``
+    and ``span_id`` (hex) when the record is logged inside an OpenTelemetry
+    span; ``exc_info``, the
+    traceback's text, when there is one; and, when the call's %-args do not
+    fit its message, the message unformatted with ``args`` and
+    ``format_error`` (the call's file and line, the error).
     """
 
     def __init__(self, worker: int | None = None) -> None:
@@ -110,13 +114,24 @@ class JsonFormatter(logging.Formatter):
             "time": time.strftime("%Y-%m-%dT%H:%M:%S", seconds) + f".{int(record.msecs):03d}Z",
             "level": record.levelname,
             "logger": record.name,
-            "message": record.getMessage(),
+            "message": "",
             "pid": record.process,
         }
+        try:
+            fields["message"] = record.getMessage()
+        except Exception as exc:
+            # A call's %-args that do not fit its message (someone's bug): logging would
+            # write its error as text lines and drop the record; it stays one JSON line.
+            fields["message"] = str(record.msg)
+            fields["args"] = repr(record.args)
+            fields["format_error"] = (
+                f"{record.pathname}:{record.lineno}: {type(exc).__name__}: {exc}"
+            )
         if self._worker is not None:
             fields["worker"] = self._worker
         for key, value in vars(record).items():
-            if key not in _STANDARD and not key.startswith("_"):
+            # The line's own keys win: an extra named `level` or `time` would misfile it.
+            if key not in _STANDARD and key not in fields and not key.startswith("_"):
                 fields[key] = value
         fields.update(_trace_ids())
         if record.exc_info:
@@ -142,15 +157,36 @@ def _trace_ids() -> dict[str, str]:
     return {"trace_id": f"{context.trace_id:032x}", "span_id": f"{context.span_id:016x}"}
 
 
+class _TextFormatter(logging.Formatter):
+    r"""A text line whose control characters are escaped: one record stays one line.
+
+    A message may carry what a client sent (a URL path with ``%0A``, a request
+    id): a newline in it would start a line that reads as the server's own
+    (log injection), an ANSI escape would rewrite the operator's terminal.
+    They are written as ``\n``, ``\x1b``, as in a Python string. A traceback
+    after the line keeps its lines.
+    """
+
+    def formatMessage(self, record: logging.LogRecord) -> str:
+        """The line, with every character that is not printable escaped."""
+        line = super().formatMessage(record)
+        return line if line.isprintable() else _printable(line)
+
+
+def _printable(text: str) -> str:
+    # repr's escapes (\n, \x1b, \u2028) for what is not printable; rare, so no table.
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+
+
 def _formatter(kind: str) -> logging.Formatter:
     if kind == "json":
         return JsonFormatter(_worker)
     text = _FORMAT.format(prefix=_prefix)
     if kind == "ISO8601":
-        formatter = logging.Formatter(text, datefmt="%Y-%m-%dT%H:%M:%SZ")
+        formatter = _TextFormatter(text, datefmt="%Y-%m-%dT%H:%M:%SZ")
         formatter.converter = time.gmtime
         return formatter
-    return logging.Formatter(text)
+    return _TextFormatter(text)
 
 
 def install_handler(
@@ -299,11 +335,13 @@ def log_request(
     method (``/inference.GRPCInferenceService/ModelInfer``); *status* the HTTP
     status or the gRPC status code; *started* the ``time.monotonic()``
     when the request arrived. The text line reads as an access log's; the
-    same values are fields of the JSON line (``--log-format json``).
+    same values are fields of the JSON line (``--log-format json``). A string
+    past `LONGEST` characters is cut there (``...`` after it).
     """
     if not _access.isEnabledFor(logging.INFO):
         return
     duration = round((time.monotonic() - started) * 1000, 3)
+    path = _cut(path)
     fields: dict[str, Any] = {
         "protocol": protocol,
         "method": method,
@@ -311,7 +349,7 @@ def log_request(
         "status": status,
         "duration_ms": duration,
     }
-    words = [f"{method} {path} {status} {duration:.3f}ms"]
+    words = [f"{_word(method)} {_word(path)} {status} {duration:.3f}ms"]
     for key, value in (
         ("model", model),
         ("version", version),
@@ -321,8 +359,12 @@ def log_request(
         ("bytes_out", bytes_out),
     ):
         if value is not None and value != "":
+            if isinstance(value, str):
+                value = _cut(value)
+                words.append(f"{key}={_word(value)}")
+            else:
+                words.append(f"{key}={value}")
             fields[key] = value
-            words.append(f"{key}={value}")
     # The record made here, as `Logger.info(..., extra=fields)` would make it, without
     # its search of the stack for the caller (a sixth of a line's cost; no one reads it).
     record = logging.LogRecord(
@@ -330,6 +372,25 @@ def log_request(
     )
     record.__dict__.update(fields)
     _access.handle(record)
+
+
+#: The longest value (a path, a request id) the request log writes whole: what a client
+#: sends is cut there, so that a line stays short of a log driver's limit (Docker: 16 KiB).
+LONGEST: Final = 256
+
+
+def _cut(value: str) -> str:
+    return value if len(value) <= LONGEST else value[:LONGEST] + "..."
+
+
+#: A value the text line shows as is: printable ASCII, no space, quote or backslash.
+_BARE: Final = re.compile(r"[!#-\[\]-~]+")
+
+
+def _word(value: str) -> str:
+    # Anything else is quoted, as a JSON string: a client's space cannot make a field of
+    # its own (`request_id=a peer=...`), nor a quote end the value early.
+    return value if _BARE.fullmatch(value) else json.dumps(value, ensure_ascii=False)
 
 
 def _js(flag: bool) -> str:
