@@ -448,8 +448,12 @@ async def test_side_by_side_steps_of_a_batch(autojump_clock: trio.testing.MockCl
         assert isinstance(outcomes[1], InvalidInput)
         # Both side by side steps refuse its row; whichever said so first is named.
         assert re.match(r"pipeline 'p', step [01] \(model '(first|second)'\): ", str(outcomes[1]))
-        # The batch's round once, then each member alone from that round on.
-        assert Rows.rows["first"][0] == 3
+        # The batch's round once, then each member alone from that round on. (first may
+        # not have begun the batch's round when second refused the row: side by side, which
+        # step starts first hangs on the inline slices, timed by the real clock.)
+        first = Rows.rows["first"]
+        assert first[0] in (1, 3), first
+        assert first[1:] == [1] * (len(first) - 1), first
         assert sorted(Join.calls) == [1, 1]
 
 
