@@ -303,23 +303,28 @@ async def test_a_pipeline_passes_its_requests_parameters_to_each_step() -> None:
         assert got(await engine.infer("p", X)) == {}
 
 
+def batched_pipeline(step: str) -> ModelConfig:
+    """Pipeline "p" of one step, *step* (x -> p), with its own dynamic batcher."""
+    return ModelConfig(
+        name="p",
+        path="-",
+        backend="pipeline",
+        backend_options={
+            **ROWS_SIGNATURE,
+            "steps": [{"model": step, "input_map": {"x": "x"}, "output_map": {"p": "p"}}],
+        },
+        batcher="dynamic",
+        batcher_options={"max_batch_size": 8, "max_queue_delay": 0.01},
+    )
+
+
 @pytest.mark.pipeline
 async def test_a_batched_pipeline_passes_each_members_parameters(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
     # Members with the same parameters share the steps' requests; those that differ
     # run alone, each with its own.
-    pipeline = ModelConfig(
-        name="p",
-        path="-",
-        backend="pipeline",
-        backend_options={
-            **ROWS_SIGNATURE,
-            "steps": [{"model": "rows", "input_map": {"x": "x"}, "output_map": {"p": "p"}}],
-        },
-        batcher="dynamic",
-        batcher_options={"max_batch_size": 8, "max_queue_delay": 0.01},
-    )
+    pipeline = batched_pipeline("rows")
     answers: dict[int, list[Any]] = {}
     async with open_engine() as engine:
         await engine.load(python("rows", Rows, ROWS_SIGNATURE))
@@ -703,17 +708,7 @@ async def test_a_batched_pipelines_members_with_different_parameters_run_side_by
     # Members whose parameters differ each take the steps with their own, side by side
     # (the step model's batcher joins them again): not one after the other, each
     # waiting for the others' whole way through the pipeline.
-    pipeline = ModelConfig(
-        name="p",
-        path="-",
-        backend="pipeline",
-        backend_options={
-            **ROWS_SIGNATURE,
-            "steps": [{"model": "slow", "input_map": {"x": "x"}, "output_map": {"p": "p"}}],
-        },
-        batcher="dynamic",
-        batcher_options={"max_batch_size": 8, "max_queue_delay": 0.01},
-    )
+    pipeline = batched_pipeline("slow")
     batching = {"max_batch_size": 8, "max_queue_delay": 0.01}
     answered: dict[int, tuple[float, list[Any]]] = {}
     async with open_engine() as engine:
