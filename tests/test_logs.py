@@ -6,6 +6,7 @@ reads its stderr back line by line.
 
 from __future__ import annotations
 
+import io
 import json
 import logging
 import re
@@ -19,7 +20,7 @@ import pytest
 
 from _serve import STOP_S, log_tail, serve_process
 from trioinfer.server._grpc_h2 import _string_fields
-from trioinfer.server._logging import JsonFormatter
+from trioinfer.server._logging import JsonFormatter, _formatter
 
 #: RFC 3339, UTC, with milliseconds.
 _TIME = re.compile(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z")
@@ -296,6 +297,30 @@ def test_a_json_line_whose_args_do_not_fit_its_message_is_still_one_json_line() 
     assert (fields["level"], fields["message"]) == ("WARNING", "n=%d")
     assert fields["args"] == "('x',)"
     assert fields["format_error"].startswith("/a/b.py:7: TypeError: ")
+
+
+@pytest.mark.parametrize("kind", ["default", "ISO8601"])
+def test_a_text_line_whose_args_do_not_fit_its_message_is_still_one_line(
+    kind: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # A plugin's log.info("x %d", "a"): logging wrote "--- Logging error ---" and a
+    # traceback on stderr and dropped the record (the json format said it in one line).
+    out = io.StringIO()
+    handler = logging.StreamHandler(out)
+    handler.setFormatter(_formatter(kind))
+    record = logging.LogRecord(
+        "trioinfer.x", logging.WARNING, "/a/b.py", 7, "n=%d\n", ("x y",), None
+    )
+    handler.handle(record)
+    assert "Logging error" not in capsys.readouterr().err
+    [line] = out.getvalue().splitlines()
+    said = line.split(" trioinfer.x WARNING ", 1)[1]
+    assert said == (
+        "message could not be formatted (/a/b.py:7: TypeError: %d format: a real number is "
+        'required, not str): message="n=%d\\n" args="(\'x y\',)"'
+    ), said
+    # The record itself is left as it was, for the other handlers.
+    assert (record.msg, record.args) == ("n=%d\n", ("x y",))
 
 
 def test_a_closed_stdout_does_not_stop_the_server(tmp_path: Path) -> None:
