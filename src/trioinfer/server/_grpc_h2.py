@@ -1102,7 +1102,7 @@ class _Connection:
         peer = self._socket.extra(anyio.abc.SocketAttribute.remote_address, None)
         log_request(
             "grpc",
-            next((path for path, m in self._methods.items() if m is stream.method), "?"),
+            self._server.paths[id(stream.method)],
             code,
             stream.opened,
             model=fields.get("model"),
@@ -1348,6 +1348,8 @@ class GrpcServer:
         max_buffered: int | None = None,
     ) -> None:
         self._methods = methods
+        #: Each method's path, by the method's id: what the request log names a call by.
+        self.paths = {id(method): path for path, method in methods.items()}
         self._max = max_message
         self.head_timeout = head_timeout
         self.body_timeout = body_timeout
