@@ -1531,3 +1531,30 @@ async def test_the_request_log_names_each_call_without_a_pass_over_the_methods(
     await poll(lambda: len(caplog.records) == 3)
     assert [r.getMessage().split()[:3] for r in caplog.records] == [["grpc", "/t.S/Echo", "0"]] * 3
     assert methods.passes == 1  # the server's own, when it starts
+
+
+@both_loops
+async def test_a_call_that_switches_the_request_log_is_logged_as_it_was_before(
+    serve: Serve, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    # As over HTTP: the switch applies from the next call. The call that turned the log
+    # off was not logged, and the one that turned it on was.
+    monkeypatch.setattr(REQUESTS, "on", True)
+    caplog.set_level(logging.INFO, logger="trioinfer.access")
+    handlers = Handlers()
+
+    async def switch(raw: bytes, call: GrpcCall) -> bytes:
+        REQUESTS.on = raw == b"on"
+        return raw
+
+    methods = {**handlers.methods(), "/t.S/Switch": Method(switch, streaming=False)}
+    handlers.methods = lambda: methods  # type: ignore[method-assign]
+    _, connect = await serve(handlers)
+    client = await connect()
+    for message in (b"off", b"unlogged", b"on", b"logged"):
+        path = "/t.S/Echo" if message.endswith(b"logged") else "/t.S/Switch"
+        sid = await client.call(path, frame(message))
+        assert await client.status(sid) == ("0", "")
+    await poll(lambda: len(caplog.records) == 2)
+    said = [(r.getMessage().split()[1], r.bytes_in) for r in caplog.records]
+    assert said == [("/t.S/Switch", len(b"off")), ("/t.S/Echo", len(b"logged"))]

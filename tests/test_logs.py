@@ -77,6 +77,10 @@ def test_json_lines_carry_time_level_logger_message_fields_and_tracebacks(tmp_pa
         off = httpx.post(f"{started.url}/v2/logging", json={"access_log": False})
         assert off.status_code == 200
         assert httpx.get(f"{started.url}/v2/health/ready").status_code == 200
+        # On again: from the next request too (the one that switches it is not logged).
+        on = httpx.post(f"{started.url}/v2/logging", json={"access_log": True})
+        assert on.status_code == 200
+        assert httpx.get(f"{started.url}/v2/models/digits/ready").status_code == 200
     records = _json_lines(log)
     for record in records:
         assert _TIME.fullmatch(record["time"]), record
@@ -89,7 +93,7 @@ def test_json_lines_carry_time_level_logger_message_fields_and_tracebacks(tmp_pa
     assert broken["level"] == "ERROR"
     assert broken["exc_info"].startswith("Traceback (most recent call last):")
     assert broken["exc_info"].endswith("RuntimeError: boom in live")
-    ok, missing, logging_get, failed, logging_post = _access(records)
+    ok, missing, logging_get, failed, logging_post, ready = _access(records)
     assert ok["message"].startswith("POST /v2/models/digits/infer 200 ")
     assert {k: ok[k] for k in ("protocol", "method", "path", "status")} == {
         "protocol": "http",
@@ -109,6 +113,7 @@ def test_json_lines_carry_time_level_logger_message_fields_and_tracebacks(tmp_pa
     assert (failed["path"], failed["status"]) == ("/v2/health/live", 500)
     assert (logging_get["path"], logging_post["method"]) == ("/v2/logging", "POST")
     assert not any(r.get("path") == "/v2/health/ready" for r in records)
+    assert ready["path"] == "/v2/models/digits/ready"
 
 
 def test_a_bug_answered_500_closes_the_connection_and_is_logged_once(tmp_path: Path) -> None:
