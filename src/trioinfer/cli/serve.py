@@ -979,6 +979,7 @@ async def _serve(
             f"listening on {url} (Ctrl+C to stop)",
         )
 
+    _exit.EXIT_TIMEOUT_SAID.set("--exit-timeout-secs")  # the log names the flag, not serve_http's
     await serve_http(
         repository,
         host=host,
