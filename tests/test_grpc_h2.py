@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import gzip
 import inspect
+import logging
 import queue
 import signal
 import socket
@@ -49,6 +50,7 @@ from trioinfer.server._grpc_h2 import (
     _Decoder,
     _Encoder,
 )
+from trioinfer.server._logging import REQUESTS
 
 pytestmark = pytest.mark.grpc
 
@@ -1499,3 +1501,60 @@ async def test_idle_call_tasks_are_capped_and_end_with_their_connection(
     assert conn._idle == []
     if trio_loop:
         assert not conn._group.child_tasks
+
+
+class _Counted(dict[str, Method]):
+    """The methods, counting the passes over them."""
+
+    passes = 0
+
+    def items(self) -> Any:
+        self.passes += 1
+        return super().items()
+
+
+@both_loops
+async def test_the_request_log_names_each_call_without_a_pass_over_the_methods(
+    serve: Serve, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Each logged call looked its path up by a pass over every served method.
+    monkeypatch.setattr(REQUESTS, "on", True)
+    caplog.set_level(logging.INFO, logger="trioinfer.access")
+    handlers = Handlers()
+    methods = _Counted(handlers.methods())
+    handlers.methods = lambda: methods  # type: ignore[method-assign]
+    _, connect = await serve(handlers)
+    client = await connect()
+    for _ in range(3):
+        sid = await client.call("/t.S/Echo", frame(b"hi"))
+        assert await client.status(sid) == ("0", "")
+    await poll(lambda: len(caplog.records) == 3)
+    assert [r.getMessage().split()[:3] for r in caplog.records] == [["grpc", "/t.S/Echo", "0"]] * 3
+    assert methods.passes == 1  # the server's own, when it starts
+
+
+@both_loops
+async def test_a_call_that_switches_the_request_log_is_logged_as_it_was_before(
+    serve: Serve, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    # As over HTTP: the switch applies from the next call. The call that turned the log
+    # off was not logged, and the one that turned it on was.
+    monkeypatch.setattr(REQUESTS, "on", True)
+    caplog.set_level(logging.INFO, logger="trioinfer.access")
+    handlers = Handlers()
+
+    async def switch(raw: bytes, call: GrpcCall) -> bytes:
+        REQUESTS.on = raw == b"on"
+        return raw
+
+    methods = {**handlers.methods(), "/t.S/Switch": Method(switch, streaming=False)}
+    handlers.methods = lambda: methods  # type: ignore[method-assign]
+    _, connect = await serve(handlers)
+    client = await connect()
+    for message in (b"off", b"unlogged", b"on", b"logged"):
+        path = "/t.S/Echo" if message.endswith(b"logged") else "/t.S/Switch"
+        sid = await client.call(path, frame(message))
+        assert await client.status(sid) == ("0", "")
+    await poll(lambda: len(caplog.records) == 2)
+    said = [(r.getMessage().split()[1], r.bytes_in) for r in caplog.records]
+    assert said == [("/t.S/Switch", len(b"off")), ("/t.S/Echo", len(b"logged"))]

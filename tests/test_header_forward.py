@@ -110,6 +110,38 @@ def test_serve_exits_2_on_a_bad_pattern(
     assert said in " ".join(result.output.split())
 
 
+@pytest.mark.parametrize(
+    ("args", "lines", "said"),
+    [
+        (
+            ("--no-grpc", "--grpc-header-forward-pattern", "x-"),
+            "",
+            "invalid server settings: --grpc-header-forward-pattern forwards gRPC metadata, "
+            "but --no-grpc serves no gRPC; drop one of the two",
+        ),
+        (
+            (),
+            'grpc = false\ngrpc_header_forward_pattern = "x-"\n',
+            "invalid server settings: grpc_header_forward_pattern in {config} forwards gRPC "
+            "metadata, but grpc = false in {config} serves no gRPC; drop one of the two",
+        ),
+    ],
+)
+def test_a_grpc_pattern_without_grpc_is_refused(
+    tmp_path: Path, args: tuple[str, ...], lines: str, said: str
+) -> None:
+    # It was accepted, and forwarded nothing: no gRPC was served to forward it from.
+    from test_cli import invoke
+
+    config = tmp_path / "server.toml"
+    config.write_text(lines)
+    # (A repository that does not exist: had the settings passed, serve would stop there.)
+    where = ("--model-repository", str(tmp_path / "none"), "--port", "0")
+    result = invoke("serve", "--config", str(config), *where, *args)
+    assert result.exit_code == 2, result.output
+    assert said.format(config=config) in " ".join(result.output.split())
+
+
 # -- over a real trioinfer serve -----------------------------------------------------------
 
 

@@ -6,6 +6,7 @@ reads its stderr back line by line.
 
 from __future__ import annotations
 
+import io
 import json
 import logging
 import re
@@ -19,7 +20,7 @@ import pytest
 
 from _serve import STOP_S, log_tail, serve_process
 from trioinfer.server._grpc_h2 import _string_fields
-from trioinfer.server._logging import JsonFormatter
+from trioinfer.server._logging import JsonFormatter, _formatter
 
 #: RFC 3339, UTC, with milliseconds.
 _TIME = re.compile(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z")
@@ -76,6 +77,10 @@ def test_json_lines_carry_time_level_logger_message_fields_and_tracebacks(tmp_pa
         off = httpx.post(f"{started.url}/v2/logging", json={"access_log": False})
         assert off.status_code == 200
         assert httpx.get(f"{started.url}/v2/health/ready").status_code == 200
+        # On again: from the next request too (the one that switches it is not logged).
+        on = httpx.post(f"{started.url}/v2/logging", json={"access_log": True})
+        assert on.status_code == 200
+        assert httpx.get(f"{started.url}/v2/models/digits/ready").status_code == 200
     records = _json_lines(log)
     for record in records:
         assert _TIME.fullmatch(record["time"]), record
@@ -88,7 +93,7 @@ def test_json_lines_carry_time_level_logger_message_fields_and_tracebacks(tmp_pa
     assert broken["level"] == "ERROR"
     assert broken["exc_info"].startswith("Traceback (most recent call last):")
     assert broken["exc_info"].endswith("RuntimeError: boom in live")
-    ok, missing, logging_get, failed, logging_post = _access(records)
+    ok, missing, logging_get, failed, logging_post, ready = _access(records)
     assert ok["message"].startswith("POST /v2/models/digits/infer 200 ")
     assert {k: ok[k] for k in ("protocol", "method", "path", "status")} == {
         "protocol": "http",
@@ -108,6 +113,7 @@ def test_json_lines_carry_time_level_logger_message_fields_and_tracebacks(tmp_pa
     assert (failed["path"], failed["status"]) == ("/v2/health/live", 500)
     assert (logging_get["path"], logging_post["method"]) == ("/v2/logging", "POST")
     assert not any(r.get("path") == "/v2/health/ready" for r in records)
+    assert ready["path"] == "/v2/models/digits/ready"
 
 
 def test_a_bug_answered_500_closes_the_connection_and_is_logged_once(tmp_path: Path) -> None:
@@ -296,6 +302,30 @@ def test_a_json_line_whose_args_do_not_fit_its_message_is_still_one_json_line() 
     assert (fields["level"], fields["message"]) == ("WARNING", "n=%d")
     assert fields["args"] == "('x',)"
     assert fields["format_error"].startswith("/a/b.py:7: TypeError: ")
+
+
+@pytest.mark.parametrize("kind", ["default", "ISO8601"])
+def test_a_text_line_whose_args_do_not_fit_its_message_is_still_one_line(
+    kind: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # A plugin's log.info("x %d", "a"): logging wrote "--- Logging error ---" and a
+    # traceback on stderr and dropped the record (the json format said it in one line).
+    out = io.StringIO()
+    handler = logging.StreamHandler(out)
+    handler.setFormatter(_formatter(kind))
+    record = logging.LogRecord(
+        "trioinfer.x", logging.WARNING, "/a/b.py", 7, "n=%d\n", ("x y",), None
+    )
+    handler.handle(record)
+    assert "Logging error" not in capsys.readouterr().err
+    [line] = out.getvalue().splitlines()
+    said = line.split(" trioinfer.x WARNING ", 1)[1]
+    assert said == (
+        "message could not be formatted (/a/b.py:7: TypeError: %d format: a real number is "
+        'required, not str): message="n=%d\\n" args="(\'x y\',)"'
+    ), said
+    # The record itself is left as it was, for the other handlers.
+    assert (record.msg, record.args) == ("n=%d\n", ("x y",))
 
 
 def test_a_closed_stdout_does_not_stop_the_server(tmp_path: Path) -> None:

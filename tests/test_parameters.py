@@ -134,6 +134,39 @@ async def test_a_model_gets_the_parameters_of_its_request(cls: type) -> None:
         assert got(detailed.outputs) == {"k": 1}
 
 
+class Keywords:
+    """Takes any keyword: gets parameters= as a keyword of its own name would."""
+
+    def infer(self, inputs: Arrays, **kwargs: Any) -> Arrays:
+        return {"p": _text(kwargs)}
+
+
+class KeywordRows:
+    def infer(self, inputs: Arrays, **kwargs: Any) -> Arrays:
+        return {"p": np.array([[json.dumps(kwargs)]] * len(inputs["x"]), dtype=object)}
+
+
+async def test_an_infer_with_kwargs_gets_the_parameters() -> None:
+    # Only an infer that named `parameters` got them: a **kwargs got nothing.
+    async with open_engine() as engine:
+        await engine.load(python("kw", Keywords))
+        assert got(await engine.infer("kw", X, parameters={"k": 1})) == {"parameters": {"k": 1}}
+        assert got(await engine.infer("kw", X)) == {"parameters": {}}
+        # Under a batcher that lays out each batch itself, none can be given: it loads,
+        # and is called without them, as before (a named `parameters` is refused there).
+        padded = python(
+            "padded",
+            KeywordRows,
+            ROWS_SIGNATURE,
+            batcher="dynamic",
+            batcher_options={"pad_axis": 1, "pad_buckets": [1]},
+        )
+        await engine.load(padded)
+        rows = {"x": np.array([[1]], np.int32)}
+        outputs = await engine.infer("padded", rows, parameters={"k": 1})
+        assert json.loads(outputs["p"].reshape(-1)[0]) == {}
+
+
 async def test_a_model_that_takes_no_parameters_is_called_as_before() -> None:
     async with open_engine() as engine:
         await engine.load(python("plain", Plain))

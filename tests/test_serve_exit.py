@@ -204,7 +204,8 @@ anyio.run(main)
 def test_serve_http_that_handles_signals_bounds_its_exit(tmp_path: Path) -> None:
     # An application that gave serve_http the process's signals (handle_signals=True, the
     # default) had no exit bound: SIGTERM, then SIGINT, never ended it while an execution
-    # was stuck on its thread. It has the command's now (its exit_timeout).
+    # was stuck on its thread. It has the command's now (its exit_timeout), and the log
+    # names that parameter, not the command's flag (which the application does not have).
     repository = _stuck_repository(tmp_path / "repository")
     (tmp_path / "app.py").write_text(EMBEDDED)
     log = tmp_path / "app.log"
@@ -221,7 +222,8 @@ def test_serve_http_that_handles_signals_bounds_its_exit(tmp_path: Path) -> None
         said = log.read_text(errors="replace")
         assert code == 1, f"the application exited with {code}; log:\n{said[-4000:]}"
         assert "SIGTERM: stopping" in said
-        assert "ERROR the exit timeout (1.0s after SIGTERM, --exit-timeout-secs) has passed" in said
+        assert "ERROR the exit timeout (1.0s after SIGTERM, exit_timeout) has passed" in said
+        assert "--exit-timeout-secs" not in said
         assert STILL_RUNS in said
         assert _refused(url)
         sent.join(timeout=STOP_S)
@@ -504,7 +506,7 @@ def test_an_unbounded_exit_timeout_keeps_the_second_signals_watchdog(
     monkeypatch.setattr(threading, "excepthook", died.append)
     before = signal.signal(signal.SIGTERM, lambda signum, frame: None)  # the loop's, here
     try:
-        with _exit._backstop(exit_timeout):
+        with _exit._backstop(exit_timeout, "exit_timeout"):
             signal.raise_signal(signal.SIGTERM)
             signal.raise_signal(signal.SIGTERM)
             wait_until(lambda: bool(ended or died), "the second signal's watchdog")

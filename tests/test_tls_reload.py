@@ -635,3 +635,61 @@ def test_the_same_broken_renewal_again_is_said_again(
         assert len(_errors(caplog)) == 2, _errors(caplog)
         assert all("cannot read it" in error for error in _errors(caplog))
     assert _memory_handshake(reloading.current(), _client(ca)) == first.serial
+
+
+def _chain_warnings(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [
+        r.getMessage()
+        for r in caplog.records
+        if r.levelno == logging.WARNING and "without the certificate that signed it" in r.message
+    ]
+
+
+def test_a_certificate_file_without_its_intermediate_is_warned_of_at_load_and_renewal(
+    tmp_path: Path, ca: trustme.CA, caplog: pytest.LogCaptureFixture
+) -> None:
+    # The leaf alone loaded without a word; a client that has only the root then failed
+    # every handshake ("unable to get local issuer certificate").
+    intermediate = ca.create_child_ca()
+    cert, key = tmp_path / "server.pem", tmp_path / "server.key"
+    issued = intermediate.issue_cert("127.0.0.1")
+    leaf, chain = issued.cert_chain_pems[0].bytes(), issued.cert_chain_pems[1].bytes()
+    cert.write_bytes(leaf)
+    key.write_bytes(issued.private_key_pem.bytes())
+    caplog.set_level(logging.INFO, logger="trioinfer.server")
+    reloading = ReloadingContext.load(
+        TlsFiles(cert, key), alpn="http/1.1", flags={"cert": "--http-ssl-cert"}
+    )
+    [said] = _chain_warnings(caplog)
+    name = x509.load_pem_x509_certificate(chain).subject
+    shown = ",".join(
+        f"{a.rfc4514_attribute_name}={a.value!s}"
+        for a in name
+        if a.rfc4514_attribute_name in ("CN", "O", "OU")
+    )
+    assert said.startswith(
+        f"--http-ssl-cert {str(cert)!r} holds the server's certificate without the "
+        f"certificate that signed it ({shown!r}): a client that does not have that one fails"
+    ), said
+    assert "Append the intermediate certificate(s) to the file after the server's" in said
+    with pytest.raises(ssl.SSLCertVerificationError, match="unable to get local issuer"):
+        _memory_handshake(reloading.current(), _client(ca))
+    # Renewed with its chain: served whole, nothing said.
+    caplog.clear()
+    _replace(cert, leaf + chain)
+    assert reloading.check()
+    assert _memory_handshake(reloading.current(), _client(ca)) > 0
+    assert _chain_warnings(caplog) == []
+    # Renewed without it again: said again.
+    renewed = intermediate.issue_cert("127.0.0.1")
+    _replace(key, renewed.private_key_pem.bytes())
+    _replace(cert, renewed.cert_chain_pems[0].bytes())
+    assert reloading.check()
+    assert len(_chain_warnings(caplog)) == 1
+    # A self-signed certificate (the CA's own, as a test server's may be) has no issuer
+    # to add.
+    caplog.clear()
+    _replace(key, ca.private_key_pem.bytes())
+    _replace(cert, ca.cert_pem.bytes())
+    assert reloading.check()
+    assert _chain_warnings(caplog) == []

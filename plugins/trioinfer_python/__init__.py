@@ -60,7 +60,7 @@ In code, ``backend_options={"class": Model, ...}`` names the class itself, and
   cannot interrupt it: a cancelled call runs to its end (an ``abort(self)``
   method, if the class has one, is called from the event loop then, to ask
   it to stop early).
-  If ``infer`` takes a ``parameters`` keyword, it gets the request
+  If ``infer`` takes a ``parameters`` keyword (or ``**kwargs``), it gets the request
   parameters its callers sent (``engine.infer(..., parameters={...})``;
   over HTTP the infer body's ``"parameters"``, over gRPC the request's
   ``parameters`` map, the generate extension's extra JSON keys): an
@@ -376,13 +376,18 @@ class PythonBackend:
         # would stall every other model's requests (and health checks) on the loop. A
         # load cancelled meanwhile waits for it to return: a thread cannot be stopped.
         model = await anyio.to_thread.run_sync(_construct, cls, kwargs, label, decoupled)
-        takes_parameters = _takes(model.infer, "parameters")
+        # A ``**kwargs`` takes them too, as any keyword would be passed to it.
+        named = _takes(model.infer, "parameters")
+        takes_parameters = named or _takes_any_keyword(model.infer)
         if takes_parameters and (layout := _laid_out_by(config)) is not None:
-            raise ConfigError(
-                f"model {config.name!r}: its infer takes parameters, one per request, but "
-                f"{layout} lays out each batch itself, so the engine cannot tell which row "
-                "is whose: drop the parameters keyword (or that batcher)"
-            )
+            if named:
+                raise ConfigError(
+                    f"model {config.name!r}: its infer takes parameters, one per request, "
+                    f"but {layout} lays out each batch itself, so the engine cannot tell "
+                    "which row is whose: drop the parameters keyword (or that batcher)"
+                )
+            # Only a **kwargs, which asked for nothing by name: none are passed, as before.
+            takes_parameters = False
         # The object's hooks, not the class's: a constructor may set infer itself.
         needs_thread = dispatch == "thread" and any(
             callable(getattr(model, hook, None))
@@ -463,6 +468,15 @@ def _takes(cls: Any, name: str) -> bool:
     except (TypeError, ValueError):
         return False
     return name in parameters
+
+
+def _takes_any_keyword(function: Any) -> bool:
+    # Whether *function* has a ``**kwargs``.
+    try:
+        parameters = inspect.signature(function).parameters.values()
+    except (TypeError, ValueError):
+        return False
+    return any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters)
 
 
 def _laid_out_by(config: ModelConfig) -> str | None:

@@ -13,6 +13,7 @@ ever. A second signal cancels at once, a third ends the process at once.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import logging
 import os
 import signal
@@ -26,6 +27,11 @@ import anyio
 import anyio.abc
 
 log = logging.getLogger("trioinfer.server")
+
+#: What the log calls the exit timeout when it ends the process: ``serve_http``'s
+#: parameter, which an application embedding it set; ``trioinfer serve`` (and its
+#: workers) set their flag, ``--exit-timeout-secs``, before calling it.
+EXIT_TIMEOUT_SAID: Final = contextvars.ContextVar("exit_timeout_said", default="exit_timeout")
 
 #: With no --exit-timeout-secs, how long past the drain period the exit may take (cancelling
 #: what still runs, closing the models) before serve ends the process anyway. The same as
@@ -56,8 +62,10 @@ async def bounded_exit(
     not returned.
     """
     serving = anyio.CancelScope()
+    # Read here, in the caller's task: the backstop's signal handler runs in no task's.
+    said = EXIT_TIMEOUT_SAID.get()
     async with anyio.create_task_group() as watch:
-        await watch.start(_watch_the_exit, stop, serving, started, exit_timeout)
+        await watch.start(_watch_the_exit, stop, serving, started, exit_timeout, said)
         with serving:
             yield
         watch.cancel_scope.cancel()  # the exit ended in its bound: nothing more to watch
@@ -68,6 +76,7 @@ async def _watch_the_exit(
     serving: anyio.CancelScope,
     started: anyio.Event,
     exit_timeout: float,
+    said: str,
     *,
     task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED,
 ) -> None:
@@ -76,11 +85,12 @@ async def _watch_the_exit(
     The first signal starts the drain (*stop*; before the server serves, there is
     nothing to drain: *serving* is cancelled at once) and allows the exit
     *exit_timeout* seconds from then; a second cancels *serving* and allows it
-    `SECOND_SIGNAL_S`; a third ends the process at once.
+    `SECOND_SIGNAL_S`; a third ends the process at once. *said* names the exit
+    timeout in the log (`EXIT_TIMEOUT_SAID`).
     """
     with (
         anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals,
-        _backstop(exit_timeout),
+        _backstop(exit_timeout, said),
     ):
         task_status.started()
         async with anyio.create_task_group() as bounds:
@@ -99,8 +109,7 @@ async def _watch_the_exit(
                         _end_after,
                         exit_timeout,
                         serving,
-                        f"the exit timeout ({exit_timeout:.1f}s after {name}, "
-                        "--exit-timeout-secs) has passed",
+                        _timed_out(exit_timeout, name, said),
                     )
                 elif count == 2:
                     log.info("second signal (%s): stopping now", name)
@@ -117,7 +126,7 @@ async def _watch_the_exit(
 
 
 @contextlib.contextmanager
-def _backstop(exit_timeout: float) -> Iterator[None]:
+def _backstop(exit_timeout: float, said: str) -> Iterator[None]:
     """Keep the exit's bounds from a thread too, for while the event loop's thread is blocked.
 
     `_watch_the_exit` keeps them with tasks of the event loop, which cannot run
@@ -156,11 +165,7 @@ def _backstop(exit_timeout: float) -> Iterator[None]:
         name = signal.Signals(signum).name
         signals.append(signum)
         if len(signals) == 1:
-            bound, why = (
-                exit_timeout,
-                f"the exit timeout ({exit_timeout:.1f}s after {name}, --exit-timeout-secs) "
-                "has passed",
-            )
+            bound, why = exit_timeout, _timed_out(exit_timeout, name, said)
         elif len(signals) == 2:
             bound, why = (
                 SECOND_SIGNAL_S,
@@ -193,6 +198,10 @@ def _backstop(exit_timeout: float) -> Iterator[None]:
         for signum in signums:
             if signal.getsignal(signum) is handler:
                 signal.signal(signum, inner[signum])
+
+
+def _timed_out(exit_timeout: float, signame: str, said: str) -> str:
+    return f"the exit timeout ({exit_timeout:.1f}s after {signame}, {said}) has passed"
 
 
 async def _end_after(delay: float, serving: anyio.CancelScope, why: str) -> None:

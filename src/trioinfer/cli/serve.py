@@ -503,6 +503,13 @@ def serve(ctx: click.Context, /, **options: Any) -> None:
     exit_timeout = _exit_timeout(settings, config.drain_period)
     repository = settings["model_repository"] or example_repository()
     grpc_port = _grpc_port(ctx, settings)
+    if grpc_port is None and settings["grpc_header_forward_pattern"] is not None:
+        # It would forward nothing, unnoticed: whoever gave it expects gRPC to be served.
+        raise click.UsageError(
+            "invalid server settings: "
+            f"{_said_key(settings, 'grpc_header_forward_pattern')} forwards gRPC metadata, "
+            f"but {_said(settings, 'grpc')} serves no gRPC; drop one of the two"
+        )
     if config.grpc_tls is not None:
         if grpc_port is None:
             raise click.UsageError(
@@ -642,7 +649,8 @@ def _tracing(settings: dict[str, Any], *, build: bool) -> tuple[Any, float] | No
 def _grpc_port(ctx: click.Context, settings: dict[str, Any]) -> int | None:
     """The port to serve gRPC on, or None for HTTP only.
 
-    Asked for explicitly (--grpc, --grpc-port, or grpc_port in --config) without
+    Asked for explicitly (--grpc, --grpc-port, a --grpc-use-ssl* or
+    --grpc-header-forward-pattern option, or their keys in --config) without
     the extra, it is an error; by default, serve says why there is no gRPC and
     serves HTTP. With --port 0 and no --grpc-port, gRPC takes a free port too,
     so that servers started on free ports never clash on 8001 (under --workers
@@ -661,7 +669,8 @@ def _grpc_port(ctx: click.Context, settings: dict[str, Any]) -> int | None:
         "grpc" in from_file
     )
     tls_given = bool(settings.get("grpc_use_ssl") or settings.get("grpc_use_ssl_mutual"))
-    asked = port_given or grpc_given or tls_given
+    forward_given = settings.get("grpc_header_forward_pattern") is not None
+    asked = port_given or grpc_given or tls_given or forward_given
     missing = [m for m in ("grpc", "grpc_tools", "google.protobuf") if not _importable(m)]
     if missing:
         why = (
@@ -970,6 +979,7 @@ async def _serve(
             f"listening on {url} (Ctrl+C to stop)",
         )
 
+    _exit.EXIT_TIMEOUT_SAID.set("--exit-timeout-secs")  # the log names the flag, not serve_http's
     await serve_http(
         repository,
         host=host,

@@ -398,6 +398,9 @@ class _Stream:
     active: float = 0.0
     #: ``time.monotonic()`` when its headers arrived (for the request log).
     opened: float = 0.0
+    #: Whether the request log was on when its headers arrived: the call that switches
+    #: it (``LogSettings``) is logged as it was before, as an HTTP request is.
+    logged: bool = False
 
 
 def _wake(event: anyio.Event | None) -> None:
@@ -744,6 +747,7 @@ class _Connection:
     def _open(self, stream_id: int, method: Method, call: GrpcCall, wbits: int | None) -> None:
         stream = _Stream(stream_id, method, call, wbits)
         stream.active = stream.opened = self._idle_since = time.monotonic()
+        stream.logged = REQUESTS.on
         self._streams[stream_id] = stream
         if method.streaming:
             self._start(stream)
@@ -1053,7 +1057,7 @@ class _Connection:
         self, stream: _Stream, answered: tuple[int, str, bool] | None, cancelled: bool
     ) -> None:
         # The call's end: its trailers (or its status, when it was cancelled).
-        if REQUESTS.on:  # the request log: the one test when off
+        if stream.logged:  # the request log: the one test when off
             self._log_call(stream, answered, cancelled)
         if answered is None and not cancelled:
             self._streams.pop(stream.stream_id, None)
@@ -1102,7 +1106,7 @@ class _Connection:
         peer = self._socket.extra(anyio.abc.SocketAttribute.remote_address, None)
         log_request(
             "grpc",
-            next((path for path, m in self._methods.items() if m is stream.method), "?"),
+            self._server.paths[id(stream.method)],
             code,
             stream.opened,
             model=fields.get("model"),
@@ -1348,6 +1352,8 @@ class GrpcServer:
         max_buffered: int | None = None,
     ) -> None:
         self._methods = methods
+        #: Each method's path, by the method's id: what the request log names a call by.
+        self.paths = {id(method): path for path, method in methods.items()}
         self._max = max_message
         self.head_timeout = head_timeout
         self.body_timeout = body_timeout

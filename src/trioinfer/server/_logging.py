@@ -124,9 +124,7 @@ class JsonFormatter(logging.Formatter):
             # write its error as text lines and drop the record; it stays one JSON line.
             fields["message"] = str(record.msg)
             fields["args"] = repr(record.args)
-            fields["format_error"] = (
-                f"{record.pathname}:{record.lineno}: {type(exc).__name__}: {exc}"
-            )
+            fields["format_error"] = _format_error(record, exc)
         if self._worker is not None:
             fields["worker"] = self._worker
         for key, value in vars(record).items():
@@ -157,6 +155,11 @@ def _trace_ids() -> dict[str, str]:
     return {"trace_id": f"{context.trace_id:032x}", "span_id": f"{context.span_id:016x}"}
 
 
+def _format_error(record: logging.LogRecord, exc: Exception) -> str:
+    # Where the call whose %-args do not fit its message is, and what formatting it raised.
+    return f"{record.pathname}:{record.lineno}: {type(exc).__name__}: {exc}"
+
+
 class _TextFormatter(logging.Formatter):
     r"""A text line whose control characters are escaped: one record stays one line.
 
@@ -164,8 +167,26 @@ class _TextFormatter(logging.Formatter):
     id): a newline in it would start a line that reads as the server's own
     (log injection), an ANSI escape would rewrite the operator's terminal.
     They are written as ``\n``, ``\x1b``, as in a Python string. A traceback
-    after the line keeps its lines.
+    after the line keeps its lines. A call whose %-args do not fit its message
+    is still one line, as in `JsonFormatter`: it says so, with the message and
+    the args unformatted (quoted as the request log's values are).
     """
+
+    def format(self, record: logging.LogRecord) -> str:
+        """The record as a line (and its traceback's lines, if it has one)."""
+        if record.args:  # without args, the message is the text as it is: nothing to fit
+            try:
+                record.getMessage()
+            except Exception as exc:
+                # logging would write "--- Logging error ---" and a traceback on stderr, and
+                # drop the record. A copy, so that another handler sees the record as it is.
+                record = logging.makeLogRecord(vars(record))
+                record.msg = (
+                    f"message could not be formatted ({_format_error(record, exc)}): "
+                    f"message={_word(str(record.msg))} args={_word(repr(record.args))}"
+                )
+                record.args = None
+        return super().format(record)
 
     def formatMessage(self, record: logging.LogRecord) -> str:
         """The line, with every character that is not printable escaped."""

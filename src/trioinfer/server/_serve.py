@@ -136,10 +136,10 @@ async def serve_http(
             the first signal (the drain, then cancelling what still runs and closing
             the engine), as ``trioinfer serve --exit-timeout-secs``; past it (or 1
             second after a second signal) the process ends with exit status 1, the
-            log naming the executions still running (an execution on a thread cannot
-            be interrupted, and would hold the process for ever). None: the drain
-            period + 10 seconds, the command's default; ``math.inf``: unbounded. At
-            least ``config.drain_period``.
+            ERROR line naming ``exit_timeout`` and the executions still running (an
+            execution on a thread cannot be interrupted, and would hold the process
+            for ever). None: the drain period + 10 seconds, the command's default;
+            ``math.inf``: unbounded. At least ``config.drain_period``.
         task_status: Reports a [`Listening`][trioinfer.server.Listening] once ready,
             for ``nursery.start``.
 

@@ -18,11 +18,14 @@ waits through ``_io.py`` only when a call would block.
 
 from __future__ import annotations
 
+import base64
+import binascii
 import contextlib
 import errno
 import hashlib
 import logging
 import os
+import re
 import socket
 import ssl
 import threading
@@ -169,6 +172,105 @@ def _load_verify(context: ssl.SSLContext, path: str, said: str) -> None:
         ) from None
 
 
+def _warn_of_a_missing_chain(path: str, flag: str) -> None:
+    """Warn when the certificate file *path* (given as *flag*) lacks its leaf's issuer.
+
+    A file with the server's certificate alone, signed by an intermediate CA,
+    loads and serves; a client that has only the root then fails every
+    handshake ("unable to get local issuer certificate"), while a browser or
+    a client that has the intermediate cached works, which hides the cause.
+    So: a leaf that is not self-signed, whose issuer is not among the file's
+    other certificates, is said at WARNING, naming the issuer. (A leaf signed
+    by a root that the clients trust needs nothing more: the message says so,
+    since the file cannot tell a root from an intermediate.) A file that
+    cannot be read or parsed here says nothing: `server_context` checks it.
+    """
+    try:
+        with open(path, "rb") as f:
+            certificates = [_names(der) for der in _pem_certificates(f.read())]
+        if not certificates:
+            return
+        issuer, subject = certificates[0]
+        if issuer == subject or any(other == issuer for _, other in certificates[1:]):
+            return
+        said = _name_text(issuer)
+    except (OSError, IndexError, ValueError):
+        return
+    log.warning(
+        "%s %r holds the server's certificate without the certificate that signed it (%s): "
+        "a client that does not have that one fails the TLS handshake (unable to get local "
+        "issuer certificate). Append the intermediate certificate(s) to the file after the "
+        "server's, as a CA's full chain has them (certbot's fullchain.pem, cert-manager's "
+        "tls.crt); if %s is a root CA that every client trusts, nothing is missing",
+        flag,
+        path,
+        said,
+        said,
+    )
+
+
+_PEM_CERTIFICATE: Final = re.compile(
+    rb"-----BEGIN CERTIFICATE-----(.+?)-----END CERTIFICATE-----", re.DOTALL
+)
+
+
+def _pem_certificates(pem: bytes) -> list[bytes]:
+    # Each certificate of a PEM file, as DER.
+    try:
+        return [base64.b64decode(body) for body in _PEM_CERTIFICATE.findall(pem)]
+    except binascii.Error as exc:
+        raise ValueError(str(exc)) from None
+
+
+def _der(data: bytes, pos: int) -> tuple[int, int, int]:
+    # The DER item at *pos*: its tag, where its content starts and where it ends.
+    tag, length = data[pos], data[pos + 1]
+    pos += 2
+    if length & 0x80:
+        size = length & 0x7F
+        length = int.from_bytes(data[pos : pos + size], "big")
+        pos += size
+    if pos + length > len(data):
+        raise ValueError("a DER item runs past the end of its certificate")
+    return tag, pos, pos + length
+
+
+def _names(der: bytes) -> tuple[bytes, bytes]:
+    # A certificate's issuer and subject, as their DER (RFC 5280, 4.1): compared as bytes,
+    # as a CA copies its subject into the issuer of what it signs.
+    _, pos, _ = _der(der, 0)  # Certificate: into it
+    _, pos, _ = _der(der, pos)  # its tbsCertificate: into it
+    tag, _, end = _der(der, pos)
+    if tag == 0xA0:  # [0] version: then the serial number
+        tag, _, end = _der(der, end)
+    _, _, end = _der(der, end)  # the signature algorithm
+    _, start, issuer_end = _der(der, end)
+    issuer = der[start:issuer_end]
+    _, _, end = _der(der, issuer_end)  # validity
+    _, start, subject_end = _der(der, end)
+    return issuer, der[start:subject_end]
+
+
+#: The attributes of a name that a message shows, by their OID's DER (2.5.4.x).
+_SHOWN: Final = {b"\x55\x04\x03": "CN", b"\x55\x04\x0a": "O", b"\x55\x04\x0b": "OU"}
+
+
+def _name_text(name: bytes) -> str:
+    # A name's common name and organisation, for a message: "CN=R3,O=Let's Encrypt".
+    parts = []
+    pos = 0
+    while pos < len(name):
+        _, set_start, set_end = _der(name, pos)  # one RelativeDistinguishedName (a SET)
+        _, pair, _ = _der(name, set_start)  # its first AttributeTypeAndValue
+        _, oid_start, oid_end = _der(name, pair)
+        _, value_start, value_end = _der(name, oid_end)
+        key = _SHOWN.get(name[oid_start:oid_end])
+        if key is not None:
+            parts.append(f"{key}={name[value_start:value_end].decode('utf-8', 'replace')}")
+        pos = set_end
+    return repr(",".join(parts)) if parts else "the issuer"
+
+
 #: How often, at most, a TLS endpoint looks at its files for a renewal (see `ReloadingContext`).
 RELOAD_CHECK_S: Final = 1.0
 
@@ -259,6 +361,7 @@ class ReloadingContext:
         """
         stamps = cls._stamps(files)  # before reading: a change meanwhile is seen next time
         context = server_context(files, alpn=alpn, flags=flags)
+        _warn_of_a_missing_chain(files.cert, {**_FLAGS, **(flags or {})}["cert"])
         return cls(files, alpn, flags, context=context, loaded=stamps)
 
     @staticmethod
@@ -326,6 +429,7 @@ class ReloadingContext:
                 names["cert"],
                 self.files.cert,
             )
+            _warn_of_a_missing_chain(self.files.cert, names["cert"])
             return True
         self._refused = _Refused(stamps, time.monotonic(), why)
         log.debug("TLS files changed but cannot be used (yet): %s", why)

@@ -2011,8 +2011,10 @@ def _worker_main(argv: list[str]) -> int:
     )
 
     async def serve() -> None:
+        from .._exit import EXIT_TIMEOUT_SAID
         from ..cli.serve import _OnStarted, _settle_gc
 
+        EXIT_TIMEOUT_SAID.set("--exit-timeout-secs")  # a worker of the command
         await serve_http(
             spec["repository"],
             host=spec["host"],
