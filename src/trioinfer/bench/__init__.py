@@ -58,6 +58,7 @@ from ._inputs import load_inputs as load_inputs
 from ._inputs import random_inputs as random_inputs
 from ._inputs import zero_inputs as zero_inputs
 from ._load import iter_arrivals as iter_arrivals
+from ._modes import Modes as Modes
 from ._report import format_table as format_table
 from ._report import open_progress as open_progress
 from ._report import print_table as print_table
@@ -85,6 +86,7 @@ __all__ = [
     "BenchError",
     "GrpcTarget",
     "HttpTarget",
+    "Modes",
     "Plan",
     "Progress",
     "Result",

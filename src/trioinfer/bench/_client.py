@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import os
 import socket
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from contextlib import suppress
 from typing import Any, Final
 from urllib.parse import urlsplit
@@ -21,6 +21,7 @@ import trio
 
 from ..server import encode_infer_request
 from ._inputs import BenchError, Tensor
+from ._modes import SequenceStep, ShmRegion, shm_request_doc
 from ._stats import Status, _Recorder
 
 # Status of a request that got no HTTP answer (refused, reset, closed mid-response).
@@ -147,6 +148,14 @@ def _new_socket(address: tuple[str, int]) -> socket.socket:
     return sock
 
 
+def _error_text(body: bytes) -> str:
+    # A V2 error answer's message ({"error": ...}), else the start of the body.
+    try:
+        return str(json.loads(body).get("error", body.decode(errors="replace")))
+    except (ValueError, AttributeError):
+        return body[:300].decode(errors="replace")
+
+
 def _http_requests(
     host: str, port: int, path: str, bodies: Sequence[tuple[bytes, int | None]]
 ) -> list[bytes]:
@@ -205,7 +214,29 @@ class HttpTarget:
         Raises:
             BenchError: Nothing answers at the address.
         """
-        request = f"GET {path} HTTP/1.1\r\nHost: {self.host}:{self.port}\r\n\r\n".encode()
+        return await self.call(
+            f"GET {path} HTTP/1.1\r\nHost: {self.host}:{self.port}\r\n\r\n".encode(), path
+        )
+
+    async def post(self, path: str, doc: Mapping[str, Any]) -> tuple[int, bytes]:
+        """A one-off POST of *doc* as JSON on a fresh connection; returns the status and body.
+
+        Raises:
+            BenchError: Nothing answers at the address.
+        """
+        body = json.dumps(doc).encode()
+        head = (
+            f"POST {path} HTTP/1.1\r\nHost: {self.host}:{self.port}\r\n"
+            f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
+        )
+        return await self.call(head.encode() + body, path)
+
+    async def call(self, request: bytes, path: str) -> tuple[int, bytes]:
+        """Send one whole HTTP *request* (for *path*) on a fresh connection; return its answer.
+
+        Raises:
+            BenchError: Nothing answers at the address.
+        """
         recorder = _Recorder()
         connection = _Connection(recorder)
         try:
@@ -228,6 +259,19 @@ class HttpTarget:
             )
         return int(status), body
 
+    async def config(self) -> dict[str, Any]:
+        """The model's configuration (``GET /v2/models/{m}/config``), or ``{}`` without one.
+
+        A server without Triton's configuration endpoint (MLServer, KServe) answers
+        404: then nothing is known of the model beyond its metadata.
+        """
+        status, body = await self.get(f"{self.model_path}/config")
+        try:
+            doc = json.loads(body) if status == 200 else {}
+        except ValueError:
+            doc = {}
+        return doc if isinstance(doc, dict) else {}
+
     async def metadata(self) -> dict[str, Any]:
         """The model's V2 metadata (``GET /v2/models/{m}``).
 
@@ -236,13 +280,10 @@ class HttpTarget:
         """
         status, body = await self.get(self.model_path)
         if status != 200:
-            try:
-                message = json.loads(body).get("error", body.decode(errors="replace"))
-            except (ValueError, AttributeError):
-                message = body[:300].decode(errors="replace")
             raise BenchError(
                 f"the server answered {status} for model {self.model!r}"
-                f"{'' if self.version is None else f' version {self.version}'}: {message}"
+                f"{'' if self.version is None else f' version {self.version}'}: "
+                f"{_error_text(body)}"
             )
         doc = json.loads(body)
         if not isinstance(doc, dict) or not isinstance(doc.get("inputs"), list):
@@ -255,3 +296,61 @@ class HttpTarget:
             encode_infer_request({t.name: t.array for t in v}, binary=binary) for v in variants
         ]
         return _http_requests(self.host, self.port, f"{self.model_path}/infer", bodies)
+
+    def sequence_requests(
+        self, variants: Sequence[Sequence[Tensor]], *, binary: bool
+    ) -> Callable[[int, SequenceStep], bytes]:
+        """A maker of whole HTTP requests: variant *n* as step *step* of its sequence.
+
+        Each variant is encoded once; only its ``parameters`` (the sequence's id
+        and flags beside the encoding's own) are written per request.
+        """
+        parts = []
+        for variant in variants:
+            body, header_length = encode_infer_request(
+                {t.name: t.array for t in variant}, binary=binary
+            )
+            header = body if header_length is None else body[:header_length]
+            doc = json.loads(header)
+            parameters = doc.pop("parameters", {})
+            # '{"inputs": ...}' without its '{': each request's parameters go first.
+            rest = json.dumps(doc, separators=(",", ":")).encode()[1:]
+            parts.append((parameters, rest, body[len(header) :]))
+        path = f"{self.model_path}/infer"
+
+        def make(n: int, step: SequenceStep) -> bytes:
+            parameters, rest, blobs = parts[n % len(parts)]
+            own = json.dumps({**parameters, **step.parameters()}, separators=(",", ":"))
+            header = b'{"parameters":' + own.encode() + b"," + rest
+            length = len(header) if binary else None
+            return _http_requests(self.host, self.port, path, [(header + blobs, length)])[0]
+
+        return make
+
+    def shm_requests(self, regions: Sequence[ShmRegion]) -> list[bytes]:
+        """For each region, the whole HTTP request whose inputs and outputs lie in it."""
+        bodies = [(json.dumps(shm_request_doc(r)).encode(), None) for r in regions]
+        return _http_requests(self.host, self.port, f"{self.model_path}/infer", bodies)
+
+    async def register_regions(self, regions: Sequence[ShmRegion]) -> None:
+        """Register each region with the server's system shared-memory extension.
+
+        Raises:
+            BenchError: The server refused one (its message, e.g. a server of
+                several worker processes, which takes none).
+        """
+        for region in regions:
+            status, body = await self.post(
+                f"/v2/systemsharedmemory/region/{region.name}/register",
+                {"key": region.key, "offset": 0, "byte_size": region.byte_size},
+            )
+            if status != 200:
+                raise BenchError(
+                    f"the server refused to register the shared-memory region {region.name!r} "
+                    f"(HTTP {status}): {_error_text(body)}"
+                )
+
+    async def unregister_regions(self, regions: Sequence[ShmRegion]) -> None:
+        """Unregister each region (one the server does not know is no error)."""
+        for region in regions:
+            await self.post(f"/v2/systemsharedmemory/region/{region.name}/unregister", {})

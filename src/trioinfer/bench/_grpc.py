@@ -14,16 +14,15 @@ from __future__ import annotations
 
 import asyncio
 import math
-import struct
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING, Any, Final, Literal
 
 import attrs
-import numpy as np
 import trio
 
 from ._inputs import BenchError, Tensor
+from ._modes import tensor_bytes
 from ._stats import Result, _Recorder
 
 if TYPE_CHECKING:
@@ -35,7 +34,7 @@ WORKERS_PER_CHANNEL: Final = 16
 GrpcClient = Literal["raw", "aio"]
 _INFER: Final = "/inference.GRPCInferenceService/ModelInfer"
 _METADATA: Final = "/inference.GRPCInferenceService/ModelMetadata"
-_U32: Final = struct.Struct("<I")
+_CONFIG: Final = "/inference.GRPCInferenceService/ModelConfig"
 
 
 def _proto() -> Any:
@@ -91,32 +90,56 @@ class GrpcTarget:
         Raises:
             BenchError: No server, or it does not serve the model (with its message).
         """
-        import grpc
         from google.protobuf import json_format
 
         pb = _proto()
         request = pb.message("ModelMetadataRequest")(name=self.model, version=self.version or "")
+        response = await self.call(_METADATA, request, pb.ModelMetadataResponse)
+        doc: dict[str, Any] = json_format.MessageToDict(response, preserving_proto_field_name=True)
+        for tensor in doc.get("inputs", []):
+            tensor["shape"] = [int(d) for d in tensor.get("shape", [])]
+        return doc
+
+    async def config(self) -> dict[str, Any]:
+        """The model's configuration, from ``ModelConfig``, as Triton's JSON names it.
+
+        Raises:
+            BenchError: No server, or it does not serve the model (with its message).
+        """
+        from google.protobuf import json_format
+
+        pb = _proto()
+        request = pb.message("ModelConfigRequest")(name=self.model, version=self.version or "")
+        response = await self.call(_CONFIG, request, pb.message("ModelConfigResponse"))
+        doc: dict[str, Any] = json_format.MessageToDict(
+            response.config, preserving_proto_field_name=True
+        )
+        return doc
+
+    async def call(self, method: str, request: Any, response_type: Any) -> Any:
+        """One unary call of the service on a channel of its own (from a worker thread).
+
+        Raises:
+            BenchError: The call failed (with the server's status and message).
+        """
+        import grpc
 
         def call() -> Any:
             with grpc.insecure_channel(self.address) as channel:
-                method = channel.unary_unary(
-                    _METADATA,
+                stub = channel.unary_unary(
+                    method,
                     request_serializer=lambda m: m.SerializeToString(),
-                    response_deserializer=pb.ModelMetadataResponse.FromString,
+                    response_deserializer=response_type.FromString,
                 )
-                return method(request, timeout=30)
+                return stub(request, timeout=30)
 
         try:
-            response = await trio.to_thread.run_sync(call)
+            return await trio.to_thread.run_sync(call)
         except grpc.RpcError as exc:
             raise BenchError(
                 f"grpc://{self.address} answered {exc.code().name} for model {self.model!r}: "
                 f"{exc.details()}"
             ) from None
-        doc: dict[str, Any] = json_format.MessageToDict(response, preserving_proto_field_name=True)
-        for tensor in doc.get("inputs", []):
-            tensor["shape"] = [int(d) for d in tensor.get("shape", [])]
-        return doc
 
     def requests(self, variants: Sequence[Sequence[Tensor]]) -> list[bytes]:
         """Each variant as a serialized ``ModelInferRequest`` (raw contents)."""
@@ -128,19 +151,9 @@ class GrpcTarget:
                 request.inputs.add(
                     name=tensor.name, datatype=tensor.datatype, shape=list(tensor.array.shape)
                 )
-                request.raw_input_contents.append(_raw(tensor))
+                request.raw_input_contents.append(tensor_bytes(tensor))
             out.append(request.SerializeToString())
         return out
-
-
-def _raw(tensor: Tensor) -> bytes:
-    if tensor.datatype == "BYTES":
-        parts = []
-        for item in tensor.array.ravel().tolist():
-            data = item if isinstance(item, bytes) else str(item).encode()
-            parts += [_U32.pack(len(data)), data]
-        return b"".join(parts)
-    return np.ascontiguousarray(tensor.array).astype(tensor.array.dtype.newbyteorder("<")).tobytes()
 
 
 @attrs.define(eq=False)
@@ -204,10 +217,13 @@ async def run_grpc_level(
     measure: Callable[[_Recorder], Awaitable[Result]],
     *,
     client: GrpcClient = "raw",
+    streaming: bool = False,
 ) -> Result:
     """One closed-loop level over gRPC: *concurrency* workers; *measure* counts the windows.
 
     *client* ``"raw"`` is the lean client (`_grpc_raw`); ``"aio"`` is grpcio's.
+    With *streaming* (the raw client) each request is a ``ModelStreamInfer``
+    call of its own, which ends after its last response.
     """
     from ._grpc_raw import _RawGrpcLoop  # hpack: the grpc extra's
 
@@ -221,6 +237,7 @@ async def run_grpc_level(
             recorder,
             concurrency,
             streams_per_connection=WORKERS_PER_CHANNEL,
+            streaming=streaming,
         )
     try:
         async with trio.open_nursery() as nursery:

@@ -106,9 +106,12 @@ class _LoadLoop:
         schedule: Iterator[int] | None = None,
         backlog_limit: int = 0,
         max_connections: int = 0,
+        next_request: Callable[[_Connection], bytes] | None = None,
     ) -> None:
         self._address = address
         self._requests = requests
+        # Requests that differ by connection (sequences, shared memory): made per send.
+        self._next_request = next_request
         self._recorder = recorder
         self._schedule = schedule
         self._backlog_limit = backlog_limit
@@ -182,6 +185,9 @@ class _LoadLoop:
             # Writable once connected (or failed); the request goes out then.
             conn.connecting = True
             self._attach(conn, sock, _OUT)
+            return
+        if self._next_request is not None:
+            self._transmit(conn, memoryview(self._next_request(conn)))
             return
         self._transmit(conn, memoryview(self._requests[self._n % len(self._requests)]))
         self._n += 1
