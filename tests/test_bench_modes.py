@@ -203,14 +203,26 @@ def test_an_id_range_smaller_than_the_concurrency_is_refused() -> None:
     assert [next(ids).id for _ in range(3)] == [5, 6, 5]
 
 
+def target(server: Server, protocol: str) -> tuple[str, ...]:
+    """The options that reach *server* over *protocol*."""
+    if protocol == "grpc":
+        return ("--protocol", "grpc", "--url", f"grpc://{server.grpc}")
+    return ("--url", server.url)
+
+
+BOTH = pytest.mark.parametrize("protocol", ["http", pytest.param("grpc", marks=pytest.mark.grpc)])
+
+
 @pytest.mark.sequence
 @pytest.mark.python_model
+@BOTH
 @pytest.mark.parametrize("length", [None, "4"])
-def test_sequences_over_http(server: Server, tmp_path: Path, length: str | None) -> None:
+def test_sequences(server: Server, tmp_path: Path, protocol: str, length: str | None) -> None:
     # A request of a sequence never started, or started twice, is refused (400): no
     # errors means every sequence went out with its start and end, in order.
     code, output, doc = bench(
-        *("--url", server.url, "-m", "simple_sequence", "--input-data", "zero"),
+        *target(server, protocol),
+        *("-m", "simple_sequence", "--input-data", "zero"),
         *(("--sequence-length", length) if length else ()),
         *("--sequence-id-range", "100:200", "--concurrency", "1,3", *SHORT),
         json_file=tmp_path / "run.json",
@@ -248,10 +260,15 @@ def test_a_bad_id_range_is_a_usage_error() -> None:
 
 
 @pytest.mark.shm
-def test_shared_memory_over_http_leaves_nothing_registered(server: Server, tmp_path: Path) -> None:
+@BOTH
+def test_shared_memory_leaves_nothing_registered(
+    server: Server, tmp_path: Path, protocol: str
+) -> None:
+    # Over gRPC, 20 workers: two connections, so two regions.
     code, output, doc = bench(
-        *("--url", server.url, "-m", "add", "--shared-memory", "system"),
-        *("--output-shared-memory-size", "64", "--concurrency", "1,3", *SHORT),
+        *target(server, protocol),
+        *("-m", "add", "--shared-memory", "system", "--output-shared-memory-size", "64"),
+        *("--concurrency", "1,3" if protocol == "http" else "1,20", *SHORT),
         json_file=tmp_path / "run.json",
     )
     assert code == 0, output
@@ -262,14 +279,17 @@ def test_shared_memory_over_http_leaves_nothing_registered(server: Server, tmp_p
 
 
 @pytest.mark.shm
-def test_outputs_too_big_for_the_region_are_the_servers_error(server: Server) -> None:
+@BOTH
+def test_outputs_too_big_for_the_region_are_the_servers_error(
+    server: Server, protocol: str
+) -> None:
     # 'add' answers 4 FP32s (16 bytes) per output: 8 bytes cannot hold them.
     code, output, _ = bench(
-        *("--url", server.url, "-m", "add", "--shared-memory", "system"),
-        *("--output-shared-memory-size", "8", *SHORT),
+        *target(server, protocol),
+        *("-m", "add", "--shared-memory", "system", "--output-shared-memory-size", "8", *SHORT),
     )
     assert code == 1
-    assert "400" in output
+    assert ("400" if protocol == "http" else "INVALID_ARGUMENT") in output
     assert registered(server) == []
     assert leftover_regions() == []
 

@@ -26,6 +26,7 @@ The command line is the interface most people need; from Python, `run_http` or
 `run_in_process` with a `Plan` give a `Run`, which `print_table` and
 `write_json` report. The modules, by job: ``_inputs`` (request inputs),
 ``_client`` (the HTTP client), ``_load`` (the load loops and arrivals),
+``_modes`` (streaming, sequences and shared memory: perf_analyzer's modes),
 ``_stats`` (windows, stability, results), ``_run`` (levels over HTTP or
 in-process) and ``_report`` (table, progress, files).
 

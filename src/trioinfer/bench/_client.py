@@ -351,6 +351,7 @@ class HttpTarget:
                 )
 
     async def unregister_regions(self, regions: Sequence[ShmRegion]) -> None:
-        """Unregister each region (one the server does not know is no error)."""
+        """Unregister each region (one the server does not know, or no server, is no error)."""
         for region in regions:
-            await self.post(f"/v2/systemsharedmemory/region/{region.name}/unregister", {})
+            with suppress(BenchError):
+                await self.post(f"/v2/systemsharedmemory/region/{region.name}/unregister", {})

@@ -19,7 +19,7 @@ import os
 import socket
 import struct
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from contextlib import suppress
 from typing import Final, cast
 from urllib.parse import unquote
@@ -107,11 +107,13 @@ class _Stream:
         "start",
         "unacked",
         "unsent",
+        "worker",
     )
 
-    def __init__(self, stream_id: int, start: int) -> None:
+    def __init__(self, stream_id: int, start: int, worker: int = 0) -> None:
         self.id = stream_id
         self.start = start
+        self.worker = worker  # which of its connection's workers made the call
         self.http_status = ""
         self.grpc_status: str | None = None
         self.grpc_message = ""
@@ -141,6 +143,7 @@ class _H2Connection:
         "headers_block",
         "headers_end_stream",
         "headers_stream",
+        "index",
         "max_frame",
         "max_streams",
         "next_id",
@@ -157,8 +160,9 @@ class _H2Connection:
         "writing",
     )
 
-    def __init__(self, slots: int, headers: list[tuple[str, str]]) -> None:
+    def __init__(self, slots: int, headers: list[tuple[str, str]], index: int = 0) -> None:
         self.slots = slots
+        self.index = index  # its place among the level's connections
         self.headers = headers
         self.sock: socket.socket | None = None
         self.fd = -1
@@ -214,9 +218,13 @@ class _RawGrpcLoop:
         streams_per_connection: int,
         timeout_s: float | None = None,
         streaming: bool = False,
+        next_request: Callable[[int, int], bytes] | None = None,
     ) -> None:
         self._address = address
         self._streaming = streaming
+        # Requests that differ by worker (sequences) or connection (shared memory):
+        # made per call from (connection index, worker index within it).
+        self._next_request = next_request
         # Each message with its gRPC prefix: not compressed, then its length.
         self._messages = [b"\0" + _U32.pack(len(r)) + r for r in requests]
         self._recorder = recorder
@@ -237,7 +245,8 @@ class _RawGrpcLoop:
             headers.append(("grpc-timeout", _grpc_timeout(timeout_s)))
         per = max(1, streams_per_connection)
         self.connections = [
-            _H2Connection(min(per, count - first), headers) for first in range(0, count, per)
+            _H2Connection(min(per, count - first), headers, first // per)
+            for first in range(0, count, per)
         ]
 
     def stop(self) -> None:
@@ -318,13 +327,22 @@ class _RawGrpcLoop:
 
     def _send(self, conn: _H2Connection, start: int) -> None:
         """Start the next call on *conn* (its latency runs from *start*)."""
-        message = self._messages[self._n % len(self._messages)]
-        self._n += 1
+        worker = 0
+        if self._next_request is not None:
+            # The first of the connection's workers with no call in flight: whatever
+            # ended its last call (an answer, a reset, a lost connection).
+            busy = {s.worker for s in conn.streams.values()}
+            worker = next(i for i in range(conn.slots) if i not in busy)
+            request = self._next_request(conn.index, worker)
+            message = b"\0" + _U32.pack(len(request)) + request
+        else:
+            message = self._messages[self._n % len(self._messages)]
+            self._n += 1
         sid = conn.next_id
         conn.next_id += 2
         if conn.next_id > _LAST_STREAM_ID:
             conn.going_away = True  # finish what is in flight, then reconnect
-        stream = conn.streams[sid] = _Stream(sid, start)
+        stream = conn.streams[sid] = _Stream(sid, start, worker)
         block = conn.block
         if conn.first_block is not None:
             block, conn.first_block = conn.first_block, None

@@ -13,11 +13,13 @@ from __future__ import annotations
 import contextlib
 import itertools
 import os
-from collections.abc import Iterator, Mapping, Sequence
-from typing import Any, Final, Literal
+from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
+from contextlib import asynccontextmanager
+from typing import Any, Final, Literal, Protocol
 
 import attrs
 import numpy as np
+import trio
 
 from ._inputs import BenchError, Tensor
 
@@ -245,3 +247,37 @@ def shm_request_doc(region: ShmRegion) -> dict[str, Any]:
         ],
         "outputs": [{"name": name, "parameters": where(o, n)} for name, o, n in region.outputs],
     }
+
+
+class _RegionServer(Protocol):
+    # What `open_regions` needs of a target (HttpTarget, GrpcTarget).
+    async def register_regions(self, regions: Sequence[ShmRegion]) -> None: ...
+    async def unregister_regions(self, regions: Sequence[ShmRegion]) -> None: ...
+
+
+@asynccontextmanager
+async def open_regions(
+    server: _RegionServer,
+    count: int,
+    tensors: Sequence[Tensor],
+    outputs: Sequence[str],
+    output_size: int,
+) -> AsyncIterator[list[ShmRegion]]:
+    """Make *count* regions (`make_regions`), register them, and yield them.
+
+    On the way out, whatever ends the block (its end, an error, Ctrl-C, a
+    cancellation), every region is unregistered and its /dev/shm object removed.
+
+    Raises:
+        BenchError: A region cannot be made, or the server refused one (its message).
+    """
+    regions = make_regions(count, tensors, outputs, output_size)
+    try:
+        await server.register_regions(regions)
+        yield regions
+    finally:
+        with trio.CancelScope(shield=True):
+            try:
+                await server.unregister_regions(regions)
+            finally:
+                remove_regions(regions)

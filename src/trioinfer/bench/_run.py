@@ -13,8 +13,16 @@ import itertools
 import math
 import socket
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping, Sequence
-from contextlib import asynccontextmanager
+from collections.abc import (
+    AsyncIterator,
+    Awaitable,
+    Callable,
+    Hashable,
+    Iterator,
+    Mapping,
+    Sequence,
+)
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from pathlib import Path
 from typing import Any, Final
 
@@ -28,7 +36,7 @@ from .._sequence import SequenceFlags
 from ..server import ModelRepository, v2_datatype
 from ..server._models import ServedModels, public_names
 from ._client import HttpTarget, _Connection
-from ._grpc import GrpcClient, GrpcTarget, run_grpc_level
+from ._grpc import WORKERS_PER_CHANNEL, GrpcClient, GrpcTarget, run_grpc_level
 from ._inputs import BenchError, InputData, Tensor, generated_inputs, load_inputs
 from ._load import (
     _BACKLOG_PER_CONNECTION,
@@ -45,8 +53,7 @@ from ._modes import (
     ShmRegion,
     _Sequencer,
     check_model,
-    make_regions,
-    remove_regions,
+    open_regions,
 )
 from ._stats import Progress, Result, Settings, Status, _measure, _Recorder
 
@@ -195,7 +202,7 @@ async def run_http(
     requests = target.requests(variants, binary=binary)
     address = (target.host, target.port)
 
-    regions: list[ShmRegion] = []
+    shm_requests: list[bytes] = []  # one per connection, with --shared-memory
     probe_s = 0.0
     if plan.rates and not plan.max_connections:
         probe = _Connection(_Recorder())
@@ -225,8 +232,8 @@ async def run_http(
                 _Sequencer(modes, count, plan.seed),
                 target.sequence_requests(variants, binary=binary),
             )
-        elif regions:
-            loop_options["next_request"] = _per_connection(target.shm_requests(regions))
+        elif shm_requests:
+            loop_options["next_request"] = _per_connection(shm_requests)
         loop = _LoadLoop(address, requests, recorder, socks, **loop_options)
         try:
             async with trio.open_nursery() as nursery:
@@ -260,22 +267,21 @@ async def run_http(
 
     if modes.shared_memory == "none":
         return await _run_levels(plan, run_closed, run_open)
-    regions = make_regions(
-        max(plan.concurrency),
-        variants[0],
-        [str(o["name"]) for o in metadata.get("outputs", [])],
-        modes.output_shm_size,
-    )
-    try:
-        await target.register_regions(regions)
+    # A region per connection: a closed loop's connections are its workers.
+    async with _regions(target, metadata, variants, modes, max(plan.concurrency)) as regions:
+        shm_requests.extend(target.shm_requests(regions))
         return await _run_levels(plan, run_closed, run_open)
-    finally:
-        # Also on Ctrl-C or an error: nothing left registered, nothing left in /dev/shm.
-        with trio.CancelScope(shield=True):
-            try:
-                await target.unregister_regions(regions)
-            finally:
-                remove_regions(regions)
+
+
+def _regions(
+    target: HttpTarget | GrpcTarget,
+    metadata: Mapping[str, Any],
+    variants: Sequence[Sequence[Tensor]],
+    modes: Modes,
+    count: int,
+) -> AbstractAsyncContextManager[list[ShmRegion]]:
+    outputs = [str(o["name"]) for o in metadata.get("outputs", [])]
+    return open_regions(target, count, variants[0], outputs, modes.output_shm_size)
 
 
 def _closed_loop_modes(plan: Plan, modes: Modes, input_files: Sequence[Path]) -> Modes:
@@ -294,15 +300,16 @@ def _closed_loop_modes(plan: Plan, modes: Modes, input_files: Sequence[Path]) ->
 
 def _sequence_maker(
     sequencer: _Sequencer, make: Callable[[int, SequenceStep], bytes]
-) -> Callable[[_Connection], bytes]:
-    # Each connection runs one sequence at a time: its own steps, one request each.
-    slots: dict[_Connection, Iterator[SequenceStep]] = {}
+) -> Callable[[Hashable], bytes]:
+    # Each worker (an HTTP connection; a gRPC connection's worker) runs one sequence
+    # at a time: its own steps, one request each.
+    slots: dict[Hashable, Iterator[SequenceStep]] = {}
     counter = itertools.count()
 
-    def next_request(conn: _Connection) -> bytes:
-        slot = slots.get(conn)
+    def next_request(worker: Hashable) -> bytes:
+        slot = slots.get(worker)
         if slot is None:
-            slot = slots[conn] = sequencer.slot()
+            slot = slots[worker] = sequencer.slot()
         return make(next(counter), next(slot))
 
     return next_request
@@ -346,16 +353,28 @@ async def run_grpc(
     modes = _closed_loop_modes(
         plan, check_model(await target.config(), plan.modes, target.model), input_files
     )
-    if modes.sequence_length is not None or modes.shared_memory != "none":
+    sequences = modes.sequence_length is not None
+    shm = modes.shared_memory != "none"
+    if (modes.streaming or sequences or shm) and client != "raw":
         raise BenchError(
-            "sequences and --shared-memory run over HTTP (the default --protocol) or "
-            "in-process, not yet over gRPC"
+            "--streaming, sequences and --shared-memory run on the raw gRPC client "
+            "(--grpc-client raw, the default)"
         )
-    if modes.streaming and client != "raw":
-        raise BenchError("--streaming runs on the raw gRPC client (--grpc-client raw)")
     variants = _variants(metadata["inputs"], plan, input_files, shapes, input_data)
     requests = target.requests(variants)
+    shm_requests: list[bytes] = []
     index = 0
+
+    def maker(count: int) -> Callable[[int, int], bytes] | None:
+        # Requests per worker (sequences) or per connection (shared memory).
+        if sequences:
+            make = _sequence_maker(
+                _Sequencer(modes, count, plan.seed), target.sequence_requests(variants)
+            )
+            return lambda conn, worker: make((conn, worker))
+        if shm:
+            return lambda conn, _worker: shm_requests[conn]
+        return None
 
     async def run_closed(count: int, recorder: _Recorder) -> Result:
         nonlocal index
@@ -372,7 +391,14 @@ async def run_grpc(
             )
 
         result = await run_grpc_level(
-            target, requests, count, recorder, measure, client=client, streaming=modes.streaming
+            target,
+            requests,
+            count,
+            recorder,
+            measure,
+            client=client,
+            streaming=modes.streaming,
+            next_request=maker(count),
         )
         index += 1
         return result
@@ -380,7 +406,13 @@ async def run_grpc(
     async def run_open(rate: float, recorder: _Recorder) -> Result:  # pragma: no cover
         raise AssertionError("refused above")
 
-    return await _run_levels(plan, run_closed, run_open)
+    if not shm:
+        return await _run_levels(plan, run_closed, run_open)
+    # A region per HTTP/2 connection, each carrying WORKERS_PER_CHANNEL workers' calls.
+    connections = math.ceil(max(plan.concurrency) / WORKERS_PER_CHANNEL)
+    async with _regions(target, metadata, variants, modes, connections) as regions:
+        shm_requests.extend(target.shm_requests(regions))
+        return await _run_levels(plan, run_closed, run_open)
 
 
 @asynccontextmanager

@@ -277,7 +277,7 @@ _REFUSED_INPUTS = (
     default="none",
     show_default=True,
     help="system: inputs and outputs in a system shared-memory region per connection "
-    "(registered with the server, unregistered at the end; HTTP, closed loop); cuda is not "
+    "(registered with the server, unregistered at the end; closed loop); cuda is not "
     "supported.",
 )
 @click.option(
@@ -376,7 +376,7 @@ def bench(**options: Any) -> None:
     --sequence-id-range START:END): each closed-loop worker sends sequences
     of about N requests with sequence_id, sequence_start and sequence_end, so
     --concurrency counts sequences in flight. Shared memory (--shared-memory
-    system, over HTTP): each connection's inputs and outputs lie in a region
+    system): each connection's inputs and outputs lie in a region
     of its own, registered before the run and unregistered after it, also
     on an error or Ctrl-C. The model's config says which it needs: a
     decoupled model without --streaming, or --streaming for one that is not,
