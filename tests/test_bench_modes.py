@@ -24,7 +24,9 @@ import test_sequence
 import trioinfer
 import trioinfer.bench as tool
 from test_grpc import Server, run_server
+from trioinfer.bench._client import _Connection
 from trioinfer.bench._modes import SHM_DIR, Modes, _Sequencer
+from trioinfer.bench._stats import _Recorder
 from trioinfer.cli import main
 from trioinfer.testing import models
 
@@ -85,17 +87,30 @@ def leftover_regions() -> list[str]:
     return [name for name in os.listdir(SHM_DIR) if name.startswith("trioinfer_bench_")]
 
 
+def target(server: Server, protocol: str) -> tuple[str, ...]:
+    """The options that reach *server* over *protocol*."""
+    if protocol == "grpc":
+        return ("--protocol", "grpc", "--url", f"grpc://{server.grpc}")
+    return ("--url", server.url)
+
+
+BOTH = pytest.mark.parametrize("protocol", ["http", pytest.param("grpc", marks=pytest.mark.grpc)])
+
+
 # -- streaming -------------------------------------------------------------------------------
 
 
-@pytest.mark.grpc
 @pytest.mark.streaming
 @pytest.mark.python_model
-def test_streaming_over_grpc_counts_every_response(
-    server: Server, repeat_3: Path, tmp_path: Path
+@BOTH
+def test_streaming_counts_every_response(
+    server: Server, repeat_3: Path, tmp_path: Path, protocol: str
 ) -> None:
+    # gRPC: a ModelStreamInfer call per request; HTTP: a generate_stream request (SSE).
     code, output, doc = bench(
-        *("--protocol", "grpc", "--url", f"grpc://{server.grpc}", "-m", "repeat_int32"),
+        *target(server, protocol),
+        "-m",
+        "repeat_int32",
         *("--streaming", "--input-data", str(repeat_3), "--concurrency", "1,4", *SHORT),
         json_file=tmp_path / "run.json",
     )
@@ -156,9 +171,20 @@ def test_the_wrong_streaming_flag_is_a_usage_error_naming_the_right_one(
     code, output, _ = bench(*grpc_url, "-m", "add", "--streaming")
     assert code == 1
     assert "not decoupled" in output
-    code, output, _ = bench("--url", server.url, "-m", "repeat_int32", "--streaming")
+    code, output, _ = bench("--url", server.url, "-m", "repeat_int32")
     assert code == 1
-    assert "--protocol grpc" in output
+    assert "add --streaming" in output
+
+
+def test_server_sent_events_are_counted_across_chunks() -> None:
+    conn = _Connection(_Recorder(), streaming=True)
+    conn.status = 200
+    conn.events, conn.first, conn.stream_error = 0, 0, None
+    for chunk in [b'data: {"OUT": 1}\n', b'\ndata: {"OUT"', b': 2}\n\ndata: {"error":"cut"}\n\n']:
+        conn._events(chunk)
+    assert conn.events == 2
+    assert conn.first > 0
+    assert conn.stream_error == '{"error":"cut"}'
 
 
 # -- sequences -------------------------------------------------------------------------------
@@ -201,16 +227,6 @@ def test_an_id_range_smaller_than_the_concurrency_is_refused() -> None:
         _Sequencer(Modes(sequence_length=3, sequence_ids=(5, 7)), 3, seed=0)
     ids = _Sequencer(Modes(sequence_length=1, sequence_ids=(5, 7)), 2, seed=0).slot()
     assert [next(ids).id for _ in range(3)] == [5, 6, 5]
-
-
-def target(server: Server, protocol: str) -> tuple[str, ...]:
-    """The options that reach *server* over *protocol*."""
-    if protocol == "grpc":
-        return ("--protocol", "grpc", "--url", f"grpc://{server.grpc}")
-    return ("--url", server.url)
-
-
-BOTH = pytest.mark.parametrize("protocol", ["http", pytest.param("grpc", marks=pytest.mark.grpc)])
 
 
 @pytest.mark.sequence

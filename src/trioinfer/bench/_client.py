@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import socket
+import time
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import suppress
 from typing import Any, Final
@@ -43,19 +44,31 @@ class _Connection:
         "busy",
         "connecting",
         "done",
+        "events",
         "fd",
+        "first",
         "keep_alive",
         "keep_body",
         "parser",
+        "pending",
         "recorder",
         "sock",
         "start",
         "status",
+        "stream_error",
+        "streaming",
         "unsent",
     )
 
-    def __init__(self, recorder: _Recorder) -> None:
+    def __init__(self, recorder: _Recorder, *, streaming: bool = False) -> None:
         self.recorder = recorder
+        # generate_stream (SSE): each answer's events counted as they arrive, the
+        # first one's time, the first error event, and an event not yet whole.
+        self.streaming = streaming
+        self.events = 0
+        self.first = 0
+        self.stream_error: str | None = None
+        self.pending = bytearray()
         self.sock: socket.socket | None = None
         self.fd = -1
         self.parser: httptools.HttpResponseParser | None = None
@@ -75,10 +88,30 @@ class _Connection:
         self.status = self.parser.get_status_code()
         # Keep a failed answer's body for the message; never a successful one's.
         self.body = None if self.status == 200 and not self.keep_body else []
+        if self.streaming:
+            self.events, self.first, self.stream_error = 0, 0, None
+            self.pending.clear()
 
     def on_body(self, body: bytes) -> None:
         if self.body is not None:
             self.body.append(body)
+        elif self.streaming:
+            self._events(body)
+
+    def _events(self, body: bytes) -> None:
+        # Server-sent events, 'data: {...}' each, ended by a blank line.
+        pending = self.pending
+        pending += body
+        while (end := pending.find(b"\n\n")) >= 0:
+            event = bytes(pending[:end])
+            del pending[: end + 2]
+            if event.startswith(b'data: {"error"'):
+                if self.stream_error is None:
+                    self.stream_error = event[6:300].decode(errors="replace")
+            elif event.startswith(b"data:"):
+                if not self.events:
+                    self.first = time.perf_counter_ns()
+                self.events += 1
 
     def on_message_complete(self) -> None:
         assert self.parser is not None
@@ -146,6 +179,13 @@ def _new_socket(address: tuple[str, int]) -> socket.socket:
     sock.setblocking(False)
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     return sock
+
+
+def _plain(values: Any) -> Any:
+    # A tensor's values as JSON takes them: BYTES elements as text.
+    if isinstance(values, list):
+        return [_plain(v) for v in values]
+    return values.decode(errors="replace") if isinstance(values, bytes) else values
 
 
 def _error_text(body: bytes) -> str:
@@ -326,6 +366,18 @@ class HttpTarget:
             return _http_requests(self.host, self.port, path, [(header + blobs, length)])[0]
 
         return make
+
+    def stream_requests(self, variants: Sequence[Sequence[Tensor]]) -> list[bytes]:
+        """Each variant as a whole ``generate_stream`` request (Triton's generate extension).
+
+        Its body is one JSON object: each input's values under its name, as nested
+        lists, which the server shapes as the input's metadata says.
+        """
+        bodies = [
+            (json.dumps({t.name: _plain(t.array.tolist()) for t in v}).encode(), None)
+            for v in variants
+        ]
+        return _http_requests(self.host, self.port, f"{self.model_path}/generate_stream", bodies)
 
     def shm_requests(self, regions: Sequence[ShmRegion]) -> list[bytes]:
         """For each region, the whole HTTP request whose inputs and outputs lie in it."""

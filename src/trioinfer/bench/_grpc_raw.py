@@ -28,7 +28,7 @@ import hpack
 
 from ._client import _CONN_ERROR, _RECV_BYTES, _new_socket
 from ._load import _ERR, _IN, _OUT, _POLL_MAX_S, _RETRY_S, _Poller
-from ._stats import Status, _Recorder
+from ._stats import STREAM_ERROR, Status, _Recorder
 
 _PREFACE: Final = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
 # Frame types and flags (RFC 9113 section 6).
@@ -54,8 +54,6 @@ _STREAM_INFER: Final = "/inference.GRPCInferenceService/ModelStreamInfer"
 # A ModelStreamInferResponse's first byte when it carries an error_message (field 1,
 # length-delimited; proto3 writes fields in order and leaves an empty one out).
 _ERROR_MESSAGE_TAG: Final = 0x0A
-#: The status of a streamed request the server answered with an error_message.
-STREAM_ERROR: Final = "stream-error"
 
 #: gRPC status codes by number, named as ``grpc.StatusCode`` names them.
 GRPC_CODES: Final = [

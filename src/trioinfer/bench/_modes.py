@@ -80,7 +80,7 @@ def check_model(config: Mapping[str, Any], modes: Modes, model: str) -> Modes:
     if decoupled and not modes.streaming:
         raise BenchError(
             f"model {model!r} is decoupled (it streams its responses): add --streaming to "
-            "count each request's responses (over --protocol grpc, or --in-process)"
+            "count each request's responses"
         )
     if modes.streaming and not decoupled:
         raise BenchError(

@@ -193,13 +193,11 @@ async def run_http(
     modes = _closed_loop_modes(
         plan, check_model(await target.config(), plan.modes, target.model), input_files
     )
-    if modes.streaming:
-        raise BenchError(
-            "--streaming runs over --protocol grpc (ModelStreamInfer, as perf_analyzer "
-            "streams) or --in-process (engine.infer_stream); not over HTTP"
-        )
     variants = _variants(metadata["inputs"], plan, input_files, shapes, input_data)
-    requests = target.requests(variants, binary=binary)
+    if modes.streaming:
+        requests = target.stream_requests(variants)
+    else:
+        requests = target.requests(variants, binary=binary)
     address = (target.host, target.port)
 
     shm_requests: list[bytes] = []  # one per connection, with --shared-memory
@@ -234,13 +232,21 @@ async def run_http(
             )
         elif shm_requests:
             loop_options["next_request"] = _per_connection(shm_requests)
-        loop = _LoadLoop(address, requests, recorder, socks, **loop_options)
+        loop = _LoadLoop(
+            address, requests, recorder, socks, streaming=modes.streaming, **loop_options
+        )
         try:
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(functools.partial(trio.to_thread.run_sync, loop.run))
                 try:
                     result = await _measure(
-                        recorder, plan.settings, load, value, progress, (index, plan.levels)
+                        recorder,
+                        plan.settings,
+                        load,
+                        value,
+                        progress,
+                        (index, plan.levels),
+                        streaming=modes.streaming,
                     )
                 finally:
                     loop.stop()  # the thread returns, and the nursery with it

@@ -24,6 +24,9 @@ import trio
 PERCENTILES: Final = (50, 90, 95, 99)
 #: How many of the latest windows must agree for a level to count as stable.
 STABLE_WINDOWS: Final = 3
+#: The status of a streamed request answered with an error among its responses (a gRPC
+#: stream's ``error_message``, an SSE stream's ``{"error": ...}`` event).
+STREAM_ERROR: Final = "stream-error"
 # How a request ended: its HTTP status, or a name for a failure without one
 # ("conn", or an in-process error's class).
 Status = int | str

@@ -241,9 +241,10 @@ _REFUSED_INPUTS = (
     "--streaming",
     is_flag=True,
     default=False,
-    help="Decoupled (streaming) models: each request is a gRPC ModelStreamInfer call (with "
-    "--protocol grpc) or engine.infer_stream (--in-process); latency runs to its last "
-    "response, and responses/s and the time to the first response are reported too.",
+    help="Decoupled (streaming) models: each request is an HTTP generate_stream request "
+    "(server-sent events), a gRPC ModelStreamInfer call (--protocol grpc) or "
+    "engine.infer_stream (--in-process); latency runs to its last response, and responses/s "
+    "and the time to the first response are reported too.",
 )
 @click.option(
     "--sequence-length",
@@ -370,7 +371,7 @@ def bench(**options: Any) -> None:
     when installed, as the bench extra installs it).
 
     Streaming (--streaming, for decoupled models such as the bundled
-    repeat_int32; --protocol grpc or --in-process): each request runs until
+    repeat_int32; over HTTP generate_stream, gRPC or in-process): each request runs until
     its last response; the table adds responses per second and the time to
     the first response. Sequences (stateful models; --sequence-length N,
     --sequence-id-range START:END): each closed-loop worker sends sequences
