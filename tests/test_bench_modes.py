@@ -264,6 +264,18 @@ def test_sequence_flags_for_a_model_that_is_not_stateful(server: Server) -> None
     code, output, _ = bench("--url", server.url, "-m", "add", "--sequence-length", "3")
     assert code == 1
     assert "not stateful" in output
+    code, output, _ = bench("--url", server.url, "-m", "add", "--sequence-id-range", "5:9")
+    assert code == 1
+    assert "not stateful" in output
+
+
+@pytest.mark.sequence
+@pytest.mark.python_model
+def test_sequences_are_closed_loop_only(server: Server) -> None:
+    # A stateful model gets sequences by default; an open loop cannot keep them in order.
+    code, output, _ = bench("--url", server.url, "-m", "simple_sequence", "--request-rate", "10")
+    assert code == 1
+    assert "closed-loop" in output
 
 
 def test_a_bad_id_range_is_a_usage_error() -> None:

@@ -87,7 +87,8 @@ def check_model(config: Mapping[str, Any], modes: Modes, model: str) -> Modes:
             f"model {model!r} is not decoupled (it answers each request once): --streaming "
             "is for models that stream their responses; leave it out"
         )
-    if modes.sequence_length is not None and not stateful:
+    sequence_flags = modes.sequence_length is not None or modes.sequence_ids != Modes().sequence_ids
+    if sequence_flags and not stateful:
         raise BenchError(
             f"model {model!r} is not stateful (its config has no sequence_batching): "
             "--sequence-length and --sequence-id-range are for sequence models; leave them out"
