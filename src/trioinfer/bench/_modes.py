@@ -3,9 +3,9 @@
 `check_model` reads a model's configuration (Triton's JSON: decoupled,
 ``sequence_batching``) and says which mode it needs before any load;
 `_Sequencer` hands each closed-loop worker its sequences (ids from a range,
-lengths varied around a base, as perf_analyzer makes them); `ShmRegions` are
-one system shared-memory region per connection, made, registered and, whatever
-happens, unregistered and removed.
+lengths varied around a base, as perf_analyzer makes them); `open_regions`
+makes one system shared-memory region per connection, registers them and,
+whatever happens, unregisters and removes them.
 """
 
 from __future__ import annotations
