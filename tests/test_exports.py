@@ -62,7 +62,7 @@ PUBLIC = {
         "v2_datatype", "v2_numpy_dtype",
     },
     "trioinfer.bench": {
-        "BenchError", "DEFAULT_MAX_CONNECTIONS", "GrpcTarget", "HttpTarget", "PERCENTILES",
+        "BenchError", "DEFAULT_MAX_CONNECTIONS", "GrpcTarget", "HttpTarget", "Modes", "PERCENTILES",
         "Plan", "Progress",
         "Result", "Run", "STABLE_WINDOWS", "Settings", "Tensor", "format_table", "is_stable",
         "iter_arrivals", "load_inputs", "open_local_model", "open_progress", "print_table",

@@ -26,6 +26,7 @@ The command line is the interface most people need; from Python, `run_http` or
 `run_in_process` with a `Plan` give a `Run`, which `print_table` and
 `write_json` report. The modules, by job: ``_inputs`` (request inputs),
 ``_client`` (the HTTP client), ``_load`` (the load loops and arrivals),
+``_modes`` (streaming, sequences and shared memory: perf_analyzer's modes),
 ``_stats`` (windows, stability, results), ``_run`` (levels over HTTP or
 in-process) and ``_report`` (table, progress, files).
 
@@ -58,6 +59,7 @@ from ._inputs import load_inputs as load_inputs
 from ._inputs import random_inputs as random_inputs
 from ._inputs import zero_inputs as zero_inputs
 from ._load import iter_arrivals as iter_arrivals
+from ._modes import Modes as Modes
 from ._report import format_table as format_table
 from ._report import open_progress as open_progress
 from ._report import print_table as print_table
@@ -85,6 +87,7 @@ __all__ = [
     "BenchError",
     "GrpcTarget",
     "HttpTarget",
+    "Modes",
     "Plan",
     "Progress",
     "Result",

@@ -13,17 +13,17 @@ Trio's side only starts the thread, swaps measurement windows and stops it.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import math
-import struct
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING, Any, Final, Literal
 
 import attrs
-import numpy as np
 import trio
 
 from ._inputs import BenchError, Tensor
+from ._modes import SequenceStep, ShmRegion, tensor_bytes
 from ._stats import Result, _Recorder
 
 if TYPE_CHECKING:
@@ -35,7 +35,9 @@ WORKERS_PER_CHANNEL: Final = 16
 GrpcClient = Literal["raw", "aio"]
 _INFER: Final = "/inference.GRPCInferenceService/ModelInfer"
 _METADATA: Final = "/inference.GRPCInferenceService/ModelMetadata"
-_U32: Final = struct.Struct("<I")
+_CONFIG: Final = "/inference.GRPCInferenceService/ModelConfig"
+_SHM_REGISTER: Final = "/inference.GRPCInferenceService/SystemSharedMemoryRegister"
+_SHM_UNREGISTER: Final = "/inference.GRPCInferenceService/SystemSharedMemoryUnregister"
 
 
 def _proto() -> Any:
@@ -91,32 +93,56 @@ class GrpcTarget:
         Raises:
             BenchError: No server, or it does not serve the model (with its message).
         """
-        import grpc
         from google.protobuf import json_format
 
         pb = _proto()
         request = pb.message("ModelMetadataRequest")(name=self.model, version=self.version or "")
+        response = await self.call(_METADATA, request, pb.ModelMetadataResponse)
+        doc: dict[str, Any] = json_format.MessageToDict(response, preserving_proto_field_name=True)
+        for tensor in doc.get("inputs", []):
+            tensor["shape"] = [int(d) for d in tensor.get("shape", [])]
+        return doc
+
+    async def config(self) -> dict[str, Any]:
+        """The model's configuration, from ``ModelConfig``, as Triton's JSON names it.
+
+        Raises:
+            BenchError: No server, or it does not serve the model (with its message).
+        """
+        from google.protobuf import json_format
+
+        pb = _proto()
+        request = pb.message("ModelConfigRequest")(name=self.model, version=self.version or "")
+        response = await self.call(_CONFIG, request, pb.message("ModelConfigResponse"))
+        doc: dict[str, Any] = json_format.MessageToDict(
+            response.config, preserving_proto_field_name=True
+        )
+        return doc
+
+    async def call(self, method: str, request: Any, response_type: Any) -> Any:
+        """One unary call of the service on a channel of its own (from a worker thread).
+
+        Raises:
+            BenchError: The call failed (with the server's status and message).
+        """
+        import grpc
 
         def call() -> Any:
             with grpc.insecure_channel(self.address) as channel:
-                method = channel.unary_unary(
-                    _METADATA,
+                stub = channel.unary_unary(
+                    method,
                     request_serializer=lambda m: m.SerializeToString(),
-                    response_deserializer=pb.ModelMetadataResponse.FromString,
+                    response_deserializer=response_type.FromString,
                 )
-                return method(request, timeout=30)
+                return stub(request, timeout=30)
 
         try:
-            response = await trio.to_thread.run_sync(call)
+            return await trio.to_thread.run_sync(call)
         except grpc.RpcError as exc:
             raise BenchError(
                 f"grpc://{self.address} answered {exc.code().name} for model {self.model!r}: "
                 f"{exc.details()}"
             ) from None
-        doc: dict[str, Any] = json_format.MessageToDict(response, preserving_proto_field_name=True)
-        for tensor in doc.get("inputs", []):
-            tensor["shape"] = [int(d) for d in tensor.get("shape", [])]
-        return doc
 
     def requests(self, variants: Sequence[Sequence[Tensor]]) -> list[bytes]:
         """Each variant as a serialized ``ModelInferRequest`` (raw contents)."""
@@ -128,19 +154,81 @@ class GrpcTarget:
                 request.inputs.add(
                     name=tensor.name, datatype=tensor.datatype, shape=list(tensor.array.shape)
                 )
-                request.raw_input_contents.append(_raw(tensor))
+                request.raw_input_contents.append(tensor_bytes(tensor))
             out.append(request.SerializeToString())
         return out
 
+    def sequence_requests(
+        self, variants: Sequence[Sequence[Tensor]]
+    ) -> Callable[[int, SequenceStep], bytes]:
+        """A maker of serialized requests: variant *n* as step *step* of its sequence.
 
-def _raw(tensor: Tensor) -> bytes:
-    if tensor.datatype == "BYTES":
-        parts = []
-        for item in tensor.array.ravel().tolist():
-            data = item if isinstance(item, bytes) else str(item).encode()
-            parts += [_U32.pack(len(data)), data]
-        return b"".join(parts)
-    return np.ascontiguousarray(tensor.array).astype(tensor.array.dtype.newbyteorder("<")).tobytes()
+        Each variant is serialized once; a request is its bytes followed by its
+        sequence parameters, which protobuf merges into the same message.
+        """
+        pb = _proto()
+        bases = self.requests(variants)
+
+        def make(n: int, step: SequenceStep) -> bytes:
+            extra = pb.ModelInferRequest()
+            extra.parameters["sequence_id"].int64_param = step.id
+            extra.parameters["sequence_start"].bool_param = step.start
+            extra.parameters["sequence_end"].bool_param = step.end
+            return bases[n % len(bases)] + bytes(extra.SerializeToString())
+
+        return make
+
+    def shm_requests(self, regions: Sequence[ShmRegion]) -> list[bytes]:
+        """For each region, the serialized request whose inputs and outputs lie in it."""
+        pb = _proto()
+        out = []
+        for region in regions:
+            request = pb.ModelInferRequest(model_name=self.model, model_version=self.version or "")
+            for name, datatype, shape, offset, size in region.inputs:
+                tensor = request.inputs.add(name=name, datatype=datatype, shape=list(shape))
+                _in_region(tensor.parameters, region.name, offset, size)
+            for name, offset, size in region.outputs:
+                _in_region(request.outputs.add(name=name).parameters, region.name, offset, size)
+            out.append(request.SerializeToString())
+        return out
+
+    async def register_regions(self, regions: Sequence[ShmRegion]) -> None:
+        """Register each region with the server's system shared-memory extension.
+
+        Raises:
+            BenchError: The server refused one (with its status and message).
+        """
+        pb = _proto()
+        for region in regions:
+            request = pb.message("SystemSharedMemoryRegisterRequest")(
+                name=region.name, key=region.key, offset=0, byte_size=region.byte_size
+            )
+            try:
+                await self.call(
+                    _SHM_REGISTER, request, pb.message("SystemSharedMemoryRegisterResponse")
+                )
+            except BenchError as exc:
+                raise BenchError(
+                    f"the server refused to register the shared-memory region "
+                    f"{region.name!r}: {exc}"
+                ) from None
+
+    async def unregister_regions(self, regions: Sequence[ShmRegion]) -> None:
+        """Unregister each region (one the server does not know is no error)."""
+        pb = _proto()
+        for region in regions:
+            request = pb.message("SystemSharedMemoryUnregisterRequest")(name=region.name)
+            with contextlib.suppress(BenchError):
+                await self.call(
+                    _SHM_UNREGISTER, request, pb.message("SystemSharedMemoryUnregisterResponse")
+                )
+
+
+def _in_region(parameters: Any, region: str, offset: int, size: int) -> None:
+    # A tensor's place in a shared-memory region, as Triton's parameters name it.
+    parameters["shared_memory_region"].string_param = region
+    parameters["shared_memory_offset"].int64_param = offset
+    parameters["shared_memory_byte_size"].int64_param = size
 
 
 @attrs.define(eq=False)
@@ -204,10 +292,15 @@ async def run_grpc_level(
     measure: Callable[[_Recorder], Awaitable[Result]],
     *,
     client: GrpcClient = "raw",
+    streaming: bool = False,
+    next_request: Callable[[int, int], bytes] | None = None,
 ) -> Result:
     """One closed-loop level over gRPC: *concurrency* workers; *measure* counts the windows.
 
     *client* ``"raw"`` is the lean client (`_grpc_raw`); ``"aio"`` is grpcio's.
+    With *streaming* (the raw client) each request is a ``ModelStreamInfer``
+    call of its own, which ends after its last response. *next_request* (the
+    raw client) makes each request from its connection's and worker's index.
     """
     from ._grpc_raw import _RawGrpcLoop  # hpack: the grpc extra's
 
@@ -221,6 +314,8 @@ async def run_grpc_level(
             recorder,
             concurrency,
             streams_per_connection=WORKERS_PER_CHANNEL,
+            streaming=streaming,
+            next_request=next_request,
         )
     try:
         async with trio.open_nursery() as nursery:

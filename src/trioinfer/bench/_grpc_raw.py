@@ -19,7 +19,7 @@ import os
 import socket
 import struct
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from contextlib import suppress
 from typing import Final, cast
 from urllib.parse import unquote
@@ -28,7 +28,7 @@ import hpack
 
 from ._client import _CONN_ERROR, _RECV_BYTES, _new_socket
 from ._load import _ERR, _IN, _OUT, _POLL_MAX_S, _RETRY_S, _Poller
-from ._stats import Status, _Recorder
+from ._stats import STREAM_ERROR, Status, _Recorder
 
 _PREFACE: Final = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
 # Frame types and flags (RFC 9113 section 6).
@@ -48,6 +48,12 @@ _RECV_WINDOW: Final = 1 << 24
 _FRAME_HEADER: Final = 9
 # Stream ids are 31 bits: a connection that used them all is replaced.
 _LAST_STREAM_ID: Final = (1 << 31) - 1
+
+_INFER: Final = "/inference.GRPCInferenceService/ModelInfer"
+_STREAM_INFER: Final = "/inference.GRPCInferenceService/ModelStreamInfer"
+# A ModelStreamInferResponse's first byte when it carries an error_message (field 1,
+# length-delimited; proto3 writes fields in order and leaves an empty one out).
+_ERROR_MESSAGE_TAG: Final = 0x0A
 
 #: gRPC status codes by number, named as ``grpc.StatusCode`` names them.
 GRPC_CODES: Final = [
@@ -87,16 +93,36 @@ def _grpc_timeout(seconds: float) -> str:
 class _Stream:
     """One call in flight."""
 
-    __slots__ = ("data", "grpc_message", "grpc_status", "http_status", "id", "start", "unsent")
+    __slots__ = (
+        "data",
+        "failure",
+        "first",
+        "grpc_message",
+        "grpc_status",
+        "http_status",
+        "id",
+        "responses",
+        "start",
+        "unacked",
+        "unsent",
+        "worker",
+    )
 
-    def __init__(self, stream_id: int, start: int) -> None:
+    def __init__(self, stream_id: int, start: int, worker: int = 0) -> None:
         self.id = stream_id
         self.start = start
+        self.worker = worker  # which of its connection's workers made the call
         self.http_status = ""
         self.grpc_status: str | None = None
         self.grpc_message = ""
         self.data = bytearray()
         self.unsent: memoryview | None = None  # DATA still held back by flow control
+        # Streaming calls: when the first response came (ns), how many came, the
+        # first error_message among them, and DATA not yet given back to the window.
+        self.first = 0
+        self.responses = 0
+        self.failure: str | None = None
+        self.unacked = 0
 
 
 class _H2Connection:
@@ -115,6 +141,7 @@ class _H2Connection:
         "headers_block",
         "headers_end_stream",
         "headers_stream",
+        "index",
         "max_frame",
         "max_streams",
         "next_id",
@@ -131,8 +158,9 @@ class _H2Connection:
         "writing",
     )
 
-    def __init__(self, slots: int, headers: list[tuple[str, str]]) -> None:
+    def __init__(self, slots: int, headers: list[tuple[str, str]], index: int = 0) -> None:
         self.slots = slots
+        self.index = index  # its place among the level's connections
         self.headers = headers
         self.sock: socket.socket | None = None
         self.fd = -1
@@ -187,8 +215,14 @@ class _RawGrpcLoop:
         *,
         streams_per_connection: int,
         timeout_s: float | None = None,
+        streaming: bool = False,
+        next_request: Callable[[int, int], bytes] | None = None,
     ) -> None:
         self._address = address
+        self._streaming = streaming
+        # Requests that differ by worker (sequences) or connection (shared memory):
+        # made per call from (connection index, worker index within it).
+        self._next_request = next_request
         # Each message with its gRPC prefix: not compressed, then its length.
         self._messages = [b"\0" + _U32.pack(len(r)) + r for r in requests]
         self._recorder = recorder
@@ -200,7 +234,7 @@ class _RawGrpcLoop:
         headers = [
             (":method", "POST"),
             (":scheme", "http"),
-            (":path", "/inference.GRPCInferenceService/ModelInfer"),
+            (":path", _STREAM_INFER if streaming else _INFER),
             (":authority", authority),
             ("content-type", "application/grpc"),
             ("te", "trailers"),
@@ -209,7 +243,8 @@ class _RawGrpcLoop:
             headers.append(("grpc-timeout", _grpc_timeout(timeout_s)))
         per = max(1, streams_per_connection)
         self.connections = [
-            _H2Connection(min(per, count - first), headers) for first in range(0, count, per)
+            _H2Connection(min(per, count - first), headers, first // per)
+            for first in range(0, count, per)
         ]
 
     def stop(self) -> None:
@@ -290,13 +325,22 @@ class _RawGrpcLoop:
 
     def _send(self, conn: _H2Connection, start: int) -> None:
         """Start the next call on *conn* (its latency runs from *start*)."""
-        message = self._messages[self._n % len(self._messages)]
-        self._n += 1
+        worker = 0
+        if self._next_request is not None:
+            # The first of the connection's workers with no call in flight: whatever
+            # ended its last call (an answer, a reset, a lost connection).
+            busy = {s.worker for s in conn.streams.values()}
+            worker = next(i for i in range(conn.slots) if i not in busy)
+            request = self._next_request(conn.index, worker)
+            message = b"\0" + _U32.pack(len(request)) + request
+        else:
+            message = self._messages[self._n % len(self._messages)]
+            self._n += 1
         sid = conn.next_id
         conn.next_id += 2
         if conn.next_id > _LAST_STREAM_ID:
             conn.going_away = True  # finish what is in flight, then reconnect
-        stream = conn.streams[sid] = _Stream(sid, start)
+        stream = conn.streams[sid] = _Stream(sid, start, worker)
         block = conn.block
         if conn.first_block is not None:
             block, conn.first_block = conn.first_block, None
@@ -428,6 +472,8 @@ class _RawGrpcLoop:
             stream = conn.streams.get(sid)
             if stream is not None:
                 stream.data += payload
+                if self._streaming:
+                    self._responses(conn, stream, len(payload), now)
                 if flags & _END_STREAM:
                     self._complete(conn, stream, now)
                 elif len(stream.data) >= _RECV_WINDOW // 2 and payload:
@@ -540,7 +586,18 @@ class _RawGrpcLoop:
         if stream.unsent is not None:
             conn.windows.pop(stream.id, None)
         data = stream.data
-        if stream.grpc_status == "0" and stream.http_status == "200":
+        if stream.grpc_status == "0" and stream.http_status == "200" and self._streaming:
+            if stream.failure is not None:
+                self._error(STREAM_ERROR, stream.failure)
+            elif data:
+                self._error("bad-answer", f"a stream ended inside a message: {data[:40]!r}")
+            else:
+                window = self._recorder.window
+                window.latencies.append(now - stream.start)
+                if stream.responses:
+                    window.first.append(stream.first - stream.start)
+                    window.responses += stream.responses
+        elif stream.grpc_status == "0" and stream.http_status == "200":
             if len(data) >= 5 and data[0] == 0 and _U32.unpack_from(data, 1)[0] == len(data) - 5:
                 self._recorder.window.latencies.append(now - stream.start)
             else:
@@ -559,6 +616,30 @@ class _RawGrpcLoop:
             )
             self._error(name, stream.grpc_message)
         self._fill(conn)
+
+    def _responses(self, conn: _H2Connection, stream: _Stream, received: int, now: int) -> None:
+        # A streaming call: count each whole ModelStreamInferResponse as it arrives
+        # (the call's end, its trailers, is the time of its last), keep the first
+        # error_message, and give the stream's window back as its bytes are read.
+        data = stream.data
+        offset = 0
+        while len(data) - offset >= 5:
+            size = _U32.unpack_from(data, offset + 1)[0]
+            if len(data) - offset - 5 < size:
+                break
+            if size and data[offset + 5] == _ERROR_MESSAGE_TAG:
+                if stream.failure is None:
+                    stream.failure = _error_message(bytes(data[offset + 5 : offset + 5 + size]))
+            else:
+                if not stream.responses:
+                    stream.first = now
+                stream.responses += 1
+            offset += 5 + size
+        del data[:offset]
+        stream.unacked += received
+        if stream.unacked >= _RECV_WINDOW // 2:
+            conn.wbuf += _frame(_WINDOW_UPDATE, 0, stream.id, _U32.pack(stream.unacked))
+            stream.unacked = 0
 
     def _error(self, status: Status, message: str) -> None:
         self._recorder.window.errors[status] += 1
@@ -590,6 +671,16 @@ class _RawGrpcLoop:
                 ready = by_fd.get(fd)
                 if ready is not None and ready.sock is not None:
                     self._event(ready, flags, now)
+
+
+def _error_message(message: bytes) -> str:
+    # Only for a failed streamed request, so the parser's cost is no concern.
+    from ..server import _grpc_proto as pb
+
+    try:
+        return str(pb.ModelStreamInferResponse.FromString(message).error_message)
+    except Exception:  # a garbled answer is still an error, with its bytes
+        return f"an error response that does not parse: {message[:60]!r}"
 
 
 class _ProtocolError(Exception):

@@ -24,7 +24,7 @@ import numpy as np
 import trio
 
 from ._client import _CONN_ERROR, _RECV_BYTES, _Connection, _new_socket
-from ._stats import Result, Status, _Recorder
+from ._stats import STREAM_ERROR, Result, Status, _Recorder
 
 # Arrival offsets are drawn this many at a time (numpy is cheap per batch, dear per call).
 _ARRIVAL_CHUNK: Final = 4096
@@ -106,9 +106,13 @@ class _LoadLoop:
         schedule: Iterator[int] | None = None,
         backlog_limit: int = 0,
         max_connections: int = 0,
+        next_request: Callable[[_Connection], bytes] | None = None,
+        streaming: bool = False,
     ) -> None:
         self._address = address
         self._requests = requests
+        # Requests that differ by connection (sequences, shared memory): made per send.
+        self._next_request = next_request
         self._recorder = recorder
         self._schedule = schedule
         self._backlog_limit = backlog_limit
@@ -122,7 +126,8 @@ class _LoadLoop:
         self._broken: list[_Connection] = []
         # When the broken connections may try again (perf_counter_ns).
         self._retry_ns = 0
-        self.connections = [_Connection(recorder) for _ in socks]
+        # Streaming (closed loop): answers are event streams, each counted to its end.
+        self.connections = [_Connection(recorder, streaming=streaming) for _ in socks]
         for conn, sock in zip(self.connections, socks, strict=True):
             self._attach(conn, sock, _IN)
 
@@ -183,6 +188,9 @@ class _LoadLoop:
             conn.connecting = True
             self._attach(conn, sock, _OUT)
             return
+        if self._next_request is not None:
+            self._transmit(conn, memoryview(self._next_request(conn)))
+            return
         self._transmit(conn, memoryview(self._requests[self._n % len(self._requests)]))
         self._n += 1
 
@@ -212,7 +220,16 @@ class _LoadLoop:
         conn.busy = False
         window = self._recorder.window
         status = conn.status
-        if status == 200:
+        if status == 200 and conn.streaming:
+            if conn.stream_error is not None:
+                window.errors[STREAM_ERROR] += 1
+                self._recorder.first_error.setdefault(STREAM_ERROR, conn.stream_error)
+            else:
+                window.latencies.append(now - conn.start)
+                if conn.events:
+                    window.first.append(conn.first - conn.start)
+                    window.responses += conn.events
+        elif status == 200:
             window.latencies.append(now - conn.start)
         else:
             window.errors[status] += 1

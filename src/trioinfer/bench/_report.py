@@ -44,6 +44,11 @@ def _table(results: Sequence[Result]) -> tuple[list[tuple[str, int]], list[list[
     if open_loop:
         columns.insert(8, ("late", 7))
         columns.insert(9, ("dropped", 7))
+    # Streaming: responses per second and the time to the first response beside the
+    # requests; the latency columns are then the time to the last response.
+    streaming = results[0].first_response_ms is not None
+    if streaming:
+        columns[2:2] = [("resp/s", 9), ("first p50", 9), ("first p99", 9)]
     rows = []
     for r in results:
         lat = r.latency_ms
@@ -59,6 +64,13 @@ def _table(results: Sequence[Result]) -> tuple[list[tuple[str, int]], list[list[
         if open_loop:
             cells.insert(8, str(r.late))
             cells.insert(9, str(r.dropped))
+        if streaming:
+            to_first = r.first_response_ms or {}
+            cells[2:2] = [
+                f"{r.responses_per_s or 0.0:,.0f}",
+                f"{to_first.get('p50', math.nan):.2f}",
+                f"{to_first.get('p99', math.nan):.2f}",
+            ]
         rows.append(cells)
     return columns, rows
 
@@ -80,6 +92,10 @@ def _notes(results: Sequence[Result]) -> list[str]:
                 f"at {r.value:g}/s the server (or this tool) could not keep up: {r.late} requests "
                 f"waited for a free connection, {r.dropped} were dropped; their wait is latency"
             )
+    if results and results[0].first_response_ms is not None:
+        lines.append(
+            "streaming: latency is to each request's last response; first p50/p99: ms to its first"
+        )
     if any(r.stable is False for r in results):
         lines.append("* not stable within the bound after the last window")
     return lines

@@ -9,11 +9,20 @@ calling ``engine.infer``.
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 import socket
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
-from contextlib import asynccontextmanager
+from collections.abc import (
+    AsyncIterator,
+    Awaitable,
+    Callable,
+    Hashable,
+    Iterator,
+    Mapping,
+    Sequence,
+)
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from pathlib import Path
 from typing import Any, Final
 
@@ -23,10 +32,11 @@ import trio
 from .._config import ModelConfig
 from .._engine import Engine, ModelInfo, open_engine
 from .._exceptions import TrioInferError
+from .._sequence import SequenceFlags
 from ..server import ModelRepository, v2_datatype
 from ..server._models import ServedModels, public_names
 from ._client import HttpTarget, _Connection
-from ._grpc import GrpcClient, GrpcTarget, run_grpc_level
+from ._grpc import WORKERS_PER_CHANNEL, GrpcClient, GrpcTarget, run_grpc_level
 from ._inputs import BenchError, InputData, Tensor, generated_inputs, load_inputs
 from ._load import (
     _BACKLOG_PER_CONNECTION,
@@ -36,6 +46,14 @@ from ._load import (
     _LoadLoop,
     _open_level,
     iter_arrivals,
+)
+from ._modes import (
+    Modes,
+    SequenceStep,
+    ShmRegion,
+    _Sequencer,
+    check_model,
+    open_regions,
 )
 from ._stats import Progress, Result, Settings, Status, _measure, _Recorder
 
@@ -59,6 +77,8 @@ class Plan:
         max_connections: Open loop: the most connections (in-process: workers) to
             open; 0 for `DEFAULT_MAX_CONNECTIONS`.
         settings: Warm-up, window and stability settings.
+        modes: Streaming, sequences, shared memory (perf_analyzer's modes); each
+            is checked against the model before the run.
     """
 
     concurrency: tuple[int, ...] = (1,)
@@ -67,6 +87,7 @@ class Plan:
     seed: int = 0
     max_connections: int = 0
     settings: Settings = Settings()  # noqa: RUF009 - frozen (attrs): one shared default is safe
+    modes: Modes = Modes()  # noqa: RUF009 - frozen too
 
     @property
     def levels(self) -> int:
@@ -169,10 +190,17 @@ async def run_http(
         BenchError: No server, no such model, or unusable inputs.
     """
     metadata = await target.metadata()
+    modes = _closed_loop_modes(
+        plan, check_model(await target.config(), plan.modes, target.model), input_files
+    )
     variants = _variants(metadata["inputs"], plan, input_files, shapes, input_data)
-    requests = target.requests(variants, binary=binary)
+    if modes.streaming:
+        requests = target.stream_requests(variants)
+    else:
+        requests = target.requests(variants, binary=binary)
     address = (target.host, target.port)
 
+    shm_requests: list[bytes] = []  # one per connection, with --shared-memory
     probe_s = 0.0
     if plan.rates and not plan.max_connections:
         probe = _Connection(_Recorder())
@@ -197,13 +225,28 @@ async def run_http(
     ) -> Result:
         nonlocal index
         socks = await _open_sockets(address, count)
-        loop = _LoadLoop(address, requests, recorder, socks, **loop_options)
+        if modes.sequence_length is not None:
+            loop_options["next_request"] = _sequence_maker(
+                _Sequencer(modes, count, plan.seed),
+                target.sequence_requests(variants, binary=binary),
+            )
+        elif shm_requests:
+            loop_options["next_request"] = _per_connection(shm_requests)
+        loop = _LoadLoop(
+            address, requests, recorder, socks, streaming=modes.streaming, **loop_options
+        )
         try:
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(functools.partial(trio.to_thread.run_sync, loop.run))
                 try:
                     result = await _measure(
-                        recorder, plan.settings, load, value, progress, (index, plan.levels)
+                        recorder,
+                        plan.settings,
+                        load,
+                        value,
+                        progress,
+                        (index, plan.levels),
+                        streaming=modes.streaming,
                     )
                 finally:
                     loop.stop()  # the thread returns, and the nursery with it
@@ -228,7 +271,67 @@ async def run_http(
             max_connections=most,
         )
 
-    return await _run_levels(plan, run_closed, run_open)
+    if modes.shared_memory == "none":
+        return await _run_levels(plan, run_closed, run_open)
+    # A region per connection: a closed loop's connections are its workers.
+    async with _regions(target, metadata, variants, modes, max(plan.concurrency)) as regions:
+        shm_requests.extend(target.shm_requests(regions))
+        return await _run_levels(plan, run_closed, run_open)
+
+
+def _regions(
+    target: HttpTarget | GrpcTarget,
+    metadata: Mapping[str, Any],
+    variants: Sequence[Sequence[Tensor]],
+    modes: Modes,
+    count: int,
+) -> AbstractAsyncContextManager[list[ShmRegion]]:
+    outputs = [str(o["name"]) for o in metadata.get("outputs", [])]
+    return open_regions(target, count, variants[0], outputs, modes.output_shm_size)
+
+
+def _closed_loop_modes(plan: Plan, modes: Modes, input_files: Sequence[Path]) -> Modes:
+    # Sequences and shared memory: closed loop only, one at a time.
+    sequences = modes.sequence_length is not None
+    shm = modes.shared_memory != "none"
+    if (sequences or shm or modes.streaming) and plan.rates:
+        mode = "--streaming" if modes.streaming else "sequences" if sequences else "--shared-memory"
+        raise BenchError(f"{mode} run closed-loop levels (--concurrency) only, not --request-rate")
+    if shm and (sequences or modes.streaming):
+        raise BenchError("--shared-memory goes with neither sequences nor --streaming")
+    if shm and len(input_files) > 1:
+        raise BenchError("--shared-memory puts one request's inputs in memory: give one input file")
+    return modes
+
+
+def _sequence_maker(
+    sequencer: _Sequencer, make: Callable[[int, SequenceStep], bytes]
+) -> Callable[[Hashable], bytes]:
+    # Each worker (an HTTP connection; a gRPC connection's worker) runs one sequence
+    # at a time: its own steps, one request each.
+    slots: dict[Hashable, Iterator[SequenceStep]] = {}
+    counter = itertools.count()
+
+    def next_request(worker: Hashable) -> bytes:
+        slot = slots.get(worker)
+        if slot is None:
+            slot = slots[worker] = sequencer.slot()
+        return make(next(counter), next(slot))
+
+    return next_request
+
+
+def _per_connection(requests: Sequence[bytes]) -> Callable[[_Connection], bytes]:
+    # Shared memory: each connection sends the request of a region of its own.
+    assigned: dict[_Connection, bytes] = {}
+
+    def next_request(conn: _Connection) -> bytes:
+        request = assigned.get(conn)
+        if request is None:
+            request = assigned[conn] = requests[len(assigned)]
+        return request
+
+    return next_request
 
 
 async def run_grpc(
@@ -253,26 +356,69 @@ async def run_grpc(
     if plan.rates:
         raise BenchError("--protocol grpc runs closed-loop levels (--concurrency) only")
     metadata = await target.metadata()
+    modes = _closed_loop_modes(
+        plan, check_model(await target.config(), plan.modes, target.model), input_files
+    )
+    sequences = modes.sequence_length is not None
+    shm = modes.shared_memory != "none"
+    if (modes.streaming or sequences or shm) and client != "raw":
+        raise BenchError(
+            "--streaming, sequences and --shared-memory run on the raw gRPC client "
+            "(--grpc-client raw, the default)"
+        )
     variants = _variants(metadata["inputs"], plan, input_files, shapes, input_data)
     requests = target.requests(variants)
+    shm_requests: list[bytes] = []
     index = 0
+
+    def maker(count: int) -> Callable[[int, int], bytes] | None:
+        # Requests per worker (sequences) or per connection (shared memory).
+        if sequences:
+            make = _sequence_maker(
+                _Sequencer(modes, count, plan.seed), target.sequence_requests(variants)
+            )
+            return lambda conn, worker: make((conn, worker))
+        if shm:
+            return lambda conn, _worker: shm_requests[conn]
+        return None
 
     async def run_closed(count: int, recorder: _Recorder) -> Result:
         nonlocal index
 
         async def measure(recorder: _Recorder) -> Result:
             return await _measure(
-                recorder, plan.settings, "concurrency", count, progress, (index, plan.levels)
+                recorder,
+                plan.settings,
+                "concurrency",
+                count,
+                progress,
+                (index, plan.levels),
+                streaming=modes.streaming,
             )
 
-        result = await run_grpc_level(target, requests, count, recorder, measure, client=client)
+        result = await run_grpc_level(
+            target,
+            requests,
+            count,
+            recorder,
+            measure,
+            client=client,
+            streaming=modes.streaming,
+            next_request=maker(count),
+        )
         index += 1
         return result
 
     async def run_open(rate: float, recorder: _Recorder) -> Result:  # pragma: no cover
         raise AssertionError("refused above")
 
-    return await _run_levels(plan, run_closed, run_open)
+    if not shm:
+        return await _run_levels(plan, run_closed, run_open)
+    # A region per HTTP/2 connection, each carrying WORKERS_PER_CHANNEL workers' calls.
+    connections = math.ceil(max(plan.concurrency) / WORKERS_PER_CHANNEL)
+    async with _regions(target, metadata, variants, modes, connections) as regions:
+        shm_requests.extend(target.shm_requests(regions))
+        return await _run_levels(plan, run_closed, run_open)
 
 
 @asynccontextmanager
@@ -348,26 +494,74 @@ async def run_in_process(
     CPU figures here are the whole process's: the engine's work included.
     Inputs are read or generated as `run_http` does.
     """
+    info = engine.model(model)
+    config: dict[str, Any] = {"model_transaction_policy": {"decoupled": info.decoupled}}
+    if info.config.sequence is not None:
+        config["sequence_batching"] = {}
+    modes = _closed_loop_modes(plan, check_model(config, plan.modes, model), input_files)
+    if modes.shared_memory != "none":
+        raise BenchError("--shared-memory is for servers: in-process there is nothing to share")
     variants = _variants(specs, plan, input_files, shapes, input_data)
     inputs = [{t.name: t.array for t in v} for v in variants]
     index = 0
 
     def senders(count: int, recorder: _Recorder) -> list[Send]:
+        def failed(exc: TrioInferError) -> Status:
+            name = type(exc).__name__
+            recorder.first_error.setdefault(name, public_names(str(exc)))
+            return name
+
         async def send(n: int) -> Status:
             try:
                 await engine.infer(model, inputs[n % len(inputs)])
             except TrioInferError as exc:
-                name = type(exc).__name__
-                recorder.first_error.setdefault(name, public_names(str(exc)))
-                return name
+                return failed(exc)
             return 200
 
+        async def stream(n: int) -> Status:
+            start, first, responses = time.perf_counter_ns(), 0, 0
+            try:
+                async with engine.infer_stream(model, inputs[n % len(inputs)]) as answers:
+                    async for _ in answers:
+                        if not responses:
+                            first = time.perf_counter_ns()
+                        responses += 1
+            except TrioInferError as exc:
+                return failed(exc)
+            if responses:
+                recorder.window.first.append(first - start)
+                recorder.window.responses += responses
+            return 200
+
+        def in_sequence(steps: Iterator[SequenceStep]) -> Send:
+            async def send_step(n: int) -> Status:
+                step = next(steps)
+                flags = SequenceFlags(step.id, start=step.start, end=step.end)
+                try:
+                    await engine.infer(model, inputs[n % len(inputs)], sequence=flags)
+                except TrioInferError as exc:
+                    return failed(exc)
+                return 200
+
+            return send_step
+
+        if modes.streaming:
+            return [stream] * count
+        if modes.sequence_length is not None:
+            sequencer = _Sequencer(modes, count, plan.seed)
+            return [in_sequence(sequencer.slot()) for _ in range(count)]
         return [send] * count
 
     async def measure(recorder: _Recorder, load: str, value: float) -> Result:
         nonlocal index
         result = await _measure(
-            recorder, plan.settings, load, value, progress, (index, plan.levels)
+            recorder,
+            plan.settings,
+            load,
+            value,
+            progress,
+            (index, plan.levels),
+            streaming=modes.streaming,
         )
         index += 1
         return result

@@ -17,12 +17,16 @@ from typing import Any, Final
 
 import attrs
 import numpy as np
+import numpy.typing as npt
 import trio
 
 #: The percentiles every result reports, in this order.
 PERCENTILES: Final = (50, 90, 95, 99)
 #: How many of the latest windows must agree for a level to count as stable.
 STABLE_WINDOWS: Final = 3
+#: The status of a streamed request answered with an error among its responses (a gRPC
+#: stream's ``error_message``, an SSE stream's ``{"error": ...}`` event).
+STREAM_ERROR: Final = "stream-error"
 # How a request ended: its HTTP status, or a name for a failure without one
 # ("conn", or an in-process error's class).
 Status = int | str
@@ -35,6 +39,10 @@ class _Window:
     errors: Counter[Status] = attrs.field(factory=Counter)
     late: int = 0
     dropped: int = 0
+    # Streaming: each successful request's time to its first response (ns), and the
+    # responses of the successful requests.
+    first: list[int] = attrs.field(factory=list)
+    responses: int = 0
     wall_s: float = 0.0
     cpu_s: float = 0.0
 
@@ -85,6 +93,12 @@ class Result:
             or ``--max-windows`` below 3), which leaves nothing to compare.
         cpu_us_per_request: This process's CPU time per request (user + system).
         cores: This process's CPU time over wall time.
+        responses_per_s: Streaming: the successful requests' responses per second
+            (``None`` for a level of one response per request).
+        first_response_ms: Streaming: p50, p90, p95, p99 and max of the time to a
+            successful request's first response, in ms (``None`` without streaming;
+            NaN where no request had a response). ``latency_ms`` is then the
+            time to the last.
     """
 
     load: str
@@ -99,6 +113,8 @@ class Result:
     stable: bool | None
     cpu_us_per_request: float
     cores: float
+    responses_per_s: float | None = None
+    first_response_ms: dict[str, float] | None = None
 
     def row(self) -> dict[str, Any]:
         """The result as one flat mapping (what ``--json`` and ``--csv`` write).
@@ -107,6 +123,12 @@ class Result:
         per request when none finished) is ``None``: ``null`` in JSON, which has no
         NaN, and empty in CSV.
         """
+        streaming: dict[str, Any] = {}
+        if self.first_response_ms is not None:
+            streaming = {
+                "responses_per_s": _figure(self.responses_per_s or 0.0, 2),
+                **{f"first_{k}_ms": _figure(v, 4) for k, v in self.first_response_ms.items()},
+            }
         return {
             "load": self.load,
             "value": self.value,
@@ -121,6 +143,7 @@ class Result:
             "stable": self.stable,
             "cpu_us_per_request": _figure(self.cpu_us_per_request, 2),
             "cores": round(self.cores, 3),
+            **streaming,
         }
 
 
@@ -192,6 +215,8 @@ async def _measure(
     value: float,
     progress: Callable[[Progress], None] | None,
     position: tuple[int, int] = (0, 1),
+    *,
+    streaming: bool = False,
 ) -> Result:
     label = f"concurrency {value:g}" if load == "concurrency" else f"{load} {value:g}/s"
     limit = settings.windows or settings.max_windows
@@ -249,11 +274,26 @@ async def _measure(
         verdict = is_stable([(_throughput(w), _p99(w)) for w in done], settings.stability)
     else:
         verdict = stable
-    return _summarise(load, value, counted, len(done), verdict)
+    return _summarise(load, value, counted, len(done), verdict, streaming=streaming)
+
+
+def _percentiles(values_ns: npt.NDArray[np.float64]) -> dict[str, float]:
+    # p50..p99 and max in ms; NaN for each when there is nothing to measure.
+    names = [*(f"p{p}" for p in PERCENTILES), "max"]
+    if not len(values_ns):
+        return dict.fromkeys(names, math.nan)
+    values = [*np.percentile(values_ns, PERCENTILES).tolist(), values_ns.max()]
+    return {name: v / 1e6 for name, v in zip(names, values, strict=True)}
 
 
 def _summarise(
-    load: str, value: float, counted: list[_Window], windows: int, stable: bool | None
+    load: str,
+    value: float,
+    counted: list[_Window],
+    windows: int,
+    stable: bool | None,
+    *,
+    streaming: bool = False,
 ) -> Result:
     latencies = np.fromiter(
         (x for w in counted for x in w.latencies), dtype=np.int64, count=-1
@@ -265,19 +305,16 @@ def _summarise(
         for status, n in w.errors.items():
             errors[str(status)] += n
     finished = len(latencies) + sum(errors.values())
-    if len(latencies):
-        values = [*np.percentile(latencies, PERCENTILES).tolist(), latencies.max()]
-        latency = {
-            name: v / 1e6
-            for name, v in zip([*(f"p{p}" for p in PERCENTILES), "max"], values, strict=True)
-        }
-    else:
-        latency = {name: math.nan for name in [*(f"p{p}" for p in PERCENTILES), "max"]}
+    first = None
+    if streaming:
+        first = _percentiles(
+            np.fromiter((x for w in counted for x in w.first), dtype=np.int64).astype(np.float64)
+        )
     return Result(
         load=load,
         value=value,
         throughput=len(latencies) / wall if wall else 0.0,
-        latency_ms=latency,
+        latency_ms=_percentiles(latencies),
         completed=len(latencies),
         errors=dict(errors),
         late=sum(w.late for w in counted),
@@ -286,4 +323,8 @@ def _summarise(
         stable=stable,
         cpu_us_per_request=cpu / finished * 1e6 if finished else math.nan,
         cores=cpu / wall if wall else 0.0,
+        responses_per_s=(
+            (sum(w.responses for w in counted) / wall if wall else 0.0) if streaming else None
+        ),
+        first_response_ms=first,
     )

@@ -74,6 +74,20 @@ def _input_data(
     return "random", files
 
 
+def _id_range(_ctx: click.Context, _param: click.Parameter, value: str) -> tuple[int, int | None]:
+    # perf_analyzer's --sequence-id-range START:END, END excluded and optional.
+    start, _, end = value.partition(":")
+    try:
+        first, last = int(start), int(end) if end else None
+    except ValueError:
+        first, last = 0, None
+    if first < 1 or (last is not None and last <= first):
+        raise click.BadParameter(
+            f"expected START or START:END, whole numbers with 1 <= START < END, got {value!r}"
+        )
+    return first, last
+
+
 _REFUSED_INPUTS = (
     "400",  # HTTP: the server's answer to inputs it refuses
     "INVALID_ARGUMENT",  # gRPC: the same
@@ -224,6 +238,59 @@ _REFUSED_INPUTS = (
     "--seed", type=int, default=0, show_default=True, help="Seeds random inputs and arrivals."
 )
 @click.option(
+    "--streaming",
+    is_flag=True,
+    default=False,
+    help="Decoupled (streaming) models: each request is an HTTP generate_stream request "
+    "(server-sent events), a gRPC ModelStreamInfer call (--protocol grpc) or "
+    "engine.infer_stream (--in-process); latency runs to its last response, and responses/s "
+    "and the time to the first response are reported too.",
+)
+@click.option(
+    "--sequence-length",
+    type=click.IntRange(min=1),
+    default=None,
+    metavar="N",
+    help="Stateful (sequence) models: each closed-loop worker sends sequences of about N "
+    "requests (sequence_id, sequence_start, sequence_end), so concurrency is sequences in "
+    "flight (default for a stateful model: 20, as perf_analyzer's).",
+)
+@click.option(
+    "--sequence-length-variation",
+    type=click.FloatRange(min=0, max=100),
+    default=20.0,
+    show_default=True,
+    metavar="PERCENT",
+    help="Sequences: each one's length is drawn within this percent of --sequence-length.",
+)
+@click.option(
+    "--sequence-id-range",
+    callback=_id_range,
+    default="1",
+    show_default=True,
+    metavar="START[:END]",
+    help="Sequences: their ids, START up to END (excluded; none: no end), each new sequence "
+    "the next; a range smaller than the concurrency is refused (ids would collide).",
+)
+@click.option(
+    "--shared-memory",
+    type=click.Choice(["none", "system", "cuda"]),
+    default="none",
+    show_default=True,
+    help="system: inputs and outputs in a system shared-memory region per connection "
+    "(registered with the server, unregistered at the end; closed loop); cuda is not "
+    "supported.",
+)
+@click.option(
+    "--output-shared-memory-size",
+    type=click.IntRange(min=1),
+    default=102_400,
+    show_default=True,
+    metavar="BYTES",
+    help="--shared-memory: the room for each output in a region; larger than the largest "
+    "output the model answers.",
+)
+@click.option(
     "--in-process",
     is_flag=True,
     default=False,
@@ -303,6 +370,19 @@ def bench(**options: Any) -> None:
     a progress bar shows on stderr when stderr is a terminal (drawn by rich
     when installed, as the bench extra installs it).
 
+    Streaming (--streaming, for decoupled models such as the bundled
+    repeat_int32; over HTTP generate_stream, gRPC or in-process): each request runs until
+    its last response; the table adds responses per second and the time to
+    the first response. Sequences (stateful models; --sequence-length N,
+    --sequence-id-range START:END): each closed-loop worker sends sequences
+    of about N requests with sequence_id, sequence_start and sequence_end, so
+    --concurrency counts sequences in flight. Shared memory (--shared-memory
+    system): each connection's inputs and outputs lie in a region
+    of its own, registered before the run and unregistered after it, also
+    on an error or Ctrl-C. The model's config says which it needs: a
+    decoupled model without --streaming, or --streaming for one that is not,
+    is refused with the flag to use.
+
     In-process (--in-process --model-repository DIR -m NAME) the model is
     loaded as 'trioinfer serve' loads it, a pipeline after the models of its
     steps, e.g. -m read_digit --input-data zero over the bundled repository.
@@ -324,6 +404,10 @@ def bench(**options: Any) -> None:
         raise click.UsageError("--in-process needs --model-file, or --model-repository and --model")
     if local and not options["in_process"]:
         raise click.UsageError("--model-file and --model-repository go with --in-process")
+    if options["shared_memory"] == "cuda":
+        raise click.UsageError(
+            "--shared-memory cuda is not supported by trioinfer bench: use --shared-memory system"
+        )
     plan = tool.Plan(
         concurrency=options["concurrency"],
         rates=options["request_rate"],
@@ -336,6 +420,14 @@ def bench(**options: Any) -> None:
             stability=options["stability"],
             max_windows=options["max_windows"],
             windows=options["windows"],
+        ),
+        modes=tool.Modes(
+            streaming=options["streaming"],
+            sequence_length=options["sequence_length"],
+            sequence_variation=options["sequence_length_variation"],
+            sequence_ids=options["sequence_id_range"],
+            shared_memory=options["shared_memory"],
+            output_shm_size=options["output_shared_memory_size"],
         ),
     )
     try:
@@ -357,6 +449,9 @@ def bench(**options: Any) -> None:
         if options["protocol"] == "grpc" and not options["in_process"]
         else None,
         "arrivals": options["arrivals"] if plan.rates else None,
+        "streaming": options["streaming"],
+        "sequence_length": options["sequence_length"],
+        "shared_memory": options["shared_memory"],
         "window_s": options["window"],
         "warmup_s": options["warmup"],
     }
