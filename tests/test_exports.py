@@ -39,7 +39,7 @@ PUBLIC = {
         "BatcherContext", "Execution", "FallbackContext", "Placement", "Replica", "Request",
         "RequestQueue",
         "SchedulerContext", "SequenceContext", "Status", "WorkerThread", "current_batch_deadline",
-        "current_stream_parameters",
+        "current_stream_parameters", "current_stream_request", "caller_request_id",
         "current_callers_deadline",
         "current_trace_context", "numpy_dtype", "record_span",
         "wait_on_callback", "CallbackWaiter", "inline_slice_spent", "restart_inline_slice",

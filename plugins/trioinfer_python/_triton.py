@@ -45,9 +45,10 @@ from trioinfer.lowlevel import (
     Request,
     Status,
     WorkerThread,
+    caller_request_id,
     current_engine,
     current_model_tasks,
-    current_stream_parameters,
+    current_stream_request,
 )
 
 from . import triton_python_backend_utils as pb_utils
@@ -289,7 +290,10 @@ class TritonInstance:
             flags = request.sequence_flags
             made.append(
                 self._request(
-                    request.inputs, request.id, flags.id if flags else 0, request.parameters
+                    request.inputs,
+                    caller_request_id(request),  # Triton's: "" when the client sent none
+                    flags.id if flags else 0,
+                    request.parameters,
                 )
             )
             # Ended from outside while it runs: its caller left, or its deadline passed.
@@ -419,7 +423,12 @@ class TritonInstance:
                 with contextlib.suppress(anyio.RunFinishedError):
                     anyio.from_thread.run_sync(send.close, token=token)
 
-        request = self._request(inputs, "", 0, current_stream_parameters())
+        streamed = current_stream_request()
+        request = (
+            self._request(inputs, "", 0)
+            if streamed is None  # (called outside the engine's stream)
+            else self._request(inputs, caller_request_id(streamed), 0, streamed.parameters)
+        )
         request._sender = pb_utils.ResponseSender(put, gone.is_set)
         scope = anyio.CancelScope()
         try:

@@ -338,9 +338,10 @@ class InferenceRequest(_Provided):
         return list(self._inputs)
 
     def request_id(self) -> str:
-        """The request's id: the client's, or one the engine made when it gave none.
+        """The request's id as its client sent it (HTTP and gRPC ``id``); ``""`` when none.
 
-        (Triton's is empty then; a warm-up sample's is empty here too.)
+        As Triton's: empty for a request sent without an id, and for a
+        warm-up sample.
         """
         return self._request_id
 

@@ -12,6 +12,7 @@ import numpy as np
 from trio.lowlevel import Abort
 
 from ._exceptions import InvalidInput
+from . import abc
 from .abc import Status
 
 if TYPE_CHECKING:
@@ -88,9 +89,29 @@ def checked_parameters(parameters: object) -> Mapping[str, Parameter]:
     return _Parameters(copied)
 
 
+class GeneratedId(str):
+    """A request id the engine made, for a request whose caller gave none.
+
+    A ``str`` in every way but its class, by which `caller_request_id` tells
+    it from a caller's own (which may be any text, digits too).
+    """
+
+    __slots__ = ()
+
+
 def next_request_id() -> str:
     """A process-unique request id, for requests whose caller gave none."""
-    return str(next(_ids))
+    return GeneratedId(next(_ids))
+
+
+def caller_request_id(request: abc.Request) -> str:
+    """The id *request*'s caller gave it, or ``""`` where the engine made one.
+
+    For a backend that hands a model the caller's id as Triton does (its
+    ``request_id()`` is empty for a request sent without one).
+    """
+    given = request.id
+    return "" if given.__class__ is GeneratedId else given
 
 
 @attrs.define(eq=False, slots=True, init=False)
@@ -248,7 +269,7 @@ def make_request(
     draft: Any = _new(_Draft)
     draft.model = model
     draft.inputs = inputs
-    draft.id = id if id is not None else str(_next_id())
+    draft.id = id if id is not None else GeneratedId(_next_id())
     draft.priority = priority
     draft.tenant = tenant
     draft.deadline = deadline
@@ -280,7 +301,7 @@ def _make_request_slowly(
     for name, value in (
         ("model", model),
         ("inputs", inputs),
-        ("id", id if id is not None else str(_next_id())),
+        ("id", id if id is not None else GeneratedId(_next_id())),
         ("priority", priority),
         ("tenant", tenant),
         ("deadline", deadline),

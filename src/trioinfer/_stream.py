@@ -44,7 +44,13 @@ if TYPE_CHECKING:
     from ._engine import Engine
     from ._tracing import StreamTrace
 
-__all__ = ["ResponseStream", "StreamGate", "current_stream_parameters", "open_stream"]
+__all__ = [
+    "ResponseStream",
+    "StreamGate",
+    "current_stream_parameters",
+    "current_stream_request",
+    "open_stream",
+]
 
 # The hand-over between the model's task and the reader's, on either loop's own channel
 # (on Trio, its native channel takes half the time of anyio's per response).
@@ -52,11 +58,9 @@ _END = (anyio.EndOfStream, trio.EndOfChannel)
 _CLOSED = (anyio.ClosedResourceError, trio.ClosedResourceError)
 _BROKEN = (anyio.BrokenResourceError, trio.BrokenResourceError)
 
-# The parameters of the request a decoupled model's generator answers (set in _generate,
-# the generator's own task).
-_stream_parameters: ContextVar[Mapping[str, Parameter]] = ContextVar(
-    "trioinfer_stream_parameters", default=NO_PARAMETERS
-)
+# The request a decoupled model's generator answers (set in _generate, the generator's
+# own task): what current_stream_request and current_stream_parameters read.
+_stream_request: ContextVar[Request | None] = ContextVar("trioinfer_stream_request", default=None)
 
 
 def current_stream_parameters() -> Mapping[str, Parameter]:
@@ -69,7 +73,19 @@ def current_stream_parameters() -> Mapping[str, Parameter]:
     requests carry theirs as `Request.parameters`, which a backend reads by
     taking them (`RequestsInstance.execute_requests`).
     """
-    return _stream_parameters.get()
+    request = _stream_request.get()
+    return NO_PARAMETERS if request is None else request.parameters
+
+
+def current_stream_request() -> Request | None:
+    """The request whose stream a decoupled model is producing, or None outside a stream.
+
+    For a backend's `StreamingInstance.stream`, as `current_stream_parameters`
+    (read it on the event loop, before handing work to a thread): the
+    request's ``id`` (`caller_request_id` tells the caller's own from one the
+    engine made), ``parameters``, ``deadline`` and the rest, read-only.
+    """
+    return _stream_request.get()
 
 
 class _Send(Protocol):
@@ -376,8 +392,8 @@ async def _generate(
     check = runner._output_check
     try:
         with scope:
-            # The model's generator runs in this task: what current_stream_parameters reads.
-            _stream_parameters.set(request.parameters)
+            # The model's generator runs in this task: what current_stream_request reads.
+            _stream_request.set(request)
             generator = instance.stream(request.inputs)
             try:
                 if traced is None:

@@ -1,0 +1,137 @@
+"""What a Triton Python model reads of its request, as Triton's python backend gives it.
+
+Each seen by ``tritonclient`` (HTTP and gRPC) against a real ``trioinfer
+serve``: ``request_id()`` is the client's id (``""`` when it sent none), for
+a model's executes and a decoupled model's streams alike.
+"""
+
+from __future__ import annotations
+
+import queue
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import trio
+import tritonclient.grpc as grpcclient
+import tritonclient.http as httpclient
+
+import trioinfer
+from trioinfer.server._repository import ModelRepository
+
+pytestmark = [pytest.mark.python_model, pytest.mark.triton_config]
+
+#: Bounds against hangs only.
+WAIT_S = 60.0
+
+IDENT_PBTXT = """\
+backend: "python"
+max_batch_size: 0
+input [ { name: "X" data_type: TYPE_INT32 dims: [ 1 ] } ]
+output [ { name: "ID" data_type: TYPE_STRING dims: [ 1 ] } ]
+"""
+
+# What the model was told of its request: its request_id().
+IDENT = """\
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+def answer(request):
+    said = np.array([request.request_id().encode()], dtype=np.object_)
+    return pb_utils.InferenceResponse([pb_utils.Tensor("ID", said)])
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        return [answer(request) for request in requests]
+"""
+
+IDENT_STREAM_PBTXT = IDENT_PBTXT + "model_transaction_policy { decoupled: true }\n"
+
+# The same, sent through a decoupled model's response sender.
+IDENT_STREAM = (
+    IDENT.removesuffix("        return [answer(request) for request in requests]\n")
+    + """\
+        for request in requests:
+            sender = request.get_response_sender()
+            sender.send(answer(request), flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+"""
+)
+
+MODELS = {
+    "ident": (IDENT_PBTXT, IDENT),
+    "ident_stream": (IDENT_STREAM_PBTXT, IDENT_STREAM),
+}
+
+
+@pytest.fixture(scope="module")
+def repository(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("triton_gaps") / "models"
+    for name, (pbtxt, code) in MODELS.items():
+        (root / name / "1").mkdir(parents=True)
+        (root / name / "config.pbtxt").write_text(pbtxt)
+        (root / name / "1" / "model.py").write_text(code)
+    return root
+
+
+@pytest.fixture(scope="module")
+def server(repository: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    from test_grpc import run_server
+
+    log = tmp_path_factory.mktemp("log") / "server.log"
+    with run_server(repository, log=log) as running:
+        yield running
+    assert "Traceback" not in running.log_text(), running.log_text()[-4000:]
+
+
+def _said(result: Any, name: str = "ID") -> list[bytes]:
+    return [bytes(v) for v in result.as_numpy(name).tolist()]
+
+
+# -- request_id() ------------------------------------------------------------------------
+
+
+async def test_request_id_is_the_callers_or_empty_through_the_engine(repository: Path) -> None:
+    repo = ModelRepository(repository)
+    async with trioinfer.open_engine() as engine:
+        for name in MODELS:
+            await engine.load(repo.entry(name).config(1))
+        x = {"X": np.array([1], np.int32)}
+        with trio.fail_after(WAIT_S):
+            assert (await engine.infer("ident", x, request_id="42"))["ID"].tolist() == [b"42"]
+            # No id: the engine makes one for its logs, the model is told none (Triton's "").
+            assert (await engine.infer("ident", x))["ID"].tolist() == [b""]
+            for given, said in (("s-1", b"s-1"), (None, b"")):
+                async with engine.infer_stream("ident_stream", x, request_id=given) as stream:
+                    assert [o["ID"].tolist() async for o in stream] == [[said]]
+
+
+def test_http_request_id_reaches_the_model(server: Any) -> None:
+    with httpclient.InferenceServerClient(server.url.removeprefix("http://")) as client:
+        x = httpclient.InferInput("X", [1], "INT32")
+        x.set_data_from_numpy(np.array([1], np.int32))
+        assert _said(client.infer("ident", [x], request_id="7")) == [b"7"]
+        assert _said(client.infer("ident", [x])) == [b""]
+
+
+@pytest.mark.grpc
+def test_grpc_request_id_reaches_the_model_and_its_stream(server: Any) -> None:
+    with grpcclient.InferenceServerClient(server.grpc) as client:
+        x = grpcclient.InferInput("X", [1], "INT32")
+        x.set_data_from_numpy(np.array([1], np.int32))
+        assert _said(client.infer("ident", [x], request_id="g1")) == [b"g1"]
+        assert _said(client.infer("ident", [x])) == [b""]
+        answers: queue.Queue[tuple[Any, Any]] = queue.Queue()
+        client.start_stream(callback=lambda result, error: answers.put((result, error)))
+        try:
+            client.async_stream_infer("ident_stream", [x], request_id="g2")
+            first = answers.get(timeout=WAIT_S)
+            client.async_stream_infer("ident_stream", [x])
+            second = answers.get(timeout=WAIT_S)
+        finally:
+            client.stop_stream()
+    assert (first[1], second[1]) == (None, None)
+    assert (_said(first[0]), _said(second[0])) == ([b"g2"], [b""])
