@@ -1,8 +1,10 @@
 """What a Triton Python model reads of its request, as Triton's python backend gives it.
 
 Each seen by ``tritonclient`` (HTTP and gRPC) against a real ``trioinfer
-serve``: ``request_id()`` is the client's id (``""`` when it sent none), for
-a model's executes and a decoupled model's streams alike.
+serve``, for a model's executes and a decoupled model's streams alike:
+``request_id()`` is the client's id (``""`` when it sent none);
+``requested_output_names()`` the outputs it asked for (all when it named none),
+and a response may hold those alone.
 """
 
 from __future__ import annotations
@@ -61,9 +63,65 @@ IDENT_STREAM = (
 """
 )
 
+PICKY_PBTXT = """\
+backend: "python"
+max_batch_size: 8
+dynamic_batching { }
+input [ { name: "X" data_type: TYPE_INT32 dims: [ 1 ] } ]
+output [
+  { name: "A" data_type: TYPE_INT32 dims: [ 1 ] },
+  { name: "B" data_type: TYPE_INT32 dims: [ 1 ] },
+  { name: "ASKED" data_type: TYPE_STRING dims: [ 1 ] }
+]
+"""
+
+# Computes only what the request asked for, and says what that was (ASKED, always sent).
+PICKY = """\
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+def answer(request):
+    x = pb_utils.get_input_tensor_by_name(request, "X").as_numpy()
+    asked = request.requested_output_names()
+    said = ",".join(asked).encode()
+    tensors = [pb_utils.Tensor("ASKED", np.full(x.shape, said, dtype=np.object_))]
+    if "A" in asked:
+        tensors.append(pb_utils.Tensor("A", x + 1))
+    if "B" in asked:
+        tensors.append(pb_utils.Tensor("B", x + 2))
+    return pb_utils.InferenceResponse(tensors)
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        return [answer(request) for request in requests]
+"""
+
+PICKY_STREAM_PBTXT = (
+    PICKY_PBTXT.replace("max_batch_size: 8", "max_batch_size: 0").replace(
+        "dynamic_batching { }\n", ""
+    )
+    + "model_transaction_policy { decoupled: true }\n"
+)
+
+PICKY_STREAM = (
+    PICKY.removesuffix("        return [answer(request) for request in requests]\n")
+    + """\
+        for request in requests:
+            sender = request.get_response_sender()
+            sender.send(answer(request), flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+"""
+)
+
+PICKY_CACHED_PBTXT = PICKY_PBTXT + "response_cache { enable: true }\n"
+
 MODELS = {
     "ident": (IDENT_PBTXT, IDENT),
     "ident_stream": (IDENT_STREAM_PBTXT, IDENT_STREAM),
+    "picky": (PICKY_PBTXT, PICKY),
+    "picky_stream": (PICKY_STREAM_PBTXT, PICKY_STREAM),
+    "picky_cached": (PICKY_CACHED_PBTXT, PICKY),
 }
 
 
@@ -88,7 +146,7 @@ def server(repository: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
 
 
 def _said(result: Any, name: str = "ID") -> list[bytes]:
-    return [bytes(v) for v in result.as_numpy(name).tolist()]
+    return [bytes(v) for v in result.as_numpy(name).reshape(-1).tolist()]
 
 
 # -- request_id() ------------------------------------------------------------------------
@@ -135,3 +193,83 @@ def test_grpc_request_id_reaches_the_model_and_its_stream(server: Any) -> None:
             client.stop_stream()
     assert (first[1], second[1]) == (None, None)
     assert (_said(first[0]), _said(second[0])) == ([b"g2"], [b""])
+
+
+# -- requested_output_names() ------------------------------------------------------------
+
+
+async def test_requested_outputs_through_the_engine(repository: Path) -> None:
+    repo = ModelRepository(repository)
+    async with trioinfer.open_engine() as engine:
+        for name in ("picky", "picky_stream"):
+            await engine.load(repo.entry(name).config(1))
+        x = {"X": np.array([[1], [2]], np.int32)}
+        with trio.fail_after(WAIT_S):
+            out = await engine.infer("picky", x, outputs=["B", "ASKED"])
+            assert sorted(out) == ["ASKED", "B"]
+            assert out["ASKED"].tolist() == [[b"B,ASKED"]] * 2
+            assert out["B"].tolist() == [[3], [4]]
+            # None named: every output, in the model's order.
+            out = await engine.infer("picky", x)
+            assert out["ASKED"].tolist() == [[b"A,B,ASKED"]] * 2
+            assert (await engine.infer_detailed("picky", x, outputs=["A"])).outputs.keys() == {"A"}
+            with pytest.raises(trioinfer.InvalidInput, match="has no output 'C'"):
+                await engine.infer("picky", x, outputs=["A", "C"])
+            one = {"X": np.array([1], np.int32)}
+            async with engine.infer_stream("picky_stream", one, outputs=["A"]) as stream:
+                assert [dict(o) async for o in stream] == [{"A": np.array([2], np.int32)}]
+
+
+async def test_the_requested_outputs_are_part_of_the_cache_key(repository: Path) -> None:
+    # The model answers the requested outputs alone: an answer cached for a request
+    # that asked for some is no answer to one that asked for others, or for all.
+    repo = ModelRepository(repository)
+    async with trioinfer.open_engine(cache_size=1 << 20) as engine:
+        await engine.load(repo.entry("picky_cached").config(1))
+        x = {"X": np.array([[1]], np.int32)}
+        with trio.fail_after(WAIT_S):
+            assert (await engine.infer("picky_cached", x, outputs=["A"])).keys() == {"A"}
+            assert (await engine.infer("picky_cached", x, outputs=["B"]))["B"].tolist() == [[3]]
+            out = await engine.infer("picky_cached", x)
+            assert out["ASKED"].tolist() == [[b"A,B,ASKED"]]
+            again = await engine.infer("picky_cached", x, outputs=["A"])
+        assert again["A"].tolist() == [[2]]
+        stats = engine.statistics().models["picky_cached"].cache
+        assert stats is not None
+        assert (stats.hits, stats.misses) == (1, 3)
+
+
+def test_http_requested_outputs_reach_the_model(server: Any) -> None:
+    with httpclient.InferenceServerClient(server.url.removeprefix("http://")) as client:
+        x = httpclient.InferInput("X", [1, 1], "INT32")
+        x.set_data_from_numpy(np.array([[5]], np.int32))
+        asked = [httpclient.InferRequestedOutput(n) for n in ("A", "ASKED")]
+        result = client.infer("picky", [x], outputs=asked)
+        assert result.as_numpy("A").tolist() == [[6]]
+        assert result.as_numpy("B") is None
+        assert _said(result, "ASKED") == [b"A,ASKED"]
+        assert _said(client.infer("picky", [x]), "ASKED") == [b"A,B,ASKED"]
+
+
+@pytest.mark.grpc
+def test_grpc_requested_outputs_reach_the_model_and_its_stream(server: Any) -> None:
+    with grpcclient.InferenceServerClient(server.grpc) as client:
+        x = grpcclient.InferInput("X", [1, 1], "INT32")
+        x.set_data_from_numpy(np.array([[5]], np.int32))
+        result = client.infer("picky", [x], outputs=[grpcclient.InferRequestedOutput("ASKED")])
+        assert _said(result, "ASKED") == [b"ASKED"]
+        assert result.as_numpy("A") is None
+        answers: queue.Queue[tuple[Any, Any]] = queue.Queue()
+        client.start_stream(callback=lambda result, error: answers.put((result, error)))
+        try:
+            one = grpcclient.InferInput("X", [1], "INT32")
+            one.set_data_from_numpy(np.array([5], np.int32))
+            asked = [grpcclient.InferRequestedOutput(n) for n in ("B", "ASKED")]
+            client.async_stream_infer("picky_stream", [one], outputs=asked)
+            got, error = answers.get(timeout=WAIT_S)
+        finally:
+            client.stop_stream()
+    assert error is None, error.message()
+    assert _said(got, "ASKED") == [b"B,ASKED"]
+    assert got.as_numpy("B").tolist() == [7]
+    assert got.as_numpy("A") is None

@@ -247,6 +247,7 @@ class TritonInstance:
         request_id: str,
         correlation_id: int | str,
         parameters: Mapping[str, Any] | None = None,
+        requested: Sequence[str] = (),
     ) -> pb_utils.InferenceRequest:
         tensors = []
         for name, value in inputs.items():
@@ -257,7 +258,8 @@ class TritonInstance:
             tensors.append(pb_utils.Tensor(name, value))
         return pb_utils.InferenceRequest(
             model_name=self._name,
-            requested_output_names=self._outputs,
+            # Triton's: the outputs the client asked for, every output where it named none.
+            requested_output_names=requested or self._outputs,
             inputs=tensors,
             request_id=request_id,
             correlation_id=correlation_id,
@@ -294,6 +296,7 @@ class TritonInstance:
                     caller_request_id(request),  # Triton's: "" when the client sent none
                     flags.id if flags else 0,
                     request.parameters,
+                    request.requested_outputs,
                 )
             )
             # Ended from outside while it runs: its caller left, or its deadline passed.
@@ -427,7 +430,13 @@ class TritonInstance:
         request = (
             self._request(inputs, "", 0)
             if streamed is None  # (called outside the engine's stream)
-            else self._request(inputs, caller_request_id(streamed), 0, streamed.parameters)
+            else self._request(
+                inputs,
+                caller_request_id(streamed),
+                0,
+                streamed.parameters,
+                streamed.requested_outputs,
+            )
         )
         request._sender = pb_utils.ResponseSender(put, gone.is_set)
         scope = anyio.CancelScope()

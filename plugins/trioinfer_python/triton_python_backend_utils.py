@@ -366,7 +366,10 @@ class InferenceRequest(_Provided):
         return self._parameters
 
     def requested_output_names(self) -> list[str]:
-        """The outputs to answer with: every output of the model, for a request it gets."""
+        """The outputs to answer with: those the client asked for; every output if it named none.
+
+        A response may hold these alone (any others it holds are dropped).
+        """
         return list(self._requested)
 
     def is_cancelled(self) -> bool:

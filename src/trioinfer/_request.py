@@ -11,8 +11,8 @@ import attrs
 import numpy as np
 from trio.lowlevel import Abort
 
-from ._exceptions import InvalidInput
 from . import abc
+from ._exceptions import InvalidInput
 from .abc import Status
 
 if TYPE_CHECKING:
@@ -175,6 +175,7 @@ class _Slots:
         "model",
         "parameters",
         "priority",
+        "requested_outputs",
         "rows",
         "sequence",
         "sequence_flags",
@@ -202,6 +203,7 @@ class Request(_Slots):
     rows: int = 1
     sequence_flags: SequenceFlags | None = None
     parameters: Mapping[str, Parameter] = attrs.field(default=NO_PARAMETERS, repr=False)
+    requested_outputs: tuple[str, ...] = ()
     sequence: int = attrs.field(factory=_sequences.__next__, init=False)
     _state: _State = attrs.field(factory=_State, init=False, repr=False)
 
@@ -236,6 +238,7 @@ _GIVEN = (
     "rows",
     "sequence_flags",
     "parameters",
+    "requested_outputs",
 )
 _OWN = ("sequence", "_state")
 assert {field.name for field in attrs.fields(Request)} == {*_GIVEN, *_OWN}, (
@@ -264,6 +267,7 @@ def make_request(
     rows: int,
     sequence_flags: SequenceFlags | None = None,
     parameters: Mapping[str, Parameter] = NO_PARAMETERS,
+    requested_outputs: tuple[str, ...] = (),
 ) -> Request:
     """``Request(model, inputs, id=id, ...)``, at a third of the cost; *id* None: a new one."""
     draft: Any = _new(_Draft)
@@ -277,6 +281,7 @@ def make_request(
     draft.rows = rows
     draft.sequence_flags = sequence_flags
     draft.parameters = parameters
+    draft.requested_outputs = requested_outputs
     draft.sequence = _next_sequence()
     draft._state = _State()
     draft.__class__ = Request
@@ -294,6 +299,7 @@ def _make_request_slowly(
     rows: int,
     sequence_flags: SequenceFlags | None = None,
     parameters: Mapping[str, Parameter] = NO_PARAMETERS,
+    requested_outputs: tuple[str, ...] = (),
 ) -> Request:
     # make_request through each slot's own descriptor, for a Python whose objects
     # cannot change class (none known; checked once, below).
@@ -309,6 +315,7 @@ def _make_request_slowly(
         ("rows", rows),
         ("sequence_flags", sequence_flags),
         ("parameters", parameters),
+        ("requested_outputs", requested_outputs),
         ("sequence", _next_sequence()),
         ("_state", _State()),
     ):

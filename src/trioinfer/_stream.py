@@ -21,7 +21,7 @@ its per-response loop is the untraced one.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from contextvars import ContextVar
 from typing import TYPE_CHECKING, Any, Protocol, final
@@ -36,7 +36,7 @@ from ._dispatch import Replica
 from ._exceptions import BackendError, QueueFull, StreamClosed, TrioInferError
 from ._request import NO_PARAMETERS, Outputs, Parameter, Request, next_request_id
 from ._runner import ModelRunner
-from ._tensors import validate_inputs
+from ._tensors import requested_outputs, validate_inputs
 from ._util import NoPublicConstructor
 from .abc import Status, StreamingInstance
 
@@ -271,16 +271,18 @@ async def open_stream(
     *,
     follow_up: bool = False,
     parameters: Mapping[str, Parameter] = NO_PARAMETERS,
+    outputs: Sequence[str] | None = None,
 ) -> AsyncIterator[ResponseStream]:
     """What `Engine.infer_stream` returns: see its docstring.
 
     *follow_up*: opened for a request accepted already (a model calling
     another), so admitted while the engine drains (``infer_stream_follow_up``).
-    *parameters*: the request's, checked already.
+    *parameters*: the request's, checked already. *outputs*: the caller's.
     """
     find = engine._follow_up_runner if follow_up else engine._runner
     runner = find(model)
     gate = engine._gates.get(model)
+    wanted = requested_outputs(model, runner.signature, outputs) if outputs else ()
     request_id = request_id if request_id is not None else next_request_id()
     request: Request | None = None
     traced: StreamTrace | None = None
@@ -301,6 +303,7 @@ async def open_stream(
             deadline=clock.current_effective_deadline(),
             arrival=clock.current_time(),
             parameters=parameters,
+            requested_outputs=wanted,
         )
         # A sampled stream's spans (trioinfer._tracing); with tracing off, None costs a check.
         traced = engine._tracing.stream(request) if engine._tracing is not None else None
@@ -351,6 +354,7 @@ async def open_stream(
                     producer,
                     follow_up,
                     parameters,
+                    wanted,
                 )
             else:
                 assert gate is not None
@@ -395,8 +399,9 @@ async def _generate(
             # The model's generator runs in this task: what current_stream_request reads.
             _stream_request.set(request)
             generator = instance.stream(request.inputs)
+            wanted = request.requested_outputs
             try:
-                if traced is None:
+                if traced is None and not wanted:
                     async for outputs in generator:
                         if check is not None:
                             check.check(outputs, 0, replica)
@@ -404,11 +409,22 @@ async def _generate(
                 else:
 
                     async def checked(outputs: Outputs) -> None:
-                        if check is not None:
+                        if wanted:
+                            # The requested outputs alone, where the model may answer
+                            # with those only (as an execution's answer: _runner).
+                            if check is not None:
+                                outputs = check.requested(outputs, wanted, 0, replica)
+                            else:
+                                outputs = {name: outputs[name] for name in wanted}
+                        elif check is not None:
                             check.check(outputs, 0, replica)
                         await send.send(outputs)
 
-                    await traced.generate(generator, checked)
+                    if traced is None:
+                        async for outputs in generator:
+                            await checked(outputs)
+                    else:
+                        await traced.generate(generator, checked)
             finally:
                 # The caller left, was cancelled, or the engine closes: the model stops at
                 # the yield it waits at (GeneratorExit there), never later.
@@ -479,6 +495,7 @@ async def _one(
     scope: anyio.CancelScope,
     follow_up: bool,
     parameters: Mapping[str, Parameter],
+    wanted: tuple[str, ...],
 ) -> None:
     # A model that is not decoupled: its one answer, by the ordinary request path (a
     # follow-up's, also while the engine drains, as a pipeline's step).
@@ -493,6 +510,8 @@ async def _one(
                 request_id=request_id,
                 parameters=parameters or None,
             )
+            if wanted:
+                outputs = {name: outputs[name] for name in wanted}
             await send.send(outputs)
     except _BROKEN:
         pass

@@ -69,6 +69,7 @@ from ._app import (
     model_metadata_document,
     not_ready,
     repository_index_document,
+    requested_names,
     statistics_document,
     stream_sequence,
     trace_setting_document,
@@ -788,6 +789,7 @@ async def _stream(
             priority=priority,
             request_id=request.id,
             parameters=with_headers(request.parameters, forwarded),
+            outputs=requested_names(request),
         ) as responses:
             async for outputs in responses:
                 encoded = encode_raw_outputs(request, outputs, order, shm=lease)
