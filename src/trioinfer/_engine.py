@@ -747,10 +747,10 @@ class Engine:
                         now = clock.current_time()
                         if deadline > now and runs_inline(replica):
                             # run_here's inline way, with no coroutine of its own.
-                            outputs = runner.run_now(replica, arrays, n, deadline, now)
-                            if outputs.__class__ is not Unfinished:
-                                return outputs  # type: ignore[return-value]
-                            return await runner.finish_here(outputs, request_id, priority, tenant)
+                            answer = runner.run_now(replica, arrays, n, deadline, now)
+                            if answer.__class__ is not Unfinished:
+                                return answer  # type: ignore[return-value]
+                            return await runner.finish_here(answer, request_id, priority, tenant)
                         return await runner.run_here(
                             replica, arrays, n, request_id, priority, tenant, deadline, now
                         )
@@ -973,9 +973,9 @@ class Engine:
                 found = self._idle_here(model)
             if found is not None:
                 replica = found[1]
-                outputs = await self._run_here(*found, inputs, priority, tenant, request_id)
-                if outputs is not None:
-                    return InferenceResult(outputs, model, replica.index, replica.device, ())
+                answered = await self._run_here(*found, inputs, priority, tenant, request_id)
+                if answered is not None:
+                    return InferenceResult(answered, model, replica.index, replica.device, ())
         request = await self._submit(
             model,
             inputs,
