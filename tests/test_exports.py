@@ -40,6 +40,7 @@ PUBLIC = {
         "RequestQueue",
         "SchedulerContext", "SequenceContext", "Status", "WorkerThread", "current_batch_deadline",
         "current_stream_parameters", "current_stream_request", "caller_request_id",
+        "set_response_parameters",
         "current_callers_deadline",
         "current_trace_context", "numpy_dtype", "record_span",
         "wait_on_callback", "CallbackWaiter", "inline_slice_spent", "restart_inline_slice",

@@ -4,16 +4,19 @@ Each seen by ``tritonclient`` (HTTP and gRPC) against a real ``trioinfer
 serve``, for a model's executes and a decoupled model's streams alike:
 ``request_id()`` is the client's id (``""`` when it sent none);
 ``requested_output_names()`` the outputs it asked for (all when it named none),
-and a response may hold those alone.
+and a response may hold those alone; ``InferenceResponse(parameters=...)``
+reaches the client as the response's parameters.
 """
 
 from __future__ import annotations
 
+import json
 import queue
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import numpy as np
 import pytest
 import trio
@@ -114,6 +117,43 @@ PICKY_STREAM = (
 """
 )
 
+TAGGED_PBTXT = """\
+backend: "python"
+max_batch_size: 0
+input [ { name: "X" data_type: TYPE_INT32 dims: [ 1 ] } ]
+output [ { name: "Y" data_type: TYPE_INT32 dims: [ 1 ] } ]
+"""
+
+# Response parameters of each type Triton takes; X < 0 gives one it refuses (a float).
+TAGGED = """\
+import triton_python_backend_utils as pb_utils
+
+
+def answer(request, index=0):
+    x = pb_utils.get_input_tensor_by_name(request, "X").as_numpy()
+    given = {"index": index, "even": bool(x[0] % 2 == 0), "word": "w" + str(int(x[0]))}
+    if x[0] < 0:
+        given["ratio"] = 0.5
+    return pb_utils.InferenceResponse([pb_utils.Tensor("Y", x + index)], parameters=given)
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        return [answer(request) for request in requests]
+"""
+
+TAGGED_STREAM_PBTXT = TAGGED_PBTXT + "model_transaction_policy { decoupled: true }\n"
+
+TAGGED_STREAM = (
+    TAGGED.removesuffix("        return [answer(request) for request in requests]\n")
+    + """\
+        for request in requests:
+            sender = request.get_response_sender()
+            sender.send(answer(request, 1))
+            sender.send(answer(request, 2), flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+"""
+)
+
 PICKY_CACHED_PBTXT = PICKY_PBTXT + "response_cache { enable: true }\n"
 
 MODELS = {
@@ -121,6 +161,8 @@ MODELS = {
     "ident_stream": (IDENT_STREAM_PBTXT, IDENT_STREAM),
     "picky": (PICKY_PBTXT, PICKY),
     "picky_stream": (PICKY_STREAM_PBTXT, PICKY_STREAM),
+    "tagged": (TAGGED_PBTXT, TAGGED),
+    "tagged_stream": (TAGGED_STREAM_PBTXT, TAGGED_STREAM),
 }
 
 
@@ -275,3 +317,94 @@ def test_grpc_requested_outputs_reach_the_model_and_its_stream(server: Any) -> N
     assert _said(got, "ASKED") == [b"B,ASKED"]
     assert got.as_numpy("B").tolist() == [7]
     assert got.as_numpy("A") is None
+
+
+# -- response parameters -----------------------------------------------------------------
+
+
+async def test_response_parameters_through_the_engine(repository: Path) -> None:
+    repo = ModelRepository(repository)
+    async with trioinfer.open_engine() as engine:
+        for name in ("tagged", "tagged_stream"):
+            await engine.load(repo.entry(name).config(1))
+        with trio.fail_after(WAIT_S):
+            result = await engine.infer_detailed("tagged", {"X": np.array([4], np.int32)})
+            assert dict(result.parameters) == {"index": 0, "even": True, "word": "w4"}
+            # A float is refused where the response is made, as Triton refuses it.
+            with pytest.raises(trioinfer.BackendError, match="'ratio' must be a bool, int or str"):
+                await engine.infer("tagged", {"X": np.array([-1], np.int32)})
+            x = {"X": np.array([3], np.int32)}
+            async with engine.infer_stream("tagged_stream", x) as stream:
+                said = [(o["Y"].tolist(), dict(stream.parameters)) async for o in stream]
+            assert said == [
+                ([4], {"index": 1, "even": False, "word": "w3"}),
+                ([5], {"index": 2, "even": False, "word": "w3"}),
+            ]
+            # A model that is not decoupled, streamed: its one response's.
+            async with engine.infer_stream("tagged", x) as stream:
+                assert [dict(stream.parameters) async for _ in stream] == [
+                    {"index": 0, "even": False, "word": "w3"}
+                ]
+
+
+async def test_an_answer_with_response_parameters_is_not_cached(tmp_path: Path) -> None:
+    # The cache keeps outputs: an answer carrying parameters is computed each time.
+    pbtxt = TAGGED_PBTXT + "response_cache { enable: true }\n"
+    repo = ModelRepository(write_models(tmp_path, {"tagged_cached": (pbtxt, TAGGED)}))
+    async with trioinfer.open_engine(cache_size=1 << 20) as engine:
+        await engine.load(repo.entry("tagged_cached").config(1))
+        x = {"X": np.array([4], np.int32)}
+        with trio.fail_after(WAIT_S):
+            for _ in range(2):
+                result = await engine.infer_detailed("tagged_cached", x)
+                assert result.parameters["word"] == "w4"
+        stats = engine.statistics().models["tagged_cached"].cache
+        assert stats is not None
+        assert (stats.hits, stats.misses) == (0, 2)
+
+
+def test_http_response_parameters(server: Any) -> None:
+    with httpclient.InferenceServerClient(server.url.removeprefix("http://")) as client:
+        x = httpclient.InferInput("X", [1], "INT32")
+        x.set_data_from_numpy(np.array([6], np.int32))
+        result = client.infer("tagged", [x])
+        assert result.get_response()["parameters"] == {"index": 0, "even": True, "word": "w6"}
+    with httpx.Client(base_url=server.url, timeout=WAIT_S) as http:
+        answer = http.post("/v2/models/tagged_stream/generate_stream", json={"X": 7})
+        assert answer.status_code == 200, answer.text
+        events = [json.loads(c.removeprefix("data: ")) for c in answer.text.split("\n\n") if c]
+        assert [(e["Y"], e["index"], e["word"]) for e in events] == [(8, 1, "w7"), (9, 2, "w7")]
+        answer = http.post("/v2/models/tagged/generate", json={"X": 2})
+        assert answer.status_code == 200, answer.text
+        assert answer.json() == {
+            "model_name": "tagged",
+            "model_version": "1",
+            "Y": 2,
+            "index": 0,
+            "even": True,
+            "word": "w2",
+        }
+
+
+@pytest.mark.grpc
+def test_grpc_response_parameters_of_infer_and_stream(server: Any) -> None:
+    def plain(parameters: Any) -> dict[str, Any]:
+        return {
+            key: getattr(value, value.WhichOneof("parameter_choice"))
+            for key, value in parameters.items()
+        }
+
+    with grpcclient.InferenceServerClient(server.grpc) as client:
+        x = grpcclient.InferInput("X", [1], "INT32")
+        x.set_data_from_numpy(np.array([6], np.int32))
+        result = client.infer("tagged", [x])
+        assert plain(result.get_response().parameters) == {"index": 0, "even": True, "word": "w6"}
+        answers: queue.Queue[tuple[Any, Any]] = queue.Queue()
+        client.start_stream(callback=lambda result, error: answers.put((result, error)))
+        try:
+            client.async_stream_infer("tagged_stream", [x])
+            got = [answers.get(timeout=WAIT_S) for _ in range(2)]
+        finally:
+            client.stop_stream()
+    assert [error for _, error in got] == [None, None]
+    assert [plain(r.get_response().parameters)["index"] for r, _ in got] == [1, 2]

@@ -49,6 +49,7 @@ from trioinfer.lowlevel import (
     current_engine,
     current_model_tasks,
     current_stream_request,
+    set_response_parameters,
 )
 
 from . import triton_python_backend_utils as pb_utils
@@ -273,7 +274,8 @@ class TritonInstance:
             BackendError: ``execute`` raised, or answered wrong.
             TrioInferError: The response's error.
         """
-        (answer,) = await self._run([self._request(inputs, "", 0)])
+        (response,) = await self._run([self._request(inputs, "", 0)])
+        answer = self._answer(response)
         if isinstance(answer, Exception):
             raise answer
         return answer
@@ -301,9 +303,16 @@ class TritonInstance:
             )
             # Ended from outside while it runs: its caller left, or its deadline passed.
             made[-1]._ended = functools.partial(_ended, request)
-        return await self._run(made)
+        answers: list[Outputs | Exception] = []
+        for request, response in zip(requests, await self._run(made), strict=True):
+            if response._parameters:
+                set_response_parameters(request, response._parameters)
+            answers.append(self._answer(response))
+        return answers
 
-    async def _run(self, requests: list[pb_utils.InferenceRequest]) -> list[Outputs | Exception]:
+    async def _run(
+        self, requests: list[pb_utils.InferenceRequest]
+    ) -> list[pb_utils.InferenceResponse]:
         if self._closed:
             raise BackendError(f"{self._label} is closed")
         if self._decoupled:
@@ -335,7 +344,7 @@ class TritonInstance:
                 f"{type(odd[0]).__name__}; it must hold one pb_utils.InferenceResponse per "
                 "request"
             )
-        return [self._answer(response) for response in responses]
+        return list(responses)
 
     async def _call_execute(self, requests: list[pb_utils.InferenceRequest]) -> Any:
         models = self._models
@@ -450,6 +459,8 @@ class TritonInstance:
                     answer = self._answer(response)
                     if isinstance(answer, Exception):
                         raise answer
+                    if response._parameters and streamed is not None:
+                        set_response_parameters(streamed, response._parameters)
                     yield answer
                 if final:
                     return

@@ -177,27 +177,29 @@ class Tensor(_Provided):
 
 
 class InferenceResponse(_Provided):
-    """A model's answer to one request: its output tensors, or an error."""
+    """A model's answer to one request: its output tensors, or an error, and its parameters."""
 
-    __slots__ = ("_error", "_outputs")
+    __slots__ = ("_error", "_outputs", "_parameters")
 
     def __init__(
         self,
         output_tensors: Sequence[Tensor] | None = None,
         error: TritonError | None = None,
-        parameters: object = None,
+        parameters: Mapping[str, bool | int | str] | None = None,
     ) -> None:
         """A response holding *output_tensors*, or failing its request with *error*.
+
+        *parameters*, as in Triton a dict of str names to bool, int or str
+        values, reach the client as the response's ``parameters`` (HTTP and
+        gRPC infer, each response of a stream; a generate response's keys).
 
         Raises:
             TypeError: *output_tensors* is not a list of `Tensor`.
             ValueError: Two tensors have one name.
+            TritonModelException: *parameters* is not such a dict (Triton refuses
+                it alike: a float value, say).
         """
-        if parameters:
-            raise NotImplementedError(
-                "InferenceResponse(parameters=...) is not supported by trioinfer's python "
-                f"backend (responses carry no parameters); see {_DOCS}"
-            )
+        self._parameters = _response_parameters(parameters)
         # Checked here, where the model's line is (Triton's constructor refuses them too).
         if isinstance(output_tensors, Tensor):
             raise TypeError("InferenceResponse takes a list of pb_utils.Tensor, got Tensor")
@@ -225,6 +227,32 @@ class InferenceResponse(_Provided):
     def error(self) -> TritonError | None:
         """The error, or None."""
         return self._error
+
+    def parameters(self) -> str:
+        """The response's parameters as a JSON object text (``"{}"`` when none), as Triton's."""
+        return json.dumps(self._parameters)
+
+
+def _response_parameters(parameters: object) -> dict[str, bool | int | str]:
+    # InferenceResponse(parameters=...), checked as Triton's constructor checks it.
+    if parameters is None:
+        return {}
+    if not isinstance(parameters, dict):
+        raise TritonModelException(
+            f"InferenceResponse(parameters=...) takes a dict, got {type(parameters).__name__}"
+        )
+    for key, value in parameters.items():
+        if not isinstance(key, str):
+            raise TritonModelException(
+                "InferenceResponse(parameters=...): names must be str, got "
+                f"{type(key).__name__} {key!r:.80}"
+            )
+        if not isinstance(value, bool | int | str):
+            raise TritonModelException(
+                f"InferenceResponse(parameters=...): parameter {key!r} must be a bool, int or "
+                f"str (as in Triton), got {type(value).__name__} {value!r:.80}"
+            )
+    return dict(parameters)
 
 
 def get_output_tensor_by_name(response: InferenceResponse, name: str) -> Tensor | None:

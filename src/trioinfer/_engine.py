@@ -147,6 +147,9 @@ class InferenceResult:
             the first execution answered): ``"retry instance 0 (cpu)"``,
             ``"failover instance 1 (cpu)"``, ``"hedge instance 1 (cpu)"``,
             ``"model small"``, ``"default"``.
+        parameters: The answer's response parameters, where its model gave some
+            (a Triton Python model's ``InferenceResponse(parameters=...)``; see
+            `trioinfer.lowlevel.set_response_parameters`); empty otherwise.
     """
 
     outputs: Outputs
@@ -154,6 +157,7 @@ class InferenceResult:
     instance: int | None
     device: str | None
     fallbacks: tuple[str, ...]
+    parameters: Mapping[str, Parameter] = NO_PARAMETERS
 
 
 @attrs.frozen
@@ -961,6 +965,8 @@ class Engine:
         # A request with parameters or requested outputs takes _submit's way (run here,
         # it would carry neither).
         found = self._idle_here(model) if sequence is None and not given and not outputs else None
+        if found is not None and found[0]._per_request:
+            found = None  # (its answers may carry parameters, which the request keeps)
         if found is not None:
             # As infer runs a request on an idle inline model: in this task.
             if found[0].clock.current_effective_deadline() == -math.inf:
@@ -991,9 +997,12 @@ class Engine:
         served_by = state.served_by
         if isinstance(served_by, tuple):  # answered by another model: (its name, its replica)
             model, served_by = served_by
+        given = state.response_parameters
         if served_by is None:  # answered by a fallback itself (a default answer)
-            return InferenceResult(answer, model, None, None, state.fallbacks)
-        return InferenceResult(answer, model, served_by.index, served_by.device, state.fallbacks)
+            return InferenceResult(answer, model, None, None, state.fallbacks, given)
+        return InferenceResult(
+            answer, model, served_by.index, served_by.device, state.fallbacks, given
+        )
 
     def _infer_step(
         self,
@@ -1311,9 +1320,17 @@ class Engine:
             requested_outputs=request.requested_outputs,
         )
         if origin is not None:
-            # An identical request's fallback answered: this one says so as well.
-            served_by, fallbacks = cast("tuple[Any, tuple[str, ...]]", origin)
-            request._state.served_by, request._state.fallbacks = served_by, fallbacks
+            # An identical request's fallback answered (or its answer carries response
+            # parameters): this one says so as well.
+            served_by, fallbacks, given = cast(
+                "tuple[Any, tuple[str, ...], Mapping[str, Parameter]]", origin
+            )
+            state = request._state
+            state.served_by, state.fallbacks, state.response_parameters = (
+                served_by,
+                fallbacks,
+                given,
+            )
         request._state.outputs, request._state.status = outputs, Status.DONE
         if request._state.trace is not None:
             assert self._tracing is not None
@@ -1976,9 +1993,14 @@ def _computed(request: Request, own: bool) -> Computed | BaseException:
         return state.error
     assert state.outputs is not None
     # Keep only the model's own answer (from one of its instances, after a retry or
-    # failover between them as well): not a fallback's default, nor another model's.
-    own = own or (state.served_by is not None and not isinstance(state.served_by, tuple))
-    return state.outputs, own, (state.served_by, state.fallbacks)
+    # failover between them as well): not a fallback's default, nor another model's;
+    # nor one with response parameters, which the cache does not keep (those waiting
+    # for it now get them with it).
+    given = state.response_parameters
+    own = (own or (state.served_by is not None and not isinstance(state.served_by, tuple))) and (
+        not given
+    )
+    return state.outputs, own, (state.served_by, state.fallbacks, given)
 
 
 @final

@@ -104,6 +104,26 @@ def next_request_id() -> str:
     return GeneratedId(next(_ids))
 
 
+def set_response_parameters(request: abc.Request, parameters: Mapping[str, Parameter]) -> None:
+    """Give the answer to *request* these response *parameters* (Triton's response parameters).
+
+    For a backend whose model answers with parameters as well as outputs: a
+    `RequestsInstance` calls it for a request before it returns that
+    request's answer, a `StreamingInstance` for its stream's request
+    (`current_stream_request`) before each response it yields (each
+    response has its own; none given: none). They reach the caller in
+    ``InferenceResult.parameters`` (``engine.infer_detailed``) and
+    ``ResponseStream.parameters``, and the client in the response's
+    ``parameters`` (HTTP and gRPC; a generate response's keys). The response
+    cache does not keep an answer that carries them.
+
+    Raises:
+        InvalidInput: *parameters* are not names to bool, int, float or str values.
+    """
+    state: _State = request._state  # type: ignore[attr-defined]  # (the engine's own)
+    state.response_parameters = checked_parameters(parameters)
+
+
 def caller_request_id(request: abc.Request) -> str:
     """The id *request*'s caller gave it, or ``""`` where the engine made one.
 
@@ -136,6 +156,9 @@ class _State:
     trace: Any = None
     # Its deadline is its model's queue timeout, not its caller's (who waits for the run).
     queue_timeout: bool = False
+    # The parameters of its answer (a stream's: of the response being made), given by
+    # its backend (set_response_parameters).
+    response_parameters: Mapping[str, Parameter] = NO_PARAMETERS
 
     def __init__(self) -> None:
         # Every field at its default, written out: attrs' __init__ takes each as an
@@ -152,6 +175,7 @@ class _State:
         self.failover = False
         self.trace = None
         self.queue_timeout = False
+        self.response_parameters = NO_PARAMETERS
 
     def abort(self, _raise_cancel: object) -> Any:
         # Trio's abort callback for the parked task: cancelled, it is no longer

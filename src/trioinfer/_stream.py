@@ -89,20 +89,31 @@ def current_stream_request() -> Request | None:
 
 
 class _Send(Protocol):
-    async def send(self, item: Outputs, /) -> None: ...
+    async def send(self, item: Outputs | _WithParameters, /) -> None: ...
     def close(self) -> None: ...
 
 
 class _Receive(Protocol):
-    async def receive(self) -> Outputs: ...
+    async def receive(self) -> Outputs | _WithParameters: ...
     def close(self) -> None: ...
+
+
+@final
+class _WithParameters:
+    # A response that carries response parameters, as it goes to its stream's reader
+    # (one without goes as its outputs alone: the usual case costs a class check).
+    __slots__ = ("outputs", "parameters")
+
+    def __init__(self, outputs: Outputs, parameters: Mapping[str, Parameter]) -> None:
+        self.outputs = outputs
+        self.parameters = parameters
 
 
 def _channel() -> tuple[_Send, _Receive]:
     # No buffer: the model is at most the one response it is handing over ahead.
     if sniffio.current_async_library() == "trio":
-        return trio.open_memory_channel[Outputs](0)
-    return anyio.create_memory_object_stream[Outputs](0)
+        return trio.open_memory_channel[Outputs | _WithParameters](0)
+    return anyio.create_memory_object_stream[Outputs | _WithParameters](0)
 
 
 def decoupled(runner: object) -> bool:
@@ -200,11 +211,21 @@ class ResponseStream(metaclass=NoPublicConstructor):
         # Whether the model's task still runs, and what aclose() waits on to see it end.
         self._producing = False
         self._stopped: anyio.Event | None = None
+        self._parameters: Mapping[str, Parameter] = NO_PARAMETERS
 
     @property
     def id(self) -> str:
         """The request's id (given to ``infer_stream``, or generated)."""
         return self._id
+
+    @property
+    def parameters(self) -> Mapping[str, Parameter]:
+        """The response parameters of the response last yielded (empty: none).
+
+        Where its model gives some (a Triton Python model's
+        ``InferenceResponse(parameters=...)``); read it after each response.
+        """
+        return self._parameters
 
     def __aiter__(self) -> ResponseStream:
         return self
@@ -241,7 +262,7 @@ class ResponseStream(metaclass=NoPublicConstructor):
     async def __anext__(self) -> Outputs:
         """The next response; ``StopAsyncIteration`` after the last one."""
         try:
-            return await self._receive.receive()
+            item = await self._receive.receive()
         except _END:
             if self._error is not None:
                 raise self._error from None
@@ -258,6 +279,12 @@ class ResponseStream(metaclass=NoPublicConstructor):
                 f"the response stream of request {self._id!r} is closed: its `async with "
                 "engine.infer_stream(...)` block has ended; iterate it inside that block"
             ) from None
+        if item.__class__ is _WithParameters:
+            assert isinstance(item, _WithParameters)
+            self._parameters = item.parameters
+            return item.outputs
+        self._parameters = NO_PARAMETERS
+        return item  # type: ignore[return-value]  # (Outputs: the class said)
 
 
 @asynccontextmanager
@@ -400,12 +427,16 @@ async def _generate(
             _stream_request.set(request)
             generator = instance.stream(request.inputs)
             wanted = request.requested_outputs
+            state = request._state
             try:
                 if traced is None and not wanted:
                     async for outputs in generator:
                         if check is not None:
                             check.check(outputs, 0, replica)
-                        await send.send(outputs)
+                        if state.response_parameters:
+                            await send.send(_parameterised(state, outputs))
+                        else:
+                            await send.send(outputs)
                 else:
 
                     async def checked(outputs: Outputs) -> None:
@@ -418,7 +449,10 @@ async def _generate(
                                 outputs = {name: outputs[name] for name in wanted}
                         elif check is not None:
                             check.check(outputs, 0, replica)
-                        await send.send(outputs)
+                        if state.response_parameters:
+                            await send.send(_parameterised(state, outputs))
+                        else:
+                            await send.send(outputs)
 
                     if traced is None:
                         async for outputs in generator:
@@ -483,6 +517,13 @@ async def _watch(request: Request, producer: anyio.CancelScope) -> None:
     producer.cancel()
 
 
+def _parameterised(state: Any, outputs: Outputs) -> _WithParameters:
+    # A response with the parameters its backend gave it (set_response_parameters):
+    # taken, so that the next response carries only its own.
+    given, state.response_parameters = state.response_parameters, NO_PARAMETERS
+    return _WithParameters(outputs, given)
+
+
 async def _one(
     engine: Engine,
     model: str,
@@ -501,18 +542,31 @@ async def _one(
     # follow-up's, also while the engine drains, as a pipeline's step).
     try:
         with scope:
-            infer = engine._infer_step if follow_up else engine.infer
-            outputs = await infer(
-                model,
-                inputs,
-                priority=priority,
-                tenant=tenant,
-                request_id=request_id,
-                parameters=parameters or None,
-            )
-            if wanted:
-                outputs = {name: outputs[name] for name in wanted}
-            await send.send(outputs)
+            if follow_up:
+                outputs = await engine._infer_step(
+                    model,
+                    inputs,
+                    priority=priority,
+                    tenant=tenant,
+                    request_id=request_id,
+                    parameters=parameters or None,
+                )
+                await send.send(outputs)
+            else:
+                # infer_detailed: its answer's response parameters go with it.
+                result = await engine.infer_detailed(
+                    model,
+                    inputs,
+                    priority=priority,
+                    tenant=tenant,
+                    request_id=request_id,
+                    parameters=parameters or None,
+                    outputs=wanted or None,
+                )
+                if result.parameters:
+                    await send.send(_WithParameters(result.outputs, result.parameters))
+                else:
+                    await send.send(result.outputs)
     except _BROKEN:
         pass
     except TrioInferError as exc:

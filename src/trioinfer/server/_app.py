@@ -1627,6 +1627,19 @@ def _fallback_parameters(
     return {"trioinfer_served_by": where, "trioinfer_fallbacks": steps}
 
 
+def response_parameters(
+    state: ServerState, asked: ServedVersion, result: InferenceResult
+) -> dict[str, Parameter] | None:
+    """The ``parameters`` of an infer response: the model's own, and a fallback's; None: none.
+
+    The model's (Triton's response parameters, `InferenceResult.parameters`)
+    as it gave them; where a fallback answered, the two saying which win.
+    """
+    if not result.fallbacks:
+        return dict(result.parameters) if result.parameters else None
+    return {**result.parameters, **_fallback_parameters(state, asked, result)}
+
+
 def _classified(
     request: InferRequest, served: ServedVersion, outputs: Mapping[str, Any]
 ) -> Mapping[str, Any]:
@@ -1989,9 +2002,7 @@ class _InferEndpoint:
                 request=request,
                 outputs=_classified(request, served, result.outputs),
                 output_order=_output_names(served.info.signature),
-                parameters=_fallback_parameters(state, served, result)
-                if result.fallbacks
-                else None,
+                parameters=response_parameters(state, served, result),
                 shm=lease,
             )
             if json_length is None:
