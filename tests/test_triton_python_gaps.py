@@ -154,6 +154,55 @@ TAGGED_STREAM = (
 """
 )
 
+SUMMER_PBTXT = """\
+backend: "python"
+max_batch_size: 0
+input [ { name: "X" data_type: TYPE_INT32 dims: [ 1 ] } ]
+output [
+  { name: "SUM" data_type: TYPE_INT32 dims: [ 1 ] },
+  { name: "COUNT" data_type: TYPE_INT32 dims: [ 1 ] }
+]
+"""
+
+# Sums the responses of tagged_stream (X+1, X+2) got with exec(decoupled=True); X < 0
+# calls a model that is not there (the error is the iterator's one response).
+SUMMER = """\
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+def call(request):
+    x = pb_utils.get_input_tensor_by_name(request, "X").as_numpy()
+    model = "tagged_stream" if x[0] >= 0 else "missing"
+    return pb_utils.InferenceRequest(
+        model_name=model, requested_output_names=["Y"], inputs=[pb_utils.Tensor("X", x)]
+    )
+
+
+def total(responses):
+    got = []
+    for response in responses:
+        if response.has_error():
+            return pb_utils.InferenceResponse(error=response.error())
+        got.append(pb_utils.get_output_tensor_by_name(response, "Y").as_numpy()[0])
+    return pb_utils.InferenceResponse([
+        pb_utils.Tensor("SUM", np.array([sum(got)], np.int32)),
+        pb_utils.Tensor("COUNT", np.array([len(got)], np.int32)),
+    ])
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        return [total(call(request).exec(decoupled=True)) for request in requests]
+"""
+
+ASYNC_SUMMER = SUMMER.replace(
+    """    def execute(self, requests):
+        return [total(call(request).exec(decoupled=True)) for request in requests]""",
+    """    async def execute(self, requests):
+        return [total(await call(r).async_exec(decoupled=True)) for r in requests]""",
+)
+
 PICKY_CACHED_PBTXT = PICKY_PBTXT + "response_cache { enable: true }\n"
 
 MODELS = {
@@ -163,6 +212,8 @@ MODELS = {
     "picky_stream": (PICKY_STREAM_PBTXT, PICKY_STREAM),
     "tagged": (TAGGED_PBTXT, TAGGED),
     "tagged_stream": (TAGGED_STREAM_PBTXT, TAGGED_STREAM),
+    "summer": (SUMMER_PBTXT, SUMMER),
+    "async_summer": (SUMMER_PBTXT, ASYNC_SUMMER),
 }
 
 
@@ -408,3 +459,32 @@ def test_grpc_response_parameters_of_infer_and_stream(server: Any) -> None:
             client.stop_stream()
     assert [error for _, error in got] == [None, None]
     assert [plain(r.get_response().parameters)["index"] for r, _ in got] == [1, 2]
+
+
+# -- BLS of a decoupled model: exec(decoupled=True) ------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["summer", "async_summer"])
+async def test_bls_exec_decoupled_iterates_the_responses(repository: Path, name: str) -> None:
+    repo = ModelRepository(repository)
+    async with trioinfer.open_engine() as engine:
+        for model in ("tagged_stream", name):
+            await engine.load(repo.entry(model).config(1))
+        with trio.fail_after(WAIT_S):
+            out = await engine.infer(name, {"X": np.array([10], np.int32)})
+            assert (out["SUM"].tolist(), out["COUNT"].tolist()) == ([23], [2])
+            # The other model's failure is a response carrying it, as Triton's.
+            with pytest.raises(trioinfer.BackendError, match="'missing'"):
+                await engine.infer(name, {"X": np.array([-1], np.int32)})
+
+
+def test_http_bls_exec_decoupled(server: Any) -> None:
+    with httpclient.InferenceServerClient(server.url.removeprefix("http://")) as client:
+        x = httpclient.InferInput("X", [1], "INT32")
+        x.set_data_from_numpy(np.array([1], np.int32))
+        for name in ("summer", "async_summer"):
+            result = client.infer(name, [x])
+            assert (result.as_numpy("SUM").tolist(), result.as_numpy("COUNT").tolist()) == (
+                [5],
+                [2],
+            )

@@ -349,7 +349,7 @@ class TritonInstance:
     async def _call_execute(self, requests: list[pb_utils.InferenceRequest]) -> Any:
         models = self._models
         if self._async:
-            token = pb_utils._async_calls.set(None if models is None else models.infer)
+            token = pb_utils._async_calls.set(models)
             try:
                 return await self._execute(requests)
             finally:
@@ -363,7 +363,7 @@ class TritonInstance:
     def _sync_execute(self, requests: list[pb_utils.InferenceRequest]) -> Any:
         # On the worker thread: execute, with exec() calling other models through models.
         models = self._models
-        pb_utils._calls.value = None if models is None else models.infer_blocking
+        pb_utils._calls.value = models
         try:
             return self._execute(requests)
         finally:
@@ -501,7 +501,7 @@ class TritonInstance:
         # A task of the model's group (`_Tasks`): cancelled when its caller leaves
         # (scope) or the instance closes.
         models = self._models
-        token = pb_utils._async_calls.set(None if models is None else models.infer)
+        token = pb_utils._async_calls.set(models)
         try:
             with scope:
                 try:

@@ -46,6 +46,7 @@ __all__ = [
     "Logger",
     "Metric",
     "MetricFamily",
+    "ResponseIterator",
     "ResponseSender",
     "Tensor",
     "TritonError",
@@ -308,9 +309,39 @@ class ResponseSender(_Provided):
         return self._cancelled()
 
 
-#: What a running execution calls other models with (BLS): the backend sets it.
-#: A thread-local for a plain ``def execute`` on its worker thread, a context variable
-#: for an ``async def execute`` on the event loop.
+class ResponseIterator(_Provided):
+    """The responses of a decoupled model to a request made with ``exec(decoupled=True)``.
+
+    Iterate it (a plain ``for``); ``cancel()`` stops the stream early (the
+    other model's generator stops at its ``yield``). The iteration ends after
+    the model's last response; a model that ends with a final flag alone adds
+    no empty response.
+    """
+
+    __slots__ = ("_cancel", "_responses")
+
+    def __init__(self, responses: Any, cancel: Callable[[], None] | None = None) -> None:
+        """Made by ``exec``/``async_exec``: *responses* iterated, *cancel* stops them."""
+        self._responses = iter(responses)
+        self._cancel = cancel
+
+    def __iter__(self) -> ResponseIterator:
+        return self
+
+    def __next__(self) -> InferenceResponse:
+        """The next response (waited for, from ``exec``)."""
+        return next(self._responses)  # type: ignore[no-any-return]
+
+    def cancel(self) -> None:
+        """Stop the stream now: no further response comes."""
+        if self._cancel is not None:
+            self._cancel()
+        self._responses = iter(())
+
+
+#: What a running execution calls other models with (BLS): the backend sets it to the
+#: model's `trioinfer_python.Models`. A thread-local for a plain ``def execute`` on its
+#: worker thread, a context variable for an ``async def execute`` on the event loop.
 _calls = threading.local()
 _async_calls: contextvars.ContextVar[Any] = contextvars.ContextVar("trioinfer_pb_calls")
 
@@ -425,38 +456,75 @@ class InferenceRequest(_Provided):
             )
         return self._sender
 
-    def exec(self, decoupled: bool = False) -> InferenceResponse:
-        """Run the request on its model and wait for the response (from ``def execute``)."""
-        if decoupled:
-            raise NotImplementedError(
-                f"InferenceRequest.exec(decoupled=True) is not supported here; see {_DOCS}"
-            )
-        call = getattr(_calls, "value", None)
-        if call is None:
+    def exec(self, decoupled: bool = False) -> Any:
+        """Run the request on its model and wait for the response (from ``def execute``).
+
+        With *decoupled* True (a decoupled model's request): a `ResponseIterator`
+        of its responses, each waited for as it is iterated; an error ends it as
+        a last response that carries the error.
+        """
+        models = getattr(_calls, "value", None)
+        if models is None:
             raise TritonModelException(
                 "InferenceRequest.exec() works only in a plain def execute while it runs (in "
                 "an async def execute, await request.async_exec())"
             )
+        if decoupled:
+            try:
+                stream = models.infer_stream_blocking(
+                    self._model_name, self._arrays(), parameters=self._parsed_parameters()
+                )
+            except TrioInferError as exc:
+                return ResponseIterator([InferenceResponse(error=_triton_error(exc))])
+            except RuntimeError as exc:  # not on the thread of an execute the engine runs
+                raise TritonModelException(
+                    f"InferenceRequest.exec(decoupled=True): {exc} (a decoupled model's own "
+                    "execute cannot stream another model's responses here; see "
+                    f"{_DOCS})"
+                ) from None
+            return ResponseIterator(self._streamed(stream), stream.close)
         return self._respond(
-            lambda: call(self._model_name, self._arrays(), parameters=self._parsed_parameters())
+            lambda: models.infer_blocking(
+                self._model_name, self._arrays(), parameters=self._parsed_parameters()
+            )
         )
 
-    async def async_exec(self, decoupled: bool = False) -> InferenceResponse:
-        """Run the request on its model and return the response (from ``async def execute``)."""
-        if decoupled:
-            raise NotImplementedError(
-                f"InferenceRequest.async_exec(decoupled=True) is not supported here; see {_DOCS}"
-            )
-        call = _async_calls.get(None)
-        if call is None:
+    def _streamed(self, stream: Any) -> Any:
+        # A stream's responses as InferenceResponses; its error as a last one.
+        try:
+            for outputs in stream:
+                yield self._response(outputs)
+        except TrioInferError as exc:
+            yield InferenceResponse(error=_triton_error(exc))
+
+    async def async_exec(self, decoupled: bool = False) -> Any:
+        """Run the request on its model and return the response (from ``async def execute``).
+
+        With *decoupled* True: a `ResponseIterator` of its responses, read to the
+        end before it returns (it is iterated with a plain ``for``, as Triton's,
+        which must not wait on the event loop); an error ends it as a last
+        response that carries the error.
+        """
+        models = _async_calls.get(None)
+        if models is None:
             raise TritonModelException(
                 "InferenceRequest.async_exec() works only in an async def execute while it runs "
                 "(in a plain def execute, call request.exec())"
             )
+        arrays, parameters = self._arrays(), self._parsed_parameters()
+        if decoupled:
+            responses = []
+            try:
+                async with models.infer_stream(
+                    self._model_name, arrays, parameters=parameters
+                ) as stream:
+                    async for outputs in stream:
+                        responses.append(self._response(outputs))
+            except TrioInferError as exc:
+                responses.append(InferenceResponse(error=_triton_error(exc)))
+            return ResponseIterator(responses)
         try:
-            outputs = await call(
-                self._model_name, self._arrays(), parameters=self._parsed_parameters()
-            )
+            outputs = await models.infer(self._model_name, arrays, parameters=parameters)
         except TrioInferError as exc:
             return InferenceResponse(error=_triton_error(exc))
         return self._response(outputs)
