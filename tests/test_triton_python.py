@@ -454,10 +454,9 @@ def test_what_pb_utils_does_not_provide_is_named() -> None:
         pb_utils.Tensor.from_dlpack  # noqa: B018
     with pytest.raises(AttributeError, match=r"Tensor.to_dlpack is not provided.*from-triton"):
         pb_utils.Tensor("x", [1]).to_dlpack  # noqa: B018
-    with pytest.raises(NotImplementedError, match=r"exec\(decoupled=True\)"):
-        pb_utils.InferenceRequest(model_name="m").exec(decoupled=True)
-    with pytest.raises(pb_utils.TritonModelException, match="only in a plain def execute"):
-        pb_utils.InferenceRequest(model_name="m").exec()
+    for decoupled in (False, True):
+        with pytest.raises(pb_utils.TritonModelException, match="only in a plain def execute"):
+            pb_utils.InferenceRequest(model_name="m").exec(decoupled=decoupled)
     assert pb_utils.triton_string_to_numpy("TYPE_STRING") is np.object_
     assert pb_utils.numpy_to_triton_type(np.float32) == "TYPE_FP32"
     # The import name leads to the module once a Triton model was loaded.

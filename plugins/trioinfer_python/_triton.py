@@ -45,9 +45,11 @@ from trioinfer.lowlevel import (
     Request,
     Status,
     WorkerThread,
+    caller_request_id,
     current_engine,
     current_model_tasks,
-    current_stream_parameters,
+    current_stream_request,
+    set_response_parameters,
 )
 
 from . import triton_python_backend_utils as pb_utils
@@ -246,6 +248,7 @@ class TritonInstance:
         request_id: str,
         correlation_id: int | str,
         parameters: Mapping[str, Any] | None = None,
+        requested: Sequence[str] = (),
     ) -> pb_utils.InferenceRequest:
         tensors = []
         for name, value in inputs.items():
@@ -256,7 +259,8 @@ class TritonInstance:
             tensors.append(pb_utils.Tensor(name, value))
         return pb_utils.InferenceRequest(
             model_name=self._name,
-            requested_output_names=self._outputs,
+            # Triton's: the outputs the client asked for, every output where it named none.
+            requested_output_names=requested or self._outputs,
             inputs=tensors,
             request_id=request_id,
             correlation_id=correlation_id,
@@ -270,7 +274,8 @@ class TritonInstance:
             BackendError: ``execute`` raised, or answered wrong.
             TrioInferError: The response's error.
         """
-        (answer,) = await self._run([self._request(inputs, "", 0)])
+        (response,) = await self._run([self._request(inputs, "", 0)])
+        answer = self._answer(response)
         if isinstance(answer, Exception):
             raise answer
         return answer
@@ -289,14 +294,25 @@ class TritonInstance:
             flags = request.sequence_flags
             made.append(
                 self._request(
-                    request.inputs, request.id, flags.id if flags else 0, request.parameters
+                    request.inputs,
+                    caller_request_id(request),  # Triton's: "" when the client sent none
+                    flags.id if flags else 0,
+                    request.parameters,
+                    request.requested_outputs,
                 )
             )
             # Ended from outside while it runs: its caller left, or its deadline passed.
             made[-1]._ended = functools.partial(_ended, request)
-        return await self._run(made)
+        answers: list[Outputs | Exception] = []
+        for request, response in zip(requests, await self._run(made), strict=True):
+            if response._parameters:
+                set_response_parameters(request, response._parameters)
+            answers.append(self._answer(response))
+        return answers
 
-    async def _run(self, requests: list[pb_utils.InferenceRequest]) -> list[Outputs | Exception]:
+    async def _run(
+        self, requests: list[pb_utils.InferenceRequest]
+    ) -> list[pb_utils.InferenceResponse]:
         if self._closed:
             raise BackendError(f"{self._label} is closed")
         if self._decoupled:
@@ -328,12 +344,12 @@ class TritonInstance:
                 f"{type(odd[0]).__name__}; it must hold one pb_utils.InferenceResponse per "
                 "request"
             )
-        return [self._answer(response) for response in responses]
+        return list(responses)
 
     async def _call_execute(self, requests: list[pb_utils.InferenceRequest]) -> Any:
         models = self._models
         if self._async:
-            token = pb_utils._async_calls.set(None if models is None else models.infer)
+            token = pb_utils._async_calls.set(models)
             try:
                 return await self._execute(requests)
             finally:
@@ -347,7 +363,7 @@ class TritonInstance:
     def _sync_execute(self, requests: list[pb_utils.InferenceRequest]) -> Any:
         # On the worker thread: execute, with exec() calling other models through models.
         models = self._models
-        pb_utils._calls.value = None if models is None else models.infer_blocking
+        pb_utils._calls.value = models
         try:
             return self._execute(requests)
         finally:
@@ -419,7 +435,18 @@ class TritonInstance:
                 with contextlib.suppress(anyio.RunFinishedError):
                     anyio.from_thread.run_sync(send.close, token=token)
 
-        request = self._request(inputs, "", 0, current_stream_parameters())
+        streamed = current_stream_request()
+        request = (
+            self._request(inputs, "", 0)
+            if streamed is None  # (called outside the engine's stream)
+            else self._request(
+                inputs,
+                caller_request_id(streamed),
+                0,
+                streamed.parameters,
+                streamed.requested_outputs,
+            )
+        )
         request._sender = pb_utils.ResponseSender(put, gone.is_set)
         scope = anyio.CancelScope()
         try:
@@ -432,6 +459,8 @@ class TritonInstance:
                     answer = self._answer(response)
                     if isinstance(answer, Exception):
                         raise answer
+                    if response._parameters and streamed is not None:
+                        set_response_parameters(streamed, response._parameters)
                     yield answer
                 if final:
                     return
@@ -472,7 +501,7 @@ class TritonInstance:
         # A task of the model's group (`_Tasks`): cancelled when its caller leaves
         # (scope) or the instance closes.
         models = self._models
-        token = pb_utils._async_calls.set(None if models is None else models.infer)
+        token = pb_utils._async_calls.set(models)
         try:
             with scope:
                 try:

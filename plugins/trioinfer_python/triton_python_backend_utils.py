@@ -46,6 +46,7 @@ __all__ = [
     "Logger",
     "Metric",
     "MetricFamily",
+    "ResponseIterator",
     "ResponseSender",
     "Tensor",
     "TritonError",
@@ -177,27 +178,29 @@ class Tensor(_Provided):
 
 
 class InferenceResponse(_Provided):
-    """A model's answer to one request: its output tensors, or an error."""
+    """A model's answer to one request: its output tensors, or an error, and its parameters."""
 
-    __slots__ = ("_error", "_outputs")
+    __slots__ = ("_error", "_outputs", "_parameters")
 
     def __init__(
         self,
         output_tensors: Sequence[Tensor] | None = None,
         error: TritonError | None = None,
-        parameters: object = None,
+        parameters: Mapping[str, bool | int | str] | None = None,
     ) -> None:
         """A response holding *output_tensors*, or failing its request with *error*.
+
+        *parameters*, as in Triton a dict of str names to bool, int or str
+        values, reach the client as the response's ``parameters`` (HTTP and
+        gRPC infer, each response of a stream; a generate response's keys).
 
         Raises:
             TypeError: *output_tensors* is not a list of `Tensor`.
             ValueError: Two tensors have one name.
+            TritonModelException: *parameters* is not such a dict (Triton refuses
+                it alike: a float value, say).
         """
-        if parameters:
-            raise NotImplementedError(
-                "InferenceResponse(parameters=...) is not supported by trioinfer's python "
-                f"backend (responses carry no parameters); see {_DOCS}"
-            )
+        self._parameters = _response_parameters(parameters)
         # Checked here, where the model's line is (Triton's constructor refuses them too).
         if isinstance(output_tensors, Tensor):
             raise TypeError("InferenceResponse takes a list of pb_utils.Tensor, got Tensor")
@@ -225,6 +228,32 @@ class InferenceResponse(_Provided):
     def error(self) -> TritonError | None:
         """The error, or None."""
         return self._error
+
+    def parameters(self) -> str:
+        """The response's parameters as a JSON object text (``"{}"`` when none), as Triton's."""
+        return json.dumps(self._parameters)
+
+
+def _response_parameters(parameters: object) -> dict[str, bool | int | str]:
+    # InferenceResponse(parameters=...), checked as Triton's constructor checks it.
+    if parameters is None:
+        return {}
+    if not isinstance(parameters, dict):
+        raise TritonModelException(
+            f"InferenceResponse(parameters=...) takes a dict, got {type(parameters).__name__}"
+        )
+    for key, value in parameters.items():
+        if not isinstance(key, str):
+            raise TritonModelException(
+                "InferenceResponse(parameters=...): names must be str, got "
+                f"{type(key).__name__} {key!r:.80}"
+            )
+        if not isinstance(value, bool | int | str):
+            raise TritonModelException(
+                f"InferenceResponse(parameters=...): parameter {key!r} must be a bool, int or "
+                f"str (as in Triton), got {type(value).__name__} {value!r:.80}"
+            )
+    return dict(parameters)
 
 
 def get_output_tensor_by_name(response: InferenceResponse, name: str) -> Tensor | None:
@@ -280,9 +309,39 @@ class ResponseSender(_Provided):
         return self._cancelled()
 
 
-#: What a running execution calls other models with (BLS): the backend sets it.
-#: A thread-local for a plain ``def execute`` on its worker thread, a context variable
-#: for an ``async def execute`` on the event loop.
+class ResponseIterator(_Provided):
+    """The responses of a decoupled model to a request made with ``exec(decoupled=True)``.
+
+    Iterate it (a plain ``for``); ``cancel()`` stops the stream early (the
+    other model's generator stops at its ``yield``). The iteration ends after
+    the model's last response; a model that ends with a final flag alone adds
+    no empty response.
+    """
+
+    __slots__ = ("_cancel", "_responses")
+
+    def __init__(self, responses: Any, cancel: Callable[[], None] | None = None) -> None:
+        """Made by ``exec``/``async_exec``: *responses* iterated, *cancel* stops them."""
+        self._responses = iter(responses)
+        self._cancel = cancel
+
+    def __iter__(self) -> ResponseIterator:
+        return self
+
+    def __next__(self) -> InferenceResponse:
+        """The next response (waited for, from ``exec``)."""
+        return next(self._responses)  # type: ignore[no-any-return]
+
+    def cancel(self) -> None:
+        """Stop the stream now: no further response comes."""
+        if self._cancel is not None:
+            self._cancel()
+        self._responses = iter(())
+
+
+#: What a running execution calls other models with (BLS): the backend sets it to the
+#: model's `trioinfer_python.Models`. A thread-local for a plain ``def execute`` on its
+#: worker thread, a context variable for an ``async def execute`` on the event loop.
 _calls = threading.local()
 _async_calls: contextvars.ContextVar[Any] = contextvars.ContextVar("trioinfer_pb_calls")
 
@@ -338,9 +397,10 @@ class InferenceRequest(_Provided):
         return list(self._inputs)
 
     def request_id(self) -> str:
-        """The request's id: the client's, or one the engine made when it gave none.
+        """The request's id as its client sent it (HTTP and gRPC ``id``); ``""`` when none.
 
-        (Triton's is empty then; a warm-up sample's is empty here too.)
+        As Triton's: empty for a request sent without an id, and for a
+        warm-up sample.
         """
         return self._request_id
 
@@ -365,7 +425,10 @@ class InferenceRequest(_Provided):
         return self._parameters
 
     def requested_output_names(self) -> list[str]:
-        """The outputs to answer with: every output of the model, for a request it gets."""
+        """The outputs to answer with: those the client asked for; every output if it named none.
+
+        A response may hold these alone (any others it holds are dropped).
+        """
         return list(self._requested)
 
     def is_cancelled(self) -> bool:
@@ -393,38 +456,75 @@ class InferenceRequest(_Provided):
             )
         return self._sender
 
-    def exec(self, decoupled: bool = False) -> InferenceResponse:
-        """Run the request on its model and wait for the response (from ``def execute``)."""
-        if decoupled:
-            raise NotImplementedError(
-                f"InferenceRequest.exec(decoupled=True) is not supported here; see {_DOCS}"
-            )
-        call = getattr(_calls, "value", None)
-        if call is None:
+    def exec(self, decoupled: bool = False) -> Any:
+        """Run the request on its model and wait for the response (from ``def execute``).
+
+        With *decoupled* True (a decoupled model's request): a `ResponseIterator`
+        of its responses, each waited for as it is iterated; an error ends it as
+        a last response that carries the error.
+        """
+        models = getattr(_calls, "value", None)
+        if models is None:
             raise TritonModelException(
                 "InferenceRequest.exec() works only in a plain def execute while it runs (in "
                 "an async def execute, await request.async_exec())"
             )
+        if decoupled:
+            try:
+                stream = models.infer_stream_blocking(
+                    self._model_name, self._arrays(), parameters=self._parsed_parameters()
+                )
+            except TrioInferError as exc:
+                return ResponseIterator([InferenceResponse(error=_triton_error(exc))])
+            except RuntimeError as exc:  # not on the thread of an execute the engine runs
+                raise TritonModelException(
+                    f"InferenceRequest.exec(decoupled=True): {exc} (a decoupled model's own "
+                    "execute cannot stream another model's responses here; see "
+                    f"{_DOCS})"
+                ) from None
+            return ResponseIterator(self._streamed(stream), stream.close)
         return self._respond(
-            lambda: call(self._model_name, self._arrays(), parameters=self._parsed_parameters())
+            lambda: models.infer_blocking(
+                self._model_name, self._arrays(), parameters=self._parsed_parameters()
+            )
         )
 
-    async def async_exec(self, decoupled: bool = False) -> InferenceResponse:
-        """Run the request on its model and return the response (from ``async def execute``)."""
-        if decoupled:
-            raise NotImplementedError(
-                f"InferenceRequest.async_exec(decoupled=True) is not supported here; see {_DOCS}"
-            )
-        call = _async_calls.get(None)
-        if call is None:
+    def _streamed(self, stream: Any) -> Any:
+        # A stream's responses as InferenceResponses; its error as a last one.
+        try:
+            for outputs in stream:
+                yield self._response(outputs)
+        except TrioInferError as exc:
+            yield InferenceResponse(error=_triton_error(exc))
+
+    async def async_exec(self, decoupled: bool = False) -> Any:
+        """Run the request on its model and return the response (from ``async def execute``).
+
+        With *decoupled* True: a `ResponseIterator` of its responses, read to the
+        end before it returns (it is iterated with a plain ``for``, as Triton's,
+        which must not wait on the event loop); an error ends it as a last
+        response that carries the error.
+        """
+        models = _async_calls.get(None)
+        if models is None:
             raise TritonModelException(
                 "InferenceRequest.async_exec() works only in an async def execute while it runs "
                 "(in a plain def execute, call request.exec())"
             )
+        arrays, parameters = self._arrays(), self._parsed_parameters()
+        if decoupled:
+            responses = []
+            try:
+                async with models.infer_stream(
+                    self._model_name, arrays, parameters=parameters
+                ) as stream:
+                    async for outputs in stream:
+                        responses.append(self._response(outputs))
+            except TrioInferError as exc:
+                responses.append(InferenceResponse(error=_triton_error(exc)))
+            return ResponseIterator(responses)
         try:
-            outputs = await call(
-                self._model_name, self._arrays(), parameters=self._parsed_parameters()
-            )
+            outputs = await models.infer(self._model_name, arrays, parameters=parameters)
         except TrioInferError as exc:
             return InferenceResponse(error=_triton_error(exc))
         return self._response(outputs)

@@ -136,6 +136,11 @@ class Computation(Protocol):
         """End it, still queued, as expired (the last caller's queue timeout); False: cannot."""
 
 
+#: A cached answer's key: the model, its generation, the digest of the inputs and
+#: parameters, and the outputs the request asked for (empty: all).
+_Key = tuple[str, int, bytes, tuple[str, ...]]
+
+
 @final
 class _Flight:
     # A computation that identical requests wait for, and what it ended with.
@@ -146,7 +151,7 @@ class _Flight:
 
     def __init__(
         self,
-        key: tuple[str, int, bytes],
+        key: _Key,
         counters: _Counters,
         computation: Computation,
         deadline: float,
@@ -189,10 +194,10 @@ class ResponseCache:
         self.bytes = 0
         # Keyed by (model, its generation, digest): a model loaded again, or unloaded,
         # starts a new generation, so nothing computed by the old one is found or kept.
-        self._entries: collections.OrderedDict[tuple[str, int, bytes], tuple[Outputs, int]] = (
+        self._entries: collections.OrderedDict[_Key, tuple[Outputs, int]] = (
             collections.OrderedDict()
         )
-        self._flights: dict[tuple[str, int, bytes], _Flight] = {}
+        self._flights: dict[_Key, _Flight] = {}
         self._generations: dict[str, int] = {}
         self._counters: dict[str, _Counters] = {}
         self._clock = LoopClock()
@@ -206,6 +211,7 @@ class ResponseCache:
         deadline: float,
         own_deadline: bool,
         parameters: Mapping[str, object] | None = None,
+        requested_outputs: tuple[str, ...] = (),
     ) -> tuple[Outputs, object, bool]:
         """The cached answer to *inputs*, or that of a computation under way, or a new one's.
 
@@ -216,7 +222,8 @@ class ResponseCache:
         leave abandons it, so that nothing is computed for nobody. *deadline*
         is this caller's; *own_deadline* False: the model's queue timeout,
         which ends the wait of a request still queued (`DeadlineExceeded`),
-        never one running. *parameters*, the request's, are part of the key.
+        never one running. *parameters* and *requested_outputs*, the request's,
+        are part of the key (a model may answer the requested outputs alone).
 
         Returns:
             The answer; the origin ``computation()`` gave with it when it was
@@ -228,7 +235,12 @@ class ResponseCache:
             TrioInferError: What the computation ended with, for each caller
                 waiting for it (each their own copy), or what refused it.
         """
-        key = (model, self._generations.get(model, 0), digest(inputs, parameters))
+        key = (
+            model,
+            self._generations.get(model, 0),
+            digest(inputs, parameters),
+            requested_outputs,
+        )
         counters = self._counters.setdefault(model, _Counters())
         started_at = self._clock.current_time()
         while True:
@@ -356,9 +368,7 @@ class ResponseCache:
             flight.spent += self._clock.current_time() - inserting
         flight.counters.miss.observe(flight.spent)
 
-    def _store(
-        self, key: tuple[str, int, bytes], counters: _Counters, outputs: Outputs, keep: bool
-    ) -> Outputs:
+    def _store(self, key: _Key, counters: _Counters, outputs: Outputs, keep: bool) -> Outputs:
         # Copies: a caller's answer is a view of its batch's output, which would
         # keep the whole batch alive and could be written to by its caller.
         stored: Outputs = {}
@@ -371,7 +381,7 @@ class ResponseCache:
         if not keep or size > self.size or key[1] != self._generations.get(key[0], 0):
             return stored  # answers those waiting now; not kept
         while self.bytes + size > self.size:
-            (model, _, _), (_, evicted) = self._entries.popitem(last=False)
+            (model, _, _, _), (_, evicted) = self._entries.popitem(last=False)
             owner = self._counters[model]
             owner.evictions += 1
             owner.entries -= 1

@@ -13,7 +13,15 @@ import logging
 import math
 import operator
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Iterator, Mapping
+from collections.abc import (
+    AsyncIterator,
+    Awaitable,
+    Callable,
+    Collection,
+    Iterator,
+    Mapping,
+    Sequence,
+)
 from contextlib import AbstractAsyncContextManager, asynccontextmanager, contextmanager
 from contextvars import ContextVar
 from typing import TYPE_CHECKING, Any, Final, NoReturn, SupportsIndex, cast, final
@@ -64,7 +72,7 @@ from ._runner import (
 )
 from ._sequence import SequenceFlags
 from ._stream import ResponseStream, StreamGate, decoupled, open_stream
-from ._tensors import ModelSignature, validate_rows
+from ._tensors import ModelSignature, requested_outputs, validate_rows
 from ._threads import current_callers_deadline
 from .abc import Backend, BackendInstance, Batcher, Fallback, Scheduler, Status, StreamingInstance
 
@@ -139,6 +147,9 @@ class InferenceResult:
             the first execution answered): ``"retry instance 0 (cpu)"``,
             ``"failover instance 1 (cpu)"``, ``"hedge instance 1 (cpu)"``,
             ``"model small"``, ``"default"``.
+        parameters: The answer's response parameters, where its model gave some
+            (a Triton Python model's ``InferenceResponse(parameters=...)``; see
+            `trioinfer.lowlevel.set_response_parameters`); empty otherwise.
     """
 
     outputs: Outputs
@@ -146,6 +157,7 @@ class InferenceResult:
     instance: int | None
     device: str | None
     fallbacks: tuple[str, ...]
+    parameters: Mapping[str, Parameter] = NO_PARAMETERS
 
 
 @attrs.frozen
@@ -637,6 +649,7 @@ class Engine:
         request_id: str | None = None,
         sequence: SequenceFlags | None = None,
         parameters: Mapping[str, Parameter] | None = None,
+        outputs: Sequence[str] | None = None,
     ) -> Outputs:
         """Run *model* on *inputs* and return its outputs by name.
 
@@ -663,12 +676,18 @@ class Engine:
                 (see the python backend's reference); an ONNX model ignores them.
                 They are part of the response cache's key, and a pipeline passes
                 them to each of its steps.
+            outputs: The names of the outputs wanted (Triton's requested outputs):
+                the answer holds those alone, and the request carries them
+                (``Request.requested_outputs``) for a model that computes only
+                what was asked (a Triton Python model reads them). None or
+                empty: every output.
 
         Raises:
             ModelNotFound: No model of that name is loaded.
             InvalidInput: The inputs do not fit the model's signature or limits, or
                 *priority* is not an integer, or *tenant* or *request_id* not a string,
-                or *parameters* not a mapping of strings to bool, int, float or str.
+                or *parameters* not a mapping of strings to bool, int, float or str,
+                or *outputs* names an output the model does not have.
             SequenceError: The request does not fit its sequence (none in
                 progress, released after being idle, ended, or broken by an
                 earlier request that was not computed).
@@ -684,17 +703,26 @@ class Engine:
         if (
             priority.__class__ is not int
             or parameters is not None
+            or outputs
             or not (tenant.__class__ in _STR_OR_NONE and request_id.__class__ in _STR_OR_NONE)
         ):
             priority = _checked_arguments(model, priority, tenant, request_id)
-            if parameters is not None and (given := checked_parameters(parameters)):
-                # Requests with parameters take _submit's way: the fast ways below
-                # make requests that carry none (and cost nothing more for that).
+            given = NO_PARAMETERS if parameters is None else checked_parameters(parameters)
+            if given or outputs:
+                # Requests with parameters or requested outputs take _submit's way: the
+                # fast ways below make requests that carry neither (and cost nothing
+                # more for that).
                 request = await self._submit(
-                    model, inputs, priority, tenant, request_id, sequence=sequence, parameters=given
+                    model,
+                    inputs,
+                    priority,
+                    tenant,
+                    request_id,
+                    sequence=sequence,
+                    parameters=given,
+                    outputs=outputs,
                 )
-                assert request._state.outputs is not None
-                return request._state.outputs
+                return _answer_of(request)
         runner = self._plain.get(model)
         if runner is not None and sequence is None:
             # The common case, in this one frame: what _submit and ModelRunner.call
@@ -723,10 +751,10 @@ class Engine:
                         now = clock.current_time()
                         if deadline > now and runs_inline(replica):
                             # run_here's inline way, with no coroutine of its own.
-                            outputs = runner.run_now(replica, arrays, n, deadline, now)
-                            if outputs.__class__ is not Unfinished:
-                                return outputs  # type: ignore[return-value]
-                            return await runner.finish_here(outputs, request_id, priority, tenant)
+                            answer = runner.run_now(replica, arrays, n, deadline, now)
+                            if answer.__class__ is not Unfinished:
+                                return answer  # type: ignore[return-value]
+                            return await runner.finish_here(answer, request_id, priority, tenant)
                         return await runner.run_here(
                             replica, arrays, n, request_id, priority, tenant, deadline, now
                         )
@@ -850,6 +878,7 @@ class Engine:
         tenant: str | None = None,
         request_id: str | None = None,
         parameters: Mapping[str, Parameter] | None = None,
+        outputs: Sequence[str] | None = None,
     ) -> AbstractAsyncContextManager[ResponseStream]:
         """Run a decoupled *model* on *inputs*: its responses, as they come.
 
@@ -884,6 +913,7 @@ class Engine:
             tenant: As for `infer()`.
             request_id: An id for logs and tracing; generated if not given.
             parameters: The request's parameters, as for `infer()`.
+            outputs: The outputs wanted, as for `infer()`: each response holds those alone.
 
         Raises:
             ModelNotFound: (Entering) no model of that name is loaded.
@@ -905,7 +935,9 @@ class Engine:
         """
         priority = _checked_arguments(model, priority, tenant, request_id)
         given = NO_PARAMETERS if parameters is None else checked_parameters(parameters)
-        return open_stream(self, model, inputs, priority, tenant, request_id, parameters=given)
+        return open_stream(
+            self, model, inputs, priority, tenant, request_id, parameters=given, outputs=outputs
+        )
 
     async def infer_detailed(
         self,
@@ -917,6 +949,7 @@ class Engine:
         request_id: str | None = None,
         sequence: SequenceFlags | None = None,
         parameters: Mapping[str, Parameter] | None = None,
+        outputs: Sequence[str] | None = None,
     ) -> InferenceResult:
         """Like [`infer()`][trioinfer.Engine.infer], and say which instance answered and how.
 
@@ -929,8 +962,11 @@ class Engine:
         ):
             priority = _checked_arguments(model, priority, tenant, request_id)
         given = NO_PARAMETERS if parameters is None else checked_parameters(parameters)
-        # A request with parameters takes _submit's way (run here, it would carry none).
-        found = self._idle_here(model) if sequence is None and not given else None
+        # A request with parameters or requested outputs takes _submit's way (run here,
+        # it would carry neither).
+        found = self._idle_here(model) if sequence is None and not given and not outputs else None
+        if found is not None and found[0]._per_request:
+            found = None  # (its answers may carry parameters, which the request keeps)
         if found is not None:
             # As infer runs a request on an idle inline model: in this task.
             if found[0].clock.current_effective_deadline() == -math.inf:
@@ -943,21 +979,29 @@ class Engine:
                 found = self._idle_here(model)
             if found is not None:
                 replica = found[1]
-                outputs = await self._run_here(*found, inputs, priority, tenant, request_id)
-                if outputs is not None:
-                    return InferenceResult(outputs, model, replica.index, replica.device, ())
+                answered = await self._run_here(*found, inputs, priority, tenant, request_id)
+                if answered is not None:
+                    return InferenceResult(answered, model, replica.index, replica.device, ())
         request = await self._submit(
-            model, inputs, priority, tenant, request_id, sequence=sequence, parameters=given
+            model,
+            inputs,
+            priority,
+            tenant,
+            request_id,
+            sequence=sequence,
+            parameters=given,
+            outputs=outputs,
         )
         state = request._state
-        assert state.outputs is not None
+        answer = _answer_of(request)
         served_by = state.served_by
         if isinstance(served_by, tuple):  # answered by another model: (its name, its replica)
             model, served_by = served_by
+        given = state.response_parameters
         if served_by is None:  # answered by a fallback itself (a default answer)
-            return InferenceResult(state.outputs, model, None, None, state.fallbacks)
+            return InferenceResult(answer, model, None, None, state.fallbacks, given)
         return InferenceResult(
-            state.outputs, model, served_by.index, served_by.device, state.fallbacks
+            answer, model, served_by.index, served_by.device, state.fallbacks, given
         )
 
     def _infer_step(
@@ -1170,13 +1214,15 @@ class Engine:
         sequence: SequenceFlags | None = None,
         follow_up: bool = False,
         parameters: Mapping[str, Parameter] = NO_PARAMETERS,
+        outputs: Sequence[str] | None = None,
     ) -> Request:
         # follow_up: made for a request accepted already (a pipeline's step, a
         # fallback's failover), so admitted while the engine drains. *parameters*:
-        # checked already (checked_parameters).
+        # checked already (checked_parameters). *outputs*: the caller's, unchecked.
         runner = self._runners.get(model)
         if runner is None or (self._closing and not (follow_up and self._draining)):
             runner = self._runner(model)  # raises what is wrong
+        wanted = requested_outputs(model, runner.signature, outputs) if outputs else ()
         if self._gates and model in self._gates:
             raise InvalidInput(
                 f"model {model!r} is decoupled: it answers with a stream of responses; call "
@@ -1223,6 +1269,7 @@ class Engine:
             n,
             sequence,
             parameters,
+            wanted,
         )
         # A request a fallback sent here from another model fails over no further.
         request._state.failover = failover
@@ -1270,11 +1317,20 @@ class Engine:
             deadline=request.deadline,
             own_deadline=own_deadline,
             parameters=request.parameters,
+            requested_outputs=request.requested_outputs,
         )
         if origin is not None:
-            # An identical request's fallback answered: this one says so as well.
-            served_by, fallbacks = cast("tuple[Any, tuple[str, ...]]", origin)
-            request._state.served_by, request._state.fallbacks = served_by, fallbacks
+            # An identical request's fallback answered (or its answer carries response
+            # parameters): this one says so as well.
+            served_by, fallbacks, given = cast(
+                "tuple[Any, tuple[str, ...], Mapping[str, Parameter]]", origin
+            )
+            state = request._state
+            state.served_by, state.fallbacks, state.response_parameters = (
+                served_by,
+                fallbacks,
+                given,
+            )
         request._state.outputs, request._state.status = outputs, Status.DONE
         if request._state.trace is not None:
             assert self._tracing is not None
@@ -1762,6 +1818,16 @@ def _checked_arguments(model: str, priority: object, tenant: object, request_id:
     return operator.index(priority)
 
 
+def _answer_of(request: Request) -> Outputs:
+    # A finished request's outputs: those it asked for alone, where it named some.
+    outputs = request._state.outputs
+    assert outputs is not None
+    wanted = request.requested_outputs
+    if not wanted or len(outputs) == len(wanted):
+        return outputs
+    return {name: outputs[name] for name in wanted}
+
+
 def _pipeline_steps(runner: ModelRunner | Pipeline | None) -> tuple[Step, ...]:
     # A pipeline's steps: a Pipeline's, or those of the graph a batched one's runner runs.
     if isinstance(runner, Pipeline):
@@ -1927,9 +1993,14 @@ def _computed(request: Request, own: bool) -> Computed | BaseException:
         return state.error
     assert state.outputs is not None
     # Keep only the model's own answer (from one of its instances, after a retry or
-    # failover between them as well): not a fallback's default, nor another model's.
-    own = own or (state.served_by is not None and not isinstance(state.served_by, tuple))
-    return state.outputs, own, (state.served_by, state.fallbacks)
+    # failover between them as well): not a fallback's default, nor another model's;
+    # nor one with response parameters, which the cache does not keep (those waiting
+    # for it now get them with it).
+    given = state.response_parameters
+    own = (own or (state.served_by is not None and not isinstance(state.served_by, tuple))) and (
+        not given
+    )
+    return state.outputs, own, (state.served_by, state.fallbacks, given)
 
 
 @final

@@ -11,6 +11,7 @@ import attrs
 import numpy as np
 from trio.lowlevel import Abort
 
+from . import abc
 from ._exceptions import InvalidInput
 from .abc import Status
 
@@ -88,9 +89,49 @@ def checked_parameters(parameters: object) -> Mapping[str, Parameter]:
     return _Parameters(copied)
 
 
+class GeneratedId(str):
+    """A request id the engine made, for a request whose caller gave none.
+
+    A ``str`` in every way but its class, by which `caller_request_id` tells
+    it from a caller's own (which may be any text, digits too).
+    """
+
+    __slots__ = ()
+
+
 def next_request_id() -> str:
     """A process-unique request id, for requests whose caller gave none."""
-    return str(next(_ids))
+    return GeneratedId(next(_ids))
+
+
+def set_response_parameters(request: abc.Request, parameters: Mapping[str, Parameter]) -> None:
+    """Give the answer to *request* these response *parameters* (Triton's response parameters).
+
+    For a backend whose model answers with parameters as well as outputs: a
+    `RequestsInstance` calls it for a request before it returns that
+    request's answer, a `StreamingInstance` for its stream's request
+    (`current_stream_request`) before each response it yields (each
+    response has its own; none given: none). They reach the caller in
+    ``InferenceResult.parameters`` (``engine.infer_detailed``) and
+    ``ResponseStream.parameters``, and the client in the response's
+    ``parameters`` (HTTP and gRPC; a generate response's keys). The response
+    cache does not keep an answer that carries them.
+
+    Raises:
+        InvalidInput: *parameters* are not names to bool, int, float or str values.
+    """
+    state: _State = request._state  # type: ignore[attr-defined]  # (the engine's own)
+    state.response_parameters = checked_parameters(parameters)
+
+
+def caller_request_id(request: abc.Request) -> str:
+    """The id *request*'s caller gave it, or ``""`` where the engine made one.
+
+    For a backend that hands a model the caller's id as Triton does (its
+    ``request_id()`` is empty for a request sent without one).
+    """
+    given = request.id
+    return "" if given.__class__ is GeneratedId else given
 
 
 @attrs.define(eq=False, slots=True, init=False)
@@ -115,6 +156,9 @@ class _State:
     trace: Any = None
     # Its deadline is its model's queue timeout, not its caller's (who waits for the run).
     queue_timeout: bool = False
+    # The parameters of its answer (a stream's: of the response being made), given by
+    # its backend (set_response_parameters).
+    response_parameters: Mapping[str, Parameter] = NO_PARAMETERS
 
     def __init__(self) -> None:
         # Every field at its default, written out: attrs' __init__ takes each as an
@@ -131,6 +175,7 @@ class _State:
         self.failover = False
         self.trace = None
         self.queue_timeout = False
+        self.response_parameters = NO_PARAMETERS
 
     def abort(self, _raise_cancel: object) -> Any:
         # Trio's abort callback for the parked task: cancelled, it is no longer
@@ -154,6 +199,7 @@ class _Slots:
         "model",
         "parameters",
         "priority",
+        "requested_outputs",
         "rows",
         "sequence",
         "sequence_flags",
@@ -181,6 +227,7 @@ class Request(_Slots):
     rows: int = 1
     sequence_flags: SequenceFlags | None = None
     parameters: Mapping[str, Parameter] = attrs.field(default=NO_PARAMETERS, repr=False)
+    requested_outputs: tuple[str, ...] = ()
     sequence: int = attrs.field(factory=_sequences.__next__, init=False)
     _state: _State = attrs.field(factory=_State, init=False, repr=False)
 
@@ -215,6 +262,7 @@ _GIVEN = (
     "rows",
     "sequence_flags",
     "parameters",
+    "requested_outputs",
 )
 _OWN = ("sequence", "_state")
 assert {field.name for field in attrs.fields(Request)} == {*_GIVEN, *_OWN}, (
@@ -243,12 +291,13 @@ def make_request(
     rows: int,
     sequence_flags: SequenceFlags | None = None,
     parameters: Mapping[str, Parameter] = NO_PARAMETERS,
+    requested_outputs: tuple[str, ...] = (),
 ) -> Request:
     """``Request(model, inputs, id=id, ...)``, at a third of the cost; *id* None: a new one."""
     draft: Any = _new(_Draft)
     draft.model = model
     draft.inputs = inputs
-    draft.id = id if id is not None else str(_next_id())
+    draft.id = id if id is not None else GeneratedId(_next_id())
     draft.priority = priority
     draft.tenant = tenant
     draft.deadline = deadline
@@ -256,6 +305,7 @@ def make_request(
     draft.rows = rows
     draft.sequence_flags = sequence_flags
     draft.parameters = parameters
+    draft.requested_outputs = requested_outputs
     draft.sequence = _next_sequence()
     draft._state = _State()
     draft.__class__ = Request
@@ -273,6 +323,7 @@ def _make_request_slowly(
     rows: int,
     sequence_flags: SequenceFlags | None = None,
     parameters: Mapping[str, Parameter] = NO_PARAMETERS,
+    requested_outputs: tuple[str, ...] = (),
 ) -> Request:
     # make_request through each slot's own descriptor, for a Python whose objects
     # cannot change class (none known; checked once, below).
@@ -280,7 +331,7 @@ def _make_request_slowly(
     for name, value in (
         ("model", model),
         ("inputs", inputs),
-        ("id", id if id is not None else str(_next_id())),
+        ("id", id if id is not None else GeneratedId(_next_id())),
         ("priority", priority),
         ("tenant", tenant),
         ("deadline", deadline),
@@ -288,6 +339,7 @@ def _make_request_slowly(
         ("rows", rows),
         ("sequence_flags", sequence_flags),
         ("parameters", parameters),
+        ("requested_outputs", requested_outputs),
         ("sequence", _next_sequence()),
         ("_state", _State()),
     ):

@@ -2536,8 +2536,14 @@ class ModelRunner(metaclass=NoPublicConstructor):
                 )
             else:
                 try:
-                    if check is not None:
-                        check.check(answer, request.rows if self.batched else 0, replica)
+                    rows = request.rows if self.batched else 0
+                    if check is None:
+                        pass
+                    elif request.requested_outputs:
+                        # It may answer with the requested outputs alone (the rest dropped).
+                        answer = check.requested(answer, request.requested_outputs, rows, replica)
+                    else:
+                        check.check(answer, rows, replica)
                 except BackendError as exc:
                     error = exc
                 else:

@@ -21,7 +21,7 @@ its per-response loop is the untraced one.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from contextvars import ContextVar
 from typing import TYPE_CHECKING, Any, Protocol, final
@@ -36,7 +36,7 @@ from ._dispatch import Replica
 from ._exceptions import BackendError, QueueFull, StreamClosed, TrioInferError
 from ._request import NO_PARAMETERS, Outputs, Parameter, Request, next_request_id
 from ._runner import ModelRunner
-from ._tensors import validate_inputs
+from ._tensors import requested_outputs, validate_inputs
 from ._util import NoPublicConstructor
 from .abc import Status, StreamingInstance
 
@@ -44,7 +44,13 @@ if TYPE_CHECKING:
     from ._engine import Engine
     from ._tracing import StreamTrace
 
-__all__ = ["ResponseStream", "StreamGate", "current_stream_parameters", "open_stream"]
+__all__ = [
+    "ResponseStream",
+    "StreamGate",
+    "current_stream_parameters",
+    "current_stream_request",
+    "open_stream",
+]
 
 # The hand-over between the model's task and the reader's, on either loop's own channel
 # (on Trio, its native channel takes half the time of anyio's per response).
@@ -52,11 +58,9 @@ _END = (anyio.EndOfStream, trio.EndOfChannel)
 _CLOSED = (anyio.ClosedResourceError, trio.ClosedResourceError)
 _BROKEN = (anyio.BrokenResourceError, trio.BrokenResourceError)
 
-# The parameters of the request a decoupled model's generator answers (set in _generate,
-# the generator's own task).
-_stream_parameters: ContextVar[Mapping[str, Parameter]] = ContextVar(
-    "trioinfer_stream_parameters", default=NO_PARAMETERS
-)
+# The request a decoupled model's generator answers (set in _generate, the generator's
+# own task): what current_stream_request and current_stream_parameters read.
+_stream_request: ContextVar[Request | None] = ContextVar("trioinfer_stream_request", default=None)
 
 
 def current_stream_parameters() -> Mapping[str, Parameter]:
@@ -69,24 +73,47 @@ def current_stream_parameters() -> Mapping[str, Parameter]:
     requests carry theirs as `Request.parameters`, which a backend reads by
     taking them (`RequestsInstance.execute_requests`).
     """
-    return _stream_parameters.get()
+    request = _stream_request.get()
+    return NO_PARAMETERS if request is None else request.parameters
+
+
+def current_stream_request() -> Request | None:
+    """The request whose stream a decoupled model is producing, or None outside a stream.
+
+    For a backend's `StreamingInstance.stream`, as `current_stream_parameters`
+    (read it on the event loop, before handing work to a thread): the
+    request's ``id`` (`caller_request_id` tells the caller's own from one the
+    engine made), ``parameters``, ``deadline`` and the rest, read-only.
+    """
+    return _stream_request.get()
 
 
 class _Send(Protocol):
-    async def send(self, item: Outputs, /) -> None: ...
+    async def send(self, item: Outputs | _WithParameters, /) -> None: ...
     def close(self) -> None: ...
 
 
 class _Receive(Protocol):
-    async def receive(self) -> Outputs: ...
+    async def receive(self) -> Outputs | _WithParameters: ...
     def close(self) -> None: ...
+
+
+@final
+class _WithParameters:
+    # A response that carries response parameters, as it goes to its stream's reader
+    # (one without goes as its outputs alone: the usual case costs a class check).
+    __slots__ = ("outputs", "parameters")
+
+    def __init__(self, outputs: Outputs, parameters: Mapping[str, Parameter]) -> None:
+        self.outputs = outputs
+        self.parameters = parameters
 
 
 def _channel() -> tuple[_Send, _Receive]:
     # No buffer: the model is at most the one response it is handing over ahead.
     if sniffio.current_async_library() == "trio":
-        return trio.open_memory_channel[Outputs](0)
-    return anyio.create_memory_object_stream[Outputs](0)
+        return trio.open_memory_channel[Outputs | _WithParameters](0)
+    return anyio.create_memory_object_stream[Outputs | _WithParameters](0)
 
 
 def decoupled(runner: object) -> bool:
@@ -184,11 +211,21 @@ class ResponseStream(metaclass=NoPublicConstructor):
         # Whether the model's task still runs, and what aclose() waits on to see it end.
         self._producing = False
         self._stopped: anyio.Event | None = None
+        self._parameters: Mapping[str, Parameter] = NO_PARAMETERS
 
     @property
     def id(self) -> str:
         """The request's id (given to ``infer_stream``, or generated)."""
         return self._id
+
+    @property
+    def parameters(self) -> Mapping[str, Parameter]:
+        """The response parameters of the response last yielded (empty: none).
+
+        Where its model gives some (a Triton Python model's
+        ``InferenceResponse(parameters=...)``); read it after each response.
+        """
+        return self._parameters
 
     def __aiter__(self) -> ResponseStream:
         return self
@@ -225,7 +262,7 @@ class ResponseStream(metaclass=NoPublicConstructor):
     async def __anext__(self) -> Outputs:
         """The next response; ``StopAsyncIteration`` after the last one."""
         try:
-            return await self._receive.receive()
+            item = await self._receive.receive()
         except _END:
             if self._error is not None:
                 raise self._error from None
@@ -242,6 +279,12 @@ class ResponseStream(metaclass=NoPublicConstructor):
                 f"the response stream of request {self._id!r} is closed: its `async with "
                 "engine.infer_stream(...)` block has ended; iterate it inside that block"
             ) from None
+        if item.__class__ is _WithParameters:
+            assert isinstance(item, _WithParameters)
+            self._parameters = item.parameters
+            return item.outputs
+        self._parameters = NO_PARAMETERS
+        return item  # type: ignore[return-value]  # (Outputs: the class said)
 
 
 @asynccontextmanager
@@ -255,16 +298,18 @@ async def open_stream(
     *,
     follow_up: bool = False,
     parameters: Mapping[str, Parameter] = NO_PARAMETERS,
+    outputs: Sequence[str] | None = None,
 ) -> AsyncIterator[ResponseStream]:
     """What `Engine.infer_stream` returns: see its docstring.
 
     *follow_up*: opened for a request accepted already (a model calling
     another), so admitted while the engine drains (``infer_stream_follow_up``).
-    *parameters*: the request's, checked already.
+    *parameters*: the request's, checked already. *outputs*: the caller's.
     """
     find = engine._follow_up_runner if follow_up else engine._runner
     runner = find(model)
     gate = engine._gates.get(model)
+    wanted = requested_outputs(model, runner.signature, outputs) if outputs else ()
     request_id = request_id if request_id is not None else next_request_id()
     request: Request | None = None
     traced: StreamTrace | None = None
@@ -285,6 +330,7 @@ async def open_stream(
             deadline=clock.current_effective_deadline(),
             arrival=clock.current_time(),
             parameters=parameters,
+            requested_outputs=wanted,
         )
         # A sampled stream's spans (trioinfer._tracing); with tracing off, None costs a check.
         traced = engine._tracing.stream(request) if engine._tracing is not None else None
@@ -335,6 +381,7 @@ async def open_stream(
                     producer,
                     follow_up,
                     parameters,
+                    wanted,
                 )
             else:
                 assert gate is not None
@@ -376,23 +423,42 @@ async def _generate(
     check = runner._output_check
     try:
         with scope:
-            # The model's generator runs in this task: what current_stream_parameters reads.
-            _stream_parameters.set(request.parameters)
+            # The model's generator runs in this task: what current_stream_request reads.
+            _stream_request.set(request)
             generator = instance.stream(request.inputs)
+            wanted = request.requested_outputs
+            state = request._state
             try:
-                if traced is None:
+                if traced is None and not wanted:
                     async for outputs in generator:
                         if check is not None:
                             check.check(outputs, 0, replica)
-                        await send.send(outputs)
+                        if state.response_parameters:
+                            await send.send(_parameterised(state, outputs))
+                        else:
+                            await send.send(outputs)
                 else:
 
                     async def checked(outputs: Outputs) -> None:
-                        if check is not None:
+                        if wanted:
+                            # The requested outputs alone, where the model may answer
+                            # with those only (as an execution's answer: _runner).
+                            if check is not None:
+                                outputs = check.requested(outputs, wanted, 0, replica)
+                            else:
+                                outputs = {name: outputs[name] for name in wanted}
+                        elif check is not None:
                             check.check(outputs, 0, replica)
-                        await send.send(outputs)
+                        if state.response_parameters:
+                            await send.send(_parameterised(state, outputs))
+                        else:
+                            await send.send(outputs)
 
-                    await traced.generate(generator, checked)
+                    if traced is None:
+                        async for outputs in generator:
+                            await checked(outputs)
+                    else:
+                        await traced.generate(generator, checked)
             finally:
                 # The caller left, was cancelled, or the engine closes: the model stops at
                 # the yield it waits at (GeneratorExit there), never later.
@@ -451,6 +517,13 @@ async def _watch(request: Request, producer: anyio.CancelScope) -> None:
     producer.cancel()
 
 
+def _parameterised(state: Any, outputs: Outputs) -> _WithParameters:
+    # A response with the parameters its backend gave it (set_response_parameters):
+    # taken, so that the next response carries only its own.
+    given, state.response_parameters = state.response_parameters, NO_PARAMETERS
+    return _WithParameters(outputs, given)
+
+
 async def _one(
     engine: Engine,
     model: str,
@@ -463,21 +536,37 @@ async def _one(
     scope: anyio.CancelScope,
     follow_up: bool,
     parameters: Mapping[str, Parameter],
+    wanted: tuple[str, ...],
 ) -> None:
     # A model that is not decoupled: its one answer, by the ordinary request path (a
     # follow-up's, also while the engine drains, as a pipeline's step).
     try:
         with scope:
-            infer = engine._infer_step if follow_up else engine.infer
-            outputs = await infer(
-                model,
-                inputs,
-                priority=priority,
-                tenant=tenant,
-                request_id=request_id,
-                parameters=parameters or None,
-            )
-            await send.send(outputs)
+            if follow_up:
+                outputs = await engine._infer_step(
+                    model,
+                    inputs,
+                    priority=priority,
+                    tenant=tenant,
+                    request_id=request_id,
+                    parameters=parameters or None,
+                )
+                await send.send(outputs)
+            else:
+                # infer_detailed: its answer's response parameters go with it.
+                result = await engine.infer_detailed(
+                    model,
+                    inputs,
+                    priority=priority,
+                    tenant=tenant,
+                    request_id=request_id,
+                    parameters=parameters or None,
+                    outputs=wanted or None,
+                )
+                if result.parameters:
+                    await send.send(_WithParameters(result.outputs, result.parameters))
+                else:
+                    await send.send(result.outputs)
     except _BROKEN:
         pass
     except TrioInferError as exc:

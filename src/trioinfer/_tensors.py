@@ -9,7 +9,7 @@ request costs neither queue space nor compute.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any, Final, Literal, NoReturn, Protocol, cast, final
 
 import attrs
@@ -832,6 +832,46 @@ class OutputCheck:
                 return
         self._explain(outputs, rows, who)
 
+    def requested(
+        self, outputs: object, wanted: tuple[str, ...], rows: int, who: Labelled
+    ) -> dict[str, Any]:
+        """*outputs* narrowed to *wanted* (a request's requested outputs), each checked.
+
+        A `RequestsInstance` may answer a request that asked for some outputs
+        with those alone; what it answers beyond them is dropped unchecked.
+
+        Raises:
+            BackendError: *outputs* is not a mapping, lacks one of *wanted*, or
+                one of them does not fit (as `check` says).
+        """
+        if not isinstance(outputs, Mapping):
+            self._explain(outputs, rows, who)  # (raises: not a mapping)
+        assert isinstance(outputs, Mapping)
+        missing = [name for name in wanted if name not in outputs]
+        if missing:
+            raise BackendError(
+                f"model {self._model!r}: {who.label} returned outputs "
+                f"{sorted(map(str, outputs))} for a request that asked for {list(wanted)} "
+                f"(missing {missing}); answer every requested output"
+            )
+        narrowed = {name: outputs[name] for name in wanted}
+        if self.full:
+            specs = {spec.name: spec for spec in self._specs}
+            for name, array in narrowed.items():
+                problem = output_misfit(specs[name], array, rows)
+                if problem is not None:
+                    raise BackendError(
+                        f"model {self._model!r}: {who.label} returned output {name!r} {problem}"
+                    )
+        elif rows:
+            for name, array in narrowed.items():
+                if not isinstance(array, np.ndarray) or not array.ndim or len(array) != rows:
+                    raise BackendError(
+                        f"model {self._model!r}: {who.label} returned output {name!r} "
+                        f"without one row per input row ({rows})"
+                    )
+        return narrowed
+
     def _explain(self, outputs: object, rows: int, who: Labelled) -> None:
         # The slow path: raise with what is wrong, or return for an answer the fast
         # path could not judge (a dtype equal but not the same object, a BYTES output
@@ -922,3 +962,28 @@ def rows(arrays: Mapping[str, np.ndarray[Any, Any]]) -> int:
     for array in arrays.values():
         return int(array.shape[0]) if array.ndim else 1
     return 1
+
+
+def requested_outputs(model: str, signature: ModelSignature, outputs: object) -> tuple[str, ...]:
+    """The names of *outputs* (a request's ``outputs=``), checked against *signature*.
+
+    Each once, in the caller's order; empty: every output.
+
+    Raises:
+        InvalidInput: *outputs* is not a sequence of strings, or names an output
+            the model does not have.
+    """
+    if isinstance(outputs, str) or not isinstance(outputs, Sequence | Collection):
+        raise InvalidInput(
+            f"outputs of a request to model {model!r} must be a list of output names, got "
+            f"{outputs!r:.80}"
+        )
+    names = tuple(dict.fromkeys(outputs))
+    declared = [spec.name for spec in signature.outputs]
+    for name in names:
+        if name not in declared or not isinstance(name, str):
+            raise InvalidInput(
+                f"model {model!r} has no output {name!r:.80}; its outputs are "
+                f"{', '.join(map(repr, declared))}"
+            )
+    return names

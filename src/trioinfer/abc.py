@@ -148,6 +148,17 @@ class Request(Protocol):
         ...
 
     @property
+    def requested_outputs(self) -> tuple[str, ...]:
+        """The outputs the caller asked for (``engine.infer(outputs=...)``); empty: all.
+
+        Triton's requested outputs. The caller gets those alone, so a backend
+        whose model can skip the others may: a `RequestsInstance` may answer
+        the request with these outputs alone (any others it answers with are
+        dropped). Any other backend answers with every output, as ever.
+        """
+        ...
+
+    @property
     def status(self) -> Status:
         """Queued, running or done."""
         ...

@@ -45,7 +45,14 @@ class OneAtATime:
   extension): each request's ``parameters`` (an instance that takes an
   execution's requests, ``RequestsInstance``, reads them there), and
   [`current_stream_parameters()`][trioinfer.lowlevel.current_stream_parameters]
-  for the stream a decoupled model is producing.
+  for the stream a decoupled model is producing
+  ([`current_stream_request()`][trioinfer.lowlevel.current_stream_request]:
+  that stream's whole request), and
+  [`caller_request_id()`][trioinfer.lowlevel.caller_request_id] for the id
+  a request's caller gave (``""`` where the engine made one, as Triton's
+  ``request_id()`` is);
+  [`set_response_parameters()`][trioinfer.lowlevel.set_response_parameters]
+  for models whose answers carry parameters (Triton's response parameters).
 - For backends whose models call other models of their engine (the
   ``python`` backend's ``models``, as Triton's BLS):
   [`current_engine()`][trioinfer.lowlevel.current_engine] (the engine loading
@@ -79,7 +86,10 @@ from ._inline import restart_inline_slice as restart_inline_slice
 from ._model_tasks import current_model_tasks as current_model_tasks
 from ._remote_trace import current_trace_context as current_trace_context
 from ._remote_trace import record_span as record_span
+from ._request import caller_request_id as caller_request_id
+from ._request import set_response_parameters as set_response_parameters
 from ._stream import current_stream_parameters as current_stream_parameters
+from ._stream import current_stream_request as current_stream_request
 from ._tensors import numpy_dtype as numpy_dtype
 from ._threads import CallbackWaiter as CallbackWaiter
 from ._threads import WorkerThread as WorkerThread

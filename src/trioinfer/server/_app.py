@@ -1627,6 +1627,19 @@ def _fallback_parameters(
     return {"trioinfer_served_by": where, "trioinfer_fallbacks": steps}
 
 
+def response_parameters(
+    state: ServerState, asked: ServedVersion, result: InferenceResult
+) -> dict[str, Parameter] | None:
+    """The ``parameters`` of an infer response: the model's own, and a fallback's; None: none.
+
+    The model's (Triton's response parameters, `InferenceResult.parameters`)
+    as it gave them; where a fallback answered, the two saying which win.
+    """
+    if not result.fallbacks:
+        return dict(result.parameters) if result.parameters else None
+    return {**result.parameters, **_fallback_parameters(state, asked, result)}
+
+
 def _classified(
     request: InferRequest, served: ServedVersion, outputs: Mapping[str, Any]
 ) -> Mapping[str, Any]:
@@ -1791,6 +1804,13 @@ def stream_sequence(served: ServedVersion, parameters: Mapping[str, Any]) -> Seq
     return sequence
 
 
+def requested_names(request: InferRequest) -> tuple[str, ...] | None:
+    """The names of the outputs *request* asked for (the engine's ``outputs``); None: all."""
+    if request.outputs is None:
+        return None
+    return tuple(output.name for output in request.outputs)
+
+
 async def infer_in_time(
     state: ServerState,
     served: ServedVersion,
@@ -1809,6 +1829,7 @@ async def infer_in_time(
     # Triton's sequence_id / sequence_start / sequence_end, for stateful models.
     sequence = SequenceFlags.from_parameters(request.parameters) if request.parameters else None
     parameters = with_headers(request.parameters, headers)
+    outputs = requested_names(request)
     if timeout_s is None:
         return await engine.infer_detailed(
             served.engine_name,
@@ -1817,6 +1838,7 @@ async def infer_in_time(
             request_id=request.id,
             sequence=sequence,
             parameters=parameters,
+            outputs=outputs,
         )
     with anyio.move_on_after(timeout_s):
         return await engine.infer_detailed(
@@ -1826,6 +1848,7 @@ async def infer_in_time(
             request_id=request.id,
             sequence=sequence,
             parameters=parameters,
+            outputs=outputs,
         )
     raise DeadlineExceeded(
         f"the request's timeout of {timeout_s * 1e6:.0f} µs passed before it finished"
@@ -1946,7 +1969,12 @@ class _InferEndpoint:
             watch = scope.get("extensions", {}).get("trioinfer.cancel_on_disconnect")
             if watch is not None and watch():
                 try:
-                    if timeout is None and not request.parameters and forwarded is None:
+                    if (
+                        timeout is None
+                        and not request.parameters
+                        and forwarded is None
+                        and request.outputs is None
+                    ):
                         result: InferenceResult | None = await state.models.engine.infer_detailed(
                             served.engine_name,
                             request.inputs,
@@ -1974,9 +2002,7 @@ class _InferEndpoint:
                 request=request,
                 outputs=_classified(request, served, result.outputs),
                 output_order=_output_names(served.info.signature),
-                parameters=_fallback_parameters(state, served, result)
-                if result.fallbacks
-                else None,
+                parameters=response_parameters(state, served, result),
                 shm=lease,
             )
             if json_length is None:

@@ -181,9 +181,16 @@ def _tensor(spec: TensorSpec, value: object) -> np.ndarray[Any, Any]:
 
 
 def encode_generate_response(
-    served: ServedVersion, outputs: Outputs, signature: ModelSignature
+    served: ServedVersion,
+    outputs: Outputs,
+    signature: ModelSignature,
+    parameters: Mapping[str, Parameter] | None = None,
 ) -> dict[str, Any]:
     """One response's JSON object: the model, its version, each output by name.
+
+    The response's *parameters* (a Triton Python model's response
+    parameters) are keys of it too, as Triton's generate maps them, but for
+    one named as an output or ``model_name``/``model_version``, which stay.
 
     Raises:
         RequestError: A ``BYTES`` output holds bytes that are not UTF-8 (or a str
@@ -202,6 +209,9 @@ def encode_generate_response(
             response[spec.name] = _text(value)
         except UnicodeError:
             raise _not_text(spec.name, array) from None
+    if parameters:
+        for key, given in parameters.items():
+            response.setdefault(key, given)
     return response
 
 
@@ -395,10 +405,10 @@ class GenerateEndpoint:
         streamed = False  # the status and some events have gone out, the body goes on
         first = b""
 
-        async def answer(outputs: Outputs) -> None:
+        async def answer(outputs: Outputs, given: Mapping[str, Parameter] | None = None) -> None:
             nonlocal answered, streamed, first
             answered += 1
-            response = encode_generate_response(served, outputs, signature)
+            response = encode_generate_response(served, outputs, signature, given)
             if not streaming:
                 if answered > 1:
                     raise InvalidInput(
@@ -419,7 +429,7 @@ class GenerateEndpoint:
                         served.engine_name, inputs, priority=priority, parameters=parameters
                     ) as responses:
                         async for outputs in responses:
-                            await answer(outputs)
+                            await answer(outputs, responses.parameters)
                 else:
                     # A stateful model's request: through its sequence batcher, as infer's.
                     await answer(

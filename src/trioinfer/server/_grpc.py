@@ -49,6 +49,7 @@ from .._exceptions import (
     QueueFull,
     TrioInferError,
 )
+from .._request import Parameter
 from . import _grpc_h2 as status
 from . import _grpc_proto as pb
 from ._app import (
@@ -57,7 +58,6 @@ from ._app import (
     ServerState,
     _check_outputs,
     _classified,
-    _fallback_parameters,
     _one_process_only,
     _schedule_parameters,
     apply_log_settings,
@@ -69,6 +69,8 @@ from ._app import (
     model_metadata_document,
     not_ready,
     repository_index_document,
+    requested_names,
+    response_parameters,
     statistics_document,
     stream_sequence,
     trace_setting_document,
@@ -588,8 +590,13 @@ class _Service:
         state.metrics.succeeded(served)
         if result is None:
             return None
-        parameters = _fallback_parameters(state, served, result) if result.fallbacks else None
-        return served.model, str(served.version), request.id, outputs, parameters
+        return (
+            served.model,
+            str(served.version),
+            request.id,
+            outputs,
+            response_parameters(state, served, result),
+        )
 
     async def ModelStreamInfer(
         self,
@@ -788,10 +795,13 @@ async def _stream(
             priority=priority,
             request_id=request.id,
             parameters=with_headers(request.parameters, forwarded),
+            outputs=requested_names(request),
         ) as responses:
             async for outputs in responses:
                 encoded = encode_raw_outputs(request, outputs, order, shm=lease)
-                response = _infer_response(served.model, version, request.id, encoded, None)
+                response = _infer_response(
+                    served.model, version, request.id, encoded, responses.parameters or None
+                )
                 if final:
                     response.parameters["triton_final_response"].bool_param = False
                 await emit(response)
@@ -923,7 +933,7 @@ def _infer_response(
     version: str,
     request_id: str | None,
     outputs: list[RawOutput],
-    parameters: Mapping[str, str] | None,
+    parameters: Mapping[str, Parameter] | None,
 ) -> Any:
     response = pb.ModelInferResponse(model_name=model, model_version=version, id=request_id or "")
     for name, datatype, shape, data, where in outputs:
@@ -939,8 +949,21 @@ def _infer_response(
                 tensor.parameters[key].int64_param = value
         response.raw_output_contents.append(bytes(data))
     for key, value in (parameters or {}).items():
-        response.parameters[key].string_param = value
+        _set_parameter(response.parameters[key], value)
     return response
+
+
+def _set_parameter(target: Any, value: Parameter) -> None:
+    # An InferParameter holding *value* in the field of its type (bool before int:
+    # a bool is an int in Python).
+    if isinstance(value, bool):
+        target.bool_param = value
+    elif isinstance(value, int):
+        target.int64_param = value
+    elif isinstance(value, float):
+        target.double_param = value
+    else:
+        target.string_param = value
 
 
 # -- plans: a ModelInfer request laid out as one seen before ---------------------------------
@@ -1101,7 +1124,7 @@ def _response_bytes(
     version: str,
     request_id: str | None,
     outputs: list[RawOutput],
-    parameters: Mapping[str, str] | None,
+    parameters: Mapping[str, Parameter] | None,
 ) -> bytes:
     """`_infer_response` serialised; its usual form from a memo of the fields but id and data.
 
