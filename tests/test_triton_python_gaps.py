@@ -315,6 +315,33 @@ async def test_requested_outputs_through_the_engine(repository: Path) -> None:
                 assert [dict(o) async for o in stream] == [{"A": np.array([2], np.int32)}]
 
 
+async def test_requested_outputs_of_a_request_run_in_its_callers_task(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # An idle model whose instance runs on the loop answers in its caller's task, with
+    # no request object (what the HTTP server calls for each request): a request that
+    # names its outputs keeps that way, its answer narrowed there, a name it lacks refused.
+    model = trioinfer.example_repository() / "digits" / "1" / "model.onnx"
+    async with trioinfer.open_engine() as engine:
+        await engine.load(
+            trioinfer.ModelConfig(name="digits", path=model, backend_options={"dispatch": "inline"})
+        )
+        x = {"input": trioinfer.digits_samples()[0][:2]}
+
+        async def queued(*args: object, **kwargs: object) -> None:
+            raise AssertionError("the request was queued, not run in its caller's task")
+
+        monkeypatch.setattr(type(engine), "_submit", queued)
+        with trio.fail_after(WAIT_S):
+            result = await engine.infer_detailed("digits", x, outputs=["label"])
+            assert result.outputs.keys() == {"label"}
+            assert result.outputs["label"].shape == (2,)
+            both = await engine.infer_detailed("digits", x, outputs=["label", "probabilities"])
+            assert both.outputs.keys() == {"label", "probabilities"}
+            with pytest.raises(trioinfer.InvalidInput, match="has no output 'nope'"):
+                await engine.infer_detailed("digits", x, outputs=["nope"])
+
+
 async def test_the_requested_outputs_are_part_of_the_cache_key(tmp_path: Path) -> None:
     # The model answers the requested outputs alone: an answer cached for a request
     # that asked for some is no answer to one that asked for others, or for all.

@@ -962,11 +962,15 @@ class Engine:
         ):
             priority = _checked_arguments(model, priority, tenant, request_id)
         given = NO_PARAMETERS if parameters is None else checked_parameters(parameters)
-        # A request with parameters or requested outputs takes _submit's way (run here,
-        # it would carry neither).
-        found = self._idle_here(model) if sequence is None and not given and not outputs else None
+        # A request with parameters takes _submit's way (run here, it would not carry
+        # them); one that names its outputs may run here: its answer is narrowed
+        # after (only a model that reads its requests, _per_request, sees them).
+        found = self._idle_here(model) if sequence is None and not given else None
         if found is not None and found[0]._per_request:
             found = None  # (its answers may carry parameters, which the request keeps)
+        wanted: tuple[str, ...] = ()
+        if found is not None and outputs:
+            wanted = requested_outputs(model, found[0].signature, outputs)
         if found is not None:
             # As infer runs a request on an idle inline model: in this task.
             if found[0].clock.current_effective_deadline() == -math.inf:
@@ -981,6 +985,8 @@ class Engine:
                 replica = found[1]
                 answered = await self._run_here(*found, inputs, priority, tenant, request_id)
                 if answered is not None:
+                    if wanted and len(wanted) != len(answered):
+                        answered = {name: answered[name] for name in wanted}
                     return InferenceResult(answered, model, replica.index, replica.device, ())
         request = await self._submit(
             model,

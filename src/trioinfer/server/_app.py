@@ -1969,17 +1969,13 @@ class _InferEndpoint:
             watch = scope.get("extensions", {}).get("trioinfer.cancel_on_disconnect")
             if watch is not None and watch():
                 try:
-                    if (
-                        timeout is None
-                        and not request.parameters
-                        and forwarded is None
-                        and request.outputs is None
-                    ):
+                    if timeout is None and not request.parameters and forwarded is None:
                         result: InferenceResult | None = await state.models.engine.infer_detailed(
                             served.engine_name,
                             request.inputs,
                             priority=priority,
                             request_id=request.id,
+                            outputs=requested_names(request),
                         )
                     else:
                         result = await infer_in_time(
