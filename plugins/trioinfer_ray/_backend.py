@@ -18,6 +18,7 @@ import os
 import socket
 import sys
 import threading
+import time
 from collections.abc import Callable, Mapping
 from typing import Any, Final, final
 
@@ -42,7 +43,7 @@ from trioinfer.lowlevel import (
 )
 
 from . import _codec
-from ._actor import ModelActor
+from ._actor import ModelActor, clock_id
 from ._options import DEFAULT_START_TIMEOUT_S, RayOptions, address_problem, check_options
 
 log = logging.getLogger("trioinfer.ray")
@@ -381,6 +382,7 @@ class RayBackend:
             dict(config.batcher_options),
             remote_placement,
             options.codec,
+            clock_id(),
         )
         ray = _ray()
         try:
@@ -500,18 +502,25 @@ class RayInstance:
     async def execute(self, inputs: Mapping[str, np.ndarray[Any, Any]]) -> dict[str, Any]:
         """Send one batch to the actor with its remaining time, and wait for its outputs.
 
-        A caller that leaves cancels the remote call (``ray.cancel``), which
-        aborts the ONNX Runtime run there; the call's end is waited for.
+        The time left is measured as the call leaves, with the time it leaves
+        on this process's monotonic clock: an actor on this machine counts
+        its deadline from then (the hop included), one elsewhere from when it
+        takes the call. A caller that
+        leaves cancels the remote call (``ray.cancel``), which aborts the ONNX
+        Runtime run there, or drops the call unrun where it waits in the
+        actor; the call's end is waited for.
 
         Raises:
             BackendUnavailable: The actor or its node is gone.
-            DeadlineExceeded: The batch's deadline passed before the actor got to it.
+            DeadlineExceeded: The batch's deadline passed before the actor got to
+                it: nothing was computed.
             BackendError: The remote run failed.
         """
         actor = self._actor
         if actor is None:
             raise BackendError(f"{self._label} is closed")
         deadline = current_batch_deadline()
+        sent = time.monotonic()
         remaining = deadline - anyio.current_time() if deadline != math.inf else math.inf
         payload = _codec.encode(inputs) if self._codec else inputs
         # A traced batch carries its trace context to the actor, which sends its times back.
@@ -519,10 +528,10 @@ class RayInstance:
         timings: Mapping[str, Any] | None = None
         try:
             if not trace_context:
-                outputs = await wait_ref(actor.execute.remote(payload, remaining))
+                outputs = await wait_ref(actor.execute.remote(payload, remaining, sent))
             else:
                 outputs, timings = await wait_ref(
-                    actor.execute_traced.remote(payload, remaining, trace_context)
+                    actor.execute_traced.remote(payload, remaining, trace_context, sent)
                 )
         except Exception as exc:
             error = remote_error(exc, f"{self._label} on node {self.node_id[:12]}")
@@ -568,8 +577,11 @@ class RayInstance:
     async def remote_statistics(self) -> dict[str, Any]:
         """The actor's counters (see `ModelActor`), for tests and diagnostics.
 
-        ``computed``, ``expired``, ``cancelled``, ``aborted``, and
-        ``last_remaining`` (seconds the last batch had left when it was sent).
+        ``computed``, ``expired``, ``cancelled``, ``aborted``,
+        ``last_remaining`` (seconds the last batch had left when it was sent),
+        ``last_hop`` (seconds it took to reach the actor; ``nan`` where the
+        actor's node is not this machine), and ``in_flight`` (calls in the
+        actor now).
 
         Raises:
             BackendUnavailable: The actor or its node is gone.
