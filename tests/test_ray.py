@@ -1487,3 +1487,40 @@ async def test_a_caller_that_leaves_has_its_remote_call_cancelled(
     assert answered == ([] if where == "running" else ["first"])
     assert (stats["computed"], stats["cancelled"]) == (1, 1)
     assert (model.cancelled, model.failed) == (1, 0)
+
+
+def test_a_driver_that_handles_sigterm_keeps_its_handler(mlp_model: Path) -> None:
+    """ray.init (in the thread the load starts Ray from) put Ray's crash handler on
+    SIGTERM: `trioinfer serve` stopped by SIGTERM printed "*** SIGTERM received" with a
+    stack dump, and exited with status 134 (aborted) after its graceful stop, not 0. The
+    process's own handler is put back: it gets SIGTERM as it did before Ray started. In a
+    process of its own, which starts its own Ray (this one is connected to the tests')."""
+    program = f"""
+import os, signal, trio
+import trioinfer_ray
+from trioinfer import ModelConfig
+
+async def main():
+    with trio.open_signal_receiver(signal.SIGTERM) as signals:
+        config = ModelConfig(name="m", path={str(mlp_model)!r}, backend="ray")
+        instance = await trioinfer_ray.RayBackend().load(config, config.placements()[0])
+        os.kill(os.getpid(), signal.SIGTERM)
+        async for signum in signals:
+            print("stopping on", signal.Signals(signum).name, flush=True)
+            break
+        await instance.aclose()
+
+trio.run(main)
+"""
+    with tempfile.TemporaryDirectory(prefix="ray", dir="/tmp") as temp:  # short: Ray's sockets
+        result = subprocess.run(
+            [sys.executable, "-c", program],
+            capture_output=True,
+            text=True,
+            timeout=540,
+            env={**os.environ, "RAY_TMPDIR": temp},
+            check=False,
+        )
+    assert "stopping on SIGTERM" in result.stdout, result.stdout + result.stderr
+    assert "SIGTERM received" not in result.stderr
+    assert result.returncode == 0, result.stderr

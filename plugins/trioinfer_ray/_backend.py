@@ -15,6 +15,7 @@ import importlib.util
 import logging
 import math
 import os
+import signal
 import socket
 import sys
 import threading
@@ -347,10 +348,13 @@ class RayBackend:
             os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
         _ray()  # say which extra is missing before anything else
         label = f"model {config.name!r} instance {placement.index} (ray)"
+        sigterm = _python_sigterm()
         try:
             await anyio.to_thread.run_sync(connect, options.address, options.start_timeout)
         except BackendUnavailable as exc:
             raise BackendUnavailable(f"{label}: {exc}") from exc
+        finally:
+            _restore_sigterm(sigterm)
         model_bytes = None
         if options.ship_model:
             try:
@@ -410,6 +414,24 @@ class RayBackend:
             info["device"],
         )
         return RayInstance(actor, info, options, label, config.name)
+
+
+def _python_sigterm() -> Any:
+    # The process's Python-level SIGTERM handler (a server's graceful stop), where this
+    # thread may read and set it (the main thread), else None.
+    if threading.current_thread() is not threading.main_thread():
+        return None
+    handler = signal.getsignal(signal.SIGTERM)
+    return handler if callable(handler) else None
+
+
+def _restore_sigterm(handler: Any) -> None:
+    # ray.init installs Ray's crash handler for SIGTERM in the driver (absl's): it
+    # prints "*** SIGTERM received ..." with a stack, and the process that then stops
+    # gracefully through its own handler aborts at exit (status 134, not 0). A process
+    # that handles SIGTERM itself gets its handler back; crash signals keep Ray's.
+    if handler is not None:
+        signal.signal(signal.SIGTERM, handler)
 
 
 def _create_actor(options: RayOptions) -> Any:
