@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import http.server
 import importlib
@@ -1299,3 +1300,227 @@ def test_addresses_the_probe_cannot_read_are_left_to_ray(
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
     monkeypatch.setenv("RAY_TMPDIR", str(tmp_path))  # no `ray start --head` noted here
     _probe(address.format(port=_free_port(socket.AF_INET, "127.0.0.1")), 5.0)
+
+
+# -- the hop, on a gate: the model on the actor waits until the test opens it -------------
+
+
+def gated_actor(gate: Path, *, blocking: bool) -> Any:
+    """The ray backend's actor, its model recording each run and holding it at a gate.
+
+    Each run appends a line to ``gate / "runs"``, then waits until ``gate / "open"``
+    exists before ONNX Runtime computes, as an async model does (later calls reach the
+    actor and wait there for their turn). ``blocking`` first holds the actor's event
+    loop until ``gate / "loop"`` exists, as a CPU-bound run on it would: calls sent to
+    the actor meanwhile wait in Ray's queue, before the actor's code sees them.
+    Defined here so that Ray ships the classes by value to the actor's process.
+    """
+
+    class Gated:
+        def __init__(self, inner: Any) -> None:
+            self.inner = inner
+            self.signature = inner.signature
+            self.device = inner.device
+            self.preferred_batch_sizes = inner.preferred_batch_sizes
+
+        async def execute(self, inputs: Any) -> Any:
+            with (gate / "runs").open("a") as log:  # a line, before the gate
+                log.write("run\n")
+            while blocking and not (gate / "loop").exists():
+                time.sleep(0.005)  # noqa: ASYNC251  # holding the loop is the point
+            while not (gate / "open").exists():  # noqa: ASYNC110  # another process opens it
+                await asyncio.sleep(0.005)
+            return await self.inner.execute(inputs)
+
+        async def aclose(self) -> None:
+            await self.inner.aclose()
+
+    class GatedActor(trioinfer_ray.ModelActor):
+        async def _open_instance(self, config: ModelConfig, placement: Placement) -> Any:
+            return Gated(await super()._open_instance(config, placement))
+
+    return ray.remote(GatedActor)
+
+
+def runs(gate: Path) -> int:
+    """Runs the gated model began."""
+    path = gate / "runs"
+    return len(path.read_text().splitlines()) if path.exists() else 0
+
+
+async def wait_for_runs(gate: Path, value: int) -> None:
+    with trio.fail_after(60):
+        while runs(gate) < value:  # noqa: ASYNC110  # a file the actor writes
+            await trio.sleep(0.01)
+
+
+def count_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The calls to actors the driver waits on now: sent, and not yet answered."""
+    waiting = [0]
+    real_wait = trioinfer_ray._backend.wait_ref
+
+    async def counting(ref: Any, **kwargs: Any) -> Any:
+        waiting[0] += 1
+        try:
+            return await real_wait(ref, **kwargs)
+        finally:
+            waiting[0] -= 1
+
+    monkeypatch.setattr(trioinfer_ray._backend, "wait_ref", counting)
+    return waiting
+
+
+async def wait_until_sent(waiting: list[int], calls: int) -> None:
+    """Until the driver waits on *calls* calls to actors (`count_calls`)."""
+    with trio.fail_after(60):
+        while waiting[0] < calls:  # noqa: ASYNC110  # counted by the driver's tasks
+            await trio.sleep(0.01)
+
+
+def gated_config(mlp_model: Path, **kwargs: Any) -> ModelConfig:
+    """One actor, two calls in flight to it: the second waits behind the gated first."""
+    return ModelConfig(
+        name="gated",
+        path=mlp_model,
+        backend="ray",
+        instances=[Instance(threads=1)],
+        backend_options={"onnxruntime": {"dispatch": "thread", "pipeline_depth": 2}},
+        **kwargs,
+    )
+
+
+async def test_a_call_whose_deadline_passes_in_rays_queue_is_never_computed(
+    local_ray: None, mlp_model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A run holds the actor's event loop; a second call, sent meanwhile, waits in Ray's
+    queue for the actor past its deadline. The actor counted the time left from when
+    its code first saw the call, so it computed it, for nobody. It counts from when the
+    call left the driver (same machine, same clock): refused, uncomputed, with the
+    DeadlineExceeded the engine gives locally."""
+    monkeypatch.setattr(
+        trioinfer_ray._backend, "_actor_class", gated_actor(tmp_path, blocking=True)
+    )
+    waiting = count_calls(monkeypatch)
+    recording = Recording()
+    budget = 0.2
+    x = np.zeros((1, 64), np.float32)
+    # Priority 0 waits at most `budget` to start; priority 1, the first call, has no limit.
+    async with open_engine(registry=recording.registry()) as engine:
+        await engine.load(gated_config(mlp_model, queue_timeouts={0: budget}))
+        (instance,) = recording.instances
+        outcomes: list[str] = []
+
+        async def first() -> None:
+            await engine.infer("gated", {"input": x}, priority=1)
+            outcomes.append("first answered")
+
+        async def second() -> None:
+            with pytest.raises(DeadlineExceeded, match="before it reached the actor"):
+                await engine.infer("gated", {"input": x})
+            outcomes.append("second expired")
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(first)
+            await wait_for_runs(tmp_path, 1)  # the actor's loop is held from here on
+            nursery.start_soon(second)
+            await wait_until_sent(waiting, 2)
+            await trio.sleep(budget)  # its deadline passes (at most `budget` after sending)
+            (tmp_path / "loop").touch()
+            (tmp_path / "open").touch()
+        stats = await instance.remote_statistics()
+        model = engine.statistics().models["gated"]
+    assert sorted(outcomes) == ["first answered", "second expired"]
+    assert runs(tmp_path) == 1  # the model saw the first call alone
+    assert (stats["computed"], stats["expired"]) == (1, 1)
+    assert stats["last_hop"] >= stats["last_remaining"]  # the hop outlasted its time left
+    assert (model.succeeded, model.expired, model.failed) == (1, 1, 0)
+
+
+@pytest.mark.parametrize("where", ["running", "queued in the actor", "queued in Ray"])
+async def test_a_caller_that_leaves_has_its_remote_call_cancelled(
+    local_ray: None, mlp_model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, where: str
+) -> None:
+    """An async model's run, a call waiting in the actor for its turn, and one waiting in
+    Ray's queue while a run holds the actor's event loop: a caller that leaves has its
+    call cancelled, counted by the actor, and a queued call is never computed. The last
+    one ray.cancel missed (Ray had handed it to the busy loop, and it ran once the loop
+    was free): the driver's drop, which follows ray.cancel, cancels it in the actor."""
+    blocking = where == "queued in Ray"
+    monkeypatch.setattr(
+        trioinfer_ray._backend, "_actor_class", gated_actor(tmp_path, blocking=blocking)
+    )
+    waiting = count_calls(monkeypatch)
+    recording = Recording()
+    x = np.zeros((1, 64), np.float32)
+    async with open_engine(registry=recording.registry()) as engine:
+        await engine.load(gated_config(mlp_model))
+        (instance,) = recording.instances
+        answered: list[str] = []
+
+        async def caller(name: str, scope: trio.CancelScope) -> None:
+            with scope:
+                await engine.infer("gated", {"input": x})
+                answered.append(name)
+
+        first, second = trio.CancelScope(), trio.CancelScope()
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(caller, "first", first)
+            await wait_for_runs(tmp_path, 1)  # the first runs, held at the gate
+            if where == "running":
+                first.cancel()
+                await wait_for_counter(instance, "cancelled", 1)
+            else:
+                nursery.start_soon(caller, "second", second)
+                await wait_until_sent(waiting, 2)
+                if not blocking:
+                    await wait_for_counter(instance, "in_flight", 2)  # it waits for its turn
+                second.cancel()
+                (tmp_path / "loop").touch()  # the loop is free; the first still runs
+                await wait_for_counter(instance, "cancelled", 1)
+            (tmp_path / "open").touch()
+        stats = await instance.remote_statistics()
+        model = engine.statistics().models["gated"]
+        seen = runs(tmp_path)
+        after = await engine.infer("gated", {"input": x})  # the actor serves on
+    assert after["output"].shape == (1, 10)
+    assert seen == 1  # the cancelled call never reached the model
+    assert answered == ([] if where == "running" else ["first"])
+    assert (stats["computed"], stats["cancelled"]) == (1, 1)
+    assert (model.cancelled, model.failed) == (1, 0)
+
+
+def test_a_driver_that_handles_sigterm_keeps_its_handler(mlp_model: Path) -> None:
+    """ray.init (in the thread the load starts Ray from) put Ray's crash handler on
+    SIGTERM: `trioinfer serve` stopped by SIGTERM printed "*** SIGTERM received" with a
+    stack dump, and exited with status 134 (aborted) after its graceful stop, not 0. The
+    process's own handler is put back: it gets SIGTERM as it did before Ray started. In a
+    process of its own, which starts its own Ray (this one is connected to the tests')."""
+    program = f"""
+import os, signal, trio
+import trioinfer_ray
+from trioinfer import ModelConfig
+
+async def main():
+    with trio.open_signal_receiver(signal.SIGTERM) as signals:
+        config = ModelConfig(name="m", path={str(mlp_model)!r}, backend="ray")
+        instance = await trioinfer_ray.RayBackend().load(config, config.placements()[0])
+        os.kill(os.getpid(), signal.SIGTERM)
+        async for signum in signals:
+            print("stopping on", signal.Signals(signum).name, flush=True)
+            break
+        await instance.aclose()
+
+trio.run(main)
+"""
+    with tempfile.TemporaryDirectory(prefix="ray", dir="/tmp") as temp:  # short: Ray's sockets
+        result = subprocess.run(
+            [sys.executable, "-c", program],
+            capture_output=True,
+            text=True,
+            timeout=540,
+            env={**os.environ, "RAY_TMPDIR": temp},
+            check=False,
+        )
+    assert "stopping on SIGTERM" in result.stdout, result.stdout + result.stderr
+    assert "SIGTERM received" not in result.stderr
+    assert result.returncode == 0, result.stderr

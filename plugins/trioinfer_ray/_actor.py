@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import functools
 import importlib
 import math
 import os
@@ -44,12 +45,17 @@ class ModelActor:
     passed when it reached the actor, or when its turn to run came),
     ``cancelled`` (calls cancelled while they waited or ran) and ``aborted``
     (runs ONNX Runtime cut short); ``last_remaining`` is the time left that
-    the last call came with (``inf`` without a deadline).
+    the last call came with (``inf`` without a deadline), and ``last_hop`` the
+    seconds it spent on the way (``nan`` where the driver's clock is not this
+    node's, see `execute`); ``in_flight`` counts the calls in the actor now.
     """
 
     def __init__(self) -> None:
         self._instance: Any = None
         self._codec = False
+        # Whether the driver's monotonic clock is this process's (see clock_id).
+        self._same_clock = False
+        self.last_hop = math.nan
         self.computed = 0
         self.expired = 0
         self.cancelled = 0
@@ -74,11 +80,14 @@ class ModelActor:
         batcher_options: Mapping[str, Any],
         placement: Placement,
         codec: bool,
+        driver_clock: str | None = None,
     ) -> dict[str, Any]:
         """Create the session (from *model_bytes* when given, else from *path* on this node).
 
         *model_bytes* go to a temporary file for ONNX Runtime to read, removed
-        as soon as the session is made (or could not be).
+        as soon as the session is made (or could not be). *driver_clock* is
+        the driver's `clock_id`: where it is this node's, the times calls are
+        sent at are read on this node's monotonic clock.
 
         Returns what the driver needs: the signature, the device, the node,
         preferred batch sizes.
@@ -103,7 +112,7 @@ class ModelActor:
         node_id = ray.get_runtime_context().get_node_id()
         node_ip = ray.util.get_node_ip_address()
         try:
-            self._instance = await OnnxRuntimeBackend().load(config, placement)
+            self._instance = await self._open_instance(config, placement)
         except TrioInferError as exc:
             # "no model file at /models/digits.onnx" is about this node's disk: say which.
             raise _on_node(exc, f"on Ray node {node_id[:12]} ({node_ip})") from exc
@@ -113,6 +122,7 @@ class ModelActor:
             if shipped is not None:
                 await anyio.Path(shipped).unlink(missing_ok=True)
         self._codec = codec
+        self._same_clock = driver_clock is not None and driver_clock == clock_id()
         # Every dispatch but ort_async runs the session one call at a time, in order.
         self._serial = ort_options.get("dispatch") != "ort_async"
         self._turn = asyncio.Lock() if self._serial else None
@@ -125,24 +135,44 @@ class ModelActor:
             "preferred_batch_sizes": tuple(self._instance.preferred_batch_sizes),
         }
 
-    async def execute(self, inputs: Mapping[str, Any], remaining: float) -> dict[str, Any]:
+    async def _open_instance(self, config: ModelConfig, placement: Placement) -> Any:
+        # The backend instance this actor serves: an ONNX Runtime session, as the
+        # onnxruntime backend makes it in an engine.
+        return await OnnxRuntimeBackend().load(config, placement)
+
+    async def execute(
+        self,
+        inputs: Mapping[str, Any],
+        remaining: float,
+        sent: float | None = None,
+    ) -> dict[str, Any]:
         """Run one batch, unless its deadline passes first (*remaining* seconds from sending).
 
-        The time the call spent in transit is not known here (the nodes'
-        clocks are not compared); it is counted from when the actor took the
-        call, which errs on the side of computing. A call that waits in the
-        actor for the run before it (the engine's ``pipeline_depth`` above 1)
-        is checked again when its turn comes, right before the session runs it.
+        *sent* is when the call left the driver, on the driver's monotonic
+        clock. Where that clock is this node's (the driver runs on this
+        machine: the same kernel boot), the deadline counts from then, so
+        the whole hop is counted: serializing, moving the tensors, and Ray's
+        queue for this actor, where a call waits while the actor's event
+        loop is busy. On another machine the clocks are not comparable, and
+        the deadline counts from when this coroutine began, which errs on
+        the side of computing (by the hop's time). A call that waits in the
+        actor for the run before it (the engine's ``pipeline_depth`` above
+        1) is checked again when its turn comes, right before the session
+        runs it.
 
         Raises:
             DeadlineExceeded: The deadline passed before the run began: nobody
                 waits for this batch, and nothing was computed.
             BackendError: ONNX Runtime failed.
         """
-        return await self._execute(inputs, remaining, None)
+        return await self._execute(inputs, remaining, sent, None)
 
     async def execute_traced(
-        self, inputs: Mapping[str, Any], remaining: float, trace_context: Mapping[str, str]
+        self,
+        inputs: Mapping[str, Any],
+        remaining: float,
+        trace_context: Mapping[str, str],
+        sent: float | None = None,
     ) -> tuple[dict[str, Any], dict[str, Any]]:
         """`execute`, for a traced batch: its outputs, and the times it spent here.
 
@@ -159,20 +189,31 @@ class ModelActor:
         ``run_start`` is when the call reached the session).
         """
         timings: dict[str, Any] = {"received": time.time_ns()}
-        outputs = await self._execute(inputs, remaining, timings)
+        outputs = await self._execute(inputs, remaining, sent, timings)
         timings["replied"] = time.time_ns()
         return outputs, timings
 
     async def _execute(
-        self, inputs: Mapping[str, Any], remaining: float, timings: dict[str, Any] | None
+        self,
+        inputs: Mapping[str, Any],
+        remaining: float,
+        sent: float | None,
+        timings: dict[str, Any] | None,
     ) -> dict[str, Any]:
         received = time.monotonic()
         self.last_remaining = remaining
-        deadline = received + remaining if math.isfinite(remaining) else math.inf
-        if deadline <= time.monotonic():
+        # The hop, where the driver's clock is ours; a time from the future means it is
+        # not (a time namespace of its own), and the hop is not known.
+        hop = received - sent if self._same_clock and sent is not None else math.nan
+        self.last_hop = hop if hop >= 0 else math.nan
+        left = remaining - self.last_hop if hop >= 0 else remaining
+        deadline = received + left if math.isfinite(left) else math.inf
+        if deadline <= received:
             self.expired += 1
+            on_the_way = f" after {hop:.6f}s on the way" if hop >= 0 else ""
             raise DeadlineExceeded(
-                f"the batch's deadline passed {-remaining:.6f}s before it reached the actor"
+                f"the batch's deadline passed {-left:.6f}s before it reached the actor "
+                f"(it left with {remaining:.6f}s{on_the_way}); nothing was computed"
             )
         self._in_flight += 1
         if timings is not None:
@@ -229,6 +270,8 @@ class ModelActor:
             "cancelled": self.cancelled,
             "aborted": getattr(self._instance, "aborted", 0),
             "last_remaining": self.last_remaining,
+            "last_hop": self.last_hop,
+            "in_flight": self._in_flight,
         }
 
     async def close(self) -> None:
@@ -236,6 +279,22 @@ class ModelActor:
         instance, self._instance = self._instance, None
         if instance is not None:
             await instance.aclose()
+
+
+@functools.cache
+def clock_id() -> str | None:
+    """What names this machine's monotonic clock: the kernel's boot id (Linux), else None.
+
+    Two processes with the same boot id run on one kernel, whose
+    ``CLOCK_MONOTONIC`` (Python's ``time.monotonic``) they share: a time one
+    reads is a time the other can compare with its own. None where the boot
+    id cannot be read; the clocks are then never taken to be the same.
+    """
+    try:
+        with open("/proc/sys/kernel/random/boot_id", encoding="ascii") as f:
+            return f.read().strip() or None
+    except OSError:
+        return None
 
 
 def _is_cancelled(exc: BaseException) -> bool:

@@ -15,9 +15,11 @@ import importlib.util
 import logging
 import math
 import os
+import signal
 import socket
 import sys
 import threading
+import time
 from collections.abc import Callable, Mapping
 from typing import Any, Final, final
 
@@ -42,7 +44,7 @@ from trioinfer.lowlevel import (
 )
 
 from . import _codec
-from ._actor import ModelActor
+from ._actor import ModelActor, clock_id
 from ._options import DEFAULT_START_TIMEOUT_S, RayOptions, address_problem, check_options
 
 log = logging.getLogger("trioinfer.ray")
@@ -346,10 +348,13 @@ class RayBackend:
             os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
         _ray()  # say which extra is missing before anything else
         label = f"model {config.name!r} instance {placement.index} (ray)"
+        sigterm = _python_sigterm()
         try:
             await anyio.to_thread.run_sync(connect, options.address, options.start_timeout)
         except BackendUnavailable as exc:
             raise BackendUnavailable(f"{label}: {exc}") from exc
+        finally:
+            _restore_sigterm(sigterm)
         model_bytes = None
         if options.ship_model:
             try:
@@ -381,6 +386,7 @@ class RayBackend:
             dict(config.batcher_options),
             remote_placement,
             options.codec,
+            clock_id(),
         )
         ray = _ray()
         try:
@@ -408,6 +414,24 @@ class RayBackend:
             info["device"],
         )
         return RayInstance(actor, info, options, label, config.name)
+
+
+def _python_sigterm() -> Any:
+    # The process's Python-level SIGTERM handler (a server's graceful stop), where this
+    # thread may read and set it (the main thread), else None.
+    if threading.current_thread() is not threading.main_thread():
+        return None
+    handler = signal.getsignal(signal.SIGTERM)
+    return handler if callable(handler) else None
+
+
+def _restore_sigterm(handler: Any) -> None:
+    # ray.init installs Ray's crash handler for SIGTERM in the driver (absl's): it
+    # prints "*** SIGTERM received ..." with a stack, and the process that then stops
+    # gracefully through its own handler aborts at exit (status 134, not 0). A process
+    # that handles SIGTERM itself gets its handler back; crash signals keep Ray's.
+    if handler is not None:
+        signal.signal(signal.SIGTERM, handler)
 
 
 def _create_actor(options: RayOptions) -> Any:
@@ -500,18 +524,25 @@ class RayInstance:
     async def execute(self, inputs: Mapping[str, np.ndarray[Any, Any]]) -> dict[str, Any]:
         """Send one batch to the actor with its remaining time, and wait for its outputs.
 
-        A caller that leaves cancels the remote call (``ray.cancel``), which
-        aborts the ONNX Runtime run there; the call's end is waited for.
+        The time left is measured as the call leaves, with the time it leaves
+        on this process's monotonic clock: an actor on this machine counts
+        its deadline from then (the hop included), one elsewhere from when it
+        takes the call. A caller that
+        leaves cancels the remote call (``ray.cancel``), which aborts the ONNX
+        Runtime run there, or drops the call unrun where it waits in the
+        actor; the call's end is waited for.
 
         Raises:
             BackendUnavailable: The actor or its node is gone.
-            DeadlineExceeded: The batch's deadline passed before the actor got to it.
+            DeadlineExceeded: The batch's deadline passed before the actor got to
+                it: nothing was computed.
             BackendError: The remote run failed.
         """
         actor = self._actor
         if actor is None:
             raise BackendError(f"{self._label} is closed")
         deadline = current_batch_deadline()
+        sent = time.monotonic()
         remaining = deadline - anyio.current_time() if deadline != math.inf else math.inf
         payload = _codec.encode(inputs) if self._codec else inputs
         # A traced batch carries its trace context to the actor, which sends its times back.
@@ -519,10 +550,10 @@ class RayInstance:
         timings: Mapping[str, Any] | None = None
         try:
             if not trace_context:
-                outputs = await wait_ref(actor.execute.remote(payload, remaining))
+                outputs = await wait_ref(actor.execute.remote(payload, remaining, sent))
             else:
                 outputs, timings = await wait_ref(
-                    actor.execute_traced.remote(payload, remaining, trace_context)
+                    actor.execute_traced.remote(payload, remaining, trace_context, sent)
                 )
         except Exception as exc:
             error = remote_error(exc, f"{self._label} on node {self.node_id[:12]}")
@@ -568,8 +599,11 @@ class RayInstance:
     async def remote_statistics(self) -> dict[str, Any]:
         """The actor's counters (see `ModelActor`), for tests and diagnostics.
 
-        ``computed``, ``expired``, ``cancelled``, ``aborted``, and
-        ``last_remaining`` (seconds the last batch had left when it was sent).
+        ``computed``, ``expired``, ``cancelled``, ``aborted``,
+        ``last_remaining`` (seconds the last batch had left when it was sent),
+        ``last_hop`` (seconds it took to reach the actor; ``nan`` where the
+        actor's node is not this machine), and ``in_flight`` (calls in the
+        actor now).
 
         Raises:
             BackendUnavailable: The actor or its node is gone.
