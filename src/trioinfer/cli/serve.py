@@ -11,7 +11,6 @@ import ipaddress
 import logging
 import os
 import sys
-import tomllib
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Final
@@ -22,8 +21,9 @@ import attrs
 import click
 
 from .. import __version__, _exit
+from .._config import parse_toml
 from .._examples import example_repository
-from .._exceptions import TrioInferError
+from .._exceptions import ConfigError, TrioInferError
 from ._params import (
     TAKES_NO_ARGUMENTS,
     ByteSize,
@@ -784,14 +784,11 @@ def _serve_settings(ctx: click.Context, options: dict[str, Any]) -> dict[str, An
     if config_file is None:
         return settings
     try:
-        with config_file.open("rb") as f:
-            data = tomllib.load(f)
+        data = parse_toml(config_file.read_bytes(), str(config_file))
     except OSError as exc:
         raise click.BadParameter(f"{config_file}: {exc}", param_hint="--config") from exc
-    except tomllib.TOMLDecodeError as exc:
-        raise click.BadParameter(
-            f"{config_file} is not valid TOML: {exc}", param_hint="--config"
-        ) from exc
+    except ConfigError as exc:
+        raise click.BadParameter(str(exc), param_hint="--config") from exc
     unknown = sorted(set(data) - _SERVE_KEYS)
     if unknown:
         raise click.BadParameter(
