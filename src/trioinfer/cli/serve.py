@@ -82,6 +82,11 @@ _SERVE_KEYS: Final = frozenset(
 #: `trioinfer._exit`).
 EXIT_MARGIN_S: Final = _exit.EXIT_MARGIN_S
 
+#: Most worker processes --workers starts. Each is a whole server (an engine, its
+#: sessions, its threads) and past the cores adds only contention; --workers 100000 (a
+#: typo, an extra zero or three) started processes until the host ran out of memory.
+MAX_WORKERS: Final = 256
+
 
 @click.command(
     short_help="Serve a model repository over KServe V2 HTTP and gRPC (Triton-compatible).",
@@ -356,14 +361,14 @@ EXIT_MARGIN_S: Final = _exit.EXIT_MARGIN_S
 )
 @click.option(
     "--workers",
-    type=click.IntRange(min=1),
+    type=click.IntRange(min=1, max=MAX_WORKERS),
     default=1,
     show_default=True,
     metavar="N",
     help="Serve from N processes on one port (SO_REUSEPORT), each with its own engine; "
     "this process supervises them (restarts one that dies). Each serves gRPC too, on "
     "the one --grpc-port. For when one event loop is the limit; 1 serves from this "
-    "process alone.",
+    f"process alone. At most {MAX_WORKERS}.",
 )
 @click.option(
     "--log-level",
@@ -463,8 +468,10 @@ def serve(ctx: click.Context, /, **options: Any) -> None:
         settings["log_level"], log_format=settings["log_format"], requests=settings["access_log"]
     )
     workers = settings["workers"]
-    if not isinstance(workers, int) or isinstance(workers, bool) or workers < 1:
-        raise click.UsageError(f"invalid server settings: workers must be >= 1, got {workers!r}")
+    if not isinstance(workers, int) or isinstance(workers, bool) or not 1 <= workers <= MAX_WORKERS:
+        raise click.UsageError(
+            f"invalid server settings: workers must be from 1 to {MAX_WORKERS}, got {workers!r}"
+        )
     _check_host(settings["host"], settings)
     try:
         limits = Limits(**settings.get("limits", {}))
