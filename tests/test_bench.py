@@ -529,6 +529,22 @@ def test_usage_errors() -> None:
     assert bench("--in-process", "-m", "d").exit_code == 2
 
 
+@pytest.mark.parametrize(
+    ("args", "said"),
+    [
+        (("--url", "localhost:8000"), "--url must look like http://HOST:PORT, got"),
+        (("--url", "grpc://h:1"), "(for V2 gRPC, add --protocol grpc)"),
+        (("--protocol", "grpc", "--url", "http://h:1"), "--url must be grpc://HOST:PORT"),
+    ],
+)
+def test_a_url_of_the_wrong_form_is_a_usage_error(args: tuple[str, ...], said: str) -> None:
+    # A bad flag value exited 1, as an unreachable server does, not 2 as every other one.
+    result = bench("-m", "d", *args)
+    assert result.exit_code == 2, result.output
+    assert "Invalid value for --url: " in result.output
+    assert said in " ".join(result.output.split())
+
+
 @pytest.fixture
 def without_httptools(monkeypatch: pytest.MonkeyPatch) -> None:
     """As after ``pip install trioinfer`` without the bench extra: httptools cannot be imported."""
