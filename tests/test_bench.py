@@ -248,6 +248,21 @@ def test_generated_inputs_refuse_a_negative_shape(make: Any) -> None:
         make([{"name": "x", "datatype": "FP32", "shape": [-1, 3]}], {"x": [-1, 3]})
 
 
+@pytest.mark.parametrize("make", [tool.random_inputs, tool.zero_inputs])
+def test_generated_inputs_refuse_a_shape_no_server_takes(make: Any) -> None:
+    # --shape IN=99999999999,4 was numpy's MemoryError traceback (46 TiB), and one of
+    # 10**8 rows allocated gigabytes for requests a default server refuses (past 2**26).
+    spec = [{"name": "x", "datatype": "FP32", "shape": [-1, 4]}]
+    with pytest.raises(
+        tool.BenchError,
+        match=r"--shape x=99999999999,4 is 399999999996 elements; a server with default "
+        r"limits takes at most 67108864 per input",
+    ):
+        make(spec, {"x": [99_999_999_999, 4]})
+    with pytest.raises(tool.BenchError, match=r"is 67108868 elements"):  # one row past it
+        make(spec, {"x": [(1 << 24) + 1, 4]})
+
+
 @pytest.mark.parametrize("shape", [[2, 3], [4], [1, 4, 1]])
 def test_generated_inputs_refuse_a_shape_the_model_cannot_take(shape: list[int]) -> None:
     # The server refused every request, and the tool blamed its random values.
@@ -527,6 +542,22 @@ def test_usage_errors() -> None:
     assert bench("-m", "d", "--concurrency", "2", "--request-rate", "5").exit_code == 2
     assert bench("-m", "d", "--concurrency", "0").exit_code == 2
     assert bench("--in-process", "-m", "d").exit_code == 2
+
+
+@pytest.mark.parametrize(
+    ("args", "said"),
+    [
+        (("--url", "localhost:8000"), "--url must look like http://HOST:PORT, got"),
+        (("--url", "grpc://h:1"), "(for V2 gRPC, add --protocol grpc)"),
+        (("--protocol", "grpc", "--url", "http://h:1"), "--url must be grpc://HOST:PORT"),
+    ],
+)
+def test_a_url_of_the_wrong_form_is_a_usage_error(args: tuple[str, ...], said: str) -> None:
+    # A bad flag value exited 1, as an unreachable server does, not 2 as every other one.
+    result = bench("-m", "d", *args)
+    assert result.exit_code == 2, result.output
+    assert "Invalid value for --url: " in result.output
+    assert said in " ".join(result.output.split())
 
 
 @pytest.fixture

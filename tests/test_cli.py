@@ -257,6 +257,8 @@ def test_serve_refuses_bad_settings_with_a_usage_error(tmp_path: Path) -> None:
         # tomllib's words alone ("Cannot overwrite a value") do not say the file is the fault.
         ("port = 8000\nport = 8001", "server.toml is not valid TOML: Cannot overwrite a value"),
         ('host = "127.0.0.1', "server.toml is not valid TOML: "),
+        # tomllib's RecursionError was a traceback, exit status 1.
+        ("port = " + "[" * 5000 + "]" * 5000, "server.toml is not valid TOML: it nests too deeply"),
     ],
 )
 def test_serve_checks_each_config_file_value_as_its_option(
@@ -268,6 +270,18 @@ def test_serve_checks_each_config_file_value_as_its_option(
     assert result.exit_code == 2, result.output
     assert "Invalid value for --config" in result.output
     assert message in " ".join(result.output.split()), result.output
+
+
+def test_serve_refuses_a_config_file_that_is_not_utf8(tmp_path: Path) -> None:
+    # tomllib decodes the file itself: its UnicodeDecodeError was a traceback, exit status 1.
+    config = tmp_path / "server.toml"
+    config.write_bytes(b'host = "caf\xe9"\n')
+    result = invoke("serve", "--config", str(config))
+    assert result.exit_code == 2, result.output
+    assert "Invalid value for --config" in result.output
+    assert "server.toml is not valid TOML: it is not UTF-8 (invalid continuation byte)" in (
+        " ".join(result.output.split())
+    )
 
 
 @pytest.mark.parametrize(

@@ -188,6 +188,13 @@ def test_from_toml_errors(tmp_path: Path) -> None:
     path = write_repo(tmp_path, "name = [\n")
     with pytest.raises(ConfigError, match="not valid TOML"):
         ModelConfig.from_toml(path)
+    # tomllib decodes the file itself: a Latin-1 one raised UnicodeDecodeError, no ConfigError.
+    path.write_bytes(b'name = "caf\xe9"\n')
+    with pytest.raises(ConfigError, match=r"config\.toml is not valid TOML: it is not UTF-8 \("):
+        ModelConfig.from_toml(path)
+    path.write_text("name = " + "[" * 5000 + "]" * 5000)  # tomllib's RecursionError
+    with pytest.raises(ConfigError, match=r"config\.toml is not valid TOML: it nests too deeply"):
+        ModelConfig.from_toml(path)
     path.write_text("")
     with pytest.raises(ConfigError, match=r"no version 7 holding model\.onnx"):
         ModelConfig.from_toml(path, version=7)

@@ -573,6 +573,86 @@ async def test_bad_model_files_are_refused_at_load(
     assert not [t for t in threading.enumerate() if t.name.startswith("trioinfer-python-")]
 
 
+class Exits:
+    """A model whose infer calls sys.exit(), as a script's error path does."""
+
+    def infer(self, inputs: dict[str, np.ndarray[Any, Any]]) -> dict[str, Any]:
+        raise SystemExit(3)
+
+
+class AsyncExits:
+    """`Exits`, with an async def infer."""
+
+    async def infer(self, inputs: dict[str, np.ndarray[Any, Any]]) -> dict[str, Any]:
+        raise SystemExit(3)
+
+
+class StreamExits:
+    """A decoupled model whose generator calls sys.exit() after one response."""
+
+    async def infer(self, inputs: dict[str, np.ndarray[Any, Any]]) -> Any:
+        yield {"y": inputs["x"]}
+        raise SystemExit(3)
+
+
+@pytest.mark.parametrize(
+    ("cls", "dispatch"), [(Exits, "thread"), (Exits, "inline"), (AsyncExits, "thread")]
+)
+async def test_a_model_that_calls_sys_exit_fails_its_request_not_the_engine(
+    cls: type, dispatch: str
+) -> None:
+    # SystemExit is no Exception: it went past the backend's handlers, out of the engine's
+    # task group, and ended `trioinfer serve` with every other model's requests.
+    async with open_engine() as engine:
+        await engine.load(config(cls, dispatch=dispatch))
+        await engine.load(config(Double, name="other"))
+        with pytest.raises(BackendError, match=r"'m' instance 0: infer raised SystemExit: 3 \("):
+            await engine.infer("m", {"x": X})
+        assert (await engine.infer("other", {"x": X}))["y"].tolist() == (X * 2).tolist()
+
+
+@pytest.mark.streaming
+async def test_a_streaming_model_that_calls_sys_exit_ends_its_stream_with_an_error() -> None:
+    async with open_engine() as engine:
+        await engine.load(config(StreamExits, decoupled=True))
+        got: list[Any] = []
+
+        async def read() -> None:
+            async with engine.infer_stream("m", {"x": X}) as responses:
+                async for outputs in responses:
+                    got.append(outputs["y"].tolist())
+
+        with pytest.raises(BackendError, match=r"infer raised SystemExit: 3"):
+            await read()
+        assert got == [X.tolist()]
+        await engine.load(config(Double, name="other"))  # the engine serves on
+
+
+@pytest.mark.parametrize(
+    "source",
+    [
+        "import sys\nsys.exit(3)\n",
+        "class Model:\n    def __init__(self):\n        raise SystemExit(3)\n\n"
+        "    def infer(self, x):\n        return x\n",
+        "class Model:\n    def load(self):\n        raise SystemExit(3)\n\n"
+        "    def infer(self, x):\n        return x\n",
+    ],
+    ids=["import", "constructor", "load"],
+)
+async def test_a_model_file_that_calls_sys_exit_fails_its_load_not_the_engine(
+    tmp_path: Path, source: str
+) -> None:
+    # A model.py that parses sys.argv with argparse at import exits when it finds no
+    # arguments: that ended `trioinfer serve` (every model with it) at start.
+    (tmp_path / "model.py").write_text(source)
+    exits = ModelConfig(name="m", path=tmp_path / "model.py", backend="python", backend_options=XY)
+    async with open_engine() as engine:
+        with pytest.raises(BackendError, match=r"raised SystemExit: 3 \(model\.py, line \d+"):
+            await engine.load(exits)
+        await engine.load(config(Double, name="other"))  # the engine serves on
+    assert not [t for t in threading.enumerate() if t.name.startswith("trioinfer-python-")]
+
+
 async def test_a_missing_model_file_is_a_backend_error(tmp_path: Path) -> None:
     missing = ModelConfig(
         name="m", path=tmp_path / "model.py", backend="python", backend_options=XY

@@ -1296,3 +1296,34 @@ async def test_a_version_the_policy_drops_leaves_metrics_as_an_unload_does(
         if sample.name == "trioinfer_inference_requests_total" and sample.labels["model"] == "m"
     }
     assert requests == {"1": 3}
+
+
+@pytest.mark.python_model
+async def test_a_model_its_backend_cannot_load_is_a_400_naming_why(root: Path) -> None:
+    # A model.py that raises at import, or a model.onnx that is no ONNX file, failed its
+    # load with a BackendError: POST .../load answered 500, as for a bug of the server's,
+    # where Triton (and every other refused load here) answers 400 with the reason.
+    (root / "broken" / "1").mkdir(parents=True)
+    (root / "broken" / "1" / "model.py").write_text("raise RuntimeError('no weights')\n")
+    (root / "broken" / "config.toml").write_text(
+        'backend = "python"\n[backend_options]\n'
+        "inputs = [{ name = 'x', dtype = 'float32', shape = [1] }]\n"
+        "outputs = [{ name = 'y', dtype = 'float32', shape = [1] }]\n"
+    )
+    (root / "garbled" / "1").mkdir(parents=True)
+    (root / "garbled" / "1" / "model.onnx").write_bytes(b"not an ONNX file")
+    async with trio.open_nursery() as nursery:
+        listening = await start_serving(nursery, root)
+        async with httpx.AsyncClient(base_url=listening.urls[0]) as client:
+            broken = await client.post("/v2/repository/models/broken/load")
+            garbled = await client.post("/v2/repository/models/garbled/load")
+        nursery.cancel_scope.cancel()
+    assert (broken.status_code, garbled.status_code) == (400, 400)
+    assert broken.json()["error"] == (
+        "failed to load 'broken': model 'broken' (version 1): importing model.py raised "
+        "RuntimeError: no weights (model.py, line 1, in <module>)"
+    )
+    assert garbled.json()["error"].startswith(
+        "failed to load 'garbled': model 'garbled' (version 1): ONNX Runtime could not load "
+        "garbled/1/model.onnx: "
+    )

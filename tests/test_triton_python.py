@@ -158,8 +158,11 @@ input [ { name: "X" data_type: TYPE_INT32 dims: [ 1 ] } ]
 output [ { name: "Y" data_type: TYPE_INT32 dims: [ 1 ] } ]
 """
 
-# X 1: execute raises; X 2: it returns one response too few; X 3: not a list.
+# X 1: execute raises; X 2: it returns one response too few; X 3: not a list; X 5: it
+# calls sys.exit().
 BROKEN = """\
+import sys
+
 import triton_python_backend_utils as pb_utils
 
 
@@ -172,6 +175,8 @@ class TritonPythonModel:
             return []
         if x == 3:
             return "no"
+        if x == 5:
+            sys.exit(3)
         return [
             pb_utils.InferenceResponse([pb_utils.Tensor("Y", pb_utils.get_input_tensor_by_name(
                 r, "X").as_numpy() * 2)])
@@ -399,6 +404,10 @@ async def test_execute_that_raises_or_answers_wrong_fails_the_batch(repository: 
             await engine.infer("broken", {"X": x - 2})
         with pytest.raises(BackendError, match=r"execute returned str for 1 requests"):
             await engine.infer("broken", {"X": x - 1})
+        # SystemExit is no Exception: it ended the engine (and the server) with it.
+        with pytest.raises(BackendError, match=r"execute raised SystemExit: 3 \(model\.py, line"):
+            await engine.infer("broken", {"X": x + 1})
+        assert (await engine.infer("broken", {"X": x}))["Y"].tolist() == [[8]]
 
 
 async def test_bytes_in_and_out_of_an_unbatched_model(repository: Path) -> None:

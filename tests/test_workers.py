@@ -712,7 +712,11 @@ def test_serve_help_and_bad_worker_counts(tmp_path: Path) -> None:
     config.write_text("workers = 0\n")
     refused = runner.invoke(main, ["serve", "--config", str(config)])
     assert refused.exit_code == 2
-    assert "workers = 0: 0 is not in the range x>=1" in refused.output
+    assert "workers = 0: 0 is not in the range 1<=x<=256" in refused.output
+    # --workers 100000 (an extra zero or three) started processes until memory ran out.
+    refused = runner.invoke(main, ["serve", "--workers", "100000"])
+    assert refused.exit_code == 2
+    assert "'--workers': 100000 is not in the range 1<=x<=256" in refused.output
 
 
 async def test_a_change_some_workers_refuse_is_an_error_that_names_them(tmp_path: Path) -> None:

@@ -198,6 +198,7 @@ from trioinfer.lowlevel import (
 )
 
 from . import _triton
+from ._faults import MODEL_FAULTS
 from ._models import BlockingResponses, Models
 
 __all__ = ["BlockingResponses", "Models", "PythonBackend", "PythonInstance"]
@@ -437,7 +438,7 @@ def _construct(cls: type, kwargs: dict[str, Any], label: str, decoupled: bool) -
             ) from None
     try:
         model = cls(**kwargs)
-    except Exception as exc:
+    except MODEL_FAULTS as exc:
         raise BackendError(_raised(f"{label}: {cls.__name__}(...)", exc)) from exc
     infer = getattr(model, "infer", None)
     if not callable(infer):
@@ -532,7 +533,7 @@ def _import(model: str, path: Path) -> ModuleType:
     sys.modules[name] = module  # dataclasses and pickling look a class's module up there
     try:
         spec.loader.exec_module(module)
-    except Exception as exc:
+    except MODEL_FAULTS as exc:
         del sys.modules[name]
         raise BackendError(_raised(f"model {model!r}: importing {path.name}", exc)) from exc
     return module
@@ -658,7 +659,7 @@ class PythonInstance:
                     raise self._failed(exc) from exc
                 except (anyio.get_cancelled_exc_class(), TrioInferError):
                     raise
-                except Exception as exc:
+                except MODEL_FAULTS as exc:
                     raise self._failed(exc) from exc
                 yield self._checked(outputs)
         finally:
@@ -695,11 +696,11 @@ class PythonInstance:
             raise self._failed(exc) from exc
         except (anyio.get_cancelled_exc_class(), TrioInferError):
             raise  # the model chose the error's class (InvalidInput is the client's fault)
-        except Exception as exc:
+        except MODEL_FAULTS as exc:
             raise self._failed(exc) from exc
         return self._checked(outputs)
 
-    def _failed(self, exc: Exception) -> BackendError:
+    def _failed(self, exc: BaseException) -> BackendError:
         # The error callers get names the line; the log gets the whole traceback, once per
         # place (a model failing every request would otherwise flood it).
         said = _raised(f"{self._label}: infer", exc)
@@ -815,7 +816,7 @@ class PythonInstance:
                 await self._worker.run_sync(hook)
         except anyio.get_cancelled_exc_class():
             raise
-        except Exception as exc:
+        except MODEL_FAULTS as exc:
             raise BackendError(_raised(f"{self._label}: {name}()", exc)) from exc
 
     async def aclose(self) -> None:

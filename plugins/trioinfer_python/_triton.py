@@ -53,6 +53,7 @@ from trioinfer.lowlevel import (
 )
 
 from . import triton_python_backend_utils as pb_utils
+from ._faults import MODEL_FAULTS
 from ._models import Models
 
 #: The name Triton's model files import the module by.
@@ -130,7 +131,7 @@ async def load(
     label = f"model {name!r} instance {placement.index}"
     try:
         model = await anyio.to_thread.run_sync(cls)
-    except Exception as exc:
+    except MODEL_FAULTS as exc:
         raise BackendError(_raised(f"{label}: {cls.__name__}()", exc)) from exc
     execute = getattr(model, "execute", None)
     if not callable(execute):
@@ -325,7 +326,7 @@ class TritonInstance:
             responses = await self._call_execute(requests)
         except (anyio.get_cancelled_exc_class(), TrioInferError):
             raise
-        except Exception as exc:
+        except MODEL_FAULTS as exc:
             raise BackendError(_raised(f"{self._label}: execute", exc)) from exc
         if not isinstance(responses, (list, tuple)) or len(responses) != len(requests):
             got = (
@@ -471,7 +472,7 @@ class TritonInstance:
             receive.close()
             send.close()
 
-    def _failed(self, exc: Exception) -> Exception:
+    def _failed(self, exc: BaseException) -> Exception:
         if isinstance(exc, TrioInferError):
             return exc
         failure = BackendError(_raised(f"{self._label}: execute", exc))
@@ -486,7 +487,7 @@ class TritonInstance:
         with self._execute_lock:
             try:
                 returned = self._sync_execute([request])
-            except Exception as exc:
+            except MODEL_FAULTS as exc:
                 end(self._failed(exc))
                 return
         if returned is not None:
@@ -509,7 +510,7 @@ class TritonInstance:
                 except anyio.get_cancelled_exc_class():
                     end(BackendError(f"{self._label} closed while execute ran"))
                     raise
-                except Exception as exc:
+                except MODEL_FAULTS as exc:
                     end(self._failed(exc))
                     return
                 if returned is not None:
@@ -542,7 +543,7 @@ class TritonInstance:
                 await self._worker.run_sync(function, *args)
         except anyio.get_cancelled_exc_class():
             raise
-        except Exception as exc:
+        except MODEL_FAULTS as exc:
             raise BackendError(_raised(f"{self._label}: {hook}()", exc)) from exc
 
     async def aclose(self) -> None:

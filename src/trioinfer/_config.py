@@ -549,8 +549,7 @@ class ModelConfig:
         """
         path = Path(path)
         try:
-            with path.open("rb") as f:
-                data = tomllib.load(f)
+            raw = path.read_bytes()
         except FileNotFoundError:
             raise ConfigError(f"no model config at {path}") from None
         except IsADirectoryError:
@@ -560,8 +559,7 @@ class ModelConfig:
             ) from None
         except OSError as exc:
             raise ConfigError(f"cannot read model config {path}: {exc.strerror or exc}") from None
-        except tomllib.TOMLDecodeError as exc:
-            raise ConfigError(f"{path} is not valid TOML: {exc}") from None
+        data = parse_toml(raw, str(path))
         # A misspelt key says so before a model file is looked for (its absence would hide it).
         fields = {f.name for f in attrs.fields(cls)}
         if set(data) - fields:
@@ -576,6 +574,29 @@ class ModelConfig:
             except ConfigError as exc:
                 raise ConfigError(f"{exc}{model_file_hint(backend)}") from None
         return cls.from_dict(data, base=model_dir)
+
+
+def parse_toml(raw: bytes, shown: str) -> dict[str, Any]:
+    """The TOML document *raw*, the file *shown* names (a path, as its reader knows it).
+
+    The one place a config file's bytes become a table: `ModelConfig.from_toml`,
+    ``trioinfer serve --config`` and the model repository read theirs here.
+
+    Raises:
+        ConfigError: Naming *shown*, for bytes that are not UTF-8 (tomllib
+            decodes them itself, with a bare ``UnicodeDecodeError``), nested too
+            deeply for its parser (a ``RecursionError``), or not TOML.
+    """
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{shown} is not valid TOML: it is not UTF-8 ({exc.reason})") from None
+    try:
+        return tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{shown} is not valid TOML: {exc}") from None
+    except RecursionError:
+        raise ConfigError(f"{shown} is not valid TOML: it nests too deeply") from None
 
 
 #: The backend name that makes a model a pipeline of other models (it has no file).

@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import math
 import zipfile
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -95,6 +96,11 @@ def zero_inputs(
     return _generated(specs, shapes, fill)
 
 
+#: The most elements the tool generates for one input: what a server with default
+#: limits takes in one tensor.
+_MOST_ELEMENTS = Limits().max_elements_per_tensor
+
+
 def _generated(
     specs: Sequence[Mapping[str, Any]],
     shapes: Mapping[str, Sequence[int]] | None,
@@ -127,6 +133,14 @@ def _generated(
             raise BenchError(
                 f"--shape {name}={','.join(map(str, shape))}: a dimension is negative; "
                 "give every dimension as a size of 0 or more"
+            )
+        elements = math.prod(shape)
+        if elements > _MOST_ELEMENTS:
+            # numpy would fail with a MemoryError traceback, or take gigabytes for
+            # requests that a server refuses.
+            raise BenchError(
+                f"--shape {name}={','.join(map(str, shape))} is {elements} elements; a server "
+                f"with default limits takes at most {_MOST_ELEMENTS} per input"
             )
         dtype = v2_numpy_dtype(datatype)
         if dtype is None:

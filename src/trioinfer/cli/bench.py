@@ -11,7 +11,7 @@ import functools
 import math
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import click
 import trio
@@ -23,6 +23,8 @@ if TYPE_CHECKING:
     from collections.abc import Callable
 
     from .. import bench as tool
+
+_T = TypeVar("_T")
 
 
 def _numbers(kind: type[int] | type[float]) -> Any:
@@ -482,6 +484,17 @@ def bench(**options: Any) -> None:
         raise click.ClickException(f"{failed} requests failed (see the errors column)")
 
 
+def _url(parse: Callable[[str, str, str | None], _T], url: str, options: dict[str, Any]) -> _T:
+    # A --url of the wrong form is a bad flag value (exit 2), not a server that cannot be
+    # reached (exit 1), which the bench error it raises would make it.
+    from ..bench import BenchError
+
+    try:
+        return parse(url, options["model"], options["model_version"])
+    except BenchError as exc:
+        raise click.BadParameter(str(exc), param_hint="--url") from None
+
+
 async def _bench_run(
     options: dict[str, Any],
     plan: tool.Plan,
@@ -513,7 +526,7 @@ async def _bench_run(
         url = options["url"]
         if url == "http://127.0.0.1:8000":  # the HTTP default: take gRPC's
             url = "127.0.0.1:8001"
-        grpc_target = tool.GrpcTarget.from_url(url, options["model"], options["model_version"])
+        grpc_target = _url(tool.GrpcTarget.from_url, url, options)
         return await tool.run_grpc(
             grpc_target,
             plan,
@@ -523,7 +536,7 @@ async def _bench_run(
             progress=progress,
             client=options["grpc_client"],
         )
-    target = tool.HttpTarget.from_url(options["url"], options["model"], options["model_version"])
+    target = _url(tool.HttpTarget.from_url, options["url"], options)
     return await tool.run_http(
         target,
         plan,

@@ -11,7 +11,6 @@ import ipaddress
 import logging
 import os
 import sys
-import tomllib
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Final
@@ -22,8 +21,9 @@ import attrs
 import click
 
 from .. import __version__, _exit
+from .._config import parse_toml
 from .._examples import example_repository
-from .._exceptions import TrioInferError
+from .._exceptions import ConfigError, TrioInferError
 from ._params import (
     TAKES_NO_ARGUMENTS,
     ByteSize,
@@ -81,6 +81,11 @@ _SERVE_KEYS: Final = frozenset(
 #: With no --exit-timeout-secs, how long past the drain period the exit may take (see
 #: `trioinfer._exit`).
 EXIT_MARGIN_S: Final = _exit.EXIT_MARGIN_S
+
+#: Most worker processes --workers starts. Each is a whole server (an engine, its
+#: sessions, its threads) and past the cores adds only contention; --workers 100000 (a
+#: typo, an extra zero or three) started processes until the host ran out of memory.
+MAX_WORKERS: Final = 256
 
 
 @click.command(
@@ -356,14 +361,14 @@ EXIT_MARGIN_S: Final = _exit.EXIT_MARGIN_S
 )
 @click.option(
     "--workers",
-    type=click.IntRange(min=1),
+    type=click.IntRange(min=1, max=MAX_WORKERS),
     default=1,
     show_default=True,
     metavar="N",
     help="Serve from N processes on one port (SO_REUSEPORT), each with its own engine; "
     "this process supervises them (restarts one that dies). Each serves gRPC too, on "
     "the one --grpc-port. For when one event loop is the limit; 1 serves from this "
-    "process alone.",
+    f"process alone. At most {MAX_WORKERS}.",
 )
 @click.option(
     "--log-level",
@@ -463,8 +468,10 @@ def serve(ctx: click.Context, /, **options: Any) -> None:
         settings["log_level"], log_format=settings["log_format"], requests=settings["access_log"]
     )
     workers = settings["workers"]
-    if not isinstance(workers, int) or isinstance(workers, bool) or workers < 1:
-        raise click.UsageError(f"invalid server settings: workers must be >= 1, got {workers!r}")
+    if not isinstance(workers, int) or isinstance(workers, bool) or not 1 <= workers <= MAX_WORKERS:
+        raise click.UsageError(
+            f"invalid server settings: workers must be from 1 to {MAX_WORKERS}, got {workers!r}"
+        )
     _check_host(settings["host"], settings)
     try:
         limits = Limits(**settings.get("limits", {}))
@@ -793,14 +800,11 @@ def _serve_settings(ctx: click.Context, options: dict[str, Any]) -> dict[str, An
     if config_file is None:
         return settings
     try:
-        with config_file.open("rb") as f:
-            data = tomllib.load(f)
+        data = parse_toml(config_file.read_bytes(), str(config_file))
     except OSError as exc:
         raise click.BadParameter(f"{config_file}: {exc}", param_hint="--config") from exc
-    except tomllib.TOMLDecodeError as exc:
-        raise click.BadParameter(
-            f"{config_file} is not valid TOML: {exc}", param_hint="--config"
-        ) from exc
+    except ConfigError as exc:
+        raise click.BadParameter(str(exc), param_hint="--config") from exc
     unknown = sorted(set(data) - _SERVE_KEYS)
     if unknown:
         raise click.BadParameter(

@@ -38,6 +38,7 @@ from .. import __version__
 from .._config import PIPELINE, Instance, ModelConfig
 from .._engine import InferenceResult
 from .._exceptions import (
+    BackendError,
     BackendUnavailable,
     CircuitOpen,
     ConfigError,
@@ -1364,13 +1365,23 @@ async def load_model(state: ServerState, model: str, override: dict[str, Any] | 
     Raises:
         TrioInferError: What loading raised (`ModelNotFound`, `ConfigError`, ...);
             `WorkersDisagree` when some workers loaded it and others failed.
+        ConfigError: The backend could not load what the repository holds (its
+            `BackendError`, chained), but for `BackendUnavailable`.
     """
     _check_not_polling(state)
-    if state.cluster is not None:
-        # Every worker, and one that restarts later, gets the config itself.
-        await state.cluster.load(model, state.models.effective_override(model, override))
-    else:
-        await state.models.load(model, override)
+    try:
+        if state.cluster is not None:
+            # Every worker, and one that restarts later, gets the config itself.
+            await state.cluster.load(model, state.models.effective_override(model, override))
+        else:
+            await state.models.load(model, override)
+    except BackendUnavailable:
+        raise  # the device, not the model: a 503, as for a request
+    except BackendError as exc:
+        # A model.py that raises at import, a model.onnx that is no ONNX file: the
+        # repository's content, which its operator fixes as they fix a config.toml (and
+        # Triton answers any load that fails with 400), not a fault of the server's (500).
+        raise ConfigError(str(exc)) from exc
 
 
 async def unload_model(state: ServerState, model: str) -> None:

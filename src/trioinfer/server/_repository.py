@@ -20,7 +20,6 @@ from __future__ import annotations
 import logging
 import math
 import os
-import tomllib
 from collections.abc import Mapping, Sequence
 from pathlib import Path, PurePosixPath
 from types import MappingProxyType
@@ -37,6 +36,7 @@ from .._config import (
     _is_version_name,
     model_file_hint,
     model_file_name,
+    parse_toml,
     unknown_keys_error,
 )
 from .._exceptions import ConfigError, ModelNotFound
@@ -674,7 +674,7 @@ def _has_config_file(directory: Path) -> bool:
     return _lexists(directory / _CONFIG_FILE) or _lexists(directory / _TRITON_FILE)
 
 
-def _read_text(path: Path, shown: str, kind: str = "protobuf text") -> str:
+def _read_bytes(path: Path, shown: str) -> bytes:
     if not _is_file(path):
         raise ConfigError(f"{shown} is not a regular file")
     try:
@@ -684,20 +684,20 @@ def _read_text(path: Path, shown: str, kind: str = "protobuf text") -> str:
         raise ConfigError(f"cannot read {shown}: {exc.strerror or exc}") from None
     if len(raw) > _MAX_CONFIG_BYTES:
         raise ConfigError(f"{shown} is larger than {_MAX_CONFIG_BYTES} bytes; is it a config?")
+    return raw
+
+
+def _read_text(path: Path, shown: str) -> str:
     try:
-        return raw.decode("utf-8")
+        return _read_bytes(path, shown).decode("utf-8")
     except UnicodeDecodeError as exc:
-        raise ConfigError(f"{shown} is not valid {kind}: it is not UTF-8 ({exc.reason})") from None
+        raise ConfigError(
+            f"{shown} is not valid protobuf text: it is not UTF-8 ({exc.reason})"
+        ) from None
 
 
 def _read_toml(path: Path, shown: str) -> dict[str, Any]:
-    text = _read_text(path, shown, "TOML")
-    try:
-        return tomllib.loads(text)
-    except tomllib.TOMLDecodeError as exc:
-        raise ConfigError(f"{shown} is not valid TOML: {exc}") from None
-    except RecursionError:
-        raise ConfigError(f"{shown} is not valid TOML: it nests too deeply") from None
+    return parse_toml(_read_bytes(path, shown), shown)
 
 
 @attrs.define(eq=False)
