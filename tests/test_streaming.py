@@ -165,7 +165,12 @@ def test_streams_on_trio_and_asyncio(backend: str) -> None:
     assert seen["early"] in [(3, "closed at its yield"), (4, "closed at its yield")]
     assert seen["failing"] == ([0, 1], "ValueError")
     cancelled = "CancelledError" if backend == "asyncio" else "Cancelled"
-    assert seen["slow"] == (True, cancelled, True)  # the caller's deadline reached the model
+    # The caller's deadline reached the model: cancelled in its pause between responses,
+    # or closed at its yield when the deadline came while a response waited to be read
+    # (a loaded machine's scheduling decides which).
+    caught, ended, same_deadline = seen["slow"]
+    assert (caught, same_deadline) == (True, True)
+    assert ended in (cancelled, "closed at its yield")
     assert seen["stats"] == {
         "early": (0, 0, 1),
         "failing": (0, 1, 0),
