@@ -139,6 +139,10 @@ PING_S: Final = 5.0
 #: Restart delays: the first, and the most (doubling in between).
 RESTART_DELAY_S: Final = 0.5
 MAX_RESTART_DELAY_S: Final = 30.0
+#: Worker processes the supervisor starts at once. Each start checks first that serve
+#: is not stopping: a signal (or a worker that failed) stops the start of the others
+#: once those under way are made, however many workers there are.
+STARTS_AT_ONCE: Final = 8
 #: A worker that ran this long before dying is restarted after the first delay again.
 STABLE_AFTER_S: Final = 30.0
 #: Consecutive restarts of one worker that die before it is ready, before serve gives up.
@@ -978,6 +982,7 @@ class _Supervisor:
         self._news = anyio.Event()
         self.stopping = False
         self.stop = anyio.Event()
+        self._starting = anyio.CapacityLimiter(STARTS_AT_ONCE)
         self.all_ready = anyio.Event()
         #: The worker whose models the others were compared with when all were first
         #: ready (`_compare_at_start`); what serve reports is what it serves.
@@ -1011,18 +1016,23 @@ class _Supervisor:
         failed_starts = 0
         # Whether any of its lives got ready: until one has, its death stops serve.
         ever_ready = False
-        while not self.stopping:
-            started_at = anyio.current_time()
-            process = await anyio.open_process(
-                [sys.executable, "-m", "trioinfer.server._workers", str(worker.index)],
-                stdin=None,
-                stdout=None,
-                stderr=None,
-                env={**os.environ, SPEC_ENV: json.dumps(self._spec_for_a_start())},
-                # Its own session: a terminal's Ctrl+C reaches the supervisor
-                # alone, which then stops the workers once, in order.
-                start_new_session=True,
-            )
+        while True:
+            async with self._starting:
+                # Its turn may come long after it asked (many workers, a slow fork):
+                # a signal meanwhile, or a worker that could not start, starts no more.
+                if self.stop.is_set():
+                    return
+                started_at = anyio.current_time()
+                process = await anyio.open_process(
+                    [sys.executable, "-m", "trioinfer.server._workers", str(worker.index)],
+                    stdin=None,
+                    stdout=None,
+                    stderr=None,
+                    env={**os.environ, SPEC_ENV: json.dumps(self._spec_for_a_start())},
+                    # Its own session: a terminal's Ctrl+C reaches the supervisor
+                    # alone, which then stops the workers once, in order.
+                    start_new_session=True,
+                )
             worker.process, worker.pid, worker.failure = process, process.pid, ""
             worker.restarting = anyio.Event()
             log.info("started worker %d (pid %d)", worker.index, process.pid)
