@@ -40,7 +40,7 @@ from test_sequence import MODEL_PY as ACCUMULATOR_MODEL
 from test_server_repository import CHAIN, chain_request
 from trioinfer import ConfigError, ModelNotFound, TrioInferError, example_repository
 from trioinfer.cli import main
-from trioinfer.server import status_for
+from trioinfer.server import ServerConfig, status_for
 from trioinfer.server._metrics import Counts, VersionCounts, triton_entry
 from trioinfer.server._workers import (
     MetricsLedger,
@@ -1865,3 +1865,39 @@ async def test_a_signal_while_workers_are_started_starts_no_more(
                 lives.start_soon(supervisor.run_worker, worker)
     # Those already being started when the signal came, and no more.
     assert 2 <= len(started) <= _workers.STARTS_AT_ONCE
+
+
+async def test_a_signal_before_the_supervisor_watches_for_it_stops_the_start(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A SIGTERM just after "supervising N workers" (while the supervisor set up its
+    # control socket, machine metrics or the repository's baseline) killed it outright
+    # (exit status -15, its control directory left in /tmp); a SIGINT said "Aborted!"
+    # with status 1. It stops the start as a signal during the models' load does.
+    from trioinfer.server import _workers
+
+    class Unwatched(Exception):
+        pass
+
+    def unwatched(signum: int, frame: object) -> None:
+        raise Unwatched  # what the default action would be: the process ends
+
+    def signalled(config: ServerConfig) -> None:
+        os.kill(os.getpid(), signal.SIGTERM)
+        return None
+
+    async def open_process(*args: Any, **kwargs: Any) -> Any:
+        raise AssertionError("a worker was started after the signal")
+
+    monkeypatch.setattr(_workers, "host_metrics_for", signalled)
+    monkeypatch.setattr(_workers.anyio, "open_process", open_process)
+    monkeypatch.setattr(_workers.tempfile, "tempdir", str(tmp_path))
+    before = signal.signal(signal.SIGTERM, unwatched)
+    try:
+        with anyio.fail_after(WAIT_S):
+            await _workers.serve_workers(
+                example_repository(), workers=2, port=0, config=ServerConfig()
+            )
+    finally:
+        signal.signal(signal.SIGTERM, before)
+    assert [p async for p in anyio.Path(tmp_path).iterdir()] == []  # the control directory is gone
