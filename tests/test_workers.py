@@ -27,6 +27,7 @@ from typing import Any, cast
 
 import anyio
 import anyio.abc
+import anyio.lowlevel
 import attrs
 import httpx
 import pytest
@@ -39,7 +40,7 @@ from test_sequence import MODEL_PY as ACCUMULATOR_MODEL
 from test_server_repository import CHAIN, chain_request
 from trioinfer import ConfigError, ModelNotFound, TrioInferError, example_repository
 from trioinfer.cli import main
-from trioinfer.server import status_for
+from trioinfer.server import ServerConfig, status_for
 from trioinfer.server._metrics import Counts, VersionCounts, triton_entry
 from trioinfer.server._workers import (
     MetricsLedger,
@@ -1821,3 +1822,82 @@ def test_sigterm_while_the_workers_load_stops_them_and_exits_0(tmp_path: Path) -
     assert "WorkerFailed" not in said
     assert "SIGTERM before serving started: stopping now" in said
     assert "all workers stopped" in said
+
+
+async def test_a_signal_while_workers_are_started_starts_no_more(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # `serve --workers 100000` kept starting workers for half an hour after a SIGTERM:
+    # every worker's life had asked for its process at once, and each start waiting
+    # for its turn (trio starts processes from threads, 40 at a time) still ran after
+    # the signal, only to be told to stop. A start whose turn comes after the signal
+    # is not made.
+    from trioinfer.server import _workers
+
+    count = 4 * _workers.STARTS_AT_ONCE
+    supervisor = _Supervisor(count, tmp_path, {})
+    started: list[int] = []
+
+    class Stopped:
+        returncode = -signal.SIGTERM
+
+        def __init__(self) -> None:
+            self.pid = 1000 + len(started)
+
+        async def wait(self) -> int:
+            await supervisor.stop.wait()  # it runs until serve stops
+            return self.returncode
+
+        def send_signal(self, signum: int) -> None:
+            pass
+
+    async def open_process(argv: list[str], **kwargs: Any) -> Stopped:
+        started.append(int(argv[-1]))
+        if len(started) == 2:
+            supervisor.stop.set()  # the SIGTERM, while the first workers are started
+        await anyio.lowlevel.checkpoint()  # a start takes a while, as a fork and exec does
+        return Stopped()
+
+    monkeypatch.setattr(_workers.anyio, "open_process", open_process)
+    with anyio.fail_after(WAIT_S):
+        async with anyio.create_task_group() as lives:
+            for worker in supervisor.workers:
+                lives.start_soon(supervisor.run_worker, worker)
+    # Those already being started when the signal came, and no more.
+    assert 2 <= len(started) <= _workers.STARTS_AT_ONCE
+
+
+async def test_a_signal_before_the_supervisor_watches_for_it_stops_the_start(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A SIGTERM just after "supervising N workers" (while the supervisor set up its
+    # control socket, machine metrics or the repository's baseline) killed it outright
+    # (exit status -15, its control directory left in /tmp); a SIGINT said "Aborted!"
+    # with status 1. It stops the start as a signal during the models' load does.
+    from trioinfer.server import _workers
+
+    class Unwatched(Exception):
+        pass
+
+    def unwatched(signum: int, frame: object) -> None:
+        raise Unwatched  # what the default action would be: the process ends
+
+    def signalled(config: ServerConfig) -> None:
+        os.kill(os.getpid(), signal.SIGTERM)
+        return None
+
+    async def open_process(*args: Any, **kwargs: Any) -> Any:
+        raise AssertionError("a worker was started after the signal")
+
+    monkeypatch.setattr(_workers, "host_metrics_for", signalled)
+    monkeypatch.setattr(_workers.anyio, "open_process", open_process)
+    monkeypatch.setattr(_workers.tempfile, "tempdir", str(tmp_path))
+    before = signal.signal(signal.SIGTERM, unwatched)
+    try:
+        with anyio.fail_after(WAIT_S):
+            await _workers.serve_workers(
+                example_repository(), workers=2, port=0, config=ServerConfig()
+            )
+    finally:
+        signal.signal(signal.SIGTERM, before)
+    assert [p async for p in anyio.Path(tmp_path).iterdir()] == []  # the control directory is gone

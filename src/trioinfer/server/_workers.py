@@ -87,7 +87,16 @@ import signal
 import socket
 import sys
 import tempfile
-from collections.abc import Awaitable, Callable, Collection, Iterable, Iterator, Mapping, Sequence
+from collections.abc import (
+    AsyncIterator,
+    Awaitable,
+    Callable,
+    Collection,
+    Iterable,
+    Iterator,
+    Mapping,
+    Sequence,
+)
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final, Generic, TypeVar, final
 
@@ -139,6 +148,10 @@ PING_S: Final = 5.0
 #: Restart delays: the first, and the most (doubling in between).
 RESTART_DELAY_S: Final = 0.5
 MAX_RESTART_DELAY_S: Final = 30.0
+#: Worker processes the supervisor starts at once. Each start checks first that serve
+#: is not stopping: a signal (or a worker that failed) stops the start of the others
+#: once those under way are made, however many workers there are.
+STARTS_AT_ONCE: Final = 8
 #: A worker that ran this long before dying is restarted after the first delay again.
 STABLE_AFTER_S: Final = 30.0
 #: Consecutive restarts of one worker that die before it is ready, before serve gives up.
@@ -978,6 +991,7 @@ class _Supervisor:
         self._news = anyio.Event()
         self.stopping = False
         self.stop = anyio.Event()
+        self._starting = anyio.CapacityLimiter(STARTS_AT_ONCE)
         self.all_ready = anyio.Event()
         #: The worker whose models the others were compared with when all were first
         #: ready (`_compare_at_start`); what serve reports is what it serves.
@@ -1011,18 +1025,23 @@ class _Supervisor:
         failed_starts = 0
         # Whether any of its lives got ready: until one has, its death stops serve.
         ever_ready = False
-        while not self.stopping:
-            started_at = anyio.current_time()
-            process = await anyio.open_process(
-                [sys.executable, "-m", "trioinfer.server._workers", str(worker.index)],
-                stdin=None,
-                stdout=None,
-                stderr=None,
-                env={**os.environ, SPEC_ENV: json.dumps(self._spec_for_a_start())},
-                # Its own session: a terminal's Ctrl+C reaches the supervisor
-                # alone, which then stops the workers once, in order.
-                start_new_session=True,
-            )
+        while True:
+            async with self._starting:
+                # Its turn may come long after it asked (many workers, a slow fork):
+                # a signal meanwhile, or a worker that could not start, starts no more.
+                if self.stop.is_set():
+                    return
+                started_at = anyio.current_time()
+                process = await anyio.open_process(
+                    [sys.executable, "-m", "trioinfer.server._workers", str(worker.index)],
+                    stdin=None,
+                    stdout=None,
+                    stderr=None,
+                    env={**os.environ, SPEC_ENV: json.dumps(self._spec_for_a_start())},
+                    # Its own session: a terminal's Ctrl+C reaches the supervisor
+                    # alone, which then stops the workers once, in order.
+                    start_new_session=True,
+                )
             worker.process, worker.pid, worker.failure = process, process.pid, ""
             worker.restarting = anyio.Event()
             log.info("started worker %d (pid %d)", worker.index, process.pid)
@@ -1827,117 +1846,123 @@ async def serve_workers(
         raise ConfigError(f"workers must be at least 1, got {workers}")
     if grpc_port is not None and grpc_port != 0 and grpc_port == port:
         raise ConfigError(f"grpc_port {grpc_port} is also the HTTP port: each needs its own")
-    root = ModelRepository(repository).root  # a missing repository fails here, once
-    reserved, port = _reserve_port(host, port)
-    if grpc_port is not None:
-        # Reserved as the HTTP port is: port 0 becomes the one port all workers share.
+    # Watched from here: a signal while the supervisor sets up (its control directory,
+    # the repository's baseline) waits for the watcher, which stops the start, rather
+    # than end the process with the directory left behind.
+    with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+        root = ModelRepository(repository).root  # a missing repository fails here, once
+        reserved, port = _reserve_port(host, port)
+        if grpc_port is not None:
+            # Reserved as the HTTP port is: port 0 becomes the one port all workers share.
+            try:
+                grpc_reserved, grpc_port = _reserve_port(host, grpc_port)
+            except OSError as exc:
+                for sock in reserved:
+                    sock.close()
+                from ._grpc import listen_error
+
+                raise listen_error(host, grpc_port, exc) from None
+            reserved += grpc_reserved
+        directory = Path(tempfile.mkdtemp(prefix="trioinfer-workers-"))
+        log.info("supervising %d workers; control sockets in %s", workers, directory)
+        spec = {
+            "repository": str(root),
+            "host": host,
+            "port": port,
+            "grpc_port": grpc_port,
+            "models": None if models is None else list(models),
+            "workers": workers,
+            "loop": loop,
+            "log_level": log_level,
+            "log_format": log_format,
+            "access_log": access_log,
+            "directory": str(directory),
+            "supervisor_pid": os.getpid(),
+            # Each worker bounds its own exit too (serve_http), just past the supervisor's
+            # kill (which decides, and names the workers it kills): so that one whose
+            # supervisor has gone (SIGKILL) still ends after its SIGTERM.
+            "exit_timeout": (
+                config.drain_period + STOP_MARGIN_S if exit_timeout is None else exit_timeout
+            )
+            + LAST_CANCEL_S
+            + BACKSTOP_S,
+            "config": {
+                "limits": attrs.asdict(config.limits),
+                "admin_token": config.admin_token,
+                "protect_inference": config.protect_inference,
+                "drain_period": config.drain_period,
+                "cache_size": config.cache_size,
+                "trace": list(trace),
+                # Polled by the supervisor; the workers refuse the API's load and unload.
+                "repository_poll_s": config.repository_poll_s,
+                "strict_readiness": config.strict_readiness,
+                "exit_on_error": config.exit_on_error,
+                "rate_limit": config.rate_limit,
+                "rate_limit_resources": list(config.rate_limit_resources),
+                # The files' paths: each worker reads them and serves TLS as serve_http does.
+                "grpc_tls": None if config.grpc_tls is None else attrs.asdict(config.grpc_tls),
+                "http_tls": None if config.http_tls is None else attrs.asdict(config.http_tls),
+                "http_header_forward_pattern": config.http_header_forward_pattern,
+                "grpc_header_forward_pattern": config.grpc_header_forward_pattern,
+            },
+        }
+        repo = ModelRepository(root)
+        polling = config.repository_poll_s
+        baseline = await anyio.to_thread.run_sync(repository_snapshot, repo) if polling else None
+        # The machine's metrics, reported once, by the supervisor, sampled while it runs.
+        machine = host_metrics_for(config)
+        supervisor = _Supervisor(workers, directory, spec, machine)
         try:
-            grpc_reserved, grpc_port = _reserve_port(host, grpc_port)
-        except OSError as exc:
+            async with anyio.create_task_group() as tg:
+                if machine is not None:
+                    await tg.start(machine.run)
+                await tg.start(_serve_calls, directory / "supervisor.sock", supervisor.handle)
+                await tg.start(_watch_signals, supervisor, signals)
+                async with anyio.create_task_group() as lives:
+                    for worker in supervisor.workers:
+                        lives.start_soon(supervisor.run_worker, worker)
+                    async with anyio.create_task_group() as waiting:
+                        waiting.start_soon(_first, supervisor.all_ready, waiting.cancel_scope)
+                        waiting.start_soon(_first, supervisor.stop, waiting.cancel_scope)
+                    # A signal before every worker was ready stops the start, as it does
+                    # one process's (exit status 0): nothing is reported.
+                    if supervisor.failure is None and supervisor.all_ready.is_set():
+                        task_status.started(supervisor.listening())
+                    async with anyio.create_task_group() as serving:
+                        if polling and supervisor.failure is None:
+                            serving.start_soon(
+                                functools.partial(
+                                    poll_repository,
+                                    repo,
+                                    polling,
+                                    supervisor.poll_load,
+                                    supervisor.poll_unload,
+                                    baseline=baseline,
+                                )
+                            )
+                        await supervisor.stop.wait()
+                        serving.cancel_scope.cancel()  # nothing loads or unloads while they drain
+                    log.info(
+                        "stopping %d workers; each drains for up to %.1fs",
+                        workers,
+                        config.drain_period,
+                    )
+                    supervisor.stop_all()
+                    if exit_timeout is None:
+                        tg.start_soon(supervisor.kill_after, config.drain_period + STOP_MARGIN_S)
+                    else:
+                        tg.start_soon(
+                            functools.partial(supervisor.kill_after, exit_timeout, bound=True)
+                        )
+                # Every worker has exited.
+                tg.cancel_scope.cancel()
+        finally:
             for sock in reserved:
                 sock.close()
-            from ._grpc import listen_error
-
-            raise listen_error(host, grpc_port, exc) from None
-        reserved += grpc_reserved
-    directory = Path(tempfile.mkdtemp(prefix="trioinfer-workers-"))
-    log.info("supervising %d workers; control sockets in %s", workers, directory)
-    spec = {
-        "repository": str(root),
-        "host": host,
-        "port": port,
-        "grpc_port": grpc_port,
-        "models": None if models is None else list(models),
-        "workers": workers,
-        "loop": loop,
-        "log_level": log_level,
-        "log_format": log_format,
-        "access_log": access_log,
-        "directory": str(directory),
-        "supervisor_pid": os.getpid(),
-        # Each worker bounds its own exit too (serve_http), just past the supervisor's
-        # kill (which decides, and names the workers it kills): so that one whose
-        # supervisor has gone (SIGKILL) still ends after its SIGTERM.
-        "exit_timeout": (
-            config.drain_period + STOP_MARGIN_S if exit_timeout is None else exit_timeout
-        )
-        + LAST_CANCEL_S
-        + BACKSTOP_S,
-        "config": {
-            "limits": attrs.asdict(config.limits),
-            "admin_token": config.admin_token,
-            "protect_inference": config.protect_inference,
-            "drain_period": config.drain_period,
-            "cache_size": config.cache_size,
-            "trace": list(trace),
-            # Polled by the supervisor; the workers refuse the API's load and unload.
-            "repository_poll_s": config.repository_poll_s,
-            "strict_readiness": config.strict_readiness,
-            "exit_on_error": config.exit_on_error,
-            "rate_limit": config.rate_limit,
-            "rate_limit_resources": list(config.rate_limit_resources),
-            # The files' paths: each worker reads them and serves TLS as serve_http does.
-            "grpc_tls": None if config.grpc_tls is None else attrs.asdict(config.grpc_tls),
-            "http_tls": None if config.http_tls is None else attrs.asdict(config.http_tls),
-            "http_header_forward_pattern": config.http_header_forward_pattern,
-            "grpc_header_forward_pattern": config.grpc_header_forward_pattern,
-        },
-    }
-    repo = ModelRepository(root)
-    polling = config.repository_poll_s
-    baseline = await anyio.to_thread.run_sync(repository_snapshot, repo) if polling else None
-    # The machine's metrics, reported once, by the supervisor, sampled while it runs.
-    machine = host_metrics_for(config)
-    supervisor = _Supervisor(workers, directory, spec, machine)
-    try:
-        async with anyio.create_task_group() as tg:
-            if machine is not None:
-                await tg.start(machine.run)
-            await tg.start(_serve_calls, directory / "supervisor.sock", supervisor.handle)
-            await tg.start(_watch_signals, supervisor)
-            async with anyio.create_task_group() as lives:
-                for worker in supervisor.workers:
-                    lives.start_soon(supervisor.run_worker, worker)
-                async with anyio.create_task_group() as waiting:
-                    waiting.start_soon(_first, supervisor.all_ready, waiting.cancel_scope)
-                    waiting.start_soon(_first, supervisor.stop, waiting.cancel_scope)
-                # A signal before every worker was ready stops the start, as it does
-                # one process's (exit status 0): nothing is reported.
-                if supervisor.failure is None and supervisor.all_ready.is_set():
-                    task_status.started(supervisor.listening())
-                async with anyio.create_task_group() as serving:
-                    if polling and supervisor.failure is None:
-                        serving.start_soon(
-                            functools.partial(
-                                poll_repository,
-                                repo,
-                                polling,
-                                supervisor.poll_load,
-                                supervisor.poll_unload,
-                                baseline=baseline,
-                            )
-                        )
-                    await supervisor.stop.wait()
-                    serving.cancel_scope.cancel()  # nothing loads or unloads while they drain
-                log.info(
-                    "stopping %d workers; each drains for up to %.1fs", workers, config.drain_period
-                )
-                supervisor.stop_all()
-                if exit_timeout is None:
-                    tg.start_soon(supervisor.kill_after, config.drain_period + STOP_MARGIN_S)
-                else:
-                    tg.start_soon(
-                        functools.partial(supervisor.kill_after, exit_timeout, bound=True)
-                    )
-            # Every worker has exited.
-            tg.cancel_scope.cancel()
-    finally:
-        for sock in reserved:
-            sock.close()
-        shutil.rmtree(directory, ignore_errors=True)
-    if supervisor.failure is not None:
-        raise WorkerFailed(supervisor.failure, logged=supervisor.failure_logged)
-    log.info("all workers stopped")
+            shutil.rmtree(directory, ignore_errors=True)
+        if supervisor.failure is not None:
+            raise WorkerFailed(supervisor.failure, logged=supervisor.failure_logged)
+        log.info("all workers stopped")
 
 
 async def _first(event: anyio.Event, scope: anyio.CancelScope) -> None:
@@ -1946,17 +1971,19 @@ async def _first(event: anyio.Event, scope: anyio.CancelScope) -> None:
 
 
 async def _watch_signals(
-    supervisor: _Supervisor, *, task_status: anyio.abc.TaskStatus[None]
+    supervisor: _Supervisor,
+    signals: AsyncIterator[int],
+    *,
+    task_status: anyio.abc.TaskStatus[None],
 ) -> None:
-    with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
-        task_status.started()
-        async for signum in signals:
-            if not supervisor.stop.is_set():
-                log.info("%s: stopping the workers", signal.Signals(signum).name)
-                supervisor.stop.set()
-            else:
-                log.info("second signal: stopping the workers now")
-                supervisor.signal_all(signal.SIGTERM)  # their second signal: stop at once
+    task_status.started()
+    async for signum in signals:
+        if not supervisor.stop.is_set():
+            log.info("%s: stopping the workers", signal.Signals(signum).name)
+            supervisor.stop.set()
+        else:
+            log.info("second signal: stopping the workers now")
+            supervisor.signal_all(signal.SIGTERM)  # their second signal: stop at once
 
 
 # -- a worker process ------------------------------------------------------------------------
