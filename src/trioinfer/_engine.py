@@ -985,8 +985,7 @@ class Engine:
                 replica = found[1]
                 answered = await self._run_here(*found, inputs, priority, tenant, request_id)
                 if answered is not None:
-                    if wanted and len(wanted) != len(answered):
-                        answered = {name: answered[name] for name in wanted}
+                    answered = _narrowed(answered, wanted)
                     return InferenceResult(answered, model, replica.index, replica.device, ())
         request = await self._submit(
             model,
@@ -1828,7 +1827,11 @@ def _answer_of(request: Request) -> Outputs:
     # A finished request's outputs: those it asked for alone, where it named some.
     outputs = request._state.outputs
     assert outputs is not None
-    wanted = request.requested_outputs
+    return _narrowed(outputs, request.requested_outputs)
+
+
+def _narrowed(outputs: Outputs, wanted: tuple[str, ...]) -> Outputs:
+    # *outputs* narrowed to the *wanted* names (checked: each an output, once); none: all.
     if not wanted or len(outputs) == len(wanted):
         return outputs
     return {name: outputs[name] for name in wanted}
