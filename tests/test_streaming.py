@@ -27,6 +27,7 @@ from trioinfer import (
     QueueFull,
     open_engine,
 )
+from trioinfer._stream import STREAM_AHEAD
 from trioinfer.testing import assert_all_ended
 
 pytestmark = pytest.mark.streaming
@@ -161,8 +162,10 @@ def test_streams_on_trio_and_asyncio(backend: str) -> None:
 
     anyio.run(main, backend=backend)
     assert seen["full"] == [0, 1, 2, 3, 4]
-    # Read 0, 1, 2; the model had made at most one more, and stopped at its yield.
-    assert seen["early"] in [(3, "closed at its yield"), (4, "closed at its yield")]
+    # Read 0, 1, 2; the model had made at most STREAM_AHEAD more, and stopped at its yield.
+    made, ended = seen["early"]
+    assert 3 <= made <= 3 + STREAM_AHEAD
+    assert ended == "closed at its yield"
     assert seen["failing"] == ([0, 1], "ValueError")
     cancelled = "CancelledError" if backend == "asyncio" else "Cancelled"
     # The caller's deadline reached the model: cancelled in its pause between responses,
@@ -179,21 +182,55 @@ def test_streams_on_trio_and_asyncio(backend: str) -> None:
     }
 
 
-async def test_a_slow_reader_slows_the_model(autojump_clock: trio.testing.MockClock) -> None:
-    """Backpressure: the model is never more than one response ahead of the reader."""
+@pytest.mark.parametrize("given", [1, 4, None])
+async def test_a_slow_reader_slows_the_model(
+    autojump_clock: trio.testing.MockClock, given: int | None
+) -> None:
+    """Backpressure: the model is never more than ``ahead`` responses ahead of the reader."""
     probe = Probe()
     ahead = []
     async with open_engine() as engine:
         await engine.load(config(counting(probe)))
         read = 0
-        async with engine.infer_stream("m", n(50)) as responses:
+        extra = {} if given is None else {"ahead": given}
+        async with engine.infer_stream("m", n(50), **extra) as responses:
             async for _ in responses:
                 read += 1
                 await trio.sleep(1)  # a slow reader; the model could run on meanwhile
                 ahead.append(probe.made - read)
     assert read == 50
-    assert max(ahead) == 1  # one made while the reader held the last: no more
+    # With 1: one made while the reader held the last, no more; else as many as allowed.
+    assert max(ahead) == (STREAM_AHEAD if given is None else given)
     assert probe.ended == "returned"
+
+
+@pytest.mark.parametrize("ahead", [0, -1, 1.5, True, "2"])
+async def test_ahead_must_be_a_positive_integer(ahead: object) -> None:
+    async with open_engine() as engine:
+        await engine.load(config(counting(Probe())))
+        with pytest.raises(InvalidInput, match=r"ahead must be an integer of at least 1"):
+            engine.infer_stream("m", n(1), ahead=ahead)  # type: ignore[arg-type]
+
+
+async def test_a_run_of_responses_is_read_without_a_pass_of_the_loop() -> None:
+    """Responses waiting in the buffer are read at once, and ``ready`` says when one is."""
+    probe = Probe()
+    async with open_engine() as engine:
+        await engine.load(config(counting(probe)))
+        async with engine.infer_stream("m", n(40)) as responses:
+            assert not responses.ready  # the model has not run yet
+            await responses.__anext__()  # waits: the model runs meanwhile, ahead
+            made = probe.made
+            at_hand = 0
+            while responses.ready:
+                await responses.__anext__()
+                at_hand += 1
+            # Read with no pass of the loop: the model made none meanwhile.
+            assert probe.made == made == 1 + STREAM_AHEAD
+            assert at_hand == STREAM_AHEAD
+            rest = [r async for r in responses]
+            assert responses.ready  # ended: its end is at hand
+    assert len(rest) == 40 - 1 - STREAM_AHEAD
 
 
 async def test_cancelling_the_caller_cancels_the_model_where_it_waits() -> None:
@@ -300,7 +337,11 @@ async def test_every_stream_ends_exactly_once() -> None:
         async def one(k: int) -> None:
             try:
                 with trio.move_on_after(0 if k % 4 == 3 else math.inf):
-                    async with engine.infer_stream("m", n(k % 10)) as responses:
+                    # Those that leave early read one ahead: with more, their model
+                    # would have made its last response (or failed) before they left,
+                    # and the stream ended then, as succeeded (or failed).
+                    ahead = 1 if k % 4 == 1 else STREAM_AHEAD
+                    async with engine.infer_stream("m", n(k % 10), ahead=ahead) as responses:
                         async for r in responses:
                             if k % 4 == 1 and r["i"][0] == 1:
                                 outcomes.append("left")
@@ -644,3 +685,17 @@ async def test_a_decoupled_model_may_not_need_resources() -> None:
             await engine.load(ModelConfig(name="m", path="-", backend="third", instances=[needs]))
         assert engine.models() == []
         assert engine.statistics().resources == ()
+
+
+async def test_a_stream_whose_model_has_ended_counts_as_such_when_its_reader_leaves() -> None:
+    """Its model made every response (they wait in the buffer): the stream has succeeded."""
+    probe = Probe()
+    async with open_engine() as engine:
+        await engine.load(config(counting(probe)))
+        async with engine.infer_stream("m", n(5)) as responses:
+            async for _ in responses:
+                break  # the other four were made, and wait unread
+        assert probe.ended == "returned"
+        stats = engine.statistics().models["m"]
+        assert (stats.succeeded, stats.cancelled) == (1, 0)
+        assert_all_ended(engine, accepted=1)

@@ -98,6 +98,25 @@ async def serving(root: Path) -> AsyncIterator[httpx.AsyncClient]:
         nursery.cancel_scope.cancel()
 
 
+def sse_data(raw: bytes) -> list[Any]:
+    """The JSON of each ``data:`` event of a raw chunked SSE response (head optional).
+
+    The server writes the events a model made together in one chunk: chunks are
+    undone first, then the events split at their blank lines, as a client does.
+    """
+    rest = raw.partition(b"\r\n\r\n")[2] if raw.startswith(b"HTTP/") else raw
+    body = bytearray()
+    while rest:
+        size_line, _, rest = rest.partition(b"\r\n")
+        size = int(size_line, 16)
+        if not size:
+            break
+        body += rest[:size]
+        rest = rest[size + 2 :]
+    events = bytes(body).split(b"\n\n")
+    return [json.loads(event[6:]) for event in events if event.startswith(b"data: ")]
+
+
 async def test_a_streaming_models_config_loads_back(repository: Path) -> None:
     # GET .../config answers model_transaction_policy for a streaming model; sent back in
     # a load override (as Triton's clients do), it is checked against the model, not refused
@@ -288,11 +307,7 @@ async def test_a_client_that_disconnects_stops_the_model(repository: Path) -> No
     finally:
         del sys.modules[PROBE]
     assert got.startswith(b"HTTP/1.1 200 OK\r\n")
-    assert [json.loads(line[6:])["i"] for line in got.split(b"\r\n") if line[:6] == b"data: "] == [
-        0,
-        1,
-        2,
-    ]
+    assert [event["i"] for event in sse_data(got)] == [0, 1, 2]
     assert (watched.made, watched.ended) == (3, "Cancelled")
     assert still.status_code == 200
 
@@ -386,7 +401,7 @@ async def test_a_stream_cut_by_the_drain_ends_with_an_error_event(repository: Pa
     head, _, body = got.partition(b"\r\n\r\n")
     assert head.startswith(b"HTTP/1.1 200 OK\r\n")
     assert body.endswith(b"\r\n0\r\n\r\n")  # the chunked body ends whole, not cut short
-    sent = [json.loads(line[6:]) for line in body.split(b"\r\n") if line[:6] == b"data: "]
+    sent = sse_data(got)
     *responses, error = sent
     assert [r["i"] for r in responses] == [0, 1, 2]
     assert list(error) == ["error"]
@@ -491,3 +506,50 @@ async def test_generate_refuses_a_bytes_output_that_is_not_utf8(repository: Path
     assert list(error) == ["error"]
     assert error["error"].startswith(expected)
     assert "binary_data_output" in error["error"]
+
+
+async def test_responses_made_together_leave_together(repository: Path) -> None:
+    """A model's run of responses goes out in one chunk; one made alone goes out at once."""
+
+    async def raw(body: bytes, until: bytes) -> bytes:
+        got = b""
+        async with await trio.open_tcp_stream(host, port) as sock:
+            await sock.send_all(
+                b"POST /v2/models/repeat_int32/generate_stream HTTP/1.1\r\nhost: x\r\n"
+                b"content-length: %d\r\n\r\n%b" % (len(body), body)
+            )
+            with trio.fail_after(30):
+                while not got.endswith(until):
+                    data = await sock.receive_some()
+                    assert data, got  # the server closed before the end
+                    got += data
+        assert got.startswith(b"HTTP/1.1 200 OK\r\n"), got
+        return got
+
+    async with serving(repository) as client:
+        host, port = client.base_url.host, client.base_url.port
+        assert port is not None
+        # 50 responses with no wait between them: made in runs, written a run at a time.
+        quick = json.dumps({"IN": list(range(50)), "DELAY": [0] * 50, "WAIT": 0})
+        quick_got = await raw(quick.encode(), b"\r\n0\r\n\r\n")
+        # 3 responses 100 ms apart: each written as it is made, alone.
+        slow = json.dumps({"IN": [7, 8, 9], "DELAY": [100] * 3, "WAIT": 0})
+        slow_got = await raw(slow.encode(), b"\r\n0\r\n\r\n")
+    assert [event["OUT"] for event in sse_data(quick_got)] == list(range(50))
+    assert 1 < chunks(quick_got) <= 50 // 8  # runs of STREAM_AHEAD (16), give or take
+    assert [event["OUT"] for event in sse_data(slow_got)] == [7, 8, 9]
+    assert chunks(slow_got) == 3
+
+
+def chunks(raw: bytes) -> int:
+    """How many chunks with data a raw chunked response has (its last, empty one not counted)."""
+    rest = raw.partition(b"\r\n\r\n")[2]
+    count = 0
+    while rest:
+        size_line, _, rest = rest.partition(b"\r\n")
+        size = int(size_line, 16)
+        if not size:
+            break
+        count += 1
+        rest = rest[size + 2 :]
+    return count

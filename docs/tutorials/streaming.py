@@ -65,6 +65,10 @@ def text(words: str, pause: float = 0.0) -> Arrays:
     return {"TEXT": np.array([words], dtype=object), "PAUSE": np.array([pause], np.float32)}
 
 
+# 40 words: a b c ... z aa bb ... nn (more than the model may make ahead of its reader)
+LONG = " ".join(chr(ord("a") + i % 26) * (1 + i // 26) for i in range(40))
+
+
 # --8<-- [end:setup]
 
 
@@ -85,7 +89,7 @@ async def stream_words(engine: trioinfer.Engine) -> None:
 # --8<-- [start:stop]
 async def stop_early(engine: trioinfer.Engine) -> None:
     Words.made = 0
-    async with engine.infer_stream("words", text("a b c d e f g h i j k l m n o p")) as words:
+    async with engine.infer_stream("words", text(LONG)) as words:
         async for outputs in words:
             if outputs["WORD"][0] == "b":
                 break  # leaving the block closes the model's generator
@@ -107,7 +111,8 @@ async def stop_early(engine: trioinfer.Engine) -> None:
 # --8<-- [start:slow]
 async def read_slowly(engine: trioinfer.Engine) -> None:
     Words.made, read, ahead = 0, 0, 0
-    async with engine.infer_stream("words", text("one two three four five six")) as words:
+    six = text("one two three four five six")
+    async with engine.infer_stream("words", six, ahead=2) as words:  # 16 by default
         async for _ in words:
             read += 1
             await trio.sleep(0.01)  # a slow reader: the model waits for it
@@ -132,7 +137,7 @@ async def first_words(words: trioinfer.ResponseStream, count: int) -> list[str]:
 
 async def close_in_a_helper(engine: trioinfer.Engine) -> None:
     Words.made = 0
-    async with engine.infer_stream("words", text("a b c d e f g h i j k l m n o p")) as words:
+    async with engine.infer_stream("words", text(LONG)) as words:
         got = await first_words(words, 2)
         made = Words.made  # the model has stopped: no response after aclose() returns
         await trio.sleep(0.01)

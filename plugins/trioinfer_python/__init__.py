@@ -115,10 +115,11 @@ must agree: either without the other is a ``ConfigError`` at load; a plain
 and HTTP ``generate``/``generate_stream`` (``engine.infer`` on it is an
 ``InvalidInput``); each request is one call, unbatched, with its inputs as
 sent. Each response is checked against the declared outputs like an answer
-above. The generator runs on the event loop, at most one response ahead of
-the reader; when the caller stops reading, leaves or is cancelled, it is
-closed at the ``yield`` it waits at (``GeneratorExit`` there), or cancelled
-in the ``await`` it is in: put clean-up in ``finally``. An exception it
+above. The generator runs on the event loop, at most 16 responses ahead of
+the reader (``infer_stream``'s ``ahead``); when the caller stops reading,
+leaves or is cancelled, it is closed at the ``yield`` it waits at
+(``GeneratorExit`` there), or cancelled in the ``await`` it is in: put
+clean-up in ``finally``. An exception it
 raises ends the stream after the responses before it, as for ``infer``.
 
 ``dispatch = "inline"`` runs a plain ``infer`` (and ``load``, ``close``) on the

@@ -121,7 +121,7 @@ class Models:
                 async for outputs in responses:
                     ...
 
-        The model's generator runs at most one response ahead of the reading;
+        The model's generator runs at most 16 responses ahead of the reading;
         leaving the block, or the end of the requests the calling execution
         computes for (as for `infer`: its caller's deadline, its caller
         leaving), stops it at the ``yield`` it waits at. A model that is not
@@ -147,6 +147,7 @@ class Models:
         priority: int,
         deadline: float | None,
         parameters: Mapping[str, bool | int | float | str] | None = None,
+        ahead: int | None = None,
     ) -> AsyncIterator[ResponseStream]:
         entered = False
         try:
@@ -158,6 +159,7 @@ class Models:
                 caller=self._own,
                 deadline=deadline,
                 parameters=parameters,
+                ahead=ahead,
             ) as responses:
                 entered = True
                 yield responses
@@ -299,8 +301,9 @@ class Models:
             with pump.scope:
                 if execution.aborted:
                     pump.scope.cancel()
+                # One ahead: the thread takes one response per hop to the loop anyway.
                 async with self._stream(
-                    model, inputs, priority, execution.deadline, parameters
+                    model, inputs, priority, execution.deadline, parameters, ahead=1
                 ) as stream:
                     started = True
                     task_status.started()

@@ -71,7 +71,7 @@ from ._runner import (
     warm_up,
 )
 from ._sequence import SequenceFlags
-from ._stream import ResponseStream, StreamGate, decoupled, open_stream
+from ._stream import STREAM_AHEAD, ResponseStream, StreamGate, decoupled, open_stream
 from ._tensors import ModelSignature, requested_outputs, validate_rows
 from ._threads import current_callers_deadline
 from .abc import Backend, BackendInstance, Batcher, Fallback, Scheduler, Status, StreamingInstance
@@ -879,6 +879,7 @@ class Engine:
         request_id: str | None = None,
         parameters: Mapping[str, Parameter] | None = None,
         outputs: Sequence[str] | None = None,
+        ahead: int = STREAM_AHEAD,
     ) -> AbstractAsyncContextManager[ResponseStream]:
         """Run a decoupled *model* on *inputs*: its responses, as they come.
 
@@ -889,8 +890,8 @@ class Engine:
                     ...
 
         Entering the block admits the request; the model's generator then runs
-        in a task of the block's own, at most one response ahead of the reader
-        (a slow reader slows it, nothing piles up). Leaving the block early,
+        in a task of the block's own, at most *ahead* responses ahead of the
+        reader (a slow reader slows it, nothing piles up). Leaving the block early,
         being cancelled or reaching the deadline of the caller's cancel scope
         stops the generator at the ``yield`` it waits at. Every admitted stream
         ends once: with its last response, or with an error raised by the
@@ -914,12 +915,19 @@ class Engine:
             request_id: An id for logs and tracing; generated if not given.
             parameters: The request's parameters, as for `infer()`.
             outputs: The outputs wanted, as for `infer()`: each response holds those alone.
+            ahead: The most responses the model may make that the reader has not
+                taken, at least 1 (16 by default): those wait in the stream's
+                buffer, where the reader takes them without waiting, and the
+                model waits once they are *ahead*. 1: the model makes the next
+                response while the reader holds the last, then waits to hand
+                it over (one response in memory, for large ones).
 
         Raises:
             ModelNotFound: (Entering) no model of that name is loaded.
             InvalidInput: (Entering) the inputs do not fit the model's signature, or
-                *priority*, *tenant*, *request_id* or *parameters* is of the wrong type
-                (raised at the call, before entering).
+                *priority*, *tenant*, *request_id* or *parameters* is of the wrong type,
+                or *ahead* is not an integer of at least 1 (raised at the call,
+                before entering).
             QueueFull: (Entering) the model has ``max_queue_size`` streams open.
             CircuitOpen: (Entering) every instance is out of service.
             BackendError: (Iterating) the model raised; the responses before it
@@ -935,8 +943,21 @@ class Engine:
         """
         priority = _checked_arguments(model, priority, tenant, request_id)
         given = NO_PARAMETERS if parameters is None else checked_parameters(parameters)
+        if ahead.__class__ is not int or ahead < 1:
+            raise InvalidInput(
+                f"infer_stream of model {model!r}: ahead must be an integer of at least 1 "
+                f"(responses the model may make before the reader takes them), got {ahead!r}"
+            )
         return open_stream(
-            self, model, inputs, priority, tenant, request_id, parameters=given, outputs=outputs
+            self,
+            model,
+            inputs,
+            priority,
+            tenant,
+            request_id,
+            parameters=given,
+            outputs=outputs,
+            ahead=ahead,
         )
 
     async def infer_detailed(
@@ -1691,6 +1712,7 @@ def infer_stream_follow_up(
     caller: str | None = None,
     deadline: float | None = None,
     parameters: Mapping[str, Parameter] | None = None,
+    ahead: int | None = None,
 ) -> AbstractAsyncContextManager[ResponseStream]:
     """``engine.infer_stream``, for a stream opened on behalf of a request accepted already.
 
@@ -1704,10 +1726,13 @@ def infer_stream_follow_up(
             async for outputs in responses:
                 ...
 
-    A model that is not decoupled answers with its one response.
+    A model that is not decoupled answers with its one response. *ahead*: as
+    for ``engine.infer_stream``, None for its default (a reader on a worker
+    thread, which takes one response per hop to the loop, passes 1).
 
     Raises:
-        ValueError: (At the call) *model* is *caller*.
+        ValueError: (At the call) *model* is *caller*, or *ahead* is not an integer of at
+            least 1.
         DeadlineExceeded: (Leaving the block) the deadline of the requests it
             is made for passed first (the stream was stopped then).
         TrioInferError: As `Engine.infer_stream`.
@@ -1715,7 +1740,13 @@ def infer_stream_follow_up(
     model = engine._follow_up_name(model, caller)
     priority = _checked_arguments(model, priority, tenant, None)
     given = NO_PARAMETERS if parameters is None else checked_parameters(parameters)
-    return _stream_follow_up(engine, model, inputs, priority, tenant, caller, deadline, given)
+    if ahead is None:
+        ahead = STREAM_AHEAD
+    elif ahead.__class__ is not int or ahead < 1:
+        raise ValueError(f"ahead must be an integer of at least 1, got {ahead!r}")
+    return _stream_follow_up(
+        engine, model, inputs, priority, tenant, caller, deadline, given, ahead
+    )
 
 
 @asynccontextmanager
@@ -1728,6 +1759,7 @@ async def _stream_follow_up(
     caller: str | None,
     deadline: float | None,
     parameters: Mapping[str, Parameter],
+    ahead: int,
 ) -> AsyncIterator[ResponseStream]:
     if deadline is None:
         deadline = current_callers_deadline()
@@ -1737,7 +1769,15 @@ async def _stream_follow_up(
     )
     with scope:
         async with open_stream(
-            engine, model, inputs, priority, tenant, None, follow_up=True, parameters=parameters
+            engine,
+            model,
+            inputs,
+            priority,
+            tenant,
+            None,
+            follow_up=True,
+            parameters=parameters,
+            ahead=ahead,
         ) as stream:
             yield stream
     if scope.cancelled_caught:

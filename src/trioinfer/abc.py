@@ -789,10 +789,11 @@ class StreamingInstance(BackendInstance, Protocol):
     def stream(self, inputs: Arrays) -> AsyncGenerator[Outputs, None]:
         """Return an async generator of one request's responses, each outputs by name.
 
-        The engine iterates it in a task of the caller's, one response ahead
-        of the caller at most, under the caller's cancel scope; when the
-        caller stops early the engine calls its ``aclose()``, so the model
-        stops at the ``yield`` it waits at. Errors as in `execute()`: a
+        The engine iterates it in a task of the caller's, at most the
+        stream's ``ahead`` responses ahead of the caller (16 by default),
+        under the caller's cancel scope; when the caller stops early the
+        engine calls its ``aclose()``, so the model stops at the ``yield``
+        it waits at. Errors as in `execute()`: a
         ``TrioInferError`` (``BackendError`` for a failure of the model) ends
         the stream with that error after the responses already yielded.
         """

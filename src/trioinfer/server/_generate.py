@@ -256,12 +256,14 @@ def _cut_message(drain_period: float) -> str:
     )
 
 
-async def _last_event(send: Send, message: str) -> None:
+async def _last_event(send: Send, message: str, before: list[bytes]) -> None:
     # Sent while cancelled, so shielded, and briefly: a client that reads nothing holds
     # the shutdown up no longer than this. (A send the cancellation cut short has marked
     # the connection gone, and this one then writes nothing, never half a frame after it.)
+    # *before*: events made and not yet written, which go first.
+    body = b"".join([*before, _event({"error": message})])
     with anyio.move_on_after(_LAST_EVENT_S, shield=True):
-        await send({"type": "http.response.body", "body": _event({"error": message})})
+        await send({"type": "http.response.body", "body": body})
 
 
 @final
@@ -404,8 +406,20 @@ class GenerateEndpoint:
         answered = 0
         streamed = False  # the status and some events have gone out, the body goes on
         first = b""
+        # Events made and not written yet: while the stream has its next response at
+        # hand (ResponseStream.ready) they wait, and a model's run of responses leaves
+        # in one write (a write and a pass of the loop for each measured 3.4x the CPU).
+        events: list[bytes] = []
 
-        async def answer(outputs: Outputs, given: Mapping[str, Parameter] | None = None) -> None:
+        async def flush() -> None:
+            body = events[0] if len(events) == 1 else b"".join(events)
+            events.clear()
+            await send({"type": "http.response.body", "body": body, "more_body": True})
+
+        async def answer(
+            outputs: Outputs, given: Mapping[str, Parameter] | None = None, more: bool = False
+        ) -> None:
+            # *more*: another response is at hand; this one's event may wait for it.
             nonlocal answered, streamed, first
             answered += 1
             response = encode_generate_response(served, outputs, signature, given)
@@ -420,7 +434,9 @@ class GenerateEndpoint:
             if answered == 1:
                 await start(200, list(_SSE_HEADERS))
                 streamed = True
-            await send({"type": "http.response.body", "body": _event(response), "more_body": True})
+            events.append(_event(response))
+            if not more:
+                await flush()
 
         try:
             with anyio.move_on_after(timeout_s if timeout_s is not None else math.inf) as scope:
@@ -429,7 +445,7 @@ class GenerateEndpoint:
                         served.engine_name, inputs, priority=priority, parameters=parameters
                     ) as responses:
                         async for outputs in responses:
-                            await answer(outputs, responses.parameters)
+                            await answer(outputs, responses.parameters, responses.ready)
                 else:
                     # A stateful model's request: through its sequence batcher, as infer's.
                     await answer(
@@ -445,9 +461,15 @@ class GenerateEndpoint:
             if streamed and not state.ready:
                 # Cut at the end of the server's drain: one last event says so, or the
                 # client could not tell this stream from one that ended whole.
-                await _last_event(send, _cut_message(state.config.drain_period))
+                await _last_event(send, _cut_message(state.config.drain_period), events)
+            raise
+        except TrioInferError:
+            if events:
+                await flush()  # the responses before the error, then its event
             raise
         if scope.cancelled_caught:
+            if events:
+                await flush()
             raise DeadlineExceeded(
                 f"the request's timeout of {_timeout_text(timeout_s)} passed before its "
                 "last response"
@@ -457,7 +479,7 @@ class GenerateEndpoint:
         if streaming:
             if not answered:
                 await start(200, list(_SSE_HEADERS))
-            await send({"type": "http.response.body", "body": b""})
+            await send({"type": "http.response.body", "body": b"".join(events)})
             return
         if not answered:
             raise InvalidInput(
