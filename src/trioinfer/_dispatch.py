@@ -25,7 +25,7 @@ import numpy as np
 from ._config import ModelConfig, Placement
 from ._exceptions import BackendError, PluginContractError
 from ._registry import plugin_label
-from ._request import Outputs, Request
+from ._request import NO_PARAMETERS, Outputs, Request
 from ._tensors import ModelSignature, output_misfit
 from ._threads import EventLike, LoopClock
 from ._util import NoPublicConstructor
@@ -272,11 +272,11 @@ class ReplicaStatistics:
 class Execution(metaclass=NoPublicConstructor):
     """One batch on its way through the model's fallback: the engine's `trioinfer.abc.Execution`.
 
-    Created per batch, so it stays small: four slots, and a constructor that
+    Created per batch, so it stays small: five slots, and a constructor that
     costs what an ordinary one does (see `NoPublicConstructor`).
     """
 
-    __slots__ = ("_port", "_raised", "replica", "requests")
+    __slots__ = ("_elsewhere", "_port", "_raised", "replica", "requests")
 
     def __init__(self, port: RunnerPort, requests: Sequence[Request], replica: Replica) -> None:
         self._port = port
@@ -285,6 +285,9 @@ class Execution(metaclass=NoPublicConstructor):
         # What its runs raised (a backend's errors, for the fallback to handle): an
         # exception out of the fallback that is none of these is the fallback's own.
         self._raised: list[BaseException] | None = None
+        # Each request's answer from another model (infer_elsewhere), by request: only
+        # that answer, given to respond(), keeps who made it and its response parameters.
+        self._elsewhere: dict[Request, Outputs] | None = None
 
     # What each method promises is written once, in trioinfer.abc.Execution.
 
@@ -300,6 +303,11 @@ class Execution(metaclass=NoPublicConstructor):
         """Run the pending requests on *replica* (by default the chosen one) and answer them."""
         # Only the engine makes replicas, so any a fallback passes is one of ours.
         chosen = self.replica if replica is None else cast(Replica, replica)
+        if self._raised is not None:
+            # A run after one that failed: response parameters its backend gave a
+            # request then are not this run's answer's (it may give none).
+            for request in self.pending():
+                request._state.response_parameters = NO_PARAMETERS
         return await self._port.attempt(self, chosen)
 
     def respond(self, request: RequestView, outputs: Mapping[str, Any], *, via: str) -> None:
@@ -307,20 +315,37 @@ class Execution(metaclass=NoPublicConstructor):
         port = self._port
         if request not in self.requests:
             raise self._broken(f"answered request {request.id!r}, which is not part of this batch")
-        missing = [s.name for s in port.signature.outputs if s.name not in outputs]
+        # The outputs the request asked for (all where it named none): another model's
+        # answer may hold those alone (it computes what it was asked, as the replicas do).
+        wanted = request.requested_outputs
+        missing = [
+            s.name
+            for s in port.signature.outputs
+            if s.name not in outputs and (not wanted or s.name in wanted)
+        ]
         if missing:
             raise self._broken(
                 f"answered request {request.id!r} of model {port.config.name!r} without "
                 f"outputs {missing}"
             )
         ours = cast(Request, request)  # one of self.requests, checked above
-        if ours._state.status is not _RUNNING:
+        state = ours._state
+        if state.status is not _RUNNING:
             return
+        if self._elsewhere is None or self._elsewhere.get(ours) is not outputs:
+            # Not the answer another model gave it (a default, the fallback's own):
+            # no model's instance made it, and it has no response parameters (a
+            # failed run's, or a model's whose answer could not stand in, are not its).
+            if state.served_by.__class__ is tuple:
+                state.served_by = None
+            state.response_parameters = NO_PARAMETERS
         arrays = {name: np.asarray(value) for name, value in outputs.items()}
         # Checked as a backend's answer is: a caller gets what the metadata says.
         signature = port.signature
         rows = ours.rows if signature.batched else 0
         for spec in signature.outputs:
+            if spec.name not in arrays:
+                continue  # one the request did not ask for (checked above)
             problem = output_misfit(spec, arrays[spec.name], rows)
             if problem is not None:
                 raise self._broken(
@@ -359,7 +384,11 @@ class Execution(metaclass=NoPublicConstructor):
                 f"request {request.id!r} was failed over to model "
                 f"{self._port.config.name!r} already; it is not sent on again"
             )
-        return await self._port.infer_elsewhere(model, ours)
+        outputs = await self._port.infer_elsewhere(model, ours)
+        if self._elsewhere is None:
+            self._elsewhere = {}
+        self._elsewhere[ours] = outputs
+        return outputs
 
 
 @final

@@ -1208,7 +1208,10 @@ class Engine:
 
     async def _infer_elsewhere(self, model: str, original: Request) -> Outputs:
         # A fallback's failover of one request to another model, on the worker's task:
-        # the request's deadline becomes this call's cancel scope.
+        # the request's deadline becomes this call's cancel scope. It carries what the
+        # original does (its id, parameters and requested outputs); its answer's
+        # response parameters become the original's (Execution.respond keeps them, and
+        # who answered, only if that answer is the one given).
         with anyio.CancelScope(deadline=original.deadline):
             request = await self._submit(
                 model,
@@ -1219,10 +1222,13 @@ class Engine:
                 True,
                 follow_up=True,
                 parameters=original.parameters,
+                outputs=original.requested_outputs,
             )
             state = request._state
             assert state.outputs is not None
-            original._state.served_by = (model, state.served_by)
+            theirs = original._state
+            theirs.served_by = (model, state.served_by)
+            theirs.response_parameters = state.response_parameters
             return state.outputs
         raise DeadlineExceeded(
             f"request {original.id!r} reached its deadline while failing over to model {model!r}"

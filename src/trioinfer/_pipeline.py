@@ -62,7 +62,7 @@ from ._exceptions import (
     TrioInferError,
 )
 from ._inline import restart_inline_slice
-from ._request import Outputs, Request
+from ._request import Outputs, Request, step_request_id
 from ._runner import (
     BATCH_BUCKETS,
     CLEANUP_S,
@@ -119,6 +119,10 @@ class Step:
     model: str
     input_map: Mapping[str, str]
     output_map: Mapping[str, str]
+
+
+#: Steps with their positions, in the order they start.
+_Steps = tuple[tuple[int, Step], ...]
 
 
 def _steps(name: str, value: object) -> tuple[Step, ...]:
@@ -225,6 +229,9 @@ class Pipeline:
             (tuple(step.input_map.items()), tuple(step.output_map.items())) for step in self.steps
         )
         self._output_names = tuple(spec.name for spec in self.signature.outputs)
+        # By the outputs a request named (Request.requested_outputs): the steps it
+        # needs, in turn and side by side (`_needed`).
+        self._needs: dict[frozenset[str], tuple[_Steps, _Steps]] = {}
         self.input_limits = config.input_limits
         self.queue_timeouts = config.queue_timeouts
         # Requests keep their rows (each step batches on its own); with a batch
@@ -360,7 +367,7 @@ class Pipeline:
 
     def _answered(self, tensors: dict[str, Any], rows: int, arrival: float) -> Outputs:
         # A request whose steps all ran as plain calls: counted, its outputs.
-        outputs = self._outputs(tensors)
+        outputs = self._outputs(tensors, self._output_names)
         self.succeeded += 1
         self.inferences += rows or 1
         self._request_duration.observe(self.clock.current_time() - arrival)
@@ -431,7 +438,11 @@ class Pipeline:
     async def _run(self, request: Request, resume: Resume = _FROM_START) -> Outputs:
         tensors = dict(request.inputs) if resume.tensors is None else resume.tensors
         left: Unfinished | _Later | None = resume.left
-        for index, step in self._in_turn[resume.at :]:
+        in_turn, side_by_side = self._in_turn, self._side_by_side
+        if request.requested_outputs:
+            # (Only call() sees such a request, from its start: run_now never does.)
+            in_turn, side_by_side = self._needed(request.requested_outputs)
+        for index, step in in_turn[resume.at :]:
             # No task group, task or wake-up for a step that has nothing beside it,
             # and, on an idle model that never suspends, not even a coroutine.
             if left is _LATER and not request.parameters:
@@ -447,13 +458,41 @@ class Pipeline:
             if left is not None:
                 await self._step(request, index, step, tensors, left)
             left = _LATER
-        if self._side_by_side:
-            await self._run_side_by_side(request, tensors)
-        return self._outputs(tensors)
+        if side_by_side:
+            await self._run_side_by_side(request, tensors, side_by_side)
+        return self._outputs(tensors, request.requested_outputs or self._output_names)
 
-    def _outputs(self, tensors: dict[str, Any]) -> Outputs:
+    def _needed(self, wanted: tuple[str, ...]) -> tuple[_Steps, _Steps]:
+        # The steps, in turn and side by side, of a request that named *wanted* of the
+        # pipeline's outputs: those that make them and those that make what those
+        # need, no other (as a Triton ensemble prunes its steps by the requested
+        # outputs). All named: every step.
+        key = frozenset(wanted)
+        found = self._needs.get(key)
+        if found is None:
+            if len(key) == len(self._output_names):
+                found = (self._in_turn, self._side_by_side)
+            else:
+                producer = {t: i for i, s in enumerate(self.steps) for t in s.output_map.values()}
+                keep: set[int] = set()
+                todo = list(key)
+                while todo:
+                    index = producer.get(todo.pop())  # None: a pipeline input
+                    if index is not None and index not in keep:
+                        keep.add(index)
+                        todo.extend(self.steps[index].input_map.values())
+                found = (
+                    tuple(pair for pair in self._in_turn if pair[0] in keep),
+                    tuple(pair for pair in self._side_by_side if pair[0] in keep),
+                )
+            if len(self._needs) >= 64:  # a bound: a pipeline has few outputs, but still
+                self._needs.clear()
+            self._needs[key] = found
+        return found
+
+    def _outputs(self, tensors: dict[str, Any], names: tuple[str, ...]) -> Outputs:
         outputs = {}
-        for name in self._output_names:
+        for name in names:
             value = tensors[name]
             # Arrays already, from every backend that checks its outputs.
             outputs[name] = value if type(value) is np.ndarray else np.asarray(value)
@@ -537,7 +576,7 @@ class Pipeline:
                 assert runner is not None  # (no await since _step_now had it)
                 outputs = await runner.finish_here(
                     left,
-                    f"{request.id}/{index}",
+                    step_request_id(request.id, index),
                     request.priority,
                     request.tenant,
                     self._held,
@@ -592,7 +631,7 @@ class Pipeline:
                 replica,
                 arrays,
                 rows,
-                f"{request.id}/{index}",
+                step_request_id(request.id, index),
                 request.priority,
                 request.tenant,
                 deadline,
@@ -604,7 +643,7 @@ class Pipeline:
             inputs,
             priority=request.priority,
             tenant=request.tenant,
-            request_id=f"{request.id}/{index}",
+            request_id=step_request_id(request.id, index),
             held=self._held,
             scopes=self._scopes,
             parameters=request.parameters,
@@ -614,8 +653,10 @@ class Pipeline:
         restart_inline_slice()
         return cast(Outputs, outputs)
 
-    async def _run_side_by_side(self, request: Request, tensors: dict[str, Any]) -> None:
-        pending = list(self._side_by_side)
+    async def _run_side_by_side(
+        self, request: Request, tensors: dict[str, Any], steps: _Steps
+    ) -> None:
+        pending = list(steps)
         changed = anyio.Event()
         running: set[int] = set()
         failure: TrioInferError | None = None

@@ -49,7 +49,7 @@ from ._config import ModelConfig, Placement
 from ._exceptions import BackendError, ConfigError, InvalidInput, TrioInferError
 from ._inline import restart_inline_slice
 from ._pipeline import Infer, Step, _check_graph, _declared
-from ._request import NO_PARAMETERS, Outputs, Parameter, Request
+from ._request import NO_PARAMETERS, GeneratedId, Outputs, Parameter, Request, step_request_id
 from ._runner import _copy_error, _Running, _split
 from ._tensors import ModelSignature
 from .abc import AssemblingBatcher, Batcher, Status
@@ -452,7 +452,7 @@ class BatchedPipeline:
         # through engine.infer, its queue and its batcher; with tracing on, in the
         # traces of the members it carries (no step runs in this task then).
         label, priority, tenant, members, alone, parameters = who
-        request_id = f"{label}/{index}"
+        request_id = step_request_id(label, index)
         tracing = self._tracing
         if tracing is not None or parameters:
             # (Its parameters travel by engine.infer's way, in the step's request.)
@@ -533,7 +533,9 @@ def _who(members: Sequence[Request], *, alone: bool = False) -> _Who:
             priority = member.priority
         if member.tenant != tenant:
             tenant = None
-    label = first.id if len(members) == 1 else f"{first.id}+{len(members) - 1}"
+    # A step request for several has no one caller's id to give its model: "" (as for
+    # a request sent without one), where it reads one (caller_request_id).
+    label = first.id if len(members) == 1 else GeneratedId(f"{first.id}+{len(members) - 1}")
     # The same for every member (run() runs those whose parameters differ alone).
     return label, priority, tenant, tuple(members), alone, first.parameters
 

@@ -104,6 +104,27 @@ def next_request_id() -> str:
     return GeneratedId(next(_ids))
 
 
+class StepId(str):
+    """The id of a pipeline step's request: ``"<the pipeline request's id>/<step>"``.
+
+    Its own in logs and traces (each step request of a pipeline request has
+    one), while `caller_request_id` reads through it to the id the pipeline
+    request's caller gave, as Triton gives a composing model the ensemble
+    request's id. *of*: the pipeline request's id (a step's, for a pipeline
+    that is a step of another).
+    """
+
+    # (No __slots__: a str subclass may have no slots of its own, so *of* is in __dict__.)
+    of: str
+
+
+def step_request_id(of: str, step: int) -> StepId:
+    """The id of step *step*'s request for the pipeline request whose id is *of*."""
+    made = StepId(f"{of}/{step}")
+    made.of = of
+    return made
+
+
 def set_response_parameters(request: abc.Request, parameters: Mapping[str, Parameter]) -> None:
     """Give the answer to *request* these response *parameters* (Triton's response parameters).
 
@@ -128,9 +149,14 @@ def caller_request_id(request: abc.Request) -> str:
     """The id *request*'s caller gave it, or ``""`` where the engine made one.
 
     For a backend that hands a model the caller's id as Triton does (its
-    ``request_id()`` is empty for a request sent without one).
+    ``request_id()`` is empty for a request sent without one). A pipeline
+    step's request answers with the id its pipeline request's caller gave (Triton
+    gives a composing model the ensemble request's id), though the engine's own
+    id for it (``request.id``, in logs and traces) names the step.
     """
     given = request.id
+    while given.__class__ is StepId:
+        given = given.of
     return "" if given.__class__ is GeneratedId else given
 
 

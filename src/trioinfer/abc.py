@@ -476,7 +476,12 @@ class Execution(Protocol):
 
         *via* names where they came from (``"default"``, ``"model small"``) and
         is recorded as a fallback step. Arrays are converted with
-        ``numpy.asarray`` and must cover every model output.
+        ``numpy.asarray`` and must cover every output the request asked for
+        (``requested_outputs``; every model output where it named none). The
+        answer keeps the response parameters and the model of the other
+        model's answer only when *outputs* is the one `infer_elsewhere`
+        returned for *request*; any other (a default) has none, and no model
+        made it.
 
         Raises:
             PluginContractError: *request* is not in this execution, or outputs are missing.
@@ -496,7 +501,9 @@ class Execution(Protocol):
     async def infer_elsewhere(self, model: str, request: Request) -> Outputs:
         """Run one pending request on another loaded *model* and return its outputs.
 
-        The request keeps its deadline, priority, tenant and id. A request
+        The request keeps its deadline, priority, tenant, id, parameters and
+        requested outputs (the answer may hold those alone); the other
+        model's response parameters come with its answer. A request
         that is itself a failover from another model is not sent on again,
         so that two models failing over to each other cannot loop. While the
         engine closes, the request (accepted before it began to) is still
