@@ -11,6 +11,8 @@ import json
 import math
 import os
 import shutil
+import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -106,7 +108,7 @@ BOTH = pytest.mark.parametrize("protocol", ["http", pytest.param("grpc", marks=p
 def test_streaming_counts_every_response(
     server: Server, repeat_3: Path, tmp_path: Path, protocol: str
 ) -> None:
-    # gRPC: a ModelStreamInfer call per request; HTTP: a generate_stream request (SSE).
+    # gRPC: one ModelStreamInfer stream per worker; HTTP: a generate_stream request (SSE).
     code, output, doc = bench(
         *target(server, protocol),
         "-m",
@@ -123,6 +125,43 @@ def test_streaming_counts_every_response(
         # Three responses per request, counted in the same windows as the requests.
         assert math.isclose(row["responses_per_s"], 3 * row["throughput"], rel_tol=0.01)
         assert row["first_p50_ms"] <= row["max_ms"]
+
+
+@pytest.mark.grpc
+@pytest.mark.streaming
+@pytest.mark.python_model
+def test_grpc_streaming_keeps_one_stream_per_worker(server: Server, repeat_3: Path) -> None:
+    # perf_analyzer's way: each worker sends request after request on one
+    # ModelStreamInfer stream, and trioinfer's server ends each request's
+    # responses with the empty final response the requests ask for.
+    from trioinfer.bench._grpc_raw import _RawGrpcLoop
+
+    grpc_target = tool.GrpcTarget(server.grpc, "repeat_int32")
+    recorder = _Recorder()
+    loop = _RawGrpcLoop(
+        grpc_target.host_port,
+        grpc_target.address,
+        grpc_target.requests([tool.load_inputs(repeat_3)]),
+        recorder,
+        3,
+        streams_per_connection=2,
+        streaming=True,
+    )
+    thread = threading.Thread(target=loop.run, daemon=True)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 30
+        while len(recorder.window.latencies) < 30 and time.monotonic() < deadline:
+            time.sleep(0.01)
+    finally:
+        loop.stop()
+        thread.join(30)
+        loop.close()
+    assert not recorder.window.errors, recorder.first_error
+    assert len(recorder.window.latencies) >= 30
+    assert recorder.window.responses == 3 * len(recorder.window.latencies)
+    # Stream ids go 1, 3, 5...: two connections, with two and one stream opened.
+    assert [conn.next_id for conn in loop.connections] == [5, 3]
 
 
 @pytest.mark.streaming

@@ -298,9 +298,10 @@ async def run_grpc_level(
     """One closed-loop level over gRPC: *concurrency* workers; *measure* counts the windows.
 
     *client* ``"raw"`` is the lean client (`_grpc_raw`); ``"aio"`` is grpcio's.
-    With *streaming* (the raw client) each request is a ``ModelStreamInfer``
-    call of its own, which ends after its last response. *next_request* (the
-    raw client) makes each request from its connection's and worker's index.
+    With *streaming* (the raw client) each worker sends its requests one after
+    another on one ``ModelStreamInfer`` stream, each done at its final response.
+    *next_request* (the raw client) makes each request from its connection's
+    and worker's index.
     """
     from ._grpc_raw import _RawGrpcLoop  # hpack: the grpc extra's
 
