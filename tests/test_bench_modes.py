@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import numpy as np
 import pytest
 import trio
 from click.testing import CliRunner
@@ -395,3 +396,46 @@ def test_a_server_that_takes_no_regions_says_why(repository: Path, tmp_path: Pat
     assert code == 1
     assert "--workers" in output
     assert leftover_regions() == []
+
+
+# -- the bundled stateful model ----------------------------------------------------------------
+
+
+@pytest.mark.sequence
+@pytest.mark.python_model
+def test_the_docs_sequence_command_runs_on_the_bundled_repository(tmp_path: Path) -> None:
+    # docs/how-to/benchmarking.md's command, on the bundled repository (in-process
+    # here: the model is loaded as `trioinfer serve` loads it).
+    page = (Path(__file__).parent.parent / "docs/how-to/benchmarking.md").read_text()
+    command = "trioinfer bench -m accumulator --input-data zero --concurrency 1,8 \\\n"
+    assert command in page
+    code, output, doc = bench(
+        *("--in-process", "--model-repository", str(trioinfer.example_repository())),
+        *("-m", "accumulator", "--input-data", "zero", "--concurrency", "1,8"),
+        *("--sequence-length", "20", "--sequence-id-range", "1000:2000", *SHORT),
+        json_file=tmp_path / "run.json",
+    )
+    assert code == 0, output
+    assert [r["value"] for r in doc["results"]] == [1, 8]
+    assert all(r["completed"] > 0 and r["errors"] == 0 for r in doc["results"])
+
+
+@pytest.mark.sequence
+@pytest.mark.python_model
+async def test_the_bundled_accumulator_sums_each_sequence_apart() -> None:
+    from trioinfer.server import ModelRepository
+    from trioinfer.server._models import ServedModels
+
+    async with trioinfer.open_engine() as engine:
+        served = ServedModels(engine, ModelRepository(trioinfer.example_repository()))
+        await served.load_with_steps("accumulator")
+        name = served.resolve("accumulator", None).info.name
+        sums: dict[int, list[int]] = {1: [], 2: []}
+        for i, (a, b) in enumerate([(3, 100), (4, -1), (5, -2)]):
+            for sequence_id, value in ((1, a), (2, b)):
+                flags = trioinfer.SequenceFlags(sequence_id, start=i == 0, end=i == 2)
+                outputs = await engine.infer(
+                    name, {"INPUT": np.array([[value]], np.int32)}, sequence=flags
+                )
+                sums[sequence_id].append(int(outputs["OUTPUT"][0][0]))
+    assert sums == {1: [3, 7, 12], 2: [100, 99, 97]}
