@@ -330,6 +330,32 @@ def test_open_loop(url: str, tmp_path: Path, arrivals: str) -> None:
     for r in got:
         assert int(r["completed"]) > 0
         assert int(r["errors"]) == 0
+        # What was sent and how late, beside what was asked (perf_analyzer's send rate).
+        assert float(r["sent_per_s"]) > 0
+        assert 0 <= float(r["send_delay_p50_ms"]) <= float(r["send_delay_max_ms"])
+    header = result.output.splitlines()[0].split()
+    assert header[:2] == ["rate/s", "sent/s"]
+    assert "delay" in header
+
+
+def test_an_open_loop_that_cannot_keep_up_says_how_late_requests_left() -> None:
+    latency = {"p50": 1.0, "p90": 2.0, "p95": 3.0, "p99": 4.0, "max": 5.0}
+    delays = {"p50": 0.5, "p90": 9.0, "p95": 10.0, "p99": 12.5, "max": 20.0}
+    behind = tool.Result(
+        "rate", 1000, 640.0, latency, 640, {}, 300, 50, 3, True, 10.0, 0.5,
+        sent_per_s=700.0, send_delay_ms=delays,
+    )  # fmt: skip
+    table = tool.format_table([behind])
+    header, row = table.splitlines()[:2]
+    assert header.split()[:3] == ["rate/s", "sent/s", "req/s"]
+    assert row.split()[:3] == ["1000", "700", "640"]
+    assert "12.50" in row
+    assert "700/s sent" in table
+    assert "p99 send delay 12.50 ms" in table
+    assert behind.row()["sent_per_s"] == 700.0
+    assert behind.row()["send_delay_p99_ms"] == 12.5
+    # A closed loop has neither.
+    assert "sent_per_s" not in _result(4).row()
 
 
 def test_in_process(tmp_path: Path) -> None:

@@ -7,12 +7,14 @@ repeat_int32, and in-process where the mode applies. Nothing here is timed.
 
 from __future__ import annotations
 
+import gc
 import json
 import math
 import os
 import shutil
 import threading
 import time
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -309,13 +311,110 @@ def test_sequence_flags_for_a_model_that_is_not_stateful(server: Server) -> None
     assert "not stateful" in output
 
 
+# -- open loop (--request-rate) in every mode --------------------------------------------------
+
+
+OPEN = ("--request-rate", "40", "--arrivals", "constant")
+
+
+@pytest.mark.parametrize(
+    "mode",
+    [
+        pytest.param("streaming", marks=[pytest.mark.streaming, pytest.mark.python_model]),
+        pytest.param("sequence", marks=[pytest.mark.sequence, pytest.mark.python_model]),
+        pytest.param("shm", marks=pytest.mark.shm),
+    ],
+)
+def test_open_loop_in_every_mode_over_http(
+    server: Server, repeat_3: Path, tmp_path: Path, mode: str
+) -> None:
+    args = {
+        "streaming": ("-m", "repeat_int32", "--streaming", "--input-data", str(repeat_3)),
+        # Two sequences in flight need only two ids: none collide.
+        "sequence": (
+            *("-m", "simple_sequence", "--input-data", "zero", "--sequence-length", "3"),
+            *("--num-of-sequences", "2", "--sequence-id-range", "100:102"),
+        ),
+        "shm": ("-m", "add", "--shared-memory", "system", "--output-shared-memory-size", "64"),
+    }[mode]
+    code, output, doc = bench(
+        "--url", server.url, *args, *OPEN, *SHORT, json_file=tmp_path / "run.json"
+    )
+    assert code == 0, output
+    assert "sent/s" in output.splitlines()[0]
+    (row,) = doc["results"]
+    assert row["load"] == "rate"
+    assert row["completed"] > 0
+    assert row["errors"] == 0
+    # The rate achieved and how late requests left, beside the rate asked.
+    assert row["sent_per_s"] > 0
+    assert row["send_delay_p50_ms"] <= row["send_delay_max_ms"]
+    if mode == "streaming":
+        assert math.isclose(row["responses_per_s"], 3 * row["throughput"], rel_tol=0.01)
+    if mode == "shm":
+        assert registered(server) == []
+        assert leftover_regions() == []
+
+
+@pytest.mark.parametrize(
+    "mode",
+    [
+        pytest.param("streaming", marks=pytest.mark.streaming),
+        pytest.param("sequence", marks=pytest.mark.sequence),
+    ],
+)
+@pytest.mark.python_model
+def test_open_loop_in_process(repository: Path, repeat_3: Path, tmp_path: Path, mode: str) -> None:
+    args = {
+        "streaming": ("-m", "repeat_int32", "--streaming", "--input-data", str(repeat_3)),
+        "sequence": ("-m", "simple_sequence", "--input-data", "zero", "--sequence-length", "3"),
+    }[mode]
+    code, output, doc = bench(
+        *("--in-process", "--model-repository", str(repository), *args, *OPEN, *SHORT),
+        json_file=tmp_path / "run.json",
+    )
+    assert code == 0, output
+    (row,) = doc["results"]
+    assert row["completed"] > 0
+    assert row["errors"] == 0
+    assert row["sent_per_s"] > 0
+
+
 @pytest.mark.sequence
 @pytest.mark.python_model
-def test_sequences_are_closed_loop_only(server: Server) -> None:
-    # A stateful model gets sequences by default; an open loop cannot keep them in order.
-    code, output, _ = bench("--url", server.url, "-m", "simple_sequence", "--request-rate", "10")
+@pytest.mark.parametrize("load", [("--concurrency", "3"), ("--num-of-sequences", "3", *OPEN)])
+def test_sequences_in_flight_need_an_id_each(server: Server, load: tuple[str, ...]) -> None:
+    # Refused before any connection opens: the level's sockets were left to the
+    # garbage collector (a ResourceWarning each).
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        code, output, _ = bench(
+            *("--url", server.url, "-m", "simple_sequence", "--sequence-id-range", "100:102"),
+            *load,
+            *SHORT,
+        )
+        gc.collect()
+    assert code == 1
+    assert "ids would collide" in output
+    assert [w for w in seen if issubclass(w.category, ResourceWarning)] == []
+
+
+@pytest.mark.sequence
+def test_the_number_of_open_loop_sequences_is_for_stateful_models(server: Server) -> None:
+    code, output, _ = bench("--url", server.url, "-m", "add", "--num-of-sequences", "3")
+    assert code == 1
+    assert "not stateful" in output
+
+
+@pytest.mark.grpc
+def test_grpc_open_loop_is_refused_naming_the_ways_that_have_one(server: Server) -> None:
+    code, output, _ = bench(
+        *("--protocol", "grpc", "--url", f"grpc://{server.grpc}", "-m", "add", *OPEN)
+    )
     assert code == 1
     assert "closed-loop" in output
+    assert "HTTP" in output
+    assert "--in-process" in output
 
 
 def test_a_bad_id_range_is_a_usage_error() -> None:

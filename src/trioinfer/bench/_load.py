@@ -93,7 +93,11 @@ class _LoadLoop:
     arriving), else waits in a backlog (counted late) that a connection takes
     from as it frees up, and past *backlog_limit* waiting, new arrivals are
     dropped. Latency always runs from the request's start: when it went out
-    (closed) or was due (open), so a new connection's handshake counts in it.
+    (closed) or was due (open), so a new connection's handshake counts in it;
+    an open loop also records how late each request went out (its send delay).
+    With *in_turn* free connections take due requests in turn (oldest free
+    first) rather than the last freed, so that each connection's sequence
+    advances and none sits idle long enough for the server to release it.
     """
 
     def __init__(
@@ -108,6 +112,7 @@ class _LoadLoop:
         max_connections: int = 0,
         next_request: Callable[[_Connection], bytes] | None = None,
         streaming: bool = False,
+        in_turn: bool = False,
     ) -> None:
         self._address = address
         self._requests = requests
@@ -121,12 +126,14 @@ class _LoadLoop:
         self._n = 0
         self._poller = _Poller()
         self._by_fd: dict[int, _Connection] = {}
-        self._free: list[_Connection] = []
+        self._free: deque[_Connection] = deque()
+        self._take_free = self._free.popleft if in_turn else self._free.pop
+        self._streaming = streaming
         self._backlog: deque[int] = deque()
         self._broken: list[_Connection] = []
         # When the broken connections may try again (perf_counter_ns).
         self._retry_ns = 0
-        # Streaming (closed loop): answers are event streams, each counted to its end.
+        # Streaming: answers are event streams, each counted to its end.
         self.connections = [_Connection(recorder, streaming=streaming) for _ in socks]
         for conn, sock in zip(self.connections, socks, strict=True):
             self._attach(conn, sock, _IN)
@@ -188,6 +195,10 @@ class _LoadLoop:
             conn.connecting = True
             self._attach(conn, sock, _OUT)
             return
+        if self._schedule is not None:
+            window = self._recorder.window
+            window.sent += 1
+            window.delays.append(time.perf_counter_ns() - start_ns)
         if self._next_request is not None:
             self._transmit(conn, memoryview(self._next_request(conn)))
             return
@@ -308,9 +319,9 @@ class _LoadLoop:
                 now = time.perf_counter_ns()
                 while due <= now:
                     if self._free:
-                        self._start(self._free.pop(), due)
+                        self._start(self._take_free(), due)
                     elif len(self.connections) < self._max_connections:
-                        conn = _Connection(self._recorder)
+                        conn = _Connection(self._recorder, streaming=self._streaming)
                         self.connections.append(conn)
                         self._start(conn, due)  # connects, then sends
                     elif len(self._backlog) < self._backlog_limit:
@@ -433,6 +444,9 @@ async def _open_level(
                 continue
             else:
                 recorder.window.late += 1
+            window = recorder.window
+            window.sent += 1
+            window.delays.append(time.perf_counter_ns() - due)
             status = await send(n)
             end = time.perf_counter_ns()
             window = recorder.window

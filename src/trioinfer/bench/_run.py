@@ -190,10 +190,9 @@ async def run_http(
         BenchError: No server, no such model, or unusable inputs.
     """
     metadata = await target.metadata()
-    modes = _closed_loop_modes(
-        plan, check_model(await target.config(), plan.modes, target.model), input_files
-    )
+    modes = _check_modes(check_model(await target.config(), plan.modes, target.model), input_files)
     variants = _variants(metadata["inputs"], plan, input_files, shapes, input_data)
+    sequences = modes.sequence_length is not None
     if modes.streaming:
         requests = target.stream_requests(variants)
     else:
@@ -202,7 +201,8 @@ async def run_http(
 
     shm_requests: list[bytes] = []  # one per connection, with --shared-memory
     probe_s = 0.0
-    if plan.rates and not plan.max_connections:
+    # (Sequences: the pool is the sequences in flight, and a request outside one is refused.)
+    if plan.rates and not plan.max_connections and not sequences:
         probe = _Connection(_Recorder())
         try:
             for n in range(_PROBE_REQUESTS):
@@ -224,14 +224,14 @@ async def run_http(
         count: int, recorder: _Recorder, load: str, value: float, **loop_options: Any
     ) -> Result:
         nonlocal index
-        socks = await _open_sockets(address, count)
-        if modes.sequence_length is not None:
+        if sequences:  # (before any socket: too few ids is an error)
             loop_options["next_request"] = _sequence_maker(
                 _Sequencer(modes, count, plan.seed),
                 target.sequence_requests(variants, binary=binary),
             )
         elif shm_requests:
             loop_options["next_request"] = _per_connection(shm_requests)
+        socks = await _open_sockets(address, count)
         loop = _LoadLoop(
             address, requests, recorder, socks, streaming=modes.streaming, **loop_options
         )
@@ -258,23 +258,35 @@ async def run_http(
     async def run_closed(count: int, recorder: _Recorder) -> Result:
         return await level(count, recorder, "concurrency", count)
 
+    # Open loop: the pool grows as requests find every connection busy, except where
+    # each connection holds something of its own made before the level: a sequence
+    # (as many as --num-of-sequences, taking due requests in turn), a region.
+    fixed_pool = 0
+    if plan.rates and sequences:
+        fixed_pool = modes.open_sequences
+    elif plan.rates and modes.shared_memory != "none":
+        fixed_pool = plan.max_connections or max(_pool_size(plan, r, probe_s) for r in plan.rates)
+
     async def run_open(rate: float, recorder: _Recorder) -> Result:
         pool, most = _pool_size(plan, rate, probe_s), _pool_limit(plan)
-        schedule = iter_arrivals(rate, plan.arrivals, plan.seed)
+        if fixed_pool:
+            pool = most = fixed_pool
         return await level(
             pool,
             recorder,
             "rate",
             rate,
-            schedule=schedule,
+            schedule=iter_arrivals(rate, plan.arrivals, plan.seed),
             backlog_limit=_BACKLOG_PER_CONNECTION * most,
             max_connections=most,
+            in_turn=sequences,
         )
 
     if modes.shared_memory == "none":
         return await _run_levels(plan, run_closed, run_open)
     # A region per connection: a closed loop's connections are its workers.
-    async with _regions(target, metadata, variants, modes, max(plan.concurrency)) as regions:
+    count = fixed_pool or max(plan.concurrency)
+    async with _regions(target, metadata, variants, modes, count) as regions:
         shm_requests.extend(target.shm_requests(regions))
         return await _run_levels(plan, run_closed, run_open)
 
@@ -290,14 +302,10 @@ def _regions(
     return open_regions(target, count, variants[0], outputs, modes.output_shm_size)
 
 
-def _closed_loop_modes(plan: Plan, modes: Modes, input_files: Sequence[Path]) -> Modes:
-    # Sequences and shared memory: closed loop only, one at a time.
-    sequences = modes.sequence_length is not None
+def _check_modes(modes: Modes, input_files: Sequence[Path]) -> Modes:
+    # Shared memory goes alone, with one request's inputs.
     shm = modes.shared_memory != "none"
-    if (sequences or shm or modes.streaming) and plan.rates:
-        mode = "--streaming" if modes.streaming else "sequences" if sequences else "--shared-memory"
-        raise BenchError(f"{mode} run closed-loop levels (--concurrency) only, not --request-rate")
-    if shm and (sequences or modes.streaming):
+    if shm and (modes.sequence_length is not None or modes.streaming):
         raise BenchError("--shared-memory goes with neither sequences nor --streaming")
     if shm and len(input_files) > 1:
         raise BenchError("--shared-memory puts one request's inputs in memory: give one input file")
@@ -354,11 +362,12 @@ async def run_grpc(
             such model, or unusable inputs.
     """
     if plan.rates:
-        raise BenchError("--protocol grpc runs closed-loop levels (--concurrency) only")
+        raise BenchError(
+            "--protocol grpc runs closed-loop levels (--concurrency) only: for an open loop "
+            "(--request-rate) use HTTP (--protocol http, the default) or --in-process"
+        )
     metadata = await target.metadata()
-    modes = _closed_loop_modes(
-        plan, check_model(await target.config(), plan.modes, target.model), input_files
-    )
+    modes = _check_modes(check_model(await target.config(), plan.modes, target.model), input_files)
     sequences = modes.sequence_length is not None
     shm = modes.shared_memory != "none"
     if (modes.streaming or sequences or shm) and client != "raw":
@@ -498,7 +507,7 @@ async def run_in_process(
     config: dict[str, Any] = {"model_transaction_policy": {"decoupled": info.decoupled}}
     if info.config.sequence is not None:
         config["sequence_batching"] = {}
-    modes = _closed_loop_modes(plan, check_model(config, plan.modes, model), input_files)
+    modes = _check_modes(check_model(config, plan.modes, model), input_files)
     if modes.shared_memory != "none":
         raise BenchError("--shared-memory is for servers: in-process there is nothing to share")
     variants = _variants(specs, plan, input_files, shapes, input_data)
@@ -571,8 +580,10 @@ async def run_in_process(
 
     async def run_open(rate: float, recorder: _Recorder) -> Result:
         # Workers are only tasks: start them all; each sleeps until the time it claimed.
+        # Sequences: one worker per sequence in flight, each running its own in order.
+        workers = modes.open_sequences if modes.sequence_length is not None else 0
         return await _open_level(
-            senders(_pool_limit(plan), recorder),
+            senders(workers or _pool_limit(plan), recorder),
             recorder,
             measure,
             rate=rate,

@@ -149,7 +149,8 @@ _REFUSED_INPUTS = (
     default=None,
     metavar="R1,R2,...",
     help="Open loop instead: requests per second offered, one level each; latency counts "
-    "from when each request was due.",
+    "from when each request was due, and the rate sent and how late requests left are "
+    "reported beside it. HTTP or --in-process; every mode.",
 )
 @click.option(
     "--arrivals",
@@ -244,9 +245,9 @@ _REFUSED_INPUTS = (
     is_flag=True,
     default=False,
     help="Decoupled (streaming) models: each request is an HTTP generate_stream request "
-    "(server-sent events), a gRPC ModelStreamInfer call (--protocol grpc) or "
-    "engine.infer_stream (--in-process); latency runs to its last response, and responses/s "
-    "and the time to the first response are reported too.",
+    "(server-sent events), one of a worker's requests on its gRPC ModelStreamInfer stream "
+    "(--protocol grpc) or engine.infer_stream (--in-process); latency runs to its last "
+    "response, and responses/s and the time to the first response are reported too.",
 )
 @click.option(
     "--sequence-length",
@@ -275,13 +276,23 @@ _REFUSED_INPUTS = (
     "the next; a range smaller than the concurrency is refused (ids would collide).",
 )
 @click.option(
+    "--num-of-sequences",
+    "open_sequences",
+    type=click.IntRange(min=1),
+    default=4,
+    show_default=True,
+    metavar="N",
+    help="Sequences, open loop (--request-rate): this many sequences in flight, each on a "
+    "connection of its own taking due requests in turn, one request at a time.",
+)
+@click.option(
     "--shared-memory",
     type=click.Choice(["none", "system", "cuda"]),
     default="none",
     show_default=True,
     help="system: inputs and outputs in a system shared-memory region per connection "
-    "(registered with the server, unregistered at the end; closed loop); cuda is not "
-    "supported.",
+    "(registered with the server, unregistered at the end; an open loop's connections are "
+    "then a fixed pool); cuda is not supported.",
 )
 @click.option(
     "--output-shared-memory-size",
@@ -378,7 +389,8 @@ def bench(**options: Any) -> None:
     the first response. Sequences (stateful models; --sequence-length N,
     --sequence-id-range START:END): each closed-loop worker sends sequences
     of about N requests with sequence_id, sequence_start and sequence_end, so
-    --concurrency counts sequences in flight. Shared memory (--shared-memory
+    --concurrency counts sequences in flight (open loop: --num-of-sequences
+    of them). Shared memory (--shared-memory
     system): each connection's inputs and outputs lie in a region
     of its own, registered before the run and unregistered after it, also
     on an error or Ctrl-C. The model's config says which it needs: a
@@ -428,6 +440,7 @@ def bench(**options: Any) -> None:
             sequence_length=options["sequence_length"],
             sequence_variation=options["sequence_length_variation"],
             sequence_ids=options["sequence_id_range"],
+            open_sequences=options["open_sequences"],
             shared_memory=options["shared_memory"],
             output_shm_size=options["output_shared_memory_size"],
         ),
