@@ -338,6 +338,54 @@ def test_open_loop(url: str, tmp_path: Path, arrivals: str) -> None:
     assert "delay" in header
 
 
+def test_request_intervals_are_due_in_turn_and_cycled() -> None:
+    due = tool.iter_intervals([10, 20, 30])
+    assert [next(due) for _ in range(7)] == [0, 10, 30, 60, 70, 90, 120]
+    plan = tool.Plan.from_intervals([1_000_000, 3_000_000], seed=3)
+    assert plan.rates == (500.0,)  # two requests per 4 ms
+    assert plan.seed == 3
+    assert list(itertools.islice(plan.schedule(500.0), 3)) == [0, 1_000_000, 4_000_000]
+    for bad in ([], [0, 0], [5, -1]):
+        with pytest.raises(tool.BenchError, match="microseconds"):
+            tool.Plan.from_intervals(bad)
+
+
+def test_open_loop_from_request_intervals(url: str, tmp_path: Path) -> None:
+    # perf_analyzer's --request-intervals: microseconds, one per line; a blank line is none.
+    intervals = tmp_path / "intervals.txt"
+    intervals.write_text("2000\n\n8000\n")
+    out = tmp_path / "out.json"
+    result = bench(
+        "--url", url, "-m", "digits", "--request-intervals", str(intervals), *SHORT,
+        "--json", str(out),
+    )  # fmt: skip
+    assert result.exit_code == 0, result.output
+    (row,) = rows(out)
+    assert (row["load"], row["value"]) == ("rate", 200.0)  # two requests per 10 ms
+    assert row["completed"] > 0  # type: ignore[operator]
+    assert row["sent_per_s"] > 0  # type: ignore[operator]
+    assert json.loads(out.read_text())["request_intervals"] == str(intervals)
+
+
+@pytest.mark.parametrize(
+    ("text", "extra", "message"),
+    [
+        ("100\nfast\n", (), "line 2: expected a whole number of microseconds"),
+        ("-5\n", (), "line 1: expected a whole number of microseconds"),
+        ("0\n0\n", (), "no interval above 0"),
+        ("100\n", ("--request-rate", "5"), "--request-rate, --request-intervals, not several"),
+    ],
+)
+def test_bad_request_intervals_are_usage_errors(
+    tmp_path: Path, text: str, extra: tuple[str, ...], message: str
+) -> None:
+    intervals = tmp_path / "intervals.txt"
+    intervals.write_text(text)
+    result = bench("-m", "digits", "--request-intervals", str(intervals), *extra)
+    assert result.exit_code == 2
+    assert message in " ".join(result.output.split())
+
+
 def test_an_open_loop_that_cannot_keep_up_says_how_late_requests_left() -> None:
     latency = {"p50": 1.0, "p90": 2.0, "p95": 3.0, "p99": 4.0, "max": 5.0}
     delays = {"p50": 0.5, "p90": 9.0, "p95": 10.0, "p99": 12.5, "max": 20.0}

@@ -58,6 +58,28 @@ def iter_arrivals(rate: float, arrivals: Arrivals, seed: int = 0) -> Iterator[in
         yield from np.rint(times).astype(np.int64).tolist()
 
 
+def iter_intervals(intervals_ns: Sequence[int]) -> Iterator[int]:
+    """Yield the times requests are due, *intervals_ns* apart in turn, cycled, forever.
+
+    The first is due at 0, the second ``intervals_ns[0]`` later, and so on
+    (perf_analyzer's ``--request-intervals``); after the last interval the
+    first comes again.
+
+    Raises:
+        ValueError: No intervals, a negative one, or none above 0 (an endless burst).
+    """
+    if not intervals_ns or min(intervals_ns) < 0 or not max(intervals_ns) > 0:
+        raise ValueError(
+            "request intervals must be nanoseconds, none negative and not all 0, got "
+            f"{list(intervals_ns)[:5]}"
+        )
+    due = 0
+    while True:
+        for gap in intervals_ns:
+            yield due
+            due += gap
+
+
 #: One worker's way of sending request variant *n*; returns 200 on success, else the status.
 #: (In-process only: HTTP levels run in a `_LoadLoop`.)
 Send = Callable[[int], Awaitable[Status]]
@@ -422,13 +444,11 @@ async def _open_level(
     measure: Callable[[_Recorder, str, float], Awaitable[Result]],
     *,
     rate: float,
-    arrivals: Arrivals,
-    seed: int,
+    schedule: Iterator[int],
 ) -> Result:
     # In-process: one schedule shared by all workers; a worker that is free claims
     # the next due time and sleeps until it. (The engine's own work dwarfs a timer
     # per request here; HTTP levels batch their timers in `_LoadLoop`.)
-    schedule = iter_arrivals(rate, arrivals, seed)
     start_ns = time.perf_counter_ns()
     max_behind_ns = _BACKLOG_PER_CONNECTION * len(senders) * 1e9 / rate
 

@@ -46,6 +46,7 @@ from ._load import (
     _LoadLoop,
     _open_level,
     iter_arrivals,
+    iter_intervals,
 )
 from ._modes import (
     Modes,
@@ -79,6 +80,9 @@ class Plan:
         settings: Warm-up, window and stability settings.
         modes: Streaming, sequences, shared memory (perf_analyzer's modes); each
             is checked against the model before the run.
+        intervals: Open loop: the gaps between requests (ns), in turn and cycled,
+            instead of *arrivals* (perf_analyzer's ``--request-intervals``); *rates*
+            then holds one level, at their mean rate (`from_intervals` makes both).
     """
 
     concurrency: tuple[int, ...] = (1,)
@@ -88,11 +92,35 @@ class Plan:
     max_connections: int = 0
     settings: Settings = Settings()  # noqa: RUF009 - frozen (attrs): one shared default is safe
     modes: Modes = Modes()  # noqa: RUF009 - frozen too
+    intervals: tuple[int, ...] = ()
 
     @property
     def levels(self) -> int:
         """How many levels the plan runs."""
         return len(self.rates) or len(self.concurrency)
+
+    @classmethod
+    def from_intervals(cls, intervals_ns: Sequence[int], **fields: Any) -> Plan:
+        """One open level whose requests are *intervals_ns* apart, in turn and cycled.
+
+        The level is reported at the intervals' mean rate.
+
+        Raises:
+            BenchError: No intervals, a negative one, or none above 0.
+        """
+        if not intervals_ns or min(intervals_ns) < 0 or not sum(intervals_ns) > 0:
+            raise BenchError(
+                "request intervals must be whole numbers of microseconds, none negative and "
+                "not all 0"
+            )
+        rate = len(intervals_ns) * 1e9 / sum(intervals_ns)
+        return cls(rates=(rate,), intervals=tuple(intervals_ns), **fields)
+
+    def schedule(self, rate: float) -> Iterator[int]:
+        """An open level's due times (ns after its start): *intervals*, else *arrivals*."""
+        if self.intervals:
+            return iter_intervals(self.intervals)
+        return iter_arrivals(rate, self.arrivals, self.seed)
 
 
 def _pool_limit(plan: Plan) -> int:
@@ -276,7 +304,7 @@ async def run_http(
             recorder,
             "rate",
             rate,
-            schedule=iter_arrivals(rate, plan.arrivals, plan.seed),
+            schedule=plan.schedule(rate),
             backlog_limit=_BACKLOG_PER_CONNECTION * most,
             max_connections=most,
             in_turn=sequences,
@@ -587,8 +615,7 @@ async def run_in_process(
             recorder,
             measure,
             rate=rate,
-            arrivals=plan.arrivals,
-            seed=plan.seed,
+            schedule=plan.schedule(rate),
         )
 
     return await _run_levels(plan, run_closed, run_open)

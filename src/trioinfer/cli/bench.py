@@ -90,6 +90,38 @@ def _id_range(_ctx: click.Context, _param: click.Parameter, value: str) -> tuple
     return first, last
 
 
+def _intervals(
+    _ctx: click.Context, _param: click.Parameter, value: Path | None
+) -> tuple[Path, tuple[int, ...]] | None:
+    # perf_analyzer's --request-intervals FILE: one gap in microseconds per line; the
+    # file and its gaps in ns.
+    if value is None:
+        return None
+    try:
+        lines = value.read_text().splitlines()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise click.BadParameter(f"cannot read {str(value)!r}: {exc}") from None
+    gaps = []
+    for number, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            gap = int(line)
+        except ValueError:
+            gap = -1
+        if gap < 0:
+            raise click.BadParameter(
+                f"{value}, line {number}: expected a whole number of microseconds (0 or "
+                f"more), got {line.strip()[:40]!r}"
+            )
+        gaps.append(gap * 1000)
+    if not sum(gaps):
+        raise click.BadParameter(
+            f"{value} holds no interval above 0 microseconds: requests would all be due at once"
+        )
+    return value, tuple(gaps)
+
+
 _REFUSED_INPUTS = (
     "400",  # HTTP: the server's answer to inputs it refuses
     "INVALID_ARGUMENT",  # gRPC: the same
@@ -151,6 +183,15 @@ _REFUSED_INPUTS = (
     help="Open loop instead: requests per second offered, one level each; latency counts "
     "from when each request was due, and the rate sent and how late requests left are "
     "reported beside it. HTTP or --in-process; every mode.",
+)
+@click.option(
+    "--request-intervals",
+    type=click.Path(exists=True, dir_okay=False, path_type=Path),
+    callback=_intervals,
+    default=None,
+    metavar="FILE",
+    help="Open loop instead: the gaps between requests, in microseconds, one per line, in "
+    "turn and cycled (perf_analyzer's); one level, at their mean rate.",
 )
 @click.option(
     "--arrivals",
@@ -373,7 +414,10 @@ def bench(**options: Any) -> None:
     finds every connection busy goes out on a new one, up to --max-connections,
     then waits (counted "late"; with too many waiting, new ones are
     "dropped"), so an overloaded server shows as latency, not as a politely
-    slower client.
+    slower client; the rate sent and how late requests left are reported
+    beside the rate asked. --request-intervals FILE gives the gaps between
+    requests instead (microseconds, one per line, cycled). Open loops run
+    over HTTP and --in-process, in every mode below.
 
     Each level warms up (not counted), then measures windows until the last
     three agree within --stability (or --windows N). The table (on stdout)
@@ -411,8 +455,17 @@ def bench(**options: Any) -> None:
     except ImportError as exc:  # the bench package's own message names the extra
         raise click.ClickException(str(exc)) from None
 
-    if options["request_rate"] and options["concurrency"] != (1,):
-        raise click.UsageError("give --concurrency or --request-rate, not both")
+    loads = [
+        flag
+        for flag, given in (
+            ("--concurrency", options["concurrency"] != (1,)),
+            ("--request-rate", bool(options["request_rate"])),
+            ("--request-intervals", options["request_intervals"] is not None),
+        )
+        if given
+    ]
+    if len(loads) > 1:
+        raise click.UsageError(f"give one of {', '.join(loads)}, not several")
     local = options["model_file"] is not None or options["model_repository"] is not None
     if options["in_process"] and not local:
         raise click.UsageError("--in-process needs --model-file, or --model-repository and --model")
@@ -422,9 +475,8 @@ def bench(**options: Any) -> None:
         raise click.UsageError(
             "--shared-memory cuda is not supported by trioinfer bench: use --shared-memory system"
         )
-    plan = tool.Plan(
+    fields: dict[str, Any] = dict(
         concurrency=options["concurrency"],
-        rates=options["request_rate"],
         arrivals=options["arrivals"],
         seed=options["seed"],
         max_connections=options["max_connections"],
@@ -445,6 +497,10 @@ def bench(**options: Any) -> None:
             output_shm_size=options["output_shared_memory_size"],
         ),
     )
+    if options["request_intervals"] is not None:
+        plan = tool.Plan.from_intervals(options["request_intervals"][1], **fields)
+    else:
+        plan = tool.Plan(rates=options["request_rate"], **fields)
     try:
         with tool.open_progress() as progress:
             run = trio.run(functools.partial(_bench_run, options, plan, progress))
@@ -463,7 +519,10 @@ def bench(**options: Any) -> None:
         "grpc_client": options["grpc_client"]
         if options["protocol"] == "grpc" and not options["in_process"]
         else None,
-        "arrivals": options["arrivals"] if plan.rates else None,
+        "arrivals": options["arrivals"] if plan.rates and not plan.intervals else None,
+        "request_intervals": str(options["request_intervals"][0])
+        if options["request_intervals"] is not None
+        else None,
         "streaming": options["streaming"],
         "sequence_length": options["sequence_length"],
         "shared_memory": options["shared_memory"],
