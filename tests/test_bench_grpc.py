@@ -168,10 +168,12 @@ def aio_server(streams: list[int] | None = None) -> Iterator[tuple[str, list[byt
             assert request.parameters["triton_enable_empty_final_response"].bool_param
             if request.model_name == "hang_up":
                 return
-            if request.model_name == "nope":
+            if request.model_name in ("nope", "nope_unnamed"):
+                # (Its id, as Triton's; or none, as a server might.)
+                named = request.model_name == "nope"
                 yield pb.ModelStreamInferResponse(
                     error_message="no model 'nope'",
-                    infer_response=pb.ModelInferResponse(id=request.id),
+                    infer_response=pb.ModelInferResponse(id=request.id if named else ""),
                 ).SerializeToString()
                 continue
             wrong = request.model_name == "wrong_id"
@@ -313,12 +315,13 @@ def test_big_requests_one_after_another_on_a_stream_through_flow_control() -> No
 
 
 @pytest.mark.streaming
-def test_a_streamed_error_fails_its_request_and_the_stream_goes_on() -> None:
+@pytest.mark.parametrize("model", ["nope", "nope_unnamed"])
+def test_a_streamed_error_fails_its_request_and_the_stream_goes_on(model: str) -> None:
     streams: list[int] = []
     with aio_server(streams) as (address, _seen):
         recorder = drive(
             address,
-            [simple_request("nope"), simple_request()],
+            [simple_request(model), simple_request()],
             1,
             streaming=True,
             until=lambda r: len(r.window.latencies) >= 5,

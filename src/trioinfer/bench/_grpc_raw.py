@@ -717,7 +717,9 @@ class _RawGrpcLoop:
         response = answer.infer_response
         final = response.parameters.get("triton_final_response")
         is_final = final is not None and final.bool_param
-        if response.id != stream.request_id:
+        # An error without an id (a server that names none) is the request in flight's.
+        unnamed_error = bool(answer.error_message) and not response.id
+        if response.id != stream.request_id and not unnamed_error:
             if is_final and not response.outputs:
                 return  # a late end of a request that already failed: nothing to count
             self._error(
