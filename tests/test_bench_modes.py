@@ -325,8 +325,9 @@ OPEN = ("--request-rate", "40", "--arrivals", "constant")
         pytest.param("shm", marks=pytest.mark.shm),
     ],
 )
-def test_open_loop_in_every_mode_over_http(
-    server: Server, repeat_3: Path, tmp_path: Path, mode: str
+@BOTH
+def test_open_loop_in_every_mode(
+    server: Server, repeat_3: Path, tmp_path: Path, mode: str, protocol: str
 ) -> None:
     args = {
         "streaming": ("-m", "repeat_int32", "--streaming", "--input-data", str(repeat_3)),
@@ -338,7 +339,7 @@ def test_open_loop_in_every_mode_over_http(
         "shm": ("-m", "add", "--shared-memory", "system", "--output-shared-memory-size", "64"),
     }[mode]
     code, output, doc = bench(
-        "--url", server.url, *args, *OPEN, *SHORT, json_file=tmp_path / "run.json"
+        *target(server, protocol), *args, *OPEN, *SHORT, json_file=tmp_path / "run.json"
     )
     assert code == 0, output
     assert "sent/s" in output.splitlines()[0]
@@ -407,14 +408,29 @@ def test_the_number_of_open_loop_sequences_is_for_stateful_models(server: Server
 
 
 @pytest.mark.grpc
-def test_grpc_open_loop_is_refused_naming_the_ways_that_have_one(server: Server) -> None:
+def test_grpc_open_loop_workers_are_a_fixed_pool(server: Server, tmp_path: Path) -> None:
+    # One call in flight at most: at 20,000/s some requests wait (late) or are dropped,
+    # and the table says the server (or the tool) could not keep up.
+    code, output, doc = bench(
+        *target(server, "grpc"), "-m", "add", "--max-connections", "1",
+        *("--request-rate", "20000", "--arrivals", "constant", *SHORT),
+        json_file=tmp_path / "run.json",
+    )  # fmt: skip
+    assert code == 0, output
+    (row,) = doc["results"]
+    assert row["completed"] > 0
+    assert row["late"] + row["dropped"] > 0
+    assert row["sent_per_s"] < 20000
+    assert "could not keep up" in output
+
+
+@pytest.mark.grpc
+def test_grpc_open_loop_needs_the_raw_client(server: Server) -> None:
     code, output, _ = bench(
-        *("--protocol", "grpc", "--url", f"grpc://{server.grpc}", "-m", "add", *OPEN)
+        *target(server, "grpc"), "-m", "add", "--grpc-client", "aio", *OPEN, *SHORT
     )
     assert code == 1
-    assert "closed-loop" in output
-    assert "HTTP" in output
-    assert "--in-process" in output
+    assert "--grpc-client raw" in output
 
 
 def test_a_bad_id_range_is_a_usage_error() -> None:

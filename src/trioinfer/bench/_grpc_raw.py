@@ -21,7 +21,8 @@ import os
 import socket
 import struct
 import time
-from collections.abc import Callable, Sequence
+from collections import deque
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import suppress
 from typing import Any, Final, cast
 from urllib.parse import unquote
@@ -29,7 +30,7 @@ from urllib.parse import unquote
 import hpack
 
 from ._client import _CONN_ERROR, _RECV_BYTES, _new_socket
-from ._load import _ERR, _IN, _OUT, _POLL_MAX_S, _RETRY_S, _Poller
+from ._load import _ERR, _IN, _OUT, _POLL_MAX_S, _RETRY_S, _Poller, _precise_wait
 from ._stats import STREAM_ERROR, Status, _Recorder
 
 _PREFACE: Final = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
@@ -159,6 +160,7 @@ class _H2Connection:
         "slots",
         "sock",
         "streams",
+        "turn",
         "wbuf",
         "windows",
         "writing",
@@ -171,6 +173,7 @@ class _H2Connection:
         self.sock: socket.socket | None = None
         self.fd = -1
         self.retry_at = 0  # when a failed connection may be opened again (ns)
+        self.turn = 0  # open loop: the worker to try first for the next due request
         self.reset()
 
     def reset(self) -> None:
@@ -217,6 +220,13 @@ class _RawGrpcLoop:
     its ``error_message``), and the worker's next request goes out on the same
     stream at once. Responses name their request's id, which is checked: one
     for another request is an error. A stream the server ends is replaced.
+
+    Open loop (*schedule*, offsets in ns after the start, as `_LoadLoop`'s): the
+    *count* workers are a fixed pool; a due request goes to the next free
+    worker, workers taken in turn (so that each worker's sequence advances),
+    else waits in a backlog (counted late) that workers take from as they
+    free up, and past *backlog_limit* waiting new arrivals are dropped.
+    Latency runs from when a request was due; how late it left is recorded.
     """
 
     def __init__(
@@ -231,8 +241,13 @@ class _RawGrpcLoop:
         timeout_s: float | None = None,
         streaming: bool = False,
         next_request: Callable[[int, int], bytes] | None = None,
+        schedule: Iterator[int] | None = None,
+        backlog_limit: int = 0,
     ) -> None:
         self._address = address
+        self._schedule = schedule
+        self._backlog: deque[int] = deque()
+        self._backlog_limit = backlog_limit
         self._streaming = streaming
         # Requests that differ by worker (sequences) or connection (shared memory):
         # made per call from (connection index, worker index within it).
@@ -287,7 +302,7 @@ class _RawGrpcLoop:
         error = sock.connect_ex(self._address)
         if error not in (0, errno.EINPROGRESS, errno.EWOULDBLOCK):
             sock.close()
-            self._fail(conn, OSError(error, os.strerror(error)), conn.slots)
+            self._fail(conn, OSError(error, os.strerror(error)), self._waiting(conn))
             return
         conn.sock = sock
         conn.fd = sock.fileno()
@@ -327,6 +342,17 @@ class _RawGrpcLoop:
         conn.retry_at = time.perf_counter_ns() + int(_RETRY_S * 1e9)
         self._broken.append(conn)
 
+    def _waiting(self, conn: _H2Connection) -> int:
+        # The requests a connection that could not connect fails: a closed loop's
+        # workers each had one waiting; an open loop sends none to it until it is up.
+        return 0 if self._schedule is not None else conn.slots
+
+    def _in_flight(self, conn: _H2Connection) -> int:
+        # Requests in flight on *conn* (a stream between requests has none).
+        if self._streaming:
+            return sum(s.request_id is not None for s in conn.streams.values())
+        return len(conn.streams)
+
     def _go_away(self, conn: _H2Connection, message: str) -> None:
         # The server takes no more calls here: the ones above its last stream are
         # counted now, the rest finish; then the connection is replaced.
@@ -336,14 +362,55 @@ class _RawGrpcLoop:
     # -- sending -------------------------------------------------------------------------------
 
     def _fill(self, conn: _H2Connection) -> None:
-        """Start calls on *conn* until its workers (or the server's limit) are all in flight."""
+        """Start calls on *conn* until its workers (or the server's limit) are all in flight.
+
+        Open loop: only requests due (the backlog's), while it has free workers.
+        """
         if conn.going_away or conn.sock is None:
             return  # its workers wait for the next connection
+        if self._schedule is not None:
+            while self._backlog and self._start_due(conn, self._backlog[0]):
+                self._backlog.popleft()
+            return
         want = min(conn.slots, conn.max_streams)
         if len(conn.streams) < want:
             start = time.perf_counter_ns()
             while len(conn.streams) < want:
                 self._send(conn, start)
+
+    def _start_due(self, conn: _H2Connection, due: int) -> bool:
+        """Open loop: send the request due at *due* on a free worker of *conn*, if any."""
+        if conn.going_away or conn.sock is None or conn.connecting:
+            return False
+        if self._streaming:
+            busy = {s.worker for s in conn.streams.values() if s.request_id is not None}
+        else:
+            busy = {s.worker for s in conn.streams.values()}
+        worker = self._next_worker(conn, busy)
+        if worker is None:
+            return False
+        window = self._recorder.window
+        window.sent += 1
+        window.delays.append(time.perf_counter_ns() - due)
+        idle = None
+        if self._streaming:
+            idle = next((s for s in conn.streams.values() if s.worker == worker), None)
+        if idle is not None:
+            self._stream_next(conn, idle, due)
+        else:
+            self._send(conn, due, worker)
+        return True
+
+    def _next_worker(self, conn: _H2Connection, busy: set[int]) -> int | None:
+        # Open loop: the next of *conn*'s workers in turn that is not busy.
+        if len(busy) >= min(conn.slots, conn.max_streams):
+            return None
+        for step in range(conn.slots):
+            worker = (conn.turn + step) % conn.slots
+            if worker not in busy:
+                conn.turn = worker + 1
+                return worker
+        return None  # pragma: no cover - fewer busy than slots leaves one free
 
     def _request(self, conn: _H2Connection, worker: int) -> bytes:
         # The next request's bytes, made for its worker where requests differ by worker.
@@ -356,17 +423,18 @@ class _RawGrpcLoop:
             return self._stream_bodies[n % len(self._stream_bodies)]
         return self._messages[n % len(self._messages)]
 
-    def _send(self, conn: _H2Connection, start: int) -> None:
-        """Start the next call on *conn* (its latency runs from *start*).
+    def _send(self, conn: _H2Connection, start: int, worker: int | None = None) -> None:
+        """Start the next call on *conn* (its latency runs from *start*), for *worker*.
 
-        Streaming: open the next idle worker's stream and send its first request.
+        Streaming: open the worker's stream and send its first request.
         """
-        worker = 0
-        if self._next_request is not None or self._streaming:
-            # The first of the connection's workers with no call in flight: whatever
-            # ended its last call (an answer, a reset, a lost connection).
-            busy = {s.worker for s in conn.streams.values()}
-            worker = next(i for i in range(conn.slots) if i not in busy)
+        if worker is None:
+            worker = 0
+            if self._next_request is not None or self._streaming:
+                # The first of the connection's workers with no call in flight: whatever
+                # ended its last call (an answer, a reset, a lost connection).
+                busy = {s.worker for s in conn.streams.values()}
+                worker = next(i for i in range(conn.slots) if i not in busy)
         sid = conn.next_id
         conn.next_id += 2
         if conn.next_id > _LAST_STREAM_ID:
@@ -444,7 +512,7 @@ class _RawGrpcLoop:
         except BlockingIOError:
             sent = 0
         except OSError as exc:
-            self._fail(conn, exc, len(conn.streams))
+            self._fail(conn, exc, self._in_flight(conn))
             return
         del conn.wbuf[:sent]
         writing = bool(conn.wbuf)
@@ -460,7 +528,7 @@ class _RawGrpcLoop:
         if conn.connecting:
             error = sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
             if error:
-                self._fail(conn, OSError(error, os.strerror(error)), conn.slots)
+                self._fail(conn, OSError(error, os.strerror(error)), self._waiting(conn))
                 return
             self._connected(conn)
         elif flags & (_IN | _ERR):
@@ -469,14 +537,14 @@ class _RawGrpcLoop:
             except BlockingIOError:
                 chunk = None
             except OSError as exc:
-                self._fail(conn, exc, len(conn.streams))
+                self._fail(conn, exc, self._in_flight(conn))
                 return
             if chunk is not None:
                 if not chunk:
                     self._fail(
                         conn,
                         ConnectionResetError("the server closed the connection"),
-                        len(conn.streams),
+                        self._in_flight(conn),
                     )
                     return
                 try:
@@ -485,7 +553,7 @@ class _RawGrpcLoop:
                     self._fail(
                         conn,
                         _ProtocolError(f"bad HTTP/2 from the server: {exc}"),
-                        len(conn.streams),
+                        self._in_flight(conn),
                     )
                     return
                 if conn.sock is None:
@@ -747,6 +815,8 @@ class _RawGrpcLoop:
             # No new request here: end the stream, and the connection is replaced
             # once the server has closed its streams.
             conn.wbuf += _frame(_DATA, _END_STREAM, stream.id)
+        elif self._schedule is not None:
+            self._fill(conn)  # the backlog's next, if any; else the stream waits
         else:
             self._stream_next(conn, stream, time.perf_counter_ns())
 
@@ -760,10 +830,34 @@ class _RawGrpcLoop:
         """Drive the connections until `stop` (runs in a worker thread)."""
         poll = self._poller.poll
         by_fd = self._by_fd
+        schedule = self._schedule
         for conn in self.connections:
             self._open(conn)
+        start_ns = time.perf_counter_ns()
+        due = start_ns + next(schedule) if schedule is not None else 0
+        # As `_LoadLoop`: microsecond waits, so that requests go out when due.
+        precise = _precise_wait(self._poller)
+        turn = 0  # the connection to try first, so that every one's workers take turns
         while not self._stopping:
             timeout = _POLL_MAX_S
+            if schedule is not None:
+                now = time.perf_counter_ns()
+                while due <= now:
+                    count = len(self.connections)
+                    for step in range(count):
+                        conn = self.connections[(turn + step) % count]
+                        if not self._backlog and self._start_due(conn, due):
+                            turn = (turn + step + 1) % count
+                            self._flush(conn)
+                            break
+                    else:
+                        if len(self._backlog) < self._backlog_limit:
+                            self._backlog.append(due)
+                            self._recorder.window.late += 1
+                        else:
+                            self._recorder.window.dropped += 1
+                    due = start_ns + next(schedule)
+                timeout = min(timeout, (due - now) / 1e9)
             if self._broken:
                 broken, self._broken = self._broken, []
                 now = time.perf_counter_ns()
@@ -773,8 +867,11 @@ class _RawGrpcLoop:
                     else:
                         self._broken.append(conn)
                 if self._broken:
-                    timeout = _RETRY_S
-            events = poll(timeout)
+                    timeout = min(timeout, _RETRY_S)
+            if precise is not None and 0 < timeout < _POLL_MAX_S:
+                events = poll(0) if precise(timeout)[0] else []
+            else:
+                events = poll(timeout)
             now = time.perf_counter_ns()
             for fd, flags in events:
                 ready = by_fd.get(fd)

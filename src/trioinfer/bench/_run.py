@@ -380,29 +380,27 @@ async def run_grpc(
     progress: Callable[[Progress], None] | None = None,
     client: GrpcClient = "raw",
 ) -> Run:
-    """Benchmark a V2 gRPC server's model (closed loop); one `Result` per level.
+    """Benchmark a V2 gRPC server's model; one `Result` per level.
 
     *client*: the lean load client (``"raw"``) or grpcio's ``grpc.aio`` (``"aio"``).
-    Inputs are read or generated as `run_http` does.
+    Inputs are read or generated as `run_http` does. An open loop's workers
+    (calls in flight at most) are a fixed pool: *plan*'s ``max_connections``
+    (0: `DEFAULT_MAX_CONNECTIONS`), or with sequences ``modes.open_sequences``.
 
     Raises:
-        BenchError: Open-loop levels (not implemented over gRPC), no server, no
+        BenchError: A mode or an open loop with the aio client, no server, no
             such model, or unusable inputs.
     """
-    if plan.rates:
-        raise BenchError(
-            "--protocol grpc runs closed-loop levels (--concurrency) only: for an open loop "
-            "(--request-rate) use HTTP (--protocol http, the default) or --in-process"
-        )
     metadata = await target.metadata()
     modes = _check_modes(check_model(await target.config(), plan.modes, target.model), input_files)
     sequences = modes.sequence_length is not None
     shm = modes.shared_memory != "none"
-    if (modes.streaming or sequences or shm) and client != "raw":
+    if (modes.streaming or sequences or shm or plan.rates) and client != "raw":
         raise BenchError(
-            "--streaming, sequences and --shared-memory run on the raw gRPC client "
-            "(--grpc-client raw, the default)"
+            "--streaming, sequences, --shared-memory and --request-rate run on the raw gRPC "
+            "client (--grpc-client raw, the default)"
         )
+    open_workers = modes.open_sequences if sequences else _pool_limit(plan)
     variants = _variants(metadata["inputs"], plan, input_files, shapes, input_data)
     requests = target.requests(variants)
     shm_requests: list[bytes] = []
@@ -419,15 +417,17 @@ async def run_grpc(
             return lambda conn, _worker: shm_requests[conn]
         return None
 
-    async def run_closed(count: int, recorder: _Recorder) -> Result:
+    async def level(
+        count: int, recorder: _Recorder, load: str, value: float, **loop_options: Any
+    ) -> Result:
         nonlocal index
 
         async def measure(recorder: _Recorder) -> Result:
             return await _measure(
                 recorder,
                 plan.settings,
-                "concurrency",
-                count,
+                load,
+                value,
                 progress,
                 (index, plan.levels),
                 streaming=modes.streaming,
@@ -442,17 +442,29 @@ async def run_grpc(
             client=client,
             streaming=modes.streaming,
             next_request=maker(count),
+            **loop_options,
         )
         index += 1
         return result
 
-    async def run_open(rate: float, recorder: _Recorder) -> Result:  # pragma: no cover
-        raise AssertionError("refused above")
+    async def run_closed(count: int, recorder: _Recorder) -> Result:
+        return await level(count, recorder, "concurrency", count)
+
+    async def run_open(rate: float, recorder: _Recorder) -> Result:
+        return await level(
+            open_workers,
+            recorder,
+            "rate",
+            rate,
+            schedule=plan.schedule(rate),
+            backlog_limit=_BACKLOG_PER_CONNECTION * open_workers,
+        )
 
     if not shm:
         return await _run_levels(plan, run_closed, run_open)
     # A region per HTTP/2 connection, each carrying WORKERS_PER_CHANNEL workers' calls.
-    connections = math.ceil(max(plan.concurrency) / WORKERS_PER_CHANNEL)
+    workers = open_workers if plan.rates else max(plan.concurrency)
+    connections = math.ceil(workers / WORKERS_PER_CHANNEL)
     async with _regions(target, metadata, variants, modes, connections) as regions:
         shm_requests.extend(target.shm_requests(regions))
         return await _run_levels(plan, run_closed, run_open)

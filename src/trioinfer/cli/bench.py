@@ -148,7 +148,7 @@ _REFUSED_INPUTS = (
     default="http",
     show_default=True,
     help="V2 over HTTP/1.1, or V2 gRPC (Triton's inference.GRPCInferenceService; raw tensor "
-    "contents; closed loop only; needs the 'grpc' extra).",
+    "contents; needs the 'grpc' extra).",
 )
 @click.option(
     "--grpc-client",
@@ -182,7 +182,7 @@ _REFUSED_INPUTS = (
     metavar="R1,R2,...",
     help="Open loop instead: requests per second offered, one level each; latency counts "
     "from when each request was due, and the rate sent and how late requests left are "
-    "reported beside it. HTTP or --in-process; every mode.",
+    "reported beside it. Every protocol and mode.",
 )
 @click.option(
     "--request-intervals",
@@ -205,8 +205,9 @@ _REFUSED_INPUTS = (
     type=click.IntRange(min=0),
     default=0,
     metavar="N",
-    help="Open loop: the most connections (in-process: workers) to open; more open as "
-    "requests find all busy, up to N (0, the default: 1024).",
+    help="Open loop: the most connections (in-process: workers; gRPC: calls in flight, 16 "
+    "per connection) to open; over HTTP more open as requests find all busy, up to N (0, "
+    "the default: 1024).",
 )
 @click.option(
     "--input-data",
@@ -403,8 +404,8 @@ def bench(**options: Any) -> None:
     data (the bundled read_digit takes 0-16): the tool then says to use
     --input-data zero or a file. With
     --protocol grpc it speaks V2 gRPC (Triton's inference.GRPCInferenceService)
-    from a lean HTTP/2 client over plain sockets, closed loop, 16 calls in
-    flight per connection; a call counts as done when it ends with grpc-status
+    from a lean HTTP/2 client over plain sockets, 16 calls in flight per
+    connection; a call counts as done when it ends with grpc-status
     0 and one whole answer message, else as an error named by its gRPC status.
 
     Closed loop (--concurrency 1,16,64): C keep-alive connections, each sending
@@ -417,7 +418,7 @@ def bench(**options: Any) -> None:
     slower client; the rate sent and how late requests left are reported
     beside the rate asked. --request-intervals FILE gives the gaps between
     requests instead (microseconds, one per line, cycled). Open loops run
-    over HTTP and --in-process, in every mode below.
+    over HTTP, gRPC and --in-process, in every mode below.
 
     Each level warms up (not counted), then measures windows until the last
     three agree within --stability (or --windows N). The table (on stdout)
