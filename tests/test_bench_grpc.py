@@ -295,6 +295,44 @@ def test_each_worker_sends_request_after_request_on_one_stream() -> None:
     assert len(set(ids)) == len(ids)
 
 
+def stream_response(request_id: str, *, final: bool, outputs: bool) -> bytes:
+    response = pb.ModelInferResponse(model_name="m", model_version="1", id=request_id)
+    if outputs:
+        response.outputs.add(name="out", datatype="INT32", shape=[1])
+        response.raw_output_contents.append(b"\1\0\0\0")
+    response.parameters["triton_final_response"].bool_param = final
+    return bytes(pb.ModelStreamInferResponse(infer_response=response).SerializeToString())
+
+
+@pytest.mark.streaming
+@pytest.mark.parametrize("final_outputs", [False, True])
+def test_a_streamed_request_ends_at_its_final_response(final_outputs: bool) -> None:
+    # A decoupled model's final response is empty (not a response); a model that is not
+    # decoupled answers once, its one response flagged final (counted).
+    from trioinfer.bench._grpc_raw import _Stream
+
+    recorder = _Recorder()
+    loop = _RawGrpcLoop(
+        ("127.0.0.1", 1), "x", [b""], recorder, 1, streams_per_connection=1, streaming=True
+    )
+    try:
+        conn = loop.connections[0]
+        conn.going_away = True  # no next request: the stream just ends
+        stream = _Stream(1, start=0)
+        stream.request_id, stream.request_tag = "7", b"\x1a\x017"
+        loop._response(conn, stream, stream_response("7", final=False, outputs=True), 10)
+        loop._response(conn, stream, stream_response("17", final=False, outputs=True), 15)
+        loop._response(conn, stream, stream_response("7", final=True, outputs=final_outputs), 20)
+    finally:
+        loop.close()
+    assert recorder.window.latencies == [20]
+    assert recorder.window.first == [10]
+    assert recorder.window.responses == (2 if final_outputs else 1)
+    # The response for request "17" was not counted for "7" (its id's bytes hold "7").
+    assert recorder.window.errors == {"bad-answer": 1}
+    assert stream.request_id is None
+
+
 @pytest.mark.streaming
 def test_big_requests_one_after_another_on_a_stream_through_flow_control() -> None:
     # 400 kB requests: each stream's send window (64 kB at first) is used up by

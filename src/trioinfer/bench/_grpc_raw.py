@@ -107,6 +107,7 @@ class _Stream:
         "http_status",
         "id",
         "request_id",
+        "request_tag",
         "responses",
         "start",
         "unacked",
@@ -127,6 +128,7 @@ class _Stream:
         # when its first response came (ns), how many came, and DATA not yet given
         # back to the stream's window.
         self.request_id: str | None = None
+        self.request_tag = b""  # the id as a response's bytes hold it (field 3)
         self.first = 0
         self.responses = 0
         self.unacked = 0
@@ -458,10 +460,11 @@ class _RawGrpcLoop:
         # A stream's next request: its own id, in a message of its own on the stream.
         request_id = str(next(self._ids))
         body = self._request(conn, stream.worker)
+        tail = _ID_TAG + bytes([len(request_id)]) + request_id.encode()
         stream.request_id = request_id
+        stream.request_tag = tail  # (a ModelInferResponse's id is field 3 too)
         stream.start = start
         stream.first = stream.responses = 0
-        tail = _ID_TAG + bytes([len(request_id)]) + request_id.encode()
         self._data(conn, stream, b"\0" + _U32.pack(len(body) + len(tail)) + body + tail)
 
     def _data(self, conn: _H2Connection, stream: _Stream, message: bytes) -> None:
@@ -776,30 +779,53 @@ class _RawGrpcLoop:
             conn.wbuf += _frame(_WINDOW_UPDATE, 0, stream.id, _U32.pack(stream.unacked))
             stream.unacked = 0
 
-    def _response(self, conn: _H2Connection, stream: _Stream, message: bytes, now: int) -> None:
+    def _read(self, message: bytes) -> tuple[str, str, bool, bool] | None:
+        # A response's request id, error_message, final flag and whether it has
+        # outputs (None: it does not parse). The parameters map, dear to read, is
+        # read only where its bytes hold the final flag.
         try:
             answer = self._parse(message)
-        except Exception:  # garbled: counted with its bytes, and the stream goes on
-            self._error("bad-answer", f"a stream response that does not parse: {message[:60]!r}")
-            return
+        except Exception:  # garbled: the caller counts it, with its bytes
+            return None
         response = answer.infer_response
+        if _FINAL_TRUE not in message:
+            return response.id, answer.error_message, False, True
         final = response.parameters.get("triton_final_response")
         is_final = final is not None and final.bool_param
+        has_outputs = bool(response.outputs) or bool(response.raw_output_contents)
+        return response.id, answer.error_message, is_final, has_outputs
+
+    def _response(self, conn: _H2Connection, stream: _Stream, message: bytes, now: int) -> None:
+        if (
+            message[:1] == b"\x12"  # an infer_response, no error_message
+            and _FINAL_TRUE not in message
+            and message.find(stream.request_tag, 0, _ID_WITHIN) > 0
+        ):
+            # The usual response, read from its bytes (the parser would cost twice the
+            # rest of its handling): the request in flight's, and not its last.
+            if not stream.responses:
+                stream.first = now
+            stream.responses += 1
+            return
+        read = self._read(message)
+        if read is None:
+            self._error("bad-answer", f"a stream response that does not parse: {message[:60]!r}")
+            return
+        response_id, error, is_final, has_outputs = read
         # An error without an id (a server that names none) is the request in flight's.
-        unnamed_error = bool(answer.error_message) and not response.id
-        if response.id != stream.request_id and not unnamed_error:
-            if is_final and not response.outputs:
+        if response_id != stream.request_id and not (error and not response_id):
+            if is_final and not has_outputs:
                 return  # a late end of a request that already failed: nothing to count
             self._error(
                 "bad-answer",
-                f"a response for request {response.id!r} on a stream whose request in flight "
+                f"a response for request {response_id!r} on a stream whose request in flight "
                 f"is {stream.request_id!r}",
             )
             return
-        if answer.error_message:
-            self._error(STREAM_ERROR, answer.error_message)
+        if error:
+            self._error(STREAM_ERROR, error)
         else:
-            if not is_final or response.outputs:
+            if not is_final or has_outputs:
                 if not stream.responses:
                     stream.first = now
                 stream.responses += 1
@@ -877,6 +903,14 @@ class _RawGrpcLoop:
                 ready = by_fd.get(fd)
                 if ready is not None and ready.sock is not None:
                     self._event(ready, flags, now)
+
+
+# A ModelInferResponse's parameters entry triton_final_response = true (field 4), as
+# protobuf writes it: only a response holding these bytes has its parameters read.
+_FINAL_TRUE: Final = b"\n\x15triton_final_response\x12\x02\x08\x01"
+# A response's id comes after its model's name and version: within this many bytes of
+# its start, or the response is parsed to find it.
+_ID_WITHIN: Final = 512
 
 
 def _no_parser(message: bytes) -> Any:  # pragma: no cover - unary calls parse nothing
