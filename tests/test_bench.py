@@ -30,6 +30,8 @@ from trioinfer._examples import digits_samples, example_repository
 from trioinfer.cli import main
 from trioinfer.server import Limits, decode_infer_request, encode_infer_request
 
+pytestmark = pytest.mark.bench
+
 SHORT = ("--warmup", "0.05", "--window", "0.2", "--windows", "2")
 
 

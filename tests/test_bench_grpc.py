@@ -36,7 +36,7 @@ from trioinfer.cli import main as cli_main
 from trioinfer.server import _grpc_proto as pb
 from trioinfer.testing import models
 
-pytestmark = pytest.mark.grpc
+pytestmark = [pytest.mark.bench, pytest.mark.grpc]
 
 #: How long each run drives load: long enough for many calls, nothing timed.
 RUN_S = 0.4

@@ -35,6 +35,8 @@ from trioinfer.bench._stats import _Recorder
 from trioinfer.cli import main
 from trioinfer.testing import models
 
+pytestmark = pytest.mark.bench
+
 SHORT = ("--warmup", "0.05", "--window", "0.3", "--windows", "2")
 #: repeat_int32's inputs for three responses per request, none delayed.
 REPEAT_3 = {
