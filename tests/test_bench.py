@@ -30,6 +30,8 @@ from trioinfer._examples import digits_samples, example_repository
 from trioinfer.cli import main
 from trioinfer.server import Limits, decode_infer_request, encode_infer_request
 
+pytestmark = pytest.mark.bench
+
 SHORT = ("--warmup", "0.05", "--window", "0.2", "--windows", "2")
 
 
@@ -330,6 +332,80 @@ def test_open_loop(url: str, tmp_path: Path, arrivals: str) -> None:
     for r in got:
         assert int(r["completed"]) > 0
         assert int(r["errors"]) == 0
+        # What was sent and how late, beside what was asked (perf_analyzer's send rate).
+        assert float(r["sent_per_s"]) > 0
+        assert 0 <= float(r["send_delay_p50_ms"]) <= float(r["send_delay_max_ms"])
+    header = result.output.splitlines()[0].split()
+    assert header[:2] == ["rate/s", "sent/s"]
+    assert "delay" in header
+
+
+def test_request_intervals_are_due_in_turn_and_cycled() -> None:
+    due = tool.iter_intervals([10, 20, 30])
+    assert [next(due) for _ in range(7)] == [0, 10, 30, 60, 70, 90, 120]
+    plan = tool.Plan.from_intervals([1_000_000, 3_000_000], seed=3)
+    assert plan.rates == (500.0,)  # two requests per 4 ms
+    assert plan.seed == 3
+    assert list(itertools.islice(plan.schedule(500.0), 3)) == [0, 1_000_000, 4_000_000]
+    for bad in ([], [0, 0], [5, -1]):
+        with pytest.raises(tool.BenchError, match="microseconds"):
+            tool.Plan.from_intervals(bad)
+
+
+def test_open_loop_from_request_intervals(url: str, tmp_path: Path) -> None:
+    # perf_analyzer's --request-intervals: microseconds, one per line; a blank line is none.
+    intervals = tmp_path / "intervals.txt"
+    intervals.write_text("2000\n\n8000\n")
+    out = tmp_path / "out.json"
+    result = bench(
+        "--url", url, "-m", "digits", "--request-intervals", str(intervals), *SHORT,
+        "--json", str(out),
+    )  # fmt: skip
+    assert result.exit_code == 0, result.output
+    (row,) = rows(out)
+    assert (row["load"], row["value"]) == ("rate", 200.0)  # two requests per 10 ms
+    assert row["completed"] > 0  # type: ignore[operator]
+    assert row["sent_per_s"] > 0  # type: ignore[operator]
+    assert json.loads(out.read_text())["request_intervals"] == str(intervals)
+
+
+@pytest.mark.parametrize(
+    ("text", "extra", "message"),
+    [
+        ("100\nfast\n", (), "line 2: expected a whole number of microseconds"),
+        ("-5\n", (), "line 1: expected a whole number of microseconds"),
+        ("0\n0\n", (), "no interval above 0"),
+        ("100\n", ("--request-rate", "5"), "--request-rate, --request-intervals, not several"),
+    ],
+)
+def test_bad_request_intervals_are_usage_errors(
+    tmp_path: Path, text: str, extra: tuple[str, ...], message: str
+) -> None:
+    intervals = tmp_path / "intervals.txt"
+    intervals.write_text(text)
+    result = bench("-m", "digits", "--request-intervals", str(intervals), *extra)
+    assert result.exit_code == 2
+    assert message in " ".join(result.output.split())
+
+
+def test_an_open_loop_that_cannot_keep_up_says_how_late_requests_left() -> None:
+    latency = {"p50": 1.0, "p90": 2.0, "p95": 3.0, "p99": 4.0, "max": 5.0}
+    delays = {"p50": 0.5, "p90": 9.0, "p95": 10.0, "p99": 12.5, "max": 20.0}
+    behind = tool.Result(
+        "rate", 1000, 640.0, latency, 640, {}, 300, 50, 3, True, 10.0, 0.5,
+        sent_per_s=700.0, send_delay_ms=delays,
+    )  # fmt: skip
+    table = tool.format_table([behind])
+    header, row = table.splitlines()[:2]
+    assert header.split()[:3] == ["rate/s", "sent/s", "req/s"]
+    assert row.split()[:3] == ["1000", "700", "640"]
+    assert "12.50" in row
+    assert "700/s sent" in table
+    assert "p99 send delay 12.50 ms" in table
+    assert behind.row()["sent_per_s"] == 700.0
+    assert behind.row()["send_delay_p99_ms"] == 12.5
+    # A closed loop has neither.
+    assert "sent_per_s" not in _result(4).row()
 
 
 def test_in_process(tmp_path: Path) -> None:

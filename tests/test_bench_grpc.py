@@ -14,7 +14,7 @@ import socket
 import struct
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -36,7 +36,7 @@ from trioinfer.cli import main as cli_main
 from trioinfer.server import _grpc_proto as pb
 from trioinfer.testing import models
 
-pytestmark = pytest.mark.grpc
+pytestmark = [pytest.mark.bench, pytest.mark.grpc]
 
 #: How long each run drives load: long enough for many calls, nothing timed.
 RUN_S = 0.4
@@ -62,6 +62,7 @@ def drive(
     seconds: float = RUN_S,
     until: Callable[[_Recorder], bool] | None = None,
     timeout_s: float | None = None,
+    streaming: bool = False,
 ) -> _Recorder:
     """Run the raw client's closed loop for *seconds* (or until *until*); return its record."""
     recorder = _Recorder()
@@ -74,6 +75,7 @@ def drive(
         count,
         streams_per_connection=per_connection,
         timeout_s=timeout_s,
+        streaming=streaming,
     )
     thread = threading.Thread(target=loop.run, daemon=True)
     thread.start()
@@ -139,14 +141,55 @@ def test_bench_cli_grpc_clients(server: Server, tmp_path: Path, client: str) -> 
 
 
 @contextlib.contextmanager
-def aio_server() -> Iterator[tuple[str, list[bytes]]]:
+def aio_server(streams: list[int] | None = None) -> Iterator[tuple[str, list[bytes]]]:
     """A grpc.aio server whose ModelInfer echoes the first raw input as the output.
 
     Model ``nope`` gets NOT_FOUND; ``big`` gets a 300 kB answer (past any window).
+    Its ModelStreamInfer answers each request as a decoupled model with Triton's
+    empty final response: two echoes, then the final; ``nope`` gets an
+    error_message, ``wrong_id`` an echo naming another request first, and
+    ``hang_up`` ends the stream unanswered. *streams* gets one entry per stream
+    opened: how many requests came on it.
     """
     seen: list[bytes] = []
     ready = threading.Event()
     state: dict[str, Any] = {}
+    opened = streams if streams is not None else []
+
+    async def stream_infer(
+        requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext[Any, Any]
+    ) -> AsyncIterator[bytes]:
+        index = len(opened)
+        opened.append(0)
+        async for raw in requests:
+            seen.append(raw)
+            opened[index] += 1
+            request = pb.ModelInferRequest.FromString(raw)
+            assert request.parameters["triton_enable_empty_final_response"].bool_param
+            if request.model_name == "hang_up":
+                return
+            if request.model_name in ("nope", "nope_unnamed"):
+                # (Its id, as Triton's; or none, as a server might.)
+                named = request.model_name == "nope"
+                yield pb.ModelStreamInferResponse(
+                    error_message="no model 'nope'",
+                    infer_response=pb.ModelInferResponse(id=request.id if named else ""),
+                ).SerializeToString()
+                continue
+            wrong = request.model_name == "wrong_id"
+            ids = ["elsewhere", request.id] if wrong else [request.id] * 2
+            payload = request.raw_input_contents[0]
+            for response_id in ids:
+                response = pb.ModelInferResponse(model_name=request.model_name, id=response_id)
+                response.outputs.add(name="out", datatype="INT32", shape=[1])
+                response.raw_output_contents.append(
+                    payload * 4 if request.model_name == "big" else payload
+                )
+                response.parameters["triton_final_response"].bool_param = False
+                yield pb.ModelStreamInferResponse(infer_response=response).SerializeToString()
+            final = pb.ModelInferResponse(model_name=request.model_name, id=request.id)
+            final.parameters["triton_final_response"].bool_param = True
+            yield pb.ModelStreamInferResponse(infer_response=final).SerializeToString()
 
     async def infer(raw: bytes, context: grpc.aio.ServicerContext[Any, Any]) -> bytes:
         seen.append(raw)
@@ -163,7 +206,10 @@ def aio_server() -> Iterator[tuple[str, list[bytes]]]:
         server = grpc.aio.server()
         handler = grpc.method_handlers_generic_handler(
             "inference.GRPCInferenceService",
-            {"ModelInfer": grpc.unary_unary_rpc_method_handler(infer)},
+            {
+                "ModelInfer": grpc.unary_unary_rpc_method_handler(infer),
+                "ModelStreamInfer": grpc.stream_stream_rpc_method_handler(stream_infer),
+            },
         )
         server.add_generic_rpc_handlers((handler,))
         state["port"] = server.add_insecure_port("127.0.0.1:0")
@@ -218,6 +264,142 @@ def test_big_messages_both_ways_through_flow_control() -> None:
     assert len(recorder.window.latencies) >= 3
     assert not recorder.window.errors, recorder.first_error
     assert set(seen) == {request}
+
+
+# -- streaming: one ModelStreamInfer stream per worker -----------------------------------------
+
+
+@pytest.mark.streaming
+def test_each_worker_sends_request_after_request_on_one_stream() -> None:
+    # 5 workers, 4 per connection: five streams, each carrying many requests, as
+    # perf_analyzer's --streaming does (not a call per request).
+    streams: list[int] = []
+    with aio_server(streams) as (address, seen):
+        recorder = drive(
+            address,
+            [simple_request()],
+            5,
+            streaming=True,
+            until=lambda r: len(r.window.latencies) >= 50,
+        )
+    assert not recorder.window.errors, recorder.first_error
+    completed = len(recorder.window.latencies)
+    assert len(streams) == 5
+    assert all(n > 1 for n in streams)
+    assert sum(streams) >= completed >= 50
+    # Two responses counted per request; the empty final one is not a response.
+    assert recorder.window.responses == 2 * completed
+    assert len(recorder.window.first) == completed
+    # Each request carried an id of its own (how its responses are matched).
+    ids = [pb.ModelInferRequest.FromString(raw).id for raw in seen]
+    assert len(set(ids)) == len(ids)
+
+
+def stream_response(request_id: str, *, final: bool, outputs: bool) -> bytes:
+    response = pb.ModelInferResponse(model_name="m", model_version="1", id=request_id)
+    if outputs:
+        response.outputs.add(name="out", datatype="INT32", shape=[1])
+        response.raw_output_contents.append(b"\1\0\0\0")
+    response.parameters["triton_final_response"].bool_param = final
+    return bytes(pb.ModelStreamInferResponse(infer_response=response).SerializeToString())
+
+
+@pytest.mark.streaming
+@pytest.mark.parametrize("final_outputs", [False, True])
+def test_a_streamed_request_ends_at_its_final_response(final_outputs: bool) -> None:
+    # A decoupled model's final response is empty (not a response); a model that is not
+    # decoupled answers once, its one response flagged final (counted).
+    from trioinfer.bench._grpc_raw import _Stream
+
+    recorder = _Recorder()
+    loop = _RawGrpcLoop(
+        ("127.0.0.1", 1), "x", [b""], recorder, 1, streams_per_connection=1, streaming=True
+    )
+    try:
+        conn = loop.connections[0]
+        conn.going_away = True  # no next request: the stream just ends
+        stream = _Stream(1, start=0)
+        stream.request_id, stream.request_tag = "7", b"\x1a\x017"
+        loop._response(conn, stream, stream_response("7", final=False, outputs=True), 10)
+        loop._response(conn, stream, stream_response("17", final=False, outputs=True), 15)
+        loop._response(conn, stream, stream_response("7", final=True, outputs=final_outputs), 20)
+    finally:
+        loop.close()
+    assert recorder.window.latencies == [20]
+    assert recorder.window.first == [10]
+    assert recorder.window.responses == (2 if final_outputs else 1)
+    # The response for request "17" was not counted for "7" (its id's bytes hold "7").
+    assert recorder.window.errors == {"bad-answer": 1}
+    assert stream.request_id is None
+
+
+@pytest.mark.streaming
+def test_big_requests_one_after_another_on_a_stream_through_flow_control() -> None:
+    # 400 kB requests: each stream's send window (64 kB at first) is used up by
+    # its first request and must be given back for the next ones.
+    streams: list[int] = []
+    request = simple_request("big", width=100_000)
+    with aio_server(streams) as (address, _seen):
+        recorder = drive(
+            address,
+            [request],
+            2,
+            streaming=True,
+            until=lambda r: len(r.window.latencies) >= 6,
+        )
+    assert not recorder.window.errors, recorder.first_error
+    assert len(recorder.window.latencies) >= 6
+    assert len(streams) == 2
+
+
+@pytest.mark.streaming
+@pytest.mark.parametrize("model", ["nope", "nope_unnamed"])
+def test_a_streamed_error_fails_its_request_and_the_stream_goes_on(model: str) -> None:
+    streams: list[int] = []
+    with aio_server(streams) as (address, _seen):
+        recorder = drive(
+            address,
+            [simple_request(model), simple_request()],
+            1,
+            streaming=True,
+            until=lambda r: len(r.window.latencies) >= 5,
+        )
+    assert recorder.window.errors["stream-error"] >= 5
+    assert recorder.first_error["stream-error"] == "no model 'nope'"
+    assert len(streams) == 1
+
+
+@pytest.mark.streaming
+def test_a_response_for_another_request_is_counted_as_a_bad_answer() -> None:
+    with aio_server() as (address, _seen):
+        recorder = drive(
+            address,
+            [simple_request("wrong_id")],
+            1,
+            streaming=True,
+            until=lambda r: len(r.window.latencies) >= 3,
+        )
+    assert recorder.window.errors["bad-answer"] >= 3
+    assert "'elsewhere'" in recorder.first_error["bad-answer"]
+    # The request's own responses still end it: one response each, not two.
+    assert recorder.window.responses == len(recorder.window.latencies)
+
+
+@pytest.mark.streaming
+def test_a_stream_ended_under_a_request_fails_it_and_a_new_one_opens() -> None:
+    streams: list[int] = []
+    with aio_server(streams) as (address, _seen):
+        recorder = drive(
+            address,
+            [simple_request("hang_up")],
+            1,
+            streaming=True,
+            until=lambda r: r.window.errors["bad-answer"] >= 3,
+        )
+    assert recorder.window.errors["bad-answer"] >= 3
+    assert "before request" in recorder.first_error["bad-answer"]
+    assert len(streams) >= 3
+    assert not recorder.window.latencies
 
 
 # -- against a scripted h2 server -------------------------------------------------------------

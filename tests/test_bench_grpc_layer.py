@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.grpc
+pytestmark = [pytest.mark.bench, pytest.mark.grpc]
 
 BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
 #: A row's median and minimum, then each round's figure.

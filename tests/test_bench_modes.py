@@ -7,15 +7,20 @@ repeat_int32, and in-process where the mode applies. Nothing here is timed.
 
 from __future__ import annotations
 
+import gc
 import json
 import math
 import os
 import shutil
+import threading
+import time
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
+import numpy as np
 import pytest
 import trio
 from click.testing import CliRunner
@@ -29,6 +34,8 @@ from trioinfer.bench._modes import SHM_DIR, Modes, _Sequencer
 from trioinfer.bench._stats import _Recorder
 from trioinfer.cli import main
 from trioinfer.testing import models
+
+pytestmark = pytest.mark.bench
 
 SHORT = ("--warmup", "0.05", "--window", "0.3", "--windows", "2")
 #: repeat_int32's inputs for three responses per request, none delayed.
@@ -106,7 +113,7 @@ BOTH = pytest.mark.parametrize("protocol", ["http", pytest.param("grpc", marks=p
 def test_streaming_counts_every_response(
     server: Server, repeat_3: Path, tmp_path: Path, protocol: str
 ) -> None:
-    # gRPC: a ModelStreamInfer call per request; HTTP: a generate_stream request (SSE).
+    # gRPC: one ModelStreamInfer stream per worker; HTTP: a generate_stream request (SSE).
     code, output, doc = bench(
         *target(server, protocol),
         "-m",
@@ -123,6 +130,43 @@ def test_streaming_counts_every_response(
         # Three responses per request, counted in the same windows as the requests.
         assert math.isclose(row["responses_per_s"], 3 * row["throughput"], rel_tol=0.01)
         assert row["first_p50_ms"] <= row["max_ms"]
+
+
+@pytest.mark.grpc
+@pytest.mark.streaming
+@pytest.mark.python_model
+def test_grpc_streaming_keeps_one_stream_per_worker(server: Server, repeat_3: Path) -> None:
+    # perf_analyzer's way: each worker sends request after request on one
+    # ModelStreamInfer stream, and trioinfer's server ends each request's
+    # responses with the empty final response the requests ask for.
+    from trioinfer.bench._grpc_raw import _RawGrpcLoop
+
+    grpc_target = tool.GrpcTarget(server.grpc, "repeat_int32")
+    recorder = _Recorder()
+    loop = _RawGrpcLoop(
+        grpc_target.host_port,
+        grpc_target.address,
+        grpc_target.requests([tool.load_inputs(repeat_3)]),
+        recorder,
+        3,
+        streams_per_connection=2,
+        streaming=True,
+    )
+    thread = threading.Thread(target=loop.run, daemon=True)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 30
+        while len(recorder.window.latencies) < 30 and time.monotonic() < deadline:
+            time.sleep(0.01)
+    finally:
+        loop.stop()
+        thread.join(30)
+        loop.close()
+    assert not recorder.window.errors, recorder.first_error
+    assert len(recorder.window.latencies) >= 30
+    assert recorder.window.responses == 3 * len(recorder.window.latencies)
+    # Stream ids go 1, 3, 5...: two connections, with two and one stream opened.
+    assert [conn.next_id for conn in loop.connections] == [5, 3]
 
 
 @pytest.mark.streaming
@@ -269,13 +313,126 @@ def test_sequence_flags_for_a_model_that_is_not_stateful(server: Server) -> None
     assert "not stateful" in output
 
 
+# -- open loop (--request-rate) in every mode --------------------------------------------------
+
+
+OPEN = ("--request-rate", "40", "--arrivals", "constant")
+
+
+@pytest.mark.parametrize(
+    "mode",
+    [
+        pytest.param("streaming", marks=[pytest.mark.streaming, pytest.mark.python_model]),
+        pytest.param("sequence", marks=[pytest.mark.sequence, pytest.mark.python_model]),
+        pytest.param("shm", marks=pytest.mark.shm),
+    ],
+)
+@BOTH
+def test_open_loop_in_every_mode(
+    server: Server, repeat_3: Path, tmp_path: Path, mode: str, protocol: str
+) -> None:
+    args = {
+        "streaming": ("-m", "repeat_int32", "--streaming", "--input-data", str(repeat_3)),
+        # Two sequences in flight need only two ids: none collide.
+        "sequence": (
+            *("-m", "simple_sequence", "--input-data", "zero", "--sequence-length", "3"),
+            *("--num-of-sequences", "2", "--sequence-id-range", "100:102"),
+        ),
+        "shm": ("-m", "add", "--shared-memory", "system", "--output-shared-memory-size", "64"),
+    }[mode]
+    code, output, doc = bench(
+        *target(server, protocol), *args, *OPEN, *SHORT, json_file=tmp_path / "run.json"
+    )
+    assert code == 0, output
+    assert "sent/s" in output.splitlines()[0]
+    (row,) = doc["results"]
+    assert row["load"] == "rate"
+    assert row["completed"] > 0
+    assert row["errors"] == 0
+    # The rate achieved and how late requests left, beside the rate asked.
+    assert row["sent_per_s"] > 0
+    assert row["send_delay_p50_ms"] <= row["send_delay_max_ms"]
+    if mode == "streaming":
+        assert math.isclose(row["responses_per_s"], 3 * row["throughput"], rel_tol=0.01)
+    if mode == "shm":
+        assert registered(server) == []
+        assert leftover_regions() == []
+
+
+@pytest.mark.parametrize(
+    "mode",
+    [
+        pytest.param("streaming", marks=pytest.mark.streaming),
+        pytest.param("sequence", marks=pytest.mark.sequence),
+    ],
+)
+@pytest.mark.python_model
+def test_open_loop_in_process(repository: Path, repeat_3: Path, tmp_path: Path, mode: str) -> None:
+    args = {
+        "streaming": ("-m", "repeat_int32", "--streaming", "--input-data", str(repeat_3)),
+        "sequence": ("-m", "simple_sequence", "--input-data", "zero", "--sequence-length", "3"),
+    }[mode]
+    code, output, doc = bench(
+        *("--in-process", "--model-repository", str(repository), *args, *OPEN, *SHORT),
+        json_file=tmp_path / "run.json",
+    )
+    assert code == 0, output
+    (row,) = doc["results"]
+    assert row["completed"] > 0
+    assert row["errors"] == 0
+    assert row["sent_per_s"] > 0
+
+
 @pytest.mark.sequence
 @pytest.mark.python_model
-def test_sequences_are_closed_loop_only(server: Server) -> None:
-    # A stateful model gets sequences by default; an open loop cannot keep them in order.
-    code, output, _ = bench("--url", server.url, "-m", "simple_sequence", "--request-rate", "10")
+@pytest.mark.parametrize("load", [("--concurrency", "3"), ("--num-of-sequences", "3", *OPEN)])
+def test_sequences_in_flight_need_an_id_each(server: Server, load: tuple[str, ...]) -> None:
+    # Refused before any connection opens: the level's sockets were left to the
+    # garbage collector (a ResourceWarning each).
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        code, output, _ = bench(
+            *("--url", server.url, "-m", "simple_sequence", "--sequence-id-range", "100:102"),
+            *load,
+            *SHORT,
+        )
+        gc.collect()
     assert code == 1
-    assert "closed-loop" in output
+    assert "ids would collide" in output
+    assert [w for w in seen if issubclass(w.category, ResourceWarning)] == []
+
+
+@pytest.mark.sequence
+def test_the_number_of_open_loop_sequences_is_for_stateful_models(server: Server) -> None:
+    code, output, _ = bench("--url", server.url, "-m", "add", "--num-of-sequences", "3")
+    assert code == 1
+    assert "not stateful" in output
+
+
+@pytest.mark.grpc
+def test_grpc_open_loop_workers_are_a_fixed_pool(server: Server, tmp_path: Path) -> None:
+    # One call in flight at most: at 20,000/s some requests wait (late) or are dropped,
+    # and the table says the server (or the tool) could not keep up.
+    code, output, doc = bench(
+        *target(server, "grpc"), "-m", "add", "--max-connections", "1",
+        *("--request-rate", "20000", "--arrivals", "constant", *SHORT),
+        json_file=tmp_path / "run.json",
+    )  # fmt: skip
+    assert code == 0, output
+    (row,) = doc["results"]
+    assert row["completed"] > 0
+    assert row["late"] + row["dropped"] > 0
+    assert row["sent_per_s"] < 20000
+    assert "could not keep up" in output
+
+
+@pytest.mark.grpc
+def test_grpc_open_loop_needs_the_raw_client(server: Server) -> None:
+    code, output, _ = bench(
+        *target(server, "grpc"), "-m", "add", "--grpc-client", "aio", *OPEN, *SHORT
+    )
+    assert code == 1
+    assert "--grpc-client raw" in output
 
 
 def test_a_bad_id_range_is_a_usage_error() -> None:
@@ -356,3 +513,46 @@ def test_a_server_that_takes_no_regions_says_why(repository: Path, tmp_path: Pat
     assert code == 1
     assert "--workers" in output
     assert leftover_regions() == []
+
+
+# -- the bundled stateful model ----------------------------------------------------------------
+
+
+@pytest.mark.sequence
+@pytest.mark.python_model
+def test_the_docs_sequence_command_runs_on_the_bundled_repository(tmp_path: Path) -> None:
+    # docs/how-to/benchmarking.md's command, on the bundled repository (in-process
+    # here: the model is loaded as `trioinfer serve` loads it).
+    page = (Path(__file__).parent.parent / "docs/how-to/benchmarking.md").read_text()
+    command = "trioinfer bench -m accumulator --input-data zero --concurrency 1,8 \\\n"
+    assert command in page
+    code, output, doc = bench(
+        *("--in-process", "--model-repository", str(trioinfer.example_repository())),
+        *("-m", "accumulator", "--input-data", "zero", "--concurrency", "1,8"),
+        *("--sequence-length", "20", "--sequence-id-range", "1000:2000", *SHORT),
+        json_file=tmp_path / "run.json",
+    )
+    assert code == 0, output
+    assert [r["value"] for r in doc["results"]] == [1, 8]
+    assert all(r["completed"] > 0 and r["errors"] == 0 for r in doc["results"])
+
+
+@pytest.mark.sequence
+@pytest.mark.python_model
+async def test_the_bundled_accumulator_sums_each_sequence_apart() -> None:
+    from trioinfer.server import ModelRepository
+    from trioinfer.server._models import ServedModels
+
+    async with trioinfer.open_engine() as engine:
+        served = ServedModels(engine, ModelRepository(trioinfer.example_repository()))
+        await served.load_with_steps("accumulator")
+        name = served.resolve("accumulator", None).info.name
+        sums: dict[int, list[int]] = {1: [], 2: []}
+        for i, (a, b) in enumerate([(3, 100), (4, -1), (5, -2)]):
+            for sequence_id, value in ((1, a), (2, b)):
+                flags = trioinfer.SequenceFlags(sequence_id, start=i == 0, end=i == 2)
+                outputs = await engine.infer(
+                    name, {"INPUT": np.array([[value]], np.int32)}, sequence=flags
+                )
+                sums[sequence_id].append(int(outputs["OUTPUT"][0][0]))
+    assert sums == {1: [3, 7, 12], 2: [100, 99, 97]}

@@ -66,7 +66,14 @@ def symlink(target: Path, link: Path, *, is_dir: bool = False) -> None:
 
 def test_bundled_example_repository_is_served() -> None:
     repo = ModelRepository(example_repository())
-    assert repo.names() == ["digit_names", "digits", "read_digit", "repeat_int32", "scale_image"]
+    assert repo.names() == [
+        "accumulator",
+        "digit_names",
+        "digits",
+        "read_digit",
+        "repeat_int32",
+        "scale_image",
+    ]
     entry = repo.entry("digits")
     assert entry.versions == (1,)
     assert entry.selected() == (1,)
@@ -77,6 +84,7 @@ def test_bundled_example_repository_is_served() -> None:
     assert config.path.is_file()
     assert [str(i.device) for i in config.instances] == ["cpu"]
     assert [(e.name, e.version) for e in repo.index()] == [
+        ("accumulator", 1),
         ("digit_names", 1),
         ("digits", 1),
         ("read_digit", 1),

@@ -59,6 +59,7 @@ from ._inputs import load_inputs as load_inputs
 from ._inputs import random_inputs as random_inputs
 from ._inputs import zero_inputs as zero_inputs
 from ._load import iter_arrivals as iter_arrivals
+from ._load import iter_intervals as iter_intervals
 from ._modes import Modes as Modes
 from ._report import format_table as format_table
 from ._report import open_progress as open_progress
@@ -97,6 +98,7 @@ __all__ = [
     "format_table",
     "is_stable",
     "iter_arrivals",
+    "iter_intervals",
     "load_inputs",
     "open_local_model",
     "open_progress",

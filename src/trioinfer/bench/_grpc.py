@@ -1,4 +1,4 @@
-"""The gRPC client: V2 gRPC (Triton's ``inference.GRPCInferenceService``) load, closed loop.
+"""The gRPC client: V2 gRPC (Triton's ``inference.GRPCInferenceService``) load.
 
 `GrpcTarget` is a model on a V2 gRPC server (trioinfer or Triton). Each
 request variant is serialized once, before the run, as a ``ModelInferRequest``
@@ -16,7 +16,7 @@ import asyncio
 import contextlib
 import math
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any, Final, Literal
 
 import attrs
@@ -294,13 +294,20 @@ async def run_grpc_level(
     client: GrpcClient = "raw",
     streaming: bool = False,
     next_request: Callable[[int, int], bytes] | None = None,
+    schedule: Iterator[int] | None = None,
+    backlog_limit: int = 0,
 ) -> Result:
-    """One closed-loop level over gRPC: *concurrency* workers; *measure* counts the windows.
+    """One level over gRPC: *concurrency* workers; *measure* counts the windows.
+
+    Closed loop, or with *schedule* (the raw client) an open loop: requests due
+    at its offsets (ns) go to the *concurrency* workers, a fixed pool, and wait
+    in a backlog of at most *backlog_limit* when all are busy.
 
     *client* ``"raw"`` is the lean client (`_grpc_raw`); ``"aio"`` is grpcio's.
-    With *streaming* (the raw client) each request is a ``ModelStreamInfer``
-    call of its own, which ends after its last response. *next_request* (the
-    raw client) makes each request from its connection's and worker's index.
+    With *streaming* (the raw client) each worker sends its requests one after
+    another on one ``ModelStreamInfer`` stream, each done at its final response.
+    *next_request* (the raw client) makes each request from its connection's
+    and worker's index.
     """
     from ._grpc_raw import _RawGrpcLoop  # hpack: the grpc extra's
 
@@ -316,6 +323,8 @@ async def run_grpc_level(
             streams_per_connection=WORKERS_PER_CHANNEL,
             streaming=streaming,
             next_request=next_request,
+            schedule=schedule,
+            backlog_limit=backlog_limit,
         )
     try:
         async with trio.open_nursery() as nursery:

@@ -58,6 +58,28 @@ def iter_arrivals(rate: float, arrivals: Arrivals, seed: int = 0) -> Iterator[in
         yield from np.rint(times).astype(np.int64).tolist()
 
 
+def iter_intervals(intervals_ns: Sequence[int]) -> Iterator[int]:
+    """Yield the times requests are due, *intervals_ns* apart in turn, cycled, forever.
+
+    The first is due at 0, the second ``intervals_ns[0]`` later, and so on
+    (perf_analyzer's ``--request-intervals``); after the last interval the
+    first comes again.
+
+    Raises:
+        ValueError: No intervals, a negative one, or none above 0 (an endless burst).
+    """
+    if not intervals_ns or min(intervals_ns) < 0 or not max(intervals_ns) > 0:
+        raise ValueError(
+            "request intervals must be nanoseconds, none negative and not all 0, got "
+            f"{list(intervals_ns)[:5]}"
+        )
+    due = 0
+    while True:
+        for gap in intervals_ns:
+            yield due
+            due += gap
+
+
 #: One worker's way of sending request variant *n*; returns 200 on success, else the status.
 #: (In-process only: HTTP levels run in a `_LoadLoop`.)
 Send = Callable[[int], Awaitable[Status]]
@@ -93,7 +115,11 @@ class _LoadLoop:
     arriving), else waits in a backlog (counted late) that a connection takes
     from as it frees up, and past *backlog_limit* waiting, new arrivals are
     dropped. Latency always runs from the request's start: when it went out
-    (closed) or was due (open), so a new connection's handshake counts in it.
+    (closed) or was due (open), so a new connection's handshake counts in it;
+    an open loop also records how late each request went out (its send delay).
+    With *in_turn* free connections take due requests in turn (oldest free
+    first) rather than the last freed, so that each connection's sequence
+    advances and none sits idle long enough for the server to release it.
     """
 
     def __init__(
@@ -108,6 +134,7 @@ class _LoadLoop:
         max_connections: int = 0,
         next_request: Callable[[_Connection], bytes] | None = None,
         streaming: bool = False,
+        in_turn: bool = False,
     ) -> None:
         self._address = address
         self._requests = requests
@@ -121,12 +148,14 @@ class _LoadLoop:
         self._n = 0
         self._poller = _Poller()
         self._by_fd: dict[int, _Connection] = {}
-        self._free: list[_Connection] = []
+        self._free: deque[_Connection] = deque()
+        self._take_free = self._free.popleft if in_turn else self._free.pop
+        self._streaming = streaming
         self._backlog: deque[int] = deque()
         self._broken: list[_Connection] = []
         # When the broken connections may try again (perf_counter_ns).
         self._retry_ns = 0
-        # Streaming (closed loop): answers are event streams, each counted to its end.
+        # Streaming: answers are event streams, each counted to its end.
         self.connections = [_Connection(recorder, streaming=streaming) for _ in socks]
         for conn, sock in zip(self.connections, socks, strict=True):
             self._attach(conn, sock, _IN)
@@ -188,6 +217,10 @@ class _LoadLoop:
             conn.connecting = True
             self._attach(conn, sock, _OUT)
             return
+        if self._schedule is not None:
+            window = self._recorder.window
+            window.sent += 1
+            window.delays.append(time.perf_counter_ns() - start_ns)
         if self._next_request is not None:
             self._transmit(conn, memoryview(self._next_request(conn)))
             return
@@ -308,9 +341,9 @@ class _LoadLoop:
                 now = time.perf_counter_ns()
                 while due <= now:
                     if self._free:
-                        self._start(self._free.pop(), due)
+                        self._start(self._take_free(), due)
                     elif len(self.connections) < self._max_connections:
-                        conn = _Connection(self._recorder)
+                        conn = _Connection(self._recorder, streaming=self._streaming)
                         self.connections.append(conn)
                         self._start(conn, due)  # connects, then sends
                     elif len(self._backlog) < self._backlog_limit:
@@ -411,13 +444,11 @@ async def _open_level(
     measure: Callable[[_Recorder, str, float], Awaitable[Result]],
     *,
     rate: float,
-    arrivals: Arrivals,
-    seed: int,
+    schedule: Iterator[int],
 ) -> Result:
     # In-process: one schedule shared by all workers; a worker that is free claims
     # the next due time and sleeps until it. (The engine's own work dwarfs a timer
     # per request here; HTTP levels batch their timers in `_LoadLoop`.)
-    schedule = iter_arrivals(rate, arrivals, seed)
     start_ns = time.perf_counter_ns()
     max_behind_ns = _BACKLOG_PER_CONNECTION * len(senders) * 1e9 / rate
 
@@ -433,6 +464,9 @@ async def _open_level(
                 continue
             else:
                 recorder.window.late += 1
+            window = recorder.window
+            window.sent += 1
+            window.delays.append(time.perf_counter_ns() - due)
             status = await send(n)
             end = time.perf_counter_ns()
             window = recorder.window

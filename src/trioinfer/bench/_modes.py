@@ -26,6 +26,8 @@ from ._inputs import BenchError, Tensor
 #: perf_analyzer's defaults: a sequence's base length and its variation (percent).
 DEFAULT_SEQUENCE_LENGTH: Final = 20
 DEFAULT_SEQUENCE_VARIATION: Final = 20.0
+#: perf_analyzer's default number of sequences in flight in an open loop (--num-of-sequences).
+DEFAULT_OPEN_SEQUENCES: Final = 4
 #: perf_analyzer's default size of each output's part of a shared-memory region (bytes).
 DEFAULT_OUTPUT_SHM_SIZE: Final = 102_400
 #: Where POSIX shared-memory objects live (what ``shm_open`` opens on Linux).
@@ -48,6 +50,9 @@ class Modes:
             the base.
         sequence_ids: The first sequence id, and the end of the range (excluded;
             ``None``: no end).
+        open_sequences: Open loop: how many sequences are in flight, each on a
+            connection (in-process: a worker) of its own, taking due requests in
+            turn (perf_analyzer's ``--num-of-sequences``).
         shared_memory: ``"system"``: inputs and outputs in a shared-memory
             region per connection.
         output_shm_size: Bytes of the region per output.
@@ -57,6 +62,7 @@ class Modes:
     sequence_length: int | None = None
     sequence_variation: float = DEFAULT_SEQUENCE_VARIATION
     sequence_ids: tuple[int, int | None] = (1, None)
+    open_sequences: int = DEFAULT_OPEN_SEQUENCES
     shared_memory: SharedMemory = "none"
     output_shm_size: int = DEFAULT_OUTPUT_SHM_SIZE
 
@@ -87,11 +93,17 @@ def check_model(config: Mapping[str, Any], modes: Modes, model: str) -> Modes:
             f"model {model!r} is not decoupled (it answers each request once): --streaming "
             "is for models that stream their responses; leave it out"
         )
-    sequence_flags = modes.sequence_length is not None or modes.sequence_ids != Modes().sequence_ids
+    default = Modes()
+    sequence_flags = (
+        modes.sequence_length is not None
+        or modes.sequence_ids != default.sequence_ids
+        or modes.open_sequences != default.open_sequences
+    )
     if sequence_flags and not stateful:
         raise BenchError(
             f"model {model!r} is not stateful (its config has no sequence_batching): "
-            "--sequence-length and --sequence-id-range are for sequence models; leave them out"
+            "--sequence-length, --sequence-id-range and --num-of-sequences are for sequence "
+            "models; leave them out"
         )
     if stateful and modes.sequence_length is None:
         return attrs.evolve(modes, sequence_length=DEFAULT_SEQUENCE_LENGTH)

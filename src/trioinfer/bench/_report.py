@@ -42,13 +42,17 @@ def _table(results: Sequence[Result]) -> tuple[list[tuple[str, int]], list[list[
     first = ("rate/s", 8) if open_loop else ("concurrency", 11)
     columns = [first, *_COLUMNS]
     if open_loop:
-        columns.insert(8, ("late", 7))
-        columns.insert(9, ("dropped", 7))
+        # The rate achieved and how late requests left, beside the rate asked.
+        columns.insert(1, ("sent/s", 9))
+        columns.insert(9, ("late", 7))
+        columns.insert(10, ("dropped", 7))
+        columns.insert(11, ("delay p99", 9))
     # Streaming: responses per second and the time to the first response beside the
     # requests; the latency columns are then the time to the last response.
     streaming = results[0].first_response_ms is not None
     if streaming:
-        columns[2:2] = [("resp/s", 9), ("first p50", 9), ("first p99", 9)]
+        at = 3 if open_loop else 2
+        columns[at:at] = [("resp/s", 9), ("first p50", 9), ("first p99", 9)]
     rows = []
     for r in results:
         lat = r.latency_ms
@@ -62,11 +66,15 @@ def _table(results: Sequence[Result]) -> tuple[list[tuple[str, int]], list[list[
             f"{r.windows}{'*' if r.stable is False else ''}",
         ]
         if open_loop:
-            cells.insert(8, str(r.late))
-            cells.insert(9, str(r.dropped))
+            delay = (r.send_delay_ms or {}).get("p99", math.nan)
+            cells.insert(1, f"{r.sent_per_s or 0.0:,.0f}")
+            cells.insert(9, str(r.late))
+            cells.insert(10, str(r.dropped))
+            cells.insert(11, f"{delay:.2f}")
         if streaming:
             to_first = r.first_response_ms or {}
-            cells[2:2] = [
+            at = 3 if open_loop else 2
+            cells[at:at] = [
                 f"{r.responses_per_s or 0.0:,.0f}",
                 f"{to_first.get('p50', math.nan):.2f}",
                 f"{to_first.get('p99', math.nan):.2f}",
@@ -88,9 +96,12 @@ def _notes(results: Sequence[Result]) -> list[str]:
     for r in results:
         behind = r.late + r.dropped
         if r.load == "rate" and behind > _BEHIND_SHARE * (r.completed + r.dropped):
+            delay = (r.send_delay_ms or {}).get("p99", math.nan)
             lines.append(
-                f"at {r.value:g}/s the server (or this tool) could not keep up: {r.late} requests "
-                f"waited for a free connection, {r.dropped} were dropped; their wait is latency"
+                f"at {r.value:g}/s the server (or this tool) could not keep up: "
+                f"{r.sent_per_s or 0.0:,.0f}/s sent, {r.late} requests waited for a free "
+                f"connection, {r.dropped} were dropped, p99 send delay {delay:.2f} ms; "
+                "their wait is latency"
             )
     if results and results[0].first_response_ms is not None:
         lines.append(

@@ -46,6 +46,7 @@ from ._load import (
     _LoadLoop,
     _open_level,
     iter_arrivals,
+    iter_intervals,
 )
 from ._modes import (
     Modes,
@@ -79,6 +80,9 @@ class Plan:
         settings: Warm-up, window and stability settings.
         modes: Streaming, sequences, shared memory (perf_analyzer's modes); each
             is checked against the model before the run.
+        intervals: Open loop: the gaps between requests (ns), in turn and cycled,
+            instead of *arrivals* (perf_analyzer's ``--request-intervals``); *rates*
+            then holds one level, at their mean rate (`from_intervals` makes both).
     """
 
     concurrency: tuple[int, ...] = (1,)
@@ -88,11 +92,35 @@ class Plan:
     max_connections: int = 0
     settings: Settings = Settings()  # noqa: RUF009 - frozen (attrs): one shared default is safe
     modes: Modes = Modes()  # noqa: RUF009 - frozen too
+    intervals: tuple[int, ...] = ()
 
     @property
     def levels(self) -> int:
         """How many levels the plan runs."""
         return len(self.rates) or len(self.concurrency)
+
+    @classmethod
+    def from_intervals(cls, intervals_ns: Sequence[int], **fields: Any) -> Plan:
+        """One open level whose requests are *intervals_ns* apart, in turn and cycled.
+
+        The level is reported at the intervals' mean rate.
+
+        Raises:
+            BenchError: No intervals, a negative one, or none above 0.
+        """
+        if not intervals_ns or min(intervals_ns) < 0 or not sum(intervals_ns) > 0:
+            raise BenchError(
+                "request intervals must be whole numbers of microseconds, none negative and "
+                "not all 0"
+            )
+        rate = len(intervals_ns) * 1e9 / sum(intervals_ns)
+        return cls(rates=(rate,), intervals=tuple(intervals_ns), **fields)
+
+    def schedule(self, rate: float) -> Iterator[int]:
+        """An open level's due times (ns after its start): *intervals*, else *arrivals*."""
+        if self.intervals:
+            return iter_intervals(self.intervals)
+        return iter_arrivals(rate, self.arrivals, self.seed)
 
 
 def _pool_limit(plan: Plan) -> int:
@@ -190,10 +218,9 @@ async def run_http(
         BenchError: No server, no such model, or unusable inputs.
     """
     metadata = await target.metadata()
-    modes = _closed_loop_modes(
-        plan, check_model(await target.config(), plan.modes, target.model), input_files
-    )
+    modes = _check_modes(check_model(await target.config(), plan.modes, target.model), input_files)
     variants = _variants(metadata["inputs"], plan, input_files, shapes, input_data)
+    sequences = modes.sequence_length is not None
     if modes.streaming:
         requests = target.stream_requests(variants)
     else:
@@ -202,7 +229,8 @@ async def run_http(
 
     shm_requests: list[bytes] = []  # one per connection, with --shared-memory
     probe_s = 0.0
-    if plan.rates and not plan.max_connections:
+    # (Sequences: the pool is the sequences in flight, and a request outside one is refused.)
+    if plan.rates and not plan.max_connections and not sequences:
         probe = _Connection(_Recorder())
         try:
             for n in range(_PROBE_REQUESTS):
@@ -224,14 +252,14 @@ async def run_http(
         count: int, recorder: _Recorder, load: str, value: float, **loop_options: Any
     ) -> Result:
         nonlocal index
-        socks = await _open_sockets(address, count)
-        if modes.sequence_length is not None:
+        if sequences:  # (before any socket: too few ids is an error)
             loop_options["next_request"] = _sequence_maker(
                 _Sequencer(modes, count, plan.seed),
                 target.sequence_requests(variants, binary=binary),
             )
         elif shm_requests:
             loop_options["next_request"] = _per_connection(shm_requests)
+        socks = await _open_sockets(address, count)
         loop = _LoadLoop(
             address, requests, recorder, socks, streaming=modes.streaming, **loop_options
         )
@@ -258,23 +286,35 @@ async def run_http(
     async def run_closed(count: int, recorder: _Recorder) -> Result:
         return await level(count, recorder, "concurrency", count)
 
+    # Open loop: the pool grows as requests find every connection busy, except where
+    # each connection holds something of its own made before the level: a sequence
+    # (as many as --num-of-sequences, taking due requests in turn), a region.
+    fixed_pool = 0
+    if plan.rates and sequences:
+        fixed_pool = modes.open_sequences
+    elif plan.rates and modes.shared_memory != "none":
+        fixed_pool = plan.max_connections or max(_pool_size(plan, r, probe_s) for r in plan.rates)
+
     async def run_open(rate: float, recorder: _Recorder) -> Result:
         pool, most = _pool_size(plan, rate, probe_s), _pool_limit(plan)
-        schedule = iter_arrivals(rate, plan.arrivals, plan.seed)
+        if fixed_pool:
+            pool = most = fixed_pool
         return await level(
             pool,
             recorder,
             "rate",
             rate,
-            schedule=schedule,
+            schedule=plan.schedule(rate),
             backlog_limit=_BACKLOG_PER_CONNECTION * most,
             max_connections=most,
+            in_turn=sequences,
         )
 
     if modes.shared_memory == "none":
         return await _run_levels(plan, run_closed, run_open)
     # A region per connection: a closed loop's connections are its workers.
-    async with _regions(target, metadata, variants, modes, max(plan.concurrency)) as regions:
+    count = fixed_pool or max(plan.concurrency)
+    async with _regions(target, metadata, variants, modes, count) as regions:
         shm_requests.extend(target.shm_requests(regions))
         return await _run_levels(plan, run_closed, run_open)
 
@@ -290,14 +330,10 @@ def _regions(
     return open_regions(target, count, variants[0], outputs, modes.output_shm_size)
 
 
-def _closed_loop_modes(plan: Plan, modes: Modes, input_files: Sequence[Path]) -> Modes:
-    # Sequences and shared memory: closed loop only, one at a time.
-    sequences = modes.sequence_length is not None
+def _check_modes(modes: Modes, input_files: Sequence[Path]) -> Modes:
+    # Shared memory goes alone, with one request's inputs.
     shm = modes.shared_memory != "none"
-    if (sequences or shm or modes.streaming) and plan.rates:
-        mode = "--streaming" if modes.streaming else "sequences" if sequences else "--shared-memory"
-        raise BenchError(f"{mode} run closed-loop levels (--concurrency) only, not --request-rate")
-    if shm and (sequences or modes.streaming):
+    if shm and (modes.sequence_length is not None or modes.streaming):
         raise BenchError("--shared-memory goes with neither sequences nor --streaming")
     if shm and len(input_files) > 1:
         raise BenchError("--shared-memory puts one request's inputs in memory: give one input file")
@@ -344,28 +380,27 @@ async def run_grpc(
     progress: Callable[[Progress], None] | None = None,
     client: GrpcClient = "raw",
 ) -> Run:
-    """Benchmark a V2 gRPC server's model (closed loop); one `Result` per level.
+    """Benchmark a V2 gRPC server's model; one `Result` per level.
 
     *client*: the lean load client (``"raw"``) or grpcio's ``grpc.aio`` (``"aio"``).
-    Inputs are read or generated as `run_http` does.
+    Inputs are read or generated as `run_http` does. An open loop's workers
+    (calls in flight at most) are a fixed pool: *plan*'s ``max_connections``
+    (0: `DEFAULT_MAX_CONNECTIONS`), or with sequences ``modes.open_sequences``.
 
     Raises:
-        BenchError: Open-loop levels (not implemented over gRPC), no server, no
+        BenchError: A mode or an open loop with the aio client, no server, no
             such model, or unusable inputs.
     """
-    if plan.rates:
-        raise BenchError("--protocol grpc runs closed-loop levels (--concurrency) only")
     metadata = await target.metadata()
-    modes = _closed_loop_modes(
-        plan, check_model(await target.config(), plan.modes, target.model), input_files
-    )
+    modes = _check_modes(check_model(await target.config(), plan.modes, target.model), input_files)
     sequences = modes.sequence_length is not None
     shm = modes.shared_memory != "none"
-    if (modes.streaming or sequences or shm) and client != "raw":
+    if (modes.streaming or sequences or shm or plan.rates) and client != "raw":
         raise BenchError(
-            "--streaming, sequences and --shared-memory run on the raw gRPC client "
-            "(--grpc-client raw, the default)"
+            "--streaming, sequences, --shared-memory and --request-rate run on the raw gRPC "
+            "client (--grpc-client raw, the default)"
         )
+    open_workers = modes.open_sequences if sequences else _pool_limit(plan)
     variants = _variants(metadata["inputs"], plan, input_files, shapes, input_data)
     requests = target.requests(variants)
     shm_requests: list[bytes] = []
@@ -382,15 +417,17 @@ async def run_grpc(
             return lambda conn, _worker: shm_requests[conn]
         return None
 
-    async def run_closed(count: int, recorder: _Recorder) -> Result:
+    async def level(
+        count: int, recorder: _Recorder, load: str, value: float, **loop_options: Any
+    ) -> Result:
         nonlocal index
 
         async def measure(recorder: _Recorder) -> Result:
             return await _measure(
                 recorder,
                 plan.settings,
-                "concurrency",
-                count,
+                load,
+                value,
                 progress,
                 (index, plan.levels),
                 streaming=modes.streaming,
@@ -405,17 +442,29 @@ async def run_grpc(
             client=client,
             streaming=modes.streaming,
             next_request=maker(count),
+            **loop_options,
         )
         index += 1
         return result
 
-    async def run_open(rate: float, recorder: _Recorder) -> Result:  # pragma: no cover
-        raise AssertionError("refused above")
+    async def run_closed(count: int, recorder: _Recorder) -> Result:
+        return await level(count, recorder, "concurrency", count)
+
+    async def run_open(rate: float, recorder: _Recorder) -> Result:
+        return await level(
+            open_workers,
+            recorder,
+            "rate",
+            rate,
+            schedule=plan.schedule(rate),
+            backlog_limit=_BACKLOG_PER_CONNECTION * open_workers,
+        )
 
     if not shm:
         return await _run_levels(plan, run_closed, run_open)
     # A region per HTTP/2 connection, each carrying WORKERS_PER_CHANNEL workers' calls.
-    connections = math.ceil(max(plan.concurrency) / WORKERS_PER_CHANNEL)
+    workers = open_workers if plan.rates else max(plan.concurrency)
+    connections = math.ceil(workers / WORKERS_PER_CHANNEL)
     async with _regions(target, metadata, variants, modes, connections) as regions:
         shm_requests.extend(target.shm_requests(regions))
         return await _run_levels(plan, run_closed, run_open)
@@ -498,7 +547,7 @@ async def run_in_process(
     config: dict[str, Any] = {"model_transaction_policy": {"decoupled": info.decoupled}}
     if info.config.sequence is not None:
         config["sequence_batching"] = {}
-    modes = _closed_loop_modes(plan, check_model(config, plan.modes, model), input_files)
+    modes = _check_modes(check_model(config, plan.modes, model), input_files)
     if modes.shared_memory != "none":
         raise BenchError("--shared-memory is for servers: in-process there is nothing to share")
     variants = _variants(specs, plan, input_files, shapes, input_data)
@@ -571,13 +620,14 @@ async def run_in_process(
 
     async def run_open(rate: float, recorder: _Recorder) -> Result:
         # Workers are only tasks: start them all; each sleeps until the time it claimed.
+        # Sequences: one worker per sequence in flight, each running its own in order.
+        workers = modes.open_sequences if modes.sequence_length is not None else 0
         return await _open_level(
-            senders(_pool_limit(plan), recorder),
+            senders(workers or _pool_limit(plan), recorder),
             recorder,
             measure,
             rate=rate,
-            arrivals=plan.arrivals,
-            seed=plan.seed,
+            schedule=plan.schedule(rate),
         )
 
     return await _run_levels(plan, run_closed, run_open)

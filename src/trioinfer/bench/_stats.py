@@ -39,6 +39,9 @@ class _Window:
     errors: Counter[Status] = attrs.field(factory=Counter)
     late: int = 0
     dropped: int = 0
+    # Open loop: requests sent, and how late each left after it was due (ns).
+    sent: int = 0
+    delays: list[int] = attrs.field(factory=list)
     # Streaming: each successful request's time to its first response (ns), and the
     # responses of the successful requests.
     first: list[int] = attrs.field(factory=list)
@@ -99,6 +102,11 @@ class Result:
             successful request's first response, in ms (``None`` without streaming;
             NaN where no request had a response). ``latency_ms`` is then the
             time to the last.
+        sent_per_s: Open loop: requests sent per second, the rate achieved beside
+            the one asked (``value``); ``None`` in a closed loop.
+        send_delay_ms: Open loop: p50, p90, p95, p99 and max of how late requests
+            were sent after they were due, in ms (a wait for a connection, the
+            tool's own lag); ``None`` in a closed loop.
     """
 
     load: str
@@ -115,6 +123,8 @@ class Result:
     cores: float
     responses_per_s: float | None = None
     first_response_ms: dict[str, float] | None = None
+    sent_per_s: float | None = None
+    send_delay_ms: dict[str, float] | None = None
 
     def row(self) -> dict[str, Any]:
         """The result as one flat mapping (what ``--json`` and ``--csv`` write).
@@ -129,6 +139,12 @@ class Result:
                 "responses_per_s": _figure(self.responses_per_s or 0.0, 2),
                 **{f"first_{k}_ms": _figure(v, 4) for k, v in self.first_response_ms.items()},
             }
+        open_loop: dict[str, Any] = {}
+        if self.send_delay_ms is not None:
+            open_loop = {
+                "sent_per_s": round(self.sent_per_s or 0.0, 2),
+                **{f"send_delay_{k}_ms": _figure(v, 4) for k, v in self.send_delay_ms.items()},
+            }
         return {
             "load": self.load,
             "value": self.value,
@@ -139,6 +155,7 @@ class Result:
             "errors_by_status": " ".join(f"{k}:{v}" for k, v in sorted(self.errors.items())),
             "late": self.late,
             "dropped": self.dropped,
+            **open_loop,
             "windows": self.windows,
             "stable": self.stable,
             "cpu_us_per_request": _figure(self.cpu_us_per_request, 2),
@@ -310,6 +327,11 @@ def _summarise(
         first = _percentiles(
             np.fromiter((x for w in counted for x in w.first), dtype=np.int64).astype(np.float64)
         )
+    delays = None
+    if load == "rate":
+        delays = _percentiles(
+            np.fromiter((x for w in counted for x in w.delays), dtype=np.int64).astype(np.float64)
+        )
     return Result(
         load=load,
         value=value,
@@ -327,4 +349,6 @@ def _summarise(
             (sum(w.responses for w in counted) / wall if wall else 0.0) if streaming else None
         ),
         first_response_ms=first,
+        sent_per_s=(sum(w.sent for w in counted) / wall if wall else 0.0) if delays else None,
+        send_delay_ms=delays,
     )

@@ -90,6 +90,38 @@ def _id_range(_ctx: click.Context, _param: click.Parameter, value: str) -> tuple
     return first, last
 
 
+def _intervals(
+    _ctx: click.Context, _param: click.Parameter, value: Path | None
+) -> tuple[Path, tuple[int, ...]] | None:
+    # perf_analyzer's --request-intervals FILE: one gap in microseconds per line; the
+    # file and its gaps in ns.
+    if value is None:
+        return None
+    try:
+        lines = value.read_text().splitlines()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise click.BadParameter(f"cannot read {str(value)!r}: {exc}") from None
+    gaps = []
+    for number, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            gap = int(line)
+        except ValueError:
+            gap = -1
+        if gap < 0:
+            raise click.BadParameter(
+                f"{value}, line {number}: expected a whole number of microseconds (0 or "
+                f"more), got {line.strip()[:40]!r}"
+            )
+        gaps.append(gap * 1000)
+    if not sum(gaps):
+        raise click.BadParameter(
+            f"{value} holds no interval above 0 microseconds: requests would all be due at once"
+        )
+    return value, tuple(gaps)
+
+
 _REFUSED_INPUTS = (
     "400",  # HTTP: the server's answer to inputs it refuses
     "INVALID_ARGUMENT",  # gRPC: the same
@@ -116,7 +148,7 @@ _REFUSED_INPUTS = (
     default="http",
     show_default=True,
     help="V2 over HTTP/1.1, or V2 gRPC (Triton's inference.GRPCInferenceService; raw tensor "
-    "contents; closed loop only; needs the 'grpc' extra).",
+    "contents; needs the 'grpc' extra).",
 )
 @click.option(
     "--grpc-client",
@@ -149,7 +181,17 @@ _REFUSED_INPUTS = (
     default=None,
     metavar="R1,R2,...",
     help="Open loop instead: requests per second offered, one level each; latency counts "
-    "from when each request was due.",
+    "from when each request was due, and the rate sent and how late requests left are "
+    "reported beside it. Every protocol and mode.",
+)
+@click.option(
+    "--request-intervals",
+    type=click.Path(exists=True, dir_okay=False, path_type=Path),
+    callback=_intervals,
+    default=None,
+    metavar="FILE",
+    help="Open loop instead: the gaps between requests, in microseconds, one per line, in "
+    "turn and cycled (perf_analyzer's); one level, at their mean rate.",
 )
 @click.option(
     "--arrivals",
@@ -163,8 +205,9 @@ _REFUSED_INPUTS = (
     type=click.IntRange(min=0),
     default=0,
     metavar="N",
-    help="Open loop: the most connections (in-process: workers) to open; more open as "
-    "requests find all busy, up to N (0, the default: 1024).",
+    help="Open loop: the most connections (in-process: workers; gRPC: calls in flight, 16 "
+    "per connection) to open; over HTTP more open as requests find all busy, up to N (0, "
+    "the default: 1024).",
 )
 @click.option(
     "--input-data",
@@ -244,9 +287,9 @@ _REFUSED_INPUTS = (
     is_flag=True,
     default=False,
     help="Decoupled (streaming) models: each request is an HTTP generate_stream request "
-    "(server-sent events), a gRPC ModelStreamInfer call (--protocol grpc) or "
-    "engine.infer_stream (--in-process); latency runs to its last response, and responses/s "
-    "and the time to the first response are reported too.",
+    "(server-sent events), one of a worker's requests on its gRPC ModelStreamInfer stream "
+    "(--protocol grpc) or engine.infer_stream (--in-process); latency runs to its last "
+    "response, and responses/s and the time to the first response are reported too.",
 )
 @click.option(
     "--sequence-length",
@@ -275,13 +318,23 @@ _REFUSED_INPUTS = (
     "the next; a range smaller than the concurrency is refused (ids would collide).",
 )
 @click.option(
+    "--num-of-sequences",
+    "open_sequences",
+    type=click.IntRange(min=1),
+    default=4,
+    show_default=True,
+    metavar="N",
+    help="Sequences, open loop (--request-rate): this many sequences in flight, each on a "
+    "connection of its own taking due requests in turn, one request at a time.",
+)
+@click.option(
     "--shared-memory",
     type=click.Choice(["none", "system", "cuda"]),
     default="none",
     show_default=True,
     help="system: inputs and outputs in a system shared-memory region per connection "
-    "(registered with the server, unregistered at the end; closed loop); cuda is not "
-    "supported.",
+    "(registered with the server, unregistered at the end; an open loop's connections are "
+    "then a fixed pool); cuda is not supported.",
 )
 @click.option(
     "--output-shared-memory-size",
@@ -351,8 +404,8 @@ def bench(**options: Any) -> None:
     data (the bundled read_digit takes 0-16): the tool then says to use
     --input-data zero or a file. With
     --protocol grpc it speaks V2 gRPC (Triton's inference.GRPCInferenceService)
-    from a lean HTTP/2 client over plain sockets, closed loop, 16 calls in
-    flight per connection; a call counts as done when it ends with grpc-status
+    from a lean HTTP/2 client over plain sockets, 16 calls in flight per
+    connection; a call counts as done when it ends with grpc-status
     0 and one whole answer message, else as an error named by its gRPC status.
 
     Closed loop (--concurrency 1,16,64): C keep-alive connections, each sending
@@ -362,7 +415,10 @@ def bench(**options: Any) -> None:
     finds every connection busy goes out on a new one, up to --max-connections,
     then waits (counted "late"; with too many waiting, new ones are
     "dropped"), so an overloaded server shows as latency, not as a politely
-    slower client.
+    slower client; the rate sent and how late requests left are reported
+    beside the rate asked. --request-intervals FILE gives the gaps between
+    requests instead (microseconds, one per line, cycled). Open loops run
+    over HTTP, gRPC and --in-process, in every mode below.
 
     Each level warms up (not counted), then measures windows until the last
     three agree within --stability (or --windows N). The table (on stdout)
@@ -378,7 +434,8 @@ def bench(**options: Any) -> None:
     the first response. Sequences (stateful models; --sequence-length N,
     --sequence-id-range START:END): each closed-loop worker sends sequences
     of about N requests with sequence_id, sequence_start and sequence_end, so
-    --concurrency counts sequences in flight. Shared memory (--shared-memory
+    --concurrency counts sequences in flight (open loop: --num-of-sequences
+    of them). Shared memory (--shared-memory
     system): each connection's inputs and outputs lie in a region
     of its own, registered before the run and unregistered after it, also
     on an error or Ctrl-C. The model's config says which it needs: a
@@ -399,8 +456,17 @@ def bench(**options: Any) -> None:
     except ImportError as exc:  # the bench package's own message names the extra
         raise click.ClickException(str(exc)) from None
 
-    if options["request_rate"] and options["concurrency"] != (1,):
-        raise click.UsageError("give --concurrency or --request-rate, not both")
+    loads = [
+        flag
+        for flag, given in (
+            ("--concurrency", options["concurrency"] != (1,)),
+            ("--request-rate", bool(options["request_rate"])),
+            ("--request-intervals", options["request_intervals"] is not None),
+        )
+        if given
+    ]
+    if len(loads) > 1:
+        raise click.UsageError(f"give one of {', '.join(loads)}, not several")
     local = options["model_file"] is not None or options["model_repository"] is not None
     if options["in_process"] and not local:
         raise click.UsageError("--in-process needs --model-file, or --model-repository and --model")
@@ -410,9 +476,8 @@ def bench(**options: Any) -> None:
         raise click.UsageError(
             "--shared-memory cuda is not supported by trioinfer bench: use --shared-memory system"
         )
-    plan = tool.Plan(
+    fields: dict[str, Any] = dict(
         concurrency=options["concurrency"],
-        rates=options["request_rate"],
         arrivals=options["arrivals"],
         seed=options["seed"],
         max_connections=options["max_connections"],
@@ -428,10 +493,15 @@ def bench(**options: Any) -> None:
             sequence_length=options["sequence_length"],
             sequence_variation=options["sequence_length_variation"],
             sequence_ids=options["sequence_id_range"],
+            open_sequences=options["open_sequences"],
             shared_memory=options["shared_memory"],
             output_shm_size=options["output_shared_memory_size"],
         ),
     )
+    if options["request_intervals"] is not None:
+        plan = tool.Plan.from_intervals(options["request_intervals"][1], **fields)
+    else:
+        plan = tool.Plan(rates=options["request_rate"], **fields)
     try:
         with tool.open_progress() as progress:
             run = trio.run(functools.partial(_bench_run, options, plan, progress))
@@ -450,7 +520,10 @@ def bench(**options: Any) -> None:
         "grpc_client": options["grpc_client"]
         if options["protocol"] == "grpc" and not options["in_process"]
         else None,
-        "arrivals": options["arrivals"] if plan.rates else None,
+        "arrivals": options["arrivals"] if plan.rates and not plan.intervals else None,
+        "request_intervals": str(options["request_intervals"][0])
+        if options["request_intervals"] is not None
+        else None,
         "streaming": options["streaming"],
         "sequence_length": options["sequence_length"],
         "shared_memory": options["shared_memory"],

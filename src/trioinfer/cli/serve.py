@@ -421,7 +421,8 @@ def serve(ctx: click.Context, /, **options: Any) -> None:
     http://127.0.0.1:8000 and gRPC on 127.0.0.1:8001: "digits" (an ONNX MLP
     over 8x8 images), "scale_image" and "digit_names" (Python models),
     "read_digit" (a pipeline of those three that batches whole requests, up
-    to 32 in 2 ms) and "repeat_int32" (a streaming model). SIGINT or SIGTERM
+    to 32 in 2 ms), "repeat_int32" (a streaming model) and "accumulator" (a
+    stateful model: sequences, the sum kept as implicit state). SIGINT or SIGTERM
     makes it not ready at once, lets in-flight requests finish for up to the
     drain period (a pipeline's request runs its remaining steps), and exits 0.
     An execution that cannot be interrupted (a Python model's plain def infer
