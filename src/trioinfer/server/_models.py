@@ -36,6 +36,15 @@ from ._triton import NARROWING_BACKENDS, TritonModel
 
 log = logging.getLogger("trioinfer.server")
 
+
+class OneProcessOnly(ConfigError):
+    """A stateful model under ``serve --workers N``: each worker would keep its own sequences.
+
+    Not the model's fault nor its config's (it serves with one process): the
+    start leaves it out with a WARNING rather than counting it a failed load
+    (``--exit-on-error``), and a load over the API is refused with this 400.
+    """
+
 #: Seconds a model loads at start-up before the log says so (then twice as long, ...).
 SLOW_LOAD_S: Final = 10.0
 
@@ -352,6 +361,10 @@ class ServedModels:
     ) -> list[str]:
         """Load every model in the repository (or *names*); return those that failed (logged).
 
+        A stateful model under ``--workers N`` (`OneProcessOnly`) is not among them:
+        it is left out with a WARNING (the bundled repository holds one), and the
+        index lists it as unavailable, saying why.
+
         *overrides* gives models a config override to load with, as `load` takes it.
         """
         failed = []
@@ -363,6 +376,10 @@ class ServedModels:
             try:
                 async with _said_while_loading(name):
                     await self.load(name, (overrides or {}).get(name))
+            except OneProcessOnly as exc:
+                # Not a fault of the model's, nor of its config: the server's mode. The
+                # others serve; the index lists it UNAVAILABLE, saying why.
+                log.warning("%s", exc)
             except TrioInferError as exc:
                 log.error("%s", exc)  # noqa: TRY400  # it says "failed to load" and why, in full
                 failed.append(name)
@@ -528,7 +545,7 @@ class ServedModels:
                 # another connection (as the error for a request reaching the wrong worker
                 # advised) lived on in the first worker too: the sequence's later requests
                 # were answered from either state, by connection, with no error.
-                raise ConfigError(
+                raise OneProcessOnly(
                     f"model {model!r} is stateful ([sequence]): it cannot be served by "
                     f"{self.worker[1]} worker processes, which would each keep their own "
                     "sequences (a sequence's requests reach whichever worker their "

@@ -311,7 +311,17 @@ async def _serve_calls(
 
 
 def _error_reply(error: TrioInferError, message: str) -> dict[str, Any]:
-    return {"error": {"type": type(error).__name__, "message": message}}
+    # Named by the nearest class the other side raises again (`_raise_error`): one of
+    # the server's own subclasses (_models.OneProcessOnly) goes as its base, whose
+    # status it shares, not as an unknown name (a 500).
+    for kind in type(error).__mro__:
+        name = kind.__name__
+        if kind is WorkersDisagree or kind in (
+            getattr(_exceptions, name, None),
+            getattr(_codec, name, None),
+        ):
+            return {"error": {"type": name, "message": message}}
+    return {"error": {"type": "TrioInferError", "message": message}}  # (not reached)
 
 
 def _raise_error(error: Mapping[str, str]) -> None:
