@@ -63,7 +63,7 @@ def test_demo_help_shows_defaults() -> None:
         ("--instances", "2"),
         ("--deadline", "0.05"),
     ]:
-        assert re.search(rf"{option} .*?\[default:\s+{default};", output, re.DOTALL), option
+        assert re.search(rf"{option} .*?\[default:\s+{default}[;\]]", output, re.DOTALL), option
 
 
 def test_version() -> None:

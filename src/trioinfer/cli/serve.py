@@ -424,9 +424,9 @@ def serve(ctx: click.Context, /, **options: Any) -> None:
     An execution that cannot be interrupted (a Python model's plain def infer
     stuck on its thread) would hold the exit for ever: past --exit-timeout-secs
     (or 1 s after a second signal) the process ends anyway with exit status
-    1, the log naming what still ran. A signal while the models still load
-    stops the start, with exit status 0. Any other failure to start exits 1,
-    and invalid options or settings 2.
+    1, the log naming what still ran. A signal at any moment of the start
+    (the imports included) stops it, with exit status 0. Any other failure
+    to start exits 1, and invalid options or settings 2.
 
     With --workers N, N processes serve the same port, each with its own
     engine and sessions on the same devices, and this process supervises
