@@ -14,7 +14,7 @@ from click.testing import CliRunner
 from trioinfer import ConfigError, ModelConfig, SequenceConfig
 from trioinfer.cli import main
 from trioinfer.lowlevel import check_seconds
-from trioinfer.server import ServerConfig
+from trioinfer.server import Limits, ServerConfig
 from trioinfer_batching import DynamicBatcher
 from trioinfer_fallback import Breaker, Resilient
 from trioinfer_scheduling import PriorityScheduler
@@ -35,6 +35,9 @@ DURATIONS: dict[str, Callable[[Any], object]] = {
     "hedge_after": lambda s: Resilient(hedge_after=s),
     "repository_poll_secs": lambda s: ServerConfig(repository_poll_s=s),
     "drain_period": lambda s: ServerConfig(drain_period=s),
+    "head_timeout": lambda s: Limits(head_timeout=s),
+    "body_timeout": lambda s: Limits(body_timeout=s),
+    "send_timeout": lambda s: Limits(send_timeout=s),
 }
 
 
