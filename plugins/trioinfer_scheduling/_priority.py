@@ -50,7 +50,8 @@ class PriorityScheduler:
             priority, where lower levels run only when the higher ones are empty.
 
     Raises:
-        ConfigError: *max_wait* is not a number greater than 0 (nor ``None``).
+        ConfigError: *max_wait* is not a duration (`trioinfer.lowlevel.check_seconds`:
+            a microsecond to about 584,542 years), ``inf`` nor ``None``.
     """
 
     __slots__ = (
