@@ -45,7 +45,7 @@ PUBLIC = {
         "current_trace_context", "numpy_dtype", "record_span",
         "wait_on_callback", "CallbackWaiter", "inline_slice_spent", "restart_inline_slice",
         "current_engine", "infer_follow_up", "infer_stream_follow_up", "current_model_metrics",
-        "ModelTasks", "current_model_tasks",
+        "ModelTasks", "current_model_tasks", "check_seconds",
     },
     "trioinfer.testing": {
         "FakeBackend", "FakeInstance", "check_backend", "check_batcher", "check_fallback",

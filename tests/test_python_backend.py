@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import signal
 import threading
 from pathlib import Path
 from typing import Any, ClassVar
@@ -595,26 +596,61 @@ class StreamExits:
         raise SystemExit(3)
 
 
+class Interrupts:
+    """A model whose infer raises KeyboardInterrupt (a script's own Ctrl+C handling)."""
+
+    def infer(self, inputs: dict[str, np.ndarray[Any, Any]]) -> dict[str, Any]:
+        raise KeyboardInterrupt("3")
+
+
+class AsyncInterrupts:
+    """`Interrupts`, with an async def infer."""
+
+    async def infer(self, inputs: dict[str, np.ndarray[Any, Any]]) -> dict[str, Any]:
+        raise KeyboardInterrupt("3")
+
+
+class StreamInterrupts:
+    """A decoupled model whose generator raises KeyboardInterrupt after one response."""
+
+    async def infer(self, inputs: dict[str, np.ndarray[Any, Any]]) -> Any:
+        yield {"y": inputs["x"]}
+        raise KeyboardInterrupt("3")
+
+
 @pytest.mark.parametrize(
-    ("cls", "dispatch"), [(Exits, "thread"), (Exits, "inline"), (AsyncExits, "thread")]
+    ("cls", "dispatch"),
+    [
+        (Exits, "thread"),
+        (Exits, "inline"),
+        (AsyncExits, "thread"),
+        (Interrupts, "thread"),
+        (Interrupts, "inline"),
+        (AsyncInterrupts, "thread"),
+    ],
 )
 async def test_a_model_that_calls_sys_exit_fails_its_request_not_the_engine(
     cls: type, dispatch: str
 ) -> None:
-    # SystemExit is no Exception: it went past the backend's handlers, out of the engine's
-    # task group, and ended `trioinfer serve` with every other model's requests.
+    # SystemExit and KeyboardInterrupt are no Exception: they went past the backend's
+    # handlers, out of the engine's task group, and ended `trioinfer serve` with every
+    # other model's requests.
     async with open_engine() as engine:
         await engine.load(config(cls, dispatch=dispatch))
         await engine.load(config(Double, name="other"))
-        with pytest.raises(BackendError, match=r"'m' instance 0: infer raised SystemExit: 3 \("):
+        raised = "KeyboardInterrupt" if "Interrupts" in cls.__name__ else "SystemExit"
+        with pytest.raises(BackendError, match=rf"'m' instance 0: infer raised {raised}: 3 \("):
             await engine.infer("m", {"x": X})
         assert (await engine.infer("other", {"x": X}))["y"].tolist() == (X * 2).tolist()
 
 
 @pytest.mark.streaming
-async def test_a_streaming_model_that_calls_sys_exit_ends_its_stream_with_an_error() -> None:
+@pytest.mark.parametrize("cls", [StreamExits, StreamInterrupts])
+async def test_a_streaming_model_that_calls_sys_exit_ends_its_stream_with_an_error(
+    cls: type,
+) -> None:
     async with open_engine() as engine:
-        await engine.load(config(StreamExits, decoupled=True))
+        await engine.load(config(cls, decoupled=True))
         got: list[Any] = []
 
         async def read() -> None:
@@ -622,32 +658,34 @@ async def test_a_streaming_model_that_calls_sys_exit_ends_its_stream_with_an_err
                 async for outputs in responses:
                     got.append(outputs["y"].tolist())
 
-        with pytest.raises(BackendError, match=r"infer raised SystemExit: 3"):
+        with pytest.raises(BackendError, match=r"infer raised (SystemExit|KeyboardInterrupt): 3"):
             await read()
         assert got == [X.tolist()]
         await engine.load(config(Double, name="other"))  # the engine serves on
 
 
+@pytest.mark.parametrize("fault", ["SystemExit", "KeyboardInterrupt"])
 @pytest.mark.parametrize(
     "source",
     [
-        "import sys\nsys.exit(3)\n",
-        "class Model:\n    def __init__(self):\n        raise SystemExit(3)\n\n"
+        "import sys\nraise FAULT(3)\n",
+        "class Model:\n    def __init__(self):\n        raise FAULT(3)\n\n"
         "    def infer(self, x):\n        return x\n",
-        "class Model:\n    def load(self):\n        raise SystemExit(3)\n\n"
+        "class Model:\n    def load(self):\n        raise FAULT(3)\n\n"
         "    def infer(self, x):\n        return x\n",
     ],
     ids=["import", "constructor", "load"],
 )
 async def test_a_model_file_that_calls_sys_exit_fails_its_load_not_the_engine(
-    tmp_path: Path, source: str
+    tmp_path: Path, source: str, fault: str
 ) -> None:
     # A model.py that parses sys.argv with argparse at import exits when it finds no
-    # arguments: that ended `trioinfer serve` (every model with it) at start.
-    (tmp_path / "model.py").write_text(source)
+    # arguments: that ended `trioinfer serve` (every model with it) at start. A
+    # KeyboardInterrupt the model raises itself did too.
+    (tmp_path / "model.py").write_text(source.replace("FAULT", fault))
     exits = ModelConfig(name="m", path=tmp_path / "model.py", backend="python", backend_options=XY)
     async with open_engine() as engine:
-        with pytest.raises(BackendError, match=r"raised SystemExit: 3 \(model\.py, line \d+"):
+        with pytest.raises(BackendError, match=rf"raised {fault}: 3 \(model\.py, line \d+"):
             await engine.load(exits)
         await engine.load(config(Double, name="other"))  # the engine serves on
     assert not [t for t in threading.enumerate() if t.name.startswith("trioinfer-python-")]
@@ -1081,3 +1119,28 @@ def test_optional_is_for_inputs_and_is_true_or_false() -> None:
         trioinfer.ModelSignature.declared(
             [{**SCALED["inputs"][1], "optional": 1}], SCALED["outputs"], model="m"
         )
+
+
+class CtrlC:
+    """A model on the event loop's thread that the operator's Ctrl+C interrupts."""
+
+    def infer(self, inputs: dict[str, np.ndarray[Any, Any]]) -> dict[str, Any]:
+        signal.raise_signal(signal.SIGINT)  # Trio's handler raises KeyboardInterrupt here
+        return {"y": inputs["x"]}  # pragma: no cover  # the signal interrupted infer
+
+
+async def test_the_operators_ctrl_c_in_a_model_on_the_loop_still_interrupts() -> None:
+    # A model's own KeyboardInterrupt fails its request; one a SIGINT raised is not the
+    # model's: it goes on, as Ctrl+C must.
+
+    async def serve_one() -> None:
+        async with open_engine() as engine:
+            await engine.load(config(CtrlC, dispatch="inline"))
+            await engine.infer("m", {"x": X})
+
+    with pytest.raises(BaseException) as caught:  # noqa: PT011  # KI, maybe in a group
+        await serve_one()
+    group = caught.value
+    while isinstance(group, BaseExceptionGroup) and len(group.exceptions) == 1:
+        group = group.exceptions[0]
+    assert isinstance(group, KeyboardInterrupt), caught.value

@@ -252,7 +252,9 @@ async def test_queue_timeout_rejects_a_request_that_waited_too_long(
 def test_queue_timeouts_are_validated() -> None:
     with pytest.raises(trioinfer.ConfigError, match="not an integer priority level"):
         fake_config(queue_timeouts={"high": 1.0})
-    with pytest.raises(trioinfer.ConfigError, match="positive number of seconds"):
+    with pytest.raises(
+        trioinfer.ConfigError, match="level 0 must be a number of seconds from 1e-06"
+    ):
         fake_config(queue_timeouts={0: 0})
     assert fake_config(queue_timeouts={"2": 1}).queue_timeouts == {2: 1.0}
 

@@ -98,7 +98,7 @@ def test_options_are_kept() -> None:
 @pytest.mark.parametrize(
     ("make", "message"),
     [
-        (lambda: PriorityScheduler(max_wait=0), "max_wait must be a number of seconds greater"),
+        (lambda: PriorityScheduler(max_wait=0), "max_wait must be a number of seconds from"),
         (lambda: PriorityScheduler(max_wait=-1), "got -1"),
         (lambda: PriorityScheduler(max_wait="1s"), "got '1s'"),
         (lambda: PriorityScheduler(max_wait=math.nan), "got nan"),

@@ -147,8 +147,8 @@ def test_a_sequence_table_is_read_from_config_toml(tmp_path: Path) -> None:
     ("sequence", "extra", "message"),
     [
         ({"strategy": "newest"}, {}, "strategy must be 'direct' or 'oldest'"),
-        ({"max_sequence_idle": 0}, {}, "max_sequence_idle must be a positive number"),
-        ({"max_sequence_idle": math.inf}, {}, "max_sequence_idle must be a positive number"),
+        ({"max_sequence_idle": 0}, {}, "max_sequence_idle must be a number of seconds from"),
+        ({"max_sequence_idle": math.inf}, {}, "max_sequence_idle must be a number of seconds"),
         ({"max_batch_size": 0}, {}, "max_batch_size must be a positive integer"),
         ({"control": {"begin": "START"}}, {}, "unknown kind 'begin'"),
         ({"control": {"start": "X", "end": "X"}}, {}, "one input for two kinds"),

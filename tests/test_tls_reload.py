@@ -637,12 +637,106 @@ def test_the_same_broken_renewal_again_is_said_again(
     assert _memory_handshake(reloading.current(), _client(ca)) == first.serial
 
 
-def _chain_warnings(caplog: pytest.LogCaptureFixture) -> list[str]:
+def _chain_warnings(caplog: pytest.LogCaptureFixture, level: int = logging.WARNING) -> list[str]:
     return [
         r.getMessage()
         for r in caplog.records
-        if r.levelno == logging.WARNING and "without the certificate that signed it" in r.message
+        if r.levelno == level and "without the certificate that signed it" in r.message
     ]
+
+
+def _published_leaf(issuer: trustme.CA) -> tuple[bytes, bytes]:
+    """A server certificate of *issuer* as a public CA makes one: with AIA caIssuers.
+
+    trustme's leaves carry no Authority Information Access; a public CA's always
+    say where their issuer's certificate is (Let's Encrypt's: http://r11.i.lencr.org/).
+    """
+    import datetime
+    import ipaddress
+
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import AuthorityInformationAccessOID, NameOID
+
+    ca_cert = x509.load_pem_x509_certificate(issuer.cert_pem.bytes())
+    ca_key = serialization.load_pem_private_key(issuer.private_key_pem.bytes(), None)
+    key = ec.generate_private_key(ec.SECP256R1())
+    now = datetime.datetime.now(datetime.UTC)
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "127.0.0.1")]))
+        .issuer_name(ca_cert.subject)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(hours=1))
+        .not_valid_after(now + datetime.timedelta(days=1))
+        .add_extension(
+            x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
+            critical=False,
+        )
+        .add_extension(
+            x509.AuthorityInformationAccess(
+                [
+                    x509.AccessDescription(
+                        AuthorityInformationAccessOID.OCSP,
+                        x509.UniformResourceIdentifier("http://ocsp.example/"),
+                    ),
+                    x509.AccessDescription(
+                        AuthorityInformationAccessOID.CA_ISSUERS,
+                        x509.UniformResourceIdentifier("http://ca.example/issuer.der"),
+                    ),
+                ]
+            ),
+            critical=False,
+        )
+        .sign(ca_key, hashes.SHA256())  # type: ignore[arg-type]  # an EC or RSA key
+    )
+    key_pem = key.private_bytes(
+        serialization.Encoding.PEM,
+        serialization.PrivateFormat.PKCS8,
+        serialization.NoEncryption(),
+    )
+    return cert.public_bytes(serialization.Encoding.PEM), key_pem
+
+
+def test_a_leaf_straight_off_a_private_root_is_not_warned_of(
+    tmp_path: Path, ca: trustme.CA, caplog: pytest.LogCaptureFixture
+) -> None:
+    # An internal CA's leaf, served alone: clients that trust the root are fine, yet a
+    # WARNING said the chain was incomplete. Said at INFO now, in case the issuer is
+    # an intermediate after all.
+    cert, key = tmp_path / "server.pem", tmp_path / "server.key"
+    issued = ca.issue_cert("127.0.0.1")
+    cert.write_bytes(issued.cert_chain_pems[0].bytes())
+    key.write_bytes(issued.private_key_pem.bytes())
+    caplog.set_level(logging.INFO, logger="trioinfer.server")
+    reloading = ReloadingContext.load(TlsFiles(cert, key))
+    assert _chain_warnings(caplog) == []
+    [said] = _chain_warnings(caplog, logging.INFO)
+    assert "is a root CA that every client trusts, nothing is missing" in said
+    assert _memory_handshake(reloading.current(), _client(ca)) > 0
+    # Under mutual TLS with that root as the client CA: the issuer is known, a root.
+    caplog.clear()
+    root = tmp_path / "ca.pem"
+    root.write_bytes(ca.cert_pem.bytes())
+    ReloadingContext.load(TlsFiles(cert, key, root, mutual=True))
+    assert _chain_warnings(caplog) == _chain_warnings(caplog, logging.INFO) == []
+
+
+def test_a_published_leaf_without_its_intermediate_is_warned_of_even_with_the_root_at_hand(
+    tmp_path: Path, ca: trustme.CA, caplog: pytest.LogCaptureFixture
+) -> None:
+    intermediate = ca.create_child_ca()
+    cert, key = tmp_path / "server.pem", tmp_path / "server.key"
+    leaf, leaf_key = _published_leaf(intermediate)
+    cert.write_bytes(leaf)
+    key.write_bytes(leaf_key)
+    root = tmp_path / "ca.pem"
+    root.write_bytes(ca.cert_pem.bytes())  # the root, not the intermediate that signed
+    caplog.set_level(logging.INFO, logger="trioinfer.server")
+    ReloadingContext.load(TlsFiles(cert, key, root, mutual=True))
+    [said] = _chain_warnings(caplog)
+    assert "nothing is missing" not in said
 
 
 def test_a_certificate_file_without_its_intermediate_is_warned_of_at_load_and_renewal(
@@ -652,10 +746,10 @@ def test_a_certificate_file_without_its_intermediate_is_warned_of_at_load_and_re
     # every handshake ("unable to get local issuer certificate").
     intermediate = ca.create_child_ca()
     cert, key = tmp_path / "server.pem", tmp_path / "server.key"
-    issued = intermediate.issue_cert("127.0.0.1")
-    leaf, chain = issued.cert_chain_pems[0].bytes(), issued.cert_chain_pems[1].bytes()
+    leaf, leaf_key = _published_leaf(intermediate)
+    chain = intermediate.cert_pem.bytes()
     cert.write_bytes(leaf)
-    key.write_bytes(issued.private_key_pem.bytes())
+    key.write_bytes(leaf_key)
     caplog.set_level(logging.INFO, logger="trioinfer.server")
     reloading = ReloadingContext.load(
         TlsFiles(cert, key), alpn="http/1.1", flags={"cert": "--http-ssl-cert"}
@@ -672,6 +766,7 @@ def test_a_certificate_file_without_its_intermediate_is_warned_of_at_load_and_re
         f"certificate that signed it ({shown!r}): a client that does not have that one fails"
     ), said
     assert "Append the intermediate certificate(s) to the file after the server's" in said
+    assert "nothing is missing" not in said  # a published leaf never comes off a root
     with pytest.raises(ssl.SSLCertVerificationError, match="unable to get local issuer"):
         _memory_handshake(reloading.current(), _client(ca))
     # Renewed with its chain: served whole, nothing said.
@@ -681,9 +776,9 @@ def test_a_certificate_file_without_its_intermediate_is_warned_of_at_load_and_re
     assert _memory_handshake(reloading.current(), _client(ca)) > 0
     assert _chain_warnings(caplog) == []
     # Renewed without it again: said again.
-    renewed = intermediate.issue_cert("127.0.0.1")
-    _replace(key, renewed.private_key_pem.bytes())
-    _replace(cert, renewed.cert_chain_pems[0].bytes())
+    renewed, renewed_key = _published_leaf(intermediate)
+    _replace(key, renewed_key)
+    _replace(cert, renewed)
     assert reloading.check()
     assert len(_chain_warnings(caplog)) == 1
     # A self-signed certificate (the CA's own, as a test server's may be) has no issuer

@@ -159,7 +159,7 @@ output [ { name: "Y" data_type: TYPE_INT32 dims: [ 1 ] } ]
 """
 
 # X 1: execute raises; X 2: it returns one response too few; X 3: not a list; X 5: it
-# calls sys.exit().
+# calls sys.exit(); X 6: it raises KeyboardInterrupt.
 BROKEN = """\
 import sys
 
@@ -177,6 +177,8 @@ class TritonPythonModel:
             return "no"
         if x == 5:
             sys.exit(3)
+        if x == 6:
+            raise KeyboardInterrupt(3)
         return [
             pb_utils.InferenceResponse([pb_utils.Tensor("Y", pb_utils.get_input_tensor_by_name(
                 r, "X").as_numpy() * 2)])
@@ -407,6 +409,9 @@ async def test_execute_that_raises_or_answers_wrong_fails_the_batch(repository: 
         # SystemExit is no Exception: it ended the engine (and the server) with it.
         with pytest.raises(BackendError, match=r"execute raised SystemExit: 3 \(model\.py, line"):
             await engine.infer("broken", {"X": x + 1})
+        # KeyboardInterrupt alike (a model's own, not the operator's Ctrl+C).
+        with pytest.raises(BackendError, match=r"execute raised KeyboardInterrupt: 3 \(model\."):
+            await engine.infer("broken", {"X": x + 2})
         assert (await engine.infer("broken", {"X": x}))["Y"].tolist() == [[8]]
 
 

@@ -3,16 +3,14 @@
 from __future__ import annotations
 
 import itertools
-import math
 from collections.abc import Callable, Collection, Mapping, Sequence
-from numbers import Real
 from typing import Any, final
 
 import anyio
 import numpy as np
 
 from trioinfer import ConfigError
-from trioinfer.lowlevel import BatcherContext, Request, RequestQueue, Status
+from trioinfer.lowlevel import BatcherContext, Request, RequestQueue, Status, check_seconds
 
 from ._padding import Arrays, Padding, Split
 
@@ -345,17 +343,7 @@ def _check_size(name: str, value: object) -> int:
 
 
 def _check_delay(value: object) -> float:
-    if not isinstance(value, Real) or isinstance(value, bool):
-        raise ConfigError(
-            "batcher option max_queue_delay must be a number of seconds, "
-            f"got {value!r} of type {type(value).__name__}"
-        )
-    delay = float(value)
-    if not (math.isfinite(delay) and delay >= 0):
-        raise ConfigError(
-            f"batcher option max_queue_delay must be a finite number of seconds >= 0, got {value!r}"
-        )
-    return delay
+    return check_seconds("batcher option max_queue_delay", value, zero=True)
 
 
 def _check_preferred(value: object, max_batch_size: int) -> frozenset[int]:

@@ -9,6 +9,7 @@ from collections.abc import Mapping
 from typing import Any, final
 
 from trioinfer import ConfigError
+from trioinfer.lowlevel import check_seconds
 
 
 class BreakerState(enum.Enum):
@@ -184,11 +185,4 @@ def _count(name: str, value: object) -> int:
 
 
 def _seconds(name: str, value: object) -> float:
-    if (
-        not isinstance(value, (int, float))
-        or isinstance(value, bool)
-        or not math.isfinite(value)
-        or value < 0
-    ):
-        raise ConfigError(f"breaker option {name} must be seconds >= 0, got {value!r}")
-    return float(value)
+    return check_seconds(f"breaker option {name}", value, zero=True)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import math
 import random
 from collections.abc import Mapping, Sequence
 from typing import Any, final
@@ -12,7 +11,7 @@ import anyio
 import numpy as np
 
 from trioinfer import BackendError, ConfigError, PluginContractError, TrioInferError
-from trioinfer.lowlevel import Execution, FallbackContext, Replica, Request
+from trioinfer.lowlevel import Execution, FallbackContext, Replica, Request, check_seconds
 
 from ._breaker import Breaker, BreakerState
 
@@ -395,18 +394,8 @@ def _default_outputs(
 
 
 def _seconds(name: str, value: object) -> float:
-    if (
-        not isinstance(value, (int, float))
-        or isinstance(value, bool)
-        or not math.isfinite(value)
-        or value < 0
-    ):
-        raise ConfigError(f"fallback option {name} must be seconds >= 0, got {value!r}")
-    return float(value)
+    return check_seconds(f"fallback option {name}", value, zero=True)
 
 
 def _positive(name: str, value: object) -> float:
-    seconds = _seconds(name, value)
-    if seconds <= 0:
-        raise ConfigError(f"fallback option {name} must be seconds > 0, got {value!r}")
-    return seconds
+    return check_seconds(f"fallback option {name}", value)

@@ -199,7 +199,7 @@ from trioinfer.lowlevel import (
 )
 
 from . import _triton
-from ._faults import MODEL_FAULTS
+from ._faults import MODEL_FAULTS, pass_on_ctrl_c
 from ._models import BlockingResponses, Models
 
 __all__ = ["BlockingResponses", "Models", "PythonBackend", "PythonInstance"]
@@ -257,8 +257,11 @@ def _raised(what: str, exc: BaseException) -> str:
 
     The location is the innermost frame of the model's own code, as Python's
     own ``SyntaxError`` says where: without it, a ``KeyError: 'X'`` from
-    ``infer`` (over HTTP a 500) leaves its author guessing which line.
+    ``infer`` (over HTTP a 500) leaves its author guessing which line. Every
+    handler of `MODEL_FAULTS` says what was raised here, so here a Ctrl+C goes on
+    (`pass_on_ctrl_c`).
     """
+    pass_on_ctrl_c(exc)
     frame = _own_frame(exc)
     where = "" if frame is None else f" ({Path(frame[0]).name}, line {frame[1]}, in {frame[2]})"
     return f"{what} raised {type(exc).__name__}: {exc}{where}"

@@ -10,7 +10,7 @@ from typing import Any, Final
 import attrs
 
 from trioinfer import ConfigError, ModelConfig
-from trioinfer.lowlevel import Placement
+from trioinfer.lowlevel import Placement, check_seconds
 from trioinfer_onnxruntime import OPTIONS as ORT_OPTIONS
 
 #: Seconds ``load`` waits for an actor to be placed and its session built, by default.
@@ -107,9 +107,9 @@ def check_options(config: ModelConfig, placement: Placement) -> RayOptions:
     codec = options.get("codec", "none")
     if codec not in _CODECS:
         raise ConfigError(f"{where} codec must be 'none' or 'uint8', got {codec!r}")
-    timeout = options.get("start_timeout", DEFAULT_START_TIMEOUT_S)
-    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
-        raise ConfigError(f"{where} start_timeout must be a positive number, got {timeout!r}")
+    timeout = check_seconds(
+        f"{where} start_timeout", options.get("start_timeout", DEFAULT_START_TIMEOUT_S)
+    )
     ort = options.get("onnxruntime", {})
     if not isinstance(ort, Mapping):
         raise ConfigError(f"{where} onnxruntime must be a table of options, got {ort!r}")
@@ -132,7 +132,7 @@ def check_options(config: ModelConfig, placement: Placement) -> RayOptions:
         node_id=node_id,
         ship_model=ship,
         codec=codec == "uint8",
-        start_timeout=float(timeout),
+        start_timeout=timeout,
         ort_options=dict(ort),
         pipeline_depth=depth,
     )

@@ -9,9 +9,9 @@ from collections.abc import Callable
 from numbers import Real
 from typing import SupportsIndex, final
 
-from trioinfer.lowlevel import Request, SchedulerContext
+from trioinfer.lowlevel import Request, SchedulerContext, check_seconds
 
-from ._options import already_held, event_loop_clock, positive_number
+from ._options import already_held, event_loop_clock
 from ._sorted import SortedKeys
 
 
@@ -50,7 +50,8 @@ class PriorityScheduler:
             priority, where lower levels run only when the higher ones are empty.
 
     Raises:
-        ConfigError: *max_wait* is not a number greater than 0 (nor ``None``).
+        ConfigError: *max_wait* is not a duration (`trioinfer.lowlevel.check_seconds`:
+            a microsecond to about 584,542 years), ``inf`` nor ``None``.
     """
 
     __slots__ = (
@@ -68,9 +69,7 @@ class PriorityScheduler:
         limit = (
             math.inf
             if max_wait is None
-            else positive_number(
-                "priority", "max_wait", max_wait, "a number of seconds", finite=False
-            )
+            else check_seconds("priority scheduler: max_wait", max_wait, never=True)
         )
         self._max_wait = limit
         self._clock: Callable[[], float] = event_loop_clock()

@@ -13,6 +13,9 @@ hands a plugin, and tools for backends); test writers use
 
 import importlib.metadata as _metadata
 
+# First of trioinfer's own, before the imports that take a second: importing it holds a
+# SIGINT or SIGTERM at the start of `trioinfer serve` for its server's watcher.
+from . import _start_signals  # noqa: F401  # imported for that
 from ._config import Device as Device
 from ._config import Instance as Instance
 from ._config import ModelConfig as ModelConfig

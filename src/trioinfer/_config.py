@@ -22,6 +22,7 @@ from typing import Any, Literal, Self, TypeVar
 
 import attrs
 
+from ._bounds import check_priority_level, check_seconds
 from ._exceptions import ConfigError
 from ._sequence import SequenceConfig, to_sequence_config
 from ._tensors import Casting, InputLimits
@@ -260,6 +261,7 @@ def _per_level(name: str, what: str, value: object, valid: Any) -> dict[int, Any
             key = int(level)
         except (TypeError, ValueError):
             raise ConfigError(f"{name}: {level!r} is not an integer priority level") from None
+        check_priority_level(name, key)
         if isinstance(item, bool) or not valid(item):
             raise ConfigError(f"{name}: level {key} needs {what}, got {item!r}")
         if key in out:
@@ -270,13 +272,13 @@ def _per_level(name: str, what: str, value: object, valid: Any) -> dict[int, Any
 
 
 def _to_timeouts(value: object) -> Mapping[int, float]:
-    levels = _per_level(
-        "queue_timeouts",
-        "a positive number of seconds",
-        value,
-        lambda v: isinstance(v, (int, float)) and 0 < v < math.inf,
+    levels = _per_level("queue_timeouts", "a number of seconds", value, lambda v: True)
+    return MappingProxyType(
+        {
+            level: check_seconds(f"queue_timeouts: level {level}", seconds)
+            for level, seconds in levels.items()
+        }
     )
-    return MappingProxyType({level: float(seconds) for level, seconds in levels.items()})
 
 
 def _to_queue_sizes(value: object) -> Mapping[int, int]:

@@ -26,6 +26,8 @@ from typing import Any, Final, NoReturn
 import anyio
 import anyio.abc
 
+from . import _start_signals
+
 log = logging.getLogger("trioinfer.server")
 
 #: What the log calls the exit timeout when it ends the process: ``serve_http``'s
@@ -92,6 +94,7 @@ async def _watch_the_exit(
         anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals,
         _backstop(exit_timeout, said),
     ):
+        _start_signals.replay()  # a signal during the imports: as if it came now
         task_status.started()
         async with anyio.create_task_group() as bounds:
             count = 0

@@ -19,6 +19,7 @@ from typing import Any, Literal
 
 import attrs
 
+from ._bounds import check_seconds
 from ._exceptions import ConfigError, InvalidInput
 
 #: The control inputs a model may declare, by kind (Triton's ``CONTROL_SEQUENCE_*``).
@@ -199,10 +200,7 @@ def _check_strategy(_inst: object, _attribute: attrs.Attribute[Any], value: obje
 
 
 def _check_idle(_inst: object, _attribute: attrs.Attribute[Any], value: object) -> None:
-    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value < math.inf:
-        raise ConfigError(
-            f"sequence.max_sequence_idle must be a positive number of seconds, got {value!r}"
-        )
+    check_seconds("sequence.max_sequence_idle", value)
 
 
 def _check_size(_inst: object, _attribute: attrs.Attribute[Any], value: object) -> None:

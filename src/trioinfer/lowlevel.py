@@ -72,10 +72,16 @@ class OneAtATime:
   [`record_span()`][trioinfer.lowlevel.record_span] (the remote side's
   timings, recorded as child spans by the engine's tracer).
 
+- For plugins' options:
+  [`check_seconds()`][trioinfer.lowlevel.check_seconds], the one check of a
+  duration (the range every duration key and flag of trioinfer accepts, and its
+  message).
+
 To make requests for a plugin's own tests, use
 [`trioinfer.testing.make_request()`][trioinfer.testing.make_request].
 """
 
+from ._bounds import check_seconds as check_seconds
 from ._config import Placement as Placement
 from ._custom_metrics import current_model_metrics as current_model_metrics
 from ._engine import current_engine as current_engine

@@ -9,6 +9,9 @@ from typing import Any, TypeVar
 
 import click
 
+from .._bounds import check_seconds
+from .._exceptions import ConfigError
+
 T = TypeVar("T", float, float | None)
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20,
@@ -29,7 +32,30 @@ def not_nan(expected: str) -> Callable[[click.Context, click.Parameter, T], T]:
     return check
 
 
-_not_nan = not_nan("a number of seconds > 0")
+class Seconds(click.types.FloatParamType):
+    """A duration in seconds, in the range every duration of trioinfer takes.
+
+    The range and its message are `trioinfer.lowlevel.check_seconds`'s, as for a
+    config file's durations: FloatRange(min=0) took ``1e-300`` (a busy loop for
+    --repository-poll-secs), ``1e300`` and NaN.
+    """
+
+    name = "seconds"
+
+    def __init__(self, *, zero: bool = False, never: bool = False) -> None:
+        """Accept 0 too where *zero*, ``inf`` where *never* (see ``check_seconds``)."""
+        self.zero = zero
+        self.never = never
+
+    def convert(
+        self, value: Any, param: click.Parameter | None, ctx: click.Context | None
+    ) -> float:
+        """The duration as a float; a usage error naming the range otherwise."""
+        number = super().convert(value, param, ctx)
+        try:
+            return check_seconds("it", number, zero=self.zero, never=self.never)
+        except ConfigError as exc:
+            self.fail(str(exc), param, ctx)
 
 
 def needs_extra(extra: str, exc: ModuleNotFoundError) -> click.ClickException:

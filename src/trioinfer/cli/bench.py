@@ -17,7 +17,7 @@ import click
 import trio
 
 from .._exceptions import TrioInferError
-from ._params import TAKES_NO_ARGUMENTS, _not_nan, no_arguments
+from ._params import TAKES_NO_ARGUMENTS, Seconds, no_arguments
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -237,8 +237,7 @@ _REFUSED_INPUTS = (
 )
 @click.option(
     "--warmup",
-    type=click.FloatRange(min=0),
-    callback=_not_nan,
+    type=Seconds(zero=True),
     default=1.0,
     show_default=True,
     metavar="SECONDS",
@@ -246,8 +245,7 @@ _REFUSED_INPUTS = (
 )
 @click.option(
     "--window",
-    type=click.FloatRange(min=0, min_open=True),
-    callback=_not_nan,
+    type=Seconds(),
     default=1.0,
     show_default=True,
     metavar="SECONDS",

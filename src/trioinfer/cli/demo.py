@@ -20,7 +20,7 @@ from .._engine import Engine, open_engine
 from .._examples import digits_samples, example_repository
 from .._exceptions import TrioInferError
 from .._runner import ModelStatistics
-from ._params import _not_nan
+from ._params import Seconds
 
 #: The example model the demo runs.
 DEMO_MODEL: Final = "digits"
@@ -63,8 +63,7 @@ _LABEL_WIDTH: Final = 18
 )
 @click.option(
     "--deadline",
-    type=click.FloatRange(min=0, min_open=True),
-    callback=_not_nan,
+    type=Seconds(),
     default=0.05,
     show_default=True,
     metavar="SECONDS",

@@ -27,7 +27,7 @@ from .._exceptions import ConfigError, TrioInferError
 from ._params import (
     TAKES_NO_ARGUMENTS,
     ByteSize,
-    _not_nan,
+    Seconds,
     needs_extra,
     no_arguments,
     not_nan,
@@ -202,8 +202,7 @@ MAX_WORKERS: Final = 256
 )
 @click.option(
     "--drain-period",
-    type=click.FloatRange(min=0),
-    callback=_not_nan,
+    type=Seconds(zero=True),
     default=10.0,
     show_default=True,
     metavar="SECONDS",
@@ -211,8 +210,7 @@ MAX_WORKERS: Final = 256
 )
 @click.option(
     "--exit-timeout-secs",
-    type=click.FloatRange(min=0),
-    callback=not_nan("a number of seconds >= 0"),
+    type=Seconds(zero=True),
     default=None,
     metavar="SECONDS",
     help="On SIGINT/SIGTERM, how long the whole exit may take (the drain, then cancelling "
@@ -225,8 +223,7 @@ MAX_WORKERS: Final = 256
 )
 @click.option(
     "--repository-poll-secs",
-    type=click.FloatRange(min=0),
-    callback=_not_nan,
+    type=Seconds(zero=True),
     default=0.0,
     show_default=True,
     metavar="SECONDS",
@@ -428,9 +425,9 @@ def serve(ctx: click.Context, /, **options: Any) -> None:
     An execution that cannot be interrupted (a Python model's plain def infer
     stuck on its thread) would hold the exit for ever: past --exit-timeout-secs
     (or 1 s after a second signal) the process ends anyway with exit status
-    1, the log naming what still ran. A signal while the models still load
-    stops the start, with exit status 0. Any other failure to start exits 1,
-    and invalid options or settings 2.
+    1, the log naming what still ran. A signal at any moment of the start
+    (the imports included) stops it, with exit status 0. Any other failure
+    to start exits 1, and invalid options or settings 2.
 
     With --workers N, N processes serve the same port, each with its own
     engine and sessions on the same devices, and this process supervises

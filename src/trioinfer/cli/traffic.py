@@ -18,6 +18,8 @@ from typing import Any
 
 import click
 
+from ._params import Seconds
+
 #: Seconds to wait for each answer of the server, unless --timeout says otherwise. A load
 #: that changes only the split is quick, but it waits for any load of the model already in
 #: progress: a reload lets the replaced version's requests and streams finish first, for up
@@ -67,7 +69,7 @@ def _weight(text: str) -> tuple[int, float]:
 )
 @click.option(
     "--timeout",
-    type=click.FloatRange(min=0, min_open=True),
+    type=Seconds(never=True),
     default=TIMEOUT_S,
     show_default=True,
     metavar="SECONDS",
@@ -122,8 +124,6 @@ def traffic(
         raise click.UsageError(
             f"give one of weights, --promote, --rollback; got {' and '.join(chosen)}"
         )
-    if math.isnan(timeout):
-        raise click.BadParameter("expected a number of seconds > 0, or inf", param_hint="--timeout")
     server = _Server(url.rstrip("/"), token, timeout)
     split: dict[int, float] | None = None
     if weights:

@@ -35,6 +35,7 @@ from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from .. import __version__
+from .._bounds import MAX_PRIORITY, MIN_PRIORITY, check_seconds
 from .._config import PIPELINE, Instance, ModelConfig
 from .._engine import InferenceResult
 from .._exceptions import (
@@ -301,15 +302,7 @@ class ServerConfig:
 
     @repository_poll_s.validator
     def _check_poll(self, _attribute: attrs.Attribute[Any], value: object) -> None:
-        if (
-            not isinstance(value, (int, float))
-            or isinstance(value, bool)
-            or not 0 <= value < math.inf
-        ):
-            raise ConfigError(
-                f"repository_poll_secs must be a number of seconds, 0 or more (0: no "
-                f"polling), got {value!r}"
-            )
+        check_seconds("repository_poll_secs", value, zero=True)  # 0: no polling
 
     @cache_size.validator
     def _check_cache_size(self, _attribute: attrs.Attribute[Any], value: int) -> None:
@@ -318,8 +311,7 @@ class ServerConfig:
 
     @drain_period.validator
     def _check_drain(self, _attribute: attrs.Attribute[Any], value: float) -> None:
-        if not (isinstance(value, int | float) and 0 <= value < math.inf):
-            raise ConfigError(f"drain_period must be a finite number >= 0, got {value!r}")
+        check_seconds("drain_period", value, zero=True)
 
     @admin_token.validator
     def _check_token(self, _attribute: attrs.Attribute[Any], value: str | None) -> None:
@@ -1702,7 +1694,11 @@ def schedule_parameters(
     priority. HTTP infer and generate and gRPC all read them here.
     """
     priority = parameters.get("priority", 0)
-    if isinstance(priority, bool) or not isinstance(priority, int) or abs(priority) > 2**31:
+    if (
+        isinstance(priority, bool)
+        or not isinstance(priority, int)
+        or not MIN_PRIORITY <= priority <= MAX_PRIORITY
+    ):
         # Say the range: an integer past it (or one too big for JSON's parser, which gives
         # a float) is not "not an integer" to the client who sent it.
         raise RequestError(

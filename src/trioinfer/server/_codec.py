@@ -55,6 +55,7 @@ import numpy as np
 import numpy.typing as npt
 import orjson
 
+from .._bounds import check_seconds
 from .._exceptions import ConfigError, InvalidInput
 from .._tensors import TensorSpec, numpy_dtype
 
@@ -129,8 +130,7 @@ def _positive(_inst: object, attribute: attrs.Attribute[Any], value: int) -> Non
 
 
 def _positive_seconds(_inst: object, attribute: attrs.Attribute[Any], value: float) -> None:
-    if not isinstance(value, int | float) or isinstance(value, bool) or not 0 < value < math.inf:
-        raise ConfigError(f"{attribute.name} must be a positive number of seconds, got {value!r}")
+    check_seconds(attribute.name, value)
 
 
 @attrs.frozen

@@ -564,6 +564,13 @@ class ServedModels:
             except ModelNotFound as exc:
                 self._say_why_a_step_is_missing(model, exc)
                 raise
+            except ConfigError as exc:
+                # The operator's fault in this model's config (a plugin refusing its
+                # options, a backend its backend_options): say which file gave it.
+                source = entry.config_source(override)
+                if source is not None and not str(exc).startswith(source):
+                    exc.args = (f"{source}: {exc}", *exc.args[1:])
+                raise
             served[version] = ServedVersion(
                 model,
                 version,

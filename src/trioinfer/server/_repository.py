@@ -269,6 +269,8 @@ class ModelEntry:
         from_override: Whether the load override configures it whole (an
             ensemble in a directory with no config file): its "model file" is
             the directory.
+        source: Where its config was read, as errors name it
+            (``digits/config.toml``); None where there is no config file.
     """
 
     name: str
@@ -281,6 +283,19 @@ class ModelEntry:
     triton: TritonModel | None = None
     label_files: Mapping[str, str] = attrs.field(factory=dict)
     from_override: bool = False
+    source: str | None = None
+
+    def config_source(self, override: Mapping[str, Any] | None = None) -> str | None:
+        """Where a load's config came from, for its errors: the file, and the override.
+
+        A plugin that refuses its options says only what it refuses: without this the
+        operator of a large repository looked for the file that gave them.
+        """
+        if override is None or self.from_override:
+            return self.source
+        if self.source is None:
+            return f"model {self.name!r}: the config override"
+        return f"{self.source} with the config override"
 
     @property
     def model_file(self) -> str:
@@ -902,7 +917,9 @@ def _scan(
     config_path = directory / _CONFIG_FILE
     triton_path = directory / _TRITON_FILE
     shown = _relative(config_path, root)
+    source: str | None = None
     if _lexists(config_path):
+        source = shown
         _confine(config_path, root, where)
         settings = _read_toml(config_path, shown)
         if settings.get("backend") == PIPELINE:
@@ -918,7 +935,7 @@ def _scan(
         _check_settings(name, directory, root, settings, shown)
     elif _lexists(triton_path):
         _confine(triton_path, root, where)
-        shown = _relative(triton_path, root)
+        shown = source = _relative(triton_path, root)
         text = _read_text(triton_path, shown)
         if (
             isinstance(override, Mapping)
@@ -949,7 +966,7 @@ def _scan(
         # No config file: an ensemble given whole by the load override, as Triton loads
         # one into a directory that holds only a version directory (GET .../config of
         # another pipeline, say, under this name). It has no file: it is its config.
-        shown = f"model {name!r}: the config override"
+        shown = source = f"model {name!r}: the config override"
         triton = TritonModel.parse(override, name=name, where=shown)
         notes.extend(triton.notes)
         settings = dict(triton.settings)
@@ -1042,6 +1059,7 @@ def _scan(
         triton,
         label_files,
         from_override,
+        source,
     )
 
 

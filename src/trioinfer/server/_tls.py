@@ -30,7 +30,7 @@ import socket
 import ssl
 import threading
 import time
-from typing import Any, Final, final
+from typing import Any, Final, NamedTuple, final
 
 import anyio
 import anyio.abc
@@ -172,40 +172,54 @@ def _load_verify(context: ssl.SSLContext, path: str, said: str) -> None:
         ) from None
 
 
-def _warn_of_a_missing_chain(path: str, flag: str) -> None:
-    """Warn when the certificate file *path* (given as *flag*) lacks its leaf's issuer.
+def _warn_of_a_missing_chain(files: TlsFiles, flag: str) -> None:
+    """Warn when the certificate file (given as *flag*) surely lacks its leaf's issuer.
 
     A file with the server's certificate alone, signed by an intermediate CA,
     loads and serves; a client that has only the root then fails every
     handshake ("unable to get local issuer certificate"), while a browser or
     a client that has the intermediate cached works, which hides the cause.
-    So: a leaf that is not self-signed, whose issuer is not among the file's
-    other certificates, is said at WARNING, naming the issuer. (A leaf signed
-    by a root that the clients trust needs nothing more: the message says so,
-    since the file cannot tell a root from an intermediate.) A file that
-    cannot be read or parsed here says nothing: `server_context` checks it.
+    A leaf signed straight by a private root (an internal CA, trustme, mkcert)
+    needs nothing more, and the file alone cannot tell that root from an
+    intermediate. What tells them apart:
+
+    - the issuer is in the file after the leaf, or is the leaf (self-signed),
+      or is a self-signed certificate of the client CA file (mutual TLS):
+      nothing is missing;
+    - the leaf names where its issuer's certificate is published (Authority
+      Information Access, caIssuers), as a public CA's leaves do, and those
+      never come straight off a root (CA/Browser Forum): WARNING, naming it;
+    - otherwise (a private CA's leaf, most often off its root): INFO, in case
+      the issuer is an intermediate after all.
+
+    A file that cannot be read or parsed here says nothing: `server_context`
+    checks it.
     """
     try:
-        with open(path, "rb") as f:
-            certificates = [_names(der) for der in _pem_certificates(f.read())]
-        if not certificates:
+        with open(files.cert, "rb") as f:
+            leaf, *chain = map(_read_certificate, _pem_certificates(f.read()))
+        roots: list[_Certificate] = []
+        if files.mutual and files.root is not None:
+            with open(files.root, "rb") as f:
+                roots = [c for c in map(_read_certificate, _pem_certificates(f.read())) if c.root]
+        if leaf.root or any(c.subject == leaf.issuer for c in (*chain, *roots)):
             return
-        issuer, subject = certificates[0]
-        if issuer == subject or any(other == issuer for _, other in certificates[1:]):
-            return
-        said = _name_text(issuer)
+        said = _name_text(leaf.issuer)
     except (OSError, IndexError, ValueError):
         return
-    log.warning(
+    log.log(
+        logging.WARNING if leaf.published_issuer else logging.INFO,
         "%s %r holds the server's certificate without the certificate that signed it (%s): "
         "a client that does not have that one fails the TLS handshake (unable to get local "
         "issuer certificate). Append the intermediate certificate(s) to the file after the "
         "server's, as a CA's full chain has them (certbot's fullchain.pem, cert-manager's "
-        "tls.crt); if %s is a root CA that every client trusts, nothing is missing",
+        "tls.crt)%s",
         flag,
-        path,
+        files.cert,
         said,
-        said,
+        ""
+        if leaf.published_issuer
+        else f"; if {said} is a root CA that every client trusts, nothing is missing",
     )
 
 
@@ -235,11 +249,26 @@ def _der(data: bytes, pos: int) -> tuple[int, int, int]:
     return tag, pos, pos + length
 
 
-def _names(der: bytes) -> tuple[bytes, bytes]:
-    # A certificate's issuer and subject, as their DER (RFC 5280, 4.1): compared as bytes,
-    # as a CA copies its subject into the issuer of what it signs.
+class _Certificate(NamedTuple):
+    issuer: bytes  # its issuer's name, as DER: compared as bytes, as a CA copies its subject
+    subject: bytes  # into the issuer of what it signs
+    published_issuer: bool  # it says where its issuer's certificate is (AIA caIssuers)
+
+    @property
+    def root(self) -> bool:
+        """Self-issued: a root CA (or a self-signed server certificate)."""
+        return self.issuer == self.subject
+
+
+#: The OIDs (their DER content) of Authority Information Access and of its caIssuers.
+_AIA: Final = bytes.fromhex("2b06010505070101")  # 1.3.6.1.5.5.7.1.1
+_CA_ISSUERS: Final = bytes.fromhex("2b06010505073002")  # 1.3.6.1.5.5.7.48.2
+
+
+def _read_certificate(der: bytes) -> _Certificate:
+    # What _warn_of_a_missing_chain needs of a certificate (RFC 5280, 4.1).
     _, pos, _ = _der(der, 0)  # Certificate: into it
-    _, pos, _ = _der(der, pos)  # its tbsCertificate: into it
+    _, pos, tbs_end = _der(der, pos)  # its tbsCertificate: into it
     tag, _, end = _der(der, pos)
     if tag == 0xA0:  # [0] version: then the serial number
         tag, _, end = _der(der, end)
@@ -247,8 +276,35 @@ def _names(der: bytes) -> tuple[bytes, bytes]:
     _, start, issuer_end = _der(der, end)
     issuer = der[start:issuer_end]
     _, _, end = _der(der, issuer_end)  # validity
-    _, start, subject_end = _der(der, end)
-    return issuer, der[start:subject_end]
+    _, start, end = _der(der, end)
+    subject = der[start:end]
+    published = False
+    _, _, end = _der(der, end)  # subjectPublicKeyInfo; then [1], [2] unique ids, [3] extensions
+    while end < tbs_end:
+        tag, start, end = _der(der, end)
+        if tag == 0xA3:
+            published = _names_ca_issuers(der, start)
+    return _Certificate(issuer, subject, published)
+
+
+def _names_ca_issuers(der: bytes, pos: int) -> bool:
+    # Whether the extensions at *pos* (the SEQUENCE in [3]) hold AIA with a caIssuers entry.
+    _, pos, end = _der(der, pos)
+    while pos < end:
+        _, item, pos = _der(der, pos)  # Extension: extnID, critical (optional), extnValue
+        _, oid, item = _der(der, item)
+        if der[oid:item] != _AIA:
+            continue
+        tag, value, value_end = _der(der, item)
+        if tag == 0x01:  # critical
+            tag, value, value_end = _der(der, value_end)
+        _, access, access_end = _der(der, value)  # the OCTET STRING holds a SEQUENCE
+        while access < access_end:
+            _, method, access = _der(der, access)  # AccessDescription: method, location
+            _, oid, oid_end = _der(der, method)
+            if der[oid:oid_end] == _CA_ISSUERS:
+                return True
+    return False
 
 
 #: The attributes of a name that a message shows, by their OID's DER (2.5.4.x).
@@ -361,7 +417,7 @@ class ReloadingContext:
         """
         stamps = cls._stamps(files)  # before reading: a change meanwhile is seen next time
         context = server_context(files, alpn=alpn, flags=flags)
-        _warn_of_a_missing_chain(files.cert, {**_FLAGS, **(flags or {})}["cert"])
+        _warn_of_a_missing_chain(files, {**_FLAGS, **(flags or {})}["cert"])
         return cls(files, alpn, flags, context=context, loaded=stamps)
 
     @staticmethod
@@ -429,7 +485,7 @@ class ReloadingContext:
                 names["cert"],
                 self.files.cert,
             )
-            _warn_of_a_missing_chain(self.files.cert, names["cert"])
+            _warn_of_a_missing_chain(self.files, names["cert"])
             return True
         self._refused = _Refused(stamps, time.monotonic(), why)
         log.debug("TLS files changed but cannot be used (yet): %s", why)

@@ -109,7 +109,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, Metric
 from prometheus_client.parser import text_string_to_metric_families
 
-from .. import _exceptions
+from .. import _exceptions, _start_signals
 from .._custom_metrics import GaugeWorkers
 from .._exceptions import ConfigError, TrioInferError
 from .._exit import BACKSTOP_S, LAST_CANCEL_S
@@ -1860,6 +1860,7 @@ async def serve_workers(
     # the repository's baseline) waits for the watcher, which stops the start, rather
     # than end the process with the directory left behind.
     with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+        _start_signals.replay()  # a signal during the imports: as if it came now
         root = ModelRepository(repository).root  # a missing repository fails here, once
         reserved, port = _reserve_port(host, port)
         if grpc_port is not None:
