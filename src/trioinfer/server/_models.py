@@ -45,6 +45,7 @@ class OneProcessOnly(ConfigError):
     (``--exit-on-error``), and a load over the API is refused with this 400.
     """
 
+
 #: Seconds a model loads at start-up before the log says so (then twice as long, ...).
 SLOW_LOAD_S: Final = 10.0
 
