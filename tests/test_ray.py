@@ -178,8 +178,11 @@ async def test_actor_refuses_a_batch_whose_time_ran_out(local_ray: None, mlp_mod
         x = np.zeros((2, 64), np.float32)
         with pytest.raises(DeadlineExceeded):
             await trioinfer_ray.wait_ref(instance.actor.execute.remote({"input": x}, -0.001))
-        out = await trioinfer_ray.wait_ref(instance.actor.execute.remote({"input": x}, math.inf))
+        out, held = await trioinfer_ray.wait_ref(
+            instance.actor.execute.remote({"input": x}, math.inf)
+        )
         assert out["output"].shape == (2, 10)
+        assert held >= 0  # seconds in the actor, for the driver's measure of the round trip
         stats = await instance.remote_statistics()
         assert stats["expired"] == 1
         assert stats["computed"] == 1
@@ -200,6 +203,71 @@ async def test_the_remaining_time_crosses_the_wire(local_ray: None, mlp_model: P
         with trio.fail_after(30):
             await engine.infer("m", {"input": x})
         assert 0 < (await instance.remote_statistics())["last_remaining"] <= 30
+
+
+async def test_across_machines_the_round_trip_is_taken_off_the_time_left(
+    local_ray: None, mlp_model: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An actor on another machine (faked: the driver says another boot id) could not
+    count the hop, and computed batches whose time had run out on the way. The driver
+    measures the least round trip a call spends outside the actor (each side timing its
+    own span) and sends it; the actor takes it off the time left, and refuses, uncomputed,
+    a batch with less time than that: it could not be answered in time."""
+    monkeypatch.setattr(trioinfer_ray._backend, "clock_id", lambda: "another-machine")
+    recording = Recording()
+    x = np.zeros((1, 64), np.float32)
+    async with open_engine(registry=recording.registry()) as engine:
+        await engine.load(ModelConfig(name="m", path=mlp_model, backend="ray"))
+        (instance,) = recording.instances
+        assert instance.round_trip == math.inf  # nothing measured yet: nothing taken off
+        await engine.infer("m", {"input": x})
+        stats = await instance.remote_statistics()
+        assert math.isnan(stats["last_hop"])  # another clock: the hop is not known
+        assert stats["last_allowance"] == 0.0
+        trip = instance.round_trip
+        assert 0 < trip < math.inf
+        for _ in range(3):
+            await engine.infer("m", {"input": x})
+        assert instance.round_trip <= trip  # the least seen
+        stats = await instance.remote_statistics()
+        assert 0 < stats["last_allowance"] <= trip  # what the driver knew when it sent it
+        # Less time left than the way there and back: refused, uncomputed.
+        allowance = instance.round_trip
+        computed = stats["computed"]
+        call = instance.actor.execute.remote(
+            {"input": x}, allowance / 2, time.monotonic(), allowance
+        )
+        with pytest.raises(DeadlineExceeded, match="way here and back takes at least"):
+            await trioinfer_ray.wait_ref(call)
+        del call
+        stats = await instance.remote_statistics()
+        assert (stats["computed"], stats["expired"]) == (computed, 1)
+        # More than that: computed.
+        call = instance.actor.execute.remote({"input": x}, 60.0, time.monotonic(), allowance)
+        out, _ = await trioinfer_ray.wait_ref(call)
+        del call
+        assert out["output"].shape == (1, 10)
+
+
+async def test_on_one_machine_the_hop_is_counted_and_no_allowance_taken(
+    local_ray: None, mlp_model: Path
+) -> None:
+    """Where the driver shares the actor's clock, the hop itself is measured: the round
+    trip the driver sends is not taken off as well."""
+    recording = Recording()
+    x = np.zeros((1, 64), np.float32)
+    async with open_engine(registry=recording.registry()) as engine:
+        await engine.load(ModelConfig(name="m", path=mlp_model, backend="ray"))
+        (instance,) = recording.instances
+        for _ in range(2):
+            await engine.infer("m", {"input": x})
+        stats = await instance.remote_statistics()
+        assert stats["last_hop"] >= 0
+        assert math.isnan(stats["last_allowance"])
+        call = instance.actor.execute.remote({"input": x}, 60.0, time.monotonic(), 120.0)
+        out, _ = await trioinfer_ray.wait_ref(call)  # 120 s of allowance: ignored here
+        del call
+        assert out["output"].shape == (1, 10)
 
 
 @pytest.mark.tracing
@@ -268,6 +336,43 @@ async def test_a_dead_actor_is_backend_unavailable(local_ray: None, mlp_model: P
                     await instance.execute({"input": np.zeros((1, 64), np.float32)})
     finally:
         await instance.aclose()
+
+
+async def test_a_lone_actor_killed_leaves_its_model_not_ready_until_loaded_again(
+    local_ray: None, mlp_model: Path
+) -> None:
+    """Without the resilient fallback, a lone actor killed (or lost with its node) left its
+    model ready while every request failed. Its death is known with no request sent (the
+    actor's pending watch call fails): the instance shows as out, the model not ready,
+    requests fail naming the dead actor, and loading the model again brings it back."""
+    recording = Recording()
+    xs = np.zeros((1, 64), np.float32)
+    config = ModelConfig(name="m", path=mlp_model, backend="ray")
+    async with open_engine(registry=recording.registry()) as engine:
+        await engine.load(config)
+        (instance,) = recording.instances
+        assert engine.model("m").unavailable is None
+        assert instance.gone is None
+        ray.kill(instance.actor)
+        with trio.fail_after(60):
+            while engine.model("m").unavailable is None:  # noqa: ASYNC110  # Ray's news
+                await trio.sleep(0.01)
+        unavailable = engine.model("m").unavailable
+        assert unavailable is not None
+        assert "no instance of model 'm' serves it" in unavailable
+        assert "is gone (ActorDiedError)" in unavailable
+        assert "killed by `ray.kill`" in unavailable  # Ray says why
+        assert instance.node_id[:12] in unavailable  # which actor, on which node
+        (replica,) = engine.statistics().models["m"].replicas
+        assert replica.state == "out"
+        assert str(replica.reason).startswith("gone: ")
+        with pytest.raises(BackendUnavailable, match="is gone") as failed:
+            await engine.infer("m", {"input": xs})
+        assert "'m' instance 0 (ray)" in str(failed.value)
+        await engine.load(config, replace=True)
+        assert engine.model("m").unavailable is None
+        assert (await engine.infer("m", {"input": xs}))["output"].shape == (1, 10)
+    assert all(actor_gone(handle) for handle in recording.handles)
 
 
 async def test_no_remote_compute_for_requests_that_expired_or_left_while_queued(
