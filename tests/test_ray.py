@@ -30,6 +30,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
+import trioinfer
 import trioinfer_ray
 from trioinfer import (
     BackendError,
@@ -1213,6 +1214,7 @@ def _load_from_a_process_of_its_own(tmp_path: Path, mlp_model: Path, how: str, p
         address = "auto"
     program = f"""
 import time, trio
+import trioinfer
 import trioinfer_ray
 from trioinfer import BackendUnavailable, ModelConfig
 config = ModelConfig(name="m", path={str(mlp_model)!r}, backend="ray",
@@ -1602,6 +1604,7 @@ def test_a_driver_that_handles_sigterm_keeps_its_handler(mlp_model: Path) -> Non
     process of its own, which starts its own Ray (this one is connected to the tests')."""
     program = f"""
 import os, signal, trio
+import trioinfer
 import trioinfer_ray
 from trioinfer import ModelConfig
 
@@ -1629,3 +1632,91 @@ trio.run(main)
     assert "stopping on SIGTERM" in result.stdout, result.stdout + result.stderr
     assert "SIGTERM received" not in result.stderr
     assert result.returncode == 0, result.stderr
+
+
+def _started_by(ray_tmpdir: str) -> list[tuple[int, str]]:
+    """The running processes whose environment names *ray_tmpdir* (a server's, and Ray's)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            environ = (entry / "environ").read_bytes().split(b"\0")
+            stat = (entry / "stat").read_bytes()
+        except OSError:
+            continue
+        zombie = stat[stat.rfind(b")") + 2 :].split()[0] == b"Z"  # no process any more
+        if f"RAY_TMPDIR={ray_tmpdir}".encode() in environ and not zombie:
+            with contextlib.suppress(OSError):  # named as it names itself (Ray's "ray::...")
+                name = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode().strip()
+                found.append((int(entry.name), name[:120]))
+    return found
+
+
+#: `trioinfer serve`, with a Ray whose start ends (``ray.init`` returns) only a minute after
+#: Ray's processes run, as on a loaded machine (where it took 25 s): it says when they run.
+SLOW_RAY_START = """
+import pathlib, sys, time
+import ray
+from trioinfer.cli import main
+
+real_init = ray.init
+
+
+def init(*args, **kwargs):
+    started = real_init(*args, **kwargs)
+    pathlib.Path(sys.argv[1]).touch()
+    time.sleep(60)
+    return started
+
+
+ray.init = init
+main(sys.argv[2:])
+"""
+
+
+def test_sigterm_while_a_load_starts_a_local_ray_leaves_no_ray_process(tmp_path: Path) -> None:
+    """`trioinfer serve` of a ray model, stopped by SIGTERM while its load starts a local Ray
+    (ray.init on a thread, which no cancel interrupts): the exit timeout ended the process
+    with os._exit, which runs no atexit handler (Ray's shutdown), and Ray's two agents were
+    left running for ever. The server ends every process it started before it exits."""
+    repository = tmp_path / "repository"
+    (repository / "digits" / "1").mkdir(parents=True)
+    source = trioinfer.example_repository() / "digits" / "1" / "model.onnx"
+    (repository / "digits" / "1" / "model.onnx").write_bytes(source.read_bytes())
+    (repository / "digits" / "config.toml").write_text('backend = "ray"\n')
+    log = tmp_path / "server.log"
+    started = tmp_path / "ray-started"
+    command = [sys.executable, "-c", SLOW_RAY_START, str(started), "serve", "--port", "0"]
+    command += ["--no-grpc", "--host", "127.0.0.1", "--model-repository", str(repository)]
+    command += ["--drain-period", "0.2", "--exit-timeout-secs", "1"]
+    with tempfile.TemporaryDirectory(prefix="ray", dir="/tmp") as temp:  # short: Ray's sockets
+        env = {**os.environ, "RAY_TMPDIR": temp}
+        with log.open("wb") as out:
+            server = subprocess.Popen(
+                command, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, env=env
+            )
+        try:
+            give_up = time.monotonic() + 300
+            while not started.exists():
+                assert server.poll() is None, log.read_text(errors="replace")[-4000:]
+                assert time.monotonic() < give_up, "Ray did not start"
+                time.sleep(0.05)
+            running = _started_by(temp)
+            assert any("Agent" in name for _, name in running), running  # Ray's agents run
+            server.send_signal(signal.SIGTERM)
+            code = server.wait(timeout=120)
+            said = log.read_text(errors="replace")
+            assert code == 1, said[-4000:]  # ended at the exit timeout
+            give_up = time.monotonic() + 30
+            while left := _started_by(temp):  # a killed process may take a moment to go
+                assert time.monotonic() < give_up, f"left running: {left}\n{said[-4000:]}"
+                time.sleep(0.1)
+            assert "ended the" in said, said[-4000:]  # and said which
+        finally:
+            if server.poll() is None:
+                server.kill()
+                server.wait()
+            for pid, _ in _started_by(temp):
+                with contextlib.suppress(OSError):
+                    os.kill(pid, signal.SIGKILL)
