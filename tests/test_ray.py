@@ -1634,23 +1634,37 @@ trio.run(main)
     assert result.returncode == 0, result.stderr
 
 
-def _started_by(ray_tmpdir: str) -> list[tuple[int, str]]:
-    """The running processes whose environment names *ray_tmpdir* (a server's, and Ray's)."""
-    found = []
+def _tree(root: int) -> dict[int, tuple[bytes, str]]:
+    """The running processes under *root* (its children, theirs, ...): by pid, their start
+    time (so that a pid used again is not taken for them) and command line."""
+    parents: dict[int, list[int]] = {}
     for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            environ = (entry / "environ").read_bytes().split(b"\0")
+        with contextlib.suppress(OSError, ValueError, IndexError):
             stat = (entry / "stat").read_bytes()
-        except OSError:
-            continue
-        zombie = stat[stat.rfind(b")") + 2 :].split()[0] == b"Z"  # no process any more
-        if f"RAY_TMPDIR={ray_tmpdir}".encode() in environ and not zombie:
-            with contextlib.suppress(OSError):  # named as it names itself (Ray's "ray::...")
-                name = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode().strip()
-                found.append((int(entry.name), name[:120]))
+            parents.setdefault(int(stat[stat.rfind(b")") + 2 :].split()[1]), []).append(
+                int(entry.name)
+            )
+    found: dict[int, tuple[bytes, str]] = {}
+    todo = [root]
+    while todo:
+        for pid in parents.get(todo.pop(), ()):
+            todo.append(pid)
+            if (running := _running(pid)) is not None:
+                found[pid] = running
     return found
+
+
+def _running(pid: int) -> tuple[bytes, str] | None:
+    # The start time and command line of *pid*, if it runs (a zombie does not).
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_bytes()
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return None
+    fields = stat[stat.rfind(b")") + 2 :].split()
+    if fields[0] == b"Z":
+        return None
+    return fields[19], cmdline.replace(b"\0", b" ").decode(errors="replace").strip()[:120]
 
 
 #: `trioinfer serve`, with a Ray whose start ends (``ray.init`` returns) only a minute after
@@ -1696,27 +1710,43 @@ def test_sigterm_while_a_load_starts_a_local_ray_leaves_no_ray_process(tmp_path:
             server = subprocess.Popen(
                 command, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, env=env
             )
+        started_by_it: dict[int, tuple[bytes, str]] = {}
+
+        def left() -> list[str]:
+            # Those that still run (the same start time: not a pid used again since).
+            return [
+                name
+                for pid, (start, name) in started_by_it.items()
+                if (now := _running(pid)) is not None and now[0] == start
+            ]
+
         try:
             give_up = time.monotonic() + 300
             while not started.exists():
                 assert server.poll() is None, log.read_text(errors="replace")[-4000:]
                 assert time.monotonic() < give_up, "Ray did not start"
                 time.sleep(0.05)
-            running = _started_by(temp)
-            assert any("Agent" in name for _, name in running), running  # Ray's agents run
+            # Ray's agents run (raylet starts them, named "ray::DashboardAgent" once set up).
+            while True:
+                started_by_it = _tree(server.pid)
+                if any("agent" in name.lower() for _, name in started_by_it.values()):
+                    break
+                assert time.monotonic() < give_up, started_by_it
+                time.sleep(0.05)
             server.send_signal(signal.SIGTERM)
             code = server.wait(timeout=120)
             said = log.read_text(errors="replace")
             assert code == 1, said[-4000:]  # ended at the exit timeout
             give_up = time.monotonic() + 30
-            while left := _started_by(temp):  # a killed process may take a moment to go
-                assert time.monotonic() < give_up, f"left running: {left}\n{said[-4000:]}"
+            while still := left():  # a killed process may take a moment to go
+                assert time.monotonic() < give_up, f"left running: {still}\n{said[-4000:]}"
                 time.sleep(0.1)
             assert "ended the" in said, said[-4000:]  # and said which
         finally:
             if server.poll() is None:
                 server.kill()
                 server.wait()
-            for pid, _ in _started_by(temp):
-                with contextlib.suppress(OSError):
-                    os.kill(pid, signal.SIGKILL)
+            for pid, (start, _) in started_by_it.items():
+                if (now := _running(pid)) is not None and now[0] == start:
+                    with contextlib.suppress(OSError):
+                        os.kill(pid, signal.SIGKILL)
