@@ -30,6 +30,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
+import trioinfer
 import trioinfer_ray
 from trioinfer import (
     BackendError,
@@ -178,8 +179,11 @@ async def test_actor_refuses_a_batch_whose_time_ran_out(local_ray: None, mlp_mod
         x = np.zeros((2, 64), np.float32)
         with pytest.raises(DeadlineExceeded):
             await trioinfer_ray.wait_ref(instance.actor.execute.remote({"input": x}, -0.001))
-        out = await trioinfer_ray.wait_ref(instance.actor.execute.remote({"input": x}, math.inf))
+        out, held = await trioinfer_ray.wait_ref(
+            instance.actor.execute.remote({"input": x}, math.inf)
+        )
         assert out["output"].shape == (2, 10)
+        assert held >= 0  # seconds in the actor, for the driver's measure of the round trip
         stats = await instance.remote_statistics()
         assert stats["expired"] == 1
         assert stats["computed"] == 1
@@ -200,6 +204,71 @@ async def test_the_remaining_time_crosses_the_wire(local_ray: None, mlp_model: P
         with trio.fail_after(30):
             await engine.infer("m", {"input": x})
         assert 0 < (await instance.remote_statistics())["last_remaining"] <= 30
+
+
+async def test_across_machines_the_round_trip_is_taken_off_the_time_left(
+    local_ray: None, mlp_model: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An actor on another machine (faked: the driver says another boot id) could not
+    count the hop, and computed batches whose time had run out on the way. The driver
+    measures the least round trip a call spends outside the actor (each side timing its
+    own span) and sends it; the actor takes it off the time left, and refuses, uncomputed,
+    a batch with less time than that: it could not be answered in time."""
+    monkeypatch.setattr(trioinfer_ray._backend, "clock_id", lambda: "another-machine")
+    recording = Recording()
+    x = np.zeros((1, 64), np.float32)
+    async with open_engine(registry=recording.registry()) as engine:
+        await engine.load(ModelConfig(name="m", path=mlp_model, backend="ray"))
+        (instance,) = recording.instances
+        assert instance.round_trip == math.inf  # nothing measured yet: nothing taken off
+        await engine.infer("m", {"input": x})
+        stats = await instance.remote_statistics()
+        assert math.isnan(stats["last_hop"])  # another clock: the hop is not known
+        assert stats["last_allowance"] == 0.0
+        trip = instance.round_trip
+        assert 0 < trip < math.inf
+        for _ in range(3):
+            await engine.infer("m", {"input": x})
+        assert instance.round_trip <= trip  # the least seen
+        stats = await instance.remote_statistics()
+        assert 0 < stats["last_allowance"] <= trip  # what the driver knew when it sent it
+        # Less time left than the way there and back: refused, uncomputed.
+        allowance = instance.round_trip
+        computed = stats["computed"]
+        call = instance.actor.execute.remote(
+            {"input": x}, allowance / 2, time.monotonic(), allowance
+        )
+        with pytest.raises(DeadlineExceeded, match="way here and back takes at least"):
+            await trioinfer_ray.wait_ref(call)
+        del call
+        stats = await instance.remote_statistics()
+        assert (stats["computed"], stats["expired"]) == (computed, 1)
+        # More than that: computed.
+        call = instance.actor.execute.remote({"input": x}, 60.0, time.monotonic(), allowance)
+        out, _ = await trioinfer_ray.wait_ref(call)
+        del call
+        assert out["output"].shape == (1, 10)
+
+
+async def test_on_one_machine_the_hop_is_counted_and_no_allowance_taken(
+    local_ray: None, mlp_model: Path
+) -> None:
+    """Where the driver shares the actor's clock, the hop itself is measured: the round
+    trip the driver sends is not taken off as well."""
+    recording = Recording()
+    x = np.zeros((1, 64), np.float32)
+    async with open_engine(registry=recording.registry()) as engine:
+        await engine.load(ModelConfig(name="m", path=mlp_model, backend="ray"))
+        (instance,) = recording.instances
+        for _ in range(2):
+            await engine.infer("m", {"input": x})
+        stats = await instance.remote_statistics()
+        assert stats["last_hop"] >= 0
+        assert math.isnan(stats["last_allowance"])
+        call = instance.actor.execute.remote({"input": x}, 60.0, time.monotonic(), 120.0)
+        out, _ = await trioinfer_ray.wait_ref(call)  # 120 s of allowance: ignored here
+        del call
+        assert out["output"].shape == (1, 10)
 
 
 @pytest.mark.tracing
@@ -268,6 +337,43 @@ async def test_a_dead_actor_is_backend_unavailable(local_ray: None, mlp_model: P
                     await instance.execute({"input": np.zeros((1, 64), np.float32)})
     finally:
         await instance.aclose()
+
+
+async def test_a_lone_actor_killed_leaves_its_model_not_ready_until_loaded_again(
+    local_ray: None, mlp_model: Path
+) -> None:
+    """Without the resilient fallback, a lone actor killed (or lost with its node) left its
+    model ready while every request failed. Its death is known with no request sent (the
+    actor's pending watch call fails): the instance shows as out, the model not ready,
+    requests fail naming the dead actor, and loading the model again brings it back."""
+    recording = Recording()
+    xs = np.zeros((1, 64), np.float32)
+    config = ModelConfig(name="m", path=mlp_model, backend="ray")
+    async with open_engine(registry=recording.registry()) as engine:
+        await engine.load(config)
+        (instance,) = recording.instances
+        assert engine.model("m").unavailable is None
+        assert instance.gone is None
+        ray.kill(instance.actor)
+        with trio.fail_after(60):
+            while engine.model("m").unavailable is None:  # noqa: ASYNC110  # Ray's news
+                await trio.sleep(0.01)
+        unavailable = engine.model("m").unavailable
+        assert unavailable is not None
+        assert "no instance of model 'm' serves it" in unavailable
+        assert "is gone (ActorDiedError)" in unavailable
+        assert "killed by `ray.kill`" in unavailable  # Ray says why
+        assert instance.node_id[:12] in unavailable  # which actor, on which node
+        (replica,) = engine.statistics().models["m"].replicas
+        assert replica.state == "out"
+        assert str(replica.reason).startswith("gone: ")
+        with pytest.raises(BackendUnavailable, match="is gone") as failed:
+            await engine.infer("m", {"input": xs})
+        assert "'m' instance 0 (ray)" in str(failed.value)
+        await engine.load(config, replace=True)
+        assert engine.model("m").unavailable is None
+        assert (await engine.infer("m", {"input": xs}))["output"].shape == (1, 10)
+    assert all(actor_gone(handle) for handle in recording.handles)
 
 
 async def test_no_remote_compute_for_requests_that_expired_or_left_while_queued(
@@ -1109,6 +1215,7 @@ def _load_from_a_process_of_its_own(tmp_path: Path, mlp_model: Path, how: str, p
         address = "auto"
     program = f"""
 import time, trio
+import trioinfer
 import trioinfer_ray
 from trioinfer import BackendUnavailable, ModelConfig
 config = ModelConfig(name="m", path={str(mlp_model)!r}, backend="ray",
@@ -1498,6 +1605,7 @@ def test_a_driver_that_handles_sigterm_keeps_its_handler(mlp_model: Path) -> Non
     process of its own, which starts its own Ray (this one is connected to the tests')."""
     program = f"""
 import os, signal, trio
+import trioinfer
 import trioinfer_ray
 from trioinfer import ModelConfig
 
@@ -1525,3 +1633,121 @@ trio.run(main)
     assert "stopping on SIGTERM" in result.stdout, result.stdout + result.stderr
     assert "SIGTERM received" not in result.stderr
     assert result.returncode == 0, result.stderr
+
+
+def _tree(root: int) -> dict[int, tuple[bytes, str]]:
+    """The running processes under *root* (its children, theirs, ...): by pid, their start
+    time (so that a pid used again is not taken for them) and command line."""
+    parents: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            stat = (entry / "stat").read_bytes()
+            parents.setdefault(int(stat[stat.rfind(b")") + 2 :].split()[1]), []).append(
+                int(entry.name)
+            )
+    found: dict[int, tuple[bytes, str]] = {}
+    todo = [root]
+    while todo:
+        for pid in parents.get(todo.pop(), ()):
+            todo.append(pid)
+            if (running := _running(pid)) is not None:
+                found[pid] = running
+    return found
+
+
+def _running(pid: int) -> tuple[bytes, str] | None:
+    # The start time and command line of *pid*, if it runs (a zombie does not).
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_bytes()
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return None
+    fields = stat[stat.rfind(b")") + 2 :].split()
+    if fields[0] == b"Z":
+        return None
+    return fields[19], cmdline.replace(b"\0", b" ").decode(errors="replace").strip()[:120]
+
+
+#: `trioinfer serve`, with a Ray whose start ends (``ray.init`` returns) only a minute after
+#: Ray's processes run, as on a loaded machine (where it took 25 s): it says when they run.
+SLOW_RAY_START = """
+import pathlib, sys, time
+import ray
+from trioinfer.cli import main
+
+real_init = ray.init
+
+
+def init(*args, **kwargs):
+    started = real_init(*args, **kwargs)
+    pathlib.Path(sys.argv[1]).touch()
+    time.sleep(60)
+    return started
+
+
+ray.init = init
+main(sys.argv[2:])
+"""
+
+
+def test_sigterm_while_a_load_starts_a_local_ray_leaves_no_ray_process(tmp_path: Path) -> None:
+    """`trioinfer serve` of a ray model, stopped by SIGTERM while its load starts a local Ray
+    (ray.init on a thread, which no cancel interrupts): the exit timeout ended the process
+    with os._exit, which runs no atexit handler (Ray's shutdown), and Ray's two agents were
+    left running for ever. The server ends every process it started before it exits."""
+    repository = tmp_path / "repository"
+    (repository / "digits" / "1").mkdir(parents=True)
+    source = trioinfer.example_repository() / "digits" / "1" / "model.onnx"
+    (repository / "digits" / "1" / "model.onnx").write_bytes(source.read_bytes())
+    (repository / "digits" / "config.toml").write_text('backend = "ray"\n')
+    log = tmp_path / "server.log"
+    started = tmp_path / "ray-started"
+    command = [sys.executable, "-c", SLOW_RAY_START, str(started), "serve", "--port", "0"]
+    command += ["--no-grpc", "--host", "127.0.0.1", "--model-repository", str(repository)]
+    command += ["--drain-period", "0.2", "--exit-timeout-secs", "1"]
+    with tempfile.TemporaryDirectory(prefix="ray", dir="/tmp") as temp:  # short: Ray's sockets
+        env = {**os.environ, "RAY_TMPDIR": temp}
+        with log.open("wb") as out:
+            server = subprocess.Popen(
+                command, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, env=env
+            )
+        started_by_it: dict[int, tuple[bytes, str]] = {}
+
+        def left() -> list[str]:
+            # Those that still run (the same start time: not a pid used again since).
+            return [
+                name
+                for pid, (start, name) in started_by_it.items()
+                if (now := _running(pid)) is not None and now[0] == start
+            ]
+
+        try:
+            give_up = time.monotonic() + 300
+            while not started.exists():
+                assert server.poll() is None, log.read_text(errors="replace")[-4000:]
+                assert time.monotonic() < give_up, "Ray did not start"
+                time.sleep(0.05)
+            # Ray's agents run (raylet starts them, named "ray::DashboardAgent" once set up).
+            while True:
+                started_by_it = _tree(server.pid)
+                if any("agent" in name.lower() for _, name in started_by_it.values()):
+                    break
+                assert time.monotonic() < give_up, started_by_it
+                time.sleep(0.05)
+            server.send_signal(signal.SIGTERM)
+            code = server.wait(timeout=120)
+            said = log.read_text(errors="replace")
+            assert code == 1, said[-4000:]  # ended at the exit timeout
+            give_up = time.monotonic() + 30
+            while still := left():  # a killed process may take a moment to go
+                assert time.monotonic() < give_up, f"left running: {still}\n{said[-4000:]}"
+                time.sleep(0.1)
+            assert "ended the" in said, said[-4000:]  # and said which
+        finally:
+            if server.poll() is None:
+                server.kill()
+                server.wait()
+            for pid, (start, _) in started_by_it.items():
+                if (now := _running(pid)) is not None and now[0] == start:
+                    with contextlib.suppress(OSError):
+                        os.kill(pid, signal.SIGKILL)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 import signal
 import socket
 import subprocess
@@ -514,3 +515,44 @@ def test_an_unbounded_exit_timeout_keeps_the_second_signals_watchdog(
         signal.signal(signal.SIGTERM, before)
     assert not died, died[0].exc_value
     assert ended[0].startswith("the exit, cancelled by a second signal (SIGTERM), has not ended")
+
+
+def _alive(pid: int) -> bool:
+    # Running, that is: neither gone nor a zombie left for init (a container's PID 1 may
+    # not reap the processes it inherits).
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_bytes()
+    except OSError:
+        return False
+    return stat[stat.rfind(b")") + 2 :].split()[0] != b"Z"
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc (Linux)")
+def test_a_process_ended_at_its_exit_bound_ends_the_processes_it_started() -> None:
+    """os._exit runs no atexit handler: a local Ray whose start the exit timeout cut short
+    left its agents running for ever, reparented to init. The processes a server started,
+    and theirs, are killed before it ends."""
+    program = """
+import subprocess, sys
+from trioinfer import _exit
+child = subprocess.Popen(  # neither holds the test's pipes: they would keep it waiting
+    [sys.executable, "-c", "import subprocess, time; p = subprocess.Popen(['sleep', '300'],"
+     " stdout=subprocess.DEVNULL); print(p.pid, flush=True); time.sleep(300)"],
+    stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+)
+print(child.pid, child.stdout.readline().strip(), flush=True)
+_exit.end_the_process("the exit timeout has passed")
+"""
+    done = subprocess.run(
+        [sys.executable, "-c", program], capture_output=True, text=True, timeout=WAIT_S
+    )
+    assert done.returncode == 1, done.stderr
+    child, grandchild = map(int, done.stdout.split())
+    try:
+        assert "ended the 2 processes this one started" in done.stderr
+        assert f"{grandchild} (sleep)" in done.stderr
+        wait_until(lambda: not _alive(child) and not _alive(grandchild), "both are gone")
+    finally:
+        for pid in (grandchild, child):
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)

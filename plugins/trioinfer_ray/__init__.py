@@ -11,9 +11,10 @@ custom ``resources``, ``model_resource`` for a node that advertises
 
 - Each batch carries its remaining time (the latest deadline of its rows),
   measured as it leaves; the actor counts it on its own clock (from when the
-  call left where the driver shares the actor's machine, else from arrival)
-  and refuses a batch whose time ran out on the way, or while it waited in
-  the actor for the run before it
+  call left where the driver shares the actor's machine, else from arrival,
+  less the least time a call of that actor took on the way there and back,
+  as the driver measured it) and refuses a batch whose time ran out on the
+  way, or while it waited in the actor for the run before it
   ([`DeadlineExceeded`][trioinfer.DeadlineExceeded]), before it computes.
 - A batch whose callers all left is cancelled remotely (``ray.cancel``),
   which aborts the ONNX Runtime run there (``RunOptions.terminate``).

@@ -47,7 +47,9 @@ class ModelActor:
     (runs ONNX Runtime cut short); ``last_remaining`` is the time left that
     the last call came with (``inf`` without a deadline), and ``last_hop`` the
     seconds it spent on the way (``nan`` where the driver's clock is not this
-    node's, see `execute`); ``in_flight`` counts the calls in the actor now.
+    node's, see `execute`), else ``last_allowance`` what the driver said the
+    way there and back takes at least (``nan`` where the clocks are one);
+    ``in_flight`` counts the calls in the actor now.
     """
 
     def __init__(self) -> None:
@@ -56,6 +58,7 @@ class ModelActor:
         # Whether the driver's monotonic clock is this process's (see clock_id).
         self._same_clock = False
         self.last_hop = math.nan
+        self.last_allowance = math.nan
         self.computed = 0
         self.expired = 0
         self.cancelled = 0
@@ -69,6 +72,8 @@ class ModelActor:
         # session's queue, so that each is checked against its deadline right before
         # it runs (created in load(), on the actor's event loop).
         self._turn: asyncio.Lock | None = None
+        # Set by close(): ends the driver's watch() call (made in load(), on the loop).
+        self._closed: asyncio.Event | None = None
 
     async def load(
         self,
@@ -126,6 +131,7 @@ class ModelActor:
         # Every dispatch but ort_async runs the session one call at a time, in order.
         self._serial = ort_options.get("dispatch") != "ort_async"
         self._turn = asyncio.Lock() if self._serial else None
+        self._closed = asyncio.Event()
         return {
             "signature": self._instance.signature,
             "device": self._instance.device,
@@ -145,7 +151,8 @@ class ModelActor:
         inputs: Mapping[str, Any],
         remaining: float,
         sent: float | None = None,
-    ) -> dict[str, Any]:
+        allowance: float = 0.0,
+    ) -> tuple[dict[str, Any], float]:
         """Run one batch, unless its deadline passes first (*remaining* seconds from sending).
 
         *sent* is when the call left the driver, on the driver's monotonic
@@ -153,19 +160,28 @@ class ModelActor:
         machine: the same kernel boot), the deadline counts from then, so
         the whole hop is counted: serializing, moving the tensors, and Ray's
         queue for this actor, where a call waits while the actor's event
-        loop is busy. On another machine the clocks are not comparable, and
-        the deadline counts from when this coroutine began, which errs on
-        the side of computing (by the hop's time). A call that waits in the
-        actor for the run before it (the engine's ``pipeline_depth`` above
-        1) is checked again when its turn comes, right before the session
-        runs it.
+        loop is busy. On another machine the clocks are not comparable: the
+        deadline counts from when this coroutine began, less *allowance*,
+        the least time the driver measured a call of this actor to spend
+        outside it, there and back (its round trip less the seconds the
+        actor said it held the call). A batch with less time left than that
+        could not be answered in time even with nothing to compute. A call
+        that waits in the actor for the run before it (the engine's
+        ``pipeline_depth`` above 1) is checked again when its turn comes,
+        right before the session runs it.
+
+        Returns:
+            The outputs, and the seconds the call spent in this actor (from
+            when this coroutine began), for the driver's measure of the trip.
 
         Raises:
             DeadlineExceeded: The deadline passed before the run began: nobody
                 waits for this batch, and nothing was computed.
             BackendError: ONNX Runtime failed.
         """
-        return await self._execute(inputs, remaining, sent, None)
+        received = time.monotonic()
+        outputs = await self._execute(inputs, remaining, sent, allowance, received, None)
+        return outputs, time.monotonic() - received
 
     async def execute_traced(
         self,
@@ -173,6 +189,7 @@ class ModelActor:
         remaining: float,
         trace_context: Mapping[str, str],
         sent: float | None = None,
+        allowance: float = 0.0,
     ) -> tuple[dict[str, Any], dict[str, Any]]:
         """`execute`, for a traced batch: its outputs, and the times it spent here.
 
@@ -186,11 +203,14 @@ class ModelActor:
         dispatch but ``ort_async`` the session runs one call at a time, in
         order, so a call's run starts when it came or when the run before it
         ended, whichever is later; with ``ort_async`` runs overlap, and
-        ``run_start`` is when the call reached the session).
+        ``run_start`` is when the call reached the session); ``held`` is the
+        seconds the call spent here (`execute` returns it too).
         """
+        received = time.monotonic()
         timings: dict[str, Any] = {"received": time.time_ns()}
-        outputs = await self._execute(inputs, remaining, sent, timings)
+        outputs = await self._execute(inputs, remaining, sent, allowance, received, timings)
         timings["replied"] = time.time_ns()
+        timings["held"] = time.monotonic() - received
         return outputs, timings
 
     async def _execute(
@@ -198,22 +218,39 @@ class ModelActor:
         inputs: Mapping[str, Any],
         remaining: float,
         sent: float | None,
+        allowance: float,
+        received: float,
         timings: dict[str, Any] | None,
     ) -> dict[str, Any]:
-        received = time.monotonic()
         self.last_remaining = remaining
         # The hop, where the driver's clock is ours; a time from the future means it is
         # not (a time namespace of its own), and the hop is not known.
         hop = received - sent if self._same_clock and sent is not None else math.nan
         self.last_hop = hop if hop >= 0 else math.nan
-        left = remaining - self.last_hop if hop >= 0 else remaining
+        if hop >= 0:
+            self.last_allowance = math.nan
+            left = remaining - hop
+            late = (
+                f"before it reached the actor (it left with {remaining:.6f}s, after "
+                f"{hop:.6f}s on the way)"
+            )
+        else:
+            # Not finite, negative or not a number: no measure, none taken off.
+            allowance = allowance if math.isfinite(allowance) and allowance > 0 else 0.0
+            self.last_allowance = allowance
+            left = remaining - allowance
+            late = (
+                f"before it could be answered (it left with {remaining:.6f}s, and a call's way "
+                f"here and back takes at least {allowance:.6f}s, as the driver measured it: "
+                "this node's clock is not the driver's)"
+                if allowance
+                else "before it reached the actor"
+            )
         deadline = received + left if math.isfinite(left) else math.inf
         if deadline <= received:
             self.expired += 1
-            on_the_way = f" after {hop:.6f}s on the way" if hop >= 0 else ""
             raise DeadlineExceeded(
-                f"the batch's deadline passed {-left:.6f}s before it reached the actor "
-                f"(it left with {remaining:.6f}s{on_the_way}); nothing was computed"
+                f"the batch's deadline passed {-left:.6f}s {late}; nothing was computed"
             )
         self._in_flight += 1
         if timings is not None:
@@ -271,11 +308,23 @@ class ModelActor:
             "aborted": getattr(self._instance, "aborted", 0),
             "last_remaining": self.last_remaining,
             "last_hop": self.last_hop,
+            "last_allowance": self.last_allowance,
             "in_flight": self._in_flight,
         }
 
+    async def watch(self) -> None:
+        """Return when the actor closes: a call the driver keeps pending while it lives.
+
+        It fails (``RayActorError``) when the actor dies, is killed or loses its
+        node, which tells the driver at once, with no batch sent to learn it.
+        """
+        if self._closed is not None:
+            await self._closed.wait()
+
     async def close(self) -> None:
-        """Close the instance. Idempotent."""
+        """Close the instance, and end `watch`. Idempotent."""
+        if self._closed is not None:
+            self._closed.set()
         instance, self._instance = self._instance, None
         if instance is not None:
             await instance.aclose()

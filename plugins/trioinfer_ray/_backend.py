@@ -286,15 +286,7 @@ def remote_error(exc: BaseException, label: str) -> BaseException:
         if isinstance(cause, TrioInferError):
             return cause
         return BackendError(f"{label} failed: {type(cause).__name__}: {cause}")
-    gone = (
-        errors.RayActorError,
-        errors.NodeDiedError,
-        errors.WorkerCrashedError,
-        errors.ObjectLostError,
-        errors.OwnerDiedError,
-        errors.LocalRayletDiedError,
-    )
-    if isinstance(exc, gone):
+    if _is_gone(exc):
         # Ray's message: a headline, the actor's details (indented: class, id,
         # namespace, pid) and then why it died ("its node has died", "it was
         # cancelled before it started running", ...). The why is what tells an
@@ -303,6 +295,20 @@ def remote_error(exc: BaseException, label: str) -> BaseException:
         text = " ".join(line for line in lines if line)
         return BackendUnavailable(f"{label} is gone ({type(exc).__name__}): {text}")
     return BackendError(f"{label} failed: {type(exc).__name__}: {exc}")
+
+
+def _is_gone(exc: BaseException) -> bool:
+    # Whether *exc* says the actor, its worker or its node is gone (Ray's own errors).
+    errors = _ray().exceptions
+    gone = (
+        errors.RayActorError,
+        errors.NodeDiedError,
+        errors.WorkerCrashedError,
+        errors.ObjectLostError,
+        errors.OwnerDiedError,
+        errors.LocalRayletDiedError,
+    )
+    return isinstance(exc, gone)
 
 
 @final
@@ -413,7 +419,9 @@ class RayBackend:
             info["node_ip"],
             info["device"],
         )
-        return RayInstance(actor, info, options, label, config.name)
+        instance = RayInstance(actor, info, options, label, config.name)
+        instance._watch(actor.watch.remote())
+        return instance
 
 
 def _python_sigterm() -> Any:
@@ -475,14 +483,17 @@ class RayInstance:
         "_actor",
         "_codec",
         "_device",
+        "_gone",
         "_label",
         "_model",
         "_signature",
+        "_watching",
         "node_id",
         "node_ip",
         "pid",
         "pipeline_depth",
         "preferred_batch_sizes",
+        "round_trip",
     )
 
     def __init__(
@@ -494,6 +505,9 @@ class RayInstance:
         self._signature: ModelSignature = info["signature"]
         self._device = f"{info['device']}@{info['node_id'][:12]}"
         self._label = label
+        self._gone: str | None = None
+        # The actor's pending ModelActor.watch call, whose failure says it died.
+        self._watching: Any = None
         #: The Ray node id (hex) of the node the actor runs on.
         self.node_id: str = info["node_id"]
         #: That node's IP address.
@@ -505,6 +519,12 @@ class RayInstance:
         self.pipeline_depth: int = options.pipeline_depth
         #: The remote instance's preferred batch sizes (when tuned).
         self.preferred_batch_sizes: tuple[int, ...] = tuple(info["preferred_batch_sizes"])
+        #: The least seconds a call answered by the actor spent outside it, there and
+        #: back (from sending to its answer here, less the time the actor held it: a
+        #: span on each side's clock, so none needs the other's); ``inf`` before the
+        #: first answer. Each batch carries it: an actor whose clock is not this
+        #: machine's takes it off the batch's time left.
+        self.round_trip: float = math.inf
 
     @property
     def signature(self) -> ModelSignature:
@@ -521,13 +541,48 @@ class RayInstance:
         """The Ray actor handle (``None`` once closed)."""
         return self._actor
 
+    @property
+    def gone(self) -> str | None:
+        """Why the actor can serve no more (it, its process or its node died), or None.
+
+        Known as soon as Ray fails the actor's pending `ModelActor.watch` call
+        (or a batch sent to it), with no batch needed: the engine then reports
+        the instance out of service and, with no other instance serving, the
+        model not ready. Ray does not restart the actor (``max_restarts=0``):
+        the ``resilient`` fallback re-creates the instance, else loading the
+        model again does.
+        """
+        return self._gone
+
+    def _watch(self, ref: Any) -> None:
+        # The actor's watch() call: it ends when the actor closes, and fails when it dies.
+        self._watching = ref
+
+        def done(future: Any) -> None:  # on one of Ray's threads
+            try:
+                error = future.exception()
+            except BaseException as exc:  # the future itself was cancelled
+                error = exc
+            if error is not None:
+                self._lost(error)
+
+        ref.future().add_done_callback(done)
+
+    def _lost(self, error: BaseException) -> None:
+        # Note why the actor is gone, where *error* says it is (and it was not closed).
+        if self._gone is None and self._actor is not None and _is_gone(error):
+            lost = remote_error(error, f"{self._label} on node {self.node_id[:12]}")
+            self._gone = str(lost)
+            log.warning("%s", lost)
+
     async def execute(self, inputs: Mapping[str, np.ndarray[Any, Any]]) -> dict[str, Any]:
         """Send one batch to the actor with its remaining time, and wait for its outputs.
 
         The time left is measured as the call leaves, with the time it leaves
         on this process's monotonic clock: an actor on this machine counts
         its deadline from then (the hop included), one elsewhere from when it
-        takes the call. A caller that
+        takes the call, less `round_trip` (the least time a call spent on
+        the way there and back). A caller that
         leaves cancels the remote call (``ray.cancel``), which aborts the ONNX
         Runtime run there, or drops the call unrun where it waits in the
         actor; the call's end is waited for.
@@ -544,22 +599,30 @@ class RayInstance:
         deadline = current_batch_deadline()
         sent = time.monotonic()
         remaining = deadline - anyio.current_time() if deadline != math.inf else math.inf
+        allowance = self.round_trip if self.round_trip != math.inf else 0.0
         payload = _codec.encode(inputs) if self._codec else inputs
         # A traced batch carries its trace context to the actor, which sends its times back.
         trace_context = current_trace_context()
         timings: Mapping[str, Any] | None = None
         try:
             if not trace_context:
-                outputs = await wait_ref(actor.execute.remote(payload, remaining, sent))
+                outputs, held = await wait_ref(
+                    actor.execute.remote(payload, remaining, sent, allowance)
+                )
             else:
                 outputs, timings = await wait_ref(
-                    actor.execute_traced.remote(payload, remaining, trace_context, sent)
+                    actor.execute_traced.remote(payload, remaining, trace_context, sent, allowance)
                 )
+                held = timings["held"]
         except Exception as exc:
+            self._lost(exc)
             error = remote_error(exc, f"{self._label} on node {self.node_id[:12]}")
             if isinstance(error, DeadlineExceeded):
                 raise error from None
             raise error from exc
+        trip = time.monotonic() - sent - held
+        if 0 <= trip < self.round_trip:
+            self.round_trip = trip
         if timings is not None:
             try:
                 self._record(trace_context, timings)
@@ -602,8 +665,9 @@ class RayInstance:
         ``computed``, ``expired``, ``cancelled``, ``aborted``,
         ``last_remaining`` (seconds the last batch had left when it was sent),
         ``last_hop`` (seconds it took to reach the actor; ``nan`` where the
-        actor's node is not this machine), and ``in_flight`` (calls in the
-        actor now).
+        actor's node is not this machine), ``last_allowance`` (elsewhere: the
+        `round_trip` it came with, taken off its time left; ``nan`` on this
+        machine), and ``in_flight`` (calls in the actor now).
 
         Raises:
             BackendUnavailable: The actor or its node is gone.
@@ -623,6 +687,7 @@ class RayInstance:
         cancelled: no actor outlives its instance.
         """
         actor, self._actor = self._actor, None
+        self._watching = None  # ends with the actor: let go of it
         if actor is None:
             return
         ray = _ray()

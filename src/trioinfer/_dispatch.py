@@ -224,17 +224,30 @@ class Replica(metaclass=NoPublicConstructor):
         return self.state == "serving"
 
     @property
+    def gone(self) -> str | None:
+        """Why its backend instance can serve no more (its ``gone``), or None while it lives.
+
+        An instance run in a process of its own (a Ray actor) may lose it; the
+        batches sent to it then fail until a fallback re-creates it or the
+        model is loaded again, and meanwhile it counts as out of service in
+        statistics and readiness.
+        """
+        gone = getattr(self._backend_instance, "gone", None)
+        return gone if isinstance(gone, str) and gone else None
+
+    @property
     def label(self) -> str:
         """A short name for logs and response metadata: ``"instance 1 (cpu)"``."""
         return f"instance {self.index} ({self.device})"
 
     def statistics(self) -> ReplicaStatistics:
         """A snapshot of its state and counters."""
+        gone = self.gone if self.serving else None
         return ReplicaStatistics(
             index=self.index,
             device=self.device,
-            state=self.state,
-            reason=self.reason,
+            state=self.state if gone is None else "out",
+            reason=self.reason if gone is None else f"gone: {gone}",
             executions=self.executions,
             failures=self.failures,
             taken_out=self.taken_out,
@@ -249,8 +262,11 @@ class ReplicaStatistics:
     Attributes:
         index: The instance's number within its model.
         device: Where it really runs.
-        state: ``"serving"`` or ``"out"``.
-        reason: Why it is out, or ``None``.
+        state: ``"serving"`` or ``"out"``: taken out by a fallback, or gone (its
+            backend instance says it can serve no more: a Ray actor that died), where
+            the batches sent to it fail until a fallback re-creates it or the model
+            is loaded again.
+        reason: Why it is out (``"gone: ..."`` for a lost instance), or ``None``.
         executions: Executions started on it (batches and probes).
         failures: Executions whose backend call raised an error. One cancelled
             (its callers left, or a fallback's ``timeout`` ran out) is not counted.

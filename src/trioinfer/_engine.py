@@ -121,6 +121,12 @@ class ModelInfo:
             one of its plugins broke its contract so that its state cannot be
             trusted (see ``ModelStatistics.out_of_service``). Such a model is
             not ready; loading it again brings it back.
+        unavailable: Why it is not ready, or ``None`` while an instance serves
+            it: *out_of_service*, or every instance is out of service (a
+            fallback's breaker took it out, until it is back) or gone (its
+            backend says it can serve no more: a Ray actor that died; requests
+            fail until the ``resilient`` fallback re-creates it or the model is
+            loaded again). The server's readiness says what this says.
     """
 
     name: str
@@ -130,6 +136,7 @@ class ModelInfo:
     preferred_batch_sizes: tuple[int, ...] = ()
     decoupled: bool = False
     out_of_service: str | None = None
+    unavailable: str | None = None
 
 
 @attrs.frozen
@@ -1446,6 +1453,7 @@ class Engine:
             runner.preferred_batch_sizes,
             decoupled(runner),
             runner.out_of_service if isinstance(runner, ModelRunner) else None,
+            runner.unavailable if isinstance(runner, ModelRunner) else None,
         )
 
     @contextmanager

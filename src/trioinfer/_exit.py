@@ -230,7 +230,8 @@ def end_the_process(why: str) -> NoReturn:
     last cancel ran before this: no connection is accepted into a dying process)
     and the logs are flushed just before, so that the reason is on record. The
     kernel closes what is left (sockets, shared memory mappings); spans still
-    buffered by a tracer are lost.
+    buffered by a tracer are lost. The processes it started, which the kernel
+    would leave running, are killed first (`end_descendants`).
     """
     from .server._serve import still_executing
 
@@ -248,8 +249,70 @@ def end_the_process(why: str) -> NoReturn:
         or "no execution or load the engine knows of (an instance's close, say, or a "
         "plugin's own thread)",
     )
+    ended = end_descendants()
+    if ended:
+        log.error(
+            "ended the %d processes this one started (and theirs), which would outlive it: %s",
+            len(ended),
+            ", ".join(f"{pid} ({name})" for pid, name in ended),
+        )
     logging.shutdown()  # flushes and closes every handler
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(Exception):  # a closed or broken pipe: nothing to flush to
             stream.flush()
     os._exit(EXIT_HELD_STATUS)
+
+
+def end_descendants() -> list[tuple[int, str]]:
+    """Kill (SIGKILL) every process this one started, and theirs; return their pids and names.
+
+    For a process about to end with ``os._exit``, which runs no ``atexit``
+    handler: a local Ray started by a load that the exit cut short (``ray.init``
+    on a thread; Ray stops what it started in an ``atexit`` handler) left its
+    two agents behind, reparented to init, for ever, where its head processes
+    died with their parent. Each found process is
+    stopped (SIGSTOP) before the tree is read again, so that none forks a
+    child that escapes, then all are killed. Read from ``/proc`` (Linux);
+    elsewhere nothing is done.
+    """
+    me = os.getpid()
+    found: dict[int, str] = {}
+    for _ in range(3):  # until a reading finds no new process
+        new = [p for p in _descendants(me) if p[0] not in found]
+        if not new:
+            break
+        for pid, name in new:
+            found[pid] = name
+            with contextlib.suppress(OSError):  # gone already, or not ours to signal
+                os.kill(pid, signal.SIGSTOP)
+    for pid in found:
+        with contextlib.suppress(OSError):
+            os.kill(pid, signal.SIGKILL)
+    return list(found.items())
+
+
+def _descendants(root: int) -> list[tuple[int, str]]:
+    # The processes under *root* (children first, then theirs), with their names.
+    children: dict[int, list[tuple[int, str]]] = {}
+    try:
+        entries = [e.name for e in os.scandir("/proc") if e.name.isdigit()]
+    except OSError:  # no /proc here
+        return []
+    for entry in entries:
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as f:
+                stat = f.read()
+        except OSError:  # ended meanwhile
+            continue
+        # "pid (name) state ppid ...": the name may hold spaces and parentheses.
+        name = stat[stat.find(b"(") + 1 : stat.rfind(b")")].decode(errors="replace")
+        fields = stat[stat.rfind(b")") + 2 :].split()
+        with contextlib.suppress(IndexError, ValueError):
+            children.setdefault(int(fields[1]), []).append((int(entry), name))
+    found: list[tuple[int, str]] = []
+    parents = [root]
+    while parents:
+        for child in children.get(parents.pop(), ()):
+            found.append(child)
+            parents.append(child[0])
+    return found

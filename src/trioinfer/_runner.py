@@ -1143,6 +1143,25 @@ class ModelRunner(metaclass=NoPublicConstructor):
         """Why the model answers nothing (a plugin broke its contract), or None while it serves."""
         return None if self._fault is None else str(self._fault)
 
+    @property
+    def unavailable(self) -> str | None:
+        """Why no instance serves the model now (it is not ready), or None while one does.
+
+        `out_of_service`, or every instance out: taken out of service by a
+        fallback (a breaker's, until it is back), or gone (its backend instance
+        says it can serve no more: a Ray actor that died), where requests fail.
+        """
+        if self._fault is not None:
+            return str(self._fault)
+        reasons = []
+        for replica in self.replicas:
+            gone = replica.gone
+            if replica.serving and gone is None:
+                return None
+            why = f"gone: {gone}" if replica.serving else replica.reason
+            reasons.append(f"{replica.label}: {why}")
+        return f"no instance of model {self.config.name!r} serves it ({'; '.join(reasons)})"
+
     # -- the tasks ---------------------------------------------------------------
 
     async def run(self, *, task_status: anyio.abc.TaskStatus[None]) -> None:

@@ -638,6 +638,16 @@ class BackendInstance(Protocol):
     The engine calls `execute()` for one batch at a time per instance (unless
     it is a [`PipelinedInstance`][trioinfer.abc.PipelinedInstance]) and
     `aclose()` after the last call has returned.
+
+    An instance that can die apart from the engine (one held by another
+    process: a Ray actor) may have a ``gone`` attribute (not part of this
+    protocol): ``None`` while it lives, else a non-empty string saying why it
+    can serve no more. The engine reads it whenever it reports on the model:
+    such an instance counts as out of service (``"gone: ..."``), and a model
+    none of whose instances serves is not ready
+    ([`ModelInfo.unavailable`][trioinfer.ModelInfo]). Its executions should
+    fail meanwhile (``BackendUnavailable``), so that a fallback's breaker
+    re-creates it; loading the model again replaces it too.
     """
 
     @property

@@ -742,9 +742,10 @@ async def _model_ready(request: Request, state: ServerState) -> Response:
         except TrioInferError:
             return error_response(exc)
         return error_response(InvalidInput(f"model {model!r} is not ready: {exc}"))
-    reason = state.models.out_of_service(served)
+    reason = state.models.not_ready(served)
     if reason is not None:
-        # Loaded, but a plugin of it broke its contract: it answers nothing.
+        # Loaded, but it answers nothing: a plugin of it broke its contract, or no
+        # instance of it serves (each taken out, or gone).
         return error_response(InvalidInput(f"model {served.model!r} is not ready: {reason}"))
     return Response(status_code=200)
 
@@ -1300,15 +1301,13 @@ def repository_index_document(state: ServerState, *, ready_only: bool) -> list[d
         if entry.version is None and served:
             # The directory as it stands cannot be read, yet versions are served: loaded
             # before it broke, or with a load override that replaced what it gets wrong.
-            out.extend(
-                {"name": entry.name, "version": str(v), "state": "READY", "reason": ""}
-                for v in sorted(served)
-            )
+            states = [_served_state(state, served[v]) for v in sorted(served)]
+            out.extend(s for s in states if s["state"] == "READY" or not ready_only)
             continue
         if entry.version is not None and entry.version in served:
-            out.append(
-                {"name": entry.name, "version": str(entry.version), "state": "READY", "reason": ""}
-            )
+            version = _served_state(state, served[entry.version])
+            if version["state"] == "READY" or not ready_only:
+                out.append(version)
         elif (
             not ready_only
             and entry.version is None
@@ -1332,6 +1331,18 @@ def repository_index_document(state: ServerState, *, ready_only: bool) -> list[d
                 item["version"] = str(entry.version)
             out.append(item)
     return out
+
+
+def _served_state(state: ServerState, served: ServedVersion) -> dict[str, Any]:
+    # A served version's index entry: READY, or UNAVAILABLE (with why) where no
+    # instance of it serves, as its readiness says.
+    reason = state.models.not_ready(served)
+    return {
+        "name": served.model,
+        "version": str(served.version),
+        "state": "READY" if reason is None else "UNAVAILABLE",
+        "reason": reason or "",
+    }
 
 
 async def _load(request: Request, state: ServerState) -> Response:

@@ -223,7 +223,7 @@ class _Service:
                 served = self._state.models.resolve(request.name, request.version or None)
             except ModelNotFound:
                 return False
-            return self._state.models.out_of_service(served) is None
+            return self._state.models.not_ready(served) is None
 
         return pb.ModelReadyResponse(ready=await self._run(call, ready))
 

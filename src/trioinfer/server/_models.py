@@ -313,13 +313,15 @@ class ServedModels:
         """Every served version, by model then version."""
         return [s for model in sorted(self._served) for s in self.versions(model)]
 
-    def out_of_service(self, served: ServedVersion) -> str | None:
-        """Why *served* answers nothing (a plugin of it broke its contract), or None.
+    def not_ready(self, served: ServedVersion) -> str | None:
+        """Why *served* is not ready (see `ModelInfo.unavailable`), or None while it serves.
 
-        Such a version is not ready (HTTP and gRPC readiness say so) until loaded again.
+        HTTP and gRPC readiness, and the repository index, say what this says:
+        a plugin of it broke its contract (until loaded again), or no instance
+        of it serves (each taken out by a breaker, or gone: a Ray actor that died).
         """
         try:
-            reason = self.engine.model(served.engine_name).out_of_service
+            reason = self.engine.model(served.engine_name).unavailable
         except ModelNotFound:
             return None  # unloaded meanwhile: resolve() says so next time
         return None if reason is None else self.public_message(reason)
@@ -539,6 +541,7 @@ class ServedModels:
                 and old.fingerprint == fingerprint
                 and old.override == override
                 and old.info.config == config  # a pipeline's steps may name other versions now
+                and self.not_ready(old) is None  # one that serves nothing is loaded afresh
             ):
                 continue
             if config.sequence is not None and self.worker is not None and self.worker[1] > 1:
