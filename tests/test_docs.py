@@ -104,10 +104,10 @@ EXPECTED_OUTPUT = {
     ],
     "streaming.py": [
         "stream: ended at its end; succeeded 1, in flight 0",
-        "early stop: read 2, the model made 18 and stopped at its yield",
+        "early stop: read 2, the model made 3 and stopped at its yield",
         "was stopped by Cancelled while it waited",
         "slow reader: read 6; the model was never more than 2 ahead",
-        "aclose: read ['a', 'b'], the model made 18 (18) and stopped at its yield",
+        "aclose: read ['a', 'b'], the model made 3 (3) and stopped at its yield",
         "generate_stream: 200 text/event-stream; charset=utf-8",
         "  event: {'model_name': 'repeat_int32', 'model_version': '1', 'OUT': 1, 'IDX': 3}",
         "generate: 200 {'model_name': 'repeat_int32', 'model_version': '1', 'OUT': 7, 'IDX': 0}",

@@ -219,18 +219,21 @@ async def test_a_run_of_responses_is_read_without_a_pass_of_the_loop() -> None:
         await engine.load(config(counting(probe)))
         async with engine.infer_stream("m", n(40)) as responses:
             assert not responses.ready  # the model has not run yet
+            await responses.__anext__()  # (its first may come alone: the loop's slice)
             await responses.__anext__()  # waits: the model runs meanwhile, ahead
             made = probe.made
             at_hand = 0
             while responses.ready:
                 await responses.__anext__()
                 at_hand += 1
-            # Read with no pass of the loop: the model made none meanwhile.
-            assert probe.made == made == 1 + STREAM_AHEAD
-            assert at_hand == STREAM_AHEAD
+            # Read with no pass of the loop: the model made none meanwhile. (How many it
+            # made in one go depends on the loop's inline slice too: a model holds the
+            # loop no longer than it, whatever room the buffer has.)
+            assert probe.made == made
+            assert 1 <= at_hand == made - 2 <= STREAM_AHEAD
             rest = [r async for r in responses]
             assert responses.ready  # ended: its end is at hand
-    assert len(rest) == 40 - 1 - STREAM_AHEAD
+    assert len(rest) == 40 - made
 
 
 async def test_cancelling_the_caller_cancels_the_model_where_it_waits() -> None:
@@ -694,7 +697,9 @@ async def test_a_stream_whose_model_has_ended_counts_as_such_when_its_reader_lea
         await engine.load(config(counting(probe)))
         async with engine.infer_stream("m", n(5)) as responses:
             async for _ in responses:
-                break  # the other four were made, and wait unread
+                break
+            with trio.fail_after(5):
+                await probe.closed.wait()  # the other four made (room for them), unread
         assert probe.ended == "returned"
         stats = engine.statistics().models["m"]
         assert (stats.succeeded, stats.cancelled) == (1, 0)

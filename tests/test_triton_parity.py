@@ -153,7 +153,7 @@ def repository(tmp_path_factory: pytest.TempPathFactory) -> Path:
     (root / "ensemble" / "config.pbtxt").write_text(test_triton.ENSEMBLE_PBTXT)
     # The bundled pipeline, declared in config.toml, and the models of its steps.
     examples = Path(trioinfer.__file__).parent / "examples/repository"
-    for name in ("read_digit", "scale_image", "digits", "digit_names"):
+    for name in ("read_digit", "scale_image", "digits", "digit_names", "accumulator"):
         shutil.copytree(examples / name, root / name)
     return root
 

@@ -22,6 +22,7 @@ import trioinfer
 import trioinfer._runner
 from test_triton_python import REPEAT_PBTXT
 from trioinfer import BackendError
+from trioinfer._stream import STREAM_AHEAD
 from trioinfer.server._repository import ModelRepository
 from trioinfer_python import _triton
 
@@ -213,8 +214,9 @@ async def test_a_slow_reader_slows_a_decoupled_models_sender(repository: Path, g
                     await trio.sleep(0.01)
             await trio.to_thread.run_sync(gate.done.wait)
     assert gate.cancelled is True
-    # The buffer, the response the engine holds one ahead, the one read, the one blocked.
-    assert gate.sent <= _triton.STREAM_BUFFER + 3
+    # The buffer, the responses the engine's stream holds ahead, the one read, the one
+    # blocked.
+    assert gate.sent <= _triton.STREAM_BUFFER + STREAM_AHEAD + 2
 
 
 async def test_unload_waits_for_a_decoupled_execute_still_running(

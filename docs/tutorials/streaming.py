@@ -65,10 +65,6 @@ def text(words: str, pause: float = 0.0) -> Arrays:
     return {"TEXT": np.array([words], dtype=object), "PAUSE": np.array([pause], np.float32)}
 
 
-# 40 words: a b c ... z aa bb ... nn (more than the model may make ahead of its reader)
-LONG = " ".join(chr(ord("a") + i % 26) * (1 + i // 26) for i in range(40))
-
-
 # --8<-- [end:setup]
 
 
@@ -89,7 +85,9 @@ async def stream_words(engine: trioinfer.Engine) -> None:
 # --8<-- [start:stop]
 async def stop_early(engine: trioinfer.Engine) -> None:
     Words.made = 0
-    async with engine.infer_stream("words", text(LONG)) as words:
+    # ahead=1: the model makes at most one response before the reader takes it
+    # (16 by default, see "A slow reader"), so the count below is exact.
+    async with engine.infer_stream("words", text("a b c d e f g h i j"), ahead=1) as words:
         async for outputs in words:
             if outputs["WORD"][0] == "b":
                 break  # leaving the block closes the model's generator
@@ -137,7 +135,7 @@ async def first_words(words: trioinfer.ResponseStream, count: int) -> list[str]:
 
 async def close_in_a_helper(engine: trioinfer.Engine) -> None:
     Words.made = 0
-    async with engine.infer_stream("words", text(LONG)) as words:
+    async with engine.infer_stream("words", text("a b c d e f g h i j"), ahead=1) as words:
         got = await first_words(words, 2)
         made = Words.made  # the model has stopped: no response after aclose() returns
         await trio.sleep(0.01)

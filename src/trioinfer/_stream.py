@@ -7,8 +7,10 @@ the generator makes at most ``ahead`` responses the reader has not taken
 (`STREAM_AHEAD` unless the caller says; a slow reader slows it), and leaving
 the block (or being cancelled, or passing the deadline) cancels that task and
 closes the generator at the ``yield`` it waits at. Responses that find room in
-the buffer go in without a pass of the event loop, and a reader takes those
-waiting there without one: a model that yields faster than its reader reads
+the buffer go in without a pass of the event loop (until the loop's inline
+slice is spent: a model computing between yields holds the loop no longer
+than an inline execution may), and a reader takes those waiting there
+without one: a model that yields faster than its reader reads
 hands over runs of responses, not one per loop pass, and a server writes each
 run at once (`ResponseStream.ready`). The engine closing or the model unloading ends the stream with
 [`EngineClosed`][trioinfer.EngineClosed]. Streams never queue: each is
@@ -38,6 +40,7 @@ import trio
 
 from ._dispatch import Replica
 from ._exceptions import BackendError, QueueFull, StreamClosed, TrioInferError
+from ._inline import DEFAULT_SLICE_S, inline_slice_spent, restart_inline_slice
 from ._request import NO_PARAMETERS, Outputs, Parameter, Request, next_request_id
 from ._runner import ModelRunner
 from ._tensors import requested_outputs, validate_inputs
@@ -141,11 +144,19 @@ def _channel(ahead: int) -> tuple[_Send, _Receive]:
 
 async def _hand_over(send: _Send, item: Outputs | _WithParameters) -> None:
     # Into the buffer at once while it has room (no pass of the loop: the model goes on
-    # to its next response); else wait for the reader to take one.
-    try:
-        send.send_nowait(item)
-    except _WOULD_BLOCK:
-        await send.send(item)
+    # to its next response), unless the loop's inline slice is spent: a model that
+    # computes between its yields without awaiting holds the loop no longer than an
+    # inline execution would (not 16 of its responses long). Else a yield, or a wait
+    # for the reader to take one.
+    if not inline_slice_spent(DEFAULT_SLICE_S):
+        try:
+            send.send_nowait(item)
+        except _WOULD_BLOCK:
+            pass
+        else:
+            return
+    await send.send(item)
+    restart_inline_slice()
 
 
 def decoupled(runner: object) -> bool:
@@ -502,10 +513,15 @@ async def _generate(
                             await _hand_over(send, _parameterised(state, outputs))
                         else:
                             # _hand_over's way, in line: one call less a response.
-                            try:
-                                send.send_nowait(outputs)
-                            except _WOULD_BLOCK:
-                                await send.send(outputs)
+                            if not inline_slice_spent(DEFAULT_SLICE_S):
+                                try:
+                                    send.send_nowait(outputs)
+                                except _WOULD_BLOCK:
+                                    pass
+                                else:
+                                    continue
+                            await send.send(outputs)
+                            restart_inline_slice()
                 else:
 
                     async def checked(outputs: Outputs) -> None:
