@@ -53,6 +53,13 @@ def test_a_duration_out_of_range_is_refused_naming_key_value_and_range(
 
 
 @pytest.mark.parametrize("key", sorted(DURATIONS))
+def test_an_integer_too_large_for_a_float_is_refused_as_out_of_range(key: str) -> None:
+    # float(10**400) raised OverflowError: a crash, not the ConfigError naming the range.
+    with pytest.raises(ConfigError, match=rf"{key}.*{RANGE}.*got 1000"):
+        DURATIONS[key](10**400)
+
+
+@pytest.mark.parametrize("key", sorted(DURATIONS))
 def test_the_bounds_themselves_are_accepted(key: str) -> None:
     DURATIONS[key](1e-6)
     DURATIONS[key](18446744073709)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import signal
 import threading
@@ -22,6 +23,7 @@ from trioinfer.abc import InlineInstance
 from trioinfer.lowlevel import Placement
 from trioinfer.testing import check_backend
 from trioinfer_python import PythonBackend, PythonInstance
+from trioinfer_python._faults import pass_on_ctrl_c
 
 pytestmark = pytest.mark.python_model
 
@@ -1144,3 +1146,27 @@ async def test_the_operators_ctrl_c_in_a_model_on_the_loop_still_interrupts() ->
     while isinstance(group, BaseExceptionGroup) and len(group.exceptions) == 1:
         group = group.exceptions[0]
     assert isinstance(group, KeyboardInterrupt), caught.value
+
+
+def test_the_operators_second_ctrl_c_on_asyncio_still_interrupts() -> None:
+    # asyncio.Runner's SIGINT handler is a functools.partial (no __code__ of its own):
+    # its first Ctrl+C cancels the main task, its second raises KeyboardInterrupt in
+    # the handler, here in a model's code. That one was taken for the model's own.
+    passed_on: list[bool] = []
+
+    async def interrupted() -> None:
+        try:
+            signal.raise_signal(signal.SIGINT)  # the first: the main task is cancelled
+            signal.raise_signal(signal.SIGINT)  # the second: KeyboardInterrupt here
+        except KeyboardInterrupt as exc:
+            try:
+                pass_on_ctrl_c(exc)  # (while asyncio's handler is the one in place)
+            except KeyboardInterrupt:
+                passed_on.append(True)
+            else:
+                passed_on.append(False)
+
+    # (The run ends as asyncio ends one its first Ctrl+C cancelled: KeyboardInterrupt.)
+    with pytest.raises(KeyboardInterrupt), asyncio.Runner() as runner:
+        runner.run(interrupted())
+    assert passed_on == [True]

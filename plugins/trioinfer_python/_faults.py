@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import signal
 from typing import Final
 
@@ -28,6 +29,8 @@ def pass_on_ctrl_c(exc: BaseException) -> None:
     if not isinstance(exc, KeyboardInterrupt):
         return
     handler = signal.getsignal(signal.SIGINT)
+    while isinstance(handler, functools.partial):  # asyncio.Runner's: a partial of a method
+        handler = handler.func
     tb = exc.__traceback__
     while tb is not None and tb.tb_next is not None:
         tb = tb.tb_next

@@ -57,7 +57,10 @@ def check_seconds(what: str, value: object, *, zero: bool = False, never: bool =
         ConfigError: Naming *what*, *value* and the accepted range.
     """
     if isinstance(value, Real) and not isinstance(value, bool):
-        seconds = float(value)
+        try:
+            seconds = float(value)
+        except OverflowError:  # an int past a float's range: out of ours too
+            seconds = math.nan
         if (
             MIN_SECONDS <= seconds <= MAX_SECONDS
             or (zero and seconds == 0)
