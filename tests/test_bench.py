@@ -190,6 +190,21 @@ def test_arrivals_refuse_a_bad_rate() -> None:
         next(tool.iter_arrivals(0, "constant"))
 
 
+@pytest.mark.parametrize("rate", [1e-300, 1e300])
+def test_arrivals_refuse_a_rate_the_schedule_cannot_keep(rate: float) -> None:
+    # 1e300/s: every request due at 0 ns, for ever; 1e-300/s: times past int64's
+    # nanoseconds. Each hung `trioinfer bench --request-rate` before its first window.
+    with pytest.raises(ValueError, match="rate"):
+        next(tool.iter_arrivals(rate, "poisson"))
+
+
+@pytest.mark.parametrize("rate", ["1e-300", "1e300", "100,1e7"])
+def test_a_request_rate_out_of_range_is_a_usage_error(rate: str) -> None:
+    result = bench("-m", "d", "--request-rate", rate)
+    assert result.exit_code == 2, result.output
+    assert "0.001 to 1000000 requests per second" in result.output, result.output
+
+
 def test_stability_needs_three_close_windows() -> None:
     assert not tool.is_stable([(100, 1.0), (100, 1.0)], 10)
     assert tool.is_stable([(50, 9.0), (100, 1.0), (105, 1.05), (98, 1.0)], 10)

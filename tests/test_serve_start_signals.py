@@ -24,7 +24,17 @@ from _serve import WAIT_S
 MOMENTS = ["trioinfer._start_signals", "trioinfer._config", "trioinfer.cli", "trioinfer.server"]
 
 
-def _signalled_at(moment: str, signum: int, *args: str, env: dict[str, str] | None = None) -> str:
+def _ignore_sigint() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+def _signalled_at(
+    moment: str,
+    signum: int,
+    *args: str,
+    env: dict[str, str] | None = None,
+    ignore_sigint: bool = False,
+) -> str:
     command = [sys.executable, "-X", "importtime", "-m", "trioinfer", "serve", "--port", "0"]
     process = subprocess.Popen(
         [*command, "--no-grpc", *args],
@@ -32,6 +42,8 @@ def _signalled_at(moment: str, signum: int, *args: str, env: dict[str, str] | No
         stderr=subprocess.PIPE,
         text=True,
         env=env,
+        # As a shell script's `trioinfer serve &` starts it: SIGINT ignored (inherited).
+        preexec_fn=_ignore_sigint if ignore_sigint else None,
     )
     assert process.stderr is not None
     seen: list[str] = []
@@ -59,6 +71,13 @@ def test_a_signal_during_the_imports_stops_the_start_with_status_0(
     assert f"{name} before serving started: stopping now" in said, said
     assert "Traceback" not in said, said
     assert "Aborted!" not in said, said
+
+
+def test_a_sigterm_during_the_imports_is_held_where_sigint_is_ignored() -> None:
+    # A non-interactive shell starts `trioinfer serve &` with SIGINT ignored; SIGTERM,
+    # the signal a script then sends (`kill $pid`), was not held, and killed it (-15).
+    said = _signalled_at("trioinfer._config", signal.SIGTERM, ignore_sigint=True)
+    assert "SIGTERM before serving started: stopping now" in said, said
 
 
 @pytest.mark.workers

@@ -218,8 +218,10 @@ async def test_generate_answers_exactly_one_response(repository: Path) -> None:
         ("repeat_int32/generate_stream", {"IN": [1], "X": None}, 400, "got null"),
         ("repeat_int32/generate", {"IN": [1], "parameters": {"t": {}}}, 400, "'t' must be"),
         ("repeat_int32/generate_stream", {"IN": [1.5]}, 400, "cannot hold JSON values like 1.5"),
-        # The value as the client wrote it, not numpy's repr (np.str_('a')).
-        ("repeat_int32/generate_stream", {"IN": ["a"]}, 400, "JSON values like 'a'"),
+        # The value as the client wrote it, in JSON: not numpy's repr (np.str_('a')) nor
+        # Python's ('a', True).
+        ("repeat_int32/generate_stream", {"IN": ["a"]}, 400, 'JSON values like "a"'),
+        ("repeat_int32/generate_stream", {"IN": [True]}, 400, "JSON values like true"),
         ("repeat_int32/generate_stream", {"IN": [[1], [2, 3]]}, 400, "rectangular"),
         ("repeat_int32/generate_stream", {"IN": [2**40]}, 400, "out of its range"),
         ("repeat_int32/generate", {"IN": [1], "DELAY": [0]}, 400, "WAIT"),

@@ -32,6 +32,15 @@ MAX_SECONDS: Final = float((2**64 - 1) // 10**6)
 MIN_PRIORITY: Final = -(2**31)
 MAX_PRIORITY: Final = 2**31
 
+#: The request rates of `trioinfer bench`'s open loop, per second: one request in
+#: 1000 s (no window sees one) to one a microsecond (the resolution of
+#: --request-intervals, and of every duration). Beyond them the schedule broke: at
+#: 1e300/s every request was due at 0 ns, at 1e-300/s its times overflowed int64
+#: nanoseconds, and either hung the run.
+MIN_RATE: Final = 1e-3
+MAX_RATE: Final = 1e6
+RATE_RANGE: Final = f"{MIN_RATE:g} to {MAX_RATE:.0f} requests per second"
+
 _RANGE: Final = (
     f"from {MIN_SECONDS:g} (a microsecond) to {MAX_SECONDS:.0f} (about 2**64 microseconds, "
     "584,542 years)"
@@ -42,7 +51,8 @@ def check_seconds(what: str, value: object, *, zero: bool = False, never: bool =
     """Return *value* as a float of seconds if it is a duration trioinfer accepts.
 
     A duration is a real number (``True`` and ``"5ms"`` are not) from
-    `MIN_SECONDS` to `MAX_SECONDS`; 0 too where *zero* (for keys where 0
+    ``1e-06`` (a microsecond) to ``18446744073709`` (the whole seconds within
+    ``2**64 - 1`` microseconds, Triton's uint64); 0 too where *zero* (for keys where 0
     means "none" or "at once"), and ``inf`` where *never* (for keys documented
     to take it as "never").
 

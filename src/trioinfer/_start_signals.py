@@ -56,8 +56,10 @@ def _handler(signum: int, frame: FrameType | None) -> None:
 def hold() -> None:
     """Hold SIGINT and SIGTERM until `replay`, if this process is ``trioinfer serve``.
 
-    Only where Python's own handlers are in place (an application that set its
-    own keeps them) and on the main thread, where signals are handled.
+    Each signal only where Python's own handler is in place (an application that
+    set its own keeps it, and a SIGINT ignored stays ignored: a shell script's
+    ``trioinfer serve &`` starts with it so, and its SIGTERM is still held), and
+    on the main thread, where signals are handled.
     """
     global _held
     if _held is not None or not _launched_as_serve():
@@ -65,10 +67,11 @@ def hold() -> None:
     if threading.current_thread() is not threading.main_thread():
         return
     defaults = {signal.SIGINT: signal.default_int_handler, signal.SIGTERM: signal.SIG_DFL}
-    if any(signal.getsignal(signum) is not defaults[signum] for signum in _SIGNALS):
+    ours = [signum for signum in _SIGNALS if signal.getsignal(signum) is defaults[signum]]
+    if not ours:
         return
     _held = []
-    for signum in _SIGNALS:
+    for signum in ours:
         _before[signum] = signal.signal(signum, _handler)
 
 

@@ -9,7 +9,6 @@ schedule.
 from __future__ import annotations
 
 import errno
-import math
 import os
 import select
 import socket
@@ -23,6 +22,7 @@ import httptools
 import numpy as np
 import trio
 
+from .._bounds import MAX_RATE, MIN_RATE, RATE_RANGE
 from ._client import _CONN_ERROR, _RECV_BYTES, _Connection, _new_socket
 from ._stats import STREAM_ERROR, Result, Status, _Recorder
 
@@ -40,9 +40,13 @@ def iter_arrivals(rate: float, arrivals: Arrivals, seed: int = 0) -> Iterator[in
     ``constant``: every ``1/rate`` seconds exactly (the first at 0). ``poisson``:
     exponential gaps of mean ``1/rate`` from a generator seeded with *seed*, so
     one seed always gives the same schedule.
+
+    Raises:
+        ValueError: A rate outside 0.001 to 1,000,000 per second, which the
+            schedule's nanoseconds cannot keep.
     """
-    if not rate > 0 or math.isinf(rate):
-        raise ValueError(f"rate must be a positive number of requests per second, got {rate}")
+    if not MIN_RATE <= rate <= MAX_RATE:
+        raise ValueError(f"rate must be from {RATE_RANGE}, got {rate}")
     period = 1e9 / rate
     if arrivals == "constant":
         n = 0

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import click
 import trio
 
+from .._bounds import MAX_RATE, MIN_RATE, RATE_RANGE
 from .._exceptions import TrioInferError
 from ._params import TAKES_NO_ARGUMENTS, Seconds, no_arguments
 
@@ -42,6 +43,13 @@ def _numbers(kind: type[int] | type[float]) -> Any:
         return numbers
 
     return parse
+
+
+def _rates(ctx: click.Context, param: click.Parameter, value: str | None) -> Any:
+    rates = _numbers(float)(ctx, param, value)
+    if not all(MIN_RATE <= rate <= MAX_RATE for rate in rates):
+        raise click.BadParameter(f"expected rates from {RATE_RANGE}, got {value!r}")
+    return rates
 
 
 def _shapes(_ctx: click.Context, _param: click.Parameter, value: Sequence[str]) -> dict[str, Any]:
@@ -177,12 +185,12 @@ _REFUSED_INPUTS = (
 )
 @click.option(
     "--request-rate",
-    callback=_numbers(float),
+    callback=_rates,
     default=None,
     metavar="R1,R2,...",
-    help="Open loop instead: requests per second offered, one level each; latency counts "
-    "from when each request was due, and the rate sent and how late requests left are "
-    "reported beside it. Every protocol and mode.",
+    help="Open loop instead: requests per second offered (0.001 to 1000000), one level "
+    "each; latency counts from when each request was due, and the rate sent and how late "
+    "requests left are reported beside it. Every protocol and mode.",
 )
 @click.option(
     "--request-intervals",

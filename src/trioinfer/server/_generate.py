@@ -163,9 +163,10 @@ def _tensor(spec: TensorSpec, value: object) -> np.ndarray[Any, Any]:
     allowed = _KINDS.get(dtype.kind, "")
     if raw.dtype.kind not in allowed or (raw.size == 0 and raw.dtype.kind == "f" and allowed):
         if raw.size:
-            # tolist() gives the Python value, not numpy's repr of it (np.str_('a')).
-            first = raw.reshape(-1)[:1].tolist()[0]
-            raise RequestError(f"{where} cannot hold JSON values like {first!r}")
+            # The value as the client wrote it, in JSON (true, "a"): tolist() gives the
+            # Python value, not numpy's repr of it (np.str_('a')).
+            first = dumps(raw.reshape(-1)[:1].tolist()[0]).decode()
+            raise RequestError(f"{where} cannot hold JSON values like {first}")
         raw = raw.astype(dtype)  # [] parses as float64: an empty tensor of any dtype
     if dtype.kind == "O":
         array = raw.astype(object)
