@@ -87,6 +87,7 @@ from ._codec import (
     _Input,
     decode_infer_parts,
     encode_raw_outputs,
+    raw_output_encoder,
 )
 from ._errors import NotReady, Unauthorized
 from ._forward import forward_regex, forwarded_headers
@@ -786,6 +787,8 @@ async def _stream(
     """
     final = request.parameters.get("triton_enable_empty_final_response") is True
     model, version, request_id = served.model, str(served.version), request.id
+    # Views of the arrays: copied into each response's bytes at once.
+    encode = raw_output_encoder(request, order, lease, copy=False)
     run: list[bytes] = []  # responses made and not sent yet
     held = 0  # their bytes
     with anyio.move_on_after(timeout_s if timeout_s is not None else math.inf) as scope:
@@ -799,8 +802,7 @@ async def _stream(
                 outputs=requested_names(request),
             ) as responses:
                 async for outputs in responses:
-                    # Views of the arrays: copied into the response's bytes at once.
-                    encoded = encode_raw_outputs(request, outputs, order, shm=lease, copy=False)
+                    encoded = encode(outputs)
                     given = responses.parameters
                     if final:
                         given = {**given, **_NOT_FINAL} if given else _NOT_FINAL
@@ -1151,13 +1153,15 @@ def _response_pieces(
     (`_parameters_bytes`), the id and each output's raw contents, each a tag
     and a length before the bytes as they are.
     """
-    if any(where for *_, where in outputs):
-        data: bytes = _infer_response(
-            model, version, request_id, outputs, parameters
-        ).SerializeToString()
-        return [data]
-    key = (model, version, *[(name, datatype, shape) for name, datatype, shape, _, _ in outputs])
-    head = _HEADS.get(key)
+    key: list[Any] = [model, version]
+    for name, datatype, shape, _, where in outputs:
+        if where:  # in shared memory: rare, the long way
+            data: bytes = _infer_response(
+                model, version, request_id, outputs, parameters
+            ).SerializeToString()
+            return [data]
+        key.append((name, datatype, shape))
+    head = _HEADS.get(memo := tuple(key))
     if head is None:
         message = _infer_response(
             model, version, None, [(n, t, s, b"", None) for n, t, s, _, _ in outputs], None
@@ -1166,16 +1170,29 @@ def _response_pieces(
         head = message.SerializeToString()
         if len(_HEADS) >= _PLAN_COUNT:
             _HEADS.clear()
-        _HEADS[key] = head
+        _HEADS[memo] = head
     pieces: list[bytes | memoryview] = [head]
     if parameters:
         pieces.append(_parameters_bytes(parameters))
     if request_id:
         encoded = request_id.encode("utf-8")
-        pieces += (b"\x1a", _varint(len(encoded)), encoded)
-    for _, _, _, blob, _ in outputs:
-        pieces += (b"\x32", _varint(len(blob)), blob)
+        pieces += (
+            _ID_TAGS[len(encoded)] if len(encoded) < 0x80 else b"\x1a" + _varint(len(encoded)),
+            encoded,
+        )
+    for output in outputs:
+        blob = output[3]
+        size = len(blob)
+        pieces += (_RAW_TAGS[size] if size < 0x80 else b"\x32" + _varint(size), blob)
     return pieces
+
+
+#: ModelInferResponse's field tags and one-byte lengths, of 0-127 bytes: a raw output's
+#: (6), the id's (3).
+_RAW_TAGS: Final = [bytes((0x32, n)) for n in range(0x80)]
+_ID_TAGS: Final = [bytes((0x1A, n)) for n in range(0x80)]
+#: ModelStreamInferResponse's infer_response (2) tag and one-byte lengths.
+_STREAM_TAGS: Final = [bytes((0x12, n)) for n in range(0x80)]
 
 
 def _response_bytes(
@@ -1198,7 +1215,8 @@ def _stream_response(
 ) -> bytes:
     """A ModelStreamInferResponse serialised: `_response_bytes` as its infer_response (2)."""
     pieces = _response_pieces(model, version, request_id, outputs, parameters)
-    return b"".join([b"\x12", _varint(sum(map(len, pieces))), *pieces])
+    size = sum(map(len, pieces))
+    return b"".join([_STREAM_TAGS[size] if size < 0x80 else b"\x12" + _varint(size), *pieces])
 
 
 def _parameters_bytes(parameters: Mapping[str, Parameter]) -> bytes:
