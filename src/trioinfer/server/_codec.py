@@ -1290,7 +1290,8 @@ def raw_output_encoder(
             array = outputs.get(name)
             if array is None:
                 raise _missing_output(request, name, output_order)
-            array = np.asarray(array)
+            if array.__class__ is not np.ndarray:
+                array = np.asarray(array)
             place = places.get(name) if places else None
             if place is not None:
                 if shm is None:
@@ -1298,17 +1299,23 @@ def raw_output_encoder(
                 entry = _output_to_shm(name, array, place, shm)
                 encoded.append((name, entry["datatype"], array.shape, b"", entry["parameters"]))
                 continue
-            datatype = v2_datatype(array.dtype)
+            kind = kinds.get(array.dtype)
+            if kind is None:
+                datatype = v2_datatype(array.dtype)
+                kind = kinds[array.dtype] = (datatype, _WIRE.get(datatype))
+            datatype, wire_dtype = kind
             data: bytes | memoryview
-            if datatype == "BYTES":
+            if wire_dtype is None:  # BYTES
                 data = _pack_bytes(array.ravel().tolist())
             else:
-                wire = np.ascontiguousarray(array, dtype=_WIRE[datatype])
+                wire = np.ascontiguousarray(array, dtype=wire_dtype)
                 # A view's length is its bytes ("B"); an empty array cannot be cast so.
                 data = wire.tobytes() if copy or not wire.size else wire.data.cast("B")
             encoded.append((name, datatype, array.shape, data, None))
         return encoded
 
+    # Each dtype met: its datatype and wire dtype (None: BYTES), for the next responses.
+    kinds: dict[np.dtype[Any], tuple[str, np.dtype[Any] | None]] = {}
     return encode
 
 
