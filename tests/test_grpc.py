@@ -1071,9 +1071,16 @@ def check_deadline_and_cancel(client: triton.InferenceServerClient, server: Serv
 
 
 def raw_h2_call(
-    address: str, path: bytes, body: bytes, *extra: tuple[bytes, bytes]
+    address: str,
+    path: bytes,
+    body: bytes,
+    *extra: tuple[bytes, bytes],
+    frames: list[bytes] | None = None,
 ) -> dict[bytes, bytes]:
-    """One gRPC call over a bare h2 client that never resets its stream: the answer's headers."""
+    """One gRPC call over a bare h2 client that never resets its stream: the answer's headers.
+
+    *frames*, if given, gets each DATA frame's payload, as it came.
+    """
     host, port = address.rsplit(":", 1)
     conn = h2.connection.H2Connection(
         h2.config.H2Configuration(client_side=True, header_encoding=None)
@@ -1092,10 +1099,74 @@ def raw_h2_call(
                     answer.update(dict(event.headers))
                 elif isinstance(event, h2.events.DataReceived):
                     conn.acknowledge_received_data(event.flow_controlled_length, 1)
+                    if frames is not None:
+                        frames.append(event.data)
                 elif isinstance(event, h2.events.StreamEnded | h2.events.StreamReset):
                     return answer
             sock.sendall(conn.data_to_send())
     return answer
+
+
+@pytest.mark.streaming
+def test_a_run_of_stream_responses_leaves_in_one_frame(server: Server) -> None:
+    """A decoupled model's run of responses goes in one DATA frame; one made alone, at once."""
+
+    def stream(values: list[int], delay_ms: int) -> tuple[list[bytes], list[Any]]:
+        request = service_pb2.ModelInferRequest(model_name="repeat_int32", id="run")
+        request.parameters["triton_enable_empty_final_response"].bool_param = True
+        for name, datatype, array in [
+            ("IN", "INT32", np.array(values, dtype=np.int32)),
+            ("DELAY", "UINT32", np.full(len(values), delay_ms, dtype=np.uint32)),
+            ("WAIT", "UINT32", np.array([0], dtype=np.uint32)),
+        ]:
+            request.inputs.add(name=name, datatype=datatype)
+            request.inputs[-1].shape.append(array.size)
+            request.raw_input_contents.append(array.tobytes())
+        frames: list[bytes] = []
+        answer = raw_h2_call(
+            server.grpc,
+            b"/inference.GRPCInferenceService/ModelStreamInfer",
+            request.SerializeToString(),
+            frames=frames,
+        )
+        assert answer.get(b"grpc-status") == b"0", answer
+        data, responses = b"".join(frames), []
+        while data:  # gRPC's messages: a byte stream across the frames
+            size = int.from_bytes(data[1:5], "big")
+            responses.append(service_pb2.ModelStreamInferResponse.FromString(data[5 : 5 + size]))
+            data = data[5 + size :]
+        return frames, responses
+
+    def read(responses: list[Any]) -> list[tuple[int | None, bool]]:
+        # Each response's OUT (None: none) and its triton_final_response.
+        got = []
+        for message in responses:
+            assert message.error_message == ""
+            response = message.infer_response
+            assert (response.model_name, response.model_version, response.id) == (
+                "repeat_int32",
+                "1",
+                "run",
+            )
+            names = [tensor.name for tensor in response.outputs]
+            out = None
+            if names:
+                out = int(np.frombuffer(response.raw_output_contents[names.index("OUT")], "<i4")[0])
+            got.append((out, response.parameters["triton_final_response"].bool_param))
+        return got
+
+    # 50 responses with no wait between them: made in runs, written a run at a time.
+    frames, responses = stream(list(range(50)), 0)
+    assert read(responses) == [(v, False) for v in range(50)] + [(None, True)]
+    assert 1 < len(frames) <= 50 // 8  # runs of STREAM_AHEAD (16), give or take
+    # 3 responses 100 ms apart: each written as it is made, alone; the final one with
+    # the last when the model's end is at hand by then, else after it.
+    frames, responses = stream([7, 8, 9], 100)
+    assert read(responses) == [(7, False), (8, False), (9, False), (None, True)]
+    assert len(frames) in (3, 4)
+    first, second, *_ = frames
+    for frame in (first, second):  # one response each
+        assert len(frame) == 5 + int.from_bytes(frame[1:5], "big")
 
 
 def test_the_server_keeps_the_clients_deadline(
@@ -1592,3 +1663,29 @@ def test_triton_priority_levels_and_classification(tmp_path: Path) -> None:
             ]
         finally:
             client.close()
+
+
+@pytest.mark.streaming
+def test_a_stream_response_serialised_by_hand_reads_as_the_protobuf_message() -> None:
+    # `_stream_response` writes the message from memos and pieces; it must read back as
+    # the message protobuf builds, parameter types (True against 1, -0.0 against 0.0,
+    # equal as memo keys would be) and outputs in shared memory included.
+    from trioinfer.server import _grpc, _grpc_proto
+
+    data = np.array([5, -6], "<i4").tobytes()
+    plain = [("OUT", "INT32", (2,), data, None), ("S", "BYTES", (0,), b"", None)]
+    in_shm = [("OUT", "INT32", (2,), b"", {"shared_memory_region": "r", "shared_memory_offset": 8})]
+    cases = [None, {}, {"a": True}, {"a": 1}, {"a": True}, {"f": -0.0}, {"f": 0.0}, {"f": -0.0}]
+    cases += [{"s": "x" * 2000, "n": 2**40, "triton_final_response": False}]
+    for outputs in (plain, in_shm, []):
+        for request_id in ("", "id-é"):
+            for parameters in cases:
+                got = _grpc_proto.ModelStreamInferResponse.FromString(
+                    _grpc._stream_response("m", "1", request_id, outputs, parameters)
+                )
+                expected = _grpc_proto.ModelStreamInferResponse(
+                    infer_response=_grpc._infer_response("m", "1", request_id, outputs, parameters)
+                )
+                assert got.SerializeToString(deterministic=True) == expected.SerializeToString(
+                    deterministic=True
+                ), (outputs, request_id, parameters)

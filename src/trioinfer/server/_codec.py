@@ -1266,26 +1266,57 @@ def encode_raw_outputs(
     Raises:
         RequestError: The request named an output that *outputs* lacks.
     """
-    encoded: list[RawOutput] = []
+    return raw_output_encoder(request, output_order, shm, copy=copy)(outputs)
+
+
+def raw_output_encoder(
+    request: InferRequest,
+    output_order: Sequence[str],
+    shm: ShmLease | None = None,
+    *,
+    copy: bool = True,
+) -> Callable[[Mapping[str, npt.NDArray[Any]]], list[RawOutput]]:
+    """`encode_raw_outputs` for one request's responses (a stream's many): its choices made once.
+
+    The returned function takes a response's outputs and raises as
+    `encode_raw_outputs` does.
+    """
     places = {item.name: item.shm for item in request.outputs or () if item.shm is not None}
-    for name, _binary, array in _chosen_outputs(request, outputs, output_order):
-        place = places.get(name)
-        if place is not None:
-            if shm is None:
-                raise RequestError(_NO_SHM.format(where=f"output {_quote(name)}"))
-            entry = _output_to_shm(name, array, place, shm)
-            encoded.append((name, entry["datatype"], array.shape, b"", entry["parameters"]))
-            continue
-        datatype = v2_datatype(array.dtype)
-        data: bytes | memoryview
-        if datatype == "BYTES":
-            data = _pack_bytes(array.ravel().tolist())
-        else:
-            wire = np.ascontiguousarray(array, dtype=_WIRE[datatype])
-            # A view's length is its bytes ("B"); an empty array cannot be cast so.
-            data = wire.tobytes() if copy or not wire.size else wire.data.cast("B")
-        encoded.append((name, datatype, array.shape, data, None))
-    return encoded
+    chosen = [name for name, _binary in _chosen_names(request, output_order)]
+
+    def encode(outputs: Mapping[str, npt.NDArray[Any]]) -> list[RawOutput]:
+        encoded: list[RawOutput] = []
+        for name in chosen:
+            array = outputs.get(name)
+            if array is None:
+                raise _missing_output(request, name, output_order)
+            if array.__class__ is not np.ndarray:
+                array = np.asarray(array)
+            place = places.get(name) if places else None
+            if place is not None:
+                if shm is None:
+                    raise RequestError(_NO_SHM.format(where=f"output {_quote(name)}"))
+                entry = _output_to_shm(name, array, place, shm)
+                encoded.append((name, entry["datatype"], array.shape, b"", entry["parameters"]))
+                continue
+            kind = kinds.get(array.dtype)
+            if kind is None:
+                datatype = v2_datatype(array.dtype)
+                kind = kinds[array.dtype] = (datatype, _WIRE.get(datatype))
+            datatype, wire_dtype = kind
+            data: bytes | memoryview
+            if wire_dtype is None:  # BYTES
+                data = _pack_bytes(array.ravel().tolist())
+            else:
+                wire = np.ascontiguousarray(array, dtype=wire_dtype)
+                # A view's length is its bytes ("B"); an empty array cannot be cast so.
+                data = wire.tobytes() if copy or not wire.size else wire.data.cast("B")
+            encoded.append((name, datatype, array.shape, data, None))
+        return encoded
+
+    # Each dtype met: its datatype and wire dtype (None: BYTES), for the next responses.
+    kinds: dict[np.dtype[Any], tuple[str, np.dtype[Any] | None]] = {}
+    return encode
 
 
 def _chosen_outputs(
@@ -1294,23 +1325,31 @@ def _chosen_outputs(
     output_order: Sequence[str],
 ) -> Iterator[tuple[str, bool, npt.NDArray[Any]]]:
     # The outputs to answer with, each with whether it goes as binary.
-    if request.outputs is None:
-        chosen = [(name, request.binary_output) for name in output_order]
-    else:
-        chosen = [
-            (item.name, request.binary_output if item.binary is None else item.binary)
-            for item in request.outputs
-        ]
-    for name, binary in chosen:
+    for name, binary in _chosen_names(request, output_order):
         array = outputs.get(name)
         if array is None:
-            if request.outputs is not None:
-                raise RequestError(
-                    f"output {name!r} was requested but the model has no such output; "
-                    f"it has {', '.join(map(repr, output_order)) or 'none'}"
-                )
-            raise ValueError(f"output {name!r} is in output_order but not in outputs")
+            raise _missing_output(request, name, output_order)
         yield name, binary, np.asarray(array)
+
+
+def _chosen_names(request: InferRequest, output_order: Sequence[str]) -> list[tuple[str, bool]]:
+    # The names of the outputs to answer with, each with whether it goes as binary.
+    if request.outputs is None:
+        return [(name, request.binary_output) for name in output_order]
+    return [
+        (item.name, request.binary_output if item.binary is None else item.binary)
+        for item in request.outputs
+    ]
+
+
+def _missing_output(request: InferRequest, name: str, output_order: Sequence[str]) -> Exception:
+    # The error for an output to answer with that the model's outputs lack.
+    if request.outputs is not None:
+        return RequestError(
+            f"output {name!r} was requested but the model has no such output; "
+            f"it has {', '.join(map(repr, output_order)) or 'none'}"
+        )
+    return ValueError(f"output {name!r} is in output_order but not in outputs")
 
 
 # -- decoding helpers ---------------------------------------------------------------------------

@@ -346,10 +346,22 @@ class GrpcCall:
 
 #: A unary handler: the request message in, the answer message out.
 Unary = Callable[[bytes, GrpcCall], Awaitable[bytes]]
+
+
+class Send(Protocol):
+    """A streaming call's send: its answer messages, in order."""
+
+    async def __call__(self, *messages: bytes) -> None:
+        """Queue *messages* for the client, waiting only for its flow-control window.
+
+        Messages given together go in one DATA frame when they fit the client's
+        window and frame size (gRPC's messages are a byte stream inside DATA
+        frames): a run of small answers costs one frame, not one each.
+        """
+
+
 #: A bidirectional-streaming handler: the request messages, the call, a send function.
-Streaming = Callable[
-    [AsyncIterator[bytes], GrpcCall, Callable[[bytes], Awaitable[None]]], Awaitable[None]
-]
+Streaming = Callable[[AsyncIterator[bytes], GrpcCall, Send], Awaitable[None]]
 
 
 @final
@@ -1016,11 +1028,11 @@ class _Connection:
             handler: Any = stream.method.handler
             if stream.method.streaming:
 
-                async def send(data: bytes) -> None:
+                async def send(*messages: bytes) -> None:
                     if not stream.answering:
                         self._headers(stream)
                         stream.answering = True
-                    await self._send_message(stream, data)
+                    await self._send_message(stream, *messages)
 
                 # Closed here, even when the handler is cancelled while it waits in it.
                 async with contextlib.aclosing(self._messages(stream)) as messages:
@@ -1186,13 +1198,20 @@ class _Connection:
             stream.arrived = arrived = anyio.Event()
             await arrived.wait()
 
-    async def _send_message(self, stream: _Stream, data: bytes) -> None:
-        prefix = _PREFIX.pack(0, len(data))
+    async def _send_message(self, stream: _Stream, *messages: bytes) -> None:
+        # One message or several (`Send`), each behind its prefix, as one byte stream.
+        if len(messages) == 1:
+            data = messages[0]
+            prefix = _PREFIX.pack(0, len(data))
+        else:
+            pack = _PREFIX.pack
+            data = b"".join([piece for m in messages for piece in (pack(0, len(m)), m)])
+            prefix = b""
         conn = self._h2
-        if not stream.closed and 5 + len(data) <= min(
+        if not stream.closed and len(prefix) + len(data) <= min(
             conn.local_flow_control_window(stream.stream_id), conn.max_outbound_frame_size
         ):
-            # The usual case: the whole message fits the window and one frame, which
+            # The usual case: the whole of it fits the window and one frame, which
             # takes it as it is (no copy behind its prefix).
             conn.send_data(stream.stream_id, data, prefix=prefix)
             self._wake.set()
