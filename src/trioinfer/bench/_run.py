@@ -110,7 +110,7 @@ class Plan:
         """
         if not intervals_ns or min(intervals_ns) < 0 or not sum(intervals_ns) > 0:
             raise BenchError(
-                "request intervals must be whole numbers of microseconds, none negative and "
+                "request intervals must be whole numbers of nanoseconds, none negative and "
                 "not all 0"
             )
         rate = len(intervals_ns) * 1e9 / sum(intervals_ns)

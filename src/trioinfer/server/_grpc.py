@@ -695,7 +695,9 @@ class _Service:
     ) -> None:
         # Responses are sent as they come, in the request's own task: a client that
         # reads slower than the model answers holds the model's generator back
-        # (HTTP/2 flow control) instead of its responses piling up here.
+        # (HTTP/2 flow control) once its stream's buffer is full (`STREAM_AHEAD`
+        # responses a request, up to STREAM_CONCURRENCY requests a call), instead of
+        # its responses piling up here without bound.
         parts = _infer_parts(request)
         # No scope of its own for the call's deadline: the call's task group is under
         # it already (`_grpc_h2`), and its passing ends the whole stream.
