@@ -363,7 +363,7 @@ def test_request_intervals_are_due_in_turn_and_cycled() -> None:
     assert plan.seed == 3
     assert list(itertools.islice(plan.schedule(500.0), 3)) == [0, 1_000_000, 4_000_000]
     for bad in ([], [0, 0], [5, -1]):
-        with pytest.raises(tool.BenchError, match="microseconds"):
+        with pytest.raises(tool.BenchError, match="whole numbers of nanoseconds"):
             tool.Plan.from_intervals(bad)
 
 
