@@ -512,16 +512,7 @@ async def _generate(
                         if state.response_parameters:
                             await _hand_over(send, _parameterised(state, outputs))
                         else:
-                            # _hand_over's way, in line: one call less a response.
-                            if not inline_slice_spent(DEFAULT_SLICE_S):
-                                try:
-                                    send.send_nowait(outputs)
-                                except _WOULD_BLOCK:
-                                    pass
-                                else:
-                                    continue
-                            await send.send(outputs)
-                            restart_inline_slice()
+                            await _hand_over(send, outputs)
                 else:
 
                     async def checked(outputs: Outputs) -> None:
