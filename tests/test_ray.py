@@ -985,8 +985,9 @@ async def test_an_actor_killed_mid_request_ends_it_once_with_backend_unavailable
             assert instance.node_id[:12] in str(error)
         stats = engine.statistics().models["slow"]
         assert (stats.failed, stats.succeeded, stats.in_flight) == (2, 0, 0)
-        # Without the resilient fallback nothing replaces the instance: it reports the loss
-        # on each batch sent to it (fallback = "resilient" re-creates it, see below).
+        # Without the resilient fallback nothing replaces the instance: it is out of
+        # service, and requests are refused saying why (fallback = "resilient" re-creates
+        # it, see below).
         with pytest.raises(BackendUnavailable, match="is gone"):
             await engine.infer("slow", {"x": xs[:1]})
 
