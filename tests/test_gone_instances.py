@@ -14,11 +14,13 @@ import numpy as np
 import pytest
 import trio
 
+from test_plugin_faults import Breaks
 from trioinfer import (
     BackendUnavailable,
     Instance,
     ModelConfig,
     ModelSignature,
+    PluginContractError,
     Registry,
     open_engine,
 )
@@ -144,7 +146,7 @@ async def test_the_batch_running_on_an_instance_that_dies_fails_once_and_later_o
         assert dying.calls == calls  # nothing more sent to it
         stats = engine.statistics().models["m"]
         assert (stats.succeeded, stats.failed) == (10, 1)
-        index = mortal.loaded.index(dying)
+        (index,) = [i for i, instance in mortal.instances.items() if instance is dying]
         assert stats.replicas[index].state == "out"
 
 
@@ -201,3 +203,55 @@ async def test_resilient_re_creates_an_idle_instance_found_gone() -> None:
 
 def test_resilient_is_a_recovering_fallback() -> None:
     assert isinstance(Resilient(), RecoveringFallback)
+
+
+async def test_an_instance_gone_in_a_model_out_of_service_stops_nothing_else() -> None:
+    """A model taken out of service (its scheduler broke its contract) whose instance is
+    then found gone: nothing is left to take out, and its worker goes on waiting as the
+    model's others do; the engine and its other models go on."""
+    mortal = Mortal()
+    made: list[Breaks] = []
+
+    def make() -> Breaks:
+        made.append(Breaks())
+        return made[-1]
+
+    registry = Registry(
+        extra={"backends": {"mortal": lambda: mortal}, "schedulers": {"breaks": make}}
+    )
+    config = ModelConfig(name="m", path=Path("m.onnx"), backend="mortal", scheduler="breaks")
+    async with open_engine(registry=registry) as engine:
+        await engine.load(config)
+        instance = mortal.instances[0]
+        await engine.load(attrs.evolve(config, name="other", scheduler="fifo"))
+        instance.hold = True
+        errors: list[BaseException] = []
+
+        async def caller(scope: trio.CancelScope | None = None) -> None:
+            try:
+                with scope or trio.CancelScope():
+                    await engine.infer("m", X)
+            except BackendUnavailable as exc:
+                errors.append(exc)
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(caller)
+            with trio.fail_after(10):
+                await instance.running.wait()
+            queued = trio.CancelScope()
+            nursery.start_soon(caller, queued)
+            with trio.fail_after(10):
+                while engine.statistics().models["m"].queued < 1:  # noqa: ASYNC110
+                    await trio.sleep(0.01)
+            made[-1].remove_raises = True
+            queued.cancel()  # its withdrawal breaks the scheduler: the model is out
+            with trio.fail_after(10):
+                while engine.model("m").out_of_service is None:  # noqa: ASYNC110
+                    await trio.sleep(0.01)
+            instance.gone = "0's actor is gone: killed"
+            instance.release.set()
+        (error,) = errors  # the running batch failed, once
+        assert "0's actor is gone: killed" in str(error)
+        with pytest.raises(PluginContractError, match="model 'm' is out of service"):
+            await engine.infer("m", X)
+        await engine.infer("other", X)

@@ -189,8 +189,6 @@ class Replica(metaclass=NoPublicConstructor):
         slots: int,
         new_event: Callable[[], EventLike],
     ) -> None:
-        self._backend_instance = backend_instance
-        self._mortal = False
         self.serve_with(backend_instance)
         self.placement = placement
         self.index = placement.index

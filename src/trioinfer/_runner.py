@@ -2470,6 +2470,8 @@ class ModelRunner(metaclass=NoPublicConstructor):
         if gone is None:
             return True
         self.take_out(replica, f"gone: {gone}", math.inf)
+        if replica._back is None:
+            return True  # the whole model is out of service (a plugin's fault): none runs
         fallback = self._fallback
         if isinstance(fallback, RecoveringFallback):
             try:
