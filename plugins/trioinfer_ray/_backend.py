@@ -549,9 +549,9 @@ class RayInstance:
         Known as soon as Ray fails the actor's pending `ModelActor.watch` call
         (or a batch sent to it), with no batch needed: the engine then reports
         the instance out of service and, with no other instance serving, the
-        model not ready. Ray does not restart the actor (``max_restarts=0``):
-        the ``resilient`` fallback re-creates the instance, else loading the
-        model again does.
+        model not ready; it sends the instance no more batches. Ray does not
+        restart the actor (``max_restarts=0``): the ``resilient`` fallback with
+        a breaker re-creates the instance, else loading the model again does.
         """
         return self._gone
 
