@@ -31,7 +31,7 @@ PUBLIC = {
         "AssemblingBatcher", "AttachableBatcher", "AttachableFallback", "AttachableScheduler",
         "Backend",
         "BackendInstance", "Batcher", "BoundedBatcher", "Fallback", "InlineInstance",
-        "PipelinedInstance", "RequestsInstance",
+        "PipelinedInstance", "RecoveringFallback", "RequestsInstance",
         "Scheduler",
         "StreamingInstance", "TunedInstance", "SequenceBatcher",
     },

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import http.server
 import importlib
@@ -16,6 +17,7 @@ import sys
 import tempfile
 import threading
 import time
+import types
 from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -44,7 +46,7 @@ from trioinfer import (
     open_engine,
 )
 from trioinfer.lowlevel import Placement
-from trioinfer.testing import check_backend, models
+from trioinfer.testing import FakeBackend, check_backend, models
 from trioinfer_ray._options import MODEL_RESOURCE_SHARE, check_options
 
 pytestmark = pytest.mark.ray
@@ -269,6 +271,79 @@ async def test_on_one_machine_the_hop_is_counted_and_no_allowance_taken(
         out, _ = await trioinfer_ray.wait_ref(call)  # 120 s of allowance: ignored here
         del call
         assert out["output"].shape == (1, 10)
+
+
+class FarActor:
+    """Stands in for an actor on another machine: each call takes the next of *trips* (in
+    seconds, there and back) on the driver's clock, faked as *clock*, and is refused as the
+    real actor refuses it, when it has no more time left than the allowance sent with it."""
+
+    def __init__(self, clock: list[float], trips: list[float]) -> None:
+        self.clock = clock
+        self.trips = trips
+        self.allowances: list[float] = []
+        self.execute = types.SimpleNamespace(remote=self._execute)
+
+    def _execute(
+        self, inputs: dict[str, Any], remaining: float, sent: float, allowance: float
+    ) -> Any:
+        self.clock[0] += self.trips.pop(0)
+        self.allowances.append(allowance)
+        answer: concurrent.futures.Future[Any] = concurrent.futures.Future()
+        if remaining <= allowance:
+            late = DeadlineExceeded("the batch's deadline passed before it could be answered")
+            answer.set_exception(ray.exceptions.RayTaskError("execute", "", late))
+        else:
+            answer.set_result(({"y": inputs["x"] * 2}, 0.0))  # held no time at all
+        return types.SimpleNamespace(future=lambda: answer)
+
+
+async def test_a_long_first_round_trip_does_not_refuse_every_later_batch(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The allowance is the least round trip of a call the actor answered: one first trip
+    measured long (a cold actor, a busy driver) refused every batch with less time left
+    than that, for ever, since no batch was answered to measure a shorter one. A refused
+    call is a round trip too: the next batch goes with the shorter allowance."""
+    clock = [0.0]
+    monkeypatch.setattr(
+        trioinfer_ray._backend, "time", types.SimpleNamespace(monotonic=lambda: clock[0])
+    )
+    actor = FarActor(clock, [32.0, 0.25, 0.125])
+    config = ModelConfig(name="m", path=Path("m.onnx"), backend="far")
+    info = {
+        "signature": FakeBackend().signature,
+        "device": "cpu",
+        "node_id": "ab" * 28,
+        "node_ip": "10.0.0.2",
+        "pid": 7,
+        "preferred_batch_sizes": (),
+    }
+    instance = trioinfer_ray.RayInstance(
+        actor, info, check_options(config, config.placements()[0]), "far instance 0", "m"
+    )
+
+    class Far:
+        async def load(self, config: ModelConfig, placement: Placement) -> Any:
+            return instance
+
+    async def no_actor_to_kill(self: Any) -> None:
+        pass  # (ray.kill of the fake would start a Ray to look for it)
+
+    monkeypatch.setattr(trioinfer_ray.RayInstance, "aclose", no_actor_to_kill)
+
+    x = {"x": np.ones((1, 4), np.float32)}
+    async with open_engine(registry=Registry(extra={"backends": {"far": Far}})) as engine:
+        await engine.load(config)
+        await engine.infer("m", x)  # no deadline: answered, after a 32 s round trip
+        assert instance.round_trip == 32.0
+        with trio.fail_after(10), pytest.raises(DeadlineExceeded):
+            await engine.infer("m", x)  # 10 s left, where a trip took 32: refused
+        assert instance.round_trip == 0.25  # the refusal's own trip
+        with trio.fail_after(10):
+            out = await engine.infer("m", x)
+        assert out["y"].tolist() == [[2.0] * 4]
+        assert actor.allowances == [0.0, 32.0, 0.25]
 
 
 @pytest.mark.tracing
@@ -910,8 +985,9 @@ async def test_an_actor_killed_mid_request_ends_it_once_with_backend_unavailable
             assert instance.node_id[:12] in str(error)
         stats = engine.statistics().models["slow"]
         assert (stats.failed, stats.succeeded, stats.in_flight) == (2, 0, 0)
-        # Without the resilient fallback nothing replaces the instance: it reports the loss
-        # on each batch sent to it (fallback = "resilient" re-creates it, see below).
+        # Without the resilient fallback nothing replaces the instance: it is out of
+        # service, and requests are refused saying why (fallback = "resilient" re-creates
+        # it, see below).
         with pytest.raises(BackendUnavailable, match="is gone"):
             await engine.infer("slow", {"x": xs[:1]})
 

@@ -157,6 +157,13 @@ class Breaker:
             return True
         return False
 
+    def trip(self) -> bool:
+        """Open it now, whatever the counts (its instance is known dead); whether it opened now."""
+        if self.state is BreakerState.OPEN:
+            return False
+        self.state = BreakerState.OPEN
+        return True
+
     def half_open(self) -> None:
         """Let probes through: the owner calls it once `wait` has passed."""
         self.state = BreakerState.HALF_OPEN

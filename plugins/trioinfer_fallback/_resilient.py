@@ -302,19 +302,34 @@ class Resilient:
 
     # -- breakers and recovery ---------------------------------------------------------
 
+    def replica_gone(self, replica: Replica) -> None:
+        """Re-create an instance the engine found gone, at once (only with a breaker).
+
+        Its breaker opens whatever it had counted, and the re-prober re-creates
+        the instance, then probes it, as when a batch found it dead. Without a
+        breaker nothing re-creates instances: it stays out until the model is
+        loaded again.
+        """
+        breaker = self.breakers.get(replica.index)
+        if breaker is None:
+            return
+        breaker.trip()
+        self._opened(replica, breaker, f"circuit breaker open: {replica.reason}", True)
+
     def _failed(self, replica: Replica, error: Exception) -> None:
         breaker = self.breakers.get(replica.index)
         if breaker is None or not breaker.failure():
             return
+        reason = f"circuit breaker open after {breaker.describe()}; last: {error}"
+        self._opened(replica, breaker, reason, not _transient(error))
+
+    def _opened(self, replica: Replica, breaker: Breaker, reason: str, dead: bool) -> None:
+        # Its breaker opened: out of service, and its re-prober started (one at a time).
         assert self._context is not None
-        self._context.take_out(
-            replica,
-            f"circuit breaker open after {breaker.describe()}; last: {error}",
-            retry_after=breaker.wait,
-        )
+        self._context.take_out(replica, reason, retry_after=breaker.wait)
         if replica.index not in self._recovering:
             self._recovering.add(replica.index)
-            self._context.start_soon(self._recover, replica, breaker, not _transient(error))
+            self._context.start_soon(self._recover, replica, breaker, dead)
 
     async def _recover(self, replica: Replica, breaker: Breaker, dead: bool) -> None:
         # The instance's re-prober: a task in the engine's task group, one per opening.

@@ -19,9 +19,11 @@ custom ``resources``, ``model_resource`` for a node that advertises
 - A batch whose callers all left is cancelled remotely (``ray.cancel``),
   which aborts the ONNX Runtime run there (``RunOptions.terminate``).
 - An actor or node that is gone turns calls into
-  [`BackendUnavailable`][trioinfer.BackendUnavailable]: the ``resilient``
-  fallback's breaker takes the instance out, fails over, and re-creates the
-  instance (a new actor) once a node can take it.
+  [`BackendUnavailable`][trioinfer.BackendUnavailable], and the instance's
+  ``gone`` says why as soon as Ray knows: the engine takes it out of service
+  (later batches go to the model's other instances); the ``resilient``
+  fallback fails over the batch it was running, and with a breaker re-creates
+  the instance (a new actor) once a node can take it.
 - Instances' ``device`` names their node (``"cpu@<node id>"``), so that
   statistics and metrics show where each one runs.
 - ``aclose`` kills the actor: nothing an engine created outlives it.

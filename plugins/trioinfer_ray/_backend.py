@@ -521,9 +521,10 @@ class RayInstance:
         self.preferred_batch_sizes: tuple[int, ...] = tuple(info["preferred_batch_sizes"])
         #: The least seconds a call answered by the actor spent outside it, there and
         #: back (from sending to its answer here, less the time the actor held it: a
-        #: span on each side's clock, so none needs the other's); ``inf`` before the
-        #: first answer. Each batch carries it: an actor whose clock is not this
-        #: machine's takes it off the batch's time left.
+        #: span on each side's clock, so none needs the other's; a call the actor
+        #: refused as too late counts whole, so that a long first trip cannot refuse
+        #: every later batch); ``inf`` before the first answer. Each batch carries it:
+        #: an actor whose clock is not this machine's takes it off the batch's time left.
         self.round_trip: float = math.inf
 
     @property
@@ -548,9 +549,9 @@ class RayInstance:
         Known as soon as Ray fails the actor's pending `ModelActor.watch` call
         (or a batch sent to it), with no batch needed: the engine then reports
         the instance out of service and, with no other instance serving, the
-        model not ready. Ray does not restart the actor (``max_restarts=0``):
-        the ``resilient`` fallback re-creates the instance, else loading the
-        model again does.
+        model not ready; it sends the instance no more batches. Ray does not
+        restart the actor (``max_restarts=0``): the ``resilient`` fallback with
+        a breaker re-creates the instance, else loading the model again does.
         """
         return self._gone
 
@@ -618,11 +619,15 @@ class RayInstance:
             self._lost(exc)
             error = remote_error(exc, f"{self._label} on node {self.node_id[:12]}")
             if isinstance(error, DeadlineExceeded):
+                # Refused uncomputed: the whole call is a round trip (and the little the
+                # actor held it), so it bounds the least one. Without it, a first trip
+                # measured long (a cold actor, a busy driver) was taken off every later
+                # batch: each with less time than that was refused, and none answered to
+                # measure a shorter trip, for as long as the instance lived.
+                self._trip(time.monotonic() - sent)
                 raise error from None
             raise error from exc
-        trip = time.monotonic() - sent - held
-        if 0 <= trip < self.round_trip:
-            self.round_trip = trip
+        self._trip(time.monotonic() - sent - held)
         if timings is not None:
             try:
                 self._record(trace_context, timings)
@@ -631,6 +636,11 @@ class RayInstance:
                 # count against the instance); it is logged.
                 log.exception("%s: could not record the remote spans", self._label)
         return _codec.decode(outputs) if self._codec else outputs
+
+    def _trip(self, seconds: float) -> None:
+        # A call's time outside the actor, there and back: `round_trip` is the least seen.
+        if 0 <= seconds < self.round_trip:
+            self.round_trip = seconds
 
     def _record(self, parent: Mapping[str, str], timings: Mapping[str, Any]) -> None:
         # The actor's times (its node's clock) as children of the compute span:

@@ -169,6 +169,7 @@ class Replica(metaclass=NoPublicConstructor):
         "_backend_instance",
         "_forming",
         "_gate",
+        "_mortal",
         "_retry_at",
         "_slot",
         "executions",
@@ -188,7 +189,7 @@ class Replica(metaclass=NoPublicConstructor):
         slots: int,
         new_event: Callable[[], EventLike],
     ) -> None:
-        self._backend_instance = backend_instance
+        self.serve_with(backend_instance)
         self.placement = placement
         self.index = placement.index
         self._slot = _Slot(slots, new_event)
@@ -207,6 +208,13 @@ class Replica(metaclass=NoPublicConstructor):
 
     def __repr__(self) -> str:
         return f"<Replica {self.index} on {self.device} ({self.state})>"
+
+    def serve_with(self, backend_instance: BackendInstance) -> None:
+        """Hold *backend_instance* from now on (the one loaded, or one re-created)."""
+        self._backend_instance = backend_instance
+        # Whether it may say it is gone: asked once, since `gone` is read before each
+        # batch, and a getattr that misses costs an exception raised and caught.
+        self._mortal = hasattr(backend_instance, "gone")
 
     @property
     def device(self) -> str:
@@ -232,6 +240,8 @@ class Replica(metaclass=NoPublicConstructor):
         model is loaded again, and meanwhile it counts as out of service in
         statistics and readiness.
         """
+        if not self._mortal:
+            return None
         gone = getattr(self._backend_instance, "gone", None)
         return gone if isinstance(gone, str) and gone else None
 

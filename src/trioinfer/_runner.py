@@ -32,6 +32,7 @@ from ._config import PIPELINE, ModelConfig
 from ._dispatch import Execution, FallbackContext, Replica, ReplicaStatistics, logger
 from ._exceptions import (
     BackendError,
+    BackendUnavailable,
     CircuitOpen,
     ConfigError,
     DeadlineExceeded,
@@ -70,6 +71,7 @@ from .abc import (
     BoundedBatcher,
     Fallback,
     PipelinedInstance,
+    RecoveringFallback,
     RequestsInstance,
     Scheduler,
     SequenceBatcher,
@@ -1225,7 +1227,8 @@ class ModelRunner(metaclass=NoPublicConstructor):
             # which saves a scope per execution on the hot path.
             with anyio.CancelScope() as scope:
                 while True:
-                    if replica._back is not None:
+                    if not self._in_rotation(replica):
+                        assert replica._back is not None  # (set whenever it is out)
                         await replica._back.wait()  # out of service: wait to be put back
                         continue
                     # The last batch is dropped before waiting for the next: its requests
@@ -1252,8 +1255,9 @@ class ModelRunner(metaclass=NoPublicConstructor):
                         if not batch:
                             await self._batcher_failed("returned an empty batch", None)
                             continue
-                        if not replica.serving:
-                            # Taken out while forming: the batch goes to a serving replica.
+                        if not self._in_rotation(replica):
+                            # Taken out (or found gone) while forming: the batch goes to a
+                            # serving replica, unsent.
                             self.queue.put_back(batch)
                             if not self._serving:
                                 self._refuse_queued()
@@ -1580,6 +1584,9 @@ class ModelRunner(metaclass=NoPublicConstructor):
                 if limiter is not None:
                     limiter.release()
         except Exception as exc:
+            # An instance that failed because it is gone leaves the rotation before the
+            # fallback picks another for the batch (one known gone is never picked).
+            self._in_rotation(replica)
             # A backend's error (or the engine's) for the fallback to handle: not its own.
             if execution._raised is None:
                 execution._raised = [exc]
@@ -1793,9 +1800,9 @@ class ModelRunner(metaclass=NoPublicConstructor):
             if (
                 slot.free
                 and not slot._waiters
-                and replica._back is None
                 and not (limits and replica.device in limits)
                 and replica._gate is None  # its resources are taken in attempt() only
+                and self._in_rotation(replica)
             ):
                 return replica
         return None
@@ -2445,6 +2452,35 @@ class ModelRunner(metaclass=NoPublicConstructor):
         if not self._serving:
             self._refuse_queued()
 
+    def _in_rotation(self, replica: Replica) -> bool:
+        """Whether batches may go to *replica*: it serves, and its instance is not gone.
+
+        The one place where an instance that says it is gone (its ``gone``, see
+        `trioinfer.abc.BackendInstance`: a Ray actor that died) leaves the
+        rotation: it is taken out of service as a fallback takes one out, with
+        ``"gone: ..."`` as its reason and no time to come back, so that no batch
+        is sent to it (the one it was running fails there, once), later ones go
+        to the instances that serve, and with none left requests are refused at
+        once. A [`RecoveringFallback`][trioinfer.abc.RecoveringFallback] is told,
+        to re-create it; else loading the model again replaces it.
+        """
+        if replica._back is not None:  # out of service (a slot: cheaper than `serving`)
+            return False
+        gone = replica.gone
+        if gone is None:
+            return True
+        self.take_out(replica, f"gone: {gone}", math.inf)
+        if replica._back is None:
+            return True  # the whole model is out of service (a plugin's fault): none runs
+        fallback = self._fallback
+        if isinstance(fallback, RecoveringFallback):
+            try:
+                fallback.replica_gone(replica)
+            except Exception as exc:
+                # Its bug: logged, naming it; the instance stays out, the model goes on.
+                self._broken("fallbacks", _raised(exc, "replica_gone()"), exc)
+        return False
+
     def put_back(self, replica: Replica) -> None:
         """Return *replica* to service; see `FallbackContext.put_back`."""
         if replica.serving or self._fault is not None:
@@ -2472,6 +2508,12 @@ class ModelRunner(metaclass=NoPublicConstructor):
         now = self.clock.current_time()
         retry_after = max(min(r._retry_at for r in self.replicas) - now, 0.0)
         reasons = "; ".join(f"{r.label}: {r.reason}" for r in self.replicas)
+        if retry_after == math.inf:
+            # None is to come back (each gone, and nothing re-creates it): no retry helps.
+            return BackendUnavailable(
+                f"every instance of model {self.config.name!r} is out of service "
+                f"({reasons}), and none is coming back: load the model again"
+            )
         return CircuitOpen(
             f"every instance of model {self.config.name!r} is out of service ({reasons}); "
             f"retry in {retry_after:.3g}s",
@@ -2655,7 +2697,7 @@ class ModelRunner(metaclass=NoPublicConstructor):
             except BaseException:
                 await close_instances(self.config.name, [new])
                 raise
-            replica._backend_instance = new
+            replica.serve_with(new)
             if self._output_check is not None and not self._output_check.full:
                 # The cheap check was the old instances' word for their outputs: the
                 # new one, from the file as it is now, may not give it.

@@ -46,6 +46,7 @@ __all__ = [
     "Fallback",
     "InlineInstance",
     "PipelinedInstance",
+    "RecoveringFallback",
     "RequestsInstance",
     "Scheduler",
     "SequenceBatcher",
@@ -641,13 +642,21 @@ class BackendInstance(Protocol):
 
     An instance that can die apart from the engine (one held by another
     process: a Ray actor) may have a ``gone`` attribute (not part of this
-    protocol): ``None`` while it lives, else a non-empty string saying why it
-    can serve no more. The engine reads it whenever it reports on the model:
+    protocol; there from load on, as the engine looks for it once):
+    ``None`` while it lives, else a non-empty string saying why it
+    can serve no more. The engine reads it whenever it reports on the model,
+    before it hands the instance a batch, and when an execution on it fails:
     such an instance counts as out of service (``"gone: ..."``), and a model
     none of whose instances serves is not ready
-    ([`ModelInfo.unavailable`][trioinfer.ModelInfo]). Its executions should
-    fail meanwhile (``BackendUnavailable``), so that a fallback's breaker
-    re-creates it; loading the model again replaces it too.
+    ([`ModelInfo.unavailable`][trioinfer.ModelInfo]). Once the engine finds
+    it gone, it takes the instance out of service: no batch is sent to it
+    any more, later ones go to the model's other instances, and with none
+    left requests are refused at once
+    ([`BackendUnavailable`][trioinfer.BackendUnavailable]). Its executions
+    should fail once it is gone (``BackendUnavailable``, saying which
+    instance and why: the batch it was running fails with it). A
+    [`RecoveringFallback`][trioinfer.abc.RecoveringFallback] is told, and may
+    re-create it; loading the model again replaces it too.
     """
 
     @property
@@ -1158,5 +1167,30 @@ class AttachableFallback(Fallback, Protocol):
         of service, probe it, re-create it and put it back, and start
         background tasks in the engine's task group. May raise
         [`ConfigError`][trioinfer.ConfigError] to refuse the model.
+        """
+        ...
+
+
+@runtime_checkable
+class RecoveringFallback(AttachableFallback, Protocol):
+    """A fallback that brings back instances the engine found gone (an optional hook).
+
+    An instance whose ``gone`` says it can serve no more (see
+    [`BackendInstance`][trioinfer.abc.BackendInstance]: a Ray actor that died)
+    gets no more batches: the engine takes it out of service itself, whatever
+    the model's fallback, since a batch sent to it could only fail. A
+    fallback that re-creates instances (a breaker's) would then see no
+    failure to act on: this hook tells it instead.
+    """
+
+    def replica_gone(self, replica: Replica) -> None:
+        """Called once when the engine takes *replica* out because its instance is gone.
+
+        The replica is out of service already, its ``reason`` starting with
+        ``"gone: "`` and saying why. Called on the event loop, so it must not
+        block: work such as `FallbackContext.recreate` followed by
+        `FallbackContext.put_back` goes in a task
+        (`FallbackContext.start_soon`). An exception it raises is logged,
+        naming the fallback; the instance stays out.
         """
         ...

@@ -1,0 +1,257 @@
+"""An instance that says it is gone (a Ray actor that died) leaves its model's rotation.
+
+No Ray here: a backend whose instances can be marked gone, as the ray backend's are when
+their actor dies (their ``gone`` says why, and their executions fail).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import attrs
+import numpy as np
+import pytest
+import trio
+
+from test_plugin_faults import Breaks
+from trioinfer import (
+    BackendUnavailable,
+    Instance,
+    ModelConfig,
+    ModelSignature,
+    PluginContractError,
+    Registry,
+    open_engine,
+)
+from trioinfer.abc import Arrays, RecoveringFallback
+from trioinfer.lowlevel import Placement
+from trioinfer.testing import FakeBackend
+from trioinfer.testing._fake import FakeInstance
+from trioinfer_fallback import Resilient
+
+X = {"x": np.ones((1, 4), np.float32)}
+
+
+class Mortal:
+    """Loads `MortalInstance`s, keeping every one (the latest by index, and all in order)."""
+
+    def __init__(self) -> None:
+        self.fake = FakeBackend()
+        self.instances: dict[int, MortalInstance] = {}
+        self.loaded: list[MortalInstance] = []
+
+    async def load(self, config: ModelConfig, placement: Placement) -> MortalInstance:
+        instance = MortalInstance(await self.fake.load(config, placement))
+        self.instances[placement.index] = instance
+        self.loaded.append(instance)
+        return instance
+
+    def registry(self) -> Registry:
+        return Registry(extra={"backends": {"mortal": lambda: self}})
+
+
+class MortalInstance:
+    def __init__(self, inner: FakeInstance) -> None:
+        self.inner = inner
+        self.gone: str | None = None
+        self.calls = 0
+        # True: the next execution waits in the instance until `release` is set.
+        self.hold = False
+        self.running = trio.Event()
+        self.release = trio.Event()
+
+    @property
+    def signature(self) -> ModelSignature:
+        return self.inner.signature
+
+    @property
+    def device(self) -> str:
+        return self.inner.device
+
+    async def execute(self, inputs: Arrays) -> dict[str, Any]:
+        self.calls += 1
+        if self.hold:
+            self.hold = False
+            self.running.set()
+            await self.release.wait()
+        if self.gone is not None:
+            raise BackendUnavailable(f"instance {self.gone}")
+        return await self.inner.execute(inputs)
+
+    async def aclose(self) -> None:
+        await self.inner.aclose()
+
+
+def two_instances(**fields: Any) -> ModelConfig:
+    config = ModelConfig(name="m", path=Path("m.onnx"), backend="mortal", **fields)
+    return attrs.evolve(config, instances=[Instance(count=2, device="cpu")])
+
+
+async def test_a_gone_instance_gets_no_batch_and_the_other_serves() -> None:
+    """Without the resilient fallback, batches still went to an instance whose actor had
+    died, and failed, while the model's other instance was healthy. Found gone, it is
+    taken out of service: every request is served by the other one."""
+    mortal = Mortal()
+    async with open_engine(registry=mortal.registry()) as engine:
+        await engine.load(two_instances())
+        first, second = mortal.instances[0], mortal.instances[1]
+        first.gone = "0's actor is gone (ActorDiedError): killed"
+        for _ in range(20):
+            await engine.infer("m", X)
+        assert (first.calls, second.calls) == (0, 20)
+        stats = engine.statistics().models["m"]
+        assert (stats.succeeded, stats.failed) == (20, 0)
+        out, serving = stats.replicas
+        assert (out.state, out.reason, out.taken_out) == (
+            "out",
+            "gone: 0's actor is gone (ActorDiedError): killed",
+            1,
+        )
+        assert (serving.state, serving.executions) == ("serving", 20)
+        assert engine.model("m").unavailable is None
+
+
+async def test_the_batch_running_on_an_instance_that_dies_fails_once_and_later_ones_go_on() -> None:
+    """The batch in flight when its instance dies fails once, naming the instance and why;
+    the batches after it go to the instance that lives."""
+    mortal = Mortal()
+    async with open_engine(registry=mortal.registry()) as engine:
+        await engine.load(two_instances())
+        first, second = mortal.instances[0], mortal.instances[1]
+        # Whichever takes the first batch holds it.
+        first.hold = second.hold = True
+        first.running = second.running = trio.Event()
+        errors: list[BaseException] = []
+
+        async def caller() -> None:
+            try:
+                await engine.infer("m", X)
+            except BackendUnavailable as exc:
+                errors.append(exc)
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(caller)
+            with trio.fail_after(10):
+                await first.running.wait()
+            dying, living = (first, second) if first.calls else (second, first)
+            living.hold = False
+            dying.gone = "actor is gone (ActorDiedError): its node died"
+            dying.release.set()
+        (error,) = errors
+        assert "actor is gone (ActorDiedError): its node died" in str(error)
+        calls = dying.calls
+        for _ in range(10):
+            await engine.infer("m", X)
+        assert dying.calls == calls  # nothing more sent to it
+        stats = engine.statistics().models["m"]
+        assert (stats.succeeded, stats.failed) == (10, 1)
+        (index,) = [i for i, instance in mortal.instances.items() if instance is dying]
+        assert stats.replicas[index].state == "out"
+
+
+async def test_with_every_instance_gone_requests_are_refused_at_once_saying_why() -> None:
+    """Nothing is coming back (no fallback re-creates instances): requests are refused
+    with BackendUnavailable naming each instance and why it is gone, not left waiting."""
+    mortal = Mortal()
+    async with open_engine(registry=mortal.registry()) as engine:
+        await engine.load(two_instances())
+        mortal.instances[0].gone = "0's actor is gone: killed"
+        mortal.instances[1].gone = "1's actor is gone: its node died"
+        with pytest.raises(BackendUnavailable) as first:
+            await engine.infer("m", X)
+        assert "none is coming back: load the model again" in str(first.value)
+        assert "instance 0 (cpu): gone: 0's actor is gone: killed" in str(first.value)
+        assert "instance 1 (cpu): gone: 1's actor is gone: its node died" in str(first.value)
+        with pytest.raises(BackendUnavailable, match="none is coming back"):
+            await engine.infer("m", X)
+        stats = engine.statistics().models["m"]
+        assert stats.refused >= 1  # refused at admission: no batch formed for it
+        assert (mortal.instances[0].calls, mortal.instances[1].calls) == (0, 0)
+        unavailable = engine.model("m").unavailable
+        assert unavailable is not None
+        assert "no instance of model 'm' serves it" in unavailable
+        await engine.load(two_instances(), replace=True)
+        await engine.infer("m", X)
+
+
+async def test_resilient_re_creates_an_idle_instance_found_gone() -> None:
+    """The engine takes a gone instance out before any batch fails on it, so a breaker
+    that counts failures would never open: the resilient fallback is told instead (a
+    RecoveringFallback), and re-creates the instance at once."""
+    mortal = Mortal()
+    config = two_instances(
+        fallback="resilient",
+        fallback_options={"breaker": {"fail_max": 5, "reset_timeout": 30.0}},
+    )
+    async with open_engine(registry=mortal.registry()) as engine:
+        await engine.load(config)
+        first = mortal.instances[0]
+        first.gone = "0's actor is gone: killed"
+        for _ in range(4):
+            await engine.infer("m", X)
+        assert first.calls == 0
+        with trio.fail_after(10):
+            while engine.statistics().models["m"].replicas[0].state != "serving":  # noqa: ASYNC110
+                await trio.sleep(0.01)
+        replica = engine.statistics().models["m"].replicas[0]
+        assert (replica.recreated, replica.taken_out) == (1, 1)
+        assert mortal.instances[0] is not first  # a fresh one
+        stats = engine.statistics().models["m"]
+        assert (stats.succeeded, stats.failed) == (4, 0)
+
+
+def test_resilient_is_a_recovering_fallback() -> None:
+    assert isinstance(Resilient(), RecoveringFallback)
+
+
+async def test_an_instance_gone_in_a_model_out_of_service_stops_nothing_else() -> None:
+    """A model taken out of service (its scheduler broke its contract) whose instance is
+    then found gone: nothing is left to take out, and its worker goes on waiting as the
+    model's others do; the engine and its other models go on."""
+    mortal = Mortal()
+    made: list[Breaks] = []
+
+    def make() -> Breaks:
+        made.append(Breaks())
+        return made[-1]
+
+    registry = Registry(
+        extra={"backends": {"mortal": lambda: mortal}, "schedulers": {"breaks": make}}
+    )
+    config = ModelConfig(name="m", path=Path("m.onnx"), backend="mortal", scheduler="breaks")
+    async with open_engine(registry=registry) as engine:
+        await engine.load(config)
+        instance = mortal.instances[0]
+        await engine.load(attrs.evolve(config, name="other", scheduler="fifo"))
+        instance.hold = True
+        errors: list[BaseException] = []
+
+        async def caller(scope: trio.CancelScope | None = None) -> None:
+            try:
+                with scope or trio.CancelScope():
+                    await engine.infer("m", X)
+            except BackendUnavailable as exc:
+                errors.append(exc)
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(caller)
+            with trio.fail_after(10):
+                await instance.running.wait()
+            queued = trio.CancelScope()
+            nursery.start_soon(caller, queued)
+            with trio.fail_after(10):
+                while engine.statistics().models["m"].queued < 1:  # noqa: ASYNC110
+                    await trio.sleep(0.01)
+            made[-1].remove_raises = True
+            queued.cancel()  # its withdrawal breaks the scheduler: the model is out
+            with trio.fail_after(10):
+                while engine.model("m").out_of_service is None:  # noqa: ASYNC110
+                    await trio.sleep(0.01)
+            instance.gone = "0's actor is gone: killed"
+            instance.release.set()
+        (error,) = errors  # the running batch failed, once
+        assert "0's actor is gone: killed" in str(error)
+        with pytest.raises(PluginContractError, match="model 'm' is out of service"):
+            await engine.infer("m", X)
+        await engine.infer("other", X)
