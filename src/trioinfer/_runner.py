@@ -1227,7 +1227,9 @@ class ModelRunner(metaclass=NoPublicConstructor):
             # which saves a scope per execution on the hot path.
             with anyio.CancelScope() as scope:
                 while True:
-                    if not self._in_rotation(replica):
+                    if replica._back is not None or (
+                        replica._mortal and not self._in_rotation(replica)
+                    ):
                         assert replica._back is not None  # (set whenever it is out)
                         await replica._back.wait()  # out of service: wait to be put back
                         continue
@@ -1255,7 +1257,9 @@ class ModelRunner(metaclass=NoPublicConstructor):
                         if not batch:
                             await self._batcher_failed("returned an empty batch", None)
                             continue
-                        if not self._in_rotation(replica):
+                        if replica._back is not None or (
+                            replica._mortal and not self._in_rotation(replica)
+                        ):
                             # Taken out (or found gone) while forming: the batch goes to a
                             # serving replica, unsent.
                             self.queue.put_back(batch)
@@ -1800,9 +1804,11 @@ class ModelRunner(metaclass=NoPublicConstructor):
             if (
                 slot.free
                 and not slot._waiters
+                and replica._back is None
                 and not (limits and replica.device in limits)
                 and replica._gate is None  # its resources are taken in attempt() only
-                and self._in_rotation(replica)
+                # (An instance that cannot be gone costs one slot read, not a call.)
+                and (not replica._mortal or self._in_rotation(replica))
             ):
                 return replica
         return None
