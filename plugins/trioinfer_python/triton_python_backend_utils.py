@@ -40,6 +40,8 @@ from trioinfer import (
 from trioinfer.lowlevel import current_model_metrics
 
 __all__ = [
+    "TRITONSERVER_REQUEST_FLAG_SEQUENCE_END",
+    "TRITONSERVER_REQUEST_FLAG_SEQUENCE_START",
     "TRITONSERVER_RESPONSE_COMPLETE_FINAL",
     "InferenceRequest",
     "InferenceResponse",
@@ -61,6 +63,10 @@ __all__ = [
 
 #: The flag of a decoupled model's last response (``sender.send(flags=...)``).
 TRITONSERVER_RESPONSE_COMPLETE_FINAL: Final = 1
+#: ``request.flags()`` of a sequence's first request (a stateful model's).
+TRITONSERVER_REQUEST_FLAG_SEQUENCE_START: Final = 1
+#: ``request.flags()`` of a sequence's last request.
+TRITONSERVER_REQUEST_FLAG_SEQUENCE_END: Final = 2
 #: Where what is not provided is said.
 _DOCS: Final = "docs/how-to/from-triton.md ('Python models as they are')"
 
@@ -405,11 +411,16 @@ class InferenceRequest(_Provided):
         return self._request_id
 
     def correlation_id(self) -> int | str:
-        """The sequence the request belongs to (a stateful model's), else 0."""
+        """The sequence the request belongs to (a stateful model's sequence id), else 0."""
         return self._correlation_id
 
     def flags(self) -> int:
-        """The request's flags (0)."""
+        """The request's flags: a sequence's first and last request say so, else 0.
+
+        ``TRITONSERVER_REQUEST_FLAG_SEQUENCE_START`` on a sequence's first
+        request, ``TRITONSERVER_REQUEST_FLAG_SEQUENCE_END`` on its last (both,
+        OR-ed, on a sequence of one request), as Triton sets them.
+        """
         return self._flags
 
     def timeout(self) -> int:

@@ -829,7 +829,11 @@ class RequestsInstance(BackendInstance, Protocol):
     ends with its own answer or its own error. `execute` still serves what no
     request made: warm-up samples, a fallback's probe. Looked for once, on
     the model's first instance, at load; a batcher that lays out the inputs
-    itself (an ``AssemblingBatcher``) is refused with it.
+    itself (an ``AssemblingBatcher``) is refused with it, but for a stateful
+    model's sequence batcher without implicit state: its sequences still
+    reach one instance in order, and the instance feeds each request's
+    controls (START, END, READY, CORRID) from its ``sequence_flags`` itself,
+    as the batcher's inputs are not passed.
     """
 
     async def execute_requests(self, requests: Sequence[Request]) -> Sequence[Outputs | Exception]:
