@@ -11,6 +11,7 @@ manager, which reads the repository) and through ``trioinfer serve`` with
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -213,6 +214,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
 
     root = tmp_path_factory.mktemp("triton_python_sequences") / "models"
     write_model(root, "acc", sequence_pbtxt(), ACCUMULATOR)
+    write_model(root, "auto", 'backend: "python"\n', AUTO)
     log = tmp_path_factory.mktemp("log") / "server.log"
     with run_server(root, log=log) as running:
         yield running
@@ -247,3 +249,193 @@ def test_tritonclient_sequences(server: Any) -> None:
         config = client.get_model_config("acc")
         controls = config["sequence_batching"]["control_input"]
         assert [c["name"] for c in controls] == ["START", "END", "READY", "CORRID"]
+
+
+# -- auto_complete_config ----------------------------------------------------------------------
+
+# As Triton's auto_complete example: config.pbtxt says only the backend; the model says
+# its tensors, its batch size and dynamic batching. SEEN: what initialize's config said.
+AUTO = """\
+import json
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    @staticmethod
+    def auto_complete_config(auto_complete_model_config):
+        # What config.pbtxt declares must agree: add_input completes it, or refuses.
+        for name in ("INPUT0", "INPUT1"):
+            auto_complete_model_config.add_input(
+                {"name": name, "data_type": "TYPE_FP32", "dims": [4]}
+            )
+        auto_complete_model_config.add_output(
+            {"name": "OUTPUT0", "data_type": "TYPE_FP32", "dims": [4]}
+        )
+        auto_complete_model_config.add_output(
+            {"name": "BATCH", "data_type": "TYPE_INT32", "dims": [1]}
+        )
+        auto_complete_model_config.set_max_batch_size(8)
+        auto_complete_model_config.set_dynamic_batching()
+        return auto_complete_model_config
+
+    def initialize(self, args):
+        self.config = json.loads(args["model_config"])
+
+    def execute(self, requests):
+        responses = []
+        for request in requests:
+            a = pb_utils.get_input_tensor_by_name(request, "INPUT0").as_numpy()
+            b = pb_utils.get_input_tensor_by_name(request, "INPUT1").as_numpy()
+            batch = np.full((len(a), 1), self.config["max_batch_size"], np.int32)
+            responses.append(
+                pb_utils.InferenceResponse(
+                    output_tensors=[
+                        pb_utils.Tensor("OUTPUT0", a + b),
+                        pb_utils.Tensor("BATCH", batch),
+                    ]
+                )
+            )
+        return responses
+"""
+
+# Decoupled by its auto_complete_config: one response per element of IN.
+AUTO_STREAM = """\
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    @staticmethod
+    def auto_complete_config(config):
+        config.add_input({"name": "IN", "data_type": "TYPE_INT32", "dims": [-1]})
+        config.add_output({"name": "OUT", "data_type": "TYPE_INT32", "dims": [1]})
+        config.set_model_transaction_policy({"decoupled": True})
+        return config
+
+    def execute(self, requests):
+        for request in requests:
+            sender = request.get_response_sender()
+            for x in pb_utils.get_input_tensor_by_name(request, "IN").as_numpy():
+                out = pb_utils.Tensor("OUT", np.array([x], np.int32))
+                sender.send(pb_utils.InferenceResponse(output_tensors=[out]))
+            sender.send(flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+"""
+
+NO_AUTO = """\
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        return [pb_utils.InferenceResponse(output_tensors=[]) for _ in requests]
+"""
+
+
+def complete(backend: str, config: Any, path: Path) -> Any:
+    # The server's completer (server/_models.py), without a server: the python backend's.
+    from trioinfer_python import PythonBackend
+
+    assert backend == "python"
+    return PythonBackend().complete_triton_config(config, path)
+
+
+def pair(a: float, b: float) -> dict[str, np.ndarray[Any, Any]]:
+    return {"INPUT0": np.full((1, 4), a, np.float32), "INPUT1": np.full((1, 4), b, np.float32)}
+
+
+async def test_auto_complete_config_gives_tensors_batching_and_decoupled(tmp_path: Path) -> None:
+    write_model(tmp_path, "auto", 'backend: "python"\n', AUTO)
+    write_model(tmp_path, "stream", 'backend: "python"\nmax_batch_size: 0\n', AUTO_STREAM)
+    repository = ModelRepository(tmp_path)
+    config = repository.entry("auto").config(1, complete=complete)
+    # What it returned is the model's configuration: batched by the dynamic batcher.
+    assert (config.batcher, config.batcher_options["max_batch_size"]) == ("dynamic", 8)
+    async with trioinfer.open_engine() as engine:
+        await engine.load(config)
+        signature = engine.model("auto").signature
+        assert [(s.name, s.shape) for s in signature.inputs] == [
+            ("INPUT0", ("batch", 4)),
+            ("INPUT1", ("batch", 4)),
+        ]
+        out = await engine.infer("auto", pair(1, 2))
+        np.testing.assert_array_equal(out["OUTPUT0"], np.full((1, 4), 3, np.float32))
+        assert out["BATCH"].tolist() == [[8]]  # initialize's model_config is the completed one
+        await engine.load(repository.entry("stream").config(1, complete=complete))
+        async with engine.infer_stream("stream", {"IN": np.array([4, 5], np.int32)}) as stream:
+            got = [int(answer["OUT"][0]) async for answer in stream]
+        assert got == [4, 5]
+
+
+@pytest.mark.parametrize(
+    ("pbtxt", "code", "said"),
+    [
+        (  # config.pbtxt's type wins over the model's: a conflict fails the load
+            'backend: "python"\ninput [ { name: "INPUT0" data_type: TYPE_INT32 dims: [ 4 ] } ]\n',
+            AUTO,
+            r"auto_complete_config raised ValueError: .*input 'INPUT0' is TYPE_INT32, the model "
+            "says TYPE_FP32",
+        ),
+        (
+            'backend: "python"\nmax_batch_size: 16\n',
+            AUTO,
+            "says max_batch_size 16, more than the 8 it sets",
+        ),
+        (
+            'backend: "python"\nsequence_batching { }\n',
+            AUTO,
+            "sets sequence_batching, and dynamic_batching cannot be set beside it",
+        ),
+        (
+            'backend: "python"\nmodel_transaction_policy { decoupled: false }\n',
+            AUTO_STREAM,
+            "says decoupled False; it cannot be changed to True",
+        ),
+        (
+            'backend: "python"\n',
+            NO_AUTO,
+            "must declare its input and output: in config.pbtxt, or by "
+            "TritonPythonModel.auto_complete_config",
+        ),
+        (
+            'backend: "python"\n',
+            AUTO.replace("return auto_complete_model_config", "return None"),
+            "auto_complete_config returned NoneType; it must return the pb_utils.ModelConfig",
+        ),
+    ],
+)
+def test_auto_complete_config_that_conflicts_fails_the_load(
+    tmp_path: Path, pbtxt: str, code: str, said: str
+) -> None:
+    write_model(tmp_path, "m", pbtxt, code)
+    with pytest.raises(ConfigError, match=said):
+        ModelRepository(tmp_path).entry("m").config(1, complete=complete)
+    # Nothing of the import stays: the model's module was dropped.
+    assert not [name for name in sys.modules if name.startswith("trioinfer_python_model_")]
+
+
+def test_tritonclient_auto_complete_config(server: Any) -> None:
+    with httpclient.InferenceServerClient(server.url.removeprefix("http://")) as client:
+        assert client.is_model_ready("auto")
+        inputs = []
+        for name, x in (("INPUT0", 1.0), ("INPUT1", 2.5)):
+            tensor = httpclient.InferInput(name, [1, 4], "FP32")
+            tensor.set_data_from_numpy(np.full((1, 4), x, np.float32))
+            inputs.append(tensor)
+        result = client.infer("auto", inputs)
+        np.testing.assert_array_equal(result.as_numpy("OUTPUT0"), np.full((1, 4), 3.5))
+        # GET .../config answers what auto_complete_config returned.
+        config = client.get_model_config("auto")
+        assert config["max_batch_size"] == 8
+        assert "dynamic_batching" in config
+        assert [(i["name"], i["data_type"], i["dims"]) for i in config["input"]] == [
+            ("INPUT0", "TYPE_FP32", [4]),
+            ("INPUT1", "TYPE_FP32", [4]),
+        ]
+        assert [o["name"] for o in config["output"]] == ["OUTPUT0", "BATCH"]
+        meta = client.get_model_metadata("auto")
+        assert [(i["name"], i["shape"]) for i in meta["inputs"]] == [
+            ("INPUT0", [-1, 4]),
+            ("INPUT1", [-1, 4]),
+        ]

@@ -40,6 +40,7 @@ import numpy as np
 
 from trioinfer import (
     BackendError,
+    ConfigError,
     InvalidInput,
     ModelConfig,
     ModelSignature,
@@ -178,6 +179,33 @@ async def load(
                 await worker.aclose()
         raise
     return instance
+
+
+def auto_complete(cls: type, config: Mapping[str, Any], name: str) -> dict[str, Any] | None:
+    """*config* as ``cls.auto_complete_config`` completes it; None if the class has none.
+
+    Raises:
+        ConfigError: It raised ``ValueError`` (``pb_utils.ModelConfig``'s
+            conflicts), or returned something else than a ``pb_utils.ModelConfig``.
+        BackendError: It raised anything else (chained).
+    """
+    complete = getattr(cls, "auto_complete_config", None)
+    if complete is None:
+        return None
+    what = f"model {name!r}: {cls.__name__}.auto_complete_config"
+    given = pb_utils.ModelConfig(config)
+    try:
+        returned = complete(given)
+    except ValueError as exc:
+        raise ConfigError(_raised(what, exc)) from None
+    except MODEL_FAULTS as exc:
+        raise BackendError(_raised(what, exc)) from exc
+    if not isinstance(returned, pb_utils.ModelConfig):
+        raise ConfigError(
+            f"{what} returned {type(returned).__name__}; it must return the "
+            "pb_utils.ModelConfig it was given, completed"
+        )
+    return returned.as_dict()
 
 
 #: A control input the instance feeds each request of a sequence: (kind, name, dtype, shape).

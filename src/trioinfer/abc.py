@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import AsyncGenerator, Awaitable, Callable, Mapping, Sequence
+from pathlib import Path
 from typing import Any, Literal, Protocol, runtime_checkable
 
 import numpy as np
@@ -43,6 +44,7 @@ __all__ = [
     "BackendInstance",
     "Batcher",
     "BoundedBatcher",
+    "ConfigCompletingBackend",
     "Fallback",
     "InlineInstance",
     "PipelinedInstance",
@@ -871,6 +873,36 @@ class Backend(Protocol):
             BackendUnavailable: The device cannot be used and no fallback is allowed.
             ConfigError: ``config.backend_options`` holds options the backend refuses.
             BackendError: The model could not be loaded (missing or invalid file).
+        """
+        ...
+
+
+@runtime_checkable
+class ConfigCompletingBackend(Backend, Protocol):
+    """A backend whose models complete their Triton configuration (an optional hook).
+
+    Triton's ``auto_complete_config``: a model's own code says what its
+    ``config.pbtxt`` leaves out (its inputs and outputs, its batch size). The
+    server calls `complete_triton_config` when it loads a model of this
+    backend configured by a ``config.pbtxt``, before any of the configuration
+    is used, and serves the configuration it returns (``GET .../config``
+    answers it). The ``python`` backend has it for Triton Python models.
+    """
+
+    def complete_triton_config(
+        self, config: Mapping[str, Any], path: Path
+    ) -> Mapping[str, Any] | None:
+        """Return *config* completed by the model at *path*, or None to keep it as it is.
+
+        *config* is the ``config.pbtxt`` as Triton's JSON (every field
+        printed, as ``GET .../config`` answers it), *path* the model file of
+        the version being loaded. Blocks (it may import the model's code):
+        the server calls it on a worker thread.
+
+        Raises:
+            ConfigError: The model's completion conflicts with the file, or is
+                not a configuration.
+            BackendError: The model's code failed (its import, say).
         """
         ...
 

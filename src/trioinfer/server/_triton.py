@@ -524,6 +524,26 @@ class TritonModel:
         out: dict[str, Any] = _numbers(self.doc)
         return out
 
+    def json_with_defaults(self, name: str) -> dict[str, Any]:
+        """`json()` named *name*, every field at its default printed (as Python models read it)."""
+        return with_defaults(_numbers({**self.doc, "name": name}))
+
+    def check_complete(self, where: str) -> None:
+        """Refuse a Triton Python model that declares no input or output (none completed them).
+
+        Raises:
+            ConfigError: It is such a model.
+        """
+        if self.settings.get("backend") != "python":
+            return
+        missing = [field for field in ("input", "output") if not self.doc.get(field)]
+        if missing:
+            raise ConfigError(
+                f"{where}: a Triton Python model must declare its {' and '.join(missing)}: in "
+                "config.pbtxt, or by TritonPythonModel.auto_complete_config in model.py "
+                "(add_input, add_output)"
+            )
+
     def engine_priority(self, level: int) -> int:
         """The engine priority of a Triton priority level (1 is the highest; 0 the default).
 
@@ -653,12 +673,9 @@ def _translate(message: Any, doc: dict[str, Any], name: str, where: str) -> Trit
             raise ConfigError(f"{where}: an ensemble has no backend; remove backend")
         settings["backend"] = "pipeline"
     elif python:
+        # Without input and output, model.py's auto_complete_config may add them when
+        # the model loads (TritonModel.check_complete says when nothing did).
         settings["backend"] = "python"
-        if not message.input or not message.output:
-            raise ConfigError(
-                f"{where}: a Triton Python model's config.pbtxt must declare its input and "
-                "output (auto_complete_config is not run here)"
-            )
         if "optimization" in present:
             raise ConfigError(
                 f"{where}: optimization is not supported for a Triton Python model "
