@@ -160,6 +160,51 @@ async def test_a_sequence_reaches_one_instance_in_order_with_its_controls(
         ]
 
 
+# A string CORRID on a model without a batch dimension: the id as bytes, as Triton's.
+STRING_ID_PBTXT = """\
+backend: "python"
+sequence_batching {
+  control_input [
+    { name: "ID" control [ { kind: CONTROL_SEQUENCE_CORRID data_type: TYPE_STRING } ] }
+  ]
+}
+input [ { name: "INPUT" data_type: TYPE_INT32 dims: [ 1 ] } ]
+output [ { name: "ID_OUT" data_type: TYPE_STRING dims: [ 1 ] } ]
+"""
+
+STRING_ID = """\
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        return [
+            pb_utils.InferenceResponse(
+                output_tensors=[
+                    pb_utils.Tensor(
+                        "ID_OUT", pb_utils.get_input_tensor_by_name(r, "ID").as_numpy()
+                    )
+                ]
+            )
+            for r in requests
+        ]
+"""
+
+
+async def test_a_string_corrid_is_the_sequence_id_as_bytes(tmp_path: Path) -> None:
+    root = write_model(tmp_path, "ids", STRING_ID_PBTXT, STRING_ID)
+    async with trioinfer.open_engine() as engine:
+        await load(engine, root, "ids")
+        out = await engine.infer(
+            "ids", value(1, batched=False), sequence=SequenceFlags("abc", start=True)
+        )
+        assert out["ID_OUT"].tolist() == [b"abc"]
+        out = await engine.infer(
+            "ids", value(2, batched=False), sequence=SequenceFlags(77, start=True)
+        )
+        assert out["ID_OUT"].tolist() == [b"77"]
+
+
 async def test_a_request_outside_a_sequence_is_refused(tmp_path: Path) -> None:
     root = write_model(tmp_path, "acc", sequence_pbtxt(), ACCUMULATOR)
     async with trioinfer.open_engine() as engine:
@@ -348,6 +393,9 @@ def pair(a: float, b: float) -> dict[str, np.ndarray[Any, Any]]:
 async def test_auto_complete_config_gives_tensors_batching_and_decoupled(tmp_path: Path) -> None:
     write_model(tmp_path, "auto", 'backend: "python"\n', AUTO)
     write_model(tmp_path, "stream", 'backend: "python"\nmax_batch_size: 0\n', AUTO_STREAM)
+    # What the file declares, the model may say again: completed, not refused.
+    declared = 'backend: "python"\ninput [ { name: "INPUT0" data_type: TYPE_FP32 dims: [ 4 ] } ]\n'
+    write_model(tmp_path, "declared", declared, AUTO)
     repository = ModelRepository(tmp_path)
     config = repository.entry("auto").config(1, complete=complete)
     # What it returned is the model's configuration: batched by the dynamic batcher.
@@ -362,6 +410,9 @@ async def test_auto_complete_config_gives_tensors_batching_and_decoupled(tmp_pat
         out = await engine.infer("auto", pair(1, 2))
         np.testing.assert_array_equal(out["OUTPUT0"], np.full((1, 4), 3, np.float32))
         assert out["BATCH"].tolist() == [[8]]  # initialize's model_config is the completed one
+        await engine.load(repository.entry("declared").config(1, complete=complete))
+        out = await engine.infer("declared", pair(2, 2))
+        np.testing.assert_array_equal(out["OUTPUT0"], np.full((1, 4), 4, np.float32))
         await engine.load(repository.entry("stream").config(1, complete=complete))
         async with engine.infer_stream("stream", {"IN": np.array([4, 5], np.int32)}) as stream:
             got = [int(answer["OUT"][0]) async for answer in stream]

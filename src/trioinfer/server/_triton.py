@@ -541,7 +541,8 @@ class TritonModel:
             raise ConfigError(
                 f"{where}: a Triton Python model must declare its {' and '.join(missing)}: in "
                 "config.pbtxt, or by TritonPythonModel.auto_complete_config in model.py "
-                "(add_input, add_output)"
+                "(add_input, add_output), which the server runs at load (in Python, "
+                "ModelRepository's entry(...).config(..., complete=...) runs it)"
             )
 
     def engine_priority(self, level: int) -> int:
