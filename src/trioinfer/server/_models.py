@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any, Final, final
 
 import anyio
+import anyio.from_thread
 import attrs
 
 from .._config import PIPELINE, ModelConfig
@@ -626,9 +627,10 @@ class ServedModels:
         self, backend: str, config: Mapping[str, Any], path: Path
     ) -> Mapping[str, Any] | None:
         # A config.pbtxt model's configuration as its backend's models complete it
-        # (ConfigCompletingBackend, Triton's auto_complete_config); on a worker thread.
+        # (ConfigCompletingBackend, Triton's auto_complete_config); on a worker thread,
+        # the plugin resolved on the event loop's (where the engine uses the registry).
         try:
-            plugin = self.engine.registry.create("backends", backend)
+            plugin = anyio.from_thread.run_sync(self.engine.registry.create, "backends", backend)
         except TrioInferError:
             return None  # an unknown backend: the load says so, naming it
         if isinstance(plugin, ConfigCompletingBackend):
