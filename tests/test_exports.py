@@ -30,7 +30,8 @@ PUBLIC = {
     "trioinfer.abc": {
         "AssemblingBatcher", "AttachableBatcher", "AttachableFallback", "AttachableScheduler",
         "Backend",
-        "BackendInstance", "Batcher", "BoundedBatcher", "Fallback", "InlineInstance",
+        "BackendInstance", "Batcher", "BoundedBatcher", "ConfigCompletingBackend", "Fallback",
+        "InlineInstance",
         "PipelinedInstance", "RecoveringFallback", "RequestsInstance",
         "Scheduler",
         "StreamingInstance", "TunedInstance", "SequenceBatcher",

@@ -183,6 +183,16 @@ async def test_an_assembling_batcher_is_refused_with_it() -> None:
             await engine.load(config)
 
 
+async def test_a_sequence_batcher_with_implicit_state_is_refused() -> None:
+    # Its state comes from the batch's outputs, which execute_requests does not give.
+    instance = PerRequest()
+    sequence = {"state": [{"input": "extra", "output": "y", "shape": [1]}]}
+    registry, config = engine_with(instance, batcher="sequence", sequence=sequence)
+    async with trioinfer.open_engine(registry=registry) as engine:
+        with pytest.raises(ConfigError, match="no batch outputs to keep implicit state from"):
+            await engine.load(config)
+
+
 @pytest.mark.tracing
 async def test_a_traced_execution_of_requests(autojump_clock: trio.testing.MockClock) -> None:
     # Traced, the call is the batch's compute span, and each request still ends its own way.

@@ -333,6 +333,35 @@ class PythonBackend:
             _forget(module)
             raise
 
+    def complete_triton_config(
+        self, config: Mapping[str, Any], path: Path
+    ) -> dict[str, Any] | None:
+        """Run ``TritonPythonModel.auto_complete_config`` of *path* on *config*, if it has one.
+
+        *path* is imported afresh (with its folder first on ``sys.path``, as
+        at load), and dropped afterwards: as in Triton, nothing made here
+        lives on into the model's load. Returns None when the class has no
+        ``auto_complete_config``.
+
+        Raises:
+            ConfigError: ``auto_complete_config`` raised ``ValueError`` (a
+                conflict with config.pbtxt, as Triton's ``pb_utils.ModelConfig``
+                raises), or returned something else than a ``pb_utils.ModelConfig``.
+            BackendError: The file or its class is missing, or the model's code raised.
+        """
+        _triton.register_module()
+        name = str(config.get("name") or path.parent.parent.name)
+        module = _triton.import_beside(path.parent, lambda: _import(name, path))
+        try:
+            cls = getattr(module, _triton.CLASS_NAME, None)
+            if not isinstance(cls, type):
+                raise BackendError(
+                    f"model {name!r}: {path.name} defines no class {_triton.CLASS_NAME!r}"
+                )
+            return _triton.auto_complete(cls, config, name)
+        finally:
+            _forget(module.__name__)
+
     async def _instance(
         self,
         config: ModelConfig,

@@ -38,7 +38,15 @@ import anyio.from_thread
 import anyio.lowlevel
 import numpy as np
 
-from trioinfer import BackendError, InvalidInput, ModelConfig, ModelSignature, TrioInferError
+from trioinfer import (
+    BackendError,
+    ConfigError,
+    InvalidInput,
+    ModelConfig,
+    ModelSignature,
+    SequenceFlags,
+    TrioInferError,
+)
 from trioinfer.lowlevel import (
     ModelTasks,
     Placement,
@@ -146,6 +154,7 @@ async def load(
     instance = TritonInstance(
         model, signature, str(placement.device), label, worker, module, name, decoupled
     )
+    instance._controls = _controls(config, signature)
     try:
         if decoupled and instance._async:
             instance._task_group = _Tasks(current_model_tasks())
@@ -170,6 +179,81 @@ async def load(
                 await worker.aclose()
         raise
     return instance
+
+
+def auto_complete(cls: type, config: Mapping[str, Any], name: str) -> dict[str, Any] | None:
+    """*config* as ``cls.auto_complete_config`` completes it; None if the class has none.
+
+    Raises:
+        ConfigError: It raised ``ValueError`` (``pb_utils.ModelConfig``'s
+            conflicts), or returned something else than a ``pb_utils.ModelConfig``.
+        BackendError: It raised anything else (chained).
+    """
+    complete = getattr(cls, "auto_complete_config", None)
+    if complete is None:
+        return None
+    what = f"model {name!r}: {cls.__name__}.auto_complete_config"
+    given = pb_utils.ModelConfig(config)
+    try:
+        returned = complete(given)
+    except ValueError as exc:
+        raise ConfigError(_raised(what, exc)) from None
+    except MODEL_FAULTS as exc:
+        raise BackendError(_raised(what, exc)) from exc
+    if not isinstance(returned, pb_utils.ModelConfig):
+        raise ConfigError(
+            f"{what} returned {type(returned).__name__}; it must return the "
+            "pb_utils.ModelConfig it was given, completed"
+        )
+    return returned.as_dict()
+
+
+#: A control input the instance feeds each request of a sequence: (kind, name, dtype, shape).
+Control = tuple[str, str, "np.dtype[Any]", tuple[int, ...]]
+
+
+def _controls(config: ModelConfig, signature: ModelSignature) -> tuple[Control, ...]:
+    # The sequence_batching control inputs, which the sequence batcher would lay out in
+    # a batch: a Triton Python model takes each request on its own, so they are fed
+    # here, one row per request (Triton's shape: [1] per request, [1, 1] with a batch).
+    sequence = config.sequence
+    if sequence is None:
+        return ()
+    specs = {spec.name: spec for spec in signature.inputs}
+    out = []
+    for kind, name in sequence.control.items():
+        spec = specs.get(name)
+        if spec is None or spec.dtype is None:
+            continue  # the sequence batcher names what is missing when it attaches
+        shape = tuple(d if isinstance(d, int) and d >= 0 else 1 for d in spec.shape)
+        out.append((kind, name, spec.dtype, shape))
+    return tuple(out)
+
+
+def _control_tensors(
+    controls: Sequence[Control], flags: SequenceFlags
+) -> dict[str, np.ndarray[Any, Any]]:
+    # Each control's value for one request, in the input's own dtype (as the batcher's).
+    arrays = {}
+    for kind, name, dtype, shape in controls:
+        value: object = {"start": flags.start, "end": flags.end, "ready": True}.get(kind, flags.id)
+        if dtype.kind == "O":
+            # A string CORRID: the id as text, as bytes (as Triton's BYTES tensors are).
+            value = str(value).encode("utf-8", "surrogatepass")
+            array = np.full(shape, value, dtype=object)
+        else:
+            array = np.full(shape, value, dtype=dtype)
+        arrays[name] = array
+    return arrays
+
+
+def _flags(flags: SequenceFlags | None) -> int:
+    # Triton's request flags: SEQUENCE_START and SEQUENCE_END, as pb_utils names them.
+    if flags is None:
+        return 0
+    return (pb_utils.TRITONSERVER_REQUEST_FLAG_SEQUENCE_START if flags.start else 0) | (
+        pb_utils.TRITONSERVER_REQUEST_FLAG_SEQUENCE_END if flags.end else 0
+    )
 
 
 def _ended(request: Request) -> bool:
@@ -223,6 +307,8 @@ class TritonInstance:
         self._execute_lock = threading.Lock()
         self._threads = _Threads(f"trioinfer-triton-{name}-execute")
         self._task_group: _Tasks | None = None
+        # A stateful model's control inputs, fed to each request (`_controls`).
+        self._controls: tuple[Control, ...] = ()
 
     def __repr__(self) -> str:
         # What the engine's logs name the instance by (a failed close, say).
@@ -250,6 +336,7 @@ class TritonInstance:
         correlation_id: int | str,
         parameters: Mapping[str, Any] | None = None,
         requested: Sequence[str] = (),
+        flags: int = 0,
     ) -> pb_utils.InferenceRequest:
         tensors = []
         for name, value in inputs.items():
@@ -265,6 +352,7 @@ class TritonInstance:
             inputs=tensors,
             request_id=request_id,
             correlation_id=correlation_id,
+            flags=flags,
             parameters=parameters,
         )
 
@@ -293,13 +381,17 @@ class TritonInstance:
         made = []
         for request in requests:
             flags = request.sequence_flags
+            inputs = request.inputs
+            if flags is not None and self._controls:
+                inputs = {**inputs, **_control_tensors(self._controls, flags)}
             made.append(
                 self._request(
-                    request.inputs,
+                    inputs,
                     caller_request_id(request),  # Triton's: "" when the client sent none
                     flags.id if flags else 0,
                     request.parameters,
                     request.requested_outputs,
+                    _flags(flags),
                 )
             )
             # Ended from outside while it runs: its caller left, or its deadline passed.

@@ -40,12 +40,15 @@ from trioinfer import (
 from trioinfer.lowlevel import current_model_metrics
 
 __all__ = [
+    "TRITONSERVER_REQUEST_FLAG_SEQUENCE_END",
+    "TRITONSERVER_REQUEST_FLAG_SEQUENCE_START",
     "TRITONSERVER_RESPONSE_COMPLETE_FINAL",
     "InferenceRequest",
     "InferenceResponse",
     "Logger",
     "Metric",
     "MetricFamily",
+    "ModelConfig",
     "ResponseIterator",
     "ResponseSender",
     "Tensor",
@@ -61,6 +64,10 @@ __all__ = [
 
 #: The flag of a decoupled model's last response (``sender.send(flags=...)``).
 TRITONSERVER_RESPONSE_COMPLETE_FINAL: Final = 1
+#: ``request.flags()`` of a sequence's first request (a stateful model's).
+TRITONSERVER_REQUEST_FLAG_SEQUENCE_START: Final = 1
+#: ``request.flags()`` of a sequence's last request.
+TRITONSERVER_REQUEST_FLAG_SEQUENCE_END: Final = 2
 #: Where what is not provided is said.
 _DOCS: Final = "docs/how-to/from-triton.md ('Python models as they are')"
 
@@ -405,11 +412,16 @@ class InferenceRequest(_Provided):
         return self._request_id
 
     def correlation_id(self) -> int | str:
-        """The sequence the request belongs to (a stateful model's), else 0."""
+        """The sequence the request belongs to (a stateful model's sequence id), else 0."""
         return self._correlation_id
 
     def flags(self) -> int:
-        """The request's flags (0)."""
+        """The request's flags: a sequence's first and last request say so, else 0.
+
+        ``TRITONSERVER_REQUEST_FLAG_SEQUENCE_START`` on a sequence's first
+        request, ``TRITONSERVER_REQUEST_FLAG_SEQUENCE_END`` on its last (both,
+        OR-ed, on a sequence of one request), as Triton sets them.
+        """
         return self._flags
 
     def timeout(self) -> int:
@@ -634,6 +646,125 @@ def numpy_to_triton_type(data_type: Any) -> str | None:
         if numpy is not np.object_ and np.dtype(numpy) == kind:
             return name
     return None
+
+
+class ModelConfig(_Provided):
+    """The configuration ``TritonPythonModel.auto_complete_config`` completes, as Triton's.
+
+    Built from ``config.pbtxt`` (every field printed, as ``initialize``'s
+    ``model_config``) when the model loads; what the staticmethod returns is
+    the model's configuration from then on: its inputs, outputs,
+    ``max_batch_size``, dynamic batching and transaction policy. The
+    additions check what the file says, as Triton's do: a conflict is a
+    ``ValueError`` naming the model and what differs, which fails the load.
+    """
+
+    __slots__ = ("_config",)
+
+    _INPUT_KEYS: Final = ("name", "data_type", "dims", "optional")
+    _OUTPUT_KEYS: Final = ("name", "data_type", "dims")
+
+    def __init__(self, model_config: Mapping[str, Any] | str) -> None:
+        """A configuration to complete: a mapping, or its JSON text."""
+        config = json.loads(model_config) if isinstance(model_config, str) else model_config
+        self._config: dict[str, Any] = json.loads(json.dumps(config))  # the caller's stays
+        self._config.setdefault("input", [])
+        self._config.setdefault("output", [])
+        self._config.setdefault("max_batch_size", 0)
+
+    def as_dict(self) -> dict[str, Any]:
+        """The configuration as it is now (Triton's JSON form): read it; the setters change it."""
+        return self._config
+
+    def _where(self) -> str:
+        return f"auto-complete-config of model {self._config.get('name', '')!r}"
+
+    def set_max_batch_size(self, max_batch_size: int) -> None:
+        """Set ``max_batch_size``; at least what config.pbtxt says, or a ``ValueError``."""
+        said = self._config["max_batch_size"]
+        if said > max_batch_size:
+            raise ValueError(
+                f"{self._where()}: config.pbtxt says max_batch_size {said}, more than the "
+                f"{max_batch_size} it sets"
+            )
+        self._config["max_batch_size"] = max_batch_size
+
+    def set_dynamic_batching(self) -> None:
+        """Batch dynamically (``dynamic_batching {}``), unless config.pbtxt schedules otherwise."""
+        for other in ("sequence_batching", "ensemble_scheduling"):
+            if other in self._config:
+                raise ValueError(
+                    f"{self._where()}: config.pbtxt sets {other}, and dynamic_batching cannot "
+                    "be set beside it"
+                )
+        self._config.setdefault("dynamic_batching", {})
+
+    def add_input(self, input: Mapping[str, Any]) -> None:  # Triton's name
+        """Add an input (``name``, ``data_type``, ``dims``, optionally ``optional``).
+
+        One config.pbtxt declares already must agree with it (its data type,
+        dims and optional flag where it says them), and is completed by it.
+        """
+        self._add("input", input, self._INPUT_KEYS)
+
+    def add_output(self, output: Mapping[str, Any]) -> None:
+        """Add an output (``name``, ``data_type``, ``dims``), as `add_input`."""
+        self._add("output", output, self._OUTPUT_KEYS)
+
+    def _add(self, kind: str, tensor: Mapping[str, Any], keys: tuple[str, ...]) -> None:
+        if not isinstance(tensor, Mapping):
+            # A ValueError, as Triton's: the load's error for what the model got wrong.
+            raise ValueError(f"{self._where()}: an {kind} is a dict, got {tensor!r}")  # noqa: TRY004
+        label = f"{kind} {tensor.get('name')!r}"
+        if stray := sorted(set(tensor) - set(keys)):
+            raise ValueError(
+                f"{self._where()}: {label} has {', '.join(map(repr, stray))}; an {kind} takes "
+                f"{', '.join(map(repr, keys))}"
+            )
+        if missing := [key for key in keys[:3] if key not in tensor]:
+            raise ValueError(f"{self._where()}: {label} is missing {', '.join(map(repr, missing))}")
+        for current in self._config[kind]:
+            if current.get("name") != tensor["name"]:
+                continue
+            said = current.get("data_type", "TYPE_INVALID")
+            if said != "TYPE_INVALID" and said != tensor["data_type"]:
+                raise ValueError(
+                    f"{self._where()}: config.pbtxt says {label} is {said}, the model says "
+                    f"{tensor['data_type']}"
+                )
+            if current.get("dims") and list(current["dims"]) != list(tensor["dims"]):
+                raise ValueError(
+                    f"{self._where()}: config.pbtxt says {label} has dims {current['dims']}, "
+                    f"the model says {list(tensor['dims'])}"
+                )
+            if (
+                "optional" in tensor
+                and current.get("optional", tensor["optional"]) != (tensor["optional"])
+            ):
+                raise ValueError(
+                    f"{self._where()}: config.pbtxt says {label} optional "
+                    f"{current['optional']}, the model says {tensor['optional']}"
+                )
+            current.update({key: tensor[key] for key in keys if key in tensor})
+            return
+        self._config[kind].append(dict(tensor))
+
+    def set_model_transaction_policy(self, transaction_policy_dict: Mapping[str, Any]) -> None:
+        """Set ``model_transaction_policy`` (``{"decoupled": True}``), not against the file's."""
+        if stray := sorted(set(transaction_policy_dict) - {"decoupled"}):
+            raise ValueError(
+                f"{self._where()}: model_transaction_policy takes 'decoupled' only, got "
+                f"{', '.join(map(repr, stray))}"
+            )
+        policy = self._config.setdefault("model_transaction_policy", {})
+        if "decoupled" in transaction_policy_dict:
+            wanted = transaction_policy_dict["decoupled"]
+            if "decoupled" in policy and policy["decoupled"] != wanted:
+                raise ValueError(
+                    f"{self._where()}: config.pbtxt says decoupled {policy['decoupled']}; it "
+                    f"cannot be changed to {wanted}"
+                )
+            policy["decoupled"] = wanted
 
 
 class Logger(_Provided):

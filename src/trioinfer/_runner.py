@@ -1039,13 +1039,24 @@ class ModelRunner(metaclass=NoPublicConstructor):
         batcher = self._batcher
         self._assemble = batcher.assemble if isinstance(batcher, AssemblingBatcher) else None
         self._per_request = isinstance(self._instances[0], RequestsInstance)
+        sequence = self.config.sequence
         if self._per_request and self._assemble is not None:
-            # The batcher would lay out inputs that execute_requests never reads.
-            raise ConfigError(
-                f"model {self.config.name!r}: its {self.config.backend!r} instances take each "
-                f"request's own inputs, which the {self.config.batcher!r} batcher would lay "
-                "out itself; choose another batcher"
-            )
+            if sequence is None or not isinstance(batcher, SequenceBatcher):
+                # The batcher would lay out inputs that execute_requests never reads.
+                raise ConfigError(
+                    f"model {self.config.name!r}: its {self.config.backend!r} instances take "
+                    f"each request's own inputs, which the {self.config.batcher!r} batcher "
+                    "would lay out itself; choose another batcher"
+                )
+            if sequence.state:
+                # The state is fed back from the batch's outputs, which such an instance
+                # does not give (each request answers for itself).
+                raise ConfigError(
+                    f"model {self.config.name!r}: its {self.config.backend!r} instances take "
+                    "each request's own inputs and answer each on its own, so the sequence "
+                    "batcher has no batch outputs to keep implicit state from: remove "
+                    "sequence.state (the model keeps its own state per sequence id)"
+                )
         # Enough buffers for every instance to run a batch while the next is formed.
         self._pool = BufferPool(per_key=len(self._instances) + 1)
         if isinstance(self._scheduler, AttachableScheduler):
@@ -1510,7 +1521,18 @@ class ModelRunner(metaclass=NoPublicConstructor):
                 if per_request:
                     # Each request's own inputs, to execute_requests: nothing to lay out.
                     inputs = {}
-                    split = functools.partial(_answered, answered)
+                    split = functools.partial(_answered, answered, None)
+                    if self._assemble is not None:
+                        # A sequence batcher's (a stateless one, checked at load): the
+                        # instance feeds each request's controls itself (its
+                        # sequence_flags); the batcher's split, given no outputs, learns
+                        # which requests were computed, so their sequences go on.
+                        try:
+                            _, computed = self._assemble(live)
+                        except Exception as exc:
+                            self._fail_batch(live, "assemble", exc)
+                            return True
+                        split = functools.partial(_answered, answered, computed)
                 elif self._sets_differ and len(live) > 1 and _mixed(live):
                     # No rows to give an input some requests left out: the batcher's
                     # to keep apart, as it keeps apart shapes that cannot be concatenated
@@ -1540,7 +1562,7 @@ class ModelRunner(metaclass=NoPublicConstructor):
                 started = self.clock.current_time()
                 running = (replica, started, rows, deadline)
                 self._executing.append(running)
-                if self._assemble is not None:
+                if self._assemble is not None and not per_request:
                     rows = _rows(inputs)  # the batcher's own layout: check what it built
                 deadline_token = _batch_deadline.set(
                     deadline if not self.queue_timeouts else _deadlines(live, deadline)
@@ -3031,8 +3053,15 @@ def _check_rows(model: str, replica: Replica, outputs: Outputs, rows: int) -> No
             )
 
 
-def _answered(answered: list[Outputs], outputs: Outputs) -> list[Outputs]:
-    # The split of a RequestsInstance's execution: each request's own answer, given.
+def _answered(
+    answered: list[Outputs],
+    computed: Callable[[Outputs], object] | None,
+    outputs: Outputs,
+) -> list[Outputs]:
+    # The split of a RequestsInstance's execution: each request's own answer, given
+    # (*computed*: a sequence batcher's split, told that they were computed).
+    if computed is not None:
+        computed({})
     return answered
 
 

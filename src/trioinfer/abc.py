@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import AsyncGenerator, Awaitable, Callable, Mapping, Sequence
+from pathlib import Path
 from typing import Any, Literal, Protocol, runtime_checkable
 
 import numpy as np
@@ -43,6 +44,7 @@ __all__ = [
     "BackendInstance",
     "Batcher",
     "BoundedBatcher",
+    "ConfigCompletingBackend",
     "Fallback",
     "InlineInstance",
     "PipelinedInstance",
@@ -838,7 +840,11 @@ class RequestsInstance(BackendInstance, Protocol):
     ends with its own answer or its own error. `execute` still serves what no
     request made: warm-up samples, a fallback's probe. Looked for once, on
     the model's first instance, at load; a batcher that lays out the inputs
-    itself (an ``AssemblingBatcher``) is refused with it.
+    itself (an ``AssemblingBatcher``) is refused with it, but for a stateful
+    model's sequence batcher without implicit state: its sequences still
+    reach one instance in order, and the instance feeds each request's
+    controls (START, END, READY, CORRID) from its ``sequence_flags`` itself,
+    as the batcher's inputs are not passed.
     """
 
     async def execute_requests(self, requests: Sequence[Request]) -> Sequence[Outputs | Exception]:
@@ -876,6 +882,36 @@ class Backend(Protocol):
             BackendUnavailable: The device cannot be used and no fallback is allowed.
             ConfigError: ``config.backend_options`` holds options the backend refuses.
             BackendError: The model could not be loaded (missing or invalid file).
+        """
+        ...
+
+
+@runtime_checkable
+class ConfigCompletingBackend(Backend, Protocol):
+    """A backend whose models complete their Triton configuration (an optional hook).
+
+    Triton's ``auto_complete_config``: a model's own code says what its
+    ``config.pbtxt`` leaves out (its inputs and outputs, its batch size). The
+    server calls `complete_triton_config` when it loads a model of this
+    backend configured by a ``config.pbtxt``, before any of the configuration
+    is used, and serves the configuration it returns (``GET .../config``
+    answers it). The ``python`` backend has it for Triton Python models.
+    """
+
+    def complete_triton_config(
+        self, config: Mapping[str, Any], path: Path
+    ) -> Mapping[str, Any] | None:
+        """Return *config* completed by the model at *path*, or None to keep it as it is.
+
+        *config* is the ``config.pbtxt`` as Triton's JSON (every field
+        printed, as ``GET .../config`` answers it), *path* the model file of
+        the version being loaded. Blocks (it may import the model's code):
+        the server calls it on a worker thread.
+
+        Raises:
+            ConfigError: The model's completion conflicts with the file, or is
+                not a configuration.
+            BackendError: The model's code failed (its import, say).
         """
         ...
 

@@ -20,15 +20,18 @@ import random
 import re
 import time
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from pathlib import Path
 from typing import Any, Final, final
 
 import anyio
+import anyio.from_thread
 import attrs
 
 from .._config import PIPELINE, ModelConfig
 from .._engine import Engine, ModelInfo
 from .._exceptions import ConfigError, ModelNotFound, TrioInferError
 from .._tensors import ModelSignature
+from ..abc import ConfigCompletingBackend
 from ._codec import config_datatype
 from ._errors import without_host_paths
 from ._repository import ModelRepository, VersionPolicy, parse_traffic
@@ -533,7 +536,13 @@ class ServedModels:
             fingerprint = entry.fingerprint(version)
             old = served.get(version)
             engine_name = f"{model}.v{version}"
-            named, triton = entry.config_and_triton(version, override)
+            # On a thread: completing a config.pbtxt from the model's code (Triton's
+            # auto_complete_config) imports it, which may take seconds (torch, say).
+            named, triton = await anyio.to_thread.run_sync(
+                functools.partial(
+                    entry.config_and_triton, version, override, complete=self._complete
+                )
+            )
             config = self._engine_names(model, attrs.evolve(named, name=engine_name))
             labels = entry.labels(triton)
             if (
@@ -613,6 +622,20 @@ class ServedModels:
         self._set_traffic(model, traffic)
         for version in sorted(set(served) - set(wanted)):
             await self._unload_version(served, version)
+
+    def _complete(
+        self, backend: str, config: Mapping[str, Any], path: Path
+    ) -> Mapping[str, Any] | None:
+        # A config.pbtxt model's configuration as its backend's models complete it
+        # (ConfigCompletingBackend, Triton's auto_complete_config); on a worker thread,
+        # the plugin resolved on the event loop's (where the engine uses the registry).
+        try:
+            plugin = anyio.from_thread.run_sync(self.engine.registry.create, "backends", backend)
+        except TrioInferError:
+            return None  # an unknown backend: the load says so, naming it
+        if isinstance(plugin, ConfigCompletingBackend):
+            return plugin.complete_triton_config(config, path)
+        return None
 
     def _say_why_a_step_is_missing(self, model: str, exc: ModelNotFound) -> None:
         # A pipeline (a Triton ensemble) whose step model is not loaded: the engine can

@@ -20,7 +20,7 @@ from __future__ import annotations
 import logging
 import math
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path, PurePosixPath
 from types import MappingProxyType
 from typing import Any, Literal, TypeGuard
@@ -41,6 +41,12 @@ from .._config import (
 )
 from .._exceptions import ConfigError, ModelNotFound
 from ._triton import OWN_PREFIX, TRITON_FIELDS, TritonModel, with_declared_shapes
+
+#: What completes a ``config.pbtxt`` model's configuration from its code: called with the
+#: backend's name, the configuration (Triton's JSON, every field printed) and the version's
+#: model file; returns the completed configuration, or None to keep it. The server's calls
+#: the backend's ``complete_triton_config`` (`trioinfer.abc.ConfigCompletingBackend`).
+Completer = Callable[[str, Mapping[str, Any], Path], Mapping[str, Any] | None]
 
 __all__ = ["IndexEntry", "ModelEntry", "ModelRepository", "VersionPolicy"]
 
@@ -359,7 +365,13 @@ class ModelEntry:
             "it with its config again, or write it as config.toml"
         )
 
-    def config(self, version: int, override: Mapping[str, Any] | None = None) -> ModelConfig:
+    def config(
+        self,
+        version: int,
+        override: Mapping[str, Any] | None = None,
+        *,
+        complete: Completer | None = None,
+    ) -> ModelConfig:
         """Return the [`ModelConfig`][trioinfer.ModelConfig] to load *version* with.
 
         Args:
@@ -369,16 +381,24 @@ class ModelEntry:
                 included), checked as ``config.toml`` keys are. ``name``, ``path``
                 and ``version_policy`` come from the repository and cannot be
                 overridden.
+            complete: For a ``config.pbtxt`` model: what completes its
+                configuration from the model's own code (Triton's
+                ``auto_complete_config``; see `Completer`), run after the
+                override. It blocks (it may import the model's code).
 
         Raises:
             ConfigError: For a version not on disk, a model file that has gone
                 or now leads outside the repository, or an override that is not
                 a table of valid [`ModelConfig`][trioinfer.ModelConfig] fields.
         """
-        return self.config_and_triton(version, override)[0]
+        return self.config_and_triton(version, override, complete=complete)[0]
 
     def config_and_triton(
-        self, version: int, override: Mapping[str, Any] | None = None
+        self,
+        version: int,
+        override: Mapping[str, Any] | None = None,
+        *,
+        complete: Completer | None = None,
     ) -> tuple[ModelConfig, TritonModel | None]:
         """`config()` and `triton_config()` of one load, *override* merged once for both.
 
@@ -418,6 +438,11 @@ class ModelEntry:
                     f"the file (<N>/{self.model_file})"
                 )
             data, triton = self._overridden(data, override)
+        if triton is not None and self.triton is not None:
+            completed = self._completed(triton, version, complete)
+            if completed is not triton:
+                triton = completed
+                data = dict(triton.settings)
         if triton is not None:
             # Which of the two says a tensor's shapes later: a load override's dims
             # replace config.toml's backend_options inputs/outputs, and its options
@@ -471,6 +496,27 @@ class ModelEntry:
             return self.triton.merged(override, name=self.name, where=where)
         chosen = {k: v for k, v in override.items() if _in_tritons_form(k, v)}
         return TritonModel.parse(chosen, name=self.name, where=where) if chosen else None
+
+    def _completed(
+        self, triton: TritonModel, version: int, complete: Completer | None
+    ) -> TritonModel:
+        # A config.pbtxt model's configuration as its code completes it (Triton's
+        # auto_complete_config), then checked for what only the completion may add.
+        where = f"{_TRITON_FILE} of model {self.name!r}"
+        backend = str(triton.settings.get("backend", ""))
+        if complete is not None and backend and backend != PIPELINE:
+            doc = complete(backend, triton.json_with_defaults(self.name), self._model_file(version))
+            if doc is not None:
+                if not isinstance(doc, Mapping):
+                    raise ConfigError(
+                        f"{where}: the {backend!r} backend completed it into "
+                        f"{type(doc).__name__}, not a configuration"
+                    )
+                triton = TritonModel.parse(
+                    doc, name=self.name, where=f"{where}, as the model's code completed it"
+                )
+        triton.check_complete(where)
+        return triton
 
     def _overridden(
         self, data: dict[str, Any], override: Mapping[str, Any]

@@ -524,6 +524,27 @@ class TritonModel:
         out: dict[str, Any] = _numbers(self.doc)
         return out
 
+    def json_with_defaults(self, name: str) -> dict[str, Any]:
+        """`json()` named *name*, every field at its default printed (as Python models read it)."""
+        return with_defaults(_numbers({**self.doc, "name": name}))
+
+    def check_complete(self, where: str) -> None:
+        """Refuse a Triton Python model that declares no input or output (none completed them).
+
+        Raises:
+            ConfigError: It is such a model.
+        """
+        if self.settings.get("backend") != "python":
+            return
+        missing = [field for field in ("input", "output") if not self.doc.get(field)]
+        if missing:
+            raise ConfigError(
+                f"{where}: a Triton Python model must declare its {' and '.join(missing)}: in "
+                "config.pbtxt, or by TritonPythonModel.auto_complete_config in model.py "
+                "(add_input, add_output), which the server runs at load (in Python, "
+                "ModelRepository's entry(...).config(..., complete=...) runs it)"
+            )
+
     def engine_priority(self, level: int) -> int:
         """The engine priority of a Triton priority level (1 is the highest; 0 the default).
 
@@ -653,19 +674,15 @@ def _translate(message: Any, doc: dict[str, Any], name: str, where: str) -> Trit
             raise ConfigError(f"{where}: an ensemble has no backend; remove backend")
         settings["backend"] = "pipeline"
     elif python:
+        # Without input and output, model.py's auto_complete_config may add them when
+        # the model loads (TritonModel.check_complete says when nothing did).
         settings["backend"] = "python"
-        if not message.input or not message.output:
+        if "optimization" in present:
             raise ConfigError(
-                f"{where}: a Triton Python model's config.pbtxt must declare its input and "
-                "output (auto_complete_config is not run here)"
+                f"{where}: optimization is not supported for a Triton Python model "
+                '(backend: "python") here; remove it (see "Python models as they are" '
+                "in docs/how-to/from-triton.md)"
             )
-        for field in ("optimization", "sequence_batching"):
-            if field in present:
-                raise ConfigError(
-                    f"{where}: {field} is not supported for a Triton Python model "
-                    '(backend: "python") here; remove it (see "Python models as they are" '
-                    "in docs/how-to/from-triton.md)"
-                )
     elif message.platform not in ("", "onnxruntime_onnx") or message.backend not in (
         "",
         "onnxruntime",
@@ -735,6 +752,8 @@ def _translate(message: Any, doc: dict[str, Any], name: str, where: str) -> Trit
             )
         settings["batcher"] = "sequence"
         settings["sequence"] = _sequence(message.sequence_batching, max_batch, where, notes)
+        if python:
+            _python_sequence(message.sequence_batching, decoupled, where)
     elif max_batch > 0 and not ensemble:
         options: dict[str, Any] = {"max_batch_size": max_batch, "max_queue_delay": 0.0}
         if has_dynamic:
@@ -908,6 +927,67 @@ def _translate(message: Any, doc: dict[str, Any], name: str, where: str) -> Trit
     )
 
 
+def _python_sequence(batching: Any, decoupled: bool, where: str) -> None:
+    # What a Triton Python model's sequence_batching cannot have here: the model
+    # answers each request on its own (execute's list), so the batcher has no batch
+    # outputs to carry implicit state from, and a stream is not run by the batcher.
+    what = "sequence_batching"
+    if batching.state:
+        raise ConfigError(
+            f"{where}: {what}.state (implicit state) is not supported for a Triton Python "
+            "model here: its execute answers each request on its own; keep the state in the "
+            "model, by request.correlation_id(), and remove state"
+        )
+    if decoupled:
+        raise ConfigError(
+            f"{where}: {what} with model_transaction_policy decoupled: true is not supported "
+            "for a Triton Python model here; remove one of them"
+        )
+    for item in batching.control_input:
+        for control in item.control:
+            if _CONTROL_KINDS[control.kind] == "corrid" and not control.data_type:
+                raise ConfigError(
+                    f"{where}: {what}.control_input {item.name!r} (CORRID) needs a data_type "
+                    "(TYPE_UINT64, TYPE_INT64, TYPE_UINT32, TYPE_INT32 or TYPE_STRING)"
+                )
+
+
+#: The data type of a control input that gives its false and true values in a field.
+_FALSE_TRUE_TYPES: Final = {
+    "int32_false_true": "TYPE_INT32",
+    "fp32_false_true": "TYPE_FP32",
+    "bool_false_true": "TYPE_BOOL",
+}
+
+
+def _control_inputs(message: Any, max_batch: int) -> list[dict[str, Any]]:
+    # A Triton Python model's sequence_batching control inputs, as inputs it receives
+    # (Triton's: one element per request, [1]) beside those config.pbtxt declares.
+    if not message.HasField("sequence_batching"):
+        return []
+    declared = {tensor.name for tensor in message.input}
+    out = []
+    for item in message.sequence_batching.control_input:
+        if item.name in declared or len(item.control) != 1:
+            continue  # declared: as it is; more than one control: refused by _sequence
+        (control,) = item.control
+        data_type = (
+            next(
+                (name for field, name in _FALSE_TRUE_TYPES.items() if getattr(control, field)),
+                None,
+            )
+            or _DATA_TYPES[control.data_type]
+        )
+        out.append(
+            {
+                "name": item.name,
+                "dtype": _dtype(data_type),
+                "shape": ["batch", 1] if max_batch > 0 else [1],
+            }
+        )
+    return out
+
+
 def _python_tensors(message: Any, max_batch: int) -> dict[str, list[dict[str, Any]]]:
     # A Triton Python model's inputs and outputs, for the python backend's options. With
     # max_batch_size 0 a first dimension of -1 is no batch: each tensor's gets a name of
@@ -928,10 +1008,12 @@ def _python_tensors(message: Any, max_batch: int) -> dict[str, list[dict[str, An
             out["optional"] = True
         return out
 
-    return {
+    tensors = {
         kind: [entry(t) for t in tensors]
         for kind, tensors in (("inputs", message.input), ("outputs", message.output))
     }
+    tensors["inputs"] += _control_inputs(message, max_batch)
+    return tensors
 
 
 def _declared_shapes(message: Any, max_batch: int) -> dict[str, tuple[Mapping[str, Any], ...]]:
