@@ -18,7 +18,10 @@ TrioInternalError). So SIGINT is blocked instead, Python's default handler left
 in place: a Ctrl+C waits in the kernel, and reaches no thread of the process
 (the threads started meanwhile, by imports, inherit the block) until the
 command's event loop runs (`run`), whose first step puts our handler over the
-loop's and unblocks it.
+loop's and unblocks it. Those threads keep it blocked (Python runs handlers on
+the main thread anyway), and so would a process one of them started: hence the
+unblock at the loop's first step, before the server starts any thread or
+process, not at `replay`.
 
 The hold cannot start earlier than this module's import: the console script
 and ``python -m trioinfer`` both import the package ``trioinfer`` before any
@@ -106,9 +109,9 @@ def hold() -> None:
         return
     sigint = _signal.getsignal(_signal.SIGINT)
     try:
-        # Setting a handler is what tells the main thread (no `threading`, see above).
+        # Setting a handler (the one in place) tells the main thread without `threading`.
         _signal.signal(_signal.SIGINT, sigint)
-    except ValueError:
+    except (ValueError, TypeError):  # not the main thread; a handler set in C (None) stays
         return
     if _signal.getsignal(_signal.SIGTERM) == _signal.SIG_DFL:
         _before[_signal.SIGTERM] = _signal.signal(_signal.SIGTERM, _handler)
