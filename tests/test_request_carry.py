@@ -286,6 +286,56 @@ async def test_a_retried_request_has_no_parameters_from_the_run_that_failed(
     assert (instance.executions, dict(result.parameters)) == (2, {})
 
 
+class Tags(TagsOnce):
+    """Per-request answers (y = x), each with the response parameter ``tagged``."""
+
+    async def execute_requests(self, requests: Sequence[Request]) -> list[Any]:
+        await trio.lowlevel.checkpoint()
+        for request in requests:
+            set_response_parameters(request, {"tagged": True})
+        return [{"y": request.inputs["x"]} for request in requests]
+
+
+class AsksThenRuns:
+    """A fallback that asks model ``tagger`` for each request's answer, then answers
+    with its own model's run."""
+
+    async def execute(self, execution: trioinfer.Execution) -> None:
+        for request in execution.pending():
+            await execution.infer_elsewhere("tagger", request)
+        await execution.run()
+
+
+async def test_a_run_after_an_answer_from_elsewhere_has_none_of_its_parameters(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    # Cleared only after a failed run: the other model's parameters stayed on the answer
+    # of this model's run, which gave none.
+    class Plain:
+        signature = TagsOnce.signature
+        device = "cpu"
+
+        async def execute(self, inputs: Any) -> dict[str, Any]:
+            return {"y": inputs["x"]}
+
+        async def aclose(self) -> None:
+            pass
+
+    class Backend:
+        async def load(self, config: Any, placement: Any) -> TagsOnce | Plain:
+            return Tags() if config.name == "tagger" else Plain()
+
+    registry = trioinfer.Registry(
+        extra={"backends": {"b": Backend}, "fallbacks": {"asks": AsksThenRuns}}
+    )
+    async with trioinfer.open_engine(registry=registry) as engine:
+        await engine.load(trioinfer.ModelConfig(name="tagger", path="-", backend="b"))
+        await engine.load(trioinfer.ModelConfig(name="m", path="-", backend="b", fallback="asks"))
+        result = await engine.infer_detailed("m", {"x": np.ones((1, 1), np.float32)})
+    assert (result.model, result.fallbacks) == ("m", ())
+    assert dict(result.parameters) == {}
+
+
 # -- over HTTP ---------------------------------------------------------------------------
 
 

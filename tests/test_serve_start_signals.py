@@ -34,8 +34,9 @@ def _signalled_at(
     *args: str,
     env: dict[str, str] | None = None,
     ignore_sigint: bool = False,
+    run: tuple[str, ...] = ("-m", "trioinfer"),
 ) -> str:
-    command = [sys.executable, "-X", "importtime", "-m", "trioinfer", "serve", "--port", "0"]
+    command = [sys.executable, "-X", "importtime", *run, "serve", "--port", "0"]
     process = subprocess.Popen(
         [*command, "--no-grpc", *args],
         stdout=subprocess.DEVNULL,
@@ -80,6 +81,70 @@ def test_a_sigterm_during_the_imports_is_held_where_sigint_is_ignored() -> None:
     assert "SIGTERM before serving started: stopping now" in said, said
 
 
+def test_a_signal_during_the_imports_of_python_mtrioinfer_serve_is_held() -> None:
+    # `-mtrioinfer` (no space) was not taken for `-m trioinfer`: nothing was held.
+    said = _signalled_at("trioinfer._config", signal.SIGTERM, run=("-mtrioinfer",))
+    assert "SIGTERM before serving started: stopping now" in said, said
+
+
+@pytest.mark.parametrize(
+    ("argv", "orig_argv", "serve"),
+    [
+        (
+            ["/venv/bin/trioinfer", "serve"],
+            ["/venv/bin/python", "/venv/bin/trioinfer", "serve"],
+            True,
+        ),
+        (
+            ["-m", "serve", "-p", "0"],
+            ["python", "-X", "dev", "-m", "trioinfer", "serve", "-p", "0"],
+            True,
+        ),
+        (["-m", "serve"], ["python", "-mtrioinfer", "serve"], True),
+        (["-m", "serve"], ["python", "-Imtrioinfer", "serve"], True),
+        # An application's package that imports trioinfer while Python finds its module.
+        (["-m", "serve"], ["python", "-m", "app", "serve"], False),
+        (["-m", "serve"], ["python", "-mapp", "serve"], False),
+        (["-m", "serve"], ["python", "-m", "trioinfer.server._workers", "serve"], False),
+        (["-m", "demo"], ["python", "-m", "trioinfer", "demo"], False),
+        (["-c", "serve"], ["python", "-c", "import trioinfer", "serve"], False),
+        (["app.py", "serve"], ["python", "app.py", "serve"], False),
+    ],
+)
+def test_what_is_taken_for_trioinfer_serve(
+    monkeypatch: pytest.MonkeyPatch, argv: list[str], orig_argv: list[str], serve: bool
+) -> None:
+    from trioinfer import _start_signals
+
+    monkeypatch.setattr(sys, "argv", argv)
+    monkeypatch.setattr(sys, "orig_argv", orig_argv)
+    assert _start_signals._launched_as_serve() is serve
+
+
+def test_the_hold_starts_before_any_import_that_takes_time() -> None:
+    # Held by trioinfer's first module, whose own imports are what the interpreter's start
+    # imported already: importlib.metadata (a tenth of a second) came first, and `signal`,
+    # `typing` and `threading` took tens of milliseconds more with no signal held yet.
+    def imported(code: str) -> list[str]:
+        done = subprocess.run(
+            [sys.executable, "-X", "importtime", "-c", code],
+            capture_output=True,
+            text=True,
+            timeout=WAIT_S,
+            check=True,
+        )
+        return [
+            line.split("|")[-1].strip()
+            for line in done.stderr.splitlines()
+            if line.startswith("import time:")
+        ]
+
+    at_start = set(imported("pass"))
+    names = imported("import sys; sys.argv = ['trioinfer', 'serve']; import trioinfer")
+    before = names[: names.index("trioinfer._start_signals")]
+    assert set(before) - at_start <= {"__future__"}, before
+
+
 @pytest.mark.workers
 def test_a_signal_during_the_imports_stops_a_supervisor_leaving_nothing(tmp_path: Path) -> None:
     env = {**os.environ, "TMPDIR": str(tmp_path)}
@@ -100,3 +165,123 @@ def test_a_signal_after_the_server_stopped_watching_is_handled_as_python_would()
     )
     done = subprocess.run([sys.executable, "-c", code], timeout=WAIT_S, check=False)
     assert done.returncode == -signal.SIGTERM
+
+
+#: ``trioinfer serve`` that gets a SIGINT as its event loop starts, before any of its tasks runs.
+AS_THE_LOOP_STARTS = """\
+import os
+import signal
+import sys
+
+sys.argv = ["trioinfer", "serve", "--port", "0", "--no-grpc", "--loop", sys.argv[1]]
+import anyio
+
+starting = anyio.run
+
+
+def run(*args, **kwargs):
+    os.kill(os.getpid(), signal.SIGINT)
+    return starting(*args, **kwargs)
+
+
+anyio.run = run
+from trioinfer.cli import main
+
+main()
+"""
+
+
+@pytest.mark.parametrize("loop", ["trio", "asyncio"])
+def test_a_sigint_as_the_event_loop_starts_is_held_too(loop: str) -> None:
+    # The loop starts over Python's default SIGINT handler (which it replaces with its own
+    # only then): the SIGINT waits, blocked, for the hold, not a KeyboardInterrupt.
+    done = subprocess.run(
+        [sys.executable, "-c", AS_THE_LOOP_STARTS, loop],
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        text=True,
+        timeout=WAIT_S,
+        check=False,
+    )
+    assert done.returncode == 0, (done.returncode, done.stderr)
+    assert "SIGINT before serving started: stopping now" in done.stderr, done.stderr
+    assert "Traceback" not in done.stderr, done.stderr
+
+
+#: ``trioinfer serve`` whose exit, once the server's signal receiver closed, waits for a
+#: second signal. The moment is told on stdout, not guessed with a sleep: once the event
+#: loop's thread waits for events (in the loop's own code), as it does for most of an exit.
+AFTER_THE_RECEIVER = """\
+import contextlib
+import sys
+import threading
+import time
+
+sys.argv = ["trioinfer", "serve", "--port", "0", "--no-grpc", "--loop", sys.argv[1]]
+import anyio
+from trioinfer import _exit
+
+watching = _exit.bounded_exit
+
+
+def tell_once_the_loop_waits():
+    main = threading.main_thread().ident
+    # Trio's epoll wait, asyncio's selector.
+    while sys._current_frames()[main].f_code.co_name not in ("get_events", "select"):
+        time.sleep(0.001)
+    print("receiver closed", flush=True)
+
+
+@contextlib.asynccontextmanager
+async def bounded_exit(*args):
+    async with watching(*args):
+        yield
+    threading.Thread(target=tell_once_the_loop_waits, daemon=True).start()
+    try:
+        await anyio.sleep(60)  # the rest of the exit, long enough for a second Ctrl+C
+    except BaseException as exc:
+        print(f"the exit got {type(exc).__name__}", flush=True)
+        raise
+
+
+_exit.bounded_exit = bounded_exit
+from trioinfer.cli import main
+
+main()
+"""
+
+
+@pytest.mark.parametrize("loop", ["trio", "asyncio"])
+def test_a_second_ctrl_c_after_the_server_stopped_watching_is_the_loops_own(loop: str) -> None:
+    # The early handler stood where the loop installs its own (only over Python's default),
+    # so the loop left SIGINT to it: past the server's receiver, a Ctrl+C was a
+    # KeyboardInterrupt raised wherever the loop's own code ran (Trio's internals: a
+    # TrioInternalError traceback, or a run abandoned without unwinding its tasks).
+    process = subprocess.Popen(
+        [sys.executable, "-c", AFTER_THE_RECEIVER, loop],
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert process.stdout is not None
+        for line in process.stdout:
+            if "listening on" in line:
+                process.send_signal(signal.SIGINT)
+            elif line.startswith("receiver closed"):
+                process.send_signal(signal.SIGINT)
+                break
+        out, said = process.communicate(timeout=WAIT_S)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+    assert "SIGINT: stopping" in said, said
+    assert "Traceback" not in said, said
+    # The loop's own Ctrl+C: click's "Aborted!" (exit 1), as before the server watched.
+    assert process.returncode == 1, (process.returncode, said)
+    assert "Aborted!" in said, said
+    if loop == "trio":
+        # Trio's handler raises it in the waiting task (at its checkpoint), not in Trio's code.
+        assert "the exit got KeyboardInterrupt" in out, (out, said)

@@ -11,11 +11,14 @@ hands a plugin, and tools for backends); test writers use
 [`trioinfer.testing`][trioinfer.testing].
 """
 
+# First of all, before the imports that take a second (importlib.metadata's alone takes
+# a tenth): importing it holds a SIGINT or SIGTERM at the start of `trioinfer serve` for
+# its server's watcher.
+from . import _start_signals  # noqa: F401  # imported for that
+
+# isort: split
 import importlib.metadata as _metadata
 
-# First of trioinfer's own, before the imports that take a second: importing it holds a
-# SIGINT or SIGTERM at the start of `trioinfer serve` for its server's watcher.
-from . import _start_signals  # noqa: F401  # imported for that
 from ._config import Device as Device
 from ._config import Instance as Instance
 from ._config import ModelConfig as ModelConfig

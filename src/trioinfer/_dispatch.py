@@ -91,8 +91,8 @@ class RunnerPort(Protocol):
         """End *request* with *outputs* or *error*, unless it ended already."""
         ...
 
-    async def infer_elsewhere(self, model: str, request: Request) -> Outputs:
-        """Run *request* on another loaded model."""
+    async def infer_elsewhere(self, model: str, request: Request) -> Request:
+        """Run *request* on another loaded model: the request that answered it there."""
         ...
 
     def start_background(self, fn: Callable[..., Awaitable[object]], *args: object) -> None:
@@ -311,9 +311,10 @@ class Execution(metaclass=NoPublicConstructor):
         # What its runs raised (a backend's errors, for the fallback to handle): an
         # exception out of the fallback that is none of these is the fallback's own.
         self._raised: list[BaseException] | None = None
-        # Each request's answer from another model (infer_elsewhere), by request: only
-        # that answer, given to respond(), keeps who made it and its response parameters.
-        self._elsewhere: dict[Request, Outputs] | None = None
+        # Each request's answer from another model (infer_elsewhere), by request, with who
+        # made it and its response parameters, which only that answer, given to
+        # respond(), carries: kept here, not on the request, which a run answers too.
+        self._elsewhere: dict[Request, tuple[Outputs, Any, Mapping[str, Any]]] | None = None
 
     # What each method promises is written once, in trioinfer.abc.Execution.
 
@@ -358,13 +359,14 @@ class Execution(metaclass=NoPublicConstructor):
         state = ours._state
         if state.status is not _RUNNING:
             return
-        if self._elsewhere is None or self._elsewhere.get(ours) is not outputs:
+        theirs = None if self._elsewhere is None else self._elsewhere.get(ours)
+        if theirs is not None and theirs[0] is outputs:
+            _, state.served_by, state.response_parameters = theirs
+        else:
             # Not the answer another model gave it (a default, the fallback's own):
             # no model's instance made it, and it has no response parameters (a
-            # failed run's, or a model's whose answer could not stand in, are not its).
-            if state.served_by.__class__ is tuple:
-                state.served_by = None
-            state.response_parameters = NO_PARAMETERS
+            # failed run's are not its).
+            state.served_by, state.response_parameters = None, NO_PARAMETERS
         arrays = {name: np.asarray(value) for name, value in outputs.items()}
         # Checked as a backend's answer is: a caller gets what the metadata says.
         signature = port.signature
@@ -410,10 +412,13 @@ class Execution(metaclass=NoPublicConstructor):
                 f"request {request.id!r} was failed over to model "
                 f"{self._port.config.name!r} already; it is not sent on again"
             )
-        outputs = await self._port.infer_elsewhere(model, ours)
+        answered = await self._port.infer_elsewhere(model, ours)
+        theirs = answered._state
+        outputs = theirs.outputs
+        assert outputs is not None  # an answered request's
         if self._elsewhere is None:
             self._elsewhere = {}
-        self._elsewhere[ours] = outputs
+        self._elsewhere[ours] = (outputs, (model, theirs.served_by), theirs.response_parameters)
         return outputs
 
 

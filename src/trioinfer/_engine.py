@@ -1213,12 +1213,12 @@ class Engine:
         assert request._state.outputs is not None
         return request._state.outputs
 
-    async def _infer_elsewhere(self, model: str, original: Request) -> Outputs:
+    async def _infer_elsewhere(self, model: str, original: Request) -> Request:
         # A fallback's failover of one request to another model, on the worker's task:
         # the request's deadline becomes this call's cancel scope. It carries what the
-        # original does (its id, parameters and requested outputs); its answer's
-        # response parameters become the original's (Execution.respond keeps them, and
-        # who answered, only if that answer is the one given).
+        # original does (its id, parameters and requested outputs). The answered request
+        # is returned, the original left as it is: Execution.respond gives it who made
+        # that answer and its response parameters, only if that answer is the one given.
         with anyio.CancelScope(deadline=original.deadline):
             request = await self._submit(
                 model,
@@ -1231,12 +1231,8 @@ class Engine:
                 parameters=original.parameters,
                 outputs=original.requested_outputs,
             )
-            state = request._state
-            assert state.outputs is not None
-            theirs = original._state
-            theirs.served_by = (model, state.served_by)
-            theirs.response_parameters = state.response_parameters
-            return state.outputs
+            assert request._state.outputs is not None
+            return request
         raise DeadlineExceeded(
             f"request {original.id!r} reached its deadline while failing over to model {model!r}"
         )

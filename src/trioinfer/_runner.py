@@ -898,7 +898,7 @@ class ModelRunner(metaclass=NoPublicConstructor):
     # The model's task group (current_model_tasks), ended once its instances closed.
     _tasks: ModelTasks | None = attrs.field(default=None, alias="tasks")
     #: Runs a request on another model (set by the engine), for fallbacks.
-    _elsewhere: Callable[[str, Request], Awaitable[Outputs]] | None = attrs.field(
+    _elsewhere: Callable[[str, Request], Awaitable[Request]] | None = attrs.field(
         default=None, alias="infer_elsewhere"
     )
     #: OpenTelemetry spans (trioinfer._tracing), None when tracing is off.
@@ -2557,8 +2557,11 @@ class ModelRunner(metaclass=NoPublicConstructor):
                 return
             self.finish(request, error=self._circuit_open())
 
-    async def infer_elsewhere(self, model: str, request: Request) -> Outputs:
-        """Run *request* on another loaded *model*; see `Execution.infer_elsewhere`."""
+    async def infer_elsewhere(self, model: str, request: Request) -> Request:
+        """Run *request* on another loaded *model*: its answered request there.
+
+        See `Execution.infer_elsewhere`.
+        """
         if self._elsewhere is None:  # pragma: no cover  # every engine sets it
             raise BackendError(f"model {self.config.name!r} is not part of an engine")
         return await self._elsewhere(model, request)

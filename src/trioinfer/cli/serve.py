@@ -20,7 +20,7 @@ import anyio.abc
 import attrs
 import click
 
-from .. import __version__, _exit
+from .. import __version__, _exit, _start_signals
 from .._config import parse_toml
 from .._examples import example_repository
 from .._exceptions import ConfigError, TrioInferError
@@ -525,8 +525,9 @@ def serve(ctx: click.Context, /, **options: Any) -> None:
     if config.http_tls is not None:
         _check_tls_files(config.http_tls, settings, http=True)
     try:
+        # Not anyio.run: a SIGINT held since the start goes to the loop's own handling.
         if workers == 1:
-            anyio.run(
+            _start_signals.run(
                 functools.partial(
                     _serve,
                     repository,
@@ -541,7 +542,7 @@ def serve(ctx: click.Context, /, **options: Any) -> None:
             )
         else:
             # The supervisor runs on Trio whatever --loop says; the workers run on --loop.
-            anyio.run(
+            _start_signals.run(
                 functools.partial(
                     _serve_workers,
                     repository,
