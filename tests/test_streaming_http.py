@@ -58,6 +58,26 @@ class Model:
             probe.closed.set()
 """.replace("PROBE", PROBE)
 
+# A model whose run of responses is read as its request's timeout (1 s) passes: the
+# first leaves alone, then three are made at once and the loop is held past the timeout
+# before any pass of it (the reader wakes with the first of them, the others at hand).
+LATE_RUN = """
+import time
+
+import anyio
+import numpy as np
+
+
+class Model:
+    async def infer(self, inputs):
+        yield {"i": np.array([0], np.int32)}
+        await anyio.sleep(0.05)
+        for i in (1, 2, 3):
+            yield {"i": np.array([i], np.int32)}
+        time.sleep(1.2)
+        await anyio.sleep_forever()
+"""
+
 PLAIN = """
 class Model:
     async def infer(self, inputs):
@@ -80,7 +100,11 @@ def probe() -> types.SimpleNamespace:
 def repository(tmp_path: Path) -> Path:
     root = tmp_path / "models"
     shutil.copytree(trioinfer.example_repository() / "repeat_int32", root / "repeat_int32")
-    for name, code, decoupled in [("watched", WATCHED, "true"), ("plain", PLAIN, "false")]:
+    for name, code, decoupled in [
+        ("watched", WATCHED, "true"),
+        ("late_run", LATE_RUN, "true"),
+        ("plain", PLAIN, "false"),
+    ]:
         (root / name / "1").mkdir(parents=True)
         (root / name / "1" / "model.py").write_text(code)
         (root / name / "config.toml").write_text(
@@ -279,6 +303,54 @@ async def test_the_timeout_parameter_ends_the_stream(repository: Path) -> None:
     assert 1 <= len(responses) < 10
     assert "timeout of 100000 µs passed" in error["error"]
     assert before.status_code == 504
+
+
+async def test_responses_held_at_the_timeout_do_not_leave_after_it(repository: Path) -> None:
+    """A run's responses read as the timeout passed are not sent: the timeout's error is."""
+    body = {"n": 4, "parameters": {"timeout": 1_000_000}}
+    async with serving(repository) as client:
+        answer = await client.post("/v2/models/late_run/generate_stream", json=body)
+    *responses, error = events(answer.text)
+    # 1 may have left alone before the timeout (the loop's order of its tasks decides);
+    # none of those read after it (2 and 3, at least) did.
+    assert [r["i"] for r in responses] in ([0], [0, 1])
+    assert "timeout of 1000000 µs passed" in error["error"]
+
+
+@pytest.mark.grpc
+async def test_a_grpc_streams_responses_held_at_the_timeout_do_not_leave(
+    repository: Path,
+) -> None:
+    """gRPC's ModelStreamInfer, the same: the first response, then the timeout's error."""
+    grpc = pytest.importorskip("grpc")
+    service_pb2 = pytest.importorskip("tritonclient.grpc.service_pb2")
+    service_pb2_grpc = pytest.importorskip("tritonclient.grpc.service_pb2_grpc")
+
+    def call(address: str) -> list[int | str]:
+        request = service_pb2.ModelInferRequest(model_name="late_run", id="late")
+        request.parameters["timeout"].int64_param = 1_000_000
+        tensor = request.inputs.add(name="n", datatype="INT32", shape=[1])
+        tensor.contents.int_contents.append(4)
+        got: list[int | str] = []
+        with grpc.insecure_channel(address) as channel:
+            stub = service_pb2_grpc.GRPCInferenceServiceStub(channel)
+            for answer in stub.ModelStreamInfer(iter([request]), timeout=10):
+                if answer.error_message:
+                    got.append(answer.error_message)
+                    break  # the request has ended; the call would wait for more
+                raw = answer.infer_response.raw_output_contents[0]
+                got.append(int.from_bytes(raw, "little"))
+        return got
+
+    async with trio.open_nursery() as nursery:
+        listening = await start_serving(nursery, repository, grpc_port=0)
+        got = await trio.to_thread.run_sync(call, listening.grpc)
+        nursery.cancel_scope.cancel()
+    *responses, error = got
+    assert responses in ([0], [0, 1])  # as over SSE
+    assert isinstance(error, str)
+    assert "timeout" in error
+    assert "passed before its last response" in error
 
 
 async def test_a_client_that_disconnects_stops_the_model(repository: Path) -> None:

@@ -820,8 +820,8 @@ async def _stream(
                 await emit(*run)
             raise
     if scope.cancelled_caught:
-        if run:  # what was read before the timeout, before its error
-            await emit(*run)
+        # The run held for the rest of it leaves no more: its deadline has passed (as
+        # the SSE writer's). The error says so instead.
         raise DeadlineExceeded(
             f"the request's timeout of {timeout_s} s passed before its last response"
         )
