@@ -364,6 +364,63 @@ async def test_a_grpc_streams_responses_held_at_the_timeout_do_not_leave(
     assert "passed before its last response" in error
 
 
+@pytest.mark.grpc
+async def test_a_grpc_calls_requests_share_what_their_models_make_ahead(
+    repository: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each decoupled request of a call streams with the ``ahead`` the call lends it."""
+    grpc = pytest.importorskip("grpc")
+    service_pb2 = pytest.importorskip("tritonclient.grpc.service_pb2")
+    service_pb2_grpc = pytest.importorskip("tritonclient.grpc.service_pb2_grpc")
+    from trioinfer.server import _grpc  # (the grpc extra's)
+
+    monkeypatch.setattr(_grpc, "STREAM_CALL_AHEAD", 20)
+    lent: list[int] = []
+    infer_stream = trioinfer.Engine.infer_stream
+
+    def recording(self: trioinfer.Engine, *args: Any, **kwargs: Any) -> Any:
+        lent.append(kwargs["ahead"])
+        return infer_stream(self, *args, **kwargs)
+
+    monkeypatch.setattr(trioinfer.Engine, "infer_stream", recording)
+
+    def request(request_id: str) -> Any:
+        # Two responses after 300 ms: the call's three requests are in flight together.
+        message = service_pb2.ModelInferRequest(model_name="repeat_int32", id=request_id)
+        for name, datatype, values in [
+            ("IN", "INT32", [1, 2]),
+            ("DELAY", "UINT32", [0, 0]),
+            ("WAIT", "UINT32", [300]),
+        ]:
+            tensor = message.inputs.add(name=name, datatype=datatype, shape=[len(values)])
+            if datatype == "INT32":
+                tensor.contents.int_contents.extend(values)
+            else:
+                tensor.contents.uint_contents.extend(values)
+        return message
+
+    def call(address: str) -> list[str]:
+        ids = []
+        with grpc.insecure_channel(address) as channel:
+            stub = service_pb2_grpc.GRPCInferenceServiceStub(channel)
+            answers = stub.ModelStreamInfer(iter([request(i) for i in "abc"]), timeout=30)
+            for answer in answers:
+                assert not answer.error_message, answer.error_message
+                ids.append(answer.infer_response.id)
+                if len(ids) == 6:
+                    answers.cancel()
+                    break
+        return ids
+
+    async with trio.open_nursery() as nursery:
+        listening = await start_serving(nursery, repository, grpc_port=0)
+        ids = await trio.to_thread.run_sync(call, listening.grpc)
+        nursery.cancel_scope.cancel()
+    assert sorted(ids) == ["a", "a", "b", "b", "c", "c"]
+    # 16, then what is left of the call's 20 beyond one each (5), then one.
+    assert sorted(lent) == [1, 6, 16]
+
+
 async def test_a_client_that_disconnects_stops_the_model(repository: Path) -> None:
     """No work after the disconnect: the model, holding its 4th response, never makes it."""
     sys.modules[PROBE] = watched = probe()
