@@ -8,6 +8,8 @@ Ways, each a stream of N responses read to its end, repeated for --duration s:
                 (no engine, no checks, no task hand-over)
   engine/trio   ``engine.infer_stream`` on Trio (each response checked against the
                 signature and handed from the model's task to the reader's)
+  engine/trio deadline  the same under a deadline (an hour away): the reader reads the
+                clock against it for each response
   engine/asyncio  the same on asyncio (anyio)
   sse           ``POST /v2/models/repeat_int32/generate_stream`` on one keep-alive
                 connection to the lean HTTP server in this process, read by a bare
@@ -38,6 +40,7 @@ import argparse
 import importlib.metadata
 import importlib.util
 import json
+import math
 import platform
 import statistics
 import struct
@@ -104,7 +107,7 @@ def tracing(on: bool) -> dict[str, Any]:
     return {"tracer_provider": TracerProvider(), "trace_rate": 0.001}
 
 
-async def engine(args: argparse.Namespace, traced: bool = False) -> Figures:
+async def engine(args: argparse.Namespace, traced: bool = False, deadline: bool = False) -> Figures:
     config = trioinfer.ModelConfig.from_toml(REPO / "repeat_int32" / "config.toml")
     request = inputs(args.responses)
     async with trioinfer.open_engine(**tracing(traced)) as engine:
@@ -112,9 +115,11 @@ async def engine(args: argparse.Namespace, traced: bool = False) -> Figures:
 
         async def run_one() -> int:
             count = 0
-            async with engine.infer_stream("repeat_int32", request) as responses:
-                async for _ in responses:
-                    count += 1
+            # *deadline*: under one an hour away, which the reader checks per response.
+            with anyio.move_on_after(3600 if deadline else math.inf):
+                async with engine.infer_stream("repeat_int32", request) as responses:
+                    async for _ in responses:
+                        count += 1
             return count
 
         return await rate(run_one, args.duration)
@@ -269,6 +274,7 @@ def main() -> None:
     ways: dict[str, Callable[[], Figures]] = {
         "generator": lambda: trio.run(generator, args),
         "engine/trio": lambda: trio.run(engine, args),
+        "engine/trio deadline": lambda: trio.run(engine, args, False, True),
         "engine/asyncio": lambda: anyio.run(engine, args, backend="asyncio"),
         "sse": lambda: trio.run(sse, args),
         "grpc": lambda: trio.run(grpc, args),
@@ -291,14 +297,14 @@ def main() -> None:
         for name, way in ways.items():  # interleaved, so that a busy spell hits every way
             figures[name].append(way())
     print(
-        f"{'way':<16}{'responses/s (median)':>22}{'CPU µs/response (median)':>26}"
+        f"{'way':<21}{'responses/s (median)':>22}{'CPU µs/response (median)':>26}"
         f"{'rounds (responses/s, µs)':>36}"
     )
     for name, values in figures.items():
         rate_median = statistics.median(v[0] for v in values)
         cpu_median = statistics.median(v[1] for v in values)
         rounds = ", ".join(f"{r:,.0f} {c:.1f}" for r, c in values)
-        print(f"{name:<16}{rate_median:>22,.0f}{cpu_median:>26.1f}    {rounds}")
+        print(f"{name:<21}{rate_median:>22,.0f}{cpu_median:>26.1f}    {rounds}")
 
 
 if __name__ == "__main__":

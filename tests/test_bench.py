@@ -365,6 +365,10 @@ def test_request_intervals_are_due_in_turn_and_cycled() -> None:
     for bad in ([], [0, 0], [5, -1]):
         with pytest.raises(tool.BenchError, match="whole numbers of nanoseconds"):
             tool.Plan.from_intervals(bad)
+    # A mean rate --request-rate would refuse: the rate printed as 2e-23/s.
+    for bad, mean in (([10**32], "1e\\+23 s"), ([1, 0], "5e-10 s")):
+        with pytest.raises(tool.BenchError, match=f"average from 1 µs to 1000 s.*mean of {mean}"):
+            tool.Plan.from_intervals(bad)
 
 
 def test_open_loop_from_request_intervals(url: str, tmp_path: Path) -> None:
@@ -390,6 +394,7 @@ def test_open_loop_from_request_intervals(url: str, tmp_path: Path) -> None:
         ("100\nfast\n", (), "line 2: expected a whole number of microseconds"),
         ("-5\n", (), "line 1: expected a whole number of microseconds"),
         ("0\n0\n", (), "no interval above 0"),
+        ("100000000000000000000000000\n", (), "intervals.txt: request intervals must average"),
         ("100\n", ("--request-rate", "5"), "--request-rate, --request-intervals, not several"),
     ],
 )

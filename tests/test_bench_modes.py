@@ -183,6 +183,39 @@ def test_streaming_in_process(repository: Path, repeat_3: Path, tmp_path: Path) 
     assert math.isclose(row["responses_per_s"], 3 * row["throughput"], rel_tol=0.01)
 
 
+@pytest.mark.streaming
+@pytest.mark.python_model
+def test_an_open_loop_stream_s_first_response_counts_from_when_it_was_due(
+    repository: Path, tmp_path: Path
+) -> None:
+    """A request that waited for a free worker waited on its clock, as perf_analyzer counts.
+
+    One worker, requests due every 10 ms, each 30 ms to its first response: they leave
+    late, and each one's time to its first response is its send delay and 30 ms more.
+    (It counted from when the request left: 30 ms, whatever the delay.)
+    """
+    slow = tmp_path / "slow.json"
+    doc = json.loads(json.dumps(REPEAT_3))
+    doc["inputs"][0].update(shape=[1], data=[4])
+    doc["inputs"][1].update(shape=[1], data=[0])
+    doc["inputs"][2].update(data=[30])
+    slow.write_text(json.dumps(doc))
+    intervals = tmp_path / "intervals.txt"
+    intervals.write_text("10000\n")
+    code, output, doc = bench(
+        *("--in-process", "--model-repository", str(repository), "-m", "repeat_int32"),
+        *("--streaming", "--input-data", str(slow), "--request-intervals", str(intervals)),
+        *("--max-connections", "1", *SHORT),
+        json_file=tmp_path / "run.json",
+    )
+    assert code == 0, output
+    (row,) = doc["results"]
+    assert row["completed"] > 0
+    # Each request's first response came at least its send delay after it was due (and
+    # 30 ms more, of which a window's edge may cut a few requests' pairs).
+    assert row["first_p50_ms"] >= row["send_delay_p50_ms"] > 0
+
+
 @pytest.mark.grpc
 @pytest.mark.streaming
 @pytest.mark.python_model

@@ -250,6 +250,12 @@ def test_serve_refuses_bad_settings_with_a_usage_error(tmp_path: Path) -> None:
         ("model_repository = 5", "model_repository must be a string, got 5"),
         ("limits = 5", "limits must be a table ([limits]) of body_timeout"),
         ("[limits]\nbogus = 1", "unknown key 'bogus' in [limits]; known keys are body_timeout"),
+        # A bad value in [limits] says which file it is in, as the others do.
+        (
+            "[limits]\nhead_timeout = -1.0",
+            "server.toml: [limits] head_timeout must be a number of seconds from 1e-06",
+        ),
+        ('[limits]\nbody_timeout = "x"', "server.toml: [limits] body_timeout must be a number"),
         # A typo says which key was meant.
         ("prot = 8000", "unknown key 'prot'; known keys are"),
         ("prot = 8000", "did you mean 'port' for 'prot'?"),

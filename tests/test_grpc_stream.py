@@ -9,13 +9,14 @@ is exact. The real thing, over tritonclient, is in test_grpc.py.
 from __future__ import annotations
 
 import types
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
 import pytest
 import trio
 import trio.testing
 
+from trioinfer._stream import STREAM_AHEAD
 from trioinfer.server import _grpc
 from trioinfer.server import _grpc_proto as pb
 from trioinfer.server._grpc_h2 import GrpcCall
@@ -39,7 +40,7 @@ class FakeService(_grpc._Service):
         request: Any,
         metadata: Mapping[str, str],
         call: GrpcCall,
-        send: Callable[[bytes], Awaitable[None]],
+        stream: _grpc._StreamState,
     ) -> None:
         self.started.append(request.id)
         self.running += 1
@@ -50,7 +51,7 @@ class FakeService(_grpc._Service):
             self.running -= 1
         if request.id.startswith("fail"):
             raise _grpc.RequestError(f"request {request.id} is wrong")
-        await send(
+        await stream.send(
             pb.ModelStreamInferResponse(
                 infer_response=pb.ModelInferResponse(id=request.id)
             ).SerializeToString()
@@ -150,6 +151,30 @@ async def test_requests_in_flight_are_bounded(
     assert sorted((t - t0, rid) for t, rid, _ in sent) == [
         (1.0, "a"), (2.0, "b"), (2.0, "c"), (3.0, "d")
     ]  # fmt: skip
+
+
+async def test_a_calls_requests_share_a_bound_on_responses_made_ahead() -> None:
+    """What a call's decoupled requests may make ahead of its writer is bounded per call.
+
+    Each request's stream gets ``ahead`` from the call: `STREAM_AHEAD` while the call
+    has some of its `STREAM_CALL_AHEAD` to spare, then less, and 1 at least; a request
+    that ends gives its share back. With every slot of the call taken, its requests
+    hold no more than ``STREAM_CALL_AHEAD`` responses beyond one each (16 each before).
+    """
+
+    async def send(*_messages: bytes) -> None:  # pragma: no cover  # nothing is sent
+        pass
+
+    stream = _grpc._StreamState(send)
+    lent = [stream.lend() for _ in range(_grpc.STREAM_CONCURRENCY)]
+    full = _grpc.STREAM_CALL_AHEAD // (STREAM_AHEAD - 1)
+    assert lent[:full] == [STREAM_AHEAD] * full
+    assert 1 < lent[full] < STREAM_AHEAD
+    assert lent[-1] == 1
+    assert sum(lent) == _grpc.STREAM_CALL_AHEAD + len(lent)
+    for ahead in lent[:full]:
+        stream.repay(ahead)
+    assert stream.lend() == STREAM_AHEAD  # a share given back is lent again
 
 
 async def test_sends_never_interleave(autojump_clock: trio.testing.MockClock) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import math
 import re
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -234,6 +235,65 @@ async def test_a_run_of_responses_is_read_without_a_pass_of_the_loop() -> None:
             rest = [r async for r in responses]
             assert responses.ready  # ended: its end is at hand
     assert len(rest) == 40 - made
+
+
+async def test_a_reader_past_its_deadline_takes_no_response_at_hand(
+    mock_clock: trio.testing.MockClock,
+) -> None:
+    """Responses waiting in the buffer are not read once the deadline has passed.
+
+    The loop sees a deadline only at its next pass; a reader that takes a response at
+    hand makes none, so without a clock read of its own it would read the buffer out.
+    """
+    async with open_engine() as engine:
+        await engine.load(config(counting(Probe())))
+        taken = 0
+        with trio.move_on_after(10) as scope:
+            async with engine.infer_stream("m", n(40)) as responses:
+                await responses.__anext__()
+                await responses.__anext__()  # waits: the model runs meanwhile, ahead
+                assert responses.ready
+                mock_clock.jump(20)  # the deadline passes with no pass of the loop
+                async for _ in responses:
+                    taken += 1
+        assert scope.cancelled_caught
+        assert taken == 0
+
+
+def test_a_reader_past_its_deadline_takes_no_response_at_hand_on_asyncio() -> None:
+    """The same on asyncio, whose timer may need more than one pass of the loop to fire."""
+
+    async def main() -> tuple[bool, int]:
+        async with open_engine() as engine:
+            await engine.load(config(counting(Probe())))
+            taken = 0
+            with anyio.move_on_after(0.2) as scope:
+                async with engine.infer_stream("m", n(40)) as responses:
+                    await responses.__anext__()
+                    await responses.__anext__()
+                    # The deadline passes with no pass of the loop (no clock to jump here).
+                    time.sleep(0.3)  # noqa: ASYNC251
+                    async for _ in responses:
+                        taken += 1
+            return scope.cancelled_caught, taken
+
+    assert anyio.run(main, backend="asyncio") == (True, 0)
+
+
+async def test_a_deadline_moved_later_lets_the_reader_read_on(
+    mock_clock: trio.testing.MockClock,
+) -> None:
+    """The deadline read at open is only a first guess: the reader's own scope decides."""
+    async with open_engine() as engine:
+        await engine.load(config(counting(Probe())))
+        with trio.move_on_after(10) as scope:
+            async with engine.infer_stream("m", n(40)) as responses:
+                await responses.__anext__()
+                scope.deadline += 100
+                mock_clock.jump(20)  # past the deadline the stream was opened under
+                rest = [int(r["i"][0]) async for r in responses]
+        assert not scope.cancelled_caught
+        assert rest == list(range(1, 40))
 
 
 async def test_cancelling_the_caller_cancels_the_model_where_it_waits() -> None:

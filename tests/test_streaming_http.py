@@ -18,6 +18,7 @@ import trio
 
 import trioinfer
 from _serve import start_serving
+from trioinfer import _stream as stream_module
 from trioinfer.server import ServerConfig
 
 pytestmark = pytest.mark.streaming
@@ -58,6 +59,26 @@ class Model:
             probe.closed.set()
 """.replace("PROBE", PROBE)
 
+# A model whose run of responses is read as its request's timeout (1 s) passes: the
+# first leaves alone, then three are made at once and the loop is held past the timeout
+# before any pass of it (the reader wakes with the first of them, the others at hand).
+LATE_RUN = """
+import time
+
+import anyio
+import numpy as np
+
+
+class Model:
+    async def infer(self, inputs):
+        yield {"i": np.array([0], np.int32)}
+        await anyio.sleep(0.05)
+        for i in (1, 2, 3):
+            yield {"i": np.array([i], np.int32)}
+        time.sleep(1.2)
+        await anyio.sleep_forever()
+"""
+
 PLAIN = """
 class Model:
     async def infer(self, inputs):
@@ -80,7 +101,11 @@ def probe() -> types.SimpleNamespace:
 def repository(tmp_path: Path) -> Path:
     root = tmp_path / "models"
     shutil.copytree(trioinfer.example_repository() / "repeat_int32", root / "repeat_int32")
-    for name, code, decoupled in [("watched", WATCHED, "true"), ("plain", PLAIN, "false")]:
+    for name, code, decoupled in [
+        ("watched", WATCHED, "true"),
+        ("late_run", LATE_RUN, "true"),
+        ("plain", PLAIN, "false"),
+    ]:
         (root / name / "1").mkdir(parents=True)
         (root / name / "1" / "model.py").write_text(code)
         (root / name / "config.toml").write_text(
@@ -279,6 +304,121 @@ async def test_the_timeout_parameter_ends_the_stream(repository: Path) -> None:
     assert 1 <= len(responses) < 10
     assert "timeout of 100000 µs passed" in error["error"]
     assert before.status_code == 504
+
+
+def make_runs_whole(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A model's run of responses goes in the buffer in one go, however loaded the machine.
+
+    (Past the loop's inline slice a hand-over yields: a busy machine could cut the run.)
+    """
+    monkeypatch.setattr(stream_module, "DEFAULT_SLICE_S", 60.0)
+
+
+async def test_responses_held_at_the_timeout_do_not_leave_after_it(
+    repository: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A run's responses read as the timeout passed are not sent: the timeout's error is."""
+    make_runs_whole(monkeypatch)
+    body = {"n": 4, "parameters": {"timeout": 1_000_000}}
+    async with serving(repository) as client:
+        answer = await client.post("/v2/models/late_run/generate_stream", json=body)
+    *responses, error = events(answer.text)
+    assert [r["i"] for r in responses] == [0]
+    assert "timeout of 1000000 µs passed" in error["error"]
+
+
+@pytest.mark.grpc
+async def test_a_grpc_streams_responses_held_at_the_timeout_do_not_leave(
+    repository: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """gRPC's ModelStreamInfer, the same: the first response, then the timeout's error."""
+    make_runs_whole(monkeypatch)
+    grpc = pytest.importorskip("grpc")
+    service_pb2 = pytest.importorskip("tritonclient.grpc.service_pb2")
+    service_pb2_grpc = pytest.importorskip("tritonclient.grpc.service_pb2_grpc")
+
+    def call(address: str) -> list[int | str]:
+        request = service_pb2.ModelInferRequest(model_name="late_run", id="late")
+        request.parameters["timeout"].int64_param = 1_000_000
+        tensor = request.inputs.add(name="n", datatype="INT32", shape=[1])
+        tensor.contents.int_contents.append(4)
+        got: list[int | str] = []
+        with grpc.insecure_channel(address) as channel:
+            stub = service_pb2_grpc.GRPCInferenceServiceStub(channel)
+            for answer in stub.ModelStreamInfer(iter([request]), timeout=10):
+                if answer.error_message:
+                    got.append(answer.error_message)
+                    break  # the request has ended; the call would wait for more
+                raw = answer.infer_response.raw_output_contents[0]
+                got.append(int.from_bytes(raw, "little"))
+        return got
+
+    async with trio.open_nursery() as nursery:
+        listening = await start_serving(nursery, repository, grpc_port=0)
+        got = await trio.to_thread.run_sync(call, listening.grpc)
+        nursery.cancel_scope.cancel()
+    *responses, error = got
+    assert responses == [0]
+    assert isinstance(error, str)
+    assert "timeout" in error
+    assert "passed before its last response" in error
+
+
+@pytest.mark.grpc
+async def test_a_grpc_calls_requests_share_what_their_models_make_ahead(
+    repository: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each decoupled request of a call streams with the ``ahead`` the call lends it."""
+    grpc = pytest.importorskip("grpc")
+    service_pb2 = pytest.importorskip("tritonclient.grpc.service_pb2")
+    service_pb2_grpc = pytest.importorskip("tritonclient.grpc.service_pb2_grpc")
+    from trioinfer.server import _grpc  # (the grpc extra's)
+
+    monkeypatch.setattr(_grpc, "STREAM_CALL_AHEAD", 20)
+    lent: list[int] = []
+    infer_stream = trioinfer.Engine.infer_stream
+
+    def recording(self: trioinfer.Engine, *args: Any, **kwargs: Any) -> Any:
+        lent.append(kwargs["ahead"])
+        return infer_stream(self, *args, **kwargs)
+
+    monkeypatch.setattr(trioinfer.Engine, "infer_stream", recording)
+
+    def request(request_id: str) -> Any:
+        # Two responses after 300 ms: the call's three requests are in flight together.
+        message = service_pb2.ModelInferRequest(model_name="repeat_int32", id=request_id)
+        for name, datatype, values in [
+            ("IN", "INT32", [1, 2]),
+            ("DELAY", "UINT32", [0, 0]),
+            ("WAIT", "UINT32", [300]),
+        ]:
+            tensor = message.inputs.add(name=name, datatype=datatype, shape=[len(values)])
+            if datatype == "INT32":
+                tensor.contents.int_contents.extend(values)
+            else:
+                tensor.contents.uint_contents.extend(values)
+        return message
+
+    def call(address: str) -> list[str]:
+        ids = []
+        with grpc.insecure_channel(address) as channel:
+            stub = service_pb2_grpc.GRPCInferenceServiceStub(channel)
+            answers = stub.ModelStreamInfer(iter([request(i) for i in "abc"]), timeout=30)
+            for answer in answers:
+                assert not answer.error_message, answer.error_message
+                ids.append(answer.infer_response.id)
+                if len(ids) == 6:
+                    answers.cancel()
+                    break
+        return ids
+
+    async with trio.open_nursery() as nursery:
+        listening = await start_serving(nursery, repository, grpc_port=0)
+        ids = await trio.to_thread.run_sync(call, listening.grpc)
+        nursery.cancel_scope.cancel()
+    assert sorted(ids) == ["a", "a", "b", "b", "c", "c"]
+    # 16, then what is left of the call's 20 beyond one each (5), then one.
+    assert sorted(lent) == [1, 6, 16]
 
 
 async def test_a_client_that_disconnects_stops_the_model(repository: Path) -> None:

@@ -900,9 +900,11 @@ class Engine:
         in a task of the block's own, at most *ahead* responses ahead of the
         reader (a slow reader slows it, nothing piles up). Leaving the block early,
         being cancelled or reaching the deadline of the caller's cancel scope
-        stops the generator at the ``yield`` it waits at. Every admitted stream
-        ends once: with its last response, or with an error raised by the
-        iteration after the responses before it.
+        stops the generator at the ``yield`` it waits at. Once that deadline
+        has passed (or the scope is cancelled) the next read raises
+        ``Cancelled``, also with responses waiting in the buffer. Every admitted
+        stream ends once: with its last response, or with an error raised by
+        the iteration after the responses before it.
 
         Streams do not queue and are not batched: each is admitted at once or
         refused, and runs alone on the model's instance with the fewest open

@@ -27,6 +27,7 @@ its per-response loop is the untraced one.
 
 from __future__ import annotations
 
+import math
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from contextvars import ContextVar
@@ -44,6 +45,7 @@ from ._inline import DEFAULT_SLICE_S, inline_slice_spent, restart_inline_slice
 from ._request import NO_PARAMETERS, Outputs, Parameter, Request, next_request_id
 from ._runner import ModelRunner
 from ._tensors import requested_outputs, validate_inputs
+from ._threads import LoopClock
 from ._util import NoPublicConstructor
 from .abc import Status, StreamingInstance
 
@@ -110,17 +112,9 @@ class _Send(Protocol):
     def close(self) -> None: ...
 
 
-class _Statistics(Protocol):
-    @property
-    def current_buffer_used(self) -> int: ...
-    @property
-    def tasks_waiting_send(self) -> int: ...
-
-
 class _Receive(Protocol):
     async def receive(self) -> Outputs | _WithParameters: ...
     def receive_nowait(self) -> Outputs | _WithParameters: ...
-    def statistics(self) -> _Statistics: ...
     def close(self) -> None: ...
 
 
@@ -142,12 +136,14 @@ def _channel(ahead: int) -> tuple[_Send, _Receive]:
     return anyio.create_memory_object_stream[Outputs | _WithParameters](ahead - 1)
 
 
-async def _hand_over(send: _Send, item: Outputs | _WithParameters) -> None:
+async def _hand_over(send: _Send, stream: ResponseStream, item: Outputs | _WithParameters) -> None:
     # Into the buffer at once while it has room (no pass of the loop: the model goes on
     # to its next response), unless the loop's inline slice is spent: a model that
     # computes between its yields without awaiting holds the loop no longer than an
     # inline execution would (not 16 of its responses long). Else a yield, or a wait
-    # for the reader to take one.
+    # for the reader to take one. Counted in *stream*'s ``_pending`` while it is in the
+    # buffer or waits at its door (what ResponseStream.ready reads).
+    stream._pending += 1
     if not inline_slice_spent(DEFAULT_SLICE_S):
         try:
             send.send_nowait(item)
@@ -155,7 +151,11 @@ async def _hand_over(send: _Send, item: Outputs | _WithParameters) -> None:
             pass
         else:
             return
-    await send.send(item)
+    try:
+        await send.send(item)
+    except BaseException:
+        stream._pending -= 1  # cancelled or refused: it never reached the reader
+        raise
     restart_inline_slice()
 
 
@@ -243,14 +243,21 @@ class ResponseStream(metaclass=NoPublicConstructor):
         self,
         request_id: str,
         receive: _Receive,
+        clock: LoopClock,
+        deadline: float,
     ) -> None:
         self._id = request_id
         self._receive = receive
-        self._checkpoint_if_cancelled = (
-            trio.lowlevel.checkpoint_if_cancelled
-            if isinstance(receive, trio.MemoryReceiveChannel)
-            else anyio.lowlevel.checkpoint_if_cancelled
-        )
+        self._clock = clock
+        self._now = clock.current_time
+        self._checkpoint_if_cancelled = clock.checkpoint_if_cancelled
+        # The reader's deadline: the one in effect where the stream was opened (the
+        # request's), until _expire reads the reader's own again.
+        self._deadline = deadline
+        # Responses the model has handed over that the reader has not taken (in the
+        # buffer, or waiting at its door): two counts a response, where the channel's
+        # statistics() built an object on every `ready` (1-2 us).
+        self._pending = 0
         # The error that ended the stream, raised once the responses before it are read.
         self._error: BaseException | None = None
         # Ends the stream as leaving its block does (open_stream's); None once it ran.
@@ -287,10 +294,7 @@ class ResponseStream(metaclass=NoPublicConstructor):
         read at once. The server's streams do that, so that a model's run
         of responses leaves in one write.
         """
-        if not self._producing:
-            return True  # ended: the rest of the buffer, then the end, are at hand
-        statistics = self._receive.statistics()
-        return statistics.current_buffer_used > 0 or statistics.tasks_waiting_send > 0
+        return self._pending > 0 or not self._producing  # ended: the rest, then the end
 
     def __aiter__(self) -> ResponseStream:
         return self
@@ -318,6 +322,19 @@ class ResponseStream(metaclass=NoPublicConstructor):
         else:
             await anyio.lowlevel.checkpoint()
 
+    async def _expire(self) -> None:
+        # The deadline read at open has passed: the reader's own decides now (a scope of
+        # its may have moved its deadline, or it may read from a shielded one). Past it,
+        # a pass of the loop lets the loop cancel the reader's scope (on Trio the first
+        # does; asyncio's timer may need another); before it, read on to that one.
+        clock = self._clock
+        while True:
+            deadline = clock.current_effective_deadline()
+            if clock.current_time() < deadline:
+                self._deadline = deadline
+                return
+            await clock.checkpoint()
+
     def _produced(self) -> None:
         # The model's task has ended (its generator is closed): wake aclose().
         self._producing = False
@@ -325,13 +342,23 @@ class ResponseStream(metaclass=NoPublicConstructor):
             self._stopped.set()
 
     async def __anext__(self) -> Outputs:
-        """The next response; ``StopAsyncIteration`` after the last one."""
+        """The next response; ``StopAsyncIteration`` after the last one.
+
+        A reader whose scope is cancelled, or whose deadline has passed, gets
+        its ``Cancelled`` here (and no response), also when responses wait
+        in the buffer and no pass of the event loop came since the deadline.
+        """
         receive = self._receive
         try:
-            # A cancelled reader stops here, before it takes a response. One at hand is
-            # then taken with no pass of the loop (a model's run of responses is read
-            # in one go); else it waits for one.
+            # A cancelled reader stops here, before it takes a response, and so does
+            # one whose deadline has passed: the loop turns a deadline into a
+            # cancellation only at its next pass, and a response at hand is taken
+            # without one (a model's run of responses is read in one go). Else it
+            # waits for one. (A clock read a response; none with no deadline.)
             await self._checkpoint_if_cancelled()
+            deadline = self._deadline
+            if deadline < math.inf and self._now() >= deadline:
+                await self._expire()
             try:
                 item = receive.receive_nowait()
             except _WOULD_BLOCK:
@@ -352,6 +379,7 @@ class ResponseStream(metaclass=NoPublicConstructor):
                 f"the response stream of request {self._id!r} is closed: its `async with "
                 "engine.infer_stream(...)` block has ended; iterate it inside that block"
             ) from None
+        self._pending -= 1
         if item.__class__ is _WithParameters:
             assert isinstance(item, _WithParameters)
             self._parameters = item.parameters
@@ -384,6 +412,7 @@ async def open_stream(
     """
     find = engine._follow_up_runner if follow_up else engine._runner
     runner = find(model)
+    clock = runner.clock
     gate = engine._gates.get(model)
     wanted = requested_outputs(model, runner.signature, outputs) if outputs else ()
     request_id = request_id if request_id is not None else next_request_id()
@@ -391,7 +420,6 @@ async def open_stream(
     traced: StreamTrace | None = None
     if gate is not None:
         arrays = validate_inputs(model, runner.signature, inputs, runner.input_limits)
-        clock = runner.clock
         await clock.checkpoint_if_cancelled()
         if engine._gates.get(model) is not gate:  # replaced or unloaded while we yielded
             runner, gate = find(model), engine._gates.get(model)
@@ -419,7 +447,8 @@ async def open_stream(
         if traced is not None:
             traced.admitted(replica)
     send, receive = _channel(ahead)
-    stream = ResponseStream._create(request_id, receive)
+    deadline = request.deadline if request is not None else clock.current_effective_deadline()
+    stream = ResponseStream._create(request_id, receive, clock, deadline)
     body_error: BaseException | None = None
     abandoned = False
     # The model's task runs in it: cancelled when the stream is closed early.
@@ -510,9 +539,9 @@ async def _generate(
                         if check is not None:
                             check.check(outputs, 0, replica)
                         if state.response_parameters:
-                            await _hand_over(send, _parameterised(state, outputs))
+                            await _hand_over(send, stream, _parameterised(state, outputs))
                         else:
-                            await _hand_over(send, outputs)
+                            await _hand_over(send, stream, outputs)
                 else:
 
                     async def checked(outputs: Outputs) -> None:
@@ -526,9 +555,9 @@ async def _generate(
                         elif check is not None:
                             check.check(outputs, 0, replica)
                         if state.response_parameters:
-                            await _hand_over(send, _parameterised(state, outputs))
+                            await _hand_over(send, stream, _parameterised(state, outputs))
                         else:
-                            await _hand_over(send, outputs)
+                            await _hand_over(send, stream, outputs)
 
                     if traced is None:
                         async for outputs in generator:
@@ -627,6 +656,7 @@ async def _one(
                     request_id=request_id,
                     parameters=parameters or None,
                 )
+                stream._pending += 1
                 await send.send(outputs)
             else:
                 # infer_detailed: its answer's response parameters go with it.
@@ -639,6 +669,7 @@ async def _one(
                     parameters=parameters or None,
                     outputs=wanted or None,
                 )
+                stream._pending += 1
                 if result.parameters:
                     await send.send(_WithParameters(result.outputs, result.parameters))
                 else:

@@ -84,9 +84,11 @@ def iter_intervals(intervals_ns: Sequence[int]) -> Iterator[int]:
             due += gap
 
 
-#: One worker's way of sending request variant *n*; returns 200 on success, else the status.
-#: (In-process only: HTTP levels run in a `_LoadLoop`.)
-Send = Callable[[int], Awaitable[Status]]
+#: One worker's way of sending request variant *n*, due at the second argument (a
+#: ``perf_counter_ns``: when it was sent, closed loop; when it was due, open loop, which
+#: its time to a first response counts from, as its latency does); returns 200 on
+#: success, else the status. (In-process only: HTTP levels run in a `_LoadLoop`.)
+Send = Callable[[int, int], Awaitable[Status]]
 
 # Poll flags: select.poll's and epoll's have the same values for these four.
 _IN: Final = select.POLLIN
@@ -425,7 +427,7 @@ async def _closed_level(
         n = first
         while True:
             start = time.perf_counter_ns()
-            status = await send(n)
+            status = await send(n, start)
             end = time.perf_counter_ns()
             window = recorder.window
             if status == 200:
@@ -471,7 +473,7 @@ async def _open_level(
             window = recorder.window
             window.sent += 1
             window.delays.append(time.perf_counter_ns() - due)
-            status = await send(n)
+            status = await send(n, due)
             end = time.perf_counter_ns()
             window = recorder.window
             if status == 200:

@@ -29,6 +29,7 @@ from typing import Any, Final
 import attrs
 import trio
 
+from .._bounds import MAX_RATE, MIN_RATE, RATE_RANGE
 from .._config import ModelConfig
 from .._engine import Engine, ModelInfo, open_engine
 from .._exceptions import TrioInferError
@@ -106,7 +107,10 @@ class Plan:
         The level is reported at the intervals' mean rate.
 
         Raises:
-            BenchError: No intervals, a negative one, or none above 0.
+            BenchError: No intervals, a negative one, none above 0, or a mean
+                rate outside `--request-rate`'s range (one request in 1000 s to
+                one a microsecond: beyond it a level would see no request, or
+                every one due at once).
         """
         if not intervals_ns or min(intervals_ns) < 0 or not sum(intervals_ns) > 0:
             raise BenchError(
@@ -114,6 +118,14 @@ class Plan:
                 "not all 0"
             )
         rate = len(intervals_ns) * 1e9 / sum(intervals_ns)
+        if not MIN_RATE <= rate <= MAX_RATE:
+            # A gap of hours (microseconds read as something else) printed as 2e-23/s.
+            mean = sum(intervals_ns) / len(intervals_ns)
+            raise BenchError(
+                f"request intervals must average from {1e6 / MAX_RATE:g} µs to "
+                f"{1 / MIN_RATE:g} s (a rate from {RATE_RANGE}, as --request-rate takes), "
+                f"got a mean of {mean / 1e9:.3g} s ({rate:.3g} requests per second)"
+            )
         return cls(rates=(rate,), intervals=tuple(intervals_ns), **fields)
 
     def schedule(self, rate: float) -> Iterator[int]:
@@ -560,15 +572,18 @@ async def run_in_process(
             recorder.first_error.setdefault(name, public_names(str(exc)))
             return name
 
-        async def send(n: int) -> Status:
+        async def send(n: int, _due: int) -> Status:
             try:
                 await engine.infer(model, inputs[n % len(inputs)])
             except TrioInferError as exc:
                 return failed(exc)
             return 200
 
-        async def stream(n: int) -> Status:
-            start, first, responses = time.perf_counter_ns(), 0, 0
+        async def stream(n: int, due: int) -> Status:
+            # The first response's time counts from when the request was due (open
+            # loop: a request that waited for a free worker waited on its clock), as
+            # its latency does and as perf_analyzer counts it.
+            first, responses = 0, 0
             try:
                 async with engine.infer_stream(model, inputs[n % len(inputs)]) as answers:
                     async for _ in answers:
@@ -578,12 +593,12 @@ async def run_in_process(
             except TrioInferError as exc:
                 return failed(exc)
             if responses:
-                recorder.window.first.append(first - start)
+                recorder.window.first.append(first - due)
                 recorder.window.responses += responses
             return 200
 
         def in_sequence(steps: Iterator[SequenceStep]) -> Send:
-            async def send_step(n: int) -> Status:
+            async def send_step(n: int, _due: int) -> Status:
                 step = next(steps)
                 flags = SequenceFlags(step.id, start=step.start, end=step.end)
                 try:

@@ -956,6 +956,12 @@ def _check_limits(limits: Any, config_file: Path) -> None:
             f"known keys are {', '.join(known)}{_did_you_mean(unknown, known)}",
             param_hint="--config",
         )
+    try:
+        Limits(**limits)
+    except TrioInferError as exc:
+        # Said with the file it is in, as the file's other errors are (the server's
+        # settings are checked again, whole, where the command line's join them).
+        raise click.BadParameter(f"{config_file}: [limits] {exc}", param_hint="--config") from None
 
 
 async def _serve(

@@ -469,8 +469,10 @@ class GenerateEndpoint:
                 await flush()  # the responses before the error, then its event
             raise
         if scope.cancelled_caught:
-            if events:
-                await flush()
+            # Events held for the rest of their run leave no more: their deadline has
+            # passed (a response read at it, with no pass of the loop between, would
+            # otherwise leave after it). Its error says so instead.
+            events.clear()
             raise DeadlineExceeded(
                 f"the request's timeout of {_timeout_text(timeout_s)} passed before its "
                 "last response"

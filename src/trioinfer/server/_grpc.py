@@ -50,6 +50,7 @@ from .._exceptions import (
     TrioInferError,
 )
 from .._request import Parameter
+from .._stream import STREAM_AHEAD
 from . import _grpc_h2 as status
 from . import _grpc_proto as pb
 from ._app import (
@@ -496,19 +497,19 @@ class _Service:
         message: Any,
         parts: dict[str, Any] | _Planned,
         metadata: Mapping[str, str],
-        emit: Send | None = None,
+        stream: _StreamState | None = None,
         expires: float | None = None,
     ) -> tuple[Any, ...] | None:
         # In a server span parented by the call's traceparent metadata, when tracing is on.
         tracing = self._state.models.engine._tracing
         if tracing is None:
-            return await self._infer_in_loop(message, parts, metadata, emit, expires)
+            return await self._infer_in_loop(message, parts, metadata, stream, expires)
         return await tracing.serve_grpc(
-            "ModelInfer" if emit is None else "ModelStreamInfer",
+            "ModelInfer" if stream is None else "ModelStreamInfer",
             metadata,
             message.model_name,
             message.model_version or None,
-            lambda: self._infer_in_loop(message, parts, metadata, emit, expires),
+            lambda: self._infer_in_loop(message, parts, metadata, stream, expires),
         )
 
     async def _infer_in_loop(
@@ -516,10 +517,10 @@ class _Service:
         message: Any,
         parts: dict[str, Any] | _Planned,
         metadata: Mapping[str, str],
-        emit: Send | None = None,
+        stream: _StreamState | None = None,
         expires: float | None = None,
     ) -> tuple[Any, ...] | None:
-        """Answer one request; a decoupled model's responses go to *emit* (a stream), then None.
+        """Answer one request; a decoupled model's responses go to *stream* (a call's), then None.
 
         *expires* is the call's deadline (`GrpcCall.expires`): a request
         cancelled once it passed is counted as expired, as an HTTP request
@@ -556,10 +557,18 @@ class _Service:
                         if self._forward is not None
                         else None
                     )
-                    if emit is not None and served.info.decoupled:
+                    if stream is not None and served.info.decoupled:
                         stream_sequence(served, request.parameters)  # refused there
                         await _stream(
-                            state, served, request, priority, timeout, order, emit, lease, forwarded
+                            state,
+                            served,
+                            request,
+                            priority,
+                            timeout,
+                            order,
+                            stream,
+                            lease,
+                            forwarded,
                         )
                         result = None
                     else:
@@ -658,7 +667,7 @@ class _Service:
         try:
             if after is not None:
                 await after.wait()  # the sequence's previous request, ended
-            await self._stream_request(request, metadata, call, stream.send)
+            await self._stream_request(request, metadata, call, stream)
         except Exception as exc:  # the stream goes on; this request's error goes back
             if not isinstance(exc, TrioInferError):
                 log.exception("gRPC stream request failed", exc_info=exc)
@@ -691,17 +700,16 @@ class _Service:
         request: Any,
         metadata: Mapping[str, str],
         call: GrpcCall,
-        send: Send,
+        stream: _StreamState,
     ) -> None:
         # Responses are sent as they come, in the request's own task: a client that
         # reads slower than the model answers holds the model's generator back
-        # (HTTP/2 flow control) once its stream's buffer is full (`STREAM_AHEAD`
-        # responses a request, up to STREAM_CONCURRENCY requests a call), instead of
-        # its responses piling up here without bound.
+        # (HTTP/2 flow control) once its stream's buffer is full (`_StreamState.lend`:
+        # the call's requests share a bound), instead of its responses piling up here.
         parts = _infer_parts(request)
         # No scope of its own for the call's deadline: the call's task group is under
         # it already (`_grpc_h2`), and its passing ends the whole stream.
-        result = await self._traced_infer(request, parts, metadata, send, call.expires)
+        result = await self._traced_infer(request, parts, metadata, stream, call.expires)
         if result is not None:
             model, version, request_id, outputs, given = result
             asked = request.parameters.get("triton_enable_empty_final_response")
@@ -710,7 +718,7 @@ class _Service:
                 # says so as Triton's does; a client reading until the flag would wait
                 # forever for an empty final response that never comes.
                 given = {**(given or {}), **_FINAL}
-            await send(_stream_response(model, version, request_id, outputs, given))
+            await stream.send(_stream_response(model, version, request_id, outputs, given))
 
 
 #: The most requests of one ModelStreamInfer call that run at once: as many as one
@@ -718,22 +726,47 @@ class _Service:
 #: than the same client could with unary calls. Past it the stream reads no further
 #: request until one ends, and HTTP/2 flow control then holds the client.
 STREAM_CONCURRENCY: Final = 1024
+#: The responses a ModelStreamInfer call's decoupled requests may have made ahead of its
+#: writer between them, beyond one each (`_StreamState.lend`): with STREAM_CONCURRENCY
+#: requests in flight, at most 2,048 wait in the engine's buffers (and at most as many in
+#: runs being written), where 16 each let 16,384 wait (and as many be written).
+STREAM_CALL_AHEAD: Final = 1024
 
 
 @final
 class _StreamState:
-    """A ModelStreamInfer call's shared parts: one writer at a time, its slots, its sequences."""
+    """A ModelStreamInfer call's shared parts: one writer at a time, its slots, its sequences.
 
-    __slots__ = ("_lock", "_send", "slots", "tails")
+    And what its requests may make ahead of their reader, between them (`lend`).
+    """
+
+    __slots__ = ("_lock", "_send", "_spare", "slots", "tails")
 
     def __init__(self, send: Send) -> None:
         self._send = send
+        self._spare = STREAM_CALL_AHEAD
         # A response larger than the client's window goes out in pieces, with waits
         # between them: two of them at once would interleave their bytes.
         self._lock = anyio.Lock()
         self.slots = anyio.Semaphore(STREAM_CONCURRENCY)
         #: Each sequence's (model, sequence_id) last request read: set when it ended.
         self.tails: dict[tuple[str, int | str], anyio.Event] = {}
+
+    def lend(self) -> int:
+        """A decoupled request's ``ahead``: `STREAM_AHEAD`, or less when the call is busy.
+
+        One is every request's own (a stream cannot make less); the rest
+        (up to `STREAM_AHEAD` in all) come from the call's `STREAM_CALL_AHEAD`
+        while it has them: the first 68 requests in flight at once get 16, the
+        ones after them what is left, then 1. `repay` gives them back.
+        """
+        extra = min(STREAM_AHEAD - 1, self._spare)
+        self._spare -= extra
+        return 1 + extra
+
+    def repay(self, ahead: int) -> None:
+        """The request that `lend` gave *ahead* to has ended."""
+        self._spare += ahead - 1
 
     async def send(self, *messages: bytes) -> None:
         """Send *messages* together (`Send`), never beside another's bytes."""
@@ -770,11 +803,11 @@ async def _stream(
     priority: int,
     timeout_s: float | None,
     order: list[str],
-    emit: Send,
+    stream: _StreamState,
     lease: Any,
     forwarded: Mapping[str, str] | None,
 ) -> None:
-    """Emit a decoupled model's responses, as Triton's gRPC stream sends them.
+    """Send a decoupled model's responses on *stream*, as Triton's gRPC stream sends them.
 
     With ``triton_enable_empty_final_response`` (tritonclient's
     ``enable_empty_final_response=True``) each response carries
@@ -786,6 +819,8 @@ async def _stream(
     (`ResponseStream.ready`) wait for it, up to `_RUN_BYTES`, and a model's run
     of responses leaves in one send: one DATA frame, one wake of the
     connection's writer (a send each cost about a third of a response's CPU).
+    The model makes at most `_StreamState.lend`'s ``ahead`` responses that
+    are not read: a call's requests in flight share a bound.
     """
     final = request.parameters.get("triton_enable_empty_final_response") is True
     model, version, request_id = served.model, str(served.version), request.id
@@ -793,42 +828,48 @@ async def _stream(
     encode = raw_output_encoder(request, order, lease, copy=False)
     run: list[bytes] = []  # responses made and not sent yet
     held = 0  # their bytes
-    with anyio.move_on_after(timeout_s if timeout_s is not None else math.inf) as scope:
-        try:
-            async with state.models.engine.infer_stream(
-                served.engine_name,
-                request.inputs,
-                priority=priority,
-                request_id=request_id,
-                parameters=with_headers(request.parameters, forwarded),
-                outputs=requested_names(request),
-            ) as responses:
-                async for outputs in responses:
-                    encoded = encode(outputs)
-                    given = responses.parameters
-                    if final:
-                        given = {**given, **_NOT_FINAL} if given else _NOT_FINAL
-                    data = _stream_response(model, version, request_id, encoded, given)
-                    run.append(data)
-                    held += len(data)
-                    if held >= _RUN_BYTES or not responses.ready:
-                        messages, held = tuple(run), 0
-                        run.clear()
-                        await emit(*messages)
-        except Exception:
-            if run:  # the responses before the error, then (from the caller) the error
-                await emit(*run)
-            raise
-    if scope.cancelled_caught:
-        if run:  # what was read before the timeout, before its error
+    emit = stream.send
+    ahead = stream.lend()
+    try:
+        with anyio.move_on_after(timeout_s if timeout_s is not None else math.inf) as scope:
+            try:
+                async with state.models.engine.infer_stream(
+                    served.engine_name,
+                    request.inputs,
+                    priority=priority,
+                    request_id=request_id,
+                    parameters=with_headers(request.parameters, forwarded),
+                    outputs=requested_names(request),
+                    ahead=ahead,
+                ) as responses:
+                    async for outputs in responses:
+                        encoded = encode(outputs)
+                        given = responses.parameters
+                        if final:
+                            given = {**given, **_NOT_FINAL} if given else _NOT_FINAL
+                        data = _stream_response(model, version, request_id, encoded, given)
+                        run.append(data)
+                        held += len(data)
+                        if held >= _RUN_BYTES or not responses.ready:
+                            messages, held = tuple(run), 0
+                            run.clear()
+                            await emit(*messages)
+            except Exception:
+                if run:  # the responses before the error, then (from the caller) the error
+                    await emit(*run)
+                raise
+        if scope.cancelled_caught:
+            # The run held for the rest of it leaves no more: its deadline has passed (as
+            # the SSE writer's). The error says so instead.
+            raise DeadlineExceeded(
+                f"the request's timeout of {timeout_s} s passed before its last response"
+            )
+        if final:
+            run.append(_stream_response(model, version, request_id, [], _FINAL))
+        if run:
             await emit(*run)
-        raise DeadlineExceeded(
-            f"the request's timeout of {timeout_s} s passed before its last response"
-        )
-    if final:
-        run.append(_stream_response(model, version, request_id, [], _FINAL))
-    if run:
-        await emit(*run)
+    finally:
+        stream.repay(ahead)  # its last run sent, or dropped
 
 
 #: The most bytes of a stream's responses held for the rest of their run (`_stream`).
