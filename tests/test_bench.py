@@ -198,11 +198,19 @@ def test_arrivals_refuse_a_rate_the_schedule_cannot_keep(rate: float) -> None:
         next(tool.iter_arrivals(rate, "poisson"))
 
 
-@pytest.mark.parametrize("rate", ["1e-300", "1e300", "100,1e7"])
+@pytest.mark.parametrize("rate", ["1e-300", "1e300", "100,1e7", "0", "-5", "abc", "nan"])
 def test_a_request_rate_out_of_range_is_a_usage_error(rate: str) -> None:
+    # (0, a negative or no number was "expected positive numbers", with no range.)
     result = bench("-m", "d", "--request-rate", rate)
     assert result.exit_code == 2, result.output
     assert "0.001 to 1000000 requests per second" in result.output, result.output
+
+
+@pytest.mark.parametrize("levels", ["0", "1.5", "4,0", "x"])
+def test_a_concurrency_that_is_not_whole_numbers_is_a_usage_error(levels: str) -> None:
+    result = bench("-m", "d", "--concurrency", levels)
+    assert result.exit_code == 2, result.output
+    assert "expected whole numbers of 1 or more, separated by commas" in result.output
 
 
 def test_stability_needs_three_close_windows() -> None:

@@ -28,7 +28,9 @@ if TYPE_CHECKING:
 _T = TypeVar("_T")
 
 
-def _numbers(kind: type[int] | type[float]) -> Any:
+def _numbers(kind: type[int] | type[float], expected: str, low: float, high: float) -> Any:
+    # A comma-separated list of levels, each from low to high; the error says what
+    # one level may be ("0" was "not a positive number", with no word of the range).
     def parse(_ctx: click.Context, _param: click.Parameter, value: str | None) -> Any:
         if value is None:
             return ()
@@ -36,20 +38,11 @@ def _numbers(kind: type[int] | type[float]) -> Any:
             numbers = tuple(kind(part) for part in value.split(",") if part.strip())
         except ValueError:
             numbers = ()
-        if not numbers or not all(n > 0 and math.isfinite(n) for n in numbers):
-            raise click.BadParameter(
-                f"expected positive numbers separated by commas, got {value!r}"
-            )
+        if not numbers or not all(low <= n <= high for n in numbers):
+            raise click.BadParameter(f"expected {expected}, separated by commas; got {value!r}")
         return numbers
 
     return parse
-
-
-def _rates(ctx: click.Context, param: click.Parameter, value: str | None) -> Any:
-    rates = _numbers(float)(ctx, param, value)
-    if not all(MIN_RATE <= rate <= MAX_RATE for rate in rates):
-        raise click.BadParameter(f"expected rates from {RATE_RANGE}, got {value!r}")
-    return rates
 
 
 def _shapes(_ctx: click.Context, _param: click.Parameter, value: Sequence[str]) -> dict[str, Any]:
@@ -177,7 +170,7 @@ _REFUSED_INPUTS = (
 )
 @click.option(
     "--concurrency",
-    callback=_numbers(int),
+    callback=_numbers(int, "whole numbers of 1 or more", 1, math.inf),
     default="1",
     show_default=True,
     metavar="C1,C2,...",
@@ -185,7 +178,7 @@ _REFUSED_INPUTS = (
 )
 @click.option(
     "--request-rate",
-    callback=_rates,
+    callback=_numbers(float, f"rates from {RATE_RANGE}", MIN_RATE, MAX_RATE),
     default=None,
     metavar="R1,R2,...",
     help="Open loop instead: requests per second offered (0.001 to 1000000), one level "
