@@ -507,6 +507,27 @@ def test_an_interrupted_run_unregisters_its_regions(server: Server) -> None:
     assert leftover_regions() == []
 
 
+@pytest.mark.sequence
+@pytest.mark.python_model
+@pytest.mark.parametrize(
+    ("args", "said"),
+    [
+        (("-m", "simple_sequence"), "every request to a stateful model is part of one"),
+        (("-m", "repeat_int32", "--streaming"), "does not go with --streaming"),
+    ],
+)
+def test_shared_memory_says_why_it_does_not_go_with_a_model(
+    server: Server, args: tuple[str, ...], said: str
+) -> None:
+    # A stateful model benched with --shared-memory alone was told "--shared-memory goes
+    # with neither sequences nor --streaming", sequences it had not asked for.
+    code, output, _ = bench(
+        *("--url", server.url, *args, "--input-data", "zero", "--shared-memory", "system")
+    )
+    assert code == 1
+    assert said in output
+
+
 def test_cuda_shared_memory_is_refused() -> None:
     code, output, _ = bench("-m", "add", "--shared-memory", "cuda")
     assert code == 2

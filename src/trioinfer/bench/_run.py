@@ -335,8 +335,14 @@ def _regions(
 def _check_modes(modes: Modes, plan: Plan, input_files: Sequence[Path]) -> Modes:
     # Shared memory goes alone, with one request's inputs.
     shm = modes.shared_memory != "none"
-    if shm and (modes.sequence_length is not None or modes.streaming):
-        raise BenchError("--shared-memory goes with neither sequences nor --streaming")
+    if shm and modes.streaming:
+        raise BenchError("--shared-memory does not go with --streaming: leave one out")
+    if shm and modes.sequence_length is not None:
+        # Said of a stateful model whatever the flags: its requests are sequences.
+        raise BenchError(
+            "--shared-memory does not go with sequences, and every request to a stateful "
+            "model is part of one: bench it without --shared-memory"
+        )
     if shm and len(input_files) > 1:
         raise BenchError("--shared-memory puts one request's inputs in memory: give one input file")
     first, end = modes.sequence_ids
