@@ -254,6 +254,10 @@ def test_serve_refuses_bad_settings_with_a_usage_error(tmp_path: Path) -> None:
         ("prot = 8000", "unknown key 'prot'; known keys are"),
         ("prot = 8000", "did you mean 'port' for 'prot'?"),
         ("[limits]\nmax_body_byte = 1", "did you mean 'max_body_bytes' for 'max_body_byte'?"),
+        # A limit's value was "invalid server settings: head_timeout ...", naming neither
+        # the file nor the table.
+        ("[limits]\nhead_timeout = 0", "server.toml: [limits] head_timeout must be a number"),
+        ("[limits]\nmax_body_bytes = 'x'", "server.toml: [limits] max_body_bytes must be a"),
         # tomllib's words alone ("Cannot overwrite a value") do not say the file is the fault.
         ("port = 8000\nport = 8001", "server.toml is not valid TOML: Cannot overwrite a value"),
         ('host = "127.0.0.1', "server.toml is not valid TOML: "),

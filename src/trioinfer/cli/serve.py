@@ -955,6 +955,10 @@ def _check_limits(limits: Any, config_file: Path) -> None:
             f"known keys are {', '.join(known)}{_did_you_mean(unknown, known)}",
             param_hint="--config",
         )
+    try:
+        Limits(**limits)
+    except (TypeError, TrioInferError) as exc:
+        raise click.BadParameter(f"{config_file}: [limits] {exc}", param_hint="--config") from None
 
 
 async def _serve(
