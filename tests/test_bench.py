@@ -213,6 +213,42 @@ def test_a_concurrency_that_is_not_whole_numbers_is_a_usage_error(levels: str) -
     assert "expected whole numbers of 1 or more, separated by commas" in result.output
 
 
+@pytest.mark.parametrize(
+    ("args", "said"),
+    [
+        (("--num-of-sequences", "3", "--concurrency", "2"), "--num-of-sequences: for an open"),
+        (("--arrivals", "constant"), "--arrivals: for an open loop"),
+        (("--max-connections", "4"), "--max-connections: for an open loop"),
+        (("--request-intervals", "{gaps}", "--arrivals", "poisson"), "does not go with"),
+    ],
+)
+def test_open_loop_flags_are_refused_where_nothing_uses_them(
+    tmp_path: Path, args: tuple[str, ...], said: str
+) -> None:
+    # A closed loop took them and ran as if they were not there: 2 sequences in flight
+    # for --num-of-sequences 3.
+    gaps = tmp_path / "gaps.txt"
+    gaps.write_text("1000\n2000\n")
+    result = bench("-m", "d", *(arg.format(gaps=gaps) for arg in args))
+    assert result.exit_code == 2, result.output
+    assert said in result.output
+
+
+@pytest.mark.parametrize(
+    ("args", "said"),
+    [
+        (("--in-process", "--protocol", "grpc"), "--protocol: for a server; --in-process"),
+        (("--in-process", "--url", "http://h:1", "--encoding", "binary"), "--url, --encoding:"),
+        (("--grpc-client", "aio"), "--grpc-client: for --protocol grpc"),
+    ],
+)
+def test_server_flags_are_refused_where_nothing_uses_them(args: tuple[str, ...], said: str) -> None:
+    # `--in-process --protocol grpc` measured the engine alone, and said nothing of it.
+    result = bench("--model-file", __file__, "-m", "d", *args)
+    assert result.exit_code == 2, result.output
+    assert said in result.output
+
+
 def test_stability_needs_three_close_windows() -> None:
     assert not tool.is_stable([(100, 1.0), (100, 1.0)], 10)
     assert tool.is_stable([(50, 9.0), (100, 1.0), (105, 1.05), (98, 1.0)], 10)

@@ -414,7 +414,7 @@ def test_sequences_in_flight_need_an_id_each(
 
 @pytest.mark.sequence
 def test_the_number_of_open_loop_sequences_is_for_stateful_models(server: Server) -> None:
-    code, output, _ = bench("--url", server.url, "-m", "add", "--num-of-sequences", "3")
+    code, output, _ = bench("--url", server.url, "-m", "add", "--num-of-sequences", "3", *OPEN)
     assert code == 1
     assert "not stateful" in output
 

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import click
 import trio
+from click.core import ParameterSource
 
 from .._bounds import MAX_RATE, MIN_RATE, RATE_RANGE
 from .._exceptions import TrioInferError
@@ -466,6 +467,7 @@ def bench(**options: Any) -> None:
     ]
     if len(loads) > 1:
         raise click.UsageError(f"give one of {', '.join(loads)}, not several")
+    _check_unused_flags(options)
     local = options["model_file"] is not None or options["model_repository"] is not None
     if options["in_process"] and not local:
         raise click.UsageError("--in-process needs --model-file, or --model-repository and --model")
@@ -554,6 +556,41 @@ def bench(**options: Any) -> None:
                 err=True,
             )
         raise click.ClickException(f"{failed} requests failed (see the errors column)")
+
+
+def _given(*flags: str) -> list[str]:
+    # Those of *flags* given, not left at their default.
+    ctx = click.get_current_context()
+    names = {opt: param.name for param in ctx.command.params for opt in param.opts}
+    return [
+        flag
+        for flag in flags
+        if ctx.get_parameter_source(str(names[flag])) is not ParameterSource.DEFAULT
+    ]
+
+
+def _check_unused_flags(options: dict[str, Any]) -> None:
+    # Flags that nothing would use were taken without a word: `--num-of-sequences 3
+    # --concurrency 2` ran 2 sequences, and `--in-process --protocol grpc` measured no gRPC.
+    server = _given("--url", "--protocol", "--grpc-client", "--encoding")
+    if options["in_process"] and server:
+        raise click.UsageError(
+            f"{', '.join(server)}: for a server; --in-process drives an engine in this "
+            "process, with no HTTP or gRPC"
+        )
+    if options["protocol"] != "grpc" and _given("--grpc-client"):
+        raise click.UsageError("--grpc-client: for --protocol grpc")
+    given = _given("--arrivals", "--max-connections", "--num-of-sequences")
+    if options["request_intervals"] is not None and "--arrivals" in given:
+        raise click.UsageError(
+            "--arrivals does not go with --request-intervals: the file gives the gaps "
+            "between requests"
+        )
+    if given and not options["request_rate"] and options["request_intervals"] is None:
+        raise click.UsageError(
+            f"{', '.join(given)}: for an open loop (--request-rate or --request-intervals); "
+            "in a closed loop, --concurrency alone sets the requests (or sequences) in flight"
+        )
 
 
 def _url(parse: Callable[[str, str, str | None], _T], url: str, options: dict[str, Any]) -> _T:
