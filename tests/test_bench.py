@@ -682,7 +682,8 @@ def test_usage_errors() -> None:
 @pytest.mark.parametrize(
     ("args", "said"),
     [
-        (("--url", "localhost:8000"), "--url must look like http://HOST:PORT, got"),
+        (("--url", "ftp://h:1"), "--url must look like http://HOST:PORT, got"),
+        (("--url", "https://h:1"), "(the tool speaks no TLS: use a plain-HTTP port)"),
         (("--url", "grpc://h:1"), "(for V2 gRPC, add --protocol grpc)"),
         (("--protocol", "grpc", "--url", "http://h:1"), "--url must be grpc://HOST:PORT"),
     ],
@@ -693,6 +694,14 @@ def test_a_url_of_the_wrong_form_is_a_usage_error(args: tuple[str, ...], said: s
     assert result.exit_code == 2, result.output
     assert "Invalid value for --url: " in result.output
     assert said in " ".join(result.output.split())
+
+
+def test_a_url_may_be_host_and_port_as_perf_analyzers() -> None:
+    # perf_analyzer's -u and tritonclient take "localhost:8000"; --url refused it (while
+    # --protocol grpc took "HOST:PORT").
+    target = tool.HttpTarget.from_url("localhost:8000", "digits")
+    assert (target.host, target.port) == ("localhost", 8000)
+    assert tool.HttpTarget.from_url("[::1]:8000", "digits").host == "::1"
 
 
 @pytest.fixture

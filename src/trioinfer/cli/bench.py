@@ -142,7 +142,8 @@ _REFUSED_INPUTS = (
     show_default=True,
     metavar="URL",
     help="The V2 server (trioinfer, Triton, MLServer, KServe): http://HOST:PORT, or with "
-    "--protocol grpc, grpc://HOST:PORT (default 127.0.0.1:8001).",
+    "--protocol grpc, grpc://HOST:PORT (default 127.0.0.1:8001); HOST:PORT alone, as "
+    "perf_analyzer's -u, is either. No TLS (https).",
 )
 @click.option(
     "--protocol",
