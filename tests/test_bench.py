@@ -249,6 +249,17 @@ def test_server_flags_are_refused_where_nothing_uses_them(args: tuple[str, ...],
     assert said in result.output
 
 
+@pytest.mark.parametrize("flag", ["--json", "--csv", "--plot"])
+def test_an_output_file_that_cannot_be_written_is_refused_before_the_run(
+    tmp_path: Path, flag: str
+) -> None:
+    # It was found after the run ("[Errno 2] No such file or directory"): minutes of
+    # figures lost. No server here: the refusal comes before any connection.
+    result = bench("-m", "d", flag, str(tmp_path / "missing" / "out"))
+    assert result.exit_code == 2, result.output
+    assert f"cannot write '{tmp_path / 'missing' / 'out'}': no directory" in result.output
+
+
 def test_stability_needs_three_close_windows() -> None:
     assert not tool.is_stable([(100, 1.0), (100, 1.0)], 10)
     assert tool.is_stable([(50, 9.0), (100, 1.0), (105, 1.05), (98, 1.0)], 10)

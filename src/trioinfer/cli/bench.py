@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -44,6 +45,19 @@ def _numbers(kind: type[int] | type[float], expected: str, low: float, high: flo
         return numbers
 
     return parse
+
+
+def _output_file(_ctx: click.Context, _param: click.Parameter, value: Path | None) -> Any:
+    # Checked before the run, which may take minutes: a file that cannot be written
+    # was found only after it, the figures of the whole run lost with it.
+    if value is None:
+        return None
+    folder = value.parent
+    if not folder.is_dir():
+        raise click.BadParameter(f"cannot write {str(value)!r}: no directory {str(folder)!r}")
+    if not os.access(value if value.exists() else folder, os.W_OK):
+        raise click.BadParameter(f"cannot write {str(value)!r}: permission denied")
+    return value
 
 
 def _shapes(_ctx: click.Context, _param: click.Parameter, value: Sequence[str]) -> dict[str, Any]:
@@ -374,6 +388,7 @@ _REFUSED_INPUTS = (
     "--json",
     "json_file",
     type=click.Path(dir_okay=False, path_type=Path),
+    callback=_output_file,
     default=None,
     metavar="FILE",
     help="Also write the results as JSON.",
@@ -382,6 +397,7 @@ _REFUSED_INPUTS = (
     "--csv",
     "csv_file",
     type=click.Path(dir_okay=False, path_type=Path),
+    callback=_output_file,
     default=None,
     metavar="FILE",
     help="Also write the results as CSV.",
@@ -390,6 +406,7 @@ _REFUSED_INPUTS = (
     "--plot",
     "plot_file",
     type=click.Path(dir_okay=False, path_type=Path),
+    callback=_output_file,
     default=None,
     metavar="FILE.png",
     help="Plot latency percentiles against throughput (needs the bench extra's matplotlib).",
