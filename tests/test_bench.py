@@ -420,6 +420,9 @@ def test_request_intervals_are_due_in_turn_and_cycled() -> None:
     for bad in ([], [0, 0], [5, -1]):
         with pytest.raises(tool.BenchError, match="whole numbers of nanoseconds"):
             tool.Plan.from_intervals(bad)
+    for bad in ([10**40], [0, 999]):
+        with pytest.raises(tool.BenchError, match=r"expected 0\.001 to 1000000 requests per"):
+            tool.Plan.from_intervals(bad)
 
 
 def test_open_loop_from_request_intervals(url: str, tmp_path: Path) -> None:
@@ -445,6 +448,9 @@ def test_open_loop_from_request_intervals(url: str, tmp_path: Path) -> None:
         ("100\nfast\n", (), "line 2: expected a whole number of microseconds"),
         ("-5\n", (), "line 1: expected a whole number of microseconds"),
         ("0\n0\n", (), "no interval above 0"),
+        # A mean rate out of --request-rate's range: 1e-24/s ran a level that sent nothing.
+        ("1" + "0" * 30 + "\n", (), "mean rate is 1e-24 requests per second; expected 0.001"),
+        ("0\n1\n", (), "mean rate is 2e+06 requests per second"),
         ("100\n", ("--request-rate", "5"), "--request-rate, --request-intervals, not several"),
     ],
 )

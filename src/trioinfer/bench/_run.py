@@ -29,6 +29,7 @@ from typing import Any, Final
 import attrs
 import trio
 
+from .._bounds import MAX_RATE, MIN_RATE, RATE_RANGE
 from .._config import ModelConfig
 from .._engine import Engine, ModelInfo, open_engine
 from .._exceptions import TrioInferError
@@ -106,7 +107,8 @@ class Plan:
         The level is reported at the intervals' mean rate.
 
         Raises:
-            BenchError: No intervals, a negative one, or none above 0.
+            BenchError: No intervals, a negative one, or none above 0; or a mean rate
+                out of a rate's range (`--request-rate`'s).
         """
         if not intervals_ns or min(intervals_ns) < 0 or not sum(intervals_ns) > 0:
             raise BenchError(
@@ -114,6 +116,12 @@ class Plan:
                 "not all 0"
             )
         rate = len(intervals_ns) * 1e9 / sum(intervals_ns)
+        if not MIN_RATE <= rate <= MAX_RATE:
+            # (A gap of 10**30 us ran a level of 1e-24 requests/s that sent nothing.)
+            raise BenchError(
+                f"the request intervals' mean rate is {rate:g} requests per second; "
+                f"expected {RATE_RANGE} (a mean interval of 1 to 1000000000 microseconds)"
+            )
         return cls(rates=(rate,), intervals=tuple(intervals_ns), **fields)
 
     def schedule(self, rate: float) -> Iterator[int]:

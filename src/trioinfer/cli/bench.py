@@ -518,7 +518,11 @@ def bench(**options: Any) -> None:
         ),
     )
     if options["request_intervals"] is not None:
-        plan = tool.Plan.from_intervals(options["request_intervals"][1], **fields)
+        path, gaps = options["request_intervals"]
+        try:
+            plan = tool.Plan.from_intervals(gaps, **fields)
+        except tool.BenchError as exc:
+            raise click.BadParameter(f"{path}: {exc}", param_hint="--request-intervals") from None
     else:
         plan = tool.Plan(rates=options["request_rate"], **fields)
     try:
