@@ -240,6 +240,7 @@ def test_open_loop_flags_are_refused_where_nothing_uses_them(
         (("--in-process", "--protocol", "grpc"), "--protocol: for a server; --in-process"),
         (("--in-process", "--url", "http://h:1", "--encoding", "binary"), "--url, --encoding:"),
         (("--grpc-client", "aio"), "--grpc-client: for --protocol grpc"),
+        (("--protocol", "grpc", "--encoding", "binary"), "--encoding: for HTTP; over gRPC"),
     ],
 )
 def test_server_flags_are_refused_where_nothing_uses_them(args: tuple[str, ...], said: str) -> None:

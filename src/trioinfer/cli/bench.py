@@ -538,7 +538,9 @@ def bench(**options: Any) -> None:
         "input_data": options["input_data"][0]
         if not options["input_data"][1]
         else [str(p) for p in options["input_data"][1]],
-        "encoding": None if options["in_process"] else options["encoding"],
+        "encoding": None
+        if options["in_process"] or options["protocol"] == "grpc"
+        else options["encoding"],
         "protocol": None if options["in_process"] else options["protocol"],
         "grpc_client": options["grpc_client"]
         if options["protocol"] == "grpc" and not options["in_process"]
@@ -602,6 +604,11 @@ def _check_unused_flags(options: dict[str, Any]) -> None:
         )
     if options["protocol"] != "grpc" and _given("--grpc-client"):
         raise click.UsageError("--grpc-client: for --protocol grpc")
+    if options["protocol"] == "grpc" and _given("--encoding"):
+        raise click.UsageError(
+            "--encoding: for HTTP; over gRPC the tensors go as raw_input_contents, as "
+            "tritonclient sends them"
+        )
     given = _given("--arrivals", "--max-connections", "--num-of-sequences")
     if options["request_intervals"] is not None and "--arrivals" in given:
         raise click.UsageError(
