@@ -234,6 +234,16 @@ def test_open_loop_flags_are_refused_where_nothing_uses_them(
     assert said in result.output
 
 
+def test_a_model_file_and_a_repository_are_not_both_taken(tmp_path: Path) -> None:
+    # The file was loaded and the repository left unread, without a word.
+    result = bench(
+        "--in-process", "--model-file", __file__, "--model-repository", str(tmp_path), "-m", "d"
+    )
+    assert result.exit_code == 2, result.output
+    assert "give one of --model-file" in result.output
+    assert "not both" in result.output
+
+
 @pytest.mark.parametrize(
     ("args", "said"),
     [

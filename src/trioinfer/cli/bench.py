@@ -491,6 +491,12 @@ def bench(**options: Any) -> None:
         raise click.UsageError("--in-process needs --model-file, or --model-repository and --model")
     if local and not options["in_process"]:
         raise click.UsageError("--model-file and --model-repository go with --in-process")
+    if options["model_file"] is not None and options["model_repository"] is not None:
+        # (The file was loaded, and the repository silently left unread.)
+        raise click.UsageError(
+            "give one of --model-file (an ONNX file, default settings) and --model-repository "
+            "(with --model: loaded as trioinfer serve loads it), not both"
+        )
     if options["shared_memory"] == "cuda":
         raise click.UsageError(
             "--shared-memory cuda is not supported by trioinfer bench: use --shared-memory system"
