@@ -198,11 +198,77 @@ def test_arrivals_refuse_a_rate_the_schedule_cannot_keep(rate: float) -> None:
         next(tool.iter_arrivals(rate, "poisson"))
 
 
-@pytest.mark.parametrize("rate", ["1e-300", "1e300", "100,1e7"])
+@pytest.mark.parametrize("rate", ["1e-300", "1e300", "100,1e7", "0", "-5", "abc", "nan"])
 def test_a_request_rate_out_of_range_is_a_usage_error(rate: str) -> None:
+    # (0, a negative or no number was "expected positive numbers", with no range.)
     result = bench("-m", "d", "--request-rate", rate)
     assert result.exit_code == 2, result.output
     assert "0.001 to 1000000 requests per second" in result.output, result.output
+
+
+@pytest.mark.parametrize("levels", ["0", "1.5", "4,0", "x"])
+def test_a_concurrency_that_is_not_whole_numbers_is_a_usage_error(levels: str) -> None:
+    result = bench("-m", "d", "--concurrency", levels)
+    assert result.exit_code == 2, result.output
+    assert "expected whole numbers of 1 or more, separated by commas" in result.output
+
+
+@pytest.mark.parametrize(
+    ("args", "said"),
+    [
+        (("--num-of-sequences", "3", "--concurrency", "2"), "--num-of-sequences: for an open"),
+        (("--arrivals", "constant"), "--arrivals: for an open loop"),
+        (("--max-connections", "4"), "--max-connections: for an open loop"),
+        (("--request-intervals", "{gaps}", "--arrivals", "poisson"), "does not go with"),
+    ],
+)
+def test_open_loop_flags_are_refused_where_nothing_uses_them(
+    tmp_path: Path, args: tuple[str, ...], said: str
+) -> None:
+    # A closed loop took them and ran as if they were not there: 2 sequences in flight
+    # for --num-of-sequences 3.
+    gaps = tmp_path / "gaps.txt"
+    gaps.write_text("1000\n2000\n")
+    result = bench("-m", "d", *(arg.format(gaps=gaps) for arg in args))
+    assert result.exit_code == 2, result.output
+    assert said in result.output
+
+
+def test_a_model_file_and_a_repository_are_not_both_taken(tmp_path: Path) -> None:
+    # The file was loaded and the repository left unread, without a word.
+    result = bench(
+        "--in-process", "--model-file", __file__, "--model-repository", str(tmp_path), "-m", "d"
+    )
+    assert result.exit_code == 2, result.output
+    assert "give one of --model-file" in result.output
+    assert "not both" in result.output
+
+
+@pytest.mark.parametrize(
+    ("args", "said"),
+    [
+        (("--in-process", "--protocol", "grpc"), "--protocol: for a server; --in-process"),
+        (("--in-process", "--url", "http://h:1", "--encoding", "binary"), "--url, --encoding:"),
+        (("--grpc-client", "aio"), "--grpc-client: for --protocol grpc"),
+        (("--protocol", "grpc", "--encoding", "binary"), "--encoding: for HTTP; over gRPC"),
+    ],
+)
+def test_server_flags_are_refused_where_nothing_uses_them(args: tuple[str, ...], said: str) -> None:
+    # `--in-process --protocol grpc` measured the engine alone, and said nothing of it.
+    result = bench("--model-file", __file__, "-m", "d", *args)
+    assert result.exit_code == 2, result.output
+    assert said in result.output
+
+
+@pytest.mark.parametrize("flag", ["--json", "--csv", "--plot"])
+def test_an_output_file_that_cannot_be_written_is_refused_before_the_run(
+    tmp_path: Path, flag: str
+) -> None:
+    # It was found after the run ("[Errno 2] No such file or directory"): minutes of
+    # figures lost. No server here: the refusal comes before any connection.
+    result = bench("-m", "d", flag, str(tmp_path / "missing" / "out"))
+    assert result.exit_code == 2, result.output
+    assert f"cannot write '{tmp_path / 'missing' / 'out'}': no directory" in result.output
 
 
 def test_stability_needs_three_close_windows() -> None:
@@ -643,7 +709,8 @@ def test_usage_errors() -> None:
 @pytest.mark.parametrize(
     ("args", "said"),
     [
-        (("--url", "localhost:8000"), "--url must look like http://HOST:PORT, got"),
+        (("--url", "ftp://h:1"), "--url must look like http://HOST:PORT, got"),
+        (("--url", "https://h:1"), "(the tool speaks no TLS: use a plain-HTTP port)"),
         (("--url", "grpc://h:1"), "(for V2 gRPC, add --protocol grpc)"),
         (("--protocol", "grpc", "--url", "http://h:1"), "--url must be grpc://HOST:PORT"),
     ],
@@ -654,6 +721,14 @@ def test_a_url_of_the_wrong_form_is_a_usage_error(args: tuple[str, ...], said: s
     assert result.exit_code == 2, result.output
     assert "Invalid value for --url: " in result.output
     assert said in " ".join(result.output.split())
+
+
+def test_a_url_may_be_host_and_port_as_perf_analyzers() -> None:
+    # perf_analyzer's -u and tritonclient take "localhost:8000"; --url refused it (while
+    # --protocol grpc took "HOST:PORT").
+    target = tool.HttpTarget.from_url("localhost:8000", "digits")
+    assert (target.host, target.port) == ("localhost", 8000)
+    assert tool.HttpTarget.from_url("[::1]:8000", "digits").host == "::1"
 
 
 @pytest.fixture

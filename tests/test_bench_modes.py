@@ -268,7 +268,7 @@ def test_server_sent_events_are_counted_across_chunks() -> None:
 
 
 def test_sequences_take_ids_in_turn_with_start_and_end() -> None:
-    sequencer = _Sequencer(Modes(sequence_length=3, sequence_variation=0), 2, seed=0)
+    sequencer = _Sequencer(Modes(sequence_length=3, sequence_variation=0), seed=0)
     first, second = sequencer.slot(), sequencer.slot()
     steps = [next(first) for _ in range(4)]
     assert [(s.id, s.start, s.end) for s in steps] == [
@@ -286,7 +286,7 @@ def test_sequences_take_ids_in_turn_with_start_and_end() -> None:
 
 
 def test_sequence_lengths_vary_within_the_bound() -> None:
-    sequencer = _Sequencer(Modes(sequence_length=10, sequence_variation=20), 1, seed=1)
+    sequencer = _Sequencer(Modes(sequence_length=10, sequence_variation=20), seed=1)
     slot = sequencer.slot()
     lengths, length = [], 0
     while len(lengths) < 50:
@@ -299,10 +299,8 @@ def test_sequence_lengths_vary_within_the_bound() -> None:
     assert len(set(lengths)) > 1
 
 
-def test_an_id_range_smaller_than_the_concurrency_is_refused() -> None:
-    with pytest.raises(tool.BenchError, match="ids would collide"):
-        _Sequencer(Modes(sequence_length=3, sequence_ids=(5, 7)), 3, seed=0)
-    ids = _Sequencer(Modes(sequence_length=1, sequence_ids=(5, 7)), 2, seed=0).slot()
+def test_ids_come_in_turn_from_the_range() -> None:
+    ids = _Sequencer(Modes(sequence_length=1, sequence_ids=(5, 7)), seed=0).slot()
     assert [next(ids).id for _ in range(3)] == [5, 6, 5]
 
 
@@ -418,10 +416,20 @@ def test_open_loop_in_process(repository: Path, repeat_3: Path, tmp_path: Path, 
 
 @pytest.mark.sequence
 @pytest.mark.python_model
-@pytest.mark.parametrize("load", [("--concurrency", "3"), ("--num-of-sequences", "3", *OPEN)])
-def test_sequences_in_flight_need_an_id_each(server: Server, load: tuple[str, ...]) -> None:
-    # Refused before any connection opens: the level's sockets were left to the
-    # garbage collector (a ResourceWarning each).
+@pytest.mark.parametrize(
+    ("load", "flag"),
+    [
+        (("--concurrency", "1,3"), "at --concurrency 3;"),
+        (("--num-of-sequences", "3", *OPEN), "at --num-of-sequences 3;"),
+    ],
+)
+def test_sequences_in_flight_need_an_id_each(
+    server: Server, load: tuple[str, ...], flag: str
+) -> None:
+    # Refused before any connection opens (the level's sockets were left to the
+    # garbage collector, a ResourceWarning each) and before any level runs, naming
+    # the flag that set the sequences in flight (an open loop's was said to be
+    # "concurrency 3", a flag it does not take).
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
         code, output, _ = bench(
@@ -431,13 +439,15 @@ def test_sequences_in_flight_need_an_id_each(server: Server, load: tuple[str, ..
         )
         gc.collect()
     assert code == 1
-    assert "ids would collide" in output
+    assert f"has 2 ids, fewer than the 3 sequences in flight {flag} ids would collide" in output
+    assert "widen the range (to 100:103 or more)" in output
+    assert "p99" not in output  # no level ran
     assert [w for w in seen if issubclass(w.category, ResourceWarning)] == []
 
 
 @pytest.mark.sequence
 def test_the_number_of_open_loop_sequences_is_for_stateful_models(server: Server) -> None:
-    code, output, _ = bench("--url", server.url, "-m", "add", "--num-of-sequences", "3")
+    code, output, _ = bench("--url", server.url, "-m", "add", "--num-of-sequences", "3", *OPEN)
     assert code == 1
     assert "not stateful" in output
 
@@ -528,6 +538,27 @@ def test_an_interrupted_run_unregisters_its_regions(server: Server) -> None:
     assert len(seen[0]) == 2  # one region per connection, registered while it ran
     assert registered(server) == []
     assert leftover_regions() == []
+
+
+@pytest.mark.sequence
+@pytest.mark.python_model
+@pytest.mark.parametrize(
+    ("args", "said"),
+    [
+        (("-m", "simple_sequence"), "every request to a stateful model is part of one"),
+        (("-m", "repeat_int32", "--streaming"), "does not go with --streaming"),
+    ],
+)
+def test_shared_memory_says_why_it_does_not_go_with_a_model(
+    server: Server, args: tuple[str, ...], said: str
+) -> None:
+    # A stateful model benched with --shared-memory alone was told "--shared-memory goes
+    # with neither sequences nor --streaming", sequences it had not asked for.
+    code, output, _ = bench(
+        *("--url", server.url, *args, "--input-data", "zero", "--shared-memory", "system")
+    )
+    assert code == 1
+    assert said in output
 
 
 def test_cuda_shared_memory_is_refused() -> None:

@@ -430,6 +430,19 @@ async def test_the_traffic_command_under_load_loses_no_request(tmp_path: Path) -
     assert await statuses_under_load(tmp_path, 30, changes, command) == {200: 240}
 
 
+@pytest.mark.parametrize(
+    "weights", [("1=lots",), ("1=5", "1=6"), ("1=0", "2=0")], ids=["bad", "twice", "zeros"]
+)
+def test_the_traffic_commands_weight_errors_name_what_the_usage_line_shows(
+    weights: tuple[str, ...],
+) -> None:
+    # They said "Invalid value for WEIGHTS", a name the usage line
+    # ("MODEL [VERSION=WEIGHT]...") and the help never show.
+    result = traffic_cli("digits", *weights, "--url", "http://127.0.0.1:9")
+    assert result.exit_code == 2
+    assert "Invalid value for VERSION=WEIGHT: " in result.output
+
+
 def test_the_traffic_command_cannot_reach_a_server() -> None:
     result = traffic_cli("digits", "--url", "http://127.0.0.1:9")
     assert result.exit_code == 1

@@ -209,7 +209,14 @@ def test_serve_refuses_bad_settings_with_a_usage_error(tmp_path: Path) -> None:
     assert "max_body_bytes" in result.output
     result = invoke("serve", "--protect-inference")
     assert result.exit_code == 2
-    assert "admin_token" in result.output
+    # It said "protect_inference needs an admin_token", a flag's config key.
+    assert "--protect-inference needs an admin token to check: give --admin-token" in (
+        " ".join(result.output.split())
+    )
+    config.write_text("protect_inference = true\n")
+    result = invoke("serve", "--config", str(config))
+    assert result.exit_code == 2
+    assert "protect_inference = true in " in result.output
     config.write_text("[limits]\nhead_timeout = 0\n")
     result = invoke("serve", "--config", str(config))
     assert result.exit_code == 2
@@ -260,6 +267,10 @@ def test_serve_refuses_bad_settings_with_a_usage_error(tmp_path: Path) -> None:
         ("prot = 8000", "unknown key 'prot'; known keys are"),
         ("prot = 8000", "did you mean 'port' for 'prot'?"),
         ("[limits]\nmax_body_byte = 1", "did you mean 'max_body_bytes' for 'max_body_byte'?"),
+        # A limit's value was "invalid server settings: head_timeout ...", naming neither
+        # the file nor the table.
+        ("[limits]\nhead_timeout = 0", "server.toml: [limits] head_timeout must be a number"),
+        ("[limits]\nmax_body_bytes = 'x'", "server.toml: [limits] max_body_bytes must be a"),
         # tomllib's words alone ("Cannot overwrite a value") do not say the file is the fault.
         ("port = 8000\nport = 8001", "server.toml is not valid TOML: Cannot overwrite a value"),
         ('host = "127.0.0.1', "server.toml is not valid TOML: "),
@@ -650,3 +661,25 @@ def test_a_cache_size_that_is_not_one_is_a_usage_error() -> None:
     result = invoke("serve", "--cache-size", "lots")
     assert result.exit_code == 2
     assert "'lots' is not a size" in result.output
+
+
+@pytest.mark.parametrize("protect", [False, True])
+def test_the_banners_request_to_try_sends_the_token_the_index_needs(
+    monkeypatch: pytest.MonkeyPatch, protect: bool
+) -> None:
+    # Under --protect-inference the repository index needs the token: the request the
+    # banner said to try was answered 401.
+    from trioinfer import server
+
+    async def serve_http(
+        repository: Path, *, task_status: anyio.abc.TaskStatus[Any], **options: Any
+    ) -> None:
+        task_status.started(server.Listening(("http://h:1",), {"m": (1,)}, ()))
+
+    monkeypatch.setattr(server, "serve_http", serve_http)
+    flags = ["--admin-token", "s3cret", *(["--protect-inference"] if protect else [])]
+    result = CliRunner().invoke(main, ["serve", "--no-grpc", *flags])
+    assert result.exit_code == 0, result.output
+    token = "-H 'Authorization: Bearer <admin token>' " if protect else ""
+    assert f"try: curl -s -X POST {token}http://h:1/v2/repository/index\n" in result.output
+    assert "s3cret" not in result.output

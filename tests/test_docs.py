@@ -794,6 +794,31 @@ def test_benchmark_commands_use_real_options() -> None:
     assert wrong == []
 
 
+@pytest.mark.bench
+def test_benchmarking_howto_python_program_runs_and_prints_the_table(tmp_path: Path) -> None:
+    # "From Python": the page named run_http, run_in_process and print_table with no
+    # program to show how they go together.
+    (program,) = [
+        body for lang, _, body in page_blocks("how-to/benchmarking.md") if lang == "python"
+    ]
+    (tmp_path / "program.py").write_text(program)
+    result = subprocess.run(
+        [sys.executable, str(tmp_path / "program.py")],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    shown = (DOCS / "how-to" / "benchmarking.md").read_text().split("## From Python", 1)[1]
+    header = next(line for line in shown.splitlines() if line.startswith("concurrency "))
+    printed = result.stdout.splitlines()
+    assert printed[0] == header
+    assert [line.split()[0] for line in printed[1:3]] == ["1", "16"]
+    assert re.fullmatch(r"best: concurrency (1|16), [\d,]+ requests/s", printed[-1])
+
+
 @pytest.mark.tracing
 def test_tracing_howto_program_traces_the_request_under_the_callers_span(tmp_path: Path) -> None:
     # "Trace an engine in your own program": the request's spans are children of the

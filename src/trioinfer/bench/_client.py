@@ -230,15 +230,19 @@ class HttpTarget:
 
     @classmethod
     def from_url(cls, url: str, model: str, version: str | None = None) -> HttpTarget:
-        """Parse ``http://HOST:PORT``.
+        """Parse ``http://HOST:PORT``, or ``HOST:PORT`` as perf_analyzer's ``-u`` takes it.
 
         Raises:
             BenchError: Not an ``http://`` URL.
         """
-        parts = urlsplit(url)
+        # (urlsplit reads "localhost:8000" as the scheme "localhost".)
+        parts = urlsplit(url if "://" in url else f"http://{url}")
         if parts.scheme != "http" or not parts.hostname:
             # A gRPC URL is the likely slip: say the option that makes it right.
-            hint = " (for V2 gRPC, add --protocol grpc)" if parts.scheme == "grpc" else ""
+            hint = {
+                "grpc": " (for V2 gRPC, add --protocol grpc)",
+                "https": " (the tool speaks no TLS: use a plain-HTTP port)",
+            }.get(parts.scheme, "")
             raise BenchError(f"--url must look like http://HOST:PORT, got {url!r}{hint}")
         return cls(parts.hostname, parts.port or 80, model, version)
 

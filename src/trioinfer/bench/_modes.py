@@ -128,17 +128,12 @@ class _Sequencer:
 
     Each worker (`slot`) runs one sequence at a time, so a level of C workers
     has C sequences in flight; an id comes back into use only after every other
-    id of the range has (a range smaller than the concurrency is refused).
+    id of the range has (a range with fewer ids than sequences in flight is refused
+    before the run, where the levels are known).
     """
 
-    def __init__(self, modes: Modes, workers: int, seed: int) -> None:
+    def __init__(self, modes: Modes, seed: int) -> None:
         first, end = modes.sequence_ids
-        if end is not None and end - first < workers:
-            raise BenchError(
-                f"--sequence-id-range {first}:{end} has {end - first} ids, fewer than the "
-                f"{workers} sequences in flight at concurrency {workers}; ids would collide: "
-                "widen the range"
-            )
         self._ids: Iterator[int] = (
             itertools.cycle(range(first, end)) if end is not None else itertools.count(first)
         )

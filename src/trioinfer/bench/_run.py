@@ -230,7 +230,9 @@ async def run_http(
         BenchError: No server, no such model, or unusable inputs.
     """
     metadata = await target.metadata()
-    modes = _check_modes(check_model(await target.config(), plan.modes, target.model), input_files)
+    modes = _check_modes(
+        check_model(await target.config(), plan.modes, target.model), plan, input_files
+    )
     variants = _variants(metadata["inputs"], plan, input_files, shapes, input_data)
     sequences = modes.sequence_length is not None
     if modes.streaming:
@@ -264,9 +266,9 @@ async def run_http(
         count: int, recorder: _Recorder, load: str, value: float, **loop_options: Any
     ) -> Result:
         nonlocal index
-        if sequences:  # (before any socket: too few ids is an error)
+        if sequences:
             loop_options["next_request"] = _sequence_maker(
-                _Sequencer(modes, count, plan.seed),
+                _Sequencer(modes, plan.seed),
                 target.sequence_requests(variants, binary=binary),
             )
         elif shm_requests:
@@ -342,13 +344,33 @@ def _regions(
     return open_regions(target, count, variants[0], outputs, modes.output_shm_size)
 
 
-def _check_modes(modes: Modes, input_files: Sequence[Path]) -> Modes:
+def _check_modes(modes: Modes, plan: Plan, input_files: Sequence[Path]) -> Modes:
     # Shared memory goes alone, with one request's inputs.
     shm = modes.shared_memory != "none"
-    if shm and (modes.sequence_length is not None or modes.streaming):
-        raise BenchError("--shared-memory goes with neither sequences nor --streaming")
+    if shm and modes.streaming:
+        raise BenchError("--shared-memory does not go with --streaming: leave one out")
+    if shm and modes.sequence_length is not None:
+        # Said of a stateful model whatever the flags: its requests are sequences.
+        raise BenchError(
+            "--shared-memory does not go with sequences, and every request to a stateful "
+            "model is part of one: bench it without --shared-memory"
+        )
     if shm and len(input_files) > 1:
         raise BenchError("--shared-memory puts one request's inputs in memory: give one input file")
+    first, end = modes.sequence_ids
+    if modes.sequence_length is not None and end is not None:
+        # Before any level runs (a sweep's last level may be the one with too few ids),
+        # naming the flag that set the sequences in flight: each needs an id of its own.
+        if plan.rates:
+            in_flight, flag = modes.open_sequences, "--num-of-sequences"
+        else:
+            in_flight, flag = max(plan.concurrency), "--concurrency"
+        if end - first < in_flight:
+            raise BenchError(
+                f"--sequence-id-range {first}:{end} has {end - first} ids, fewer than the "
+                f"{in_flight} sequences in flight at {flag} {in_flight}; ids would collide: "
+                f"widen the range (to {first}:{first + in_flight} or more)"
+            )
     return modes
 
 
@@ -404,7 +426,9 @@ async def run_grpc(
             such model, or unusable inputs.
     """
     metadata = await target.metadata()
-    modes = _check_modes(check_model(await target.config(), plan.modes, target.model), input_files)
+    modes = _check_modes(
+        check_model(await target.config(), plan.modes, target.model), plan, input_files
+    )
     sequences = modes.sequence_length is not None
     shm = modes.shared_memory != "none"
     if (modes.streaming or sequences or shm or plan.rates) and client != "raw":
@@ -421,9 +445,7 @@ async def run_grpc(
     def maker(count: int) -> Callable[[int, int], bytes] | None:
         # Requests per worker (sequences) or per connection (shared memory).
         if sequences:
-            make = _sequence_maker(
-                _Sequencer(modes, count, plan.seed), target.sequence_requests(variants)
-            )
+            make = _sequence_maker(_Sequencer(modes, plan.seed), target.sequence_requests(variants))
             return lambda conn, worker: make((conn, worker))
         if shm:
             return lambda conn, _worker: shm_requests[conn]
@@ -559,7 +581,7 @@ async def run_in_process(
     config: dict[str, Any] = {"model_transaction_policy": {"decoupled": info.decoupled}}
     if info.config.sequence is not None:
         config["sequence_batching"] = {}
-    modes = _check_modes(check_model(config, plan.modes, model), input_files)
+    modes = _check_modes(check_model(config, plan.modes, model), plan, input_files)
     if modes.shared_memory != "none":
         raise BenchError("--shared-memory is for servers: in-process there is nothing to share")
     variants = _variants(specs, plan, input_files, shapes, input_data)
@@ -612,7 +634,7 @@ async def run_in_process(
         if modes.streaming:
             return [stream] * count
         if modes.sequence_length is not None:
-            sequencer = _Sequencer(modes, count, plan.seed)
+            sequencer = _Sequencer(modes, plan.seed)
             return [in_sequence(sequencer.slot()) for _ in range(count)]
         return [send] * count
 

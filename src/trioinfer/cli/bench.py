@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import click
 import trio
+from click.core import ParameterSource
 
 from .._bounds import MAX_RATE, MIN_RATE, RATE_RANGE
 from .._exceptions import TrioInferError
@@ -28,7 +30,9 @@ if TYPE_CHECKING:
 _T = TypeVar("_T")
 
 
-def _numbers(kind: type[int] | type[float]) -> Any:
+def _numbers(kind: type[int] | type[float], expected: str, low: float, high: float) -> Any:
+    # A comma-separated list of levels, each from low to high; the error says what
+    # one level may be ("0" was "not a positive number", with no word of the range).
     def parse(_ctx: click.Context, _param: click.Parameter, value: str | None) -> Any:
         if value is None:
             return ()
@@ -36,20 +40,24 @@ def _numbers(kind: type[int] | type[float]) -> Any:
             numbers = tuple(kind(part) for part in value.split(",") if part.strip())
         except ValueError:
             numbers = ()
-        if not numbers or not all(n > 0 and math.isfinite(n) for n in numbers):
-            raise click.BadParameter(
-                f"expected positive numbers separated by commas, got {value!r}"
-            )
+        if not numbers or not all(low <= n <= high for n in numbers):
+            raise click.BadParameter(f"expected {expected}, separated by commas; got {value!r}")
         return numbers
 
     return parse
 
 
-def _rates(ctx: click.Context, param: click.Parameter, value: str | None) -> Any:
-    rates = _numbers(float)(ctx, param, value)
-    if not all(MIN_RATE <= rate <= MAX_RATE for rate in rates):
-        raise click.BadParameter(f"expected rates from {RATE_RANGE}, got {value!r}")
-    return rates
+def _output_file(_ctx: click.Context, _param: click.Parameter, value: Path | None) -> Any:
+    # Checked before the run, which may take minutes: a file that cannot be written
+    # was found only after it, the figures of the whole run lost with it.
+    if value is None:
+        return None
+    folder = value.parent
+    if not folder.is_dir():
+        raise click.BadParameter(f"cannot write {str(value)!r}: no directory {str(folder)!r}")
+    if not os.access(value if value.exists() else folder, os.W_OK):
+        raise click.BadParameter(f"cannot write {str(value)!r}: permission denied")
+    return value
 
 
 def _shapes(_ctx: click.Context, _param: click.Parameter, value: Sequence[str]) -> dict[str, Any]:
@@ -148,7 +156,8 @@ _REFUSED_INPUTS = (
     show_default=True,
     metavar="URL",
     help="The V2 server (trioinfer, Triton, MLServer, KServe): http://HOST:PORT, or with "
-    "--protocol grpc, grpc://HOST:PORT (default 127.0.0.1:8001).",
+    "--protocol grpc, grpc://HOST:PORT (default 127.0.0.1:8001); HOST:PORT alone, as "
+    "perf_analyzer's -u, is either. No TLS (https).",
 )
 @click.option(
     "--protocol",
@@ -177,7 +186,7 @@ _REFUSED_INPUTS = (
 )
 @click.option(
     "--concurrency",
-    callback=_numbers(int),
+    callback=_numbers(int, "whole numbers of 1 or more", 1, math.inf),
     default="1",
     show_default=True,
     metavar="C1,C2,...",
@@ -185,7 +194,7 @@ _REFUSED_INPUTS = (
 )
 @click.option(
     "--request-rate",
-    callback=_rates,
+    callback=_numbers(float, f"rates from {RATE_RANGE}", MIN_RATE, MAX_RATE),
     default=None,
     metavar="R1,R2,...",
     help="Open loop instead: requests per second offered (0.001 to 1000000), one level "
@@ -379,6 +388,7 @@ _REFUSED_INPUTS = (
     "--json",
     "json_file",
     type=click.Path(dir_okay=False, path_type=Path),
+    callback=_output_file,
     default=None,
     metavar="FILE",
     help="Also write the results as JSON.",
@@ -387,6 +397,7 @@ _REFUSED_INPUTS = (
     "--csv",
     "csv_file",
     type=click.Path(dir_okay=False, path_type=Path),
+    callback=_output_file,
     default=None,
     metavar="FILE",
     help="Also write the results as CSV.",
@@ -395,6 +406,7 @@ _REFUSED_INPUTS = (
     "--plot",
     "plot_file",
     type=click.Path(dir_okay=False, path_type=Path),
+    callback=_output_file,
     default=None,
     metavar="FILE.png",
     help="Plot latency percentiles against throughput (needs the bench extra's matplotlib).",
@@ -473,11 +485,18 @@ def bench(**options: Any) -> None:
     ]
     if len(loads) > 1:
         raise click.UsageError(f"give one of {', '.join(loads)}, not several")
+    _check_unused_flags(options)
     local = options["model_file"] is not None or options["model_repository"] is not None
     if options["in_process"] and not local:
         raise click.UsageError("--in-process needs --model-file, or --model-repository and --model")
     if local and not options["in_process"]:
         raise click.UsageError("--model-file and --model-repository go with --in-process")
+    if options["model_file"] is not None and options["model_repository"] is not None:
+        # (The file was loaded, and the repository silently left unread.)
+        raise click.UsageError(
+            "give one of --model-file (an ONNX file, default settings) and --model-repository "
+            "(with --model: loaded as trioinfer serve loads it), not both"
+        )
     if options["shared_memory"] == "cuda":
         raise click.UsageError(
             "--shared-memory cuda is not supported by trioinfer bench: use --shared-memory system"
@@ -525,7 +544,9 @@ def bench(**options: Any) -> None:
         "input_data": options["input_data"][0]
         if not options["input_data"][1]
         else [str(p) for p in options["input_data"][1]],
-        "encoding": None if options["in_process"] else options["encoding"],
+        "encoding": None
+        if options["in_process"] or options["protocol"] == "grpc"
+        else options["encoding"],
         "protocol": None if options["in_process"] else options["protocol"],
         "grpc_client": options["grpc_client"]
         if options["protocol"] == "grpc" and not options["in_process"]
@@ -565,6 +586,46 @@ def bench(**options: Any) -> None:
                 err=True,
             )
         raise click.ClickException(f"{failed} requests failed (see the errors column)")
+
+
+def _given(*flags: str) -> list[str]:
+    # Those of *flags* given, not left at their default.
+    ctx = click.get_current_context()
+    names = {opt: param.name for param in ctx.command.params for opt in param.opts}
+    return [
+        flag
+        for flag in flags
+        if ctx.get_parameter_source(str(names[flag])) is not ParameterSource.DEFAULT
+    ]
+
+
+def _check_unused_flags(options: dict[str, Any]) -> None:
+    # Flags that nothing would use were taken without a word: `--num-of-sequences 3
+    # --concurrency 2` ran 2 sequences, and `--in-process --protocol grpc` measured no gRPC.
+    server = _given("--url", "--protocol", "--grpc-client", "--encoding")
+    if options["in_process"] and server:
+        raise click.UsageError(
+            f"{', '.join(server)}: for a server; --in-process drives an engine in this "
+            "process, with no HTTP or gRPC"
+        )
+    if options["protocol"] != "grpc" and _given("--grpc-client"):
+        raise click.UsageError("--grpc-client: for --protocol grpc")
+    if options["protocol"] == "grpc" and _given("--encoding"):
+        raise click.UsageError(
+            "--encoding: for HTTP; over gRPC the tensors go as raw_input_contents, as "
+            "tritonclient sends them"
+        )
+    given = _given("--arrivals", "--max-connections", "--num-of-sequences")
+    if options["request_intervals"] is not None and "--arrivals" in given:
+        raise click.UsageError(
+            "--arrivals does not go with --request-intervals: the file gives the gaps "
+            "between requests"
+        )
+    if given and not options["request_rate"] and options["request_intervals"] is None:
+        raise click.UsageError(
+            f"{', '.join(given)}: for an open loop (--request-rate or --request-intervals); "
+            "in a closed loop, --concurrency alone sets the requests (or sequences) in flight"
+        )
 
 
 def _url(parse: Callable[[str, str, str | None], _T], url: str, options: dict[str, Any]) -> _T:

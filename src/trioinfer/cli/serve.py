@@ -462,6 +462,13 @@ def serve(ctx: click.Context, /, **options: Any) -> None:
             "invalid server settings: admin_token must be a non-empty string, but "
             "TRIOINFER_ADMIN_TOKEN is set and empty; set a token or unset the variable"
         )
+    if settings["protect_inference"] is True and settings["admin_token"] is None:
+        # Said here in the words the user set it with (the config's own check names keys).
+        raise click.UsageError(
+            f"invalid server settings: {_said(settings, 'protect_inference')} needs an admin "
+            "token to check: give --admin-token, $TRIOINFER_ADMIN_TOKEN or admin_token in the "
+            "--config file"
+        )
     install_handler(
         settings["log_level"], log_format=settings["log_format"], requests=settings["access_log"]
     )
@@ -958,7 +965,7 @@ def _check_limits(limits: Any, config_file: Path) -> None:
         )
     try:
         Limits(**limits)
-    except TrioInferError as exc:
+    except (TypeError, TrioInferError) as exc:
         # Said with the file it is in, as the file's other errors are (the server's
         # settings are checked again, whole, where the command line's join them).
         raise click.BadParameter(f"{config_file}: [limits] {exc}", param_hint="--config") from None
@@ -986,6 +993,7 @@ async def _serve(
             url,
             _grpc_line(listening.grpc, config.grpc_tls),
             f"listening on {url} (Ctrl+C to stop)",
+            protected=config.protect_inference,
         )
 
     _exit.EXIT_TIMEOUT_SAID.set("--exit-timeout-secs")  # the log names the flag, not serve_http's
@@ -1021,6 +1029,7 @@ async def _serve_workers(repository: Path, *, workers: int, **options: Any) -> N
             url,
             _grpc_line(listening.grpc, options["config"].grpc_tls),
             f"{how_many} (pids {pids}) listening on {url} (Ctrl+C to stop)",
+            protected=options["config"].protect_inference,
         )
 
     await serve_workers(repository, workers=workers, **options, task_status=_OnStarted(banner))
@@ -1058,8 +1067,13 @@ def _banner(
     url: str,
     grpc_line: str | None,
     listening_line: str,
+    *,
+    protected: bool = False,
 ) -> None:
     """Print what is served and where, and a first request to try, on stdout.
+
+    *protected*: the index needs the admin token (``--protect-inference``), so the
+    request to try sends it (a placeholder: the token is never printed).
 
     A stdout nobody reads any more (``serve | head -1``, a closed terminal)
     does not stop the server: a WARNING says so, and stdout goes to
@@ -1075,7 +1089,8 @@ def _banner(
     if models:
         # The repository index names every model and its state: a better first
         # request than whichever model sorts first (often a pipeline's step).
-        lines.append(f"try: curl -s -X POST {url}/v2/repository/index")
+        token = "-H 'Authorization: Bearer <admin token>' " if protected else ""
+        lines.append(f"try: curl -s -X POST {token}{url}/v2/repository/index")
     try:
         for line in lines:
             click.echo(line)

@@ -37,7 +37,7 @@ def _weight(text: str) -> tuple[int, float]:
         raise click.BadParameter(
             f"{text!r} is not VERSION=WEIGHT (a version number >= 1 and a weight >= 0, "
             "e.g. 1=90 2=10)",
-            param_hint="WEIGHTS",
+            param_hint="VERSION=WEIGHT",
         )
     return number, value
 
@@ -131,11 +131,14 @@ def traffic(
         for text in weights:
             version, weight = _weight(text)
             if version in split:
-                raise click.BadParameter(f"version {version} is given twice", param_hint="WEIGHTS")
+                raise click.BadParameter(
+                    f"version {version} is given twice", param_hint="VERSION=WEIGHT"
+                )
             split[version] = weight
         if not any(split.values()):
             raise click.BadParameter(
-                "every weight is 0; give at least one version some traffic", param_hint="WEIGHTS"
+                "every weight is 0; give at least one version some traffic",
+                param_hint="VERSION=WEIGHT",
             )
     elif promote is not None:
         split = {promote: 100.0}
