@@ -490,3 +490,114 @@ def test_tritonclient_auto_complete_config(server: Any) -> None:
             ("INPUT0", [-1, 4]),
             ("INPUT1", [-1, 4]),
         ]
+
+
+# -- --disable-auto-complete-config ------------------------------------------------------------
+
+DECLARED_AUTO = """\
+backend: "python"
+max_batch_size: 8
+input [
+  { name: "INPUT0" data_type: TYPE_FP32 dims: [ 4 ] },
+  { name: "INPUT1" data_type: TYPE_FP32 dims: [ 4 ] }
+]
+output [
+  { name: "OUTPUT0" data_type: TYPE_FP32 dims: [ 4 ] },
+  { name: "BATCH" data_type: TYPE_INT32 dims: [ 1 ] }
+]
+"""
+
+ADD_PBTXT = """\
+platform: "onnxruntime_onnx"
+max_batch_size: 8
+input [
+  { name: "a" data_type: TYPE_FP32 dims: [ 4 ] },
+  { name: "b" data_type: TYPE_FP32 dims: [ 4 ] }
+]
+output [
+  { name: "sum" data_type: TYPE_FP32 dims: [ 4 ] },
+  { name: "diff" data_type: TYPE_FP32 dims: [ 4 ] }
+]
+"""
+
+
+def write_add(root: Path, name: str, pbtxt: str | None) -> None:
+    from trioinfer.testing import models
+
+    models.write_add(root / name / "1" / "model.onnx")
+    if pbtxt is not None:
+        (root / name / "config.pbtxt").write_text(pbtxt)
+
+
+async def test_disable_auto_complete_config_serves_config_pbtxt_as_written(
+    tmp_path: Path,
+) -> None:
+    write_model(tmp_path, "auto", 'backend: "python"\n', AUTO)
+    write_model(tmp_path, "declared", DECLARED_AUTO, AUTO)
+    write_add(tmp_path, "onnx_bare", 'platform: "onnxruntime_onnx"\n')
+    write_add(tmp_path, "onnx_declared", ADD_PBTXT)
+    write_add(tmp_path, "onnx_no_file", None)
+    repository = ModelRepository(tmp_path)
+    called: list[str] = []
+
+    def completing(backend: str, config: Any, path: Path) -> Any:
+        called.append(path.parent.parent.name)
+        return complete(backend, config, path)
+
+    def config(name: str) -> trioinfer.ModelConfig:
+        return repository.entry(name).config(1, complete=completing, auto_complete=False)
+
+    said = (
+        "--disable-auto-complete-config: config.pbtxt must declare the model's input and "
+        "output, which nothing completes"
+    )
+    # Triton's behaviour: auto_complete_config is not run, and nothing else completes.
+    with pytest.raises(ConfigError, match=said):
+        config("auto")
+    # An ONNX model's tensors are not read from its graph for its config.pbtxt either...
+    with pytest.raises(ConfigError, match=said):
+        config("onnx_bare")
+    assert repository.entry("onnx_bare").config(1).name == "onnx_bare"  # (without the flag)
+    async with trioinfer.open_engine() as engine:
+        # ...and a file that declares them serves as it says (max_batch_size 8 its own).
+        await engine.load(config("declared"))
+        out = await engine.infer("declared", pair(1, 2))
+        np.testing.assert_array_equal(out["OUTPUT0"], np.full((1, 4), 3, np.float32))
+        assert out["BATCH"].tolist() == [[8]]
+        await engine.load(config("onnx_declared"))
+        # A model with no config file is trioinfer's own: read from the file, as ever.
+        await engine.load(config("onnx_no_file"))
+        for name in ("onnx_declared", "onnx_no_file"):
+            out = await engine.infer(
+                name, {"a": np.ones((1, 4), np.float32), "b": np.ones((1, 4), np.float32)}
+            )
+            np.testing.assert_array_equal(out["sum"], np.full((1, 4), 2, np.float32))
+    assert called == []
+    # Without the flag the model's auto_complete_config runs (it is the completer's).
+    repository.entry("declared").config(1, complete=completing)
+    assert called == ["declared"]
+
+
+@pytest.mark.workers
+def test_disable_auto_complete_config_reaches_every_worker(tmp_path: Path) -> None:
+    from test_grpc import run_server
+
+    root = tmp_path / "models"
+    write_model(root, "auto", 'backend: "python"\n', AUTO)
+    write_model(root, "declared", DECLARED_AUTO, AUTO)
+    settings = tmp_path / "serve.toml"
+    settings.write_text("disable_auto_complete_config = true\nworkers = 2\n")
+    log = tmp_path / "server.log"
+    with (
+        run_server(
+            root, "--config", str(settings), "--no-grpc", log=log, want_grpc=False
+        ) as running,
+        httpclient.InferenceServerClient(running.url.removeprefix("http://")) as client,
+    ):
+        # The workers load the models, each with the setting: "auto" failed, saying
+        # why; "declared" serves.
+        for _ in range(4):
+            index = {row["name"]: row for row in client.get_model_repository_index()}
+            assert index["auto"]["state"] == "UNAVAILABLE"
+            assert "--disable-auto-complete-config" in index["auto"]["reason"]
+            assert client.is_model_ready("declared")
