@@ -601,3 +601,91 @@ def test_disable_auto_complete_config_reaches_every_worker(tmp_path: Path) -> No
             assert index["auto"]["state"] == "UNAVAILABLE"
             assert "--disable-auto-complete-config" in index["auto"]["reason"]
             assert client.is_model_ready("declared")
+
+
+# -- BLS: a call within a sequence ---------------------------------------------------------------
+
+BLS_PBTXT = """\
+backend: "python"
+input [
+  { name: "INPUT" data_type: TYPE_INT32 dims: [ 1 ] },
+  { name: "ID" data_type: TYPE_UINT64 dims: [ 1 ] },
+  { name: "FLAGS" data_type: TYPE_INT32 dims: [ 1 ] }
+]
+output [ { name: "OUTPUT" data_type: TYPE_INT32 dims: [ 1 ] } ]
+"""
+
+# Calls the accumulator with the sequence its inputs name, as Triton's BLS passes
+# correlation_id and flags on.
+BLS = """\
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        responses = []
+        for request in requests:
+            value = pb_utils.get_input_tensor_by_name(request, "INPUT").as_numpy()
+            ident = pb_utils.get_input_tensor_by_name(request, "ID").as_numpy().item()
+            flags = pb_utils.get_input_tensor_by_name(request, "FLAGS").as_numpy().item()
+            call = pb_utils.InferenceRequest(
+                model_name="acc",
+                inputs=[pb_utils.Tensor("INPUT", value.reshape(1, 1))],
+                requested_output_names=["OUTPUT"],
+                correlation_id=int(ident),
+                flags=int(flags),
+            )
+            answer = call.exec()
+            if answer.has_error():
+                responses.append(pb_utils.InferenceResponse(error=answer.error()))
+                continue
+            out = pb_utils.get_output_tensor_by_name(answer, "OUTPUT").as_numpy()
+            responses.append(
+                pb_utils.InferenceResponse(output_tensors=[pb_utils.Tensor("OUTPUT", out[0])])
+            )
+        return responses
+"""
+
+BLS_VARIANTS = {
+    "exec": BLS,
+    "async_exec": BLS.replace("def execute", "async def execute").replace(
+        "call.exec()", "await call.async_exec()"
+    ),
+    # A stateful model is never decoupled: it answers once, as Triton's.
+    "exec_decoupled": BLS.replace("call.exec()", "next(iter(call.exec(decoupled=True)))"),
+}
+
+
+@pytest.mark.parametrize("variant", sorted(BLS_VARIANTS))
+async def test_bls_passes_correlation_id_and_flags_on(tmp_path: Path, variant: str) -> None:
+    write_model(tmp_path, "acc", sequence_pbtxt(), ACCUMULATOR)
+    write_model(tmp_path, "bls", BLS_PBTXT, BLS_VARIANTS[variant])
+
+    def call(x: int, sequence_id: int, flags: int) -> dict[str, np.ndarray[Any, Any]]:
+        return {
+            "INPUT": np.array([x], np.int32),
+            "ID": np.array([sequence_id], np.uint64),
+            "FLAGS": np.array([flags], np.int32),
+        }
+
+    async with trioinfer.open_engine() as engine:
+        await load(engine, tmp_path, "acc")
+        await load(engine, tmp_path, "bls")
+        sums: dict[int, list[int]] = {}
+
+        async def run(sequence_id: int, values: list[int]) -> None:
+            for i, x in enumerate(values):
+                flags = (START if i == 0 else 0) | (END if i == len(values) - 1 else 0)
+                out = await engine.infer("bls", call(x, sequence_id, flags))
+                sums.setdefault(sequence_id, []).append(int(out["OUTPUT"][0]))
+
+        async with trio.open_nursery() as nursery:
+            for sequence_id in (41, 42):
+                nursery.start_soon(run, sequence_id, [sequence_id, 1, 2])
+        assert sums == {41: [41, 42, 44], 42: [42, 43, 45]}
+        # The sequence ended with its END flag: a request after it is refused.
+        with pytest.raises(trioinfer.TrioInferError, match="sequence 41 of model 'acc' ended"):
+            await engine.infer("bls", call(1, 41, 0))
+        # A flag without an id is the call's error, as a client's would be.
+        with pytest.raises(trioinfer.TrioInferError, match="need a sequence_id"):
+            await engine.infer("bls", call(1, 0, START))
