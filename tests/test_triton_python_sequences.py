@@ -689,3 +689,59 @@ async def test_bls_passes_correlation_id_and_flags_on(tmp_path: Path, variant: s
         # A flag without an id is the call's error, as a client's would be.
         with pytest.raises(trioinfer.TrioInferError, match="need a sequence_id"):
             await engine.infer("bls", call(1, 0, START))
+
+
+# -- model_warmup of a sequence model ------------------------------------------------------------
+
+
+def warmup_pbtxt(start: str) -> str:
+    # Triton's model_warmup names "every model input, including control tensors": a
+    # sample runs on the instances, outside the sequence batcher.
+    controls = [
+        ("START", "TYPE_INT32", start),
+        ("END", "TYPE_FP32", "zero_data: true"),
+        ("READY", "TYPE_BOOL", "zero_data: true"),
+        ("CORRID", "TYPE_UINT64", "zero_data: true"),
+    ]
+    entries = [
+        f'{{ key: "{name}" value: {{ data_type: {dtype} dims: [ 1 ] {data} }} }}'
+        for name, dtype, data in [("INPUT", "TYPE_INT32", "zero_data: true"), *controls]
+    ]
+    return f'model_warmup [ {{ name: "s" batch_size: 1 inputs [ {", ".join(entries)} ] }} ]\n'
+
+
+# The accumulator, starting a sequence on its START control (a warm-up request has no
+# flags, as Triton's: it is no request of a sequence).
+BY_CONTROL = ACCUMULATOR.replace(
+    "if flags & pb_utils.TRITONSERVER_REQUEST_FLAG_SEQUENCE_START:", "if start.item():"
+)
+
+
+async def test_warm_up_of_a_sequence_model_gives_its_controls(tmp_path: Path) -> None:
+    no_controls = (
+        'model_warmup [ { name: "s" batch_size: 1 inputs [ { key: "INPUT" value: '
+        "{ data_type: TYPE_INT32 dims: [ 1 ] zero_data: true } } ] } ]\n"
+    )
+    write_model(tmp_path, "gives_none", sequence_pbtxt() + no_controls, ACCUMULATOR)
+    repository = ModelRepository(tmp_path)
+    # Refused at load, saying what a sample of a sequence model gives.
+    with pytest.raises(
+        ConfigError,
+        match="warm-up sample 's' gives no 'START', 'END', 'READY', 'CORRID', which the "
+        "sequence batcher feeds each request",
+    ):
+        repository.entry("gives_none").config(1)
+    # A sample that gives them warms the model up with them: a start flag of 1 from a file.
+    (tmp_path / "warm" / "warmup").mkdir(parents=True)
+    (tmp_path / "warm" / "warmup" / "one").write_bytes(np.int32(1).tobytes())
+    write_model(
+        tmp_path, "warm", sequence_pbtxt() + warmup_pbtxt('input_data_file: "one"'), BY_CONTROL
+    )
+    write_model(tmp_path, "cold", sequence_pbtxt() + warmup_pbtxt("zero_data: true"), BY_CONTROL)
+    async with trioinfer.open_engine() as engine:
+        await load(engine, tmp_path, "warm")
+        out = await engine.infer("warm", value(5), sequence=SequenceFlags(3, start=True))
+        assert int(out["OUTPUT"].sum()) == 5
+        # A START of 0 starts nothing: the model's own error fails the load.
+        with pytest.raises(trioinfer.BackendError, match=r"warm-up sample 's' failed.*unknown"):
+            await load(engine, tmp_path, "cold")
