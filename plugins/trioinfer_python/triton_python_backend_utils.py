@@ -554,9 +554,9 @@ class InferenceRequest(_Provided):
         return self._response(outputs)
 
     def _sequence_named(self) -> bool:
-        return self._flags != 0 or not (
-            isinstance(self._correlation_id, (int, str)) and self._correlation_id in (0, "")
-        )
+        # 0 and "" name no sequence (Triton reserves them); read on each BLS call.
+        correlation_id = self._correlation_id
+        return bool(self._flags) or not (correlation_id == 0 or correlation_id == "")
 
     def _sequence(self) -> SequenceFlags | None:
         # The sequence a request made here goes on (BLS: correlation_id and flags, as
