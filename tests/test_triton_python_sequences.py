@@ -490,3 +490,258 @@ def test_tritonclient_auto_complete_config(server: Any) -> None:
             ("INPUT0", [-1, 4]),
             ("INPUT1", [-1, 4]),
         ]
+
+
+# -- --disable-auto-complete-config ------------------------------------------------------------
+
+DECLARED_AUTO = """\
+backend: "python"
+max_batch_size: 8
+input [
+  { name: "INPUT0" data_type: TYPE_FP32 dims: [ 4 ] },
+  { name: "INPUT1" data_type: TYPE_FP32 dims: [ 4 ] }
+]
+output [
+  { name: "OUTPUT0" data_type: TYPE_FP32 dims: [ 4 ] },
+  { name: "BATCH" data_type: TYPE_INT32 dims: [ 1 ] }
+]
+"""
+
+ADD_PBTXT = """\
+platform: "onnxruntime_onnx"
+max_batch_size: 8
+input [
+  { name: "a" data_type: TYPE_FP32 dims: [ 4 ] },
+  { name: "b" data_type: TYPE_FP32 dims: [ 4 ] }
+]
+output [
+  { name: "sum" data_type: TYPE_FP32 dims: [ 4 ] },
+  { name: "diff" data_type: TYPE_FP32 dims: [ 4 ] }
+]
+"""
+
+
+def write_add(root: Path, name: str, pbtxt: str | None) -> None:
+    from trioinfer.testing import models
+
+    models.write_add(root / name / "1" / "model.onnx")
+    if pbtxt is not None:
+        (root / name / "config.pbtxt").write_text(pbtxt)
+
+
+async def test_disable_auto_complete_config_serves_config_pbtxt_as_written(
+    tmp_path: Path,
+) -> None:
+    write_model(tmp_path, "auto", 'backend: "python"\n', AUTO)
+    write_model(tmp_path, "declared", DECLARED_AUTO, AUTO)
+    write_add(tmp_path, "onnx_bare", 'platform: "onnxruntime_onnx"\n')
+    write_add(tmp_path, "onnx_declared", ADD_PBTXT)
+    write_add(tmp_path, "onnx_no_file", None)
+    repository = ModelRepository(tmp_path)
+    called: list[str] = []
+
+    def completing(backend: str, config: Any, path: Path) -> Any:
+        called.append(path.parent.parent.name)
+        return complete(backend, config, path)
+
+    def config(name: str) -> trioinfer.ModelConfig:
+        return repository.entry(name).config(1, complete=completing, auto_complete=False)
+
+    said = (
+        "--disable-auto-complete-config: config.pbtxt must declare the model's input and "
+        "output, which nothing completes"
+    )
+    # Triton's behaviour: auto_complete_config is not run, and nothing else completes.
+    with pytest.raises(ConfigError, match=said):
+        config("auto")
+    # An ONNX model's tensors are not read from its graph for its config.pbtxt either...
+    with pytest.raises(ConfigError, match=said):
+        config("onnx_bare")
+    assert repository.entry("onnx_bare").config(1).name == "onnx_bare"  # (without the flag)
+    async with trioinfer.open_engine() as engine:
+        # ...and a file that declares them serves as it says (max_batch_size 8 its own).
+        await engine.load(config("declared"))
+        out = await engine.infer("declared", pair(1, 2))
+        np.testing.assert_array_equal(out["OUTPUT0"], np.full((1, 4), 3, np.float32))
+        assert out["BATCH"].tolist() == [[8]]
+        await engine.load(config("onnx_declared"))
+        # A model with no config file is trioinfer's own: read from the file, as ever.
+        await engine.load(config("onnx_no_file"))
+        for name in ("onnx_declared", "onnx_no_file"):
+            out = await engine.infer(
+                name, {"a": np.ones((1, 4), np.float32), "b": np.ones((1, 4), np.float32)}
+            )
+            np.testing.assert_array_equal(out["sum"], np.full((1, 4), 2, np.float32))
+    assert called == []
+    # Without the flag the model's auto_complete_config runs (it is the completer's).
+    repository.entry("declared").config(1, complete=completing)
+    assert called == ["declared"]
+
+
+@pytest.mark.workers
+def test_disable_auto_complete_config_reaches_every_worker(tmp_path: Path) -> None:
+    from test_grpc import run_server
+
+    root = tmp_path / "models"
+    write_model(root, "auto", 'backend: "python"\n', AUTO)
+    write_model(root, "declared", DECLARED_AUTO, AUTO)
+    settings = tmp_path / "serve.toml"
+    settings.write_text("disable_auto_complete_config = true\nworkers = 2\n")
+    log = tmp_path / "server.log"
+    with (
+        run_server(
+            root, "--config", str(settings), "--no-grpc", log=log, want_grpc=False
+        ) as running,
+        httpclient.InferenceServerClient(running.url.removeprefix("http://")) as client,
+    ):
+        # The workers load the models, each with the setting: "auto" failed, saying
+        # why; "declared" serves.
+        for _ in range(4):
+            index = {row["name"]: row for row in client.get_model_repository_index()}
+            assert index["auto"]["state"] == "UNAVAILABLE"
+            assert "--disable-auto-complete-config" in index["auto"]["reason"]
+            assert client.is_model_ready("declared")
+
+
+# -- BLS: a call within a sequence ---------------------------------------------------------------
+
+BLS_PBTXT = """\
+backend: "python"
+input [
+  { name: "INPUT" data_type: TYPE_INT32 dims: [ 1 ] },
+  { name: "ID" data_type: TYPE_UINT64 dims: [ 1 ] },
+  { name: "FLAGS" data_type: TYPE_INT32 dims: [ 1 ] }
+]
+output [ { name: "OUTPUT" data_type: TYPE_INT32 dims: [ 1 ] } ]
+"""
+
+# Calls the accumulator with the sequence its inputs name, as Triton's BLS passes
+# correlation_id and flags on.
+BLS = """\
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        responses = []
+        for request in requests:
+            value = pb_utils.get_input_tensor_by_name(request, "INPUT").as_numpy()
+            ident = pb_utils.get_input_tensor_by_name(request, "ID").as_numpy().item()
+            flags = pb_utils.get_input_tensor_by_name(request, "FLAGS").as_numpy().item()
+            call = pb_utils.InferenceRequest(
+                model_name="acc",
+                inputs=[pb_utils.Tensor("INPUT", value.reshape(1, 1))],
+                requested_output_names=["OUTPUT"],
+                correlation_id=int(ident),
+                flags=int(flags),
+            )
+            answer = call.exec()
+            if answer.has_error():
+                responses.append(pb_utils.InferenceResponse(error=answer.error()))
+                continue
+            out = pb_utils.get_output_tensor_by_name(answer, "OUTPUT").as_numpy()
+            responses.append(
+                pb_utils.InferenceResponse(output_tensors=[pb_utils.Tensor("OUTPUT", out[0])])
+            )
+        return responses
+"""
+
+BLS_VARIANTS = {
+    "exec": BLS,
+    "async_exec": BLS.replace("def execute", "async def execute").replace(
+        "call.exec()", "await call.async_exec()"
+    ),
+    # A stateful model is never decoupled: it answers once, as Triton's.
+    "exec_decoupled": BLS.replace("call.exec()", "next(iter(call.exec(decoupled=True)))"),
+}
+
+
+@pytest.mark.parametrize("variant", sorted(BLS_VARIANTS))
+async def test_bls_passes_correlation_id_and_flags_on(tmp_path: Path, variant: str) -> None:
+    write_model(tmp_path, "acc", sequence_pbtxt(), ACCUMULATOR)
+    write_model(tmp_path, "bls", BLS_PBTXT, BLS_VARIANTS[variant])
+
+    def call(x: int, sequence_id: int, flags: int) -> dict[str, np.ndarray[Any, Any]]:
+        return {
+            "INPUT": np.array([x], np.int32),
+            "ID": np.array([sequence_id], np.uint64),
+            "FLAGS": np.array([flags], np.int32),
+        }
+
+    async with trioinfer.open_engine() as engine:
+        await load(engine, tmp_path, "acc")
+        await load(engine, tmp_path, "bls")
+        sums: dict[int, list[int]] = {}
+
+        async def run(sequence_id: int, values: list[int]) -> None:
+            for i, x in enumerate(values):
+                flags = (START if i == 0 else 0) | (END if i == len(values) - 1 else 0)
+                out = await engine.infer("bls", call(x, sequence_id, flags))
+                sums.setdefault(sequence_id, []).append(int(out["OUTPUT"][0]))
+
+        async with trio.open_nursery() as nursery:
+            for sequence_id in (41, 42):
+                nursery.start_soon(run, sequence_id, [sequence_id, 1, 2])
+        assert sums == {41: [41, 42, 44], 42: [42, 43, 45]}
+        # The sequence ended with its END flag: a request after it is refused.
+        with pytest.raises(trioinfer.TrioInferError, match="sequence 41 of model 'acc' ended"):
+            await engine.infer("bls", call(1, 41, 0))
+        # A flag without an id is the call's error, as a client's would be.
+        with pytest.raises(trioinfer.TrioInferError, match="need a sequence_id"):
+            await engine.infer("bls", call(1, 0, START))
+
+
+# -- model_warmup of a sequence model ------------------------------------------------------------
+
+
+def warmup_pbtxt(start: str) -> str:
+    # Triton's model_warmup names "every model input, including control tensors": a
+    # sample runs on the instances, outside the sequence batcher.
+    controls = [
+        ("START", "TYPE_INT32", start),
+        ("END", "TYPE_FP32", "zero_data: true"),
+        ("READY", "TYPE_BOOL", "zero_data: true"),
+        ("CORRID", "TYPE_UINT64", "zero_data: true"),
+    ]
+    entries = [
+        f'{{ key: "{name}" value: {{ data_type: {dtype} dims: [ 1 ] {data} }} }}'
+        for name, dtype, data in [("INPUT", "TYPE_INT32", "zero_data: true"), *controls]
+    ]
+    return f'model_warmup [ {{ name: "s" batch_size: 1 inputs [ {", ".join(entries)} ] }} ]\n'
+
+
+# The accumulator, starting a sequence on its START control (a warm-up request has no
+# flags, as Triton's: it is no request of a sequence).
+BY_CONTROL = ACCUMULATOR.replace(
+    "if flags & pb_utils.TRITONSERVER_REQUEST_FLAG_SEQUENCE_START:", "if start.item():"
+)
+
+
+async def test_warm_up_of_a_sequence_model_gives_its_controls(tmp_path: Path) -> None:
+    no_controls = (
+        'model_warmup [ { name: "s" batch_size: 1 inputs [ { key: "INPUT" value: '
+        "{ data_type: TYPE_INT32 dims: [ 1 ] zero_data: true } } ] } ]\n"
+    )
+    write_model(tmp_path, "gives_none", sequence_pbtxt() + no_controls, ACCUMULATOR)
+    repository = ModelRepository(tmp_path)
+    # Refused at load, saying what a sample of a sequence model gives.
+    with pytest.raises(
+        ConfigError,
+        match="warm-up sample 's' gives no 'START', 'END', 'READY', 'CORRID', which the "
+        "sequence batcher feeds each request",
+    ):
+        repository.entry("gives_none").config(1)
+    # A sample that gives them warms the model up with them: a start flag of 1 from a file.
+    (tmp_path / "warm" / "warmup").mkdir(parents=True)
+    (tmp_path / "warm" / "warmup" / "one").write_bytes(np.int32(1).tobytes())
+    write_model(
+        tmp_path, "warm", sequence_pbtxt() + warmup_pbtxt('input_data_file: "one"'), BY_CONTROL
+    )
+    write_model(tmp_path, "cold", sequence_pbtxt() + warmup_pbtxt("zero_data: true"), BY_CONTROL)
+    async with trioinfer.open_engine() as engine:
+        await load(engine, tmp_path, "warm")
+        out = await engine.infer("warm", value(5), sequence=SequenceFlags(3, start=True))
+        assert int(out["OUTPUT"].sum()) == 5
+        # A START of 0 starts nothing: the model's own error fails the load.
+        with pytest.raises(trioinfer.BackendError, match=r"warm-up sample 's' failed.*unknown"):
+            await load(engine, tmp_path, "cold")

@@ -21,6 +21,7 @@ from trioinfer import (
     Engine,
     ModelNotFound,
     ResponseStream,
+    SequenceFlags,
     TrioInferError,
 )
 from trioinfer.lowlevel import (
@@ -84,10 +85,12 @@ class Models:
         *,
         priority: int = 0,
         parameters: Mapping[str, bool | int | float | str] | None = None,
+        sequence: SequenceFlags | None = None,
     ) -> dict[str, np.ndarray[Any, Any]]:
         """Run *model* on *inputs* and return its outputs, from ``async def infer``.
 
-        *parameters* are the request's own, as ``engine.infer`` takes them.
+        *parameters* are the request's own, and *sequence* the sequence of a
+        stateful *model* the request belongs to, as ``engine.infer`` takes them.
 
         (A plain ``infer`` on the event loop, ``dispatch = "inline"``, can
         neither await this nor block on `infer_blocking`: make it async.)
@@ -100,7 +103,7 @@ class Models:
         """
         # Bound by cancellation alone: the engine cancels this execution when every
         # request it computes for has ended (a caller's own deadline among them).
-        return await self._infer(model, inputs, priority, None, parameters)
+        return await self._infer(model, inputs, priority, None, parameters, sequence)
 
     def infer_stream(
         self,
@@ -177,6 +180,7 @@ class Models:
         *,
         priority: int = 0,
         parameters: Mapping[str, bool | int | float | str] | None = None,
+        sequence: SequenceFlags | None = None,
     ) -> dict[str, np.ndarray[Any, Any]]:
         """`infer`, from a plain ``def infer`` (or ``load``) on the instance's worker thread.
 
@@ -199,7 +203,14 @@ class Models:
             )
         execution = getattr(self._computing, "value", None)
         return anyio.from_thread.run(
-            self._infer_for, execution, model, inputs, priority, parameters, token=self._token
+            self._infer_for,
+            execution,
+            model,
+            inputs,
+            priority,
+            parameters,
+            sequence,
+            token=self._token,
         )
 
     def infer_stream_blocking(
@@ -385,14 +396,23 @@ class Models:
         inputs: Mapping[str, Any],
         priority: int,
         parameters: Mapping[str, bool | int | float | str] | None = None,
+        sequence: SequenceFlags | None = None,
     ) -> dict[str, np.ndarray[Any, Any]]:
         # infer_blocking's call, on the event loop, ended when *execution* is aborted.
         if execution is None:  # from load(), or a thread of the model's own
-            return await self._infer(model, inputs, priority, math.inf, parameters)
+            return await self._infer(model, inputs, priority, math.inf, parameters, sequence)
         # The deadline execute() read: this task, started for the thread, runs under no
         # scope of the callers' and does not see the execution's context.
         return await self._bounded(
-            execution, model, self._infer, model, inputs, priority, execution.deadline, parameters
+            execution,
+            model,
+            self._infer,
+            model,
+            inputs,
+            priority,
+            execution.deadline,
+            parameters,
+            sequence,
         )
 
     async def _infer(
@@ -402,6 +422,7 @@ class Models:
         priority: int,
         deadline: float | None = None,
         parameters: Mapping[str, bool | int | float | str] | None = None,
+        sequence: SequenceFlags | None = None,
     ) -> dict[str, np.ndarray[Any, Any]]:
         # A call to itself, by whatever name, is refused there (ValueError). The request
         # carries the callers' deadline (None: the execution's, read in its task).
@@ -415,6 +436,7 @@ class Models:
                     caller=self._own,
                     deadline=deadline,
                     parameters=parameters,
+                    sequence=sequence,
                 )
             )
         except ModelNotFound as exc:

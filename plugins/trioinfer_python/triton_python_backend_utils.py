@@ -35,6 +35,7 @@ from trioinfer import (
     InvalidInput,
     InvalidMetric,
     ModelMetrics,
+    SequenceFlags,
     TrioInferError,
 )
 from trioinfer.lowlevel import current_model_metrics
@@ -481,6 +482,9 @@ class InferenceRequest(_Provided):
                 "InferenceRequest.exec() works only in a plain def execute while it runs (in "
                 "an async def execute, await request.async_exec())"
             )
+        if decoupled and self._sequence_named():
+            # No decoupled model is stateful here: a stateful one answers once, as Triton's.
+            return ResponseIterator([self.exec()])
         if decoupled:
             try:
                 stream = models.infer_stream_blocking(
@@ -497,7 +501,10 @@ class InferenceRequest(_Provided):
             return ResponseIterator(self._streamed(stream), stream.close)
         return self._respond(
             lambda: models.infer_blocking(
-                self._model_name, self._arrays(), parameters=self._parsed_parameters()
+                self._model_name,
+                self._arrays(),
+                parameters=self._parsed_parameters(),
+                sequence=self._sequence(),
             )
         )
 
@@ -523,6 +530,9 @@ class InferenceRequest(_Provided):
                 "InferenceRequest.async_exec() works only in an async def execute while it runs "
                 "(in a plain def execute, call request.exec())"
             )
+        if decoupled and self._sequence_named():
+            # No decoupled model is stateful here: a stateful one answers once, as Triton's.
+            return ResponseIterator([await self.async_exec()])
         arrays, parameters = self._arrays(), self._parsed_parameters()
         if decoupled:
             responses = []
@@ -536,10 +546,31 @@ class InferenceRequest(_Provided):
                 responses.append(InferenceResponse(error=_triton_error(exc)))
             return ResponseIterator(responses)
         try:
-            outputs = await models.infer(self._model_name, arrays, parameters=parameters)
+            outputs = await models.infer(
+                self._model_name, arrays, parameters=parameters, sequence=self._sequence()
+            )
         except TrioInferError as exc:
             return InferenceResponse(error=_triton_error(exc))
         return self._response(outputs)
+
+    def _sequence_named(self) -> bool:
+        # 0 and "" name no sequence (Triton reserves them); read on each BLS call.
+        correlation_id = self._correlation_id
+        return bool(self._flags) or not (correlation_id == 0 or correlation_id == "")
+
+    def _sequence(self) -> SequenceFlags | None:
+        # The sequence a request made here goes on (BLS: correlation_id and flags, as
+        # Triton passes them on): read as the server reads a client's, by the one parser
+        # (a flag without an id is an error response, InvalidInput).
+        if not self._sequence_named():
+            return None
+        return SequenceFlags.from_parameters(
+            {
+                "sequence_id": self._correlation_id,
+                "sequence_start": bool(self._flags & TRITONSERVER_REQUEST_FLAG_SEQUENCE_START),
+                "sequence_end": bool(self._flags & TRITONSERVER_REQUEST_FLAG_SEQUENCE_END),
+            }
+        )
 
     def _parsed_parameters(self) -> Any:
         # The parameters given as JSON text: text that is not JSON is an error response

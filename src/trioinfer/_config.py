@@ -431,6 +431,20 @@ class ModelConfig:
                 f"model {self.name!r}: a pipeline takes no warmup (as a Triton ensemble "
                 "takes no model_warmup); give its step models theirs"
             )
+        if value and self.sequence is not None:
+            # A sample runs on the instances, outside the sequence batcher, as Triton's
+            # does (whose model_warmup names "every model input, including control
+            # tensors"): nothing feeds its controls and states but the sample itself.
+            fed = (*self.sequence.control.values(), *(s.input for s in self.sequence.state))
+            for sample in value:
+                if missing := [name for name in fed if name not in sample.inputs]:
+                    raise ConfigError(
+                        f"model {self.name!r}: warm-up sample {sample.name!r} gives no "
+                        f"{', '.join(map(repr, missing))}, which the sequence batcher feeds "
+                        "each request (control and state inputs); a warm-up sample runs "
+                        "outside it, as in Triton, so it gives them itself (zero_data, or a "
+                        "file holding a start flag's 1, in each input's dtype)"
+                    )
 
     @sequence.validator
     def _check_sequence(self, _attribute: attrs.Attribute[Any], value: object) -> None:

@@ -1074,6 +1074,7 @@ class Engine:
         tenant: str | None,
         caller: str | None = None,
         parameters: Mapping[str, Parameter] | None = None,
+        sequence: SequenceFlags | None = None,
     ) -> Awaitable[Outputs]:
         # lowlevel.infer_follow_up: a request made for one accepted already.
         named = model
@@ -1085,6 +1086,28 @@ class Engine:
                 f"{by} called model {named!r} for one answer, but it is decoupled (it "
                 "answers with a stream of responses): call it with infer_stream_follow_up "
                 "(from a Python model, models.infer_stream)"
+            )
+        if sequence is not None:
+            # A call within a sequence (Triton's BLS correlation_id and flags): the
+            # pipeline steps' way (_infer_step) takes none, and stays as lean.
+            if self._closing:
+                return self._infer_draining(
+                    model,
+                    inputs,
+                    priority,
+                    tenant,
+                    next_request_id(),
+                    parameters or NO_PARAMETERS,
+                    sequence=sequence,
+                )
+            return self.infer(
+                model,
+                inputs,
+                priority=priority,
+                tenant=tenant,
+                request_id=next_request_id(),
+                parameters=parameters,
+                sequence=sequence,
             )
         return self._infer_step(
             model,
@@ -1202,6 +1225,8 @@ class Engine:
         tenant: str | None,
         request_id: str,
         parameters: Mapping[str, Parameter] = NO_PARAMETERS,
+        *,
+        sequence: SequenceFlags | None = None,
     ) -> Outputs:
         request = await self._submit(
             model,
@@ -1210,6 +1235,7 @@ class Engine:
             tenant,
             request_id,
             follow_up=True,
+            sequence=sequence,
             parameters=checked_parameters(parameters),
         )
         assert request._state.outputs is not None
@@ -1672,6 +1698,7 @@ async def infer_follow_up(
     caller: str | None = None,
     deadline: float | None = None,
     parameters: Mapping[str, Parameter] | None = None,
+    sequence: SequenceFlags | None = None,
 ) -> Outputs:
     """``engine.infer``, for a request made on behalf of one the engine accepted already.
 
@@ -1692,7 +1719,8 @@ async def infer_follow_up(
     *caller* is the model (its name as the engine loaded it) whose computation
     makes the call: a call that reaches that very model, by whatever name, is
     refused (it could wait for ever for the instance that makes it).
-    *parameters* are the request's own, as for ``engine.infer``.
+    *parameters* are the request's own, and *sequence* the sequence of a
+    stateful model it belongs to, as for ``engine.infer``.
 
     Raises:
         ValueError: *model* is *caller*.
@@ -1704,9 +1732,13 @@ async def infer_follow_up(
         deadline = current_callers_deadline()
     if deadline >= anyio.current_effective_deadline():
         # The caller's scope carries it already (a run in its caller's task), or none.
-        return await engine._follow_up(model, inputs, priority, tenant, caller, parameters)
+        return await engine._follow_up(
+            model, inputs, priority, tenant, caller, parameters, sequence
+        )
     with anyio.CancelScope(deadline=deadline):
-        return await engine._follow_up(model, inputs, priority, tenant, caller, parameters)
+        return await engine._follow_up(
+            model, inputs, priority, tenant, caller, parameters, sequence
+        )
     by = f"a call by model {caller!r}" if caller is not None else "a call"
     raise DeadlineExceeded(
         f"{by} to model {model!r} did not end before the deadline of the requests it was "

@@ -57,6 +57,7 @@ _SERVE_KEYS: Final = frozenset(
         "repository_poll_secs",
         "strict_readiness",
         "exit_on_error",
+        "disable_auto_complete_config",
         "cache_size",
         "admin_token",
         "protect_inference",
@@ -246,6 +247,16 @@ MAX_WORKERS: Final = 256
     show_default=True,
     help="Stop (exit status 1) when a model fails to load at start, instead of serving the "
     "others (Triton's --exit-on-error, on there by default).",
+)
+@click.option(
+    "--disable-auto-complete-config",
+    is_flag=True,
+    default=False,
+    help="Serve each config.pbtxt as written (Triton's flag): a Triton Python model's "
+    "auto_complete_config is not run, and a model whose config.pbtxt declares no input or "
+    "output fails its load, ONNX models included (their graph is not read for them). "
+    "Models with a config.toml, or no config file, read their tensors from the model file "
+    "as ever.",
 )
 @click.option(
     "--cache-size",
@@ -493,6 +504,7 @@ def serve(ctx: click.Context, /, **options: Any) -> None:
             repository_poll_s=settings["repository_poll_secs"],
             strict_readiness=settings["strict_readiness"],
             exit_on_error=settings["exit_on_error"],
+            disable_auto_complete_config=settings["disable_auto_complete_config"],
             rate_limit=settings["rate_limit"],
             rate_limit_resources=settings["rate_limit_resource"],
             metrics_interval_s=settings["metrics_interval_ms"] / 1000,

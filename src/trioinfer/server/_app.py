@@ -204,6 +204,13 @@ class ServerConfig:
         exit_on_error: A model that fails to load at start stops the server
             (exit status 1) instead of being served without (Triton's
             ``--exit-on-error``).
+        disable_auto_complete_config: Serve each ``config.pbtxt`` as written
+            (Triton's ``--disable-auto-complete-config``): a Triton Python
+            model's ``auto_complete_config`` is not run, and a model whose
+            file declares no input or output fails its load, ONNX models
+            included (their graph is not read for them). Models configured by
+            ``config.toml``, or by no file, are trioinfer's own and read their
+            tensors from the model file as ever.
         repository_poll_s: Read the model repository every so many seconds and
             load, reload and unload what changed (Triton's poll mode; see
             ``trioinfer.server._poll``); the repository API's load and unload
@@ -244,6 +251,7 @@ class ServerConfig:
     trace_rate: float = 1.0
     strict_readiness: bool = False
     exit_on_error: bool = False
+    disable_auto_complete_config: bool = False
     repository_poll_s: float = attrs.field(default=0.0)
     rate_limit: str = attrs.field(default="off")
     rate_limit_resources: tuple[str, ...] = attrs.field(default=(), converter=tuple)

@@ -198,6 +198,9 @@ class ServedModels:
     rng: random.Random = attrs.field(factory=random.Random)
     #: This process's place among ``trioinfer serve --workers N``'s: (its index, N), or None.
     worker: tuple[int, int] | None = attrs.field(default=None, kw_only=True)
+    #: False under ``--disable-auto-complete-config``: a config.pbtxt is served as written
+    #: (``ModelEntry.config``'s *auto_complete*).
+    auto_complete: bool = attrs.field(default=True, kw_only=True)
     # The override each model configured by a load override alone (an ensemble in a
     # directory without a config file) was last loaded with: its only config, which a
     # load without one reuses, after an unload too. Kept in memory only: a restart
@@ -540,7 +543,11 @@ class ServedModels:
             # auto_complete_config) imports it, which may take seconds (torch, say).
             named, triton = await anyio.to_thread.run_sync(
                 functools.partial(
-                    entry.config_and_triton, version, override, complete=self._complete
+                    entry.config_and_triton,
+                    version,
+                    override,
+                    complete=self._complete,
+                    auto_complete=self.auto_complete,
                 )
             )
             config = self._engine_names(model, attrs.evolve(named, name=engine_name))

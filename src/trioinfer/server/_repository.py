@@ -371,6 +371,7 @@ class ModelEntry:
         override: Mapping[str, Any] | None = None,
         *,
         complete: Completer | None = None,
+        auto_complete: bool = True,
     ) -> ModelConfig:
         """Return the [`ModelConfig`][trioinfer.ModelConfig] to load *version* with.
 
@@ -385,13 +386,20 @@ class ModelEntry:
                 configuration from the model's own code (Triton's
                 ``auto_complete_config``; see `Completer`), run after the
                 override. It blocks (it may import the model's code).
+            auto_complete: False as Triton's ``--disable-auto-complete-config``:
+                a ``config.pbtxt`` model's configuration is the file's alone.
+                *complete* is not called, and the file must declare the
+                model's input and output (an ONNX model's are not read from
+                its graph either).
 
         Raises:
             ConfigError: For a version not on disk, a model file that has gone
                 or now leads outside the repository, or an override that is not
                 a table of valid [`ModelConfig`][trioinfer.ModelConfig] fields.
         """
-        return self.config_and_triton(version, override, complete=complete)[0]
+        return self.config_and_triton(
+            version, override, complete=complete, auto_complete=auto_complete
+        )[0]
 
     def config_and_triton(
         self,
@@ -399,6 +407,7 @@ class ModelEntry:
         override: Mapping[str, Any] | None = None,
         *,
         complete: Completer | None = None,
+        auto_complete: bool = True,
     ) -> tuple[ModelConfig, TritonModel | None]:
         """`config()` and `triton_config()` of one load, *override* merged once for both.
 
@@ -439,7 +448,8 @@ class ModelEntry:
                 )
             data, triton = self._overridden(data, override)
         if triton is not None and self.triton is not None:
-            completed = self._completed(triton, version, complete)
+            completed = self._completed(triton, version, complete if auto_complete else None)
+            completed.check_complete(self._where_triton(), auto_complete=auto_complete)
             if completed is not triton:
                 triton = completed
                 data = dict(triton.settings)
@@ -501,8 +511,8 @@ class ModelEntry:
         self, triton: TritonModel, version: int, complete: Completer | None
     ) -> TritonModel:
         # A config.pbtxt model's configuration as its code completes it (Triton's
-        # auto_complete_config), then checked for what only the completion may add.
-        where = f"{_TRITON_FILE} of model {self.name!r}"
+        # auto_complete_config).
+        where = self._where_triton()
         backend = str(triton.settings.get("backend", ""))
         if complete is not None and backend and backend != PIPELINE:
             doc = complete(backend, triton.json_with_defaults(self.name), self._model_file(version))
@@ -515,8 +525,10 @@ class ModelEntry:
                 triton = TritonModel.parse(
                     doc, name=self.name, where=f"{where}, as the model's code completed it"
                 )
-        triton.check_complete(where)
         return triton
+
+    def _where_triton(self) -> str:
+        return f"{_TRITON_FILE} of model {self.name!r}"
 
     def _overridden(
         self, data: dict[str, Any], override: Mapping[str, Any]

@@ -197,7 +197,10 @@ async def serve_http(
     ):
         make_known(engine)
         served = ServedModels(
-            engine, repo, worker=None if worker is None else (worker.index, worker.count)
+            engine,
+            repo,
+            worker=None if worker is None else (worker.index, worker.count),
+            auto_complete=not config.disable_auto_complete_config,
         )
         # Polled by this process alone (under --workers, by the supervisor), from what
         # the repository held before its models loaded.

@@ -37,7 +37,7 @@ from typing import Any, Final, cast
 
 import attrs
 
-from .._config import MAX_INSTANCES, ModelConfig
+from .._config import MAX_INSTANCES, PIPELINE, ModelConfig
 from .._exceptions import ConfigError
 
 __all__ = ["OWN_PREFIX", "TRITON_FIELDS", "TritonModel", "own_parameters", "with_defaults"]
@@ -528,22 +528,38 @@ class TritonModel:
         """`json()` named *name*, every field at its default printed (as Python models read it)."""
         return with_defaults(_numbers({**self.doc, "name": name}))
 
-    def check_complete(self, where: str) -> None:
-        """Refuse a Triton Python model that declares no input or output (none completed them).
+    def check_complete(self, where: str, *, auto_complete: bool = True) -> None:
+        """Refuse a model that declares no input or output where nothing completes them.
+
+        A Triton Python model's come from config.pbtxt or its
+        ``auto_complete_config``; an ONNX model's from its graph, unless
+        *auto_complete* is False (Triton's ``--disable-auto-complete-config``),
+        when every model but an ensemble (checked at parse) must declare them.
 
         Raises:
             ConfigError: It is such a model.
         """
-        if self.settings.get("backend") != "python":
+        backend = self.settings.get("backend", "onnxruntime")
+        if backend == PIPELINE or (backend != "python" and auto_complete):
             return
         missing = [field for field in ("input", "output") if not self.doc.get(field)]
-        if missing:
+        if not missing:
+            return
+        what = " and ".join(missing)
+        if not auto_complete:
+            # As Triton with the flag: neither the model's code nor its file is asked.
             raise ConfigError(
-                f"{where}: a Triton Python model must declare its {' and '.join(missing)}: in "
-                "config.pbtxt, or by TritonPythonModel.auto_complete_config in model.py "
-                "(add_input, add_output), which the server runs at load (in Python, "
-                "ModelRepository's entry(...).config(..., complete=...) runs it)"
+                f"{where}: --disable-auto-complete-config: config.pbtxt must declare the "
+                f"model's {what}, which nothing completes (neither "
+                "TritonPythonModel.auto_complete_config nor the model file is read for "
+                "them); declare them, or serve without --disable-auto-complete-config"
             )
+        raise ConfigError(
+            f"{where}: a Triton Python model must declare its {what}: in "
+            "config.pbtxt, or by TritonPythonModel.auto_complete_config in model.py "
+            "(add_input, add_output), which the server runs at load (in Python, "
+            "ModelRepository's entry(...).config(..., complete=...) runs it)"
+        )
 
     def engine_priority(self, level: int) -> int:
         """The engine priority of a Triton priority level (1 is the highest; 0 the default).

@@ -1908,6 +1908,7 @@ async def serve_workers(
                 "repository_poll_s": config.repository_poll_s,
                 "strict_readiness": config.strict_readiness,
                 "exit_on_error": config.exit_on_error,
+                "disable_auto_complete_config": config.disable_auto_complete_config,
                 "rate_limit": config.rate_limit,
                 "rate_limit_resources": list(config.rate_limit_resources),
                 # The files' paths: each worker reads them and serves TLS as serve_http does.
@@ -2031,6 +2032,7 @@ def _worker_main(argv: list[str]) -> int:
         repository_poll_s=settings["repository_poll_s"],
         strict_readiness=settings["strict_readiness"],
         exit_on_error=settings["exit_on_error"],
+        disable_auto_complete_config=settings["disable_auto_complete_config"],
         rate_limit=settings["rate_limit"],
         rate_limit_resources=settings["rate_limit_resources"],
         grpc_tls=None if settings.get("grpc_tls") is None else TlsFiles(**settings["grpc_tls"]),
