@@ -160,7 +160,7 @@ class OnnxRuntimeInstance:
 
         *outputs*: the names of those to compute, alone (`execute_outputs`); None: all.
         """
-        # A list for ONNX Runtime, which computes only the part of the graph they need.
+        # A list, as ONNX Runtime takes them; it returns (and copies out) those alone.
         names = self._outputs if outputs is None else list(outputs)
         session = self._session
         if session is None:
@@ -215,8 +215,8 @@ class OnnxRuntimeInstance:
     ) -> dict[str, Any]:
         """Run the session once for the named *outputs* alone (`trioinfer.abc.OutputsInstance`).
 
-        ONNX Runtime then runs only the nodes those outputs need: a branch of the
-        graph that makes only outputs nobody asked for is skipped.
+        ONNX Runtime returns those alone (from a GPU, copies only those out); its
+        inference builds still run every node of the graph (onnxruntime#16483).
         """
         return await self.execute(inputs, outputs)
 

@@ -833,11 +833,14 @@ class StreamingInstance(BackendInstance, Protocol):
 
 @runtime_checkable
 class OutputsInstance(BackendInstance, Protocol):
-    """An instance that can compute only some of its outputs (an optional hook).
+    """An instance that can be asked for only some of its outputs (an optional hook).
 
-    For a runtime that skips the work of outputs nobody asked for, as ONNX
-    Runtime computes only the part of the graph the outputs named in
-    ``session.run(names, ...)`` need. Where every request of an execution
+    For a runtime that can spare the work of outputs nobody asked for: a model
+    whose code skips a head, a runtime that prunes its graph by the outputs
+    fetched. (The ONNX Runtime backend's instances fetch only those from
+    ``session.run(names, ...)``; ONNX Runtime's inference builds still run the
+    whole graph, so what they spare is the copies of the other outputs.)
+    Where every request of an execution
     named outputs ([`Request.requested_outputs`][trioinfer.lowlevel.Request.requested_outputs]:
     ``engine.infer(outputs=...)``, HTTP and gRPC ``outputs``, a pipeline
     step whose ``output_map`` keeps only some), the engine calls
