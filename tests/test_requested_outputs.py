@@ -218,3 +218,68 @@ async def test_a_step_asks_its_model_for_the_outputs_its_map_keeps(
         whole = await engine.infer("all", {"IN": X})
         np.testing.assert_allclose(whole["B"], costly(X, two_branches))
         assert spy.asked == [["cheap", "costly"]]
+
+
+class Reads:
+    """A RequestsInstance (as a Triton Python model's): records what each request named."""
+
+    signature = Lies.signature
+    device = "cpu"
+
+    def __init__(self) -> None:
+        self.named: list[tuple[str, ...]] = []
+
+    async def execute(self, inputs: Any) -> dict[str, Any]:
+        return {"y": inputs["x"], "z": inputs["x"]}
+
+    async def execute_requests(self, requests: Any) -> list[dict[str, Any]]:
+        await trio.lowlevel.checkpoint()
+        answers = []
+        for request in requests:
+            self.named.append(request.requested_outputs)
+            answers.append({name: request.inputs["x"] for name in request.requested_outputs})
+        return answers
+
+    async def aclose(self) -> None:
+        pass
+
+
+@pytest.mark.pipeline
+@pytest.mark.parametrize("batched", [False, True])
+async def test_a_model_that_reads_its_requests_is_told_what_the_step_keeps(
+    batched: bool, autojump_clock: trio.testing.MockClock
+) -> None:
+    instance = Reads()
+
+    class Backend:
+        async def load(self, config: Any, placement: Any) -> Reads:
+            return instance
+
+    registry = trioinfer.Registry(extra={"backends": {"b": Backend}})
+    spec = {"name": "IN", "dtype": "float32", "shape": ["batch", 1]}
+    async with open_engine(registry=registry) as engine:
+        await engine.load(
+            ModelConfig(name="m", path="-", backend="b", **(BATCHED if batched else {}))
+        )
+        await engine.load(
+            ModelConfig(
+                name="p",
+                path="-",
+                backend="pipeline",
+                backend_options={
+                    "inputs": [spec],
+                    "outputs": [{**spec, "name": "OUT"}],
+                    "steps": [{"model": "m", "input_map": {"x": "IN"}, "output_map": {"z": "OUT"}}],
+                },
+            )
+        )
+        answers = []
+
+        async def one() -> None:
+            answers.append(await engine.infer("p", {"IN": np.ones((1, 1), np.float32)}))
+
+        async with trio.open_nursery() as nursery:
+            for _ in range(3):
+                nursery.start_soon(one)
+    assert instance.named == [("z",)] * 3
+    assert [list(answer) for answer in answers] == [["OUT"]] * 3
