@@ -31,7 +31,7 @@ PUBLIC = {
         "AssemblingBatcher", "AttachableBatcher", "AttachableFallback", "AttachableScheduler",
         "Backend",
         "BackendInstance", "Batcher", "BoundedBatcher", "ConfigCompletingBackend", "Fallback",
-        "InlineInstance",
+        "InlineInstance", "OutputsInstance",
         "PipelinedInstance", "RecoveringFallback", "RequestsInstance",
         "Scheduler",
         "StreamingInstance", "TunedInstance", "SequenceBatcher",

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any, Final, final
 
 import anyio
@@ -153,8 +153,15 @@ class OnnxRuntimeInstance:
         """The underlying ``onnxruntime.InferenceSession`` (``None`` once closed)."""
         return self._session
 
-    async def execute(self, inputs: Mapping[str, np.ndarray[Any, Any]]) -> dict[str, Any]:
-        """Run the session once off the event loop; abort it with ``terminate`` if cancelled."""
+    async def execute(
+        self, inputs: Mapping[str, np.ndarray[Any, Any]], outputs: Sequence[str] | None = None
+    ) -> dict[str, Any]:
+        """Run the session once off the event loop; abort it with ``terminate`` if cancelled.
+
+        *outputs*: the names of those to compute, alone (`execute_outputs`); None: all.
+        """
+        # A list, as ONNX Runtime takes them; it returns (and copies out) those alone.
+        names = self._outputs if outputs is None else list(outputs)
         session = self._session
         if session is None:
             raise BackendError(f"instance on {self._device} is closed")
@@ -164,12 +171,12 @@ class OnnxRuntimeInstance:
         if dispatch == "inline":
             # On the loop's thread nothing can abort a run midway: no RunOptions.
             try:
-                values = await self._run_inline(session, inputs)
+                values = await self._run_inline(session, inputs, names)
             except Exception as exc:
                 raise BackendError(
                     f"ONNX Runtime failed on {self._device}: {_one_line(exc)}"
                 ) from exc
-            return self._answer(values)
+            return self._answer(values, names)
         run_options = _ort().RunOptions()
 
         def abort() -> None:
@@ -178,11 +185,11 @@ class OnnxRuntimeInstance:
         try:
             if dispatch == "thread":
                 values = await self._worker.run_sync(
-                    self._run, session, inputs, run_options, abort=abort
+                    self._run, session, inputs, names, run_options, abort=abort
                 )
             elif dispatch == "auto":
                 values = await self._worker.run_sync(
-                    self._run_timed, session, inputs, run_options, abort=abort
+                    self._run_timed, session, inputs, names, run_options, abort=abort
                 )
                 self._consider_inline()
             else:
@@ -195,17 +202,27 @@ class OnnxRuntimeInstance:
                         else:
                             resolve(values, None)
 
-                    session.run_async(self._outputs, inputs, done, None, run_options)
+                    session.run_async(names, inputs, done, None, run_options)
 
                 assert self._callbacks is not None  # made for "ort_async", which stays
                 values = await self._callbacks.wait_on_callback(start, abort=abort)
         except Exception as exc:
             raise BackendError(f"ONNX Runtime failed on {self._device}: {_one_line(exc)}") from exc
-        return self._answer(values)
+        return self._answer(values, names)
 
-    def _answer(self, values: Any) -> dict[str, Any]:
+    async def execute_outputs(
+        self, inputs: Mapping[str, np.ndarray[Any, Any]], outputs: tuple[str, ...]
+    ) -> dict[str, Any]:
+        """Run the session once for the named *outputs* alone (`trioinfer.abc.OutputsInstance`).
+
+        ONNX Runtime returns those alone (from a GPU, copies only those out); its
+        inference builds still run every node of the graph (onnxruntime#16483).
+        """
+        return await self.execute(inputs, outputs)
+
+    def _answer(self, values: Any, names: list[str]) -> dict[str, Any]:
         # The session's outputs by name, reshaped ones as clients see them.
-        outputs = dict(zip(self._outputs, values, strict=True))
+        outputs = dict(zip(names, values, strict=True))
         if self._reshape_outputs:
             try:
                 outputs = _reshaped(outputs, self._reshape_outputs)
@@ -232,7 +249,7 @@ class OnnxRuntimeInstance:
         """The time inline executions may hold the loop, in all, before one yields."""
         return self._budget
 
-    async def _run_inline(self, session: Any, inputs: Any) -> Any:
+    async def _run_inline(self, session: Any, inputs: Any, names: list[str]) -> Any:
         # Back-to-back inline executions must not starve the event loop: yield
         # once they have held it for a budget's worth of time since the last
         # yield (one slice for every instance on this thread's loop: several
@@ -255,7 +272,7 @@ class OnnxRuntimeInstance:
         wall = self._wall()
         started = clock() if cpu else wall
         try:
-            return session.run(self._outputs, inputs)
+            return session.run(names, inputs)
         finally:
             ended = self._wall()
             near = ended - wall > 0.5 * self._budget
@@ -293,10 +310,10 @@ class OnnxRuntimeInstance:
                     self._budget * 1e6,
                 )
 
-    def _run_timed(self, session: Any, inputs: Any, run_options: Any) -> Any:
+    def _run_timed(self, session: Any, inputs: Any, names: list[str], run_options: Any) -> Any:
         # Runs on the worker thread; measures the compute alone, without the hop.
         started = self._clock()
-        values = self._run(session, inputs, run_options)
+        values = self._run(session, inputs, names, run_options)
         self._samples.append(self._clock() - started)
         return values
 
@@ -322,10 +339,10 @@ class OnnxRuntimeInstance:
         """How executions leave the event loop now (``'auto'`` settles on one of the others)."""
         return self._dispatch
 
-    def _run(self, session: Any, inputs: Any, run_options: Any) -> Any:
+    def _run(self, session: Any, inputs: Any, names: list[str], run_options: Any) -> Any:
         # Runs on the worker thread.
         try:
-            return session.run(self._outputs, inputs, run_options)
+            return session.run(names, inputs, run_options)
         except Exception:
             self._count_abort(run_options)
             raise
@@ -353,7 +370,9 @@ def _reshaped(arrays: Mapping[str, Any], shapes: Mapping[str, tuple[int, ...]]) 
     """
     out = dict(arrays)
     for name, shape in shapes.items():
-        array = out[name]
+        array = out.get(name)
+        if array is None:
+            continue  # an output not asked for (execute_outputs)
         target = (array.shape[0], *shape[1:]) if shape[:1] == (-1,) and array.ndim else shape
         try:
             out[name] = array.reshape(target)

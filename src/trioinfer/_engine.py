@@ -864,16 +864,26 @@ class Engine:
         priority: int,
         tenant: str | None,
         request_id: str | None,
+        wanted: tuple[str, ...] = (),
     ) -> Outputs | None:
         # A request run on *replica* (from _idle_here, no await since) in this task;
-        # None for a cancelled caller (_submit raises what it must).
+        # None for a cancelled caller (_submit raises what it must). *wanted*: the
+        # outputs it asked for (checked; empty: all), which its answer holds.
         arrays, n = runner.validate(inputs)
         clock = runner.clock
         deadline = clock.current_effective_deadline()
         if deadline == -math.inf:
             return None
         return await runner.run_here(
-            replica, arrays, n, request_id, priority, tenant, deadline, clock.current_time()
+            replica,
+            arrays,
+            n,
+            request_id,
+            priority,
+            tenant,
+            deadline,
+            clock.current_time(),
+            wanted=wanted,
         )
 
     def infer_stream(
@@ -1013,7 +1023,9 @@ class Engine:
                 found = self._idle_here(model)
             if found is not None:
                 replica = found[1]
-                answered = await self._run_here(*found, inputs, priority, tenant, request_id)
+                answered = await self._run_here(
+                    *found, inputs, priority, tenant, request_id, wanted
+                )
                 if answered is not None:
                     answered = _narrowed(answered, wanted)
                     return InferenceResult(answered, model, replica.index, replica.device, ())
@@ -1048,14 +1060,17 @@ class Engine:
         tenant: str | None,
         request_id: str,
         parameters: Mapping[str, Parameter] | None = None,
+        outputs: tuple[str, ...] = (),
     ) -> Awaitable[Outputs]:
         # A pipeline's step, for a pipeline request already accepted: engine.infer,
         # also while the engine drains (else the request could not finish in the
         # drain period, as any other accepted request may). Returns infer's own
         # coroutine while the engine is open: no frame of its own on each step.
+        # *outputs*: those the step asks for (step_outputs; empty: all); its answer
+        # holds at least those.
         if self._closing:
             return self._infer_draining(
-                model, inputs, priority, tenant, request_id, parameters or NO_PARAMETERS
+                model, inputs, priority, tenant, request_id, parameters or NO_PARAMETERS, outputs
             )
         return self.infer(
             model,
@@ -1064,6 +1079,7 @@ class Engine:
             tenant=tenant,
             request_id=request_id,
             parameters=parameters,
+            outputs=outputs,
         )
 
     def _follow_up(
@@ -1149,6 +1165,7 @@ class Engine:
         held: dict[Request, ModelRunner],
         scopes: set[anyio.CancelScope],
         parameters: Mapping[str, Parameter] = NO_PARAMETERS,
+        outputs: tuple[str, ...] = (),
     ) -> Outputs:
         # An unbatched pipeline's step (its request runs in its caller's task, which no
         # scope of the engine's encloses): _infer_step, leaving the pipeline a way to end
@@ -1172,6 +1189,7 @@ class Engine:
                     deadline,
                     clock.current_time(),
                     n,
+                    requested_outputs=outputs,
                 )
                 state = request._state
                 if runner.on_trio:
@@ -1211,6 +1229,7 @@ class Engine:
                     tenant=tenant,
                     request_id=request_id,
                     parameters=parameters or None,
+                    outputs=outputs,
                 )
         finally:
             scopes.discard(scope)
@@ -1225,6 +1244,7 @@ class Engine:
         tenant: str | None,
         request_id: str,
         parameters: Mapping[str, Parameter] = NO_PARAMETERS,
+        outputs: tuple[str, ...] = (),
         *,
         sequence: SequenceFlags | None = None,
     ) -> Outputs:
@@ -1237,6 +1257,7 @@ class Engine:
             follow_up=True,
             sequence=sequence,
             parameters=checked_parameters(parameters),
+            outputs=outputs,
         )
         assert request._state.outputs is not None
         return request._state.outputs

@@ -125,6 +125,20 @@ class Step:
 _Steps = tuple[tuple[int, Step], ...]
 
 
+def step_outputs(step: Step, model: ModelSignature) -> tuple[str, ...]:
+    """The outputs *step* asks its model for: those its ``output_map`` keeps, if not all.
+
+    Empty where it keeps every output of *model* (its signature): the usual step,
+    whose request names none. Else its request names those, as Triton's ensemble
+    asks each step for the outputs it maps, so that a model that can skip the
+    others (an `trioinfer.abc.OutputsInstance`) does.
+    """
+    kept = tuple(step.output_map)
+    if {spec.name for spec in model.outputs} <= set(kept):
+        return ()
+    return kept
+
+
 def _steps(name: str, value: object) -> tuple[Step, ...]:
     where = f"backend option steps of pipeline {name!r}"
     if not isinstance(value, Sequence) or isinstance(value, str) or not value:
@@ -224,9 +238,15 @@ class Pipeline:
             alone += 1
         self._in_turn = tuple(step for ready in rounds[:alone] for step in ready)
         self._side_by_side = tuple(sorted(step for ready in rounds[alone:] for step in ready))
-        # Each step's (model tensor, pipeline tensor) pairs, in and out, as tuples.
+        # Each step's (model tensor, pipeline tensor) pairs, in and out, as tuples, and
+        # the outputs its request names (step_outputs: decided here, once per step).
         self._maps = tuple(
-            (tuple(step.input_map.items()), tuple(step.output_map.items())) for step in self.steps
+            (
+                tuple(step.input_map.items()),
+                tuple(step.output_map.items()),
+                step_outputs(step, signatures(step.model)),
+            )
+            for step in self.steps
         )
         self._output_names = tuple(spec.name for spec in self.signature.outputs)
         # By the outputs a request named (Request.requested_outputs): the steps it
@@ -537,7 +557,7 @@ class Pipeline:
         if deadline <= now:
             # A cancelled caller (-inf) or a deadline gone by: _step's way raises it.
             return _LATER
-        done = runner.run_now(replica, arrays, rows, deadline, now)
+        done = runner.run_now(replica, arrays, rows, deadline, now, self._maps[index][2])
         if done.__class__ is Unfinished:
             return done
         self._keep(index, step, done, tensors)  # type: ignore[arg-type]  # (not Unfinished)
@@ -637,6 +657,7 @@ class Pipeline:
                 deadline,
                 clock.current_time(),
                 self._held,
+                self._maps[index][2],
             )
         outputs = await self._infer(
             model,
@@ -647,6 +668,7 @@ class Pipeline:
             held=self._held,
             scopes=self._scopes,
             parameters=request.parameters,
+            outputs=self._maps[index][2],
         )
         # It waited for its answer: the loop has had its turns meanwhile. Else
         # the slice would look spent, and the next inline step yield again.

@@ -48,7 +48,7 @@ import numpy as np
 from ._config import ModelConfig, Placement
 from ._exceptions import BackendError, ConfigError, InvalidInput, TrioInferError
 from ._inline import restart_inline_slice
-from ._pipeline import Infer, Step, _check_graph, _declared
+from ._pipeline import Infer, Step, _check_graph, _declared, step_outputs
 from ._request import NO_PARAMETERS, GeneratedId, Outputs, Parameter, Request, step_request_id
 from ._runner import _copy_error, _Running, _split
 from ._tensors import ModelSignature
@@ -165,6 +165,8 @@ class BatchedPipeline:
         self._maps = tuple(
             (tuple(step.input_map.items()), tuple(step.output_map.items())) for step in self.steps
         )
+        # The outputs each step's request names (step_outputs), decided once per step.
+        self._wanted = tuple(step_outputs(step, signatures(step.model)) for step in self.steps)
         self._output_names = tuple(spec.name for spec in self.signature.outputs)
         self._infer = infer
         self._step_runner = step_runner
@@ -453,6 +455,7 @@ class BatchedPipeline:
         # traces of the members it carries (no step runs in this task then).
         label, priority, tenant, members, alone, parameters = who
         request_id = step_request_id(label, index)
+        wanted = self._wanted[index]
         tracing = self._tracing
         if tracing is not None or parameters:
             # (Its parameters travel by engine.infer's way, in the step's request.)
@@ -464,6 +467,7 @@ class BatchedPipeline:
                 tenant=tenant,
                 request_id=request_id,
                 parameters=parameters or None,
+                outputs=wanted,
             )
             if tracing is None:
                 outputs: Outputs = await call()
@@ -491,9 +495,10 @@ class BatchedPipeline:
                     tenant,
                     deadline,
                     clock.current_time(),
+                    wanted=wanted,
                 )
         outputs = await self._infer(
-            model, inputs, priority=priority, tenant=tenant, request_id=request_id
+            model, inputs, priority=priority, tenant=tenant, request_id=request_id, outputs=wanted
         )
         restart_inline_slice()  # it waited for its answer: the loop has had its turns
         return outputs

@@ -877,6 +877,8 @@ class Unfinished:
     begun: tuple[Coroutine[Any, Any, Outputs], Any] | None
     #: What the execution raised.
     error: Exception | None
+    #: The outputs it was asked for alone (`run_now`'s *wanted*); empty: all.
+    wanted: tuple[str, ...] = ()
 
 
 @final
@@ -1556,6 +1558,13 @@ class ModelRunner(metaclass=NoPublicConstructor):
                         rows,
                     )
                     split = functools.partial(_split, live, rows)
+                # The outputs asked for, where every request named some (their
+                # union; one read for the usual batch, which names none).
+                wanted = (
+                    _wanted(live)
+                    if live[0].requested_outputs and not per_request and self._assemble is None
+                    else ()
+                )
                 self._batch_size.observe(rows)
                 self.executions += 1
                 replica.executions += 1
@@ -1579,6 +1588,10 @@ class ModelRunner(metaclass=NoPublicConstructor):
                                 lambda: self._execute_requests(replica, live),
                             )
                         outputs = {}  # (each request's answer is in answered)
+                    elif wanted and (self.tracing is None or not self.tracing.in_batch()):
+                        outputs = await self._call_backend(
+                            replica, inputs, rows if self.batched else 0, wanted
+                        )
                     elif self.tracing is None or not self.tracing.in_batch():
                         # _call_backend() in line: one coroutine frame fewer per execution.
                         try:
@@ -1596,7 +1609,7 @@ class ModelRunner(metaclass=NoPublicConstructor):
                             replica,
                             rows,
                             lambda: self._call_backend(
-                                replica, inputs, rows if self.batched else 0
+                                replica, inputs, rows if self.batched else 0, wanted
                             ),
                         )
                 finally:
@@ -1895,12 +1908,16 @@ class ModelRunner(metaclass=NoPublicConstructor):
         deadline: float,
         now: float,
         held: dict[Request, ModelRunner] | None = None,
+        wanted: tuple[str, ...] = (),
     ) -> Outputs:
         """Run validated *inputs* on *replica*, from `idle_replica` with no await since.
 
         *rows*: their rows, as `validate_rows` counts them for this model.
         *held*: where an execution that suspends puts its request while it runs
         (the pipeline's, which ends it with `cut_off` if the pipeline stops first).
+        *wanted*: the outputs asked for (checked names; empty: all), the request's
+        requested outputs: the answer holds at least those, and an
+        `trioinfer.abc.OutputsInstance` computes those alone.
 
         What `run_alone` does with a request made of them at *now* (its arrival),
         counted the same way. On an instance that never suspends
@@ -1916,18 +1933,26 @@ class ModelRunner(metaclass=NoPublicConstructor):
         if deadline > now:
             # The inline instance first: the hot path asks nothing more of it.
             if runs_inline(replica):
-                outputs = self.run_now(replica, inputs, rows, deadline, now)
+                outputs = self.run_now(replica, inputs, rows, deadline, now, wanted)
                 if outputs.__class__ is Unfinished:
                     return await self.finish_here(outputs, request_id, priority, tenant, held)
                 return cast(Outputs, outputs)
             if starts_inline(replica):
                 return await self._run_hoping(
-                    replica, inputs, rows, request_id, priority, tenant, deadline, now, held
+                    replica, inputs, rows, request_id, priority, tenant, deadline, now, held, wanted
                 )
         return await self.run_alone(
             replica,
             make_request(
-                self.config.name, inputs, request_id, priority, tenant, deadline, now, rows
+                self.config.name,
+                inputs,
+                request_id,
+                priority,
+                tenant,
+                deadline,
+                now,
+                rows,
+                requested_outputs=wanted,
             ),
             held=held,
         )
@@ -1939,6 +1964,7 @@ class ModelRunner(metaclass=NoPublicConstructor):
         rows: int,
         deadline: float,
         now: float,
+        wanted: tuple[str, ...] = (),
     ) -> Outputs | Unfinished:
         """`run_here` on an instance that never suspends, as a plain call: its outputs.
 
@@ -1950,10 +1976,14 @@ class ModelRunner(metaclass=NoPublicConstructor):
         An execution that answered is counted here; one that failed, or
         suspended after all (it broke its word), comes back as an `Unfinished`
         to pass to `finish_here` at once (no await before), which ends it.
+        *wanted*: as `run_here` says.
         """
         token = _batch_deadline.set(deadline)
         try:
-            run = replica._backend_instance.execute(inputs)
+            if wanted:
+                run = _execution(replica._backend_instance, inputs, wanted)
+            else:
+                run = replica._backend_instance.execute(inputs)
             # Its caller checked the loop's inline slice (slice_spent) with no
             # await since: the instance need not yield for it, holding the model.
             _inline_slice.granted = True
@@ -1962,7 +1992,9 @@ class ModelRunner(metaclass=NoPublicConstructor):
             except StopIteration as done:
                 outputs: Outputs = done.value
                 check = self._output_check
-                if check is None:
+                if wanted:
+                    outputs = self._narrowed(outputs, wanted, rows if self.batched else 0, replica)
+                elif check is None:
                     if self.batched:
                         _check_rows(self.config.name, replica, outputs, rows)
                 elif check.full:
@@ -1982,9 +2014,11 @@ class ModelRunner(metaclass=NoPublicConstructor):
                             ):
                                 check.check(outputs, rows, replica)
             else:
-                return Unfinished(replica, inputs, rows, deadline, now, (run, yielded), None)
+                return Unfinished(
+                    replica, inputs, rows, deadline, now, (run, yielded), None, wanted
+                )
         except Exception as exc:
-            return Unfinished(replica, inputs, rows, deadline, now, None, exc)
+            return Unfinished(replica, inputs, rows, deadline, now, None, exc, wanted)
         except BaseException:
             # Not a cancellation (it never suspended): KeyboardInterrupt and the like.
             self._count_alone(replica, rows, self.clock.current_time() - now)
@@ -2027,6 +2061,7 @@ class ModelRunner(metaclass=NoPublicConstructor):
         deadline: float,
         now: float,
         held: dict[Request, ModelRunner] | None,
+        wanted: tuple[str, ...],
     ) -> Outputs:
         # run_here on an instance that may end before it suspends (starts_inline: an
         # async def model): started here in the hope that it does, when it is done
@@ -2042,7 +2077,7 @@ class ModelRunner(metaclass=NoPublicConstructor):
             # own model) must not find this replica idle.
             slot.free -= 1
             try:
-                outcome = self.run_now(replica, inputs, rows, deadline, now)
+                outcome = self.run_now(replica, inputs, rows, deadline, now, wanted)
             finally:
                 slot.release()  # (nobody can wait for it: no await since idle_replica)
             if outcome.__class__ is not Unfinished:
@@ -2052,7 +2087,15 @@ class ModelRunner(metaclass=NoPublicConstructor):
                 # It suspended: from here on as any run in its caller's task, in
                 # this scope (no await since it was taken: the slot is still free).
                 request = make_request(
-                    self.config.name, inputs, request_id, priority, tenant, deadline, now, rows
+                    self.config.name,
+                    inputs,
+                    request_id,
+                    priority,
+                    tenant,
+                    deadline,
+                    now,
+                    rows,
+                    requested_outputs=wanted,
                 )
                 outputs = await self.run_alone(replica, request, begun, held, scope)
                 restart_inline_slice()  # it yielded to the loop
@@ -2085,7 +2128,15 @@ class ModelRunner(metaclass=NoPublicConstructor):
         """
         u = unfinished
         request = make_request(
-            self.config.name, u.inputs, request_id, priority, tenant, u.deadline, u.now, u.rows
+            self.config.name,
+            u.inputs,
+            request_id,
+            priority,
+            tenant,
+            u.deadline,
+            u.now,
+            u.rows,
+            requested_outputs=u.wanted,
         )
         if u.begun is not None:
             return await self.run_alone(u.replica, request, u.begun, held)
@@ -2192,13 +2243,24 @@ class ModelRunner(metaclass=NoPublicConstructor):
                             (share,) = await self._execute_requests(replica, (request,))
                             # A request its answer failed has ended already, with it.
                             answer = share if state.status is _RUNNING else None
+                        elif request.requested_outputs:
+                            answer = await _execution(
+                                replica._backend_instance,
+                                request.inputs,
+                                request.requested_outputs,
+                            )
                         else:
                             answer = await replica._backend_instance.execute(request.inputs)
-                if answer is not None:
-                    if (check := self._output_check) is not None:
-                        check.check(answer, rows if self.batched else 0, replica)
-                    elif self.batched:
-                        _check_rows(self.config.name, replica, answer, rows)
+                if answer is None or (begun is None and self._per_request):
+                    pass  # (a RequestsInstance's answer: checked by _execute_requests)
+                elif request.requested_outputs:
+                    answer = self._narrowed(
+                        answer, request.requested_outputs, rows if self.batched else 0, replica
+                    )
+                elif (check := self._output_check) is not None:
+                    check.check(answer, rows if self.batched else 0, replica)
+                elif self.batched:
+                    _check_rows(self.config.name, replica, answer, rows)
                 outputs = answer
             except Exception as exc:
                 replica.failures += 1
@@ -2646,13 +2708,21 @@ class ModelRunner(metaclass=NoPublicConstructor):
         return shares
 
     async def _call_backend(
-        self, replica: Replica, inputs: Mapping[str, Any], rows: int
+        self,
+        replica: Replica,
+        inputs: Mapping[str, Any],
+        rows: int,
+        wanted: tuple[str, ...] = (),
     ) -> Outputs:
         # One backend call on a replica whose slot (and device) the caller holds.
         # attempt() has this in line on its untraced path: a change belongs there too.
         # With *rows*, every output must hold that many rows: only then can each
-        # caller get its own. A failure here counts against the replica.
+        # caller get its own. *wanted*: the outputs asked for alone (an answer of
+        # those, narrowed to them). A failure here counts against the replica.
         try:
+            if wanted:
+                outputs = await _execution(replica._backend_instance, inputs, wanted)
+                return self._narrowed(outputs, wanted, rows, replica)
             outputs = await replica._backend_instance.execute(inputs)
             if (check := self._output_check) is not None:
                 check.check(outputs, rows, replica)
@@ -2661,6 +2731,17 @@ class ModelRunner(metaclass=NoPublicConstructor):
         except Exception:
             replica.failures += 1
             raise
+        return outputs
+
+    def _narrowed(
+        self, outputs: Outputs, wanted: tuple[str, ...], rows: int, replica: Replica
+    ) -> Outputs:
+        # An answer of an execution asked for *wanted* alone (`_execution`), narrowed
+        # to them, each checked (*rows*: 0 unbatched). The rest of it is dropped unchecked.
+        if (check := self._output_check) is not None:
+            return check.requested(outputs, wanted, rows, replica)
+        if rows:
+            _check_rows(self.config.name, replica, outputs, rows)
         return outputs
 
     def _backend_label(self) -> str:
@@ -2871,6 +2952,31 @@ def inline_budget(replica: Replica) -> float:
 def runs_inline(replica: Replica) -> bool:
     """Whether *replica*'s instance never suspends in ``execute`` (an ``InlineInstance``)."""
     return getattr(replica._backend_instance, "runs_inline", False) is True
+
+
+def _execution(
+    instance: BackendInstance, inputs: Mapping[str, Any], wanted: tuple[str, ...]
+) -> Coroutine[Any, Any, Outputs]:
+    # The backend call of an execution whose requests all named outputs (*wanted*:
+    # their union): an OutputsInstance computes those alone; any other, every output.
+    execute_outputs = getattr(instance, "execute_outputs", None)
+    if execute_outputs is None:
+        return instance.execute(inputs)
+    return cast(Coroutine[Any, Any, Outputs], execute_outputs(inputs, wanted))
+
+
+def _wanted(requests: Sequence[Request]) -> tuple[str, ...]:
+    # The union of *requests*' requested outputs, in order; empty if one named none.
+    first = requests[0].requested_outputs
+    if len(requests) == 1 or not first:
+        return first
+    names = dict.fromkeys(first)
+    for request in requests[1:]:
+        named = request.requested_outputs
+        if not named:
+            return ()
+        names.update(dict.fromkeys(named))
+    return tuple(names)
 
 
 def _depth(instance: BackendInstance) -> int:

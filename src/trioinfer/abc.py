@@ -47,6 +47,7 @@ __all__ = [
     "ConfigCompletingBackend",
     "Fallback",
     "InlineInstance",
+    "OutputsInstance",
     "PipelinedInstance",
     "RecoveringFallback",
     "RequestsInstance",
@@ -157,7 +158,9 @@ class Request(Protocol):
         Triton's requested outputs. The caller gets those alone, so a backend
         whose model can skip the others may: a `RequestsInstance` may answer
         the request with these outputs alone (any others it answers with are
-        dropped). Any other backend answers with every output, as ever.
+        dropped), and an `OutputsInstance` is asked for them alone where every
+        request of an execution named some. Any other backend answers with
+        every output, as ever.
         """
         ...
 
@@ -824,6 +827,38 @@ class StreamingInstance(BackendInstance, Protocol):
         it waits at. Errors as in `execute()`: a
         ``TrioInferError`` (``BackendError`` for a failure of the model) ends
         the stream with that error after the responses already yielded.
+        """
+        ...
+
+
+@runtime_checkable
+class OutputsInstance(BackendInstance, Protocol):
+    """An instance that can be asked for only some of its outputs (an optional hook).
+
+    For a runtime that can spare the work of outputs nobody asked for: a model
+    whose code skips a head, a runtime that prunes its graph by the outputs
+    fetched. (The ONNX Runtime backend's instances fetch only those from
+    ``session.run(names, ...)``; ONNX Runtime's inference builds still run the
+    whole graph, so what they spare is the copies of the other outputs.)
+    Where every request of an execution
+    named outputs ([`Request.requested_outputs`][trioinfer.lowlevel.Request.requested_outputs]:
+    ``engine.infer(outputs=...)``, HTTP and gRPC ``outputs``, a pipeline
+    step whose ``output_map`` keeps only some), the engine calls
+    `execute_outputs` with the union of their names in place of `execute`;
+    an execution with any request that named none calls `execute`. Looked
+    for on the instance at each such execution (``execute_outputs``, a
+    method): an instance without it answers with every output, as ever,
+    and the engine drops those not asked for. (A `RequestsInstance` reads
+    each request's requested outputs itself and is not asked this way.)
+    """
+
+    async def execute_outputs(self, inputs: Arrays, outputs: tuple[str, ...]) -> Outputs:
+        """Run the model once, as `execute`, and return the named *outputs* alone.
+
+        *outputs*: some of `signature`'s output names, each once, in no
+        particular order. The answer holds at least those (any other it holds
+        is dropped unchecked), each checked as `execute`'s are. Errors and
+        cancellation as for `execute`.
         """
         ...
 

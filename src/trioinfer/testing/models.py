@@ -39,6 +39,7 @@ __all__ = [
     "write_identity",
     "write_mlp",
     "write_slow",
+    "write_two_branches",
     "write_wide_mlp",
 ]
 
@@ -313,17 +314,8 @@ def write_slow(
     """
     if width < 1 or depth < 1:
         raise ValueError(f"width and depth must be positive, got {width} and {depth}")
-    rng = np.random.default_rng(seed)
-    q, r = np.linalg.qr(rng.standard_normal((width, width)))
-    # Fixing the signs by R's diagonal makes Q uniformly distributed (and seed-determined).
-    weight = (q * np.sign(np.diag(r))).astype(np.float32)
-
-    nodes = []
-    current = "x"
-    for i in range(depth):
-        out = "y" if i == depth - 1 else f"h{i}"
-        nodes.append(helper.make_node("MatMul", [current, "weight"], [out], name=f"matmul{i}"))
-        current = out
+    weight = _orthogonal(width, seed)
+    nodes = _matmul_chain("x", "y", depth)
     graph = helper.make_graph(
         nodes,
         "slow",
@@ -336,6 +328,71 @@ def write_slow(
         f"{width}x{width} orthogonal float32 matrix (seed {seed})."
     )
     return _save(graph, path, doc)
+
+
+def write_two_branches(
+    path: str | os.PathLike[str], *, width: int = 64, depth: int = 50, seed: int = 0
+) -> Path:
+    """Write a model of two branches, one cheap and one costly, for requested outputs.
+
+    Input ``x``: ``float32[batch, width]``. Outputs: ``cheap = x + x``, one
+    node; ``costly = x @ W^depth``, a chain of ``depth`` ``MatMul`` nodes by
+    one shared orthogonal matrix (as `write_slow()`'s). A request that asks for
+    ``cheap`` alone needs none of the chain: what a runtime that prunes its graph
+    by the outputs fetched can skip (ONNX Runtime's inference builds run it all
+    the same; see ``benchmarks/bench_outputs.py``).
+
+    Args:
+        path: Where to write the ``.onnx`` file.
+        width: The second dimension of ``x`` and both outputs.
+        depth: The number of ``MatMul`` nodes of the costly branch.
+        seed: Seed for the weight.
+
+    Returns:
+        The path written.
+
+    Raises:
+        ValueError: If ``width`` or ``depth`` is not positive.
+    """
+    if width < 1 or depth < 1:
+        raise ValueError(f"width and depth must be positive, got {width} and {depth}")
+    weight = _orthogonal(width, seed)
+    nodes = [helper.make_node("Add", ["x", "x"], ["cheap"], name="double")]
+    nodes += _matmul_chain("x", "costly", depth)
+    graph = helper.make_graph(
+        nodes,
+        "two_branches",
+        inputs=[helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", width])],
+        outputs=[
+            helper.make_tensor_value_info("cheap", TensorProto.FLOAT, ["batch", width]),
+            helper.make_tensor_value_info("costly", TensorProto.FLOAT, ["batch", width]),
+        ],
+        initializer=[numpy_helper.from_array(weight, "weight")],
+    )
+    doc = (
+        f"Two branches: cheap = x + x; costly = x @ W^{depth} as {depth} chained MatMuls by "
+        f"one shared {width}x{width} orthogonal float32 matrix (seed {seed})."
+    )
+    return _save(graph, path, doc)
+
+
+def _orthogonal(width: int, seed: int) -> np.ndarray[Any, np.dtype[np.float32]]:
+    # A random orthogonal matrix: values keep their size through a chain of products.
+    rng = np.random.default_rng(seed)
+    q, r = np.linalg.qr(rng.standard_normal((width, width)))
+    # Fixing the signs by R's diagonal makes Q uniformly distributed (and seed-determined).
+    return (q * np.sign(np.diag(r))).astype(np.float32)
+
+
+def _matmul_chain(source: str, target: str, depth: int) -> list[onnx.NodeProto]:
+    # *depth* MatMul nodes by the initializer "weight", from *source* to *target*.
+    nodes = []
+    current = source
+    for i in range(depth):
+        out = target if i == depth - 1 else f"{target}_h{i}"
+        nodes.append(helper.make_node("MatMul", [current, "weight"], [out], name=f"matmul{i}"))
+        current = out
+    return nodes
 
 
 def write_accumulator(path: str | os.PathLike[str]) -> Path:
