@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -13,6 +16,38 @@ from trioinfer.testing import models
 # module imports it: every Ray of the tests on 127.0.0.1 alone, and no usage reports.
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+
+
+class ShortTmp:
+    """New directories under one root in ``/tmp``, with paths short enough for Unix sockets."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+
+    def mktemp(self, name: str) -> Path:
+        """A new empty directory whose name starts with *name*."""
+        return Path(tempfile.mkdtemp(prefix=name, dir=self.root))
+
+
+@pytest.fixture(scope="session")
+def short_tmp_factory() -> Iterator[ShortTmp]:
+    """`tmp_path_factory`'s `mktemp`, with paths short enough for Unix sockets.
+
+    Ray's and the worker supervisor's sockets go in the directories they are
+    given, and a socket's path may be 107 bytes at most: pytest's own paths
+    (``/tmp/pytest-of-USER/pytest-N/popen-gwN/test_name0/...``, longer under
+    pytest-xdist) leave too little. These are under ``/tmp/ti-XXXX``, removed
+    at the end of the session.
+    """
+    root = Path(tempfile.mkdtemp(prefix="ti-", dir="/tmp"))
+    yield ShortTmp(root)
+    shutil.rmtree(root, ignore_errors=True)
+
+
+@pytest.fixture
+def short_tmp_path(short_tmp_factory: ShortTmp) -> Path:
+    """`tmp_path`, short enough for Unix sockets (see `short_tmp_factory`)."""
+    return short_tmp_factory.mktemp("t")
 
 
 @pytest.fixture(scope="session")

@@ -22,7 +22,7 @@ from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pytest
@@ -48,6 +48,9 @@ from trioinfer import (
 from trioinfer.lowlevel import Placement
 from trioinfer.testing import FakeBackend, check_backend, models
 from trioinfer_ray._options import MODEL_RESOURCE_SHARE, check_options
+
+if TYPE_CHECKING:
+    from conftest import ShortTmp
 
 pytestmark = pytest.mark.ray
 
@@ -86,8 +89,8 @@ def start_local_ray(temp: Path, **kwargs: Any) -> None:
 
 
 @pytest.fixture(scope="module")
-def local_ray(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
-    start_local_ray(tmp_path_factory.mktemp("ray"))
+def local_ray(short_tmp_factory: ShortTmp) -> Iterator[None]:
+    start_local_ray(short_tmp_factory.mktemp("ray"))  # (a path short enough for its sockets)
     yield
     ray.shutdown()
 

@@ -8,7 +8,7 @@ import subprocess
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pytest
@@ -18,6 +18,9 @@ from ray.cluster_utils import Cluster
 
 import trioinfer_ray
 from trioinfer import BackendUnavailable, InferenceResult, Instance, ModelConfig, open_engine
+
+if TYPE_CHECKING:
+    from conftest import ShortTmp
 
 pytestmark = pytest.mark.ray
 
@@ -36,8 +39,9 @@ def node_args(temp: Path, **kwargs: Any) -> dict[str, Any]:
 
 
 @pytest.fixture(scope="module")
-def temp(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tmp_path_factory.mktemp("ray")
+def temp(short_tmp_factory: ShortTmp) -> Path:
+    # Ray's sockets go under it: a path short enough for them.
+    return short_tmp_factory.mktemp("ray")
 
 
 @pytest.fixture(scope="module")

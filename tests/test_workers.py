@@ -16,6 +16,7 @@ import queue
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -1874,7 +1875,7 @@ async def test_a_signal_while_workers_are_started_starts_no_more(
 
 
 async def test_a_signal_before_the_supervisor_watches_for_it_stops_the_start(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    short_tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # A SIGTERM just after "supervising N workers" (while the supervisor set up its
     # control socket, machine metrics or the repository's baseline) killed it outright
@@ -1897,7 +1898,7 @@ async def test_a_signal_before_the_supervisor_watches_for_it_stops_the_start(
 
     monkeypatch.setattr(_workers, "host_metrics_for", signalled)
     monkeypatch.setattr(_workers.anyio, "open_process", open_process)
-    monkeypatch.setattr(_workers.tempfile, "tempdir", str(tmp_path))
+    monkeypatch.setattr(_workers.tempfile, "tempdir", str(short_tmp_path))
     before = signal.signal(signal.SIGTERM, unwatched)
     try:
         with anyio.fail_after(WAIT_S):
@@ -1906,4 +1907,28 @@ async def test_a_signal_before_the_supervisor_watches_for_it_stops_the_start(
             )
     finally:
         signal.signal(signal.SIGTERM, before)
-    assert [p async for p in anyio.Path(tmp_path).iterdir()] == []  # the control directory is gone
+    # The control directory is gone.
+    assert [p async for p in anyio.Path(short_tmp_path).iterdir()] == []
+
+
+def test_a_long_temporary_directory_puts_the_control_sockets_in_tmp(
+    tmp_path: Path, short_tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A socket's path may be 107 bytes at most: under a long TMPDIR the supervisor's
+    # bind failed with "AF_UNIX path too long" before any worker started.
+    from trioinfer.server import _workers
+
+    long = tmp_path / ("d" * 90)
+    long.mkdir()
+    monkeypatch.setattr(_workers.tempfile, "tempdir", str(long))
+    directory = _workers.control_directory(16)
+    try:
+        assert directory.parent == Path("/tmp")
+        for path in (directory / "supervisor.sock", _workers.worker_socket(directory, 15)):
+            with socket.socket(socket.AF_UNIX) as sock:
+                sock.bind(str(path))  # fits
+    finally:
+        shutil.rmtree(directory)
+    monkeypatch.setattr(_workers.tempfile, "tempdir", str(short_tmp_path))
+    directory = _workers.control_directory(16)
+    assert directory.parent == short_tmp_path  # where TMPDIR says, when it fits

@@ -942,6 +942,30 @@ def worker_socket(directory: Path, index: int) -> Path:
     return directory / f"worker-{index}.sock"
 
 
+#: The longest path a Unix socket may have: ``sun_path`` holds 108 bytes on Linux and
+#: 104 on macOS, the terminating NUL included.
+UNIX_PATH_MAX: Final = 103
+
+
+def control_directory(workers: int) -> Path:
+    """A new private directory for the control sockets of *workers* workers.
+
+    In the temporary directory (``TMPDIR``), unless a socket's path there would
+    be longer than a Unix socket's may be (a long ``TMPDIR``): then in
+    ``/tmp``, where a bind would otherwise fail with "AF_UNIX path too long"
+    before any worker started.
+    """
+    directory = Path(tempfile.mkdtemp(prefix="trioinfer-workers-"))
+    longest = max(
+        len(os.fsencode(directory / "supervisor.sock")),
+        len(os.fsencode(worker_socket(directory, workers - 1))),
+    )
+    if longest <= UNIX_PATH_MAX or not Path("/tmp").is_dir():
+        return directory
+    directory.rmdir()
+    return Path(tempfile.mkdtemp(prefix="trioinfer-workers-", dir="/tmp"))
+
+
 # -- the supervisor ---------------------------------------------------------------------------
 
 
@@ -1874,7 +1898,7 @@ async def serve_workers(
 
                 raise listen_error(host, grpc_port, exc) from None
             reserved += grpc_reserved
-        directory = Path(tempfile.mkdtemp(prefix="trioinfer-workers-"))
+        directory = control_directory(workers)
         log.info("supervising %d workers; control sockets in %s", workers, directory)
         spec = {
             "repository": str(root),
