@@ -17,11 +17,13 @@ import trio
 from test_plugin_faults import Breaks
 from trioinfer import (
     BackendUnavailable,
+    CircuitOpen,
     Instance,
     ModelConfig,
     ModelSignature,
     PluginContractError,
     Registry,
+    TrioInferError,
     open_engine,
 )
 from trioinfer.abc import Arrays, RecoveringFallback
@@ -199,6 +201,40 @@ async def test_resilient_re_creates_an_idle_instance_found_gone() -> None:
         assert mortal.instances[0] is not first  # a fresh one
         stats = engine.statistics().models["m"]
         assert (stats.succeeded, stats.failed) == (4, 0)
+
+
+async def test_requests_queued_when_the_only_instance_is_found_gone_hear_it_comes_back() -> None:
+    """The resilient fallback re-creates an instance found gone, but the requests queued
+    behind the batch that found it were refused first, told that none is coming back
+    and to load the model again (BackendUnavailable). Now each is told what the next
+    request is: every instance is out of service, retry later (CircuitOpen)."""
+    mortal = Mortal()
+    config = ModelConfig(
+        name="m",
+        path=Path("m.onnx"),
+        backend="mortal",
+        fallback="resilient",
+        fallback_options={"breaker": {"fail_max": 5, "reset_timeout": 30.0}},
+    )
+    errors: list[BaseException] = []
+    async with open_engine(registry=mortal.registry()) as engine:
+        await engine.load(config)
+        mortal.instances[0].gone = "0's actor is gone: killed"
+
+        async def caller() -> None:
+            try:
+                await engine.infer("m", X)
+            except TrioInferError as exc:
+                errors.append(exc)
+
+        async with trio.open_nursery() as nursery:
+            for _ in range(3):
+                nursery.start_soon(caller)
+    assert len(errors) == 3
+    for error in errors:
+        assert isinstance(error, CircuitOpen), error
+        assert "circuit breaker open: gone: 0's actor is gone: killed" in str(error)
+        assert "none is coming back" not in str(error)
 
 
 def test_resilient_is_a_recovering_fallback() -> None:

@@ -283,3 +283,122 @@ async def test_a_model_that_reads_its_requests_is_told_what_the_step_keeps(
                 nursery.start_soon(one)
     assert instance.named == [("z",)] * 3
     assert [list(answer) for answer in answers] == [["OUT"]] * 3
+
+
+class Honest:
+    """An OutputsInstance with the outputs it is made with: records each execution's ask."""
+
+    device = "cpu"
+
+    def __init__(
+        self, outputs: tuple[str, ...], asked: list[tuple[str, ...] | None], hold: list[trio.Event]
+    ) -> None:
+        self.signature = trioinfer.ModelSignature(
+            Lies.signature.inputs,
+            tuple(
+                trioinfer.TensorSpec(name, np.dtype(np.float32), ("batch", 1), "tensor(float)")
+                for name in outputs
+            ),
+        )
+        self.asked = asked
+        self.hold = hold
+
+    async def execute(self, inputs: Any) -> dict[str, Any]:
+        self.asked.append(None)
+        if self.hold:  # a test keeps the model busy
+            await self.hold[0].wait()
+        return {spec.name: inputs["x"] for spec in self.signature.outputs}
+
+    async def execute_outputs(self, inputs: Any, outputs: tuple[str, ...]) -> dict[str, Any]:
+        self.asked.append(outputs)
+        known = {spec.name for spec in self.signature.outputs}
+        if not set(outputs) <= known:
+            raise trioinfer.BackendError(f"no outputs {sorted(set(outputs) - known)}")
+        return {name: inputs["x"] for name in outputs}
+
+    async def aclose(self) -> None:
+        pass
+
+
+@pytest.mark.pipeline
+@pytest.mark.parametrize("pipeline_options", [{}, BATCHED])
+@pytest.mark.parametrize("busy", [False, True])
+async def test_a_step_whose_model_is_replaced_asks_the_new_one_for_what_it_has(
+    pipeline_options: dict[str, Any], busy: bool, autojump_clock: trio.testing.MockClock
+) -> None:
+    # The outputs a step asks for follow its model's load: a step kept "y" of ("y", "z").
+    made: list[tuple[str, ...]] = [("y", "z")]
+    asked: list[tuple[str, ...] | None] = []
+    hold: list[trio.Event] = []
+
+    class Backend:
+        async def load(self, config: Any, placement: Any) -> Honest:
+            return Honest(made[-1], asked, hold)
+
+    registry = trioinfer.Registry(extra={"backends": {"b": Backend}})
+    spec = {"name": "IN", "dtype": "float32", "shape": ["batch", 1]}
+    step = ModelConfig(name="m", path="-", backend="b")
+    x = np.ones((1, 1), np.float32)
+    async with open_engine(registry=registry) as engine:
+        await engine.load(step)
+        await engine.load(
+            ModelConfig(
+                name="p",
+                path="-",
+                backend="pipeline",
+                backend_options={
+                    "inputs": [spec],
+                    "outputs": [{**spec, "name": "OUT"}],
+                    "steps": [{"model": "m", "input_map": {"x": "IN"}, "output_map": {"y": "OUT"}}],
+                },
+                **pipeline_options,
+            )
+        )
+
+        async def through() -> Any:
+            if not busy:
+                return await engine.infer("p", {"IN": x})
+            # The step's model busy: the step's request goes through engine.infer.
+            answers = []
+
+            async def one() -> None:
+                try:
+                    answers.append(await engine.infer("p", {"IN": x}))
+                except trioinfer.TrioInferError as exc:
+                    answers.append(exc)
+
+            hold.append(trio.Event())
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(engine.infer, "m", {"x": x})
+                await trio.testing.wait_all_tasks_blocked()
+                asked.clear()  # (that request's)
+                nursery.start_soon(one)
+                await trio.testing.wait_all_tasks_blocked()
+                hold.pop().set()
+            if isinstance(answers[0], Exception):
+                raise answers[0]
+            return answers[0]
+
+        assert list(await through()) == ["OUT"]
+        assert ("y",) in asked
+        # Its only output now: the step asks for every one (execute).
+        made.append(("y",))
+        await engine.load(step, replace=True)
+        asked.clear()
+        assert list(await through()) == ["OUT"]
+        assert ("y",) not in asked
+        assert None in asked
+        # More outputs than before: it asks for the one it keeps.
+        made.append(("y", "z", "w"))
+        await engine.load(step, replace=True)
+        asked.clear()
+        assert list(await through()) == ["OUT"]
+        assert ("y",) in asked
+        # Without the one it keeps: the step fails as the model's answer (not asked for
+        # an output it lacks, nor as the client's fault).
+        made.append(("z",))
+        await engine.load(step, replace=True)
+        asked.clear()
+        with pytest.raises(trioinfer.BackendError, match=r"without outputs \['y'\]"):
+            await through()
+        assert ("y",) not in asked

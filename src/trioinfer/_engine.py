@@ -364,6 +364,7 @@ class Engine:
                 # Answers of the model it replaces may not hold; its counters start
                 # again with the new runner's.
                 self._forget(name, restart=True)
+                self._step_model_loaded(name, runner)
                 # Its custom series are shown from now on, those of the load it
                 # replaces go (as its statistics do).
                 installed = True
@@ -605,6 +606,14 @@ class Engine:
     def _steps_of(self, model: str) -> tuple[str, ...]:
         # The models a pipeline's steps call (none for a model that is not one).
         return tuple(s.model for s in _pipeline_steps(self._runners.get(model)))
+
+    def _step_model_loaded(self, name: str, runner: ModelRunner | Pipeline) -> None:
+        # The pipelines with a step on *name* ask its model for the outputs they keep
+        # (step_outputs): those the model now in place has, not the one they loaded with.
+        for other in self._runners.values():
+            graph = other if isinstance(other, Pipeline) else other._backend
+            if isinstance(graph, (Pipeline, BatchedPipeline)) and graph is not runner:
+                graph.step_model_loaded(name, runner.signature)
 
     def _forget(self, name: str, seen: set[str] | None = None, *, restart: bool = False) -> None:
         # The cached answers of *name* no longer hold, nor those of the pipelines

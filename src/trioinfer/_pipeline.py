@@ -131,10 +131,13 @@ def step_outputs(step: Step, model: ModelSignature) -> tuple[str, ...]:
     Empty where it keeps every output of *model* (its signature): the usual step,
     whose request names none. Else its request names those, as Triton's ensemble
     asks each step for the outputs it maps, so that a model that can skip the
-    others (an `trioinfer.abc.OutputsInstance`) does.
+    others (an `trioinfer.abc.OutputsInstance`) does. Those *model* has alone: a
+    model loaded anew may lack some (`Pipeline.step_model_loaded`), which its
+    answer then lacks too, as the step's error says.
     """
-    kept = tuple(step.output_map)
-    if {spec.name for spec in model.outputs} <= set(kept):
+    names = {spec.name for spec in model.outputs}
+    kept = tuple(name for name in step.output_map if name in names)
+    if names <= set(kept):
         return ()
     return kept
 
@@ -709,6 +712,17 @@ class Pipeline:
                     await changed.wait()
         if failure is not None:
             raise failure
+
+    def step_model_loaded(self, model: str, signature: ModelSignature) -> None:
+        """*model* was loaded anew, with *signature*: its steps ask it for what it has.
+
+        The outputs each step of *model* names (`step_outputs`) were decided for
+        the model loaded before; the engine calls this as it puts a model in place.
+        """
+        self._maps = tuple(
+            (ins, outs, step_outputs(step, signature)) if step.model == model else maps
+            for step, maps, (ins, outs, _) in zip(self.steps, self._maps, self._maps, strict=True)
+        )
 
     async def wait_idle(self) -> None:
         """Wait until no request is in flight."""

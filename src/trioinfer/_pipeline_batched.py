@@ -174,6 +174,13 @@ class BatchedPipeline:
         self.runner: ModelRunner | None = None
         self._tracing: Tracing | None = None
 
+    def step_model_loaded(self, model: str, signature: ModelSignature) -> None:
+        """*model* was loaded anew, with *signature*: as `Pipeline.step_model_loaded`."""
+        self._wanted = tuple(
+            step_outputs(step, signature) if step.model == model else wanted
+            for step, wanted in zip(self.steps, self._wanted, strict=True)
+        )
+
     def attach(self, runner: ModelRunner) -> None:
         """Serve through *runner*: the graphs end and drop members through it."""
         self.runner = runner

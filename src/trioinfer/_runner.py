@@ -2525,6 +2525,12 @@ class ModelRunner(metaclass=NoPublicConstructor):
 
     def take_out(self, replica: Replica, reason: str, retry_after: float) -> None:
         """Stop dispatching to *replica*; see `FallbackContext.take_out`."""
+        self._take_out(replica, reason, retry_after)
+        if not self._serving:
+            self._refuse_queued()
+
+    def _take_out(self, replica: Replica, reason: str, retry_after: float) -> None:
+        # take_out, but for refusing the queue with no replica left: the caller's to do.
         if self._fault is not None:
             return  # the whole model is out of service: no replica serves anyway
         replica._retry_at = self.clock.current_time() + max(retry_after, 0.0)
@@ -2539,8 +2545,6 @@ class ModelRunner(metaclass=NoPublicConstructor):
             "model %r: %s taken out of service: %s", self.config.name, replica.label, reason
         )
         self._turns.cancel_forming(replica)
-        if not self._serving:
-            self._refuse_queued()
 
     def _in_rotation(self, replica: Replica) -> bool:
         """Whether batches may go to *replica*: it serves, and its instance is not gone.
@@ -2559,7 +2563,7 @@ class ModelRunner(metaclass=NoPublicConstructor):
         gone = replica.gone
         if gone is None:
             return True
-        self.take_out(replica, f"gone: {gone}", math.inf)
+        self._take_out(replica, f"gone: {gone}", math.inf)
         if replica._back is None:
             return True  # the whole model is out of service (a plugin's fault): none runs
         fallback = self._fallback
@@ -2569,6 +2573,10 @@ class ModelRunner(metaclass=NoPublicConstructor):
             except Exception as exc:
                 # Its bug: logged, naming it; the instance stays out, the model goes on.
                 self._broken("fallbacks", _raised(exc, "replica_gone()"), exc)
+        if not self._serving:
+            # Refused once the fallback had its say: queued requests are told when to
+            # retry (it re-creates the instance), not that none is coming back.
+            self._refuse_queued()
         return False
 
     def put_back(self, replica: Replica) -> None:
