@@ -26,8 +26,8 @@ from trioinfer import (
     TrioInferError,
     open_engine,
 )
-from trioinfer.abc import Arrays, RecoveringFallback
-from trioinfer.lowlevel import Placement
+from trioinfer.abc import Arrays, FallbackContext, RecoveringFallback, Replica
+from trioinfer.lowlevel import Execution, Placement
 from trioinfer.testing import FakeBackend
 from trioinfer.testing._fake import FakeInstance
 from trioinfer_fallback import Resilient
@@ -291,3 +291,50 @@ async def test_an_instance_gone_in_a_model_out_of_service_stops_nothing_else() -
         with pytest.raises(PluginContractError, match="model 'm' is out of service"):
             await engine.infer("m", X)
         await engine.infer("other", X)
+
+
+async def test_a_fallback_putting_a_gone_instance_back_in_replica_gone_is_blamed(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A RecoveringFallback that put the gone instance back inside replica_gone (its
+    contract: re-create it first, in a task) failed an AssertionError in the model's
+    worker task, which ended the engine. Now the fallback is named as the one that broke
+    its contract, the instance stays out, and the other instance serves."""
+
+    class PutsBack:
+        def __init__(self) -> None:
+            self.context: FallbackContext | None = None
+            self.gone: list[int] = []
+
+        def attach(self, context: FallbackContext) -> None:
+            self.context = context
+
+        async def execute(self, execution: Execution) -> None:
+            await execution.run()
+
+        def replica_gone(self, replica: Replica) -> None:
+            assert self.context is not None
+            self.gone.append(replica.index)
+            self.context.put_back(replica)  # still gone: breaks its contract
+
+    fallback = PutsBack()
+    mortal = Mortal()
+    registry = Registry(
+        extra={"backends": {"mortal": lambda: mortal}, "fallbacks": {"puts": lambda: fallback}}
+    )
+    async with open_engine(registry=registry) as engine:
+        await engine.load(two_instances(fallback="puts"))
+        first, second = mortal.instances[0], mortal.instances[1]
+        first.gone = "0's actor is gone: killed"
+        with trio.fail_after(10):
+            for _ in range(10):
+                await engine.infer("m", X)
+        assert (first.calls, second.calls) == (0, 10)
+        assert fallback.gone == [0]
+        out, serving = engine.statistics().models["m"].replicas
+        assert (out.state, out.reason) == ("out", "gone: 0's actor is gone: killed")
+        assert serving.state == "serving"
+        assert engine.model("m").out_of_service is None
+    (message,) = [r.getMessage() for r in caplog.records if "broke its contract" in r.getMessage()]
+    assert "fallback 'puts' of model 'm' broke its contract" in message
+    assert "put back instance 0 (cpu) in replica_gone()" in message

@@ -2573,6 +2573,15 @@ class ModelRunner(metaclass=NoPublicConstructor):
             except Exception as exc:
                 # Its bug: logged, naming it; the instance stays out, the model goes on.
                 self._broken("fallbacks", _raised(exc, "replica_gone()"), exc)
+            if replica._back is None:
+                # Put back still gone (its contract: re-created first, in a task): its
+                # fault, said once; the instance stays out, as with nothing to re-create it.
+                self._broken(
+                    "fallbacks",
+                    f"put back {replica.label} in replica_gone(), its instance still gone "
+                    "(re-create it first, in a task: FallbackContext.start_soon)",
+                )
+                self._take_out(replica, f"gone: {gone}", math.inf)
         if not self._serving:
             # Refused once the fallback had its say: queued requests are told when to
             # retry (it re-creates the instance), not that none is coming back.

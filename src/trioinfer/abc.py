@@ -1262,6 +1262,7 @@ class RecoveringFallback(AttachableFallback, Protocol):
         block: work such as `FallbackContext.recreate` followed by
         `FallbackContext.put_back` goes in a task
         (`FallbackContext.start_soon`). An exception it raises is logged,
-        naming the fallback; the instance stays out.
+        naming the fallback; the instance stays out. So does one it puts
+        back here, still gone: its contract is broken.
         """
         ...
