@@ -1981,7 +1981,7 @@ class ModelRunner(metaclass=NoPublicConstructor):
         token = _batch_deadline.set(deadline)
         try:
             if wanted:
-                run = _execution(replica._backend_instance, inputs, wanted)
+                run = _execution(replica, inputs, wanted)
             else:
                 run = replica._backend_instance.execute(inputs)
             # Its caller checked the loop's inline slice (slice_spent) with no
@@ -2245,9 +2245,7 @@ class ModelRunner(metaclass=NoPublicConstructor):
                             answer = share if state.status is _RUNNING else None
                         elif request.requested_outputs:
                             answer = await _execution(
-                                replica._backend_instance,
-                                request.inputs,
-                                request.requested_outputs,
+                                replica, request.inputs, request.requested_outputs
                             )
                         else:
                             answer = await replica._backend_instance.execute(request.inputs)
@@ -2738,7 +2736,7 @@ class ModelRunner(metaclass=NoPublicConstructor):
         # those, narrowed to them). A failure here counts against the replica.
         try:
             if wanted:
-                outputs = await _execution(replica._backend_instance, inputs, wanted)
+                outputs = await _execution(replica, inputs, wanted)
                 return self._narrowed(outputs, wanted, rows, replica)
             outputs = await replica._backend_instance.execute(inputs)
             if (check := self._output_check) is not None:
@@ -2972,13 +2970,13 @@ def runs_inline(replica: Replica) -> bool:
 
 
 def _execution(
-    instance: BackendInstance, inputs: Mapping[str, Any], wanted: tuple[str, ...]
+    replica: Replica, inputs: Mapping[str, Any], wanted: tuple[str, ...]
 ) -> Coroutine[Any, Any, Outputs]:
     # The backend call of an execution whose requests all named outputs (*wanted*:
     # their union): an OutputsInstance computes those alone; any other, every output.
-    execute_outputs = getattr(instance, "execute_outputs", None)
+    execute_outputs = replica._outputs
     if execute_outputs is None:
-        return instance.execute(inputs)
+        return replica._backend_instance.execute(inputs)
     return cast(Coroutine[Any, Any, Outputs], execute_outputs(inputs, wanted))
 
 

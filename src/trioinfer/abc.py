@@ -846,8 +846,9 @@ class OutputsInstance(BackendInstance, Protocol):
     step whose ``output_map`` keeps only some), the engine calls
     `execute_outputs` with the union of their names in place of `execute`;
     an execution with any request that named none calls `execute`. Looked
-    for on the instance at each such execution (``execute_outputs``, a
-    method): an instance without it answers with every output, as ever,
+    for on the instance once, when it is loaded or re-created
+    (``execute_outputs``, a method): an instance without it answers with
+    every output, as ever,
     and the engine drops those not asked for. (A `RequestsInstance` reads
     each request's requested outputs itself and is not asked this way.)
     """
