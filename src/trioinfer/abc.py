@@ -1158,6 +1158,14 @@ class SequenceBatcher(AssemblingBatcher, Protocol):
     A held request whose caller leaves, or whose deadline passes, is ended by
     the engine (its ``status`` becomes ``DONE``); the batcher then must not
     dispatch it. ``assemble`` adds the control and state inputs.
+
+    For a model whose instances take each request as it came (a
+    [`RequestsInstance`][trioinfer.abc.RequestsInstance]: they read each
+    request's ``sequence_flags`` themselves), no inputs are laid out: the
+    engine calls the batcher's ``computed(requests)`` instead, if it has one
+    (an optional method, called where ``split`` would be, with the requests
+    the execution computed), else ``assemble`` and then its ``split`` with no
+    outputs.
     """
 
     def attach(self, context: SequenceContext) -> None:
