@@ -13,9 +13,11 @@ import attrs
 import numpy as np
 import pytest
 import trio
+import trio.testing
 
 from test_plugin_faults import Breaks
 from trioinfer import (
+    BackendError,
     BackendUnavailable,
     CircuitOpen,
     Instance,
@@ -58,6 +60,8 @@ class MortalInstance:
         self.inner = inner
         self.gone: str | None = None
         self.calls = 0
+        # Raised by the next execution, once.
+        self.error: Exception | None = None
         # True: the next execution waits in the instance until `release` is set.
         self.hold = False
         self.running = trio.Event()
@@ -79,6 +83,9 @@ class MortalInstance:
             await self.release.wait()
         if self.gone is not None:
             raise BackendUnavailable(f"instance {self.gone}")
+        error, self.error = self.error, None
+        if error is not None:
+            raise error
         return await self.inner.execute(inputs)
 
     async def aclose(self) -> None:
@@ -201,6 +208,37 @@ async def test_resilient_re_creates_an_idle_instance_found_gone() -> None:
         assert mortal.instances[0] is not first  # a fresh one
         stats = engine.statistics().models["m"]
         assert (stats.succeeded, stats.failed) == (4, 0)
+
+
+async def test_resilient_re_creates_an_instance_found_gone_while_its_breaker_is_open(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """An instance out with its breaker open (a transient failure), found gone before the
+    breaker's wait ends, was probed when it ended (a call to a dead actor), and re-created
+    only after another wait. Now it is re-created when the wait ends, unprobed."""
+    mortal = Mortal()
+    config = two_instances(
+        fallback="resilient",
+        fallback_options={"breaker": {"fail_max": 1, "reset_timeout": 30.0}},
+    )
+    async with open_engine(registry=mortal.registry()) as engine:
+        await engine.load(config)
+        first = mortal.instances[0]
+        first.error = BackendError("a blip", transient=True)
+        while first.error is not None:
+            await engine.infer("m", X)  # failed over to the other instance
+        assert engine.statistics().models["m"].replicas[0].state == "out"
+        calls = first.calls
+        first.gone = "0's actor is gone: killed"
+        opened = trio.current_time()
+        while engine.statistics().models["m"].replicas[0].recreated == 0:  # noqa: ASYNC110
+            await trio.sleep(1.0)
+        assert trio.current_time() - opened <= 31.0  # when the breaker's first wait ends
+        assert first.calls == calls  # never probed, gone
+        assert mortal.instances[0] is not first
+        with trio.fail_after(10):
+            while engine.statistics().models["m"].replicas[0].state != "serving":  # noqa: ASYNC110
+                await trio.sleep(0.01)
 
 
 async def test_requests_queued_when_the_only_instance_is_found_gone_hear_it_comes_back() -> None:

@@ -398,6 +398,17 @@ class Replica(Protocol):
         ...
 
     @property
+    def gone(self) -> str | None:
+        """Why its backend instance can serve no more (its ``gone``), or None while it lives.
+
+        An instance run in a process of its own (a Ray actor) may lose it; see
+        [`RecoveringFallback`][trioinfer.abc.RecoveringFallback]. Read while
+        the replica is out of service too: one found gone then is best
+        re-created, not probed.
+        """
+        ...
+
+    @property
     def label(self) -> str:
         """A short name for logs and response metadata: ``"instance 1 (cpu)"``."""
         ...
