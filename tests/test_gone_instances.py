@@ -13,9 +13,11 @@ import attrs
 import numpy as np
 import pytest
 import trio
+import trio.testing
 
 from test_plugin_faults import Breaks
 from trioinfer import (
+    BackendError,
     BackendUnavailable,
     CircuitOpen,
     Instance,
@@ -26,8 +28,8 @@ from trioinfer import (
     TrioInferError,
     open_engine,
 )
-from trioinfer.abc import Arrays, RecoveringFallback
-from trioinfer.lowlevel import Placement
+from trioinfer.abc import Arrays, FallbackContext, RecoveringFallback, Replica
+from trioinfer.lowlevel import Execution, Placement
 from trioinfer.testing import FakeBackend
 from trioinfer.testing._fake import FakeInstance
 from trioinfer_fallback import Resilient
@@ -58,6 +60,8 @@ class MortalInstance:
         self.inner = inner
         self.gone: str | None = None
         self.calls = 0
+        # Raised by the next execution, once.
+        self.error: Exception | None = None
         # True: the next execution waits in the instance until `release` is set.
         self.hold = False
         self.running = trio.Event()
@@ -79,6 +83,9 @@ class MortalInstance:
             await self.release.wait()
         if self.gone is not None:
             raise BackendUnavailable(f"instance {self.gone}")
+        error, self.error = self.error, None
+        if error is not None:
+            raise error
         return await self.inner.execute(inputs)
 
     async def aclose(self) -> None:
@@ -203,6 +210,37 @@ async def test_resilient_re_creates_an_idle_instance_found_gone() -> None:
         assert (stats.succeeded, stats.failed) == (4, 0)
 
 
+async def test_resilient_re_creates_an_instance_found_gone_while_its_breaker_is_open(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """An instance out with its breaker open (a transient failure), found gone before the
+    breaker's wait ends, was probed when it ended (a call to a dead actor), and re-created
+    only after another wait. Now it is re-created when the wait ends, unprobed."""
+    mortal = Mortal()
+    config = two_instances(
+        fallback="resilient",
+        fallback_options={"breaker": {"fail_max": 1, "reset_timeout": 30.0}},
+    )
+    async with open_engine(registry=mortal.registry()) as engine:
+        await engine.load(config)
+        first = mortal.instances[0]
+        first.error = BackendError("a blip", transient=True)
+        while first.error is not None:
+            await engine.infer("m", X)  # failed over to the other instance
+        assert engine.statistics().models["m"].replicas[0].state == "out"
+        calls = first.calls
+        first.gone = "0's actor is gone: killed"
+        opened = trio.current_time()
+        while engine.statistics().models["m"].replicas[0].recreated == 0:  # noqa: ASYNC110
+            await trio.sleep(1.0)
+        assert trio.current_time() - opened <= 31.0  # when the breaker's first wait ends
+        assert first.calls == calls  # never probed, gone
+        assert mortal.instances[0] is not first
+        with trio.fail_after(10):
+            while engine.statistics().models["m"].replicas[0].state != "serving":  # noqa: ASYNC110
+                await trio.sleep(0.01)
+
+
 async def test_requests_queued_when_the_only_instance_is_found_gone_hear_it_comes_back() -> None:
     """The resilient fallback re-creates an instance found gone, but the requests queued
     behind the batch that found it were refused first, told that none is coming back
@@ -291,3 +329,50 @@ async def test_an_instance_gone_in_a_model_out_of_service_stops_nothing_else() -
         with pytest.raises(PluginContractError, match="model 'm' is out of service"):
             await engine.infer("m", X)
         await engine.infer("other", X)
+
+
+async def test_a_fallback_putting_a_gone_instance_back_in_replica_gone_is_blamed(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A RecoveringFallback that put the gone instance back inside replica_gone (its
+    contract: re-create it first, in a task) failed an AssertionError in the model's
+    worker task, which ended the engine. Now the fallback is named as the one that broke
+    its contract, the instance stays out, and the other instance serves."""
+
+    class PutsBack:
+        def __init__(self) -> None:
+            self.context: FallbackContext | None = None
+            self.gone: list[int] = []
+
+        def attach(self, context: FallbackContext) -> None:
+            self.context = context
+
+        async def execute(self, execution: Execution) -> None:
+            await execution.run()
+
+        def replica_gone(self, replica: Replica) -> None:
+            assert self.context is not None
+            self.gone.append(replica.index)
+            self.context.put_back(replica)  # still gone: breaks its contract
+
+    fallback = PutsBack()
+    mortal = Mortal()
+    registry = Registry(
+        extra={"backends": {"mortal": lambda: mortal}, "fallbacks": {"puts": lambda: fallback}}
+    )
+    async with open_engine(registry=registry) as engine:
+        await engine.load(two_instances(fallback="puts"))
+        first, second = mortal.instances[0], mortal.instances[1]
+        first.gone = "0's actor is gone: killed"
+        with trio.fail_after(10):
+            for _ in range(10):
+                await engine.infer("m", X)
+        assert (first.calls, second.calls) == (0, 10)
+        assert fallback.gone == [0]
+        out, serving = engine.statistics().models["m"].replicas
+        assert (out.state, out.reason) == ("out", "gone: 0's actor is gone: killed")
+        assert serving.state == "serving"
+        assert engine.model("m").out_of_service is None
+    (message,) = [r.getMessage() for r in caplog.records if "broke its contract" in r.getMessage()]
+    assert "fallback 'puts' of model 'm' broke its contract" in message
+    assert "put back instance 0 (cpu) in replica_gone()" in message

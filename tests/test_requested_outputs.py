@@ -157,6 +157,31 @@ async def test_an_answer_without_an_output_asked_for_fails_clearly() -> None:
         assert sorted(await engine.infer("m", {"x": x})) == ["y", "z"]
 
 
+async def test_an_instance_is_asked_for_its_execute_outputs_once() -> None:
+    # Looked up at each execution whose requests named outputs, a getattr that misses
+    # (an instance without it) raised and caught an AttributeError each time.
+    class Counted(Lies):
+        looked_up = 0
+
+        def __getattribute__(self, name: str) -> Any:
+            if name == "execute_outputs":
+                type(self).looked_up += 1
+            return super().__getattribute__(name)
+
+    class Backend:
+        async def load(self, config: Any, placement: Any) -> Counted:
+            return Counted()
+
+    registry = trioinfer.Registry(extra={"backends": {"b": Backend}})
+    async with open_engine(registry=registry) as engine:
+        await engine.load(ModelConfig(name="m", path="-", backend="b"))
+        before = Counted.looked_up
+        x = np.ones((1, 1), np.float32)
+        for _ in range(5):
+            assert list(await engine.infer("m", {"x": x}, outputs=["y"])) == ["y"]
+        assert Counted.looked_up == before
+
+
 def two_step_pipeline(keep: dict[str, str], name: str = "p", **kw: Any) -> ModelConfig:
     outputs = [
         {"name": shared, "dtype": "float32", "shape": ["batch", WIDTH]} for shared in keep.values()

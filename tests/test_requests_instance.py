@@ -15,9 +15,10 @@ import trio.lowlevel
 import trio.testing
 
 import trioinfer
-from trioinfer import BackendError, ConfigError, InvalidInput
+from trioinfer import BackendError, ConfigError, InvalidInput, SequenceFlags
 from trioinfer.abc import RequestsInstance
 from trioinfer.lowlevel import Request
+from trioinfer_batching import SequenceBatcher
 
 SIGNATURE = trioinfer.ModelSignature(
     (
@@ -223,3 +224,79 @@ async def test_a_traced_execution_of_requests(autojump_clock: trio.testing.MockC
     (compute,) = named(exporter.get_finished_spans(), "compute m")
     assert compute.attributes is not None
     assert [len(call) for call in instance.calls] == [2]
+
+
+class Delegating:
+    """The first-party sequence batcher behind the methods a third party's would have,
+    counting the calls of assemble; with *computed* False, it has no computed()."""
+
+    def __init__(self, computed: bool) -> None:
+        self.inner = SequenceBatcher()
+        self.assembled = 0
+        if computed:
+            self.computed = self.inner.computed
+
+    @property
+    def max_batch_size(self) -> int | None:
+        return self.inner.max_batch_size
+
+    def attach(self, context: Any) -> None:
+        self.inner.attach(context)
+
+    def admit(self, request: Request) -> None:
+        self.inner.admit(request)
+
+    def withdrawn(self, request: Request) -> None:
+        self.inner.withdrawn(request)
+
+    async def next_batch(self, queue: Any) -> Any:
+        return await self.inner.next_batch(queue)
+
+    async def next_batch_for(self, queue: Any, replica: Any, previous: Any) -> Any:
+        return await self.inner.next_batch_for(queue, replica, previous)
+
+    def assemble(self, requests: Sequence[Request]) -> Any:
+        self.assembled += 1
+        return self.inner.assemble(requests)
+
+
+@pytest.mark.parametrize("computed", [True, False])
+async def test_a_sequence_batcher_hears_what_was_computed_without_laying_out_inputs(
+    computed: bool,
+) -> None:
+    # A sequence batcher laid out each batch's inputs (and controls) that such an
+    # instance never reads, only to learn which requests were computed: one with
+    # computed() is told so instead; one without still learns it through assemble.
+    instance = PerRequest()
+    batcher = Delegating(computed)
+
+    class Backend:
+        async def load(self, config: Any, placement: Any) -> PerRequest:
+            return instance
+
+    registry = trioinfer.Registry(
+        extra={"backends": {"b": Backend}, "batchers": {"seq": lambda: batcher}}
+    )
+    config = trioinfer.ModelConfig(
+        name="m",
+        path="none",
+        backend="b",
+        batcher="seq",
+        sequence={"max_batch_size": 4, "max_sequence_idle": 60.0},
+    )
+
+    async with trioinfer.open_engine(registry=registry) as engine:
+        await engine.load(config)
+
+        async def run(sequence_id: int) -> None:
+            for i in range(3):
+                x = np.full((1, 1), sequence_id + i, np.float32)
+                flags = SequenceFlags(sequence_id, start=i == 0, end=i == 2)
+                out = await engine.infer("m", {"x": x}, sequence=flags)
+                np.testing.assert_array_equal(out["y"], x * 2)
+
+        async with trio.open_nursery() as nursery:
+            for sequence_id in (1, 2, 3):
+                nursery.start_soon(run, sequence_id)
+    assert sum(len(call) for call in instance.calls) == 9
+    assert (batcher.assembled == 0) is computed

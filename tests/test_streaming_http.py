@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import shutil
 import sys
+import time
 import types
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -79,6 +80,19 @@ class Model:
         await anyio.sleep_forever()
 """
 
+# A model that makes three responses at once (one run, read in one go), then holds on.
+RUN_OF_THREE = """
+import anyio
+import numpy as np
+
+
+class Model:
+    async def infer(self, inputs):
+        for i in range(3):
+            yield {"i": np.array([i], np.int32)}
+        await anyio.sleep_forever()
+"""
+
 PLAIN = """
 class Model:
     async def infer(self, inputs):
@@ -104,6 +118,7 @@ def repository(tmp_path: Path) -> Path:
     for name, code, decoupled in [
         ("watched", WATCHED, "true"),
         ("late_run", LATE_RUN, "true"),
+        ("run_of_three", RUN_OF_THREE, "true"),
         ("plain", PLAIN, "false"),
     ]:
         (root / name / "1").mkdir(parents=True)
@@ -314,24 +329,26 @@ def make_runs_whole(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(stream_module, "DEFAULT_SLICE_S", 60.0)
 
 
-async def test_responses_held_at_the_timeout_do_not_leave_after_it(
+async def test_a_run_cut_by_the_timeout_sends_what_the_stream_gave_then_its_error(
     repository: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A run's responses read as the timeout passed are not sent: the timeout's error is."""
+    """Of a run made before the timeout, and read as it passed: the response handed to the
+    waiting reader before it leaves (it was dropped); the rest, still in the buffer when
+    the timeout passed, the stream refuses; then the timeout's error."""
     make_runs_whole(monkeypatch)
     body = {"n": 4, "parameters": {"timeout": 1_000_000}}
     async with serving(repository) as client:
         answer = await client.post("/v2/models/late_run/generate_stream", json=body)
     *responses, error = events(answer.text)
-    assert [r["i"] for r in responses] == [0]
+    assert [r["i"] for r in responses] == [0, 1]
     assert "timeout of 1000000 µs passed" in error["error"]
 
 
 @pytest.mark.grpc
-async def test_a_grpc_streams_responses_held_at_the_timeout_do_not_leave(
+async def test_a_grpc_stream_cut_by_the_timeout_sends_what_the_stream_gave(
     repository: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """gRPC's ModelStreamInfer, the same: the first response, then the timeout's error."""
+    """gRPC's ModelStreamInfer, the same: two responses, then the timeout's error."""
     make_runs_whole(monkeypatch)
     grpc = pytest.importorskip("grpc")
     service_pb2 = pytest.importorskip("tritonclient.grpc.service_pb2")
@@ -358,9 +375,93 @@ async def test_a_grpc_streams_responses_held_at_the_timeout_do_not_leave(
         got = await trio.to_thread.run_sync(call, listening.grpc)
         nursery.cancel_scope.cancel()
     *responses, error = got
-    assert responses == [0]
+    assert responses == [0, 1]
     assert isinstance(error, str)
     assert "timeout" in error
+    assert "passed before its last response" in error
+
+
+def slow_second_response(module: Any, name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Encoding the second response (``i`` 1) holds the loop past the 1 s timeout.
+
+    The first two of a run are then read before the timeout and held for the third,
+    which the reader refuses: the timeout has passed.
+    """
+    encoder = getattr(module, name)
+
+    def slow(*args: Any, **kwargs: Any) -> Any:
+        encode = encoder(*args, **kwargs)
+
+        def encoding(outputs: Any) -> Any:
+            if int(outputs["i"][0]) == 1:
+                time.sleep(1.3)
+            return encode(outputs)
+
+        return encoding
+
+    monkeypatch.setattr(module, name, slow)
+
+
+async def test_responses_read_before_the_timeout_leave_before_its_error(
+    repository: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Responses the stream gave before the timeout, held for the rest of their run, were
+    dropped at it: the client saw none of them. Now they leave, then the timeout's error."""
+    from trioinfer.server import _generate
+
+    make_runs_whole(monkeypatch)
+    encode = _generate.encode_generate_response
+
+    def slow(served: Any, outputs: Any, *rest: Any) -> Any:
+        if int(outputs["i"][0]) == 1:
+            time.sleep(1.3)  # the loop held past the timeout: see slow_second_response
+        return encode(served, outputs, *rest)
+
+    monkeypatch.setattr(_generate, "encode_generate_response", slow)
+    body = {"n": 1, "parameters": {"timeout": 1_000_000}}
+    async with serving(repository) as client:
+        answer = await client.post("/v2/models/run_of_three/generate_stream", json=body)
+    *responses, error = events(answer.text)
+    assert [r["i"] for r in responses] == [0, 1]
+    assert "timeout of 1000000 µs passed" in error["error"]
+
+
+@pytest.mark.grpc
+async def test_a_grpc_streams_responses_read_before_the_timeout_leave_before_its_error(
+    repository: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """gRPC's ModelStreamInfer, the same: the two responses read in time, then the error."""
+    make_runs_whole(monkeypatch)
+    grpc = pytest.importorskip("grpc")
+    service_pb2 = pytest.importorskip("tritonclient.grpc.service_pb2")
+    service_pb2_grpc = pytest.importorskip("tritonclient.grpc.service_pb2_grpc")
+    from trioinfer.server import _grpc  # (the grpc extra's)
+
+    slow_second_response(_grpc, "raw_output_encoder", monkeypatch)
+
+    def call(address: str) -> list[int | str]:
+        request = service_pb2.ModelInferRequest(model_name="run_of_three", id="run")
+        request.parameters["timeout"].int64_param = 1_000_000
+        tensor = request.inputs.add(name="n", datatype="INT32", shape=[1])
+        tensor.contents.int_contents.append(1)
+        got: list[int | str] = []
+        with grpc.insecure_channel(address) as channel:
+            stub = service_pb2_grpc.GRPCInferenceServiceStub(channel)
+            for answer in stub.ModelStreamInfer(iter([request]), timeout=10):
+                if answer.error_message:
+                    got.append(answer.error_message)
+                    break
+                raw = answer.infer_response.raw_output_contents[0]
+                got.append(int.from_bytes(raw, "little"))
+        return got
+
+    async with trio.open_nursery() as nursery:
+        listening = await start_serving(nursery, repository, grpc_port=0)
+        got = await trio.to_thread.run_sync(call, listening.grpc)
+        nursery.cancel_scope.cancel()
+    *responses, error = got
+    assert responses == [0, 1]
+    assert isinstance(error, str)
     assert "passed before its last response" in error
 
 

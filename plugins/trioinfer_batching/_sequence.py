@@ -509,6 +509,15 @@ class SequenceBatcher:
 
     # -- the backend's inputs and outputs ---------------------------------------------
 
+    def computed(self, requests: Sequence[Request]) -> None:
+        """Note *requests* computed by an instance that read them itself, so their sequences go on.
+
+        What ``assemble``'s split does for them, with no inputs laid out: such an
+        instance (a `trioinfer.abc.RequestsInstance`) feeds each request's
+        controls itself, and a model with implicit state is refused with it.
+        """
+        self._computed.update(requests)
+
     def assemble(self, requests: Sequence[Request]) -> tuple[Arrays, Split]:
         """Lay out the batch's inputs with their control and state tensors; see the module."""
         sequences = [self._of[r] for r in requests]

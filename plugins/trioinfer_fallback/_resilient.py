@@ -62,8 +62,9 @@ class Resilient:
     is taken out of service, and a background task in the engine's task group
     waits the breaker's reset timeout, then probes the instance with a
     synthetic input until enough probes succeed, re-creating the instance
-    first when the last error was not transient (a dead session; a
-    re-creation that fails counts as a failed probe, doubling the wait). When every
+    first when the last error was not transient (a dead session) or its
+    instance is gone (a Ray actor that died; a re-creation that fails counts
+    as a failed probe, doubling the wait). When every
     instance is out, requests fail at once with [`CircuitOpen`][trioinfer.CircuitOpen].
 
     With *hedge_after* set, a batch still running after that many seconds is
@@ -340,7 +341,9 @@ class Resilient:
             if wait:
                 await anyio.sleep(breaker.wait)
             wait = True
-            if dead:
+            if dead or replica.gone is not None:
+                # (One found gone while out: re-created now, not probed first, as a call
+                # to a dead actor could only fail, and then wait again.)
                 try:
                     await context.recreate(replica)
                 except Exception as exc:

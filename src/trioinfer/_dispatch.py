@@ -170,6 +170,7 @@ class Replica(metaclass=NoPublicConstructor):
         "_forming",
         "_gate",
         "_mortal",
+        "_outputs",
         "_retry_at",
         "_slot",
         "executions",
@@ -215,6 +216,11 @@ class Replica(metaclass=NoPublicConstructor):
         # Whether it may say it is gone: asked once, since `gone` is read before each
         # batch, and a getattr that misses costs an exception raised and caught.
         self._mortal = hasattr(backend_instance, "gone")
+        # Its execute_outputs (an OutputsInstance), or None: asked once for the same
+        # reason, since executions whose requests named outputs look for it.
+        self._outputs: Callable[..., Any] | None = getattr(
+            backend_instance, "execute_outputs", None
+        )
 
     @property
     def device(self) -> str:

@@ -939,6 +939,8 @@ class ModelRunner(metaclass=NoPublicConstructor):
     _pool: BufferPool = attrs.field(init=False)
     #: Whether its instances take an execution's requests as they came (RequestsInstance).
     _per_request: bool = attrs.field(default=False, init=False)
+    #: Its sequence batcher's computed(), for RequestsInstance models (see load).
+    _computed: Callable[[Sequence[Request]], object] | None = attrs.field(default=None, init=False)
     _sets_differ: bool = attrs.field(default=False, init=False)
     _scope: anyio.CancelScope = attrs.field(factory=anyio.CancelScope, init=False)
     _finished: anyio.Event = attrs.field(factory=anyio.Event, init=False)
@@ -1059,6 +1061,10 @@ class ModelRunner(metaclass=NoPublicConstructor):
                     "batcher has no batch outputs to keep implicit state from: remove "
                     "sequence.state (the model keeps its own state per sequence id)"
                 )
+            # Told which requests were computed without laying out their inputs, if
+            # it can be (see trioinfer.abc.SequenceBatcher); else through assemble.
+            computed = getattr(batcher, "computed", None)
+            self._computed = computed if callable(computed) else None
         # Enough buffers for every instance to run a batch while the next is formed.
         self._pool = BufferPool(per_key=len(self._instances) + 1)
         if isinstance(self._scheduler, AttachableScheduler):
@@ -1524,17 +1530,24 @@ class ModelRunner(metaclass=NoPublicConstructor):
                     # Each request's own inputs, to execute_requests: nothing to lay out.
                     inputs = {}
                     split = functools.partial(_answered, answered, None)
-                    if self._assemble is not None:
+                    if self._computed is not None:
                         # A sequence batcher's (a stateless one, checked at load): the
                         # instance feeds each request's controls itself (its
-                        # sequence_flags); the batcher's split, given no outputs, learns
-                        # which requests were computed, so their sequences go on.
+                        # sequence_flags); the batcher learns which requests were
+                        # computed, so their sequences go on.
+                        split = functools.partial(
+                            _answered, answered, functools.partial(self._computed, live)
+                        )
+                    elif self._assemble is not None:
+                        # One without computed(): its split, given no outputs, learns it.
                         try:
                             _, computed = self._assemble(live)
                         except Exception as exc:
                             self._fail_batch(live, "assemble", exc)
                             return True
-                        split = functools.partial(_answered, answered, computed)
+                        split = functools.partial(
+                            _answered, answered, functools.partial(computed, {})
+                        )
                 elif self._sets_differ and len(live) > 1 and _mixed(live):
                     # No rows to give an input some requests left out: the batcher's
                     # to keep apart, as it keeps apart shapes that cannot be concatenated
@@ -1981,7 +1994,7 @@ class ModelRunner(metaclass=NoPublicConstructor):
         token = _batch_deadline.set(deadline)
         try:
             if wanted:
-                run = _execution(replica._backend_instance, inputs, wanted)
+                run = _execution(replica, inputs, wanted)
             else:
                 run = replica._backend_instance.execute(inputs)
             # Its caller checked the loop's inline slice (slice_spent) with no
@@ -2245,9 +2258,7 @@ class ModelRunner(metaclass=NoPublicConstructor):
                             answer = share if state.status is _RUNNING else None
                         elif request.requested_outputs:
                             answer = await _execution(
-                                replica._backend_instance,
-                                request.inputs,
-                                request.requested_outputs,
+                                replica, request.inputs, request.requested_outputs
                             )
                         else:
                             answer = await replica._backend_instance.execute(request.inputs)
@@ -2573,6 +2584,15 @@ class ModelRunner(metaclass=NoPublicConstructor):
             except Exception as exc:
                 # Its bug: logged, naming it; the instance stays out, the model goes on.
                 self._broken("fallbacks", _raised(exc, "replica_gone()"), exc)
+            if replica._back is None:
+                # Put back still gone (its contract: re-created first, in a task): its
+                # fault, said once; the instance stays out, as with nothing to re-create it.
+                self._broken(
+                    "fallbacks",
+                    f"put back {replica.label} in replica_gone(), its instance still gone "
+                    "(re-create it first, in a task: FallbackContext.start_soon)",
+                )
+                self._take_out(replica, f"gone: {gone}", math.inf)
         if not self._serving:
             # Refused once the fallback had its say: queued requests are told when to
             # retry (it re-creates the instance), not that none is coming back.
@@ -2729,7 +2749,7 @@ class ModelRunner(metaclass=NoPublicConstructor):
         # those, narrowed to them). A failure here counts against the replica.
         try:
             if wanted:
-                outputs = await _execution(replica._backend_instance, inputs, wanted)
+                outputs = await _execution(replica, inputs, wanted)
                 return self._narrowed(outputs, wanted, rows, replica)
             outputs = await replica._backend_instance.execute(inputs)
             if (check := self._output_check) is not None:
@@ -2963,13 +2983,13 @@ def runs_inline(replica: Replica) -> bool:
 
 
 def _execution(
-    instance: BackendInstance, inputs: Mapping[str, Any], wanted: tuple[str, ...]
+    replica: Replica, inputs: Mapping[str, Any], wanted: tuple[str, ...]
 ) -> Coroutine[Any, Any, Outputs]:
     # The backend call of an execution whose requests all named outputs (*wanted*:
     # their union): an OutputsInstance computes those alone; any other, every output.
-    execute_outputs = getattr(instance, "execute_outputs", None)
+    execute_outputs = replica._outputs
     if execute_outputs is None:
-        return instance.execute(inputs)
+        return replica._backend_instance.execute(inputs)
     return cast(Coroutine[Any, Any, Outputs], execute_outputs(inputs, wanted))
 
 
@@ -3172,13 +3192,13 @@ def _check_rows(model: str, replica: Replica, outputs: Outputs, rows: int) -> No
 
 def _answered(
     answered: list[Outputs],
-    computed: Callable[[Outputs], object] | None,
+    computed: Callable[[], object] | None,
     outputs: Outputs,
 ) -> list[Outputs]:
     # The split of a RequestsInstance's execution: each request's own answer, given
-    # (*computed*: a sequence batcher's split, told that they were computed).
+    # (*computed*: tells a sequence batcher that they were computed).
     if computed is not None:
-        computed({})
+        computed()
     return answered
 
 

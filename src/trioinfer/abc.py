@@ -398,6 +398,17 @@ class Replica(Protocol):
         ...
 
     @property
+    def gone(self) -> str | None:
+        """Why its backend instance can serve no more (its ``gone``), or None while it lives.
+
+        An instance run in a process of its own (a Ray actor) may lose it; see
+        [`RecoveringFallback`][trioinfer.abc.RecoveringFallback]. Read while
+        the replica is out of service too: one found gone then is best
+        re-created, not probed.
+        """
+        ...
+
+    @property
     def label(self) -> str:
         """A short name for logs and response metadata: ``"instance 1 (cpu)"``."""
         ...
@@ -846,8 +857,9 @@ class OutputsInstance(BackendInstance, Protocol):
     step whose ``output_map`` keeps only some), the engine calls
     `execute_outputs` with the union of their names in place of `execute`;
     an execution with any request that named none calls `execute`. Looked
-    for on the instance at each such execution (``execute_outputs``, a
-    method): an instance without it answers with every output, as ever,
+    for on the instance once, when it is loaded or re-created
+    (``execute_outputs``, a method): an instance without it answers with
+    every output, as ever,
     and the engine drops those not asked for. (A `RequestsInstance` reads
     each request's requested outputs itself and is not asked this way.)
     """
@@ -1157,6 +1169,14 @@ class SequenceBatcher(AssemblingBatcher, Protocol):
     A held request whose caller leaves, or whose deadline passes, is ended by
     the engine (its ``status`` becomes ``DONE``); the batcher then must not
     dispatch it. ``assemble`` adds the control and state inputs.
+
+    For a model whose instances take each request as it came (a
+    [`RequestsInstance`][trioinfer.abc.RequestsInstance]: they read each
+    request's ``sequence_flags`` themselves), no inputs are laid out: the
+    engine calls the batcher's ``computed(requests)`` instead, if it has one
+    (an optional method, called where ``split`` would be, with the requests
+    the execution computed), else ``assemble`` and then its ``split`` with no
+    outputs.
     """
 
     def attach(self, context: SequenceContext) -> None:
@@ -1262,6 +1282,7 @@ class RecoveringFallback(AttachableFallback, Protocol):
         block: work such as `FallbackContext.recreate` followed by
         `FallbackContext.put_back` goes in a task
         (`FallbackContext.start_soon`). An exception it raises is logged,
-        naming the fallback; the instance stays out.
+        naming the fallback; the instance stays out. So does one it puts
+        back here, still gone: its contract is broken.
         """
         ...

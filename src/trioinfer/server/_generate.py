@@ -469,10 +469,11 @@ class GenerateEndpoint:
                 await flush()  # the responses before the error, then its event
             raise
         if scope.cancelled_caught:
-            # Events held for the rest of their run leave no more: their deadline has
-            # passed (a response read at it, with no pass of the loop between, would
-            # otherwise leave after it). Its error says so instead.
-            events.clear()
+            # Events held for the rest of their run leave first: the stream gave their
+            # responses before the deadline (it refuses any read past it), so they were
+            # made in time, as those before a model's error. Then the deadline's error.
+            if events:
+                await flush()
             raise DeadlineExceeded(
                 f"the request's timeout of {_timeout_text(timeout_s)} passed before its "
                 "last response"

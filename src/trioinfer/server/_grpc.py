@@ -859,8 +859,10 @@ async def _stream(
                     await emit(*run)
                 raise
         if scope.cancelled_caught:
-            # The run held for the rest of it leaves no more: its deadline has passed (as
-            # the SSE writer's). The error says so instead.
+            # The run held for the rest of it leaves first (as the SSE writer's): the
+            # stream gave it before the deadline. Then (from the caller) the error.
+            if run:
+                await emit(*run)
             raise DeadlineExceeded(
                 f"the request's timeout of {timeout_s} s passed before its last response"
             )
