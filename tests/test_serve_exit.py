@@ -253,12 +253,18 @@ def test_workers_that_exit_at_once_keep_an_exit_timeout_of_0(tmp_path: Path) -> 
 
     repository = tmp_path / "repository"
     shutil.copytree(example_repository() / "digits", repository / "digits")
-    log = tmp_path / "server.log"
     args = ("--workers", "2", "--no-grpc", "--drain-period", "0", "--exit-timeout-secs", "0")
-    with _serving(repository, *args, log=log) as server:
-        server.process.send_signal(signal.SIGTERM)
-        code = _ended_by_itself(server.process, log)
-    said = log.read_text(errors="replace")
+    # A worker's exit gets half a second: on a machine busy enough (the suite's other
+    # processes, coverage writing its data at exit) one may take longer, and be killed
+    # as it should. Three tries: the bug this guards against failed every one.
+    for attempt in range(3):
+        log = tmp_path / f"server-{attempt}.log"
+        with _serving(repository, *args, log=log) as server:
+            server.process.send_signal(signal.SIGTERM)
+            code = _ended_by_itself(server.process, log)
+        said = log.read_text(errors="replace")
+        if code == 0:
+            break
     assert code == 0, said[-4000:]
     assert "ERROR" not in said
     assert "all workers stopped" in said
