@@ -323,9 +323,10 @@ async def test_requested_outputs_of_a_request_run_in_its_callers_task(
     # names its outputs keeps that way, its answer narrowed there, a name it lacks refused.
     model = trioinfer.example_repository() / "digits" / "1" / "model.onnx"
     async with trioinfer.open_engine() as engine:
-        await engine.load(
-            trioinfer.ModelConfig(name="digits", path=model, backend_options={"dispatch": "inline"})
-        )
+        # The largest inline budget: on a busy machine a run past the default (250 us)
+        # would move the instance to its worker thread, and the requests to the queue.
+        options = {"dispatch": "inline", "inline_budget_us": 10_000_000}
+        await engine.load(trioinfer.ModelConfig(name="digits", path=model, backend_options=options))
         x = {"input": trioinfer.digits_samples()[0][:2]}
 
         async def queued(*args: object, **kwargs: object) -> None:
