@@ -36,8 +36,18 @@ name). Eleven arms, C client tasks each sending one image at a time:
               of the steps, one step request per step carrying the whole batch (as the
               bundled ``read_digit`` is configured)
   pipeline-batched-steps  the same, and every step with the dynamic batcher as well
+  ceiling-bare  a study, not a way to serve (``--dispatch inline`` only): the pipeline's
+              request validated by the pipeline, then the three loaded instances' own
+              calls (the Python steps' ``infer``, the ONNX session's ``run``) in turn, a
+              look at each instance's slot, each answer's rows, each step counted in
+              its model's statistics: the least any engine that keeps a pipeline's
+              steps as models could do per request, with none of a Python model's checks
+  ceiling-checked  the same, and the Python steps called as their backend calls them:
+              read-only views of their inputs, their outputs checked against the
+              declared signature (what the python backend promises every model)
 
-The pipeline arms other than the last two load ``read_digit`` with ``batcher = "none"``
+``--arms`` runs every arm but the two ceilings unless it names them. The pipeline arms
+other than the last two (before the ceilings) load ``read_digit`` with ``batcher = "none"``
 (each request its own pass of the steps). ``--arms hand,batched,pipeline-batched`` runs
 only those; ``--pipeline-instances N`` gives the batched pipeline N graph instances (N
 batches in flight at once).
@@ -64,6 +74,7 @@ from __future__ import annotations
 
 import argparse
 import atexit
+import bisect
 import importlib.util
 import shutil
 import statistics
@@ -102,7 +113,12 @@ ARMS = (
     "onnx-batched",
     "pipeline-batched",
     "pipeline-batched-steps",
+    "ceiling-bare",
+    "ceiling-checked",
 )
+
+#: The arms that call the loaded instances' own code on the event loop.
+CEILINGS = ("ceiling-bare", "ceiling-checked")
 
 
 def _model_class(name: str) -> Any:
@@ -301,30 +317,115 @@ async def chained(args: argparse.Namespace, *, batched: bool) -> Figures:
         return await closed_loop(call, args)
 
 
+async def load_pipeline(engine: trioinfer.Engine, args: argparse.Namespace, *, whole: bool) -> None:
+    """Load the bundled ``read_digit`` pipeline (whole: batching whole requests)."""
+    bundled = trioinfer.ModelConfig.from_toml(REPO / "read_digit" / "config.toml")
+    await engine.load(
+        trioinfer.ModelConfig.from_dict(
+            {
+                "name": "read_digit",
+                "path": bundled.path,
+                "backend": "pipeline",
+                "backend_options": dict(bundled.backend_options),
+                "instances": [{"count": args.pipeline_instances}],
+                **(DYNAMIC if whole else {"batcher": "none"}),
+            }
+        )
+    )
+
+
 async def as_pipeline(
     args: argparse.Namespace, *, batched: bool, only_onnx: bool = False, whole: bool = False
 ) -> Figures:
     # batched: the steps' models batch (only_onnx: only digits); whole: the pipeline does.
     async with trioinfer.open_engine() as engine:
         await load_steps(engine, args, batched=batched, only_onnx=only_onnx)
-        bundled = trioinfer.ModelConfig.from_toml(REPO / "read_digit" / "config.toml")
-        await engine.load(
-            trioinfer.ModelConfig.from_dict(
-                {
-                    "name": "read_digit",
-                    "path": bundled.path,
-                    "backend": "pipeline",
-                    "backend_options": dict(bundled.backend_options),
-                    "instances": [{"count": args.pipeline_instances}],
-                    **(DYNAMIC if whole else {"batcher": "none"}),
-                }
-            )
-        )
+        await load_pipeline(engine, args, whole=whole)
 
         async def call(image: np.ndarray) -> object:
             return (await engine.infer("read_digit", {"IMAGE": image}))["NAME"]
 
         return await closed_loop(call, args)
+
+
+async def ceiling(args: argparse.Namespace, *, checked: bool) -> Figures:
+    """The least per request of an engine that keeps the steps as models (see the arms)."""
+    async with trioinfer.open_engine() as engine:
+        await load_steps(engine, args, batched=False, only_onnx=False)
+        await load_pipeline(engine, args, whole=False)
+        return await closed_loop(ceiling_chain(engine, checked=checked), args)
+
+
+def ceiling_chain(
+    engine: trioinfer.Engine, *, checked: bool
+) -> Callable[[np.ndarray], Awaitable[object]]:
+    """A ceiling arm's call for one image: the loaded ``read_digit``'s steps, by hand.
+
+    Reads the engine's private state (the loaded runners, replicas and instances):
+    a study of where the unbatched pipeline's time could go, not an API. Its
+    answer is the pipeline's ``NAME``.
+    """
+    from trioinfer._inline import DEFAULT_SLICE_S, inline_slice_spent, restart_inline_slice
+    from trioinfer_python import _read_only
+
+    pipeline = engine._pipes["read_digit"]
+    clock = pipeline.clock
+    steps = []
+    for index, step in enumerate(pipeline.steps):
+        runner = engine._plain[step.model]
+        replica = runner._biggest_first[0]
+        instance = replica._backend_instance
+        if step.model == "digits":
+
+            def run(
+                inputs: dict[str, Any],
+                session: Any = instance.session,
+                names: list[str] = ["probabilities"],  # noqa: B006  (the step keeps it alone)
+            ) -> dict[str, Any]:
+                return dict(zip(names, session.run(names, inputs), strict=True))
+
+        elif checked:
+
+            def run(inputs: dict[str, Any], instance: Any = instance) -> dict[str, Any]:
+                return instance._checked(instance._infer(_read_only(inputs)))
+
+        else:
+            run = instance._infer
+        ins, outs, _ = pipeline._maps[index]
+        steps.append((runner, replica._slot, run, ins, outs, runner._answered_here))
+
+    async def call(image: np.ndarray) -> object:
+        arrays, rows = pipeline.validate({"IMAGE": image})
+        if clock.current_effective_deadline() <= clock.current_time():
+            raise trioinfer.DeadlineExceeded("past its deadline")
+        if inline_slice_spent(DEFAULT_SLICE_S):
+            # As the pipeline leaves the loop its turns.
+            await trio.lowlevel.checkpoint()
+            restart_inline_slice()
+        tensors = dict(arrays)
+        for runner, slot, run, ins, outs, here in steps:
+            if not slot.free or slot._waiters:
+                raise RuntimeError("an instance was busy: nothing else calls it here")
+            inputs = {}
+            for own, shared in ins:
+                inputs[own] = tensors[shared]
+            start = clock.current_time()
+            answer = run(inputs)
+            for array in answer.values():
+                if type(array) is not np.ndarray or len(array) != rows:
+                    raise trioinfer.BackendError("an answer of other rows")
+            elapsed = clock.current_time() - start
+            here.counts[bisect.bisect_left(here.bounds, elapsed)] += 1
+            here.count += 1
+            here.sum += elapsed
+            runner.succeeded += 1
+            runner.inferences += rows
+            for own, shared in outs:
+                tensors[shared] = answer[own]
+        pipeline.succeeded += 1
+        return tensors["NAME"]
+
+    return call
 
 
 def main() -> None:
@@ -341,8 +442,9 @@ def main() -> None:
     )
     parser.add_argument(
         "--arms",
-        default=",".join(ARMS),
-        help=f"the arms to run, comma-separated, from {', '.join(ARMS)} (default: all)",
+        default=",".join(arm for arm in ARMS if arm not in CEILINGS),
+        help=f"the arms to run, comma-separated, from {', '.join(ARMS)} (default: all but "
+        "the ceilings, which run only when named)",
     )
     parser.add_argument(
         "--pipeline-instances",
@@ -370,6 +472,8 @@ def main() -> None:
         parser.error(f"unknown arm {', '.join(unknown) or '(none)'}; known: {', '.join(ARMS)}")
     if args.pipeline_instances < 1:
         parser.error("--pipeline-instances must be at least 1")
+    if args.dispatch != "inline" and set(arms) & set(CEILINGS):
+        parser.error(f"{', '.join(CEILINGS)} run the session on the event loop: --dispatch inline")
     if args.hidden < 0:
         parser.error("--hidden must be 0 (the digits model) or a layer width")
     global ONNX_PATH
@@ -393,6 +497,8 @@ def main() -> None:
         "onnx-batched": lambda: as_pipeline(args, batched=True, only_onnx=True),
         "pipeline-batched": lambda: as_pipeline(args, batched=False, whole=True),
         "pipeline-batched-steps": lambda: as_pipeline(args, batched=True, whole=True),
+        "ceiling-bare": lambda: ceiling(args, checked=False),
+        "ceiling-checked": lambda: ceiling(args, checked=True),
     }
     runs = {name: every[name] for name in ARMS if name in arms}
     figures: dict[str, list[Figures]] = {name: [] for name in runs}

@@ -20,6 +20,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+import trio
 
 import trioinfer
 
@@ -498,3 +499,34 @@ def test_count_pipeline_runs_an_arm_for_so_many_requests() -> None:
         )
         assert "round 1: pipeline" in done.stdout
         assert "ONNX step digits" in done.stdout
+
+
+@pytest.mark.pipeline
+def test_bench_pipeline_ceiling_arms_answer_as_the_pipeline(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The ceiling arms' chain gives the pipeline's answers, counted in the steps' models."""
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    import bench_pipeline
+
+    images = trioinfer.digits_samples()[0].reshape(-1, 8, 8).astype(np.uint8)[:20]
+    args = types.SimpleNamespace(dispatch="inline", depth=1, pipeline_instances=1)
+
+    async def main() -> None:
+        async with trioinfer.open_engine() as engine:
+            await bench_pipeline.load_steps(engine, args, batched=False, only_onnx=False)
+            await bench_pipeline.load_pipeline(engine, args, whole=False)
+            for checked in (False, True):
+                chain = bench_pipeline.ceiling_chain(engine, checked=checked)
+                for image in images:
+                    ours = await chain(image[np.newaxis])
+                    theirs = await engine.infer("read_digit", {"IMAGE": image[np.newaxis]})
+                    assert list(ours) == list(theirs["NAME"])  # type: ignore[call-overload]
+            # Each step's model counted the chains' calls and the pipeline's steps alike.
+            for name in ("scale_image", "digits", "digit_names"):
+                assert engine.statistics().models[name].succeeded == 4 * len(images)
+
+    try:
+        trio.run(main)
+    finally:
+        sys.modules.pop("bench_pipeline", None)
