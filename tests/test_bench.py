@@ -710,6 +710,9 @@ def test_usage_errors() -> None:
     ("args", "said"),
     [
         (("--url", "ftp://h:1"), "--url must look like http://HOST:PORT, got"),
+        # A port that is no port was a ValueError traceback.
+        (("--url", "h:x"), "--url must look like http://HOST:PORT, got 'h:x'"),
+        (("--url", "http://h:99999"), "--url must look like http://HOST:PORT, got"),
         (("--url", "https://h:1"), "(the tool speaks no TLS: use a plain-HTTP port)"),
         (("--url", "grpc://h:1"), "(for V2 gRPC, add --protocol grpc)"),
         (("--protocol", "grpc", "--url", "http://h:1"), "--url must be grpc://HOST:PORT"),
@@ -721,6 +724,23 @@ def test_a_url_of_the_wrong_form_is_a_usage_error(args: tuple[str, ...], said: s
     assert result.exit_code == 2, result.output
     assert "Invalid value for --url: " in result.output
     assert said in " ".join(result.output.split())
+
+
+@pytest.mark.parametrize(
+    ("args", "said"),
+    [
+        # In-process these were a ValueError traceback (int('abc')).
+        (("--in-process", "--model-version", "abc"), "expected a version number (1 or more)"),
+        (("--in-process", "--model-version", ""), "expected a version number (1 or more)"),
+        # Over HTTP, '' asked for /v2/models/digits/versions/.
+        (("--model-version", ""), "expected a version (as the server names it: 1, 2, ...)"),
+    ],
+)
+def test_a_model_version_that_is_none_is_a_usage_error(args: tuple[str, ...], said: str) -> None:
+    local = ("--model-repository", str(example_repository())) if "--in-process" in args else ()
+    result = bench("-m", "digits", *local, *args, *SHORT)
+    assert result.exit_code == 2, result.output
+    assert f"Invalid value for --model-version: {said}" in " ".join(result.output.split())
 
 
 def test_a_url_may_be_host_and_port_as_perf_analyzers() -> None:

@@ -583,3 +583,34 @@ async def test_a_request_refused_before_routing_is_counted_on_no_version(tmp_pat
         and s.labels["outcome"] == "invalid_input"
     }
     assert counted == {"": 40.0}
+
+
+def test_the_traffic_command_takes_the_urls_bench_takes() -> None:
+    # HOST:PORT alone (perf_analyzer's -u, bench's --url) was "not an http:// or https://
+    # URL", and a port that is no number a traceback (http.client.InvalidURL).
+    result = traffic_cli("digits", "--url", "127.0.0.1:9/")
+    assert result.exit_code == 1, result.output
+    assert "cannot reach http://127.0.0.1:9:" in result.output
+    for url in ("ftp://x", "h:x", "http://h:99999", ""):
+        result = traffic_cli("digits", "--url", url)
+        assert result.exit_code == 2, (url, result.output)
+        assert (
+            f"--url must look like http://HOST:PORT or https://HOST:PORT, got {url!r}"
+            in " ".join(result.output.split())
+        )
+
+
+@pytest.mark.parametrize(
+    ("args", "env", "said"),
+    [
+        (("--token", ""), None, "--token must be a non-empty string"),
+        ((), {"TRIOINFER_ADMIN_TOKEN": " x"}, "$TRIOINFER_ADMIN_TOKEN must not start or end"),
+    ],
+)
+def test_the_traffic_command_refuses_a_token_it_cannot_send(
+    args: tuple[str, ...], env: dict[str, str] | None, said: str
+) -> None:
+    # `--token ''` sent no token, and the server's 401 did not say why.
+    result = traffic_cli("digits", *args, "--url", "http://127.0.0.1:9", env=env)
+    assert result.exit_code == 2, result.output
+    assert said in " ".join(result.output.split())

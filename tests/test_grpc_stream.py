@@ -166,15 +166,67 @@ async def test_a_calls_requests_share_a_bound_on_responses_made_ahead() -> None:
         pass
 
     stream = _grpc._StreamState(send)
-    lent = [stream.lend() for _ in range(_grpc.STREAM_CONCURRENCY)]
+    leases = [stream.lend() for _ in range(_grpc.STREAM_CONCURRENCY)]
+    lent = [lease.ahead for lease in leases]
     full = _grpc.STREAM_CALL_AHEAD // (STREAM_AHEAD - 1)
     assert lent[:full] == [STREAM_AHEAD] * full
     assert 1 < lent[full] < STREAM_AHEAD
     assert lent[-1] == 1
     assert sum(lent) == _grpc.STREAM_CALL_AHEAD + len(lent)
-    for ahead in lent[:full]:
-        stream.repay(ahead)
-    assert stream.lend() == STREAM_AHEAD  # a share given back is lent again
+    for lease in leases:
+        stream.repay(lease)
+    assert stream.lend().ahead == STREAM_AHEAD  # a share given back is lent again
+
+
+class Responses:
+    """A request's stream, as `_StreamState` sees it: what it was widened to."""
+
+    def __init__(self) -> None:
+        self.widened: list[int] = []
+
+    def _widen(self, ahead: int) -> None:
+        self.widened.append(ahead)
+
+
+async def test_a_request_lent_less_gets_more_as_the_call_frees() -> None:
+    """A request started while the call's pool was empty does not keep 1 to its end.
+
+    It streamed with ``ahead`` 1 for its whole life, read one response at a time even
+    once the requests before it had ended and given their share back. Now what they
+    give back goes to the requests with less, the longest streaming first, up to
+    `STREAM_AHEAD` each; the call's requests still hold at most `STREAM_CALL_AHEAD`
+    beyond one each.
+    """
+
+    async def send(*_messages: bytes) -> None:  # pragma: no cover  # nothing is sent
+        pass
+
+    stream = _grpc._StreamState(send)
+    full = _grpc.STREAM_CALL_AHEAD // (STREAM_AHEAD - 1)
+    early = [stream.lend() for _ in range(full)]
+    late = [stream.lend() for _ in range(3)]  # what was left, then 1 and 1
+    streams = [Responses() for _ in late]
+    for lease, responses in zip(late, streams, strict=True):
+        stream.attach(lease, responses)
+    assert [lease.ahead for lease in late] == [1 + _grpc.STREAM_CALL_AHEAD % 15, 1, 1]
+
+    def held() -> int:  # beyond one each, by the requests in flight
+        return sum(lease.ahead - 1 for lease in [*early, *late])
+
+    stream.repay(early.pop(0))
+    # 15 given back: the first late one to 16, the rest of it to the second.
+    assert late[0].ahead == STREAM_AHEAD
+    assert streams[0].widened == [STREAM_AHEAD]
+    assert late[1].ahead == 1 + 15 - (STREAM_AHEAD - 1 - _grpc.STREAM_CALL_AHEAD % 15)
+    assert held() == _grpc.STREAM_CALL_AHEAD
+    while early:
+        stream.repay(early.pop())
+        assert held() <= _grpc.STREAM_CALL_AHEAD
+    assert [lease.ahead for lease in late] == [STREAM_AHEAD] * 3
+    assert streams[2].widened[-1] == STREAM_AHEAD
+    for lease in late:
+        stream.repay(lease)
+    assert stream._spare == _grpc.STREAM_CALL_AHEAD  # all given back
 
 
 async def test_sends_never_interleave(autojump_clock: trio.testing.MockClock) -> None:

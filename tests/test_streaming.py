@@ -205,6 +205,32 @@ async def test_a_slow_reader_slows_the_model(
     assert probe.ended == "returned"
 
 
+async def test_a_streams_ahead_can_grow_while_it_runs(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """`ResponseStream._widen`: a server that lent a stream less lets it make more later.
+
+    With ``ahead`` fixed at the start, a stream lent 1 while its gRPC call was busy made
+    one response at a time to its end, whatever the call gave back meanwhile.
+    """
+    probe = Probe()
+    async with open_engine() as engine:
+        await engine.load(config(counting(probe)))
+        async with engine.infer_stream("m", n(50), ahead=1) as responses:
+            await trio.sleep(1)
+            assert probe.made == 1  # one made, none read
+            responses._widen(4)
+            await trio.sleep(1)
+            assert probe.made == 4  # the model went on, up to the new bound, no further
+            read = 0
+            async for _ in responses:
+                read += 1
+                await trio.sleep(1)
+                assert probe.made - read <= 4
+            assert read == 50
+    assert probe.ended == "returned"
+
+
 @pytest.mark.parametrize("ahead", [0, -1, 1.5, True, "2"])
 async def test_ahead_must_be_a_positive_integer(ahead: object) -> None:
     async with open_engine() as engine:

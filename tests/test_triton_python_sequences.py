@@ -745,3 +745,76 @@ async def test_warm_up_of_a_sequence_model_gives_its_controls(tmp_path: Path) ->
         # A START of 0 starts nothing: the model's own error fails the load.
         with pytest.raises(trioinfer.BackendError, match=r"warm-up sample 's' failed.*unknown"):
             await load(engine, tmp_path, "cold")
+
+
+# -- BLS: a correlation id to a model that is not stateful -----------------------------------------
+
+PLAIN_PBTXT = """\
+backend: "python"
+max_batch_size: 4
+input [ { name: "INPUT" data_type: TYPE_INT32 dims: [ 1 ] } ]
+output [ { name: "OUTPUT" data_type: TYPE_INT32 dims: [ 1 ] } ]
+"""
+
+# Doubles its input; the decoupled one answers twice.
+DOUBLE = """\
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        responses = []
+        for request in requests:
+            value = pb_utils.get_input_tensor_by_name(request, "INPUT").as_numpy()
+            out = pb_utils.Tensor("OUTPUT", value * 2)
+            responses.append(pb_utils.InferenceResponse(output_tensors=[out]))
+        return responses
+"""
+
+DOUBLE_TWICE = """\
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        for request in requests:
+            value = pb_utils.get_input_tensor_by_name(request, "INPUT").as_numpy()
+            sender = request.get_response_sender()
+            for _ in range(2):
+                out = pb_utils.Tensor("OUTPUT", value * 2)
+                sender.send(pb_utils.InferenceResponse(output_tensors=[out]))
+            sender.send(flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+        return None
+"""
+
+BLS_PLAIN_VARIANTS = {
+    "exec": (DOUBLE, BLS),
+    "async_exec": (DOUBLE, BLS_VARIANTS["async_exec"]),
+    "exec_decoupled": (DOUBLE_TWICE, BLS_VARIANTS["exec_decoupled"]),
+}
+
+
+@pytest.mark.parametrize("variant", sorted(BLS_PLAIN_VARIANTS))
+async def test_bls_to_a_model_that_is_not_stateful_ignores_the_correlation_id(
+    tmp_path: Path, variant: str
+) -> None:
+    # Triton passes correlation_id and flags to a stateful model's sequence batcher and
+    # ignores them for any other; here the call was refused ("model 'acc' is not
+    # stateful"), and a decoupled one was sent as a non-streaming call.
+    target, bls = BLS_PLAIN_VARIANTS[variant]
+    decoupled = "model_transaction_policy { decoupled: true }\n" if target is DOUBLE_TWICE else ""
+    write_model(tmp_path, "acc", PLAIN_PBTXT + decoupled, target)
+    write_model(tmp_path, "bls", BLS_PBTXT, bls)
+    async with trioinfer.open_engine() as engine:
+        await load(engine, tmp_path, "acc")
+        await load(engine, tmp_path, "bls")
+        for sequence_id, flags in ((41, START), (41, 0), (0, START | END), (7, END)):
+            out = await engine.infer(
+                "bls",
+                {
+                    "INPUT": np.array([5], np.int32),
+                    "ID": np.array([sequence_id], np.uint64),
+                    "FLAGS": np.array([flags], np.int32),
+                },
+            )
+            assert out["OUTPUT"].tolist() == [10], (sequence_id, flags)

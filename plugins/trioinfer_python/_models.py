@@ -173,6 +173,18 @@ class Models:
                 f"model {self._own!r} called model {model!r}, which is not served: {exc}"
             ) from exc
 
+    def _stateful(self, model: str) -> bool:
+        """Whether *model* takes sequences (its config has one); True when it is not served.
+
+        For the Triton shim's BLS calls, which pass a correlation id on only to a
+        stateful model, as Triton's do: a model that is not served gets the call
+        as it is, which says so. Safe from a worker thread: it only reads.
+        """
+        try:
+            return self._engine.model(model).config.sequence is not None
+        except TrioInferError:
+            return True
+
     def infer_blocking(
         self,
         model: str,

@@ -482,7 +482,7 @@ class InferenceRequest(_Provided):
                 "InferenceRequest.exec() works only in a plain def execute while it runs (in "
                 "an async def execute, await request.async_exec())"
             )
-        if decoupled and self._sequence_named():
+        if decoupled and self._sequence_named(models):
             # No decoupled model is stateful here: a stateful one answers once, as Triton's.
             return ResponseIterator([self.exec()])
         if decoupled:
@@ -504,7 +504,7 @@ class InferenceRequest(_Provided):
                 self._model_name,
                 self._arrays(),
                 parameters=self._parsed_parameters(),
-                sequence=self._sequence(),
+                sequence=self._sequence(models),
             )
         )
 
@@ -530,7 +530,7 @@ class InferenceRequest(_Provided):
                 "InferenceRequest.async_exec() works only in an async def execute while it runs "
                 "(in a plain def execute, call request.exec())"
             )
-        if decoupled and self._sequence_named():
+        if decoupled and self._sequence_named(models):
             # No decoupled model is stateful here: a stateful one answers once, as Triton's.
             return ResponseIterator([await self.async_exec()])
         arrays, parameters = self._arrays(), self._parsed_parameters()
@@ -547,22 +547,26 @@ class InferenceRequest(_Provided):
             return ResponseIterator(responses)
         try:
             outputs = await models.infer(
-                self._model_name, arrays, parameters=parameters, sequence=self._sequence()
+                self._model_name, arrays, parameters=parameters, sequence=self._sequence(models)
             )
         except TrioInferError as exc:
             return InferenceResponse(error=_triton_error(exc))
         return self._response(outputs)
 
-    def _sequence_named(self) -> bool:
-        # 0 and "" name no sequence (Triton reserves them); read on each BLS call.
+    def _sequence_named(self, models: Any) -> bool:
+        # 0 and "" name no sequence (Triton reserves them); read on each BLS call. Triton
+        # hands correlation_id and flags to a stateful model's sequence batcher and
+        # ignores them for any other model: so do we (the engine refuses a sequence
+        # given to a model that is not stateful).
         correlation_id = self._correlation_id
-        return bool(self._flags) or not (correlation_id == 0 or correlation_id == "")
+        named = bool(self._flags) or not (correlation_id == 0 or correlation_id == "")
+        return named and models._stateful(self._model_name)
 
-    def _sequence(self) -> SequenceFlags | None:
+    def _sequence(self, models: Any) -> SequenceFlags | None:
         # The sequence a request made here goes on (BLS: correlation_id and flags, as
         # Triton passes them on): read as the server reads a client's, by the one parser
         # (a flag without an id is an error response, InvalidInput).
-        if not self._sequence_named():
+        if not self._sequence_named(models):
             return None
         return SequenceFlags.from_parameters(
             {

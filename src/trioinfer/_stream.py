@@ -130,33 +130,39 @@ class _WithParameters:
 
 
 def _channel(ahead: int) -> tuple[_Send, _Receive]:
-    # A buffer of ahead - 1: with the one the model waits to hand over, *ahead* at most.
+    # Room for *ahead* and for what `ResponseStream._widen` may raise it to (STREAM_AHEAD):
+    # the stream's own ``_ahead`` bounds what the model makes (`_hand_over`), not the
+    # buffer, so that a stream's bound can grow while it runs.
+    size = max(ahead, STREAM_AHEAD)
     if sniffio.current_async_library() == "trio":
-        return trio.open_memory_channel[Outputs | _WithParameters](ahead - 1)
-    return anyio.create_memory_object_stream[Outputs | _WithParameters](ahead - 1)
+        return trio.open_memory_channel[Outputs | _WithParameters](size)
+    return anyio.create_memory_object_stream[Outputs | _WithParameters](size)
 
 
 async def _hand_over(send: _Send, stream: ResponseStream, item: Outputs | _WithParameters) -> None:
-    # Into the buffer at once while it has room (no pass of the loop: the model goes on
-    # to its next response), unless the loop's inline slice is spent: a model that
-    # computes between its yields without awaiting holds the loop no longer than an
-    # inline execution would (not 16 of its responses long). Else a yield, or a wait
-    # for the reader to take one. Counted in *stream*'s ``_pending`` while it is in the
-    # buffer or waits at its door (what ResponseStream.ready reads).
+    # Into the buffer at once (no pass of the loop: the model goes on to its next
+    # response), unless the loop's inline slice is spent: a model that computes between
+    # its yields without awaiting holds the loop no longer than an inline execution
+    # would (not 16 of its responses long); then with a yield. Counted in *stream*'s
+    # ``_pending`` until the reader takes it (what ResponseStream.ready reads). With
+    # ``_ahead`` of them not taken, the model waits for the reader to take one: the
+    # buffer always has room for this one (`_channel`), never more than ``_ahead``.
     stream._pending += 1
     if not inline_slice_spent(DEFAULT_SLICE_S):
         try:
             send.send_nowait(item)
-        except _WOULD_BLOCK:
-            pass
-        else:
-            return
-    try:
-        await send.send(item)
-    except BaseException:
-        stream._pending -= 1  # cancelled or refused: it never reached the reader
-        raise
-    restart_inline_slice()
+        except BaseException:
+            stream._pending -= 1  # refused (the reader left): it never reached the reader
+            raise
+    else:
+        try:
+            await send.send(item)
+        except BaseException:
+            stream._pending -= 1  # cancelled or refused: it never reached the reader
+            raise
+        restart_inline_slice()
+    if stream._pending >= stream._ahead:
+        await stream._wait_room()
 
 
 def decoupled(runner: object) -> bool:
@@ -245,6 +251,7 @@ class ResponseStream(metaclass=NoPublicConstructor):
         receive: _Receive,
         clock: LoopClock,
         deadline: float,
+        ahead: int = STREAM_AHEAD,
     ) -> None:
         self._id = request_id
         self._receive = receive
@@ -255,9 +262,13 @@ class ResponseStream(metaclass=NoPublicConstructor):
         # request's), until _expire reads the reader's own again.
         self._deadline = deadline
         # Responses the model has handed over that the reader has not taken (in the
-        # buffer, or waiting at its door): two counts a response, where the channel's
-        # statistics() built an object on every `ready` (1-2 us).
+        # buffer): two counts a response, where the channel's statistics() built an
+        # object on every `ready` (1-2 us).
         self._pending = 0
+        # The most the model may make that the reader has not taken (`_hand_over`), and
+        # what the model waits on for room when it has made them (set as one is taken).
+        self._ahead = ahead
+        self._room: anyio.Event | None = None
         # The error that ended the stream, raised once the responses before it are read.
         self._error: BaseException | None = None
         # Ends the stream as leaving its block does (open_stream's); None once it ran.
@@ -335,6 +346,26 @@ class ResponseStream(metaclass=NoPublicConstructor):
                 return
             await clock.checkpoint()
 
+    def _widen(self, ahead: int) -> None:
+        # Let the model make up to *ahead* (at most STREAM_AHEAD, more than the stream
+        # has) that the reader has not taken: for a server that lent the stream less
+        # while its call was busy, and has more to lend now (`_grpc._StreamState`).
+        assert self._ahead <= ahead <= max(self._ahead, STREAM_AHEAD)
+        self._ahead = ahead
+        self._make_room()
+
+    async def _wait_room(self) -> None:
+        # The model's side: until it may make one more (the reader took one, or _widen).
+        while self._pending >= self._ahead:
+            room = self._room = anyio.Event()
+            await room.wait()
+
+    def _make_room(self) -> None:
+        room = self._room
+        if room is not None:
+            self._room = None
+            room.set()
+
     def _produced(self) -> None:
         # The model's task has ended (its generator is closed): wake aclose().
         self._producing = False
@@ -380,6 +411,8 @@ class ResponseStream(metaclass=NoPublicConstructor):
                 "engine.infer_stream(...)` block has ended; iterate it inside that block"
             ) from None
         self._pending -= 1
+        if self._room is not None:  # the model waits for room: it has some now
+            self._make_room()
         if item.__class__ is _WithParameters:
             assert isinstance(item, _WithParameters)
             self._parameters = item.parameters
@@ -448,7 +481,7 @@ async def open_stream(
             traced.admitted(replica)
     send, receive = _channel(ahead)
     deadline = request.deadline if request is not None else clock.current_effective_deadline()
-    stream = ResponseStream._create(request_id, receive, clock, deadline)
+    stream = ResponseStream._create(request_id, receive, clock, deadline, ahead)
     body_error: BaseException | None = None
     abandoned = False
     # The model's task runs in it: cancelled when the stream is closed early.

@@ -5,6 +5,9 @@ from __future__ import annotations
 import types
 from collections.abc import Coroutine, Generator
 from typing import TYPE_CHECKING, Any, NoReturn, TypeVar, cast
+from urllib.parse import SplitResult, urlsplit
+
+from ._exceptions import ConfigError
 
 T = TypeVar("T")
 
@@ -60,3 +63,58 @@ def resume(coro: Coroutine[Any, Any, T], yielded: Any) -> Generator[Any, Any, T]
                 value = coro.send(sent)
             except StopIteration as stop:
                 return cast(T, stop.value)
+
+
+def server_url(url: str, *, schemes: tuple[str, ...] = ("http",)) -> SplitResult:
+    """*url*, a server's ``--url``, split; ``HOST:PORT`` alone is ``http://HOST:PORT``.
+
+    As perf_analyzer's ``-u`` and tritonclient take an address. One parser for
+    every command's ``--url``, so that each takes the same forms and refuses
+    the others in the same words.
+
+    Args:
+        url: What the user gave.
+        schemes: The schemes the command speaks, the first the one a bare
+            ``HOST:PORT`` gets.
+
+    Raises:
+        ValueError: Not such a URL (no host, another scheme, a port that is no
+            number from 0 to 65535); the message names ``--url`` and the forms
+            it takes.
+    """
+    # (urlsplit reads "localhost:8000" as the scheme "localhost".)
+    parts = urlsplit(url if "://" in url else f"{schemes[0]}://{url}")
+    try:
+        parts.port  # noqa: B018  # raises ValueError for "h:x" and "h:99999"
+    except ValueError:
+        parts = parts._replace(netloc="")
+    if parts.scheme not in schemes or not parts.hostname:
+        forms = " or ".join(f"{scheme}://HOST:PORT" for scheme in schemes)
+        raise ValueError(f"--url must look like {forms}, got {url!r}")
+    return parts
+
+
+def check_token(value: object, *, name: str = "admin_token") -> None:
+    """Refuse an admin token that no client could send, or that would let anyone in.
+
+    One check for the server's token (`ServerConfig.admin_token`, serve's
+    ``--admin-token``) and a client's (``trioinfer traffic --token``), the
+    message naming the setting as the user gave it (*name*).
+
+    Raises:
+        ConfigError: *value* is empty, or not a string, or has whitespace around
+            it or a control character in it.
+    """
+    # An empty token would let "Authorization: Bearer " in; one with spaces around it
+    # could never match (header values lose them); a control character cannot be sent
+    # in a header at all.
+    if not isinstance(value, str) or not value.strip():
+        raise ConfigError(
+            f"{name} must be a non-empty string (an empty token would let "
+            "'Authorization: Bearer ' through); leave it out for no token"
+        )
+    if value != value.strip() or not value.isprintable():
+        raise ConfigError(
+            f"{name} must not start or end with whitespace nor hold control characters: no "
+            "client could send it in an Authorization header"
+        )

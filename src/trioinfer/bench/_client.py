@@ -20,6 +20,7 @@ import attrs
 import httptools
 import trio
 
+from .._util import server_url
 from ..server import encode_infer_request
 from ._inputs import BenchError, Tensor
 from ._modes import SequenceStep, ShmRegion, shm_request_doc
@@ -235,15 +236,16 @@ class HttpTarget:
         Raises:
             BenchError: Not an ``http://`` URL.
         """
-        # (urlsplit reads "localhost:8000" as the scheme "localhost".)
-        parts = urlsplit(url if "://" in url else f"http://{url}")
-        if parts.scheme != "http" or not parts.hostname:
+        try:
+            parts = server_url(url)
+        except ValueError as exc:
             # A gRPC URL is the likely slip: say the option that makes it right.
             hint = {
                 "grpc": " (for V2 gRPC, add --protocol grpc)",
                 "https": " (the tool speaks no TLS: use a plain-HTTP port)",
-            }.get(parts.scheme, "")
-            raise BenchError(f"--url must look like http://HOST:PORT, got {url!r}{hint}")
+            }.get(urlsplit(url).scheme, "")
+            raise BenchError(f"{exc}{hint}") from None
+        assert parts.hostname is not None  # server_url checked it
         return cls(parts.hostname, parts.port or 80, model, version)
 
     @property

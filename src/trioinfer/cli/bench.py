@@ -497,6 +497,7 @@ def bench(**options: Any) -> None:
             "give one of --model-file (an ONNX file, default settings) and --model-repository "
             "(with --model: loaded as trioinfer serve loads it), not both"
         )
+    _check_model_version(options["model_version"], in_process=options["in_process"])
     if options["shared_memory"] == "cuda":
         raise click.UsageError(
             "--shared-memory cuda is not supported by trioinfer bench: use --shared-memory system"
@@ -625,6 +626,24 @@ def _check_unused_flags(options: dict[str, Any]) -> None:
         raise click.UsageError(
             f"{', '.join(given)}: for an open loop (--request-rate or --request-intervals); "
             "in a closed loop, --concurrency alone sets the requests (or sequences) in flight"
+        )
+
+
+def _check_model_version(version: str | None, *, in_process: bool) -> None:
+    # '' asked the server for /v2/models/NAME/versions/, and in-process '' or 'abc' was a
+    # ValueError traceback. A server's versions may be any name (MLServer's "v1"); the
+    # engine's are numbers.
+    if version is None:
+        return
+    if in_process and not (version.isdecimal() and int(version) >= 1):
+        raise click.BadParameter(
+            f"expected a version number (1 or more) with --in-process, got {version!r}",
+            param_hint="--model-version",
+        )
+    if not version.strip() or version != version.strip() or "/" in version:
+        raise click.BadParameter(
+            f"expected a version (as the server names it: 1, 2, ...), got {version!r}",
+            param_hint="--model-version",
         )
 
 

@@ -24,6 +24,7 @@ from .. import __version__, _exit, _start_signals
 from .._config import parse_toml
 from .._examples import example_repository
 from .._exceptions import ConfigError, TrioInferError
+from .._util import check_token
 from ._params import (
     TAKES_NO_ARGUMENTS,
     ByteSize,
@@ -467,12 +468,7 @@ def serve(ctx: click.Context, /, **options: Any) -> None:
         )
         no_arguments(ctx, meant)
     settings = _serve_settings(ctx, options)
-    if settings["admin_token"] is None and os.environ.get("TRIOINFER_ADMIN_TOKEN") == "":
-        # click reads an empty variable as unset, which would serve with no token at all.
-        raise click.UsageError(
-            "invalid server settings: admin_token must be a non-empty string, but "
-            "TRIOINFER_ADMIN_TOKEN is set and empty; set a token or unset the variable"
-        )
+    _check_admin_token(ctx, settings)
     if settings["protect_inference"] is True and settings["admin_token"] is None:
         # Said here in the words the user set it with (the config's own check names keys).
         raise click.UsageError(
@@ -633,10 +629,37 @@ def _exit_timeout(settings: Mapping[str, Any], drain_period: float) -> float:
     return float(given)
 
 
+def _check_admin_token(ctx: click.Context, settings: Mapping[str, Any]) -> None:
+    # Checked here, not only by ServerConfig, to name the flag, variable or key the
+    # token came from: ServerConfig's own message names its field, admin_token, which
+    # `--admin-token=` never typed. The token itself is not shown.
+    token = settings["admin_token"]
+    from_environment = (
+        ctx.get_parameter_source("admin_token") is click.core.ParameterSource.ENVIRONMENT
+    )
+    if token is None and os.environ.get("TRIOINFER_ADMIN_TOKEN") == "":
+        # click reads an empty variable as unset, which would serve with no token at all.
+        token, from_environment = "", True
+    if token is None:
+        return
+    if from_environment and "admin_token" not in settings.get(_FROM_FILE, {}):
+        name = "$TRIOINFER_ADMIN_TOKEN"
+    else:
+        name = _said_key(settings, "admin_token")
+    try:
+        check_token(token, name=name)
+    except ConfigError as exc:
+        raise click.UsageError(f"invalid server settings: {exc}") from None
+
+
 def _check_host(host: object, settings: Mapping[str, Any] | None = None) -> None:
     # "localhost:8000" would fail later as an unknown name; say what --host takes now.
     if not isinstance(host, str) or not host.strip():
-        raise click.UsageError(f"invalid server settings: host must be an address, got {host!r}")
+        said = _said(settings, "host") if settings is not None else f"--host {host!r}"
+        raise click.UsageError(
+            f"invalid server settings: {said} is not an address: give an address (127.0.0.1, "
+            "0.0.0.0, ::1, or a host name)"
+        )
     if ":" in host:
         try:
             ipaddress.IPv6Address(host)

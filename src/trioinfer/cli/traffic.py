@@ -18,6 +18,8 @@ from typing import Any
 
 import click
 
+from .._exceptions import ConfigError
+from .._util import check_token, server_url
 from ._params import Seconds
 
 #: Seconds to wait for each answer of the server, unless --timeout says otherwise. A load
@@ -65,7 +67,8 @@ def _weight(text: str) -> tuple[int, float]:
     "--url",
     default="http://127.0.0.1:8000",
     show_default=True,
-    help="The server's base URL.",
+    help="The server's base URL: http://HOST:PORT, https://HOST:PORT, or HOST:PORT alone "
+    "(as bench's --url and perf_analyzer's -u take it) for http://.",
 )
 @click.option(
     "--timeout",
@@ -118,13 +121,25 @@ def traffic(
     reached or did not answer within --timeout (its message is printed), 2
     for invalid arguments.
     """
+    if token is not None:
+        # `--token ''` sent no token at all, and the server's 401 did not say why.
+        source = click.get_current_context().get_parameter_source("token")
+        name = (
+            "$TRIOINFER_ADMIN_TOKEN"
+            if source is click.core.ParameterSource.ENVIRONMENT
+            else "--token"
+        )
+        try:
+            check_token(token, name=name)
+        except ConfigError as exc:
+            raise click.UsageError(str(exc)) from None
     chosen = [name for name, given in (("weights", weights), ("--promote", promote),
                                        ("--rollback", rollback)) if given]  # fmt: skip
     if len(chosen) > 1:
         raise click.UsageError(
             f"give one of weights, --promote, --rollback; got {' and '.join(chosen)}"
         )
-    server = _Server(url.rstrip("/"), token, timeout)
+    server = _Server(url, token, timeout)
     split: dict[int, float] | None = None
     if weights:
         split = {}
@@ -173,12 +188,11 @@ class _Server:
     """The few requests `traffic` makes, with the server's error messages as ClickExceptions."""
 
     def __init__(self, url: str, token: str | None, timeout: float) -> None:
-        parsed = urllib.parse.urlsplit(url)
-        if parsed.scheme not in ("http", "https") or not parsed.netloc:
-            raise click.BadParameter(
-                f"{url!r} is not an http:// or https:// URL", param_hint="--url"
-            )
-        self.url = url
+        try:
+            parts = server_url(url, schemes=("http", "https"))
+        except ValueError as exc:
+            raise click.BadParameter(str(exc), param_hint="--url") from None
+        self.url = parts.geturl().rstrip("/")
         self.token = token
         # urllib's timeout bounds each wait on the socket; None waits without one.
         self.timeout = None if math.isinf(timeout) else timeout

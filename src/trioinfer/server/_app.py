@@ -56,6 +56,7 @@ from .._resources import parse_resource_flags
 from .._sequence import SequenceConfig, SequenceFlags
 from .._tensors import ModelSignature, TensorSpec
 from .._trace_settings import trace_settings, update_trace_settings
+from .._util import check_token
 from ._codec import (
     InferRequest,
     Limits,
@@ -323,21 +324,8 @@ class ServerConfig:
 
     @admin_token.validator
     def _check_token(self, _attribute: attrs.Attribute[Any], value: str | None) -> None:
-        # An empty token would let "Authorization: Bearer " in; one with spaces
-        # around it could never match (header values lose them); a control
-        # character cannot be sent in a header at all.
-        if value is None:
-            return
-        if not isinstance(value, str) or not value.strip():
-            raise ConfigError(
-                "admin_token must be a non-empty string (an empty token would let "
-                "'Authorization: Bearer ' through); leave it unset for no token"
-            )
-        if value != value.strip() or not value.isprintable():
-            raise ConfigError(
-                "admin_token must not start or end with whitespace nor hold control "
-                "characters: no client could send it in an Authorization header"
-            )
+        if value is not None:
+            check_token(value)
 
     def __attrs_post_init__(self) -> None:
         if self.protect_inference and not self.admin_token:

@@ -734,17 +734,33 @@ STREAM_CALL_AHEAD: Final = 1024
 
 
 @final
+class _Lease:
+    """What one decoupled request of a call may make ahead of its writer (`_StreamState.lend`)."""
+
+    __slots__ = ("ahead", "responses")
+
+    def __init__(self, ahead: int) -> None:
+        self.ahead = ahead
+        #: Its stream, once open: where more ``ahead`` goes as the call's pool frees.
+        self.responses: Any = None
+
+
+@final
 class _StreamState:
     """A ModelStreamInfer call's shared parts: one writer at a time, its slots, its sequences.
 
     And what its requests may make ahead of their reader, between them (`lend`).
     """
 
-    __slots__ = ("_lock", "_send", "_spare", "slots", "tails")
+    __slots__ = ("_lock", "_send", "_short", "_spare", "slots", "tails")
 
     def __init__(self, send: Send) -> None:
         self._send = send
         self._spare = STREAM_CALL_AHEAD
+        # Requests streaming with less than STREAM_AHEAD, the longest streaming first:
+        # they get what the others give back (`repay`), instead of keeping to the end
+        # the one response ahead they got while the call was busy.
+        self._short: dict[_Lease, None] = {}
         # A response larger than the client's window goes out in pieces, with waits
         # between them: two of them at once would interleave their bytes.
         self._lock = anyio.Lock()
@@ -752,21 +768,45 @@ class _StreamState:
         #: Each sequence's (model, sequence_id) last request read: set when it ended.
         self.tails: dict[tuple[str, int | str], anyio.Event] = {}
 
-    def lend(self) -> int:
+    def lend(self) -> _Lease:
         """A decoupled request's ``ahead``: `STREAM_AHEAD`, or less when the call is busy.
 
         One is every request's own (a stream cannot make less); the rest
         (up to `STREAM_AHEAD` in all) come from the call's `STREAM_CALL_AHEAD`
         while it has them: the first 68 requests in flight at once get 16, the
-        ones after them what is left, then 1. `repay` gives them back.
+        ones after them what is left, then 1. Once its stream is open
+        (`attach`), a request with less gets more as others give theirs back
+        (`repay`), up to `STREAM_AHEAD`: the call's requests never hold more
+        than `STREAM_CALL_AHEAD` beyond one each.
         """
         extra = min(STREAM_AHEAD - 1, self._spare)
         self._spare -= extra
-        return 1 + extra
+        return _Lease(1 + extra)
 
-    def repay(self, ahead: int) -> None:
-        """The request that `lend` gave *ahead* to has ended."""
-        self._spare += ahead - 1
+    def attach(self, lease: _Lease, responses: Any) -> None:
+        """*lease*'s request has opened its stream, *responses* (a `ResponseStream`)."""
+        lease.responses = responses
+        if lease.ahead < STREAM_AHEAD:
+            self._short[lease] = None
+            self._top_up()
+
+    def repay(self, lease: _Lease) -> None:
+        """The request that `lend` gave *lease* to has ended."""
+        self._short.pop(lease, None)
+        self._spare += lease.ahead - 1
+        self._top_up()
+
+    def _top_up(self) -> None:
+        # What the call has to spare, to its requests streaming with less, in turn.
+        short = self._short
+        while self._spare and short:
+            lease = next(iter(short))
+            extra = min(STREAM_AHEAD - lease.ahead, self._spare)
+            self._spare -= extra
+            lease.ahead += extra
+            lease.responses._widen(lease.ahead)
+            if lease.ahead == STREAM_AHEAD:
+                del short[lease]
 
     async def send(self, *messages: bytes) -> None:
         """Send *messages* together (`Send`), never beside another's bytes."""
@@ -820,7 +860,8 @@ async def _stream(
     of responses leaves in one send: one DATA frame, one wake of the
     connection's writer (a send each cost about a third of a response's CPU).
     The model makes at most `_StreamState.lend`'s ``ahead`` responses that
-    are not read: a call's requests in flight share a bound.
+    are not read: a call's requests in flight share a bound (and a request
+    lent less while the call was busy gets more as it frees).
     """
     final = request.parameters.get("triton_enable_empty_final_response") is True
     model, version, request_id = served.model, str(served.version), request.id
@@ -829,7 +870,7 @@ async def _stream(
     run: list[bytes] = []  # responses made and not sent yet
     held = 0  # their bytes
     emit = stream.send
-    ahead = stream.lend()
+    lease = stream.lend()
     try:
         with anyio.move_on_after(timeout_s if timeout_s is not None else math.inf) as scope:
             try:
@@ -840,8 +881,9 @@ async def _stream(
                     request_id=request_id,
                     parameters=with_headers(request.parameters, forwarded),
                     outputs=requested_names(request),
-                    ahead=ahead,
+                    ahead=lease.ahead,
                 ) as responses:
+                    stream.attach(lease, responses)
                     async for outputs in responses:
                         encoded = encode(outputs)
                         given = responses.parameters
@@ -871,7 +913,7 @@ async def _stream(
         if run:
             await emit(*run)
     finally:
-        stream.repay(ahead)  # its last run sent, or dropped
+        stream.repay(lease)  # its last run sent, or dropped
 
 
 #: The most bytes of a stream's responses held for the rest of their run (`_stream`).
