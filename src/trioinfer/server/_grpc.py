@@ -828,10 +828,25 @@ async def _stream(
     encode = raw_output_encoder(request, order, lease, copy=False)
     run: list[bytes] = []  # responses made and not sent yet
     held = 0  # their bytes
-    emit = stream.send
     ahead = stream.lend()
+    scope = anyio.CancelScope(deadline=math.inf)
+
+    async def emit(*messages: bytes) -> None:
+        # The request's timeout never cuts a send part-way: a message larger than the
+        # client's window goes in pieces, and one left half-sent would make the next
+        # (its error, or another request's response) read as the rest of it. So it is
+        # held off while they go (the call's own cancellation still reaches them);
+        # past it, the next read of the stream raises.
+        deadline, scope.deadline = scope.deadline, math.inf
+        try:
+            await stream.send(*messages)
+        finally:
+            scope.deadline = deadline
+
     try:
-        with anyio.move_on_after(timeout_s if timeout_s is not None else math.inf) as scope:
+        if timeout_s is not None:
+            scope.deadline = anyio.current_time() + timeout_s
+        with scope:
             try:
                 async with state.models.engine.infer_stream(
                     served.engine_name,
