@@ -72,6 +72,7 @@ from ._app import (
     repository_index_document,
     requested_names,
     response_parameters,
+    send_whole,
     statistics_document,
     stream_sequence,
     trace_setting_document,
@@ -832,16 +833,9 @@ async def _stream(
     scope = anyio.CancelScope(deadline=math.inf)
 
     async def emit(*messages: bytes) -> None:
-        # The request's timeout never cuts a send part-way: a message larger than the
-        # client's window goes in pieces, and one left half-sent would make the next
-        # (its error, or another request's response) read as the rest of it. So it is
-        # held off while they go (the call's own cancellation still reaches them);
-        # past it, the next read of the stream raises.
-        deadline, scope.deadline = scope.deadline, math.inf
-        try:
-            await stream.send(*messages)
-        finally:
-            scope.deadline = deadline
+        # A message larger than the client's window goes in pieces: the request's
+        # timeout must not leave one half-sent (`send_whole`).
+        await send_whole(scope, lambda: stream.send(*messages))
 
     try:
         if timeout_s is not None:
