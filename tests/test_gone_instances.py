@@ -25,6 +25,8 @@ from trioinfer import (
     ModelSignature,
     PluginContractError,
     Registry,
+    SequenceFlags,
+    TensorSpec,
     TrioInferError,
     open_engine,
 )
@@ -376,3 +378,53 @@ async def test_a_fallback_putting_a_gone_instance_back_in_replica_gone_is_blamed
     (message,) = [r.getMessage() for r in caplog.records if "broke its contract" in r.getMessage()]
     assert "fallback 'puts' of model 'm' broke its contract" in message
     assert "put back instance 0 (cpu) in replica_gone()" in message
+
+
+#: A stateful model's signature (a START control), for `Mortal` with the sequence batcher.
+SEQUENCE_SIGNATURE = ModelSignature(
+    inputs=(
+        TensorSpec("x", np.dtype(np.float32), ("batch", 4), "tensor(float)"),
+        TensorSpec("START", np.dtype(np.float32), ("batch", 1), "tensor(float)"),
+    ),
+    outputs=(TensorSpec("y", np.dtype(np.float32), ("batch", 4), "tensor(float)"),),
+)
+
+
+@pytest.mark.parametrize("strategy", ["oldest", "direct"])
+async def test_a_new_sequence_never_starts_on_an_instance_that_is_gone(
+    strategy: str, autojump_clock: trio.testing.MockClock
+) -> None:
+    """The sequence batcher bound a new sequence to the instance whose worker formed its
+    batch first, also one that had just died: the engine then found it gone and put the
+    batch back in the queue, where the batcher never looks again (it holds its requests
+    in their sequences), and the request waited for ever. New sequences go to an
+    instance that serves."""
+    mortal = Mortal()
+    mortal.fake = FakeBackend(lambda inputs: {"y": inputs["x"] * 2}, signature=SEQUENCE_SIGNATURE)
+    config = two_instances(
+        batcher="sequence",
+        sequence={"strategy": strategy, "control": {"start": "START"}},
+    )
+    answered: list[int] = []
+    async with open_engine(registry=mortal.registry()) as engine:
+        await engine.load(config)
+        dead, alive = mortal.instances[0], mortal.instances[1]
+        await trio.testing.wait_all_tasks_blocked()  # both workers wait for sequences
+        dead.gone = "0's actor is gone: killed"
+        alive.hold = True  # its first batch waits: its worker forms no other meanwhile
+
+        async def sequence(sequence_id: int) -> None:
+            flags = SequenceFlags(sequence_id, start=True, end=True)
+            await engine.infer("m", X, sequence=flags)
+            answered.append(sequence_id)
+
+        with trio.fail_after(60):
+            async with trio.open_nursery() as nursery:
+                # One of these reached the dead instance's worker, waiting alone.
+                for sequence_id in (1, 2):
+                    nursery.start_soon(sequence, sequence_id)
+                    await trio.testing.wait_all_tasks_blocked()
+                alive.release.set()
+        assert sorted(answered) == [1, 2]
+        assert dead.calls == 0
+        assert engine.statistics().models["m"].succeeded == 2

@@ -318,7 +318,9 @@ class SequenceBatcher:
             self._drain(queue)
             now = context.current_time()
             self._sweep(now)
-            batch = self._form(replica.index)
+            # New sequences start only on an instance that serves: one taken out (or
+            # gone, which the engine takes out when it sees it) would hold them, unrun.
+            batch = self._form(replica.index, replica.serving and replica.gone is None)
             if batch:
                 return batch
             if self._changes != changes:
@@ -339,11 +341,12 @@ class SequenceBatcher:
             except anyio.WouldBlock:
                 return
 
-    def _form(self, replica: int) -> list[Request]:
+    def _form(self, replica: int, takes_new: bool) -> list[Request]:
+        # *takes_new*: whether sequences bound to no instance yet may be bound to this one.
         if self._config.strategy == "direct":
-            candidates = self._bound_slots(replica)
+            candidates = self._bound_slots(replica, takes_new)
         else:
-            candidates = self._oldest_candidates(replica)
+            candidates = self._oldest_candidates(replica, takes_new)
         ready: list[_Sequence] = []
         for sequence in candidates:
             head = sequence.pending[0]
@@ -371,7 +374,7 @@ class SequenceBatcher:
             batch.append(request)
         return batch
 
-    def _oldest_candidates(self, replica: int) -> list[_Sequence]:
+    def _oldest_candidates(self, replica: int, takes_new: bool) -> list[_Sequence]:
         # Sequences on this instance with a request to run, and new ones up to
         # max_candidate_sequences in progress here, the longest waiting first.
         bound: list[_Sequence] = []
@@ -382,7 +385,7 @@ class SequenceBatcher:
                 in_progress += 1
                 if s.running is None and s.pending:
                     bound.append(s)
-            elif s.replica is None and s.pending:
+            elif s.replica is None and s.pending and takes_new:
                 new.append(s)
         limit = self._config.max_candidate_sequences
         if limit is not None:
@@ -390,12 +393,12 @@ class SequenceBatcher:
             new = new[: max(limit - in_progress, 0)]
         return bound + new
 
-    def _bound_slots(self, replica: int) -> list[_Sequence]:
+    def _bound_slots(self, replica: int, takes_new: bool) -> list[_Sequence]:
         # Sequences in this instance's slots with a request to run, after giving each
-        # free slot to the sequence waiting longest for one.
+        # free slot to the sequence waiting longest for one (*takes_new*).
         slots = self._slots.setdefault(replica, [None] * self._size)
         free = [i for i, s in enumerate(slots) if s is None]
-        if free:
+        if free and takes_new:
             waiting = sorted(
                 (s for s in self._sequences.values() if s.replica is None and s.pending),
                 key=lambda s: s.pending[0].arrival,
