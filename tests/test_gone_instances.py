@@ -25,6 +25,7 @@ from trioinfer import (
     ModelSignature,
     PluginContractError,
     Registry,
+    SequenceError,
     SequenceFlags,
     TensorSpec,
     TrioInferError,
@@ -428,3 +429,34 @@ async def test_a_new_sequence_never_starts_on_an_instance_that_is_gone(
         assert sorted(answered) == [1, 2]
         assert dead.calls == 0
         assert engine.statistics().models["m"].succeeded == 2
+
+
+async def test_the_sequences_of_an_instance_found_gone_end_saying_so() -> None:
+    """A sequence's next request, once its instance was gone (its state with it), waited
+    for ever: put back where the sequence batcher never looks, then held for the
+    instance. Now it fails, and the sequence's later requests are refused, saying why;
+    new sequences go on, on the instance that serves."""
+    mortal = Mortal()
+    mortal.fake = FakeBackend(lambda inputs: {"y": inputs["x"] * 2}, signature=SEQUENCE_SIGNATURE)
+    config = two_instances(batcher="sequence", sequence={"control": {"start": "START"}})
+    async with open_engine(registry=mortal.registry()) as engine:
+        await engine.load(config)
+        on: dict[int, MortalInstance] = {}  # each sequence's instance
+        for sequence_id in range(1, 7):
+            before = {instance: instance.calls for instance in mortal.instances.values()}
+            await engine.infer("m", X, sequence=SequenceFlags(sequence_id, start=True))
+            [on[sequence_id]] = [i for i, calls in before.items() if i.calls > calls]
+        dead = on[1]
+        dead.gone = "its actor is gone: killed"
+        with trio.fail_after(30):
+            with pytest.raises(BackendUnavailable, match="which holds the sequence of request"):
+                await engine.infer("m", X, sequence=SequenceFlags(1))
+            for sequence_id in range(1, 7):
+                last = SequenceFlags(sequence_id, end=True)
+                if on[sequence_id] is dead:  # ended, also those with no request waiting
+                    with pytest.raises(SequenceError, match="out of service: gone: its actor"):
+                        await engine.infer("m", X, sequence=last)
+                else:  # those on the instance that serves go on
+                    await engine.infer("m", X, sequence=last)
+            await engine.infer("m", X, sequence=SequenceFlags(7, start=True, end=True))
+        assert dead.calls == sum(instance is dead for instance in on.values())

@@ -413,11 +413,11 @@ class SequenceBatcher:
         # request was not computed.
         for request in previous:
             sequence = self._of.pop(request, None)
-            if sequence is None:  # pragma: no cover  # every request dispatched is ours
-                continue
-            sequence.running = None
             computed = request in self._computed
             self._computed.discard(request)
+            if sequence is None:
+                continue  # its sequence ended while it ran (its instance gone: replica_gone)
+            sequence.running = None
             spoiled = self._spoiled.pop(request, None)
             if spoiled is not None:
                 self._break(sequence, request, spoiled)
@@ -458,6 +458,34 @@ class SequenceBatcher:
                 )
         sequence.pending.clear()
         if self._sequences.get(sequence.id) is sequence:
+            self._release(sequence, reason)
+
+    def replica_gone(self, replica: Replica) -> None:
+        """End the sequences on *replica*, whose instance is gone: their state went with it.
+
+        The engine calls it once it has taken the instance out of service (its
+        ``reason`` says why). Each sequence's waiting requests fail with
+        ``SequenceError`` saying so, and later ones are refused; a request
+        that was running there ends with its batch. A re-created instance
+        starts with no sequence.
+        """
+        reason = (
+            f"ended because {replica.label}, which held it, is out of service: {replica.reason}"
+        )
+        context = self._ctx()
+        for sequence in [s for s in self._sequences.values() if s.replica == replica.index]:
+            for waiting in sequence.pending:
+                self._of.pop(waiting, None)
+                context.fail(
+                    waiting,
+                    SequenceError(
+                        f"sequence {sequence.id!r} of model {self._model!r} {reason}; request "
+                        f"{waiting.id!r} was not run: start a new sequence with sequence_start"
+                    ),
+                )
+            sequence.pending.clear()
+            if sequence.running is not None:
+                self._of.pop(sequence.running, None)  # (_over finds it ended)
             self._release(sequence, reason)
 
     # -- idle sequences ------------------------------------------------------------
