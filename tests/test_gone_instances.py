@@ -6,6 +6,7 @@ their actor dies (their ``gone`` says why, and their executions fail).
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -460,3 +461,62 @@ async def test_the_sequences_of_an_instance_found_gone_end_saying_so() -> None:
                     await engine.infer("m", X, sequence=last)
             await engine.infer("m", X, sequence=SequenceFlags(7, start=True, end=True))
         assert dead.calls == sum(instance is dead for instance in on.values())
+
+
+class MortalStreams:
+    """Loads instances of a decoupled model (`MortalStreamInstance`) that can be gone."""
+
+    def __init__(self) -> None:
+        self.instances: dict[int, MortalStreamInstance] = {}
+
+    async def load(self, config: ModelConfig, placement: Placement) -> MortalStreamInstance:
+        instance = MortalStreamInstance(str(placement.device))
+        self.instances[placement.index] = instance
+        return instance
+
+    def registry(self) -> Registry:
+        return Registry(extra={"backends": {"mortal": lambda: self}})
+
+
+class MortalStreamInstance:
+    decoupled = True
+
+    def __init__(self, device: str) -> None:
+        self.device = device
+        self.signature = FakeBackend().signature
+        self.gone: str | None = None
+        self.streams = 0
+
+    async def execute(self, inputs: Arrays) -> dict[str, Any]:  # pragma: no cover  # never
+        raise AssertionError("a decoupled model is served through its streams")
+
+    async def stream(self, inputs: Arrays) -> AsyncIterator[dict[str, Any]]:
+        self.streams += 1
+        if self.gone is not None:
+            raise BackendUnavailable(f"instance {self.gone}")
+        yield {"y": inputs["x"] * 2}
+
+    async def aclose(self) -> None:
+        pass
+
+
+async def test_a_stream_never_goes_to_an_instance_that_is_gone() -> None:
+    """Streams went to the instance with the fewest open, one that was gone too (its
+    streams failing at once, it always had the fewest): every stream failed while the
+    model's other instance served. Streams go to the instances that serve."""
+    backend = MortalStreams()
+    async with open_engine(registry=backend.registry()) as engine:
+        await engine.load(two_instances())
+        dead, alive = backend.instances[0], backend.instances[1]
+        dead.gone = "0's actor is gone: killed"
+        for _ in range(4):
+            async with engine.infer_stream("m", X) as responses:
+                assert [r["y"].tolist() for r in [r async for r in responses]] == [[[2.0] * 4]]
+        assert (dead.streams, alive.streams) == (0, 4)
+        assert engine.statistics().models["m"].replicas[0].reason == (
+            "gone: 0's actor is gone: killed"
+        )
+        dead.gone, alive.gone = None, "1's actor is gone: killed"
+        with pytest.raises(BackendUnavailable, match="none is coming back"):
+            async with engine.infer_stream("m", X) as responses:
+                pass  # pragma: no cover  # refused at the door
