@@ -415,10 +415,10 @@ class SequenceBatcher:
             sequence = self._of.pop(request, None)
             computed = request in self._computed
             self._computed.discard(request)
+            spoiled = self._spoiled.pop(request, None)
             if sequence is None:
                 continue  # its sequence ended while it ran (its instance gone: replica_gone)
             sequence.running = None
-            spoiled = self._spoiled.pop(request, None)
             if spoiled is not None:
                 self._break(sequence, request, spoiled)
             elif computed and not request.abandoned:
