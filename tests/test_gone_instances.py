@@ -393,21 +393,21 @@ SEQUENCE_SIGNATURE = ModelSignature(
 
 
 @pytest.mark.parametrize("strategy", ["oldest", "direct"])
-async def test_a_new_sequence_never_starts_on_an_instance_that_is_gone(
+async def test_a_new_sequence_on_an_instance_found_gone_fails_and_the_next_go_elsewhere(
     strategy: str, autojump_clock: trio.testing.MockClock
 ) -> None:
     """The sequence batcher bound a new sequence to the instance whose worker formed its
     batch first, also one that had just died: the engine then found it gone and put the
     batch back in the queue, where the batcher never looks again (it holds its requests
-    in their sequences), and the request waited for ever. New sequences go to an
-    instance that serves."""
+    in their sequences), and the request waited for ever. Now it fails, saying so, and
+    the next new sequences go to the instance that serves."""
     mortal = Mortal()
     mortal.fake = FakeBackend(lambda inputs: {"y": inputs["x"] * 2}, signature=SEQUENCE_SIGNATURE)
     config = two_instances(
         batcher="sequence",
         sequence={"strategy": strategy, "control": {"start": "START"}},
     )
-    answered: list[int] = []
+    outcomes: dict[int, str] = {}
     async with open_engine(registry=mortal.registry()) as engine:
         await engine.load(config)
         dead, alive = mortal.instances[0], mortal.instances[1]
@@ -417,8 +417,14 @@ async def test_a_new_sequence_never_starts_on_an_instance_that_is_gone(
 
         async def sequence(sequence_id: int) -> None:
             flags = SequenceFlags(sequence_id, start=True, end=True)
-            await engine.infer("m", X, sequence=flags)
-            answered.append(sequence_id)
+            try:
+                await engine.infer("m", X, sequence=flags)
+            except BackendUnavailable as exc:
+                assert "which holds the sequence of request" in str(exc)
+                assert "(gone: 0's actor is gone: killed)" in str(exc)
+                outcomes[sequence_id] = "failed"
+            else:
+                outcomes[sequence_id] = "answered"
 
         with trio.fail_after(60):
             async with trio.open_nursery() as nursery:
@@ -427,9 +433,13 @@ async def test_a_new_sequence_never_starts_on_an_instance_that_is_gone(
                     nursery.start_soon(sequence, sequence_id)
                     await trio.testing.wait_all_tasks_blocked()
                 alive.release.set()
-        assert sorted(answered) == [1, 2]
+            for sequence_id in (3, 4):  # the dead instance is out: none reaches it
+                await sequence(sequence_id)
+        assert sorted(outcomes.values()) == ["answered", "answered", "answered", "failed"]
+        assert (outcomes[3], outcomes[4]) == ("answered", "answered")
         assert dead.calls == 0
-        assert engine.statistics().models["m"].succeeded == 2
+        stats = engine.statistics().models["m"]
+        assert (stats.succeeded, stats.failed) == (3, 1)
 
 
 async def test_the_sequences_of_an_instance_found_gone_end_saying_so() -> None:

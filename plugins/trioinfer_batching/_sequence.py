@@ -318,9 +318,11 @@ class SequenceBatcher:
             self._drain(queue)
             now = context.current_time()
             self._sweep(now)
-            # New sequences start only on an instance that serves: one taken out (or
-            # gone, which the engine takes out when it sees it) would hold them, unrun.
-            batch = self._form(replica.index, replica.serving and replica.gone is None)
+            # New sequences start only on an instance that serves: one taken out while
+            # its worker waited here would hold them, unrun. (One gone that the engine
+            # has not seen yet still takes them: forming a batch is how it sees it, and
+            # the batch then fails, saying so, rather than every new sequence waiting.)
+            batch = self._form(replica.index, replica.serving)
             if batch:
                 return batch
             if self._changes != changes:
