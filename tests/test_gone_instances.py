@@ -420,9 +420,7 @@ async def test_a_new_sequence_on_an_instance_found_gone_fails_and_the_next_go_el
             try:
                 await engine.infer("m", X, sequence=flags)
             except BackendUnavailable as exc:
-                assert "which holds the sequence of request" in str(exc)
-                assert "(gone: 0's actor is gone: killed)" in str(exc)
-                outcomes[sequence_id] = "failed"
+                outcomes[sequence_id] = str(exc)
             else:
                 outcomes[sequence_id] = "answered"
 
@@ -435,7 +433,9 @@ async def test_a_new_sequence_on_an_instance_found_gone_fails_and_the_next_go_el
                 alive.release.set()
             for sequence_id in (3, 4):  # the dead instance is out: none reaches it
                 await sequence(sequence_id)
-        assert sorted(outcomes.values()) == ["answered", "answered", "answered", "failed"]
+        [failed] = [text for text in outcomes.values() if text != "answered"]
+        assert "which holds the sequence of request" in failed
+        assert "(gone: 0's actor is gone: killed)" in failed
         assert (outcomes[3], outcomes[4]) == ("answered", "answered")
         assert dead.calls == 0
         stats = engine.statistics().models["m"]
