@@ -442,14 +442,18 @@ async def test_a_new_sequence_on_an_instance_found_gone_fails_and_the_next_go_el
         assert (stats.succeeded, stats.failed) == (3, 1)
 
 
-async def test_the_sequences_of_an_instance_found_gone_end_saying_so() -> None:
+@pytest.mark.parametrize("strategy", ["oldest", "direct"])
+async def test_the_sequences_of_an_instance_found_gone_end_saying_so(strategy: str) -> None:
     """A sequence's next request, once its instance was gone (its state with it), waited
     for ever: put back where the sequence batcher never looks, then held for the
     instance. Now it fails, and the sequence's later requests are refused, saying why;
     new sequences go on, on the instance that serves."""
     mortal = Mortal()
     mortal.fake = FakeBackend(lambda inputs: {"y": inputs["x"] * 2}, signature=SEQUENCE_SIGNATURE)
-    config = two_instances(batcher="sequence", sequence={"control": {"start": "START"}})
+    config = two_instances(
+        batcher="sequence",
+        sequence={"strategy": strategy, "control": {"start": "START"}, "max_batch_size": 4},
+    )
     async with open_engine(registry=mortal.registry()) as engine:
         await engine.load(config)
         on: dict[int, MortalInstance] = {}  # each sequence's instance
