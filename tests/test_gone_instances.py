@@ -6,6 +6,7 @@ their actor dies (their ``gone`` says why, and their executions fail).
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +26,9 @@ from trioinfer import (
     ModelSignature,
     PluginContractError,
     Registry,
+    SequenceError,
+    SequenceFlags,
+    TensorSpec,
     TrioInferError,
     open_engine,
 )
@@ -376,3 +380,157 @@ async def test_a_fallback_putting_a_gone_instance_back_in_replica_gone_is_blamed
     (message,) = [r.getMessage() for r in caplog.records if "broke its contract" in r.getMessage()]
     assert "fallback 'puts' of model 'm' broke its contract" in message
     assert "put back instance 0 (cpu) in replica_gone()" in message
+
+
+#: A stateful model's signature (a START control), for `Mortal` with the sequence batcher.
+SEQUENCE_SIGNATURE = ModelSignature(
+    inputs=(
+        TensorSpec("x", np.dtype(np.float32), ("batch", 4), "tensor(float)"),
+        TensorSpec("START", np.dtype(np.float32), ("batch", 1), "tensor(float)"),
+    ),
+    outputs=(TensorSpec("y", np.dtype(np.float32), ("batch", 4), "tensor(float)"),),
+)
+
+
+@pytest.mark.parametrize("strategy", ["oldest", "direct"])
+async def test_a_new_sequence_on_an_instance_found_gone_fails_and_the_next_go_elsewhere(
+    strategy: str, autojump_clock: trio.testing.MockClock
+) -> None:
+    """The sequence batcher bound a new sequence to the instance whose worker formed its
+    batch first, also one that had just died: the engine then found it gone and put the
+    batch back in the queue, where the batcher never looks again (it holds its requests
+    in their sequences), and the request waited for ever. Now it fails, saying so, and
+    the next new sequences go to the instance that serves."""
+    mortal = Mortal()
+    mortal.fake = FakeBackend(lambda inputs: {"y": inputs["x"] * 2}, signature=SEQUENCE_SIGNATURE)
+    config = two_instances(
+        batcher="sequence",
+        sequence={"strategy": strategy, "control": {"start": "START"}},
+    )
+    outcomes: dict[int, str] = {}
+    async with open_engine(registry=mortal.registry()) as engine:
+        await engine.load(config)
+        dead, alive = mortal.instances[0], mortal.instances[1]
+        await trio.testing.wait_all_tasks_blocked()  # both workers wait for sequences
+        dead.gone = "0's actor is gone: killed"
+        alive.hold = True  # its first batch waits: its worker forms no other meanwhile
+
+        async def sequence(sequence_id: int) -> None:
+            flags = SequenceFlags(sequence_id, start=True, end=True)
+            try:
+                await engine.infer("m", X, sequence=flags)
+            except BackendUnavailable as exc:
+                outcomes[sequence_id] = str(exc)
+            else:
+                outcomes[sequence_id] = "answered"
+
+        with trio.fail_after(60):
+            async with trio.open_nursery() as nursery:
+                # One of these reached the dead instance's worker, waiting alone.
+                for sequence_id in (1, 2):
+                    nursery.start_soon(sequence, sequence_id)
+                    await trio.testing.wait_all_tasks_blocked()
+                alive.release.set()
+            for sequence_id in (3, 4):  # the dead instance is out: none reaches it
+                await sequence(sequence_id)
+        [failed] = [text for text in outcomes.values() if text != "answered"]
+        assert "which holds the sequence of request" in failed
+        assert "(gone: 0's actor is gone: killed)" in failed
+        assert (outcomes[3], outcomes[4]) == ("answered", "answered")
+        assert dead.calls == 0
+        stats = engine.statistics().models["m"]
+        assert (stats.succeeded, stats.failed) == (3, 1)
+
+
+@pytest.mark.parametrize("strategy", ["oldest", "direct"])
+async def test_the_sequences_of_an_instance_found_gone_end_saying_so(strategy: str) -> None:
+    """A sequence's next request, once its instance was gone (its state with it), waited
+    for ever: put back where the sequence batcher never looks, then held for the
+    instance. Now it fails, and the sequence's later requests are refused, saying why;
+    new sequences go on, on the instance that serves."""
+    mortal = Mortal()
+    mortal.fake = FakeBackend(lambda inputs: {"y": inputs["x"] * 2}, signature=SEQUENCE_SIGNATURE)
+    config = two_instances(
+        batcher="sequence",
+        sequence={"strategy": strategy, "control": {"start": "START"}, "max_batch_size": 4},
+    )
+    async with open_engine(registry=mortal.registry()) as engine:
+        await engine.load(config)
+        on: dict[int, MortalInstance] = {}  # each sequence's instance
+        for sequence_id in range(1, 7):
+            before = {instance: instance.calls for instance in mortal.instances.values()}
+            await engine.infer("m", X, sequence=SequenceFlags(sequence_id, start=True))
+            [on[sequence_id]] = [i for i, calls in before.items() if i.calls > calls]
+        dead = on[1]
+        dead.gone = "its actor is gone: killed"
+        with trio.fail_after(30):
+            with pytest.raises(BackendUnavailable, match="which holds the sequence of request"):
+                await engine.infer("m", X, sequence=SequenceFlags(1))
+            for sequence_id in range(1, 7):
+                last = SequenceFlags(sequence_id, end=True)
+                if on[sequence_id] is dead:  # ended, also those with no request waiting
+                    with pytest.raises(SequenceError, match="out of service: gone: its actor"):
+                        await engine.infer("m", X, sequence=last)
+                else:  # those on the instance that serves go on
+                    await engine.infer("m", X, sequence=last)
+            await engine.infer("m", X, sequence=SequenceFlags(7, start=True, end=True))
+        assert dead.calls == sum(instance is dead for instance in on.values())
+
+
+class MortalStreams:
+    """Loads instances of a decoupled model (`MortalStreamInstance`) that can be gone."""
+
+    def __init__(self) -> None:
+        self.instances: dict[int, MortalStreamInstance] = {}
+
+    async def load(self, config: ModelConfig, placement: Placement) -> MortalStreamInstance:
+        instance = MortalStreamInstance(str(placement.device))
+        self.instances[placement.index] = instance
+        return instance
+
+    def registry(self) -> Registry:
+        return Registry(extra={"backends": {"mortal": lambda: self}})
+
+
+class MortalStreamInstance:
+    decoupled = True
+
+    def __init__(self, device: str) -> None:
+        self.device = device
+        self.signature = FakeBackend().signature
+        self.gone: str | None = None
+        self.streams = 0
+
+    async def execute(self, inputs: Arrays) -> dict[str, Any]:  # pragma: no cover  # never
+        raise AssertionError("a decoupled model is served through its streams")
+
+    async def stream(self, inputs: Arrays) -> AsyncIterator[dict[str, Any]]:
+        self.streams += 1
+        if self.gone is not None:
+            raise BackendUnavailable(f"instance {self.gone}")
+        yield {"y": inputs["x"] * 2}
+
+    async def aclose(self) -> None:
+        pass
+
+
+async def test_a_stream_never_goes_to_an_instance_that_is_gone() -> None:
+    """Streams went to the instance with the fewest open, one that was gone too (its
+    streams failing at once, it always had the fewest): every stream failed while the
+    model's other instance served. Streams go to the instances that serve."""
+    backend = MortalStreams()
+    async with open_engine(registry=backend.registry()) as engine:
+        await engine.load(two_instances())
+        dead, alive = backend.instances[0], backend.instances[1]
+        dead.gone = "0's actor is gone: killed"
+        for _ in range(4):
+            async with engine.infer_stream("m", X) as responses:
+                assert [r["y"].tolist() for r in [r async for r in responses]] == [[[2.0] * 4]]
+        assert (dead.streams, alive.streams) == (0, 4)
+        assert engine.statistics().models["m"].replicas[0].reason == (
+            "gone: 0's actor is gone: killed"
+        )
+        dead.gone, alive.gone = None, "1's actor is gone: killed"
+        with pytest.raises(BackendUnavailable, match="none is coming back"):
+            async with engine.infer_stream("m", X) as responses:
+                pass  # pragma: no cover  # refused at the door

@@ -21,6 +21,7 @@ import socket
 import struct
 import subprocess
 import sys
+import time
 import types
 import uuid
 from collections.abc import Iterator
@@ -33,6 +34,7 @@ import grpc
 import h2.config
 import h2.connection
 import h2.events
+import h2.settings
 import httpx
 import numpy as np
 import pytest
@@ -1169,6 +1171,88 @@ def test_a_run_of_stream_responses_leaves_in_one_frame(server: Server) -> None:
     first, second, *_ = frames
     for frame in (first, second):  # one response each
         assert len(frame) == 5 + int.from_bytes(frame[1:5], "big")
+
+
+@pytest.mark.streaming
+def test_a_requests_timeout_never_cuts_a_stream_message_in_two(server: Server) -> None:
+    """A response being written when its request's timeout passes goes out whole.
+
+    gRPC's messages are one byte stream: a response sent in pieces (a client's
+    window smaller than it) that the request's ``timeout`` cut part-way left its
+    head on the wire, and the next message (that request's error, or another
+    request's response) was read as the rest of it: the client got garbage.
+    """
+    request = service_pb2.ModelInferRequest(model_name="repeat_int32", id="cut")
+    # 3 s: the first response is made well before it, even on a busy machine.
+    request.parameters["timeout"].int64_param = 3_000_000
+    for name, datatype, array in [
+        ("IN", "INT32", np.array([7, 8], dtype=np.int32)),
+        ("DELAY", "UINT32", np.array([0, 10_000], dtype=np.uint32)),  # the second after 10 s
+        ("WAIT", "UINT32", np.array([0], dtype=np.uint32)),
+    ]:
+        request.inputs.add(name=name, datatype=datatype)
+        request.inputs[-1].shape.append(array.size)
+        request.raw_input_contents.append(array.tobytes())
+    body = request.SerializeToString()
+    host, port = server.grpc.rsplit(":", 1)
+    conn = h2.connection.H2Connection(
+        h2.config.H2Configuration(client_side=True, header_encoding=None)
+    )
+    data, trailers = b"", {}
+    with socket.create_connection((host, int(port)), timeout=WAIT_S) as sock:
+
+        def pump() -> list[Any]:
+            received = sock.recv(65536)
+            assert received, "the server closed the connection"
+            events = conn.receive_data(received)
+            sock.sendall(conn.data_to_send())
+            return events
+
+        conn.initiate_connection()
+        # A window of 16 bytes: each response goes out in pieces, the client's reads between.
+        conn.update_settings({h2.settings.SettingCodes.INITIAL_WINDOW_SIZE: 16})
+        path = b"/inference.GRPCInferenceService/ModelStreamInfer"
+        headers = [(b":method", b"POST"), (b":scheme", b"http"), (b":path", path)]
+        headers += [(b":authority", server.grpc.encode()), (b"content-type", b"application/grpc")]
+        conn.send_headers(1, [*headers, (b"te", b"trailers")])
+        conn.send_data(1, struct.pack(">BI", 0, len(body)) + body)  # the stream stays open
+        sent = time.monotonic()
+        sock.sendall(conn.data_to_send())
+        while not data:  # the response's first piece; the rest waits for the window
+            for event in pump():
+                if isinstance(event, h2.events.DataReceived):
+                    data += event.data
+        assert len(data) < 5 + int.from_bytes(data[1:5], "big")  # a piece of a message
+        time.sleep(max(sent + 4 - time.monotonic(), 0))  # the request's timeout passes
+        conn.increment_flow_control_window(1 << 20, stream_id=1)
+        conn.increment_flow_control_window(1 << 20)
+        conn.end_stream(1)  # no more requests: the call ends once this one has
+        sock.sendall(conn.data_to_send())
+        ended = False
+        while not ended:
+            for event in pump():
+                if isinstance(event, h2.events.DataReceived):
+                    data += event.data
+                    conn.acknowledge_received_data(event.flow_controlled_length, 1)
+                elif isinstance(event, h2.events.TrailersReceived):
+                    trailers = dict(event.headers)
+                elif isinstance(event, h2.events.StreamEnded | h2.events.StreamReset):
+                    ended = True
+            sock.sendall(conn.data_to_send())
+    assert trailers.get(b"grpc-status") == b"0", trailers
+    messages = []
+    while data:  # the byte stream, message by message: each one whole
+        size = int.from_bytes(data[1:5], "big")
+        assert len(data) >= 5 + size, f"a message cut short: {data!r}"
+        messages.append(service_pb2.ModelStreamInferResponse.FromString(data[5 : 5 + size]))
+        data = data[5 + size :]
+    first, *rest = messages
+    assert first.error_message == "", first
+    assert first.infer_response.id == "cut"
+    out = first.infer_response.raw_output_contents[0]
+    assert np.frombuffer(out, "<i4").tolist() in ([7], [0])  # OUT or IDX, whichever first
+    # Then, if the model's end came after the timeout, the timeout's error.
+    assert all("timeout" in message.error_message for message in rest), rest
 
 
 def test_the_server_keeps_the_clients_deadline(

@@ -797,3 +797,58 @@ def chunks(raw: bytes) -> int:
         count += 1
         rest = rest[size + 2 :]
     return count
+
+
+# A model whose first response is bigger than a socket's buffers (8 MB of text), then
+# holds on: the server is still writing it when a client that reads nothing meanwhile
+# lets the request's timeout pass.
+BIG_FIRST = """
+import anyio
+import numpy as np
+
+
+class Model:
+    async def infer(self, inputs):
+        yield {"text": np.array(["x" * (8 << 20)], object)}
+        await anyio.sleep_forever()
+"""
+
+
+async def test_a_response_being_written_at_the_timeout_goes_out_whole_then_its_error(
+    tmp_path: Path,
+) -> None:
+    """The request's timeout passing mid-write cut the event, and the connection: the client
+    got part of a response and no error. Now the event goes out whole, then the error."""
+    root = tmp_path / "models"
+    (root / "big_first" / "1").mkdir(parents=True)
+    (root / "big_first" / "1" / "model.py").write_text(BIG_FIRST)
+    (root / "big_first" / "config.toml").write_text(
+        'backend = "python"\n[backend_options]\ndecoupled = true\n'
+        'inputs = [{ name = "n", dtype = "int32", shape = [1] }]\n'
+        'outputs = [{ name = "text", dtype = "string", shape = [1] }]\n'
+    )
+    # 3 s: the response is made well before it, even on a busy machine.
+    body = json.dumps({"n": 1, "parameters": {"timeout": 3_000_000}}).encode()
+    async with trio.open_nursery() as nursery:
+        listening = await start_serving(nursery, root)
+        host, port = listening.urls[0].removeprefix("http://").rsplit(":", 1)
+        sock = trio.socket.socket()
+        sock.setsockopt(trio.socket.SOL_SOCKET, trio.socket.SO_RCVBUF, 4096)
+        await sock.connect((host, int(port)))
+        sent = trio.current_time()
+        await sock.send(
+            b"POST /v2/models/big_first/generate_stream HTTP/1.1\r\nhost: x\r\n"
+            b"content-type: application/json\r\nconnection: close\r\n"
+            b"content-length: %d\r\n\r\n%s" % (len(body), body)
+        )
+        raw = bytearray(await sock.recv(65536))  # the head, and the event's first bytes
+        await trio.sleep_until(sent + 4)  # reading nothing while the timeout passes
+        with trio.fail_after(30):
+            while chunk := await sock.recv(1 << 20):
+                raw += chunk
+        sock.close()
+        nursery.cancel_scope.cancel()
+    assert raw.endswith(b"0\r\n\r\n"), raw[-200:]  # the body's end: not a cut connection
+    response, error = sse_data(bytes(raw))
+    assert response["text"] == "x" * (8 << 20)
+    assert "timeout of 3000000 µs passed" in error["error"]

@@ -318,7 +318,11 @@ class SequenceBatcher:
             self._drain(queue)
             now = context.current_time()
             self._sweep(now)
-            batch = self._form(replica.index)
+            # New sequences start only on an instance that serves: one taken out while
+            # its worker waited here would hold them, unrun. (One gone that the engine
+            # has not seen yet still takes them: forming a batch is how it sees it, and
+            # the batch then fails, saying so, rather than every new sequence waiting.)
+            batch = self._form(replica.index, replica.serving)
             if batch:
                 return batch
             if self._changes != changes:
@@ -339,11 +343,12 @@ class SequenceBatcher:
             except anyio.WouldBlock:
                 return
 
-    def _form(self, replica: int) -> list[Request]:
+    def _form(self, replica: int, takes_new: bool) -> list[Request]:
+        # *takes_new*: whether sequences bound to no instance yet may be bound to this one.
         if self._config.strategy == "direct":
-            candidates = self._bound_slots(replica)
+            candidates = self._bound_slots(replica, takes_new)
         else:
-            candidates = self._oldest_candidates(replica)
+            candidates = self._oldest_candidates(replica, takes_new)
         ready: list[_Sequence] = []
         for sequence in candidates:
             head = sequence.pending[0]
@@ -371,7 +376,7 @@ class SequenceBatcher:
             batch.append(request)
         return batch
 
-    def _oldest_candidates(self, replica: int) -> list[_Sequence]:
+    def _oldest_candidates(self, replica: int, takes_new: bool) -> list[_Sequence]:
         # Sequences on this instance with a request to run, and new ones up to
         # max_candidate_sequences in progress here, the longest waiting first.
         bound: list[_Sequence] = []
@@ -382,7 +387,7 @@ class SequenceBatcher:
                 in_progress += 1
                 if s.running is None and s.pending:
                     bound.append(s)
-            elif s.replica is None and s.pending:
+            elif s.replica is None and s.pending and takes_new:
                 new.append(s)
         limit = self._config.max_candidate_sequences
         if limit is not None:
@@ -390,12 +395,12 @@ class SequenceBatcher:
             new = new[: max(limit - in_progress, 0)]
         return bound + new
 
-    def _bound_slots(self, replica: int) -> list[_Sequence]:
+    def _bound_slots(self, replica: int, takes_new: bool) -> list[_Sequence]:
         # Sequences in this instance's slots with a request to run, after giving each
-        # free slot to the sequence waiting longest for one.
+        # free slot to the sequence waiting longest for one (*takes_new*).
         slots = self._slots.setdefault(replica, [None] * self._size)
         free = [i for i, s in enumerate(slots) if s is None]
-        if free:
+        if free and takes_new:
             waiting = sorted(
                 (s for s in self._sequences.values() if s.replica is None and s.pending),
                 key=lambda s: s.pending[0].arrival,
@@ -410,12 +415,12 @@ class SequenceBatcher:
         # request was not computed.
         for request in previous:
             sequence = self._of.pop(request, None)
-            if sequence is None:  # pragma: no cover  # every request dispatched is ours
-                continue
-            sequence.running = None
             computed = request in self._computed
             self._computed.discard(request)
             spoiled = self._spoiled.pop(request, None)
+            if sequence is None:
+                continue  # its sequence ended while it ran (its instance gone: replica_gone)
+            sequence.running = None
             if spoiled is not None:
                 self._break(sequence, request, spoiled)
             elif computed and not request.abandoned:
@@ -455,6 +460,34 @@ class SequenceBatcher:
                 )
         sequence.pending.clear()
         if self._sequences.get(sequence.id) is sequence:
+            self._release(sequence, reason)
+
+    def replica_gone(self, replica: Replica) -> None:
+        """End the sequences on *replica*, whose instance is gone: their state went with it.
+
+        The engine calls it once it has taken the instance out of service (its
+        ``reason`` says why). Each sequence's waiting requests fail with
+        ``SequenceError`` saying so, and later ones are refused; a request
+        that was running there ends with its batch. A re-created instance
+        starts with no sequence.
+        """
+        reason = (
+            f"ended because {replica.label}, which held it, is out of service: {replica.reason}"
+        )
+        context = self._ctx()
+        for sequence in [s for s in self._sequences.values() if s.replica == replica.index]:
+            for waiting in sequence.pending:
+                self._of.pop(waiting, None)
+                context.fail(
+                    waiting,
+                    SequenceError(
+                        f"sequence {sequence.id!r} of model {self._model!r} {reason}; request "
+                        f"{waiting.id!r} was not run: start a new sequence with sequence_start"
+                    ),
+                )
+            sequence.pending.clear()
+            if sequence.running is not None:
+                self._of.pop(sequence.running, None)  # (_over finds it ended)
             self._release(sequence, reason)
 
     # -- idle sequences ------------------------------------------------------------

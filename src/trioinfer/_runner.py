@@ -1280,7 +1280,12 @@ class ModelRunner(metaclass=NoPublicConstructor):
                             replica._mortal and not self._in_rotation(replica)
                         ):
                             # Taken out (or found gone) while forming: the batch goes to a
-                            # serving replica, unsent.
+                            # serving replica, unsent. Not a sequence batcher's: its
+                            # sequences are this instance's (and the queue is not where
+                            # it looks for requests): they fail, ending their sequences.
+                            if self._sequencer is not None:
+                                self._out_of_sequence(replica, batch)
+                                continue
                             self.queue.put_back(batch)
                             if not self._serving:
                                 self._refuse_queued()
@@ -1293,6 +1298,20 @@ class ModelRunner(metaclass=NoPublicConstructor):
                         if wrong is None:
                             raise  # the engine's own bug: let it be seen
                         await self._batcher_failed(f"returned {wrong}", exc, batch)
+
+    def _out_of_sequence(self, replica: Replica, batch: Sequence[Request]) -> None:
+        # A sequence batcher's batch formed on *replica* as it was taken out: no other
+        # instance holds its sequences' state, so its requests fail; the batcher, told
+        # that they were not computed, ends their sequences.
+        for request in batch:
+            self.finish(
+                request,
+                error=BackendUnavailable(
+                    f"{replica.label} of model {self.config.name!r}, which holds the sequence "
+                    f"of request {request.id!r}, is out of service ({replica.reason}); start "
+                    "a new sequence with sequence_start"
+                ),
+            )
 
     async def _batcher_failed(self, what: str, exc: Exception | None, batch: object = ()) -> None:
         """A batcher failed to form a batch: fail what it held, and maybe the model.
@@ -2577,6 +2596,16 @@ class ModelRunner(metaclass=NoPublicConstructor):
         self._take_out(replica, f"gone: {gone}", math.inf)
         if replica._back is None:
             return True  # the whole model is out of service (a plugin's fault): none runs
+        if self._sequencer is not None:
+            # Its sequences' state went with it: a sequence batcher that can end them
+            # (an optional method, see trioinfer.abc.SequenceBatcher) does now, or
+            # their requests would wait for it for ever.
+            ended = getattr(self._sequencer, "replica_gone", None)
+            if ended is not None:
+                try:
+                    ended(replica)
+                except Exception as exc:
+                    self._broken("batchers", _raised(exc, "replica_gone()"), exc)
         fallback = self._fallback
         if isinstance(fallback, RecoveringFallback):
             try:

@@ -194,7 +194,11 @@ class StreamGate:
     def admit(self, request: Request) -> tuple[Replica, StreamingInstance]:
         """Take *request* in (or refuse it) and choose its replica."""
         runner = self.runner
-        serving = [r for r in runner.replicas if r.serving]
+        # An instance found gone leaves the rotation here too (`_in_rotation`): one whose
+        # streams fail at once always has the fewest open, and would get every stream.
+        serving = [
+            r for r in runner.replicas if r.serving and (not r._mortal or runner._in_rotation(r))
+        ]
         if not serving:
             runner.refused += 1
             raise runner._circuit_open()

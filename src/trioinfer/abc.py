@@ -1177,6 +1177,16 @@ class SequenceBatcher(AssemblingBatcher, Protocol):
     (an optional method, called where ``split`` would be, with the requests
     the execution computed), else ``assemble`` and then its ``split`` with no
     outputs.
+
+    An instance the engine finds gone (see
+    [`BackendInstance`][trioinfer.abc.BackendInstance]: a Ray actor that
+    died) took its sequences' state with it: once it is out of service, the
+    engine calls the batcher's ``replica_gone(replica)``, if it has one (an
+    optional method; must not block), to end the sequences on it. The
+    first-party batcher fails their waiting requests and refuses later ones
+    with [`SequenceError`][trioinfer.SequenceError]; without it they wait
+    for the instance to be back. A batch formed on an instance taken out
+    meanwhile fails, saying so, and its sequences end.
     """
 
     def attach(self, context: SequenceContext) -> None:

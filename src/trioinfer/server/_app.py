@@ -1869,6 +1869,22 @@ async def infer_in_time(
     )
 
 
+async def send_whole(scope: anyio.CancelScope, send: Callable[[], Awaitable[None]]) -> None:
+    """``await send()`` with *scope*'s deadline (a request's own ``timeout``) held off meanwhile.
+
+    A stream's responses are written inside their request's timeout: one cut
+    part-way would leave half a message on the wire (over gRPC, the next message
+    is then read as its rest; over HTTP, the connection is closed under it, with
+    no error event). What has begun goes out whole; the client's own deadline and
+    its leaving still reach it. Past the timeout, the stream's next read raises.
+    """
+    deadline, scope.deadline = scope.deadline, math.inf
+    try:
+        await send()
+    finally:
+        scope.deadline = deadline
+
+
 @final
 class _InferEndpoint:
     """``POST /v2/models/{m}[/versions/{v}]/infer`` as a raw ASGI app."""

@@ -59,6 +59,7 @@ from ._app import (
     _rerouted,
     http_forwarded,
     schedule_parameters,
+    send_whole,
     status_for,
     stream_sequence,
     with_headers,
@@ -411,11 +412,14 @@ class GenerateEndpoint:
         # hand (ResponseStream.ready) they wait, and a model's run of responses leaves
         # in one write (a write and a pass of the loop for each measured 3.4x the CPU).
         events: list[bytes] = []
+        # The request's timeout: a write it would cut part-way goes out whole first.
+        scope = anyio.CancelScope(deadline=math.inf)
 
         async def flush() -> None:
             body = events[0] if len(events) == 1 else b"".join(events)
             events.clear()
-            await send({"type": "http.response.body", "body": body, "more_body": True})
+            message = {"type": "http.response.body", "body": body, "more_body": True}
+            await send_whole(scope, lambda: send(message))
 
         async def answer(
             outputs: Outputs, given: Mapping[str, Parameter] | None = None, more: bool = False
@@ -440,7 +444,9 @@ class GenerateEndpoint:
                 await flush()
 
         try:
-            with anyio.move_on_after(timeout_s if timeout_s is not None else math.inf) as scope:
+            if timeout_s is not None:
+                scope.deadline = anyio.current_time() + timeout_s
+            with scope:
                 if sequence is None:
                     async with engine.infer_stream(
                         served.engine_name, inputs, priority=priority, parameters=parameters

@@ -72,6 +72,7 @@ from ._app import (
     repository_index_document,
     requested_names,
     response_parameters,
+    send_whole,
     statistics_document,
     stream_sequence,
     trace_setting_document,
@@ -869,10 +870,20 @@ async def _stream(
     encode = raw_output_encoder(request, order, lease, copy=False)
     run: list[bytes] = []  # responses made and not sent yet
     held = 0  # their bytes
-    emit = stream.send
-    lease = stream.lend()
+    # What this request may make ahead of the writer (not *lease*: the request's
+    # shared-memory lease, which the encoder holds).
+    share = stream.lend()
+    scope = anyio.CancelScope(deadline=math.inf)
+
+    async def emit(*messages: bytes) -> None:
+        # A message larger than the client's window goes in pieces: the request's
+        # timeout must not leave one half-sent (`send_whole`).
+        await send_whole(scope, lambda: stream.send(*messages))
+
     try:
-        with anyio.move_on_after(timeout_s if timeout_s is not None else math.inf) as scope:
+        if timeout_s is not None:
+            scope.deadline = anyio.current_time() + timeout_s
+        with scope:
             try:
                 async with state.models.engine.infer_stream(
                     served.engine_name,
@@ -881,9 +892,9 @@ async def _stream(
                     request_id=request_id,
                     parameters=with_headers(request.parameters, forwarded),
                     outputs=requested_names(request),
-                    ahead=lease.ahead,
+                    ahead=share.ahead,
                 ) as responses:
-                    stream.attach(lease, responses)
+                    stream.attach(share, responses)
                     async for outputs in responses:
                         encoded = encode(outputs)
                         given = responses.parameters
@@ -913,7 +924,7 @@ async def _stream(
         if run:
             await emit(*run)
     finally:
-        stream.repay(lease)  # its last run sent, or dropped
+        stream.repay(share)  # its last run sent, or dropped
 
 
 #: The most bytes of a stream's responses held for the rest of their run (`_stream`).
