@@ -243,7 +243,8 @@ _REFUSED_INPUTS = (
     multiple=True,
     callback=_shapes,
     metavar="NAME=D1,D2",
-    help="Random data: the shape of input NAME (default: its metadata, -1 taken as 1).",
+    help="Generated data (random or zero): the shape of input NAME (default: its metadata, "
+    "-1 taken as 1). Not with --input-data FILE, whose requests give their own shapes.",
 )
 @click.option(
     "--encoding",
@@ -614,6 +615,12 @@ def _check_unused_flags(options: dict[str, Any]) -> None:
         raise click.UsageError(
             "--encoding: for HTTP; over gRPC the tensors go as raw_input_contents, as "
             "tritonclient sends them"
+        )
+    if options["shape"] and options["input_data"][1]:
+        # The files' own shapes were sent, and --shape silently left unused.
+        raise click.UsageError(
+            "--shape: for generated inputs (--input-data random or zero); the requests of "
+            "--input-data FILE give their own shapes"
         )
     given = _given("--arrivals", "--max-connections", "--num-of-sequences")
     if options["request_intervals"] is not None and "--arrivals" in given:
