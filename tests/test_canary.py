@@ -449,6 +449,13 @@ def test_the_traffic_command_cannot_reach_a_server() -> None:
     assert "cannot reach http://127.0.0.1:9" in result.output
     result = traffic_cli("digits", "--url", "ftp://x")
     assert result.exit_code == 2
+    assert "(write http://" not in result.output
+    # HOST:PORT alone, as bench --url takes it: refused, saying how to write it.
+    result = traffic_cli("digits", "--url", "127.0.0.1:9")
+    assert result.exit_code == 2
+    assert "'127.0.0.1:9' is not an http:// or https:// URL (write http://127.0.0.1:9)" in (
+        " ".join(result.output.split())
+    )
     for timeout in ("0", "-1", "nan"):
         result = traffic_cli("digits", "--timeout", timeout, "--url", "http://127.0.0.1:9")
         assert result.exit_code == 2, (timeout, result.output)

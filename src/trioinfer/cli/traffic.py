@@ -175,8 +175,10 @@ class _Server:
     def __init__(self, url: str, token: str | None, timeout: float) -> None:
         parsed = urllib.parse.urlsplit(url)
         if parsed.scheme not in ("http", "https") or not parsed.netloc:
+            # HOST:PORT alone, as `trioinfer bench --url` takes it, says how to write it.
+            hint = f" (write http://{url})" if "://" not in url else ""
             raise click.BadParameter(
-                f"{url!r} is not an http:// or https:// URL", param_hint="--url"
+                f"{url!r} is not an http:// or https:// URL{hint}", param_hint="--url"
             )
         self.url = url
         self.token = token
