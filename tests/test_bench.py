@@ -603,6 +603,8 @@ def test_in_process_requests_refused_at_once_do_not_hold_the_loop(tmp_path: Path
     )  # fmt: skip
     assert result.returncode == 1, result.stdout + result.stderr
     assert "has 0 rows; send at least one" in result.stderr
+    # Not only random values are refused: the hint names --shape too.
+    assert "refused the random inputs (of the --shape given): check --shape" in result.stderr
     (row,) = rows(out)
     assert row["completed"] == 0
     assert row["errors"] > 0  # type: ignore[operator]

@@ -579,8 +579,11 @@ def bench(**options: Any) -> None:
             click.echo(f"first {status} answer: {' '.join(text.split())[:300]}", err=True)
         data, files = options["input_data"]
         if not files and set(run.first_errors) & set(_REFUSED_INPUTS):
+            # Their shape may be what it refused (a --shape of 0 rows): the answer says.
+            shaped = " (of the --shape given)" if options["shape"] else ""
             click.echo(
-                f"the model refused the {data} inputs: "
+                f"the model refused the {data} inputs{shaped}: "
+                + ("check --shape against the answer above, or " if shaped else "")
                 + ("try --input-data zero, or " if data == "random" else "")
                 + "give your own with --input-data FILE (.json: a V2 infer request; .npz: one "
                 "array per input)",
