@@ -919,3 +919,25 @@ def test_python_reference_parameters_model_runs_as_shown(tmp_path: Path) -> None
             return answers
 
     assert trio.run(main) == [[2.0, 2.0], [1.0, 1.0], [0.5, 0.5]]
+
+
+def test_fallbacks_reference_config_loads_on_the_digits_model(tmp_path: Path) -> None:
+    # The page's config (ten probabilities, digits_small next) on the bundled digits
+    # model: its default gave no 'label', and the load failed saying so.
+    (block,) = fences(DOCS / "reference" / "fallbacks.md", "toml")
+    model_dir = tmp_path / "digits"
+    (model_dir / "1").mkdir(parents=True)
+    model = trioinfer.example_repository() / "digits" / "1" / "model.onnx"
+    (model_dir / "1" / "model.onnx").write_bytes(model.read_bytes())
+    (model_dir / "config.toml").write_text(block)
+    config = trioinfer.ModelConfig.from_toml(model_dir / "config.toml")
+
+    async def main() -> list[str]:
+        async with trioinfer.open_engine() as engine:
+            await engine.load(trioinfer.ModelConfig(name="digits_small", path=model))
+            info = await engine.load(config)  # a cuda:0 not usable here runs on the CPU
+            x = trioinfer.digits_samples()[0][:1]
+            outputs = await engine.infer("digits", {"input": x})
+            return sorted(outputs) + sorted(spec.name for spec in info.signature.outputs)
+
+    assert trio.run(main) == ["label", "probabilities"] * 2
