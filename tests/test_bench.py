@@ -10,6 +10,7 @@ import math
 import shutil
 import socket
 import socketserver
+import subprocess
 import sys
 import threading
 import time
@@ -585,6 +586,53 @@ def test_in_process_refused_random_inputs_suggest_zero() -> None:
     assert "first InvalidInput answer" in result.output
     assert "'read_digit' (version 1)" in result.output  # as people name it, not read_digit.v1
     assert "try --input-data zero" in result.output
+
+
+def test_in_process_requests_refused_at_once_do_not_hold_the_loop(tmp_path: Path) -> None:
+    # A 0-row --shape is refused by the engine before any checkpoint: the closed loop's
+    # worker, failing on each request in turn, held the event loop, and the run never
+    # ended. In a process of its own, so that such a hang fails the test.
+    out = tmp_path / "out.json"
+    result = subprocess.run(
+        [
+            sys.executable, "-m", "trioinfer", "bench", "--in-process", "--model-repository",
+            str(example_repository()), "-m", "digits", "--shape", "input=0,64", *SHORT,
+            "--json", str(out),
+        ],
+        capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert "has 0 rows; send at least one" in result.stderr
+    # Not only random values are refused: the hint names --shape too.
+    assert "refused the random inputs (of the --shape given): check --shape" in result.stderr
+    (row,) = rows(out)
+    assert row["completed"] == 0
+    assert row["errors"] > 0  # type: ignore[operator]
+
+
+def test_shape_is_refused_with_input_files(tmp_path: Path) -> None:
+    # The files' requests were sent as they are, and --shape silently left unused.
+    request = tmp_path / "request.json"
+    request.write_text(
+        json.dumps(
+            {
+                "inputs": [
+                    {"name": "input", "shape": [1, 64], "datatype": "FP32", "data": [0.0] * 64}
+                ]
+            }
+        )
+    )
+    result = bench(
+        "--in-process", "--model-repository", str(example_repository()), "-m", "digits",
+        "--input-data", str(request), "--shape", "input=2,64", *SHORT,
+    )  # fmt: skip
+    assert result.exit_code == 2
+    assert "--shape: for generated inputs" in result.output
+    zero = bench(
+        "--in-process", "--model-repository", str(example_repository()), "-m", "digits",
+        "--input-data", "zero", "--shape", "input=2,64", *SHORT,
+    )  # fmt: skip
+    assert zero.exit_code == 0, zero.output
 
 
 def test_served_pipeline_refusing_random_inputs_suggests_zero(url: str, tmp_path: Path) -> None:

@@ -16,6 +16,7 @@ import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
+import numpy as np
 import pytest
 import trio
 
@@ -880,3 +881,63 @@ def test_the_server_reference_lists_every_limit_with_its_default() -> None:
     assert {name: float(default) for name, default in rows} == {
         name: float(getattr(limits, name)) for name, _ in rows
     }
+
+
+def test_python_reference_parameters_model_runs_as_shown(tmp_path: Path) -> None:
+    # The page's model read parameters.get(...), as if it always got one dict; a
+    # batched model (x and y of [-1, 4], as most are) gets one per row, and it failed
+    # with AttributeError on the first request.
+    (block,) = [
+        body
+        for lang, _, body in page_blocks("reference/python.md")
+        if lang == "python" and "parameters" in body
+    ]
+    (tmp_path / "model.py").write_text(block)
+    spec = {"dtype": "float32", "shape": [-1, 4]}
+    config = trioinfer.ModelConfig(
+        name="scale",
+        path=tmp_path / "model.py",
+        backend="python",
+        batcher="dynamic",
+        batcher_options={"max_batch_size": 8, "max_queue_delay": 0.01},
+        backend_options={"inputs": [{"name": "x", **spec}], "outputs": [{"name": "y", **spec}]},
+    )
+    x = np.ones((2, 4), np.float32)
+
+    async def main() -> list[list[float]]:
+        async with trioinfer.open_engine() as engine:
+            await engine.load(config)
+            answers: list[list[float]] = [[], [], []]
+
+            async def ask(i: int, parameters: dict[str, float] | None) -> None:
+                outputs = await engine.infer("scale", {"x": x}, parameters=parameters)
+                answers[i] = outputs["y"][:, 0].tolist()
+
+            async with trio.open_nursery() as nursery:  # in one batch, mostly
+                for i, parameters in enumerate([{"scale": 2.0}, None, {"scale": 0.5}]):
+                    nursery.start_soon(ask, i, parameters)
+            return answers
+
+    assert trio.run(main) == [[2.0, 2.0], [1.0, 1.0], [0.5, 0.5]]
+
+
+def test_fallbacks_reference_config_loads_on_the_digits_model(tmp_path: Path) -> None:
+    # The page's config (ten probabilities, digits_small next) on the bundled digits
+    # model: its default gave no 'label', and the load failed saying so.
+    (block,) = fences(DOCS / "reference" / "fallbacks.md", "toml")
+    model_dir = tmp_path / "digits"
+    (model_dir / "1").mkdir(parents=True)
+    model = trioinfer.example_repository() / "digits" / "1" / "model.onnx"
+    (model_dir / "1" / "model.onnx").write_bytes(model.read_bytes())
+    (model_dir / "config.toml").write_text(block)
+    config = trioinfer.ModelConfig.from_toml(model_dir / "config.toml")
+
+    async def main() -> list[str]:
+        async with trioinfer.open_engine() as engine:
+            await engine.load(trioinfer.ModelConfig(name="digits_small", path=model))
+            info = await engine.load(config)  # a cuda:0 not usable here runs on the CPU
+            x = trioinfer.digits_samples()[0][:1]
+            outputs = await engine.infer("digits", {"input": x})
+            return sorted(outputs) + sorted(spec.name for spec in info.signature.outputs)
+
+    assert trio.run(main) == ["label", "probabilities"] * 2

@@ -290,6 +290,14 @@ def test_options_out_of_range_are_refused(options: dict[str, Any], match: str) -
         FaultyBackend(**options)
 
 
+def test_devices_given_as_one_string_is_refused() -> None:
+    # A string is an iterable of one-letter devices: it said device 'c' is not one.
+    with pytest.raises(
+        TypeError, match=r"devices must be a list of device names, e.g. devices=\['cuda:0'\]"
+    ):
+        FaultyBackend(devices="cuda:0")
+
+
 async def test_registry_can_stand_in_for_another_backend_name() -> None:
     backend = FaultyBackend(fail_on={1})
     async with open_engine(registry=backend.registry("onnxruntime")) as engine:

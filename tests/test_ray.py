@@ -1420,6 +1420,35 @@ def test_a_port_where_ray_does_not_answer_fails_fast_naming_it(
     assert "ray start --head" in message
 
 
+def test_a_loopback_address_ray_would_swap_is_probed_where_ray_connects(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """ray.init connects to a GCS at 127.0.0.1 through the machine's own address (unless
+    RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0): a head on loopback alone passed the probe,
+    then the load retried the other address for ten minutes. Now the probe tries the
+    address Ray will, and says why it differs."""
+    from ray._private import services
+
+    from trioinfer_ray._backend import _probe
+
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    monkeypatch.delenv("RAY_USE_TLS", raising=False)
+    with _serving(socket.AF_INET, "127.0.0.1", _SETTINGS_FRAME) as port:
+        address = f"127.0.0.1:{port}"
+        _probe(address, 5.0)  # Ray keeps loopback here (conftest.py's setting)
+        monkeypatch.setattr(services, "resolve_ip_for_localhost", lambda host: "127.0.0.2")
+        _probe(address, 5.0)  # another loopback address: probed as given
+        # As Ray resolves loopback on a machine it serves clusters from (TEST-NET-1
+        # here, where nothing answers), while the head listens on 127.0.0.1 alone.
+        monkeypatch.setattr(services, "resolve_ip_for_localhost", lambda host: "192.0.2.1")
+        with pytest.raises(BackendUnavailable) as caught:
+            _probe(address, 1.0)
+    message = str(caught.value)
+    assert message.startswith(f"no Ray at {address}: connecting to 192.0.2.1:{port} failed")
+    assert "Ray connects to 127.0.0.1 through this machine's address, 192.0.2.1" in message
+    assert "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 in this process's environment" in message
+
+
 def test_a_real_http_server_is_not_taken_for_ray(monkeypatch: pytest.MonkeyPatch) -> None:
     """The standard library's HTTP server on the port: refused as not gRPC."""
     from trioinfer_ray._backend import _probe

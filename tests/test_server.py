@@ -1220,6 +1220,10 @@ def test_unknown_route_and_wrong_method(http: httpx.Client) -> None:
     # Starlette's "Not Found" said neither what was wrong nor where the endpoints are.
     message = error_of(missing)
     assert message.startswith("no endpoint GET /v3/everything; "), message
+    # A few of them: it said "the KServe V2 endpoints are", leaving out generate, the
+    # repository's load and unload, traffic, shared memory, trace and log settings.
+    assert "the main endpoints are GET /v2 " in message
+    assert "'HTTP server' lists them all" in message
     assert "/v2/health/ready" in message
     assert "POST /v2/repository/index" in message  # what GET /v2/models is guessed for
     assert "/v2/models/add" not in error_of(http.get("/v2/models"))

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 import importlib.util
+import ipaddress
 import logging
 import math
 import os
@@ -143,6 +144,19 @@ def _probe(address: str, timeout: float) -> None:
         "is the cluster's head node running (ray start --head), and is this its address "
         "(host:6379 for its GCS, ray://host:10001 for Ray Client)?"
     )
+    target = host if address.startswith("ray://") else _ray_host(host)
+    if target != host:
+        # ray.init connects to a GCS at a loopback address through the machine's own
+        # address: a head started with --node-ip-address 127.0.0.1 (or under
+        # RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0) is not there, and ray.init retried it
+        # for ten minutes.
+        hint = (
+            f"Ray connects to {host} through this machine's address, {target}; a head "
+            "started with --node-ip-address 127.0.0.1 or RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 "
+            "listens on loopback alone: set RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 in this "
+            "process's environment too, or start the head on the machine's address"
+        )
+        host = target
     try:
         connection = socket.create_connection((host.strip("[]"), int(port)), timeout=timeout)
     except OSError as exc:
@@ -173,6 +187,20 @@ def _probe(address: str, timeout: float) -> None:
             f"no Ray at {shown}: {host}:{port} {said}, which is not gRPC (HTTP/2), as "
             f"Ray's GCS and Ray Client servers speak; another server listens there; {hint}"
         )
+
+
+def _ray_host(host: str) -> str:
+    # The host ray.init connects to for a GCS address's *host*: Ray's own rule, which
+    # swaps a loopback host for the machine's address unless Ray keeps to loopback
+    # (then *host* itself: the probe of the address as given stands).
+    try:
+        services = importlib.import_module("ray._private.services")
+        target = str(services.resolve_ip_for_localhost(host.strip("[]")))
+        if ipaddress.ip_address(target).is_loopback:
+            return host
+    except Exception:  # another Ray's internals, or no address: probe the host as given
+        return host
+    return target
 
 
 def _noted_address() -> tuple[str, str]:

@@ -434,6 +434,10 @@ async def _closed_level(
                 window.latencies.append(end - start)
             else:
                 window.errors[status] += 1
+                # The engine refuses a request it cannot take (a 0-row --shape, say)
+                # without a checkpoint: a worker failing on each in turn held the event
+                # loop for ever, and the measuring clock never ran.
+                await trio.lowlevel.checkpoint()
             n += 1
 
     async with trio.open_nursery() as nursery:

@@ -243,7 +243,8 @@ _REFUSED_INPUTS = (
     multiple=True,
     callback=_shapes,
     metavar="NAME=D1,D2",
-    help="Random data: the shape of input NAME (default: its metadata, -1 taken as 1).",
+    help="Generated data (random or zero): the shape of input NAME (default: its metadata, "
+    "-1 taken as 1). Not with --input-data FILE, whose requests give their own shapes.",
 )
 @click.option(
     "--encoding",
@@ -579,8 +580,11 @@ def bench(**options: Any) -> None:
             click.echo(f"first {status} answer: {' '.join(text.split())[:300]}", err=True)
         data, files = options["input_data"]
         if not files and set(run.first_errors) & set(_REFUSED_INPUTS):
+            # Their shape may be what it refused (a --shape of 0 rows): the answer says.
+            shaped = " (of the --shape given)" if options["shape"] else ""
             click.echo(
-                f"the model refused the {data} inputs: "
+                f"the model refused the {data} inputs{shaped}: "
+                + ("check --shape against the answer above, or " if shaped else "")
                 + ("try --input-data zero, or " if data == "random" else "")
                 + "give your own with --input-data FILE (.json: a V2 infer request; .npz: one "
                 "array per input)",
@@ -615,6 +619,12 @@ def _check_unused_flags(options: dict[str, Any]) -> None:
         raise click.UsageError(
             "--encoding: for HTTP; over gRPC the tensors go as raw_input_contents, as "
             "tritonclient sends them"
+        )
+    if options["shape"] and options["input_data"][1]:
+        # The files' own shapes were sent, and --shape silently left unused.
+        raise click.UsageError(
+            "--shape: for generated inputs (--input-data random or zero); the requests of "
+            "--input-data FILE give their own shapes"
         )
     given = _given("--arrivals", "--max-connections", "--num-of-sequences")
     if options["request_intervals"] is not None and "--arrivals" in given:

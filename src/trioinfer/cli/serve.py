@@ -872,15 +872,15 @@ def _serve_settings(ctx: click.Context, options: dict[str, Any]) -> dict[str, An
     params = {param.name: param for param in ctx.command.params}
     from_file: dict[str, Path] = {}
     for key, value in data.items():
+        if key not in ("limits", "model_repository"):
+            # Checked where the command line wins too: `port = "x"` beside --port 0 was
+            # taken without a word, and failed only once the flag was dropped.
+            value = _file_value(ctx, params[key], config_file, key, value)
         source = ctx.get_parameter_source(key) if key in settings else None
         if source not in (None, click.core.ParameterSource.DEFAULT):
             continue  # the command line wins (model_repository's once did not)
-        if key in ("limits", "model_repository"):
-            settings[key] = value
-            from_file[key] = config_file
-        else:
-            settings[key] = _file_value(ctx, params[key], config_file, key, value)
-            from_file[key] = config_file
+        settings[key] = value
+        from_file[key] = config_file
     settings[_FROM_FILE] = from_file
     return settings
 
@@ -929,12 +929,13 @@ def _file_value(
     if (
         isinstance(param.type, click.types.StringParamType)
         and param.multiple
-        and isinstance(value, list)
-        and not all(isinstance(item, str) for item in value)
+        and not (isinstance(value, list) and all(isinstance(item, str) for item in value))
     ):
-        # models = [1] would load a model named '1'.
+        # models = [1] would load a model named '1'; models = "digits" said only "Value
+        # must be an iterable".
+        hint = f' (write {key} = ["{value}"])' if isinstance(value, str) else ""
         raise click.BadParameter(
-            f"{config_file}: {key} must be a list of strings, got {value!r}",
+            f"{config_file}: {key} must be a list of strings, got {value!r}{hint}",
             param_hint="--config",
         )
     if isinstance(value, bool) and not isinstance(param.type, click.types.BoolParamType):

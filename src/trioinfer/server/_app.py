@@ -534,10 +534,11 @@ class _Route(Route):
 
 #: What a 404 for a path no route matches lists: the endpoints people look for first.
 _ENDPOINTS: Final = (
-    "the KServe V2 endpoints are GET /v2 (server metadata), /v2/health/live, "
+    "the main endpoints are GET /v2 (server metadata), /v2/health/live, "
     "/v2/health/ready, /v2/models/<model>[/versions/<version>] (metadata; /ready, /config, "
     "/stats below it), POST /v2/models/<model>[/versions/<version>]/infer, "
-    "POST /v2/repository/index (the models), and GET /metrics"
+    "POST /v2/repository/index (the models), and GET /metrics (the reference page "
+    "'HTTP server' lists them all)"
 )
 
 _INFER_PATH: Final = re.compile(r"/v2/models/([^/]+)(?:/versions/([^/]+))?/infer")

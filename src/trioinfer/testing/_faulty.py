@@ -189,6 +189,12 @@ class FaultyBackend:
         self.hang_on = _check_calls("hang_on", hang_on)
         self.error = error
         self.transient = transient
+        if isinstance(devices, str):
+            # A string is an iterable of devices too: "cuda:0" said device 'c' is not one.
+            raise TypeError(
+                f"devices must be a list of device names, e.g. devices=[{devices!r}], "
+                f"got the string {devices!r}"
+            )
         self.devices = None if devices is None else frozenset(str(Device.parse(d)) for d in devices)
         #: Instances loaded so far, in load order.
         self.instances: list[FaultyInstance] = []
