@@ -1217,9 +1217,14 @@ class _Connection:
             self._wake.set()
             return
         payload = memoryview(prefix + data)
+        # When the client must have opened its window by: one that reads none of the
+        # answer for send_timeout ends its call, as an HTTP client is dropped (its
+        # window held the call for ever; a stream's, with its request's timeout held
+        # off while a message is written, `send_whole`).
+        stalled = math.inf
         while payload:
             if stream.closed:
-                # Reset by the client: this task was cancelled with its call.
+                # Reset by the client (or stalled): this task was cancelled with its call.
                 await anyio.lowlevel.checkpoint()
             room = min(
                 conn.local_flow_control_window(stream.stream_id),
@@ -1227,13 +1232,38 @@ class _Connection:
                 len(payload),
             )
             if room <= 0:
+                if stalled == math.inf:
+                    stalled = anyio.current_time() + self._server.send_timeout
                 stream.window = window = anyio.Event()
                 self._blocked.add(stream)
-                await window.wait()
+                with anyio.move_on_at(stalled):
+                    await window.wait()
+                    continue
+                self._stalled(stream)
                 continue
+            stalled = math.inf
             conn.send_data(stream.stream_id, payload[:room].tobytes())
             payload = payload[room:]
             self._wake.set()
+
+    def _stalled(self, stream: _Stream) -> None:
+        # Its client read none of its answer for send_timeout: the call ends, told why
+        # (trailers take no window), its stream reset, its handler cancelled.
+        log.info(
+            "gRPC call ended: the client read none of its answer for %ss (send_timeout)",
+            self._server.send_timeout,
+        )
+        self._streams.pop(stream.stream_id, None)
+        self._finish(
+            stream,
+            CANCELLED,
+            f"the client read none of the answer for {self._server.send_timeout}s (send_timeout)",
+            stream.answering,
+        )
+        self._stop(stream.stream_id)
+        stream.closed = True
+        stream.call.cancel()
+        self._forget(stream)
 
     async def _flush(self) -> None:
         out = self._h2.data_to_send()
