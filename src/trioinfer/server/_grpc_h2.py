@@ -35,7 +35,8 @@ limits, in HTTP/2's terms): a unary call takes one message (a second fails it
 at once); a connection holds at most `GrpcServer.max_buffered` request bytes
 for its calls, beyond which its data is left unacknowledged; output waiting
 for a client that does not read stops the reading past `_OUTPUT_LIMIT`, and
-``send_timeout`` drops it; a connection without calls for ``head_timeout`` is
+``send_timeout`` drops it; an answer whose window stays shut for
+``send_timeout`` ends its call (`_stalled`); a connection without calls for ``head_timeout`` is
 closed, a request that stops arriving for ``body_timeout`` fails; the
 client's deadline holds over its whole call; a client that resets streams
 faster than `_RESET_RATE` a second gets GOAWAY (ENHANCE_YOUR_CALM).
