@@ -233,6 +233,22 @@ async def test_a_streams_ahead_can_grow_while_it_runs(
     assert probe.ended == "returned"
 
 
+async def test_a_stream_widened_after_it_closed_is_left_as_it_was() -> None:
+    """A gRPC call gives back what a request lent (`_StreamState._top_up`) to a stream
+    whose block has ended and whose request has not repaid yet: nothing waits, nothing
+    breaks (review4 looked)."""
+    probe = Probe()
+    async with open_engine() as engine:
+        await engine.load(config(counting(probe)))
+        async with engine.infer_stream("m", n(50), ahead=1) as responses:
+            await responses.__anext__()
+        responses._widen(STREAM_AHEAD)
+        assert responses._room is None
+        with pytest.raises(trioinfer.StreamClosed):
+            await responses.__anext__()
+        assert_all_ended(engine, accepted=1)
+
+
 @pytest.mark.parametrize("ahead", [0, -1, 1.5, True, "2"])
 async def test_ahead_must_be_a_positive_integer(ahead: object) -> None:
     async with open_engine() as engine:
