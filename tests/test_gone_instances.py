@@ -6,6 +6,7 @@ their actor dies (their ``gone`` says why, and their executions fail).
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -22,6 +23,7 @@ from trioinfer import (
     BackendUnavailable,
     CircuitOpen,
     Instance,
+    InvalidInput,
     ModelConfig,
     ModelSignature,
     PluginContractError,
@@ -534,3 +536,131 @@ async def test_a_stream_never_goes_to_an_instance_that_is_gone() -> None:
         with pytest.raises(BackendUnavailable, match="none is coming back"):
             async with engine.infer_stream("m", X) as responses:
                 pass  # pragma: no cover  # refused at the door
+
+
+class ExecuteRefused(MortalStreamInstance):
+    """A decoupled instance whose ``execute`` is refused, as the Python backend's is."""
+
+    async def execute(self, inputs: Arrays) -> dict[str, Any]:
+        raise InvalidInput("model 'm' is decoupled (it answers with a stream of responses)")
+
+
+@pytest.mark.streaming
+async def test_resilient_brings_back_a_decoupled_instance_found_gone(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """The resilient fallback re-created a decoupled model's instance found gone, then
+    probed it with ``execute``, which a decoupled instance refuses: every probe failed,
+    and the instance stayed out for ever (re-created at each wait). It is probed through
+    a stream now, and serves again."""
+    backend = MortalStreams()
+    backend.load = _refusing(backend)  # type: ignore[method-assign]
+    config = two_instances(
+        fallback="resilient",
+        fallback_options={"breaker": {"fail_max": 5, "reset_timeout": 30.0}},
+    )
+    async with open_engine(registry=backend.registry()) as engine:
+        await engine.load(config)
+        dead = backend.instances[0]
+        dead.gone = "0's actor is gone: killed"
+        async with engine.infer_stream("m", X) as responses:
+            assert [r["y"].tolist() async for r in responses] == [[[2.0] * 4]]
+        with trio.fail_after(600):  # mock time: twenty breaker waits
+            while engine.statistics().models["m"].replicas[0].state != "serving":  # noqa: ASYNC110
+                await trio.sleep(1.0)
+        assert backend.instances[0] is not dead
+        assert engine.statistics().models["m"].replicas[0].recreated == 1
+
+
+def _refusing(backend: MortalStreams) -> Any:
+    async def load(config: ModelConfig, placement: Placement) -> MortalStreamInstance:
+        instance = ExecuteRefused(str(placement.device))
+        backend.instances[placement.index] = instance
+        return instance
+
+    return load
+
+
+async def test_a_gone_instance_put_back_in_replica_gone_is_taken_out_once() -> None:
+    """A fallback that put a gone instance back in replica_gone had it taken out again:
+    its ``taken_out`` counted 2 for the one time the engine took it out."""
+
+    class PutsBack:
+        def __init__(self) -> None:
+            self.context: FallbackContext | None = None
+
+        def attach(self, context: FallbackContext) -> None:
+            self.context = context
+
+        async def execute(self, execution: Execution) -> None:
+            await execution.run()
+
+        def replica_gone(self, replica: Replica) -> None:
+            assert self.context is not None
+            self.context.put_back(replica)  # still gone: breaks its contract
+
+    fallback = PutsBack()
+    mortal = Mortal()
+    registry = Registry(
+        extra={"backends": {"mortal": lambda: mortal}, "fallbacks": {"puts": lambda: fallback}}
+    )
+    async with open_engine(registry=registry) as engine:
+        await engine.load(two_instances(fallback="puts"))
+        mortal.instances[0].gone = "0's actor is gone: killed"
+        for _ in range(4):
+            await engine.infer("m", X)
+        out = engine.statistics().models["m"].replicas[0]
+        assert (out.state, out.taken_out) == ("out", 1)
+
+
+@pytest.mark.sequence
+@pytest.mark.parametrize("strategy", ["oldest", "direct"])
+async def test_a_new_sequence_taken_in_when_the_last_instance_leaves_is_refused(
+    strategy: str, autojump_clock: trio.testing.MockClock
+) -> None:
+    """A new sequence's request that the sequence batcher had taken in when the last
+    serving instance left (a stateful model has no fallback: found gone is the only way
+    out) ends, saying so; it does not wait for an instance for ever (review3's suspicion,
+    refuted: this pins it)."""
+    mortal = Mortal()
+    mortal.fake = FakeBackend(lambda inputs: {"y": inputs["x"] * 2}, signature=SEQUENCE_SIGNATURE)
+    config = two_instances(
+        batcher="sequence",
+        sequence={"strategy": strategy, "control": {"start": "START"}},
+    )
+    outcome: dict[int, str] = {}
+    async with open_engine(registry=mortal.registry()) as engine:
+        await engine.load(config)
+        first, second = mortal.instances[0], mortal.instances[1]
+        first.gone = "0's actor is gone: killed"
+        while engine.statistics().models["m"].replicas[0].state != "out":
+            # (A new sequence bound to it while the engine had not seen it gone fails.)
+            with contextlib.suppress(BackendUnavailable):
+                await engine.infer("m", X, sequence=SequenceFlags(9, start=True, end=True))
+        second.hold = True  # its next batch waits in the instance
+
+        async def sequence(sequence_id: int) -> None:
+            try:
+                await engine.infer(
+                    "m",
+                    X,
+                    sequence=SequenceFlags(sequence_id, start=True),
+                    request_id=f"s{sequence_id}",
+                )
+            except TrioInferError as exc:
+                outcome[sequence_id] = str(exc)
+            else:
+                outcome[sequence_id] = "answered"
+
+        with trio.fail_after(3600):  # mock time
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(sequence, 1)  # runs on the second, held
+                await trio.testing.wait_all_tasks_blocked()
+                nursery.start_soon(sequence, 2)  # taken in, waits for an instance
+                await trio.testing.wait_all_tasks_blocked()
+                second.gone = "1's actor is gone: killed"
+                second.release.set()  # its batch fails: the engine sees it gone
+        # Each ended, saying why: the one that ran on the second with its batch, the
+        # other (taken in, bound to no instance that serves) as out of service.
+        assert sorted(outcome) == [1, 2]
+        assert all("gone: killed" in text for text in outcome.values()), outcome

@@ -1026,6 +1026,28 @@ async def test_client_deadline_holds_over_the_whole_call(serve: Serve) -> None:
     assert sid not in client.data
 
 
+@pytest.mark.parametrize("path", ["/t.S/Echo", "/t.S/EchoStream"])
+@both_loops
+async def test_an_answer_the_client_never_reads_ends_its_call_after_send_timeout(
+    serve: Serve, path: str
+) -> None:
+    # A client that opens no window for its answer (and gave no grpc-timeout): the
+    # answer waited for it for ever, holding its call (and a model's stream, whose
+    # request's own timeout is held off while a message is written: send_whole).
+    server, connect = await serve(Handlers(), send_timeout=0.3)
+    client = await connect()
+    client.h2.update_settings({h2.settings.SettingCodes.INITIAL_WINDOW_SIZE: 0})
+    await client.flush()
+    sid = await client.call(path, frame(b"abc"))
+    code, message = await client.status(sid)
+    assert code == "1"
+    assert "send_timeout" in message
+    assert sid not in client.data
+    # Its call is over (nothing of it held); the connection serves on.
+    (conn,) = server.connections
+    await poll(lambda: not conn._streams)
+
+
 @both_loops
 async def test_client_deadline_holds_while_a_stream_is_idle(serve: Serve) -> None:
     handlers = Handlers()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import math
 import re
@@ -28,7 +29,8 @@ from trioinfer import (
     QueueFull,
     open_engine,
 )
-from trioinfer._stream import STREAM_AHEAD
+from trioinfer._inline import restart_inline_slice
+from trioinfer._stream import STREAM_AHEAD, ResponseStream
 from trioinfer.testing import assert_all_ended
 
 pytestmark = pytest.mark.streaming
@@ -231,6 +233,22 @@ async def test_a_streams_ahead_can_grow_while_it_runs(
     assert probe.ended == "returned"
 
 
+async def test_a_stream_widened_after_it_closed_is_left_as_it_was() -> None:
+    """A gRPC call gives back what a request lent (`_StreamState._top_up`) to a stream
+    whose block has ended and whose request has not repaid yet: nothing waits, nothing
+    breaks (review4 looked)."""
+    probe = Probe()
+    async with open_engine() as engine:
+        await engine.load(config(counting(probe)))
+        async with engine.infer_stream("m", n(50), ahead=1) as responses:
+            await responses.__anext__()
+        responses._widen(STREAM_AHEAD)
+        assert responses._room is None
+        with pytest.raises(trioinfer.StreamClosed):
+            await responses.__anext__()
+        assert_all_ended(engine, accepted=1)
+
+
 @pytest.mark.parametrize("ahead", [0, -1, 1.5, True, "2"])
 async def test_ahead_must_be_a_positive_integer(ahead: object) -> None:
     async with open_engine() as engine:
@@ -304,6 +322,54 @@ def test_a_reader_past_its_deadline_takes_no_response_at_hand_on_asyncio() -> No
             return scope.cancelled_caught, taken
 
     assert anyio.run(main, backend="asyncio") == (True, 0)
+
+
+def test_a_response_lost_to_asyncios_own_cancellation_does_not_stall_the_stream() -> None:
+    """A read cancelled by asyncio itself (``asyncio.wait_for`` timing out) just as a
+    response was handed to it loses that response (anyio's channel drops it); the
+    stream counted it as unread for ever, and with ``ahead`` of those its model waited
+    for room that never came while its reader waited for a response: both until the
+    deadline. The stream goes on with the next response."""
+    readers: list[asyncio.Task[Any]] = []
+    at_hand: list[ResponseStream] = []
+
+    class CancelsItsReader:
+        async def infer(self, inputs: Arrays) -> AsyncIterator[Arrays]:
+            yield {"i": np.array([0], np.int32)}
+            # Until its reader waits in the channel's receive (no event says so).
+            receive: Any = at_hand[0]._receive
+            while receive.statistics().tasks_waiting_receive == 0:  # noqa: ASYNC110
+                await asyncio.sleep(0)
+            # Its reader's timeout fires after the hand-over, in the same pass of the loop
+            # (the hand-over then is at once: the loop's inline slice is fresh).
+            asyncio.get_running_loop().call_soon(readers[0].cancel)
+            restart_inline_slice()
+            for i in (1, 2, 3):
+                yield {"i": np.array([i], np.int32)}
+
+    async def main() -> tuple[list[object], bool]:
+        got: list[object] = []
+        async with open_engine() as engine:
+            await engine.load(config(CancelsItsReader))
+            with anyio.move_on_after(10) as scope:  # (a stalled stream: its reader's deadline)
+                async with engine.infer_stream("m", n(4), ahead=1) as responses:
+                    at_hand.append(responses)
+                    got.append(int((await responses.__anext__())["i"][0]))
+
+                    async def read() -> object:
+                        readers.append(asyncio.current_task())  # type: ignore[arg-type]
+                        try:
+                            return int((await responses.__anext__())["i"][0])
+                        except asyncio.CancelledError:
+                            return "cancelled"
+
+                    got.append(await asyncio.create_task(read()))
+                    got.extend([int(r["i"][0]) async for r in responses])
+        return got, scope.cancelled_caught
+
+    got, stalled = anyio.run(main, backend="asyncio")
+    assert not stalled
+    assert got == [0, "cancelled", 2, 3]  # (1: lost, as anyio's channel loses it)
 
 
 async def test_a_deadline_moved_later_lets_the_reader_read_on(

@@ -2622,6 +2622,7 @@ class ModelRunner(metaclass=NoPublicConstructor):
                     "(re-create it first, in a task: FallbackContext.start_soon)",
                 )
                 self._take_out(replica, f"gone: {gone}", math.inf)
+                replica.taken_out -= 1  # the one taking out, undone by the fallback: once
         if not self._serving:
             # Refused once the fallback had its say: queued requests are told when to
             # retry (it re-creates the instance), not that none is coming back.
@@ -2703,6 +2704,12 @@ class ModelRunner(metaclass=NoPublicConstructor):
     async def probe(self, replica: Replica, inputs: Mapping[str, Any] | None) -> None:
         """One execution that answers nobody; see `FallbackContext.probe`."""
         arrays = _probe_inputs(self.backend_signature) if inputs is None else inputs
+        instance = replica._backend_instance
+        if isinstance(instance, StreamingInstance) and instance.decoupled:
+            # A decoupled instance serves streams only (its execute is refused): probed
+            # by one, read to its end (a re-created one was never put back otherwise).
+            await self._probe_stream(replica, instance, arrays)
+            return
         await replica._slot.acquire()
         try:
             replica.executions += 1
@@ -2714,6 +2721,19 @@ class ModelRunner(metaclass=NoPublicConstructor):
                     await self._call_backend(replica, arrays, _rows(arrays) if self.batched else 0)
         finally:
             replica._slot.release()
+
+    async def _probe_stream(
+        self, replica: Replica, instance: StreamingInstance, inputs: Mapping[str, Any]
+    ) -> None:
+        generator = instance.stream(inputs)
+        try:
+            async for _ in generator:
+                pass
+        except Exception:
+            replica.failures += 1
+            raise
+        finally:
+            await generator.aclose()
 
     async def _execute_requests(
         self, replica: Replica, requests: Sequence[Request]

@@ -147,19 +147,15 @@ async def _hand_over(send: _Send, stream: ResponseStream, item: Outputs | _WithP
     # ``_pending`` until the reader takes it (what ResponseStream.ready reads). With
     # ``_ahead`` of them not taken, the model waits for the reader to take one: the
     # buffer always has room for this one (`_channel`), never more than ``_ahead``.
-    stream._pending += 1
     if not inline_slice_spent(DEFAULT_SLICE_S):
-        try:
-            send.send_nowait(item)
-        except BaseException:
-            stream._pending -= 1  # refused (the reader left): it never reached the reader
-            raise
+        send.send_nowait(item)  # (refused: the reader left; it never reached the reader)
+        stream._pending += 1
     else:
-        try:
-            await send.send(item)
-        except BaseException:
-            stream._pending -= 1  # cancelled or refused: it never reached the reader
-            raise
+        # Counted once sent (not cancelled, not refused): the reader may take it before
+        # this task goes on, its count below 0 meanwhile; it never finds its buffer
+        # empty with this one counted (`ResponseStream.__anext__` counts again from 0).
+        await send.send(item)
+        stream._pending += 1
         restart_inline_slice()
     if stream._pending >= stream._ahead:
         await stream._wait_room()
@@ -397,6 +393,13 @@ class ResponseStream(metaclass=NoPublicConstructor):
             try:
                 item = receive.receive_nowait()
             except _WOULD_BLOCK:
+                if self._pending > 0:
+                    # None at hand, yet some counted: a response handed to a read that
+                    # asyncio itself cancelled (asyncio.wait_for) as it came, which
+                    # anyio's channel drops. Counted again from none: the model, which
+                    # may wait for room for it, goes on (else both waited for ever).
+                    self._pending = 0
+                    self._make_room()
                 item = await receive.receive()
         except _END:
             if self._error is not None:
@@ -693,8 +696,8 @@ async def _one(
                     request_id=request_id,
                     parameters=parameters or None,
                 )
-                stream._pending += 1
                 await send.send(outputs)
+                stream._pending += 1
             else:
                 # infer_detailed: its answer's response parameters go with it.
                 result = await engine.infer_detailed(
@@ -706,11 +709,11 @@ async def _one(
                     parameters=parameters or None,
                     outputs=wanted or None,
                 )
-                stream._pending += 1
                 if result.parameters:
                     await send.send(_WithParameters(result.outputs, result.parameters))
                 else:
                     await send.send(result.outputs)
+                stream._pending += 1
     except _BROKEN:
         pass
     except TrioInferError as exc:

@@ -593,6 +593,8 @@ class FallbackContext(Protocol):
 
         *inputs* default to zeros of the model's input shapes (one row, and 1
         for every dimension without a fixed size). Waits until the replica is free.
+        A decoupled model's instance, which serves streams only, is probed by one
+        stream, read to its end.
 
         Raises:
             Exception: What the backend raised.

@@ -35,7 +35,8 @@ limits, in HTTP/2's terms): a unary call takes one message (a second fails it
 at once); a connection holds at most `GrpcServer.max_buffered` request bytes
 for its calls, beyond which its data is left unacknowledged; output waiting
 for a client that does not read stops the reading past `_OUTPUT_LIMIT`, and
-``send_timeout`` drops it; a connection without calls for ``head_timeout`` is
+``send_timeout`` drops it; an answer whose window stays shut for
+``send_timeout`` ends its call (`_stalled`); a connection without calls for ``head_timeout`` is
 closed, a request that stops arriving for ``body_timeout`` fails; the
 client's deadline holds over its whole call; a client that resets streams
 faster than `_RESET_RATE` a second gets GOAWAY (ENHANCE_YOUR_CALM).
@@ -1217,9 +1218,14 @@ class _Connection:
             self._wake.set()
             return
         payload = memoryview(prefix + data)
+        # When the client must have opened its window by: one that reads none of the
+        # answer for send_timeout ends its call, as an HTTP client is dropped (its
+        # window held the call for ever; a stream's, with its request's timeout held
+        # off while a message is written, `send_whole`).
+        stalled = math.inf
         while payload:
             if stream.closed:
-                # Reset by the client: this task was cancelled with its call.
+                # Reset by the client (or stalled): this task was cancelled with its call.
                 await anyio.lowlevel.checkpoint()
             room = min(
                 conn.local_flow_control_window(stream.stream_id),
@@ -1227,13 +1233,38 @@ class _Connection:
                 len(payload),
             )
             if room <= 0:
+                if stalled == math.inf:
+                    stalled = anyio.current_time() + self._server.send_timeout
                 stream.window = window = anyio.Event()
                 self._blocked.add(stream)
-                await window.wait()
+                with anyio.move_on_at(stalled):
+                    await window.wait()
+                    continue
+                self._stalled(stream)
                 continue
+            stalled = math.inf
             conn.send_data(stream.stream_id, payload[:room].tobytes())
             payload = payload[room:]
             self._wake.set()
+
+    def _stalled(self, stream: _Stream) -> None:
+        # Its client read none of its answer for send_timeout: the call ends, told why
+        # (trailers take no window), its stream reset, its handler cancelled.
+        log.info(
+            "gRPC call ended: the client read none of its answer for %ss (send_timeout)",
+            self._server.send_timeout,
+        )
+        self._streams.pop(stream.stream_id, None)
+        self._finish(
+            stream,
+            CANCELLED,
+            f"the client read none of the answer for {self._server.send_timeout}s (send_timeout)",
+            stream.answering,
+        )
+        self._stop(stream.stream_id)
+        stream.closed = True
+        stream.call.cancel()
+        self._forget(stream)
 
     async def _flush(self) -> None:
         out = self._h2.data_to_send()
