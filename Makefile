@@ -59,9 +59,9 @@ demo: $(DEMO_STAMP)
 ## TEST_WORKERS pytest-xdist processes, 4 unless set; each test module's tests in one). A
 ## test that fails is run again, twice at most (pytest-rerunfailures): tests and tutorials
 ## on the real clock (deadlines, an inline budget) starve on a busy machine; a test that
-## fails every time still fails.
+## fails every time still fails. The 25 slowest tests are listed at the end, with their times.
 test: $(STAMP)
-	$(BIN)/python -m pytest $(XDIST) --reruns 2 --cov --cov-report=term-missing:skip-covered
+	$(BIN)/python -m pytest $(XDIST) --reruns 2 --durations=25 --cov --cov-report=term-missing:skip-covered
 
 ## check: lint, format check, strict types, and the docs site (what CI runs besides tests)
 check: lint types docs

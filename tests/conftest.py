@@ -24,6 +24,7 @@ os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 # module runs in one process, taken in collection order by whichever process is free:
 # started last, test_ray.py alone ran minutes after every other process had finished.
 SLOW_MODULES = (
+    "test_ray_faults.py",
     "test_ray.py",
     "test_docs.py",
     "test_workers.py",
@@ -96,6 +97,18 @@ def short_tmp_factory() -> Iterator[ShortTmp]:
 def short_tmp_path(short_tmp_factory: ShortTmp) -> Path:
     """`tmp_path`, short enough for Unix sockets (see `short_tmp_factory`)."""
     return short_tmp_factory.mktemp("t")
+
+
+@pytest.fixture(scope="module")
+def local_ray(short_tmp_factory: ShortTmp) -> Iterator[None]:
+    """A one-node Ray on 127.0.0.1 of the test module's own (tests/_ray.py)."""
+    import ray
+
+    from _ray import start_local_ray
+
+    start_local_ray(short_tmp_factory.mktemp("ray"))  # (a path short enough for its sockets)
+    yield
+    ray.shutdown()
 
 
 @pytest.fixture(scope="session")
