@@ -8,12 +8,12 @@
 # other before installing, since both install the same `onnxruntime` module.
 PYTHON ?= python3
 ORT ?= cpu
-# pytest-xdist processes for make test (0: one process, the default). Most tests wait on
-# servers, subprocesses and sockets: 4 on 2 cores took 13.5-16.5 min where one took 25,
-# but each module's place in a run then varies, and tests that leak state (a raised
-# recursion limit) or run on the real clock met that once a run: 0 until they are fixed.
-TEST_WORKERS ?= 0
-XDIST := $(if $(filter-out 0,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist loadscope,)
+# pytest-xdist processes for make test (0: one process). Most tests wait on servers,
+# subprocesses and sockets: 4 on 2 cores, where one process took 22-25 minutes. Each
+# module runs in one process (its module fixtures, a Ray or a server, start once), the
+# slowest modules first (tests/conftest.py: SLOW_MODULES, hence --no-loadscope-reorder).
+TEST_WORKERS ?= 4
+XDIST := $(if $(filter-out 0,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist loadscope --no-loadscope-reorder,)
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
@@ -56,12 +56,12 @@ demo: $(DEMO_STAMP)
 	$(BIN)/trioinfer demo
 
 ## test: install everything, then run the whole test suite with branch coverage (in
-## TEST_WORKERS pytest-xdist processes if set, each test module's tests in one of them). A
+## TEST_WORKERS pytest-xdist processes, 4 unless set; each test module's tests in one). A
 ## test that fails is run again, twice at most (pytest-rerunfailures): tests and tutorials
 ## on the real clock (deadlines, an inline budget) starve on a busy machine; a test that
-## fails every time still fails.
+## fails every time still fails. The 25 slowest tests are listed at the end, with their times.
 test: $(STAMP)
-	$(BIN)/python -m pytest $(XDIST) --reruns 2 --cov --cov-report=term-missing:skip-covered
+	$(BIN)/python -m pytest $(XDIST) --reruns 2 --durations=25 --cov --cov-report=term-missing:skip-covered
 
 ## check: lint, format check, strict types, and the docs site (what CI runs besides tests)
 check: lint types docs

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import sys
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -16,6 +17,54 @@ from trioinfer.testing import models
 # module imports it: every Ray of the tests on 127.0.0.1 alone, and no usage reports.
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+
+
+# The modules that take longest, longest first (minutes each on 2 cores, where most take
+# seconds). Under pytest-xdist (make test: --dist loadscope --no-loadscope-reorder) each
+# module runs in one process, taken in collection order by whichever process is free:
+# started last, test_ray.py alone ran minutes after every other process had finished.
+SLOW_MODULES = (
+    "test_ray_faults.py",
+    "test_ray.py",
+    "test_docs.py",
+    "test_workers.py",
+    "test_server_codec.py",
+    "test_server.py",
+    "test_grpc_h2.py",
+    "test_grpc.py",
+    "test_ray_cluster.py",
+    "test_poll.py",
+    "test_stress.py",
+)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The modules of SLOW_MODULES first, in its order; then the others, most tests first."""
+    per_module: dict[str, int] = {}
+    for item in items:
+        per_module[item.path.name] = per_module.get(item.path.name, 0) + 1
+
+    def rank(item: pytest.Item) -> tuple[int, int, str]:
+        name = item.path.name
+        if name in SLOW_MODULES:
+            return (SLOW_MODULES.index(name), 0, name)
+        return (len(SLOW_MODULES), -per_module[name], name)
+
+    items.sort(key=rank)  # stable: each module's tests stay in their order
+
+
+@pytest.fixture(autouse=True)
+def _recursion_limit() -> Iterator[None]:
+    """Each test ends with the recursion limit it started with.
+
+    A library some tests run in this process may raise it for good (mypy's ``api.run``
+    sets 16384; mkdocstrings 2000 at least), and a test that then runs in the same
+    process (which one varies under pytest-xdist) would not meet Python's own limit:
+    a 5000-deep TOML list parsed where it raised RecursionError.
+    """
+    limit = sys.getrecursionlimit()
+    yield
+    sys.setrecursionlimit(limit)
 
 
 class ShortTmp:
@@ -48,6 +97,18 @@ def short_tmp_factory() -> Iterator[ShortTmp]:
 def short_tmp_path(short_tmp_factory: ShortTmp) -> Path:
     """`tmp_path`, short enough for Unix sockets (see `short_tmp_factory`)."""
     return short_tmp_factory.mktemp("t")
+
+
+@pytest.fixture(scope="module")
+def local_ray(short_tmp_factory: ShortTmp) -> Iterator[None]:
+    """A one-node Ray on 127.0.0.1 of the test module's own (tests/_ray.py)."""
+    import ray
+
+    from _ray import start_local_ray
+
+    start_local_ray(short_tmp_factory.mktemp("ray"))  # (a path short enough for its sockets)
+    yield
+    ray.shutdown()
 
 
 @pytest.fixture(scope="session")

@@ -40,7 +40,7 @@ Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
 App = Callable[[Scope, Receive, Send], Awaitable[None]]
 
-GUARD_S = 15  # every test is a failure, not a hang, if something waits forever
+GUARD_S = 60  # every test is a failure, not a hang, if something waits forever
 
 
 @attrs.frozen
