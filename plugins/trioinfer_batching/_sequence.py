@@ -447,10 +447,16 @@ class SequenceBatcher:
     def _break(self, sequence: _Sequence, request: Request, why: str) -> None:
         reason = f"ended because its request {request.id!r} {why}"
         self._of.pop(request, None)
+        self._fail_waiting(sequence, reason, but=request)
+        if self._sequences.get(sequence.id) is sequence:
+            self._release(sequence, reason)
+
+    def _fail_waiting(self, sequence: _Sequence, reason: str, but: Request | None = None) -> None:
+        # Fail the requests *sequence* holds, unrun (*but* that one: its caller ends it).
         context = self._ctx()
         for waiting in sequence.pending:
             self._of.pop(waiting, None)
-            if waiting is not request:
+            if waiting is not but:
                 context.fail(
                     waiting,
                     SequenceError(
@@ -459,8 +465,6 @@ class SequenceBatcher:
                     ),
                 )
         sequence.pending.clear()
-        if self._sequences.get(sequence.id) is sequence:
-            self._release(sequence, reason)
 
     def replica_gone(self, replica: Replica) -> None:
         """End the sequences on *replica*, whose instance is gone: their state went with it.
@@ -474,18 +478,8 @@ class SequenceBatcher:
         reason = (
             f"ended because {replica.label}, which held it, is out of service: {replica.reason}"
         )
-        context = self._ctx()
         for sequence in [s for s in self._sequences.values() if s.replica == replica.index]:
-            for waiting in sequence.pending:
-                self._of.pop(waiting, None)
-                context.fail(
-                    waiting,
-                    SequenceError(
-                        f"sequence {sequence.id!r} of model {self._model!r} {reason}; request "
-                        f"{waiting.id!r} was not run: start a new sequence with sequence_start"
-                    ),
-                )
-            sequence.pending.clear()
+            self._fail_waiting(sequence, reason)
             if sequence.running is not None:
                 self._of.pop(sequence.running, None)  # (_over finds it ended)
             self._release(sequence, reason)
