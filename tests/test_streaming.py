@@ -281,6 +281,33 @@ async def test_a_run_of_responses_is_read_without_a_pass_of_the_loop() -> None:
     assert len(rest) == 40 - made
 
 
+async def test_ready_counts_a_response_handed_over_as_the_slice_ends(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A model that yields for the loop's slice as it hands a response over has it counted.
+
+    The yield came between the response entering the buffer and its count: a reader
+    that looked meanwhile (a busy machine spends the slice often) took it for none,
+    and from then on ``ready`` said False with one at hand.
+    """
+    monkeypatch.setattr(trioinfer._stream, "inline_slice_spent", lambda budget: True)
+    probe = Probe()
+    async with open_engine() as engine:
+        await engine.load(config(counting(probe)))
+        async with engine.infer_stream("m", n(40)) as responses:
+            await responses.__anext__()  # the model runs, yielding at each hand-over
+            taken = 1
+            while taken < 40:
+                # One pass of the loop: the model, yielding after its next hand-over,
+                # runs before or after this task in the next (Trio orders them at random).
+                await trio.lowlevel.checkpoint()
+                assert responses.ready, f"response {taken} at hand, not counted"
+                await responses.__anext__()
+                taken += 1
+            assert [r async for r in responses] == []
+    assert probe.made == 40
+
+
 async def test_a_reader_past_its_deadline_takes_no_response_at_hand(
     mock_clock: trio.testing.MockClock,
 ) -> None:

@@ -147,15 +147,15 @@ async def _hand_over(send: _Send, stream: ResponseStream, item: Outputs | _WithP
     # ``_pending`` until the reader takes it (what ResponseStream.ready reads). With
     # ``_ahead`` of them not taken, the model waits for the reader to take one: the
     # buffer always has room for this one (`_channel`), never more than ``_ahead``.
-    if not inline_slice_spent(DEFAULT_SLICE_S):
-        send.send_nowait(item)  # (refused: the reader left; it never reached the reader)
-        stream._pending += 1
-    else:
-        # Counted once sent (not cancelled, not refused): the reader may take it before
-        # this task goes on, its count below 0 meanwhile; it never finds its buffer
-        # empty with this one counted (`ResponseStream.__anext__` counts again from 0).
-        await send.send(item)
-        stream._pending += 1
+    # Counted as it enters the buffer, with no pass of the loop between (a reader that
+    # looked at ``ready`` meanwhile saw a response at hand as none): never counted while
+    # not there, so the reader never finds the buffer empty with one counted (else a
+    # response lost to asyncio's own cancellation of a read: `ResponseStream.__anext__`).
+    send.send_nowait(item)  # (refused: the reader left; it never reached the reader)
+    stream._pending += 1
+    if inline_slice_spent(DEFAULT_SLICE_S):
+        # A yield, as a send would make after it: the model held the loop a slice long.
+        await anyio.lowlevel.cancel_shielded_checkpoint()
         restart_inline_slice()
     if stream._pending >= stream._ahead:
         await stream._wait_room()
@@ -696,7 +696,7 @@ async def _one(
                     request_id=request_id,
                     parameters=parameters or None,
                 )
-                await send.send(outputs)
+                send.send_nowait(outputs)  # (the buffer has room: the stream's one)
                 stream._pending += 1
             else:
                 # infer_detailed: its answer's response parameters go with it.
@@ -710,9 +710,9 @@ async def _one(
                     outputs=wanted or None,
                 )
                 if result.parameters:
-                    await send.send(_WithParameters(result.outputs, result.parameters))
+                    send.send_nowait(_WithParameters(result.outputs, result.parameters))
                 else:
-                    await send.send(result.outputs)
+                    send.send_nowait(result.outputs)
                 stream._pending += 1
     except _BROKEN:
         pass
