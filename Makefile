@@ -8,11 +8,15 @@
 # other before installing, since both install the same `onnxruntime` module.
 PYTHON ?= python3
 ORT ?= cpu
-# pytest-xdist processes for make test (0: one process). Most tests wait on servers,
-# subprocesses and sockets: 4 on 2 cores, where one process took 22-25 minutes. Each
-# module runs in one process (its module fixtures, a Ray or a server, start once), the
-# slowest modules first (tests/conftest.py: SLOW_MODULES, hence --no-loadscope-reorder).
-TEST_WORKERS ?= 4
+# pytest-xdist processes for make test (0: one process, the default). Most tests wait on
+# servers, subprocesses and sockets: 4 on 2 cores took 11.7-14.8 minutes in clean clones
+# where one process takes 22-27, each module in one process (its module fixtures, a Ray or
+# a server, start once), the slowest first (tests/conftest.py: SLOW_MODULES, hence
+# --no-loadscope-reorder). But the slowest are the Ray modules, which then start their
+# clusters at once: in one clean clone (2026-12-07, 09:13) they starved each other (Ray
+# tests of 60-180 s, actors not placed within 60 s: 3 failed, 24 minutes). 0 until the Ray
+# modules run one at a time.
+TEST_WORKERS ?= 0
 XDIST := $(if $(filter-out 0,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist loadscope --no-loadscope-reorder,)
 VENV := .venv
 BIN := $(VENV)/bin
@@ -56,7 +60,7 @@ demo: $(DEMO_STAMP)
 	$(BIN)/trioinfer demo
 
 ## test: install everything, then run the whole test suite with branch coverage (in
-## TEST_WORKERS pytest-xdist processes, 4 unless set; each test module's tests in one). A
+## TEST_WORKERS pytest-xdist processes if set; each test module's tests in one). A
 ## test that fails is run again, twice at most (pytest-rerunfailures): tests and tutorials
 ## on the real clock (deadlines, an inline budget) starve on a busy machine; a test that
 ## fails every time still fails. The 25 slowest tests are listed at the end, with their times.

@@ -39,7 +39,13 @@ SLOW_MODULES = (
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """The modules of SLOW_MODULES first, in its order; then the others, most tests first."""
+    """Under pytest-xdist, the modules of SLOW_MODULES first, in its order; then the others.
+
+    The others most tests first. In one process (make test's default) the order stays
+    pytest's own.
+    """
+    if "PYTEST_XDIST_WORKER" not in os.environ:
+        return
     per_module: dict[str, int] = {}
     for item in items:
         per_module[item.path.name] = per_module.get(item.path.name, 0) + 1
