@@ -141,16 +141,12 @@ def _channel(ahead: int) -> tuple[_Send, _Receive]:
 
 async def _hand_over(send: _Send, stream: ResponseStream, item: Outputs | _WithParameters) -> None:
     # Into the buffer at once (no pass of the loop: the model goes on to its next
-    # response), unless the loop's inline slice is spent: a model that computes between
-    # its yields without awaiting holds the loop no longer than an inline execution
-    # would (not 16 of its responses long); then with a yield. Counted in *stream*'s
-    # ``_pending`` until the reader takes it (what ResponseStream.ready reads). With
-    # ``_ahead`` of them not taken, the model waits for the reader to take one: the
-    # buffer always has room for this one (`_channel`), never more than ``_ahead``.
-    # Counted as it enters the buffer, with no pass of the loop between (a reader that
-    # looked at ``ready`` meanwhile saw a response at hand as none): never counted while
-    # not there, so the reader never finds the buffer empty with one counted (else a
-    # response lost to asyncio's own cancellation of a read: `ResponseStream.__anext__`).
+    # response), and counted in *stream*'s ``_pending`` with it (what
+    # ResponseStream.ready reads; a yield between let a reader that looked meanwhile see
+    # a response at hand as none) until the reader takes it. The buffer always has room
+    # for it (`_channel`): with ``_ahead`` not taken, the model waits for the reader.
+    # Once the loop's inline slice is spent, a yield: a model that computes between its
+    # yields without awaiting holds the loop no longer than an inline execution would.
     send.send_nowait(item)  # (refused: the reader left; it never reached the reader)
     stream._pending += 1
     if inline_slice_spent(DEFAULT_SLICE_S):

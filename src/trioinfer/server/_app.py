@@ -1870,8 +1870,10 @@ async def infer_in_time(
     )
 
 
-async def send_whole(scope: anyio.CancelScope, send: Callable[[], Awaitable[None]]) -> None:
-    """``await send()`` with *scope*'s deadline (a request's own ``timeout``) held off meanwhile.
+async def send_whole(
+    scope: anyio.CancelScope, send: Callable[..., Awaitable[None]], *args: Any
+) -> None:
+    """``await send(*args)`` with *scope*'s deadline (a request's own ``timeout``) held off.
 
     A stream's responses are written inside their request's timeout: one cut
     part-way would leave half a message on the wire (over gRPC, the next message
@@ -1879,9 +1881,13 @@ async def send_whole(scope: anyio.CancelScope, send: Callable[[], Awaitable[None
     no error event). What has begun goes out whole; the client's own deadline and
     its leaving still reach it. Past the timeout, the stream's next read raises.
     """
-    deadline, scope.deadline = scope.deadline, math.inf
+    deadline = scope.deadline
+    if deadline == math.inf:  # no timeout (the usual stream): nothing to hold off
+        await send(*args)
+        return
+    scope.deadline = math.inf
     try:
-        await send()
+        await send(*args)
     finally:
         scope.deadline = deadline
 

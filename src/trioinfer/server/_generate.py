@@ -419,7 +419,7 @@ class GenerateEndpoint:
             body = events[0] if len(events) == 1 else b"".join(events)
             events.clear()
             message = {"type": "http.response.body", "body": body, "more_body": True}
-            await send_whole(scope, lambda: send(message))
+            await send_whole(scope, send, message)
 
         async def answer(
             outputs: Outputs, given: Mapping[str, Parameter] | None = None, more: bool = False

@@ -878,7 +878,7 @@ async def _stream(
     async def emit(*messages: bytes) -> None:
         # A message larger than the client's window goes in pieces: the request's
         # timeout must not leave one half-sent (`send_whole`).
-        await send_whole(scope, lambda: stream.send(*messages))
+        await send_whole(scope, stream.send, *messages)
 
     try:
         if timeout_s is not None:
